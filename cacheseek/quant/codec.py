@@ -1,0 +1,65 @@
+"""The codec protocol every KV encoder implements, and the table that rebuilds one from its spec.
+
+Codecs are cheap value objects: constructing one never imports torch, so hashing, frames
+and the server can name a codec (its spec and fingerprint) without it. ``encode`` and
+``decode`` import torch when first called.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import ConfigError
+from ..layout import KVLayout
+from .payload import EncodedLayer
+
+
+@runtime_checkable
+class KVLayerCodec(Protocol):
+    """Encodes K and V of a layer (or a stack of layers/blocks) into compact buffers.
+
+    ``encode(k, v)`` runs on the tensors' own device and returns buffers on that device.
+    ``decode(encoded, device)`` first moves only the compact buffers to ``device``, then
+    rebuilds K and V there; full-precision KV is never rebuilt elsewhere and copied over.
+    Shapes are ``[..., H, T, D]``; leading dimensions pass through.
+    """
+
+    name: str
+
+    def spec(self) -> dict[str, Any]: ...
+
+    def fingerprint(self) -> bytes: ...
+
+    def check_layout(self, layout: KVLayout, block_tokens: int) -> None: ...
+
+    def template(self, shape: tuple[int, ...], dtype: str) -> EncodedLayer: ...
+
+    def encoded_nbytes(self, layout: KVLayout, num_tokens: int) -> int: ...
+
+    def encode(self, k: Any, v: Any) -> EncodedLayer: ...
+
+    def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]: ...
+
+
+def canonical_fingerprint(spec: dict[str, Any]) -> bytes:
+    """Canonical bytes of a codec spec: sorted keys, no whitespace. Part of every root hash."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _registry() -> dict[str, Callable[[dict[str, Any]], KVLayerCodec]]:
+    from .kivi import KIVI
+    from .raw import Raw
+
+    return {"kivi": KIVI.from_spec, "raw": Raw.from_spec}
+
+
+def codec_from_spec(spec: Any) -> KVLayerCodec:
+    """Rebuild a codec from ``codec.spec()`` (as stored in frame headers and configs)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ConfigError(f"codec spec: expected a dict with a 'name', got {spec!r:.200}")
+    table = _registry()
+    if spec["name"] not in table:
+        raise ConfigError(f"codec spec: unknown codec {spec['name']!r}; known: {sorted(table)}")
+    return table[spec["name"]](spec)

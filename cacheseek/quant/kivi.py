@@ -1,0 +1,234 @@
+"""The KIVI codec: K per channel (groups of tokens), V per token (groups of channels).
+
+This class is the codec's configuration, validation, spec and sizes, and the dispatcher:
+CUDA tensors use the Triton kernels when Triton is importable, everything else the torch
+reference. ``CACHESEEK_KIVI_BACKEND=torch`` forces the reference (for comparisons),
+``=triton`` forces the kernels (on a CPU only under ``TRITON_INTERPRET=1``).
+Constructing a ``KIVI`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, InputError
+from ..layout import KVLayout
+from .codec import canonical_fingerprint
+from .payload import AXIS_CHANNELS, AXIS_TOKENS, EncodedLayer, EncodedTensor
+
+VERSION = 1
+BITS = (2, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+STATS_DTYPES = ("float16", "float32")
+BACKEND_ENV = "CACHESEEK_KIVI_BACKEND"
+_SPEC_KEYS = {"name", "version", "k_bits", "v_bits", "k_group", "v_group", "stats_dtype"}
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> Any:
+    if isinstance(value, bool) or value not in choices:
+        raise ConfigError(f"{name}: must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, init=False)
+class KIVI:
+    """KIVI asymmetric quantization. ``KIVI(bits=4, group_size=32)`` sets K and V alike;
+    ``k_bits``, ``v_bits``, ``k_group_size`` and ``v_group_size`` override one side."""
+
+    k_bits: int
+    v_bits: int
+    k_group: int
+    v_group: int
+    stats_dtype: str
+
+    name = "kivi"
+
+    def __init__(
+        self,
+        bits: int = 4,
+        group_size: int = 32,
+        *,
+        k_bits: int | None = None,
+        v_bits: int | None = None,
+        k_group_size: int | None = None,
+        v_group_size: int | None = None,
+        stats_dtype: str = "float16",
+    ) -> None:
+        _check_choice("bits", bits, BITS)
+        _check_choice("group_size", group_size, GROUP_SIZES)
+        values = {
+            "k_bits": _check_choice("k_bits", bits if k_bits is None else k_bits, BITS),
+            "v_bits": _check_choice("v_bits", bits if v_bits is None else v_bits, BITS),
+            "k_group": _check_choice("k_group_size", group_size if k_group_size is None else k_group_size, GROUP_SIZES),
+            "v_group": _check_choice("v_group_size", group_size if v_group_size is None else v_group_size, GROUP_SIZES),
+            "stats_dtype": _check_choice("stats_dtype", str(stats_dtype).removeprefix("torch."), STATS_DTYPES),
+        }
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def __repr__(self) -> str:
+        return (
+            f"KIVI(k_bits={self.k_bits}, v_bits={self.v_bits}, k_group_size={self.k_group}, "
+            f"v_group_size={self.v_group}, stats_dtype={self.stats_dtype!r})"
+        )
+
+    # -- identity ---------------------------------------------------------------------
+
+    def spec(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": VERSION,
+            "k_bits": self.k_bits,
+            "v_bits": self.v_bits,
+            "k_group": self.k_group,
+            "v_group": self.v_group,
+            "stats_dtype": self.stats_dtype,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> KIVI:
+        if set(spec) != _SPEC_KEYS:
+            raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)}, got {sorted(spec)}")
+        if spec["version"] != VERSION:
+            raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
+        return cls(
+            k_bits=spec["k_bits"], v_bits=spec["v_bits"], k_group_size=spec["k_group"],
+            v_group_size=spec["v_group"], stats_dtype=spec["stats_dtype"],
+        )
+
+    def fingerprint(self) -> bytes:
+        return canonical_fingerprint(self.spec())
+
+    # -- sizes --------------------------------------------------------------------------
+
+    def check_layout(self, layout: KVLayout, block_tokens: int) -> None:
+        if block_tokens % self.k_group:
+            raise ConfigError(
+                f"block_tokens: {block_tokens} is not a multiple of k_group_size={self.k_group} "
+                "(K is grouped along tokens, and only whole blocks are stored)"
+            )
+        per_word = 32 // self.v_bits
+        if layout.head_dim % per_word:
+            raise ConfigError(
+                f"head_dim: {layout.head_dim} cannot be packed at v_bits={self.v_bits} "
+                f"(needs a multiple of {per_word} channels per int32 word)"
+            )
+
+    def template(self, shape: tuple[int, ...], dtype: str) -> EncodedLayer:
+        """The encoded layout of K and V of ``shape`` ([..., H, T, D]), without buffers."""
+        shape = tuple(shape)
+
+        def side(bits: int, group: int, axis: int) -> EncodedTensor:
+            pad = math.ceil(shape[axis] / group) * group - shape[axis]
+            return EncodedTensor(None, None, None, shape, dtype, bits, group, axis, pad, self.stats_dtype)
+
+        return EncodedLayer(
+            k=side(self.k_bits, self.k_group, AXIS_TOKENS),
+            v=side(self.v_bits, self.v_group, AXIS_CHANNELS),
+            codec=self.spec(),
+        )
+
+    def encoded_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
+        """Bytes stored for ``num_tokens`` tokens of every layer: codes plus stats."""
+        shape = (layout.num_layers, layout.num_kv_heads, num_tokens, layout.head_dim)
+        return self.template(shape, layout.dtype).nbytes
+
+    # -- compute ------------------------------------------------------------------------
+
+    def _check_shape(self, shape: tuple[int, ...]) -> None:
+        if shape[-2] % self.k_group:
+            raise InputError(f"k_group_size: {self.k_group} does not divide the number of tokens T={shape[-2]}")
+        if shape[-1] % (32 // self.v_bits):
+            raise InputError(
+                f"head_dim: {shape[-1]} cannot be packed at v_bits={self.v_bits} "
+                f"(needs a multiple of {32 // self.v_bits})"
+            )
+
+    def encode(self, k: Any, v: Any) -> EncodedLayer:
+        """Quantize on the tensors' device. Rejects NaN, Inf and ranges the stats cannot hold."""
+        import torch
+
+        from .tensors import check_kv, dtype_str
+
+        check_kv(k, v)
+        self._check_shape(tuple(k.shape))
+        ops = _ops_for(k)
+        stats = getattr(torch, self.stats_dtype)
+        kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
+        vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats)
+        # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
+        # non-finite scale or min: one check over the small stats catches all of them.
+        finite = torch.stack([torch.isfinite(t).all() for t in (ks, km, vs, vm)])
+        if not bool(finite.all()):
+            bad = [n for n, ok in zip(("k", "k", "v", "v"), finite.tolist()) if not ok]
+            raise InputError(
+                f"{bad[0]}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
+                f"(use stats_dtype='float32' for values beyond 65504); nothing was encoded"
+            )
+        layer = self.template(tuple(k.shape), dtype_str(k.dtype))
+        return layer.with_buffers([kq, ks, km, vq, vs, vm])
+
+    def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
+        """Move the compact buffers to ``device``, then dequantize there."""
+        from .tensors import TORCH_DTYPES, to_device
+
+        if encoded.codec != self.spec():
+            raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
+        if device is not None:
+            encoded = to_device(encoded, device)
+        else:
+            encoded = to_device(encoded, _device_of(encoded))
+        kq, ks, km, vq, vs, vm = (b for _, _, b in encoded.named_buffers())
+        ops = _ops_for(kq)
+        k_out, v_out = out if out is not None else (None, None)
+        dtype = TORCH_DTYPES[encoded.k.dtype]
+        k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS,
+                           shape=encoded.k.shape, dtype=dtype, out=k_out)
+        v = ops.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                           shape=encoded.v.shape, dtype=dtype, out=v_out)
+        return k, v
+
+
+def _device_of(encoded: EncodedLayer) -> Any:
+    import torch
+
+    first = encoded.k.qdata
+    return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def backend_for(t: Any) -> str:
+    """Which implementation encodes/decodes ``t``: "triton" or "torch"."""
+    mode = os.environ.get(BACKEND_ENV, "auto")
+    if mode not in ("auto", "torch", "triton"):
+        raise ConfigError(f"{BACKEND_ENV}: must be auto, torch or triton, got {mode!r}")
+    if mode == "torch":
+        return "torch"
+    if mode == "triton":
+        return "triton"
+    return "triton" if t.is_cuda and kernels_available() else "torch"
+
+
+@functools.cache
+def kernels_available() -> bool:
+    """True when Triton and ``cacheseek.kernels`` import (checked once per process)."""
+    try:
+        import triton  # noqa: F401
+
+        from cacheseek import kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _ops_for(t: Any):
+    if backend_for(t) == "triton":
+        from cacheseek import kernels
+
+        return kernels
+    from . import kivi_reference
+
+    return kivi_reference

@@ -1,0 +1,91 @@
+"""KIVI in plain torch: the specification the Triton kernels must match, on any device.
+
+Quantize, along ``axis`` of ``x`` in groups of ``group`` elements (the last may be ragged):
+
+    mn, mx  = group min / max                           (fp32)
+    scale   = (mx - mn) / (2^bits - 1)                  (fp32, IEEE division)
+    s, m    = scale, mn rounded to stats_dtype          (what is stored)
+    code    = clamp(round_half_even((x - m) / s), 0, 2^bits - 1)    if s > 0 else 0
+    x_hat   = code * s + m
+
+Codes are packed little-endian into int32 words along ``axis``: element j of a word sits in
+bits [j*bits, (j+1)*bits). A constant group stores s = 0 and decodes exactly to m.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _pack_last(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per_word = 32 // bits
+    *lead, n = codes.shape
+    c = codes.reshape(*lead, n // per_word, per_word).to(torch.int64)
+    shifts = torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits
+    words = (c << shifts).sum(-1)
+    # Fold into the int32 range (two's complement) before narrowing.
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)
+    return words.to(torch.int32)
+
+
+def _unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32) * bits
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def quantize(
+    x: torch.Tensor, *, bits: int, group: int, axis: int, stats_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Return contiguous ``(qdata int32, scale, min)`` on ``x``'s device."""
+    xt = x.movedim(axis, -1).float()
+    *lead, n = xt.shape
+    ngroups = -(-n // group)
+    pad = ngroups * group - n
+    if pad:
+        # Replicating the last element leaves the ragged group's min and max unchanged.
+        xt = torch.cat([xt, xt[..., -1:].expand(*lead, pad)], dim=-1)
+    g = xt.reshape(*lead, ngroups, group)
+    mn = g.amin(-1)
+    mx = g.amax(-1)
+    qmax = (1 << bits) - 1
+    scale_s = ((mx - mn) / qmax).to(stats_dtype)
+    mn_s = mn.to(stats_dtype)
+    s = scale_s.float().unsqueeze(-1)
+    m = mn_s.float().unsqueeze(-1)
+    positive = s > 0
+    codes = torch.round((g - m) / torch.where(positive, s, torch.ones_like(s))).clamp_(0, qmax)
+    codes = torch.where(positive, codes, torch.zeros_like(codes))
+    codes = torch.nan_to_num_(codes, nan=0.0)  # garbage in is rejected by the caller's check
+    codes = codes.reshape(*lead, ngroups * group)[..., :n]
+    q = _pack_last(codes, bits)
+    return (
+        q.movedim(-1, axis).contiguous(),
+        scale_s.movedim(-1, axis).contiguous(),
+        mn_s.movedim(-1, axis).contiguous(),
+    )
+
+
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    mn: torch.Tensor,
+    *,
+    bits: int,
+    group: int,
+    axis: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rebuild ``x_hat`` of ``shape`` and ``dtype`` on the buffers' device (or into ``out``)."""
+    n = shape[axis]
+    codes = _unpack_last(q.movedim(axis, -1), bits).float()
+    s = scale.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
+    m = mn.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
+    x = (codes * s + m).to(dtype).movedim(-1, axis)
+    if out is None:
+        return x.contiguous()
+    out.copy_(x)
+    return out

@@ -1,0 +1,76 @@
+"""The ``Raw`` codec: K and V stored as they are, byte for byte."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError, InputError
+from ..layout import KVLayout
+from .codec import canonical_fingerprint
+from .payload import AXIS_TOKENS, EncodedLayer, EncodedTensor
+
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Raw:
+    """No quantization: the round trip is byte-identical. Rejects NaN and Inf all the same."""
+
+    name = "raw"
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, "version": VERSION}
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> Raw:
+        if spec != {"name": "raw", "version": VERSION}:
+            raise ConfigError(f"raw spec: expected {{'name': 'raw', 'version': {VERSION}}}, got {spec!r}")
+        return cls()
+
+    def fingerprint(self) -> bytes:
+        return canonical_fingerprint(self.spec())
+
+    def check_layout(self, layout: KVLayout, block_tokens: int) -> None:
+        return None
+
+    def template(self, shape: tuple[int, ...], dtype: str) -> EncodedLayer:
+        from ..layout import KV_DTYPES
+
+        def side() -> EncodedTensor:
+            return EncodedTensor(None, None, None, tuple(shape), dtype, 8 * KV_DTYPES[dtype], 0, AXIS_TOKENS, 0, None)
+
+        return EncodedLayer(k=side(), v=side(), codec=self.spec())
+
+    def encoded_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
+        return layout.raw_nbytes(num_tokens)
+
+    def encode(self, k: Any, v: Any) -> EncodedLayer:
+        import torch
+
+        from .tensors import check_kv, dtype_str
+
+        check_kv(k, v)
+        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
+            raise InputError("k or v: holds NaN or Inf; nothing was encoded")
+        layer = self.template(tuple(k.shape), dtype_str(k.dtype))
+        return layer.with_buffers([k.contiguous(), v.contiguous()])
+
+    def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
+        import torch
+
+        from .tensors import to_device
+
+        if encoded.codec != self.spec():
+            raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
+        if device is not None:
+            encoded = to_device(encoded, device)
+        else:
+            first = encoded.k.qdata
+            encoded = to_device(encoded, first.device if isinstance(first, torch.Tensor) else "cpu")
+        k, v = (b for _, _, b in encoded.named_buffers())
+        if out is None:
+            return k, v
+        out[0].copy_(k)
+        out[1].copy_(v)
+        return out[0], out[1]

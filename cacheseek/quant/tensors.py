@@ -1,0 +1,118 @@
+"""Moving payload buffers between host bytes, host tensors and devices (torch side).
+
+The schemas in ``payload`` are torch-free; this module is where a bytes-like buffer
+becomes a tensor and back, without copying where it can avoid it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from .payload import EncodedLayer
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "int32": torch.int32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "uint8": torch.uint8,
+}
+
+
+def host_view(t: torch.Tensor) -> memoryview:
+    """A flat byte memoryview over a contiguous CPU tensor, without copying.
+
+    The view keeps the tensor alive. torch tensors do not export the buffer protocol
+    themselves, and numpy is not a dependency, so this goes through ctypes.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"host_view: tensor is on {t.device}; move it to the CPU first")
+    if not t.is_contiguous():
+        raise ValueError("host_view: tensor must be contiguous")
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    arr = (ctypes.c_ubyte * nbytes).from_address(t.data_ptr())
+    arr._owner = t  # type: ignore[attr-defined]  # the memoryview holds arr, arr holds t
+    return memoryview(arr).cast("B")
+
+
+def as_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """``buf`` (a tensor or a host bytes-like object) as a tensor of ``dtype`` and ``shape``."""
+    tdtype = TORCH_DTYPES[dtype]
+    if isinstance(buf, torch.Tensor):
+        if buf.dtype != tdtype:
+            buf = buf.view(torch.uint8).view(tdtype) if buf.is_contiguous() else buf.contiguous().view(tdtype)
+        return buf.view(shape) if buf.is_contiguous() else buf.reshape(shape)
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes == 0:
+        return torch.empty(shape, dtype=tdtype)
+    with warnings.catch_warnings():
+        # frombuffer warns on read-only buffers (bytes); we never write through these views.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mv, dtype=tdtype).view(shape)
+
+
+def _tensors(encoded: EncodedLayer) -> list[torch.Tensor]:
+    return [as_tensor(buf, spec.dtype, spec.shape) for _, spec, buf in encoded.named_buffers()]
+
+
+def to_device(encoded: EncodedLayer, device: torch.device | str) -> EncodedLayer:
+    """The compact buffers on ``device`` (non-blocking where the source is pinned)."""
+    device = torch.device(device)
+    moved = [t if t.device == device else t.to(device, non_blocking=True) for t in _tensors(encoded)]
+    return encoded.with_buffers(moved)
+
+
+def to_host(encoded: EncodedLayer, *, pin: bool = True) -> EncodedLayer:
+    """The compact buffers as contiguous CPU tensors, ready to read when this returns.
+
+    Device buffers are copied into pinned memory with non-blocking copies and one
+    synchronization at the end; ``pin=False`` or a CPU-only build uses pageable memory.
+    """
+    pin = pin and torch.cuda.is_available()
+    out = []
+    synced: set[torch.device] = set()
+    for t in _tensors(encoded):
+        if t.device.type == "cpu":
+            out.append(t.contiguous())
+            continue
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        host.copy_(t, non_blocking=pin)
+        synced.add(t.device)
+        out.append(host)
+    for device in synced:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return encoded.with_buffers(out)
+
+
+def host_buffers(encoded: EncodedLayer, *, pin: bool = True) -> EncodedLayer:
+    """Like :func:`to_host`, with every buffer a flat byte memoryview (torch-free from here on)."""
+    return encoded.with_buffers([host_view(t) for t in _tensors(to_host(encoded, pin=pin))])
+
+
+def check_kv(k: Any, v: Any, *, min_rank: int = 3) -> None:
+    """Reject K/V pairs no codec can encode, naming what is wrong."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < min_rank:
+            raise InputError(f"{name}: expected rank >= {min_rank} ([..., H, T, D]), got shape {list(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise InputError(f"{name}: dtype must be float16, bfloat16 or float32, got {t.dtype}")
+    if k.shape != v.shape:
+        raise InputError(f"k and v: shapes differ, {list(k.shape)} vs {list(v.shape)}")
+    if k.dtype != v.dtype:
+        raise InputError(f"k and v: dtypes differ, {k.dtype} vs {v.dtype}")
+    if k.device != v.device:
+        raise InputError(f"k and v: devices differ, {k.device} vs {v.device}")
+
+
+def dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

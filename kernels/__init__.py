@@ -1,0 +1,1 @@
+"""Triton kernels for KIVI (shipped as ``cacheseek.kernels``)."""

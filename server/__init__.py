@@ -1,0 +1,1 @@
+"""The CacheSeek HTTP service and the ``cacheseek`` command (shipped as ``cacheseek.server``)."""

@@ -1,0 +1,267 @@
+import math
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cacheseek as cs
+from cacheseek.errors import ConfigError, InputError
+from cacheseek.quant import EncodedLayer, codec_from_spec
+from cacheseek.quant import kivi_reference as ref
+from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS
+from cacheseek.quant.tensors import host_buffers, host_view, to_host
+from kivi_bounds import error_bound
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@st.composite
+def kivi_cases(draw):
+    k_bits = draw(st.sampled_from([2, 4, 8]))
+    v_bits = draw(st.sampled_from([2, 4, 8]))
+    k_group = draw(st.sampled_from([32, 64, 128]))
+    v_group = draw(st.sampled_from([32, 64, 128]))
+    dtype = draw(st.sampled_from(DTYPES))
+    lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=2))
+    heads = draw(st.integers(1, 3))
+    tokens = k_group * draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from([16, 48, 64, 80, 96, 128, 256]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    constant_groups = draw(st.booleans())
+    return dict(k_bits=k_bits, v_bits=v_bits, k_group=k_group, v_group=v_group, dtype=dtype,
+                shape=(*lead, heads, tokens, head_dim), seed=seed, magnitude=magnitude,
+                constant_groups=constant_groups)
+
+
+def _kv(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape = case["shape"]
+    k = torch.randn(shape, generator=gen) * case["magnitude"]
+    v = torch.randn(shape, generator=gen) * case["magnitude"]
+    if case["constant_groups"]:
+        k[..., : case["k_group"], 0] = 0.375  # a whole K group (one channel, one token group)
+        v[..., 0, : case["v_group"]] = -1.25  # a whole V group (one token, one channel group)
+    return k.to(case["dtype"]), v.to(case["dtype"])
+
+
+@given(kivi_cases())
+def test_kivi_roundtrip_within_half_a_step(case):
+    codec = cs.KIVI(k_bits=case["k_bits"], v_bits=case["v_bits"], k_group_size=case["k_group"],
+                    v_group_size=case["v_group"])
+    if case["shape"][-1] % (32 // case["v_bits"]):
+        with pytest.raises(InputError, match="head_dim"):
+            codec.encode(*_kv(case))
+        return
+    k, v = _kv(case)
+    enc = codec.encode(k, v)
+    k_hat, v_hat = codec.decode(enc)
+    assert k_hat.shape == k.shape and v_hat.shape == v.shape
+    assert k_hat.dtype == k.dtype and v_hat.dtype == v.dtype
+    for x, x_hat, t, bits, group, axis in (
+        (k, k_hat, enc.k, case["k_bits"], case["k_group"], AXIS_TOKENS),
+        (v, v_hat, enc.v, case["v_bits"], case["v_group"], AXIS_CHANNELS),
+    ):
+        assert torch.isfinite(x_hat).all()
+        bound = error_bound(x, t.scale, t.offset, bits=bits, group=group, axis=axis, out_dtype=x.dtype)
+        err = (x.double() - x_hat.double()).abs()
+        assert (err <= bound).all(), f"max excess {(err - bound).max().item()}"
+        codes = ref._unpack_last(t.qdata.movedim(axis, -1), bits)
+        assert codes.min() >= 0 and codes.max() <= (1 << bits) - 1
+    if case["constant_groups"]:
+        assert (k_hat[..., : case["k_group"], 0] == 0.375).all()
+        assert (v_hat[..., 0, : case["v_group"]] == -1.25).all()
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from([2, 4, 8]))
+def test_codes_fit_their_bits_and_words_pack_little_endian(seed, bits):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (3, 64), generator=gen)
+    words = ref._pack_last(codes, bits)
+    per = 32 // bits
+    assert words.shape == (3, 64 // per) and words.dtype == torch.int32
+    # element j of a word sits in bits [j*b, (j+1)*b)
+    w = words[1, 0].item() & 0xFFFFFFFF
+    assert [(w >> (j * bits)) & ((1 << bits) - 1) for j in range(per)] == codes[1, :per].tolist()
+    assert torch.equal(ref._unpack_last(words, bits), codes.to(torch.int32))
+
+
+def test_constant_groups_decode_exactly_never_nan():
+    k = torch.full((2, 64, 64), 3.140625, dtype=torch.float16)
+    v = torch.zeros((2, 64, 64), dtype=torch.float16)
+    codec = cs.KIVI(bits=2, group_size=32)
+    enc = codec.encode(k, v)
+    assert (enc.k.scale == 0).all() and (enc.v.scale == 0).all()
+    k_hat, v_hat = codec.decode(enc)
+    assert torch.equal(k_hat, k) and torch.equal(v_hat, v)
+
+
+def test_round_half_to_even():
+    # One V group of 32 channels, range 0..3 at 2 bits: step 1, so x.5 values are exact ties.
+    row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5] + [1.0] * 27)
+    q, s, m = ref.quantize(row.view(1, 1, 32), bits=2, group=32, axis=-1, stats_dtype=torch.float16)
+    codes = ref._unpack_last(q, 2)[0, 0, :5].tolist()
+    assert codes == [0, 3, 0, 2, 2]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_outlier_channels_reconstruct_better_per_channel_than_per_token(bits):
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(8, 256, 128, generator=gen)
+    k[..., [3, 17, 90, 111]] *= 15  # outlier channels, as real keys have
+    k = k.to(torch.float16)
+    codec = cs.KIVI(bits=bits, group_size=32)
+    k_channel, _ = codec.decode(codec.encode(k, k))
+    q, s, m = ref.quantize(k, bits=bits, group=32, axis=AXIS_CHANNELS, stats_dtype=torch.float16)
+    k_token = ref.dequantize(q, s, m, bits=bits, group=32, axis=AXIS_CHANNELS, shape=k.shape, dtype=k.dtype)
+    def rel_err(x):
+        return ((x.float() - k.float()).norm() / k.float().norm()).item()
+
+    def rel_err_per_channel(x):
+        return (x.float() - k.float()).norm(dim=(0, 1)) / k.float().norm(dim=(0, 1))
+
+    assert rel_err(k_channel) < rel_err(k_token)
+    assert rel_err_per_channel(k_channel).mean() < 0.5 * rel_err_per_channel(k_token).mean()
+
+
+@pytest.mark.parametrize("bits,group,expect_ratio", [(4, 32, 3.2), (2, 32, 16 / 3), (8, 32, 16 / 9), (4, 128, 16 / 4.25)])
+def test_encoded_nbytes_matches_the_design_formula(bits, group, expect_ratio):
+    layout = cs.KVLayout(32, 8, 128, "float16")
+    codec = cs.KIVI(bits=bits, group_size=group)
+    n = codec.encoded_nbytes(layout, 256)
+    elements = 2 * 32 * 8 * 256 * 128
+    assert n * 8 == elements * (bits + 32 / group)
+    assert layout.raw_nbytes(256) / n == pytest.approx(expect_ratio)
+    k = torch.randn(32, 8, 256, 128, dtype=torch.float16)
+    assert codec.encode(k, k).nbytes == n
+
+
+def test_encoded_nbytes_counts_the_ragged_group():
+    layout = cs.KVLayout(1, 1, 80, "float16")
+    codec = cs.KIVI(bits=4, group_size=32)
+    # K: 32 tokens x 80 channels at 4 bits + 80 fp16 (scale, min); V: 3 groups per token.
+    assert codec.encoded_nbytes(layout, 32) == (32 * 80 // 2 + 80 * 4) + (32 * 80 // 2 + 32 * 3 * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_raw_roundtrip_is_byte_identical(dtype):
+    k = torch.randn(3, 2, 40, 80).to(dtype)
+    v = torch.randn(3, 2, 40, 80).to(dtype)
+    enc = host_buffers(cs.Raw().encode(k, v))
+    wire = EncodedLayer.unpackb(enc.packb())
+    k2, v2 = cs.Raw().decode(wire)
+    assert k2.dtype == dtype
+    assert bytes(host_view(k2.contiguous())) == bytes(host_view(k))
+    assert bytes(host_view(v2.contiguous())) == bytes(host_view(v))
+
+
+def test_encoded_layer_msgpack_roundtrip_decodes_identically():
+    k = torch.randn(2, 64, 96, dtype=torch.bfloat16)
+    v = torch.randn(2, 64, 96, dtype=torch.bfloat16)
+    codec = cs.KIVI(k_bits=2, v_bits=4, group_size=64)
+    enc = codec.encode(k, v)
+    blob = host_buffers(enc).packb()
+    assert isinstance(msgpack.unpackb(blob), dict)
+    back = EncodedLayer.unpackb(blob)
+    assert back.codec == codec.spec() and back.k.shape == enc.k.shape
+    a, b = codec.decode(enc), codec.decode(back)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_codec_from_spec_roundtrips_and_is_strict():
+    for codec in (cs.KIVI(bits=8, group_size=128, stats_dtype="float32"), cs.KIVI(k_bits=2, v_bits=4), cs.Raw()):
+        assert codec_from_spec(codec.spec()) == codec
+        assert codec_from_spec(codec.spec()).fingerprint() == codec.fingerprint()
+    with pytest.raises(ConfigError, match="unknown codec"):
+        codec_from_spec({"name": "zstd"})
+    with pytest.raises(ConfigError, match="version"):
+        codec_from_spec({**cs.KIVI().spec(), "version": 2})
+
+
+def test_fp32_stats_hold_ranges_beyond_fp16():
+    k = torch.randn(1, 64, 64) * 1e6
+    with pytest.raises(InputError, match="stats"):
+        cs.KIVI(bits=8, group_size=32).encode(k, k)
+    codec = cs.KIVI(bits=8, group_size=32, stats_dtype="float32")
+    k_hat, _ = codec.decode(codec.encode(k, k))
+    assert ((k_hat - k).norm() / k.norm()) < 0.01
+
+
+def test_extreme_bf16_values_are_rejected_with_fp16_stats_not_stored_as_inf():
+    k = torch.randn(1, 64, 64).to(torch.bfloat16)
+    k[0, 5, 5] = torch.finfo(torch.bfloat16).max
+    with pytest.raises(InputError, match="float32"):
+        cs.KIVI(bits=4, group_size=32).encode(k, k.clone())
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: cs.KIVI(bits=3), "bits"),
+        (lambda: cs.KIVI(bits=4, k_bits=16), "k_bits"),
+        (lambda: cs.KIVI(bits=4, v_bits=1), "v_bits"),
+        (lambda: cs.KIVI(group_size=48), "group_size"),
+        (lambda: cs.KIVI(k_group_size=16), "k_group_size"),
+        (lambda: cs.KIVI(v_group_size=256), "v_group_size"),
+        (lambda: cs.KIVI(stats_dtype="bfloat16"), "stats_dtype"),
+        (lambda: cs.KVLayout(0, 1, 64), "num_layers"),
+        (lambda: cs.KVLayout(1, 1, 64, "int8"), "dtype"),
+        (lambda: cs.KIVI(group_size=64).check_layout(cs.KVLayout(1, 1, 64), 96), "block_tokens"),
+        (lambda: cs.KIVI(bits=2).check_layout(cs.KVLayout(1, 1, 40), 64), "head_dim"),
+    ],
+)
+def test_bad_config_names_the_parameter(make, match):
+    with pytest.raises(ConfigError, match=match):
+        make()
+
+
+def _t(*shape, dtype=torch.float16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize(
+    "k, v, match",
+    [
+        (_t(64, 64), _t(64, 64), "rank"),
+        (_t(1, 64, 64, dtype=torch.float16).to(torch.int32), _t(1, 64, 64), "dtype"),
+        (_t(1, 64, 64), _t(1, 32, 64), "shapes differ"),
+        (_t(1, 64, 64), _t(1, 64, 64, dtype=torch.bfloat16), "dtypes differ"),
+        (_t(1, 48, 64), _t(1, 48, 64), "k_group_size"),
+        (_t(1, 64, 40), _t(1, 64, 40), "head_dim"),
+        ([1, 2], _t(1, 64, 64), "k: expected a torch.Tensor"),
+    ],
+)
+def test_bad_kv_names_the_problem(k, v, match):
+    with pytest.raises(InputError, match=match):
+        cs.KIVI(bits=2, group_size=32).encode(k, v)
+
+
+@pytest.mark.parametrize("codec", [cs.KIVI(bits=4), cs.KIVI(bits=8, stats_dtype="float32"), cs.Raw()])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_nan_and_inf_are_rejected(codec, bad, where):
+    k, v = _t(2, 64, 64), _t(2, 64, 64)
+    (k if where == "k" else v)[1, 33, 7] = bad
+    with pytest.raises(InputError, match="NaN or Inf"):
+        codec.encode(k, v)
+
+
+def test_decode_rejects_another_codecs_payload():
+    k = _t(1, 64, 64)
+    enc = cs.KIVI(bits=4).encode(k, k)
+    with pytest.raises(InputError, match="codec"):
+        cs.KIVI(bits=2).decode(enc)
+
+
+def test_backend_env_forces_torch(monkeypatch):
+    from cacheseek.quant.kivi import backend_for
+
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "torch")
+    assert backend_for(torch.empty(1)) == "torch"
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "auto")
+    assert backend_for(torch.empty(1)) == "torch"  # CPU tensors always take the reference
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "fast")
+    with pytest.raises(ConfigError, match="CACHESEEK_KIVI_BACKEND"):
+        backend_for(torch.empty(1))

@@ -1,0 +1,43 @@
+"""The distribution ships cacheseek.kernels and cacheseek.server, from a wheel and editable."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = (
+    "import cacheseek, cacheseek.kernels, cacheseek.server, cacheseek.quant, cacheseek.store;"
+    "print(cacheseek.__file__); print(cacheseek.kernels.__file__); print(cacheseek.server.__file__)"
+)
+
+
+def test_editable_install_maps_kernels_and_server(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True)
+    pkg, kernels, server = (Path(p) for p in out.stdout.split())
+    assert kernels.parent == ROOT / "kernels"
+    assert server.parent == ROOT / "server"
+    assert pkg.parent == ROOT / "cacheseek"
+
+
+@pytest.mark.slow
+def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("cacheseek-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "cacheseek/kernels/__init__.py" in names
+    assert "cacheseek/server/__init__.py" in names
+    tops = {n.split("/")[0] for n in names}
+    assert not tops & {"kernels", "server", "tests", "benchmarks"}, tops
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    for line in out.stdout.split():
+        assert Path(line).is_relative_to(target), line
