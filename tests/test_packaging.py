@@ -25,7 +25,7 @@ def test_editable_install_maps_kernels_and_server(tmp_path):
 @pytest.mark.slow
 def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "-q", "-w", str(tmp_path)],
         check=True, capture_output=True,
     )
     (wheel,) = tmp_path.glob("cacheseek-*.whl")
