@@ -1,0 +1,50 @@
+"""Turning what workers hand us (an HF cache, or per-layer K/V) into per-layer [H, T, D] views.
+
+transformers is never imported: a ``DynamicCache`` is recognised by shape (``.layers`` with
+``.keys``/``.values`` in 4.5x and 5.x, or ``.key_cache``/``.value_cache`` in older releases).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import InputError
+
+
+def _pairs(kv: Any) -> list[tuple[Any, Any]]:
+    layers = getattr(kv, "layers", None)
+    if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        return [(layer.keys, layer.values) for layer in layers]
+    if hasattr(kv, "key_cache") and hasattr(kv, "value_cache"):
+        return list(zip(kv.key_cache, kv.value_cache, strict=True))
+    if isinstance(kv, (list, tuple)):
+        out = []
+        for i, item in enumerate(kv):
+            if not isinstance(item, (list, tuple)) or len(item) < 2:
+                raise InputError(f"kv[{i}]: expected a (K, V) pair, got {type(item).__name__}")
+            out.append((item[0], item[1]))
+        return out
+    raise InputError(
+        f"kv: expected an HF DynamicCache or a sequence of per-layer (K, V), got {type(kv).__name__}"
+    )
+
+
+def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V), each [H, T, D] (a batch dim of 1 is dropped as a view)."""
+    out = []
+    for i, (k, v) in enumerate(_pairs(kv)):
+        for name, t in (("K", k), ("V", v)):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"kv layer {i} {name}: expected a tensor, got {type(t).__name__}")
+            if t.dim() == 4 and t.shape[0] != 1:
+                raise InputError(f"kv layer {i} {name}: batch size {t.shape[0]}; only batch size 1 is supported")
+            if t.dim() not in (3, 4):
+                raise InputError(f"kv layer {i} {name}: expected [H, T, D] or [1, H, T, D], got {list(t.shape)}")
+        k = k[0] if k.dim() == 4 else k
+        v = v[0] if v.dim() == 4 else v
+        out.append((k, v))
+    if not out:
+        raise InputError("kv: holds no layers")
+    return out
