@@ -145,6 +145,8 @@ class PrefixCache:
                 first_block=start, hashes=hashes[start:stop], parents=parents[start:stop],
             ):
                 frames.append((frame.meta.block_hash, frame))
+        # Tail first: when a chain overflows a tier, its head stays and its tail is evicted.
+        frames.reverse()
         for outcome in self.store.put_many(frames):
             if outcome.stored:
                 result.stored += 1

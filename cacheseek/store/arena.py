@@ -146,10 +146,10 @@ class HostArena:
         return None
 
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
-        buf = (ctypes.c_ubyte * nbytes).from_address(chunk.base + offset)
-        buf._chunk = chunk  # type: ignore[attr-defined]  # views keep the chunk's memory alive
-        slot = Slot(chunk, offset, nbytes, buf)
-        slot.base_refs = sys.getrefcount(slot.buf)
+        slot = Slot(chunk, offset, nbytes)
+        slot.buf = (ctypes.c_ubyte * nbytes).from_address(chunk.base + offset)
+        slot.buf._chunk = chunk  # views keep the chunk's memory alive
+        slot.base_refs = sys.getrefcount(slot.buf)  # the slot's own reference, and the call's
         return slot
 
     def free(self, slot: Slot) -> None:

@@ -39,45 +39,54 @@ class CpuTier(Tier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
-        """Store several frames; device copies are issued together and synchronized once.
-        A frame that cannot be stored gets a result with ``error`` set; the others proceed."""
+        """Store several frames. Device copies are issued together and synchronized once
+        per group (a group holds at most half the budget, so later frames of a batch can
+        still evict earlier ones). A frame that cannot be stored gets ``error`` set."""
         results = [PutResult(stored=None) for _ in items]
-        pending: list[tuple[bytes, BlockFrame, Slot, PutResult]] = []
         with self._lock:
+            pending: list[tuple[bytes, BlockFrame, Slot, PutResult]] = []
+            pending_bytes = 0
             for (key, frame), result in zip(items, results):
                 if key in self._records or any(key == p[0] for p in pending):
                     self._index.touch([key])
                     continue
+                if pending and pending_bytes + frame.nbytes > self.capacity_bytes // 2:
+                    self._commit(pending)
+                    pending, pending_bytes = [], 0
                 try:
-                    slot = self._reserve(frame.nbytes, result.evicted)
+                    slot = self._reserve(frame.nbytes, result.evicted, pending_bytes)
                 except StorageError as exc:
                     self._stats.write_errors += 1
                     result.error = exc
                     continue
                 pending.append((key, frame, slot, result))
-            try:
-                _fill_slots([(frame, slot) for _, frame, slot, _ in pending])
-            except Exception as exc:
-                for _, _, slot, result in pending:
-                    self._arena.free(slot)
-                    result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
-                self._stats.write_errors += len(pending)
-                return results
-            for key, frame, slot, result in pending:
-                sealed = frame.sealed and frame.host is not None
-                self._records[key] = _Record(slot, frame.meta, sealed)
-                self._index.add(key, _info(frame.meta))
-                self._stats.bytes_in += frame.nbytes
-                result.stored = BlockFrame(frame.meta, host=slot.view(frame.nbytes), sealed=sealed)
+                pending_bytes += slot.nbytes
+            self._commit(pending)
             self._sync_counts()
         return results
 
-    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> Slot:
+    def _commit(self, pending: list[tuple[bytes, BlockFrame, Slot, PutResult]]) -> None:
+        try:
+            _fill_slots([(frame, slot) for _, frame, slot, _ in pending])
+        except Exception as exc:
+            for _, _, slot, result in pending:
+                self._arena.free(slot)
+                result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
+            self._stats.write_errors += len(pending)
+            return
+        for key, frame, slot, result in pending:
+            sealed = frame.sealed and frame.host is not None
+            self._records[key] = _Record(slot, frame.meta, sealed)
+            self._index.add(key, _info(frame.meta))
+            self._stats.bytes_in += frame.nbytes
+            result.stored = BlockFrame(frame.meta, host=slot.view(frame.nbytes), sealed=sealed)
+
+    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]], pending_bytes: int) -> Slot:
         """A slot for ``nbytes``, evicting LRU blocks (into ``evicted``) until the budget
-        and the arena both have room."""
+        (counting ``pending_bytes`` reserved but not yet committed) and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
-        while self._index.used_bytes + nbytes > self.capacity_bytes:
+        while self._index.used_bytes + pending_bytes + nbytes > self.capacity_bytes and len(self._index):
             evicted += self._evict_one()
         slot = self._arena.allocate(nbytes)
         while slot is None and len(self._index):

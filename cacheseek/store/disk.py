@@ -64,7 +64,7 @@ class DiskTier(Tier):
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
         for shard in sorted(p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 2):
             names = {p.name: p for p in shard.iterdir()}
-            committed = set()
+            handled = set()
             for name, path in names.items():
                 if name.startswith(".tmp-"):
                     _unlink(path)
@@ -77,9 +77,9 @@ class DiskTier(Tier):
                         removed["bad_sidecar"] += 1
                     else:
                         found.append(entry)
-                        committed.add(path.with_suffix(".frame").name)
+                    handled.add(path.with_suffix(".frame").name)
             for name, path in names.items():
-                if name.endswith(".frame") and name not in committed:
+                if name.endswith(".frame") and name not in handled:
                     _unlink(path)
                     removed["orphan"] += 1
         for _, key, info in sorted(found, key=lambda e: e[0]):
@@ -219,12 +219,12 @@ class DiskTier(Tier):
                 raise FrameError("frame header names another block")
         except FileNotFoundError:
             with self._lock:
-                gone = key not in self._index
-                if not gone:
-                    self._index.remove(key)
                 self._stats.misses += 1
-                if not gone:
+                if key in self._index:  # indexed but its data file is gone: drop the sidecar too
+                    self._remove_files(key)
+                    self._index.remove(key)
                     self._stats.corrupt += 1
+                    self._sync_counts()
             return None
         except (OSError, FrameError):
             with self._lock:
@@ -290,7 +290,7 @@ class DiskTier(Tier):
 def _unlink(path: Path) -> None:
     try:
         path.unlink()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         pass
 
 
