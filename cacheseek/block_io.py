@@ -20,8 +20,8 @@ import torch
 from .errors import FrameError, InputError
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
-from .quant.tensors import TORCH_DTYPES
-from .store.device import as_host_tensor
+from .quant.tensors import TORCH_DTYPES, all_finite
+from .store.device import as_host_tensor, copy_entry
 from .store.frame import FrameMeta, plan_frame
 from .store.tier import BlockFrame
 
@@ -70,20 +70,39 @@ def encode_blocks(
     hashes: Sequence[bytes],
     parents: Sequence[bytes],
 ) -> list[BlockFrame]:
-    """Frames for ``len(hashes)`` consecutive blocks starting at block ``first_block``."""
+    """Frames for ``len(hashes)`` consecutive blocks starting at block ``first_block``.
+
+    Raises ``InputError`` (and encodes nothing) on NaN or Inf."""
     n = len(hashes)
-    k5, v5 = _stack(layers, first_block * block_tokens, n, block_tokens)
-    encoded = codec.encode(k5, v5)
-    named = encoded.named_buffers()
-    specs = [(name, spec.dtype, spec.shape[1:]) for name, spec, _ in named]
-    frames = []
+    t0 = first_block * block_tokens
+    if codec.name == "raw":
+        # Raw frames point at the caller's own per-layer slices: the only copy is the one
+        # into the tier, and nothing is staged on the device.
+        finite = torch.stack([all_finite(t) for pair in layers for t in pair])
+        if not bool(finite.all()):
+            raise InputError("kv: holds NaN or Inf; nothing was stored")
+        template = codec.template((layout.num_layers, layout.num_kv_heads, block_tokens, layout.head_dim), layout.dtype)
+        specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+
+        def entries(i: int) -> list:
+            a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
+            return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
+    else:
+        k5, v5 = _stack(layers, t0, n, block_tokens)
+        named = codec.encode(k5, v5).named_buffers()
+        specs = [(name, spec.dtype, spec.shape[1:]) for name, spec, _ in named]
+
+        def entries(i: int) -> list:
+            return [buf[i] for _, _, buf in named]
+
     codec_spec = codec.spec()
+    frames = []
     for i in range(n):
         meta = plan_frame(
             block_hash=hashes[i], parent_hash=parents[i], position=first_block + i, layout=layout,
             block_tokens=block_tokens, codec=codec_spec, buffers=specs,
         )
-        frames.append(BlockFrame(meta, device_entries=[buf[i] for _, _, buf in named], sealed=False))
+        frames.append(BlockFrame(meta, device_entries=entries(i), sealed=False))
     return frames
 
 
@@ -114,8 +133,8 @@ def decode_frames(
         if frame.device_payload is not None:
             dst.copy_(frame.device_payload, non_blocking=True)
         elif frame.device_entries is not None:
-            for entry, t in zip(frame.meta.tensors, frame.device_entries):
-                dst[entry.offset : entry.offset + entry.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
+                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
         else:
             dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
     L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim

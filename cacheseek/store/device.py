@@ -18,6 +18,30 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def copy_entry(dst: torch.Tensor, src: Any) -> None:
+    """Copy one payload buffer into the uint8 range ``dst``, non-blocking.
+
+    ``src`` is a tensor, or a list of tensors laid end to end (the Raw codec hands over
+    per-layer slices of the caller's KV this way, so nothing is staged on the device)."""
+    if isinstance(src, (list, tuple)):
+        offset = 0
+        for piece in src:
+            n = piece.numel() * piece.element_size()
+            dst[offset : offset + n].view(piece.dtype).view(piece.shape).copy_(piece, non_blocking=True)
+            offset += n
+        if offset != dst.numel():
+            raise RuntimeError(f"buffer pieces hold {offset} bytes, the entry needs {dst.numel()}")
+        return
+    src = _bytes_of(src)
+    if src.numel() != dst.numel():
+        raise RuntimeError(f"device buffer holds {src.numel()} bytes, the entry needs {dst.numel()}")
+    dst.copy_(src, non_blocking=True)
+
+
+def _devices(src: Any) -> list[torch.device]:
+    return [p.device for p in src] if isinstance(src, (list, tuple)) else [src.device]
+
+
 def _host_tensor(view: memoryview) -> torch.Tensor:
     import warnings
 
@@ -42,12 +66,9 @@ def copy_payloads_to_host(work: list[tuple[BlockFrame, memoryview]]) -> None:
             continue
         if frame.device_entries is None:
             raise RuntimeError("frame has neither host bytes nor device buffers")
-        for entry, tensor in zip(meta.tensors, frame.device_entries, strict=True):
-            src = _bytes_of(tensor)
-            if src.numel() != entry.nbytes:
-                raise RuntimeError(f"{entry.name}: device buffer holds {src.numel()} bytes, entry needs {entry.nbytes}")
-            dst[base + entry.offset : base + entry.offset + entry.nbytes].copy_(src, non_blocking=True)
-            devices.add(src.device)
+        for entry, src in zip(meta.tensors, frame.device_entries, strict=True):
+            copy_entry(dst[base + entry.offset : base + entry.offset + entry.nbytes], src)
+            devices.update(_devices(src))
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -74,8 +95,8 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     if frame.device_payload is not None:
         out.copy_(frame.device_payload, non_blocking=True)
     elif frame.device_entries is not None:
-        for entry, tensor in zip(meta.tensors, frame.device_entries, strict=True):
-            out[entry.offset : entry.offset + entry.nbytes].copy_(_bytes_of(tensor), non_blocking=True)
+        for entry, src in zip(meta.tensors, frame.device_entries, strict=True):
+            copy_entry(out[entry.offset : entry.offset + entry.nbytes], src)
     else:
         out.copy_(_host_tensor(frame.payload_view()), non_blocking=True)
         if device.type == "cuda":
@@ -87,4 +108,4 @@ def as_host_tensor(buf: Any) -> torch.Tensor:
     return _host_tensor(memoryview(buf).cast("B"))
 
 
-__all__ = ["as_host_tensor", "copy_payloads_to_host", "frame_to_host", "host_view", "payload_on_device"]
+__all__ = ["as_host_tensor", "copy_entry", "copy_payloads_to_host", "frame_to_host", "host_view", "payload_on_device"]
