@@ -179,8 +179,7 @@ class PrefixCache:
         located = self.store.locate(hashes[:limit])
         frames: list[BlockFrame] = []
         tiers: list[str] = []
-        for key, _ in zip(hashes, located):
-            got = self.store.get(key)
+        for key, got in zip(hashes, self.store.get_many(hashes[: len(located)])):
             if got is None:
                 break  # evicted or found corrupt since locate: the prefix ends here
             frame, tier = got

@@ -156,7 +156,7 @@ def test_kivi_frames_from_redis_decode_like_the_cpu_tier(redis_url):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-def test_a_lookup_is_one_round_trip_and_a_put_three(redis_url):
+def test_round_trips_do_not_grow_with_the_chain(redis_url):
     toks, kv = tokens_for(2, 8 * BLOCK), make_kv(8 * BLOCK, 2)
     cache = rcache(redis_url)
     counter = count_round_trips(cache)
@@ -173,6 +173,9 @@ def test_a_lookup_is_one_round_trip_and_a_put_three(redis_url):
     counter.round_trips = 0
     cache.store.touch_chain(cache.block_hashes(toks))
     assert counter.round_trips == 1
+    counter.round_trips = 0
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    assert counter.round_trips == 3  # locate, every frame, touch
 
 
 def _frames(cache, toks, kv):

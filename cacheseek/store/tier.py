@@ -203,6 +203,11 @@ class Tier(ABC):
                 out.append(PutResult(stored=None, error=exc))
         return out
 
+    def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
+        """Frames for ``keys``, None for each miss. A networked tier overrides this with
+        one round trip for the lot."""
+        return [self.get(k) for k in keys]
+
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None
 

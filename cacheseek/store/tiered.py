@@ -126,6 +126,24 @@ class TieredStore:
             return frame, tier.name
         return None
 
+    def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[tuple[BlockFrame, str] | None]:
+        """Like :meth:`get` for each key, asking each tier once for all the keys still missing."""
+        promote = self.promote_on_hit if promote is None else promote
+        out: list[tuple[BlockFrame, str] | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            frames = tier.get_many([keys[i] for i in missing])
+            for i, frame in zip(missing, frames):
+                if frame is None:
+                    continue
+                if promote and level > 0:
+                    self._promote(keys[i], frame, level)
+                out[i] = (frame, tier.name)
+            missing = [i for i in missing if out[i] is None]
+        return out
+
     def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
         for upper in range(level):
             tier = self.tiers[upper]
