@@ -20,6 +20,7 @@ from urllib.parse import unquote, urlparse
 from ..errors import ConfigError
 
 DEFAULT_PORT = 6379
+SOCKET_READ_NBYTES = 1 << 20
 _STANDALONE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 
@@ -107,6 +108,8 @@ def connect(target: RedisTarget, timeouts: RedisTimeouts, *, retries: int = 1) -
 
     retry = Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,))
     common = dict(
+        # Frames are megabytes: read them in 1 MiB recv() calls rather than redis-py's 64 KiB.
+        socket_read_size=SOCKET_READ_NBYTES,
         socket_connect_timeout=timeouts.connect_seconds,
         socket_timeout=timeouts.socket_seconds,
         retry=retry,
