@@ -69,41 +69,53 @@ def encode_blocks(
     first_block: int,
     hashes: Sequence[bytes],
     parents: Sequence[bytes],
+    staging: bool | None = None,
 ) -> list[BlockFrame]:
     """Frames for ``len(hashes)`` consecutive blocks starting at block ``first_block``.
 
-    Raises ``InputError`` (and encodes nothing) on NaN or Inf."""
+    With ``staging`` (the default on a GPU), the payloads of all n blocks are assembled in one device buffer at a fixed
+    stride, so moving a block to host memory later is one contiguous copy. Raises
+    ``InputError`` (and encodes nothing) on NaN or Inf.
+    """
     n = len(hashes)
     t0 = first_block * block_tokens
-    if codec.name == "raw":
-        # Raw frames point at the caller's own per-layer slices: the only copy is the one
-        # into the tier, and nothing is staged on the device.
+    L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    template = codec.template((L, H, block_tokens, D), layout.dtype)
+    specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    codec_spec = codec.spec()
+    metas = [
+        plan_frame(block_hash=hashes[i], parent_hash=parents[i], position=first_block + i, layout=layout,
+                   block_tokens=block_tokens, codec=codec_spec, buffers=specs)
+        for i in range(n)
+    ]
+    device = layers[0][0].device
+    raw = codec.name == "raw"
+    if raw:
         finite = torch.stack([all_finite(t) for pair in layers for t in pair])
         if not bool(finite.all()):
             raise InputError("kv: holds NaN or Inf; nothing was stored")
-        template = codec.template((layout.num_layers, layout.num_kv_heads, block_tokens, layout.head_dim), layout.dtype)
-        specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+        if not (device.type != "cpu" if staging is None else staging):
+            # On the host, Raw frames point at the caller's own per-layer slices: the only
+            # copy is the one into the tier.
+            def pieces(i: int) -> list:
+                a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
+                return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
 
-        def entries(i: int) -> list:
-            a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
-            return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
+            return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)]
+    payload = metas[0].payload_nbytes
+    stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
+    staging = torch.empty((n, stride), dtype=torch.uint8, device=device)
+    views = [_strided(staging, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
+    if raw:
+        for which, view in enumerate(views):  # k, then v: one device pass per layer
+            for layer, pair in enumerate(layers):
+                src = pair[which][:, t0 : t0 + n * block_tokens].unflatten(1, (n, block_tokens)).transpose(0, 1)
+                view[:, layer].copy_(src)
     else:
         k5, v5 = _stack(layers, t0, n, block_tokens)
-        named = codec.encode(k5, v5).named_buffers()
-        specs = [(name, spec.dtype, spec.shape[1:]) for name, spec, _ in named]
-
-        def entries(i: int) -> list:
-            return [buf[i] for _, _, buf in named]
-
-    codec_spec = codec.spec()
-    frames = []
-    for i in range(n):
-        meta = plan_frame(
-            block_hash=hashes[i], parent_hash=parents[i], position=first_block + i, layout=layout,
-            block_tokens=block_tokens, codec=codec_spec, buffers=specs,
-        )
-        frames.append(BlockFrame(meta, device_entries=entries(i), sealed=False))
-    return frames
+        for view, (_, _, buf) in zip(views, codec.encode(k5, v5).named_buffers(), strict=True):
+            view.copy_(buf)
+    return [BlockFrame(meta, device_payload=staging[i, :payload], sealed=False) for i, meta in enumerate(metas)]
 
 
 def check_frame(meta: FrameMeta, *, key: bytes, codec_spec: dict, layout: KVLayout, block_tokens: int) -> None:

@@ -45,14 +45,15 @@ class CpuTier(Tier):
         results = [PutResult(stored=None) for _ in items]
         with self._lock:
             pending: list[tuple[bytes, BlockFrame, Slot, PutResult]] = []
+            pending_keys: set[bytes] = set()
             pending_bytes = 0
             for (key, frame), result in zip(items, results):
-                if key in self._records or any(key == p[0] for p in pending):
+                if key in self._records or key in pending_keys:
                     self._index.touch([key])
                     continue
                 if pending and pending_bytes + frame.nbytes > self.capacity_bytes // 2:
                     self._commit(pending)
-                    pending, pending_bytes = [], 0
+                    pending, pending_keys, pending_bytes = [], set(), 0
                 try:
                     slot = self._reserve(frame.nbytes, result.evicted, pending_bytes)
                 except StorageError as exc:
@@ -60,6 +61,7 @@ class CpuTier(Tier):
                     result.error = exc
                     continue
                 pending.append((key, frame, slot, result))
+                pending_keys.add(key)
                 pending_bytes += slot.nbytes
             self._commit(pending)
             self._sync_counts()

@@ -89,8 +89,11 @@ def frame_to_host(frame: BlockFrame) -> BlockFrame:
 def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     """The frame's payload as one uint8 tensor on ``device`` (copied only if needed)."""
     meta = frame.meta
-    if frame.device_payload is not None and frame.device_payload.device == device:
-        return frame.device_payload
+    src = frame.device_payload
+    if src is not None and src.device == device:
+        # A row of an encoder's batch buffer would pin the whole batch in memory: own it.
+        whole = src.untyped_storage().nbytes() == src.numel() and src.storage_offset() == 0
+        return src if whole else src.clone()
     out = torch.empty(meta.payload_nbytes, dtype=torch.uint8, device=device)
     if frame.device_payload is not None:
         out.copy_(frame.device_payload, non_blocking=True)

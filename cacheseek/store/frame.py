@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -73,10 +73,12 @@ class FrameMeta:
     checksum: bytes
     header_nbytes: int
     version: int = FORMAT_VERSION
+    payload_offset: int = field(init=False, compare=False)
+    # The packed header, when known to match the fields above (saves packing it twice).
+    packed_header: bytes | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def payload_offset(self) -> int:
-        return _align(PREAMBLE.size + self.header_nbytes)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_offset", _align(PREAMBLE.size + self.header_nbytes))
 
     @property
     def nbytes(self) -> int:
@@ -130,18 +132,18 @@ def plan_frame(
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
         offset = _align(offset + nbytes)
     payload_nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
-    meta = FrameMeta(
+    fields = dict(
         block_hash=bytes(block_hash), parent_hash=bytes(parent_hash), position=position, layout=layout,
         block_tokens=block_tokens, codec=codec, tensors=tuple(entries), payload_nbytes=payload_nbytes,
-        checksum=bytes(8), header_nbytes=0,
+        checksum=bytes(8),
     )
-    header = msgpack.packb(meta.header_dict(), use_bin_type=True)
-    return replace(meta, header_nbytes=len(header))
+    header = msgpack.packb(FrameMeta(**fields, header_nbytes=0).header_dict(), use_bin_type=True)
+    return FrameMeta(**fields, header_nbytes=len(header), packed_header=header)
 
 
 def header_prefix(meta: FrameMeta) -> bytes:
     """Preamble + msgpack header + zero padding: the ``payload_offset`` bytes before the payload."""
-    header = msgpack.packb(meta.header_dict(), use_bin_type=True)
+    header = meta.packed_header or msgpack.packb(meta.header_dict(), use_bin_type=True)
     if len(header) != meta.header_nbytes:
         raise RuntimeError("frame header changed length after planning")
     preamble = PREAMBLE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header))
@@ -153,7 +155,7 @@ def seal_frame(meta: FrameMeta, frame: Any) -> FrameMeta:
     view = memoryview(frame).cast("B")
     if view.nbytes != meta.nbytes:
         raise ValueError(f"frame buffer is {view.nbytes} bytes, the plan needs {meta.nbytes}")
-    sealed = replace(meta, checksum=payload_checksum(view[meta.payload_offset :]))
+    sealed = replace(meta, checksum=payload_checksum(view[meta.payload_offset :]), packed_header=None)
     view[: meta.payload_offset] = header_prefix(sealed)
     return sealed
 
@@ -233,6 +235,7 @@ def parse_header(data: Any) -> FrameMeta:
         position=_int(h["pos"], "pos"), layout=layout,
         block_tokens=_int(h["block_tokens"], "block_tokens", 1, 1 << 24), codec=h["codec"],
         tensors=tuple(entries), payload_nbytes=payload_nbytes, checksum=h["checksum"], header_nbytes=header_len,
+        packed_header=bytes(header_bytes),
     )
 
 
