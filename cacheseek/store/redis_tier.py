@@ -85,10 +85,9 @@ class _Faults:
 
 @dataclass(slots=True)
 class _Batch:
-    """One ``put_many`` in flight: the frames to write and their serialized values."""
+    """One ``put_many`` in flight: the frames, their results, and which still go to Redis."""
 
     items: list[tuple[bytes, BlockFrame]]
-    values: list[Any] = field(default_factory=list)
     results: list[PutResult] = field(default_factory=list)
     todo: list[int] = field(default_factory=list)  # indexes still to send to Redis
 
@@ -195,8 +194,6 @@ class RedisTier(Tier):
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
         batch = _Batch(items=list(items), results=[PutResult(stored=None) for _ in items])
         for i, (key, frame) in enumerate(batch.items):
-            segments = frame.wire_segments()  # seals the frame if it is not yet
-            batch.values.append(segments[0] if len(segments) == 1 else b"".join(segments))
             if frame.nbytes > self.capacity_bytes:
                 batch.results[i].error = StorageError(
                     f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
@@ -244,10 +241,9 @@ class RedisTier(Tier):
                 result.stored = frame
                 result.evicted.append((key, frame if self.demote_evicted else None))
             else:
-                if self._ttl_ms is None:
-                    pipe.set(keys.frame(key), batch.values[i])
-                else:
-                    pipe.set(keys.frame(key), batch.values[i], px=self._ttl_ms)
+                segments = frame.wire_segments()  # seals the frame if it is not yet
+                value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
+                pipe.set(keys.frame(key), value, px=self._ttl_ms)
                 sets.append(i)
         own = set(members)
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
