@@ -565,3 +565,55 @@ def test_redis_settings_are_checked(redis_url):
     store = make_cache(cpu="1MiB", disk=None, redis_url=redis_url).store
     assert store.tier_names == ["cpu", "redis"] and store.write_through == {"redis"}
     assert make_cache(cpu="1MiB", redis_url=redis_url, redis_bytes=0).store.tier_names == ["cpu"]
+
+
+class _FailingClient:
+    """Stands in for a redis-py client whose every command raises ``exc``."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def pipeline(self, *args, **kwargs):
+        return self
+
+    def __len__(self):
+        return 1
+
+    def execute(self, *args, **kwargs):
+        raise self.exc
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            if name in ("exists", "get", "set", "strlen", "getrange", "delete", "pexpire"):
+                return None  # queued on the "pipeline"
+            raise self.exc
+
+        return fail
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error, kind", [
+    ("ConnectionError", "unavailable"), ("BusyLoadingError", "unavailable"), ("ClusterDownError", "unavailable"),
+    ("TryAgainError", "unavailable"), ("ReadOnlyError", "unavailable"), ("TimeoutError", "timeout"),
+    ("OutOfMemoryError", "rejected"), ("ResponseError", "rejected"),
+])
+def test_every_redis_error_is_a_miss_or_a_counted_dropped_write(error, kind):
+    import redis.exceptions
+
+    tier = _fault_tier("redis://127.0.0.1:1")
+    tier._client = _FailingClient(getattr(redis.exceptions, error)("injected"))
+    key, frame = _frame(3)
+    for _ in range(2):
+        with pytest.raises(StorageError):
+            tier.put(key, frame)
+        assert tier.get(key) is None and tier.get_many([key]) == [None]
+        assert tier.contains_many([key, key]) == [False, False] and tier.info(key) is None
+        assert tier.keys() == [] and tier.delete(key) is False
+        tier.touch([key])
+    s = tier.stats()
+    assert s.extra["dropped_writes"] == 2 and s.write_errors == 2
+    counter = {"unavailable": "unavailable_errors", "timeout": "timeouts", "rejected": "rejected_errors"}[kind]
+    assert s.extra[counter] >= 1
+    assert s.extra["breaker"]["state"] == ("closed" if kind == "rejected" else "open")
