@@ -127,7 +127,6 @@ class RedisTier(Tier):
         self._connect_lock = threading.Lock()
         self._faults = _Faults()
         self._totals = IndexTotals()
-        self._totals_fresh = False
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -445,7 +444,6 @@ class RedisTier(Tier):
     def _note_totals(self, totals: IndexTotals) -> None:
         with self._lock:
             self._totals = totals
-            self._totals_fresh = True
 
     # -- operations ----------------------------------------------------------------------
 
