@@ -70,7 +70,7 @@ def candidates(side: str, op: str, group: int, head_dim: int) -> list[triton.Con
     dp = padded_head_dim(head_dim)
     out: list[triton.Config] = []
     if side == "k":
-        vecs = (2, 4, 8) if op == "quantize" else (8,)
+        vecs = (2, 8) if op == "quantize" else (8,)
         for block_d in sorted({min(dp, 64), min(dp, 128)}):
             for vec in vecs:
                 base = _k_warps(group, block_d)
