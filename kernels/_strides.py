@@ -2,18 +2,16 @@
 
 The store hands the kernels views, not copies: K/V of ``n`` blocks as a permuted
 ``[n, L, H, B, D]`` view of a ``[L, H, n*B, D]`` tensor, or payload buffers laid out at a
-fixed byte stride in one device buffer. Every tensor of a call shares the leading shape
-but has its own strides. Adjacent leading dims merge when they merge in *every* tensor of
+fixed stride in one device buffer. Every tensor of a call shares the leading shape but
+has its own strides. Adjacent leading dims merge when they merge in *every* tensor of
 the call (``stride[i] == stride[i+1] * shape[i+1]``); what is left must be at most two
 levels ``(A, C)``, indexed as ``row = a * C + c``.
-"""
 
-from __future__ import annotations
+Pure functions of shapes and strides (no tensors), so launch plans can be cached.
+"""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,29 +28,37 @@ class Levels:
         return self.A * self.C
 
 
-def collapse(lead: Sequence[int], tensors: Sequence[torch.Tensor]) -> Levels | None:
-    """``lead`` (the leading shape every tensor shares) as <= 2 levels, or None if the
-    tensors' strides need three or more."""
-    nlead = len(lead)
-    # Size-1 dims never move the address: drop them, whatever their stride.
-    dims = [i for i in range(nlead) if lead[i] != 1]
+def collapse(lead: Sequence[int], strides: Sequence[Sequence[int]]) -> Levels | None:
+    """``lead`` (the leading shape every tensor shares) as <= 2 levels, given each tensor's
+    strides (at least its leading ones); None if they need three or more."""
+    # Size-1 dims never move the address: skip them, whatever their stride.
     levels: list[tuple[int, list[int]]] = []  # (size, innermost stride per tensor), inner first
-    for i in reversed(dims):
-        strides = [t.stride(i) for t in tensors]
+    for i in reversed(range(len(lead))):
+        if lead[i] == 1:
+            continue
+        dim_strides = [s[i] for s in strides]
         if levels:
             size, inner = levels[-1]
-            if all(s == st * size for s, st in zip(strides, inner)):
+            if all(s == st * size for s, st in zip(dim_strides, inner)):
                 levels[-1] = (size * lead[i], inner)
                 continue
-        levels.append((lead[i], strides))
+        levels.append((lead[i], dim_strides))
     if len(levels) > 2:
         return None
     while len(levels) < 2:
-        levels.append((1, [0] * len(tensors)))
+        levels.append((1, [0] * len(strides)))
     (c_size, c_strides), (a_size, a_strides) = levels
     return Levels(A=a_size, C=c_size, strides=tuple(zip(a_strides, c_strides)))
 
 
-def unit_last(t: torch.Tensor) -> bool:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def unit_last(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """The last dim is addressable as stride 1 (a dim of size 1 has no meaningful stride)."""
-    return t.shape[-1] == 1 or t.stride(-1) == 1
+    return shape[-1] == 1 or stride[-1] == 1

@@ -33,7 +33,7 @@ _ELEMS_PER_THREAD = 64
 
 
 def padded_head_dim(head_dim: int) -> int:
-    return triton.next_power_of_2(max(head_dim, 16))
+    return 1 << (max(head_dim, 16) - 1).bit_length()
 
 
 def _k(block_d: int, vec: int, groups: int, warps: int) -> triton.Config:

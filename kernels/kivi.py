@@ -22,18 +22,18 @@ Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
 ``dequantize``.
 """
 
-from __future__ import annotations
-
-import contextlib
+# (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
 import functools
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from . import configs
-from ._strides import Levels, collapse, unit_last
+from ._strides import Levels, collapse, contiguous_strides, unit_last
 
 AXIS_TOKENS = -2  # K
 AXIS_CHANNELS = -1  # V
@@ -429,12 +429,50 @@ def _dequantize_v_kernel(
 
 
 # -- host launchers ----------------------------------------------------------------------
+# Everything a launch needs that depends only on shapes, strides, dtypes and settings is
+# worked out once per such combination (``_quantize_plan``, ``_dequantize_plan``, cached):
+# a call then costs the output allocations and the Triton launch, which matters for
+# block-sized calls (a 16 MB block is a few microseconds of GPU time).
 
 
 def _interpreted() -> bool:
     # Under TRITON_INTERPRET=1 (read when this module was imported) @triton.jit returns an
     # interpreter object instead of a JITFunction.
     return not isinstance(_decode, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    kernel: Any  # a JITFunction, or an Autotuner over one
+    grid: Any  # a tuple, or a callable of the config (autotune)
+    scalars: tuple[int, ...]  # C, T, D and each tensor's (stride_a, stride_c, stride_t)
+    options: dict[str, Any]  # constexprs and launch options
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        device = tensors[0].device
+        if device.type == "cpu" and not _interpreted():
+            raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+        # Triton launches on the current CUDA device, which need not be the tensors' one.
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        else:
+            self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+
+
+@dataclass(frozen=True, slots=True)
+class _QuantizePlan:
+    q_shape: tuple[int, ...]
+    stats_shape: tuple[int, ...]
+    launch: _Launch | None  # None: nothing to do (empty input)
+    copy_input: bool = False  # x needs .contiguous() first (then plan again)
+
+
+@dataclass(frozen=True, slots=True)
+class _DequantizePlan:
+    launch: _Launch | None
+    copy_inputs: bool = False  # q, scale, mn need .contiguous() first (then plan again)
+    via_temp: bool = False  # decode into a fresh tensor, then out.copy_ (out cannot be written directly)
 
 
 def _check_args(bits: int, group: int, axis: int, ndim: int) -> int:
@@ -450,14 +488,6 @@ def _check_args(bits: int, group: int, axis: int, ndim: int) -> int:
     return axis
 
 
-def _check_device(*tensors: torch.Tensor) -> None:
-    dev = tensors[0].device
-    if any(t.device != dev for t in tensors):
-        raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
-    if dev.type == "cpu" and not _interpreted():
-        raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
-
-
 def _shapes(shape: tuple[int, ...], bits: int, group: int, axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(packed codes shape, stats shape) of x of ``shape``; raises if it cannot be packed."""
     *lead, T, D = shape
@@ -471,11 +501,6 @@ def _shapes(shape: tuple[int, ...], bits: int, group: int, axis: int) -> tuple[t
     return (*lead, T, D // per), (*lead, T, -(-D // group))
 
 
-def _v_consts(group: int, D: int) -> dict[str, int]:
-    d_pad = configs.padded_head_dim(D)
-    return {"GP": min(group, d_pad), "D_PAD": d_pad}
-
-
 def _grid(side: str, rows: int, T: int, D: int, group: int):
     """Programs for a config's block sizes (a callable, as triton.autotune wants)."""
     if side == "k":
@@ -483,111 +508,139 @@ def _grid(side: str, rows: int, T: int, D: int, group: int):
     return lambda meta: (rows * triton.cdiv(T, meta["BLOCK_T"]),)
 
 
+_KERNELS = {
+    ("k", "quantize"): (_quantize_k_kernel, _k_masked),
+    ("k", "dequantize"): (_dequantize_k_kernel, _k_masked),
+    ("v", "quantize"): (_quantize_v_kernel, _v_masked),
+    ("v", "dequantize"): (_dequantize_v_kernel, _v_masked),
+}
+
+
 @functools.cache
-def _tuned(kernel, side: str, op: str, group: int, D: int):
+def _tuned(side: str, op: str, group: int, D: int):
     # One autotuner per (kernel, group, D); it re-tunes per (T, BITS) and argument dtypes.
+    kernel = _KERNELS[side, op][0]
     return triton.autotune(configs=configs.candidates(side, op, group, D), key=["T", "D", "BITS"])(kernel)
 
 
-def _launch(kernel, side: str, op: str, args: tuple, consts: dict, *, rows: int, T: int, D: int, group: int,
-            config: triton.Config | None) -> None:
-    grid = _grid(side, rows, T, D, group)
+def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[tuple[int, ...]],
+                 consts: dict[str, Any], group: int, config: triton.Config | None) -> _Launch:
+    """``strides``: each tensor's full strides, in kernel argument order."""
+    scalars = (lv.C, T, D, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
+    if side == "v":
+        d_pad = configs.padded_head_dim(D)
+        consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
+    else:
+        consts = {**consts, "G": group}
     # No FMA contraction: dequantize rounds code * s and then + m, as torch does (bit-
     # identical decodes); quantize's fmas are explicit.
-    consts = {**consts, "enable_fp_fusion": False}
-    device = args[0].device
-    # Triton launches on the current CUDA device, which need not be the tensors' one.
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if config is None and configs.autotune_enabled() and not _interpreted():
-            _tuned(kernel, side, op, group, D)[grid](*args, **consts)
-            return
-        cfg = config if config is not None else configs.pick(side, op, group, D, T)
-        kernel[grid(cfg.kwargs)](*args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    options = {**consts, "enable_fp_fusion": False}
+    grid = _grid(side, lv.rows, T, D, group)
+    kernel, masked = _KERNELS[side, op]
+    if config is None and configs.autotune_enabled() and not _interpreted():
+        return _Launch(_tuned(side, op, group, D), grid, scalars, options)  # MASKED by triton.heuristics
+    cfg = config if config is not None else configs.pick(side, op, group, D, T)
+    options.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                   MASKED=masked({"T": T, "D": D, **consts, **cfg.kwargs}))
+    return _Launch(kernel.fn, grid(cfg.kwargs), scalars, options)  # .fn: past the heuristics wrapper
 
 
-def _level_args(lv: Levels, k: int, t: torch.Tensor) -> tuple[int, int, int]:
-    sa, sc = lv.strides[k]
-    return sa, sc, t.stride(-2)
+@functools.lru_cache(maxsize=1024)
+def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, bits: int, group: int,
+                   axis: int, stats_dtype: torch.dtype, config: triton.Config | None,
+                   autotune: bool) -> _QuantizePlan:
+    axis = _check_args(bits, group, axis, len(shape))
+    if dtype not in X_DTYPES:
+        raise ValueError(f"x: dtype must be one of {X_DTYPES}, got {dtype}")
+    if stats_dtype not in STATS_DTYPES:
+        raise ValueError(f"stats_dtype: must be one of {STATS_DTYPES}, got {stats_dtype}")
+    q_shape, st_shape = _shapes(shape, bits, group, axis)
+    if math.prod(shape) == 0:
+        return _QuantizePlan(q_shape, st_shape, None)
+    *lead, T, D = shape
+    # outputs are allocated contiguous; scale and min alike
+    strides = [stride, contiguous_strides(q_shape), contiguous_strides(st_shape)]
+    lv = collapse(lead, strides) if unit_last(shape, stride) else None
+    if lv is None:  # three or more strided levels: one copy rather than one launch per level
+        return _QuantizePlan(q_shape, st_shape, None, copy_input=True)
+    side = "k" if axis == AXIS_TOKENS else "v"
+    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config)
+    return _QuantizePlan(q_shape, st_shape, launch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...],
+                     out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None, dtype: torch.dtype, bits: int,
+                     group: int, axis: int, config: triton.Config | None, autotune: bool) -> _DequantizePlan:
+    """``bufs``: (shape, strides, dtype) of q, scale and mn; ``out``: the same for out."""
+    axis = _check_args(bits, group, axis, len(shape))
+    if dtype not in X_DTYPES:
+        raise ValueError(f"dtype: must be one of {X_DTYPES}, got {dtype}")
+    q_shape, st_shape = _shapes(shape, bits, group, axis)
+    for name, (got, _, _), want in zip(("q", "scale", "mn"), bufs, (q_shape, st_shape, st_shape)):
+        if got != want:
+            raise ValueError(f"{name}: expected shape {want} for x of shape {shape}, got {got}")
+    if bufs[0][2] != torch.int32:
+        raise ValueError(f"q: expected int32 code words, got {bufs[0][2]}")
+    if bufs[1][2] not in STATS_DTYPES or bufs[2][2] not in STATS_DTYPES:
+        raise ValueError(f"scale, mn: dtype must be one of {STATS_DTYPES}, got {bufs[1][2]}, {bufs[2][2]}")
+    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])):
+        return _DequantizePlan(None, via_temp=True)  # the reference's semantics: out.copy_ casts
+    if math.prod(shape) == 0:
+        return _DequantizePlan(None)
+    *lead, T, D = shape
+    out_strides = out[1] if out is not None else contiguous_strides(shape)
+    strides = [st for _, st, _ in bufs] + [out_strides]
+    lv = collapse(lead, strides) if all(unit_last(sh, st) for sh, st, _ in bufs) else None
+    if lv is None:
+        packed = [contiguous_strides(sh) for sh, _, _ in bufs] + [out_strides]
+        if collapse(lead, packed) is None:  # out itself has three strided levels
+            return _DequantizePlan(None, via_temp=True)
+        return _DequantizePlan(None, copy_inputs=True)
+    side = "k" if axis == AXIS_TOKENS else "v"
+    # The interpreter's fp32 -> bf16 cast truncates; the kernel then rounds itself.
+    consts = {"BITS": bits, "SOFT_BF16": dtype == torch.bfloat16 and _interpreted()}
+    return _DequantizePlan(_make_launch(side, "dequantize", lv, T, D, strides, consts, group, config))
 
 
 def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: torch.dtype,
               config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    axis = _check_args(bits, group, axis, x.dim())
-    if x.dtype not in X_DTYPES:
-        raise ValueError(f"x: dtype must be one of {X_DTYPES}, got {x.dtype}")
-    if stats_dtype not in STATS_DTYPES:
-        raise ValueError(f"stats_dtype: must be one of {STATS_DTYPES}, got {stats_dtype}")
-    _check_device(x)
-    q_shape, st_shape = _shapes(tuple(x.shape), bits, group, axis)
-    q = torch.empty(q_shape, dtype=torch.int32, device=x.device)
-    scale = torch.empty(st_shape, dtype=stats_dtype, device=x.device)
-    mn = torch.empty(st_shape, dtype=stats_dtype, device=x.device)
-    if x.numel() == 0:
-        return q, scale, mn
-    *lead, T, D = x.shape
-    if not unit_last(x):
+    autotune = configs.autotune_enabled()
+    plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+    if plan.copy_input:
         x = x.contiguous()
-    lv = collapse(lead, [x, q, scale])
-    if lv is None:  # three or more strided levels: one copy rather than one launch per level
-        x = x.contiguous()
-        lv = collapse(lead, [x, q, scale])
-    assert lv is not None
-    args = (x, q, scale, mn, lv.C, T, D,
-            *_level_args(lv, 0, x), *_level_args(lv, 1, q), *_level_args(lv, 2, scale))
-    if axis == AXIS_TOKENS:
-        _launch(_quantize_k_kernel, "k", "quantize", args, {"BITS": bits, "G": group},
-                rows=lv.rows, T=T, D=D, group=group, config=config)
-    else:
-        _launch(_quantize_v_kernel, "v", "quantize", args, {"BITS": bits, **_v_consts(group, D)},
-                rows=lv.rows, T=T, D=D, group=group, config=config)
+        plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+    q = torch.empty(plan.q_shape, dtype=torch.int32, device=x.device)
+    scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
+    mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
+    if plan.launch is not None:
+        plan.launch(x, q, scale, mn)
     return q, scale, mn
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int, group: int, axis: int,
                 shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None = None,
                 config: triton.Config | None = None) -> torch.Tensor:
+    if scale.device != q.device or mn.device != q.device:
+        raise ValueError(f"q, scale, mn: on different devices ({q.device}, {scale.device}, {mn.device})")
     shape = tuple(int(n) for n in shape)
-    axis = _check_args(bits, group, axis, len(shape))
-    if dtype not in X_DTYPES:
-        raise ValueError(f"dtype: must be one of {X_DTYPES}, got {dtype}")
-    q_shape, st_shape = _shapes(shape, bits, group, axis)
-    for name, t, want in (("q", q, q_shape), ("scale", scale, st_shape), ("mn", mn, st_shape)):
-        if tuple(t.shape) != want:
-            raise ValueError(f"{name}: expected shape {want} for x of shape {shape}, got {tuple(t.shape)}")
-    if q.dtype != torch.int32:
-        raise ValueError(f"q: expected int32 code words, got {q.dtype}")
-    if scale.dtype not in STATS_DTYPES or mn.dtype not in STATS_DTYPES:
-        raise ValueError(f"scale, mn: dtype must be one of {STATS_DTYPES}, got {scale.dtype}, {mn.dtype}")
-    _check_device(q, scale, mn)
-    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != q.device
-                            or not unit_last(out)):
-        # The reference's semantics (out.copy_ casts and moves); not the zero-copy path.
+    autotune = configs.autotune_enabled()
+
+    def plan_for(q, scale, mn) -> _DequantizePlan:
+        bufs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, scale, mn))
+        out_desc = None if out is None else (tuple(out.shape), out.stride(), out.dtype)
+        return _dequantize_plan(shape, bufs, out_desc, dtype, bits, group, axis, config, autotune)
+
+    plan = plan_for(q, scale, mn)
+    if plan.copy_inputs:
+        q, scale, mn = q.contiguous(), scale.contiguous(), mn.contiguous()
+        plan = plan_for(q, scale, mn)
+    if plan.via_temp or (out is not None and out.device != q.device):
         out.copy_(_dequantize(q, scale, mn, bits, group, axis, shape, dtype, config=config))
         return out
     target = out if out is not None else torch.empty(shape, dtype=dtype, device=q.device)
-    if math.prod(shape) == 0:
-        return target
-    q, scale, mn = (t if unit_last(t) else t.contiguous() for t in (q, scale, mn))
-    *lead, T, D = shape
-    lv = collapse(lead, [q, scale, mn, target])
-    if lv is None:
-        q, scale, mn = q.contiguous(), scale.contiguous(), mn.contiguous()
-        lv = collapse(lead, [q, scale, mn, target])
-    if lv is None:  # `out` itself has three strided levels
-        assert out is not None
-        out.copy_(_dequantize(q, scale, mn, bits, group, axis, shape, dtype, config=config))
-        return out
-    args = (q, scale, mn, target, lv.C, T, D,
-            *_level_args(lv, 0, q), *_level_args(lv, 1, scale), *_level_args(lv, 2, mn),
-            *_level_args(lv, 3, target))
-    soft_bf16 = dtype == torch.bfloat16 and _interpreted()
-    if axis == AXIS_TOKENS:
-        _launch(_dequantize_k_kernel, "k", "dequantize", args, {"BITS": bits, "G": group, "SOFT_BF16": soft_bf16},
-                rows=lv.rows, T=T, D=D, group=group, config=config)
-    else:
-        _launch(_dequantize_v_kernel, "v", "dequantize", args,
-                {"BITS": bits, "SOFT_BF16": soft_bf16, **_v_consts(group, D)},
-                rows=lv.rows, T=T, D=D, group=group, config=config)
+    if plan.launch is not None:
+        plan.launch(q, scale, mn, target)
     return target
 
 

@@ -52,7 +52,8 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
     cfg = cfg or configs.pick(side, op, group, head_dim, 256)
     fn = KERNELS[side, op].fn  # under the heuristics wrapper
     consts = {"BITS": bits, "MASKED": masked, **cfg.kwargs}
-    consts.update({"G": group} if side == "k" else K._v_consts(group, head_dim))
+    d_pad = configs.padded_head_dim(head_dim)
+    consts.update({"G": group} if side == "k" else {"GP": min(group, d_pad), "D_PAD": d_pad})
     if op == "dequantize":
         consts["SOFT_BF16"] = False
     ptrs = {"x_ptr": f"*{x_dtype}", "o_ptr": f"*{x_dtype}", "q_ptr": "*i32", "s_ptr": f"*{stats_dtype}",
