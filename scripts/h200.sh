@@ -31,10 +31,10 @@ step() {  # step NAME SECONDS CMD...
 setup
 for s in "$@"; do
   case $s in
-    kernels)     step kernels 180 python3 -m benchmarks.kernels --out "$OUT" ;;
+    kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out "$OUT/sweep" ;;
-    store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
-    tests-gpu)   step tests-gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py ;;
+    store)       step store 200 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
+    tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
