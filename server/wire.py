@@ -1,0 +1,85 @@
+"""The framing of batch bodies: several frames in one HTTP body, both ways.
+
+    | length (u64 LE) | frame (length bytes) | length | frame | ... |
+
+Used by ``POST /v1/blocks`` (request) and ``GET /v1/prefixes/{hash}`` (response). Each frame
+is a complete block frame (``cacheseek.store.frame``). A reader never allocates for a
+declared length before checking it against the frame and body limits.
+"""
+
+from __future__ import annotations
+
+import struct
+
+FRAME_CONTENT_TYPE = "application/octet-stream"
+BATCH_CONTENT_TYPE = "application/vnd.cacheseek.frames"
+LENGTH = struct.Struct("<Q")
+MIN_FRAME_BYTES = 16  # a frame's preamble
+
+
+class BatchFormatError(ValueError):
+    """The body is not a well-formed sequence of length-prefixed frames."""
+
+
+class BatchTooLarge(ValueError):
+    """A declared frame length, or the body, is over its limit."""
+
+
+class BatchReader:
+    """Incremental reader: ``feed`` chunks as they arrive, get each frame once it is whole."""
+
+    def __init__(self, *, max_frame_bytes: int, max_body_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self.max_body_bytes = max_body_bytes
+        self.received = 0
+        self.frames = 0
+        self._head = bytearray()
+        self._frame: bytearray | None = None
+        self._filled = 0
+
+    def feed(self, chunk: bytes | memoryview) -> list[bytearray]:
+        view = memoryview(chunk).cast("B")
+        self.received += view.nbytes
+        if self.received > self.max_body_bytes:
+            raise BatchTooLarge(f"body exceeds max_body_bytes ({self.max_body_bytes})")
+        done: list[bytearray] = []
+        while view.nbytes:
+            if self._frame is None:
+                need = LENGTH.size - len(self._head)
+                self._head += view[:need]
+                view = view[need:]
+                if len(self._head) < LENGTH.size:
+                    break
+                (length,) = LENGTH.unpack(self._head)
+                self._head.clear()
+                self._start(length, consumed=self.received - view.nbytes)
+                continue
+            n = min(view.nbytes, len(self._frame) - self._filled)
+            self._frame[self._filled : self._filled + n] = view[:n]
+            self._filled += n
+            view = view[n:]
+            if self._filled == len(self._frame):
+                done.append(self._frame)
+                self._frame = None
+                self.frames += 1
+        return done
+
+    def _start(self, length: int, consumed: int) -> None:
+        """A frame of ``length`` bytes starts at body offset ``consumed``."""
+        where = f"frame {self.frames}"
+        if length > self.max_frame_bytes:
+            raise BatchTooLarge(f"{where}: declared length {length} exceeds max_frame_bytes ({self.max_frame_bytes})")
+        if consumed + length > self.max_body_bytes:
+            raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({self.max_body_bytes})")
+        if length < MIN_FRAME_BYTES:
+            raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble")
+        self._frame = bytearray(length)
+        self._filled = 0
+
+    def finish(self) -> None:
+        """The body ended: it must end on a frame boundary."""
+        if self._frame is not None:
+            raise BatchFormatError(
+                f"frame {self.frames}: body ended after {self._filled} of {len(self._frame)} declared bytes")
+        if self._head:
+            raise BatchFormatError(f"frame {self.frames}: body ended inside a length prefix")
