@@ -21,7 +21,7 @@ from cacheseek.store.tiered import TieredStore
 from .errors import BadFrame, HashMismatch, NotFound
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
-from .wire import LENGTH
+from cacheseek.wire import LENGTH
 
 
 @dataclass(slots=True)

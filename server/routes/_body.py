@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import Request
 
 from ..errors import BadRequest, TooLarge
-from ..wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
+from cacheseek.wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: BINARY},

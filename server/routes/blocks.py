@@ -13,7 +13,7 @@ from cacheseek.errors import StorageError
 
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..service import Incoming
-from ..wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, BatchReader
+from cacheseek.wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, BatchReader
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, declared_length, read_frame_body
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])

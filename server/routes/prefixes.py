@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from ..deps import Hash, Reader, Service
-from ..wire import BATCH_CONTENT_TYPE, LENGTH
+from cacheseek.wire import BATCH_CONTENT_TYPE, LENGTH
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])

@@ -1,4 +1,5 @@
-"""The framing of batch bodies: several frames in one HTTP body, both ways.
+"""The framing of batch bodies: several frames in one HTTP body, both ways (the wire contract
+shared by the server and ``RemoteCache``).
 
     | length (u64 LE) | frame (length bytes) | length | frame | ... |
 
