@@ -6,7 +6,8 @@ KV's own device, moves each compact frame to the host just before it is sent, an
 them all in one ``POST /v1/blocks``. Materialize asks for the longest stored prefix, streams
 its frames from ``GET /v1/prefixes/{last hash}``, checks each (checksum, hash, codec, layout),
 and decodes them on the target device. One ``httpx.Client`` (keep-alive, a connection pool)
-serves every call; the object is safe to share between threads.
+serves every call, over ``BulkTransport`` (keep-alive, a connection pool, bodies moved with
+one copy); the object is safe to share between threads.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .quant.kivi import KIVI
 from .store.device import frame_to_host
 from .store.frame import parse_frame
 from .store.tier import BlockFrame
+from .transport import BulkTransport
 from .units import parse_size
 from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchReader
 
@@ -71,7 +73,7 @@ class RemoteCache:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(
             base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            transport=BulkTransport(max_connections=max_connections),
         )
 
     # -- keys ----------------------------------------------------------------------------
@@ -185,7 +187,8 @@ class RemoteCache:
     def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
         """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid."""
         frames: list[BlockFrame] = []
-        reader = BatchReader(max_frame_bytes=_UNLIMITED, max_body_bytes=_UNLIMITED)
+        # BulkTransport hands out fresh buffers: frames inside one are used in place.
+        reader = BatchReader(max_frame_bytes=_UNLIMITED, max_body_bytes=_UNLIMITED, zero_copy=True)
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
             with self._http.stream("GET", path) as response:
@@ -200,7 +203,7 @@ class RemoteCache:
                         meta = parse_frame(buf, verify=True)
                         check_frame(meta, key=hashes[i], codec_spec=self._codec_spec, layout=self.layout,
                                     block_tokens=self.block_tokens)
-                        frames.append(BlockFrame(meta, host=memoryview(buf), sealed=True))
+                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
         except (FrameError, httpx.RemoteProtocolError, httpx.ReadError):
             pass  # a bad or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:

@@ -29,7 +29,11 @@ class BatchTooLarge(ValueError):
 class BatchReader:
     """Incremental reader: ``feed`` chunks as they arrive, get each frame once it is whole."""
 
-    def __init__(self, *, max_frame_bytes: int, max_body_bytes: int) -> None:
+    def __init__(self, *, max_frame_bytes: int, max_body_bytes: int, zero_copy: bool = False) -> None:
+        """With ``zero_copy``, a frame that lies whole inside one fed chunk is returned as a
+        view of that chunk (the caller must not reuse the chunk's memory); else every frame
+        is copied into a buffer of its own."""
+        self.zero_copy = zero_copy
         self.max_frame_bytes = max_frame_bytes
         self.max_body_bytes = max_body_bytes
         self.received = 0
@@ -38,12 +42,12 @@ class BatchReader:
         self._frame: bytearray | None = None
         self._filled = 0
 
-    def feed(self, chunk: bytes | memoryview) -> list[bytearray]:
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[bytearray | memoryview]:
         view = memoryview(chunk).cast("B")
         self.received += view.nbytes
         if self.received > self.max_body_bytes:
             raise BatchTooLarge(f"body exceeds max_body_bytes ({self.max_body_bytes})")
-        done: list[bytearray] = []
+        done: list[bytearray | memoryview] = []
         while view.nbytes:
             if self._frame is None:
                 need = LENGTH.size - len(self._head)
@@ -53,7 +57,14 @@ class BatchReader:
                     break
                 (length,) = LENGTH.unpack(self._head)
                 self._head.clear()
-                self._start(length, consumed=self.received - view.nbytes)
+                self._check(length, consumed=self.received - view.nbytes)
+                if self.zero_copy and view.nbytes >= length:
+                    done.append(view[:length])
+                    view = view[length:]
+                    self.frames += 1
+                else:
+                    self._frame = bytearray(length)
+                    self._filled = 0
                 continue
             n = min(view.nbytes, len(self._frame) - self._filled)
             self._frame[self._filled : self._filled + n] = view[:n]
@@ -65,7 +76,7 @@ class BatchReader:
                 self.frames += 1
         return done
 
-    def _start(self, length: int, consumed: int) -> None:
+    def _check(self, length: int, consumed: int) -> None:
         """A frame of ``length`` bytes starts at body offset ``consumed``."""
         where = f"frame {self.frames}"
         if length > self.max_frame_bytes:
@@ -74,8 +85,6 @@ class BatchReader:
             raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({self.max_body_bytes})")
         if length < MIN_FRAME_BYTES:
             raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble")
-        self._frame = bytearray(length)
-        self._filled = 0
 
     def finish(self) -> None:
         """The body ended: it must end on a frame boundary."""

@@ -54,9 +54,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"cacheseek serve: bad settings:\n{exc}", file=sys.stderr)
         return 2
     print("cacheseek serve: settings " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    http: Any = settings.http
+    if http == "auto":
+        from .protocol import protocol_class
+
+        http = protocol_class() or "auto"
     config = uvicorn.Config(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=settings.access_log, http=settings.http, loop=settings.loop, lifespan="on",
+        access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
         timeout_graceful_shutdown=int(settings.graceful_timeout_s), timeout_keep_alive=int(settings.keepalive_timeout_s),
         server_header=False,
     )

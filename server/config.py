@@ -95,7 +95,8 @@ class ServerSettings(BaseSettings):
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     access_log: bool = Field(False, description="log every request (costly at high request rates)")
-    http: Literal["auto", "h11", "httptools"] = Field("auto", description="uvicorn HTTP implementation")
+    http: Literal["auto", "h11", "httptools"] = Field(
+        "auto", description="uvicorn HTTP implementation; auto: httptools with a leaner body path (server.protocol)")
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
     graceful_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
     keepalive_timeout_s: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")

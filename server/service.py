@@ -23,6 +23,8 @@ from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
 from cacheseek.wire import LENGTH
 
+PUT_GROUP = 4  # frames per store call
+
 
 @dataclass(slots=True)
 class Incoming:
@@ -70,6 +72,10 @@ class BlockService:
             raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
         return Incoming(buf, meta)
 
+    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes) -> PutReport:
+        """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
+        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash)])[0]
+
     def put(self, namespace: str, frames: list[Incoming]) -> list[PutReport]:
         """Store checked frames (in order), after checking each one's position against its
         parent's (in this batch or stored). Blocks already stored anywhere are not written again."""
@@ -89,8 +95,12 @@ class BlockService:
                 buf = rewrite_prefix(meta, buf, inc.meta.payload_offset)
             items.append((key, BlockFrame(meta, host=memoryview(buf), sealed=True)))
             slots.append(len(reports) - 1)
+        outcomes = []
+        for start in range(0, len(items), PUT_GROUP):
+            # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
+            outcomes += self.store.put_many(items[start : start + PUT_GROUP])
         if items:
-            for i, outcome in zip(slots, self.store.put_many(items)):
+            for i, outcome in zip(slots, outcomes):
                 report = reports[i]
                 report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
                 report.errors = dict(outcome.errors)

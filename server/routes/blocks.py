@@ -31,9 +31,8 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     buf = await read_frame_body(request, settings.max_frame_bytes)
-    incoming = await run_in_threadpool(service.check_frame, buf, url_hash=hash)
-    del buf
-    (report,) = await run_in_threadpool(service.put, caller.namespace, [incoming])
+    # One hand-off to a worker thread for the check (checksum) and the store (copies, disk I/O).
+    report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash)
     if report.status == "failed":
         raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
     return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
