@@ -207,6 +207,11 @@ def chain_frames(n: int, seed: int) -> list[tuple[bytes, bytes]]:
     return out
 
 
+def client_chains(clients: int, per_client: int) -> list[tuple[bytes, bytes]]:
+    """One chain of ``per_client`` frames for each client, laid end to end."""
+    return [x for c in range(clients) for x in chain_frames(per_client, 1000 * clients + c)]
+
+
 def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int) -> list[dict]:
     rows = []
 
@@ -297,11 +302,8 @@ def main() -> None:
         sys.exit("redis-server is not on PATH: it is the baseline")
     per = {n: max(2, args.frames if n == 1 else args.frames // 3) for n in clients}
     need = max(n * per[n] for n in clients)
-    t0 = time.time()
-    _FRAMES = chain_frames(need, 1)
-    frame_mb = len(_FRAMES[0][1]) / 1e6
-    print(f"{need} int4 frames of {frame_mb:.2f} MB built in {time.time() - t0:.1f}s", flush=True)
-    budget = f"{int(need * len(_FRAMES[0][1]) * 1.2) + (256 << 20)}"
+    frame_mb = len(make_frame(0)[1]) / 1e6
+    budget = f"{int(need * frame_mb * 1e6 * 1.2) + (256 << 20)}"
     rows: list[dict] = []
     procs: list[Proc] = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
@@ -312,6 +314,10 @@ def main() -> None:
             cs_proc, cs_url = start_cacheseek(tmp, "cpu", "--cpu-bytes", budget, "--disk-bytes", "0")
             procs.append(cs_proc)
             for n in clients:
+                t0 = time.time()
+                _FRAMES = client_chains(n, per[n])  # the client processes fork with these
+                print(f"{n} client(s): {len(_FRAMES)} int4 frames of {frame_mb:.2f} MB built in "
+                      f"{time.time() - t0:.1f}s", flush=True)
                 rows += redis_rows(rport, [n], per[n], args.reps)
                 rows += cacheseek_rows(cs_url, "cacheseek (cpu tier)", [n], per[n], args.reps)
             lookup = lookup_latency(cs_url, rport, args.lookup_blocks, args.lookups)
@@ -322,6 +328,7 @@ def main() -> None:
                 disk_proc, disk_url = start_cacheseek(tmp, "disk", "--cpu-bytes", "0", "--disk-bytes", budget)
                 procs.append(disk_proc)
                 for n in clients:
+                    _FRAMES = client_chains(n, per[n])
                     rows += cacheseek_rows(disk_url, "cacheseek (disk, fsync)", [n], per[n], max(1, args.reps - 1))
         finally:
             for p in procs:

@@ -128,6 +128,11 @@ class ServerSettings(BaseSettings):
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
 
+    @field_validator("read_token", "write_token", "namespace_secret", mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: Any) -> Any:
+        return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
+
     @field_validator("disk_path", mode="before")
     @classmethod
     def _path(cls, value: Any) -> Any:

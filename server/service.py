@@ -15,6 +15,7 @@ from typing import Any
 from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.frame import FrameMeta, check_codec_layout, parse_frame
+from cacheseek.store.cpu import CpuTier
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from cacheseek.store.tiered import TieredStore
 
@@ -139,9 +140,24 @@ class BlockService:
         frame, tier = got
         return self.wire_segments(namespace, frame), tier
 
+    def get_nowait(self, namespace: str, h: bytes) -> tuple[list[Any], str] | None:
+        """``get`` when the block is in host memory (no I/O), else None."""
+        frame = self.get_in_memory(self.namespaces.stored_key(namespace, h))
+        if frame is None:
+            return None
+        return self.wire_segments(namespace, frame), self.store.tiers[0].name
+
     def get_stored(self, key: bytes) -> BlockFrame | None:
         got = self.store.get(key)
         return got[0] if got is not None else None
+
+    def get_in_memory(self, key: bytes) -> BlockFrame | None:
+        """The frame if the top tier holds it in host memory (no I/O: safe in the event loop),
+        else None: the caller then reads it through ``get_stored`` in a worker thread."""
+        top = self.store.tiers[0]
+        if not isinstance(top, CpuTier) or top.info(key) is None:
+            return None
+        return top.get(key)
 
     def wire_segments(self, namespace: str, frame: BlockFrame) -> list[Any]:
         """A stored frame as the client sent it: [header prefix, payload], payload not copied."""

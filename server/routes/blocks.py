@@ -71,7 +71,8 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
 )
 async def get_block(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
     """The frame of one block, from the fastest tier holding it (the payload is not copied)."""
-    segments, tier = await run_in_threadpool(service.get, caller.namespace, hash)
+    got = service.get_nowait(caller.namespace, hash)  # in host memory: no I/O, no thread hand-off
+    segments, tier = got if got is not None else await run_in_threadpool(service.get, caller.namespace, hash)
     nbytes = sum(memoryview(s).nbytes for s in segments)
     service.metrics.frame_bytes_sent.inc(nbytes)
 

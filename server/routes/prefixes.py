@@ -35,13 +35,22 @@ async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingR
     total = service.stream_nbytes(chain)
     namespace = caller.namespace
 
+    def fetch(key: bytes) -> asyncio.Future:
+        # A frame in host memory is taken at once; one elsewhere (disk) is read in a worker thread.
+        frame = service.get_in_memory(key)
+        if frame is not None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(frame)
+            return done
+        return asyncio.ensure_future(run_in_threadpool(service.get_stored, key))
+
     async def body():
-        fetch = asyncio.ensure_future(run_in_threadpool(service.get_stored, chain[0][0]))
+        pending = fetch(chain[0][0])
         try:
             for i, (key, info) in enumerate(chain):
-                frame = await fetch
+                frame = await pending
                 if i + 1 < len(chain):
-                    fetch = asyncio.ensure_future(run_in_threadpool(service.get_stored, chain[i + 1][0]))
+                    pending = fetch(chain[i + 1][0])
                 if frame is None or frame.meta.nbytes != info.nbytes:
                     raise ChainBroken(f"block at position {info.position} vanished while streaming")
                 segments = service.wire_segments(namespace, frame)
@@ -53,10 +62,10 @@ async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingR
                 service.metrics.frame_bytes_sent.inc(info.nbytes)
                 del frame, segments, head
         finally:
-            if not fetch.done():
-                fetch.cancel()
-            await asyncio.gather(fetch, return_exceptions=True)
-        await run_in_threadpool(service.touch_chain, [key for key, _ in chain])
+            if not pending.done():
+                pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        service.touch_chain([key for key, _ in chain])  # index updates only
 
     return StreamingResponse(body(), media_type=BATCH_CONTENT_TYPE,
                              headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})
