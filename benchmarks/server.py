@@ -262,7 +262,7 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int) -> dict:
     for h, f in chain:
         r.set(h, f)
     keys = [h for h, _ in chain]
-    with httpx.Client(base_url=url) as c:
+    with httpx.Client(base_url=url, transport=BulkTransport()) as c:  # RemoteCache's client
         total = sum(8 + len(f) for _, f in chain)
         c.post("/v1/blocks", content=_chain_body(list(reversed(chain))),
                headers={"content-length": str(total)}).raise_for_status()

@@ -473,3 +473,12 @@ def test_16_concurrent_clients_lose_nothing(tmp_path):
     with Server(tmp_path, disk=True) as again, httpx.Client(base_url=again.url) as c:
         for h, f in expected.items():
             assert c.get(f"/v1/blocks/{h.hex()}").content == f
+
+
+def test_demo_command_without_the_demo_module_says_so(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("cacheseek.integrations.demo") is not None:
+        pytest.skip("the demo is installed; its own tests cover it")
+    out = subprocess.run([*cacheseek_command(), "demo"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cacheseek.integrations.demo is missing" in out.stderr
