@@ -5,8 +5,8 @@ copy), and stops reading once 64 KiB wait unread, resuming when the app asks for
 10 MB frames that is two extra passes over every byte and a pause and wake-up per 64 KiB,
 which on a busy host made a bare uvicorn app that discards bodies slower than
 ``redis-server`` taking the same bytes. Here the pieces are kept as they arrive and given to
-the app as they are (joined only when several wait), and reading pauses only past
-``high_water`` bytes.
+the app one by one as they are (never copied or joined), and reading pauses only past
+``high_water`` bytes waiting.
 
 This overrides two methods of uvicorn's classes; ``protocol_class()`` checks that they look
 as expected and otherwise returns None, and the server falls back to plain ``httptools``.
@@ -15,6 +15,7 @@ as expected and otherwise returns None, and the server falls back to plain ``htt
 from __future__ import annotations
 
 import inspect
+from collections import deque
 from typing import Any
 
 HIGH_WATER = 1 << 20
@@ -31,24 +32,24 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
         return None
 
     class PiecesCycle(cycle_cls):  # type: ignore[misc, valid-type]
-        pieces: list[bytes]
+        pieces: deque[bytes]
         waiting: int
 
         async def receive(self) -> Any:
             if self.waiting_for_100_continue and not self.transport.is_closing():
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.waiting_for_100_continue = False
-            if not self.disconnected and not self.response_complete:
+            if not self.pieces and not self.disconnected and not self.response_complete:
                 self.flow.resume_reading()
                 await self.message_event.wait()
                 self.message_event.clear()
             if self.disconnected or self.response_complete:
                 return {"type": "http.disconnect"}
-            pieces = self.pieces
-            body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-            self.pieces = []
-            self.waiting = 0
-            return {"type": "http.request", "body": body, "more_body": self.more_body}
+            body = self.pieces.popleft() if self.pieces else b""
+            self.waiting -= len(body)
+            if self.waiting <= high_water:
+                self.flow.resume_reading()
+            return {"type": "http.request", "body": body, "more_body": bool(self.pieces) or self.more_body}
 
     class PiecesProtocol(proto_cls):  # type: ignore[misc, valid-type]
         def on_headers_complete(self) -> None:
@@ -56,7 +57,7 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
             cycle = getattr(self, "cycle", None)
             if cycle is not None and type(cycle) is cycle_cls:
                 cycle.__class__ = PiecesCycle
-                cycle.pieces = []
+                cycle.pieces = deque()
                 cycle.waiting = 0
 
         def on_body(self, body: bytes) -> None:
