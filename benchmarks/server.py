@@ -37,7 +37,7 @@ from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI, Raw
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.transport import BulkTransport
-from cacheseek.wire import BatchReader
+from cacheseek.wire import iter_frames
 
 from .report import plot_bars, table, write_json
 
@@ -163,11 +163,9 @@ def _client(job: tuple[str, str, int, int, int]) -> int:
                 with c.stream("GET", f"/v1/blocks/{h.hex()}") as got:
                     n = sum(len(chunk) for chunk in got.iter_raw())
                 assert got.status_code == 200 and n == len(f)
-        elif op == "prefix":  # as RemoteCache reads it: frames split out of the stream, in place where possible
-            reader = BatchReader(max_frame_bytes=1 << 40, max_body_bytes=1 << 40, zero_copy=True)
+        elif op == "prefix":  # as RemoteCache reads it: each frame into a buffer of its own
             with c.stream("GET", f"/v1/prefixes/{mine[-1][0].hex()}") as got:
-                frames = [f for chunk in got.iter_raw() for f in reader.feed(chunk)]
-            reader.finish()
+                frames = list(iter_frames(got, max_frame_bytes=1 << 40))
             assert got.status_code == 200 and sum(len(f) for f in frames) == moved, got.status_code
         else:
             raise ValueError(op)

@@ -32,7 +32,7 @@ from .store.frame import parse_frame
 from .store.tier import BlockFrame
 from .transport import BulkTransport
 from .units import parse_size
-from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchReader
+from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 _UNLIMITED = 1 << 62
@@ -187,24 +187,21 @@ class RemoteCache:
     def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
         """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid."""
         frames: list[BlockFrame] = []
-        # BulkTransport hands out fresh buffers: frames inside one are used in place.
-        reader = BatchReader(max_frame_bytes=_UNLIMITED, max_body_bytes=_UNLIMITED, zero_copy=True)
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
             with self._http.stream("GET", path) as response:
                 if response.status_code == 404:
                     return []  # the chain lost a block since the lookup
                 self._raise_for_status(response, path, streamed=True)
-                for chunk in response.iter_raw():
-                    for buf in reader.feed(chunk):
-                        i = len(frames)
-                        if i >= len(hashes):
-                            return frames
-                        meta = parse_frame(buf, verify=True)
-                        check_frame(meta, key=hashes[i], codec_spec=self._codec_spec, layout=self.layout,
-                                    block_tokens=self.block_tokens)
-                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
-        except (FrameError, httpx.RemoteProtocolError, httpx.ReadError):
+                for buf in iter_frames(response, max_frame_bytes=_UNLIMITED):
+                    i = len(frames)
+                    if i >= len(hashes):
+                        break
+                    meta = parse_frame(buf, verify=True)
+                    check_frame(meta, key=hashes[i], codec_spec=self._codec_spec, layout=self.layout,
+                                block_tokens=self.block_tokens)
+                    frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+        except (FrameError, BatchFormatError, httpx.RemoteProtocolError, httpx.ReadError):
             pass  # a bad or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None

@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+BODY_EXTENSION = "cacheseek_body"
 _HEAD_LIMIT = 64 * 1024
 _SMALL = 64 * 1024  # request chunks below this are gathered into one send
 
@@ -73,7 +74,10 @@ class BulkTransport(httpx.BaseTransport):
         body = _Body(self, sock, (host, port), request, status, headers, rest)
         if send_error is not None:
             body._reusable = False
-        return httpx.Response(status, headers=headers, stream=body, extensions={"http_version": b"HTTP/1.1"})
+        # httpx wraps the stream; the extension gives readers that know their record sizes
+        # (``cacheseek.wire.iter_frames``) the body's ``read_exactly``.
+        return httpx.Response(status, headers=headers, stream=body,
+                              extensions={"http_version": b"HTTP/1.1", BODY_EXTENSION: body})
 
     def close(self) -> None:
         with self._lock:
@@ -184,6 +188,41 @@ class _Body(httpx.SyncByteStream):
             raise _as_httpx(exc, self._request, reading=True) from None
         finally:
             self.close()
+
+    def read_exactly(self, n: int) -> bytearray | None:
+        """The next ``n`` bytes of a body of known length, read straight into one new buffer;
+        None at the end of the body. For readers that know their record sizes (frames)."""
+        if self._chunked or self._length is None:
+            raise RuntimeError("read_exactly needs a body of known length")
+        if self._length == 0:
+            self._done = True
+            self.close()
+            return None
+        if self._sock is None:
+            raise httpx.StreamClosed()
+        if n > self._length:
+            raise httpx.RemoteProtocolError(f"{n} bytes wanted, {self._length} left in the body",
+                                            request=self._request)
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = min(len(self._rest), n)
+        view[:got] = self._rest[:got]
+        self._rest = self._rest[got:]
+        try:
+            while got < n:
+                k = self._sock.recv_into(view[got:])
+                if not k:
+                    raise httpx.RemoteProtocolError("connection closed inside the body", request=self._request)
+                got += k
+        except OSError as exc:
+            self._reusable = False
+            self.close()
+            raise _as_httpx(exc, self._request, reading=True) from None
+        self._length -= n
+        if self._length == 0:
+            self._done = True
+            self.close()
+        return buf
 
     def _iter_length(self) -> Iterator[Any]:
         remaining = self._length

@@ -11,6 +11,8 @@ declared length before checking it against the frame and body limits.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
+from typing import Any
 
 FRAME_CONTENT_TYPE = "application/octet-stream"
 BATCH_CONTENT_TYPE = "application/vnd.cacheseek.frames"
@@ -93,3 +95,30 @@ class BatchReader:
                 f"frame {self.frames}: body ended after {self._filled} of {len(self._frame)} declared bytes")
         if self._head:
             raise BatchFormatError(f"frame {self.frames}: body ended inside a length prefix")
+
+
+def iter_frames(response: Any, *, max_frame_bytes: int) -> Iterator[bytearray | memoryview]:
+    """The frames of a streamed batch response (an ``httpx.Response`` opened with ``stream``).
+
+    With ``BulkTransport`` each frame is read straight into a buffer of its own (one copy,
+    exactly sized); with any other transport the chunks go through a ``BatchReader``."""
+    body = getattr(response, "extensions", {}).get("cacheseek_body")  # BulkTransport's (see there)
+    read_exactly = getattr(body, "read_exactly", None)
+    if read_exactly is None:
+        reader = BatchReader(max_frame_bytes=max_frame_bytes, max_body_bytes=1 << 62)
+        for chunk in response.iter_raw():
+            yield from reader.feed(chunk)
+        reader.finish()
+        return
+    index = 0
+    while (head := read_exactly(LENGTH.size)) is not None:
+        (length,) = LENGTH.unpack(head)
+        if length > max_frame_bytes:
+            raise BatchTooLarge(f"frame {index}: declared length {length} exceeds {max_frame_bytes}")
+        if length < MIN_FRAME_BYTES:
+            raise BatchFormatError(f"frame {index}: declared length {length} is shorter than a frame preamble")
+        frame = read_exactly(length)
+        if frame is None:
+            raise BatchFormatError(f"frame {index}: body ended before it")
+        yield frame
+        index += 1

@@ -61,3 +61,17 @@ def test_bulk_transport_reuses_connections_and_reports_a_dead_server(tmp_path):
         srv.stop()
         with pytest.raises(httpx.TransportError):
             c.get("/healthz")
+
+
+def test_iter_frames_reads_a_prefix_stream_with_either_transport(tmp_path):
+    from cacheseek.wire import iter_frames
+    from server_helpers import raw_chain
+
+    chain = raw_chain(9, 4)
+    with Server(tmp_path, disk=False) as srv:
+        for transport in (BulkTransport(), None):
+            with httpx.Client(base_url=srv.url, transport=transport) as c:
+                c.post("/v1/blocks", content=batch_body([f for _, f in chain])).raise_for_status()
+                with c.stream("GET", f"/v1/prefixes/{chain[-1][0].hex()}") as r:
+                    assert [bytes(f) for f in iter_frames(r, max_frame_bytes=1 << 20)] == [f for _, f in chain]
+                assert c.get("/healthz").status_code == 200  # the connection is usable after
