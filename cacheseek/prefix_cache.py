@@ -13,7 +13,7 @@ from .errors import FrameError
 from .hashing import DEFAULT_ALGO, BlockHash
 from .kv_input import kv_layers
 from .layout import KVLayout
-from .prefix_keys import PrefixKeys, is_block_keys
+from .prefix_keys import PrefixKeys, is_block_keys  # noqa: F401  (is_block_keys: kept importable from here)
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
 from .store.tier import BlockFrame

@@ -12,6 +12,7 @@ one copy); the object is safe to share between threads.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,16 +171,19 @@ class RemoteCache:
         return self._request("POST", "/v1/lookup", json=body).json()
 
     def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
+        """Send ``frames`` in one streamed POST. Takes them over: the list is emptied, so each
+        frame's device buffers are freed once it has been sent."""
         total = sum(LENGTH.size + f.meta.nbytes for f in frames)
+        queue = deque(frames)
+        frames.clear()
 
         def body() -> Iterator[bytes | memoryview]:
             # One frame on the host at a time: each is copied off the device just before it is sent.
-            for i, frame in enumerate(frames):
-                host = frame_to_host(frame)
-                frames[i] = host  # the device buffers are not needed any more
+            while queue:
+                host = frame_to_host(queue.popleft())
                 yield LENGTH.pack(host.meta.nbytes)
                 yield from host.wire_segments()
-                frames[i] = None  # type: ignore[call-overload]
+                del host
 
         return self._request("POST", "/v1/blocks", content=body(),
                              headers={"Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)}).json()

@@ -49,7 +49,7 @@ class BulkTransport(httpx.BaseTransport):
             return self._fallback.handle_request(request)
         timeouts = request.extensions.get("timeout", {})
         host, port = request.url.host, request.url.port or 80
-        if not self._slots.acquire(timeout=_seconds(timeouts.get("pool"))):
+        if not self._slots.acquire(timeout=timeouts.get("pool")):
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
         try:
             sock = self._connect(host, port, timeouts, request)
@@ -58,12 +58,12 @@ class BulkTransport(httpx.BaseTransport):
             raise
         send_error: BaseException | None = None
         try:
-            sock.settimeout(_seconds(timeouts.get("write")))
+            sock.settimeout(timeouts.get("write"))
             try:
                 self._send(sock, request)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 send_error = exc  # the server may have answered early (413, 401): read that answer
-            sock.settimeout(_seconds(timeouts.get("read")))
+            sock.settimeout(timeouts.get("read"))
             status, headers, rest = _read_head(sock)
         except BaseException as exc:
             _close(sock)
@@ -100,7 +100,7 @@ class BulkTransport(httpx.BaseTransport):
                     return sock
                 _close(sock)
         try:
-            sock = socket.create_connection((host, port), timeout=_seconds(timeouts.get("connect")))
+            sock = socket.create_connection((host, port), timeout=timeouts.get("connect"))
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(str(exc), request=request) from None
         except OSError as exc:
@@ -358,10 +358,6 @@ def _close(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
-
-
-def _seconds(value: float | None) -> float | None:
-    return value
 
 
 def _as_httpx(exc: BaseException, request: httpx.Request, reading: bool) -> BaseException:

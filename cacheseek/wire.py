@@ -31,11 +31,7 @@ class BatchTooLarge(ValueError):
 class BatchReader:
     """Incremental reader: ``feed`` chunks as they arrive, get each frame once it is whole."""
 
-    def __init__(self, *, max_frame_bytes: int, max_body_bytes: int, zero_copy: bool = False) -> None:
-        """With ``zero_copy``, a frame that lies whole inside one fed chunk is returned as a
-        view of that chunk (the caller must not reuse the chunk's memory); else every frame
-        is copied into a buffer of its own."""
-        self.zero_copy = zero_copy
+    def __init__(self, *, max_frame_bytes: int, max_body_bytes: int) -> None:
         self.max_frame_bytes = max_frame_bytes
         self.max_body_bytes = max_body_bytes
         self.received = 0
@@ -44,12 +40,12 @@ class BatchReader:
         self._frame: bytearray | None = None
         self._filled = 0
 
-    def feed(self, chunk: bytes | bytearray | memoryview) -> list[bytearray | memoryview]:
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[bytearray]:
         view = memoryview(chunk).cast("B")
         self.received += view.nbytes
         if self.received > self.max_body_bytes:
             raise BatchTooLarge(f"body exceeds max_body_bytes ({self.max_body_bytes})")
-        done: list[bytearray | memoryview] = []
+        done: list[bytearray] = []
         while view.nbytes:
             if self._frame is None:
                 need = LENGTH.size - len(self._head)
@@ -60,13 +56,8 @@ class BatchReader:
                 (length,) = LENGTH.unpack(self._head)
                 self._head.clear()
                 self._check(length, consumed=self.received - view.nbytes)
-                if self.zero_copy and view.nbytes >= length:
-                    done.append(view[:length])
-                    view = view[length:]
-                    self.frames += 1
-                else:
-                    self._frame = bytearray(length)
-                    self._filled = 0
+                self._frame = bytearray(length)
+                self._filled = 0
                 continue
             n = min(view.nbytes, len(self._frame) - self._filled)
             self._frame[self._filled : self._filled + n] = view[:n]

@@ -14,7 +14,7 @@ from typing import Any
 
 from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
-from cacheseek.store.frame import FrameMeta, check_codec_layout, parse_frame
+from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from cacheseek.store.tiered import TieredStore
@@ -165,8 +165,6 @@ class BlockService:
         if not namespace:
             return segments
         meta = self.namespaces.rekey(namespace, frame.meta)  # XOR: back to the client's hashes
-        from cacheseek.store.frame import header_prefix
-
         payload = memoryview(frame.host).cast("B")[frame.meta.payload_offset :]
         prefix = header_prefix(meta)
         if len(prefix) != frame.meta.payload_offset:  # pragma: no cover - stored headers are packed here

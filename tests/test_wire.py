@@ -16,22 +16,15 @@ BODY = batch_body(FRAMES)
 
 
 @settings(max_examples=40, deadline=None)
-@given(cuts=st.lists(st.integers(0, len(BODY)), max_size=12), zero_copy=st.booleans())
-def test_any_split_of_a_body_gives_the_same_frames(cuts, zero_copy):
-    reader = BatchReader(max_frame_bytes=1 << 20, max_body_bytes=1 << 22, zero_copy=zero_copy)
+@given(cuts=st.lists(st.integers(0, len(BODY)), max_size=12))
+def test_any_split_of_a_body_gives_the_same_frames(cuts):
+    reader = BatchReader(max_frame_bytes=1 << 20, max_body_bytes=1 << 22)
     got = []
     points = [0, *sorted(cuts), len(BODY)]
     for a, b in zip(points, points[1:]):
         got += reader.feed(BODY[a:b])
     reader.finish()
     assert [bytes(f) for f in got] == FRAMES
-
-
-def test_zero_copy_frames_are_views_of_the_chunk():
-    reader = BatchReader(max_frame_bytes=1 << 20, max_body_bytes=1 << 22, zero_copy=True)
-    chunk = bytearray(BODY)
-    frames = reader.feed(chunk)
-    assert all(isinstance(f, memoryview) and f.obj is chunk for f in frames)
 
 
 def test_limits_and_truncation():

@@ -13,7 +13,7 @@ from cacheseek.errors import StorageError
 
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..service import Incoming
-from cacheseek.wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, BatchReader
+from cacheseek.wire import FRAME_CONTENT_TYPE, BatchReader
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, declared_length, read_frame_body
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
@@ -90,5 +90,3 @@ async def delete_block(caller: Writer, hash: Hash, service: Service) -> Response
     await run_in_threadpool(service.delete, caller.namespace, hash)
     return Response(status_code=204)
 
-
-__all__ = ["BATCH_CONTENT_TYPE", "router"]
