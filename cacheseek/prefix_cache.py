@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .block_io import BatchDecoder, check_frame, check_layers, encode_missing
+from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
 from .config import TierConfig
-from .errors import FrameError
+from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, BlockHash
 from .kv_input import kv_layers
 from .layout import KVLayout
@@ -75,7 +75,7 @@ class PrefixCache:
         tiers: TierConfig | None = None,
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
-        max_batch_bytes: int | str = "1GiB",
+        max_batch_bytes: int | str = "128MiB",
     ) -> None:
         self.model_id = model_id
         self.layout = layout
@@ -113,23 +113,28 @@ class PrefixCache:
             return result
         present = self.store.contains_many(hashes)
         result.present = sum(present)
-        # Encode everything first: a bad block (NaN, Inf) then leaves the store untouched.
-        frames: list[tuple[bytes, BlockFrame]] = [
-            (frame.meta.block_hash, frame)
-            for frame in encode_missing(self.codec, self.layout, self.block_tokens, layers, hashes,
-                                        self.keys.parents(hashes), present, self._batch_blocks)
-        ]
-        # Tail first: when a chain overflows a tier, its head stays and its tail is evicted.
-        frames.reverse()
-        for outcome in self.store.put_many(frames):
-            if outcome.stored:
-                result.stored += 1
-            elif outcome.present:
-                result.present += 1
-            else:
-                result.failed += 1
-            for tier, reason in outcome.errors.items():
-                result.errors.setdefault(tier, reason)
+        # Batches go tail first, so when a chain overflows a tier its head stays and its
+        # tail is evicted; on a GPU each batch's encoding overlaps the previous one's copies.
+        # A bad batch (NaN, Inf) undoes the batches this call stored before it.
+        stored: list[bytes] = []
+        try:
+            for batch in iter_encoded(self.codec, self.layout, self.block_tokens, layers, hashes,
+                                      self.keys.parents(hashes), present, self._batch_blocks, tail_first=True):
+                items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
+                for (key, _), outcome in zip(items, self.store.put_many(items)):
+                    if outcome.stored:
+                        result.stored += 1
+                        stored.append(key)
+                    elif outcome.present:
+                        result.present += 1
+                    else:
+                        result.failed += 1
+                    for tier, reason in outcome.errors.items():
+                        result.errors.setdefault(tier, reason)
+        except InputError:
+            for key in stored:
+                self.store.delete(key)
+            raise
         self.store.touch_chain(hashes)
         return result
 
