@@ -60,14 +60,28 @@ def output_cache(out: Any) -> Any:
     raise RuntimeError("the model returned no KV cache (was use_cache disabled?)")
 
 
-def forward(model: Any, input_ids: torch.Tensor, cache: Any = None) -> tuple[torch.Tensor, Any]:
-    """One forward pass over ``input_ids`` [B, T] on top of ``cache``: (logits [B, T, V], cache)."""
-    kwargs = {"use_cache": True}
+def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, *, last_only: bool = False) -> tuple[torch.Tensor, Any]:
+    """One forward pass over ``input_ids`` [B, T] on top of ``cache``: (logits, cache).
+
+    Logits are [B, T, V], or [B, 1, V] with ``last_only`` where the model can skip the LM
+    head for the other positions (``logits_to_keep``); the last row's values are the same
+    either way only up to GEMM blocking, so compare like with like.
+    """
+    kwargs: dict[str, Any] = {"use_cache": True}
     if cache is not None:
         kwargs[cache_kwarg(model)] = cache
+    if last_only:
+        keep = _logits_kwarg(model)
+        if keep is not None:
+            kwargs[keep] = 1
     with torch.no_grad():
         out = model(input_ids=input_ids, **kwargs)
     return out.logits, output_cache(out)
+
+
+def _logits_kwarg(model: Any) -> str | None:
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
 
 
 # -- DynamicCache in and out -------------------------------------------------------------
@@ -161,6 +175,7 @@ class PrefillResult:
         return int(self.logits.argmax())
 
 
+REUSE_MODES = ("auto", "always", "never")
 _planners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -178,7 +193,7 @@ def prefill_with_reuse(
     input_ids: Any,
     *,
     planner: ReusePlanner | None = None,
-    reuse: bool = True,
+    reuse: str = "auto",
     ingest: bool = True,
 ) -> PrefillResult:
     """Prefill a prompt, reusing its longest stored prefix when that pays.
@@ -192,8 +207,12 @@ def prefill_with_reuse(
     4. ``cache.ingest`` the prompt's full blocks (those already stored are not re-encoded).
 
     ``cache`` is a ``PrefixCache`` or a ``RemoteCache``; its layout must match the model's.
-    ``reuse=False`` measures the no-reuse baseline through the same code path.
+    ``reuse``: ``"auto"`` (ask the planner), ``"always"`` (reuse whatever is stored: for
+    benchmarks that time every tier), or ``"never"`` (the no-reuse baseline, through the same
+    code path). Only the last position's logits are computed.
     """
+    if reuse not in REUSE_MODES:
+        raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
     t0 = time.perf_counter()
     device = model_device(model)
     ids = _token_ids(input_ids)
@@ -202,10 +221,13 @@ def prefill_with_reuse(
     timings = PrefillTimings()
 
     reused, tiers, past, decision, skipped = 0, [], None, None, None
-    if reuse and len(ids) > 1:
+    if reuse != "never" and len(ids) > 1:
         located = cache.locate(ids[: len(ids) - 1])
         timings.locate_s = time.perf_counter() - t0
-        decision = planner.decide(located.tiers, located.num_tokens)
+        if reuse == "auto":
+            decision = planner.decide(located.tiers, located.num_tokens)
+        else:
+            decision = ReuseDecision(bool(located.num_tokens), "reuse forced by the caller")
         if located.num_tokens and not decision.reuse:
             skipped = decision.reason
         elif located.num_tokens:
@@ -217,12 +239,12 @@ def prefill_with_reuse(
             _sync(device)
             timings.materialize_s = time.perf_counter() - t
             planner.observe_read(tiers, reused, timings.materialize_s)
-    elif not reuse:
+    elif reuse == "never":
         skipped = "reuse disabled by the caller"
 
     t = time.perf_counter()
     suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
-    logits, past = forward(model, suffix, past)
+    logits, past = forward(model, suffix, past, last_only=True)
     last = logits[0, -1]
     _sync(device)
     timings.forward_s = time.perf_counter() - t
