@@ -7,7 +7,9 @@
 
 from .errors import CacheSeekError, ChecksumError, ConfigError, FrameError, InputError, StorageError
 from .hashing import BlockHash
+from .config import TierConfig
 from .layout import KVLayout
+from .prefix_cache import IngestResult, Located, Materialized, PrefixCache
 from .quant import KIVI, KVLayerCodec, Raw
 
 __version__ = "0.1.0"
@@ -19,10 +21,15 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "FrameError",
+    "IngestResult",
     "InputError",
     "KVLayerCodec",
     "KVLayout",
+    "Located",
+    "Materialized",
+    "PrefixCache",
     "Raw",
     "StorageError",
+    "TierConfig",
     "__version__",
 ]

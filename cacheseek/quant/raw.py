@@ -46,12 +46,10 @@ class Raw:
         return layout.raw_nbytes(num_tokens)
 
     def encode(self, k: Any, v: Any) -> EncodedLayer:
-        import torch
-
-        from .tensors import check_kv, dtype_str
+        from .tensors import all_finite, check_kv, dtype_str
 
         check_kv(k, v)
-        if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
+        if not bool(all_finite(k) & all_finite(v)):
             raise InputError("k or v: holds NaN or Inf; nothing was encoded")
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
         return layer.with_buffers([k.contiguous(), v.contiguous()])

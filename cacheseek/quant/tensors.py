@@ -116,3 +116,23 @@ def check_kv(k: Any, v: Any, *, min_rank: int = 3) -> None:
 
 def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# Exponent bits of each float dtype, seen as an integer: all ones means Inf or NaN.
+_EXPONENT_MASKS = {
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: no NaN and no Inf in ``t`` (no host sync until it is read).
+
+    On the CPU, reading the exponent bits as integers is several times faster than
+    ``isfinite`` on half types, which go through a slow scalar path there.
+    """
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return torch.isfinite(t).all()
+    int_dtype, mask = _EXPONENT_MASKS[t.dtype]
+    return t.view(int_dtype).bitwise_and(mask).max() < mask if t.numel() else torch.tensor(True)

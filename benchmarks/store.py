@@ -1,0 +1,153 @@
+"""Ingest and materialize throughput per tier and codec, against a plain copy.
+
+    python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
+
+Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x 256 tokens x 128, fp16 (33.5 MB
+of raw KV each). Throughput is GB/s of *raw KV represented*. KV lives on the GPU when
+there is one (ingest reads it there, materialize decodes there), else on the CPU.
+
+In-run baseline: a plain copy of the same raw KV to the same place: with a GPU, a
+device-to-pinned-host copy (ingest) and a pinned-host-to-device copy (materialize); on a
+CPU-only machine, a memcpy. Ratios above 1 mean the store beats moving fp16 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import cacheseek as cs
+
+from .report import plot_bars, table, write_json
+
+LAYOUT = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+BLOCK = 256
+CODECS = {
+    "raw": cs.Raw(),
+    "int8": cs.KIVI(bits=8, group_size=32),
+    "int4": cs.KIVI(bits=4, group_size=32),
+    "int2": cs.KIVI(bits=2, group_size=32),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, reps: int, device: torch.device, setup=None) -> float:
+    times = []
+    for i in range(reps + 1):  # the first run warms up
+        if setup:
+            setup(i)
+        _sync(device)
+        start = time.perf_counter()
+        fn(i)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
+    """GB/s of a plain copy of ``nbytes`` of fp16 KV to where the store would put it."""
+    src = torch.randn(nbytes // 2, dtype=torch.float16, device=kv_device)
+    if kv_device.type == "cuda":
+        host = torch.empty(nbytes // 2, dtype=torch.float16, pin_memory=True)
+        d2h = _median_seconds(lambda i: host.copy_(src, non_blocking=True), reps, kv_device)
+        h2d = _median_seconds(lambda i: src.copy_(host, non_blocking=True), reps, kv_device)
+        return {"ingest_gbps": nbytes / d2h / 1e9, "materialize_gbps": nbytes / h2d / 1e9, "kind": "pinned D2H / H2D copy"}
+    dst = torch.empty_like(src)
+    t = _median_seconds(lambda i: dst.copy_(src), reps, kv_device)
+    return {"ingest_gbps": nbytes / t / 1e9, "materialize_gbps": nbytes / t / 1e9, "kind": "memcpy"}
+
+
+def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path) -> dict:
+    codec = CODECS[codec_name]
+    frame_guess = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
+    budget = frame_guess * blocks * 2 + (64 << 20)
+    cfg = {
+        "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0),
+        "cpu": cs.TierConfig(cpu_bytes=budget),
+        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name}", disk_bytes=budget),
+    }[tier]
+    cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg)
+    tokens = blocks * BLOCK
+
+    def toks(i: int) -> list[int]:
+        return [(i * 1_000_003 + j) % 120_000 for j in range(tokens)]
+
+    def clear(i: int) -> None:
+        # Free the previous run's blocks so every run writes into reused memory.
+        for key in cache.block_hashes(toks(i - 1)) if i else []:
+            cache.store.delete(key)
+
+    t_ingest = _median_seconds(lambda i: cache.ingest(toks(i), kv), reps, kv_device, setup=clear)
+    last = toks(reps)
+    if cache.lookup(last) != tokens:
+        raise RuntimeError(f"{codec_name}/{tier}: ingest stored {cache.lookup(last)} of {tokens} tokens")
+    t_mat = _median_seconds(lambda i: cache.materialize(last, device=kv_device), reps, kv_device)
+    stats = cache.stats()["tiers"][0]
+    cache.close()
+    raw = LAYOUT.raw_nbytes(tokens)
+    return {
+        "codec": codec_name, "tier": tier,
+        "ingest_gbps": raw / t_ingest / 1e9, "materialize_gbps": raw / t_mat / 1e9,
+        "ingest_ms": t_ingest * 1e3, "materialize_ms": t_mat * 1e3,
+        "stored_mb_per_block": stats["used_bytes"] / max(1, stats["blocks"]) / 1e6,
+        "compression": stats["compression_ratio"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available()
+    ap.add_argument("--blocks", type=int, default=16 if cuda else 2)
+    ap.add_argument("--reps", type=int, default=5 if cuda else 2)
+    ap.add_argument("--codecs", default="raw,int8,int4,int2")
+    ap.add_argument("--tiers", default="gpu,cpu,disk" if cuda else "cpu,disk")
+    ap.add_argument("--disk-dir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    kv_device = torch.device("cuda" if cuda else "cpu")
+    tokens = args.blocks * BLOCK
+    gen = torch.Generator(device=kv_device).manual_seed(0)
+    kv = [
+        (torch.randn(8, tokens, 128, device=kv_device, generator=gen, dtype=torch.float16),
+         torch.randn(8, tokens, 128, device=kv_device, generator=gen, dtype=torch.float16))
+        for _ in range(LAYOUT.num_layers)
+    ]
+    raw = LAYOUT.raw_nbytes(tokens)
+    base = baseline(kv_device, raw, args.reps)
+    print(f"baseline ({base['kind']}, {raw / 1e9:.2f} GB): ingest-side {base['ingest_gbps']:.1f} GB/s, "
+          f"materialize-side {base['materialize_gbps']:.1f} GB/s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
+        for codec in args.codecs.split(","):
+            for tier in args.tiers.split(","):
+                row = run_case(codec, tier, kv, kv_device, args.blocks, args.reps, Path(tmp))
+                row["ingest_vs_copy"] = row["ingest_gbps"] / base["ingest_gbps"]
+                row["materialize_vs_copy"] = row["materialize_gbps"] / base["materialize_gbps"]
+                rows.append(row)
+                print(f"  {codec:5s} {tier:5s} ingest {row['ingest_gbps']:7.1f} GB/s ({row['ingest_vs_copy']:.2f}x)  "
+                      f"materialize {row['materialize_gbps']:7.1f} GB/s ({row['materialize_vs_copy']:.2f}x)", flush=True)
+    path = write_json("store", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
+                                "kv_device": str(kv_device), "baseline": base, "rows": rows}, args.out)
+    labels = [f"{r['codec']}/{r['tier']}" for r in rows]
+    plot_bars("store", labels, {"ingest": [r["ingest_gbps"] for r in rows],
+                                "materialize": [r["materialize_gbps"] for r in rows]},
+              "GB/s of raw KV", args.out)
+    cols = ["codec", "tier", "ingest_gbps", "ingest_vs_copy", "materialize_gbps", "materialize_vs_copy",
+            "stored_mb_per_block", "compression"]
+    print(f"wrote {path}")
+    print(table(rows, cols, f"Store throughput, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens, KV on {kv_device}; "
+                            f"baseline {base['kind']}: {base['ingest_gbps']:.1f} / {base['materialize_gbps']:.1f} GB/s"))
+
+
+if __name__ == "__main__":
+    main()

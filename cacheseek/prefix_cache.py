@@ -1,0 +1,229 @@
+"""``PrefixCache``: the embedded cache a worker holds. Tiers live in this process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .block_io import block_parents, check_frame, check_layers, decode_frames, encode_blocks
+from .config import TierConfig
+from .errors import FrameError, InputError
+from .hashing import DEFAULT_ALGO, BlockHash, chain_hashes, hash_token_blocks, root_hash
+from .kv_input import kv_layers
+from .layout import KVLayout
+from .quant.codec import KVLayerCodec
+from .quant.kivi import KIVI
+from .store.tier import BlockFrame
+from .units import parse_size
+
+
+@dataclass(slots=True)
+class IngestResult:
+    """``blocks``: full blocks in the input; ``stored``: newly written; ``present``: already
+    stored (not encoded again); ``failed``: stored nowhere; ``errors``: tier -> reason."""
+
+    blocks: int
+    stored: int
+    present: int
+    tokens: int
+    failed: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Located:
+    """The longest stored prefix, and the fastest tier holding each of its blocks."""
+
+    num_blocks: int
+    num_tokens: int
+    tiers: list[str]
+
+
+@dataclass(slots=True)
+class Materialized:
+    """KV of the longest stored prefix, decoded on ``device``.
+
+    ``layers[i]`` is (K, V), each [1, H, num_tokens, D]; empty when nothing matched.
+    """
+
+    num_tokens: int
+    num_blocks: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    tiers: list[str]
+    device: torch.device
+
+    def to_dynamic_cache(self) -> Any:
+        """An HF ``DynamicCache`` holding this KV, ready to continue generation."""
+        from .integrations.transformers import to_dynamic_cache
+
+        return to_dynamic_cache(self.layers)
+
+
+def is_block_keys(keys: Any) -> bool:
+    return isinstance(keys, (list, tuple)) and len(keys) > 0 and isinstance(keys[0], (bytes, bytearray, memoryview))
+
+
+class PrefixCache:
+    """Stores and returns KV for prefix blocks, keyed by a chained hash of their content."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        layout: KVLayout,
+        codec: KVLayerCodec | None = None,
+        block_tokens: int = 256,
+        tiers: TierConfig | None = None,
+        namespace: str = "",
+        hash_algo: str = DEFAULT_ALGO,
+        max_batch_bytes: int | str = "1GiB",
+    ) -> None:
+        self.model_id = model_id
+        self.layout = layout
+        self.codec = codec if codec is not None else KIVI(bits=4, group_size=32)
+        self.block_tokens = block_tokens
+        self.namespace = namespace
+        self.hash_algo = hash_algo
+        self.codec.check_layout(layout, block_tokens)
+        self.root = root_hash(
+            namespace=namespace, model_id=model_id, layout_fingerprint=layout.fingerprint(),
+            block_tokens=block_tokens, codec_fingerprint=self.codec.fingerprint(), algo=hash_algo,
+        )
+        self._codec_spec = self.codec.spec()
+        self._batch_blocks = max(1, parse_size(max_batch_bytes, name="max_batch_bytes") // layout.raw_nbytes(block_tokens))
+        self.store = (tiers or TierConfig()).build()
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def block_hashes(self, keys: Any) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""
+        if is_block_keys(keys):
+            return chain_hashes(self.root, keys, self.hash_algo)
+        hashes = hash_token_blocks(self.root, keys, self.block_tokens, self.hash_algo)
+        return hashes
+
+    def _num_keys(self, keys: Any) -> int:
+        """Tokens named by ``keys``; raises on an empty input."""
+        if is_block_keys(keys):
+            return len(keys) * self.block_tokens
+        n = len(keys) if isinstance(keys, (list, tuple)) else int(getattr(keys, "numel", lambda: len(keys))())
+        if n == 0:
+            raise InputError("token_ids: empty input")
+        return n
+
+    # -- the three calls -----------------------------------------------------------------
+
+    def ingest(self, keys: Any, kv: Any) -> IngestResult:
+        """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
+        input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
+        if isinstance(keys, (list, tuple)) and len(keys) == 0:
+            raise InputError("keys: empty input")
+        layers = kv_layers(kv)
+        tokens = check_layers(layers, self.layout)
+        if is_block_keys(keys):
+            if tokens // self.block_tokens != len(keys):
+                raise InputError(
+                    f"block_keys: {len(keys)} blocks of {self.block_tokens} tokens, but KV holds {tokens} tokens"
+                )
+        elif self._num_keys(keys) != tokens:
+            raise InputError(f"token_ids: {self._num_keys(keys)} tokens, but KV holds {tokens}")
+        hashes = self.block_hashes(keys)
+        result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
+        if not hashes:
+            return result
+        present = self.store.contains_many(hashes)
+        result.present = sum(present)
+        parents = block_parents(self.root, hashes)
+        frames: list[tuple[bytes, BlockFrame]] = []
+        # Encode everything first: a bad block (NaN, Inf) then leaves the store untouched.
+        for start, stop in _runs([not p for p in present], self._batch_blocks):
+            for frame in encode_blocks(
+                self.codec, self.layout, self.block_tokens, layers,
+                first_block=start, hashes=hashes[start:stop], parents=parents[start:stop],
+            ):
+                frames.append((frame.meta.block_hash, frame))
+        # Tail first: when a chain overflows a tier, its head stays and its tail is evicted.
+        frames.reverse()
+        for outcome in self.store.put_many(frames):
+            if outcome.stored:
+                result.stored += 1
+            elif outcome.present:
+                result.present += 1
+            else:
+                result.failed += 1
+            for tier, reason in outcome.errors.items():
+                result.errors.setdefault(tier, reason)
+        self.store.touch_chain(hashes)
+        return result
+
+    def locate(self, keys: Any) -> Located:
+        self._num_keys(keys)
+        tiers = self.store.locate(self.block_hashes(keys))
+        return Located(num_blocks=len(tiers), num_tokens=len(tiers) * self.block_tokens, tiers=tiers)
+
+    def lookup(self, keys: Any) -> int:
+        """Tokens covered by stored full blocks, from the start."""
+        return self.locate(keys).num_tokens
+
+    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
+        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``."""
+        self._num_keys(keys)
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        hashes = self.block_hashes(keys)
+        limit = len(hashes) if max_tokens is None else max(0, max_tokens) // self.block_tokens
+        located = self.store.locate(hashes[:limit])
+        frames: list[BlockFrame] = []
+        tiers: list[str] = []
+        for key, _ in zip(hashes, located):
+            got = self.store.get(key)
+            if got is None:
+                break  # evicted or found corrupt since locate: the prefix ends here
+            frame, tier = got
+            try:
+                check_frame(frame.meta, key=key, codec_spec=self._codec_spec, layout=self.layout,
+                            block_tokens=self.block_tokens)
+            except FrameError:
+                break
+            frames.append(frame)
+            tiers.append(tier)
+        if not frames:
+            return Materialized(0, 0, [], [], device)
+        k, v = decode_frames(self.codec, self.layout, self.block_tokens, frames, device)
+        del frames
+        self.store.touch_chain(hashes[: len(tiers)])
+        layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
+        return Materialized(len(tiers) * self.block_tokens, len(tiers), layers, tiers, device)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
+                "block_tokens": self.block_tokens, **self.store.stats()}
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _runs(flags: Sequence[bool], max_len: int):
+    """[start, stop) ranges of consecutive True flags, each at most ``max_len`` long."""
+    i = 0
+    while i < len(flags):
+        if not flags[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(flags) and flags[j] and j - i < max_len:
+            j += 1
+        yield i, j
+        i = j

@@ -1,0 +1,172 @@
+"""Host memory for the CPU tier: chunks of frames, pinned when a GPU will read them.
+
+Chunks are anonymous mmaps, committed lazily by the OS as frames land, so a large budget
+costs nothing until it is used. With ``pin=True`` and CUDA present, each chunk is page-
+locked (``cudaHostRegister``, or a pinned torch allocation as a fallback) so device copies
+run at DMA speed; torch is imported only then.
+
+A slot is lent out as a memoryview. A slot that is freed while any view of it is alive
+becomes a zombie and is reused only once the last view is gone, so an eviction can never
+overwrite bytes a reader (or an in-flight device copy) is still using.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Chunk:
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = nbytes
+        self.pinned = False
+        self._keep: Any = None
+        self.base = 0
+        if pin:
+            self._try_pin()
+        if not self.base:
+            self._mmap = mmap.mmap(-1, nbytes)
+            self._anchor = ctypes.c_ubyte.from_buffer(self._mmap)
+            self.base = ctypes.addressof(self._anchor)
+        # sorted, coalesced free extents: offsets and sizes
+        self.free_offsets: list[int] = [0]
+        self.free_sizes: list[int] = [nbytes]
+
+    def _try_pin(self) -> None:
+        try:
+            import torch
+        except ImportError:
+            return
+        if not torch.cuda.is_available():
+            return
+        # A pinned torch allocation: the caching host allocator rounds to powers of two,
+        # so chunks are sized as powers of two by the arena to waste nothing.
+        t = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self._keep = t
+        self.base = t.data_ptr()
+        self.pinned = True
+
+    def allocate(self, nbytes: int) -> int | None:
+        for i, size in enumerate(self.free_sizes):
+            if size >= nbytes:
+                offset = self.free_offsets[i]
+                if size == nbytes:
+                    del self.free_offsets[i], self.free_sizes[i]
+                else:
+                    self.free_offsets[i] += nbytes
+                    self.free_sizes[i] -= nbytes
+                return offset
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self.free_offsets, offset)
+        # merge with the next extent
+        if i < len(self.free_offsets) and offset + nbytes == self.free_offsets[i]:
+            nbytes += self.free_sizes[i]
+            del self.free_offsets[i], self.free_sizes[i]
+        # merge with the previous extent
+        if i > 0 and self.free_offsets[i - 1] + self.free_sizes[i - 1] == offset:
+            self.free_sizes[i - 1] += nbytes
+            return
+        self.free_offsets.insert(i, offset)
+        self.free_sizes.insert(i, nbytes)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(self.free_sizes)
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    chunk: _Chunk
+    offset: int
+    nbytes: int  # bytes reserved (aligned)
+    buf: Any = field(default=None, repr=False)  # the one object every view of this slot exports from
+    base_refs: int = 0
+
+    def view(self, nbytes: int | None = None) -> memoryview:
+        return memoryview(self.buf).cast("B")[: self.nbytes if nbytes is None else nbytes]
+
+    def in_use(self) -> bool:
+        return sys.getrefcount(self.buf) > self.base_refs
+
+
+class HostArena:
+    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks."""
+
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 256 << 20) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.pin = pin
+        # Powers of two, so a pinned torch allocation wastes nothing.
+        size = 1 << max(20, (min(chunk_bytes, max(capacity_bytes, 1)) - 1).bit_length())
+        self.chunk_bytes = size
+        self._chunks: list[_Chunk] = []
+        self._zombies: list[Slot] = []
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(c.nbytes for c in self._chunks)
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self._chunks) and all(c.pinned for c in self._chunks)
+
+    @property
+    def zombies(self) -> int:
+        return len(self._zombies)
+
+    def allocate(self, nbytes: int) -> Slot | None:
+        """A slot of at least ``nbytes``, or None when no contiguous room is left."""
+        need = _align(nbytes)
+        if need > self.chunk_bytes:
+            return None
+        self.reap()
+        for chunk in self._chunks:
+            offset = chunk.allocate(need)
+            if offset is not None:
+                return self._slot(chunk, offset, need)
+        if self.reserved_bytes + self.chunk_bytes <= max(self.capacity_bytes, self.chunk_bytes) and (
+            self.reserved_bytes < self.capacity_bytes
+        ):
+            chunk = _Chunk(self.chunk_bytes, self.pin)
+            self._chunks.append(chunk)
+            offset = chunk.allocate(need)
+            assert offset is not None
+            return self._slot(chunk, offset, need)
+        return None
+
+    def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
+        slot = Slot(chunk, offset, nbytes)
+        slot.buf = (ctypes.c_ubyte * nbytes).from_address(chunk.base + offset)
+        slot.buf._chunk = chunk  # views keep the chunk's memory alive
+        slot.base_refs = sys.getrefcount(slot.buf)  # the slot's own reference, and the call's
+        return slot
+
+    def free(self, slot: Slot) -> None:
+        """Return a slot; reused only when no view of it is alive any more."""
+        if slot.in_use():
+            self._zombies.append(slot)
+        else:
+            slot.chunk.free(slot.offset, slot.nbytes)
+
+    def reap(self) -> None:
+        """Release zombies whose last view has gone."""
+        if not self._zombies:
+            return
+        alive = []
+        for slot in self._zombies:
+            if slot.in_use():
+                alive.append(slot)
+            else:
+                slot.chunk.free(slot.offset, slot.nbytes)
+        self._zombies = alive

@@ -1,0 +1,272 @@
+"""Block frames: the one byte format of a stored block (HTTP body, disk file, Redis value).
+
+    offset 0        4           8                     16
+           | "CSKF" | header_len | header xxh3-64 (LE) | msgpack header ... | zero pad | payload ...
+                      u32 LE       u64                   header_len bytes     to 64      buffers, each
+                                                                                         64-aligned
+    header = {"v": 1, "hash": bin, "parent": bin, "pos": int, "layout": {...}, "block_tokens": int,
+              "codec": {...}, "tensors": [{"name", "dtype", "shape", "offset", "nbytes"}, ...],
+              "payload_nbytes": int, "checksum": bin(8) = xxh3-64 of the payload, big-endian}
+
+The payload checksum is a fixed 8-byte field so the header's length is known before the
+payload exists: a frame is planned, its payload written in place (straight from a device
+copy, if need be), then sealed. Parsing trusts nothing: every length, offset, dtype and
+shape is checked before a byte of payload is touched, and parsing never allocates.
+See docs/frame-format.md.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgpack
+import xxhash
+
+from ..errors import ChecksumError, ConfigError, FrameError
+from ..layout import KVLayout
+from ..quant.payload import BUFFER_DTYPES
+
+MAGIC = b"CSKF"
+FORMAT_VERSION = 1
+ALIGN = 64
+PREAMBLE = struct.Struct("<4sIQ")
+MAX_HEADER_NBYTES = 64 * 1024
+MAX_TENSORS = 16
+MAX_RANK = 8
+HASH_SIZES = (16, 32)
+_HEADER_KEYS = {"v", "hash", "parent", "pos", "layout", "block_tokens", "codec", "tensors", "payload_nbytes", "checksum"}
+_ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def payload_checksum(payload: Any) -> bytes:
+    return xxhash.xxh3_64_digest(payload)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # within the payload
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class FrameMeta:
+    """A parsed (or planned) frame header plus where its payload sits."""
+
+    block_hash: bytes
+    parent_hash: bytes
+    position: int
+    layout: KVLayout
+    block_tokens: int
+    codec: dict[str, Any]
+    tensors: tuple[TensorEntry, ...]
+    payload_nbytes: int
+    checksum: bytes
+    header_nbytes: int
+    version: int = FORMAT_VERSION
+    payload_offset: int = field(init=False, compare=False)
+    # The packed header, when known to match the fields above (saves packing it twice).
+    packed_header: bytes | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_offset", _align(PREAMBLE.size + self.header_nbytes))
+
+    @property
+    def nbytes(self) -> int:
+        """Total frame size: what a tier stores and a budget counts."""
+        return self.payload_offset + self.payload_nbytes
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of unencoded KV this frame stands for (for compression ratios)."""
+        return self.layout.raw_nbytes(self.block_tokens)
+
+    def entry(self, name: str) -> TensorEntry:
+        for e in self.tensors:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+    def header_dict(self) -> dict[str, Any]:
+        return {
+            "v": self.version,
+            "hash": self.block_hash,
+            "parent": self.parent_hash,
+            "pos": self.position,
+            "layout": self.layout.to_dict(),
+            "block_tokens": self.block_tokens,
+            "codec": self.codec,
+            "tensors": [
+                {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes}
+                for e in self.tensors
+            ],
+            "payload_nbytes": self.payload_nbytes,
+            "checksum": self.checksum,
+        }
+
+
+def plan_frame(
+    *,
+    block_hash: bytes,
+    parent_hash: bytes,
+    position: int,
+    layout: KVLayout,
+    block_tokens: int,
+    codec: dict[str, Any],
+    buffers: list[tuple[str, str, tuple[int, ...]]],
+) -> FrameMeta:
+    """Lay out a frame for buffers ``(name, dtype, shape)``; the checksum is filled by :func:`seal_frame`."""
+    entries = []
+    offset = 0
+    for name, dtype, shape in buffers:
+        nbytes = BUFFER_DTYPES[dtype] * math.prod(shape)
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    payload_nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
+    fields = dict(
+        block_hash=bytes(block_hash), parent_hash=bytes(parent_hash), position=position, layout=layout,
+        block_tokens=block_tokens, codec=codec, tensors=tuple(entries), payload_nbytes=payload_nbytes,
+        checksum=bytes(8),
+    )
+    header = msgpack.packb(FrameMeta(**fields, header_nbytes=0).header_dict(), use_bin_type=True)
+    return FrameMeta(**fields, header_nbytes=len(header), packed_header=header)
+
+
+def header_prefix(meta: FrameMeta) -> bytes:
+    """Preamble + msgpack header + zero padding: the ``payload_offset`` bytes before the payload."""
+    header = meta.packed_header or msgpack.packb(meta.header_dict(), use_bin_type=True)
+    if len(header) != meta.header_nbytes:
+        raise RuntimeError("frame header changed length after planning")
+    preamble = PREAMBLE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header))
+    return preamble + header + bytes(meta.payload_offset - PREAMBLE.size - len(header))
+
+
+def seal_frame(meta: FrameMeta, frame: Any) -> FrameMeta:
+    """Checksum the payload already written into ``frame``, then write its preamble and header."""
+    view = memoryview(frame).cast("B")
+    if view.nbytes != meta.nbytes:
+        raise ValueError(f"frame buffer is {view.nbytes} bytes, the plan needs {meta.nbytes}")
+    sealed = replace(meta, checksum=payload_checksum(view[meta.payload_offset :]), packed_header=None)
+    view[: meta.payload_offset] = header_prefix(sealed)
+    return sealed
+
+
+def build_frame(meta: FrameMeta, buffers: list[Any]) -> bytearray:
+    """A sealed frame from host buffers, in one allocation and one copy of each buffer."""
+    if len(buffers) != len(meta.tensors):
+        raise ValueError(f"expected {len(meta.tensors)} buffers, got {len(buffers)}")
+    out = bytearray(meta.nbytes)  # zero-filled: alignment gaps are deterministic
+    view = memoryview(out)
+    base = meta.payload_offset
+    for entry, buf in zip(meta.tensors, buffers):
+        src = memoryview(buf).cast("B")
+        if src.nbytes != entry.nbytes:
+            raise ValueError(f"{entry.name}: buffer holds {src.nbytes} bytes, entry needs {entry.nbytes}")
+        view[base + entry.offset : base + entry.offset + entry.nbytes] = src
+    seal_frame(meta, out)
+    return out
+
+
+def _expect(cond: bool, reason: str) -> None:
+    if not cond:
+        raise FrameError(reason)
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    _expect(isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi, f"{what}: bad value {value!r:.40}")
+    return value
+
+
+def parse_header(data: Any) -> FrameMeta:
+    """Parse and check the preamble and header of ``data``; the payload is not read."""
+    view = memoryview(data).cast("B")
+    _expect(view.nbytes >= PREAMBLE.size, f"frame truncated: {view.nbytes} bytes, not even a preamble")
+    magic, header_len, header_sum = PREAMBLE.unpack_from(view)
+    _expect(magic == MAGIC, "not a CacheSeek frame (bad magic)")
+    _expect(header_len <= MAX_HEADER_NBYTES, f"header length {header_len} exceeds {MAX_HEADER_NBYTES}")
+    _expect(view.nbytes >= PREAMBLE.size + header_len, "frame truncated inside its header")
+    header_bytes = view[PREAMBLE.size : PREAMBLE.size + header_len]
+    _expect(xxhash.xxh3_64_intdigest(header_bytes) == header_sum, "header checksum mismatch")
+    try:
+        h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FrameError(f"header is not valid msgpack: {exc}") from None
+    _expect(isinstance(h, dict) and set(h) == _HEADER_KEYS, f"header keys must be {sorted(_HEADER_KEYS)}")
+    _expect(h["v"] == FORMAT_VERSION, f"frame format version {h['v']!r:.20} is not {FORMAT_VERSION}")
+    for key in ("hash", "parent"):
+        _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, f"{key}: not a 16- or 32-byte hash")
+    _expect(len(h["hash"]) == len(h["parent"]), "hash and parent differ in size")
+    _expect(isinstance(h["checksum"], bytes) and len(h["checksum"]) == 8, "checksum: not 8 bytes")
+    _expect(isinstance(h["codec"], dict), "codec: not a map")
+    try:
+        layout = KVLayout.from_dict(h["layout"])
+    except (ConfigError, TypeError) as exc:
+        raise FrameError(f"layout: {exc}") from None
+    payload_nbytes = _int(h["payload_nbytes"], "payload_nbytes")
+    tensors = h["tensors"]
+    _expect(isinstance(tensors, list) and 0 < len(tensors) <= MAX_TENSORS, "tensors: expected 1..16 entries")
+    entries = []
+    end = 0
+    for i, e in enumerate(tensors):
+        _expect(isinstance(e, dict) and set(e) == _ENTRY_KEYS, f"tensors[{i}]: keys must be {sorted(_ENTRY_KEYS)}")
+        _expect(isinstance(e["name"], str) and 0 < len(e["name"]) <= 64, f"tensors[{i}].name: bad")
+        _expect(e["dtype"] in BUFFER_DTYPES, f"tensors[{i}].dtype: {e['dtype']!r:.20} unknown")
+        shape = e["shape"]
+        _expect(isinstance(shape, list) and len(shape) <= MAX_RANK, f"tensors[{i}].shape: bad")
+        shape = tuple(_int(x, f"tensors[{i}].shape", 0, 1 << 40) for x in shape)
+        offset = _int(e["offset"], f"tensors[{i}].offset")
+        nbytes = _int(e["nbytes"], f"tensors[{i}].nbytes")
+        _expect(nbytes == BUFFER_DTYPES[e["dtype"]] * math.prod(shape), f"tensors[{i}]: nbytes disagrees with shape")
+        _expect(offset % ALIGN == 0 and offset >= end, f"tensors[{i}]: offset unaligned or overlapping")
+        end = offset + nbytes
+        _expect(end <= payload_nbytes, f"tensors[{i}]: runs past the payload")
+        entries.append(TensorEntry(e["name"], e["dtype"], shape, offset, nbytes))
+    return FrameMeta(
+        block_hash=h["hash"], parent_hash=h["parent"],
+        position=_int(h["pos"], "pos"), layout=layout,
+        block_tokens=_int(h["block_tokens"], "block_tokens", 1, 1 << 24), codec=h["codec"],
+        tensors=tuple(entries), payload_nbytes=payload_nbytes, checksum=h["checksum"], header_nbytes=header_len,
+        packed_header=bytes(header_bytes),
+    )
+
+
+def parse_frame(data: Any, *, verify: bool = True) -> FrameMeta:
+    """Parse a whole frame: header checks, exact total length, and (``verify``) the payload checksum."""
+    view = memoryview(data).cast("B")
+    meta = parse_header(view)
+    _expect(view.nbytes >= meta.nbytes, f"frame truncated: {view.nbytes} of {meta.nbytes} bytes")
+    _expect(view.nbytes == meta.nbytes, f"frame has {view.nbytes - meta.nbytes} trailing bytes")
+    if verify and payload_checksum(view[meta.payload_offset :]) != meta.checksum:
+        raise ChecksumError("payload checksum mismatch")
+    return meta
+
+
+def check_codec_layout(meta: FrameMeta) -> None:
+    """The tensor entries are exactly what the header's codec makes for its layout and block size."""
+    from ..quant import codec_from_spec
+
+    try:
+        codec = codec_from_spec(meta.codec)
+    except ConfigError as exc:
+        raise FrameError(f"codec: {exc}") from None
+    lay = meta.layout
+    template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
+    want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
+    _expect(got == want, f"tensor entries do not match codec {meta.codec.get('name')!r} for this layout")
+
+
+def tensor_views(meta: FrameMeta, data: Any) -> list[memoryview]:
+    """Zero-copy views of each payload buffer, in entry order."""
+    view = memoryview(data).cast("B")
+    base = meta.payload_offset
+    return [view[base + e.offset : base + e.offset + e.nbytes] for e in meta.tensors]

@@ -1,0 +1,108 @@
+"""The ``gpu`` tier: compact payloads kept in device memory (embedded mode only).
+
+A hit costs a decode and nothing else: no copy crosses PCIe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import StorageError
+from .device import payload_on_device
+from .frame import FrameMeta
+from .tier import BlockFrame, BlockInfo, LruIndex, PutResult, Tier
+
+
+@dataclass(slots=True)
+class _Record:
+    payload: torch.Tensor
+    meta: FrameMeta
+    sealed: bool
+
+
+class GpuTier(Tier):
+    accepts_device_frames = True
+
+    def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", name: str = "gpu"):
+        super().__init__(name, capacity_bytes)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._index = LruIndex()
+        self._records: dict[bytes, _Record] = {}
+
+    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+        with self._lock:
+            if key in self._records:
+                self._index.touch([key])
+                return PutResult(stored=None)
+            if frame.nbytes > self.capacity_bytes:
+                self._stats.write_errors += 1
+                raise StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
+            evicted = []
+            while self._index.used_bytes + frame.nbytes > self.capacity_bytes:
+                evicted += self._evict_one()
+            try:
+                payload = payload_on_device(frame, self.device)
+            except torch.OutOfMemoryError as exc:
+                self._stats.write_errors += 1
+                raise StorageError(f"{self.name} tier: device out of memory: {exc}") from None
+            sealed = frame.sealed and frame.device_entries is None
+            self._records[key] = _Record(payload, frame.meta, sealed)
+            self._index.add(key, BlockInfo(frame.meta.nbytes, frame.meta.raw_nbytes, frame.meta.parent_hash, frame.meta.position))
+            self._stats.bytes_in += frame.nbytes
+            self._sync_counts()
+            return PutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
+
+    def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
+        victim = next(self._index.oldest(), None)
+        if victim is None:
+            return []
+        rec = self._records.pop(victim)
+        self._index.remove(victim)
+        self._stats.evictions += 1
+        frame = BlockFrame(rec.meta, device_payload=rec.payload, sealed=rec.sealed) if self.demote_evicted else None
+        return [(victim, frame)]
+
+    def get(self, key: bytes) -> BlockFrame | None:
+        with self._lock:
+            rec = self._records.get(key)
+            if rec is None:
+                self._stats.misses += 1
+                return None
+            self._stats.hits += 1
+            self._stats.bytes_out += rec.meta.nbytes
+            return BlockFrame(rec.meta, device_payload=rec.payload, sealed=rec.sealed)
+
+    def info(self, key: bytes) -> BlockInfo | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            if self._records.pop(key, None) is None:
+                return False
+            self._index.remove(key)
+            self._sync_counts()
+            return True
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return self._index.keys()
+
+    def touch(self, keys) -> None:
+        with self._lock:
+            self._index.touch(keys)
+
+    def _sync_counts(self) -> None:
+        self._stats.used_bytes = self._index.used_bytes
+        self._stats.raw_bytes = self._index.raw_bytes
+        self._stats.blocks = len(self._index)
+        self._stats.extra = {"device": str(self.device)}
+
+    def stats(self):
+        with self._lock:
+            self._sync_counts()
+            return self._snapshot()

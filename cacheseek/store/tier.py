@@ -1,0 +1,229 @@
+"""The tier interface, the frame handle tiers pass around, and per-tier statistics.
+
+Tiers are dumb storage with a byte budget and an LRU order; policy (write-through,
+demotion, promotion) belongs to ``TieredStore``. Every tier is thread-safe on its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..errors import StorageError
+from .frame import FrameMeta, header_prefix, payload_checksum
+
+
+@dataclass(slots=True)
+class BlockFrame:
+    """One stored block: its header, plus its bytes wherever they are.
+
+    ``host`` is the whole frame on the host (a memoryview). ``device_payload`` is the
+    payload bytes as a uint8 tensor on a device, and ``device_entries`` the per-buffer
+    tensors fresh from an encoder; either may stand in for ``host`` in embedded mode.
+    A frame whose payload checksum has not been computed yet (``sealed`` False) carries
+    zeros in its header's checksum field; :meth:`wire_segments` seals a copy of the header.
+    """
+
+    meta: FrameMeta
+    host: Any = None
+    device_payload: Any = None
+    device_entries: list[Any] | None = None
+    sealed: bool = True
+    # Preamble + header with the real checksum, once computed for an unsealed host frame.
+    sealed_prefix: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+    def payload_view(self) -> memoryview:
+        return memoryview(self.host).cast("B")[self.meta.payload_offset :]
+
+    def wire_segments(self) -> list[Any]:
+        """The sealed frame as [header prefix, payload] without copying the payload."""
+        if self.host is None:
+            raise RuntimeError("frame has no host bytes; move it to the host first")
+        view = memoryview(self.host).cast("B")
+        if self.sealed and self.sealed_prefix is None:
+            return [view]
+        payload = view[self.meta.payload_offset :]
+        if self.sealed_prefix is None:
+            self.meta = replace(self.meta, checksum=payload_checksum(payload), packed_header=None)
+            self.sealed_prefix = header_prefix(self.meta)
+            self.sealed = True
+        return [self.sealed_prefix, payload]
+
+    def to_bytes(self) -> bytes:
+        return b"".join(bytes(s) if not isinstance(s, bytes) else s for s in self.wire_segments())
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What a tier's index keeps per block: enough to budget, to walk chains, to rank."""
+
+    nbytes: int
+    raw_nbytes: int
+    parent: bytes
+    position: int
+
+
+@dataclass(slots=True)
+class TierStats:
+    name: str
+    capacity_bytes: int
+    used_bytes: int = 0
+    blocks: int = 0
+    raw_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    corrupt: int = 0
+    write_errors: int = 0
+    read_seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        extra = out.pop("extra")
+        out["compression_ratio"] = self.raw_bytes / self.used_bytes if self.used_bytes else None
+        out["read_gbps"] = self.bytes_out / self.read_seconds / 1e9 if self.read_seconds > 0 else None
+        out.update(extra)
+        return out
+
+
+@dataclass(slots=True)
+class PutResult:
+    """``stored``: the frame as this tier now holds it (None if it was already there).
+    ``evicted``: blocks pushed out to make room, with their frames when demotion wants them.
+    ``error``: why this frame could not be stored (batch puts only; single puts raise)."""
+
+    stored: BlockFrame | None
+    evicted: list[tuple[bytes, BlockFrame | None]] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class LruIndex:
+    """Block hash -> ``BlockInfo`` in recency order (oldest first), with byte totals.
+
+    Not locked: the owning tier holds its own lock around every call.
+    """
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[bytes, BlockInfo] = OrderedDict()
+        self.used_bytes = 0
+        self.raw_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> BlockInfo | None:
+        return self._entries.get(key)
+
+    def add(self, key: bytes, info: BlockInfo) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.used_bytes -= old.nbytes
+            self.raw_bytes -= old.raw_nbytes
+        self._entries[key] = info
+        self.used_bytes += info.nbytes
+        self.raw_bytes += info.raw_nbytes
+
+    def remove(self, key: bytes) -> BlockInfo | None:
+        info = self._entries.pop(key, None)
+        if info is not None:
+            self.used_bytes -= info.nbytes
+            self.raw_bytes -= info.raw_nbytes
+        return info
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark ``keys`` used, in order: the last one becomes the most recent."""
+        for key in keys:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+
+    def oldest(self) -> Iterator[bytes]:
+        return iter(list(self._entries))
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+
+class Tier(ABC):
+    """Storage for frames under a byte budget. Implementations are thread-safe."""
+
+    name: str
+    persistent: bool = False
+    # Whether put() takes frames whose bytes are still on a device (else the store moves
+    # them to the host first).
+    accepts_device_frames: bool = False
+    # Set by TieredStore: whether put() should hand back the frames it evicts.
+    demote_evicted: bool = False
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
+
+    @abstractmethod
+    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+        """Store ``frame`` (evicting LRU blocks to fit). Raises ``StorageError`` if it cannot."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> BlockFrame | None:
+        """The frame, or None on a miss. A corrupt frame is a miss: deleted and counted."""
+
+    @abstractmethod
+    def delete(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def info(self, key: bytes) -> BlockInfo | None: ...
+
+    @abstractmethod
+    def keys(self) -> list[bytes]: ...
+
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
+        """Store several frames; a failure is reported in its result, not raised."""
+        out = []
+        for key, frame in items:
+            try:
+                out.append(self.put(key, frame))
+            except StorageError as exc:
+                out.append(PutResult(stored=None, error=exc))
+        return out
+
+    def contains(self, key: bytes) -> bool:
+        return self.info(key) is not None
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark blocks used, in order (the last becomes the most recent)."""
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> TierStats:
+        return replace(self._stats, extra=dict(self._stats.extra))
+
+    def count(self, **deltas: int) -> None:
+        """Add to counters from outside (the store counts promotions and demotions)."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,228 @@
+"""``TieredStore``: an ordered list of tiers and the policy between them.
+
+- Ingest goes to the top tier, and writes through to the tiers named in ``write_through``.
+- A tier that evicts to make room hands its victims down to the next tier (demotion),
+  unless that tier already holds them.
+- A hit below the top is copied up into every faster tier (promotion), if enabled.
+- LRU recency is updated tail-first along a chain, so a chain's tail is evicted before its
+  head and the surviving part of a chain is always a usable prefix.
+
+Torch-free: frames whose bytes are still on a device are moved to the host (through
+``store.device``, imported only then) before a host-only tier sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, StorageError
+from .tier import BlockFrame, BlockInfo, PutResult, Tier
+
+
+@dataclass(slots=True)
+class PutOutcome:
+    """What happened to one block: newly ``stored`` somewhere, already ``present`` at the
+    top, and the tiers that failed with why (a failed tier never fails the whole put)."""
+
+    stored: bool = False
+    present: bool = False
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class TieredStore:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        write_through: Iterable[str] = (),
+        promote_on_hit: bool = True,
+    ) -> None:
+        if not tiers:
+            raise ConfigError("tiers: at least one tier is needed")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tiers: names must be unique, got {names}")
+        write_through = set(write_through)
+        unknown = write_through - set(names[1:])
+        if unknown:
+            raise ConfigError(f"write_through: {sorted(unknown)} are not tiers below the top ({names[1:]})")
+        self.tiers = list(tiers)
+        self.write_through = write_through
+        self.promote_on_hit = promote_on_hit
+        for i, tier in enumerate(self.tiers):
+            below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+            tier.demote_evicted = below is not None and below.name not in write_through
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(self, key: bytes, frame: BlockFrame) -> PutOutcome:
+        return self.put_many([(key, frame)])[0]
+
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutOutcome]:
+        """Store blocks in the top tier and every write-through tier."""
+        outcomes = [PutOutcome() for _ in items]
+        current = list(items)
+        targets = [self.tiers[0]] + [t for t in self.tiers[1:] if t.name in self.write_through]
+        for n, tier in enumerate(targets):
+            if not tier.accepts_device_frames:
+                current = [(k, _on_host(f)) for k, f in current]
+            results = tier.put_many(current)
+            level = self.tiers.index(tier)
+            nxt = []
+            for (key, frame), result, outcome in zip(current, results, outcomes):
+                if result.error is not None:
+                    outcome.errors[tier.name] = str(result.error)
+                elif result.stored is not None:
+                    outcome.stored = True
+                elif n == 0:
+                    outcome.present = True
+                self._demote(level, result.evicted)
+                # Later tiers copy from this tier's host copy rather than the device again.
+                stored = result.stored
+                nxt.append((key, stored if stored is not None and stored.host is not None else frame))
+            current = nxt
+        return outcomes
+
+    def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+        if level + 1 >= len(self.tiers):
+            return
+        below = self.tiers[level + 1]
+        for key, frame in evicted:
+            if frame is None or below.contains(key):
+                continue
+            try:
+                if not below.accepts_device_frames:
+                    frame = _on_host(frame)
+                result = below.put(key, frame)
+            except StorageError:
+                continue  # counted by the tier; the block is simply gone from this level
+            if result.stored is not None:
+                below.count(demotions=1)
+            self._demote(level + 1, result.evicted)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: bytes, *, promote: bool | None = None) -> tuple[BlockFrame, str] | None:
+        """The frame from the fastest tier holding it, and that tier's name."""
+        promote = self.promote_on_hit if promote is None else promote
+        for level, tier in enumerate(self.tiers):
+            frame = tier.get(key)
+            if frame is None:
+                continue
+            if promote and level > 0:
+                self._promote(key, frame, level)
+            return frame, tier.name
+        return None
+
+    def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
+        for upper in range(level):
+            tier = self.tiers[upper]
+            try:
+                result = tier.put(key, frame if tier.accepts_device_frames else _on_host(frame))
+            except StorageError:
+                continue
+            if result.stored is not None:
+                tier.count(promotions=1)
+            self._demote(upper, result.evicted)
+
+    def locate(self, keys: Sequence[bytes]) -> list[str]:
+        """The fastest tier holding each key of the longest stored prefix of ``keys``."""
+        where: list[str | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for tier in self.tiers:
+            if not missing:
+                break
+            found = tier.contains_many([keys[i] for i in missing])
+            for i, hit in zip(missing, found):
+                if hit:
+                    where[i] = tier.name
+            missing = [i for i in missing if where[i] is None]
+        out = []
+        for name in where:
+            if name is None:
+                break
+            out.append(name)
+        return out
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                break
+            for i, hit in zip(todo, tier.contains_many([keys[i] for i in todo])):
+                present[i] = hit
+        return present
+
+    def info(self, key: bytes) -> BlockInfo | None:
+        for tier in self.tiers:
+            info = tier.info(key)
+            if info is not None:
+                return info
+        return None
+
+    def chain(self, key: bytes, *, limit: int = 1 << 20) -> list[bytes] | None:
+        """Every block of the chain ending at ``key``, head first; None if any link is missing."""
+        out = []
+        info = self.info(key)
+        while info is not None and len(out) < limit:
+            out.append(key)
+            if info.position == 0:
+                return out[::-1]
+            key = info.parent
+            info = self.info(key)
+        return None
+
+    def touch_chain(self, keys: Sequence[bytes]) -> None:
+        """Mark a chain used: the head ends up most recent, so the tail is evicted first."""
+        rev = list(reversed(keys))
+        for tier in self.tiers:
+            tier.touch(rev)
+
+    def delete(self, key: bytes) -> bool:
+        deleted = False
+        for tier in self.tiers:
+            deleted = tier.delete(key) or deleted
+        return deleted
+
+    # -- stats ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        tiers = [t.stats().to_dict() for t in self.tiers]
+        used = sum(t["used_bytes"] for t in tiers)
+        raw = sum(t["raw_bytes"] for t in tiers)
+        return {
+            "tiers": tiers,
+            "write_through": sorted(self.write_through),
+            "promote_on_hit": self.promote_on_hit,
+            "used_bytes": used,
+            "raw_bytes": raw,
+            "compression_ratio": raw / used if used else None,
+        }
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def _on_host(frame: BlockFrame) -> BlockFrame:
+    if frame.host is not None:
+        return frame
+    from .device import frame_to_host
+
+    return frame_to_host(frame)
+
+
+__all__ = ["PutOutcome", "PutResult", "TieredStore"]

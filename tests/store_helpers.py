@@ -1,0 +1,40 @@
+"""Shared fixtures for store tests: deterministic KV and caches over real files."""
+
+from __future__ import annotations
+
+import torch
+
+import cacheseek as cs
+
+LAYOUT = cs.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16")
+BLOCK = 32
+
+
+def make_kv(tokens: int, seed: int, layout: cs.KVLayout = LAYOUT, device: str = "cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layout.num_kv_heads, tokens, layout.head_dim)
+    return [
+        (torch.randn(shape, generator=gen).to(layout.torch_dtype).to(device),
+         torch.randn(shape, generator=gen).to(layout.torch_dtype).to(device))
+        for _ in range(layout.num_layers)
+    ]
+
+
+def tokens_for(seed: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return torch.randint(0, 50_000, (n,), generator=gen).tolist()
+
+
+def make_cache(tmp_path=None, *, codec=None, model_id="m", cpu="1MiB", disk=None, gpu=0, layout=LAYOUT,
+               block=BLOCK, write_through=None, namespace="", disk_bytes="1GiB", **kw):
+    tiers = cs.TierConfig(gpu_bytes=gpu, cpu_bytes=cpu, disk_path=disk, disk_bytes=disk_bytes,
+                          write_through=write_through, **kw)
+    return cs.PrefixCache(model_id=model_id, layout=layout, codec=codec or cs.Raw(), block_tokens=block,
+                          tiers=tiers, namespace=namespace)
+
+
+def assert_prefix_equal(got: cs.Materialized, kv, tokens: int) -> None:
+    assert got.num_tokens == tokens
+    for (k, v), (k0, v0) in zip(got.layers, kv):
+        assert torch.equal(k[0].cpu(), k0[:, :tokens].cpu())
+        assert torch.equal(v[0].cpu(), v0[:, :tokens].cpu())

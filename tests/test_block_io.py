@@ -1,0 +1,38 @@
+"""The batched data path: the staged (GPU-style) and direct (host) encodings give the same frames."""
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.block_io import block_parents, decode_frames, encode_blocks
+from cacheseek.store.device import frame_to_host
+from store_helpers import BLOCK, LAYOUT, make_kv
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8)])
+def test_staged_and_direct_encodings_give_identical_frames(codec):
+    kv = make_kv(5 * BLOCK + 3, 21)
+    hashes = [bytes([i]) * 16 for i in range(1, 4)]
+    args = dict(first_block=1, hashes=hashes, parents=block_parents(b"\x00" * 16, hashes))
+    staged = encode_blocks(codec, LAYOUT, BLOCK, kv, staging=True, **args)
+    direct = encode_blocks(codec, LAYOUT, BLOCK, kv, staging=False, **args)
+    for a, b in zip(staged, direct):
+        assert frame_to_host(a).to_bytes() == frame_to_host(b).to_bytes()
+        assert a.meta.position == b.meta.position
+    k, v = decode_frames(codec, LAYOUT, BLOCK, [frame_to_host(f) for f in staged], torch.device("cpu"))
+    assert k.shape == (LAYOUT.num_layers, LAYOUT.num_kv_heads, 3 * BLOCK, LAYOUT.head_dim)
+    if codec.name == "raw":
+        for layer, (k0, v0) in enumerate(kv):
+            assert torch.equal(k[layer], k0[:, BLOCK : 4 * BLOCK]) and torch.equal(v[layer], v0[:, BLOCK : 4 * BLOCK])
+
+
+def test_batch_rows_given_to_a_device_tier_do_not_pin_the_batch():
+    from cacheseek.store.device import payload_on_device
+
+    kv = make_kv(2 * BLOCK, 22)
+    hashes = [b"\x01" * 16, b"\x02" * 16]
+    frames = encode_blocks(cs.Raw(), LAYOUT, BLOCK, kv, staging=True, first_block=0, hashes=hashes,
+                           parents=block_parents(b"\x00" * 16, hashes))
+    owned = payload_on_device(frames[1], torch.device("cpu"))
+    assert owned.untyped_storage().nbytes() == owned.numel()
+    assert torch.equal(owned, frames[1].device_payload)

@@ -1,0 +1,152 @@
+import struct
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cacheseek as cs
+from cacheseek.errors import ChecksumError, FrameError
+from cacheseek.store.frame import (
+    ALIGN,
+    MAGIC,
+    PREAMBLE,
+    build_frame,
+    check_codec_layout,
+    parse_frame,
+    parse_header,
+    plan_frame,
+    tensor_views,
+)
+from cacheseek.store.tier import BlockFrame
+
+LAYOUT = cs.KVLayout(2, 2, 64, "float16")
+
+
+def _frame(codec=None, position=3, seed=0):
+    codec = codec or cs.KIVI(bits=4, group_size=32)
+    template = codec.template((2, 2, 32, 64), "float16")
+    specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    meta = plan_frame(block_hash=bytes([seed]) * 16, parent_hash=b"\x02" * 16, position=position, layout=LAYOUT,
+                      block_tokens=32, codec=codec.spec(), buffers=specs)
+    buffers = [bytes((seed + i + j) % 251 for j in range(e.nbytes)) for i, e in enumerate(meta.tensors)]
+    return meta, buffers, build_frame(meta, buffers)
+
+
+def test_roundtrip_and_alignment():
+    meta, buffers, data = _frame()
+    got = parse_frame(data)
+    assert got.block_hash == b"\x00" * 16 and got.parent_hash == b"\x02" * 16 and got.position == 3
+    assert got.layout == LAYOUT and got.codec == cs.KIVI(bits=4, group_size=32).spec()
+    assert got.payload_offset % ALIGN == 0
+    assert all(e.offset % ALIGN == 0 for e in got.tensors)
+    assert [bytes(v) for v in tensor_views(got, data)] == buffers
+    assert len(data) == got.nbytes
+    check_codec_layout(got)
+
+
+def test_unsealed_frame_seals_on_the_way_out():
+    meta, buffers, data = _frame()
+    unsealed = bytearray(data)
+    unsealed[: meta.payload_offset] = bytes(meta.payload_offset)  # header not written yet
+    from cacheseek.store.frame import header_prefix
+
+    unsealed[: meta.payload_offset] = header_prefix(meta)  # checksum field still zero
+    with pytest.raises(ChecksumError):
+        parse_frame(unsealed)
+    frame = BlockFrame(meta, host=memoryview(unsealed), sealed=False)
+    wire = frame.to_bytes()
+    assert wire == bytes(data)
+    assert frame.to_bytes() == bytes(data)  # stays sealed on a second call
+
+
+@given(cut=st.integers(min_value=0, max_value=10_000))
+def test_any_truncation_is_rejected(cut):
+    _, _, data = _frame()
+    cut = cut % len(data)
+    with pytest.raises(FrameError):
+        parse_frame(data[:cut])
+
+
+@given(pos=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7))
+def test_any_bit_flip_is_rejected(pos, bit):
+    meta, _, data = _frame()
+    corrupt = bytearray(data)
+    pos %= len(corrupt)
+    corrupt[pos] ^= 1 << bit
+    if PREAMBLE.size + meta.header_nbytes <= pos < meta.payload_offset:
+        return  # a flip in the alignment padding changes no field; parse may pass
+    with pytest.raises(FrameError):
+        parse_frame(corrupt)
+
+
+@given(st.binary(max_size=4096))
+def test_random_bytes_are_rejected(blob):
+    with pytest.raises(FrameError):
+        parse_frame(blob)
+    with pytest.raises(FrameError):
+        parse_frame(MAGIC + blob)
+
+
+def _forge(header: dict, payload: bytes = b"") -> bytes:
+    """A frame with a self-consistent preamble around an arbitrary (hostile) header."""
+    raw = msgpack.packb(header, use_bin_type=True)
+    pre = PREAMBLE.pack(MAGIC, len(raw), xxhash.xxh3_64_intdigest(raw))
+    body = pre + raw
+    body += bytes(-len(body) % ALIGN)
+    return body + payload
+
+
+def _good_header():
+    meta, _, data = _frame()
+    return meta.header_dict(), bytes(data[meta.payload_offset :])
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda h: h["tensors"][1].update(offset=0), "overlapping"),
+        (lambda h: h["tensors"][1].update(offset=65), "unaligned"),
+        (lambda h: h["tensors"][5].update(nbytes=10**12, shape=[10**12 // 2]), "past the payload"),
+        (lambda h: h["tensors"][0].update(shape=[2, 2, 4, 64, 1 << 40]), "nbytes disagrees|bad value"),
+        (lambda h: h["tensors"][0].update(dtype="object"), "unknown"),
+        (lambda h: h["tensors"].extend([h["tensors"][0]] * 20), "1..16"),
+        (lambda h: h.update(v=2), "version"),
+        (lambda h: h.update(hash=b"short"), "hash"),
+        (lambda h: h.update(layout={"num_layers": -1, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}), "layout"),
+        (lambda h: h.update(extra=1), "header keys"),
+        (lambda h: h.update(payload_nbytes=1 << 61), "truncated"),
+        (lambda h: h.update(pos=-1), "pos"),
+    ],
+)
+def test_hostile_headers_are_rejected_before_any_payload_access(mutate, match):
+    header, payload = _good_header()
+    mutate(header)
+    with pytest.raises(FrameError, match=match):
+        parse_frame(_forge(header, payload))
+
+
+def test_huge_declared_header_length_is_rejected_without_allocating():
+    data = PREAMBLE.pack(MAGIC, 2**32 - 1, 0) + b"\x00" * 100
+    with pytest.raises(FrameError, match="header length"):
+        parse_header(data)
+
+
+def test_header_checksum_guards_the_header():
+    header, payload = _good_header()
+    good = bytearray(_forge(header, payload))
+    struct.pack_into("<Q", good, 8, 12345)
+    with pytest.raises(FrameError, match="header checksum"):
+        parse_frame(good)
+
+
+def test_entries_must_match_the_codec_for_the_layout():
+    header, payload = _good_header()
+    header["codec"] = cs.KIVI(bits=2, group_size=32).spec()
+    meta = parse_frame(_forge(header, payload), verify=False)
+    with pytest.raises(FrameError, match="do not match codec"):
+        check_codec_layout(meta)
+    header["codec"] = {"name": "zstd"}
+    with pytest.raises(FrameError, match="codec"):
+        check_codec_layout(parse_frame(_forge(header, payload), verify=False))

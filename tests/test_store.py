@@ -1,0 +1,367 @@
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.errors import InputError
+from cacheseek.store.cpu import CpuTier
+from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.tier import BlockFrame
+from kivi_bounds import error_bound
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+
+FRAME = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
+
+TIER_SETUPS = {
+    "cpu": dict(cpu="4MiB"),
+    "disk": dict(cpu=0, disk=True),
+    "cpu+disk": dict(cpu="4MiB", disk=True),
+}
+if torch.cuda.is_available():
+    TIER_SETUPS["gpu"] = dict(gpu="4MiB", cpu=0)
+    TIER_SETUPS["gpu+cpu+disk"] = dict(gpu="4MiB", cpu="4MiB", disk=True)
+
+
+def _setup(tmp_path, name, **kw):
+    opts = dict(TIER_SETUPS[name])
+    if opts.pop("disk", False):
+        opts["disk"] = tmp_path / "disk"
+    return make_cache(**opts, **kw)
+
+
+@pytest.mark.parametrize("setup", list(TIER_SETUPS))
+def test_raw_roundtrip_is_bit_exact_through_each_tier(tmp_path, setup):
+    toks, kv = tokens_for(0, 5 * BLOCK + 7), make_kv(5 * BLOCK + 7, 0)
+    cache = _setup(tmp_path, setup)
+    res = cache.ingest(toks, kv)
+    assert (res.blocks, res.stored, res.present, res.failed, res.tokens) == (5, 5, 0, 0, 5 * BLOCK)
+    assert cache.lookup(toks) == 5 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 5 * BLOCK)
+    if torch.cuda.is_available():
+        got = cache.materialize(toks, device="cuda")
+        assert got.layers[0][0].device.type == "cuda"
+        assert_prefix_equal(got, kv, 5 * BLOCK)
+    again = cache.ingest(toks, kv)
+    assert (again.stored, again.present) == (0, 5)
+    cache.close()
+    if "disk" in setup:
+        restarted = _setup(tmp_path, setup)
+        assert restarted.lookup(toks) == 5 * BLOCK
+        assert_prefix_equal(restarted.materialize(toks), kv, 5 * BLOCK)
+
+
+def test_raw_is_exact_through_demotion_and_promotion(tmp_path):
+    toks, kv = tokens_for(1, 8 * BLOCK), make_kv(8 * BLOCK, 1)
+    cache = make_cache(cpu=3 * FRAME, disk=tmp_path / "d", write_through=())  # write-back: disk fills by demotion
+    cache.ingest(toks, kv)
+    # The head stays in the fast tier; the tail was demoted.
+    assert cache.locate(toks).tiers == ["cpu"] * 3 + ["disk"] * 5
+    stats = {t["name"]: t for t in cache.stats()["tiers"]}
+    assert stats["disk"]["demotions"] == 5 and stats["cpu"]["evictions"] == 5
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    stats = {t["name"]: t for t in cache.stats()["tiers"]}
+    assert stats["cpu"]["promotions"] == 5
+    assert stats["cpu"]["used_bytes"] <= stats["cpu"]["capacity_bytes"]
+    # Promotion pushed older blocks back down; the whole chain is still there, exactly.
+    assert cache.lookup(toks) == 8 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+
+
+@pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8, group_size=32)])
+def test_kivi_roundtrip_within_the_codec_bound(tmp_path, codec):
+    toks, kv = tokens_for(2, 4 * BLOCK), make_kv(4 * BLOCK, 2)
+    cache = make_cache(codec=codec, cpu="1MiB", disk=tmp_path / "d")
+    cache.ingest(toks, kv)
+    for cache in (cache, make_cache(codec=codec, cpu=0, disk=tmp_path / "d")):
+        got = cache.materialize(toks)
+        for (k_hat, v_hat), (k, v) in zip(got.layers, kv):
+            ref_k = codec.encode(k, v)
+            bk = error_bound(k, ref_k.k.scale, ref_k.k.offset, bits=codec.k_bits, group=codec.k_group, axis=-2,
+                             out_dtype=k.dtype)
+            bv = error_bound(v, ref_k.v.scale, ref_k.v.offset, bits=codec.v_bits, group=codec.v_group, axis=-1,
+                             out_dtype=v.dtype)
+            assert ((k_hat[0].double() - k.double()).abs() <= bk).all()
+            assert ((v_hat[0].double() - v.double()).abs() <= bv).all()
+    assert cache.stats()["compression_ratio"] == pytest.approx(
+        LAYOUT.raw_nbytes(BLOCK) / (codec.encoded_nbytes(LAYOUT, BLOCK) + 1024), rel=0.05)
+
+
+def test_lookup_stops_at_the_first_changed_block():
+    toks, kv = tokens_for(3, 6 * BLOCK + 5), make_kv(6 * BLOCK + 5, 3)
+    cache = make_cache()
+    cache.ingest(toks, kv)
+    assert cache.lookup(toks) == 6 * BLOCK
+    changed = list(toks)
+    changed[2 * BLOCK + 17] += 1
+    assert cache.lookup(changed) == 2 * BLOCK
+    assert cache.materialize(changed).num_tokens == 2 * BLOCK
+    tail = list(toks)
+    tail[-1] += 1  # inside the partial block: not keyed
+    assert cache.lookup(tail) == 6 * BLOCK
+    assert cache.lookup(toks[: 3 * BLOCK + 1]) == 3 * BLOCK
+    assert cache.materialize(toks, max_tokens=4 * BLOCK - 1).num_tokens == 3 * BLOCK
+
+
+def test_another_codec_model_or_namespace_gets_no_hits(tmp_path):
+    toks, kv = tokens_for(4, 3 * BLOCK), make_kv(3 * BLOCK, 4)
+    disk = tmp_path / "shared"
+    make_cache(codec=cs.KIVI(bits=4), disk=disk).ingest(toks, kv)
+    assert make_cache(codec=cs.KIVI(bits=4), cpu=0, disk=disk).lookup(toks) == 3 * BLOCK
+    for other in (
+        dict(codec=cs.KIVI(bits=8)),
+        dict(codec=cs.KIVI(bits=4, group_size=64), block=2 * BLOCK),
+        dict(codec=cs.KIVI(bits=4, stats_dtype="float32")),
+        dict(codec=cs.Raw()),
+        dict(codec=cs.KIVI(bits=4), model_id="other-model"),
+        dict(codec=cs.KIVI(bits=4), namespace="tenant-b"),
+        dict(codec=cs.KIVI(bits=4), block=2 * BLOCK),
+    ):
+        cache = make_cache(cpu=0, disk=disk, **other)
+        assert cache.lookup(toks) == 0, other
+        assert cache.materialize(toks).num_tokens == 0
+
+
+def test_budgets_hold_and_chains_lose_their_tails_first():
+    cache = make_cache(cpu=6 * FRAME)
+    toks_a, kv_a = tokens_for(5, 4 * BLOCK), make_kv(4 * BLOCK, 5)
+    toks_b, kv_b = tokens_for(6, 4 * BLOCK), make_kv(4 * BLOCK, 6)
+    cache.ingest(toks_a, kv_a)
+    cache.ingest(toks_b, kv_b)
+    tier = cache.stats()["tiers"][0]
+    assert tier["used_bytes"] <= tier["capacity_bytes"] and tier["blocks"] == 6 and tier["evictions"] == 2
+    assert cache.lookup(toks_b) == 4 * BLOCK
+    assert cache.lookup(toks_a) == 2 * BLOCK  # A's tail went, A's head is still usable
+    assert_prefix_equal(cache.materialize(toks_a), kv_a, 2 * BLOCK)
+    # Using A makes it recent: B's tail goes next.
+    toks_c, kv_c = tokens_for(7, 2 * BLOCK), make_kv(2 * BLOCK, 7)
+    cache.ingest(toks_c, kv_c)
+    assert cache.lookup(toks_a) == 2 * BLOCK and cache.lookup(toks_b) == 2 * BLOCK and cache.lookup(toks_c) == 2 * BLOCK
+    for _ in range(20):
+        seed = 100 + _
+        cache.ingest(tokens_for(seed, 3 * BLOCK), make_kv(3 * BLOCK, seed))
+        tier = cache.stats()["tiers"][0]
+        assert tier["used_bytes"] <= tier["capacity_bytes"]
+
+
+def test_a_frame_larger_than_the_budget_is_reported_not_stored():
+    cache = make_cache(cpu=FRAME // 2)
+    res = cache.ingest(tokens_for(8, BLOCK), make_kv(BLOCK, 8))
+    assert (res.stored, res.failed) == (0, 1) and "cpu" in res.errors
+
+
+def test_concurrent_ingest_and_materialize_lose_nothing(tmp_path):
+    cache = make_cache(cpu="64MiB", disk=tmp_path / "d")
+    shared = tokens_for(9, 2 * BLOCK)
+    shared_kv = make_kv(2 * BLOCK, 9)
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(6):
+                seed = 1000 + w * 10 + i
+                suffix = tokens_for(seed, 2 * BLOCK)
+                toks = shared + suffix
+                own = make_kv(2 * BLOCK, seed)
+                kv = [(torch.cat([a, c], 1), torch.cat([b, d], 1)) for (a, b), (c, d) in zip(shared_kv, own)]
+                cache.ingest(toks, kv)
+                assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    stats = {t["name"]: t for t in cache.stats()["tiers"]}
+    assert stats["cpu"]["blocks"] == 2 + 8 * 6 * 2 == stats["disk"]["blocks"]
+    restarted = make_cache(cpu=0, disk=tmp_path / "d")
+    assert restarted.lookup(shared) == 2 * BLOCK
+
+
+def _frame_files(root: Path) -> list[Path]:
+    return sorted(root.glob("*/*.frame"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_a_damaged_disk_frame_is_a_counted_miss_and_is_deleted(tmp_path, damage):
+    toks, kv = tokens_for(10, 3 * BLOCK), make_kv(3 * BLOCK, 10)
+    make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    target = next(p for p in _frame_files(tmp_path / "d") if cache.store.info(bytes.fromhex(p.stem)).position == 1)
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-100] ^= 0x40
+        target.write_bytes(data)
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-1000])
+    else:
+        target.unlink()
+    got = cache.materialize(toks)
+    assert_prefix_equal(got, kv, BLOCK)  # the prefix ends before the damaged block
+    disk = cache.stats()["tiers"][0]
+    assert disk["corrupt"] == 1 and disk["blocks"] == 2
+    assert not target.exists() and not target.with_suffix(".meta").exists()
+    assert cache.lookup(toks) == BLOCK
+
+
+def test_restart_removes_temp_files_orphans_and_bad_sidecars(tmp_path):
+    toks, kv = tokens_for(11, 3 * BLOCK), make_kv(3 * BLOCK, 11)
+    make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
+    frames = _frame_files(tmp_path / "d")
+    shard = frames[0].parent
+    (shard / ".tmp-deadbeef.frame-1234").write_bytes(b"partial")
+    orphan = shard / ("ab" * 16 + ".frame")
+    orphan.write_bytes(b"no sidecar")
+    frames[1].with_suffix(".meta").write_bytes(b"\xc1garbage")
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    removed = cache.stats()["tiers"][0]["removed_at_start"]
+    assert removed == {"temp": 1, "orphan": 1, "bad_sidecar": 1}
+    assert not orphan.exists() and not frames[1].exists()
+    assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 0}
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda kv, toks: (toks, kv[:2]), "layers"),
+        (lambda kv, toks: (toks, [(k[:1], v[:1]) for k, v in kv]), "shape"),
+        (lambda kv, toks: (toks, [(k.float(), v.float()) for k, v in kv]), "dtype"),
+        (lambda kv, toks: (toks[:-1], kv), "token_ids"),
+        (lambda kv, toks: ([], kv), "empty"),
+        (lambda kv, toks: (toks, []), "no layers"),
+        (lambda kv, toks: (toks, [(k, v[:, :-1]) for k, v in kv]), "tokens"),
+        (lambda kv, toks: (toks, [(k.unsqueeze(0).expand(2, -1, -1, -1), v) for k, v in kv]), "batch size"),
+        (lambda kv, toks: (toks, "kv"), "DynamicCache"),
+        (lambda kv, toks: ([b"x"] * 5, kv), "block_keys"),
+    ],
+)
+def test_bad_input_raises_and_changes_nothing(tmp_path, bad, match):
+    toks, kv = tokens_for(12, 4 * BLOCK), make_kv(4 * BLOCK, 12)
+    cache = make_cache(disk=tmp_path / "d")
+    cache.ingest(toks[: 2 * BLOCK], [(k[:, : 2 * BLOCK], v[:, : 2 * BLOCK]) for k, v in kv])
+    before = cache.stats()
+    with pytest.raises(InputError, match=match):
+        cache.ingest(*bad(kv, toks))
+    assert cache.stats() == before
+
+
+def test_nan_anywhere_stores_nothing(tmp_path):
+    toks, kv = tokens_for(13, 4 * BLOCK), make_kv(4 * BLOCK, 13)
+    kv[2][1][1, 3 * BLOCK + 5, 7] = float("nan")  # in the last block only
+    cache = make_cache(codec=cs.KIVI(bits=4), disk=tmp_path / "d")
+    with pytest.raises(InputError, match="NaN"):
+        cache.ingest(toks, kv)
+    assert cache.lookup(toks) == 0 and cache.stats()["used_bytes"] == 0
+
+
+def test_block_keys_and_batched_shapes():
+    cache = make_cache()
+    kv = make_kv(3 * BLOCK, 14)
+    keys = [b"frame-0", b"frame-1+action", b"frame-2"]
+    res = cache.ingest(keys, [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv])
+    assert res.stored == 3
+    assert cache.lookup(keys) == 3 * BLOCK
+    assert cache.lookup([b"frame-0", b"other"]) == BLOCK
+    assert_prefix_equal(cache.materialize(keys[:2]), kv, 2 * BLOCK)
+
+
+def test_ingest_takes_an_hf_dynamic_cache():
+    transformers = pytest.importorskip("transformers")
+    toks, kv = tokens_for(15, 2 * BLOCK), make_kv(2 * BLOCK, 15)
+    hf = transformers.DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        hf.update(k.unsqueeze(0), v.unsqueeze(0), i)
+    cache = make_cache()
+    assert cache.ingest(toks, hf).stored == 2
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+
+
+def test_cpu_slots_being_read_are_never_reused():
+    tier = CpuTier(2 * FRAME)
+    meta = plan_frame(block_hash=b"\x01" * 16, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT,
+                      block_tokens=BLOCK, codec=cs.Raw().spec(),
+                      buffers=[("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))])
+    half = meta.tensors[0].nbytes
+    first = build_frame(meta, [b"\x11" * half, b"\x22" * half])
+    tier.put(b"\x01" * 16, BlockFrame(meta, host=memoryview(first)))
+    held = tier.get(b"\x01" * 16).host  # a reader still holds this view
+    snapshot = bytes(held)
+    for i in range(2, 8):  # churn far past the budget
+        key = bytes([i]) * 16
+        meta_i = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT,
+                            block_tokens=BLOCK, codec=cs.Raw().spec(),
+                            buffers=[("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))])
+        tier.put(key, BlockFrame(meta_i, host=memoryview(build_frame(meta_i, [bytes([i]) * half] * 2))))
+    assert bytes(held) == snapshot
+    assert tier.stats().extra["zombie_slots"] == 1
+    del held
+    tier.put(b"\x09" * 16, BlockFrame(meta_i, host=memoryview(build_frame(meta_i, [b"\x09" * half] * 2))))
+    assert tier.stats().extra["zombie_slots"] == 0
+
+
+def test_unwritable_disk_is_reported_and_the_cache_keeps_serving(tmp_path):
+    root = tmp_path / "d"
+    cache = make_cache(cpu="4MiB", disk=root)
+    shutil.rmtree(root)
+    root.write_text("the disk tier's directory is gone")
+    toks, kv = tokens_for(16, 2 * BLOCK), make_kv(2 * BLOCK, 16)
+    res = cache.ingest(toks, kv)
+    assert res.stored == 2 and res.failed == 0 and "disk" in res.errors
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+    assert cache.stats()["tiers"][1]["write_errors"] == 2
+
+
+@pytest.mark.slow
+def test_disk_full_is_reported_and_the_cache_keeps_serving(tmp_path):
+    # A real EFBIG from the kernel: the file-size limit stops every frame write.
+    script = textwrap.dedent(f"""
+        import resource, signal, sys, torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        from store_helpers import make_cache, make_kv, tokens_for, assert_prefix_equal, BLOCK
+        cache = make_cache(cpu="4MiB", disk={str(tmp_path / 'd')!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        toks, kv = tokens_for(17, 3 * BLOCK), make_kv(3 * BLOCK, 17)
+        res = cache.ingest(toks, kv)
+        assert res.stored == 3 and "disk" in res.errors, res
+        assert "File too large" in res.errors["disk"], res.errors
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        disk = cache.stats()["tiers"][1]
+        assert disk["write_errors"] == 3 and disk["blocks"] == 0, disk
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert not list((tmp_path / "d").glob("*/.tmp-*"))
+
+
+def test_tier_config_errors_name_the_setting(tmp_path):
+    with pytest.raises(cs.ConfigError, match="no tier"):
+        make_cache(cpu=0)
+    with pytest.raises(cs.ConfigError, match="cpu_bytes"):
+        make_cache(cpu="lots")
+    with pytest.raises(cs.ConfigError, match="write_through"):
+        make_cache(cpu="1MiB", write_through=("cpu",))
+    with pytest.raises(cs.ConfigError, match="block_tokens"):
+        make_cache(codec=cs.KIVI(group_size=64), block=32)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(cs.StorageError, match="cannot create"):
+        make_cache(disk=blocker / "sub")
+
+
+def test_environment_has_no_stray_tmp_files(tmp_path):
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    cache.ingest(tokens_for(18, 2 * BLOCK), make_kv(2 * BLOCK, 18))
+    names = [p.name for p in (tmp_path / "d").rglob("*") if p.is_file()]
+    assert len(names) == 4 and all(n.endswith((".frame", ".meta")) for n in names)
+    assert os.listdir(tmp_path / "d")
