@@ -101,16 +101,19 @@ def tier_config(tier: str, nbytes: int, disk_path: Path) -> Any:
     return cs.TierConfig(cpu_bytes=0, disk_path=str(disk_path), disk_bytes=budget)
 
 
-def median_time(fn, repeats: int, before=None) -> tuple[float, Any]:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up; ``before()`` runs untimed."""
-    times, result = [], None
+def timed_runs(fn, repeats: int, before=None) -> tuple[list[float], list[Any]]:
+    """Seconds and results of ``repeats`` runs of ``fn()`` after one untimed warm-up;
+    ``before()`` runs before each, outside the timing."""
+    times, results = [], []
     for i in range(repeats + 1):
         if before is not None:
             before()
         t = time.perf_counter()
         result = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]), result
+        if i:
+            times.append(time.perf_counter() - t)
+            results.append(result)
+    return times, results
 
 
 def run_context(model: Any, context: int, tiers: list[str], codecs: list[str], repeats: int,
@@ -119,61 +122,82 @@ def run_context(model: Any, context: int, tiers: list[str], codecs: list[str], r
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
     prefix = context - SUFFIX
-    raw_gb = layout.raw_nbytes(prefix) / 1e9
     log(f"context {context}: full prefill ...")
     probe = cs.PrefixCache(model_id="ttft", layout=layout, codec=cs.Raw(), block_tokens=BLOCK,
                            tiers=cs.TierConfig(cpu_bytes="1MiB", pin_memory=False))
-    full_s, full = median_time(lambda: prefill_with_reuse(model, probe, ids, reuse="never", ingest=False), repeats)
+    times, _ = timed_runs(lambda: _timings(prefill_with_reuse(model, probe, ids, reuse="never", ingest=False)),
+                          repeats)
+    full_s = statistics.median(times)
     probe.close()
-    del full
     _, prefix_kv = forward(model, torch.tensor([ids[:prefix]], device=device), last_only=True)
     sync(device)
     rows = []
     for tier in tiers:
         for name in codecs:
-            codec = CODECS[name]()
-            row = {"context": context, "tier": tier, "codec": name, "kv_gb": raw_gb, "full_s": full_s}
+            row = {"context": context, "tier": tier, "codec": name, "kv_gb": layout.raw_nbytes(prefix) / 1e9,
+                   "full_s": full_s}
             if tier == "gpu" and device.type != "cuda":
                 rows.append(row | {"note": "no GPU"})
                 continue
-            disk = Path(tempfile.mkdtemp(prefix=f"ttft-{context}-{name}-", dir=disk_root))
-            stored = codec.encoded_nbytes(layout, prefix)
-            cache = cs.PrefixCache(model_id="ttft", layout=layout, codec=codec, block_tokens=BLOCK,
-                                   tiers=tier_config(tier, stored, disk))
             try:
-                t = time.perf_counter()
-                ingested = cache.ingest(ids[:prefix], prefix_kv)
-                sync(device)
-                ingest_s = time.perf_counter() - t
-                if ingested.stored != prefix // BLOCK:
-                    rows.append(row | {"note": f"stored {ingested.stored} of {prefix // BLOCK} blocks: {ingested.errors}"})
-                    continue
-                before = (lambda: drop_page_cache(disk)) if tier == "disk" else None
-                reuse_s, res = median_time(
-                    lambda: prefill_with_reuse(model, cache, ids, reuse="always", ingest=False), repeats, before)
-                assert res.reused_tokens == prefix, (res.reused_tokens, prefix)
-                planner = ReusePlanner()
-                planner.observe_prefill(context, full_s)
-                planner.observe_read(res.tiers, res.reused_tokens, res.timings.materialize_s)
-                decision = planner.decide(res.tiers, res.reused_tokens)
-                row |= {
-                    "stored_gb": stored / 1e9, "ingest_s": ingest_s,
-                    "materialize_s": res.timings.materialize_s, "suffix_s": res.timings.forward_s,
-                    "reuse_s": reuse_s, "speedup": full_s / reuse_s, "pays": reuse_s < full_s,
-                    "planner": "reuse" if decision.reuse else "skip",
-                    "planned_s": reuse_s if decision.reuse else full_s,
-                    "note": "" if reuse_s < full_s else "SLOWER than recompute",
-                }
-                rows.append(row)
-                log(f"  {tier:4s} {name:4s}: reuse {reuse_s:.3f} s vs full {full_s:.3f} s "
+                row |= measure_tier(model, ids, prefix_kv, tier, CODECS[name](), full_s, repeats, disk_root, device)
+            except Exception as exc:  # one failing cell must not lose the others' results
+                row["note"] = f"error: {type(exc).__name__}: {exc}"[:200]
+            rows.append(row)
+            if "speedup" in row:
+                log(f"  {tier:4s} {name:4s}: reuse {row['reuse_s']:.3f} s vs full {full_s:.3f} s "
                     f"({row['speedup']:.1f}x), planner: {row['planner']}")
-            finally:
-                cache.close()
-                shutil.rmtree(disk, ignore_errors=True)
+            else:
+                log(f"  {tier:4s} {name:4s}: {row['note']}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     del prefix_kv
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return rows
+
+
+def _timings(res: Any) -> tuple[Any, list[str], int]:
+    """What a timed run keeps: its timings, tiers and reused tokens (not its GPU cache)."""
+    return res.timings, res.tiers, res.reused_tokens
+
+
+def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: Any, full_s: float, repeats: int,
+                 disk_root: Path, device: torch.device) -> dict[str, Any]:
+    """Store the prefix in a cache with ``tier`` only, then time reuse from it."""
+    layout = kv_layout(model)
+    prefix = len(ids) - SUFFIX
+    stored = codec.encoded_nbytes(layout, prefix)
+    disk = Path(tempfile.mkdtemp(prefix=f"ttft-{len(ids)}-", dir=disk_root))
+    cache = cs.PrefixCache(model_id="ttft", layout=layout, codec=codec, block_tokens=BLOCK,
+                           tiers=tier_config(tier, stored, disk))
+    try:
+        t = time.perf_counter()
+        ingested = cache.ingest(ids[:prefix], prefix_kv)
+        sync(device)
+        ingest_s = time.perf_counter() - t
+        if ingested.stored != prefix // BLOCK:
+            return {"note": f"stored {ingested.stored} of {prefix // BLOCK} blocks: {ingested.errors}"}
+        before = (lambda: drop_page_cache(disk)) if tier == "disk" else None
+        times, runs = timed_runs(
+            lambda: _timings(prefill_with_reuse(model, cache, ids, reuse="always", ingest=False)), repeats, before)
+    finally:
+        cache.close()
+        shutil.rmtree(disk, ignore_errors=True)
+    if any(reused != prefix for _, _, reused in runs):
+        return {"note": f"reused {[r for _, _, r in runs]} of {prefix} tokens"}
+    reuse_s = statistics.median(times)
+    materialize_s = statistics.median(t.materialize_s for t, _, _ in runs)
+    planner = ReusePlanner()
+    planner.observe_prefill(len(ids), full_s)
+    planner.observe_read(runs[-1][1], prefix, materialize_s)
+    decision = planner.decide(runs[-1][1], prefix)
+    return {
+        "stored_gb": stored / 1e9, "ingest_s": ingest_s, "materialize_s": materialize_s,
+        "suffix_s": statistics.median(t.forward_s for t, _, _ in runs),
+        "reuse_s": reuse_s, "speedup": full_s / reuse_s, "pays": reuse_s < full_s,
+        "planner": "reuse" if decision.reuse else "skip",
+        "planned_s": reuse_s if decision.reuse else full_s,
+        "note": "" if reuse_s < full_s else "SLOWER than recompute",
+    }
 
 
 def main() -> None:

@@ -13,8 +13,16 @@ own, so neither side is ever a one-shot prefill of prefix + suffix.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
 import types
+import urllib.request
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,12 +291,51 @@ def test_raw_reuse_through_the_embedded_cache_is_bit_identical(smol):
         _check_reuse_is_bit_identical(model, tokenizer, cache)
 
 
+@contextlib.contextmanager
+def _server():
+    """A `cacheseek serve` on a free loopback port, stopped on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("cacheseek", path=str(Path(sys.executable).parent)) or shutil.which("cacheseek")
+    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from cacheseek.server.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen(cmd + ["serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-bytes", "256MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.poll() is not None else ""
+                raise RuntimeError(f"cacheseek serve did not come up at {url}: {err}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 @needs_remote_cache
-def test_raw_reuse_through_the_server_is_bit_identical(smol, remote_cache_factory):
+def test_raw_reuse_through_the_server_is_bit_identical(smol):
     model, tokenizer = smol
-    with remote_cache_factory(kv_layout(model), cs.Raw(), BLOCK) as cache:
-        _check_reuse_is_bit_identical(model, tokenizer, cache)
+    with _server() as url:
+        cache = cs.RemoteCache(url, model_id="test-remote", layout=kv_layout(model), codec=cs.Raw(),
+                               block_tokens=BLOCK)
+        try:
+            _check_reuse_is_bit_identical(model, tokenizer, cache)
+        finally:
+            cache.close()
 
 
 @pytest.mark.slow

@@ -5,7 +5,9 @@ payload, decode on the device); not reusing costs recomputing those tokens. Both
 measured, not assumed: ``prefill_with_reuse`` reports every materialize and every forward
 pass it runs, and the planner keeps an exponential moving average of
 
-- read speed, in tokens per second, per tier (only from reads served by one tier alone),
+- read speed, in tokens per second, per tier (only from reads served by one tier alone;
+  before the first, it may be seeded from the tier's read throughput in ``cache.stats()``,
+  which leaves out the move and decode: the first measured read replaces the seed),
 - prefill speed, in tokens per second (only from forwards of at least
   ``min_prefill_tokens`` tokens: shorter ones are dominated by per-call overhead and would
   understate what a prefill of the reused span costs).
@@ -26,7 +28,9 @@ from ..errors import ConfigError
 
 @dataclass(slots=True)
 class Rate:
-    """An exponential moving average of a throughput, in units per second."""
+    """An exponential moving average of a throughput, in units per second.
+
+    ``samples`` counts measurements; a rate with none is a seed, replaced by the first one."""
 
     per_s: float | None = None
     samples: int = 0
@@ -35,7 +39,7 @@ class Rate:
         if units <= 0 or seconds <= 0:
             return
         rate = units / seconds
-        self.per_s = rate if self.per_s is None else (1 - weight) * self.per_s + weight * rate
+        self.per_s = rate if self.samples == 0 else (1 - weight) * self.per_s + weight * rate
         self.samples += 1
 
 
@@ -79,11 +83,20 @@ class ReusePlanner:
         if tiers and len(set(tiers)) == 1:
             self.reads.setdefault(tiers[0], Rate()).observe(tokens, seconds, self.weight)
 
+    def seed_read(self, tier: str, tokens_per_s: float) -> None:
+        """A first guess of a tier's read speed, used until a read of it is measured."""
+        if tokens_per_s > 0 and tier not in self.reads:
+            self.reads[tier] = Rate(per_s=tokens_per_s)
+
+    def unmeasured(self, tiers: Sequence[str]) -> list[str]:
+        """Tiers of ``tiers`` with no read speed at all (not even a seed)."""
+        return sorted({t for t in tiers if self.reads.get(t, Rate()).per_s is None})
+
     def decide(self, tiers: Sequence[str], tokens: int) -> ReuseDecision:
         """Reuse ``tokens`` tokens whose blocks sit in ``tiers`` (one entry per block), or not."""
         if tokens <= 0 or not tiers:
             return ReuseDecision(False, "nothing stored for this prompt")
-        unmeasured = sorted({t for t in tiers if self.reads.get(t, Rate()).per_s is None})
+        unmeasured = self.unmeasured(tiers)
         if unmeasured:
             return ReuseDecision(True, f"read speed of tier {', '.join(unmeasured)} not measured yet: reusing measures it")
         per_block = tokens / len(tiers)

@@ -225,6 +225,8 @@ def prefill_with_reuse(
         located = cache.locate(ids[: len(ids) - 1])
         timings.locate_s = time.perf_counter() - t0
         if reuse == "auto":
+            if located.num_tokens and planner.unmeasured(located.tiers):
+                _seed_from_stats(planner, cache)
             decision = planner.decide(located.tiers, located.num_tokens)
         else:
             decision = ReuseDecision(bool(located.num_tokens), "reuse forced by the caller")
@@ -263,6 +265,18 @@ def prefill_with_reuse(
         computed_tokens=len(ids) - reused, stored_blocks=stored, tiers=tiers, timings=timings,
         decision=decision, skipped_reason=skipped, ingest_errors=errors,
     )
+
+
+def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
+    """Seed unmeasured tiers' read speeds from ``cache.stats()`` (bytes/s -> tokens/s)."""
+    codec, layout, block = (getattr(cache, a, None) for a in ("codec", "layout", "block_tokens"))
+    if codec is None or layout is None or not block:
+        return
+    bytes_per_token = codec.encoded_nbytes(layout, block) / block
+    for tier in cache.stats().get("tiers", []):
+        gbps = tier.get("read_gbps")
+        if gbps:
+            planner.seed_read(tier["name"], gbps * 1e9 / bytes_per_token)
 
 
 def _token_ids(input_ids: Any) -> list[int]:
