@@ -1,6 +1,10 @@
 """Quality drift per codec on a real model: reused (encoded, decoded) prefix KV against recomputed.
 
-    python -m benchmarks.quality [--quick] [--out DIR]
+    python -m benchmarks.quality [--quick] [--threads N] [--out DIR]
+    python -m benchmarks.quality --plot-only      # redraw the PNG from the JSON
+
+Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
+spin-wait whenever one of them is descheduled, and 2 threads ran 2-5x slower than 1 there.
 
 Model: SmolLM2-135M-Instruct (float32, CPU; fetched on first use, see
 ``cacheseek/integrations/smollm2.py``). Text: the standard library's docstrings
@@ -26,6 +30,7 @@ recent tokens in full precision, which this does not.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -180,8 +185,13 @@ def plot(summary: list[dict], out_dir: Path | None) -> Path | None:
     labels = [f"{r['codec']}" + (f" G{r['group']}" if r["group"] != "-" else "") for r in summary]
     xs = range(len(labels))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    ax1.bar(xs, [max(r["KL mean"], 1e-12) for r in summary], color="tab:red")
+    floor = 1e-9
+    ax1.bar(xs, [max(r["KL mean"], floor) for r in summary], color="tab:red")
+    for x, r in zip(xs, summary):
+        if r["KL mean"] == 0:
+            ax1.annotate("0 (exact)", (x, floor), ha="center", va="bottom", fontsize=8)
     ax1.set_yscale("log")
+    ax1.set_ylim(floor, None)
     ax1.set_ylabel("KL(recomputed || reused), nats/token")
     ax1.set_title("next-token distribution drift")
     width = 0.4
@@ -190,7 +200,7 @@ def plot(summary: list[dict], out_dir: Path | None) -> Path | None:
     ax2.set_ylim(0, 105)
     ax2.set_ylabel("%")
     ax2.set_title("agreement with recomputed KV")
-    ax2.legend(loc="lower left")
+    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2)
     for ax in (ax1, ax2):
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, rotation=30, ha="right")
@@ -205,8 +215,15 @@ def plot(summary: list[dict], out_dir: Path | None) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
+    ap.add_argument("--plot-only", action="store_true", help="redraw quality.png from quality.json")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.plot_only:
+        doc = json.loads(((args.out or RESULTS) / "quality.json").read_text())
+        print(f"wrote {plot(doc['summary'], args.out)}")
+        return
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model, tokenizer = smollm2.load(progress=print)
     layout = kv_layout(model)

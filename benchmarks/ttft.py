@@ -59,6 +59,22 @@ CODECS = {"raw": lambda: cs.Raw(), "int4": lambda: cs.KIVI(bits=4, group_size=32
 TIERS = ("gpu", "cpu", "disk")
 
 
+def kivi_backend(device: torch.device) -> str:
+    """Which KIVI implementation runs on ``device``. If Triton is there but the kernels are
+    not built into this checkout yet, fall back to the torch reference (and say so)."""
+    from cacheseek.quant import kivi
+
+    backend = kivi.backend_for(torch.empty(1, device=device))
+    if backend == "triton":
+        from cacheseek import kernels
+
+        if not hasattr(kernels, "quantize"):
+            os.environ[kivi.BACKEND_ENV] = "torch"
+            print("WARNING: cacheseek.kernels has no Triton KIVI kernels in this checkout; using the torch reference")
+            return "torch (kernels missing)"
+    return backend
+
+
 def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
     """Random weights, made directly on ``device`` (no CPU copy, no checkpoint)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,6 +88,12 @@ def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def sync(device: torch.device) -> None:
@@ -229,7 +251,10 @@ def main() -> None:
     codecs = args.codecs.split(",")
     log(f"building a {'tiny' if args.tiny else 'Llama-3-8B-shaped'} model on {device} ({dtype}) ...")
     model = build_model(shape, device, dtype)
-    log(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    log(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+        f"attention {model.config._attn_implementation}")
+    backend = kivi_backend(device)
+    log(f"KIVI backend: {backend}")
     disk_root = args.disk_path or Path(tempfile.gettempdir())
     disk_root.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -241,7 +266,8 @@ def main() -> None:
                  and "speedup" in r), None)
     payload = {"model": "llama3-8b-shape (random)" if not args.tiny else "tiny", "shape": shape,
                "dtype": str(dtype), "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
-               "seconds": seconds, "rows": rows,
+               "seconds": seconds, "kivi_backend": backend, "transformers": transformers_version(),
+               "rows": rows,
                "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}
     name = "ttft_tiny" if args.tiny else "ttft"
     print(f"wrote {write_json(name, payload, args.out)}")

@@ -51,6 +51,16 @@ needs_remote_cache = pytest.mark.skipif(not hasattr(cs, "RemoteCache"), reason="
 BLOCK = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread in this module: the machine's 2 cores are shared, and torch's
+    OpenMP threads spin-wait whenever one is descheduled (2 threads ran 2-5x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # -- the planner (no model) ---------------------------------------------------------------
 
 

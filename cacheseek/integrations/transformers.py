@@ -154,8 +154,9 @@ class PrefillResult:
     ``logits``: [vocab] at the prompt's last position (its argmax is the first new token).
     ``cache``: a ``DynamicCache`` holding every prompt token, ready to continue generation.
     ``reused_tokens`` came from the store, ``computed_tokens`` were run through the model.
-    ``tiers``: the tier each reused block came from. ``skipped_reason`` is set when a stored
-    prefix was there but was not reused (predicted slower than recompute, or not wanted).
+    ``tiers``: the tier each reused block came from. ``skipped_reason`` says why nothing was
+    reused when a stored prefix was there (predicted slower than recompute) or when reuse
+    was turned off (``reuse="never"``).
     """
 
     logits: torch.Tensor
@@ -238,6 +239,7 @@ def prefill_with_reuse(
             if got.num_tokens:
                 past = to_dynamic_cache(got.layers, model.config)
                 reused, tiers = got.num_tokens, list(got.tiers)
+            del got  # the DynamicCache holds its own copy: free the decoded tensors now
             _sync(device)
             timings.materialize_s = time.perf_counter() - t
             planner.observe_read(tiers, reused, timings.materialize_s)
