@@ -161,10 +161,17 @@ def _tier_table(stats: dict[str, Any]) -> str:
     rows = []
     for tier in tiers:
         row = {"tier": tier.get("name", "?")}
-        for key in ("blocks", "used_bytes", "capacity_bytes", "hits", "misses", "evictions"):
+        for key in ("blocks", "used_bytes", "capacity_bytes", "compression_ratio", "hits", "misses", "evictions",
+                    "read_gbps"):
             if key in tier:
                 value = tier[key]
-                row[key] = format_size(value) if key.endswith("_bytes") else value
+                if value is None:
+                    value = "-"
+                elif key.endswith("_bytes"):
+                    value = format_size(value)
+                elif isinstance(value, float):
+                    value = f"{value:.2f}"
+                row[key] = value
         rows.append(row)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     return _table([{c: r.get(c, "") for c in cols} for r in rows], cols)
