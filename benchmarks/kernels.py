@@ -1,0 +1,384 @@
+"""Throughput of the Triton KIVI kernels against the memory roofline and the torch reference.
+
+    python -m benchmarks.kernels [--quick] [--sweep] [--out DIR]
+
+On CUDA, for K (per-channel groups) and V (per-token groups) of fp16 KV shaped
+[32 layers, 8 KV heads, 4096 tokens, 128] (Llama-3-8B, 268 MB), at 2/4/8 bits with G=32
+and 4 bits with G=128:
+
+- quantize and dequantize time: CUDA events around each call, median over many calls,
+  inputs rotating over 4 distinct sets (>1 GB, well past the 60 MB L2);
+- GB/s of raw fp16 KV processed, bytes actually moved (read + write: fp16 values, int32
+  codes, stats) and their GB/s, and that as a fraction of the device-to-device copy
+  bandwidth measured in the same run (a large ``dst.copy_(src)``, read + write counted);
+- the torch reference (``cacheseek.quant.kivi_reference``) on the same data, and the
+  speedup;
+- one 256-token block [32, 8, 256, 128] (16 MB): per-call latency including the Python
+  launch, host time per call, and GPU time per call from a CUDA-graph replay;
+- the store's strided case: 16 blocks quantized from a [n, L, H, B, D] view of the KV
+  tensor, and dequantized from payloads at a fixed stride in one buffer into such a view.
+
+First it checks the kernels against the reference (outputs poisoned first) and prints
+PASS or FAIL. ``--sweep`` also times every candidate launch config (int4, G=32 and 128)
+and prints which is fastest. Writes kernels.json (+ kernels.png) to --out; the table
+comes last. Without CUDA it runs a tiny interpreter smoke test and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+if not torch.cuda.is_available():
+    # must precede the first import of triton (cacheseek.kernels imports it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from cacheseek import kernels  # noqa: E402
+from cacheseek.kernels import configs  # noqa: E402
+from cacheseek.kernels import kivi as kk  # noqa: E402
+from cacheseek.quant import kivi_reference as ref  # noqa: E402
+from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS  # noqa: E402
+
+from .report import plot_bars, table, write_json  # noqa: E402
+
+DEVICE = "cuda"
+SHAPE = (32, 8, 4096, 128)  # layers, KV heads, tokens, head dim
+BLOCK = (32, 8, 256, 128)
+N_SETS = 4
+F16 = torch.float16
+SIDES = {"K": AXIS_TOKENS, "V": AXIS_CHANNELS}
+CASES = [(2, 32), (4, 32), (8, 32), (4, 128)]  # (bits, group)
+
+
+# -- timing ------------------------------------------------------------------------------
+
+
+def gpu_time(fn: Callable[[int], Any], *, reps: int, warmup: int = 3, n_sets: int = N_SETS) -> float:
+    """Median seconds of one ``fn(i)`` call (i rotates over the input sets), CUDA events."""
+    for i in range(warmup):
+        fn(i % n_sets)
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        start.record()
+        fn(i % n_sets)
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events) / 1e3
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(nbytes // 2, dtype=F16, device=DEVICE).normal_()
+    dst = torch.empty_like(src)
+    t = gpu_time(lambda i: dst.copy_(src), reps=reps, n_sets=1)
+    del src, dst
+    return 2 * nbytes / t
+
+
+def _poison_allocator(nbytes: int) -> None:
+    # The caching allocator hands freed blocks back out: fill one first, so an output
+    # element the kernel fails to write shows up as 0xFF bytes (NaN, -1), not a lucky 0.
+    torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).fill_(0xFF)
+
+
+# -- correctness -------------------------------------------------------------------------
+
+
+def check_correctness(device: str, shape: tuple[int, ...]) -> list[str]:
+    """Kernels vs reference on ``shape``; returns the failures (empty: PASS)."""
+    failures = []
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen)
+    x[..., [3, 17]] *= 15
+    x = x.to(F16).to(device)
+    for side, axis in SIDES.items():
+        for bits, group in CASES:
+            name = f"{side} int{bits} G{group}"
+            if device != "cpu":
+                _poison_allocator(4 * x.nbytes)
+            got = kernels.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=F16)
+            want = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=F16)
+            for part, a, b in zip(("codes", "scale", "min"), got, want):
+                if not torch.equal(a, b):
+                    failures.append(f"{name} quantize: {part} differ in {int((a != b).sum())} of {a.numel()}")
+            out = torch.full_like(x, float("nan"))
+            kernels.dequantize(*want, bits=bits, group=group, axis=axis, shape=x.shape, dtype=F16, out=out)
+            if not torch.equal(out, ref.dequantize(*want, bits=bits, group=group, axis=axis, shape=x.shape, dtype=F16)):
+                failures.append(f"{name} dequantize: differs from the reference ({int(out.isnan().sum())} unwritten)")
+    return failures
+
+
+def check_strided(n: int = 4) -> list[str]:
+    """The store's zero-copy shapes: a block view in, payloads at a stride, a view out."""
+    L, H, B, D = 4, 8, 256, 128
+    base = torch.randn(L, H, n * B, D, device=DEVICE).to(F16)
+    view = base.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
+    failures = []
+    for side, axis in SIDES.items():
+        q, s, m = kernels.quantize(view, bits=4, group=32, axis=axis, stats_dtype=F16)
+        want = ref.quantize(view, bits=4, group=32, axis=axis, stats_dtype=F16)
+        if not all(torch.equal(a, b) for a, b in zip((q, s, m), want)):
+            failures.append(f"{side} quantize of a block view differs")
+        qv, sv, mv = (strided_copy(t, pad) for t, pad in ((q, 16), (s, 8), (m, 8)))
+        out_base = torch.full_like(base, float("nan"))
+        out = out_base.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
+        kernels.dequantize(qv, sv, mv, bits=4, group=32, axis=axis, shape=view.shape, dtype=F16, out=out)
+        if not torch.equal(out, ref.dequantize(q, s, m, bits=4, group=32, axis=axis, shape=view.shape, dtype=F16)):
+            failures.append(f"{side} dequantize of strided payloads into a block view differs")
+    return failures
+
+
+def strided_copy(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` ([n, ...]) inside one flat buffer at a fixed stride of numel + pad elements per
+    block, as an as_strided view (how frames land in one device buffer)."""
+    per = t[0].numel()
+    buf = torch.zeros(t.shape[0] * (per + pad), dtype=t.dtype, device=t.device)
+    view = torch.as_strided(buf, t.shape, (per + pad, *t[0].stride()))
+    view.copy_(t)
+    return view
+
+
+# -- measurements ------------------------------------------------------------------------
+
+
+def _encoded_nbytes(encoded) -> int:
+    return sum(t.numel() * t.element_size() for t in encoded)
+
+
+def measure_case(xs: list[torch.Tensor], side: str, bits: int, group: int, copy_bw: float, reps: int,
+                 ref_reps: int) -> list[dict]:
+    axis = SIDES[side]
+    kw = dict(bits=bits, group=group, axis=axis)
+    enc = [kernels.quantize(x, stats_dtype=F16, **kw) for x in xs]
+    outs = [torch.empty_like(x) for x in xs]
+    raw = xs[0].numel() * xs[0].element_size()
+    moved = raw + _encoded_nbytes(enc[0])
+    rows = []
+    for op in ("quantize", "dequantize"):
+        if op == "quantize":
+            t = gpu_time(lambda i: kernels.quantize(xs[i], stats_dtype=F16, **kw), reps=reps)
+            t_ref = gpu_time(lambda i: ref.quantize(xs[i], stats_dtype=F16, **kw), reps=ref_reps, warmup=1)
+        else:
+            t = gpu_time(lambda i: kernels.dequantize(*enc[i], shape=xs[i].shape, dtype=F16, out=outs[i], **kw),
+                         reps=reps)
+            t_ref = gpu_time(lambda i: ref.dequantize(*enc[i], shape=xs[i].shape, dtype=F16, **kw),
+                             reps=ref_reps, warmup=1)
+        rows.append({
+            "case": f"{side} int{bits} G{group}", "op": op, "us": t * 1e6,
+            "raw_GBps": raw / t / 1e9, "moved_MB": moved / 1e6, "moved_GBps": moved / t / 1e9,
+            "pct_copy_bw": 100 * moved / t / copy_bw, "ref_raw_GBps": raw / t_ref / 1e9, "speedup": t_ref / t,
+        })
+    return rows
+
+
+def measure_block(bits: int = 4, group: int = 32) -> list[dict]:
+    """One 256-token Llama-3-8B block: is launch overhead small next to the work?"""
+    xs = [torch.randn(BLOCK, device=DEVICE).to(F16) for _ in range(N_SETS)]
+    rows = []
+    for side, axis in SIDES.items():
+        kw = dict(bits=bits, group=group, axis=axis)
+        enc = [kernels.quantize(x, stats_dtype=F16, **kw) for x in xs]
+        outs = [torch.empty_like(x) for x in xs]
+        calls = {
+            "quantize": lambda i: kernels.quantize(xs[i], stats_dtype=F16, **kw),
+            "dequantize": lambda i: kernels.dequantize(*enc[i], shape=BLOCK, dtype=F16, out=outs[i], **kw),
+        }
+        for op, fn in calls.items():
+            latency = _sync_latency(fn)
+            host = _host_time(fn)
+            gpu = _graph_time(fn)
+            raw = xs[0].nbytes
+            rows.append({"case": f"block {side} int{bits} G{group}", "op": op, "latency_us": latency * 1e6,
+                         "host_us": host * 1e6, "gpu_us": gpu * 1e6 if gpu else "n/a",
+                         "raw_GBps_gpu": raw / gpu / 1e9 if gpu else "n/a"})
+    return rows
+
+
+def _sync_latency(fn, reps: int = 50) -> float:
+    """Wall time of one call, launch to completion, from an idle GPU (median)."""
+    times = []
+    for i in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn(i % N_SETS)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _host_time(fn, reps: int = 200) -> float:
+    """Python + launch time per call, back to back (the GPU queue absorbs the kernels)."""
+    fn(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(i % N_SETS)
+    host = (time.perf_counter() - t0) / reps
+    torch.cuda.synchronize()
+    return host
+
+
+def _graph_time(fn, calls: int = 20) -> float | None:
+    """GPU time per call with the launch overhead removed: replay a CUDA graph of calls."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for i in range(3):
+                fn(i % N_SETS)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i % N_SETS)
+        t = gpu_time(lambda i: graph.replay(), reps=10, n_sets=1)
+        return t / calls
+    except Exception as e:  # capture is best effort; the other columns still stand
+        print(f"  (CUDA graph capture failed: {e!r})", file=sys.stderr)
+        return None
+
+
+def measure_strided(copy_bw: float, n: int = 16, reps: int = 30) -> list[dict]:
+    """16 blocks of 256 tokens as the store sees them: a block view of one [L, H, n*B, D]
+    KV tensor in; payloads at a fixed stride in one buffer, into such a view, out."""
+    L, H, B, D = SHAPE[0], SHAPE[1], 256, SHAPE[3]
+    bases = [torch.randn(L, H, n * B, D, device=DEVICE).to(F16) for _ in range(N_SETS)]
+    views = [b.view(L, H, n, B, D).permute(2, 0, 1, 3, 4) for b in bases]
+    shape = tuple(views[0].shape)
+    rows = []
+    for side, axis in SIDES.items():
+        kw = dict(bits=4, group=32, axis=axis)
+        enc = [kernels.quantize(v, stats_dtype=F16, **kw) for v in views]
+        packed = [tuple(strided_copy(t, 64) for t in e) for e in enc]
+        raw = bases[0].nbytes
+        moved = raw + _encoded_nbytes(enc[0])
+        t_q = gpu_time(lambda i: kernels.quantize(views[i], stats_dtype=F16, **kw), reps=reps)
+        t_d = gpu_time(lambda i: kernels.dequantize(*packed[i], shape=shape, dtype=F16, out=views[i], **kw), reps=reps)
+        for op, t in (("quantize", t_q), ("dequantize", t_d)):
+            rows.append({"case": f"{n} strided blocks {side} int4 G32", "op": op, "us": t * 1e6,
+                         "raw_GBps": raw / t / 1e9, "moved_MB": moved / 1e6, "moved_GBps": moved / t / 1e9,
+                         "pct_copy_bw": 100 * moved / t / copy_bw})
+    return rows
+
+
+def sweep(xs: list[torch.Tensor], reps: int) -> list[dict]:
+    """Every candidate config for int4 at G=32 and G=128 (D=128): which is fastest?"""
+    rows = []
+    raw = xs[0].nbytes
+    for group in (32, 128):
+        for side, axis in SIDES.items():
+            kw = dict(bits=4, group=group, axis=axis)
+            enc = [kernels.quantize(x, stats_dtype=F16, **kw) for x in xs]
+            outs = [torch.empty_like(x) for x in xs]
+            sk = side.lower()
+            for op in ("quantize", "dequantize"):
+                default = configs.pick(sk, op, group, SHAPE[3], SHAPE[2])
+                for cfg in configs.candidates(sk, op, group, SHAPE[3]):
+                    if op == "quantize":
+                        fn = lambda i, c=cfg: kk._quantize(xs[i], 4, group, axis, F16, config=c)  # noqa: E731
+                    else:
+                        fn = lambda i, c=cfg: kk._dequantize(*enc[i], 4, group, axis, xs[i].shape, F16,  # noqa: E731
+                                                             out=outs[i], config=c)
+                    t = gpu_time(fn, reps=reps)
+                    rows.append({"case": f"{side} int4 G{group}", "op": op,
+                                 "config": f"{cfg.kwargs} w{cfg.num_warps}",
+                                 "default": "*" if _same(cfg, default) else "", "us": t * 1e6,
+                                 "raw_GBps": raw / t / 1e9})
+    return rows
+
+
+def _same(a, b) -> bool:
+    return a.kwargs == b.kwargs and a.num_warps == b.num_warps
+
+
+# -- entry point -------------------------------------------------------------------------
+
+
+def smoke_without_cuda() -> int:
+    print("No CUDA device: the throughput benchmark needs an NVIDIA GPU. Running a tiny "
+          "correctness smoke test in the Triton interpreter instead.")
+    failures = check_correctness("cpu", (1, 1, 128, 64))
+    print("correctness vs reference (interpreter):", "PASS" if not failures else "FAIL")
+    for f in failures:
+        print("  ", f)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="int4 G=32 only, fewer repetitions")
+    ap.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
+    ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.png")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        return smoke_without_cuda()
+
+    t_start = time.perf_counter()
+    print(f"device: {torch.cuda.get_device_name()}")
+    failures = check_correctness(DEVICE, (4, 8, 512, 128)) + check_strided()
+    print("correctness vs reference:", "PASS" if not failures else "FAIL")
+    for f in failures:
+        print("  ", f)
+
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy: {copy_bw / 1e9:,.0f} GB/s (read + write)")
+    reps, ref_reps = (20, 2) if args.quick else (50, 5)
+    cases = [(4, 32)] if args.quick else CASES
+    xs = [torch.randn(SHAPE, device=DEVICE).to(F16) for _ in range(N_SETS)]
+    for x in xs:
+        x[..., [3, 17, 90, 111]] *= 15  # outlier channels, as real keys have
+
+    rows = []
+    for side in SIDES:
+        for bits, group in cases:
+            rows += measure_case(xs, side, bits, group, copy_bw, reps, ref_reps)
+            print(f"  {rows[-2]['case']}: quantize {rows[-2]['raw_GBps']:,.0f} GB/s, "
+                  f"dequantize {rows[-1]['raw_GBps']:,.0f} GB/s raw fp16", flush=True)
+    block_rows = measure_block()
+    strided_rows = measure_strided(copy_bw)
+    sweep_rows = sweep(xs, reps=max(10, reps // 2)) if args.sweep else []
+    del xs
+
+    payload = {"shape": list(SHAPE), "dtype": "float16", "copy_GBps": copy_bw / 1e9,
+               "correct": not failures, "failures": failures, "throughput": rows, "block": block_rows,
+               "strided": strided_rows, "sweep": sweep_rows, "triton": _triton_version(),
+               "seconds": time.perf_counter() - t_start}
+    path = write_json("kernels", payload, args.out)
+    labels = [f"{r['case']} {r['op'][:3]}" for r in rows]
+    plot_bars("kernels", labels, {"triton": [r["raw_GBps"] for r in rows],
+                                  "torch reference": [r["ref_raw_GBps"] for r in rows]},
+              ylabel="GB/s of raw fp16 KV", out_dir=args.out, log=True)
+
+    if sweep_rows:
+        print(table(sweep_rows, ["case", "op", "config", "default", "us", "raw_GBps"],
+                    title="\nCandidate configs (int4, D=128); * = the default"))
+    print(table(block_rows, ["case", "op", "latency_us", "host_us", "gpu_us", "raw_GBps_gpu"],
+                title=f"\nOne block {list(BLOCK)} fp16 ({2 * math.prod(BLOCK) / 2**20:.0f} MiB): latency incl. "
+                      "launch, host time per call, GPU time per call (CUDA graph)"))
+    print(table(strided_rows, ["case", "op", "us", "raw_GBps", "moved_GBps", "pct_copy_bw"],
+                title="\nStrided blocks: [n, L, H, B, D] view in / payloads at a stride, view out"))
+    print(f"\nwrote {path} ({time.perf_counter() - t_start:.0f} s)")
+    print(table(rows, ["case", "op", "us", "raw_GBps", "moved_MB", "moved_GBps", "pct_copy_bw", "ref_raw_GBps",
+                       "speedup"],
+                title=f"\nKIVI kernels on fp16 {list(SHAPE)} ({torch.cuda.get_device_name()}), copy bandwidth "
+                      f"{copy_bw / 1e9:,.0f} GB/s; correctness: {'PASS' if not failures else 'FAIL'}"))
+    return 1 if failures else 0
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

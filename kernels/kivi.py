@@ -1,0 +1,661 @@
+"""KIVI in Triton: fused quantize+pack and unpack+dequantize, int2/int4/int8.
+
+Computes exactly ``cacheseek.quant.kivi_reference`` (the specification), for x of shape
+``[..., T, D]``, in ONE launch per call over every leading dim (layers, heads, blocks):
+
+    mn, mx  = group min / max                                   (fp32)
+    scale   = (mx - mn) / (2^bits - 1)                          (fp32, IEEE division)
+    s, m    = scale, mn rounded to the stats dtype              (what is stored)
+    code    = clamp(round_half_even((x - m) / s), 0, 2^bits - 1)    if s > 0 else 0
+    x_hat   = code * s + m
+
+K (``axis=-2``) groups G consecutive tokens per channel; V (``axis=-1``) groups G
+consecutive channels per token, the last group possibly ragged (D=80, G=64: 64 + 16).
+Codes are packed little-endian along the grouped axis into int32 words (element j of a
+word in bits [j*bits, (j+1)*bits)).
+
+The kernels are bit-identical to the reference: every division is IEEE-rounded (see
+``_quotient``), rounding is exact half-to-even, and decoding is mul then add, unfused.
+
+Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
+``_dequantize``: checks, allocation, grid, settings), and the public ``quantize`` /
+``dequantize``.
+"""
+
+# (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from . import configs
+from ._strides import Levels, collapse, contiguous_strides, unit_last
+
+AXIS_TOKENS = -2  # K
+AXIS_CHANNELS = -1  # V
+BITS = (2, 4, 8)
+GROUPS = (32, 64, 128)
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+STATS_DTYPES = (torch.float16, torch.float32)
+
+_INF = tl.constexpr(float("inf"))
+# Float <-> small integer without I2F/F2I (quarter-rate on NVIDIA GPUs) or libdevice rint
+# (which the interpreter lacks): for 0 <= c < 2^22, the fp32 sum c + 1.5 * 2^23 lands
+# where the ulp is 1, so the adder itself rounds c half to even, and the integer sits in
+# the low mantissa bits of the sum. Conversely 2^23 + k, built from bits, minus 2^23 is k.
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23, bits 0x4B400000
+_TWO23 = tl.constexpr(8388608.0)  # 2^23
+_TWO23_BITS = tl.constexpr(0x4B000000)
+
+
+# -- device helpers ---------------------------------------------------------------------
+
+
+@triton.jit
+def _minmax_operands(x, ok, MASKED: tl.constexpr):
+    """What to take the group min and max of (in x's own dtype: exact, and packed fp16 min/max
+    is cheaper). Masked-out lanes (``ok`` false) never win."""
+    # tl.max may drop NaN where torch's amax propagates it. Mapping NaN to +inf in the max
+    # operand (+-Inf need nothing) makes the scale non-finite, and the codec's isfinite
+    # check on the stats rejects the input, as with the reference.
+    lo = x
+    hi = tl.where(x == x, x, _INF)
+    if MASKED:
+        lo = tl.where(ok, lo, _INF)
+        hi = tl.where(ok, hi, -_INF)
+    return lo, hi
+
+
+@triton.jit
+def _scale(mn, mx, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
+    """scale = (mx - mn) / (2^bits - 1), IEEE-rounded like torch's division."""
+    rng = mx - mn
+    qmax = tl.full(rng.shape, QMAX, tl.float32)
+    if FP16_STATS:
+        # QMAX has at most 8 significant bits, so _quotient's exactness argument holds;
+        # finite results are bit-identical to div_rn's, and an fp32 subnormal range, the
+        # only place fma corrections can lose exactness, rounds to 0 in fp16 either way.
+        return _quotient(rng, qmax, tl.math.div_rn(tl.full(rng.shape, 1.0, tl.float32), qmax), True)
+    else:
+        return tl.math.div_rn(rng, qmax)
+
+
+@triton.jit
+def _divisor(s, FP16_STATS: tl.constexpr):
+    """Per group, from the stored scale widened to fp32: (den, rcp) for ``_quotient``."""
+    pos = s > 0
+    if FP16_STATS:
+        # s == 0 (a constant group) or NaN (rejected input): rcp = 0 makes every code 0,
+        # which decodes exactly to m.
+        den = tl.where(pos, s, 1.0)
+        rcp = tl.where(pos, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), den), 0.0)
+    else:
+        den = tl.where(pos, s, _INF)  # x / inf = 0: the same, for div_rn
+        rcp = den
+    return den, rcp
+
+
+@triton.jit
+def _quotient(a, den, rcp, FP16_STATS: tl.constexpr):
+    """IEEE-rounded a / den (exactly div_rn's result) for finite a.
+
+    With fp16 stats, den has at most 11 significant bits. Then q = a * rcp (rcp = 1/den
+    rounded) is within 2^-23 relative of a/den, e = a - q * den is exact in one fma, and
+    q + e * rcp is within 2^-47 relative of a/den before its rounding. An fp32 midpoint M
+    (25 significant bits, the last one set) is never hit exactly (den * M would need 25
+    significant bits, a has 24), nor approached closer than 2^-36 relative (den * M has at
+    most 36 bits), so the fma rounds to RN(a / den): three ops instead of a dozen for
+    div_rn's fast path, check and slow-path branch. With fp32 stats (24-bit den) that
+    margin is gone, so those use div_rn.
+    """
+    if FP16_STATS:
+        q = a * rcp
+        return tl.fma(tl.fma(-q, den, a), rcp, q)
+    else:
+        return tl.math.div_rn(a, den)
+
+
+@triton.jit
+def _codes(x, m, den, rcp, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
+    """int32 codes of fp32 ``x``: clamp(round_half_even((x - m) / s), 0, QMAX); ``m``, ``den``
+    and ``rcp`` already broadcast to x's shape."""
+    q = _quotient(x - m, den, rcp, FP16_STATS)
+    # Clamping first is the same (integer bounds, monotone rounding) and keeps the magic
+    # rounding in its exact range. The code is then the low bits of the sum.
+    q = tl.minimum(tl.maximum(q, 0.0), QMAX)
+    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True) & QMAX
+
+
+@triton.jit
+def _decode(codes, s, m):
+    """x_hat = code * s + m in fp32 (launched without fp fusion: rounded as torch does);
+    ``codes`` int32 in [0, 2^22), ``s`` and ``m`` fp32, broadcastable."""
+    c = (codes | _TWO23_BITS).to(tl.float32, bitcast=True) - _TWO23
+    return c * s + m
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded half-to-even to bf16 precision, still fp32. Only for the
+    interpreter, whose fp32 -> bf16 cast truncates (GPUs round to nearest even)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+# -- K: groups of G tokens per channel ---------------------------------------------------
+# A program owns GROUPS consecutive token groups x BLOCK_D channels of one row. Each loop
+# step is a [PER, NW, BLOCK_D // VEC, VEC] tile: token = w * PER + j (j on axis 0),
+# channel = v * VEC + e. Triton lays a tile out from its contiguous dim: a thread holds
+# VEC channels (a VEC * 2-byte load for fp16), lanes and warps spread over the channels
+# first and over tokens only when channels run out. In quantize, a small VEC (2) keeps
+# each thread's channels' whole token group in its registers, so the group min/max, the
+# per-group divisions and the packing (over j) stay in-thread, with no shuffles or
+# shared-memory barriers; the price is narrower (still coalesced) loads. Dequantize has
+# no reductions and uses full 16-byte vectors.
+# MASKED (constexpr) is false when D % BLOCK_D == 0 and GROUPS divides T / G: no masks.
+
+
+def _k_masked(args) -> bool:
+    return args["D"] % args["BLOCK_D"] != 0 or (args["T"] // args["G"]) % args["GROUPS"] != 0
+
+
+def _v_masked(args) -> bool:
+    return args["D"] != args["D_PAD"] or args["T"] % args["BLOCK_T"] != 0
+
+
+@triton.heuristics({"MASKED": _k_masked})
+@triton.jit
+def _quantize_k_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr,
+    C, T, D,
+    sx_a, sx_c, sx_t,  # x: element strides of the two leading levels and of tokens
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,  # scale and min are allocated alike
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = G // PER
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+
+    pid = tl.program_id(0)
+    n_groups = T // G
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_t = tl.cdiv(n_groups, GROUPS)
+    d_tile = pid % n_d
+    t_tile = (pid // n_d) % n_t
+    row = pid // (n_d * n_t)
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    # channels as [BLOCK_D // VEC, VEC]: VEC contiguous channels per thread (see above)
+    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    j = tl.arange(0, PER)
+    w = tl.arange(0, NW)
+    tok = (j[:, None] + w[None, :] * PER)[:, :, None, None]  # [PER, NW, 1, 1]: token in the group
+    shifts = (j * BITS)[:, None, None, None]
+    x_row = x_ptr + a * sx_a + c * sx_c
+    q_row = q_ptr + a * sq_a + c * sq_c
+    stat_row = a * ss_a + c * ss_c
+
+    for i in range(GROUPS):
+        grp = (t_tile * GROUPS + i).to(tl.int64)
+        # A step past the last group masks every lane. (A scalar & tensor mask comes out
+        # int32 in the interpreter, hence the select on the bound.)
+        d_ok = d < tl.where(grp < n_groups, D, 0)
+        ok = d_ok[None, None, :, :]
+        x_ptrs = x_row + (grp * G + tok) * sx_t + d[None, None, :, :]
+        if MASKED:
+            x = tl.load(x_ptrs, mask=ok, other=0.0)
+        else:
+            x = tl.load(x_ptrs)
+
+        lo, hi = _minmax_operands(x, ok, MASKED)
+        mn = tl.min(tl.min(lo, axis=0), axis=0).to(tl.float32)  # [BLOCK_D // VEC, VEC]
+        scale = _scale(mn, tl.max(tl.max(hi, axis=0), axis=0).to(tl.float32), QMAX, FP16_STATS)
+        s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
+        m_st = mn.to(m_ptr.dtype.element_ty)
+        den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
+
+        codes = _codes(x.to(tl.float32),
+                       tl.broadcast_to(m_st.to(tl.float32)[None, None, :, :], x.shape),
+                       tl.broadcast_to(den[None, None, :, :], x.shape),
+                       tl.broadcast_to(rcp[None, None, :, :], x.shape), QMAX, FP16_STATS)
+        # Bit fields do not overlap, so the int32 sum is the bitwise OR (the top field of
+        # an 8- or 2-bit word reaches the sign bit; two's complement keeps that exact).
+        words = tl.sum(codes << shifts, axis=0)  # [NW, BLOCK_D // VEC, VEC]
+
+        stat_off = stat_row + grp * ss_t + d
+        q_ptrs = q_row + (grp * NW + w[:, None, None]) * sq_t + d[None, :, :]
+        if MASKED:
+            tl.store(s_ptr + stat_off, s_st, mask=d_ok)
+            tl.store(m_ptr + stat_off, m_st, mask=d_ok)
+            tl.store(q_ptrs, words, mask=d_ok[None, :, :])
+        else:
+            tl.store(s_ptr + stat_off, s_st)
+            tl.store(m_ptr + stat_off, m_st)
+            tl.store(q_ptrs, words)
+
+
+@triton.heuristics({"MASKED": _k_masked})
+@triton.jit
+def _dequantize_k_kernel(
+    q_ptr, s_ptr, m_ptr, o_ptr,
+    C, T, D,
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,
+    sm_a, sm_c, sm_t,
+    so_a, so_c, so_t,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = G // PER
+    QMAX: tl.constexpr = (1 << BITS) - 1
+
+    pid = tl.program_id(0)
+    n_groups = T // G
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_t = tl.cdiv(n_groups, GROUPS)
+    d_tile = pid % n_d
+    t_tile = (pid // n_d) % n_t
+    row = pid // (n_d * n_t)
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    j = tl.arange(0, PER)
+    w = tl.arange(0, NW)
+    tok = (j[:, None] + w[None, :] * PER)[:, :, None, None]
+    shifts = (j * BITS)[:, None, None, None]
+    q_row = q_ptr + a * sq_a + c * sq_c
+    s_row = s_ptr + a * ss_a + c * ss_c
+    m_row = m_ptr + a * sm_a + c * sm_c
+    o_row = o_ptr + a * so_a + c * so_c
+
+    for i in range(GROUPS):
+        grp = (t_tile * GROUPS + i).to(tl.int64)
+        d_ok = d < tl.where(grp < n_groups, D, 0)
+        q_ptrs = q_row + (grp * NW + w[:, None, None]) * sq_t + d[None, :, :]
+        o_ptrs = o_row + (grp * G + tok) * so_t + d[None, None, :, :]
+        if MASKED:
+            words = tl.load(q_ptrs, mask=d_ok[None, :, :], other=0)
+            s = tl.load(s_row + grp * ss_t + d, mask=d_ok, other=0.0).to(tl.float32)
+            m = tl.load(m_row + grp * sm_t + d, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            words = tl.load(q_ptrs)
+            s = tl.load(s_row + grp * ss_t + d).to(tl.float32)
+            m = tl.load(m_row + grp * sm_t + d).to(tl.float32)
+        codes = (words[None, :, :, :] >> shifts) & QMAX  # [PER, NW, BLOCK_D // VEC, VEC]
+        x = _decode(codes, s[None, None, :, :], m[None, None, :, :])
+        if SOFT_BF16:
+            x = _round_to_bf16(x)
+        x = x.to(o_ptr.dtype.element_ty)
+        if MASKED:
+            tl.store(o_ptrs, x, mask=d_ok[None, None, :, :])
+        else:
+            tl.store(o_ptrs, x)
+
+
+# -- V: groups of G channels per token ---------------------------------------------------
+# A program owns BLOCK_T tokens of one row and the whole head dim padded to D_PAD, as a
+# [BLOCK_T, NGP, GP] tile (channel = g * GP + e; GP = min(G, D_PAD) is a group's width in
+# the tile): stats reduce over GP, and a reshape to [BLOCK_T, NGP, WPG, PER] packs words
+# (it splits the contiguous dim, so it stays within a thread's registers).
+# Lanes at channels >= D are masked, so a ragged last group only sees its real elements.
+# MASKED (constexpr) is false when D == D_PAD and BLOCK_T divides T: no masks.
+
+
+@triton.heuristics({"MASKED": _v_masked})
+@triton.jit
+def _quantize_v_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr,
+    C, T, D,
+    sx_a, sx_c, sx_t,
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,
+    BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GP // PER
+    NGP: tl.constexpr = D_PAD // GP
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BLOCK_T)
+    t_tile = pid % n_t
+    row = pid // n_t
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    t = (t_tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    g = tl.arange(0, NGP)
+    d = g[:, None] * GP + tl.arange(0, GP)[None, :]  # [NGP, GP]
+    word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NGP, WPG]: index along packed D
+    t_ok = t < T
+    ok = t_ok[:, None, None] & (d < D)[None, :, :]
+    x_ptrs = x_ptr + a * sx_a + c * sx_c + t[:, None, None] * sx_t + d[None, :, :]
+    if MASKED:
+        x = tl.load(x_ptrs, mask=ok, other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+
+    lo, hi = _minmax_operands(x, ok, MASKED)
+    mn = tl.min(lo, axis=2).to(tl.float32)  # [BLOCK_T, NGP]
+    scale = _scale(mn, tl.max(hi, axis=2).to(tl.float32), QMAX, FP16_STATS)
+    s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
+    m_st = mn.to(m_ptr.dtype.element_ty)
+    den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
+    codes = _codes(x.to(tl.float32),
+                   tl.broadcast_to(m_st.to(tl.float32)[:, :, None], x.shape),
+                   tl.broadcast_to(den[:, :, None], x.shape),
+                   tl.broadcast_to(rcp[:, :, None], x.shape), QMAX, FP16_STATS)
+    codes = tl.reshape(codes, (BLOCK_T, NGP, WPG, PER))
+    words = tl.sum(codes << (tl.arange(0, PER) * BITS)[None, None, None, :], axis=3)  # [BLOCK_T, NGP, WPG]
+
+    stat_off = a * ss_a + c * ss_c + t[:, None] * ss_t + g[None, :]
+    q_ptrs = q_ptr + a * sq_a + c * sq_c + t[:, None, None] * sq_t + word[None, :, :]
+    if MASKED:
+        stat_ok = t_ok[:, None] & (g * GP < D)[None, :]
+        tl.store(s_ptr + stat_off, s_st, mask=stat_ok)
+        tl.store(m_ptr + stat_off, m_st, mask=stat_ok)
+        tl.store(q_ptrs, words, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :])
+    else:
+        tl.store(s_ptr + stat_off, s_st)
+        tl.store(m_ptr + stat_off, m_st)
+        tl.store(q_ptrs, words)
+
+
+@triton.heuristics({"MASKED": _v_masked})
+@triton.jit
+def _dequantize_v_kernel(
+    q_ptr, s_ptr, m_ptr, o_ptr,
+    C, T, D,
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,
+    sm_a, sm_c, sm_t,
+    so_a, so_c, so_t,
+    BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    WPG: tl.constexpr = GP // PER
+    NGP: tl.constexpr = D_PAD // GP
+    QMAX: tl.constexpr = (1 << BITS) - 1
+
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BLOCK_T)
+    t_tile = pid % n_t
+    row = pid // n_t
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    t = (t_tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    g = tl.arange(0, NGP)
+    d = g[:, None] * GP + tl.arange(0, GP)[None, :]
+    word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]
+    t_ok = t < T
+    q_ptrs = q_ptr + a * sq_a + c * sq_c + t[:, None, None] * sq_t + word[None, :, :]
+    s_ptrs = s_ptr + a * ss_a + c * ss_c + t[:, None] * ss_t + g[None, :]
+    m_ptrs = m_ptr + a * sm_a + c * sm_c + t[:, None] * sm_t + g[None, :]
+    o_ptrs = o_ptr + a * so_a + c * so_c + t[:, None, None] * so_t + d[None, :, :]
+    if MASKED:
+        words = tl.load(q_ptrs, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :], other=0)
+        stat_ok = t_ok[:, None] & (g * GP < D)[None, :]
+        s = tl.load(s_ptrs, mask=stat_ok, other=0.0).to(tl.float32)
+        m = tl.load(m_ptrs, mask=stat_ok, other=0.0).to(tl.float32)
+    else:
+        words = tl.load(q_ptrs)
+        s = tl.load(s_ptrs).to(tl.float32)
+        m = tl.load(m_ptrs).to(tl.float32)
+    codes = (words[:, :, :, None] >> (tl.arange(0, PER) * BITS)[None, None, None, :]) & QMAX
+    codes = tl.reshape(codes, (BLOCK_T, NGP, GP))
+    x = _decode(codes, s[:, :, None], m[:, :, None])
+    if SOFT_BF16:
+        x = _round_to_bf16(x)
+    x = x.to(o_ptr.dtype.element_ty)
+    if MASKED:
+        tl.store(o_ptrs, x, mask=t_ok[:, None, None] & (d < D)[None, :, :])
+    else:
+        tl.store(o_ptrs, x)
+
+
+# -- host launchers ----------------------------------------------------------------------
+# Everything a launch needs that depends only on shapes, strides, dtypes and settings is
+# worked out once per such combination (``_quantize_plan``, ``_dequantize_plan``, cached):
+# a call then costs the output allocations and the Triton launch, which matters for
+# block-sized calls (a 16 MB block is a few microseconds of GPU time).
+
+
+def _interpreted() -> bool:
+    # Under TRITON_INTERPRET=1 (read when this module was imported) @triton.jit returns an
+    # interpreter object instead of a JITFunction.
+    return not isinstance(_decode, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True, slots=True)
+class _Launch:
+    kernel: Any  # a JITFunction, or an Autotuner over one
+    grid: Any  # a tuple, or a callable of the config (autotune)
+    scalars: tuple[int, ...]  # C, T, D and each tensor's (stride_a, stride_c, stride_t)
+    options: dict[str, Any]  # constexprs and launch options
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        device = tensors[0].device
+        if device.type == "cpu" and not _interpreted():
+            raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+        # Triton launches on the current CUDA device, which need not be the tensors' one.
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device):
+                self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        else:
+            self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+
+
+@dataclass(frozen=True, slots=True)
+class _QuantizePlan:
+    q_shape: tuple[int, ...]
+    stats_shape: tuple[int, ...]
+    launch: _Launch | None  # None: nothing to do (empty input)
+    copy_input: bool = False  # x needs .contiguous() first (then plan again)
+
+
+@dataclass(frozen=True, slots=True)
+class _DequantizePlan:
+    launch: _Launch | None
+    copy_inputs: bool = False  # q, scale, mn need .contiguous() first (then plan again)
+    via_temp: bool = False  # decode into a fresh tensor, then out.copy_ (out cannot be written directly)
+
+
+def _check_args(bits: int, group: int, axis: int, ndim: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"bits: must be one of {list(BITS)}, got {bits!r}")
+    if group not in GROUPS:
+        raise ValueError(f"group: must be one of {list(GROUPS)}, got {group!r}")
+    if ndim < 2:
+        raise ValueError(f"x: expected [..., T, D], got {ndim} dims")
+    axis = axis - ndim if axis >= 0 else axis
+    if axis not in (AXIS_TOKENS, AXIS_CHANNELS):
+        raise ValueError(f"axis: must be -2 (K, groups of tokens) or -1 (V, groups of channels), got {axis}")
+    return axis
+
+
+def _shapes(shape: tuple[int, ...], bits: int, group: int, axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(packed codes shape, stats shape) of x of ``shape``; raises if it cannot be packed."""
+    *lead, T, D = shape
+    per = 32 // bits
+    if axis == AXIS_TOKENS:
+        if T % group:
+            raise ValueError(f"x: T={T} is not a multiple of the K group size {group}")
+        return (*lead, T // per, D), (*lead, T // group, D)
+    if D % per:
+        raise ValueError(f"x: D={D} cannot be packed {per} codes per int32 word at {bits} bits")
+    return (*lead, T, D // per), (*lead, T, -(-D // group))
+
+
+def _grid(side: str, rows: int, T: int, D: int, group: int):
+    """Programs for a config's block sizes (a callable, as triton.autotune wants)."""
+    if side == "k":
+        return lambda meta: (rows * triton.cdiv(T // group, meta["GROUPS"]) * triton.cdiv(D, meta["BLOCK_D"]),)
+    return lambda meta: (rows * triton.cdiv(T, meta["BLOCK_T"]),)
+
+
+_KERNELS = {
+    ("k", "quantize"): (_quantize_k_kernel, _k_masked),
+    ("k", "dequantize"): (_dequantize_k_kernel, _k_masked),
+    ("v", "quantize"): (_quantize_v_kernel, _v_masked),
+    ("v", "dequantize"): (_dequantize_v_kernel, _v_masked),
+}
+
+
+@functools.cache
+def _tuned(side: str, op: str, group: int, D: int):
+    # One autotuner per (kernel, group, D); it re-tunes per (T, BITS) and argument dtypes.
+    kernel = _KERNELS[side, op][0]
+    return triton.autotune(configs=configs.candidates(side, op, group, D), key=["T", "D", "BITS"])(kernel)
+
+
+def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[tuple[int, ...]],
+                 consts: dict[str, Any], group: int, config: triton.Config | None) -> _Launch:
+    """``strides``: each tensor's full strides, in kernel argument order."""
+    scalars = (lv.C, T, D, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
+    if side == "v":
+        d_pad = configs.padded_head_dim(D)
+        consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
+    else:
+        consts = {**consts, "G": group}
+    # No FMA contraction: dequantize rounds code * s and then + m, as torch does (bit-
+    # identical decodes); quantize's fmas are explicit.
+    options = {**consts, "enable_fp_fusion": False}
+    grid = _grid(side, lv.rows, T, D, group)
+    kernel, masked = _KERNELS[side, op]
+    if config is None and configs.autotune_enabled() and not _interpreted():
+        return _Launch(_tuned(side, op, group, D), grid, scalars, options)  # MASKED by triton.heuristics
+    cfg = config if config is not None else configs.pick(side, op, group, D, T)
+    options.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                   MASKED=masked({"T": T, "D": D, **consts, **cfg.kwargs}))
+    return _Launch(kernel.fn, grid(cfg.kwargs), scalars, options)  # .fn: past the heuristics wrapper
+
+
+@functools.lru_cache(maxsize=1024)
+def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, bits: int, group: int,
+                   axis: int, stats_dtype: torch.dtype, config: triton.Config | None,
+                   autotune: bool) -> _QuantizePlan:
+    axis = _check_args(bits, group, axis, len(shape))
+    if dtype not in X_DTYPES:
+        raise ValueError(f"x: dtype must be one of {X_DTYPES}, got {dtype}")
+    if stats_dtype not in STATS_DTYPES:
+        raise ValueError(f"stats_dtype: must be one of {STATS_DTYPES}, got {stats_dtype}")
+    q_shape, st_shape = _shapes(shape, bits, group, axis)
+    if math.prod(shape) == 0:
+        return _QuantizePlan(q_shape, st_shape, None)
+    *lead, T, D = shape
+    # outputs are allocated contiguous; scale and min alike
+    strides = [stride, contiguous_strides(q_shape), contiguous_strides(st_shape)]
+    lv = collapse(lead, strides) if unit_last(shape, stride) else None
+    if lv is None:  # three or more strided levels: one copy rather than one launch per level
+        return _QuantizePlan(q_shape, st_shape, None, copy_input=True)
+    side = "k" if axis == AXIS_TOKENS else "v"
+    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config)
+    return _QuantizePlan(q_shape, st_shape, launch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...],
+                     out: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None, dtype: torch.dtype, bits: int,
+                     group: int, axis: int, config: triton.Config | None, autotune: bool) -> _DequantizePlan:
+    """``bufs``: (shape, strides, dtype) of q, scale and mn; ``out``: the same for out."""
+    axis = _check_args(bits, group, axis, len(shape))
+    if dtype not in X_DTYPES:
+        raise ValueError(f"dtype: must be one of {X_DTYPES}, got {dtype}")
+    q_shape, st_shape = _shapes(shape, bits, group, axis)
+    for name, (got, _, _), want in zip(("q", "scale", "mn"), bufs, (q_shape, st_shape, st_shape)):
+        if got != want:
+            raise ValueError(f"{name}: expected shape {want} for x of shape {shape}, got {got}")
+    if bufs[0][2] != torch.int32:
+        raise ValueError(f"q: expected int32 code words, got {bufs[0][2]}")
+    if bufs[1][2] not in STATS_DTYPES or bufs[2][2] not in STATS_DTYPES:
+        raise ValueError(f"scale, mn: dtype must be one of {STATS_DTYPES}, got {bufs[1][2]}, {bufs[2][2]}")
+    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])):
+        return _DequantizePlan(None, via_temp=True)  # the reference's semantics: out.copy_ casts
+    if math.prod(shape) == 0:
+        return _DequantizePlan(None)
+    *lead, T, D = shape
+    out_strides = out[1] if out is not None else contiguous_strides(shape)
+    strides = [st for _, st, _ in bufs] + [out_strides]
+    lv = collapse(lead, strides) if all(unit_last(sh, st) for sh, st, _ in bufs) else None
+    if lv is None:
+        packed = [contiguous_strides(sh) for sh, _, _ in bufs] + [out_strides]
+        if collapse(lead, packed) is None:  # out itself has three strided levels
+            return _DequantizePlan(None, via_temp=True)
+        return _DequantizePlan(None, copy_inputs=True)
+    side = "k" if axis == AXIS_TOKENS else "v"
+    # The interpreter's fp32 -> bf16 cast truncates; the kernel then rounds itself.
+    consts = {"BITS": bits, "SOFT_BF16": dtype == torch.bfloat16 and _interpreted()}
+    return _DequantizePlan(_make_launch(side, "dequantize", lv, T, D, strides, consts, group, config))
+
+
+def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: torch.dtype,
+              config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    autotune = configs.autotune_enabled()
+    plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+    if plan.copy_input:
+        x = x.contiguous()
+        plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+    q = torch.empty(plan.q_shape, dtype=torch.int32, device=x.device)
+    scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
+    mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
+    if plan.launch is not None:
+        plan.launch(x, q, scale, mn)
+    return q, scale, mn
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: int, group: int, axis: int,
+                shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None = None,
+                config: triton.Config | None = None) -> torch.Tensor:
+    if scale.device != q.device or mn.device != q.device:
+        raise ValueError(f"q, scale, mn: on different devices ({q.device}, {scale.device}, {mn.device})")
+    shape = tuple(int(n) for n in shape)
+    autotune = configs.autotune_enabled()
+
+    def plan_for(q, scale, mn) -> _DequantizePlan:
+        bufs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, scale, mn))
+        out_desc = None if out is None else (tuple(out.shape), out.stride(), out.dtype)
+        return _dequantize_plan(shape, bufs, out_desc, dtype, bits, group, axis, config, autotune)
+
+    plan = plan_for(q, scale, mn)
+    if plan.copy_inputs:
+        q, scale, mn = q.contiguous(), scale.contiguous(), mn.contiguous()
+        plan = plan_for(q, scale, mn)
+    if plan.via_temp or (out is not None and out.device != q.device):
+        out.copy_(_dequantize(q, scale, mn, bits, group, axis, shape, dtype, config=config))
+        return out
+    target = out if out is not None else torch.empty(shape, dtype=dtype, device=q.device)
+    if plan.launch is not None:
+        plan.launch(q, scale, mn, target)
+    return target
+
+
+# -- public API --------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor, *, bits: int, group: int, axis: int,
+             stats_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KIVI-quantize ``x`` ([..., T, D]) along ``axis``: contiguous ``(q int32, scale, min)``,
+    as ``kivi_reference.quantize``. ``x`` may be a strided view (see ``_strides``)."""
+    return _quantize(x, bits, group, axis, stats_dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, bits: int, group: int, axis: int,
+               shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rebuild ``x_hat`` of ``shape`` and ``dtype`` (into ``out`` when given, which may be a
+    strided view), as ``kivi_reference.dequantize``."""
+    return _dequantize(q, scale, mn, bits, group, axis, tuple(shape), dtype, out)

@@ -1,0 +1,310 @@
+"""The Triton KIVI kernels against the torch reference (the specification).
+
+On a machine without CUDA these run in the Triton interpreter (conftest sets
+TRITON_INTERPRET=1), so shapes are tiny: one or two groups of tokens, one or two rows.
+On a CUDA machine the same tests run natively.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import cacheseek as cs  # noqa: E402
+from cacheseek import kernels  # noqa: E402
+from cacheseek.errors import InputError  # noqa: E402
+from cacheseek.kernels import _strides  # noqa: E402
+from cacheseek.quant import kivi as kivi_codec  # noqa: E402
+from cacheseek.quant import kivi_reference as ref  # noqa: E402
+from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS  # noqa: E402
+
+# The interpreter runs masked-out lanes' arithmetic (inf - inf on padding) in numpy.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+HEAD_DIMS = [64, 80, 96, 128, 256]
+AXES = [AXIS_TOKENS, AXIS_CHANNELS]
+F16 = torch.float16
+
+
+def _data(dtype, group: int, D: int, seed: int) -> torch.Tensor:
+    """[1, T, D] (one or two token groups) with the cases that matter: Gaussian, outlier
+    channels (x15), constant groups (also a ragged last V group), large values near 1e4
+    and tiny ones near 1e-6 (fp16-subnormal stats)."""
+    T = 2 * group if group < 128 else group
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, T, D, generator=gen)
+    x[..., [3, 17, D - 1]] *= 15  # outlier channels
+    x[0, :group, 1] = 0.375  # one whole K group (channel 1, first token group)
+    x[0, 0, :group] = -1.25  # one whole V group
+    last = (D - 1) // group * group
+    x[0, 1, last:] = 2.5  # the last (possibly ragged) V group
+    x[0, 2, :] = torch.randn(D, generator=gen) * 1e-6  # tiny
+    x[0, 3, :] = 1e4 + torch.randn(D, generator=gen) * 10  # large, narrow range
+    x[0, 4:8, 5] = 1e4 * torch.randn(4, generator=gen)  # a large K outlier
+    x[0, group:, 9] = 1e-6 * torch.randn(T - group, generator=gen)  # a tiny K group (if T > G)
+    return x.to(dtype).to(DEVICE)
+
+
+def _codes(q: torch.Tensor, bits: int, axis: int) -> torch.Tensor:
+    return ref._unpack_last(q.movedim(axis, -1), bits).movedim(-1, axis)
+
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    return (torch.nextafter(t, torch.full_like(t, math.inf)) - t).float()
+
+
+def _expand_stats(st: torch.Tensor, group: int, axis: int, n: int) -> torch.Tensor:
+    return st.movedim(axis, -1).float().repeat_interleave(group, -1)[..., :n].movedim(-1, axis)
+
+
+def assert_matches_reference(x, *, bits, group, axis, stats_dtype):
+    """Codes identical except at exact rounding ties, stats identical (within an ulp),
+    decodes within one quantization step of the reference's (and of our own payload,
+    bit-identical to the reference's decode of it)."""
+    q, s, m = kernels.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype)
+    rq, rs, rm = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype)
+    for got, want in ((q, rq), (s, rs), (m, rm)):
+        assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous()
+    for got, want in ((s, rs), (m, rm)):
+        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        if not bool(same.all()):
+            assert bool(((got.float() - want.float()).abs() <= _ulp(want))[~same].all()), "stats differ"
+
+    codes, rcodes = _codes(q, bits, axis), _codes(rq, bits, axis)
+    diff = codes != rcodes
+    if bool(diff.any()):
+        assert diff.float().mean() < 1e-3, f"{int(diff.sum())} codes differ"
+        assert bool(((codes - rcodes).abs()[diff] == 1).all())
+        # a mismatch is only allowed where the reference's quotient is a tie (k + 1/2)
+        n = x.shape[axis]
+        quotient = (x.double() - _expand_stats(rm, group, axis, n)) / _expand_stats(rs, group, axis, n)
+        assert bool(((quotient - quotient.floor() - 0.5).abs()[diff] < 1e-6).all()), "non-tie code mismatch"
+
+    shape = tuple(x.shape)
+    x_hat = kernels.dequantize(q, s, m, bits=bits, group=group, axis=axis, shape=shape, dtype=x.dtype)
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    assert torch.equal(x_hat, ref.dequantize(q, s, m, bits=bits, group=group, axis=axis, shape=shape, dtype=x.dtype))
+    want = ref.dequantize(rq, rs, rm, bits=bits, group=group, axis=axis, shape=shape, dtype=x.dtype)
+    step = _expand_stats(rs, group, axis, x.shape[axis])
+    assert bool(((x_hat.float() - want.float()).abs() <= step * 1.001 + _ulp(want.abs())).all())
+    return q, s, m
+
+
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_matches_reference(bits, group, dtype, D):
+    x = _data(dtype, group, D, seed=bits * 1000 + group + D)
+    # fp32 stats where the values need them least often: keeps both dtypes exercised
+    stats = torch.float32 if dtype == torch.float32 else F16
+    for axis in AXES:
+        assert_matches_reference(x, bits=bits, group=group, axis=axis, stats_dtype=stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [2, 8])
+def test_fp32_stats_and_bf16_extremes(bits, dtype):
+    x = _data(dtype, 32, 80, seed=bits)
+    if dtype == torch.bfloat16:
+        x[0, 8:12] *= 1e6  # ranges beyond fp16: fp32 stats hold them
+    for axis in AXES:
+        assert_matches_reference(x, bits=bits, group=32, axis=axis, stats_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("axis", AXES)
+def test_round_half_to_even(axis):
+    # One group of 32, range 0..3 at 2 bits: step 1, so x.5 values are exact ties.
+    row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5] + [1.0] * 27, device=DEVICE)
+    x = row.view(1, 1, 32) if axis == AXIS_CHANNELS else row.view(1, 32, 1).expand(1, 32, 16).contiguous()
+    q, s, m = kernels.quantize(x, bits=2, group=32, axis=axis, stats_dtype=F16)
+    codes = _codes(q, 2, axis)
+    first = codes[0, 0, :5] if axis == AXIS_CHANNELS else codes[0, :5, 0]
+    assert first.tolist() == [0, 3, 0, 2, 2]
+
+
+@pytest.mark.parametrize("axis", AXES)
+def test_constant_groups_decode_exactly(axis):
+    x = torch.full((1, 64, 80), 3.140625, dtype=F16, device=DEVICE)
+    q, s, m = kernels.quantize(x, bits=4, group=64, axis=axis, stats_dtype=F16)
+    assert bool((s == 0).all()) and bool((q == 0).all())
+    x_hat = kernels.dequantize(q, s, m, bits=4, group=64, axis=axis, shape=x.shape, dtype=x.dtype)
+    assert torch.equal(x_hat, x)
+
+
+@pytest.mark.parametrize("stats", ["float16", "float32"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_codec_rejects_nan_and_inf_through_the_kernels(monkeypatch, where, bad, stats):
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    k = torch.randn(1, 64, 64, device=DEVICE).to(F16)
+    v = torch.randn(1, 64, 64, device=DEVICE).to(F16)
+    (k if where == "k" else v)[0, 33, 7] = bad
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cs.KIVI(bits=4, group_size=32, stats_dtype=stats).encode(k, v)
+
+
+def test_codec_dispatches_to_the_kernels_and_matches_the_torch_path(monkeypatch):
+    calls = []
+    for name in ("quantize", "dequantize"):
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(kernels, name, spy)
+    codec = cs.KIVI(k_bits=2, v_bits=4, k_group_size=32, v_group_size=64)
+    k = torch.cat([_data(torch.bfloat16, 32, 80, seed=1), _data(torch.bfloat16, 32, 80, seed=3)])
+    v = _data(torch.bfloat16, 64, 80, seed=2)[:, :64].expand(2, 64, 80)
+
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+    want = codec.encode(k, v)
+    want_k, want_v = codec.decode(want)
+    assert calls == []
+
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    assert kivi_codec.backend_for(k) == "triton"
+    got = codec.encode(k, v)
+    got_k, got_v = codec.decode(got)
+    assert calls == ["quantize", "quantize", "dequantize", "dequantize"]
+    for (_, _, a), (_, _, b) in zip(got.named_buffers(), want.named_buffers()):
+        assert torch.equal(a, b)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+# -- strided views: the store's zero-copy pipeline ---------------------------------------
+
+L, H, N, B, D = 2, 2, 3, 64, 64  # layers, heads, blocks, block tokens, head dim
+
+
+def _blocks_view(base: torch.Tensor) -> torch.Tensor:
+    """[N, L, H, B, D] view of a [L, H, >= N*B, D] tensor: block i is tokens [i*B, (i+1)*B)."""
+    return base[:, :, : N * B].view(L, H, N, B, D).permute(2, 0, 1, 3, 4)
+
+
+def test_block_view_is_two_strided_levels_without_a_copy():
+    x = _blocks_view(torch.empty(L, H, N * B, D))
+    q_strides = _strides.contiguous_strides((N, L, H, B // 8, D))
+    levels = _strides.collapse(x.shape[:-2], [x.stride(), q_strides])
+    assert levels is not None and (levels.A, levels.C) == (N, L * H)
+    assert levels.strides == ((B * D, N * B * D), (L * H * B // 8 * D, B // 8 * D))
+    # three strided levels need a copy
+    y = _three_levels(torch.empty(2, 3, 2, B, D))
+    assert _strides.collapse(y.shape[:-2], [y.stride(), _strides.contiguous_strides(y.shape)]) is None
+
+
+def _three_levels(base: torch.Tensor) -> torch.Tensor:
+    """[2, 2, 2, T, D] out of a [2, 3, 2, T, D] tensor, with leading strides that merge
+    nowhere: (TD, 6TD, 2TD)."""
+    return base.permute(2, 0, 1, 3, 4)[:, :, :2]
+
+
+@pytest.mark.parametrize("axis,bits,group", [(AXIS_TOKENS, 4, 32), (AXIS_CHANNELS, 2, 64)])
+def test_quantize_a_block_view_of_the_kv_tensor(axis, bits, group):
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(L, H, N * B, D, generator=gen).to(F16).to(DEVICE)
+    x = _blocks_view(base)
+    assert not x.is_contiguous()
+    got = kernels.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=F16)
+    want = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=F16)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and torch.equal(a, b)
+
+
+def _packed_at_stride(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` ([N, ...]) copied into one flat buffer at a fixed stride of numel + pad per
+    block (as frames land in one device buffer), returned as an as_strided view."""
+    per = t[0].numel()
+    buf = torch.full((N * (per + pad),), 0, dtype=t.dtype, device=t.device)
+    view = torch.as_strided(buf, t.shape, (per + pad, *t[0].stride()))
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("axis,bits,group", [(AXIS_TOKENS, 8, 64), (AXIS_CHANNELS, 4, 32)])
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16], ids=str)
+def test_dequantize_strided_payloads_into_a_block_view(axis, bits, group, dtype):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(N, L, H, B, D, generator=gen).to(dtype).to(DEVICE)
+    q, s, m = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=F16)
+    qv, sv, mv = _packed_at_stride(q, 5), _packed_at_stride(s, 3), _packed_at_stride(m, 7)
+    assert not qv.is_contiguous()
+
+    guard = 6  # tokens after the blocks that must stay untouched
+    base = torch.full((L, H, N * B + guard, D), math.nan, dtype=dtype, device=DEVICE)
+    base[:, :, N * B:] = -7.0
+    out = _blocks_view(base)
+    got = kernels.dequantize(qv, sv, mv, bits=bits, group=group, axis=axis, shape=x.shape, dtype=dtype, out=out)
+    assert got is out
+    want = ref.dequantize(q, s, m, bits=bits, group=group, axis=axis, shape=x.shape, dtype=dtype)
+    assert not bool(torch.isnan(base[:, :, : N * B]).any()), "an element of out was not written"
+    assert torch.equal(out, want)
+    assert bool((base[:, :, N * B:] == -7.0).all()), "wrote outside out"
+
+
+def test_three_strided_levels_fall_back_to_a_copy_and_stay_correct():
+    gen = torch.Generator().manual_seed(3)
+    x = _three_levels(torch.randn(2, 3, 2, 32, 64, generator=gen).to(F16).to(DEVICE))
+    for axis in AXES:
+        assert_matches_reference(x, bits=4, group=32, axis=axis, stats_dtype=F16)
+    out_base = torch.full((2, 3, 2, 32, 64), math.nan, dtype=F16, device=DEVICE)
+    out = _three_levels(out_base)
+    q, s, m = kernels.quantize(x, bits=4, group=32, axis=AXIS_CHANNELS, stats_dtype=F16)
+    kernels.dequantize(q, s, m, bits=4, group=32, axis=AXIS_CHANNELS, shape=x.shape, dtype=F16, out=out)
+    assert torch.equal(out, ref.dequantize(q, s, m, bits=4, group=32, axis=AXIS_CHANNELS, shape=x.shape, dtype=F16))
+    assert bool(torch.isnan(out_base[:, 2:]).all())
+
+
+def test_leading_dims_of_any_rank_and_empty_inputs():
+    x = _data(F16, 32, 64, seed=5)
+    for t in (x[0], x.reshape(1, 2, 1, 32, 64)):
+        assert_matches_reference(t, bits=4, group=32, axis=AXIS_TOKENS, stats_dtype=F16)
+    empty = torch.empty(0, 2, 32, 64, dtype=F16, device=DEVICE)
+    q, s, m = kernels.quantize(empty, bits=4, group=32, axis=AXIS_CHANNELS, stats_dtype=F16)
+    assert q.shape == (0, 2, 32, 8) and s.shape == (0, 2, 32, 2)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda x: kernels.quantize(x, bits=3, group=32, axis=-1, stats_dtype=F16), "bits"),
+        (lambda x: kernels.quantize(x, bits=4, group=48, axis=-1, stats_dtype=F16), "group"),
+        (lambda x: kernels.quantize(x, bits=4, group=32, axis=0, stats_dtype=F16), "axis"),
+        (lambda x: kernels.quantize(x[:, :40], bits=4, group=32, axis=-2, stats_dtype=F16), "T=40"),
+        (lambda x: kernels.quantize(x[..., :36], bits=4, group=32, axis=-1, stats_dtype=F16), "D=36"),
+        (lambda x: kernels.quantize(x, bits=4, group=32, axis=-1, stats_dtype=torch.bfloat16), "stats_dtype"),
+        (lambda x: kernels.dequantize(torch.zeros(1, 64, 4, dtype=torch.int32, device=x.device),
+                                      torch.zeros(1, 64, 2, dtype=F16, device=x.device),
+                                      torch.zeros(1, 64, 2, dtype=F16, device=x.device),
+                                      bits=4, group=32, axis=-1, shape=(1, 64, 64), dtype=F16), "q: expected shape"),
+    ],
+)
+def test_bad_arguments_name_the_problem(call, match):
+    x = torch.zeros(1, 64, 64, dtype=F16, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        call(x)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU every test above compiles the kernels")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    # The interpreter accepts code the GPU compiler rejects; compile ahead of time with
+    # triton's bundled ptxas (a separate process: this one imported triton interpreted).
+    script = Path(__file__).resolve().parents[1] / "scripts" / "kernels_sm90.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script), "--quick"], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode != 0 and "compiled for sm_90" not in proc.stdout:
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1:]}")
+    assert proc.returncode == 0, proc.stdout
+    assert "4/4 compiled for sm_90" in proc.stdout
