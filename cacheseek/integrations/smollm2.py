@@ -92,6 +92,7 @@ def fetch_gguf(cache_dir: str | Path | None = None, progress: Progress = _quiet)
         except BaseException:
             os.unlink(tmp.name)
             raise
+    os.chmod(tmp.name, 0o644)
     os.replace(tmp.name, target)
     return target
 
