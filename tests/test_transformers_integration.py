@@ -213,6 +213,19 @@ def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
 
 
 @needs_prefix_cache
+def test_an_unmeasured_tier_is_predicted_from_its_read_throughput_in_stats(tiny_model, monkeypatch):
+    ids = list(range(9, 9 + 3 * BLOCK))
+    with _cache(tiny_model) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        monkeypatch.setattr(cache, "stats", lambda: {"tiers": [{"name": "cpu", "read_gbps": 1e-9}]})  # 1 B/s
+        planner = ReusePlanner()
+        planner.observe_prefill(10_000, 1.0)
+        res = prefill_with_reuse(tiny_model, cache, ids, planner=planner)
+        assert res.reused_tokens == 0 and "recomputing" in res.skipped_reason
+        assert planner.reads["cpu"].samples == 0  # a seed, replaced by the first measured read
+
+
+@needs_prefix_cache
 def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
     wrong = cs.KVLayout(2, 2, 16, "float16")
     with cs.PrefixCache(model_id="t", layout=wrong, codec=cs.Raw(), block_tokens=BLOCK,
