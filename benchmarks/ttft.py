@@ -114,6 +114,19 @@ def drop_page_cache(path: Path) -> None:
                 os.close(fd)
 
 
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (from /proc/mounts; "?" elsewhere).
+    On tmpfs the "disk" tier is memory, and dropping the page cache does nothing."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "?"
+    path = str(path.resolve())
+    best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else "?"
+
+
 def tier_config(tier: str, nbytes: int, disk_path: Path) -> Any:
     budget = int(nbytes * 1.25) + (64 << 20)
     if tier == "gpu":
@@ -257,6 +270,8 @@ def main() -> None:
     log(f"KIVI backend: {backend}")
     disk_root = args.disk_path or Path(tempfile.gettempdir())
     disk_root.mkdir(parents=True, exist_ok=True)
+    disk_fs = filesystem(disk_root)
+    log(f"disk tier under {disk_root} ({disk_fs})")
     rows = []
     for context in contexts:
         rows += run_context(model, context, tiers, codecs, args.repeats, disk_root, device, log)
@@ -266,7 +281,7 @@ def main() -> None:
                  and "speedup" in r), None)
     payload = {"model": "llama3-8b-shape (random)" if not args.tiny else "tiny", "shape": shape,
                "dtype": str(dtype), "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
-               "seconds": seconds, "kivi_backend": backend, "transformers": transformers_version(),
+               "seconds": seconds, "kivi_backend": backend, "disk_root": str(disk_root), "disk_fs": disk_fs, "transformers": transformers_version(),
                "rows": rows,
                "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}
     name = "ttft_tiny" if args.tiny else "ttft"
