@@ -281,7 +281,7 @@ def sweep(xs: list[torch.Tensor], reps: int) -> list[dict]:
             outs = [torch.empty_like(x) for x in xs]
             sk = side.lower()
             for op in ("quantize", "dequantize"):
-                default = configs.pick(sk, op, group, SHAPE[3], SHAPE[2])
+                default = configs.pick(sk, op, group, SHAPE[3], SHAPE[2], 4)
                 for cfg in configs.candidates(sk, op, group, SHAPE[3]):
                     if op == "quantize":
                         fn = lambda i, c=cfg: kk._quantize(xs[i], 4, group, axis, F16, config=c)  # noqa: E731

@@ -125,6 +125,70 @@ def check_frame(meta: FrameMeta, *, key: bytes, codec_spec: dict, layout: KVLayo
         raise FrameError("frame was written with another codec, layout or block size")
 
 
+class BatchDecoder:
+    """Decodes up to ``max_blocks`` consecutive blocks into [L, H, n*B, D] K and V on ``device``.
+
+    ``add`` starts a frame's copy into the staging buffer at once (non-blocking), so the
+    caller's work on the next frame overlaps the transfer; ``finish`` decodes them all in
+    one codec call.
+    """
+
+    def __init__(self, codec: KVLayerCodec, layout: KVLayout, block_tokens: int, max_blocks: int,
+                 device: torch.device) -> None:
+        self.codec, self.layout, self.block_tokens = codec, layout, block_tokens
+        self.max_blocks, self.device = max_blocks, device
+        self._meta0: FrameMeta | None = None
+        self._staging: torch.Tensor | None = None
+        self._stride = 0
+        self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def add(self, frame: BlockFrame) -> None:
+        if len(self._frames) >= self.max_blocks:
+            raise RuntimeError(f"BatchDecoder holds {self.max_blocks} blocks already")
+        if self._meta0 is None:
+            self._meta0 = frame.meta
+            self._stride = (frame.meta.payload_nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
+            self._staging = torch.empty((self.max_blocks, self._stride), dtype=torch.uint8, device=self.device)
+        elif frame.meta.tensors != self._meta0.tensors:
+            raise FrameError("frames of one chain disagree on their payload layout")
+        dst = self._staging[len(self._frames), : self._meta0.payload_nbytes]
+        if frame.device_payload is not None:
+            dst.copy_(frame.device_payload, non_blocking=True)
+        elif frame.device_entries is not None:
+            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
+                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
+        else:
+            dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+        self._frames.append(frame)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self._frames)
+        if n == 0 or self._meta0 is None or self._staging is None:
+            raise RuntimeError("BatchDecoder.finish: no frames were added")
+        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
+        B = self.block_tokens
+        template = self.codec.template((n, L, H, B, D), self.layout.dtype)
+        buffers = []
+        for (name, spec, _), entry in zip(template.named_buffers(), self._meta0.tensors, strict=True):
+            if entry.name != name or entry.dtype != spec.dtype or (n, *entry.shape) != spec.shape:
+                raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
+            buffers.append(_strided(self._staging, entry.offset, TORCH_DTYPES[spec.dtype], spec.shape, self._stride))
+        encoded = template.with_buffers(buffers)
+        k = torch.empty((L, H, n * B, D), dtype=self.layout.torch_dtype, device=self.device)
+        v = torch.empty_like(k)
+        as_blocks = (L, H, n, B, D)
+        self.codec.decode(encoded, self.device,
+                          out=(k.view(as_blocks).permute(2, 0, 1, 3, 4), v.view(as_blocks).permute(2, 0, 1, 3, 4)))
+        if self.device.type == "cuda":
+            # The frames' host views may be recycled once we return: the copies must be done.
+            torch.cuda.current_stream(self.device).synchronize()
+        self._frames.clear()
+        return k, v
+
+
 def decode_frames(
     codec: KVLayerCodec,
     layout: KVLayout,
@@ -133,38 +197,10 @@ def decode_frames(
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode n consecutive blocks into K and V of shape [L, H, n*B, D] on ``device``."""
-    n = len(frames)
-    meta0 = frames[0].meta
-    payload = meta0.payload_nbytes
-    stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
-    staging = torch.empty((n, stride), dtype=torch.uint8, device=device)
-    for i, frame in enumerate(frames):
-        if frame.meta.tensors != meta0.tensors:
-            raise FrameError("frames of one chain disagree on their payload layout")
-        dst = staging[i, :payload]
-        if frame.device_payload is not None:
-            dst.copy_(frame.device_payload, non_blocking=True)
-        elif frame.device_entries is not None:
-            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
-                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
-        else:
-            dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
-    L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-    template = codec.template((n, L, H, block_tokens, D), layout.dtype)
-    buffers = []
-    for (name, spec, _), entry in zip(template.named_buffers(), meta0.tensors, strict=True):
-        if entry.name != name or entry.dtype != spec.dtype or (n, *entry.shape) != spec.shape:
-            raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
-        buffers.append(_strided(staging, entry.offset, TORCH_DTYPES[spec.dtype], spec.shape, stride))
-    encoded = template.with_buffers(buffers)
-    k = torch.empty((L, H, n * block_tokens, D), dtype=layout.torch_dtype, device=device)
-    v = torch.empty_like(k)
-    as_blocks = (L, H, n, block_tokens, D)
-    codec.decode(encoded, device, out=(k.view(as_blocks).permute(2, 0, 1, 3, 4), v.view(as_blocks).permute(2, 0, 1, 3, 4)))
-    if device.type == "cuda":
-        # Host views in `frames` may be recycled once we return; the copies must be done.
-        torch.cuda.current_stream(device).synchronize()
-    return k, v
+    decoder = BatchDecoder(codec, layout, block_tokens, len(frames), device)
+    for frame in frames:
+        decoder.add(frame)
+    return decoder.finish()
 
 
 def _strided(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: int) -> torch.Tensor:
@@ -182,4 +218,4 @@ def block_parents(root: bytes, hashes: Sequence[bytes]) -> list[bytes]:
     return [root, *hashes[:-1]]
 
 
-__all__ = ["block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks"]
+__all__ = ["BatchDecoder", "block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .block_io import block_parents, check_frame, check_layers, decode_frames, encode_blocks
+from .block_io import BatchDecoder, block_parents, check_frame, check_layers, encode_blocks
 from .config import TierConfig
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, BlockHash, chain_hashes, hash_token_blocks, root_hash
@@ -177,9 +177,11 @@ class PrefixCache:
         hashes = self.block_hashes(keys)
         limit = len(hashes) if max_tokens is None else max(0, max_tokens) // self.block_tokens
         located = self.store.locate(hashes[:limit])
-        frames: list[BlockFrame] = []
+        if not located:
+            return Materialized(0, 0, [], [], device)
+        decoder = BatchDecoder(self.codec, self.layout, self.block_tokens, len(located), device)
         tiers: list[str] = []
-        for key, _ in zip(hashes, located):
+        for key in hashes[: len(located)]:
             got = self.store.get(key)
             if got is None:
                 break  # evicted or found corrupt since locate: the prefix ends here
@@ -189,12 +191,11 @@ class PrefixCache:
                             block_tokens=self.block_tokens)
             except FrameError:
                 break
-            frames.append(frame)
+            decoder.add(frame)  # its copy to the device starts now
             tiers.append(tier)
-        if not frames:
+        if not tiers:
             return Materialized(0, 0, [], [], device)
-        k, v = decode_frames(self.codec, self.layout, self.block_tokens, frames, device)
-        del frames
+        k, v = decoder.finish()
         self.store.touch_chain(hashes[: len(tiers)])
         layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
         return Materialized(len(tiers) * self.block_tokens, len(tiers), layers, tiers, device)

@@ -48,10 +48,26 @@ def _k_warps(group: int, block_d: int) -> int:
     return max(1, min(8, group * block_d // (32 * _ELEMS_PER_THREAD)))
 
 
+def k_impl() -> str:
+    """Which K kernels run: "2d" (default) or "4d" (the first design, for comparison)."""
+    return os.environ.get("CACHESEEK_KIVI_K_IMPL", "2d")
+
+
+def _k2_warps(bits: int, group: int, block_d: int) -> int:
+    # A [NW, BLOCK_D] tile (NW = G * bits / 32 words) at 8 elements (one 16-byte fp16
+    # vector) per thread.
+    return max(1, min(8, (group * bits // 32) * block_d // (32 * 8)))
+
+
 @functools.lru_cache(maxsize=256)
-def pick(side: str, op: str, group: int, head_dim: int, tokens: int) -> triton.Config:
+def pick(side: str, op: str, group: int, head_dim: int, tokens: int, bits: int = 4) -> triton.Config:
     """The default config for ``side`` ("k"/"v") and ``op`` ("quantize"/"dequantize")."""
     dp = padded_head_dim(head_dim)
+    if side == "k" and k_impl() == "2d":
+        block_d = min(dp, 128)
+        n_groups = tokens // group
+        groups = 4 if n_groups % 4 == 0 else (2 if n_groups % 2 == 0 else 1)
+        return _k(block_d, 8, groups, _k2_warps(bits, group, block_d))
     if side == "k":
         block_d = min(dp, 128)
         warps = _k_warps(group, block_d)
@@ -71,7 +87,12 @@ def candidates(side: str, op: str, group: int, head_dim: int) -> list[triton.Con
     """Configs worth timing for this side, op, group size and head dim (``pick``'s among them)."""
     dp = padded_head_dim(head_dim)
     out: list[triton.Config] = []
-    if side == "k":
+    if side == "k" and k_impl() == "2d":
+        for block_d in sorted({min(dp, 64), min(dp, 128)}):
+            for warps in (1, 2, 4, 8):
+                for groups in (1, 2, 4):
+                    out.append(_k(block_d, 8, groups, warps))
+    elif side == "k":
         vecs = (2, 8) if op == "quantize" else (8,)
         for block_d in sorted({min(dp, 64), min(dp, 128)}):
             for vec in vecs:

@@ -25,6 +25,7 @@ Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
 # (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,16 +73,12 @@ def _minmax_operands(x, ok, MASKED: tl.constexpr):
 
 @triton.jit
 def _scale(mn, mx, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
-    """scale = (mx - mn) / (2^bits - 1), IEEE-rounded like torch's division."""
+    """scale = (mx - mn) / (2^bits - 1), IEEE-rounded like torch's division.
+
+    One division per group, so div_rn costs nothing measurable; a reciprocal-and-fma
+    shortcut here disagreed with torch's scale for a few groups on the H200."""
     rng = mx - mn
-    qmax = tl.full(rng.shape, QMAX, tl.float32)
-    if FP16_STATS:
-        # QMAX has at most 8 significant bits, so _quotient's exactness argument holds;
-        # finite results are bit-identical to div_rn's, and an fp32 subnormal range, the
-        # only place fma corrections can lose exactness, rounds to 0 in fp16 either way.
-        return _quotient(rng, qmax, tl.math.div_rn(tl.full(rng.shape, 1.0, tl.float32), qmax), True)
-    else:
-        return tl.math.div_rn(rng, qmax)
+    return tl.math.div_rn(rng, tl.full(rng.shape, QMAX, tl.float32))
 
 
 @triton.jit
@@ -303,6 +300,161 @@ def _dequantize_k_kernel(
             tl.store(o_ptrs, x)
 
 
+# -- K, 2-D tiles (the default) ----------------------------------------------------------
+# A program owns GROUPS consecutive token groups of one row and BLOCK_D channels. For a
+# group, the NW int32 words per channel are rows w of a [NW, BLOCK_D] tile, and code j of
+# word w is token w * PER + j. So the kernel walks j = 0..PER-1 over [NW, BLOCK_D] tiles
+# of x (rows w * PER + j, contiguous along D: 16-byte vector loads): the min/max over j
+# and the packing into words are elementwise in registers, and only the min/max over the
+# NW rows of a group is a (small) reduction across threads. Each tile is read twice, once
+# for the stats and once for the codes; the second read hits L1/L2, not HBM.
+
+
+@triton.heuristics({"MASKED": _k_masked})
+@triton.jit
+def _quantize_k2_kernel(
+    x_ptr, q_ptr, s_ptr, m_ptr,
+    C, T, D,
+    sx_a, sx_c, sx_t,
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = G // PER
+    QMAX: tl.constexpr = (1 << BITS) - 1
+    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+    # Elementwise min/max in x's dtype (exact, packed for fp16); bf16 goes through fp32
+    # (also exact) since the interpreter compares bf16 wrongly.
+    MM_DTYPE: tl.constexpr = tl.float32 if x_ptr.dtype.element_ty == tl.bfloat16 else x_ptr.dtype.element_ty
+
+    pid = tl.program_id(0)
+    n_groups = T // G
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_t = tl.cdiv(n_groups, GROUPS)
+    d_tile = pid % n_d
+    t_tile = (pid // n_d) % n_t
+    row = pid // (n_d * n_t)
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    w = tl.arange(0, NW).to(tl.int64)
+    x_row = x_ptr + a * sx_a + c * sx_c
+    q_row = q_ptr + a * sq_a + c * sq_c
+    stat_row = a * ss_a + c * ss_c
+
+    for i in range(GROUPS):
+        grp = (t_tile * GROUPS + i).to(tl.int64)
+        d_ok = d < tl.where(grp < n_groups, D, 0)
+        ok = tl.broadcast_to(d_ok[None, :], (NW, BLOCK_D))
+        x_ptrs = x_row + (grp * G + w[:, None] * PER) * sx_t + d[None, :]  # token j = 0 of each word
+
+        if MASKED:
+            x = tl.load(x_ptrs, mask=ok, other=0.0)
+        else:
+            x = tl.load(x_ptrs)
+        lo, hi = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
+        for j in tl.static_range(1, PER):
+            if MASKED:
+                x = tl.load(x_ptrs + j * sx_t, mask=ok, other=0.0)
+            else:
+                x = tl.load(x_ptrs + j * sx_t)
+            l, h = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
+            lo = tl.minimum(lo, l)
+            hi = tl.maximum(hi, h)
+        mn = tl.min(lo, axis=0).to(tl.float32)  # [BLOCK_D]
+        scale = _scale(mn, tl.max(hi, axis=0).to(tl.float32), QMAX, FP16_STATS)
+        s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
+        m_st = mn.to(m_ptr.dtype.element_ty)
+        den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
+        m_b = tl.broadcast_to(m_st.to(tl.float32)[None, :], (NW, BLOCK_D))
+        den_b = tl.broadcast_to(den[None, :], (NW, BLOCK_D))
+        rcp_b = tl.broadcast_to(rcp[None, :], (NW, BLOCK_D))
+
+        words = tl.zeros((NW, BLOCK_D), tl.int32)
+        for j in tl.static_range(PER):
+            if MASKED:
+                x = tl.load(x_ptrs + j * sx_t, mask=ok, other=0.0)
+            else:
+                x = tl.load(x_ptrs + j * sx_t)
+            # Bit fields do not overlap: OR them in (the top field of an 8- or 2-bit word
+            # reaches the sign bit, which int32 two's complement keeps exact).
+            words = words | (_codes(x.to(tl.float32), m_b, den_b, rcp_b, QMAX, FP16_STATS) << (j * BITS))
+
+        stat_off = stat_row + grp * ss_t + d
+        q_ptrs = q_row + (grp * NW + w[:, None]) * sq_t + d[None, :]
+        if MASKED:
+            tl.store(s_ptr + stat_off, s_st, mask=d_ok)
+            tl.store(m_ptr + stat_off, m_st, mask=d_ok)
+            tl.store(q_ptrs, words, mask=ok)
+        else:
+            tl.store(s_ptr + stat_off, s_st)
+            tl.store(m_ptr + stat_off, m_st)
+            tl.store(q_ptrs, words)
+
+
+@triton.heuristics({"MASKED": _k_masked})
+@triton.jit
+def _dequantize_k2_kernel(
+    q_ptr, s_ptr, m_ptr, o_ptr,
+    C, T, D,
+    sq_a, sq_c, sq_t,
+    ss_a, ss_c, ss_t,
+    sm_a, sm_c, sm_t,
+    so_a, so_c, so_t,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
+):
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = G // PER
+    QMAX: tl.constexpr = (1 << BITS) - 1
+
+    pid = tl.program_id(0)
+    n_groups = T // G
+    n_d = tl.cdiv(D, BLOCK_D)
+    n_t = tl.cdiv(n_groups, GROUPS)
+    d_tile = pid % n_d
+    t_tile = (pid // n_d) % n_t
+    row = pid // (n_d * n_t)
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+
+    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    w = tl.arange(0, NW).to(tl.int64)
+    q_row = q_ptr + a * sq_a + c * sq_c
+    s_row = s_ptr + a * ss_a + c * ss_c
+    m_row = m_ptr + a * sm_a + c * sm_c
+    o_row = o_ptr + a * so_a + c * so_c
+
+    for i in range(GROUPS):
+        grp = (t_tile * GROUPS + i).to(tl.int64)
+        d_ok = d < tl.where(grp < n_groups, D, 0)
+        ok = tl.broadcast_to(d_ok[None, :], (NW, BLOCK_D))
+        q_ptrs = q_row + (grp * NW + w[:, None]) * sq_t + d[None, :]
+        if MASKED:
+            words = tl.load(q_ptrs, mask=ok, other=0)
+            s = tl.load(s_row + grp * ss_t + d, mask=d_ok, other=0.0).to(tl.float32)
+            m = tl.load(m_row + grp * sm_t + d, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            words = tl.load(q_ptrs)
+            s = tl.load(s_row + grp * ss_t + d).to(tl.float32)
+            m = tl.load(m_row + grp * sm_t + d).to(tl.float32)
+        s_b = tl.broadcast_to(s[None, :], (NW, BLOCK_D))
+        m_b = tl.broadcast_to(m[None, :], (NW, BLOCK_D))
+        o_ptrs = o_row + (grp * G + w[:, None] * PER) * so_t + d[None, :]
+        for j in tl.static_range(PER):
+            x = _decode((words >> (j * BITS)) & QMAX, s_b, m_b)
+            if SOFT_BF16:
+                x = _round_to_bf16(x)
+            x = x.to(o_ptr.dtype.element_ty)
+            if MASKED:
+                tl.store(o_ptrs + j * so_t, x, mask=ok)
+            else:
+                tl.store(o_ptrs + j * so_t, x)
+
+
 # -- V: groups of G channels per token ---------------------------------------------------
 # A program owns BLOCK_T tokens of one row and the whole head dim padded to D_PAD, as a
 # [BLOCK_T, NGP, GP] tile (channel = g * GP + e; GP = min(G, D_PAD) is a group's width in
@@ -508,9 +660,13 @@ def _grid(side: str, rows: int, T: int, D: int, group: int):
     return lambda meta: (rows * triton.cdiv(T, meta["BLOCK_T"]),)
 
 
+# K kernels: "2d" (default) or "4d" (the first design, kept for comparison on GPUs).
+K_IMPL = os.environ.get("CACHESEEK_KIVI_K_IMPL", "2d")
+_K = {"2d": (_quantize_k2_kernel, _dequantize_k2_kernel), "4d": (_quantize_k_kernel, _dequantize_k_kernel)}[K_IMPL]
+
 _KERNELS = {
-    ("k", "quantize"): (_quantize_k_kernel, _k_masked),
-    ("k", "dequantize"): (_dequantize_k_kernel, _k_masked),
+    ("k", "quantize"): (_K[0], _k_masked),
+    ("k", "dequantize"): (_K[1], _k_masked),
     ("v", "quantize"): (_quantize_v_kernel, _v_masked),
     ("v", "dequantize"): (_dequantize_v_kernel, _v_masked),
 }
@@ -539,7 +695,7 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
     kernel, masked = _KERNELS[side, op]
     if config is None and configs.autotune_enabled() and not _interpreted():
         return _Launch(_tuned(side, op, group, D), grid, scalars, options)  # MASKED by triton.heuristics
-    cfg = config if config is not None else configs.pick(side, op, group, D, T)
+    cfg = config if config is not None else configs.pick(side, op, group, D, T, consts["BITS"])
     options.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                    MASKED=masked({"T": T, "D": D, **consts, **cfg.kwargs}))
     return _Launch(kernel.fn, grid(cfg.kwargs), scalars, options)  # .fn: past the heuristics wrapper

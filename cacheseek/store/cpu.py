@@ -39,43 +39,56 @@ class CpuTier(Tier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
-        """Store several frames. Device copies are issued together and synchronized once
-        per group (a group holds at most half the budget, so later frames of a batch can
-        still evict earlier ones). A frame that cannot be stored gets ``error`` set."""
+        """Store several frames. Each frame's device copy starts as soon as its slot is
+        reserved, so bookkeeping overlaps the transfers; a group is waited on once (a group
+        holds at most half the budget, so later frames can still evict earlier ones). A
+        frame that cannot be stored gets ``error`` set; the others proceed."""
         results = [PutResult(stored=None) for _ in items]
         with self._lock:
             pending: list[tuple[bytes, BlockFrame, Slot, PutResult]] = []
             pending_keys: set[bytes] = set()
             pending_bytes = 0
+            devices: set = set()
             for (key, frame), result in zip(items, results):
                 if key in self._records or key in pending_keys:
                     self._index.touch([key])
                     continue
                 if pending and pending_bytes + frame.nbytes > self.capacity_bytes // 2:
-                    self._commit(pending)
-                    pending, pending_keys, pending_bytes = [], set(), 0
+                    self._finish(pending, devices)
+                    pending, pending_keys, pending_bytes, devices = [], set(), 0, set()
                 try:
                     slot = self._reserve(frame.nbytes, result.evicted, pending_bytes)
                 except StorageError as exc:
                     self._stats.write_errors += 1
                     result.error = exc
                     continue
+                try:
+                    devices |= _start_fill(frame, slot)
+                except Exception as exc:  # a failed device copy: this frame only
+                    self._arena.free(slot)
+                    self._stats.write_errors += 1
+                    result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
+                    continue
                 pending.append((key, frame, slot, result))
                 pending_keys.add(key)
                 pending_bytes += slot.nbytes
-            self._commit(pending)
+            self._finish(pending, devices)
             self._sync_counts()
         return results
 
-    def _commit(self, pending: list[tuple[bytes, BlockFrame, Slot, PutResult]]) -> None:
-        try:
-            _fill_slots([(frame, slot) for _, frame, slot, _ in pending])
-        except Exception as exc:
-            for _, _, slot, result in pending:
-                self._arena.free(slot)
-                result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
-            self._stats.write_errors += len(pending)
-            return
+    def _finish(self, pending: list[tuple[bytes, BlockFrame, Slot, PutResult]], devices: set) -> None:
+        """Wait for a group's device copies, then publish its frames."""
+        if devices:
+            from .device import wait_for
+
+            try:
+                wait_for(devices)
+            except Exception as exc:
+                for _, _, slot, result in pending:
+                    self._arena.free(slot)
+                    result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
+                self._stats.write_errors += len(pending)
+                return
         for key, frame, slot, result in pending:
             sealed = frame.sealed and frame.host is not None
             self._records[key] = _Record(slot, frame.meta, sealed)
@@ -166,22 +179,18 @@ def _info(meta: FrameMeta) -> BlockInfo:
     return BlockInfo(nbytes=meta.nbytes, raw_nbytes=meta.raw_nbytes, parent=meta.parent_hash, position=meta.position)
 
 
-def _fill_slots(copies: list[tuple[BlockFrame, Slot]]) -> None:
-    """Write each frame into its slot: host bytes by memcpy, device buffers by one device
-    copy per buffer straight into the (pinned) slot, all synchronized once at the end."""
-    device_work = []
-    for frame, slot in copies:
-        view = slot.view(frame.nbytes)
-        if frame.host is not None:
-            if frame.sealed_prefix is not None:
-                view[: len(frame.sealed_prefix)] = frame.sealed_prefix
-                view[len(frame.sealed_prefix) :] = frame.payload_view()
-            else:
-                view[:] = memoryview(frame.host).cast("B")
+def _start_fill(frame: BlockFrame, slot: Slot) -> set:
+    """Write a frame into its slot: host bytes by memcpy (done on return), device buffers by
+    non-blocking copies straight into the (pinned) slot; returns the devices to wait on."""
+    view = slot.view(frame.nbytes)
+    if frame.host is not None:
+        if frame.sealed_prefix is not None:
+            view[: len(frame.sealed_prefix)] = frame.sealed_prefix
+            view[len(frame.sealed_prefix) :] = frame.payload_view()
         else:
-            view[: frame.meta.payload_offset] = header_prefix(frame.meta)
-            device_work.append((frame, view))
-    if device_work:
-        from .device import copy_payloads_to_host
+            view[:] = memoryview(frame.host).cast("B")
+        return set()
+    from .device import start_payload_copy
 
-        copy_payloads_to_host(device_work)
+    view[: frame.meta.payload_offset] = header_prefix(frame.meta)
+    return start_payload_copy(frame, view)

@@ -43,6 +43,8 @@ def _devices(src: Any) -> list[torch.device]:
 
 
 def _host_tensor(view: memoryview) -> torch.Tensor:
+    if not view.readonly:
+        return torch.frombuffer(view, dtype=torch.uint8)
     import warnings
 
     with warnings.catch_warnings():
@@ -50,28 +52,37 @@ def _host_tensor(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def copy_payloads_to_host(work: list[tuple[BlockFrame, memoryview]]) -> None:
-    """Copy each frame's device payload (or per-buffer device tensors) into the payload area
-    of its host view. All copies are issued non-blocking, then each device is synchronized
-    once, so a batch of blocks costs one wait, not one per buffer."""
+def start_payload_copy(frame: BlockFrame, view: memoryview) -> set[torch.device]:
+    """Issue non-blocking copies of a frame's device payload (or per-buffer device
+    tensors) into the payload area of its host ``view``; return the devices to wait on."""
+    meta = frame.meta
+    dst = _host_tensor(view)
+    base = meta.payload_offset
+    if frame.device_payload is not None:
+        dst[base : base + meta.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
+        return {frame.device_payload.device}
+    if frame.device_entries is None:
+        raise RuntimeError("frame has neither host bytes nor device buffers")
     devices: set[torch.device] = set()
-    for frame, view in work:
-        meta = frame.meta
-        dst = _host_tensor(view)
-        base = meta.payload_offset
-        if frame.device_payload is not None:
-            src = frame.device_payload
-            dst[base : base + meta.payload_nbytes].copy_(src, non_blocking=True)
-            devices.add(src.device)
-            continue
-        if frame.device_entries is None:
-            raise RuntimeError("frame has neither host bytes nor device buffers")
-        for entry, src in zip(meta.tensors, frame.device_entries, strict=True):
-            copy_entry(dst[base + entry.offset : base + entry.offset + entry.nbytes], src)
-            devices.update(_devices(src))
+    for entry, src in zip(meta.tensors, frame.device_entries, strict=True):
+        copy_entry(dst[base + entry.offset : base + entry.offset + entry.nbytes], src)
+        devices.update(_devices(src))
+    return devices
+
+
+def wait_for(devices: set[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def copy_payloads_to_host(work: list[tuple[BlockFrame, memoryview]]) -> None:
+    """Copy several frames' payloads to their host views: all copies in flight at once,
+    then one wait per device."""
+    devices: set[torch.device] = set()
+    for frame, view in work:
+        devices |= start_payload_copy(frame, view)
+    wait_for(devices)
 
 
 def frame_to_host(frame: BlockFrame) -> BlockFrame:
@@ -111,4 +122,4 @@ def as_host_tensor(buf: Any) -> torch.Tensor:
     return _host_tensor(memoryview(buf).cast("B"))
 
 
-__all__ = ["as_host_tensor", "copy_entry", "copy_payloads_to_host", "frame_to_host", "host_view", "payload_on_device"]
+__all__ = ["as_host_tensor", "copy_entry", "copy_payloads_to_host", "start_payload_copy", "wait_for", "frame_to_host", "host_view", "payload_on_device"]

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One batched GPU session on the H200 (through the device tool): set up, then run the
+# named steps, each under its own time limit, logging to $OUT. Usage:
+#   bash scripts/h200.sh kernels store tests-gpu ttft ...
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+log() { echo "== $(date +%T) $*"; }
+
+setup() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+  fi
+  # The package maps kernels/ and server/ into cacheseek.*: install it (no network there).
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+  python3 -c "import torch, triton, cacheseek.kernels; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+}
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  log "$name (limit ${secs}s)"
+  timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$OUT/$name.log"
+  log "$name rc=$rc"
+}
+
+setup
+for s in "$@"; do
+  case $s in
+    kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
+    kernels4d)   CACHESEEK_KIVI_K_IMPL=4d step kernels4d 120 python3 -m benchmarks.kernels --quick --out "$OUT/k4d" ;;
+    sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out "$OUT/sweep" ;;
+    store)       step store 200 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
+    tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py ;;
+    tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
+    ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
+    ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
+    server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
+    redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
