@@ -195,6 +195,12 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         assert (longer.reused_tokens, longer.computed_tokens) == (2 * BLOCK, 10)
         assert cache_length(longer.cache) == 2 * BLOCK + 10
         assert longer.timings.ttft_s >= longer.timings.materialize_s > 0
+        # Materialized.to_dynamic_cache() goes through to_dynamic_cache
+        got = cache.materialize(ids)
+        rebuilt = got.to_dynamic_cache()
+        assert isinstance(rebuilt, transformers.DynamicCache) and cache_length(rebuilt) == 2 * BLOCK
+        for (k, v), (k2, v2) in zip(dynamic_cache_layers(first.cache), dynamic_cache_layers(rebuilt), strict=True):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
 @needs_prefix_cache
