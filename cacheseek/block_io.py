@@ -218,4 +218,38 @@ def block_parents(root: bytes, hashes: Sequence[bytes]) -> list[bytes]:
     return [root, *hashes[:-1]]
 
 
-__all__ = ["BatchDecoder", "block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks"]
+def encode_missing(
+    codec: KVLayerCodec,
+    layout: KVLayout,
+    block_tokens: int,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    present: Sequence[bool],
+    batch_blocks: int,
+) -> list[BlockFrame]:
+    """Frames for every block not ``present``, encoded in runs of at most ``batch_blocks``
+    consecutive blocks. Raises ``InputError`` (and returns nothing) on NaN or Inf."""
+    frames: list[BlockFrame] = []
+    for start, stop in _runs([not p for p in present], batch_blocks):
+        frames += encode_blocks(codec, layout, block_tokens, layers, first_block=start,
+                                hashes=hashes[start:stop], parents=parents[start:stop])
+    return frames
+
+
+def _runs(flags: Sequence[bool], max_len: int):
+    """[start, stop) ranges of consecutive True flags, each at most ``max_len`` long."""
+    i = 0
+    while i < len(flags):
+        if not flags[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(flags) and flags[j] and j - i < max_len:
+            j += 1
+        yield i, j
+        i = j
+
+
+__all__ = ["BatchDecoder", "block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks",
+           "encode_missing"]
