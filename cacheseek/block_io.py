@@ -100,8 +100,13 @@ def _encode_deferred(
     L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     device = layers[0][0].device
     raw = codec.name == "raw"
-    if raw:
+    direct = raw and not (device.type != "cpu" if staging is None else staging)
+    if direct:
         finite = _raw_finite(layers, t0, t0 + n * block_tokens)
+    elif raw:
+        # Stacking first keeps this to a handful of launches (not two per layer).
+        k5, v5 = _stack(layers, t0, n, block_tokens)
+        finite = torch.stack([all_finite(k5), all_finite(v5)])
     else:
         k5, v5 = _stack(layers, t0, n, block_tokens)
         encoded, finite = codec.encode_deferred(k5, v5)
@@ -114,7 +119,7 @@ def _encode_deferred(
                    block_tokens=block_tokens, codec=codec_spec, buffers=specs)
         for i in range(n)
     ]
-    if raw and not (device.type != "cpu" if staging is None else staging):
+    if direct:
         # On the host, Raw frames point at the caller's own per-layer slices: the only
         # copy is the one into the tier.
         def pieces(i: int) -> list:
@@ -127,10 +132,8 @@ def _encode_deferred(
     buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
     views = [_strided(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
     if raw:
-        for which, view in enumerate(views):  # k, then v: one device pass per layer
-            for layer, pair in enumerate(layers):
-                src = pair[which][:, t0 : t0 + n * block_tokens].unflatten(1, (n, block_tokens)).transpose(0, 1)
-                view[:, layer].copy_(src)
+        views[0].copy_(k5)
+        views[1].copy_(v5)
     else:
         for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
             view.copy_(src)
