@@ -68,7 +68,7 @@ def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float
 
 
 def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path,
-             batch_bytes: str = "128MiB") -> dict:
+             batch_bytes: str = "1GiB") -> dict:
     codec = CODECS[codec_name]
     frame_guess = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
     budget = frame_guess * blocks * 2 + (64 << 20)
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,int8,int4,int2")
     ap.add_argument("--tiers", default="gpu,cpu,disk" if cuda else "cpu,disk")
     ap.add_argument("--disk-dir", type=Path, default=None)
-    ap.add_argument("--batch-bytes", default="128MiB", help="PrefixCache max_batch_bytes (ingest batch size)")
+    ap.add_argument("--batch-bytes", default="1GiB", help="PrefixCache max_batch_bytes (ingest batch size)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     kv_device = torch.device("cuda" if cuda else "cpu")

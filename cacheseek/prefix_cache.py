@@ -75,7 +75,7 @@ class PrefixCache:
         tiers: TierConfig | None = None,
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
-        max_batch_bytes: int | str = "128MiB",
+        max_batch_bytes: int | str = "1GiB",
     ) -> None:
         self.model_id = model_id
         self.layout = layout
