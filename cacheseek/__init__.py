@@ -3,16 +3,60 @@
     import cacheseek as cs
     layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
     codec = cs.KIVI(bits=4, group_size=32)
+
+The names that need torch (``PrefixCache``, ``RemoteCache`` and their results) are
+imported on first use, so ``import cacheseek`` (and so the store and the server, which
+move bytes only) never imports torch.
 """
 
-from .errors import CacheSeekError, ChecksumError, ConfigError, FrameError, InputError, StorageError
-from .hashing import BlockHash
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import TierConfig
+from .errors import (
+    CacheSeekError,
+    ChecksumError,
+    ConfigError,
+    FrameError,
+    InputError,
+    RemoteError,
+    RemoteUnavailable,
+    StorageError,
+)
+from .hashing import BlockHash
 from .layout import KVLayout
-from .prefix_cache import IngestResult, Located, Materialized, PrefixCache
 from .quant import KIVI, KVLayerCodec, Raw
 
+if TYPE_CHECKING:
+    from .prefix_cache import IngestResult, Located, Materialized, PrefixCache
+    from .remote import RemoteCache
+
 __version__ = "0.1.0"
+
+# name -> module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "IngestResult": ".prefix_cache",
+    "Located": ".prefix_cache",
+    "Materialized": ".prefix_cache",
+    "PrefixCache": ".prefix_cache",
+    "RemoteCache": ".remote",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cacheseek' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "KIVI",
@@ -29,6 +73,9 @@ __all__ = [
     "Materialized",
     "PrefixCache",
     "Raw",
+    "RemoteCache",
+    "RemoteError",
+    "RemoteUnavailable",
     "StorageError",
     "TierConfig",
     "__version__",

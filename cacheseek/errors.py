@@ -29,3 +29,21 @@ class ChecksumError(FrameError):
 
 class StorageError(CacheSeekError):
     """A tier could not complete a write (disk full, unwritable directory, backend down)."""
+
+
+class RemoteError(CacheSeekError):
+    """The CacheSeek server answered a request with an error.
+
+    ``status`` is the HTTP status (None when no answer came), ``reason`` the server's
+    reason, as in its JSON body ``{"error": reason}``."""
+
+    def __init__(self, reason: str, *, status: int | None = None, url: str = "") -> None:
+        self.status = status
+        self.reason = reason
+        self.url = url
+        where = f" ({url})" if url else ""
+        super().__init__(f"HTTP {status}: {reason}{where}" if status is not None else f"{reason}{where}")
+
+
+class RemoteUnavailable(RemoteError, ConnectionError):
+    """The CacheSeek server could not be reached (down, wrong address, timed out)."""

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .block_io import BatchDecoder, block_parents, check_frame, check_layers, encode_blocks
+from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
 from .config import TierConfig
 from .errors import FrameError, InputError
-from .hashing import DEFAULT_ALGO, BlockHash, chain_hashes, hash_token_blocks, root_hash
+from .hashing import DEFAULT_ALGO, BlockHash
 from .kv_input import kv_layers
 from .layout import KVLayout
+from .prefix_keys import PrefixKeys, is_block_keys  # noqa: F401  (is_block_keys: kept importable from here)
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
 from .store.tier import BlockFrame
@@ -62,10 +62,6 @@ class Materialized:
         return to_dynamic_cache(self.layers)
 
 
-def is_block_keys(keys: Any) -> bool:
-    return isinstance(keys, (list, tuple)) and len(keys) > 0 and isinstance(keys[0], (bytes, bytearray, memoryview))
-
-
 FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
 
 
@@ -90,11 +86,9 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.namespace = namespace
         self.hash_algo = hash_algo
-        self.codec.check_layout(layout, block_tokens)
-        self.root = root_hash(
-            namespace=namespace, model_id=model_id, layout_fingerprint=layout.fingerprint(),
-            block_tokens=block_tokens, codec_fingerprint=self.codec.fingerprint(), algo=hash_algo,
-        )
+        self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
+                                      block_tokens=block_tokens, hash_algo=hash_algo)
+        self.root = self.keys.root
         self._codec_spec = self.codec.spec()
         self._batch_blocks = max(1, parse_size(max_batch_bytes, name="max_batch_bytes") // layout.raw_nbytes(block_tokens))
         self.store = (tiers or TierConfig()).build()
@@ -103,62 +97,47 @@ class PrefixCache:
 
     def block_hashes(self, keys: Any) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""
-        if is_block_keys(keys):
-            return chain_hashes(self.root, keys, self.hash_algo)
-        hashes = hash_token_blocks(self.root, keys, self.block_tokens, self.hash_algo)
-        return hashes
+        return self.keys.block_hashes(keys)
 
     def _num_keys(self, keys: Any) -> int:
         """Tokens named by ``keys``; raises on an empty input."""
-        if is_block_keys(keys):
-            return len(keys) * self.block_tokens
-        n = len(keys) if isinstance(keys, (list, tuple)) else int(getattr(keys, "numel", lambda: len(keys))())
-        if n == 0:
-            raise InputError("token_ids: empty input")
-        return n
+        return self.keys.num_tokens(keys)
 
     # -- the three calls -----------------------------------------------------------------
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
         """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
         input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
-        if isinstance(keys, (list, tuple)) and len(keys) == 0:
-            raise InputError("keys: empty input")
         layers = kv_layers(kv)
-        tokens = check_layers(layers, self.layout)
-        if is_block_keys(keys):
-            if tokens // self.block_tokens != len(keys):
-                raise InputError(
-                    f"block_keys: {len(keys)} blocks of {self.block_tokens} tokens, but KV holds {tokens} tokens"
-                )
-        elif self._num_keys(keys) != tokens:
-            raise InputError(f"token_ids: {self._num_keys(keys)} tokens, but KV holds {tokens}")
+        self.keys.check_ingest(keys, check_layers(layers, self.layout))
         hashes = self.block_hashes(keys)
         result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
         if not hashes:
             return result
         present = self.store.contains_many(hashes)
         result.present = sum(present)
-        parents = block_parents(self.root, hashes)
-        frames: list[tuple[bytes, BlockFrame]] = []
-        # Encode everything first: a bad block (NaN, Inf) then leaves the store untouched.
-        for start, stop in _runs([not p for p in present], self._batch_blocks):
-            for frame in encode_blocks(
-                self.codec, self.layout, self.block_tokens, layers,
-                first_block=start, hashes=hashes[start:stop], parents=parents[start:stop],
-            ):
-                frames.append((frame.meta.block_hash, frame))
-        # Tail first: when a chain overflows a tier, its head stays and its tail is evicted.
-        frames.reverse()
-        for outcome in self.store.put_many(frames):
-            if outcome.stored:
-                result.stored += 1
-            elif outcome.present:
-                result.present += 1
-            else:
-                result.failed += 1
-            for tier, reason in outcome.errors.items():
-                result.errors.setdefault(tier, reason)
+        # Batches go tail first, so when a chain overflows a tier its head stays and its
+        # tail is evicted; on a GPU each batch's encoding overlaps the previous one's copies.
+        # A bad batch (NaN, Inf) undoes the batches this call stored before it.
+        stored: list[bytes] = []
+        try:
+            for batch in iter_encoded(self.codec, self.layout, self.block_tokens, layers, hashes,
+                                      self.keys.parents(hashes), present, self._batch_blocks, tail_first=True):
+                items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
+                for (key, _), outcome in zip(items, self.store.put_many(items)):
+                    if outcome.stored:
+                        result.stored += 1
+                        stored.append(key)
+                    elif outcome.present:
+                        result.present += 1
+                    else:
+                        result.failed += 1
+                    for tier, reason in outcome.errors.items():
+                        result.errors.setdefault(tier, reason)
+        except InputError:
+            for key in stored:
+                self.store.delete(key)
+            raise
         self.store.touch_chain(hashes)
         return result
 
@@ -225,16 +204,3 @@ class PrefixCache:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _runs(flags: Sequence[bool], max_len: int):
-    """[start, stop) ranges of consecutive True flags, each at most ``max_len`` long."""
-    i = 0
-    while i < len(flags):
-        if not flags[i]:
-            i += 1
-            continue
-        j = i
-        while j < len(flags) and flags[j] and j - i < max_len:
-            j += 1
-        yield i, j
-        i = j

@@ -50,7 +50,9 @@ def quantize(
     mn = g.amin(-1)
     mx = g.amax(-1)
     qmax = (1 << bits) - 1
-    scale_s = ((mx - mn) / qmax).to(stats_dtype)
+    # A tensor divisor: torch divides by a Python scalar through its reciprocal on CUDA,
+    # which is not the IEEE quotient the codec specifies (and the CPU computes).
+    scale_s = ((mx - mn) / torch.full_like(mx, qmax)).to(stats_dtype)
     mn_s = mn.to(stats_dtype)
     s = scale_s.float().unsqueeze(-1)
     m = mn_s.float().unsqueeze(-1)

@@ -141,6 +141,10 @@ class CpuTier(Tier):
         with self._lock:
             return self._index.get(key)
 
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        with self._lock:  # once for all keys: a lookup of a long chain takes one lock
+            return [key in self._index for key in keys]
+
     def delete(self, key: bytes) -> bool:
         with self._lock:
             rec = self._records.pop(key, None)

@@ -240,6 +240,10 @@ class DiskTier(Tier):
         with self._lock:
             return self._index.get(key)
 
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        with self._lock:  # once for all keys: a lookup of a long chain takes one lock
+            return [key in self._index for key in keys]
+
     def delete(self, key: bytes) -> bool:
         with self._lock:
             if self._index.remove(key) is None:

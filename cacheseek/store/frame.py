@@ -74,11 +74,22 @@ class FrameMeta:
     header_nbytes: int
     version: int = FORMAT_VERSION
     payload_offset: int = field(init=False, compare=False)
-    # The packed header, when known to match the fields above (saves packing it twice).
+    # The packed header, saved to avoid packing it twice per block, and the per-frame fields
+    # it was packed from: a copy made with other values (dataclasses.replace) ignores it.
     packed_header: bytes | None = field(default=None, compare=False, repr=False)
+    packed_for: tuple | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "payload_offset", _align(PREAMBLE.size + self.header_nbytes))
+        if self.packed_header is not None and self.packed_for is None:
+            object.__setattr__(self, "packed_for", self._varying())
+
+    def _varying(self) -> tuple:
+        return (self.block_hash, self.parent_hash, self.position, self.checksum, self.header_nbytes, self.version)
+
+    def cached_header(self) -> bytes | None:
+        """The packed header if it still describes this frame."""
+        return self.packed_header if self.packed_for == self._varying() else None
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +154,7 @@ def plan_frame(
 
 def header_prefix(meta: FrameMeta) -> bytes:
     """Preamble + msgpack header + zero padding: the ``payload_offset`` bytes before the payload."""
-    header = meta.packed_header or msgpack.packb(meta.header_dict(), use_bin_type=True)
+    header = meta.cached_header() or msgpack.packb(meta.header_dict(), use_bin_type=True)
     if len(header) != meta.header_nbytes:
         raise RuntimeError("frame header changed length after planning")
     preamble = PREAMBLE.pack(MAGIC, len(header), xxhash.xxh3_64_intdigest(header))
@@ -155,7 +166,7 @@ def seal_frame(meta: FrameMeta, frame: Any) -> FrameMeta:
     view = memoryview(frame).cast("B")
     if view.nbytes != meta.nbytes:
         raise ValueError(f"frame buffer is {view.nbytes} bytes, the plan needs {meta.nbytes}")
-    sealed = replace(meta, checksum=payload_checksum(view[meta.payload_offset :]), packed_header=None)
+    sealed = replace(meta, checksum=payload_checksum(view[meta.payload_offset :]))
     view[: meta.payload_offset] = header_prefix(sealed)
     return sealed
 

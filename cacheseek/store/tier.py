@@ -52,7 +52,7 @@ class BlockFrame:
             return [view]
         payload = view[self.meta.payload_offset :]
         if self.sealed_prefix is None:
-            self.meta = replace(self.meta, checksum=payload_checksum(payload), packed_header=None)
+            self.meta = replace(self.meta, checksum=payload_checksum(payload))
             self.sealed_prefix = header_prefix(self.meta)
             self.sealed = True
         return [self.sealed_prefix, payload]

@@ -1,0 +1,362 @@
+"""The HTTP service over loopback against Redis: ingest and materialize throughput, lookup latency.
+
+    python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
+
+Frames are int4 KIVI frames (G=32, fp16 stats) of Llama-3-8B-shaped blocks: 32 layers x 8 KV
+heads x 256 tokens x 128, 10.5 MB each, built directly (valid headers and checksums over
+random payload bytes; the server never decodes). Each client process sends or fetches its
+own ``--frames`` frames; throughput is frame GB/s over all clients, median of ``--reps``.
+
+In-run baseline: redis-py ``SET``/``GET`` of the same frames against a local
+``redis-server`` (in memory, no persistence), which is what a user would do instead. The
+headline CacheSeek server runs a CPU tier only (in memory too); a second server adds the
+disk tier (write-through, fsync) for reference. Lookup: p50/p99 of ``POST /v1/lookup`` for
+a 512-block chain over a keep-alive connection (Redis: ``EXISTS`` of the same 512 keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from cacheseek.layout import KVLayout
+from cacheseek.quant import KIVI, Raw
+from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.transport import BulkTransport
+from cacheseek.wire import iter_frames
+
+from .report import plot_bars, table, write_json
+
+LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+BLOCK = 256
+CODEC = KIVI(bits=4, group_size=32)
+BATCH_TYPE = "application/vnd.cacheseek.frames"
+
+
+def make_frame(seed: int, *, position: int = 0, parent: bytes = bytes(16), layout: KVLayout = LAYOUT,
+               block: int = BLOCK, codec=CODEC) -> tuple[bytes, bytes]:
+    rng = random.Random(seed)
+    h = rng.randbytes(16)
+    template = codec.template((layout.num_layers, layout.num_kv_heads, block, layout.head_dim), layout.dtype)
+    meta = plan_frame(block_hash=h, parent_hash=parent, position=position, layout=layout, block_tokens=block,
+                      codec=codec.spec(), buffers=[(n, s.dtype, s.shape) for n, s, _ in template.named_buffers()])
+    payload = os.urandom(meta.payload_nbytes)  # fast; every buffer is a slice of it
+    bufs, view = [], memoryview(payload)
+    for e in meta.tensors:
+        bufs.append(view[e.offset : e.offset + e.nbytes])
+    return h, bytes(build_frame(meta, bufs))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not come up in {timeout}s")
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as f:
+            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_cacheseek(tmp: Path, name: str, *args: str) -> tuple[Proc, str]:
+    port = free_port()
+    script = Path(sys.executable).parent / "cacheseek"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cacheseek.server.cli"]
+    proc = Proc([*cmd, "serve", "--port", str(port), "--log-level", "warning", "--disk-path", str(tmp / name),
+                 "--max-body-bytes", "8GiB", *args], tmp / f"{name}.log")
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, f"cacheseek serve ({name})")
+    return proc, url
+
+
+def start_redis(tmp: Path) -> tuple[Proc, int]:
+    import redis
+
+    port = free_port()
+    proc = Proc(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(tmp), "--proto-max-bulk-len", "1gb", "--client-query-buffer-limit", "1gb"],
+                tmp / "redis.log")
+    wait_until(lambda: redis.Redis(port=port).ping(), "redis-server")
+    return proc, port
+
+
+# -- client work, run in child processes ---------------------------------------------------------
+
+_FRAMES: list[tuple[bytes, bytes]] = []  # set before forking; children share it copy-on-write
+
+
+def _chain_body(frames: list[tuple[bytes, bytes]]):
+    for _, f in frames:
+        yield len(f).to_bytes(8, "little")
+        yield f
+
+
+def _client(job: tuple[str, str, int, int, int]) -> int:
+    """One client: do ``op`` on its slice of frames; returns frame bytes moved."""
+    system, target, start, count, go_at = job
+    mine = _FRAMES[start : start + count]
+    moved = sum(len(f) for _, f in mine)
+    if system == "redis":
+        import redis
+
+        r = redis.Redis(port=int(target.split(":")[1]), socket_timeout=120)
+        r.ping()
+        _sleep_until(go_at)
+        op = target.split(":")[0]
+        for h, f in mine:
+            if op == "set":
+                r.set(h, f)
+            else:
+                got = r.get(h)
+                assert got is not None and len(got) == len(f)
+        return moved
+    op, url = target.split("|")
+    with httpx.Client(base_url=url, timeout=300, transport=BulkTransport()) as c:
+        c.get("/healthz")
+        _sleep_until(go_at)
+        if op == "put":
+            for h, f in mine:
+                c.put(f"/v1/blocks/{h.hex()}", content=f).raise_for_status()
+        elif op == "batch":
+            total = sum(8 + len(f) for _, f in mine)
+            c.post("/v1/blocks", content=_chain_body(mine), headers={"content-type": BATCH_TYPE,
+                                                                   "content-length": str(total)}).raise_for_status()
+        elif op == "get":
+            for h, f in mine:
+                with c.stream("GET", f"/v1/blocks/{h.hex()}") as got:
+                    n = sum(len(chunk) for chunk in got.iter_raw())
+                assert got.status_code == 200 and n == len(f)
+        elif op == "prefix":  # as RemoteCache reads it: each frame into a buffer of its own
+            with c.stream("GET", f"/v1/prefixes/{mine[-1][0].hex()}") as got:
+                frames = list(iter_frames(got, max_frame_bytes=1 << 40))
+            assert got.status_code == 200 and sum(len(f) for f in frames) == moved, got.status_code
+        else:
+            raise ValueError(op)
+    return moved
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.time()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def run_clients(pool_size: int, system: str, target: str, per_client: int, reps: int,
+                before: Callable[[], None] | None = None) -> float:
+    """GB/s of frame bytes moved by ``pool_size`` client processes (median of ``reps``)."""
+    rates = []
+    with mp.get_context("fork").Pool(pool_size) as pool:
+        for _ in range(reps):
+            if before:
+                before()
+            go_at = time.time() + 0.3  # every process is connected and waiting by then
+            jobs = [(system, target, i * per_client, per_client, go_at) for i in range(pool_size)]
+            moved = sum(pool.map(_client, jobs))
+            rates.append(moved / (time.time() - go_at) / 1e9)
+    return statistics.median(rates)
+
+
+# -- the measurements ----------------------------------------------------------------------------
+
+
+def chain_frames(n: int, seed: int) -> list[tuple[bytes, bytes]]:
+    out, parent = [], bytes(16)
+    for i in range(n):
+        h, f = make_frame(seed * 100_000 + i, position=i, parent=parent)
+        out.append((h, f))
+        parent = h
+    return out
+
+
+def client_chains(clients: int, per_client: int) -> list[tuple[bytes, bytes]]:
+    """One chain of ``per_client`` frames for each client, laid end to end."""
+    return [x for c in range(clients) for x in chain_frames(per_client, 1000 * clients + c)]
+
+
+def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int) -> list[dict]:
+    rows = []
+
+    def clear() -> None:
+        with httpx.Client(base_url=url) as c:
+            for h, _ in _FRAMES:
+                c.delete(f"/v1/blocks/{h.hex()}")
+
+    for n in clients:
+        row = {"system": label, "clients": n}
+        row["ingest_put_gbps"] = run_clients(n, "cacheseek", f"put|{url}", per, reps, before=clear)
+        row["ingest_batch_gbps"] = run_clients(n, "cacheseek", f"batch|{url}", per, reps, before=clear)
+        row["materialize_get_gbps"] = run_clients(n, "cacheseek", f"get|{url}", per, reps)
+        row["materialize_prefix_gbps"] = run_clients(n, "cacheseek", f"prefix|{url}", per, reps)
+        rows.append(row)
+        print(f"  {label:22s} {n} client(s): " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("gbps")),
+              flush=True)
+    return rows
+
+
+def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]:
+    import redis
+
+    rows = []
+    for n in clients:
+        row = {"system": "redis-server (redis-py)", "clients": n}
+        row["ingest_put_gbps"] = run_clients(n, "redis", f"set:{port}", per, reps,
+                                             before=lambda: redis.Redis(port=port).flushall())
+        row["materialize_get_gbps"] = run_clients(n, "redis", f"get:{port}", per, reps)
+        rows.append(row)
+        print(f"  redis                  {n} client(s): ingest {row['ingest_put_gbps']:.2f}  "
+              f"materialize {row['materialize_get_gbps']:.2f}", flush=True)
+    return rows
+
+
+def lookup_latency(url: str, redis_port: int, blocks: int, n: int) -> dict:
+    """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never read payloads)."""
+    import redis
+
+    small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
+    chain, parent = [], bytes(16)
+    for i in range(blocks):
+        h, f = make_frame(900_000 + i, position=i, parent=parent, layout=small, block=32, codec=Raw())
+        chain.append((h, f))
+        parent = h
+    body = {"hashes": [h.hex() for h, _ in chain]}
+    r = redis.Redis(port=redis_port)
+    for h, f in chain:
+        r.set(h, f)
+    keys = [h for h, _ in chain]
+    with httpx.Client(base_url=url, transport=BulkTransport()) as c:  # RemoteCache's client
+        total = sum(8 + len(f) for _, f in chain)
+        c.post("/v1/blocks", content=_chain_body(list(reversed(chain))),
+               headers={"content-length": str(total)}).raise_for_status()
+        assert c.post("/v1/lookup", json=body).json()["matched"] == blocks
+        times = []
+        for i in range(n + 50):
+            t = time.perf_counter()
+            got = c.post("/v1/lookup", json=body)
+            got.json()
+            if i >= 50:
+                times.append(time.perf_counter() - t)
+    rtimes = []
+    for i in range(n + 50):
+        t = time.perf_counter()
+        assert r.exists(*keys) == blocks
+        if i >= 50:
+            rtimes.append(time.perf_counter() - t)
+    q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
+    return {"blocks": blocks, "lookups": n, "p50_ms": q(times, 50), "p99_ms": q(times, 99),
+            "redis_exists_p50_ms": q(rtimes, 50), "redis_exists_p99_ms": q(rtimes, 99)}
+
+
+def main() -> None:
+    global _FRAMES
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--frames", type=int, default=24, help="frames per client (8-client runs: a third each)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--lookup-blocks", type=int, default=512)
+    ap.add_argument("--no-disk", action="store_true", help="skip the disk-tier server")
+    ap.add_argument("--tmp", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    if not shutil.which("redis-server"):
+        sys.exit("redis-server is not on PATH: it is the baseline")
+    per = {n: max(2, args.frames if n == 1 else args.frames // 3) for n in clients}
+    need = max(n * per[n] for n in clients)
+    frame_mb = len(make_frame(0)[1]) / 1e6
+    budget = f"{int(need * frame_mb * 1e6 * 1.2) + (256 << 20)}"
+    rows: list[dict] = []
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            rproc, rport = start_redis(tmp)
+            procs.append(rproc)
+            cs_proc, cs_url = start_cacheseek(tmp, "cpu", "--cpu-bytes", budget, "--disk-bytes", "0")
+            procs.append(cs_proc)
+            for n in clients:
+                t0 = time.time()
+                _FRAMES = client_chains(n, per[n])  # the client processes fork with these
+                print(f"{n} client(s): {len(_FRAMES)} int4 frames of {frame_mb:.2f} MB built in "
+                      f"{time.time() - t0:.1f}s", flush=True)
+                rows += redis_rows(rport, [n], per[n], args.reps)
+                rows += cacheseek_rows(cs_url, "cacheseek (cpu tier)", [n], per[n], args.reps)
+            lookup = lookup_latency(cs_url, rport, args.lookup_blocks, args.lookups)
+            print(f"  lookup of a {args.lookup_blocks}-block chain: p50 {lookup['p50_ms']:.3f} ms, "
+                  f"p99 {lookup['p99_ms']:.3f} ms", flush=True)
+            cs_proc.stop()
+            if not args.no_disk:
+                disk_proc, disk_url = start_cacheseek(tmp, "disk", "--cpu-bytes", "0", "--disk-bytes", budget)
+                procs.append(disk_proc)
+                for n in clients:
+                    _FRAMES = client_chains(n, per[n])
+                    rows += cacheseek_rows(disk_url, "cacheseek (disk, fsync)", [n], per[n], max(1, args.reps - 1))
+        finally:
+            for p in procs:
+                p.stop()
+    by = {(r["system"], r["clients"]): r for r in rows}
+    for r in rows:
+        base = by.get(("redis-server (redis-py)", r["clients"]))
+        if base and r["system"] != "redis-server (redis-py)":
+            for key in ("ingest_put_gbps", "ingest_batch_gbps"):
+                r[key.replace("_gbps", "_vs_redis")] = r[key] / base["ingest_put_gbps"]
+            for key in ("materialize_get_gbps", "materialize_prefix_gbps"):
+                r[key.replace("_gbps", "_vs_redis")] = r[key] / base["materialize_get_gbps"]
+    path = write_json("server", {"frame_mb": frame_mb, "frames_per_client": per, "codec": CODEC.spec(),
+                                 "layout": LAYOUT.to_dict(), "block_tokens": BLOCK, "rows": rows, "lookup": lookup},
+                      args.out)
+    labels = [f"{r['system'].split()[0]} {r['clients']}c" + (" disk" if "disk" in r["system"] else "") for r in rows]
+    plot_bars("server", labels, {"ingest": [r.get("ingest_put_gbps", 0) for r in rows],
+                                 "ingest (batch)": [r.get("ingest_batch_gbps", 0) for r in rows],
+                                 "materialize": [r.get("materialize_get_gbps", 0) for r in rows],
+                                 "materialize (prefix)": [r.get("materialize_prefix_gbps", 0) for r in rows]},
+              "GB/s of frames over loopback", args.out)
+    print(f"wrote {path}")
+    print(f"lookup, {lookup['blocks']}-block chain, {lookup['lookups']} calls: p50 {lookup['p50_ms']:.3f} ms, "
+          f"p99 {lookup['p99_ms']:.3f} ms (redis EXISTS of the same keys: p50 {lookup['redis_exists_p50_ms']:.3f} ms, "
+          f"p99 {lookup['redis_exists_p99_ms']:.3f} ms)")
+    cols = ["system", "clients", "ingest_put_gbps", "ingest_put_vs_redis", "ingest_batch_gbps", "ingest_batch_vs_redis",
+            "materialize_get_gbps", "materialize_get_vs_redis", "materialize_prefix_gbps", "materialize_prefix_vs_redis"]
+    print(table(rows, cols, f"Server vs Redis over loopback: int4 Llama-3-8B frames of {frame_mb:.1f} MB, GB/s of frames "
+                            f"(median of {args.reps}); ratios against redis-py SET (ingest) and GET (materialize)"))
+
+
+if __name__ == "__main__":
+    main()

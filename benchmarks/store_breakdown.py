@@ -1,0 +1,107 @@
+"""Where ingest and materialize spend their time, stage by stage (a diagnostic for benchmarks/store.py).
+
+    python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile]
+
+Each stage is timed with a device synchronization on both sides, so stages that overlap
+in normal operation (host bookkeeping and device copies) are shown serialized here: the
+sum is an upper bound of the real time. ``--profile`` adds a cProfile of one normal call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+import cacheseek as cs
+from cacheseek.block_io import BatchDecoder, block_parents, encode_blocks
+
+from .report import table
+from .store import BLOCK, CODECS, LAYOUT
+
+
+def _timed(device, fn):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--codec", default="int4", choices=sorted(CODECS))
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--tier", default="cpu", choices=["cpu", "gpu"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    codec = CODECS[args.codec]
+    n, tokens = args.blocks, args.blocks * BLOCK
+    kv = [(torch.randn(8, tokens, 128, device=device, dtype=torch.float16),
+           torch.randn(8, tokens, 128, device=device, dtype=torch.float16)) for _ in range(LAYOUT.num_layers)]
+    budget = 4 * n * LAYOUT.raw_nbytes(BLOCK)
+    tiers = cs.TierConfig(cpu_bytes=budget) if args.tier == "cpu" else cs.TierConfig(gpu_bytes=budget, cpu_bytes=0)
+    cache = cs.PrefixCache(model_id="bd", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=tiers)
+    stages: dict[str, list[float]] = {}
+
+    def rec(name, secs):
+        stages.setdefault(name, []).append(secs)
+
+    for rep in range(args.reps + 1):
+        toks = [(rep * 7919 + j) % 120_000 for j in range(tokens)]
+        hashes, t = _timed(device, lambda: cache.block_hashes(toks))
+        rec("ingest: hash blocks", t)
+        _, t = _timed(device, lambda: cache.store.contains_many(hashes))
+        rec("ingest: contains_many", t)
+        frames, t = _timed(device, lambda: encode_blocks(codec, LAYOUT, BLOCK, kv, first_block=0, hashes=hashes,
+                                                         parents=block_parents(cache.root, hashes)))
+        rec("ingest: encode_blocks (stack, encode, stage, plan)", t)
+        items = [(f.meta.block_hash, f) for f in reversed(frames)]
+        _, t = _timed(device, lambda: cache.store.put_many(items))
+        rec("ingest: store.put_many (tier copies)", t)
+        located, t = _timed(device, lambda: cache.store.locate(hashes))
+        rec("materialize: locate", t)
+        got, t = _timed(device, lambda: [cache.store.get(h) for h in hashes])
+        rec("materialize: store.get x n", t)
+        dec = BatchDecoder(codec, LAYOUT, BLOCK, n, device)
+        _, t = _timed(device, lambda: [dec.add(f) for f, _ in got])
+        rec("materialize: decoder.add x n (copies to device)", t)
+        _, t = _timed(device, dec.finish)
+        rec("materialize: decoder.finish (decode)", t)
+        fresh = [(rep * 31 + 5 + j) % 120_000 for j in range(tokens)]
+        _, t = _timed(device, lambda: cache.ingest(fresh, kv))
+        rec("whole ingest (new blocks)", t)
+        _, t = _timed(device, lambda: cache.materialize(toks, device=device))
+        rec("whole materialize", t)
+        for h in cache.block_hashes(fresh) + hashes:
+            cache.store.delete(h)
+        if rep == 0:
+            stages.clear()  # warm-up
+    raw = LAYOUT.raw_nbytes(tokens)
+    rows = [{"stage": k, "ms": statistics.median(v) * 1e3, "us_per_block": statistics.median(v) / n * 1e6,
+             "raw_GBps": raw / statistics.median(v) / 1e9} for k, v in stages.items()]
+    if args.profile:
+        toks = [(999 * 7919 + j) % 120_000 for j in range(tokens)]
+        for name, fn in (("ingest", lambda: cache.ingest(toks, kv)), ("materialize", lambda: cache.materialize(toks, device=device))):
+            prof = cProfile.Profile()
+            prof.enable()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            prof.disable()
+            print(f"--- cProfile: {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print(table(rows, ["stage", "ms", "us_per_block", "raw_GBps"],
+                f"{args.codec} -> {args.tier} tier, {n} Llama-3-8B blocks, KV on {device}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""Time to first token: full prefill against reuse from each tier, on a Llama-3-8B-shaped model.
+
+    python -m benchmarks.ttft            # H200: contexts 4K, 16K, 32K (~6 min with model construction)
+    python -m benchmarks.ttft --quick    # 4K and 16K only
+    python -m benchmarks.ttft --tiny     # CPU smoke run: a 2-layer model, 512/1024 tokens
+
+Model: Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head dim 128, hidden 4096,
+intermediate 14336, vocab 128256), random weights, bf16, sdpa, built directly on the GPU.
+Prompt: random token ids; a context of N tokens is a prefix of N-256 tokens (whole blocks of
+256) plus a 256-token suffix.
+
+- ``full``: ``prefill_with_reuse(reuse="never")``: one forward over all N tokens.
+- reuse from a tier: a ``PrefixCache`` with that tier only (``gpu``, pinned ``cpu`` or
+  ``disk``) holding the prefix, and ``prefill_with_reuse(reuse="always")``: locate,
+  materialize onto the GPU (read, move the compact payload, decode there), then a forward
+  over the 256-token suffix. Disk reads are cold: the tier's files are dropped from the page
+  cache (``posix_fadvise(DONTNEED)``) before each timed read.
+
+Every time is CUDA-synchronized; each cell is the median of ``--repeats`` runs after one
+warm-up. ``speedup`` = full TTFT / reuse TTFT, ``pays`` = reuse measured faster than the full
+prefill, ``planner`` = what ``prefill_with_reuse(reuse="auto")`` would decide from the
+measured prefill and read speeds (``skip`` means it would recompute instead). A row where
+reuse is slower than recompute is marked, never hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cacheseek as cs
+from cacheseek.integrations.planner import ReusePlanner
+from cacheseek.integrations.transformers import forward, kv_layout, prefill_with_reuse
+
+from .report import plot_bars, table, write_json
+
+LLAMA3_8B = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rope_theta": 500000.0,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}
+TINY = {
+    "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rope_theta": 500000.0,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+}
+SUFFIX = 256
+BLOCK = 256
+CODECS = {"raw": lambda: cs.Raw(), "int4": lambda: cs.KIVI(bits=4, group_size=32),
+          "int2": lambda: cs.KIVI(bits=2, group_size=32)}
+TIERS = ("gpu", "cpu", "disk")
+
+
+def kivi_backend(device: torch.device) -> str:
+    """Which KIVI implementation runs on ``device``. If Triton is there but the kernels are
+    not built into this checkout yet, fall back to the torch reference (and say so)."""
+    from cacheseek.quant import kivi
+
+    backend = kivi.backend_for(torch.empty(1, device=device))
+    if backend == "triton":
+        from cacheseek import kernels
+
+        if not hasattr(kernels, "quantize"):
+            os.environ[kivi.BACKEND_ENV] = "torch"
+            print("WARNING: cacheseek.kernels has no Triton KIVI kernels in this checkout; using the torch reference")
+            return "torch (kernels missing)"
+    return backend
+
+
+def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    """Random weights, made directly on ``device`` (no CPU copy, no checkpoint)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, attn_implementation="sdpa")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to drop the files under ``path`` from the page cache (clean pages only)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for file in path.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (from /proc/mounts; "?" elsewhere).
+    On tmpfs the "disk" tier is memory, and dropping the page cache does nothing."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return "?"
+    path = str(path.resolve())
+    best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else "?"
+
+
+def tier_config(tier: str, nbytes: int, disk_path: Path) -> Any:
+    budget = int(nbytes * 1.25) + (64 << 20)
+    if tier == "gpu":
+        return cs.TierConfig(gpu_bytes=budget, cpu_bytes=0)
+    if tier == "cpu":
+        return cs.TierConfig(cpu_bytes=budget, pin_memory=torch.cuda.is_available())
+    return cs.TierConfig(cpu_bytes=0, disk_path=str(disk_path), disk_bytes=budget)
+
+
+def timed_runs(fn, repeats: int, before=None) -> tuple[list[float], list[Any]]:
+    """Seconds and results of ``repeats`` runs of ``fn()`` after one untimed warm-up;
+    ``before()`` runs before each, outside the timing."""
+    times, results = [], []
+    for i in range(repeats + 1):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        result = fn()
+        if i:
+            times.append(time.perf_counter() - t)
+            results.append(result)
+    return times, results
+
+
+def run_context(model: Any, context: int, tiers: list[str], codecs: list[str], repeats: int,
+                disk_root: Path, device: torch.device, log) -> list[dict]:
+    layout = kv_layout(model)
+    gen = torch.Generator().manual_seed(context)
+    ids = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+    prefix = context - SUFFIX
+    log(f"context {context}: full prefill ...")
+    probe = cs.PrefixCache(model_id="ttft", layout=layout, codec=cs.Raw(), block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="1MiB", pin_memory=False))
+    times, _ = timed_runs(lambda: _timings(prefill_with_reuse(model, probe, ids, reuse="never", ingest=False)),
+                          repeats)
+    full_s = statistics.median(times)
+    probe.close()
+    _, prefix_kv = forward(model, torch.tensor([ids[:prefix]], device=device), last_only=True)
+    sync(device)
+    rows = []
+    for tier in tiers:
+        for name in codecs:
+            row = {"context": context, "tier": tier, "codec": name, "kv_gb": layout.raw_nbytes(prefix) / 1e9,
+                   "full_s": full_s}
+            if tier == "gpu" and device.type != "cuda":
+                rows.append(row | {"note": "no GPU"})
+                continue
+            try:
+                row |= measure_tier(model, ids, prefix_kv, tier, CODECS[name](), full_s, repeats, disk_root, device)
+            except Exception as exc:  # one failing cell must not lose the others' results
+                row["note"] = f"error: {type(exc).__name__}: {exc}"[:200]
+            rows.append(row)
+            if "speedup" in row:
+                log(f"  {tier:4s} {name:4s}: reuse {row['reuse_s']:.3f} s vs full {full_s:.3f} s "
+                    f"({row['speedup']:.1f}x), planner: {row['planner']}")
+            else:
+                log(f"  {tier:4s} {name:4s}: {row['note']}")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    del prefix_kv
+    return rows
+
+
+def _timings(res: Any) -> tuple[Any, list[str], int]:
+    """What a timed run keeps: its timings, tiers and reused tokens (not its GPU cache)."""
+    return res.timings, res.tiers, res.reused_tokens
+
+
+def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: Any, full_s: float, repeats: int,
+                 disk_root: Path, device: torch.device) -> dict[str, Any]:
+    """Store the prefix in a cache with ``tier`` only, then time reuse from it."""
+    layout = kv_layout(model)
+    prefix = len(ids) - SUFFIX
+    stored = codec.encoded_nbytes(layout, prefix)
+    disk = Path(tempfile.mkdtemp(prefix=f"ttft-{len(ids)}-", dir=disk_root))
+    cache = cs.PrefixCache(model_id="ttft", layout=layout, codec=codec, block_tokens=BLOCK,
+                           tiers=tier_config(tier, stored, disk))
+    try:
+        t = time.perf_counter()
+        ingested = cache.ingest(ids[:prefix], prefix_kv)
+        sync(device)
+        ingest_s = time.perf_counter() - t
+        if ingested.stored != prefix // BLOCK:
+            return {"note": f"stored {ingested.stored} of {prefix // BLOCK} blocks: {ingested.errors}"}
+        before = (lambda: drop_page_cache(disk)) if tier == "disk" else None
+        times, runs = timed_runs(
+            lambda: _timings(prefill_with_reuse(model, cache, ids, reuse="always", ingest=False)), repeats, before)
+    finally:
+        cache.close()
+        shutil.rmtree(disk, ignore_errors=True)
+    if any(reused != prefix for _, _, reused in runs):
+        return {"note": f"reused {[r for _, _, r in runs]} of {prefix} tokens"}
+    reuse_s = statistics.median(times)
+    materialize_s = statistics.median(t.materialize_s for t, _, _ in runs)
+    planner = ReusePlanner()
+    planner.observe_prefill(len(ids), full_s)
+    planner.observe_read(runs[-1][1], prefix, materialize_s)
+    decision = planner.decide(runs[-1][1], prefix)
+    return {
+        "stored_gb": stored / 1e9, "ingest_s": ingest_s, "materialize_s": materialize_s,
+        "suffix_s": statistics.median(t.forward_s for t, _, _ in runs),
+        "reuse_s": reuse_s, "speedup": full_s / reuse_s, "pays": reuse_s < full_s,
+        "planner": "reuse" if decision.reuse else "skip",
+        "planned_s": reuse_s if decision.reuse else full_s,
+        "note": "" if reuse_s < full_s else "SLOWER than recompute",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="contexts 4K and 16K only")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model on CPU (float32), 512 and 1024 tokens")
+    ap.add_argument("--contexts", default=None, help="comma-separated context lengths (tokens)")
+    ap.add_argument("--tiers", default=",".join(TIERS))
+    ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--disk-path", type=Path, default=None, help="folder for the disk tier (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
+
+    t0 = time.perf_counter()
+    if args.tiny:
+        device, dtype, shape, contexts = torch.device("cpu"), torch.float32, TINY, [512, 1024]
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device: use --tiny for a CPU smoke run")
+        device, dtype, shape = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, LLAMA3_8B
+        contexts = [4096, 16384] if args.quick else [4096, 16384, 32768]
+    if args.contexts:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    tiers = args.tiers.split(",")
+    codecs = args.codecs.split(",")
+    log(f"building a {'tiny' if args.tiny else 'Llama-3-8B-shaped'} model on {device} ({dtype}) ...")
+    model = build_model(shape, device, dtype)
+    log(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+        f"attention {model.config._attn_implementation}")
+    backend = kivi_backend(device)
+    log(f"KIVI backend: {backend}")
+    disk_root = args.disk_path or Path(tempfile.gettempdir())
+    disk_root.mkdir(parents=True, exist_ok=True)
+    disk_fs = filesystem(disk_root)
+    log(f"disk tier under {disk_root} ({disk_fs})")
+    rows = []
+    for context in contexts:
+        rows += run_context(model, context, tiers, codecs, args.repeats, disk_root, device, log)
+
+    seconds = time.perf_counter() - t0
+    goal = next((r for r in rows if r["context"] == 16384 and r["tier"] == "cpu" and r["codec"] == "int4"
+                 and "speedup" in r), None)
+    payload = {"model": "llama3-8b-shape (random)" if not args.tiny else "tiny", "shape": shape,
+               "dtype": str(dtype), "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
+               "seconds": seconds, "kivi_backend": backend, "disk_root": str(disk_root), "disk_fs": disk_fs, "transformers": transformers_version(),
+               "rows": rows,
+               "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}
+    name = "ttft_tiny" if args.tiny else "ttft"
+    print(f"wrote {write_json(name, payload, args.out)}")
+    timed = [r for r in rows if "speedup" in r]
+    if timed:
+        labels = [f"{r['tier']} {r['codec']}" for r in timed if r["context"] == timed[0]["context"]]
+        series = {f"{c // 1024}K": [r["speedup"] for r in timed if r["context"] == c] for c in contexts}
+        png = plot_bars(name, labels, {k: v for k, v in series.items() if len(v) == len(labels)},
+                        "TTFT speedup vs full prefill (x)", args.out, log=True)
+        if png:
+            print(f"wrote {png}")
+    slower = [r for r in timed if not r["pays"]]
+    for r in slower:
+        print(f"NOTE: {r['tier']}/{r['codec']} at {r['context']} tokens is slower than recompute "
+              f"({r['reuse_s']:.3f} s vs {r['full_s']:.3f} s); planner: {r['planner']}")
+    wrong = [r for r in slower if r["planner"] == "reuse"]
+    if wrong:
+        print(f"WARNING: the planner would reuse in {len(wrong)} slower-than-recompute case(s)")
+    if goal:
+        verdict = "MET" if goal["speedup"] >= 8 else "NOT MET"
+        print(f"goal (16K, cpu tier, int4: >= 8x lower TTFT than full prefill): {goal['speedup']:.1f}x, {verdict}")
+    cols = ["context", "tier", "codec", "kv_gb", "stored_gb", "full_s", "materialize_s", "suffix_s", "reuse_s",
+            "speedup", "pays", "planner", "note"]
+    print(table(rows, cols, f"Time to first token, {payload['model']}, {dtype}, suffix {SUFFIX} "
+                            f"(median of {args.repeats}; {seconds:.0f} s in all)"))
+
+
+if __name__ == "__main__":
+    main()

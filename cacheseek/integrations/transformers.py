@@ -1,0 +1,360 @@
+"""Hugging Face transformers: KV in and out of a ``DynamicCache``, and prefill with reuse.
+
+    from cacheseek.integrations.transformers import prefill_with_reuse, greedy_continue
+    res = prefill_with_reuse(model, cache, input_ids)      # reuses the stored prefix, stores new blocks
+    out = greedy_continue(model, res.cache, res.logits, max_new_tokens=32)
+
+Works with transformers 4.5x and 5.x. Which keyword a model's forward takes for its cache
+(``cache=`` in recent 5.x releases, ``past_key_values=`` before) and which output field holds
+it are read from the forward's signature and the output object, never from a version string.
+
+Limits, stated plainly:
+
+- Batch size 1. A batch needs per-row prefix lengths (ragged KV) and padding masks.
+- Decoder-only models whose cache is a ``DynamicCache`` of full-attention layers holding K
+  after RoPE (Llama, Mistral, Qwen2, SmolLM2 ...). A sliding-window layer keeps only its
+  window of the materialized prefix; encoder-decoder, linear-attention/recurrent (Mamba)
+  and multimodal caches are not handled.
+- The stored layout's dtype must be the model's KV dtype: nothing is cast silently.
+- Token ids only: the prompt must be tokenized identically for a hit (exact-prefix reuse).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..kv_input import kv_layers
+from ..layout import KVLayout
+from .planner import ReuseDecision, ReusePlanner
+
+# -- the model's cache keyword, found from its signature ---------------------------------
+
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` or ``"past_key_values"``."""
+    params = inspect.signature(model.forward).parameters
+    for name in _CACHE_KWARGS:
+        if name in params:
+            return name
+    raise ConfigError(
+        f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: not a decoder with a KV cache"
+    )
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a forward returned, from ``out.cache`` (5.x) or ``out.past_key_values``."""
+    for name in _CACHE_KWARGS:
+        value = getattr(out, name, None)
+        if value is not None:
+            return value
+    raise RuntimeError("the model returned no KV cache (was use_cache disabled?)")
+
+
+def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, *, last_only: bool = False) -> tuple[torch.Tensor, Any]:
+    """One forward pass over ``input_ids`` [B, T] on top of ``cache``: (logits, cache).
+
+    Logits are [B, T, V], or [B, 1, V] with ``last_only`` where the model can skip the LM
+    head for the other positions (``logits_to_keep``); the last row's values are the same
+    either way only up to GEMM blocking, so compare like with like.
+    """
+    kwargs: dict[str, Any] = {"use_cache": True}
+    if cache is not None:
+        kwargs[cache_kwarg(model)] = cache
+    if last_only:
+        keep = _logits_kwarg(model)
+        if keep is not None:
+            kwargs[keep] = 1
+    with torch.no_grad():
+        out = model(input_ids=input_ids, **kwargs)
+    return out.logits, output_cache(out)
+
+
+def _logits_kwarg(model: Any) -> str | None:
+    params = inspect.signature(model.forward).parameters
+    return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
+
+
+# -- DynamicCache in and out -------------------------------------------------------------
+
+
+def to_dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config: Any = None) -> Any:
+    """A ``DynamicCache`` holding ``layers`` [(K, V)], each [1, H, T, D] or [H, T, D].
+
+    With a model ``config`` (5.x), the cache gets the model's layer types (sliding window
+    and so on); without one, plain full-attention layers. The tensors are copied once.
+    """
+    from transformers import DynamicCache
+
+    if not layers:
+        raise InputError("layers: empty; nothing to build a cache from")
+    params = inspect.signature(DynamicCache.__init__).parameters
+    cache = DynamicCache(config=config) if config is not None and "config" in params else DynamicCache()
+    with torch.no_grad():
+        for i, (k, v) in enumerate(layers):
+            k = k.unsqueeze(0) if k.dim() == 3 else k
+            v = v.unsqueeze(0) if v.dim() == 3 else v
+            cache.update(k, v, i)
+    return cache
+
+
+def cache_length(cache: Any) -> int:
+    """Tokens held by a cache (0 for an empty one)."""
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def kv_layout(model_or_config: Any, dtype: Any = None) -> KVLayout:
+    """The ``KVLayout`` of a decoder's cache, from its config (dtype: the model's unless given)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if dtype is None:
+        dtype = model_dtype(model_or_config) if hasattr(model_or_config, "parameters") else text.dtype
+    return KVLayout(text.num_hidden_layers, kv_heads, head_dim, dtype)
+
+
+def model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+# -- prefill with reuse ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PrefillTimings:
+    """Seconds spent in each step; ``ttft_s`` is the time to the last position's logits."""
+
+    locate_s: float = 0.0
+    materialize_s: float = 0.0
+    forward_s: float = 0.0
+    ingest_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What ``prefill_with_reuse`` did.
+
+    ``logits``: [vocab] at the prompt's last position (its argmax is the first new token).
+    ``cache``: a ``DynamicCache`` holding every prompt token, ready to continue generation.
+    ``reused_tokens`` came from the store, ``computed_tokens`` were run through the model.
+    ``tiers``: the tier each reused block came from. ``skipped_reason`` says why nothing was
+    reused when a stored prefix was there (predicted slower than recompute) or when reuse
+    was turned off (``reuse="never"``).
+    """
+
+    logits: torch.Tensor
+    cache: Any
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    stored_blocks: int
+    tiers: list[str]
+    timings: PrefillTimings
+    decision: ReuseDecision | None = None
+    skipped_reason: str | None = None
+    ingest_errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def next_token(self) -> int:
+        return int(self.logits.argmax())
+
+
+REUSE_MODES = ("auto", "always", "never")
+_planners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def default_planner(cache: Any) -> ReusePlanner:
+    """The planner kept for ``cache`` (one per cache object, dropped with it)."""
+    planner = _planners.get(cache)
+    if planner is None:
+        planner = _planners[cache] = ReusePlanner()
+    return planner
+
+
+def prefill_with_reuse(
+    model: Any,
+    cache: Any,
+    input_ids: Any,
+    *,
+    planner: ReusePlanner | None = None,
+    reuse: str = "auto",
+    ingest: bool = True,
+) -> PrefillResult:
+    """Prefill a prompt, reusing its longest stored prefix when that pays.
+
+    1. ``cache.locate`` the prompt; at least one token is always left to compute.
+    2. Ask ``planner`` (default: the one kept per cache) whether reading the prefix from the
+       tiers that hold it is predicted faster than recomputing it; if not, recompute and say
+       why in ``skipped_reason``.
+    3. ``cache.materialize`` the prefix onto the model's device, build a ``DynamicCache``,
+       and run the model on the rest of the prompt only.
+    4. ``cache.ingest`` the prompt's full blocks (those already stored are not re-encoded).
+
+    ``cache`` is a ``PrefixCache`` or a ``RemoteCache``; its layout must match the model's.
+    ``reuse``: ``"auto"`` (ask the planner), ``"always"`` (reuse whatever is stored: for
+    benchmarks that time every tier), or ``"never"`` (the no-reuse baseline, through the same
+    code path). Only the last position's logits are computed.
+    """
+    if reuse not in REUSE_MODES:
+        raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
+    t0 = time.perf_counter()
+    device = model_device(model)
+    ids = _token_ids(input_ids)
+    _check_layout(model, cache)
+    planner = planner if planner is not None else default_planner(cache)
+    timings = PrefillTimings()
+
+    reused, tiers, past, decision, skipped = 0, [], None, None, None
+    if reuse != "never" and len(ids) > 1:
+        located = cache.locate(ids[: len(ids) - 1])
+        timings.locate_s = time.perf_counter() - t0
+        if reuse == "auto":
+            if located.num_tokens and planner.unmeasured(located.tiers):
+                _seed_from_stats(planner, cache)
+            decision = planner.decide(located.tiers, located.num_tokens)
+        else:
+            decision = ReuseDecision(bool(located.num_tokens), "reuse forced by the caller")
+        if located.num_tokens and not decision.reuse:
+            skipped = decision.reason
+        elif located.num_tokens:
+            t = time.perf_counter()
+            got = cache.materialize(ids, device=device, max_tokens=len(ids) - 1)
+            if got.num_tokens:
+                past = to_dynamic_cache(got.layers, model.config)
+                reused, tiers = got.num_tokens, list(got.tiers)
+            del got  # the DynamicCache holds its own copy: free the decoded tensors now
+            _sync(device)
+            timings.materialize_s = time.perf_counter() - t
+            planner.observe_read(tiers, reused, timings.materialize_s)
+    elif reuse == "never":
+        skipped = "reuse disabled by the caller"
+
+    t = time.perf_counter()
+    suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
+    logits, past = forward(model, suffix, past, last_only=True)
+    last = logits[0, -1]
+    _sync(device)
+    timings.forward_s = time.perf_counter() - t
+    timings.ttft_s = time.perf_counter() - t0
+    planner.observe_prefill(len(ids) - reused, timings.forward_s)
+
+    stored, errors = 0, {}
+    if ingest:
+        t = time.perf_counter()
+        result = cache.ingest(ids, past)
+        stored, errors = result.stored, dict(getattr(result, "errors", {}) or {})
+        timings.ingest_s = time.perf_counter() - t
+    timings.total_s = time.perf_counter() - t0
+    return PrefillResult(
+        logits=last, cache=past, prompt_tokens=len(ids), reused_tokens=reused,
+        computed_tokens=len(ids) - reused, stored_blocks=stored, tiers=tiers, timings=timings,
+        decision=decision, skipped_reason=skipped, ingest_errors=errors,
+    )
+
+
+def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
+    """Seed unmeasured tiers' read speeds from ``cache.stats()`` (bytes/s -> tokens/s)."""
+    codec, layout, block = (getattr(cache, a, None) for a in ("codec", "layout", "block_tokens"))
+    if codec is None or layout is None or not block:
+        return
+    bytes_per_token = codec.encoded_nbytes(layout, block) / block
+    for tier in cache.stats().get("tiers", []):
+        gbps = tier.get("read_gbps")
+        if gbps:
+            planner.seed_read(tier["name"], gbps * 1e9 / bytes_per_token)
+
+
+def _token_ids(input_ids: Any) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise InputError(f"input_ids: batch size {input_ids.shape[0]}; only batch size 1 is supported")
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise InputError(f"input_ids: expected [T] or [1, T], got {list(input_ids.shape)}")
+        ids = input_ids.tolist()
+    else:
+        ids = [int(t) for t in input_ids]
+    if not ids:
+        raise InputError("input_ids: empty prompt")
+    return ids
+
+
+def _check_layout(model: Any, cache: Any) -> None:
+    layout = getattr(cache, "layout", None)
+    if layout is None:
+        return
+    want = kv_layout(model)
+    if layout != want:
+        raise ConfigError(f"cache layout {layout} does not match the model's KV layout {want}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- greedy continuation -----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Generated:
+    """Greedy tokens; ``logits`` holds each step's [vocab] logits when asked for."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+    seconds: float
+
+
+def greedy_continue(
+    model: Any,
+    cache: Any,
+    logits: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | Sequence[int] | None = None,
+    keep_logits: bool = False,
+) -> Generated:
+    """Greedy decoding from a prefilled ``cache`` whose last position gave ``logits`` [vocab].
+
+    The first token is ``argmax(logits)``; each next one comes from a forward pass of the
+    previous token on the growing cache. Stops after ``max_new_tokens`` or at an EOS token.
+    The ``cache`` is extended in place, up to (not including) the last token returned.
+    """
+    t0 = time.perf_counter()
+    device = model_device(model)
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    tokens: list[int] = []
+    kept: list[torch.Tensor] = []
+    for step in range(max_new_tokens):
+        if keep_logits:
+            kept.append(logits)
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos or step == max_new_tokens - 1:
+            break
+        out, cache = forward(model, torch.tensor([[token]], device=device), cache)
+        logits = out[0, -1]
+    return Generated(tokens, kept, time.perf_counter() - t0)
+
+
+def dynamic_cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) [H, T, D] views of a ``DynamicCache`` (batch size 1)."""
+    return kv_layers(cache)

@@ -1,0 +1,234 @@
+"""``RemoteCache``: the methods and results of ``PrefixCache``, over HTTP to ``cacheseek serve``.
+
+Keys are computed here, by the same code as ``PrefixCache`` (``PrefixKeys``). Ingest asks
+the server which blocks are new (one ``/v1/lookup`` round trip), encodes only those, on the
+KV's own device, moves each compact frame to the host just before it is sent, and streams
+them all in one ``POST /v1/blocks``. Materialize asks for the longest stored prefix, streams
+its frames from ``GET /v1/prefixes/{last hash}``, checks each (checksum, hash, codec, layout),
+and decodes them on the target device. One ``httpx.Client`` (keep-alive, a connection pool)
+serves every call, over ``BulkTransport`` (keep-alive, a connection pool, bodies moved with
+one copy); the object is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import torch
+
+from .block_io import check_frame, check_layers, decode_frames, encode_missing
+from .errors import FrameError, RemoteError, RemoteUnavailable
+from .hashing import DEFAULT_ALGO, BlockHash, to_hex
+from .kv_input import kv_layers
+from .layout import KVLayout
+from .prefix_cache import IngestResult, Located, Materialized
+from .prefix_keys import PrefixKeys
+from .quant.codec import KVLayerCodec
+from .quant.kivi import KIVI
+from .store.device import frame_to_host
+from .store.frame import parse_frame
+from .store.tier import BlockFrame
+from .transport import BulkTransport
+from .units import parse_size
+from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
+
+NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+_UNLIMITED = 1 << 62
+
+
+class RemoteCache:
+    """A ``PrefixCache`` whose tiers live in a CacheSeek server at ``url``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model_id: str,
+        layout: KVLayout,
+        codec: KVLayerCodec | None = None,
+        block_tokens: int = 256,
+        namespace: str = "",
+        hash_algo: str = DEFAULT_ALGO,
+        token: str | None = None,
+        timeout: float = 60.0,
+        max_connections: int = 16,
+        max_batch_bytes: int | str = "1GiB",
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.model_id = model_id
+        self.layout = layout
+        self.codec = codec if codec is not None else KIVI(bits=4, group_size=32)
+        self.block_tokens = block_tokens
+        self.namespace = namespace
+        self.hash_algo = hash_algo
+        self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
+                                      block_tokens=block_tokens, hash_algo=hash_algo)
+        self.root = self.keys.root
+        self._codec_spec = self.codec.spec()
+        self._batch_blocks = max(1, parse_size(max_batch_bytes, name="max_batch_bytes") // layout.raw_nbytes(block_tokens))
+        headers = {NAMESPACE_HEADER: namespace} if namespace else {}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            transport=BulkTransport(max_connections=max_connections),
+        )
+
+    # -- keys ----------------------------------------------------------------------------
+
+    def block_hashes(self, keys: Any) -> list[BlockHash]:
+        return self.keys.block_hashes(keys)
+
+    # -- the three calls -----------------------------------------------------------------
+
+    def ingest(self, keys: Any, kv: Any) -> IngestResult:
+        """Store the full blocks of ``kv`` that the server does not hold yet. Nothing is sent
+        if the input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
+        layers = kv_layers(kv)
+        self.keys.check_ingest(keys, check_layers(layers, self.layout))
+        hashes = self.block_hashes(keys)
+        result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
+        if not hashes:
+            return result
+        present = self._lookup(hashes, each=True)["present"]
+        result.present = sum(present)
+        # Encode everything first: a bad block (NaN, Inf) then sends nothing.
+        frames = encode_missing(self.codec, self.layout, self.block_tokens, layers, hashes,
+                                self.keys.parents(hashes), present, self._batch_blocks)
+        if not frames:
+            return result
+        frames.reverse()  # tail first, as PrefixCache stores them: a chain that overflows keeps its head
+        for report in self._post_frames(frames):
+            status = report.get("status")
+            if status == "stored":
+                result.stored += 1
+            elif status == "present":
+                result.present += 1
+            else:
+                result.failed += 1
+            for tier, reason in (report.get("errors") or {}).items():
+                result.errors.setdefault(tier, reason)
+        return result
+
+    def locate(self, keys: Any) -> Located:
+        self.keys.num_tokens(keys)
+        found = self._lookup(self.block_hashes(keys))
+        n = found["matched"]
+        return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
+
+    def lookup(self, keys: Any) -> int:
+        """Tokens covered by stored full blocks, from the start."""
+        return self.locate(keys).num_tokens
+
+    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
+        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
+
+        If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
+        the prefix ends before it, as in ``PrefixCache``."""
+        self.keys.num_tokens(keys)
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        hashes = self.block_hashes(keys)
+        limit = len(hashes) if max_tokens is None else max(0, max_tokens) // self.block_tokens
+        hashes = hashes[:limit]
+        found = self._lookup(hashes) if hashes else {"matched": 0, "tiers": []}
+        frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
+        if not frames:
+            return Materialized(0, 0, [], [], device)
+        k, v = decode_frames(self.codec, self.layout, self.block_tokens, frames, device)
+        del frames
+        n = k.shape[2] // self.block_tokens
+        layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
+        return Materialized(n * self.block_tokens, n, layers, list(found["tiers"][:n]), device)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The server's per-tier figures, in the shape of ``PrefixCache.stats()``."""
+        server = self._request("GET", "/v1/stats").json()
+        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
+                "block_tokens": self.block_tokens, **server}
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RemoteCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- HTTP ----------------------------------------------------------------------------
+
+    def _lookup(self, hashes: list[BlockHash], *, each: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {"hashes": [to_hex(h) for h in hashes]}
+        if each:
+            body["each"] = True
+        return self._request("POST", "/v1/lookup", json=body).json()
+
+    def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
+        """Send ``frames`` in one streamed POST. Takes them over: the list is emptied, so each
+        frame's device buffers are freed once it has been sent."""
+        total = sum(LENGTH.size + f.meta.nbytes for f in frames)
+        queue = deque(frames)
+        frames.clear()
+
+        def body() -> Iterator[bytes | memoryview]:
+            # One frame on the host at a time: each is copied off the device just before it is sent.
+            while queue:
+                host = frame_to_host(queue.popleft())
+                yield LENGTH.pack(host.meta.nbytes)
+                yield from host.wire_segments()
+                del host
+
+        return self._request("POST", "/v1/blocks", content=body(),
+                             headers={"Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)}).json()
+
+    def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
+        """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid."""
+        frames: list[BlockFrame] = []
+        path = f"/v1/prefixes/{to_hex(hashes[-1])}"
+        try:
+            with self._http.stream("GET", path) as response:
+                if response.status_code == 404:
+                    return []  # the chain lost a block since the lookup
+                self._raise_for_status(response, path, streamed=True)
+                for buf in iter_frames(response, max_frame_bytes=_UNLIMITED):
+                    i = len(frames)
+                    if i >= len(hashes):
+                        break
+                    meta = parse_frame(buf, verify=True)
+                    check_frame(meta, key=hashes[i], codec_spec=self._codec_spec, layout=self.layout,
+                                block_tokens=self.block_tokens)
+                    frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+        except (FrameError, BatchFormatError, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # a bad or cut-short frame ends the prefix; the whole ones before it stand
+        except httpx.TransportError as exc:
+            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+        return frames
+
+    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kw)
+        except httpx.TransportError as exc:
+            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+        self._raise_for_status(response, path)
+        return response
+
+    def _raise_for_status(self, response: httpx.Response, path: str, streamed: bool = False) -> None:
+        if response.is_success:
+            return
+        if streamed:
+            response.read()
+        try:
+            reason = response.json().get("error") or response.text
+        except ValueError:
+            reason = response.text or response.reason_phrase
+        raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+__all__ = ["RemoteCache"]

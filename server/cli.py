@@ -1,0 +1,141 @@
+"""The ``cacheseek`` command: ``cacheseek serve`` and ``cacheseek demo``.
+
+``serve`` never imports torch: the store and the server only move bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, get_args, get_origin
+
+DEMO_MODULE = "cacheseek.integrations.demo"
+
+
+def _serve_parser(sub: Any) -> argparse.ArgumentParser:
+    from .config import ServerSettings
+
+    p = sub.add_parser(
+        "serve", help="run the HTTP service",
+        description="Run the CacheSeek HTTP service. Every setting is also read from CACHESEEK_<NAME> "
+                    "environment variables and from an optional TOML or YAML file (--config); flags win.",
+    )
+    p.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml)")
+    for name, field in ServerSettings.model_fields.items():
+        if name == "tenants":  # a table: from the config file or CACHESEEK_TENANTS (JSON) only
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}]"
+        if field.annotation is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+        else:
+            choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
+            p.add_argument(flag, default=argparse.SUPPRESS, metavar=name.upper() if not choices else None,
+                           choices=choices, help=help_)
+    p.set_defaults(func=_serve)
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from cacheseek.errors import ConfigError
+
+    from .app import create_app
+    from .config import ServerSettings
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    try:
+        settings = ServerSettings.load(args.config, **overrides)
+    except (ValidationError, ConfigError) as exc:
+        print(f"cacheseek serve: bad settings:\n{exc}", file=sys.stderr)
+        return 2
+    print("cacheseek serve: settings " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    http: Any = settings.http
+    if http == "auto":
+        from .protocol import protocol_class
+
+        http = protocol_class() or "auto"
+    keep_freed_memory()
+    config = uvicorn.Config(
+        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
+        timeout_graceful_shutdown=int(settings.graceful_timeout_s), timeout_keep_alive=int(settings.keepalive_timeout_s),
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    # uvicorn returns after SIGTERM/SIGINT once in-flight requests are done and the store is closed.
+    return 0 if server.started else 1
+
+
+def keep_freed_memory(max_bytes: int = 1 << 30) -> bool:
+    """Ask glibc to serve large blocks (frame buffers) from the heap and keep them when freed.
+
+    By default every allocation over 128 KiB-32 MiB is a fresh ``mmap``, and each of its pages
+    is faulted in and zeroed on first write: receiving a 10 MB frame into a new buffer then
+    runs at a tenth of memcpy speed. With the mmap threshold raised, freed frame buffers are
+    reused warm. Returns False where this is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, min(max_bytes, 1 << 30)) and mallopt(M_TRIM_THRESHOLD, 2 * max_bytes))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return args.demo_run(args)
+
+
+def _demo_parser(sub: Any, wanted: bool) -> None:
+    """Import the demo (which needs torch, transformers) only when it is the command run."""
+    p = sub.add_parser("demo", help="run the end-to-end demo (needs the 'demo' extra)", add_help=wanted)
+    if not wanted:
+        return
+    import importlib
+
+    try:
+        demo = importlib.import_module(DEMO_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (DEMO_MODULE, DEMO_MODULE.rsplit(".", 1)[0]):
+            raise
+        p.set_defaults(func=lambda args: _missing_demo())
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        return
+    demo.add_arguments(p)
+    p.set_defaults(func=_demo, demo_run=demo.run)
+
+
+def _missing_demo() -> int:
+    print(f"cacheseek demo: this installation has no demo ({DEMO_MODULE} is missing); "
+          "install a CacheSeek release that ships it, with the 'demo' extra", file=sys.stderr)
+    return 2
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    from cacheseek import __version__
+
+    parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
+    parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    _serve_parser(sub)
+    _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``ServerSettings``: every setting of ``cacheseek serve``, in one pydantic-settings model.
+
+Sources, highest priority first: command-line flags, environment variables
+(``CACHESEEK_<NAME>``, e.g. ``CACHESEEK_CPU_BYTES=8GiB``), an optional TOML or YAML file
+(``--config`` or ``CACHESEEK_CONFIG``), then the defaults below. Byte sizes take ints or
+strings like ``"4GiB"``. Tier construction from these settings lives in one place,
+``server.store.build_store``, so a new tier (Redis) adds a group of settings here and a few
+lines there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from cacheseek.errors import ConfigError
+from cacheseek.units import parse_size
+
+ENV_PREFIX = "CACHESEEK_"
+NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")  # printable ASCII, no spaces
+
+
+def default_disk_path() -> Path:
+    """``$XDG_CACHE_HOME/cacheseek/store``, or ``~/.cache/cacheseek/store``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "cacheseek" / "store"
+
+
+class TenantTokens(BaseModel):
+    """Tokens bound to one namespace: a caller holding them can use only that namespace."""
+
+    model_config = ConfigDict(extra="forbid")
+    read_token: SecretStr | None = None
+    write_token: SecretStr
+
+
+_config_file: ContextVar[Path | None] = ContextVar("cacheseek_config_file", default=None)
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """Settings from the TOML or YAML file named by ``--config`` (or ``CACHESEEK_CONFIG``)."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        path = _config_file.get() or (Path(os.environ[ENV_PREFIX + "CONFIG"]) if os.environ.get(ENV_PREFIX + "CONFIG") else None)
+        self.data = load_config_file(path) if path is not None else {}
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(self.data)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """A settings file as a dict: ``.toml``, or ``.yaml``/``.yml``. Keys are setting names;
+    a ``[cacheseek]`` table (or top-level ``cacheseek:`` map), if present, is used instead."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config: {path} must end in .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"config: {path} is not valid: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError and friends
+        raise ConfigError(f"config: {path} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a table of settings")
+    if isinstance(data.get("cacheseek"), dict):
+        data = data["cacheseek"]
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # -- listening -------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8080, ge=1, le=65535, description="TCP port")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    access_log: bool = Field(False, description="log every request (costly at high request rates)")
+    http: Literal["auto", "h11", "httptools"] = Field(
+        "auto", description="uvicorn HTTP implementation; auto: httptools with a leaner body path (server.protocol)")
+    loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
+    graceful_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
+    keepalive_timeout_s: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")
+
+    # -- tiers (built by server.store.build_store) -----------------------------------------
+    cpu_bytes: int = Field(4 << 30, description="CPU tier budget; 0 turns the tier off")
+    disk_path: Path = Field(default_factory=default_disk_path, description="disk tier directory")
+    disk_bytes: int = Field(64 << 30, description="disk tier budget; 0 turns the tier off")
+    write_through: bool = Field(True, description="every ingest is written to disk before it is acknowledged")
+    disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
+    promote_on_hit: bool = Field(True, description="copy a hit from a lower tier into the faster ones")
+
+    # -- limits ----------------------------------------------------------------------------
+    max_body_bytes: int = Field(2 << 30, description="largest request body (a batch of frames)")
+    max_frame_bytes: int = Field(256 << 20, description="largest single frame")
+    max_lookup_hashes: int = Field(1 << 16, ge=1, description="most hashes in one lookup")
+    max_chain_blocks: int = Field(1 << 20, ge=1, description="longest chain a frame's position may claim")
+
+    # -- auth and tenants ------------------------------------------------------------------
+    read_token: SecretStr | None = Field(None, description="bearer token for reads, any namespace")
+    write_token: SecretStr | None = Field(None, description="bearer token for reads and writes, any namespace")
+    tenants: dict[str, TenantTokens] = Field(
+        default_factory=dict, description="namespace -> {read_token, write_token}: tokens bound to one namespace")
+    namespace_secret: SecretStr | None = Field(
+        None, description="key that separates namespaces in storage; default: a file in disk_path, or random")
+
+    @field_validator("cpu_bytes", "disk_bytes", "max_body_bytes", "max_frame_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any, info: Any) -> int:
+        return parse_size(value, name=info.field_name)
+
+    @field_validator("read_token", "write_token", "namespace_secret", mode="before")
+    @classmethod
+    def _unset_if_empty(cls, value: Any) -> Any:
+        return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
+
+    @field_validator("disk_path", mode="before")
+    @classmethod
+    def _path(cls, value: Any) -> Any:
+        return Path(value).expanduser() if isinstance(value, (str, Path)) else value
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, TenantTokens]) -> dict[str, TenantTokens]:
+        for name in value:
+            if not NAMESPACE_PATTERN.match(name):
+                raise ValueError(f"tenants: namespace {name!r} must be 0-128 printable ASCII characters, no spaces")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServerSettings:
+        if self.cpu_bytes == 0 and self.disk_bytes == 0:
+            raise ValueError("cpu_bytes and disk_bytes are both 0: no tier would hold anything")
+        if self.max_frame_bytes > self.max_body_bytes:
+            raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) exceeds max_body_bytes ({self.max_body_bytes})")
+        if self.read_token is not None and self.write_token is None:
+            raise ValueError("read_token is set but write_token is not: writes would be open to anyone")
+        tokens = [t.get_secret_value() for t in (self.read_token, self.write_token) if t is not None]
+        for tenant in self.tenants.values():
+            tokens += [t.get_secret_value() for t in (tenant.read_token, tenant.write_token) if t is not None]
+        if any(not t for t in tokens):
+            raise ValueError("read_token/write_token/tenants: a token may not be empty")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("read_token/write_token/tenants: every token must be different")
+        if self.tenants and self.write_token is None:
+            raise ValueError("tenants: set write_token too (the operator's token), or callers without tenant "
+                             "tokens could write anywhere")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.write_token is not None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
+
+    @classmethod
+    def load(cls, config_file: str | Path | None = None, **overrides: Any) -> ServerSettings:
+        """Settings from ``overrides`` (flags), the environment, and ``config_file``."""
+        token = _config_file.set(Path(config_file) if config_file is not None else None)
+        try:
+            return cls(**overrides)
+        finally:
+            _config_file.reset(token)
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as printed at start: secrets masked."""
+        return self.model_dump(mode="json")

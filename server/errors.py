@@ -1,0 +1,127 @@
+"""Domain errors of the service, and the one table that maps every error to an HTTP status.
+
+Routes and the service raise these (or the library's own ``FrameError``/``InputError``/
+``StorageError``); nothing else builds an error status. Every error answer is JSON
+``{"error": reason}``. Anything not in the table is a bug: a 500, logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cacheseek.errors import FrameError, InputError, StorageError
+
+from cacheseek.wire import BatchFormatError, BatchTooLarge
+
+log = logging.getLogger("cacheseek.server")
+
+
+class ServiceError(Exception):
+    """An expected failure of a request; ``str(exc)`` is the reason given to the client."""
+
+
+class BadRequest(ServiceError):
+    """A malformed hash, namespace or header."""
+
+
+class BadFrame(BadRequest):
+    """A client's frame that is malformed, truncated, fails its checksum, or contradicts its chain."""
+
+
+class BadLookup(ServiceError):
+    """A lookup body that is valid JSON of the wrong shape (beyond what its model checks)."""
+
+
+class HashMismatch(ServiceError):
+    """The frame's header names another block than the URL."""
+
+
+class TooLarge(ServiceError):
+    """A body or frame over its limit."""
+
+
+class Unauthenticated(ServiceError):
+    """No bearer token where tokens are configured."""
+
+
+class Forbidden(ServiceError):
+    """A token that is wrong, or not allowed this request (read token on a write, other namespace)."""
+
+
+class NotFound(ServiceError):
+    """No such block, or the chain ending at it is not complete."""
+
+
+class NotReady(ServiceError):
+    """The service is starting or shutting down."""
+
+
+# error class -> HTTP status; the most specific class in an exception's MRO wins.
+STATUS: dict[type[BaseException], int] = {
+    BadRequest: 400,
+    FrameError: 400,
+    InputError: 400,
+    BatchFormatError: 400,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    HashMismatch: 409,
+    TooLarge: 413,
+    BatchTooLarge: 413,
+    RequestValidationError: 422,
+    BadLookup: 422,
+    NotReady: 503,
+    StorageError: 507,  # no tier could take the block: the store is full or its disk fails
+}
+
+
+def status_of(exc: BaseException) -> int | None:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return None
+
+
+def error_response(status: int, reason: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": reason}, status_code=status, headers=headers)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return "; ".join(parts) or "invalid request body"
+    return str(exc) or type(exc).__name__
+
+
+async def _handle(request: Request, exc: Exception) -> JSONResponse:
+    status = status_of(exc)
+    if status is None:  # pragma: no cover - registered only for classes in the table
+        return await _handle_bug(request, exc)
+    return error_response(status, _reason(exc))
+
+
+async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Starlette's own: unknown route (404), wrong method (405).
+    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _handle_bug(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("bug: %s %s failed", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+
+def install(app: FastAPI) -> None:
+    for cls in STATUS:
+        app.add_exception_handler(cls, _handle)
+    app.add_exception_handler(ServiceError, _handle)
+    app.add_exception_handler(StarletteHTTPException, _handle_http)
+    app.add_exception_handler(Exception, _handle_bug)

@@ -1,0 +1,110 @@
+"""Namespaces: tenants share one store, and one tenant's hashes never reach another's blocks.
+
+A block is stored under ``q = h XOR mask(namespace)``, where ``mask`` is a keyed BLAKE2b of
+the namespace under a server secret, cut to the hash's size. The default namespace ``""``
+has the zero mask, so single-tenant frames are stored byte for byte as sent (and a disk
+directory is shared with an embedded ``PrefixCache``). In any other namespace the frame's
+header is rewritten on the way in (``hash`` and ``parent`` masked; the payload and its
+checksum are untouched) and back on the way out, so clients only ever see their own hashes,
+and the store's own chain walk (parent links) works on the stored keys.
+
+Why a secret: without one, a tenant who learned another tenant's hash ``h`` (it can often be
+computed from a guessed prompt) and knew both namespace names could send
+``h ^ mask(a) ^ mask(b)`` in its own namespace and hit the other's block. The masks are
+never revealed (no route returns a stored key), so that difference cannot be computed.
+Why XOR and not a one-way hash: frames must go back out under the client's hashes,
+including the parent hash of each frame in a chain, which must be recoverable.
+
+The secret comes from ``namespace_secret``, else from ``<disk_path>/.namespace-key``
+(created on first start, mode 0600, so restarts keep finding their blocks), else (no
+persistent tier) it is random for the life of the process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from dataclasses import replace
+from pathlib import Path
+
+import msgpack
+
+from cacheseek.store.frame import FrameMeta, header_prefix
+
+KEY_FILE = ".namespace-key"
+
+
+def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
+    if explicit:
+        return explicit
+    if disk_path is None:
+        return secrets.token_bytes(32)
+    path = Path(disk_path) / KEY_FILE
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{KEY_FILE}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # first writer wins; a concurrent start reads the winner's key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return path.read_bytes()
+
+
+class Namespaces:
+    def __init__(self, secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("namespace_secret: at least 16 bytes")
+        self._key = hashlib.blake2b(secret, digest_size=32, person=b"cacheseek-ns").digest()
+        self._masks: dict[tuple[str, int], bytes] = {}
+
+    def mask(self, namespace: str, size: int) -> bytes:
+        if not namespace:
+            return bytes(size)
+        got = self._masks.get((namespace, size))
+        if got is None:
+            got = hashlib.blake2b(namespace.encode(), key=self._key, digest_size=64).digest()[:size]
+            if len(self._masks) < 100_000:
+                self._masks[(namespace, size)] = got
+        return got
+
+    def stored_key(self, namespace: str, h: bytes) -> bytes:
+        """The store's key for the client's hash ``h`` (its own inverse: XOR)."""
+        if not namespace:
+            return bytes(h)
+        return _xor(h, self.mask(namespace, len(h)))
+
+    client_hash = stored_key  # XOR is an involution
+
+    def rekey(self, namespace: str, meta: FrameMeta) -> FrameMeta:
+        """``meta`` with ``hash`` and ``parent`` moved into (or out of) ``namespace``."""
+        if not namespace:
+            return meta
+        moved = replace(meta, block_hash=self.stored_key(namespace, meta.block_hash),
+                        parent_hash=self.stored_key(namespace, meta.parent_hash))
+        header = msgpack.packb(moved.header_dict(), use_bin_type=True)
+        return replace(moved, header_nbytes=len(header))
+
+
+def rewrite_prefix(meta: FrameMeta, frame: bytearray, old_payload_offset: int) -> bytearray:
+    """Write the preamble and header of ``meta`` over ``frame``'s (payload kept). In place when
+    the new header fits the old one's aligned room (always, for headers this library packs)."""
+    prefix = header_prefix(meta)
+    if len(prefix) == old_payload_offset:
+        frame[: len(prefix)] = prefix
+        return frame
+    return bytearray(prefix) + memoryview(frame)[old_payload_offset:]
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    return (int.from_bytes(a, "little") ^ int.from_bytes(b, "little")).to_bytes(len(a), "little")

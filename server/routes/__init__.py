@@ -1,0 +1,1 @@
+"""One router per resource: blocks, prefixes, lookup, and operations (stats, metrics, health)."""

@@ -1,0 +1,92 @@
+"""``/v1/blocks``: one frame in (PUT), several frames in (POST), one frame out (GET), DELETE."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+
+from cacheseek.errors import StorageError
+
+from ..deps import Hash, Reader, Service, Settings, Writer
+from ..service import Incoming
+from cacheseek.wire import FRAME_CONTENT_TYPE, BatchReader
+from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, declared_length, read_frame_body
+
+router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
+
+PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "status": "stored", "errors": {}}}}}
+
+
+@router.put(
+    "/{hash}", status_code=201, openapi_extra=FRAME_BODY,
+    responses={200: {"description": "already stored", **PUT_RESULT}, 201: {"description": "stored", **PUT_RESULT},
+               400: {"description": "malformed or truncated frame", **ERROR},
+               409: {"description": "the frame's header hash is not the URL's", **ERROR},
+               413: {"description": "over max_frame_bytes", **ERROR}, 507: {"description": "no tier could store it", **ERROR}},
+)
+async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
+    """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
+    buf = await read_frame_body(request, settings.max_frame_bytes)
+    # One hand-off to a worker thread for the check (checksum) and the store (copies, disk I/O).
+    report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash)
+    if report.status == "failed":
+        raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
+    return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
+
+
+@router.post(
+    "", openapi_extra=BATCH_BODY,
+    responses={200: {"description": "one result per frame, in order: status stored, present or failed"},
+               400: {"description": "a malformed or truncated frame, or a body that ends mid-frame", **ERROR},
+               413: {"description": "a frame over max_frame_bytes or a body over max_body_bytes", **ERROR}},
+)
+async def post_blocks(caller: Writer, request: Request, service: Service, settings: Settings) -> JSONResponse:
+    """Store a batch of length-prefixed frames, streamed: each frame is checked as soon as it
+    has arrived, while the next is still coming. If any frame is bad, nothing is stored."""
+    declared_length(request, settings.max_body_bytes, "max_body_bytes")
+    reader = BatchReader(max_frame_bytes=settings.max_frame_bytes, max_body_bytes=settings.max_body_bytes)
+    checks: list[asyncio.Future[Incoming]] = []
+    try:
+        async for chunk in request.stream():
+            for buf in reader.feed(chunk):
+                where = f"frame {len(checks)}"
+                checks.append(asyncio.ensure_future(run_in_threadpool(service.check_frame, buf, where=where)))
+        reader.finish()
+        frames = [await check for check in checks]
+    finally:
+        # A failed request still waits for checks already running, so none outlives it unseen.
+        await asyncio.gather(*checks, return_exceptions=True)
+    reports = await run_in_threadpool(service.put, caller.namespace, frames)
+    return JSONResponse([r.to_dict() for r in reports])
+
+
+@router.get(
+    "/{hash}", response_class=Response,
+    responses={200: {"description": "the frame", "content": {FRAME_CONTENT_TYPE: BINARY}},
+               404: {"description": "not stored", **ERROR}},
+)
+async def get_block(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
+    """The frame of one block, from the fastest tier holding it (the payload is not copied)."""
+    got = service.get_nowait(caller.namespace, hash)  # in host memory: no I/O, no thread hand-off
+    segments, tier = got if got is not None else await run_in_threadpool(service.get, caller.namespace, hash)
+    nbytes = sum(memoryview(s).nbytes for s in segments)
+    service.metrics.frame_bytes_sent.inc(nbytes)
+
+    async def body():
+        for segment in segments:
+            yield segment
+
+    return StreamingResponse(body(), media_type=FRAME_CONTENT_TYPE,
+                             headers={"content-length": str(nbytes), "x-cacheseek-tier": tier})
+
+
+@router.delete("/{hash}", status_code=204, response_class=Response,
+               responses={204: {"description": "deleted"}, 404: {"description": "not stored", **ERROR}})
+async def delete_block(caller: Writer, hash: Hash, service: Service) -> Response:
+    await run_in_threadpool(service.delete, caller.namespace, hash)
+    return Response(status_code=204)
+

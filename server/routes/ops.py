@@ -1,0 +1,41 @@
+"""Operations: ``/v1/stats`` (JSON), ``/metrics`` (Prometheus), ``/healthz``, ``/readyz``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..deps import Reader, Service
+from ..errors import NotReady
+from ..metrics import PROMETHEUS_CONTENT_TYPE
+
+router = APIRouter(tags=["operations"])
+
+
+@router.get("/v1/stats")
+async def stats(caller: Reader, service: Service) -> JSONResponse:
+    """Per tier: capacity, used bytes, blocks, hits, misses, evictions, promotions, demotions,
+    bytes in and out, checksum failures (``corrupt``); and the compression ratio."""
+    return JSONResponse(await run_in_threadpool(service.stats))
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+async def metrics(request: Request) -> Response:
+    data = await run_in_threadpool(request.app.state.metrics.render)
+    return Response(data, media_type=PROMETHEUS_CONTENT_TYPE)
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """Liveness: the process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"description": "starting or shutting down"}})
+async def readyz(request: Request) -> dict[str, str]:
+    """Readiness: the store is open and the server is not shutting down."""
+    if getattr(request.app.state, "service", None) is None or getattr(request.app.state, "closing", False):
+        raise NotReady("the store is not open")
+    return {"status": "ready"}

@@ -1,0 +1,71 @@
+"""``GET /v1/prefixes/{hash}``: materialize by prefix hash, every frame of the chain streamed in order."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+
+from ..deps import Hash, Reader, Service
+from cacheseek.wire import BATCH_CONTENT_TYPE, LENGTH
+from ._body import BINARY, ERROR
+
+router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
+
+
+class ChainBroken(RuntimeError):
+    """A block of the chain vanished (evicted, or found corrupt) after the answer began.
+    The response is cut short; the client keeps the whole frames before the cut."""
+
+
+@router.get(
+    "/{hash}", response_class=Response,
+    responses={200: {"description": "the chain's frames, head first, each preceded by its length (u64 LE); "
+                                    "X-CacheSeek-Blocks says how many",
+                     "content": {BATCH_CONTENT_TYPE: BINARY}},
+               404: {"description": "the chain ending at hash is not complete", **ERROR}},
+)
+async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
+    """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
+    then stream every frame head first. A frame is read (from disk, say) while the one
+    before it is being sent."""
+    chain = await run_in_threadpool(service.chain, caller.namespace, hash)
+    total = service.stream_nbytes(chain)
+    namespace = caller.namespace
+
+    def fetch(key: bytes) -> asyncio.Future:
+        # A frame in host memory is taken at once; one elsewhere (disk) is read in a worker thread.
+        frame = service.get_in_memory(key)
+        if frame is not None:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(frame)
+            return done
+        return asyncio.ensure_future(run_in_threadpool(service.get_stored, key))
+
+    async def body():
+        pending = fetch(chain[0][0])
+        try:
+            for i, (key, info) in enumerate(chain):
+                frame = await pending
+                if i + 1 < len(chain):
+                    pending = fetch(chain[i + 1][0])
+                if frame is None or frame.meta.nbytes != info.nbytes:
+                    raise ChainBroken(f"block at position {info.position} vanished while streaming")
+                segments = service.wire_segments(namespace, frame)
+                head = memoryview(segments[0])
+                offset = frame.meta.payload_offset
+                # The length and the header go in one write; the payload goes as a view.
+                yield LENGTH.pack(info.nbytes) + bytes(head[:offset] if len(segments) == 1 else head)
+                yield head[offset:] if len(segments) == 1 else segments[1]
+                service.metrics.frame_bytes_sent.inc(info.nbytes)
+                del frame, segments, head
+        finally:
+            if not pending.done():
+                pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        service.touch_chain([key for key, _ in chain])  # index updates only
+
+    return StreamingResponse(body(), media_type=BATCH_CONTENT_TYPE,
+                             headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})

@@ -1,0 +1,209 @@
+"""``BlockService``: what the routes do, in plain synchronous Python over a ``TieredStore``.
+
+Routes run these methods in a worker thread (parsing, checksums and disk I/O would stall
+the event loop). Frames are stored opaquely; on the way in every frame is parsed strictly
+(checksum verified, tensor entries checked against its codec and layout), its hash checked
+against the URL's, and its position checked against its parent's wherever the parent is
+known. Every check happens before anything is stored, so a rejected request changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cacheseek.errors import ChecksumError, FrameError
+from cacheseek.hashing import to_hex
+from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
+from cacheseek.store.cpu import CpuTier
+from cacheseek.store.tier import BlockFrame, BlockInfo
+from cacheseek.store.tiered import TieredStore
+
+from .errors import BadFrame, HashMismatch, NotFound
+from .metrics import Metrics
+from .namespaces import Namespaces, rewrite_prefix
+from cacheseek.wire import LENGTH
+
+PUT_GROUP = 4  # frames per store call
+
+
+@dataclass(slots=True)
+class Incoming:
+    """A client's frame, parsed and checked, not stored yet."""
+
+    buf: bytearray
+    meta: FrameMeta
+
+
+@dataclass(slots=True)
+class PutReport:
+    hash: str
+    status: str  # "stored" | "present" | "failed"
+    errors: dict[str, str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hash": self.hash, "status": self.status, "errors": self.errors}
+
+
+class BlockService:
+    def __init__(self, store: TieredStore, namespaces: Namespaces, metrics: Metrics, *, max_chain_blocks: int) -> None:
+        self.store = store
+        self.namespaces = namespaces
+        self.metrics = metrics
+        self.max_chain_blocks = max_chain_blocks
+
+    # -- writes --------------------------------------------------------------------------
+
+    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame") -> Incoming:
+        """Parse and check one client frame. Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
+        try:
+            meta = parse_frame(buf, verify=True)
+            check_codec_layout(meta)
+        except ChecksumError as exc:
+            self.metrics.frames_rejected.labels("checksum").inc()
+            raise BadFrame(f"{where}: {exc}") from None
+        except FrameError as exc:
+            self.metrics.frames_rejected.labels("malformed").inc()
+            raise BadFrame(f"{where}: {exc}") from None
+        if meta.position >= self.max_chain_blocks:
+            self.metrics.frames_rejected.labels("malformed").inc()
+            raise BadFrame(f"{where}: position {meta.position} exceeds max_chain_blocks ({self.max_chain_blocks})")
+        if url_hash is not None and meta.block_hash != url_hash:
+            self.metrics.frames_rejected.labels("hash_mismatch").inc()
+            raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
+        return Incoming(buf, meta)
+
+    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes) -> PutReport:
+        """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
+        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash)])[0]
+
+    def put(self, namespace: str, frames: list[Incoming]) -> list[PutReport]:
+        """Store checked frames (in order), after checking each one's position against its
+        parent's (in this batch or stored). Blocks already stored anywhere are not written again."""
+        self._check_chain_positions(namespace, frames)
+        ns = self.namespaces
+        reports: list[PutReport] = []
+        items: list[tuple[bytes, BlockFrame]] = []
+        slots: list[int] = []
+        for inc in frames:
+            key = ns.stored_key(namespace, inc.meta.block_hash)
+            reports.append(PutReport(to_hex(inc.meta.block_hash), "present", {}))
+            if self.store.info(key) is not None:
+                continue
+            meta, buf = inc.meta, inc.buf
+            if namespace:
+                meta = ns.rekey(namespace, inc.meta)
+                buf = rewrite_prefix(meta, buf, inc.meta.payload_offset)
+            items.append((key, BlockFrame(meta, host=memoryview(buf), sealed=True)))
+            slots.append(len(reports) - 1)
+        outcomes = []
+        for start in range(0, len(items), PUT_GROUP):
+            # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
+            outcomes += self.store.put_many(items[start : start + PUT_GROUP])
+        if items:
+            for i, outcome in zip(slots, outcomes):
+                report = reports[i]
+                report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
+                report.errors = dict(outcome.errors)
+                if outcome.stored:
+                    self.metrics.frame_bytes_received.inc(frames[i].meta.nbytes)
+        return reports
+
+    def _check_chain_positions(self, namespace: str, frames: list[Incoming]) -> None:
+        batch = {inc.meta.block_hash: inc.meta for inc in frames}
+        for i, inc in enumerate(frames):
+            meta = inc.meta
+            if meta.position == 0:
+                continue  # its parent is the client's root, which the server never sees
+            parent = batch.get(meta.parent_hash)
+            parent_pos = parent.position if parent is not None else None
+            if parent is None:
+                info = self.store.info(self.namespaces.stored_key(namespace, meta.parent_hash))
+                parent_pos = info.position if info is not None else None
+            if parent_pos is not None and parent_pos != meta.position - 1:
+                self.metrics.frames_rejected.labels("inconsistent").inc()
+                where = f"frame {i}" if len(frames) > 1 else "frame"
+                raise BadFrame(f"{where}: position {meta.position}, but its parent "
+                               f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
+
+    def delete(self, namespace: str, h: bytes) -> None:
+        if not self.store.delete(self.namespaces.stored_key(namespace, h)):
+            raise NotFound(f"block {to_hex(h)} is not stored")
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, namespace: str, h: bytes) -> tuple[list[Any], str]:
+        """The frame of block ``h`` as wire segments (no payload copy), and the tier that served it."""
+        got = self.store.get(self.namespaces.stored_key(namespace, h))
+        if got is None:
+            raise NotFound(f"block {to_hex(h)} is not stored")
+        frame, tier = got
+        return self.wire_segments(namespace, frame), tier
+
+    def get_nowait(self, namespace: str, h: bytes) -> tuple[list[Any], str] | None:
+        """``get`` when the block is in host memory (no I/O), else None."""
+        frame = self.get_in_memory(self.namespaces.stored_key(namespace, h))
+        if frame is None:
+            return None
+        return self.wire_segments(namespace, frame), self.store.tiers[0].name
+
+    def get_stored(self, key: bytes) -> BlockFrame | None:
+        got = self.store.get(key)
+        return got[0] if got is not None else None
+
+    def get_in_memory(self, key: bytes) -> BlockFrame | None:
+        """The frame if the top tier holds it in host memory (no I/O: safe in the event loop),
+        else None: the caller then reads it through ``get_stored`` in a worker thread."""
+        top = self.store.tiers[0]
+        if not isinstance(top, CpuTier) or top.info(key) is None:
+            return None
+        return top.get(key)
+
+    def wire_segments(self, namespace: str, frame: BlockFrame) -> list[Any]:
+        """A stored frame as the client sent it: [header prefix, payload], payload not copied."""
+        segments = frame.wire_segments()
+        if not namespace:
+            return segments
+        meta = self.namespaces.rekey(namespace, frame.meta)  # XOR: back to the client's hashes
+        payload = memoryview(frame.host).cast("B")[frame.meta.payload_offset :]
+        prefix = header_prefix(meta)
+        if len(prefix) != frame.meta.payload_offset:  # pragma: no cover - stored headers are packed here
+            raise RuntimeError("a rekeyed header changed its aligned length")
+        return [prefix, payload]
+
+    def chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]]:
+        """Stored keys (and infos) of the chain ending at ``h``, head first. Positions must
+        step down by one to 0 through the stored parent hashes; else the chain is incomplete."""
+        key = self.namespaces.stored_key(namespace, h)
+        info = self.store.info(key)
+        if info is None:
+            raise NotFound(f"block {to_hex(h)} is not stored")
+        out = [(key, info)]
+        while info.position > 0:
+            parent = info.parent
+            pinfo = self.store.info(parent)
+            if pinfo is None or pinfo.position != info.position - 1:
+                raise NotFound(f"the chain ending at {to_hex(h)} is not complete: block at position "
+                               f"{info.position - 1} is missing")
+            out.append((parent, pinfo))
+            info = pinfo
+        out.reverse()
+        return out
+
+    def stream_nbytes(self, chain: list[tuple[bytes, BlockInfo]]) -> int:
+        return sum(LENGTH.size + info.nbytes for _, info in chain)
+
+    def touch_chain(self, keys: list[bytes]) -> None:
+        self.store.touch_chain(keys)
+
+    def lookup(self, namespace: str, hashes: list[bytes], each: bool) -> dict[str, Any]:
+        keys = [self.namespaces.stored_key(namespace, h) for h in hashes]
+        tiers = self.store.locate(keys)
+        out: dict[str, Any] = {"matched": len(tiers), "tiers": tiers}
+        if each:
+            present = [True] * len(tiers) + self.store.contains_many(keys[len(tiers):])
+            out["present"] = present
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return self.store.stats()

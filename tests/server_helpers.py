@@ -1,0 +1,138 @@
+"""Real servers for tests: ``cacheseek serve`` as a subprocess on a free loopback port, with
+real files, always stopped; and valid frames built directly (no torch needed)."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from cacheseek.layout import KVLayout
+from cacheseek.quant import Raw
+from cacheseek.store.frame import build_frame, plan_frame
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")
+BLOCK = 32  # a Raw frame of LAYOUT holds 32 KiB of payload
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cacheseek_command() -> list[str]:
+    script = Path(sys.executable).parent / "cacheseek"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cacheseek.server.cli"]
+
+
+class Server:
+    """One ``cacheseek serve`` process. ``with Server(tmp_path) as srv: srv.url``."""
+
+    def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
+                 cpu_bytes: str = "64MiB") -> None:
+        self.root = Path(root)
+        self.disk_path = self.root / "disk"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = ["--port", str(self.port), "--cpu-bytes", cpu_bytes, "--log-level", "warning",
+                     "--disk-path", str(self.disk_path), "--disk-bytes", "1GiB" if disk else "0", *args]
+        self.env = {**os.environ, "XDG_CACHE_HOME": str(self.root / "xdg"), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log = self.root / f"server-{self.port}.log"
+
+    def start(self, timeout: float = 30.0) -> Server:
+        self.root.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen([*cacheseek_command(), "serve", *self.args], stdout=logf, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        logf.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"cacheseek serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"cacheseek serve not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, timeout: float = 20.0) -> int:
+        """SIGTERM (graceful), then SIGKILL if it hangs. Returns the exit code."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise RuntimeError(f"cacheseek serve ignored SIGTERM for {timeout}s:\n{self.output()}") from None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill() if exc[0] is not None else self.stop()
+
+
+def raw_frame(seed: int, *, position: int = 0, parent: bytes | None = None, block_hash: bytes | None = None,
+              layout: KVLayout = LAYOUT, block: int = BLOCK, hash_size: int = 16, codec=None) -> tuple[bytes, bytes]:
+    """A valid frame (Raw by default) with deterministic payload bytes: (block hash, frame bytes)."""
+    codec = codec or Raw()
+    block_hash = block_hash or secrets.token_bytes(hash_size)
+    parent = parent if parent is not None else bytes(hash_size)
+    template = codec.template((layout.num_layers, layout.num_kv_heads, block, layout.head_dim), layout.dtype)
+    buffers = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    meta = plan_frame(block_hash=block_hash, parent_hash=parent, position=position, layout=layout,
+                      block_tokens=block, codec=codec.spec(), buffers=buffers)
+    rng = random.Random(seed)
+    return block_hash, bytes(build_frame(meta, [rng.randbytes(e.nbytes) for e in meta.tensors]))
+
+
+def raw_chain(seed: int, blocks: int, **kw) -> list[tuple[bytes, bytes]]:
+    """``blocks`` frames linked by parent hashes, positions 0..blocks-1."""
+    out: list[tuple[bytes, bytes]] = []
+    parent = None
+    for i in range(blocks):
+        h, frame = raw_frame(seed * 1000 + i, position=i, parent=parent, **kw)
+        out.append((h, frame))
+        parent = h
+    return out
+
+
+def batch_body(frames: list[bytes]) -> bytes:
+    return b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+
+
+def split_batch(body: bytes) -> list[bytes]:
+    out, i = [], 0
+    while i < len(body):
+        n = int.from_bytes(body[i : i + 8], "little")
+        out.append(body[i + 8 : i + 8 + n])
+        i += 8 + n
+    assert i == len(body)
+    return out
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

