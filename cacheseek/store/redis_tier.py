@@ -94,6 +94,7 @@ class _Batch:
 
 class RedisTier(Tier):
     persistent = True
+    index_in_memory = False  # lookups and touches are round trips: keep them off event loops
 
     def __init__(
         self,

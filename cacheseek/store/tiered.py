@@ -56,6 +56,11 @@ class TieredStore:
             tier.demote_evicted = below is not None and below.name not in write_through
 
     @property
+    def indexes_in_memory(self) -> bool:
+        """Whether lookups and touches are pure in-memory work (no tier does I/O for them)."""
+        return all(t.index_in_memory for t in self.tiers)
+
+    @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 
