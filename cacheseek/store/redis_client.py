@@ -56,14 +56,23 @@ class RedisTimeouts:
                 raise ConfigError(f"redis timeout {name}: must be a number of seconds > 0, got {value!r}")
 
 
+def _masked(url: str) -> str:
+    """``url`` with any user:password part hidden, for error messages."""
+    if not isinstance(url, str):
+        return url
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    return f"{scheme}{sep}***@{hosts}" if at else url
+
+
 def parse_redis_url(url: str) -> RedisTarget:
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"redis_url: expected redis://host:port or redis+cluster://host:port[,host:port...], got {url!r}")
+        raise ConfigError(f"redis_url: expected redis://host:port or redis+cluster://host:port[,host:port...], got {_masked(url)!r}")
     scheme, _, rest = url.partition("://")
     scheme = scheme.lower()
     if scheme in _STANDALONE:
         if "," in rest:
-            raise ConfigError(f"redis_url: several hosts need redis+cluster://, got {url!r}")
+            raise ConfigError(f"redis_url: several hosts need redis+cluster://, got {_masked(url)!r}")
         parsed = urlparse(url)
         return RedisTarget(url=url, cluster=False, username=parsed.username, password=parsed.password,
                            tls=scheme == "rediss")
@@ -89,13 +98,13 @@ def _host_port(text: str, url: str) -> tuple[str, int]:
     else:
         host, _, port = text.partition(":")
     if not host:
-        raise ConfigError(f"redis_url: empty host in {url!r}")
+        raise ConfigError(f"redis_url: empty host in {_masked(url)!r}")
     try:
         number = int(port) if port else DEFAULT_PORT
     except ValueError:
-        raise ConfigError(f"redis_url: bad port {port!r} in {url!r}") from None
+        raise ConfigError(f"redis_url: bad port {port!r} in {_masked(url)!r}") from None
     if not 0 < number < 65536:
-        raise ConfigError(f"redis_url: port {number} out of range in {url!r}")
+        raise ConfigError(f"redis_url: port {number} out of range in {_masked(url)!r}")
     return host, number
 
 
