@@ -53,10 +53,15 @@ def k_impl() -> str:
     return os.environ.get("CACHESEEK_KIVI_K_IMPL", "2d")
 
 
-def _k2_warps(bits: int, group: int, block_d: int) -> int:
-    # A [NW, BLOCK_D] tile (NW = G * bits / 32 words) at 8 elements (one 16-byte fp16
-    # vector) per thread.
-    return max(1, min(8, (group * bits // 32) * block_d // (32 * 8)))
+def _k2_tile(bits: int, group: int, head_dim_pad: int) -> tuple[int, int]:
+    """(BLOCK_D, warps) for the 2-D K kernels: about 16 elements (two 16-byte fp16 vectors)
+    per thread per [NW, BLOCK_D] tile, and BLOCK_D 64 once a group has more than 4 words
+    per channel. From the H200 sweep (2026-11-30, int4): G=32 at BLOCK_D 128 and 1 warp ran
+    2,364 GB/s against 1,844 at 2 warps; G=128 at BLOCK_D 64 and 2 warps 2,118 against
+    1,045 at BLOCK_D 128 and 8 warps."""
+    words = group * bits // 32
+    block_d = min(head_dim_pad, 128 if words <= 4 else 64)
+    return block_d, max(1, min(8, words * block_d // (32 * 16)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,10 +69,9 @@ def pick(side: str, op: str, group: int, head_dim: int, tokens: int, bits: int =
     """The default config for ``side`` ("k"/"v") and ``op`` ("quantize"/"dequantize")."""
     dp = padded_head_dim(head_dim)
     if side == "k" and k_impl() == "2d":
-        block_d = min(dp, 128)
-        n_groups = tokens // group
-        groups = 4 if n_groups % 4 == 0 else (2 if n_groups % 2 == 0 else 1)
-        return _k(block_d, 8, groups, _k2_warps(bits, group, block_d))
+        block_d, warps = _k2_tile(bits, group, dp)
+        groups = 2 if group >= 64 and (tokens // group) % 2 == 0 else 1
+        return _k(block_d, 8, groups, warps)
     if side == "k":
         block_d = min(dp, 128)
         warps = _k_warps(group, block_d)
@@ -77,8 +81,10 @@ def pick(side: str, op: str, group: int, head_dim: int, tokens: int, bits: int =
         groups = 2 if group == 32 and (tokens // group) % 2 == 0 else 1
         return _k(block_d, 2 if op == "quantize" else 8, groups, warps)
     if side == "v":
+        # 32 elements per thread: BLOCK_T 32 at D=128 ran 1,975 GB/s on the H200 sweep
+        # (int4 G=32) against 1,723 at 64.
         warps = 4
-        block_t = max(8, min(128, _ELEMS_PER_THREAD * 32 * warps // dp))
+        block_t = max(8, min(128, 32 * 32 * warps // dp))
         return _v(block_t, warps)
     raise ValueError(f"side: must be 'k' or 'v', got {side!r}")
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install CacheSeek with its server extra on a fresh machine and run the service on its
+# embedded default: a 4 GiB CPU tier plus a 64 GiB disk tier under ~/.cache/cacheseek/store,
+# on 127.0.0.1:8080. This is the README's first command. Extra arguments go to
+# `cacheseek serve` (try --help).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+# torch first, pinned: with no torch present, a bare `torch` requirement pulls a
+# multi-GB CUDA build. An existing torch (CPU or CUDA) is kept as it is.
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install "torch==2.13.0"
+fi
+"$PY" -m pip install -e ".[server,redis]"
+exec "$PY" -m cacheseek.server.cli serve "$@"
