@@ -67,7 +67,8 @@ def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float
     return {"ingest_gbps": nbytes / t / 1e9, "materialize_gbps": nbytes / t / 1e9, "kind": "memcpy"}
 
 
-def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path) -> dict:
+def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path,
+             batch_bytes: str = "1GiB") -> dict:
     codec = CODECS[codec_name]
     frame_guess = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
     budget = frame_guess * blocks * 2 + (64 << 20)
@@ -76,7 +77,8 @@ def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: in
         "cpu": cs.TierConfig(cpu_bytes=budget),
         "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name}", disk_bytes=budget),
     }[tier]
-    cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg)
+    cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg,
+                           max_batch_bytes=batch_bytes)
     tokens = blocks * BLOCK
 
     def toks(i: int) -> list[int]:
@@ -112,6 +114,7 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,int8,int4,int2")
     ap.add_argument("--tiers", default="gpu,cpu,disk" if cuda else "cpu,disk")
     ap.add_argument("--disk-dir", type=Path, default=None)
+    ap.add_argument("--batch-bytes", default="1GiB", help="PrefixCache max_batch_bytes (ingest batch size)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     kv_device = torch.device("cuda" if cuda else "cpu")
@@ -130,7 +133,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
         for codec in args.codecs.split(","):
             for tier in args.tiers.split(","):
-                row = run_case(codec, tier, kv, kv_device, args.blocks, args.reps, Path(tmp))
+                row = run_case(codec, tier, kv, kv_device, args.blocks, args.reps, Path(tmp), args.batch_bytes)
                 row["ingest_vs_copy"] = row["ingest_gbps"] / base["ingest_gbps"]
                 row["materialize_vs_copy"] = row["materialize_gbps"] / base["materialize_gbps"]
                 rows.append(row)

@@ -13,7 +13,8 @@ Decoding: the payloads of n blocks land in one device staging buffer at a fixed 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -73,13 +74,43 @@ def encode_blocks(
 ) -> list[BlockFrame]:
     """Frames for ``len(hashes)`` consecutive blocks starting at block ``first_block``.
 
-    With ``staging`` (the default on a GPU), the payloads of all n blocks are assembled in one device buffer at a fixed
-    stride, so moving a block to host memory later is one contiguous copy. Raises
-    ``InputError`` (and encodes nothing) on NaN or Inf.
+    With ``staging`` (the default on a GPU), the payloads of all n blocks are assembled in
+    one device buffer at a fixed stride, so moving a block to host memory later is one
+    contiguous copy. Raises ``InputError`` on NaN or Inf.
     """
+    frames, finite = _encode_deferred(codec, layout, block_tokens, layers, first_block, hashes, parents, staging)
+    codec.check_finite(finite)
+    return frames
+
+
+def _encode_deferred(
+    codec: KVLayerCodec,
+    layout: KVLayout,
+    block_tokens: int,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    first_block: int,
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    staging: bool | None = None,
+) -> tuple[list[BlockFrame], torch.Tensor]:
+    """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
+    validity flags, which must be checked before the frames are used."""
     n = len(hashes)
     t0 = first_block * block_tokens
     L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    device = layers[0][0].device
+    raw = codec.name == "raw"
+    direct = raw and not (device.type != "cpu" if staging is None else staging)
+    if direct:
+        finite = _raw_finite(layers, t0, t0 + n * block_tokens)
+    elif raw:
+        # Stacking first keeps this to a handful of launches (not two per layer).
+        k5, v5 = _stack(layers, t0, n, block_tokens)
+        finite = torch.stack([all_finite(k5), all_finite(v5)])
+    else:
+        k5, v5 = _stack(layers, t0, n, block_tokens)
+        encoded, finite = codec.encode_deferred(k5, v5)
+    # The host plans the frames while the device encodes.
     template = codec.template((L, H, block_tokens, D), layout.dtype)
     specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
     codec_spec = codec.spec()
@@ -88,34 +119,37 @@ def encode_blocks(
                    block_tokens=block_tokens, codec=codec_spec, buffers=specs)
         for i in range(n)
     ]
-    device = layers[0][0].device
-    raw = codec.name == "raw"
-    if raw:
-        finite = torch.stack([all_finite(t) for pair in layers for t in pair])
-        if not bool(finite.all()):
-            raise InputError("kv: holds NaN or Inf; nothing was stored")
-        if not (device.type != "cpu" if staging is None else staging):
-            # On the host, Raw frames point at the caller's own per-layer slices: the only
-            # copy is the one into the tier.
-            def pieces(i: int) -> list:
-                a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
-                return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
+    if direct:
+        # On the host, Raw frames point at the caller's own per-layer slices: the only
+        # copy is the one into the tier.
+        def pieces(i: int) -> list:
+            a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
+            return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
 
-            return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)]
+        return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)], finite
     payload = metas[0].payload_nbytes
     stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
-    staging = torch.empty((n, stride), dtype=torch.uint8, device=device)
-    views = [_strided(staging, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
+    buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
+    views = [_strided(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
     if raw:
-        for which, view in enumerate(views):  # k, then v: one device pass per layer
-            for layer, pair in enumerate(layers):
-                src = pair[which][:, t0 : t0 + n * block_tokens].unflatten(1, (n, block_tokens)).transpose(0, 1)
-                view[:, layer].copy_(src)
+        views[0].copy_(k5)
+        views[1].copy_(v5)
     else:
-        k5, v5 = _stack(layers, t0, n, block_tokens)
-        for view, (_, _, buf) in zip(views, codec.encode(k5, v5).named_buffers(), strict=True):
-            view.copy_(buf)
-    return [BlockFrame(meta, device_payload=staging[i, :payload], sealed=False) for i, meta in enumerate(metas)]
+        for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
+            view.copy_(src)
+    return [BlockFrame(meta, device_payload=buf[i, :payload], sealed=False) for i, meta in enumerate(metas)], finite
+
+
+def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
+    """[K ok, V ok] for tokens [t0, t1) of every layer (Raw frames are the caller's bytes,
+    checked where they lie). On the host, whole contiguous layers are checked instead: the
+    fast bit test needs contiguous memory, and a copy would cost more than the extra bytes."""
+    whole = layers[0][0].device.type == "cpu"
+
+    def ok(t: torch.Tensor) -> torch.Tensor:
+        return all_finite(t if whole else t[:, t0:t1])
+
+    return torch.stack([torch.stack([ok(k) for k, _ in layers]).all(), torch.stack([ok(v) for _, v in layers]).all()])
 
 
 def check_frame(meta: FrameMeta, *, key: bytes, codec_spec: dict, layout: KVLayout, block_tokens: int) -> None:
@@ -128,19 +162,25 @@ def check_frame(meta: FrameMeta, *, key: bytes, codec_spec: dict, layout: KVLayo
 class BatchDecoder:
     """Decodes up to ``max_blocks`` consecutive blocks into [L, H, n*B, D] K and V on ``device``.
 
-    ``add`` starts a frame's copy into the staging buffer at once (non-blocking), so the
-    caller's work on the next frame overlaps the transfer; ``finish`` decodes them all in
-    one codec call.
+    ``add`` starts a frame's copy into a staging buffer at once. On a GPU the copies run on
+    a side stream and every ``chunk_blocks`` blocks are decoded as soon as they have landed,
+    so decoding overlaps the transfer of the next blocks; ``finish`` decodes the rest.
     """
 
     def __init__(self, codec: KVLayerCodec, layout: KVLayout, block_tokens: int, max_blocks: int,
-                 device: torch.device) -> None:
+                 device: torch.device, *, chunk_blocks: int = 4) -> None:
         self.codec, self.layout, self.block_tokens = codec, layout, block_tokens
         self.max_blocks, self.device = max_blocks, device
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._chunk = chunk_blocks
         self._meta0: FrameMeta | None = None
         self._staging: torch.Tensor | None = None
         self._stride = 0
         self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+        self._decoded = 0
+        L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        self._k = torch.empty((L, H, max_blocks * block_tokens, D), dtype=layout.torch_dtype, device=device)
+        self._v = torch.empty_like(self._k)
 
     def __len__(self) -> int:
         return len(self._frames)
@@ -152,41 +192,59 @@ class BatchDecoder:
             self._meta0 = frame.meta
             self._stride = (frame.meta.payload_nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
             self._staging = torch.empty((self.max_blocks, self._stride), dtype=torch.uint8, device=self.device)
+            if self._copy_stream is not None:
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
         dst = self._staging[len(self._frames), : self._meta0.payload_nbytes]
-        if frame.device_payload is not None:
-            dst.copy_(frame.device_payload, non_blocking=True)
-        elif frame.device_entries is not None:
-            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
-                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
-        else:
-            dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext():
+            if frame.device_payload is not None:
+                dst.copy_(frame.device_payload, non_blocking=True)
+            elif frame.device_entries is not None:
+                for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
+                    copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
+            else:
+                dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
         self._frames.append(frame)
+        if len(self._frames) - self._decoded >= self._chunk:
+            self._decode_pending()
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(self._frames)
-        if n == 0 or self._meta0 is None or self._staging is None:
-            raise RuntimeError("BatchDecoder.finish: no frames were added")
-        L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        B = self.block_tokens
-        template = self.codec.template((n, L, H, B, D), self.layout.dtype)
+    def _decode_pending(self) -> None:
+        j0, j1 = self._decoded, len(self._frames)
+        if j1 == j0:
+            return
+        if self._copy_stream is not None:
+            landed = torch.cuda.Event()
+            landed.record(self._copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(landed)
+        L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+        m = j1 - j0
+        template = self.codec.template((m, L, H, B, D), self.layout.dtype)
+        rows = self._staging[j0:j1]
         buffers = []
         for (name, spec, _), entry in zip(template.named_buffers(), self._meta0.tensors, strict=True):
-            if entry.name != name or entry.dtype != spec.dtype or (n, *entry.shape) != spec.shape:
+            if entry.name != name or entry.dtype != spec.dtype or (m, *entry.shape) != spec.shape:
                 raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
-            buffers.append(_strided(self._staging, entry.offset, TORCH_DTYPES[spec.dtype], spec.shape, self._stride))
-        encoded = template.with_buffers(buffers)
-        k = torch.empty((L, H, n * B, D), dtype=self.layout.torch_dtype, device=self.device)
-        v = torch.empty_like(k)
-        as_blocks = (L, H, n, B, D)
-        self.codec.decode(encoded, self.device,
-                          out=(k.view(as_blocks).permute(2, 0, 1, 3, 4), v.view(as_blocks).permute(2, 0, 1, 3, 4)))
+            buffers.append(_strided(rows, entry.offset, TORCH_DTYPES[spec.dtype], spec.shape, self._stride))
+        as_blocks = (L, H, self.max_blocks, B, D)
+        out = (self._k.view(as_blocks).permute(2, 0, 1, 3, 4)[j0:j1], self._v.view(as_blocks).permute(2, 0, 1, 3, 4)[j0:j1])
+        self.codec.decode(template.with_buffers(buffers), self.device, out=out)
+        self._decoded = j1
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused)."""
+        n = len(self._frames)
+        if n == 0:
+            raise RuntimeError("BatchDecoder.finish: no frames were added")
+        self._decode_pending()
         if self.device.type == "cuda":
             # The frames' host views may be recycled once we return: the copies must be done.
             torch.cuda.current_stream(self.device).synchronize()
         self._frames.clear()
-        return k, v
+        tokens = n * self.block_tokens
+        if n == self.max_blocks:
+            return self._k, self._v
+        return self._k[:, :, :tokens], self._v[:, :, :tokens]
 
 
 def decode_frames(
@@ -207,6 +265,7 @@ def _strided(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tupl
     """View ``[n, *shape[1:]]`` elements of ``dtype`` at ``offset`` in every staging row."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     typed = staging.view(dtype)
+    offset += typed.storage_offset() * itemsize  # as_strided's offset counts from the storage
     inner = shape[1:]
     strides = [1] * len(inner)
     for i in range(len(inner) - 2, -1, -1):
@@ -216,6 +275,56 @@ def _strided(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tupl
 
 def block_parents(root: bytes, hashes: Sequence[bytes]) -> list[bytes]:
     return [root, *hashes[:-1]]
+
+
+def iter_encoded(
+    codec: KVLayerCodec,
+    layout: KVLayout,
+    block_tokens: int,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    present: Sequence[bool],
+    batch_blocks: int,
+    *,
+    tail_first: bool = False,
+) -> Iterator[list[BlockFrame]]:
+    """Frames of every block not ``present``, a batch (at most ``batch_blocks`` consecutive
+    blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
+
+    On a GPU the next batch is encoded on a side stream while the caller moves the current
+    one (device-to-host copies overlap encoding). ``tail_first`` yields the batches of
+    the chain's end first.
+    """
+    batches = list(_runs([not p for p in present], batch_blocks))
+    if tail_first:
+        batches.reverse()
+    if not batches:
+        return
+    device = layers[0][0].device
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
+
+    def launch(start: int, stop: int):
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            frames, finite = _encode_deferred(codec, layout, block_tokens, layers, start,
+                                              hashes[start:stop], parents[start:stop])
+            done = torch.cuda.Event() if side is not None else None
+            if done is not None:
+                done.record(side)
+        return frames, finite, done
+
+    upcoming = launch(*batches[0])
+    for i in range(len(batches)):
+        frames, finite, done = upcoming
+        if i + 1 < len(batches):
+            upcoming = launch(*batches[i + 1])  # queued behind this batch on the side stream
+        if done is not None:
+            done.synchronize()
+            torch.cuda.current_stream(device).wait_event(done)
+        codec.check_finite(finite)
+        yield frames
 
 
 def encode_missing(
@@ -228,12 +337,11 @@ def encode_missing(
     present: Sequence[bool],
     batch_blocks: int,
 ) -> list[BlockFrame]:
-    """Frames for every block not ``present``, encoded in runs of at most ``batch_blocks``
-    consecutive blocks. Raises ``InputError`` (and returns nothing) on NaN or Inf."""
+    """Frames for every block not ``present``, in chain order. Raises ``InputError`` (and
+    returns nothing) on NaN or Inf."""
     frames: list[BlockFrame] = []
-    for start, stop in _runs([not p for p in present], batch_blocks):
-        frames += encode_blocks(codec, layout, block_tokens, layers, first_block=start,
-                                hashes=hashes[start:stop], parents=parents[start:stop])
+    for batch in iter_encoded(codec, layout, block_tokens, layers, hashes, parents, present, batch_blocks):
+        frames += batch
     return frames
 
 
@@ -252,4 +360,4 @@ def _runs(flags: Sequence[bool], max_len: int):
 
 
 __all__ = ["BatchDecoder", "block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks",
-           "encode_missing"]
+           "encode_missing", "iter_encoded"]

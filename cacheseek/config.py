@@ -9,7 +9,7 @@ from .errors import ConfigError
 from .store.tiered import TieredStore
 from .units import parse_size
 
-TIER_ORDER = ("gpu", "cpu", "disk")
+TIER_ORDER = ("gpu", "cpu", "disk", "redis")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,14 @@ class TierConfig:
 
     ``write_through`` names the persistent tiers that receive every ingest (default: all
     of them, so acknowledged blocks survive a crash); other tiers fill by demotion.
+
+    The ``redis`` tier is on when ``redis_url`` is set (``redis://host:port`` for one Redis,
+    ``redis+cluster://host:port[,host:port...]`` for Redis Cluster; see docs/redis.md). It
+    is persistent, so it is written through by default; ``write_through=()`` makes it
+    fill by demotion only (write-back). ``redis_bytes`` is the budget of the namespace,
+    shared by every process using it; ``redis_ttl_seconds`` expires blocks unused that
+    long. The breaker opens after ``redis_breaker_failures`` consecutive failures and
+    probes again after ``redis_breaker_base_seconds``, doubling up to the cap.
     """
 
     gpu_bytes: int | str = 0
@@ -29,6 +37,16 @@ class TierConfig:
     pin_memory: bool = True
     gpu_device: str = "cuda"
     disk_fsync: bool = True
+    redis_url: str | None = None
+    redis_bytes: int | str = "16GiB"
+    redis_ttl_seconds: float | None = None
+    redis_prefix: str = "cacheseek"
+    redis_namespace: str = "default"
+    redis_connect_timeout_seconds: float = 1.0
+    redis_socket_timeout_seconds: float = 2.0
+    redis_breaker_failures: int = 3
+    redis_breaker_base_seconds: float = 1.0
+    redis_breaker_cap_seconds: float = 30.0
 
     def build(self) -> TieredStore:
         from .store.cpu import CpuTier
@@ -45,8 +63,27 @@ class TierConfig:
             tiers.append(CpuTier(cpu, pin=self.pin_memory))
         if self.disk_path is not None:
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync))
+        redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
+        if self.redis_url is not None and redis_bytes:
+            tiers.append(self.build_redis_tier(redis_bytes))
         if not tiers:
-            raise ConfigError("TierConfig: no tier is on; give gpu_bytes, cpu_bytes or disk_path")
+            raise ConfigError("TierConfig: no tier is on; give gpu_bytes, cpu_bytes, disk_path or redis_url")
         persistent = [t.name for t in tiers[1:] if t.persistent]
         write_through = persistent if self.write_through is None else list(self.write_through)
         return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit)
+
+    def build_redis_tier(self, capacity_bytes: int):
+        """The redis tier alone (it connects lazily: building never fails for a Redis that is down)."""
+        from .store.breaker import CircuitBreaker, ExponentialBackoff
+        from .store.redis_client import RedisTimeouts
+        from .store.redis_tier import RedisTier
+
+        breaker = CircuitBreaker(
+            failure_threshold=self.redis_breaker_failures,
+            backoff=ExponentialBackoff(base_seconds=self.redis_breaker_base_seconds,
+                                       cap_seconds=self.redis_breaker_cap_seconds),
+        )
+        timeouts = RedisTimeouts(connect_seconds=self.redis_connect_timeout_seconds,
+                                 socket_seconds=self.redis_socket_timeout_seconds)
+        return RedisTier(self.redis_url, capacity_bytes, prefix=self.redis_prefix, namespace=self.redis_namespace,
+                         ttl_seconds=self.redis_ttl_seconds, timeouts=timeouts, breaker=breaker)

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .block_io import BatchDecoder, check_frame, check_layers, encode_missing
+from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
 from .config import TierConfig
-from .errors import FrameError
+from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, BlockHash
 from .kv_input import kv_layers
 from .layout import KVLayout
@@ -60,6 +60,9 @@ class Materialized:
         from .integrations.transformers import to_dynamic_cache
 
         return to_dynamic_cache(self.layers)
+
+
+FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
 
 
 class PrefixCache:
@@ -113,23 +116,28 @@ class PrefixCache:
             return result
         present = self.store.contains_many(hashes)
         result.present = sum(present)
-        # Encode everything first: a bad block (NaN, Inf) then leaves the store untouched.
-        frames: list[tuple[bytes, BlockFrame]] = [
-            (frame.meta.block_hash, frame)
-            for frame in encode_missing(self.codec, self.layout, self.block_tokens, layers, hashes,
-                                        self.keys.parents(hashes), present, self._batch_blocks)
-        ]
-        # Tail first: when a chain overflows a tier, its head stays and its tail is evicted.
-        frames.reverse()
-        for outcome in self.store.put_many(frames):
-            if outcome.stored:
-                result.stored += 1
-            elif outcome.present:
-                result.present += 1
-            else:
-                result.failed += 1
-            for tier, reason in outcome.errors.items():
-                result.errors.setdefault(tier, reason)
+        # Batches go tail first, so when a chain overflows a tier its head stays and its
+        # tail is evicted; on a GPU each batch's encoding overlaps the previous one's copies.
+        # A bad batch (NaN, Inf) undoes the batches this call stored before it.
+        stored: list[bytes] = []
+        try:
+            for batch in iter_encoded(self.codec, self.layout, self.block_tokens, layers, hashes,
+                                      self.keys.parents(hashes), present, self._batch_blocks, tail_first=True):
+                items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
+                for (key, _), outcome in zip(items, self.store.put_many(items)):
+                    if outcome.stored:
+                        result.stored += 1
+                        stored.append(key)
+                    elif outcome.present:
+                        result.present += 1
+                    else:
+                        result.failed += 1
+                    for tier, reason in outcome.errors.items():
+                        result.errors.setdefault(tier, reason)
+        except InputError:
+            for key in stored:
+                self.store.delete(key)
+            raise
         self.store.touch_chain(hashes)
         return result
 
@@ -155,8 +163,7 @@ class PrefixCache:
             return Materialized(0, 0, [], [], device)
         decoder = BatchDecoder(self.codec, self.layout, self.block_tokens, len(located), device)
         tiers: list[str] = []
-        for key in hashes[: len(located)]:
-            got = self.store.get(key)
+        for key, got in self._fetch(hashes[: len(located)]):
             if got is None:
                 break  # evicted or found corrupt since locate: the prefix ends here
             frame, tier = got
@@ -173,6 +180,14 @@ class PrefixCache:
         self.store.touch_chain(hashes[: len(tiers)])
         layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
         return Materialized(len(tiers) * self.block_tokens, len(tiers), layers, tiers, device)
+
+    def _fetch(self, keys: list[bytes]):
+        """(key, (frame, tier) or None) in chain order. Each tier is asked once per
+        ``FETCH_BLOCKS`` keys (one Redis round trip), so the device copies of one batch
+        overlap the fetch of the next; a caller that stops early fetches no further."""
+        for start in range(0, len(keys), FETCH_BLOCKS):
+            chunk = keys[start : start + FETCH_BLOCKS]
+            yield from zip(chunk, self.store.get_many(chunk))
 
     # -- operations ----------------------------------------------------------------------
 

@@ -13,4 +13,13 @@ fi
 
 "$PY" -m pip install -e ".[server,redis,demo,test]"
 
+# The redis tier's tests start their own redis-server processes (on free loopback ports,
+# never 6379): install Debian's redis-server and redis-tools (redis-cli) when missing.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server redis-tools
+fi
+
 exec "$PY" -m pytest "$@"

@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from cacheseek.errors import ConfigError
+from cacheseek.store.redis_client import parse_redis_url
+from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
 
 ENV_PREFIX = "CACHESEEK_"
@@ -105,9 +107,23 @@ class ServerSettings(BaseSettings):
     cpu_bytes: int = Field(4 << 30, description="CPU tier budget; 0 turns the tier off")
     disk_path: Path = Field(default_factory=default_disk_path, description="disk tier directory")
     disk_bytes: int = Field(64 << 30, description="disk tier budget; 0 turns the tier off")
-    write_through: bool = Field(True, description="every ingest is written to disk before it is acknowledged")
+    write_through: bool = Field(
+        True, description="every ingest is written to the persistent tiers (disk, Redis) before it is acknowledged")
     disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
     promote_on_hit: bool = Field(True, description="copy a hit from a lower tier into the faster ones")
+
+    # -- redis tier (shared by servers on many hosts; see docs/redis.md) --------------------
+    redis_url: str | None = Field(
+        None, description="redis://host:port, or redis+cluster://host:port[,host:port...]; unset: no Redis tier")
+    redis_bytes: int = Field(16 << 30, description="Redis tier budget, shared by every server using the namespace")
+    redis_ttl_s: float | None = Field(None, gt=0, description="a block unused this long expires from Redis; unset: never")
+    redis_prefix: str = Field("cacheseek", description="first part of every Redis key")
+    redis_namespace: str = Field("default", description="second part of every Redis key: separate budgets on one Redis")
+    redis_connect_timeout_s: float = Field(1.0, gt=0, description="Redis connect timeout")
+    redis_socket_timeout_s: float = Field(2.0, gt=0, description="Redis read/write timeout")
+    redis_breaker_failures: int = Field(3, ge=1, description="consecutive Redis failures that open the circuit breaker")
+    redis_breaker_base_s: float = Field(1.0, gt=0, description="first open period of the breaker; doubles per failed probe")
+    redis_breaker_cap_s: float = Field(30.0, gt=0, description="longest open period of the breaker")
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(2 << 30, description="largest request body (a batch of frames)")
@@ -123,7 +139,7 @@ class ServerSettings(BaseSettings):
     namespace_secret: SecretStr | None = Field(
         None, description="key that separates namespaces in storage; default: a file in disk_path, or random")
 
-    @field_validator("cpu_bytes", "disk_bytes", "max_body_bytes", "max_frame_bytes", mode="before")
+    @field_validator("cpu_bytes", "disk_bytes", "redis_bytes", "max_body_bytes", "max_frame_bytes", mode="before")
     @classmethod
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
@@ -132,6 +148,24 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
+
+    @field_validator("redis_url", "redis_ttl_s", mode="before")
+    @classmethod
+    def _unset_redis(cls, value: Any) -> Any:
+        return None if value == "" else value  # CACHESEEK_REDIS_URL= (empty) means no Redis tier
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_redis_url(value)  # a ConfigError (a ValueError) names what is wrong
+        return value
+
+    @field_validator("redis_prefix", "redis_namespace")
+    @classmethod
+    def _redis_key_part(cls, value: str, info: Any) -> str:
+        RedisKeys(**{info.field_name.removeprefix("redis_"): value})
+        return value
 
     @field_validator("disk_path", mode="before")
     @classmethod
@@ -148,8 +182,11 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> ServerSettings:
-        if self.cpu_bytes == 0 and self.disk_bytes == 0:
-            raise ValueError("cpu_bytes and disk_bytes are both 0: no tier would hold anything")
+        if self.cpu_bytes == 0 and self.disk_bytes == 0 and (self.redis_url is None or self.redis_bytes == 0):
+            raise ValueError("cpu_bytes and disk_bytes are both 0 and no Redis tier is set: no tier would hold anything")
+        if self.redis_breaker_cap_s < self.redis_breaker_base_s:
+            raise ValueError(f"redis_breaker_cap_s ({self.redis_breaker_cap_s}) is below redis_breaker_base_s "
+                             f"({self.redis_breaker_base_s})")
         if self.max_frame_bytes > self.max_body_bytes:
             raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) exceeds max_body_bytes ({self.max_body_bytes})")
         if self.read_token is not None and self.write_token is None:
@@ -192,4 +229,7 @@ class ServerSettings(BaseSettings):
 
     def describe(self) -> dict[str, Any]:
         """The settings as printed at start: secrets masked."""
-        return self.model_dump(mode="json")
+        out = self.model_dump(mode="json")
+        if self.redis_url is not None:
+            out["redis_url"] = parse_redis_url(self.redis_url).redacted()
+        return out

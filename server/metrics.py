@@ -35,6 +35,16 @@ _TIER_SERIES = {
 }
 
 
+# Redis tier figures (from its stats' extra fields) -> (series suffix, help)
+_REDIS_COUNTERS = {
+    "dropped_writes": ("dropped_writes_total", "Frames not written to Redis: it was down, slow, or refused them"),
+    "timeouts": ("timeouts_total", "Redis calls that timed out"),
+    "unavailable_errors": ("unavailable_errors_total", "Redis calls that failed to connect or were cut off"),
+    "rejected_errors": ("rejected_errors_total", "Redis commands Redis answered with an error (OOM, ...)"),
+    "refused_by_breaker": ("refused_by_breaker_total", "Redis calls skipped while the circuit breaker was open"),
+}
+
+
 class _StoreCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
         self._stats = stats
@@ -48,6 +58,19 @@ class _StoreCollector(Collector):
             for tier in tiers:
                 family.add_metric([tier["name"]], float(tier.get(field) or 0))
             yield family
+        redis = [t for t in tiers if isinstance(t.get("breaker"), dict)]
+        if not redis:
+            return
+        for field, (suffix, help_) in _REDIS_COUNTERS.items():
+            family = CounterMetricFamily(f"cacheseek_redis_{suffix}".removesuffix("_total"), help_, labels=["tier"])
+            for tier in redis:
+                family.add_metric([tier["name"]], float(tier.get(field) or 0))
+            yield family
+        family = GaugeMetricFamily("cacheseek_redis_breaker_open",
+                                   "1 while the Redis circuit breaker is open or half-open, else 0", labels=["tier"])
+        for tier in redis:
+            family.add_metric([tier["name"]], 0.0 if tier["breaker"]["state"] == "closed" else 1.0)
+        yield family
 
 
 class Metrics:

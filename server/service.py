@@ -85,10 +85,12 @@ class BlockService:
         reports: list[PutReport] = []
         items: list[tuple[bytes, BlockFrame]] = []
         slots: list[int] = []
-        for inc in frames:
-            key = ns.stored_key(namespace, inc.meta.block_hash)
+        keys = [ns.stored_key(namespace, inc.meta.block_hash) for inc in frames]
+        # One question per tier for the whole batch (one round trip to Redis, not one per frame).
+        stored = self.store.contains_many(keys)
+        for inc, key, here in zip(frames, keys, stored):
             reports.append(PutReport(to_hex(inc.meta.block_hash), "present", {}))
-            if self.store.info(key) is not None:
+            if here:
                 continue
             meta, buf = inc.meta, inc.buf
             if namespace:

@@ -1,6 +1,7 @@
 """Tier construction for the server: the one function that turns settings into a store.
 
-A new tier (Redis) adds its group of settings to ``ServerSettings`` and its lines here.
+Each tier has its group of settings in ``ServerSettings`` and its lines here. The Redis tier
+connects lazily: a server starts (and serves from its other tiers) while Redis is down.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ def tier_config(settings: ServerSettings) -> TierConfig:
         promote_on_hit=settings.promote_on_hit,
         pin_memory=False,  # no GPU reads the server's host memory; pinning would import torch
         disk_fsync=settings.disk_fsync,
+        redis_url=settings.redis_url,
+        redis_bytes=settings.redis_bytes,
+        redis_ttl_seconds=settings.redis_ttl_s,
+        redis_prefix=settings.redis_prefix,
+        redis_namespace=settings.redis_namespace,
+        redis_connect_timeout_seconds=settings.redis_connect_timeout_s,
+        redis_socket_timeout_seconds=settings.redis_socket_timeout_s,
+        redis_breaker_failures=settings.redis_breaker_failures,
+        redis_breaker_base_seconds=settings.redis_breaker_base_s,
+        redis_breaker_cap_seconds=settings.redis_breaker_cap_s,
     )
 
 

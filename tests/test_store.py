@@ -365,3 +365,29 @@ def test_environment_has_no_stray_tmp_files(tmp_path):
     names = [p.name for p in (tmp_path / "d").rglob("*") if p.is_file()]
     assert len(names) == 4 and all(n.endswith((".frame", ".meta")) for n in names)
     assert os.listdir(tmp_path / "d")
+
+
+def test_nan_in_the_head_undoes_the_tail_batches_already_stored(tmp_path):
+    toks, kv = tokens_for(19, 6 * BLOCK), make_kv(6 * BLOCK, 19)
+    kv[0][0][1, 3, 5] = float("inf")  # block 0; batches go tail first, so this one fails last
+    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.KIVI(bits=4), block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="4MiB", disk_path=tmp_path / "d"),
+                           max_batch_bytes=2 * LAYOUT.raw_nbytes(BLOCK))
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    assert cache.stats()["used_bytes"] == 0 and cache.lookup(toks) == 0
+    assert not list((tmp_path / "d").glob("*/*.frame"))
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=2, group_size=32)])
+def test_many_batches_and_decode_chunks_give_the_same_kv(codec):
+    toks, kv = tokens_for(20, 11 * BLOCK + 3), make_kv(11 * BLOCK + 3, 20)
+    one = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=codec, block_tokens=BLOCK,
+                         tiers=cs.TierConfig(cpu_bytes="8MiB"), max_batch_bytes="1GiB")
+    many = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=codec, block_tokens=BLOCK,
+                          tiers=cs.TierConfig(cpu_bytes="8MiB"), max_batch_bytes=3 * LAYOUT.raw_nbytes(BLOCK))
+    assert one.ingest(toks, kv).stored == many.ingest(toks, kv).stored == 11
+    a, b = one.materialize(toks), many.materialize(toks)
+    assert a.num_tokens == b.num_tokens == 11 * BLOCK
+    for (ka, va), (kb, vb) in zip(a.layers, b.layers):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)

@@ -40,6 +40,14 @@ class KVLayerCodec(Protocol):
 
     def encode(self, k: Any, v: Any) -> EncodedLayer: ...
 
+    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
+        """``encode`` without the host wait: also returns device-side validity flags."""
+        ...
+
+    def check_finite(self, finite: Any) -> None:
+        """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold."""
+        ...
+
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]: ...
 
 

@@ -150,9 +150,17 @@ class KIVI:
 
     def encode(self, k: Any, v: Any) -> EncodedLayer:
         """Quantize on the tensors' device. Rejects NaN, Inf and ranges the stats cannot hold."""
+        layer, finite = self.encode_deferred(k, v)
+        self.check_finite(finite)
+        return layer
+
+    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
+        """Like :meth:`encode`, without waiting for the device: also returns the validity
+        flags (a small device tensor) for :meth:`check_finite`. The caller must check them
+        before the encoding is used."""
         import torch
 
-        from .tensors import check_kv, dtype_str
+        from .tensors import all_finite, check_kv, dtype_str
 
         check_kv(k, v)
         self._check_shape(tuple(k.shape))
@@ -162,15 +170,19 @@ class KIVI:
         vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats)
         # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
         # non-finite scale or min: one check over the small stats catches all of them.
-        finite = torch.stack([torch.isfinite(t).all() for t in (ks, km, vs, vm)])
-        if not bool(finite.all()):
-            bad = [n for n, ok in zip(("k", "k", "v", "v"), finite.tolist()) if not ok]
-            raise InputError(
-                f"{bad[0]}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
-                f"(use stats_dtype='float32' for values beyond 65504); nothing was encoded"
-            )
+        finite = torch.stack([all_finite(t) for t in (ks, km, vs, vm)])
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
-        return layer.with_buffers([kq, ks, km, vq, vs, vm])
+        return layer.with_buffers([kq, ks, km, vq, vs, vm]), finite
+
+    def check_finite(self, finite: Any) -> None:
+        """Raise ``InputError`` unless every flag from :meth:`encode_deferred` holds."""
+        flags = finite.tolist()
+        if not all(flags):
+            bad = "k" if not all(flags[:2]) else "v"
+            raise InputError(
+                f"{bad}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
+                f"(use stats_dtype='float32' for values beyond 65504); input rejected"
+            )
 
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         """Move the compact buffers to ``device``, then dequantize there."""

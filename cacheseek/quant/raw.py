@@ -46,13 +46,25 @@ class Raw:
         return layout.raw_nbytes(num_tokens)
 
     def encode(self, k: Any, v: Any) -> EncodedLayer:
+        layer, finite = self.encode_deferred(k, v)
+        self.check_finite(finite)
+        return layer
+
+    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
+        """Like :meth:`encode`, returning the validity flags for :meth:`check_finite`
+        instead of waiting for them."""
+        import torch
+
         from .tensors import all_finite, check_kv, dtype_str
 
         check_kv(k, v)
-        if not bool(all_finite(k) & all_finite(v)):
-            raise InputError("k or v: holds NaN or Inf; nothing was encoded")
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
-        return layer.with_buffers([k.contiguous(), v.contiguous()])
+        return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
+
+    def check_finite(self, finite: Any) -> None:
+        flags = finite.tolist()
+        if not all(flags):
+            raise InputError(f"{'k' if not flags[0] else 'v'}: holds NaN or Inf; input rejected")
 
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         import torch

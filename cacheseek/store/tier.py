@@ -169,6 +169,9 @@ class Tier(ABC):
     accepts_device_frames: bool = False
     # Set by TieredStore: whether put() should hand back the frames it evicts.
     demote_evicted: bool = False
+    # Whether contains/contains_many/touch read only an index in this process's memory
+    # (no I/O: callers may run them in an event loop). False for a networked tier.
+    index_in_memory: bool = True
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.name = name
@@ -202,6 +205,11 @@ class Tier(ABC):
             except StorageError as exc:
                 out.append(PutResult(stored=None, error=exc))
         return out
+
+    def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
+        """Frames for ``keys``, None for each miss. A networked tier overrides this with
+        one round trip for the lot."""
+        return [self.get(k) for k in keys]
 
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None

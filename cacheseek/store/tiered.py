@@ -56,6 +56,11 @@ class TieredStore:
             tier.demote_evicted = below is not None and below.name not in write_through
 
     @property
+    def indexes_in_memory(self) -> bool:
+        """Whether lookups and touches are pure in-memory work (no tier does I/O for them)."""
+        return all(t.index_in_memory for t in self.tiers)
+
+    @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 
@@ -125,6 +130,24 @@ class TieredStore:
                 self._promote(key, frame, level)
             return frame, tier.name
         return None
+
+    def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[tuple[BlockFrame, str] | None]:
+        """Like :meth:`get` for each key, asking each tier once for all the keys still missing."""
+        promote = self.promote_on_hit if promote is None else promote
+        out: list[tuple[BlockFrame, str] | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            frames = tier.get_many([keys[i] for i in missing])
+            for i, frame in zip(missing, frames):
+                if frame is None:
+                    continue
+                if promote and level > 0:
+                    self._promote(keys[i], frame, level)
+                out[i] = (frame, tier.name)
+            missing = [i for i in missing if out[i] is None]
+        return out
 
     def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
         for upper in range(level):

@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from starlette.concurrency import run_in_threadpool
 
 from ..deps import Reader, Service, Settings
 from ..errors import BadLookup
@@ -36,9 +37,12 @@ async def lookup(caller: Reader, body: LookupRequest, service: Service, settings
     if len(body.hashes) > settings.max_lookup_hashes:
         raise BadLookup(f"hashes: {len(body.hashes)} given, at most {settings.max_lookup_hashes}")
     hashes = _parse_hashes(body.hashes)
-    # In the event loop, not a worker thread: a lookup reads only the tiers' in-memory indexes
-    # (microseconds for hundreds of hashes), and a thread hand-off would cost more than that.
-    return JSONResponse(service.lookup(caller.namespace, hashes, body.each))
+    if service.store.indexes_in_memory:
+        # In the event loop, not a worker thread: a lookup reads only the tiers' in-memory indexes
+        # (microseconds for hundreds of hashes), and a thread hand-off would cost more than that.
+        return JSONResponse(service.lookup(caller.namespace, hashes, body.each))
+    # A networked tier (Redis) answers in a round trip, or a timeout: never block the loop on it.
+    return JSONResponse(await run_in_threadpool(service.lookup, caller.namespace, hashes, body.each))
 
 
 def _parse_hashes(hexes: list[str]) -> list[bytes]:

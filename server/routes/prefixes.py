@@ -65,7 +65,11 @@ async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingR
             if not pending.done():
                 pending.cancel()
             await asyncio.gather(pending, return_exceptions=True)
-        service.touch_chain([key for key, _ in chain])  # index updates only
+        keys = [key for key, _ in chain]
+        if service.store.indexes_in_memory:
+            service.touch_chain(keys)  # index updates only
+        else:
+            await run_in_threadpool(service.touch_chain, keys)  # a Redis round trip
 
     return StreamingResponse(body(), media_type=BATCH_CONTENT_TYPE,
                              headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})

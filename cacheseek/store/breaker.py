@@ -1,0 +1,171 @@
+"""A circuit breaker, and the backoff that decides how long it stays open.
+
+A backend that is down (or hangs) would otherwise make every request pay a connect or
+socket timeout. The breaker counts consecutive failures and, past a threshold, refuses
+calls at once for a while:
+
+    closed ──(failure_threshold consecutive failures)──▶ open
+    open ──(backoff.compute(trips) seconds later: the next call is the probe)──▶ half_open
+    half_open ──(probe succeeds)──▶ closed        half_open ──(probe fails)──▶ open, trips + 1
+
+While half-open, only the probe goes through; every other call is refused as if open. A
+probe that never reports back (its caller died) is replaced by a new one after the same
+backoff, so the breaker cannot wedge half-open.
+
+Backoffs are value objects with one method, ``compute(failures) -> seconds`` (the
+redis-py shape); the clock is injected, so tests drive time by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..errors import ConfigError
+
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+
+
+class Backoff(Protocol):
+    def compute(self, failures: int) -> float:
+        """Seconds to wait after ``failures`` consecutive failures (``failures >= 1``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ConstantBackoff:
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.seconds >= 0:
+            raise ConfigError(f"backoff seconds: must be >= 0, got {self.seconds!r}")
+
+    def compute(self, failures: int) -> float:
+        return self.seconds
+
+
+@dataclass(frozen=True, slots=True)
+class ExponentialBackoff:
+    """``base_seconds * factor ** (failures - 1)``, capped at ``cap_seconds``."""
+
+    base_seconds: float = 1.0
+    cap_seconds: float = 30.0
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (self.base_seconds > 0 and self.cap_seconds >= self.base_seconds and self.factor >= 1):
+            raise ConfigError(
+                "backoff: need base_seconds > 0, cap_seconds >= base_seconds and factor >= 1, got "
+                f"base_seconds={self.base_seconds!r}, cap_seconds={self.cap_seconds!r}, factor={self.factor!r}"
+            )
+
+    def compute(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        # Stop growing before the float overflows: the cap is reached long before.
+        exponent = min(failures - 1, 64)
+        return min(self.cap_seconds, self.base_seconds * self.factor**exponent)
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStats:
+    state: str
+    consecutive_failures: int
+    trips: int  # times opened since the last success (the backoff's ``failures``)
+    opened_total: int
+    rejected_total: int
+    retry_in_seconds: float  # until the next probe is let through; 0 unless open
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state, "consecutive_failures": self.consecutive_failures, "trips": self.trips,
+            "opened_total": self.opened_total, "rejected_total": self.rejected_total,
+            "retry_in_seconds": round(self.retry_in_seconds, 3),
+        }
+
+
+class CircuitBreaker:
+    """Thread-safe. Callers ask :meth:`allow` before a call, then report exactly one of
+    :meth:`record_success` or :meth:`record_failure` for every allowed call."""
+
+    def __init__(
+        self,
+        *,
+        failure_threshold: int = 3,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (isinstance(failure_threshold, int) and failure_threshold >= 1):
+            raise ConfigError(f"failure_threshold: must be an int >= 1, got {failure_threshold!r}")
+        self.failure_threshold = failure_threshold
+        self.backoff = backoff if backoff is not None else ExponentialBackoff()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = CLOSED
+        self._failures = 0
+        self._trips = 0
+        self._opened_at = 0.0
+        self._probe_at = 0.0
+        self._opened_total = 0
+        self._rejected_total = 0
+
+    @property
+    def state(self) -> str:
+        with self._lock:
+            return self._state
+
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now. A refused call is counted."""
+        with self._lock:
+            if self._state == CLOSED:
+                return True
+            now = self._clock()
+            wait = self.backoff.compute(self._trips)
+            if self._state == OPEN and now - self._opened_at >= wait:
+                self._state = HALF_OPEN
+                self._probe_at = now
+                return True
+            if self._state == HALF_OPEN and now - self._probe_at >= wait:
+                self._probe_at = now  # the last probe never reported: let another through
+                return True
+            self._rejected_total += 1
+            return False
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._state = CLOSED
+            self._failures = 0
+            self._trips = 0
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._state == HALF_OPEN or (self._state == CLOSED and self._failures >= self.failure_threshold):
+                self._open()
+            # Already open: a call allowed before the breaker opened failed late; the
+            # open period is not extended for it.
+
+    def _open(self) -> None:
+        self._state = OPEN
+        self._trips += 1
+        self._opened_at = self._clock()
+        self._opened_total += 1
+
+    def stats(self) -> BreakerStats:
+        with self._lock:
+            retry_in = 0.0
+            if self._state == OPEN:
+                retry_in = max(0.0, self._opened_at + self.backoff.compute(self._trips) - self._clock())
+            return BreakerStats(
+                state=self._state, consecutive_failures=self._failures, trips=self._trips,
+                opened_total=self._opened_total, rejected_total=self._rejected_total, retry_in_seconds=retry_in,
+            )
+
+
+__all__ = ["CLOSED", "HALF_OPEN", "OPEN", "Backoff", "BreakerStats", "CircuitBreaker", "ConstantBackoff",
+           "ExponentialBackoff"]

@@ -1,0 +1,138 @@
+"""Redis URLs, and the redis-py client each one makes.
+
+    redis://[[user]:password@]host[:port][/db]       one Redis (also rediss:// for TLS, unix:///path)
+    redis+cluster://[[user]:password@]host[:port][,host[:port]...]
+                                                     Redis Cluster, from one or more seed nodes
+                                                     (rediss+cluster:// for TLS)
+
+Clients are built with short timeouts and at most ``retries`` immediate retries on a
+connection error (enough to replace a pooled connection that died with a restarted
+server, never a sleep): the tier's circuit breaker, not the client, decides when to try a
+backend that keeps failing. redis-py is imported only when a client is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from ..errors import ConfigError
+
+DEFAULT_PORT = 6379
+SOCKET_READ_NBYTES = 1 << 20
+_STANDALONE = ("redis", "rediss", "unix")
+_CLUSTER = ("redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTarget:
+    url: str
+    cluster: bool
+    seeds: tuple[tuple[str, int], ...] = ()  # cluster only
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+
+    def redacted(self) -> str:
+        """The URL with any password replaced, for stats and logs."""
+        if self.password is None:
+            return self.url
+        scheme, _, rest = self.url.partition("://")
+        userinfo, _, hosts = rest.rpartition("@")
+        user = userinfo.partition(":")[0]
+        return f"{scheme}://{user}:***@{hosts}"
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTimeouts:
+    connect_seconds: float = 1.0
+    socket_seconds: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect_seconds", "socket_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"redis timeout {name}: must be a number of seconds > 0, got {value!r}")
+
+
+def _masked(url: str) -> str:
+    """``url`` with any user:password part hidden, for error messages."""
+    if not isinstance(url, str):
+        return url
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    return f"{scheme}{sep}***@{hosts}" if at else url
+
+
+def parse_redis_url(url: str) -> RedisTarget:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigError(f"redis_url: expected redis://host:port or redis+cluster://host:port[,host:port...], got {_masked(url)!r}")
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    if scheme in _STANDALONE:
+        if "," in rest:
+            raise ConfigError(f"redis_url: several hosts need redis+cluster://, got {_masked(url)!r}")
+        parsed = urlparse(url)
+        return RedisTarget(url=url, cluster=False, username=parsed.username, password=parsed.password,
+                           tls=scheme == "rediss")
+    if scheme not in _CLUSTER:
+        raise ConfigError(f"redis_url: scheme must be one of {_STANDALONE + _CLUSTER}, got {scheme!r}")
+    userinfo, at, hosts = rest.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+    hosts = hosts.rstrip("/")
+    seeds = tuple(_host_port(h, url) for h in hosts.split(","))
+    return RedisTarget(url=url, cluster=True, seeds=seeds, username=username, password=password,
+                       tls=scheme == "rediss+cluster")
+
+
+def _host_port(text: str, url: str) -> tuple[str, int]:
+    text = text.strip()
+    if text.startswith("["):  # [IPv6]:port
+        host, _, tail = text[1:].partition("]")
+        port = tail[1:] if tail.startswith(":") else ""
+    else:
+        host, _, port = text.partition(":")
+    if not host:
+        raise ConfigError(f"redis_url: empty host in {_masked(url)!r}")
+    try:
+        number = int(port) if port else DEFAULT_PORT
+    except ValueError:
+        raise ConfigError(f"redis_url: bad port {port!r} in {_masked(url)!r}") from None
+    if not 0 < number < 65536:
+        raise ConfigError(f"redis_url: port {number} out of range in {_masked(url)!r}")
+    return host, number
+
+
+def connect(target: RedisTarget, timeouts: RedisTimeouts, *, retries: int = 1) -> Any:
+    """A redis-py ``Redis`` or ``RedisCluster``. A cluster client contacts its seeds here,
+    so this raises (a redis-py error) when none answers; a standalone one connects lazily."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    retry = Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,))
+    common = dict(
+        # Frames are megabytes: read them in 1 MiB recv() calls rather than redis-py's 64 KiB.
+        socket_read_size=SOCKET_READ_NBYTES,
+        socket_connect_timeout=timeouts.connect_seconds,
+        socket_timeout=timeouts.socket_seconds,
+        retry=retry,
+        decode_responses=False,
+        health_check_interval=0,
+    )
+    if not target.cluster:
+        return redis.Redis.from_url(target.url, **common)
+    from redis.cluster import ClusterNode, RedisCluster
+
+    return RedisCluster(
+        startup_nodes=[ClusterNode(host, port) for host, port in target.seeds],
+        username=target.username, password=target.password, ssl=target.tls, **common,
+    )
+
+
+__all__ = ["RedisTarget", "RedisTimeouts", "connect", "parse_redis_url"]

@@ -1,0 +1,78 @@
+"""Redis key names for one (prefix, namespace): the frames, and the shared index beside them.
+
+    {prefix}:{namespace}:{<block hash hex>}       the frame (a string, one SET); hash tag = the block hash
+    {<prefix>:<namespace>}:lru                    zset: block hash hex -> last-use clock (µs)
+    {<prefix>:<namespace>}:size                   hash: block hash hex -> "<nbytes> <raw_nbytes>"
+    {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock
+
+Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
+A frame's tag is its block hash, so the frames of one chain spread over every master; the
+three index keys share the tag ``<prefix>:<namespace>``, so one script can update them
+atomically on the one master that owns that slot (see docs/redis.md for why the index is
+not split per slot). The frame's own header carries its parent, position and sizes: there
+is no per-block metadata key that could disagree with the frame.
+
+Prefixes and namespaces are restricted to ``[A-Za-z0-9_.-]`` so that no two (prefix,
+namespace) pairs can ever name the same key and no user text can open a hash tag.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+_PREFIX = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{0,64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    prefix: str = "cacheseek"
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.prefix, str) or not _PREFIX.match(self.prefix):
+            raise ConfigError(f"redis_prefix: 1-64 characters of [A-Za-z0-9_.-], got {self.prefix!r}")
+        if not isinstance(self.namespace, str) or not _NAMESPACE.match(self.namespace):
+            raise ConfigError(f"redis_namespace: 0-64 characters of [A-Za-z0-9_.-], got {self.namespace!r}")
+
+    def frame(self, key: bytes) -> str:
+        return f"{self.prefix}:{self.namespace}:{{{key.hex()}}}"
+
+    def frame_of_member(self, member: str) -> str:
+        return f"{self.prefix}:{self.namespace}:{{{member}}}"
+
+    @staticmethod
+    def member(key: bytes) -> str:
+        """How the index names a block: its hash in lowercase hex (readable in redis-cli)."""
+        return key.hex()
+
+    @property
+    def frame_pattern(self) -> str:
+        """A SCAN pattern matching every frame of this namespace (and nothing else)."""
+        return f"{self.prefix}:{self.namespace}:{{*}}"
+
+    @property
+    def index_tag(self) -> str:
+        return f"{{{self.prefix}:{self.namespace}}}"
+
+    @property
+    def lru(self) -> str:
+        return f"{self.index_tag}:lru"
+
+    @property
+    def sizes(self) -> str:
+        return f"{self.index_tag}:size"
+
+    @property
+    def totals(self) -> str:
+        return f"{self.index_tag}:totals"
+
+    @property
+    def index(self) -> tuple[str, str, str]:
+        return self.lru, self.sizes, self.totals
+
+
+__all__ = ["RedisKeys"]

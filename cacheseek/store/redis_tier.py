@@ -1,0 +1,520 @@
+"""The ``redis`` tier: frames in Redis or Redis Cluster, shared by every process pointed at it.
+
+Storage (key names in ``redis_keys``):
+- Each frame is one string value, written by one ``SET`` (with ``PX`` when a TTL is set),
+  so a reader never sees half a block. The frame's own header is the block's metadata
+  (parent, position, sizes): :meth:`info` reads it with ``GETRANGE``, without the payload.
+- Byte accounting and LRU order live in a shared index in Redis (``redis_index``), changed
+  only by one atomic script, so every process sharing a namespace keeps one budget.
+
+Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
+redis-py in a cluster); a batch put is three (EXISTS + index script; the SETs and the
+victims' DELs; a check that the index still counts what was written); a touch is one
+(index script, plus ``PEXPIRE`` when a TTL is set).
+
+Faults: every redis-py error is caught here. A read that fails is a miss, a write that
+fails raises ``StorageError`` (one result per frame in ``put_many``) and is counted as a
+dropped write. A circuit breaker stops calls after repeated connection failures or
+timeouts and lets a probe through after a backoff, so a Redis that is down costs each
+request nothing, and service resumes on its own once a probe succeeds. A frame that
+fails its checksum (or names another block) is a miss, and it is deleted and counted.
+
+TTL: a block expires ``ttl_seconds`` after its last use (write or hit), not after its
+write: a touch refreshes it, so a chain in use keeps its head.
+"""
+
+from __future__ import annotations
+
+import builtins
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from ..errors import ConfigError, FrameError, StorageError
+from .breaker import CircuitBreaker
+from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
+from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
+from .redis_index import IndexTotals, IndexUpdate, SharedIndex
+from .redis_keys import RedisKeys
+from .tier import BlockFrame, BlockInfo, PutResult, Tier
+
+T = TypeVar("T")
+
+HEADER_PROBE_NBYTES = 4096  # first GETRANGE of info(): holds the whole header of any usual frame
+
+
+class RedisUnavailable(StorageError):
+    """Redis did not answer (down, timed out, restarting), or the circuit breaker is open."""
+
+
+def _fault_kind(exc: BaseException) -> str:
+    """How a redis-py error counts. ``timeout`` and ``unavailable`` trip the breaker;
+    ``rejected`` (Redis answered with an error: OOM under maxmemory, a wrong type) does not."""
+    from redis.exceptions import (
+        BusyLoadingError, ClusterDownError, ClusterError, ConnectionError, MasterDownError,
+        RedisClusterException, ReadOnlyError, TimeoutError, TryAgainError,
+    )
+
+    if isinstance(exc, (TimeoutError, builtins.TimeoutError)):
+        return "timeout"
+    if isinstance(exc, OSError):
+        return "unavailable"
+    unavailable = (ConnectionError, BusyLoadingError, ClusterDownError, ClusterError, MasterDownError,
+                   TryAgainError, ReadOnlyError, RedisClusterException)
+    return "unavailable" if isinstance(exc, unavailable) else "rejected"
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import RedisClusterException, RedisError
+
+    return (RedisError, RedisClusterException, OSError)
+
+
+@dataclass(slots=True)
+class _Faults:
+    dropped_writes: int = 0
+    read_errors: int = 0
+    timeouts: int = 0
+    unavailable: int = 0
+    rejected: int = 0
+    refused_by_breaker: int = 0
+    last_error: str = ""
+
+
+@dataclass(slots=True)
+class _Batch:
+    """One ``put_many`` in flight: the frames, their results, and which still go to Redis."""
+
+    items: list[tuple[bytes, BlockFrame]]
+    results: list[PutResult] = field(default_factory=list)
+    todo: list[int] = field(default_factory=list)  # indexes still to send to Redis
+
+
+class RedisTier(Tier):
+    persistent = True
+    index_in_memory = False  # lookups and touches are round trips: keep them off event loops
+
+    def __init__(
+        self,
+        url: str,
+        capacity_bytes: int,
+        *,
+        prefix: str = "cacheseek",
+        namespace: str = "default",
+        ttl_seconds: float | None = None,
+        timeouts: RedisTimeouts | None = None,
+        breaker: CircuitBreaker | None = None,
+        client_retries: int = 1,
+        name: str = "redis",
+    ) -> None:
+        super().__init__(name, capacity_bytes)
+        if not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
+            raise ConfigError(f"redis_bytes: must be > 0 bytes, got {capacity_bytes!r}")
+        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
+            raise ConfigError(f"redis_ttl_seconds: must be > 0 seconds or None, got {ttl_seconds!r}")
+        if not (isinstance(client_retries, int) and client_retries >= 0):
+            raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
+        self.target: RedisTarget = parse_redis_url(url)
+        self.keys_of = RedisKeys(prefix, namespace)
+        self.ttl_seconds = ttl_seconds
+        self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
+        self.timeouts = timeouts if timeouts is not None else RedisTimeouts()
+        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        self._client_retries = client_retries
+        self._index = SharedIndex(self.keys_of, capacity_bytes, 0 if self._ttl_ms is None else self._ttl_ms * 1000)
+        self._client: Any = None
+        self._connect_lock = threading.Lock()
+        self._faults = _Faults()
+        self._totals = IndexTotals()
+
+    # -- the one way to talk to Redis ----------------------------------------------------
+
+    def _connection(self) -> Any:
+        client = self._client
+        if client is None:
+            with self._connect_lock:
+                if self._client is None:
+                    self._client = connect(self.target, self.timeouts, retries=self._client_retries)
+                client = self._client
+        return client
+
+    def _run(self, op: Callable[[Any], T]) -> T:
+        """Run ``op(client)`` behind the breaker. Raises ``RedisUnavailable`` (breaker open,
+        connection failure, timeout) or ``StorageError`` (Redis answered with an error)."""
+        if not self.breaker.allow():
+            with self._lock:
+                self._faults.refused_by_breaker += 1
+            raise RedisUnavailable(f"{self.name} tier: circuit open after repeated failures "
+                                   f"(last: {self._faults.last_error or 'none'})")
+        try:
+            result = op(self._connection())
+        except _redis_errors() as exc:
+            raise self._failed(exc) from None
+        except BaseException:
+            self.breaker.record_failure()  # never leave an allowed call unreported
+            raise
+        self.breaker.record_success()
+        return result
+
+    def _failed(self, exc: BaseException) -> StorageError:
+        kind = _fault_kind(exc)
+        text = f"{type(exc).__name__}: {exc}"[:300]
+        with self._lock:
+            self._faults.last_error = text
+            if kind == "timeout":
+                self._faults.timeouts += 1
+            elif kind == "unavailable":
+                self._faults.unavailable += 1
+            else:
+                self._faults.rejected += 1
+        if kind == "rejected":
+            self.breaker.record_success()  # Redis is there; it refused this one command
+            return StorageError(f"{self.name} tier: Redis refused: {text}")
+        self.breaker.record_failure()
+        return RedisUnavailable(f"{self.name} tier: {text}")
+
+    def _raise_unavailable(self, replies: Sequence[Any]) -> None:
+        """Cluster pipelines hand back connection errors in place: raise the first."""
+        for reply in replies:
+            if isinstance(reply, BaseException) and _fault_kind(reply) != "rejected":
+                raise reply
+
+    # -- writes --------------------------------------------------------------------------
+
+    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+        result = self.put_many([(key, frame)])[0]
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
+        """Store several frames: three round trips for the batch. A frame that cannot be
+        stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
+        batch = _Batch(items=list(items), results=[PutResult(stored=None) for _ in items])
+        for i, (key, frame) in enumerate(batch.items):
+            if frame.nbytes > self.capacity_bytes:
+                batch.results[i].error = StorageError(
+                    f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
+            else:
+                batch.todo.append(i)
+        if batch.todo:
+            try:
+                self._run(lambda c: self._write(c, batch))
+            except StorageError as exc:
+                dropped = [r for i in batch.todo if (r := batch.results[i]).error is None and r.stored is None]
+                for result in dropped:
+                    result.error = exc
+                with self._lock:
+                    self._faults.dropped_writes += len(dropped)
+        with self._lock:
+            self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
+        return batch.results
+
+    def _write(self, client: Any, batch: _Batch) -> None:
+        keys, members = self.keys_of, [RedisKeys.member(batch.items[i][0]) for i in batch.todo]
+        # Round trip 1: which frames exist, and count the new ones in the shared index
+        # (index first: an interrupted write leaves a ghost, never an uncounted frame).
+        pipe = client.pipeline(transaction=False)
+        for i in batch.todo:
+            pipe.exists(keys.frame(batch.items[i][0]))
+        self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes)
+                                     for m, i in zip(members, batch.todo)])
+        replies = pipe.execute()
+        exists, update = replies[:-1], SharedIndex.parse(replies[-1])
+        self._note_totals(update.totals)
+        evicted_now = set(update.evicted)
+        # Round trip 2: the SETs, then the victims' frames (read first if demotion wants them).
+        pipe = client.pipeline(transaction=False)
+        sets: list[int] = []
+        for i, member, present, status in zip(batch.todo, members, exists, update.added):
+            key, frame = batch.items[i]
+            result = batch.results[i]
+            if status < 0:  # raced with a smaller budget in another process
+                result.error = StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the shared budget")
+            elif present:
+                pass  # stored=None: already there (now touched)
+            elif member in evicted_now:
+                # The batch alone overflows the budget: this frame would be evicted by the
+                # later ones at once, so it is not sent (stored, then evicted, in effect).
+                result.stored = frame
+                result.evicted.append((key, frame if self.demote_evicted else None))
+            else:
+                segments = frame.wire_segments()  # seals the frame if it is not yet
+                value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
+                pipe.set(keys.frame(key), value, px=self._ttl_ms)
+                sets.append(i)
+        own = set(members)
+        victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
+        n_get = len(victims) if self.demote_evicted else 0
+        if self.demote_evicted:
+            for m in victims:
+                pipe.get(keys.frame_of_member(m))
+        # Every evicted block's frame goes, ours included (one may have been there already).
+        for m in list(update.evicted) + list(update.expired):
+            pipe.delete(keys.frame_of_member(m))
+        replies = pipe.execute(raise_on_error=False) if len(pipe) else []
+        self._raise_unavailable(replies)
+        refused = []
+        for i, reply in zip(sets, replies):
+            key, frame = batch.items[i]
+            if isinstance(reply, BaseException):
+                batch.results[i].error = self._failed(reply)
+                refused.append(RedisKeys.member(key))
+            else:
+                batch.results[i].stored = frame
+                with self._lock:
+                    self._stats.bytes_in += frame.nbytes
+        written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
+        if written:
+            # Round trip 3: another process may have evicted one of these blocks between our
+            # index add and our SET, and sent its DEL before our SET landed. Delete what the
+            # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
+            scores = client.zmscore(keys.lru, written)
+            gone = [m for m, score in zip(written, scores) if score is None]
+            if gone:
+                self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
+        # Victims go with the first frame's result; their frames only if demotion wants them.
+        datas = replies[len(sets) : len(sets) + n_get] if n_get else [None] * len(victims)
+        batch.results[batch.todo[0]].evicted += [
+            (bytes.fromhex(m), self._decode(bytes.fromhex(m), data, drop_corrupt=False))
+            for m, data in zip(victims, datas)
+        ]
+        with self._lock:
+            self._stats.evictions += len(update.evicted)
+            self._faults.dropped_writes += len(refused)
+        if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
+            self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> BlockFrame | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[BlockFrame | None]:
+        """Frames for ``keys`` in one pipelined round trip; a miss (or a fault) is None."""
+        if not keys:
+            return []
+        start = time.perf_counter()
+        try:
+            datas = self._run(lambda c: self._pipelined(c, "get", [self.keys_of.frame(k) for k in keys]))
+        except StorageError:
+            with self._lock:
+                self._faults.read_errors += 1
+                self._stats.misses += len(keys)
+            return [None] * len(keys)
+        elapsed = time.perf_counter() - start
+        out = [None if data is None else self._decode(key, data) for key, data in zip(keys, datas)]
+        hits = [f for f in out if f is not None]
+        with self._lock:
+            self._stats.hits += len(hits)
+            self._stats.misses += len(out) - len(hits)
+            self._stats.bytes_out += sum(f.nbytes for f in hits)
+            self._stats.read_seconds += elapsed
+        return out
+
+    def _decode(self, key: bytes, data: Any, *, drop_corrupt: bool = True) -> BlockFrame | None:
+        """Parse and verify a frame read from Redis; a bad one is counted (and deleted)."""
+        if data is None or isinstance(data, BaseException):
+            return None
+        try:
+            meta = parse_frame(data, verify=True)
+            if meta.block_hash != key:
+                raise FrameError("frame header names another block")
+        except FrameError:
+            if drop_corrupt:
+                self._drop_corrupt(key)
+            else:
+                self.count(corrupt=1)
+            return None
+        return BlockFrame(meta, host=memoryview(data), sealed=True)
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        with self._lock:
+            self._stats.corrupt += 1
+        try:
+            self._run(lambda c: self._delete(c, key))
+        except StorageError:
+            pass  # counted; the bad value is found (and dropped) again on the next read
+
+    def _pipelined(self, client: Any, command: str, keys: Sequence[str]) -> list[Any]:
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            getattr(pipe, command)(k)
+        return pipe.execute()
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """One pipelined ``EXISTS`` per key, in one round trip (per master, in a cluster)."""
+        if not keys:
+            return []
+        try:
+            found = self._run(lambda c: self._pipelined(c, "exists", [self.keys_of.frame(k) for k in keys]))
+        except StorageError:
+            with self._lock:
+                self._faults.read_errors += 1
+            return [False] * len(keys)
+        return [bool(n) for n in found]
+
+    def info(self, key: bytes) -> BlockInfo | None:
+        """The block's sizes, parent and position, from its frame header (no payload read)."""
+        name = self.keys_of.frame(key)
+
+        def read(c: Any) -> tuple[int, bytes]:
+            pipe = c.pipeline(transaction=False)
+            pipe.strlen(name)
+            pipe.getrange(name, 0, HEADER_PROBE_NBYTES - 1)
+            size, head = pipe.execute()
+            if size >= PREAMBLE.size:
+                need = PREAMBLE.size + min(PREAMBLE.unpack_from(head)[1], MAX_HEADER_NBYTES)
+                if len(head) < need <= size:
+                    head = c.getrange(name, 0, need - 1)
+            return size, head
+
+        try:
+            size, head = self._run(read)
+        except StorageError:
+            with self._lock:
+                self._faults.read_errors += 1
+            return None
+        if size == 0:
+            return None
+        try:
+            meta = parse_header(head)
+            if meta.block_hash != key or meta.nbytes != size:
+                raise FrameError("frame header disagrees with its key or its length")
+        except FrameError:
+            self._drop_corrupt(key)
+            return None
+        return BlockInfo(nbytes=meta.nbytes, raw_nbytes=meta.raw_nbytes, parent=meta.parent_hash,
+                         position=meta.position)
+
+    def keys(self) -> list[bytes]:
+        """Blocks the shared index counts, least recently used first."""
+        try:
+            members = self._run(lambda c: c.zrange(self.keys_of.lru, 0, -1))
+        except StorageError:
+            return []
+        return [bytes.fromhex(m.decode()) for m in members]
+
+    # -- other changes -------------------------------------------------------------------
+
+    def delete(self, key: bytes) -> bool:
+        try:
+            return self._run(lambda c: self._delete(c, key))
+        except StorageError:
+            return False
+
+    def _delete(self, client: Any, key: bytes) -> bool:
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(self.keys_of.frame(key))
+        self._index.queue(pipe, forget=[RedisKeys.member(key)])
+        deleted, reply = pipe.execute()
+        self._note_totals(SharedIndex.parse(reply).totals)
+        return bool(deleted)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark blocks used, in order (the last becomes the most recent); with a TTL, this
+        also restarts their expiry. One round trip; a failure is ignored (and counted)."""
+        keys = list(keys)
+        if not keys:
+            return
+
+        def send(c: Any) -> None:
+            pipe = c.pipeline(transaction=False)
+            self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
+            if self._ttl_ms is not None:
+                for k in keys:
+                    pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+            replies = pipe.execute()
+            self._delete_expired(c, SharedIndex.parse(replies[0]))
+
+        try:
+            self._run(send)
+        except StorageError:
+            pass
+
+    def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
+        self._note_totals(update.totals)
+        if update.expired:
+            self._pipelined(client, "delete", [self.keys_of.frame_of_member(m) for m in update.expired])
+
+    def _note_totals(self, totals: IndexTotals) -> None:
+        with self._lock:
+            self._totals = totals
+
+    # -- operations ----------------------------------------------------------------------
+
+    def stats(self):
+        """Counters of this process; used bytes and blocks of the shared index (the last
+        values seen, with ``index_stale`` true, when Redis cannot be asked)."""
+        try:
+            self._run(lambda c: self._delete_expired(c, SharedIndex.parse(self._index.queue(c))))
+            stale = False
+        except StorageError:
+            stale = True
+        with self._lock:
+            self._stats.used_bytes = self._totals.used_bytes
+            self._stats.raw_bytes = self._totals.raw_bytes
+            self._stats.blocks = self._totals.blocks
+            faults = self._faults
+            self._stats.extra = {
+                "url": self.target.redacted(), "cluster": self.target.cluster,
+                "prefix": self.keys_of.prefix, "namespace": self.keys_of.namespace,
+                "ttl_seconds": self.ttl_seconds, "index_stale": stale,
+                "dropped_writes": faults.dropped_writes, "read_errors": faults.read_errors,
+                "timeouts": faults.timeouts, "unavailable_errors": faults.unavailable,
+                "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
+                "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
+            }
+            return self._snapshot()
+
+    def check(self, *, fix: bool = False) -> dict[str, int]:
+        """Post-mortem: compare the shared index with the frames actually stored.
+
+        ``ghosts``: indexed, not stored (an interrupted write, or a frame Redis evicted or
+        expired); ``orphans``: stored, not indexed (a victim whose DEL never arrived).
+        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). Scans
+        every master: for maintenance, not for a request path."""
+
+        def scan(c: Any) -> tuple[set[str], set[str]]:
+            indexed = {m.decode() for m in c.zrange(self.keys_of.lru, 0, -1)}
+            stored = set()
+            for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
+                text = name.decode()
+                stored.add(text[text.index("{") + 1 : -1])
+            return indexed, stored
+
+        indexed, stored = self._run(scan)
+        ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
+        report = {"ok": len(indexed & stored), "ghosts": len(ghosts), "orphans": len(orphans)}
+        if fix and (ghosts or orphans):
+            adopt = []
+            for m in orphans:
+                info = self.info(bytes.fromhex(m))
+                if info is not None:
+                    adopt.append((m, info.nbytes, info.raw_nbytes))
+
+            def repair(c: Any) -> None:
+                update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
+                self._note_totals(update.totals)
+                victims = list(update.evicted) + list(update.expired)
+                if victims:
+                    self._pipelined(c, "delete", [self.keys_of.frame_of_member(v) for v in victims])
+
+            self._run(repair)
+        return report
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a client whose server is gone must not raise
+                pass
+
+
+__all__ = ["RedisTier", "RedisUnavailable"]

@@ -1,0 +1,134 @@
+"""The circuit breaker and its backoffs, on a fake clock."""
+
+import threading
+
+import pytest
+
+from cacheseek.errors import ConfigError
+from cacheseek.store.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker, ConstantBackoff, ExponentialBackoff
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_exponential_backoff_doubles_up_to_its_cap():
+    b = ExponentialBackoff(base_seconds=0.5, cap_seconds=4.0)
+    assert [b.compute(n) for n in range(0, 7)] == [0.0, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert b.compute(10_000) == 4.0  # no overflow for a breaker open for days
+    assert ExponentialBackoff(base_seconds=1, cap_seconds=100, factor=3).compute(3) == 9
+    assert ConstantBackoff(2.5).compute(1) == ConstantBackoff(2.5).compute(9) == 2.5
+
+
+@pytest.mark.parametrize("kw", [dict(base_seconds=0), dict(base_seconds=2, cap_seconds=1), dict(factor=0.5)])
+def test_bad_backoffs_name_the_setting(kw):
+    with pytest.raises(ConfigError, match="backoff"):
+        ExponentialBackoff(**kw)
+
+
+def test_opens_after_the_threshold_and_refuses_until_the_backoff_passes():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=3, backoff=ExponentialBackoff(base_seconds=1, cap_seconds=8), clock=clock)
+    for _ in range(2):
+        assert br.allow()
+        br.record_failure()
+    assert br.state == CLOSED
+    assert br.allow()
+    br.record_failure()
+    assert br.state == OPEN
+    assert not br.allow() and not br.allow()
+    assert br.stats().rejected_total == 2
+    assert br.stats().retry_in_seconds == pytest.approx(1.0)
+    clock.advance(0.999)
+    assert not br.allow()
+    clock.advance(0.001)
+    assert br.allow()  # the probe
+    assert br.state == HALF_OPEN
+    assert not br.allow()  # only one probe at a time
+
+
+def test_a_failed_probe_reopens_with_a_longer_backoff_and_a_success_closes():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=1, backoff=ExponentialBackoff(base_seconds=1, cap_seconds=4), clock=clock)
+    br.record_failure()
+    waits = []
+    for _ in range(4):
+        start = clock.now
+        while not br.allow():
+            clock.advance(0.25)
+        waits.append(clock.now - start)
+        br.record_failure()  # the probe fails
+    assert waits == [1.0, 2.0, 4.0, 4.0]
+    assert br.stats().trips == 5 and br.stats().opened_total == 5
+    clock.advance(4)
+    assert br.allow()
+    br.record_success()
+    s = br.stats()
+    assert (s.state, s.consecutive_failures, s.trips) == (CLOSED, 0, 0)
+    assert br.allow() and br.allow()
+    br.record_failure()  # threshold 1: one failure opens it again, at the base backoff
+    assert br.state == OPEN and br.stats().retry_in_seconds == pytest.approx(1.0)
+
+
+def test_a_success_resets_the_failure_count():
+    br = CircuitBreaker(failure_threshold=3, clock=FakeClock())
+    for _ in range(5):
+        br.record_failure()
+        br.record_failure()
+        br.record_success()
+    assert br.state == CLOSED
+
+
+def test_a_probe_that_never_reports_is_replaced_after_the_backoff():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(2.0), clock=clock)
+    br.record_failure()
+    clock.advance(2)
+    assert br.allow()  # this probe's caller vanishes
+    assert not br.allow()
+    clock.advance(2)
+    assert br.allow()
+    br.record_success()
+    assert br.state == CLOSED
+
+
+def test_late_failures_while_open_do_not_extend_the_open_period():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(1.0), clock=clock)
+    br.record_failure()
+    clock.advance(0.9)
+    br.record_failure()  # a call allowed before the breaker opened fails now
+    clock.advance(0.1)
+    assert br.allow()
+
+
+def test_threads_see_one_probe():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(1.0), clock=clock)
+    br.record_failure()
+    clock.advance(1)
+    allowed = []
+    barrier = threading.Barrier(8)
+
+    def ask() -> None:
+        barrier.wait()
+        allowed.append(br.allow())
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(allowed) == [False] * 7 + [True]
+
+
+def test_bad_threshold_is_a_config_error():
+    with pytest.raises(ConfigError, match="failure_threshold"):
+        CircuitBreaker(failure_threshold=0)

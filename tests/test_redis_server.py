@@ -1,0 +1,142 @@
+"""Two ``cacheseek serve`` processes sharing one real redis-server, and Redis dying under a server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+import cacheseek as cs
+from redis_servers import RedisServer, needs_redis
+from server_helpers import Server
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
+
+pytestmark = [needs_redis, pytest.mark.slow]
+
+SECRET = "shared-namespace-secret-for-tests"
+
+
+def _env(redis: RedisServer, **extra: str) -> dict[str, str]:
+    return {"CACHESEEK_REDIS_URL": redis.url, "CACHESEEK_REDIS_BYTES": "256MiB",
+            "CACHESEEK_REDIS_BREAKER_BASE_S": "0.2", "CACHESEEK_REDIS_BREAKER_CAP_S": "0.4",
+            "CACHESEEK_REDIS_CONNECT_TIMEOUT_S": "0.3", "CACHESEEK_REDIS_SOCKET_TIMEOUT_S": "0.5",
+            "CACHESEEK_NAMESPACE_SECRET": SECRET, **extra}
+
+
+def _remote(srv: Server, codec=None, **kw) -> cs.RemoteCache:
+    return cs.RemoteCache(srv.url, model_id="shared", layout=LAYOUT, codec=codec or cs.Raw(), block_tokens=BLOCK, **kw)
+
+
+def _redis_stats(srv: Server) -> dict:
+    tiers = httpx.get(srv.url + "/v1/stats", timeout=10).json()["tiers"]
+    return {t["name"]: t for t in tiers}["redis"]
+
+
+def _no_500(srv: Server) -> None:
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'status="500"' not in metrics, [line for line in metrics.splitlines() if 'status="5' in line]
+
+
+def test_a_prefix_ingested_through_one_server_materializes_through_another(tmp_path):
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        # A: a cpu tier over Redis (write-through). B: Redis is its only tier.
+        with Server(tmp_path / "a", disk=False, env=_env(redis)) as a, \
+                Server(tmp_path / "b", disk=False, cpu_bytes="0", env=_env(redis)) as b:
+            toks, kv = tokens_for(30, 5 * BLOCK + 3), make_kv(5 * BLOCK + 3, 30)
+            res = _remote(a).ingest(toks, kv)
+            assert (res.stored, res.failed, res.errors) == (5, 0, {})
+            via_b = _remote(b)
+            assert via_b.lookup(toks) == 5 * BLOCK
+            got = via_b.materialize(toks)
+            assert_prefix_equal(got, kv, 5 * BLOCK)
+            assert got.tiers == ["redis"] * 5
+
+            # KIVI int4 frames: B decodes exactly what an embedded cache decodes.
+            codec = cs.KIVI(bits=4, group_size=32)
+            toks4, kv4 = tokens_for(31, 3 * BLOCK), make_kv(3 * BLOCK, 31)
+            _remote(a, codec).ingest(toks4, kv4)
+            local = cs.PrefixCache(model_id="shared", layout=LAYOUT, codec=codec, block_tokens=BLOCK,
+                                   tiers=cs.TierConfig(cpu_bytes="8MiB", pin_memory=False))
+            local.ingest(toks4, kv4)
+            remote_got, local_got = _remote(b, codec).materialize(toks4), local.materialize(toks4)
+            assert remote_got.num_tokens == 3 * BLOCK
+            for (k, v), (k0, v0) in zip(remote_got.layers, local_got.layers):
+                assert torch.equal(k, k0) and torch.equal(v, v0)
+
+            # A tenant namespace (the servers share namespace_secret) is shared, and isolated.
+            toks_t, kv_t = tokens_for(32, 2 * BLOCK), make_kv(2 * BLOCK, 32)
+            _remote(a, namespace="tenant-x").ingest(toks_t, kv_t)
+            assert_prefix_equal(_remote(b, namespace="tenant-x").materialize(toks_t), kv_t, 2 * BLOCK)
+            assert _remote(b).lookup(toks_t) == 0 and _remote(b, namespace="tenant-y").lookup(toks_t) == 0
+
+            # Raw HTTP: B streams the whole chain that A stored.
+            last = _remote(a).keys.block_hashes(toks)[-1].hex()
+            r = httpx.get(f"{b.url}/v1/prefixes/{last}", timeout=30)
+            assert r.status_code == 200 and r.headers["x-cacheseek-blocks"] == "5"
+
+            stats = _redis_stats(b)
+            assert stats["blocks"] == 5 + 3 + 2 and stats["breaker"]["state"] == "closed"
+            assert _redis_stats(a)["blocks"] == stats["blocks"]  # one shared index
+            _no_500(a)
+            _no_500(b)
+    finally:
+        redis.stop()
+
+
+def test_redis_killed_during_ingest_through_a_server_never_gives_a_500(tmp_path):
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "a", disk=False, env=_env(redis)) as a:
+            remote = _remote(a)
+            results, errors = [], []
+            stop = threading.Event()
+
+            def ingest_loop() -> None:
+                seed = 2000
+                try:
+                    while not stop.is_set():
+                        toks, kv = tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed)
+                        results.append((seed, remote.ingest(toks, kv)))
+                        seed += 1
+                except BaseException as exc:  # a 5xx raises RemoteError: surfaced below
+                    errors.append(exc)
+
+            worker = threading.Thread(target=ingest_loop)
+            worker.start()
+            while len(results) < 3 and worker.is_alive():
+                time.sleep(0.01)
+            redis.kill()
+            time.sleep(1.0)
+            stop.set()
+            worker.join(timeout=60)
+            assert not errors, errors[0]
+            after = [r for _, r in results[4:]]
+            assert after and all(r.stored == 2 and r.failed == 0 for r in after)  # the cpu tier took them
+            assert any("redis" in r.errors for r in after)
+            stats = _redis_stats(a)
+            assert stats["dropped_writes"] >= 2 and stats["breaker"]["state"] in ("open", "half_open")
+            metrics = httpx.get(a.url + "/metrics", timeout=10).text
+            assert "cacheseek_redis_dropped_writes_total" in metrics and "cacheseek_redis_breaker_open" in metrics
+            # Reads keep working from the cpu tier; with the breaker open they pay no timeout.
+            start = time.perf_counter()
+            for seed, _ in results:
+                toks, kv = tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed)
+                assert_prefix_equal(remote.materialize(toks), kv, 2 * BLOCK)
+            for _ in range(20):
+                assert remote.lookup(tokens_for(9999, 2 * BLOCK)) == 0
+            assert time.perf_counter() - start < 30
+
+            redis.start()  # the same port, empty
+            time.sleep(0.6)  # past the breaker's capped backoff
+            toks, kv = tokens_for(7000, 2 * BLOCK), make_kv(2 * BLOCK, 7000)
+            res = remote.ingest(toks, kv)
+            assert res.stored == 2 and res.errors == {}, res
+            assert _redis_stats(a)["breaker"]["state"] == "closed"
+            assert _redis_stats(a)["blocks"] == 2  # the new blocks landed in the restarted Redis
+            _no_500(a)
+    finally:
+        redis.stop()

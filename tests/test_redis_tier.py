@@ -1,0 +1,619 @@
+"""The redis tier against real redis-server processes: one server, and a 3-master cluster."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.errors import StorageError
+from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
+from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.redis_client import RedisTimeouts, parse_redis_url
+from cacheseek.store.redis_keys import RedisKeys
+from cacheseek.store.redis_tier import RedisTier
+from cacheseek.store.tier import BlockFrame
+from redis_servers import RedisCluster3, RedisServer, needs_redis
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+
+pytestmark = needs_redis
+
+FRAME = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def redis_url(server):
+    server.cli("FLUSHALL")
+    return server.url
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = RedisCluster3(tmp_path_factory.mktemp("cluster")).start()
+    yield c
+    c.stop()
+
+
+def rcache(url, *, cpu=0, **kw):
+    """A PrefixCache over ``url`` (fast breaker settings for tests)."""
+    kw.setdefault("redis_bytes", "64MiB")
+    kw.setdefault("redis_breaker_base_seconds", 0.2)
+    kw.setdefault("redis_breaker_cap_seconds", 0.4)
+    return make_cache(cpu=cpu, redis_url=url, **kw)
+
+
+def redis_stats(cache) -> dict:
+    return {t["name"]: t for t in cache.stats()["tiers"]}["redis"]
+
+
+class CountingClient:
+    """Wraps a redis-py client; counts round trips (a pipeline's execute is one)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.round_trips = 0
+
+    def pipeline(self, *args, **kwargs):
+        return _CountingPipeline(self, self.inner.pipeline(*args, **kwargs))
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.round_trips += 1
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class _CountingPipeline:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    def execute(self, *args, **kwargs):
+        self.owner.round_trips += 1
+        return self.inner.execute(*args, **kwargs)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def count_round_trips(cache) -> CountingClient:
+    tier = cache.store.tier("redis")
+    counting = CountingClient(tier._connection())
+    tier._client = counting
+    return counting
+
+
+# -- round trips through PrefixCache -------------------------------------------------------
+
+SETUPS = {
+    "redis": dict(cpu=0),
+    "cpu+redis write-through": dict(cpu="4MiB"),
+    "cpu+redis write-back": dict(cpu=3 * FRAME, write_through=()),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_raw_roundtrip_is_bit_exact(redis_url, setup):
+    toks, kv = tokens_for(0, 6 * BLOCK + 7), make_kv(6 * BLOCK + 7, 0)
+    cache = rcache(redis_url, **SETUPS[setup])
+    res = cache.ingest(toks, kv)
+    assert (res.blocks, res.stored, res.failed, res.errors) == (6, 6, 0, {})
+    redis = redis_stats(cache)
+    if setup == "cpu+redis write-back":
+        # The cpu tier kept the head; the tail was demoted into Redis.
+        assert cache.locate(toks).tiers == ["cpu"] * 3 + ["redis"] * 3
+        assert redis["demotions"] == 3
+    else:
+        assert redis["blocks"] == 6 and redis["bytes_in"] == redis["used_bytes"]
+    assert cache.lookup(toks) == 6 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 6 * BLOCK)
+    assert cache.lookup(toks) == 6 * BLOCK  # promotions moved blocks up and down; none was lost
+    assert_prefix_equal(cache.materialize(toks), kv, 6 * BLOCK)
+    again = cache.ingest(toks, kv)
+    assert (again.stored, again.present) == (0, 6)
+    cache.close()
+    # A new process (here: a new client) finds every block Redis holds, exactly.
+    fresh = rcache(redis_url)
+    hashes = fresh.block_hashes(toks)
+    if setup == "cpu+redis write-back":  # Redis holds what the cpu tier pushed out
+        assert sum(fresh.store.contains_many(hashes)) == redis_stats(fresh)["blocks"] >= 3
+    else:
+        assert_prefix_equal(fresh.materialize(toks), kv, 6 * BLOCK)
+        assert fresh.store.chain(hashes[-1]) == hashes
+
+
+def test_kivi_frames_from_redis_decode_like_the_cpu_tier(redis_url):
+    codec = cs.KIVI(bits=4, group_size=32)
+    toks, kv = tokens_for(1, 4 * BLOCK), make_kv(4 * BLOCK, 1)
+    rcache(redis_url, codec=codec).ingest(toks, kv)
+    local = make_cache(codec=codec, cpu="4MiB")
+    local.ingest(toks, kv)
+    got, want = rcache(redis_url, codec=codec).materialize(toks), local.materialize(toks)
+    assert got.num_tokens == want.num_tokens == 4 * BLOCK
+    for (k, v), (k0, v0) in zip(got.layers, want.layers):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_round_trips_do_not_grow_with_the_chain(redis_url):
+    toks, kv = tokens_for(2, 8 * BLOCK), make_kv(8 * BLOCK, 2)
+    cache = rcache(redis_url)
+    counter = count_round_trips(cache)
+    cache.store.put_many([(f.meta.block_hash, f) for f in _frames(cache, toks, kv)])
+    assert counter.round_trips == 3
+    counter.round_trips = 0
+    assert cache.lookup(toks) == 8 * BLOCK
+    assert counter.round_trips == 1
+    counter.round_trips = 0
+    changed = list(toks)
+    changed[5 * BLOCK] += 1
+    assert cache.lookup(changed) == 5 * BLOCK
+    assert counter.round_trips == 1
+    counter.round_trips = 0
+    cache.store.touch_chain(cache.block_hashes(toks))
+    assert counter.round_trips == 1
+    counter.round_trips = 0
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    assert counter.round_trips == 3  # locate, every frame, touch
+
+
+def _frames(cache, toks, kv):
+    from cacheseek.block_io import block_parents, encode_blocks
+
+    hashes = cache.block_hashes(toks)
+    return encode_blocks(cache.codec, cache.layout, cache.block_tokens, kv, first_block=0, hashes=hashes,
+                         parents=block_parents(cache.root, hashes))
+
+
+def test_another_process_reads_what_this_one_wrote(redis_url, tmp_path):
+    toks, kv = tokens_for(3, 3 * BLOCK), make_kv(3 * BLOCK, 3)
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        from store_helpers import make_cache, make_kv, tokens_for, BLOCK
+        cache = make_cache(cpu=0, redis_url={redis_url!r}, redis_bytes="64MiB")
+        res = cache.ingest(tokens_for(3, 3 * BLOCK), make_kv(3 * BLOCK, 3))
+        assert res.stored == 3, res
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    cache = rcache(redis_url)
+    assert cache.lookup(toks) == 3 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+    assert redis_stats(cache)["blocks"] == 3  # the shared index counts the other process's blocks
+
+
+# -- budget and TTL ------------------------------------------------------------------------
+
+
+def test_the_budget_holds_and_chains_lose_their_tails_first(redis_url):
+    cache = rcache(redis_url, redis_bytes=6 * FRAME)
+    toks_a, kv_a = tokens_for(5, 4 * BLOCK), make_kv(4 * BLOCK, 5)
+    toks_b, kv_b = tokens_for(6, 4 * BLOCK), make_kv(4 * BLOCK, 6)
+    cache.ingest(toks_a, kv_a)
+    cache.ingest(toks_b, kv_b)
+    redis = redis_stats(cache)
+    assert redis["used_bytes"] <= redis["capacity_bytes"] and redis["blocks"] == 6 and redis["evictions"] == 2
+    assert cache.lookup(toks_b) == 4 * BLOCK
+    assert cache.lookup(toks_a) == 2 * BLOCK  # A's tail went, its head is still usable
+    assert_prefix_equal(cache.materialize(toks_a), kv_a, 2 * BLOCK)
+    toks_c, kv_c = tokens_for(7, 2 * BLOCK), make_kv(2 * BLOCK, 7)
+    cache.ingest(toks_c, kv_c)  # A was used last: B's tail goes now
+    assert (cache.lookup(toks_a), cache.lookup(toks_b), cache.lookup(toks_c)) == (2 * BLOCK, 2 * BLOCK, 2 * BLOCK)
+    tier = cache.store.tier("redis")
+    assert tier.check() == {"ok": 6, "ghosts": 0, "orphans": 0}
+
+
+def test_clients_sharing_a_namespace_share_one_budget(redis_url, server):
+    caches = [rcache(redis_url, redis_bytes=5 * FRAME) for _ in range(3)]
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(4):
+                seed = 200 + 10 * w + i
+                caches[w].ingest(tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    totals = [redis_stats(c) for c in caches]
+    assert len({(t["used_bytes"], t["blocks"]) for t in totals}) == 1  # one shared view
+    assert totals[0]["used_bytes"] <= 5 * FRAME and totals[0]["blocks"] == 5
+    frames = [k for k in server.cli("KEYS", "cacheseek:default:{*}").split() if k]
+    assert len(frames) == 5  # what Redis holds is what the index counts
+    assert sum(t["evictions"] for t in totals) == 3 * 4 * 2 - 5
+
+
+def test_a_frame_larger_than_the_budget_is_refused_and_counted(redis_url):
+    cache = rcache(redis_url, redis_bytes=FRAME // 2)
+    res = cache.ingest(tokens_for(8, BLOCK), make_kv(BLOCK, 8))
+    assert (res.stored, res.failed) == (0, 1) and "exceeds" in res.errors["redis"]
+    assert redis_stats(cache)["write_errors"] == 1
+
+
+def test_a_batch_larger_than_the_budget_keeps_its_head(redis_url):
+    cache = rcache(redis_url, redis_bytes=3 * FRAME)
+    toks, kv = tokens_for(9, 5 * BLOCK), make_kv(5 * BLOCK, 9)
+    res = cache.ingest(toks, kv)
+    assert res.failed == 0
+    assert cache.lookup(toks) == 3 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+    assert cache.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+
+
+def test_ttl_expires_blocks_unused_that_long(redis_url, server):
+    cache = rcache(redis_url, redis_ttl_seconds=1.5)
+    toks, kv = tokens_for(10, 2 * BLOCK), make_kv(2 * BLOCK, 10)
+    cache.ingest(toks, kv)
+    key = RedisKeys().frame(cache.block_hashes(toks)[0])
+    assert 0 < int(server.cli("PTTL", key)) <= 1500
+    time.sleep(0.8)
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)  # a use restarts the TTL
+    time.sleep(0.8)
+    assert cache.lookup(toks) == 2 * BLOCK  # 1.6 s after the write, 0.8 s after the use
+    time.sleep(1.6)
+    assert cache.lookup(toks) == 0
+    assert cache.materialize(toks).num_tokens == 0
+    redis = redis_stats(cache)  # the index drops expired entries too
+    assert (redis["blocks"], redis["used_bytes"]) == (0, 0)
+
+
+def test_without_ttl_nothing_expires(redis_url, server):
+    cache = rcache(redis_url)
+    toks = tokens_for(11, BLOCK)
+    cache.ingest(toks, make_kv(BLOCK, 11))
+    assert int(server.cli("PTTL", RedisKeys().frame(cache.block_hashes(toks)[0]))) == -1
+
+
+# -- isolation and corruption ----------------------------------------------------------------
+
+
+def test_namespaces_and_prefixes_are_isolated(redis_url):
+    toks, kv = tokens_for(12, 2 * BLOCK), make_kv(2 * BLOCK, 12)
+    a = rcache(redis_url, redis_namespace="tenant-a")
+    a.ingest(toks, kv)
+    assert rcache(redis_url, redis_namespace="tenant-a").lookup(toks) == 2 * BLOCK
+    for other in (dict(redis_namespace="tenant-b"), dict(redis_prefix="other"), dict(namespace="cache-ns")):
+        cache = rcache(redis_url, **{"redis_namespace": "tenant-a", **other})
+        same_hash = "namespace" not in other
+        assert (cache.block_hashes(toks) == a.block_hashes(toks)) == same_hash
+        assert cache.lookup(toks) == 0, other
+        assert cache.materialize(toks).num_tokens == 0
+        assert redis_stats(cache)["blocks"] == (2 if other == dict(namespace="cache-ns") else 0)
+        assert cache.store.tier("redis").keys() == ([] if same_hash else a.store.tier("redis").keys())
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flip", "truncate", "other-block"])
+def test_a_corrupt_value_is_a_counted_miss_and_is_deleted(redis_url, server, damage):
+    toks, kv = tokens_for(13, 3 * BLOCK), make_kv(3 * BLOCK, 13)
+    cache = rcache(redis_url)
+    cache.ingest(toks, kv)
+    hashes = cache.block_hashes(toks)
+    tier = cache.store.tier("redis")
+    client = tier._connection()
+    name = RedisKeys().frame(hashes[1])
+    value = client.get(name)
+    if damage == "garbage":
+        value = b"not a frame at all"
+    elif damage == "flip":
+        value = value[:-100] + bytes([value[-100] ^ 0x40]) + value[-99:]
+    elif damage == "truncate":
+        value = value[:-1000]
+    else:
+        value = client.get(RedisKeys().frame(hashes[2]))
+    client.set(name, value)
+    got = cache.materialize(toks)
+    assert_prefix_equal(got, kv, BLOCK)  # the prefix ends before the bad block
+    redis = redis_stats(cache)
+    assert redis["corrupt"] == 1 and redis["blocks"] == 2
+    assert client.exists(name) == 0
+    assert cache.lookup(toks) == BLOCK
+
+
+def test_info_reads_the_header_and_a_bad_header_is_dropped(redis_url):
+    toks, kv = tokens_for(14, 2 * BLOCK), make_kv(2 * BLOCK, 14)
+    cache = rcache(redis_url)
+    cache.ingest(toks, kv)
+    h0, h1 = cache.block_hashes(toks)
+    tier = cache.store.tier("redis")
+    info = tier.info(h1)
+    assert (info.parent, info.position, info.raw_nbytes) == (h0, 1, LAYOUT.raw_nbytes(BLOCK))
+    assert info.nbytes == tier.get(h1).nbytes
+    assert tier.info(b"\x07" * 16) is None
+    tier._connection().setrange(RedisKeys().frame(h1), 20, b"\xff\xff")  # inside the msgpack header
+    assert tier.info(h1) is None
+    assert redis_stats(cache)["corrupt"] == 1 and not tier.contains(h1)
+
+
+def test_check_finds_ghosts_and_orphans_and_fixes_them(redis_url):
+    toks, kv = tokens_for(15, 3 * BLOCK), make_kv(3 * BLOCK, 15)
+    cache = rcache(redis_url)
+    cache.ingest(toks, kv)
+    h = cache.block_hashes(toks)
+    tier = cache.store.tier("redis")
+    c = tier._connection()
+    keys = RedisKeys()
+    c.delete(keys.frame(h[2]))  # a ghost: an interrupted write
+    tier._index.queue(c, forget=[h[1].hex()])  # an orphan: an eviction whose DEL was lost
+    assert tier.check() == {"ok": 1, "ghosts": 1, "orphans": 1}
+    tier.check(fix=True)
+    assert tier.check() == {"ok": 2, "ghosts": 0, "orphans": 0}
+    redis = redis_stats(cache)
+    assert redis["blocks"] == 2 and redis["used_bytes"] == 2 * tier.info(h[0]).nbytes
+
+
+def test_redis_refusing_writes_is_counted_without_opening_the_breaker(redis_url, server):
+    cache = rcache(redis_url, cpu="4MiB")
+    used = int(server.cli("INFO", "memory").split("used_memory:")[1].split()[0])
+    server.cli("CONFIG", "SET", "maxmemory", str(used + 2 * FRAME))
+    server.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    try:
+        toks, kv = tokens_for(16, 8 * BLOCK), make_kv(8 * BLOCK, 16)
+        res = cache.ingest(toks, kv)
+        assert res.stored == 8 and "maxmemory" in res.errors["redis"]  # the cpu tier took every block
+        redis = redis_stats(cache)
+        assert redis["dropped_writes"] >= 1 and redis["rejected_errors"] >= 1
+        assert redis["breaker"]["state"] == "closed"
+        assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    finally:
+        server.cli("CONFIG", "SET", "maxmemory", "0")
+    assert cache.store.tier("redis").check()["ghosts"] == 0  # refused SETs were uncounted
+
+
+# -- faults --------------------------------------------------------------------------------
+
+
+def _fault_tier(url: str, **kw) -> RedisTier:
+    return RedisTier(url, 64 << 20, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3),
+                     breaker=CircuitBreaker(failure_threshold=2, backoff=ConstantBackoff(kw.pop("backoff", 0.3))), **kw)
+
+
+def _frame(i: int) -> tuple[bytes, BlockFrame]:
+    key = i.to_bytes(16, "big")
+    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=LAYOUT, block_tokens=BLOCK,
+                      codec=cs.Raw().spec(), buffers=[("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))])
+    half = meta.tensors[0].nbytes
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+
+
+def test_redis_down_from_the_start_costs_nothing_and_service_resumes(tmp_path):
+    srv = RedisServer(tmp_path / "r")  # not started yet
+    tier = _fault_tier(srv.url)
+    key, frame = _frame(1)
+    try:
+        with pytest.raises(StorageError):
+            tier.put(key, frame)
+        assert tier.get(key) is None and tier.contains_many([key]) == [False] and tier.info(key) is None
+        start = time.perf_counter()
+        for _ in range(200):  # the breaker is open: no connection attempts
+            assert tier.get(key) is None
+        assert time.perf_counter() - start < 0.2
+        s = tier.stats()
+        assert s.extra["breaker"]["state"] == "open" and s.extra["refused_by_breaker"] >= 200
+        assert s.extra["dropped_writes"] == 1 and s.write_errors == 1 and s.extra["index_stale"]
+        srv.start()
+        time.sleep(0.35)
+        assert tier.put(key, frame).stored is not None  # the probe succeeds: closed again
+        assert tier.get(key).to_bytes() == frame.to_bytes()
+        assert tier.stats().extra["breaker"]["state"] == "closed"
+    finally:
+        tier.close()
+        srv.stop()
+
+
+def test_a_hung_redis_times_out_then_the_breaker_answers_at_once(tmp_path):
+    srv = RedisServer(tmp_path / "r").start()
+    tier = _fault_tier(srv.url, backoff=0.5)
+    key, frame = _frame(2)
+    try:
+        tier.put(key, frame)
+        srv.pause()
+        for _ in range(2):  # each pays the 0.3 s socket timeout; the second opens the breaker
+            start = time.perf_counter()
+            assert tier.get(key) is None
+            assert 0.25 < time.perf_counter() - start < 2.0
+        start = time.perf_counter()
+        for _ in range(100):  # refused at once, without I/O
+            assert tier.get(key) is None and tier.contains_many([key]) == [False]
+        assert time.perf_counter() - start < 0.25
+        s = tier.stats()
+        assert s.extra["timeouts"] == 2 and s.extra["breaker"]["state"] == "open"
+        srv.resume()
+        time.sleep(0.55)
+        assert tier.get(key) is not None
+    finally:
+        tier.close()
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_redis_killed_during_ingest_no_error_escapes_and_new_ingests_land_after_restart(tmp_path):
+    srv = RedisServer(tmp_path / "r").start()
+    cache = rcache(srv.url, cpu="64MiB", redis_connect_timeout_seconds=0.3, redis_socket_timeout_seconds=0.5)
+    try:
+        results, errors = [], []
+        stop = threading.Event()
+
+        def ingest_loop() -> None:
+            seed = 1000
+            try:
+                while not stop.is_set():
+                    toks, kv = tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed)
+                    results.append((seed, cache.ingest(toks, kv)))
+                    seed += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        worker = threading.Thread(target=ingest_loop)
+        worker.start()
+        while len(results) < 5:
+            time.sleep(0.01)
+        srv.kill()  # SIGKILL mid-stream
+        time.sleep(0.5)
+        stop.set()
+        worker.join(timeout=30)
+        assert not errors, errors[0]
+        after = [r for _, r in results[6:]]
+        assert after and all(r.failed == 0 and r.stored == 2 for r in after)  # the cpu tier took them
+        assert any("redis" in r.errors for r in after)
+        redis = redis_stats(cache)
+        assert redis["dropped_writes"] >= 2 and redis["breaker"]["state"] in ("open", "half_open")
+        for seed, _ in results:  # every block is still served, from the cpu tier
+            toks, kv = tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed)
+            assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+
+        srv.start()  # the same port, empty (no persistence)
+        time.sleep(0.45)  # past the breaker's capped backoff
+        toks, kv = tokens_for(5000, 2 * BLOCK), make_kv(2 * BLOCK, 5000)
+        res = cache.ingest(toks, kv)
+        assert res.stored == 2 and res.errors == {}, res
+        assert redis_stats(cache)["breaker"]["state"] == "closed"
+        only_redis = rcache(srv.url)
+        assert_prefix_equal(only_redis.materialize(toks), kv, 2 * BLOCK)
+    finally:
+        stop.set()
+        cache.close()
+        srv.stop()
+
+
+# -- Redis Cluster -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cluster_chains_span_masters_and_round_trip_exactly(cluster):
+    cluster.flush()
+    cache = rcache(cluster.url)
+    toks, kv = tokens_for(20, 8 * BLOCK), make_kv(8 * BLOCK, 20)
+    res = cache.ingest(toks, kv)
+    assert (res.stored, res.errors) == (8, {})
+    tier = cache.store.tier("redis")
+    client = tier._connection()
+    hashes = cache.block_hashes(toks)
+    masters = {client.get_node_from_key(RedisKeys().frame(h)).name for h in hashes}
+    slots = {client.keyslot(RedisKeys().frame(h)) for h in hashes}
+    assert len(masters) >= 2 and len(slots) == 8
+    assert cache.lookup(toks) == 8 * BLOCK
+    assert_prefix_equal(rcache(cluster.url).materialize(toks), kv, 8 * BLOCK)
+    assert cache.store.chain(hashes[-1]) == hashes
+    # A lookup is still one pipelined round trip (grouped per master by redis-py).
+    counter = count_round_trips(cache)
+    assert cache.lookup(toks) == 8 * BLOCK and counter.round_trips == 1
+    # The shared index lives in one slot and keeps the budget across slots.
+    small = rcache(cluster.url, redis_namespace="small", redis_bytes=3 * FRAME)
+    small.ingest(toks, kv)
+    assert small.lookup(toks) == 3 * BLOCK
+    assert small.store.tier("redis").check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+    # Corruption on one master is found and dropped there.
+    client.set(RedisKeys().frame(hashes[4]), b"garbage")
+    assert cache.materialize(toks).num_tokens == 4 * BLOCK
+    assert redis_stats(cache)["corrupt"] == 1 and client.exists(RedisKeys().frame(hashes[4])) == 0
+
+
+# -- configuration -------------------------------------------------------------------------
+
+
+def test_urls_select_standalone_or_cluster():
+    t = parse_redis_url("redis://:secret@127.0.0.1:7000/0")
+    assert not t.cluster and t.redacted() == "redis://:***@127.0.0.1:7000/0"
+    t = parse_redis_url("redis+cluster://user:pw@10.0.0.1:7000,10.0.0.2,[::1]:7002")
+    assert t.cluster and t.seeds == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002))
+    assert (t.username, t.password, t.tls) == ("user", "pw", False)
+    assert t.redacted() == "redis+cluster://user:***@10.0.0.1:7000,10.0.0.2,[::1]:7002"
+    assert parse_redis_url("rediss+cluster://h:1").tls
+    for bad, match in [("http://x", "scheme"), ("localhost:6379", "expected"), ("redis://a:1,b:2", "cluster"),
+                       ("redis+cluster://h:99999", "range"), ("redis+cluster://h:x", "port"),
+                       ("redis+cluster://:1", "empty host")]:
+        with pytest.raises(cs.ConfigError, match=match):
+            parse_redis_url(bad)
+
+
+def test_redis_settings_are_checked(redis_url):
+    for kw, match in [(dict(redis_prefix="a:b"), "redis_prefix"), (dict(redis_namespace="{x}"), "redis_namespace"),
+                      (dict(redis_ttl_seconds=0), "redis_ttl_seconds"), (dict(redis_bytes="lots"), "redis_bytes"),
+                      (dict(redis_socket_timeout_seconds=0), "socket_seconds"),
+                      (dict(redis_breaker_failures=0), "failure_threshold"), (dict(redis_url="nope"), "redis_url")]:
+        with pytest.raises(cs.ConfigError, match=match):
+            rcache(kw.pop("redis_url", redis_url), **kw)
+    store = make_cache(cpu="1MiB", disk=None, redis_url=redis_url).store
+    assert store.tier_names == ["cpu", "redis"] and store.write_through == {"redis"}
+    assert make_cache(cpu="1MiB", redis_url=redis_url, redis_bytes=0).store.tier_names == ["cpu"]
+
+
+class _FailingClient:
+    """Stands in for a redis-py client whose every command raises ``exc``."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def pipeline(self, *args, **kwargs):
+        return self
+
+    def __len__(self):
+        return 1
+
+    def execute(self, *args, **kwargs):
+        raise self.exc
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            if name in ("exists", "get", "set", "strlen", "getrange", "delete", "pexpire"):
+                return None  # queued on the "pipeline"
+            raise self.exc
+
+        return fail
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("error, kind", [
+    ("ConnectionError", "unavailable"), ("BusyLoadingError", "unavailable"), ("ClusterDownError", "unavailable"),
+    ("TryAgainError", "unavailable"), ("ReadOnlyError", "unavailable"), ("TimeoutError", "timeout"),
+    ("OutOfMemoryError", "rejected"), ("ResponseError", "rejected"),
+])
+def test_every_redis_error_is_a_miss_or_a_counted_dropped_write(error, kind):
+    import redis.exceptions
+
+    tier = _fault_tier("redis://127.0.0.1:1")
+    tier._client = _FailingClient(getattr(redis.exceptions, error)("injected"))
+    key, frame = _frame(3)
+    for _ in range(2):
+        with pytest.raises(StorageError):
+            tier.put(key, frame)
+        assert tier.get(key) is None and tier.get_many([key]) == [None]
+        assert tier.contains_many([key, key]) == [False, False] and tier.info(key) is None
+        assert tier.keys() == [] and tier.delete(key) is False
+        tier.touch([key])
+    s = tier.stats()
+    assert s.extra["dropped_writes"] == 2 and s.write_errors == 2
+    counter = {"unavailable": "unavailable_errors", "timeout": "timeouts", "rejected": "rejected_errors"}[kind]
+    assert s.extra[counter] >= 1
+    assert s.extra["breaker"]["state"] == ("closed" if kind == "rejected" else "open")
