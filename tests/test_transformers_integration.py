@@ -13,16 +13,9 @@ own, so neither side is ever a one-shot prefill of prefix + suffix.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import shutil
-import socket
-import subprocess
-import sys
-import time
+import re
 import types
-import urllib.request
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -45,8 +38,6 @@ from cacheseek.integrations.transformers import (
 
 transformers = pytest.importorskip("transformers")
 
-needs_prefix_cache = pytest.mark.skipif(not hasattr(cs, "PrefixCache"), reason="PrefixCache not merged yet")
-needs_remote_cache = pytest.mark.skipif(not hasattr(cs, "RemoteCache"), reason="RemoteCache not merged yet")
 
 BLOCK = 64
 
@@ -180,7 +171,6 @@ def _cache(model, codec=None, **tiers):
                           block_tokens=BLOCK, tiers=tiers)
 
 
-@needs_prefix_cache
 def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_model):
     ids = list(range(3, 3 + 2 * BLOCK))  # exactly two full blocks
     with _cache(tiny_model) as cache:
@@ -203,7 +193,6 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
-@needs_prefix_cache
 def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
     ids = list(range(5, 5 + 3 * BLOCK))
     with _cache(tiny_model) as cache:
@@ -218,7 +207,6 @@ def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
         assert torch.equal(res.logits, full.logits)
 
 
-@needs_prefix_cache
 def test_an_unmeasured_tier_is_predicted_from_its_read_throughput_in_stats(tiny_model, monkeypatch):
     ids = list(range(9, 9 + 3 * BLOCK))
     with _cache(tiny_model) as cache:
@@ -231,7 +219,6 @@ def test_an_unmeasured_tier_is_predicted_from_its_read_throughput_in_stats(tiny_
         assert planner.reads["cpu"].samples == 0  # a seed, replaced by the first measured read
 
 
-@needs_prefix_cache
 def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
     wrong = cs.KVLayout(2, 2, 16, "float16")
     with cs.PrefixCache(model_id="t", layout=wrong, codec=cs.Raw(), block_tokens=BLOCK,
@@ -313,62 +300,29 @@ def _check_reuse_is_bit_identical(model, tokenizer, cache, steps=12):
 
 
 @pytest.mark.slow
-@needs_prefix_cache
 def test_raw_reuse_through_the_embedded_cache_is_bit_identical(smol):
     model, tokenizer = smol
     with _cache(model, cs.Raw()) as cache:
         _check_reuse_is_bit_identical(model, tokenizer, cache)
 
 
-@contextlib.contextmanager
-def _server():
-    """A `cacheseek serve` on a free loopback port, stopped on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = shutil.which("cacheseek", path=str(Path(sys.executable).parent)) or shutil.which("cacheseek")
-    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from cacheseek.server.cli import main; sys.exit(main())"]
-    proc = subprocess.Popen(cmd + ["serve", "--host", "127.0.0.1", "--port", str(port), "--cpu-bytes", "256MiB"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/healthz", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.poll() is not None else ""
-                raise RuntimeError(f"cacheseek serve did not come up at {url}: {err}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from server_helpers import Server
+
+    with Server(tmp_path_factory.mktemp("models-server"), cpu_bytes="256MiB", disk=False) as srv:
+        yield srv
 
 
 @pytest.mark.slow
-@needs_remote_cache
-def test_raw_reuse_through_the_server_is_bit_identical(smol):
+def test_raw_reuse_through_the_server_is_bit_identical(smol, server):
     model, tokenizer = smol
-    with _server() as url:
-        cache = cs.RemoteCache(url, model_id="test-remote", layout=kv_layout(model), codec=cs.Raw(),
-                               block_tokens=BLOCK)
-        try:
-            _check_reuse_is_bit_identical(model, tokenizer, cache)
-        finally:
-            cache.close()
+    with cs.RemoteCache(server.url, model_id="bit-identical", layout=kv_layout(model), codec=cs.Raw(),
+                        block_tokens=BLOCK) as cache:
+        _check_reuse_is_bit_identical(model, tokenizer, cache)
 
 
 @pytest.mark.slow
-@needs_prefix_cache
 def test_int8_reuse_keeps_greedy_continuations(smol):
     model, tokenizer = smol
     steps, agree, total = 32, 0, 0
@@ -390,7 +344,6 @@ def test_int8_reuse_keeps_greedy_continuations(smol):
 
 
 @pytest.mark.slow
-@needs_prefix_cache
 def test_returned_cache_continues_with_generate(smol):
     model, tokenizer = smol
     ids = _prompts(tokenizer, 1)[0]
@@ -408,15 +361,17 @@ def test_returned_cache_continues_with_generate(smol):
 
 
 @pytest.mark.slow
-@needs_prefix_cache
-def test_demo_runs_end_to_end(smol, capsys, monkeypatch):
+@pytest.mark.parametrize("where", ["embedded", "server"])
+def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):
     from cacheseek.integrations import demo
 
     monkeypatch.setattr(smollm2, "load", lambda *a, **k: smol)
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    args = parser.parse_args(["--codec", "int8", "--doc-chars", "700", "--max-new-tokens", "4"])
-    assert demo.run(args) == 0
+    argv = ["--codec", "int8", "--doc-chars", "700", "--max-new-tokens", "4"]
+    if where == "server":
+        argv += ["--url", request.getfixturevalue("server").url]
+    assert demo.run(parser.parse_args(argv)) == 0
     out = capsys.readouterr().out
     assert "TTFT reuse" in out and "Tier stats" in out and "A3:" in out
-    assert "reused" in out.split("Q2:")[1]
+    assert re.search(r"reused [1-9]\d* tokens from cpu", out.split("Q2:")[1]), out
