@@ -391,3 +391,16 @@ def test_many_batches_and_decode_chunks_give_the_same_kv(codec):
     assert a.num_tokens == b.num_tokens == 11 * BLOCK
     for (ka, va), (kb, vb) in zip(a.layers, b.layers):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_the_cpu_tier_holds_its_whole_budget_whatever_the_chunk_size():
+    # 7 frames fill a chunk's worth of slots but not the budget: the arena must grow.
+    budget = 10 * FRAME
+    tier_cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                                tiers=cs.TierConfig(cpu_bytes=budget))
+    tier_cache.store.tiers[0]._arena.chunk_bytes = 4 * FRAME  # small chunks: frames straddle their ends
+    toks, kv = tokens_for(21, 9 * BLOCK), make_kv(9 * BLOCK, 21)
+    assert tier_cache.ingest(toks, kv).stored == 9
+    tier = tier_cache.stats()["tiers"][0]
+    assert tier["evictions"] == 0 and tier["blocks"] == 9
+    assert tier_cache.lookup(toks) == 9 * BLOCK

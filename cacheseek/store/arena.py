@@ -104,7 +104,7 @@ class Slot:
 class HostArena:
     """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks."""
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 256 << 20) -> None:
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30) -> None:
         self.capacity_bytes = capacity_bytes
         self.pin = pin
         # Powers of two, so a pinned torch allocation wastes nothing.
@@ -135,9 +135,9 @@ class HostArena:
             offset = chunk.allocate(need)
             if offset is not None:
                 return self._slot(chunk, offset, need)
-        if self.reserved_bytes + self.chunk_bytes <= max(self.capacity_bytes, self.chunk_bytes) and (
-            self.reserved_bytes < self.capacity_bytes
-        ):
+        # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
+        # only needs room for it: chunks until they cover the budget, the last one partly.
+        if self.reserved_bytes < self.capacity_bytes:
             chunk = _Chunk(self.chunk_bytes, self.pin)
             self._chunks.append(chunk)
             offset = chunk.allocate(need)

@@ -24,7 +24,7 @@ class CpuTier(Tier):
 
     accepts_device_frames = True
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 256 << 20):
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30):
         super().__init__(name, capacity_bytes)
         self._arena = HostArena(capacity_bytes, pin=pin, chunk_bytes=chunk_bytes)
         self._index = LruIndex()
