@@ -25,7 +25,6 @@ Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
 # (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,19 +143,6 @@ def _round_to_bf16(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-# -- K: groups of G tokens per channel ---------------------------------------------------
-# A program owns GROUPS consecutive token groups x BLOCK_D channels of one row. Each loop
-# step is a [PER, NW, BLOCK_D // VEC, VEC] tile: token = w * PER + j (j on axis 0),
-# channel = v * VEC + e. Triton lays a tile out from its contiguous dim: a thread holds
-# VEC channels (a VEC * 2-byte load for fp16), lanes and warps spread over the channels
-# first and over tokens only when channels run out. In quantize, a small VEC (2) keeps
-# each thread's channels' whole token group in its registers, so the group min/max, the
-# per-group divisions and the packing (over j) stay in-thread, with no shuffles or
-# shared-memory barriers; the price is narrower (still coalesced) loads. Dequantize has
-# no reductions and uses full 16-byte vectors.
-# MASKED (constexpr) is false when D % BLOCK_D == 0 and GROUPS divides T / G: no masks.
-
-
 def _k_masked(args) -> bool:
     return args["D"] % args["BLOCK_D"] != 0 or (args["T"] // args["G"]) % args["GROUPS"] != 0
 
@@ -165,142 +151,7 @@ def _v_masked(args) -> bool:
     return args["D"] != args["D_PAD"] or args["T"] % args["BLOCK_T"] != 0
 
 
-@triton.heuristics({"MASKED": _k_masked})
-@triton.jit
-def _quantize_k_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr,
-    C, T, D,
-    sx_a, sx_c, sx_t,  # x: element strides of the two leading levels and of tokens
-    sq_a, sq_c, sq_t,
-    ss_a, ss_c, ss_t,  # scale and min are allocated alike
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    PER: tl.constexpr = 32 // BITS
-    NW: tl.constexpr = G // PER
-    QMAX: tl.constexpr = (1 << BITS) - 1
-    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
-
-    pid = tl.program_id(0)
-    n_groups = T // G
-    n_d = tl.cdiv(D, BLOCK_D)
-    n_t = tl.cdiv(n_groups, GROUPS)
-    d_tile = pid % n_d
-    t_tile = (pid // n_d) % n_t
-    row = pid // (n_d * n_t)
-    a = (row // C).to(tl.int64)
-    c = (row % C).to(tl.int64)
-
-    # channels as [BLOCK_D // VEC, VEC]: VEC contiguous channels per thread (see above)
-    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    j = tl.arange(0, PER)
-    w = tl.arange(0, NW)
-    tok = (j[:, None] + w[None, :] * PER)[:, :, None, None]  # [PER, NW, 1, 1]: token in the group
-    shifts = (j * BITS)[:, None, None, None]
-    x_row = x_ptr + a * sx_a + c * sx_c
-    q_row = q_ptr + a * sq_a + c * sq_c
-    stat_row = a * ss_a + c * ss_c
-
-    for i in range(GROUPS):
-        grp = (t_tile * GROUPS + i).to(tl.int64)
-        # A step past the last group masks every lane. (A scalar & tensor mask comes out
-        # int32 in the interpreter, hence the select on the bound.)
-        d_ok = d < tl.where(grp < n_groups, D, 0)
-        ok = d_ok[None, None, :, :]
-        x_ptrs = x_row + (grp * G + tok) * sx_t + d[None, None, :, :]
-        if MASKED:
-            x = tl.load(x_ptrs, mask=ok, other=0.0)
-        else:
-            x = tl.load(x_ptrs)
-
-        lo, hi = _minmax_operands(x, ok, MASKED)
-        mn = tl.min(tl.min(lo, axis=0), axis=0).to(tl.float32)  # [BLOCK_D // VEC, VEC]
-        scale = _scale(mn, tl.max(tl.max(hi, axis=0), axis=0).to(tl.float32), QMAX, FP16_STATS)
-        s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
-        m_st = mn.to(m_ptr.dtype.element_ty)
-        den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
-
-        codes = _codes(x.to(tl.float32),
-                       tl.broadcast_to(m_st.to(tl.float32)[None, None, :, :], x.shape),
-                       tl.broadcast_to(den[None, None, :, :], x.shape),
-                       tl.broadcast_to(rcp[None, None, :, :], x.shape), QMAX, FP16_STATS)
-        # Bit fields do not overlap, so the int32 sum is the bitwise OR (the top field of
-        # an 8- or 2-bit word reaches the sign bit; two's complement keeps that exact).
-        words = tl.sum(codes << shifts, axis=0)  # [NW, BLOCK_D // VEC, VEC]
-
-        stat_off = stat_row + grp * ss_t + d
-        q_ptrs = q_row + (grp * NW + w[:, None, None]) * sq_t + d[None, :, :]
-        if MASKED:
-            tl.store(s_ptr + stat_off, s_st, mask=d_ok)
-            tl.store(m_ptr + stat_off, m_st, mask=d_ok)
-            tl.store(q_ptrs, words, mask=d_ok[None, :, :])
-        else:
-            tl.store(s_ptr + stat_off, s_st)
-            tl.store(m_ptr + stat_off, m_st)
-            tl.store(q_ptrs, words)
-
-
-@triton.heuristics({"MASKED": _k_masked})
-@triton.jit
-def _dequantize_k_kernel(
-    q_ptr, s_ptr, m_ptr, o_ptr,
-    C, T, D,
-    sq_a, sq_c, sq_t,
-    ss_a, ss_c, ss_t,
-    sm_a, sm_c, sm_t,
-    so_a, so_c, so_t,
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
-    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
-):
-    PER: tl.constexpr = 32 // BITS
-    NW: tl.constexpr = G // PER
-    QMAX: tl.constexpr = (1 << BITS) - 1
-
-    pid = tl.program_id(0)
-    n_groups = T // G
-    n_d = tl.cdiv(D, BLOCK_D)
-    n_t = tl.cdiv(n_groups, GROUPS)
-    d_tile = pid % n_d
-    t_tile = (pid // n_d) % n_t
-    row = pid // (n_d * n_t)
-    a = (row // C).to(tl.int64)
-    c = (row % C).to(tl.int64)
-
-    d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-    j = tl.arange(0, PER)
-    w = tl.arange(0, NW)
-    tok = (j[:, None] + w[None, :] * PER)[:, :, None, None]
-    shifts = (j * BITS)[:, None, None, None]
-    q_row = q_ptr + a * sq_a + c * sq_c
-    s_row = s_ptr + a * ss_a + c * ss_c
-    m_row = m_ptr + a * sm_a + c * sm_c
-    o_row = o_ptr + a * so_a + c * so_c
-
-    for i in range(GROUPS):
-        grp = (t_tile * GROUPS + i).to(tl.int64)
-        d_ok = d < tl.where(grp < n_groups, D, 0)
-        q_ptrs = q_row + (grp * NW + w[:, None, None]) * sq_t + d[None, :, :]
-        o_ptrs = o_row + (grp * G + tok) * so_t + d[None, None, :, :]
-        if MASKED:
-            words = tl.load(q_ptrs, mask=d_ok[None, :, :], other=0)
-            s = tl.load(s_row + grp * ss_t + d, mask=d_ok, other=0.0).to(tl.float32)
-            m = tl.load(m_row + grp * sm_t + d, mask=d_ok, other=0.0).to(tl.float32)
-        else:
-            words = tl.load(q_ptrs)
-            s = tl.load(s_row + grp * ss_t + d).to(tl.float32)
-            m = tl.load(m_row + grp * sm_t + d).to(tl.float32)
-        codes = (words[None, :, :, :] >> shifts) & QMAX  # [PER, NW, BLOCK_D // VEC, VEC]
-        x = _decode(codes, s[None, None, :, :], m[None, None, :, :])
-        if SOFT_BF16:
-            x = _round_to_bf16(x)
-        x = x.to(o_ptr.dtype.element_ty)
-        if MASKED:
-            tl.store(o_ptrs, x, mask=d_ok[None, None, :, :])
-        else:
-            tl.store(o_ptrs, x)
-
-
-# -- K, 2-D tiles (the default) ----------------------------------------------------------
+# -- K: groups of G tokens per channel ---------------------------------------------------
 # A program owns GROUPS consecutive token groups of one row and BLOCK_D channels. For a
 # group, the NW int32 words per channel are rows w of a [NW, BLOCK_D] tile, and code j of
 # word w is token w * PER + j. So the kernel walks j = 0..PER-1 over [NW, BLOCK_D] tiles
@@ -312,13 +163,13 @@ def _dequantize_k_kernel(
 
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
-def _quantize_k2_kernel(
+def _quantize_k_kernel(
     x_ptr, q_ptr, s_ptr, m_ptr,
     C, T, D,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
@@ -397,14 +248,14 @@ def _quantize_k2_kernel(
 
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
-def _dequantize_k2_kernel(
+def _dequantize_k_kernel(
     q_ptr, s_ptr, m_ptr, o_ptr,
     C, T, D,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     sm_a, sm_c, sm_t,
     so_a, so_c, so_t,
-    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, VEC: tl.constexpr, GROUPS: tl.constexpr,
+    BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
     SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
@@ -660,13 +511,9 @@ def _grid(side: str, rows: int, T: int, D: int, group: int):
     return lambda meta: (rows * triton.cdiv(T, meta["BLOCK_T"]),)
 
 
-# K kernels: "2d" (default) or "4d" (the first design, kept for comparison on GPUs).
-K_IMPL = os.environ.get("CACHESEEK_KIVI_K_IMPL", "2d")
-_K = {"2d": (_quantize_k2_kernel, _dequantize_k2_kernel), "4d": (_quantize_k_kernel, _dequantize_k_kernel)}[K_IMPL]
-
 _KERNELS = {
-    ("k", "quantize"): (_K[0], _k_masked),
-    ("k", "dequantize"): (_K[1], _k_masked),
+    ("k", "quantize"): (_quantize_k_kernel, _k_masked),
+    ("k", "dequantize"): (_dequantize_k_kernel, _k_masked),
     ("v", "quantize"): (_quantize_v_kernel, _v_masked),
     ("v", "dequantize"): (_dequantize_v_kernel, _v_masked),
 }

@@ -32,7 +32,6 @@ setup
 for s in "$@"; do
   case $s in
     kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
-    kernels4d)   CACHESEEK_KIVI_K_IMPL=4d step kernels4d 120 python3 -m benchmarks.kernels --quick --out "$OUT/k4d" ;;
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
