@@ -16,7 +16,6 @@ from .layout import KVLayout
 from .prefix_keys import PrefixKeys, is_block_keys  # noqa: F401  (is_block_keys: kept importable from here)
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
-from .store.tier import BlockFrame
 from .units import parse_size
 
 

@@ -11,7 +11,7 @@ from cacheseek.errors import ConfigError, InputError
 from cacheseek.quant import EncodedLayer, codec_from_spec
 from cacheseek.quant import kivi_reference as ref
 from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS
-from cacheseek.quant.tensors import host_buffers, host_view, to_host
+from cacheseek.quant.tensors import host_buffers, host_view
 from kivi_bounds import error_bound
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

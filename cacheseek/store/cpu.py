@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..errors import StorageError
 from .arena import HostArena, Slot
 from .frame import FrameMeta, header_prefix
-from .tier import BlockFrame, BlockInfo, LruIndex, PutResult, Tier
+from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
 
 
 @dataclass(slots=True)
@@ -17,7 +17,7 @@ class _Record:
     sealed: bool
 
 
-class CpuTier(Tier):
+class CpuTier(IndexedTier):
     """Host-memory tier. Frames fresh from a device encoder are copied straight from the
     device into their slot (one copy, no staging) and stay unsealed: their checksum is
     computed only when they leave memory (disk, Redis, HTTP)."""
@@ -27,7 +27,6 @@ class CpuTier(Tier):
     def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30):
         super().__init__(name, capacity_bytes)
         self._arena = HostArena(capacity_bytes, pin=pin, chunk_bytes=chunk_bytes)
-        self._index = LruIndex()
         self._records: dict[bytes, _Record] = {}
 
     # -- writes ------------------------------------------------------------------------
@@ -137,14 +136,6 @@ class CpuTier(Tier):
             self._stats.bytes_out += rec.meta.nbytes
             return BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed)
 
-    def info(self, key: bytes) -> BlockInfo | None:
-        with self._lock:
-            return self._index.get(key)
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        with self._lock:  # once for all keys: a lookup of a long chain takes one lock
-            return [key in self._index for key in keys]
-
     def delete(self, key: bytes) -> bool:
         with self._lock:
             rec = self._records.pop(key, None)
@@ -155,28 +146,10 @@ class CpuTier(Tier):
             self._sync_counts()
             return True
 
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._index.keys()
+    def _extra(self) -> dict:
+        return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
+                "zombie_slots": self._arena.zombies}
 
-    def touch(self, keys) -> None:
-        with self._lock:
-            self._index.touch(keys)
-
-    def _sync_counts(self) -> None:
-        self._stats.used_bytes = self._index.used_bytes
-        self._stats.raw_bytes = self._index.raw_bytes
-        self._stats.blocks = len(self._index)
-        self._stats.extra = {
-            "pinned": self._arena.pinned,
-            "arena_bytes": self._arena.reserved_bytes,
-            "zombie_slots": self._arena.zombies,
-        }
-
-    def stats(self):
-        with self._lock:
-            self._sync_counts()
-            return self._snapshot()
 
 
 def _info(meta: FrameMeta) -> BlockInfo:

@@ -28,20 +28,19 @@ import msgpack
 
 from ..errors import FrameError, StorageError
 from .frame import parse_frame
-from .tier import BlockFrame, BlockInfo, LruIndex, PutResult, Tier
+from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
 
 SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedTier):
     persistent = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True):
         super().__init__(name, capacity_bytes)
         self.root = Path(root).expanduser()
         self.fsync = fsync
-        self._index = LruIndex()
         self._writing: set[bytes] = set()
         self._reserved = 0
         try:
@@ -91,7 +90,7 @@ class DiskTier(Tier):
             self._index.remove(victim)
             evicted += 1
         self._stats.evictions += evicted
-        self._stats.extra = {"path": str(self.root), "recovered_blocks": len(self._index), "removed_at_start": removed}
+        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
         self._sync_counts()
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
@@ -236,14 +235,6 @@ class DiskTier(Tier):
             return None
         return BlockFrame(meta, host=view, sealed=True)
 
-    def info(self, key: bytes) -> BlockInfo | None:
-        with self._lock:
-            return self._index.get(key)
-
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
-        with self._lock:  # once for all keys: a lookup of a long chain takes one lock
-            return [key in self._index for key in keys]
-
     def delete(self, key: bytes) -> bool:
         with self._lock:
             if self._index.remove(key) is None:
@@ -252,28 +243,13 @@ class DiskTier(Tier):
             self._sync_counts()
             return True
 
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._index.keys()
-
-    def touch(self, keys) -> None:
-        with self._lock:
-            self._index.touch(keys)
-
     def _remove_files(self, key: bytes) -> None:
         data_path, side_path = self._paths(key)
         _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
         _unlink(data_path)
 
-    def _sync_counts(self) -> None:
-        self._stats.used_bytes = self._index.used_bytes
-        self._stats.raw_bytes = self._index.raw_bytes
-        self._stats.blocks = len(self._index)
-
-    def stats(self):
-        with self._lock:
-            self._sync_counts()
-            return self._snapshot()
+    def _extra(self) -> dict:
+        return {"path": str(self.root), **self._recovery}
 
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""

@@ -12,7 +12,7 @@ import torch
 from ..errors import StorageError
 from .device import payload_on_device
 from .frame import FrameMeta
-from .tier import BlockFrame, BlockInfo, LruIndex, PutResult, Tier
+from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class _Record:
     sealed: bool
 
 
-class GpuTier(Tier):
+class GpuTier(IndexedTier):
     accepts_device_frames = True
 
     def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", name: str = "gpu"):
@@ -30,7 +30,6 @@ class GpuTier(Tier):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._index = LruIndex()
         self._records: dict[bytes, _Record] = {}
 
     def put(self, key: bytes, frame: BlockFrame) -> PutResult:
@@ -76,10 +75,6 @@ class GpuTier(Tier):
             self._stats.bytes_out += rec.meta.nbytes
             return BlockFrame(rec.meta, device_payload=rec.payload, sealed=rec.sealed)
 
-    def info(self, key: bytes) -> BlockInfo | None:
-        with self._lock:
-            return self._index.get(key)
-
     def delete(self, key: bytes) -> bool:
         with self._lock:
             if self._records.pop(key, None) is None:
@@ -88,21 +83,5 @@ class GpuTier(Tier):
             self._sync_counts()
             return True
 
-    def keys(self) -> list[bytes]:
-        with self._lock:
-            return self._index.keys()
-
-    def touch(self, keys) -> None:
-        with self._lock:
-            self._index.touch(keys)
-
-    def _sync_counts(self) -> None:
-        self._stats.used_bytes = self._index.used_bytes
-        self._stats.raw_bytes = self._index.raw_bytes
-        self._stats.blocks = len(self._index)
-        self._stats.extra = {"device": str(self.device)}
-
-    def stats(self):
-        with self._lock:
-            self._sync_counts()
-            return self._snapshot()
+    def _extra(self) -> dict:
+        return {"device": str(self.device)}

@@ -235,3 +235,43 @@ class Tier(ABC):
 
     def close(self) -> None:
         return None
+
+
+class IndexedTier(Tier):
+    """A tier whose index (sizes, chain links, LRU order) lives in this process, in an
+    ``LruIndex`` under the tier's lock. Subclasses keep the bytes and report extras."""
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        super().__init__(name, capacity_bytes)
+        self._index = LruIndex()
+
+    def info(self, key: bytes) -> BlockInfo | None:
+        with self._lock:
+            return self._index.get(key)
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        with self._lock:  # once for all keys: a lookup of a long chain takes one lock
+            return [key in self._index for key in keys]
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return self._index.keys()
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._index.touch(keys)
+
+    def _extra(self) -> dict[str, Any]:
+        """Tier-specific figures for ``stats()`` (called under the lock)."""
+        return {}
+
+    def _sync_counts(self) -> None:
+        self._stats.used_bytes = self._index.used_bytes
+        self._stats.raw_bytes = self._index.raw_bytes
+        self._stats.blocks = len(self._index)
+        self._stats.extra = self._extra()
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._sync_counts()
+            return self._snapshot()
