@@ -17,29 +17,26 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import torch
 
 from .block_io import check_frame, check_layers, decode_frames, encode_missing
 from .errors import FrameError, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, BlockHash, to_hex
 from .kv_input import kv_layers
 from .layout import KVLayout
-from .prefix_cache import IngestResult, Located, Materialized
-from .prefix_keys import PrefixKeys
+from .front import CacheFront
+from .results import IngestResult, Located, Materialized
 from .quant.codec import KVLayerCodec
-from .quant.kivi import KIVI
 from .store.device import frame_to_host
 from .store.frame import parse_frame
 from .store.tier import BlockFrame
 from .transport import BulkTransport
-from .units import parse_size
 from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 _UNLIMITED = 1 << 62
 
 
-class RemoteCache:
+class RemoteCache(CacheFront):
     """A ``PrefixCache`` whose tiers live in a CacheSeek server at ``url``."""
 
     def __init__(
@@ -57,18 +54,9 @@ class RemoteCache:
         max_connections: int = 16,
         max_batch_bytes: int | str = "1GiB",
     ) -> None:
+        super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
+                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
         self.url = url.rstrip("/")
-        self.model_id = model_id
-        self.layout = layout
-        self.codec = codec if codec is not None else KIVI(bits=4, group_size=32)
-        self.block_tokens = block_tokens
-        self.namespace = namespace
-        self.hash_algo = hash_algo
-        self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
-                                      block_tokens=block_tokens, hash_algo=hash_algo)
-        self.root = self.keys.root
-        self._codec_spec = self.codec.spec()
-        self._batch_blocks = max(1, parse_size(max_batch_bytes, name="max_batch_bytes") // layout.raw_nbytes(block_tokens))
         headers = {NAMESPACE_HEADER: namespace} if namespace else {}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -78,9 +66,6 @@ class RemoteCache:
         )
 
     # -- keys ----------------------------------------------------------------------------
-
-    def block_hashes(self, keys: Any) -> list[BlockHash]:
-        return self.keys.block_hashes(keys)
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -114,36 +99,25 @@ class RemoteCache:
         return result
 
     def locate(self, keys: Any) -> Located:
-        self.keys.num_tokens(keys)
+        self._num_keys(keys)
         found = self._lookup(self.block_hashes(keys))
         n = found["matched"]
         return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
-
-    def lookup(self, keys: Any) -> int:
-        """Tokens covered by stored full blocks, from the start."""
-        return self.locate(keys).num_tokens
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
         """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
 
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``."""
-        self.keys.num_tokens(keys)
-        device = torch.device(device if device is not None else "cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        hashes = self.block_hashes(keys)
-        limit = len(hashes) if max_tokens is None else max(0, max_tokens) // self.block_tokens
-        hashes = hashes[:limit]
+        self._num_keys(keys)
+        device = self._device(device)
+        hashes = self._limit(self.block_hashes(keys), max_tokens)
         found = self._lookup(hashes) if hashes else {"matched": 0, "tiers": []}
         frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         if not frames:
-            return Materialized(0, 0, [], [], device)
+            return self._nothing(device)
         k, v = decode_frames(self.codec, self.layout, self.block_tokens, frames, device)
-        del frames
-        n = k.shape[2] // self.block_tokens
-        layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
-        return Materialized(n * self.block_tokens, n, layers, list(found["tiers"][:n]), device)
+        return self._materialized(k, v, list(found["tiers"][: len(frames)]), device)
 
     # -- operations ----------------------------------------------------------------------
 
@@ -155,12 +129,6 @@ class RemoteCache:
 
     def close(self) -> None:
         self._http.close()
-
-    def __enter__(self) -> RemoteCache:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- HTTP ----------------------------------------------------------------------------
 

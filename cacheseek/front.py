@@ -1,0 +1,88 @@
+"""What ``PrefixCache`` and ``RemoteCache`` share: their configuration, their keys, and
+the shape of their answers. The two differ only in where the tiers are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .hashing import BlockHash
+from .layout import KVLayout
+from .prefix_keys import PrefixKeys
+from .quant.codec import KVLayerCodec
+from .quant.kivi import KIVI
+from .results import Located, Materialized
+from .units import parse_size
+
+
+class CacheFront:
+    """Configuration and keys of one cache: a model, a KV layout, a codec, a block size."""
+
+    def __init__(
+        self,
+        *,
+        model_id: str,
+        layout: KVLayout,
+        codec: KVLayerCodec | None,
+        block_tokens: int,
+        namespace: str,
+        hash_algo: str,
+        max_batch_bytes: int | str,
+    ) -> None:
+        self.model_id = model_id
+        self.layout = layout
+        self.codec = codec if codec is not None else KIVI(bits=4, group_size=32)
+        self.block_tokens = block_tokens
+        self.namespace = namespace
+        self.hash_algo = hash_algo
+        self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
+                                      block_tokens=block_tokens, hash_algo=hash_algo)
+        self.root = self.keys.root
+        self._codec_spec = self.codec.spec()
+        batch = parse_size(max_batch_bytes, name="max_batch_bytes")
+        self._batch_blocks = max(1, batch // layout.raw_nbytes(block_tokens))
+
+    def block_hashes(self, keys: Any) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""
+        return self.keys.block_hashes(keys)
+
+    def _num_keys(self, keys: Any) -> int:
+        """Tokens named by ``keys``; raises on an empty input."""
+        return self.keys.num_tokens(keys)
+
+    def _limit(self, hashes: list[BlockHash], max_tokens: int | None) -> list[BlockHash]:
+        return hashes if max_tokens is None else hashes[: max(0, max_tokens) // self.block_tokens]
+
+    @staticmethod
+    def _device(device: Any) -> torch.device:
+        device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def _materialized(self, k: torch.Tensor, v: torch.Tensor, tiers: list[str], device: torch.device) -> Materialized:
+        """The result for decoded K and V of shape [L, H, n*B, D]."""
+        n = len(tiers)
+        layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
+        return Materialized(n * self.block_tokens, n, layers, tiers, device)
+
+    @staticmethod
+    def _nothing(device: torch.device) -> Materialized:
+        return Materialized(0, 0, [], [], device)
+
+    def locate(self, keys: Any) -> Located:  # pragma: no cover - each front implements it
+        raise NotImplementedError
+
+    def lookup(self, keys: Any) -> int:
+        """Tokens covered by stored full blocks, from the start."""
+        return self.locate(keys).num_tokens
+
+    def close(self) -> None:  # pragma: no cover - each front implements it
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

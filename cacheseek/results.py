@@ -1,0 +1,53 @@
+"""What the cache fronts (``PrefixCache``, ``RemoteCache``) return."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class IngestResult:
+    """``blocks``: full blocks in the input; ``stored``: newly written; ``present``: already
+    stored (not encoded again); ``failed``: stored nowhere; ``errors``: tier -> reason."""
+
+    blocks: int
+    stored: int
+    present: int
+    tokens: int
+    failed: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Located:
+    """The longest stored prefix, and the fastest tier holding each of its blocks."""
+
+    num_blocks: int
+    num_tokens: int
+    tiers: list[str]
+
+
+@dataclass(slots=True)
+class Materialized:
+    """KV of the longest stored prefix, decoded on ``device``.
+
+    ``layers[i]`` is (K, V), each [1, H, num_tokens, D]; empty when nothing matched.
+    """
+
+    num_tokens: int
+    num_blocks: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    tiers: list[str]
+    device: torch.device
+
+    def to_dynamic_cache(self) -> Any:
+        """An HF ``DynamicCache`` holding this KV, ready to continue generation."""
+        from .integrations.transformers import to_dynamic_cache
+
+        return to_dynamic_cache(self.layers)
+
+
+FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
