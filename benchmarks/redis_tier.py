@@ -36,15 +36,7 @@ import cacheseek as cs
 from cacheseek.block_io import decode_frames
 
 from .report import plot_bars, table, write_json
-
-LAYOUT = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
-BLOCK = 256
-CODECS = {
-    "raw": cs.Raw(),
-    "int8": cs.KIVI(bits=8, group_size=32),
-    "int4": cs.KIVI(bits=4, group_size=32),
-    "int2": cs.KIVI(bits=2, group_size=32),
-}
+from .store import BLOCK, CODECS, LAYOUT  # the same Llama-3-8B blocks and codecs as the store benchmark
 
 
 @contextmanager

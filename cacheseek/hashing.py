@@ -10,7 +10,7 @@ Each field of the root input is length-prefixed (u32 little-endian), so no two d
 field tuples can produce the same byte string. Parents have a fixed width per algorithm,
 so ``parent + content`` is unambiguous as it stands.
 
-Python's ``hash()`` is never used: keys must agree across processes, hosts and
+Python's built-in ``hash`` is never used: keys must agree across processes, hosts and
 ``PYTHONHASHSEED`` values.
 """
 

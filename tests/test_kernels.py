@@ -304,7 +304,5 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(script), "--quick"], env=env, capture_output=True, text=True,
                           timeout=600)
-    if proc.returncode != 0 and "compiled for sm_90" not in proc.stdout:
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1:]}")
-    assert proc.returncode == 0, proc.stdout
+    assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
     assert "4/4 compiled for sm_90" in proc.stdout
