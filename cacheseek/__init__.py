@@ -30,16 +30,17 @@ from .layout import KVLayout
 from .quant import KIVI, KVLayerCodec, Raw
 
 if TYPE_CHECKING:
-    from .prefix_cache import IngestResult, Located, Materialized, PrefixCache
+    from .prefix_cache import PrefixCache
     from .remote import RemoteCache
+    from .results import IngestResult, Located, Materialized
 
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
-    "IngestResult": ".prefix_cache",
-    "Located": ".prefix_cache",
-    "Materialized": ".prefix_cache",
+    "IngestResult": ".results",
+    "Located": ".results",
+    "Materialized": ".results",
     "PrefixCache": ".prefix_cache",
     "RemoteCache": ".remote",
 }
