@@ -1,10 +1,12 @@
 """Where ingest and materialize spend their time, stage by stage (a diagnostic for benchmarks/store.py).
 
-    python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile]
+    python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile] [--trace DIR]
 
 Each stage is timed with a device synchronization on both sides, so stages that overlap
 in normal operation (host bookkeeping and device copies) are shown serialized here: the
-sum is an upper bound of the real time. ``--profile`` adds a cProfile of one normal call.
+sum is an upper bound of the real time. ``--profile`` adds a cProfile of one normal call;
+``--trace DIR`` writes a Chrome trace (torch.profiler, CPU and CUDA) of one ingest and one
+materialize, and prints the device timeline of each: kernels and copies, per stream.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import cProfile
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--tier", default="cpu", choices=["cpu", "gpu"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces (CUDA only)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     codec = CODECS[args.codec]
@@ -99,8 +103,44 @@ def main() -> None:
             prof.disable()
             print(f"--- cProfile: {name}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    if args.trace is not None and device.type == "cuda":
+        toks = [(1234 * 7919 + j) % 120_000 for j in range(tokens)]
+        for name, fn in (("ingest", lambda: cache.ingest(toks, kv)), ("materialize", lambda: cache.materialize(toks, device=device))):
+            path = _trace(fn, args.trace / f"trace-{args.codec}-{args.tier}-{name}.json")
+            print(f"--- device timeline: {name} ({path})")
+            print(_timeline(path))
     print(table(rows, ["stage", "ms", "us_per_block", "raw_GBps"],
                 f"{args.codec} -> {args.tier} tier, {n} Llama-3-8B blocks, KV on {device}"))
+
+
+def _trace(fn, path: Path) -> Path:
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    return path
+
+
+def _timeline(path: Path) -> str:
+    """Device events of a Chrome trace, in start order, with times from the first host event."""
+    import json
+
+    events = json.loads(path.read_text())["traceEvents"]
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
+    t0 = min((e["ts"] for e in host), default=0)
+    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    lines = [f"{'start us':>9} {'dur us':>8} {'stream':>6}  name"]
+    for e in dev:
+        stream = e.get("args", {}).get("stream", e.get("tid"))
+        lines.append(f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} {stream!s:>6}  {e['name'][:70]}")
+    end = max((e["ts"] + e["dur"] for e in dev), default=t0)
+    lines.append(f"device busy until {end - t0:.1f} us after the call started")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -22,11 +23,12 @@ from .errors import FrameError, InputError
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .quant.tensors import TORCH_DTYPES, all_finite
-from .store.device import as_host_tensor, copy_entry
+from .store.device import as_host_tensor, copy_entry, work_stream
 from .store.frame import FrameMeta, plan_frame
 from .store.tier import BlockFrame
 
 STAGING_ALIGN = 256
+_UNPREPARED: Any = object()  # _encode_deferred asks the codec to prepare the layers itself
 
 
 def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> int:
@@ -92,32 +94,49 @@ def _encode_deferred(
     hashes: Sequence[bytes],
     parents: Sequence[bytes],
     staging: bool | None = None,
+    prepared: Any = _UNPREPARED,
 ) -> tuple[list[BlockFrame], torch.Tensor]:
     """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
-    validity flags, which must be checked before the frames are used."""
+    validity flags, which must be checked before the frames are used. ``prepared``: the
+    codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches."""
     n = len(hashes)
     t0 = first_block * block_tokens
     L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     device = layers[0][0].device
     raw = codec.name == "raw"
     direct = raw and not (device.type != "cpu" if staging is None else staging)
-    if direct:
-        finite = _raw_finite(layers, t0, t0 + n * block_tokens)
-    elif raw:
-        # Stacking first keeps this to a handful of launches (not two per layer).
-        k5, v5 = _stack(layers, t0, n, block_tokens)
-        finite = torch.stack([all_finite(k5), all_finite(v5)])
-    else:
-        k5, v5 = _stack(layers, t0, n, block_tokens)
-        encoded, finite = codec.encode_deferred(k5, v5)
-    # The host plans the frames while the device encodes.
     template = codec.template((L, H, block_tokens, D), layout.dtype)
     specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    metas = [plan_frame(block_hash=hashes[0], parent_hash=parents[0], position=first_block, layout=layout,
+                        block_tokens=block_tokens, codec=codec.spec(), buffers=specs)]
+    if direct:
+        finite = _raw_finite(layers, t0, t0 + n * block_tokens)
+    else:
+        payload = metas[0].payload_nbytes
+        stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
+        buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
+        views = [_strided(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
+        if prepared is _UNPREPARED:
+            prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+        if prepared is not None:
+            finite = codec.encode_layers_into(prepared, t0, n, block_tokens, views)
+        else:
+            # Stacking first keeps this to a handful of launches (not two per layer).
+            k5, v5 = _stack(layers, t0, n, block_tokens)
+            if raw:
+                finite = torch.stack([all_finite(k5), all_finite(v5)])
+                sources = [k5, v5]
+            else:
+                encoded, finite = codec.encode_deferred(k5, v5)
+                sources = [src for _, _, src in encoded.named_buffers()]
+            for view, src in zip(views, sources, strict=True):
+                view.copy_(src)
+    # The host plans the frames while the device encodes.
     codec_spec = codec.spec()
-    metas = [
+    metas += [
         plan_frame(block_hash=hashes[i], parent_hash=parents[i], position=first_block + i, layout=layout,
                    block_tokens=block_tokens, codec=codec_spec, buffers=specs)
-        for i in range(n)
+        for i in range(1, n)
     ]
     if direct:
         # On the host, Raw frames point at the caller's own per-layer slices: the only
@@ -127,16 +146,6 @@ def _encode_deferred(
             return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
 
         return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)], finite
-    payload = metas[0].payload_nbytes
-    stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
-    buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
-    views = [_strided(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
-    if raw:
-        views[0].copy_(k5)
-        views[1].copy_(v5)
-    else:
-        for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
-            view.copy_(src)
     return [BlockFrame(meta, device_payload=buf[i, :payload], sealed=False) for i, meta in enumerate(metas)], finite
 
 
@@ -292,39 +301,81 @@ def iter_encoded(
     """Frames of every block not ``present``, a batch (at most ``batch_blocks`` consecutive
     blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
 
-    On a GPU the next batch is encoded on a side stream while the caller moves the current
-    one (device-to-host copies overlap encoding). ``tail_first`` yields the batches of
-    the chain's end first.
+    On a GPU the blocks are cut into up to ``PIPELINE_DEPTH`` batches (see
+    :func:`pipeline_blocks`) and the next batch is encoded on a side stream while the
+    caller moves the current one, so device-to-host copies overlap encoding.
+    ``tail_first`` yields the batches of the chain's end first.
     """
-    batches = list(_runs([not p for p in present], batch_blocks))
+    device = layers[0][0].device
+    missing = [not p for p in present]
+    if device.type == "cuda":
+        batch_blocks = pipeline_blocks(sum(missing), batch_blocks, layout.raw_nbytes(block_tokens))
+    batches = list(_runs(missing, batch_blocks))
     if tail_first:
         batches.reverse()
     if not batches:
         return
-    device = layers[0][0].device
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+    side = work_stream("encode", device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
 
     def launch(start: int, stop: int):
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             frames, finite = _encode_deferred(codec, layout, block_tokens, layers, start,
-                                              hashes[start:stop], parents[start:stop])
-            done = torch.cuda.Event() if side is not None else None
-            if done is not None:
+                                              hashes[start:stop], parents[start:stop], prepared=prepared)
+            done = None
+            if side is not None:
+                finite = _flags_to_host(finite)
+                done = torch.cuda.Event()
                 done.record(side)
         return frames, finite, done
 
     upcoming = launch(*batches[0])
-    for i in range(len(batches)):
-        frames, finite, done = upcoming
-        if i + 1 < len(batches):
-            upcoming = launch(*batches[i + 1])  # queued behind this batch on the side stream
-        if done is not None:
-            done.synchronize()
-            torch.cuda.current_stream(device).wait_event(done)
-        codec.check_finite(finite)
-        yield frames
+    try:
+        for i in range(len(batches)):
+            frames, finite, done = upcoming
+            if i + 1 < len(batches):
+                upcoming = launch(*batches[i + 1])  # queued behind this batch on the side stream
+            if done is not None:
+                done.synchronize()
+                torch.cuda.current_stream(device).wait_event(done)
+            codec.check_finite(finite)
+            yield frames
+    finally:
+        # Stopped early (bad input, or the caller gave up): the batch launched ahead still
+        # writes its flags into host memory; let it finish before that memory is reused.
+        if upcoming[2] is not None:
+            upcoming[2].synchronize()
+
+
+PIPELINE_DEPTH = 3  # batches an ingest is cut into on a GPU, so copies overlap encoding
+PIPELINE_MIN_BYTES = 128 << 20  # raw KV per batch below which the host's fixed costs dominate
+
+
+def pipeline_blocks(missing: int, batch_blocks: int, block_raw_nbytes: int) -> int:
+    """Blocks per batch on a GPU: at most ``batch_blocks``, and small enough that
+    ``missing`` blocks make ``PIPELINE_DEPTH`` batches, so only the first batch's encode is
+    not hidden behind copies; but not below ``PIPELINE_MIN_BYTES`` of raw KV (each batch
+    costs the host a fixed ~0.5 ms of launches and bookkeeping, which must stay under the
+    time its copies take)."""
+    floor = max(1, -(-PIPELINE_MIN_BYTES // block_raw_nbytes))
+    return max(1, min(batch_blocks, max(floor, -(-missing // PIPELINE_DEPTH))))
+
+
+def _flags_to_host(flags: torch.Tensor) -> torch.Tensor:
+    """Validity flags into pinned host memory, written by a kernel: reading them back with
+    a copy would wait behind every device-to-host copy already queued on the copy engine
+    (the previous batches' payloads), stalling the pipeline. Without Triton: unchanged."""
+    from .quant.kivi import kernels_available
+
+    if not kernels_available():
+        return flags
+    from . import kernels
+
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    kernels.store_to_host(flags.contiguous(), host)
+    return host
 
 
 def encode_missing(

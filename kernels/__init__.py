@@ -5,6 +5,6 @@ one launch per call. On a machine without CUDA they run only under ``TRITON_INTE
 (set before triton is first imported).
 """
 
-from .kivi import dequantize, quantize
+from .kivi import LayerTable, dequantize, quantize, quantize_layers, store_to_host
 
-__all__ = ["dequantize", "quantize"]
+__all__ = ["LayerTable", "dequantize", "quantize", "quantize_layers", "store_to_host"]

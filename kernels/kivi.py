@@ -135,6 +135,22 @@ def _decode(codes, s, m):
 
 
 @triton.jit
+def _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr):
+    """Where row (a, c) of the input starts. With ``X_TABLE``, the input is a model's layers,
+    each its own [H, T, D] tensor: ``x_ptr`` is layer 0 and ``xt_ptr`` a table of each
+    layer's offset from it (in elements), one entry per XH inner rows; row (a, c) is inner
+    row c % XH of layer c // XH, so no stacked copy is needed."""
+    if X_TABLE:
+        # Offsets from a pointer the compiler knows is aligned (not raw addresses), declared
+        # multiples of 16 bytes (LayerTable checks): the loads stay vectorized.
+        off = tl.multiple_of(tl.load(xt_ptr + c // XH), X_ALIGN)
+        row = x_ptr + off + a * sx_a + (c % XH) * sx_c
+    else:
+        row = x_ptr + a * sx_a + c * sx_c
+    return row
+
+
+@triton.jit
 def _round_to_bf16(x):
     """fp32 ``x`` rounded half-to-even to bf16 precision, still fp32. Only for the
     interpreter, whose fp32 -> bf16 cast truncates (GPUs round to nearest even)."""
@@ -164,13 +180,13 @@ def _v_masked(args) -> bool:
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
 def _quantize_k_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr,
-    C, T, D,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr,
+    C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
-    MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     NW: tl.constexpr = G // PER
@@ -192,7 +208,7 @@ def _quantize_k_kernel(
 
     d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     w = tl.arange(0, NW).to(tl.int64)
-    x_row = x_ptr + a * sx_a + c * sx_c
+    x_row = _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN)
     q_row = q_ptr + a * sq_a + c * sq_c
     stat_row = a * ss_a + c * ss_c
 
@@ -318,13 +334,13 @@ def _dequantize_k_kernel(
 @triton.heuristics({"MASKED": _v_masked})
 @triton.jit
 def _quantize_v_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr,
-    C, T, D,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr,
+    C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -345,7 +361,7 @@ def _quantize_v_kernel(
     word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NGP, WPG]: index along packed D
     t_ok = t < T
     ok = t_ok[:, None, None] & (d < D)[None, :, :]
-    x_ptrs = x_ptr + a * sx_a + c * sx_c + t[:, None, None] * sx_t + d[None, :, :]
+    x_ptrs = _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN) + t[:, None, None] * sx_t + d[None, :, :]
     if MASKED:
         x = tl.load(x_ptrs, mask=ok, other=0.0)
     else:
@@ -527,9 +543,14 @@ def _tuned(side: str, op: str, group: int, D: int):
 
 
 def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[tuple[int, ...]],
-                 consts: dict[str, Any], group: int, config: triton.Config | None) -> _Launch:
-    """``strides``: each tensor's full strides, in kernel argument order."""
-    scalars = (lv.C, T, D, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
+                 consts: dict[str, Any], group: int, config: triton.Config | None, *,
+                 x_dtype: torch.dtype | None = None, x_table_rows: int = 0) -> _Launch:
+    """``strides``: each tensor's full strides, in kernel argument order. Quantize takes
+    ``x_dtype``, and ``x_table_rows`` > 0 when x is read through a layer table (``_x_row``)."""
+    xh = (max(1, x_table_rows),) if op == "quantize" else ()
+    scalars = (lv.C, T, D, *xh, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
+    if op == "quantize":
+        consts = {**consts, "X_TABLE": x_table_rows > 0, "X_ALIGN": 16 // x_dtype.itemsize}
     if side == "v":
         d_pad = configs.padded_head_dim(D)
         consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
@@ -567,8 +588,43 @@ def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch
     if lv is None:  # three or more strided levels: one copy rather than one launch per level
         return _QuantizePlan(q_shape, st_shape, None, copy_input=True)
     side = "k" if axis == AXIS_TOKENS else "v"
-    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config)
+    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config, x_dtype=dtype)
     return _QuantizePlan(q_shape, st_shape, launch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _layers_plan(layer_shape: tuple[int, ...], layer_stride: tuple[int, ...], dtype: torch.dtype, n: int,
+                 block: int, outs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...], bits: int,
+                 group: int, axis: int, config: triton.Config | None, autotune: bool) -> _Launch | None:
+    """The launch for :func:`quantize_layers` (None when there is nothing to do)."""
+    if len(layer_shape) != 3 or layer_stride[-1] != 1:
+        raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {layer_shape} {layer_stride}")
+    if dtype not in X_DTYPES:
+        raise ValueError(f"layers: dtype must be one of {X_DTYPES}, got {dtype}")
+    H, _, D = layer_shape
+    axis = _check_args(bits, group, axis, 5)
+    q_shape, st_shape = _shapes((n, 1, H, block, D), bits, group, axis)
+    (qs, qst, qdt), (ss, sst, sdt), (ms, mst, mdt) = outs
+    L = qs[1]
+    for name, shape, want in (("q", qs, q_shape), ("scale", ss, st_shape), ("mn", ms, st_shape)):
+        if shape != (n, L, *want[2:]):
+            raise ValueError(f"out {name}: expected shape {(n, L, *want[2:])}, got {shape}")
+    if qdt != torch.int32 or sdt not in STATS_DTYPES or mdt != sdt:
+        raise ValueError(f"out: expected int32 codes and matching stats dtypes, got {qdt}, {sdt}, {mdt}")
+    if sst != mst:
+        raise ValueError("out: scale and mn must have the same strides")
+    for name, shape, st in (("q", qs, qst), ("scale", ss, sst)):
+        # Layers and heads must merge into one level: the kernel indexes rows as (block, layer*H + head).
+        if not unit_last(shape, st) or (H > 1 and L > 1 and st[1] != st[2] * H):
+            raise ValueError(f"out {name}: strides {st} cannot be indexed as [block, layer x head] rows")
+    if n * L * H * block * D == 0:
+        return None
+    sx_h, sx_t, _ = layer_stride
+    lv = Levels(A=n, C=L * H, strides=((block * sx_t, sx_h), (qst[0], qst[2]), (sst[0], sst[2])))
+    strides = [(sx_t, 1), qst, sst]
+    side = "k" if axis == AXIS_TOKENS else "v"
+    return _make_launch(side, "quantize", lv, block, D, strides, {"BITS": bits}, group, config,
+                        x_dtype=dtype, x_table_rows=H)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -617,7 +673,7 @@ def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: to
     scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     if plan.launch is not None:
-        plan.launch(x, q, scale, mn)
+        plan.launch(x, q, scale, mn, x)  # no layer table: x stands in for it, unread
     return q, scale, mn
 
 
@@ -655,6 +711,85 @@ def quantize(x: torch.Tensor, *, bits: int, group: int, axis: int,
     """KIVI-quantize ``x`` ([..., T, D]) along ``axis``: contiguous ``(q int32, scale, min)``,
     as ``kivi_reference.quantize``. ``x`` may be a strided view (see ``_strides``)."""
     return _quantize(x, bits, group, axis, stats_dtype)
+
+
+@triton.jit
+def _store_to_host_kernel(src_ptr, dst_addr, N: tl.constexpr, NP: tl.constexpr):
+    i = tl.arange(0, NP)
+    dst = dst_addr.to(tl.pointer_type(tl.uint8))
+    tl.store(dst + i, tl.load(src_ptr + i, mask=i < N), mask=i < N)
+
+
+def store_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Write the bytes of a small CUDA tensor into pinned host memory ``dst`` with a kernel
+    (through its mapped address), on the current stream. Unlike a copy, this does not
+    queue behind the device-to-host copies in flight on the copy engine: a host that waits
+    on an event recorded after it reads ``dst`` as soon as the kernel is done."""
+    if src.device.type != "cuda" or dst.device.type != "cpu" or not dst.is_pinned():
+        raise ValueError("store_to_host: src must be a CUDA tensor and dst pinned host memory")
+    n = src.numel() * src.element_size()
+    if dst.numel() * dst.element_size() != n or not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"store_to_host: {n} contiguous source bytes need as many contiguous destination bytes")
+    if n:
+        with torch.cuda.device(src.device):
+            _store_to_host_kernel[(1,)](src.view(torch.uint8), dst.data_ptr(), N=n, NP=triton.next_power_of_2(n))
+
+
+class LayerTable:
+    """A model's layers (L separate ``[H, T, D]`` tensors of one shape, strides, dtype and
+    device) as a device table of each layer's offset from layer 0, for
+    :func:`quantize_layers`. Checked and built once, then used for every batch of blocks
+    read from them."""
+
+    __slots__ = ("layers", "shape", "stride", "dtype", "device", "offsets", "_host")
+
+    def __init__(self, layers: list[torch.Tensor]) -> None:
+        first = layers[0]
+        shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
+        for i, t in enumerate(layers):
+            if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.device != device:
+                raise ValueError(f"layers[{i}]: shape, strides, dtype and device must match layer 0's")
+        if len(shape) != 3 or stride[-1] != 1:
+            raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {tuple(shape)} {stride}")
+        ptrs = [t.data_ptr() for t in layers]
+        size = first.element_size()
+        if any(p % 16 for p in ptrs) or (stride[1] * size) % 16:
+            raise ValueError("layers: every layer and token row must start 16-byte aligned")
+        self.layers = list(layers)  # the table holds raw offsets: keep the tensors alive
+        self.shape, self.stride, self.dtype, self.device = tuple(shape), stride, dtype, device
+        offsets = [(p - ptrs[0]) // size for p in ptrs]
+        if device.type == "cuda":
+            # Pinned and asynchronous: a pageable copy would wait for the device to go idle
+            # (and Tensor.pin_memory() checks pinning first, which costs milliseconds).
+            self._host = torch.empty(len(offsets), dtype=torch.int64, pin_memory=True)
+            self._host.copy_(torch.tensor(offsets, dtype=torch.int64))
+            self.offsets = self._host.to(device, non_blocking=True)
+        else:
+            self._host = None
+            self.offsets = torch.tensor(offsets, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+
+def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *, bits: int,
+                    group: int, axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """KIVI-quantize tokens ``[t0, t0 + n * block)`` of every layer, as ``n`` blocks, into
+    ``out = (q, scale, min)`` of shapes ``[n, L, H, ...]`` (e.g. views of a staging buffer,
+    each block a row at its own stride). ``layers`` are L separate ``[H, T, D]`` tensors of
+    one dtype, device and strides (or their :class:`LayerTable`): the kernel reads them
+    through a table of their addresses, in one launch, with no stacked copy. The same
+    codes as ``quantize`` of the stacked ``[n, L, H, block, D]`` view."""
+    table = layers if isinstance(layers, LayerTable) else LayerTable(layers)
+    if t0 < 0 or t0 + n * block > table.shape[1]:
+        raise ValueError(f"tokens [{t0}, {t0 + n * block}) are outside the layers' {table.shape[1]}")
+    if len(out) != 3 or out[0].dim() != 5 or out[0].shape[1] != len(table):
+        raise ValueError(f"out: expected (q, scale, min) of [n, L, H, ...] with L = {len(table)}")
+    outs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
+    launch = _layers_plan(table.shape, table.stride, table.dtype, n, block, outs, bits, group, axis, None,
+                          configs.autotune_enabled())
+    if launch is not None:
+        launch(table.layers[0][:, t0:], *out, table.offsets)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, bits: int, group: int, axis: int,

@@ -35,11 +35,15 @@ for s in "$@"; do
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
+    trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
+                 step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
+    store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --out /tmp/sq ;;
     batches)     for b in 1GiB 256MiB 128MiB; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
     store)       step store 200 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
-    tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py ;;
+    tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py tests/test_offload.py ;;
+    tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_block_io.py tests/test_offload.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;

@@ -47,16 +47,20 @@ KERNELS = {
 _DIVISIBLE = {"D", "sx_a", "sx_c", "sx_t", "sq_a", "sq_c", "ss_a", "ss_c", "sm_a", "sm_c", "so_a", "so_c", "so_t"}
 
 
-def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dtype="fp16", masked=False, cfg=None):
-    """Compile one kernel; returns (compiled kernel, config)."""
+def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dtype="fp16", masked=False, cfg=None,
+                   table=False):
+    """Compile one kernel; returns (compiled kernel, config). ``table``: quantize reading
+    x through a table of layer addresses (``X_TABLE``)."""
     cfg = cfg or configs.pick(side, op, group, head_dim, 256)
     fn = KERNELS[side, op].fn  # under the heuristics wrapper
     consts = {"BITS": bits, "MASKED": masked, **cfg.kwargs}
+    if op == "quantize":
+        consts.update(X_TABLE=table, X_ALIGN=16 * 8 // int(x_dtype[-2:]))
     d_pad = configs.padded_head_dim(head_dim)
     consts.update({"G": group} if side == "k" else {"GP": min(group, d_pad), "D_PAD": d_pad})
     if op == "dequantize":
         consts["SOFT_BF16"] = False
-    ptrs = {"x_ptr": f"*{x_dtype}", "o_ptr": f"*{x_dtype}", "q_ptr": "*i32", "s_ptr": f"*{stats_dtype}",
+    ptrs = {"x_ptr": f"*{x_dtype}", "xt_ptr": "*i64", "o_ptr": f"*{x_dtype}", "q_ptr": "*i32", "s_ptr": f"*{stats_dtype}",
             "m_ptr": f"*{stats_dtype}"}
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n in _DIVISIBLE}
@@ -100,17 +104,20 @@ def main() -> int:
                 cases.append((side, op, 4, group, 128, "fp16", "fp16", False, cfg))
     elif args.quick:
         cases = [(side, op, 4, 32, 80, "bf16", "fp16", True, None) for side, op in KERNELS]
+        cases += [(side, "quantize", 4, 32, 128, "fp16", "fp16", False, None, True) for side in ("k", "v")]
     else:
         dtypes, stats = ("fp16", "bf16", "fp32"), ("fp16", "fp32")
         for i, ((side, op), bits, group, d) in enumerate(
                 itertools.product(KERNELS, (2, 4, 8), (32, 64, 128), (64, 80, 96, 128, 256))):
-            cases.append((side, op, bits, group, d, dtypes[i % 3], stats[i // 3 % 2], bool(i % 2), None))
+            table = op == "quantize" and i % 5 == 0
+            cases.append((side, op, bits, group, d, dtypes[i % 3], stats[i // 3 % 2], bool(i % 2), None, table))
     failures = 0
-    for side, op, bits, group, d, xd, sd, masked, cfg in cases:
-        name = f"{side} {op:10s} b{bits} G{group:<3d} D{d:<3d} {xd}/{sd} masked={int(masked)}"
+    for side, op, bits, group, d, xd, sd, masked, cfg, *table in cases:
+        table = bool(table and table[0])
+        name = f"{side} {op:10s} b{bits} G{group:<3d} D{d:<3d} {xd}/{sd} masked={int(masked)} table={int(table)}"
         try:
             kernel, cfg = compile_kernel(side, op, bits=bits, group=group, head_dim=d, x_dtype=xd,
-                                         stats_dtype=sd, masked=masked, cfg=cfg)
+                                         stats_dtype=sd, masked=masked, cfg=cfg, table=table)
         except Exception as e:  # report every failure, then fail
             failures += 1
             print(f"FAIL {name}: {str(e)[-400:]}", flush=True)

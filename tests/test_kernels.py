@@ -222,6 +222,35 @@ def test_quantize_a_block_view_of_the_kv_tensor(axis, bits, group):
         assert a.is_contiguous() and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("axis,bits,group,dtype", [(AXIS_TOKENS, 4, 32, F16), (AXIS_CHANNELS, 2, 64, F16),
+                                                   (AXIS_TOKENS, 8, 32, torch.bfloat16), (AXIS_CHANNELS, 4, 32, torch.float32)])
+def test_quantize_layers_reads_separate_layer_tensors_into_staging_rows(axis, bits, group, dtype):
+    # A model's layers are separate [H, T, D] tensors (with room after T, as a growing
+    # cache has); blocks 1..N of them go into rows of a staging buffer at a padded stride.
+    gen = torch.Generator().manual_seed(13)
+    layers = [torch.randn(H, (N + 2) * B, D, generator=gen).to(dtype).to(DEVICE)[:, : (N + 1) * B] for _ in range(L)]
+    want = ref.quantize(torch.stack(layers)[:, :, B:].unflatten(2, (N, B)).permute(2, 0, 1, 3, 4),
+                        bits=bits, group=group, axis=axis, stats_dtype=F16)
+    out = tuple(_packed_at_stride(torch.full_like(w, -1), pad) for w, pad in zip(want, (5, 3, 3)))
+    # scale and min share strides: give them the same padding
+    kernels.quantize_layers(layers, B, N, B, bits=bits, group=group, axis=axis, out=out)
+    for a, b in zip(out, want):
+        assert torch.equal(a, b)
+
+
+def test_quantize_layers_rejects_mismatched_layers_and_outputs():
+    layers = [torch.zeros(H, 2 * B, D, dtype=F16, device=DEVICE) for _ in range(L)]
+    q, s, m = ref.quantize(torch.zeros(1, L, H, B, D, dtype=F16, device=DEVICE), bits=4, group=32, axis=AXIS_TOKENS,
+                           stats_dtype=F16)
+    with pytest.raises(ValueError, match="layers\\[1\\]"):
+        kernels.quantize_layers([layers[0], layers[1][:, :B]], 0, 1, B, bits=4, group=32, axis=AXIS_TOKENS,
+                                out=(q[:, :2], s[:, :2], m[:, :2]))
+    with pytest.raises(ValueError, match="outside"):
+        kernels.quantize_layers(layers, B, 2, B, bits=4, group=32, axis=AXIS_TOKENS, out=(q, s, m))
+    with pytest.raises(ValueError, match="out q"):
+        kernels.quantize_layers(layers, 0, 1, B, bits=4, group=32, axis=AXIS_CHANNELS, out=(q, s, m))
+
+
 def _packed_at_stride(t: torch.Tensor, pad: int) -> torch.Tensor:
     """``t`` ([N, ...]) copied into one flat buffer at a fixed stride of numel + pad per
     block (as frames land in one device buffer), returned as an as_strided view."""
@@ -305,4 +334,15 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     proc = subprocess.run([sys.executable, str(script), "--quick"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, (proc.stdout, proc.stderr[-2000:])
-    assert "4/4 compiled for sm_90" in proc.stdout
+    assert "6/6 compiled for sm_90" in proc.stdout  # the four kernels, and quantize through a layer table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="writes pinned host memory from a CUDA kernel")
+def test_store_to_host_writes_pinned_memory_from_the_device():
+    src = torch.tensor([True, False, True], device="cuda")
+    dst = torch.zeros(3, dtype=torch.bool, pin_memory=True)
+    kernels.store_to_host(src, dst)
+    torch.cuda.synchronize()
+    assert dst.tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="pinned"):
+        kernels.store_to_host(src, torch.zeros(3, dtype=torch.bool))

@@ -44,6 +44,18 @@ class KVLayerCodec(Protocol):
         """``encode`` without the host wait: also returns device-side validity flags."""
         ...
 
+    def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
+        """Get ready to encode blocks read in place from per-layer ``[H, T, D]`` K and V
+        (checked once for many batches); None if this codec or backend cannot (the caller
+        then stacks the layers and calls ``encode_deferred``)."""
+        ...
+
+    def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
+        """Encode ``n`` blocks of tokens from ``t0`` on from ``prepare_layers``' layers into
+        ``out`` (the template's buffers as ``[n, L, H, ...]`` views); returns the flags of
+        ``encode_deferred``."""
+        ...
+
     def check_finite(self, finite: Any) -> None:
         """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold."""
         ...

@@ -61,6 +61,12 @@ class Raw:
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
         return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
 
+    def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> None:
+        return None  # a stacked copy is the encoding: the caller makes it
+
+    def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
+        raise NotImplementedError("Raw reads no layers in place (prepare_layers returns None)")
+
     def check_finite(self, finite: Any) -> None:
         flags = finite.tolist()
         if not all(flags):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import StorageError
 from .arena import HostArena, Slot
@@ -15,12 +16,17 @@ class _Record:
     slot: Slot
     meta: FrameMeta
     sealed: bool
+    # Device copies into the slot still in flight (``device.Landing``); None once landed.
+    landing: Any = None
 
 
 class CpuTier(IndexedTier):
     """Host-memory tier. Frames fresh from a device encoder are copied straight from the
     device into their slot (one copy, no staging) and stay unsealed: their checksum is
-    computed only when they leave memory (disk, Redis, HTTP)."""
+    computed only when they leave memory (disk, Redis, HTTP).
+
+    Device copies are not waited for: a frame is indexed at once, and whatever reads,
+    demotes or frees its slot waits for its copies first (:meth:`settle` waits for all)."""
 
     accepts_device_frames = True
 
@@ -28,6 +34,7 @@ class CpuTier(IndexedTier):
         super().__init__(name, capacity_bytes)
         self._arena = HostArena(capacity_bytes, pin=pin, chunk_bytes=chunk_bytes)
         self._records: dict[bytes, _Record] = {}
+        self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
 
     # -- writes ------------------------------------------------------------------------
 
@@ -38,69 +45,107 @@ class CpuTier(IndexedTier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
-        """Store several frames. Each frame's device copy starts as soon as its slot is
-        reserved, so bookkeeping overlaps the transfers; a group is waited on once (a group
-        holds at most half the budget, so later frames can still evict earlier ones). A
-        frame that cannot be stored gets ``error`` set; the others proceed."""
+        """Store several frames. Host bytes are copied before this returns; device
+        payloads are copied on their device's to-host stream, and this returns once the
+        copies are issued. A frame that cannot be stored gets ``error`` set; the others
+        proceed."""
         results = [PutResult(stored=None) for _ in items]
         with self._lock:
-            pending: list[tuple[bytes, BlockFrame, Slot, PutResult]] = []
-            pending_keys: set[bytes] = set()
-            pending_bytes = 0
-            devices: set = set()
+            self._forget_landed()
+            copies = None  # device copies of this call, issued together
             for (key, frame), result in zip(items, results):
-                if key in self._records or key in pending_keys:
+                if key in self._records:
                     self._index.touch([key])
                     continue
-                if pending and pending_bytes + frame.nbytes > self.capacity_bytes // 2:
-                    self._finish(pending, devices)
-                    pending, pending_keys, pending_bytes, devices = [], set(), 0, set()
                 try:
-                    slot = self._reserve(frame.nbytes, result.evicted, pending_bytes)
+                    slot = self._reserve(frame.nbytes, result.evicted)
                 except StorageError as exc:
                     self._stats.write_errors += 1
                     result.error = exc
                     continue
+                view = slot.view(frame.nbytes)
                 try:
-                    devices |= _start_fill(frame, slot)
-                except Exception as exc:  # a failed device copy: this frame only
+                    landing = _start_fill(frame, view, copies)
+                except Exception as exc:  # a bad device buffer: this frame only
                     self._arena.free(slot)
                     self._stats.write_errors += 1
                     result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
                     continue
-                pending.append((key, frame, slot, result))
-                pending_keys.add(key)
-                pending_bytes += slot.nbytes
-            self._finish(pending, devices)
+                sealed = frame.sealed and frame.host is not None
+                self._records[key] = rec = _Record(slot, frame.meta, sealed, landing)
+                if landing is not None:
+                    self._landing[key] = rec
+                    copies = landing
+                self._index.add(key, _info(frame.meta))
+                self._stats.bytes_in += frame.nbytes
+                result.stored = BlockFrame(frame.meta, host=view, sealed=sealed)
+            if copies is not None:
+                try:
+                    copies.issue()
+                except Exception as exc:
+                    dropped = self._drop_landing(copies)
+                    for (key, _), result in zip(items, results):
+                        if key in dropped:
+                            result.stored = None
+                            result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
             self._sync_counts()
         return results
 
-    def _finish(self, pending: list[tuple[bytes, BlockFrame, Slot, PutResult]], devices: set) -> None:
-        """Wait for a group's device copies, then publish its frames."""
-        if devices:
-            from .device import wait_for
+    def settle(self) -> None:
+        """Wait until every frame put so far is in host memory (a frame whose copy
+        failed is dropped and counted as a write error)."""
+        with self._lock:
+            for key in list(self._landing):
+                rec = self._records.get(key)
+                if rec is not None:
+                    self._landed(key, rec)
+            self._landing.clear()
+            self._sync_counts()
 
-            try:
-                wait_for(devices)
-            except Exception as exc:
-                for _, _, slot, result in pending:
-                    self._arena.free(slot)
-                    result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
-                self._stats.write_errors += len(pending)
-                return
-        for key, frame, slot, result in pending:
-            sealed = frame.sealed and frame.host is not None
-            self._records[key] = _Record(slot, frame.meta, sealed)
-            self._index.add(key, _info(frame.meta))
-            self._stats.bytes_in += frame.nbytes
-            result.stored = BlockFrame(frame.meta, host=slot.view(frame.nbytes), sealed=sealed)
+    def _landed(self, key: bytes, rec: _Record) -> bool:
+        """Wait for ``rec``'s device copies. False (and the record dropped) if they failed."""
+        if rec.landing is None:
+            return True
+        try:
+            rec.landing.wait()
+        except Exception:
+            self._records.pop(key, None)
+            self._landing.pop(key, None)
+            self._index.remove(key)
+            self._arena.free(rec.slot)
+            self._stats.write_errors += 1
+            return False
+        rec.landing = None
+        self._landing.pop(key, None)
+        return True
 
-    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]], pending_bytes: int) -> Slot:
+    def _drop_landing(self, landing: Any) -> set[bytes]:
+        """Drop every record filled by ``landing`` (its copies could not be issued)."""
+        dropped = set()
+        for key, rec in list(self._landing.items()):
+            if rec.landing is landing:
+                rec.landing = None
+                self._landing.pop(key)
+                self._records.pop(key)
+                self._index.remove(key)
+                self._arena.free(rec.slot)
+                self._stats.write_errors += 1
+                dropped.add(key)
+        return dropped
+
+    def _forget_landed(self) -> None:
+        """Drop finished landings, so later reads skip their waits."""
+        for key, rec in list(self._landing.items()):
+            if rec.landing is None or rec.landing.done():
+                rec.landing = None
+                del self._landing[key]
+
+    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> Slot:
         """A slot for ``nbytes``, evicting LRU blocks (into ``evicted``) until the budget
-        (counting ``pending_bytes`` reserved but not yet committed) and the arena have room."""
+        and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
-        while self._index.used_bytes + pending_bytes + nbytes > self.capacity_bytes and len(self._index):
+        while self._index.used_bytes + nbytes > self.capacity_bytes and len(self._index):
             evicted += self._evict_one()
         slot = self._arena.allocate(nbytes)
         while slot is None and len(self._index):
@@ -117,7 +162,10 @@ class CpuTier(IndexedTier):
         victim = next(self._index.oldest(), None)
         if victim is None:
             return []
-        rec = self._records.pop(victim)
+        rec = self._records[victim]
+        if not self._landed(victim, rec):
+            return []  # dropped: its copy failed, so there is nothing to demote
+        del self._records[victim]
         self._index.remove(victim)
         self._stats.evictions += 1
         frame = BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed) if self.demote_evicted else None
@@ -129,7 +177,7 @@ class CpuTier(IndexedTier):
     def get(self, key: bytes) -> BlockFrame | None:
         with self._lock:
             rec = self._records.get(key)
-            if rec is None:
+            if rec is None or not self._landed(key, rec):
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
@@ -138,13 +186,19 @@ class CpuTier(IndexedTier):
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
-            rec = self._records.pop(key, None)
+            rec = self._records.get(key)
             if rec is None:
                 return False
+            if not self._landed(key, rec):
+                return True  # dropped there
+            del self._records[key]
             self._index.remove(key)
             self._arena.free(rec.slot)
             self._sync_counts()
             return True
+
+    def close(self) -> None:
+        self.settle()  # the arena's memory must outlive the copies into it
 
     def _extra(self) -> dict:
         return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
@@ -156,18 +210,21 @@ def _info(meta: FrameMeta) -> BlockInfo:
     return BlockInfo(nbytes=meta.nbytes, raw_nbytes=meta.raw_nbytes, parent=meta.parent_hash, position=meta.position)
 
 
-def _start_fill(frame: BlockFrame, slot: Slot) -> set:
-    """Write a frame into its slot: host bytes by memcpy (done on return), device buffers by
-    non-blocking copies straight into the (pinned) slot; returns the devices to wait on."""
-    view = slot.view(frame.nbytes)
+def _start_fill(frame: BlockFrame, view: memoryview, copies: Any) -> Any:
+    """Write a frame into its slot's ``view``. Host bytes are copied before this returns
+    (None). Device buffers are queued on ``copies`` (a ``device.HostCopies``, made when
+    None), which is returned: the slot is filled once it has landed."""
     if frame.host is not None:
         if frame.sealed_prefix is not None:
             view[: len(frame.sealed_prefix)] = frame.sealed_prefix
             view[len(frame.sealed_prefix) :] = frame.payload_view()
         else:
             view[:] = memoryview(frame.host).cast("B")
-        return set()
-    from .device import start_payload_copy
+        return None
+    if copies is None:
+        from .device import HostCopies
 
+        copies = HostCopies()
     view[: frame.meta.payload_offset] = header_prefix(frame.meta)
-    return start_payload_copy(frame, view)
+    copies.add(frame, view)
+    return copies

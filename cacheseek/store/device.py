@@ -52,37 +52,94 @@ def _host_tensor(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def start_payload_copy(frame: BlockFrame, view: memoryview) -> set[torch.device]:
-    """Issue non-blocking copies of a frame's device payload (or per-buffer device
-    tensors) into the payload area of its host ``view``; return the devices to wait on."""
-    meta = frame.meta
-    dst = _host_tensor(view)
-    base = meta.payload_offset
-    if frame.device_payload is not None:
-        dst[base : base + meta.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
-        return {frame.device_payload.device}
-    if frame.device_entries is None:
-        raise RuntimeError("frame has neither host bytes nor device buffers")
-    devices: set[torch.device] = set()
-    for entry, src in zip(meta.tensors, frame.device_entries, strict=True):
-        copy_entry(dst[base + entry.offset : base + entry.offset + entry.nbytes], src)
-        devices.update(_devices(src))
-    return devices
+_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
 
 
-def wait_for(devices: set[torch.device]) -> None:
-    for device in devices:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+def work_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
+    """One long-lived stream per purpose and device ("encode", "to_host"). Long-lived, so
+    the caching allocator recycles the buffers made on it (a fresh stream per call would
+    cudaMalloc them anew), and apart from the caller's, so this work never holds up the
+    compute queued after it."""
+    key = (purpose, device)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS.setdefault(key, torch.cuda.Stream(device))
+    return stream
+
+
+def _to_host_stream(device: torch.device) -> torch.cuda.Stream:
+    return work_stream("to_host", device)
+
+
+class HostCopies:
+    """Copies of frames' device payloads into host views, issued together.
+
+    :meth:`add` queues a frame's copies (host-resident sources are copied at once);
+    :meth:`issue` starts the queued ones on each device's to-host stream, after the work
+    already queued on the current stream (which made the payloads), and keeps the
+    payloads' memory from reuse until they are done, whoever frees it. A host view filled
+    this way must not be read, freed or reused before :meth:`wait` returns (``wait``
+    issues what is still queued, and raises whatever error the copies hit)."""
+
+    __slots__ = ("_queued", "_events")
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[torch.Tensor, Any]] = []
+        self._events: list[torch.cuda.Event] = []
+
+    def add(self, frame: BlockFrame, view: memoryview) -> None:
+        meta = frame.meta
+        dst = _host_tensor(view)
+        base = meta.payload_offset
+        if frame.device_payload is not None:
+            pairs = [(dst[base : base + meta.payload_nbytes], frame.device_payload)]
+        elif frame.device_entries is not None:
+            pairs = [(dst[base + e.offset : base + e.offset + e.nbytes], src)
+                     for e, src in zip(meta.tensors, frame.device_entries, strict=True)]
+        else:
+            raise RuntimeError("frame has neither host bytes nor device buffers")
+        for target, src in pairs:
+            if _devices(src)[0].type == "cuda":
+                self._queued.append((target, src))
+            else:
+                copy_entry(target, src)
+
+    def issue(self) -> None:
+        by_device: dict[torch.device, list[tuple[torch.Tensor, Any]]] = {}
+        for target, src in self._queued:
+            by_device.setdefault(_devices(src)[0], []).append((target, src))
+        self._queued = []
+        for device, pairs in by_device.items():
+            stream = _to_host_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for target, src in pairs:
+                    copy_entry(target, src)
+                    for piece in src if isinstance(src, (list, tuple)) else [src]:
+                        piece.record_stream(stream)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._events.append(event)
+
+    def __bool__(self) -> bool:
+        return bool(self._queued or self._events)
+
+    def done(self) -> bool:
+        return not self._queued and all(e.query() for e in self._events)
+
+    def wait(self) -> None:
+        self.issue()
+        for e in self._events:
+            e.synchronize()
 
 
 def copy_payloads_to_host(work: list[tuple[BlockFrame, memoryview]]) -> None:
     """Copy several frames' payloads to their host views: all copies in flight at once,
-    then one wait per device."""
-    devices: set[torch.device] = set()
+    then one wait."""
+    copies = HostCopies()
     for frame, view in work:
-        devices |= start_payload_copy(frame, view)
-    wait_for(devices)
+        copies.add(frame, view)
+    copies.wait()
 
 
 def frame_to_host(frame: BlockFrame) -> BlockFrame:
@@ -104,7 +161,11 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     if src is not None and src.device == device:
         # A row of an encoder's batch buffer would pin the whole batch in memory: own it.
         whole = src.untyped_storage().nbytes() == src.numel() and src.storage_offset() == 0
-        return src if whole else src.clone()
+        if whole:
+            return src
+        if device.type == "cuda":
+            src.record_stream(torch.cuda.current_stream(device))  # made on another stream, maybe
+        return src.clone()
     out = torch.empty(meta.payload_nbytes, dtype=torch.uint8, device=device)
     if frame.device_payload is not None:
         out.copy_(frame.device_payload, non_blocking=True)
@@ -122,4 +183,5 @@ def as_host_tensor(buf: Any) -> torch.Tensor:
     return _host_tensor(memoryview(buf).cast("B"))
 
 
-__all__ = ["as_host_tensor", "copy_entry", "copy_payloads_to_host", "start_payload_copy", "wait_for", "frame_to_host", "host_view", "payload_on_device"]
+__all__ = ["HostCopies", "work_stream", "as_host_tensor", "copy_entry", "copy_payloads_to_host", "frame_to_host", "host_view",
+           "payload_on_device"]

@@ -220,6 +220,10 @@ class Tier(ABC):
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark blocks used, in order (the last becomes the most recent)."""
 
+    def settle(self) -> None:
+        """Return once every frame stored so far can be read from where this tier keeps
+        it (a tier that leaves device copies in flight waits for them)."""
+
     def stats(self) -> TierStats:
         with self._lock:
             return self._snapshot()

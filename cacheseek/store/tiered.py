@@ -97,6 +97,8 @@ class TieredStore:
                 # Later tiers copy from this tier's host copy rather than the device again.
                 stored = result.stored
                 nxt.append((key, stored if stored is not None and stored.host is not None else frame))
+            if n + 1 < len(targets):
+                tier.settle()  # the next tier reads this tier's host copies
             current = nxt
         return outcomes
 
