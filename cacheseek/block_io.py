@@ -24,7 +24,7 @@ from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .quant.tensors import TORCH_DTYPES, all_finite
 from .store.device import as_host_tensor, copy_entry, work_stream
-from .store.frame import FrameMeta, plan_frame
+from .store.frame import FrameMeta, plan_frame, replan_frame
 from .store.tier import BlockFrame
 
 STAGING_ALIGN = 256
@@ -81,6 +81,9 @@ def encode_blocks(
     contiguous copy. Raises ``InputError`` on NaN or Inf.
     """
     frames, finite = _encode_deferred(codec, layout, block_tokens, layers, first_block, hashes, parents, staging)
+    device = layers[0][0].device
+    if device.type == "cuda" and finite.device.type == "cpu":
+        torch.cuda.current_stream(device).synchronize()  # the kernels write the flags in host memory
     codec.check_finite(finite)
     return frames
 
@@ -132,12 +135,8 @@ def _encode_deferred(
             for view, src in zip(views, sources, strict=True):
                 view.copy_(src)
     # The host plans the frames while the device encodes.
-    codec_spec = codec.spec()
-    metas += [
-        plan_frame(block_hash=hashes[i], parent_hash=parents[i], position=first_block + i, layout=layout,
-                   block_tokens=block_tokens, codec=codec_spec, buffers=specs)
-        for i in range(1, n)
-    ]
+    metas += [replan_frame(metas[0], block_hash=hashes[i], parent_hash=parents[i], position=first_block + i)
+              for i in range(1, n)]
     if direct:
         # On the host, Raw frames point at the caller's own per-layer slices: the only
         # copy is the one into the tier.
@@ -302,8 +301,8 @@ def iter_encoded(
     blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
 
     On a GPU the blocks are cut into up to ``PIPELINE_DEPTH`` batches (see
-    :func:`pipeline_blocks`) and the next batch is encoded on a side stream while the
-    caller moves the current one, so device-to-host copies overlap encoding.
+    :func:`pipeline_blocks`), encoded on a side stream: each batch's encoding overlaps the
+    copies of the batch before.
     ``tail_first`` yields the batches of the chain's end first.
     """
     device = layers[0][0].device
@@ -335,13 +334,16 @@ def iter_encoded(
     try:
         for i in range(len(batches)):
             frames, finite, done = upcoming
-            if i + 1 < len(batches):
-                upcoming = launch(*batches[i + 1])  # queued behind this batch on the side stream
             if done is not None:
                 done.synchronize()
                 torch.cuda.current_stream(device).wait_event(done)
             codec.check_finite(finite)
             yield frames
+            if i + 1 < len(batches):
+                # Launched once this batch's copies are out (not before: the host is the
+                # bottleneck, and the copies should start as early as they can); its
+                # encoding overlaps them.
+                upcoming = launch(*batches[i + 1])
     finally:
         # Stopped early (bad input, or the caller gave up): the batch launched ahead still
         # writes its flags into host memory; let it finish before that memory is reused.
@@ -369,8 +371,8 @@ def _flags_to_host(flags: torch.Tensor) -> torch.Tensor:
     (the previous batches' payloads), stalling the pipeline. Without Triton: unchanged."""
     from .quant.kivi import kernels_available
 
-    if not kernels_available():
-        return flags
+    if flags.device.type == "cpu" or not kernels_available():
+        return flags  # already in host memory (written there by the kernels), or no Triton
     from . import kernels
 
     host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)

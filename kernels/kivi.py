@@ -151,6 +151,21 @@ def _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE: tl.constexpr, X_ALIGN: 
 
 
 @triton.jit
+def _flag_if_nonfinite(s, m, ok, bad_addr, MASKED: tl.constexpr):
+    """Store a 0 (not finite) at host address ``bad_addr`` if a stored scale or min among
+    the valid lanes is NaN or Inf, as NaN/Inf inputs and ranges beyond the stats dtype
+    leave them. The host reads it after the launch's event, with no copy and no extra
+    launch; programs that find nothing write nothing."""
+    sf = s.to(tl.float32)
+    mf = m.to(tl.float32)
+    bad = ((sf - sf) != 0.0) | ((mf - mf) != 0.0)  # inf - inf and nan - nan are nan
+    if MASKED:
+        bad = bad & ok
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.store(bad_addr.to(tl.pointer_type(tl.int8)), 0)
+
+
+@triton.jit
 def _round_to_bf16(x):
     """fp32 ``x`` rounded half-to-even to bf16 precision, still fp32. Only for the
     interpreter, whose fp32 -> bf16 cast truncates (GPUs round to nearest even)."""
@@ -180,13 +195,13 @@ def _v_masked(args) -> bool:
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
 def _quantize_k_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr,
     C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
-    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     NW: tl.constexpr = G // PER
@@ -235,6 +250,8 @@ def _quantize_k_kernel(
         scale = _scale(mn, tl.max(hi, axis=0).to(tl.float32), QMAX, FP16_STATS)
         s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
         m_st = mn.to(m_ptr.dtype.element_ty)
+        if CHECK:
+            _flag_if_nonfinite(s_st, m_st, d_ok, bad_addr, MASKED)
         den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
         m_b = tl.broadcast_to(m_st.to(tl.float32)[None, :], (NW, BLOCK_D))
         den_b = tl.broadcast_to(den[None, :], (NW, BLOCK_D))
@@ -334,13 +351,13 @@ def _dequantize_k_kernel(
 @triton.heuristics({"MASKED": _v_masked})
 @triton.jit
 def _quantize_v_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr,
     C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -372,6 +389,9 @@ def _quantize_v_kernel(
     scale = _scale(mn, tl.max(hi, axis=2).to(tl.float32), QMAX, FP16_STATS)
     s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
     m_st = mn.to(m_ptr.dtype.element_ty)
+    if CHECK:
+        _flag_if_nonfinite(tl.reshape(s_st, (BLOCK_T * NGP,)), tl.reshape(m_st, (BLOCK_T * NGP,)),
+                           tl.reshape(t_ok[:, None] & (g * GP < D)[None, :], (BLOCK_T * NGP,)), bad_addr, MASKED)
     den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
     codes = _codes(x.to(tl.float32),
                    tl.broadcast_to(m_st.to(tl.float32)[:, :, None], x.shape),
@@ -550,7 +570,8 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
     xh = (max(1, x_table_rows),) if op == "quantize" else ()
     scalars = (lv.C, T, D, *xh, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
     if op == "quantize":
-        consts = {**consts, "X_TABLE": x_table_rows > 0, "X_ALIGN": 16 // x_dtype.itemsize}
+        consts = {**consts, "X_TABLE": x_table_rows > 0, "X_ALIGN": 16 // x_dtype.itemsize,
+                  "CHECK": x_table_rows > 0}
     if side == "v":
         d_pad = configs.padded_head_dim(D)
         consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
@@ -673,7 +694,7 @@ def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: to
     scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     if plan.launch is not None:
-        plan.launch(x, q, scale, mn, x)  # no layer table: x stands in for it, unread
+        plan.launch(x, q, scale, mn, x, 0)  # no layer table (x stands in for it) and no flag: both unread
     return q, scale, mn
 
 
@@ -725,7 +746,9 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
     (through its mapped address), on the current stream. Unlike a copy, this does not
     queue behind the device-to-host copies in flight on the copy engine: a host that waits
     on an event recorded after it reads ``dst`` as soon as the kernel is done."""
-    if src.device.type != "cuda" or dst.device.type != "cpu" or not dst.is_pinned():
+    # (Pinning is not checked: is_pinned() can stall for milliseconds. Pageable memory has
+    # no device mapping, and the kernel would fault.)
+    if src.device.type != "cuda" or dst.device.type != "cpu":
         raise ValueError("store_to_host: src must be a CUDA tensor and dst pinned host memory")
     n = src.numel() * src.element_size()
     if dst.numel() * dst.element_size() != n or not (src.is_contiguous() and dst.is_contiguous()):
@@ -735,19 +758,22 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
             _store_to_host_kernel[(1,)](src.view(torch.uint8), dst.data_ptr(), N=n, NP=triton.next_power_of_2(n))
 
 
+_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
+
+
 class LayerTable:
     """A model's layers (L separate ``[H, T, D]`` tensors of one shape, strides, dtype and
     device) as a device table of each layer's offset from layer 0, for
-    :func:`quantize_layers`. Checked and built once, then used for every batch of blocks
-    read from them."""
+    :func:`quantize_layers`. ``checked``: the caller has already checked the layers' shapes,
+    dtypes and devices agree (only strides and alignment are checked here)."""
 
-    __slots__ = ("layers", "shape", "stride", "dtype", "device", "offsets", "_host")
+    __slots__ = ("layers", "shape", "stride", "dtype", "device", "offsets")
 
-    def __init__(self, layers: list[torch.Tensor]) -> None:
+    def __init__(self, layers: list[torch.Tensor], *, checked: bool = False) -> None:
         first = layers[0]
         shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
         for i, t in enumerate(layers):
-            if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.device != device:
+            if t.stride() != stride or not checked and (t.shape != shape or t.dtype != dtype or t.device != device):
                 raise ValueError(f"layers[{i}]: shape, strides, dtype and device must match layer 0's")
         if len(shape) != 3 or stride[-1] != 1:
             raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {tuple(shape)} {stride}")
@@ -755,41 +781,50 @@ class LayerTable:
         size = first.element_size()
         if any(p % 16 for p in ptrs) or (stride[1] * size) % 16:
             raise ValueError("layers: every layer and token row must start 16-byte aligned")
-        self.layers = list(layers)  # the table holds raw offsets: keep the tensors alive
+        self.layers = list(layers)
         self.shape, self.stride, self.dtype, self.device = tuple(shape), stride, dtype, device
-        offsets = [(p - ptrs[0]) // size for p in ptrs]
-        if device.type == "cuda":
-            # Pinned and asynchronous: a pageable copy would wait for the device to go idle
-            # (and Tensor.pin_memory() checks pinning first, which costs milliseconds).
-            self._host = torch.empty(len(offsets), dtype=torch.int64, pin_memory=True)
-            self._host.copy_(torch.tensor(offsets, dtype=torch.int64))
-            self.offsets = self._host.to(device, non_blocking=True)
-        else:
-            self._host = None
-            self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        # Offsets, not addresses: a table stays right for any tensors at the same distances,
+        # so the (small) upload happens once per set of KV buffers, not once per call.
+        offsets = tuple((p - ptrs[0]) // size for p in ptrs)
+        key = (device, offsets)
+        table = _OFFSET_TABLES.get(key)
+        if table is None:
+            table = torch.tensor(offsets, dtype=torch.int64).to(device)
+            if len(_OFFSET_TABLES) >= 64:
+                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
+            _OFFSET_TABLES[key] = table
+        self.offsets = table
 
     def __len__(self) -> int:
         return len(self.layers)
 
 
 def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *, bits: int,
-                    group: int, axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+                    group: int, axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    ok_flag: torch.Tensor) -> None:
     """KIVI-quantize tokens ``[t0, t0 + n * block)`` of every layer, as ``n`` blocks, into
     ``out = (q, scale, min)`` of shapes ``[n, L, H, ...]`` (e.g. views of a staging buffer,
     each block a row at its own stride). ``layers`` are L separate ``[H, T, D]`` tensors of
     one dtype, device and strides (or their :class:`LayerTable`): the kernel reads them
-    through a table of their addresses, in one launch, with no stacked copy. The same
-    codes as ``quantize`` of the stacked ``[n, L, H, block, D]`` view."""
+    through a table of their offsets, in one launch, with no stacked copy. The same codes
+    as ``quantize`` of the stacked ``[n, L, H, block, D]`` view.
+
+    ``ok_flag``: one byte of host memory (pinned when the layers are on a GPU: the kernel
+    writes it through its mapped address) that the kernel sets to 0 if any stored scale or
+    min is NaN or Inf; the caller sets it to 1 before, and reads it once the launch is done."""
     table = layers if isinstance(layers, LayerTable) else LayerTable(layers)
     if t0 < 0 or t0 + n * block > table.shape[1]:
         raise ValueError(f"tokens [{t0}, {t0 + n * block}) are outside the layers' {table.shape[1]}")
     if len(out) != 3 or out[0].dim() != 5 or out[0].shape[1] != len(table):
         raise ValueError(f"out: expected (q, scale, min) of [n, L, H, ...] with L = {len(table)}")
+    # (Pinning is not checked here: is_pinned() can stall for milliseconds.)
+    if ok_flag.device.type != "cpu" or ok_flag.numel() * ok_flag.element_size() < 1:
+        raise ValueError("ok_flag: one byte of host memory, pinned when the layers are on a GPU")
     outs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _layers_plan(table.shape, table.stride, table.dtype, n, block, outs, bits, group, axis, None,
                           configs.autotune_enabled())
     if launch is not None:
-        launch(table.layers[0][:, t0:], *out, table.offsets)
+        launch(table.layers[0][:, t0:], *out, table.offsets, ok_flag.data_ptr())
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, bits: int, group: int, axis: int,

@@ -55,14 +55,15 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
     fn = KERNELS[side, op].fn  # under the heuristics wrapper
     consts = {"BITS": bits, "MASKED": masked, **cfg.kwargs}
     if op == "quantize":
-        consts.update(X_TABLE=table, X_ALIGN=16 * 8 // int(x_dtype[-2:]))
+        consts.update(X_TABLE=table, X_ALIGN=16 * 8 // int(x_dtype[-2:]), CHECK=table)
     d_pad = configs.padded_head_dim(head_dim)
     consts.update({"G": group} if side == "k" else {"GP": min(group, d_pad), "D_PAD": d_pad})
     if op == "dequantize":
         consts["SOFT_BF16"] = False
     ptrs = {"x_ptr": f"*{x_dtype}", "xt_ptr": "*i64", "o_ptr": f"*{x_dtype}", "q_ptr": "*i32", "s_ptr": f"*{stats_dtype}",
             "m_ptr": f"*{stats_dtype}"}
-    signature = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    signature = {n: "constexpr" if n in consts else ptrs.get(n, "i64" if n == "bad_addr" else "i32")
+                 for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n in _DIVISIBLE}
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}

@@ -17,6 +17,7 @@ from cacheseek.store.frame import (
     parse_frame,
     parse_header,
     plan_frame,
+    replan_frame,
     tensor_views,
 )
 from cacheseek.store.tier import BlockFrame
@@ -150,3 +151,16 @@ def test_entries_must_match_the_codec_for_the_layout():
     header["codec"] = {"name": "zstd"}
     with pytest.raises(FrameError, match="codec"):
         check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+
+
+@given(st.binary(min_size=16, max_size=16), st.binary(min_size=16, max_size=16), st.integers(0, 1 << 40))
+def test_replanning_another_block_gives_what_planning_it_gives(block_hash, parent, position):
+    codec = cs.KIVI(k_bits=2, v_bits=8, group_size=32)
+    template = codec.template((2, 2, 32, 64), "float16")
+    specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    common = dict(layout=LAYOUT, block_tokens=32, codec=codec.spec(), buffers=specs)
+    first = plan_frame(block_hash=b"\x01" * 16, parent_hash=b"\x00" * 16, position=0, **common)
+    want = plan_frame(block_hash=block_hash, parent_hash=parent, position=position, **common)
+    got = replan_frame(first, block_hash=block_hash, parent_hash=parent, position=position)
+    assert got == want and got.payload_offset == want.payload_offset
+    assert got.cached_header() == want.cached_header()

@@ -233,9 +233,39 @@ def test_quantize_layers_reads_separate_layer_tensors_into_staging_rows(axis, bi
                         bits=bits, group=group, axis=axis, stats_dtype=F16)
     out = tuple(_packed_at_stride(torch.full_like(w, -1), pad) for w, pad in zip(want, (5, 3, 3)))
     # scale and min share strides: give them the same padding
-    kernels.quantize_layers(layers, B, N, B, bits=bits, group=group, axis=axis, out=out)
+    ok = _ok_flag()
+    kernels.quantize_layers(layers, B, N, B, bits=bits, group=group, axis=axis, out=out, ok_flag=ok)
     for a, b in zip(out, want):
         assert torch.equal(a, b)
+    _sync()
+    assert ok.item()
+
+
+def _ok_flag() -> torch.Tensor:
+    return torch.ones(1, dtype=torch.bool, pin_memory=DEVICE == "cuda")
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 1e30])
+def test_quantize_layers_clears_the_host_flag_for_stats_that_are_not_finite(axis, bad):
+    gen = torch.Generator().manual_seed(17)
+    layers = [torch.randn(H, 3 * B, D, generator=gen).to(torch.float32).to(DEVICE) for _ in range(L)]
+    layers[1][0, 0, 5] = bad  # block 0: outside the range quantized below
+    want = ref.quantize(torch.zeros(N - 1, L, H, B, D, device=DEVICE), bits=4, group=32, axis=axis, stats_dtype=F16)
+    out = tuple(torch.empty_like(w) for w in want)
+    ok = _ok_flag()
+    kernels.quantize_layers(layers, B, N - 1, B, bits=4, group=32, axis=axis, out=out, ok_flag=ok)
+    _sync()
+    assert ok.item(), "a bad value outside the blocks quantized cleared the flag"
+    layers[1][1, 2 * B + 7, 9] = bad  # inside the last block (1e30: a range fp16 stats cannot hold)
+    kernels.quantize_layers(layers, B, N - 1, B, bits=4, group=32, axis=axis, out=out, ok_flag=ok)
+    _sync()
+    assert not ok.item()
 
 
 def test_quantize_layers_rejects_mismatched_layers_and_outputs():
@@ -244,11 +274,12 @@ def test_quantize_layers_rejects_mismatched_layers_and_outputs():
                            stats_dtype=F16)
     with pytest.raises(ValueError, match="layers\\[1\\]"):
         kernels.quantize_layers([layers[0], layers[1][:, :B]], 0, 1, B, bits=4, group=32, axis=AXIS_TOKENS,
-                                out=(q[:, :2], s[:, :2], m[:, :2]))
+                                out=(q[:, :2], s[:, :2], m[:, :2]), ok_flag=_ok_flag())
     with pytest.raises(ValueError, match="outside"):
-        kernels.quantize_layers(layers, B, 2, B, bits=4, group=32, axis=AXIS_TOKENS, out=(q, s, m))
+        kernels.quantize_layers(layers, B, 2, B, bits=4, group=32, axis=AXIS_TOKENS, out=(q, s, m), ok_flag=_ok_flag())
     with pytest.raises(ValueError, match="out q"):
-        kernels.quantize_layers(layers, 0, 1, B, bits=4, group=32, axis=AXIS_CHANNELS, out=(q, s, m))
+        kernels.quantize_layers(layers, 0, 1, B, bits=4, group=32, axis=AXIS_CHANNELS, out=(q, s, m),
+                                ok_flag=_ok_flag())
 
 
 def _packed_at_stride(t: torch.Tensor, pad: int) -> torch.Tensor:
@@ -344,5 +375,5 @@ def test_store_to_host_writes_pinned_memory_from_the_device():
     kernels.store_to_host(src, dst)
     torch.cuda.synchronize()
     assert dst.tolist() == [True, False, True]
-    with pytest.raises(ValueError, match="pinned"):
-        kernels.store_to_host(src, torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="pinned host memory"):
+        kernels.store_to_host(src, torch.zeros(3, dtype=torch.bool, device="cuda"))

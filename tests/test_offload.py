@@ -51,8 +51,8 @@ def landings(monkeypatch):
     made: dict[bytes, Landing] = {}
     real = cpu_tier._start_fill
 
-    def start_fill(frame, view, copies):
-        real(frame, view, copies)
+    def start_fill(frame, slot, view, copies):
+        real(frame, slot, view, copies)
         key = frame.meta.block_hash
         made[key] = Landing(log, key.hex()[:2], fail=key in fail)
         return made[key]

@@ -46,14 +46,15 @@ class KVLayerCodec(Protocol):
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
         """Get ready to encode blocks read in place from per-layer ``[H, T, D]`` K and V
-        (checked once for many batches); None if this codec or backend cannot (the caller
-        then stacks the layers and calls ``encode_deferred``)."""
+        (which the caller has checked agree in shape, dtype and device); None if this codec
+        or backend cannot (the caller then stacks the layers and calls ``encode_deferred``)."""
         ...
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
         """Encode ``n`` blocks of tokens from ``t0`` on from ``prepare_layers``' layers into
         ``out`` (the template's buffers as ``[n, L, H, ...]`` views); returns the flags of
-        ``encode_deferred``."""
+        ``encode_deferred`` (possibly a host tensor the device writes: read it once the
+        device has run the work queued so far)."""
         ...
 
     def check_finite(self, finite: Any) -> None:

@@ -175,32 +175,35 @@ class KIVI:
         return layer.with_buffers([kq, ks, km, vq, vs, vm]), finite
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-        """Tables of the layers' addresses for the Triton kernels (None on the torch
-        backend, or when the layers differ in shape or strides: the caller stacks them)."""
+        """Tables of the layers' offsets for the Triton kernels (None on the torch backend,
+        or when the layers differ in strides: the caller stacks them). The caller has
+        checked that the layers agree in shape, dtype and device."""
         if backend_for(k_layers[0]) != "triton":
             return None
         from cacheseek import kernels
 
         try:
-            return kernels.LayerTable(k_layers), kernels.LayerTable(v_layers)
+            return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
         except ValueError:
             return None
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
         """Quantize ``n`` blocks from token ``t0`` of the prepared layers straight into
-        ``out``: one launch for K, one for V, no stacked copy of the KV."""
+        ``out``: one launch for K, one for V, no stacked copy of the KV. The flags are a
+        host tensor the kernels write: read them only after the device has run the launches."""
         import torch
 
         from cacheseek import kernels
 
         k_table, v_table = prepared
+        # The flags live in host memory and the kernels clear them (K: [0], V: [2]) if a
+        # stored stat is not finite: ready when the launches are, read with no copy.
+        ok = torch.ones(4, dtype=torch.bool, pin_memory=k_table.device.type == "cuda")
         kernels.quantize_layers(k_table, t0, n, block_tokens, bits=self.k_bits, group=self.k_group,
-                                axis=AXIS_TOKENS, out=tuple(out[:3]))
+                                axis=AXIS_TOKENS, out=tuple(out[:3]), ok_flag=ok[0:1])
         kernels.quantize_layers(v_table, t0, n, block_tokens, bits=self.v_bits, group=self.v_group,
-                                axis=AXIS_CHANNELS, out=tuple(out[3:]))
-        # A non-finite stat anywhere makes its sum non-finite (fp64: no overflow from
-        # finite fp16/fp32 stats): four small reductions instead of a pass per element.
-        return torch.stack([out[i].sum(dtype=torch.float64) for i in (1, 2, 4, 5)]).isfinite()
+                                axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flag=ok[2:3])
+        return ok
 
     def check_finite(self, finite: Any) -> None:
         """Raise ``InputError`` unless every flag from :meth:`encode_deferred` holds."""

@@ -97,6 +97,12 @@ class Slot:
     def view(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self.buf).cast("B")[: self.nbytes if nbytes is None else nbytes]
 
+    def torch_view(self, nbytes: int) -> Any:
+        """The slot's first ``nbytes`` as a slice of its chunk's pinned torch tensor, or None
+        when the chunk is not one (a slice is cheaper to make than a tensor over the view)."""
+        keep = self.chunk._keep
+        return None if keep is None else keep[self.offset : self.offset + nbytes]
+
     def in_use(self) -> bool:
         return sys.getrefcount(self.buf) > self.base_refs
 

@@ -53,41 +53,43 @@ class CpuTier(IndexedTier):
         with self._lock:
             self._forget_landed()
             copies = None  # device copies of this call, issued together
-            for (key, frame), result in zip(items, results):
-                if key in self._records:
-                    self._index.touch([key])
-                    continue
-                try:
-                    slot = self._reserve(frame.nbytes, result.evicted)
-                except StorageError as exc:
-                    self._stats.write_errors += 1
-                    result.error = exc
-                    continue
-                view = slot.view(frame.nbytes)
-                try:
-                    landing = _start_fill(frame, view, copies)
-                except Exception as exc:  # a bad device buffer: this frame only
-                    self._arena.free(slot)
-                    self._stats.write_errors += 1
-                    result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
-                    continue
-                sealed = frame.sealed and frame.host is not None
-                self._records[key] = rec = _Record(slot, frame.meta, sealed, landing)
-                if landing is not None:
-                    self._landing[key] = rec
-                    copies = landing
-                self._index.add(key, _info(frame.meta))
-                self._stats.bytes_in += frame.nbytes
-                result.stored = BlockFrame(frame.meta, host=view, sealed=sealed)
-            if copies is not None:
-                try:
-                    copies.issue()
-                except Exception as exc:
-                    dropped = self._drop_landing(copies)
-                    for (key, _), result in zip(items, results):
-                        if key in dropped:
-                            result.stored = None
-                            result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
+            try:
+                for (key, frame), result in zip(items, results):
+                    if key in self._records:
+                        self._index.touch([key])
+                        continue
+                    try:
+                        slot = self._reserve(frame.nbytes, result.evicted)
+                    except StorageError as exc:
+                        self._stats.write_errors += 1
+                        result.error = exc
+                        continue
+                    view = slot.view(frame.nbytes)
+                    try:
+                        landing = _start_fill(frame, slot, view, copies)
+                    except Exception as exc:  # a bad device buffer: this frame only
+                        self._arena.free(slot)
+                        self._stats.write_errors += 1
+                        result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
+                        continue
+                    sealed = frame.sealed and frame.host is not None
+                    self._records[key] = rec = _Record(slot, frame.meta, sealed, landing)
+                    if landing is not None:
+                        self._landing[key] = rec
+                        copies = landing
+                    self._index.add(key, _info(frame.meta))
+                    self._stats.bytes_in += frame.nbytes
+                    result.stored = BlockFrame(frame.meta, host=view, sealed=sealed)
+            finally:
+                if copies is not None:
+                    try:
+                        copies.issue()
+                    except Exception as exc:
+                        dropped = self._drop_landing(copies)
+                        for (key, _), result in zip(items, results):
+                            if key in dropped:
+                                result.stored = None
+                                result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
             self._sync_counts()
         return results
 
@@ -210,7 +212,7 @@ def _info(meta: FrameMeta) -> BlockInfo:
     return BlockInfo(nbytes=meta.nbytes, raw_nbytes=meta.raw_nbytes, parent=meta.parent_hash, position=meta.position)
 
 
-def _start_fill(frame: BlockFrame, view: memoryview, copies: Any) -> Any:
+def _start_fill(frame: BlockFrame, slot: Slot, view: memoryview, copies: Any) -> Any:
     """Write a frame into its slot's ``view``. Host bytes are copied before this returns
     (None). Device buffers are queued on ``copies`` (a ``device.HostCopies``, made when
     None), which is returned: the slot is filled once it has landed."""
@@ -226,5 +228,5 @@ def _start_fill(frame: BlockFrame, view: memoryview, copies: Any) -> Any:
 
         copies = HostCopies()
     view[: frame.meta.payload_offset] = header_prefix(frame.meta)
-    copies.add(frame, view)
+    copies.add(frame, view, slot.torch_view(frame.nbytes))
     return copies

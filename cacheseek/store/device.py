@@ -72,24 +72,28 @@ def _to_host_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class HostCopies:
-    """Copies of frames' device payloads into host views, issued together.
+    """Copies of frames' device payloads into host views, on each device's to-host stream.
 
-    :meth:`add` queues a frame's copies (host-resident sources are copied at once);
-    :meth:`issue` starts the queued ones on each device's to-host stream, after the work
-    already queued on the current stream (which made the payloads), and keeps the
-    payloads' memory from reuse until they are done, whoever frees it. A host view filled
-    this way must not be read, freed or reused before :meth:`wait` returns (``wait``
-    issues what is still queued, and raises whatever error the copies hit)."""
+    :meth:`add` starts a frame's copies at once (host-resident sources are copied before
+    it returns), after the work already queued on the current stream (which made the
+    payloads), and keeps the payloads' memory from reuse until they are done, whoever
+    frees it. :meth:`issue` marks the copies started so far with an event per device. A
+    host view filled this way must not be read, freed or reused before :meth:`wait`
+    returns (``wait`` raises whatever error the copies hit)."""
 
-    __slots__ = ("_queued", "_events")
+    __slots__ = ("_started", "_unmarked", "_events", "_restore")
 
     def __init__(self) -> None:
-        self._queued: list[tuple[torch.Tensor, Any]] = []
+        self._started: set[torch.device] = set()  # devices whose to-host stream waits on the caller's
+        self._unmarked: set[torch.device] = set()  # devices with copies after their last event
         self._events: list[torch.cuda.Event] = []
+        self._restore: torch.cuda.Stream | None = None  # the caller's stream, while ours is current
 
-    def add(self, frame: BlockFrame, view: memoryview) -> None:
+    def add(self, frame: BlockFrame, view: memoryview, host: torch.Tensor | None = None) -> None:
+        """Start copying ``frame``'s payload into ``view`` (``host``: the same bytes as a
+        uint8 tensor, if the caller has one)."""
         meta = frame.meta
-        dst = _host_tensor(view)
+        dst = host if host is not None else _host_tensor(view)
         base = meta.payload_offset
         if frame.device_payload is not None:
             pairs = [(dst[base : base + meta.payload_nbytes], frame.device_payload)]
@@ -99,33 +103,40 @@ class HostCopies:
         else:
             raise RuntimeError("frame has neither host bytes nor device buffers")
         for target, src in pairs:
-            if _devices(src)[0].type == "cuda":
-                self._queued.append((target, src))
-            else:
+            device = _devices(src)[0]
+            if device.type != "cuda":
                 copy_entry(target, src)
+                continue
+            stream = _to_host_stream(device)
+            if device not in self._started:
+                stream.wait_stream(torch.cuda.current_stream(device))
+                self._started.add(device)
+            if self._restore is None or torch.cuda.current_stream(device) != stream:
+                # Ours stays current until issue(): a stream context per copy costs more
+                # than the copy's own launch.
+                self._restore = self._restore or torch.cuda.current_stream(device)
+                torch.cuda.set_stream(stream)
+            copy_entry(target, src)
+            for piece in src if isinstance(src, (list, tuple)) else [src]:
+                piece.record_stream(stream)
+            self._unmarked.add(device)
 
     def issue(self) -> None:
-        by_device: dict[torch.device, list[tuple[torch.Tensor, Any]]] = {}
-        for target, src in self._queued:
-            by_device.setdefault(_devices(src)[0], []).append((target, src))
-        self._queued = []
-        for device, pairs in by_device.items():
-            stream = _to_host_stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for target, src in pairs:
-                    copy_entry(target, src)
-                    for piece in src if isinstance(src, (list, tuple)) else [src]:
-                        piece.record_stream(stream)
-                event = torch.cuda.Event()
-                event.record(stream)
+        """Mark the copies started so far, and give the caller its stream back."""
+        if self._restore is not None:
+            torch.cuda.set_stream(self._restore)
+            self._restore = None
+        for device in self._unmarked:
+            event = torch.cuda.Event()
+            event.record(_to_host_stream(device))
             self._events.append(event)
+        self._unmarked.clear()
 
     def __bool__(self) -> bool:
-        return bool(self._queued or self._events)
+        return bool(self._unmarked or self._events)
 
     def done(self) -> bool:
-        return not self._queued and all(e.query() for e in self._events)
+        return not self._unmarked and all(e.query() for e in self._events)
 
     def wait(self) -> None:
         self.issue()

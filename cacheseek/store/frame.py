@@ -152,6 +152,19 @@ def plan_frame(
     return FrameMeta(**fields, header_nbytes=len(header), packed_header=header)
 
 
+def replan_frame(meta: FrameMeta, *, block_hash: bytes, parent_hash: bytes, position: int) -> FrameMeta:
+    """:func:`plan_frame` for another block with ``meta``'s layout, codec and buffers: the
+    same result, without laying out the buffers again (a batch of blocks plans one frame
+    and derives the rest)."""
+    header_fields = meta.header_dict()
+    header_fields.update(hash=bytes(block_hash), parent=bytes(parent_hash), pos=position, checksum=bytes(8))
+    header = msgpack.packb(header_fields, use_bin_type=True)
+    return FrameMeta(block_hash=bytes(block_hash), parent_hash=bytes(parent_hash), position=position,
+                     layout=meta.layout, block_tokens=meta.block_tokens, codec=meta.codec, tensors=meta.tensors,
+                     payload_nbytes=meta.payload_nbytes, checksum=bytes(8), header_nbytes=len(header),
+                     packed_header=header)
+
+
 def header_prefix(meta: FrameMeta) -> bytes:
     """Preamble + msgpack header + zero padding: the ``payload_offset`` bytes before the payload."""
     header = meta.cached_header() or msgpack.packb(meta.header_dict(), use_bin_type=True)
