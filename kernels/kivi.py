@@ -767,7 +767,7 @@ class LayerTable:
     :func:`quantize_layers`. ``checked``: the caller has already checked the layers' shapes,
     dtypes and devices agree (only strides and alignment are checked here)."""
 
-    __slots__ = ("layers", "shape", "stride", "dtype", "device", "offsets")
+    __slots__ = ("device", "dtype", "layers", "offsets", "shape", "stride")
 
     def __init__(self, layers: list[torch.Tensor], *, checked: bool = False) -> None:
         first = layers[0]

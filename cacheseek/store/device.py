@@ -81,7 +81,7 @@ class HostCopies:
     host view filled this way must not be read, freed or reused before :meth:`wait`
     returns (``wait`` raises whatever error the copies hit)."""
 
-    __slots__ = ("_started", "_unmarked", "_events", "_restore")
+    __slots__ = ("_events", "_restore", "_started", "_unmarked")
 
     def __init__(self) -> None:
         self._started: set[torch.device] = set()  # devices whose to-host stream waits on the caller's
@@ -194,5 +194,13 @@ def as_host_tensor(buf: Any) -> torch.Tensor:
     return _host_tensor(memoryview(buf).cast("B"))
 
 
-__all__ = ["HostCopies", "work_stream", "as_host_tensor", "copy_entry", "copy_payloads_to_host", "frame_to_host", "host_view",
-           "payload_on_device"]
+__all__ = [
+    "HostCopies",
+    "as_host_tensor",
+    "copy_entry",
+    "copy_payloads_to_host",
+    "frame_to_host",
+    "host_view",
+    "payload_on_device",
+    "work_stream",
+]
