@@ -110,6 +110,23 @@ class PutResult:
     error: Exception | None = None
 
 
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Room for one frame in a tier's own memory, lent to a writer that fills it in place
+    (a server receiving a request body) and then commits it or gives it back. Nothing stored
+    changes before the commit. ``slot`` is the tier's handle; None once committed or aborted."""
+
+    nbytes: int
+    slot: Any
+
+    def view(self) -> memoryview:
+        """The reserved bytes. Drop every view before an abort: the tier reuses memory only
+        once no view of it is alive."""
+        if self.slot is None:
+            raise RuntimeError("this reservation was already committed or aborted")
+        return self.slot.view(self.nbytes)
+
+
 class LruIndex:
     """Block hash -> ``BlockInfo`` in recency order (oldest first), with byte totals.
 
@@ -205,6 +222,18 @@ class Tier(ABC):
             except StorageError as exc:
                 out.append(PutResult(stored=None, error=exc))
         return out
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Room for a frame of ``nbytes`` that the caller writes in place, then passes to
+        ``commit`` or ``abort``. None: this tier takes frames only through ``put``, or it has
+        no room without evicting (the caller then uses ``put``)."""
+        return None
+
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+        raise RuntimeError(f"{self.name} tier: lends no reservations")
+
+    def abort(self, reservation: Reservation) -> None:
+        raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
         """Frames for ``keys``, None for each miss. A networked tier overrides this with

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, StorageError
-from .tier import BlockFrame, BlockInfo, PutResult, Tier
+from .frame import FrameMeta
+from .tier import BlockFrame, BlockInfo, PutResult, Reservation, Tier
 
 
 @dataclass(slots=True)
@@ -234,6 +235,35 @@ class TieredStore:
             "raw_bytes": raw,
             "compression_ratio": raw / used if used else None,
         }
+
+    # -- frames written in place -------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Room in the top tier for a frame the caller writes in place and then passes to
+        ``commit`` or ``abort`` (see ``Tier.reserve``); None: use ``put_many``."""
+        return self.tiers[0].reserve(nbytes)
+
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutOutcome:
+        """Publish a filled reservation in the top tier, then write it through as ``put_many``
+        does. If the top tier got the key meanwhile, its writer wrote it through."""
+        outcome = PutOutcome()
+        result = self.tiers[0].commit(key, reservation, meta)
+        self._demote(0, result.evicted)
+        if result.stored is None:
+            outcome.present = True
+            return outcome
+        outcome.stored = True
+        for level, tier in enumerate(self.tiers[1:], start=1):
+            if tier.name not in self.write_through:
+                continue
+            below = tier.put_many([(key, result.stored)])[0]
+            if below.error is not None:
+                outcome.errors[tier.name] = str(below.error)
+            self._demote(level, below.evicted)
+        return outcome
+
+    def abort(self, reservation: Reservation) -> None:
+        self.tiers[0].abort(reservation)
 
     def close(self) -> None:
         for tier in self.tiers:
