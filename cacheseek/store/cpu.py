@@ -149,7 +149,7 @@ class CpuTier(IndexedTier):
 
     def _extra(self) -> dict:
         return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
-                "zombie_slots": self._arena.zombies}
+                "zombie_slots": self._arena.zombies, "reservation_bytes": self._reserved_bytes}
 
     # -- frames written in place (the server receives a request body straight into a slot) --
 
