@@ -144,6 +144,9 @@ class LruIndex:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
+        return list(map(self._entries.__contains__, keys))
+
     def get(self, key: bytes) -> BlockInfo | None:
         return self._entries.get(key)
 
@@ -280,7 +283,7 @@ class IndexedTier(Tier):
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         with self._lock:  # once for all keys: a lookup of a long chain takes one lock
-            return [key in self._index for key in keys]
+            return self._index.contains_many(keys)
 
     def keys(self) -> list[bytes]:
         with self._lock:

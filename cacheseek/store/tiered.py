@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import not_
 from typing import Any
 
 from ..errors import ConfigError, StorageError
@@ -163,22 +165,19 @@ class TieredStore:
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         """The fastest tier holding each key of the longest stored prefix of ``keys``."""
-        where: list[str | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
+        n = len(keys)
+        where: list[str | None] = [None] * n
+        missing = list(range(n))
         for tier in self.tiers:
             if not missing:
                 break
-            found = tier.contains_many([keys[i] for i in missing])
-            for i, hit in zip(missing, found):
-                if hit:
-                    where[i] = tier.name
-            missing = [i for i in missing if where[i] is None]
-        out = []
-        for name in where:
-            if name is None:
-                break
-            out.append(name)
-        return out
+            found = tier.contains_many(keys if len(missing) == n else [keys[i] for i in missing])
+            if len(missing) == n and all(found):  # the usual answer: all of it in the top tier
+                return [tier.name] * n
+            for i in compress(missing, found):
+                where[i] = tier.name
+            missing = list(compress(missing, map(not_, found)))
+        return where[: missing[0]] if missing else where  # type: ignore[return-value]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         present = [False] * len(keys)
