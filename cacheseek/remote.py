@@ -13,7 +13,7 @@ one copy); the object is safe to share between threads.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -30,7 +30,7 @@ from .store.device import frame_to_host
 from .store.frame import parse_frame
 from .store.tier import BlockFrame
 from .transport import BulkTransport
-from .wire import BATCH_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
+from .wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 _UNLIMITED = 1 << 62
@@ -133,10 +133,8 @@ class RemoteCache(CacheFront):
     # -- HTTP ----------------------------------------------------------------------------
 
     def _lookup(self, hashes: list[BlockHash], *, each: bool = False) -> dict[str, Any]:
-        body: dict[str, Any] = {"hashes": [to_hex(h) for h in hashes]}
-        if each:
-            body["each"] = True
-        return self._request("POST", "/v1/lookup", json=body).json()
+        path, content, headers = lookup_request(hashes, each=each)
+        return self._request("POST", path, content=content, headers=headers).json()
 
     def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
         """Send ``frames`` in one streamed POST. Takes them over: the list is emptied, so each
@@ -199,4 +197,16 @@ class RemoteCache(CacheFront):
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
 
 
-__all__ = ["RemoteCache"]
+def lookup_request(hashes: Sequence[bytes], *, each: bool = False) -> tuple[str, bytes, dict[str, str]]:
+    """``POST /v1/lookup`` as ``RemoteCache`` sends it (path, body, headers): the hashes as raw
+    bytes end to end, which the server splits without parsing JSON or hex."""
+    query = []
+    if hashes and len(hashes[0]) != 16:
+        query.append(f"hash_bytes={len(hashes[0])}")
+    if each:
+        query.append("each=true")
+    path = "/v1/lookup" + ("?" + "&".join(query) if query else "")
+    return path, b"".join(hashes), {"Content-Type": FRAME_CONTENT_TYPE}
+
+
+__all__ = ["RemoteCache", "lookup_request"]

@@ -253,7 +253,9 @@ class BlockService:
         self.store.touch_chain(keys)
 
     def lookup(self, namespace: str, hashes: list[bytes], each: bool) -> dict[str, Any]:
-        keys = [self.namespaces.stored_key(namespace, h) for h in hashes]
+        """The longest stored prefix of ``hashes`` (all of one size) and its tiers; with
+        ``each``, also whether each hash is stored at all."""
+        keys = self.namespaces.stored_keys(namespace, hashes)
         tiers = self.store.locate(keys)
         out: dict[str, Any] = {"matched": len(tiers), "tiers": tiers}
         if each:
