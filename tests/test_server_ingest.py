@@ -34,9 +34,10 @@ def settle(c: httpx.Client, timeout: float = 10.0) -> list[dict]:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with Server(tmp_path_factory.mktemp("ingest"), cpu_bytes="64MiB") as server:
+@pytest.fixture(scope="module", params=["auto", "h11"])
+def srv(request, tmp_path_factory):
+    """With uvicorn's h11 protocol, bodies reach the app as ASGI messages (no ``BODY_INTO``)."""
+    with Server(tmp_path_factory.mktemp("ingest"), "--http", request.param, cpu_bytes="64MiB") as server:
         yield server
 
 
