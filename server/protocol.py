@@ -11,8 +11,10 @@ the app one by one as they are (never copied or joined), and reading pauses only
 Even so, each byte of a body is copied three times before the app sees it (the event loop's
 read buffer into a ``bytes``, httptools into another ``bytes``, the app into its buffer).
 So the app may also ask for the body to be written straight into memory it names: the
-ASGI scope's extension ``BODY_INTO`` is ``async receive_into(view) -> int``, which fills
-``view`` with the next body bytes (fewer only where the body ends or the client goes).
+ASGI scope's extension ``BODY_INTO`` is ``async receive_into(view, on_data=None) -> int``,
+which fills ``view`` with the next body bytes (fewer only where the body ends or the client
+goes), calling ``on_data(piece)`` with each piece of ``view`` as soon as it is filled (to
+hash it while it is in cache, say).
 Once the bytes already parsed are used up, the connection is switched to a buffered protocol
 (``asyncio.BufferedProtocol``, which uvloop and asyncio both serve with ``recv_into``) that
 reads the rest of the body into ``view`` directly: one copy, by the kernel, as
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 HIGH_WATER = 1 << 20
@@ -69,7 +72,7 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
                 self.flow.resume_reading()
             return {"type": "http.request", "body": body, "more_body": bool(self.pieces) or self.more_body}
 
-        async def receive_into(self, view: Any) -> int:
+        async def receive_into(self, view: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
             """Fill ``view`` with the next body bytes; fewer only where the body ends or the
             client goes. The ``BODY_INTO`` extension."""
             self._continue()
@@ -77,7 +80,10 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
             total, filled = view.nbytes, 0
             while filled < total:
                 if self.pieces:
-                    filled += self._take_piece(view[filled:])
+                    n = self._take_piece(view[filled:])
+                    if on_data is not None:
+                        on_data(view[filled : filled + n])
+                    filled += n
                     continue
                 if self.disconnected or self.response_complete or not self.more_body:
                     break
@@ -87,7 +93,7 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
                     await self.message_event.wait()
                     self.message_event.clear()
                     continue
-                filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)])
+                filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)], on_data)
             return filled
 
         def _continue(self) -> None:
@@ -167,20 +173,22 @@ class BodyTakeover(asyncio.BufferedProtocol):
         self.left = left
         self.high_water = high_water
         self.target: memoryview | None = None
+        self.on_data: Callable[[memoryview], None] | None = None
         self.filled = 0
         self.scratch: bytearray | None = None
 
-    async def read_into(self, target: memoryview) -> int:
-        """Fill ``target`` (at most ``left`` bytes) from the socket; fewer if the client goes."""
+    async def read_into(self, target: memoryview, on_data: Callable[[memoryview], None] | None = None) -> int:
+        """Fill ``target`` (at most ``left`` bytes) from the socket, calling ``on_data`` with
+        each piece received; fewer bytes if the client goes."""
         cycle = self.cycle
-        self.target, self.filled = target, 0
+        self.target, self.on_data, self.filled = target, on_data, 0
         self.protocol.flow.resume_reading()
         try:
             while self.target is not None and not cycle.disconnected and not cycle.response_complete:
                 await cycle.message_event.wait()
                 cycle.message_event.clear()
         finally:
-            self.target = None  # never written into after this returns
+            self.target = self.on_data = None  # never written into after this returns
         return self.filled
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------------
@@ -195,6 +203,8 @@ class BodyTakeover(asyncio.BufferedProtocol):
         cycle = self.cycle
         self.left -= nbytes
         if self.target is not None:
+            if self.on_data is not None:
+                self.on_data(self.target[self.filled : self.filled + nbytes])
             self.filled += nbytes
             if self.filled == self.target.nbytes:
                 self.target = None

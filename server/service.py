@@ -64,11 +64,12 @@ class BlockService:
         """Parse and check one client frame. Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
         return Incoming(buf, self._check(buf, url_hash, where))
 
-    def check_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None,
-                       where: str = "frame") -> Incoming:
-        """``check_frame`` for a frame received into a reservation; a bad one gives it back."""
+    def check_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None, where: str = "frame",
+                       payload_digest: bytes | None = None) -> Incoming:
+        """``check_frame`` for a frame received into a reservation (its payload checksum
+        already computed as it arrived, if ``payload_digest``); a bad one gives it back."""
         try:
-            return Incoming(None, self._check(reservation.view(), url_hash, where), reservation)
+            return Incoming(None, self._check(reservation.view(), url_hash, where, payload_digest), reservation)
         except BaseException as exc:
             # The traceback's frames hold views of the reserved slot, and the tier reuses a
             # slot only once no view of it is alive: drop them, or the slot stays lent out.
@@ -76,9 +77,9 @@ class BlockService:
             self.store.abort(reservation)
             raise
 
-    def _check(self, buf: Any, url_hash: bytes | None, where: str) -> FrameMeta:
+    def _check(self, buf: Any, url_hash: bytes | None, where: str, payload_digest: bytes | None = None) -> FrameMeta:
         try:
-            meta = parse_frame(buf, verify=True)
+            meta = parse_frame(buf, verify=True, payload_digest=payload_digest)
             check_codec_layout(meta)
         except ChecksumError as exc:
             self.metrics.frames_rejected.labels("checksum").inc()
@@ -98,9 +99,11 @@ class BlockService:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
         return self.put(namespace, [self.check_frame(buf, url_hash=url_hash)])[0]
 
-    def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes) -> PutReport:
+    def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
+                         payload_digest: bytes | None = None) -> PutReport:
         """``PUT /v1/blocks/{hash}`` for a frame received into a reservation: check it, then publish it."""
-        return self.put(namespace, [self.check_reserved(reservation, url_hash=url_hash)])[0]
+        incoming = self.check_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
+        return self.put(namespace, [incoming])[0]
 
     def put(self, namespace: str, frames: list[Incoming]) -> list[PutReport]:
         """Store checked frames (in order), after checking each one's position against its

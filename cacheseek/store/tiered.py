@@ -64,6 +64,12 @@ class TieredStore:
         return all(t.index_in_memory for t in self.tiers)
 
     @property
+    def in_memory(self) -> bool:
+        """Whether every tier keeps its frames in this process's memory, so that puts (with
+        their evictions) do no I/O."""
+        return all(not t.persistent and t.index_in_memory for t in self.tiers)
+
+    @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -45,11 +46,12 @@ class RequestBody:
         self._more = True
         self.received = 0
 
-    async def read_into(self, buf: Any) -> int:
-        """Fill ``buf`` with the next body bytes; fewer only where the body ends (or the client goes)."""
+    async def read_into(self, buf: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
+        """Fill ``buf`` with the next body bytes; fewer only where the body ends (or the client
+        goes). ``on_data`` gets each piece of ``buf`` as soon as it is filled."""
         view = memoryview(buf).cast("B")
         if self._into is not None:
-            n = await self._into(view)
+            n = await self._into(view, on_data)
         else:
             n = 0
             while n < view.nbytes:
@@ -63,6 +65,8 @@ class RequestBody:
                 k = min(self._rest.nbytes, view.nbytes - n)
                 view[n : n + k] = self._rest[:k]
                 self._rest = self._rest[k:]
+                if on_data is not None:
+                    on_data(view[n : n + k])
                 n += k
         self.received += n
         return n
