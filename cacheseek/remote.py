@@ -12,6 +12,7 @@ one copy); the object is safe to share between threads.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,10 +61,11 @@ class RemoteCache(CacheFront):
         headers = {NAMESPACE_HEADER: namespace} if namespace else {}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            transport=BulkTransport(max_connections=max_connections),
-        )
+        timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self._transport = BulkTransport(max_connections=max_connections)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
+        self._headers = headers
+        self._timeouts = timeouts.as_dict()
 
     # -- keys ----------------------------------------------------------------------------
 
@@ -133,8 +135,19 @@ class RemoteCache(CacheFront):
     # -- HTTP ----------------------------------------------------------------------------
 
     def _lookup(self, hashes: list[BlockHash], *, each: bool = False) -> dict[str, Any]:
+        """``POST /v1/lookup``, sent to the transport directly: a lookup comes before every
+        request a worker serves, and httpx.Client's own request path (URL merging, auth
+        and redirect flows, text decoding) cost ~0.3 ms of a ~1 ms lookup."""
         path, content, headers = lookup_request(hashes, each=each)
-        return self._request("POST", path, content=content, headers=headers).json()
+        request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
+                                extensions={"timeout": self._timeouts})
+        try:
+            response = self._transport.handle_request(request)
+            response.read()
+        except httpx.TransportError as exc:
+            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+        self._raise_for_status(response, path)
+        return json.loads(response.content)
 
     def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
         """Send ``frames`` in one streamed POST. Takes them over: the list is emptied, so each
