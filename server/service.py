@@ -60,9 +60,11 @@ class BlockService:
 
     # -- writes --------------------------------------------------------------------------
 
-    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame") -> Incoming:
-        """Parse and check one client frame. Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
-        return Incoming(buf, self._check(buf, url_hash, where))
+    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame",
+                    payload_digest: bytes | None = None) -> Incoming:
+        """Parse and check one client frame (its payload checksum already computed as it
+        arrived, if ``payload_digest``). Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
+        return Incoming(buf, self._check(buf, url_hash, where, payload_digest))
 
     def check_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None, where: str = "frame",
                        payload_digest: bytes | None = None) -> Incoming:
@@ -95,9 +97,10 @@ class BlockService:
             raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
         return meta
 
-    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes) -> PutReport:
+    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes,
+                      payload_digest: bytes | None = None) -> PutReport:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
-        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash)])[0]
+        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash, payload_digest=payload_digest)])[0]
 
     def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
                          payload_digest: bytes | None = None) -> PutReport:

@@ -72,12 +72,14 @@ class RequestBody:
         return n
 
 
-async def read_frame_body(request: Request, limit: int) -> bytearray:
-    """The whole body in one buffer (allocated once when the length is declared)."""
+async def read_frame_body(request: Request, limit: int,
+                          on_data: Callable[[memoryview], None] | None = None) -> bytearray:
+    """The whole body in one buffer (allocated once when the length is declared); ``on_data``
+    gets each piece as it arrives."""
     length = declared_length(request, limit, "max_frame_bytes")
     if length is not None:
         buf = bytearray(length)
-        filled = await RequestBody(request).read_into(buf)
+        filled = await RequestBody(request).read_into(buf, on_data)
         if filled != length:
             raise BadRequest(f"body ended after {filled} of {length} bytes")
         return buf
@@ -86,4 +88,6 @@ async def read_frame_body(request: Request, limit: int) -> bytearray:
         if len(buf) + len(chunk) > limit:
             raise TooLarge(f"body exceeds max_frame_bytes ({limit})")
         buf += chunk
+        if on_data is not None:
+            on_data(memoryview(chunk))
     return buf

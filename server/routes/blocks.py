@@ -37,14 +37,14 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     length = declared_length(request, settings.max_frame_bytes, "max_frame_bytes")
     reservation = service.store.reserve(length) if length else None
+    # The payload is hashed piece by piece as it lands, while each piece is in cache.
+    checksum = PayloadChecksum()
     if reservation is None:  # no length declared, or no room in the top tier without evicting
-        buf = await read_frame_body(request, settings.max_frame_bytes)
-        # One hand-off to a worker thread for the check (checksum) and the store (copies, disk I/O).
-        report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash)
+        buf = await read_frame_body(request, settings.max_frame_bytes, checksum.feed)
+        # One hand-off to a worker thread for the check and the store (a copy, evictions, disk I/O).
+        report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash, checksum.digest())
     else:
-        # The body goes straight into the top tier's memory, where the frame will live, and
-        # its payload is hashed piece by piece as it lands.
-        checksum = PayloadChecksum()
+        # The body goes straight into the top tier's memory, where the frame will live.
         try:
             filled = await RequestBody(request).read_into(reservation.view(), checksum.feed)
             if filled != length:
@@ -86,8 +86,9 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
                 check = partial(service.check_reserved, reservation, where=where, payload_digest=checksum.digest())
             else:
                 buf = bytearray(length)
-                filled = await body.read_into(buf)
-                check = partial(service.check_frame, buf, where=where)
+                checksum = PayloadChecksum()
+                filled = await body.read_into(buf, checksum.feed)
+                check = partial(service.check_frame, buf, where=where, payload_digest=checksum.digest())
                 del buf
             if filled != length:
                 raise BatchFormatError(f"{where}: body ended after {filled} of {length} declared bytes")
