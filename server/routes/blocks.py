@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 
 from fastapi import APIRouter, Request, Response
@@ -68,39 +67,34 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
 )
 async def post_blocks(caller: Writer, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store a batch of length-prefixed frames, streamed: each frame is received straight
-    into the top tier's memory where there is room (else into a buffer of its own), and
-    checked as soon as it has arrived, while the next is still coming. If any frame is bad,
-    nothing is stored."""
+    into the top tier's memory where there is room (else into a buffer of its own), hashed
+    as it lands, and checked as soon as it is whole. If any frame is bad, nothing is stored."""
     declared_length(request, settings.max_body_bytes, "max_body_bytes")
     body = RequestBody(request)
-    checks: list[asyncio.Future[Incoming]] = []
+    frames: list[Incoming] = []
     reservations: list[Reservation] = []
     try:
-        while (length := await _next_length(body, len(checks), settings)) is not None:
-            where = f"frame {len(checks)}"
+        while (length := await _next_length(body, len(frames), settings)) is not None:
+            where = f"frame {len(frames)}"
+            checksum = PayloadChecksum()
             reservation = service.store.reserve(length)
+            buf = bytearray(length) if reservation is None else None
             if reservation is not None:
                 reservations.append(reservation)
-                checksum = PayloadChecksum()
-                filled = await body.read_into(reservation.view(), checksum.feed)
-                check = partial(service.check_reserved, reservation, where=where, payload_digest=checksum.digest())
-            else:
-                buf = bytearray(length)
-                checksum = PayloadChecksum()
-                filled = await body.read_into(buf, checksum.feed)
-                check = partial(service.check_frame, buf, where=where, payload_digest=checksum.digest())
-                del buf
+            filled = await body.read_into(buf if reservation is None else reservation.view(), checksum.feed)
             if filled != length:
                 raise BatchFormatError(f"{where}: body ended after {filled} of {length} declared bytes")
-            checks.append(asyncio.ensure_future(run_in_threadpool(check)))
-        frames = [await check for check in checks]
+            # With the checksum computed as the frame arrived, what is left of the check
+            # (~0.1 ms, no I/O) costs less here than a hand-off to a worker thread.
+            if reservation is not None:
+                frames.append(service.check_reserved(reservation, where=where, payload_digest=checksum.digest()))
+            else:
+                frames.append(service.check_frame(buf, where=where, payload_digest=checksum.digest()))
+            del buf
         reports = await run_in_threadpool(service.put, caller.namespace, frames)
     finally:
-        # A failed request still waits for checks already running, so none outlives it unseen,
-        # and gives back every reservation it did not commit.
-        await asyncio.gather(*checks, return_exceptions=True)
         for reservation in reservations:
-            service.store.abort(reservation)
+            service.store.abort(reservation)  # nothing, once committed
     return JSONResponse([r.to_dict() for r in reports])
 
 
