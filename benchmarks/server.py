@@ -9,9 +9,13 @@ own ``--frames`` frames; throughput is frame GB/s over all clients, median of ``
 
 In-run baseline: redis-py ``SET``/``GET`` of the same frames against a local
 ``redis-server`` (in memory, no persistence), which is what a user would do instead. The
-headline CacheSeek server runs a CPU tier only (in memory too); a second server adds the
-disk tier (write-through, fsync) for reference. Lookup: p50/p99 of ``POST /v1/lookup`` for
-a 512-block chain over a keep-alive connection (Redis: ``EXISTS`` of the same 512 keys).
+headline CacheSeek server runs a CPU tier only (in memory too), with room for every frame;
+a second one has a CPU tier already full of other frames, so every frame ingested evicts
+one (a cache in steady state: frames then go through a buffer of their own, not straight
+into the tier's memory); a third runs the disk tier alone (write-through, fsync), for
+reference. Lookup: p50/p99 of ``POST /v1/lookup`` for a 512-block chain over a keep-alive
+connection, sent by ``RemoteCache`` (the hashes as raw bytes), and as JSON through httpx
+(Redis: ``EXISTS`` of the same 512 keys through redis-py); the three take turns, in rounds.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import httpx
 
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI, Raw
+from cacheseek.remote import RemoteCache
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.transport import BulkTransport
 from cacheseek.wire import iter_frames
@@ -45,6 +50,7 @@ LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
 BLOCK = 256
 CODEC = KIVI(bits=4, group_size=32)
 BATCH_TYPE = "application/vnd.cacheseek.frames"
+FULL_FRAMES = 4  # the full CPU tier holds this many frames
 
 
 def make_frame(seed: int, *, position: int = 0, parent: bytes = bytes(16), layout: KVLayout = LAYOUT,
@@ -210,20 +216,28 @@ def client_chains(clients: int, per_client: int) -> list[tuple[bytes, bytes]]:
     return [x for c in range(clients) for x in chain_frames(per_client, 1000 * clients + c)]
 
 
-def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int) -> list[dict]:
+def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int, *,
+                   filler: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
+    """Ingest and materialize rows; with ``filler``, ingest only, into a tier refilled with
+    ``filler`` before each run."""
     rows = []
 
     def clear() -> None:
-        with httpx.Client(base_url=url) as c:
+        with httpx.Client(base_url=url, timeout=300) as c:
             for h, _ in _FRAMES:
                 c.delete(f"/v1/blocks/{h.hex()}")
+            if filler:
+                total = sum(8 + len(f) for _, f in filler)
+                c.post("/v1/blocks", content=_chain_body(filler),
+                       headers={"content-type": BATCH_TYPE, "content-length": str(total)}).raise_for_status()
 
     for n in clients:
         row = {"system": label, "clients": n}
         row["ingest_put_gbps"] = run_clients(n, "cacheseek", f"put|{url}", per, reps, before=clear)
         row["ingest_batch_gbps"] = run_clients(n, "cacheseek", f"batch|{url}", per, reps, before=clear)
-        row["materialize_get_gbps"] = run_clients(n, "cacheseek", f"get|{url}", per, reps)
-        row["materialize_prefix_gbps"] = run_clients(n, "cacheseek", f"prefix|{url}", per, reps)
+        if filler is None:
+            row["materialize_get_gbps"] = run_clients(n, "cacheseek", f"get|{url}", per, reps)
+            row["materialize_prefix_gbps"] = run_clients(n, "cacheseek", f"prefix|{url}", per, reps)
         rows.append(row)
         print(f"  {label:22s} {n} client(s): " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("gbps")),
               flush=True)
@@ -245,8 +259,10 @@ def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]
     return rows
 
 
-def lookup_latency(url: str, redis_port: int, blocks: int, n: int) -> dict:
-    """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never read payloads)."""
+def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int = 8) -> dict:
+    """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never
+    read payloads). The three clients take turns, ``n / rounds`` calls each per round, so
+    that load from elsewhere on the host falls on all of them alike."""
     import redis
 
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
@@ -255,32 +271,35 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int) -> dict:
         h, f = make_frame(900_000 + i, position=i, parent=parent, layout=small, block=32, codec=Raw())
         chain.append((h, f))
         parent = h
-    body = {"hashes": [h.hex() for h, _ in chain]}
+    keys = [h for h, _ in chain]
+    body = {"hashes": [h.hex() for h in keys]}
     r = redis.Redis(port=redis_port)
     for h, f in chain:
         r.set(h, f)
-    keys = [h for h, _ in chain]
-    with httpx.Client(base_url=url, transport=BulkTransport()) as c:  # RemoteCache's client
+    remote = RemoteCache(url, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
+    with httpx.Client(base_url=url, transport=BulkTransport()) as c:
         total = sum(8 + len(f) for _, f in chain)
         c.post("/v1/blocks", content=_chain_body(list(reversed(chain))),
                headers={"content-length": str(total)}).raise_for_status()
-        assert c.post("/v1/lookup", json=body).json()["matched"] == blocks
-        times = []
-        for i in range(n + 50):
-            t = time.perf_counter()
-            got = c.post("/v1/lookup", json=body)
-            got.json()
-            if i >= 50:
-                times.append(time.perf_counter() - t)
-    rtimes = []
-    for i in range(n + 50):
-        t = time.perf_counter()
-        assert r.exists(*keys) == blocks
-        if i >= 50:
-            rtimes.append(time.perf_counter() - t)
+        # RemoteCache's own lookup (hashes computed once, as its ingest and materialize do),
+        # a JSON body through httpx, as any other client would send it, and Redis.
+        calls = {"binary": lambda: remote._lookup(keys)["matched"],
+                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"],
+                 "redis": lambda: r.exists(*keys)}
+        times: dict[str, list[float]] = {form: [] for form in calls}
+        for _ in range(rounds):
+            for form, call in calls.items():
+                for i in range(n // rounds + 10):
+                    t = time.perf_counter()
+                    got = call()
+                    if i >= 10:
+                        times[form].append(time.perf_counter() - t)
+                assert got == blocks, form
+    remote.close()
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
-    return {"blocks": blocks, "lookups": n, "p50_ms": q(times, 50), "p99_ms": q(times, 99),
-            "redis_exists_p50_ms": q(rtimes, 50), "redis_exists_p99_ms": q(rtimes, 99)}
+    return {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
+            "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99),
+            "redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
 
 
 def main() -> None:
@@ -320,8 +339,17 @@ def main() -> None:
                 rows += cacheseek_rows(cs_url, "cacheseek (cpu tier)", [n], per[n], args.reps)
             lookup = lookup_latency(cs_url, rport, args.lookup_blocks, args.lookups)
             print(f"  lookup of a {args.lookup_blocks}-block chain: p50 {lookup['p50_ms']:.3f} ms, "
-                  f"p99 {lookup['p99_ms']:.3f} ms", flush=True)
+                  f"p99 {lookup['p99_ms']:.3f} ms (JSON body: p50 {lookup['json_p50_ms']:.3f} ms, "
+                  f"p99 {lookup['json_p99_ms']:.3f} ms)", flush=True)
             cs_proc.stop()
+            full_budget = str(int(FULL_FRAMES * frame_mb * 1e6) + (1 << 20))
+            full_proc, full_url = start_cacheseek(tmp, "full", "--cpu-bytes", full_budget, "--disk-bytes", "0")
+            procs.append(full_proc)
+            filler = chain_frames(FULL_FRAMES, 999)
+            for n in clients:
+                _FRAMES = client_chains(n, per[n])
+                rows += cacheseek_rows(full_url, "cacheseek (cpu tier, full)", [n], per[n], args.reps, filler=filler)
+            full_proc.stop()
             if not args.no_disk:
                 disk_proc, disk_url = start_cacheseek(tmp, "disk", "--cpu-bytes", "0", "--disk-bytes", budget)
                 procs.append(disk_proc)
@@ -338,11 +366,13 @@ def main() -> None:
             for key in ("ingest_put_gbps", "ingest_batch_gbps"):
                 r[key.replace("_gbps", "_vs_redis")] = r[key] / base["ingest_put_gbps"]
             for key in ("materialize_get_gbps", "materialize_prefix_gbps"):
-                r[key.replace("_gbps", "_vs_redis")] = r[key] / base["materialize_get_gbps"]
+                if key in r:
+                    r[key.replace("_gbps", "_vs_redis")] = r[key] / base["materialize_get_gbps"]
     path = write_json("server", {"frame_mb": frame_mb, "frames_per_client": per, "codec": CODEC.spec(),
                                  "layout": LAYOUT.to_dict(), "block_tokens": BLOCK, "rows": rows, "lookup": lookup},
                       args.out)
-    labels = [f"{r['system'].split()[0]} {r['clients']}c" + (" disk" if "disk" in r["system"] else "") for r in rows]
+    labels = [f"{r['system'].split()[0]} {r['clients']}c" + (" disk" if "disk" in r["system"] else "")
+              + (" full" if "full" in r["system"] else "") for r in rows]
     plot_bars("server", labels, {"ingest": [r.get("ingest_put_gbps", 0) for r in rows],
                                  "ingest (batch)": [r.get("ingest_batch_gbps", 0) for r in rows],
                                  "materialize": [r.get("materialize_get_gbps", 0) for r in rows],
@@ -350,7 +380,8 @@ def main() -> None:
               "GB/s of frames over loopback", args.out)
     print(f"wrote {path}")
     print(f"lookup, {lookup['blocks']}-block chain, {lookup['lookups']} calls: p50 {lookup['p50_ms']:.3f} ms, "
-          f"p99 {lookup['p99_ms']:.3f} ms (redis EXISTS of the same keys: p50 {lookup['redis_exists_p50_ms']:.3f} ms, "
+          f"p99 {lookup['p99_ms']:.3f} ms (JSON body: p50 {lookup['json_p50_ms']:.3f} ms, p99 "
+          f"{lookup['json_p99_ms']:.3f} ms; redis EXISTS of the same keys: p50 {lookup['redis_exists_p50_ms']:.3f} ms, "
           f"p99 {lookup['redis_exists_p99_ms']:.3f} ms)")
     cols = ["system", "clients", "ingest_put_gbps", "ingest_put_vs_redis", "ingest_batch_gbps", "ingest_batch_vs_redis",
             "materialize_get_gbps", "materialize_get_vs_redis", "materialize_prefix_gbps", "materialize_prefix_vs_redis"]

@@ -28,6 +28,17 @@ class BatchTooLarge(ValueError):
     """A declared frame length, or the body, is over its limit."""
 
 
+def check_frame_length(index: int, length: int, consumed: int, *, max_frame_bytes: int, max_body_bytes: int) -> None:
+    """Frame ``index`` declares ``length`` bytes, starting at body offset ``consumed``."""
+    where = f"frame {index}"
+    if length > max_frame_bytes:
+        raise BatchTooLarge(f"{where}: declared length {length} exceeds max_frame_bytes ({max_frame_bytes})")
+    if consumed + length > max_body_bytes:
+        raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({max_body_bytes})")
+    if length < MIN_FRAME_BYTES:
+        raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble")
+
+
 class BatchReader:
     """Incremental reader: ``feed`` chunks as they arrive, get each frame once it is whole."""
 
@@ -70,14 +81,8 @@ class BatchReader:
         return done
 
     def _check(self, length: int, consumed: int) -> None:
-        """A frame of ``length`` bytes starts at body offset ``consumed``."""
-        where = f"frame {self.frames}"
-        if length > self.max_frame_bytes:
-            raise BatchTooLarge(f"{where}: declared length {length} exceeds max_frame_bytes ({self.max_frame_bytes})")
-        if consumed + length > self.max_body_bytes:
-            raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({self.max_body_bytes})")
-        if length < MIN_FRAME_BYTES:
-            raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble")
+        check_frame_length(self.frames, length, consumed, max_frame_bytes=self.max_frame_bytes,
+                           max_body_bytes=self.max_body_bytes)
 
     def finish(self) -> None:
         """The body ended: it must end on a frame boundary."""

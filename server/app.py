@@ -61,8 +61,9 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     app.state.metrics = metrics
     app.state.auth = Authenticator(settings)
     app.state.service = None
-    for module in (blocks, prefixes, lookup, ops):
+    for module in (blocks, prefixes, ops):
         app.include_router(module.router)
+    lookup.install(app)
     errors.install(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import struct
 from dataclasses import replace
 from pathlib import Path
 
@@ -85,6 +86,14 @@ class Namespaces:
         return _xor(h, self.mask(namespace, len(h)))
 
     client_hash = stored_key  # XOR is an involution
+
+    def stored_keys(self, namespace: str, hashes: list[bytes]) -> list[bytes]:
+        """``stored_key`` of each hash (all of one size), in one XOR over them all."""
+        if not namespace or not hashes:
+            return list(hashes)
+        size = len(hashes[0])
+        joined = _xor(b"".join(hashes), self.mask(namespace, size) * len(hashes))
+        return list(struct.unpack(f"{size}s" * len(hashes), joined))
 
     def rekey(self, namespace: str, meta: FrameMeta) -> FrameMeta:
         """``meta`` with ``hash`` and ``parent`` moved into (or out of) ``namespace``."""

@@ -1,10 +1,16 @@
 """``BlockService``: what the routes do, in plain synchronous Python over a ``TieredStore``.
 
-Routes run these methods in a worker thread (parsing, checksums and disk I/O would stall
-the event loop). Frames are stored opaquely; on the way in every frame is parsed strictly
-(checksum verified, tensor entries checked against its codec and layout), its hash checked
-against the URL's, and its position checked against its parent's wherever the parent is
-known. Every check happens before anything is stored, so a rejected request changes nothing.
+Frames are stored opaquely; on the way in every frame is parsed strictly (checksum
+verified, tensor entries checked against its codec and layout), its hash checked against
+the URL's, and its position checked against its parent's wherever the parent is known.
+Every check happens before anything is stored, so a rejected request changes nothing.
+
+A frame arrives in a buffer of its own, or (where the top tier has room) in place, in a
+reservation of the top tier's memory (``TieredStore.reserve``): it is checked there and
+committed, and a rejected one is given back. Its payload checksum is computed as it arrives
+(``PayloadChecksum``), so checking it costs ~0.1 ms and routes do that in the event loop;
+storing runs in a worker thread wherever it may do I/O (a disk or Redis tier) or copy a
+whole frame (a buffer into the tier).
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.cpu import CpuTier
-from cacheseek.store.tier import BlockFrame, BlockInfo
-from cacheseek.store.tiered import TieredStore
+from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
+from cacheseek.store.tiered import PutOutcome, TieredStore
 
 from .errors import BadFrame, HashMismatch, NotFound
 from .metrics import Metrics
@@ -29,10 +35,12 @@ PUT_GROUP = 4  # frames per store call
 
 @dataclass(slots=True)
 class Incoming:
-    """A client's frame, parsed and checked, not stored yet."""
+    """A client's frame, parsed and checked, not stored yet: in a buffer of its own, or
+    written in place into a reservation of the top tier (then ``buf`` is None)."""
 
-    buf: bytearray
+    buf: bytearray | None
     meta: FrameMeta
+    reservation: Reservation | None = None
 
 
 @dataclass(slots=True)
@@ -54,10 +62,28 @@ class BlockService:
 
     # -- writes --------------------------------------------------------------------------
 
-    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame") -> Incoming:
-        """Parse and check one client frame. Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
+    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame",
+                    payload_digest: bytes | None = None) -> Incoming:
+        """Parse and check one client frame (its payload checksum already computed as it
+        arrived, if ``payload_digest``). Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
+        return Incoming(buf, self._check(buf, url_hash, where, payload_digest))
+
+    def check_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None, where: str = "frame",
+                       payload_digest: bytes | None = None) -> Incoming:
+        """``check_frame`` for a frame received into a reservation (its payload checksum
+        already computed as it arrived, if ``payload_digest``); a bad one gives it back."""
         try:
-            meta = parse_frame(buf, verify=True)
+            return Incoming(None, self._check(reservation.view(), url_hash, where, payload_digest), reservation)
+        except BaseException as exc:
+            # The traceback's frames hold views of the reserved slot, and the tier reuses a
+            # slot only once no view of it is alive: drop them, or the slot stays lent out.
+            _forget_frames(exc)
+            self.store.abort(reservation)
+            raise
+
+    def _check(self, buf: Any, url_hash: bytes | None, where: str, payload_digest: bytes | None = None) -> FrameMeta:
+        try:
+            meta = parse_frame(buf, verify=True, payload_digest=payload_digest)
             check_codec_layout(meta)
         except ChecksumError as exc:
             self.metrics.frames_rejected.labels("checksum").inc()
@@ -71,45 +97,81 @@ class BlockService:
         if url_hash is not None and meta.block_hash != url_hash:
             self.metrics.frames_rejected.labels("hash_mismatch").inc()
             raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
-        return Incoming(buf, meta)
+        return meta
 
-    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes) -> PutReport:
+    def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes,
+                      payload_digest: bytes | None = None) -> PutReport:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
-        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash)])[0]
+        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash, payload_digest=payload_digest)])[0]
+
+    def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
+                         payload_digest: bytes | None = None) -> PutReport:
+        """``PUT /v1/blocks/{hash}`` for a frame received into a reservation: check it, then publish it."""
+        incoming = self.check_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
+        return self.put(namespace, [incoming])[0]
 
     def put(self, namespace: str, frames: list[Incoming]) -> list[PutReport]:
         """Store checked frames (in order), after checking each one's position against its
-        parent's (in this batch or stored). Blocks already stored anywhere are not written again."""
+        parent's (in this batch or stored). Blocks already stored anywhere are not written
+        again (their reservations are given back). On an error, reservations not yet
+        committed stay lent: the caller aborts them."""
         self._check_chain_positions(namespace, frames)
         ns = self.namespaces
-        reports: list[PutReport] = []
-        items: list[tuple[bytes, BlockFrame]] = []
-        slots: list[int] = []
+        reports = [PutReport(to_hex(inc.meta.block_hash), "present", {}) for inc in frames]
+        outcomes: dict[int, PutOutcome] = {}
+        group: list[tuple[int, bytes, BlockFrame]] = []
+
+        def flush() -> None:
+            # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
+            for start in range(0, len(group), PUT_GROUP):
+                part = group[start : start + PUT_GROUP]
+                for (i, _, _), outcome in zip(part, self.store.put_many([(k, f) for _, k, f in part])):
+                    outcomes[i] = outcome
+            group.clear()
+
         keys = [ns.stored_key(namespace, inc.meta.block_hash) for inc in frames]
         # One question per tier for the whole batch (one round trip to Redis, not one per frame).
         stored = self.store.contains_many(keys)
-        for inc, key, here in zip(frames, keys, stored):
-            reports.append(PutReport(to_hex(inc.meta.block_hash), "present", {}))
+        for i, (inc, key, here) in enumerate(zip(frames, keys, stored)):
+            reservation = inc.reservation
             if here:
+                if reservation is not None:
+                    self.store.abort(reservation)
                 continue
-            meta, buf = inc.meta, inc.buf
+            meta = ns.rekey(namespace, inc.meta) if namespace else inc.meta
+            if reservation is not None:
+                if self._rekey_in_place(reservation, inc.meta, meta):
+                    flush()  # in order: a chain that overflows the budget keeps its head
+                    outcomes[i] = self.store.commit(key, reservation, meta)
+                    continue
+                # A client's header packed longer or shorter than ours: move the frame to a buffer.
+                buf = bytearray(reservation.view())
+                self.store.abort(reservation)
+            else:
+                buf = inc.buf
             if namespace:
-                meta = ns.rekey(namespace, inc.meta)
                 buf = rewrite_prefix(meta, buf, inc.meta.payload_offset)
-            items.append((key, BlockFrame(meta, host=memoryview(buf), sealed=True)))
-            slots.append(len(reports) - 1)
-        outcomes = []
-        for start in range(0, len(items), PUT_GROUP):
-            # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
-            outcomes += self.store.put_many(items[start : start + PUT_GROUP])
-        if items:
-            for i, outcome in zip(slots, outcomes):
-                report = reports[i]
-                report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
-                report.errors = dict(outcome.errors)
-                if outcome.stored:
-                    self.metrics.frame_bytes_received.inc(frames[i].meta.nbytes)
+            group.append((i, key, BlockFrame(meta, host=memoryview(buf), sealed=True)))
+        flush()
+        for i, outcome in outcomes.items():
+            report = reports[i]
+            report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
+            report.errors = dict(outcome.errors)
+            if outcome.stored:
+                self.metrics.frame_bytes_received.inc(frames[i].meta.nbytes)
         return reports
+
+    @staticmethod
+    def _rekey_in_place(reservation: Reservation, sent: FrameMeta, meta: FrameMeta) -> bool:
+        """Write ``meta``'s header over the received one if it fits the same aligned room
+        (always, for headers this library packs); False if it does not."""
+        if meta is sent:
+            return True
+        prefix = header_prefix(meta)
+        if len(prefix) != sent.payload_offset:
+            return False
+        reservation.view()[: len(prefix)] = prefix
+        return True
 
     def _check_chain_positions(self, namespace: str, frames: list[Incoming]) -> None:
         batch = {inc.meta.block_hash: inc.meta for inc in frames}
@@ -199,7 +261,9 @@ class BlockService:
         self.store.touch_chain(keys)
 
     def lookup(self, namespace: str, hashes: list[bytes], each: bool) -> dict[str, Any]:
-        keys = [self.namespaces.stored_key(namespace, h) for h in hashes]
+        """The longest stored prefix of ``hashes`` (all of one size) and its tiers; with
+        ``each``, also whether each hash is stored at all."""
+        keys = self.namespaces.stored_keys(namespace, hashes)
         tiers = self.store.locate(keys)
         out: dict[str, Any] = {"matched": len(tiers), "tiers": tiers}
         if each:
@@ -209,3 +273,16 @@ class BlockService:
 
     def stats(self) -> dict[str, Any]:
         return self.store.stats()
+
+
+def _forget_frames(exc: BaseException) -> None:
+    """Drop the stack frames that ``exc`` and the exceptions it chains keep alive."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]

@@ -164,3 +164,28 @@ def test_replanning_another_block_gives_what_planning_it_gives(block_hash, paren
     got = replan_frame(first, block_hash=block_hash, parent_hash=parent, position=position)
     assert got == want and got.payload_offset == want.payload_offset
     assert got.cached_header() == want.cached_header()
+
+
+@given(cuts=st.lists(st.integers(0, 4000), max_size=12))
+def test_a_checksum_fed_in_pieces_is_the_payload_checksum(cuts):
+    from cacheseek.store.frame import PayloadChecksum, payload_checksum
+
+    _, _, data = _frame()
+    meta = parse_frame(data)
+    bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    checksum = PayloadChecksum()
+    for a, b in zip(bounds, bounds[1:]):
+        checksum.feed(memoryview(data)[a:b])
+    assert checksum.digest() == payload_checksum(memoryview(data)[meta.payload_offset :]) == meta.checksum
+    assert parse_frame(data, payload_digest=checksum.digest()) == meta
+    with pytest.raises(ChecksumError):
+        parse_frame(data, payload_digest=bytes(8))
+
+
+def test_a_checksum_fed_no_frame_has_no_digest():
+    from cacheseek.store.frame import PayloadChecksum
+
+    for blob in (b"", b"CSKF", b"XXXX" + bytes(60), MAGIC + struct.pack("<IQ", 1 << 20, 0) + bytes(100)):
+        checksum = PayloadChecksum()
+        checksum.feed(blob)
+        assert checksum.digest() is None, blob[:8]

@@ -20,6 +20,7 @@ from cacheseek.store.frame import parse_frame
 from server_helpers import Server, batch_body, cacheseek_command, raw_chain, raw_frame, split_batch
 
 LIMITS = ("--max-frame-bytes", "256KiB", "--max-body-bytes", "1MiB", "--max-lookup-hashes", "1000")
+BINARY = {"Content-Type": "application/octet-stream"}
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,26 @@ def test_batch_ingest_lookup_and_prefix_stream(client):
     assert client.post("/v1/lookup", json={"hashes": hexes}).json()["matched"] == 1
 
 
+def test_a_binary_lookup_answers_as_the_json_one(client):
+    for size in (16, 32):
+        chain = raw_chain(7 + size, 3, hash_size=size)
+        assert client.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        hashes = [h for h, _ in chain]
+        other = os.urandom(size)
+        query = "?hash_bytes=32" if size == 32 else ""
+        for asked in (hashes, hashes[:2], [*hashes[:1], other, hashes[2]], [other, *hashes], []):
+            for each in (False, True):
+                answer = client.post("/v1/lookup", json={"hashes": [h.hex() for h in asked], "each": each}).json()
+                binary = client.post(f"/v1/lookup{query}{'&' if query else '?'}each={str(each).lower()}",
+                                     content=b"".join(asked), headers=BINARY)
+                assert binary.status_code == 200 and binary.json() == answer, (size, len(asked), each)
+        each = client.post(f"/v1/lookup?each=true{query.replace('?', '&')}", content=b"".join([other, *hashes]),
+                           headers=BINARY).json()
+        assert each == {"matched": 0, "tiers": [], "present": [False, True, True, True]}
+    # Hashes of one size read as the other are other hashes: no match, never an error.
+    assert client.post("/v1/lookup", content=b"".join(hashes), headers=BINARY).json()["matched"] == 0
+
+
 def test_sha256_hashes_and_kivi_frames_are_accepted(client):
     import cacheseek as cs
 
@@ -139,6 +160,16 @@ def _bad_cases():
         ("lookup extra field", "POST", "/v1/lookup", dict(json={"hashes": [], "x": 1}), 422, "x"),
         ("lookup mixed sizes", "POST", "/v1/lookup", dict(json={"hashes": ["00" * 16, "00" * 32]}), 422, "size"),
         ("lookup too many", "POST", "/v1/lookup", dict(json={"hashes": ["00" * 16] * 1001}), 422, "at most"),
+        ("lookup uppercase hex", "POST", "/v1/lookup", dict(json={"hashes": ["00" * 16, "AB" * 16]}), 422, "hashes.1"),
+        ("lookup hex with spaces", "POST", "/v1/lookup", dict(json={"hashes": ["00 " * 10 + "00"]}), 422, "hex"),
+        ("binary lookup cut hash", "POST", "/v1/lookup", dict(content=bytes(40), headers=BINARY), 422, "whole number"),
+        ("binary lookup bad size", "POST", "/v1/lookup?hash_bytes=20", dict(content=bytes(40), headers=BINARY), 422,
+         "hash_bytes"),
+        ("binary lookup bad flag", "POST", "/v1/lookup?each=maybe", dict(content=bytes(32), headers=BINARY), 422,
+         "each"),
+        ("binary lookup too many", "POST", "/v1/lookup", dict(content=bytes(16 * 1001), headers=BINARY), 422,
+         "at most"),
+        ("binary lookup as JSON", "POST", "/v1/lookup", dict(content=bytes(32)), 422, "JSON"),
         ("bad namespace", "GET", f"/v1/blocks/{h.hex()}", dict(headers={"X-CacheSeek-Namespace": "a b"}), 400,
          "Namespace"),
         ("missing block", "GET", f"/v1/blocks/{h2.hex()}", {}, 404, "not stored"),
@@ -238,6 +269,12 @@ def test_openapi_docs_health_and_stats(client):
     assert {"/v1/prefixes/{hash}", "/v1/lookup", "/v1/stats", "/metrics", "/healthz", "/readyz"} <= set(paths)
     put_body = paths["/v1/blocks/{hash}"]["put"]["requestBody"]["content"]
     assert "application/octet-stream" in put_body
+    lookup = paths["/v1/lookup"]["post"]
+    assert {"application/json", "application/octet-stream"} <= set(lookup["requestBody"]["content"])
+    assert "hashes" in lookup["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert {"hash_bytes", "each", "X-CacheSeek-Namespace"} <= {p["name"] for p in lookup["parameters"]}
+    assert lookup["security"] == [{"HTTPBearer": []}] and "HTTPBearer" in doc["components"]["securitySchemes"]
+    assert "LookupResponse" in str(lookup["responses"]["200"])
     assert client.get("/docs").status_code == 200
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json() == {"status": "ready"}
@@ -288,6 +325,19 @@ def test_tokens_401_403_and_read_only(tmp_path):
         assert c.get(path, headers=auth("a-read", "team-a")).content == frame
         assert c.get(path, headers=auth("w-token", "team-a")).content == frame
         assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+        # The lean lookup route checks callers as the other routes do, for either body.
+        for kw in (dict(json={"hashes": [h.hex()]}), dict(content=h, headers=BINARY)):
+            headers = kw.pop("headers", {})
+            look = lambda more=None: c.post("/v1/lookup", **kw, headers={**headers, **(more or {})})  # noqa: E731
+            r = look()
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+            assert look({"Authorization": "Basic eDp5"}).status_code == 401
+            assert look(auth("r-tokeN")).status_code == 403
+            assert look(auth("a-read", "team-b")).status_code == 403
+            assert look(auth("r-token", "a b")).status_code == 400
+            assert look(auth("r-token")).json()["matched"] == 1
+            assert look(auth("a-read")).json()["matched"] == 1  # team-a's own block
+            assert look(auth("r-token", "team-c")).json()["matched"] == 0
 
 
 def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):

@@ -12,7 +12,7 @@ import torch
 import cacheseek as cs
 from cacheseek.errors import InputError
 from cacheseek.store.cpu import CpuTier
-from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
 from kivi_bounds import error_bound
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
@@ -306,6 +306,86 @@ def test_cpu_slots_being_read_are_never_reused():
     del held
     tier.put(b"\x09" * 16, BlockFrame(meta_i, host=memoryview(build_frame(meta_i, [b"\x09" * half] * 2))))
     assert tier.stats().extra["zombie_slots"] == 0
+
+
+def _sealed(key: bytes, fill: int) -> tuple[object, bytearray]:
+    meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
+                      codec=cs.Raw().spec(),
+                      buffers=[("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))])
+    half = meta.tensors[0].nbytes
+    frame = build_frame(meta, [bytes([fill]) * half] * 2)
+    return parse_frame(frame), frame
+
+
+def _tier_state(tier: CpuTier) -> dict:
+    return tier.stats().to_dict()
+
+
+def test_a_reservation_changes_nothing_until_committed_and_nothing_when_aborted():
+    tier = CpuTier(4 * FRAME)
+    meta0, frame0 = _sealed(b"\x10" * 16, 0x10)
+    assert tier.reserve(len(frame0)) is None  # no memory mapped yet: reserving never grows the arena
+    tier.put(b"\x10" * 16, BlockFrame(meta0, host=memoryview(frame0)))
+    before = _tier_state(tier)
+    meta, frame = _sealed(b"\x11" * 16, 0x11)
+    res = tier.reserve(len(frame))
+    res.view()[: len(frame) - 5] = frame[:-5]  # a body cut short
+    lent = _tier_state(tier)
+    assert lent.pop("reservation_bytes") >= len(frame) and tier.info(b"\x11" * 16) is None
+    assert lent == {k: v for k, v in before.items() if k != "reservation_bytes"}
+    tier.abort(res)
+    tier.abort(res)  # idempotent
+    assert _tier_state(tier) == before  # the slot is free again, not a zombie
+
+    res = tier.reserve(len(frame))
+    res.view()[:] = frame
+    result = tier.commit(b"\x11" * 16, res, meta)
+    assert bytes(result.stored.host) == bytes(frame) and not result.evicted
+    assert bytes(tier.get(b"\x11" * 16).host) == bytes(frame)
+    after = _tier_state(tier)
+    assert after["blocks"] == 2 and after["bytes_in"] == before["bytes_in"] + len(frame)
+    tier.abort(res)  # after a commit: nothing
+    assert tier.get(b"\x11" * 16) is not None
+    with pytest.raises(RuntimeError, match="already"):
+        res.view()
+
+
+def test_reservations_never_evict_and_commits_make_room_as_put_does():
+    tier = CpuTier(3 * FRAME)
+    frames = [_sealed(bytes([i]) * 16, i) for i in range(1, 6)]
+    for meta, frame in frames[:2]:
+        tier.put(meta.block_hash, BlockFrame(meta, host=memoryview(frame)))
+    meta, frame = frames[2]
+    res = tier.reserve(len(frame))
+    assert res is not None
+    assert tier.reserve(len(frame)) is None  # the budget counts the reservation: no room without evicting
+    # put does not count reservations: it fills the budget, and the commit makes room.
+    tier.put(frames[3][0].block_hash, BlockFrame(frames[3][0], host=memoryview(frames[3][1])))
+    res.view()[:] = frame
+    result = tier.commit(meta.block_hash, res, meta)
+    assert result.stored is not None and [k for k, _ in result.evicted] == [frames[0][0].block_hash]
+    assert tier.stats().used_bytes <= tier.capacity_bytes
+    # A key stored while its frame was being received keeps its stored frame.
+    meta4, frame4 = frames[4]
+    assert tier.delete(frames[1][0].block_hash)
+    res = tier.reserve(len(frame4))
+    tier.put(meta4.block_hash, BlockFrame(meta4, host=memoryview(frame4)))
+    res.view()[:] = frame4
+    assert tier.commit(meta4.block_hash, res, meta4).stored is None
+    assert tier.stats().extra["zombie_slots"] == 0
+
+
+def test_a_committed_reservation_is_written_through(tmp_path):
+    store = cs.TierConfig(cpu_bytes=4 * FRAME, disk_path=tmp_path / "d", pin_memory=False).build()
+    meta0, frame0 = _sealed(b"\x20" * 16, 0x20)
+    store.put(meta0.block_hash, BlockFrame(meta0, host=memoryview(frame0)))
+    meta, frame = _sealed(b"\x21" * 16, 0x21)
+    res = store.reserve(len(frame))
+    res.view()[:] = frame
+    outcome = store.commit(meta.block_hash, res, meta)
+    assert outcome.stored and not outcome.errors
+    assert bytes(store.tier("disk").get(meta.block_hash).to_bytes()) == bytes(frame)
+    assert cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "e").build().reserve(len(frame)) is None  # disk on top
 
 
 def test_unwritable_disk_is_reported_and_the_cache_keeps_serving(tmp_path):

@@ -131,8 +131,9 @@ class HostArena:
     def zombies(self) -> int:
         return len(self._zombies)
 
-    def allocate(self, nbytes: int) -> Slot | None:
-        """A slot of at least ``nbytes``, or None when no contiguous room is left."""
+    def allocate(self, nbytes: int, *, grow: bool = True) -> Slot | None:
+        """A slot of at least ``nbytes``, or None when no contiguous room is left (in the
+        chunks already mapped, with ``grow=False``)."""
         need = _align(nbytes)
         if need > self.chunk_bytes:
             return None
@@ -143,7 +144,7 @@ class HostArena:
                 return self._slot(chunk, offset, need)
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
-        if self.reserved_bytes < self.capacity_bytes:
+        if grow and self.reserved_bytes < self.capacity_bytes:
             chunk = _Chunk(self.chunk_bytes, self.pin)
             self._chunks.append(chunk)
             offset = chunk.allocate(need)

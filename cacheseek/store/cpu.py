@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import StorageError
 from .arena import HostArena, Slot
 from .frame import FrameMeta, header_prefix
-from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
+from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult, Reservation
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class CpuTier(IndexedTier):
         self._arena = HostArena(capacity_bytes, pin=pin, chunk_bytes=chunk_bytes)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
+        self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
 
     # -- writes ------------------------------------------------------------------------
 
@@ -204,7 +205,59 @@ class CpuTier(IndexedTier):
 
     def _extra(self) -> dict:
         return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
-                "zombie_slots": self._arena.zombies}
+                "zombie_slots": self._arena.zombies, "reservation_bytes": self._reserved_bytes}
+
+    # -- frames written in place (the server receives a request body straight into a slot) --
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """A slot for a frame of ``nbytes``, found without evicting anything or growing the
+        arena: a frame that turns out bad must change nothing. None when the budget
+        (counting other reservations) or the memory already mapped has no room; the caller
+        then goes through ``put``, which makes room."""
+        with self._lock:
+            if self._index.used_bytes + self._reserved_bytes + nbytes > self.capacity_bytes:
+                return None
+            slot = self._arena.allocate(nbytes, grow=False)
+            if slot is None:
+                return None
+            self._reserved_bytes += slot.nbytes
+            return Reservation(nbytes, slot)
+
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+        """Publish a reservation filled with the whole (checked, sealed) frame ``meta``
+        describes. ``put`` does not count reservations, so it may have used their room since:
+        LRU blocks are evicted now, as ``put`` would have. A key stored meanwhile keeps its
+        frame, and the reservation is given back."""
+        if meta.nbytes != reservation.nbytes:
+            raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
+        result = PutResult(stored=None)
+        with self._lock:
+            slot = self._take_back(reservation)
+            if key in self._records:
+                self._index.touch([key])
+                self._arena.free(slot)
+                return result
+            while self._index.used_bytes + meta.nbytes > self.capacity_bytes and len(self._index):
+                result.evicted += self._evict_one()
+            self._records[key] = _Record(slot, meta, True)
+            self._index.add(key, _info(meta))
+            self._stats.bytes_in += meta.nbytes
+            self._sync_counts()
+            result.stored = BlockFrame(meta, host=slot.view(meta.nbytes), sealed=True)
+        return result
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give a reservation back unpublished (a bad frame, a client gone); idempotent."""
+        with self._lock:
+            if reservation.slot is not None:
+                self._arena.free(self._take_back(reservation))
+
+    def _take_back(self, reservation: Reservation) -> Slot:
+        slot, reservation.slot = reservation.slot, None
+        if slot is None:
+            raise RuntimeError(f"{self.name} tier: this reservation was already committed or aborted")
+        self._reserved_bytes -= slot.nbytes
+        return slot
 
 
 

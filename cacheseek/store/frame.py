@@ -49,6 +49,38 @@ def payload_checksum(payload: Any) -> bytes:
     return xxhash.xxh3_64_digest(payload)
 
 
+class PayloadChecksum:
+    """``payload_checksum`` of a frame fed whole, in order, in pieces as it arrives: each
+    piece is hashed while it is still in cache, where a check after the last byte would
+    make a second pass over memory. Where the payload starts is read from the preamble;
+    ``digest()`` is None if the preamble is not a frame's (parsing will say why)."""
+
+    __slots__ = ("_hash", "_head", "_offset", "_pos")
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_64()
+        self._head = bytearray()
+        self._offset: int | None = None
+        self._pos = 0
+
+    def feed(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        start = self._pos
+        self._pos += view.nbytes
+        if self._offset is None:
+            self._head += view[: PREAMBLE.size - len(self._head)]
+            if len(self._head) < PREAMBLE.size:
+                return
+            magic, header_len, _ = PREAMBLE.unpack(self._head)
+            ok = magic == MAGIC and header_len <= MAX_HEADER_NBYTES
+            self._offset = _align(PREAMBLE.size + header_len) if ok else -1
+        if self._offset >= 0 and self._pos > self._offset:
+            self._hash.update(view[max(self._offset - start, 0) :])
+
+    def digest(self) -> bytes | None:
+        return self._hash.digest() if self._offset is not None and self._offset >= 0 else None
+
+
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
@@ -200,23 +232,30 @@ def build_frame(meta: FrameMeta, buffers: list[Any]) -> bytearray:
     return out
 
 
-def _expect(cond: bool, reason: str) -> None:
+def _expect(cond: bool, reason: str, *args: Any) -> None:
+    # The reason is formatted only on failure: a header passes ~90 checks, and formatting
+    # each one's message up front was most of the time it took to parse one.
     if not cond:
-        raise FrameError(reason)
+        raise FrameError(reason.format(*args) if args else reason)
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    _expect(isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi, f"{what}: bad value {value!r:.40}")
+    if type(value) is not int or not lo <= value <= hi:  # bool is not an int here
+        raise FrameError(f"{what}: bad value {value!r:.40}")
     return value
+
+
+_HEADER_KEYS_TEXT = str(sorted(_HEADER_KEYS))
+_ENTRY_KEYS_TEXT = str(sorted(_ENTRY_KEYS))
 
 
 def parse_header(data: Any) -> FrameMeta:
     """Parse and check the preamble and header of ``data``; the payload is not read."""
     view = memoryview(data).cast("B")
-    _expect(view.nbytes >= PREAMBLE.size, f"frame truncated: {view.nbytes} bytes, not even a preamble")
+    _expect(view.nbytes >= PREAMBLE.size, "frame truncated: {} bytes, not even a preamble", view.nbytes)
     magic, header_len, header_sum = PREAMBLE.unpack_from(view)
     _expect(magic == MAGIC, "not a CacheSeek frame (bad magic)")
-    _expect(header_len <= MAX_HEADER_NBYTES, f"header length {header_len} exceeds {MAX_HEADER_NBYTES}")
+    _expect(header_len <= MAX_HEADER_NBYTES, "header length {} exceeds {}", header_len, MAX_HEADER_NBYTES)
     _expect(view.nbytes >= PREAMBLE.size + header_len, "frame truncated inside its header")
     header_bytes = view[PREAMBLE.size : PREAMBLE.size + header_len]
     _expect(xxhash.xxh3_64_intdigest(header_bytes) == header_sum, "header checksum mismatch")
@@ -224,10 +263,10 @@ def parse_header(data: Any) -> FrameMeta:
         h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise FrameError(f"header is not valid msgpack: {exc}") from None
-    _expect(isinstance(h, dict) and set(h) == _HEADER_KEYS, f"header keys must be {sorted(_HEADER_KEYS)}")
-    _expect(h["v"] == FORMAT_VERSION, f"frame format version {h['v']!r:.20} is not {FORMAT_VERSION}")
+    _expect(isinstance(h, dict) and h.keys() == _HEADER_KEYS, "header keys must be {}", _HEADER_KEYS_TEXT)
+    _expect(h["v"] == FORMAT_VERSION, "frame format version {!r:.20} is not {}", h["v"], FORMAT_VERSION)
     for key in ("hash", "parent"):
-        _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, f"{key}: not a 16- or 32-byte hash")
+        _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, "{}: not a 16- or 32-byte hash", key)
     _expect(len(h["hash"]) == len(h["parent"]), "hash and parent differ in size")
     _expect(isinstance(h["checksum"], bytes) and len(h["checksum"]) == 8, "checksum: not 8 bytes")
     _expect(isinstance(h["codec"], dict), "codec: not a map")
@@ -241,19 +280,20 @@ def parse_header(data: Any) -> FrameMeta:
     entries = []
     end = 0
     for i, e in enumerate(tensors):
-        _expect(isinstance(e, dict) and set(e) == _ENTRY_KEYS, f"tensors[{i}]: keys must be {sorted(_ENTRY_KEYS)}")
-        _expect(isinstance(e["name"], str) and 0 < len(e["name"]) <= 64, f"tensors[{i}].name: bad")
-        _expect(e["dtype"] in BUFFER_DTYPES, f"tensors[{i}].dtype: {e['dtype']!r:.20} unknown")
-        shape = e["shape"]
-        _expect(isinstance(shape, list) and len(shape) <= MAX_RANK, f"tensors[{i}].shape: bad")
-        shape = tuple(_int(x, f"tensors[{i}].shape", 0, 1 << 40) for x in shape)
-        offset = _int(e["offset"], f"tensors[{i}].offset")
-        nbytes = _int(e["nbytes"], f"tensors[{i}].nbytes")
-        _expect(nbytes == BUFFER_DTYPES[e["dtype"]] * math.prod(shape), f"tensors[{i}]: nbytes disagrees with shape")
-        _expect(offset % ALIGN == 0 and offset >= end, f"tensors[{i}]: offset unaligned or overlapping")
+        _expect(isinstance(e, dict) and e.keys() == _ENTRY_KEYS, "tensors[{}]: keys must be {}", i, _ENTRY_KEYS_TEXT)
+        name, dtype, shape = e["name"], e["dtype"], e["shape"]
+        _expect(isinstance(name, str) and 0 < len(name) <= 64, "tensors[{}].name: bad", i)
+        _expect(isinstance(dtype, str) and dtype in BUFFER_DTYPES, "tensors[{}].dtype: {!r:.20} unknown", i, dtype)
+        _expect(isinstance(shape, list) and len(shape) <= MAX_RANK, "tensors[{}].shape: bad", i)
+        what = f"tensors[{i}]"
+        shape = tuple([_int(x, what + ".shape", 0, 1 << 40) for x in shape])
+        offset = _int(e["offset"], what + ".offset")
+        nbytes = _int(e["nbytes"], what + ".nbytes")
+        _expect(nbytes == BUFFER_DTYPES[dtype] * math.prod(shape), "{}: nbytes disagrees with shape", what)
+        _expect(offset % ALIGN == 0 and offset >= end, "{}: offset unaligned or overlapping", what)
         end = offset + nbytes
-        _expect(end <= payload_nbytes, f"tensors[{i}]: runs past the payload")
-        entries.append(TensorEntry(e["name"], e["dtype"], shape, offset, nbytes))
+        _expect(end <= payload_nbytes, "{}: runs past the payload", what)
+        entries.append(TensorEntry(name, dtype, shape, offset, nbytes))
     return FrameMeta(
         block_hash=h["hash"], parent_hash=h["parent"],
         position=_int(h["pos"], "pos"), layout=layout,
@@ -263,14 +303,17 @@ def parse_header(data: Any) -> FrameMeta:
     )
 
 
-def parse_frame(data: Any, *, verify: bool = True) -> FrameMeta:
-    """Parse a whole frame: header checks, exact total length, and (``verify``) the payload checksum."""
+def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None = None) -> FrameMeta:
+    """Parse a whole frame: header checks, exact total length, and (``verify``) the payload
+    checksum, computed here or given as ``payload_digest`` (by a ``PayloadChecksum``)."""
     view = memoryview(data).cast("B")
     meta = parse_header(view)
-    _expect(view.nbytes >= meta.nbytes, f"frame truncated: {view.nbytes} of {meta.nbytes} bytes")
-    _expect(view.nbytes == meta.nbytes, f"frame has {view.nbytes - meta.nbytes} trailing bytes")
-    if verify and payload_checksum(view[meta.payload_offset :]) != meta.checksum:
-        raise ChecksumError("payload checksum mismatch")
+    _expect(view.nbytes >= meta.nbytes, "frame truncated: {} of {} bytes", view.nbytes, meta.nbytes)
+    _expect(view.nbytes == meta.nbytes, "frame has {} trailing bytes", view.nbytes - meta.nbytes)
+    if verify:
+        digest = payload_digest if payload_digest is not None else payload_checksum(view[meta.payload_offset :])
+        if digest != meta.checksum:
+            raise ChecksumError("payload checksum mismatch")
     return meta
 
 
@@ -286,7 +329,7 @@ def check_codec_layout(meta: FrameMeta) -> None:
     template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
     want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
     got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
-    _expect(got == want, f"tensor entries do not match codec {meta.codec.get('name')!r} for this layout")
+    _expect(got == want, "tensor entries do not match codec {!r} for this layout", meta.codec.get("name"))
 
 
 def tensor_views(meta: FrameMeta, data: Any) -> list[memoryview]:

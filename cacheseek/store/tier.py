@@ -110,6 +110,23 @@ class PutResult:
     error: Exception | None = None
 
 
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Room for one frame in a tier's own memory, lent to a writer that fills it in place
+    (a server receiving a request body) and then commits it or gives it back. Nothing stored
+    changes before the commit. ``slot`` is the tier's handle; None once committed or aborted."""
+
+    nbytes: int
+    slot: Any
+
+    def view(self) -> memoryview:
+        """The reserved bytes. Drop every view before an abort: the tier reuses memory only
+        once no view of it is alive."""
+        if self.slot is None:
+            raise RuntimeError("this reservation was already committed or aborted")
+        return self.slot.view(self.nbytes)
+
+
 class LruIndex:
     """Block hash -> ``BlockInfo`` in recency order (oldest first), with byte totals.
 
@@ -126,6 +143,9 @@ class LruIndex:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
+
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
+        return list(map(self._entries.__contains__, keys))
 
     def get(self, key: bytes) -> BlockInfo | None:
         return self._entries.get(key)
@@ -206,6 +226,18 @@ class Tier(ABC):
                 out.append(PutResult(stored=None, error=exc))
         return out
 
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Room for a frame of ``nbytes`` that the caller writes in place, then passes to
+        ``commit`` or ``abort``. None: this tier takes frames only through ``put``, or it has
+        no room without evicting (the caller then uses ``put``)."""
+        return None
+
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+        raise RuntimeError(f"{self.name} tier: lends no reservations")
+
+    def abort(self, reservation: Reservation) -> None:
+        raise RuntimeError(f"{self.name} tier: lends no reservations")
+
     def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
         """Frames for ``keys``, None for each miss. A networked tier overrides this with
         one round trip for the lot."""
@@ -255,7 +287,7 @@ class IndexedTier(Tier):
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         with self._lock:  # once for all keys: a lookup of a long chain takes one lock
-            return [key in self._index for key in keys]
+            return self._index.contains_many(keys)
 
     def keys(self) -> list[bytes]:
         with self._lock:

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import not_
 from typing import Any
 
 from ..errors import ConfigError, StorageError
-from .tier import BlockFrame, BlockInfo, PutResult, Tier
+from .frame import FrameMeta
+from .tier import BlockFrame, BlockInfo, PutResult, Reservation, Tier
 
 
 @dataclass(slots=True)
@@ -59,6 +62,12 @@ class TieredStore:
     def indexes_in_memory(self) -> bool:
         """Whether lookups and touches are pure in-memory work (no tier does I/O for them)."""
         return all(t.index_in_memory for t in self.tiers)
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether every tier keeps its frames in this process's memory, so that puts (with
+        their evictions) do no I/O."""
+        return all(not t.persistent and t.index_in_memory for t in self.tiers)
 
     @property
     def tier_names(self) -> list[str]:
@@ -164,22 +173,19 @@ class TieredStore:
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         """The fastest tier holding each key of the longest stored prefix of ``keys``."""
-        where: list[str | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
+        n = len(keys)
+        where: list[str | None] = [None] * n
+        missing = list(range(n))
         for tier in self.tiers:
             if not missing:
                 break
-            found = tier.contains_many([keys[i] for i in missing])
-            for i, hit in zip(missing, found):
-                if hit:
-                    where[i] = tier.name
-            missing = [i for i in missing if where[i] is None]
-        out = []
-        for name in where:
-            if name is None:
-                break
-            out.append(name)
-        return out
+            found = tier.contains_many(keys if len(missing) == n else [keys[i] for i in missing])
+            if len(missing) == n and all(found):  # the usual answer: all of it in the top tier
+                return [tier.name] * n
+            for i in compress(missing, found):
+                where[i] = tier.name
+            missing = list(compress(missing, map(not_, found)))
+        return where[: missing[0]] if missing else where  # type: ignore[return-value]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         present = [False] * len(keys)
@@ -236,6 +242,35 @@ class TieredStore:
             "raw_bytes": raw,
             "compression_ratio": raw / used if used else None,
         }
+
+    # -- frames written in place -------------------------------------------------------
+
+    def reserve(self, nbytes: int) -> Reservation | None:
+        """Room in the top tier for a frame the caller writes in place and then passes to
+        ``commit`` or ``abort`` (see ``Tier.reserve``); None: use ``put_many``."""
+        return self.tiers[0].reserve(nbytes)
+
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutOutcome:
+        """Publish a filled reservation in the top tier, then write it through as ``put_many``
+        does. If the top tier got the key meanwhile, its writer wrote it through."""
+        outcome = PutOutcome()
+        result = self.tiers[0].commit(key, reservation, meta)
+        self._demote(0, result.evicted)
+        if result.stored is None:
+            outcome.present = True
+            return outcome
+        outcome.stored = True
+        for level, tier in enumerate(self.tiers[1:], start=1):
+            if tier.name not in self.write_through:
+                continue
+            below = tier.put_many([(key, result.stored)])[0]
+            if below.error is not None:
+                outcome.errors[tier.name] = str(below.error)
+            self._demote(level, below.evicted)
+        return outcome
+
+    def abort(self, reservation: Reservation) -> None:
+        self.tiers[0].abort(reservation)
 
     def close(self) -> None:
         for tier in self.tiers:

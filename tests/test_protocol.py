@@ -1,0 +1,176 @@
+"""``server.protocol``: request bodies read straight into the app's buffers, under a real
+uvicorn on loopback (in a thread, with a small ASGI app), over raw sockets so that requests
+can be pipelined and cut off at will."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from cacheseek.server import protocol
+from cacheseek.server.protocol import BODY_INTO, protocol_class
+from server_helpers import free_port
+
+BIG = 5 << 20  # far more than one read: the protocol takes the body over
+SEEN: list[list[int]] = []  # what each read of the app's last requests got
+
+
+async def app(scope, receive, send):
+    """POST /?8,1000,...: read the body into buffers of those sizes (the rest into one more,
+    unless ``only`` is in the list), answer what each read got and the SHA-256 of what was
+    read. POST /early: answer without reading."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/early":
+        out = b'{"early": true}'
+    else:
+        into = scope["extensions"][BODY_INTO]
+        length = int(dict(scope["headers"]).get(b"content-length", b"0"))
+        query = scope["query_string"].decode().split(",")
+        sizes = [int(x) for x in query if x.isdigit()]
+        if "only" not in query:
+            sizes.append(max(length - sum(sizes), 0) + 10)  # room for more than is left
+        digest, pieces, got = hashlib.sha256(), hashlib.sha256(), []
+        for n in sizes:
+            buf = bytearray(n)
+            k = await into(buf, pieces.update)  # each piece as it lands, in order
+            got.append(k)
+            digest.update(memoryview(buf)[:k])
+        SEEN.append(got)
+        out = json.dumps({"got": got, "sha256": digest.hexdigest(), "pieces": pieces.hexdigest()}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+    await send({"type": "http.response.body", "body": out})
+
+
+@pytest.fixture(params=["uvloop", "asyncio"])
+def server(request, monkeypatch):
+    if request.param == "uvloop":
+        pytest.importorskip("uvloop")
+    taken = []  # bytes received by the buffered protocol, read by the tests
+    updated = protocol.BodyTakeover.buffer_updated
+
+    def counting(self, nbytes):
+        taken.append(nbytes)
+        return updated(self, nbytes)
+
+    monkeypatch.setattr(protocol.BodyTakeover, "buffer_updated", counting)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol_class(), loop=request.param,
+                            log_level="warning", lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield port, taken
+    srv.should_exit = True
+    thread.join(10)
+
+
+def request(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def read_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict]:
+    while b"\r\n\r\n" not in rest:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        rest += data
+    head, _, tail = bytes(rest).partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines[1:])
+    n = int(headers[b"content-length"])
+    body = bytearray(tail)
+    while len(body) < n:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        body += data
+    rest[:] = body[n:]
+    return int(lines[0].split()[1]), json.loads(bytes(body[:n]))
+
+
+def test_a_body_is_read_in_place_in_any_pieces_and_the_connection_lives_on(server):
+    port, taken = server
+    body = os.urandom(BIG)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        rest = bytearray()
+        for sizes in ([], [8, 1_000_000, 8], [BIG - 3, 1, 1]):
+            s.sendall(request("/?" + ",".join(map(str, sizes)), body))
+            status, got = read_response(s, rest)
+            assert status == 200 and got["sha256"] == got["pieces"] == hashlib.sha256(body).hexdigest()
+            assert got["got"][: len(sizes)] == sizes and sum(got["got"]) == BIG
+    assert sum(taken) > BIG  # most of every body came through recv_into, not the parser
+
+
+def test_pipelined_requests_after_a_body_read_in_place(server):
+    port, _ = server
+    first, second = os.urandom(BIG), os.urandom(3000)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request("/?100", first) + request("/early", b"xyz") + request("/", second))
+        rest = bytearray()
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(first).hexdigest()
+        assert read_response(s, rest)[1] == {"early": True}
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
+
+
+def test_an_answer_before_the_body_skips_it_and_the_connection_lives_on(server):
+    port, _ = server
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        rest = bytearray()
+        s.sendall(request("/early", os.urandom(BIG)))
+        assert read_response(s, rest)[1] == {"early": True}
+        body = os.urandom(1000)
+        s.sendall(request("/", body))
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_an_answer_in_the_middle_of_a_body_read_in_place_skips_the_rest(server):
+    port, taken = server
+    first, second = os.urandom(BIG), os.urandom(3000)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request("/?only,8,1000000", first) + request("/", second))
+        rest = bytearray()
+        digest = hashlib.sha256(first[:1_000_008]).hexdigest()
+        assert read_response(s, rest)[1] == {"got": [8, 1_000_000], "sha256": digest, "pieces": digest}
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
+    assert sum(taken) >= BIG - 1_000_008  # the rest of the first body went through the takeover
+
+
+def test_a_client_gone_mid_body_ends_the_read_short(server):
+    port, _ = server
+    body = os.urandom(BIG)
+    SEEN.clear()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(request("/?8", body)[: BIG // 2])
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while not SEEN:
+        assert time.monotonic() < deadline, "the read never ended"
+        time.sleep(0.02)
+    assert SEEN[-1][0] == 8 and 0 < SEEN[-1][1] < BIG - 8
+    # The server is unharmed: a new connection is served.
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        rest = bytearray()
+        s.sendall(request("/", body))
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
+
+
+def test_protocol_class_is_none_when_uvicorn_looks_different(monkeypatch):
+    from uvicorn.protocols.http import httptools_impl
+
+    assert protocol_class() is not None
+    monkeypatch.setattr(httptools_impl.HttpToolsProtocol, "on_message_complete", lambda self: None)
+    assert protocol_class() is None

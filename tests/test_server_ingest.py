@@ -1,0 +1,141 @@
+"""Ingest of large frames through a real ``cacheseek serve``: bodies are received straight into
+the CPU tier's memory (a reservation) and checked there. What is stored is exact, bad or cut-off
+bodies change nothing, and a full CPU tier falls back to buffers."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from cacheseek.transport import BulkTransport
+from server_helpers import Server, batch_body, raw_chain, raw_frame, split_batch
+
+BIG_BLOCK = 4096  # a Raw frame of the helpers' layout: 4 MiB of payload, far more than one read
+
+
+def big_chain(seed: int, n: int) -> list[tuple[bytes, bytes]]:
+    return raw_chain(seed, n, block=BIG_BLOCK)
+
+
+def state(c: httpx.Client) -> list[dict]:
+    return c.get("/v1/stats").json()["tiers"]
+
+
+def settle(c: httpx.Client, timeout: float = 10.0) -> list[dict]:
+    """The stats once no reservation is lent out (a request may still be ending)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tiers = state(c)
+        if tiers[0].get("reservation_bytes") == 0 or time.monotonic() > deadline:
+            return tiers
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module", params=["auto", "h11"])
+def srv(request, tmp_path_factory):
+    """With uvicorn's h11 protocol, bodies reach the app as ASGI messages (no ``BODY_INTO``)."""
+    with Server(tmp_path_factory.mktemp("ingest"), "--http", request.param, cpu_bytes="64MiB") as server:
+        yield server
+
+
+@pytest.mark.parametrize("transport", ["httpx", "bulk"])
+def test_large_frames_put_and_batch_are_stored_exactly(srv, transport):
+    chain = big_chain(1 if transport == "httpx" else 2, 5)
+    kw = {"transport": BulkTransport()} if transport == "bulk" else {}
+    with httpx.Client(base_url=srv.url, timeout=60, **kw) as c:
+        for h, f in chain[:2]:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=f).status_code == 201
+        reports = c.post("/v1/blocks", content=batch_body([f for _, f in chain[2:]])).json()
+        assert [r["status"] for r in reports] == ["stored"] * 3
+        for h, f in chain:
+            assert c.get(f"/v1/blocks/{h.hex()}").content == f
+        assert split_batch(c.get(f"/v1/prefixes/{chain[-1][0].hex()}").content) == [f for _, f in chain]
+        # Sent again: already there (200), and nothing is lent out or left behind.
+        assert c.put(f"/v1/blocks/{chain[0][0].hex()}", content=chain[0][1]).status_code == 200
+        cpu = settle(c)[0]
+        assert cpu["reservation_bytes"] == 0 and cpu["zombie_slots"] == 0
+
+
+def test_bad_large_frames_change_nothing(srv):
+    (h, good), (h2, good2) = big_chain(3, 2)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+    cases = [
+        ("PUT", f"/v1/blocks/{h.hex()}", bytes(flipped), 400, "checksum"),
+        ("PUT", f"/v1/blocks/{h2.hex()}", good, 409, "not the URL"),
+        ("PUT", f"/v1/blocks/{h.hex()}", good[:-1], 400, "truncated"),
+        ("POST", "/v1/blocks", batch_body([good, bytes(flipped)]), 400, "frame 1"),
+        ("POST", "/v1/blocks", batch_body([good, good2])[:-5], 400, "ended"),
+    ]
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        (h0, f0), = big_chain(30, 1)
+        c.put(f"/v1/blocks/{h0.hex()}", content=f0)  # the CPU tier has memory mapped to lend
+        for namespace in ("", "tenant-x"):
+            headers = {"X-CacheSeek-Namespace": namespace} if namespace else {}
+            for method, path, body, status, reason in cases:
+                before = settle(c)
+                r = c.request(method, path, content=body, headers=headers)
+                assert r.status_code == status and reason in r.json()["error"], (method, reason, r.text)
+                assert settle(c) == before, (method, reason)
+            assert c.get(f"/v1/blocks/{h.hex()}", headers=headers).status_code == 404
+
+
+def test_a_client_gone_mid_body_leaves_nothing(srv):
+    (h0, f0), (h, frame) = big_chain(4, 2)
+    head = f"PUT /v1/blocks/{h.hex()} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(frame)}\r\n\r\n".encode()
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        c.put(f"/v1/blocks/{h0.hex()}", content=f0)  # the CPU tier has memory mapped to lend
+        before = settle(c)
+        for cut in (100, len(frame) // 2, len(frame) - 1):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(head + frame[:cut])
+                time.sleep(0.2)
+                # The body is being received into the CPU tier's memory: lent, not stored.
+                lent = state(c)[0]
+                assert lent["reservation_bytes"] >= len(frame) and lent["blocks"] == before[0]["blocks"]
+            assert settle(c) == before, cut
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        assert c.get(f"/v1/blocks/{h.hex()}").content == frame
+
+
+def test_a_request_pipelined_behind_a_large_body_is_answered(srv):
+    (h, frame), = big_chain(5, 1)
+    put = f"PUT /v1/blocks/{h.hex()} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(frame)}\r\n\r\n".encode()
+    get = f"GET /v1/blocks/{h.hex()} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", srv.port)) as s:
+        s.sendall(put + frame + get)
+        data = bytearray()
+        deadline = time.monotonic() + 30
+        while data.count(b"HTTP/1.1 ") < 2 or len(data) < len(frame):
+            assert time.monotonic() < deadline, bytes(data[:300])
+            data += s.recv(1 << 20)
+    first, _, rest = bytes(data).partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 201")
+    assert rest[rest.index(b"HTTP/1.1 ") :].startswith(b"HTTP/1.1 200") and rest.endswith(frame)
+
+
+def test_a_chunked_body_and_a_full_cpu_tier_take_the_buffered_path(tmp_path):
+    chain = big_chain(6, 6)  # 24 MiB through a 10 MiB CPU tier: the tail goes through put, evicting to disk
+    with Server(tmp_path, cpu_bytes="10MiB") as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        h, f = chain[0]
+        r = c.put(f"/v1/blocks/{h.hex()}", content=iter([f[:1000], f[1000:]]))  # no Content-Length: chunked
+        assert r.status_code == 201
+        reports = c.post("/v1/blocks", content=batch_body([f for _, f in chain[1:]])).json()
+        assert [r["status"] for r in reports] == ["stored"] * 5
+        tiers = {t["name"]: t for t in settle(c)}
+        assert tiers["cpu"]["used_bytes"] <= 10 << 20 and tiers["cpu"]["evictions"] > 0
+        assert tiers["disk"]["blocks"] == 6 and tiers["cpu"]["reservation_bytes"] == 0
+        assert split_batch(c.get(f"/v1/prefixes/{chain[-1][0].hex()}").content) == [f for _, f in chain]
+
+
+def test_a_namespace_rewrites_the_header_in_place(srv):
+    chain = big_chain(7, 2)
+    a = {"X-CacheSeek-Namespace": "tenant-a"}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.put(f"/v1/blocks/{chain[0][0].hex()}", content=chain[0][1], headers=a).status_code == 201
+        assert c.post("/v1/blocks", content=batch_body([chain[1][1]]), headers=a).json()[0]["status"] == "stored"
+        assert split_batch(c.get(f"/v1/prefixes/{chain[1][0].hex()}", headers=a).content) == [f for _, f in chain]
+        assert c.get(f"/v1/blocks/{chain[0][0].hex()}").status_code == 404
