@@ -11,11 +11,12 @@ In-run baseline: redis-py ``SET``/``GET`` of the same frames against a local
 ``redis-server`` (in memory, no persistence), which is what a user would do instead. The
 headline CacheSeek server runs a CPU tier only (in memory too), with room for every frame;
 a second one has a CPU tier already full of other frames, so every frame ingested evicts
-one (a cache in steady state: frames then go through a buffer of their own, not straight
-into the tier's memory); a third runs the disk tier alone (write-through, fsync), for
-reference. Lookup: p50/p99 of ``POST /v1/lookup`` for a 512-block chain over a keep-alive
-connection, sent by ``RemoteCache`` (the hashes as raw bytes), and as JSON through httpx
-(Redis: ``EXISTS`` of the same 512 keys through redis-py); the three take turns, in rounds.
+one (a cache in steady state; it lends frames being received 256 MiB beyond its budget, the
+default reserve of a 2 GiB tier, and evicts for them when they commit); a third runs the
+disk tier alone (write-through, fsync), for reference. Lookup: p50/p99 of ``POST
+/v1/lookup`` for a 512-block chain over a keep-alive connection, sent by ``RemoteCache``
+(the hashes as raw bytes), and as JSON through httpx (Redis: ``EXISTS`` of the same 512
+keys through redis-py); the three take turns, in rounds.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ BLOCK = 256
 CODEC = KIVI(bits=4, group_size=32)
 BATCH_TYPE = "application/vnd.cacheseek.frames"
 FULL_FRAMES = 4  # the full CPU tier holds this many frames
+FULL_RESERVE = 256 << 20  # and may lend this much beyond its budget to frames being received
 
 
 def make_frame(seed: int, *, position: int = 0, parent: bytes = bytes(16), layout: KVLayout = LAYOUT,
@@ -343,7 +345,10 @@ def main() -> None:
                   f"p99 {lookup['json_p99_ms']:.3f} ms)", flush=True)
             cs_proc.stop()
             full_budget = str(int(FULL_FRAMES * frame_mb * 1e6) + (1 << 20))
-            full_proc, full_url = start_cacheseek(tmp, "full", "--cpu-bytes", full_budget, "--disk-bytes", "0")
+            # A small budget, so that it is full from the start, with the reserve for frames in
+            # flight that a 2 GiB tier has by default (an eighth of the budget).
+            full_proc, full_url = start_cacheseek(tmp, "full", "--cpu-bytes", full_budget, "--disk-bytes", "0",
+                                                  "--cpu-reserve-bytes", str(FULL_RESERVE))
             procs.append(full_proc)
             filler = chain_frames(FULL_FRAMES, 999)
             for n in clients:

@@ -35,6 +35,9 @@ class TierConfig:
     write_through: tuple[str, ...] | None = None
     promote_on_hit: bool = True
     pin_memory: bool = True
+    # Host memory the CPU tier may lend beyond its budget to frames still arriving (the
+    # server receives request bodies straight into it); eviction makes room at commit.
+    cpu_reserve_bytes: int | str = 0
     gpu_device: str = "cuda"
     disk_fsync: bool = True
     redis_url: str | None = None
@@ -60,7 +63,8 @@ class TierConfig:
             tiers.append(GpuTier(gpu, device=self.gpu_device))
         cpu = parse_size(self.cpu_bytes, name="cpu_bytes")
         if cpu:
-            tiers.append(CpuTier(cpu, pin=self.pin_memory))
+            tiers.append(CpuTier(cpu, pin=self.pin_memory,
+                                 reserve_bytes=parse_size(self.cpu_reserve_bytes, name="cpu_reserve_bytes")))
         if self.disk_path is not None:
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")

@@ -105,6 +105,9 @@ class ServerSettings(BaseSettings):
 
     # -- tiers (built by server.store.build_store) -----------------------------------------
     cpu_bytes: int = Field(4 << 30, description="CPU tier budget; 0 turns the tier off")
+    cpu_reserve_bytes: int | None = Field(
+        None, description="host memory beyond the CPU budget for frames still arriving (received in place, "
+                          "evicted for at commit); default: an eighth of cpu_bytes, at most 1 GiB")
     disk_path: Path = Field(default_factory=default_disk_path, description="disk tier directory")
     disk_bytes: int = Field(64 << 30, description="disk tier budget; 0 turns the tier off")
     write_through: bool = Field(
@@ -143,6 +146,16 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
+
+    @field_validator("cpu_reserve_bytes", mode="before")
+    @classmethod
+    def _optional_size(cls, value: Any, info: Any) -> int | None:
+        return None if value is None else parse_size(value, name=info.field_name)
+
+    @property
+    def cpu_reserve(self) -> int:
+        """``cpu_reserve_bytes``, or its default."""
+        return min(self.cpu_bytes // 8, 1 << 30) if self.cpu_reserve_bytes is None else self.cpu_reserve_bytes
 
     @field_validator("read_token", "write_token", "namespace_secret", mode="before")
     @classmethod

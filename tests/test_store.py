@@ -375,6 +375,31 @@ def test_reservations_never_evict_and_commits_make_room_as_put_does():
     assert tier.stats().extra["zombie_slots"] == 0
 
 
+def test_a_full_tier_lends_its_reserve_and_evicts_only_at_commit():
+    tier = CpuTier(3 * FRAME, reserve_bytes=2 * FRAME)
+    frames = [_sealed(bytes([i]) * 16, i) for i in range(1, 8)]
+    for meta, frame in frames[:3]:
+        tier.put(meta.block_hash, BlockFrame(meta, host=memoryview(frame)))
+    full = _tier_state(tier)
+    assert full["used_bytes"] > 2 * FRAME  # no room left in the budget
+    (m1, f1), (m2, f2), (m3, f3) = frames[3:6]
+    a, b = tier.reserve(len(f1)), tier.reserve(len(f2))
+    assert a is not None and b is not None  # from the reserve: nothing evicted for them
+    assert tier.reserve(len(f3)) is None  # the reserve is used up
+    lent = _tier_state(tier)
+    assert lent.pop("reservation_bytes") >= len(f1) + len(f2)
+    assert {k: v for k, v in lent.items() if k not in ("arena_bytes",)} == {
+        k: v for k, v in full.items() if k not in ("arena_bytes", "reservation_bytes")}
+    tier.abort(b)  # a bad frame: changes nothing stored
+    a.view()[:] = f1
+    result = tier.commit(m1.block_hash, a, m1)
+    assert result.stored is not None and [k for k, _ in result.evicted] == [frames[0][0].block_hash]
+    state = _tier_state(tier)
+    assert state["used_bytes"] <= tier.capacity_bytes and state["reservation_bytes"] == 0
+    assert state["arena_bytes"] <= tier.capacity_bytes + tier.reserve_bytes + (1 << 20)
+    assert bytes(tier.get(m1.block_hash).host) == bytes(f1)
+
+
 def test_a_committed_reservation_is_written_through(tmp_path):
     store = cs.TierConfig(cpu_bytes=4 * FRAME, disk_path=tmp_path / "d", pin_memory=False).build()
     meta0, frame0 = _sealed(b"\x20" * 16, 0x20)

@@ -30,9 +30,14 @@ class CpuTier(IndexedTier):
 
     accepts_device_frames = True
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30):
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30,
+                 reserve_bytes: int = 0):
         super().__init__(name, capacity_bytes)
-        self._arena = HostArena(capacity_bytes, pin=pin, chunk_bytes=chunk_bytes)
+        # Reservations (frames still arriving) may take ``reserve_bytes`` beyond the budget:
+        # a full tier then receives a frame in place and evicts for it at commit, rather
+        # than evicting before the frame is known to be good, or buffering it.
+        self.reserve_bytes = reserve_bytes
+        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
         self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
@@ -210,14 +215,16 @@ class CpuTier(IndexedTier):
     # -- frames written in place (the server receives a request body straight into a slot) --
 
     def reserve(self, nbytes: int) -> Reservation | None:
-        """A slot for a frame of ``nbytes``, found without evicting anything or growing the
-        arena: a frame that turns out bad must change nothing. None when the budget
-        (counting other reservations) or the memory already mapped has no room; the caller
-        then goes through ``put``, which makes room."""
+        """A slot for a frame of ``nbytes``, found without evicting anything: a frame that
+        turns out bad must change nothing stored. None when the budget plus ``reserve_bytes``
+        (counting other reservations) or the arena has no room; the caller then goes through
+        ``put``, which makes room. The arena grows only into the reserve (it never maps more
+        than the budget and the reserve together)."""
         with self._lock:
-            if self._index.used_bytes + self._reserved_bytes + nbytes > self.capacity_bytes:
+            limit = self.capacity_bytes + self.reserve_bytes
+            if self._index.used_bytes + self._reserved_bytes + nbytes > limit:
                 return None
-            slot = self._arena.allocate(nbytes, grow=False)
+            slot = self._arena.allocate(nbytes, grow=self.reserve_bytes > 0)
             if slot is None:
                 return None
             self._reserved_bytes += slot.nbytes
