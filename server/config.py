@@ -152,10 +152,6 @@ class ServerSettings(BaseSettings):
     def _optional_size(cls, value: Any, info: Any) -> int | None:
         return None if value is None else parse_size(value, name=info.field_name)
 
-    @property
-    def cpu_reserve(self) -> int:
-        """``cpu_reserve_bytes``, or its default."""
-        return min(self.cpu_bytes // 8, 1 << 30) if self.cpu_reserve_bytes is None else self.cpu_reserve_bytes
 
     @field_validator("read_token", "write_token", "namespace_secret", mode="before")
     @classmethod
@@ -214,6 +210,8 @@ class ServerSettings(BaseSettings):
         if self.tenants and self.write_token is None:
             raise ValueError("tenants: set write_token too (the operator's token), or callers without tenant "
                              "tokens could write anywhere")
+        if self.cpu_reserve_bytes is None:  # resolved here, so the settings printed at start show it
+            self.cpu_reserve_bytes = min(self.cpu_bytes // 8, 1 << 30)
         return self
 
     @property

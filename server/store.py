@@ -23,7 +23,7 @@ def tier_config(settings: ServerSettings) -> TierConfig:
         write_through=None if settings.write_through else (),
         promote_on_hit=settings.promote_on_hit,
         pin_memory=False,  # no GPU reads the server's host memory; pinning would import torch
-        cpu_reserve_bytes=settings.cpu_reserve,
+        cpu_reserve_bytes=settings.cpu_reserve_bytes or 0,
         disk_fsync=settings.disk_fsync,
         redis_url=settings.redis_url,
         redis_bytes=settings.redis_bytes,

@@ -393,6 +393,10 @@ def test_settings_come_from_flags_env_and_a_file(tmp_path):
         del os.environ["CACHESEEK_PORT"]
     assert ServerSettings.load().disk_path == default_disk_path()
     assert str(default_disk_path()).endswith("cacheseek/store")
+    # The CPU tier's reserve for frames being received: an eighth of its budget, at most 1 GiB.
+    assert s.cpu_reserve_bytes == 128 << 20
+    assert ServerSettings.load(cpu_bytes="64GiB").cpu_reserve_bytes == 1 << 30
+    assert ServerSettings.load(toml, cpu_reserve_bytes="0").cpu_reserve_bytes == 0
 
 
 def test_bad_settings_exit_2_naming_the_setting(tmp_path):

@@ -218,13 +218,15 @@ class CpuTier(IndexedTier):
         """A slot for a frame of ``nbytes``, found without evicting anything: a frame that
         turns out bad must change nothing stored. None when the budget plus ``reserve_bytes``
         (counting other reservations) or the arena has no room; the caller then goes through
-        ``put``, which makes room. The arena grows only into the reserve (it never maps more
-        than the budget and the reserve together)."""
+        ``put``, which makes room. Only a tier whose budget is all mapped (a full cache) maps
+        more for a reservation, into the reserve: the arena never maps more than the budget
+        and the reserve together, and a tier with room never grows for a frame not yet good."""
         with self._lock:
             limit = self.capacity_bytes + self.reserve_bytes
             if self._index.used_bytes + self._reserved_bytes + nbytes > limit:
                 return None
-            slot = self._arena.allocate(nbytes, grow=self.reserve_bytes > 0)
+            grow = self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
+            slot = self._arena.allocate(nbytes, grow=grow)
             if slot is None:
                 return None
             self._reserved_bytes += slot.nbytes
