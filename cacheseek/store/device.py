@@ -81,13 +81,14 @@ class HostCopies:
     host view filled this way must not be read, freed or reused before :meth:`wait`
     returns (``wait`` raises whatever error the copies hit)."""
 
-    __slots__ = ("_events", "_restore", "_started", "_unmarked")
+    __slots__ = ("_callers", "_events", "_unmarked")
 
     def __init__(self) -> None:
-        self._started: set[torch.device] = set()  # devices whose to-host stream waits on the caller's
+        # Per device, the caller's stream while ours is current (a stream context per copy
+        # costs more than the copy's own launch); given back by issue().
+        self._callers: dict[torch.device, torch.cuda.Stream] = {}
         self._unmarked: set[torch.device] = set()  # devices with copies after their last event
         self._events: list[torch.cuda.Event] = []
-        self._restore: torch.cuda.Stream | None = None  # the caller's stream, while ours is current
 
     def add(self, frame: BlockFrame, view: memoryview, host: torch.Tensor | None = None) -> None:
         """Start copying ``frame``'s payload into ``view`` (``host``: the same bytes as a
@@ -108,13 +109,10 @@ class HostCopies:
                 copy_entry(target, src)
                 continue
             stream = _to_host_stream(device)
-            if device not in self._started:
-                stream.wait_stream(torch.cuda.current_stream(device))
-                self._started.add(device)
-            if self._restore is None or torch.cuda.current_stream(device) != stream:
-                # Ours stays current until issue(): a stream context per copy costs more
-                # than the copy's own launch.
-                self._restore = self._restore or torch.cuda.current_stream(device)
+            if device not in self._callers:
+                caller = torch.cuda.current_stream(device)
+                stream.wait_stream(caller)  # the payloads were made there
+                self._callers[device] = caller
                 torch.cuda.set_stream(stream)
             copy_entry(target, src)
             for piece in src if isinstance(src, (list, tuple)) else [src]:
@@ -122,18 +120,15 @@ class HostCopies:
             self._unmarked.add(device)
 
     def issue(self) -> None:
-        """Mark the copies started so far, and give the caller its stream back."""
-        if self._restore is not None:
-            torch.cuda.set_stream(self._restore)
-            self._restore = None
+        """Mark the copies started so far, and give the caller its streams back."""
+        for caller in reversed(list(self._callers.values())):
+            torch.cuda.set_stream(caller)
+        self._callers.clear()
         for device in self._unmarked:
             event = torch.cuda.Event()
             event.record(_to_host_stream(device))
             self._events.append(event)
         self._unmarked.clear()
-
-    def __bool__(self) -> bool:
-        return bool(self._unmarked or self._events)
 
     def done(self) -> bool:
         return not self._unmarked and all(e.query() for e in self._events)
