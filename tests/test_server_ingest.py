@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cacheseek.transport import BulkTransport
-from server_helpers import Server, batch_body, raw_chain, raw_frame, split_batch
+from server_helpers import Server, batch_body, raw_chain, split_batch
 
 BIG_BLOCK = 4096  # a Raw frame of the helpers' layout: 4 MiB of payload, far more than one read
 
