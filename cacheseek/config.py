@@ -12,6 +12,11 @@ from .units import parse_size
 TIER_ORDER = ("gpu", "cpu", "disk", "redis")
 
 
+def default_cpu_reserve(cpu_bytes: int) -> int:
+    """The CPU tier's reserve unless one is given: an eighth of its budget, at most 1 GiB."""
+    return min(cpu_bytes // 8, 1 << 30)
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """Byte budgets take ints or strings like ``"4GiB"``; a budget of 0 turns a tier off.
@@ -35,9 +40,10 @@ class TierConfig:
     write_through: tuple[str, ...] | None = None
     promote_on_hit: bool = True
     pin_memory: bool = True
-    # Host memory the CPU tier may lend beyond its budget to frames still arriving (the
-    # server receives request bodies straight into it); eviction makes room at commit.
-    cpu_reserve_bytes: int | str = 0
+    # Host memory the CPU tier may lend beyond its budget to frames still being written
+    # (a GPU ingest encodes into it, the server receives request bodies into it); eviction
+    # makes room at commit. None: an eighth of cpu_bytes, at most 1 GiB.
+    cpu_reserve_bytes: int | str | None = None
     gpu_device: str = "cuda"
     disk_fsync: bool = True
     redis_url: str | None = None
@@ -63,8 +69,7 @@ class TierConfig:
             tiers.append(GpuTier(gpu, device=self.gpu_device))
         cpu = parse_size(self.cpu_bytes, name="cpu_bytes")
         if cpu:
-            tiers.append(CpuTier(cpu, pin=self.pin_memory,
-                                 reserve_bytes=parse_size(self.cpu_reserve_bytes, name="cpu_reserve_bytes")))
+            tiers.append(CpuTier(cpu, pin=self.pin_memory, reserve_bytes=self.resolved_cpu_reserve_bytes()))
         if self.disk_path is not None:
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
@@ -75,6 +80,11 @@ class TierConfig:
         persistent = [t.name for t in tiers[1:] if t.persistent]
         write_through = persistent if self.write_through is None else list(self.write_through)
         return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit)
+
+    def resolved_cpu_reserve_bytes(self) -> int:
+        if self.cpu_reserve_bytes is None:
+            return default_cpu_reserve(parse_size(self.cpu_bytes, name="cpu_bytes"))
+        return parse_size(self.cpu_reserve_bytes, name="cpu_reserve_bytes")
 
     def build_redis_tier(self, capacity_bytes: int):
         """The redis tier alone (it connects lazily: building never fails for a Redis that is down)."""

@@ -35,6 +35,8 @@ for s in "$@"; do
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
+    host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host
+                 step host-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --host ;;
     trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
                  step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
     store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --out /tmp/sq ;;
@@ -43,6 +45,7 @@ for s in "$@"; do
                  done ;;
     store)       step store 200 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py tests/test_offload.py ;;
+    tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_offload.py tests/test_store.py tests/test_block_io.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
     tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_block_io.py tests/test_offload.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;

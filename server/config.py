@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from cacheseek.config import default_cpu_reserve
 from cacheseek.errors import ConfigError
 from cacheseek.store.redis_client import parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
@@ -211,7 +212,7 @@ class ServerSettings(BaseSettings):
             raise ValueError("tenants: set write_token too (the operator's token), or callers without tenant "
                              "tokens could write anywhere")
         if self.cpu_reserve_bytes is None:  # resolved here, so the settings printed at start show it
-            self.cpu_reserve_bytes = min(self.cpu_bytes // 8, 1 << 30)
+            self.cpu_reserve_bytes = default_cpu_reserve(self.cpu_bytes)
         return self
 
     @property

@@ -26,6 +26,15 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(20, (n - 1).bit_length())
+
+
+def slot_stride(nbytes: int) -> int:
+    """Bytes between the starts of consecutive slots of a run of ``nbytes`` frames."""
+    return _align(nbytes)
+
+
 class _Chunk:
     def __init__(self, nbytes: int, pin: bool) -> None:
         self.nbytes = nbytes
@@ -103,6 +112,23 @@ class Slot:
         keep = self.chunk._keep
         return None if keep is None else keep[self.offset : self.offset + nbytes]
 
+    def torch_span(self, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` from this slot's start as a uint8 torch tensor; the span
+        may run on into the slots after this one (a run reserved together), never past
+        the chunk. Imports torch."""
+        if not 0 <= start <= stop <= self.chunk.nbytes - self.offset:
+            raise ValueError(f"span [{start}, {stop}) is outside this slot's chunk")
+        keep = self.chunk._keep
+        if keep is not None:
+            return keep[self.offset + start : self.offset + stop]
+        import torch
+
+        if stop == start:
+            return torch.empty(0, dtype=torch.uint8)
+        buf = (ctypes.c_ubyte * (stop - start)).from_address(self.chunk.base + self.offset + start)
+        buf._chunk = self.chunk  # the tensor keeps the chunk's memory alive
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
     def in_use(self) -> bool:
         return sys.getrefcount(self.buf) > self.base_refs
 
@@ -113,9 +139,8 @@ class HostArena:
     def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30) -> None:
         self.capacity_bytes = capacity_bytes
         self.pin = pin
-        # Powers of two, so a pinned torch allocation wastes nothing.
-        size = 1 << max(20, (min(chunk_bytes, max(capacity_bytes, 1)) - 1).bit_length())
-        self.chunk_bytes = size
+        # Powers of two, so a pinned torch allocation wastes nothing. The largest chunk:
+        self.chunk_bytes = _pow2_at_least(min(chunk_bytes, max(capacity_bytes, 1)))
         self._chunks: list[_Chunk] = []
         self._zombies: list[Slot] = []
 
@@ -134,22 +159,33 @@ class HostArena:
     def allocate(self, nbytes: int, *, grow: bool = True) -> Slot | None:
         """A slot of at least ``nbytes``, or None when no contiguous room is left (in the
         chunks already mapped, with ``grow=False``)."""
+        run = self.allocate_run(nbytes, 1, grow=grow)
+        return run[0] if run is not None else None
+
+    def allocate_run(self, nbytes: int, count: int, *, grow: bool = True) -> list[Slot] | None:
+        """``count`` slots of at least ``nbytes`` each, laid end to end at a stride of
+        ``slot_stride(nbytes)`` (one device copy can fill them all), or None when no
+        contiguous room for all of them is left. Each slot is freed on its own."""
         need = _align(nbytes)
-        if need > self.chunk_bytes:
+        if count < 1 or need * count > self.chunk_bytes:
             return None
         self.reap()
         for chunk in self._chunks:
-            offset = chunk.allocate(need)
+            offset = chunk.allocate(need * count)
             if offset is not None:
-                return self._slot(chunk, offset, need)
+                return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
-        if grow and self.reserved_bytes < self.capacity_bytes:
-            chunk = _Chunk(self.chunk_bytes, self.pin)
+        left = self.capacity_bytes - self.reserved_bytes
+        if grow and left > 0:
+            # Powers of two no larger than what is left (a 4.5 GiB capacity maps 4 x 1 GiB
+            # + 512 MiB, not 5 GiB), unless a frame needs more.
+            size = min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need * count)))
+            chunk = _Chunk(size, self.pin)
             self._chunks.append(chunk)
-            offset = chunk.allocate(need)
+            offset = chunk.allocate(need * count)
             assert offset is not None
-            return self._slot(chunk, offset, need)
+            return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         return None
 
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:

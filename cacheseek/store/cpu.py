@@ -29,6 +29,7 @@ class CpuTier(IndexedTier):
     demotes or frees its slot waits for its copies first (:meth:`settle` waits for all)."""
 
     accepts_device_frames = True
+    lends_runs = True
 
     def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30,
                  reserve_bytes: int = 0):
@@ -167,7 +168,7 @@ class CpuTier(IndexedTier):
         return slot
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = next(self._index.oldest(), None)
+        victim = self._index.oldest()
         if victim is None:
             return []
         rec = self._records[victim]
@@ -221,39 +222,54 @@ class CpuTier(IndexedTier):
         ``put``, which makes room. Only a tier whose budget is all mapped (a full cache) maps
         more for a reservation, into the reserve: the arena never maps more than the budget
         and the reserve together, and a tier with room never grows for a frame not yet good."""
+        run = self.reserve_run(nbytes, 1)
+        return run[0] if run is not None else None
+
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+        """Like :meth:`reserve`, for ``count`` frames of ``nbytes`` in slots laid end to end
+        at ``arena.slot_stride(nbytes)`` (one device copy fills them all), or None. ``grow``
+        lets the arena map memory within the budget for them (a caller whose frames are
+        good unless its own device says otherwise: nothing else is lost if they are not)."""
         with self._lock:
             limit = self.capacity_bytes + self.reserve_bytes
-            if self._index.used_bytes + self._reserved_bytes + nbytes > limit:
+            if self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
                 return None
-            grow = self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
-            slot = self._arena.allocate(nbytes, grow=grow)
-            if slot is None:
+            grow = grow or self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
+            slots = self._arena.allocate_run(nbytes, count, grow=grow)
+            if slots is None:
                 return None
-            self._reserved_bytes += slot.nbytes
-            return Reservation(nbytes, slot)
+            self._reserved_bytes += sum(slot.nbytes for slot in slots)
+            return [Reservation(nbytes, slot) for slot in slots]
 
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
         """Publish a reservation filled with the whole (checked, sealed) frame ``meta``
         describes. ``put`` does not count reservations, so it may have used their room since:
         LRU blocks are evicted now, as ``put`` would have. A key stored meanwhile keeps its
         frame, and the reservation is given back."""
-        if meta.nbytes != reservation.nbytes:
-            raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
-        result = PutResult(stored=None)
+        return self.commit_many([(key, reservation, meta)])[0]
+
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True) -> list[PutResult]:
+        """:meth:`commit` for several frames, in order, under one lock. ``sealed=False``:
+        the frames' checksums are still zero (computed when they leave memory)."""
+        for _, reservation, meta in items:
+            if meta.nbytes != reservation.nbytes:
+                raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
+        results = [PutResult(stored=None) for _ in items]
         with self._lock:
-            slot = self._take_back(reservation)
-            if key in self._records:
-                self._index.touch([key])
-                self._arena.free(slot)
-                return result
-            while self._index.used_bytes + meta.nbytes > self.capacity_bytes and len(self._index):
-                result.evicted += self._evict_one()
-            self._records[key] = _Record(slot, meta, True)
-            self._index.add(key, _info(meta))
-            self._stats.bytes_in += meta.nbytes
+            for (key, reservation, meta), result in zip(items, results):
+                slot = self._take_back(reservation)
+                if key in self._records:
+                    self._index.touch([key])
+                    self._arena.free(slot)
+                    continue
+                while self._index.used_bytes + meta.nbytes > self.capacity_bytes and len(self._index):
+                    result.evicted += self._evict_one()
+                self._records[key] = _Record(slot, meta, sealed)
+                self._index.add(key, _info(meta))
+                self._stats.bytes_in += meta.nbytes
+                result.stored = BlockFrame(meta, host=slot.view(meta.nbytes), sealed=sealed)
             self._sync_counts()
-            result.stored = BlockFrame(meta, host=slot.view(meta.nbytes), sealed=True)
-        return result
+        return results
 
     def abort(self, reservation: Reservation) -> None:
         """Give a reservation back unpublished (a bad frame, a client gone); idempotent."""

@@ -11,7 +11,7 @@ import torch
 
 from ..quant.tensors import host_view
 from .frame import header_prefix, seal_frame
-from .tier import BlockFrame
+from .tier import BlockFrame, Reservation
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +185,15 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     return out
 
 
+def reservation_span(reservation: Reservation, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``[start, stop)`` from the start of a CPU-tier reservation as a uint8 tensor
+    (pinned where the tier is); the span may run on into the reservations lent after it
+    in the same run (``TieredStore.reserve_run``)."""
+    if reservation.slot is None:
+        raise RuntimeError("this reservation was already committed or aborted")
+    return reservation.slot.torch_span(start, stop)
+
+
 def as_host_tensor(buf: Any) -> torch.Tensor:
     return _host_tensor(memoryview(buf).cast("B"))
 
@@ -197,5 +206,6 @@ __all__ = [
     "frame_to_host",
     "host_view",
     "payload_on_device",
+    "reservation_span",
     "work_stream",
 ]

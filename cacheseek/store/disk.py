@@ -85,7 +85,7 @@ class DiskTier(IndexedTier):
             self._index.add(key, info)
         evicted = 0
         while self._index.used_bytes > self.capacity_bytes:
-            victim = next(self._index.oldest())
+            victim = self._index.oldest()
             self._remove_files(victim)
             self._index.remove(victim)
             evicted += 1
@@ -126,7 +126,7 @@ class DiskTier(IndexedTier):
                 self._index.touch([key])
                 return PutResult(stored=None)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and len(self._index):
-                victim = next(self._index.oldest())
+                victim = self._index.oldest()
                 frame_v = self._read_frame(victim) if self.demote_evicted else None
                 self._remove_files(victim)
                 self._index.remove(victim)

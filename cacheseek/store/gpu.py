@@ -56,7 +56,7 @@ class GpuTier(IndexedTier):
             return PutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = next(self._index.oldest(), None)
+        victim = self._index.oldest()
         if victim is None:
             return []
         rec = self._records.pop(victim)

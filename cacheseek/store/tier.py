@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -172,8 +172,9 @@ class LruIndex:
             if key in self._entries:
                 self._entries.move_to_end(key)
 
-    def oldest(self) -> Iterator[bytes]:
-        return iter(list(self._entries))
+    def oldest(self) -> bytes | None:
+        """The least recently used key (O(1): evicting n blocks must not cost n^2)."""
+        return next(iter(self._entries), None)
 
     def keys(self) -> list[bytes]:
         return list(self._entries)
@@ -187,6 +188,8 @@ class Tier(ABC):
     # Whether put() takes frames whose bytes are still on a device (else the store moves
     # them to the host first).
     accepts_device_frames: bool = False
+    # Whether reserve_run() lends runs of slots in host memory (filled by one device copy).
+    lends_runs: bool = False
     # Set by TieredStore: whether put() should hand back the frames it evicts.
     demote_evicted: bool = False
     # Whether contains/contains_many/touch read only an index in this process's memory
@@ -232,7 +235,15 @@ class Tier(ABC):
         no room without evicting (the caller then uses ``put``)."""
         return None
 
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+        """Room for ``count`` frames of ``nbytes`` laid end to end in this tier's memory (a
+        run one device copy fills), or None, as :meth:`reserve`."""
+        return None
+
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+        raise RuntimeError(f"{self.name} tier: lends no reservations")
+
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True) -> list[PutResult]:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def abort(self, reservation: Reservation) -> None:

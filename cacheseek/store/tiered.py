@@ -250,24 +250,39 @@ class TieredStore:
         ``commit`` or ``abort`` (see ``Tier.reserve``); None: use ``put_many``."""
         return self.tiers[0].reserve(nbytes)
 
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+        """``count`` reservations laid end to end in the top tier (see ``Tier.reserve_run``)."""
+        return self.tiers[0].reserve_run(nbytes, count, grow=grow)
+
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutOutcome:
         """Publish a filled reservation in the top tier, then write it through as ``put_many``
         does. If the top tier got the key meanwhile, its writer wrote it through."""
-        outcome = PutOutcome()
-        result = self.tiers[0].commit(key, reservation, meta)
-        self._demote(0, result.evicted)
-        if result.stored is None:
-            outcome.present = True
-            return outcome
-        outcome.stored = True
+        return self.commit_many([(key, reservation, meta)])[0]
+
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
+                    sealed: bool = True) -> list[PutOutcome]:
+        """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
+        not computed yet)."""
+        outcomes = [PutOutcome() for _ in items]
+        results = self.tiers[0].commit_many(items, sealed=sealed)
+        through = []
+        for (key, _, _), result, outcome in zip(items, results, outcomes):
+            self._demote(0, result.evicted)
+            if result.stored is None:
+                outcome.present = True
+            else:
+                outcome.stored = True
+                through.append((key, result.stored, outcome))
+        if not through:
+            return outcomes
         for level, tier in enumerate(self.tiers[1:], start=1):
             if tier.name not in self.write_through:
                 continue
-            below = tier.put_many([(key, result.stored)])[0]
-            if below.error is not None:
-                outcome.errors[tier.name] = str(below.error)
-            self._demote(level, below.evicted)
-        return outcome
+            for (_, _, outcome), below in zip(through, tier.put_many([(key, frame) for key, frame, _ in through])):
+                if below.error is not None:
+                    outcome.errors[tier.name] = str(below.error)
+                self._demote(level, below.evicted)
+        return outcomes
 
     def abort(self, reservation: Reservation) -> None:
         self.tiers[0].abort(reservation)
