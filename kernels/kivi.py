@@ -34,6 +34,7 @@ import triton.language as tl
 
 from . import configs
 from ._strides import Levels, collapse, contiguous_strides, unit_last
+from .layers import LayerTable, layer_row
 
 AXIS_TOKENS = -2  # K
 AXIS_CHANNELS = -1  # V
@@ -135,22 +136,6 @@ def _decode(codes, s, m):
 
 
 @triton.jit
-def _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr):
-    """Where row (a, c) of the input starts. With ``X_TABLE``, the input is a model's layers,
-    each its own [H, T, D] tensor: ``x_ptr`` is layer 0 and ``xt_ptr`` a table of each
-    layer's offset from it (in elements), one entry per XH inner rows; row (a, c) is inner
-    row c % XH of layer c // XH, so no stacked copy is needed."""
-    if X_TABLE:
-        # Offsets from a pointer the compiler knows is aligned (not raw addresses), declared
-        # multiples of 16 bytes (LayerTable checks): the loads stay vectorized.
-        off = tl.multiple_of(tl.load(xt_ptr + c // XH), X_ALIGN)
-        row = x_ptr + off + a * sx_a + (c % XH) * sx_c
-    else:
-        row = x_ptr + a * sx_a + c * sx_c
-    return row
-
-
-@triton.jit
 def _flag_if_nonfinite(s, m, ok, bad_addr, MASKED: tl.constexpr):
     """Store a 0 (not finite) at host address ``bad_addr`` if a stored scale or min among
     the valid lanes is NaN or Inf, as NaN/Inf inputs and ranges beyond the stats dtype
@@ -223,7 +208,7 @@ def _quantize_k_kernel(
 
     d = d_tile * BLOCK_D + tl.arange(0, BLOCK_D)
     w = tl.arange(0, NW).to(tl.int64)
-    x_row = _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN)
+    x_row = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN)
     q_row = q_ptr + a * sq_a + c * sq_c
     stat_row = a * ss_a + c * ss_c
 
@@ -378,7 +363,7 @@ def _quantize_v_kernel(
     word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NGP, WPG]: index along packed D
     t_ok = t < T
     ok = t_ok[:, None, None] & (d < D)[None, :, :]
-    x_ptrs = _x_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN) + t[:, None, None] * sx_t + d[None, :, :]
+    x_ptrs = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN) + t[:, None, None] * sx_t + d[None, :, :]
     if MASKED:
         x = tl.load(x_ptrs, mask=ok, other=0.0)
     else:
@@ -566,7 +551,7 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
                  consts: dict[str, Any], group: int, config: triton.Config | None, *,
                  x_dtype: torch.dtype | None = None, x_table_rows: int = 0) -> _Launch:
     """``strides``: each tensor's full strides, in kernel argument order. Quantize takes
-    ``x_dtype``, and ``x_table_rows`` > 0 when x is read through a layer table (``_x_row``)."""
+    ``x_dtype``, and ``x_table_rows`` > 0 when x is read through a layer table (``layers.layer_row``)."""
     xh = (max(1, x_table_rows),) if op == "quantize" else ()
     scalars = (lv.C, T, D, *xh, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
     if op == "quantize":
@@ -758,47 +743,6 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
             _store_to_host_kernel[(1,)](src.view(torch.uint8), dst.data_ptr(), N=n, NP=triton.next_power_of_2(n))
 
 
-_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
-
-
-class LayerTable:
-    """A model's layers (L separate ``[H, T, D]`` tensors of one shape, strides, dtype and
-    device) as a device table of each layer's offset from layer 0, for
-    :func:`quantize_layers`. ``checked``: the caller has already checked the layers' shapes,
-    dtypes and devices agree (only strides and alignment are checked here)."""
-
-    __slots__ = ("device", "dtype", "layers", "offsets", "shape", "stride")
-
-    def __init__(self, layers: list[torch.Tensor], *, checked: bool = False) -> None:
-        first = layers[0]
-        shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
-        for i, t in enumerate(layers):
-            if t.stride() != stride or not checked and (t.shape != shape or t.dtype != dtype or t.device != device):
-                raise ValueError(f"layers[{i}]: shape, strides, dtype and device must match layer 0's")
-        if len(shape) != 3 or stride[-1] != 1:
-            raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {tuple(shape)} {stride}")
-        ptrs = [t.data_ptr() for t in layers]
-        size = first.element_size()
-        if any(p % 16 for p in ptrs) or (stride[1] * size) % 16:
-            raise ValueError("layers: every layer and token row must start 16-byte aligned")
-        self.layers = list(layers)
-        self.shape, self.stride, self.dtype, self.device = tuple(shape), stride, dtype, device
-        # Offsets, not addresses: a table stays right for any tensors at the same distances,
-        # so the (small) upload happens once per set of KV buffers, not once per call.
-        offsets = tuple((p - ptrs[0]) // size for p in ptrs)
-        key = (device, offsets)
-        table = _OFFSET_TABLES.get(key)
-        if table is None:
-            table = torch.tensor(offsets, dtype=torch.int64).to(device)
-            if len(_OFFSET_TABLES) >= 64:
-                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
-            _OFFSET_TABLES[key] = table
-        self.offsets = table
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-
 def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *, bits: int,
                     group: int, axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     ok_flag: torch.Tensor) -> None:
@@ -813,8 +757,7 @@ def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, 
     writes it through its mapped address) that the kernel sets to 0 if any stored scale or
     min is NaN or Inf; the caller sets it to 1 before, and reads it once the launch is done."""
     table = layers if isinstance(layers, LayerTable) else LayerTable(layers)
-    if t0 < 0 or t0 + n * block > table.shape[1]:
-        raise ValueError(f"tokens [{t0}, {t0 + n * block}) are outside the layers' {table.shape[1]}")
+    table.check_blocks(t0, n, block)
     if len(out) != 3 or out[0].dim() != 5 or out[0].shape[1] != len(table):
         raise ValueError(f"out: expected (q, scale, min) of [n, L, H, ...] with L = {len(table)}")
     # (Pinning is not checked here: is_pinned() can stall for milliseconds.)

@@ -282,6 +282,52 @@ def test_quantize_layers_rejects_mismatched_layers_and_outputs():
                                 ok_flag=_ok_flag())
 
 
+# -- gather_layers: the Raw codec's read of the layers in place ----------------------------
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(F16, 128), (torch.bfloat16, 80), (torch.float32, 64)], ids=str)
+def test_gather_layers_copies_blocks_of_separate_layers_into_staging_rows(dtype, head_dim):
+    # Layers with room after T (a growing cache); blocks 1..N go into rows at a padded
+    # stride, and nothing outside the rows' blocks is written.
+    gen = torch.Generator().manual_seed(19)
+    layers = [torch.randn(H, (N + 2) * B, head_dim, generator=gen).to(dtype).to(DEVICE)[:, : (N + 1) * B]
+              for _ in range(L)]
+    want = torch.stack(layers)[:, :, B:].unflatten(2, (N, B)).permute(2, 0, 1, 3, 4)
+    out = _packed_at_stride(torch.full((N, L, H, B, head_dim), -7.0, dtype=dtype, device=DEVICE), 9)  # pads: 0
+    ok = _ok_flag()
+    kernels.gather_layers(layers, B, N, B, out=out, ok_flag=ok)
+    _sync()
+    assert torch.equal(out, want) and ok.item()
+    padding = out.as_strided((N, 9), (out.stride(0), 1), out.storage_offset() + L * H * B * head_dim)
+    assert bool((padding == 0).all())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_gather_layers_clears_the_host_flag_for_nan_and_inf(bad):
+    layers = [torch.randn(H, 3 * B, D, generator=torch.Generator().manual_seed(i)).to(F16).to(DEVICE) for i in range(L)]
+    layers[1][0, 0, 5] = bad  # block 0: outside the blocks gathered below
+    out = torch.empty(N - 1, L, H, B, D, dtype=F16, device=DEVICE)
+    ok = _ok_flag()
+    kernels.gather_layers(layers, B, N - 1, B, out=out, ok_flag=ok)
+    _sync()
+    assert ok.item(), "a bad value outside the blocks gathered cleared the flag"
+    layers[L - 1][H - 1, 3 * B - 1, D - 1] = bad  # the very last element gathered
+    kernels.gather_layers(layers, B, N - 1, B, out=out, ok_flag=ok)
+    _sync()
+    assert not ok.item()
+
+
+def test_gather_layers_rejects_mismatched_outputs():
+    layers = [torch.zeros(H, 2 * B, D, dtype=F16, device=DEVICE) for _ in range(L)]
+    out = torch.empty(1, L, H, B, D, dtype=F16, device=DEVICE)
+    with pytest.raises(ValueError, match="outside"):
+        kernels.gather_layers(layers, B, 2, B, out=out, ok_flag=_ok_flag())
+    with pytest.raises(ValueError, match="out: expected"):
+        kernels.gather_layers(layers, 0, 1, B, out=out.float(), ok_flag=_ok_flag())
+    with pytest.raises(ValueError, match="strides"):
+        kernels.gather_layers(layers, 0, 1, B, out=out.transpose(1, 2).contiguous().transpose(1, 2), ok_flag=_ok_flag())
+
+
 def _packed_at_stride(t: torch.Tensor, pad: int) -> torch.Tensor:
     """``t`` ([N, ...]) copied into one flat buffer at a fixed stride of numel + pad per
     block (as frames land in one device buffer), returned as an as_strided view."""

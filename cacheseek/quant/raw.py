@@ -61,11 +61,34 @@ class Raw:
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
         return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
 
-    def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> None:
-        return None  # a stacked copy is the encoding: the caller makes it
+    def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
+        """Tables of the layers' offsets for the Triton gather (None on the torch backend,
+        or when the layers differ in strides: the caller stacks them, and that copy is the
+        encoding)."""
+        from .kivi import backend_for
+
+        if backend_for(k_layers[0]) != "triton":
+            return None
+        from cacheseek import kernels
+
+        try:
+            return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
+        except ValueError:
+            return None
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
-        raise NotImplementedError("Raw reads no layers in place (prepare_layers returns None)")
+        """Copy ``n`` blocks of every layer straight into ``out`` ([n, L, H, B, D] views of K
+        and V), one launch each, checking for NaN and Inf on the way. The flags are a host
+        tensor the kernels write: read them only after the device has run the launches."""
+        import torch
+
+        from cacheseek import kernels
+
+        k_table, v_table = prepared
+        ok = torch.ones(2, dtype=torch.bool, pin_memory=k_table.device.type == "cuda")
+        kernels.gather_layers(k_table, t0, n, block_tokens, out=out[0], ok_flag=ok[0:1])
+        kernels.gather_layers(v_table, t0, n, block_tokens, out=out[1], ok_flag=ok[1:2])
+        return ok
 
     def check_finite(self, finite: Any) -> None:
         flags = finite.tolist()

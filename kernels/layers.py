@@ -1,0 +1,150 @@
+"""A model's per-layer KV read in place: a device table of each layer's offset from layer 0.
+
+Workers keep K and V as one ``[H, T, D]`` tensor per layer. Encoding blocks of all layers
+at once would otherwise need a stacked copy of the KV first (as large as the KV itself);
+the kernels here and in ``kivi`` instead index layer ``l`` through a small table.
+"""
+
+# (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
+
+
+class LayerTable:
+    """A model's layers (L separate ``[H, T, D]`` tensors of one shape, strides, dtype and
+    device) as a device table of each layer's offset from layer 0, for the kernels that
+    read them in place (:func:`gather_layers`, ``kivi.quantize_layers``). ``checked``: the
+    caller has already checked the layers' shapes, dtypes and devices agree (only strides
+    and alignment are checked here)."""
+
+    __slots__ = ("device", "dtype", "layers", "offsets", "shape", "stride")
+
+    def __init__(self, layers: list[torch.Tensor], *, checked: bool = False) -> None:
+        first = layers[0]
+        shape, stride, dtype, device = first.shape, first.stride(), first.dtype, first.device
+        if len({t.stride() for t in layers}) != 1 or not checked and any(
+                t.shape != shape or t.dtype != dtype or t.device != device for t in layers):
+            i = next(i for i, t in enumerate(layers) if t.stride() != stride or t.shape != shape
+                     or t.dtype != dtype or t.device != device)
+            raise ValueError(f"layers[{i}]: shape, strides, dtype and device must match layer 0's")
+        if len(shape) != 3 or stride[-1] != 1:
+            raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {tuple(shape)} {stride}")
+        ptrs = [t.data_ptr() for t in layers]
+        size = first.element_size()
+        if any(p % 16 for p in ptrs) or (stride[1] * size) % 16:
+            raise ValueError("layers: every layer and token row must start 16-byte aligned")
+        self.layers = list(layers)
+        self.shape, self.stride, self.dtype, self.device = tuple(shape), stride, dtype, device
+        # Offsets, not addresses: a table stays right for any tensors at the same distances,
+        # so the (small) upload happens once per set of KV buffers, not once per call.
+        offsets = tuple((p - ptrs[0]) // size for p in ptrs)
+        key = (device, offsets)
+        table = _OFFSET_TABLES.get(key)
+        if table is None:
+            table = torch.tensor(offsets, dtype=torch.int64).to(device)
+            if len(_OFFSET_TABLES) >= 64:
+                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
+            _OFFSET_TABLES[key] = table
+        self.offsets = table
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def check_blocks(self, t0: int, n: int, block: int) -> None:
+        if t0 < 0 or n < 0 or t0 + n * block > self.shape[1]:
+            raise ValueError(f"tokens [{t0}, {t0 + n * block}) are outside the layers' {self.shape[1]}")
+
+
+@triton.jit
+def layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr):
+    """Where row (a, c) of the input starts. With ``X_TABLE``, the input is a model's layers,
+    each its own [H, T, D] tensor: ``x_ptr`` is layer 0 and ``xt_ptr`` a table of each
+    layer's offset from it (in elements), one entry per XH inner rows; row (a, c) is inner
+    row c % XH of layer c // XH, so no stacked copy is needed."""
+    if X_TABLE:
+        # Offsets from a pointer the compiler knows is aligned (not raw addresses), declared
+        # multiples of 16 bytes (LayerTable checks): the loads stay vectorized.
+        off = tl.multiple_of(tl.load(xt_ptr + c // XH), X_ALIGN)
+        row = x_ptr + off + a * sx_a + (c % XH) * sx_c
+    else:
+        row = x_ptr + a * sx_a + c * sx_c
+    return row
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr, xt_ptr, o_ptr, bad_addr,
+    C, T, D, XH,
+    sx_a, sx_c, sx_t,
+    so_a, so_c, so_t,
+    BLOCK_T: tl.constexpr, D_PAD: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+):
+    # A program copies BLOCK_T tokens of one (block, layer x head) row, and clears the host
+    # byte at bad_addr if any of them is NaN or Inf (x - x is NaN exactly for those).
+    pid = tl.program_id(0)
+    n_t = tl.cdiv(T, BLOCK_T)
+    t_tile = pid % n_t
+    row = pid // n_t
+    a = (row // C).to(tl.int64)
+    c = (row % C).to(tl.int64)
+    t = (t_tile * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    x_ptrs = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, True, X_ALIGN) + t[:, None] * sx_t + d[None, :]
+    o_ptrs = o_ptr + a * so_a + c * so_c + t[:, None] * so_t + d[None, :]
+    ok = (t < T)[:, None] & (d < D)[None, :]
+    if MASKED:
+        x = tl.load(x_ptrs, mask=ok, other=0.0)
+        tl.store(o_ptrs, x, mask=ok)
+    else:
+        x = tl.load(x_ptrs)
+        tl.store(o_ptrs, x)
+    xf = x.to(tl.float32)
+    bad = ((xf - xf) != 0.0).to(tl.int32)
+    if tl.max(tl.max(bad, axis=1), axis=0) > 0:
+        tl.store(bad_addr.to(tl.pointer_type(tl.int8)), 0)
+
+
+def gather_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *,
+                  out: torch.Tensor, ok_flag: torch.Tensor) -> None:
+    """Copy tokens ``[t0, t0 + n * block)`` of every layer, as ``n`` blocks, into ``out`` of
+    shape ``[n, L, H, block, D]`` (e.g. a view of a staging buffer, each block a row at
+    its own stride), in one launch. ``ok_flag``: one byte of host memory (pinned when the
+    layers are on a GPU) that the kernel sets to 0 if any value copied is NaN or Inf; the
+    caller sets it to 1 before, and reads it once the launch is done."""
+    table = layers if isinstance(layers, LayerTable) else LayerTable(layers)
+    table.check_blocks(t0, n, block)
+    H, _, D = table.shape
+    L = len(table)
+    if tuple(out.shape) != (n, L, H, block, D) or out.dtype != table.dtype or out.device != table.device:
+        raise ValueError(f"out: expected {(n, L, H, block, D)} {table.dtype} on {table.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    so = out.stride()
+    if so[4] != 1 or (L > 1 and H > 1 and so[1] != so[2] * H) or (L > 1 and H == 1 and so[1] != so[2]):
+        raise ValueError(f"out: strides {so} cannot be indexed as [block, layer x head] rows")
+    if ok_flag.device.type != "cpu" or ok_flag.numel() * ok_flag.element_size() < 1:
+        raise ValueError("ok_flag: one byte of host memory, pinned when the layers are on a GPU")
+    if n * L * H * block * D == 0:
+        return
+    sx_h, sx_t, _ = table.stride
+    d_pad = triton.next_power_of_2(D)
+    block_t = min(triton.next_power_of_2(block), max(1, 8192 // d_pad))
+    grid = (n * L * H * triton.cdiv(block, block_t),)
+    on_gpu = table.device.type == "cuda"
+    if not on_gpu and isinstance(_gather_kernel, triton.runtime.JITFunction):
+        raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
+    # Triton launches on the current CUDA device, which need not be the tensors' one.
+    with torch.cuda.device(table.device) if on_gpu else contextlib.nullcontext():
+        _gather_kernel[grid](
+            table.layers[0][:, t0:], table.offsets, out, ok_flag.data_ptr(),
+            L * H, block, D, H,
+            block * sx_t, sx_h, sx_t,
+            so[0], so[2], so[3],
+            BLOCK_T=block_t, D_PAD=d_pad, X_ALIGN=16 // table.layers[0].element_size(),
+            MASKED=d_pad != D or block % block_t != 0, num_warps=4,
+        )
+
