@@ -41,6 +41,10 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_seconds(fn, reps: int, device: torch.device, setup=None) -> float:
+    return statistics.median(_seconds(fn, reps, device, setup))
+
+
+def _seconds(fn, reps: int, device: torch.device, setup=None) -> list[float]:
     times = []
     for i in range(reps + 1):  # the first run warms up
         if setup:
@@ -51,7 +55,7 @@ def _median_seconds(fn, reps: int, device: torch.device, setup=None) -> float:
         _sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float]:
@@ -81,19 +85,20 @@ def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: in
                            max_batch_bytes=batch_bytes)
     tokens = blocks * BLOCK
 
-    def toks(i: int) -> list[int]:
-        return [(i * 1_000_003 + j) % 120_000 for j in range(tokens)]
+    # A worker has its token ids at hand: they are made before the clock starts.
+    prompts = [[(i * 1_000_003 + j) % 120_000 for j in range(tokens)] for i in range(reps + 1)]
 
     def clear(i: int) -> None:
         # Free the previous run's blocks so every run writes into reused memory.
-        for key in cache.block_hashes(toks(i - 1)) if i else []:
+        for key in cache.block_hashes(prompts[i - 1]) if i else []:
             cache.store.delete(key)
 
-    t_ingest = _median_seconds(lambda i: cache.ingest(toks(i), kv), reps, kv_device, setup=clear)
-    last = toks(reps)
+    ingest_s = _seconds(lambda i: cache.ingest(prompts[i], kv), reps, kv_device, setup=clear)
+    last = prompts[reps]
     if cache.lookup(last) != tokens:
         raise RuntimeError(f"{codec_name}/{tier}: ingest stored {cache.lookup(last)} of {tokens} tokens")
-    t_mat = _median_seconds(lambda i: cache.materialize(last, device=kv_device), reps, kv_device)
+    materialize_s = _seconds(lambda i: cache.materialize(last, device=kv_device), reps, kv_device)
+    t_ingest, t_mat = statistics.median(ingest_s), statistics.median(materialize_s)
     stats = cache.stats()["tiers"][0]
     cache.close()
     raw = LAYOUT.raw_nbytes(tokens)
@@ -101,6 +106,8 @@ def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: in
         "codec": codec_name, "tier": tier,
         "ingest_gbps": raw / t_ingest / 1e9, "materialize_gbps": raw / t_mat / 1e9,
         "ingest_ms": t_ingest * 1e3, "materialize_ms": t_mat * 1e3,
+        "ingest_ms_each": [round(t * 1e3, 3) for t in ingest_s],
+        "materialize_ms_each": [round(t * 1e3, 3) for t in materialize_s],
         "stored_mb_per_block": stats["used_bytes"] / max(1, stats["blocks"]) / 1e6,
         "compression": stats["compression_ratio"],
     }
@@ -138,7 +145,8 @@ def main() -> None:
                 row["materialize_vs_copy"] = row["materialize_gbps"] / base["materialize_gbps"]
                 rows.append(row)
                 print(f"  {codec:5s} {tier:5s} ingest {row['ingest_gbps']:7.1f} GB/s ({row['ingest_vs_copy']:.2f}x)  "
-                      f"materialize {row['materialize_gbps']:7.1f} GB/s ({row['materialize_vs_copy']:.2f}x)", flush=True)
+                      f"materialize {row['materialize_gbps']:7.1f} GB/s ({row['materialize_vs_copy']:.2f}x)  "
+                      f"ms each: {row['ingest_ms_each']} / {row['materialize_ms_each']}", flush=True)
     path = write_json("store", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
                                 "kv_device": str(kv_device), "baseline": base, "rows": rows}, args.out)
     labels = [f"{r['codec']}/{r['tier']}" for r in rows]

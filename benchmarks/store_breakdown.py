@@ -1,12 +1,15 @@
 """Where ingest and materialize spend their time, stage by stage (a diagnostic for benchmarks/store.py).
 
-    python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile] [--trace DIR]
+    python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile] [--trace DIR] [--host]
 
 Each stage is timed with a device synchronization on both sides, so stages that overlap
 in normal operation (host bookkeeping and device copies) are shown serialized here: the
 sum is an upper bound of the real time. ``--profile`` adds a cProfile of one normal call;
 ``--trace DIR`` writes a Chrome trace (torch.profiler, CPU and CUDA) of one ingest and one
 materialize, and prints the device timeline of each: kernels and copies, per stream.
+``--host`` prints the host's timeline of one ingest and one materialize: when each step
+of the path ran and for how long (timers around the functions in ``HOST_STEPS``, about a
+microsecond each; no profiler, whose overhead per op would distort exactly this).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces (CUDA only)")
+    ap.add_argument("--host", action="store_true", help="print the host timeline of one ingest and one materialize")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     codec = CODECS[args.codec]
@@ -109,8 +113,81 @@ def main() -> None:
             path = _trace(fn, args.trace / f"trace-{args.codec}-{args.tier}-{name}.json")
             print(f"--- device timeline: {name} ({path})")
             print(_timeline(path))
+    if args.host:
+        for rep in range(3):  # the last of three: warm
+            toks = [(4321 * 7919 + rep * 13 + j) % 120_000 for j in range(tokens)]
+            lines = {name: _host_timeline(fn, device) for name, fn in
+                     (("ingest", lambda: cache.ingest(toks, kv)), ("materialize", lambda: cache.materialize(toks, device=device)))}
+        for name, text in lines.items():
+            print(f"--- host timeline: {name}")
+            print(text)
     print(table(rows, ["stage", "ms", "us_per_block", "raw_GBps"],
                 f"{args.codec} -> {args.tier} tier, {n} Llama-3-8B blocks, KV on {device}"))
+
+
+HOST_STEPS = [
+    "cacheseek.prefix_cache:kv_layers", "cacheseek.prefix_cache:check_layers",
+    "cacheseek.front:CacheFront.block_hashes", "cacheseek.store.tiered:TieredStore.contains_many",
+    "cacheseek.offload:_Offload.__init__", "cacheseek.offload:plan_block", "cacheseek.offload:replan_frame",
+    "cacheseek.offload:_Offload.reserve", "cacheseek.offload:_Offload.launch", "cacheseek.offload:reservation_span",
+    "cacheseek.offload:_payload_views", "cacheseek.offload:encode_into", "cacheseek.kernels.kivi:quantize_layers",
+    "cacheseek.kernels.layers:gather_layers", "cacheseek.offload:_Offload.commit_oldest",
+    "cacheseek.offload:header_prefix", "cacheseek.store.tiered:TieredStore.commit_many",
+    "cacheseek.store.tiered:TieredStore.touch_chain", "cacheseek.store.tiered:TieredStore.locate",
+    "cacheseek.store.tiered:TieredStore.get_many", "cacheseek.prefix_cache:check_frame",
+    "cacheseek.block_io:BatchDecoder.__init__", "cacheseek.block_io:BatchDecoder.add",
+    "cacheseek.block_io:BatchDecoder._decode_pending", "cacheseek.block_io:BatchDecoder.finish",
+    "cacheseek.kernels.kivi:dequantize", "cacheseek.front:CacheFront._materialized",
+]
+
+
+def _host_timeline(fn, device) -> str:
+    """Run ``fn`` with timers around ``HOST_STEPS``; their start and duration, nested."""
+    import functools
+    import importlib
+
+    events: list[tuple[str, int, float, float]] = []
+    depth = [0]
+    patched = []
+
+    def timed(name, f):
+        @functools.wraps(f)
+        def wrapper(*a, **kw):
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                events.append((name, depth[0], t, time.perf_counter()))
+                depth[0] -= 1
+        return wrapper
+
+    for spec in HOST_STEPS:
+        mod_name, qual = spec.split(":")
+        owner = importlib.import_module(mod_name)
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        setattr(owner, attr, timed(qual, original))
+        patched.append((owner, attr, original))
+    try:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        t_ret = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t_end = time.perf_counter()
+    finally:
+        for owner, attr, original in patched:
+            setattr(owner, attr, original)
+    lines = [f"{'start us':>9} {'dur us':>8}  step"]
+    for name, level, a, b in sorted(events, key=lambda e: e[2]):
+        lines.append(f"{(a - t0) * 1e6:9.1f} {(b - a) * 1e6:8.1f}  {'  ' * (level - 1)}{name}")
+    lines.append(f"returned after {(t_ret - t0) * 1e6:.1f} us; device idle after {(t_end - t0) * 1e6:.1f} us")
+    return "\n".join(lines)
 
 
 def _trace(fn, path: Path) -> Path:
@@ -132,11 +209,14 @@ def _timeline(path: Path) -> str:
     events = json.loads(path.read_text())["traceEvents"]
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function", "user_annotation")]
     t0 = min((e["ts"] for e in host), default=0)
-    dev = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                 key=lambda e: e["ts"])
+    dev = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    # The host's side: when it launched, copied and waited (what keeps the device fed or not).
+    calls = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and any(w in e["name"] for w in ("Launch", "Memcpy", "Synchronize"))]
+    host_calls = {id(e) for e in calls}
     lines = [f"{'start us':>9} {'dur us':>8} {'stream':>6}  name"]
-    for e in dev:
-        stream = e.get("args", {}).get("stream", e.get("tid"))
+    for e in sorted(dev + calls, key=lambda e: e["ts"]):
+        stream = "host" if id(e) in host_calls else e.get("args", {}).get("stream", e.get("tid"))
         lines.append(f"{e['ts'] - t0:9.1f} {e['dur']:8.1f} {stream!s:>6}  {e['name'][:70]}")
     end = max((e["ts"] + e["dur"] for e in dev), default=t0)
     lines.append(f"device busy until {end - t0:.1f} us after the call started")

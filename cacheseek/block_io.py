@@ -38,6 +38,10 @@ def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayo
     want_dtype = layout.torch_dtype
     k0 = layers[0][0]
     tokens = k0.shape[-2] if k0.dim() == 3 else -1
+    shape, device = (layout.num_kv_heads, tokens, layout.head_dim), k0.device
+    if all(k.shape == shape and v.shape == shape and k.dtype == want_dtype and v.dtype == want_dtype
+           and k.device == device and v.device == device for k, v in layers):
+        return tokens  # the usual case, checked in one pass; the loop below says what is wrong
     for i, (k, v) in enumerate(layers):
         for name, t in (("K", k), ("V", v)):
             if t.dim() != 3 or t.shape[0] != layout.num_kv_heads or t.shape[2] != layout.head_dim:
@@ -51,7 +55,7 @@ def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayo
                 raise InputError(f"kv layer {i} {name}: dtype {t.dtype}, the layout says {layout.dtype}")
             if t.device != k0.device:
                 raise InputError(f"kv layer {i} {name}: on {t.device}, layer 0 K is on {k0.device}")
-    return tokens
+    raise AssertionError("unreachable: the fast check failed, so one of the checks above must")
 
 
 def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]], t0: int, n: int, block_tokens: int):
@@ -104,36 +108,21 @@ def _encode_deferred(
     codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches."""
     n = len(hashes)
     t0 = first_block * block_tokens
-    L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
     device = layers[0][0].device
     raw = codec.name == "raw"
     direct = raw and not (device.type != "cpu" if staging is None else staging)
-    template = codec.template((L, H, block_tokens, D), layout.dtype)
-    specs = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
-    metas = [plan_frame(block_hash=hashes[0], parent_hash=parents[0], position=first_block, layout=layout,
-                        block_tokens=block_tokens, codec=codec.spec(), buffers=specs)]
+    metas = [plan_block(codec, layout, block_tokens, block_hash=hashes[0], parent_hash=parents[0],
+                        position=first_block)]
     if direct:
         finite = _raw_finite(layers, t0, t0 + n * block_tokens)
     else:
         payload = metas[0].payload_nbytes
         stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
         buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
-        views = [_strided(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
+        views = [strided_rows(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
         if prepared is _UNPREPARED:
             prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
-        if prepared is not None:
-            finite = codec.encode_layers_into(prepared, t0, n, block_tokens, views)
-        else:
-            # Stacking first keeps this to a handful of launches (not two per layer).
-            k5, v5 = _stack(layers, t0, n, block_tokens)
-            if raw:
-                finite = torch.stack([all_finite(k5), all_finite(v5)])
-                sources = [k5, v5]
-            else:
-                encoded, finite = codec.encode_deferred(k5, v5)
-                sources = [src for _, _, src in encoded.named_buffers()]
-            for view, src in zip(views, sources, strict=True):
-                view.copy_(src)
+        finite = encode_into(codec, layers, prepared, t0, n, block_tokens, views)
     # The host plans the frames while the device encodes.
     metas += [replan_frame(metas[0], block_hash=hashes[i], parent_hash=parents[i], position=first_block + i)
               for i in range(1, n)]
@@ -146,6 +135,60 @@ def _encode_deferred(
 
         return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)], finite
     return [BlockFrame(meta, device_payload=buf[i, :payload], sealed=False) for i, meta in enumerate(metas)], finite
+
+
+def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tensor]], prepared: Any, t0: int,
+                n: int, block_tokens: int, views: list[torch.Tensor]) -> Any:
+    """Encode ``n`` blocks from token ``t0`` into ``views`` (the codec template's buffers as
+    ``[n, L, H, ...]``, e.g. rows of a staging buffer); returns the codec's validity flags,
+    not yet waited for. ``prepared``: ``codec.prepare_layers`` of ``layers``, or None."""
+    if prepared is not None:
+        return codec.encode_layers_into(prepared, t0, n, block_tokens, views)
+    t1 = t0 + n * block_tokens
+    if codec.name == "raw" and layers[0][0].device.type == "cpu":
+        # On the host, a copy per layer into place is one pass (stacking would be two).
+        for layer, (k, v) in enumerate(layers):
+            views[0][:, layer].copy_(k[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
+            views[1][:, layer].copy_(v[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
+        return _raw_finite(layers, t0, t1)
+    # Stacking first keeps this to a handful of launches (not two per layer).
+    k5, v5 = _stack(layers, t0, n, block_tokens)
+    if codec.name == "raw":
+        finite = torch.stack([all_finite(k5), all_finite(v5)])
+        sources = [k5, v5]
+    else:
+        encoded, finite = codec.encode_deferred(k5, v5)
+        sources = [src for _, _, src in encoded.named_buffers()]
+    for view, src in zip(views, sources, strict=True):
+        view.copy_(src)
+    return finite
+
+
+def plan_block(codec: KVLayerCodec, layout: KVLayout, block_tokens: int, *, block_hash: bytes, parent_hash: bytes,
+               position: int) -> FrameMeta:
+    """The frame of one block as ``codec`` encodes it (unsealed: no checksum yet); derive
+    the frames of the blocks after it with ``replan_frame``."""
+    # Laying out the buffers costs ~0.1 ms: it is done once per configuration, and each
+    # block's frame is derived from that template.
+    key: tuple = (codec, layout, block_tokens, len(block_hash), len(parent_hash))
+    try:  # codecs are frozen values: hashing one costs less than its fingerprint
+        hash(key)
+    except TypeError:
+        key = (codec.fingerprint(), layout, block_tokens, len(block_hash), len(parent_hash))
+    template = _TEMPLATES.get(key)
+    if template is None:
+        L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        encoded = codec.template((L, H, block_tokens, D), layout.dtype)
+        specs = [(name, spec.dtype, spec.shape) for name, spec, _ in encoded.named_buffers()]
+        template = plan_frame(block_hash=bytes(len(block_hash)), parent_hash=bytes(len(parent_hash)), position=0,
+                              layout=layout, block_tokens=block_tokens, codec=codec.spec(), buffers=specs)
+        if len(_TEMPLATES) >= 64:
+            _TEMPLATES.pop(next(iter(_TEMPLATES)))
+        _TEMPLATES[key] = template
+    return replan_frame(template, block_hash=block_hash, parent_hash=parent_hash, position=position)
+
+
+_TEMPLATES: dict[tuple, FrameMeta] = {}
 
 
 def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
@@ -173,48 +216,70 @@ class BatchDecoder:
     ``add`` starts a frame's copy into a staging buffer at once. On a GPU the copies run on
     a side stream and every ``chunk_blocks`` blocks are decoded as soon as they have landed,
     so decoding overlaps the transfer of the next blocks; ``finish`` decodes the rest.
+    The host's work per block is a copy launch: the staging views are made once, and each
+    chunk costs one codec call.
     """
 
     def __init__(self, codec: KVLayerCodec, layout: KVLayout, block_tokens: int, max_blocks: int,
-                 device: torch.device, *, chunk_blocks: int = 4) -> None:
+                 device: torch.device, *, chunk_blocks: int = 8) -> None:
         self.codec, self.layout, self.block_tokens = codec, layout, block_tokens
         self.max_blocks, self.device = max_blocks, device
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
         self._chunk = chunk_blocks
         self._meta0: FrameMeta | None = None
         self._staging: torch.Tensor | None = None
-        self._stride = 0
+        self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
         self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
         self._decoded = 0
-        L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
-        self._k = torch.empty((L, H, max_blocks * block_tokens, D), dtype=layout.torch_dtype, device=device)
-        self._v = torch.empty_like(self._k)
+        self._k: torch.Tensor | None = None  # made at the first decode: the first copy starts sooner
+        self._v: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._frames)
+
+    def _start(self, meta: FrameMeta) -> None:
+        """Lay out the staging rows for frames like ``meta``, and check the codec agrees."""
+        L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+        template = self.codec.template((self.max_blocks, L, H, B, D), self.layout.dtype)
+        for (name, spec, _), entry in zip(template.named_buffers(), meta.tensors, strict=True):
+            if entry.name != name or entry.dtype != spec.dtype or (self.max_blocks, *entry.shape) != spec.shape:
+                raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
+        stride = (meta.payload_nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
+        self._staging = torch.empty((self.max_blocks, stride), dtype=torch.uint8, device=self.device)
+        self._views = [strided_rows(self._staging, e.offset, TORCH_DTYPES[e.dtype], (self.max_blocks, *e.shape), stride)
+                       for e in meta.tensors]
+        self._meta0 = meta
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def add(self, frame: BlockFrame) -> None:
         if len(self._frames) >= self.max_blocks:
             raise RuntimeError(f"BatchDecoder holds {self.max_blocks} blocks already")
         if self._meta0 is None:
-            self._meta0 = frame.meta
-            self._stride = (frame.meta.payload_nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
-            self._staging = torch.empty((self.max_blocks, self._stride), dtype=torch.uint8, device=self.device)
-            if self._copy_stream is not None:
-                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._start(frame.meta)
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
-        dst = self._staging[len(self._frames), : self._meta0.payload_nbytes]
-        with torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext():
+        dst = self._staging[len(self._frames)]
+        caller = None
+        if self._copy_stream is not None:
+            # set_stream, not a stream context: the context costs more than the copy's launch.
+            caller = torch.cuda.current_stream(self.device)
+            torch.cuda.set_stream(self._copy_stream)
+        try:
             if frame.device_payload is not None:
-                dst.copy_(frame.device_payload, non_blocking=True)
+                dst[: self._meta0.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
             elif frame.device_entries is not None:
                 for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
                     copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
             else:
-                dst.copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+                dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+        finally:
+            if caller is not None:
+                torch.cuda.set_stream(caller)
         self._frames.append(frame)
-        if len(self._frames) - self._decoded >= self._chunk:
+        pending, left = len(self._frames) - self._decoded, self.max_blocks - len(self._frames)
+        # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
+        if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
             self._decode_pending()
 
     def _decode_pending(self) -> None:
@@ -226,33 +291,39 @@ class BatchDecoder:
             landed.record(self._copy_stream)
             torch.cuda.current_stream(self.device).wait_event(landed)
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        m = j1 - j0
-        template = self.codec.template((m, L, H, B, D), self.layout.dtype)
-        rows = self._staging[j0:j1]
-        buffers = []
-        for (name, spec, _), entry in zip(template.named_buffers(), self._meta0.tensors, strict=True):
-            if entry.name != name or entry.dtype != spec.dtype or (m, *entry.shape) != spec.shape:
-                raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
-            buffers.append(_strided(rows, entry.offset, TORCH_DTYPES[spec.dtype], spec.shape, self._stride))
-        as_blocks = (L, H, self.max_blocks, B, D)
-        out = (self._k.view(as_blocks).permute(2, 0, 1, 3, 4)[j0:j1], self._v.view(as_blocks).permute(2, 0, 1, 3, 4)[j0:j1])
-        self.codec.decode(template.with_buffers(buffers), self.device, out=out)
+        if self._k is None:
+            self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
+            self._v = torch.empty_like(self._k)
+            as_blocks = (L, H, self.max_blocks, B, D)
+            self._k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
+            self._v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
+        template = self.codec.template((j1 - j0, L, H, B, D), self.layout.dtype)
+        out = (self._k_blocks[j0:j1], self._v_blocks[j0:j1])
+        self.codec.decode(template.with_buffers([v[j0:j1] for v in self._views]), self.device, out=out)
         self._decoded = j1
 
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused)."""
+    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused),
+        decoded on the current stream. ``wait=False``: the caller calls :meth:`wait` before
+        the frames added may be released (their copies may still be in flight)."""
         n = len(self._frames)
         if n == 0:
             raise RuntimeError("BatchDecoder.finish: no frames were added")
         self._decode_pending()
-        if self.device.type == "cuda":
-            # The frames' host views may be recycled once we return: the copies must be done.
-            torch.cuda.current_stream(self.device).synchronize()
-        self._frames.clear()
+        if wait:
+            self.wait()
         tokens = n * self.block_tokens
         if n == self.max_blocks:
             return self._k, self._v
         return self._k[:, :, :tokens], self._v[:, :, :tokens]
+
+    def wait(self) -> None:
+        """Return once every copy out of the frames added is done; the frames are released."""
+        if self._copy_stream is not None and self._frames:
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)  # this decoder's copies, queued before now
+            copied.synchronize()
+        self._frames.clear()
 
 
 def decode_frames(
@@ -269,9 +340,9 @@ def decode_frames(
     return decoder.finish()
 
 
-def _strided(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: int) -> torch.Tensor:
+def strided_rows(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: int) -> torch.Tensor:
     """View ``[n, *shape[1:]]`` elements of ``dtype`` at ``offset`` in every staging row."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     typed = staging.view(dtype)
     offset += typed.storage_offset() * itemsize  # as_strided's offset counts from the storage
     inner = shape[1:]
@@ -309,7 +380,7 @@ def iter_encoded(
     missing = [not p for p in present]
     if device.type == "cuda":
         batch_blocks = pipeline_blocks(sum(missing), batch_blocks, layout.raw_nbytes(block_tokens))
-    batches = list(_runs(missing, batch_blocks))
+    batches = list(true_runs(missing, batch_blocks))
     if tail_first:
         batches.reverse()
     if not batches:
@@ -325,7 +396,7 @@ def iter_encoded(
                                               hashes[start:stop], parents[start:stop], prepared=prepared)
             done = None
             if side is not None:
-                finite = _flags_to_host(finite)
+                finite = flags_to_host(finite)
                 done = torch.cuda.Event()
                 done.record(side)
         return frames, finite, done
@@ -365,7 +436,7 @@ def pipeline_blocks(missing: int, batch_blocks: int, block_raw_nbytes: int) -> i
     return max(1, min(batch_blocks, max(floor, -(-missing // PIPELINE_DEPTH))))
 
 
-def _flags_to_host(flags: torch.Tensor) -> torch.Tensor:
+def flags_to_host(flags: torch.Tensor) -> torch.Tensor:
     """Validity flags into pinned host memory, written by a kernel: reading them back with
     a copy would wait behind every device-to-host copy already queued on the copy engine
     (the previous batches' payloads), stalling the pipeline. Without Triton: unchanged."""
@@ -398,7 +469,7 @@ def encode_missing(
     return frames
 
 
-def _runs(flags: Sequence[bool], max_len: int):
+def true_runs(flags: Sequence[bool], max_len: int):
     """[start, stop) ranges of consecutive True flags, each at most ``max_len`` long."""
     i = 0
     while i < len(flags):

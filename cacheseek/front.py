@@ -64,7 +64,8 @@ class CacheFront:
     def _materialized(self, k: torch.Tensor, v: torch.Tensor, tiers: list[str], device: torch.device) -> Materialized:
         """The result for decoded K and V of shape [L, H, n*B, D]."""
         n = len(tiers)
-        layers = [(k[i].unsqueeze(0), v[i].unsqueeze(0)) for i in range(self.layout.num_layers)]
+        # unbind: one call for all layers' views (a Python loop of views cost ~0.3 ms).
+        layers = list(zip(k.unsqueeze(1).unbind(0), v.unsqueeze(1).unbind(0), strict=True))
         return Materialized(n * self.block_tokens, n, layers, tiers, device)
 
     @staticmethod

@@ -33,8 +33,17 @@ def _pairs(kv: Any) -> list[tuple[Any, Any]]:
 
 def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (K, V), each [H, T, D] (a batch dim of 1 is dropped as a view)."""
+    pairs = _pairs(kv)
+    # The usual inputs, checked in one pass: per-layer [H, T, D] (nothing to do) or an HF
+    # cache's [1, H, T, D] (one view each). The loop below says what is wrong otherwise.
+    if pairs and all(type(k) is torch.Tensor and type(v) is torch.Tensor for k, v in pairs):
+        dims = {t.dim() for pair in pairs for t in pair}
+        if dims == {3}:
+            return pairs
+        if dims == {4} and all(k.shape[0] == 1 and v.shape[0] == 1 for k, v in pairs):
+            return [(k[0], v[0]) for k, v in pairs]
     out = []
-    for i, (k, v) in enumerate(_pairs(kv)):
+    for i, (k, v) in enumerate(pairs):
         for name, t in (("K", k), ("V", v)):
             if not isinstance(t, torch.Tensor):
                 raise InputError(f"kv layer {i} {name}: expected a tensor, got {type(t).__name__}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import offload
 from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
 from .config import TierConfig
 from .errors import FrameError, InputError
@@ -13,10 +14,23 @@ from .kv_input import kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .results import IngestResult, Located, Materialized
+from .store.tiered import PutOutcome
 
 __all__ = ["IngestResult", "Located", "Materialized", "PrefixCache"]
 
 FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
+
+
+def _count(result: IngestResult, key: bytes, outcome: PutOutcome, stored: list[bytes]) -> None:
+    if outcome.stored:
+        result.stored += 1
+        stored.append(key)
+    elif outcome.present:
+        result.present += 1
+    else:
+        result.failed += 1
+    for tier, reason in outcome.errors.items():
+        result.errors.setdefault(tier, reason)
 
 
 class PrefixCache(CacheFront):
@@ -38,8 +52,6 @@ class PrefixCache(CacheFront):
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
         self.store = (tiers or TierConfig()).build()
 
-    # -- keys ----------------------------------------------------------------------------
-
     # -- the three calls -----------------------------------------------------------------
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
@@ -53,24 +65,27 @@ class PrefixCache(CacheFront):
             return result
         present = self.store.contains_many(hashes)
         result.present = sum(present)
-        # Batches go tail first, so when a chain overflows a tier its head stays and its
-        # tail is evicted; on a GPU each batch's encoding overlaps the previous one's copies.
-        # A bad batch (NaN, Inf) undoes the batches this call stored before it.
+        parents = self.keys.parents(hashes)
         stored: list[bytes] = []
+        if offload.applies(self.store, layers[0][0].device):
+            # KV on a GPU, host memory on top: blocks go straight into reserved CPU-tier slots.
+            outcomes = offload.ingest_in_place(self.store, self.codec, self.layout, self.block_tokens, layers,
+                                               hashes, parents, present, self._batch_blocks)
+            for key, outcome in zip(hashes, outcomes):
+                if outcome is not None:
+                    _count(result, key, outcome, stored)
+            present = [p or o is not None for p, o in zip(present, outcomes)]
+        # The rest (any other tiers or devices, or blocks the top tier had no room to
+        # reserve for) go through put_many. Batches go tail first, so when a chain overflows
+        # a tier its head stays and its tail is evicted; on a GPU each batch's encoding
+        # overlaps the previous one's copies. A bad batch (NaN, Inf) undoes the batches this
+        # call stored before it.
         try:
             for batch in iter_encoded(self.codec, self.layout, self.block_tokens, layers, hashes,
-                                      self.keys.parents(hashes), present, self._batch_blocks, tail_first=True):
+                                      parents, present, self._batch_blocks, tail_first=True):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
-                    if outcome.stored:
-                        result.stored += 1
-                        stored.append(key)
-                    elif outcome.present:
-                        result.present += 1
-                    else:
-                        result.failed += 1
-                    for tier, reason in outcome.errors.items():
-                        result.errors.setdefault(tier, reason)
+                    _count(result, key, outcome, stored)
         except InputError:
             for key in stored:
                 self.store.delete(key)
@@ -106,9 +121,11 @@ class PrefixCache(CacheFront):
             tiers.append(tier)
         if not tiers:
             return self._nothing(device)
-        k, v = decoder.finish()
+        k, v = decoder.finish(wait=False)
         self.store.touch_chain(hashes[: len(tiers)])
-        return self._materialized(k, v, tiers, device)
+        result = self._materialized(k, v, tiers, device)  # while the last copies land
+        decoder.wait()  # the frames' host memory may be reused once we return
+        return result
 
     def _fetch(self, keys: list[bytes]):
         """(key, (frame, tier) or None) in chain order. Each tier is asked once per

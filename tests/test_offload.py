@@ -12,15 +12,17 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek import block_io
+from cacheseek import block_io, offload
 from cacheseek.errors import InputError
 from cacheseek.store import cpu as cpu_tier
 from cacheseek.store.cpu import CpuTier
-from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.arena import HostArena, slot_stride
+from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+KIVI4 = cs.KIVI(bits=4, group_size=32)
 BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
 
 
@@ -134,9 +136,133 @@ def test_pipeline_batches():
     assert block_io.pipeline_blocks(1, 32, 1 << 30) == 1
 
 
+# -- ingest in place: runs of reserved slots, one copy each, committed after the check ----
+# (On the CPU the KV is encoded straight into the slots; on a GPU into staging laid out
+# like them, then one device-to-host copy. The bookkeeping is the same: tested here.)
+
+RAW_FRAME = cs.Raw().encoded_nbytes(LAYOUT, BLOCK) + 1024  # a Raw frame with its header, rounded up
+
+
+class _Spy:
+    """Records the calls to ``owner.name`` (and still makes them)."""
+
+    def __init__(self, monkeypatch, owner, name: str) -> None:
+        self.calls: list[tuple] = []  # (args, what the call returned)
+        real = getattr(owner, name)
+
+        def spy(*args, **kwargs):
+            out = real(*args, **kwargs)
+            self.calls.append((args, out))
+            return out
+
+        monkeypatch.setattr(owner, name, spy)
+
+
+def _tier_state(cache: cs.PrefixCache) -> dict:
+    tier = cache.stats()["tiers"][0]
+    return {k: tier[k] for k in ("blocks", "used_bytes", "evictions", "bytes_in", "reservation_bytes")}
+
+
+def test_a_run_of_slots_is_laid_end_to_end_and_each_slot_is_freed_alone():
+    arena = HostArena(1 << 20)
+    run = arena.allocate_run(1000, 5)
+    stride = slot_stride(1000)
+    assert [s.offset - run[0].offset for s in run] == [i * stride for i in range(5)]
+    assert arena.allocate_run(1000, (1 << 20) // stride) is None  # no contiguous room for that many
+    for slot in run[1::2]:
+        arena.free(slot)  # holes between the slots still lent
+    assert arena.allocate_run(1000, 2) is not None  # from the end of the chunk, not the holes
+    for slot in run[0::2]:
+        arena.free(slot)
+    again = arena.allocate_run(1000, 5)
+    assert again[0].offset == run[0].offset  # the freed slots merged back into one extent
+
+
+def test_an_ingest_goes_in_place_one_run_per_batch_and_never_through_put(monkeypatch):
+    cache = make_cache(cpu="4MiB")
+    runs = _Spy(monkeypatch, cache.store, "reserve_run")
+    puts = _Spy(monkeypatch, cache.store.tiers[0], "put_many")
+    toks, kv = tokens_for(40, 8 * BLOCK), make_kv(8 * BLOCK, 40)
+    assert cache.ingest(toks, kv).stored == 8
+    assert [args[1] for args, _ in runs.calls] == [8] and not puts.calls
+    assert _tier_state(cache)["reservation_bytes"] == 0
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    for key in cache.block_hashes(toks):  # every slot holds a whole frame that parses and checks
+        frame = cache.store.tiers[0].get(key)
+        assert parse_frame(frame.to_bytes()).block_hash == key
+
+
+def test_nan_stores_nothing_and_evicts_nothing_even_in_a_full_tier(monkeypatch):
+    # A full tier with a reserve takes the new blocks into the reserve and evicts only once
+    # they have passed the NaN/Inf check, so a bad input changes nothing stored.
+    cache = make_cache(cpu=6 * RAW_FRAME, cpu_reserve_bytes=3 * RAW_FRAME)
+    filler = tokens_for(41, 6 * BLOCK)
+    assert cache.ingest(filler, make_kv(6 * BLOCK, 41)).stored == 6
+    before = _tier_state(cache)
+    toks, kv = tokens_for(42, 3 * BLOCK), make_kv(3 * BLOCK, 42)
+    kv[2][0][1, BLOCK + 3, 7] = float("nan")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    assert _tier_state(cache) == before and cache.lookup(filler) == 6 * BLOCK
+    kv[2][0][1, BLOCK + 3, 7] = 0.5
+    assert cache.ingest(toks, kv).stored == 3
+    assert _tier_state(cache)["evictions"] == 3  # at commit, once the blocks were known good
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+
+
+def test_nan_in_a_later_batch_undoes_the_batches_committed_before_it(monkeypatch):
+    # (KIVI: Raw on the host checks whole layers at once, so every batch would fail.)
+    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes=8 * RAW_FRAME), max_batch_bytes=2 * LAYOUT.raw_nbytes(BLOCK))
+    commits = _Spy(monkeypatch, cache.store, "commit_many")
+    toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43)
+    kv[0][1][0, 3, 3] = float("inf")  # block 0: the chain's head goes last
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    assert len(commits.calls) == 2  # the tail's two batches were committed, then undone
+    assert cache.lookup(toks) == 0 and _tier_state(cache)["used_bytes"] == 0
+    assert _tier_state(cache)["reservation_bytes"] == 0
+
+
+def test_without_room_to_reserve_the_blocks_go_through_put(monkeypatch):
+    cache = make_cache(cpu=4 * RAW_FRAME, cpu_reserve_bytes=0)
+    assert cache.ingest(tokens_for(44, 4 * BLOCK), make_kv(4 * BLOCK, 44)).stored == 4  # full now
+    puts = _Spy(monkeypatch, cache.store.tiers[0], "put_many")
+    toks, kv = tokens_for(45, 3 * BLOCK), make_kv(3 * BLOCK, 45)
+    assert cache.ingest(toks, kv).stored == 3
+    assert puts.calls and _tier_state(cache)["evictions"] == 3
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+
+
+def test_a_fragmented_tier_gets_shorter_runs(monkeypatch):
+    cache = make_cache(cpu=12 * RAW_FRAME)
+    cache.store.tiers[0]._arena.chunk_bytes = 4 * slot_stride(RAW_FRAME)  # no run of more than 4 slots
+    runs = _Spy(monkeypatch, cache.store, "reserve_run")
+    toks, kv = tokens_for(46, 10 * BLOCK), make_kv(10 * BLOCK, 46)
+    assert cache.ingest(toks, kv).stored == 10
+    lent = [args[1] for args, got in runs.calls if got is not None]
+    assert runs.calls[0][0][1] == 10 and sum(lent) == 10 and max(lent) <= 4
+    assert_prefix_equal(cache.materialize(toks), kv, 10 * BLOCK)
+
+
+def test_frames_written_in_place_are_sealed_on_their_way_to_disk(tmp_path):
+    cache = make_cache(cpu="4MiB", disk=tmp_path / "d", codec=KIVI4)
+    toks, kv = tokens_for(47, 5 * BLOCK), make_kv(5 * BLOCK, 47)
+    assert cache.ingest(toks, kv).stored == 5
+    want = cache.materialize(toks)
+    cache.close()
+    reopened = make_cache(cpu=0, disk=tmp_path / "d", codec=KIVI4)
+    assert reopened.store.tier("disk").check() == {"ok": 5, "corrupt": 0}
+    got = reopened.materialize(toks)
+    for (k, v), (k0, v0) in zip(got.layers, want.layers):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 # -- the real thing, on a GPU ------------------------------------------------------------
 
-KIVI4 = cs.KIVI(bits=4, group_size=32)
+def _small_batches(monkeypatch) -> None:
+    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)
+    monkeypatch.setattr(offload, "FIRST_BATCH_BYTES", 0)  # a first batch of one block
 
 
 def _gpu_cache(codec, cpu="16MiB", **kw) -> cs.PrefixCache:
@@ -161,7 +287,7 @@ def _assert_layers_equal(got: cs.Materialized, want) -> None:
 @cuda
 @pytest.mark.parametrize("codec", [cs.Raw(), KIVI4])
 def test_kv_overwritten_right_after_ingest_is_stored_as_it_was(codec, monkeypatch):
-    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)  # several batches even for small blocks
+    _small_batches(monkeypatch)  # several batches even for small blocks
     toks, kv = tokens_for(30, 12 * BLOCK), make_kv(12 * BLOCK, 30, device="cuda")
     want = _expected(codec, kv, 12 * BLOCK)
     cache = _gpu_cache(codec)
@@ -174,7 +300,7 @@ def test_kv_overwritten_right_after_ingest_is_stored_as_it_was(codec, monkeypatc
 
 @cuda
 def test_freed_encoder_buffers_are_not_reused_while_copies_read_them(monkeypatch):
-    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)
+    _small_batches(monkeypatch)
     toks, kv = tokens_for(31, 16 * BLOCK), make_kv(16 * BLOCK, 31, device="cuda")
     want = _expected(KIVI4, kv, 16 * BLOCK)
     cache = _gpu_cache(KIVI4)
@@ -191,7 +317,7 @@ def test_freed_encoder_buffers_are_not_reused_while_copies_read_them(monkeypatch
 
 @cuda
 def test_frames_evicted_in_flight_reach_the_disk_tier_intact(tmp_path, monkeypatch):
-    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)
+    _small_batches(monkeypatch)
     toks, kv = tokens_for(32, 10 * BLOCK), make_kv(10 * BLOCK, 32, device="cuda")
     frame_bytes = cs.Raw().encoded_nbytes(LAYOUT, BLOCK) + 1024
     cache = _gpu_cache(cs.Raw(), cpu=3 * frame_bytes, disk_path=tmp_path / "d", write_through=())
@@ -205,10 +331,29 @@ def test_frames_evicted_in_flight_reach_the_disk_tier_intact(tmp_path, monkeypat
 
 @cuda
 def test_nan_in_a_later_gpu_batch_undoes_the_batches_in_flight(monkeypatch):
-    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)
+    _small_batches(monkeypatch)
     toks, kv = tokens_for(33, 8 * BLOCK), make_kv(8 * BLOCK, 33, device="cuda")
     kv[1][1][0, 2, 3] = float("nan")  # block 0: batches go tail first, so it fails last
     cache = _gpu_cache(KIVI4)
     with pytest.raises(InputError, match="NaN or Inf"):
         cache.ingest(toks, kv)
     assert cache.lookup(toks) == 0 and cache.stats()["used_bytes"] == 0
+
+
+@cuda
+@pytest.mark.parametrize("codec", [cs.Raw(), KIVI4])
+def test_a_full_tier_without_a_reserve_takes_gpu_frames_through_put(codec, monkeypatch):
+    # No reserve to encode into: the blocks go through put_many (copies in flight per
+    # frame, evictions before the copies), and still come back exact.
+    _small_batches(monkeypatch)
+    frame_bytes = codec.encoded_nbytes(LAYOUT, BLOCK) + 1024
+    toks, kv = tokens_for(34, 6 * BLOCK), make_kv(6 * BLOCK, 34, device="cuda")
+    cache = _gpu_cache(codec, cpu=6 * frame_bytes, cpu_reserve_bytes=0)
+    filler = tokens_for(35, 6 * BLOCK)
+    assert cache.ingest(filler, make_kv(6 * BLOCK, 35, device="cuda")).stored == 6
+    reserve_runs = []
+    real = cache.store.reserve_run
+    cache.store.reserve_run = lambda *a, **kw: reserve_runs.append(a) or real(*a, **kw)
+    assert cache.ingest(toks, kv).stored == 6
+    assert reserve_runs and cache.stats()["tiers"][0]["evictions"] == 6
+    _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(codec, kv, 6 * BLOCK))
