@@ -43,8 +43,8 @@ for s in "$@"; do
     batches)     for b in 1GiB 256MiB 128MiB; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
-    store)       step store 200 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
-    tests-gpu)   step tests-gpu 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py tests/test_offload.py ;;
+    store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
+    tests-gpu)   step tests-gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py tests/test_offload.py ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_offload.py tests/test_store.py tests/test_block_io.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
     tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_block_io.py tests/test_offload.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
