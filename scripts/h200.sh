@@ -40,6 +40,8 @@ for s in "$@"; do
     trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
                  step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
     store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq ;;
+    store-64)    step store-64 150 python3 -m benchmarks.store --blocks 64 --codecs raw,int4 --tiers cpu --reps 6 --out /tmp/s64
+                 cp /tmp/s64/store.json "$OUT/store_64blocks.json" ;;
     batches)     for b in 1GiB 256MiB 128MiB; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
