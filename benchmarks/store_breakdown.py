@@ -128,10 +128,10 @@ def main() -> None:
 HOST_STEPS = [
     "cacheseek.prefix_cache:kv_layers", "cacheseek.prefix_cache:check_layers",
     "cacheseek.front:CacheFront.block_hashes", "cacheseek.store.tiered:TieredStore.contains_many",
-    "cacheseek.offload:_Offload.__init__", "cacheseek.offload:plan_block", "cacheseek.offload:replan_frame",
-    "cacheseek.offload:_Offload.reserve", "cacheseek.offload:_Offload.launch", "cacheseek.offload:reservation_span",
+    "cacheseek.offload:InPlaceIngest.__init__", "cacheseek.offload:InPlaceIngest.guess_tail", "cacheseek.offload:plan_block", "cacheseek.offload:replan_frame",
+    "cacheseek.offload:InPlaceIngest.reserve", "cacheseek.offload:InPlaceIngest.launch", "cacheseek.offload:reservation_span",
     "cacheseek.offload:_payload_views", "cacheseek.offload:encode_into", "cacheseek.kernels.kivi:quantize_layers",
-    "cacheseek.kernels.layers:gather_layers", "cacheseek.offload:_Offload.commit_oldest",
+    "cacheseek.kernels.layers:gather_layers", "cacheseek.offload:InPlaceIngest.commit_oldest",
     "cacheseek.offload:header_prefix", "cacheseek.store.tiered:TieredStore.commit_many",
     "cacheseek.store.tiered:TieredStore.touch_chain", "cacheseek.store.tiered:TieredStore.locate",
     "cacheseek.store.tiered:TieredStore.get_many", "cacheseek.prefix_cache:check_frame",

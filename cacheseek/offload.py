@@ -41,6 +41,8 @@ from .store.tier import Reservation
 from .store.tiered import PutOutcome, TieredStore
 
 FIRST_BATCH_BYTES = 128 << 20  # raw KV in the first batch: its encoding is the only one not hidden
+LAST_PIECE = 4  # frames in the last copy of a long run (see launch)
+GUESS_ON = ("cuda",)  # devices whose ingests launch the chain's tail before hashing (guess_tail)
 
 
 def applies(store: TieredStore, device: torch.device) -> bool:
@@ -84,11 +86,19 @@ class _Run:
     first: int  # index of the first block in the call's chain
     metas: list[FrameMeta]
     reservations: list[Reservation]
-    flags: Any  # the codec's validity flags, in host memory once ``landed`` has passed
-    landed: torch.cuda.Event | None  # None: nothing in flight (KV in host memory)
+    flags: Any  # the codec's validity flags, in host memory once the first piece has landed
+    # Frames [a, b) of the run per copy, in landing order, with the event that marks it
+    # landed (None: nothing in flight, the KV was in host memory).
+    pieces: list[tuple[int, int, torch.cuda.Event | None]]
+    skip: list[bool] | None = None  # blocks found stored after all (a guessed run): given back
+    checked: bool = False  # flags checked
 
 
-class _Offload:
+class InPlaceIngest:
+    """One ingest of GPU (or host) KV into the top tier's reserved slots: ``guess_tail``
+    (optional, before the keys are known), then ``run``; ``abandon`` if the call fails
+    between the two."""
+
     def __init__(self, store: TieredStore, codec: KVLayerCodec, layout: KVLayout, block_tokens: int,
                  layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.store, self.codec, self.layout, self.block_tokens, self.layers = store, codec, layout, block_tokens, layers
@@ -102,6 +112,89 @@ class _Offload:
         self.pending: deque[_Run] = deque()
         self.outcomes: list[PutOutcome | None] = []
         self.committed: list[bytes] = []
+        self.guessed: tuple[int, int] | None = None  # blocks launched by guess_tail
+
+    # -- before the keys are known ----------------------------------------------------------
+
+    def guess_tail(self, num_blocks: int, hash_size: int) -> None:
+        """Launch the chain's last blocks before hashing: an ingest's tail is new in the usual
+        case (a prompt's prefix came from the cache, its suffix was just computed), and the
+        copy engine then starts without waiting for the host to hash the prompt. Blocks
+        that turn out stored are given back once their copy has landed. Only on a GPU, and
+        only for calls long enough that the first batch is not all of it."""
+        first = max(1, FIRST_BATCH_BYTES // self.layout.raw_nbytes(self.block_tokens))
+        if self.device.type not in GUESS_ON or num_blocks < 2 * first:
+            return
+        start = num_blocks - first
+        unknown = bytes(hash_size)  # the real keys go into the headers at commit: same sizes
+        metas = [plan_block(self.codec, self.layout, self.block_tokens, block_hash=unknown, parent_hash=unknown,
+                            position=i) for i in range(start, num_blocks)]
+        if len({m.nbytes for m in metas}) != 1:
+            return  # a header grows a byte within these blocks: not worth a second run
+        reservations = self.store.reserve_run(metas[0].nbytes, first, grow=True)
+        if reservations is None:
+            return
+        self.launch(start, metas, reservations)
+        self.guessed = (start, num_blocks)
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def run(self, hashes: Sequence[bytes], parents: Sequence[bytes], present: Sequence[bool],
+            batch_blocks: int) -> list[PutOutcome | None]:
+        """Store every block not ``present`` (see the module doc); the outcome of each block,
+        None for those not handled here: already present, or no room could be reserved for
+        them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
+        Inf, having published nothing of this call."""
+        self.outcomes = [None] * len(hashes)
+        missing = [not p for p in present]
+        if self.guessed is not None:
+            g0, g1 = self.guessed
+            guessed = self.pending[0]
+            guessed.metas = [replan_frame(guessed.metas[i - g0], block_hash=hashes[i], parent_hash=parents[i],
+                                          position=i) for i in range(g0, g1)]
+            guessed.skip = [present[i] for i in range(g0, g1)]
+            missing[g0:g1] = [False] * (g1 - g0)
+        batches = list(true_runs(missing, batch_blocks))
+        batches.reverse()  # the chain's end first
+        if batches and self.device.type == "cuda":
+            first = max(1, FIRST_BATCH_BYTES // self.layout.raw_nbytes(self.block_tokens))
+            batches = _growing(batches, first if self.guessed is None else 2 * first)
+        template = None
+        try:
+            try:
+                for start, stop in batches:
+                    if template is None:
+                        template = plan_block(self.codec, self.layout, self.block_tokens, block_hash=hashes[start],
+                                              parent_hash=parents[start], position=start)
+                    metas = [replan_frame(template, block_hash=hashes[i], parent_hash=parents[i], position=i)
+                             for i in range(start, stop)]
+                    self._launch_batch(start, metas)
+            except _NoRoom:
+                pass  # the blocks not launched are left to the caller
+            while self.pending:
+                self.commit_oldest()
+        except BaseException as exc:
+            self.abandon()
+            if isinstance(exc, InputError):
+                for key in self.committed:  # this call's earlier batches
+                    self.store.delete(key)
+            raise
+        return self.outcomes
+
+    def _launch_batch(self, start: int, metas: list[FrameMeta]) -> None:
+        stop = len(metas)  # the batch's frames [0, stop) left to launch, its end first
+        while stop > 0:
+            # Frames of a run share one size (a header grows a byte as positions grow).
+            size = metas[stop - 1].nbytes
+            lo = stop - 1
+            while lo > 0 and metas[lo - 1].nbytes == size:
+                lo -= 1
+            reservations = self.reserve(size, stop - lo)
+            if reservations is None:
+                raise _NoRoom
+            lo = stop - len(reservations)
+            self.launch(start + lo, metas[lo:stop], reservations)
+            stop = lo
 
     def launch(self, first: int, metas: list[FrameMeta], reservations: list[Reservation]) -> None:
         meta, count = metas[0], len(metas)
@@ -109,12 +202,17 @@ class _Offload:
         start, span = meta.payload_offset, (count - 1) * stride + meta.payload_nbytes
         host = reservation_span(reservations[0], 0, start + span)
         t0 = first * self.block_tokens
+        # A long run is copied in two pieces, its head end last and small: the commit that
+        # waits for the last copy (and ends the call) then has only a few frames to do.
+        split = [(LAST_PIECE, count), (0, LAST_PIECE)] if count >= 2 * LAST_PIECE else [(0, count)]
         if self.device.type != "cuda":
-            # KV in host memory: the slots themselves are the staging, encoded in place.
+            # KV in host memory: the slots themselves are the staging, encoded in place
+            # (the pieces are only committed in turn).
             flags = encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
                                 _payload_views(host, meta, count, stride))
-            self.pending.append(_Run(first, metas, reservations, flags, None))
+            self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
             return
+        pieces = []
         # set_stream, not stream contexts: a context costs ~20 µs, more than the copy's launch.
         torch.cuda.set_stream(self.encode_stream)
         try:
@@ -127,25 +225,38 @@ class _Offload:
             # is written once the copy has landed, in commit_oldest().
             self.copy_stream.wait_event(encoded)
             torch.cuda.set_stream(self.copy_stream)
-            host[start:].copy_(staging[start:], non_blocking=True)
-            landed = torch.cuda.Event()
-            landed.record(self.copy_stream)
+            for a, b in split:
+                lo, hi = start + a * stride, start + (b - 1) * stride + meta.payload_nbytes
+                host[lo:hi].copy_(staging[lo:hi], non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(self.copy_stream)
+                pieces.append((a, b, landed))
         finally:
             torch.cuda.set_stream(self.caller_stream)
-        staging.record_stream(self.copy_stream)  # freed now, reused only after the copy
-        self.pending.append(_Run(first, metas, reservations, flags, landed))
+        staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
+        self.pending.append(_Run(first, metas, reservations, flags, pieces))
 
     def commit_oldest(self) -> None:
+        """Wait for the oldest piece in flight, then publish its frames."""
         run = self.pending[0]
-        if run.landed is not None:
-            run.landed.synchronize()
-        self.codec.check_finite(run.flags)
-        self.pending.popleft()
-        for meta, reservation in zip(run.metas, run.reservations):
-            reservation.view()[: meta.payload_offset] = header_prefix(meta)
+        a, b, landed = run.pieces[0]
+        if landed is not None:
+            landed.synchronize()
+        if not run.checked:
+            self.codec.check_finite(run.flags)
+            run.checked = True
+        run.pieces.pop(0)
+        if not run.pieces:
+            self.pending.popleft()
+        skip = run.skip or [False] * len(run.metas)
+        for i in range(a, b):
+            if skip[i]:
+                self.store.abort(run.reservations[i])
+            else:
+                run.reservations[i].view()[: run.metas[i].payload_offset] = header_prefix(run.metas[i])
         # Tail first within the batch (as the chain's batches go): a chain that overflows
         # the tier loses its tail, not its head.
-        order = range(len(run.metas) - 1, -1, -1)
+        order = [i for i in range(b - 1, a - 1, -1) if not skip[i]]
         items = [(run.metas[i].block_hash, run.reservations[i], run.metas[i]) for i in order]
         for i, outcome in zip(order, self.store.commit_many(items, sealed=False)):
             self.outcomes[run.first + i] = outcome
@@ -170,62 +281,13 @@ class _Offload:
         """Give back every reservation not committed, once no copy writes into it."""
         while self.pending:
             run = self.pending.popleft()
-            if run.landed is not None:
-                with contextlib.suppress(Exception):  # a failed copy writes nothing more either
-                    run.landed.synchronize()
+            for _, _, landed in run.pieces:
+                if landed is not None:
+                    with contextlib.suppress(Exception):  # a failed copy writes nothing more either
+                        landed.synchronize()
             for reservation in run.reservations:
-                self.store.abort(reservation)
-
-
-def ingest_in_place(store: TieredStore, codec: KVLayerCodec, layout: KVLayout, block_tokens: int,
-                    layers: list[tuple[torch.Tensor, torch.Tensor]], hashes: Sequence[bytes],
-                    parents: Sequence[bytes], present: Sequence[bool], batch_blocks: int) -> list[PutOutcome | None]:
-    """Store every block not ``present`` (see the module doc); the outcome of each block,
-    None for those not handled here: already present, or no room could be reserved for
-    them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
-    Inf, having published nothing of this call."""
-    work = _Offload(store, codec, layout, block_tokens, layers)
-    work.outcomes = [None] * len(hashes)
-    missing = [not p for p in present]
-    raw_block = layout.raw_nbytes(block_tokens)
-    batches = list(true_runs(missing, batch_blocks))
-    if not batches:
-        return work.outcomes
-    batches.reverse()  # the chain's end first
-    if work.device.type == "cuda":
-        batches = _growing(batches, max(1, FIRST_BATCH_BYTES // raw_block))
-    first = batches[0][0]
-    template = plan_block(codec, layout, block_tokens, block_hash=hashes[first], parent_hash=parents[first],
-                          position=first)
-    try:
-        try:
-            for start, stop in batches:
-                metas = [replan_frame(template, block_hash=hashes[i], parent_hash=parents[i], position=i)
-                         for i in range(start, stop)]
-                stop -= start  # the batch's frames [0, stop) left to launch, its end first
-                while stop > 0:
-                    # Frames of a run share one size (a header grows a byte as positions grow).
-                    size = metas[stop - 1].nbytes
-                    lo = stop - 1
-                    while lo > 0 and metas[lo - 1].nbytes == size:
-                        lo -= 1
-                    reservations = work.reserve(size, stop - lo)
-                    if reservations is None:
-                        raise _NoRoom
-                    lo = stop - len(reservations)
-                    work.launch(start + lo, metas[lo:stop], reservations)
-                    stop = lo
-        except _NoRoom:
-            pass  # the blocks not launched are left to the caller
-        while work.pending:
-            work.commit_oldest()
-    except BaseException as exc:
-        work.abandon()
-        if isinstance(exc, InputError):
-            for key in work.committed:  # this call's earlier batches
-                store.delete(key)
-        raise
-    return work.outcomes
+                if reservation.slot is not None:  # (a guessed block found stored was given back)
+                    self.store.abort(reservation)
 
 
 def _growing(batches: list[tuple[int, int]], first: int) -> list[tuple[int, int]]:
@@ -247,4 +309,4 @@ class _NoRoom(Exception):
     pass
 
 
-__all__ = ["applies", "ingest_in_place"]
+__all__ = ["InPlaceIngest", "applies"]

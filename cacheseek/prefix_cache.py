@@ -9,7 +9,7 @@ from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
 from .config import TierConfig
 from .errors import FrameError, InputError
 from .front import CacheFront
-from .hashing import DEFAULT_ALGO
+from .hashing import DEFAULT_ALGO, digest_size
 from .kv_input import kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
@@ -58,19 +58,30 @@ class PrefixCache(CacheFront):
         """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
         input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
         layers = kv_layers(kv)
-        self.keys.check_ingest(keys, check_layers(layers, self.layout))
-        hashes = self.block_hashes(keys)
-        result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
+        tokens = check_layers(layers, self.layout)
+        self.keys.check_ingest(keys, tokens)
+        in_place = None
+        if offload.applies(self.store, layers[0][0].device):
+            # KV on a GPU, host memory on top: blocks go straight into reserved CPU-tier
+            # slots, and the chain's tail is on its way before the prompt is even hashed.
+            in_place = offload.InPlaceIngest(self.store, self.codec, self.layout, self.block_tokens, layers)
+            in_place.guess_tail(tokens // self.block_tokens, digest_size(self.hash_algo))
+        try:
+            hashes = self.block_hashes(keys)
+            present = self.store.contains_many(hashes)
+        except BaseException:
+            if in_place is not None:
+                in_place.abandon()
+            raise
+        result = IngestResult(blocks=len(hashes), stored=0, present=sum(present), tokens=len(hashes) * self.block_tokens)
         if not hashes:
+            if in_place is not None:
+                in_place.abandon()  # (nothing was launched: fewer tokens than a block)
             return result
-        present = self.store.contains_many(hashes)
-        result.present = sum(present)
         parents = self.keys.parents(hashes)
         stored: list[bytes] = []
-        if offload.applies(self.store, layers[0][0].device):
-            # KV on a GPU, host memory on top: blocks go straight into reserved CPU-tier slots.
-            outcomes = offload.ingest_in_place(self.store, self.codec, self.layout, self.block_tokens, layers,
-                                               hashes, parents, present, self._batch_blocks)
+        if in_place is not None:
+            outcomes = in_place.run(hashes, parents, present, self._batch_blocks)
             for key, outcome in zip(hashes, outcomes):
                 if outcome is not None:
                     _count(result, key, outcome, stored)

@@ -245,6 +245,51 @@ def test_a_fragmented_tier_gets_shorter_runs(monkeypatch):
     assert_prefix_equal(cache.materialize(toks), kv, 10 * BLOCK)
 
 
+@pytest.fixture
+def guessing(monkeypatch):
+    """Ingests launch the chain's tail before hashing on the CPU too (on a GPU they do
+    anyway), with a first batch of two blocks."""
+    monkeypatch.setattr(offload, "GUESS_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(offload, "FIRST_BATCH_BYTES", 2 * LAYOUT.raw_nbytes(BLOCK))
+
+
+def test_a_guessed_tail_found_stored_is_given_back(guessing):
+    cache = make_cache(cpu="4MiB", codec=KIVI4)
+    toks, kv = tokens_for(48, 6 * BLOCK), make_kv(6 * BLOCK, 48)
+    assert cache.ingest(toks, kv).stored == 6
+    before = _tier_state(cache)
+    again = cache.ingest(toks, kv)  # all stored: the two blocks launched early are dropped
+    assert (again.stored, again.present) == (0, 6) and _tier_state(cache) == before
+    longer, kv2 = toks + tokens_for(49, 4 * BLOCK), make_kv(10 * BLOCK, 48)
+    got = cache.ingest(longer, kv2)  # the usual case: a stored prefix, a new tail
+    assert (got.stored, got.present) == (4, 6) and _tier_state(cache)["reservation_bytes"] == 0
+    plain = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="4MiB"))  # the same blocks, not guessed
+    plain.ingest(longer, kv2)
+    tail = slice(6 * BLOCK, 10 * BLOCK)  # (the prefix came from kv, not kv2)
+    for (k, v), (k0, v0) in zip(cache.materialize(longer).layers, plain.materialize(longer).layers):
+        assert torch.equal(k[:, :, tail], k0[:, :, tail]) and torch.equal(v[:, :, tail], v0[:, :, tail])
+
+
+def test_a_guessed_tail_with_nan_stores_nothing(guessing):
+    cache = make_cache(cpu="4MiB", codec=KIVI4)
+    toks, kv = tokens_for(50, 6 * BLOCK), make_kv(6 * BLOCK, 50)
+    kv[1][0][0, 5 * BLOCK + 2, 1] = float("nan")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    state = _tier_state(cache)
+    assert cache.lookup(toks) == 0 and state["used_bytes"] == 0 and state["reservation_bytes"] == 0
+
+
+def test_bad_tokens_after_a_guessed_launch_leave_nothing_reserved(guessing):
+    cache = make_cache(cpu="4MiB")
+    toks, kv = tokens_for(51, 6 * BLOCK), make_kv(6 * BLOCK, 51)
+    toks[3] = 2**40  # outside int32: found while hashing, after the tail was launched
+    with pytest.raises(InputError, match="int32"):
+        cache.ingest(toks, kv)
+    assert _tier_state(cache) == {"blocks": 0, "used_bytes": 0, "evictions": 0, "bytes_in": 0, "reservation_bytes": 0}
+
+
 def test_frames_written_in_place_are_sealed_on_their_way_to_disk(tmp_path):
     cache = make_cache(cpu="4MiB", disk=tmp_path / "d", codec=KIVI4)
     toks, kv = tokens_for(47, 5 * BLOCK), make_kv(5 * BLOCK, 47)
@@ -357,3 +402,18 @@ def test_a_full_tier_without_a_reserve_takes_gpu_frames_through_put(codec, monke
     assert cache.ingest(toks, kv).stored == 6
     assert reserve_runs and cache.stats()["tiers"][0]["evictions"] == 6
     _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(codec, kv, 6 * BLOCK))
+
+
+@cuda
+def test_a_gpu_reingest_gives_the_guessed_tail_back_and_keeps_the_frames(monkeypatch):
+    _small_batches(monkeypatch)
+    toks, kv = tokens_for(36, 8 * BLOCK), make_kv(8 * BLOCK, 36, device="cuda")
+    cache = _gpu_cache(KIVI4)
+    assert cache.ingest(toks, kv).stored == 8
+    before = cache.stats()["tiers"][0]
+    again = cache.ingest(toks, kv)
+    after = cache.stats()["tiers"][0]
+    assert (again.stored, again.present) == (0, 8)
+    assert {k: after[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")} == \
+        {k: before[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")}
+    _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(KIVI4, kv, 8 * BLOCK))
