@@ -1,21 +1,23 @@
-"""GPU KV into the CPU tier in place: the embedded ingest path when the KV is on a GPU.
+"""KV into the CPU tier in place: the embedded ingest path (GPU KV; host KV the same way).
 
 The blocks of a batch get a run of CPU-tier slots, reserved together (laid end to end at
 one stride, nothing published yet). They are encoded on the GPU into a staging buffer
-laid out exactly like that run, payloads at the same offsets, and ONE device-to-host copy
-moves the whole run. Once it has landed and the codec's NaN/Inf flags have passed, each
-slot gets its header and the run is committed. So a batch costs the host a reservation,
-two kernel launches and a copy, not a copy and a put per block, and a bad input publishes
-nothing (a full tier evicts only at commit, into its reserve: ``TierConfig.cpu_reserve_bytes``).
+laid out exactly like that run, payloads at the same offsets, and one device-to-host copy
+moves the whole run (two for a long run: the head end last and small, so the commit that
+ends the call is short). Once a piece has landed and the codec's NaN/Inf flags have
+passed, each slot gets its header and is committed. So a batch costs the host a
+reservation, two kernel launches and a copy, not a copy and a put per block, and a bad
+input publishes nothing (a full tier evicts only at commit, having lent the batch its
+reserve: ``TierConfig.cpu_reserve_bytes``). On the host, the slots themselves are encoded into.
 
-Batches are launched back to back, each once the one before it is queued: the copy engine
-runs while the host plans the next batch and commits the last, and each batch's encoding
-(on a side stream) overlaps the copy of the batch before it. The first batch is small, so
-the first copy starts early.
+The chain's last blocks are launched before the keys are known (``guess_tail``), so the
+copy engine starts while the host hashes the prompt; later batches double in size, each
+launched once the one before is queued, so its encoding (on a side stream) overlaps the
+copy before it, and the host commits landed pieces while later ones are copied.
 
-    host    plan+reserve b0 | launch b0 | plan+reserve b1 | launch b1 | ... | commit b0 | ...
-    encode              [k0]                        [k1]
-    to_host                 [copy b0 ..........][copy b1 ....................]
+    host    launch tail | hash, plan | reserve+launch b1 | ... | commit tail | commit b1 ...
+    encode      [k0]                      [k1]
+    to_host          [copy tail ...........][copy b1 ..........................]
 """
 
 from __future__ import annotations
