@@ -199,6 +199,19 @@ class InPlaceIngest:
             stop = lo
 
     def launch(self, first: int, metas: list[FrameMeta], reservations: list[Reservation]) -> None:
+        """Encode blocks ``first..`` into ``reservations`` (a run) and queue their copies; on
+        failure the reservations are given back."""
+        try:
+            self._launch(first, metas, reservations)
+        except BaseException:
+            if self.device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    self.copy_stream.synchronize()  # no copy may still write into the slots
+            for reservation in reservations:
+                self.store.abort(reservation)
+            raise
+
+    def _launch(self, first: int, metas: list[FrameMeta], reservations: list[Reservation]) -> None:
         meta, count = metas[0], len(metas)
         stride = slot_stride(meta.nbytes)
         start, span = meta.payload_offset, (count - 1) * stride + meta.payload_nbytes

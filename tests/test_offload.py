@@ -417,3 +417,18 @@ def test_a_gpu_reingest_gives_the_guessed_tail_back_and_keeps_the_frames(monkeyp
     assert {k: after[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")} == \
         {k: before[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")}
     _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(KIVI4, kv, 8 * BLOCK))
+
+
+def test_a_failed_launch_gives_its_reservations_back(monkeypatch):
+    cache = make_cache(cpu="4MiB", codec=KIVI4)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(offload, "encode_into", broken)
+    with pytest.raises(RuntimeError, match="device lost"):
+        cache.ingest(tokens_for(52, 4 * BLOCK), make_kv(4 * BLOCK, 52))
+    assert calls and _tier_state(cache) == {"blocks": 0, "used_bytes": 0, "evictions": 0, "bytes_in": 0,
+                                            "reservation_bytes": 0}
