@@ -152,8 +152,8 @@ class InPlaceIngest:
         if self.guessed is not None:
             g0, g1 = self.guessed
             guessed = self.pending[0]
-            guessed.metas = [replan_frame(guessed.metas[i - g0], block_hash=hashes[i], parent_hash=parents[i],
-                                          position=i) for i in range(g0, g1)]
+            guessed.metas = [replan_frame(guessed.metas[0], block_hash=hashes[i], parent_hash=parents[i], position=i)
+                             for i in range(g0, g1)]
             guessed.skip = [present[i] for i in range(g0, g1)]
             missing[g0:g1] = [False] * (g1 - g0)
         batches = list(true_runs(missing, batch_blocks))
