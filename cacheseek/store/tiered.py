@@ -87,29 +87,39 @@ class TieredStore:
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutOutcome]:
         """Store blocks in the top tier and every write-through tier."""
         outcomes = [PutOutcome() for _ in items]
-        current = list(items)
-        targets = [self.tiers[0]] + [t for t in self.tiers[1:] if t.name in self.write_through]
-        for n, tier in enumerate(targets):
-            if not tier.accepts_device_frames:
-                current = [(k, _on_host(f)) for k, f in current]
-            results = tier.put_many(current)
-            level = self.tiers.index(tier)
+        top = self.tiers[0]
+        current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
+        written = []
+        for (key, frame), result, outcome in zip(current, top.put_many(current), outcomes):
+            if result.error is not None:
+                outcome.errors[top.name] = str(result.error)
+            elif result.stored is not None:
+                outcome.stored = True
+            else:
+                outcome.present = True
+            self._demote(0, result.evicted)
+            written.append((key, _host_copy(result.stored, frame), outcome))
+        self._write_through(written)
+        return outcomes
+
+    def _write_through(self, items: list[tuple[bytes, BlockFrame, PutOutcome]]) -> None:
+        """Put ``items`` into each write-through tier in turn, each from the host copy the tier
+        before it stored (rather than from the device again)."""
+        previous = self.tiers[0]
+        for level, tier in enumerate(self.tiers[1:], start=1):
+            if tier.name not in self.write_through or not items:
+                continue
+            previous.settle()  # this tier reads the previous one's host copies
+            frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
-            for (key, frame), result, outcome in zip(current, results, outcomes):
+            for (key, frame), result, (_, _, outcome) in zip(frames, tier.put_many(frames), items):
                 if result.error is not None:
                     outcome.errors[tier.name] = str(result.error)
                 elif result.stored is not None:
                     outcome.stored = True
-                elif n == 0:
-                    outcome.present = True
                 self._demote(level, result.evicted)
-                # Later tiers copy from this tier's host copy rather than the device again.
-                stored = result.stored
-                nxt.append((key, stored if stored is not None and stored.host is not None else frame))
-            if n + 1 < len(targets):
-                tier.settle()  # the next tier reads this tier's host copies
-            current = nxt
-        return outcomes
+                nxt.append((key, _host_copy(result.stored, frame), outcome))
+            items, previous = nxt, tier
 
     def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
         if level + 1 >= len(self.tiers):
@@ -264,24 +274,15 @@ class TieredStore:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet)."""
         outcomes = [PutOutcome() for _ in items]
-        results = self.tiers[0].commit_many(items, sealed=sealed)
-        through = []
-        for (key, _, _), result, outcome in zip(items, results, outcomes):
+        stored = []
+        for (key, _, _), result, outcome in zip(items, self.tiers[0].commit_many(items, sealed=sealed), outcomes):
             self._demote(0, result.evicted)
             if result.stored is None:
                 outcome.present = True
             else:
                 outcome.stored = True
-                through.append((key, result.stored, outcome))
-        if not through:
-            return outcomes
-        for level, tier in enumerate(self.tiers[1:], start=1):
-            if tier.name not in self.write_through:
-                continue
-            for (_, _, outcome), below in zip(through, tier.put_many([(key, frame) for key, frame, _ in through])):
-                if below.error is not None:
-                    outcome.errors[tier.name] = str(below.error)
-                self._demote(level, below.evicted)
+                stored.append((key, result.stored, outcome))
+        self._write_through(stored)
         return outcomes
 
     def abort(self, reservation: Reservation) -> None:
@@ -290,6 +291,11 @@ class TieredStore:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def _host_copy(stored: BlockFrame | None, frame: BlockFrame) -> BlockFrame:
+    """What the next tier copies from: a tier's stored host copy if it made one."""
+    return stored if stored is not None and stored.host is not None else frame
 
 
 def _on_host(frame: BlockFrame) -> BlockFrame:
