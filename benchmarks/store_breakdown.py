@@ -130,7 +130,7 @@ HOST_STEPS = [
     "cacheseek.front:CacheFront.block_hashes", "cacheseek.store.tiered:TieredStore.contains_many",
     "cacheseek.offload:InPlaceIngest.__init__", "cacheseek.offload:InPlaceIngest.guess_tail", "cacheseek.offload:plan_block", "cacheseek.offload:replan_frame",
     "cacheseek.offload:InPlaceIngest.reserve", "cacheseek.offload:InPlaceIngest.launch", "cacheseek.offload:reservation_span",
-    "cacheseek.offload:_payload_views", "cacheseek.offload:encode_into", "cacheseek.kernels.kivi:quantize_layers",
+    "cacheseek.offload:payload_views", "cacheseek.offload:encode_into", "cacheseek.kernels.kivi:quantize_layers",
     "cacheseek.kernels.layers:gather_layers", "cacheseek.offload:InPlaceIngest.commit_oldest",
     "cacheseek.offload:header_prefix", "cacheseek.store.tiered:TieredStore.commit_many",
     "cacheseek.store.tiered:TieredStore.touch_chain", "cacheseek.store.tiered:TieredStore.locate",

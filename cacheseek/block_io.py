@@ -14,6 +14,7 @@ Decoding: the payloads of n blocks land in one device staging buffer at a fixed 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .quant.tensors import TORCH_DTYPES, all_finite
 from .store.device import as_host_tensor, copy_entry, work_stream
-from .store.frame import FrameMeta, plan_frame, replan_frame
+from .store.frame import FrameMeta, TensorEntry, plan_frame, replan_frame
 from .store.tier import BlockFrame
 
 STAGING_ALIGN = 256
@@ -119,7 +120,7 @@ def _encode_deferred(
         payload = metas[0].payload_nbytes
         stride = (payload + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
         buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
-        views = [strided_rows(buf, e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in metas[0].tensors]
+        views = payload_views(buf, metas[0].tensors, n, stride)
         if prepared is _UNPREPARED:
             prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         finite = encode_into(codec, layers, prepared, t0, n, block_tokens, views)
@@ -170,12 +171,12 @@ def plan_block(codec: KVLayerCodec, layout: KVLayout, block_tokens: int, *, bloc
     the frames of the blocks after it with ``replan_frame``."""
     # Laying out the buffers costs ~0.1 ms: it is done once per configuration, and each
     # block's frame is derived from that template.
-    key: tuple = (codec, layout, block_tokens, len(block_hash), len(parent_hash))
-    try:  # codecs are frozen values: hashing one costs less than its fingerprint
-        hash(key)
-    except TypeError:
+    key = (codec.name, tuple(codec.spec().items()), layout, block_tokens, len(block_hash), len(parent_hash))
+    try:
+        template = _TEMPLATES.get(key)
+    except TypeError:  # a spec with unhashable values: its fingerprint names it as well
         key = (codec.fingerprint(), layout, block_tokens, len(block_hash), len(parent_hash))
-    template = _TEMPLATES.get(key)
+        template = _TEMPLATES.get(key)
     if template is None:
         L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
         encoded = codec.template((L, H, block_tokens, D), layout.dtype)
@@ -246,8 +247,7 @@ class BatchDecoder:
                 raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
         stride = (meta.payload_nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
         self._staging = torch.empty((self.max_blocks, stride), dtype=torch.uint8, device=self.device)
-        self._views = [strided_rows(self._staging, e.offset, TORCH_DTYPES[e.dtype], (self.max_blocks, *e.shape), stride)
-                       for e in meta.tensors]
+        self._views = payload_views(self._staging, meta.tensors, self.max_blocks, stride)
         self._meta0 = meta
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -340,16 +340,35 @@ def decode_frames(
     return decoder.finish()
 
 
-def strided_rows(staging: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...], stride: int) -> torch.Tensor:
-    """View ``[n, *shape[1:]]`` elements of ``dtype`` at ``offset`` in every staging row."""
-    itemsize = dtype.itemsize
-    typed = staging.view(dtype)
-    offset += typed.storage_offset() * itemsize  # as_strided's offset counts from the storage
-    inner = shape[1:]
-    strides = [1] * len(inner)
-    for i in range(len(inner) - 2, -1, -1):
-        strides[i] = strides[i + 1] * inner[i + 1]
-    return typed.as_strided((shape[0], *inner), (stride // itemsize, *strides), offset // itemsize)
+def payload_views(buf: torch.Tensor, tensors: Sequence[TensorEntry], count: int, stride: int,
+                  offset: int = 0) -> list[torch.Tensor]:
+    """The buffers ``tensors`` of ``count`` payloads laid out at ``stride`` bytes in ``buf``,
+    the first at byte ``offset``, as ``[count, ...]`` views (e.g. a codec's buffers in the
+    rows of a staging buffer)."""
+    typed: dict[torch.dtype, torch.Tensor] = {}  # one view of ``buf`` per dtype, not one per buffer
+    out = []
+    base = buf.storage_offset() * buf.element_size()
+    for dtype, size, strides, start in _view_plan(tuple(tensors), offset, count, stride):
+        whole = typed.get(dtype)
+        if whole is None:
+            whole = typed[dtype] = buf.view(dtype)
+        out.append(whole.as_strided(size, strides, base // dtype.itemsize + start))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _view_plan(tensors: tuple[TensorEntry, ...], offset: int, count: int, stride: int) -> list[tuple]:
+    """(dtype, size, strides, storage offset in elements) of each buffer's ``[count, ...]``
+    view: worked out once per layout and count (it is most of a view's cost)."""
+    plan = []
+    for e in tensors:
+        dtype = TORCH_DTYPES[e.dtype]
+        item = dtype.itemsize
+        inner = [1] * len(e.shape)
+        for i in range(len(e.shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * e.shape[i + 1]
+        plan.append((dtype, (count, *e.shape), (stride // item, *inner), (offset + e.offset) // item))
+    return plan
 
 
 def block_parents(root: bytes, hashes: Sequence[bytes]) -> list[bytes]:
@@ -484,4 +503,4 @@ def true_runs(flags: Sequence[bool], max_len: int):
 
 
 __all__ = ["BatchDecoder", "block_parents", "check_frame", "check_layers", "decode_frames", "encode_blocks",
-           "encode_missing", "iter_encoded"]
+           "encode_missing", "iter_encoded", "payload_views"]

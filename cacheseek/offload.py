@@ -23,7 +23,6 @@ copy before it, and the host commits landed pieces while later ones are copied.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,11 +30,10 @@ from typing import Any
 
 import torch
 
-from .block_io import encode_into, flags_to_host, plan_block, true_runs
+from .block_io import encode_into, flags_to_host, payload_views, plan_block, true_runs
 from .errors import InputError
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
-from .quant.tensors import TORCH_DTYPES
 from .store.arena import slot_stride
 from .store.device import reservation_span, work_stream
 from .store.frame import FrameMeta, header_prefix, replan_frame
@@ -50,35 +48,6 @@ GUESS_ON = ("cuda",)  # devices whose ingests launch the chain's tail before has
 def applies(store: TieredStore, device: torch.device) -> bool:
     """Whether an ingest of KV on ``device`` can go in place into ``store``'s top tier."""
     return device.type in ("cuda", "cpu") and store.tiers[0].lends_runs
-
-
-def _payload_views(buf: torch.Tensor, meta: FrameMeta, count: int, stride: int) -> list[torch.Tensor]:
-    """The codec's buffers of ``count`` frames laid out like ``meta`` at ``stride`` in ``buf``
-    (which starts where the first frame does), as ``[count, ...]`` views."""
-    typed: dict[torch.dtype, torch.Tensor] = {}  # one view of ``buf`` per dtype, not one per buffer
-    out = []
-    base = buf.storage_offset()
-    for dtype, size, strides, offset in _view_plan(meta.tensors, meta.payload_offset, count, stride):
-        whole = typed.get(dtype)
-        if whole is None:
-            whole = typed[dtype] = buf.view(dtype)
-        out.append(whole.as_strided(size, strides, base // dtype.itemsize + offset))
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def _view_plan(tensors: tuple, payload_offset: int, count: int, stride: int) -> list[tuple]:
-    """(dtype, size, strides, storage offset in elements) of each buffer's ``[count, ...]``
-    view: worked out once per layout and count (it is most of a view's cost)."""
-    plan = []
-    for e in tensors:
-        dtype = TORCH_DTYPES[e.dtype]
-        item = dtype.itemsize
-        inner = [1] * len(e.shape)
-        for i in range(len(e.shape) - 2, -1, -1):
-            inner[i] = inner[i + 1] * e.shape[i + 1]
-        plan.append((dtype, (count, *e.shape), (stride // item, *inner), (payload_offset + e.offset) // item))
-    return plan
 
 
 @dataclass(slots=True)
@@ -224,7 +193,7 @@ class InPlaceIngest:
             # KV in host memory: the slots themselves are the staging, encoded in place
             # (the pieces are only committed in turn).
             flags = encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
-                                _payload_views(host, meta, count, stride))
+                                payload_views(host, meta.tensors, count, stride, meta.payload_offset))
             self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
             return
         pieces = []
@@ -233,7 +202,7 @@ class InPlaceIngest:
         try:
             staging = torch.empty(start + span, dtype=torch.uint8, device=self.device)
             flags = flags_to_host(encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
-                                              _payload_views(staging, meta, count, stride)))
+                                              payload_views(staging, meta.tensors, count, stride, meta.payload_offset)))
             encoded = torch.cuda.Event()
             encoded.record(self.encode_stream)
             # The slots' headers are copied over too (staging garbage between payloads): each

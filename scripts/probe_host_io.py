@@ -1,10 +1,13 @@
 """Probe: can kernels read/write pinned host memory (zero-copy) as fast as the copy engine?"""
-import statistics, time, torch, triton, triton.language as tl
-import cacheseek as cs
-from cacheseek import kernels
+import statistics
+
+import torch
+import triton
+import triton.language as tl
 from cacheseek.kernels import kivi as K
-from cacheseek.block_io import strided_rows, STAGING_ALIGN
-from cacheseek.quant.tensors import TORCH_DTYPES
+
+import cacheseek as cs
+from cacheseek.block_io import payload_views
 from cacheseek.store.frame import plan_frame
 
 dev = torch.device("cuda")
@@ -54,7 +57,7 @@ for name in ("int4", "int2", "int8"):
     prepared = codec.prepare_layers([k for k, _ in kv], [v for _, v in kv])
     for where in ("cuda", "pinned"):
         buf = torch.empty((n, stride), dtype=torch.uint8, device=dev) if where == "cuda" else torch.empty((n, stride), dtype=torch.uint8, pin_memory=True)
-        views = [strided_rows(buf, meta.payload_offset + e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in meta.tensors]
+        views = payload_views(buf, meta.tensors, n, stride, meta.payload_offset)
         try:
             t = timeit(lambda: codec.encode_layers_into(prepared, 0, n, B, views))
             extra = ""
@@ -76,7 +79,7 @@ for name in ("int4", "int2", "int8"):
     outs = (k_out.view(as_blocks).permute(2, 0, 1, 3, 4), v_out.view(as_blocks).permute(2, 0, 1, 3, 4))
     tm = codec.template((n, L, H, B, D), "float16")
     for where, src in (("cuda", dbuf), ("pinned", hbuf)):
-        bufs = [strided_rows(src, meta.payload_offset + e.offset, TORCH_DTYPES[e.dtype], (n, *e.shape), stride) for e in meta.tensors]
+        bufs = payload_views(src, meta.tensors, n, stride, meta.payload_offset)
         def dec():
             for side, (q, s, m), out, bits, grp, axis in (("k", bufs[0:3], outs[0], codec.k_bits, codec.k_group, -2), ("v", bufs[3:6], outs[1], codec.v_bits, codec.v_group, -1)):
                 desc = tuple((tuple(x.shape), x.stride(), x.dtype) for x in (q, s, m))

@@ -175,17 +175,8 @@ class KIVI:
         return layer.with_buffers([kq, ks, km, vq, vs, vm]), finite
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-        """Tables of the layers' offsets for the Triton kernels (None on the torch backend,
-        or when the layers differ in strides: the caller stacks them). The caller has
-        checked that the layers agree in shape, dtype and device."""
-        if backend_for(k_layers[0]) != "triton":
-            return None
-        from cacheseek import kernels
-
-        try:
-            return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
-        except ValueError:
-            return None
+        """Tables of the layers' offsets for the Triton kernels (see :func:`layer_tables`)."""
+        return layer_tables(k_layers, v_layers)
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
         """Quantize ``n`` blocks from token ``t0`` of the prepared layers straight into
@@ -241,6 +232,20 @@ def _device_of(encoded: EncodedLayer) -> Any:
 
     first = encoded.k.qdata
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+
+
+def layer_tables(k_layers: list[Any], v_layers: list[Any]) -> Any | None:
+    """K's and V's ``kernels.LayerTable``, for codecs whose kernels read a model's layers in
+    place; None on the torch backend, or when the layers differ in strides (the caller then
+    stacks them). The caller has checked that the layers agree in shape, dtype and device."""
+    if backend_for(k_layers[0]) != "triton":
+        return None
+    from cacheseek import kernels
+
+    try:
+        return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
+    except ValueError:
+        return None
 
 
 def backend_for(t: Any) -> str:

@@ -62,19 +62,11 @@ class Raw:
         return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-        """Tables of the layers' offsets for the Triton gather (None on the torch backend,
-        or when the layers differ in strides: the caller stacks them, and that copy is the
-        encoding)."""
-        from .kivi import backend_for
+        """Tables of the layers' offsets for the Triton gather (see ``kivi.layer_tables``;
+        None: the caller stacks the layers, and that copy is the encoding)."""
+        from .kivi import layer_tables
 
-        if backend_for(k_layers[0]) != "triton":
-            return None
-        from cacheseek import kernels
-
-        try:
-            return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
-        except ValueError:
-            return None
+        return layer_tables(k_layers, v_layers)
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
         """Copy ``n`` blocks of every layer straight into ``out`` ([n, L, H, B, D] views of K
