@@ -270,8 +270,7 @@ class InPlaceIngest:
                     with contextlib.suppress(Exception):  # a failed copy writes nothing more either
                         landed.synchronize()
             for reservation in run.reservations:
-                if reservation.slot is not None:  # (a guessed block found stored was given back)
-                    self.store.abort(reservation)
+                self.store.abort(reservation)  # (idempotent: some may be given back already)
 
 
 def _growing(batches: list[tuple[int, int]], first: int) -> list[tuple[int, int]]:

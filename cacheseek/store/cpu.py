@@ -228,8 +228,9 @@ class CpuTier(IndexedTier):
     def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
         """Like :meth:`reserve`, for ``count`` frames of ``nbytes`` in slots laid end to end
         at ``arena.slot_stride(nbytes)`` (one device copy fills them all), or None. ``grow``
-        lets the arena map memory within the budget for them (a caller whose frames are
-        good unless its own device says otherwise: nothing else is lost if they are not)."""
+        lets the arena map memory for them, up to the budget and the reserve together (for
+        a caller whose frames are good unless its own device says otherwise: nothing else
+        is lost if they are not)."""
         with self._lock:
             limit = self.capacity_bytes + self.reserve_bytes
             if self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
