@@ -465,7 +465,9 @@ def test_redis_killed_during_ingest_no_error_escapes_and_new_ingests_land_after_
         def ingest_loop() -> None:
             seed = 1000
             try:
-                while not stop.is_set():
+                # Bounded, so that every block fits the CPU tier (64 MiB holds ~650 calls'
+                # worth): with Redis down, a block evicted from it would be gone.
+                while not stop.is_set() and seed < 1400:
                     toks, kv = tokens_for(seed, 2 * BLOCK), make_kv(2 * BLOCK, seed)
                     results.append((seed, cache.ingest(toks, kv)))
                     seed += 1
