@@ -72,14 +72,15 @@ def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float
 
 
 def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path,
-             batch_bytes: str = "1GiB") -> dict:
+             batch_bytes: str = "1GiB", policy: str = "arc") -> dict:
     codec = CODECS[codec_name]
     frame_guess = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
     budget = frame_guess * blocks * 2 + (64 << 20)
     cfg = {
-        "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0),
-        "cpu": cs.TierConfig(cpu_bytes=budget),
-        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name}", disk_bytes=budget),
+        "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0, eviction=policy),
+        "cpu": cs.TierConfig(cpu_bytes=budget, eviction=policy),
+        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name}-{policy}", disk_bytes=budget,
+                              eviction=policy),
     }[tier]
     cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg,
                            max_batch_bytes=batch_bytes)
@@ -123,6 +124,8 @@ def main() -> None:
     ap.add_argument("--disk-dir", type=Path, default=None)
     ap.add_argument("--batch-bytes", default="1GiB", help="PrefixCache max_batch_bytes (ingest batch size)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--policy", default="arc", help="eviction policies, comma-separated (arc,lru: both, "
+                                                    "interleaved per case; the ratio to the last is printed)")
     args = ap.parse_args()
     kv_device = torch.device("cuda" if cuda else "cpu")
     tokens = args.blocks * BLOCK
@@ -140,20 +143,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
         for codec in args.codecs.split(","):
             for tier in args.tiers.split(","):
-                row = run_case(codec, tier, kv, kv_device, args.blocks, args.reps, Path(tmp), args.batch_bytes)
+              per_policy = []
+              for policy in args.policy.split(","):
+                row = run_case(codec, tier, kv, kv_device, args.blocks, args.reps, Path(tmp), args.batch_bytes, policy)
+                row["policy"] = policy
                 row["ingest_vs_copy"] = row["ingest_gbps"] / base["ingest_gbps"]
                 row["materialize_vs_copy"] = row["materialize_gbps"] / base["materialize_gbps"]
+                per_policy.append(row)
                 rows.append(row)
-                print(f"  {codec:5s} {tier:5s} ingest {row['ingest_gbps']:7.1f} GB/s ({row['ingest_vs_copy']:.2f}x)  "
+                if len(per_policy) > 1:
+                    ref = per_policy[-1]
+                    for r in per_policy[:-1]:
+                        r["ingest_vs_" + ref["policy"]] = r["ingest_gbps"] / ref["ingest_gbps"]
+                        r["materialize_vs_" + ref["policy"]] = r["materialize_gbps"] / ref["materialize_gbps"]
+                        print(f"  {codec:5s} {tier:5s} {r['policy']} vs {ref['policy']}: ingest "
+                              f"{r['ingest_vs_' + ref['policy']]:.3f}x, materialize "
+                              f"{r['materialize_vs_' + ref['policy']]:.3f}x", flush=True)
+                print(f"  {codec:5s} {tier:5s} {policy:4s} ingest {row['ingest_gbps']:7.1f} GB/s ({row['ingest_vs_copy']:.2f}x)  "
                       f"materialize {row['materialize_gbps']:7.1f} GB/s ({row['materialize_vs_copy']:.2f}x)  "
                       f"ms each: {row['ingest_ms_each']} / {row['materialize_ms_each']}", flush=True)
     path = write_json("store", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
                                 "kv_device": str(kv_device), "baseline": base, "rows": rows}, args.out)
-    labels = [f"{r['codec']}/{r['tier']}" for r in rows]
+    labels = [f"{r['codec']}/{r['tier']}/{r['policy']}" for r in rows]
     plot_bars("store", labels, {"ingest": [r["ingest_gbps"] for r in rows],
                                 "materialize": [r["materialize_gbps"] for r in rows]},
               "GB/s of raw KV", args.out)
-    cols = ["codec", "tier", "ingest_gbps", "ingest_vs_copy", "materialize_gbps", "materialize_vs_copy",
+    cols = ["codec", "tier", "policy", "ingest_gbps", "ingest_vs_copy", "materialize_gbps", "materialize_vs_copy",
             "stored_mb_per_block", "compression"]
     print(f"wrote {path}")
     print(table(rows, cols, f"Store throughput, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens, KV on {kv_device}; "

@@ -68,7 +68,7 @@ class PrefixCache(CacheFront):
             in_place.guess_tail(tokens // self.block_tokens, digest_size(self.hash_algo))
         try:
             hashes = self.block_hashes(keys)
-            present = self.store.contains_many(hashes)
+            present = found = self.store.contains_many(hashes)
         except BaseException:
             if in_place is not None:
                 in_place.abandon()
@@ -101,7 +101,9 @@ class PrefixCache(CacheFront):
             for key in stored:
                 self.store.delete(key)
             raise
-        self.store.touch_chain(hashes)
+        # A use of the blocks that were stored already; the ones this call stored were put
+        # tail first, so the head is still the most recent either way.
+        self.store.touch_chain([key for key, was in zip(hashes, found) if was])
         return result
 
     def locate(self, keys: Any) -> Located:

@@ -1,6 +1,7 @@
-"""The ``cacheseek`` command: ``cacheseek serve`` and ``cacheseek demo``.
+"""The ``cacheseek`` command: ``cacheseek serve``, ``cacheseek plan`` and ``cacheseek demo``.
 
-``serve`` never imports torch: the store and the server only move bytes.
+``serve`` never imports torch: the store and the server only move bytes. ``plan`` needs
+neither torch nor the server extras (matplotlib, for its plot, if installed).
 """
 
 from __future__ import annotations
@@ -91,6 +92,61 @@ def keep_freed_memory(max_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, min(max_bytes, 1 << 30)) and mallopt(M_TRIM_THRESHOLD, 2 * max_bytes))
 
 
+def _plan_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan", help="size tiers and pick a codec by replaying a request trace",
+        description="Replay a request trace (Mooncake format: one JSON object a line with hash_ids) through the "
+                    "real store, for each codec and CPU budget, next to Belady's optimum and the infinite cache. "
+                    "Prints a table, writes JSON and a plot. See docs/hit-rate.md.",
+    )
+    p.add_argument("--trace", required=True, metavar="FILE", help="the trace (.jsonl)")
+    p.add_argument("--layout", default="llama-3-8b",
+                   help="a model name (llama-3-8b, llama-3-70b, qwen2.5-7b, smollm2-135m) or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
+    p.add_argument("--codec", default="raw,int8,int4,int2", help="codecs, comma-separated (raw, int8, int4, int2)")
+    p.add_argument("--cpu-bytes", default="16GiB,32GiB,64GiB,128GiB", help="CPU tier budgets, comma-separated")
+    p.add_argument("--disk-bytes", default="0", help="disk tier budget (0: no disk tier)")
+    p.add_argument("--disk-admit-after-uses", type=int, default=1, help="disk admission threshold (1: every block)")
+    p.add_argument("--policy", default="arc,lru", help="eviction policies, comma-separated")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
+    p.add_argument("--json", default="plan.json", metavar="FILE", help="where to write the rows")
+    p.add_argument("--plot", default="plan.png", metavar="FILE", help="where to draw hit rate against budget")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from cacheseek.errors import CacheSeekError
+    from cacheseek.store.eviction import check_policy
+    from cacheseek.trace.format import load_trace
+    from cacheseek.trace.plan import TABLE_COLUMNS, codec_of, format_table, layout_of, plan, plot, table_rows
+    from cacheseek.units import parse_size
+
+    try:
+        layout = layout_of(args.layout)
+        codecs = [c.strip() for c in args.codec.split(",") if c.strip()]
+        for c in codecs:
+            codec_of(c)
+        policies = [check_policy(p.strip(), what="--policy") for p in args.policy.split(",") if p.strip()]
+        cpu = [parse_size(b.strip(), name="--cpu-bytes") for b in args.cpu_bytes.split(",") if b.strip()]
+        disk = parse_size(args.disk_bytes, name="--disk-bytes")
+        trace = load_trace(args.trace)  # the whole file is checked before anything runs
+        rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
+                    disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens)
+    except CacheSeekError as exc:
+        print(f"cacheseek plan: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(table_rows(rows), TABLE_COLUMNS,
+                       f"{args.trace}: {len(trace)} requests, layout {args.layout}, disk {args.disk_bytes}"))
+    from pathlib import Path
+
+    Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
+    print(f"rows: {args.json}")
+    if plot(rows, args.plot, f"Hit rate on {Path(args.trace).name} ({args.layout})"):
+        print(f"plot: {args.plot}")
+    else:
+        print("plot: skipped (install matplotlib to draw it)")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     return args.demo_run(args)
 
@@ -125,8 +181,9 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,plan,demo}")
     _serve_parser(sub)
+    _plan_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser
 

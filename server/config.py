@@ -115,6 +115,10 @@ class ServerSettings(BaseSettings):
         True, description="every ingest is written to the persistent tiers (disk, Redis) before it is acknowledged")
     disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
     promote_on_hit: bool = Field(True, description="copy a hit from a lower tier into the faster ones")
+    eviction: Literal["arc", "lru"] = Field(
+        "arc", description="eviction policy of the CPU and disk tiers (docs/hit-rate.md); Redis keeps LRU")
+    disk_admit_after_uses: int = Field(
+        1, ge=1, description="write a block to disk only once it has been used this many times (1: every block)")
 
     # -- redis tier (shared by servers on many hosts; see docs/redis.md) --------------------
     redis_url: str | None = Field(

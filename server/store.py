@@ -25,6 +25,8 @@ def tier_config(settings: ServerSettings) -> TierConfig:
         pin_memory=False,  # no GPU reads the server's host memory; pinning would import torch
         cpu_reserve_bytes=settings.cpu_reserve_bytes or 0,
         disk_fsync=settings.disk_fsync,
+        eviction=settings.eviction,
+        disk_admit_after_uses=settings.disk_admit_after_uses,
         redis_url=settings.redis_url,
         redis_bytes=settings.redis_bytes,
         redis_ttl_seconds=settings.redis_ttl_s,

@@ -8,6 +8,7 @@ from typing import Any
 from ..errors import StorageError
 from .arena import HostArena, Slot
 from .frame import FrameMeta, header_prefix
+from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult, Reservation
 
 
@@ -32,8 +33,8 @@ class CpuTier(IndexedTier):
     lends_runs = True
 
     def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30,
-                 reserve_bytes: int = 0):
-        super().__init__(name, capacity_bytes)
+                 reserve_bytes: int = 0, policy: str = DEFAULT_POLICY):
+        super().__init__(name, capacity_bytes, policy=policy)
         # Reservations (frames still arriving) may take ``reserve_bytes`` beyond the budget:
         # a full tier then receives a frame in place and evicts for it at commit, rather
         # than evicting before the frame is known to be good, or buffering it.
@@ -150,7 +151,7 @@ class CpuTier(IndexedTier):
                 del self._landing[key]
 
     def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> Slot:
-        """A slot for ``nbytes``, evicting LRU blocks (into ``evicted``) until the budget
+        """A slot for ``nbytes``, evicting blocks (into ``evicted``) until the budget
         and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
@@ -168,14 +169,14 @@ class CpuTier(IndexedTier):
         return slot
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = self._index.oldest()
+        victim = self._index.victim()
         if victim is None:
             return []
         rec = self._records[victim]
         if not self._landed(victim, rec):
             return []  # dropped: its copy failed, so there is nothing to demote
         del self._records[victim]
-        self._index.remove(victim)
+        self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
         frame = BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed) if self.demote_evicted else None
         self._arena.free(rec.slot)  # a zombie until `frame` (if any) is dropped
@@ -245,7 +246,7 @@ class CpuTier(IndexedTier):
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
         """Publish a reservation filled with the whole (checked, sealed) frame ``meta``
         describes. ``put`` does not count reservations, so it may have used their room since:
-        LRU blocks are evicted now, as ``put`` would have. A key stored meanwhile keeps its
+        blocks are evicted now, as ``put`` would have. A key stored meanwhile keeps its
         frame, and the reservation is given back."""
         return self.commit_many([(key, reservation, meta)])[0]
 

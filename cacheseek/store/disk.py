@@ -12,7 +12,8 @@ final name; a checksum would catch it on read, but the index would already have 
 it to lookups. With this order, anything the index knows is whole.
 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
-orphans are removed, and blocks are ranked for LRU by the sidecars' modification times.
+orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
+times (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted.
 """
@@ -28,6 +29,7 @@ import msgpack
 
 from ..errors import FrameError, StorageError
 from .frame import parse_frame
+from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
 
 SIDECAR_VERSION = 1
@@ -37,8 +39,9 @@ _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum
 class DiskTier(IndexedTier):
     persistent = True
 
-    def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True):
-        super().__init__(name, capacity_bytes)
+    def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True,
+                 policy: str = DEFAULT_POLICY):
+        super().__init__(name, capacity_bytes, policy=policy)
         self.root = Path(root).expanduser()
         self.fsync = fsync
         self._writing: set[bytes] = set()
@@ -85,9 +88,9 @@ class DiskTier(IndexedTier):
             self._index.add(key, info)
         evicted = 0
         while self._index.used_bytes > self.capacity_bytes:
-            victim = self._index.oldest()
+            victim = self._index.victim()
             self._remove_files(victim)
-            self._index.remove(victim)
+            self._index.remove(victim, evicted=True)
             evicted += 1
         self._stats.evictions += evicted
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
@@ -126,10 +129,10 @@ class DiskTier(IndexedTier):
                 self._index.touch([key])
                 return PutResult(stored=None)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and len(self._index):
-                victim = self._index.oldest()
+                victim = self._index.victim()
                 frame_v = self._read_frame(victim) if self.demote_evicted else None
                 self._remove_files(victim)
-                self._index.remove(victim)
+                self._index.remove(victim, evicted=True)
                 self._stats.evictions += 1
                 evicted.append((victim, frame_v))
             self._writing.add(key)

@@ -12,6 +12,7 @@ import torch
 from ..errors import StorageError
 from .device import payload_on_device
 from .frame import FrameMeta
+from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
 
 
@@ -25,8 +26,9 @@ class _Record:
 class GpuTier(IndexedTier):
     accepts_device_frames = True
 
-    def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", name: str = "gpu"):
-        super().__init__(name, capacity_bytes)
+    def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", name: str = "gpu",
+                 policy: str = DEFAULT_POLICY):
+        super().__init__(name, capacity_bytes, policy=policy)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -56,11 +58,11 @@ class GpuTier(IndexedTier):
             return PutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = self._index.oldest()
+        victim = self._index.victim()
         if victim is None:
             return []
         rec = self._records.pop(victim)
-        self._index.remove(victim)
+        self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
         frame = BlockFrame(rec.meta, device_payload=rec.payload, sealed=rec.sealed) if self.demote_evicted else None
         return [(victim, frame)]

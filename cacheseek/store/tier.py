@@ -1,19 +1,19 @@
 """The tier interface, the frame handle tiers pass around, and per-tier statistics.
 
-Tiers are dumb storage with a byte budget and an LRU order; policy (write-through,
-demotion, promotion) belongs to ``TieredStore``. Every tier is thread-safe on its own.
+Tiers are dumb storage with a byte budget and an eviction order (``store.eviction``);
+policy between tiers (write-through, demotion, promotion) belongs to ``TieredStore``. Every tier is thread-safe on its own.
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import StorageError
+from .eviction import DEFAULT_POLICY, EvictionIndex, make_index
 from .frame import FrameMeta, header_prefix, payload_checksum
 
 
@@ -127,59 +127,6 @@ class Reservation:
         return self.slot.view(self.nbytes)
 
 
-class LruIndex:
-    """Block hash -> ``BlockInfo`` in recency order (oldest first), with byte totals.
-
-    Not locked: the owning tier holds its own lock around every call.
-    """
-
-    def __init__(self) -> None:
-        self._entries: OrderedDict[bytes, BlockInfo] = OrderedDict()
-        self.used_bytes = 0
-        self.raw_bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
-
-    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
-        return list(map(self._entries.__contains__, keys))
-
-    def get(self, key: bytes) -> BlockInfo | None:
-        return self._entries.get(key)
-
-    def add(self, key: bytes, info: BlockInfo) -> None:
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.used_bytes -= old.nbytes
-            self.raw_bytes -= old.raw_nbytes
-        self._entries[key] = info
-        self.used_bytes += info.nbytes
-        self.raw_bytes += info.raw_nbytes
-
-    def remove(self, key: bytes) -> BlockInfo | None:
-        info = self._entries.pop(key, None)
-        if info is not None:
-            self.used_bytes -= info.nbytes
-            self.raw_bytes -= info.raw_nbytes
-        return info
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark ``keys`` used, in order: the last one becomes the most recent."""
-        for key in keys:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-
-    def oldest(self) -> bytes | None:
-        """The least recently used key (O(1): evicting n blocks must not cost n^2)."""
-        return next(iter(self._entries), None)
-
-    def keys(self) -> list[bytes]:
-        return list(self._entries)
-
-
 class Tier(ABC):
     """Storage for frames under a byte budget. Implementations are thread-safe."""
 
@@ -204,7 +151,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, key: bytes, frame: BlockFrame) -> PutResult:
-        """Store ``frame`` (evicting LRU blocks to fit). Raises ``StorageError`` if it cannot."""
+        """Store ``frame`` (evicting blocks to fit, in the tier's eviction order). Raises ``StorageError`` if it cannot."""
 
     @abstractmethod
     def get(self, key: bytes) -> BlockFrame | None:
@@ -261,7 +208,7 @@ class Tier(ABC):
         return [self.contains(k) for k in keys]
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        """Mark blocks used, in order (the last becomes the most recent)."""
+        """Mark blocks used again, in order (the last is the most recent use)."""
 
     def settle(self) -> None:
         """Return once every frame stored so far can be read from where this tier keeps
@@ -285,12 +232,13 @@ class Tier(ABC):
 
 
 class IndexedTier(Tier):
-    """A tier whose index (sizes, chain links, LRU order) lives in this process, in an
-    ``LruIndex`` under the tier's lock. Subclasses keep the bytes and report extras."""
+    """A tier whose index (sizes, chain links, eviction order) lives in this process, in an
+    ``EvictionIndex`` of the named ``policy`` under the tier's lock. Subclasses keep the
+    bytes and report extras."""
 
-    def __init__(self, name: str, capacity_bytes: int) -> None:
+    def __init__(self, name: str, capacity_bytes: int, *, policy: str = DEFAULT_POLICY) -> None:
         super().__init__(name, capacity_bytes)
-        self._index = LruIndex()
+        self._index: EvictionIndex = make_index(policy, capacity_bytes)
 
     def info(self, key: bytes) -> BlockInfo | None:
         with self._lock:
@@ -316,7 +264,7 @@ class IndexedTier(Tier):
         self._stats.used_bytes = self._index.used_bytes
         self._stats.raw_bytes = self._index.raw_bytes
         self._stats.blocks = len(self._index)
-        self._stats.extra = self._extra()
+        self._stats.extra = {**self._extra(), "eviction": self._index.describe()}
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -4,8 +4,12 @@
 - A tier that evicts to make room hands its victims down to the next tier (demotion),
   unless that tier already holds them.
 - A hit below the top is copied up into every faster tier (promotion), if enabled.
-- LRU recency is updated tail-first along a chain, so a chain's tail is evicted before its
-  head and the surviving part of a chain is always a usable prefix.
+- A tier with an admission threshold (``admit_after``) takes a block only once it has been
+  used that many times (the ingest is the first use): a write-through skips it until then,
+  and the tier above hands it down when it evicts it, if it has been used enough by then.
+- Uses are marked tail-first along a chain, and every tier's eviction index gives up a leaf
+  of its prefix forest (``store.eviction``), so a chain's tail is evicted before its head
+  and the surviving part of a chain is always a usable prefix.
 
 Torch-free: frames whose bytes are still on a device are moved to the host (through
 ``store.device``, imported only then) before a host-only tier sees them.
@@ -20,6 +24,7 @@ from operator import not_
 from typing import Any
 
 from ..errors import ConfigError, StorageError
+from .admission import UseFilter
 from .frame import FrameMeta
 from .tier import BlockFrame, BlockInfo, PutResult, Reservation, Tier
 
@@ -41,6 +46,7 @@ class TieredStore:
         *,
         write_through: Iterable[str] = (),
         promote_on_hit: bool = True,
+        admit_after: dict[str, int] | None = None,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers: at least one tier is needed")
@@ -51,12 +57,17 @@ class TieredStore:
         unknown = write_through - set(names[1:])
         if unknown:
             raise ConfigError(f"write_through: {sorted(unknown)} are not tiers below the top ({names[1:]})")
+        admit_after = {k: v for k, v in (admit_after or {}).items() if v > 1}
+        bad = set(admit_after) - set(names[1:])
+        if bad:
+            raise ConfigError(f"admit_after: {sorted(bad)} are not tiers below the top ({names[1:]})")
         self.tiers = list(tiers)
         self.write_through = write_through
         self.promote_on_hit = promote_on_hit
+        self.filters = {t.name: UseFilter(admit_after[t.name], t.capacity_bytes) for t in self.tiers if t.name in admit_after}
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
-            tier.demote_evicted = below is not None and below.name not in write_through
+            tier.demote_evicted = below is not None and (below.name not in write_through or below.name in self.filters)
 
     @property
     def indexes_in_memory(self) -> bool:
@@ -86,6 +97,8 @@ class TieredStore:
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutOutcome]:
         """Store blocks in the top tier and every write-through tier."""
+        for use_filter in self.filters.values():
+            use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         outcomes = [PutOutcome() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
@@ -109,6 +122,11 @@ class TieredStore:
         for level, tier in enumerate(self.tiers[1:], start=1):
             if tier.name not in self.write_through or not items:
                 continue
+            use_filter = self.filters.get(tier.name)
+            if use_filter is not None:
+                items = self._admitted(use_filter, items)
+                if not items:
+                    continue
             previous.settle()  # this tier reads the previous one's host copies
             frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
@@ -121,13 +139,30 @@ class TieredStore:
                 nxt.append((key, _host_copy(result.stored, frame), outcome))
             items, previous = nxt, tier
 
+    @staticmethod
+    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, PutOutcome]]) -> list:
+        out = []
+        for item in items:
+            use_filter.size_from(item[1].nbytes)
+            if use_filter.admits(item[0]):
+                out.append(item)
+            else:
+                use_filter.refuse(item[1].nbytes)
+        return out
+
     def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
         if level + 1 >= len(self.tiers):
             return
         below = self.tiers[level + 1]
+        use_filter = self.filters.get(below.name)
         for key, frame in evicted:
             if frame is None or below.contains(key):
                 continue
+            if use_filter is not None:
+                use_filter.size_from(frame.nbytes)
+                if not use_filter.admits(key):
+                    use_filter.refuse(frame.nbytes)
+                    continue
             try:
                 if not below.accepts_device_frames:
                     frame = _on_host(frame)
@@ -227,8 +262,11 @@ class TieredStore:
         return None
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
-        """Mark a chain used: the head ends up most recent, so the tail is evicted first."""
+        """Mark a chain used again (a hit, or an ingest that found it stored): the head ends
+        up the most recent use, so the tail is evicted first."""
         rev = list(reversed(keys))
+        for use_filter in self.filters.values():
+            use_filter.use(rev)
         for tier in self.tiers:
             tier.touch(rev)
 
@@ -242,6 +280,9 @@ class TieredStore:
 
     def stats(self) -> dict[str, Any]:
         tiers = [t.stats().to_dict() for t in self.tiers]
+        for entry in tiers:
+            if entry["name"] in self.filters:
+                entry["admission"] = self.filters[entry["name"]].describe()
         used = sum(t["used_bytes"] for t in tiers)
         raw = sum(t["raw_bytes"] for t in tiers)
         return {
@@ -273,6 +314,8 @@ class TieredStore:
                     sealed: bool = True) -> list[PutOutcome]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet)."""
+        for use_filter in self.filters.values():
+            use_filter.use(key for key, _, _ in items)
         outcomes = [PutOutcome() for _ in items]
         stored = []
         for (key, _, _), result, outcome in zip(items, self.tiers[0].commit_many(items, sealed=sealed), outcomes):

@@ -1,0 +1,61 @@
+"""Admission to a tier by use count: a block is written there only once it has been used
+``threshold`` times (NVIDIA Dynamo's KVBM offloads to disk this way by default, to spare
+SSD writes on blocks that are never used again).
+
+Counts are kept TinyLFU-style (Einziger et al., 2017): every count is halved once
+``window`` uses have been counted since the last halving, so old popularity fades and the
+table stays bounded (about ``window`` keys). ``window`` is ten times the number of blocks
+the filtered tier holds, TinyLFU's sample size; it is set from the first frame's size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+SAMPLE_FACTOR = 10  # TinyLFU: sample size W = 10 x the cache's entries
+
+
+class UseFilter:
+    """Counts uses per block hash; thread-safe (the store's callers may be many threads)."""
+
+    def __init__(self, threshold: int, capacity_bytes: int) -> None:
+        self.threshold = threshold
+        self.capacity_bytes = capacity_bytes
+        self.window = 0  # set by the first frame's size
+        self._counts: dict[bytes, int] = {}
+        self._since_halving = 0
+        self.refused = 0
+        self.refused_bytes = 0
+        self._lock = threading.Lock()
+
+    def size_from(self, frame_nbytes: int) -> None:
+        if not self.window and frame_nbytes > 0:
+            self.window = SAMPLE_FACTOR * max(1, self.capacity_bytes // frame_nbytes)
+
+    def use(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            counts = self._counts
+            n = 0
+            for key in keys:
+                counts[key] = counts.get(key, 0) + 1
+                n += 1
+            self._since_halving += n
+            if self.window and self._since_halving >= self.window:
+                self._halve()
+
+    def admits(self, key: bytes) -> bool:
+        return self._counts.get(key, 0) >= self.threshold  # one dict read: atomic
+
+    def refuse(self, nbytes: int) -> None:
+        with self._lock:
+            self.refused += 1
+            self.refused_bytes += nbytes
+
+    def _halve(self) -> None:
+        self._counts = {k: c >> 1 for k, c in self._counts.items() if c > 1}
+        self._since_halving = 0
+
+    def describe(self) -> dict:
+        return {"admit_after_uses": self.threshold, "tracked_keys": len(self._counts),
+                "not_admitted": self.refused, "not_admitted_bytes": self.refused_bytes}

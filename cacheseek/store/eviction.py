@@ -1,0 +1,283 @@
+"""Eviction policies: a tier's index of blocks, and the order it gives them up in.
+
+A tier keeps one ``EvictionIndex`` under its lock: block hash -> ``BlockInfo``, byte
+totals, and a policy that names the next victim. Policies are a table (``POLICIES``,
+name -> class), chosen by ``TierConfig.eviction`` and the server's ``eviction`` setting.
+
+Two events reach a policy: ``add`` (a block stored in this tier: its first use here) and
+``touch`` (a later use: a hit served from it, or an ingest that found it stored). A tier
+calls ``remove(key, evicted=True)`` for the victim it took, so a policy with history
+(ARC's ghosts) remembers it; a plain delete forgets it.
+
+The chain invariant, for every policy: a chain loses its tail before its head. A block's
+uses are a subset of its parent's (a request that reaches a block passed through its whole
+prefix), so a descendant is never worth more than its ancestor. ``victim`` therefore
+walks down from whatever block the policy names to a leaf of this tier's prefix forest
+(a block none of whose children are stored here) and gives up that leaf: the policy
+chooses a subtree, the tree chooses the tail. The surviving blocks of a chain in a tier
+are always a prefix of it (or, across tiers, found by ``locate`` tier by tier).
+
+- ``lru``: least recently used (O(1) an operation).
+- ``arc``: Adaptive Replacement Cache (Megiddo and Modha, FAST 2003), in bytes. Blocks
+  seen once (T1) and blocks used again (T2) are kept in two LRU lists; a ghost list of
+  each remembers recently evicted keys (no data), and a hit on a ghost moves the split
+  ``p`` between the two towards the list that would have kept it. No parameter: ``p``
+  adapts to the workload. One-off scans (a document read once) stay in T1 and cannot
+  flush the reused blocks out of T2; a workload whose every reuse is a first reuse
+  (short multi-turn chats) drives ``p`` up until ARC behaves as LRU. O(1) an operation.
+  One simplification: ARC's tie rule ("evict from T1 when the incoming key is a T2 ghost
+  and |T1| = p") is dropped, since a tier evicts before it knows what it admits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .tier import BlockInfo
+
+
+class EvictionIndex(ABC):
+    """Block hash -> ``BlockInfo`` with byte totals, and the policy's next victim.
+
+    Not locked: the owning tier holds its own lock around every call."""
+
+    name = ""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._entries: dict[bytes, BlockInfo] = {}
+        # parent hash -> its children stored here (insertion-ordered), for leaf-first victims
+        self._kids: dict[bytes, dict[bytes, None]] = {}
+        self.used_bytes = 0
+        self.raw_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def contains_many(self, keys: Iterable[bytes]) -> list[bool]:
+        return list(map(self._entries.__contains__, keys))
+
+    def get(self, key: bytes) -> BlockInfo | None:
+        return self._entries.get(key)
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    def add(self, key: bytes, info: BlockInfo) -> None:
+        """Index a block stored in this tier (a key already indexed is re-sized and touched)."""
+        old = self._entries.get(key)
+        if old is not None:
+            self.used_bytes -= old.nbytes
+            self.raw_bytes -= old.raw_nbytes
+            self._entries[key] = info
+            self.used_bytes += info.nbytes
+            self.raw_bytes += info.raw_nbytes
+            self._resized(key, info)
+            self._used(key)
+            return
+        self._entries[key] = info
+        self.used_bytes += info.nbytes
+        self.raw_bytes += info.raw_nbytes
+        if info.position:
+            kids = self._kids.get(info.parent)
+            if kids is None:
+                self._kids[info.parent] = {key: None}
+            else:
+                kids[key] = None
+        self._admit(key, info)
+
+    def remove(self, key: bytes, *, evicted: bool = False) -> BlockInfo | None:
+        """Drop a block from the index. ``evicted``: the tier gave it up to make room (a
+        policy with history remembers it); else it was deleted (forgotten)."""
+        info = self._entries.pop(key, None)
+        if info is None:
+            return None
+        self.used_bytes -= info.nbytes
+        self.raw_bytes -= info.raw_nbytes
+        if info.position:
+            kids = self._kids.get(info.parent)
+            if kids is not None:
+                kids.pop(key, None)
+                if not kids:
+                    del self._kids[info.parent]
+        self._forget(key, info, evicted)
+        return info
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Mark ``keys`` used, in order (the last one is the most recent use)."""
+        entries = self._entries
+        for key in keys:
+            if key in entries:
+                self._used(key)
+
+    def victim(self) -> bytes | None:
+        """The block to evict next: a leaf at or below the policy's choice (see the module doc)."""
+        key = self._pick()
+        if key is None:
+            return None
+        kids = self._kids
+        while key in kids:
+            key = next(iter(kids[key]))
+        return key
+
+    # -- the policy ---------------------------------------------------------------------
+
+    @abstractmethod
+    def _admit(self, key: bytes, info: BlockInfo) -> None:
+        """A new block (its first use in this tier)."""
+
+    @abstractmethod
+    def _used(self, key: bytes) -> None:
+        """A later use of an indexed block."""
+
+    @abstractmethod
+    def _forget(self, key: bytes, info: BlockInfo, evicted: bool) -> None:
+        """A block left the index."""
+
+    @abstractmethod
+    def _pick(self) -> bytes | None:
+        """The policy's choice of victim (``victim`` may give up a leaf below it instead)."""
+
+    def _resized(self, key: bytes, info: BlockInfo) -> None:
+        """An indexed block was stored again with another size (rare: a replaced frame)."""
+
+    def describe(self) -> dict:
+        return {"policy": self.name}
+
+
+class LruIndex(EvictionIndex):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def __init__(self, capacity_bytes: int = 0) -> None:
+        super().__init__(capacity_bytes)
+        self._order: OrderedDict[bytes, None] = OrderedDict()
+
+    def _admit(self, key: bytes, info: BlockInfo) -> None:
+        self._order[key] = None
+
+    def _used(self, key: bytes) -> None:
+        self._order.move_to_end(key)
+
+    def _forget(self, key: bytes, info: BlockInfo, evicted: bool) -> None:
+        del self._order[key]
+
+    def _pick(self) -> bytes | None:
+        return next(iter(self._order), None)  # O(1): evicting n blocks must not cost n^2
+
+
+class ArcIndex(EvictionIndex):
+    """Adaptive Replacement Cache, sizes in bytes (see the module doc)."""
+
+    name = "arc"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        # key -> nbytes, each in LRU order (oldest first)
+        self._t1: OrderedDict[bytes, int] = OrderedDict()  # stored, used once here
+        self._t2: OrderedDict[bytes, int] = OrderedDict()  # stored, used again
+        self._b1: OrderedDict[bytes, int] = OrderedDict()  # ghosts evicted from T1
+        self._b2: OrderedDict[bytes, int] = OrderedDict()  # ghosts evicted from T2
+        self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
+        self.p = 0.0  # target bytes of T1
+        self.ghost_hits = 0
+
+    def _admit(self, key: bytes, info: BlockInfo) -> None:
+        n = info.nbytes
+        c = self.capacity_bytes
+        ghost = self._b1.pop(key, None)
+        if ghost is not None:  # would have been a hit with a larger T1: grow it
+            self._b1_bytes -= ghost
+            self.p = min(c, self.p + n * max(self._b2_bytes / max(self._b1_bytes, 1), 1.0))
+            self.ghost_hits += 1
+            self._t2[key] = n
+            self._t2_bytes += n
+            return
+        ghost = self._b2.pop(key, None)
+        if ghost is not None:  # would have been a hit with a larger T2: shrink T1
+            self._b2_bytes -= ghost
+            self.p = max(0.0, self.p - n * max(self._b1_bytes / max(self._b2_bytes, 1), 1.0))
+            self.ghost_hits += 1
+            self._t2[key] = n
+            self._t2_bytes += n
+            return
+        self._t1[key] = n
+        self._t1_bytes += n
+        self._trim_ghosts()
+
+    def _used(self, key: bytes) -> None:
+        n = self._t1.pop(key, None)
+        if n is not None:
+            self._t1_bytes -= n
+            self._t2[key] = n
+            self._t2_bytes += n
+        else:
+            self._t2.move_to_end(key)
+
+    def _forget(self, key: bytes, info: BlockInfo, evicted: bool) -> None:
+        n = self._t1.pop(key, None)
+        if n is not None:
+            self._t1_bytes -= n
+            if evicted:
+                self._b1[key] = n
+                self._b1_bytes += n
+        else:
+            n = self._t2.pop(key)
+            self._t2_bytes -= n
+            if evicted:
+                self._b2[key] = n
+                self._b2_bytes += n
+        if evicted:
+            self._trim_ghosts()
+
+    def _resized(self, key: bytes, info: BlockInfo) -> None:
+        for lst, attr in ((self._t1, "_t1_bytes"), (self._t2, "_t2_bytes")):
+            old = lst.get(key)
+            if old is not None:
+                lst[key] = info.nbytes
+                setattr(self, attr, getattr(self, attr) + info.nbytes - old)
+
+    def _trim_ghosts(self) -> None:
+        """ARC's bounds: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c."""
+        c = self.capacity_bytes
+        while self._b1 and self._t1_bytes + self._b1_bytes > c:
+            self._b1_bytes -= self._b1.popitem(last=False)[1]
+        while self._b2 and self._t1_bytes + self._t2_bytes + self._b1_bytes + self._b2_bytes > 2 * c:
+            self._b2_bytes -= self._b2.popitem(last=False)[1]
+
+    def _pick(self) -> bytes | None:
+        if self._t1 and (self._t1_bytes > self.p or not self._t2):
+            return next(iter(self._t1))
+        return next(iter(self._t2), None)
+
+    def describe(self) -> dict:
+        return {"policy": self.name, "t1_bytes": self._t1_bytes, "t2_bytes": self._t2_bytes,
+                "target_t1_bytes": int(self.p), "ghost_bytes": self._b1_bytes + self._b2_bytes,
+                "ghost_hits": self.ghost_hits}
+
+
+POLICIES: dict[str, type[EvictionIndex]] = {"lru": LruIndex, "arc": ArcIndex}
+DEFAULT_POLICY = "arc"
+
+
+def check_policy(name: str, *, what: str = "eviction") -> str:
+    if name not in POLICIES:
+        raise ConfigError(f"{what}: unknown eviction policy {name!r}; one of {sorted(POLICIES)}")
+    return name
+
+
+def make_index(policy: str, capacity_bytes: int) -> EvictionIndex:
+    return POLICIES[check_policy(policy)](capacity_bytes)
+
+
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ArcIndex", "EvictionIndex", "LruIndex", "check_policy", "make_index"]

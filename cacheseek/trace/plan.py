@@ -1,0 +1,202 @@
+"""Sizing tiers from a trace: replay it for each codec and budget, next to the references.
+
+Shared by ``benchmarks/trace_replay.py`` and ``cacheseek plan``. One row per (codec, CPU
+budget, policy): hit rates (blocks and tokens), hits per tier, real bytes written and read
+per tier, evictions, and the references at the same budget in blocks (Belady's optimum,
+the infinite cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..layout import KVLayout
+from ..quant import KIVI, Raw
+from . import reference
+from .format import Request
+from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, frame_nbytes, replay
+
+LAYOUTS: dict[str, KVLayout] = {
+    "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
+    "llama-3-70b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, dtype="float16"),
+    "qwen2.5-7b": KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, dtype="bfloat16"),
+    "smollm2-135m": KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16"),
+}
+
+CODECS: dict[str, Callable[[], Any]] = {
+    "raw": Raw,
+    "int8": lambda: KIVI(bits=8, group_size=32),
+    "int4": lambda: KIVI(bits=4, group_size=32),
+    "int2": lambda: KIVI(bits=2, group_size=32),
+}
+
+
+def layout_of(text: str) -> KVLayout:
+    """A named layout, or ``LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]``."""
+    if text in LAYOUTS:
+        return LAYOUTS[text]
+    parts = text.split(",")
+    try:
+        if len(parts) in (3, 4):
+            return KVLayout(int(parts[0]), int(parts[1]), int(parts[2]), *(parts[3:] or ["float16"]))
+    except ValueError:
+        pass
+    raise ConfigError(f"layout: {text!r} is neither one of {sorted(LAYOUTS)} nor LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
+
+
+def codec_of(name: str) -> Any:
+    if name not in CODECS:
+        raise ConfigError(f"codec: {name!r} is not one of {sorted(CODECS)}")
+    return CODECS[name]()
+
+
+@dataclass
+class PlanRow:
+    codec: str
+    cpu_bytes: int
+    disk_bytes: int
+    frame_nbytes: int
+    cpu_blocks: int
+    disk_blocks: int
+    policy: str
+    result: ReplayResult
+    belady: reference.RefResult
+    infinite: reference.RefResult
+    stand_in_nbytes: int
+
+    def real_bytes(self, stand_in: int) -> int:
+        return stand_in // self.stand_in_nbytes * self.frame_nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        r = self.result
+        tiers = {}
+        for t in r.tiers:
+            entry = {"hits": r.hits_by_tier.get(t["name"], 0), "bytes_written": self.real_bytes(t["bytes_in"]),
+                     "bytes_read": self.real_bytes(t["bytes_out"]), "evictions": t["evictions"],
+                     "promotions": t["promotions"], "demotions": t["demotions"], "blocks_at_end": t["blocks"]}
+            if "admission" in t:
+                adm = dict(t["admission"])
+                adm["not_admitted_bytes"] = self.real_bytes(adm.get("not_admitted_bytes", 0))
+                entry["admission"] = adm
+            tiers[t["name"]] = entry
+        return {
+            "codec": self.codec, "policy": self.policy, "cpu_bytes": self.cpu_bytes, "disk_bytes": self.disk_bytes,
+            "frame_nbytes": self.frame_nbytes, "cpu_blocks": self.cpu_blocks, "disk_blocks": self.disk_blocks,
+            "disk_admit_after_uses": r.spec.disk_admit_after_uses,
+            "block_hit_rate": r.block_hit_rate, "token_hit_rate": r.token_hit_rate,
+            "hit_blocks": r.hit_blocks, "requested_blocks": r.requested_blocks,
+            "hit_tokens": r.hit_tokens, "requested_tokens": r.requested_tokens,
+            "belady_block_hit_rate": self.belady.block_hit_rate, "belady_token_hit_rate": self.belady.token_hit_rate,
+            "infinite_block_hit_rate": self.infinite.block_hit_rate,
+            "infinite_token_hit_rate": self.infinite.token_hit_rate,
+            "of_belady": r.block_hit_rate / self.belady.block_hit_rate if self.belady.block_hit_rate else None,
+            "tiers": tiers, "replay_seconds": round(r.seconds, 2),
+        }
+
+
+def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], cpu_bytes: Sequence[int],
+         disk_bytes: int = 0, policies: Sequence[str] = ("arc", "lru"), disk_admit_after_uses: int = 1,
+         block_tokens: int = 512, progress: bool = True) -> list[PlanRow]:
+    """Replay ``trace`` for every codec x CPU budget x policy (the disk budget fixed)."""
+    nxt = reference.next_uses(trace)
+    inf = reference.infinite(trace, block_tokens)
+    stand_in = StandInFrames(block_tokens).nbytes
+    rows = []
+    belady_cache: dict[int, reference.RefResult] = {}
+    for codec_name in codecs:
+        nbytes = frame_nbytes(layout, codec_of(codec_name), block_tokens)
+        for cpu in cpu_bytes:
+            cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // nbytes
+            total = cpu_blocks + disk_blocks  # Belady over the tiers' room together
+            if total not in belady_cache:
+                belady_cache[total] = reference.belady_prefix(trace, max(total, 1), block_tokens, nxt=nxt)
+            for policy in policies:
+                spec = ReplaySpec(cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, policy=policy,
+                                  disk_admit_after_uses=disk_admit_after_uses)
+                label = f"{codec_name} cpu={_gib(cpu)} {policy}"
+                bar = ProgressBar(f"{label:<28}") if progress else None
+                result = replay(trace, spec, block_tokens=block_tokens, progress=bar)
+                rows.append(PlanRow(codec_name, cpu, disk_bytes, nbytes, cpu_blocks, disk_blocks, policy, result,
+                                    belady_cache[total], inf, stand_in))
+    return rows
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):g}GiB"
+
+
+TABLE_COLUMNS = ("codec", "cpu", "blocks", "policy", "hit % (blocks)", "hit % (tokens)", "belady %", "of belady",
+                 "infinite %", "cpu hits", "disk hits", "written GiB", "read GiB", "evictions")
+
+
+def table_rows(rows: Sequence[PlanRow]) -> list[dict[str, Any]]:
+    out = []
+    for row in rows:
+        d = row.to_dict()
+        tiers = d["tiers"]
+        out.append({
+            "codec": row.codec, "cpu": _gib(row.cpu_bytes), "blocks": row.cpu_blocks + row.disk_blocks,
+            "policy": row.policy, "hit % (blocks)": 100 * d["block_hit_rate"],
+            "hit % (tokens)": 100 * d["token_hit_rate"], "belady %": 100 * d["belady_block_hit_rate"],
+            "of belady": d["of_belady"], "infinite %": 100 * d["infinite_block_hit_rate"],
+            "cpu hits": tiers.get("cpu", {}).get("hits", 0), "disk hits": tiers.get("disk", {}).get("hits", 0),
+            "written GiB": sum(t["bytes_written"] for t in tiers.values()) / (1 << 30),
+            "read GiB": sum(t["bytes_read"] for t in tiers.values()) / (1 << 30),
+            "evictions": sum(t["evictions"] for t in tiers.values()),
+        })
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = [title] if title else []
+    lines.append("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[PlanRow], path: str, title: str) -> bool:
+    """Hit rate against the CPU budget: one line per codec and policy, Belady's dashed, the
+    infinite cache flat. False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    codecs = list(dict.fromkeys(r.codec for r in rows))
+    policies = list(dict.fromkeys(r.policy for r in rows))
+    colors = dict(zip(codecs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    styles = dict(zip(policies, ["-", ":", "-."]))
+    for codec in codecs:
+        mine = [r for r in rows if r.codec == codec]
+        xs = sorted({r.cpu_bytes for r in mine})
+        gib = [x / (1 << 30) for x in xs]
+        for policy in policies:
+            ys = [100 * next(r.result.block_hit_rate for r in mine if r.cpu_bytes == x and r.policy == policy) for x in xs]
+            ax.plot(gib, ys, styles[policy], marker="o", color=colors[codec], label=f"{codec} {policy}")
+        ys = [100 * next(r.belady.block_hit_rate for r in mine if r.cpu_bytes == x) for x in xs]
+        ax.plot(gib, ys, "--", color=colors[codec], alpha=0.6, label=f"{codec} Belady")
+    ax.axhline(100 * rows[0].infinite.block_hit_rate, color="black", linewidth=1, label="infinite cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("CPU tier budget (GiB)")
+    ax.set_ylabel("hit rate (% of requested blocks)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

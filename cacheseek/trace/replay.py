@@ -1,0 +1,203 @@
+"""Replay a request trace through the real ``TieredStore``, with byte budgets scaled for a
+model layout and codec, and small payloads standing in for KV.
+
+Scaling: a tier of B bytes holds ``B // frame_nbytes(layout, codec)`` blocks of the real
+model. The replay stores frames of ``stand_in_nbytes`` instead and gives each tier
+``blocks x stand-in frame size`` bytes, so it evicts exactly when the real tier would, and
+it runs on a laptop. Bytes written and read are reported in real bytes (blocks x real frame).
+
+Per request, the replay makes the calls an engine makes through ``PrefixCache``:
+``locate`` (the hit: the longest stored prefix, and the tier of each block), ``get_many``
+on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``put_many`` of
+the missing blocks tail first, and ``touch_chain`` of the blocks already stored (ingest).
+
+Block keys: the trace's ids are chained already (an id names a whole prefix), so a block's
+key is its id in 16 bytes, and its parent's key the previous id's.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import TierConfig
+from ..errors import ConfigError
+from ..layout import KVLayout
+from ..store.frame import build_frame, plan_frame, replan_frame, seal_frame
+from ..store.tier import BlockFrame
+from ..store.tiered import TieredStore
+from .format import Request
+from .reference import hit_tokens, requested_tokens
+
+KEY_BYTES = 16
+ROOT = b"\xff" * KEY_BYTES  # never an id's key (ids are < 2^127)
+STAND_IN_NBYTES = 64  # payload bytes of a stand-in frame
+
+
+def frame_nbytes(layout: KVLayout, codec: Any, block_tokens: int) -> int:
+    """Bytes a tier counts for one block of ``layout`` encoded by ``codec`` (header and payload)."""
+    L, H, D = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    codec.check_layout(layout, block_tokens)
+    encoded = codec.template((L, H, block_tokens, D), layout.dtype)
+    specs = [(name, spec.dtype, spec.shape) for name, spec, _ in encoded.named_buffers()]
+    meta = plan_frame(block_hash=bytes(KEY_BYTES), parent_hash=bytes(KEY_BYTES), position=1 << 20, layout=layout,
+                      block_tokens=block_tokens, codec=codec.spec(), buffers=specs)
+    return meta.nbytes
+
+
+def key_of(block_id: int) -> bytes:
+    return block_id.to_bytes(KEY_BYTES, "big")
+
+
+class StandInFrames:
+    """Frames of ``STAND_IN_NBYTES`` payload for any block, derived from one template."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+        self.template = plan_frame(block_hash=bytes(KEY_BYTES), parent_hash=ROOT, position=0, layout=self.layout,
+                                   block_tokens=block_tokens, codec={"name": "stand-in"},
+                                   buffers=[("kv", "uint8", (STAND_IN_NBYTES,))])
+        self.payload = bytes(STAND_IN_NBYTES)
+        # Largest position a trace may reach keeps the header (so the frame) the same size.
+        self.nbytes = replan_frame(self.template, block_hash=bytes(KEY_BYTES), parent_hash=ROOT,
+                                   position=1 << 30).nbytes
+
+    def frame(self, key: bytes, parent: bytes, position: int) -> BlockFrame:
+        meta = replan_frame(self.template, block_hash=key, parent_hash=parent, position=position)
+        buf = build_frame(meta, [self.payload])
+        meta = seal_frame(meta, buf)
+        return BlockFrame(meta, host=memoryview(buf), sealed=True)
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    """What to replay: the tiers' budgets in blocks of the real model (0: tier off), the
+    eviction policy, and the disk tier's admission threshold."""
+
+    cpu_blocks: int
+    disk_blocks: int = 0
+    policy: str = "arc"
+    disk_admit_after_uses: int = 1
+    write_through: bool = True
+    promote_on_hit: bool = True
+
+
+@dataclass
+class ReplayResult:
+    spec: ReplaySpec
+    requests: int = 0
+    requested_blocks: int = 0
+    hit_blocks: int = 0
+    requested_tokens: int = 0
+    hit_tokens: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    tiers: list[dict[str, Any]] = field(default_factory=list)  # store stats, bytes in stand-in units
+    seconds: float = 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.hit_blocks / self.requested_blocks if self.requested_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+
+class StoreClient:
+    """The calls ``PrefixCache`` makes, made on a ``TieredStore`` directly, with stand-in frames."""
+
+    def __init__(self, store: TieredStore, frames: StandInFrames) -> None:
+        self.store = store
+        self.frames = frames
+
+    def request(self, ids: Sequence[int]) -> list[str]:
+        keys = [key_of(i) for i in ids]
+        store = self.store
+        tiers = store.locate(keys)  # lookup
+        n = len(tiers)
+        if n:  # materialize the hit
+            got = store.get_many(keys[:n])
+            served = next((i for i, g in enumerate(got) if g is None), n)
+            tiers = tiers[:served]
+            store.touch_chain(keys[: len(tiers)])
+        present = store.contains_many(keys)  # ingest
+        missing = [i for i in range(len(keys) - 1, -1, -1) if not present[i]]
+        if missing:
+            frames = self.frames
+            store.put_many([(keys[i], frames.frame(keys[i], keys[i - 1] if i else ROOT, i)) for i in missing])
+        if len(missing) < len(keys):
+            store.touch_chain([k for k, p in zip(keys, present) if p])
+        return tiers
+
+
+def build_store(spec: ReplaySpec, frame_nbytes_: int, disk_dir: str | None) -> TieredStore:
+    if spec.cpu_blocks <= 0 and spec.disk_blocks <= 0:
+        raise ConfigError("replay: give a CPU or a disk budget")
+    if spec.disk_blocks > 0 and disk_dir is None:
+        raise ConfigError("replay: a disk tier needs a directory")
+    config = TierConfig(
+        cpu_bytes=max(spec.cpu_blocks, 0) * frame_nbytes_, cpu_reserve_bytes=0, pin_memory=False,
+        disk_path=disk_dir if spec.disk_blocks > 0 else None, disk_bytes=max(spec.disk_blocks, 0) * frame_nbytes_,
+        disk_fsync=False, eviction=spec.policy, disk_admit_after_uses=spec.disk_admit_after_uses,
+        write_through=None if spec.write_through else (), promote_on_hit=spec.promote_on_hit,
+    )
+    return config.build()
+
+
+Progress = Callable[[int, int], None]
+
+
+def replay(trace: Sequence[Request], spec: ReplaySpec, *, block_tokens: int = 512,
+           progress: Progress | None = None, client_factory: Callable[..., Any] | None = None) -> ReplayResult:
+    """Replay ``trace`` through a fresh store built for ``spec``; ``progress(done, total)``
+    is called now and then."""
+    frames = StandInFrames(block_tokens)
+    result = ReplayResult(spec=spec)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="cacheseek-replay-") as tmp:
+        store = build_store(spec, frames.nbytes, str(Path(tmp) / "disk") if spec.disk_blocks > 0 else None)
+        try:
+            client = (client_factory or StoreClient)(store, frames)
+            total = len(trace)
+            step = max(1, total // 50)
+            for t, req in enumerate(trace):
+                tiers = client.request(req.hash_ids)
+                n = len(tiers)
+                result.requests += 1
+                result.requested_blocks += len(req.hash_ids)
+                result.hit_blocks += n
+                result.requested_tokens += requested_tokens(req, block_tokens)
+                result.hit_tokens += hit_tokens(req, n, block_tokens)
+                for name in tiers:
+                    result.hits_by_tier[name] = result.hits_by_tier.get(name, 0) + 1
+                if progress is not None and (t % step == 0 or t == total - 1):
+                    progress(t + 1, total)
+            result.tiers = store.stats()["tiers"]
+        finally:
+            store.close()
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (no dependency), redrawn in place."""
+
+    def __init__(self, label: str, stream: Any = None, width: int = 30) -> None:
+        self.label = label
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.start = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * self.width)
+        elapsed = time.perf_counter() - self.start
+        self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {done}/{total} {elapsed:5.1f}s")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,230 @@
+"""Trace replay: the format's errors, the references, the store's replay against them, the
+eviction policies' chain invariant, disk admission, and ``cacheseek plan``."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cacheseek.errors import ConfigError, InputError
+from cacheseek.store.eviction import POLICIES, make_index
+from cacheseek.store.tier import BlockInfo
+from cacheseek.trace import reference, synth
+from cacheseek.trace.format import load_trace, parse_lines
+from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
+
+ROOT = Path(__file__).resolve().parent.parent
+EXCERPT = ROOT / "tests" / "data" / "mooncake_synthetic_excerpt.jsonl"
+FULL = ROOT / "benchmarks" / "traces" / "mooncake_synthetic.jsonl"
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, says", [
+    ('{"hash_ids": [1, 2', "not valid JSON"),
+    ('{"timestamp": 5, "input_length": 3}', "no 'hash_ids'"),
+    ('{"hash_ids": [1, "2"]}', "found '2'"),
+    ('{"hash_ids": [1, 2.5]}', "found 2.5"),
+    ('{"hash_ids": [true]}', "found True"),
+    ('{"hash_ids": 7}', "found 7"),
+    ('[1, 2]', "expected a JSON object"),
+    ('{"hash_ids": [1], "timestamp": -1}', "'timestamp'"),
+])
+def test_bad_line_is_named_by_number(tmp_path, line, says):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"hash_ids": [0, 1], "timestamp": 0}\n\n' + line + "\n" + '{"hash_ids": [0]}\n')
+    with pytest.raises(InputError) as err:
+        load_trace(path)
+    assert f"{path}:3:" in str(err.value) and says in str(err.value)
+
+
+def test_timestamps_must_not_go_back_and_empty_traces_fail():
+    with pytest.raises(InputError, match=r"trace:2: timestamp 3 is before"):
+        parse_lines(['{"hash_ids": [0], "timestamp": 9}', '{"hash_ids": [0], "timestamp": 3}'])
+    with pytest.raises(InputError, match="no requests"):
+        parse_lines(["", "  "])
+    with pytest.raises(InputError, match="cannot read"):
+        load_trace("/nonexistent/trace.jsonl")
+
+
+def test_plan_refuses_a_bad_trace_before_replaying(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(EXCERPT.read_text().splitlines()[0] + "\n" + '{"hash_ids": [1, "x"]}\n')
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "-m", "cacheseek.server.cli", "plan", "--trace", str(path), "--json", str(out),
+                           "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{path}:2:" in proc.stderr and "[" not in proc.stderr.split(":2:")[0][-3:]
+    assert not out.exists()  # nothing ran on the half-read trace
+
+
+# -- references and the store's replay -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def excerpt():
+    return load_trace(EXCERPT)
+
+
+def test_store_lru_replay_equals_the_block_level_lru(excerpt):
+    for blocks in (200, 1000, 3000):
+        got = replay(excerpt, ReplaySpec(cpu_blocks=blocks, policy="lru"))
+        want = reference.lru(excerpt, blocks)
+        assert (got.hit_blocks, got.hit_tokens) == (want.hit_blocks, want.hit_tokens)
+        assert got.hits_by_tier == ({"cpu": want.hit_blocks} if want.hit_blocks else {})
+
+
+def test_no_policy_beats_belady_and_belady_stays_below_the_ceiling(excerpt):
+    shaped = synth.documents(requests=600, documents=40, seed=3)
+    for trace in (excerpt, shaped):
+        ceiling = reference.infinite(trace)
+        for blocks in (300, 1500):
+            best = reference.belady_prefix(trace, blocks)  # raises if the cached set is not prefix-closed
+            assert best.hit_blocks <= ceiling.hit_blocks
+            assert reference.min_fifo_ties(trace, blocks).hit_blocks <= best.hit_blocks
+            for policy in POLICIES:
+                assert replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy)).hit_blocks <= best.hit_blocks
+
+
+def test_anchor_figures_of_issue_19():
+    trace = load_trace(FULL)
+    assert round(100 * reference.infinite(trace).block_hit_rate, 1) == 64.0
+    nxt = reference.next_uses(trace)
+    lru = [round(100 * reference.lru(trace, c).block_hit_rate, 1) for c in (1024, 3277, 4096)]
+    fifo_min = [round(100 * reference.min_fifo_ties(trace, c, nxt=nxt).block_hit_rate, 1) for c in (1024, 3277, 4096)]
+    assert lru == [8.5, 20.1, 24.4]
+    assert fifo_min == [26.5, 45.7, 49.1]  # issue 19 quotes 45.6 for the middle one
+
+
+def test_tokens_count_the_partial_last_block():
+    reqs = parse_lines(['{"hash_ids": [0, 1], "input_length": 600}', '{"hash_ids": [0, 1], "input_length": 600}'])
+    inf = reference.infinite(reqs, block_tokens=512)
+    assert (inf.hit_tokens, inf.requested_tokens) == (600, 1200)
+
+
+# -- eviction policies ---------------------------------------------------------------------
+
+def _chains(rng: random.Random, n: int) -> list[list[int]]:
+    """Requests over a random prefix tree (shared heads, branches, one-off tails)."""
+    trees: list[list[int]] = []
+    nxt = 0
+    out = []
+    for _ in range(n):
+        if trees and rng.random() < 0.7:
+            base = rng.choice(trees)
+            cut = rng.randint(1, len(base))
+            ids = base[:cut]
+        else:
+            ids = []
+        extra = rng.randint(0 if ids else 1, 6)
+        ids = ids + list(range(nxt, nxt + extra))
+        nxt += extra
+        trees.append(ids)
+        out.append(ids)
+    return out
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_evicts_leaves_only(policy):
+    """A victim never has a child stored in the tier: a chain loses its tail before its head."""
+    rng = random.Random(7)
+    index = make_index(policy, 40 * 100)
+    parents: dict[bytes, bytes] = {}
+    evicted = 0
+    for ids in _chains(rng, 400):
+        keys = [key_of(x) for x in ids]
+        present = index.contains_many(keys)
+        for i in range(len(ids) - 1, -1, -1):  # tail first, as the store puts
+            if not present[i]:
+                while index.used_bytes + 100 > index.capacity_bytes:
+                    victim = index.victim()
+                    assert not any(parents.get(k) == victim for k in index.keys()), "evicted a head before its tail"
+                    index.remove(victim, evicted=True)
+                    evicted += 1
+                parents[keys[i]] = keys[i - 1] if i else b"root"
+                index.add(keys[i], BlockInfo(100, 200, parents[keys[i]], i))
+        index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
+        assert index.used_bytes <= index.capacity_bytes
+    assert evicted > 100
+
+
+def test_arc_keeps_reused_blocks_through_a_scan():
+    index = make_index("arc", 10 * 100)
+    hot = [key_of(i) for i in range(4)]
+    for k in hot:
+        index.add(k, BlockInfo(100, 100, b"r", 0))
+    index.touch(hot)  # used again: T2
+    for i in range(100, 160):  # a one-off scan of 60 blocks
+        while index.used_bytes + 100 > index.capacity_bytes:
+            index.remove(index.victim(), evicted=True)
+        index.add(key_of(i), BlockInfo(100, 100, b"r", 0))
+    assert all(k in index for k in hot)
+    lru = make_index("lru", 10 * 100)
+    for k in hot:
+        lru.add(k, BlockInfo(100, 100, b"r", 0))
+    for i in range(100, 160):
+        while lru.used_bytes + 100 > lru.capacity_bytes:
+            lru.remove(lru.victim(), evicted=True)
+        lru.add(key_of(i), BlockInfo(100, 100, b"r", 0))
+    assert not any(k in lru for k in hot)
+
+
+def test_unknown_policy_is_a_config_error():
+    import cacheseek as cs
+
+    with pytest.raises(ConfigError, match="eviction"):
+        cs.TierConfig(cpu_bytes="1MiB", eviction="mru").build()
+    with pytest.raises(ConfigError, match="disk_admit_after_uses"):
+        cs.TierConfig(cpu_bytes="1MiB", disk_admit_after_uses=0).build()
+
+
+def test_server_setting_names_every_policy():
+    pytest.importorskip("pydantic_settings")
+    from cacheseek.server.config import ServerSettings
+
+    assert set(ServerSettings.model_fields["eviction"].annotation.__args__) == set(POLICIES)
+    with pytest.raises(Exception, match="eviction"):
+        ServerSettings(eviction="mru")
+
+
+# -- disk admission --------------------------------------------------------------------------
+
+def test_disk_admits_a_block_only_once_it_is_used_twice(tmp_path):
+    frames = StandInFrames(512)
+    store = build_store(ReplaySpec(cpu_blocks=2, disk_blocks=10, disk_admit_after_uses=2, policy="lru"), frames.nbytes, str(tmp_path))
+    try:
+        keys = [key_of(i) for i in range(4)]
+        store.put_many([(keys[0], frames.frame(keys[0], b"\xff" * 16, 0))])
+        disk = store.tier("disk")
+        assert not disk.contains(keys[0])  # written through? not yet: used once
+        store.touch_chain([keys[0]])  # a hit: its second use
+        for i in (1, 2):  # push keys[0] out of the 2-block CPU tier
+            store.put_many([(keys[i], frames.frame(keys[i], b"\xff" * 16, 0))])
+        assert disk.contains(keys[0])  # handed down at eviction, now admitted
+        assert not disk.contains(keys[1])  # used once, evicted from nowhere yet
+        store.put_many([(keys[3], frames.frame(keys[3], b"\xff" * 16, 0))])
+        assert not disk.contains(keys[1])  # evicted from the CPU tier, used once: not written
+        adm = next(t for t in store.stats()["tiers"] if t["name"] == "disk")["admission"]
+        assert adm["not_admitted"] >= 3
+    finally:
+        store.close()
+
+
+def test_plan_runs_without_torch(tmp_path):
+    code = (
+        "import sys\n"
+        "from cacheseek.server.cli import main\n"
+        f"rc = main(['plan', '--trace', {str(EXCERPT)!r}, '--codec', 'int4', '--cpu-bytes', '32GiB',"
+        f" '--policy', 'lru', '--json', {str(tmp_path / 'r.json')!r}, '--plot', {str(tmp_path / 'p.png')!r}])\n"
+        "assert rc == 0, rc\n"
+        "assert 'torch' not in sys.modules, 'plan imported torch'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "r.json").read_text())
+    assert rows[0]["cpu_blocks"] == 1638 and rows[0]["policy"] == "lru"
+    assert "|" in proc.stdout and "3993" not in proc.stdout
