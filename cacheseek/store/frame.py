@@ -371,9 +371,3 @@ def check_codec_layout(meta: FrameMeta) -> None:
     got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
     _expect(got == want, "tensor entries do not match codec {!r} for this layout", meta.codec.get("name"))
 
-
-def tensor_views(meta: FrameMeta, data: Any) -> list[memoryview]:
-    """Zero-copy views of each payload buffer, in entry order."""
-    view = memoryview(data).cast("B")
-    base = meta.payload_offset
-    return [view[base + e.offset : base + e.offset + e.nbytes] for e in meta.tensors]
