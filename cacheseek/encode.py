@@ -18,6 +18,7 @@ import torch
 
 from . import batching
 from .block_format import BlockFormat
+from .quant.backend import kernels_available
 from .quant.codec import KVLayerCodec
 from .quant.tensors import all_finite
 from .staging import payload_views, staging_stride
@@ -209,8 +210,6 @@ def flags_to_host(flags: torch.Tensor) -> torch.Tensor:
     """Validity flags into pinned host memory, written by a kernel: reading them back with
     a copy would wait behind every device-to-host copy already queued on the copy engine
     (the previous batches' payloads), stalling the pipeline. Without Triton: unchanged."""
-    from .quant.kivi import kernels_available
-
     if flags.device.type == "cpu" or not kernels_available():
         return flags  # already in host memory (written there by the kernels), or no Triton
     from . import kernels

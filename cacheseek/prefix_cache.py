@@ -149,8 +149,7 @@ class PrefixCache(PrefixCacheBase):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
-                "block_tokens": self.block_tokens, **self.store.stats()}
+        return {**self._config_stats(), **self.store.stats()}
 
     def close(self) -> None:
         self.store.close()

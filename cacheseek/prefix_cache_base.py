@@ -12,6 +12,7 @@ from .block_format import BlockFormat
 from .hashing import BlockHash
 from .layout import KVLayout
 from .prefix_keys import PrefixKeys
+from .quant import backend
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
 from .results import Located, Materialized
@@ -45,6 +46,19 @@ class PrefixCacheBase:
         self._codec_spec = self.block_format.codec_spec
         batch = parse_size(max_batch_bytes, name="max_batch_bytes")
         self._batch_blocks = max(1, batch // layout.raw_nbytes(block_tokens))
+        if backend.forced_triton():
+            backend.kernel_backend()  # raises now, naming the reason, if the kernels cannot load
+
+    def _config_stats(self) -> dict[str, Any]:
+        """What ``stats()`` says of this cache's configuration: the model, the codec, the block
+        size, and which kernels encode and decode KV on a GPU (``kernels``: "triton", or
+        "torch-reference" with ``kernels_reason``)."""
+        kernels, why = backend.kernel_backend()
+        out = {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
+               "block_tokens": self.block_tokens, "kernels": kernels}
+        if why is not None:
+            out["kernels_reason"] = why
+        return out
 
     def block_hashes(self, keys: Any) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""

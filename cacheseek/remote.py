@@ -125,8 +125,7 @@ class RemoteCache(PrefixCacheBase):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``."""
         server = self._request("GET", "/v1/stats").json()
-        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
-                "block_tokens": self.block_tokens, **server}
+        return {**self._config_stats(), **server}
 
     def close(self) -> None:
         self._http.close()

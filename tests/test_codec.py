@@ -262,7 +262,7 @@ def test_decode_rejects_another_codecs_payload():
 
 
 def test_backend_env_forces_torch(monkeypatch):
-    from cacheseek.quant.kivi import backend_for
+    from cacheseek.quant.backend import backend_for
 
     monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "torch")
     assert backend_for(torch.empty(1)) == "torch"

@@ -43,24 +43,24 @@ def test_batch_rows_given_to_a_device_tier_do_not_pin_the_batch():
 @pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8, group_size=32)])
 def test_the_kernels_read_the_layers_in_place_and_give_the_stacked_frames(codec, monkeypatch):
     pytest.importorskip("triton")
-    from cacheseek.quant import kivi
+    from cacheseek.quant import backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
     kv = make_kv(4 * BLOCK + 5, 23, device=device)
     hashes = [bytes([i]) * 16 for i in range(1, 4)]
     args = dict(first_block=1, hashes=hashes, parents=block_parents(b"\x00" * 16, hashes), staging=True)
-    monkeypatch.setenv(kivi.BACKEND_ENV, "triton")
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     in_place = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)
     # Layers of different strides cannot share one table: the same frames, through a stacked copy.
     mixed = list(kv)
     mixed[0] = (torch.empty(LAYOUT.num_kv_heads, 9 * BLOCK, LAYOUT.head_dim, dtype=kv[0][0].dtype,
                             device=device)[:, : kv[0][0].shape[1]].copy_(kv[0][0]), kv[0][1])
     stacked = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), mixed, **args)
-    monkeypatch.setenv(kivi.BACKEND_ENV, "torch")
+    monkeypatch.setenv(backend.BACKEND_ENV, "torch")
     reference = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)
     for a, b, c in zip(in_place, stacked, reference):
         assert frame_to_host(a).to_bytes() == frame_to_host(b).to_bytes() == frame_to_host(c).to_bytes()
     kv[1][0][0, 2 * BLOCK, 0] = float("nan")  # block 2
-    monkeypatch.setenv(kivi.BACKEND_ENV, "triton")
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     with pytest.raises(cs.InputError, match="NaN or Inf"):
         encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)

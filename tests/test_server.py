@@ -277,7 +277,8 @@ def test_openapi_docs_health_and_stats(client):
     assert "LookupResponse" in str(lookup["responses"]["200"])
     assert client.get("/docs").status_code == 200
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["kernels"] == "not used" and "clients" in ready["kernels_reason"]
     stats = client.get("/v1/stats").json()
     assert [t["name"] for t in stats["tiers"]] == ["cpu", "disk"]
     for key in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out",
