@@ -16,8 +16,9 @@ import torch
 from .block_format import BlockFormat
 from .errors import FrameError
 from .staging import payload_views, staging_stride
-from .store.device import as_host_tensor, copy_entry, work_stream
+from .store.device import as_host_tensor, copy_entry
 from .store.frame import FrameMeta
+from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 
@@ -69,27 +70,25 @@ class BatchDecoder:
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
         dst = self._staging[len(self._frames)]
-        caller = None
-        if self._copy_stream is not None:
-            # set_stream, not a stream context: the context costs more than the copy's launch.
-            caller = torch.cuda.current_stream(self.device)
-            torch.cuda.set_stream(self._copy_stream)
-        try:
-            if frame.device_payload is not None:
-                dst[: self._meta0.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
-            elif frame.device_entries is not None:
-                for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
-                    copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
-            else:
-                dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
-        finally:
-            if caller is not None:
-                torch.cuda.set_stream(caller)
+        if self._copy_stream is None:
+            self._copy(frame, dst)
+        else:
+            with on_stream(self._copy_stream):
+                self._copy(frame, dst)
         self._frames.append(frame)
         pending, left = len(self._frames) - self._decoded, self.max_blocks - len(self._frames)
         # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
         if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
             self._decode_pending()
+
+    def _copy(self, frame: BlockFrame, dst: torch.Tensor) -> None:
+        if frame.device_payload is not None:
+            dst[: self._meta0.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
+        elif frame.device_entries is not None:
+            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
+                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
+        else:
+            dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
 
     def _decode_pending(self) -> None:
         j0, j1 = self._decoded, len(self._frames)

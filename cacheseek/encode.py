@@ -22,7 +22,7 @@ from .quant.backend import kernels_available
 from .quant.codec import KVLayerCodec
 from .quant.tensors import all_finite
 from .staging import payload_views, staging_stride
-from .store.device import work_stream
+from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 _UNPREPARED: Any = object()  # _encode_deferred asks the codec to prepare the layers itself
@@ -175,7 +175,7 @@ def iter_encoded(
         side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
 
     def launch(start: int, stop: int):
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with on_stream(side) if side is not None else contextlib.nullcontext():
             frames, finite = _encode_deferred(fmt, layers, start, hashes[start:stop], parents[start:stop],
                                               prepared=prepared)
             done = None

@@ -37,8 +37,9 @@ from .encode import encode_into, flags_to_host
 from .errors import InputError
 from .staging import payload_views
 from .store.arena import slot_stride
-from .store.device import reservation_span, work_stream
+from .store.device import reservation_span
 from .store.frame import FrameMeta, header_prefix
+from .store.streams import on_stream, work_stream
 from .store.tier import Reservation
 from .store.tiered import StorePutResult, TieredStore
 
@@ -76,10 +77,9 @@ class InPlaceIngest:
         self.device = layers[0][0].device
         self.prepared = self.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         if self.device.type == "cuda":
-            self.caller_stream = torch.cuda.current_stream(self.device)
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
-            self.encode_stream.wait_stream(self.caller_stream)  # the KV was made there
+            self.encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV was made there
         self.pending: deque[_Run] = deque()
         self.outcomes: list[StorePutResult | None] = []
         self.committed: list[bytes] = []
@@ -188,26 +188,22 @@ class InPlaceIngest:
             self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
             return
         pieces = []
-        # set_stream, not stream contexts: a context costs ~20 µs, more than the copy's launch.
-        torch.cuda.set_stream(self.encode_stream)
-        try:
+        with on_stream(self.encode_stream):
             staging = torch.empty(start + span, dtype=torch.uint8, device=self.device)
             flags = flags_to_host(encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
                                               payload_views(staging, meta.tensors, count, stride, meta.payload_offset)))
             encoded = torch.cuda.Event()
             encoded.record(self.encode_stream)
-            # The slots' headers are copied over too (staging garbage between payloads): each
-            # is written once the copy has landed, in commit_oldest().
-            self.copy_stream.wait_event(encoded)
-            torch.cuda.set_stream(self.copy_stream)
+        # The slots' headers are copied over too (staging garbage between payloads): each
+        # is written once the copy has landed, in commit_oldest().
+        self.copy_stream.wait_event(encoded)
+        with on_stream(self.copy_stream):
             for a, b in split:
                 lo, hi = start + a * stride, start + (b - 1) * stride + meta.payload_nbytes
                 host[lo:hi].copy_(staging[lo:hi], non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(self.copy_stream)
                 pieces.append((a, b, landed))
-        finally:
-            torch.cuda.set_stream(self.caller_stream)
         staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
         self.pending.append(_Run(first, metas, reservations, flags, pieces))
 
