@@ -33,6 +33,6 @@ EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=2).status == 200 else 1)"]
 
-# uvicorn drains in-flight requests on SIGTERM (CACHESEEK_GRACEFUL_TIMEOUT_S, default 30 s).
+# uvicorn drains in-flight requests on SIGTERM (CACHESEEK_GRACEFUL_TIMEOUT_SECONDS, default 30 s).
 STOPSIGNAL SIGTERM
 CMD ["cacheseek", "serve", "--host", "0.0.0.0"]

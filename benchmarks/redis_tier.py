@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import cacheseek as cs
-from cacheseek.block_io import decode_frames
+from cacheseek.decode import decode_frames
 
 from .report import plot_bars, table, write_json
 from .store import BLOCK, CODECS, LAYOUT  # the same Llama-3-8B blocks and codecs as the store benchmark
@@ -106,7 +106,7 @@ def run_case(codec_name: str, url: str, kv, blocks: int, reps: int) -> dict:
     t_transfer = _median_seconds(transfer, reps)
     frames = transfer()
     device = torch.device("cpu")
-    t_decode = _median_seconds(lambda: decode_frames(codec, LAYOUT, BLOCK, frames, device), reps)
+    t_decode = _median_seconds(lambda: decode_frames(cache.block_format, frames, device), reps)
     del frames
 
     def materialize():

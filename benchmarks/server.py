@@ -43,7 +43,7 @@ from cacheseek.quant import KIVI, Raw
 from cacheseek.remote import RemoteCache
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.transport import BulkTransport
-from cacheseek.wire import iter_frames
+from cacheseek.batch_body import iter_frames
 
 from .report import plot_bars, table, write_json
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 import cacheseek as cs
-from cacheseek.block_io import BatchDecoder, block_parents, encode_blocks
+from cacheseek.decode import BatchDecoder
+from cacheseek.encode import encode_blocks
 
 from .report import table
 from .store import BLOCK, CODECS, LAYOUT
@@ -69,8 +70,8 @@ def main() -> None:
         rec("ingest: hash blocks", t)
         _, t = _timed(device, lambda: cache.store.contains_many(hashes))
         rec("ingest: contains_many", t)
-        frames, t = _timed(device, lambda: encode_blocks(codec, LAYOUT, BLOCK, kv, first_block=0, hashes=hashes,
-                                                         parents=block_parents(cache.root, hashes)))
+        frames, t = _timed(device, lambda: encode_blocks(cache.block_format, kv, first_block=0, hashes=hashes,
+                                                         parents=cache.keys.parents(hashes)))
         rec("ingest: encode_blocks (stack, encode, stage, plan)", t)
         items = [(f.meta.block_hash, f) for f in reversed(frames)]
         _, t = _timed(device, lambda: cache.store.put_many(items))
@@ -79,7 +80,7 @@ def main() -> None:
         rec("materialize: locate", t)
         got, t = _timed(device, lambda: [cache.store.get(h) for h in hashes])
         rec("materialize: store.get x n", t)
-        dec = BatchDecoder(codec, LAYOUT, BLOCK, n, device)
+        dec = BatchDecoder(cache.block_format, n, device)
         _, t = _timed(device, lambda: [dec.add(f) for f, _ in got])
         rec("materialize: decoder.add x n (copies to device)", t)
         _, t = _timed(device, dec.finish)
@@ -127,17 +128,19 @@ def main() -> None:
 
 HOST_STEPS = [
     "cacheseek.prefix_cache:kv_layers", "cacheseek.prefix_cache:check_layers",
-    "cacheseek.front:CacheFront.block_hashes", "cacheseek.store.tiered:TieredStore.contains_many",
-    "cacheseek.offload:InPlaceIngest.__init__", "cacheseek.offload:InPlaceIngest.guess_tail", "cacheseek.offload:plan_block", "cacheseek.offload:replan_frame",
-    "cacheseek.offload:InPlaceIngest.reserve", "cacheseek.offload:InPlaceIngest.launch", "cacheseek.offload:reservation_span",
-    "cacheseek.offload:payload_views", "cacheseek.offload:encode_into", "cacheseek.kernels.kivi:quantize_layers",
-    "cacheseek.kernels.layers:gather_layers", "cacheseek.offload:InPlaceIngest.commit_oldest",
-    "cacheseek.offload:header_prefix", "cacheseek.store.tiered:TieredStore.commit_many",
+    "cacheseek.prefix_cache_base:PrefixCacheBase.block_hashes", "cacheseek.store.tiered:TieredStore.contains_many",
+    "cacheseek.ingest_in_place:InPlaceIngest.__init__", "cacheseek.ingest_in_place:InPlaceIngest.guess_tail",
+    "cacheseek.block_format:BlockFormat.plan", "cacheseek.block_format:BlockFormat.plan_run",
+    "cacheseek.ingest_in_place:InPlaceIngest.reserve", "cacheseek.ingest_in_place:InPlaceIngest.launch",
+    "cacheseek.ingest_in_place:reservation_span", "cacheseek.ingest_in_place:payload_views",
+    "cacheseek.ingest_in_place:encode_into", "cacheseek.kernels.kivi:quantize_layers",
+    "cacheseek.kernels.layers:gather_layers", "cacheseek.ingest_in_place:InPlaceIngest.commit_oldest",
+    "cacheseek.ingest_in_place:header_prefix", "cacheseek.store.tiered:TieredStore.commit_many",
     "cacheseek.store.tiered:TieredStore.touch_chain", "cacheseek.store.tiered:TieredStore.locate",
-    "cacheseek.store.tiered:TieredStore.get_many", "cacheseek.prefix_cache:check_frame",
-    "cacheseek.block_io:BatchDecoder.__init__", "cacheseek.block_io:BatchDecoder.add",
-    "cacheseek.block_io:BatchDecoder._decode_pending", "cacheseek.block_io:BatchDecoder.finish",
-    "cacheseek.kernels.kivi:dequantize", "cacheseek.front:CacheFront._materialized",
+    "cacheseek.store.tiered:TieredStore.get_many", "cacheseek.block_format:BlockFormat.check_fetched",
+    "cacheseek.decode:BatchDecoder.__init__", "cacheseek.decode:BatchDecoder.add",
+    "cacheseek.decode:BatchDecoder._decode_pending", "cacheseek.decode:BatchDecoder.finish",
+    "cacheseek.kernels.kivi:dequantize", "cacheseek.prefix_cache_base:PrefixCacheBase._materialized",
 ]
 
 

@@ -62,14 +62,14 @@ TIERS = ("gpu", "cpu", "disk")
 def kivi_backend(device: torch.device) -> str:
     """Which KIVI implementation runs on ``device``. If Triton is there but the kernels are
     not built into this checkout yet, fall back to the torch reference (and say so)."""
-    from cacheseek.quant import kivi
+    from cacheseek.quant import backend as kernels_backend
 
-    backend = kivi.backend_for(torch.empty(1, device=device))
+    backend = kernels_backend.backend_for(torch.empty(1, device=device))
     if backend == "triton":
         from cacheseek import kernels
 
         if not hasattr(kernels, "quantize"):
-            os.environ[kivi.BACKEND_ENV] = "torch"
+            os.environ[kernels_backend.BACKEND_ENV] = "torch"
             print("WARNING: cacheseek.kernels has no Triton KIVI kernels in this checkout; using the torch reference")
             return "torch (kernels missing)"
     return backend

@@ -1,4 +1,5 @@
-"""Turning what workers hand us (an HF cache, or per-layer K/V) into per-layer [H, T, D] views.
+"""What workers hand us (an HF cache, or per-layer K/V): turned into per-layer [H, T, D]
+views (``kv_layers``), and checked against a cache's layout (``check_layers``).
 
 transformers is never imported: a ``DynamicCache`` is recognised by shape (``.layers`` with
 ``.keys``/``.values`` in 4.5x and 5.x, or ``.key_cache``/``.value_cache`` in older releases).
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from .errors import InputError
+from .layout import KVLayout
 
 
 def _pairs(kv: Any) -> list[tuple[Any, Any]]:
@@ -57,3 +59,33 @@ def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if not out:
         raise InputError("kv: holds no layers")
     return out
+
+
+def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> int:
+    """Check per-layer [H, T, D] K/V against ``layout``; return T."""
+    if len(layers) != layout.num_layers:
+        raise InputError(f"kv: {len(layers)} layers, the cache's layout has {layout.num_layers}")
+    want_dtype = layout.torch_dtype
+    k0 = layers[0][0]
+    tokens = k0.shape[-2] if k0.dim() == 3 else -1
+    shape, device = (layout.num_kv_heads, tokens, layout.head_dim), k0.device
+    if all(k.shape == shape and v.shape == shape and k.dtype == want_dtype and v.dtype == want_dtype
+           and k.device == device and v.device == device for k, v in layers):
+        return tokens  # the usual case, checked in one pass; the loop below says what is wrong
+    for i, (k, v) in enumerate(layers):
+        for name, t in (("K", k), ("V", v)):
+            if t.dim() != 3 or t.shape[0] != layout.num_kv_heads or t.shape[2] != layout.head_dim:
+                raise InputError(
+                    f"kv layer {i} {name}: shape {list(t.shape)}, the layout needs "
+                    f"[{layout.num_kv_heads}, T, {layout.head_dim}]"
+                )
+            if t.shape[1] != tokens:
+                raise InputError(f"kv layer {i} {name}: {t.shape[1]} tokens, layer 0 has {tokens}")
+            if t.dtype != want_dtype:
+                raise InputError(f"kv layer {i} {name}: dtype {t.dtype}, the layout says {layout.dtype}")
+            if t.device != k0.device:
+                raise InputError(f"kv layer {i} {name}: on {t.device}, layer 0 K is on {k0.device}")
+    raise AssertionError("unreachable: the fast check failed, so one of the checks above must")
+
+
+__all__ = ["check_layers", "kv_layers"]

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import offload
-from .block_io import BatchDecoder, check_frame, check_layers, iter_encoded
+from . import ingest_in_place
 from .config import TierConfig
+from .decode import BatchDecoder
+from .encode import iter_encoded
 from .errors import FrameError, InputError
-from .front import CacheFront
 from .hashing import DEFAULT_ALGO, digest_size
-from .kv_input import kv_layers
+from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Located, Materialized
-from .store.tiered import PutOutcome
+from .store.tiered import StorePutResult
 
 __all__ = ["IngestResult", "Located", "Materialized", "PrefixCache"]
 
 FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
 
 
-def _count(result: IngestResult, key: bytes, outcome: PutOutcome, stored: list[bytes]) -> None:
+def _count(result: IngestResult, key: bytes, outcome: StorePutResult, stored: list[bytes]) -> None:
     if outcome.stored:
         result.stored += 1
         stored.append(key)
@@ -33,7 +34,7 @@ def _count(result: IngestResult, key: bytes, outcome: PutOutcome, stored: list[b
         result.errors.setdefault(tier, reason)
 
 
-class PrefixCache(CacheFront):
+class PrefixCache(PrefixCacheBase):
     """Stores and returns KV for prefix blocks, keyed by a chained hash of their content."""
 
     def __init__(
@@ -61,10 +62,10 @@ class PrefixCache(CacheFront):
         tokens = check_layers(layers, self.layout)
         self.keys.check_ingest(keys, tokens)
         in_place = None
-        if offload.applies(self.store, layers[0][0].device):
+        if ingest_in_place.applies(self.store, layers[0][0].device):
             # KV on a GPU, host memory on top: blocks go straight into reserved CPU-tier
             # slots, and the chain's tail is on its way before the prompt is even hashed.
-            in_place = offload.InPlaceIngest(self.store, self.codec, self.layout, self.block_tokens, layers)
+            in_place = ingest_in_place.InPlaceIngest(self.store, self.block_format, layers)
             in_place.guess_tail(tokens // self.block_tokens, digest_size(self.hash_algo))
         try:
             hashes = self.block_hashes(keys)
@@ -92,8 +93,8 @@ class PrefixCache(CacheFront):
         # overlaps the previous one's copies. A bad batch (NaN, Inf) undoes the batches this
         # call stored before it.
         try:
-            for batch in iter_encoded(self.codec, self.layout, self.block_tokens, layers, hashes,
-                                      parents, present, self._batch_blocks, tail_first=True):
+            for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
+                                      tail_first=True):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
                     _count(result, key, outcome, stored)
@@ -119,15 +120,14 @@ class PrefixCache(CacheFront):
         located = self.store.locate(self._limit(hashes, max_tokens))
         if not located:
             return self._nothing(device)
-        decoder = BatchDecoder(self.codec, self.layout, self.block_tokens, len(located), device)
+        decoder = BatchDecoder(self.block_format, len(located), device)
         tiers: list[str] = []
         for key, got in self._fetch(hashes[: len(located)]):
             if got is None:
                 break  # evicted or found corrupt since locate: the prefix ends here
             frame, tier = got
             try:
-                check_frame(frame.meta, key=key, codec_spec=self._codec_spec, layout=self.layout,
-                            block_tokens=self.block_tokens)
+                self.block_format.check_fetched(frame.meta, key)
             except FrameError:
                 break
             decoder.add(frame)  # its copy to the device starts now
@@ -151,8 +151,7 @@ class PrefixCache(CacheFront):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
-                "block_tokens": self.block_tokens, **self.store.stats()}
+        return {**self._config_stats(), **self.store.stats()}
 
     def close(self) -> None:
         self.store.close()

@@ -19,25 +19,26 @@ from typing import Any
 
 import httpx
 
-from .block_io import check_frame, check_layers, decode_frames, encode_missing
+from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
+from .decode import decode_frames
+from .encode import encode_missing
 from .errors import FrameError, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, BlockHash, to_hex
-from .kv_input import kv_layers
+from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
-from .front import CacheFront
-from .results import IngestResult, Located, Materialized
+from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
+from .results import IngestResult, Located, Materialized
 from .store.device import frame_to_host
 from .store.frame import parse_frame
 from .store.tier import BlockFrame
 from .transport import BulkTransport
-from .wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 _UNLIMITED = 1 << 62
 
 
-class RemoteCache(CacheFront):
+class RemoteCache(PrefixCacheBase):
     """A ``PrefixCache`` whose tiers live in a CacheSeek server at ``url``."""
 
     def __init__(
@@ -67,8 +68,6 @@ class RemoteCache(CacheFront):
         self._headers = headers
         self._timeouts = timeouts.as_dict()
 
-    # -- keys ----------------------------------------------------------------------------
-
     # -- the three calls -----------------------------------------------------------------
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
@@ -83,8 +82,8 @@ class RemoteCache(CacheFront):
         present = self._lookup(hashes, each=True)["present"]
         result.present = sum(present)
         # Encode everything first: a bad block (NaN, Inf) then sends nothing.
-        frames = encode_missing(self.codec, self.layout, self.block_tokens, layers, hashes,
-                                self.keys.parents(hashes), present, self._batch_blocks)
+        frames = encode_missing(self.block_format, layers, hashes, self.keys.parents(hashes), present,
+                                self._batch_blocks)
         if not frames:
             return result
         frames.reverse()  # tail first, as PrefixCache stores them: a chain that overflows keeps its head
@@ -118,7 +117,7 @@ class RemoteCache(CacheFront):
         frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         if not frames:
             return self._nothing(device)
-        k, v = decode_frames(self.codec, self.layout, self.block_tokens, frames, device)
+        k, v = decode_frames(self.block_format, frames, device)
         return self._materialized(k, v, list(found["tiers"][: len(frames)]), device)
 
     # -- operations ----------------------------------------------------------------------
@@ -126,8 +125,7 @@ class RemoteCache(CacheFront):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``."""
         server = self._request("GET", "/v1/stats").json()
-        return {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
-                "block_tokens": self.block_tokens, **server}
+        return {**self._config_stats(), **server}
 
     def close(self) -> None:
         self._http.close()
@@ -181,8 +179,7 @@ class RemoteCache(CacheFront):
                     if i >= len(hashes):
                         break
                     meta = parse_frame(buf, verify=True)
-                    check_frame(meta, key=hashes[i], codec_spec=self._codec_spec, layout=self.layout,
-                                block_tokens=self.block_tokens)
+                    self.block_format.check_fetched(meta, hashes[i])
                     frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
         except (FrameError, BatchFormatError, httpx.RemoteProtocolError, httpx.ReadError):
             pass  # a bad or cut-short frame ends the prefix; the whole ones before it stand

@@ -1,4 +1,4 @@
-"""What the cache fronts (``PrefixCache``, ``RemoteCache``) return."""
+"""What the caches (``PrefixCache``, ``RemoteCache``) return."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ class BulkTransport(httpx.BaseTransport):
         if send_error is not None:
             body._reusable = False
         # httpx wraps the stream; the extension gives readers that know their record sizes
-        # (``cacheseek.wire.iter_frames``) the body's ``read_exactly``.
+        # (``cacheseek.batch_body.iter_frames``) the body's ``read_exactly``.
         return httpx.Response(status, headers=headers, stream=body,
                               extensions={"http_version": b"HTTP/1.1", BODY_EXTENSION: body})
 

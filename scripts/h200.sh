@@ -46,9 +46,10 @@ for s in "$@"; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
-    tests-gpu)   step tests-gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_block_io.py tests/test_offload.py ;;
-    tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_offload.py tests/test_store.py tests/test_block_io.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
-    tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_block_io.py tests/test_offload.py tests/test_remote.py ;;
+    tests-gpu)   step tests-gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
+    streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
+    tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
+    tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;

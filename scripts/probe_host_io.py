@@ -7,7 +7,7 @@ import triton.language as tl
 from cacheseek.kernels import kivi as K
 
 import cacheseek as cs
-from cacheseek.block_io import payload_views
+from cacheseek.staging import payload_views
 from cacheseek.store.frame import plan_frame
 
 dev = torch.device("cuda")

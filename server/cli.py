@@ -9,14 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal, get_args, get_origin
 
 DEMO_MODULE = "cacheseek.integrations.demo"
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _serve_parser(sub: Any) -> argparse.ArgumentParser:
-    from .config import ServerSettings
+    from .config import DEPRECATED_NAMES, ServerSettings
 
     p = sub.add_parser(
         "serve", help="run the HTTP service",
@@ -27,7 +32,7 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     for name, field in ServerSettings.model_fields.items():
         if name == "tenants":  # a table: from the config file or CACHESEEK_TENANTS (JSON) only
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}]"
         if field.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
@@ -35,6 +40,8 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
             choices = get_args(field.annotation) if get_origin(field.annotation) is Literal else None
             p.add_argument(flag, default=argparse.SUPPRESS, metavar=name.upper() if not choices else None,
                            choices=choices, help=help_)
+    for old in DEPRECATED_NAMES:  # the old spellings still work (with a warning), unlisted
+        p.add_argument(_flag(old), dest=old, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
     return p
 
@@ -46,13 +53,22 @@ def _serve(args: argparse.Namespace) -> int:
     from cacheseek.errors import ConfigError
 
     from .app import create_app
-    from .config import ServerSettings
+    from .config import ServerSettings, renamed
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
-    try:
-        settings = ServerSettings.load(args.config, **overrides)
-    except (ValidationError, ConfigError) as exc:
-        print(f"cacheseek serve: bad settings:\n{exc}", file=sys.stderr)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        try:
+            settings = ServerSettings.load(args.config, **renamed(overrides, "cacheseek serve", spell=_flag))
+        except (ValidationError, ConfigError) as exc:
+            settings = exc
+    for w in caught:  # a deprecated spelling (of a flag, a variable, a file's key) is said, not hidden
+        if issubclass(w.category, DeprecationWarning):
+            print(f"cacheseek serve: warning: {w.message}", file=sys.stderr, flush=True)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if isinstance(settings, Exception):
+        print(f"cacheseek serve: bad settings:\n{settings}", file=sys.stderr)
         return 2
     print("cacheseek serve: settings " + json.dumps(settings.describe(), sort_keys=True), flush=True)
     http: Any = settings.http
@@ -64,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
-        timeout_graceful_shutdown=int(settings.graceful_timeout_s), timeout_keep_alive=int(settings.keepalive_timeout_s),
+        timeout_graceful_shutdown=int(settings.graceful_timeout_seconds),
+        timeout_keep_alive=int(settings.keepalive_timeout_seconds),
         server_header=False,
     )
     server = uvicorn.Server(config)

@@ -3,7 +3,9 @@
 Sources, highest priority first: command-line flags, environment variables
 (``CACHESEEK_<NAME>``, e.g. ``CACHESEEK_CPU_BYTES=8GiB``), an optional TOML or YAML file
 (``--config`` or ``CACHESEEK_CONFIG``), then the defaults below. Byte sizes take ints or
-strings like ``"4GiB"``. Tier construction from these settings lives in one place,
+strings like ``"4GiB"``; durations are in seconds, and their names say so (``_seconds``; the
+older ``_s`` spelling still works, with a ``DeprecationWarning``, from every source). Tier
+construction from these settings lives in one place,
 ``server.store.build_store``, so a new tier (Redis) adds a group of settings here and a few
 lines there.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+import warnings
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +30,17 @@ from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
 
 ENV_PREFIX = "CACHESEEK_"
+# Old spelling -> setting: durations were once named ``_s``. Each still works (flags, keyword
+# arguments, CACHESEEK_* variables, config files) and warns.
+DEPRECATED_NAMES = {
+    "graceful_timeout_s": "graceful_timeout_seconds",
+    "keepalive_timeout_s": "keepalive_timeout_seconds",
+    "redis_ttl_s": "redis_ttl_seconds",
+    "redis_connect_timeout_s": "redis_connect_timeout_seconds",
+    "redis_socket_timeout_s": "redis_socket_timeout_seconds",
+    "redis_breaker_base_s": "redis_breaker_base_seconds",
+    "redis_breaker_cap_s": "redis_breaker_cap_seconds",
+}
 NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")  # printable ASCII, no spaces
 
 
@@ -47,13 +61,44 @@ class TenantTokens(BaseModel):
 _config_file: ContextVar[Path | None] = ContextVar("cacheseek_config_file", default=None)
 
 
+def renamed(values: dict[str, Any], where: str, *, spell: Any = str) -> dict[str, Any]:
+    """``values`` with each deprecated setting name replaced by its new one, warning once per
+    name (``spell(name)`` is how ``where`` writes a name: a flag, a variable). Giving both
+    spellings of one setting is an error."""
+    if not any(old in values for old in DEPRECATED_NAMES):
+        return values
+    out = dict(values)
+    for old, new in DEPRECATED_NAMES.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"{where}: {spell(old)} and {spell(new)} name one setting; give {spell(new)} only")
+        warnings.warn(f"{where}: {spell(old)} is deprecated; use {spell(new)}", DeprecationWarning, stacklevel=3)
+        out[new] = out.pop(old)
+    return out
+
+
+class _DeprecatedEnvSource(PydanticBaseSettingsSource):
+    """``CACHESEEK_<OLD NAME>`` variables (see ``DEPRECATED_NAMES``), under their new names."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        env = {k.upper(): v for k, v in os.environ.items()}
+        found = {old: env[ENV_PREFIX + old.upper()] for old in DEPRECATED_NAMES if ENV_PREFIX + old.upper() in env}
+        both = {DEPRECATED_NAMES[old]: env[ENV_PREFIX + DEPRECATED_NAMES[old].upper()] for old in found
+                if ENV_PREFIX + DEPRECATED_NAMES[old].upper() in env}  # (renamed() refuses them)
+        return renamed({**found, **both}, "environment", spell=lambda name: ENV_PREFIX + name.upper())
+
+
 class _FileSource(PydanticBaseSettingsSource):
     """Settings from the TOML or YAML file named by ``--config`` (or ``CACHESEEK_CONFIG``)."""
 
     def __init__(self, settings_cls: type[BaseSettings]) -> None:
         super().__init__(settings_cls)
         path = _config_file.get() or (Path(os.environ[ENV_PREFIX + "CONFIG"]) if os.environ.get(ENV_PREFIX + "CONFIG") else None)
-        self.data = load_config_file(path) if path is not None else {}
+        self.data = renamed(load_config_file(path), f"config {path}") if path is not None else {}
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
         return self.data.get(field_name), field_name, False
@@ -93,6 +138,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 class ServerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**renamed(values, "ServerSettings"))
+
     # -- listening -------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
@@ -101,8 +149,9 @@ class ServerSettings(BaseSettings):
     http: Literal["auto", "h11", "httptools"] = Field(
         "auto", description="uvicorn HTTP implementation; auto: httptools with a leaner body path (server.protocol)")
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
-    graceful_timeout_s: float = Field(30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
-    keepalive_timeout_s: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")
+    graceful_timeout_seconds: float = Field(
+        30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
+    keepalive_timeout_seconds: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")
 
     # -- tiers (built by server.store.build_store) -----------------------------------------
     cpu_bytes: int = Field(4 << 30, description="CPU tier budget; 0 turns the tier off")
@@ -124,14 +173,16 @@ class ServerSettings(BaseSettings):
     redis_url: str | None = Field(
         None, description="redis://host:port, or redis+cluster://host:port[,host:port...]; unset: no Redis tier")
     redis_bytes: int = Field(16 << 30, description="Redis tier budget, shared by every server using the namespace")
-    redis_ttl_s: float | None = Field(None, gt=0, description="a block unused this long expires from Redis; unset: never")
+    redis_ttl_seconds: float | None = Field(
+        None, gt=0, description="a block unused this long expires from Redis; unset: never")
     redis_prefix: str = Field("cacheseek", description="first part of every Redis key")
     redis_namespace: str = Field("default", description="second part of every Redis key: separate budgets on one Redis")
-    redis_connect_timeout_s: float = Field(1.0, gt=0, description="Redis connect timeout")
-    redis_socket_timeout_s: float = Field(2.0, gt=0, description="Redis read/write timeout")
+    redis_connect_timeout_seconds: float = Field(1.0, gt=0, description="Redis connect timeout")
+    redis_socket_timeout_seconds: float = Field(2.0, gt=0, description="Redis read/write timeout")
     redis_breaker_failures: int = Field(3, ge=1, description="consecutive Redis failures that open the circuit breaker")
-    redis_breaker_base_s: float = Field(1.0, gt=0, description="first open period of the breaker; doubles per failed probe")
-    redis_breaker_cap_s: float = Field(30.0, gt=0, description="longest open period of the breaker")
+    redis_breaker_base_seconds: float = Field(
+        1.0, gt=0, description="first open period of the breaker; doubles per failed probe")
+    redis_breaker_cap_seconds: float = Field(30.0, gt=0, description="longest open period of the breaker")
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(2 << 30, description="largest request body (a batch of frames)")
@@ -163,7 +214,7 @@ class ServerSettings(BaseSettings):
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
 
-    @field_validator("redis_url", "redis_ttl_s", mode="before")
+    @field_validator("redis_url", "redis_ttl_seconds", mode="before")
     @classmethod
     def _unset_redis(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_REDIS_URL= (empty) means no Redis tier
@@ -198,9 +249,9 @@ class ServerSettings(BaseSettings):
     def _consistent(self) -> ServerSettings:
         if self.cpu_bytes == 0 and self.disk_bytes == 0 and (self.redis_url is None or self.redis_bytes == 0):
             raise ValueError("cpu_bytes and disk_bytes are both 0 and no Redis tier is set: no tier would hold anything")
-        if self.redis_breaker_cap_s < self.redis_breaker_base_s:
-            raise ValueError(f"redis_breaker_cap_s ({self.redis_breaker_cap_s}) is below redis_breaker_base_s "
-                             f"({self.redis_breaker_base_s})")
+        if self.redis_breaker_cap_seconds < self.redis_breaker_base_seconds:
+            raise ValueError(f"redis_breaker_cap_seconds ({self.redis_breaker_cap_seconds}) is below "
+                             f"redis_breaker_base_seconds ({self.redis_breaker_base_seconds})")
         if self.max_frame_bytes > self.max_body_bytes:
             raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) exceeds max_body_bytes ({self.max_body_bytes})")
         if self.read_token is not None and self.write_token is None:
@@ -232,7 +283,7 @@ class ServerSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _FileSource(settings_cls)
+        return init_settings, env_settings, _DeprecatedEnvSource(settings_cls), _FileSource(settings_cls)
 
     @classmethod
     def load(cls, config_file: str | Path | None = None, **overrides: Any) -> ServerSettings:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cacheseek.errors import FrameError, InputError, StorageError
 
-from cacheseek.wire import BatchFormatError, BatchTooLarge
+from cacheseek.batch_body import BatchFormatError, BatchTooLarge
 
 log = logging.getLogger("cacheseek.server")
 

@@ -18,17 +18,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cacheseek.batch_body import LENGTH
 from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
-from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.cpu import CpuTier
+from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
-from cacheseek.store.tiered import PutOutcome, TieredStore
+from cacheseek.store.tiered import StorePutResult, TieredStore
 
 from .errors import BadFrame, HashMismatch, NotFound
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
-from cacheseek.wire import LENGTH
 
 PUT_GROUP = 4  # frames per store call
 
@@ -44,7 +44,7 @@ class Incoming:
 
 
 @dataclass(slots=True)
-class PutReport:
+class ServicePutReport:
     hash: str
     status: str  # "stored" | "present" | "failed"
     errors: dict[str, str]
@@ -62,15 +62,15 @@ class BlockService:
 
     # -- writes --------------------------------------------------------------------------
 
-    def check_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame",
-                    payload_digest: bytes | None = None) -> Incoming:
+    def check_client_frame(self, buf: bytearray, *, url_hash: bytes | None = None, where: str = "frame",
+                           payload_digest: bytes | None = None) -> Incoming:
         """Parse and check one client frame (its payload checksum already computed as it
         arrived, if ``payload_digest``). Raises ``BadFrame`` (400) or ``HashMismatch`` (409)."""
         return Incoming(buf, self._check(buf, url_hash, where, payload_digest))
 
-    def check_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None, where: str = "frame",
-                       payload_digest: bytes | None = None) -> Incoming:
-        """``check_frame`` for a frame received into a reservation (its payload checksum
+    def check_client_reserved(self, reservation: Reservation, *, url_hash: bytes | None = None,
+                              where: str = "frame", payload_digest: bytes | None = None) -> Incoming:
+        """``check_client_frame`` for a frame received into a reservation (its payload checksum
         already computed as it arrived, if ``payload_digest``); a bad one gives it back."""
         try:
             return Incoming(None, self._check(reservation.view(), url_hash, where, payload_digest), reservation)
@@ -100,25 +100,25 @@ class BlockService:
         return meta
 
     def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes,
-                      payload_digest: bytes | None = None) -> PutReport:
+                      payload_digest: bytes | None = None) -> ServicePutReport:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
-        return self.put(namespace, [self.check_frame(buf, url_hash=url_hash, payload_digest=payload_digest)])[0]
+        return self.put(namespace, [self.check_client_frame(buf, url_hash=url_hash, payload_digest=payload_digest)])[0]
 
     def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
-                         payload_digest: bytes | None = None) -> PutReport:
+                         payload_digest: bytes | None = None) -> ServicePutReport:
         """``PUT /v1/blocks/{hash}`` for a frame received into a reservation: check it, then publish it."""
-        incoming = self.check_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
+        incoming = self.check_client_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
         return self.put(namespace, [incoming])[0]
 
-    def put(self, namespace: str, frames: list[Incoming]) -> list[PutReport]:
+    def put(self, namespace: str, frames: list[Incoming]) -> list[ServicePutReport]:
         """Store checked frames (in order), after checking each one's position against its
         parent's (in this batch or stored). Blocks already stored anywhere are not written
         again (their reservations are given back). On an error, reservations not yet
         committed stay lent: the caller aborts them."""
         self._check_chain_positions(namespace, frames)
         ns = self.namespaces
-        reports = [PutReport(to_hex(inc.meta.block_hash), "present", {}) for inc in frames]
-        outcomes: dict[int, PutOutcome] = {}
+        reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}) for inc in frames]
+        outcomes: dict[int, StorePutResult] = {}
         group: list[tuple[int, bytes, BlockFrame]] = []
 
         def flush() -> None:

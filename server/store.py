@@ -29,14 +29,14 @@ def tier_config(settings: ServerSettings) -> TierConfig:
         disk_admit_after_uses=settings.disk_admit_after_uses,
         redis_url=settings.redis_url,
         redis_bytes=settings.redis_bytes,
-        redis_ttl_seconds=settings.redis_ttl_s,
+        redis_ttl_seconds=settings.redis_ttl_seconds,
         redis_prefix=settings.redis_prefix,
         redis_namespace=settings.redis_namespace,
-        redis_connect_timeout_seconds=settings.redis_connect_timeout_s,
-        redis_socket_timeout_seconds=settings.redis_socket_timeout_s,
+        redis_connect_timeout_seconds=settings.redis_connect_timeout_seconds,
+        redis_socket_timeout_seconds=settings.redis_socket_timeout_seconds,
         redis_breaker_failures=settings.redis_breaker_failures,
-        redis_breaker_base_seconds=settings.redis_breaker_base_s,
-        redis_breaker_cap_seconds=settings.redis_breaker_cap_s,
+        redis_breaker_base_seconds=settings.redis_breaker_base_seconds,
+        redis_breaker_cap_seconds=settings.redis_breaker_cap_seconds,
     )
 
 

@@ -20,6 +20,11 @@ def make_kv(tokens: int, seed: int, layout: cs.KVLayout = LAYOUT, device: str = 
     ]
 
 
+def block_parents(root: bytes, hashes: list[bytes]) -> list[bytes]:
+    """The parent hash of each block of a chain starting at ``root``."""
+    return [root, *hashes[:-1]]
+
+
 def tokens_for(seed: int, n: int) -> list[int]:
     gen = torch.Generator().manual_seed(10_000 + seed)
     return torch.randint(0, 50_000, (n,), generator=gen).tolist()

@@ -11,10 +11,16 @@ from cacheseek.errors import ConfigError, InputError
 from cacheseek.quant import EncodedLayer, codec_from_spec
 from cacheseek.quant import kivi_reference as ref
 from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS
-from cacheseek.quant.tensors import host_buffers, host_view
+from cacheseek.quant.tensors import host_view, to_host
 from kivi_bounds import error_bound
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def host_buffers(encoded: EncodedLayer) -> EncodedLayer:
+    """``encoded`` with every buffer a flat byte memoryview on the host (torch-free from here on)."""
+    host = to_host(encoded, pin=False)
+    return host.with_buffers([host_view(buf) for _, _, buf in host.named_buffers()])
 
 
 @st.composite
@@ -256,7 +262,7 @@ def test_decode_rejects_another_codecs_payload():
 
 
 def test_backend_env_forces_torch(monkeypatch):
-    from cacheseek.quant.kivi import backend_for
+    from cacheseek.quant.backend import backend_for
 
     monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "torch")
     assert backend_for(torch.empty(1)) == "torch"

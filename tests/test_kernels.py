@@ -22,7 +22,7 @@ import cacheseek as cs  # noqa: E402
 from cacheseek import kernels  # noqa: E402
 from cacheseek.errors import InputError  # noqa: E402
 from cacheseek.kernels import _strides  # noqa: E402
-from cacheseek.quant import kivi as kivi_codec  # noqa: E402
+from cacheseek.quant import backend  # noqa: E402
 from cacheseek.quant import kivi_reference as ref  # noqa: E402
 from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS  # noqa: E402
 
@@ -146,7 +146,7 @@ def test_constant_groups_decode_exactly(axis):
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_codec_rejects_nan_and_inf_through_the_kernels(monkeypatch, where, bad, stats):
-    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     k = torch.randn(1, 64, 64, device=DEVICE).to(F16)
     v = torch.randn(1, 64, 64, device=DEVICE).to(F16)
     (k if where == "k" else v)[0, 33, 7] = bad
@@ -168,13 +168,13 @@ def test_codec_dispatches_to_the_kernels_and_matches_the_torch_path(monkeypatch)
     k = torch.cat([_data(torch.bfloat16, 32, 80, seed=1), _data(torch.bfloat16, 32, 80, seed=3)])
     v = _data(torch.bfloat16, 64, 80, seed=2)[:, :64].expand(2, 64, 80)
 
-    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+    monkeypatch.setenv(backend.BACKEND_ENV, "torch")
     want = codec.encode(k, v)
     want_k, want_v = codec.decode(want)
     assert calls == []
 
-    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
-    assert kivi_codec.backend_for(k) == "triton"
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
+    assert backend.backend_for(k) == "triton"
     got = codec.encode(k, v)
     got_k, got_v = codec.decode(got)
     assert calls == ["quantize", "quantize", "dequantize", "dequantize"]

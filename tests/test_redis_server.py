@@ -21,8 +21,8 @@ SECRET = "shared-namespace-secret-for-tests"
 
 def _env(redis: RedisServer, **extra: str) -> dict[str, str]:
     return {"CACHESEEK_REDIS_URL": redis.url, "CACHESEEK_REDIS_BYTES": "256MiB",
-            "CACHESEEK_REDIS_BREAKER_BASE_S": "0.2", "CACHESEEK_REDIS_BREAKER_CAP_S": "0.4",
-            "CACHESEEK_REDIS_CONNECT_TIMEOUT_S": "0.3", "CACHESEEK_REDIS_SOCKET_TIMEOUT_S": "0.5",
+            "CACHESEEK_REDIS_BREAKER_BASE_SECONDS": "0.2", "CACHESEEK_REDIS_BREAKER_CAP_SECONDS": "0.4",
+            "CACHESEEK_REDIS_CONNECT_TIMEOUT_SECONDS": "0.3", "CACHESEEK_REDIS_SOCKET_TIMEOUT_SECONDS": "0.5",
             "CACHESEEK_NAMESPACE_SECRET": SECRET, **extra}
 
 

@@ -179,11 +179,10 @@ def test_round_trips_do_not_grow_with_the_chain(redis_url):
 
 
 def _frames(cache, toks, kv):
-    from cacheseek.block_io import block_parents, encode_blocks
+    from cacheseek.encode import encode_blocks
 
     hashes = cache.block_hashes(toks)
-    return encode_blocks(cache.codec, cache.layout, cache.block_tokens, kv, first_block=0, hashes=hashes,
-                         parents=block_parents(cache.root, hashes))
+    return encode_blocks(cache.block_format, kv, first_block=0, hashes=hashes, parents=cache.keys.parents(hashes))
 
 
 def test_another_process_reads_what_this_one_wrote(redis_url, tmp_path):

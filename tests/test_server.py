@@ -277,7 +277,8 @@ def test_openapi_docs_health_and_stats(client):
     assert "LookupResponse" in str(lookup["responses"]["200"])
     assert client.get("/docs").status_code == 200
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready"}
+    ready = client.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["kernels"] == "not used" and "clients" in ready["kernels_reason"]
     stats = client.get("/v1/stats").json()
     assert [t["name"] for t in stats["tiers"]] == ["cpu", "disk"]
     for key in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out",
@@ -397,6 +398,43 @@ def test_settings_come_from_flags_env_and_a_file(tmp_path):
     assert s.cpu_reserve_bytes == 128 << 20
     assert ServerSettings.load(cpu_bytes="64GiB").cpu_reserve_bytes == 1 << 30
     assert ServerSettings.load(toml, cpu_reserve_bytes="0").cpu_reserve_bytes == 0
+
+
+def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import DEPRECATED_NAMES, ServerSettings
+
+    assert all(new == old.removesuffix("_s") + "_seconds" for old, new in DEPRECATED_NAMES.items())
+    with pytest.warns(DeprecationWarning, match="redis_ttl_s is deprecated; use redis_ttl_seconds"):
+        assert ServerSettings.load(redis_ttl_s=5).redis_ttl_seconds == 5
+    toml = tmp_path / "old.toml"
+    toml.write_text("graceful_timeout_s = 7\nredis_breaker_cap_s = 9\n")
+    with pytest.warns(DeprecationWarning) as said:
+        s = ServerSettings.load(toml)
+    assert (s.graceful_timeout_seconds, s.redis_breaker_cap_seconds) == (7, 9)
+    assert sorted(str(w.message).split(": ")[1] for w in said) == [
+        "graceful_timeout_s is deprecated; use graceful_timeout_seconds",
+        "redis_breaker_cap_s is deprecated; use redis_breaker_cap_seconds"]
+    toml.write_text("graceful_timeout_seconds = 7\n")
+    monkeypatch.setenv("CACHESEEK_KEEPALIVE_TIMEOUT_S", "11")
+    with pytest.warns(DeprecationWarning, match="CACHESEEK_KEEPALIVE_TIMEOUT_S is deprecated; use "
+                                                "CACHESEEK_KEEPALIVE_TIMEOUT_SECONDS"):
+        s = ServerSettings.load(toml)
+    assert s.keepalive_timeout_seconds == 11 and s.graceful_timeout_seconds == 7
+    with pytest.warns(DeprecationWarning):  # the new spelling from a stronger source wins, as for any setting
+        assert ServerSettings.load(toml, keepalive_timeout_seconds=3).keepalive_timeout_seconds == 3
+    monkeypatch.setenv("CACHESEEK_KEEPALIVE_TIMEOUT_SECONDS", "12")
+    with pytest.raises(ConfigError, match="name one setting"):  # both spellings in one place
+        ServerSettings.load()
+    monkeypatch.delenv("CACHESEEK_KEEPALIVE_TIMEOUT_S")
+    with pytest.raises(ConfigError, match="name one setting"):
+        ServerSettings.load(redis_ttl_s=1, redis_ttl_seconds=2)
+    assert "redis_ttl_s" not in ServerSettings.load().describe()
+    # A flag: said on stderr, and validated as the setting it names.
+    out = subprocess.run([*cacheseek_command(), "serve", "--port", "1", "--graceful-timeout-s", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--graceful-timeout-s is deprecated; use --graceful-timeout-seconds" in out.stderr
+    assert "graceful_timeout_seconds" in out.stderr
 
 
 def test_bad_settings_exit_2_naming_the_setting(tmp_path):

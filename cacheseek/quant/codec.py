@@ -1,4 +1,4 @@
-"""The codec protocol every KV encoder implements, and the table that rebuilds one from its spec.
+"""The codec protocol every KV encoder implements, and the canonical bytes of a codec's spec.
 
 Codecs are cheap value objects: constructing one never imports torch, so hashing, frames
 and the server can name a codec (its spec and fingerprint) without it. ``encode`` and
@@ -8,10 +8,8 @@ and the server can name a codec (its spec and fingerprint) without it. ``encode`
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import ConfigError
 from ..layout import KVLayout
 from .payload import EncodedLayer
 
@@ -67,20 +65,3 @@ class KVLayerCodec(Protocol):
 def canonical_fingerprint(spec: dict[str, Any]) -> bytes:
     """Canonical bytes of a codec spec: sorted keys, no whitespace. Part of every root hash."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _registry() -> dict[str, Callable[[dict[str, Any]], KVLayerCodec]]:
-    from .kivi import KIVI
-    from .raw import Raw
-
-    return {"kivi": KIVI.from_spec, "raw": Raw.from_spec}
-
-
-def codec_from_spec(spec: Any) -> KVLayerCodec:
-    """Rebuild a codec from ``codec.spec()`` (as stored in frame headers and configs)."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ConfigError(f"codec spec: expected a dict with a 'name', got {spec!r:.200}")
-    table = _registry()
-    if spec["name"] not in table:
-        raise ConfigError(f"codec spec: unknown codec {spec['name']!r}; known: {sorted(table)}")
-    return table[spec["name"]](spec)

@@ -1,22 +1,19 @@
 """The KIVI codec: K per channel (groups of tokens), V per token (groups of channels).
 
-This class is the codec's configuration, validation, spec and sizes, and the dispatcher:
-CUDA tensors use the Triton kernels when Triton is importable, everything else the torch
-reference. ``CACHESEEK_KIVI_BACKEND=torch`` forces the reference (for comparisons),
-``=triton`` forces the kernels (on a CPU only under ``TRITON_INTERPRET=1``).
+This class is the codec's configuration, validation, spec and sizes; ``quant.backend``
+picks the implementation that runs it (the Triton kernels or the torch reference).
 Constructing a ``KIVI`` never imports torch.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, InputError
 from ..layout import KVLayout
+from .backend import layer_tables, ops_for
 from .codec import canonical_fingerprint
 from .payload import AXIS_CHANNELS, AXIS_TOKENS, EncodedLayer, EncodedTensor
 
@@ -24,7 +21,6 @@ VERSION = 1
 BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 STATS_DTYPES = ("float16", "float32")
-BACKEND_ENV = "CACHESEEK_KIVI_BACKEND"
 _SPEC_KEYS = {"name", "version", "k_bits", "v_bits", "k_group", "v_group", "stats_dtype"}
 
 
@@ -164,7 +160,7 @@ class KIVI:
 
         check_kv(k, v)
         self._check_shape(tuple(k.shape))
-        ops = _ops_for(k)
+        ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
         kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
         vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats)
@@ -217,7 +213,7 @@ class KIVI:
         else:
             encoded = to_device(encoded, _device_of(encoded))
         kq, ks, km, vq, vs, vm = (b for _, _, b in encoded.named_buffers())
-        ops = _ops_for(kq)
+        ops = ops_for(kq)
         k_out, v_out = out if out is not None else (None, None)
         dtype = TORCH_DTYPES[encoded.k.dtype]
         k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS,
@@ -232,51 +228,3 @@ def _device_of(encoded: EncodedLayer) -> Any:
 
     first = encoded.k.qdata
     return first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-
-
-def layer_tables(k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-    """K's and V's ``kernels.LayerTable``, for codecs whose kernels read a model's layers in
-    place; None on the torch backend, or when the layers differ in strides (the caller then
-    stacks them). The caller has checked that the layers agree in shape, dtype and device."""
-    if backend_for(k_layers[0]) != "triton":
-        return None
-    from cacheseek import kernels
-
-    try:
-        return kernels.LayerTable(k_layers, checked=True), kernels.LayerTable(v_layers, checked=True)
-    except ValueError:
-        return None
-
-
-def backend_for(t: Any) -> str:
-    """Which implementation encodes/decodes ``t``: "triton" or "torch"."""
-    mode = os.environ.get(BACKEND_ENV, "auto")
-    if mode not in ("auto", "torch", "triton"):
-        raise ConfigError(f"{BACKEND_ENV}: must be auto, torch or triton, got {mode!r}")
-    if mode == "torch":
-        return "torch"
-    if mode == "triton":
-        return "triton"
-    return "triton" if t.is_cuda and kernels_available() else "torch"
-
-
-@functools.cache
-def kernels_available() -> bool:
-    """True when Triton and ``cacheseek.kernels`` import (checked once per process)."""
-    try:
-        import triton  # noqa: F401
-
-        from cacheseek import kernels  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _ops_for(t: Any):
-    if backend_for(t) == "triton":
-        from cacheseek import kernels
-
-        return kernels
-    from . import kivi_reference
-
-    return kivi_reference

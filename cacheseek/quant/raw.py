@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ConfigError, InputError
 from ..layout import KVLayout
+from .backend import layer_tables
 from .codec import canonical_fingerprint
 from .payload import AXIS_TOKENS, EncodedLayer, EncodedTensor
 
@@ -62,10 +63,8 @@ class Raw:
         return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-        """Tables of the layers' offsets for the Triton gather (see ``kivi.layer_tables``;
+        """Tables of the layers' offsets for the Triton gather (see ``backend.layer_tables``;
         None: the caller stacks the layers, and that copy is the encoding)."""
-        from .kivi import layer_tables
-
         return layer_tables(k_layers, v_layers)
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:

@@ -92,11 +92,6 @@ def to_host(encoded: EncodedLayer, *, pin: bool = True) -> EncodedLayer:
     return encoded.with_buffers(out)
 
 
-def host_buffers(encoded: EncodedLayer, *, pin: bool = True) -> EncodedLayer:
-    """Like :func:`to_host`, with every buffer a flat byte memoryview (torch-free from here on)."""
-    return encoded.with_buffers([host_view(t) for t in _tensors(to_host(encoded, pin=pin))])
-
-
 def check_kv(k: Any, v: Any, *, min_rank: int = 3) -> None:
     """Reject K/V pairs no codec can encode, naming what is wrong."""
     for name, t in (("k", k), ("v", v)):

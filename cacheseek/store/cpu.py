@@ -9,7 +9,7 @@ from ..errors import StorageError
 from .arena import HostArena, Slot
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult, Reservation
+from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult, Reservation
 
 
 @dataclass(slots=True)
@@ -46,18 +46,18 @@ class CpuTier(IndexedTier):
 
     # -- writes ------------------------------------------------------------------------
 
-    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+    def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
         result = self.put_many([(key, frame)])[0]
         if result.error is not None:
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
         """Store several frames. Host bytes are copied before this returns; device
         payloads are copied on their device's to-host stream, and this returns once the
         copies are issued. A frame that cannot be stored gets ``error`` set; the others
         proceed."""
-        results = [PutResult(stored=None) for _ in items]
+        results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
             self._forget_landed()
             copies = None  # device copies of this call, issued together
@@ -243,20 +243,21 @@ class CpuTier(IndexedTier):
             self._reserved_bytes += sum(slot.nbytes for slot in slots)
             return [Reservation(nbytes, slot) for slot in slots]
 
-    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> TierPutResult:
         """Publish a reservation filled with the whole (checked, sealed) frame ``meta``
         describes. ``put`` does not count reservations, so it may have used their room since:
         blocks are evicted now, as ``put`` would have. A key stored meanwhile keeps its
         frame, and the reservation is given back."""
         return self.commit_many([(key, reservation, meta)])[0]
 
-    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True) -> list[PutResult]:
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
+                    sealed: bool = True) -> list[TierPutResult]:
         """:meth:`commit` for several frames, in order, under one lock. ``sealed=False``:
         the frames' checksums are still zero (computed when they leave memory)."""
         for _, reservation, meta in items:
             if meta.nbytes != reservation.nbytes:
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
-        results = [PutResult(stored=None) for _ in items]
+        results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
             for (key, reservation, meta), result in zip(items, results):
                 slot = self._take_back(reservation)

@@ -11,6 +11,7 @@ import torch
 
 from ..quant.tensors import host_view
 from .frame import header_prefix, seal_frame
+from .streams import on_stream, work_stream
 from .tier import BlockFrame, Reservation
 
 
@@ -52,25 +53,6 @@ def _host_tensor(view: memoryview) -> torch.Tensor:
         return torch.frombuffer(view, dtype=torch.uint8)
 
 
-_STREAMS: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-
-
-def work_stream(purpose: str, device: torch.device) -> torch.cuda.Stream:
-    """One long-lived stream per purpose and device ("encode", "to_host"). Long-lived, so
-    the caching allocator recycles the buffers made on it (a fresh stream per call would
-    cudaMalloc them anew), and apart from the caller's, so this work never holds up the
-    compute queued after it."""
-    key = (purpose, device)
-    stream = _STREAMS.get(key)
-    if stream is None:
-        stream = _STREAMS.setdefault(key, torch.cuda.Stream(device))
-    return stream
-
-
-def _to_host_stream(device: torch.device) -> torch.cuda.Stream:
-    return work_stream("to_host", device)
-
-
 class HostCopies:
     """Copies of frames' device payloads into host views, on each device's to-host stream.
 
@@ -81,12 +63,10 @@ class HostCopies:
     host view filled this way must not be read, freed or reused before :meth:`wait`
     returns (``wait`` raises whatever error the copies hit)."""
 
-    __slots__ = ("_callers", "_events", "_unmarked")
+    __slots__ = ("_events", "_synced", "_unmarked")
 
     def __init__(self) -> None:
-        # Per device, the caller's stream while ours is current (a stream context per copy
-        # costs more than the copy's own launch); given back by issue().
-        self._callers: dict[torch.device, torch.cuda.Stream] = {}
+        self._synced: set[torch.device] = set()  # devices whose to-host stream waited for the caller's
         self._unmarked: set[torch.device] = set()  # devices with copies after their last event
         self._events: list[torch.cuda.Event] = []
 
@@ -108,25 +88,21 @@ class HostCopies:
             if device.type != "cuda":
                 copy_entry(target, src)
                 continue
-            stream = _to_host_stream(device)
-            if device not in self._callers:
-                caller = torch.cuda.current_stream(device)
-                stream.wait_stream(caller)  # the payloads were made there
-                self._callers[device] = caller
-                torch.cuda.set_stream(stream)
-            copy_entry(target, src)
+            stream = work_stream("to_host", device)
+            if device not in self._synced:
+                stream.wait_stream(torch.cuda.current_stream(device))  # the payloads were made there
+                self._synced.add(device)
+            with on_stream(stream):
+                copy_entry(target, src)
             for piece in src if isinstance(src, (list, tuple)) else [src]:
                 piece.record_stream(stream)
             self._unmarked.add(device)
 
     def issue(self) -> None:
-        """Mark the copies started so far, and give the caller its streams back."""
-        for caller in reversed(list(self._callers.values())):
-            torch.cuda.set_stream(caller)
-        self._callers.clear()
+        """Mark the copies started so far."""
         for device in self._unmarked:
             event = torch.cuda.Event()
-            event.record(_to_host_stream(device))
+            event.record(work_stream("to_host", device))
             self._events.append(event)
         self._unmarked.clear()
 
@@ -207,5 +183,4 @@ __all__ = [
     "host_view",
     "payload_on_device",
     "reservation_span",
-    "work_stream",
 ]

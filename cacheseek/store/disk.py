@@ -30,7 +30,7 @@ import msgpack
 from ..errors import FrameError, StorageError
 from .frame import parse_frame
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
+from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
 
 SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
@@ -116,7 +116,7 @@ class DiskTier(IndexedTier):
 
     # -- writes --------------------------------------------------------------------------
 
-    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+    def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
         n = meta.nbytes
@@ -127,7 +127,7 @@ class DiskTier(IndexedTier):
         with self._lock:
             if key in self._index or key in self._writing:
                 self._index.touch([key])
-                return PutResult(stored=None)
+                return TierPutResult(stored=None)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and len(self._index):
                 victim = self._index.victim()
                 frame_v = self._read_frame(victim) if self.demote_evicted else None
@@ -162,7 +162,7 @@ class DiskTier(IndexedTier):
             self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
             self._stats.bytes_in += n
             self._sync_counts()
-        return PutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
+        return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 
     def _write_atomic(self, final: Path, segments: list) -> None:
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"

@@ -28,6 +28,7 @@ import xxhash
 from ..errors import ChecksumError, ConfigError, FrameError
 from ..layout import KVLayout
 from ..quant.payload import BUFFER_DTYPES
+from ..quant.registry import codec_from_spec
 
 MAGIC = b"CSKF"
 FORMAT_VERSION = 1
@@ -360,8 +361,6 @@ def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None 
 
 def check_codec_layout(meta: FrameMeta) -> None:
     """The tensor entries are exactly what the header's codec makes for its layout and block size."""
-    from ..quant import codec_from_spec
-
     try:
         codec = codec_from_spec(meta.codec)
     except ConfigError as exc:
@@ -372,9 +371,3 @@ def check_codec_layout(meta: FrameMeta) -> None:
     got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
     _expect(got == want, "tensor entries do not match codec {!r} for this layout", meta.codec.get("name"))
 
-
-def tensor_views(meta: FrameMeta, data: Any) -> list[memoryview]:
-    """Zero-copy views of each payload buffer, in entry order."""
-    view = memoryview(data).cast("B")
-    base = meta.payload_offset
-    return [view[base + e.offset : base + e.offset + e.nbytes] for e in meta.tensors]

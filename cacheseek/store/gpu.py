@@ -13,7 +13,7 @@ from ..errors import StorageError
 from .device import payload_on_device
 from .frame import FrameMeta
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, PutResult
+from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
 
 
 @dataclass(slots=True)
@@ -34,11 +34,11 @@ class GpuTier(IndexedTier):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._records: dict[bytes, _Record] = {}
 
-    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+    def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
         with self._lock:
             if key in self._records:
                 self._index.touch([key])
-                return PutResult(stored=None)
+                return TierPutResult(stored=None)
             if frame.nbytes > self.capacity_bytes:
                 self._stats.write_errors += 1
                 raise StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
@@ -55,7 +55,7 @@ class GpuTier(IndexedTier):
             self._index.add(key, BlockInfo(frame.meta.nbytes, frame.meta.raw_nbytes, frame.meta.parent_hash, frame.meta.position))
             self._stats.bytes_in += frame.nbytes
             self._sync_counts()
-            return PutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
+            return TierPutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()

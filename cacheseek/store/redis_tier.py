@@ -38,7 +38,7 @@ from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
-from .tier import BlockFrame, BlockInfo, PutResult, Tier
+from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
 T = TypeVar("T")
 
@@ -88,7 +88,7 @@ class _Batch:
     """One ``put_many`` in flight: the frames, their results, and which still go to Redis."""
 
     items: list[tuple[bytes, BlockFrame]]
-    results: list[PutResult] = field(default_factory=list)
+    results: list[TierPutResult] = field(default_factory=list)
     todo: list[int] = field(default_factory=list)  # indexes still to send to Redis
 
 
@@ -183,16 +183,16 @@ class RedisTier(Tier):
 
     # -- writes --------------------------------------------------------------------------
 
-    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+    def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
         result = self.put_many([(key, frame)])[0]
         if result.error is not None:
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
-        batch = _Batch(items=list(items), results=[PutResult(stored=None) for _ in items])
+        batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])
         for i, (key, frame) in enumerate(batch.items):
             if frame.nbytes > self.capacity_bytes:
                 batch.results[i].error = StorageError(

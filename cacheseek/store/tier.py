@@ -100,7 +100,7 @@ class TierStats:
 
 
 @dataclass(slots=True)
-class PutResult:
+class TierPutResult:
     """``stored``: the frame as this tier now holds it (None if it was already there).
     ``evicted``: blocks pushed out to make room, with their frames when demotion wants them.
     ``error``: why this frame could not be stored (batch puts only; single puts raise)."""
@@ -150,7 +150,7 @@ class Tier(ABC):
         self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
 
     @abstractmethod
-    def put(self, key: bytes, frame: BlockFrame) -> PutResult:
+    def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
         """Store ``frame`` (evicting blocks to fit, in the tier's eviction order). Raises ``StorageError`` if it cannot."""
 
     @abstractmethod
@@ -166,14 +166,14 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[bytes]: ...
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
         """Store several frames; a failure is reported in its result, not raised."""
         out = []
         for key, frame in items:
             try:
                 out.append(self.put(key, frame))
             except StorageError as exc:
-                out.append(PutResult(stored=None, error=exc))
+                out.append(TierPutResult(stored=None, error=exc))
         return out
 
     def reserve(self, nbytes: int) -> Reservation | None:
@@ -187,10 +187,11 @@ class Tier(ABC):
         run one device copy fills), or None, as :meth:`reserve`."""
         return None
 
-    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutResult:
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> TierPutResult:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
-    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True) -> list[PutResult]:
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
+                    sealed: bool = True) -> list[TierPutResult]:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def abort(self, reservation: Reservation) -> None:

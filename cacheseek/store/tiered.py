@@ -26,11 +26,11 @@ from typing import Any
 from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
-from .tier import BlockFrame, BlockInfo, PutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
 
 
 @dataclass(slots=True)
-class PutOutcome:
+class StorePutResult:
     """What happened to one block: newly ``stored`` somewhere, already ``present`` at the
     top, and the tiers that failed with why (a failed tier never fails the whole put)."""
 
@@ -92,14 +92,14 @@ class TieredStore:
 
     # -- writes --------------------------------------------------------------------------
 
-    def put(self, key: bytes, frame: BlockFrame) -> PutOutcome:
+    def put(self, key: bytes, frame: BlockFrame) -> StorePutResult:
         return self.put_many([(key, frame)])[0]
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[PutOutcome]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
         """Store blocks in the top tier and every write-through tier."""
         for use_filter in self.filters.values():
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
-        outcomes = [PutOutcome() for _ in items]
+        outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
         written = []
@@ -115,7 +115,7 @@ class TieredStore:
         self._write_through(written)
         return outcomes
 
-    def _write_through(self, items: list[tuple[bytes, BlockFrame, PutOutcome]]) -> None:
+    def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
         before it stored (rather than from the device again)."""
         previous = self.tiers[0]
@@ -140,7 +140,7 @@ class TieredStore:
             items, previous = nxt, tier
 
     @staticmethod
-    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, PutOutcome]]) -> list:
+    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> list:
         out = []
         for item in items:
             use_filter.size_from(item[1].nbytes)
@@ -305,18 +305,18 @@ class TieredStore:
         """``count`` reservations laid end to end in the top tier (see ``Tier.reserve_run``)."""
         return self.tiers[0].reserve_run(nbytes, count, grow=grow)
 
-    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> PutOutcome:
+    def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> StorePutResult:
         """Publish a filled reservation in the top tier, then write it through as ``put_many``
         does. If the top tier got the key meanwhile, its writer wrote it through."""
         return self.commit_many([(key, reservation, meta)])[0]
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True) -> list[PutOutcome]:
+                    sealed: bool = True) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet)."""
         for use_filter in self.filters.values():
             use_filter.use(key for key, _, _ in items)
-        outcomes = [PutOutcome() for _ in items]
+        outcomes = [StorePutResult() for _ in items]
         stored = []
         for (key, _, _), result, outcome in zip(items, self.tiers[0].commit_many(items, sealed=sealed), outcomes):
             self._demote(0, result.evicted)
@@ -349,4 +349,4 @@ def _on_host(frame: BlockFrame) -> BlockFrame:
     return frame_to_host(frame)
 
 
-__all__ = ["PutOutcome", "PutResult", "TieredStore"]
+__all__ = ["StorePutResult", "TierPutResult", "TieredStore"]

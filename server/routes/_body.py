@@ -7,7 +7,7 @@ from typing import Any
 
 from fastapi import Request
 
-from cacheseek.wire import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
+from cacheseek.batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
 
 from ..errors import BadRequest, TooLarge
 from ..protocol import BODY_INTO

@@ -12,7 +12,7 @@ from starlette.responses import StreamingResponse
 from cacheseek.errors import StorageError
 from cacheseek.store.frame import PayloadChecksum
 from cacheseek.store.tier import Reservation
-from cacheseek.wire import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, check_frame_length
+from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, check_frame_length
 
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
@@ -87,9 +87,9 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             # With the checksum computed as the frame arrived, what is left of the check
             # (~0.1 ms, no I/O) costs less here than a hand-off to a worker thread.
             if reservation is not None:
-                frames.append(service.check_reserved(reservation, where=where, payload_digest=checksum.digest()))
+                frames.append(service.check_client_reserved(reservation, where=where, payload_digest=checksum.digest()))
             else:
-                frames.append(service.check_frame(buf, where=where, payload_digest=checksum.digest()))
+                frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
             del buf
         reports = await run_in_threadpool(service.put, caller.namespace, frames)
     finally:

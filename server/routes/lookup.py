@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import Route
 
-from cacheseek.wire import FRAME_CONTENT_TYPE
+from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of

@@ -33,9 +33,16 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
+# The server stores and streams frames as they are: it never encodes or decodes KV, so it
+# loads no kernels (nor torch). Clients say which kernels they run in their own stats().
+KERNELS = {"kernels": "not used",
+           "kernels_reason": "this server stores and streams encoded frames; clients encode and decode KV "
+                             "(RemoteCache.stats() says which kernels a client runs)"}
+
+
 @router.get("/readyz", responses={503: {"description": "starting or shutting down"}})
 async def readyz(request: Request) -> dict[str, str]:
     """Readiness: the store is open and the server is not shutting down."""
     if getattr(request.app.state, "service", None) is None or getattr(request.app.state, "closing", False):
         raise NotReady("the store is not open")
-    return {"status": "ready"}
+    return {"status": "ready", **KERNELS}

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
+from cacheseek.batch_body import BATCH_CONTENT_TYPE, LENGTH
+
 from ..deps import Hash, Reader, Service
-from cacheseek.wire import BATCH_CONTENT_TYPE, LENGTH
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek import block_io, offload
+from cacheseek import batching, ingest_in_place
 from cacheseek.errors import InputError
 from cacheseek.store import cpu as cpu_tier
 from cacheseek.store.cpu import CpuTier
@@ -127,13 +127,25 @@ def test_write_through_and_close_settle_the_copies_first(landings, tmp_path):
     assert log[-1] == "05"
 
 
-def test_pipeline_batches():
+def test_the_put_path_pipelines_three_batches_of_at_least_128_mib():
     mb = 1 << 20
-    assert block_io.pipeline_blocks(16, 32, 32 * mb) == 6  # 16 Llama-3-8B blocks: 3 batches
-    assert block_io.pipeline_blocks(16, 3, 32 * mb) == 3  # never above the configured batch
-    assert block_io.pipeline_blocks(3, 32, 32 * mb) == 4  # not below 128 MiB of raw KV a batch
-    assert block_io.pipeline_blocks(40, 32, mb) == 32  # small blocks: the batch size decides
-    assert block_io.pipeline_blocks(1, 32, 1 << 30) == 1
+    assert batching.pipelined_batch_blocks(16, 32, 32 * mb) == 6  # 16 Llama-3-8B blocks: 3 batches
+    assert batching.pipelined_batch_blocks(16, 3, 32 * mb) == 3  # never above the configured batch
+    assert batching.pipelined_batch_blocks(3, 32, 32 * mb) == 4  # not below 128 MiB of raw KV a batch
+    assert batching.pipelined_batch_blocks(40, 32, mb) == 32  # small blocks: the batch size decides
+    assert batching.pipelined_batch_blocks(1, 32, 1 << 30) == 1
+
+
+def test_the_in_place_ingest_starts_at_128_mib_and_doubles():
+    mb = 1 << 20
+    assert batching.first_batch_blocks(32 * mb) == 4
+    assert batching.first_batch_blocks(1 << 30) == 1
+    # 16 new blocks, tail first: 4, then the 12 left (doubling to 8 would leave a runt of 4).
+    assert batching.growing([(0, 16)], 4) == [(12, 16), (0, 12)]
+    assert batching.growing([(0, 64)], 4) == [(60, 64), (52, 60), (36, 52), (0, 36)]
+    assert batching.growing([(10, 12), (0, 4)], 4) == [(10, 12), (0, 4)]  # only the tail's batch is cut
+    assert batching.copy_pieces(12) == [(4, 12), (0, 4)] and batching.copy_pieces(7) == [(0, 7)]
+    assert list(batching.runs([True, True, False, True, True, True], 2)) == [(0, 2), (3, 5), (5, 6)]
 
 
 # -- ingest in place: runs of reserved slots, one copy each, committed after the check ----
@@ -249,8 +261,8 @@ def test_a_fragmented_tier_gets_shorter_runs(monkeypatch):
 def guessing(monkeypatch):
     """Ingests launch the chain's tail before hashing on the CPU too (on a GPU they do
     anyway), with a first batch of two blocks."""
-    monkeypatch.setattr(offload, "GUESS_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(offload, "FIRST_BATCH_BYTES", 2 * LAYOUT.raw_nbytes(BLOCK))
+    monkeypatch.setattr(ingest_in_place, "GUESS_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(batching, "MIN_BATCH_BYTES", 2 * LAYOUT.raw_nbytes(BLOCK))
 
 
 def test_a_guessed_tail_found_stored_is_given_back(guessing):
@@ -306,8 +318,7 @@ def test_frames_written_in_place_are_sealed_on_their_way_to_disk(tmp_path):
 # -- the real thing, on a GPU ------------------------------------------------------------
 
 def _small_batches(monkeypatch) -> None:
-    monkeypatch.setattr(block_io, "PIPELINE_MIN_BYTES", 0)
-    monkeypatch.setattr(offload, "FIRST_BATCH_BYTES", 0)  # a first batch of one block
+    monkeypatch.setattr(batching, "MIN_BATCH_BYTES", 0)  # a first batch of one block
 
 
 def _gpu_cache(codec, cpu="16MiB", **kw) -> cs.PrefixCache:
@@ -427,7 +438,7 @@ def test_a_failed_launch_gives_its_reservations_back(monkeypatch):
         calls.append(1)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(offload, "encode_into", broken)
+    monkeypatch.setattr(ingest_in_place, "encode_into", broken)
     with pytest.raises(RuntimeError, match="device lost"):
         cache.ingest(tokens_for(52, 4 * BLOCK), make_kv(4 * BLOCK, 52))
     assert calls and _tier_state(cache) == {"blocks": 0, "used_bytes": 0, "evictions": 0, "bytes_in": 0,

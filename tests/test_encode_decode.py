@@ -4,9 +4,11 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek.block_io import block_parents, decode_frames, encode_blocks
+from cacheseek.block_format import BlockFormat
+from cacheseek.decode import decode_frames
+from cacheseek.encode import encode_blocks
 from cacheseek.store.device import frame_to_host
-from store_helpers import BLOCK, LAYOUT, make_kv
+from store_helpers import BLOCK, LAYOUT, block_parents, make_kv
 
 
 @pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8)])
@@ -14,12 +16,12 @@ def test_staged_and_direct_encodings_give_identical_frames(codec):
     kv = make_kv(5 * BLOCK + 3, 21)
     hashes = [bytes([i]) * 16 for i in range(1, 4)]
     args = dict(first_block=1, hashes=hashes, parents=block_parents(b"\x00" * 16, hashes))
-    staged = encode_blocks(codec, LAYOUT, BLOCK, kv, staging=True, **args)
-    direct = encode_blocks(codec, LAYOUT, BLOCK, kv, staging=False, **args)
+    staged = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, staging=True, **args)
+    direct = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, staging=False, **args)
     for a, b in zip(staged, direct):
         assert frame_to_host(a).to_bytes() == frame_to_host(b).to_bytes()
         assert a.meta.position == b.meta.position
-    k, v = decode_frames(codec, LAYOUT, BLOCK, [frame_to_host(f) for f in staged], torch.device("cpu"))
+    k, v = decode_frames(BlockFormat(codec, LAYOUT, BLOCK), [frame_to_host(f) for f in staged], torch.device("cpu"))
     assert k.shape == (LAYOUT.num_layers, LAYOUT.num_kv_heads, 3 * BLOCK, LAYOUT.head_dim)
     if codec.name == "raw":
         for layer, (k0, v0) in enumerate(kv):
@@ -31,7 +33,7 @@ def test_batch_rows_given_to_a_device_tier_do_not_pin_the_batch():
 
     kv = make_kv(2 * BLOCK, 22)
     hashes = [b"\x01" * 16, b"\x02" * 16]
-    frames = encode_blocks(cs.Raw(), LAYOUT, BLOCK, kv, staging=True, first_block=0, hashes=hashes,
+    frames = encode_blocks(BlockFormat(cs.Raw(), LAYOUT, BLOCK), kv, staging=True, first_block=0, hashes=hashes,
                            parents=block_parents(b"\x00" * 16, hashes))
     owned = payload_on_device(frames[1], torch.device("cpu"))
     assert owned.untyped_storage().nbytes() == owned.numel()
@@ -41,24 +43,24 @@ def test_batch_rows_given_to_a_device_tier_do_not_pin_the_batch():
 @pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8, group_size=32)])
 def test_the_kernels_read_the_layers_in_place_and_give_the_stacked_frames(codec, monkeypatch):
     pytest.importorskip("triton")
-    from cacheseek.quant import kivi
+    from cacheseek.quant import backend
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on a CPU
     kv = make_kv(4 * BLOCK + 5, 23, device=device)
     hashes = [bytes([i]) * 16 for i in range(1, 4)]
     args = dict(first_block=1, hashes=hashes, parents=block_parents(b"\x00" * 16, hashes), staging=True)
-    monkeypatch.setenv(kivi.BACKEND_ENV, "triton")
-    in_place = encode_blocks(codec, LAYOUT, BLOCK, kv, **args)
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
+    in_place = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)
     # Layers of different strides cannot share one table: the same frames, through a stacked copy.
     mixed = list(kv)
     mixed[0] = (torch.empty(LAYOUT.num_kv_heads, 9 * BLOCK, LAYOUT.head_dim, dtype=kv[0][0].dtype,
                             device=device)[:, : kv[0][0].shape[1]].copy_(kv[0][0]), kv[0][1])
-    stacked = encode_blocks(codec, LAYOUT, BLOCK, mixed, **args)
-    monkeypatch.setenv(kivi.BACKEND_ENV, "torch")
-    reference = encode_blocks(codec, LAYOUT, BLOCK, kv, **args)
+    stacked = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), mixed, **args)
+    monkeypatch.setenv(backend.BACKEND_ENV, "torch")
+    reference = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)
     for a, b, c in zip(in_place, stacked, reference):
         assert frame_to_host(a).to_bytes() == frame_to_host(b).to_bytes() == frame_to_host(c).to_bytes()
     kv[1][0][0, 2 * BLOCK, 0] = float("nan")  # block 2
-    monkeypatch.setenv(kivi.BACKEND_ENV, "triton")
+    monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     with pytest.raises(cs.InputError, match="NaN or Inf"):
-        encode_blocks(codec, LAYOUT, BLOCK, kv, **args)
+        encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)

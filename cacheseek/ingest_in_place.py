@@ -11,9 +11,10 @@ input publishes nothing (a full tier evicts only at commit, having lent the batc
 reserve: ``TierConfig.cpu_reserve_bytes``). On the host, the slots themselves are encoded into.
 
 The chain's last blocks are launched before the keys are known (``guess_tail``), so the
-copy engine starts while the host hashes the prompt; later batches double in size, each
-launched once the one before is queued, so its encoding (on a side stream) overlaps the
-copy before it, and the host commits landed pieces while later ones are copied.
+copy engine starts while the host hashes the prompt; later batches double in size
+(``batching.growing``), each launched once the one before is queued, so its encoding (on
+a side stream) overlaps the copy before it, and the host commits landed pieces while
+later ones are copied.
 
     host    launch tail | hash, plan | reserve+launch b1 | ... | commit tail | commit b1 ...
     encode      [k0]                      [k1]
@@ -30,18 +31,18 @@ from typing import Any
 
 import torch
 
-from .block_io import encode_into, flags_to_host, payload_views, plan_block, true_runs
+from . import batching
+from .block_format import BlockFormat
+from .encode import encode_into, flags_to_host
 from .errors import InputError
-from .layout import KVLayout
-from .quant.codec import KVLayerCodec
+from .staging import payload_views
 from .store.arena import slot_stride
-from .store.device import reservation_span, work_stream
-from .store.frame import FrameMeta, header_prefix, replan_frame
+from .store.device import reservation_span
+from .store.frame import FrameMeta, header_prefix
+from .store.streams import on_stream, work_stream
 from .store.tier import Reservation
-from .store.tiered import PutOutcome, TieredStore
+from .store.tiered import StorePutResult, TieredStore
 
-FIRST_BATCH_BYTES = 128 << 20  # raw KV in the first batch: its encoding is the only one not hidden
-LAST_PIECE = 4  # frames in the last copy of a long run (see launch)
 GUESS_ON = ("cuda",)  # devices whose ingests launch the chain's tail before hashing (guess_tail)
 
 
@@ -70,18 +71,17 @@ class InPlaceIngest:
     (optional, before the keys are known), then ``run``; ``abandon`` if the call fails
     between the two."""
 
-    def __init__(self, store: TieredStore, codec: KVLayerCodec, layout: KVLayout, block_tokens: int,
-                 layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.store, self.codec, self.layout, self.block_tokens, self.layers = store, codec, layout, block_tokens, layers
+    def __init__(self, store: TieredStore, fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.store, self.format, self.layers = store, fmt, layers
+        self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
         self.device = layers[0][0].device
-        self.prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+        self.prepared = self.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         if self.device.type == "cuda":
-            self.caller_stream = torch.cuda.current_stream(self.device)
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
-            self.encode_stream.wait_stream(self.caller_stream)  # the KV was made there
+            self.encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV was made there
         self.pending: deque[_Run] = deque()
-        self.outcomes: list[PutOutcome | None] = []
+        self.outcomes: list[StorePutResult | None] = []
         self.committed: list[bytes] = []
         self.guessed: tuple[int, int] | None = None  # blocks launched by guess_tail
 
@@ -93,13 +93,13 @@ class InPlaceIngest:
         copy engine then starts without waiting for the host to hash the prompt. Blocks
         that turn out stored are given back once their copy has landed. Only on a GPU, and
         only for calls long enough that the first batch is not all of it."""
-        first = max(1, FIRST_BATCH_BYTES // self.layout.raw_nbytes(self.block_tokens))
+        first = batching.first_batch_blocks(self.layout.raw_nbytes(self.block_tokens))
         if self.device.type not in GUESS_ON or num_blocks < 2 * first:
             return
         start = num_blocks - first
         unknown = bytes(hash_size)  # the real keys go into the headers at commit: same sizes
-        metas = [plan_block(self.codec, self.layout, self.block_tokens, block_hash=unknown, parent_hash=unknown,
-                            position=i) for i in range(start, num_blocks)]
+        metas = [self.format.plan(block_hash=unknown, parent_hash=unknown, position=i)
+                 for i in range(start, num_blocks)]
         if len({m.nbytes for m in metas}) != 1:
             return  # a header grows a byte within these blocks: not worth a second run
         reservations = self.store.reserve_run(metas[0].nbytes, first, grow=True)
@@ -111,7 +111,7 @@ class InPlaceIngest:
     # -- the call ---------------------------------------------------------------------------
 
     def run(self, hashes: Sequence[bytes], parents: Sequence[bytes], present: Sequence[bool],
-            batch_blocks: int) -> list[PutOutcome | None]:
+            batch_blocks: int) -> list[StorePutResult | None]:
         """Store every block not ``present`` (see the module doc); the outcome of each block,
         None for those not handled here: already present, or no room could be reserved for
         them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
@@ -121,25 +121,18 @@ class InPlaceIngest:
         if self.guessed is not None:
             g0, g1 = self.guessed
             guessed = self.pending[0]
-            guessed.metas = [replan_frame(guessed.metas[0], block_hash=hashes[i], parent_hash=parents[i], position=i)
-                             for i in range(g0, g1)]
+            guessed.metas = self.format.plan_run(g0, hashes[g0:g1], parents[g0:g1])
             guessed.skip = [present[i] for i in range(g0, g1)]
             missing[g0:g1] = [False] * (g1 - g0)
-        batches = list(true_runs(missing, batch_blocks))
+        batches = list(batching.runs(missing, batch_blocks))
         batches.reverse()  # the chain's end first
         if batches and self.device.type == "cuda":
-            first = max(1, FIRST_BATCH_BYTES // self.layout.raw_nbytes(self.block_tokens))
-            batches = _growing(batches, first if self.guessed is None else 2 * first)
-        template = None
+            first = batching.first_batch_blocks(self.layout.raw_nbytes(self.block_tokens))
+            batches = batching.growing(batches, first if self.guessed is None else 2 * first)
         try:
             try:
                 for start, stop in batches:
-                    if template is None:
-                        template = plan_block(self.codec, self.layout, self.block_tokens, block_hash=hashes[start],
-                                              parent_hash=parents[start], position=start)
-                    metas = [replan_frame(template, block_hash=hashes[i], parent_hash=parents[i], position=i)
-                             for i in range(start, stop)]
-                    self._launch_batch(start, metas)
+                    self._launch_batch(start, self.format.plan_run(start, hashes[start:stop], parents[start:stop]))
             except _NoRoom:
                 pass  # the blocks not launched are left to the caller
             while self.pending:
@@ -186,9 +179,7 @@ class InPlaceIngest:
         start, span = meta.payload_offset, (count - 1) * stride + meta.payload_nbytes
         host = reservation_span(reservations[0], 0, start + span)
         t0 = first * self.block_tokens
-        # A long run is copied in two pieces, its head end last and small: the commit that
-        # waits for the last copy (and ends the call) then has only a few frames to do.
-        split = [(LAST_PIECE, count), (0, LAST_PIECE)] if count >= 2 * LAST_PIECE else [(0, count)]
+        split = batching.copy_pieces(count)
         if self.device.type != "cuda":
             # KV in host memory: the slots themselves are the staging, encoded in place
             # (the pieces are only committed in turn).
@@ -197,26 +188,22 @@ class InPlaceIngest:
             self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
             return
         pieces = []
-        # set_stream, not stream contexts: a context costs ~20 µs, more than the copy's launch.
-        torch.cuda.set_stream(self.encode_stream)
-        try:
+        with on_stream(self.encode_stream):
             staging = torch.empty(start + span, dtype=torch.uint8, device=self.device)
             flags = flags_to_host(encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
                                               payload_views(staging, meta.tensors, count, stride, meta.payload_offset)))
             encoded = torch.cuda.Event()
             encoded.record(self.encode_stream)
-            # The slots' headers are copied over too (staging garbage between payloads): each
-            # is written once the copy has landed, in commit_oldest().
-            self.copy_stream.wait_event(encoded)
-            torch.cuda.set_stream(self.copy_stream)
+        # The slots' headers are copied over too (staging garbage between payloads): each
+        # is written once the copy has landed, in commit_oldest().
+        self.copy_stream.wait_event(encoded)
+        with on_stream(self.copy_stream):
             for a, b in split:
                 lo, hi = start + a * stride, start + (b - 1) * stride + meta.payload_nbytes
                 host[lo:hi].copy_(staging[lo:hi], non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(self.copy_stream)
                 pieces.append((a, b, landed))
-        finally:
-            torch.cuda.set_stream(self.caller_stream)
         staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
         self.pending.append(_Run(first, metas, reservations, flags, pieces))
 
@@ -271,21 +258,6 @@ class InPlaceIngest:
                         landed.synchronize()
             for reservation in run.reservations:
                 self.store.abort(reservation)  # (idempotent: some may be given back already)
-
-
-def _growing(batches: list[tuple[int, int]], first: int) -> list[tuple[int, int]]:
-    """``batches`` (tail first) with the first cut into batches of ``first`` blocks, then
-    twice as many, and so on: the copy engine starts after a short encode, and each batch's
-    copy lasts long enough for the host to launch the next (a launch costs the same for
-    any size)."""
-    start, stop = batches[0]
-    out = []
-    size = first
-    while stop - start > size + size // 2:
-        out.append((stop - size, stop))
-        stop -= size
-        size *= 2
-    return [*out, (start, stop), *batches[1:]]
 
 
 class _NoRoom(Exception):

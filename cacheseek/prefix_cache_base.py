@@ -1,5 +1,6 @@
-"""What ``PrefixCache`` and ``RemoteCache`` share: their configuration, their keys, and
-the shape of their answers. The two differ only in where the tiers are."""
+"""``PrefixCacheBase``: what ``PrefixCache`` and ``RemoteCache`` share: their configuration,
+their keys and frames, and the shape of their answers. The two differ only in where the
+tiers are."""
 
 from __future__ import annotations
 
@@ -7,17 +8,19 @@ from typing import Any
 
 import torch
 
+from .block_format import BlockFormat
 from .hashing import BlockHash
 from .layout import KVLayout
 from .prefix_keys import PrefixKeys
+from .quant import backend
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
 from .results import Located, Materialized
 from .units import parse_size
 
 
-class CacheFront:
-    """Configuration and keys of one cache: a model, a KV layout, a codec, a block size."""
+class PrefixCacheBase:
+    """Configuration, keys and frames of one cache: a model, a KV layout, a codec, a block size."""
 
     def __init__(
         self,
@@ -39,9 +42,23 @@ class CacheFront:
         self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
                                       block_tokens=block_tokens, hash_algo=hash_algo)
         self.root = self.keys.root
-        self._codec_spec = self.codec.spec()
+        self.block_format = BlockFormat(self.codec, layout, block_tokens)
+        self._codec_spec = self.block_format.codec_spec
         batch = parse_size(max_batch_bytes, name="max_batch_bytes")
         self._batch_blocks = max(1, batch // layout.raw_nbytes(block_tokens))
+        if backend.forced_triton():
+            backend.kernel_backend()  # raises now, naming the reason, if the kernels cannot load
+
+    def _config_stats(self) -> dict[str, Any]:
+        """What ``stats()`` says of this cache's configuration: the model, the codec, the block
+        size, and which kernels encode and decode KV on a GPU (``kernels``: "triton", or
+        "torch-reference" with ``kernels_reason``)."""
+        kernels, why = backend.kernel_backend()
+        out = {"model_id": self.model_id, "namespace": self.namespace, "codec": self._codec_spec,
+               "block_tokens": self.block_tokens, "kernels": kernels}
+        if why is not None:
+            out["kernels_reason"] = why
+        return out
 
     def block_hashes(self, keys: Any) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""
@@ -72,14 +89,14 @@ class CacheFront:
     def _nothing(device: torch.device) -> Materialized:
         return Materialized(0, 0, [], [], device)
 
-    def locate(self, keys: Any) -> Located:  # pragma: no cover - each front implements it
+    def locate(self, keys: Any) -> Located:  # pragma: no cover - each cache implements it
         raise NotImplementedError
 
     def lookup(self, keys: Any) -> int:
         """Tokens covered by stored full blocks, from the start."""
         return self.locate(keys).num_tokens
 
-    def close(self) -> None:  # pragma: no cover - each front implements it
+    def close(self) -> None:  # pragma: no cover - each cache implements it
         raise NotImplementedError
 
     def __enter__(self):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cacheseek.transport import BulkTransport
-from cacheseek.wire import BatchFormatError, BatchReader, BatchTooLarge
+from cacheseek.batch_body import BatchFormatError, BatchReader, BatchTooLarge
 from server_helpers import Server, batch_body, raw_frame
 
 FRAMES = [raw_frame(i, block=8)[1] for i in range(3)]
@@ -57,7 +57,7 @@ def test_bulk_transport_reuses_connections_and_reports_a_dead_server(tmp_path):
 
 
 def test_iter_frames_reads_a_prefix_stream_with_either_transport(tmp_path):
-    from cacheseek.wire import iter_frames
+    from cacheseek.batch_body import iter_frames
     from server_helpers import raw_chain
 
     chain = raw_chain(9, 4)

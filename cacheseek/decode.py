@@ -1,0 +1,146 @@
+"""Block frames -> KV on the target device: ``BatchDecoder``, the materialize path shared by
+PrefixCache and RemoteCache.
+
+The payloads of n blocks land in one device staging buffer at a fixed stride (one copy per
+block, host-to-device when they come from host memory), are viewed as [n, L, H, ...] with
+``as_strided``, and one codec call decodes them straight into the [L, H, n*B, D] outputs.
+Full-precision KV is only ever built on the target device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .block_format import BlockFormat
+from .errors import FrameError
+from .staging import payload_views, staging_stride
+from .store.device import as_host_tensor, copy_entry
+from .store.frame import FrameMeta
+from .store.streams import on_stream, work_stream
+from .store.tier import BlockFrame
+
+
+class BatchDecoder:
+    """Decodes up to ``max_blocks`` consecutive blocks into [L, H, n*B, D] K and V on ``device``.
+
+    ``add`` starts a frame's copy into a staging buffer at once. On a GPU the copies run on
+    a side stream and every ``chunk_blocks`` blocks are decoded as soon as they have landed,
+    so decoding overlaps the transfer of the next blocks; ``finish`` decodes the rest.
+    The host's work per block is a copy launch: the staging views are made once, and each
+    chunk costs one codec call.
+    """
+
+    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, chunk_blocks: int = 8) -> None:
+        self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
+        self.max_blocks, self.device = max_blocks, device
+        self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
+        self._chunk = chunk_blocks
+        self._meta0: FrameMeta | None = None
+        self._staging: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
+        self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+        self._decoded = 0
+        self._k: torch.Tensor | None = None  # made at the first decode: the first copy starts sooner
+        self._v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def _start(self, meta: FrameMeta) -> None:
+        """Lay out the staging rows for frames like ``meta``, and check the codec agrees."""
+        L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+        template = self.codec.template((self.max_blocks, L, H, B, D), self.layout.dtype)
+        for (name, spec, _), entry in zip(template.named_buffers(), meta.tensors, strict=True):
+            if entry.name != name or entry.dtype != spec.dtype or (self.max_blocks, *entry.shape) != spec.shape:
+                raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
+        stride = staging_stride(meta.payload_nbytes)
+        self._staging = torch.empty((self.max_blocks, stride), dtype=torch.uint8, device=self.device)
+        self._views = payload_views(self._staging, meta.tensors, self.max_blocks, stride)
+        self._meta0 = meta
+        if self._copy_stream is not None:
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def add(self, frame: BlockFrame) -> None:
+        if len(self._frames) >= self.max_blocks:
+            raise RuntimeError(f"BatchDecoder holds {self.max_blocks} blocks already")
+        if self._meta0 is None:
+            self._start(frame.meta)
+        elif frame.meta.tensors != self._meta0.tensors:
+            raise FrameError("frames of one chain disagree on their payload layout")
+        dst = self._staging[len(self._frames)]
+        if self._copy_stream is None:
+            self._copy(frame, dst)
+        else:
+            with on_stream(self._copy_stream):
+                self._copy(frame, dst)
+        self._frames.append(frame)
+        pending, left = len(self._frames) - self._decoded, self.max_blocks - len(self._frames)
+        # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
+        if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
+            self._decode_pending()
+
+    def _copy(self, frame: BlockFrame, dst: torch.Tensor) -> None:
+        if frame.device_payload is not None:
+            dst[: self._meta0.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
+        elif frame.device_entries is not None:
+            for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
+                copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
+        else:
+            dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+
+    def _decode_pending(self) -> None:
+        j0, j1 = self._decoded, len(self._frames)
+        if j1 == j0:
+            return
+        if self._copy_stream is not None:
+            landed = torch.cuda.Event()
+            landed.record(self._copy_stream)
+            torch.cuda.current_stream(self.device).wait_event(landed)
+        L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+        if self._k is None:
+            self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
+            self._v = torch.empty_like(self._k)
+            as_blocks = (L, H, self.max_blocks, B, D)
+            self._k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
+            self._v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
+        template = self.codec.template((j1 - j0, L, H, B, D), self.layout.dtype)
+        out = (self._k_blocks[j0:j1], self._v_blocks[j0:j1])
+        self.codec.decode(template.with_buffers([v[j0:j1] for v in self._views]), self.device, out=out)
+        self._decoded = j1
+
+    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused),
+        decoded on the current stream. ``wait=False``: the caller calls :meth:`wait` before
+        the frames added may be released (their copies may still be in flight)."""
+        n = len(self._frames)
+        if n == 0:
+            raise RuntimeError("BatchDecoder.finish: no frames were added")
+        self._decode_pending()
+        if wait:
+            self.wait()
+        tokens = n * self.block_tokens
+        if n == self.max_blocks:
+            return self._k, self._v
+        return self._k[:, :, :tokens], self._v[:, :, :tokens]
+
+    def wait(self) -> None:
+        """Return once every copy out of the frames added is done; the frames are released."""
+        if self._copy_stream is not None and self._frames:
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)  # this decoder's copies, queued before now
+            copied.synchronize()
+        self._frames.clear()
+
+
+def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode n consecutive blocks into K and V of shape [L, H, n*B, D] on ``device``."""
+    decoder = BatchDecoder(fmt, len(frames), device)
+    for frame in frames:
+        decoder.add(frame)
+    return decoder.finish()
+
+
+__all__ = ["BatchDecoder", "decode_frames"]

@@ -1,0 +1,238 @@
+"""KV layers -> block frames, in batches: the put path shared by PrefixCache and RemoteCache.
+
+The token range of every layer is stacked once on the KV's own device into [L, H, n*B, D]
+and viewed as [n, L, H, B, D], so one codec call (one kernel launch per K and V) encodes
+n blocks of all layers; with the Triton kernels the layers are read in place, with no
+stacked copy. Each block's frame points at its row of one staging buffer; the bytes are
+copied only when a tier takes them. Raw KV on the host is not staged at all: its frames
+point at the caller's own slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from . import batching
+from .block_format import BlockFormat
+from .quant.backend import kernels_available
+from .quant.codec import KVLayerCodec
+from .quant.tensors import all_finite
+from .staging import payload_views, staging_stride
+from .store.streams import on_stream, work_stream
+from .store.tier import BlockFrame
+
+_UNPREPARED: Any = object()  # _encode_deferred asks the codec to prepare the layers itself
+
+
+def _stack(layers: list[tuple[torch.Tensor, torch.Tensor]], t0: int, n: int, block_tokens: int):
+    t1 = t0 + n * block_tokens
+    k = torch.stack([k[:, t0:t1] for k, _ in layers])
+    v = torch.stack([v[:, t0:t1] for _, v in layers])
+    L, H, _, D = k.shape
+    as_blocks = (L, H, n, block_tokens, D)
+    return k.view(as_blocks).permute(2, 0, 1, 3, 4), v.view(as_blocks).permute(2, 0, 1, 3, 4)
+
+
+def encode_blocks(
+    fmt: BlockFormat,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    first_block: int,
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    staging: bool | None = None,
+) -> list[BlockFrame]:
+    """Frames for ``len(hashes)`` consecutive blocks starting at block ``first_block``.
+
+    With ``staging`` (the default on a GPU), the payloads of all n blocks are assembled in
+    one device buffer at a fixed stride, so moving a block to host memory later is one
+    contiguous copy. Raises ``InputError`` on NaN or Inf.
+    """
+    frames, finite = _encode_deferred(fmt, layers, first_block, hashes, parents, staging)
+    device = layers[0][0].device
+    if device.type == "cuda" and finite.device.type == "cpu":
+        torch.cuda.current_stream(device).synchronize()  # the kernels write the flags in host memory
+    fmt.codec.check_finite(finite)
+    return frames
+
+
+def _encode_deferred(
+    fmt: BlockFormat,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    first_block: int,
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    staging: bool | None = None,
+    prepared: Any = _UNPREPARED,
+) -> tuple[list[BlockFrame], torch.Tensor]:
+    """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
+    validity flags, which must be checked before the frames are used. ``prepared``: the
+    codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches."""
+    codec, block_tokens = fmt.codec, fmt.block_tokens
+    n = len(hashes)
+    t0 = first_block * block_tokens
+    device = layers[0][0].device
+    raw = codec.name == "raw"
+    direct = raw and not (device.type != "cpu" if staging is None else staging)
+    metas = fmt.plan_run(first_block, hashes[:1], parents[:1])
+    if direct:
+        finite = _raw_finite(layers, t0, t0 + n * block_tokens)
+    else:
+        payload = metas[0].payload_nbytes
+        stride = staging_stride(payload)
+        buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
+        views = payload_views(buf, metas[0].tensors, n, stride)
+        if prepared is _UNPREPARED:
+            prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+        finite = encode_into(codec, layers, prepared, t0, n, block_tokens, views)
+    # The host plans the frames while the device encodes.
+    metas += fmt.plan_run(first_block + 1, hashes[1:], parents[1:])
+    if direct:
+        # On the host, Raw frames point at the caller's own per-layer slices: the only
+        # copy is the one into the tier.
+        def pieces(i: int) -> list:
+            a, b = t0 + i * block_tokens, t0 + (i + 1) * block_tokens
+            return [[k[:, a:b] for k, _ in layers], [v[:, a:b] for _, v in layers]]
+
+        return [BlockFrame(meta, device_entries=pieces(i), sealed=False) for i, meta in enumerate(metas)], finite
+    return [BlockFrame(meta, device_payload=buf[i, :payload], sealed=False) for i, meta in enumerate(metas)], finite
+
+
+def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tensor]], prepared: Any, t0: int,
+                n: int, block_tokens: int, views: list[torch.Tensor]) -> Any:
+    """Encode ``n`` blocks from token ``t0`` into ``views`` (the codec template's buffers as
+    ``[n, L, H, ...]``, e.g. rows of a staging buffer); returns the codec's validity flags,
+    not yet waited for. ``prepared``: ``codec.prepare_layers`` of ``layers``, or None."""
+    if prepared is not None:
+        return codec.encode_layers_into(prepared, t0, n, block_tokens, views)
+    t1 = t0 + n * block_tokens
+    if codec.name == "raw" and layers[0][0].device.type == "cpu":
+        # On the host, a copy per layer into place is one pass (stacking would be two).
+        for layer, (k, v) in enumerate(layers):
+            views[0][:, layer].copy_(k[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
+            views[1][:, layer].copy_(v[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
+        return _raw_finite(layers, t0, t1)
+    # Stacking first keeps this to a handful of launches (not two per layer).
+    k5, v5 = _stack(layers, t0, n, block_tokens)
+    if codec.name == "raw":
+        finite = torch.stack([all_finite(k5), all_finite(v5)])
+        sources = [k5, v5]
+    else:
+        encoded, finite = codec.encode_deferred(k5, v5)
+        sources = [src for _, _, src in encoded.named_buffers()]
+    for view, src in zip(views, sources, strict=True):
+        view.copy_(src)
+    return finite
+
+
+def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
+    """[K ok, V ok] for tokens [t0, t1) of every layer (Raw frames are the caller's bytes,
+    checked where they lie). On the host, whole contiguous layers are checked instead: the
+    fast bit test needs contiguous memory, and a copy would cost more than the extra bytes."""
+    whole = layers[0][0].device.type == "cpu"
+
+    def ok(t: torch.Tensor) -> torch.Tensor:
+        return all_finite(t if whole else t[:, t0:t1])
+
+    return torch.stack([torch.stack([ok(k) for k, _ in layers]).all(), torch.stack([ok(v) for _, v in layers]).all()])
+
+
+def iter_encoded(
+    fmt: BlockFormat,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    present: Sequence[bool],
+    batch_blocks: int,
+    *,
+    tail_first: bool = False,
+) -> Iterator[list[BlockFrame]]:
+    """Frames of every block not ``present``, a batch (at most ``batch_blocks`` consecutive
+    blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
+
+    On a GPU the blocks are cut into up to ``batching.PIPELINE_DEPTH`` batches, encoded on a
+    side stream: each batch's encoding overlaps the copies of the batch before.
+    ``tail_first`` yields the batches of the chain's end first.
+    """
+    codec = fmt.codec
+    device = layers[0][0].device
+    missing = [not p for p in present]
+    if device.type == "cuda":
+        batch_blocks = batching.pipelined_batch_blocks(sum(missing), batch_blocks,
+                                                       fmt.layout.raw_nbytes(fmt.block_tokens))
+    batches = list(batching.runs(missing, batch_blocks))
+    if tail_first:
+        batches.reverse()
+    if not batches:
+        return
+    prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+    side = work_stream("encode", device) if device.type == "cuda" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
+
+    def launch(start: int, stop: int):
+        with on_stream(side) if side is not None else contextlib.nullcontext():
+            frames, finite = _encode_deferred(fmt, layers, start, hashes[start:stop], parents[start:stop],
+                                              prepared=prepared)
+            done = None
+            if side is not None:
+                finite = flags_to_host(finite)
+                done = torch.cuda.Event()
+                done.record(side)
+        return frames, finite, done
+
+    upcoming = launch(*batches[0])
+    try:
+        for i in range(len(batches)):
+            frames, finite, done = upcoming
+            if done is not None:
+                done.synchronize()
+                torch.cuda.current_stream(device).wait_event(done)
+            codec.check_finite(finite)
+            yield frames
+            if i + 1 < len(batches):
+                # Launched once this batch's copies are out (not before: the host is the
+                # bottleneck, and the copies should start as early as they can); its
+                # encoding overlaps them.
+                upcoming = launch(*batches[i + 1])
+    finally:
+        # Stopped early (bad input, or the caller gave up): the batch launched ahead still
+        # writes its flags into host memory; let it finish before that memory is reused.
+        if upcoming[2] is not None:
+            upcoming[2].synchronize()
+
+
+def flags_to_host(flags: torch.Tensor) -> torch.Tensor:
+    """Validity flags into pinned host memory, written by a kernel: reading them back with
+    a copy would wait behind every device-to-host copy already queued on the copy engine
+    (the previous batches' payloads), stalling the pipeline. Without Triton: unchanged."""
+    if flags.device.type == "cpu" or not kernels_available():
+        return flags  # already in host memory (written there by the kernels), or no Triton
+    from . import kernels
+
+    host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+    kernels.store_to_host(flags.contiguous(), host)
+    return host
+
+
+def encode_missing(
+    fmt: BlockFormat,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    hashes: Sequence[bytes],
+    parents: Sequence[bytes],
+    present: Sequence[bool],
+    batch_blocks: int,
+) -> list[BlockFrame]:
+    """Frames for every block not ``present``, in chain order. Raises ``InputError`` (and
+    returns nothing) on NaN or Inf."""
+    frames: list[BlockFrame] = []
+    for batch in iter_encoded(fmt, layers, hashes, parents, present, batch_blocks):
+        frames += batch
+    return frames
+
+
+__all__ = ["encode_blocks", "encode_into", "encode_missing", "flags_to_host", "iter_encoded"]
