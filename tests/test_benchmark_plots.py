@@ -23,7 +23,9 @@ PLOTS = {
     "codec_error": ["codec_error.json"],
     "server": ["server.json"],
     "redis_tier": ["redis_tier.json"],
+    "trace_replay": ["trace_replay.json"],
 }
+PNG_NAME = {"trace_replay": "hit-rate.png"}  # else the JSON's name
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -33,7 +35,7 @@ def test_plot_only_redraws_the_docs_plot_from_json(name, tmp_path, monkeypatch, 
     files = [str(RESULTS / f) for f in PLOTS[name]]
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--plot-only", *files, "--out", str(tmp_path)])
     module.main()
-    png = tmp_path / f"{Path(PLOTS[name][0]).stem}.png"
+    png = tmp_path / PNG_NAME.get(name, f"{Path(PLOTS[name][0]).stem}.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"wrote {png}" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [png]  # a plot, and no JSON: nothing was measured
