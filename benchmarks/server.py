@@ -1,6 +1,7 @@
 """The HTTP service over loopback against Redis: ingest and materialize throughput, lookup latency.
 
     python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
+    python -m benchmarks.server --plot-only benchmarks/results/server.json --out docs
 
 Frames are int4 KIVI frames (G=32, fp16 stats) of Llama-3-8B-shaped blocks: 32 layers x 8 KV
 heads x 256 tokens x 128, 10.5 MB each, built directly (valid headers and checksums over
@@ -45,7 +46,7 @@ from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.transport import BulkTransport
 from cacheseek.batch_body import iter_frames
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
 BLOCK = 256
@@ -304,6 +305,46 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
             "redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
 
 
+REDIS = "redis-server (redis-py)"
+
+
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Ingest and materialize GB/s of each server beside Redis, for 1 and for 8 clients."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    rows = doc["rows"]
+    clients = sorted({r["clients"] for r in rows})
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    short = {REDIS: "redis-server", "cacheseek (cpu tier)": "cacheseek cpu", "cacheseek (cpu tier, full)":
+             "cacheseek cpu, full", "cacheseek (disk, fsync)": "cacheseek disk"}
+    by = {(r["system"], r["clients"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    panels = (("ingest", {"PUT, one frame a request (Redis: SET)": "ingest_put_gbps",
+                          "POST, a batch of frames": "ingest_batch_gbps"}),
+              ("materialize", {"GET, one frame a request (Redis: GET)": "materialize_get_gbps",
+                               "GET of a whole prefix": "materialize_prefix_gbps"}))
+    for ax, (what, columns) in zip(axes, panels):
+        keep = [s for s in systems if any(by.get((s, n), {}).get(c) for n in clients for c in columns.values())]
+        labels = [f"{short.get(s, s)}, {n} client{'s' if n > 1 else ''}" for n in clients for s in keep]
+        bars(ax, labels, {name: [by.get((s, n), {}).get(column) for n in clients for s in keep]
+                          for name, column in columns.items()}, fmt="{:.2f}")
+        ax.set_title(f"{what} (higher is better)")
+        ax.set_xlabel("server (tiers), concurrent clients")
+        for i in range(1, len(clients)):
+            ax.axvline(i * len(keep) - 0.5, color="0.7", lw=0.8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2, fontsize=9, frameon=False)
+        ax.set_ylabel("GB/s of frames over loopback, all clients")
+    lk = doc["lookup"]
+    note = (f"{source_line(doc)}\nlookup of a {lk['blocks']}-block chain ({lk['lookups']} calls): p50 "
+            f"{lk['p50_ms']:.2f} ms, p99 {lk['p99_ms']:.2f} ms; Redis EXISTS of the same keys: p50 "
+            f"{lk['redis_exists_p50_ms']:.2f} ms, p99 {lk['redis_exists_p99_ms']:.2f} ms")
+    return save(fig, out_dir, "server", note=note,
+                title=f"cacheseek serve against redis-server: int4 frames of {doc['frame_mb']:.1f} MB "
+                      f"(Llama-3-8B blocks of {doc['block_tokens']} tokens), loopback")
+
+
 def main() -> None:
     global _FRAMES
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -315,7 +356,10 @@ def main() -> None:
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-tier server")
     ap.add_argument("--tmp", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    add_plot_only(ap)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return
     clients = [int(c) for c in args.clients.split(",")]
     if not shutil.which("redis-server"):
         sys.exit("redis-server is not on PATH: it is the baseline")
@@ -376,14 +420,8 @@ def main() -> None:
     path = write_json("server", {"frame_mb": frame_mb, "frames_per_client": per, "codec": CODEC.spec(),
                                  "layout": LAYOUT.to_dict(), "block_tokens": BLOCK, "rows": rows, "lookup": lookup},
                       args.out)
-    labels = [f"{r['system'].split()[0]} {r['clients']}c" + (" disk" if "disk" in r["system"] else "")
-              + (" full" if "full" in r["system"] else "") for r in rows]
-    plot_bars("server", labels, {"ingest": [r.get("ingest_put_gbps", 0) for r in rows],
-                                 "ingest (batch)": [r.get("ingest_batch_gbps", 0) for r in rows],
-                                 "materialize": [r.get("materialize_get_gbps", 0) for r in rows],
-                                 "materialize (prefix)": [r.get("materialize_prefix_gbps", 0) for r in rows]},
-              "GB/s of frames over loopback", args.out)
     print(f"wrote {path}")
+    redraw(plot, path)
     print(f"lookup, {lookup['blocks']}-block chain, {lookup['lookups']} calls: p50 {lookup['p50_ms']:.3f} ms, "
           f"p99 {lookup['p99_ms']:.3f} ms (JSON body: p50 {lookup['json_p50_ms']:.3f} ms, p99 "
           f"{lookup['json_p99_ms']:.3f} ms; redis EXISTS of the same keys: p50 {lookup['redis_exists_p50_ms']:.3f} ms, "

@@ -39,7 +39,8 @@ for s in "$@"; do
                  step host-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --host ;;
     trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
                  step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
-    store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq ;;
+    store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq
+                 cp /tmp/sq/store.json "$OUT/store_16blocks_raw_int4.json" ;;
     store-64)    step store-64 150 python3 -m benchmarks.store --blocks 64 --codecs raw,int4 --tiers cpu --reps 6 --out /tmp/s64
                  cp /tmp/s64/store.json "$OUT/store_64blocks.json" ;;
     batches)     for b in 1GiB 256MiB 128MiB; do
