@@ -266,6 +266,7 @@ class RedisTier(Tier):
                 batch.results[i].stored = frame
                 with self._lock:
                     self._stats.bytes_in += frame.nbytes
+                    self._stats.admissions += 1
         written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
         if written:
             # Round trip 3: another process may have evicted one of these blocks between our
