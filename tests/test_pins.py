@@ -10,8 +10,10 @@ from cacheseek.store.cpu import CpuTier
 from cacheseek.store.disk import DiskTier
 from cacheseek.store.eviction import POLICIES, make_index
 from cacheseek.store.frame import parse_frame
+from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from cacheseek.store.tiered import TieredStore
+from redis_servers import RedisServer, needs_redis
 from server_helpers import raw_chain, raw_frame
 
 FRAME = len(raw_chain(0, 1)[0][1])
@@ -186,3 +188,39 @@ def test_residency_listeners_see_each_block_enter_and_leave_once(tmp_path):
     assert seen == [("in", k) for k, _ in chain]
     store.delete(chain[0][0])
     assert seen[-1] == ("out", chain[0][0])
+
+
+@needs_redis
+def test_redis_pins_skip_eviction_and_the_ttl_and_refuse_writes_when_full(tmp_path):
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 3 * FRAME, ttl_seconds=30)
+        store = TieredStore([CpuTier(2 * FRAME), redis], write_through=["redis"])
+        chain = frames(1, 2)
+        store.put_many(chain)
+        pin = store.pin(chain[-1][0])
+        assert pin is not None and redis.stats().pinned_blocks == 2
+        for key, _ in chain:  # no expiry on a pinned frame, and none put back by a touch
+            assert srv.cli("PTTL", redis.keys_of.frame(key)).strip() == "-1"
+        store.touch_chain([k for k, _ in chain])
+        assert srv.cli("PTTL", redis.keys_of.frame(chain[0][0])).strip() == "-1"
+        for seed in range(2, 6):
+            store.put_many(frames(seed, 1))
+        assert set(pin.keys) <= set(redis.keys())
+        stats = redis.stats()
+        assert stats.pinned_bytes == 2 * FRAME and stats.used_bytes <= redis.capacity_bytes
+        # One unpinned block fits beside the two pinned ones; a batch of two cannot both stay.
+        outcome = redis.put_many([frames(7, 1)[0]])[0]
+        assert outcome.error is None
+        store.unpin(pin.key)
+        assert redis.stats().pinned_blocks == 0
+        assert int(srv.cli("PTTL", redis.keys_of.frame(chain[0][0])).strip()) > 0
+        # A tier full of pins refuses clearly.
+        full = frames(8, 3)
+        store.put_many(full)
+        store.pin(full[-1][0])
+        err = redis.put_many([frames(9, 1)[0]])[0].error
+        assert err is not None and "pinned" in str(err)
+        assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+    finally:
+        srv.stop()
