@@ -1,4 +1,4 @@
-"""The ``cacheseek`` command: ``cacheseek serve``, ``cacheseek plan`` and ``cacheseek demo``.
+"""The ``cacheseek`` command: ``serve``, ``top``, ``admin``, ``plan`` and ``demo``.
 
 ``serve`` never imports torch: the store and the server only move bytes. ``plan`` needs
 neither torch nor the server extras (matplotlib, for its plot, if installed).
@@ -200,8 +200,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,plan,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,demo}")
     _serve_parser(sub)
+    from . import admin_cli, top
+
+    top.add_parser(sub)
+    admin_cli.add_parser(sub)
     _plan_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser

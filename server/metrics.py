@@ -462,6 +462,20 @@ class MetricsMiddleware:
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self._paths: dict[Any, str] | None = None  # endpoint -> path, for Starlette's plain routes
+
+    def _label(self, scope: dict) -> str:
+        route = scope.get("route")  # FastAPI's routes (and the lookup route) name themselves
+        if route is not None:
+            return route.path
+        endpoint = scope.get("endpoint")  # a plain Starlette route (/openapi.json) leaves its endpoint
+        if endpoint is None:
+            return UNMATCHED
+        if self._paths is None:
+            app = scope.get("app")
+            routes = getattr(getattr(app, "router", None), "routes", [])
+            self._paths = {r.endpoint: r.path for r in routes if hasattr(r, "endpoint") and hasattr(r, "path")}
+        return self._paths.get(endpoint, UNMATCHED)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -479,6 +493,4 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_watch)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or UNMATCHED
-            self.metrics.request(path, scope.get("method", ""), status, time.perf_counter() - start)
+            self.metrics.request(self._label(scope), scope.get("method", ""), status, time.perf_counter() - start)
