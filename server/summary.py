@@ -12,7 +12,7 @@ from .config import ServerSettings
 GIB = 1 << 30
 _SECRETS = {"read_token", "write_token", "admin_token", "namespace_secret"}
 # settings whose names end in these are shown with a unit
-_UNITS = (("_bytes", "bytes"), ("_s", "s"), ("_seconds", "s"))
+_UNITS = (("_bytes", "bytes"), ("_seconds", "s"))
 
 
 def gib(nbytes: int | float | None) -> str:
@@ -67,7 +67,7 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
                 line += f", admitted after {settings.disk_admit_after_uses} uses"
         elif name == "redis":
             line += f" (shared) at {tier.get('url')}, key namespace {tier.get('namespace')!r}"
-            line += f", ttl {settings.redis_ttl_s:g} s" if settings.redis_ttl_s else ", no ttl"
+            line += f", ttl {settings.redis_ttl_seconds:g} s" if settings.redis_ttl_seconds else ", no ttl"
         if eviction:
             line += f", {eviction} eviction"
         out.append(line)
