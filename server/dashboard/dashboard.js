@@ -229,14 +229,15 @@ function draw(id, points, series, twoAxes) {
     const all = points.flatMap((p) => group.map((k) => p.v[k])).filter((v) => v != null);
     return { max: Math.max(1e-9, ...all) * 1.1, vals };
   });
-  const x = (i) => left + (pw * i) / (HISTORY - 1);
+  const span = Math.min(HISTORY, Math.max(points.length, 30)); // a short history fills the width
+  const x = (i) => left + (pw * i) / (span - 1);
   names.forEach((n, si) => {
     const sc = scales[si];
     g.strokeStyle = COLORS[si % COLORS.length];
     g.lineWidth = 1.6;
     g.beginPath();
     let started = false;
-    const offset = HISTORY - points.length;
+    const offset = span - points.length;
     points.forEach((p, i) => {
       const v = p.v[n];
       if (v == null) { started = false; return; }
