@@ -116,10 +116,38 @@ class Traffic:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-def _positive(value: str | None) -> int | None:
+def _positive(value: bytes | None) -> int | None:
     if not value or not value.isdigit() or len(value) > 12:
         return None
     return int(value) or None
+
+
+_MODEL, _BLOCK_TOKENS, _TOKENS = (h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER, TOKENS_HEADER))
+
+
+def client_headers(headers: Any) -> tuple[str | None, int | None, int | None]:
+    """(model, block tokens, query tokens) as the client named them, in one pass over the
+    raw headers (a ``Headers.get`` scans them all once per name), cached on the request's
+    ``Headers`` object."""
+    cached = getattr(headers, "_cacheseek", None)
+    if cached is not None:
+        return cached
+    model = block_tokens = tokens = None
+    for name, value in headers.raw:
+        if name[:12] != b"x-cacheseek-":
+            continue
+        if name == _MODEL:
+            model = value.decode("latin-1")
+        elif name == _BLOCK_TOKENS:
+            block_tokens = _positive(value)
+        elif name == _TOKENS:
+            tokens = _positive(value)
+    out = (model, block_tokens, tokens)
+    try:
+        headers._cacheseek = out
+    except AttributeError:  # a Headers class with slots: no cache, one more pass next time
+        pass
+    return out
 
 
 def hit_rates(t: Traffic) -> dict[str, float | None]:
@@ -160,7 +188,7 @@ class Metrics:
         if lat is None:
             lat = self.latency[key] = Latency()
         lat.observe(seconds)
-        skey = (route, method, str(status))
+        skey = (route, method, status)
         self.statuses[skey] = self.statuses.get(skey, 0) + 1
 
     def owner(self, namespace: str, model: str | None) -> Traffic:
@@ -178,10 +206,11 @@ class Metrics:
         return t
 
     def for_request(self, namespace: str, headers: Any) -> Traffic | None:
-        """The counters of the caller's (namespace, model), or None with ``detail`` off."""
+        """The counters of the caller's (namespace, model), or None with ``detail`` off.
+        ``headers``: the request's (Starlette ``Headers``; its ``raw`` list is read once)."""
         if not self.detail:
             return None
-        return self.owner(namespace, headers.get(MODEL_HEADER))
+        return self.owner(namespace, client_headers(headers)[0])
 
     def lookup_latency(self) -> dict[str, Any]:
         """The latency histogram of ``POST /v1/lookup`` (empty before the first lookup)."""
@@ -219,9 +248,8 @@ class Metrics:
         traffic.lookup_hits += matched > 0
         traffic.lookup_blocks_requested += requested
         traffic.lookup_blocks_matched += matched
-        block_tokens = _positive(headers.get(BLOCK_TOKENS_HEADER))
+        _, block_tokens, tokens = client_headers(headers)
         if block_tokens:
-            tokens = _positive(headers.get(TOKENS_HEADER))
             # The query's tokens (the partial tail included) when the client says; at least the blocks asked.
             traffic.lookup_tokens_requested += max(tokens or 0, requested * block_tokens)
             traffic.lookup_tokens_matched += matched * block_tokens
@@ -252,7 +280,7 @@ class Metrics:
             statuses = list(self.statuses.items())
             out["requests"] = [
                 {"route": r, "method": m, **lat.to_dict(),
-                 "statuses": {s: n for (r2, m2, s), n in statuses if (r2, m2) == (r, m)}}
+                 "statuses": {str(s): n for (r2, m2, s), n in statuses if (r2, m2) == (r, m)}}
                 for (r, m), lat in sorted(list(self.latency.items()))
             ]
             out["frames_rejected"] = dict(self.frames_rejected)
@@ -364,7 +392,7 @@ class _Collector(Collector):
         requests = CounterMetricFamily("cacheseek_http_requests", "HTTP requests answered",
                                        labels=["route", "method", "status"])
         for (route, method, status), n in sorted(list(m.statuses.items())):
-            requests.add_metric([route, method, status], n)
+            requests.add_metric([route, method, str(status)], n)
         yield requests
         latency = HistogramMetricFamily("cacheseek_http_request_duration_seconds",
                                         "Time from request to the last byte of the answer", labels=["route", "method"])

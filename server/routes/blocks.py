@@ -17,7 +17,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, c
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest
-from ..metrics import MODEL_HEADER, clean_label
+from ..metrics import clean_label, client_headers
 from ..service import Incoming
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, read_frame_body
 
@@ -36,7 +36,7 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     length = declared_length(request, settings.max_frame_bytes, "max_frame_bytes")
-    model = clean_label(request.headers.get(MODEL_HEADER))
+    model = clean_label(client_headers(request.headers)[0])
     reservation = service.store.reserve(length) if length else None
     # The payload is hashed piece by piece as it lands, while each piece is in cache.
     checksum = PayloadChecksum()
@@ -96,7 +96,7 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             else:
                 frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
             del buf
-        model = clean_label(request.headers.get(MODEL_HEADER))
+        model = clean_label(client_headers(request.headers)[0])
         reports = await run_in_threadpool(partial(service.put, caller.namespace, frames, model=model))
     finally:
         for reservation in reservations:
