@@ -35,7 +35,7 @@ def _value(name: str, value: Any) -> str:
     for suffix, unit in _UNITS[1:]:
         if name.endswith(suffix) and isinstance(value, (int, float)):
             return f"{value:g} {unit}"
-    if isinstance(value, int):
+    if isinstance(value, int) and name != "port":
         return f"{value:,}"
     return str(value)
 
