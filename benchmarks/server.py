@@ -4,7 +4,7 @@
     python -m benchmarks.server --plot-only benchmarks/results/server.json --out docs
     python -m benchmarks.server --frames 24 --reps 3 --compare-metrics
 
-``--compare-metrics`` measures the cost of the server's own counting instead: two CPU-tier
+``--compare-metrics`` (no Redis needed) measures the cost of the server's own counting instead: two CPU-tier
 servers, one with ``--metrics-detail`` (the default: per-route latency histograms, traffic
 per namespace and model) and one with ``--no-metrics-detail`` (the store's figures only),
 take turns rep by rep, one client each, on the same frames; the table gives each figure's
@@ -269,11 +269,11 @@ def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]
     return rows
 
 
-def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int = 8) -> dict:
+def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds: int = 8) -> dict:
     """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never
     read payloads). The three clients take turns, ``n / rounds`` calls each per round, so
-    that load from elsewhere on the host falls on all of them alike."""
-    import redis
+    that load from elsewhere on the host falls on all of them alike (no Redis client when
+    ``redis_port`` is None)."""
 
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
     chain, parent = [], bytes(16)
@@ -283,9 +283,13 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         parent = h
     keys = [h for h, _ in chain]
     body = {"hashes": [h.hex() for h in keys]}
-    r = redis.Redis(port=redis_port)
-    for h, f in chain:
-        r.set(h, f)
+    r = None
+    if redis_port is not None:
+        import redis
+
+        r = redis.Redis(port=redis_port)
+        for h, f in chain:
+            r.set(h, f)
     remote = RemoteCache(url, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
     with httpx.Client(base_url=url, transport=BulkTransport()) as c:
         total = sum(8 + len(f) for _, f in chain)
@@ -294,8 +298,9 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         # RemoteCache's own lookup (hashes computed once, as its ingest and materialize do),
         # a JSON body through httpx, as any other client would send it, and Redis.
         calls = {"binary": lambda: remote._lookup(keys)["matched"],
-                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"],
-                 "redis": lambda: r.exists(*keys)}
+                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"]}
+        if r is not None:
+            calls["redis"] = lambda: r.exists(*keys)
         times: dict[str, list[float]] = {form: [] for form in calls}
         for _ in range(rounds):
             for form, call in calls.items():
@@ -307,9 +312,11 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
                 assert got == blocks, form
     remote.close()
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
-    return {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
-            "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99),
-            "redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+    out = {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
+           "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99)}
+    if r is not None:
+        out |= {"redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+    return out
 
 
 REDIS = "redis-server (redis-py)"
@@ -458,8 +465,6 @@ def compare_metrics(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
         tmp = Path(tmpdir)
         try:
-            rproc, rport = start_redis(tmp)  # lookup_latency's third client; not compared here
-            procs.append(rproc)
             urls = {}
             for v, flag in variants.items():
                 proc, urls[v] = start_cacheseek(tmp, f"metrics-{v}", "--cpu-bytes", budget, "--disk-bytes", "0", flag)
@@ -471,7 +476,7 @@ def compare_metrics(args: argparse.Namespace) -> None:
                     row = cacheseek_rows(urls[v], f"metrics {v}", [1], per, 1)[0]
                     for k in ops:
                         got[v][k].append(row[k])
-                    lookup = lookup_latency(urls[v], rport, args.lookup_blocks, max(200, args.lookups // args.reps))
+                    lookup = lookup_latency(urls[v], None, args.lookup_blocks, max(200, args.lookups // args.reps))
                     got[v]["lookup_p50_ms"].append(lookup["p50_ms"])
                     got[v]["lookup_p99_ms"].append(lookup["p99_ms"])
                     print(f"  rep {rep} metrics {v}: lookup p50 {lookup['p50_ms']:.3f} ms", flush=True)

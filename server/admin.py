@@ -134,8 +134,8 @@ class AdminOps:
 
     def _describe(self, key: bytes, pin: Any) -> dict[str, Any]:
         named = self._pins.get(key, {"namespace": None, "hash": None})
-        return {**named, **pin.to_dict(), "bytes": sum((self.store.residency.info(k) or _NO_INFO).nbytes
-                                                        for k in pin.keys)}
+        held = (self.store.residency.info(k) for k in pin.keys)
+        return {**named, **pin.to_dict(), "bytes": sum(info.nbytes for info in held if info is not None)}
 
     def _forget_pins_of(self, deleted: set[bytes]) -> None:
         gone = [key for key in self._pins if key in deleted]
@@ -189,13 +189,6 @@ class AdminOps:
                 tmp.unlink()
             except OSError:
                 pass
-
-
-class _NoInfo:
-    nbytes = 0
-
-
-_NO_INFO = _NoInfo()
 
 
 def _group(usage: list[dict[str, Any]], by: str, within: str, label: str) -> list[dict[str, Any]]:

@@ -101,3 +101,17 @@ def test_api_docs_render_offline(tmp_path):
         requests = browser.requests
         assert any(u.endswith("/openapi.json") for u in requests)
         assert all(u.startswith(srv.url) or u.startswith("data:") for u in requests), requests
+
+
+def test_the_dashboard_asks_once_for_a_read_token(tmp_path):
+    with Server(tmp_path, "--read-token", "r3ad", "--write-token", "wr1te", disk=False) as srv, Browser() as browser:
+        browser.goto(srv.url + "/dashboard")
+        browser.wait_for("!document.getElementById('login').hidden", timeout=60)
+        assert browser.js("document.body.dataset.refreshes") == "0"
+        submit = "document.getElementById('token').value = {!r}; document.getElementById('login').requestSubmit(); 1"
+        browser.js(submit.format("wr0ng"))
+        browser.wait_for("document.getElementById('login-error').textContent === 'token not accepted'")
+        browser.js(submit.format("r3ad"))
+        browser.wait_for("Number(document.body.dataset.refreshes) >= 2", timeout=30)
+        assert browser.js("document.getElementById('login').hidden") is True
+        assert browser.js("document.getElementById('health').textContent") == "healthy"

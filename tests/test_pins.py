@@ -4,6 +4,7 @@ of pinned blocks refuses writes, and store-wide figures count each block once.""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cacheseek.errors import InputError, StorageError
 from cacheseek.store.cpu import CpuTier
@@ -115,12 +116,18 @@ def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):
     assert pin.expires_at == clock.now + 60
     for seed in range(2, 6):
         store.put_many(frames(seed, 2))
-    assert cpu.keys()[:0] == [] and set(pin.keys) <= set(cpu.keys())
+    assert set(pin.keys) <= set(cpu.keys())
     # Evicted from the CPU tier by force (a delete), then promoted back: pinned there at once.
     cpu.delete(chain[1][0])
     assert store.get(chain[1][0]) is not None and chain[1][0] in cpu.keys()
     assert cpu.stats().pinned_blocks == 2
-    clock.now += 61
+    clock.now += 30
+    again = store.pin(chain[-1][0], ttl_seconds=60)  # pinned again: a new expiry, the same blocks
+    assert again.expires_at == clock.now + 60 and again.keys == pin.keys
+    clock.now += 31
+    store.put_many(frames(8, 1))
+    assert len(store.pins()) == 1 and cpu.stats().pinned_blocks == 2  # the first expiry is gone
+    clock.now += 30
     store.put_many(frames(9, 1))  # a write notices the expiry
     assert store.pins() == [] and cpu.stats().pinned_blocks == 0
 
@@ -224,3 +231,19 @@ def test_redis_pins_skip_eviction_and_the_ttl_and_refuse_writes_when_full(tmp_pa
         assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0}
     finally:
         srv.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA (scripts/h200.sh pins-gpu)")
+def test_a_gpu_tier_keeps_pinned_chains_and_refuses_when_full_of_them():
+    from cacheseek.store.gpu import GpuTier
+
+    store = TieredStore([GpuTier(3 * FRAME)])
+    keep = frames(1, 2)
+    store.put_many(keep)
+    store.pin(keep[-1][0])
+    for seed in range(2, 6):
+        store.put_many(frames(seed, 1))
+    assert all(stored(store, [k for k, _ in keep]))
+    store.pin(store.tiers[0].keys()[-1])  # the one unpinned block left: now every block is pinned
+    outcome = store.put_many(frames(9, 1))[0]
+    assert not outcome.stored and "pinned" in outcome.errors["gpu"]

@@ -52,13 +52,15 @@ class PinTable:
         now = self.clock()
         if expires_at is None and ttl_seconds is not None:
             expires_at = now + ttl_seconds
-        pin = Pin(keys[-1], tuple(keys), now, expires_at)
         with self._lock:
-            old = self._pins.get(pin.key)
+            old = self._pins.get(keys[-1])
+            if old is not None:  # pinned again: a new expiry, the same blocks
+                pin = Pin(old.key, old.keys, now, expires_at)
+                newly = []
+            else:
+                pin = Pin(keys[-1], tuple(keys), now, expires_at)
+                newly = self._cover(pin.keys, +1)
             self._pins[pin.key] = pin
-            newly = self._cover(pin.keys, +1)
-            if old is not None:
-                newly = [k for k in newly if k not in set(self._cover(old.keys, -1))]
             self._next()
         return pin, newly
 
