@@ -2,6 +2,13 @@
 
     python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
     python -m benchmarks.server --plot-only benchmarks/results/server.json --out docs
+    python -m benchmarks.server --frames 24 --reps 3 --compare-metrics
+
+``--compare-metrics`` (no Redis needed) measures the cost of the server's own counting instead: two CPU-tier
+servers, one with ``--metrics-detail`` (the default: per-route latency histograms, traffic
+per namespace and model) and one with ``--no-metrics-detail`` (the store's figures only),
+take turns rep by rep, one client each, on the same frames; the table gives each figure's
+ratio, on over off (the in-run baseline).
 
 Frames are int4 KIVI frames (G=32, fp16 stats) of Llama-3-8B-shaped blocks: 32 layers x 8 KV
 heads x 256 tokens x 128, 10.5 MB each, built directly (valid headers and checksums over
@@ -262,11 +269,11 @@ def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]
     return rows
 
 
-def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int = 8) -> dict:
+def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds: int = 8) -> dict:
     """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never
     read payloads). The three clients take turns, ``n / rounds`` calls each per round, so
-    that load from elsewhere on the host falls on all of them alike."""
-    import redis
+    that load from elsewhere on the host falls on all of them alike (no Redis client when
+    ``redis_port`` is None)."""
 
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
     chain, parent = [], bytes(16)
@@ -276,9 +283,13 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         parent = h
     keys = [h for h, _ in chain]
     body = {"hashes": [h.hex() for h in keys]}
-    r = redis.Redis(port=redis_port)
-    for h, f in chain:
-        r.set(h, f)
+    r = None
+    if redis_port is not None:
+        import redis
+
+        r = redis.Redis(port=redis_port)
+        for h, f in chain:
+            r.set(h, f)
     remote = RemoteCache(url, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
     with httpx.Client(base_url=url, transport=BulkTransport()) as c:
         total = sum(8 + len(f) for _, f in chain)
@@ -287,8 +298,9 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         # RemoteCache's own lookup (hashes computed once, as its ingest and materialize do),
         # a JSON body through httpx, as any other client would send it, and Redis.
         calls = {"binary": lambda: remote._lookup(keys)["matched"],
-                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"],
-                 "redis": lambda: r.exists(*keys)}
+                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"]}
+        if r is not None:
+            calls["redis"] = lambda: r.exists(*keys)
         times: dict[str, list[float]] = {form: [] for form in calls}
         for _ in range(rounds):
             for form, call in calls.items():
@@ -300,9 +312,11 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
                 assert got == blocks, form
     remote.close()
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
-    return {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
-            "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99),
-            "redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+    out = {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
+           "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99)}
+    if r is not None:
+        out |= {"redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+    return out
 
 
 REDIS = "redis-server (redis-py)"
@@ -356,8 +370,13 @@ def main() -> None:
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-tier server")
     ap.add_argument("--tmp", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compare-metrics", action="store_true",
+                    help="measure metrics on against metrics off (see the module doc) instead")
     add_plot_only(ap)
     args = ap.parse_args()
+    if args.compare_metrics:
+        compare_metrics(args)
+        return
     if plot_only(args, plot):
         return
     clients = [int(c) for c in args.clients.split(",")]
@@ -430,6 +449,52 @@ def main() -> None:
             "materialize_get_gbps", "materialize_get_vs_redis", "materialize_prefix_gbps", "materialize_prefix_vs_redis"]
     print(table(rows, cols, f"Server vs Redis over loopback: int4 Llama-3-8B frames of {frame_mb:.1f} MB, GB/s of frames "
                             f"(median of {args.reps}); ratios against redis-py SET (ingest) and GET (materialize)"))
+
+
+def compare_metrics(args: argparse.Namespace) -> None:
+    """Ingest, materialize and lookup with the server's detailed metrics on and off, in turns."""
+    global _FRAMES
+    per = max(2, args.frames)
+    frame_mb = len(make_frame(0)[1]) / 1e6
+    budget = f"{int(per * frame_mb * 1e6 * 1.2) + (256 << 20)}"
+    variants = {"on": "--metrics-detail", "off": "--no-metrics-detail"}
+    ops = ("ingest_put_gbps", "ingest_batch_gbps", "materialize_get_gbps", "materialize_prefix_gbps")
+    got: dict[str, dict[str, list[float]]] = {v: {k: [] for k in (*ops, "lookup_p50_ms", "lookup_p99_ms")}
+                                               for v in variants}
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            urls = {}
+            for v, flag in variants.items():
+                proc, urls[v] = start_cacheseek(tmp, f"metrics-{v}", "--cpu-bytes", budget, "--disk-bytes", "0", flag)
+                procs.append(proc)
+            _FRAMES = client_chains(1, per)
+            for rep in range(args.reps):
+                order = list(variants) if rep % 2 == 0 else list(reversed(variants))  # neither always goes first
+                for v in order:
+                    row = cacheseek_rows(urls[v], f"metrics {v}", [1], per, 1)[0]
+                    for k in ops:
+                        got[v][k].append(row[k])
+                    lookup = lookup_latency(urls[v], None, args.lookup_blocks, max(200, args.lookups // args.reps))
+                    got[v]["lookup_p50_ms"].append(lookup["p50_ms"])
+                    got[v]["lookup_p99_ms"].append(lookup["p99_ms"])
+                    print(f"  rep {rep} metrics {v}: lookup p50 {lookup['p50_ms']:.3f} ms", flush=True)
+        finally:
+            for p in procs:
+                p.stop()
+    rows = []
+    for k in got["on"]:
+        on, off = statistics.median(got["on"][k]), statistics.median(got["off"][k])
+        # For throughput, on/off below 1 is a cost; for latency, above 1 is.
+        rows.append({"figure": k, "metrics_on": on, "metrics_off": off, "on_over_off": on / off,
+                     "runs_on": got["on"][k], "runs_off": got["off"][k]})
+    path = write_json("server_metrics", {"frame_mb": frame_mb, "frames": per, "reps": args.reps, "rows": rows},
+                      args.out)
+    print(f"wrote {path}")
+    print(table(rows, ["figure", "metrics_on", "metrics_off", "on_over_off"],
+                f"Metrics on against off: int4 Llama-3-8B frames of {frame_mb:.1f} MB, {per} per run, 1 client, "
+                f"median of {args.reps} alternating reps (GB/s; lookup of a {args.lookup_blocks}-block chain in ms)"))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ for s in "$@"; do
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
     redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;
+    # The cost of the server's own counting, on a quiet host (CPU only; needs the server wheels)
+    metrics)     step metrics-cost 200 python3 -m benchmarks.metrics_cost --calls 3000 --rounds 10 --out "$OUT"
+                 step server-metrics 400 python3 -m benchmarks.server --frames 24 --reps 5 --compare-metrics --out "$OUT" ;;
+    pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     *) echo "unknown step $s" ;;
   esac
 done

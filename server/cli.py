@@ -1,4 +1,4 @@
-"""The ``cacheseek`` command: ``cacheseek serve``, ``cacheseek plan`` and ``cacheseek demo``.
+"""The ``cacheseek`` command: ``serve``, ``top``, ``admin``, ``plan`` and ``demo``.
 
 ``serve`` never imports torch: the store and the server only move bytes. ``plan`` needs
 neither torch nor the server extras (matplotlib, for its plot, if installed).
@@ -54,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .config import ServerSettings, renamed
+    from .summary import settings_lines
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     with warnings.catch_warnings(record=True) as caught:
@@ -70,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     if isinstance(settings, Exception):
         print(f"cacheseek serve: bad settings:\n{settings}", file=sys.stderr)
         return 2
-    print("cacheseek serve: settings " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    print("\n".join(settings_lines(settings)), flush=True)
     http: Any = settings.http
     if http == "auto":
         from .protocol import protocol_class
@@ -78,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
         http = protocol_class() or "auto"
     keep_freed_memory()
     config = uvicorn.Config(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+        create_app(settings, announce=lambda text: print(text, flush=True)), host=settings.host, port=settings.port,
+        log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
         timeout_graceful_shutdown=int(settings.graceful_timeout_seconds),
         timeout_keep_alive=int(settings.keepalive_timeout_seconds),
@@ -198,8 +200,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,plan,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,demo}")
     _serve_parser(sub)
+    from . import admin_cli, top
+
+    top.add_parser(sub)
+    admin_cli.add_parser(sub)
     _plan_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser

@@ -17,6 +17,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, c
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest
+from ..metrics import clean_label, client_headers
 from ..service import Incoming
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, read_frame_body
 
@@ -35,25 +36,29 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     length = declared_length(request, settings.max_frame_bytes, "max_frame_bytes")
+    model = clean_label(client_headers(request.headers)[0])
     reservation = service.store.reserve(length) if length else None
     # The payload is hashed piece by piece as it lands, while each piece is in cache.
     checksum = PayloadChecksum()
     if reservation is None:  # no length declared, or no room in the top tier without evicting
         buf = await read_frame_body(request, settings.max_frame_bytes, checksum.feed)
         # One hand-off to a worker thread for the check and the store (a copy, evictions, disk I/O).
-        report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash, checksum.digest())
+        report = await run_in_threadpool(partial(service.check_and_put, caller.namespace, buf, hash, checksum.digest(),
+                                                 model=model))
     else:
         # The body goes straight into the top tier's memory, where the frame will live.
         try:
             filled = await RequestBody(request).read_into(reservation.view(), checksum.feed)
             if filled != length:
                 raise BadRequest(f"body ended after {filled} of {length} bytes")
-            commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest())
+            commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest(),
+                             model=model)
             # What is left (parse the header, publish) takes ~0.1 ms: a thread hand-off costs
             # as much, unless storing does I/O (a disk or Redis tier).
             report = commit() if service.store.in_memory else await run_in_threadpool(commit)
         finally:
             service.store.abort(reservation)  # nothing, once committed
+    service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), [report])
     if report.status == "failed":
         raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
     return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
@@ -91,10 +96,12 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             else:
                 frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
             del buf
-        reports = await run_in_threadpool(service.put, caller.namespace, frames)
+        model = clean_label(client_headers(request.headers)[0])
+        reports = await run_in_threadpool(partial(service.put, caller.namespace, frames, model=model))
     finally:
         for reservation in reservations:
             service.store.abort(reservation)  # nothing, once committed
+    service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), reports)
     return JSONResponse([r.to_dict() for r in reports])
 
 
@@ -117,12 +124,18 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
     responses={200: {"description": "the frame", "content": {FRAME_CONTENT_TYPE: BINARY}},
                404: {"description": "not stored", **ERROR}},
 )
-async def get_block(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
+async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> StreamingResponse:
     """The frame of one block, from the fastest tier holding it (the payload is not copied)."""
     got = service.get_nowait(caller.namespace, hash)  # in host memory: no I/O, no thread hand-off
     segments, tier = got if got is not None else await run_in_threadpool(service.get, caller.namespace, hash)
     nbytes = sum(memoryview(s).nbytes for s in segments)
-    service.metrics.frame_bytes_sent.inc(nbytes)
+    metrics = service.metrics
+    metrics.frame_bytes_sent += nbytes
+    traffic = metrics.for_request(caller.namespace, request.headers)
+    if traffic is not None:
+        traffic.materialize_requests += 1
+        traffic.materialize_blocks += 1
+        traffic.materialize_bytes += nbytes
 
     async def body():
         for segment in segments:

@@ -14,10 +14,13 @@ router = APIRouter(tags=["operations"])
 
 
 @router.get("/v1/stats")
-async def stats(caller: Reader, service: Service) -> JSONResponse:
-    """Per tier: capacity, used bytes, blocks, hits, misses, evictions, promotions, demotions,
-    bytes in and out, checksum failures (``corrupt``); and the compression ratio."""
-    return JSONResponse(await run_in_threadpool(service.stats))
+async def stats(caller: Reader, service: Service, request: Request) -> JSONResponse:
+    """The figures ``/metrics`` shows, as JSON (docs/operations.md): per tier as stored and as
+    unique blocks, store-wide distinct bytes and compression, traffic (lookups, hit rate,
+    ingest, materialize) per namespace and model, usage per namespace and model, request
+    latencies. A tenant's token sees only its own namespace's traffic and usage."""
+    metrics = request.app.state.metrics
+    return JSONResponse(await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None))
 
 
 @router.get("/metrics", response_class=Response,
