@@ -78,7 +78,9 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that can be loaded."""
-        if not self.load or unsupported_reason(request) is not None:
+        if not self.load or getattr(request, "skip_reading_prefix_cache", False):
+            return 0
+        if unsupported_reason(request) is not None:
             return 0
         prompt = request.prompt_token_ids
         limit = (len(prompt) - 1) // self.block_tokens * self.block_tokens
