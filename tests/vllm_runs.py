@@ -176,21 +176,26 @@ def rounds(eng: Engine, ps: list[list[int]], which: list[int]) -> list[dict[str,
 
 
 def ttft(job: dict[str, Any]) -> dict[str, Any]:
-    """Time to first token of prompts sharing a stored prefix: for benchmarks/vllm_ttft.py."""
+    """Time to first token of prompts sharing a prefix, for benchmarks/vllm_ttft.py. With a
+    connector, prompt 0 stores the prefix first. ``reset`` (default true): vLLM's own prefix
+    cache is emptied before each timed prompt; false: it holds the prefix (its warm case)."""
     from vllm import SamplingParams
 
     eng = Engine(build_llm(job.get("extra"), max_model_len=job.get("max_model_len", 4096)), 1)
     prefix, ps = prompts(eng.llm, job["prefix_tokens"])
-    one = SamplingParams(max_tokens=1, temperature=0.0)
-    eng.llm.generate([{"prompt_token_ids": list(range(100, 164))}], one, use_tqdm=False)  # warm-up
-    if job.get("extra") is not None:
-        eng.run(ps[0], read=False)  # stores the prefix
+    warm_up = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
+    eng.llm.generate([{"prompt_token_ids": list(range(100, 164))}], warm_up, use_tqdm=False)
+    eng.run(ps[0], read=job.get("extra") is None)  # stores the prefix (connector), or fills vLLM's cache
+    before = eng.stats() if job.get("extra") is not None else None
     rows = []
     for i in range(job.get("repeats", 3)):
-        eng.reset()
+        if job.get("reset", True):
+            eng.reset()
         rows.append(eng.run(ps[1 + i % (len(ps) - 1)]))
-    return {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1]), "runs": rows,
-            **(eng.stats() if job.get("extra") is not None else {})}
+    out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1]), "runs": rows}
+    if before is not None:
+        out["before"], out["after"] = before, eng.stats()
+    return out
 
 
 SCENARIOS = {f.__name__: f for f in (share, store, load, ttft)}

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import ConfigError
 from ...layout import KV_DTYPES, KVLayout, dtype_name
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+# embedded tier -> vLLM's name for where hit tokens came from (a server's are all "external")
+HIT_SOURCE_OF_TIER = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# executors that run the worker in the scheduler's process, as an embedded cache needs
+SAME_PROCESS_EXECUTORS = (None, "uni", "external_launcher")
 
 # attention backend -> how its pages hold K and V (see pages.py)
 KV_SPLIT_OF_BACKEND = {"CPU_ATTN": "token", "FLASH_ATTN": "channel", "TRITON_ATTN": "channel"}
@@ -90,6 +96,12 @@ class CacheSeekConnector(KVConnectorBase_V1):
             raise ConfigError(
                 f"kv_connector_extra_config: tensor_parallel_size={tp_size} runs workers in other processes than "
                 "the scheduler, which an embedded cache cannot serve; give a server url"
+            )
+        backend = parallel.distributed_executor_backend
+        if not self.config.remote and tp_size == 1 and backend not in SAME_PROCESS_EXECUTORS:
+            raise ConfigError(
+                f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
+                "process than the scheduler, which an embedded cache cannot serve; give a server url"
             )
         model_id = self.config.model_id or vllm_config.model_config.model
         load = transfer.kv_role in ("kv_both", "kv_consumer")
@@ -180,6 +192,14 @@ class CacheSeekConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler_side().matched_tokens(request, num_computed_tokens), False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        counts: dict[CacheHitSource, int] = {}
+        for tier, n in self._scheduler_side().hit_tiers(request, num_external_tokens).items():
+            source = CacheHitSource.EXTERNAL_UNSPECIFIED if self.config.remote else HIT_SOURCE_OF_TIER.get(
+                tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            counts[source] = counts.get(source, 0) + n
+        return counts
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler_side().after_alloc(request, num_external_tokens)

@@ -32,12 +32,24 @@ from .stats import ConnectorStats
 MAX_PENDING_LOOKUPS = 4096  # lookups remembered for requests vLLM has not admitted yet
 
 
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What a lookup found: the stored tokens from the start, and the tier of each block."""
+
+    tokens: int
+    tiers: tuple[str, ...] = ()
+
+
+NO_HIT = Hit(0)
+
+
 @dataclass(slots=True)
 class _Request:
     prompt: list[int]
     supported: bool
     load_tokens: int = 0  # external tokens vLLM took: loaded when the request is first scheduled
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
+    hit: Hit = NO_HIT
 
 
 def unsupported_reason(request: Any) -> str | None:
@@ -72,7 +84,7 @@ class SchedulerSide:
         self.block_ids = block_ids
         self.stats = ConnectorStats()
         self._requests: dict[str, _Request] = {}
-        self._lookups: OrderedDict[str, int] = OrderedDict()  # req_id -> stored tokens, until admitted
+        self._lookups: OrderedDict[str, Hit] = OrderedDict()  # req_id -> what the store holds, until admitted
 
     # -- admission ---------------------------------------------------------------------
 
@@ -83,41 +95,60 @@ class SchedulerSide:
         if unsupported_reason(request) is not None:
             return 0
         prompt = request.prompt_token_ids
-        limit = (len(prompt) - 1) // self.block_tokens * self.block_tokens
+        limit = self._limit(prompt)
         if limit <= num_computed_tokens:
             return 0  # nothing the store could add: spare the lookup
-        stored = self._lookups.get(request.request_id)
-        if stored is None:
-            stored = self._lookup(prompt[:limit])
-            self._lookups[request.request_id] = stored
+        hit = self._lookups.get(request.request_id)
+        if hit is None:
+            hit = self._lookup(prompt[:limit])
+            self._lookups[request.request_id] = hit
             while len(self._lookups) > MAX_PENDING_LOOKUPS:
                 self._lookups.popitem(last=False)
-        return max(0, min(stored, limit) - num_computed_tokens)
+        return max(0, min(hit.tokens, limit) - num_computed_tokens)
 
-    def _lookup(self, tokens: list[int]) -> int:
+    def _limit(self, prompt: list[int]) -> int:
+        """The longest hit worth offering: whole blocks, leaving the last token to compute."""
+        return (len(prompt) - 1) // self.block_tokens * self.block_tokens
+
+    def _lookup(self, tokens: list[int]) -> Hit:
         if not self.guard.allow():
             self.stats.lookup_skipped += 1
-            return 0
+            return NO_HIT
         self.stats.lookups += 1
         try:
-            stored = min(cache.lookup(tokens) for cache in self.caches)
+            found = [cache.locate(tokens) for cache in self.caches]
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
             self.stats.lookup_errors += 1
             self.guard.failure("lookup", exc)
-            return 0
+            return NO_HIT
         self.guard.success()
-        return stored
+        shortest = min(found, key=lambda f: f.num_tokens)
+        return Hit(shortest.num_tokens, tuple(shortest.tiers))
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
-        self._lookups.pop(request.request_id, None)
+        hit = self._lookups.pop(request.request_id, NO_HIT)
         supported = unsupported_reason(request) is None
         if not supported:
             self.stats.requests_unsupported += 1
         prompt = list(request.prompt_token_ids) if supported else []
         # A request admitted again after a preemption starts over.
-        self._requests[request.request_id] = _Request(prompt, supported, load_tokens=num_external_tokens)
+        self._requests[request.request_id] = _Request(prompt, supported, load_tokens=num_external_tokens, hit=hit)
         self.stats.lookup_hit_tokens += num_external_tokens
+
+    def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Of the last ``num_external_tokens`` of the request's hit, how many each tier holds."""
+        state = self._requests.get(request.request_id)
+        if state is None or not num_external_tokens:
+            return {}
+        end = min(state.hit.tokens, self._limit(state.prompt))  # where the offered hit, so the load, ends
+        start = end - num_external_tokens
+        counts: dict[str, int] = {}
+        for i, tier in enumerate(state.hit.tiers):
+            a, b = max(start, i * self.block_tokens), min(end, (i + 1) * self.block_tokens)
+            if b > a:
+                counts[tier] = counts.get(tier, 0) + b - a
+        return counts
 
     def finished(self, request: Any) -> None:
         self._lookups.pop(request.request_id, None)
