@@ -104,9 +104,14 @@ def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: i
     if side.stats.save_failures or side.stats.load_failures:
         raise RuntimeError(f"the connector failed a save or a load: {side.stats.to_dict()}")
 
+    def materialize() -> None:
+        if cache.materialize(stored, device=device).num_tokens != tokens:
+            raise RuntimeError("the stored prefix was evicted during the run: give the CPU tier more room")
+
+    row("contiguous materialize", timed(materialize, reps, device))
     contiguous = pages.gather(pages.slots(block_ids, 0, tokens))
     row("contiguous ingest", timed(lambda: cache.ingest(fresh_prompt(tokens), contiguous), reps, device))
-    row("contiguous materialize", timed(lambda: cache.materialize(stored, device=device), reps, device))
+    del contiguous
     cache.close()
 
     # Baseline: the request's pages, as they are, to pinned host memory and back.
