@@ -18,7 +18,8 @@ from ...config import TierConfig
 from ...errors import ConfigError
 from ...hashing import DEFAULT_ALGO
 from ...quant import KIVI, Raw
-from ...quant.codec import KVLayerCodec, codec_from_spec
+from ...quant.codec import KVLayerCodec
+from ...quant.registry import codec_from_spec
 
 # codec name -> how it is built from the group size
 CODECS = {
