@@ -36,7 +36,7 @@ import torch
 import cacheseek as cs
 from cacheseek.integrations.vllm.config import ConnectorConfig
 from cacheseek.integrations.vllm.guard import StoreGuard
-from cacheseek.integrations.vllm.pages import PageFormat, PagedKV
+from cacheseek.integrations.vllm.pages import PageFormat, VllmPages
 from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec
 from cacheseek.integrations.vllm.worker import WorkerSide
 
@@ -84,7 +84,7 @@ def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: i
     blocks = tokens // PAGE
     g = torch.Generator().manual_seed(tokens)
     block_ids = torch.randperm(2 * blocks, generator=g)[:blocks].tolist()  # vLLM blocks == pages here
-    pages = PagedKV(flash_pages(2 * blocks, layers, dtype, device), PageFormat("channel", HEAD_DIM, PAGE, PAGE))
+    pages = VllmPages(flash_pages(2 * blocks, layers, dtype, device), PageFormat("channel", HEAD_DIM, PAGE, PAGE))
     raw_bytes = layout.raw_nbytes(tokens)
     budget = max(4 * raw_bytes, 1 << 30)
     cache = cs.PrefixCache(model_id="bench", layout=layout, codec=CODECS[codec_name], block_tokens=STORE_BLOCK,

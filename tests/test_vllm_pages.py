@@ -11,7 +11,7 @@ import cacheseek as cs
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.integrations.vllm.config import ConnectorConfig
 from cacheseek.integrations.vllm.guard import StoreGuard
-from cacheseek.integrations.vllm.pages import PageFormat, PagedKV, kv_views
+from cacheseek.integrations.vllm.pages import PageFormat, VllmPages, kv_views
 from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
 from cacheseek.integrations.vllm.stores import Shard, shard_model_id
 from cacheseek.integrations.vllm.worker import WorkerSide
@@ -106,7 +106,7 @@ def test_page_format_checks():
 
 
 def test_slots_follow_block_ids_through_split_blocks():
-    pages = PagedKV([layer_tensor(12, 16)], PageFormat("channel", D, 32, 16))  # a vLLM block spans 2 pages
+    pages = VllmPages([layer_tensor(12, 16)], PageFormat("channel", D, 32, 16))  # a vLLM block spans 2 pages
     s = pages.slots([4, 1, 5], 20, 70)
     t = torch.arange(20, 70)
     block = torch.tensor([4, 1, 5])[t // 32]
@@ -120,9 +120,9 @@ def test_slots_follow_block_ids_through_split_blocks():
 @pytest.mark.parametrize("split", ["channel", "token"])
 def test_gather_then_scatter_moves_exactly_the_slots(split):
     fmt = PageFormat(split, D, 32, 32)
-    src = PagedKV([layer_tensor(8, 32, seed=i) for i in range(L)], fmt)
+    src = VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], fmt)
     dst_tensors = [torch.zeros(8, H, 32, 2 * D) for _ in range(L)]
-    dst = PagedKV(dst_tensors, fmt)
+    dst = VllmPages(dst_tensors, fmt)
     kv = src.gather(src.slots([3, 0, 6], 0, 80))
     assert kv[0][0].shape == (H, 80, D)
     token = 37
@@ -150,14 +150,14 @@ def worker(codec=None, block_tokens: int = 32) -> tuple[WorkerSide, cs.PrefixCac
 def test_saved_pages_load_into_other_pages_bit_exact():
     fmt = PageFormat("token", D, 32, 32)
     side, cache = worker()
-    side.register(PagedKV([layer_tensor(8, 32, seed=i) for i in range(L)], fmt))
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], fmt))
     tokens = list(range(1000, 1100))  # 3 full blocks of 32, and 4 tokens
     plan = StepPlan(saves=[SaveSpec("a", tokens[:96], [2, 7, 4, 1])])
     side.start_step(plan)
     side.finish_step(plan)
     assert side.stats.saves == 1 and side.stats.save_blocks_stored == 3
     src = side.pages
-    other = PagedKV([torch.zeros(8, H, 32, 2 * D) for _ in range(L)], fmt)
+    other = VllmPages([torch.zeros(8, H, 32, 2 * D) for _ in range(L)], fmt)
     side.register(other)
     side.start_step(StepPlan(loads=[LoadSpec("b", tokens[:96], [0, 3, 5], start=32)]))
     assert side.take_failed_blocks() == set() and side.stats.load_tokens == 64
@@ -170,7 +170,7 @@ def test_saved_pages_load_into_other_pages_bit_exact():
 def test_a_load_that_falls_short_reports_its_blocks_and_drops_the_requests_save():
     fmt = PageFormat("channel", D, 16, 16)  # vLLM blocks of 16 tokens, store blocks of 32
     side, cache = worker()
-    side.register(PagedKV([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
     tokens = list(range(64))
     cache.ingest(tokens[:32], side.pages.gather(side.pages.slots([0, 1], 0, 32)))  # only block 0 is stored
     plan = StepPlan(loads=[LoadSpec("r", tokens, [3, 4, 5, 6], start=16)],
@@ -188,7 +188,7 @@ def test_a_load_that_falls_short_reports_its_blocks_and_drops_the_requests_save(
 def test_a_store_that_raises_fails_no_request():
     fmt = PageFormat("channel", D, 16, 16)
     side, cache = worker()
-    side.register(PagedKV([layer_tensor(4, 16)], fmt))  # one layer where the cache has three
+    side.register(VllmPages([layer_tensor(4, 16)], fmt))  # one layer where the cache has three
     plan = StepPlan(loads=[LoadSpec("r", list(range(32)), [0, 1], start=0)],
                     saves=[SaveSpec("s", list(range(32)), [2, 3])])
     side.start_step(plan)
@@ -205,11 +205,11 @@ def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
     layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16")
     cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec, block_tokens=64, tiers=cs.TierConfig(cpu_bytes="64MiB"))
     side = WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({}), "worker"))
-    src = PagedKV([torch.randn(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
+    src = VllmPages([torch.randn(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
     side.register(src)
     tokens, blocks = list(range(128)), [5, 17, 2, 9, 11, 0, 23, 8]
     side.save(SaveSpec("a", tokens, blocks))
-    dst = PagedKV([torch.zeros(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
+    dst = VllmPages([torch.zeros(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
     side.register(dst)
     assert side.load(LoadSpec("b", tokens, [1, 3, 4, 6, 7, 10, 12, 13], start=0)) == 128
     want = cache.materialize(tokens, device="cuda")

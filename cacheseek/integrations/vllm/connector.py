@@ -26,7 +26,7 @@ from ...errors import ConfigError
 from ...layout import KV_DTYPES, KVLayout, dtype_name
 from .config import ConnectorConfig
 from .guard import StoreGuard
-from .pages import PageFormat, PagedKV
+from .pages import PageFormat, VllmPages
 from .plan import StepPlan
 from .scheduler import SchedulerSide
 from .stores import Shard, close_cache, open_cache, shard_model_id
@@ -142,7 +142,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         layers = [kv_caches[n] for n in names]
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
-        self._worker_side().register(PagedKV(layers, fmt))
+        self._worker_side().register(VllmPages(layers, fmt))
 
     def _kv_split(self, names: list[str]) -> str:
         layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)

@@ -78,7 +78,7 @@ class Slots:
     offsets: torch.Tensor  # int64 [end - start]
 
 
-class PagedKV:
+class VllmPages:
     """An engine's KV cache: per-layer (K, V) page views, in the model's layer order."""
 
     def __init__(self, layers: list[torch.Tensor], fmt: PageFormat) -> None:
@@ -137,4 +137,4 @@ class PagedKV:
             v_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = v[:, a:b]
 
 
-__all__ = ["KV_SPLITS", "PageFormat", "PagedKV", "Slots", "kv_views"]
+__all__ = ["KV_SPLITS", "PageFormat", "VllmPages", "Slots", "kv_views"]

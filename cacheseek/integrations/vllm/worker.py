@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from .guard import StoreGuard
-from .pages import PagedKV
+from .pages import VllmPages
 from .plan import LoadSpec, SaveSpec, StepPlan
 from .stats import ConnectorStats
 
@@ -25,11 +25,11 @@ class WorkerSide:
         self.cache = cache
         self.guard = guard
         self.stats = ConnectorStats()
-        self.pages: PagedKV | None = None
+        self.pages: VllmPages | None = None
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their saves are dropped
 
-    def register(self, pages: PagedKV) -> None:
+    def register(self, pages: VllmPages) -> None:
         self.pages = pages
 
     def start_step(self, plan: StepPlan) -> None:
@@ -101,7 +101,7 @@ class WorkerSide:
                 self.stats.save_failures += 1
         self.stats.save_seconds += time.perf_counter() - t0
 
-    def _pages(self) -> PagedKV:
+    def _pages(self) -> VllmPages:
         if self.pages is None:
             raise RuntimeError("cacheseek connector: vLLM ran a step before registering its KV caches")
         return self.pages
