@@ -13,7 +13,7 @@ from cacheseek.integrations.vllm.config import ConnectorConfig
 from cacheseek.integrations.vllm.guard import StoreGuard
 from cacheseek.integrations.vllm.pages import PageFormat, VllmPages, kv_views
 from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
-from cacheseek.integrations.vllm.stores import Shard, shard_model_id
+from cacheseek.integrations.vllm.stores import Shard, shard_keys, shard_model_id
 from cacheseek.integrations.vllm.worker import WorkerSide
 
 H, D, L = 2, 16, 3
@@ -61,10 +61,18 @@ def test_config_errors_name_the_key(extra, names):
         ConnectorConfig.from_extra(extra)
 
 
-def test_shards_key_apart_and_a_single_worker_keeps_the_model_id():
-    assert shard_model_id("m", Shard()) == "m"
-    ids = {shard_model_id("m", Shard(r, 4)) for r in range(4)}
-    assert len(ids) == 4 and "m" not in ids
+def test_two_ranks_never_share_a_block_and_one_worker_keys_as_any_front():
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tiers = cs.TierConfig(cpu_bytes="1MiB")
+
+    def root(shard: Shard) -> bytes:
+        with cs.PrefixCache(layout=layout, tiers=tiers, **shard_keys(cs.PrefixCache, "m", shard)) as cache:
+            return cache.root
+
+    assert len({root(Shard(r, 4)) for r in range(4)}) == 4
+    with cs.PrefixCache(model_id="m", layout=layout, tiers=tiers) as plain:
+        assert root(Shard()) == plain.root
+    assert shard_model_id("m", Shard()) == "m" and shard_model_id("m", Shard(1, 2)) != "m"
     with pytest.raises(ConfigError, match="rank 4"):
         Shard(4, 4)
 

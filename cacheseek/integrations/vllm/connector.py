@@ -29,7 +29,7 @@ from .guard import StoreGuard
 from .pages import PageFormat, VllmPages
 from .plan import StepPlan
 from .scheduler import SchedulerSide
-from .stores import Shard, close_cache, open_cache, shard_model_id
+from .stores import Shard, close_cache, open_cache
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -111,14 +111,13 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._reported: dict[str, int | float] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._caches = [open_cache(self.config, self.layout, shard_model_id(model_id, Shard(r, tp_size)))
-                            for r in range(tp_size)]
+            self._caches = [open_cache(self.config, self.layout, model_id, Shard(r, tp_size)) for r in range(tp_size)]
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
-            self._caches = [open_cache(self.config, self.layout, shard_model_id(model_id, Shard(rank, tp_size)))]
+            self._caches = [open_cache(self.config, self.layout, model_id, Shard(rank, tp_size))]
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
 
     # -- what callers can read -------------------------------------------------------------

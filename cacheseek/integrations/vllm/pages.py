@@ -90,6 +90,15 @@ class VllmPages:
         self.num_heads = layers[0].shape[1]
         self.dtype = layers[0].dtype
         self.device = layers[0].device
+        self.engine = engine_pages(self.views)
+
+    def page_table(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """The pages holding tokens ``[0, num_tokens)`` of a request, in order."""
+        per = self.fmt.pages_per_block
+        n = -(-num_tokens // self.fmt.page_tokens)
+        if n > len(block_ids) * per:
+            raise InputError(f"page table: {num_tokens} tokens do not fit {len(block_ids)} blocks of {self.fmt.block_size}")
+        return [block_ids[j // per] * per + j % per for j in range(n)]
 
     @property
     def num_layers(self) -> int:
@@ -137,4 +146,15 @@ class VllmPages:
             v_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = v[:, a:b]
 
 
-__all__ = ["KV_SPLITS", "PageFormat", "VllmPages", "Slots", "kv_views"]
+def engine_pages(views: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The same pages as the engine surface's ``cs.KVPages`` (K and V as ``[P, H, N, D]``
+    views: its HND layout), when this CacheSeek has it; else None, and the stopgap copies
+    above move the KV."""
+    import cacheseek as cs
+
+    if not hasattr(cs, "KVPages"):
+        return None
+    return cs.KVPages([k for k, _ in views], [v for _, v in views], layout="HND")
+
+
+__all__ = ["KV_SPLITS", "PageFormat", "Slots", "VllmPages", "engine_pages", "kv_views"]

@@ -10,6 +10,7 @@ builds the cache and the other finds it here, by its whole configuration.
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 from dataclasses import dataclass
@@ -33,15 +34,24 @@ class Shard:
 
 
 def shard_model_id(model_id: str, shard: Shard) -> str:
-    """The model id that keys this shard's blocks.
-
-    STOPGAP until the root hash takes the shard identity itself (the engine-surface issue):
-    the rank goes into the model id, which is part of the root, so two ranks' roots differ.
-    A single worker keeps the plain model id, so its blocks are the ones any other front
-    (``prefill_with_reuse``, another engine) stores for that model."""
+    """The model id that keys this shard's blocks where the root hash cannot take the shard
+    itself (a CacheSeek without the engine surface's ``cs.Shard``): the rank goes into the
+    model id, which is part of the root, so two ranks' roots differ. A single worker keeps
+    the plain model id, so its blocks are the ones any other front (``prefill_with_reuse``,
+    another engine) stores for that model."""
     if shard.tp_size == 1:
         return model_id
     return f"{model_id}#tp{shard.tp_rank}of{shard.tp_size}"
+
+
+def shard_keys(front: type, model_id: str, shard: Shard) -> dict[str, Any]:
+    """The constructor arguments that key ``shard``'s blocks apart: ``shard=cs.Shard(...)``
+    where the front takes it, else a model id with the rank in it."""
+    if "shard" in inspect.signature(front.__init__).parameters:
+        import cacheseek as cs
+
+        return {"model_id": model_id, "shard": cs.Shard(tp_rank=shard.tp_rank, tp_size=shard.tp_size)}
+    return {"model_id": shard_model_id(model_id, shard)}
 
 
 class _Shared:
@@ -74,19 +84,22 @@ class _Shared:
 _SHARED = _Shared()
 
 
-def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str) -> Any:
-    """A ``RemoteCache`` (``config.url`` set) or the process's shared ``PrefixCache``."""
-    common = {"model_id": model_id, "layout": layout, "codec": config.codec, "block_tokens": config.block_tokens,
+def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: Shard) -> Any:
+    """A ``RemoteCache`` (``config.url`` set) or the process's shared ``PrefixCache``, for
+    ``shard``'s blocks."""
+    common = {"layout": layout, "codec": config.codec, "block_tokens": config.block_tokens,
               "namespace": config.namespace, "hash_algo": config.hash_algo}
     if config.remote:
         from ...remote import RemoteCache
 
-        return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds, **common)
+        return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds,
+                           **shard_keys(RemoteCache, model_id, shard), **common)
     from ...prefix_cache import PrefixCache
 
-    key = json.dumps({**common, "layout": layout.to_dict(), "codec": config.codec.spec(),
-                      "tiers": repr(config.tiers)}, sort_keys=True)
-    return _SHARED.acquire(key, lambda: PrefixCache(tiers=config.tiers, **common))
+    keys = shard_keys(PrefixCache, model_id, shard)
+    name = json.dumps({**common, **keys, "layout": layout.to_dict(), "codec": config.codec.spec(),
+                       "tiers": repr(config.tiers)}, sort_keys=True, default=repr)
+    return _SHARED.acquire(name, lambda: PrefixCache(tiers=config.tiers, **keys, **common))
 
 
 def close_cache(config: ConnectorConfig, cache: Any) -> None:
@@ -96,4 +109,4 @@ def close_cache(config: ConnectorConfig, cache: Any) -> None:
         _SHARED.release(cache)
 
 
-__all__ = ["Shard", "close_cache", "open_cache", "shard_model_id"]
+__all__ = ["Shard", "close_cache", "open_cache", "shard_keys", "shard_model_id"]

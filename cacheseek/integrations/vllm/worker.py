@@ -58,10 +58,17 @@ class WorkerSide:
         written = spec.start
         if self.guard.allow():
             try:
-                got = self.cache.materialize(spec.token_ids, device=pages.device, max_tokens=spec.end)
-                if got.num_tokens > spec.start:
-                    pages.scatter(pages.slots(spec.block_ids, spec.start, got.num_tokens), got.layers, first=0)
-                    written = got.num_tokens
+                if pages.engine is not None and spec.start == 0:
+                    # Decoded straight into the pages. (With vLLM's own hit before `start`,
+                    # the stopgap below writes from `start` on: materialize_into writes
+                    # whole blocks from token 0, and those pages are vLLM's shared ones.)
+                    dest = pages.engine.at(pages.page_table(spec.block_ids, spec.end))
+                    written = self.cache.materialize_into(spec.token_ids, dest, max_tokens=spec.end).num_tokens
+                else:
+                    got = self.cache.materialize(spec.token_ids, device=pages.device, max_tokens=spec.end)
+                    if got.num_tokens > spec.start:
+                        pages.scatter(pages.slots(spec.block_ids, spec.start, got.num_tokens), got.layers, first=0)
+                        written = got.num_tokens
                 self.guard.success()
             except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
                 written = spec.start
@@ -87,7 +94,11 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            kv = pages.gather(pages.slots(spec.block_ids, 0, len(spec.token_ids)))
+            n = len(spec.token_ids)
+            if pages.engine is not None:
+                kv = pages.engine.at(pages.page_table(spec.block_ids, n))  # encoded from the pages in place
+            else:
+                kv = pages.gather(pages.slots(spec.block_ids, 0, n))
             result = self.cache.ingest(spec.token_ids, kv)
             self.guard.success()
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
