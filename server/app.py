@@ -12,9 +12,10 @@ from starlette.concurrency import run_in_threadpool
 from cacheseek import __version__
 from cacheseek.store.tiered import TieredStore
 
-from . import errors
+from . import errors, openapi
 from .auth import Authenticator
 from .config import ServerSettings
+from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import Namespaces, load_secret
 from .routes import blocks, lookup, ops, prefixes
@@ -61,9 +62,19 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     app.state.metrics = metrics
     app.state.auth = Authenticator(settings)
     app.state.service = None
+
+    def release_memory() -> None:
+        """After a burst of request bodies given back unstored: their memory back to the OS."""
+        trim_heap()
+        service = app.state.service
+        if service is not None:
+            service.release_free_memory()
+
+    app.state.body_budget = BodyBudget(settings.max_inflight_body_bytes, release_memory)
     for module in (blocks, prefixes, ops):
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    openapi.install(app)
     return app

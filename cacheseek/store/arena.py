@@ -177,10 +177,13 @@ class HostArena:
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
         left = self.capacity_bytes - self.reserved_bytes
-        if grow and left > 0:
+        if grow and left >= need * count:
             # Powers of two no larger than what is left (a 4.5 GiB capacity maps 4 x 1 GiB
-            # + 512 MiB, not 5 GiB), unless a frame needs more.
+            # + 512 MiB, not 5 GiB); a run that needs more gets what it needs, page-rounded,
+            # never past the capacity.
             size = min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need * count)))
+            if size > left:
+                size = min(left, -(-need * count // mmap.PAGESIZE) * mmap.PAGESIZE)
             chunk = _Chunk(size, self.pin)
             self._chunks.append(chunk)
             offset = chunk.allocate(need * count)
@@ -201,6 +204,24 @@ class HostArena:
             self._zombies.append(slot)
         else:
             slot.chunk.free(slot.offset, slot.nbytes)
+
+    def release_free(self) -> int:
+        """``madvise(MADV_DONTNEED)`` the whole pages of every free extent of the unpinned
+        chunks: the OS takes those pages back (RSS falls) and hands out zeroed ones when they
+        are written again. Returns the bytes released."""
+        self.reap()
+        released = 0
+        page = mmap.PAGESIZE
+        for chunk in self._chunks:
+            if chunk.pinned or not hasattr(chunk, "_mmap"):
+                continue
+            for offset, size in zip(chunk.free_offsets, chunk.free_sizes):
+                start = -(-offset // page) * page
+                end = (offset + size) // page * page
+                if end > start:
+                    chunk._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+                    released += end - start
+        return released
 
     def reap(self) -> None:
         """Release zombies whose last view has gone."""
