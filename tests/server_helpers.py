@@ -39,11 +39,12 @@ class Server:
     """One ``cacheseek serve`` process. ``with Server(tmp_path) as srv: srv.url``."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
-                 cpu_bytes: str = "64MiB") -> None:
+                 cpu_bytes: str = "64MiB", verify: str | bool = True) -> None:
         self.root = Path(root)
         self.disk_path = self.root / "disk"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify  # for https: the CA bundle that signed the server's certificate
+        self.url = f"{'https' if '--tls-cert' in args else 'http'}://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), "--cpu-bytes", cpu_bytes, "--log-level", "warning",
                      "--disk-path", str(self.disk_path), "--disk-bytes", "1GiB" if disk else "0", *args]
         self.env = {**os.environ, "XDG_CACHE_HOME": str(self.root / "xdg"), **(env or {})}
@@ -61,7 +62,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"cacheseek serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/readyz", timeout=1.0, verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -82,6 +83,14 @@ class Server:
         except subprocess.TimeoutExpired:
             self.kill()
             raise RuntimeError(f"cacheseek serve ignored SIGTERM for {timeout}s:\n{self.output()}") from None
+
+    def rss_bytes(self) -> int:
+        """The server process's resident memory (VmRSS)."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -370,9 +370,9 @@ def check_codec_layout(meta: FrameMeta) -> None:
     lay = meta.layout
     try:
         template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
+        want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
     except ValueError as exc:  # a geometry the codec cannot pack (head_dim 12 at int4, 4 tokens in a group of 32)
         raise FrameError(f"codec {meta.codec.get('name')!r:.20} cannot encode this layout and block size: {exc}") from None
-    want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
     got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
     _expect(got == want, "tensor entries do not match codec {!r} for this layout", meta.codec.get("name"))
 
