@@ -355,6 +355,10 @@ def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None 
     _expect(view.nbytes >= meta.nbytes, "frame truncated: {} of {} bytes", view.nbytes, meta.nbytes)
     _expect(view.nbytes == meta.nbytes, "frame has {} trailing bytes", view.nbytes - meta.nbytes)
     if verify:
+        # No checksum covers the padding after the header: it must be zeros, so that no byte
+        # of a frame is free to carry anything.
+        pad = view[PREAMBLE.size + meta.header_nbytes : meta.payload_offset]
+        _expect(bytes(pad) == bytes(pad.nbytes), "the padding after the header is not zeros")
         digest = payload_digest if payload_digest is not None else payload_checksum(view[meta.payload_offset :])
         if digest != meta.checksum:
             raise ChecksumError("payload checksum mismatch")
