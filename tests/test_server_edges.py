@@ -168,8 +168,8 @@ def test_clients_gone_mid_body_or_mid_stream_are_not_errors(tmp_path):
 
 
 def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
-    args = ["--cpu-bytes", "64MiB", "--cpu-reserve-bytes", "32MiB", "--body-idle-timeout-s", "2",
-            "--header-timeout-s", "2"]
+    args = ["--cpu-bytes", "64MiB", "--cpu-reserve-bytes", "32MiB", "--body-idle-timeout-seconds", "2",
+            "--header-timeout-seconds", "2"]
     with Server(tmp_path, *args, disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         cached = raw_chain(4, 24, layout=BIG_LAYOUT)  # 24 MiB, well inside the budget
         assert c.post("/v1/blocks", content=batch_body([f for _, f in cached])).status_code == 200
@@ -232,7 +232,8 @@ def test_aborted_uploads_give_their_memory_back(tmp_path):
 
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
-    args = ["--header-timeout-s", "1.5", "--body-idle-timeout-s", "1.5", "--body-min-rate", "64KiB"]
+    args = ["--header-timeout-seconds", "1.5", "--body-idle-timeout-seconds", "1.5",
+            "--body-min-bytes-per-second", "64KiB"]
     with Server(tmp_path, *args, disk=False) as srv:
         silent = socket.create_connection(("127.0.0.1", srv.port))
         assert closed_within(silent, 6) < 6
@@ -360,7 +361,7 @@ def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):
         assert srv.url.startswith("https://")
         chain = raw_chain(6, 8, layout=BIG_LAYOUT)
         with httpx.Client(base_url=srv.url, verify=ca, timeout=30) as c:
-            assert c.get("/readyz").json() == {"status": "ready", "receive_path": "in-place"}
+            assert c.get("/readyz").json()["receive_path"] == "in-place"
             h, f = chain[0]
             assert c.put(f"/v1/blocks/{h.hex()}", content=f).status_code == 201
             assert c.post("/v1/blocks", content=batch_body([f for _, f in chain[1:]])).status_code == 200
