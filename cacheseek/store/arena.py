@@ -149,6 +149,11 @@ class HostArena:
         return sum(c.nbytes for c in self._chunks)
 
     @property
+    def limit_bytes(self) -> int:
+        """The most this arena maps: its capacity, or more where a chunk rounded past it."""
+        return max(self.capacity_bytes, self.reserved_bytes)
+
+    @property
     def pinned(self) -> bool:
         return bool(self._chunks) and all(c.pinned for c in self._chunks)
 
@@ -177,13 +182,10 @@ class HostArena:
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
         left = self.capacity_bytes - self.reserved_bytes
-        if grow and left >= need * count:
+        if grow and left > 0:
             # Powers of two no larger than what is left (a 4.5 GiB capacity maps 4 x 1 GiB
-            # + 512 MiB, not 5 GiB); a run that needs more gets what it needs, page-rounded,
-            # never past the capacity.
+            # + 512 MiB, not 5 GiB), unless a frame needs more.
             size = min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need * count)))
-            if size > left:
-                size = min(left, -(-need * count // mmap.PAGESIZE) * mmap.PAGESIZE)
             chunk = _Chunk(size, self.pin)
             self._chunks.append(chunk)
             offset = chunk.allocate(need * count)

@@ -237,10 +237,12 @@ class CpuTier(IndexedTier):
             limit = self.capacity_bytes + self.reserve_bytes
             if self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
                 return None
-            # Frames that may be held for long (a server receiving from a slow client) are lent
-            # the reserve only: the arena maps budget + reserve, so the budget's room stays free
-            # for stored blocks and a put never evicts for a reservation while the budget has room.
-            if not grow and self._reserved_bytes + _aligned(nbytes) * count > self.reserve_bytes:
+            # Frames that may be held for long (a server receiving from a slow client) get only
+            # the arena's room beyond the budget (the reserve, and whatever a chunk rounded past
+            # it): a whole budget of stored blocks always fits beside them, so a put never evicts
+            # for a reservation while the budget has room.
+            lendable = self._arena.limit_bytes - self.capacity_bytes
+            if not grow and self._reserved_bytes + _aligned(nbytes) * count > lendable:
                 return None
             grow = grow or self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
             slots = self._arena.allocate_run(nbytes, count, grow=grow)
