@@ -183,7 +183,7 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         time.sleep(0.5)
         during = c.get("/v1/stats").json()
         assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
-        assert during["bodies"]["in_flight_bytes"] <= 4 * 2 * MiB + 2 * 4 * MiB  # a piece or a step each
+        assert during["bodies"]["in_flight_bytes"] <= 6 * 4  # what arrived: bytes, not declarations
         assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
         # The budget still has room for 30 more blocks: none of the cached ones is evicted.
         more = raw_chain(5, 30, layout=BIG_LAYOUT)
@@ -267,15 +267,15 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
 
 
 def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
-    args = ["--max-inflight-body-bytes", "8MiB", "--max-body-bytes", "8MiB", "--max-frame-bytes", "4MiB",
+    args = ["--max-inflight-body-bytes", "10MiB", "--max-body-bytes", "10MiB", "--max-frame-bytes", "8MiB",
             "--cpu-reserve-bytes", "0"]
     with Server(tmp_path, *args, disk=False) as srv:
         holders = []
-        for i in range(3):  # 3 x 3 MiB received and held: the third passes 8 MiB
+        for i in range(3):  # each sends a 4 MiB step of a declared 8 MiB and holds: the third passes 10 MiB
             s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 4 * MiB) + bytes(3 * MiB))
+            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 8 * MiB) + bytes(4 * MiB + 100))
             holders.append(s)
-            time.sleep(0.3)
+            time.sleep(0.5)
         status, headers, text = read_response(holders[2], bytearray())
         assert status == 503 and b"max_inflight_body_bytes" in text and headers[b"retry-after"] == b"1"
         for s in holders:

@@ -1,13 +1,17 @@
 """Reading request bodies under the limits, and the OpenAPI descriptions of binary bodies.
 
 Memory follows the bytes that arrive, not the ``Content-Length`` a client declares: a frame
-is received into a CPU-tier reservation (room the tier lends from its reserve; the pages
-are touched only as bytes land) or into pieces of at most ``PIECE`` bytes allocated as the
-bytes come, and every byte is counted in the server's ``BodyBudget`` before it is read.
+is received into a CPU-tier reservation (room the tier lends beyond its budget; the pages
+are touched only as bytes land), or into an anonymous mapping of its own (committed page
+by page as bytes land, unmapped when dropped), or, without a length (chunked), into pieces
+of at most ``PIECE`` bytes allocated as the bytes come; every byte is counted in the
+server's ``BodyBudget`` as it arrives (a request holds at most one step of ``STEP`` bytes
+beyond it).
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +25,7 @@ from ..limits import BodyBytes
 from ..protocol import BODY_GONE, BODY_INTO
 
 PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
-STEP = 4 << 20  # bytes received into a reservation per budget check
+STEP = 4 << 20  # bytes received into a frame's memory per budget check
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: BINARY},
@@ -95,10 +99,11 @@ class RequestBody:
 
 
 async def receive_frame(body: RequestBody, length: int | None, limit: int, held: BodyBytes,
-                        reservation: Reservation | None, on_data: Callable[[memoryview], None]) -> bytearray | None:
+                        reservation: Reservation | None, on_data: Callable[[memoryview], None]) -> Any:
     """Receive one frame of ``length`` bytes (None: to the end of the body, at most
-    ``limit``) into ``reservation`` (returns None) or into a buffer of its own (returned).
-    Every byte is taken from the budget before it is read; a body that ends early is
+    ``limit``) into ``reservation`` (returns None) or into a writable buffer of its own
+    (returned: an anonymous mmap for a frame over ``PIECE``, else a bytearray).
+    Every byte is counted in the budget as it arrives, a step at a time; a body that ends early is
     ``ClientGone`` when its client went away, else a ``BadRequest``."""
     if reservation is not None:
         assert length is not None
@@ -107,27 +112,43 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         try:
             while filled < length:
                 step = min(STEP, length - filled)
-                held.take(step)
                 n = await body.read_into(view[filled : filled + step], on_data)
+                held.take(n)
                 filled += n
                 if n < step:
-                    held.settle(step - n, stored=False)
                     raise _short(body, filled, length)
         finally:
             del view  # the tier reuses a slot only once no view of it is alive
         return None
+    if length is not None and length > PIECE:
+        # A buffer of its own, mapped for the declared length but committed by the OS page by
+        # page as the bytes land (nothing is zero-filled ahead, and a client that stalls costs
+        # what it sent); unmapped, so given back to the OS, when the frame is dropped.
+        buf = mmap.mmap(-1, length)
+        view = memoryview(buf)
+        filled = 0
+        try:
+            while filled < length:
+                step = min(STEP, length - filled)
+                n = await body.read_into(view[filled : filled + step], on_data)
+                held.take(n)
+                filled += n
+                if n < step:
+                    raise _short(body, filled, length)
+        finally:
+            view.release()
+        return buf
     pieces: list[bytearray] = []
     total = 0
     while length is None or total < length:
         want = PIECE if length is None else min(PIECE, length - total)
         if length is None and total + want > limit:
             want = limit - total + 1  # one byte past the limit tells an over-long body from one that ends there
-        held.take(want)
         piece = bytearray(want)
         n = await body.read_into(piece, on_data)
+        held.take(n)
         total += n
         if n < want:
-            held.settle(want - n, stored=False)
             del piece[n:]
         if n:
             pieces.append(piece)
