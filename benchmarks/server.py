@@ -36,6 +36,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -161,7 +162,7 @@ def start_cacheseek(tmp: Path, name: str, *args: str, tree: Path | None = None,
     proc = Proc([*cmd, "serve", "--port", str(port), "--log-level", "warning", "--disk-path", str(tmp / name),
                  "--max-body-bytes", "8GiB", *args], tmp / f"{name}.log")
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
-    verify = str(tls[0]) if tls else True
+    verify = ssl.create_default_context(cafile=str(tls[0])) if tls else True
     wait_until(lambda: httpx.get(url + "/readyz", verify=verify).status_code == 200, f"cacheseek serve ({name})")
     return proc, url
 
@@ -209,7 +210,7 @@ def _client(job: tuple[str, str, int, int, int]) -> int:
         return moved
     op, url = target.split("|")
     # Over TLS, httpx's own transport (BulkTransport speaks plain HTTP), trusting the bench's certificate.
-    kw = {"verify": os.environ["CACHESEEK_BENCH_CA"]} if url.startswith("https") else {"transport": BulkTransport()}
+    kw = {"verify": _bench_ca()} if url.startswith("https") else {"transport": BulkTransport()}
     with httpx.Client(base_url=url, timeout=300, **kw) as c:
         c.get("/healthz")
         _sleep_until(go_at)
@@ -232,6 +233,11 @@ def _client(job: tuple[str, str, int, int, int]) -> int:
         else:
             raise ValueError(op)
     return moved
+
+
+def _bench_ca() -> ssl.SSLContext:
+    """Trust the benchmark's self-signed certificate (its path is in CACHESEEK_BENCH_CA)."""
+    return ssl.create_default_context(cafile=os.environ["CACHESEEK_BENCH_CA"])
 
 
 def _sleep_until(t: float) -> None:
@@ -279,7 +285,7 @@ def cacheseek_rows(urls: dict[str, str], clients: list[int], per: int, reps: int
     rows = []
 
     def clear(url: str) -> None:
-        verify = os.environ.get("CACHESEEK_BENCH_CA", True) if url.startswith("https") else True
+        verify = _bench_ca() if url.startswith("https") else True
         with httpx.Client(base_url=url, timeout=300, verify=verify) as c:
             for h, _ in _FRAMES:
                 c.delete(f"/v1/blocks/{h.hex()}")
@@ -347,7 +353,7 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
     extra_calls, opened = {}, []
     for label, other in others.items():
         if other.startswith("https"):  # RemoteCache's binary body, sent through httpx's own transport
-            client = httpx.Client(base_url=other, verify=os.environ["CACHESEEK_BENCH_CA"])
+            client = httpx.Client(base_url=other, verify=_bench_ca())
             raw = b"".join(keys)
             extra_calls[label] = lambda client=client: client.post(
                 "/v1/lookup", content=raw, headers={"content-type": "application/octet-stream"}).json()["matched"]

@@ -9,6 +9,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ class Server:
     """One ``cacheseek serve`` process. ``with Server(tmp_path) as srv: srv.url``."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
-                 cpu_bytes: str = "64MiB", verify: str | bool = True) -> None:
+                 cpu_bytes: str = "64MiB", verify: ssl.SSLContext | bool = True) -> None:
         self.root = Path(root)
         self.disk_path = self.root / "disk"
         self.port = free_port()

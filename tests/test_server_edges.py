@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -355,7 +356,7 @@ def tls_files(tmp_path_factory):
 
 
 def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):
-    ca = str(tls_files / "ca.pem")
+    ca = ssl.create_default_context(cafile=str(tls_files / "ca.pem"))
     env = {"CACHESEEK_TLS_KEY": str(tls_files / "key.pem")}  # settings from the environment work too
     with Server(tmp_path, "--tls-cert", str(tls_files / "cert.pem"), env=env, verify=ca) as srv:
         assert srv.url.startswith("https://")
