@@ -1,7 +1,7 @@
 """The HTTP service over loopback against Redis: ingest and materialize throughput, lookup latency.
 
     python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
-                                [--baseline main] [--tls] [--no-full] [--no-disk]
+                                [--baseline main] [--tls] [--cpu-reserve 1GiB] [--no-full] [--no-disk]
 
 Frames are int4 KIVI frames (G=32, fp16 stats) of Llama-3-8B-shaped blocks: 32 layers x 8 KV
 heads x 256 tokens x 128, 10.5 MB each, built directly (valid headers and checksums over
@@ -407,6 +407,8 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="REF", default=None,
                     help="also serve the CPU tier from git ref REF (e.g. main): before and after in one run")
     ap.add_argument("--tls", action="store_true", help="also serve the CPU tier over HTTPS")
+    ap.add_argument("--cpu-reserve", default=None, metavar="SIZE",
+                    help="cpu_reserve_bytes of the CPU-tier servers (default: theirs, an eighth of the budget)")
     ap.add_argument("--tmp", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -425,6 +427,8 @@ def main() -> None:
             rproc, rport = start_redis(tmp)
             procs.append(rproc)
             cpu_args = ("--cpu-bytes", budget, "--disk-bytes", "0")
+            if args.cpu_reserve:
+                cpu_args += ("--cpu-reserve-bytes", args.cpu_reserve)
             cs_proc, cs_url = start_cacheseek(tmp, "cpu", *cpu_args)
             procs.append(cs_proc)
             urls = {"cacheseek (cpu tier)": cs_url}
