@@ -184,7 +184,7 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         time.sleep(0.5)
         during = c.get("/v1/stats").json()
         assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
-        assert during["bodies"]["in_flight_bytes"] <= 6 * 4  # what arrived: bytes, not declarations
+        assert during["bodies"]["in_flight_bytes"] <= 6 * 4  # what arrived (4 bytes each), not what was declared
         assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
         # The budget still has room for 30 more blocks: none of the cached ones is evicted.
         more = raw_chain(5, 30, layout=BIG_LAYOUT)
@@ -268,13 +268,13 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
 
 
 def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
-    args = ["--max-inflight-body-bytes", "10MiB", "--max-body-bytes", "10MiB", "--max-frame-bytes", "8MiB",
+    args = ["--max-inflight-body-bytes", "40MiB", "--max-body-bytes", "40MiB", "--max-frame-bytes", "32MiB",
             "--cpu-reserve-bytes", "0"]
     with Server(tmp_path, *args, disk=False) as srv:
         holders = []
-        for i in range(3):  # each sends a 4 MiB step of a declared 8 MiB and holds: the third passes 10 MiB
+        for i in range(3):  # each sends a 16 MiB step of a declared 32 MiB and holds: the third passes 40 MiB
             s = socket.create_connection(("127.0.0.1", srv.port))
-            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 8 * MiB) + bytes(4 * MiB + 100))
+            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 32 * MiB) + bytes(16 * MiB + 100))
             holders.append(s)
             time.sleep(0.5)
         status, headers, text = read_response(holders[2], bytearray())

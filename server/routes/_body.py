@@ -25,7 +25,7 @@ from ..limits import BodyBytes
 from ..protocol import BODY_GONE, BODY_INTO
 
 PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
-STEP = 4 << 20  # bytes received into a frame's memory per budget check
+STEP = 16 << 20  # bytes received into a frame's memory per budget check (one read for most frames)
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: BINARY},
