@@ -71,6 +71,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
             service.release_free_memory()
 
     app.state.body_budget = BodyBudget(settings.max_inflight_body_bytes, release_memory)
+    metrics.watch_bodies(app.state.body_budget.stats)
     for module in (blocks, prefixes, ops):
         app.include_router(module.router)
     lookup.install(app)

@@ -73,6 +73,27 @@ class _StoreCollector(Collector):
         yield family
 
 
+class _BodiesCollector(Collector):
+    """Request bodies in flight (``server.limits.BodyBudget``), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        for name, key, help_ in (
+                ("cacheseek_http_body_bytes_in_flight", "in_flight_bytes", "Request-body bytes received, not yet stored"),
+                ("cacheseek_http_body_bytes_in_flight_peak", "peak_bytes", "Most request-body bytes in flight at once"),
+                ("cacheseek_http_body_bytes_in_flight_limit", "limit_bytes", "max_inflight_body_bytes")):
+            family = GaugeMetricFamily(name, help_)
+            family.add_metric([], float(s[key]))
+            yield family
+        family = CounterMetricFamily("cacheseek_http_bodies_refused",
+                                     "Requests answered 503: bodies in flight at max_inflight_body_bytes")
+        family.add_metric([], float(s["refused"]))
+        yield family
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -94,6 +115,9 @@ class Metrics:
             self.registry.unregister(self._store_collector)
         self._store_collector = _StoreCollector(stats)
         self.registry.register(self._store_collector)
+
+    def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:
+        self.registry.register(_BodiesCollector(stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -105,6 +105,18 @@ class Server:
         self.kill() if exc[0] is not None else self.stop()
 
 
+def bodies(client: httpx.Client | str) -> dict[str, float]:
+    """The server's request bodies in flight, from ``/metrics``: ``in_flight_bytes``, ``refused``."""
+    text = (client.get("/metrics") if isinstance(client, httpx.Client) else httpx.get(client + "/metrics")).text
+    names = {"cacheseek_http_body_bytes_in_flight": "in_flight_bytes", "cacheseek_http_bodies_refused_total": "refused"}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+    return out
+
+
 def raw_frame(seed: int, *, position: int = 0, parent: bytes | None = None, block_hash: bytes | None = None,
               layout: KVLayout = LAYOUT, block: int = BLOCK, hash_size: int = 16, codec=None) -> tuple[bytes, bytes]:
     """A valid frame (Raw by default) with deterministic payload bytes: (block hash, frame bytes)."""

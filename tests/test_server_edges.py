@@ -21,7 +21,7 @@ import xxhash
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI
 from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
-from server_helpers import Server, batch_body, cacheseek_command, free_port, raw_chain, raw_frame
+from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame
 
 MiB = 1 << 20
 BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
@@ -129,7 +129,7 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
             s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(good)) + good)
             assert read_response(s, rest)[0] == 201
         stats = httpx.get(srv.url + "/v1/stats").json()
-        assert stats["tiers"][0]["blocks"] == 1 and stats["bodies"]["in_flight_bytes"] == 0
+        assert stats["tiers"][0]["blocks"] == 1 and bodies(srv.url)["in_flight_bytes"] == 0
         assert "ERROR" not in srv.output() and "Traceback" not in srv.output(), srv.output()
 
 
@@ -157,7 +157,7 @@ def test_clients_gone_mid_body_or_mid_stream_are_not_errors(tmp_path):
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
         time.sleep(0.5)
         stats = httpx.get(srv.url + "/v1/stats").json()
-        assert stats["bodies"]["in_flight_bytes"] == 0
+        assert bodies(srv.url)["in_flight_bytes"] == 0
         assert stats["tiers"][0]["reservation_bytes"] == 0
         assert stats["tiers"][0]["blocks"] == 64  # the cut-off frame stored nothing
         assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
@@ -184,7 +184,7 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         time.sleep(0.5)
         during = c.get("/v1/stats").json()
         assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
-        assert during["bodies"]["in_flight_bytes"] <= 6 * 4  # what arrived (4 bytes each), not what was declared
+        assert bodies(c)["in_flight_bytes"] <= 6 * 4  # what arrived (4 bytes each), not what was declared
         assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
         # The budget still has room for 30 more blocks: none of the cached ones is evicted.
         more = raw_chain(5, 30, layout=BIG_LAYOUT)
@@ -197,7 +197,7 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
             assert closed_within(s, 8) < 8
             s.close()
         after = c.get("/v1/stats").json()
-        assert after["bodies"]["in_flight_bytes"] == 0 and after["tiers"][0]["reservation_bytes"] == 0
+        assert bodies(c)["in_flight_bytes"] == 0 and after["tiers"][0]["reservation_bytes"] == 0
         assert all(c.get(f"/v1/blocks/{h.hex()}").content == f for h, f in cached)
 
 
@@ -223,13 +223,13 @@ def test_aborted_uploads_give_their_memory_back(tmp_path):
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             stats = httpx.get(srv.url + "/v1/stats").json()
-            if stats["bodies"]["in_flight_bytes"] == 0 and srv.rss_bytes() - rss0 < 48 * MiB:
+            if bodies(srv.url)["in_flight_bytes"] == 0 and srv.rss_bytes() - rss0 < 48 * MiB:
                 break
             time.sleep(0.1)
         grew, left = (peak[0] - rss0) / MiB, (srv.rss_bytes() - rss0) / MiB
         assert grew > 96, f"the burst should have used memory: +{grew:.0f} MiB"
         assert left < 48, f"+{grew:.0f} MiB in the burst, +{left:.0f} MiB left after it"
-        assert stats["bodies"]["in_flight_bytes"] == 0 and stats["tiers"][0]["blocks"] == 0
+        assert bodies(srv.url)["in_flight_bytes"] == 0 and stats["tiers"][0]["blocks"] == 0
 
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
@@ -263,8 +263,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         assert time.monotonic() - start < 6
         # a fast client on the same server is unaffected
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
-        stats = httpx.get(srv.url + "/v1/stats").json()
-        assert stats["bodies"]["in_flight_bytes"] == 0
+        assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
 def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
@@ -284,8 +283,8 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
         time.sleep(0.3)
         h, frame = raw_frame(3)
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
-        stats = httpx.get(srv.url + "/v1/stats").json()
-        assert stats["bodies"]["in_flight_bytes"] == 0 and stats["bodies"]["refused"] >= 1
+        figures = bodies(srv.url)
+        assert figures["in_flight_bytes"] == 0 and figures["refused"] >= 1
 
 
 # -- what tenants see ---------------------------------------------------------------------------

@@ -21,18 +21,16 @@ HOST_DETAILS = ("path", "url", "redis_url")  # tier stats fields that tell where
 @router.get("/v1/stats", responses={400: {"description": "a bad namespace header", **ERROR},
                                     401: {"description": "a token is required", **ERROR},
                                     403: {"description": "token not accepted", **ERROR}})
-async def stats(caller: Reader, service: Service, request: Request) -> JSONResponse:
+async def stats(caller: Reader, service: Service) -> JSONResponse:
     """Per tier: capacity, used bytes, blocks, hits, misses, evictions, promotions, demotions,
     bytes in and out, checksum failures (``corrupt``); and the compression ratio. A tenant's
-    token sees no host details (the disk tier's path); the operator's tokens (or none) do,
-    with the request bodies in flight (``bodies``)."""
+    token sees no host details (the disk tier's path); the operator's tokens (or none) do.
+    Request bodies in flight are in ``/metrics`` (``cacheseek_http_body_bytes_in_flight``)."""
     out = await run_in_threadpool(service.stats)
     if caller.tenant:
         for tier in out.get("tiers", []):
             for key in HOST_DETAILS:
                 tier.pop(key, None)
-    else:
-        out["bodies"] = request.app.state.body_budget.stats()
     return JSONResponse(out)
 
 
