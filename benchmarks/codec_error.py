@@ -1,6 +1,7 @@
 """Reconstruction error and compression of KIVI for each bits x group size.
 
     python -m benchmarks.codec_error [--tokens 1024] [--out DIR]
+    python -m benchmarks.codec_error --plot-only benchmarks/results/codec_error.json --out docs
 
 Data: Gaussian K/V, and K with outlier channels (4 of 128 channels scaled x15, as real
 keys have). Error is ||x - x_hat|| / ||x|| over the whole tensor. The in-run baseline is the
@@ -19,7 +20,7 @@ import cacheseek as cs
 from cacheseek.quant import kivi_reference as ref
 from cacheseek.quant.payload import AXIS_CHANNELS
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 
 def _data(kind: str, tokens: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,21 +57,44 @@ def run(tokens: int) -> list[dict]:
     return rows
 
 
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Relative error of K and V per bits x group, on Gaussian and on outlier-channel data,
+    beside K grouped per token (the in-run baseline)."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True)
+    for ax, kind, title in zip(axes, ("gaussian", "outlier"), ("Gaussian K and V", "K with 4 outlier channels (x15)")):
+        rows = [r for r in doc["rows"] if r["data"] == kind]
+        bars(ax, [f"int{r['bits']} G{r['group']} ({r['compression']:.1f}x)" for r in rows],
+             {"K, per channel (KIVI)": [r["k_err"] for r in rows],
+              "V, per token (KIVI)": [r["v_err"] for r in rows],
+              "K grouped per token (baseline)": [r["k_err_per_token"] for r in rows]},
+             fmt="{:.2g}", colors=["tab:blue", "tab:orange", "0.6"], log=True)
+        ax.set_title(title)
+        ax.set_xlabel("bits, group size G (compression vs fp16)")
+    axes[0].set_ylabel("relative error ||x - x_hat|| / ||x|| (log)")
+    legend_outside(axes[1])
+    return save(fig, out_dir, "codec_error", note=source_line(doc),
+                title=f"KIVI reconstruction error, fp16 stats: 8 heads x {doc['tokens']} tokens x 128 channels "
+                      "(torch reference)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=None)
+    add_plot_only(ap)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return
     rows = run(args.tokens)
     cols = ["data", "bits", "group", "k_err", "v_err", "k_err_per_token", "k_vs_per_token", "compression"]
     print(table(rows, cols, "KIVI reconstruction error ||x - x_hat|| / ||x|| (fp16 stats)"))
-    print(f"wrote {write_json('codec_error', {'tokens': args.tokens, 'rows': rows}, args.out)}")
-    gauss = [r for r in rows if r["data"] == "gaussian"]
-    png = plot_bars("codec_error", [f"int{r['bits']} G{r['group']}" for r in gauss],
-                    {"K": [r["k_err"] for r in gauss], "V": [r["v_err"] for r in gauss]},
-                    "relative error (Gaussian)", args.out, log=True)
-    if png:
-        print(f"wrote {png}")
+    path = write_json("codec_error", {"tokens": args.tokens, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    redraw(plot, path)
 
 
 if __name__ == "__main__":

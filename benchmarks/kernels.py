@@ -1,6 +1,7 @@
 """Throughput of the Triton KIVI kernels against the memory roofline and the torch reference.
 
     python -m benchmarks.kernels [--quick] [--sweep] [--out DIR]
+    python -m benchmarks.kernels --plot-only benchmarks/results/h200/kernels.json --out docs
 
 On CUDA, for K (per-channel groups) and V (per-token groups) of fp16 KV shaped
 [32 layers, 8 KV heads, 4096 tokens, 128] (Llama-3-8B, 268 MB), at 2/4/8 bits with G=32
@@ -47,7 +48,8 @@ from cacheseek.kernels import kivi as kk  # noqa: E402
 from cacheseek.quant import kivi_reference as ref  # noqa: E402
 from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS  # noqa: E402
 
-from .report import plot_bars, table, write_json  # noqa: E402
+from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line  # noqa: E402
+from .report import table, write_json  # noqa: E402
 
 DEVICE = "cuda"
 SHAPE = (32, 8, 4096, 128)  # layers, KV heads, tokens, head dim
@@ -303,6 +305,37 @@ def _same(a, b) -> bool:
 # -- entry point -------------------------------------------------------------------------
 
 
+GOAL_GBPS = 2000  # int4, each way
+
+
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Quantize and dequantize GB/s per case: Triton against the torch reference, with the
+    fraction of the copy bandwidth each kernel reaches."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, op in zip(axes, ("quantize", "dequantize")):
+        rows = [r for r in doc["throughput"] if r["op"] == op]
+        bars(ax, [r["case"] for r in rows],
+             {"Triton kernel": [r["raw_GBps"] for r in rows],
+              "torch reference (same GPU)": [r["ref_raw_GBps"] for r in rows]}, fmt="{:,.0f}")
+        for x, r in enumerate(rows):
+            ax.annotate(f"{r['pct_copy_bw']:.0f}% of copy bw", (x - 0.2, r["raw_GBps"] / 2), ha="center",
+                        va="center", fontsize=7.5, color="white", rotation=90)
+        ax.axhline(GOAL_GBPS, color="tab:red", ls="--", lw=1, label=f"goal for int4: {GOAL_GBPS:,} GB/s")
+        ax.set_title(op)
+        ax.set_xlabel("tensor, bits, group size G")
+    axes[0].set_ylabel("GB/s of raw fp16 KV processed")
+    legend_outside(axes[1])
+    shape = "x".join(str(d) for d in doc["shape"])
+    where = doc["machine"].get("gpu", "?")
+    return save(fig, out_dir, "kernels", note=source_line(doc),
+                title=f"KIVI kernels on fp16 KV [{shape}] (layers x heads x tokens x dim), {where}; "
+                      f"copy bandwidth {doc['copy_GBps']:,.0f} GB/s")
+
+
 def smoke_without_cuda() -> int:
     print("No CUDA device: the throughput benchmark needs an NVIDIA GPU. Running a tiny "
           "correctness smoke test in the Triton interpreter instead.")
@@ -318,7 +351,10 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="int4 G=32 only, fewer repetitions")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
     ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.png")
+    add_plot_only(ap)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return 0
     if not torch.cuda.is_available():
         return smoke_without_cuda()
 
@@ -353,10 +389,7 @@ def main() -> int:
                "strided": strided_rows, "sweep": sweep_rows, "triton": _triton_version(),
                "seconds": time.perf_counter() - t_start}
     path = write_json("kernels", payload, args.out)
-    labels = [f"{r['case']} {r['op'][:3]}" for r in rows]
-    plot_bars("kernels", labels, {"triton": [r["raw_GBps"] for r in rows],
-                                  "torch reference": [r["ref_raw_GBps"] for r in rows]},
-              ylabel="GB/s of raw fp16 KV", out_dir=args.out, log=True)
+    redraw(plot, path)
 
     if sweep_rows:
         print(table(sweep_rows, ["case", "op", "config", "default", "us", "raw_GBps"],

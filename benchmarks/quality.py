@@ -1,7 +1,7 @@
 """Quality drift per codec on a real model: reused (encoded, decoded) prefix KV against recomputed.
 
     python -m benchmarks.quality [--quick] [--threads N] [--out DIR]
-    python -m benchmarks.quality --plot-only      # redraw the PNG from the JSON
+    python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
 spin-wait whenever one of them is descheduled, and 2 threads ran 2-5x slower than 1 there.
@@ -30,7 +30,6 @@ recent tokens in full precision, which this does not.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import cacheseek as cs
 from cacheseek.integrations import smollm2, texts
 from cacheseek.integrations.transformers import dynamic_cache_layers, forward, kv_layout, to_dynamic_cache
 
-from .report import RESULTS, table, write_json
+from .report import add_plot_only, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 CONTINUATION = 128
 GREEDY = 64
@@ -172,56 +171,52 @@ def summarize(rows: list[dict], vs: list[Variant]) -> list[dict]:
     return out
 
 
-def plot(summary: list[dict], out_dir: Path | None) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """KL drift, top-1 and greedy agreement per codec variant."""
+    plt = pyplot()
+    if plt is None:
         return None
-    out_dir = out_dir or RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = docs[0]
+    summary = doc["summary"]
     labels = [f"{r['codec']}" + (f" G{r['group']}" if r["group"] != "-" else "") for r in summary]
     xs = range(len(labels))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
     floor = 1e-9
-    ax1.bar(xs, [max(r["KL mean"], floor) for r in summary], color="tab:red")
-    for x, r in zip(xs, summary):
-        if r["KL mean"] == 0:
-            ax1.annotate("0 (exact)", (x, floor), ha="center", va="bottom", fontsize=8)
+    drawn = ax1.bar(xs, [max(r["KL mean"], floor) for r in summary], color="tab:red")
+    ax1.bar_label(drawn, labels=["0 (exact)" if r["KL mean"] == 0 else f"{r['KL mean']:.2g}" for r in summary],
+                  fontsize=7, padding=1)
     ax1.set_yscale("log")
-    ax1.set_ylim(floor, None)
-    ax1.set_ylabel("KL(recomputed || reused), nats/token")
-    ax1.set_title("next-token distribution drift")
+    ax1.set_ylim(floor, 10)
+    ax1.set_ylabel("KL(recomputed || reused), nats/token (log)")
+    ax1.set_title("next-token distribution drift (lower is better)")
     width = 0.4
-    ax2.bar([x - width / 2 for x in xs], [r["top-1 %"] for r in summary], width, label="top-1 agreement")
-    ax2.bar([x + width / 2 for x in xs], [r["greedy match %"] for r in summary], width, label="greedy 64-token match")
-    ax2.set_ylim(0, 105)
-    ax2.set_ylabel("%")
-    ax2.set_title("agreement with recomputed KV")
-    ax2.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=2)
+    top1 = ax2.bar([x - width / 2 for x in xs], [r["top-1 %"] for r in summary], width, label="top-1 agreement")
+    greedy = ax2.bar([x + width / 2 for x in xs], [r["greedy match %"] for r in summary], width,
+                     label=f"greedy {doc['greedy']}-token match")
+    for drawn in (top1, greedy):
+        ax2.bar_label(drawn, fmt="%.0f", fontsize=6.5, padding=1)
+    ax2.set_ylim(0, 112)
+    ax2.set_ylabel("% of positions equal to recomputed KV's")
+    ax2.set_title("agreement with recomputed KV (higher is better)")
+    ax2.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9, frameon=False)
     for ax in (ax1, ax2):
         ax.set_xticks(list(xs))
         ax.set_xticklabels(labels, rotation=30, ha="right")
-    fig.suptitle("SmolLM2-135M-Instruct, reused prefix KV per codec (stdlib docstrings, 512-2048-token prefixes)")
-    fig.tight_layout()
-    path = out_dir / "quality.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+        ax.set_xlabel("codec, group size G")
+    lengths = sorted({r["prefix"] for r in doc["rows"]})
+    return save(fig, out_dir, "quality", note=source_line(doc),
+                title=f"Reused prefix KV per codec against recomputed KV: SmolLM2-135M-Instruct, "
+                      f"{len(doc['documents'])} stdlib-docstring prefixes of {lengths[0]}-{lengths[-1]} tokens")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
-    ap.add_argument("--plot-only", action="store_true", help="redraw quality.png from quality.json")
     ap.add_argument("--out", type=Path, default=None)
+    add_plot_only(ap)
     args = ap.parse_args()
-    if args.plot_only:
-        doc = json.loads(((args.out or RESULTS) / "quality.json").read_text())
-        print(f"wrote {plot(doc['summary'], args.out)}")
+    if plot_only(args, plot):
         return
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -247,10 +242,9 @@ def main() -> None:
         "documents": docs, "threads": torch.get_num_threads(), "seconds": seconds,
         "summary": summary, "rows": rows,
     }
-    print(f"wrote {write_json('quality', payload, args.out)}")
-    png = plot(summary, args.out)
-    if png:
-        print(f"wrote {png}")
+    path = write_json("quality", payload, args.out)
+    print(f"wrote {path}")
+    redraw(plot, path)
     n = len(QUICK if args.quick else PREFIXES)
     print(table(summary, cols, f"Reused vs recomputed prefix KV, SmolLM2-135M fp32, {n} prefixes of 512-2048 "
                                f"tokens, {CONTINUATION}-token continuation, {GREEDY} greedy tokens ({seconds:.0f} s)"))

@@ -1,6 +1,7 @@
 """Materialize throughput from the Redis tier: Raw against KIVI int4 and int2 frames.
 
     python -m benchmarks.redis_tier [--blocks 4] [--reps 5] [--codecs raw,int4,int2] [--url redis://...]
+    python -m benchmarks.redis_tier --plot-only benchmarks/results/redis_tier.json --out docs
 
 A PrefixCache whose only tier is Redis (a redis-server started here on a free loopback
 port, unless ``--url`` names one). Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x
@@ -35,7 +36,7 @@ import torch
 import cacheseek as cs
 from cacheseek.decode import decode_frames
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line, table, write_json
 from .store import BLOCK, CODECS, LAYOUT  # the same Llama-3-8B blocks and codecs as the store benchmark
 
 
@@ -135,6 +136,26 @@ def run_case(codec_name: str, url: str, kv, blocks: int, reps: int) -> dict:
     }
 
 
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Transfer, decode and whole materialize per codec, in ms for the same KV."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    rows = doc["rows"]
+    fig, ax = plt.subplots(figsize=(9, 4.6))
+    bars(ax, [f"{r['codec']} ({r['stored_mb_per_block']:.1f} MB/block)" for r in rows],
+         {"transfer: pipelined GET + parse + checksum": [r["transfer_ms"] for r in rows],
+          "decode (torch reference on the CPU)": [r["decode_ms"] for r in rows],
+          "materialize, end to end": [r["materialize_ms"] for r in rows]}, fmt="{:,.0f} ms", log=True)
+    ax.set_ylabel(f"ms for {doc['blocks']} blocks (log; lower is better)")
+    ax.set_xlabel("codec (frame size)")
+    legend_outside(ax)
+    return save(fig, out_dir, "redis_tier", note=source_line(doc),
+                title=f"Materialize from a Redis-only PrefixCache: {doc['blocks']} Llama-3-8B blocks of "
+                      f"{doc['block_tokens']} tokens, {doc['redis']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=4)
@@ -142,7 +163,10 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,int4,int2")
     ap.add_argument("--url", default=None, help="an existing Redis (default: start one on a free loopback port)")
     ap.add_argument("--out", type=Path, default=None)
+    add_plot_only(ap)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return
     codecs = args.codecs.split(",")
     if codecs[0] != "raw":
         codecs = ["raw"] + [c for c in codecs if c != "raw"]  # Raw is the in-run baseline
@@ -164,10 +188,8 @@ def main() -> None:
     where = "local redis-server on loopback" if args.url is None else "given Redis"
     path = write_json("redis_tier", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
                                      "redis": where, "baseline": "raw", "rows": rows}, args.out)
-    plot_bars("redis_tier", [r["codec"] for r in rows],
-              {"transfer": [r["transfer_gbps"] for r in rows], "materialize": [r["materialize_gbps"] for r in rows]},
-              "GB/s of raw KV", args.out)
     print(f"wrote {path}")
+    redraw(plot, path)
     cols = ["codec", "stored_mb_per_block", "compression", "transfer_ms", "transfer_gbps", "wire_gbps",
             "transfer_vs_raw", "decode_ms", "materialize_ms", "materialize_gbps", "materialize_vs_raw"]
     print(table(rows, cols, f"Redis tier, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens ({where}), "

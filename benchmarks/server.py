@@ -2,6 +2,14 @@
 
     python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
                                 [--baseline main] [--tls] [--cpu-reserve 1GiB] [--no-full] [--no-disk]
+    python -m benchmarks.server --plot-only benchmarks/results/server.json --out docs
+    python -m benchmarks.server --frames 24 --reps 3 --compare-metrics
+
+``--compare-metrics`` (no Redis needed) measures the cost of the server's own counting instead: two CPU-tier
+servers, one with ``--metrics-detail`` (the default: per-route latency histograms, traffic
+per namespace and model) and one with ``--no-metrics-detail`` (the store's figures only),
+take turns rep by rep, one client each, on the same frames; the table gives each figure's
+ratio, on over off (the in-run baseline).
 
 Frames are int4 KIVI frames (G=32, fp16 stats) of Llama-3-8B-shaped blocks: 32 layers x 8 KV
 heads x 256 tokens x 128, 10.5 MB each, built directly (valid headers and checksums over
@@ -54,7 +62,7 @@ from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.transport import BulkTransport
 from cacheseek.batch_body import iter_frames
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
 BLOCK = 256
@@ -329,12 +337,12 @@ def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]
     return rows
 
 
-def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int = 8,
+def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds: int = 8,
                    others: dict[str, str] | None = None) -> dict:
     """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never
     read payloads). The three clients take turns, ``n / rounds`` calls each per round, so
-    that load from elsewhere on the host falls on all of them alike."""
-    import redis
+    that load from elsewhere on the host falls on all of them alike (no Redis client when
+    ``redis_port`` is None)."""
 
     small = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16")
     chain, parent = [], bytes(16)
@@ -344,9 +352,13 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         parent = h
     keys = [h for h, _ in chain]
     body = {"hashes": [h.hex() for h in keys]}
-    r = redis.Redis(port=redis_port)
-    for h, f in chain:
-        r.set(h, f)
+    r = None
+    if redis_port is not None:
+        import redis
+
+        r = redis.Redis(port=redis_port)
+        for h, f in chain:
+            r.set(h, f)
     remote = RemoteCache(url, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
     others = others or {}
     total = sum(8 + len(f) for _, f in chain)
@@ -371,8 +383,9 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         # RemoteCache's own lookup (hashes computed once, as its ingest and materialize do),
         # a JSON body through httpx, as any other client would send it, and Redis.
         calls = {"binary": lambda: remote._lookup(keys)["matched"],
-                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"],
-                 "redis": lambda: r.exists(*keys), **extra_calls}
+                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"], **extra_calls}
+        if r is not None:
+            calls["redis"] = lambda: r.exists(*keys)
         times: dict[str, list[float]] = {form: [] for form in calls}
         for _ in range(rounds):
             for form, call in calls.items():
@@ -387,11 +400,52 @@ def lookup_latency(url: str, redis_port: int, blocks: int, n: int, rounds: int =
         thing.close()
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
     out = {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
-           "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99),
-           "redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+           "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99)}
+    if r is not None:
+        out |= {"redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
     for label in others:
         out[label] = {"p50_ms": q(times[label], 50), "p99_ms": q(times[label], 99)}
     return out
+
+
+REDIS = "redis-server (redis-py)"
+
+
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Ingest and materialize GB/s of each server beside Redis, for 1 and for 8 clients."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    rows = doc["rows"]
+    clients = sorted({r["clients"] for r in rows})
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    short = {REDIS: "redis-server", "cacheseek (cpu tier)": "cacheseek cpu", "cacheseek (cpu tier, full)":
+             "cacheseek cpu, full", "cacheseek (disk, fsync)": "cacheseek disk"}
+    by = {(r["system"], r["clients"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    panels = (("ingest", {"PUT, one frame a request (Redis: SET)": "ingest_put_gbps",
+                          "POST, a batch of frames": "ingest_batch_gbps"}),
+              ("materialize", {"GET, one frame a request (Redis: GET)": "materialize_get_gbps",
+                               "GET of a whole prefix": "materialize_prefix_gbps"}))
+    for ax, (what, columns) in zip(axes, panels):
+        keep = [s for s in systems if any(by.get((s, n), {}).get(c) for n in clients for c in columns.values())]
+        labels = [f"{short.get(s, s)}, {n} client{'s' if n > 1 else ''}" for n in clients for s in keep]
+        bars(ax, labels, {name: [by.get((s, n), {}).get(column) for n in clients for s in keep]
+                          for name, column in columns.items()}, fmt="{:.2f}")
+        ax.set_title(f"{what} (higher is better)")
+        ax.set_xlabel("server (tiers), concurrent clients")
+        for i in range(1, len(clients)):
+            ax.axvline(i * len(keep) - 0.5, color="0.7", lw=0.8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.42), ncol=2, fontsize=9, frameon=False)
+        ax.set_ylabel("GB/s of frames over loopback, all clients")
+    lk = doc["lookup"]
+    note = (f"{source_line(doc)}\nlookup of a {lk['blocks']}-block chain ({lk['lookups']} calls): p50 "
+            f"{lk['p50_ms']:.2f} ms, p99 {lk['p99_ms']:.2f} ms; Redis EXISTS of the same keys: p50 "
+            f"{lk['redis_exists_p50_ms']:.2f} ms, p99 {lk['redis_exists_p99_ms']:.2f} ms")
+    return save(fig, out_dir, "server", note=note,
+                title=f"cacheseek serve against redis-server: int4 frames of {doc['frame_mb']:.1f} MB "
+                      f"(Llama-3-8B blocks of {doc['block_tokens']} tokens), loopback")
 
 
 def main() -> None:
@@ -411,7 +465,15 @@ def main() -> None:
                     help="cpu_reserve_bytes of the CPU-tier servers (default: theirs, an eighth of the budget)")
     ap.add_argument("--tmp", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compare-metrics", action="store_true",
+                    help="measure metrics on against metrics off (see the module doc) instead")
+    add_plot_only(ap)
     args = ap.parse_args()
+    if args.compare_metrics:
+        compare_metrics(args)
+        return
+    if plot_only(args, plot):
+        return
     clients = [int(c) for c in args.clients.split(",")]
     if not shutil.which("redis-server"):
         sys.exit("redis-server is not on PATH: it is the baseline")
@@ -493,14 +555,8 @@ def main() -> None:
     path = write_json("server", {"frame_mb": frame_mb, "frames_per_client": per, "codec": CODEC.spec(),
                                  "layout": LAYOUT.to_dict(), "block_tokens": BLOCK, "rows": rows, "lookup": lookup},
                       args.out)
-    labels = [f"{r['system'].split()[0]} {r['clients']}c" + (" disk" if "disk" in r["system"] else "")
-              + (" full" if "full" in r["system"] else "") + (" TLS" if "TLS" in r["system"] else "") for r in rows]
-    plot_bars("server", labels, {"ingest": [r.get("ingest_put_gbps", 0) for r in rows],
-                                 "ingest (batch)": [r.get("ingest_batch_gbps", 0) for r in rows],
-                                 "materialize": [r.get("materialize_get_gbps", 0) for r in rows],
-                                 "materialize (prefix)": [r.get("materialize_prefix_gbps", 0) for r in rows]},
-              "GB/s of frames over loopback", args.out)
     print(f"wrote {path}")
+    redraw(plot, path)
     print(f"lookup, {lookup['blocks']}-block chain, {lookup['lookups']} calls: p50 {lookup['p50_ms']:.3f} ms, "
           f"p99 {lookup['p99_ms']:.3f} ms (JSON body: p50 {lookup['json_p50_ms']:.3f} ms, p99 "
           f"{lookup['json_p99_ms']:.3f} ms; redis EXISTS of the same keys: p50 {lookup['redis_exists_p50_ms']:.3f} ms, "
@@ -526,6 +582,52 @@ def main() -> None:
         print(table(ratio_rows, ["this code vs", "clients"] + [m.removesuffix("_gbps") for m in metrics] + ["lookup_p99"],
                     "This code against the other server: throughput ratios, and lookup_p99 = the other's p99 / this "
                     "code's (>1: this code is faster)"))
+
+
+def compare_metrics(args: argparse.Namespace) -> None:
+    """Ingest, materialize and lookup with the server's detailed metrics on and off, in turns."""
+    global _FRAMES
+    per = max(2, args.frames)
+    frame_mb = len(make_frame(0)[1]) / 1e6
+    budget = f"{int(per * frame_mb * 1e6 * 1.2) + (256 << 20)}"
+    variants = {"on": "--metrics-detail", "off": "--no-metrics-detail"}
+    ops = ("ingest_put_gbps", "ingest_batch_gbps", "materialize_get_gbps", "materialize_prefix_gbps")
+    got: dict[str, dict[str, list[float]]] = {v: {k: [] for k in (*ops, "lookup_p50_ms", "lookup_p99_ms")}
+                                               for v in variants}
+    procs: list[Proc] = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            urls = {}
+            for v, flag in variants.items():
+                proc, urls[v] = start_cacheseek(tmp, f"metrics-{v}", "--cpu-bytes", budget, "--disk-bytes", "0", flag)
+                procs.append(proc)
+            _FRAMES = client_chains(1, per)
+            for rep in range(args.reps):
+                order = list(variants) if rep % 2 == 0 else list(reversed(variants))  # neither always goes first
+                for v in order:
+                    row = cacheseek_rows({f"metrics {v}": urls[v]}, [1], per, 1)[0]
+                    for k in ops:
+                        got[v][k].append(row[k])
+                    lookup = lookup_latency(urls[v], None, args.lookup_blocks, max(200, args.lookups // args.reps))
+                    got[v]["lookup_p50_ms"].append(lookup["p50_ms"])
+                    got[v]["lookup_p99_ms"].append(lookup["p99_ms"])
+                    print(f"  rep {rep} metrics {v}: lookup p50 {lookup['p50_ms']:.3f} ms", flush=True)
+        finally:
+            for p in procs:
+                p.stop()
+    rows = []
+    for k in got["on"]:
+        on, off = statistics.median(got["on"][k]), statistics.median(got["off"][k])
+        # For throughput, on/off below 1 is a cost; for latency, above 1 is.
+        rows.append({"figure": k, "metrics_on": on, "metrics_off": off, "on_over_off": on / off,
+                     "runs_on": got["on"][k], "runs_off": got["off"][k]})
+    path = write_json("server_metrics", {"frame_mb": frame_mb, "frames": per, "reps": args.reps, "rows": rows},
+                      args.out)
+    print(f"wrote {path}")
+    print(table(rows, ["figure", "metrics_on", "metrics_off", "on_over_off"],
+                f"Metrics on against off: int4 Llama-3-8B frames of {frame_mb:.1f} MB, {per} per run, 1 client, "
+                f"median of {args.reps} alternating reps (GB/s; lookup of a {args.lookup_blocks}-block chain in ms)"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Ingest and materialize throughput per tier and codec, against a plain copy.
 
     python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
+    python -m benchmarks.store --plot-only benchmarks/results/h200/store.json --out docs
 
 Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x 256 tokens x 128, fp16 (33.5 MB
 of raw KV each). Throughput is GB/s of *raw KV represented*. KV lives on the GPU when
@@ -23,7 +24,7 @@ import torch
 
 import cacheseek as cs
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 LAYOUT = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
 BLOCK = 256
@@ -114,6 +115,31 @@ def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: in
     }
 
 
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """Ingest and materialize GB/s per codec and tier, with the plain copy drawn across."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    rows, base = doc["rows"], doc["baseline"]
+    policies = sorted({r.get("policy") for r in rows} - {None})
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(rows)), 4.6))
+    bars(ax, [f"{r['codec']} / {r['tier']}" + (f" / {r['policy']}" if len(policies) > 1 else "") for r in rows],
+         {"ingest (KV to the tier)": [r["ingest_gbps"] for r in rows],
+          "materialize (tier to KV)": [r["materialize_gbps"] for r in rows]}, log=True)
+    ax.set_ylabel("GB/s of raw fp16 KV represented (log)")
+    ax.set_xlabel("codec / tier" + (" / eviction policy" if len(policies) > 1 else ""))
+    ax.axhline(base["ingest_gbps"], color="0.3", ls="--", lw=1,
+               label=f"{base['kind']}: {base['ingest_gbps']:.1f} / {base['materialize_gbps']:.1f} GB/s")
+    legend_outside(ax)
+    raw_gb = cs.KVLayout.from_dict(doc["layout"]).raw_nbytes(doc["blocks"] * doc["block_tokens"]) / 1e9
+    where = doc["machine"].get("gpu") or "CPU"
+    return save(fig, out_dir, "store", note=source_line(doc),
+                title=f"Store throughput: {doc['blocks']} Llama-3-8B blocks of {doc['block_tokens']} tokens "
+                      f"({raw_gb:.2f} GB of fp16 KV on the {'GPU' if doc['kv_device'].startswith('cuda') else 'CPU'}), {where}"
+                      + (f", {policies[0]} eviction" if len(policies) == 1 else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
@@ -126,7 +152,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--policy", default="arc", help="eviction policies, comma-separated (arc,lru: both, "
                                                     "interleaved per case; the ratio to the last is printed)")
+    add_plot_only(ap)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return
     kv_device = torch.device("cuda" if cuda else "cpu")
     tokens = args.blocks * BLOCK
     gen = torch.Generator(device=kv_device).manual_seed(0)
@@ -164,10 +193,7 @@ def main() -> None:
                       f"ms each: {row['ingest_ms_each']} / {row['materialize_ms_each']}", flush=True)
     path = write_json("store", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
                                 "kv_device": str(kv_device), "baseline": base, "rows": rows}, args.out)
-    labels = [f"{r['codec']}/{r['tier']}/{r['policy']}" for r in rows]
-    plot_bars("store", labels, {"ingest": [r["ingest_gbps"] for r in rows],
-                                "materialize": [r["materialize_gbps"] for r in rows]},
-              "GB/s of raw KV", args.out)
+    redraw(plot, path)
     cols = ["codec", "tier", "policy", "ingest_gbps", "ingest_vs_copy", "materialize_gbps", "materialize_vs_copy",
             "stored_mb_per_block", "compression"]
     print(f"wrote {path}")

@@ -3,6 +3,7 @@ infinite cache, per codec and CPU budget; the disk tier's admission; other trace
 
     python -m benchmarks.trace_replay [--trace PATH] [--layout llama-3-8b] [--codecs raw,int8,int4,int2]
                                       [--cpu-gib 16,32,64,128] [--policies arc,lru] [--quick]
+    python -m benchmarks.trace_replay --plot-only benchmarks/results/trace_replay.json --out docs
 
 The default trace is benchmarks/traces/mooncake_synthetic.jsonl: the synthetic trace of the
 Mooncake FAST'25 release (kvcache-ai/Mooncake on GitHub, FAST25-release/traces/, Apache-2.0;
@@ -24,10 +25,10 @@ from pathlib import Path
 
 from cacheseek.trace import reference, synth
 from cacheseek.trace.format import load_trace
-from cacheseek.trace.plan import TABLE_COLUMNS, format_table, layout_of, plan, plot, table_rows
+from cacheseek.trace.plan import TABLE_COLUMNS, format_table, layout_of, plan, table_rows
 from cacheseek.trace.replay import ReplaySpec, replay
 
-from .report import write_json
+from .report import add_plot_only, load, plot_only, pyplot, save, source_line, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL_TRACE = ROOT / "benchmarks" / "traces" / "mooncake_synthetic.jsonl"
@@ -86,6 +87,44 @@ def _stand_in_nbytes() -> int:
     return StandInFrames(512).nbytes
 
 
+def plot(docs: list[dict], out_dir: Path, name: str = "hit-rate") -> Path | None:
+    """Hit rate against the CPU budget from section 2: a line per codec and policy, Belady's
+    optimum dashed, the infinite cache flat."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    doc = docs[0]
+    rows = doc["plan"]
+    fig, ax = plt.subplots(figsize=(9, 5.2))
+    codecs = list(dict.fromkeys(r["codec"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    colors = dict(zip(codecs, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    styles = dict(zip(policies, ["-", ":", "-."]))
+    for codec in codecs:
+        mine = [r for r in rows if r["codec"] == codec]
+        budgets = sorted({r["cpu_bytes"] for r in mine})
+        gib = [b / (1 << 30) for b in budgets]
+        for policy in policies:
+            ys = [100 * next(r["block_hit_rate"] for r in mine if r["cpu_bytes"] == b and r["policy"] == policy)
+                  for b in budgets]
+            ax.plot(gib, ys, styles[policy], marker="o", color=colors[codec], label=f"{codec}, {policy}")
+        ys = [100 * next(r["belady_block_hit_rate"] for r in mine if r["cpu_bytes"] == b) for b in budgets]
+        ax.plot(gib, ys, "--", color=colors[codec], alpha=0.6, label=f"{codec}, Belady (optimum)")
+    ax.axhline(100 * rows[0]["infinite_block_hit_rate"], color="black", lw=1, label="infinite cache")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({r["cpu_bytes"] / (1 << 30) for r in rows}))
+    ax.get_xaxis().set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.set_ylim(0, 100 * rows[0]["infinite_block_hit_rate"] * 1.1)
+    ax.set_xlabel("CPU tier budget (GiB, log scale)")
+    ax.set_ylabel("hit rate (% of requested 512-token blocks)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    trace = Path(doc["trace"]).name
+    return save(fig, out_dir, name, note=source_line(doc),
+                title=f"Hit rate on {trace} ({doc['requests']:,} requests), {doc['layout']}, CPU tier only, "
+                      "per codec and eviction policy")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(FULL_TRACE), help="a trace in the Mooncake format (default: the Mooncake synthetic trace)")
@@ -96,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="sections 1 and 2 only, one codec (int4)")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "hit-rate.png"))
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
+    add_plot_only(ap)
     args = ap.parse_args(argv)
+    if args.plot_only:
+        args.out = Path(args.out) if args.out else None
+        plot_only(args, plot)
+        return 0
 
     trace = load_trace(args.trace)
     policies = args.policies.split(",")
@@ -112,8 +156,6 @@ def main(argv: list[str] | None = None) -> int:
                 policies=policies)
     doc["plan"] = [r.to_dict() for r in rows]
     print(format_table(table_rows(rows), TABLE_COLUMNS, f"2. {args.layout}, CPU tier only, per codec and budget"))
-    if plot(rows, args.plot, f"Hit rate on {Path(args.trace).name} ({args.layout}, 512-token blocks)"):
-        print(f"plot: {args.plot}")
 
     default, baseline = policies[0], "lru"
     ratios = [r.result.block_hit_rate for r in rows if r.policy == default]
@@ -134,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path = write_json("trace_replay", doc, Path(args.out) if args.out else None)
     print(f"wrote {path}")
+    png = plot([load(path)], Path(args.plot).parent, Path(args.plot).stem)
+    if png:
+        print(f"plot: {png}")
     return 0
 
 

@@ -3,6 +3,8 @@
     python -m benchmarks.ttft            # H200: contexts 4K, 16K, 32K (~6 min with model construction)
     python -m benchmarks.ttft --quick    # 4K and 16K only
     python -m benchmarks.ttft --tiny     # CPU smoke run: a 2-layer model, 512/1024 tokens
+    python -m benchmarks.ttft --plot-only benchmarks/results/h200/ttft.json \
+        benchmarks/results/h200/ttft_fixed_cells.json --out docs     # redraw the plot
 
 Model: Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head dim 128, hidden 4096,
 intermediate 14336, vocab 128256), random weights, bf16, sdpa, built directly on the GPU.
@@ -40,7 +42,7 @@ import cacheseek as cs
 from cacheseek.integrations.planner import ReusePlanner
 from cacheseek.integrations.transformers import forward, kv_layout, prefill_with_reuse
 
-from .report import plot_bars, table, write_json
+from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line, table, write_json
 
 LLAMA3_8B = {
     "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -235,6 +237,45 @@ def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: A
     }
 
 
+def measured_cells(docs: list[dict]) -> dict[tuple[int, str, str], dict]:
+    """(context, tier, codec) -> row, from every file in order: a later file fills only the
+    cells that earlier ones did not measure (a rerun of cells that failed)."""
+    cells: dict[tuple[int, str, str], dict] = {}
+    for doc in docs:
+        for r in doc["rows"]:
+            key = (r["context"], r["tier"], r["codec"])
+            if "speedup" in r and key not in cells:
+                cells[key] = r
+    return cells
+
+
+def plot(docs: list[dict], out_dir: Path) -> Path | None:
+    """TTFT speedup of reuse over a full prefill, per tier and codec, one bar per context."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    cells = measured_cells(docs)
+    contexts = sorted({c for c, _, _ in cells})
+    pairs = [(t, c) for t in TIERS for c in CODECS if any((n, t, c) in cells for n in contexts)]
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.0 * len(pairs)), 4.8))
+    series = {f"{n // 1024}K-token context": [cells[(n, t, c)]["speedup"] if (n, t, c) in cells else None
+                                              for t, c in pairs] for n in contexts}
+    bars(ax, [f"{t} / {c}" for t, c in pairs], series, fmt="{:.1f}x", log=True)
+    ax.axhline(1.0, color="0.3", ls="--", lw=1, label="1x: as fast as recomputing")
+    ax.axhline(8.0, color="tab:red", ls=":", lw=1, label="goal at 16K, cpu / int4: 8x")
+    ax.set_ylabel("TTFT speedup over a full prefill (x, log)")
+    ax.set_xlabel("tier the prefix is read from / codec")
+    legend_outside(ax)
+    doc = docs[0]
+    where = doc["machine"].get("gpu") or f"{doc['machine'].get('cpus', '?')}-core CPU"
+    note = "\n".join(source_line(d) for d in docs)
+    if len(docs) > 1:
+        note += "\n(cells missing from the first file come from the next)"
+    return save(fig, out_dir, doc["benchmark"], note=note,
+                title=f"Time to first token: reuse of a stored prefix against a full prefill, "
+                      f"{doc['suffix']}-token suffix\n{doc['model']}, {doc['dtype'].removeprefix('torch.')}, {where}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="contexts 4K and 16K only")
@@ -245,7 +286,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--disk-path", type=Path, default=None, help="folder for the disk tier (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None)
+    add_plot_only(ap, several=True)
     args = ap.parse_args()
+    if plot_only(args, plot):
+        return
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
@@ -285,15 +329,10 @@ def main() -> None:
                "rows": rows,
                "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}
     name = "ttft_tiny" if args.tiny else "ttft"
-    print(f"wrote {write_json(name, payload, args.out)}")
+    path = write_json(name, payload, args.out)
+    print(f"wrote {path}")
+    redraw(plot, path)
     timed = [r for r in rows if "speedup" in r]
-    if timed:
-        labels = [f"{r['tier']} {r['codec']}" for r in timed if r["context"] == timed[0]["context"]]
-        series = {f"{c // 1024}K": [r["speedup"] for r in timed if r["context"] == c] for c in contexts}
-        png = plot_bars(name, labels, {k: v for k, v in series.items() if len(v) == len(labels)},
-                        "TTFT speedup vs full prefill (x)", args.out, log=True)
-        if png:
-            print(f"wrote {png}")
     slower = [r for r in timed if not r["pays"]]
     for r in slower:
         print(f"NOTE: {r['tier']}/{r['codec']} at {r['context']} tokens is slower than recompute "

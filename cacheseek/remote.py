@@ -35,6 +35,10 @@ from .store.tier import BlockFrame
 from .transport import BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+# For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.
+MODEL_HEADER = "X-CacheSeek-Model"
+BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
+TOKENS_HEADER = "X-CacheSeek-Tokens"
 _UNLIMITED = 1 << 62
 
 
@@ -60,6 +64,9 @@ class RemoteCache(PrefixCacheBase):
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
         self.url = url.rstrip("/")
         headers = {NAMESPACE_HEADER: namespace} if namespace else {}
+        if model_id.isascii() and model_id.isprintable():
+            headers[MODEL_HEADER] = model_id[:128]
+        headers[BLOCK_TOKENS_HEADER] = str(block_tokens)
         if token:
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
@@ -100,8 +107,8 @@ class RemoteCache(PrefixCacheBase):
         return result
 
     def locate(self, keys: Any) -> Located:
-        self._num_keys(keys)
-        found = self._lookup(self.block_hashes(keys))
+        tokens = self._num_keys(keys)
+        found = self._lookup(self.block_hashes(keys), tokens=tokens)
         n = found["matched"]
         return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
 
@@ -110,10 +117,12 @@ class RemoteCache(PrefixCacheBase):
 
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``."""
-        self._num_keys(keys)
+        tokens = self._num_keys(keys)
         device = self._device(device)
         hashes = self._limit(self.block_hashes(keys), max_tokens)
-        found = self._lookup(hashes) if hashes else {"matched": 0, "tiers": []}
+        if max_tokens is not None:
+            tokens = min(tokens, max(0, max_tokens))
+        found = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
         frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         if not frames:
             return self._nothing(device)
@@ -132,11 +141,13 @@ class RemoteCache(PrefixCacheBase):
 
     # -- HTTP ----------------------------------------------------------------------------
 
-    def _lookup(self, hashes: list[BlockHash], *, each: bool = False) -> dict[str, Any]:
+    def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None) -> dict[str, Any]:
         """``POST /v1/lookup``, sent to the transport directly: a lookup comes before every
         request a worker serves, and httpx.Client's own request path (URL merging, auth
         and redirect flows, text decoding) cost ~0.3 ms of a ~1 ms lookup."""
         path, content, headers = lookup_request(hashes, each=each)
+        if tokens is not None:  # the query's length, partial last block included: the hit rate's denominator
+            headers[TOKENS_HEADER] = str(tokens)
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts})
         try:

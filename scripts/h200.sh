@@ -39,7 +39,8 @@ for s in "$@"; do
                  step host-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --host ;;
     trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
                  step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
-    store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq ;;
+    store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq
+                 cp /tmp/sq/store.json "$OUT/store_16blocks_raw_int4.json" ;;
     store-64)    step store-64 150 python3 -m benchmarks.store --blocks 64 --codecs raw,int4 --tiers cpu --reps 6 --out /tmp/s64
                  cp /tmp/s64/store.json "$OUT/store_64blocks.json" ;;
     batches)     for b in 1GiB 256MiB 128MiB; do
@@ -55,6 +56,10 @@ for s in "$@"; do
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
     redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;
+    # The cost of the server's own counting, on a quiet host (CPU only; needs the server wheels)
+    metrics)     step metrics-cost 200 python3 -m benchmarks.metrics_cost --calls 3000 --rounds 10 --out "$OUT"
+                 step server-metrics 400 python3 -m benchmarks.server --frames 24 --reps 5 --compare-metrics --out "$OUT" ;;
+    pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     *) echo "unknown step $s" ;;
   esac
 done

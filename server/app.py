@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -13,14 +14,17 @@ from cacheseek import __version__
 from cacheseek.store.tiered import TieredStore
 
 from . import errors, openapi
+from .admin import AdminOps
 from .auth import Authenticator
 from .config import ServerSettings
 from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import Namespaces, load_secret
-from .routes import blocks, lookup, ops, prefixes
+from .owners import Owners
+from .routes import admin, blocks, dashboard, docs, lookup, ops, prefixes
 from .service import BlockService
 from .store import build_store
+from .summary import recovery_figures, store_lines
 
 log = logging.getLogger("cacheseek.server")
 
@@ -28,26 +32,38 @@ DESCRIPTION = """Tiered KV-cache store for exact-prefix reuse.
 
 Bodies are binary block frames (`application/octet-stream`), or several frames each preceded
 by its length as a u64 little-endian (`application/vnd.cacheseek.frames`). Errors are JSON
-`{"error": reason}`. See docs/http-api.md."""
+`{"error": reason}`. See docs/http-api.md; operations (metrics, dashboard, admin) in
+docs/operations.md."""
 
 
-def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None) -> FastAPI:
+def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None,
+               announce: Callable[[str], None] | None = None) -> FastAPI:
     """The service over ``store`` (kept open: the caller owns it), or over a store built from
-    ``settings`` when the app starts (closed, and so flushed, when it shuts down)."""
+    ``settings`` when the app starts (closed, and so flushed, when it shuts down).
+    ``announce``: where the start-up summary goes (``cacheseek serve`` prints it)."""
     settings = settings if settings is not None else ServerSettings.load()
-    metrics = Metrics()
+    metrics = Metrics(detail=settings.metrics_detail, max_owners=settings.metrics_max_owners)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = store is None
+        start = time.perf_counter()
         the_store = await run_in_threadpool(build_store, settings) if owned else store
+        opened = time.perf_counter() - start
         disk = settings.disk_path if settings.disk_bytes > 0 else None
         secret = settings.namespace_secret.get_secret_value().encode() if settings.namespace_secret else None
         namespaces = Namespaces(await run_in_threadpool(load_secret, secret, disk))
-        metrics.watch_store(the_store.stats)
-        app.state.service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks)
+        owners = Owners(disk)
+        service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks, owners=owners)
+        app.state.admin = AdminOps(service, disk)
+        await run_in_threadpool(app.state.admin.restore_pins)
+        first = await run_in_threadpool(service.stats)
+        recovery = recovery_figures(first, opened)
+        metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency()})
+        app.state.service = service
         app.state.closing = False
-        log.info("store open: tiers %s", the_store.tier_names)
+        if announce is not None:
+            announce("\n".join(store_lines(settings, first, recovery)))
         try:
             yield
         finally:
@@ -57,11 +73,13 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
                 await run_in_threadpool(the_store.close)
                 log.info("store closed")
 
-    app = FastAPI(title="CacheSeek", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="CacheSeek", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # /docs is served from the package (routes.docs)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.auth = Authenticator(settings)
     app.state.service = None
+    app.state.admin = None
 
     def release_memory() -> None:
         """After a burst of request bodies given back unstored: their memory back to the OS."""
@@ -72,10 +90,11 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
 
     app.state.body_budget = BodyBudget(settings.max_inflight_body_bytes, release_memory)
     metrics.watch_bodies(app.state.body_budget.stats)
-    for module in (blocks, prefixes, ops):
+    for module in (blocks, prefixes, ops, admin, dashboard, docs):
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.metrics_detail:
+        app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
     return app

@@ -27,7 +27,7 @@ NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 class Caller:
     namespace: str
     can_write: bool
-    tenant: bool = False  # holds a token bound to one namespace: sees nothing of the host (paths, addresses)
+    bound: bool = False  # holds a tenant's token: sees only its own namespace's figures
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class Authenticator:
             return Caller(namespace or "", found.can_write)
         if namespace is not None and namespace != found.namespace:
             raise Forbidden("this token is bound to another namespace")
-        return Caller(found.namespace, found.can_write, tenant=True)
+        return Caller(found.namespace, found.can_write, bound=True)
 
     def _match(self, token: str) -> _Token | None:
         digest = _digest(token)

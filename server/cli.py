@@ -1,4 +1,4 @@
-"""The ``cacheseek`` command: ``cacheseek serve``, ``cacheseek plan`` and ``cacheseek demo``.
+"""The ``cacheseek`` command: ``serve``, ``top``, ``admin``, ``plan`` and ``demo``.
 
 ``serve`` never imports torch: the store and the server only move bytes. ``plan`` needs
 neither torch nor the server extras (matplotlib, for its plot, if installed).
@@ -62,6 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .config import ServerSettings, renamed
     from .protocol import ConnectionLimits, fast_path_problem, protocol_class
     from .store import build_store
+    from .summary import settings_lines
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     with warnings.catch_warnings(record=True) as caught:
@@ -77,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if isinstance(settings, Exception):
         return _bad_setting(f"bad settings:\n{settings}")
-    print("cacheseek serve: settings " + json.dumps(settings.describe(), sort_keys=True), flush=True)
+    print("\n".join(settings_lines(settings)), flush=True)
     _log_to_stderr(logging.getLogger("cacheseek"), settings.log_level)
     if settings.tls_cert is not None:
         problem = _tls_problem(settings.tls_cert, settings.tls_key)
@@ -107,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: WARNING: receive path: uvicorn's own, the fast path is OFF ({problem}): every "
                   "body is copied twice more, and header/body timeouts are off", file=sys.stderr, flush=True)
     keep_freed_memory()
-    app = create_app(settings, store=store)
+    app = create_app(settings, store=store, announce=lambda text: print(text, flush=True))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
@@ -297,8 +298,12 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,plan,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,demo}")
     _serve_parser(sub)
+    from . import admin_cli, top
+
+    top.add_parser(sub)
+    admin_cli.add_parser(sub)
     _plan_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser

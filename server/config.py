@@ -210,6 +210,15 @@ class ServerSettings(BaseSettings):
         default_factory=dict, description="namespace -> {read_token, write_token}: tokens bound to one namespace")
     namespace_secret: SecretStr | None = Field(
         None, description="key that separates namespaces in storage; default: a file in disk_path, or random")
+    admin_token: SecretStr | None = Field(
+        None, description="bearer token for /v1/admin (usage, flush, delete, pin); unset: admin routes are off")
+
+    # -- observability ---------------------------------------------------------------------
+    metrics_detail: bool = Field(
+        True, description="count every request: per-route latency histograms, per-namespace/model lookups, "
+                          "ingest and materialize (off: only the store's figures, read at scrape time)")
+    metrics_max_owners: int = Field(
+        64, ge=1, le=10_000, description="most (namespace, model) label pairs in metrics; more count as _other")
 
     @field_validator("cpu_bytes", "disk_bytes", "redis_bytes", "max_body_bytes", "max_frame_bytes",
                      "max_inflight_body_bytes", "body_min_bytes_per_second", mode="before")
@@ -223,7 +232,7 @@ class ServerSettings(BaseSettings):
         return None if value is None else parse_size(value, name=info.field_name)
 
 
-    @field_validator("read_token", "write_token", "namespace_secret", mode="before")
+    @field_validator("read_token", "write_token", "namespace_secret", "admin_token", mode="before")
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
@@ -282,13 +291,13 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert and tls_key: set both (HTTPS) or neither (plain HTTP)")
         if self.read_token is not None and self.write_token is None:
             raise ValueError("read_token is set but write_token is not: writes would be open to anyone")
-        tokens = [t.get_secret_value() for t in (self.read_token, self.write_token) if t is not None]
+        tokens = [t.get_secret_value() for t in (self.read_token, self.write_token, self.admin_token) if t is not None]
         for tenant in self.tenants.values():
             tokens += [t.get_secret_value() for t in (tenant.read_token, tenant.write_token) if t is not None]
         if any(not t for t in tokens):
-            raise ValueError("read_token/write_token/tenants: a token may not be empty")
+            raise ValueError("read_token/write_token/admin_token/tenants: a token may not be empty")
         if len(set(tokens)) != len(tokens):
-            raise ValueError("read_token/write_token/tenants: every token must be different")
+            raise ValueError("read_token/write_token/admin_token/tenants: every token must be different")
         if self.tenants and self.write_token is None:
             raise ValueError("tenants: set write_token too (the operator's token), or callers without tenant "
                              "tokens could write anywhere")

@@ -1,39 +1,338 @@
-"""Prometheus series: per-route latency and counts (an ASGI middleware), rejected frames,
-and the store's per-tier figures, read from ``TieredStore.stats()`` at scrape time.
+"""What the server counts, and the one snapshot that ``/v1/stats`` and ``/metrics`` both show.
 
-Each app has its own registry, so several apps can live in one process (tests, benchmarks).
+Hot-path counting is plain Python: ints and lists bumped in the event loop (the middleware
+and the routes count after their worker-thread hand-offs return), so a request costs a few
+dict reads and no lock. ``prometheus_client`` is used only to render, at scrape time, from
+a ``Collector`` over ``Metrics.figures()``: the figures a scrape shows are exactly those
+``/v1/stats`` returns.
+
+- Requests: per route template (``/v1/lookup`` included) and method, a latency histogram
+  (time to the last byte sent) and counts per status.
+- Traffic per owner, an owner being a (namespace, model) pair: the namespace from
+  ``X-CacheSeek-Namespace`` (or the tenant token), the model from ``X-CacheSeek-Model``,
+  which ``RemoteCache`` sends (the server sees only hashes: the model is the client's
+  word). Label pairs are bounded (``metrics_max_owners``); beyond, traffic counts under
+  ``_other``.
+- Lookups: reuse lookups (no ``each``) count toward the hit rate: lookups, lookups that
+  matched at least one block, blocks and tokens requested and matched. Tokens come from
+  ``X-CacheSeek-Block-Tokens`` (and ``X-CacheSeek-Tokens``, the query's length, when the
+  client sends it; else the whole blocks asked for). Ingest checks (``each=true``: which
+  blocks are new) are counted apart, so writes do not dilute the hit rate.
+- The store: per tier as stored and as unique blocks, pins, admissions, evictions,
+  demotions, promotions, corrupt frames, the Redis breaker; per-owner usage.
+
+``metrics_detail=False`` (setting) turns off the per-request part (middleware, traffic
+counters); the store figures, read at scrape time, stay.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from cacheseek import __version__
+
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+LATENCY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+OTHER = "_other"
+UNMATCHED = "unmatched"
+MODEL_HEADER = "X-CacheSeek-Model"
+BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
+TOKENS_HEADER = "X-CacheSeek-Tokens"
+MAX_LABEL = 128
+
+
+class Latency:
+    """A fixed-bucket histogram in plain ints."""
+
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def quantile(self, q: float) -> float | None:
+        """Estimated by linear interpolation inside the bucket (as PromQL's histogram_quantile)."""
+        return quantile(self.counts, q)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "sum_seconds": self.sum, "p50_seconds": self.quantile(0.5),
+                "p90_seconds": self.quantile(0.9), "p99_seconds": self.quantile(0.99),
+                "bucket_bounds_seconds": list(LATENCY_BUCKETS), "bucket_counts": list(self.counts)}
+
+
+def quantile(counts: list[int], q: float) -> float | None:
+    total = sum(counts)
+    if not total:
+        return None
+    rank = q * total
+    seen = 0
+    for i, n in enumerate(counts):
+        if seen + n >= rank and n:
+            lo = LATENCY_BUCKETS[i - 1] if i > 0 else 0.0
+            if i >= len(LATENCY_BUCKETS):
+                return LATENCY_BUCKETS[-1]
+            return lo + (LATENCY_BUCKETS[i] - lo) * (rank - seen) / n
+        seen += n
+    return LATENCY_BUCKETS[-1]
+
+
+@dataclass(slots=True)
+class Traffic:
+    """One owner's counters (all ``_total`` counters in Prometheus)."""
+
+    lookups: int = 0
+    lookup_hits: int = 0  # lookups that matched at least one block
+    lookup_blocks_requested: int = 0
+    lookup_blocks_matched: int = 0
+    lookup_tokens_requested: int = 0
+    lookup_tokens_matched: int = 0
+    ingest_checks: int = 0  # lookups with each=true: which blocks are new
+    ingest_requests: int = 0
+    ingest_blocks_stored: int = 0
+    ingest_blocks_present: int = 0
+    ingest_blocks_failed: int = 0
+    ingest_bytes: int = 0  # frame bytes newly stored
+    materialize_requests: int = 0  # GET /v1/prefixes and /v1/blocks answered
+    materialize_blocks: int = 0
+    materialize_bytes: int = 0
+
+    def add(self, other: Traffic) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _positive(value: bytes | None) -> int | None:
+    if not value or not value.isdigit() or len(value) > 12:
+        return None
+    return int(value) or None
+
+
+_MODEL, _BLOCK_TOKENS, _TOKENS = (h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER, TOKENS_HEADER))
+
+
+def client_headers(headers: Any) -> tuple[str | None, int | None, int | None]:
+    """(model, block tokens, query tokens) as the client named them, in one pass over the
+    raw headers (a ``Headers.get`` scans them all once per name), cached on the request's
+    ``Headers`` object."""
+    cached = getattr(headers, "_cacheseek", None)
+    if cached is not None:
+        return cached
+    model = block_tokens = tokens = None
+    for name, value in headers.raw:
+        if name[:12] != b"x-cacheseek-":
+            continue
+        if name == _MODEL:
+            model = value.decode("latin-1")
+        elif name == _BLOCK_TOKENS:
+            block_tokens = _positive(value)
+        elif name == _TOKENS:
+            tokens = _positive(value)
+    out = (model, block_tokens, tokens)
+    try:
+        headers._cacheseek = out
+    except AttributeError:  # a Headers class with slots: no cache, one more pass next time
+        pass
+    return out
+
+
+def hit_rates(t: Traffic) -> dict[str, float | None]:
+    return {
+        "token_hit_rate": t.lookup_tokens_matched / t.lookup_tokens_requested if t.lookup_tokens_requested else None,
+        "block_hit_rate": t.lookup_blocks_matched / t.lookup_blocks_requested if t.lookup_blocks_requested else None,
+    }
+
+
+def clean_label(value: str | None) -> str:
+    if not value:
+        return ""
+    value = value[:MAX_LABEL]
+    return value if value.isprintable() and value.isascii() else value.encode("ascii", "replace").decode()
+
+
+class Metrics:
+    def __init__(self, *, detail: bool = True, max_owners: int = 64) -> None:
+        self.detail = detail
+        self.max_owners = max_owners
+        self.started_at = time.time()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.latency: dict[tuple[str, str], Latency] = {}
+        self.statuses: dict[tuple[str, str, str], int] = {}
+        self.traffic: dict[tuple[str, str], Traffic] = {}
+        self.frames_rejected: dict[str, int] = {}
+        self.frame_bytes_received = 0
+        self.frame_bytes_sent = 0
+        self._figures: Callable[[], dict[str, Any]] | None = None
+        self._lock = threading.Lock()  # for the few counts made in worker threads
+        self.registry.register(_Collector(self))
+
+    # -- counting (event loop) ---------------------------------------------------------
+
+    def request(self, route: str, method: str, status: int, seconds: float) -> None:
+        key = (route, method)
+        lat = self.latency.get(key)
+        if lat is None:
+            lat = self.latency[key] = Latency()
+        lat.observe(seconds)
+        skey = (route, method, status)
+        self.statuses[skey] = self.statuses.get(skey, 0) + 1
+
+    def owner(self, namespace: str, model: str | None) -> Traffic:
+        """The counters of (namespace, model); ``_other`` once ``max_owners`` pairs exist."""
+        key = (namespace, model or "")
+        t = self.traffic.get(key)
+        if t is None:
+            if len(self.traffic) >= self.max_owners:
+                key = (OTHER, OTHER)
+                t = self.traffic.get(key)
+            else:
+                key = (clean_label(key[0]), clean_label(key[1]))
+            if t is None:
+                t = self.traffic[key] = Traffic()
+        return t
+
+    def for_request(self, namespace: str, headers: Any) -> Traffic | None:
+        """The counters of the caller's (namespace, model), or None with ``detail`` off.
+        ``headers``: the request's (Starlette ``Headers``; its ``raw`` list is read once)."""
+        if not self.detail:
+            return None
+        return self.owner(namespace, client_headers(headers)[0])
+
+    def lookup_latency(self) -> dict[str, Any]:
+        """The latency histogram of ``POST /v1/lookup`` (empty before the first lookup)."""
+        lat = self.latency.get(("/v1/lookup", "POST"))
+        return (lat or Latency()).to_dict()
+
+    def rejected(self, reason: str) -> None:
+        with self._lock:  # frames are checked in worker threads too
+            self.frames_rejected[reason] = self.frames_rejected.get(reason, 0) + 1
+
+    def ingested(self, traffic: Traffic | None, reports: list[Any]) -> None:
+        """Count a PUT or POST /v1/blocks answer (``service.PutReport``s)."""
+        stored = sum(r.nbytes for r in reports if r.status == "stored")
+        self.frame_bytes_received += stored
+        if traffic is None:
+            return
+        traffic.ingest_requests += 1
+        for r in reports:
+            if r.status == "stored":
+                traffic.ingest_blocks_stored += 1
+            elif r.status == "present":
+                traffic.ingest_blocks_present += 1
+            else:
+                traffic.ingest_blocks_failed += 1
+        traffic.ingest_bytes += stored
+
+    def looked_up(self, traffic: Traffic | None, headers: Any, requested: int, matched: int, each: bool) -> None:
+        """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``."""
+        if traffic is None:
+            return
+        if each:
+            traffic.ingest_checks += 1
+            return
+        traffic.lookups += 1
+        traffic.lookup_hits += matched > 0
+        traffic.lookup_blocks_requested += requested
+        traffic.lookup_blocks_matched += matched
+        _, block_tokens, tokens = client_headers(headers)
+        if block_tokens:
+            # The query's tokens (the partial tail included) when the client says; at least the blocks asked.
+            traffic.lookup_tokens_requested += max(tokens or 0, requested * block_tokens)
+            traffic.lookup_tokens_matched += matched * block_tokens
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def watch(self, figures: Callable[[], dict[str, Any]]) -> None:
+        """Where the store's side of the figures comes from (``BlockService.store_figures``)."""
+        self._figures = figures
+
+    def figures(self, namespace: str | None = None) -> dict[str, Any]:
+        """Everything, as ``/v1/stats`` shows it. ``namespace``: only that namespace's traffic
+        and usage (for a tenant-bound caller)."""
+        out = dict(self._figures()) if self._figures is not None else {}
+        # list(): one atomic copy under the GIL, while the event loop keeps counting
+        owners = [(k, t) for k, t in list(self.traffic.items()) if namespace is None or k[0] == namespace]
+        total = Traffic()
+        for _, t in owners:
+            total.add(t)
+        out["uptime_seconds"] = time.time() - self.started_at
+        out["started_at"] = self.started_at
+        out["version"] = __version__
+        out["metrics_detail"] = self.detail
+        out["traffic"] = {**asdict(total), **hit_rates(total),
+                          "by_owner": [{"namespace": k[0], "model": k[1], **asdict(t), **hit_rates(t)}
+                                       for k, t in sorted(owners)]}
+        if namespace is None:
+            statuses = list(self.statuses.items())
+            out["requests"] = [
+                {"route": r, "method": m, **lat.to_dict(),
+                 "statuses": {str(s): n for (r2, m2, s), n in statuses if (r2, m2) == (r, m)}}
+                for (r, m), lat in sorted(list(self.latency.items()))
+            ]
+            out["frames_rejected"] = dict(self.frames_rejected)
+            out["frame_bytes_received"] = self.frame_bytes_received
+            out["frame_bytes_sent"] = self.frame_bytes_sent
+        else:
+            out["namespaces"] = [u for u in out.get("namespaces", []) if u["namespace"] == namespace]
+        return out
+
+    def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Report request bodies in flight (``server.limits.BodyBudget.stats``) at scrape time."""
+        self.registry.register(_BodiesCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+# -- Prometheus -------------------------------------------------------------------------
 
 # TierStats field -> (series suffix, help, kind)
 _TIER_SERIES = {
     "hits": ("hits_total", "Reads served by the tier", "counter"),
     "misses": ("misses_total", "Reads the tier could not serve", "counter"),
     "evictions": ("evictions_total", "Blocks evicted to make room", "counter"),
+    "admissions": ("admissions_total", "Blocks newly stored in the tier (ingest, write-through, promotion, demotion)",
+                   "counter"),
     "promotions": ("promotions_total", "Blocks copied up into the tier on a hit below", "counter"),
     "demotions": ("demotions_total", "Blocks moved down into the tier on eviction above", "counter"),
-    "corrupt": ("checksum_failures_total", "Stored frames found corrupt (a miss, deleted)", "counter"),
+    "corrupt": ("corrupt_frames_total", "Stored frames found corrupt (checksum, length, header): a miss, deleted",
+                "counter"),
     "write_errors": ("write_errors_total", "Frames the tier failed to store", "counter"),
     "bytes_in": ("bytes_in_total", "Frame bytes written into the tier", "counter"),
     "bytes_out": ("bytes_out_total", "Frame bytes read from the tier", "counter"),
-    "used_bytes": ("used_bytes", "Encoded bytes held", "gauge"),
+    "used_bytes": ("used_bytes", "Encoded bytes held, every copy counted", "gauge"),
     "capacity_bytes": ("capacity_bytes", "Byte budget", "gauge"),
     "blocks": ("blocks", "Blocks held", "gauge"),
     "raw_bytes": ("raw_bytes", "Unencoded KV bytes the held blocks stand for", "gauge"),
+    "unique_bytes": ("unique_bytes", "Encoded bytes of the blocks no faster tier holds (absent for Redis)", "gauge"),
+    "unique_blocks": ("unique_blocks", "Blocks no faster tier holds (absent for Redis)", "gauge"),
+    "pinned_bytes": ("pinned_bytes", "Encoded bytes of pinned blocks (never evicted)", "gauge"),
+    "pinned_blocks": ("pinned_blocks", "Pinned blocks held", "gauge"),
 }
 
+# store-wide figure -> (series, help)
+_STORE_SERIES = {
+    "used_bytes": ("cacheseek_store_used_bytes", "Encoded bytes of the distinct blocks held by the local tiers"),
+    "blocks": ("cacheseek_store_blocks", "Distinct blocks held by the local tiers"),
+    "raw_bytes": ("cacheseek_store_raw_bytes", "Unencoded KV bytes the distinct blocks stand for"),
+    "stored_bytes": ("cacheseek_store_stored_bytes", "Encoded bytes held, every tier's copy counted"),
+    "compression_ratio": ("cacheseek_store_compression_ratio", "Unencoded over encoded bytes of the distinct blocks"),
+    "pins": ("cacheseek_pins", "Pinned prefixes"),
+}
 
 # Redis tier figures (from its stats' extra fields) -> (series suffix, help)
 _REDIS_COUNTERS = {
@@ -43,21 +342,130 @@ _REDIS_COUNTERS = {
     "rejected_errors": ("rejected_errors_total", "Redis commands Redis answered with an error (OOM, ...)"),
     "refused_by_breaker": ("refused_by_breaker_total", "Redis calls skipped while the circuit breaker was open"),
 }
+BREAKER_STATES = ("closed", "open", "half_open")
+
+# Traffic field -> (series, help); labels namespace, model
+_TRAFFIC_SERIES = {
+    "lookups": ("cacheseek_lookups_total", "Reuse lookups (POST /v1/lookup without each)"),
+    "lookup_hits": ("cacheseek_lookup_hits_total", "Reuse lookups that matched at least one block"),
+    "lookup_blocks_requested": ("cacheseek_lookup_blocks_requested_total", "Blocks asked for by reuse lookups"),
+    "lookup_blocks_matched": ("cacheseek_lookup_blocks_matched_total", "Blocks of the longest stored prefix found"),
+    "lookup_tokens_requested": ("cacheseek_lookup_tokens_requested_total",
+                                "Tokens asked for by reuse lookups (clients that say their block size)"),
+    "lookup_tokens_matched": ("cacheseek_lookup_tokens_matched_total", "Tokens covered by the stored prefixes found"),
+    "ingest_checks": ("cacheseek_ingest_checks_total", "Lookups with each=true: which blocks of an ingest are new"),
+    "ingest_requests": ("cacheseek_ingest_requests_total", "PUT and POST /v1/blocks answered"),
+    "ingest_bytes": ("cacheseek_ingest_bytes_total", "Frame bytes newly stored"),
+    "materialize_requests": ("cacheseek_materialize_requests_total", "GET /v1/prefixes and /v1/blocks answered"),
+    "materialize_blocks": ("cacheseek_materialize_blocks_total", "Blocks sent to clients"),
+    "materialize_bytes": ("cacheseek_materialize_bytes_total", "Frame bytes sent to clients"),
+}
 
 
-class _StoreCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
-        self._stats = stats
+def _family(name: str, help_: str, labels: list[str], kind: str) -> Any:
+    if kind == "counter":
+        return CounterMetricFamily(name.removesuffix("_total"), help_, labels=labels)
+    return GaugeMetricFamily(name, help_, labels=labels)
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        tiers = self._stats()["tiers"]
-        for field, (suffix, help_, kind) in _TIER_SERIES.items():
-            name = f"cacheseek_tier_{suffix}"
-            family = (CounterMetricFamily(name.removesuffix("_total"), help_, labels=["tier"]) if kind == "counter"
-                      else GaugeMetricFamily(name, help_, labels=["tier"]))
-            for tier in tiers:
-                family.add_metric([tier["name"]], float(tier.get(field) or 0))
+        m = self.metrics
+        figures = m.figures()
+        info = GaugeMetricFamily("cacheseek_build_info", "Version of the running server", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+        yield GaugeMetricFamily("cacheseek_start_time_seconds", "When the server started (Unix time)", value=m.started_at)
+        yield from self._requests(m)
+        yield from self._traffic(m)
+        yield from self._store(figures)
+
+    def _requests(self, m: Metrics) -> Iterator[Any]:
+        rejected = CounterMetricFamily("cacheseek_frames_rejected", "Client frames rejected, by reason", labels=["reason"])
+        for reason, n in sorted(list(m.frames_rejected.items())):
+            rejected.add_metric([reason], n)
+        yield rejected
+        yield CounterMetricFamily("cacheseek_frame_bytes_received", "Frame bytes accepted from clients",
+                                  value=m.frame_bytes_received)
+        yield CounterMetricFamily("cacheseek_frame_bytes_sent", "Frame bytes streamed to clients", value=m.frame_bytes_sent)
+        if not m.detail:
+            return
+        requests = CounterMetricFamily("cacheseek_http_requests", "HTTP requests answered",
+                                       labels=["route", "method", "status"])
+        for (route, method, status), n in sorted(list(m.statuses.items())):
+            requests.add_metric([route, method, str(status)], n)
+        yield requests
+        latency = HistogramMetricFamily("cacheseek_http_request_duration_seconds",
+                                        "Time from request to the last byte of the answer", labels=["route", "method"])
+        for (route, method), lat in sorted(list(m.latency.items())):
+            cumulative, buckets = 0, []
+            for bound, n in zip([*LATENCY_BUCKETS, float("inf")], lat.counts):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            latency.add_metric([route, method], buckets, lat.sum)
+        yield latency
+
+    def _traffic(self, m: Metrics) -> Iterator[Any]:
+        if not m.detail:
+            return
+        items = sorted(list(m.traffic.items()))
+        for field, (name, help_) in _TRAFFIC_SERIES.items():
+            family = CounterMetricFamily(name.removesuffix("_total"), help_, labels=["namespace", "model"])
+            for (ns, model), t in items:
+                family.add_metric([ns, model], getattr(t, field))
             yield family
+        blocks = CounterMetricFamily("cacheseek_ingest_blocks", "Blocks sent by clients, by what became of them",
+                                     labels=["namespace", "model", "outcome"])
+        for (ns, model), t in items:
+            for outcome in ("stored", "present", "failed"):
+                blocks.add_metric([ns, model, outcome], getattr(t, f"ingest_blocks_{outcome}"))
+        yield blocks
+
+    def _store(self, figures: dict[str, Any]) -> Iterator[Any]:
+        tiers = figures.get("tiers", [])
+        for field, (suffix, help_, kind) in _TIER_SERIES.items():
+            family = _family(f"cacheseek_tier_{suffix}", help_, ["tier"], kind)
+            for tier in tiers:
+                if tier.get(field) is not None:
+                    family.add_metric([tier["name"]], float(tier[field]))
+            yield family
+        refusals = CounterMetricFamily("cacheseek_tier_admission_refusals",
+                                       "Blocks a tier with an admission threshold did not take (used too few times)",
+                                       labels=["tier"])
+        for tier in tiers:
+            if "admission" in tier:
+                refusals.add_metric([tier["name"]], tier["admission"]["not_admitted"])
+        yield refusals
+        for field, (name, help_) in _STORE_SERIES.items():
+            if figures.get(field) is not None:
+                yield GaugeMetricFamily(name, help_, value=float(figures[field]))
+        recovery = figures.get("recovery") or {}
+        if recovery.get("seconds") is not None:
+            yield GaugeMetricFamily("cacheseek_recovery_duration_seconds",
+                                    "How long opening the store took (the disk tier's index rebuild)",
+                                    value=recovery["seconds"])
+        recovered = GaugeMetricFamily("cacheseek_tier_recovered_blocks", "Blocks found at start", labels=["tier"])
+        recovered_bytes = GaugeMetricFamily("cacheseek_tier_recovered_bytes", "Bytes found at start", labels=["tier"])
+        for name, got in (recovery.get("tiers") or {}).items():
+            recovered.add_metric([name], got["blocks"])
+            recovered_bytes.add_metric([name], got["bytes"])
+        yield recovered
+        yield recovered_bytes
+        usage = figures.get("namespaces") or []
+        for field, name, help_ in (("used_bytes", "cacheseek_namespace_used_bytes", "Encoded bytes of the owner's distinct blocks"),
+                                   ("blocks", "cacheseek_namespace_blocks", "The owner's distinct blocks"),
+                                   ("raw_bytes", "cacheseek_namespace_raw_bytes", "Unencoded KV bytes of the owner's blocks")):
+            family = GaugeMetricFamily(name, help_, labels=["namespace", "model"])
+            for u in usage[: self.metrics.max_owners]:
+                family.add_metric([clean_label(u["namespace"] if u["namespace"] is not None else OTHER),
+                                   clean_label(u["model"])], u[field])
+            yield family
+        yield from self._redis(tiers)
+
+    def _redis(self, tiers: list[dict[str, Any]]) -> Iterator[Any]:
         redis = [t for t in tiers if isinstance(t.get("breaker"), dict)]
         if not redis:
             return
@@ -66,11 +474,58 @@ class _StoreCollector(Collector):
             for tier in redis:
                 family.add_metric([tier["name"]], float(tier.get(field) or 0))
             yield family
-        family = GaugeMetricFamily("cacheseek_redis_breaker_open",
-                                   "1 while the Redis circuit breaker is open or half-open, else 0", labels=["tier"])
+        open_ = GaugeMetricFamily("cacheseek_redis_breaker_open",
+                                  "1 while the Redis circuit breaker is open or half-open, else 0", labels=["tier"])
+        state = GaugeMetricFamily("cacheseek_redis_breaker_state", "1 for the breaker's current state",
+                                  labels=["tier", "state"])
         for tier in redis:
-            family.add_metric([tier["name"]], 0.0 if tier["breaker"]["state"] == "closed" else 1.0)
-        yield family
+            now = tier["breaker"]["state"]
+            open_.add_metric([tier["name"]], 0.0 if now == "closed" else 1.0)
+            for s in BREAKER_STATES:
+                state.add_metric([tier["name"], s], 1.0 if now == s else 0.0)
+        yield open_
+        yield state
+
+
+class MetricsMiddleware:
+    """Times every HTTP request until its last byte is sent, labelled by route template
+    (``unmatched`` only for requests no route took: unknown paths)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._paths: dict[Any, str] | None = None  # endpoint -> path, for Starlette's plain routes
+
+    def _label(self, scope: dict) -> str:
+        route = scope.get("route")  # FastAPI's routes (and the lookup route) name themselves
+        if route is not None:
+            return route.path
+        endpoint = scope.get("endpoint")  # a plain Starlette route (/openapi.json) leaves its endpoint
+        if endpoint is None:
+            return UNMATCHED
+        if self._paths is None:
+            app = scope.get("app")
+            routes = getattr(getattr(app, "router", None), "routes", [])
+            self._paths = {r.endpoint: r.path for r in routes if hasattr(r, "endpoint") and hasattr(r, "path")}
+        return self._paths.get(endpoint, UNMATCHED)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_watch(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            self.metrics.request(self._label(scope), scope.get("method", ""), status, time.perf_counter() - start)
 
 
 class _BodiesCollector(Collector):
@@ -92,62 +547,3 @@ class _BodiesCollector(Collector):
                                      "Requests answered 503: bodies in flight at max_inflight_body_bytes")
         family.add_metric([], float(s["refused"]))
         yield family
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("cacheseek_http_requests", "HTTP requests answered",
-                                ["route", "method", "status"], registry=self.registry)
-        self.latency = Histogram("cacheseek_http_request_duration_seconds",
-                                 "Time from request to the last byte of the answer",
-                                 ["route", "method"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.frames_rejected = Counter("cacheseek_frames_rejected", "Client frames rejected, by reason",
-                                       ["reason"], registry=self.registry)
-        self.frame_bytes_received = Counter("cacheseek_frame_bytes_received", "Frame bytes accepted from clients",
-                                            registry=self.registry)
-        self.frame_bytes_sent = Counter("cacheseek_frame_bytes_sent", "Frame bytes streamed to clients",
-                                        registry=self.registry)
-        self._store_collector: _StoreCollector | None = None
-
-    def watch_store(self, stats: Callable[[], dict[str, Any]]) -> None:
-        if self._store_collector is not None:
-            self.registry.unregister(self._store_collector)
-        self._store_collector = _StoreCollector(stats)
-        self.registry.register(self._store_collector)
-
-    def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:
-        self.registry.register(_BodiesCollector(stats))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
-
-
-class MetricsMiddleware:
-    """Times every HTTP request until its last byte is sent, labelled by route template."""
-
-    def __init__(self, app: Any, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
-
-        async def send_and_watch(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_watch)
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            method = scope.get("method", "")
-            self.metrics.latency.labels(path, method).observe(time.perf_counter() - start)
-            self.metrics.requests.labels(path, method, str(status)).inc()

@@ -29,6 +29,7 @@ from cacheseek.store.tiered import StorePutResult, TieredStore
 from .errors import BadFrame, HashMismatch, NotFound
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
+from .owners import Owners
 
 PUT_GROUP = 4  # frames per store call
 
@@ -48,17 +49,21 @@ class ServicePutReport:
     hash: str
     status: str  # "stored" | "present" | "failed"
     errors: dict[str, str]
+    nbytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"hash": self.hash, "status": self.status, "errors": self.errors}
 
 
 class BlockService:
-    def __init__(self, store: TieredStore, namespaces: Namespaces, metrics: Metrics, *, max_chain_blocks: int) -> None:
+    def __init__(self, store: TieredStore, namespaces: Namespaces, metrics: Metrics, *, max_chain_blocks: int,
+                 owners: Owners | None = None) -> None:
         self.store = store
         self.namespaces = namespaces
         self.metrics = metrics
         self.max_chain_blocks = max_chain_blocks
+        self.owners = owners if owners is not None else Owners()
+        self.owners.adopt(store.residency.listen(self.owners))
 
     # -- writes --------------------------------------------------------------------------
 
@@ -86,38 +91,52 @@ class BlockService:
             meta = parse_frame(buf, verify=True, payload_digest=payload_digest)
             check_codec_layout(meta)
         except ChecksumError as exc:
-            self.metrics.frames_rejected.labels("checksum").inc()
+            self.metrics.rejected("checksum")
             raise BadFrame(f"{where}: {exc}") from None
         except FrameError as exc:
-            self.metrics.frames_rejected.labels("malformed").inc()
+            self.metrics.rejected("malformed")
             raise BadFrame(f"{where}: {exc}") from None
         if meta.position >= self.max_chain_blocks:
-            self.metrics.frames_rejected.labels("malformed").inc()
+            self.metrics.rejected("malformed")
             raise BadFrame(f"{where}: position {meta.position} exceeds max_chain_blocks ({self.max_chain_blocks})")
         if url_hash is not None and meta.block_hash != url_hash:
-            self.metrics.frames_rejected.labels("hash_mismatch").inc()
+            self.metrics.rejected("hash_mismatch")
             raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
         return meta
 
     def check_and_put(self, namespace: str, buf: bytearray, url_hash: bytes,
-                      payload_digest: bytes | None = None) -> ServicePutReport:
+                      payload_digest: bytes | None = None, *, model: str = "") -> ServicePutReport:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
-        return self.put(namespace, [self.check_client_frame(buf, url_hash=url_hash, payload_digest=payload_digest)])[0]
+        incoming = self.check_client_frame(buf, url_hash=url_hash, payload_digest=payload_digest)
+        return self.put(namespace, [incoming], model=model)[0]
 
     def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
-                         payload_digest: bytes | None = None) -> ServicePutReport:
+                         payload_digest: bytes | None = None, *, model: str = "") -> ServicePutReport:
         """``PUT /v1/blocks/{hash}`` for a frame received into a reservation: check it, then publish it."""
         incoming = self.check_client_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
-        return self.put(namespace, [incoming])[0]
+        return self.put(namespace, [incoming], model=model)[0]
 
-    def put(self, namespace: str, frames: list[Incoming]) -> list[ServicePutReport]:
+    def put(self, namespace: str, frames: list[Incoming], *, model: str = "") -> list[ServicePutReport]:
+        """Store checked frames, attributed to (namespace, model) (see ``_put``)."""
+        owners = self.owners
+        keys = [self.namespaces.stored_key(namespace, inc.meta.block_hash) for inc in frames]
+        parents = [self.namespaces.stored_key(namespace, inc.meta.parent_hash) if inc.meta.position == 0 else b""
+                   for inc in frames]
+        owners.expect(owners.owner_id(namespace, model),
+                      [(k, p, inc.meta.position) for k, p, inc in zip(keys, parents, frames)])
+        try:
+            return self._put(namespace, frames, keys)
+        finally:
+            owners.settle(keys)
+
+    def _put(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> list[ServicePutReport]:
         """Store checked frames (in order), after checking each one's position against its
         parent's (in this batch or stored). Blocks already stored anywhere are not written
         again (their reservations are given back). On an error, reservations not yet
         committed stay lent: the caller aborts them."""
         self._check_chain_positions(namespace, frames)
         ns = self.namespaces
-        reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}) for inc in frames]
+        reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}, inc.meta.nbytes) for inc in frames]
         outcomes: dict[int, StorePutResult] = {}
         group: list[tuple[int, bytes, BlockFrame]] = []
 
@@ -129,7 +148,6 @@ class BlockService:
                     outcomes[i] = outcome
             group.clear()
 
-        keys = [ns.stored_key(namespace, inc.meta.block_hash) for inc in frames]
         # One question per tier for the whole batch (one round trip to Redis, not one per frame).
         stored = self.store.contains_many(keys)
         for i, (inc, key, here) in enumerate(zip(frames, keys, stored)):
@@ -157,8 +175,6 @@ class BlockService:
             report = reports[i]
             report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
             report.errors = dict(outcome.errors)
-            if outcome.stored:
-                self.metrics.frame_bytes_received.inc(frames[i].meta.nbytes)
         return reports
 
     @staticmethod
@@ -185,7 +201,7 @@ class BlockService:
                 info = self.store.info(self.namespaces.stored_key(namespace, meta.parent_hash))
                 parent_pos = info.position if info is not None else None
             if parent_pos is not None and parent_pos != meta.position - 1:
-                self.metrics.frames_rejected.labels("inconsistent").inc()
+                self.metrics.rejected("inconsistent")
                 where = f"frame {i}" if len(frames) > 1 else "frame"
                 raise BadFrame(f"{where}: position {meta.position}, but its parent "
                                f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
@@ -272,7 +288,8 @@ class BlockService:
         return out
 
     def stats(self) -> dict[str, Any]:
-        return self.store.stats()
+        """The store's figures, with usage per owner (``namespaces``)."""
+        return {**self.store.stats(), "namespaces": self.owners.usage()}
 
     def release_free_memory(self) -> None:
         """Hand the pages of the CPU tier's free memory back to the OS (after aborted uploads)."""

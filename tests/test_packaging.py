@@ -32,6 +32,8 @@ def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "cacheseek/kernels/__init__.py" in names
     assert "cacheseek/server/__init__.py" in names
+    for asset in ("index.html", "dashboard.js", "dashboard.css"):  # the dashboard is served from the package
+        assert f"cacheseek/server/dashboard/{asset}" in names
     # every subpackage of the source tree ships (pyproject lists them by hand)
     for init in (ROOT / "cacheseek").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, init

@@ -88,6 +88,7 @@ class CpuTier(IndexedTier):
                         copies = landing
                     self._index.add(key, _info(frame.meta))
                     self._stats.bytes_in += frame.nbytes
+                    self._stats.admissions += 1
                     result.stored = BlockFrame(frame.meta, host=view, sealed=sealed)
             finally:
                 if copies is not None:
@@ -156,10 +157,12 @@ class CpuTier(IndexedTier):
         and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
-        while self._index.used_bytes + nbytes > self.capacity_bytes and len(self._index):
+        while self._index.used_bytes + nbytes > self.capacity_bytes and self._index.evictable:
             evicted += self._evict_one()
+        if self._index.used_bytes + nbytes > self.capacity_bytes:
+            raise self._no_room(nbytes)
         slot = self._arena.allocate(nbytes)
-        while slot is None and len(self._index):
+        while slot is None and self._index.evictable:
             evicted += self._evict_one()
             slot = self._arena.allocate(nbytes)
         if slot is None:
@@ -273,11 +276,17 @@ class CpuTier(IndexedTier):
                     self._index.touch([key])
                     self._arena.free(slot)
                     continue
-                while self._index.used_bytes + meta.nbytes > self.capacity_bytes and len(self._index):
+                while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
                     result.evicted += self._evict_one()
+                if self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.pinned_blocks:
+                    self._arena.free(slot)
+                    self._stats.write_errors += 1
+                    result.error = self._no_room(meta.nbytes)
+                    continue
                 self._records[key] = _Record(slot, meta, sealed)
                 self._index.add(key, _info(meta))
                 self._stats.bytes_in += meta.nbytes
+                self._stats.admissions += 1
                 result.stored = BlockFrame(meta, host=slot.view(meta.nbytes), sealed=sealed)
             self._sync_counts()
         return results

@@ -128,13 +128,16 @@ class DiskTier(IndexedTier):
             if key in self._index or key in self._writing:
                 self._index.touch([key])
                 return TierPutResult(stored=None)
-            while self._index.used_bytes + self._reserved + n > self.capacity_bytes and len(self._index):
+            while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 victim = self._index.victim()
                 frame_v = self._read_frame(victim) if self.demote_evicted else None
                 self._remove_files(victim)
                 self._index.remove(victim, evicted=True)
                 self._stats.evictions += 1
                 evicted.append((victim, frame_v))
+            if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
+                self._stats.write_errors += 1
+                raise self._no_room(n)
             self._writing.add(key)
             self._reserved += n
         data_path, side_path = self._paths(key)
@@ -161,6 +164,7 @@ class DiskTier(IndexedTier):
             self._reserved -= n
             self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
             self._stats.bytes_in += n
+            self._stats.admissions += 1
             self._sync_counts()
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 

@@ -9,6 +9,13 @@ Two events reach a policy: ``add`` (a block stored in this tier: its first use h
 calls ``remove(key, evicted=True)`` for the victim it took, so a policy with history
 (ARC's ghosts) remembers it; a plain delete forgets it.
 
+Pins: ``pin(keys)`` takes blocks out of the policy (never chosen, never aged) until
+``unpin``; a pinned key not stored here yet is pinned from the moment it arrives. The keys
+pinned are always whole chains from their head (``TieredStore.pin``), so a pinned block's
+ancestors are pinned too, and the walk down to a leaf below an unpinned block never meets
+a pinned one. With every block pinned there is no victim: the tier refuses the write
+(``StorageError``) rather than loop.
+
 The chain invariant, for every policy: a chain loses its tail before its head. A block's
 uses are a subset of its parent's (a request that reaches a block passed through its whole
 prefix), so a descendant is never worth more than its ancestor. ``victim`` therefore
@@ -34,7 +41,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
 
@@ -56,6 +63,13 @@ class EvictionIndex(ABC):
         self._kids: dict[bytes, dict[bytes, None]] = {}
         self.used_bytes = 0
         self.raw_bytes = 0
+        # Pinned keys, stored here or not (a pin covers a block that arrives later), and
+        # the totals of those stored here.
+        self._pinned: set[bytes] = set()
+        self.pinned_blocks = 0
+        self.pinned_bytes = 0
+        # Told of every block that enters or leaves the index (``TieredStore``'s residency).
+        self.observer: IndexObserver | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,17 +86,26 @@ class EvictionIndex(ABC):
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
+    @property
+    def evictable(self) -> int:
+        """Blocks the policy may give up (those not pinned)."""
+        return len(self._entries) - self.pinned_blocks
+
     def add(self, key: bytes, info: BlockInfo) -> None:
         """Index a block stored in this tier (a key already indexed is re-sized and touched)."""
         old = self._entries.get(key)
+        pinned = key in self._pinned
         if old is not None:
             self.used_bytes -= old.nbytes
             self.raw_bytes -= old.raw_nbytes
             self._entries[key] = info
             self.used_bytes += info.nbytes
             self.raw_bytes += info.raw_nbytes
-            self._resized(key, info)
-            self._used(key)
+            if pinned:
+                self.pinned_bytes += info.nbytes - old.nbytes
+            else:
+                self._resized(key, info)
+                self._used(key)
             return
         self._entries[key] = info
         self.used_bytes += info.nbytes
@@ -93,7 +116,13 @@ class EvictionIndex(ABC):
                 self._kids[info.parent] = {key: None}
             else:
                 kids[key] = None
-        self._admit(key, info)
+        if pinned:
+            self.pinned_blocks += 1
+            self.pinned_bytes += info.nbytes
+        else:
+            self._admit(key, info)
+        if self.observer is not None:
+            self.observer.added(key, info)
 
     def remove(self, key: bytes, *, evicted: bool = False) -> BlockInfo | None:
         """Drop a block from the index. ``evicted``: the tier gave it up to make room (a
@@ -109,25 +138,73 @@ class EvictionIndex(ABC):
                 kids.pop(key, None)
                 if not kids:
                     del self._kids[info.parent]
-        self._forget(key, info, evicted)
+        if key in self._pinned:
+            self.pinned_blocks -= 1
+            self.pinned_bytes -= info.nbytes
+        else:
+            self._forget(key, info, evicted)
+        if self.observer is not None:
+            self.observer.removed(key, info)
         return info
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark ``keys`` used, in order (the last one is the most recent use)."""
         entries = self._entries
+        pinned = self._pinned
         for key in keys:
-            if key in entries:
+            if key in entries and key not in pinned:
                 self._used(key)
 
     def victim(self) -> bytes | None:
-        """The block to evict next: a leaf at or below the policy's choice (see the module doc)."""
+        """The block to evict next: a leaf at or below the policy's choice (see the module
+        doc); None when nothing may be evicted (empty, or every block pinned)."""
         key = self._pick()
         if key is None:
             return None
         kids = self._kids
+        pinned = self._pinned
         while key in kids:
-            key = next(iter(kids[key]))
+            below = kids[key]
+            nxt = next(iter(below))
+            if pinned and nxt in pinned:  # never, for pins of whole chains; kept safe all the same
+                nxt = next((k for k in below if k not in pinned), None)
+                if nxt is None:
+                    break
+            key = nxt
         return key
+
+    def children(self, key: bytes) -> list[bytes]:
+        """Blocks stored here whose parent is ``key``."""
+        return list(self._kids.get(key, ()))
+
+    # -- pins ---------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Keep ``keys`` out of eviction (stored here now, or whenever they arrive)."""
+        for key in keys:
+            if key in self._pinned:
+                continue
+            self._pinned.add(key)
+            info = self._entries.get(key)
+            if info is not None:
+                self._forget(key, info, False)
+                self.pinned_blocks += 1
+                self.pinned_bytes += info.nbytes
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Give ``keys`` back to the policy, as newly used blocks."""
+        for key in keys:
+            if key not in self._pinned:
+                continue
+            self._pinned.discard(key)
+            info = self._entries.get(key)
+            if info is not None:
+                self.pinned_blocks -= 1
+                self.pinned_bytes -= info.nbytes
+                self._admit(key, info)
+
+    def is_pinned(self, key: bytes) -> bool:
+        return key in self._pinned
 
     # -- the policy ---------------------------------------------------------------------
 
@@ -152,6 +229,14 @@ class EvictionIndex(ABC):
 
     def describe(self) -> dict:
         return {"policy": self.name}
+
+
+class IndexObserver(Protocol):
+    """Told, under the tier's lock, of each block entering or leaving an index: keep it quick."""
+
+    def added(self, key: bytes, info: BlockInfo) -> None: ...
+
+    def removed(self, key: bytes, info: BlockInfo) -> None: ...
 
 
 class LruIndex(EvictionIndex):
@@ -280,4 +365,4 @@ def make_index(policy: str, capacity_bytes: int) -> EvictionIndex:
     return POLICIES[check_policy(policy)](capacity_bytes)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ArcIndex", "EvictionIndex", "LruIndex", "check_policy", "make_index"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ArcIndex", "EvictionIndex", "IndexObserver", "LruIndex", "check_policy", "make_index"]

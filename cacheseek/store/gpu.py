@@ -43,8 +43,11 @@ class GpuTier(IndexedTier):
                 self._stats.write_errors += 1
                 raise StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
             evicted = []
-            while self._index.used_bytes + frame.nbytes > self.capacity_bytes:
+            while self._index.used_bytes + frame.nbytes > self.capacity_bytes and self._index.evictable:
                 evicted += self._evict_one()
+            if self._index.used_bytes + frame.nbytes > self.capacity_bytes:
+                self._stats.write_errors += 1
+                raise self._no_room(frame.nbytes)
             try:
                 payload = payload_on_device(frame, self.device)
             except torch.OutOfMemoryError as exc:
@@ -54,6 +57,7 @@ class GpuTier(IndexedTier):
             self._records[key] = _Record(payload, frame.meta, sealed)
             self._index.add(key, BlockInfo(frame.meta.nbytes, frame.meta.raw_nbytes, frame.meta.parent_hash, frame.meta.position))
             self._stats.bytes_in += frame.nbytes
+            self._stats.admissions += 1
             self._sync_counts()
             return TierPutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
 

@@ -8,9 +8,16 @@ the index's hash tag. One call of the script, in this order:
 1. prunes entries idle longer than the TTL (their frames expire on their own);
 2. forgets blocks (deleted, or found corrupt);
 3. touches blocks (marks them used, in order: the last is the most recent);
-4. adds blocks with their sizes (a block already indexed is only touched; a block larger
-   than the whole budget is refused);
-5. evicts the least recently used blocks until ``used <= budget``, and returns them.
+4. pins and unpins blocks;
+5. adds blocks with their sizes (a block already indexed is only touched; a block larger
+   than the whole budget is refused, and so is one that would not fit beside the pinned
+   blocks);
+6. evicts the least recently used blocks until ``used <= budget``, and returns them.
+
+Pins: a pinned block is kept in the sizes hash (so it counts) but not in the LRU zset, so
+neither eviction nor the TTL prune ever reaches it; the ``pinned`` set names every pinned
+block, stored or not (a pin covers a block that arrives later). A pinned frame is written
+without an expiry, and ``RedisTier`` takes the expiry off a frame it pins.
 
 The clock is Redis's ``TIME`` in microseconds on the index's master, made strictly
 increasing, so every process shares one recency order and the order of a batch is kept.
@@ -36,31 +43,44 @@ from .redis_keys import RedisKeys
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
-local lru, sizes, totals = KEYS[1], KEYS[2], KEYS[3]
+local lru, sizes, totals, pinned = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local budget = tonumber(ARGV[1])
 local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
 local n_forget, n_touch, n_add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local n_pin, n_unpin = tonumber(ARGV[7]), tonumber(ARGV[8])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock')
+local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinned_bytes', 'pinned_blocks')
 local used = tonumber(tot[1] or 0)
 local raw = tonumber(tot[2] or 0)
 local blocks = tonumber(tot[3] or 0)
 local clock = math.max(tonumber(tot[4] or 0), now)
+local pinned_bytes = tonumber(tot[5] or 0)
+local pinned_blocks = tonumber(tot[6] or 0)
 local changed = false
+
+local function size_of(member)
+  local s = redis.call('HGET', sizes, member)
+  if not s then return nil end
+  local n, r = string.match(s, '^(%d+) (%d+)$')
+  return tonumber(n), tonumber(r)
+end
 
 local function drop(member)
   changed = true
   redis.call('ZREM', lru, member)
-  local s = redis.call('HGET', sizes, member)
-  if not s then return false end
+  local n, r = size_of(member)
+  if not n then return false end
   redis.call('HDEL', sizes, member)
-  local n, r = string.match(s, '^(%d+) (%d+)$')
-  used = used - tonumber(n)
-  raw = raw - tonumber(r)
+  used = used - n
+  raw = raw - r
   blocks = blocks - 1
+  if redis.call('SISMEMBER', pinned, member) == 1 then
+    pinned_bytes = pinned_bytes - n
+    pinned_blocks = pinned_blocks - 1
+  end
   return true
 end
 
@@ -73,7 +93,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 7
+local i = 9
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -88,24 +108,68 @@ for _ = 1, n_touch do
   i = i + 1
 end
 
+for _ = 1, n_pin do
+  local m = ARGV[i]
+  i = i + 1
+  if redis.call('SADD', pinned, m) == 1 then
+    changed = true
+    local n = size_of(m)
+    if n then
+      redis.call('ZREM', lru, m)
+      pinned_bytes = pinned_bytes + n
+      pinned_blocks = pinned_blocks + 1
+    end
+  end
+end
+
+for _ = 1, n_unpin do
+  local m = ARGV[i]
+  i = i + 1
+  if redis.call('SREM', pinned, m) == 1 then
+    changed = true
+    local n = size_of(m)
+    if n then
+      clock = clock + 1
+      redis.call('ZADD', lru, clock, m)
+      pinned_bytes = pinned_bytes - n
+      pinned_blocks = pinned_blocks - 1
+    end
+  end
+end
+
+-- status: 1 newly counted, 2 newly counted and pinned (write it without an expiry),
+-- 0 already indexed, -1 larger than the budget, -2 no room beside the pinned blocks
 local status = {}
 for _ = 1, n_add do
-  local m, n, r = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local m, n, r = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
-  changed = true
-  clock = clock + 1
+  local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
   if redis.call('HEXISTS', sizes, m) == 1 then
-    redis.call('ZADD', lru, clock, m)
+    if not is_pinned then
+      changed = true
+      clock = clock + 1
+      redis.call('ZADD', lru, clock, m)
+    end
     status[#status + 1] = 0
-  elseif tonumber(n) > budget then
+  elseif n > budget then
     status[#status + 1] = -1
+  elseif pinned_bytes + n > budget then
+    status[#status + 1] = -2
   else
+    changed = true
     redis.call('HSET', sizes, m, n .. ' ' .. r)
-    redis.call('ZADD', lru, clock, m)
-    used = used + tonumber(n)
-    raw = raw + tonumber(r)
+    used = used + n
+    raw = raw + r
     blocks = blocks + 1
-    status[#status + 1] = 1
+    if is_pinned then
+      pinned_bytes = pinned_bytes + n
+      pinned_blocks = pinned_blocks + 1
+      status[#status + 1] = 2
+    else
+      clock = clock + 1
+      redis.call('ZADD', lru, clock, m)
+      status[#status + 1] = 1
+    end
   end
 end
 
@@ -113,8 +177,11 @@ local evicted = {}
 while used > budget do
   local oldest = redis.call('ZRANGE', lru, 0, 0)
   if #oldest == 0 then
-    -- Counts without entries cannot happen through this script; heal rather than loop.
-    used, raw, blocks = 0, 0, 0
+    -- Only pinned blocks left (a budget lowered under them): they stay. Without pins,
+    -- counts without entries cannot happen through this script; heal rather than loop.
+    if pinned_blocks == 0 then
+      used, raw, blocks = 0, 0, 0
+    end
     break
   end
   drop(oldest[1])
@@ -123,9 +190,10 @@ end
 
 -- A call that changed nothing writes nothing: reading totals works under maxmemory OOM.
 if changed then
-  redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock)
+  redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
+             'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks}
+return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks}
 """
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
@@ -136,12 +204,15 @@ class IndexTotals:
     used_bytes: int = 0
     raw_bytes: int = 0
     blocks: int = 0
+    pinned_bytes: int = 0
+    pinned_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class IndexUpdate:
-    """What one script call did. ``added[i]``: 1 newly counted, 0 already indexed (now
-    touched), -1 larger than the budget (not indexed). ``evicted`` and ``expired`` are
+    """What one script call did. ``added[i]``: 1 newly counted, 2 newly counted and pinned
+    (to be written without an expiry), 0 already indexed (now touched), -1 larger than the
+    budget, -2 no room beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are
     member names whose frames the caller should delete."""
 
     added: tuple[int, ...]
@@ -165,25 +236,30 @@ class SharedIndex:
         add: Sequence[tuple[str, int, int]] = (),
         touch: Sequence[str] = (),
         forget: Sequence[str] = (),
+        pin: Sequence[str] = (),
+        unpin: Sequence[str] = (),
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes). EVAL rather than EVALSHA: the script text is small next to a frame,
         and there is no NOSCRIPT to handle after a Redis restart or failover."""
-        args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add)]
+        args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
+                           len(pin), len(unpin)]
         args += forget
         args += touch
+        args += pin
+        args += unpin
         for member, nbytes, raw_nbytes in add:
             args += [member, int(nbytes), int(raw_nbytes)]
-        return client.execute_command("EVAL", INDEX_SCRIPT, 3, *self.keys.index, *args)
+        return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args)
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks = reply
+        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks = reply
         return IndexUpdate(
             added=tuple(int(s) for s in status),
             evicted=tuple(_text(m) for m in evicted),
             expired=tuple(_text(m) for m in expired),
-            totals=IndexTotals(int(used), int(raw), int(blocks)),
+            totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
         )
 
 

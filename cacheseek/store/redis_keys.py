@@ -3,11 +3,12 @@
     {prefix}:{namespace}:{<block hash hex>}       the frame (a string, one SET); hash tag = the block hash
     {<prefix>:<namespace>}:lru                    zset: block hash hex -> last-use clock (µs)
     {<prefix>:<namespace>}:size                   hash: block hash hex -> "<nbytes> <raw_nbytes>"
-    {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock
+    {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock, pinned_bytes, pinned_blocks
+    {<prefix>:<namespace>}:pinned                 set: block hash hex of every pinned block
 
 Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
 A frame's tag is its block hash, so the frames of one chain spread over every master; the
-three index keys share the tag ``<prefix>:<namespace>``, so one script can update them
+index keys share the tag ``<prefix>:<namespace>``, so one script can update them
 atomically on the one master that owns that slot (see docs/redis.md for why the index is
 not split per slot). The frame's own header carries its parent, position and sizes: there
 is no per-block metadata key that could disagree with the frame.
@@ -71,8 +72,12 @@ class RedisKeys:
         return f"{self.index_tag}:totals"
 
     @property
-    def index(self) -> tuple[str, str, str]:
-        return self.lru, self.sizes, self.totals
+    def pinned(self) -> str:
+        return f"{self.index_tag}:pinned"
+
+    @property
+    def index(self) -> tuple[str, str, str, str]:
+        return self.lru, self.sizes, self.totals, self.pinned
 
 
 __all__ = ["RedisKeys"]

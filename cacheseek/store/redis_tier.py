@@ -128,6 +128,7 @@ class RedisTier(Tier):
         self._connect_lock = threading.Lock()
         self._faults = _Faults()
         self._totals = IndexTotals()
+        self._pinned: set[bytes] = set()  # pins known to this process (from Redis, with a TTL)
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -228,10 +229,16 @@ class RedisTier(Tier):
         # Round trip 2: the SETs, then the victims' frames (read first if demotion wants them).
         pipe = client.pipeline(transaction=False)
         sets: list[int] = []
+        pinned_now: set[str] = set()
         for i, member, present, status in zip(batch.todo, members, exists, update.added):
             key, frame = batch.items[i]
             result = batch.results[i]
-            if status < 0:  # raced with a smaller budget in another process
+            if status == -2:
+                t = update.totals
+                result.error = StorageError(
+                    f"{self.name} tier: no room for a {frame.nbytes}-byte frame: {t.pinned_bytes} of "
+                    f"{self.capacity_bytes} bytes are pinned ({t.pinned_blocks} blocks), and pinned blocks are never evicted")
+            elif status < 0:  # raced with a smaller budget in another process
                 result.error = StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the shared budget")
             elif present:
                 pass  # stored=None: already there (now touched)
@@ -243,8 +250,10 @@ class RedisTier(Tier):
             else:
                 segments = frame.wire_segments()  # seals the frame if it is not yet
                 value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
-                pipe.set(keys.frame(key), value, px=self._ttl_ms)
+                pipe.set(keys.frame(key), value, px=None if status == 2 else self._ttl_ms)
                 sets.append(i)
+                if status == 2:
+                    pinned_now.add(member)
         own = set(members)
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
         n_get = len(victims) if self.demote_evicted else 0
@@ -266,7 +275,9 @@ class RedisTier(Tier):
                 batch.results[i].stored = frame
                 with self._lock:
                     self._stats.bytes_in += frame.nbytes
-        written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
+                    self._stats.admissions += 1
+        written = [m for i in sets if batch.results[i].stored is not None
+                   and (m := RedisKeys.member(batch.items[i][0])) not in pinned_now]  # pinned: not in the LRU zset
         if written:
             # Round trip 3: another process may have evicted one of these blocks between our
             # index add and our SET, and sent its DEL before our SET landed. Delete what the
@@ -393,12 +404,12 @@ class RedisTier(Tier):
                          position=meta.position)
 
     def keys(self) -> list[bytes]:
-        """Blocks the shared index counts, least recently used first."""
+        """Blocks the shared index counts: pinned ones first, then least recently used first."""
         try:
-            members = self._run(lambda c: c.zrange(self.keys_of.lru, 0, -1))
+            members = self._run(lambda c: list(_pinned_stored(c, self.keys_of)) + c.zrange(self.keys_of.lru, 0, -1))
         except StorageError:
             return []
-        return [bytes.fromhex(m.decode()) for m in members]
+        return [bytes.fromhex(m.decode() if isinstance(m, bytes) else m) for m in members]
 
     # -- other changes -------------------------------------------------------------------
 
@@ -427,8 +438,10 @@ class RedisTier(Tier):
             pipe = c.pipeline(transaction=False)
             self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
             if self._ttl_ms is not None:
+                pinned = self._pinned
                 for k in keys:
-                    pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+                    if k not in pinned:  # a pinned frame keeps no expiry
+                        pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
             replies = pipe.execute()
             self._delete_expired(c, SharedIndex.parse(replies[0]))
 
@@ -436,6 +449,51 @@ class RedisTier(Tier):
             self._run(send)
         except StorageError:
             pass
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Pin blocks in the shared index (every process sharing it sees the pin) and take
+        the expiry off their frames. Raises ``StorageError`` if Redis cannot be reached."""
+        keys = list(keys)
+        if not keys:
+            return
+        members = [RedisKeys.member(k) for k in keys]
+
+        def send(c: Any) -> None:
+            self._note_totals(SharedIndex.parse(self._index.queue(c, pin=members)).totals)
+            if self._ttl_ms is not None:
+                self._pipelined(c, "persist", [self.keys_of.frame(k) for k in keys])
+
+        self._run(send)
+        with self._lock:
+            self._pinned.update(keys)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Give blocks back to the shared LRU (their frames expire again, with a TTL)."""
+        keys = list(keys)
+        if not keys:
+            return
+
+        def send(c: Any) -> None:
+            self._note_totals(SharedIndex.parse(self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys])).totals)
+            if self._ttl_ms is not None:
+                pipe = c.pipeline(transaction=False)
+                for k in keys:
+                    pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+                pipe.execute()
+
+        with self._lock:
+            self._pinned.difference_update(keys)
+        try:
+            self._run(send)
+        except StorageError:
+            pass  # counted; the pin stays in Redis until an unpin reaches it
+
+    def _refresh_pins(self, client: Any) -> None:
+        """Learn the pins other processes made, so that touches leave their frames' expiry alone."""
+        if self._ttl_ms is not None:
+            members = client.smembers(self.keys_of.pinned)
+            with self._lock:
+                self._pinned = {bytes.fromhex(m.decode() if isinstance(m, bytes) else m) for m in members}
 
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
         self._note_totals(update.totals)
@@ -451,8 +509,12 @@ class RedisTier(Tier):
     def stats(self):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
+        def refresh(c: Any) -> None:
+            self._delete_expired(c, SharedIndex.parse(self._index.queue(c)))
+            self._refresh_pins(c)
+
         try:
-            self._run(lambda c: self._delete_expired(c, SharedIndex.parse(self._index.queue(c))))
+            self._run(refresh)
             stale = False
         except StorageError:
             stale = True
@@ -460,6 +522,8 @@ class RedisTier(Tier):
             self._stats.used_bytes = self._totals.used_bytes
             self._stats.raw_bytes = self._totals.raw_bytes
             self._stats.blocks = self._totals.blocks
+            self._stats.pinned_bytes = self._totals.pinned_bytes
+            self._stats.pinned_blocks = self._totals.pinned_blocks
             faults = self._faults
             self._stats.extra = {
                 "url": self.target.redacted(), "cluster": self.target.cluster,
@@ -481,7 +545,7 @@ class RedisTier(Tier):
         every master: for maintenance, not for a request path."""
 
         def scan(c: Any) -> tuple[set[str], set[str]]:
-            indexed = {m.decode() for m in c.zrange(self.keys_of.lru, 0, -1)}
+            indexed = {m.decode() for m in c.hkeys(self.keys_of.sizes)}
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
                 text = name.decode()
@@ -515,6 +579,15 @@ class RedisTier(Tier):
                 client.close()
             except Exception:  # closing a client whose server is gone must not raise
                 pass
+
+
+def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
+    """Pinned members that the index counts (stored, or ghosts)."""
+    pinned = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(keys.pinned)]
+    if not pinned:
+        return []
+    held = client.hmget(keys.sizes, pinned)
+    return [m for m, size in zip(pinned, held) if size is not None]
 
 
 __all__ = ["RedisTier", "RedisUnavailable"]

@@ -81,6 +81,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    admissions: int = 0  # blocks newly stored here (ingest, write-through, promotion, demotion)
     promotions: int = 0
     demotions: int = 0
     bytes_in: int = 0
@@ -88,6 +89,8 @@ class TierStats:
     corrupt: int = 0
     write_errors: int = 0
     read_seconds: float = 0.0
+    pinned_blocks: int = 0
+    pinned_bytes: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,6 +214,22 @@ class Tier(ABC):
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark blocks used again, in order (the last is the most recent use)."""
 
+    def pin(self, keys: Iterable[bytes]) -> None:
+        """Never evict ``keys`` (whole chains from their head), held now or stored later."""
+        raise StorageError(f"{self.name} tier: pins are not supported")
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Give pinned ``keys`` back to eviction."""
+
+    def children(self, key: bytes) -> list[bytes]:
+        """Blocks held here whose parent is ``key`` (a tier without a local index: none known)."""
+        return []
+
+    def watch(self, observer: Any) -> None:
+        """Tell ``observer`` (an ``eviction.IndexObserver``) of every block entering or
+        leaving this tier; blocks held now are reported at once. A tier without a local
+        index has nothing to report."""
+
     def settle(self) -> None:
         """Return once every frame stored so far can be read from where this tier keeps
         it (a tier that leaves device copies in flight waits for them)."""
@@ -257,6 +276,34 @@ class IndexedTier(Tier):
         with self._lock:
             self._index.touch(keys)
 
+    def pin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._index.pin(keys)
+            self._sync_counts()
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        with self._lock:
+            self._index.unpin(keys)
+            self._sync_counts()
+
+    def children(self, key: bytes) -> list[bytes]:
+        with self._lock:
+            return self._index.children(key)
+
+    def watch(self, observer: Any) -> None:
+        with self._lock:
+            self._index.observer = observer
+            if observer is not None:
+                for key in self._index.keys():
+                    observer.added(key, self._index.get(key))
+
+    def _no_room(self, nbytes: int) -> StorageError:
+        """Why a frame does not fit once nothing more may be evicted (everything left is pinned)."""
+        idx = self._index
+        return StorageError(
+            f"{self.name} tier: no room for a {nbytes}-byte frame: {idx.pinned_bytes} of {self.capacity_bytes} "
+            f"bytes are pinned ({idx.pinned_blocks} blocks), and pinned blocks are never evicted")
+
     def _extra(self) -> dict[str, Any]:
         """Tier-specific figures for ``stats()`` (called under the lock)."""
         return {}
@@ -265,6 +312,8 @@ class IndexedTier(Tier):
         self._stats.used_bytes = self._index.used_bytes
         self._stats.raw_bytes = self._index.raw_bytes
         self._stats.blocks = len(self._index)
+        self._stats.pinned_blocks = self._index.pinned_blocks
+        self._stats.pinned_bytes = self._index.pinned_bytes
         self._stats.extra = {**self._extra(), "eviction": self._index.describe()}
 
     def stats(self) -> TierStats:

@@ -10,6 +10,10 @@
 - Uses are marked tail-first along a chain, and every tier's eviction index gives up a leaf
   of its prefix forest (``store.eviction``), so a chain's tail is evicted before its head
   and the surviving part of a chain is always a usable prefix.
+- A pinned chain (``pin``) is never evicted from any tier that holds it, now or later; a
+  tier full of pinned blocks refuses writes (``StorageError``) instead.
+- ``Residency`` tracks which tiers hold each block, so that ``stats()`` counts every block
+  once store-wide (and, per tier, the blocks no faster tier holds).
 
 Torch-free: frames whose bytes are still on a device are moved to the host (through
 ``store.device``, imported only then) before a host-only tier sees them.
@@ -17,7 +21,8 @@ Torch-free: frames whose bytes are still on a device are moved to the host (thro
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
@@ -26,6 +31,8 @@ from typing import Any
 from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
+from .pins import Pin, PinTable
+from .residency import Residency
 from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
 
 
@@ -47,6 +54,7 @@ class TieredStore:
         write_through: Iterable[str] = (),
         promote_on_hit: bool = True,
         admit_after: dict[str, int] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers: at least one tier is needed")
@@ -68,6 +76,10 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
             tier.demote_evicted = below is not None and (below.name not in write_through or below.name in self.filters)
+        self.residency = Residency(len(self.tiers))
+        for i, tier in enumerate(self.tiers):
+            tier.watch(self.residency.watch(i))
+        self.pin_table = PinTable(clock)
 
     @property
     def indexes_in_memory(self) -> bool:
@@ -97,6 +109,8 @@ class TieredStore:
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
         """Store blocks in the top tier and every write-through tier."""
+        if self.pin_table.due():
+            self.expire_pins()
         for use_filter in self.filters.values():
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         outcomes = [StorePutResult() for _ in items]
@@ -276,22 +290,92 @@ class TieredStore:
             deleted = tier.delete(key) or deleted
         return deleted
 
+    def children(self, key: bytes) -> list[bytes]:
+        """Blocks whose parent is ``key``, in any tier with a local index."""
+        out: dict[bytes, None] = {}
+        for tier in self.tiers:
+            out.update(dict.fromkeys(tier.children(key)))
+        return list(out)
+
+    def descendants(self, key: bytes) -> list[bytes]:
+        """Every block below ``key`` in its prefix tree (tiers with a local index), parents first."""
+        out: list[bytes] = []
+        todo = [key]
+        while todo:
+            nxt = []
+            for k in todo:
+                nxt += self.children(k)
+            out += nxt
+            todo = nxt
+        return out
+
+    # -- pins ------------------------------------------------------------------------------
+
+    def pin(self, key: bytes, *, ttl_seconds: float | None = None, expires_at: float | None = None) -> Pin | None:
+        """Keep the chain ending at ``key`` out of eviction in every tier (those holding it
+        now, and any it reaches later) for ``ttl_seconds`` (None: until :meth:`unpin`), or
+        until ``expires_at`` (seconds since the epoch). None if the chain is not complete."""
+        keys = self.chain(key)
+        if keys is None:
+            return None
+        pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
+        if newly:
+            for tier in self.tiers:
+                tier.pin(newly)
+        return pin
+
+    def unpin(self, key: bytes) -> Pin | None:
+        """Drop the pin named ``key`` (the chain's last block); None if there was none."""
+        pin, freed = self.pin_table.remove(key)
+        self._unpin(freed)
+        return pin
+
+    def pins(self) -> list[Pin]:
+        self.expire_pins()
+        return self.pin_table.pins()
+
+    def expire_pins(self) -> None:
+        self._unpin(self.pin_table.expire())
+
+    def _unpin(self, keys: list[bytes]) -> None:
+        if keys:
+            for tier in self.tiers:
+                tier.unpin(keys)
+
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
+        """Per tier: its own figures, plus ``unique_*`` (blocks no faster tier holds; None
+        for a tier without a local index, such as Redis). Store-wide: ``used_bytes``,
+        ``blocks`` and ``raw_bytes`` count each distinct block once, over the tiers with a
+        local index (a shared Redis tier stands apart: its own figures, in its entry);
+        ``stored_bytes`` adds every tier's copies; ``compression_ratio`` is raw over encoded
+        bytes of the distinct blocks (of Redis's, when no local tier holds any)."""
+        self.expire_pins()
+        unique = self.residency.unique()
         tiers = [t.stats().to_dict() for t in self.tiers]
-        for entry in tiers:
+        local = [t.index_in_memory for t in self.tiers]
+        for entry, figures, has_index in zip(tiers, unique, local):
+            entry["unique_blocks"] = figures.blocks if has_index else None
+            entry["unique_bytes"] = figures.bytes if has_index else None
+            entry["unique_raw_bytes"] = figures.raw_bytes if has_index else None
             if entry["name"] in self.filters:
                 entry["admission"] = self.filters[entry["name"]].describe()
-        used = sum(t["used_bytes"] for t in tiers)
-        raw = sum(t["raw_bytes"] for t in tiers)
+        used = sum(f.bytes for f in unique)
+        raw = sum(f.raw_bytes for f in unique)
+        shared = [t for t, has_index in zip(tiers, local) if not has_index]
+        ratio_of = (used, raw) if used else (sum(t["used_bytes"] for t in shared), sum(t["raw_bytes"] for t in shared))
         return {
             "tiers": tiers,
             "write_through": sorted(self.write_through),
             "promote_on_hit": self.promote_on_hit,
             "used_bytes": used,
+            "blocks": sum(f.blocks for f in unique),
             "raw_bytes": raw,
-            "compression_ratio": raw / used if used else None,
+            "stored_bytes": sum(t["used_bytes"] for t in tiers),
+            "shared_tiers": [t["name"] for t in shared],
+            "compression_ratio": ratio_of[1] / ratio_of[0] if ratio_of[0] else None,
+            "pins": len(self.pin_table),
         }
 
     # -- frames written in place -------------------------------------------------------
@@ -314,13 +398,18 @@ class TieredStore:
                     sealed: bool = True) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet)."""
+        if self.pin_table.due():
+            self.expire_pins()
         for use_filter in self.filters.values():
             use_filter.use(key for key, _, _ in items)
         outcomes = [StorePutResult() for _ in items]
         stored = []
-        for (key, _, _), result, outcome in zip(items, self.tiers[0].commit_many(items, sealed=sealed), outcomes):
+        top = self.tiers[0]
+        for (key, _, _), result, outcome in zip(items, top.commit_many(items, sealed=sealed), outcomes):
             self._demote(0, result.evicted)
-            if result.stored is None:
+            if result.error is not None:
+                outcome.errors[top.name] = str(result.error)
+            elif result.stored is None:
                 outcome.present = True
             else:
                 outcome.stored = True

@@ -18,6 +18,7 @@ from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest, ClientGone
 from ..limits import BodyBudget, BodyBytes
+from ..metrics import clean_label, client_headers
 from ..service import Incoming
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, receive_frame
 
@@ -38,6 +39,7 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     length = declared_length(request, settings.max_frame_bytes, "max_frame_bytes")
+    model = clean_label(client_headers(request.headers)[0])
     budget: BodyBudget = request.app.state.body_budget
     budget.admit()
     held = BodyBytes(budget)
@@ -51,9 +53,11 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
                                   checksum.feed)
         if reservation is None:
             # One hand-off to a worker thread for the check and the store (a copy, evictions, disk I/O).
-            report = await run_in_threadpool(service.check_and_put, caller.namespace, buf, hash, checksum.digest())
+            report = await run_in_threadpool(partial(service.check_and_put, caller.namespace, buf, hash,
+                                                     checksum.digest(), model=model))
         else:
-            commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest())
+            commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest(),
+                             model=model)
             # What is left (parse the header, publish) takes ~0.1 ms: a thread hand-off costs
             # as much, unless storing does I/O (a disk or Redis tier).
             report = commit() if service.store.in_memory else await run_in_threadpool(commit)
@@ -62,6 +66,7 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
         if reservation is not None:
             service.store.abort(reservation)  # nothing, once committed
         held.close()
+    service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), [report])
     if report.status == "failed":
         raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
     return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
@@ -105,13 +110,15 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             else:
                 frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
             del buf
-        reports = await run_in_threadpool(service.put, caller.namespace, frames)
+        model = clean_label(client_headers(request.headers)[0])
+        reports = await run_in_threadpool(partial(service.put, caller.namespace, frames, model=model))
         stored = sum(frame.meta.nbytes for frame, report in zip(frames, reports) if report.status == "stored")
         held.settle(stored, stored=True)
     finally:
         for reservation in reservations:
             service.store.abort(reservation)  # nothing, once committed
         held.close()
+    service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), reports)
     return JSONResponse([r.to_dict() for r in reports])
 
 

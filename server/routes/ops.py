@@ -15,19 +15,21 @@ from ._body import ERROR
 router = APIRouter(tags=["operations"])
 
 
-HOST_DETAILS = ("path", "url", "redis_url")  # tier stats fields that tell where the server keeps its data
+HOST_DETAILS = ("path", "url", "redis_url")  # tier figures that tell where the server keeps its data
 
 
 @router.get("/v1/stats", responses={400: {"description": "a bad namespace header", **ERROR},
                                     401: {"description": "a token is required", **ERROR},
                                     403: {"description": "token not accepted", **ERROR}})
-async def stats(caller: Reader, service: Service) -> JSONResponse:
-    """Per tier: capacity, used bytes, blocks, hits, misses, evictions, promotions, demotions,
-    bytes in and out, checksum failures (``corrupt``); and the compression ratio. A tenant's
-    token sees no host details (the disk tier's path); the operator's tokens (or none) do.
-    Request bodies in flight are in ``/metrics`` (``cacheseek_http_body_bytes_in_flight``)."""
-    out = await run_in_threadpool(service.stats)
-    if caller.tenant:
+async def stats(caller: Reader, service: Service, request: Request) -> JSONResponse:
+    """The figures ``/metrics`` shows, as JSON (docs/operations.md): per tier as stored and as
+    unique blocks, store-wide distinct bytes and compression, traffic (lookups, hit rate,
+    ingest, materialize) per namespace and model, usage per namespace and model, request
+    latencies. A tenant's token sees only its own namespace's traffic and usage, and no host
+    details (the disk tier's path)."""
+    metrics = request.app.state.metrics
+    out = await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None)
+    if caller.bound:
         for tier in out.get("tiers", []):
             for key in HOST_DETAILS:
                 tier.pop(key, None)

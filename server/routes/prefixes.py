@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
@@ -28,13 +28,17 @@ class ChainBroken(RuntimeError):
                      "content": {BATCH_CONTENT_TYPE: BINARY}},
                404: {"description": "the chain ending at hash is not complete", **ERROR}},
 )
-async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
+async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service) -> StreamingResponse:
     """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
     then stream every frame head first. A frame is read (from disk, say) while the one
     before it is being sent."""
     chain = await run_in_threadpool(service.chain, caller.namespace, hash)
     total = service.stream_nbytes(chain)
     namespace = caller.namespace
+    metrics = service.metrics
+    traffic = metrics.for_request(namespace, request.headers)
+    if traffic is not None:
+        traffic.materialize_requests += 1
 
     def fetch(key: bytes) -> asyncio.Future:
         # A frame in host memory is taken at once; one elsewhere (disk) is read in a worker thread.
@@ -60,7 +64,10 @@ async def get_prefix(caller: Reader, hash: Hash, service: Service) -> StreamingR
                 # The length and the header go in one write; the payload goes as a view.
                 yield LENGTH.pack(info.nbytes) + bytes(head[:offset] if len(segments) == 1 else head)
                 yield head[offset:] if len(segments) == 1 else segments[1]
-                service.metrics.frame_bytes_sent.inc(info.nbytes)
+                metrics.frame_bytes_sent += info.nbytes
+                if traffic is not None:
+                    traffic.materialize_blocks += 1
+                    traffic.materialize_bytes += info.nbytes
                 del frame, segments, head
         finally:
             if not pending.done():

@@ -1,0 +1,202 @@
+"""Admin operations over the store: usage per namespace and model, flushes, chain deletes, pins.
+
+Each operation changes what it names and nothing else:
+
+- ``flush(namespace, model)`` deletes the blocks the server attributes to them
+  (``owners.Owners``), tail first (highest position first), so that what a concurrent
+  reader still finds is always a prefix. Blocks written while a flush runs are either
+  deleted or stored whole: every tier stores and deletes a block in one step under its lock.
+- ``delete_chain(namespace, hash)`` deletes the block, every block that extends it (they
+  are unreachable without it), and its ancestors that no other stored chain goes through:
+  chains sharing its head keep every block they use.
+- ``pin``/``unpin`` keep a whole chain out of eviction in every tier (``TieredStore.pin``),
+  until unpinned or for ``ttl_seconds``. Pins are kept in a small JSON file beside the disk
+  tier (``PINS_FILE``) and applied again when the server starts.
+
+With several replicas over one Redis, each replica's own tiers are its own: run a flush,
+delete or pin against every replica (``cacheseek admin --url A --url B ...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from cacheseek.hashing import to_hex
+
+from .errors import NotFound
+from .service import BlockService
+
+PINS_FILE = ".cacheseek-pins.json"
+FILE_VERSION = 1
+
+
+class AdminOps:
+    def __init__(self, service: BlockService, state_dir: Path | None = None) -> None:
+        self.service = service
+        self.store = service.store
+        self._lock = threading.Lock()  # one admin change at a time
+        self._pins: dict[bytes, dict[str, Any]] = {}  # stored key of the chain's last block -> how it was pinned
+        self._path = Path(state_dir) / PINS_FILE if state_dir is not None else None
+
+    # -- usage ---------------------------------------------------------------------------
+
+    def namespaces(self) -> list[dict[str, Any]]:
+        """Per namespace: blocks, bytes, and the same per model within it."""
+        return _group(self.service.owners.usage(), "namespace", "model", "models")
+
+    def models(self) -> list[dict[str, Any]]:
+        return _group(self.service.owners.usage(), "model", "namespace", "namespaces")
+
+    # -- deletes -------------------------------------------------------------------------
+
+    def flush(self, *, namespace: str | None = None, model: str | None = None) -> dict[str, Any]:
+        owners = self.service.owners
+        if not owners.known(namespace=namespace, model=model):
+            what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
+            raise NotFound(f"no blocks were ever stored for {what}")
+        with self._lock:
+            keys = owners.keys_of(namespace=namespace, model=model)
+            blocks, nbytes = self._delete(keys)
+            self._forget_pins_of(set(keys))
+        return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
+
+    def delete_chain(self, namespace: str, h: bytes) -> dict[str, Any]:
+        store = self.store
+        key = self.service.namespaces.stored_key(namespace, h)
+        with self._lock:
+            info = store.info(key)
+            if info is None:
+                raise NotFound(f"block {to_hex(h)} is not stored")
+            doomed = [key, *store.descendants(key)]
+            # Up the chain while no other stored chain goes through the parent.
+            child, pinfo = key, info
+            while pinfo.position > 0:
+                parent = pinfo.parent
+                if any(c != child for c in store.children(parent)):
+                    break
+                pinfo = store.info(parent)
+                if pinfo is None:
+                    break
+                doomed.append(parent)
+                child = parent
+            blocks, nbytes = self._delete(doomed)
+            self._forget_pins_of(set(doomed))
+        return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
+
+    def _delete(self, keys: list[bytes]) -> tuple[int, int]:
+        """Delete ``keys``, highest position first; returns blocks and bytes deleted."""
+        store = self.store
+        infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
+        infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
+        blocks = nbytes = 0
+        for key, info in infos:
+            if store.delete(key):
+                blocks += 1
+                nbytes += info.nbytes if info is not None else 0
+        return blocks, nbytes
+
+    # -- pins ----------------------------------------------------------------------------
+
+    def pin(self, namespace: str, h: bytes, ttl_seconds: float | None = None, *,
+            expires_at: float | None = None) -> dict[str, Any]:
+        key = self.service.namespaces.stored_key(namespace, h)
+        with self._lock:
+            pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            if pin is None:
+                raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
+            self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
+            self._save()
+        return self._describe(key, pin)
+
+    def unpin(self, namespace: str, h: bytes) -> dict[str, Any]:
+        key = self.service.namespaces.stored_key(namespace, h)
+        with self._lock:
+            pin = self.store.unpin(key)
+            self._pins.pop(key, None)
+            if pin is None:
+                raise NotFound(f"no pin on {to_hex(h)}")
+            self._save()
+        return self._describe(key, pin)
+
+    def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for pin in self.store.pins():
+            desc = self._describe(pin.key, pin)
+            if namespace is None or desc["namespace"] == namespace:
+                out.append(desc)
+        return out
+
+    def _describe(self, key: bytes, pin: Any) -> dict[str, Any]:
+        named = self._pins.get(key, {"namespace": None, "hash": None})
+        held = (self.store.residency.info(k) for k in pin.keys)
+        return {**named, **pin.to_dict(), "bytes": sum(info.nbytes for info in held if info is not None)}
+
+    def _forget_pins_of(self, deleted: set[bytes]) -> None:
+        gone = [key for key in self._pins if key in deleted]
+        for key in gone:
+            self.store.unpin(key)
+            self._pins.pop(key)
+        if gone:
+            self._save()
+
+    def restore_pins(self) -> int:
+        """Pin again what the pins file names (those not expired, whose chains are stored)."""
+        if self._path is None:
+            return 0
+        try:
+            data = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            return 0
+        restored = 0
+        now = time.time()
+        for entry in data.get("pins", []) if isinstance(data, dict) else []:
+            try:
+                namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")
+            except (KeyError, TypeError, ValueError):
+                continue
+            if expires is not None and expires <= now:
+                continue
+            try:
+                self.pin(namespace, h, expires_at=expires)
+                restored += 1
+            except NotFound:
+                continue
+        return restored
+
+    def _save(self) -> None:
+        if self._path is None:
+            return
+        entries = []
+        for key, named in self._pins.items():
+            pin = self.store.pin_table.get(key)
+            if pin is not None:
+                entries.append({**named, "expires_at": pin.expires_at})
+        tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"version": FILE_VERSION, "pins": entries}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path)
+        except OSError:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+
+def _group(usage: list[dict[str, Any]], by: str, within: str, label: str) -> list[dict[str, Any]]:
+    groups: dict[Any, dict[str, Any]] = {}
+    for u in usage:
+        g = groups.setdefault(u[by], {by: u[by], "blocks": 0, "used_bytes": 0, "raw_bytes": 0, label: []})
+        for f in ("blocks", "used_bytes", "raw_bytes"):
+            g[f] += u[f]
+        g[label].append({within: u[within], "blocks": u["blocks"], "used_bytes": u["used_bytes"],
+                         "raw_bytes": u["raw_bytes"]})
+    return sorted(groups.values(), key=lambda g: (-g["used_bytes"], str(g[by])))

@@ -1,0 +1,132 @@
+"""``cacheseek admin``: the ``/v1/admin`` routes from a shell.
+
+    cacheseek admin [--url URL ...] [--token T] [--json] namespaces | models | pins
+    cacheseek admin flush [--namespace NS] [--model M]
+    cacheseek admin delete-chain HASH [--namespace NS]
+    cacheseek admin pin HASH [--namespace NS] [--ttl SECONDS]
+    cacheseek admin unpin HASH [--namespace NS]
+
+The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
+than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
+Exit status: 0 done everywhere; 1 a server refused (its reason printed); 2 bad arguments;
+3 a server could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import httpx
+
+NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("admin", help="usage, flush, delete and pin on a running server (admin token)",
+                       description="Admin operations over /v1/admin (docs/operations.md).")
+    p.add_argument("--url", action="append", default=None,
+                   help="a server; repeat for every replica (default http://127.0.0.1:8080)")
+    p.add_argument("--token", default=os.environ.get("CACHESEEK_ADMIN_TOKEN"),
+                   help="the admin token [env CACHESEEK_ADMIN_TOKEN]")
+    p.add_argument("--json", action="store_true", help="print the servers' answers as JSON")
+    cmds = p.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
+    cmds.add_parser("namespaces", help="usage per namespace (and per model within it)")
+    cmds.add_parser("models", help="usage per model (and per namespace)")
+    cmds.add_parser("pins", help="every pinned prefix")
+    f = cmds.add_parser("flush", help="delete every block of a namespace, a model, or a model in a namespace")
+    f.add_argument("--namespace", help="the namespace ('' is the default one)")
+    f.add_argument("--model", help="the model")
+    for name, help_ in (("delete-chain", "delete the chain ending at HASH (and what extends it)"),
+                        ("pin", "never evict the chain ending at HASH"), ("unpin", "give a pinned chain back")):
+        c = cmds.add_parser(name, help=help_)
+        c.add_argument("hash", help="the chain's last block hash (hex)")
+        c.add_argument("--namespace", default="", help="its namespace (default '')")
+        if name == "pin":
+            c.add_argument("--ttl", type=float, default=None, help="unpin after this many seconds (default: never)")
+    p.set_defaults(func=main)
+
+
+def _request(args: Any) -> tuple[str, str, dict[str, Any]]:
+    cmd = args.admin_command
+    if cmd in ("namespaces", "models", "pins"):
+        return "GET", f"/v1/admin/{cmd}", {}
+    if cmd == "flush":
+        params = {k: v for k, v in (("namespace", args.namespace), ("model", args.model)) if v is not None}
+        return "POST", "/v1/admin/flush", {"params": params}
+    headers = {NAMESPACE_HEADER: args.namespace} if args.namespace else {}
+    if cmd == "delete-chain":
+        return "DELETE", f"/v1/admin/chains/{args.hash}", {"headers": headers}
+    if cmd == "pin":
+        return "PUT", f"/v1/admin/pins/{args.hash}", {"headers": headers, "json": {"ttl_seconds": args.ttl}}
+    return "DELETE", f"/v1/admin/pins/{args.hash}", {"headers": headers}
+
+
+def main(args: Any) -> int:
+    if args.admin_command == "flush" and args.namespace is None and args.model is None:
+        print("cacheseek admin flush: give --namespace, --model, or both", file=sys.stderr)
+        return 2
+    if args.admin_command == "pin" and args.ttl is not None and not args.ttl > 0:
+        print("cacheseek admin pin: --ttl must be > 0 seconds", file=sys.stderr)
+        return 2
+    if not args.token:
+        print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)
+        return 2
+    method, path, kw = _request(args)
+    worst = 0
+    answers = {}
+    for url in args.url or ["http://127.0.0.1:8080"]:
+        headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
+        try:
+            r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=60.0,
+                              **{k: v for k, v in kw.items() if k != "headers"})
+        except httpx.HTTPError as exc:
+            print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
+            worst = max(worst, 3)
+            continue
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": r.text}
+        if not r.is_success:
+            print(f"cacheseek admin: {url}: {r.status_code}: {body.get('error', body)}", file=sys.stderr)
+            worst = max(worst, 1)
+            continue
+        answers[url] = body
+    for url, body in answers.items():
+        if args.json:
+            print(json.dumps({"url": url, "answer": body}))
+        else:
+            if len(answers) > 1:
+                print(f"# {url}")
+            print(_table(args.admin_command, body))
+    return worst
+
+
+def _size(n: int) -> str:
+    return f"{n / (1 << 30):.3f} GiB"
+
+
+def _table(cmd: str, body: Any) -> str:
+    if cmd in ("namespaces", "models"):
+        by, label = ("namespace", "models") if cmd == "namespaces" else ("model", "namespaces")
+        within = "model" if cmd == "namespaces" else "namespace"
+        lines = [f"{by:<28}{within:<28}{'blocks':>10}{'stored':>14}{'raw KV':>14}"]
+        for g in body:
+            name = "(unattributed)" if g[by] is None else (g[by] or "(default)")
+            lines.append(f"{name:<28}{'*':<28}{g['blocks']:>10,}{_size(g['used_bytes']):>14}{_size(g['raw_bytes']):>14}")
+            for sub in g[label]:
+                inner = "(unattributed)" if sub[within] is None else (sub[within] or "-")
+                lines.append(f"{'':<28}{inner:<28}{sub['blocks']:>10,}{_size(sub['used_bytes']):>14}"
+                             f"{_size(sub['raw_bytes']):>14}")
+        return "\n".join(lines)
+    if cmd == "pins":
+        lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'bytes':>14}  expires"]
+        for pin in body:
+            expires = "never" if pin["expires_at"] is None else f"{pin['expires_at']:.0f} (unix)"
+            lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
+                         f"{_size(pin['bytes']):>14}  {expires}")
+        return "\n".join(lines)
+    return json.dumps(body)

@@ -1,0 +1,209 @@
+"""Who owns each stored block: a (namespace, model) pair, for usage figures and admin flushes.
+
+The store keys blocks by masked hashes and knows nothing of tenants, so the server tells it
+nothing either; it keeps its own attribution, fed by the store's residency events
+(``store.residency``: a block entering its first tier, leaving its last):
+
+- a block the server is writing was announced first (``expect``): it belongs to the writer's
+  namespace and model (``X-CacheSeek-Model``; "" when the client does not say);
+- any other block (promoted back from Redis, recovered from disk, a write that lost the
+  announcement) inherits from its chain: a block at position 0 from its *root* (its parent
+  hash as stored, which is the client's root masked by the namespace: one per namespace,
+  model and codec configuration), a later one from its parent. Roots are few, so they are
+  kept in a small JSON file beside the disk tier (``OWNERS_FILE``), and blocks recovered at
+  start are attributed again through them.
+
+A block whose chain cannot be traced (its head gone, or written before the root was
+known) is *unattributed* (namespace None). Blocks only a shared Redis tier holds are not
+seen here (Redis has no local index): usage counts the local tiers, and a flush deletes
+from Redis only the blocks it finds locally.
+
+Events arrive under a tier's lock: every method they call is a few dict operations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cacheseek.store.tier import BlockInfo
+
+OWNERS_FILE = ".cacheseek-owners.json"
+FILE_VERSION = 1
+UNATTRIBUTED = 0  # owner id of blocks whose chain cannot be traced
+
+
+@dataclass(slots=True)
+class Usage:
+    blocks: int = 0
+    used_bytes: int = 0
+    raw_bytes: int = 0
+
+
+class Owners:
+    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self.max_owners = max_owners
+        self._names: list[tuple[str | None, str]] = [(None, "")]  # id -> (namespace, model)
+        self._ids: dict[tuple[str | None, str], int] = {}
+        self._usage: list[Usage] = [Usage()]
+        self._roots: dict[bytes, int] = {}  # stored root -> owner id
+        self._of: dict[bytes, int] = {}  # stored key -> owner id, for blocks held
+        self._expected: dict[bytes, int] = {}  # keys being written -> owner id
+        self._path = Path(state_dir) / OWNERS_FILE if state_dir is not None else None
+        self._save_lock = threading.Lock()  # one writer of the file at a time, newest last
+        self._load()
+
+    # -- the writer's side -----------------------------------------------------------------
+
+    def owner_id(self, namespace: str, model: str) -> int:
+        """The id of (namespace, model), made on first use; ``UNATTRIBUTED`` once
+        ``max_owners`` exist (a bound on what a client can make the server remember)."""
+        key = (namespace, model)
+        got = self._ids.get(key)
+        if got is not None:
+            return got
+        with self._lock:
+            got = self._ids.get(key)
+            if got is None:
+                if len(self._names) > self.max_owners:
+                    return UNATTRIBUTED
+                got = len(self._names)
+                self._names.append(key)
+                self._usage.append(Usage())
+                self._ids[key] = got
+            return got
+
+    def expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> None:
+        """Announce blocks about to be written by ``owner``: (stored key, stored parent,
+        position). A block at position 0 makes its parent (the masked root) this owner's."""
+        new_root = False
+        with self._lock:
+            for key, parent, position in blocks:
+                self._expected[key] = owner
+                if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
+                    self._roots[parent] = owner
+                    new_root = True
+        if new_root:
+            self._save()
+
+    def settle(self, keys: Iterable[bytes]) -> None:
+        """The writes announced for ``keys`` are done (stored, found present, or failed)."""
+        with self._lock:
+            for key in keys:
+                self._expected.pop(key, None)
+
+    # -- residency events (under a tier's lock) ------------------------------------------------
+
+    def appeared(self, key: bytes, info: BlockInfo) -> None:
+        with self._lock:
+            owner = self._expected.get(key)
+            if owner is None:
+                owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
+                    else self._of.get(info.parent, UNATTRIBUTED)
+            self._of[key] = owner
+            u = self._usage[owner]
+            u.blocks += 1
+            u.used_bytes += info.nbytes
+            u.raw_bytes += info.raw_nbytes
+
+    def gone(self, key: bytes, info: BlockInfo) -> None:
+        with self._lock:
+            owner = self._of.pop(key, UNATTRIBUTED)
+            u = self._usage[owner]
+            u.blocks -= 1
+            u.used_bytes -= info.nbytes
+            u.raw_bytes -= info.raw_nbytes
+
+    def adopt(self, held: list[tuple[bytes, BlockInfo]]) -> None:
+        """Attribute blocks held before this listened (sorted by position: parents first)."""
+        for key, info in held:
+            self.appeared(key, info)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def usage(self) -> list[dict[str, Any]]:
+        """Per owner holding blocks (or known): namespace (None: unattributed), model, figures."""
+        with self._lock:
+            out = []
+            for (namespace, model), u in zip(self._names, self._usage):
+                if u.blocks or (namespace is not None and (namespace, model) in self._ids):
+                    out.append({"namespace": namespace, "model": model, "blocks": u.blocks,
+                                "used_bytes": u.used_bytes, "raw_bytes": u.raw_bytes})
+        out.sort(key=lambda u: (-u["used_bytes"], u["namespace"] or "", u["model"]))
+        return out
+
+    def known(self, *, namespace: str | None = None, model: str | None = None) -> bool:
+        """Whether any owner matches (namespace and/or model)."""
+        return any(_matches(name, namespace, model) for name in self._names[1:])
+
+    def keys_of(self, *, namespace: str | None = None, model: str | None = None) -> list[bytes]:
+        """Keys held (locally) by the owners that match."""
+        with self._lock:
+            ids = {i for i, name in enumerate(self._names) if i != UNATTRIBUTED and _matches(name, namespace, model)}
+            return [key for key, owner in self._of.items() if owner in ids]
+
+    def owner_of(self, key: bytes) -> tuple[str | None, str]:
+        return self._names[self._of.get(key, UNATTRIBUTED)]
+
+    # -- the roots file ------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self._path is None:
+            return
+        try:
+            data = json.loads(self._path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError):
+            return  # unreadable: attribution starts afresh (usage of old blocks shows unattributed)
+        if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
+            return
+        for entry in data.get("roots", []):
+            try:
+                namespace, model, root = str(entry["namespace"]), str(entry["model"]), bytes.fromhex(entry["root"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            owner = self.owner_id(namespace, model)
+            if owner != UNATTRIBUTED:
+                self._roots[root] = owner
+
+    def _save(self) -> None:
+        """Write the roots table: temp file, fsync, rename (a crash leaves the old or the new)."""
+        if self._path is None:
+            return
+        with self._save_lock:
+            self._write()
+
+    def _write(self) -> None:
+        assert self._path is not None
+        with self._lock:
+            roots = [{"root": root.hex(), "namespace": self._names[o][0], "model": self._names[o][1]}
+                     for root, o in self._roots.items()]
+        text = json.dumps({"version": FILE_VERSION, "roots": roots}, indent=1)
+        tmp = self._path.with_name(f"{OWNERS_FILE}.{secrets.token_hex(4)}.tmp")
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path)
+        except OSError:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+
+def _matches(name: tuple[str | None, str], namespace: str | None, model: str | None) -> bool:
+    return (namespace is None or name[0] == namespace) and (model is None or name[1] == model)
+
+
+__all__ = ["OWNERS_FILE", "Owners", "UNATTRIBUTED"]

@@ -1,0 +1,101 @@
+"""What ``cacheseek serve`` prints for a person: its settings with units, and, once the store is
+open, its tiers (budgets in GiB, paths), what each recovered and how long opening took."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cacheseek import __version__
+
+from .config import ServerSettings
+
+GIB = 1 << 30
+_SECRETS = {"read_token", "write_token", "admin_token", "namespace_secret"}
+# settings whose names end in these are shown with a unit
+_UNITS = (("_bytes", "bytes"), ("_seconds", "s"))
+
+
+def gib(nbytes: int | float | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GIB:,.2f} GiB" if nbytes >= GIB or nbytes == 0 else f"{nbytes / GIB:.3f} GiB"
+
+
+def _value(name: str, value: Any) -> str:
+    if name in _SECRETS:
+        return "set" if value is not None else "unset"
+    if name == "tenants":
+        return f"{len(value)} namespaces: {', '.join(sorted(value)) or '-'}" if value else "none"
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name.endswith("_bytes") and isinstance(value, int):
+        return f"{gib(value)} ({value:,} bytes)" if value >= 1 << 20 else f"{value:,} bytes"
+    for suffix, unit in _UNITS[1:]:
+        if name.endswith(suffix) and isinstance(value, (int, float)):
+            return f"{value:g} {unit}"
+    if isinstance(value, int) and name != "port":
+        return f"{value:,}"
+    return str(value)
+
+
+def settings_lines(settings: ServerSettings) -> list[str]:
+    """Every setting, one a line, with its unit; secrets say only whether they are set."""
+    out = [f"cacheseek serve {__version__}: settings"]
+    width = max(len(n) for n in ServerSettings.model_fields)
+    described = settings.describe()
+    for name in ServerSettings.model_fields:
+        value = getattr(settings, name) if name in _SECRETS or name == "tenants" else described.get(name)
+        out.append(f"  {name:<{width}}  {_value(name, value)}")
+    return out
+
+
+def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[str, Any]) -> list[str]:
+    """The store as opened: each tier's budget, place and what it held at start."""
+    out = [f"cacheseek serve: store open in {recovery['seconds']:.2f} s, on http://{settings.host}:{settings.port}"]
+    tiers = {t["name"]: t for t in stats["tiers"]}
+    for name, tier in tiers.items():
+        found = recovery["tiers"].get(name, {"blocks": 0, "bytes": 0})
+        eviction = (tier.get("eviction") or {}).get("policy")
+        line = f"  {name:<5} budget {gib(tier['capacity_bytes'])}"
+        if name == "cpu":
+            line += f" (+ {gib(settings.cpu_reserve_bytes)} reserve for frames arriving)"
+        elif name == "disk":
+            line += f" at {tier.get('path', settings.disk_path)}" + (", fsync" if settings.disk_fsync else ", no fsync")
+            if settings.disk_admit_after_uses > 1:
+                line += f", admitted after {settings.disk_admit_after_uses} uses"
+        elif name == "redis":
+            line += f" (shared) at {tier.get('url')}, key namespace {tier.get('namespace')!r}"
+            line += f", ttl {settings.redis_ttl_seconds:g} s" if settings.redis_ttl_seconds else ", no ttl"
+        if eviction:
+            line += f", {eviction} eviction"
+        out.append(line)
+        if tier.get("persistent", name in ("disk", "redis")):
+            held = "recovered" if name == "disk" else "holds"
+            extra = ""
+            removed = tier.get("removed_at_start")
+            if isinstance(removed, dict) and any(removed.values()):
+                extra = " (removed at start: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()) + ")"
+            out.append(f"        {held} {found['blocks']:,} blocks, {gib(found['bytes'])}{extra}")
+    out.append(f"  write-through: {', '.join(stats['write_through']) or 'none'}; "
+               f"promote on hit: {'on' if stats['promote_on_hit'] else 'off'}")
+    out.append(f"  distinct blocks held: {stats['blocks']:,}, {gib(stats['used_bytes'])} "
+               f"(compression {stats['compression_ratio']:.2f}x)" if stats.get("compression_ratio") else
+               f"  distinct blocks held: {stats['blocks']:,}, {gib(stats['used_bytes'])}")
+    auth = "tokens" if settings.auth_enabled else "none (anyone who can connect may read and write)"
+    out.append(f"  auth: {auth}; tenants: {len(settings.tenants)}; admin routes: "
+               f"{'on' if settings.admin_token is not None else 'off (no admin_token)'}")
+    out.append(f"  metrics: {'detailed' if settings.metrics_detail else 'store figures only'}; "
+               "dashboard at /dashboard, API docs at /docs, Prometheus at /metrics")
+    return out
+
+
+def recovery_figures(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """What each persistent tier held when the store opened, and how long opening took."""
+    tiers = {}
+    for tier in stats["tiers"]:
+        if tier["name"] == "cpu" or tier["name"] == "gpu":
+            continue
+        tiers[tier["name"]] = {"blocks": tier["blocks"], "bytes": tier["used_bytes"]}
+    return {"seconds": seconds, "tiers": tiers}

@@ -1,0 +1,53 @@
+"""Every plot in docs/ is redrawn from a results JSON by the benchmark that owns it
+(``--plot-only FILE.json``), without measuring anything."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# benchmark module -> the results it draws docs/<plot>.png from (as docs/performance.md says)
+PLOTS = {
+    "store": ["h200/store.json"],
+    "kernels": ["h200/kernels.json"],
+    "ttft": ["h200/ttft.json", "h200/ttft_fixed_cells.json"],
+    "quality": ["quality.json"],
+    "codec_error": ["codec_error.json"],
+    "server": ["server.json"],
+    "redis_tier": ["redis_tier.json"],
+    "trace_replay": ["trace_replay.json"],
+}
+PNG_NAME = {"trace_replay": "hit-rate.png"}  # else the JSON's name
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name", sorted(PLOTS))
+def test_plot_only_redraws_the_docs_plot_from_json(name, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(f"benchmarks.{name}")
+    files = [str(RESULTS / f) for f in PLOTS[name]]
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--plot-only", *files, "--out", str(tmp_path)])
+    module.main()
+    png = tmp_path / PNG_NAME.get(name, f"{Path(PLOTS[name][0]).stem}.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == [png]  # a plot, and no JSON: nothing was measured
+    assert (ROOT / "docs" / png.name).is_file()  # the committed plot this redraws
+
+
+def test_ttft_plot_fills_failed_cells_from_a_later_file():
+    from benchmarks import report, ttft
+
+    docs = [report.load(RESULTS / f) for f in PLOTS["ttft"]]
+    first = ttft.measured_cells(docs[:1])
+    merged = ttft.measured_cells(docs)
+    assert (4096, "cpu", "raw") not in first and (4096, "cpu", "raw") in merged
+    # a cell the first file measured keeps its first measurement
+    assert merged[(16384, "cpu", "int4")] is first[(16384, "cpu", "int4")]

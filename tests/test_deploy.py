@@ -1,0 +1,179 @@
+"""deploy/: the Kubernetes manifests against the Kubernetes schemas (kubernetes-validate, from
+PyPI), docker-compose and the Prometheus and Grafana files checked for structure, and every
+series the Grafana dashboard queries checked against a real server's /metrics. No Docker
+engine or cluster runs here: these are the checks that can be made without one."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from cacheseek.server.config import ServerSettings
+from cacheseek.units import parse_size
+from redis_servers import RedisServer, needs_redis
+from server_helpers import Server, batch_body, raw_chain
+
+DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+K8S_VERSION = "1.30.0"
+SETTINGS = {f"CACHESEEK_{name.upper()}" for name in ServerSettings.model_fields}
+
+# The fields of a ServiceMonitor (monitoring.coreos.com/v1) these manifests use, as its CRD
+# defines them: no Kubernetes schema covers a custom resource.
+SERVICE_MONITOR = {
+    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"}, "kind": {"const": "ServiceMonitor"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {"type": "object", "required": ["selector", "endpoints"], "additionalProperties": False, "properties": {
+            "selector": {"type": "object", "properties": {"matchLabels": {"type": "object"}}},
+            "endpoints": {"type": "array", "minItems": 1, "items": {
+                "type": "object", "additionalProperties": False, "required": ["port"],
+                "properties": {"port": {"type": "string"}, "path": {"type": "string"},
+                               "interval": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"},
+                               "scrapeTimeout": {"type": "string", "pattern": "^[0-9]+(ms|s|m|h)$"}}}},
+        }},
+    },
+}
+
+
+def manifests() -> list[tuple[Path, dict]]:
+    out = []
+    for path in sorted((DEPLOY / "k8s").rglob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        out += [(path, doc) for doc in yaml.safe_load_all(path.read_text()) if doc]
+    return out
+
+
+def test_kubernetes_manifests_validate_against_the_schemas():
+    docs = manifests()
+    kinds = {doc["kind"] for _, doc in docs}
+    assert {"StatefulSet", "Service", "Deployment", "ServiceMonitor"} <= kinds
+    for path, doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            jsonschema.validate(doc, SERVICE_MONITOR)
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises, naming the field
+    for kustomization in (DEPLOY / "k8s").rglob("kustomization.yaml"):
+        for resource in yaml.safe_load(kustomization.read_text())["resources"]:
+            assert (kustomization.parent / resource).exists(), resource
+
+
+def test_a_broken_manifest_is_caught():
+    (path, doc), = [(p, d) for p, d in manifests() if d["kind"] == "StatefulSet" and "single" in str(p)]
+    bad = json.loads(json.dumps(doc))
+    bad["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["port"] = {"no": "such"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+    bad = json.loads(json.dumps(doc))
+    bad["spec"]["replicas"] = "one"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSION, strict=True)
+
+
+def _env(container: dict) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_workloads_are_wired_and_sized_from_their_tier_settings():
+    docs = manifests()
+    services = [d for _, d in docs if d["kind"] == "Service"]
+    monitors = [d for _, d in docs if d["kind"] == "ServiceMonitor"]
+    workloads = [d for _, d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    for w in workloads:
+        labels = w["spec"]["template"]["metadata"]["labels"]
+        assert w["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert any(s["spec"]["selector"].items() <= labels.items() for s in services), w["metadata"]["name"]
+        if w["kind"] == "StatefulSet":
+            assert any(s["metadata"]["name"] == w["spec"]["serviceName"] for s in services)
+    for w in [w for w in workloads if w["metadata"]["name"] == "cacheseek"]:
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        env = _env(c)
+        assert set(env) <= SETTINGS, set(env) - SETTINGS  # every variable is a real setting
+        assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert "startupProbe" in c
+        cpu = parse_size(env["CACHESEEK_CPU_BYTES"])
+        reserve = min(cpu // 8, 1 << 30)
+        request = parse_size(c["resources"]["requests"]["memory"].replace("Mi", "MiB").replace("Gi", "GiB"))
+        assert request >= cpu + reserve + (1 << 30), (request, cpu)  # the tier, its reserve, the process
+        disk = parse_size(env.get("CACHESEEK_DISK_BYTES") or "0")
+        if disk:
+            (claim,) = w["spec"]["volumeClaimTemplates"]
+            volume = parse_size(claim["spec"]["resources"]["requests"]["storage"].replace("Gi", "GiB"))
+            assert volume >= disk * 1.1, (volume, disk)
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            assert Path(env["CACHESEEK_DISK_PATH"]).is_relative_to(mounts[claim["metadata"]["name"]])
+        else:
+            # Replicas without a disk share Redis: they must mask namespaces with one secret.
+            assert env["CACHESEEK_REDIS_URL"].startswith("redis://") and "CACHESEEK_NAMESPACE_SECRET" in env
+        ports = {p["name"] for p in c["ports"]}
+        for m in monitors:
+            assert {e["port"] for e in m["spec"]["endpoints"]} <= ports
+            assert all(e["path"] == "/metrics" for e in m["spec"]["endpoints"])
+
+
+def test_compose_prometheus_and_grafana_are_wired_together():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"cacheseek", "redis", "prometheus", "grafana"} <= set(services)
+    assert set(services["cacheseek"]["environment"]) <= SETTINGS
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", []):
+            assert dep in services, (name, dep)
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), (name, source)
+            else:
+                assert source in compose["volumes"], (name, source)
+    assert "allkeys" not in " ".join(services["redis"]["command"])  # docs/redis.md: never an allkeys-* policy
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (job,) = prom["scrape_configs"]
+    assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"] == ["cacheseek:8080"]
+    source = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    (ds,) = source["datasources"]
+    assert ds["url"] == "http://prometheus:9090"
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "cacheseek.json").read_text())
+    provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "cacheseek.yml").read_text())
+    assert any(v.endswith(":" + provider["providers"][0]["options"]["path"] + ":ro") for v in services["grafana"]["volumes"])
+    panels = dashboard["panels"]
+    assert dashboard["uid"] and len({p["id"] for p in panels}) == len(panels) >= 12
+    for p in panels:
+        assert p["type"] in ("stat", "timeseries", "state-timeline") and {"x", "y", "w", "h"} <= set(p["gridPos"])
+        assert p["targets"] and p["datasource"]["uid"] == ds["uid"]
+        for t in p["targets"]:
+            expr = t["expr"]
+            assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+            assert 'job=~"$job"' in expr, expr
+    titles = " ".join(p["title"].lower() for p in panels)
+    for wanted in ("hit rate", "lookup latency", "throughput", "tier fill", "unique", "namespace", "breaker",
+                   "evictions", "corrupt", "compression"):
+        assert wanted in titles, wanted
+
+
+@needs_redis
+def test_every_series_the_dashboard_queries_exists(tmp_path):
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "cacheseek.json").read_text())
+    wanted = {name for p in dashboard["panels"] for t in p["targets"]
+              for name in re.findall(r"\b(cacheseek_[a-z_]+)\{", t["expr"])}
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path, "--redis-url", redis.url, "--redis-bytes", "64MiB") as srv, \
+                httpx.Client(base_url=srv.url) as c:
+            chain = raw_chain(1, 3)
+            head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+            c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=head)
+            c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
+            c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
+            text = c.get("/metrics").text
+    finally:
+        redis.stop()
+    exposed = set(re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M))
+    assert wanted <= exposed, wanted - exposed

@@ -1,0 +1,323 @@
+"""Operators against a real ``cacheseek serve``: metrics that answer questions, usage per
+namespace and model, admin operations that change what they say and nothing else, the
+start-up summary, ``cacheseek top`` and ``cacheseek admin``."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server_helpers import Server, batch_body, cacheseek_command, raw_chain, raw_frame
+
+ADMIN = "adm1n-token"
+WRITE = "wr1te-token"
+FRAME = len(raw_chain(0, 1)[0][1])
+
+
+def admin(token: str = ADMIN) -> dict:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def writer(ns: str = "", model: str | None = None, **extra: str) -> dict:
+    h = {"Authorization": f"Bearer {WRITE}"}
+    if ns:
+        h["X-CacheSeek-Namespace"] = ns
+    if model is not None:
+        h["X-CacheSeek-Model"] = model
+    h.update(extra)
+    return h
+
+
+def post_chain(c: httpx.Client, chain, **headers) -> None:
+    r = c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=headers)
+    assert r.status_code == 200 and all(x["status"] == "stored" for x in r.json()), r.text
+
+
+def samples(c: httpx.Client) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for family in text_string_to_metric_families(c.get("/metrics").text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def value(metrics: dict, name: str, **labels) -> float:
+    found = [s.value for s in metrics.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (name, labels, metrics.get(name))
+    return found[0]
+
+
+def held(c: httpx.Client, chain, ns: str = "") -> list[bytes | None]:
+    """Each block's frame as served (None: 404)."""
+    out = []
+    for h, _ in chain:
+        r = c.get(f"/v1/blocks/{h.hex()}", headers=writer(ns))
+        assert r.status_code in (200, 404)
+        out.append(r.content if r.status_code == 200 else None)
+    return out
+
+
+@pytest.fixture
+def srv(tmp_path):
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s:
+        yield s
+
+
+def test_every_route_has_its_label_and_lookups_count_tokens_per_model(srv):
+    chain = raw_chain(1, 4)
+    with httpx.Client(base_url=srv.url) as c:
+        post_chain(c, chain, **writer("team-a", "llama"))
+        hashes = [h.hex() for h, _ in chain] + ["ab" * 16, "cd" * 16]
+        head = {**writer("team-a", "llama"), "X-CacheSeek-Block-Tokens": "32", "X-CacheSeek-Tokens": "200"}
+        assert c.post("/v1/lookup", json={"hashes": hashes}, headers=head).json()["matched"] == 4
+        no_length = {k: v for k, v in head.items() if k != "X-CacheSeek-Tokens"}  # then: the blocks asked for
+        assert c.post("/v1/lookup", json={"hashes": ["ef" * 16]}, headers=no_length).json()["matched"] == 0
+        # An ingest check (each=true) is no reuse lookup: it must not dilute the hit rate.
+        c.post("/v1/lookup", json={"hashes": hashes, "each": True}, headers=head)
+        c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=writer("team-a", "llama"))
+        c.get(f"/v1/blocks/{chain[0][0].hex()}", headers=writer("team-a", "llama"))
+        c.delete(f"/v1/blocks/{'00' * 16}", headers=writer())
+        h, f = raw_frame(9)
+        c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer())
+        for path in ("/v1/stats", "/metrics", "/healthz", "/readyz", "/dashboard", "/docs", "/openapi.json",
+                     "/dashboard/assets/dashboard.js", "/docs/assets/swagger-ui.css"):
+            c.get(path, headers=writer())
+        c.get("/v1/admin/namespaces", headers=admin())
+        c.get("/no/such/route")
+        m = samples(c)
+        routes = {s.labels["route"] for s in m["cacheseek_http_requests_total"]}
+        assert {"/v1/lookup", "/v1/blocks", "/v1/blocks/{hash}", "/v1/prefixes/{hash}", "/v1/stats", "/metrics",
+                "/healthz", "/readyz", "/dashboard", "/docs", "/openapi.json", "/dashboard/assets/{name}",
+                "/docs/assets/{name}", "/v1/admin/namespaces", "unmatched"} <= routes
+        assert value(m, "cacheseek_http_requests_total", route="unmatched", method="GET", status="404") == 1
+        assert value(m, "cacheseek_http_request_duration_seconds_count", route="/v1/lookup", method="POST") == 3
+        owner = {"namespace": "team-a", "model": "llama"}
+        assert value(m, "cacheseek_lookups_total", **owner) == 2
+        assert value(m, "cacheseek_lookup_hits_total", **owner) == 1
+        assert value(m, "cacheseek_lookup_blocks_requested_total", **owner) == 7
+        assert value(m, "cacheseek_lookup_blocks_matched_total", **owner) == 4
+        assert value(m, "cacheseek_lookup_tokens_requested_total", **owner) == 200 + 32  # the miss asked for 1 block
+        assert value(m, "cacheseek_lookup_tokens_matched_total", **owner) == 4 * 32
+        assert value(m, "cacheseek_ingest_checks_total", **owner) == 1
+        assert value(m, "cacheseek_ingest_blocks_total", outcome="stored", **owner) == 4
+        assert value(m, "cacheseek_materialize_blocks_total", **owner) == 5
+        assert value(m, "cacheseek_materialize_bytes_total", **owner) == 5 * FRAME
+        stats = c.get("/v1/stats", headers=writer()).json()
+        mine = next(o for o in stats["traffic"]["by_owner"] if (o["namespace"], o["model"]) == ("team-a", "llama"))
+        assert mine["lookup_tokens_matched"] == 128 and mine["token_hit_rate"] == pytest.approx(128 / 232)
+        assert stats["lookup_latency"]["count"] == 3 and stats["lookup_latency"]["p50_seconds"] > 0
+        # The same figures in both places: tiers and the store-wide distinct bytes.
+        for tier in stats["tiers"]:
+            assert value(m, "cacheseek_tier_used_bytes", tier=tier["name"]) == tier["used_bytes"]
+            assert value(m, "cacheseek_tier_unique_bytes", tier=tier["name"]) == tier["unique_bytes"]
+        assert value(m, "cacheseek_store_used_bytes") == stats["used_bytes"] == 5 * FRAME
+        assert stats["stored_bytes"] == 10 * FRAME  # every block in the CPU tier and on disk
+        assert value(m, "cacheseek_namespace_used_bytes", namespace="team-a", model="llama") == 4 * FRAME
+
+
+def test_a_tenant_sees_only_its_own_namespace_in_stats(tmp_path):
+    tenants = '{"team-a": {"write_token": "a-w"}, "team-b": {"write_token": "b-w"}}'
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s, \
+            httpx.Client(base_url=s.url) as c:
+        post_chain(c, raw_chain(2, 2), Authorization="Bearer a-w", **{"X-CacheSeek-Model": "m"})
+        post_chain(c, raw_chain(3, 3), Authorization="Bearer b-w", **{"X-CacheSeek-Model": "m"})
+        mine = c.get("/v1/stats", headers={"Authorization": "Bearer a-w"}).json()
+        assert [(u["namespace"], u["blocks"]) for u in mine["namespaces"]] == [("team-a", 2)]
+        assert {o["namespace"] for o in mine["traffic"]["by_owner"]} == {"team-a"} and "requests" not in mine
+        every = c.get("/v1/stats", headers=writer()).json()
+        assert {(u["namespace"], u["blocks"]) for u in every["namespaces"]} == {("team-a", 2), ("team-b", 3)}
+
+
+def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path):
+    chain = raw_chain(4, 3)
+    with Server(tmp_path, "--write-token", WRITE) as off, httpx.Client(base_url=off.url) as c:
+        post_chain(c, chain, **writer("a"))
+        r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+        assert r.status_code == 403 and "admin_token" in r.json()["error"]
+        assert all(held(c, chain, "a"))
+    with Server(tmp_path / "2", "--admin-token", ADMIN, "--write-token", WRITE) as on, \
+            httpx.Client(base_url=on.url) as c:
+        post_chain(c, chain, **writer("a"))
+        calls = [("POST", "/v1/admin/flush", {"params": {"namespace": "a"}}),
+                 ("DELETE", f"/v1/admin/chains/{chain[-1][0].hex()}", {}),
+                 ("PUT", f"/v1/admin/pins/{chain[-1][0].hex()}", {}),
+                 ("GET", "/v1/admin/namespaces", {})]
+        for method, path, kw in calls:
+            assert c.request(method, path, **kw).status_code == 401
+            assert c.request(method, path, headers=writer("a"), **kw).status_code == 403  # the write token
+            assert c.request(method, path, headers=admin("nope"), **kw).status_code == 403
+        assert all(held(c, chain, "a")) and c.get("/v1/admin/pins", headers=admin()).json() == []
+        for params in ({"namespace": "nobody"}, {"model": "nothing"}):
+            r = c.post("/v1/admin/flush", params=params, headers=admin())
+            assert r.status_code == 404 and r.json()["error"]
+        assert c.post("/v1/admin/flush", headers=admin()).status_code == 400
+        assert c.delete(f"/v1/admin/chains/{'77' * 16}", headers=admin()).status_code == 404
+        assert c.put(f"/v1/admin/pins/{'77' * 16}", headers=admin()).status_code == 404
+        assert c.delete(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin()).status_code == 404
+        assert c.put(f"/v1/admin/pins/{chain[0][0].hex()}", json={"ttl_seconds": -1}, headers=admin()).status_code == 422
+        assert all(held(c, chain, "a"))
+
+
+def test_flush_and_delete_touch_nothing_but_what_they_name(srv):
+    a1, a2, b = raw_chain(10, 3), raw_chain(11, 2), raw_chain(12, 3)
+    shared = raw_chain(13, 2)  # a head with two tails
+    tails = [raw_frame(14 + i, position=2, parent=shared[-1][0]) for i in range(2)]
+    with httpx.Client(base_url=srv.url) as c:
+        post_chain(c, a1, **writer("a", "m1"))
+        post_chain(c, a2, **writer("a", "m2"))
+        post_chain(c, b, **writer("b", "m1"))
+        post_chain(c, shared + tails, **writer("c", "m1"))
+        usage = {g["namespace"]: g for g in c.get("/v1/admin/namespaces", headers=admin()).json()}
+        assert usage["a"]["blocks"] == 5 and {m["model"]: m["blocks"] for m in usage["a"]["models"]} == {"m1": 3, "m2": 2}
+        models = {g["model"]: g["blocks"] for g in c.get("/v1/admin/models", headers=admin()).json()}
+        assert models == {"m1": 3 + 3 + 4, "m2": 2}
+
+        r = c.post("/v1/admin/flush", params={"namespace": "a", "model": "m2"}, headers=admin())
+        assert r.json()["deleted_blocks"] == 2 and held(c, a2, "a") == [None, None]
+        assert held(c, a1, "a") == [f for _, f in a1]
+        r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+        assert r.json()["deleted_blocks"] == 3 and not any(held(c, a1, "a"))
+        assert held(c, b, "b") == [f for _, f in b]  # the other tenant's blocks, byte for byte
+
+        # Deleting one tail of a shared head keeps the head and the other tail.
+        r = c.delete(f"/v1/admin/chains/{tails[0][0].hex()}", headers=writer("c") | admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 1
+        assert held(c, shared + tails, "c") == [shared[0][1], shared[1][1], None, tails[1][1]]
+        # Deleting the head's last block takes what extends it; the chain's unique head goes too.
+        r = c.delete(f"/v1/admin/chains/{shared[1][0].hex()}", headers=writer("c") | admin())
+        assert r.json()["deleted_blocks"] == 3 and not any(held(c, shared + tails, "c"))
+        assert held(c, b, "b") == [f for _, f in b]
+        stats = c.get("/v1/stats", headers=writer()).json()
+        assert stats["blocks"] == 3 and {u["namespace"] for u in stats["namespaces"] if u["blocks"]} == {"b"}
+
+
+def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_path):
+    per = FRAME
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--cpu-reserve-bytes", "0", disk=False,
+                cpu_bytes=str(8 * per)) as s, httpx.Client(base_url=s.url) as c:
+        keep = raw_chain(20, 3)
+        post_chain(c, keep, **writer("a"))
+        r = c.put(f"/v1/admin/pins/{keep[-1][0].hex()}", json={"ttl_seconds": 3600}, headers=admin() | {"X-CacheSeek-Namespace": "a"})
+        assert r.status_code == 200 and r.json()["blocks"] == 3 and r.json()["expires_at"] is not None
+        for seed in range(21, 31):  # 20 blocks through an 8-block tier
+            post_chain(c, raw_chain(seed, 2), **writer("b"))
+        assert held(c, keep, "a") == [f for _, f in keep]
+        pins = c.get("/v1/admin/pins", headers=admin()).json()
+        assert [(p["namespace"], p["hash"], p["blocks"]) for p in pins] == [("a", keep[-1][0].hex(), 3)]
+        cpu = c.get("/v1/stats", headers=writer()).json()["tiers"][0]
+        assert cpu["pinned_blocks"] == 3 and cpu["pinned_bytes"] == 3 * per
+        # Pin everything there is: the next write fails clearly (507), and nothing loops.
+        everything = raw_chain(40, 5)
+        post_chain(c, everything, **writer("a"))
+        c.put(f"/v1/admin/pins/{everything[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+        h, f = raw_frame(50)
+        r = c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a"))
+        assert r.status_code == 507 and "pinned" in r.json()["error"], r.text
+        assert c.delete(f"/v1/admin/pins/{everything[-1][0].hex()}",
+                        headers=admin() | {"X-CacheSeek-Namespace": "a"}).status_code == 200
+        assert c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a")).status_code == 201
+
+
+def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
+    chains = [raw_chain(100 + i, 4) for i in range(24)]
+    keep = raw_chain(99, 3)
+    stop = threading.Event()
+    errors: list[str] = []
+    with httpx.Client(base_url=srv.url) as c:
+        post_chain(c, keep, **writer("b", "m"))
+        post_chain(c, chains[0], **writer("a", "m"))
+
+        def ingest() -> None:
+            with httpx.Client(base_url=srv.url) as w:
+                for chain in chains[1:]:
+                    if stop.is_set():
+                        return
+                    r = w.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=writer("a", "m"))
+                    if r.status_code != 200:
+                        errors.append(r.text)
+
+        t = threading.Thread(target=ingest)
+        t.start()
+        flushed = 0
+        for _ in range(3):
+            flushed += c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin()).json()["deleted_blocks"]
+        t.join(120)
+        stop.set()
+        assert not errors and flushed > 0
+        for chain in chains:  # every block: gone, or whole and byte for byte what was sent
+            for (h, frame), got in zip(chain, held(c, chain, "a")):
+                assert got is None or got == frame
+        assert held(c, keep, "b") == [f for _, f in keep]
+    srv.stop()
+    with Server(srv.root, "--admin-token", ADMIN, "--write-token", WRITE) as again, \
+            httpx.Client(base_url=again.url) as c:
+        # Restarted: the disk recovered what survived, whole, and still knows whose it is.
+        assert held(c, keep, "b") == [f for _, f in keep]
+        usage = {(u["namespace"], u["model"]): u["blocks"] for u in c.get("/v1/stats", headers=writer()).json()["namespaces"]}
+        # A block stored after the flush took its parent cannot be traced to a writer after a
+        # restart (attribution follows chains from their head): only those are unattributed.
+        orphans = 0
+        for chain in chains:
+            got = held(c, chain, "a")
+            first_gap = next((i for i, g in enumerate(got) if g is None), len(got))
+            orphans += sum(g is not None for g in got[first_gap:])
+        assert usage[("b", "m")] == 3 and usage.get((None, ""), 0) == orphans
+        assert "recovered" in again.output()
+
+
+def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
+    chain = raw_chain(60, 4)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain, **writer("a", "llama"))
+        c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        out = s.output().split("cacheseek serve 0")[-1]
+        assert f"recovered 4 blocks, {4 * FRAME / (1 << 30):.3f} GiB" in out, out
+        pins = c.get("/v1/admin/pins", headers=admin()).json()
+        assert [(p["namespace"], p["hash"]) for p in pins] == [("a", chain[-1][0].hex())]
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        assert [(g["namespace"], g["blocks"], g["models"][0]["model"]) for g in usage] == [("a", 4, "llama")]
+        m = samples(c)
+        assert value(m, "cacheseek_tier_recovered_blocks", tier="disk") == 4
+        assert value(m, "cacheseek_recovery_duration_seconds") >= 0
+
+
+def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
+    chain = raw_chain(70, 3)
+    with httpx.Client(base_url=srv.url) as c:
+        post_chain(c, chain, **writer("a", "llama"))
+        c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]},
+               headers=writer("a", "llama", **{"X-CacheSeek-Block-Tokens": "32"}))
+    top = subprocess.run([*cacheseek_command(), "top", "--url", srv.url, "--token", WRITE, "--iterations", "2",
+                          "--interval", "0.5"], capture_output=True, text=True, timeout=60)
+    assert top.returncode == 0, top.stderr
+    frames = top.stdout.strip().split("cacheseek top")
+    assert len(frames) == 3 and re.search(r"hit rate \(tokens\) +100\.0% all", frames[2]), top.stdout
+    assert re.search(r"lookups +1 +0\.0/s", frames[2]), top.stdout  # a rate once there are two refreshes
+    assert "cpu" in frames[2] and "disk" in frames[2] and "llama" in frames[2]
+    refused = subprocess.run([*cacheseek_command(), "top", "--url", srv.url, "--once"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 1 and "token" in refused.stderr
+
+    def admin_cmd(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*cacheseek_command(), "admin", "--url", srv.url, "--token", ADMIN, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    listed = admin_cmd("namespaces")
+    assert listed.returncode == 0 and "llama" in listed.stdout and "a " in listed.stdout
+    assert admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", "60").returncode == 0
+    assert chain[-1][0].hex() in admin_cmd("pins").stdout
+    assert admin_cmd("unpin", chain[-1][0].hex(), "--namespace", "a").returncode == 0
+    missing = admin_cmd("flush", "--namespace", "nobody")
+    assert missing.returncode == 1 and "404" in missing.stderr
+    assert admin_cmd("flush").returncode == 2
+    flushed = admin_cmd("--json", "flush", "--namespace", "a")
+    assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout
+    gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],
+                          capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 3

@@ -1,0 +1,249 @@
+"""Pins and residency in the store: pinned chains survive eviction in every tier, a tier full
+of pinned blocks refuses writes, and store-wide figures count each block once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheseek.errors import InputError, StorageError
+from cacheseek.store.cpu import CpuTier
+from cacheseek.store.disk import DiskTier
+from cacheseek.store.eviction import POLICIES, make_index
+from cacheseek.store.frame import parse_frame
+from cacheseek.store.redis_tier import RedisTier
+from cacheseek.store.tier import BlockFrame, BlockInfo
+from cacheseek.store.tiered import TieredStore
+from redis_servers import RedisServer, needs_redis
+from server_helpers import raw_chain, raw_frame
+
+FRAME = len(raw_chain(0, 1)[0][1])
+
+
+def frames(seed: int, n: int) -> list[tuple[bytes, BlockFrame]]:
+    out = []
+    for h, data in raw_chain(seed, n):
+        buf = bytearray(data)
+        out.append((h, BlockFrame(parse_frame(buf), host=memoryview(buf))))
+    return out
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def stored(store: TieredStore, keys) -> list[bool]:
+    return store.contains_many(list(keys))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_index_never_names_a_pinned_victim(policy):
+    index = make_index(policy, 10_000)
+    chain = [bytes([i]) * 16 for i in range(5)]
+    parent = bytes(16)
+    for i, key in enumerate(chain):
+        index.add(key, BlockInfo(100, 200, parent, i))
+        parent = key
+    other = bytes([9]) * 16
+    index.add(other, BlockInfo(100, 200, bytes(16), 0))
+    index.pin(chain[:3])  # a whole chain from its head, as the store pins
+    assert (index.pinned_blocks, index.pinned_bytes, index.evictable) == (3, 300, 3)
+    index.touch(chain)  # touching pinned keys is harmless
+    victims = []
+    while (v := index.victim()) is not None:
+        victims.append(v)
+        index.remove(v, evicted=True)
+    assert set(victims) == {chain[3], chain[4], other} and victims.index(chain[4]) < victims.index(chain[3])
+    assert index.victim() is None and len(index) == 3
+    index.unpin(chain[:3])
+    assert index.evictable == 3 and index.victim() == chain[2]  # leaf first again
+
+
+def test_a_pinned_chain_outlives_pressure_in_every_tier_and_comes_back_after_unpin(tmp_path):
+    cpu = CpuTier(4 * FRAME)
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 6 * FRAME, fsync=False)], write_through=["disk"])
+    pinned = frames(1, 3)
+    store.put_many(pinned)
+    pin = store.pin(pinned[-1][0], ttl_seconds=None)
+    assert pin is not None and pin.keys == tuple(k for k, _ in pinned)
+    for seed in range(2, 8):  # 12 more blocks: far over both budgets
+        store.put_many(frames(seed, 2))
+    assert all(stored(store, pin.keys))
+    for tier in store.tiers:
+        assert set(pin.keys) <= set(tier.keys()), tier.name
+        assert tier.stats().pinned_blocks == 3
+    stats = {t["name"]: t for t in store.stats()["tiers"]}
+    assert stats["cpu"]["pinned_bytes"] == 3 * FRAME and stats["cpu"]["used_bytes"] <= cpu.capacity_bytes
+    assert store.unpin(pin.key) is not None and store.unpin(pin.key) is None
+    for seed in range(8, 14):
+        store.put_many(frames(seed, 2))
+    assert not any(stored(store, pin.keys))  # given back to eviction: gone under pressure
+
+
+def test_a_tier_full_of_pinned_blocks_refuses_writes_clearly():
+    store = TieredStore([CpuTier(3 * FRAME)])
+    chain = frames(1, 3)
+    store.put_many(chain)
+    store.pin(chain[-1][0])
+    before = store.stats()
+    outcome = store.put_many(frames(2, 1))[0]  # returns (no loop), stores nothing
+    assert not outcome.stored and "pinned" in outcome.errors["cpu"]
+    after = store.stats()
+    assert after["blocks"] == before["blocks"] == 3 and after["tiers"][0]["write_errors"] == 1
+    # The in-place path (reservations, as the server receives frames) refuses the same way.
+    key, frame = frames(3, 1)[0]
+    res = store.reserve(frame.nbytes)
+    if res is not None:
+        res.view()[:] = frame.host
+        outcome = store.commit(key, res, frame.meta)
+        assert not outcome.stored and "pinned" in outcome.errors["cpu"]
+        assert store.stats()["tiers"][0]["reservation_bytes"] == 0
+    with pytest.raises(StorageError, match="pinned"):
+        store.tiers[0].put(*frames(4, 1)[0])
+
+
+def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):
+    clock = Clock()
+    cpu = CpuTier(3 * FRAME)
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)], write_through=["disk"], clock=clock)
+    chain = frames(1, 2)
+    store.put_many(chain)
+    pin = store.pin(chain[-1][0], ttl_seconds=60)
+    assert pin.expires_at == clock.now + 60
+    for seed in range(2, 6):
+        store.put_many(frames(seed, 2))
+    assert set(pin.keys) <= set(cpu.keys())
+    # Evicted from the CPU tier by force (a delete), then promoted back: pinned there at once.
+    cpu.delete(chain[1][0])
+    assert store.get(chain[1][0]) is not None and chain[1][0] in cpu.keys()
+    assert cpu.stats().pinned_blocks == 2
+    clock.now += 30
+    again = store.pin(chain[-1][0], ttl_seconds=60)  # pinned again: a new expiry, the same blocks
+    assert again.expires_at == clock.now + 60 and again.keys == pin.keys
+    clock.now += 31
+    store.put_many(frames(8, 1))
+    assert len(store.pins()) == 1 and cpu.stats().pinned_blocks == 2  # the first expiry is gone
+    clock.now += 30
+    store.put_many(frames(9, 1))  # a write notices the expiry
+    assert store.pins() == [] and cpu.stats().pinned_blocks == 0
+
+
+def test_overlapping_pins_keep_their_shared_head(tmp_path):
+    store = TieredStore([CpuTier(40 * FRAME)])
+    head = frames(1, 2)
+    store.put_many(head)
+    branches = []
+    for seed in (2, 3):  # two chains behind one head
+        key, data = raw_frame(seed, position=2, parent=head[-1][0])
+        buf = bytearray(data)
+        branches.append((key, BlockFrame(parse_frame(buf), host=memoryview(buf))))
+    store.put_many(branches)
+    store.pin(branches[0][0])
+    store.pin(branches[1][0])
+    assert store.tiers[0].stats().pinned_blocks == 4
+    store.unpin(branches[0][0])
+    assert store.tiers[0].stats().pinned_blocks == 3  # the head stays pinned for the other
+    assert store.pin(b"\x77" * 16) is None  # not stored: nothing to pin
+    with pytest.raises(InputError, match="ttl_seconds"):
+        store.pin(head[-1][0], ttl_seconds=-1)
+
+
+def test_store_wide_figures_count_a_block_held_twice_once(tmp_path):
+    store = TieredStore([CpuTier(4 * FRAME), DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)],
+                        write_through=["disk"])
+    first = frames(1, 3)
+    store.put_many(first)
+    stats = store.stats()
+    cpu, disk = stats["tiers"]
+    assert cpu["used_bytes"] == disk["used_bytes"] == 3 * FRAME
+    assert stats["stored_bytes"] == 6 * FRAME and stats["used_bytes"] == 3 * FRAME and stats["blocks"] == 3
+    assert (cpu["unique_blocks"], disk["unique_blocks"]) == (3, 0)
+    store.put_many(frames(2, 3))  # 6 blocks, the CPU tier holds 4: 2 are on disk only
+    stats = store.stats()
+    cpu, disk = stats["tiers"]
+    assert (cpu["unique_blocks"], disk["unique_blocks"], stats["blocks"]) == (4, 2, 6)
+    assert stats["used_bytes"] == 6 * FRAME and stats["stored_bytes"] == 10 * FRAME
+    assert cpu["admissions"] == 6 and disk["admissions"] == 6 and cpu["evictions"] == 2
+    assert stats["compression_ratio"] == pytest.approx(stats["raw_bytes"] / stats["used_bytes"])
+    for key, _ in first:
+        store.delete(key)
+    stats = store.stats()
+    assert stats["blocks"] == 3 and stats["used_bytes"] == 3 * FRAME
+
+
+def test_residency_listeners_see_each_block_enter_and_leave_once(tmp_path):
+    store = TieredStore([CpuTier(3 * FRAME), DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)],
+                        write_through=["disk"])
+    seen: list[tuple[str, bytes]] = []
+
+    class Listener:
+        def appeared(self, key, info):
+            seen.append(("in", key))
+
+        def gone(self, key, info):
+            seen.append(("out", key))
+
+    store.put_many(frames(1, 2))
+    held = store.residency.listen(Listener())
+    assert [info.position for _, info in held] == [0, 1]
+    chain = frames(2, 3)
+    store.put_many(chain)  # the CPU tier evicts, the disk keeps them: no block leaves the store
+    assert seen == [("in", k) for k, _ in chain]
+    store.delete(chain[0][0])
+    assert seen[-1] == ("out", chain[0][0])
+
+
+@needs_redis
+def test_redis_pins_skip_eviction_and_the_ttl_and_refuse_writes_when_full(tmp_path):
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 3 * FRAME, ttl_seconds=30)
+        store = TieredStore([CpuTier(2 * FRAME), redis], write_through=["redis"])
+        chain = frames(1, 2)
+        store.put_many(chain)
+        pin = store.pin(chain[-1][0])
+        assert pin is not None and redis.stats().pinned_blocks == 2
+        for key, _ in chain:  # no expiry on a pinned frame, and none put back by a touch
+            assert srv.cli("PTTL", redis.keys_of.frame(key)).strip() == "-1"
+        store.touch_chain([k for k, _ in chain])
+        assert srv.cli("PTTL", redis.keys_of.frame(chain[0][0])).strip() == "-1"
+        for seed in range(2, 6):
+            store.put_many(frames(seed, 1))
+        assert set(pin.keys) <= set(redis.keys())
+        stats = redis.stats()
+        assert stats.pinned_bytes == 2 * FRAME and stats.used_bytes <= redis.capacity_bytes
+        # One unpinned block fits beside the two pinned ones; a batch of two cannot both stay.
+        outcome = redis.put_many([frames(7, 1)[0]])[0]
+        assert outcome.error is None
+        store.unpin(pin.key)
+        assert redis.stats().pinned_blocks == 0
+        assert int(srv.cli("PTTL", redis.keys_of.frame(chain[0][0])).strip()) > 0
+        # A tier full of pins refuses clearly.
+        full = frames(8, 3)
+        store.put_many(full)
+        store.pin(full[-1][0])
+        err = redis.put_many([frames(9, 1)[0]])[0].error
+        assert err is not None and "pinned" in str(err)
+        assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+    finally:
+        srv.stop()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA (scripts/h200.sh pins-gpu)")
+def test_a_gpu_tier_keeps_pinned_chains_and_refuses_when_full_of_them():
+    from cacheseek.store.gpu import GpuTier
+
+    store = TieredStore([GpuTier(3 * FRAME)])
+    keep = frames(1, 2)
+    store.put_many(keep)
+    store.pin(keep[-1][0])
+    for seed in range(2, 6):
+        store.put_many(frames(seed, 1))
+    assert all(stored(store, [k for k, _ in keep]))
+    store.pin(store.tiers[0].keys()[-1])  # the one unpinned block left: now every block is pinned
+    outcome = store.put_many(frames(9, 1))[0]
+    assert not outcome.stored and "pinned" in outcome.errors["gpu"]
