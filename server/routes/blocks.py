@@ -141,15 +141,20 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
 @router.get(
     "/{hash}", response_class=Response,
     responses={200: {"description": "the frame", "content": {FRAME_CONTENT_TYPE: BINARY}},
-               400: {"description": "a bad hash or namespace", **ERROR},
                404: {"description": "not stored", **ERROR}},
 )
-async def get_block(caller: Reader, hash: Hash, service: Service) -> StreamingResponse:
+async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> StreamingResponse:
     """The frame of one block, from the fastest tier holding it (the payload is not copied)."""
     got = service.get_nowait(caller.namespace, hash)  # in host memory: no I/O, no thread hand-off
     segments, tier = got if got is not None else await run_in_threadpool(service.get, caller.namespace, hash)
     nbytes = sum(memoryview(s).nbytes for s in segments)
-    service.metrics.frame_bytes_sent.inc(nbytes)
+    metrics = service.metrics
+    metrics.frame_bytes_sent += nbytes
+    traffic = metrics.for_request(caller.namespace, request.headers)
+    if traffic is not None:
+        traffic.materialize_requests += 1
+        traffic.materialize_blocks += 1
+        traffic.materialize_bytes += nbytes
 
     async def body():
         for segment in segments:
@@ -160,8 +165,7 @@ async def get_block(caller: Reader, hash: Hash, service: Service) -> StreamingRe
 
 
 @router.delete("/{hash}", status_code=204, response_class=Response,
-               responses={204: {"description": "deleted"}, 400: {"description": "a bad hash or namespace", **ERROR},
-                          404: {"description": "not stored", **ERROR}})
+               responses={204: {"description": "deleted"}, 404: {"description": "not stored", **ERROR}})
 async def delete_block(caller: Writer, hash: Hash, service: Service) -> Response:
     await run_in_threadpool(service.delete, caller.namespace, hash)
     return Response(status_code=204)
