@@ -60,6 +60,8 @@ for s in "$@"; do
     metrics)     step metrics-cost 200 python3 -m benchmarks.metrics_cost --calls 3000 --rounds 10 --out "$OUT"
                  step server-metrics 400 python3 -m benchmarks.server --frames 24 --reps 5 --compare-metrics --out "$OUT" ;;
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
+    vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
+    tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
     *) echo "unknown step $s" ;;
   esac
 done

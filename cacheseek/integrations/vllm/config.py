@@ -1,0 +1,140 @@
+"""The connector's settings: ``kv_connector_extra_config`` parsed into plain data.
+
+Torch-free and vLLM-free, so a bad setting is reported (a ``ConfigError`` naming the key)
+before anything is built, and the parsing is tested without an engine.
+
+    {"codec": "int4", "group_size": 32, "block_tokens": 256, "model_id": "smollm2-135m",
+     "tiers": {"cpu_bytes": "4GiB", "disk_path": "/var/cache/cs"}}       # embedded
+    {"codec": "int4", "url": "http://127.0.0.1:8080", "model_id": "smollm2-135m"}  # remote
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import TierConfig
+from ...errors import ConfigError
+from ...hashing import DEFAULT_ALGO
+from ...quant import KIVI, Raw
+from ...quant.codec import KVLayerCodec
+from ...quant.registry import codec_from_spec
+
+# codec name -> how it is built from the group size
+CODECS = {
+    "raw": lambda g: Raw(),
+    "int8": lambda g: KIVI(bits=8, group_size=g),
+    "int4": lambda g: KIVI(bits=4, group_size=g),
+    "int2": lambda g: KIVI(bits=2, group_size=g),
+    "k2v4": lambda g: KIVI(k_bits=2, v_bits=4, group_size=g),
+}
+
+DEFAULT_TIERS = {"cpu_bytes": "4GiB"}
+
+_KEYS = frozenset({
+    "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
+    "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds",
+})
+_TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What the connector was configured with. ``url`` set: remote (a shared ``cacheseek
+    serve``); otherwise embedded, with ``tiers`` in the worker process.
+
+    ``model_id`` is part of every key: give the same value to every engine that should
+    share blocks (vLLM's model path is the default, which differs between hosts that keep
+    the weights in different folders)."""
+
+    codec: KVLayerCodec
+    block_tokens: int = 256
+    model_id: str | None = None
+    namespace: str = ""
+    hash_algo: str = DEFAULT_ALGO
+    url: str | None = None
+    token: str | None = field(default=None, repr=False)
+    timeout_seconds: float = 10.0
+    tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
+    retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
+    retry_cap_seconds: float = 30.0
+
+    @property
+    def remote(self) -> bool:
+        return self.url is not None
+
+    @classmethod
+    def from_extra(cls, extra: Any) -> ConnectorConfig:
+        """Parse ``kv_connector_extra_config``; raises ``ConfigError`` naming the bad key."""
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"kv_connector_extra_config: expected a JSON object, got {type(extra).__name__}")
+        unknown = sorted(set(extra) - _KEYS)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(_KEYS)}")
+        kw: dict[str, Any] = {"codec": _codec(extra.get("codec", "int4"), extra.get("group_size", 32))}
+        if "block_tokens" in extra:
+            kw["block_tokens"] = _positive_int("block_tokens", extra["block_tokens"])
+        for key in ("model_id", "namespace", "hash_algo", "url", "token"):
+            if key in extra:
+                kw[key] = _string(key, extra[key])
+        for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds"):
+            if key in extra:
+                kw[key] = _positive_float(key, extra[key])
+        if "url" in kw and "tiers" in extra:
+            raise ConfigError("kv_connector_extra_config: give either url (remote) or tiers (embedded), not both")
+        if "token" in kw and "url" not in kw:
+            raise ConfigError("kv_connector_extra_config.token: only a remote cache (url) takes a token")
+        if "url" in kw and not kw["url"].startswith(("http://", "https://")):
+            raise ConfigError(f"kv_connector_extra_config.url: expected http://host:port, got {kw['url']!r}")
+        if "tiers" in extra:
+            kw["tiers"] = _tiers(extra["tiers"])
+        if kw.get("retry_cap_seconds", 30.0) < kw.get("retry_after_seconds", 1.0):
+            raise ConfigError("kv_connector_extra_config.retry_cap_seconds: must be >= retry_after_seconds")
+        return cls(**kw)
+
+
+def _codec(name: Any, group_size: Any) -> KVLayerCodec:
+    if isinstance(name, dict):
+        return codec_from_spec(name)
+    if not isinstance(name, str) or name not in CODECS:
+        raise ConfigError(f"kv_connector_extra_config.codec: must be one of {sorted(CODECS)} or a codec spec, got {name!r}")
+    group = _positive_int("group_size", group_size)
+    return CODECS[name](group)
+
+
+def _tiers(value: Any) -> TierConfig:
+    if not isinstance(value, dict):
+        raise ConfigError(f"kv_connector_extra_config.tiers: expected an object of TierConfig fields, got {value!r}")
+    unknown = sorted(set(value) - _TIER_KEYS)
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config.tiers: unknown keys {unknown}; known: {sorted(_TIER_KEYS)}")
+    if "write_through" in value and value["write_through"] is not None:
+        value = {**value, "write_through": tuple(value["write_through"])}
+    try:
+        return TierConfig(**value)
+    except TypeError as exc:
+        raise ConfigError(f"kv_connector_extra_config.tiers: {exc}") from None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{name}: must be a positive int, got {value!r}")
+    return value
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"kv_connector_extra_config.{name}: must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _string(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"kv_connector_extra_config.{name}: must be a string, got {value!r}")
+    return value
+
+
+__all__ = ["CODECS", "ConnectorConfig"]

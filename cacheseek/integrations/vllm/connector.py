@@ -1,0 +1,266 @@
+"""``CacheSeekConnector``: vLLM's v1 KV connector interface over a CacheSeek cache.
+
+vLLM builds one instance per role: in the scheduler (``SchedulerSide``: lookups and the
+step plan) and in each worker (``WorkerSide``: loads into and saves from the pages). This
+class is only the adapter between vLLM's calls and those two.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ...errors import ConfigError
+from ...layout import KV_DTYPES, KVLayout, dtype_name
+from .config import ConnectorConfig
+from .guard import StoreGuard
+from .pages import PageFormat, VllmPages
+from .plan import StepPlan
+from .scheduler import SchedulerSide
+from .stores import Shard, close_cache, open_cache
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# embedded tier -> vLLM's name for where hit tokens came from (a server's are all "external")
+HIT_SOURCE_OF_TIER = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+# executors that run the worker in the scheduler's process, as an embedded cache needs
+SAME_PROCESS_EXECUTORS = (None, "uni", "external_launcher")
+
+# attention backend -> how its pages hold K and V (see pages.py)
+KV_SPLIT_OF_BACKEND = {"CPU_ATTN": "token", "FLASH_ATTN": "channel", "TRITON_ATTN": "channel"}
+
+
+class CacheSeekMetadata(KVConnectorMetadata):
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class CacheSeekStats(KVConnectorStats):
+    """Counter deltas of one interval (``ConnectorStats`` fields), summed across workers."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: round(value, 4) if isinstance(value, float) else value
+                for name, value in self.data.items() if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class CacheSeekConnector(KVConnectorBase_V1):
+    """Loads stored prefixes into vLLM's pages and stores the prompts vLLM computes."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ConfigError(
+                'kv_transfer_config.kv_load_failure_policy: CacheSeekConnector needs "recompute" (vLLM\'s '
+                f'default "fail" would fail a request whose load falls short), got {transfer.kv_load_failure_policy!r}'
+            )
+        self.layout, self._layer_names = _layout(kv_cache_config)
+        self._block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise ConfigError(f"CacheSeekConnector: {name}={getattr(parallel, name)} is not supported yet")
+        tp_size = parallel.tensor_parallel_size
+        if tp_size > 1 and not self.config.remote:
+            raise ConfigError(
+                f"kv_connector_extra_config: tensor_parallel_size={tp_size} runs workers in other processes than "
+                "the scheduler, which an embedded cache cannot serve; give a server url"
+            )
+        backend = parallel.distributed_executor_backend
+        if not self.config.remote and tp_size == 1 and backend not in SAME_PROCESS_EXECUTORS:
+            raise ConfigError(
+                f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
+                "process than the scheduler, which an embedded cache cannot serve; give a server url"
+            )
+        model_id = self.config.model_id or vllm_config.model_config.model
+        load = transfer.kv_role in ("kv_both", "kv_consumer")
+        save = transfer.kv_role in ("kv_both", "kv_producer")
+        self._caches: list[Any] = []
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._reported: dict[str, int | float] = {}
+        if role == KVConnectorRole.SCHEDULER:
+            self._caches = [open_cache(self.config, self.layout, model_id, Shard(r, tp_size)) for r in range(tp_size)]
+            self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
+                                            save=save, guard=StoreGuard(self.config, "scheduler"),
+                                            block_ids=self._block_ids)
+        else:
+            rank = _tp_rank() if tp_size > 1 else 0
+            self._caches = [open_cache(self.config, self.layout, model_id, Shard(rank, tp_size))]
+            self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
+
+    # -- what callers can read -------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        """This side's totals since it started (``ConnectorStats`` fields)."""
+        return self._side().stats.to_dict()
+
+    @property
+    def cache(self) -> Any:
+        """The cache this side talks to (for a remote scheduler with tensor parallelism: rank 0's)."""
+        return self._caches[0]
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted((n for n in kv_caches if n in self._layer_names), key=extract_layer_index)
+        if len(names) != self.layout.num_layers:
+            raise ConfigError(f"CacheSeekConnector: vLLM registered {len(names)} of the model's "
+                              f"{self.layout.num_layers} attention layers' KV caches")
+        layers = [kv_caches[n] for n in names]
+        fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
+                         block_size=self._block_size, page_tokens=layers[0].shape[2])
+        self._worker_side().register(VllmPages(layers, fmt))
+
+    def _kv_split(self, names: list[str]) -> str:
+        layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
+        backends = {layer.get_attn_backend().get_name() for layer in layers.values()}
+        splits = {KV_SPLIT_OF_BACKEND.get(b) for b in backends}
+        if len(splits) != 1 or None in splits:
+            raise ConfigError(f"CacheSeekConnector: attention backend(s) {sorted(backends)}: pages are understood "
+                              f"for {sorted(KV_SPLIT_OF_BACKEND)} only")
+        return splits.pop()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_step(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole before the forward starts (start_load_kv)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves read the pages once the forward is done (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker_side().finish_step(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_failed_blocks()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self._side()
+        delta = side.stats.minus(self._reported)
+        self._reported = side.stats.to_dict()
+        stats = CacheSeekStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return CacheSeekStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        for cache in self._caches:
+            close_cache(self.config, cache)
+        self._caches = []
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a save lost to a preemption is a future miss
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched_tokens(request, num_computed_tokens), False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        counts: dict[CacheHitSource, int] = {}
+        for tier, n in self._scheduler_side().hit_tiers(request, num_external_tokens).items():
+            source = CacheHitSource.EXTERNAL_UNSPECIFIED if self.config.remote else HIT_SOURCE_OF_TIER.get(
+                tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            counts[source] = counts.get(source, 0) + n
+        return counts
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return CacheSeekMetadata(self._scheduler_side().plan(scheduler_output))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_side().finished(request)
+        return False, None
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM binds its KV cache manager before scheduling"
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, CacheSeekMetadata)
+        return meta.plan
+
+    def _side(self) -> SchedulerSide | WorkerSide:
+        side = self._scheduler or self._worker
+        assert side is not None
+        return side
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("CacheSeekConnector: a scheduler-side call on the worker-side connector")
+        return self._scheduler
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("CacheSeekConnector: a worker-side call on the scheduler-side connector")
+        return self._worker
+
+
+def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
+    """The ``KVLayout`` of the model's one group of full-attention layers."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"CacheSeekConnector: {len(groups)} KV cache groups (a hybrid model); one is supported")
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, AttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        raise ConfigError(f"CacheSeekConnector: KV cache spec {type(spec).__name__}; only K/V attention is supported")
+    if spec.head_size_v != spec.head_size:
+        raise ConfigError(f"CacheSeekConnector: K head size {spec.head_size} != V head size {spec.head_size_v}")
+    try:
+        dtype = dtype_name(spec.dtype)
+    except ConfigError:
+        raise ConfigError(f"CacheSeekConnector: KV cache dtype {spec.dtype}; CacheSeek stores {sorted(KV_DTYPES)} "
+                          "(leave --kv-cache-dtype at auto)") from None
+    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+                      head_dim=spec.head_size, dtype=dtype)
+    return layout, set(groups[0].layer_names)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+__all__ = ["CacheSeekConnector", "CacheSeekMetadata", "CacheSeekStats"]

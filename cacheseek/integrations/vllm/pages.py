@@ -1,0 +1,160 @@
+"""vLLM's paged KV cache seen as per-layer (K, V) page views, and token slots in it.
+
+vLLM (v1, from 0.2x on) gives a connector one tensor per attention layer, of logical shape
+``[P, H, N, C]``: P pages (kernel blocks) of N tokens, H KV heads, and C = 2 * head_dim
+elements holding one head's K and V. How K and V share those C elements is the attention
+backend's choice, and the connector has to know it:
+
+- ``"channel"`` (FLASH_ATTN, TRITON_ATTN): per token and head, K in ``[..., :D]`` and V in
+  ``[..., D:]``. With vLLM's default LBNHC layout a page is ``[N, H, 2D]`` in memory
+  (the old flash layout's ``[2, P, N, H, D]`` with K and V interleaved per token).
+- ``"token"`` (CPU_ATTN): each (page, head) row of ``N * 2D`` elements holds the page's N
+  K rows, then its N V rows: the backend views it as ``[P, H, 2N, D]`` and splits at N.
+
+Either way the views below are ``[P, H, N, D]`` with strides into the one tensor: nothing
+is copied. A vLLM block (the unit of the scheduler's block ids) may span several pages
+when the kernel's block is smaller than the manager's; ``slots`` maps token positions of a
+request to (page, offset) through its block ids.
+
+Torch only, no vLLM import: the GPU benchmark drives the same code without an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import ConfigError, InputError
+
+KV_SPLITS = ("channel", "token")
+
+
+@dataclass(frozen=True, slots=True)
+class PageFormat:
+    """How one engine lays KV out in its pages."""
+
+    kv_split: str  # "channel" or "token" (see the module docstring)
+    head_dim: int
+    block_size: int  # tokens per vLLM block: the unit of the scheduler's block ids
+    page_tokens: int  # tokens per page of the layer tensors (divides block_size)
+
+    def __post_init__(self) -> None:
+        if self.kv_split not in KV_SPLITS:
+            raise ConfigError(f"kv_split: must be one of {list(KV_SPLITS)}, got {self.kv_split!r}")
+        if self.page_tokens <= 0 or self.block_size % self.page_tokens:
+            raise ConfigError(
+                f"page_tokens: {self.page_tokens} does not divide the vLLM block size {self.block_size}"
+            )
+
+    @property
+    def pages_per_block(self) -> int:
+        return self.block_size // self.page_tokens
+
+
+def kv_views(layer: torch.Tensor, fmt: PageFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of one layer's page tensor ``[P, H, N, 2D]``, each ``[P, H, N, D]``."""
+    if layer.dim() != 4 or layer.shape[-1] != 2 * fmt.head_dim or layer.shape[2] != fmt.page_tokens:
+        raise InputError(
+            f"kv cache layer: shape {list(layer.shape)}, expected [pages, heads, {fmt.page_tokens}, "
+            f"{2 * fmt.head_dim}]"
+        )
+    d, n = fmt.head_dim, fmt.page_tokens
+    if fmt.kv_split == "channel":
+        return layer[..., :d], layer[..., d:]
+    if layer.stride(3) != 1 or layer.stride(2) != 2 * d:
+        raise InputError(f"kv cache layer: a token-split page needs contiguous [N, 2D] rows, strides {layer.stride()}")
+    rows = layer.as_strided((*layer.shape[:2], 2 * n, d), (layer.stride(0), layer.stride(1), d, 1))
+    return rows[:, :, :n], rows[:, :, n:]
+
+
+@dataclass(frozen=True, slots=True)
+class Slots:
+    """Where tokens ``[start, end)`` of one request sit: page index and offset, per token."""
+
+    start: int
+    end: int
+    pages: torch.Tensor  # int64 [end - start], on the pages' device
+    offsets: torch.Tensor  # int64 [end - start]
+
+
+class VllmPages:
+    """An engine's KV cache: per-layer (K, V) page views, in the model's layer order."""
+
+    def __init__(self, layers: list[torch.Tensor], fmt: PageFormat) -> None:
+        if not layers:
+            raise InputError("kv caches: no attention layer was registered")
+        self.fmt = fmt
+        self.views = [kv_views(t, fmt) for t in layers]
+        self.num_pages = layers[0].shape[0]
+        self.num_heads = layers[0].shape[1]
+        self.dtype = layers[0].dtype
+        self.device = layers[0].device
+        self.engine = engine_pages(self.views)
+
+    def page_table(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """The pages holding tokens ``[0, num_tokens)`` of a request, in order."""
+        per = self.fmt.pages_per_block
+        n = -(-num_tokens // self.fmt.page_tokens)
+        if n > len(block_ids) * per:
+            raise InputError(f"page table: {num_tokens} tokens do not fit {len(block_ids)} blocks of {self.fmt.block_size}")
+        return [block_ids[j // per] * per + j % per for j in range(n)]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.views)
+
+    def slots(self, block_ids: list[int], start: int, end: int) -> Slots:
+        """Page and offset of tokens ``[start, end)`` of a request holding ``block_ids``."""
+        fmt = self.fmt
+        if not 0 <= start <= end or end > len(block_ids) * fmt.block_size:
+            raise InputError(f"slots: tokens [{start}, {end}) do not fit {len(block_ids)} blocks of {fmt.block_size}")
+        t = torch.arange(start, end, dtype=torch.int64)
+        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[t // fmt.block_size]
+        in_block = t % fmt.block_size
+        pages = blocks * fmt.pages_per_block + in_block // fmt.page_tokens
+        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+            raise InputError(f"slots: block ids {block_ids} point outside the {self.num_pages} pages")
+        offsets = in_block % fmt.page_tokens
+        return Slots(start, end, pages.to(self.device), offsets.to(self.device))
+
+    # -- STOPGAP: contiguous copies, until the engine surface's paged ingest / materialize_into --
+    # CacheSeek's PrefixCache takes and returns contiguous [H, T, D] per layer today. These two
+    # copy between the pages and such tensors with torch indexing: one gather or scatter per
+    # layer and side, plus the contiguous tensors themselves. The engine surface (paged
+    # ingest and materialize_into, issue 12) moves KV page to page without them.
+
+    def gather(self, slots: Slots) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V), each a new contiguous ``[H, T, D]`` of the tokens in ``slots``."""
+        out = []
+        for k, v in self.views:
+            # [P, H, N, D] -> [H, P, N, D]: indexing pages and offsets together gives [H, T, D]
+            out.append((k.transpose(0, 1)[:, slots.pages, slots.offsets],
+                        v.transpose(0, 1)[:, slots.pages, slots.offsets]))
+        return out
+
+    def scatter(self, slots: Slots, layers: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> None:
+        """Write tokens ``[slots.start, slots.end)`` from per-layer (K, V) ``[1, H, T, D]``
+        or ``[H, T, D]`` whose token 0 is token ``first`` of the request."""
+        if len(layers) != self.num_layers:
+            raise InputError(f"scatter: {len(layers)} layers for {self.num_layers} layers of pages")
+        a, b = slots.start - first, slots.end - first
+        for (k_pages, v_pages), (k, v) in zip(self.views, layers):
+            k = k[0] if k.dim() == 4 else k
+            v = v[0] if v.dim() == 4 else v
+            k_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = k[:, a:b]
+            v_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = v[:, a:b]
+
+
+def engine_pages(views: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The same pages as the engine surface's ``cs.KVPages`` (K and V as ``[P, H, N, D]``
+    views: its HND layout), when this CacheSeek has it; else None, and the stopgap copies
+    above move the KV."""
+    import cacheseek as cs
+
+    if not hasattr(cs, "KVPages"):
+        return None
+    return cs.KVPages([k for k, _ in views], [v for _, v in views], layout="HND")
+
+
+__all__ = ["KV_SPLITS", "PageFormat", "Slots", "VllmPages", "engine_pages", "kv_views"]

@@ -1,0 +1,191 @@
+"""The scheduler side: how many tokens of a request the store holds, and each step's plan.
+
+vLLM asks ``matched_tokens`` when it admits a request, tells ``after_alloc`` how many of
+the offered tokens it took (blocks are allocated for them), and asks ``plan`` once per
+step for the metadata its workers receive. Requests and scheduler outputs are vLLM's own
+objects, read through the few attributes named here.
+
+- A hit is whole store blocks of the prompt, and always leaves the prompt's last token to
+  compute (vLLM needs one to produce logits), so it ends at or before
+  ``(len(prompt) - 1) // block_tokens * block_tokens``.
+- With tensor parallelism each rank stores its own shard; a hit counts only the blocks
+  every rank holds.
+- Requests whose KV depends on more than their tokens (a LoRA adapter, multimodal inputs,
+  a cache salt) or that have no token ids (prompt embeddings) are neither loaded nor saved,
+  until the keys carry those inputs.
+- A prompt's full blocks are saved as soon as the step that computes them has run (chunked
+  prefill saves chunk by chunk). A request whose load failed is rolled back by vLLM; its
+  blocks are saved again once recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .guard import StoreGuard
+from .plan import LoadSpec, SaveSpec, StepPlan
+from .stats import ConnectorStats
+
+MAX_PENDING_LOOKUPS = 4096  # lookups remembered for requests vLLM has not admitted yet
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """What a lookup found: the stored tokens from the start, and the tier of each block."""
+
+    tokens: int
+    tiers: tuple[str, ...] = ()
+
+
+NO_HIT = Hit(0)
+
+
+@dataclass(slots=True)
+class _Request:
+    prompt: list[int]
+    supported: bool
+    load_tokens: int = 0  # external tokens vLLM took: loaded when the request is first scheduled
+    saved: int = 0  # tokens [0, saved) are stored, or being stored this step
+    hit: Hit = NO_HIT
+
+
+def unsupported_reason(request: Any) -> str | None:
+    """Why a request's KV is not keyed by its token ids alone, or None."""
+    if getattr(request, "prompt_token_ids", None) is None:
+        return "prompt embeddings"
+    if getattr(request, "lora_request", None) is not None:
+        return "LoRA adapter"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs"
+    if getattr(request, "cache_salt", None):
+        return "cache salt"
+    return None
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        caches: list[Any],
+        *,
+        block_tokens: int,
+        load: bool,
+        save: bool,
+        guard: StoreGuard,
+        block_ids: Callable[[str], list[int]],
+    ) -> None:
+        self.caches = caches  # one per tensor-parallel rank (their keys differ)
+        self.block_tokens = block_tokens
+        self.load = load
+        self.save = save
+        self.guard = guard
+        self.block_ids = block_ids
+        self.stats = ConnectorStats()
+        self._requests: dict[str, _Request] = {}
+        self._lookups: OrderedDict[str, Hit] = OrderedDict()  # req_id -> what the store holds, until admitted
+
+    # -- admission ---------------------------------------------------------------------
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that can be loaded."""
+        if not self.load or getattr(request, "skip_reading_prefix_cache", False):
+            return 0
+        if unsupported_reason(request) is not None:
+            return 0
+        prompt = request.prompt_token_ids
+        limit = self._limit(prompt)
+        if limit <= num_computed_tokens:
+            return 0  # nothing the store could add: spare the lookup
+        hit = self._lookups.get(request.request_id)
+        if hit is None:
+            hit = self._lookup(prompt[:limit])
+            self._lookups[request.request_id] = hit
+            while len(self._lookups) > MAX_PENDING_LOOKUPS:
+                self._lookups.popitem(last=False)
+        return max(0, min(hit.tokens, limit) - num_computed_tokens)
+
+    def _limit(self, prompt: list[int]) -> int:
+        """The longest hit worth offering: whole blocks, leaving the last token to compute."""
+        return (len(prompt) - 1) // self.block_tokens * self.block_tokens
+
+    def _lookup(self, tokens: list[int]) -> Hit:
+        if not self.guard.allow():
+            self.stats.lookup_skipped += 1
+            return NO_HIT
+        self.stats.lookups += 1
+        try:
+            found = [cache.locate(tokens) for cache in self.caches]
+        except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
+            self.stats.lookup_errors += 1
+            self.guard.failure("lookup", exc)
+            return NO_HIT
+        self.guard.success()
+        shortest = min(found, key=lambda f: f.num_tokens)
+        return Hit(shortest.num_tokens, tuple(shortest.tiers))
+
+    def after_alloc(self, request: Any, num_external_tokens: int) -> None:
+        """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
+        hit = self._lookups.pop(request.request_id, NO_HIT)
+        supported = unsupported_reason(request) is None
+        if not supported:
+            self.stats.requests_unsupported += 1
+        prompt = list(request.prompt_token_ids) if supported else []
+        # A request admitted again after a preemption starts over.
+        self._requests[request.request_id] = _Request(prompt, supported, load_tokens=num_external_tokens, hit=hit)
+        self.stats.lookup_hit_tokens += num_external_tokens
+
+    def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """Of the last ``num_external_tokens`` of the request's hit, how many each tier holds."""
+        state = self._requests.get(request.request_id)
+        if state is None or not num_external_tokens:
+            return {}
+        end = min(state.hit.tokens, self._limit(state.prompt))  # where the offered hit, so the load, ends
+        start = end - num_external_tokens
+        counts: dict[str, int] = {}
+        for i, tier in enumerate(state.hit.tiers):
+            a, b = max(start, i * self.block_tokens), min(end, (i + 1) * self.block_tokens)
+            if b > a:
+                counts[tier] = counts.get(tier, 0) + b - a
+        return counts
+
+    def finished(self, request: Any) -> None:
+        self._lookups.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
+
+    # -- each step ---------------------------------------------------------------------
+
+    def plan(self, scheduler_output: Any) -> StepPlan:
+        """Loads for requests scheduled with an external hit, saves for prompts whose full
+        blocks this step completes."""
+        plan = StepPlan()
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is None or not state.supported:
+                continue
+            before = computed.get(req_id)
+            if before is None:
+                continue
+            if state.load_tokens:
+                # vLLM counts the loaded tokens as computed already: they end at `before`.
+                plan.loads.append(LoadSpec(req_id, state.prompt[:before], self.block_ids(req_id),
+                                           start=before - state.load_tokens))
+                state.load_tokens = 0
+                state.saved = max(state.saved, before)  # the store holds them
+            elif before < state.saved:
+                # vLLM rolled the request back (a load failed): save what it recomputes.
+                state.saved = before // self.block_tokens * self.block_tokens
+            if not self.save:
+                continue
+            full = min(before + scheduled, len(state.prompt)) // self.block_tokens * self.block_tokens
+            if full > state.saved:
+                plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id)))
+                state.saved = full
+        return plan
+
+
+__all__ = ["SchedulerSide", "unsupported_reason"]

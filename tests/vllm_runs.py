@@ -1,0 +1,213 @@
+"""vLLM engines with the CacheSeek connector, on SmolLM2-135M, one engine per process.
+
+    python tests/vllm_runs.py '{"scenario": "share", "extra": {"codec": "raw", ...}}'
+
+prints ``RESULT {json}`` as its last line. tests/test_vllm_connector.py and
+benchmarks/vllm_ttft.py run it under a Python that has vLLM (``CACHESEEK_VLLM_PYTHON``, or
+their own), because vLLM's CPU worker binds the threads of its process and keeps its
+connector in a process-wide global: one engine per process keeps both out of the tests.
+
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a scenario
+reads both connectors' counters (the scheduler's, and the worker's that vLLM registers as
+its KV transfer group) besides vLLM's own metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+for _name, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of pages; the default takes most of the machine's memory
+    # One OpenMP thread, unbound: on a shared two-core machine vLLM's default (two threads
+    # bound to the cores) spends most of a decode step waiting at OpenMP barriers.
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_name, _value)
+
+CONNECTOR = {"kv_connector": "CacheSeekConnector", "kv_connector_module_path": "cacheseek.integrations.vllm",
+             "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+QUESTIONS = ("\n\nQuestion: which function turns a Python object into a JSON string?\nAnswer:",
+             "\n\nQuestion: what does the decoder do with a duplicate key?\nAnswer:",
+             "\n\nQuestion: how are NaN and Infinity handled?\nAnswer:",
+             "\n\nQuestion: which class parses JSON text?\nAnswer:")
+
+
+def model_path() -> str:
+    from cacheseek.integrations import smollm2
+
+    return str(smollm2.checkpoint_path())
+
+
+def build_llm(extra: dict[str, Any] | None, *, max_model_len: int = 4096) -> Any:
+    from vllm import LLM
+
+    kw: dict[str, Any] = {}
+    if extra is not None:
+        kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra}
+    return LLM(model=model_path(), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+               max_num_seqs=4, disable_log_stats=False, seed=0, **kw)
+
+
+def prompts(llm: Any, prefix_tokens: int) -> tuple[list[int], list[list[int]]]:
+    """A shared prefix of ``prefix_tokens`` tokens of real text, and one prompt per question."""
+    from cacheseek.integrations.texts import stdlib_document
+
+    tok = llm.get_tokenizer()
+    ids = tok(stdlib_document("json") + "\n\n" + stdlib_document("argparse")).input_ids
+    if len(ids) < prefix_tokens:
+        raise RuntimeError(f"the text has {len(ids)} tokens, fewer than {prefix_tokens}")
+    prefix = list(ids[:prefix_tokens])
+    return prefix, [prefix + list(tok(q, add_special_tokens=False).input_ids) for q in QUESTIONS]
+
+
+class Engine:
+    """One LLM and what it did: each call's output tokens, its cached tokens, and the change
+    in vLLM's external-hit counter."""
+
+    def __init__(self, llm: Any, max_tokens: int) -> None:
+        from vllm import SamplingParams
+
+        self.llm = llm
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        self.cold = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=True)
+
+    def external_hits(self) -> int:
+        return int(sum(m.value for m in self.llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
+
+    def run(self, prompt: list[int], *, read: bool = True) -> dict[str, Any]:
+        """Greedy tokens of ``prompt``; ``read=False``: without any cache (vLLM's or ours)."""
+        hits = self.external_hits()
+        t0 = time.perf_counter()
+        out = self.llm.generate([{"prompt_token_ids": prompt}], self.params if read else self.cold, use_tqdm=False)[0]
+        seconds = time.perf_counter() - t0
+        return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+                "external": self.external_hits() - hits, "seconds": seconds}
+
+    def reset(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache")
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return {"scheduler": scheduler.stats(), "worker": get_kv_transfer_group().stats()}
+
+
+def agreement(got: list[int], want: list[int]) -> dict[str, Any]:
+    same = sum(a == b for a, b in zip(got, want))
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    return {"equal": got == want, "matching": same, "of": len(want), "first_divergence": first}
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+def share(job: dict[str, Any]) -> dict[str, Any]:
+    """One engine: prompt 0 computed and stored, vLLM's cache reset, prompt 1 loads the shared
+    prefix from CacheSeek; each compared with the same prompt computed without any cache.
+
+    With ``corrupt_block`` (a disk-only embedded cache): that block's file is then damaged
+    on disk, and prompt 2 is looked up (all blocks are still indexed), loaded up to the bad
+    block, and the rest recomputed by vLLM."""
+    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1])}
+    out["stored"] = eng.run(ps[0], read=False)
+    out["after_store"] = eng.stats()
+    eng.reset()
+    out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
+    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out["after_load"] = eng.stats()
+    if "corrupt_block" in job:
+        cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
+        bad = cache.block_hashes(prefix)[job["corrupt_block"]]
+        frame = next(Path(job["extra"]["tiers"]["disk_path"]).rglob(f"{bad.hex()}.frame"))
+        data = bytearray(frame.read_bytes())
+        data[-64:] = bytes(b ^ 0xFF for b in data[-64:])  # the payload's tail: its checksum no longer holds
+        frame.write_bytes(bytes(data))
+        eng.reset()
+        out["partial"] = rounds(eng, ps, [2])[0]
+        out["after_partial"] = eng.stats()
+    return out
+
+
+def store(job: dict[str, Any]) -> dict[str, Any]:
+    """Compute prompt 0 (its prefix is stored) and exit."""
+    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    return {"stored": eng.run(ps[0], read=False), "after_store": eng.stats()}
+
+
+def load(job: dict[str, Any]) -> dict[str, Any]:
+    """A fresh engine (nothing in vLLM's cache): prompt 1, then prompt 1 without any cache.
+
+    With ``kill_pid`` (the server's): the server is then SIGKILLed, and prompts 2 and 3 are
+    run (vLLM's cache reset before each) and compared with themselves without any cache."""
+    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    out: dict[str, Any] = {"loaded": eng.run(ps[1]), "baseline": eng.run(ps[1], read=False)}
+    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out["after_load"] = eng.stats()
+    if "kill_pid" in job:
+        os.kill(job["kill_pid"], signal.SIGKILL)
+        out["after_kill"] = rounds(eng, ps, [2, 3])
+        out["after_kill_stats"] = eng.stats()
+    return out
+
+
+def rounds(eng: Engine, ps: list[list[int]], which: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for i in which:
+        eng.reset()
+        got, want = eng.run(ps[i]), eng.run(ps[i], read=False)
+        out.append({"prompt": i, "got": got, "want": want, "agreement": agreement(got["tokens"], want["tokens"])})
+    return out
+
+
+def ttft(job: dict[str, Any]) -> dict[str, Any]:
+    """Time to first token of prompts sharing a prefix, for benchmarks/vllm_ttft.py. With a
+    connector, prompt 0 stores the prefix first. ``reset`` (default true): vLLM's own prefix
+    cache is emptied before each timed prompt; false: it holds the prefix (its warm case)."""
+    from vllm import SamplingParams
+
+    eng = Engine(build_llm(job.get("extra"), max_model_len=job.get("max_model_len", 4096)), 1)
+    prefix, ps = prompts(eng.llm, job["prefix_tokens"])
+    warm_up = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True)
+    eng.llm.generate([{"prompt_token_ids": list(range(100, 164))}], warm_up, use_tqdm=False)
+    eng.run(ps[0], read=job.get("extra") is None)  # stores the prefix (connector), or fills vLLM's cache
+    before = eng.stats() if job.get("extra") is not None else None
+    rows = []
+    for i in range(job.get("repeats", 3)):
+        if job.get("reset", True):
+            eng.reset()
+        rows.append(eng.run(ps[1 + i % (len(ps) - 1)]))
+    out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1]), "runs": rows}
+    if before is not None:
+        out["before"], out["after"] = before, eng.stats()
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (share, store, load, ttft)}
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    result = SCENARIOS[job["scenario"]](job)
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # vLLM's engine teardown on CPU adds seconds and nothing a test needs
+
+
+if __name__ == "__main__":
+    main()
