@@ -375,3 +375,32 @@ def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):
         with pytest.raises(httpx.HTTPError):
             httpx.get(srv.url.replace("https", "http") + "/healthz", timeout=3)
         assert httpx.get(srv.url + "/healthz", verify=ca).status_code == 200
+
+
+def test_remote_cache_round_trips_with_a_tls_server(tmp_path, tls_files):
+    """RemoteCache (its own transport, verifying with a CA bundle) against the server's own TLS."""
+    import torch
+
+    import cacheseek as cs
+    from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
+
+    ca = ssl.create_default_context(cafile=str(tls_files / "ca.pem"))
+    with Server(tmp_path, "--tls-cert", str(tls_files / "cert.pem"), "--tls-key", str(tls_files / "key.pem"),
+                verify=ca) as srv:
+        toks, kv = tokens_for(31, 4 * BLOCK), make_kv(4 * BLOCK, 31)
+        for codec in (cs.Raw(), cs.KIVI(bits=4, group_size=32)):
+            with cs.RemoteCache(srv.url, model_id=f"tls-{codec.name}", layout=LAYOUT, codec=codec,
+                                block_tokens=BLOCK, verify=str(tls_files / "ca.pem"), trust_env=False) as cache:
+                assert cache.ingest(toks, kv).stored == 4
+                assert cache.lookup(toks) == 4 * BLOCK
+                got = cache.materialize(toks)
+                if codec.name == "raw":
+                    assert_prefix_equal(got, kv, 4 * BLOCK)
+                else:
+                    assert got.num_tokens == 4 * BLOCK
+                    assert all(torch.allclose(k[0].float(), want.float(), atol=0.5)
+                               for (k, _), (want, _) in zip(got.layers, kv))
+        # without the CA the client refuses the server's certificate: nothing is sent in clear
+        with cs.RemoteCache(srv.url, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            trust_env=False) as untrusting, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
+            untrusting.lookup(toks)
