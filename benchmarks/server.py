@@ -18,7 +18,8 @@ own ``--frames`` frames; throughput is frame GB/s over all clients, median of ``
 
 In-run baseline: redis-py ``SET``/``GET`` of the same frames against a local
 ``redis-server`` (in memory, no persistence), which is what a user would do instead. The
-headline CacheSeek server runs a CPU tier only (in memory too), with room for every frame;
+headline CacheSeek server runs a CPU tier only (in memory too), with its default budget and
+reserve (4 GiB and 512 MiB; more if the frames need it), room for every frame;
 a second one has a CPU tier already full of other frames, so every frame ingested evicts
 one (a cache in steady state; it lends frames being received 256 MiB beyond its budget, the
 default reserve of a 2 GiB tier, and evicts for them when they commit); a third runs the
@@ -480,7 +481,9 @@ def main() -> None:
     per = {n: max(2, args.frames if n == 1 else args.frames // 3) for n in clients}
     need = max(n * per[n] for n in clients)
     frame_mb = len(make_frame(0)[1]) / 1e6
-    budget = f"{int(need * frame_mb * 1e6 * 1.2) + (256 << 20)}"
+    # The server's own default budget (4 GiB, and so its default reserve for frames being
+    # received, 512 MiB), or more where the frames need it: room for every frame.
+    budget = f"{max(4 << 30, int(need * frame_mb * 1e6 * 1.2) + (256 << 20))}"
     rows: list[dict] = []
     procs: list[Proc] = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
