@@ -177,11 +177,13 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         first = prefill_with_reuse(tiny_model, cache, ids)
         assert (first.reused_tokens, first.computed_tokens, first.stored_blocks) == (0, 2 * BLOCK, 2)
         assert cache_length(first.cache) == 2 * BLOCK
-        again = prefill_with_reuse(tiny_model, cache, ids)
+        # reuse="always": the planner's timing-based choice is tested on its own below, and on
+        # a loaded machine it may rightly predict this tiny model's recompute to be faster
+        again = prefill_with_reuse(tiny_model, cache, ids, reuse="always")
         # the last token must be computed, so only the first block can be reused
         assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (BLOCK, BLOCK, 0)
         assert again.tiers == ["cpu"] and again.skipped_reason is None
-        longer = prefill_with_reuse(tiny_model, cache, ids + [7] * 10)
+        longer = prefill_with_reuse(tiny_model, cache, ids + [7] * 10, reuse="always")
         assert (longer.reused_tokens, longer.computed_tokens) == (2 * BLOCK, 10)
         assert cache_length(longer.cache) == 2 * BLOCK + 10
         assert longer.timings.ttft_s >= longer.timings.materialize_s > 0
