@@ -86,8 +86,10 @@ class RemoteCache(PrefixCacheBase):
         result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
         if not hashes:
             return result
-        present = self._lookup(hashes, each=True)["present"]
+        found = self._lookup(hashes, each=True)
+        present = found["present"]
         result.present = sum(present)
+        result.durability = found.get("durability", result.durability)
         # Encode everything first: a bad block (NaN, Inf) then sends nothing.
         frames = encode_missing(self.block_format, layers, hashes, self.keys.parents(hashes), present,
                                 self._batch_blocks)
@@ -95,6 +97,7 @@ class RemoteCache(PrefixCacheBase):
             return result
         frames.reverse()  # tail first, as PrefixCache stores them: a chain that overflows keeps its head
         for report in self._post_frames(frames):
+            result.durability = report.get("durability", result.durability)
             status = report.get("status")
             if status == "stored":
                 result.stored += 1
