@@ -302,7 +302,7 @@ class RemoteCache(PrefixCacheBase):
             self.breaker.record_success()
             self._outages.answered()
             raise
-        except BaseException:
+        except Exception:
             self.breaker.record_success()  # an answer came (a bad frame in it is not an outage)
             self._outages.answered()
             raise
