@@ -514,3 +514,52 @@ def test_the_cpu_tier_holds_its_whole_budget_whatever_the_chunk_size():
     tier = tier_cache.stats()["tiers"][0]
     assert tier["evictions"] == 0 and tier["blocks"] == 9
     assert tier_cache.lookup(toks) == 9 * BLOCK
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_put_of_a_block_being_written_waits_for_that_write(tmp_path, fails):
+    from cacheseek.store.disk import DiskTier
+
+    class SlowDisk(DiskTier):
+        """The first frame write is held at a gate (a slow fsync), and fails if ``fails``."""
+
+        gate, entered = threading.Event(), threading.Event()
+
+        def _write_atomic(self, final, segments):
+            if final.suffix == ".frame" and not self.entered.is_set():
+                self.entered.set()
+                assert self.gate.wait(10)
+                if fails:
+                    raise OSError(28, "No space left on device")
+            super()._write_atomic(final, segments)
+
+    tier = SlowDisk(tmp_path, 1 << 20)
+    meta, frame = _sealed(b"\x30" * 16, 0x30)
+    key = meta.block_hash
+    answers: dict[str, object] = {}
+
+    def put(name: str) -> None:
+        try:
+            answers[name] = tier.put(key, BlockFrame(meta, host=memoryview(frame)))
+        except cs.StorageError as exc:
+            answers[name] = exc
+
+    first = threading.Thread(target=put, args=("first",))
+    first.start()
+    assert tier.entered.wait(10)
+    second = threading.Thread(target=put, args=("second",))
+    second.start()
+    second.join(0.3)
+    # Not whole yet: neither present nor answered.
+    assert second.is_alive() and not tier.contains(key) and tier.get(key) is None
+    tier.gate.set()
+    first.join(10)
+    second.join(10)
+    if fails:
+        assert isinstance(answers["first"], cs.StorageError) and isinstance(answers["second"], cs.StorageError)
+        assert "No space left" in str(answers["second"]) and "concurrent write" in str(answers["second"])
+        assert not tier.contains(key)
+    else:
+        assert answers["first"].stored is not None and answers["second"].stored is None  # present
+        assert bytes(tier.get(key).to_bytes()) == bytes(frame)
+    tier.close()
