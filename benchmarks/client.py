@@ -28,7 +28,7 @@ from cacheseek.layout import KVLayout
 from cacheseek.quant import Raw
 from cacheseek.remote import lookup_request
 from cacheseek.transport import IDEMPOTENT_EXTENSION, BulkTransport
-from cacheseek.wire import iter_frames
+from cacheseek.batch_body import iter_frames
 
 from .report import table, write_json
 from .server import BATCH_TYPE, Proc, chain_frames, make_frame, start_cacheseek
