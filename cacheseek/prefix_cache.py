@@ -57,7 +57,11 @@ class PrefixCache(PrefixCacheBase):
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
         """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
-        input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
+        input is bad (wrong layout, lengths that disagree, NaN/Inf).
+
+        With a persistent tier written through (a ``disk_path``, the default write-through),
+        a block counted stored or present is on disk (fsynced) when this returns; without
+        one, in memory. ``IngestResult.durability`` says which."""
         layers = kv_layers(kv)
         tokens = check_layers(layers, self.layout)
         self.keys.check_ingest(keys, tokens)
@@ -69,12 +73,13 @@ class PrefixCache(PrefixCacheBase):
             in_place.guess_tail(tokens // self.block_tokens, digest_size(self.hash_algo))
         try:
             hashes = self.block_hashes(keys)
-            present = found = self.store.contains_many(hashes)
+            present = found = self.store.present_many(hashes)
         except BaseException:
             if in_place is not None:
                 in_place.abandon()
             raise
-        result = IngestResult(blocks=len(hashes), stored=0, present=sum(present), tokens=len(hashes) * self.block_tokens)
+        result = IngestResult(blocks=len(hashes), stored=0, present=sum(present), tokens=len(hashes) * self.block_tokens,
+                              durability=self.store.durability)
         if not hashes:
             if in_place is not None:
                 in_place.abandon()  # (nothing was launched: fewer tokens than a block)

@@ -7,39 +7,116 @@ them all in one ``POST /v1/blocks``. Materialize asks for the longest stored pre
 its frames from ``GET /v1/prefixes/{last hash}``, checks each (checksum, hash, codec, layout),
 and decodes them on the target device. One ``httpx.Client`` (keep-alive, a connection pool)
 serves every call, over ``BulkTransport`` (keep-alive, a connection pool, bodies moved with
-one copy); the object is safe to share between threads.
+one copy, https with the client's ``verify``, proxies honoured); the object is safe to share
+between threads.
+
+An outage (the server down, unreachable, timing out, or answering 503) raises
+``RemoteUnavailable`` by default (``on_unavailable="raise"``). With ``on_unavailable="miss"``
+it is a miss instead: ``lookup`` 0, ``materialize`` nothing, and ``ingest`` reports its
+blocks failed (``errors["server"]``), so a worker's hot path needs no ``try``. Either way a
+circuit breaker (``store.breaker``) stops calls after a few failures in a row and lets one
+probe through after a backoff, so an outage does not cost every call a timeout; the outage
+is logged once when it starts and once when it ends, and counted in ``client_stats()``.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
-from collections.abc import Iterator, Sequence
-from typing import Any
+import logging
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import httpx
 
 from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 from .decode import decode_frames
 from .encode import encode_missing
-from .errors import FrameError, RemoteError, RemoteUnavailable
+from .errors import ConfigError, FrameError, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, BlockHash, to_hex
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
 from .results import IngestResult, Located, Materialized
+from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
 from .store.tier import BlockFrame
-from .transport import BulkTransport
+from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 # For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.
 MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
+ON_UNAVAILABLE = ("raise", "miss")
 _UNLIMITED = 1 << 62
+
+log = logging.getLogger("cacheseek.remote")
+T = TypeVar("T")
+
+
+class _Outages:
+    """Whether the server is in an outage, as this client sees it, and what it cost: logged
+    once when an outage starts and once when it ends, never per call."""
+
+    def __init__(self, url: str, mode: str) -> None:
+        self.url, self.mode = url, mode
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
+                       "missed_materializes": 0, "dropped_blocks": 0}
+        self.last_error = ""
+
+    def failed(self, exc: BaseException, *, refused: bool = False) -> None:
+        with self._lock:
+            self.counts["refused_by_breaker" if refused else "unavailable_calls"] += 1
+            if not refused:
+                self.last_error = str(exc)
+            if self._since is not None:
+                return
+            self._since = time.monotonic()
+            self.counts["outages"] += 1
+        then = "calls are misses and writes are dropped" if self.mode == "miss" else "calls raise RemoteUnavailable"
+        log.warning("CacheSeek server %s is unavailable (%s); %s until it answers again", self.url, exc, then)
+
+    def answered(self) -> None:
+        if self._since is None:  # the usual case, without the lock
+            return
+        with self._lock:
+            since, self._since = self._since, None
+        if since is not None:
+            log.warning("CacheSeek server %s answers again, after an outage of %.1f s", self.url, time.monotonic() - since)
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.counts, "in_outage": self._since is not None, "last_error": self.last_error}
+
+
+class _FrameStream(httpx.SyncByteStream):
+    """A batch body of frames, each moved to the host just before it is sent. Replayable, so
+    the transport may send it again on a new connection when a kept-alive one turns out
+    closed before any answer (the blocks are content-addressed: a resend stores nothing twice)."""
+
+    replayable = True
+
+    def __init__(self, frames: list[BlockFrame]) -> None:
+        self._frames = frames
+
+    def __iter__(self) -> Iterator[bytes | memoryview]:
+        for frame in self._frames:
+            host = frame_to_host(frame)
+            yield LENGTH.pack(host.meta.nbytes)
+            yield from host.wire_segments()
+            del host  # one frame on the host at a time
 
 
 class RemoteCache(PrefixCacheBase):
@@ -59,10 +136,30 @@ class RemoteCache(PrefixCacheBase):
         timeout: float = 60.0,
         max_connections: int = 16,
         max_batch_bytes: int | str = "1GiB",
+        on_unavailable: str = "raise",
+        verify: bool | str | os.PathLike | ssl.SSLContext = True,
+        proxy: str | None = None,
+        trust_env: bool = True,
+        breaker: CircuitBreaker | None = None,
     ) -> None:
+        """``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
+        a miss and a dropped write; see the module doc). ``verify``: TLS for an ``https``
+        URL: True (the system's CAs), a CA bundle path, an ``ssl.SSLContext``, or False (no
+        verification). ``proxy``: a proxy URL; by default (``trust_env``) the environment's
+        ``HTTP(S)_PROXY``/``NO_PROXY`` apply. ``breaker``: default 3 failures in a row open
+        it, probes after 0.5 s doubling up to 10 s."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
+        if on_unavailable not in ON_UNAVAILABLE:
+            raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
         self.url = url.rstrip("/")
+        scheme = httpx.URL(self.url).scheme
+        if scheme not in ("http", "https"):
+            raise ConfigError(f"url: {url!r} is not an http:// or https:// URL")
+        self.on_unavailable = on_unavailable
+        self.breaker = breaker if breaker is not None else CircuitBreaker(
+            failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))
+        self._outages = _Outages(self.url, on_unavailable)
         headers = {NAMESPACE_HEADER: namespace} if namespace else {}
         if model_id.isascii() and model_id.isprintable():
             headers[MODEL_HEADER] = model_id[:128]
@@ -70,7 +167,8 @@ class RemoteCache(PrefixCacheBase):
         if token:
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
-        self._transport = BulkTransport(max_connections=max_connections)
+        self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
+                                        trust_env=trust_env)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
@@ -79,22 +177,40 @@ class RemoteCache(PrefixCacheBase):
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
         """Store the full blocks of ``kv`` that the server does not hold yet. Nothing is sent
-        if the input is bad (wrong layout, lengths that disagree, NaN/Inf)."""
+        if the input is bad (wrong layout, lengths that disagree, NaN/Inf). Stored and
+        present mean what the server's answers say (``IngestResult.durability``: durable,
+        on disk, with a write-through server). In an outage with ``on_unavailable="miss"``,
+        the blocks not acknowledged count as failed, with ``errors["server"]``."""
         layers = kv_layers(kv)
         self.keys.check_ingest(keys, check_layers(layers, self.layout))
         hashes = self.block_hashes(keys)
         result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
         if not hashes:
             return result
-        present = self._lookup(hashes, each=True)["present"]
+        try:
+            self._ingest(layers, hashes, result)
+        except RemoteUnavailable as exc:
+            if self.on_unavailable == "raise":
+                raise
+            dropped = result.blocks - result.stored - result.present - result.failed
+            result.failed += dropped
+            result.errors.setdefault("server", str(exc))
+            self._outages.count("dropped_blocks", dropped)
+        return result
+
+    def _ingest(self, layers: list, hashes: list[BlockHash], result: IngestResult) -> None:
+        found = self._lookup(hashes, each=True)
+        present = found["present"]
         result.present = sum(present)
+        result.durability = found.get("durability", result.durability)
         # Encode everything first: a bad block (NaN, Inf) then sends nothing.
         frames = encode_missing(self.block_format, layers, hashes, self.keys.parents(hashes), present,
                                 self._batch_blocks)
         if not frames:
-            return result
+            return
         frames.reverse()  # tail first, as PrefixCache stores them: a chain that overflows keeps its head
         for report in self._post_frames(frames):
+            result.durability = report.get("durability", result.durability)
             status = report.get("status")
             if status == "stored":
                 result.stored += 1
@@ -104,11 +220,17 @@ class RemoteCache(PrefixCacheBase):
                 result.failed += 1
             for tier, reason in (report.get("errors") or {}).items():
                 result.errors.setdefault(tier, reason)
-        return result
 
     def locate(self, keys: Any) -> Located:
         tokens = self._num_keys(keys)
-        found = self._lookup(self.block_hashes(keys), tokens=tokens)
+        hashes = self.block_hashes(keys)
+        try:
+            found = self._lookup(hashes, tokens=tokens)
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_lookups")
+            return Located(num_blocks=0, num_tokens=0, tiers=[])
         n = found["matched"]
         return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
 
@@ -116,14 +238,21 @@ class RemoteCache(PrefixCacheBase):
         """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
 
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
-        the prefix ends before it, as in ``PrefixCache``."""
+        the prefix ends before it, as in ``PrefixCache``. In an outage with
+        ``on_unavailable="miss"``, nothing."""
         tokens = self._num_keys(keys)
         device = self._device(device)
         hashes = self._limit(self.block_hashes(keys), max_tokens)
         if max_tokens is not None:
             tokens = min(tokens, max(0, max_tokens))
-        found = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
-        frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
+        try:
+            found = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
+            frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_materializes")
+            return self._nothing(device)
         if not frames:
             return self._nothing(device)
         k, v = decode_frames(self.block_format, frames, device)
@@ -136,10 +265,50 @@ class RemoteCache(PrefixCacheBase):
         server = self._request("GET", "/v1/stats").json()
         return {**self._config_stats(), **server}
 
+    def client_stats(self) -> dict[str, Any]:
+        """This client's view of the server's availability: ``outages`` (each logged once),
+        ``unavailable_calls`` (requests that failed to get an answer), ``refused_by_breaker``
+        (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``
+        and ``dropped_blocks`` (outages turned into misses, with ``on_unavailable="miss"``),
+        ``in_outage``, ``last_error``, and the breaker's state."""
+        return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
+                "breaker": self.breaker.stats().to_dict()}
+
     def close(self) -> None:
         self._http.close()
 
     # -- HTTP ----------------------------------------------------------------------------
+
+    def _guarded(self, path: str, call: Callable[[], T]) -> T:
+        """Run one exchange with the server under the breaker: refused at once while it is
+        open; a failure to get an answer (or a 503) counts against it, any other answer for it."""
+        if not self.breaker.allow():
+            retry = self.breaker.stats().retry_in_seconds
+            exc = RemoteUnavailable(f"the CacheSeek server failed {self.breaker.failure_threshold} or more calls in a "
+                                    f"row; not asked again for {retry:.1f} s (circuit breaker open)", url=self.url + path)
+            self._outages.failed(exc, refused=True)
+            raise exc
+        try:
+            out = call()
+        except RemoteUnavailable as exc:
+            self.breaker.record_failure()
+            self._outages.failed(exc)
+            raise
+        except RemoteError as exc:
+            if exc.status == 503:  # starting or shutting down: no service, as far as a caller can tell
+                self.breaker.record_failure()
+                self._outages.failed(exc)
+                raise RemoteUnavailable(exc.reason, status=503, url=exc.url) from None
+            self.breaker.record_success()
+            self._outages.answered()
+            raise
+        except Exception:
+            self.breaker.record_success()  # an answer came (a bad frame in it is not an outage)
+            self._outages.answered()
+            raise
+        self.breaker.record_success()
+        self._outages.answered()
+        return out
 
     def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None) -> dict[str, Any]:
         """``POST /v1/lookup``, sent to the transport directly: a lookup comes before every
@@ -149,35 +318,40 @@ class RemoteCache(PrefixCacheBase):
         if tokens is not None:  # the query's length, partial last block included: the hit rate's denominator
             headers[TOKENS_HEADER] = str(tokens)
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
-                                extensions={"timeout": self._timeouts})
+                                extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
+        return self._guarded(path, lambda: json.loads(self._send(request, path).content))
+
+    def _send(self, request: httpx.Request, path: str) -> httpx.Response:
+        """One request through the transport, its body read whole."""
         try:
             response = self._transport.handle_request(request)
             response.read()
         except httpx.TransportError as exc:
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         self._raise_for_status(response, path)
-        return json.loads(response.content)
+        return response
 
     def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
-        """Send ``frames`` in one streamed POST. Takes them over: the list is emptied, so each
-        frame's device buffers are freed once it has been sent."""
+        """Send ``frames`` in one streamed POST (content-addressed, so sent again on a new
+        connection if a kept-alive one turns out closed). Takes them over: the list is
+        emptied once the answer is in, which frees their device buffers."""
         total = sum(LENGTH.size + f.meta.nbytes for f in frames)
-        queue = deque(frames)
+        path = "/v1/blocks"
+        request = httpx.Request(
+            "POST", self.url + path, stream=_FrameStream(list(frames)),
+            headers={**self._headers, "Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)},
+            extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         frames.clear()
-
-        def body() -> Iterator[bytes | memoryview]:
-            # One frame on the host at a time: each is copied off the device just before it is sent.
-            while queue:
-                host = frame_to_host(queue.popleft())
-                yield LENGTH.pack(host.meta.nbytes)
-                yield from host.wire_segments()
-                del host
-
-        return self._request("POST", "/v1/blocks", content=body(),
-                             headers={"Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)}).json()
+        try:
+            return self._guarded(path, lambda: self._send(request, path).json())
+        finally:
+            request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
     def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
         """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid."""
+        return self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes))
+
+    def _stream_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
         frames: list[BlockFrame] = []
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
@@ -199,12 +373,15 @@ class RemoteCache(PrefixCacheBase):
         return frames
 
     def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kw)
-        except httpx.TransportError as exc:
-            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
-        self._raise_for_status(response, path)
-        return response
+        def call() -> httpx.Response:
+            try:
+                response = self._http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+            self._raise_for_status(response, path)
+            return response
+
+        return self._guarded(path, call)
 
     def _raise_for_status(self, response: httpx.Response, path: str, streamed: bool = False) -> None:
         if response.is_success:

@@ -11,7 +11,13 @@ import torch
 @dataclass(slots=True)
 class IngestResult:
     """``blocks``: full blocks in the input; ``stored``: newly written; ``present``: already
-    stored (not encoded again); ``failed``: stored nowhere; ``errors``: tier -> reason."""
+    stored (not encoded again); ``failed``: not stored; ``errors``: tier -> reason.
+
+    Stored and present are at the level ``durability`` names, the store's acknowledgement:
+    ``"durable"`` (a persistent tier is on top or written through: the block is whole and
+    committed on disk or in Redis when the call returns, and survives a crash) or
+    ``"memory"`` (committed in the tier that took it, lost with the process). A block that
+    did not reach that level counts as failed, even if a faster tier holds and serves it."""
 
     blocks: int
     stored: int
@@ -19,6 +25,7 @@ class IngestResult:
     tokens: int
     failed: int = 0
     errors: dict[str, str] = field(default_factory=dict)
+    durability: str = "durable"
 
 
 @dataclass(slots=True)

@@ -1,83 +1,96 @@
-"""``BulkTransport``: an httpx transport for plain-HTTP/1.1 bulk transfers with few copies.
+"""``BulkTransport``: an httpx transport for HTTP/1.1 bulk transfers with few copies.
 
 httpx's default stack (httpcore + h11) reads a response in 64 KiB pieces, copies each
 into h11's buffer, out of it, and joins them at the end: four passes over every byte, and
-Python work per 64 KiB. For 10 MB frames that costs more than the network. This transport
-keeps httpx's API (``httpx.Client(transport=BulkTransport())``: the same requests,
-responses, timeouts and errors) and moves bodies with plain sockets instead:
+Python work per 64 KiB. For 10 MB frames that costs more than the network, and h11 costs
+~0.1 ms per exchange (a tenth of a lookup). This transport keeps httpx's API
+(``httpx.Client(transport=BulkTransport())``: the same requests, responses, timeouts and
+errors) and moves bodies with plain sockets instead:
 
 - request bodies are sent chunk by chunk with scatter-gather ``sendmsg`` (no joins);
 - response bodies are read with ``recv_into`` straight into fresh buffers of up to
   ``chunk_bytes`` that are handed out as they fill (one copy, from the kernel), so a
   consumer may keep views of them.
 
-Connections are kept alive and pooled per host (at most ``max_connections`` at once); a
-pooled connection the server has closed is noticed before it is reused. Only ``http://``
-is handled here; anything else goes to httpx's own transport.
+What it holds to, since it is hand-written (each case is tested against a fake server in
+``tests/test_transport.py``):
+
+- Response heads are parsed strictly (``_parse_head``): a status line that is not
+  ``HTTP/1.x NNN``, a header line without a name, a ``Content-Length`` that is not digits
+  (or two that differ), ``Transfer-Encoding`` other than ``chunked``, or both framings at
+  once, is an ``httpx.RemoteProtocolError``. Interim answers (100, 102, 103) are skipped;
+  101 is an error (no upgrade is ever asked for).
+- Each request holds one ``_Lease`` (a pool slot and a socket), given back exactly once:
+  to the pool after a whole body on a connection that stays open, else closed. No error
+  path leaks a slot.
+- A request that fails on a reused keep-alive connection before any byte of an answer
+  came (the server closed it while idle: the stale-connection race) is sent again once, on
+  a new connection, if it is idempotent (GET, HEAD, PUT, DELETE, OPTIONS, or marked with
+  the ``cacheseek_idempotent`` extension) and its body can be sent again (bytes, or a
+  stream with ``replayable = True``).
+- ``https`` is carried here too, with the client's ``ssl.SSLContext`` (``verify``: a bool,
+  a CA bundle path, or a context). A proxy (``proxy=``, or ``HTTP(S)_PROXY``/``ALL_PROXY``
+  from the environment unless ``NO_PROXY`` covers the host, with ``trust_env``) sends the
+  request through httpx's own transport with the same TLS settings: honoured, at httpx's
+  speed. Any other scheme is refused (``httpx.UnsupportedProtocol``).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import select
 import socket
+import ssl
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 BODY_EXTENSION = "cacheseek_body"
+IDEMPOTENT_EXTENSION = "cacheseek_idempotent"
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 _HEAD_LIMIT = 64 * 1024
 _SMALL = 64 * 1024  # request chunks below this are gathered into one send
+_TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_DIGITS = re.compile(rb"^[0-9]+$")
+_STATUS = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: .*)?$")
 
 
 class BulkTransport(httpx.BaseTransport):
-    def __init__(self, *, max_connections: int = 16, chunk_bytes: int = 16 << 20) -> None:
+    def __init__(self, *, max_connections: int = 16, chunk_bytes: int = 16 << 20,
+                 verify: bool | str | os.PathLike | ssl.SSLContext = True, proxy: str | None = None,
+                 trust_env: bool = True) -> None:
         self.chunk_bytes = chunk_bytes
+        self.ssl_context = ssl_context(verify)
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._idle: dict[tuple[str, str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
-        self._fallback: httpx.HTTPTransport | None = None
+        self._proxy = proxy
+        self._trust_env = trust_env
+        self._max_connections = max_connections
+        self._proxied: dict[str, httpx.HTTPTransport] = {}
+        self._env_proxies: dict[tuple[str, str], str | None] = {}
         self._closed = False
 
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.scheme != "http":
-            if self._fallback is None:
-                self._fallback = httpx.HTTPTransport()
-            return self._fallback.handle_request(request)
-        timeouts = request.extensions.get("timeout", {})
-        host, port = request.url.host, request.url.port or 80
-        if not self._slots.acquire(timeout=timeouts.get("pool")):
-            raise httpx.PoolTimeout("no free connection in the pool", request=request)
+        scheme = request.url.scheme
+        if scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"BulkTransport carries http and https, not {scheme!r}", request=request)
+        proxy = self._proxy_for(request.url)
+        if proxy is not None:
+            return self._through_proxy(proxy, request)
+        retry = _may_resend(request)
         try:
-            sock = self._connect(host, port, timeouts, request)
-        except BaseException:
-            self._slots.release()
-            raise
-        send_error: BaseException | None = None
-        try:
-            sock.settimeout(timeouts.get("write"))
-            try:
-                self._send(sock, request)
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                send_error = exc  # the server may have answered early (413, 401): read that answer
-            sock.settimeout(timeouts.get("read"))
-            status, headers, rest = _read_head(sock)
-        except BaseException as exc:
-            _close(sock)
-            self._slots.release()
-            if send_error is not None:
-                raise _as_httpx(send_error, request, reading=False) from None
-            raise _as_httpx(exc, request, reading=True) from None
-        body = _Body(self, sock, (host, port), request, status, headers, rest)
-        if send_error is not None:
-            body._reusable = False
-        # httpx wraps the stream; the extension gives readers that know their record sizes
-        # (``cacheseek.batch_body.iter_frames``) the body's ``read_exactly``.
-        return httpx.Response(status, headers=headers, stream=body,
-                              extensions={"http_version": b"HTTP/1.1", BODY_EXTENSION: body})
+            return self._exchange(request, fresh=False)
+        except _Stale as stale:
+            if not retry:
+                raise stale.error from None
+        return self._exchange(request, fresh=True)
 
     def close(self) -> None:
         with self._lock:
@@ -86,19 +99,65 @@ class BulkTransport(httpx.BaseTransport):
                 for s in socks:
                     _close(s)
             self._idle.clear()
-        if self._fallback is not None:
-            self._fallback.close()
+            proxied, self._proxied = list(self._proxied.values()), {}
+        for transport in proxied:
+            transport.close()
+
+    # -- one exchange on one connection ----------------------------------------------------
+
+    def _exchange(self, request: httpx.Request, *, fresh: bool) -> httpx.Response:
+        """Send ``request`` and read the head of its answer. Raises ``_Stale`` when a reused
+        connection turned out closed before any byte of an answer (the caller may resend)."""
+        timeouts = request.extensions.get("timeout", {})
+        if not self._slots.acquire(timeout=timeouts.get("pool")):
+            raise httpx.PoolTimeout("no free connection in the pool", request=request)
+        lease = _Lease(self, _pool_key(request.url))
+        try:
+            lease.sock, reused = self._connect(lease.key, timeouts, request, fresh=fresh)
+            send_error: BaseException | None = None
+            lease.sock.settimeout(timeouts.get("write"))
+            try:
+                self._send(lease.sock, request)
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                send_error = exc  # the server may have answered early (413, 401): read that answer
+            lease.sock.settimeout(timeouts.get("read"))
+            try:
+                status, headers, rest, keep_alive = _read_head(lease.sock, request)
+            except _NoAnswer as exc:
+                error = _as_httpx(send_error or exc.cause, request, reading=send_error is None)
+                if reused:
+                    raise _Stale(error) from None
+                raise error from None
+            if send_error is not None:
+                keep_alive = False
+        except BaseException as exc:
+            lease.release(reusable=False)
+            if isinstance(exc, _Stale):
+                raise
+            raise _as_httpx(exc, request, reading=True) from None
+        try:
+            body = _Body(lease, request, status, headers, rest, keep_alive)
+        except BaseException as exc:
+            lease.release(reusable=False)
+            raise _as_httpx(exc, request, reading=True) from None
+        # httpx wraps the stream; the extension gives readers that know their record sizes
+        # (``cacheseek.batch_body.iter_frames``) the body's ``read_exactly``.
+        return httpx.Response(status, headers=headers, stream=body,
+                              extensions={"http_version": b"HTTP/1.1", BODY_EXTENSION: body})
 
     # -- connections -----------------------------------------------------------------------
 
-    def _connect(self, host: str, port: int, timeouts: dict, request: httpx.Request) -> socket.socket:
-        with self._lock:
-            idle = self._idle.get((host, port), [])
-            while idle:
-                sock = idle.pop()
-                if _alive(sock):
-                    return sock
-                _close(sock)
+    def _connect(self, key: tuple[str, str, int], timeouts: dict, request: httpx.Request, *,
+                 fresh: bool) -> tuple[socket.socket, bool]:
+        if not fresh:
+            with self._lock:
+                idle = self._idle.get(key, [])
+                while idle:
+                    sock = idle.pop()
+                    if _alive(sock):
+                        return sock, True
+                    _close(sock)
+        scheme, host, port = key
         try:
             sock = socket.create_connection((host, port), timeout=timeouts.get("connect"))
         except TimeoutError as exc:
@@ -106,9 +165,21 @@ class BulkTransport(httpx.BaseTransport):
         except OSError as exc:
             raise httpx.ConnectError(str(exc), request=request) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if scheme == "https":
+            try:
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=host)
+            except ssl.SSLError as exc:
+                _close(sock)
+                raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {exc}", request=request) from None
+            except TimeoutError as exc:
+                _close(sock)
+                raise httpx.ConnectTimeout(str(exc), request=request) from None
+            except OSError as exc:
+                _close(sock)
+                raise httpx.ConnectError(str(exc), request=request) from None
+        return sock, False
 
-    def _release(self, key: tuple[str, int], sock: socket.socket | None) -> None:
+    def _give_back(self, key: tuple[str, str, int], sock: socket.socket | None) -> None:
         if sock is not None:
             with self._lock:
                 if self._closed:
@@ -116,6 +187,37 @@ class BulkTransport(httpx.BaseTransport):
                 else:
                     self._idle.setdefault(key, []).append(sock)
         self._slots.release()
+
+    # -- proxies ---------------------------------------------------------------------------
+
+    def _proxy_for(self, url: httpx.URL) -> str | None:
+        """The proxy for ``url``'s scheme and host, read from the environment once for each
+        (as httpx reads it once per client), or None."""
+        if self._proxy is not None:
+            return self._proxy
+        if not self._trust_env:
+            return None
+        key = (url.scheme, url.host)
+        try:
+            return self._env_proxies[key]
+        except KeyError:
+            pass
+        proxy = None
+        if not urllib.request.proxy_bypass(url.host):  # NO_PROXY (and the platform's own list)
+            proxies = urllib.request.getproxies()
+            proxy = proxies.get(url.scheme) or proxies.get("all")
+        self._env_proxies[key] = proxy
+        return proxy
+
+    def _through_proxy(self, proxy: str, request: httpx.Request) -> httpx.Response:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this BulkTransport is closed")
+            transport = self._proxied.get(proxy)
+            if transport is None:
+                transport = self._proxied[proxy] = httpx.HTTPTransport(
+                    verify=self.ssl_context, proxy=proxy, limits=httpx.Limits(max_connections=self._max_connections))
+        return transport.handle_request(request)
 
     # -- the request -----------------------------------------------------------------------
 
@@ -129,6 +231,7 @@ class BulkTransport(httpx.BaseTransport):
             lines.append(name + b": " + value)
         pending: list[Any] = [b"\r\n".join(lines) + b"\r\n\r\n"]
         pending_bytes = len(pending[0])
+        send = _sendall_each if isinstance(sock, ssl.SSLSocket) else _sendmsg_all  # no sendmsg over TLS
         for chunk in request.stream:
             view = memoryview(chunk).cast("B")
             if not view.nbytes:
@@ -140,39 +243,49 @@ class BulkTransport(httpx.BaseTransport):
                 pending.append(b"\r\n")
             pending_bytes += view.nbytes
             if pending_bytes >= _SMALL:
-                _sendmsg_all(sock, pending)
+                send(sock, pending)
                 pending, pending_bytes = [], 0
         if chunked:
             pending.append(b"0\r\n\r\n")
         if pending:
-            _sendmsg_all(sock, pending)
+            send(sock, pending)
+
+
+class _Lease:
+    """One request's pool slot and socket, given back exactly once (``release``)."""
+
+    __slots__ = ("transport", "key", "sock", "released")
+
+    def __init__(self, transport: BulkTransport, key: tuple[str, str, int]) -> None:
+        self.transport = transport
+        self.key = key
+        self.sock: socket.socket | None = None
+        self.released = False
+
+    def release(self, *, reusable: bool) -> None:
+        if self.released:
+            return
+        self.released = True
+        sock, self.sock = self.sock, None
+        if sock is not None and not reusable:
+            _close(sock)
+            sock = None
+        self.transport._give_back(self.key, sock)
 
 
 class _Body(httpx.SyncByteStream):
     """The response body, read as it is iterated; the connection goes back to the pool when
-    the body has been read whole (else it is closed)."""
+    the body has been read whole on a connection that stays open (else it is closed)."""
 
-    def __init__(self, transport: BulkTransport, sock: socket.socket, key: tuple[str, int], request: httpx.Request,
-                 status: int, headers: list[tuple[bytes, bytes]], rest: bytes) -> None:
-        self._transport = transport
-        self._sock: socket.socket | None = sock
-        self._key = key
+    def __init__(self, lease: _Lease, request: httpx.Request, status: int, headers: list[tuple[bytes, bytes]],
+                 rest: bytes, keep_alive: bool) -> None:
+        self._lease = lease
+        self._sock = lease.sock
         self._request = request
         self._rest = rest
-        self._reusable = True
+        self._reusable = keep_alive
         self._done = False
-        self._length: int | None = None
-        self._chunked = False
-        for name, value in headers:
-            lname = name.lower()
-            if lname == b"content-length":
-                self._length = int(value)
-            elif lname == b"transfer-encoding" and b"chunked" in value.lower():
-                self._chunked = True
-            elif lname == b"connection" and value.lower() == b"close":
-                self._reusable = False
-        if status in (204, 304) or 100 <= status < 200 or request.method == "HEAD":
-            self._length = 0
+        self._length, self._chunked = _framing(headers, status, request.method)
         if self._length is None and not self._chunked:
             self._reusable = False  # read to the end of the connection
 
@@ -201,6 +314,8 @@ class _Body(httpx.SyncByteStream):
         if self._sock is None:
             raise httpx.StreamClosed()
         if n > self._length:
+            self._reusable = False
+            self.close()
             raise httpx.RemoteProtocolError(f"{n} bytes wanted, {self._length} left in the body",
                                             request=self._request)
         buf = bytearray(n)
@@ -212,7 +327,7 @@ class _Body(httpx.SyncByteStream):
             while got < n:
                 k = self._sock.recv_into(view[got:])
                 if not k:
-                    raise httpx.RemoteProtocolError("connection closed inside the body", request=self._request)
+                    raise ConnectionResetError("connection closed inside the body")
                 got += k
         except OSError as exc:
             self._reusable = False
@@ -233,8 +348,9 @@ class _Body(httpx.SyncByteStream):
                 remaining -= len(head)
             yield head
         sock = self._sock
+        chunk_bytes = self._lease.transport.chunk_bytes
         while remaining is None or remaining > 0:
-            size = self._transport.chunk_bytes if remaining is None else min(remaining, self._transport.chunk_bytes)
+            size = chunk_bytes if remaining is None else min(remaining, chunk_bytes)
             buf = bytearray(size)
             view = memoryview(buf)
             got = 0
@@ -243,8 +359,7 @@ class _Body(httpx.SyncByteStream):
                 if not n:
                     if remaining is None:
                         break
-                    raise httpx.RemoteProtocolError(
-                        f"connection closed with {remaining - got} bytes of the body missing", request=self._request)
+                    raise ConnectionResetError(f"connection closed with {remaining - got} bytes of the body missing")
                 got += n
             if remaining is None:
                 if got:
@@ -258,23 +373,25 @@ class _Body(httpx.SyncByteStream):
     def _iter_chunked(self) -> Iterator[bytes]:
         reader = _LineReader(self._sock, self._rest)
         while True:
-            size = int(reader.line().split(b";")[0].strip(), 16)
+            line = reader.line()
+            size_text = line.split(b";", 1)[0].strip()
+            if not size_text or len(size_text) > 16 or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+                raise ValueError(f"bad chunk size line {line[:40]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 while reader.line():  # trailers, then the empty line
                     pass
+                self._rest = bytes(reader.buf)  # anything past the body: the connection is not reused
                 return
             yield reader.exactly(size)
-            reader.line()
+            if reader.line():
+                raise ValueError("chunk data longer than its size")
 
     def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is None:
+        if self._sock is None:
             return
-        if self._done and self._reusable:
-            self._transport._release(self._key, sock)
-        else:
-            _close(sock)
-            self._transport._release(self._key, None)
+        self._sock = None
+        self._lease.release(reusable=self._done and self._reusable and not self._rest)
 
 
 class _LineReader:
@@ -285,7 +402,7 @@ class _LineReader:
     def _fill(self) -> None:
         data = self.sock.recv(1 << 16)
         if not data:
-            raise ValueError("connection closed inside a chunked body")
+            raise ConnectionResetError("connection closed inside a chunked body")
         self.buf += data
 
     def line(self) -> bytes:
@@ -305,30 +422,130 @@ class _LineReader:
         return out
 
 
-def _read_head(sock: socket.socket) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+class _NoAnswer(Exception):
+    """The connection ended (or was reset) before any byte of an answer arrived."""
+
+    def __init__(self, cause: BaseException) -> None:
+        self.cause = cause
+
+
+class _Stale(Exception):
+    """A reused connection was found closed before any answer: ``error`` if not resent."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _read_head(sock: socket.socket, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
+    """The final answer's status, headers, the bytes read past its head, and whether the
+    connection may stay open; interim (1xx) answers are read and dropped."""
     buf = b""
     while True:
-        end = buf.find(b"\r\n\r\n")
-        if end >= 0:
-            break
-        if len(buf) > _HEAD_LIMIT:
-            raise ValueError("response head too long")
-        data = sock.recv(1 << 16)
-        if not data:
-            raise ConnectionResetError("connection closed before a response")
-        buf += data
-    head, rest = buf[:end], buf[end + 4 :]
+        while (end := buf.find(b"\r\n\r\n")) < 0:
+            if len(buf) > _HEAD_LIMIT:
+                raise httpx.RemoteProtocolError("response head over 64 KiB", request=request)
+            try:
+                data = sock.recv(1 << 16)
+            except (ConnectionResetError, ConnectionAbortedError) as exc:
+                if not buf:
+                    raise _NoAnswer(exc) from None
+                raise
+            if not data:
+                if not buf:
+                    raise _NoAnswer(ConnectionResetError("connection closed before a response"))
+                raise ConnectionResetError("connection closed inside a response head")
+            buf += data
+        status, headers, keep_alive = _parse_head(buf[:end], request)
+        buf = buf[end + 4 :]
+        if status >= 200:
+            return status, headers, buf, keep_alive
+        if status == 101:
+            raise httpx.RemoteProtocolError("101 Switching Protocols, but no upgrade was asked for", request=request)
+        # 100 Continue, 102 Processing, 103 Early Hints: the final answer follows.
+
+
+def _parse_head(head: bytes, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bool]:
     lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
-        raise ValueError(f"not an HTTP/1.x response: {lines[0][:80]!r}")
+    match = _STATUS.match(lines[0])
+    if match is None:
+        raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}", request=request)
+    minor, status = match.group(1), int(match.group(2))
     headers = []
+    connection = b""
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep:
-            raise ValueError(f"bad header line {line[:80]!r}")
-        headers.append((name.strip(), value.strip()))
-    return int(parts[1]), headers, rest
+        if not sep or not _TOKEN.match(name):
+            raise httpx.RemoteProtocolError(f"bad header line {line[:80]!r}", request=request)
+        value = value.strip(b" \t")
+        if name.lower() == b"connection":
+            connection += b"," + value.lower()
+        headers.append((name, value))
+    tokens = {t.strip() for t in connection.split(b",")}
+    keep_alive = b"keep-alive" in tokens if minor == b"0" else b"close" not in tokens
+    return status, headers, keep_alive
+
+
+def _framing(headers: list[tuple[bytes, bytes]], status: int, method: str) -> tuple[int | None, bool]:
+    """(Content-Length or None, chunked) of a response body; ``ValueError`` where the head
+    does not say one thing (RFC 9112 section 6.3)."""
+    lengths, encodings = set(), []
+    for name, value in headers:
+        lname = name.lower()
+        if lname == b"content-length":
+            for part in value.split(b","):
+                part = part.strip()
+                if not _DIGITS.match(part) or len(part) > 18:
+                    raise ValueError(f"bad Content-Length {value[:40]!r}")
+                lengths.add(int(part))
+        elif lname == b"transfer-encoding":
+            encodings += [e.strip().lower() for e in value.split(b",")]
+    if status in (204, 304) or 100 <= status < 200 or method == "HEAD":
+        return 0, False
+    if len(lengths) > 1:
+        raise ValueError(f"Content-Length headers that differ: {sorted(lengths)}")
+    if encodings:
+        if encodings != [b"chunked"]:
+            raise ValueError(f"unsupported Transfer-Encoding {b', '.join(encodings)[:40]!r}")
+        if lengths:
+            raise ValueError("both Content-Length and Transfer-Encoding")
+        return None, True
+    return (lengths.pop() if lengths else None), False
+
+
+def _may_resend(request: httpx.Request) -> bool:
+    idempotent = request.extensions.get(IDEMPOTENT_EXTENSION, request.method in IDEMPOTENT_METHODS)
+    stream = request.stream
+    return bool(idempotent) and (isinstance(stream, httpx.ByteStream) or getattr(stream, "replayable", False))
+
+
+def _pool_key(url: httpx.URL) -> tuple[str, str, int]:
+    return url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80)
+
+
+def ssl_context(verify: bool | str | os.PathLike | ssl.SSLContext) -> ssl.SSLContext:
+    """The TLS settings of ``verify``: True (the system's CAs), False (no verification: for
+    tests only), a CA bundle file (or directory), or a context used as given."""
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if verify is True:
+        return ssl.create_default_context()
+    if verify is False:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+    if isinstance(verify, (str, os.PathLike)):
+        path = os.fspath(verify)
+        if os.path.isdir(path):
+            return ssl.create_default_context(capath=path)
+        if os.path.isfile(path):
+            return ssl.create_default_context(cafile=path)
+        from .errors import ConfigError
+
+        raise ConfigError(f"verify: no CA bundle file or directory at {path!r}")
+    from .errors import ConfigError
+
+    raise ConfigError(f"verify: a bool, a CA bundle path or an ssl.SSLContext, not {type(verify).__name__}")
 
 
 def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
@@ -344,13 +561,37 @@ def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
                 sent = 0
 
 
+def _sendall_each(sock: socket.socket, buffers: list[Any]) -> None:
+    small = [b for b in buffers if memoryview(b).nbytes < _SMALL]
+    if len(small) == len(buffers):
+        sock.sendall(b"".join(bytes(b) if not isinstance(b, bytes) else b for b in buffers))
+        return
+    for b in buffers:
+        sock.sendall(b)
+
+
 def _alive(sock: socket.socket) -> bool:
-    """A pooled connection is usable if the server has not closed it (nothing is readable)."""
+    """A pooled connection is usable if the server has not closed it: nothing is readable
+    (over TLS, readable records that hold no data, such as session tickets, are fine)."""
     try:
         readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return False
-    return not readable
+    if not readable:
+        return True
+    if not isinstance(sock, ssl.SSLSocket):
+        return False
+    try:
+        sock.setblocking(False)
+        try:
+            sock.recv(1)
+        finally:
+            sock.setblocking(True)
+    except ssl.SSLWantReadError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False  # end of stream, or data nobody asked for
 
 
 def _close(sock: socket.socket) -> None:
@@ -365,6 +606,8 @@ def _as_httpx(exc: BaseException, request: httpx.Request, reading: bool) -> Base
         return exc
     if isinstance(exc, TimeoutError):
         return (httpx.ReadTimeout if reading else httpx.WriteTimeout)(str(exc) or "timed out", request=request)
+    if isinstance(exc, ssl.SSLError):
+        return httpx.ReadError(f"TLS: {exc}", request=request)
     if isinstance(exc, (ConnectionError, ValueError)):
         return httpx.RemoteProtocolError(str(exc), request=request)
     if isinstance(exc, OSError):
@@ -372,4 +615,4 @@ def _as_httpx(exc: BaseException, request: httpx.Request, reading: bool) -> Base
     return exc
 
 
-__all__ = ["BulkTransport"]
+__all__ = ["BODY_EXTENSION", "IDEMPOTENT_EXTENSION", "BulkTransport", "ssl_context"]

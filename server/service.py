@@ -46,13 +46,19 @@ class Incoming:
 
 @dataclass(slots=True)
 class ServicePutReport:
+    """One frame's answer. ``status`` is at the level ``durability`` names (the store's,
+    ``TieredStore.durability``): "stored" (committed there by this request), "present"
+    (committed there already, or by a concurrent write of it that this request waited
+    for), or "failed" (not committed there; ``errors`` say why per tier)."""
+
     hash: str
     status: str  # "stored" | "present" | "failed"
     errors: dict[str, str]
     nbytes: int = 0
+    durability: str = "durable"  # "durable" | "memory"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"hash": self.hash, "status": self.status, "errors": self.errors}
+        return {"hash": self.hash, "status": self.status, "durability": self.durability, "errors": self.errors}
 
 
 class BlockService:
@@ -136,7 +142,9 @@ class BlockService:
         committed stay lent: the caller aborts them."""
         self._check_chain_positions(namespace, frames)
         ns = self.namespaces
-        reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}, inc.meta.nbytes) for inc in frames]
+        level = self.store.durability
+        reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}, inc.meta.nbytes, level)
+                   for inc in frames]
         outcomes: dict[int, StorePutResult] = {}
         group: list[tuple[int, bytes, BlockFrame]] = []
 
@@ -148,8 +156,10 @@ class BlockService:
                     outcomes[i] = outcome
             group.clear()
 
-        # One question per tier for the whole batch (one round trip to Redis, not one per frame).
-        stored = self.store.contains_many(keys)
+        # One question per tier for the whole batch (one round trip to Redis, not one per frame):
+        # which blocks are committed where an acknowledgement needs them (a block only in
+        # memory, its disk write in flight, is not: it is put again, and that put waits).
+        stored = self.store.present_many(keys)
         for i, (inc, key, here) in enumerate(zip(frames, keys, stored)):
             reservation = inc.reservation
             if here:
@@ -282,9 +292,9 @@ class BlockService:
         keys = self.namespaces.stored_keys(namespace, hashes)
         tiers = self.store.locate(keys)
         out: dict[str, Any] = {"matched": len(tiers), "tiers": tiers}
-        if each:
-            present = [True] * len(tiers) + self.store.contains_many(keys[len(tiers):])
-            out["present"] = present
+        if each:  # present as a put would answer it: committed at the acknowledgement level
+            out["present"] = self.store.present_many(keys)
+            out["durability"] = self.store.durability
         return out
 
     def stats(self) -> dict[str, Any]:

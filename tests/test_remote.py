@@ -3,13 +3,17 @@ same results."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 import torch
 
 import cacheseek as cs
+from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
 from server_helpers import Server
-from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +145,156 @@ def _closed_port() -> int:
     from server_helpers import free_port
 
     return free_port()
+
+
+# -- outages: fail-open clients and the breaker ----------------------------------------------
+
+
+def test_fail_open_against_a_dead_server_is_a_miss_logged_once(caplog):
+    toks, kv = tokens_for(8, 2 * BLOCK), make_kv(2 * BLOCK, 8)
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with pytest.raises(cs.ConfigError, match="on_unavailable"):
+        cs.RemoteCache(url, model_id="m", layout=LAYOUT, block_tokens=BLOCK, on_unavailable="ignore")
+    breaker = CircuitBreaker(failure_threshold=3, backoff=ConstantBackoff(60))  # no probe during the test
+    with caplog.at_level("WARNING", logger="cacheseek.remote"), cs.RemoteCache(
+            url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+            on_unavailable="miss", breaker=breaker) as cache:
+        for i in range(10):
+            assert cache.lookup(toks) == 0
+            got = cache.materialize(toks)
+            assert got.num_tokens == 0 and got.layers == []
+            res = cache.ingest(toks, kv)
+            assert res.stored == res.present == 0 and res.failed == 2
+            assert ("cannot reach" if i == 0 else "circuit breaker open") in res.errors["server"]
+        with pytest.raises(cs.InputError):  # bad input still raises: it is not an outage
+            cache.ingest(toks[:-1], kv)
+        stats = cache.client_stats()
+    assert stats["outages"] == 1 and stats["in_outage"]
+    assert stats["missed_lookups"] == 10 and stats["missed_materializes"] == 10 and stats["dropped_blocks"] == 20
+    # The breaker opened after 3 failures: the other calls were not sent, so paid no timeout.
+    assert stats["unavailable_calls"] == 3 and stats["refused_by_breaker"] == 27, stats
+    assert stats["breaker"]["state"] == "open"
+    warnings = [r for r in caplog.records if r.name == "cacheseek.remote"]
+    assert len(warnings) == 1 and "unavailable" in warnings[0].getMessage()
+
+
+def test_a_server_killed_mid_run_then_restarted_resumes_calls(tmp_path, caplog):
+    toks, kv = tokens_for(9, 3 * BLOCK), make_kv(3 * BLOCK, 9)
+    srv = Server(tmp_path).start()
+    port = srv.port
+    try:
+        with caplog.at_level("WARNING", logger="cacheseek.remote"), _remote(
+                srv, cs.Raw(), token=None, on_unavailable="miss", timeout=5) as cache:
+            assert cache.ingest(toks, kv).stored == 3
+            srv.kill()
+            assert cache.lookup(toks) == 0 and cache.materialize(toks).num_tokens == 0
+            assert cache.ingest(tokens_for(10, 2 * BLOCK), make_kv(2 * BLOCK, 10)).failed == 2
+            again = Server(tmp_path)
+            again.port, again.url = port, srv.url  # the same address: the client follows it
+            again.args[again.args.index("--port") + 1] = str(port)
+            again.start()
+            try:
+                resumed = None
+                for attempt in range(100):  # bounded: the breaker probes again within its cap (10 s)
+                    if cache.lookup(toks) == 3 * BLOCK:
+                        resumed = attempt
+                        break
+                    time.sleep(0.1)
+                assert resumed is not None, cache.client_stats()
+                assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)  # on disk: it survived
+                stats = cache.client_stats()
+                assert stats["outages"] == 1 and not stats["in_outage"] and stats["breaker"]["state"] == "closed"
+            finally:
+                again.stop()
+    finally:
+        srv.kill()
+    messages = [r.getMessage() for r in caplog.records if r.name == "cacheseek.remote"]
+    assert len(messages) == 2 and "unavailable" in messages[0] and "answers again" in messages[1]
+
+
+def test_the_default_raises_and_the_breaker_refuses_at_once():
+    toks = tokens_for(11, 2 * BLOCK)
+    with cs.RemoteCache(f"http://127.0.0.1:{_closed_port()}", model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                        block_tokens=BLOCK, timeout=5) as cache:
+        for _ in range(3):
+            with pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
+                cache.lookup(toks)
+        with pytest.raises(cs.RemoteUnavailable, match="circuit breaker open"):
+            cache.lookup(toks)
+
+
+# -- TLS: RemoteCache through a TLS front end to a real server ---------------------------------
+
+
+class _TlsFront:
+    """A TLS terminator on loopback (ssl module) in front of a plain ``cacheseek serve``: a
+    certificate the test makes, so RemoteCache's ``verify`` is exercised end to end."""
+
+    def __init__(self, upstream_port: int, context) -> None:
+        import socket
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port, self.context = upstream_port, context
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                tls = self.context.wrap_socket(conn, server_side=True)
+            except OSError:
+                conn.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            for a, b in ((tls, upstream), (upstream, tls)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a, b) -> None:
+        try:
+            while data := a.recv(1 << 20):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
+    import ssl
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(context)
+    bundle = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(bundle))
+    front = _TlsFront(srv.port, context)
+    url = f"https://localhost:{front.port}"
+    toks, kv = tokens_for(12, 3 * BLOCK), make_kv(3 * BLOCK, 12)
+    try:
+        with cs.RemoteCache(url, model_id="tls", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+                            verify=str(bundle), trust_env=False) as cache:
+            assert cache.ingest(toks, kv).stored == 3
+            assert cache.lookup(toks) == 3 * BLOCK
+            assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        with cs.RemoteCache(url, model_id="tls", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+                            trust_env=False) as unverified, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
+            unverified.lookup(toks)  # the system's CAs do not know the test's CA: refused, never sent in clear
+        with pytest.raises(cs.ConfigError, match="verify"):
+            cs.RemoteCache(url, model_id="tls", layout=LAYOUT, block_tokens=BLOCK, verify=str(tmp_path / "none.pem"))
+    finally:
+        front.close()

@@ -66,7 +66,8 @@ def put(client, h: bytes, frame: bytes, **kw) -> httpx.Response:
 def test_put_get_delete_roundtrip(client):
     h, frame = raw_frame(1)
     r = put(client, h, frame)
-    assert r.status_code == 201 and r.json() == {"hash": h.hex(), "status": "stored", "errors": {}}
+    assert r.status_code == 201 and r.json() == {"hash": h.hex(), "status": "stored", "durability": "durable",
+                                              "errors": {}}
     assert put(client, h, frame).status_code == 200
     got = client.get(f"/v1/blocks/{h.hex()}")
     assert got.status_code == 200 and got.content == frame
@@ -120,7 +121,7 @@ def test_a_binary_lookup_answers_as_the_json_one(client):
                 assert binary.status_code == 200 and binary.json() == answer, (size, len(asked), each)
         each = client.post(f"/v1/lookup?each=true{query.replace('?', '&')}", content=b"".join([other, *hashes]),
                            headers=BINARY).json()
-        assert each == {"matched": 0, "tiers": [], "present": [False, True, True, True]}
+        assert each == {"matched": 0, "tiers": [], "present": [False, True, True, True], "durability": "durable"}
     # Hashes of one size read as the other are other hashes: no match, never an error.
     assert client.post("/v1/lookup", content=b"".join(hashes), headers=BINARY).json()["matched"] == 0
 
@@ -367,7 +368,7 @@ def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):
             # holds its own block under hexes[0], stored below).
             for other in ((b, {}) if round_ == 0 else ({},)):
                 assert c.post("/v1/lookup", json={"hashes": hexes, "each": True}, headers=other).json() == {
-                    "matched": 0, "tiers": [], "present": [False] * 3}
+                    "matched": 0, "tiers": [], "present": [False] * 3, "durability": "durable"}
                 assert c.get(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404
                 assert c.get(f"/v1/prefixes/{hexes[2]}", headers=other).status_code == 404
                 assert c.delete(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404

@@ -70,7 +70,9 @@ class CpuTier(IndexedTier):
                         slot = self._reserve(frame.nbytes, result.evicted)
                     except StorageError as exc:
                         self._stats.write_errors += 1
-                        result.error = exc
+                        # No traceback kept: its frames (this one holds ``results``) would
+                        # form a cycle that keeps every view they reference alive until a GC.
+                        result.error = exc.with_traceback(None)
                         continue
                     view = slot.view(frame.nbytes)
                     try:
@@ -181,8 +183,12 @@ class CpuTier(IndexedTier):
         del self._records[victim]
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
-        frame = BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed) if self.demote_evicted else None
-        self._arena.free(rec.slot)  # a zombie until `frame` (if any) is dropped
+        frame = None
+        if self.demote_evicted:
+            # The move to the next tier takes a copy, not the slot: the slot is free for the
+            # frame being made room for now, rather than after the demotion (disk I/O) ends.
+            frame = BlockFrame(rec.meta, host=memoryview(bytearray(rec.slot.view(rec.meta.nbytes))), sealed=rec.sealed)
+        self._arena.free(rec.slot)
         return [(victim, frame)]
 
     # -- reads -------------------------------------------------------------------------

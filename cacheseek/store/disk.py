@@ -16,24 +16,60 @@ orphans are removed, and blocks are re-indexed in the order of the sidecars' mod
 times (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted.
+
+A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
+into place: whole and committed. A put of a block whose write is in flight in another
+thread waits for that one write and answers as it ended (present, or its error): a block
+is never acknowledged while it could still be lost.
+
+One process owns a directory: the tier holds an exclusive ``flock`` on ``<root>/.lock``
+(with the owner's pid in it) from open to close, so a second server or embedded cache on
+the same directory fails at start instead of budgeting the same bytes twice and missing
+the other's blocks. The budget is checked against the filesystem at start: one larger
+than the free space (plus what the tier already holds) is clamped to it, with a warning
+naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import secrets
+import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
 
-from ..errors import FrameError, StorageError
+from ..errors import ConfigError, FrameError, StorageError
+from ..units import format_size
 from .frame import parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
 
+log = logging.getLogger("cacheseek.store")
+
 SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
+LOCK_NAME = ".lock"
+# Of the free space, the part left for sidecars, file-system blocks and other writers when
+# a budget is clamped to it.
+FREE_SPACE_HEADROOM = 0.05
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """One block's write in progress: later puts of the same block wait on ``done``."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: StorageError | None = None
+
+
+class DiskInUse(ConfigError):
+    """The disk tier's directory is owned (locked) by another process or tier."""
 
 
 class DiskTier(IndexedTier):
@@ -44,13 +80,43 @@ class DiskTier(IndexedTier):
         super().__init__(name, capacity_bytes, policy=policy)
         self.root = Path(root).expanduser()
         self.fsync = fsync
-        self._writing: set[bytes] = set()
+        self.requested_bytes = capacity_bytes
+        self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
-        self._recover()
+        # Released by close(); the finalizer only covers a tier dropped without one.
+        self._unlock = weakref.finalize(self, os.close, _lock_directory(self.root))
+        try:
+            self._recover()
+            self._fit_budget_to_filesystem()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Give the directory up (another process may then open it)."""
+        self._unlock()  # closes the lock file's descriptor (once), which releases the flock
+
+    def _fit_budget_to_filesystem(self) -> None:
+        """Clamp the budget to what the filesystem can hold: free space (less a headroom)
+        plus the bytes this tier already holds. Logged as a warning naming the setting."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        room = self._index.used_bytes + int(free * (1 - FREE_SPACE_HEADROOM))
+        if self.capacity_bytes <= room:
+            return
+        log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
+                    "stored here): the budget is clamped to %s", format_size(self.capacity_bytes), self.name,
+                    self.root, format_size(free), format_size(self._index.used_bytes), format_size(room))
+        self.capacity_bytes = room
+        self._stats.capacity_bytes = room
+        self._evict_over_budget()
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -86,15 +152,16 @@ class DiskTier(IndexedTier):
                     removed["orphan"] += 1
         for _, key, info in sorted(found, key=lambda e: e[0]):
             self._index.add(key, info)
-        evicted = 0
+        self._evict_over_budget()
+        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
+        self._sync_counts()
+
+    def _evict_over_budget(self) -> None:
         while self._index.used_bytes > self.capacity_bytes:
             victim = self._index.victim()
             self._remove_files(victim)
             self._index.remove(victim, evicted=True)
-            evicted += 1
-        self._stats.evictions += evicted
-        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
-        self._sync_counts()
+            self._stats.evictions += 1
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
         try:
@@ -125,9 +192,18 @@ class DiskTier(IndexedTier):
             raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
         evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
-            if key in self._index or key in self._writing:
+            if key in self._index:
                 self._index.touch([key])
                 return TierPutResult(stored=None)
+            pending = self._writing.get(key)
+        if pending is not None:
+            return self._await(key, pending)
+        with self._lock:
+            if key in self._index:  # written while the lock was let go
+                self._index.touch([key])
+                return TierPutResult(stored=None)
+            if (pending := self._writing.get(key)) is not None:
+                return self._await(key, pending)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 victim = self._index.victim()
                 frame_v = self._read_frame(victim) if self.demote_evicted else None
@@ -138,7 +214,7 @@ class DiskTier(IndexedTier):
             if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
                 self._stats.write_errors += 1
                 raise self._no_room(n)
-            self._writing.add(key)
+            mine = self._writing[key] = _InFlight()
             self._reserved += n
         data_path, side_path = self._paths(key)
         try:
@@ -151,22 +227,37 @@ class DiskTier(IndexedTier):
             self._write_atomic(side_path, [sidecar])
             if self.fsync:
                 _fsync_dir(data_path.parent)
-        except OSError as exc:
+        except BaseException as exc:
             _unlink(side_path)
             _unlink(data_path)
+            mine.error = StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}")
             with self._lock:
-                self._writing.discard(key)
+                del self._writing[key]
                 self._reserved -= n
                 self._stats.write_errors += 1
-            raise StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}") from None
+            mine.done.set()
+            if isinstance(exc, OSError):
+                raise mine.error from None
+            raise
         with self._lock:
-            self._writing.discard(key)
+            del self._writing[key]
             self._reserved -= n
             self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
             self._stats.bytes_in += n
             self._stats.admissions += 1
             self._sync_counts()
+        mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
+
+    def _await(self, key: bytes, pending: _InFlight) -> TierPutResult:
+        """Wait for another thread's write of ``key`` and answer as it ended: present once
+        committed, its error if it failed."""
+        pending.done.wait()
+        if pending.error is not None:
+            raise StorageError(f"{pending.error} (a concurrent write of this block)")
+        with self._lock:
+            self._index.touch([key])
+        return TierPutResult(stored=None)
 
     def _write_atomic(self, final: Path, segments: list) -> None:
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
@@ -256,7 +347,7 @@ class DiskTier(IndexedTier):
         _unlink(data_path)
 
     def _extra(self) -> dict:
-        return {"path": str(self.root), **self._recovery}
+        return {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery}
 
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""
@@ -272,6 +363,31 @@ class DiskTier(IndexedTier):
             if not ok and fix:
                 self.delete(key)
         return report
+
+
+def _lock_directory(root: Path) -> int:
+    """An exclusive ``flock`` on ``root/.lock``, with this process's pid written in it; the
+    descriptor holds the lock until it is closed. Raises ``DiskInUse`` naming the holder."""
+    path = root / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
+                        "one process owns a disk tier's directory: give each server or cache its own") from None
+    except OSError as exc:
+        os.close(fd)
+        raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _unlink(path: Path) -> None:

@@ -1,6 +1,8 @@
 """``TieredStore``: an ordered list of tiers and the policy between them.
 
 - Ingest goes to the top tier, and writes through to the tiers named in ``write_through``.
+  A frame the top tier cannot take goes to the next tier down instead (when that tier is
+  not written through anyway): a full top tier never refuses what a lower one has room for.
 - A tier that evicts to make room hands its victims down to the next tier (demotion),
   unless that tier already holds them.
 - A hit below the top is copied up into every faster tier (promotion), if enabled.
@@ -14,6 +16,14 @@
   tier full of pinned blocks refuses writes (``StorageError``) instead.
 - ``Residency`` tracks which tiers hold each block, so that ``stats()`` counts every block
   once store-wide (and, per tier, the blocks no faster tier holds).
+
+Acknowledgements (``durability``): with a persistent tier (disk, Redis) on top or written
+through, a put's ``stored``/``present`` mean the block is whole and committed in a
+persistent tier (``DURABLE``: on disk, fsynced and renamed into place; or SET in Redis)
+when the put returns; a block only in memory there counts as neither (``failed``, with the
+tiers' reasons), even if faster tiers hold it and serve it. Without one (a memory-only or
+write-back store, ``MEMORY``) they mean committed in the tier that took it, readable until
+evicted, lost with the process. ``present_many`` answers "present" in the same sense.
 
 Torch-free: frames whose bytes are still on a device are moved to the host (through
 ``store.device``, imported only then) before a host-only tier sees them.
@@ -36,14 +46,30 @@ from .residency import Residency
 from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
 
 
+DURABLE = "durable"
+MEMORY = "memory"
+
+
 @dataclass(slots=True)
 class StorePutResult:
-    """What happened to one block: newly ``stored`` somewhere, already ``present`` at the
-    top, and the tiers that failed with why (a failed tier never fails the whole put)."""
+    """What happened to one block, at the store's acknowledgement level (``durability``):
+    ``stored``, committed there by this call; ``present``, committed there already (or by a
+    concurrent write of it, which this call waited for); neither: failed. ``errors``: the
+    tiers that failed, with why (a failed tier fails the block only if no tier that gives
+    the acknowledgement took it)."""
 
     stored: bool = False
     present: bool = False
     errors: dict[str, str] = field(default_factory=dict)
+
+    def note(self, result: TierPutResult, tier: str, acknowledges: bool) -> None:
+        if result.error is not None:
+            self.errors[tier] = str(result.error)
+        elif acknowledges:
+            if result.stored is not None:
+                self.stored, self.present = True, False
+            elif not self.stored:
+                self.present = True
 
 
 class TieredStore:
@@ -80,6 +106,12 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             tier.watch(self.residency.watch(i))
         self.pin_table = PinTable(clock)
+        # The tiers every put reaches, and of those the ones whose commit an acknowledgement
+        # means: a tier with an admission threshold skips new blocks, so it acknowledges none.
+        reached = [self.tiers[0], *(t for t in self.tiers[1:] if t.name in write_through)]
+        durable = [t.name for t in reached if t.persistent and t.name not in self.filters]
+        self.durability = DURABLE if durable else MEMORY
+        self._acknowledging = set(durable) if durable else {t.name for t in self.tiers}
 
     @property
     def indexes_in_memory(self) -> bool:
@@ -108,7 +140,8 @@ class TieredStore:
         return self.put_many([(key, frame)])[0]
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
-        """Store blocks in the top tier and every write-through tier."""
+        """Store blocks in the top tier (or, what it cannot take, in the next one) and every
+        write-through tier; each outcome at the store's acknowledgement level."""
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
@@ -116,18 +149,27 @@ class TieredStore:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
-        written = []
+        written, refused = [], []
         for (key, frame), result, outcome in zip(current, top.put_many(current), outcomes):
-            if result.error is not None:
-                outcome.errors[top.name] = str(result.error)
-            elif result.stored is not None:
-                outcome.stored = True
-            else:
-                outcome.present = True
+            outcome.note(result, top.name, top.name in self._acknowledging)
             self._demote(0, result.evicted)
             written.append((key, _host_copy(result.stored, frame), outcome))
+            if result.error is not None:
+                refused.append((key, frame, outcome))
+        self._fall_through(refused)
         self._write_through(written)
         return outcomes
+
+    def _fall_through(self, refused: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
+        """Frames the top tier could not take (full of blocks being read, a frame larger than
+        its budget) go to the next tier, unless it is written through anyway."""
+        if not refused or len(self.tiers) < 2 or self.tiers[1].name in self.write_through:
+            return
+        below = self.tiers[1]
+        frames = [(key, frame if below.accepts_device_frames else _on_host(frame)) for key, frame, _ in refused]
+        for (_, _, outcome), result in zip(refused, below.put_many(frames)):
+            outcome.note(result, below.name, below.name in self._acknowledging)
+            self._demote(1, result.evicted)
 
     def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
@@ -145,10 +187,7 @@ class TieredStore:
             frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
             for (key, frame), result, (_, _, outcome) in zip(frames, tier.put_many(frames), items):
-                if result.error is not None:
-                    outcome.errors[tier.name] = str(result.error)
-                elif result.stored is not None:
-                    outcome.stored = True
+                outcome.note(result, tier.name, tier.name in self._acknowledging)
                 self._demote(level, result.evicted)
                 nxt.append((key, _host_copy(result.stored, frame), outcome))
             items, previous = nxt, tier
@@ -246,9 +285,18 @@ class TieredStore:
             missing = list(compress(missing, map(not_, found)))
         return where[: missing[0]] if missing else where  # type: ignore[return-value]
 
-    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+    def present_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is "present" in the sense of a put's answer: whole and committed
+        where an acknowledgement needs it (a persistent tier, in a ``DURABLE`` store). A block
+        only in memory there is not: a put of it writes it through (or waits for its write)."""
+        if self.durability == MEMORY:
+            return self.contains_many(keys)
+        return self.contains_many(keys, [t for t in self.tiers if t.name in self._acknowledging])
+
+    def contains_many(self, keys: Sequence[bytes], tiers: Sequence[Tier] | None = None) -> list[bool]:
+        """Whether any tier (of ``tiers``, default all) holds each key."""
         present = [False] * len(keys)
-        for tier in self.tiers:
+        for tier in self.tiers if tiers is None else tiers:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
@@ -367,6 +415,7 @@ class TieredStore:
         ratio_of = (used, raw) if used else (sum(t["used_bytes"] for t in shared), sum(t["raw_bytes"] for t in shared))
         return {
             "tiers": tiers,
+            "durability": self.durability,
             "write_through": sorted(self.write_through),
             "promote_on_hit": self.promote_on_hit,
             "used_bytes": used,
@@ -397,24 +446,23 @@ class TieredStore:
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
                     sealed: bool = True) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
-        not computed yet)."""
+        not computed yet). The write-through tiers are written from the reserved bytes first,
+        then the top tier publishes them: a block the top tier holds already (a concurrent
+        writer's, whose own write-through may still be in flight) is still written through,
+        or waited for, so its outcome means what a put's does."""
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
             use_filter.use(key for key, _, _ in items)
         outcomes = [StorePutResult() for _ in items]
-        stored = []
         top = self.tiers[0]
-        for (key, _, _), result, outcome in zip(items, top.commit_many(items, sealed=sealed), outcomes):
+        if self.write_through:
+            top.settle()
+            self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
+                                 for (key, reservation, meta), outcome in zip(items, outcomes)])
+        for result, outcome in zip(top.commit_many(items, sealed=sealed), outcomes):
+            outcome.note(result, top.name, top.name in self._acknowledging)
             self._demote(0, result.evicted)
-            if result.error is not None:
-                outcome.errors[top.name] = str(result.error)
-            elif result.stored is None:
-                outcome.present = True
-            else:
-                outcome.stored = True
-                stored.append((key, result.stored, outcome))
-        self._write_through(stored)
         return outcomes
 
     def abort(self, reservation: Reservation) -> None:
@@ -438,4 +486,4 @@ def _on_host(frame: BlockFrame) -> BlockFrame:
     return frame_to_host(frame)
 
 
-__all__ = ["StorePutResult", "TierPutResult", "TieredStore"]
+__all__ = ["DURABLE", "MEMORY", "StorePutResult", "TierPutResult", "TieredStore"]

@@ -48,7 +48,10 @@ class LookupRequest(BaseModel):
 class LookupResponse(BaseModel):
     matched: int = Field(description="blocks of the longest stored prefix")
     tiers: list[str] = Field(description="the fastest tier holding each of those blocks")
-    present: list[bool] | None = Field(None, description="with each=true: whether each hash is stored")
+    present: list[bool] | None = Field(
+        None, description="with each=true: whether each hash is stored as a PUT would answer \"present\": whole and "
+                          "committed at the store's acknowledgement level (durable: on disk or in Redis)")
+    durability: str | None = Field(None, description="with each=true: the acknowledgement level, durable or memory")
 
 
 LOOKUP_DOC = {

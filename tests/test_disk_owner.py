@@ -1,0 +1,91 @@
+"""One owner per disk directory, and a disk budget the filesystem can hold."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+import cacheseek as cs
+from cacheseek.store.disk import DiskInUse, DiskTier
+from server_helpers import Server
+
+HERE = Path(__file__).resolve().parent
+HOLD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {here!r})
+    import cacheseek as cs
+    from store_helpers import make_cache
+    cache = make_cache(cpu=0, disk={disk!r})
+    print("open", flush=True)
+    sys.stdin.readline()
+    cache.close()
+    print("closed", flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_two_prefix_caches_in_two_processes_on_one_directory(tmp_path):
+    disk = tmp_path / "d"
+    child = subprocess.Popen([sys.executable, "-c", HOLD.format(here=str(HERE), disk=str(disk))],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "open\n", child.stderr.read()
+        with pytest.raises(DiskInUse, match=rf"disk_path: {disk} is in use by another process \(pid {child.pid}"):
+            cs.PrefixCache(model_id="m", layout=cs.KVLayout(2, 2, 64, "float16"), block_tokens=32,
+                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=disk))
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "closed\n"
+        # Closed: the directory is free for the next owner (the child is still alive).
+        cs.PrefixCache(model_id="m", layout=cs.KVLayout(2, 2, 64, "float16"), block_tokens=32,
+                       tiers=cs.TierConfig(cpu_bytes=0, disk_path=disk)).close()
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def test_a_second_tier_in_one_process_fails_and_close_releases(tmp_path):
+    first = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(DiskInUse, match=f"pid {os.getpid()}"):
+        DiskTier(tmp_path, 1 << 20)
+    first.close()
+    first.close()  # idempotent
+    DiskTier(tmp_path, 1 << 20).close()
+
+
+def test_two_servers_on_one_directory_the_second_fails_clearly(tmp_path):
+    with Server(tmp_path) as first:
+        second = Server(tmp_path)
+        with pytest.raises(RuntimeError, match="exited") as info:
+            second.start()
+        assert f"{tmp_path / 'disk'} is in use by another process (pid {first.proc.pid}" in str(info.value)
+        assert httpx.get(first.url + "/readyz").status_code == 200  # the owner is unharmed
+
+
+def test_a_disk_budget_beyond_the_filesystem_is_clamped_with_a_warning(tmp_path, caplog):
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with caplog.at_level(logging.WARNING, logger="cacheseek.store"):
+        tier = DiskTier(tmp_path, 100 << 40)
+    try:
+        assert tier.capacity_bytes < free and tier.stats().to_dict()["requested_bytes"] == 100 << 40
+        warning = " ".join(r.getMessage() for r in caplog.records)
+        assert "disk_bytes: 100.00 TiB" in warning and "free" in warning and "clamped" in warning
+    finally:
+        tier.close()
+    small = DiskTier(tmp_path, 1 << 20)  # a budget that fits is left alone
+    assert small.capacity_bytes == 1 << 20
+    small.close()
+
+
+def test_a_server_with_a_budget_beyond_the_filesystem_says_so(tmp_path):
+    with Server(tmp_path, "--disk-bytes", "100TiB", "--log-level", "warning") as srv:
+        disk = next(t for t in httpx.get(srv.url + "/v1/stats").json()["tiers"] if t["name"] == "disk")
+        assert disk["capacity_bytes"] < disk["requested_bytes"] == 100 << 40
+    assert "disk_bytes: 100.00 TiB" in srv.output() and "clamped" in srv.output()

@@ -1,0 +1,243 @@
+"""``BulkTransport`` against a fake server that answers what each test scripts, over real
+sockets: bad heads, interim answers, connections closed after an answer or while idle (the
+stale-connection race), TLS. Each case ends in a clear error or a transparent resend, and
+the pool is usable afterwards (one connection in it: a leaked slot would time out)."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from cacheseek.transport import BulkTransport
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+# A reply script: (request number on its connection, request head) -> bytes to send, and
+# whether to close the connection after sending them (None: close without answering).
+Script = Callable[[int, bytes], tuple[bytes | None, bool]]
+
+
+class FakeServer:
+    """A raw socket server on loopback; every connection follows ``script``."""
+
+    def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None) -> None:
+        self.script = script
+        self.tls = tls
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self._threads: list[threading.Thread] = []
+        self._stop = False
+        self._accept = threading.Thread(target=self._serve, daemon=True)
+        self._accept.start()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{'localhost' if self.tls else '127.0.0.1'}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._stop:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            t = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            if self.tls is not None:
+                conn = self.tls.wrap_socket(conn, server_side=True)
+            buf = b""
+            for n in range(1000):
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, buf = buf.split(b"\r\n\r\n", 1)
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                    if name.strip().lower() == b"transfer-encoding":
+                        while not buf.endswith(b"0\r\n\r\n"):
+                            buf += conn.recv(65536)
+                        buf = b""
+                while len(buf) < length:
+                    buf += conn.recv(65536)
+                buf = buf[length:]
+                self.requests.append(head)
+                reply, close = self.script(n, head)
+                if reply is not None:
+                    conn.sendall(reply)
+                if close or reply is None:
+                    return
+        except (OSError, ssl.SSLError):
+            return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop = True
+        self.listener.close()
+
+    def __enter__(self) -> FakeServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _client(srv: FakeServer, **kw) -> httpx.Client:
+    transport = BulkTransport(max_connections=1, **{"trust_env": False, **kw})
+    return httpx.Client(base_url=srv.url, transport=transport, timeout=httpx.Timeout(5, pool=1))
+
+
+def _usable(c: httpx.Client) -> None:
+    """One connection in the pool: a slot leaked by an earlier error would time out here."""
+    for _ in range(3):
+        r = c.get("/fine")
+        assert r.status_code == 200 and r.content == b"ok"
+
+
+def _bad_first(bad: bytes) -> Script:
+    return lambda n, head: (bad, True) if b"/bad" in head else (OK, False)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 12x\r\n\r\nok", "Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\nok", "Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok", "differ"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\nok", "both"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok", "Transfer-Encoding"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nok\r\n0\r\n\r\n", "chunk size"),
+    (b"HTTP/1.1 200 OK\r\n no-name\r\nContent-Length: 2\r\n\r\nok", "header line"),
+    (b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\nok", "status line"),
+    (b"ICY 200 OK\r\n\r\nok", "status line"),
+    (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", "101"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok", "missing"),
+])
+def test_a_malformed_answer_is_a_clear_error_and_leaks_nothing(bad, match):
+    with FakeServer(_bad_first(bad)) as srv, _client(srv) as c:
+        with pytest.raises(httpx.RemoteProtocolError, match=match):
+            c.get("/bad").read()
+        _usable(c)
+
+
+def test_interim_answers_are_skipped_and_the_connection_stays_in_step():
+    interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+    with FakeServer(lambda n, head: (interim + OK, False)) as srv, _client(srv) as c:
+        for _ in range(4):
+            r = c.post("/x", content=b"body")
+            assert r.status_code == 200 and r.content == b"ok"
+        assert srv.connections == 1  # one kept-alive connection, never out of step
+
+
+def test_a_connection_closed_right_after_the_answer_is_not_reused():
+    with FakeServer(lambda n, head: (OK, True)) as srv, _client(srv) as c:
+        for _ in range(5):
+            assert c.get("/x").content == b"ok"
+        assert srv.connections == 5
+
+
+def test_connection_close_and_http_1_0_are_honoured():
+    close = b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok"
+    old = b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    for reply in (close, old):
+        # The server keeps the socket open: a client that ignored the header would hang on reuse.
+        with FakeServer(lambda n, head, reply=reply: (reply, False)) as srv, _client(srv) as c:
+            for _ in range(3):
+                assert c.get("/x").content == b"ok"
+            assert srv.connections == 3
+
+
+def test_a_kept_alive_connection_closed_by_the_server_is_resent_once_when_idempotent():
+    # The race: the server gives up on the connection just as the next request arrives, so
+    # the request meets a closed connection (here: every second request on a connection).
+    stale = lambda n, head: (None, True) if n == 1 else (OK, False)  # noqa: E731
+    with FakeServer(stale) as srv, _client(srv) as c:
+        for i in range(6):
+            assert c.get(f"/x{i}").content == b"ok"
+            assert c.put(f"/p{i}", content=b"frame").content == b"ok"
+            assert c.post("/lookup", content=b"h" * 16, extensions={"cacheseek_idempotent": True}).content == b"ok"
+        assert srv.connections > 6
+        # A POST (not idempotent) or a body that cannot be sent again is not resent: a clear error.
+        c.get("/warm")
+        with pytest.raises(httpx.RemoteProtocolError, match="closed before a response"):
+            c.post("/once", content=b"x")
+        c.get("/warm")
+        with pytest.raises(httpx.TransportError):
+            c.put("/stream", content=iter([b"a", b"b"]))
+        _usable(c)
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_before_use():
+    with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
+        assert c.get("/x").content == b"ok"
+        pooled = next(iter(c._transport._idle.values()))[0]
+        pooled.shutdown(socket.SHUT_RD)  # as if the server's FIN arrived
+        assert c.get("/y").content == b"ok"
+        assert srv.connections == 2
+
+
+def test_chunked_and_close_delimited_bodies():
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=1\r\nok\r\n3\r\n!!!\r\n0\r\nX-T: 1\r\n\r\n"
+    eof = b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
+    with FakeServer(lambda n, head: (eof, True) if b"/eof" in head else (chunked, False)) as srv, _client(srv) as c:
+        assert c.get("/c").content == b"ok!!!"
+        assert c.get("/c").content == b"ok!!!"
+        assert c.get("/eof").content == b"until the end"
+        assert c.get("/c").content == b"ok!!!"
+
+
+def test_other_schemes_are_refused_and_proxies_are_honoured(monkeypatch):
+    with pytest.raises(httpx.UnsupportedProtocol, match="ftp"):
+        BulkTransport().handle_request(httpx.Request("GET", "ftp://example.invalid/x"))
+    # A proxy from the environment: the request goes to it, in absolute form.
+    with FakeServer(lambda n, head: (OK, False)) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("NO_PROXY", "")
+        with httpx.Client(transport=BulkTransport()) as c:
+            assert c.get("http://cacheseek.invalid:8080/v1/stats").content == b"ok"
+        assert proxy.requests[-1].startswith(b"GET http://cacheseek.invalid:8080/v1/stats HTTP/1.1")
+        # NO_PROXY covers the host: straight to it (which does not exist here).
+        monkeypatch.setenv("NO_PROXY", "cacheseek.invalid")
+        with httpx.Client(transport=BulkTransport()) as c, pytest.raises(httpx.ConnectError):
+            c.get("http://cacheseek.invalid:8080/v1/stats")
+
+
+@pytest.fixture(scope="module")
+def tls():
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", "127.0.0.1").configure_cert(server)
+    return ca, server
+
+
+def test_https_verifies_against_a_ca_bundle_and_moves_bodies(tls, tmp_path):
+    ca, server = tls
+    big = bytes(range(256)) * 4096  # 1 MiB: more than one TLS record, read with recv_into
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big
+    with FakeServer(lambda n, head: (reply, False), tls=server) as srv:
+        bundle = tmp_path / "ca.pem"
+        ca.cert_pem.write_to_path(str(bundle))
+        with _client(srv, verify=str(bundle)) as c:
+            for _ in range(3):
+                r = c.put("/x", content=big)
+                assert r.content == big
+            assert srv.connections == 1  # kept alive over TLS
+        with _client(srv) as c, pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            c.get("/x")  # the system's CAs do not know the test's CA
+        with _client(srv, verify=False) as c:
+            assert c.get("/x").content == big
