@@ -31,7 +31,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +125,7 @@ class AlignedBuffer:
         self._keep = keep[skip : skip + self.nbytes]
         self._base = self._keep.data_ptr()
         self._mem = (ctypes.c_ubyte * self.nbytes).from_address(self._base)
+        self._mem._owner = keep  # every view of the buffer keeps the pinned allocation alive
         self.pinned = True
 
     def view(self, nbytes: int | None = None) -> memoryview:
@@ -222,6 +223,7 @@ class ReadDone:
     checked: Any
     seconds: float
     path_taken: str
+    finished: float  # time.perf_counter() when it landed and was checked
 
 
 class ReadPool:
@@ -242,47 +244,18 @@ class ReadPool:
         self.buffered_reads = 0
         self.direct_refused = 0  # files whose O_DIRECT open or read failed (read buffered instead)
 
-    def submit(self, path: Path, expected: int | None, check: Callable[[memoryview], Any],
+    def submit(self, path: Path, expected: int | None, check: Callable[[memoryview, Any], Any], context: Any = None,
                buffers: BufferPool | None = None) -> Future:
-        """Start reading ``path`` whole (``expected`` bytes, if known); the future gives a
-        ``ReadDone`` or raises ``ReadFailed``."""
-        return self._pool.submit(self._read, path, expected, check, buffers or self.buffers)
+        """Start reading ``path`` whole (``expected`` bytes, if known), then ``check(view,
+        context)`` in the same thread; the future gives a ``ReadDone`` or raises ``ReadFailed``."""
+        return self._pool.submit(self._read, path, expected, check, context, buffers or self.buffers)
 
-    def read_many(self, items: Sequence[tuple[Path, int | None]], check: Callable[[memoryview], Any],
-                  buffers: BufferPool | None = None) -> Iterator[ReadDone | ReadFailed]:
-        """Read every file, ``depth`` at once, yielding each result in the order given as soon
-        as it and the ones before it have landed. A consumer that stops early leaves no read
-        behind: the ones not yet started are cancelled, and the buffers of finished ones that
-        were never yielded are given back."""
-        futures: list[Future] = []
-        todo = iter(items)
-        i = 0
-        try:
-            for path, expected in todo:  # the first wave: up to twice the depth queued
-                futures.append(self.submit(path, expected, check, buffers))
-                if len(futures) >= 2 * self.depth:
-                    break
-            while i < len(futures):
-                try:
-                    done = futures[i].result()
-                except ReadFailed as exc:
-                    done = exc
-                i += 1
-                nxt = next(todo, None)  # one more in flight for each one handed out
-                if nxt is not None:
-                    futures.append(self.submit(nxt[0], nxt[1], check, buffers))
-                yield done
-        finally:
-            for fut in futures[i:]:
-                if not fut.cancel():
-                    try:
-                        left = fut.result()
-                    except ReadFailed:
-                        continue
-                    if left.lease is not None:
-                        left.lease.release()
+    def read_many(self, items: Sequence[tuple[Path, int | None, Any]], check: Callable[[memoryview, Any], Any],
+                  buffers: BufferPool | None = None) -> ReadStream:
+        """Start reading every ``(path, expected size, context)``; see ``ReadStream``."""
+        return ReadStream(self, items, check, buffers)
 
-    def _read(self, path: Path, expected: int | None, check: Callable[[memoryview], Any],
+    def _read(self, path: Path, expected: int | None, check: Callable[[memoryview, Any], Any], context: Any,
               buffers: BufferPool) -> ReadDone:
         start = time.perf_counter()
         direct = self.read_path != "buffered"
@@ -321,7 +294,7 @@ class ReadPool:
                 raise ReadFailed(f"{path.name}: short read, {got} of {size} bytes")
             view = lease.buffer.view(size)
             try:
-                checked = check(view)  # the checksum, on the buffer as it landed, in this thread
+                checked = check(view, context)  # the checksum, on the buffer as it landed, in this thread
             except ReadFailed:
                 raise
             except Exception as exc:
@@ -341,8 +314,8 @@ class ReadPool:
                 self.direct_reads += 1
             else:
                 self.buffered_reads += 1
-        return ReadDone(view, lease, checked, time.perf_counter() - start,
-                        self.read_path if direct else "buffered")
+        end = time.perf_counter()
+        return ReadDone(view, lease, checked, end - start, self.read_path if direct else "buffered", end)
 
     def stats(self) -> dict[str, Any]:
         with self._counts_lock:
@@ -352,6 +325,75 @@ class ReadPool:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ReadStream:
+    """Reads of many files in flight, handed out in the order given.
+
+    Up to twice the pool's depth are queued at once (the device's queue stays full while
+    the consumer works on what has landed); each one handed out starts the next. Iterating
+    gives each file's ``ReadDone`` (or its ``ReadFailed``) as soon as it and the ones before
+    it have landed. The reads start when the stream is made, not at the first ``next``.
+    ``close()`` (or the end of a ``with``) cancels what has not started and gives back the
+    buffers of reads that landed but were never handed out: a consumer that stops early
+    leaves nothing behind. ``started``/``last_landed`` (perf_counter) time the whole.
+    """
+
+    def __init__(self, pool: ReadPool, items: Sequence[tuple[Path, int | None, Any]],
+                 check: Callable[[memoryview, Any], Any], buffers: BufferPool | None) -> None:
+        self._pool, self._check, self._buffers = pool, check, buffers
+        self._todo = iter(list(items))
+        self._futures: list[Future] = []
+        self._next = 0
+        self.started = time.perf_counter()
+        self.last_landed = self.started
+        for _ in range(2 * pool.depth):
+            if not self._submit_one():
+                break
+
+    def _submit_one(self) -> bool:
+        item = next(self._todo, None)
+        if item is None:
+            return False
+        path, expected, context = item
+        self._futures.append(self._pool.submit(path, expected, self._check, context, self._buffers))
+        return True
+
+    def __iter__(self) -> ReadStream:
+        return self
+
+    def __next__(self) -> ReadDone | ReadFailed:
+        if self._next >= len(self._futures):
+            raise StopIteration
+        fut = self._futures[self._next]
+        self._futures[self._next] = None  # type: ignore[call-overload]  # handed out: no longer ours
+        self._next += 1
+        self._submit_one()
+        try:
+            done = fut.result()
+        except ReadFailed as exc:
+            return exc
+        self.last_landed = max(self.last_landed, done.finished)
+        return done
+
+    def close(self) -> None:
+        for fut in self._futures[self._next :]:
+            if fut is None or fut.cancel():
+                continue
+            try:
+                left = fut.result()
+            except ReadFailed:
+                continue
+            if left.lease is not None:
+                left.lease.release()
+        self._futures = self._futures[: self._next]
+        self._todo = iter(())
+
+    def __enter__(self) -> ReadStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _read_whole(fd: int, path: Path, buf: AlignedBuffer, size: int, direct: bool) -> int:
@@ -396,5 +438,5 @@ def drop_cached(path: str | os.PathLike) -> None:
 
 __all__ = [
     "AlignedBuffer", "BufferLease", "BufferPool", "DIRECT_ALIGN", "READ_PATHS", "ReadDone", "ReadFailed",
-    "ReadPool", "drop_cached", "probe_read_path", "round_up",
+    "ReadPool", "ReadStream", "drop_cached", "probe_read_path", "round_up",
 ]
