@@ -20,7 +20,7 @@ from .config import ServerSettings
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import Namespaces, load_secret
 from .owners import Owners
-from .routes import admin, blocks, dashboard, docs, lookup, ops, prefixes
+from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
 from .summary import recovery_figures, store_lines
@@ -79,7 +79,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     app.state.auth = Authenticator(settings)
     app.state.service = None
     app.state.admin = None
-    for module in (blocks, prefixes, ops, admin, dashboard, docs):
+    for module in (blocks, prefixes, prefetch, ops, admin, dashboard, docs):
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)

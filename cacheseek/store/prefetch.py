@@ -37,18 +37,27 @@ if TYPE_CHECKING:
 class Prefetch:
     """One prefetch started: ``blocks`` of the chain's stored prefix (``matched``) are being
     promoted into memory, ``joined`` of them by another prefetch already under way.
-    ``wait(timeout)`` returns True once every one of them has landed (or been given up)."""
+    ``wait(timeout)`` returns True once every one of them has landed (or been given up).
+    A prefetch a server runs (``RemoteCache.prefetch``, ``on_server``) cannot be waited for
+    here: the server's own reads of the chain wait for it there."""
 
     matched: int
     blocks: int
     joined: int
+    on_server: bool = False
     started_at: float = field(default_factory=time.perf_counter)
     _futures: list[Future] = field(default_factory=list, repr=False)
 
+    def _local(self) -> None:
+        if self.on_server:
+            raise RuntimeError("this prefetch runs in the server: a materialize through it waits for it there")
+
     def done(self) -> bool:
+        self._local()
         return all(f.done() for f in self._futures)
 
     def wait(self, timeout: float | None = None) -> bool:
+        self._local()
         deadline = None if timeout is None else time.monotonic() + timeout
         for fut in self._futures:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -61,6 +70,7 @@ class Prefetch:
     @property
     def promoted(self) -> int:
         """Blocks promoted so far (of ``blocks``)."""
+        self._local()
         return sum(1 for f in self._futures if f.done() and not f.cancelled() and f.result())
 
     def to_dict(self) -> dict[str, Any]:

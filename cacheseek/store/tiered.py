@@ -231,9 +231,15 @@ class TieredStore:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, key: bytes, *, promote: bool | None = None) -> tuple[BlockFrame, str] | None:
-        """The frame from the fastest tier holding it, and that tier's name."""
+    def get(self, key: bytes, *, promote: bool | None = None,
+            join_prefetches: bool = True) -> tuple[BlockFrame, str] | None:
+        """The frame from the fastest tier holding it, and that tier's name. A block a
+        prefetch is promoting is waited for, then read from memory (``join_prefetches``)."""
         promote = self.promote_on_hit if promote is None else promote
+        if join_prefetches:
+            for fut in self.prefetcher.waiting([key]).values():
+                fut.result()
+                self.prefetcher.note_waited(1)
         for level, tier in enumerate(self.tiers):
             frame = tier.get(key)
             if frame is None:
@@ -283,10 +289,10 @@ class TieredStore:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
                 streams[tier.name] = tier.stream(mine, leased=leased)
-        return self._merge(keys, names, streams, waiting, level_of, promote)
+        return self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches)
 
     def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, Iterator[BlockFrame | None]],
-               waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool
+               waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool
                ) -> Iterator[tuple[BlockFrame, str] | None]:
         try:
             for key, name in zip(keys, names):
@@ -294,11 +300,11 @@ class TieredStore:
                 if fut is not None:
                     fut.result()  # the prefetch's read of it: landed (and promoted) or given up
                     self.prefetcher.note_waited(1)
-                    yield self.get(key, promote=promote)
+                    yield self.get(key, promote=promote, join_prefetches=False)
                     continue
                 frame = next(streams[name], None)
-                if frame is None:
-                    yield self.get(key, promote=promote)  # gone from there since: any other tier
+                if frame is None:  # gone from there since: any other tier
+                    yield self.get(key, promote=promote, join_prefetches=join)
                     continue
                 level = level_of[name]
                 if promote and level > 0:
