@@ -134,20 +134,27 @@ class PrefixCache(PrefixCacheBase):
         decoder = BatchDecoder(self.block_format, len(located), device)
         tiers: list[str] = []
         frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
-        lent: list = []
+        added: list = []  # frames added to the decoder, in order; the first ``released`` given back
+        released = 0
         try:
             for key, got in zip(hashes, frames):
                 if got is None:
                     break  # evicted or found corrupt since locate: the prefix ends here
                 frame, tier = got
-                if frame.lease is not None:
-                    lent.append(frame)
                 try:
                     self.block_format.check_fetched(frame.meta, key)
                 except FrameError:
+                    frame.release()
                     break
                 decoder.add(frame)  # its copy to the device starts now
+                added.append(frame)
                 tiers.append(tier)
+                # Buffers whose copies have landed go back to the pool at once, so a long
+                # chain reuses a few pooled buffers instead of holding one per block.
+                copied = decoder.copied()
+                for done in added[released:copied]:
+                    done.release()
+                released = max(released, copied)
         finally:
             frames.close()  # reads not handed out: cancelled or given back
         try:
@@ -158,7 +165,7 @@ class PrefixCache(PrefixCacheBase):
             return self._materialized(k, v, tiers, device)  # while the last copies land
         finally:
             decoder.wait()  # no copy reads the frames' memory any more
-            for frame in lent:
+            for frame in added[released:]:
                 frame.release()
 
     def prefetch(self, keys: Any) -> Prefetch | None:

@@ -181,10 +181,10 @@ def test_a_failed_write_in_a_group_fails_that_block_alone(tmp_path, monkeypatch)
     bad = items[2][0].hex()
     real = DiskTier._write_temp
 
-    def flaky(self, final, segments):
+    def flaky(self, final, segments, **kw):
         if final.name.startswith(bad) and final.suffix == ".meta":
             raise OSError(28, "No space left on device")
-        return real(self, final, segments)
+        return real(self, final, segments, **kw)
 
     monkeypatch.setattr(DiskTier, "_write_temp", flaky)
     results = tier.put_many(items)

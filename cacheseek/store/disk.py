@@ -12,9 +12,10 @@ final name; a checksum would catch it on read, but the index would already have 
 it to lookups. With this order, anything the index knows is whole.
 
 Group commit (``put_many``, on by default): a batch keeps the same order, stage by stage
-for all its frames: every data file written and fsynced (several at once), then renamed;
-then every sidecar written and fsynced (several at once: the filesystem's journal commits
-concurrent fsyncs together), then renamed; then one fsync per shard directory touched.
+for all its frames: every data file written, then all fsynced (several at once), then
+renamed; then every sidecar written, all fsynced (several at once: the filesystem's
+journal commits concurrent fsyncs together), then renamed; then one fsync per shard
+directory touched.
 Only then does any block of the batch enter the index or count as present, so a crash at
 any point leaves, per block, nothing, an orphan, or a whole committed block, as one frame
 at a time does; the batch is acknowledged as durable exactly as one frame is. A batch of n
@@ -117,6 +118,14 @@ def _attempt(op, pending: _Pending) -> tuple[object, BaseException | None]:
         return op(pending), None
     except Exception as exc:  # reported per write; an interrupt propagates
         return None, exc
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # flushes the file's dirty pages, whichever descriptor wrote them
+    finally:
+        os.close(fd)
 
 
 def _try_fsync_dir(path: Path) -> BaseException | None:
@@ -392,9 +401,17 @@ class DiskTier(IndexedTier):
         """Write and commit ``group`` stage by stage (data, sidecars, directories), then index
         what was committed; every pending write ends here, committed or failed."""
         try:
-            alive = self._stage(group, lambda p: self._write_temp(p.data_path, p.segments), "data_tmp")
+            # Written first, all of them (page cache speed), then fsynced together: the device
+            # sees the whole batch at once rather than one file's flush at a time.
+            alive = self._stage(group, lambda p: self._write_temp(p.data_path, p.segments, sync=False), "data_tmp",
+                                threads=False)
+            if self.fsync:
+                alive = self._stage(alive, lambda p: _fsync_file(p.data_tmp), None)
             alive = self._stage(alive, lambda p: os.replace(p.data_tmp, p.data_path), None, threads=False)
-            alive = self._stage(alive, lambda p: self._write_temp(p.side_path, [p.sidecar]), "side_tmp")
+            alive = self._stage(alive, lambda p: self._write_temp(p.side_path, [p.sidecar], sync=False), "side_tmp",
+                                threads=False)
+            if self.fsync:
+                alive = self._stage(alive, lambda p: _fsync_file(p.side_tmp), None)
             alive = self._stage(alive, lambda p: os.replace(p.side_tmp, p.side_path), None, threads=False)
             if self.fsync:
                 shards: dict[Path, list[_Pending]] = {}
@@ -430,8 +447,9 @@ class DiskTier(IndexedTier):
             alive.append(p)
         return alive
 
-    def _write_temp(self, final: Path, segments: list) -> Path:
-        """``segments`` into a new temp file beside ``final``, fsynced; its path."""
+    def _write_temp(self, final: Path, segments: list, *, sync: bool = True) -> Path:
+        """``segments`` into a new temp file beside ``final`` (fsynced, with ``sync`` and
+        ``fsync``); its path."""
         final.parent.mkdir(exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -441,7 +459,7 @@ class DiskTier(IndexedTier):
                     view = memoryview(seg).cast("B")
                     while view.nbytes:  # raw writes may be short
                         view = view[f.write(view):]
-                if self.fsync:
+                if sync and self.fsync:
                     os.fsync(f.fileno())
         except BaseException:
             _unlink(tmp)
