@@ -369,3 +369,25 @@ def test_prefetch_route_keeps_auth_and_namespaces(tmp_path):
         with _remote(srv.url, token="r-token", namespace="a") as reader:
             handle = reader.prefetch(toks)
             assert handle is not None and handle.blocks == 2
+
+
+def test_a_scheduler_prefetches_a_queued_prompt_only_where_it_pays(tmp_path):
+    from cacheseek.integrations.planner import ReusePlanner
+    from cacheseek.integrations.prefetch import prefetch_queued
+
+    toks, kv = tokens_for(30, 4 * BLOCK), make_kv(4 * BLOCK, 30)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        assert prefetch_queued(cache, toks) is None  # nothing stored
+        cache.ingest(toks, kv)
+        assert prefetch_queued(cache, toks) is None  # in memory already
+        _on_disk_only(cache, toks)
+        slow_memory = ReusePlanner()
+        slow_memory.observe_prefill(10_000, 0.01)  # recompute: a million tokens a second
+        slow_memory.observe_read(["cpu"], 4 * BLOCK, 10.0)  # memory reads far slower: not worth it
+        assert prefetch_queued(cache, toks, planner=slow_memory) is None
+        fast_memory = ReusePlanner()
+        fast_memory.observe_prefill(1_000, 1.0)
+        fast_memory.observe_read(["cpu"], 4 * BLOCK, 0.001)
+        handle = prefetch_queued(cache, toks, planner=fast_memory)
+        assert handle is not None and handle.wait(30)
+        assert set(cache.locate(toks).tiers) == {"cpu"}
