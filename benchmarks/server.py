@@ -1,6 +1,7 @@
 """The HTTP service over loopback against Redis: ingest and materialize throughput, lookup latency.
 
     python -m benchmarks.server [--frames 24] [--reps 3] [--clients 1,8] [--lookups 2000]
+                                [--baseline main] [--tls] [--cpu-reserve 1GiB] [--no-full] [--no-disk]
     python -m benchmarks.server --plot-only benchmarks/results/server.json --out docs
     python -m benchmarks.server --frames 24 --reps 3 --compare-metrics
 
@@ -17,7 +18,8 @@ own ``--frames`` frames; throughput is frame GB/s over all clients, median of ``
 
 In-run baseline: redis-py ``SET``/``GET`` of the same frames against a local
 ``redis-server`` (in memory, no persistence), which is what a user would do instead. The
-headline CacheSeek server runs a CPU tier only (in memory too), with room for every frame;
+headline CacheSeek server runs a CPU tier only (in memory too), with its default budget and
+reserve (4 GiB and 512 MiB; more if the frames need it), room for every frame;
 a second one has a CPU tier already full of other frames, so every frame ingested evicts
 one (a cache in steady state; it lends frames being received 256 MiB beyond its budget, the
 default reserve of a 2 GiB tier, and evicts for them when they commit); a third runs the
@@ -25,6 +27,13 @@ disk tier alone (write-through, fsync), for reference. Lookup: p50/p99 of ``POST
 /v1/lookup`` for a 512-block chain over a keep-alive connection, sent by ``RemoteCache``
 (the hashes as raw bytes), and as JSON through httpx (Redis: ``EXISTS`` of the same 512
 keys through redis-py); the three take turns, in rounds.
+
+Before and after in one run: ``--baseline REF`` also serves the CPU tier from the code of git
+ref ``REF`` (its tree exported with ``git archive`` into a temporary folder, run by this
+Python), and ``--tls`` from this code over HTTPS (a self-signed certificate made with the
+``openssl`` command; its clients use httpx's own transport with that certificate as CA).
+The servers take turns within each repetition, and their lookups within each round, so that
+load from elsewhere on a shared host falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -111,14 +121,58 @@ class Proc:
                 self.proc.wait()
 
 
-def start_cacheseek(tmp: Path, name: str, *args: str) -> tuple[Proc, str]:
+# Runs ``cacheseek serve`` from another checkout's tree (argv[1]), with this Python.
+BASELINE_LAUNCHER = """
+import importlib.util, sys
+root = sys.argv.pop(1)
+sys.path.insert(0, root)
+import cacheseek
+for name, folder in (("cacheseek.server", "server"), ("cacheseek.kernels", "kernels")):
+    spec = importlib.util.spec_from_file_location(name, f"{root}/{folder}/__init__.py",
+                                                  submodule_search_locations=[f"{root}/{folder}"])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+assert cacheseek.__file__.startswith(root), cacheseek.__file__
+from cacheseek.server.cli import main
+sys.exit(main())
+"""
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """The files of git ref ``ref`` of this repository, under ``into``."""
+    repo = Path(__file__).resolve().parent.parent
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", ref], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def start_cacheseek(tmp: Path, name: str, *args: str, tree: Path | None = None,
+                    tls: tuple[Path, Path] | None = None) -> tuple[Proc, str]:
+    """``cacheseek serve`` from this code, or (``tree``) from an exported checkout."""
     port = free_port()
     script = Path(sys.executable).parent / "cacheseek"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cacheseek.server.cli"]
+    if tree is not None:
+        cmd = [sys.executable, "-c", BASELINE_LAUNCHER, str(tree)]
+    else:
+        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cacheseek.server.cli"]
+        args = ("--max-inflight-body-bytes", "8GiB", *args)
+    if tls is not None:
+        args = (*args, "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]))
     proc = Proc([*cmd, "serve", "--port", str(port), "--log-level", "warning", "--disk-path", str(tmp / name),
                  "--max-body-bytes", "8GiB", *args], tmp / f"{name}.log")
-    url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(url + "/readyz").status_code == 200, f"cacheseek serve ({name})")
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    verify = ssl.create_default_context(cafile=str(tls[0])) if tls else True
+    wait_until(lambda: httpx.get(url + "/readyz", verify=verify).status_code == 200, f"cacheseek serve ({name})")
     return proc, url
 
 
@@ -164,7 +218,9 @@ def _client(job: tuple[str, str, int, int, int]) -> int:
                 assert got is not None and len(got) == len(f)
         return moved
     op, url = target.split("|")
-    with httpx.Client(base_url=url, timeout=300, transport=BulkTransport()) as c:
+    # Over TLS, httpx's own transport (BulkTransport speaks plain HTTP), trusting the bench's certificate.
+    kw = {"verify": _bench_ca()} if url.startswith("https") else {"transport": BulkTransport()}
+    with httpx.Client(base_url=url, timeout=300, **kw) as c:
         c.get("/healthz")
         _sleep_until(go_at)
         if op == "put":
@@ -186,6 +242,11 @@ def _client(job: tuple[str, str, int, int, int]) -> int:
         else:
             raise ValueError(op)
     return moved
+
+
+def _bench_ca() -> ssl.SSLContext:
+    """Trust the benchmark's self-signed certificate (its path is in CACHESEEK_BENCH_CA)."""
+    return ssl.create_default_context(cafile=os.environ["CACHESEEK_BENCH_CA"])
 
 
 def _sleep_until(t: float) -> None:
@@ -226,14 +287,15 @@ def client_chains(clients: int, per_client: int) -> list[tuple[bytes, bytes]]:
     return [x for c in range(clients) for x in chain_frames(per_client, 1000 * clients + c)]
 
 
-def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int, *,
+def cacheseek_rows(urls: dict[str, str], clients: list[int], per: int, reps: int, *,
                    filler: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
-    """Ingest and materialize rows; with ``filler``, ingest only, into a tier refilled with
-    ``filler`` before each run."""
+    """Ingest and materialize rows of each server (label -> url), taking turns within each
+    repetition; with ``filler``, ingest only, into a tier refilled with ``filler`` before each run."""
     rows = []
 
-    def clear() -> None:
-        with httpx.Client(base_url=url, timeout=300) as c:
+    def clear(url: str) -> None:
+        verify = _bench_ca() if url.startswith("https") else True
+        with httpx.Client(base_url=url, timeout=300, verify=verify) as c:
             for h, _ in _FRAMES:
                 c.delete(f"/v1/blocks/{h.hex()}")
             if filler:
@@ -241,16 +303,23 @@ def cacheseek_rows(url: str, label: str, clients: list[int], per: int, reps: int
                 c.post("/v1/blocks", content=_chain_body(filler),
                        headers={"content-type": BATCH_TYPE, "content-length": str(total)}).raise_for_status()
 
+    ops = [("ingest_put_gbps", "put", True), ("ingest_batch_gbps", "batch", True)]
+    if filler is None:
+        ops += [("materialize_get_gbps", "get", False), ("materialize_prefix_gbps", "prefix", False)]
     for n in clients:
-        row = {"system": label, "clients": n}
-        row["ingest_put_gbps"] = run_clients(n, "cacheseek", f"put|{url}", per, reps, before=clear)
-        row["ingest_batch_gbps"] = run_clients(n, "cacheseek", f"batch|{url}", per, reps, before=clear)
-        if filler is None:
-            row["materialize_get_gbps"] = run_clients(n, "cacheseek", f"get|{url}", per, reps)
-            row["materialize_prefix_gbps"] = run_clients(n, "cacheseek", f"prefix|{url}", per, reps)
-        rows.append(row)
-        print(f"  {label:22s} {n} client(s): " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if k.endswith("gbps")),
-              flush=True)
+        rates: dict[str, dict[str, list[float]]] = {label: {key: [] for key, _, _ in ops} for label in urls}
+        for key, op, clears in ops:
+            for _ in range(reps):
+                for label, url in urls.items():
+                    before = (lambda url=url: clear(url)) if clears else None
+                    rates[label][key].append(run_clients(n, "cacheseek", f"{op}|{url}", per, 1, before=before))
+        for label in urls:
+            row = {"system": label, "clients": n}
+            row.update({key: statistics.median(r) for key, r in rates[label].items()})
+            row.update({key.replace("_gbps", "_all"): r for key, r in rates[label].items()})
+            rows.append(row)
+            print(f"  {label:30s} {n} client(s): " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()
+                                                             if k.endswith("gbps")), flush=True)
     return rows
 
 
@@ -269,7 +338,8 @@ def redis_rows(port: int, clients: list[int], per: int, reps: int) -> list[dict]
     return rows
 
 
-def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds: int = 8) -> dict:
+def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds: int = 8,
+                   others: dict[str, str] | None = None) -> dict:
     """p50/p99 of one lookup of a ``blocks``-long stored chain (small frames: lookups never
     read payloads). The three clients take turns, ``n / rounds`` calls each per round, so
     that load from elsewhere on the host falls on all of them alike (no Redis client when
@@ -291,14 +361,30 @@ def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds
         for h, f in chain:
             r.set(h, f)
     remote = RemoteCache(url, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
+    others = others or {}
+    total = sum(8 + len(f) for _, f in chain)
+    extra_calls, opened = {}, []
+    for label, other in others.items():
+        if other.startswith("https"):  # RemoteCache's binary body, sent through httpx's own transport
+            client = httpx.Client(base_url=other, verify=_bench_ca())
+            raw = b"".join(keys)
+            extra_calls[label] = lambda client=client: client.post(
+                "/v1/lookup", content=raw, headers={"content-type": "application/octet-stream"}).json()["matched"]
+        else:
+            client = httpx.Client(base_url=other, transport=BulkTransport())
+            other_remote = RemoteCache(other, model_id="bench", layout=small, codec=Raw(), block_tokens=32)
+            opened.append(other_remote)
+            extra_calls[label] = lambda rc=other_remote: rc._lookup(keys)["matched"]
+        opened.append(client)
+        client.post("/v1/blocks", content=_chain_body(list(reversed(chain))),
+                    headers={"content-length": str(total)}).raise_for_status()
     with httpx.Client(base_url=url, transport=BulkTransport()) as c:
-        total = sum(8 + len(f) for _, f in chain)
         c.post("/v1/blocks", content=_chain_body(list(reversed(chain))),
                headers={"content-length": str(total)}).raise_for_status()
         # RemoteCache's own lookup (hashes computed once, as its ingest and materialize do),
         # a JSON body through httpx, as any other client would send it, and Redis.
         calls = {"binary": lambda: remote._lookup(keys)["matched"],
-                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"]}
+                 "json": lambda: c.post("/v1/lookup", json=body).json()["matched"], **extra_calls}
         if r is not None:
             calls["redis"] = lambda: r.exists(*keys)
         times: dict[str, list[float]] = {form: [] for form in calls}
@@ -311,11 +397,15 @@ def lookup_latency(url: str, redis_port: int | None, blocks: int, n: int, rounds
                         times[form].append(time.perf_counter() - t)
                 assert got == blocks, form
     remote.close()
+    for thing in opened:
+        thing.close()
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] * 1e3  # noqa: E731
     out = {"blocks": blocks, "lookups": n, "p50_ms": q(times["binary"], 50), "p99_ms": q(times["binary"], 99),
            "json_p50_ms": q(times["json"], 50), "json_p99_ms": q(times["json"], 99)}
     if r is not None:
         out |= {"redis_exists_p50_ms": q(times["redis"], 50), "redis_exists_p99_ms": q(times["redis"], 99)}
+    for label in others:
+        out[label] = {"p50_ms": q(times[label], 50), "p99_ms": q(times[label], 99)}
     return out
 
 
@@ -368,6 +458,12 @@ def main() -> None:
     ap.add_argument("--lookups", type=int, default=2000)
     ap.add_argument("--lookup-blocks", type=int, default=512)
     ap.add_argument("--no-disk", action="store_true", help="skip the disk-tier server")
+    ap.add_argument("--no-full", action="store_true", help="skip the full-tier server")
+    ap.add_argument("--baseline", metavar="REF", default=None,
+                    help="also serve the CPU tier from git ref REF (e.g. main): before and after in one run")
+    ap.add_argument("--tls", action="store_true", help="also serve the CPU tier over HTTPS")
+    ap.add_argument("--cpu-reserve", default=None, metavar="SIZE",
+                    help="cpu_reserve_bytes of the CPU-tier servers (default: theirs, an eighth of the budget)")
     ap.add_argument("--tmp", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--compare-metrics", action="store_true",
@@ -385,7 +481,9 @@ def main() -> None:
     per = {n: max(2, args.frames if n == 1 else args.frames // 3) for n in clients}
     need = max(n * per[n] for n in clients)
     frame_mb = len(make_frame(0)[1]) / 1e6
-    budget = f"{int(need * frame_mb * 1e6 * 1.2) + (256 << 20)}"
+    # The server's own default budget (4 GiB, and so its default reserve for frames being
+    # received, 512 MiB), or more where the frames need it: room for every frame.
+    budget = f"{max(4 << 30, int(need * frame_mb * 1e6 * 1.2) + (256 << 20))}"
     rows: list[dict] = []
     procs: list[Proc] = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmpdir:
@@ -393,37 +491,58 @@ def main() -> None:
         try:
             rproc, rport = start_redis(tmp)
             procs.append(rproc)
-            cs_proc, cs_url = start_cacheseek(tmp, "cpu", "--cpu-bytes", budget, "--disk-bytes", "0")
+            cpu_args = ("--cpu-bytes", budget, "--disk-bytes", "0")
+            if args.cpu_reserve:
+                cpu_args += ("--cpu-reserve-bytes", args.cpu_reserve)
+            cs_proc, cs_url = start_cacheseek(tmp, "cpu", *cpu_args)
             procs.append(cs_proc)
+            urls = {"cacheseek (cpu tier)": cs_url}
+            others: dict[str, str] = {}
+            if args.baseline:
+                tree = export_tree(args.baseline, tmp / "baseline-tree")
+                base_proc, base_url = start_cacheseek(tmp, "baseline", *cpu_args, tree=tree)
+                procs.append(base_proc)
+                urls[f"cacheseek@{args.baseline} (cpu tier)"] = others[f"binary@{args.baseline}"] = base_url
+            if args.tls:
+                cert_key = self_signed(tmp)
+                os.environ["CACHESEEK_BENCH_CA"] = str(cert_key[0])  # the client processes inherit it
+                tls_proc, tls_url = start_cacheseek(tmp, "tls", *cpu_args, tls=cert_key)
+                procs.append(tls_proc)
+                urls["cacheseek (cpu tier, TLS)"] = others["binary_tls"] = tls_url
             for n in clients:
                 t0 = time.time()
                 _FRAMES = client_chains(n, per[n])  # the client processes fork with these
                 print(f"{n} client(s): {len(_FRAMES)} int4 frames of {frame_mb:.2f} MB built in "
                       f"{time.time() - t0:.1f}s", flush=True)
                 rows += redis_rows(rport, [n], per[n], args.reps)
-                rows += cacheseek_rows(cs_url, "cacheseek (cpu tier)", [n], per[n], args.reps)
-            lookup = lookup_latency(cs_url, rport, args.lookup_blocks, args.lookups)
+                rows += cacheseek_rows(urls, [n], per[n], args.reps)
+            lookup = lookup_latency(cs_url, rport, args.lookup_blocks, args.lookups, others=others)
             print(f"  lookup of a {args.lookup_blocks}-block chain: p50 {lookup['p50_ms']:.3f} ms, "
                   f"p99 {lookup['p99_ms']:.3f} ms (JSON body: p50 {lookup['json_p50_ms']:.3f} ms, "
-                  f"p99 {lookup['json_p99_ms']:.3f} ms)", flush=True)
-            cs_proc.stop()
-            full_budget = str(int(FULL_FRAMES * frame_mb * 1e6) + (1 << 20))
-            # A small budget, so that it is full from the start, with the reserve for frames in
-            # flight that a 2 GiB tier has by default (an eighth of the budget).
-            full_proc, full_url = start_cacheseek(tmp, "full", "--cpu-bytes", full_budget, "--disk-bytes", "0",
-                                                  "--cpu-reserve-bytes", str(FULL_RESERVE))
-            procs.append(full_proc)
-            filler = chain_frames(FULL_FRAMES, 999)
-            for n in clients:
-                _FRAMES = client_chains(n, per[n])
-                rows += cacheseek_rows(full_url, "cacheseek (cpu tier, full)", [n], per[n], args.reps, filler=filler)
-            full_proc.stop()
+                  f"p99 {lookup['json_p99_ms']:.3f} ms)" + "".join(
+                      f"; {label}: p50 {lookup[label]['p50_ms']:.3f} ms, p99 {lookup[label]['p99_ms']:.3f} ms"
+                      for label in others), flush=True)
+            for proc in procs[1:]:
+                proc.stop()
+            if not args.no_full:
+                full_budget = str(int(FULL_FRAMES * frame_mb * 1e6) + (1 << 20))
+                # A small budget, so that it is full from the start, with the reserve for frames in
+                # flight that a 2 GiB tier has by default (an eighth of the budget).
+                full_proc, full_url = start_cacheseek(tmp, "full", "--cpu-bytes", full_budget, "--disk-bytes", "0",
+                                                      "--cpu-reserve-bytes", str(FULL_RESERVE))
+                procs.append(full_proc)
+                filler = chain_frames(FULL_FRAMES, 999)
+                for n in clients:
+                    _FRAMES = client_chains(n, per[n])
+                    rows += cacheseek_rows({"cacheseek (cpu tier, full)": full_url}, [n], per[n], args.reps,
+                                           filler=filler)
+                full_proc.stop()
             if not args.no_disk:
                 disk_proc, disk_url = start_cacheseek(tmp, "disk", "--cpu-bytes", "0", "--disk-bytes", budget)
                 procs.append(disk_proc)
                 for n in clients:
                     _FRAMES = client_chains(n, per[n])
-                    rows += cacheseek_rows(disk_url, "cacheseek (disk, fsync)", [n], per[n], max(1, args.reps - 1))
+                    rows += cacheseek_rows({"cacheseek (disk, fsync)": disk_url}, [n], per[n], max(1, args.reps - 1))
         finally:
             for p in procs:
                 p.stop()
@@ -449,6 +568,23 @@ def main() -> None:
             "materialize_get_gbps", "materialize_get_vs_redis", "materialize_prefix_gbps", "materialize_prefix_vs_redis"]
     print(table(rows, cols, f"Server vs Redis over loopback: int4 Llama-3-8B frames of {frame_mb:.1f} MB, GB/s of frames "
                             f"(median of {args.reps}); ratios against redis-py SET (ingest) and GET (materialize)"))
+    compare = [label for label in (f"cacheseek@{args.baseline} (cpu tier)" if args.baseline else None,
+                                   "cacheseek (cpu tier, TLS)" if args.tls else None) if label]
+    if compare:
+        metrics = ["ingest_put_gbps", "ingest_batch_gbps", "materialize_get_gbps", "materialize_prefix_gbps"]
+        ratio_rows = []
+        for label in compare:
+            for n in clients:
+                new, other = by[("cacheseek (cpu tier)", n)], by[(label, n)]
+                ratio_rows.append({"this code vs": label, "clients": n,
+                                   **{m.removesuffix("_gbps"): new[m] / other[m] for m in metrics}})
+            key = f"binary@{args.baseline}" if "@" in label else "binary_tls"
+            ratio_rows.append({"this code vs": label, "clients": "-",
+                               "lookup_p99": lookup[key]["p99_ms"] / lookup["p99_ms"]})
+        write_json("server_compare", {"ratios": ratio_rows, "lookup": lookup}, args.out)
+        print(table(ratio_rows, ["this code vs", "clients"] + [m.removesuffix("_gbps") for m in metrics] + ["lookup_p99"],
+                    "This code against the other server: throughput ratios, and lookup_p99 = the other's p99 / this "
+                    "code's (>1: this code is faster)"))
 
 
 def compare_metrics(args: argparse.Namespace) -> None:
@@ -473,7 +609,7 @@ def compare_metrics(args: argparse.Namespace) -> None:
             for rep in range(args.reps):
                 order = list(variants) if rep % 2 == 0 else list(reversed(variants))  # neither always goes first
                 for v in order:
-                    row = cacheseek_rows(urls[v], f"metrics {v}", [1], per, 1)[0]
+                    row = cacheseek_rows({f"metrics {v}": urls[v]}, [1], per, 1)[0]
                     for k in ops:
                         got[v][k].append(row[k])
                     lookup = lookup_latency(urls[v], None, args.lookup_blocks, max(200, args.lookups // args.reps))

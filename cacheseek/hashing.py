@@ -48,6 +48,8 @@ HASH_ALGOS: dict[str, tuple[Callable[[bytes | memoryview], bytes], int]] = {
 }
 
 _HEX = re.compile(r"^[0-9a-f]+$")
+# A block hash in a URL: xxh3-128 (32 digits) or sha256 (64), lowercase (the OpenAPI document states it).
+HASH_HEX_PATTERN = "^([0-9a-f]{32}|[0-9a-f]{64})$"
 
 
 def _digest_fn(algo: str) -> Callable[[bytes | memoryview], bytes]:
@@ -165,7 +167,7 @@ def to_hex(h: bytes) -> str:
 def from_hex(text: str, algo: str | None = None) -> BlockHash:
     """Parse a lowercase-hex block hash, as used in URLs. Checks the length for ``algo``."""
     sizes = {size for _, size in HASH_ALGOS.values()} if algo is None else {digest_size(algo)}
-    if not isinstance(text, str) or not _HEX.match(text) or len(text) // 2 not in sizes or len(text) % 2:
+    if not isinstance(text, str) or not _HEX.fullmatch(text) or len(text) // 2 not in sizes or len(text) % 2:
         want = " or ".join(str(2 * s) for s in sorted(sizes))
         raise InputError(f"hash: expected {want} lowercase hex digits, got {text!r:.80}")
     return BlockHash(bytes.fromhex(text))

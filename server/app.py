@@ -13,10 +13,11 @@ from starlette.concurrency import run_in_threadpool
 from cacheseek import __version__
 from cacheseek.store.tiered import TieredStore
 
-from . import errors
+from . import errors, openapi
 from .admin import AdminOps
 from .auth import Authenticator
 from .config import ServerSettings
+from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import Namespaces, load_secret
 from .owners import Owners
@@ -79,10 +80,21 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     app.state.auth = Authenticator(settings)
     app.state.service = None
     app.state.admin = None
+
+    def release_memory() -> None:
+        """After a burst of request bodies given back unstored: their memory back to the OS."""
+        trim_heap()
+        service = app.state.service
+        if service is not None:
+            service.release_free_memory()
+
+    app.state.body_budget = BodyBudget(settings.max_inflight_body_bytes, release_memory)
+    metrics.watch_bodies(app.state.body_budget.stats)
     for module in (blocks, prefixes, prefetch, ops, admin, dashboard, docs):
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
+    openapi.install(app)
     return app

@@ -46,14 +46,22 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+EXIT_BAD_SETTING = 2  # a setting is invalid, or the resource it names cannot be used (port, disk_path, TLS files)
+EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: the log has the traceback)
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
     from pydantic import ValidationError
 
-    from cacheseek.errors import ConfigError
+    from cacheseek.errors import ConfigError, StorageError
 
     from .app import create_app
     from .config import ServerSettings, renamed
+    from .protocol import ConnectionLimits, fast_path_problem, protocol_class
+    from .store import build_store
     from .summary import settings_lines
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
@@ -69,27 +77,117 @@ def _serve(args: argparse.Namespace) -> int:
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if isinstance(settings, Exception):
-        print(f"cacheseek serve: bad settings:\n{settings}", file=sys.stderr)
-        return 2
+        return _bad_setting(f"bad settings:\n{settings}")
     print("\n".join(settings_lines(settings)), flush=True)
+    _log_to_stderr(logging.getLogger("cacheseek"), settings.log_level)
+    if settings.tls_cert is not None:
+        problem = _tls_problem(settings.tls_cert, settings.tls_key)
+        if problem:
+            return _bad_setting(problem)
+    # The port is bound before anything else is opened: one in use stops the start at once.
+    try:
+        sock = _listen(settings.host, settings.port)
+    except OSError as exc:
+        return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
+    try:
+        store = build_store(settings)
+    except (ConfigError, StorageError, OSError) as exc:
+        sock.close()
+        return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
     http: Any = settings.http
     if http == "auto":
-        from .protocol import protocol_class
-
-        http = protocol_class() or "auto"
+        limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
+                                  body_idle_timeout_seconds=settings.body_idle_timeout_seconds,
+                                  body_min_bytes_per_second=settings.body_min_bytes_per_second)
+        http = protocol_class(limits=limits) or "httptools"
+        problem = fast_path_problem()
+        if problem is None:
+            print("cacheseek serve: receive path: in place (server.protocol: bodies by recv_into into the store's "
+                  "memory; header and body timeouts on)", flush=True)
+        else:
+            print(f"cacheseek serve: WARNING: receive path: uvicorn's own, the fast path is OFF ({problem}): every "
+                  "body is copied twice more, and header/body timeouts are off", file=sys.stderr, flush=True)
     keep_freed_memory()
+    app = create_app(settings, store=store, announce=lambda text: print(text, flush=True))
     config = uvicorn.Config(
-        create_app(settings, announce=lambda text: print(text, flush=True)), host=settings.host, port=settings.port,
-        log_level=settings.log_level,
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
         timeout_graceful_shutdown=int(settings.graceful_timeout_seconds),
         timeout_keep_alive=int(settings.keepalive_timeout_seconds),
         server_header=False,
+        ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
+        ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
     server = uvicorn.Server(config)
-    server.run()
-    # uvicorn returns after SIGTERM/SIGINT once in-flight requests are done and the store is closed.
-    return 0 if server.started else 1
+    try:
+        server.run(sockets=[sock])
+    except SystemExit as exc:  # uvicorn's exit on a failed start (the log says why)
+        print(f"cacheseek serve: start failed (uvicorn exit {exc.code})", file=sys.stderr, flush=True)
+        return EXIT_STARTUP_FAILED
+    finally:
+        sock.close()
+        store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
+    return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+def _bad_setting(message: str) -> int:
+    print(f"cacheseek serve: {message}", file=sys.stderr, flush=True)
+    return EXIT_BAD_SETTING
+
+
+def _log_to_stderr(logger: Any, level: str) -> None:
+    import logging
+
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(5 if level == "trace" else level.upper())
+
+
+def _listen(host: str, port: int) -> Any:
+    """A bound TCP socket for ``host:port`` (uvicorn listens on it)."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _tls_problem(cert: Any, key: Any) -> str | None:
+    """Why a TLS server could not use ``cert`` and ``key``, or None."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except FileNotFoundError as exc:
+        return f"tls_cert/tls_key: {exc.filename} does not exist"
+    except (ssl.SSLError, OSError) as exc:
+        return f"tls_cert/tls_key: cannot load {cert} with {key}: {exc}"
+    return None
+
+
+def _setting_of(exc: BaseException, settings: Any) -> str:
+    """The setting an error opening the store is about, for the message."""
+    text = str(exc)
+    if str(settings.disk_path) in text or "disk" in text:
+        return f"disk_path {settings.disk_path}, disk_bytes {settings.disk_bytes}"
+    if "redis" in text.lower():
+        return "redis_url"
+    if "cpu" in text:
+        return "cpu_bytes"
+    return "tiers"
 
 
 def keep_freed_memory(max_bytes: int = 1 << 30) -> bool:

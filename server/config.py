@@ -152,6 +152,16 @@ class ServerSettings(BaseSettings):
     graceful_timeout_seconds: float = Field(
         30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
     keepalive_timeout_seconds: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="a request's headers must all arrive within this of its first byte (or of the "
+                                "connection's opening); else the connection is closed")
+    body_idle_timeout_seconds: float = Field(
+        10.0, gt=0, description="a request body that gets no byte for this long (while the server reads) is cut off")
+    body_min_bytes_per_second: int = Field(
+        64 << 10, description="bytes per second a request body must average once it has run body_idle_timeout_seconds "
+                              "(time the server is not reading excluded); 0 turns the check off")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain: serve HTTPS (with tls_key)")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
 
     # -- tiers (built by server.store.build_store) -----------------------------------------
     cpu_bytes: int = Field(4 << 30, description="CPU tier budget; 0 turns the tier off")
@@ -191,6 +201,9 @@ class ServerSettings(BaseSettings):
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(2 << 30, description="largest request body (a batch of frames)")
+    max_inflight_body_bytes: int = Field(
+        2 << 30, description="request-body bytes received and not yet stored, over all requests; a request that "
+                             "would pass it is answered 503")
     max_frame_bytes: int = Field(256 << 20, description="largest single frame")
     max_lookup_hashes: int = Field(1 << 16, ge=1, description="most hashes in one lookup")
     max_chain_blocks: int = Field(1 << 20, ge=1, description="longest chain a frame's position may claim")
@@ -212,7 +225,8 @@ class ServerSettings(BaseSettings):
     metrics_max_owners: int = Field(
         64, ge=1, le=10_000, description="most (namespace, model) label pairs in metrics; more count as _other")
 
-    @field_validator("cpu_bytes", "disk_bytes", "redis_bytes", "max_body_bytes", "max_frame_bytes", mode="before")
+    @field_validator("cpu_bytes", "disk_bytes", "redis_bytes", "max_body_bytes", "max_frame_bytes",
+                     "max_inflight_body_bytes", "body_min_bytes_per_second", mode="before")
     @classmethod
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
@@ -251,6 +265,13 @@ class ServerSettings(BaseSettings):
     def _path(cls, value: Any) -> Any:
         return Path(value).expanduser() if isinstance(value, (str, Path)) else value
 
+    @field_validator("tls_cert", "tls_key", mode="before")
+    @classmethod
+    def _optional_path(cls, value: Any) -> Any:
+        if value is None or value == "":
+            return None  # CACHESEEK_TLS_CERT= (empty) means plain HTTP
+        return Path(value).expanduser() if isinstance(value, (str, Path)) else value
+
     @field_validator("tenants")
     @classmethod
     def _tenant_names(cls, value: dict[str, TenantTokens]) -> dict[str, TenantTokens]:
@@ -268,6 +289,11 @@ class ServerSettings(BaseSettings):
                              f"redis_breaker_base_seconds ({self.redis_breaker_base_seconds})")
         if self.max_frame_bytes > self.max_body_bytes:
             raise ValueError(f"max_frame_bytes ({self.max_frame_bytes}) exceeds max_body_bytes ({self.max_body_bytes})")
+        if self.max_body_bytes > self.max_inflight_body_bytes:
+            raise ValueError(f"max_body_bytes ({self.max_body_bytes}) exceeds max_inflight_body_bytes "
+                             f"({self.max_inflight_body_bytes}): such a body could never be received")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key: set both (HTTPS) or neither (plain HTTP)")
         if self.read_token is not None and self.write_token is None:
             raise ValueError("read_token is set but write_token is not: writes would be open to anyone")
         tokens = [t.get_secret_value() for t in (self.read_token, self.write_token, self.admin_token) if t is not None]

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cacheseek.errors import FrameError, InputError, StorageError
 
@@ -61,6 +62,15 @@ class NotReady(ServiceError):
     """The service is starting or shutting down."""
 
 
+class Busy(ServiceError):
+    """Request bodies in flight are at ``max_inflight_body_bytes``: retry later."""
+
+
+class ClientGone(BadRequest):
+    """The client closed the connection (or was cut off as too slow) before its body ended.
+    The answer reaches no one; it is not an error of the server, and it is not logged as one."""
+
+
 # error class -> HTTP status; the most specific class in an exception's MRO wins.
 STATUS: dict[type[BaseException], int] = {
     BadRequest: 400,
@@ -75,7 +85,9 @@ STATUS: dict[type[BaseException], int] = {
     BatchTooLarge: 413,
     RequestValidationError: 422,
     BadLookup: 422,
+    ClientDisconnect: 400,  # the client went away mid-body (starlette's own reading of a body)
     NotReady: 503,
+    Busy: 503,
     StorageError: 507,  # no tier could take the block: the store is full or its disk fails
 }
 
@@ -88,7 +100,7 @@ def status_of(exc: BaseException) -> int | None:
 
 
 def error_response(status: int, reason: str) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
     return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
 
@@ -99,6 +111,8 @@ def _reason(exc: BaseException) -> str:
             loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         return "; ".join(parts) or "invalid request body"
+    if isinstance(exc, ClientDisconnect):
+        return "the client went away before its body ended"
     return str(exc) or type(exc).__name__
 
 

@@ -290,6 +290,10 @@ class Metrics:
             out["namespaces"] = [u for u in out.get("namespaces", []) if u["namespace"] == namespace]
         return out
 
+    def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:
+        """Report request bodies in flight (``server.limits.BodyBudget.stats``) at scrape time."""
+        self.registry.register(_BodiesCollector(stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -522,3 +526,24 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_and_watch)
         finally:
             self.metrics.request(self._label(scope), scope.get("method", ""), status, time.perf_counter() - start)
+
+
+class _BodiesCollector(Collector):
+    """Request bodies in flight (``server.limits.BodyBudget``), read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, int]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        s = self._stats()
+        for name, key, help_ in (
+                ("cacheseek_http_body_bytes_in_flight", "in_flight_bytes", "Request-body bytes received, not yet stored"),
+                ("cacheseek_http_body_bytes_in_flight_peak", "peak_bytes", "Most request-body bytes in flight at once"),
+                ("cacheseek_http_body_bytes_in_flight_limit", "limit_bytes", "max_inflight_body_bytes")):
+            family = GaugeMetricFamily(name, help_)
+            family.add_metric([], float(s[key]))
+            yield family
+        family = CounterMetricFamily("cacheseek_http_bodies_refused",
+                                     "Requests answered 503: bodies in flight at max_inflight_body_bytes")
+        family.add_metric([], float(s["refused"]))
+        yield family

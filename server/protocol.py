@@ -22,33 +22,74 @@ reads the rest of the body into ``view`` directly: one copy, by the kernel, as
 is replaced by a fresh one for the next request. This needs the body's length up front
 (Content-Length); a chunked body goes through the pieces.
 
-This overrides methods of uvicorn's classes; ``protocol_class()`` checks that they look as
-expected and otherwise returns None, and the server falls back to plain ``httptools``.
+The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
+headers must arrive within ``header_timeout_seconds`` of its first byte (or of the connection's
+opening), and while the server is reading a body, the body must not go ``body_idle_timeout_seconds``
+without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); a
+connection that breaks them is closed, and the app sees its client gone.
+
+This overrides methods of uvicorn's classes, which are not a public interface: uvicorn and
+httptools are pinned to the range this was tested with (pyproject.toml), and
+``protocol_class()`` checks the versions and that every method it replaces or relies on
+still reads as expected. Otherwise it returns None with the reason (``fast_path_problem``),
+the server falls back to uvicorn's own httptools protocol, says so at start (a warning) and
+in ``/readyz`` (``receive_path``), and the test suite fails (``tests/test_protocol.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 HIGH_WATER = 1 << 20
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
+BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
+# The releases this module was tested with ([low, high)): pyproject.toml pins the same range.
+UVICORN_RANGE = ((0, 54), (0, 55))
+HTTPTOOLS_RANGE = ((0, 9), (0, 10))
+TICK_S = 1.0  # how often a body's progress is checked
+
+log = logging.getLogger("cacheseek.server")
 
 
-def protocol_class(high_water: int = HIGH_WATER) -> type | None:
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    header_timeout_seconds: float = 10.0
+    body_idle_timeout_seconds: float = 10.0
+    body_min_bytes_per_second: int = 64 << 10  # bytes per second, averaged once a body has run body_idle_timeout_seconds; 0: off
+
+
+def fast_path_problem() -> str | None:
+    """Why ``protocol_class()`` would return None, or None when the fast path is on."""
     try:
         import httptools
+        import uvicorn
         from uvicorn.protocols.http import httptools_impl as impl
-    except ImportError:  # no httptools
+    except ImportError as exc:  # no httptools
+        return f"cannot import uvicorn's httptools protocol: {exc}"
+    for name, version, (low, high) in (("uvicorn", uvicorn.__version__, UVICORN_RANGE),
+                                       ("httptools", httptools.__version__, HTTPTOOLS_RANGE)):
+        release = _release(version)
+        if release is None or not low <= release < high:
+            return (f"{name} {version} is outside the tested range >={'.'.join(map(str, low))},"
+                    f"<{'.'.join(map(str, high))}")
+    return _unexpected(impl)
+
+
+def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = ConnectionLimits()) -> type | None:
+    if fast_path_problem() is not None:
         return None
-    cycle_cls = getattr(impl, "RequestResponseCycle", None)
-    proto_cls = getattr(impl, "HttpToolsProtocol", None)
-    if cycle_cls is None or proto_cls is None or not _looks_as_expected(impl):
-        return None
+    import httptools
+    from uvicorn.protocols.http import httptools_impl as impl
+
+    cycle_cls = impl.RequestResponseCycle
+    proto_cls = impl.HttpToolsProtocol
 
     class PiecesCycle(cycle_cls):  # type: ignore[misc, valid-type]
         pieces: deque[Any]
@@ -117,25 +158,50 @@ def protocol_class(high_water: int = HIGH_WATER) -> type | None:
             received so far has been parsed: the parser stands inside this body)."""
             if self.body_length is None or self.body_length <= self.seen:
                 return None
-            self.reader = BodyTakeover(self.protocol, self, self.body_length - self.seen, high_water)
+            self.reader = BodyTakeover(self.protocol, self, self.body_length - self.seen, high_water,
+                                       self.protocol.watch)
             self.transport.set_protocol(self.reader)
             return self.reader
 
     class PiecesProtocol(proto_cls):  # type: ignore[misc, valid-type]
+        watch: Watchdog
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.watch = Watchdog(self, limits)
+            self.watch.expect_headers()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.watch.stop()
+            super().connection_lost(exc)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.watch.expect_headers()
+
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = getattr(self, "cycle", None)
+            body_length = _body_length(self.headers)
+            self.watch.headers_done(expect_body=body_length != 0)
             if cycle is not None and type(cycle) is cycle_cls:
                 cycle.__class__ = PiecesCycle
                 cycle.pieces = deque()
                 cycle.waiting = 0
                 cycle.protocol = self
-                cycle.body_length = _body_length(self.headers)
+                cycle.body_length = body_length
                 cycle.seen = 0
                 cycle.reader = None
-                cycle.scope.setdefault("extensions", {})[BODY_INTO] = cycle.receive_into
+                extensions = cycle.scope.setdefault("extensions", {})
+                extensions[BODY_INTO] = cycle.receive_into
+                extensions[BODY_GONE] = lambda: cycle.disconnected
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self.watch.body_done()
 
         def on_body(self, body: bytes) -> None:
+            self.watch.received(len(body))
             cycle = self.cycle
             if not isinstance(cycle, PiecesCycle):
                 return super().on_body(body)
@@ -167,8 +233,9 @@ class BodyTakeover(asyncio.BufferedProtocol):
     the next request's bytes stay in the socket for the HTTP protocol, which it puts back
     (with a fresh parser) when the body is done."""
 
-    def __init__(self, protocol: Any, cycle: Any, left: int, high_water: int) -> None:
+    def __init__(self, protocol: Any, cycle: Any, left: int, high_water: int, watch: Watchdog) -> None:
         self.protocol = protocol
+        self.watch = watch
         self.cycle = cycle
         self.left = left
         self.high_water = high_water
@@ -202,6 +269,7 @@ class BodyTakeover(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         cycle = self.cycle
         self.left -= nbytes
+        self.watch.received(nbytes)
         if self.target is not None:
             if self.on_data is not None:
                 self.on_data(self.target[self.filled : self.filled + nbytes])
@@ -225,6 +293,7 @@ class BodyTakeover(asyncio.BufferedProtocol):
         protocol, cycle = self.protocol, self.cycle
         cycle.reader = None
         cycle.more_body = False
+        self.watch.body_done()
         protocol.fresh_parser()
         protocol.transport.set_protocol(protocol)
         cycle.message_event.set()
@@ -242,6 +311,97 @@ class BodyTakeover(asyncio.BufferedProtocol):
         self.protocol.resume_writing()
 
 
+class Watchdog:
+    """A connection's time limits: headers within ``header_timeout_seconds``; a body that the
+    server is reading gets a byte at least every ``body_idle_timeout_seconds`` and averages at least
+    ``body_min_bytes_per_second`` bytes a second once it has run that long. Time while the server has
+    paused reading (the app is busy, or its buffers are full) does not count."""
+
+    __slots__ = ("protocol", "limits", "loop", "header_timer", "tick_timer", "bytes", "seen", "active_s",
+                 "last_tick", "progress_at", "reading_body")
+
+    def __init__(self, protocol: Any, limits: ConnectionLimits) -> None:
+        self.protocol = protocol
+        self.limits = limits
+        self.loop = protocol.loop
+        self.header_timer: asyncio.TimerHandle | None = None
+        self.tick_timer: asyncio.TimerHandle | None = None
+        self.reading_body = False
+        self.bytes = self.seen = 0
+        self.active_s = self.last_tick = self.progress_at = 0.0
+
+    def expect_headers(self) -> None:
+        if self.header_timer is None:
+            self.header_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._cut,
+                                                     f"headers not complete within {self.limits.header_timeout_seconds:g} s")
+
+    def headers_done(self, *, expect_body: bool) -> None:
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+        if expect_body:
+            now = self.loop.time()
+            self.reading_body = True
+            self.bytes = self.seen = 0
+            self.active_s = 0.0
+            self.last_tick = self.progress_at = now
+            if self.tick_timer is None:
+                self.tick_timer = self.loop.call_later(TICK_S, self._tick)
+
+    def received(self, nbytes: int) -> None:
+        self.bytes += nbytes
+
+    def body_done(self) -> None:
+        self.reading_body = False
+        if self.tick_timer is not None:
+            self.tick_timer.cancel()
+            self.tick_timer = None
+
+    def stop(self) -> None:
+        self.body_done()
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
+    def _tick(self) -> None:
+        self.tick_timer = None
+        if not self.reading_body:
+            return
+        now = self.loop.time()
+        elapsed, self.last_tick = now - self.last_tick, now
+        limits = self.limits
+        if self.bytes > self.seen or self.protocol.flow.read_paused:
+            self.seen = self.bytes
+            self.progress_at = now  # the server not reading is no fault of the client's
+        else:
+            if now - self.progress_at >= limits.body_idle_timeout_seconds:
+                return self._cut(f"no body byte for {limits.body_idle_timeout_seconds:g} s")
+        if not self.protocol.flow.read_paused:
+            self.active_s += elapsed
+        if limits.body_min_bytes_per_second and self.active_s >= limits.body_idle_timeout_seconds \
+                and self.bytes < limits.body_min_bytes_per_second * self.active_s:
+            return self._cut(f"body arriving at {self.bytes / self.active_s:.0f} B/s, under body_min_bytes_per_second "
+                             f"({limits.body_min_bytes_per_second})")
+        self.tick_timer = self.loop.call_later(TICK_S, self._tick)
+
+    def _cut(self, why: str) -> None:
+        self.header_timer = None
+        self.stop()
+        transport = self.protocol.transport
+        if transport is not None and not transport.is_closing():
+            client = self.protocol.client
+            log.info("closing the connection of %s: %s", f"{client[0]}:{client[1]}" if client else "a client", why)
+            transport.close()
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
 def _body_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The Content-Length of a request (names lowercased), or None when it is chunked or unreadable."""
     length = None
@@ -256,19 +416,39 @@ def _body_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return length if length is not None else 0
 
 
-def _looks_as_expected(impl: Any) -> bool:
-    """The methods replaced or relied on here still do what they did in the uvicorn this was
-    written for."""
+def _unexpected(impl: Any) -> str | None:
+    """None when every method and attribute of uvicorn's that this module replaces or relies
+    on still reads as it did in the releases it was tested with; else what differs."""
+    proto, cycle = getattr(impl, "HttpToolsProtocol", None), getattr(impl, "RequestResponseCycle", None)
+    if proto is None or cycle is None:
+        return "uvicorn's httptools protocol classes are gone"
+    needed = {
+        (proto, "__init__"): ("self.parser = httptools.HttpRequestParser(self)", "self.loop =", "self.cycle",
+                              "self.transport", "self.flow", "self.client", "self.headers"),
+        (proto, "connection_made"): ("self.transport = transport", "self.flow = FlowControl(transport)"),
+        (proto, "connection_lost"): ("self.cycle.disconnected = True", "self.cycle.message_event.set()"),
+        (proto, "on_message_begin"): ("self.headers = []",),
+        (proto, "on_headers_complete"): ("self.cycle = RequestResponseCycle(",),
+        (proto, "on_body"): ("self.cycle.body += body", "pause_reading", "self._should_upgrade()"),
+        (proto, "on_message_complete"): ("self.cycle.more_body = False",),
+        (proto, "eof_received"): (),
+        (proto, "pause_writing"): (),
+        (proto, "resume_writing"): (),
+        (cycle, "__init__"): ("self.disconnected", "self.response_complete", "self.more_body", "self.message_event",
+                              "self.waiting_for_100_continue", "self.transport", "self.flow", "self.scope"),
+        (cycle, "receive"): ("bytes(self.body)", "resume_reading", "waiting_for_100_continue"),
+    }
     try:
-        on_body = inspect.getsource(impl.HttpToolsProtocol.on_body)
-        receive = inspect.getsource(impl.RequestResponseCycle.receive)
-        init = inspect.getsource(impl.HttpToolsProtocol.__init__)
-        complete = inspect.getsource(impl.HttpToolsProtocol.on_message_complete)
-        headers = inspect.getsource(impl.HttpToolsProtocol.on_headers_complete)
-    except (OSError, TypeError, AttributeError):
-        return False
-    return ("self.cycle.body += body" in on_body and "pause_reading" in on_body
-            and "bytes(self.body)" in receive and "resume_reading" in receive
-            and "self.parser = httptools.HttpRequestParser(self)" in init
-            and "self.cycle.more_body = False" in complete
-            and "self.cycle = RequestResponseCycle(" in headers)
+        from uvicorn.protocols.http.flow_control import FlowControl
+
+        flow = inspect.getsource(FlowControl)
+        for cls_, name in needed:
+            text = inspect.getsource(getattr(cls_, name))
+            for expected in needed[(cls_, name)]:
+                if expected not in text:
+                    return f"uvicorn's {cls_.__name__}.{name} no longer has {expected!r}"
+    except (OSError, TypeError, AttributeError, ImportError) as exc:
+        return f"cannot read uvicorn's source: {exc}"
+    if "self.read_paused" not in flow:
+        return "uvicorn's FlowControl has no read_paused"
+    return None

@@ -317,6 +317,12 @@ class BlockService:
         """The store's figures, with usage per owner (``namespaces``)."""
         return {**self.store.stats(), "namespaces": self.owners.usage()}
 
+    def release_free_memory(self) -> None:
+        """Hand the pages of the CPU tier's free memory back to the OS (after aborted uploads)."""
+        top = self.store.tiers[0] if self.store.tiers else None
+        if isinstance(top, CpuTier):
+            top.release_free()
+
 
 def _forget_frames(exc: BaseException) -> None:
     """Drop the stack frames that ``exc`` and the exceptions it chains keep alive."""

@@ -9,6 +9,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,11 +40,12 @@ class Server:
     """One ``cacheseek serve`` process. ``with Server(tmp_path) as srv: srv.url``."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
-                 cpu_bytes: str = "64MiB") -> None:
+                 cpu_bytes: str = "64MiB", verify: ssl.SSLContext | bool = True) -> None:
         self.root = Path(root)
         self.disk_path = self.root / "disk"
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify  # for https: the CA bundle that signed the server's certificate
+        self.url = f"{'https' if '--tls-cert' in args else 'http'}://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), "--cpu-bytes", cpu_bytes, "--log-level", "warning",
                      "--disk-path", str(self.disk_path), "--disk-bytes", "1GiB" if disk else "0", *args]
         self.env = {**os.environ, "XDG_CACHE_HOME": str(self.root / "xdg"), **(env or {})}
@@ -61,7 +63,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"cacheseek serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1.0).status_code == 200:
+                if httpx.get(self.url + "/readyz", timeout=1.0, verify=self.verify).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -83,6 +85,14 @@ class Server:
             self.kill()
             raise RuntimeError(f"cacheseek serve ignored SIGTERM for {timeout}s:\n{self.output()}") from None
 
+    def rss_bytes(self) -> int:
+        """The server process's resident memory (VmRSS)."""
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmRSS")
+
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -93,6 +103,18 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.kill() if exc[0] is not None else self.stop()
+
+
+def bodies(client: httpx.Client | str) -> dict[str, float]:
+    """The server's request bodies in flight, from ``/metrics``: ``in_flight_bytes``, ``refused``."""
+    text = (client.get("/metrics") if isinstance(client, httpx.Client) else httpx.get(client + "/metrics")).text
+    names = {"cacheseek_http_body_bytes_in_flight": "in_flight_bytes", "cacheseek_http_bodies_refused_total": "refused"}
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+    return out
 
 
 def raw_frame(seed: int, *, position: int = 0, parent: bytes | None = None, block_hash: bytes | None = None,

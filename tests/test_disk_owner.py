@@ -66,6 +66,7 @@ def test_two_servers_on_one_directory_the_second_fails_clearly(tmp_path):
         with pytest.raises(RuntimeError, match="exited") as info:
             second.start()
         assert f"{tmp_path / 'disk'} is in use by another process (pid {first.proc.pid}" in str(info.value)
+        assert "exited with 2" in str(info.value) and "Traceback" not in str(info.value)  # a setting's exit code
         assert httpx.get(first.url + "/readyz").status_code == 200  # the owner is unharmed
 
 

@@ -168,9 +168,17 @@ def test_a_client_gone_mid_body_ends_the_read_short(server):
         assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
 
 
-def test_protocol_class_is_none_when_uvicorn_looks_different(monkeypatch):
+def test_the_fast_path_is_on_with_the_pinned_uvicorn_and_off_loudly_otherwise(monkeypatch):
+    import uvicorn
     from uvicorn.protocols.http import httptools_impl
 
-    assert protocol_class() is not None
+    from cacheseek.server.protocol import fast_path_problem
+
+    # The installed uvicorn and httptools are in the pinned range, and read as expected: when
+    # a release changes what server.protocol relies on, this fails (and the server warns).
+    assert fast_path_problem() is None and protocol_class() is not None
+    monkeypatch.setattr(uvicorn, "__version__", "0.99.0")
+    assert "uvicorn 0.99.0 is outside the tested range" in fast_path_problem() and protocol_class() is None
+    monkeypatch.undo()
     monkeypatch.setattr(httptools_impl.HttpToolsProtocol, "on_message_complete", lambda self: None)
-    assert protocol_class() is None
+    assert "on_message_complete" in fast_path_problem() and protocol_class() is None

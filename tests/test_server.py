@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cacheseek.store.frame import parse_frame
-from server_helpers import Server, batch_body, cacheseek_command, raw_chain, raw_frame, split_batch
+from server_helpers import Server, batch_body, bodies, cacheseek_command, raw_chain, raw_frame, split_batch
 
 LIMITS = ("--max-frame-bytes", "256KiB", "--max-body-bytes", "1MiB", "--max-lookup-hashes", "1000")
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -205,6 +205,7 @@ def test_each_kind_of_bad_input_gets_its_status_and_changes_nothing(client):
         assert r.status_code == status, (name, r.status_code, r.text)
         assert "error" in r.json() and reason in r.json()["error"], (name, r.text)
         assert stored_figures(client) == before, name
+        assert bodies(client)["in_flight_bytes"] == 0, name
     assert client.get(f"/v1/blocks/{h.hex()}").content == frame
 
 
@@ -288,8 +289,21 @@ def test_openapi_docs_health_and_stats(client):
     assert "LookupResponse" in str(lookup["responses"]["200"])
     assert client.get("/docs").status_code == 200
     assert client.get("/healthz").json() == {"status": "ok"}
+    # The fast receive path is on (a uvicorn outside the pinned range, or one whose internals
+    # changed, turns it off: this fails then, as the server's start warns).
     ready = client.get("/readyz").json()
     assert ready["status"] == "ready" and ready["kernels"] == "not used" and "clients" in ready["kernels_reason"]
+    assert ready["receive_path"] == "in-place"
+    # The document states what the routes answer: 400 for bad input, 422 only for lookup bodies,
+    # and the pattern of a block hash.
+    for path, ops in paths.items():
+        for method, op in ops.items():
+            assert ("422" in op["responses"]) == ((path, method) == ("/v1/lookup", "post")), (path, method)
+            if path.startswith("/v1/"):
+                assert "400" in op["responses"], (path, method)
+            for param in op.get("parameters", []):
+                if param["name"] == "hash":
+                    assert param["schema"]["pattern"] == "^([0-9a-f]{32}|[0-9a-f]{64})$"
     stats = client.get("/v1/stats").json()
     assert [t["name"] for t in stats["tiers"]] == ["cpu", "disk"]
     for key in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions", "bytes_in", "bytes_out",

@@ -149,6 +149,11 @@ class HostArena:
         return sum(c.nbytes for c in self._chunks)
 
     @property
+    def limit_bytes(self) -> int:
+        """The most this arena maps: its capacity, or more where a chunk rounded past it."""
+        return max(self.capacity_bytes, self.reserved_bytes)
+
+    @property
     def pinned(self) -> bool:
         return bool(self._chunks) and all(c.pinned for c in self._chunks)
 
@@ -201,6 +206,24 @@ class HostArena:
             self._zombies.append(slot)
         else:
             slot.chunk.free(slot.offset, slot.nbytes)
+
+    def release_free(self) -> int:
+        """``madvise(MADV_DONTNEED)`` the whole pages of every free extent of the unpinned
+        chunks: the OS takes those pages back (RSS falls) and hands out zeroed ones when they
+        are written again. Returns the bytes released."""
+        self.reap()
+        released = 0
+        page = mmap.PAGESIZE
+        for chunk in self._chunks:
+            if chunk.pinned or not hasattr(chunk, "_mmap"):
+                continue
+            for offset, size in zip(chunk.free_offsets, chunk.free_sizes):
+                start = -(-offset // page) * page
+                end = (offset + size) // page * page
+                if end > start:
+                    chunk._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+                    released += end - start
+        return released
 
     def reap(self) -> None:
         """Release zombies whose last view has gone."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .arena import HostArena, Slot
+from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult, Reservation
@@ -245,6 +246,13 @@ class CpuTier(IndexedTier):
             limit = self.capacity_bytes + self.reserve_bytes
             if self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
                 return None
+            # Frames that may be held for long (a server receiving from a slow client) get only
+            # the arena's room beyond the budget (the reserve, and whatever a chunk rounded past
+            # it): a whole budget of stored blocks always fits beside them, so a put never evicts
+            # for a reservation while the budget has room.
+            lendable = self._arena.limit_bytes - self.capacity_bytes
+            if not grow and self._reserved_bytes + _aligned(nbytes) * count > lendable:
+                return None
             grow = grow or self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
             slots = self._arena.allocate_run(nbytes, count, grow=grow)
             if slots is None:
@@ -294,6 +302,12 @@ class CpuTier(IndexedTier):
         with self._lock:
             if reservation.slot is not None:
                 self._arena.free(self._take_back(reservation))
+
+    def release_free(self) -> int:
+        """Hand the pages of the arena's free memory back to the OS (after a burst of
+        aborted reservations, say); they are faulted in again when reused. Returns bytes."""
+        with self._lock:
+            return self._arena.release_free()
 
     def _take_back(self, reservation: Reservation) -> Slot:
         slot, reservation.slot = reservation.slot, None

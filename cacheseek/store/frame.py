@@ -306,7 +306,9 @@ def parse_header(data: Any) -> FrameMeta:
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise FrameError(f"header is not valid msgpack: {exc}") from None
     _expect(isinstance(h, dict) and h.keys() == _HEADER_KEYS, "header keys must be {}", _HEADER_KEYS_TEXT)
-    _expect(h["v"] == FORMAT_VERSION, "frame format version {!r:.20} is not {}", h["v"], FORMAT_VERSION)
+    # ``type(...) is int``: msgpack's 1.0 and true compare equal to 1, and are not versions.
+    _expect(type(h["v"]) is int and h["v"] == FORMAT_VERSION, "frame format version {!r:.20} is not {}", h["v"],
+            FORMAT_VERSION)
     for key in ("hash", "parent"):
         _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, "{}: not a 16- or 32-byte hash", key)
     _expect(len(h["hash"]) == len(h["parent"]), "hash and parent differ in size")
@@ -353,6 +355,10 @@ def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None 
     _expect(view.nbytes >= meta.nbytes, "frame truncated: {} of {} bytes", view.nbytes, meta.nbytes)
     _expect(view.nbytes == meta.nbytes, "frame has {} trailing bytes", view.nbytes - meta.nbytes)
     if verify:
+        # No checksum covers the padding after the header: it must be zeros, so that no byte
+        # of a frame is free to carry anything.
+        pad = view[PREAMBLE.size + meta.header_nbytes : meta.payload_offset]
+        _expect(bytes(pad) == bytes(pad.nbytes), "the padding after the header is not zeros")
         digest = payload_digest if payload_digest is not None else payload_checksum(view[meta.payload_offset :])
         if digest != meta.checksum:
             raise ChecksumError("payload checksum mismatch")
@@ -366,8 +372,11 @@ def check_codec_layout(meta: FrameMeta) -> None:
     except ConfigError as exc:
         raise FrameError(f"codec: {exc}") from None
     lay = meta.layout
-    template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
-    want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    try:
+        template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
+        want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    except ValueError as exc:  # a geometry the codec cannot pack (head_dim 12 at int4, 4 tokens in a group of 32)
+        raise FrameError(f"codec {meta.codec.get('name')!r:.20} cannot encode this layout and block size: {exc}") from None
     got = [(e.name, e.dtype, e.shape) for e in meta.tensors]
     _expect(got == want, "tensor entries do not match codec {!r} for this layout", meta.codec.get("name"))
 

@@ -1,23 +1,39 @@
-"""Reading request bodies under a limit, and the OpenAPI descriptions of binary bodies."""
+"""Reading request bodies under the limits, and the OpenAPI descriptions of binary bodies.
+
+Memory follows the bytes that arrive, not the ``Content-Length`` a client declares: a frame
+is received into a CPU-tier reservation (room the tier lends beyond its budget; the pages
+are touched only as bytes land), or into an anonymous mapping of its own (committed page
+by page as bytes land, unmapped when dropped), or, without a length (chunked), into pieces
+of at most ``PIECE`` bytes allocated as the bytes come; every byte is counted in the
+server's ``BodyBudget`` as it arrives (a request holds at most one step of ``STEP`` bytes
+beyond it).
+"""
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
 
 from cacheseek.batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
+from cacheseek.store.tier import Reservation
 
-from ..errors import BadRequest, TooLarge
-from ..protocol import BODY_INTO
+from ..errors import BadRequest, ClientGone, TooLarge
+from ..limits import BodyBytes
+from ..protocol import BODY_GONE, BODY_INTO
+
+PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
+STEP = 16 << 20  # bytes received into a frame's memory per budget check (one read for most frames)
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: BINARY},
                               "description": "one block frame"}}
 BATCH_BODY = {"requestBody": {"required": True, "content": {BATCH_CONTENT_TYPE: BINARY, FRAME_CONTENT_TYPE: BINARY},
                               "description": "frames, each preceded by its length as a u64 little-endian"}}
-ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}}}}}}
+ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}},
+                                                     "required": ["error"]}}}}
 
 
 def declared_length(request: Request, limit: int, what: str) -> int | None:
@@ -25,10 +41,9 @@ def declared_length(request: Request, limit: int, what: str) -> int | None:
     header = request.headers.get("content-length")
     if header is None:
         return None
-    try:
-        length = int(header)
-    except ValueError:
-        raise BadRequest(f"Content-Length {header!r:.40} is not a number") from None
+    if not header.isascii() or not header.isdigit():
+        raise BadRequest(f"Content-Length {header!r:.40} is not a number")
+    length = int(header)
     if length > limit:
         raise TooLarge(f"body of {length} bytes exceeds {what} ({limit})")
     return length
@@ -40,11 +55,19 @@ class RequestBody:
     copied out of the ASGI messages."""
 
     def __init__(self, request: Request) -> None:
-        self._into = request.scope.get("extensions", {}).get(BODY_INTO)
+        extensions = request.scope.get("extensions") or {}
+        self._into = extensions.get(BODY_INTO)
+        self._gone_check = extensions.get(BODY_GONE)
         self._receive = request.receive
         self._rest = memoryview(b"")
         self._more = True
+        self._gone = False
         self.received = 0
+
+    @property
+    def gone(self) -> bool:
+        """The client went away (or was cut off) before the body ended."""
+        return self._gone or (self._gone_check is not None and self._gone_check())
 
     async def read_into(self, buf: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
         """Fill ``buf`` with the next body bytes; fewer only where the body ends (or the client
@@ -59,7 +82,10 @@ class RequestBody:
                     if not self._more:
                         break
                     message = await self._receive()
-                    self._more = message["type"] == "http.request" and message.get("more_body", False)
+                    if message["type"] == "http.disconnect":
+                        self._gone, self._more = True, False
+                        break
+                    self._more = message.get("more_body", False)
                     self._rest = memoryview(message.get("body", b"")).cast("B")
                     continue
                 k = min(self._rest.nbytes, view.nbytes - n)
@@ -72,22 +98,73 @@ class RequestBody:
         return n
 
 
-async def read_frame_body(request: Request, limit: int,
-                          on_data: Callable[[memoryview], None] | None = None) -> bytearray:
-    """The whole body in one buffer (allocated once when the length is declared); ``on_data``
-    gets each piece as it arrives."""
-    length = declared_length(request, limit, "max_frame_bytes")
-    if length is not None:
-        buf = bytearray(length)
-        filled = await RequestBody(request).read_into(buf, on_data)
-        if filled != length:
-            raise BadRequest(f"body ended after {filled} of {length} bytes")
+async def receive_frame(body: RequestBody, length: int | None, limit: int, held: BodyBytes,
+                        reservation: Reservation | None, on_data: Callable[[memoryview], None]) -> Any:
+    """Receive one frame of ``length`` bytes (None: to the end of the body, at most
+    ``limit``) into ``reservation`` (returns None) or into a writable buffer of its own
+    (returned: an anonymous mmap for a frame over ``PIECE``, else a bytearray).
+    Every byte is counted in the budget as it arrives, a step at a time; a body that ends early is
+    ``ClientGone`` when its client went away, else a ``BadRequest``."""
+    if reservation is not None:
+        assert length is not None
+        view = reservation.view()
+        filled = 0
+        try:
+            while filled < length:
+                step = min(STEP, length - filled)
+                n = await body.read_into(view[filled : filled + step], on_data)
+                held.take(n)
+                filled += n
+                if n < step:
+                    raise _short(body, filled, length)
+        finally:
+            del view  # the tier reuses a slot only once no view of it is alive
+        return None
+    if length is not None and length > PIECE:
+        # A buffer of its own, mapped for the declared length but committed by the OS page by
+        # page as the bytes land (nothing is zero-filled ahead, and a client that stalls costs
+        # what it sent); unmapped, so given back to the OS, when the frame is dropped.
+        buf = mmap.mmap(-1, length)
+        view = memoryview(buf)
+        filled = 0
+        try:
+            while filled < length:
+                step = min(STEP, length - filled)
+                n = await body.read_into(view[filled : filled + step], on_data)
+                held.take(n)
+                filled += n
+                if n < step:
+                    raise _short(body, filled, length)
+        finally:
+            view.release()
         return buf
-    buf = bytearray()
-    async for chunk in request.stream():
-        if len(buf) + len(chunk) > limit:
+    pieces: list[bytearray] = []
+    total = 0
+    while length is None or total < length:
+        want = PIECE if length is None else min(PIECE, length - total)
+        if length is None and total + want > limit:
+            want = limit - total + 1  # one byte past the limit tells an over-long body from one that ends there
+        piece = bytearray(want)
+        n = await body.read_into(piece, on_data)
+        held.take(n)
+        total += n
+        if n < want:
+            del piece[n:]
+        if n:
+            pieces.append(piece)
+        if length is None and total > limit:
             raise TooLarge(f"body exceeds max_frame_bytes ({limit})")
-        buf += chunk
-        if on_data is not None:
-            on_data(memoryview(chunk))
-    return buf
+        if n < want:
+            if length is not None or body.gone:
+                raise _short(body, total, length)
+            break
+    if len(pieces) == 1:
+        return pieces[0]
+    return bytearray().join(pieces)
+
+
+def _short(body: RequestBody, filled: int, length: int | None) -> BadRequest:
+    of = f" of {length}" if length is not None else ""
+    if body.gone:
+        return ClientGone(f"the client went away after {filled}{of} bytes of its body")
+    return BadRequest(f"body ended after {filled}{of} bytes")

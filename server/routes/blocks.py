@@ -16,10 +16,11 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, c
 
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
-from ..errors import BadRequest
+from ..errors import BadRequest, ClientGone
+from ..limits import BodyBudget, BodyBytes
 from ..metrics import clean_label, client_headers
 from ..service import Incoming
-from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, read_frame_body
+from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, receive_frame
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
@@ -29,35 +30,42 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
 @router.put(
     "/{hash}", status_code=201, openapi_extra=FRAME_BODY,
     responses={200: {"description": "already stored", **PUT_RESULT}, 201: {"description": "stored", **PUT_RESULT},
-               400: {"description": "malformed or truncated frame", **ERROR},
+               400: {"description": "malformed or truncated frame, bad hash or header", **ERROR},
                409: {"description": "the frame's header hash is not the URL's", **ERROR},
-               413: {"description": "over max_frame_bytes", **ERROR}, 507: {"description": "no tier could store it", **ERROR}},
+               413: {"description": "over max_frame_bytes", **ERROR},
+               503: {"description": "request bodies in flight are at max_inflight_body_bytes", **ERROR},
+               507: {"description": "no tier could store it", **ERROR}},
 )
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
     length = declared_length(request, settings.max_frame_bytes, "max_frame_bytes")
     model = clean_label(client_headers(request.headers)[0])
+    budget: BodyBudget = request.app.state.body_budget
+    budget.admit()
+    held = BodyBytes(budget)
+    # Room in the top tier's reserve, where the frame will live: its pages are touched only
+    # as the bytes land. None: no length declared, or the reserve is lent out.
     reservation = service.store.reserve(length) if length else None
     # The payload is hashed piece by piece as it lands, while each piece is in cache.
     checksum = PayloadChecksum()
-    if reservation is None:  # no length declared, or no room in the top tier without evicting
-        buf = await read_frame_body(request, settings.max_frame_bytes, checksum.feed)
-        # One hand-off to a worker thread for the check and the store (a copy, evictions, disk I/O).
-        report = await run_in_threadpool(partial(service.check_and_put, caller.namespace, buf, hash, checksum.digest(),
-                                                 model=model))
-    else:
-        # The body goes straight into the top tier's memory, where the frame will live.
-        try:
-            filled = await RequestBody(request).read_into(reservation.view(), checksum.feed)
-            if filled != length:
-                raise BadRequest(f"body ended after {filled} of {length} bytes")
+    try:
+        buf = await receive_frame(RequestBody(request), length, settings.max_frame_bytes, held, reservation,
+                                  checksum.feed)
+        if reservation is None:
+            # One hand-off to a worker thread for the check and the store (a copy, evictions, disk I/O).
+            report = await run_in_threadpool(partial(service.check_and_put, caller.namespace, buf, hash,
+                                                     checksum.digest(), model=model))
+        else:
             commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest(),
                              model=model)
             # What is left (parse the header, publish) takes ~0.1 ms: a thread hand-off costs
             # as much, unless storing does I/O (a disk or Redis tier).
             report = commit() if service.store.in_memory else await run_in_threadpool(commit)
-        finally:
+        held.settle(held.held, stored=report.status == "stored")
+    finally:
+        if reservation is not None:
             service.store.abort(reservation)  # nothing, once committed
+        held.close()
     service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), [report])
     if report.status == "failed":
         raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
@@ -68,13 +76,17 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
     "", openapi_extra=BATCH_BODY,
     responses={200: {"description": "one result per frame, in order: status stored, present or failed"},
                400: {"description": "a malformed or truncated frame, or a body that ends mid-frame", **ERROR},
-               413: {"description": "a frame over max_frame_bytes or a body over max_body_bytes", **ERROR}},
+               413: {"description": "a frame over max_frame_bytes or a body over max_body_bytes", **ERROR},
+               503: {"description": "request bodies in flight are at max_inflight_body_bytes", **ERROR}},
 )
 async def post_blocks(caller: Writer, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store a batch of length-prefixed frames, streamed: each frame is received straight
     into the top tier's memory where there is room (else into a buffer of its own), hashed
     as it lands, and checked as soon as it is whole. If any frame is bad, nothing is stored."""
     declared_length(request, settings.max_body_bytes, "max_body_bytes")
+    budget: BodyBudget = request.app.state.body_budget
+    budget.admit()
+    held = BodyBytes(budget)
     body = RequestBody(request)
     frames: list[Incoming] = []
     reservations: list[Reservation] = []
@@ -83,12 +95,14 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             where = f"frame {len(frames)}"
             checksum = PayloadChecksum()
             reservation = service.store.reserve(length)
-            buf = bytearray(length) if reservation is None else None
             if reservation is not None:
                 reservations.append(reservation)
-            filled = await body.read_into(buf if reservation is None else reservation.view(), checksum.feed)
-            if filled != length:
-                raise BatchFormatError(f"{where}: body ended after {filled} of {length} declared bytes")
+            try:
+                buf = await receive_frame(body, length, length, held, reservation, checksum.feed)
+            except BadRequest as exc:
+                if isinstance(exc, ClientGone):
+                    raise
+                raise BatchFormatError(f"{where}: {exc}") from None
             # With the checksum computed as the frame arrived, what is left of the check
             # (~0.1 ms, no I/O) costs less here than a hand-off to a worker thread.
             if reservation is not None:
@@ -98,9 +112,12 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             del buf
         model = clean_label(client_headers(request.headers)[0])
         reports = await run_in_threadpool(partial(service.put, caller.namespace, frames, model=model))
+        stored = sum(frame.meta.nbytes for frame, report in zip(frames, reports) if report.status == "stored")
+        held.settle(stored, stored=True)
     finally:
         for reservation in reservations:
             service.store.abort(reservation)  # nothing, once committed
+        held.close()
     service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), reports)
     return JSONResponse([r.to_dict() for r in reports])
 
@@ -109,9 +126,11 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
     """The length prefix of frame ``index``, checked against the limits; None at the end of the body."""
     head = bytearray(LENGTH.size)
     filled = await body.read_into(head)
-    if filled == 0:
+    if filled == 0 and not body.gone:
         return None
     if filled < LENGTH.size:
+        if body.gone:
+            raise ClientGone(f"the client went away inside the length prefix of frame {index}")
         raise BatchFormatError(f"frame {index}: body ended inside a length prefix")
     (length,) = LENGTH.unpack(head)
     check_frame_length(index, length, body.received, max_frame_bytes=settings.max_frame_bytes,

@@ -29,8 +29,8 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of
-from ..errors import BadLookup
-from ._body import BINARY, ERROR
+from ..errors import BadLookup, TooLarge
+from ._body import BINARY, ERROR, declared_length
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
@@ -40,7 +40,7 @@ _TRUE, _FALSE = ("true", "1"), ("false", "0", "")
 
 
 class LookupRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # strict: "yes" or 1 is not a bool
     hashes: list[HexHash] = Field(description="block hashes in chain order, lowercase hex, all 32 or all 64 digits")
     each: bool = Field(False, description="also answer, for every hash, whether it is stored at all")
 
@@ -74,13 +74,18 @@ LOOKUP_DOC = {
 
 
 @router.post("/lookup", openapi_extra=LOOKUP_DOC, response_model=None,
-             responses={200: {"model": LookupResponse}, 422: {"description": "bad body", **ERROR}})
+             responses={200: {"model": LookupResponse},
+                        400: {"description": "a bad namespace header", **ERROR},
+                        413: {"description": "a body longer than max_lookup_hashes hashes can be", **ERROR},
+                        422: {"description": "a body that is not JSON of this shape, or not a whole number of hashes, "
+                                             "a bad hash_bytes or each, too many hashes", **ERROR}})
 async def lookup(request: Request) -> JSONResponse:
     """The longest stored prefix of the chain ``hashes``, with the tier holding each block."""
     caller = caller_of(request, write=False)
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
-    body = await request.body()
+    # A lookup body is small: at most max_lookup_hashes hashes of 64 hex digits, JSON-quoted.
+    body = await _small_body(request, 72 * limit + 1024)
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, each = _binary_hashes(body, request, limit)
@@ -109,6 +114,20 @@ class _LabelledRoute(Route):
         if match != Match.NONE:
             child["route"] = self
         return match, child
+
+
+async def _small_body(request: Request, limit: int) -> bytes:
+    """The body, refused (413) once it passes ``limit`` bytes, before or while it arrives."""
+    length = declared_length(request, limit, "a lookup of max_lookup_hashes hashes")
+    if length is not None:
+        request.app.state.body_budget.admit()
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise TooLarge(f"body exceeds {limit} bytes, a lookup of max_lookup_hashes hashes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def install(app: FastAPI) -> None:

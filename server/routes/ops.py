@@ -9,18 +9,31 @@ from starlette.concurrency import run_in_threadpool
 from ..deps import Reader, Service
 from ..errors import NotReady
 from ..metrics import PROMETHEUS_CONTENT_TYPE
+from ..protocol import BODY_INTO
+from ._body import ERROR
 
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/v1/stats")
+HOST_DETAILS = ("path", "url", "redis_url")  # tier figures that tell where the server keeps its data
+
+
+@router.get("/v1/stats", responses={400: {"description": "a bad namespace header", **ERROR},
+                                    401: {"description": "a token is required", **ERROR},
+                                    403: {"description": "token not accepted", **ERROR}})
 async def stats(caller: Reader, service: Service, request: Request) -> JSONResponse:
     """The figures ``/metrics`` shows, as JSON (docs/operations.md): per tier as stored and as
     unique blocks, store-wide distinct bytes and compression, traffic (lookups, hit rate,
     ingest, materialize) per namespace and model, usage per namespace and model, request
-    latencies. A tenant's token sees only its own namespace's traffic and usage."""
+    latencies. A tenant's token sees only its own namespace's traffic and usage, and no host
+    details (the disk tier's path)."""
     metrics = request.app.state.metrics
-    return JSONResponse(await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None))
+    out = await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None)
+    if caller.bound:
+        for tier in out.get("tiers", []):
+            for key in HOST_DETAILS:
+                tier.pop(key, None)
+    return JSONResponse(out)
 
 
 @router.get("/metrics", response_class=Response,
@@ -43,9 +56,13 @@ KERNELS = {"kernels": "not used",
                              "(RemoteCache.stats() says which kernels a client runs)"}
 
 
-@router.get("/readyz", responses={503: {"description": "starting or shutting down"}})
+@router.get("/readyz", responses={503: {"description": "starting or shutting down", **ERROR}})
 async def readyz(request: Request) -> dict[str, str]:
-    """Readiness: the store is open and the server is not shutting down."""
+    """Readiness: the store is open and the server is not shutting down. ``receive_path`` is
+    ``in-place`` when request bodies are received by ``server.protocol`` (straight into the
+    store's memory, with header and body timeouts), else ``plain`` (uvicorn's own protocol:
+    the fast path is off)."""
     if getattr(request.app.state, "service", None) is None or getattr(request.app.state, "closing", False):
         raise NotReady("the store is not open")
-    return {"status": "ready", **KERNELS}
+    in_place = BODY_INTO in (request.scope.get("extensions") or {})
+    return {"status": "ready", "receive_path": "in-place" if in_place else "plain", **KERNELS}

@@ -1,0 +1,406 @@
+"""The server's edges against hostile and careless clients, on a real ``cacheseek serve`` over
+loopback: memory that follows bytes received (not declared), time limits on headers and
+bodies, clients that vanish, every client error a 4xx with a JSON reason on a connection
+that stays usable, host details kept from tenants, exit codes for bad settings, and TLS."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+import xxhash
+
+from cacheseek.layout import KVLayout
+from cacheseek.quant import KIVI
+from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
+from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame
+
+MiB = 1 << 20
+BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
+
+
+# -- raw HTTP over a socket ---------------------------------------------------------------------
+
+
+def head(method: str, path: str, length: int | None = None, extra: str = "") -> bytes:
+    cl = f"content-length: {length}\r\n" if length is not None else ""
+    return f"{method} {path} HTTP/1.1\r\nhost: x\r\n{cl}{extra}\r\n".encode()
+
+
+def read_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict, bytes]:
+    while b"\r\n\r\n" not in rest:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        rest += data
+    top, _, tail = bytes(rest).partition(b"\r\n\r\n")
+    lines = top.split(b"\r\n")
+    headers = {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+    n = int(headers.get(b"content-length", b"0"))
+    body = bytearray(tail)
+    while len(body) < n:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        body += data
+    rest[:] = body[n:]
+    return int(lines[0].split()[1]), headers, bytes(body[:n])
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """Seconds until the server closes ``sock`` (reading and dropping anything it sends)."""
+    start = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        raise AssertionError(f"the server kept the connection open for {seconds} s") from None
+    return time.monotonic() - start
+
+
+# -- frames that are well formed but say something the server must refuse ----------------------
+
+
+def rewrite_header(frame: bytes, **changes) -> bytes:
+    """``frame`` with header fields changed and its header checksum made right again."""
+    magic, header_len, _ = PREAMBLE.unpack_from(frame)
+    header = msgpack.unpackb(frame[PREAMBLE.size : PREAMBLE.size + header_len], raw=False)
+    header.update(changes)
+    packed = msgpack.packb(header, use_bin_type=True)
+    offset = parse_frame(frame).payload_offset
+    assert PREAMBLE.size + len(packed) <= offset, "the new header must fit before the payload"
+    preamble = PREAMBLE.pack(magic, len(packed), xxhash.xxh3_64_intdigest(packed))
+    return preamble + packed + bytes(offset - PREAMBLE.size - len(packed)) + frame[offset:]
+
+
+def kivi_frame(head_dim: int, block_tokens: int) -> tuple[bytes, bytes]:
+    """A KIVI frame whose checksums are right and whose geometry KIVI cannot pack."""
+    h = bytes(range(16))
+    meta = plan_frame(block_hash=h, parent_hash=bytes(16), position=0,
+                      layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype="float16"),
+                      block_tokens=block_tokens, codec=KIVI(bits=4, group_size=32).spec(),
+                      buffers=[("k.q", "int32", (1, 1, 4, 4)), ("v.q", "int32", (1, 1, 4, 4))])
+    return h, bytes(build_frame(meta, [bytes(64), bytes(64)]))
+
+
+# -- no 5xx from input, and the connection lives on ----------------------------------------------
+
+
+def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on(tmp_path):
+    h, good = raw_frame(1)
+    cases = []
+    for head_dim, block in ((12, 32), (64, 4)):
+        kh, kf = kivi_frame(head_dim, block)
+        cases.append((f"kivi {head_dim}/{block}", "PUT", f"/v1/blocks/{kh.hex()}", kf, 400, "cannot encode"))
+    for version in (1.0, True):
+        cases.append((f"version {version!r}", "PUT", f"/v1/blocks/{h.hex()}", rewrite_header(good, v=version), 400,
+                      "version"))
+    cases += [
+        ("bad hash", "PUT", "/v1/blocks/XYZ", good, 400, "hash"),
+        ("hash with a newline", "GET", "/v1/blocks/" + "a" * 31 + "%0A", b"", 400, "hash"),
+        ("truncated", "PUT", f"/v1/blocks/{h.hex()}", good[:-1], 400, ""),
+        ("other hash", "PUT", f"/v1/blocks/{'ab' * 16}", good, 409, "URL"),
+        ("over max_frame_bytes", "PUT", f"/v1/blocks/{h.hex()}", bytes(2 * MiB), 413, "max_frame_bytes"),
+        ("each yes", "POST", "/v1/lookup", json.dumps({"hashes": [h.hex()], "each": "yes"}).encode(), 422, "each"),
+        ("each 1", "POST", "/v1/lookup", json.dumps({"hashes": [h.hex()], "each": 1}).encode(), 422, "each"),
+        ("missing", "GET", f"/v1/blocks/{'cd' * 16}", b"", 404, "not stored"),
+        ("batch cut", "POST", "/v1/blocks", batch_body([good])[:-5], 400, ""),
+    ]
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for name, method, path, body, status, reason in cases:
+                s.sendall(head(method, path, len(body)) + body)
+                got, _, text = read_response(s, rest)
+                assert got == status, (name, got, text)
+                assert reason in json.loads(text)["error"], (name, text)
+                # the same connection answers the next request
+                s.sendall(head("GET", "/healthz"))
+                assert read_response(s, rest)[0] == 200, name
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(good)) + good)
+            assert read_response(s, rest)[0] == 201
+        stats = httpx.get(srv.url + "/v1/stats").json()
+        assert stats["tiers"][0]["blocks"] == 1 and bodies(srv.url)["in_flight_bytes"] == 0
+        assert "ERROR" not in srv.output() and "Traceback" not in srv.output(), srv.output()
+
+
+def test_clients_gone_mid_body_or_mid_stream_are_not_errors(tmp_path):
+    chain = raw_chain(3, 64, layout=BIG_LAYOUT)  # 64 MiB of prefix to stream
+    with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        h, frame = raw_frame(9, layout=BIG_LAYOUT)
+        for how in ("chunked", "length", "batch"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                if how == "chunked":
+                    s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra="transfer-encoding: chunked\r\n")
+                              + f"{len(frame):x}\r\n".encode() + frame[: len(frame) // 2])
+                elif how == "length":
+                    s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(frame)) + frame[: len(frame) // 2])
+                else:
+                    body = batch_body([frame])
+                    s.sendall(head("POST", "/v1/blocks", len(body)) + body[: len(body) // 2])
+                time.sleep(0.3)
+        for _ in range(3):  # a prefix stream its client stops reading and closes
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}"))
+                s.recv(65536)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        time.sleep(0.5)
+        stats = httpx.get(srv.url + "/v1/stats").json()
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+        assert stats["tiers"][0]["reservation_bytes"] == 0
+        assert stats["tiers"][0]["blocks"] == 64  # the cut-off frame stored nothing
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
+        log = srv.output()
+        assert "ERROR" not in log and "Traceback" not in log and "Exception" not in log, log
+
+
+# -- memory and time under hostile clients ---------------------------------------------------
+
+
+def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
+    args = ["--cpu-bytes", "64MiB", "--cpu-reserve-bytes", "32MiB", "--body-idle-timeout-seconds", "2",
+            "--header-timeout-seconds", "2"]
+    with Server(tmp_path, *args, disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        cached = raw_chain(4, 24, layout=BIG_LAYOUT)  # 24 MiB, well inside the budget
+        assert c.post("/v1/blocks", content=batch_body([f for _, f in cached])).status_code == 200
+        rss0 = srv.rss_bytes()
+        # Four declare 200 MiB and send 4 bytes; two declare 16 MiB (the reserve lends them room).
+        stalled = []
+        for length in (200 * MiB,) * 4 + (16 * MiB,) * 2:
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head("PUT", f"/v1/blocks/{'ee' * 16}", length) + b"CSKF")
+            stalled.append(s)
+        time.sleep(0.5)
+        during = c.get("/v1/stats").json()
+        assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
+        assert bodies(c)["in_flight_bytes"] <= 6 * 4  # what arrived (4 bytes each), not what was declared
+        assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
+        # The budget still has room for 30 more blocks: none of the cached ones is evicted.
+        more = raw_chain(5, 30, layout=BIG_LAYOUT)
+        for h, f in more:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=f).status_code == 201
+        tier = c.get("/v1/stats").json()["tiers"][0]
+        assert tier["evictions"] == 0 and tier["blocks"] == 54
+        assert tier["arena_bytes"] <= 96 * MiB  # budget + reserve, never more
+        for s in stalled:  # cut off after body_idle_timeout_s without a byte
+            assert closed_within(s, 8) < 8
+            s.close()
+        after = c.get("/v1/stats").json()
+        assert bodies(c)["in_flight_bytes"] == 0 and after["tiers"][0]["reservation_bytes"] == 0
+        assert all(c.get(f"/v1/blocks/{h.hex()}").content == f for h, f in cached)
+
+
+def test_aborted_uploads_give_their_memory_back(tmp_path):
+    with Server(tmp_path, "--cpu-bytes", "512MiB", "--cpu-reserve-bytes", "64MiB", disk=False) as srv:
+        rss0 = srv.rss_bytes()
+        chunk = bytes(range(256)) * 4096  # 1 MiB
+
+        def abort_upload(i: int) -> None:
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 40 * MiB))
+                for _ in range(32):
+                    s.sendall(chunk)
+                time.sleep(0.5)  # everything sent has been received
+
+        peak = [0]
+        threads = [threading.Thread(target=abort_upload, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            peak[0] = max(peak[0], srv.rss_bytes())
+            time.sleep(0.02)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            stats = httpx.get(srv.url + "/v1/stats").json()
+            if bodies(srv.url)["in_flight_bytes"] == 0 and srv.rss_bytes() - rss0 < 48 * MiB:
+                break
+            time.sleep(0.1)
+        grew, left = (peak[0] - rss0) / MiB, (srv.rss_bytes() - rss0) / MiB
+        assert grew > 96, f"the burst should have used memory: +{grew:.0f} MiB"
+        assert left < 48, f"+{grew:.0f} MiB in the burst, +{left:.0f} MiB left after it"
+        assert bodies(srv.url)["in_flight_bytes"] == 0 and stats["tiers"][0]["blocks"] == 0
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
+    args = ["--header-timeout-seconds", "1.5", "--body-idle-timeout-seconds", "1.5",
+            "--body-min-bytes-per-second", "64KiB"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        silent = socket.create_connection(("127.0.0.1", srv.port))
+        assert closed_within(silent, 6) < 6
+        slowloris = socket.create_connection(("127.0.0.1", srv.port))
+        start = time.monotonic()
+        try:
+            for byte in head("GET", "/healthz", extra="x-pad: " + "a" * 40 + "\r\n")[:-2]:
+                slowloris.sendall(bytes([byte]))
+                time.sleep(0.2)
+                assert time.monotonic() - start < 6, "slow headers were never cut off"
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - start < 6
+        h, frame = raw_frame(2, layout=BIG_LAYOUT)
+        trickle = socket.create_connection(("127.0.0.1", srv.port))
+        trickle.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(frame)))
+        start, sent = time.monotonic(), 0
+        try:
+            while time.monotonic() - start < 10:  # 8 KiB/s: bytes keep coming, far under the minimum rate
+                trickle.sendall(frame[sent : sent + 1024])
+                sent += 1024
+                time.sleep(0.125)
+            raise AssertionError("a body at 8 KiB/s was never cut off")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert time.monotonic() - start < 6
+        # a fast client on the same server is unaffected
+        assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
+def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
+    args = ["--max-inflight-body-bytes", "40MiB", "--max-body-bytes", "40MiB", "--max-frame-bytes", "32MiB",
+            "--cpu-reserve-bytes", "0"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        holders = []
+        for i in range(3):  # each sends a 16 MiB step of a declared 32 MiB and holds: the third passes 40 MiB
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 32 * MiB) + bytes(16 * MiB + 100))
+            holders.append(s)
+            time.sleep(0.5)
+        status, headers, text = read_response(holders[2], bytearray())
+        assert status == 503 and b"max_inflight_body_bytes" in text and headers[b"retry-after"] == b"1"
+        for s in holders:
+            s.close()
+        time.sleep(0.3)
+        h, frame = raw_frame(3)
+        assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        figures = bodies(srv.url)
+        assert figures["in_flight_bytes"] == 0 and figures["refused"] >= 1
+
+
+# -- what tenants see ---------------------------------------------------------------------------
+
+
+def test_stats_show_the_disk_path_to_the_operator_only(tmp_path):
+    tenants = json.dumps({"team-a": {"read_token": "ta-read", "write_token": "ta-write"}})
+    with Server(tmp_path, "--write-token", "op-write", env={"CACHESEEK_TENANTS": tenants}) as srv:
+        def tiers(token: str) -> list[dict]:
+            r = httpx.get(srv.url + "/v1/stats", headers={"authorization": f"Bearer {token}"})
+            assert r.status_code == 200
+            return r.json()["tiers"]
+
+        assert any(t.get("path") == str(srv.disk_path) for t in tiers("op-write"))
+        for token in ("ta-read", "ta-write"):
+            listed = tiers(token)
+            assert "disk" in {t["name"] for t in listed}
+            assert str(srv.disk_path) not in json.dumps(listed)
+
+
+# -- exit codes and messages --------------------------------------------------------------------
+
+
+def _serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*cacheseek_command(), "serve", "--cpu-bytes", "1MiB", "--log-level", "warning", *args],
+                          capture_output=True, text=True, timeout=60,
+                          env={"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PATH": "/usr/bin:/bin"})
+
+
+def test_bad_settings_and_unusable_resources_exit_2_with_a_message(tmp_path):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        cases = [
+            (["--port", str(port), "--disk-path", str(tmp_path / "d")], "port"),
+            (["--port", str(free_port()), "--disk-path", str(afile / "sub")], "disk_path"),
+            (["--port", str(free_port()), "--disk-path", str(tmp_path / "d"), "--tls-cert", str(afile),
+              "--tls-key", str(afile)], "tls_cert"),
+            (["--port", str(free_port()), "--disk-path", str(tmp_path / "d"), "--tls-cert", str(afile)], "tls_key"),
+            (["--port", str(free_port()), "--max-inflight-body-bytes", "1MiB"], "max_inflight_body_bytes"),
+        ]
+        for args, setting in cases:
+            done = _serve(tmp_path, *args)
+            assert done.returncode == 2, (args, done.returncode, done.stderr)
+            assert setting in done.stderr and "Traceback" not in done.stderr + done.stdout, (args, done.stderr)
+            assert "startup complete" not in done.stderr + done.stdout, args
+
+
+# -- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    trustme = pytest.importorskip("trustme")
+    root = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(root / "key.pem"))
+    cert.cert_chain_pems[0].write_to_path(str(root / "cert.pem"))
+    for pem in cert.cert_chain_pems[1:]:
+        with open(root / "cert.pem", "ab") as f:
+            f.write(pem.bytes())
+    return root
+
+
+def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):
+    ca = ssl.create_default_context(cafile=str(tls_files / "ca.pem"))
+    env = {"CACHESEEK_TLS_KEY": str(tls_files / "key.pem")}  # settings from the environment work too
+    with Server(tmp_path, "--tls-cert", str(tls_files / "cert.pem"), env=env, verify=ca) as srv:
+        assert srv.url.startswith("https://")
+        chain = raw_chain(6, 8, layout=BIG_LAYOUT)
+        with httpx.Client(base_url=srv.url, verify=ca, timeout=30) as c:
+            assert c.get("/readyz").json()["receive_path"] == "in-place"
+            h, f = chain[0]
+            assert c.put(f"/v1/blocks/{h.hex()}", content=f).status_code == 201
+            assert c.post("/v1/blocks", content=batch_body([f for _, f in chain[1:]])).status_code == 200
+            assert c.get(f"/v1/blocks/{h.hex()}").content == f
+            got = c.get(f"/v1/prefixes/{chain[-1][0].hex()}").content
+            assert got == batch_body([f for _, f in chain])
+            assert c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}).json()["matched"] == 8
+        with pytest.raises(httpx.HTTPError):  # an untrusted certificate is refused by the client
+            httpx.get(srv.url + "/healthz")
+        # plain HTTP to the TLS port gets no answer, and the server lives on
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(srv.url.replace("https", "http") + "/healthz", timeout=3)
+        assert httpx.get(srv.url + "/healthz", verify=ca).status_code == 200
+
+
+def test_remote_cache_round_trips_with_a_tls_server(tmp_path, tls_files):
+    """RemoteCache (its own transport, verifying with a CA bundle) against the server's own TLS."""
+    import torch
+
+    import cacheseek as cs
+    from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
+
+    ca = ssl.create_default_context(cafile=str(tls_files / "ca.pem"))
+    with Server(tmp_path, "--tls-cert", str(tls_files / "cert.pem"), "--tls-key", str(tls_files / "key.pem"),
+                verify=ca) as srv:
+        toks, kv = tokens_for(31, 4 * BLOCK), make_kv(4 * BLOCK, 31)
+        for codec in (cs.Raw(), cs.KIVI(bits=4, group_size=32)):
+            with cs.RemoteCache(srv.url, model_id=f"tls-{codec.name}", layout=LAYOUT, codec=codec,
+                                block_tokens=BLOCK, verify=str(tls_files / "ca.pem"), trust_env=False) as cache:
+                assert cache.ingest(toks, kv).stored == 4
+                assert cache.lookup(toks) == 4 * BLOCK
+                got = cache.materialize(toks)
+                if codec.name == "raw":
+                    assert_prefix_equal(got, kv, 4 * BLOCK)
+                else:
+                    assert got.num_tokens == 4 * BLOCK
+                    assert all(torch.allclose(k[0].float(), want.float(), atol=0.5)
+                               for (k, _), (want, _) in zip(got.layers, kv))
+        # without the CA the client refuses the server's certificate: nothing is sent in clear
+        with cs.RemoteCache(srv.url, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            trust_env=False) as untrusting, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
+            untrusting.lookup(toks)
