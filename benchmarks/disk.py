@@ -144,7 +144,7 @@ def run_codec(codec_name: str, blocks: int, reps: int, root: Path, device: torch
     for rep in range(ingest_reps):
         for group in (True, False) if rep % 2 == 0 else (False, True):
             where = root / f"ingest-{codec_name}-{group}-{rep}"
-            tier = DiskTier(where, 1 << 40, group_commit=group)
+            tier = DiskTier(where, 2 * nbytes + (1 << 30), group_commit=group)
             t = time.perf_counter()
             results = tier.put_many(frames)
             times[group].append(time.perf_counter() - t)
@@ -159,7 +159,7 @@ def run_codec(codec_name: str, blocks: int, reps: int, root: Path, device: torch
     # -- cold reads of the same files --------------------------------------------------------
     disk = root / f"read-{codec_name}"
     cache = cs.PrefixCache(model_id="disk-bench", layout=LAYOUT, codec=CODECS[codec_name], block_tokens=BLOCK,
-                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=disk, disk_bytes=1 << 40,
+                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=disk, disk_bytes=2 * nbytes + (1 << 30),
                                                pin_memory=device.type == "cuda"))
     if any(r.error for r in cache.store.tier("disk").put_many(frames)):
         raise RuntimeError("writing the read set failed")

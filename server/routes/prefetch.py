@@ -23,7 +23,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..deps import caller_of, service_of
 from ._body import ERROR
-from .lookup import LOOKUP_DOC, _binary_hashes, _json_hashes
+from .lookup import LOOKUP_DOC, _binary_hashes, _json_hashes, _small_body
 
 router = APIRouter(prefix="/v1", tags=["prefetch"])
 
@@ -48,7 +48,7 @@ async def prefetch(request: Request) -> JSONResponse:
     caller = caller_of(request, write=False)
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
-    body = await request.body()
+    body = await _small_body(request, 72 * limit + 1024)  # as the lookup: a body no larger than its hashes
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, _ = _binary_hashes(body, request, limit)
