@@ -42,6 +42,7 @@ PREFETCH_DOC = {**LOOKUP_DOC, "parameters": [p for p in LOOKUP_DOC["parameters"]
 @router.post("/prefetch", openapi_extra=PREFETCH_DOC, response_model=None,
              responses={202: {"model": PrefetchResponse, "description": "a prefetch started"},
                         200: {"model": PrefetchResponse, "description": "nothing to start (see reason)"},
+                        413: {"description": "a body longer than max_lookup_hashes hashes can be", **ERROR},
                         422: {"description": "bad body", **ERROR}})
 async def prefetch(request: Request) -> JSONResponse:
     """Start promoting the stored prefix of the chain ``hashes`` into memory; answers at once."""
