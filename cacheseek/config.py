@@ -55,6 +55,13 @@ class TierConfig:
     eviction: str = DEFAULT_POLICY
     disk_admit_after_uses: int = 1
     disk_fsync: bool = True
+    # Commit a batch of frames together (data files, then sidecars, then one fsync per shard
+    # directory); False: one frame at a time (store/disk.py). Durable on return either way.
+    disk_group_commit: bool = True
+    # Whole-file reads the disk tier keeps in flight.
+    disk_read_depth: int = 16
+    # Background promotions (prefetches) in flight at once; more are refused.
+    max_prefetches: int = 4
     redis_url: str | None = None
     redis_bytes: int | str = "16GiB"
     redis_ttl_seconds: float | None = None
@@ -85,8 +92,12 @@ class TierConfig:
             tiers.append(CpuTier(cpu, pin=self.pin_memory, reserve_bytes=self.resolved_cpu_reserve_bytes(),
                                  policy=self.eviction))
         if self.disk_path is not None:
+            if isinstance(self.disk_read_depth, bool) or not isinstance(self.disk_read_depth, int) \
+                    or not 1 <= self.disk_read_depth <= 256:
+                raise ConfigError(f"disk_read_depth: must be an int in [1, 256], got {self.disk_read_depth!r}")
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync,
-                                  policy=self.eviction))
+                                  policy=self.eviction, group_commit=self.disk_group_commit,
+                                  read_depth=self.disk_read_depth, pin=self.pin_memory))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
         if self.redis_url is not None and redis_bytes:
             tiers.append(self.build_redis_tier(redis_bytes))
@@ -96,7 +107,8 @@ class TierConfig:
         write_through = persistent if self.write_through is None else list(self.write_through)
         admit = {"disk": self.disk_admit_after_uses} if self.disk_path is not None and len(tiers) > 1 else {}
         admit = {k: v for k, v in admit.items() if k in [t.name for t in tiers[1:]]}
-        return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit, admit_after=admit)
+        return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit, admit_after=admit,
+                           max_prefetches=self.max_prefetches)
 
     def resolved_cpu_reserve_bytes(self) -> int:
         if self.cpu_reserve_bytes is None:

@@ -41,6 +41,8 @@ class BatchDecoder:
         self._staging: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
         self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+        self._copied_events: list = []  # one per frame added on a GPU: its copy has been issued
+        self._copied = 0
         self._decoded = 0
         self._k: torch.Tensor | None = None  # made at the first decode: the first copy starts sooner
         self._v: torch.Tensor | None = None
@@ -75,11 +77,26 @@ class BatchDecoder:
         else:
             with on_stream(self._copy_stream):
                 self._copy(frame, dst)
+                landed = torch.cuda.Event()
+                landed.record(self._copy_stream)
+                self._copied_events.append(landed)
         self._frames.append(frame)
         pending, left = len(self._frames) - self._decoded, self.max_blocks - len(self._frames)
         # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
         if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
             self._decode_pending()
+
+    def copied(self) -> int:
+        """How many of the frames added (in order) have been copied off their memory: a
+        caller may give back the memory of those (a disk read's pooled buffer) while the
+        later ones are still being read. Asks the device without waiting."""
+        if self._copy_stream is None:
+            return len(self._frames)  # copies on the CPU are done when add returns
+        events = self._copied_events
+        while self._copied < len(events) and events[self._copied].query():
+            events[self._copied] = None
+            self._copied += 1
+        return self._copied
 
     def _copy(self, frame: BlockFrame, dst: torch.Tensor) -> None:
         if frame.device_payload is not None:
@@ -132,6 +149,8 @@ class BatchDecoder:
             copied.record(self._copy_stream)  # this decoder's copies, queued before now
             copied.synchronize()
         self._frames.clear()
+        self._copied_events.clear()
+        self._copied = 0
 
 
 def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],

@@ -15,11 +15,11 @@ from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Located, Materialized
+from .store.prefetch import Prefetch
 from .store.tiered import StorePutResult
 
-__all__ = ["IngestResult", "Located", "Materialized", "PrefixCache"]
+__all__ = ["IngestResult", "Located", "Materialized", "Prefetch", "PrefixCache"]
 
-FETCH_BLOCKS = 16  # blocks fetched per call to the store while materializing
 
 
 def _count(result: IngestResult, key: bytes, outcome: StorePutResult, stored: list[bytes]) -> None:
@@ -118,7 +118,13 @@ class PrefixCache(PrefixCacheBase):
         return Located(num_blocks=len(tiers), num_tokens=len(tiers) * self.block_tokens, tiers=tiers)
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
-        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``."""
+        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
+
+        Frames flow from the tiers into the decoder as each lands (``TieredStore.stream``):
+        disk reads are many in flight, and each frame's copy to ``device`` starts as soon as
+        it has been read and verified, while the next ones are still being read. A block a
+        prefetch is promoting is waited for, not read twice. Frames lent in pooled buffers
+        are released once their copies have landed."""
         self._num_keys(keys)
         device = self._device(device)
         hashes = self.block_hashes(keys)
@@ -127,31 +133,50 @@ class PrefixCache(PrefixCacheBase):
             return self._nothing(device)
         decoder = BatchDecoder(self.block_format, len(located), device)
         tiers: list[str] = []
-        for key, got in self._fetch(hashes[: len(located)]):
-            if got is None:
-                break  # evicted or found corrupt since locate: the prefix ends here
-            frame, tier = got
-            try:
-                self.block_format.check_fetched(frame.meta, key)
-            except FrameError:
-                break
-            decoder.add(frame)  # its copy to the device starts now
-            tiers.append(tier)
-        if not tiers:
-            return self._nothing(device)
-        k, v = decoder.finish(wait=False)
-        self.store.touch_chain(hashes[: len(tiers)])
-        result = self._materialized(k, v, tiers, device)  # while the last copies land
-        decoder.wait()  # the frames' host memory may be reused once we return
-        return result
+        frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
+        added: list = []  # frames added to the decoder, in order; the first ``released`` given back
+        released = 0
+        try:
+            for key, got in zip(hashes, frames):
+                if got is None:
+                    break  # evicted or found corrupt since locate: the prefix ends here
+                frame, tier = got
+                try:
+                    self.block_format.check_fetched(frame.meta, key)
+                except FrameError:
+                    frame.release()
+                    break
+                decoder.add(frame)  # its copy to the device starts now
+                added.append(frame)
+                tiers.append(tier)
+                # Buffers whose copies have landed go back to the pool at once, so a long
+                # chain reuses a few pooled buffers instead of holding one per block.
+                copied = decoder.copied()
+                for done in added[released:copied]:
+                    done.release()
+                released = max(released, copied)
+        finally:
+            frames.close()  # reads not handed out: cancelled or given back
+        try:
+            if not tiers:
+                return self._nothing(device)
+            k, v = decoder.finish(wait=False)
+            self.store.touch_chain(hashes[: len(tiers)])
+            return self._materialized(k, v, tiers, device)  # while the last copies land
+        finally:
+            decoder.wait()  # no copy reads the frames' memory any more
+            for frame in added[released:]:
+                frame.release()
 
-    def _fetch(self, keys: list[bytes]):
-        """(key, (frame, tier) or None) in chain order. Each tier is asked once per
-        ``FETCH_BLOCKS`` keys (one Redis round trip), so the device copies of one batch
-        overlap the fetch of the next; a caller that stops early fetches no further."""
-        for start in range(0, len(keys), FETCH_BLOCKS):
-            chunk = keys[start : start + FETCH_BLOCKS]
-            yield from zip(chunk, self.store.get_many(chunk))
+    def prefetch(self, keys: Any) -> Prefetch | None:
+        """Start promoting the stored prefix of ``keys`` from disk or Redis into memory (the
+        CPU tier, and the GPU tier where there is one) in the background, and return at
+        once: a ``Prefetch`` handle (``wait(timeout)``, ``done()``, ``blocks`` being
+        promoted), or None when there is nothing to promote (nothing stored, or the chain is
+        in memory already: that costs one lookup) or ``max_prefetches`` are in flight. A
+        ``materialize`` that comes meanwhile waits only for the blocks still on their way."""
+        self._num_keys(keys)
+        return self.store.prefetch(self.block_hashes(keys))
 
     # -- operations ----------------------------------------------------------------------
 

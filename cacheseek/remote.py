@@ -45,6 +45,7 @@ from .results import IngestResult, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
+from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 
@@ -257,6 +258,23 @@ class RemoteCache(PrefixCacheBase):
             return self._nothing(device)
         k, v = decode_frames(self.block_format, frames, device)
         return self._materialized(k, v, list(found["tiers"][: len(frames)]), device)
+
+    def prefetch(self, keys: Any) -> Prefetch | None:
+        """``POST /v1/prefetch``: the server starts promoting the stored prefix of ``keys``
+        from its disk or Redis tier into its CPU tier, and answers at once. A ``Prefetch``
+        (``on_server``: it cannot be waited for here; a ``materialize`` meanwhile waits in the
+        server for the blocks still on their way), or None when the server started nothing
+        (nothing stored, already in memory, or its limit of prefetches in flight)."""
+        self._num_keys(keys)
+        hashes = self.block_hashes(keys)
+        if not hashes:
+            return None
+        path, content, headers = lookup_request(hashes)
+        found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
+                              headers=headers).json()
+        if not found.get("started"):
+            return None
+        return Prefetch(matched=found["matched"], blocks=found["blocks"], joined=found["joined"], on_server=True)
 
     # -- operations ----------------------------------------------------------------------
 

@@ -59,6 +59,18 @@ for s in "$@"; do
     # The cost of the server's own counting, on a quiet host (CPU only; needs the server wheels)
     metrics)     step metrics-cost 200 python3 -m benchmarks.metrics_cost --calls 3000 --rounds 10 --out "$OUT"
                  step server-metrics 400 python3 -m benchmarks.server --frames 24 --reps 5 --compare-metrics --out "$OUT" ;;
+    # The disk tier against the disk (cold reads vs sequential O_DIRECT and dd; group commit vs
+    # one commit per frame), 64 blocks = 16K tokens per codec; drop_caches on this machine only.
+    disk)        step disk 300 python3 -m benchmarks.disk --blocks 64 --codecs raw,int4,int2 --reps 3 --disk-dir /tmp --drop-caches --out "$OUT" ;;
+    # The Redis tier with decode on the GPU: Debian's redis-server unpacked from .debs
+    # (scripts/fetch_redis_debs.sh, carried by the lead) into /tmp/redis; needs the redis wheel.
+    redis-gpu)   url=$(bash scripts/redis_from_debs.sh /tmp/redis 6390 | tail -n 1)
+                 step redis-gpu 240 python3 -m benchmarks.redis_tier --url "$url" --device cuda --blocks 16 --reps 5 --out "$OUT"
+                 kill "$(cat /tmp/redis/redis.pid)" 2>/dev/null ;;
+    # TTFT at 16K from a cold disk tier and with a prefetch 200 ms ahead (int4, int2; Raw for reference)
+    ttft-disk)   step ttft-disk 420 python3 -m benchmarks.ttft --contexts 16384 --tiers cpu,disk,disk-prefetch --codecs raw,int4,int2 --disk-path /tmp/ttft-disk --out /tmp/ttft-disk-out
+                 cp /tmp/ttft-disk-out/ttft.json "$OUT/ttft_disk.json" ;;
+    tests-capacity) step tests-capacity 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_capacity.py tests/test_crash.py ;;
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;

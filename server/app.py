@@ -21,7 +21,7 @@ from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import Namespaces, load_secret
 from .owners import Owners
-from .routes import admin, blocks, dashboard, docs, lookup, ops, prefixes
+from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
 from .summary import recovery_figures, store_lines
@@ -90,7 +90,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
 
     app.state.body_budget = BodyBudget(settings.max_inflight_body_bytes, release_memory)
     metrics.watch_bodies(app.state.body_budget.stats)
-    for module in (blocks, prefixes, ops, admin, dashboard, docs):
+    for module in (blocks, prefixes, prefetch, ops, admin, dashboard, docs):
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)

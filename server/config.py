@@ -173,6 +173,11 @@ class ServerSettings(BaseSettings):
     write_through: bool = Field(
         True, description="every ingest is written to the persistent tiers (disk, Redis) before it is acknowledged")
     disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
+    disk_group_commit: bool = Field(
+        True, description="commit the frames of one request together (data files, sidecars, one fsync per "
+                          "shard directory); off: one frame at a time. Durable when answered either way")
+    disk_read_depth: int = Field(16, ge=1, le=256, description="whole-file disk reads kept in flight")
+    max_prefetches: int = Field(4, ge=1, le=256, description="prefetches (POST /v1/prefetch) running at once")
     promote_on_hit: bool = Field(True, description="copy a hit from a lower tier into the faster ones")
     eviction: Literal["arc", "lru"] = Field(
         "arc", description="eviction policy of the CPU and disk tiers (docs/hit-rate.md); Redis keeps LRU")

@@ -15,7 +15,7 @@ from fastapi.openapi.utils import get_openapi
 
 from cacheseek.hashing import HASH_HEX_PATTERN
 
-ANSWERS_422 = {("/v1/lookup", "post")}
+ANSWERS_422 = {("/v1/lookup", "post"), ("/v1/prefetch", "post")}
 _ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}},
                                                       "required": ["error"]}}}}
 # Answers every route under /v1 may give, whatever it does.

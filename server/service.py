@@ -297,6 +297,22 @@ class BlockService:
             out["durability"] = self.store.durability
         return out
 
+    def prefetch(self, namespace: str, hashes: list[bytes]) -> dict[str, Any]:
+        """Start promoting the stored prefix of ``hashes`` into memory (``TieredStore.prefetch``)."""
+        keys = self.namespaces.stored_keys(namespace, hashes)
+        started = self.store.prefetch(keys)
+        if started is not None:
+            return {"started": True, **started.to_dict(), "reason": None}
+        matched = len(self.store.locate(keys))
+        counts = self.store.prefetcher.stats()
+        if not matched:
+            reason = "nothing stored for this chain"
+        elif counts["in_flight"] >= counts["max_in_flight"]:
+            reason = f"{counts['max_in_flight']} prefetches in flight already (max_prefetches)"
+        else:
+            reason = "the chain's stored prefix is in memory already"
+        return {"started": False, "matched": matched, "blocks": 0, "joined": 0, "reason": reason}
+
     def stats(self) -> dict[str, Any]:
         """The store's figures, with usage per owner (``namespaces``)."""
         return {**self.store.stats(), "namespaces": self.owners.usage()}

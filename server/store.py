@@ -25,6 +25,9 @@ def tier_config(settings: ServerSettings) -> TierConfig:
         pin_memory=False,  # no GPU reads the server's host memory; pinning would import torch
         cpu_reserve_bytes=settings.cpu_reserve_bytes or 0,
         disk_fsync=settings.disk_fsync,
+        disk_group_commit=settings.disk_group_commit,
+        disk_read_depth=settings.disk_read_depth,
+        max_prefetches=settings.max_prefetches,
         eviction=settings.eviction,
         disk_admit_after_uses=settings.disk_admit_after_uses,
         redis_url=settings.redis_url,

@@ -170,6 +170,7 @@ class PrefillResult:
     decision: ReuseDecision | None = None
     skipped_reason: str | None = None
     ingest_errors: dict[str, str] = field(default_factory=dict)
+    prefetched_blocks: int = 0
 
     @property
     def next_token(self) -> int:
@@ -196,6 +197,7 @@ def prefill_with_reuse(
     planner: ReusePlanner | None = None,
     reuse: str = "auto",
     ingest: bool = True,
+    prefetch: Any = None,
 ) -> PrefillResult:
     """Prefill a prompt, reusing its longest stored prefix when that pays.
 
@@ -210,7 +212,11 @@ def prefill_with_reuse(
     ``cache`` is a ``PrefixCache`` or a ``RemoteCache``; its layout must match the model's.
     ``reuse``: ``"auto"`` (ask the planner), ``"always"`` (reuse whatever is stored: for
     benchmarks that time every tier), or ``"never"`` (the no-reuse baseline, through the same
-    code path). Only the last position's logits are computed.
+    code path). Only the last position's logits are computed. ``prefetch``: the handle of a
+    ``cache.prefetch`` (or ``integrations.prefetch.prefetch_queued``) started when the request
+    was queued; nothing waits for it here: the lookup sees the blocks it has promoted in
+    memory, and the materialize waits only for those still on their way (its ``blocks`` are
+    reported in ``prefetched_blocks``).
     """
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
@@ -266,6 +272,7 @@ def prefill_with_reuse(
         logits=last, cache=past, prompt_tokens=len(ids), reused_tokens=reused,
         computed_tokens=len(ids) - reused, stored_blocks=stored, tiers=tiers, timings=timings,
         decision=decision, skipped_reason=skipped, ingest_errors=errors,
+        prefetched_blocks=getattr(prefetch, "blocks", 0) if prefetch is not None else 0,
     )
 
 

@@ -11,6 +11,24 @@ Writing the data file in place instead would let a crash leave a torn frame unde
 final name; a checksum would catch it on read, but the index would already have served
 it to lookups. With this order, anything the index knows is whole.
 
+Group commit (``put_many``, on by default): a batch keeps the same order, stage by stage
+for all its frames: every data file written, then all fsynced (several at once), then
+renamed; then every sidecar written, all fsynced (several at once: the filesystem's
+journal commits concurrent fsyncs together), then renamed; then one fsync per shard
+directory touched.
+Only then does any block of the batch enter the index or count as present, so a crash at
+any point leaves, per block, nothing, an orphan, or a whole committed block, as one frame
+at a time does; the batch is acknowledged as durable exactly as one frame is. A batch of n
+frames costs n data fsyncs, n sidecar fsyncs that overlap, and one directory fsync per
+shard instead of n. ``group_commit=False`` commits one frame at a time (a benchmark's
+baseline).
+
+Reads (``get_many``, ``stream``) run many at a time (``store.direct_io``): whole files,
+O_DIRECT into 4 KiB-aligned buffers where the filesystem enforces it (``read_path`` in the
+stats says which path ran), the checksum computed in the reading thread as each lands.
+``stream`` hands frames out in order as each lands, in pooled buffers (page-locked with
+``pin=True``) lent with a lease the caller releases once its copy to the device is done.
+
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
 orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
 times (the eviction policy's history of uses does not survive a restart).
@@ -39,6 +57,8 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +66,8 @@ import msgpack
 
 from ..errors import ConfigError, FrameError, StorageError
 from ..units import format_size
-from .frame import parse_frame
+from .direct_io import BufferPool, ReadDone, ReadFailed, ReadPool, probe_read_path
+from .frame import FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
 
@@ -55,6 +76,9 @@ log = logging.getLogger("cacheseek.store")
 SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
 LOCK_NAME = ".lock"
+READ_DEPTH = 16  # whole-file reads in flight
+WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
+STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for sidecars, file-system blocks and other writers when
 # a budget is clamped to it.
 FREE_SPACE_HEADROOM = 0.05
@@ -68,6 +92,50 @@ class _InFlight:
     error: StorageError | None = None
 
 
+@dataclass(slots=True)
+class _Pending:
+    """One frame of a group commit, from its claim to its commit (or failure)."""
+
+    key: bytes
+    frame: BlockFrame
+    segments: list
+    sidecar: bytes
+    data_path: Path
+    side_path: Path
+    flight: _InFlight
+    evicted: list
+    index: int = 0
+    data_tmp: Path | None = None
+    side_tmp: Path | None = None
+    error: StorageError | None = None
+
+    def fail(self, tier: str, exc: BaseException) -> None:
+        self.error = StorageError(f"{tier} tier: writing {self.data_path.name} failed: {exc}")
+
+
+def _attempt(op, pending: _Pending) -> tuple[object, BaseException | None]:
+    try:
+        return op(pending), None
+    except Exception as exc:  # reported per write; an interrupt propagates
+        return None, exc
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # flushes the file's dirty pages, whichever descriptor wrote them
+    finally:
+        os.close(fd)
+
+
+def _try_fsync_dir(path: Path) -> BaseException | None:
+    try:
+        _fsync_dir(path)
+    except OSError as exc:
+        return exc
+    return None
+
+
 class DiskInUse(ConfigError):
     """The disk tier's directory is owned (locked) by another process or tier."""
 
@@ -76,13 +144,16 @@ class DiskTier(IndexedTier):
     persistent = True
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True,
-                 policy: str = DEFAULT_POLICY):
+                 policy: str = DEFAULT_POLICY, group_commit: bool = True, read_depth: int = READ_DEPTH,
+                 pin: bool = False):
         super().__init__(name, capacity_bytes, policy=policy)
         self.root = Path(root).expanduser()
         self.fsync = fsync
+        self.group_commit = group_commit
         self.requested_bytes = capacity_bytes
         self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
+        self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -95,9 +166,18 @@ class DiskTier(IndexedTier):
         except BaseException:
             self.close()
             raise
+        self.read_path = probe_read_path(self.root)
+        # Plain reads hand their buffers over for good (the frames' views keep them); streams
+        # lend pooled buffers, pinned when a GPU copies out of them, and get them back.
+        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0))
+        self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
+        self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
 
     def close(self) -> None:
         """Give the directory up (another process may then open it)."""
+        if hasattr(self, "_reads"):
+            self._reads.close()
+            self._writers.shutdown(wait=True)
         self._unlock()  # closes the lock file's descriptor (once), which releases the flock
 
     def _fit_budget_to_filesystem(self) -> None:
@@ -249,6 +329,170 @@ class DiskTier(IndexedTier):
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 
+    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
+        """Store several frames, committed together (see the module's docstring); a failure
+        is reported in its result, not raised. Every block is durable, or failed, on return."""
+        if not self.group_commit or len(items) < 2:
+            return super().put_many(items)
+        results: list[TierPutResult | None] = [None] * len(items)
+        group: list[_Pending] = []
+        waits: list[tuple[int, bytes, _InFlight]] = []
+        for i, (key, frame) in enumerate(items):
+            try:
+                claimed = self._claim(key, frame)
+            except StorageError as exc:
+                results[i] = TierPutResult(stored=None, error=exc)
+                continue
+            if isinstance(claimed, TierPutResult):
+                results[i] = claimed
+            elif isinstance(claimed, _InFlight):
+                waits.append((i, key, claimed))  # being written by another thread, or earlier in this batch
+            else:
+                claimed.index = i
+                group.append(claimed)
+        if group:
+            self._commit_group(group)
+        for p in group:
+            results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
+                TierPutResult(stored=None, evicted=p.evicted, error=p.error)
+        for i, key, pending in waits:
+            try:
+                results[i] = self._await(key, pending)
+            except StorageError as exc:
+                results[i] = TierPutResult(stored=None, error=exc)
+        return results  # type: ignore[return-value]
+
+    def _claim(self, key: bytes, frame: BlockFrame) -> _Pending | _InFlight | TierPutResult:
+        """Make room for one frame of a group and mark its write in flight: a ``_Pending`` to
+        write, the ``_InFlight`` write of it to wait for, or the answer already (present)."""
+        segments = frame.wire_segments()  # seals the frame if it is not yet
+        meta = frame.meta
+        n = meta.nbytes
+        if n > self.capacity_bytes:
+            self.count(write_errors=1)
+            raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
+        with self._lock:
+            if key in self._index:
+                self._index.touch([key])
+                return TierPutResult(stored=None)
+            if (pending := self._writing.get(key)) is not None:
+                return pending
+            while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
+                victim = self._index.victim()
+                frame_v = self._read_frame(victim) if self.demote_evicted else None
+                self._remove_files(victim)
+                self._index.remove(victim, evicted=True)
+                self._stats.evictions += 1
+                evicted.append((victim, frame_v))
+            if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
+                self._stats.write_errors += 1
+                raise self._no_room(n)
+            mine = self._writing[key] = _InFlight()
+            self._reserved += n
+        data_path, side_path = self._paths(key)
+        sidecar = msgpack.packb({
+            "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
+            "nbytes": n, "raw_nbytes": meta.raw_nbytes, "checksum": meta.checksum,
+        }, use_bin_type=True)
+        return _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+
+    def _commit_group(self, group: list[_Pending]) -> None:
+        """Write and commit ``group`` stage by stage (data, sidecars, directories), then index
+        what was committed; every pending write ends here, committed or failed."""
+        try:
+            # Written first, all of them (page cache speed), then fsynced together: the device
+            # sees the whole batch at once rather than one file's flush at a time.
+            alive = self._stage(group, lambda p: self._write_temp(p.data_path, p.segments, sync=False), "data_tmp",
+                                threads=False)
+            if self.fsync:
+                alive = self._stage(alive, lambda p: _fsync_file(p.data_tmp), None)
+            alive = self._stage(alive, lambda p: os.replace(p.data_tmp, p.data_path), None, threads=False)
+            alive = self._stage(alive, lambda p: self._write_temp(p.side_path, [p.sidecar], sync=False), "side_tmp",
+                                threads=False)
+            if self.fsync:
+                alive = self._stage(alive, lambda p: _fsync_file(p.side_tmp), None)
+            alive = self._stage(alive, lambda p: os.replace(p.side_tmp, p.side_path), None, threads=False)
+            if self.fsync:
+                shards: dict[Path, list[_Pending]] = {}
+                for p in alive:
+                    shards.setdefault(p.data_path.parent, []).append(p)
+                failed = dict(zip(shards, self._writers.map(_try_fsync_dir, shards)))
+                for shard, error in failed.items():
+                    for p in shards[shard] if error is not None else ():
+                        p.fail(self.name, error)
+                self._group["dir_fsyncs"] += len(shards)
+        except BaseException as exc:  # an interrupt: nothing of this group may be left half done
+            for p in group:
+                if p.error is None:
+                    p.fail(self.name, exc)
+            self._finish(group)
+            raise
+        self._finish(group)
+
+    def _stage(self, group: list[_Pending], op, attr: str | None, *, threads: bool = True) -> list[_Pending]:
+        """Run ``op`` on every pending write (several at once in threads, or in order); keep
+        the result in ``attr``; a failure fails that write alone. The survivors, in order."""
+        if not group:
+            return group
+        outcomes = self._writers.map(_attempt, [op] * len(group), group) if threads else \
+            [_attempt(op, p) for p in group]
+        alive = []
+        for p, (value, error) in zip(group, outcomes):
+            if error is not None:
+                p.fail(self.name, error)
+                continue
+            if attr is not None:
+                setattr(p, attr, value)
+            alive.append(p)
+        return alive
+
+    def _write_temp(self, final: Path, segments: list, *, sync: bool = True) -> Path:
+        """``segments`` into a new temp file beside ``final`` (fsynced, with ``sync`` and
+        ``fsync``); its path."""
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                for seg in segments:
+                    view = memoryview(seg).cast("B")
+                    while view.nbytes:  # raw writes may be short
+                        view = view[f.write(view):]
+                if sync and self.fsync:
+                    os.fsync(f.fileno())
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return tmp
+
+    def _finish(self, group: list[_Pending]) -> None:
+        """Index the committed writes, undo the failed ones, and wake whoever waits on them."""
+        for p in group:
+            if p.error is not None:
+                for path in (p.side_path, p.side_tmp, p.data_path, p.data_tmp):  # commit record first
+                    if path is not None:
+                        _unlink(path)
+        with self._lock:
+            committed = 0
+            for p in group:
+                del self._writing[p.key]
+                self._reserved -= p.frame.meta.nbytes
+                if p.error is not None:
+                    self._stats.write_errors += 1
+                    continue
+                meta = p.frame.meta
+                self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position))
+                self._stats.bytes_in += meta.nbytes
+                self._stats.admissions += 1
+                committed += 1
+            self._group["batches"] += 1
+            self._group["frames"] += committed
+            self._sync_counts()
+        for p in group:
+            p.flight.error = p.error
+            p.flight.done.set()
+
     def _await(self, key: bytes, pending: _InFlight) -> TierPutResult:
         """Wait for another thread's write of ``key`` and answer as it ended: present once
         committed, its error if it failed."""
@@ -279,59 +523,80 @@ class DiskTier(IndexedTier):
     # -- reads ---------------------------------------------------------------------------
 
     def get(self, key: bytes) -> BlockFrame | None:
-        with self._lock:
-            info = self._index.get(key)
-        if info is None:
-            self.count(misses=1)
-            return None
-        start = time.perf_counter()
-        frame = self._read_frame(key, expected=info.nbytes)
-        elapsed = time.perf_counter() - start
-        if frame is None:
-            return None
-        with self._lock:
-            self._stats.hits += 1
-            self._stats.bytes_out += info.nbytes
-            self._stats.read_seconds += elapsed
-        return frame
+        return self.get_many([key])[0]
 
-    def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame | None:
-        """Read and verify one frame. Corrupt or truncated: delete, count, None."""
-        data_path, _ = self._paths(key)
+    def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
+        """Every frame read at once (``READ_DEPTH`` in flight), each verified as it lands."""
+        return list(self.stream(keys, leased=False))
+
+    def stream(self, keys: list[bytes], *, leased: bool = True) -> Iterator[BlockFrame | None]:
+        """The frames of ``keys`` in order (None for each miss), each handed out as soon as it
+        and the ones before it have landed and been verified; the reads of all of them start
+        now. ``leased``: frames lie in pooled buffers (page-locked where the tier was made
+        with ``pin``), each with a ``lease`` the caller releases once done with its bytes;
+        else each frame owns its buffer. A consumer that stops early should ``close()`` the
+        iterator: reads not handed out are then cancelled or given back."""
+        with self._lock:
+            infos = [self._index.get(k) for k in keys]
+        items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
+        reads = self._reads.read_many(items, _check_frame, self._stream_buffers if leased else None)
+        return self._hand_out(keys, infos, reads, leased)
+
+    def _hand_out(self, keys: list[bytes], infos: list[BlockInfo | None], reads, leased: bool
+                  ) -> Iterator[BlockFrame | None]:
+        hits = misses = nbytes = 0
         try:
-            with open(data_path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                if expected is not None and size != expected:
-                    raise FrameError(f"file holds {size} bytes, the sidecar says {expected}")
-                buf = bytearray(size)
-                view = memoryview(buf)
-                got = 0
-                while got < size:  # raw reads may be short
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise FrameError(f"short read: {got} of {size} bytes")
-                    got += n
-            meta = parse_frame(buf, verify=True)
-            if meta.block_hash != key:
-                raise FrameError("frame header names another block")
-        except FileNotFoundError:
+            with reads:
+                for key, info in zip(keys, infos):
+                    if info is None:
+                        misses += 1
+                        yield None
+                        continue
+                    done = next(reads)
+                    frame = self._landed(key, done, leased)
+                    if frame is None:
+                        misses += 1
+                    else:
+                        hits += 1
+                        nbytes += info.nbytes
+                    yield frame
+        finally:
             with self._lock:
-                self._stats.misses += 1
-                if key in self._index:  # indexed but its data file is gone: drop the sidecar too
+                self._stats.hits += hits
+                self._stats.misses += misses
+                self._stats.bytes_out += nbytes
+                if hits:  # wall time of the reads, in flight together: what the device gave
+                    self._stats.read_seconds += reads.last_landed - reads.started
+
+    def _landed(self, key: bytes, done: ReadDone | ReadFailed, leased: bool) -> BlockFrame | None:
+        """A read's frame, or None (its files dropped and counted when it was corrupt, cut
+        short, or its data file gone while its sidecar stayed)."""
+        if isinstance(done, ReadFailed):
+            with self._lock:
+                if key in self._index:
                     self._remove_files(key)
                     self._index.remove(key)
                     self._stats.corrupt += 1
                     self._sync_counts()
             return None
-        except (OSError, FrameError):
-            with self._lock:
-                self._remove_files(key)
-                self._index.remove(key)
-                self._stats.corrupt += 1
-                self._stats.misses += 1
-                self._sync_counts()
+        lease = done.lease
+        if not leased and lease is not None:
+            lease.release()  # a pool that keeps nothing: the frame's view owns the buffer now
+            lease = None
+        return BlockFrame(done.checked, host=done.view, sealed=True, lease=lease)
+
+    def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame | None:
+        """Read and verify one frame (a victim handed down). Corrupt or truncated: None."""
+        if expected is None:
+            info = self._index.get(key)
+            expected = info.nbytes if info is not None else None
+        try:
+            done = self._reads.submit(self._paths(key)[0], expected, _check_frame, key).result()
+        except ReadFailed:
             return None
-        return BlockFrame(meta, host=view, sealed=True)
+        if done.lease is not None:
+            done.lease.release()
+        return BlockFrame(done.checked, host=done.view, sealed=True)
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -347,7 +612,11 @@ class DiskTier(IndexedTier):
         _unlink(data_path)
 
     def _extra(self) -> dict:
-        return {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery}
+        out = {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery,
+               "group_commit": self.group_commit, "group_commits": dict(self._group)}
+        if hasattr(self, "_reads"):  # (not yet while recovering)
+            out |= {**self._reads.stats(), "stream_buffers": self._stream_buffers.stats()}
+        return out
 
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""
@@ -363,6 +632,14 @@ class DiskTier(IndexedTier):
             if not ok and fix:
                 self.delete(key)
         return report
+
+
+def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
+    """Parse and verify a frame read from disk (in the thread that read it)."""
+    meta = parse_frame(view, verify=True)
+    if meta.block_hash != key:
+        raise FrameError("frame header names another block")
+    return meta
 
 
 def _lock_directory(root: Path) -> int:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import StorageError
 from .eviction import DEFAULT_POLICY, EvictionIndex, make_index
 from .frame import FrameMeta, header_prefix, payload_checksum
+
+STREAM_CHUNK = 16  # keys asked of a tier at once by the default stream
 
 
 @dataclass(slots=True)
@@ -26,6 +28,8 @@ class BlockFrame:
     tensors fresh from an encoder; either may stand in for ``host`` in embedded mode.
     A frame whose payload checksum has not been computed yet (``sealed`` False) carries
     zeros in its header's checksum field; :meth:`wire_segments` seals a copy of the header.
+    ``lease``: set when ``host`` lies in memory lent by a tier (a disk stream's pooled read
+    buffer), which whoever got the frame releases (``release()``) once done with the bytes.
     """
 
     meta: FrameMeta
@@ -35,6 +39,12 @@ class BlockFrame:
     sealed: bool = True
     # Preamble + header with the real checksum, once computed for an unsealed host frame.
     sealed_prefix: bytes | None = None
+    lease: Any = None
+
+    def release(self) -> None:
+        """Release the lease on this frame's bytes, if it has one (then exactly once)."""
+        if self.lease is not None:
+            self.lease.release()
 
     @property
     def nbytes(self) -> int:
@@ -204,6 +214,15 @@ class Tier(ABC):
         """Frames for ``keys``, None for each miss. A networked tier overrides this with
         one round trip for the lot."""
         return [self.get(k) for k in keys]
+
+    def stream(self, keys: list[bytes], *, leased: bool = True) -> Iterator[BlockFrame | None]:
+        """Frames for ``keys`` in order, each handed out as soon as it is in hand (None for a
+        miss). This default asks ``get_many`` for ``STREAM_CHUNK`` keys at a time (one round
+        trip each for a networked tier), so the caller starts on the first frames before the
+        last are fetched; the disk tier keeps many reads in flight instead. ``leased``: the
+        caller releases each frame's ``lease`` (where it has one) once done with its bytes."""
+        for start in range(0, len(keys), STREAM_CHUNK):
+            yield from self.get_many(keys[start : start + STREAM_CHUNK])
 
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None

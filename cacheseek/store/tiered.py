@@ -32,7 +32,7 @@ Torch-free: frames whose bytes are still on a device are moved to the host (thro
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
@@ -42,6 +42,7 @@ from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
 from .pins import Pin, PinTable
+from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
 from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
 
@@ -81,6 +82,7 @@ class TieredStore:
         promote_on_hit: bool = True,
         admit_after: dict[str, int] | None = None,
         clock: Callable[[], float] = time.time,
+        max_prefetches: int = 4,
     ) -> None:
         if not tiers:
             raise ConfigError("tiers: at least one tier is needed")
@@ -112,6 +114,7 @@ class TieredStore:
         durable = [t.name for t in reached if t.persistent and t.name not in self.filters]
         self.durability = DURABLE if durable else MEMORY
         self._acknowledging = set(durable) if durable else {t.name for t in self.tiers}
+        self.prefetcher = Prefetcher(self, max_prefetches)
 
     @property
     def indexes_in_memory(self) -> bool:
@@ -228,9 +231,15 @@ class TieredStore:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, key: bytes, *, promote: bool | None = None) -> tuple[BlockFrame, str] | None:
-        """The frame from the fastest tier holding it, and that tier's name."""
+    def get(self, key: bytes, *, promote: bool | None = None,
+            join_prefetches: bool = True) -> tuple[BlockFrame, str] | None:
+        """The frame from the fastest tier holding it, and that tier's name. A block a
+        prefetch is promoting is waited for, then read from memory (``join_prefetches``)."""
         promote = self.promote_on_hit if promote is None else promote
+        if join_prefetches:
+            for fut in self.prefetcher.waiting([key]).values():
+                fut.result()
+                self.prefetcher.note_waited(1)
         for level, tier in enumerate(self.tiers):
             frame = tier.get(key)
             if frame is None:
@@ -257,6 +266,61 @@ class TieredStore:
                 out[i] = (frame, tier.name)
             missing = [i for i in missing if out[i] is None]
         return out
+
+    def stream(self, keys: Sequence[bytes], *, where: Sequence[str] | None = None, promote: bool | None = None,
+               leased: bool = True, join_prefetches: bool = True) -> Iterator[tuple[BlockFrame, str] | None]:
+        """Like :meth:`get_many`, but each frame is handed out, in order, as soon as it and the
+        ones before it are in hand: every tier's reads start now (the disk tier keeps many in
+        flight), and the caller works on the first frames while the later ones land.
+
+        ``where``: the tier each key is in (``locate``'s answer; default: asked now); only
+        ``keys[:len(where)]`` are read. A block whose promotion a prefetch has in flight is
+        waited for and then read from memory, not read again (``join_prefetches``). A block
+        gone from its tier since is looked for in the others. ``leased``: the caller releases
+        each frame's ``lease`` (where it has one) once done with its bytes. Close the
+        iterator if you stop early: reads not handed out are cancelled or given back."""
+        promote = self.promote_on_hit if promote is None else promote
+        names = list(self.locate(keys) if where is None else where)
+        keys = list(keys[: len(names)])
+        waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
+        level_of = {t.name: i for i, t in enumerate(self.tiers)}
+        streams: dict[str, Iterator[BlockFrame | None]] = {}
+        for tier in self.tiers:
+            mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
+            if mine:
+                streams[tier.name] = tier.stream(mine, leased=leased)
+        return self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches)
+
+    def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, Iterator[BlockFrame | None]],
+               waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool
+               ) -> Iterator[tuple[BlockFrame, str] | None]:
+        try:
+            for key, name in zip(keys, names):
+                fut = waiting.get(key)
+                if fut is not None:
+                    fut.result()  # the prefetch's read of it: landed (and promoted) or given up
+                    self.prefetcher.note_waited(1)
+                    yield self.get(key, promote=promote, join_prefetches=False)
+                    continue
+                frame = next(streams[name], None)
+                if frame is None:  # gone from there since: any other tier
+                    yield self.get(key, promote=promote, join_prefetches=join)
+                    continue
+                level = level_of[name]
+                if promote and level > 0:
+                    self._promote(key, frame, level)
+                yield frame, name
+        finally:
+            for it in streams.values():
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+
+    def prefetch(self, keys: Sequence[bytes]) -> Prefetch | None:
+        """Start promoting the stored prefix of ``keys`` from the capacity tiers into memory,
+        in the background; returns at once (``store.prefetch``: a handle, or None when there
+        is nothing to do or too many prefetches are in flight)."""
+        return self.prefetcher.start(keys)
 
     def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
         for upper in range(level):
@@ -425,6 +489,7 @@ class TieredStore:
             "shared_tiers": [t["name"] for t in shared],
             "compression_ratio": ratio_of[1] / ratio_of[0] if ratio_of[0] else None,
             "pins": len(self.pin_table),
+            "prefetch": self.prefetcher.stats(),
         }
 
     # -- frames written in place -------------------------------------------------------
@@ -469,6 +534,7 @@ class TieredStore:
         self.tiers[0].abort(reservation)
 
     def close(self) -> None:
+        self.prefetcher.close()
         for tier in self.tiers:
             tier.close()
 

@@ -1,0 +1,442 @@
+"""Whole files read at the device's speed: many reads in flight, O_DIRECT into aligned buffers.
+
+The disk tier keeps one frame per file. A cold read of a chain is many whole-file reads;
+one at a time through the page cache they reach a third of what the device gives. Here:
+
+- ``probe_read_path(folder)`` finds out once which path the folder's filesystem allows:
+  ``"o_direct"`` (O_DIRECT accepted and enforced: an unaligned read is refused, so reads
+  bypass the page cache), ``"o_direct-unenforced"`` (O_DIRECT accepted but an unaligned read
+  works too: the flag is ignored or emulated, as under gVisor, and the page cache may
+  serve), or ``"buffered"`` (O_DIRECT refused, as on tmpfs). What ran is in the tier's
+  stats, never guessed.
+- O_DIRECT needs offsets, lengths and buffers aligned to the device's logical block; 4 KiB
+  covers every device here. A frame file is read whole, its length rounded up to 4 KiB,
+  into a 4 KiB-aligned buffer (the read ends at the end of the file).
+- ``ReadPool`` runs ``depth`` reads at once in threads (``os.preadv`` releases the GIL), so
+  the device's queue stays full; each read's ``check`` (the frame's checksum) runs in the
+  thread that read it, on the buffer as it lands, while the other reads go on.
+- ``BufferPool`` lends aligned buffers, page-locked when a GPU will copy out of them
+  (``pin=True``: a pinned torch allocation, imported only then), so the copy to the device
+  runs as DMA from the buffer the disk wrote. Each buffer is lent with a lease, released
+  exactly once by its holder; until then the pool never reuses it.
+
+Torch-free unless a pool pins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a page; >= any logical block here)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
+PROBE_NAME = ".probe-direct-io"
+
+
+def round_up(n: int, align: int = DIRECT_ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+# -- which path the filesystem allows ------------------------------------------------------
+
+
+def probe_read_path(folder: str | os.PathLike) -> str:
+    """``"o_direct"``, ``"o_direct-unenforced"`` or ``"buffered"`` for files in ``folder``
+    (see the module's docstring): a probe file is written, read back aligned and unaligned
+    with O_DIRECT, and removed."""
+    if not O_DIRECT:
+        return "buffered"
+    path = Path(folder) / f"{PROBE_NAME}-{os.getpid()}-{threading.get_ident()}"
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\x5a" * (2 * DIRECT_ALIGN))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            fd = os.open(path, os.O_RDONLY | O_DIRECT)
+        except OSError:
+            return "buffered"  # tmpfs and some network filesystems refuse the flag itself
+        try:
+            buf = AlignedBuffer(2 * DIRECT_ALIGN)
+            try:
+                if os.preadv(fd, [buf.view(DIRECT_ALIGN)], 0) != DIRECT_ALIGN:
+                    return "buffered"
+            except OSError:
+                return "buffered"
+            try:
+                # One byte into an aligned buffer, from an unaligned offset: a filesystem that
+                # really bypasses the page cache refuses it (EINVAL).
+                os.preadv(fd, [buf.view(DIRECT_ALIGN + 1)[1:]], 1)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    return "o_direct"
+                return "buffered"
+            return "o_direct-unenforced"
+        finally:
+            os.close(fd)
+    except OSError:
+        return "buffered"
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+
+
+# -- aligned (and maybe pinned) buffers ----------------------------------------------------
+
+
+class AlignedBuffer:
+    """``nbytes`` (rounded up to 4 KiB) of page-aligned host memory: an anonymous mmap, or a
+    slice of a pinned torch allocation (``pin=True`` with CUDA present)."""
+
+    __slots__ = ("nbytes", "pinned", "_mem", "_keep", "_base")
+
+    def __init__(self, nbytes: int, *, pin: bool = False) -> None:
+        self.nbytes = round_up(max(nbytes, 1))
+        self.pinned = False
+        self._keep: Any = None
+        self._mem: Any = None
+        if pin:
+            self._pin()
+        if self._mem is None:
+            self._mem = mmap.mmap(-1, self.nbytes)  # page-aligned by construction
+            self._base = ctypes.addressof(ctypes.c_ubyte.from_buffer(self._mem))
+
+    def _pin(self) -> None:
+        try:
+            import torch
+        except ImportError:
+            return
+        if not torch.cuda.is_available():
+            return
+        keep = torch.empty(self.nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
+        skip = -keep.data_ptr() % DIRECT_ALIGN
+        self._keep = keep[skip : skip + self.nbytes]
+        self._base = self._keep.data_ptr()
+        self._mem = (ctypes.c_ubyte * self.nbytes).from_address(self._base)
+        self._mem._owner = keep  # every view of the buffer keeps the pinned allocation alive
+        self.pinned = True
+
+    def view(self, nbytes: int | None = None) -> memoryview:
+        return memoryview(self._mem).cast("B")[: self.nbytes if nbytes is None else nbytes]
+
+    @property
+    def address(self) -> int:
+        return self._base
+
+
+class BufferLease:
+    """One pool buffer lent to a reader: ``release()`` gives it back, exactly once."""
+
+    __slots__ = ("buffer", "_pool", "_released")
+
+    def __init__(self, pool: BufferPool, buffer: AlignedBuffer) -> None:
+        self.buffer, self._pool, self._released = buffer, pool, False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        if self._released:
+            raise RuntimeError("BufferLease: released twice (a lease is released exactly once)")
+        self._released = True
+        self._pool._give_back(self.buffer)
+
+    def __enter__(self) -> BufferLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._released:
+            self.release()
+
+
+class BufferPool:
+    """Aligned buffers lent and given back, kept for reuse up to ``keep_bytes`` in all (a
+    pinned buffer costs a page-locking to make, so a materialize reuses the last one's)."""
+
+    def __init__(self, *, pin: bool = False, keep_bytes: int = 1 << 30) -> None:
+        self.pin = pin
+        self.keep_bytes = keep_bytes
+        self._free: list[AlignedBuffer] = []
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.made = 0
+
+    def take(self, nbytes: int) -> BufferLease:
+        need = round_up(max(nbytes, 1))
+        with self._lock:
+            # The smallest free buffer that fits; a much larger one stays for a larger frame.
+            best = None
+            for i, buf in enumerate(self._free):
+                if need <= buf.nbytes <= 2 * need and (best is None or buf.nbytes < self._free[best].nbytes):
+                    best = i
+            if best is not None:
+                buf = self._free.pop(best)
+                self._free_bytes -= buf.nbytes
+                return BufferLease(self, buf)
+            self.made += 1
+        return BufferLease(self, AlignedBuffer(need, pin=self.pin))
+
+    def _give_back(self, buf: AlignedBuffer) -> None:
+        with self._lock:
+            if self._free_bytes + buf.nbytes <= self.keep_bytes:
+                self._free.append(buf)
+                self._free_bytes += buf.nbytes
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
+                    "pinned": self.pin}
+
+
+# -- reads in flight -----------------------------------------------------------------------
+
+
+class ReadFailed(Exception):
+    """A read could not give a whole file: missing, another size than expected, short, or
+    refused by its ``check``. ``missing``: the file was not there."""
+
+    def __init__(self, reason: str, *, missing: bool = False) -> None:
+        super().__init__(reason)
+        self.missing = missing
+
+
+@dataclass(slots=True)
+class ReadDone:
+    """A file read whole into ``lease``'s buffer: ``view`` is its ``nbytes`` bytes, ``checked``
+    what the read's ``check`` returned for them, ``seconds`` the read alone."""
+
+    view: memoryview
+    lease: BufferLease | None
+    checked: Any
+    seconds: float
+    path_taken: str
+    finished: float  # time.perf_counter() when it landed and was checked
+
+
+class ReadPool:
+    """Whole-file reads, ``depth`` at a time, each into an aligned buffer, each checked in
+    the thread that read it. ``read_path`` is the probed path (``probe_read_path``)."""
+
+    def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None) -> None:
+        if read_path not in READ_PATHS:
+            raise ValueError(f"read_path: one of {READ_PATHS}, got {read_path!r}")
+        if depth < 1:
+            raise ValueError(f"depth: at least 1, got {depth}")
+        self.read_path = read_path
+        self.depth = depth
+        self.buffers = buffers or BufferPool()
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
+        self._counts_lock = threading.Lock()
+        self.direct_reads = 0
+        self.buffered_reads = 0
+        self.direct_refused = 0  # files whose O_DIRECT open or read failed (read buffered instead)
+
+    def submit(self, path: Path, expected: int | None, check: Callable[[memoryview, Any], Any], context: Any = None,
+               buffers: BufferPool | None = None) -> Future:
+        """Start reading ``path`` whole (``expected`` bytes, if known), then ``check(view,
+        context)`` in the same thread; the future gives a ``ReadDone`` or raises ``ReadFailed``."""
+        return self._pool.submit(self._read, path, expected, check, context, buffers or self.buffers)
+
+    def read_many(self, items: Sequence[tuple[Path, int | None, Any]], check: Callable[[memoryview, Any], Any],
+                  buffers: BufferPool | None = None) -> ReadStream:
+        """Start reading every ``(path, expected size, context)``; see ``ReadStream``."""
+        return ReadStream(self, items, check, buffers)
+
+    def _read(self, path: Path, expected: int | None, check: Callable[[memoryview, Any], Any], context: Any,
+              buffers: BufferPool) -> ReadDone:
+        start = time.perf_counter()
+        direct = self.read_path != "buffered"
+        try:
+            fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            raise ReadFailed(f"{path.name}: not found", missing=True) from None
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise ReadFailed(f"{path.name}: {exc}") from None
+            with self._counts_lock:
+                self.direct_refused += 1
+            direct = False
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc2:
+                raise ReadFailed(f"{path.name}: {exc2}", missing=isinstance(exc2, FileNotFoundError)) from None
+        lease = None
+        try:
+            size = os.fstat(fd).st_size
+            if expected is not None and size != expected:
+                raise ReadFailed(f"{path.name}: holds {size} bytes, {expected} expected")
+            lease = buffers.take(size)
+            try:
+                got = _read_whole(fd, path, lease.buffer, size, direct)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise ReadFailed(f"{path.name}: {exc}") from None
+                with self._counts_lock:
+                    self.direct_refused += 1
+                direct = False
+                os.close(fd)
+                fd = os.open(path, os.O_RDONLY)
+                got = _read_whole(fd, path, lease.buffer, size, False)
+            if got != size:
+                raise ReadFailed(f"{path.name}: short read, {got} of {size} bytes")
+            view = lease.buffer.view(size)
+            try:
+                checked = check(view, context)  # the checksum, on the buffer as it landed, in this thread
+            except ReadFailed:
+                raise
+            except Exception as exc:
+                raise ReadFailed(f"{path.name}: {exc}") from None
+        except BaseException as exc:
+            if lease is not None:
+                lease.release()
+            if isinstance(exc, ReadFailed):
+                raise
+            if isinstance(exc, OSError):
+                raise ReadFailed(f"{path.name}: {exc}") from None
+            raise
+        finally:
+            os.close(fd)
+        with self._counts_lock:
+            if direct:
+                self.direct_reads += 1
+            else:
+                self.buffered_reads += 1
+        end = time.perf_counter()
+        return ReadDone(view, lease, checked, end - start, self.read_path if direct else "buffered", end)
+
+    def stats(self) -> dict[str, Any]:
+        with self._counts_lock:
+            return {"read_path": self.read_path, "read_depth": self.depth, "direct_reads": self.direct_reads,
+                    "buffered_reads": self.buffered_reads, "direct_refused": self.direct_refused,
+                    "read_buffers": self.buffers.stats()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ReadStream:
+    """Reads of many files in flight, handed out in the order given.
+
+    Up to twice the pool's depth are queued at once (the device's queue stays full while
+    the consumer works on what has landed); each one handed out starts the next. Iterating
+    gives each file's ``ReadDone`` (or its ``ReadFailed``) as soon as it and the ones before
+    it have landed. The reads start when the stream is made, not at the first ``next``.
+    ``close()`` (or the end of a ``with``) cancels what has not started and gives back the
+    buffers of reads that landed but were never handed out: a consumer that stops early
+    leaves nothing behind. ``started``/``last_landed`` (perf_counter) time the whole.
+    """
+
+    def __init__(self, pool: ReadPool, items: Sequence[tuple[Path, int | None, Any]],
+                 check: Callable[[memoryview, Any], Any], buffers: BufferPool | None) -> None:
+        self._pool, self._check, self._buffers = pool, check, buffers
+        self._todo = iter(list(items))
+        self._futures: list[Future] = []
+        self._next = 0
+        self.started = time.perf_counter()
+        self.last_landed = self.started
+        for _ in range(2 * pool.depth):
+            if not self._submit_one():
+                break
+
+    def _submit_one(self) -> bool:
+        item = next(self._todo, None)
+        if item is None:
+            return False
+        path, expected, context = item
+        self._futures.append(self._pool.submit(path, expected, self._check, context, self._buffers))
+        return True
+
+    def __iter__(self) -> ReadStream:
+        return self
+
+    def __next__(self) -> ReadDone | ReadFailed:
+        if self._next >= len(self._futures):
+            raise StopIteration
+        fut = self._futures[self._next]
+        self._futures[self._next] = None  # type: ignore[call-overload]  # handed out: no longer ours
+        self._next += 1
+        self._submit_one()
+        try:
+            done = fut.result()
+        except ReadFailed as exc:
+            return exc
+        self.last_landed = max(self.last_landed, done.finished)
+        return done
+
+    def close(self) -> None:
+        for fut in self._futures[self._next :]:
+            if fut is None or fut.cancel():
+                continue
+            try:
+                left = fut.result()
+            except ReadFailed:
+                continue
+            if left.lease is not None:
+                left.lease.release()
+        self._futures = self._futures[: self._next]
+        self._todo = iter(())
+
+    def __enter__(self) -> ReadStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_whole(fd: int, path: Path, buf: AlignedBuffer, size: int, direct: bool) -> int:
+    """Read ``size`` bytes from offset 0 into ``buf``; with O_DIRECT every request is aligned
+    (the last one rounded up: the file's end cuts it short). Returns the bytes read."""
+    got = 0
+    limit = round_up(size) if direct else size
+    while got < size:
+        n = os.preadv(fd, [buf.view(limit)[got:]], got)
+        if n <= 0:
+            break
+        got += n
+        if direct and got % DIRECT_ALIGN and got < size:
+            # A short O_DIRECT read that ends unaligned cannot go on aligned: finish buffered.
+            return got + _read_rest_buffered(path, buf, got, size)
+    return min(got, size)
+
+
+def _read_rest_buffered(path: Path, buf: AlignedBuffer, start: int, size: int) -> int:
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        view = buf.view(size)[start:]
+        got = 0
+        while got < view.nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        return got
+
+
+def drop_cached(path: str | os.PathLike) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (a cold read next)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+__all__ = [
+    "AlignedBuffer", "BufferLease", "BufferPool", "DIRECT_ALIGN", "READ_PATHS", "ReadDone", "ReadFailed",
+    "ReadPool", "ReadStream", "drop_cached", "probe_read_path", "round_up",
+]

@@ -1,0 +1,199 @@
+"""Prefetch: a chain promoted from the capacity tiers (disk, Redis) into memory in the background.
+
+A scheduler knows a request's prompt while the request waits in its queue; a prefetch
+started then reads the prompt's stored chain from the slow tiers into the memory tiers
+(CPU, and GPU where there is one) while it waits, so the materialize that comes with the
+request is served from memory.
+
+- ``Prefetcher.start(keys)`` returns at once: a ``Prefetch`` handle, or None when there is
+  nothing to do (nothing stored, the chain already in memory: that costs one lookup) or
+  the limit of prefetches in flight (``max_in_flight``) is reached (counted, never queued:
+  a prefetch that cannot start at once is worth less than the one it would wait behind).
+- Promotions in flight are shared: each block being promoted has a future in
+  ``waiting``; a second prefetch of the same chain joins them, and a read of the store
+  (``TieredStore.stream``) waits for such a block instead of reading it again, so a
+  materialize that comes while a prefetch runs waits only for what is still missing.
+- A prefetch never fails anything: a block that cannot be read or promoted is left where
+  it was (a later read reads it there).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tiered import TieredStore
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """One prefetch started: ``blocks`` of the chain's stored prefix (``matched``) are being
+    promoted into memory, ``joined`` of them by another prefetch already under way.
+    ``wait(timeout)`` returns True once every one of them has landed (or been given up).
+    A prefetch a server runs (``RemoteCache.prefetch``, ``on_server``) cannot be waited for
+    here: the server's own reads of the chain wait for it there."""
+
+    matched: int
+    blocks: int
+    joined: int
+    on_server: bool = False
+    started_at: float = field(default_factory=time.perf_counter)
+    _futures: list[Future] = field(default_factory=list, repr=False)
+
+    def _local(self) -> None:
+        if self.on_server:
+            raise RuntimeError("this prefetch runs in the server: a materialize through it waits for it there")
+
+    def done(self) -> bool:
+        self._local()
+        return all(f.done() for f in self._futures)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._local()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for fut in self._futures:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                fut.result(timeout=left)
+            except TimeoutError:
+                return False
+        return True
+
+    @property
+    def promoted(self) -> int:
+        """Blocks promoted so far (of ``blocks``)."""
+        self._local()
+        return sum(1 for f in self._futures if f.done() and not f.cancelled() and f.result())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"matched": self.matched, "blocks": self.blocks, "joined": self.joined}
+
+
+class Prefetcher:
+    """Background promotions for one ``TieredStore``, at most ``max_in_flight`` at once."""
+
+    def __init__(self, store: TieredStore, max_in_flight: int = 4) -> None:
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"max_prefetches: must be an int >= 1, got {max_in_flight!r}")
+        self._store = weakref.ref(store)  # no cycle: a store dropped unclosed is freed at once
+        self.max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._waiting: dict[bytes, Future] = {}
+        self._running = 0
+        self._executor: ThreadPoolExecutor | None = None
+        self.counts = {"started": 0, "joined": 0, "in_memory": 0, "nothing_stored": 0, "refused_busy": 0,
+                       "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0}
+
+    def start(self, keys: Sequence[bytes]) -> Prefetch | None:
+        """Promote the stored prefix of ``keys`` into memory in the background (see the
+        module's docstring). Returns at once."""
+        store = self._store()
+        if store is None:
+            return None
+        memory = {t.name for t in store.tiers if not t.persistent}
+        if not memory:
+            self._count("no_memory_tier")
+            return None
+        where = store.locate(keys)
+        if not where:
+            self._count("nothing_stored")
+            return None
+        todo = [(k, name) for k, name in zip(keys, where) if name not in memory]
+        if not todo:
+            self._count("in_memory")  # what a prefetch of a chain in memory costs: this lookup
+            return None
+        with self._lock:
+            joined = [self._waiting[k] for k, _ in todo if k in self._waiting]
+            mine = [(k, name) for k, name in todo if k not in self._waiting]
+            if not mine:
+                self.counts["joined"] += 1
+                return Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined)
+            if self._running >= self.max_in_flight:
+                self.counts["refused_busy"] += 1
+                return None
+            futures = [Future() for _ in mine]
+            for (k, _), fut in zip(mine, futures):
+                fut.set_running_or_notify_cancel()
+                self._waiting[k] = fut
+            self._running += 1
+            self.counts["started"] += 1
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="cacheseek-prefetch")
+            executor = self._executor
+        handle = Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
+        try:
+            executor.submit(self._run, mine, futures)
+        except RuntimeError:  # shut down meanwhile
+            self._settle(mine, futures, [False] * len(mine))
+            return None
+        return handle
+
+    def waiting(self, keys: Sequence[bytes]) -> dict[bytes, Future]:
+        """The promotions in flight among ``keys``: a reader waits for these instead of
+        reading them again."""
+        with self._lock:
+            if not self._waiting:
+                return {}
+            return {k: self._waiting[k] for k in keys if k in self._waiting}
+
+    def note_waited(self, n: int) -> None:
+        self._count("waited_for", n)
+
+    def _run(self, mine: list[tuple[bytes, str]], futures: list[Future]) -> None:
+        keys = [k for k, _ in mine]
+        results = [False] * len(mine)
+        try:
+            store = self._store()
+            if store is None:
+                return
+            stream = store.stream(keys, where=[name for _, name in mine], promote=True, leased=False,
+                                       join_prefetches=False)
+            try:
+                for i, got in enumerate(stream):
+                    results[i] = got is not None
+                    self._settle([mine[i]], [futures[i]], [results[i]])
+            finally:
+                stream.close()
+        except Exception:  # a prefetch fails nothing: what was not promoted stays where it was
+            pass
+        finally:
+            self._settle(mine, futures, results, last=True)
+
+    def _settle(self, mine: list[tuple[bytes, str]], futures: list[Future], results: list[bool], *,
+                last: bool = False) -> None:
+        with self._lock:
+            for (key, _), fut, ok in zip(mine, futures, results):
+                if fut.done():
+                    continue
+                if self._waiting.get(key) is fut:
+                    del self._waiting[key]
+                self.counts["promoted_blocks" if ok else "failed_blocks"] += 1
+                fut.set_result(ok)
+            if last:
+                self._running -= 1
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {**self.counts, "in_flight": self._running, "blocks_in_flight": len(self._waiting),
+                    "max_in_flight": self.max_in_flight}
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["Prefetch", "Prefetcher"]

@@ -1,0 +1,393 @@
+"""The capacity tiers: whole-file reads many at a time (O_DIRECT where enforced), group commit,
+and prefetch (embedded, and through a real server). Real files, real threads, real servers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import cacheseek as cs
+from cacheseek.store import direct_io
+from cacheseek.store.direct_io import BufferPool, ReadFailed, ReadPool, probe_read_path
+from cacheseek.store.disk import DiskTier
+from cacheseek.store.frame import parse_frame
+
+from server_helpers import Server, raw_chain
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+
+SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20, (1 << 20) + 17]
+
+
+def _files(root: Path, sizes=SIZES) -> list[tuple[Path, bytes]]:
+    out = []
+    for i, n in enumerate(sizes):
+        data = os.urandom(n)
+        path = root / f"f{i}"
+        path.write_bytes(data)
+        out.append((path, data))
+    return out
+
+
+# -- direct_io -------------------------------------------------------------------------------
+
+
+def test_probe_names_a_known_path_and_tmpfs_is_not_direct(tmp_path):
+    assert probe_read_path(tmp_path) in direct_io.READ_PATHS
+    assert not list(tmp_path.iterdir())  # the probe file is gone
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        assert probe_read_path(shm) != "o_direct"  # tmpfs has no page cache to bypass
+
+
+@pytest.mark.parametrize("path", ["probed", "buffered"])
+def test_read_pool_reads_every_size_whole_and_in_order(tmp_path, path):
+    files = _files(tmp_path)
+    read_path = probe_read_path(tmp_path) if path == "probed" else "buffered"
+    pool = ReadPool(read_path, depth=3, buffers=BufferPool())
+    try:
+        items = [(p, len(d), i) for i, (p, d) in enumerate(files)]
+        seen = []
+        with pool.read_many(items, lambda view, i: (i, bytes(view))) as reads:
+            for (p, data), done in zip(files, reads):
+                assert not isinstance(done, ReadFailed)
+                assert done.checked[1] == data and bytes(done.view) == data
+                assert done.lease.buffer.address % direct_io.DIRECT_ALIGN == 0
+                seen.append(done.checked[0])
+                done.lease.release()
+        assert seen == list(range(len(files)))
+        stats = pool.stats()
+        if read_path == "o_direct":
+            assert stats["direct_reads"] == len(files)
+        if read_path == "buffered":
+            assert stats["buffered_reads"] == len(files) and stats["direct_reads"] == 0
+    finally:
+        pool.close()
+
+
+def test_read_pool_failures_and_an_early_stop_give_every_buffer_back(tmp_path):
+    files = _files(tmp_path, [5000] * 12)
+    buffers = BufferPool()
+    pool = ReadPool(probe_read_path(tmp_path), depth=2, buffers=buffers)
+    try:
+        items = [(p, len(d), i) for i, (p, d) in enumerate(files)]
+        items[1] = (tmp_path / "missing", 5000, 1)
+        items[2] = (files[2][0], 4999, 2)  # another size than expected
+
+        def check(view, i):
+            if i == 3:
+                raise ValueError("bad frame")  # a check that fails is a failed read
+            return i
+
+        reads = pool.read_many(items, check)
+        got = [next(reads) for _ in range(5)]
+        assert isinstance(got[1], ReadFailed) and got[1].missing
+        assert isinstance(got[2], ReadFailed) and not got[2].missing
+        assert isinstance(got[3], ReadFailed) and "bad frame" in str(got[3])
+        for done in (got[0], got[4]):
+            done.lease.release()
+        with pytest.raises(RuntimeError, match="released twice"):
+            got[0].lease.release()
+        reads.close()  # seven reads never handed out: cancelled or given back
+        time.sleep(0.05)
+        stats = buffers.stats()
+        assert stats["buffers_free"] == stats["buffers_made"]
+    finally:
+        pool.close()
+
+
+# -- the disk tier: reads ----------------------------------------------------------------------
+
+
+def test_cold_materialize_from_disk_streams_through_direct_reads(tmp_path):
+    toks, kv = tokens_for(1, 12 * BLOCK), make_kv(12 * BLOCK, 1)
+    with make_cache(cpu=0, disk=tmp_path / "d", codec=cs.KIVI(bits=4)) as cache:
+        cache.ingest(toks, kv)
+        expect = cache.materialize(toks)
+    with make_cache(cpu=0, disk=tmp_path / "d", codec=cs.KIVI(bits=4)) as cache:  # reopened: nothing in memory
+        for path in (tmp_path / "d").rglob("*.frame"):
+            direct_io.drop_cached(path)
+        got = cache.materialize(toks)
+        assert got.num_tokens == 12 * BLOCK and set(got.tiers) == {"disk"}
+        for (k, v), (k0, v0) in zip(got.layers, expect.layers):
+            assert k.equal(k0) and v.equal(v0)
+        disk = cache.stats()["tiers"][0]
+        assert disk["read_path"] in direct_io.READ_PATHS
+        assert disk["direct_reads"] + disk["buffered_reads"] == 12
+        buffers = disk["stream_buffers"]
+        assert buffers["buffers_free"] == buffers["buffers_made"]  # every lease released after the copies
+        assert disk["read_gbps"] > 0
+
+
+def test_a_corrupt_or_missing_frame_ends_the_prefix_and_is_dropped(tmp_path):
+    toks, kv = tokens_for(2, 6 * BLOCK), make_kv(6 * BLOCK, 2)
+    with make_cache(cpu=0, disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        hashes = cache.block_hashes(toks)
+        tier = cache.store.tier("disk")
+        data = tier._paths(hashes[3])[0]
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF  # a payload byte: the checksum catches it
+        data.write_bytes(raw)
+        tier._paths(hashes[5])[0].unlink()
+        got = cache.materialize(toks)
+        assert_prefix_equal(got, kv, 3 * BLOCK)
+        assert cache.lookup(toks) == 3 * BLOCK
+        assert cache.stats()["tiers"][0]["corrupt"] == 1
+        assert not tier._paths(hashes[3])[1].exists()  # its sidecar went too
+        assert cache.materialize(toks[: 3 * BLOCK]).num_tokens == 3 * BLOCK
+
+
+# -- the disk tier: group commit ---------------------------------------------------------------
+
+
+def _frames(seed: int, n: int):
+    from cacheseek.store.tier import BlockFrame
+
+    out = []
+    for key, body in raw_chain(seed, n):
+        out.append((key, BlockFrame(parse_frame(body), host=memoryview(body), sealed=True)))
+    return out
+
+
+@pytest.mark.parametrize("group_commit", [True, False])
+def test_group_commit_stores_a_batch_durably_and_whole(tmp_path, group_commit):
+    items = _frames(3, 10)
+    items.append(items[4])  # the same block twice in one batch: written once
+    tier = DiskTier(tmp_path, 1 << 30, group_commit=group_commit)
+    results = tier.put_many(items)
+    assert sum(r.stored is not None for r in results) == 10 and not any(r.error for r in results)
+    stats = tier.stats().to_dict()
+    if group_commit:
+        assert stats["group_commits"]["frames"] == 10 and stats["group_commits"]["batches"] == 1
+    assert not list(tmp_path.rglob(".tmp-*"))
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 30)  # what a restart finds: every block, whole
+    try:
+        assert again.stats().to_dict()["recovered_blocks"] == 10
+        for (key, frame), got in zip(items, again.get_many([k for k, _ in items])):
+            assert got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        again.close()
+
+
+def test_a_failed_write_in_a_group_fails_that_block_alone(tmp_path, monkeypatch):
+    items = _frames(4, 6)
+    tier = DiskTier(tmp_path, 1 << 30)
+    bad = items[2][0].hex()
+    real = DiskTier._write_temp
+
+    def flaky(self, final, segments, **kw):
+        if final.name.startswith(bad) and final.suffix == ".meta":
+            raise OSError(28, "No space left on device")
+        return real(self, final, segments, **kw)
+
+    monkeypatch.setattr(DiskTier, "_write_temp", flaky)
+    results = tier.put_many(items)
+    assert [r.error is not None for r in results] == [False, False, True, False, False, False]
+    assert "No space left" in str(results[2].error)
+    assert not tier.contains(items[2][0]) and not list(tier._paths(items[2][0])[0].parent.glob(bad + "*"))
+    assert all(tier.contains(k) for i, (k, _) in enumerate(items) if i != 2)
+    monkeypatch.undo()
+    assert tier.put_many([items[2]])[0].stored is not None  # and it can be written again
+    tier.close()
+
+
+def test_concurrent_group_commits_of_one_batch_write_each_block_once(tmp_path):
+    items = _frames(5, 8)
+    tier = DiskTier(tmp_path, 1 << 30)
+    out: list = []
+    threads = [threading.Thread(target=lambda: out.append(tier.put_many(items))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stored = sum(r.stored is not None for results in out for r in results)
+    assert stored == 8 and not any(r.error for results in out for r in results)
+    assert tier.stats().admissions == 8
+    tier.close()
+
+
+# -- prefetch (embedded) -----------------------------------------------------------------------
+
+
+def _on_disk_only(cache, toks) -> None:
+    cpu = cache.store.tier("cpu")
+    for key in cache.block_hashes(toks):
+        cpu.delete(key)
+    assert set(cache.locate(toks).tiers) == {"disk"}
+
+
+def test_prefetch_promotes_a_chain_into_memory_and_returns_at_once(tmp_path):
+    toks, kv = tokens_for(6, 8 * BLOCK), make_kv(8 * BLOCK, 6)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        assert cache.prefetch(toks) is None  # nothing stored
+        cache.ingest(toks, kv)
+        assert cache.prefetch(toks) is None  # in memory already: a lookup, nothing started
+        _on_disk_only(cache, toks)
+        handle = cache.prefetch(toks)
+        assert handle is not None and handle.matched == 8 and handle.blocks == 8
+        assert handle.wait(30) and handle.done() and handle.promoted == 8
+        assert set(cache.locate(toks).tiers) == {"cpu"}
+        assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+        counts = cache.stats()["prefetch"]
+        assert counts["started"] == 1 and counts["in_memory"] == 1 and counts["nothing_stored"] == 1
+        assert counts["promoted_blocks"] == 8 and counts["in_flight"] == 0
+
+
+class _Gate:
+    """Holds the disk tier's reads until opened, counting them."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.reads = 0
+        real = ReadPool._read
+
+        def gated(pool, path, *args):
+            self.reads += 1
+            self.open.wait(30)
+            return real(pool, path, *args)
+
+        monkeypatch.setattr(ReadPool, "_read", gated)
+
+
+def test_a_materialize_during_a_prefetch_waits_for_it_and_reads_nothing_twice(tmp_path, monkeypatch):
+    toks, kv = tokens_for(7, 6 * BLOCK), make_kv(6 * BLOCK, 7)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        _on_disk_only(cache, toks)
+        gate = _Gate(monkeypatch)
+        handle = cache.prefetch(toks)
+        assert handle is not None and not handle.done()  # returned while its reads are held
+        joined = cache.prefetch(toks)
+        assert joined is not None and joined.joined == 6  # a second prefetch joins the first
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(cache.materialize(toks)))
+        reader.start()
+        time.sleep(0.2)
+        assert not got  # waiting for the prefetch's reads
+        gate.open.set()
+        reader.join(30)
+        assert_prefix_equal(got[0], kv, 6 * BLOCK)
+        assert gate.reads == 6  # each block read once, by the prefetch
+        assert cache.stats()["prefetch"]["waited_for"] >= 1
+
+
+def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
+    chains = [(tokens_for(10 + i, 2 * BLOCK), make_kv(2 * BLOCK, 10 + i)) for i in range(3)]
+    with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:
+        for toks, kv in chains:
+            cache.ingest(toks, kv)
+            _on_disk_only(cache, toks)
+        gate = _Gate(monkeypatch)
+        first = cache.prefetch(chains[0][0])
+        assert first is not None
+        assert cache.prefetch(chains[1][0]) is None  # the limit: refused, not queued
+        assert cache.stats()["prefetch"]["refused_busy"] == 1
+        gate.open.set()
+        assert first.wait(30)
+        time.sleep(0.05)
+        second = cache.prefetch(chains[1][0])
+        assert second is not None and second.wait(30)
+
+
+def test_prefetch_needs_a_memory_tier_and_checks_its_input(tmp_path):
+    toks, kv = tokens_for(8, 2 * BLOCK), make_kv(2 * BLOCK, 8)
+    with make_cache(cpu=0, disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        assert cache.prefetch(toks) is None
+        assert cache.stats()["prefetch"]["no_memory_tier"] == 1
+        with pytest.raises(cs.InputError):
+            cache.prefetch("not tokens")
+    with pytest.raises(cs.ConfigError, match="max_prefetches"):
+        make_cache(cpu="1MiB", max_prefetches=0)
+
+
+# -- prefetch through a real server ------------------------------------------------------------
+
+
+def _remote(url: str, **kw) -> cs.RemoteCache:
+    from server_helpers import LAYOUT as SLAYOUT
+
+    return cs.RemoteCache(url, model_id="m", layout=SLAYOUT, codec=cs.Raw(), block_tokens=32, **kw)
+
+
+def _server_kv(tokens: int, seed: int):
+    from server_helpers import LAYOUT as SLAYOUT
+
+    return make_kv(tokens, seed, SLAYOUT)
+
+
+def test_prefetch_route_promotes_into_the_servers_memory(tmp_path):
+    toks, kv = tokens_for(20, 6 * 32), _server_kv(6 * 32, 20)
+    with Server(tmp_path) as srv:
+        with _remote(srv.url) as remote:
+            assert remote.prefetch(toks) is None  # nothing stored
+            assert remote.ingest(toks, kv).stored == 6
+            assert remote.prefetch(toks) is None  # in the CPU tier already
+    with Server(tmp_path) as srv:  # restarted: the chain is on disk only
+        with _remote(srv.url) as remote:
+            assert set(remote.locate(toks).tiers) == {"disk"}
+            handle = remote.prefetch(toks)
+            assert handle is not None and handle.on_server and handle.blocks == 6
+            with pytest.raises(RuntimeError, match="server"):
+                handle.wait()
+            deadline = time.monotonic() + 30
+            while set(remote.locate(toks).tiers) != {"cpu"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert set(remote.locate(toks).tiers) == {"cpu"}
+            got = remote.materialize(toks)
+            assert got.num_tokens == 6 * 32
+            for (k, v), (k0, v0) in zip(got.layers, kv):
+                assert k[0].equal(k0[:, : 6 * 32]) and v[0].equal(v0[:, : 6 * 32])
+            assert remote.stats()["prefetch"]["promoted_blocks"] == 6
+            # JSON body, and the answer when there is nothing to start
+            body = {"hashes": [h.hex() for h in remote.block_hashes(toks)]}
+            answer = httpx.post(srv.url + "/v1/prefetch", json=body)
+            assert answer.status_code == 200 and answer.json()["started"] is False
+            assert "in memory" in answer.json()["reason"]
+            assert httpx.post(srv.url + "/v1/prefetch", content=b"x" * 5,
+                              headers={"content-type": "application/octet-stream"}).status_code == 422
+            assert "/v1/prefetch" in httpx.get(srv.url + "/openapi.json").json()["paths"]
+
+
+def test_prefetch_route_keeps_auth_and_namespaces(tmp_path):
+    toks, kv = tokens_for(21, 2 * 32), _server_kv(2 * 32, 21)
+    env = {"CACHESEEK_READ_TOKEN": "r-token", "CACHESEEK_WRITE_TOKEN": "w-token"}
+    with Server(tmp_path, env=env) as srv:
+        with _remote(srv.url, token="w-token", namespace="a") as remote:
+            remote.ingest(toks, kv)
+        answer = httpx.post(srv.url + "/v1/prefetch", json={"hashes": []})
+        assert answer.status_code == 401
+    with Server(tmp_path, env=env) as srv:
+        with _remote(srv.url, token="r-token", namespace="b") as other:
+            assert other.prefetch(toks) is None  # another tenant's chain is not there for b
+        with _remote(srv.url, token="r-token", namespace="a") as reader:
+            handle = reader.prefetch(toks)
+            assert handle is not None and handle.blocks == 2
+
+
+def test_a_scheduler_prefetches_a_queued_prompt_only_where_it_pays(tmp_path):
+    from cacheseek.integrations.planner import ReusePlanner
+    from cacheseek.integrations.prefetch import prefetch_queued
+
+    toks, kv = tokens_for(30, 4 * BLOCK), make_kv(4 * BLOCK, 30)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        assert prefetch_queued(cache, toks) is None  # nothing stored
+        cache.ingest(toks, kv)
+        assert prefetch_queued(cache, toks) is None  # in memory already
+        _on_disk_only(cache, toks)
+        slow_memory = ReusePlanner()
+        slow_memory.observe_prefill(10_000, 0.01)  # recompute: a million tokens a second
+        slow_memory.observe_read(["cpu"], 4 * BLOCK, 10.0)  # memory reads far slower: not worth it
+        assert prefetch_queued(cache, toks, planner=slow_memory) is None
+        fast_memory = ReusePlanner()
+        fast_memory.observe_prefill(1_000, 1.0)
+        fast_memory.observe_read(["cpu"], 4 * BLOCK, 0.001)
+        handle = prefetch_queued(cache, toks, planner=fast_memory)
+        assert handle is not None and handle.wait(30)
+        assert set(cache.locate(toks).tiers) == {"cpu"}
