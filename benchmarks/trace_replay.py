@@ -148,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     layout = layout_of(args.layout)
     print(f"trace {args.trace}: {len(trace)} requests, {sum(len(r.hash_ids) for r in trace)} blocks", flush=True)
 
-    doc: dict = {"trace": str(args.trace), "requests": len(trace), "layout": args.layout, "policies": policies}
+    root = Path(__file__).resolve().parents[1]
+    where = Path(args.trace).resolve()
+    shown = where.relative_to(root).as_posix() if where.is_relative_to(root) else where.name  # no host paths
+    doc: dict = {"trace": shown, "requests": len(trace), "layout": args.layout, "policies": policies}
     doc["anchor"] = anchor(trace)
     print(format_table(doc["anchor"], list(doc["anchor"][0]), "1. block-level references (issue 19's anchor)"))
 
