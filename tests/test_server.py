@@ -298,7 +298,7 @@ def test_openapi_docs_health_and_stats(client):
     # and the pattern of a block hash.
     for path, ops in paths.items():
         for method, op in ops.items():
-            assert ("422" in op["responses"]) == ((path, method) == ("/v1/lookup", "post")), (path, method)
+            assert ("422" in op["responses"]) == ((path, method) in {("/v1/lookup", "post"), ("/v1/prefetch", "post")}), (path, method)
             if path.startswith("/v1/"):
                 assert "400" in op["responses"], (path, method)
             for param in op.get("parameters", []):
