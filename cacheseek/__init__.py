@@ -25,8 +25,9 @@ from .errors import (
     RemoteUnavailable,
     StorageError,
 )
-from .hashing import BlockHash
+from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
+from .prefix_keys import Prompt
 from .quant import KIVI, KVLayerCodec, Raw
 
 if TYPE_CHECKING:
@@ -65,18 +66,22 @@ __all__ = [
     "CacheSeekError",
     "ChecksumError",
     "ConfigError",
+    "ExtraKeys",
     "FrameError",
     "IngestResult",
     "InputError",
     "KVLayerCodec",
     "KVLayout",
     "Located",
+    "MMInput",
     "Materialized",
     "PrefixCache",
+    "Prompt",
     "Raw",
     "RemoteCache",
     "RemoteError",
     "RemoteUnavailable",
+    "Shard",
     "StorageError",
     "TierConfig",
     "__version__",

@@ -9,7 +9,7 @@ from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
-from .hashing import DEFAULT_ALGO, digest_size
+from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
@@ -48,9 +48,10 @@ class PrefixCache(PrefixCacheBase):
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
         max_batch_bytes: int | str = "1GiB",
+        shard: Shard = SINGLE,
     ) -> None:
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
-                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
+                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes, shard=shard)
         self.store = (tiers or TierConfig()).build()
 
     # -- the three calls -----------------------------------------------------------------

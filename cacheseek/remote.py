@@ -36,7 +36,7 @@ from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFor
 from .decode import decode_frames
 from .encode import encode_missing
 from .errors import ConfigError, FrameError, RemoteError, RemoteUnavailable
-from .hashing import DEFAULT_ALGO, BlockHash, to_hex
+from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .prefix_cache_base import PrefixCacheBase
@@ -142,6 +142,7 @@ class RemoteCache(PrefixCacheBase):
         proxy: str | None = None,
         trust_env: bool = True,
         breaker: CircuitBreaker | None = None,
+        shard: Shard = SINGLE,
     ) -> None:
         """``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
         a miss and a dropped write; see the module doc). ``verify``: TLS for an ``https``
@@ -150,7 +151,8 @@ class RemoteCache(PrefixCacheBase):
         ``HTTP(S)_PROXY``/``NO_PROXY`` apply. ``breaker``: default 3 failures in a row open
         it, probes after 0.5 s doubling up to 10 s."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
-                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
+                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
+                         shard=shard)
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
         self.url = url.rstrip("/")

@@ -298,3 +298,29 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
             cs.RemoteCache(url, model_id="tls", layout=LAYOUT, block_tokens=BLOCK, verify=str(tmp_path / "none.pem"))
     finally:
         front.close()
+
+
+def test_tensor_parallel_ranks_and_extra_keys_share_nothing_on_one_server(srv):
+    """Two TP ranks with the same per-rank layout and model write to one server: neither
+    finds the other's blocks; nor does a prompt with another adapter, salt or image."""
+    toks = tokens_for(8, 3 * BLOCK)
+    kv0, kv1 = make_kv(3 * BLOCK, 80), make_kv(3 * BLOCK, 81)
+    rank = [_remote(srv, cs.Raw(), namespace="tp", shard=cs.Shard(tp_rank=r, tp_size=2)) for r in range(2)]
+    try:
+        assert rank[0].ingest(toks, kv0).stored == 3
+        assert rank[1].lookup(toks) == 0
+        assert rank[1].ingest(toks, kv1).stored == 3  # its own blocks, not "present"
+        for r, kv in ((0, kv0), (1, kv1)):
+            got = rank[r].materialize(toks)
+            assert all(torch.equal(k[0], k0) for (k, _), (k0, _) in zip(got.layers, kv))
+        image = cs.MMInput("sha-of-image", offset=BLOCK + 3, length=5)
+        prompt = cs.Prompt(toks, mm_inputs=[image])
+        assert rank[0].lookup(prompt) == BLOCK  # the block before the image is shared
+        assert rank[0].ingest(prompt, kv0).stored == 2
+        assert rank[0].lookup(cs.Prompt(toks, mm_inputs=[cs.MMInput("other", BLOCK + 3, 5)])) == BLOCK
+        assert rank[0].lookup(cs.Prompt(toks, lora_id="adapter")) == 0
+        assert rank[0].lookup(cs.Prompt(toks, cache_salt="tenant-7")) == 0
+        assert rank[0].lookup(prompt) == 3 * BLOCK
+    finally:
+        for cache in rank:
+            cache.close()
