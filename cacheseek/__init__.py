@@ -31,15 +31,20 @@ from .prefix_keys import Prompt
 from .quant import KIVI, KVLayerCodec, Raw
 
 if TYPE_CHECKING:
+    from .pages import KVPages, PagedKV, PagedRequest
     from .prefix_cache import PrefixCache
     from .remote import RemoteCache
-    from .results import IngestResult, Located, Materialized
+    from .results import IngestResult, Loaded, Located, Materialized
 
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
     "IngestResult": ".results",
+    "KVPages": ".pages",
+    "Loaded": ".results",
+    "PagedKV": ".pages",
+    "PagedRequest": ".pages",
     "Located": ".results",
     "Materialized": ".results",
     "PrefixCache": ".prefix_cache",
@@ -72,9 +77,13 @@ __all__ = [
     "InputError",
     "KVLayerCodec",
     "KVLayout",
+    "KVPages",
+    "Loaded",
     "Located",
     "MMInput",
     "Materialized",
+    "PagedKV",
+    "PagedRequest",
     "PrefixCache",
     "Prompt",
     "Raw",
