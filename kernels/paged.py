@@ -115,14 +115,18 @@ class BlockPages:
 
     @classmethod
     def build(cls, page_ids: torch.Tensor, blocks: torch.Tensor, *, page_size: int, num_pages: int,
-              block_tokens: int, device: torch.device) -> "BlockPages":
+              block_tokens: int, device: torch.device, checked: bool = False) -> "BlockPages":
         """From host tensors (int32 ``page_ids``, int32 ``blocks`` ``[N, 2]``), checked so that
-        no launch can read or write outside the pages: every page id in ``[0, num_pages)``,
-        every block's tokens within ``page_ids``, slots below ``page_size``. One upload."""
+        no launch can read or write outside the pages: every page id in ``[0, num_pages)``
+        (unless the caller has ``checked`` them), every block's tokens within ``page_ids``,
+        slots below ``page_size``. One upload, from pinned memory on a GPU: it waits for
+        nothing queued before it."""
         if page_ids.dtype != torch.int32 or blocks.dtype != torch.int32 or blocks.dim() != 2 or blocks.shape[1] != 2:
             raise ValueError("page_ids and blocks: expected int32 [M] and int32 [N, 2] host tensors")
-        if page_ids.numel() and (int(page_ids.min()) < 0 or int(page_ids.max()) >= num_pages):
-            raise ValueError(f"page_ids: every page id must be in [0, {num_pages})")
+        if not checked and page_ids.numel():
+            lo, hi = (int(x) for x in torch.aminmax(page_ids))
+            if lo < 0 or hi >= num_pages:
+                raise ValueError(f"page_ids: every page id must be in [0, {num_pages})")
         align = 32
         if blocks.numel():
             first, slot = blocks[:, 0].long(), blocks[:, 1].long()
@@ -133,9 +137,14 @@ class BlockPages:
             if int(slot.max()):  # (usually every block starts a page: slot 0)
                 while align > 1 and bool((slot % align).any()):
                     align //= 2
-        packed = torch.cat([blocks.reshape(-1), page_ids])
-        on_device = packed.to(device, non_blocking=packed.is_pinned()) if device.type != "cpu" else packed
         n = blocks.shape[0]
+        if device.type == "cpu":
+            on_device = torch.cat([blocks.reshape(-1), page_ids])
+        else:
+            # Pinned, so the copy is queued (a pageable one would wait for the caller's stream).
+            packed = torch.empty(2 * n + page_ids.numel(), dtype=torch.int32, pin_memory=True)
+            torch.cat([blocks.reshape(-1), page_ids], out=packed)
+            on_device = packed.to(device, non_blocking=True)
         return cls(on_device[2 * n :], on_device[: 2 * n].view(n, 2), page_size, align)
 
     def rows(self, first: int, n: int) -> torch.Tensor:
