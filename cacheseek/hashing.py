@@ -314,10 +314,20 @@ def hash_token_blocks(
     ``extra``: the prompt's extra keys (LoRA adapter, multimodal inputs, cache salt)."""
     tokens = as_token_list(token_ids)
     n_full = len(tokens) // block_tokens
-    data = token_block_bytes(tokens[: n_full * block_tokens])
+    data = token_block_bytes(tokens if len(tokens) == n_full * block_tokens else tokens[: n_full * block_tokens])
     step = 4 * block_tokens
-    extras = extra.for_blocks(n_full, block_tokens) if extra else None
-    return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo, extras)
+    if extra:
+        extras = extra.for_blocks(n_full, block_tokens)
+        return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo, extras)
+    # The usual case, on every ingest and lookup: one join and one digest per block.
+    fn = _digest_fn(algo)
+    if len(root) != digest_size(algo):
+        raise InputError(f"root: a {algo} hash is {digest_size(algo)} bytes, got {len(root)}")
+    parent, out, join = bytes(root), [], b"".join
+    for a in range(0, n_full * step, step):
+        parent = fn(join((parent, data[a : a + step], _NO_EXTRA)))
+        out.append(parent)
+    return out
 
 
 def to_hex(h: bytes) -> str:

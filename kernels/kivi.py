@@ -119,13 +119,31 @@ def _quotient(a, den, rcp, FP16_STATS: tl.constexpr):
 
 @triton.jit
 def _codes(x, m, den, rcp, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
-    """int32 codes of fp32 ``x``: clamp(round_half_even((x - m) / s), 0, QMAX); ``m``, ``den``
-    and ``rcp`` already broadcast to x's shape."""
+    """int32 codes of fp32 ``x``: clamp(round_half_even((x - m) / s), 0, QMAX) (see
+    ``_biased_codes``)."""
+    return _biased_codes(x, m, den, rcp, QMAX, FP16_STATS) & QMAX
+
+
+@triton.jit
+def _biased_codes(x, m, den, rcp, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
+    """int32 codes of fp32 ``x``, each plus ``_RNE_BITS``: clamp(round_half_even((x - m) /
+    s), 0, QMAX) + 0x4B400000; ``m``, ``den`` and ``rcp`` already broadcast to x's shape.
+    The bias is taken off once per packed word (``_word_bias``), not once per element."""
     q = _quotient(x - m, den, rcp, FP16_STATS)
     # Clamping first is the same (integer bounds, monotone rounding) and keeps the magic
     # rounding in its exact range. The code is then the low bits of the sum.
     q = tl.minimum(tl.maximum(q, 0.0), QMAX)
-    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True) & QMAX
+    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True)
+
+
+def _word_bias_value(bits: int) -> int:
+    """sum over the codes of a word of (_RNE_BITS << j * bits), as a signed int32: what
+    packing biased codes with + adds to the word (sums wrap mod 2^32, and the fields of
+    the unbiased codes do not overlap, so subtracting it leaves exactly their OR)."""
+    per = 32 // bits
+    total = sum(0x4B400000 << (j * bits) for j in range(per)) % (1 << 32)
+    return total - (1 << 32) if total >= 1 << 31 else total
+
 
 
 @triton.jit
@@ -266,7 +284,8 @@ def _quantize_k_kernel(
             else:
                 x = tl.load(x_j)
             # Bit fields do not overlap: OR them in (the top field of an 8- or 2-bit word
-            # reaches the sign bit, which int32 two's complement keeps exact).
+            # reaches the sign bit, which int32 two's complement keeps exact). (Adding biased
+            # codes instead, as V does, saves an AND per element but costs K registers.)
             words = words | (_codes(x.to(tl.float32), m_b, den_b, rcp_b, QMAX, FP16_STATS) << (j * BITS))
 
         stat_off = stat_row + grp * ss_t + d
@@ -373,7 +392,8 @@ def _quantize_v_kernel(
     ss_a, ss_c, ss_t,
     sx_p,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, PAGE: tl.constexpr,
+    X_EVICT: tl.constexpr, Q_CACHE: tl.constexpr, WORD_BIAS: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -400,10 +420,11 @@ def _quantize_v_kernel(
         x_ptrs = x_row + page_offsets(t, T, sx_t, sx_p, pt_ptr, pt_base, pt_off, PAGE)[:, None, None] + d[None, :, :]
     else:
         x_ptrs = x_row + t[:, None, None] * sx_t + d[None, :, :]
+    # X_EVICT, Q_CACHE: cache hints ("" for none) the launch sweep tries (configs.candidates).
     if MASKED:
-        x = tl.load(x_ptrs, mask=ok, other=0.0)
+        x = tl.load(x_ptrs, mask=ok, other=0.0, eviction_policy=X_EVICT)
     else:
-        x = tl.load(x_ptrs)
+        x = tl.load(x_ptrs, eviction_policy=X_EVICT)
 
     lo, hi = _minmax_operands(x, ok, MASKED)
     mn = tl.min(lo, axis=2).to(tl.float32)  # [BLOCK_T, NGP]
@@ -414,12 +435,13 @@ def _quantize_v_kernel(
         _flag_if_nonfinite(tl.reshape(s_st, (BLOCK_T * NGP,)), tl.reshape(m_st, (BLOCK_T * NGP,)),
                            tl.reshape(t_ok[:, None] & (g * GP < D)[None, :], (BLOCK_T * NGP,)), bad_addr, MASKED)
     den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
-    codes = _codes(x.to(tl.float32),
+    codes = _biased_codes(x.to(tl.float32),
                    tl.broadcast_to(m_st.to(tl.float32)[:, :, None], x.shape),
                    tl.broadcast_to(den[:, :, None], x.shape),
                    tl.broadcast_to(rcp[:, :, None], x.shape), QMAX, FP16_STATS)
     codes = tl.reshape(codes, (BLOCK_T, NGP, WPG, PER))
-    words = tl.sum(codes << (tl.arange(0, PER) * BITS)[None, None, None, :], axis=3)  # [BLOCK_T, NGP, WPG]
+    # (sums wrap mod 2^32: less the bias, the word is the OR of the codes' fields)
+    words = tl.sum(codes << (tl.arange(0, PER) * BITS)[None, None, None, :], axis=3) - WORD_BIAS  # [BLOCK_T, NGP, WPG]
 
     stat_off = a * ss_a + c * ss_c + t[:, None] * ss_t + g[None, :]
     q_ptrs = q_ptr + a * sq_a + c * sq_c + t[:, None, None] * sq_t + word[None, :, :]
@@ -427,11 +449,11 @@ def _quantize_v_kernel(
         stat_ok = t_ok[:, None] & (g * GP < D)[None, :]
         tl.store(s_ptr + stat_off, s_st, mask=stat_ok)
         tl.store(m_ptr + stat_off, m_st, mask=stat_ok)
-        tl.store(q_ptrs, words, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :])
+        tl.store(q_ptrs, words, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :], cache_modifier=Q_CACHE)
     else:
         tl.store(s_ptr + stat_off, s_st)
         tl.store(m_ptr + stat_off, m_st)
-        tl.store(q_ptrs, words)
+        tl.store(q_ptrs, words, cache_modifier=Q_CACHE)
 
 
 @triton.heuristics({"MASKED": _v_masked})
@@ -609,6 +631,8 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
         consts = {**consts, "O_TABLE": table_rows > 0, "O_ALIGN": align, "PAGE": page}
     if side == "k":  # whether each code word's tokens lie in one page (one page lookup per word)
         consts["PAGE_WORDS"] = page > 0 and page % (32 // consts["BITS"]) == 0 and page_words
+    elif op == "quantize":
+        consts["WORD_BIAS"] = _word_bias_value(consts["BITS"])
     if side == "v":
         d_pad = configs.padded_head_dim(D)
         consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}

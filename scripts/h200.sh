@@ -33,6 +33,7 @@ for s in "$@"; do
   case $s in
     kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
+    sweep-v)     step sweep-v 240 python3 -m benchmarks.kernels --sweep-v --out "$OUT" ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
     host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host

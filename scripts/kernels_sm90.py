@@ -65,6 +65,8 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
     align = 16 * 8 // int(x_dtype[-2:])
     if op == "quantize":
         consts.update(X_TABLE=table, X_ALIGN=align, CHECK=table)
+        if side == "v":
+            consts["WORD_BIAS"] = K._word_bias_value(bits)
     else:
         consts.update(O_TABLE=table, O_ALIGN=align, SOFT_BF16=False)
     d_pad = configs.padded_head_dim(head_dim)
@@ -121,12 +123,17 @@ def main() -> int:
     ap.add_argument("--all-configs", action="store_true", help="every candidate config, int4, D=128")
     ap.add_argument("--quick", action="store_true", help="one compile per kernel, and the paged forms")
     ap.add_argument("--paged", action="store_true", help="each kernel contiguous and in pages of 16 and 1 (int4)")
+    ap.add_argument("--sweep-v", action="store_true", help="every V-quantize candidate of the wide sweep")
     args = ap.parse_args()
     cases = []
     if args.all_configs:
         for (side, op), group in itertools.product(KERNELS, (32, 128)):
             for cfg in configs.candidates(side, op, group, 128):
                 cases.append((side, op, 4, group, 128, "fp16", "fp16", False, cfg))
+    elif args.sweep_v:
+        for group in (32, 128):
+            for cfg in configs.v_quantize_candidates(group, 128):
+                cases.append(("v", "quantize", 4, group, 128, "fp16", "fp16", False, cfg, True))
     elif args.paged:
         # the contiguous and the paged form of each kernel side by side (int4, D=128):
         # registers and instructions per element, what reading through pages costs

@@ -322,3 +322,39 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
         decoded = cache.materialize(toks[0]).layers
         for (k, v), (k0, v0) in zip(read_tokens(dest, [0, 1, 2, 3], 2 * BLOCK), decoded):
             assert torch.equal(k, k0[0]) and torch.equal(v, v0[0])
+
+
+@pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
+def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
+    """What layer-wise loading builds on: ``layers=(l0, l1)`` encodes and decodes exactly
+    those layers' part of each block."""
+    from cacheseek.block_io import payload_views, plan_block
+    from cacheseek.pages import PagedSource, page_table
+
+    T, page = 2 * BLOCK, 16
+    pages, tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE)
+    ids = page_tables([T], page, 8, seed=1)[0]
+    write_tokens(pages, make_kv(T, 6), ids)
+    source = PagedSource(pages, [page_table(ids, pages, "page_ids")], [(0, 0), (0, 1)], BLOCK)
+    meta = plan_block(codec, LAYOUT, BLOCK, block_hash=bytes(16), parent_hash=bytes(16), position=0)
+
+    def staging(layers: int):
+        buf = torch.zeros((2, meta.payload_nbytes), dtype=torch.uint8)
+        lay = cs.KVLayout(layers, H, D, "float16")
+        m = plan_block(codec, lay, BLOCK, block_hash=bytes(16), parent_hash=bytes(16), position=0)
+        return payload_views(buf, m.tensors, 2, m.payload_nbytes)
+
+    whole = staging(L)
+    assert bool(codec.encode_pages_into(source, 0, 2, BLOCK, whole).all())
+    for layer in range(L):
+        part = staging(1)
+        codec.encode_pages_into(source, 0, 2, BLOCK, part, layers=(layer, layer + 1))
+        assert all(torch.equal(p[:, 0], w[:, layer]) for p, w in zip(part, whole))
+    dest_all, all_tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE, seed=2)
+    dest_one, one_tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE, seed=2)
+    codec.decode_into_pages(whole, PagedSource(dest_all, [page_table(ids, dest_all, "p")], [(0, 0), (0, 1)], BLOCK),
+                            0, 2)
+    one = PagedSource(dest_one, [page_table(ids, dest_one, "p")], [(0, 0), (0, 1)], BLOCK)
+    for layer in range(L):
+        codec.decode_into_pages([w[:, layer : layer + 1] for w in whole], one, 0, 2, layers=(layer, layer + 1))
+    assert unchanged(all_tensors, one_tensors)
