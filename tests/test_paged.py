@@ -328,21 +328,19 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
 def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
     """What layer-wise loading builds on: ``layers=(l0, l1)`` encodes and decodes exactly
     those layers' part of each block."""
-    from cacheseek.block_io import payload_views, plan_block
+    from cacheseek.block_format import BlockFormat
     from cacheseek.pages import PagedSource, page_table
+    from cacheseek.staging import payload_views
 
     T, page = 2 * BLOCK, 16
     pages, tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE)
     ids = page_tables([T], page, 8, seed=1)[0]
     write_tokens(pages, make_kv(T, 6), ids)
     source = PagedSource(pages, [page_table(ids, pages, "page_ids")], [(0, 0), (0, 1)], BLOCK)
-    meta = plan_block(codec, LAYOUT, BLOCK, block_hash=bytes(16), parent_hash=bytes(16), position=0)
-
     def staging(layers: int):
-        buf = torch.zeros((2, meta.payload_nbytes), dtype=torch.uint8)
-        lay = cs.KVLayout(layers, H, D, "float16")
-        m = plan_block(codec, lay, BLOCK, block_hash=bytes(16), parent_hash=bytes(16), position=0)
-        return payload_views(buf, m.tensors, 2, m.payload_nbytes)
+        fmt = BlockFormat(codec, cs.KVLayout(layers, H, D, "float16"), BLOCK)
+        m = fmt.plan(block_hash=bytes(16), parent_hash=bytes(16), position=0)
+        return payload_views(torch.zeros((2, m.payload_nbytes), dtype=torch.uint8), m.tensors, 2, m.payload_nbytes)
 
     whole = staging(L)
     assert bool(codec.encode_pages_into(source, 0, 2, BLOCK, whole).all())
