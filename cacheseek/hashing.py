@@ -1,4 +1,4 @@
-"""Prefix keys: the root hash and the chained block hashes (DESIGN, "Keys"; docs/keys.md).
+"""Prefix keys: the root hash and the chained block hashes (docs/design.md, "Keys").
 
 Pure functions only; stores never compute a hash, and nothing here knows about codecs or
 tiers beyond the fingerprint bytes they hand in.

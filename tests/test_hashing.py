@@ -52,7 +52,7 @@ def _f(b: bytes) -> bytes:
 
 
 def test_root_follows_the_documented_recipe():
-    # Rebuilt here from docs/keys.md's recipe with xxhash directly, not through the library.
+    # Rebuilt here from docs/design.md's recipe (Keys) with xxhash directly, not through the library.
     layout, codec = KVLayout(30, 3, 64, "float16"), KIVI(bits=4, group_size=32)
     data = (b"cacheseek/v2" + _f(b"ns") + _f(b"smollm2") + _f(b"L=30;H=3;D=64;dtype=float16")
             + struct.pack("<I", 64) + _f(codec.fingerprint()) + struct.pack("<4I", 1, 2, 0, 1))
