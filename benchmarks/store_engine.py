@@ -132,7 +132,7 @@ def run_paged(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
     dest_ids = scattered_ids(num_pages, 2)
     rows = []
     for codec in codecs:
-        contiguous, paged = make_cache(shape, codec, blocks, calls_held=2), make_cache(shape, codec, blocks, calls_held=2)
+        contiguous, paged = (make_cache(shape, codec, blocks, calls_held=2) for _ in range(2))
         prompts = Prompts(tokens)
         t_c, t_p, m_c, m_p = [], [], [], []
         for i in range(reps + 1):
@@ -178,7 +178,7 @@ def run_batches(shape: Shape, requests: int, request_tokens: int, codecs: list[s
     blocks = tokens // shape.block
     rows = []
     for codec in codecs:
-        batched, separate = make_cache(shape, codec, blocks, calls_held=2), make_cache(shape, codec, blocks, calls_held=2)
+        batched, separate = (make_cache(shape, codec, blocks, calls_held=2) for _ in range(2))
         prompts = Prompts(request_tokens)
         times: dict[str, list[float]] = {"ingest batch": [], "ingest each": [], "load batch": [], "load each": []}
         for i in range(reps + 1):

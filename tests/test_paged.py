@@ -11,8 +11,10 @@ import torch
 
 import cacheseek as cs
 from cacheseek import kernels
+from cacheseek.quant.tensors import host_view
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import (
+    DEVICE,
     engine_pages,
     engine_tensors,
     kv_pages,
@@ -36,7 +38,10 @@ def make_cache(*args, **kw):
 
 
 def make_kv(tokens: int, seed: int):
-    return store_helpers.make_kv(tokens, seed, LAYOUT)
+    """Contiguous KV on the pages' device: the contiguous path runs where the paged one does."""
+    return store_helpers.make_kv(tokens, seed, LAYOUT, device=DEVICE)
+
+
 INT4 = cs.KIVI(bits=4, group_size=32)
 
 
@@ -53,7 +58,8 @@ def stored_bytes(cache, keys) -> list[bytes]:
     for got in cache.store.get_many(hashes):
         assert got is not None
         frame, _ = got
-        out.append(bytes(frame.payload_view()) if frame.host is not None else bytes(frame.device_payload.cpu().numpy()))
+        payload = frame.payload_view() if frame.host is not None else host_view(frame.device_payload.cpu())
+        out.append(bytes(payload))
     return out
 
 
@@ -91,7 +97,7 @@ def test_paged_ingest_and_load_equal_the_contiguous_path(kind, page, codec, back
         dest_ids = page_tables([T], page, num_pages, seed=11)[0]
         loaded = paged.materialize_into(toks, dest.at(dest_ids))
         assert (loaded.num_tokens, loaded.num_blocks, loaded.tiers) == (2 * BLOCK, 2, ["cpu"] * 2)
-        decoded = [(k[0], v[0]) for k, v in contiguous.materialize(toks).layers]
+        decoded = [(k[0], v[0]) for k, v in contiguous.materialize(toks, device=DEVICE).layers]
         assert unchanged(expected_after_load(kind, before, decoded, dest_ids), dest_tensors)
 
 
@@ -100,7 +106,7 @@ def test_max_tokens_and_a_short_page_table_limit_what_is_loaded(backend):
     toks, kv = tokens_for(2, T), make_kv(T, 2)
     with make_cache(codec=INT4) as cache:
         cache.ingest(toks, kv)
-        decoded = [(k[0], v[0]) for k, v in cache.materialize(toks).layers]
+        decoded = [(k[0], v[0]) for k, v in cache.materialize(toks, device=DEVICE).layers]
         for max_tokens, table_tokens, blocks in ((None, T, 3), (2 * BLOCK - 1, T, 1), (None, 2 * BLOCK + 8, 2),
                                                  (0, T, 0)):
             pages, tensors = engine_pages("flash", L, H, D, 12, page, DTYPE, seed=5)
@@ -185,7 +191,8 @@ def test_a_batch_is_encoded_and_decoded_together(codec, monkeypatch):
         batch_launches = launches.take()
         want = before
         for k, ids, x in zip(keys, dest_tables, loaded):
-            decoded = [(kk[0], vv[0]) for kk, vv in contiguous.materialize(k, max_tokens=x.num_tokens).layers]
+            got = contiguous.materialize(k, device=DEVICE, max_tokens=x.num_tokens)
+            decoded = [(kk[0], vv[0]) for kk, vv in got.layers]
             want = expected_after_load("flash", want, decoded, ids)
         assert unchanged(want, dest_tensors)
         launches.take()
@@ -319,9 +326,9 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
         loaded = cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
                                                cs.PagedRequest(tokens_for(99, 2 * BLOCK), [0, 1, 2, 3])], dest)
         assert [x.num_tokens for x in loaded] == [2 * BLOCK, 0]
-        decoded = cache.materialize(toks[0]).layers
+        decoded = cache.materialize(toks[0], device=DEVICE).layers
         for (k, v), (k0, v0) in zip(read_tokens(dest, [0, 1, 2, 3], 2 * BLOCK), decoded):
-            assert torch.equal(k, k0[0]) and torch.equal(v, v0[0])
+            assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
 
 
 @pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
@@ -340,10 +347,14 @@ def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
     def staging(layers: int):
         fmt = BlockFormat(codec, cs.KVLayout(layers, H, D, "float16"), BLOCK)
         m = fmt.plan(block_hash=bytes(16), parent_hash=bytes(16), position=0)
-        return payload_views(torch.zeros((2, m.payload_nbytes), dtype=torch.uint8), m.tensors, 2, m.payload_nbytes)
+        buf = torch.zeros((2, m.payload_nbytes), dtype=torch.uint8, device=DEVICE)
+        return payload_views(buf, m.tensors, 2, m.payload_nbytes)
 
     whole = staging(L)
-    assert bool(codec.encode_pages_into(source, 0, 2, BLOCK, whole).all())
+    flags = codec.encode_pages_into(source, 0, 2, BLOCK, whole)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the kernels write the flags into host memory
+    assert bool(flags.all())
     for layer in range(L):
         part = staging(1)
         codec.encode_pages_into(source, 0, 2, BLOCK, part, layers=(layer, layer + 1))

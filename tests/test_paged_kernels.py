@@ -131,7 +131,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("kind, page, block, bits, group, dtype, stats", CASES,
-                         ids=[f"{c[0]}-p{c[1]}-b{c[2]}-int{c[3]}-g{c[4]}-{str(c[5])[6:]}-{str(c[6])[6:]}" for c in CASES])
+                         ids=[f"{c[0]}-p{c[1]}-b{c[2]}-int{c[3]}-g{c[4]}-{str(c[5])[6:]}-{str(c[6])[6:]}"
+                              for c in CASES])
 def test_kivi_pages_equal_the_contiguous_path(kind, page, block, bits, group, dtype, stats):
     L, H, D = 2, 2, 64
     n_req, blocks_per = 2, 2 if block == 32 else 1
