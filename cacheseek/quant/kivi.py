@@ -213,12 +213,14 @@ class KIVI:
             kernels.quantize_pages(v_pages, where, first, n, block_tokens, bits=self.v_bits, group=self.v_group,
                                    axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flags=ok[2])
             return ok
+        from .tensors import finite_per_block
+
         encoded, _ = self.encode_deferred(source.gather("k", first, n, layers), source.gather("v", first, n, layers))
         finite = []
         for view, (_, _, buf) in zip(out, encoded.named_buffers(), strict=True):
             view.copy_(buf)
             if buf.is_floating_point():  # the stats: per block, as the kernels flag them
-                finite.append(torch.isfinite(buf).reshape(n, -1).all(1))
+                finite.append(finite_per_block(buf))
         return torch.stack(finite)
 
     def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,

@@ -99,10 +99,13 @@ class Raw:
             kernels.gather_pages(k_pages, where, first, n, block_tokens, out=out[0], ok_flags=ok[0])
             kernels.gather_pages(v_pages, where, first, n, block_tokens, out=out[1], ok_flags=ok[1])
             return ok
+        from .tensors import finite_per_block
+
         finite = []
         for view, side in zip(out, "kv"):
-            view.copy_(source.gather(side, first, n, layers))
-            finite.append(torch.isfinite(view).reshape(n, -1).all(1))  # per block, as the kernels flag them
+            rows = source.gather(side, first, n, layers)
+            finite.append(finite_per_block(rows))  # per block, as the kernels flag them
+            view.copy_(rows)
         return torch.stack(finite)
 
     def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,
