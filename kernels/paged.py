@@ -31,20 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-_OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a KV cache lives on
+from .layers import offsets_table
 
-
-def _offsets_table(device: torch.device, offsets: tuple[int, ...]) -> torch.Tensor:
-    # Offsets, not addresses, and cached: an engine's KV cache is allocated once, so the
-    # (small) upload happens once, not once per call.
-    key = (device, offsets)
-    table = _OFFSET_TABLES.get(key)
-    if table is None:
-        table = torch.tensor(offsets, dtype=torch.int64).to(device)
-        if len(_OFFSET_TABLES) >= 64:
-            _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
-        _OFFSET_TABLES[key] = table
-    return table
 
 
 class PagedLayers:
@@ -80,7 +68,7 @@ class PagedLayers:
         offsets = tuple((p - ptrs[0]) // size for p in ptrs)
         if any((p - ptrs[0]) % size for p in ptrs):
             raise ValueError("pages: layers must be element-aligned with each other")
-        self.offsets = _offsets_table(device, offsets)
+        self.offsets = offsets_table(device, offsets)  # (an engine's cache is allocated once: one upload)
         aligned = ptrs[0] % 16 == 0 and all(o * size % 16 == 0 for o in offsets)
         self.align = 16 // size if aligned else 1  # a hint for vector loads (layers.layer_row)
 
