@@ -298,6 +298,35 @@ def sweep(xs: list[torch.Tensor], reps: int) -> list[dict]:
     return rows
 
 
+def sweep_v(xs: list[torch.Tensor], reps: int) -> list[dict]:
+    """V quantize, int4 G=32 (the goal's case), over ``configs.v_quantize_candidates`` (tiles
+    and cache hints), on the full KV and on 16 strided blocks (the store's shape): which is
+    fastest, and by how much over the default."""
+    rows = []
+    raw = xs[0].nbytes
+    L, H, T, D = SHAPE
+    n, B = 16, 256
+    views = [x.view(L, H, n, B, D).permute(2, 0, 1, 3, 4) for x in xs]
+    for group in (32,):
+        default = configs.pick("v", "quantize", group, D, T, 4)
+        for cfg in configs.v_quantize_candidates(group, D):
+            row = {"case": f"V int4 G{group}", "config": f"{cfg.kwargs} w{cfg.num_warps}",
+                   "default": "*" if _same(cfg, default) else ""}
+            for name, inputs in (("full", xs), ("blocks", views)):
+                t = gpu_time(lambda i, c=cfg: kk._quantize(inputs[i], 4, group, AXIS_CHANNELS, F16, config=c), reps=reps)
+                row[f"{name}_us"] = t * 1e6
+                row[f"{name}_GBps"] = raw / t / 1e9
+            rows.append(row)
+            print(f"  {row['case']} {row['config']:70s} {row['full_GBps']:7.0f} / {row['blocks_GBps']:7.0f} GB/s "
+                  f"{row['default']}", flush=True)
+        group_rows = [r for r in rows if r["case"] == f"V int4 G{group}"]
+        best = max(group_rows, key=lambda r: r["blocks_GBps"])
+        base = next(r for r in group_rows if r["default"])
+        print(f"  best for G{group} (16 strided blocks): {best['config']} {best['blocks_GBps']:.0f} GB/s, "
+              f"{best['blocks_GBps'] / base['blocks_GBps']:.3f}x the default", flush=True)
+    return rows
+
+
 def _same(a, b) -> bool:
     return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
@@ -350,6 +379,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="int4 G=32 only, fewer repetitions")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
+    ap.add_argument("--sweep-v", action="store_true", help="only the wide V-quantize sweep (tiles, cache hints)")
     ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.png")
     add_plot_only(ap)
     args = ap.parse_args()
@@ -360,6 +390,15 @@ def main() -> int:
 
     t_start = time.perf_counter()
     print(f"device: {torch.cuda.get_device_name()}")
+    if args.sweep_v:
+        xs = [torch.randn(SHAPE, device=DEVICE).to(F16) for _ in range(N_SETS)]
+        rows = sweep_v(xs, reps=20)
+        path = write_json("kernels_sweep_v", {"shape": list(SHAPE), "rows": rows, "triton": _triton_version()},
+                          args.out)
+        print(table(rows, ["case", "config", "default", "full_GBps", "blocks_GBps"],
+                    title="\nV quantize, int4: every candidate; * = the default"))
+        print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+        return 0
     failures = check_correctness(DEVICE, (4, 8, 512, 128)) + check_strided()
     print("correctness vs reference:", "PASS" if not failures else "FAIL")
     for f in failures:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
     python -m benchmarks.store --plot-only benchmarks/results/h200/store.json --out docs
+    python -m benchmarks.store --paged | --batches | --fresh [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
 
 Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x 256 tokens x 128, fp16 (33.5 MB
 of raw KV each). Throughput is GB/s of *raw KV represented*. KV lives on the GPU when
@@ -143,7 +144,7 @@ def plot(docs: list[dict], out_dir: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available()
-    ap.add_argument("--blocks", type=int, default=16 if cuda else 2)
+    ap.add_argument("--blocks", default="16" if cuda else "2", help="blocks per call (engine modes: a list, 16,64)")
     ap.add_argument("--reps", type=int, default=5 if cuda else 2)
     ap.add_argument("--codecs", default="raw,int8,int4,int2")
     ap.add_argument("--tiers", default="gpu,cpu,disk" if cuda else "cpu,disk")
@@ -152,10 +153,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--policy", default="arc", help="eviction policies, comma-separated (arc,lru: both, "
                                                     "interleaved per case; the ratio to the last is printed)")
+    ap.add_argument("--paged", action="store_true", help="contiguous vs vLLM-paged KV (store_engine.py)")
+    ap.add_argument("--batches", action="store_true", help="8 requests of 2K tokens: one batched call vs 8")
+    ap.add_argument("--fresh", action="store_true", help="a fresh prompt and fresh KV per call, a full tier")
+    ap.add_argument("--tiny", action="store_true", help="engine modes: a tiny layout (a CPU smoke test)")
     add_plot_only(ap)
     args = ap.parse_args()
     if plot_only(args, plot):
         return
+    if args.paged or args.batches or args.fresh:
+        return engine_modes(args, cuda)
+    args.blocks = int(args.blocks)
     kv_device = torch.device("cuda" if cuda else "cpu")
     tokens = args.blocks * BLOCK
     gen = torch.Generator(device=kv_device).manual_seed(0)
@@ -199,6 +207,38 @@ def main() -> None:
     print(f"wrote {path}")
     print(table(rows, cols, f"Store throughput, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens, KV on {kv_device}; "
                             f"baseline {base['kind']}: {base['ingest_gbps']:.1f} / {base['materialize_gbps']:.1f} GB/s"))
+
+
+def engine_modes(args, cuda: bool) -> None:
+    """``--paged``, ``--batches``, ``--fresh``: see ``benchmarks/store_engine.py``."""
+    from . import store_engine as se
+
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = se.TINY if args.tiny or not cuda else se.LLAMA
+    codecs = [c for c in args.codecs.split(",") if c in se.CODECS]
+    blocks = [int(b) for b in str(args.blocks).split(",")]
+    out: dict = {"layout": shape.layout.to_dict(), "block_tokens": shape.block, "page_size": shape.page,
+                 "kv_device": str(device), "reps": args.reps}
+    cols = ["case", "ms", "gbps"]
+    if args.paged:
+        for n in blocks:
+            print(f"paged: {n} blocks of {shape.block} tokens, vLLM pages of {shape.page}", flush=True)
+            out[f"paged_{n}"] = se.run_paged(shape, n, codecs, args.reps, device)
+            print(table(out[f"paged_{n}"], cols + ["paged_vs_contiguous"], f"\nPaged vs contiguous, {n} blocks"))
+        name = "store_paged"
+    elif args.batches:
+        request_tokens = 8 * shape.block  # 2K tokens of Llama blocks
+        print(f"batches: 8 requests of {request_tokens} tokens", flush=True)
+        out["batches"] = se.run_batches(shape, 8, request_tokens, codecs, args.reps, device)
+        print(table(out["batches"], cols + ["batch_vs_calls"], "\nOne batched call vs one call per request"))
+        name = "store_batches"
+    else:
+        for n in blocks:
+            print(f"fresh: {n} blocks of {shape.block} tokens", flush=True)
+            out[f"fresh_{n}"] = se.run_fresh(shape, n, codecs, args.reps, device)
+            print(table(out[f"fresh_{n}"], cols + ["vs_pinned_copy", "evictions"], f"\nFresh prompts, {n} blocks"))
+        name = "store_fresh"
+    print(f"wrote {write_json(name, out, args.out)}")
 
 
 if __name__ == "__main__":

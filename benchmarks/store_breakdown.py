@@ -10,6 +10,8 @@ materialize, and prints the device timeline of each: kernels and copies, per str
 ``--host`` prints the host's timeline of one ingest and one materialize: when each step
 of the path ran and for how long (timers around the functions in ``HOST_STEPS``, about a
 microsecond each; no profiler, whose overhead per op would distort exactly this).
+``--fresh`` makes those calls as a server's are: a fresh prompt and freshly made KV each,
+into a CPU tier already full (it holds four calls; every ingest evicts).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces (CUDA only)")
     ap.add_argument("--host", action="store_true", help="print the host timeline of one ingest and one materialize")
+    ap.add_argument("--fresh", action="store_true", help="--host with fresh KV per call into a full tier")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     codec = CODECS[args.codec]
@@ -114,7 +117,19 @@ def main() -> None:
             path = _trace(fn, args.trace / f"trace-{args.codec}-{args.tier}-{name}.json")
             print(f"--- device timeline: {name} ({path})")
             print(_timeline(path))
-    if args.host:
+    if args.host and args.fresh:
+        frame = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
+        cache.close()
+        cache = cs.PrefixCache(model_id="bd-fresh", layout=LAYOUT, codec=codec, block_tokens=BLOCK,
+                               tiers=cs.TierConfig(cpu_bytes=4 * n * frame, cpu_reserve_bytes=n * frame))
+        for rep in range(7):  # four calls fill the tier; the last of the rest is shown
+            toks = [(8642 * 7919 + rep * 13 + j) % 120_000 for j in range(tokens)]
+            fresh_kv = [(k.clone(), v.clone()) for k, v in kv]  # made by a prefill just now
+            lines = {name: _host_timeline(fn, device) for name, fn in
+                     (("ingest (fresh prompt, fresh KV, full tier)", lambda: cache.ingest(toks, fresh_kv)),
+                      ("materialize", lambda: cache.materialize(toks, device=device)))}
+        print(f"evictions: {cache.stats()['tiers'][0]['evictions']}")
+    elif args.host:
         for rep in range(3):  # the last of three: warm
             toks = [(4321 * 7919 + rep * 13 + j) % 120_000 for j in range(tokens)]
             lines = {name: _host_timeline(fn, device) for name, fn in
@@ -141,6 +156,8 @@ HOST_STEPS = [
     "cacheseek.decode:BatchDecoder.__init__", "cacheseek.decode:BatchDecoder.add",
     "cacheseek.decode:BatchDecoder._decode_pending", "cacheseek.decode:BatchDecoder.finish",
     "cacheseek.kernels.kivi:dequantize", "cacheseek.prefix_cache_base:PrefixCacheBase._materialized",
+    "cacheseek.kernels.layers:LayerTable.__init__", "cacheseek.store.cpu:CpuTier._evict_one",
+    "cacheseek.store.cpu:CpuTier.reserve_run",
 ]
 
 

@@ -25,20 +25,26 @@ from .errors import (
     RemoteUnavailable,
     StorageError,
 )
-from .hashing import BlockHash
+from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
+from .prefix_keys import Prompt
 from .quant import KIVI, KVLayerCodec, Raw
 
 if TYPE_CHECKING:
+    from .pages import KVPages, PagedKV, PagedRequest
     from .prefix_cache import PrefixCache
     from .remote import RemoteCache
-    from .results import IngestResult, Located, Materialized
+    from .results import IngestResult, Loaded, Located, Materialized
 
 __version__ = "0.1.0"
 
 # name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
     "IngestResult": ".results",
+    "KVPages": ".pages",
+    "Loaded": ".results",
+    "PagedKV": ".pages",
+    "PagedRequest": ".pages",
     "Located": ".results",
     "Materialized": ".results",
     "PrefixCache": ".prefix_cache",
@@ -65,18 +71,26 @@ __all__ = [
     "CacheSeekError",
     "ChecksumError",
     "ConfigError",
+    "ExtraKeys",
     "FrameError",
     "IngestResult",
     "InputError",
     "KVLayerCodec",
     "KVLayout",
+    "KVPages",
+    "Loaded",
     "Located",
+    "MMInput",
     "Materialized",
+    "PagedKV",
+    "PagedRequest",
     "PrefixCache",
+    "Prompt",
     "Raw",
     "RemoteCache",
     "RemoteError",
     "RemoteUnavailable",
+    "Shard",
     "StorageError",
     "TierConfig",
     "__version__",

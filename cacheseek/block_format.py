@@ -37,11 +37,16 @@ class BlockFormat:
         return replan_frame(self._template(len(block_hash), len(parent_hash)), block_hash=block_hash,
                             parent_hash=parent_hash, position=position)
 
-    def plan_run(self, first: int, hashes: Sequence[bytes], parents: Sequence[bytes]) -> list[FrameMeta]:
-        """The frames of consecutive blocks ``first, first + 1, ...`` keyed ``hashes``."""
+    def plan_run(self, first: int, hashes: Sequence[bytes], parents: Sequence[bytes],
+                 positions: Sequence[int] | None = None) -> list[FrameMeta]:
+        """The frames of consecutive blocks ``first, first + 1, ...`` keyed ``hashes``; or,
+        with ``positions``, of blocks at those positions (blocks of several requests' chains)."""
         if not hashes:
             return []
         template = self._template(len(hashes[0]), len(parents[0]))
+        if positions is not None:
+            return [replan_frame(template, block_hash=h, parent_hash=p, position=pos)
+                    for h, p, pos in zip(hashes, parents, positions, strict=True)]
         return [replan_frame(template, block_hash=h, parent_hash=p, position=first + i)
                 for i, (h, p) in enumerate(zip(hashes, parents, strict=True))]
 

@@ -10,6 +10,7 @@ Full-precision KV is only ever built on the target device.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,7 +33,12 @@ class BatchDecoder:
     chunk costs one codec call.
     """
 
-    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, chunk_blocks: int = 8) -> None:
+    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, chunk_blocks: int = 8,
+                 sink: Any = None) -> None:
+        """``sink(j0, j1, buffers)``: decodes blocks ``[j0, j1)`` (``buffers``: the codec's
+        buffers as ``[j1 - j0, L, H, ...]`` staging views) where the caller wants them, e.g.
+        into an engine's pages; then ``finish`` returns nothing. Default: into [L, H, n*B, D]."""
+        self._sink = sink
         self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
         self.max_blocks, self.device = max_blocks, device
         self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
@@ -115,6 +121,10 @@ class BatchDecoder:
             landed = torch.cuda.Event()
             landed.record(self._copy_stream)
             torch.cuda.current_stream(self.device).wait_event(landed)
+        if self._sink is not None:
+            self._sink(j0, j1, [v[j0:j1] for v in self._views])
+            self._decoded = j1
+            return
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
         if self._k is None:
             self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
@@ -137,6 +147,8 @@ class BatchDecoder:
         self._decode_pending()
         if wait:
             self.wait()
+        if self._sink is not None:
+            return None, None
         tokens = n * self.block_tokens
         if n == self.max_blocks:
             return self._k, self._v

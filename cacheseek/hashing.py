@@ -1,17 +1,25 @@
-"""Prefix keys: the root hash and the chained block hashes (DESIGN, "Keys").
+"""Prefix keys: the root hash and the chained block hashes (docs/design.md, "Keys").
 
 Pure functions only; stores never compute a hash, and nothing here knows about codecs or
 tiers beyond the fingerprint bytes they hand in.
 
-    root  = H("cacheseek/v1" | namespace | model_id | layout fp | block_tokens | codec fp)
-    h[i]  = H(h[i-1] or root, content[i])
+    root  = H("cacheseek/v2" | namespace | model_id | layout fp | block_tokens | codec fp | shard)
+    h[i]  = H(h[i-1] or root | content[i] | extra[i] | u32 len(extra[i]))
+
+The shard is the tensor- and pipeline-parallel rank and size that produced the KV (each
+u32 little-endian), so two ranks never share a block. ``extra[i]`` names what else
+decides block i's KV besides its tokens, as vLLM's ``hash_block_tokens(hash_fn, parent,
+token_ids, extra_keys)`` does: a LoRA adapter (every block), the multimodal inputs whose
+placeholder tokens overlap the block (content hash, offset and length), and a cache salt
+(the first block only); empty when there is none. Its length closes the input, so the
+parts are unambiguous for any content length.
 
 Each field of the root input is length-prefixed (u32 little-endian), so no two different
-field tuples can produce the same byte string. Parents have a fixed width per algorithm,
-so ``parent + content`` is unambiguous as it stands.
+field tuples can produce the same byte string. Parents have a fixed width per algorithm.
 
 Python's built-in ``hash`` is never used: keys must agree across processes, hosts and
-``PYTHONHASHSEED`` values.
+``PYTHONHASHSEED`` values. ``KEY_VERSION`` changes whenever the recipe does, so keys of an
+older recipe can never match.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import hashlib
 import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NewType
 
 import xxhash
@@ -29,7 +38,7 @@ from .errors import ConfigError, InputError
 
 BlockHash = NewType("BlockHash", bytes)
 
-KEY_VERSION = b"cacheseek/v1"
+KEY_VERSION = b"cacheseek/v2"
 DEFAULT_ALGO = "xxh3_128"
 
 
@@ -68,6 +77,141 @@ def _field(value: bytes) -> bytes:
     return struct.pack("<I", len(value)) + value
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Which part of a model's KV a worker holds: its tensor-parallel rank among
+    ``tp_size`` ranks (each holding some of the KV heads) and its pipeline-parallel rank
+    among ``pp_size`` stages (each holding some of the layers). Part of the root hash, so
+    two ranks never share a block even when their per-rank layouts are the same."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            r, n = getattr(self, rank), getattr(self, size)
+            if not _is_count(n) or n < 1:
+                raise ConfigError(f"Shard.{size}: must be a positive int, got {n!r}")
+            if not _is_count(r) or not 0 <= r < n:
+                raise ConfigError(f"Shard.{rank}: must be an int in [0, {size}={n}), got {r!r}")
+
+    def fingerprint(self) -> bytes:
+        return struct.pack("<4I", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+
+
+SINGLE = Shard()
+
+
+def _name_bytes(value: Any, name: str) -> bytes:
+    """A non-empty str (as UTF-8) or bytes naming an adapter, an input or a salt."""
+    if isinstance(value, str):
+        value = value.encode()
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        value = bytes(value)
+    else:
+        raise InputError(f"{name}: expected str or bytes, got {type(value).__name__}")
+    if not value:
+        raise InputError(f"{name}: must not be empty")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class MMInput:
+    """A multimodal input of a prompt: the content hash of the image (audio, video, ...)
+    and the placeholder tokens it fills, ``[offset, offset + length)`` in the prompt. Two
+    prompts with the same placeholder tokens but other content get other keys."""
+
+    hash: str | bytes
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        _name_bytes(self.hash, "MMInput.hash")
+        if not _is_count(self.offset) or self.offset < 0:
+            raise InputError(f"MMInput.offset: must be an int >= 0, got {self.offset!r}")
+        if not _is_count(self.length) or self.length < 1:
+            raise InputError(f"MMInput.length: must be an int >= 1, got {self.length!r}")
+
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_NO_EXTRA = _U32.pack(0)  # the closing length of a block with no extra keys
+
+
+@dataclass(frozen=True, slots=True)
+class ExtraKeys:
+    """What decides a prompt's KV besides its tokens, hashed into the blocks it concerns
+    (as vLLM's extra keys): ``lora_id`` every block, each of ``mm_inputs`` the blocks its
+    placeholder tokens overlap, ``cache_salt`` the first block (and so, by the chain, every
+    block: prompts with different salts share nothing)."""
+
+    lora_id: str | None = None
+    mm_inputs: tuple[MMInput, ...] = ()
+    cache_salt: str | bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_id is not None and not (isinstance(self.lora_id, str) and self.lora_id):
+            raise InputError(f"lora_id: expected a non-empty str, got {self.lora_id!r}")
+        if self.cache_salt is not None:
+            _name_bytes(self.cache_salt, "cache_salt")
+        inputs = tuple(self.mm_inputs)
+        for i, item in enumerate(inputs):
+            if not isinstance(item, MMInput):
+                raise InputError(f"mm_inputs[{i}]: expected a cacheseek.MMInput, got {type(item).__name__}")
+        # Canonical order, so the caller's order does not matter.
+        object.__setattr__(self, "mm_inputs", tuple(sorted(
+            inputs, key=lambda m: (m.offset, m.length, _name_bytes(m.hash, "MMInput.hash")))))
+
+    def __bool__(self) -> bool:
+        return self.lora_id is not None or bool(self.mm_inputs) or self.cache_salt is not None
+
+    def for_blocks(self, num_blocks: int, block_tokens: int) -> list[bytes]:
+        """The extra-key bytes of blocks ``0 .. num_blocks - 1`` (see :func:`block_extra_keys`)."""
+        out = []
+        mm, first = self.mm_inputs, 0  # inputs before ``first`` end before the current block
+        for i in range(num_blocks):
+            lo, hi = i * block_tokens, (i + 1) * block_tokens
+            while first < len(mm) and mm[first].offset + mm[first].length <= lo:
+                first += 1
+            overlapping = []
+            for m in mm[first:]:
+                if m.offset >= hi:
+                    break  # sorted by offset: none later overlaps either
+                if m.offset + m.length > lo:
+                    overlapping.append(m)
+            out.append(block_extra_keys(lora_id=self.lora_id, mm_inputs=overlapping,
+                                        cache_salt=self.cache_salt if i == 0 else None))
+        return out
+
+
+def block_extra_keys(*, lora_id: str | None = None, mm_inputs: Sequence[MMInput] = (),
+                     cache_salt: str | bytes | None = None) -> bytes:
+    """Canonical bytes of one block's extra keys (empty when there are none): tagged,
+    length-prefixed fields in a fixed order,
+
+        b"L" | lora_id                                   (u32 length + UTF-8)
+        b"M" | u32 count | (hash | u64 offset | u64 length) * count   (in the given order)
+        b"S" | cache_salt                                (u32 length + bytes)
+
+    ``mm_inputs`` are the inputs overlapping the block, in (offset, length, hash) order."""
+    parts = []
+    if lora_id is not None:
+        parts += [b"L", _field(lora_id.encode())]
+    if mm_inputs:
+        parts += [b"M", _U32.pack(len(mm_inputs))]
+        for m in mm_inputs:
+            parts += [_field(_name_bytes(m.hash, "MMInput.hash")), _U64.pack(m.offset), _U64.pack(m.length)]
+    if cache_salt is not None:
+        parts += [b"S", _field(_name_bytes(cache_salt, "cache_salt"))]
+    return b"".join(parts)
+
+
 def root_hash(
     *,
     namespace: str,
@@ -75,6 +219,7 @@ def root_hash(
     layout_fingerprint: bytes,
     block_tokens: int,
     codec_fingerprint: bytes,
+    shard: Shard = SINGLE,
     algo: str = DEFAULT_ALGO,
 ) -> BlockHash:
     """The hash every chain starts from. Any change to any argument changes it."""
@@ -84,6 +229,8 @@ def root_hash(
         raise ConfigError(f"model_id: expected a non-empty str, got {model_id!r}")
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
         raise ConfigError(f"block_tokens: must be a positive int, got {block_tokens!r}")
+    if not isinstance(shard, Shard):
+        raise ConfigError(f"shard: expected a cacheseek.Shard, got {type(shard).__name__}")
     data = b"".join(
         (
             KEY_VERSION,
@@ -92,20 +239,27 @@ def root_hash(
             _field(bytes(layout_fingerprint)),
             struct.pack("<I", block_tokens),
             _field(bytes(codec_fingerprint)),
+            shard.fingerprint(),
         )
     )
     return BlockHash(_digest_fn(algo)(data))
 
 
-def block_hash(parent: bytes, content: bytes | memoryview, algo: str = DEFAULT_ALGO) -> BlockHash:
-    """Hash of one block given its parent's hash (or the root) and its content bytes."""
+def hash_block_tokens(parent: bytes, content: bytes | memoryview, extra_keys: bytes = b"",
+                      algo: str = DEFAULT_ALGO) -> BlockHash:
+    """Hash of one block given its parent's hash (or the root), its content bytes (token ids
+    as little-endian int32, or the caller's bytes) and its extra-key bytes
+    (:func:`block_extra_keys`; empty for none)."""
     if len(parent) != digest_size(algo):
         raise InputError(f"parent: a {algo} hash is {digest_size(algo)} bytes, got {len(parent)}")
-    return BlockHash(_digest_fn(algo)(bytes(parent) + bytes(content)))
+    return BlockHash(_digest_fn(algo)(b"".join((bytes(parent), bytes(content), extra_keys,
+                                                _U32.pack(len(extra_keys))))))
 
 
-def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = DEFAULT_ALGO) -> list[BlockHash]:
-    """Chained hashes of caller-given block contents (frames, actions, any bytes)."""
+def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = DEFAULT_ALGO,
+                 extra_keys: Sequence[bytes] | None = None) -> list[BlockHash]:
+    """Chained hashes of caller-given block contents (frames, actions, any bytes);
+    ``extra_keys``: each block's extra-key bytes, or None for none."""
     fn = _digest_fn(algo)
     if len(root) != digest_size(algo):
         raise InputError(f"root: a {algo} hash is {digest_size(algo)} bytes, got {len(root)}")
@@ -114,7 +268,11 @@ def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = 
     for i, content in enumerate(blocks):
         if not isinstance(content, (bytes, bytearray, memoryview)):
             raise InputError(f"block_keys[{i}]: expected bytes, got {type(content).__name__}")
-        parent = fn(parent + bytes(content))
+        if extra_keys is None or not extra_keys[i]:
+            parent = fn(parent + bytes(content) + _NO_EXTRA)
+        else:
+            extra = extra_keys[i]
+            parent = fn(b"".join((parent, bytes(content), extra, _U32.pack(len(extra)))))
         out.append(BlockHash(parent))
     return out
 
@@ -150,14 +308,26 @@ def token_block_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def hash_token_blocks(
-    root: bytes, token_ids: Any, block_tokens: int, algo: str = DEFAULT_ALGO
+    root: bytes, token_ids: Any, block_tokens: int, algo: str = DEFAULT_ALGO, extra: ExtraKeys | None = None
 ) -> list[BlockHash]:
-    """Chained hashes of every *full* block of ``token_ids``; a partial tail is not keyed."""
+    """Chained hashes of every *full* block of ``token_ids``; a partial tail is not keyed.
+    ``extra``: the prompt's extra keys (LoRA adapter, multimodal inputs, cache salt)."""
     tokens = as_token_list(token_ids)
     n_full = len(tokens) // block_tokens
-    data = token_block_bytes(tokens[: n_full * block_tokens])
+    data = token_block_bytes(tokens if len(tokens) == n_full * block_tokens else tokens[: n_full * block_tokens])
     step = 4 * block_tokens
-    return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo)
+    if extra:
+        extras = extra.for_blocks(n_full, block_tokens)
+        return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo, extras)
+    # The usual case, on every ingest and lookup: one join and one digest per block.
+    fn = _digest_fn(algo)
+    if len(root) != digest_size(algo):
+        raise InputError(f"root: a {algo} hash is {digest_size(algo)} bytes, got {len(root)}")
+    parent, out, join = bytes(root), [], b"".join
+    for a in range(0, n_full * step, step):
+        parent = fn(join((parent, data[a : a + step], _NO_EXTRA)))
+        out.append(parent)
+    return out
 
 
 def to_hex(h: bytes) -> str:

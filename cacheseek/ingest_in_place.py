@@ -71,11 +71,17 @@ class InPlaceIngest:
     (optional, before the keys are known), then ``run``; ``abandon`` if the call fails
     between the two."""
 
-    def __init__(self, store: TieredStore, fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.store, self.format, self.layers = store, fmt, layers
+    def __init__(self, store: TieredStore, fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                 *, source: Any = None) -> None:
+        """The KV: per-layer ``layers``, or ``source`` (a ``pages.PagedSource``: the call's
+        blocks in an engine's pages; block ``i`` of the chain is its row ``i``)."""
+        self.store, self.format, self.layers, self.source = store, fmt, layers, source
         self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
-        self.device = layers[0][0].device
-        self.prepared = self.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+        if source is not None:
+            self.device, self.prepared = source.device, None
+        else:
+            self.device = layers[0][0].device
+            self.prepared = self.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
@@ -111,17 +117,18 @@ class InPlaceIngest:
     # -- the call ---------------------------------------------------------------------------
 
     def run(self, hashes: Sequence[bytes], parents: Sequence[bytes], present: Sequence[bool],
-            batch_blocks: int) -> list[StorePutResult | None]:
+            batch_blocks: int, positions: Sequence[int] | None = None) -> list[StorePutResult | None]:
         """Store every block not ``present`` (see the module doc); the outcome of each block,
         None for those not handled here: already present, or no room could be reserved for
         them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
-        Inf, having published nothing of this call."""
+        Inf, having published nothing of this call. ``positions``: each block's position in
+        its own chain, when the blocks are several requests' (default: its index)."""
         self.outcomes = [None] * len(hashes)
         missing = [not p for p in present]
         if self.guessed is not None:
             g0, g1 = self.guessed
             guessed = self.pending[0]
-            guessed.metas = self.format.plan_run(g0, hashes[g0:g1], parents[g0:g1])
+            guessed.metas = self.format.plan_run(g0, hashes[g0:g1], parents[g0:g1], _part(positions, g0, g1))
             guessed.skip = [present[i] for i in range(g0, g1)]
             missing[g0:g1] = [False] * (g1 - g0)
         batches = list(batching.runs(missing, batch_blocks))
@@ -132,7 +139,8 @@ class InPlaceIngest:
         try:
             try:
                 for start, stop in batches:
-                    self._launch_batch(start, self.format.plan_run(start, hashes[start:stop], parents[start:stop]))
+                    self._launch_batch(start, self.format.plan_run(start, hashes[start:stop], parents[start:stop],
+                                                                   _part(positions, start, stop)))
             except _NoRoom:
                 pass  # the blocks not launched are left to the caller
             while self.pending:
@@ -178,20 +186,18 @@ class InPlaceIngest:
         stride = slot_stride(meta.nbytes)
         start, span = meta.payload_offset, (count - 1) * stride + meta.payload_nbytes
         host = reservation_span(reservations[0], 0, start + span)
-        t0 = first * self.block_tokens
         split = batching.copy_pieces(count)
         if self.device.type != "cuda":
             # KV in host memory: the slots themselves are the staging, encoded in place
             # (the pieces are only committed in turn).
-            flags = encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
-                                payload_views(host, meta.tensors, count, stride, meta.payload_offset))
+            flags = self._encode(first, count, payload_views(host, meta.tensors, count, stride, meta.payload_offset))
             self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
             return
         pieces = []
         with on_stream(self.encode_stream):
             staging = torch.empty(start + span, dtype=torch.uint8, device=self.device)
-            flags = flags_to_host(encode_into(self.codec, self.layers, self.prepared, t0, count, self.block_tokens,
-                                              payload_views(staging, meta.tensors, count, stride, meta.payload_offset)))
+            flags = flags_to_host(self._encode(first, count, payload_views(staging, meta.tensors, count, stride,
+                                                                           meta.payload_offset)))
             encoded = torch.cuda.Event()
             encoded.record(self.encode_stream)
         # The slots' headers are copied over too (staging garbage between payloads): each
@@ -206,6 +212,12 @@ class InPlaceIngest:
                 pieces.append((a, b, landed))
         staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
         self.pending.append(_Run(first, metas, reservations, flags, pieces))
+
+    def _encode(self, first: int, count: int, views: list[torch.Tensor]) -> Any:
+        if self.source is not None:
+            return self.source.encode(self.codec, first, count, views)
+        return encode_into(self.codec, self.layers, self.prepared, first * self.block_tokens, count,
+                           self.block_tokens, views)
 
     def commit_oldest(self) -> None:
         """Wait for the oldest piece in flight, then publish its frames."""
@@ -258,6 +270,10 @@ class InPlaceIngest:
                         landed.synchronize()
             for reservation in run.reservations:
                 self.store.abort(reservation)  # (idempotent: some may be given back already)
+
+
+def _part(positions: Sequence[int] | None, start: int, stop: int) -> Sequence[int] | None:
+    return None if positions is None else positions[start:stop]
 
 
 class _NoRoom(Exception):

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import ingest_in_place
+from . import ingest_in_place, paged_io
 from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
-from .hashing import DEFAULT_ALGO, digest_size
+from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
-from .results import IngestResult, Located, Materialized
+from .results import IngestResult, Loaded, Located, Materialized
 from .store.prefetch import Prefetch
 from .store.tiered import StorePutResult
 
-__all__ = ["IngestResult", "Located", "Materialized", "Prefetch", "PrefixCache"]
+__all__ = ["IngestResult", "Loaded", "Located", "Materialized", "Prefetch", "PrefixCache"]
 
 
 
@@ -48,20 +49,24 @@ class PrefixCache(PrefixCacheBase):
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
         max_batch_bytes: int | str = "1GiB",
+        shard: Shard = SINGLE,
     ) -> None:
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
-                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
+                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes, shard=shard)
         self.store = (tiers or TierConfig()).build()
 
     # -- the three calls -----------------------------------------------------------------
 
     def ingest(self, keys: Any, kv: Any) -> IngestResult:
         """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
-        input is bad (wrong layout, lengths that disagree, NaN/Inf).
+        input is bad (wrong layout, lengths that disagree, NaN/Inf). ``kv`` may also be one
+        request's KV in an engine's pages (``pages.at(page_ids)``), read there in place.
 
         With a persistent tier written through (a ``disk_path``, the default write-through),
         a block counted stored or present is on disk (fsynced) when this returns; without
         one, in memory. ``IngestResult.durability`` says which."""
+        if isinstance(kv, PagedKV):
+            return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)
         tokens = check_layers(layers, self.layout)
         self.keys.check_ingest(keys, tokens)
@@ -111,6 +116,150 @@ class PrefixCache(PrefixCacheBase):
         # tail first, so the head is still the most recent either way.
         self.store.touch_chain([key for key, was in zip(hashes, found) if was])
         return result
+
+    def ingest_batch(self, requests: list[Any], pages: KVPages) -> list[IngestResult]:
+        """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest(keys,
+        page_ids)`` each), their new blocks encoded together: launches are cut by the data
+        path's batching, never per request. Bad input in any request raises ``InputError``
+        naming it, and nothing of the call is stored."""
+        return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
+
+    def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
+                      ) -> list[IngestResult]:
+        call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
+        B = self.block_tokens
+        every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
+        in_place = None
+        if single and every and ingest_in_place.applies(self.store, pages.device):
+            # One request: the chain's tail is on its way before the prompt is hashed (as
+            # ``ingest``), so the rows are all its blocks.
+            call.use_rows(every)
+            in_place = ingest_in_place.InPlaceIngest(self.store, self.block_format, None, source=call.source)
+            in_place.guess_tail(len(every), digest_size(self.hash_algo))
+        try:
+            paged_io.hash_requests(call, self.keys, requests)
+            hashes, parents, positions = call.flat()
+            found = self.store.present_many(hashes) if hashes else []
+        except BaseException:
+            if in_place is not None:
+                in_place.abandon()
+            raise
+        results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B,
+                                durability=self.store.durability) for h in call.hashes]
+        # A block twice in one call (two requests with one prefix) is encoded once: the
+        # later one counts as present.
+        present, seen = list(found), set()
+        for i, key in enumerate(hashes):
+            present[i] = present[i] or key in seen
+            seen.add(key)
+            results[every[i][0]].present += present[i]
+        if in_place is None:
+            # The rows are the blocks to store, whoever's they are: runs of them (one launch
+            # per side each) are not cut where one request ends and the next begins.
+            keep = [i for i, p in enumerate(present) if not p]
+            call.use_rows([every[i] for i in keep])
+            hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
+            present = [False] * len(keep)
+        if not hashes:
+            if in_place is not None:
+                in_place.abandon()
+            return results
+        stored: list[bytes] = []
+        handled = list(present)
+        try:
+            if ingest_in_place.applies(self.store, pages.device):
+                if in_place is None:
+                    in_place = ingest_in_place.InPlaceIngest(self.store, self.block_format, None, source=call.source)
+                outcomes = in_place.run(hashes, parents, present, self._batch_blocks, positions)
+                for i, outcome in enumerate(outcomes):
+                    if outcome is not None:
+                        _count(results[call.request_of(i)], hashes[i], outcome, stored)
+                        handled[i] = True
+            # The rest (a GPU tier on top, no room to reserve): frames through put_many,
+            # batches tail first as in ``ingest``.
+            for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
+                                                         [not h for h in handled], self._batch_blocks,
+                                                         tail_first=True):
+                order = list(range(start + len(batch) - 1, start - 1, -1))
+                items = [(hashes[i], batch[i - start]) for i in order]
+                for i, outcome in zip(order, self.store.put_many(items)):
+                    _count(results[call.request_of(i)], hashes[i], outcome, stored)
+        except InputError as exc:
+            for key in stored:
+                self.store.delete(key)
+            paged_io.raise_bad_input(call, exc)
+        self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
+        return results
+
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None) -> Loaded:
+        """Write the longest stored prefix of ``keys`` (at most ``max_tokens``, and at most
+        what ``dest``'s page table holds) straight into the pages ``dest = pages.at(page_ids)``
+        names, decoded there; pages of later tokens are untouched. The writes are queued on
+        the pages' device's current stream."""
+        if not isinstance(dest, PagedKV):
+            raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
+        return self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)[0]
+
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages) -> list[Loaded]:
+        """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
+        max_tokens)`` each), decoded together into their pages; no page may be written by
+        two requests."""
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+        call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
+        paged_io.hash_requests(call, self.keys, requests)
+        B = self.block_tokens
+        limits = paged_io.load_limits(call, requests, B)
+        located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
+        counts = [len(where) for where in located]
+        paged_io.plan_load(call, counts, B)
+        results = [Loaded() for _ in requests]
+        if not call.rows:
+            return results
+        decoder, sink = paged_io.decoder(self.block_format, call)
+        added: list = []  # frames added to the decoder, in order; the first ``released`` given back
+        released = first_row = 0
+        try:
+            # As ``materialize``: frames flow from the tiers into the decoder as they land, and
+            # each landed chunk is decoded straight into its pages.
+            for r, n in enumerate(counts):
+                if not n:
+                    continue
+                frames = self.store.stream(call.hashes[r][:n], where=located[r], leased=True)
+                try:
+                    for key, got in zip(call.hashes[r], frames):
+                        if got is None:
+                            break  # evicted or found corrupt since locate: this prefix ends here
+                        frame, tier = got
+                        try:
+                            self.block_format.check_fetched(frame.meta, key)
+                        except FrameError:
+                            frame.release()
+                            break
+                        sink.rows.append(first_row + results[r].num_blocks)
+                        decoder.add(frame)  # its copy to the device starts now
+                        added.append(frame)
+                        results[r].num_blocks += 1
+                        results[r].tiers.append(tier)
+                        copied = decoder.copied()
+                        for done in added[released:copied]:
+                            done.release()
+                        released = max(released, copied)
+                finally:
+                    frames.close()  # reads not handed out: cancelled or given back
+                first_row += n
+            if len(decoder):
+                decoder.finish(wait=False)
+            for h, res in zip(call.hashes, results):
+                res.num_tokens = res.num_blocks * B
+                if res.num_blocks:
+                    self.store.touch_chain(h[: res.num_blocks])
+        finally:
+            decoder.wait()  # no copy reads the frames' memory any more
+            for frame in added[released:]:
+                frame.release()
+        return results
 
     def locate(self, keys: Any) -> Located:
         self._num_keys(keys)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .block_format import BlockFormat
-from .hashing import BlockHash
+from .hashing import SINGLE, BlockHash, Shard
 from .layout import KVLayout
 from .prefix_keys import PrefixKeys
 from .quant import backend
@@ -32,15 +32,17 @@ class PrefixCacheBase:
         namespace: str,
         hash_algo: str,
         max_batch_bytes: int | str,
+        shard: Shard = SINGLE,
     ) -> None:
         self.model_id = model_id
+        self.shard = shard
         self.layout = layout
         self.codec = codec if codec is not None else KIVI(bits=4, group_size=32)
         self.block_tokens = block_tokens
         self.namespace = namespace
         self.hash_algo = hash_algo
         self.keys = PrefixKeys.create(namespace=namespace, model_id=model_id, layout=layout, codec=self.codec,
-                                      block_tokens=block_tokens, hash_algo=hash_algo)
+                                      block_tokens=block_tokens, hash_algo=hash_algo, shard=shard)
         self.root = self.keys.root
         self.block_format = BlockFormat(self.codec, layout, block_tokens)
         self._codec_spec = self.block_format.codec_spec

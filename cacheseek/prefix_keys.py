@@ -1,5 +1,6 @@
 """The keys of one cache configuration: its root hash, and the chained block hashes of
-what a caller hands in (token ids, or one bytes object per block).
+what a caller hands in (token ids, a ``Prompt`` with extra keys, or one bytes object per
+block).
 
 Shared by the embedded ``PrefixCache`` and the HTTP ``RemoteCache``, so the two compute
 the same keys by the same code. Torch-free.
@@ -7,17 +8,60 @@ the same keys by the same code. Torch-free.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
-from .hashing import DEFAULT_ALGO, BlockHash, chain_hashes, hash_token_blocks, root_hash
+from .hashing import (
+    DEFAULT_ALGO,
+    SINGLE,
+    BlockHash,
+    ExtraKeys,
+    MMInput,
+    Shard,
+    chain_hashes,
+    hash_token_blocks,
+    root_hash,
+)
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 
 
 def is_block_keys(keys: Any) -> bool:
     return isinstance(keys, (list, tuple)) and len(keys) > 0 and isinstance(keys[0], (bytes, bytearray, memoryview))
+
+
+@dataclass(frozen=True, slots=True, eq=False, init=False)
+class Prompt:
+    """Token ids with what else decides their KV: a LoRA adapter, multimodal inputs (each
+    a content hash and the placeholder tokens it fills), a cache salt. Accepted wherever
+    token ids are; blocks of prompts that differ in any of these never match.
+
+        cs.Prompt(token_ids, lora_id="sql-adapter", cache_salt="tenant-7",
+                  mm_inputs=[cs.MMInput(hash=image_sha, offset=5, length=576)])
+    """
+
+    token_ids: Any
+    extra: ExtraKeys
+
+    def __init__(self, token_ids: Any, *, lora_id: str | None = None, mm_inputs: Sequence[MMInput] = (),
+                 cache_salt: str | bytes | None = None) -> None:
+        if isinstance(token_ids, Prompt) or is_block_keys(token_ids):
+            raise InputError("Prompt.token_ids: expected token ids (a list, tuple or tensor of ints)")
+        object.__setattr__(self, "token_ids", token_ids)
+        object.__setattr__(self, "extra", ExtraKeys(lora_id=lora_id, mm_inputs=tuple(mm_inputs),
+                                                    cache_salt=cache_salt))
+
+    def __len__(self) -> int:
+        return _token_count(self.token_ids)
+
+
+def _token_count(tokens: Any) -> int:
+    if isinstance(tokens, (list, tuple)):
+        return len(tokens)
+    numel = getattr(tokens, "numel", None)
+    return int(numel()) if numel is not None else len(tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,17 +80,21 @@ class PrefixKeys:
         codec: KVLayerCodec,
         block_tokens: int,
         hash_algo: str = DEFAULT_ALGO,
+        shard: Shard = SINGLE,
     ) -> PrefixKeys:
         """Check that ``codec`` fits ``layout`` and ``block_tokens``, and compute the root."""
         codec.check_layout(layout, block_tokens)
         root = root_hash(
             namespace=namespace, model_id=model_id, layout_fingerprint=layout.fingerprint(),
-            block_tokens=block_tokens, codec_fingerprint=codec.fingerprint(), algo=hash_algo,
+            block_tokens=block_tokens, codec_fingerprint=codec.fingerprint(), shard=shard, algo=hash_algo,
         )
         return cls(root=root, block_tokens=block_tokens, hash_algo=hash_algo)
 
     def block_hashes(self, keys: Any) -> list[BlockHash]:
-        """Chained hashes of the full blocks of ``keys`` (token ids, or one bytes per block)."""
+        """Chained hashes of the full blocks of ``keys`` (token ids, a ``Prompt``, or one
+        bytes per block)."""
+        if isinstance(keys, Prompt):
+            return hash_token_blocks(self.root, keys.token_ids, self.block_tokens, self.hash_algo, keys.extra)
         if is_block_keys(keys):
             return chain_hashes(self.root, keys, self.hash_algo)
         return hash_token_blocks(self.root, keys, self.block_tokens, self.hash_algo)
@@ -58,7 +106,7 @@ class PrefixKeys:
         """Tokens named by ``keys``; raises ``InputError`` on an empty input."""
         if is_block_keys(keys):
             return len(keys) * self.block_tokens
-        n = len(keys) if isinstance(keys, (list, tuple)) else int(getattr(keys, "numel", lambda: len(keys))())
+        n = _token_count(keys.token_ids if isinstance(keys, Prompt) else keys)
         if n == 0:
             raise InputError("token_ids: empty input")
         return n
@@ -76,4 +124,4 @@ class PrefixKeys:
             raise InputError(f"token_ids: {self.num_tokens(keys)} tokens, but KV holds {kv_tokens}")
 
 
-__all__ = ["PrefixKeys", "is_block_keys"]
+__all__ = ["ExtraKeys", "MMInput", "PrefixKeys", "Prompt", "Shard", "is_block_keys"]

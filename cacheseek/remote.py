@@ -32,16 +32,18 @@ from typing import Any, TypeVar
 
 import httpx
 
+from . import paged_io
 from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
 from .decode import decode_frames
 from .encode import encode_missing
-from .errors import ConfigError, FrameError, RemoteError, RemoteUnavailable
-from .hashing import DEFAULT_ALGO, BlockHash, to_hex
+from .errors import ConfigError, FrameError, InputError, RemoteError, RemoteUnavailable
+from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
+from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
-from .results import IngestResult, Located, Materialized
+from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
@@ -142,6 +144,7 @@ class RemoteCache(PrefixCacheBase):
         proxy: str | None = None,
         trust_env: bool = True,
         breaker: CircuitBreaker | None = None,
+        shard: Shard = SINGLE,
     ) -> None:
         """``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
         a miss and a dropped write; see the module doc). ``verify``: TLS for an ``https``
@@ -150,7 +153,8 @@ class RemoteCache(PrefixCacheBase):
         ``HTTP(S)_PROXY``/``NO_PROXY`` apply. ``breaker``: default 3 failures in a row open
         it, probes after 0.5 s doubling up to 10 s."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
-                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes)
+                         namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
+                         shard=shard)
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
         self.url = url.rstrip("/")
@@ -181,7 +185,10 @@ class RemoteCache(PrefixCacheBase):
         if the input is bad (wrong layout, lengths that disagree, NaN/Inf). Stored and
         present mean what the server's answers say (``IngestResult.durability``: durable,
         on disk, with a write-through server). In an outage with ``on_unavailable="miss"``,
-        the blocks not acknowledged count as failed, with ``errors["server"]``."""
+        the blocks not acknowledged count as failed, with ``errors["server"]``. ``kv`` may be
+        one request's KV in an engine's pages (``pages.at(page_ids)``), encoded there in place."""
+        if isinstance(kv, PagedKV):
+            return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)
         self.keys.check_ingest(keys, check_layers(layers, self.layout))
         hashes = self.block_hashes(keys)
@@ -211,16 +218,106 @@ class RemoteCache(PrefixCacheBase):
             return
         frames.reverse()  # tail first, as PrefixCache stores them: a chain that overflows keeps its head
         for report in self._post_frames(frames):
-            result.durability = report.get("durability", result.durability)
-            status = report.get("status")
-            if status == "stored":
-                result.stored += 1
-            elif status == "present":
-                result.present += 1
-            else:
-                result.failed += 1
-            for tier, reason in (report.get("errors") or {}).items():
-                result.errors.setdefault(tier, reason)
+            _count_report(result, report)
+
+    def ingest_batch(self, requests: list[Any], pages: KVPages) -> list[IngestResult]:
+        """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
+        one lookup for all of them, their new blocks encoded together (launches are not per
+        request), and one streamed POST. Bad input in any request sends nothing."""
+        return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
+
+    def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
+                      ) -> list[IngestResult]:
+        call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
+        paged_io.hash_requests(call, self.keys, requests)
+        results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
+                   for h in call.hashes]
+        try:
+            self._send_paged(call, results)
+        except RemoteUnavailable as exc:  # as ingest: dropped in an outage, or raised
+            if self.on_unavailable == "raise":
+                raise
+            for result in results:
+                dropped = result.blocks - result.stored - result.present - result.failed
+                result.failed += dropped
+                if dropped:
+                    result.errors.setdefault("server", str(exc))
+                self._outages.count("dropped_blocks", dropped)
+        return results
+
+    def _send_paged(self, call: paged_io.PagedCall, results: list[IngestResult]) -> None:
+        hashes, parents, positions = call.flat()
+        if not hashes:
+            return
+        every = [(r, b) for r, h in enumerate(call.hashes) for b in range(len(h))]
+        found = self._lookup(hashes, each=True)
+        for result in results:
+            result.durability = found.get("durability", result.durability)
+        present, seen = list(found["present"]), set()
+        for i, key in enumerate(hashes):
+            present[i] = present[i] or key in seen  # twice in this call: sent once
+            seen.add(key)
+            results[every[i][0]].present += present[i]
+        keep = [i for i, p in enumerate(present) if not p]
+        if not keep:
+            return
+        call.use_rows([every[i] for i in keep])
+        hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
+        # Encode everything first: a bad block (NaN, Inf) then sends nothing.
+        frames, rows = [], []
+        for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
+                                                     [True] * len(keep), self._batch_blocks):
+            frames += batch
+            rows += range(start, start + len(batch))
+        frames.reverse()  # tail first, as ingest sends them
+        rows.reverse()
+        for row, report in zip(rows, self._post_frames(frames)):
+            _count_report(results[call.request_of(row)], report)
+
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None) -> Loaded:
+        """Write the longest stored prefix (at most ``max_tokens``, and what ``dest``'s page
+        table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
+        (``PrefixCache.materialize_into``)."""
+        if not isinstance(dest, PagedKV):
+            raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
+        return self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)[0]
+
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages) -> list[Loaded]:
+        """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
+        streamed fetch per request's chain, decoded together into their pages."""
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+        call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
+        paged_io.hash_requests(call, self.keys, requests)
+        limits = paged_io.load_limits(call, requests, self.block_tokens)
+        results = [Loaded() for _ in requests]
+        # Everything is fetched before any page is written: an outage (or a bad chain) in a
+        # later request leaves the pages as they were.
+        try:
+            found = [self._lookup(h[:n], tokens=n * self.block_tokens) if n else {"matched": 0, "tiers": []}
+                     for h, n in zip(call.hashes, limits)]
+            counts = [f["matched"] for f in found]
+            paged_io.plan_load(call, counts, self.block_tokens)
+            chains = [self._fetch_chain(h[:n]) if n else [] for h, n in zip(call.hashes, counts)]
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_materializes")
+            return results
+        if not call.rows:
+            return results
+        decoder, sink = paged_io.decoder(self.block_format, call)
+        first_row = 0
+        for r, (frames, n) in enumerate(zip(chains, counts)):
+            for j, frame in enumerate(frames):
+                sink.rows.append(first_row + j)
+                decoder.add(frame)
+            results[r] = Loaded(len(frames) * self.block_tokens, len(frames), list(found[r]["tiers"][: len(frames)]))
+            first_row += n
+        if len(decoder):
+            decoder.finish()
+        return results
 
     def locate(self, keys: Any) -> Located:
         tokens = self._num_keys(keys)
@@ -411,6 +508,19 @@ class RemoteCache(PrefixCacheBase):
         except ValueError:
             reason = response.text or response.reason_phrase
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+def _count_report(result: IngestResult, report: dict[str, Any]) -> None:
+    result.durability = report.get("durability", result.durability)
+    status = report.get("status")
+    if status == "stored":
+        result.stored += 1
+    elif status == "present":
+        result.present += 1
+    else:
+        result.failed += 1
+    for tier, reason in (report.get("errors") or {}).items():
+        result.errors.setdefault(tier, reason)
 
 
 def lookup_request(hashes: Sequence[bytes], *, each: bool = False) -> tuple[str, bytes, dict[str, str]]:

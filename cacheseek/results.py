@@ -38,6 +38,17 @@ class Located:
 
 
 @dataclass(slots=True)
+class Loaded:
+    """What ``materialize_into`` wrote into a request's pages: the first ``num_tokens``
+    tokens (``num_blocks`` full blocks, from the tiers named), queued on the pages' device's
+    current stream; the pages of later tokens are untouched."""
+
+    num_tokens: int = 0
+    num_blocks: int = 0
+    tiers: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class Materialized:
     """KV of the longest stored prefix, decoded on ``device``.
 

@@ -12,7 +12,8 @@ K and V) innermost so that a warp's loads are coalesced along D:
 ``pick`` is the default (deterministic; no first-call tuning stall in the store's ingest
 path), chosen from a sweep on an H200 (numbers in the helpers' docstrings and in
 docs/kernels.md). ``candidates`` is what ``python -m benchmarks.kernels --sweep`` times on
-the GPU, and what ``triton.autotune`` tries when ``CACHESEEK_KIVI_AUTOTUNE=1``.
+the GPU, and what ``triton.autotune`` tries when ``CACHESEEK_KIVI_AUTOTUNE=1``;
+``v_quantize_candidates`` the wider V-quantize sweep of ``--sweep-v`` (tiles and cache hints).
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ def _k(block_d: int, groups: int, warps: int) -> triton.Config:
     return triton.Config({"BLOCK_D": block_d, "GROUPS": groups}, num_warps=warps)
 
 
-def _v(block_t: int, warps: int) -> triton.Config:
+def _v(block_t: int, warps: int, op: str = "dequantize", hints: tuple[str, str] = ("", "")) -> triton.Config:
+    """V tiles; quantize also takes its cache hints: (eviction policy of the KV loads, cache
+    modifier of the code stores), "" for none."""
+    if op == "quantize":
+        return triton.Config({"BLOCK_T": block_t, "X_EVICT": hints[0], "Q_CACHE": hints[1]}, num_warps=warps)
     return triton.Config({"BLOCK_T": block_t}, num_warps=warps)
+
+
+# Cache hints the V quantize sweep tries: the KV is read once (evict first), the codes are
+# written once and copied to the host next (streaming stores).
+V_HINTS = (("", ""), ("evict_first", ""), ("evict_first", ".cs"), ("", ".cs"))
 
 
 def _k_tile(bits: int, group: int, head_dim_pad: int) -> tuple[int, int]:
@@ -61,7 +71,7 @@ def pick(side: str, op: str, group: int, head_dim: int, tokens: int, bits: int =
         # (int4 G=32) against 1,723 at 64.
         warps = 4
         block_t = max(8, min(128, 32 * 32 * warps // dp))
-        return _v(block_t, warps)
+        return _v(block_t, warps, op)
     raise ValueError(f"side: must be 'k' or 'v', got {side!r}")
 
 
@@ -78,11 +88,28 @@ def candidates(side: str, op: str, group: int, head_dim: int) -> list[triton.Con
         for warps in (4, 8):
             for per_thread in (32, 64):
                 block_t = max(8, min(128, per_thread * 32 * warps // dp))
-                out.append(_v(block_t, warps))
+                out.append(_v(block_t, warps, op))
     else:
         raise ValueError(f"side: must be 'k' or 'v', got {side!r}")
+    return _unique(out)
+
+
+def v_quantize_candidates(group: int, head_dim: int) -> list[triton.Config]:
+    """The wider V-quantize sweep (``benchmarks.kernels --sweep-v``): tiles of 16 to 64
+    elements per thread on 2, 4 or 8 warps, each with every cache hint in ``V_HINTS``."""
+    dp = padded_head_dim(head_dim)
+    out = []
+    for warps in (2, 4, 8):
+        for per_thread in (16, 32, 64):
+            block_t = max(8, min(128, per_thread * 32 * warps // dp))
+            for hints in V_HINTS:
+                out.append(_v(block_t, warps, "quantize", hints))
+    return _unique(out)
+
+
+def _unique(configs_: list[triton.Config]) -> list[triton.Config]:
     seen, unique = set(), []
-    for cfg in out:
+    for cfg in configs_:
         key = (tuple(sorted(cfg.kwargs.items())), cfg.num_warps)
         if key not in seen:
             seen.add(key)

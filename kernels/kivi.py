@@ -35,6 +35,7 @@ import triton.language as tl
 from . import configs
 from ._strides import Levels, collapse, contiguous_strides, unit_last
 from .layers import LayerTable, layer_row
+from .paged import BlockPages, PagedLayers, block_source, page_offsets
 
 AXIS_TOKENS = -2  # K
 AXIS_CHANNELS = -1  # V
@@ -118,13 +119,31 @@ def _quotient(a, den, rcp, FP16_STATS: tl.constexpr):
 
 @triton.jit
 def _codes(x, m, den, rcp, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
-    """int32 codes of fp32 ``x``: clamp(round_half_even((x - m) / s), 0, QMAX); ``m``, ``den``
-    and ``rcp`` already broadcast to x's shape."""
+    """int32 codes of fp32 ``x``: clamp(round_half_even((x - m) / s), 0, QMAX) (see
+    ``_biased_codes``)."""
+    return _biased_codes(x, m, den, rcp, QMAX, FP16_STATS) & QMAX
+
+
+@triton.jit
+def _biased_codes(x, m, den, rcp, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
+    """int32 codes of fp32 ``x``, each plus ``_RNE_BITS``: clamp(round_half_even((x - m) /
+    s), 0, QMAX) + 0x4B400000; ``m``, ``den`` and ``rcp`` already broadcast to x's shape.
+    The bias is taken off once per packed word (``_word_bias``), not once per element."""
     q = _quotient(x - m, den, rcp, FP16_STATS)
     # Clamping first is the same (integer bounds, monotone rounding) and keeps the magic
     # rounding in its exact range. The code is then the low bits of the sum.
     q = tl.minimum(tl.maximum(q, 0.0), QMAX)
-    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True) & QMAX
+    return (q + _RNE_MAGIC).to(tl.int32, bitcast=True)
+
+
+def _word_bias_value(bits: int) -> int:
+    """sum over the codes of a word of (_RNE_BITS << j * bits), as a signed int32: what
+    packing biased codes with + adds to the word (sums wrap mod 2^32, and the fields of
+    the unbiased codes do not overlap, so subtracting it leaves exactly their OR)."""
+    per = 32 // bits
+    total = sum(0x4B400000 << (j * bits) for j in range(per)) % (1 << 32)
+    return total - (1 << 32) if total >= 1 << 31 else total
+
 
 
 @triton.jit
@@ -180,13 +199,15 @@ def _v_masked(args) -> bool:
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
 def _quantize_k_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr, pt_ptr, blk_ptr,
     C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
+    sx_p,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
-    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, PAGE: tl.constexpr, PAGE_WORDS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     NW: tl.constexpr = G // PER
@@ -211,12 +232,18 @@ def _quantize_k_kernel(
     x_row = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN)
     q_row = q_ptr + a * sq_a + c * sq_c
     stat_row = a * ss_a + c * ss_c
+    # In pages (PAGE > 0: the page size), block a's tokens are found through its page table.
+    pt_base, pt_off, bad_addr = block_source(blk_ptr, a, bad_addr, PAGE)
 
     for i in range(GROUPS):
         grp = (t_tile * GROUPS + i).to(tl.int64)
         d_ok = d < tl.where(grp < n_groups, D, 0)
         ok = tl.broadcast_to(d_ok[None, :], (NW, BLOCK_D))
-        x_ptrs = x_row + (grp * G + w[:, None] * PER) * sx_t + d[None, :]  # token j = 0 of each word
+        tok = grp * G + w[:, None] * PER  # token j = 0 of each word
+        if PAGE > 0:
+            x_ptrs = x_row + page_offsets(tok, T, sx_t, sx_p, pt_ptr, pt_base, pt_off, PAGE) + d[None, :]
+        else:
+            x_ptrs = x_row + tok * sx_t + d[None, :]
 
         if MASKED:
             x = tl.load(x_ptrs, mask=ok, other=0.0)
@@ -224,10 +251,14 @@ def _quantize_k_kernel(
             x = tl.load(x_ptrs)
         lo, hi = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
         for j in tl.static_range(1, PER):
+            if PAGE > 0 and not PAGE_WORDS:
+                x_j = x_row + page_offsets(tok + j, T, sx_t, sx_p, pt_ptr, pt_base, pt_off, PAGE) + d[None, :]
+            else:  # (PAGE_WORDS: a word's tokens are consecutive slots of one page)
+                x_j = x_ptrs + j * sx_t
             if MASKED:
-                x = tl.load(x_ptrs + j * sx_t, mask=ok, other=0.0)
+                x = tl.load(x_j, mask=ok, other=0.0)
             else:
-                x = tl.load(x_ptrs + j * sx_t)
+                x = tl.load(x_j)
             l, h = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
             lo = tl.minimum(lo, l)
             hi = tl.maximum(hi, h)
@@ -244,12 +275,17 @@ def _quantize_k_kernel(
 
         words = tl.zeros((NW, BLOCK_D), tl.int32)
         for j in tl.static_range(PER):
+            if PAGE > 0 and not PAGE_WORDS:
+                x_j = x_row + page_offsets(tok + j, T, sx_t, sx_p, pt_ptr, pt_base, pt_off, PAGE) + d[None, :]
+            else:  # (PAGE_WORDS: a word's tokens are consecutive slots of one page)
+                x_j = x_ptrs + j * sx_t
             if MASKED:
-                x = tl.load(x_ptrs + j * sx_t, mask=ok, other=0.0)
+                x = tl.load(x_j, mask=ok, other=0.0)
             else:
-                x = tl.load(x_ptrs + j * sx_t)
+                x = tl.load(x_j)
             # Bit fields do not overlap: OR them in (the top field of an 8- or 2-bit word
-            # reaches the sign bit, which int32 two's complement keeps exact).
+            # reaches the sign bit, which int32 two's complement keeps exact). (Adding biased
+            # codes instead, as V does, saves an AND per element but costs K registers.)
             words = words | (_codes(x.to(tl.float32), m_b, den_b, rcp_b, QMAX, FP16_STATS) << (j * BITS))
 
         stat_off = stat_row + grp * ss_t + d
@@ -267,14 +303,16 @@ def _quantize_k_kernel(
 @triton.heuristics({"MASKED": _k_masked})
 @triton.jit
 def _dequantize_k_kernel(
-    q_ptr, s_ptr, m_ptr, o_ptr,
-    C, T, D,
+    q_ptr, s_ptr, m_ptr, o_ptr, ot_ptr, pt_ptr, blk_ptr,
+    C, T, D, OH,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     sm_a, sm_c, sm_t,
     so_a, so_c, so_t,
+    so_p,
     BITS: tl.constexpr, G: tl.constexpr, BLOCK_D: tl.constexpr, GROUPS: tl.constexpr,
-    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
+    SOFT_BF16: tl.constexpr, O_TABLE: tl.constexpr, O_ALIGN: tl.constexpr, PAGE: tl.constexpr,
+    PAGE_WORDS: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     NW: tl.constexpr = G // PER
@@ -295,7 +333,10 @@ def _dequantize_k_kernel(
     q_row = q_ptr + a * sq_a + c * sq_c
     s_row = s_ptr + a * ss_a + c * ss_c
     m_row = m_ptr + a * sm_a + c * sm_c
-    o_row = o_ptr + a * so_a + c * so_c
+    # With O_TABLE the output is a model's layers (or an engine's per-layer pages), as the
+    # quantize kernels read them; with PAGE > 0, block a's tokens go where its page table says.
+    o_row = layer_row(o_ptr, ot_ptr, a, c, OH, so_a, so_c, O_TABLE, O_ALIGN)
+    pt_base, pt_off, _ = block_source(blk_ptr, a, 0, PAGE)
 
     for i in range(GROUPS):
         grp = (t_tile * GROUPS + i).to(tl.int64)
@@ -312,16 +353,24 @@ def _dequantize_k_kernel(
             m = tl.load(m_row + grp * sm_t + d).to(tl.float32)
         s_b = tl.broadcast_to(s[None, :], (NW, BLOCK_D))
         m_b = tl.broadcast_to(m[None, :], (NW, BLOCK_D))
-        o_ptrs = o_row + (grp * G + w[:, None] * PER) * so_t + d[None, :]
+        tok = grp * G + w[:, None] * PER
+        if PAGE > 0:
+            o_ptrs = o_row + page_offsets(tok, T, so_t, so_p, pt_ptr, pt_base, pt_off, PAGE) + d[None, :]
+        else:
+            o_ptrs = o_row + tok * so_t + d[None, :]
         for j in tl.static_range(PER):
             x = _decode((words >> (j * BITS)) & QMAX, s_b, m_b)
             if SOFT_BF16:
                 x = _round_to_bf16(x)
             x = x.to(o_ptr.dtype.element_ty)
+            if PAGE > 0 and not PAGE_WORDS:
+                o_j = o_row + page_offsets(tok + j, T, so_t, so_p, pt_ptr, pt_base, pt_off, PAGE) + d[None, :]
+            else:  # (PAGE_WORDS: a word's tokens are consecutive slots of one page)
+                o_j = o_ptrs + j * so_t
             if MASKED:
-                tl.store(o_ptrs + j * so_t, x, mask=ok)
+                tl.store(o_j, x, mask=ok)
             else:
-                tl.store(o_ptrs + j * so_t, x)
+                tl.store(o_j, x)
 
 
 # -- V: groups of G channels per token ---------------------------------------------------
@@ -336,13 +385,15 @@ def _dequantize_k_kernel(
 @triton.heuristics({"MASKED": _v_masked})
 @triton.jit
 def _quantize_v_kernel(
-    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr,
+    x_ptr, q_ptr, s_ptr, m_ptr, xt_ptr, bad_addr, pt_ptr, blk_ptr,
     C, T, D, XH,
     sx_a, sx_c, sx_t,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
+    sx_p,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, MASKED: tl.constexpr,
+    X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, PAGE: tl.constexpr,
+    X_EVICT: tl.constexpr, Q_CACHE: tl.constexpr, WORD_BIAS: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -363,11 +414,17 @@ def _quantize_v_kernel(
     word = g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NGP, WPG]: index along packed D
     t_ok = t < T
     ok = t_ok[:, None, None] & (d < D)[None, :, :]
-    x_ptrs = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN) + t[:, None, None] * sx_t + d[None, :, :]
-    if MASKED:
-        x = tl.load(x_ptrs, mask=ok, other=0.0)
+    x_row = layer_row(x_ptr, xt_ptr, a, c, XH, sx_a, sx_c, X_TABLE, X_ALIGN)
+    pt_base, pt_off, bad_addr = block_source(blk_ptr, a, bad_addr, PAGE)
+    if PAGE > 0:
+        x_ptrs = x_row + page_offsets(t, T, sx_t, sx_p, pt_ptr, pt_base, pt_off, PAGE)[:, None, None] + d[None, :, :]
     else:
-        x = tl.load(x_ptrs)
+        x_ptrs = x_row + t[:, None, None] * sx_t + d[None, :, :]
+    # X_EVICT, Q_CACHE: cache hints ("" for none) the launch sweep tries (configs.candidates).
+    if MASKED:
+        x = tl.load(x_ptrs, mask=ok, other=0.0, eviction_policy=X_EVICT)
+    else:
+        x = tl.load(x_ptrs, eviction_policy=X_EVICT)
 
     lo, hi = _minmax_operands(x, ok, MASKED)
     mn = tl.min(lo, axis=2).to(tl.float32)  # [BLOCK_T, NGP]
@@ -378,12 +435,13 @@ def _quantize_v_kernel(
         _flag_if_nonfinite(tl.reshape(s_st, (BLOCK_T * NGP,)), tl.reshape(m_st, (BLOCK_T * NGP,)),
                            tl.reshape(t_ok[:, None] & (g * GP < D)[None, :], (BLOCK_T * NGP,)), bad_addr, MASKED)
     den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
-    codes = _codes(x.to(tl.float32),
+    codes = _biased_codes(x.to(tl.float32),
                    tl.broadcast_to(m_st.to(tl.float32)[:, :, None], x.shape),
                    tl.broadcast_to(den[:, :, None], x.shape),
                    tl.broadcast_to(rcp[:, :, None], x.shape), QMAX, FP16_STATS)
     codes = tl.reshape(codes, (BLOCK_T, NGP, WPG, PER))
-    words = tl.sum(codes << (tl.arange(0, PER) * BITS)[None, None, None, :], axis=3)  # [BLOCK_T, NGP, WPG]
+    # (sums wrap mod 2^32: less the bias, the word is the OR of the codes' fields)
+    words = tl.sum(codes << (tl.arange(0, PER) * BITS)[None, None, None, :], axis=3) - WORD_BIAS  # [BLOCK_T, NGP, WPG]
 
     stat_off = a * ss_a + c * ss_c + t[:, None] * ss_t + g[None, :]
     q_ptrs = q_ptr + a * sq_a + c * sq_c + t[:, None, None] * sq_t + word[None, :, :]
@@ -391,24 +449,26 @@ def _quantize_v_kernel(
         stat_ok = t_ok[:, None] & (g * GP < D)[None, :]
         tl.store(s_ptr + stat_off, s_st, mask=stat_ok)
         tl.store(m_ptr + stat_off, m_st, mask=stat_ok)
-        tl.store(q_ptrs, words, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :])
+        tl.store(q_ptrs, words, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :], cache_modifier=Q_CACHE)
     else:
         tl.store(s_ptr + stat_off, s_st)
         tl.store(m_ptr + stat_off, m_st)
-        tl.store(q_ptrs, words)
+        tl.store(q_ptrs, words, cache_modifier=Q_CACHE)
 
 
 @triton.heuristics({"MASKED": _v_masked})
 @triton.jit
 def _dequantize_v_kernel(
-    q_ptr, s_ptr, m_ptr, o_ptr,
-    C, T, D,
+    q_ptr, s_ptr, m_ptr, o_ptr, ot_ptr, pt_ptr, blk_ptr,
+    C, T, D, OH,
     sq_a, sq_c, sq_t,
     ss_a, ss_c, ss_t,
     sm_a, sm_c, sm_t,
     so_a, so_c, so_t,
+    so_p,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    SOFT_BF16: tl.constexpr, MASKED: tl.constexpr,
+    SOFT_BF16: tl.constexpr, O_TABLE: tl.constexpr, O_ALIGN: tl.constexpr, PAGE: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -430,7 +490,12 @@ def _dequantize_v_kernel(
     q_ptrs = q_ptr + a * sq_a + c * sq_c + t[:, None, None] * sq_t + word[None, :, :]
     s_ptrs = s_ptr + a * ss_a + c * ss_c + t[:, None] * ss_t + g[None, :]
     m_ptrs = m_ptr + a * sm_a + c * sm_c + t[:, None] * sm_t + g[None, :]
-    o_ptrs = o_ptr + a * so_a + c * so_c + t[:, None, None] * so_t + d[None, :, :]
+    o_row = layer_row(o_ptr, ot_ptr, a, c, OH, so_a, so_c, O_TABLE, O_ALIGN)
+    pt_base, pt_off, _ = block_source(blk_ptr, a, 0, PAGE)
+    if PAGE > 0:
+        o_ptrs = o_row + page_offsets(t, T, so_t, so_p, pt_ptr, pt_base, pt_off, PAGE)[:, None, None] + d[None, :, :]
+    else:
+        o_ptrs = o_row + t[:, None, None] * so_t + d[None, :, :]
     if MASKED:
         words = tl.load(q_ptrs, mask=t_ok[:, None, None] & (word * PER < D)[None, :, :], other=0)
         stat_ok = t_ok[:, None] & (g * GP < D)[None, :]
@@ -549,14 +614,25 @@ def _tuned(side: str, op: str, group: int, D: int):
 
 def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[tuple[int, ...]],
                  consts: dict[str, Any], group: int, config: triton.Config | None, *,
-                 x_dtype: torch.dtype | None = None, x_table_rows: int = 0) -> _Launch:
-    """``strides``: each tensor's full strides, in kernel argument order. Quantize takes
-    ``x_dtype``, and ``x_table_rows`` > 0 when x is read through a layer table (``layers.layer_row``)."""
-    xh = (max(1, x_table_rows),) if op == "quantize" else ()
-    scalars = (lv.C, T, D, *xh, *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])))
+                 dtype: torch.dtype, table_rows: int = 0, align: int | None = None, page: int = 0,
+                 page_stride: int = 0, page_words: bool = False) -> _Launch:
+    """``strides``: each tensor's full strides, in kernel argument order; ``dtype``: the KV's
+    (quantize's input, dequantize's output). ``table_rows`` > 0 when the KV side is a model's
+    layers read or written through a layer table (``layers.layer_row``), with ``align``
+    (elements) the alignment of its layers; ``page`` > 0 (the page size) when it is in
+    pages (``paged``), ``page_stride`` the elements from one page to the next, and
+    ``page_words`` whether every block starts at a slot that is a multiple of 32 // bits."""
+    scalars = (lv.C, T, D, max(1, table_rows), *(x for k, st in enumerate(strides) for x in (*lv.strides[k], st[-2])),
+               page_stride)
+    align = 16 // dtype.itemsize if align is None else align
     if op == "quantize":
-        consts = {**consts, "X_TABLE": x_table_rows > 0, "X_ALIGN": 16 // x_dtype.itemsize,
-                  "CHECK": x_table_rows > 0}
+        consts = {**consts, "X_TABLE": table_rows > 0, "X_ALIGN": align, "CHECK": table_rows > 0, "PAGE": page}
+    else:
+        consts = {**consts, "O_TABLE": table_rows > 0, "O_ALIGN": align, "PAGE": page}
+    if side == "k":  # whether each code word's tokens lie in one page (one page lookup per word)
+        consts["PAGE_WORDS"] = page > 0 and page % (32 // consts["BITS"]) == 0 and page_words
+    elif op == "quantize":
+        consts["WORD_BIAS"] = _word_bias_value(consts["BITS"])
     if side == "v":
         d_pad = configs.padded_head_dim(D)
         consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
@@ -594,7 +670,7 @@ def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch
     if lv is None:  # three or more strided levels: one copy rather than one launch per level
         return _QuantizePlan(q_shape, st_shape, None, copy_input=True)
     side = "k" if axis == AXIS_TOKENS else "v"
-    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config, x_dtype=dtype)
+    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config, dtype=dtype)
     return _QuantizePlan(q_shape, st_shape, launch)
 
 
@@ -609,28 +685,73 @@ def _layers_plan(layer_shape: tuple[int, ...], layer_stride: tuple[int, ...], dt
         raise ValueError(f"layers: dtype must be one of {X_DTYPES}, got {dtype}")
     H, _, D = layer_shape
     axis = _check_args(bits, group, axis, 5)
-    q_shape, st_shape = _shapes((n, 1, H, block, D), bits, group, axis)
-    (qs, qst, qdt), (ss, sst, sdt), (ms, mst, mdt) = outs
-    L = qs[1]
-    for name, shape, want in (("q", qs, q_shape), ("scale", ss, st_shape), ("mn", ms, st_shape)):
-        if shape != (n, L, *want[2:]):
-            raise ValueError(f"out {name}: expected shape {(n, L, *want[2:])}, got {shape}")
-    if qdt != torch.int32 or sdt not in STATS_DTYPES or mdt != sdt:
-        raise ValueError(f"out: expected int32 codes and matching stats dtypes, got {qdt}, {sdt}, {mdt}")
-    if sst != mst:
-        raise ValueError("out: scale and mn must have the same strides")
-    for name, shape, st in (("q", qs, qst), ("scale", ss, sst)):
-        # Layers and heads must merge into one level: the kernel indexes rows as (block, layer*H + head).
-        if not unit_last(shape, st) or (H > 1 and L > 1 and st[1] != st[2] * H):
-            raise ValueError(f"out {name}: strides {st} cannot be indexed as [block, layer x head] rows")
+    L = outs[0][0][1]
+    _check_rows("out", n, L, H, block, D, outs, bits, group, axis)
     if n * L * H * block * D == 0:
         return None
+    (_, qst, _), (_, sst, _), _ = outs
     sx_h, sx_t, _ = layer_stride
     lv = Levels(A=n, C=L * H, strides=((block * sx_t, sx_h), (qst[0], qst[2]), (sst[0], sst[2])))
     strides = [(sx_t, 1), qst, sst]
     side = "k" if axis == AXIS_TOKENS else "v"
     return _make_launch(side, "quantize", lv, block, D, strides, {"BITS": bits}, group, config,
-                        x_dtype=dtype, x_table_rows=H)
+                        dtype=dtype, table_rows=H)
+
+
+def _check_rows(name: str, n: int, L: int, H: int, block: int, D: int,
+                bufs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...], bits: int, group: int,
+                axis: int) -> None:
+    """``bufs``: (shape, strides, dtype) of the codes, scale and min of ``n`` blocks of ``L``
+    layers, as ``[n, L, H, ...]`` views whose layers and heads merge into one level (the
+    kernels index rows as (block, layer x head))."""
+    q_shape, st_shape = _shapes((n, L, H, block, D), bits, group, axis)
+    (qs, qst, qdt), (ss, sst, sdt), (ms, mst, mdt) = bufs
+    for part, shape, want in (("q", qs, q_shape), ("scale", ss, st_shape), ("mn", ms, st_shape)):
+        if shape != want:
+            raise ValueError(f"{name} {part}: expected shape {want}, got {shape}")
+    if qdt != torch.int32 or sdt not in STATS_DTYPES or mdt != sdt:
+        raise ValueError(f"{name}: expected int32 codes and matching stats dtypes, got {qdt}, {sdt}, {mdt}")
+    if sst != mst:
+        raise ValueError(f"{name}: scale and mn must have the same strides")
+    for part, shape, st in (("q", qs, qst), ("scale", ss, sst)):
+        if not unit_last(shape, st) or (H > 1 and L > 1 and st[1] != st[2] * H) or (H == 1 and L > 1
+                                                                                    and st[1] != st[2]):
+            raise ValueError(f"{name} {part}: strides {st} cannot be indexed as [block, layer x head] rows")
+
+
+PageGeometry = tuple  # (L, H, D, strides, dtype, align, page size, slot align): what a plan depends on
+
+
+@functools.lru_cache(maxsize=1024)
+def _pages_plan(op: str, geometry: PageGeometry, n: int, block: int,
+                bufs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...], bits: int, group: int,
+                axis: int, config: triton.Config | None, autotune: bool) -> _Launch | None:
+    """The launch for :func:`quantize_pages` or :func:`dequantize_pages` (None: nothing to do)."""
+    L, H, D, (s_p, s_t, s_h), dtype, align, page, slot_align = geometry
+    if dtype not in X_DTYPES:
+        raise ValueError(f"pages: dtype must be one of {X_DTYPES}, got {dtype}")
+    axis = _check_args(bits, group, axis, 5)
+    _check_rows("out" if op == "quantize" else "encoded", n, L, H, block, D, bufs, bits, group, axis)
+    if n * L * H * block * D == 0:
+        return None
+    (_, qst, _), (_, sst, _), (_, mst, _) = bufs
+    side = "k" if axis == AXIS_TOKENS else "v"
+    pages = ((0, s_h), (s_t, 1))  # (a, c) strides and full strides: the page table places each block
+    if op == "quantize":
+        lv = Levels(A=n, C=L * H, strides=(pages[0], (qst[0], qst[2]), (sst[0], sst[2])))
+        return _make_launch(side, op, lv, block, D, [pages[1], qst, sst], {"BITS": bits}, group, config,
+                            dtype=dtype, table_rows=H, align=align, page=page, page_stride=s_p,
+                            page_words=slot_align % (32 // bits) == 0)
+    lv = Levels(A=n, C=L * H, strides=((qst[0], qst[2]), (sst[0], sst[2]), (mst[0], mst[2]), pages[0]))
+    consts = {"BITS": bits, "SOFT_BF16": dtype == torch.bfloat16 and _interpreted()}
+    return _make_launch(side, op, lv, block, D, [qst, sst, mst, pages[1]], consts, group, config,
+                        dtype=dtype, table_rows=H, align=align, page=page, page_stride=s_p,
+                        page_words=slot_align % (32 // bits) == 0)
+
+
+def _geometry(pages: PagedLayers, where: BlockPages) -> PageGeometry:
+    return (len(pages), pages.heads, pages.head_dim, pages.strides, pages.dtype, pages.align, where.page_size,
+            where.slot_align)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -665,7 +786,7 @@ def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], 
     side = "k" if axis == AXIS_TOKENS else "v"
     # The interpreter's fp32 -> bf16 cast truncates; the kernel then rounds itself.
     consts = {"BITS": bits, "SOFT_BF16": dtype == torch.bfloat16 and _interpreted()}
-    return _DequantizePlan(_make_launch(side, "dequantize", lv, T, D, strides, consts, group, config))
+    return _DequantizePlan(_make_launch(side, "dequantize", lv, T, D, strides, consts, group, config, dtype=dtype))
 
 
 def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: torch.dtype,
@@ -679,7 +800,7 @@ def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: to
     scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     if plan.launch is not None:
-        plan.launch(x, q, scale, mn, x, 0)  # no layer table (x stands in for it) and no flag: both unread
+        plan.launch(x, q, scale, mn, x, 0, x, x)  # no layer table, flag or pages (x stands in): unread
     return q, scale, mn
 
 
@@ -705,7 +826,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: in
         return out
     target = out if out is not None else torch.empty(shape, dtype=dtype, device=q.device)
     if plan.launch is not None:
-        plan.launch(q, scale, mn, target)
+        plan.launch(q, scale, mn, target, target, target, target)  # no layer table or pages: unread
     return target
 
 
@@ -767,7 +888,49 @@ def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, 
     launch = _layers_plan(table.shape, table.stride, table.dtype, n, block, outs, bits, group, axis, None,
                           configs.autotune_enabled())
     if launch is not None:
-        launch(table.layers[0][:, t0:], *out, table.offsets, ok_flag.data_ptr())
+        launch(table.layers[0][:, t0:], *out, table.offsets, ok_flag.data_ptr(), table.offsets, table.offsets)
+
+
+def quantize_pages(pages: PagedLayers, where: BlockPages, first: int, n: int, block: int, *, bits: int, group: int,
+                   axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ok_flags: torch.Tensor) -> None:
+    """KIVI-quantize blocks ``[first, first + n)`` of ``where`` (``block`` tokens each, read in
+    place from every layer of ``pages``, one side of an engine's paged KV cache) into ``out
+    = (q, scale, min)`` of shapes ``[n, L, H, ...]`` (views of staging rows), in one launch:
+    the same codes as ``quantize`` of those blocks stacked contiguously.
+
+    ``ok_flags``: ``n`` bytes of host memory (pinned when the pages are on a GPU), one per
+    block, that the kernel sets to 0 where a stored scale or min is NaN or Inf; the caller
+    sets them to 1 before, and reads them once the launch is done."""
+    from .paged import check_flags
+
+    check_flags(ok_flags, n)
+    blk = where.rows(first, n)
+    bufs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
+    launch = _pages_plan("quantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
+                         configs.autotune_enabled())
+    if launch is not None:
+        _same_device(pages, out)
+        launch(pages.base, *out, pages.offsets, ok_flags.data_ptr(), where.page_ids, blk)
+
+
+def dequantize_pages(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, bits: int, group: int, axis: int,
+                     pages: PagedLayers, where: BlockPages, first: int, n: int, block: int) -> None:
+    """Decode ``n`` blocks (``q, scale, mn`` of shapes ``[n, L, H, ...]``, e.g. views of the
+    staging rows their payloads landed in) straight into the pages of blocks ``[first,
+    first + n)`` of ``where``, every layer of ``pages``, in one launch: the same values as
+    ``dequantize`` into a contiguous tensor."""
+    bufs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, scale, mn))
+    blk = where.rows(first, n)
+    launch = _pages_plan("dequantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
+                         configs.autotune_enabled())
+    if launch is not None:
+        _same_device(pages, (q, scale, mn))
+        launch(q, scale, mn, pages.base, pages.offsets, where.page_ids, blk)
+
+
+def _same_device(pages: PagedLayers, tensors) -> None:
+    if any(t.device != pages.device for t in tensors):
+        raise ValueError(f"pages on {pages.device}, staging on {[str(t.device) for t in tensors]}: must be one device")
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, bits: int, group: int, axis: int,

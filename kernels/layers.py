@@ -15,6 +15,21 @@ import triton.language as tl
 _OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
 
 
+def offsets_table(device: torch.device, offsets: tuple[int, ...]) -> torch.Tensor:
+    """The device table of ``offsets`` (int64), cached by its values. Uploaded from pinned
+    memory when it is new: a pageable copy would wait for everything queued on the caller's
+    stream (in a server, the forward that has just made fresh KV at new addresses)."""
+    key = (device, offsets)
+    table = _OFFSET_TABLES.get(key)
+    if table is None:
+        host = torch.tensor(offsets, dtype=torch.int64, pin_memory=device.type == "cuda")
+        table = host.to(device, non_blocking=True)
+        if len(_OFFSET_TABLES) >= 64:
+            _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
+        _OFFSET_TABLES[key] = table
+    return table
+
+
 class LayerTable:
     """A model's layers (L separate ``[H, T, D]`` tensors of one shape, strides, dtype and
     device) as a device table of each layer's offset from layer 0, for the kernels that
@@ -42,15 +57,7 @@ class LayerTable:
         self.shape, self.stride, self.dtype, self.device = tuple(shape), stride, dtype, device
         # Offsets, not addresses: a table stays right for any tensors at the same distances,
         # so the (small) upload happens once per set of KV buffers, not once per call.
-        offsets = tuple((p - ptrs[0]) // size for p in ptrs)
-        key = (device, offsets)
-        table = _OFFSET_TABLES.get(key)
-        if table is None:
-            table = torch.tensor(offsets, dtype=torch.int64).to(device)
-            if len(_OFFSET_TABLES) >= 64:
-                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
-            _OFFSET_TABLES[key] = table
-        self.offsets = table
+        self.offsets = offsets_table(device, tuple((p - ptrs[0]) // size for p in ptrs))
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -33,6 +33,7 @@ for s in "$@"; do
   case $s in
     kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
+    sweep-v)     step sweep-v 240 python3 -m benchmarks.kernels --sweep-v --out "$OUT" ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
     host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host
@@ -43,11 +44,16 @@ for s in "$@"; do
                  cp /tmp/sq/store.json "$OUT/store_16blocks_raw_int4.json" ;;
     store-64)    step store-64 150 python3 -m benchmarks.store --blocks 64 --codecs raw,int4 --tiers cpu --reps 6 --out /tmp/s64
                  cp /tmp/s64/store.json "$OUT/store_64blocks.json" ;;
-    batches)     for b in 1GiB 256MiB 128MiB; do
+    batch-bytes) for b in 1GiB 256MiB 128MiB; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
+    paged)       step paged 240 python3 -m benchmarks.store --paged --blocks 16,64 --codecs raw,int4 --reps 6 --out "$OUT" ;;
+    batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
+    fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
+    fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
-    tests-gpu)   step tests-gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
+    tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
+    tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
     tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_remote.py ;;

@@ -34,6 +34,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from cacheseek.kernels import configs  # noqa: E402
 from cacheseek.kernels import kivi as K  # noqa: E402
+from cacheseek.kernels import paged as P  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -44,23 +45,33 @@ KERNELS = {
     ("v", "dequantize"): K._dequantize_v_kernel,
 }
 # what the JIT specializes at run time for contiguous 16-byte-aligned buffers and D % 16 == 0
-_DIVISIBLE = {"D", "sx_a", "sx_c", "sx_t", "sq_a", "sq_c", "ss_a", "ss_c", "sm_a", "sm_c", "so_a", "so_c", "so_t"}
+_DIVISIBLE = {"D", "sx_a", "sx_c", "sx_t", "sq_a", "sq_c", "ss_a", "ss_c", "sm_a", "sm_c", "so_a", "so_c", "so_t",
+              "sx_p", "so_p", "s_h", "s_t", "s_p", "sr_a", "sr_c", "sr_t"}
+
+
+_PTRS = {"xt_ptr": "*i64", "ot_ptr": "*i64", "pgt_ptr": "*i64", "q_ptr": "*i32", "pt_ptr": "*i32", "blk_ptr": "*i32"}
 
 
 def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dtype="fp16", masked=False, cfg=None,
-                   table=False):
-    """Compile one kernel; returns (compiled kernel, config). ``table``: quantize reading
-    x through a table of layer addresses (``X_TABLE``)."""
+                   table=False, page=0):
+    """Compile one kernel; returns (compiled kernel, config). ``table``: the KV side read or
+    written through a table of layer offsets (``X_TABLE`` / ``O_TABLE``); ``page`` > 0: in
+    pages of that many tokens (``PAGE``)."""
     cfg = cfg or configs.pick(side, op, group, head_dim, 256)
     fn = KERNELS[side, op].fn  # under the heuristics wrapper
-    consts = {"BITS": bits, "MASKED": masked, **cfg.kwargs}
+    consts = {"BITS": bits, "MASKED": masked, "PAGE": page, **cfg.kwargs}
+    if side == "k":
+        consts["PAGE_WORDS"] = page > 0 and page % (32 // bits) == 0
+    align = 16 * 8 // int(x_dtype[-2:])
     if op == "quantize":
-        consts.update(X_TABLE=table, X_ALIGN=16 * 8 // int(x_dtype[-2:]), CHECK=table)
+        consts.update(X_TABLE=table, X_ALIGN=align, CHECK=table)
+        if side == "v":
+            consts["WORD_BIAS"] = K._word_bias_value(bits)
+    else:
+        consts.update(O_TABLE=table, O_ALIGN=align, SOFT_BF16=False)
     d_pad = configs.padded_head_dim(head_dim)
     consts.update({"G": group} if side == "k" else {"GP": min(group, d_pad), "D_PAD": d_pad})
-    if op == "dequantize":
-        consts["SOFT_BF16"] = False
-    ptrs = {"x_ptr": f"*{x_dtype}", "xt_ptr": "*i64", "o_ptr": f"*{x_dtype}", "q_ptr": "*i32", "s_ptr": f"*{stats_dtype}",
+    ptrs = {**_PTRS, "x_ptr": f"*{x_dtype}", "o_ptr": f"*{x_dtype}", "s_ptr": f"*{stats_dtype}",
             "m_ptr": f"*{stats_dtype}"}
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "i64" if n == "bad_addr" else "i32")
                  for n in fn.arg_names}
@@ -68,6 +79,20 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": False}
     return triton.compile(src, target=TARGET, options=options), cfg
+
+
+def compile_pages_copy(*, to_pages: bool, page: int, head_dim: int = 128, x_dtype: str = "fp16"):
+    """Raw's gather from pages (``to_pages`` false) or scatter into them."""
+    fn = P._pages_copy_kernel
+    d_pad = configs.padded_head_dim(head_dim)
+    consts = {"BLOCK_T": 8192 // d_pad, "D_PAD": d_pad, "ALIGN": 8, "PAGE": page, "TO_PAGES": to_pages,
+              "MASKED": False}
+    ptrs = {**_PTRS, "pg_ptr": f"*{x_dtype}", "r_ptr": f"*{x_dtype}"}
+    signature = {n: "constexpr" if n in consts else ptrs.get(n, "i64" if n == "bad_addr" else "i32")
+                 for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n in ptrs or n in _DIVISIBLE}
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": 4, "enable_fp_fusion": False})
 
 
 def cubin_stats(kernel) -> dict:
@@ -96,16 +121,30 @@ def _elements_per_thread(side, group, head_dim, cfg) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all-configs", action="store_true", help="every candidate config, int4, D=128")
-    ap.add_argument("--quick", action="store_true", help="one compile per kernel")
+    ap.add_argument("--quick", action="store_true", help="one compile per kernel, and the paged forms")
+    ap.add_argument("--paged", action="store_true", help="each kernel contiguous and in pages of 16 and 1 (int4)")
+    ap.add_argument("--sweep-v", action="store_true", help="every V-quantize candidate of the wide sweep")
     args = ap.parse_args()
     cases = []
     if args.all_configs:
         for (side, op), group in itertools.product(KERNELS, (32, 128)):
             for cfg in configs.candidates(side, op, group, 128):
                 cases.append((side, op, 4, group, 128, "fp16", "fp16", False, cfg))
+    elif args.sweep_v:
+        for group in (32, 128):
+            for cfg in configs.v_quantize_candidates(group, 128):
+                cases.append(("v", "quantize", 4, group, 128, "fp16", "fp16", False, cfg, True))
+    elif args.paged:
+        # the contiguous and the paged form of each kernel side by side (int4, D=128):
+        # registers and instructions per element, what reading through pages costs
+        for (side, op), page in itertools.product(KERNELS, (0, 16, 1)):
+            cases.append((side, op, 4, 32, 128, "fp16", "fp16", False, None, True, page))
     elif args.quick:
         cases = [(side, op, 4, 32, 80, "bf16", "fp16", True, None) for side, op in KERNELS]
         cases += [(side, "quantize", 4, 32, 128, "fp16", "fp16", False, None, True) for side in ("k", "v")]
+        # in an engine's pages: vLLM's page size and a token pool
+        cases += [(side, op, 4, 32, 128, "bf16", "fp16", False, None, True, page)
+                  for side, op in KERNELS for page in (16, 1)]
     else:
         dtypes, stats = ("fp16", "bf16", "fp32"), ("fp16", "fp32")
         for i, ((side, op), bits, group, d) in enumerate(
@@ -113,12 +152,14 @@ def main() -> int:
             table = op == "quantize" and i % 5 == 0
             cases.append((side, op, bits, group, d, dtypes[i % 3], stats[i // 3 % 2], bool(i % 2), None, table))
     failures = 0
-    for side, op, bits, group, d, xd, sd, masked, cfg, *table in cases:
-        table = bool(table and table[0])
-        name = f"{side} {op:10s} b{bits} G{group:<3d} D{d:<3d} {xd}/{sd} masked={int(masked)} table={int(table)}"
+    for side, op, bits, group, d, xd, sd, masked, cfg, *rest in cases:
+        table = bool(rest and rest[0])
+        page = rest[1] if len(rest) > 1 else 0
+        name = (f"{side} {op:10s} b{bits} G{group:<3d} D{d:<3d} {xd}/{sd} masked={int(masked)} table={int(table)} "
+                f"page={page}")
         try:
             kernel, cfg = compile_kernel(side, op, bits=bits, group=group, head_dim=d, x_dtype=xd,
-                                         stats_dtype=sd, masked=masked, cfg=cfg, table=table)
+                                         stats_dtype=sd, masked=masked, cfg=cfg, table=table, page=page)
         except Exception as e:  # report every failure, then fail
             failures += 1
             print(f"FAIL {name}: {str(e)[-400:]}", flush=True)
@@ -128,6 +169,17 @@ def main() -> int:
         spill = "  SPILLS" if st["stack"] else ""
         print(f"ok   {name} {cfg.kwargs} warps={cfg.num_warps} regs={st['regs']} instr/elem<={per:.1f} "
               f"bar={st['bar']} shfl={st['shfl']}{spill}", flush=True)
+    if args.quick or args.paged:
+        for to_pages, page in itertools.product((False, True), (16, 1)):
+            name = f"raw {'scatter' if to_pages else 'gather '} page={page}"
+            cases.append(name)
+            try:
+                st = cubin_stats(compile_pages_copy(to_pages=to_pages, page=page))
+            except Exception as e:
+                failures += 1
+                print(f"FAIL {name}: {str(e)[-400:]}", flush=True)
+                continue
+            print(f"ok   {name} regs={st['regs']} instr/elem<={st['sass'] / 64:.1f}", flush=True)
     print(f"{len(cases) - failures}/{len(cases)} compiled for sm_90")
     return 1 if failures else 0
 

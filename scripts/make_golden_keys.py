@@ -9,28 +9,43 @@ import sys
 from pathlib import Path
 
 from cacheseek import KIVI, KVLayout, Raw
-from cacheseek.hashing import chain_hashes, hash_token_blocks, root_hash
+from cacheseek.hashing import ExtraKeys, MMInput, Shard, chain_hashes, hash_token_blocks, root_hash
 
+LLAMA = {"namespace": "tenant-a", "model_id": "llama-3-8b", "layout": [32, 8, 128, "bfloat16"], "block_tokens": 256}
 CASES = [
     {"namespace": "", "model_id": "smollm2-135m", "layout": [30, 3, 64, "float16"], "block_tokens": 64,
      "codec": {"bits": 4, "group_size": 32}, "algo": "xxh3_128"},
-    {"namespace": "tenant-a", "model_id": "llama-3-8b", "layout": [32, 8, 128, "bfloat16"], "block_tokens": 256,
-     "codec": {"k_bits": 2, "v_bits": 4, "group_size": 128}, "algo": "xxh3_128"},
-    {"namespace": "tenant-a", "model_id": "llama-3-8b", "layout": [32, 8, 128, "bfloat16"], "block_tokens": 256,
-     "codec": None, "algo": "sha256"},
+    {**LLAMA, "codec": {"k_bits": 2, "v_bits": 4, "group_size": 128}, "algo": "xxh3_128"},
+    {**LLAMA, "codec": None, "algo": "sha256"},
+    # A tensor- and pipeline-parallel rank: per-rank layout (2 of 8 KV heads, 16 of 32 layers).
+    {**LLAMA, "layout": [16, 2, 128, "bfloat16"], "codec": {"bits": 4, "group_size": 32}, "algo": "xxh3_128",
+     "shard": [1, 4, 1, 2]},
+    # Extra keys: a LoRA adapter, two images (one spanning blocks 0 and 1, one inside block 2), a salt.
+    {"namespace": "", "model_id": "smollm2-135m", "layout": [30, 3, 64, "float16"], "block_tokens": 64,
+     "codec": {"bits": 4, "group_size": 32}, "algo": "xxh3_128", "shard": [0, 2, 0, 1],
+     "extra": {"lora_id": "sql-adapter", "cache_salt": "tenant-7",
+               "mm_inputs": [["img-9f86d081884c7d65", 40, 50], ["img-60303ae22b998861", 130, 10]]}},
+    {**LLAMA, "codec": {"bits": 8, "group_size": 64}, "algo": "sha256",
+     "extra": {"lora_id": None, "cache_salt": None, "mm_inputs": [["audio-0", 255, 2]]}},
 ]
 
 
 def compute(case: dict) -> dict:
     layout = KVLayout(*case["layout"])
     codec = Raw() if case["codec"] is None else KIVI(**case["codec"])
+    shard = Shard(*case["shard"]) if "shard" in case else Shard()
     root = root_hash(
         namespace=case["namespace"], model_id=case["model_id"], layout_fingerprint=layout.fingerprint(),
-        block_tokens=case["block_tokens"], codec_fingerprint=codec.fingerprint(), algo=case["algo"],
+        block_tokens=case["block_tokens"], codec_fingerprint=codec.fingerprint(), shard=shard, algo=case["algo"],
     )
+    extra = None
+    if "extra" in case:
+        e = case["extra"]
+        extra = ExtraKeys(lora_id=e["lora_id"], cache_salt=e["cache_salt"],
+                          mm_inputs=tuple(MMInput(h, o, n) for h, o, n in e["mm_inputs"]))
     bt = case["block_tokens"]
     tokens = [(i * 7919 + 13) % 50257 for i in range(bt * 3 + 5)]
-    token_chain = hash_token_blocks(root, tokens, bt, case["algo"])
+    token_chain = hash_token_blocks(root, tokens, bt, case["algo"], extra)
     byte_chain = chain_hashes(root, [b"frame-0", b"frame-1\x00action", b""], case["algo"])
     return {
         **case,

@@ -13,14 +13,20 @@ from hypothesis import strategies as st
 from cacheseek import KIVI, KVLayout, Raw
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.hashing import (
-    block_hash,
+    KEY_VERSION,
+    ExtraKeys,
+    MMInput,
+    Shard,
+    block_extra_keys,
     chain_hashes,
     from_hex,
+    hash_block_tokens,
     hash_token_blocks,
     root_hash,
     to_hex,
     token_block_bytes,
 )
+from cacheseek.prefix_keys import PrefixKeys, Prompt
 
 GOLDEN = Path(__file__).parent / "golden" / "keys.json"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -41,28 +47,66 @@ def test_golden_vectors_unchanged():
         assert compute(case) == case, f"key bytes changed for {case['model_id']}/{case['algo']}"
 
 
-def test_root_follows_the_documented_recipe():
-    # Rebuilt here from DESIGN's recipe with xxhash directly, not through the library.
-    def field(b: bytes) -> bytes:
-        return struct.pack("<I", len(b)) + b
+def _f(b: bytes) -> bytes:
+    return struct.pack("<I", len(b)) + b
 
+
+def test_root_follows_the_documented_recipe():
+    # Rebuilt here from docs/design.md's recipe (Keys) with xxhash directly, not through the library.
     layout, codec = KVLayout(30, 3, 64, "float16"), KIVI(bits=4, group_size=32)
-    data = (b"cacheseek/v1" + field(b"ns") + field(b"smollm2") + field(b"L=30;H=3;D=64;dtype=float16")
-            + struct.pack("<I", 64) + field(codec.fingerprint()))
+    data = (b"cacheseek/v2" + _f(b"ns") + _f(b"smollm2") + _f(b"L=30;H=3;D=64;dtype=float16")
+            + struct.pack("<I", 64) + _f(codec.fingerprint()) + struct.pack("<4I", 1, 2, 0, 1))
     expect = xxhash.xxh3_128_digest(data)
     got = root_hash(namespace="ns", model_id="smollm2", layout_fingerprint=layout.fingerprint(),
-                    block_tokens=64, codec_fingerprint=codec.fingerprint())
+                    block_tokens=64, codec_fingerprint=codec.fingerprint(), shard=Shard(tp_rank=1, tp_size=2))
     assert got == expect
     tokens = list(range(64))
-    expect_h0 = xxhash.xxh3_128_digest(expect + struct.pack("<64i", *tokens))
+    expect_h0 = xxhash.xxh3_128_digest(expect + struct.pack("<64i", *tokens) + struct.pack("<I", 0))
     assert hash_token_blocks(got, tokens, 64) == [expect_h0]
 
 
+def test_extra_keys_follow_the_documented_recipe():
+    root = _root()
+    tokens = list(range(128))
+    extra = ExtraKeys(lora_id="ad", cache_salt=b"s1", mm_inputs=(MMInput("img", 60, 10),))
+    # block 0: the adapter, the image (tokens 60..69 overlap 0..63), the salt
+    e0 = (b"L" + _f(b"ad") + b"M" + struct.pack("<I", 1) + _f(b"img") + struct.pack("<QQ", 60, 10)
+          + b"S" + _f(b"s1"))
+    # block 1: the adapter and the image (it overlaps 64..127 too); no salt
+    e1 = b"L" + _f(b"ad") + b"M" + struct.pack("<I", 1) + _f(b"img") + struct.pack("<QQ", 60, 10)
+    h0 = xxhash.xxh3_128_digest(root + struct.pack("<64i", *tokens[:64]) + e0 + struct.pack("<I", len(e0)))
+    h1 = xxhash.xxh3_128_digest(h0 + struct.pack("<64i", *tokens[64:]) + e1 + struct.pack("<I", len(e1)))
+    assert hash_token_blocks(root, tokens, 64, extra=extra) == [h0, h1]
+    assert extra.for_blocks(2, 64) == [e0, e1]
+    assert hash_block_tokens(root, struct.pack("<64i", *tokens[:64]), e0) == h0
+
+
+def test_old_key_versions_never_match():
+    # The v1 recipe (no shard, no closing length) on the same configuration: nothing equal.
+    layout, codec = KVLayout(30, 3, 64, "float16"), KIVI(bits=4, group_size=32)
+    v1_root = xxhash.xxh3_128_digest(b"cacheseek/v1" + _f(b"ns") + _f(b"m") + _f(layout.fingerprint())
+                                     + struct.pack("<I", 64) + _f(codec.fingerprint()))
+    v1_h0 = xxhash.xxh3_128_digest(v1_root + struct.pack("<64i", *range(64)))
+    root = root_hash(namespace="ns", model_id="m", layout_fingerprint=layout.fingerprint(), block_tokens=64,
+                     codec_fingerprint=codec.fingerprint())
+    assert KEY_VERSION == b"cacheseek/v2"
+    assert root != v1_root and hash_token_blocks(root, list(range(64)), 64)[0] != v1_h0
+
+
 def test_keys_equal_across_processes_and_hash_seeds():
+    # Every golden case (shards and extra keys too), through the pure functions and
+    # through PrefixKeys with a Prompt, in fresh processes under different hash seeds.
     script = (
-        "import sys; sys.path.insert(0, 'scripts');"
+        "import sys, json; sys.path.insert(0, 'scripts');"
         "from make_golden_keys import compute, CASES;"
-        "import json; print(json.dumps([compute(c)['token_chain'] for c in CASES]))"
+        "import cacheseek as cs;"
+        "from cacheseek.prefix_keys import PrefixKeys;"
+        "keys = PrefixKeys.create(namespace='t', model_id='m', layout=cs.KVLayout(2, 2, 64), codec=cs.KIVI(),"
+        " block_tokens=32, shard=cs.Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2));"
+        "p = cs.Prompt(list(range(100)), lora_id='a', cache_salt='s',"
+        " mm_inputs=[cs.MMInput('x', 40, 8), cs.MMInput(b'y', 2, 3)]);"
+        "print(json.dumps([[c['root'], c['token_chain']] for c in map(compute, CASES)]"
+        " + [[h.hex() for h in keys.block_hashes(p)]]))"
     )
     outs = set()
     for seed in ("0", "1", "12345", "random"):
@@ -71,6 +115,8 @@ def test_keys_equal_across_processes_and_hash_seeds():
                              cwd=Path(__file__).resolve().parents[1], check=True)
         outs.add(res.stdout)
     assert len(outs) == 1
+    golden = [[c["root"], c["token_chain"]] for c in json.loads(GOLDEN.read_text())]
+    assert json.loads(outs.pop())[:-1] == golden
 
 
 @pytest.mark.parametrize(
@@ -90,6 +136,8 @@ def test_keys_equal_across_processes_and_hash_seeds():
         {"codec_fingerprint": KIVI(bits=4, group_size=32, stats_dtype="float32").fingerprint()},
         {"codec_fingerprint": Raw().fingerprint()},
         {"algo": "sha256"},
+        {"shard": Shard(tp_rank=0, tp_size=2)},
+        {"shard": Shard(pp_rank=0, pp_size=2)},
     ],
 )
 def test_any_change_changes_the_root(change):
@@ -152,7 +200,10 @@ def test_token_bytes_are_little_endian_int32():
 def test_bytes_blocks_chain():
     root = _root()
     hs = chain_hashes(root, [b"a", b"b"])
-    assert hs[0] == block_hash(root, b"a") and hs[1] == block_hash(hs[0], b"b")
+    assert hs[0] == hash_block_tokens(root, b"a") and hs[1] == hash_block_tokens(hs[0], b"b")
+    # the closing length keeps content and extra keys apart: no content bytes imitate extras
+    extra = block_extra_keys(lora_id="x")
+    assert hash_block_tokens(root, b"a" + extra, b"") != hash_block_tokens(root, b"a", extra)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +216,21 @@ def test_bytes_blocks_chain():
         (lambda: _root(algo="md5"), "hash_algo"),
         (lambda: _root(block_tokens=0), "block_tokens"),
         (lambda: _root(model_id=""), "model_id"),
-        (lambda: block_hash(b"short", b"x"), "parent"),
+        (lambda: hash_block_tokens(b"short", b"x"), "parent"),
+        (lambda: Shard(tp_rank=2, tp_size=2), "tp_rank"),
+        (lambda: Shard(tp_size=0), "tp_size"),
+        (lambda: Shard(pp_rank=-1, pp_size=2), "pp_rank"),
+        (lambda: Shard(tp_rank=True, tp_size=2), "tp_rank"),
+        (lambda: _root(shard=(0, 1)), "shard"),
+        (lambda: MMInput("h", -1, 4), "MMInput.offset"),
+        (lambda: MMInput("h", 0, 0), "MMInput.length"),
+        (lambda: MMInput("", 0, 4), "MMInput.hash"),
+        (lambda: MMInput(7, 0, 4), "MMInput.hash"),
+        (lambda: ExtraKeys(lora_id=""), "lora_id"),
+        (lambda: ExtraKeys(lora_id=3), "lora_id"),
+        (lambda: ExtraKeys(cache_salt=""), "cache_salt"),
+        (lambda: ExtraKeys(mm_inputs=(("h", 0, 4),)), r"mm_inputs\[0\]"),
+        (lambda: Prompt([b"block"]), "Prompt.token_ids"),
         (lambda: from_hex("ABC"), "hash"),
         (lambda: from_hex("00" * 16, "sha256"), "hash"),
     ],
@@ -173,3 +238,87 @@ def test_bytes_blocks_chain():
 def test_bad_input_names_the_parameter(call, match):
     with pytest.raises((ConfigError, InputError), match=match):
         call()
+
+
+# -- shards and extra keys ---------------------------------------------------------------
+
+shards = st.builds(lambda tp, tpr, pp, ppr: Shard(tpr % tp, tp, ppr % pp, pp),
+                   st.integers(1, 8), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3))
+
+
+@given(a=shards, b=shards, tokens=st.lists(st.integers(0, 50000), min_size=16, max_size=64))
+def test_two_ranks_never_share_a_block(a, b, tokens):
+    ha, hb = (hash_token_blocks(_root(shard=s), tokens, 16) for s in (a, b))
+    if a == b:
+        assert ha == hb
+    else:
+        assert not set(ha) & set(hb)
+
+
+def test_every_rank_of_a_deployment_has_its_own_root():
+    roots = {_root(shard=Shard(t, 8, p, 4)) for t in range(8) for p in range(4)}
+    assert len(roots) == 32 and _root(shard=Shard()) == _root()
+
+
+tokens64 = st.lists(st.integers(0, 50000), min_size=64, max_size=64)
+names = st.text(min_size=1, max_size=8)
+
+
+@given(tokens=tokens64, lora=names, other=names)
+def test_a_lora_adapter_changes_every_block(tokens, lora, other):
+    base = hash_token_blocks(_root(), tokens, 16)
+    with_a = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(lora_id=lora))
+    assert not set(base) & set(with_a)
+    with_b = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(lora_id=other))
+    assert (with_a == with_b) == (lora == other)
+
+
+@given(tokens=tokens64, salt=st.one_of(names, st.binary(min_size=1, max_size=8)))
+def test_a_cache_salt_is_hashed_into_the_first_block_and_so_changes_the_chain(tokens, salt):
+    extra = ExtraKeys(cache_salt=salt)
+    salted = hash_token_blocks(_root(), tokens, 16, extra=extra)
+    assert not set(salted) & set(hash_token_blocks(_root(), tokens, 16))
+    assert extra.for_blocks(4, 16)[0] != b"" and extra.for_blocks(4, 16)[1:] == [b""] * 3
+
+
+mm = st.builds(MMInput, st.sampled_from(["img-a", "img-b", b"\x00raw"]), st.integers(0, 80), st.integers(1, 40))
+
+
+@given(tokens=tokens64, inputs=st.lists(mm, max_size=4), data=st.data())
+def test_an_mm_input_changes_the_blocks_from_the_first_it_overlaps(tokens, inputs, data):
+    """Blocks before an input's first placeholder block are unchanged by it; that block and
+    every later one change (the chain); the caller's order of the inputs does not matter."""
+    base = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=tuple(inputs)))
+    shuffled = data.draw(st.permutations(inputs))
+    assert hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=tuple(shuffled))) == base
+    new = data.draw(mm)
+    more = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=(*inputs, new)))
+    first = new.offset // 16
+    assert more[:first] == base[:first]
+    if new not in inputs:
+        assert all(a != b for a, b in zip(more[first:], base[first:]))
+
+
+@given(tokens=tokens64, offset=st.integers(0, 48), length=st.integers(1, 16))
+def test_the_same_image_elsewhere_or_another_image_gives_other_keys(tokens, offset, length):
+    at = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=(MMInput("img", offset, length),)))
+    moved = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=(MMInput("img", offset + 1, length),)))
+    other = hash_token_blocks(_root(), tokens, 16, extra=ExtraKeys(mm_inputs=(MMInput("img2", offset, length),)))
+    assert at[offset // 16] != moved[offset // 16] and at[offset // 16] != other[offset // 16]
+
+
+@given(tokens=st.lists(st.integers(0, 50000), max_size=120), cut=st.integers(0, 120), inputs=st.lists(mm, max_size=3),
+       lora=st.one_of(st.none(), names), salt=st.one_of(st.none(), names))
+def test_chains_with_extra_keys_are_prefix_stable(tokens, cut, inputs, lora, salt):
+    extra = ExtraKeys(lora_id=lora, mm_inputs=tuple(inputs), cache_salt=salt)
+    full = hash_token_blocks(_root(), tokens, 16, extra=extra)
+    assert hash_token_blocks(_root(), tokens[:cut], 16, extra=extra) == full[: min(cut, len(tokens)) // 16]
+
+
+def test_empty_extra_keys_are_no_extra_keys_and_prompts_hash_like_their_tokens():
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=KIVI(), block_tokens=32)
+    tokens = list(range(96))
+    assert keys.block_hashes(Prompt(tokens)) == keys.block_hashes(tokens)
+    assert hash_token_blocks(keys.root, tokens, 32, extra=ExtraKeys()) == keys.block_hashes(tokens)
+    assert keys.block_hashes(Prompt(tokens, lora_id="a")) != keys.block_hashes(tokens)
+    assert keys.num_tokens(Prompt(tokens)) == 96

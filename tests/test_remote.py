@@ -298,3 +298,99 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
             cs.RemoteCache(url, model_id="tls", layout=LAYOUT, block_tokens=BLOCK, verify=str(tmp_path / "none.pem"))
     finally:
         front.close()
+
+
+def test_tensor_parallel_ranks_and_extra_keys_share_nothing_on_one_server(srv):
+    """Two TP ranks with the same per-rank layout and model write to one server: neither
+    finds the other's blocks; nor does a prompt with another adapter, salt or image."""
+    toks = tokens_for(8, 3 * BLOCK)
+    kv0, kv1 = make_kv(3 * BLOCK, 80), make_kv(3 * BLOCK, 81)
+    rank = [_remote(srv, cs.Raw(), namespace="tp", shard=cs.Shard(tp_rank=r, tp_size=2)) for r in range(2)]
+    try:
+        assert rank[0].ingest(toks, kv0).stored == 3
+        assert rank[1].lookup(toks) == 0
+        assert rank[1].ingest(toks, kv1).stored == 3  # its own blocks, not "present"
+        for r, kv in ((0, kv0), (1, kv1)):
+            got = rank[r].materialize(toks)
+            assert all(torch.equal(k[0], k0) for (k, _), (k0, _) in zip(got.layers, kv))
+        image = cs.MMInput("sha-of-image", offset=BLOCK + 3, length=5)
+        prompt = cs.Prompt(toks, mm_inputs=[image])
+        assert rank[0].lookup(prompt) == BLOCK  # the block before the image is shared
+        assert rank[0].ingest(prompt, kv0).stored == 2
+        assert rank[0].lookup(cs.Prompt(toks, mm_inputs=[cs.MMInput("other", BLOCK + 3, 5)])) == BLOCK
+        assert rank[0].lookup(cs.Prompt(toks, lora_id="adapter")) == 0
+        assert rank[0].lookup(cs.Prompt(toks, cache_salt="tenant-7")) == 0
+        assert rank[0].lookup(prompt) == 3 * BLOCK
+    finally:
+        for cache in rank:
+            cache.close()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_paged_calls_give_the_embedded_results_through_a_server(srv, tmp_path, monkeypatch):
+    """ingest from pages, ingest_batch, materialize_into and materialize_into_batch over HTTP:
+    the results and the bytes written into the pages are the embedded cache's."""
+    from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+
+    from cacheseek.quant import backend as kivi_codec
+
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [2 * BLOCK + 3, 3 * BLOCK]
+    toks = [tokens_for(60 + r, n) for r, n in enumerate(sizes)]
+    pages, _ = engine_pages("flash", L, H, D, 24, 16, dtype)
+    tables = page_tables(sizes, 16, 24, seed=1)
+    for r, (n, ids) in enumerate(zip(sizes, tables)):
+        write_tokens(pages, make_kv(n, 60 + r), ids)
+    codec = cs.KIVI(bits=4, group_size=32)
+    got = {}
+    for name, cache in (("remote", _remote(srv, codec, namespace="paged")), ("embedded", _embedded(tmp_path, codec))):
+        with cache:
+            first = cache.ingest(toks[0], pages.at(tables[0]))
+            batch = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
+            dest, dest_tensors = engine_pages("nhd", L, H, D, 24, 16, dtype, seed=4)
+            dest_tables = page_tables(sizes, 16, 24, seed=2)
+            one = cache.materialize_into(toks[1], dest.at(dest_tables[1]), max_tokens=2 * BLOCK)
+            loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)], dest)
+            bad = make_kv(BLOCK, 5)
+            bad[1][0][0, 3, 7] = float("inf")
+            write_tokens(dest, bad, [20, 21])
+            with pytest.raises(cs.InputError, match=r"requests\[1\]: k: holds NaN or Inf"):
+                cache.ingest_batch([cs.PagedRequest(tokens_for(70, BLOCK), [22, 23]),
+                                    cs.PagedRequest(tokens_for(71, BLOCK), [20, 21])], dest)
+            nothing_sent = cache.lookup(tokens_for(70, BLOCK))
+            before = snapshot(dest_tensors)
+            with pytest.raises(cs.InputError, match=r"requests\[1\].page_ids: page 3 is also written by requests\[0\]"):
+                cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                              cs.PagedRequest(toks[1], [3, 4, 5, 6, 7, 8])], dest)
+            assert unchanged(before, dest_tensors)
+            got[name] = (first, batch, one, loaded, nothing_sent, [t.clone() for t in dest_tensors])
+    remote, embedded = got["remote"], got["embedded"]
+    assert remote[0] == embedded[0] and remote[1] == embedded[1] and remote[4] == embedded[4] == 0
+    assert [(x.num_tokens, x.num_blocks) for x in (remote[2], *remote[3])] == \
+           [(x.num_tokens, x.num_blocks) for x in (embedded[2], *embedded[3])] == [(64, 2), (64, 2), (96, 3)]
+    assert unchanged(remote[5], embedded[5])
+
+
+def test_paged_calls_fail_open_like_the_others():
+    """With ``on_unavailable="miss"`` a dead server makes the paged calls a miss and a dropped
+    write (counted), and writes no page."""
+    from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    pages, tensors = engine_pages("nhd", L, H, D, 8, 16, dtype)
+    tables = page_tables([2 * BLOCK, BLOCK], 16, 8, seed=3)
+    toks = [tokens_for(90 + r, n) for r, n in enumerate((2 * BLOCK, BLOCK))]
+    write_tokens(pages, make_kv(2 * BLOCK, 90), tables[0])
+    before = snapshot(tensors)
+    breaker = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(60))
+    with cs.RemoteCache(f"http://127.0.0.1:{_closed_port()}", model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                        block_tokens=BLOCK, timeout=5, on_unavailable="miss", breaker=breaker) as cache:
+        res = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
+        assert [(r.stored, r.failed) for r in res] == [(0, 2), (0, 1)] and "server" in res[0].errors
+        loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
+        assert [x.num_tokens for x in loaded] == [0, 0]
+        assert cache.materialize_into(toks[0], pages.at(tables[0])).num_tokens == 0
+        stats = cache.client_stats()
+    assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2
+    assert unchanged(before, tensors)

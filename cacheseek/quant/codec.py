@@ -55,6 +55,20 @@ class KVLayerCodec(Protocol):
         device has run the work queued so far)."""
         ...
 
+    def encode_pages_into(self, source: Any, first: int, n: int, block_tokens: int, out: list[Any],
+                          layers: tuple[int, int] | None = None) -> Any:
+        """Encode blocks ``[first, first + n)`` of ``source`` (``cacheseek.pages.PagedSource``:
+        blocks held in an engine's pages) into ``out`` as ``encode_layers_into`` does, reading
+        the pages in place; ``layers = (l0, l1)``: only those layers (``out`` then holds
+        ``l1 - l0``). Returns flags for ``check_finite``, one column per block when 2-D."""
+        ...
+
+    def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,
+                          layers: tuple[int, int] | None = None) -> None:
+        """Decode ``n`` blocks (the template's buffers as ``[n, L, H, ...]`` views on the
+        pages' device) straight into the pages of blocks ``[first, first + n)`` of ``source``."""
+        ...
+
     def check_finite(self, finite: Any) -> None:
         """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold."""
         ...

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError, InputError
 from ..layout import KVLayout
-from .backend import layer_tables, ops_for
+from .backend import backend_for, layer_tables, ops_for
 from .codec import canonical_fingerprint
 from .payload import AXIS_CHANNELS, AXIS_TOKENS, EncodedLayer, EncodedTensor
 
@@ -192,9 +192,70 @@ class KIVI:
                                 axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flag=ok[2:3])
         return ok
 
+    def encode_pages_into(self, source: Any, first: int, n: int, block_tokens: int, out: list[Any],
+                          layers: tuple[int, int] | None = None) -> Any:
+        """Quantize blocks ``[first, first + n)`` of ``source`` (a ``cacheseek.pages.PagedSource``:
+        blocks in an engine's pages) straight into ``out`` (the template's buffers as ``[n, L,
+        H, ...]`` views; with ``layers = (l0, l1)`` only those layers, as ``[n, l1 - l0, H,
+        ...]``), one launch for K and one for V, reading the pages in place. Returns the
+        validity flags: on the kernels, ``[4, n]`` in host memory (K in row 0, V in row 2,
+        one column per block), written by the launches; read them once the device has run
+        them. Without Triton, the pages are gathered and encoded by the reference."""
+        import torch
+
+        if backend_for(source.pages.k[0]) == "triton":
+            from cacheseek import kernels
+
+            k_pages, v_pages, where = source.kernel_pages(layers)
+            ok = torch.ones((4, n), dtype=torch.bool, pin_memory=source.device.type == "cuda")
+            kernels.quantize_pages(k_pages, where, first, n, block_tokens, bits=self.k_bits, group=self.k_group,
+                                   axis=AXIS_TOKENS, out=tuple(out[:3]), ok_flags=ok[0])
+            kernels.quantize_pages(v_pages, where, first, n, block_tokens, bits=self.v_bits, group=self.v_group,
+                                   axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flags=ok[2])
+            return ok
+        from .tensors import finite_per_block
+
+        encoded, _ = self.encode_deferred(source.gather("k", first, n, layers), source.gather("v", first, n, layers))
+        finite = []
+        for view, (_, _, buf) in zip(out, encoded.named_buffers(), strict=True):
+            view.copy_(buf)
+            if buf.is_floating_point():  # the stats: per block, as the kernels flag them
+                finite.append(finite_per_block(buf))
+        return torch.stack(finite)
+
+    def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,
+                          layers: tuple[int, int] | None = None) -> None:
+        """Decode ``n`` blocks (``buffers``: the template's buffers as ``[n, L, H, ...]`` views
+        on the pages' device, e.g. staging rows; with ``layers`` only those layers) straight
+        into the pages of blocks ``[first, first + n)`` of ``source``, one launch per side.
+        Without Triton: decoded by the reference, then scattered (the same bytes)."""
+        kq, ks, km, vq, vs, vm = buffers
+        if backend_for(source.pages.k[0]) == "triton":
+            from cacheseek import kernels
+
+            k_pages, v_pages, where = source.kernel_pages(layers)
+            kernels.dequantize_pages(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS,
+                                     pages=k_pages, where=where, first=first, n=n, block=source.block_tokens)
+            kernels.dequantize_pages(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                                     pages=v_pages, where=where, first=first, n=n, block=source.block_tokens)
+            return
+        from . import kivi_reference as ref
+
+        pages = source.pages
+        shape = (n, kq.shape[1], pages.num_kv_heads, source.block_tokens, pages.head_dim)
+        k = ref.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, shape=shape,
+                           dtype=pages.dtype)
+        v = ref.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, shape=shape,
+                           dtype=pages.dtype)
+        source.scatter("k", k, first, n, layers)
+        source.scatter("v", v, first, n, layers)
+
     def check_finite(self, finite: Any) -> None:
-        """Raise ``InputError`` unless every flag from :meth:`encode_deferred` holds."""
+        """Raise ``InputError`` unless every flag from :meth:`encode_deferred` (or a paged
+        encode's ``[4, n]``) holds."""
         flags = finite.tolist()
+        if finite.dim() > 1:
+            flags = [all(row) for row in flags]
         if not all(flags):
             bad = "k" if not all(flags[:2]) else "v"
             raise InputError(

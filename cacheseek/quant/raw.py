@@ -81,8 +81,53 @@ class Raw:
         kernels.gather_layers(v_table, t0, n, block_tokens, out=out[1], ok_flag=ok[1:2])
         return ok
 
+    def encode_pages_into(self, source: Any, first: int, n: int, block_tokens: int, out: list[Any],
+                          layers: tuple[int, int] | None = None) -> Any:
+        """Copy blocks ``[first, first + n)`` of ``source`` (blocks in an engine's pages) into
+        ``out`` ([n, L, H, B, D] views of K and V), one gather launch each, checking for NaN
+        and Inf: flags ``[2, n]`` in host memory, written by the launches (see
+        ``KIVI.encode_pages_into``). Without Triton, a torch gather."""
+        import torch
+
+        from .backend import backend_for
+
+        if backend_for(source.pages.k[0]) == "triton":
+            from cacheseek import kernels
+
+            k_pages, v_pages, where = source.kernel_pages(layers)
+            ok = torch.ones((2, n), dtype=torch.bool, pin_memory=source.device.type == "cuda")
+            kernels.gather_pages(k_pages, where, first, n, block_tokens, out=out[0], ok_flags=ok[0])
+            kernels.gather_pages(v_pages, where, first, n, block_tokens, out=out[1], ok_flags=ok[1])
+            return ok
+        from .tensors import finite_per_block
+
+        finite = []
+        for view, side in zip(out, "kv"):
+            rows = source.gather(side, first, n, layers)
+            finite.append(finite_per_block(rows))  # per block, as the kernels flag them
+            view.copy_(rows)
+        return torch.stack(finite)
+
+    def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,
+                          layers: tuple[int, int] | None = None) -> None:
+        """Copy ``n`` blocks (``buffers``: K and V as [n, L, H, B, D] views on the pages'
+        device) into the pages of blocks ``[first, first + n)`` of ``source``."""
+        from .backend import backend_for
+
+        if backend_for(source.pages.k[0]) == "triton":
+            from cacheseek import kernels
+
+            k_pages, v_pages, where = source.kernel_pages(layers)
+            kernels.scatter_pages(buffers[0], k_pages, where, first, n, source.block_tokens)
+            kernels.scatter_pages(buffers[1], v_pages, where, first, n, source.block_tokens)
+            return
+        source.scatter("k", buffers[0], first, n, layers)
+        source.scatter("v", buffers[1], first, n, layers)
+
     def check_finite(self, finite: Any) -> None:
         flags = finite.tolist()
+        if finite.dim() > 1:
+            flags = [all(row) for row in flags]
         if not all(flags):
             raise InputError(f"{'k' if not flags[0] else 'v'}: holds NaN or Inf; input rejected")
 

@@ -121,6 +121,16 @@ _EXPONENT_MASKS = {
 }
 
 
+def finite_per_block(t: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bools for ``t`` of shape ``[n, ...]`` (any strides): no NaN and no Inf in block
+    ``i`` (the exponent-bit test of :func:`all_finite` on the CPU)."""
+    dims = tuple(range(1, t.dim()))
+    if t.device.type != "cpu" or t.dtype not in _EXPONENT_MASKS or not t.numel():
+        return torch.isfinite(t).flatten(1).all(1) if t.numel() else torch.ones(t.shape[0], dtype=torch.bool)
+    int_dtype, mask = _EXPONENT_MASKS[t.dtype]
+    return t.view(int_dtype).bitwise_and(mask).amax(dim=dims) < mask
+
+
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor: no NaN and no Inf in ``t`` (no host sync until it is read).
 

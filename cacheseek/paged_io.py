@@ -1,0 +1,242 @@
+"""KV in an engine's pages <-> block frames: the paged data path shared by ``PrefixCache``
+and ``RemoteCache`` (``ingest`` of a ``PagedKV``, ``ingest_batch``, ``materialize_into``,
+``materialize_into_batch``).
+
+A call is planned whole before anything runs: every request's keys hashed, its page table
+checked (ids inside the pages, none twice; for a write, no page shared by two requests),
+and the blocks of every request numbered into one list, the call's rows (request r's
+block b). One ``PagedSource`` maps each row to its pages, so the kernels take any rows of
+any requests in one launch: encoding reads the pages in place (no contiguous copy of the
+KV first), and decoding writes them in place (no contiguous KV in between). Launches are
+cut by the data path's own batching (runs of new blocks, chunks of landed frames), never
+by request; a launch holds blocks of one codec, as a codec mixed by block position needs.
+
+Bad input raises ``InputError`` naming the request and the parameter, before anything is
+encoded, stored or written; NaN or Inf found by the encode is traced to its request, and
+what the call had stored is deleted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import batching
+from .block_format import BlockFormat
+from .decode import BatchDecoder
+from .errors import InputError
+from .hashing import BlockHash
+from .layout import KVLayout
+from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
+from .prefix_keys import PrefixKeys
+from .quant.codec import KVLayerCodec
+from .staging import payload_views, staging_stride
+from .store.tier import BlockFrame
+
+
+@dataclass(slots=True)
+class PagedCall:
+    """One paged call, planned: per request its name (for errors), keys, page table and
+    hashes; the rows (request, block) of the call and their ``PagedSource``."""
+
+    pages: KVPages
+    names: list[str]
+    tables: list[torch.Tensor]
+    hashes: list[list[BlockHash]]
+    parents: list[list[bytes]]
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    source: PagedSource | None = None
+    sizes: list[int] = field(default_factory=list)  # full blocks each request's keys name
+    block_tokens: int = 0
+
+    def flat(self) -> tuple[list[BlockHash], list[bytes], list[int]]:
+        """Every request's hashes, parents and block positions, end to end (row order)."""
+        hashes, parents, positions = [], [], []
+        for h, p in zip(self.hashes, self.parents):
+            hashes += h
+            parents += p
+            positions += range(len(h))
+        return hashes, parents, positions
+
+    def request_of(self, row: int) -> int:
+        return self.rows[row][0]
+
+    def use_rows(self, rows: list[tuple[int, int]]) -> None:
+        """Make ``rows`` ((request, block) each) the call's rows, with their source."""
+        self.rows = rows
+        self.source = PagedSource(self.pages, self.tables, rows, self.block_tokens)
+
+
+def _name(index: int | None) -> str:
+    return "kv" if index is None else f"requests[{index}]"
+
+
+def as_requests(requests: Any) -> list[PagedRequest]:
+    if not isinstance(requests, (list, tuple)) or not requests:
+        raise InputError("requests: expected a non-empty list of cacheseek.PagedRequest")
+    for i, r in enumerate(requests):
+        if not isinstance(r, PagedRequest):
+            raise InputError(f"requests[{i}]: expected a cacheseek.PagedRequest, got {type(r).__name__}")
+    return list(requests)
+
+
+def check_pages(pages: Any, layout: KVLayout) -> KVPages:
+    if not isinstance(pages, KVPages):
+        raise InputError(f"pages: expected a cacheseek.KVPages, got {type(pages).__name__}")
+    pages.check(layout)
+    return pages
+
+
+def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[tuple[Any, Any, int | None]],
+         *, single: bool) -> PagedCall:
+    """Check every request (``(keys, page_ids, max_tokens)``): its keys name tokens, its
+    page table is one of ``pages``' (ids inside, none twice). Hashing is ``hash_requests``."""
+    check_pages(pages, layout)
+    call = PagedCall(pages, [], [], [], [], block_tokens=keys.block_tokens)
+    for i, (request_keys, page_ids, _) in enumerate(requests):
+        name = _name(None if single else i)
+        try:
+            tokens = keys.num_tokens(request_keys)
+        except InputError as exc:
+            raise InputError(f"{name}: {exc}") from None
+        call.names.append(name)
+        call.tables.append(page_table(page_ids, pages, f"{name}.page_ids" if not single else "page_ids"))
+        call.sizes.append(tokens // keys.block_tokens)
+    return call
+
+
+def hash_requests(call: PagedCall, keys: PrefixKeys, requests: Sequence[tuple[Any, Any, int | None]]) -> None:
+    for name, (request_keys, _, _) in zip(call.names, requests):
+        try:
+            hashes = keys.block_hashes(request_keys)
+        except InputError as exc:
+            raise InputError(f"{name}: {exc}") from None
+        call.hashes.append(hashes)
+        call.parents.append(keys.parents(hashes) if hashes else [])
+
+
+def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[tuple[Any, Any, int | None]],
+                *, single: bool) -> PagedCall:
+    """Plan an ingest: every full block of every request is read from its pages, so each
+    page table must cover them. ``hash_requests`` hashes; ``use_rows`` picks the blocks to
+    encode (possibly before the hashing, so that a chain's tail can be launched first)."""
+    call = plan(keys, layout, pages, requests, single=single)
+    B, P = keys.block_tokens, pages.page_size
+    for name, table, n in zip(call.names, call.tables, call.sizes):
+        if table.numel() * P < n * B:
+            raise InputError(f"{name}.page_ids: {table.numel()} pages of {P} tokens hold {table.numel() * P} tokens, "
+                             f"but its keys name {n} full blocks ({n * B} tokens)")
+    return call
+
+
+def plan_load(call: PagedCall, counts: Sequence[int], block_tokens: int) -> None:
+    """Rows for loading ``counts[r]`` blocks of each request into its pages: refuses a page
+    that two requests would write (``InputError`` naming both), then maps the rows."""
+    P = call.pages.page_size
+    written = [table[: -(-n * block_tokens // P)] for table, n in zip(call.tables, counts)]
+    every = torch.cat(written) if written else torch.zeros(0, dtype=torch.int32)
+    if every.numel() and torch.unique(every).numel() != every.numel():
+        owner: dict[int, int] = {}
+        for r, ids in enumerate(written):
+            for page in ids.tolist():
+                if page in owner:
+                    raise InputError(f"{call.names[r]}.page_ids: page {page} is also written by "
+                                     f"{call.names[owner[page]]} in this call")
+                owner[page] = r
+    call.use_rows([(r, b) for r, n in enumerate(counts) for b in range(n)])
+
+
+def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]], block_tokens: int) -> list[int]:
+    """Blocks each request may load: its full blocks, as far as its page table holds them
+    and its ``max_tokens`` allows."""
+    P = call.pages.page_size
+    out = []
+    for (_, _, max_tokens), table, hashes in zip(requests, call.tables, call.hashes):
+        n = min(len(hashes), table.numel() * P // block_tokens)
+        if max_tokens is not None:
+            n = min(n, max(0, max_tokens) // block_tokens)
+        out.append(n)
+    return out
+
+
+def raise_bad_input(call: PagedCall, exc: InputError) -> None:
+    """Re-raise ``exc`` (NaN or Inf found by a paged encode) naming its request and block."""
+    bad = call.source.bad_blocks() if call.source is not None else []
+    if not bad:
+        raise exc
+    r, b = call.rows[bad[0]]
+    raise InputError(f"{call.names[r]}: {exc} (block {b}; nothing of this call is stored)") from None
+
+
+def encode_frames(fmt: BlockFormat, source: PagedSource, start: int, stop: int, hashes: Sequence[bytes],
+                  parents: Sequence[bytes], positions: Sequence[int]) -> tuple[list[BlockFrame], Any]:
+    """Frames of rows ``[start, stop)`` of ``source``, their payloads in one device staging
+    buffer at a fixed stride, encoded straight from the pages in one launch per side; and
+    the codec's flags (not yet waited for), to check before the frames are used."""
+    n = stop - start
+    metas = fmt.plan_run(start, hashes[start : start + 1], parents[start : start + 1], positions[start : start + 1])
+    payload = metas[0].payload_nbytes
+    stride = staging_stride(payload)
+    buf = torch.empty((n, stride), dtype=torch.uint8, device=source.device)
+    flags = source.encode(fmt.codec, start, n, payload_views(buf, metas[0].tensors, n, stride))
+    # The host plans the frames while the device encodes.
+    metas += fmt.plan_run(start + 1, hashes[start + 1 : stop], parents[start + 1 : stop], positions[start + 1 : stop])
+    return [BlockFrame(meta, device_payload=buf[i, :payload], sealed=False) for i, meta in enumerate(metas)], flags
+
+
+def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], parents: Sequence[bytes],
+                    positions: Sequence[int], missing: Sequence[bool], batch_blocks: int, *, tail_first: bool = False):
+    """(first row, frames) of the rows ``missing`` marks, a run of at most ``batch_blocks``
+    at a time, each checked for NaN and Inf (``InputError`` naming the request) before it is
+    yielded. ``hashes``, ``parents``, ``positions``: those of the call's rows."""
+    runs = list(batching.runs(missing, batch_blocks))
+    if tail_first:
+        runs.reverse()
+    for start, stop in runs:
+        frames, flags = encode_frames(fmt, call.source, start, stop, hashes, parents, positions)
+        if call.source.device.type == "cuda":
+            torch.cuda.current_stream(call.source.device).synchronize()  # flags are written in host memory
+        try:
+            fmt.codec.check_finite(flags)
+        except InputError as exc:
+            raise_bad_input(call, exc)
+        yield start, frames
+
+
+class PageSink:
+    """Where a ``BatchDecoder`` decodes into pages: decoder row ``j`` is the call's row
+    ``rows[j]``; a chunk of consecutive rows is one ``decode_into_pages`` (a chunk splits
+    only where a request's prefix ended early, a block found gone since the lookup)."""
+
+    def __init__(self, codec: KVLayerCodec, source: PagedSource) -> None:
+        self.codec, self.source = codec, source
+        self.rows: list[int] = []  # the call's row of each block added to the decoder
+
+    def __call__(self, j0: int, j1: int, buffers: list[torch.Tensor]) -> None:
+        j = j0
+        while j < j1:
+            k = j + 1
+            while k < j1 and self.rows[k] == self.rows[k - 1] + 1:
+                k += 1
+            self.codec.decode_into_pages([b[j - j0 : k - j0] for b in buffers], self.source, self.rows[j], k - j)
+            j = k
+
+
+def decoder(fmt: BlockFormat, call: PagedCall) -> tuple[BatchDecoder, PageSink]:
+    sink = PageSink(fmt.codec, call.source)
+    return BatchDecoder(fmt, max(1, len(call.rows)), call.pages.device, sink=sink), sink
+
+
+def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | None = None):
+    """``(keys, page_ids, max_tokens)`` per request, from a ``PagedKV`` (one request) or a
+    list of ``PagedRequest``."""
+    if isinstance(kv_or_requests, PagedKV):
+        return [(single_keys, kv_or_requests.page_ids, max_tokens)]
+    return [(r.keys, r.page_ids, r.max_tokens) for r in as_requests(kv_or_requests)]
+
+
+__all__ = ["PageSink", "PagedCall", "decoder", "encode_frames", "encoded_batches", "hash_requests", "plan",
+           "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]

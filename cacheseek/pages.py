@@ -1,0 +1,301 @@
+"""An engine's paged KV cache, as the cache reads it (ingest) and writes it (materialize_into)
+in place, and the requests whose KV lives in it.
+
+Engines keep KV in pages of ``page_size`` tokens, and each request has a page table: the
+ids of the pages holding its tokens, in order (token ``t`` is in page ``ids[t // page_size]``,
+slot ``t % page_size``). ``KVPages`` takes the layouts engines use:
+
+    vLLM (flash attention)   per layer [2, num_pages, page_size, H, D]   KVPages.vllm(kv_caches)
+    FlashInfer               per layer [num_pages, 2, page_size, H, D]   KVPages.flashinfer(kv, "NHD")
+                             per layer [num_pages, 2, H, page_size, D]   KVPages.flashinfer(kv, "HND")
+    K and V apart            per layer [num_pages, page_size, H, D]      KVPages(k, v, layout="NHD")
+                             per layer [num_pages, H, page_size, D]      KVPages(k, v, layout="HND")
+    SGLang token pool        per layer [slots, H, D] (pages of 1 token)  KVPages.token_pool(k, v)
+
+and holds every layer's K and V as ``[num_pages, page_size, H, D]`` views (any strides):
+no copy is made, the kernels address the engine's own memory. A store block of ``B``
+tokens may span many pages (page size 16 and blocks of 256), lie inside one, or be ``B``
+single-token slots.
+
+``PagedSource`` is one call's blocks in those pages (which request, which block, where its
+tokens are), checked, with what the codecs need to encode and decode them in place: the
+kernels' tables (``cacheseek.kernels.paged``) or, without Triton, a torch gather and
+scatter that give the same bytes.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import InputError
+from .layout import KVLayout
+
+PAGE_LAYOUTS = ("NHD", "HND")
+
+
+def _as_pages(t: Any, layout: str, where: str) -> torch.Tensor:
+    """One layer's K or V as a [num_pages, page_size, H, D] view."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{where}: expected a tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise InputError(f"{where}: expected [num_pages, page_size, H, D] ({layout}) pages, got shape {list(t.shape)}")
+    return t if layout == "NHD" else t.transpose(1, 2)
+
+
+class KVPages:
+    """Every layer's K and V pages of an engine's KV cache, held as ``[num_pages, page_size,
+    H, D]`` views of the engine's own tensors. Build it once (the engine's cache lives on)
+    and hand out ``at(page_ids)`` per request."""
+
+    __slots__ = ("_kernel_pages", "device", "dtype", "head_dim", "k", "num_kv_heads", "num_layers", "num_pages",
+                 "page_size", "v")
+
+    def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *, layout: str = "NHD") -> None:
+        if layout not in PAGE_LAYOUTS:
+            raise InputError(f"layout: expected one of {list(PAGE_LAYOUTS)}, got {layout!r}")
+        if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)) or len(k) != len(v) or not k:
+            raise InputError("pages: expected K and V as two equally long, non-empty sequences of per-layer tensors")
+        self.k = [_as_pages(t, layout, f"pages layer {i} K") for i, t in enumerate(k)]
+        self.v = [_as_pages(t, layout, f"pages layer {i} V") for i, t in enumerate(v)]
+        first = self.k[0]
+        shape, dtype, device = tuple(first.shape), first.dtype, first.device
+        for name, views in (("K", self.k), ("V", self.v)):
+            for i, t in enumerate(views):
+                if tuple(t.shape) != shape:
+                    raise InputError(f"pages layer {i} {name}: shape {list(t.shape)}, layer 0 K has {list(shape)}")
+                if t.dtype != dtype:
+                    raise InputError(f"pages layer {i} {name}: dtype {t.dtype}, layer 0 K has {dtype}")
+                if t.device != device:
+                    raise InputError(f"pages layer {i} {name}: on {t.device}, layer 0 K is on {device}")
+                if t.stride(3) != 1 and t.shape[3] != 1:
+                    raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, strides {t.stride()}")
+            if len({t.stride() for t in views}) != 1:
+                raise InputError(f"pages {name}: every layer must have the same strides")
+        self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = shape
+        self.num_layers, self.dtype, self.device = len(self.k), dtype, device
+        self._kernel_pages: dict[tuple[int, int], Any] = {}
+
+    @classmethod
+    def vllm(cls, kv_caches: Sequence[torch.Tensor]) -> KVPages:
+        """vLLM's flash-attention layout: per layer one ``[2, num_pages, page_size, H, D]``
+        tensor, K at index 0 and V at 1."""
+        for i, t in enumerate(kv_caches):
+            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != 2:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"pages layer {i}: expected vLLM's [2, num_pages, page_size, H, D], got {got}")
+        return cls([t[0] for t in kv_caches], [t[1] for t in kv_caches])
+
+    @classmethod
+    def flashinfer(cls, kv_caches: Sequence[torch.Tensor], layout: str = "NHD") -> KVPages:
+        """FlashInfer's paged layout, K and V in one tensor per layer: ``[num_pages, 2,
+        page_size, H, D]`` (NHD) or ``[num_pages, 2, H, page_size, D]`` (HND)."""
+        for i, t in enumerate(kv_caches):
+            if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[1] != 2:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"pages layer {i}: expected FlashInfer's [num_pages, 2, ...] ({layout}), got {got}")
+        return cls([t[:, 0] for t in kv_caches], [t[:, 1] for t in kv_caches], layout=layout)
+
+    @classmethod
+    def token_pool(cls, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> KVPages:
+        """A token pool (SGLang's ``MHATokenToKVPool``): per layer ``[slots, H, D]``, a page
+        table of slot indices (pages of one token)."""
+        for name, side in (("K", k), ("V", v)):
+            for i, t in enumerate(side):
+                if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                    got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise InputError(f"pages layer {i} {name}: expected a [slots, H, D] token pool, got {got}")
+        return cls([t.unsqueeze(1) for t in k], [t.unsqueeze(1) for t in v])
+
+    def at(self, page_ids: Any) -> PagedKV:
+        """The KV of one request: the tokens held by ``page_ids`` (its page table, in order)."""
+        return PagedKV(self, page_ids)
+
+    def check(self, layout: KVLayout) -> None:
+        """The pages fit a cache of ``layout``; raises ``InputError`` naming what does not."""
+        if self.num_layers != layout.num_layers:
+            raise InputError(f"pages: {self.num_layers} layers, the cache's layout has {layout.num_layers}")
+        if (self.num_kv_heads, self.head_dim) != (layout.num_kv_heads, layout.head_dim):
+            raise InputError(f"pages: {self.num_kv_heads} KV heads of dim {self.head_dim}, the cache's layout has "
+                             f"{layout.num_kv_heads} of dim {layout.head_dim}")
+        if self.dtype != layout.torch_dtype:
+            raise InputError(f"pages: dtype {self.dtype}, the cache's layout says {layout.dtype}")
+
+    def kernel_pages(self, layers: tuple[int, int] | None = None):
+        """(K, V) as ``cacheseek.kernels.PagedLayers`` (made once: their layer tables are
+        uploaded once), or layers ``[l0, l1)`` of them."""
+        key = (0, self.num_layers)
+        pair = self._kernel_pages.get(key)
+        if pair is None:
+            from . import kernels
+
+            pair = self._kernel_pages[key] = (kernels.PagedLayers(self.k), kernels.PagedLayers(self.v))
+        if layers is None or tuple(layers) == key:
+            return pair
+        return pair[0].select(*layers), pair[1].select(*layers)
+
+    def __repr__(self) -> str:
+        return (f"KVPages({self.num_layers} layers, {self.num_pages} pages of {self.page_size} tokens, "
+                f"H={self.num_kv_heads}, D={self.head_dim}, {self.dtype}, {self.device})")
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKV:
+    """One request's KV in an engine's pages: ``pages.at(page_ids)``. Accepted as ``kv`` by
+    ``ingest``, and as the destination of ``materialize_into``."""
+
+    pages: KVPages
+    page_ids: Any
+
+
+@dataclass(frozen=True, slots=True)
+class PagedRequest:
+    """One request of a batch: its keys (token ids, a ``Prompt``, or bytes per block), its
+    page table, and (``materialize_into_batch``) at most how many tokens to load."""
+
+    keys: Any
+    page_ids: Any
+    max_tokens: int | None = None
+
+
+def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:
+    """``page_ids`` (a sequence of ints, or a 1-D integer tensor on any device) as an int32
+    host tensor, checked: every id a page of ``pages``, none twice."""
+    if isinstance(page_ids, torch.Tensor):
+        if page_ids.dim() != 1 or page_ids.dtype.is_floating_point or page_ids.dtype == torch.bool:
+            raise InputError(f"{where}: expected a 1-D integer tensor, got {page_ids.dtype} {list(page_ids.shape)}")
+        ids = page_ids.to("cpu", torch.int64)
+    elif isinstance(page_ids, (list, tuple)):
+        # array() takes ints only (a float or a nested list is a TypeError), ~8x faster
+        # than torch.tensor() on a list (the page tables of a 16K prompt: 1K-16K ids).
+        try:
+            ids = torch.frombuffer(array.array("q", page_ids), dtype=torch.int64) if page_ids else \
+                torch.zeros(0, dtype=torch.int64)
+        except (TypeError, OverflowError) as exc:
+            raise InputError(f"{where}: expected a flat sequence of int page ids ({exc})") from None
+    else:
+        raise InputError(f"{where}: expected a list of page ids or a 1-D tensor, got {type(page_ids).__name__}")
+    if ids.numel():
+        lo, hi = (int(x) for x in torch.aminmax(ids))
+        if lo < 0 or hi >= pages.num_pages:
+            j = int(((ids < 0) | (ids >= pages.num_pages)).nonzero()[0])
+            raise InputError(f"{where}[{j}]: page {int(ids[j])} is outside the {pages.num_pages} pages")
+        if torch.unique(ids).numel() != ids.numel():
+            sorted_ids, _ = ids.sort()
+            dup = int(sorted_ids[1:][sorted_ids[1:] == sorted_ids[:-1]][0])
+            raise InputError(f"{where}: page {dup} appears twice")
+    return ids.to(torch.int32)
+
+
+class PagedSource:
+    """The blocks of one call, in pages: block ``i`` of the call (a launch row) is block
+    ``blocks[i]`` of request ``requests[i]``. Checked and planned on the host once; what
+    the kernels need goes to the device in one upload, the first time they need it."""
+
+    __slots__ = ("_where", "block_tokens", "device", "launched", "owner", "page_ids", "pages", "rows")
+
+    def __init__(self, pages: KVPages, tables: Sequence[torch.Tensor], rows: Sequence[tuple[int, int]],
+                 block_tokens: int) -> None:
+        """``tables``: each request's checked page table (``page_table``); ``rows``: the
+        call's blocks as (request, block index), each covered by its request's table."""
+        self.pages, self.block_tokens, self.device = pages, block_tokens, pages.device
+        P = pages.page_size
+        starts, total = [], 0
+        for table in tables:
+            starts.append(total)
+            total += table.numel()
+        self.page_ids = torch.cat(list(tables)) if len(tables) != 1 else tables[0]
+        self.owner = [r for r, _ in rows]
+        flat = array.array("i")
+        for r, b in rows:  # (a plain loop: torch ops on a few dozen numbers cost more)
+            tok = b * block_tokens
+            flat.append(starts[r] + tok // P)
+            flat.append(tok % P)
+        self.rows = torch.frombuffer(flat, dtype=torch.int32).view(-1, 2) if rows else \
+            torch.zeros((0, 2), dtype=torch.int32)
+        self._where = None
+        self.launched: list[tuple[int, int, torch.Tensor]] = []  # (first, n, flags) of each encode
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def kernel_pages(self, layers: tuple[int, int] | None = None):
+        """(K ``PagedLayers``, V ``PagedLayers``, ``BlockPages``) for the Triton kernels."""
+        if self._where is None:
+            from . import kernels
+
+            self._where = kernels.BlockPages.build(self.page_ids, self.rows, page_size=self.pages.page_size,
+                                                   num_pages=self.pages.num_pages, block_tokens=self.block_tokens,
+                                                   device=self.device, checked=True)
+        k, v = self.pages.kernel_pages(layers)
+        return k, v, self._where
+
+    def encode(self, codec: Any, first: int, n: int, out: list[torch.Tensor]) -> torch.Tensor:
+        """``codec.encode_pages_into`` of blocks ``[first, first + n)`` into ``out``; the flags
+        are kept, so that a bad input can be traced to its request (:meth:`bad_blocks`)."""
+        flags = codec.encode_pages_into(self, first, n, self.block_tokens, out)
+        self.launched.append((first, n, flags))
+        return flags
+
+    def bad_blocks(self) -> list[int]:
+        """Rows whose flags say NaN or Inf, among the encodes whose work is done (call it
+        after a codec's ``check_finite`` has failed: the device has run them)."""
+        bad = []
+        for first, n, flags in self.launched:
+            ok = flags.reshape(flags.shape[0], -1).all(0).tolist() if flags.dim() > 1 else [bool(flags.all())] * n
+            bad += [first + j for j, good in enumerate(ok) if not good]
+        return bad
+
+    # -- the torch path (no Triton): the same bytes, through index copies ---------------------
+
+    def _token_index(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        P, B = self.pages.page_size, self.block_tokens
+        rows = self.rows[first : first + n].long()
+        g = rows[:, 1:2] + torch.arange(B)  # [n, B]
+        page = self.page_ids.long()[rows[:, 0:1] + g // P]
+        return page.reshape(-1).to(self.device), (g % P).reshape(-1).to(self.device)
+
+    def _views(self, side: str, layers: tuple[int, int] | None) -> list[torch.Tensor]:
+        views = self.pages.k if side == "k" else self.pages.v
+        return views if layers is None else views[layers[0] : layers[1]]
+
+    def gather(self, side: str, first: int, n: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Blocks ``[first, first + n)`` of ``side`` ("k"/"v") as a new ``[n, L, H, B, D]`` tensor."""
+        page, slot = self._token_index(first, n)
+        B = self.block_tokens
+        per_layer = [_tokens(view, page, slot) for view in self._views(side, layers)]  # each [n*B, H, D]
+        x = torch.stack(per_layer)  # [L, n*B, H, D]
+        L, _, H, D = x.shape
+        return x.view(L, n, B, H, D).permute(1, 0, 3, 2, 4)
+
+    def scatter(self, side: str, rows: torch.Tensor, first: int, n: int,
+                layers: tuple[int, int] | None = None) -> None:
+        """Write ``rows`` (``[n, L, H, B, D]``) into the pages of blocks ``[first, first + n)``."""
+        page, slot = self._token_index(first, n)
+        for layer, view in enumerate(self._views(side, layers)):
+            x = rows[:, layer]  # [n, H, B, D]
+            x = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+            if _mergeable(view):
+                view.flatten(0, 1).index_copy_(0, page * view.shape[1] + slot, x)
+            else:
+                view[page, slot] = x
+
+
+def _mergeable(view: torch.Tensor) -> bool:
+    return view.stride(0) == view.shape[1] * view.stride(1)
+
+
+def _tokens(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """Tokens (page, slot) of a ``[pages, page_size, H, D]`` view as ``[tokens, H, D]``:
+    ``index_select`` over pages and slots merged where it can (advanced indexing is far
+    slower on a CPU)."""
+    if _mergeable(view):
+        return view.flatten(0, 1).index_select(0, page * view.shape[1] + slot)
+    return view[page, slot]
+
+
+__all__ = ["KVPages", "PagedKV", "PagedRequest", "PagedSource", "page_table"]

@@ -1,0 +1,369 @@
+"""Paged KV through the cache: ``ingest`` from an engine's pages, ``materialize_into`` pages,
+their batched forms, and bad input. Each stores exactly the bytes the contiguous path
+stores and writes exactly what it decodes, in every engine layout, on the Triton kernels
+(interpreted on a CPU) and on the torch fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek import kernels
+from cacheseek.quant.tensors import host_view
+from cacheseek.quant import backend as kivi_codec
+from paged_helpers import (
+    DEVICE,
+    engine_pages,
+    engine_tensors,
+    kv_pages,
+    page_tables,
+    read_tokens,
+    snapshot,
+    unchanged,
+    write_tokens,
+)
+import store_helpers
+from store_helpers import BLOCK, tokens_for
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LAYOUT = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")  # small: the interpreter is slow
+L, H, D, DTYPE = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+
+
+def make_cache(*args, **kw):
+    return store_helpers.make_cache(*args, layout=LAYOUT, **kw)
+
+
+def make_kv(tokens: int, seed: int):
+    """Contiguous KV on the pages' device: the contiguous path runs where the paged one does."""
+    return store_helpers.make_kv(tokens, seed, LAYOUT, device=DEVICE)
+
+
+INT4 = cs.KIVI(bits=4, group_size=32)
+
+
+@pytest.fixture(params=["triton", "torch"])
+def backend(request, monkeypatch):
+    """The kernels (interpreted on a CPU) or the torch fallback: the same bytes."""
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, request.param)
+    return request.param
+
+
+def stored_bytes(cache, keys) -> list[bytes]:
+    hashes = cache.block_hashes(keys)
+    out = []
+    for got in cache.store.get_many(hashes):
+        assert got is not None
+        frame, _ = got
+        payload = frame.payload_view() if frame.host is not None else host_view(frame.device_payload.cpu())
+        out.append(bytes(payload))
+    return out
+
+
+def expected_after_load(kind: str, before: list[torch.Tensor], layers, ids: list[int]) -> list[torch.Tensor]:
+    """The engine's tensors as they must be after loading ``layers`` ([H, T, D] each) into
+    the pages ``ids``: ``before`` with exactly those tokens written."""
+    want = [t.clone() for t in before]
+    write_tokens(kv_pages(kind, want), layers, ids)
+    return want
+
+
+CASES = [("flash", 16, INT4), ("nhd", 8, cs.Raw()), ("hnd", 32, cs.KIVI(k_bits=2, v_bits=8, group_size=32)),
+         ("pool", 1, INT4), ("flashinfer-hnd", 64, cs.Raw())]
+
+
+@pytest.mark.parametrize("kind, page, codec", CASES, ids=[f"{k}-p{p}-{c.name}" for k, p, c in CASES])
+def test_paged_ingest_and_load_equal_the_contiguous_path(kind, page, codec, backend):
+    T = 2 * BLOCK + 5  # a partial tail: not stored
+    toks, kv = tokens_for(1, T), make_kv(T, 1)
+    num_pages = 2 * -(-T // page) + 2
+    pages, tensors = engine_pages(kind, L, H, D, num_pages, page, DTYPE)
+    ids = page_tables([T], page, num_pages, seed=3)[0]
+    write_tokens(pages, kv, ids)
+    with make_cache(codec=codec) as contiguous, make_cache(codec=codec) as paged:
+        want = contiguous.ingest(toks, kv)
+        got = paged.ingest(toks, pages.at(ids))
+        assert (got.blocks, got.stored, got.present) == (want.blocks, want.stored, want.present) == (2, 2, 0)
+        assert stored_bytes(paged, toks) == stored_bytes(contiguous, toks)
+        assert paged.ingest(toks, pages.at(ids)).present == 2
+
+        # Load into another engine's pages, at other page ids: exactly the decoded prefix.
+        dest_tensors = engine_tensors(kind, L, H, D, num_pages, page, DTYPE, seed=7)
+        dest = kv_pages(kind, dest_tensors)
+        before = snapshot(dest_tensors)
+        dest_ids = page_tables([T], page, num_pages, seed=11)[0]
+        loaded = paged.materialize_into(toks, dest.at(dest_ids))
+        assert (loaded.num_tokens, loaded.num_blocks, loaded.tiers) == (2 * BLOCK, 2, ["cpu"] * 2)
+        decoded = [(k[0], v[0]) for k, v in contiguous.materialize(toks, device=DEVICE).layers]
+        assert unchanged(expected_after_load(kind, before, decoded, dest_ids), dest_tensors)
+
+
+def test_max_tokens_and_a_short_page_table_limit_what_is_loaded(backend):
+    T, page = 3 * BLOCK, 16
+    toks, kv = tokens_for(2, T), make_kv(T, 2)
+    with make_cache(codec=INT4) as cache:
+        cache.ingest(toks, kv)
+        decoded = [(k[0], v[0]) for k, v in cache.materialize(toks, device=DEVICE).layers]
+        for max_tokens, table_tokens, blocks in ((None, T, 3), (2 * BLOCK - 1, T, 1), (None, 2 * BLOCK + 8, 2),
+                                                 (0, T, 0)):
+            pages, tensors = engine_pages("flash", L, H, D, 12, page, DTYPE, seed=5)
+            before = snapshot(tensors)
+            ids = page_tables([table_tokens], page, 12, seed=1)[0]
+            loaded = cache.materialize_into(toks, pages.at(ids), max_tokens=max_tokens)
+            assert loaded.num_blocks == blocks and loaded.num_tokens == blocks * BLOCK
+            part = [(k[:, : blocks * BLOCK], v[:, : blocks * BLOCK]) for k, v in decoded]
+            assert unchanged(expected_after_load("flash", before, part, ids), tensors)
+        # nothing stored: nothing written
+        pages, tensors = engine_pages("flash", L, H, D, 12, page, DTYPE, seed=5)
+        before = snapshot(tensors)
+        assert cache.materialize_into(tokens_for(9, T), pages.at(list(range(8)))).num_tokens == 0
+        assert unchanged(before, tensors)
+
+
+class Launches:
+    """Counts the paged kernel launches of a call."""
+
+    def __init__(self, monkeypatch):
+        self.counts = {"quantize_pages": 0, "dequantize_pages": 0, "gather_pages": 0, "scatter_pages": 0}
+        for name in self.counts:
+            real = getattr(kernels, name)
+
+            def counted(*args, _real=real, _name=name, **kw):
+                self.counts[_name] += 1
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(kernels, name, counted)
+
+    def take(self) -> dict[str, int]:
+        out = dict(self.counts)
+        for name in self.counts:
+            self.counts[name] = 0
+        return out
+
+
+@pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
+def test_a_batch_is_encoded_and_decoded_together(codec, monkeypatch):
+    """Three requests (one a Prompt, one sharing another's first block), each with its own
+    tokens and page table, in one call: the same blocks as three contiguous ingests, and the
+    launches of one request of as many blocks."""
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    launches = Launches(monkeypatch)
+    page, num_pages = 16, 40
+    sizes = [2 * BLOCK + 7, BLOCK, 2 * BLOCK]
+    toks = [tokens_for(20 + r, n) for r, n in enumerate(sizes)]
+    toks[2][:BLOCK] = toks[0][:BLOCK]  # request 2 shares request 0's first block
+    kvs = [make_kv(n, 20 + r) for r, n in enumerate(sizes)]
+    for layer in range(L):  # ... and its KV
+        for side in (0, 1):
+            kvs[2][layer][side][:, :BLOCK] = kvs[0][layer][side][:, :BLOCK]
+    keys = [toks[0], cs.Prompt(toks[1]), toks[2]]
+    pages, _ = engine_pages("flash", L, H, D, num_pages, page, DTYPE)
+    tables = page_tables(sizes, page, num_pages, seed=4)
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    with make_cache(codec=codec) as paged, make_cache(codec=codec) as contiguous:
+        results = paged.ingest_batch([cs.PagedRequest(k, ids) for k, ids in zip(keys, tables)], pages)
+        assert [(r.blocks, r.stored, r.present) for r in results] == [(2, 2, 0), (1, 1, 0), (2, 1, 1)]
+        side_launches = launches.take()
+        for k, kv in zip(keys, kvs):
+            contiguous.ingest(k, kv)
+            assert stored_bytes(paged, k) == stored_bytes(contiguous, k)
+        one_request_blocks = 4  # as many blocks as the batch encoded
+        single_toks = tokens_for(30, one_request_blocks * BLOCK)
+        single_kv = make_kv(one_request_blocks * BLOCK, 30)
+        single_pages, _ = engine_pages("flash", L, H, D, num_pages, page, DTYPE)
+        single_ids = page_tables([one_request_blocks * BLOCK], page, num_pages, seed=6)[0]
+        write_tokens(single_pages, single_kv, single_ids)
+        paged.ingest(single_toks, single_pages.at(single_ids))
+        assert launches.take() == side_launches  # the same: launches are not per request
+        assert sum(side_launches.values()) == 2  # one per side (K and V)
+
+        dest, dest_tensors = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=8)
+        before = snapshot(dest_tensors)
+        dest_tables = page_tables(sizes, page, num_pages, seed=9)
+        requests = [cs.PagedRequest(k, ids, max_tokens=m) for k, ids, m in zip(keys, dest_tables, [None, None, BLOCK])]
+        loaded = paged.materialize_into_batch(requests, dest)
+        assert [(x.num_tokens, x.tiers) for x in loaded] == [(2 * BLOCK, ["cpu"] * 2), (BLOCK, ["cpu"]),
+                                                             (BLOCK, ["cpu"])]
+        batch_launches = launches.take()
+        want = before
+        for k, ids, x in zip(keys, dest_tables, loaded):
+            got = contiguous.materialize(k, device=DEVICE, max_tokens=x.num_tokens)
+            decoded = [(kk[0], vv[0]) for kk, vv in got.layers]
+            want = expected_after_load("flash", want, decoded, ids)
+        assert unchanged(want, dest_tensors)
+        launches.take()
+        paged.materialize_into(single_toks, dest.at(dest_tables[0] + dest_tables[1] + dest_tables[2][:2]))
+        assert launches.take() == batch_launches  # 4 blocks: the same chunks as one request's
+
+
+@pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
+def test_without_an_in_place_tier_frames_go_through_put(tmp_path, codec, backend):
+    """A disk tier on top (no run of slots to encode into): frames encoded from the pages in
+    a staging buffer, then put, with the same bytes."""
+    T, page = 2 * BLOCK, 8
+    toks, kv = tokens_for(3, T), make_kv(T, 3)
+    pages, _ = engine_pages("hnd", L, H, D, 20, page, DTYPE)
+    ids = page_tables([T], page, 20, seed=2)[0]
+    write_tokens(pages, kv, ids)
+    with make_cache(tmp_path / "a", codec=codec, cpu=0, disk=tmp_path / "a") as paged, \
+            make_cache(tmp_path / "b", codec=codec, cpu=0, disk=tmp_path / "b") as contiguous:
+        assert paged.ingest(toks, pages.at(ids)).stored == 2
+        contiguous.ingest(toks, kv)
+        assert paged.lookup(toks) == T
+        assert [bytes(f.payload_view()) for f, _ in paged.store.get_many(paged.block_hashes(toks))] == \
+               [bytes(f.payload_view()) for f, _ in contiguous.store.get_many(contiguous.block_hashes(toks))]
+
+
+# -- bad input: a clear InputError naming the request and the parameter; nothing stored,
+# nothing written into any page ----------------------------------------------------------
+
+
+def _setup(seed: int = 0):
+    page, num_pages = 16, 24
+    sizes = [2 * BLOCK, 2 * BLOCK]
+    toks = [tokens_for(40 + r + seed, n) for r, n in enumerate(sizes)]
+    kvs = [make_kv(n, 40 + r) for r, n in enumerate(sizes)]
+    pages, tensors = engine_pages("flash", L, H, D, num_pages, page, DTYPE)
+    tables = page_tables(sizes, page, num_pages, seed=5)
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    return toks, kvs, pages, tensors, tables
+
+
+def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    toks, _, pages, tensors, tables = _setup()
+    wrong_dtype = cs.KVPages.vllm([t.to(torch.bfloat16) for t in tensors])
+    wrong_heads = cs.KVPages.vllm([t[:, :, :, :1] for t in tensors])
+    cases = [
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [0, 1, 99, 2])],
+                                  pages), r"requests\[1\].page_ids\[2\]: page 99 is outside the 24 pages"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [3, 4, 3, 5])],
+                                  pages), r"requests\[1\].page_ids: page 3 appears twice"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0][:3]), cs.PagedRequest(toks[1], tables[1])],
+                                  pages), r"requests\[0\].page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys "
+                                          r"name 2 full blocks"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest([], tables[1])], pages),
+         r"requests\[1\]: token_ids: empty"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [0.5, 1.5])], pages),
+         r"requests\[1\].page_ids: expected a flat sequence of int page ids"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_dtype), r"pages: dtype torch.bfloat16"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
+        (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
+        (lambda c: c.ingest(toks[0], pages.at(torch.tensor([[1, 2]]))), r"page_ids: expected a 1-D integer tensor"),
+        (lambda c: c.ingest_batch([], pages), r"requests: expected a non-empty list"),
+    ]
+    with make_cache(codec=INT4) as cache:
+        for call, match in cases:
+            with pytest.raises(cs.InputError, match=match):
+                call(cache)
+            assert cache.lookup(toks[0]) == 0 and cache.lookup(toks[1]) == 0
+        assert cache.stats()["tiers"][0]["blocks"] == 0
+
+
+def test_bad_pages_are_refused_when_built():
+    t = [torch.zeros(2, 4, 16, H, D, dtype=DTYPE) for _ in range(3)]
+    with pytest.raises(cs.InputError, match=r"pages layer 1: expected vLLM's \[2, num_pages, page_size, H, D\]"):
+        cs.KVPages.vllm([t[0], t[1][0], t[2]])
+    with pytest.raises(cs.InputError, match=r"pages layer 2 V: dtype torch.bfloat16"):
+        cs.KVPages([x[0] for x in t], [x[1] for x in t[:2]] + [t[2][1].bfloat16()])
+    with pytest.raises(cs.InputError, match=r"pages layer 1 K: on meta"):
+        cs.KVPages([t[0][0], torch.empty(4, 16, H, D, dtype=DTYPE, device="meta"), t[2][0]], [x[1] for x in t])
+    with pytest.raises(cs.InputError, match=r"pages layer 2 V: shape \[3, 16, 2, 64\], layer 0 K has \[4, 16, 2, 64\]"):
+        cs.KVPages([t[0][0], t[1][0], t[2][0]], [x[1] for x in t][:2] + [t[2][1][:3]])
+    with pytest.raises(cs.InputError, match=r"layout"):
+        cs.KVPages([x[0] for x in t], [x[1] for x in t], layout="NDH")
+    with pytest.raises(cs.InputError, match=r"head dim must be contiguous"):
+        cs.KVPages([x[0].transpose(2, 3) for x in t], [x[1].transpose(2, 3) for x in t], layout="NHD")
+    with pytest.raises(cs.InputError, match=r"token pool"):
+        cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
+
+
+def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
+    toks, kvs, pages, tensors, tables = _setup()
+    page = pages.page_size
+    token = BLOCK + 3  # request 1, block 1
+    pages.v[1][tables[1][token // page], token % page, 1, 5] = float("nan")
+    with make_cache(codec=INT4) as cache:
+        with pytest.raises(cs.InputError, match=r"requests\[1\]: v: holds NaN or Inf.*\(block 1; nothing of this call"):
+            cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
+        assert cache.lookup(toks[0]) == 0 and cache.lookup(toks[1]) == 0
+        assert cache.stats()["tiers"][0]["blocks"] == 0
+        with pytest.raises(cs.InputError, match=r"^kv: v: holds NaN"):
+            cache.ingest(toks[1], pages.at(tables[1]))
+        assert cache.ingest(toks[0], pages.at(tables[0])).stored == 2  # the good request alone is fine
+
+
+def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    toks, kvs, pages, _, tables = _setup()
+    with make_cache(codec=INT4) as cache:
+        cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
+        dest, dest_tensors = engine_pages("flash", L, H, D, 24, 16, DTYPE, seed=3)
+        before = snapshot(dest_tensors)
+        cases = [
+            (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                                   cs.PagedRequest(toks[1], [4, 5, 1, 6])], dest),
+             r"requests\[1\].page_ids: page 1 is also written by requests\[0\] in this call"),
+            (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                                   cs.PagedRequest(toks[1], [4, 5, 6, 24])], dest),
+             r"requests\[1\].page_ids\[3\]: page 24 is outside the 24 pages"),
+            (lambda: cache.materialize_into(toks[0], dest.at([7, 8, 7, 9])), r"^page_ids: page 7 appears twice"),
+            (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
+            (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],
+                                                  cs.KVPages.vllm([t.float() for t in dest_tensors])),
+             r"pages: dtype torch.float32"),
+        ]
+        for call, match in cases:
+            with pytest.raises(cs.InputError, match=match):
+                call()
+            assert unchanged(before, dest_tensors)
+        # the same page in two requests is fine where only one of them writes it
+        loaded = cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                               cs.PagedRequest(tokens_for(99, 2 * BLOCK), [0, 1, 2, 3])], dest)
+        assert [x.num_tokens for x in loaded] == [2 * BLOCK, 0]
+        decoded = cache.materialize(toks[0], device=DEVICE).layers
+        for (k, v), (k0, v0) in zip(read_tokens(dest, [0, 1, 2, 3], 2 * BLOCK), decoded):
+            assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
+
+
+@pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
+def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
+    """What layer-wise loading builds on: ``layers=(l0, l1)`` encodes and decodes exactly
+    those layers' part of each block."""
+    from cacheseek.block_format import BlockFormat
+    from cacheseek.pages import PagedSource, page_table
+    from cacheseek.staging import payload_views
+
+    T, page = 2 * BLOCK, 16
+    pages, tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE)
+    ids = page_tables([T], page, 8, seed=1)[0]
+    write_tokens(pages, make_kv(T, 6), ids)
+    source = PagedSource(pages, [page_table(ids, pages, "page_ids")], [(0, 0), (0, 1)], BLOCK)
+    def staging(layers: int):
+        fmt = BlockFormat(codec, cs.KVLayout(layers, H, D, "float16"), BLOCK)
+        m = fmt.plan(block_hash=bytes(16), parent_hash=bytes(16), position=0)
+        buf = torch.zeros((2, m.payload_nbytes), dtype=torch.uint8, device=DEVICE)
+        return payload_views(buf, m.tensors, 2, m.payload_nbytes)
+
+    whole = staging(L)
+    flags = codec.encode_pages_into(source, 0, 2, BLOCK, whole)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the kernels write the flags into host memory
+    assert bool(flags.all())
+    for layer in range(L):
+        part = staging(1)
+        codec.encode_pages_into(source, 0, 2, BLOCK, part, layers=(layer, layer + 1))
+        assert all(torch.equal(p[:, 0], w[:, layer]) for p, w in zip(part, whole))
+    dest_all, all_tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE, seed=2)
+    dest_one, one_tensors = engine_pages("nhd", L, H, D, 8, page, DTYPE, seed=2)
+    codec.decode_into_pages(whole, PagedSource(dest_all, [page_table(ids, dest_all, "p")], [(0, 0), (0, 1)], BLOCK),
+                            0, 2)
+    one = PagedSource(dest_one, [page_table(ids, dest_one, "p")], [(0, 0), (0, 1)], BLOCK)
+    for layer in range(L):
+        codec.decode_into_pages([w[:, layer : layer + 1] for w in whole], one, 0, 2, layers=(layer, layer + 1))
+    assert unchanged(all_tensors, one_tensors)
