@@ -1,0 +1,347 @@
+"""Layer-wise loading and storing: ``materialize(..., layerwise=True)``,
+``materialize_into(..., layerwise=True)``, ``ingest_layerwise``, and ``prefill_with_reuse``
+on a cache that waits per layer inside the forward.
+
+On a CPU the handle decodes a layer group when one of its layers is first waited for, so
+the order in which layers become ready is visible here; on a GPU (the CUDA-only cases) it
+queues every group on side streams with an event per layer and never waits on the host.
+Every load is compared byte for byte with the normal path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek.layerwise import LayerwiseDecoder, layer_groups
+from cacheseek.quant import backend as kivi_codec
+from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+from store_helpers import make_kv, tokens_for
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LAYOUT = cs.KVLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float16")  # groups (0,1) (1,3) (3,6)
+L, H, D, DTYPE = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+BLOCK = 32
+INT4 = cs.KIVI(bits=4, group_size=32)
+CODECS = [cs.Raw(), INT4]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_cache(codec, device_tier=False, **kw):
+    tiers = cs.TierConfig(cpu_bytes="16MiB", pin_memory=torch.cuda.is_available(), **kw)
+    return cs.PrefixCache(model_id="lw", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=tiers)
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    """The torch reference on a CPU (the interpreted kernels are tested on the same ranges in
+    test_paged.py); on a GPU the kernels."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+
+
+def stored(cache, codec, T=3 * BLOCK + 7, seed=1, device="cpu"):
+    toks, kv = tokens_for(seed, T), make_kv(T, seed, LAYOUT, device=device)
+    assert cache.ingest(toks, kv).stored == T // BLOCK
+    return toks, kv
+
+
+# -- the handle ----------------------------------------------------------------------------
+
+
+def test_layer_groups_grow_and_cover_every_layer():
+    assert layer_groups(6) == [(0, 1), (1, 3), (3, 6)]
+    assert layer_groups(32) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 32)]
+    assert layer_groups(1) == [(0, 1)]
+    assert layer_groups(5, first=2) == [(0, 2), (2, 5)]
+    with pytest.raises(ValueError):
+        layer_groups(0)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_load_is_bit_identical_to_materialize(codec):
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with cache.materialize(toks, layerwise=True) as load:
+            assert (load.num_tokens, load.num_blocks, load.tiers) == (want.num_tokens, want.num_blocks, want.tiers)
+            for i in range(L):
+                k, v = load.layer(i)
+                assert k.shape == (1, H, want.num_tokens, D)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+            assert load.done()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the groups are queued at once")
+def test_layers_become_ready_in_order_group_by_group():
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        load = cache.materialize(toks, layerwise=True)
+        assert [load.ready(i) for i in range(L)] == [False] * L  # nothing decoded before a wait
+        load.wait(0)
+        assert [load.ready(i) for i in range(L)] == [True] + [False] * 5
+        load.wait(2)  # the group (1, 3) as a whole
+        assert [load.ready(i) for i in range(L)] == [True] * 3 + [False] * 3
+        load.wait(1)  # ready already: nothing more is decoded
+        assert not load.ready(3)
+        assert not load.done() or all(load.ready(i) for i in range(L))  # done() finishes the load
+        assert all(load.ready(i) for i in range(L))
+        times = load.timeline()
+        assert [t.layer for t in times] == list(range(L))
+        ready = [t.ready_ms for t in times]
+        assert ready == sorted(ready)  # in order
+        assert times[0].needed_ms is not None and times[5].needed_ms is None  # layer 5 was never waited for
+        load.close()
+
+
+def test_wait_checks_the_layer_and_an_empty_load_is_ready():
+    with make_cache(cs.Raw()) as cache:
+        toks, _ = stored(cache, cs.Raw())
+        with cache.materialize(toks, layerwise=True) as load:
+            with pytest.raises(cs.InputError, match="outside the 6 layers"):
+                load.wait(6)
+            with pytest.raises(cs.InputError):
+                load.wait(-1)
+            k, v = load.layer(3, wait=False)  # the tensors before the layer is there: shapes final
+            assert k.shape == v.shape == (1, H, 3 * BLOCK, D)
+        load.close()  # idempotent
+        empty = cache.materialize(tokens_for(99, 2 * BLOCK), layerwise=True)
+        assert (empty.num_tokens, empty.num_blocks, empty.tiers) == (0, 0, [])
+        assert empty.done() and empty.ready(0)
+        empty.wait(5)
+        with pytest.raises(RuntimeError, match="nothing was loaded"):
+            empty.layer(0)
+        short = cache.materialize(toks, layerwise=True, max_tokens=BLOCK + 3)
+        assert short.num_tokens == BLOCK and short.layer(0)[0].shape == (1, H, BLOCK, D)
+        short.close()
+
+
+def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypatch):
+    real = LayerwiseDecoder._decode_layers
+
+    def failing_from_layer_1(self, views, l0, l1, n):
+        if l0 >= 1:
+            raise RuntimeError("device lost")
+        return real(self, views, l0, l1, n)
+
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_1)
+        load = cache.materialize(toks, layerwise=True)
+        k, _ = load.layer(0)  # loaded before the failure: good
+        assert torch.equal(k, want.layers[0][0])
+        with pytest.raises(cs.LoadError, match="layer 1 .*device lost.*recompute"):
+            load.wait(1)
+        with pytest.raises(cs.LoadError):
+            load.layer(5)
+        assert isinstance(load.error, RuntimeError) and not load.done() and not load.ready(4)
+        load.close()
+        monkeypatch.undo()
+        # the store is untouched: the next load is whole
+        with cache.materialize(toks, layerwise=True) as again:
+            assert torch.equal(again.layer(5)[1], want.layers[5][1])
+
+
+# -- into an engine's pages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec):
+    page, num_pages = 16, 24
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        T = 3 * BLOCK + 7
+        ids = page_tables([T], page, num_pages, seed=2)[0]
+        normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        before = snapshot(lw_t)
+        got = cache.materialize_into(toks, normal.at(ids))
+        load = cache.materialize_into(toks, lw.at(ids), layerwise=True)
+        assert (load.num_tokens, load.num_blocks, load.tiers) == (got.num_tokens, got.num_blocks, got.tiers)
+        assert load.requests == [got]
+        if not torch.cuda.is_available():  # decoded on wait: layer 0's pages only so far
+            load.wait(0)
+            assert torch.equal(lw_t[0], normal_t[0]) and unchanged(before[1:], lw_t[1:])
+        for i in range(L):
+            load.wait(i)
+        load.close()
+        assert unchanged(normal_t, lw_t)
+        with pytest.raises(RuntimeError, match="engine's pages"):
+            load.layer(0)
+
+
+def test_layerwise_batch_into_pages_equals_the_batch():
+    page, num_pages = 8, 64
+    with make_cache(INT4) as cache:
+        a, _ = stored(cache, INT4, T=2 * BLOCK, seed=1)
+        b, _ = stored(cache, INT4, T=3 * BLOCK + 1, seed=2)
+        miss = tokens_for(77, BLOCK)
+        tables = page_tables([2 * BLOCK, 3 * BLOCK + 1, BLOCK], page, num_pages, seed=6)
+        reqs = [cs.PagedRequest(k, t) for k, t in zip((a, b, miss), tables)]
+        normal, normal_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=1)
+        lw, lw_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=1)
+        want = cache.materialize_into_batch(reqs, normal)
+        with cache.materialize_into_batch(reqs, lw, layerwise=True) as load:
+            assert load.requests == want and load.num_blocks == 5
+            load.synchronize()
+        assert unchanged(normal_t, lw_t)
+
+
+# -- ingest, layer by layer ------------------------------------------------------------------
+
+
+def stored_payloads(cache, keys):
+    out = []
+    for got in cache.store.get_many(cache.block_hashes(keys)):
+        assert got is not None
+        out.append(bytes(got[0].payload_view()))
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(codec):
+    T = 2 * BLOCK + 5
+    toks, kv = tokens_for(3, T), make_kv(T, 3, LAYOUT)
+    with make_cache(codec) as normal, make_cache(codec) as lw:
+        want = normal.ingest(toks, kv)
+        writer = lw.ingest_layerwise(toks)
+        for i in reversed(range(L)):  # any order
+            writer.put_layer(i, kv[i][0][None], kv[i][1])
+            assert lw.locate(toks).num_blocks == 0  # nothing visible before finish()
+        got = writer.finish()
+        assert (got.blocks, got.stored, got.present) == (want.blocks, want.stored, want.present)
+        assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
+        with pytest.raises(RuntimeError, match="finished"):
+            writer.put_layer(0, *kv[0])
+
+
+def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv():
+    T = 2 * BLOCK
+    toks, kv = tokens_for(4, T), make_kv(T, 4, LAYOUT)
+    with make_cache(INT4) as cache:
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        writer.abort()
+        assert cache.locate(toks).num_blocks == 0
+        with pytest.raises(RuntimeError, match="aborted"):
+            writer.finish()
+
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L - 1):
+            writer.put_layer(i, *kv[i])
+        assert writer.missing == [L - 1]
+        with pytest.raises(cs.InputError, match="layers 5 were never put"):
+            writer.finish()
+        assert cache.locate(toks).num_blocks == 0
+
+        # an error inside a with block: nothing stored
+        with pytest.raises(KeyError):
+            with cache.ingest_layerwise(toks) as writer:
+                for i in range(L):
+                    writer.put_layer(i, *kv[i])
+                raise KeyError("the forward failed")
+        assert cache.locate(toks).num_blocks == 0
+
+        bad = [(k.clone(), v.clone()) for k, v in kv]
+        bad[3][1][0, BLOCK + 1, 0] = float("nan")
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *bad[i])
+        with pytest.raises(cs.InputError, match="NaN"):
+            writer.finish()
+        assert cache.locate(toks).num_blocks == 0
+
+        # bad layers are refused one by one, and the writer stays usable
+        writer = cache.ingest_layerwise(toks)
+        with pytest.raises(cs.InputError, match="outside"):
+            writer.put_layer(6, *kv[0])
+        with pytest.raises(cs.InputError, match="heads"):
+            writer.put_layer(0, kv[0][0][:1], kv[0][1][:1])
+        with pytest.raises(cs.InputError, match="dtype"):
+            writer.put_layer(0, kv[0][0].float(), kv[0][1].float())
+        writer.put_layer(0, *kv[0])
+        with pytest.raises(cs.InputError, match="put twice"):
+            writer.put_layer(0, *kv[0])
+        with pytest.raises(cs.InputError, match="tokens"):
+            writer.put_layer(1, kv[1][0][:, :BLOCK], kv[1][1][:, :BLOCK])
+        for i in range(1, L):
+            writer.put_layer(i, *kv[i])
+        assert writer.finish().stored == 2
+        with pytest.raises(cs.InputError, match="empty"):
+            cache.ingest_layerwise([])
+
+
+# -- RemoteCache: the same API, every layer ready at once ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from server_helpers import Server
+
+    with Server(tmp_path_factory.mktemp("layerwise-server"), cpu_bytes="64MiB", disk=False) as srv:
+        yield srv
+
+
+def test_remote_cache_returns_a_handle_with_every_layer_ready(server):
+    T = 2 * BLOCK + 3
+    toks, kv = tokens_for(5, T), make_kv(T, 5, LAYOUT)
+    with cs.RemoteCache(server.url, model_id="lw", layout=LAYOUT, codec=INT4, block_tokens=BLOCK) as remote:
+        writer = remote.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.finish().stored == 2
+        want = remote.materialize(toks)
+        with remote.materialize(toks, layerwise=True) as load:
+            assert load.num_tokens == 2 * BLOCK and load.done() and all(load.ready(i) for i in range(L))
+            for i in range(L):
+                assert torch.equal(load.layer(i)[0], want.layers[i][0])
+        page, num_pages = 16, 12
+        ids = page_tables([T], page, num_pages, seed=1)[0]
+        normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=2)
+        lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=2)
+        got = remote.materialize_into(toks, normal.at(ids))
+        load = remote.materialize_into(toks, lw.at(ids), layerwise=True)
+        assert load.requests == [got] and load.done()
+        load.wait(L - 1)
+        assert unchanged(normal_t, lw_t)
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec):
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec, device="cuda")
+        want = cache.materialize(toks, device="cuda")
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        load = cache.materialize(toks, device="cuda", layerwise=True)
+        for i in range(L):
+            load.wait(i, stream=side)  # the host returns at once
+        with torch.cuda.stream(side):
+            got = [(k.clone(), v.clone()) for k, v in (load.layer(i, wait=False) for i in range(L))]
+        side.synchronize()
+        for (k, v), (k0, v0) in zip(got, want.layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        times = load.timeline()
+        assert all(t.needed_ms is not None for t in times)
+        assert [t.ready_ms for t in times] == sorted(t.ready_ms for t in times)
+        load.close()
+
+
+@cuda
+def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4, device="cuda")
+        want = cache.materialize(toks, device="cuda")
+        load = cache.materialize(toks, device="cuda", layerwise=True)
+        assert len(load._decoder._split) == load.num_blocks  # CPU-tier frames: first group copied alone
+        for i in range(L):
+            assert torch.equal(load.layer(i)[0], want.layers[i][0])
+        load.close()
