@@ -345,3 +345,129 @@ def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
         for i in range(L):
             assert torch.equal(load.layer(i)[0], want.layers[i][0])
         load.close()
+
+
+# -- transformers: prefill_with_reuse(layerwise=True) ----------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from cacheseek.integrations.transformers import (  # noqa: E402
+    cache_length,
+    dynamic_cache_layers,
+    forward,
+    greedy_continue,
+    kv_layout,
+    layerwise_cache,
+    prefill_with_reuse,
+)
+
+TF_BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def model_cache(model, codec):
+    return cs.PrefixCache(model_id="lw-tf", layout=kv_layout(model), codec=codec, block_tokens=TF_BLOCK,
+                          tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+
+
+def same_result(a, b) -> bool:
+    return (torch.equal(a.logits, b.logits) and a.reused_tokens == b.reused_tokens
+            and all(torch.equal(x, y) for p, q in zip(dynamic_cache_layers(a.cache), dynamic_cache_layers(b.cache))
+                    for x, y in zip(p, q)))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny_model, codec):
+    ids = list(range(3, 3 + 3 * TF_BLOCK + 10))
+    with model_cache(tiny_model, codec) as lw, model_cache(tiny_model, codec) as normal:
+        first = prefill_with_reuse(tiny_model, lw, ids, layerwise=True)  # nothing stored: layers go to the writer
+        assert (first.reused_tokens, first.stored_blocks) == (0, 3)
+        prefill_with_reuse(tiny_model, normal, ids)
+        assert stored_payloads(lw, ids) == stored_payloads(normal, ids)
+        a = prefill_with_reuse(tiny_model, normal, ids, reuse="always", ingest=False)
+        b = prefill_with_reuse(tiny_model, lw, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 3 * TF_BLOCK and b.tiers == ["cpu"] * 3 and b.skipped_reason is None
+        assert same_result(a, b)
+        assert type(b.cache).__name__ == "LayerwiseDynamicCache" and cache_length(b.cache) == len(ids)
+        ga, gb = (greedy_continue(tiny_model, r.cache, r.logits, 6, keep_logits=True) for r in (a, b))
+        assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+
+
+def test_each_layer_waits_inside_the_forward_in_order(tiny_model):
+    ids = list(range(7, 7 + 2 * TF_BLOCK + 3))
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        load = cache.materialize(ids, max_tokens=len(ids) - 1, layerwise=True)
+        waited = []
+        real_wait = load.wait
+
+        def wait(layer, stream=None):
+            # when layer i is first needed, later groups are not decoded yet (on a CPU)
+            waited.append((layer, [load.ready(i) for i in range(4)]))
+            real_wait(layer, stream)
+
+        load.wait = wait
+        past = layerwise_cache(load, tiny_model.config)
+        assert cache_length(past) == 2 * TF_BLOCK  # the prefix length, before any layer is loaded
+        forward(tiny_model, torch.tensor([ids[2 * TF_BLOCK:]]), past)  # `cache=` or `past_key_values=`
+        assert [layer for layer, _ in waited] == [0, 1, 2, 3]
+        if not torch.cuda.is_available():
+            assert waited[0][1] == [False] * 4 and waited[1][1] == [True, False, False, False]
+        load.close()
+
+
+def test_a_failed_layerwise_load_is_recomputed(tiny_model, monkeypatch):
+    ids = list(range(11, 11 + 2 * TF_BLOCK + 5))
+    with model_cache(tiny_model, cs.Raw()) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        full = prefill_with_reuse(tiny_model, cache, ids, reuse="never", ingest=False)
+        real = LayerwiseDecoder._decode_layers
+
+        def failing(self, views, l0, l1, n):
+            if l0 >= 1:
+                raise RuntimeError("decode failed")
+            return real(self, views, l0, l1, n)
+
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing)
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=True)
+        assert res.reused_tokens == 0 and res.computed_tokens == len(ids)
+        assert "layer-wise load failed" in res.skipped_reason and "decode failed" in res.skipped_reason
+        assert torch.equal(res.logits, full.logits) and cache_length(res.cache) == len(ids)
+
+
+# -- SmolLM2 (slow): the real model, Raw and int4 -----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_smollm2_layerwise_reuse_equals_the_normal_path(codec, monkeypatch):
+    from cacheseek.integrations import smollm2, texts
+    from cacheseek.integrations.demo import chat_prompt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine's cores are shared; OpenMP threads spin when descheduled
+    try:
+        model, tokenizer = smollm2.load()
+        doc = texts.stdlib_document("json")[:900]
+        ids = chat_prompt(tokenizer, doc, "Which function parses a JSON string?")
+        with model_cache(model, codec) as normal, model_cache(model, codec) as lw:
+            prefill_with_reuse(model, normal, ids)
+            prefill_with_reuse(model, lw, ids, layerwise=True)
+            assert stored_payloads(lw, ids) == stored_payloads(normal, ids)
+            a = prefill_with_reuse(model, normal, ids, reuse="always", ingest=False)
+            b = prefill_with_reuse(model, lw, ids, reuse="always", ingest=False, layerwise=True)
+            assert b.reused_tokens == (len(ids) - 1) // TF_BLOCK * TF_BLOCK > 0
+            assert same_result(a, b)
+            ga, gb = (greedy_continue(model, r.cache, r.logits, 8, keep_logits=True) for r in (a, b))
+            assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+    finally:
+        torch.set_num_threads(before)
