@@ -389,6 +389,15 @@ class LayerwiseLoad:
             out.append(LayerTiming(i, ready, needed_ms))
         return out
 
+    def elapsed_ms(self, mark: Any) -> float:
+        """ms from the load's start to ``mark``: a CUDA event recorded later (waited for
+        here), or a ``time.perf_counter()`` value without CUDA. For timelines: when the
+        consumer's work ended, on the same clock as ``timeline()``."""
+        if self._cuda:
+            mark.synchronize()
+            return self._start.elapsed_time(mark)
+        return (mark - self._t0) * 1e3
+
     # -- internals ---------------------------------------------------------------------
 
     def _advance(self, upto: int) -> None:
