@@ -29,6 +29,7 @@ loaded raises ``LoadError``, and the caller recomputes.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from .store.device import as_host_tensor
 from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
+_FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
 LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (on a GPU)
 
 
@@ -73,7 +75,7 @@ class LayerwiseDecoder(BatchDecoder):
         super().__init__(fmt, max_blocks, device, sink=sink)
         self.groups = list(groups)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
-        self._split: list[int] = []  # frames whose later layer groups are still to be copied
+        self._split: list[tuple[Any, Any]] = []  # (dst, src) pieces of the frames copied group by group
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
@@ -88,9 +90,7 @@ class LayerwiseDecoder(BatchDecoder):
             raise RuntimeError(f"LayerwiseDecoder holds {self.max_blocks} blocks already")
         if self._meta0 is None:
             self._start(frame.meta)
-            L = self.layout.num_layers
-            if any(not e.shape or e.shape[0] != L or e.nbytes % L for e in frame.meta.tensors):
-                raise FrameError("frame buffers are not laid out layer-major: cannot load them layer by layer")
+            self._plan_pieces(frame.meta)
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
         j = len(self._frames)
@@ -103,23 +103,53 @@ class LayerwiseDecoder(BatchDecoder):
             return
         with on_stream(self._copy_stream):
             if split and host and len(self.groups) > 1:
-                self._copy_layers(frame, dst, *self.groups[0])
-                self._split.append(j)
+                # One C++ call per side cuts a frame into its (buffer, layer group) pieces:
+                # slicing them one by one in Python cost more than the copies' launches.
+                src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
+                pieces = (dst.tensor_split(self._cuts), src.tensor_split(self._cuts))
+                self._split.append(pieces)
                 self._split_frames.append(frame)
+                self._copy_pieces([pieces], 0)
             else:
                 self._copy(frame, dst)
                 landed = torch.cuda.Event()
                 landed.record(self._copy_stream)
                 self._pending.append((landed, frame))
 
-    def _copy_layers(self, frame: BlockFrame, dst: torch.Tensor, l0: int, l1: int) -> None:
-        """Copy layers ``[l0, l1)`` of every buffer of a host frame (one copy per buffer)."""
-        src = as_host_tensor(frame.payload_view())
+    def _plan_pieces(self, meta: Any) -> None:
+        """Where a payload is cut so that each (buffer, layer group) is one piece: the cut
+        offsets, and per group the indices of its pieces (one per buffer)."""
         L = self.layout.num_layers
-        for entry in self._meta0.tensors:
-            per = entry.nbytes // L
-            a, b = entry.offset + l0 * per, entry.offset + l1 * per
-            dst[a:b].copy_(src[a:b], non_blocking=True)
+        if any(not e.shape or e.shape[0] != L or e.nbytes % L for e in meta.tensors):
+            raise FrameError("frame buffers are not laid out layer-major: cannot load them layer by layer")
+        starts = {}
+        for e in meta.tensors:
+            per = e.nbytes // L
+            for l0, _ in self.groups:
+                starts[(e.name, l0)] = e.offset + l0 * per
+            starts[(e.name, L)] = e.offset + e.nbytes
+        cuts = sorted(set(starts.values()) - {0})
+        index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
+        self._cuts = cuts
+        self._group_pieces = [[index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors] for l0, _ in self.groups]
+
+    def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
+        """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
+        the current stream: one ``_foreach_copy_`` (its launches made in C++)."""
+        global _FOREACH_COPY
+        idx = self._group_pieces[g]
+        dst = [d[i] for d, _ in frames for i in idx]
+        src = [s[i] for _, s in frames for i in idx]
+        if _FOREACH_COPY:
+            try:
+                torch._foreach_copy_(dst, src, non_blocking=True)
+                return
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # a torch without it across devices
+                _FOREACH_COPY = False
+                warnings.warn(f"torch._foreach_copy_ failed ({exc}); layer-wise copies fall back to one "
+                              "Python call per piece (slower to launch)", RuntimeWarning, stacklevel=2)
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
 
     def release_copied(self) -> None:
         """Give back the frames whose copies have all landed (asks the device, no wait)."""
@@ -166,8 +196,7 @@ class LayerwiseDecoder(BatchDecoder):
             return None
         if g > 0 and self._split:
             with on_stream(self._copy_stream):
-                for j in self._split:
-                    self._copy_layers(self._frames[j], self._staging[j], l0, l1)
+                self._copy_pieces(self._split, g)
         landed = torch.cuda.Event()
         landed.record(self._copy_stream)
         if g == len(self.groups) - 1:

@@ -145,6 +145,33 @@ def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypat
             assert torch.equal(again.layer(5)[1], want.layers[5][1])
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
+    """What a GPU copies of a CPU-tier frame per layer group: exactly that group's layers of
+    every buffer, and all groups together the whole payload."""
+    from cacheseek.store.device import as_host_tensor
+
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        frame, _ = cache.store.get_many(cache.block_hashes(toks)[:1])[0]
+        groups = layer_groups(L)
+        dec = LayerwiseDecoder(cache.block_format, 1, torch.device("cpu"), groups)
+        dec._start(frame.meta)
+        dec._plan_pieces(frame.meta)
+        n = frame.meta.payload_nbytes
+        payload = as_host_tensor(frame.payload_view())[:n]
+        row = torch.zeros(n, dtype=torch.uint8)
+        pieces = (row.tensor_split(dec._cuts), payload.tensor_split(dec._cuts))
+        copied = torch.zeros(n, dtype=torch.bool)
+        for g, (l0, l1) in enumerate(groups):
+            dec._copy_pieces([pieces], g)
+            for e in frame.meta.tensors:
+                per = e.nbytes // L
+                copied[e.offset + l0 * per : e.offset + l1 * per] = True
+            assert torch.equal(row[copied], payload[copied]) and not row[~copied].any()
+        assert torch.equal(row, payload) or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
+
+
 # -- into an engine's pages ------------------------------------------------------------------
 
 
