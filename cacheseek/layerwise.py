@@ -80,6 +80,12 @@ class LayerwiseDecoder(BatchDecoder):
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
         self._sealed = False
+        # When the load began (the zero of its timeline): before the first frame's copy.
+        self.started = time.perf_counter()
+        self.start_event = None
+        if device.type == "cuda":
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record(torch.cuda.current_stream(device))
 
     def add(self, frame: BlockFrame, *, split: bool = False) -> None:
         """Start the copy of ``frame`` to the device: whole, or (``split``, host frames on a
@@ -280,9 +286,9 @@ class LayerwiseLoad:
         self._needed: list[Any] = [None] * num_layers  # per layer: when first waited for
         self._layers = list(layers) if layers is not None else None
         self._closed = False
-        self._t0 = time.perf_counter()
-        self._start = None
-        if self._cuda:
+        self._t0 = decoder.started if decoder is not None else time.perf_counter()
+        self._start = decoder.start_event if decoder is not None else None
+        if self._cuda and self._start is None:
             self._start = torch.cuda.Event(enable_timing=self._timing)
             self._start.record(torch.cuda.current_stream(device))
         if decoder is None:  # everything is there already (nothing stored, or a whole load)
