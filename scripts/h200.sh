@@ -19,8 +19,16 @@ setup() {
   python3 -c "import torch, triton, cacheseek.kernels; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 }
 
+# BUDGET=SECONDS caps the whole run (the device tool's per-call limit): a step starts only
+# with 45 s left, under whichever limit is shorter, so what finished still comes back.
+T0=$(date +%s)
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  if [ -n "${BUDGET:-}" ]; then
+    local left=$(( BUDGET - ($(date +%s) - T0) - 10 ))
+    if [ "$left" -lt 45 ]; then log "$name skipped (budget spent)"; return; fi
+    if [ "$left" -lt "$secs" ]; then secs=$left; fi
+  fi
   log "$name (limit ${secs}s)"
   timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -85,3 +93,5 @@ for s in "$@"; do
     *) echo "unknown step $s" ;;
   esac
 done
+# The device tool brings back only a few files per call: everything goes home as one archive.
+(cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
