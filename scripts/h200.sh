@@ -90,6 +90,24 @@ for s in "$@"; do
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
+    # Before/after a restructuring, in one call: the tree in .base (git archive of the older
+    # commit, carried by the lead) installed apart and run from outside any checkout, then this
+    # tree; store and kernels, alternated twice so drift hits both alike.
+    before-after)
+                 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
+                 cat >/tmp/base.sh <<'EOS'
+#!/bin/sh
+cd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import cacheseek; print("before: cacheseek from", cacheseek.__file__)' && exec "$@"
+EOS
+                 chmod +x /tmp/base.sh
+                 for r in 1 2; do
+                   step before-store-$r 150 /tmp/base.sh python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/before-store-$r"
+                   step after-store-$r 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/after-store-$r"
+                 done
+                 step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
+                 step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels" ;;
     *) echo "unknown step $s" ;;
   esac
 done
