@@ -19,8 +19,16 @@ setup() {
   python3 -c "import torch, triton, cacheseek.kernels; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 }
 
+# BUDGET=SECONDS caps the whole run (the device tool's per-call limit): a step starts only
+# with 45 s left, under whichever limit is shorter, so what finished still comes back.
+T0=$(date +%s)
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  if [ -n "${BUDGET:-}" ]; then
+    local left=$(( BUDGET - ($(date +%s) - T0) - 10 ))
+    if [ "$left" -lt 45 ]; then log "$name skipped (budget spent)"; return; fi
+    if [ "$left" -lt "$secs" ]; then secs=$left; fi
+  fi
   log "$name (limit ${secs}s)"
   timeout "$secs" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -86,6 +94,26 @@ for s in "$@"; do
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
+    # Before/after a restructuring, in one call: the tree in .base (git archive of the older
+    # commit, carried by the lead) installed apart and run from outside any checkout, then this
+    # tree; store and kernels, alternated twice so drift hits both alike.
+    before-after)
+                 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
+                 cat >/tmp/base.sh <<'EOS'
+#!/bin/sh
+cd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c 'import cacheseek; print("before: cacheseek from", cacheseek.__file__)' && exec "$@"
+EOS
+                 chmod +x /tmp/base.sh
+                 for r in 1 2; do
+                   step before-store-$r 150 /tmp/base.sh python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/before-store-$r"
+                   step after-store-$r 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/after-store-$r"
+                 done
+                 step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
+                 step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels" ;;
     *) echo "unknown step $s" ;;
   esac
 done
+# The device tool brings back only a few files per call: everything goes home as one archive.
+(cd "$OUT" && tar czf /tmp/results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

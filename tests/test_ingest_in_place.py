@@ -380,9 +380,12 @@ def test_frames_evicted_in_flight_reach_the_disk_tier_intact(tmp_path, monkeypat
     assert cache.ingest(toks, kv).stored == 10
     assert cache.locate(toks).tiers.count("disk") == 7
     assert_prefix_equal(cache.materialize(toks, device="cuda"), kv, 10 * BLOCK)
-    written = _gpu_cache(cs.Raw(), cpu=3 * frame_bytes, disk_path=tmp_path / "wt")  # write-through
-    assert written.ingest(toks, kv).stored == 10
-    assert_prefix_equal(_gpu_cache(cs.Raw(), cpu=0, disk_path=tmp_path / "wt").materialize(toks), kv, 10 * BLOCK)
+    cache.close()
+    with _gpu_cache(cs.Raw(), cpu=3 * frame_bytes, disk_path=tmp_path / "wt") as written:  # write-through
+        assert written.ingest(toks, kv).stored == 10
+    # The directory is free once its writer is closed (a second open cache would be DiskInUse).
+    with _gpu_cache(cs.Raw(), cpu=0, disk_path=tmp_path / "wt") as reopened:
+        assert_prefix_equal(reopened.materialize(toks), kv, 10 * BLOCK)
 
 
 @cuda
