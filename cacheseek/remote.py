@@ -44,7 +44,7 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
-from .results import IngestResult, Loaded, Located, Materialized
+from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame

@@ -16,7 +16,7 @@ import torch
 import cacheseek as cs
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+from paged_helpers import engine_pages, page_tables, snapshot, unchanged
 from store_helpers import make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
