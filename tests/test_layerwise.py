@@ -501,3 +501,14 @@ def test_smollm2_layerwise_reuse_equals_the_normal_path(codec, monkeypatch):
             assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
     finally:
         torch.set_num_threads(before)
+
+
+def test_layerwise_prefill_through_a_server_equals_the_normal_one(tiny_model, server):
+    ids = list(range(13, 13 + 2 * TF_BLOCK + 9))
+    with cs.RemoteCache(server.url, model_id="lw-tf-remote", layout=kv_layout(tiny_model), codec=INT4,
+                        block_tokens=TF_BLOCK) as remote:
+        first = prefill_with_reuse(tiny_model, remote, ids, layerwise=True)  # stored through the writer
+        assert (first.reused_tokens, first.stored_blocks) == (0, 2)
+        a = prefill_with_reuse(tiny_model, remote, ids, reuse="always", ingest=False)
+        b = prefill_with_reuse(tiny_model, remote, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 2 * TF_BLOCK and same_result(a, b)
