@@ -178,6 +178,9 @@ class LayerwiseDecoder(BatchDecoder):
             self._k_blocks = self._k.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
             self._v_blocks = self._v.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
         if self._decode_stream is not None and n:
+            prepare = getattr(self._sink, "prepare", None)
+            if prepare is not None:
+                prepare()  # tables the kernels keep: uploaded in the caller's stream order, not the decode stream's
             # The outputs and the staging were made on the caller's stream; the side streams
             # use them, so the allocator must not hand their memory out again before those are done.
             self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -10,10 +10,13 @@ Every load is compared byte for byte with the normal path.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
 import cacheseek as cs
+from cacheseek import paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import engine_pages, page_tables, snapshot, unchanged
@@ -175,8 +178,11 @@ def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
 # -- into an engine's pages ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
-def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec):
+def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec, kernels, monkeypatch):
+    if kernels:  # the Triton kernels (interpreted on a CPU), a layer range per launch
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
     page, num_pages = 16, 24
     with make_cache(codec) as cache:
         toks, _ = stored(cache, codec)
@@ -198,6 +204,12 @@ def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer
         assert unchanged(normal_t, lw_t)
         with pytest.raises(RuntimeError, match="engine's pages"):
             load.layer(0)
+        # The tables the kernels keep are made on the caller's stream (``seal``), before any
+        # decode on the load's own stream; the torch fallback has none to make.
+        fresh, _ = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        sink = paged_io.PageSink(codec, types.SimpleNamespace(pages=fresh, kernel_pages=fresh.kernel_pages))
+        sink.prepare()
+        assert bool(fresh._kernel_pages) == kernels
 
 
 def test_layerwise_batch_into_pages_equals_the_batch():
