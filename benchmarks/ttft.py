@@ -3,6 +3,8 @@
     python -m benchmarks.ttft            # H200: contexts 4K, 16K, 32K (~6 min with model construction)
     python -m benchmarks.ttft --quick    # 4K and 16K only
     python -m benchmarks.ttft --tiny     # CPU smoke run: a 2-layer model, 512/1024 tokens
+    python -m benchmarks.ttft --contexts 16384,32768 --tiers cpu,cpu-layerwise --codecs int4 --timeline
+                                         # layer-wise rows and their per-layer timelines (h200.sh ttft-layerwise)
     python -m benchmarks.ttft --plot-only benchmarks/results/h200/ttft.json \
         benchmarks/results/h200/ttft_fixed_cells.json --out docs     # redraw the plot
 
@@ -18,6 +20,12 @@ Prompt: random token ids; a context of N tokens is a prefix of N-256 tokens (who
   over the 256-token suffix. Disk reads are cold: O_DIRECT where the filesystem enforces it
   (the JSON's ``disk_read_path``), and the tier's files dropped from the page cache
   (``posix_fadvise(DONTNEED)``) before each timed read all the same.
+- ``cpu-layerwise``: the CPU tier read layer by layer (``prefill_with_reuse(layerwise=True)``):
+  the forward starts when the first layer group is on the GPU, and layer ``i`` waits for its
+  CUDA event inside the forward, so loading later layers overlaps computing earlier ones.
+  With ``--timeline``, one more run per such cell records per layer when its load was ready
+  and when the forward needed it (both on the GPU's clock), the forward's compute per layer
+  and the stalls: the JSON's ``timeline``, and a table for 16K and 32K int4.
 - ``disk-prefetch``: a CPU tier over the disk tier, the prefix on disk only (cold), and
   ``cache.prefetch(prompt)`` started 200 ms before the request (what a scheduler does when
   the request is queued); the clock starts at the request. The materialize takes what the
@@ -45,7 +53,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek.integrations.planner import ReusePlanner
-from cacheseek.integrations.transformers import forward, kv_layout, prefill_with_reuse
+from cacheseek.integrations.transformers import forward, kv_layout, layerwise_cache, prefill_with_reuse
 
 from .report import add_plot_only, bars, legend_outside, plot_only, pyplot, redraw, save, source_line, table, write_json
 
@@ -63,7 +71,8 @@ SUFFIX = 256
 BLOCK = 256
 CODECS = {"raw": lambda: cs.Raw(), "int4": lambda: cs.KIVI(bits=4, group_size=32),
           "int2": lambda: cs.KIVI(bits=2, group_size=32)}
-TIERS = ("gpu", "cpu", "disk", "disk-prefetch")
+TIERS = ("gpu", "cpu", "cpu-layerwise", "disk", "disk-prefetch")
+LAYERWISE = "-layerwise"  # a tier name ending so is read layer by layer
 PREFETCH_LEAD_S = 0.2  # a prefetch starts this long before the request (its time in a queue)
 
 
@@ -136,6 +145,7 @@ def filesystem(path: Path) -> str:
 
 
 def tier_config(tier: str, nbytes: int, disk_path: Path) -> Any:
+    tier = tier.removesuffix(LAYERWISE)
     budget = int(nbytes * 1.25) + (64 << 20)
     pin = torch.cuda.is_available()
     if tier == "gpu":
@@ -175,7 +185,7 @@ def timed_runs(fn, repeats: int, before=None) -> tuple[list[float], list[Any]]:
 
 
 def run_context(model: Any, context: int, tiers: list[str], codecs: list[str], repeats: int,
-                disk_root: Path, device: torch.device, log) -> list[dict]:
+                disk_root: Path, device: torch.device, log, timeline: bool = False) -> list[dict]:
     layout = kv_layout(model)
     gen = torch.Generator().manual_seed(context)
     ids = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
@@ -198,7 +208,8 @@ def run_context(model: Any, context: int, tiers: list[str], codecs: list[str], r
                 rows.append(row | {"note": "no GPU"})
                 continue
             try:
-                row |= measure_tier(model, ids, prefix_kv, tier, CODECS[name](), full_s, repeats, disk_root, device)
+                row |= measure_tier(model, ids, prefix_kv, tier, CODECS[name](), full_s, repeats, disk_root, device,
+                                    timeline=timeline)
             except Exception as exc:  # one failing cell must not lose the others' results
                 row["note"] = f"error: {type(exc).__name__}: {exc}"[:200]
             rows.append(row)
@@ -219,8 +230,9 @@ def _timings(res: Any) -> tuple[Any, list[str], int]:
 
 
 def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: Any, full_s: float, repeats: int,
-                 disk_root: Path, device: torch.device) -> dict[str, Any]:
+                 disk_root: Path, device: torch.device, timeline: bool = False) -> dict[str, Any]:
     """Store the prefix in a cache with ``tier`` only, then time reuse from it."""
+    layerwise = tier.endswith(LAYERWISE)
     layout = kv_layout(model)
     prefix = len(ids) - SUFFIX
     stored = codec.encoded_nbytes(layout, prefix)
@@ -238,7 +250,11 @@ def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: A
         if tier == "disk-prefetch":
             before = lambda: prefetch_ahead(cache, ids[:prefix], disk, PREFETCH_LEAD_S)  # noqa: E731
         times, runs = timed_runs(
-            lambda: _timings(prefill_with_reuse(model, cache, ids, reuse="always", ingest=False)), repeats, before)
+            lambda: _timings(prefill_with_reuse(model, cache, ids, reuse="always", ingest=False, layerwise=layerwise)),
+            repeats, before)
+        extra = {"layerwise": layerwise}
+        if layerwise and timeline:
+            extra |= layer_timeline(model, cache, ids, device)
         read_path = cache.stats()["tiers"][-1].get("read_path") if tier.startswith("disk") else None
     finally:
         cache.close()
@@ -259,7 +275,47 @@ def measure_tier(model: Any, ids: list[int], prefix_kv: Any, tier: str, codec: A
         "planner": "reuse" if decision.reuse else "skip",
         "planned_s": reuse_s if decision.reuse else full_s,
         "note": "" if reuse_s < full_s else "SLOWER than recompute",
-    }
+    } | extra
+
+
+def layer_timeline(model: Any, cache: Any, ids: list[int], device: torch.device) -> dict[str, Any]:
+    """One layer-wise reuse, by hand, recording per layer when its load was ready and when
+    the forward needed it (``LayerwiseLoad.timeline``), and when the forward ended: what
+    limits the overlap. ``compute_ms`` of a layer: from when it could run (needed and
+    ready) to when the next layer was needed (the last: to the forward's end, LM head in)."""
+    sync(device)
+    load = cache.materialize(ids, device=device, max_tokens=len(ids) - SUFFIX, layerwise=True)
+    past = layerwise_cache(load, model.config)
+    suffix = torch.tensor([ids[load.num_tokens:]], device=device)
+    forward(model, suffix, past, last_only=True)
+    if device.type == "cuda":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+    else:
+        end = time.perf_counter()
+    layers = load.timeline()
+    end_ms = load.elapsed_ms(end)
+    load.close()
+    rows = []
+    for i, t in enumerate(layers):
+        start = max(t.ready_ms, t.needed_ms if t.needed_ms is not None else t.ready_ms)
+        stop = layers[i + 1].needed_ms if i + 1 < len(layers) and layers[i + 1].needed_ms is not None else end_ms
+        rows.append({"layer": i, "ready_ms": t.ready_ms, "needed_ms": t.needed_ms, "stall_ms": t.stall_ms,
+                     "compute_ms": max(0.0, stop - start)})
+    stalls = [r["stall_ms"] for r in rows]
+    return {"timeline": rows, "first_ready_ms": rows[0]["ready_ms"], "last_ready_ms": rows[-1]["ready_ms"],
+            "forward_end_ms": end_ms, "stall_first_ms": stalls[0], "stall_later_ms": sum(stalls[1:]),
+            "compute_sum_ms": sum(r["compute_ms"] for r in rows)}
+
+
+def timeline_verdict(row: dict) -> str:
+    """What limits a layer-wise row, from its timeline."""
+    first, later, compute = row["stall_first_ms"], row["stall_later_ms"], row["compute_sum_ms"]
+    if later > max(1.0, 0.1 * compute):
+        return (f"the load: later layers were not ready when needed ({later:.1f} ms of stalls after layer 0; "
+                f"loads ready by {row['last_ready_ms']:.1f} ms, compute {compute:.1f} ms)")
+    return (f"the start: the forward waited {first:.1f} ms for layer 0 (its copy and decode, and the host's launches "
+            f"before it), then stalled {later:.1f} ms; the rest is compute ({compute:.1f} ms)")
 
 
 def measured_cells(docs: list[dict]) -> dict[tuple[int, str, str], dict]:
@@ -309,6 +365,8 @@ def main() -> None:
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timeline", action="store_true",
+                    help="layer-wise rows: also record a per-layer timeline (load ready vs compute)")
     ap.add_argument("--disk-path", type=Path, default=None, help="folder for the disk tier (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None)
     add_plot_only(ap, several=True)
@@ -343,7 +401,7 @@ def main() -> None:
     log(f"disk tier under {disk_root} ({disk_fs})")
     rows = []
     for context in contexts:
-        rows += run_context(model, context, tiers, codecs, args.repeats, disk_root, device, log)
+        rows += run_context(model, context, tiers, codecs, args.repeats, disk_root, device, log, args.timeline)
 
     seconds = time.perf_counter() - t0
     goal = next((r for r in rows if r["context"] == 16384 and r["tier"] == "cpu" and r["codec"] == "int4"
@@ -373,6 +431,18 @@ def main() -> None:
             verdict = "MET" if r["pays"] and r["planner"] == "reuse" else "NOT MET"
             print(f"goal (16K, cold disk, {r['codec']}: reuse beats a full prefill and the planner reuses): "
                   f"{r['speedup']:.2f}x, planner {r['planner']}, {verdict}")
+    goals = {16384: 12.0, 32768: 16.0}
+    for r in timed:
+        if r["tier"] == "cpu-layerwise" and r["codec"] == "int4" and r["context"] in goals:
+            want = goals[r["context"]]
+            verdict = "MET" if r["speedup"] >= want else "NOT MET"
+            print(f"goal ({r['context'] // 1024}K, cpu tier layer-wise, int4: >= {want:.0f}x lower TTFT than full "
+                  f"prefill): {r['speedup']:.1f}x, {verdict}")
+            if "timeline" in r:
+                print(f"  limited by {timeline_verdict(r)}")
+                print(table(r["timeline"], ["layer", "ready_ms", "needed_ms", "stall_ms", "compute_ms"],
+                            f"per-layer timeline, {r['context']} tokens, {r['tier']}/{r['codec']} "
+                            f"(ms since the load began; forward ended at {r['forward_end_ms']:.1f} ms)"))
     cols = ["context", "tier", "codec", "kv_gb", "stored_gb", "full_s", "materialize_s", "suffix_s", "reuse_s",
             "speedup", "pays", "planner", "tiers_seen", "note"]
     print(table(rows, cols, f"Time to first token, {payload['model']}, {dtype}, suffix {SUFFIX} "

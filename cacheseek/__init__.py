@@ -21,6 +21,7 @@ from .errors import (
     ConfigError,
     FrameError,
     InputError,
+    LoadError,
     RemoteError,
     RemoteUnavailable,
     StorageError,
@@ -31,6 +32,7 @@ from .prefix_keys import Prompt
 from .quant import KIVI, KVLayerCodec, Raw
 
 if TYPE_CHECKING:
+    from .layerwise import LayerwiseIngest, LayerwiseLoad
     from .pages import KVPages, PagedKV, PagedRequest
     from .prefix_cache import PrefixCache
     from .remote import RemoteCache
@@ -42,6 +44,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "IngestResult": ".results",
     "KVPages": ".pages",
+    "LayerwiseIngest": ".layerwise",
+    "LayerwiseLoad": ".layerwise",
     "Loaded": ".results",
     "PagedKV": ".pages",
     "PagedRequest": ".pages",
@@ -78,6 +82,9 @@ __all__ = [
     "KVLayerCodec",
     "KVLayout",
     "KVPages",
+    "LayerwiseIngest",
+    "LayerwiseLoad",
+    "LoadError",
     "Loaded",
     "Located",
     "MMInput",

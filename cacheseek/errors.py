@@ -27,6 +27,12 @@ class ChecksumError(FrameError):
     """A frame whose payload does not match the checksum in its header."""
 
 
+class LoadError(CacheSeekError):
+    """A layer-wise load failed after it had started (a decode that raised, a frame found
+    bad): raised by ``LayerwiseLoad.wait`` for the layers not loaded. The KV of those layers
+    is not there; the caller recomputes the prefix."""
+
+
 class StorageError(CacheSeekError):
     """A tier could not complete a write (disk full, unwritable directory, backend down)."""
 

@@ -215,13 +215,24 @@ class PageSink:
         self.codec, self.source = codec, source
         self.rows: list[int] = []  # the call's row of each block added to the decoder
 
-    def __call__(self, j0: int, j1: int, buffers: list[torch.Tensor]) -> None:
+    def prepare(self) -> None:
+        """Make the kernels' device tables now, on the current stream (a layer-wise load
+        decodes on a stream of its own; the tables are kept for later calls on any stream)."""
+        from .quant.backend import backend_for
+
+        if backend_for(self.source.pages.k[0]) == "triton":
+            self.source.kernel_pages()
+
+    def __call__(self, j0: int, j1: int, buffers: list[torch.Tensor], layers: tuple[int, int] | None = None) -> None:
+        """Decode rows ``[j0, j1)`` (``buffers``: their staging views; with ``layers = (l0,
+        l1)``, views of those layers only, written into those layers' pages)."""
         j = j0
         while j < j1:
             k = j + 1
             while k < j1 and self.rows[k] == self.rows[k - 1] + 1:
                 k += 1
-            self.codec.decode_into_pages([b[j - j0 : k - j0] for b in buffers], self.source, self.rows[j], k - j)
+            self.codec.decode_into_pages([b[j - j0 : k - j0] for b in buffers], self.source, self.rows[j], k - j,
+                                         layers=layers)
             j = k
 
 

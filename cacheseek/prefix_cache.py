@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import ingest_in_place, paged_io
+from . import ingest_in_place, layerwise, paged_io
 from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
 from .kv_input import check_layers, kv_layers
+from .layerwise import LayerwiseLoad
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .pages import KVPages, PagedKV
@@ -191,22 +192,31 @@ class PrefixCache(PrefixCacheBase):
         self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
         return results
 
-    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None) -> Loaded:
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
+                         layerwise: bool = False) -> Any:
         """Write the longest stored prefix of ``keys`` (at most ``max_tokens``, and at most
         what ``dest``'s page table holds) straight into the pages ``dest = pages.at(page_ids)``
         names, decoded there; pages of later tokens are untouched. The writes are queued on
-        the pages' device's current stream."""
+        the pages' device's current stream. Returns ``Loaded``; with ``layerwise``, a
+        ``LayerwiseLoad`` whose layers are written into the pages in order (``wait(layer)``
+        before the engine reads a layer's pages; ``requests[0]`` is the ``Loaded``)."""
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
-        return self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)[0]
+        requests = [(keys, dest.page_ids, max_tokens)]
+        if layerwise:
+            return self._load_paged_layerwise(requests, dest.pages, single=True)
+        return self._load_paged(requests, dest.pages, single=True)[0]
 
-    def materialize_into_batch(self, requests: list[Any], pages: KVPages) -> list[Loaded]:
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
         max_tokens)`` each), decoded together into their pages; no page may be written by
-        two requests."""
+        two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
+        for all of them (``requests``: the ``Loaded`` of each)."""
+        if layerwise:
+            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False)
         return self._load_paged(paged_io.requests_of(requests), pages, single=False)
 
-    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool):
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
@@ -214,6 +224,30 @@ class PrefixCache(PrefixCacheBase):
         located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
         counts = [len(where) for where in located]
         paged_io.plan_load(call, counts, B)
+        return call, located, counts
+
+    def _load_paged_layerwise(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *,
+                              single: bool) -> LayerwiseLoad:
+        call, located, counts = self._plan_load(requests, pages, single=single)
+        B, L = self.block_tokens, self.layout.num_layers
+        sink = paged_io.PageSink(self.block_format.codec, call.source) if call.rows else None
+        firsts = [sum(counts[:r]) for r in range(len(counts))]
+        decoder, got = layerwise.load(self.block_format, self.store, list(zip(call.hashes, located)), pages.device,
+                                      sink=sink, rows=firsts)
+        results = [Loaded(len(t) * B, len(t), t) for t in got]
+        for h, res in zip(call.hashes, results):
+            if res.num_blocks:
+                self.store.touch_chain(h[: res.num_blocks])
+        n = sum(r.num_blocks for r in results)
+        if decoder is not None and not n:
+            decoder.release_all()
+            decoder = None
+        return LayerwiseLoad(num_layers=L, device=pages.device, num_tokens=n * B, num_blocks=n,
+                             tiers=[t for r in results for t in r.tiers], decoder=decoder, requests=results)
+
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+        call, located, counts = self._plan_load(requests, pages, single=single)
+        B = self.block_tokens
         results = [Loaded() for _ in requests]
         if not call.rows:
             return results
@@ -266,8 +300,11 @@ class PrefixCache(PrefixCacheBase):
         tiers = self.store.locate(self.block_hashes(keys))
         return Located(num_blocks=len(tiers), num_tokens=len(tiers) * self.block_tokens, tiers=tiers)
 
-    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
-        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
+    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
+                    layerwise: bool = False) -> Any:
+        """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``:
+        a ``Materialized``; with ``layerwise``, a ``LayerwiseLoad`` whose layers become ready
+        in order (``wait(layer)``, then ``layer(i)``), decoding while the caller computes.
 
         Frames flow from the tiers into the decoder as each lands (``TieredStore.stream``):
         disk reads are many in flight, and each frame's copy to ``device`` starts as soon as
@@ -278,6 +315,8 @@ class PrefixCache(PrefixCacheBase):
         device = self._device(device)
         hashes = self.block_hashes(keys)
         located = self.store.locate(self._limit(hashes, max_tokens))
+        if layerwise:
+            return self._materialize_layerwise(hashes, located, device)
         if not located:
             return self._nothing(device)
         decoder = BatchDecoder(self.block_format, len(located), device)
@@ -316,6 +355,18 @@ class PrefixCache(PrefixCacheBase):
             decoder.wait()  # no copy reads the frames' memory any more
             for frame in added[released:]:
                 frame.release()
+
+    def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
+        L = self.layout.num_layers
+        decoder, got = layerwise.load(self.block_format, self.store, [(hashes, located)], device)
+        tiers = got[0]
+        if decoder is not None and not tiers:
+            decoder.release_all()
+            decoder = None
+        if tiers:
+            self.store.touch_chain(hashes[: len(tiers)])
+        return LayerwiseLoad(num_layers=L, device=device, num_tokens=len(tiers) * self.block_tokens,
+                             num_blocks=len(tiers), tiers=tiers, decoder=decoder)
 
     def prefetch(self, keys: Any) -> Prefetch | None:
         """Start promoting the stored prefix of ``keys`` from disk or Redis into memory (the

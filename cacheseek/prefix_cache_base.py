@@ -10,6 +10,7 @@ import torch
 
 from .block_format import BlockFormat
 from .hashing import SINGLE, BlockHash, Shard
+from .layerwise import LayerwiseIngest
 from .layout import KVLayout
 from .prefix_keys import PrefixKeys
 from .quant import backend
@@ -90,6 +91,13 @@ class PrefixCacheBase:
     @staticmethod
     def _nothing(device: torch.device) -> Materialized:
         return Materialized(0, 0, [], [], device)
+
+    def ingest_layerwise(self, keys: Any) -> LayerwiseIngest:
+        """A writer that takes the KV of ``keys`` one layer at a time (``put_layer(i, k, v)``,
+        as a forward produces them) and stores the full blocks on ``finish()``, once every
+        layer is there: nothing of a block is stored before, and ``abort()`` stores nothing."""
+        self._num_keys(keys)
+        return LayerwiseIngest(self.ingest, keys, self.layout)
 
     def locate(self, keys: Any) -> Located:  # pragma: no cover - each cache implements it
         raise NotImplementedError

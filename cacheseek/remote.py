@@ -39,11 +39,12 @@ from .encode import encode_missing
 from .errors import ConfigError, FrameError, InputError, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
+from .layerwise import LayerwiseLoad
 from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
-from .results import IngestResult, Loaded, Located, Materialized
+from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
@@ -274,18 +275,30 @@ class RemoteCache(PrefixCacheBase):
         for row, report in zip(rows, self._post_frames(frames)):
             _count_report(results[call.request_of(row)], report)
 
-    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None) -> Loaded:
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
+                         layerwise: bool = False) -> Any:
         """Write the longest stored prefix (at most ``max_tokens``, and what ``dest``'s page
         table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
-        (``PrefixCache.materialize_into``)."""
+        (``PrefixCache.materialize_into``). ``layerwise``: a ``LayerwiseLoad`` with every
+        layer ready at once (see ``materialize``)."""
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
-        return self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)[0]
+        loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)
+        return self._all_ready(loaded, dest.pages.device) if layerwise else loaded[0]
 
-    def materialize_into_batch(self, requests: list[Any], pages: KVPages) -> list[Loaded]:
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
         streamed fetch per request's chain, decoded together into their pages."""
-        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+        loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False)
+        return self._all_ready(loaded, pages.device) if layerwise else loaded
+
+    def _all_ready(self, loaded: list[Loaded], device: Any) -> LayerwiseLoad:
+        """A layer-wise handle over pages already written: every layer ready at once. Over
+        HTTP a frame holds every layer of its block, so no layer is complete before the last
+        frame has arrived (docs/engine.md, "Layer-wise over HTTP")."""
+        n = sum(r.num_blocks for r in loaded)
+        return LayerwiseLoad(num_layers=self.layout.num_layers, device=device, num_tokens=n * self.block_tokens,
+                             num_blocks=n, tiers=[t for r in loaded for t in r.tiers], requests=loaded)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
@@ -332,12 +345,18 @@ class RemoteCache(PrefixCacheBase):
         n = found["matched"]
         return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
 
-    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None) -> Materialized:
+    def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
+                    layerwise: bool = False) -> Any:
         """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
+        ``layerwise``: the same KV behind a ``LayerwiseLoad`` with every layer ready at once
+        (the API of ``PrefixCache``'s layer-wise load, so callers need no branch; over HTTP
+        no layer is whole before the last frame has come, docs/engine.md).
 
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``. In an outage with
         ``on_unavailable="miss"``, nothing."""
+        if layerwise:
+            return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
         tokens = self._num_keys(keys)
         device = self._device(device)
         hashes = self._limit(self.block_hashes(keys), max_tokens)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, LoadError
 from ..kv_input import kv_layers
 from ..layout import KVLayout
 from .planner import ReuseDecision, ReusePlanner
@@ -105,6 +105,88 @@ def to_dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config
             v = v.unsqueeze(0) if v.dim() == 3 else v
             cache.update(k, v, i)
     return cache
+
+
+_LAYERWISE_CLASS: Any = None
+
+
+def layerwise_cache(load: Any = None, config: Any = None, writer: Any = None) -> Any:
+    """A ``DynamicCache`` over a ``LayerwiseLoad``: layer ``i`` holds the loaded prefix, and
+    the forward's first ``update`` of layer ``i`` makes the current stream wait for that
+    layer first (``load.wait(i)``; on a GPU the host does not wait), so the load of later
+    layers overlaps the compute of earlier ones. The prefix tensors are taken as they are
+    (no copy); the forward's ``update`` concatenates onto them as usual. ``writer``: a
+    ``LayerwiseIngest`` that is given each layer (prefix and new tokens) as the forward
+    produces it. ``load=None``: an empty cache (only the writer)."""
+    global _LAYERWISE_CLASS
+    if _LAYERWISE_CLASS is None:
+        _LAYERWISE_CLASS = _make_layerwise_class()
+    return _LAYERWISE_CLASS(load, config, writer)
+
+
+def _make_layerwise_class() -> Any:
+    from transformers import DynamicCache
+
+    class LayerwiseDynamicCache(DynamicCache):
+        """See ``layerwise_cache``."""
+
+        def __init__(self, load: Any, config: Any, writer: Any) -> None:
+            params = inspect.signature(DynamicCache.__init__).parameters
+            if config is not None and "config" in params:
+                super().__init__(config=config)
+            else:
+                super().__init__()
+            self._cs_load, self._cs_writer = load, writer
+            self._cs_pending: set[int] = set()
+            if load is not None and load.num_tokens:
+                _fill_without_copy(self, load)
+                self._cs_pending = set(range(load.num_layers))
+
+        def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+            if layer_idx in self._cs_pending:
+                self._cs_pending.discard(layer_idx)
+                self._cs_load.wait(layer_idx)  # raises LoadError if this layer's load failed
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if self._cs_writer is not None:
+                self._cs_writer.put_layer(layer_idx, keys, values)
+            return keys, values
+
+        def detach_layerwise(self) -> None:
+            """Stop waiting and writing: drop the load and the writer."""
+            for i in sorted(self._cs_pending):  # layers the forward never updated: loaded
+                self._cs_load.wait(i)
+            self._cs_load, self._cs_writer, self._cs_pending = None, None, set()
+
+    return LayerwiseDynamicCache
+
+
+def _fill_without_copy(cache: Any, load: Any) -> None:
+    """Put each layer's prefix tensors (not yet loaded: nothing reads them here) into the
+    cache's layers as they are: transformers 5.x layer objects, or the 4.x lists."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # 5.x: a layer object per layer
+        from transformers.cache_utils import DynamicLayer
+
+        for i in range(load.num_layers):
+            if i == len(layers):
+                layers.append(DynamicLayer())
+            layer = layers[i]
+            if type(layer) is not DynamicLayer:
+                raise ConfigError(f"layer {i} is a {type(layer).__name__}: layer-wise reuse takes full-attention "
+                                  "DynamicLayer caches only")
+            k, v = load.layer(i, wait=False)
+            layer.dtype, layer.device = k.dtype, k.device
+            layer.keys, layer.values = k, v
+            layer.is_initialized = True
+        return
+    if not hasattr(cache, "key_cache"):
+        raise ConfigError(f"{type(cache).__name__}: neither layer objects nor key_cache lists; cannot fill it")
+    for i in range(load.num_layers):  # 4.x: lists of tensors
+        k, v = load.layer(i, wait=False)
+        cache.key_cache.append(k)
+        cache.value_cache.append(v)
+    if hasattr(cache, "_seen_tokens"):
+        cache._seen_tokens = load.num_tokens
 
 
 def cache_length(cache: Any) -> int:
@@ -198,6 +280,7 @@ def prefill_with_reuse(
     reuse: str = "auto",
     ingest: bool = True,
     prefetch: Any = None,
+    layerwise: bool = False,
 ) -> PrefillResult:
     """Prefill a prompt, reusing its longest stored prefix when that pays.
 
@@ -217,6 +300,15 @@ def prefill_with_reuse(
     was queued; nothing waits for it here: the lookup sees the blocks it has promoted in
     memory, and the materialize waits only for those still on their way (its ``blocks`` are
     reported in ``prefetched_blocks``).
+
+    ``layerwise``: the prefix is loaded layer by layer (``cache.materialize(...,
+    layerwise=True)``) into a cache whose layer ``i`` waits for its load inside the forward
+    (``layerwise_cache``), so the load overlaps the forward; the prompt's layers go to a
+    ``cache.ingest_layerwise`` writer as the forward makes them, stored after the first
+    token. The logits and the cache are the same as without it. A load that fails part way
+    (``LoadError``) is recomputed: the whole prompt runs through the model, and
+    ``skipped_reason`` says why. ``timings.materialize_s`` is then the time to start the
+    load (the rest overlaps the forward), and the planner learns no read speed from it.
     """
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
@@ -227,7 +319,7 @@ def prefill_with_reuse(
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
 
-    reused, tiers, past, decision, skipped = 0, [], None, None, None
+    reused, tiers, past, decision, skipped, load, writer = 0, [], None, None, None, None, None
     if reuse != "never" and len(ids) > 1:
         located = cache.locate(ids[: len(ids) - 1])
         timings.locate_s = time.perf_counter() - t0
@@ -239,6 +331,15 @@ def prefill_with_reuse(
             decision = ReuseDecision(bool(located.num_tokens), "reuse forced by the caller")
         if located.num_tokens and not decision.reuse:
             skipped = decision.reason
+        elif located.num_tokens and layerwise:
+            t = time.perf_counter()
+            load = cache.materialize(ids, device=device, max_tokens=len(ids) - 1, layerwise=True)
+            if load.num_tokens:
+                reused, tiers = load.num_tokens, list(load.tiers)
+            else:
+                load.close()
+                load = None
+            timings.materialize_s = time.perf_counter() - t
         elif located.num_tokens:
             t = time.perf_counter()
             got = cache.materialize(ids, device=device, max_tokens=len(ids) - 1)
@@ -253,8 +354,25 @@ def prefill_with_reuse(
         skipped = "reuse disabled by the caller"
 
     t = time.perf_counter()
-    suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
-    logits, past = forward(model, suffix, past, last_only=True)
+    if layerwise:
+        writer = cache.ingest_layerwise(ids) if ingest else None
+        past = layerwise_cache(load, model.config, writer)
+    try:
+        suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
+        logits, past = forward(model, suffix, past, last_only=True)
+    except LoadError as exc:  # a layer-wise load that failed part way: recompute the prompt
+        skipped = f"layer-wise load failed, recomputed: {exc}"
+        reused, tiers = 0, []
+        if writer is not None:
+            writer.abort()
+            writer = cache.ingest_layerwise(ids)
+        suffix = torch.tensor([ids], dtype=torch.long, device=device)
+        logits, past = forward(model, suffix, layerwise_cache(None, model.config, writer), last_only=True)
+    finally:
+        if load is not None:
+            load.close()  # after the forward's launches: only gives the store's memory back
+    if layerwise:
+        past.detach_layerwise()  # a plain DynamicCache from here on (generation goes on with it)
     last = logits[0, -1]
     _sync(device)
     timings.forward_s = time.perf_counter() - t
@@ -264,7 +382,7 @@ def prefill_with_reuse(
     stored, errors = 0, {}
     if ingest:
         t = time.perf_counter()
-        result = cache.ingest(ids, past)
+        result = writer.finish() if writer is not None else cache.ingest(ids, past)
         stored, errors = result.stored, dict(getattr(result, "errors", {}) or {})
         timings.ingest_s = time.perf_counter() - t
     timings.total_s = time.perf_counter() - t0

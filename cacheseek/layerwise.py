@@ -1,0 +1,596 @@
+"""Layer-wise loading and storing: KV whose layers become ready in order, so a forward can
+start on layer 0 while later layers are still on their way, and an ingest that takes the
+layers as a forward produces them.
+
+``LayerwiseLoad`` is the handle a layer-wise ``materialize`` / ``materialize_into`` returns.
+It knows nothing of any engine: a consumer calls ``wait(layer)`` before it reads a layer
+(a transformers cache in its ``update``, a vLLM connector in ``wait_for_layer_load``).
+
+How a load runs (``LayerwiseDecoder``):
+
+- The frames are fetched from the tiers as for ``materialize``. On a GPU, a frame from the
+  CPU tier has only its first layer group copied to the device when it arrives; frames from
+  other tiers (a disk read lent in a pooled buffer, the GPU tier) are copied whole and given
+  back at once, as before.
+- Then the layers are decoded group by group (groups of 1, 2, 4, 8 ... layers), over all
+  blocks at once: for each group the copies of its slices of every CPU-tier frame (six
+  copies per frame for KIVI, one per buffer), then one decode launch per side, on a decode
+  stream of its own, then a CUDA event. ``wait(layer)`` makes the consumer's stream wait for
+  that event: the host never waits. The copies of group ``g + 2`` are issued when the
+  consumer waits for a layer of group ``g``, so the host's launches interleave with the
+  forward's instead of delaying its start.
+- Without CUDA, each group is decoded when a layer of it is first waited for (synchronous,
+  in the caller's thread): the same API and the same bytes, testable anywhere.
+
+A load that fails part way (a decode that raises) marks the handle: ``wait`` on a layer not
+loaded raises ``LoadError``, and the caller recomputes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .block_format import BlockFormat
+from .decode import BatchDecoder
+from .errors import FrameError, InputError, LoadError
+from .store.device import as_host_tensor
+from .store.streams import on_stream, work_stream
+from .store.tier import BlockFrame
+
+_FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
+LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (on a GPU)
+
+
+def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
+    """``[l0, l1)`` ranges covering ``num_layers`` layers: ``first`` layers, then twice as
+    many each time, so the forward starts after a small first copy while the number of
+    launches stays logarithmic in the layer count."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers: must be >= 1, got {num_layers}")
+    out, l0, size = [], 0, max(1, first)
+    while l0 < num_layers:
+        l1 = min(num_layers, l0 + size)
+        out.append((l0, l1))
+        l0, size = l1, size * 2
+    return out
+
+
+# -- the decoder ---------------------------------------------------------------------------
+
+
+class LayerwiseDecoder(BatchDecoder):
+    """A ``BatchDecoder`` that decodes layer group by layer group over all its blocks,
+    instead of block chunk by block chunk. It owns the frames added: it gives each back once
+    nothing more will be copied out of it (``release``)."""
+
+    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device,
+                 groups: Sequence[tuple[int, int]], *, sink: Any = None) -> None:
+        super().__init__(fmt, max_blocks, device, sink=sink)
+        self.groups = list(groups)
+        self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
+        self._split: list[tuple[Any, Any]] = []  # (dst, src) pieces of the frames copied group by group
+        self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
+        self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
+        self._last_copy: Any = None  # event after the last copy out of the frames
+        self._sealed = False
+        # When the load began (the zero of its timeline): before the first frame's copy.
+        self.started = time.perf_counter()
+        self.start_event = None
+        if device.type == "cuda":
+            self.start_event = torch.cuda.Event(enable_timing=True)
+            self.start_event.record(torch.cuda.current_stream(device))
+
+    def add(self, frame: BlockFrame, *, split: bool = False) -> None:
+        """Start the copy of ``frame`` to the device: whole, or (``split``, host frames on a
+        GPU) its first layer group only, the rest when its group is run."""
+        if self._sealed:
+            raise RuntimeError("LayerwiseDecoder.add after seal")
+        if len(self._frames) >= self.max_blocks:
+            raise RuntimeError(f"LayerwiseDecoder holds {self.max_blocks} blocks already")
+        if self._meta0 is None:
+            self._start(frame.meta)
+            self._plan_pieces(frame.meta)
+        elif frame.meta.tensors != self._meta0.tensors:
+            raise FrameError("frames of one chain disagree on their payload layout")
+        j = len(self._frames)
+        dst = self._staging[j]
+        host = frame.device_payload is None and frame.device_entries is None
+        self._frames.append(frame)
+        if self._copy_stream is None:
+            self._copy(frame, dst)  # done when it returns
+            frame.release()
+            return
+        with on_stream(self._copy_stream):
+            if split and host and len(self.groups) > 1:
+                # One C++ call per side cuts a frame into its (buffer, layer group) pieces:
+                # slicing them one by one in Python cost more than the copies' launches.
+                src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
+                pieces = (dst.tensor_split(self._cuts), src.tensor_split(self._cuts))
+                self._split.append(pieces)
+                self._split_frames.append(frame)
+                self._copy_pieces([pieces], 0)
+            else:
+                self._copy(frame, dst)
+                landed = torch.cuda.Event()
+                landed.record(self._copy_stream)
+                self._pending.append((landed, frame))
+
+    def _plan_pieces(self, meta: Any) -> None:
+        """Where a payload is cut so that each (buffer, layer group) is one piece: the cut
+        offsets, and per group the indices of its pieces (one per buffer)."""
+        L = self.layout.num_layers
+        if any(not e.shape or e.shape[0] != L or e.nbytes % L for e in meta.tensors):
+            raise FrameError("frame buffers are not laid out layer-major: cannot load them layer by layer")
+        starts = {}
+        for e in meta.tensors:
+            per = e.nbytes // L
+            for l0, _ in self.groups:
+                starts[(e.name, l0)] = e.offset + l0 * per
+            starts[(e.name, L)] = e.offset + e.nbytes
+        cuts = sorted(set(starts.values()) - {0})
+        index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
+        self._cuts = cuts
+        self._group_pieces = [[index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors] for l0, _ in self.groups]
+
+    def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
+        """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
+        the current stream: one ``_foreach_copy_`` (its launches made in C++)."""
+        global _FOREACH_COPY
+        idx = self._group_pieces[g]
+        dst = [d[i] for d, _ in frames for i in idx]
+        src = [s[i] for _, s in frames for i in idx]
+        if _FOREACH_COPY:
+            try:
+                torch._foreach_copy_(dst, src, non_blocking=True)
+                return
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # a torch without it across devices
+                _FOREACH_COPY = False
+                warnings.warn(f"torch._foreach_copy_ failed ({exc}); layer-wise copies fall back to one "
+                              "Python call per piece (slower to launch)", RuntimeWarning, stacklevel=2)
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=True)
+
+    def release_copied(self) -> None:
+        """Give back the frames whose copies have all landed (asks the device, no wait)."""
+        pending = self._pending
+        while pending and pending[0][0].query():
+            pending.popleft()[1].release()
+        if self._split_frames and self._last_copy is not None and self._last_copy.query():
+            for frame in self._split_frames:
+                frame.release()
+            self._split_frames = []
+
+    def seal(self) -> int:
+        """No more frames: allocate the outputs (contiguous loads). Returns the block count."""
+        self._sealed = True
+        n = self._n = len(self._frames)
+        if n and self._sink is None:
+            L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+            self._k = torch.empty((L, H, n * B, D), dtype=self.layout.torch_dtype, device=self.device)
+            self._v = torch.empty_like(self._k)
+            self._k_blocks = self._k.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
+            self._v_blocks = self._v.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
+        if self._decode_stream is not None and n:
+            prepare = getattr(self._sink, "prepare", None)
+            if prepare is not None:
+                prepare()  # tables the kernels keep: uploaded in the caller's stream order, not the decode stream's
+            # The outputs and the staging were made on the caller's stream; the side streams
+            # use them, so the allocator must not hand their memory out again before those are done.
+            self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for t in (self._staging, self._k, self._v):
+                if t is not None:
+                    t.record_stream(self._decode_stream)
+            self._staging.record_stream(self._copy_stream)
+        return n
+
+    @property
+    def outputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self._k, self._v
+
+    def run_group(self, g: int, timing: bool = False) -> Any:
+        """Copy (the rest of the frames' slices) and decode layer group ``g``; on a GPU,
+        queued on the side streams and returns the event that marks it decoded."""
+        l0, l1 = self.groups[g]
+        n = self._n
+        views = [v[:n, l0:l1] for v in self._views]
+        if self._decode_stream is None:
+            self._decode_layers(views, l0, l1, n)
+            return None
+        if g > 0 and self._split:
+            with on_stream(self._copy_stream):
+                self._copy_pieces(self._split, g)
+        landed = torch.cuda.Event()
+        landed.record(self._copy_stream)
+        if g == len(self.groups) - 1:
+            self._last_copy = landed
+        self._decode_stream.wait_event(landed)
+        with on_stream(self._decode_stream):
+            self._decode_layers(views, l0, l1, n)
+        ready = torch.cuda.Event(enable_timing=timing)
+        ready.record(self._decode_stream)
+        return ready
+
+    def _decode_layers(self, views: list[torch.Tensor], l0: int, l1: int, n: int) -> None:
+        if self._sink is not None:
+            self._sink(0, n, views, layers=(l0, l1))
+            return
+        L, H, D, B = l1 - l0, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+        template = self.codec.template((n, L, H, B, D), self.layout.dtype)
+        out = (self._k_blocks[:, l0:l1], self._v_blocks[:, l0:l1])
+        self.codec.decode(template.with_buffers(views), self.device, out=out)
+
+    def release_all(self) -> None:
+        """Wait for every copy out of the frames (host-side), then give them all back."""
+        if self._copy_stream is not None and (self._pending or self._split_frames):
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+            done.synchronize()
+        while self._pending:
+            self._pending.popleft()[1].release()
+        for frame in self._split_frames:
+            frame.release()
+        self._split_frames = []
+        self._frames.clear()
+
+
+# -- the handle ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LayerTiming:
+    """One layer of a load's timeline, in ms since the load started: ``ready_ms`` when its
+    decode finished, ``needed_ms`` when the consumer first waited for it (on a GPU, both on
+    the device's clock); ``stall_ms`` how long the consumer waited."""
+
+    layer: int
+    ready_ms: float
+    needed_ms: float | None
+
+    @property
+    def stall_ms(self) -> float:
+        return 0.0 if self.needed_ms is None else max(0.0, self.ready_ms - self.needed_ms)
+
+
+class LayerwiseLoad:
+    """A load whose layers become ready in order: ``wait(layer)`` before reading a layer.
+
+    ``num_tokens`` / ``num_blocks`` / ``tiers``: what is being loaded (known when the handle
+    is returned: the frames are fetched by then, only the decodes run on). ``layer(i)``:
+    the (K, V) of a contiguous load, ``[1, H, num_tokens, D]`` each, after waiting for it.
+    ``done()``: every layer ready (no wait). ``close()``: wait for the device, give the
+    store's memory back (also on ``with``'s exit). A load that failed part way raises
+    ``LoadError`` from ``wait`` for the layers it did not load; ``error`` holds the cause.
+    ``requests``: for a load into pages, the ``Loaded`` of each request (what is written).
+    """
+
+    def __init__(self, *, num_layers: int, device: torch.device, num_tokens: int = 0, num_blocks: int = 0,
+                 tiers: Sequence[str] = (), decoder: LayerwiseDecoder | None = None,
+                 layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, timing: bool = True,
+                 requests: Sequence[Any] | None = None) -> None:
+        self.num_layers, self.device = num_layers, device
+        self.requests = list(requests) if requests is not None else []
+        self.num_tokens, self.num_blocks, self.tiers = num_tokens, num_blocks, list(tiers)
+        self.error: BaseException | None = None
+        self._decoder = decoder
+        self._cuda = device.type == "cuda"
+        self._timing = timing and self._cuda
+        self._groups = decoder.groups if decoder is not None else [(0, num_layers)]
+        self._group_of = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
+        self._issued = 0 if decoder is not None else len(self._groups)
+        self._events: list[Any] = [None] * num_layers  # per layer: its group's ready event (GPU)
+        self._ready_t: list[float | None] = [None] * num_layers  # per layer, host clock (CPU)
+        self._needed: list[Any] = [None] * num_layers  # per layer: when first waited for
+        self._layers = list(layers) if layers is not None else None
+        self._closed = False
+        self._t0 = decoder.started if decoder is not None else time.perf_counter()
+        self._start = decoder.start_event if decoder is not None else None
+        if self._cuda and self._start is None:
+            self._start = torch.cuda.Event(enable_timing=self._timing)
+            self._start.record(torch.cuda.current_stream(device))
+        if decoder is None:  # everything is there already (nothing stored, or a whole load)
+            ready = torch.cuda.Event(enable_timing=self._timing) if self._cuda else None
+            if ready is not None:
+                ready.record(torch.cuda.current_stream(device))
+            self._events = [ready] * num_layers
+            self._ready_t = [0.0] * num_layers
+        elif self._cuda:
+            self._advance(min(len(self._groups), LOOKAHEAD_GROUPS) - 1)
+
+    # -- building ----------------------------------------------------------------------
+
+    @classmethod
+    def loaded(cls, materialized: Any, num_layers: int) -> LayerwiseLoad:
+        """A handle over KV already decoded (``Materialized``): every layer ready at once.
+        What a cache that cannot load layer by layer returns (``RemoteCache``), so callers
+        need no branch."""
+        return cls(num_layers=num_layers, device=materialized.device, num_tokens=materialized.num_tokens,
+                   num_blocks=materialized.num_blocks, tiers=materialized.tiers,
+                   layers=[(k, v) for k, v in materialized.layers] or None)
+
+    # -- the consumer's side -----------------------------------------------------------
+
+    def wait(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (on a GPU: default the device's current stream) wait until
+        ``layer`` is loaded: work queued on it afterwards sees the layer. On a GPU the host
+        does not wait; without one, the layer is decoded now if it is not yet. Raises
+        ``LoadError`` if the load failed before this layer."""
+        if not 0 <= layer < self.num_layers:
+            raise InputError(f"layer: {layer} is outside the {self.num_layers} layers")
+        if self._closed and self._decoder is not None and self._issued < len(self._groups):
+            raise RuntimeError("LayerwiseLoad: closed before every layer was loaded")
+        g = self._group_of[layer]
+        if self._cuda:
+            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            if self._needed[layer] is None and self._timing:
+                needed = torch.cuda.Event(enable_timing=True)
+                needed.record(stream)
+                self._needed[layer] = needed
+            self._advance(g + LOOKAHEAD_GROUPS)
+            self._check(layer)
+            stream.wait_event(self._events[layer])
+        else:
+            if self._needed[layer] is None:
+                self._needed[layer] = time.perf_counter()
+            self._advance(g)
+            self._check(layer)
+
+    def layer(self, i: int, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of layer ``i``, ``[1, H, num_tokens, D]`` each, after ``wait(i)``.
+        ``wait=False``: the tensors now, not yet holding the layer (for a consumer that
+        waits later, before it reads them: shapes and devices are final)."""
+        if self._layers is None and (self._decoder is None or self._decoder.outputs[0] is None):
+            if self.num_tokens == 0:
+                raise RuntimeError("LayerwiseLoad.layer: nothing was loaded (num_tokens is 0)")
+            raise RuntimeError("LayerwiseLoad.layer: this load wrote into an engine's pages; read them there")
+        if wait:
+            self.wait(i)
+        elif not 0 <= i < self.num_layers:
+            raise InputError(f"layer: {i} is outside the {self.num_layers} layers")
+        if self._layers is not None:
+            return self._layers[i]
+        k, v = self._decoder.outputs
+        return k[i].unsqueeze(0), v[i].unsqueeze(0)
+
+    def ready(self, layer: int) -> bool:
+        """Whether ``layer`` is loaded (asks the device; never waits, never issues work)."""
+        if self.error is not None and self._events[layer] is None and self._ready_t[layer] is None:
+            return False
+        if self._cuda:
+            event = self._events[layer]
+            return event is not None and event.query()
+        return self._ready_t[layer] is not None
+
+    def done(self) -> bool:
+        """Whether every layer is loaded (issues what is left; never waits)."""
+        self._advance(len(self._groups) - 1)
+        if self.error is not None:
+            return False
+        ok = self.ready(self.num_layers - 1) if self.num_layers else True
+        if ok and self._decoder is not None:
+            self._decoder.release_copied()
+        return ok
+
+    def synchronize(self) -> None:
+        """Load every layer and wait for it on the host; raises ``LoadError`` on a failure."""
+        self._advance(len(self._groups) - 1)
+        self._check(self.num_layers - 1)
+        if self._cuda and self._events[-1] is not None:
+            self._events[-1].synchronize()
+
+    def close(self) -> None:
+        """Finish: every layer loaded (so nothing is left writing into memory the caller may
+        reuse), and the store's memory given back. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self.error is None:
+                self._advance(len(self._groups) - 1)
+            if self._cuda:
+                done = [e for e in self._events if e is not None]
+                if done:
+                    done[-1].synchronize()
+        finally:
+            self._closed = True
+            if self._decoder is not None:
+                self._decoder.release_all()
+
+    def __enter__(self) -> LayerwiseLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def timeline(self) -> list[LayerTiming]:
+        """Per layer: when it was ready and when the consumer first waited for it (ms since
+        the load began). On a GPU this waits for the device."""
+        self.synchronize()
+        out = []
+        for i in range(self.num_layers):
+            if self._cuda:
+                if not self._timing:
+                    raise RuntimeError("LayerwiseLoad.timeline: made with timing=False")
+                ready = self._start.elapsed_time(self._events[i])
+                needed = self._needed[i]
+                if needed is not None:
+                    needed.synchronize()
+                needed_ms = self._start.elapsed_time(needed) if needed is not None else None
+            else:
+                ready = (self._ready_t[i] - self._t0) * 1e3 if self._ready_t[i] else 0.0
+                needed_ms = (self._needed[i] - self._t0) * 1e3 if self._needed[i] is not None else None
+            out.append(LayerTiming(i, ready, needed_ms))
+        return out
+
+    def elapsed_ms(self, mark: Any) -> float:
+        """ms from the load's start to ``mark``: a CUDA event recorded later (waited for
+        here), or a ``time.perf_counter()`` value without CUDA. For timelines: when the
+        consumer's work ended, on the same clock as ``timeline()``."""
+        if self._cuda:
+            mark.synchronize()
+            return self._start.elapsed_time(mark)
+        return (mark - self._t0) * 1e3
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _advance(self, upto: int) -> None:
+        """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order."""
+        decoder = self._decoder
+        upto = min(upto, len(self._groups) - 1)
+        while self._issued <= upto and self.error is None and not self._closed:
+            g = self._issued
+            try:
+                event = decoder.run_group(g, timing=self._timing)
+            except BaseException as exc:  # marks the load; ``wait`` raises for what is missing
+                self.error = exc
+                decoder.release_all()
+                return
+            l0, l1 = self._groups[g]
+            now = time.perf_counter()
+            for i in range(l0, l1):
+                self._events[i] = event
+                self._ready_t[i] = now
+            self._issued += 1
+        if self._issued == len(self._groups) and decoder is not None and self._cuda:
+            decoder.release_copied()
+
+    def _check(self, layer: int) -> None:
+        if self._events[layer] is None and self._ready_t[layer] is None:
+            cause = self.error
+            raise LoadError(f"layer {layer} of the prefix was not loaded "
+                            f"({type(cause).__name__}: {cause}); recompute it") from cause
+
+
+def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], Sequence[str]]],
+         device: torch.device, *, sink: Any = None, rows: list[int] | None = None,
+         groups: Sequence[tuple[int, int]] | None = None) -> tuple[LayerwiseDecoder | None, list[list[str]]]:
+    """Fetch the frames of ``chains`` ((hashes, located tiers) per request, in row order)
+    into a ``LayerwiseDecoder``: per chain, the tiers of the blocks it got (a chain ends at
+    the first block gone or bad since the lookup). ``rows``: with a page ``sink``, the
+    call's row of each chain's first block, appended to ``sink.rows`` per block added."""
+    total = sum(len(where) for _, where in chains)
+    got: list[list[str]] = [[] for _ in chains]
+    if not total:
+        return None, got
+    groups = list(groups) if groups is not None else layer_groups(fmt.layout.num_layers)
+    decoder = LayerwiseDecoder(fmt, total, device, groups, sink=sink)
+    try:
+        for r, (hashes, where) in enumerate(chains):
+            if not where:
+                continue
+            frames = store.stream(list(hashes[: len(where)]), where=list(where), leased=True)
+            try:
+                for key, item in zip(hashes, frames):
+                    if item is None:
+                        break  # evicted or found corrupt since the lookup: this prefix ends here
+                    frame, tier = item
+                    try:
+                        fmt.check_fetched(frame.meta, key)
+                    except FrameError:
+                        frame.release()
+                        break
+                    if sink is not None:
+                        sink.rows.append(rows[r] + len(got[r]))
+                    decoder.add(frame, split=tier == "cpu")
+                    got[r].append(tier)
+                    decoder.release_copied()
+            finally:
+                frames.close()
+        decoder.seal()
+    except BaseException:
+        decoder.release_all()
+        raise
+    return decoder, got
+
+
+# -- ingest, layer by layer ----------------------------------------------------------------
+
+
+class LayerwiseIngest:
+    """Takes a prompt's KV one layer at a time (``put_layer(i, k, v)``, any order, as a
+    forward produces them) and stores its blocks when ``finish()`` is called with every
+    layer there: a block is stored whole or not at all, never some of its layers. ``abort()``
+    (or leaving a ``with`` block by an exception) drops what was put: nothing is stored.
+
+    The layers are kept by reference until ``finish`` (a forward's cache makes new tensors
+    as it grows, so the ones put stay as they were); ``finish`` is one ``ingest`` of them,
+    with its checks (NaN/Inf: nothing stored) and its result."""
+
+    def __init__(self, ingest: Callable[[Any, list], Any], keys: Any, layout: Any) -> None:
+        self._ingest, self.keys, self.layout = ingest, keys, layout
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
+        self._tokens: int | None = None
+        self._state = "open"
+
+    def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens
+        so far, the same for every layer). Bad input raises ``InputError``; the writer stays
+        usable (nothing of it was taken)."""
+        if self._state != "open":
+            raise RuntimeError(f"LayerwiseIngest.put_layer: the writer is {self._state}")
+        L = self.layout.num_layers
+        if not isinstance(i, int) or not 0 <= i < L:
+            raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
+        if self._layers[i] is not None:
+            raise InputError(f"layer {i}: put twice")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
+                raise InputError(f"layer {i} {name}: expected a [1, H, T, D] or [H, T, D] tensor")
+        k = k if k.dim() == 4 else k.unsqueeze(0)
+        v = v if v.dim() == 4 else v.unsqueeze(0)
+        if k.shape != v.shape:
+            raise InputError(f"layer {i}: k {list(k.shape)} and v {list(v.shape)} differ")
+        if k.dtype != v.dtype or k.device != v.device:
+            raise InputError(f"layer {i}: k and v differ in dtype or device")
+        H, T, D = k.shape[-3:]
+        if (H, D) != (self.layout.num_kv_heads, self.layout.head_dim):
+            raise InputError(f"layer {i}: {H} heads of dim {D}, the layout says "
+                             f"{self.layout.num_kv_heads} of dim {self.layout.head_dim}")
+        if k.dtype != self.layout.torch_dtype:
+            raise InputError(f"layer {i}: dtype {k.dtype}, the layout says {self.layout.dtype}")
+        if self._tokens is not None and T != self._tokens:
+            raise InputError(f"layer {i}: {T} tokens, earlier layers have {self._tokens}")
+        self._tokens = T
+        self._layers[i] = (k, v)
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, kv in enumerate(self._layers) if kv is None]
+
+    def finish(self) -> Any:
+        """Store the blocks (one ``ingest`` of all layers) and return its ``IngestResult``.
+        With a layer missing: ``InputError``, and nothing is stored."""
+        if self._state != "open":
+            raise RuntimeError(f"LayerwiseIngest.finish: the writer is {self._state}")
+        missing = self.missing
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+            self.abort()
+            raise InputError(f"layers {shown} were never put ({len(missing)} of {len(self._layers)}); nothing stored")
+        layers, self._layers = self._layers, [None] * len(self._layers)
+        self._state = "finished"
+        return self._ingest(self.keys, layers)
+
+    def abort(self) -> None:
+        """Drop every layer put: nothing is stored. Idempotent."""
+        if self._state == "open":
+            self._state = "aborted"
+        self._layers = [None] * len(self._layers)
+
+    def __enter__(self) -> LayerwiseIngest:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.abort()  # left without finish(): nothing is stored
+
+
+__all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad", "layer_groups",
+           "load"]

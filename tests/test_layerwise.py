@@ -1,0 +1,529 @@
+"""Layer-wise loading and storing: ``materialize(..., layerwise=True)``,
+``materialize_into(..., layerwise=True)``, ``ingest_layerwise``, and ``prefill_with_reuse``
+on a cache that waits per layer inside the forward.
+
+On a CPU the handle decodes a layer group when one of its layers is first waited for, so
+the order in which layers become ready is visible here; on a GPU (the CUDA-only cases) it
+queues every group on side streams with an event per layer and never waits on the host.
+Every load is compared byte for byte with the normal path.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import cacheseek as cs
+from cacheseek import paged_io
+from cacheseek.layerwise import LayerwiseDecoder, layer_groups
+from cacheseek.quant import backend as kivi_codec
+from paged_helpers import engine_pages, page_tables, snapshot, unchanged
+from store_helpers import make_kv, tokens_for
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+LAYOUT = cs.KVLayout(num_layers=6, num_kv_heads=2, head_dim=64, dtype="float16")  # groups (0,1) (1,3) (3,6)
+L, H, D, DTYPE = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+BLOCK = 32
+INT4 = cs.KIVI(bits=4, group_size=32)
+CODECS = [cs.Raw(), INT4]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_cache(codec, device_tier=False, **kw):
+    tiers = cs.TierConfig(cpu_bytes="16MiB", pin_memory=torch.cuda.is_available(), **kw)
+    return cs.PrefixCache(model_id="lw", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=tiers)
+
+
+@pytest.fixture(autouse=True)
+def torch_backend(monkeypatch):
+    """The torch reference on a CPU (the interpreted kernels are tested on the same ranges in
+    test_paged.py); on a GPU the kernels."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+
+
+def stored(cache, codec, T=3 * BLOCK + 7, seed=1, device="cpu"):
+    toks, kv = tokens_for(seed, T), make_kv(T, seed, LAYOUT, device=device)
+    assert cache.ingest(toks, kv).stored == T // BLOCK
+    return toks, kv
+
+
+# -- the handle ----------------------------------------------------------------------------
+
+
+def test_layer_groups_grow_and_cover_every_layer():
+    assert layer_groups(6) == [(0, 1), (1, 3), (3, 6)]
+    assert layer_groups(32) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 32)]
+    assert layer_groups(1) == [(0, 1)]
+    assert layer_groups(5, first=2) == [(0, 2), (2, 5)]
+    with pytest.raises(ValueError):
+        layer_groups(0)
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_load_is_bit_identical_to_materialize(codec, kernels, monkeypatch):
+    if kernels:  # the Triton decode (interpreted on a CPU) of layer ranges: strided staging views
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with cache.materialize(toks, layerwise=True) as load:
+            assert (load.num_tokens, load.num_blocks, load.tiers) == (want.num_tokens, want.num_blocks, want.tiers)
+            for i in range(L):
+                k, v = load.layer(i)
+                assert k.shape == (1, H, want.num_tokens, D)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+            assert load.done()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the groups are queued at once")
+def test_layers_become_ready_in_order_group_by_group():
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        load = cache.materialize(toks, layerwise=True)
+        assert [load.ready(i) for i in range(L)] == [False] * L  # nothing decoded before a wait
+        load.wait(0)
+        assert [load.ready(i) for i in range(L)] == [True] + [False] * 5
+        load.wait(2)  # the group (1, 3) as a whole
+        assert [load.ready(i) for i in range(L)] == [True] * 3 + [False] * 3
+        load.wait(1)  # ready already: nothing more is decoded
+        assert not load.ready(3)
+        assert not load.done() or all(load.ready(i) for i in range(L))  # done() finishes the load
+        assert all(load.ready(i) for i in range(L))
+        times = load.timeline()
+        assert [t.layer for t in times] == list(range(L))
+        ready = [t.ready_ms for t in times]
+        assert ready == sorted(ready)  # in order
+        assert times[0].needed_ms is not None and times[5].needed_ms is None  # layer 5 was never waited for
+        load.close()
+
+
+def test_wait_checks_the_layer_and_an_empty_load_is_ready():
+    with make_cache(cs.Raw()) as cache:
+        toks, _ = stored(cache, cs.Raw())
+        with cache.materialize(toks, layerwise=True) as load:
+            with pytest.raises(cs.InputError, match="outside the 6 layers"):
+                load.wait(6)
+            with pytest.raises(cs.InputError):
+                load.wait(-1)
+            k, v = load.layer(3, wait=False)  # the tensors before the layer is there: shapes final
+            assert k.shape == v.shape == (1, H, 3 * BLOCK, D)
+        load.close()  # idempotent
+        empty = cache.materialize(tokens_for(99, 2 * BLOCK), layerwise=True)
+        assert (empty.num_tokens, empty.num_blocks, empty.tiers) == (0, 0, [])
+        assert empty.done() and empty.ready(0)
+        empty.wait(5)
+        with pytest.raises(RuntimeError, match="nothing was loaded"):
+            empty.layer(0)
+        short = cache.materialize(toks, layerwise=True, max_tokens=BLOCK + 3)
+        assert short.num_tokens == BLOCK and short.layer(0)[0].shape == (1, H, BLOCK, D)
+        short.close()
+
+
+def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypatch):
+    real = LayerwiseDecoder._decode_layers
+
+    def failing_from_layer_1(self, views, l0, l1, n):
+        if l0 >= 1:
+            raise RuntimeError("device lost")
+        return real(self, views, l0, l1, n)
+
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_1)
+        load = cache.materialize(toks, layerwise=True)
+        k, _ = load.layer(0)  # loaded before the failure: good
+        assert torch.equal(k, want.layers[0][0])
+        with pytest.raises(cs.LoadError, match="layer 1 .*device lost.*recompute"):
+            load.wait(1)
+        with pytest.raises(cs.LoadError):
+            load.layer(5)
+        assert isinstance(load.error, RuntimeError) and not load.done() and not load.ready(4)
+        load.close()
+        monkeypatch.undo()
+        # the store is untouched: the next load is whole
+        with cache.materialize(toks, layerwise=True) as again:
+            assert torch.equal(again.layer(5)[1], want.layers[5][1])
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
+    """What a GPU copies of a CPU-tier frame per layer group: exactly that group's layers of
+    every buffer, and all groups together the whole payload."""
+    from cacheseek.store.device import as_host_tensor
+
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        frame, _ = cache.store.get_many(cache.block_hashes(toks)[:1])[0]
+        groups = layer_groups(L)
+        dec = LayerwiseDecoder(cache.block_format, 1, torch.device("cpu"), groups)
+        dec._start(frame.meta)
+        dec._plan_pieces(frame.meta)
+        n = frame.meta.payload_nbytes
+        payload = as_host_tensor(frame.payload_view())[:n]
+        row = torch.zeros(n, dtype=torch.uint8)
+        pieces = (row.tensor_split(dec._cuts), payload.tensor_split(dec._cuts))
+        copied = torch.zeros(n, dtype=torch.bool)
+        for g, (l0, l1) in enumerate(groups):
+            dec._copy_pieces([pieces], g)
+            for e in frame.meta.tensors:
+                per = e.nbytes // L
+                copied[e.offset + l0 * per : e.offset + l1 * per] = True
+            assert torch.equal(row[copied], payload[copied]) and not row[~copied].any()
+        assert torch.equal(row, payload) or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
+
+
+# -- into an engine's pages ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec, kernels, monkeypatch):
+    if kernels:  # the Triton kernels (interpreted on a CPU), a layer range per launch
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    page, num_pages = 16, 24
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        T = 3 * BLOCK + 7
+        ids = page_tables([T], page, num_pages, seed=2)[0]
+        normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        before = snapshot(lw_t)
+        got = cache.materialize_into(toks, normal.at(ids))
+        load = cache.materialize_into(toks, lw.at(ids), layerwise=True)
+        assert (load.num_tokens, load.num_blocks, load.tiers) == (got.num_tokens, got.num_blocks, got.tiers)
+        assert load.requests == [got]
+        if not torch.cuda.is_available():  # decoded on wait: layer 0's pages only so far
+            load.wait(0)
+            assert torch.equal(lw_t[0], normal_t[0]) and unchanged(before[1:], lw_t[1:])
+        for i in range(L):
+            load.wait(i)
+        load.close()
+        assert unchanged(normal_t, lw_t)
+        with pytest.raises(RuntimeError, match="engine's pages"):
+            load.layer(0)
+        # The tables the kernels keep are made on the caller's stream (``seal``), before any
+        # decode on the load's own stream; the torch fallback has none to make.
+        fresh, _ = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
+        sink = paged_io.PageSink(codec, types.SimpleNamespace(pages=fresh, kernel_pages=fresh.kernel_pages))
+        sink.prepare()
+        assert bool(fresh._kernel_pages) == kernels
+
+
+def test_layerwise_batch_into_pages_equals_the_batch():
+    page, num_pages = 8, 64
+    with make_cache(INT4) as cache:
+        a, _ = stored(cache, INT4, T=2 * BLOCK, seed=1)
+        b, _ = stored(cache, INT4, T=3 * BLOCK + 1, seed=2)
+        miss = tokens_for(77, BLOCK)
+        tables = page_tables([2 * BLOCK, 3 * BLOCK + 1, BLOCK], page, num_pages, seed=6)
+        reqs = [cs.PagedRequest(k, t) for k, t in zip((a, b, miss), tables)]
+        normal, normal_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=1)
+        lw, lw_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=1)
+        want = cache.materialize_into_batch(reqs, normal)
+        with cache.materialize_into_batch(reqs, lw, layerwise=True) as load:
+            assert load.requests == want and load.num_blocks == 5
+            load.synchronize()
+        assert unchanged(normal_t, lw_t)
+
+
+# -- ingest, layer by layer ------------------------------------------------------------------
+
+
+def stored_payloads(cache, keys):
+    out = []
+    for got in cache.store.get_many(cache.block_hashes(keys)):
+        assert got is not None
+        out.append(bytes(got[0].payload_view()))
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(codec):
+    T = 2 * BLOCK + 5
+    toks, kv = tokens_for(3, T), make_kv(T, 3, LAYOUT)
+    with make_cache(codec) as normal, make_cache(codec) as lw:
+        want = normal.ingest(toks, kv)
+        writer = lw.ingest_layerwise(toks)
+        for i in reversed(range(L)):  # any order
+            writer.put_layer(i, kv[i][0][None], kv[i][1])
+            assert lw.locate(toks).num_blocks == 0  # nothing visible before finish()
+        got = writer.finish()
+        assert (got.blocks, got.stored, got.present) == (want.blocks, want.stored, want.present)
+        assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
+        with pytest.raises(RuntimeError, match="finished"):
+            writer.put_layer(0, *kv[0])
+
+
+def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv():
+    T = 2 * BLOCK
+    toks, kv = tokens_for(4, T), make_kv(T, 4, LAYOUT)
+    with make_cache(INT4) as cache:
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        writer.abort()
+        assert cache.locate(toks).num_blocks == 0
+        with pytest.raises(RuntimeError, match="aborted"):
+            writer.finish()
+
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L - 1):
+            writer.put_layer(i, *kv[i])
+        assert writer.missing == [L - 1]
+        with pytest.raises(cs.InputError, match="layers 5 were never put"):
+            writer.finish()
+        assert cache.locate(toks).num_blocks == 0
+
+        # an error inside a with block: nothing stored
+        with pytest.raises(KeyError):
+            with cache.ingest_layerwise(toks) as writer:
+                for i in range(L):
+                    writer.put_layer(i, *kv[i])
+                raise KeyError("the forward failed")
+        assert cache.locate(toks).num_blocks == 0
+
+        bad = [(k.clone(), v.clone()) for k, v in kv]
+        bad[3][1][0, BLOCK + 1, 0] = float("nan")
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *bad[i])
+        with pytest.raises(cs.InputError, match="NaN"):
+            writer.finish()
+        assert cache.locate(toks).num_blocks == 0
+
+        # bad layers are refused one by one, and the writer stays usable
+        writer = cache.ingest_layerwise(toks)
+        with pytest.raises(cs.InputError, match="outside"):
+            writer.put_layer(6, *kv[0])
+        with pytest.raises(cs.InputError, match="heads"):
+            writer.put_layer(0, kv[0][0][:1], kv[0][1][:1])
+        with pytest.raises(cs.InputError, match="dtype"):
+            writer.put_layer(0, kv[0][0].float(), kv[0][1].float())
+        writer.put_layer(0, *kv[0])
+        with pytest.raises(cs.InputError, match="put twice"):
+            writer.put_layer(0, *kv[0])
+        with pytest.raises(cs.InputError, match="tokens"):
+            writer.put_layer(1, kv[1][0][:, :BLOCK], kv[1][1][:, :BLOCK])
+        for i in range(1, L):
+            writer.put_layer(i, *kv[i])
+        assert writer.finish().stored == 2
+        with pytest.raises(cs.InputError, match="empty"):
+            cache.ingest_layerwise([])
+
+
+# -- RemoteCache: the same API, every layer ready at once ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from server_helpers import Server
+
+    with Server(tmp_path_factory.mktemp("layerwise-server"), cpu_bytes="64MiB", disk=False) as srv:
+        yield srv
+
+
+def test_remote_cache_returns_a_handle_with_every_layer_ready(server):
+    T = 2 * BLOCK + 3
+    toks, kv = tokens_for(5, T), make_kv(T, 5, LAYOUT)
+    with cs.RemoteCache(server.url, model_id="lw", layout=LAYOUT, codec=INT4, block_tokens=BLOCK) as remote:
+        writer = remote.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.finish().stored == 2
+        want = remote.materialize(toks)
+        with remote.materialize(toks, layerwise=True) as load:
+            assert load.num_tokens == 2 * BLOCK and load.done() and all(load.ready(i) for i in range(L))
+            for i in range(L):
+                assert torch.equal(load.layer(i)[0], want.layers[i][0])
+        page, num_pages = 16, 12
+        ids = page_tables([T], page, num_pages, seed=1)[0]
+        normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=2)
+        lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=2)
+        got = remote.materialize_into(toks, normal.at(ids))
+        load = remote.materialize_into(toks, lw.at(ids), layerwise=True)
+        assert load.requests == [got] and load.done()
+        load.wait(L - 1)
+        assert unchanged(normal_t, lw_t)
+
+
+# -- on a GPU --------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec):
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec, device="cuda")
+        want = cache.materialize(toks, device="cuda")
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        load = cache.materialize(toks, device="cuda", layerwise=True)
+        for i in range(L):
+            load.wait(i, stream=side)  # the host returns at once
+        with torch.cuda.stream(side):
+            got = [(k.clone(), v.clone()) for k, v in (load.layer(i, wait=False) for i in range(L))]
+        side.synchronize()
+        for (k, v), (k0, v0) in zip(got, want.layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+        times = load.timeline()
+        assert all(t.needed_ms is not None for t in times)
+        assert [t.ready_ms for t in times] == sorted(t.ready_ms for t in times)
+        load.close()
+
+
+@cuda
+def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4, device="cuda")
+        want = cache.materialize(toks, device="cuda")
+        load = cache.materialize(toks, device="cuda", layerwise=True)
+        assert len(load._decoder._split) == load.num_blocks  # CPU-tier frames: first group copied alone
+        for i in range(L):
+            assert torch.equal(load.layer(i)[0], want.layers[i][0])
+        load.close()
+
+
+# -- transformers: prefill_with_reuse(layerwise=True) ----------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from cacheseek.integrations.transformers import (  # noqa: E402
+    cache_length,
+    dynamic_cache_layers,
+    forward,
+    greedy_continue,
+    kv_layout,
+    layerwise_cache,
+    prefill_with_reuse,
+)
+
+TF_BLOCK = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def model_cache(model, codec):
+    return cs.PrefixCache(model_id="lw-tf", layout=kv_layout(model), codec=codec, block_tokens=TF_BLOCK,
+                          tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+
+
+def same_result(a, b) -> bool:
+    return (torch.equal(a.logits, b.logits) and a.reused_tokens == b.reused_tokens
+            and all(torch.equal(x, y) for p, q in zip(dynamic_cache_layers(a.cache), dynamic_cache_layers(b.cache))
+                    for x, y in zip(p, q)))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny_model, codec):
+    ids = list(range(3, 3 + 3 * TF_BLOCK + 10))
+    with model_cache(tiny_model, codec) as lw, model_cache(tiny_model, codec) as normal:
+        first = prefill_with_reuse(tiny_model, lw, ids, layerwise=True)  # nothing stored: layers go to the writer
+        assert (first.reused_tokens, first.stored_blocks) == (0, 3)
+        prefill_with_reuse(tiny_model, normal, ids)
+        assert stored_payloads(lw, ids) == stored_payloads(normal, ids)
+        a = prefill_with_reuse(tiny_model, normal, ids, reuse="always", ingest=False)
+        b = prefill_with_reuse(tiny_model, lw, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 3 * TF_BLOCK and b.tiers == ["cpu"] * 3 and b.skipped_reason is None
+        assert same_result(a, b)
+        assert type(b.cache).__name__ == "LayerwiseDynamicCache" and cache_length(b.cache) == len(ids)
+        ga, gb = (greedy_continue(tiny_model, r.cache, r.logits, 6, keep_logits=True) for r in (a, b))
+        assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+
+
+def test_each_layer_waits_inside_the_forward_in_order(tiny_model):
+    ids = list(range(7, 7 + 2 * TF_BLOCK + 3))
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        load = cache.materialize(ids, max_tokens=len(ids) - 1, layerwise=True)
+        waited = []
+        real_wait = load.wait
+
+        def wait(layer, stream=None):
+            # when layer i is first needed, later groups are not decoded yet (on a CPU)
+            waited.append((layer, [load.ready(i) for i in range(4)]))
+            real_wait(layer, stream)
+
+        load.wait = wait
+        past = layerwise_cache(load, tiny_model.config)
+        assert cache_length(past) == 2 * TF_BLOCK  # the prefix length, before any layer is loaded
+        forward(tiny_model, torch.tensor([ids[2 * TF_BLOCK:]]), past)  # `cache=` or `past_key_values=`
+        assert [layer for layer, _ in waited] == [0, 1, 2, 3]
+        if not torch.cuda.is_available():
+            assert waited[0][1] == [False] * 4 and waited[1][1] == [True, False, False, False]
+        load.close()
+
+
+def test_a_failed_layerwise_load_is_recomputed(tiny_model, monkeypatch):
+    ids = list(range(11, 11 + 2 * TF_BLOCK + 5))
+    with model_cache(tiny_model, cs.Raw()) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        full = prefill_with_reuse(tiny_model, cache, ids, reuse="never", ingest=False)
+        real = LayerwiseDecoder._decode_layers
+
+        def failing(self, views, l0, l1, n):
+            if l0 >= 1:
+                raise RuntimeError("decode failed")
+            return real(self, views, l0, l1, n)
+
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing)
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=True)
+        assert res.reused_tokens == 0 and res.computed_tokens == len(ids)
+        assert "layer-wise load failed" in res.skipped_reason and "decode failed" in res.skipped_reason
+        assert torch.equal(res.logits, full.logits) and cache_length(res.cache) == len(ids)
+
+
+# -- SmolLM2 (slow): the real model, Raw and int4 -----------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_smollm2_layerwise_reuse_equals_the_normal_path(codec, monkeypatch):
+    from cacheseek.integrations import smollm2, texts
+    from cacheseek.integrations.demo import chat_prompt
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine's cores are shared; OpenMP threads spin when descheduled
+    try:
+        try:
+            model, tokenizer = smollm2.load()
+        except smollm2.ModelUnavailable as exc:  # a machine with no network and no copy (the GPU host)
+            pytest.skip(f"SmolLM2 not available here: {exc}")
+        doc = texts.stdlib_document("json")[:900]
+        ids = chat_prompt(tokenizer, doc, "Which function parses a JSON string?")
+        with model_cache(model, codec) as normal, model_cache(model, codec) as lw:
+            prefill_with_reuse(model, normal, ids)
+            prefill_with_reuse(model, lw, ids, layerwise=True)
+            assert stored_payloads(lw, ids) == stored_payloads(normal, ids)
+            a = prefill_with_reuse(model, normal, ids, reuse="always", ingest=False)
+            b = prefill_with_reuse(model, lw, ids, reuse="always", ingest=False, layerwise=True)
+            assert b.reused_tokens == (len(ids) - 1) // TF_BLOCK * TF_BLOCK > 0
+            assert same_result(a, b)
+            ga, gb = (greedy_continue(model, r.cache, r.logits, 8, keep_logits=True) for r in (a, b))
+            assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_layerwise_prefill_through_a_server_equals_the_normal_one(tiny_model, server):
+    ids = list(range(13, 13 + 2 * TF_BLOCK + 9))
+    with cs.RemoteCache(server.url, model_id="lw-tf-remote", layout=kv_layout(tiny_model), codec=INT4,
+                        block_tokens=TF_BLOCK) as remote:
+        first = prefill_with_reuse(tiny_model, remote, ids, layerwise=True)  # stored through the writer
+        assert (first.reused_tokens, first.stored_blocks) == (0, 2)
+        a = prefill_with_reuse(tiny_model, remote, ids, reuse="always", ingest=False)
+        b = prefill_with_reuse(tiny_model, remote, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 2 * TF_BLOCK and same_result(a, b)
