@@ -19,7 +19,7 @@ import cacheseek as cs
 from cacheseek import paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import engine_pages, page_tables, snapshot, unchanged
+from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
 from store_helpers import make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -66,12 +66,16 @@ def test_layer_groups_grow_and_cover_every_layer():
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_layerwise_load_is_bit_identical_to_materialize(codec, kernels, monkeypatch):
-    if kernels:  # the Triton decode (interpreted on a CPU) of layer ranges: strided staging views
+    # The Triton decode of layer ranges (strided staging views) runs where test_paged.py runs
+    # the kernels: on CUDA tensors on a GPU, interpreted on a CPU (CPU tensors outside the
+    # interpreter are refused by the kernels).
+    device = DEVICE if kernels else "cpu"
+    if kernels:
         monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
     with make_cache(codec) as cache:
-        toks, _ = stored(cache, codec)
-        want = cache.materialize(toks)
-        with cache.materialize(toks, layerwise=True) as load:
+        toks, _ = stored(cache, codec, device=device)
+        want = cache.materialize(toks, device=device)
+        with cache.materialize(toks, device=device, layerwise=True) as load:
             assert (load.num_tokens, load.num_blocks, load.tiers) == (want.num_tokens, want.num_blocks, want.tiers)
             for i in range(L):
                 k, v = load.layer(i)
@@ -188,7 +192,7 @@ def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer
         monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
     page, num_pages = 16, 24
     with make_cache(codec) as cache:
-        toks, _ = stored(cache, codec)
+        toks, _ = stored(cache, codec, device=DEVICE)  # the KV where the pages are: the kernels encode it
         T = 3 * BLOCK + 7
         ids = page_tables([T], page, num_pages, seed=2)[0]
         normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
