@@ -28,6 +28,7 @@ loaded raises ``LoadError``, and the caller recomputes.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import deque
@@ -45,7 +46,11 @@ from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 _FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
-LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (on a GPU)
+LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (lazy issue on a GPU)
+# Where groups 1.. are issued from a thread of the load's own (by device type), instead of
+# lazily from the consumer's ``wait``: on a GPU, so the consumer's thread (a forward's
+# launches) never issues the copies; on a CPU the lazy order is kept (tests set it).
+ISSUE_IN_BACKGROUND = {"cuda": True, "cpu": False}
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
@@ -75,7 +80,8 @@ class LayerwiseDecoder(BatchDecoder):
         super().__init__(fmt, max_blocks, device, sink=sink)
         self.groups = list(groups)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
-        self._split: list[tuple[Any, Any]] = []  # (dst, src) pieces of the frames copied group by group
+        self._rows: list[tuple[Any, Any]] = []  # (staging row, payload) of the frames copied group by group
+        self._split: list[tuple[Any, Any]] = []  # their (dst, src) pieces, cut when group 1 is run
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
@@ -103,24 +109,30 @@ class LayerwiseDecoder(BatchDecoder):
         dst = self._staging[j]
         host = frame.device_payload is None and frame.device_entries is None
         self._frames.append(frame)
+        if split and host and len(self.groups) > 1:
+            # Only layer group 0 now (on a CPU too, so the host's work per frame is what it is
+            # on a GPU): one C++ call per side cuts its pieces (one per buffer) out; the rest
+            # of the frame is cut and copied when group 1 runs, off the path to layer 0.
+            src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
+            self._rows.append((dst, src))
+            self._split_frames.append(frame)
+            cuts, idx = self._first
+            d, s = dst.tensor_split(cuts), src.tensor_split(cuts)
+            if self._copy_stream is None:
+                self._copy_list([d[i] for i in idx], [s[i] for i in idx])
+            else:
+                with on_stream(self._copy_stream):
+                    self._copy_list([d[i] for i in idx], [s[i] for i in idx])
+            return
         if self._copy_stream is None:
             self._copy(frame, dst)  # done when it returns
             frame.release()
             return
         with on_stream(self._copy_stream):
-            if split and host and len(self.groups) > 1:
-                # One C++ call per side cuts a frame into its (buffer, layer group) pieces:
-                # slicing them one by one in Python cost more than the copies' launches.
-                src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
-                pieces = (dst.tensor_split(self._cuts), src.tensor_split(self._cuts))
-                self._split.append(pieces)
-                self._split_frames.append(frame)
-                self._copy_pieces([pieces], 0)
-            else:
-                self._copy(frame, dst)
-                landed = torch.cuda.Event()
-                landed.record(self._copy_stream)
-                self._pending.append((landed, frame))
+            self._copy(frame, dst)
+            landed = torch.cuda.Event()
+            landed.record(self._copy_stream)
+            self._pending.append((landed, frame))
 
     def _plan_pieces(self, meta: Any) -> None:
         """Where a payload is cut so that each (buffer, layer group) is one piece: the cut
@@ -138,14 +150,22 @@ class LayerwiseDecoder(BatchDecoder):
         index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
         self._cuts = cuts
         self._group_pieces = [[index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors] for l0, _ in self.groups]
+        # Group 0 alone: fewer cuts, so fewer views made per frame on the path to layer 0.
+        l1 = self.groups[0][1]
+        bounds = {b for e in meta.tensors for b in (e.offset, e.offset + l1 * (e.nbytes // L))}
+        first = sorted(bounds - {0})
+        index0 = {c: i + 1 for i, c in enumerate(first)} | {0: 0}
+        self._first = (first, [index0[e.offset] for e in meta.tensors])
 
     def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
         """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
         the current stream: one ``_foreach_copy_`` (its launches made in C++)."""
-        global _FOREACH_COPY
         idx = self._group_pieces[g]
-        dst = [d[i] for d, _ in frames for i in idx]
-        src = [s[i] for _, s in frames for i in idx]
+        self._copy_list([d[i] for d, _ in frames for i in idx], [s[i] for _, s in frames for i in idx])
+
+    @staticmethod
+    def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        global _FOREACH_COPY
         if _FOREACH_COPY:
             try:
                 torch._foreach_copy_(dst, src, non_blocking=True)
@@ -163,9 +183,7 @@ class LayerwiseDecoder(BatchDecoder):
         while pending and pending[0][0].query():
             pending.popleft()[1].release()
         if self._split_frames and self._last_copy is not None and self._last_copy.query():
-            for frame in self._split_frames:
-                frame.release()
-            self._split_frames = []
+            self._release_split()
 
     def seal(self) -> int:
         """No more frames: allocate the outputs (contiguous loads). Returns the block count."""
@@ -201,11 +219,15 @@ class LayerwiseDecoder(BatchDecoder):
         n = self._n
         views = [v[:n, l0:l1] for v in self._views]
         if self._decode_stream is None:
+            if g > 0 and self._rows:
+                self._copy_pieces(self._pieces(), g)  # done when it returns
+                if g == len(self.groups) - 1:
+                    self._release_split()
             self._decode_layers(views, l0, l1, n)
             return None
-        if g > 0 and self._split:
+        if g > 0 and self._rows:
             with on_stream(self._copy_stream):
-                self._copy_pieces(self._split, g)
+                self._copy_pieces(self._pieces(), g)
         landed = torch.cuda.Event()
         landed.record(self._copy_stream)
         if g == len(self.groups) - 1:
@@ -216,6 +238,20 @@ class LayerwiseDecoder(BatchDecoder):
         ready = torch.cuda.Event(enable_timing=timing)
         ready.record(self._decode_stream)
         return ready
+
+    def _pieces(self) -> list[tuple[Any, Any]]:
+        """The (dst, src) pieces of every frame copied group by group, cut at the first use:
+        one C++ call per side and frame (slicing them one by one in Python cost more than
+        the copies' launches)."""
+        if len(self._split) < len(self._rows):
+            cuts = self._cuts
+            self._split.extend((d.tensor_split(cuts), s.tensor_split(cuts)) for d, s in self._rows[len(self._split):])
+        return self._split
+
+    def _release_split(self) -> None:
+        frames, self._split_frames, self._rows, self._split = self._split_frames, [], [], []
+        for frame in frames:
+            frame.release()
 
     def _decode_layers(self, views: list[torch.Tensor], l0: int, l1: int, n: int) -> None:
         if self._sink is not None:
@@ -234,9 +270,7 @@ class LayerwiseDecoder(BatchDecoder):
             done.synchronize()
         while self._pending:
             self._pending.popleft()[1].release()
-        for frame in self._split_frames:
-            frame.release()
-        self._split_frames = []
+        self._release_split()
         self._frames.clear()
 
 
@@ -273,7 +307,7 @@ class LayerwiseLoad:
     def __init__(self, *, num_layers: int, device: torch.device, num_tokens: int = 0, num_blocks: int = 0,
                  tiers: Sequence[str] = (), decoder: LayerwiseDecoder | None = None,
                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, timing: bool = True,
-                 requests: Sequence[Any] | None = None) -> None:
+                 requests: Sequence[Any] | None = None, background: bool | None = None) -> None:
         self.num_layers, self.device = num_layers, device
         self.requests = list(requests) if requests is not None else []
         self.num_tokens, self.num_blocks, self.tiers = num_tokens, num_blocks, list(tiers)
@@ -284,6 +318,10 @@ class LayerwiseLoad:
         self._groups = decoder.groups if decoder is not None else [(0, num_layers)]
         self._group_of = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
         self._issued = 0 if decoder is not None else len(self._groups)
+        self._background = decoder is not None and (
+            background if background is not None else ISSUE_IN_BACKGROUND.get(device.type, False))
+        self._issue_lock = threading.Condition()  # guards _issued/_events with a background issuer
+        self._worker: threading.Thread | None = None
         self._events: list[Any] = [None] * num_layers  # per layer: its group's ready event (GPU)
         self._ready_t: list[float | None] = [None] * num_layers  # per layer, host clock (CPU)
         self._needed: list[Any] = [None] * num_layers  # per layer: when first waited for
@@ -300,6 +338,18 @@ class LayerwiseLoad:
                 ready.record(torch.cuda.current_stream(device))
             self._events = [ready] * num_layers
             self._ready_t = [0.0] * num_layers
+        elif self._background:
+            # Group 0 (its copies went with the frames) is issued here, in the caller's thread,
+            # and nothing more: the handle is returned at once, and a thread of the load's own
+            # issues groups 1.. in order (copies, decodes, events), so neither this call nor the
+            # consumer's waits spend host time on them. It runs under the caller's grad and
+            # inference modes (the outputs may be inference tensors written in place).
+            self._advance(0)
+            if self._issued < len(self._groups) and self.error is None:
+                modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+                self._worker = threading.Thread(target=self._issue_rest, args=modes,
+                                                name="cacheseek-layerwise", daemon=True)
+                self._worker.start()
         elif self._cuda:
             self._advance(min(len(self._groups), LOOKAHEAD_GROUPS) - 1)
 
@@ -369,6 +419,8 @@ class LayerwiseLoad:
 
     def done(self) -> bool:
         """Whether every layer is loaded (issues what is left; never waits)."""
+        if self._background and self._issued < len(self._groups):
+            return False  # the issuer is still at work
         self._advance(len(self._groups) - 1)
         if self.error is not None:
             return False
@@ -392,6 +444,7 @@ class LayerwiseLoad:
         try:
             if self.error is None:
                 self._advance(len(self._groups) - 1)
+            self._join()
             if self._cuda:
                 done = [e for e in self._events if e is not None]
                 if done:
@@ -439,7 +492,11 @@ class LayerwiseLoad:
     # -- internals ---------------------------------------------------------------------
 
     def _advance(self, upto: int) -> None:
-        """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order."""
+        """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order. With a
+        background issuer, the caller's thread only waits until they have been issued."""
+        if self._worker is not None and threading.current_thread() is not self._worker:
+            self._await_issued(upto)
+            return
         decoder = self._decoder
         upto = min(upto, len(self._groups) - 1)
         while self._issued <= upto and self.error is None and not self._closed:
@@ -447,17 +504,47 @@ class LayerwiseLoad:
             try:
                 event = decoder.run_group(g, timing=self._timing)
             except BaseException as exc:  # marks the load; ``wait`` raises for what is missing
-                self.error = exc
-                decoder.release_all()
+                with self._issue_lock:
+                    self.error = exc
+                    self._issue_lock.notify_all()
+                if self._worker is None:
+                    decoder.release_all()  # (the issuer's frames are given back by close())
                 return
             l0, l1 = self._groups[g]
             now = time.perf_counter()
-            for i in range(l0, l1):
-                self._events[i] = event
-                self._ready_t[i] = now
-            self._issued += 1
-        if self._issued == len(self._groups) and decoder is not None and self._cuda:
+            with self._issue_lock:
+                for i in range(l0, l1):
+                    self._events[i] = event
+                    self._ready_t[i] = now
+                self._issued += 1
+                self._issue_lock.notify_all()
+        if self._issued == len(self._groups) and decoder is not None and self._cuda and self._worker is None:
             decoder.release_copied()
+
+    def _issue_rest(self, grad: bool, inference: bool) -> None:
+        """The background issuer: every group after the first, in order."""
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                if self._cuda:
+                    torch.cuda.set_device(self.device)
+                self._advance(len(self._groups) - 1)
+        except BaseException as exc:  # e.g. set_device failing: the load is marked, never hangs
+            with self._issue_lock:
+                self.error = self.error or exc
+                self._issue_lock.notify_all()
+
+    def _await_issued(self, upto: int) -> None:
+        """Block until the issuer has issued group ``upto`` (or failed, or ended)."""
+        upto = min(upto, len(self._groups) - 1)
+        worker = self._worker
+        with self._issue_lock:
+            while self._issued <= upto and self.error is None and worker.is_alive():
+                self._issue_lock.wait(0.05)
+
+    def _join(self) -> None:
+        """Wait for the issuer to end (every group issued, or the load failed)."""
+        if self._worker is not None and threading.current_thread() is not self._worker:
+            self._worker.join()
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek import paged_io
+from cacheseek import layerwise, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
@@ -152,6 +152,51 @@ def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypat
         monkeypatch.undo()
         # the store is untouched: the next load is whole
         with cache.materialize(toks, layerwise=True) as again:
+            assert torch.equal(again.layer(5)[1], want.layers[5][1])
+
+
+@pytest.fixture
+def background(monkeypatch):
+    """Groups 1.. issued by the load's own thread, as on a GPU (here it decodes them)."""
+    monkeypatch.setitem(layerwise.ISSUE_IN_BACKGROUND, "cpu", True)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_background_issuer_loads_the_same_bytes_under_the_callers_modes(codec, background):
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with torch.inference_mode():  # the outputs are inference tensors: the issuer writes them in that mode
+            load = cache.materialize(toks, layerwise=True)
+            assert load.ready(0)  # group 0 is issued (here: decoded) before the handle is returned
+            for i in reversed(range(L)):  # any order: a wait blocks until the issuer got there
+                k, v = load.layer(i)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+            load.close()
+        assert load.done() and not load._worker.is_alive()
+        assert [t.layer for t in load.timeline()] == list(range(L))
+
+
+def test_a_background_issuer_that_fails_marks_the_load_and_never_hangs(background, monkeypatch):
+    real = LayerwiseDecoder._decode_layers
+
+    def failing_from_layer_3(self, views, l0, l1, n):
+        if l0 >= 3:
+            raise RuntimeError("device lost")
+        return real(self, views, l0, l1, n)
+
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_3)
+        load = cache.materialize(toks, layerwise=True)
+        assert torch.equal(load.layer(2)[0], want.layers[2][0])  # groups 0 and 1 loaded
+        with pytest.raises(cs.LoadError, match="layer 5 .*device lost"):
+            load.wait(5)
+        assert not load.done()
+        load.close()
+        monkeypatch.undo()
+        with cache.materialize(toks, layerwise=True) as again:  # the frames were given back
             assert torch.equal(again.layer(5)[1], want.layers[5][1])
 
 
@@ -445,6 +490,16 @@ def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny
         assert type(b.cache).__name__ == "LayerwiseDynamicCache" and cache_length(b.cache) == len(ids)
         ga, gb = (greedy_continue(tiny_model, r.cache, r.logits, 6, keep_logits=True) for r in (a, b))
         assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+
+
+def test_layerwise_prefill_with_a_background_issuer_equals_the_normal_one(tiny_model, background):
+    ids = list(range(5, 5 + 3 * TF_BLOCK + 4))
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        with torch.inference_mode():
+            a = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False)
+            b = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 3 * TF_BLOCK and b.skipped_reason is None and same_result(a, b)
 
 
 def test_each_layer_waits_inside_the_forward_in_order(tiny_model):
