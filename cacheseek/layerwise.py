@@ -16,9 +16,10 @@ How a load runs (``LayerwiseDecoder``):
   blocks at once: for each group the copies of its slices of every CPU-tier frame (six
   copies per frame for KIVI, one per buffer), then one decode launch per side, on a decode
   stream of its own, then a CUDA event. ``wait(layer)`` makes the consumer's stream wait for
-  that event: the host never waits. The copies of group ``g + 2`` are issued when the
-  consumer waits for a layer of group ``g``, so the host's launches interleave with the
-  forward's instead of delaying its start.
+  that event: the host never waits on the device. Group 0 is issued before the handle is
+  returned, groups 1.. by a thread of the load's own (``ISSUE_IN_BACKGROUND``), so neither
+  the call nor the consumer's waits spend host time on the later groups' copy launches and
+  view cutting (a wait blocks only if its group has not been issued yet).
 - Without CUDA, each group is decoded when a layer of it is first waited for (synchronous,
   in the caller's thread): the same API and the same bytes, testable anywhere.
 
@@ -382,7 +383,9 @@ class LayerwiseLoad:
                 needed = torch.cuda.Event(enable_timing=True)
                 needed.record(stream)
                 self._needed[layer] = needed
-            self._advance(g + LOOKAHEAD_GROUPS)
+            # With a background issuer: only until this layer's group is issued (normally long
+            # since); lazily: issue it and the next LOOKAHEAD_GROUPS from this thread.
+            self._advance(g if self._background else g + LOOKAHEAD_GROUPS)
             self._check(layer)
             stream.wait_event(self._events[layer])
         else:
