@@ -432,7 +432,7 @@ def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
         toks, _ = stored(cache, INT4, device="cuda")
         want = cache.materialize(toks, device="cuda")
         load = cache.materialize(toks, device="cuda", layerwise=True)
-        assert len(load._decoder._split) == load.num_blocks  # CPU-tier frames: first group copied alone
+        assert len(load._decoder._rows) == load.num_blocks  # CPU-tier frames: first group copied alone
         for i in range(L):
             assert torch.equal(load.layer(i)[0], want.layers[i][0])
         load.close()
