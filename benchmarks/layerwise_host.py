@@ -105,10 +105,12 @@ def cut_per_load(cache: cs.PrefixCache, toks: list[int], device: torch.device,
             d, s = dst.tensor_split(decoder._cuts), src.tensor_split(decoder._cuts)
             [d[i] for i in idx0], [s[i] for i in idx0]
 
-    def group_0() -> None:
-        for dst, src in rows:
-            d, s = dst.tensor_split(cuts0), src.tensor_split(cuts0)
-            [d[i] for i in first], [s[i] for i in first]
+    def group_0() -> None:  # the staging's side is cut once per load (as _plan_pieces does), not per frame
+        cols = decoder._staging.tensor_split(cuts0, dim=1)
+        first_dst = [cols[i].unbind(0) for i in first]
+        for j, (_, src) in enumerate(rows):
+            s = src.tensor_split(cuts0)
+            [r[j] for r in first_dst], [s[i] for i in first]
 
     out = (time_ms(every_group, repeats)[0], time_ms(group_0, repeats)[0])
     for frame in frames:

@@ -118,12 +118,13 @@ class LayerwiseDecoder(BatchDecoder):
             self._rows.append((dst, src))
             self._split_frames.append(frame)
             cuts, idx = self._first
-            d, s = dst.tensor_split(cuts), src.tensor_split(cuts)
+            s = src.tensor_split(cuts)
+            d = [rows[j] for rows in self._first_dst]
             if self._copy_stream is None:
-                self._copy_list([d[i] for i in idx], [s[i] for i in idx])
+                self._copy_list(d, [s[i] for i in idx])
             else:
                 with on_stream(self._copy_stream):
-                    self._copy_list([d[i] for i in idx], [s[i] for i in idx])
+                    self._copy_list(d, [s[i] for i in idx])
             return
         if self._copy_stream is None:
             self._copy(frame, dst)  # done when it returns
@@ -157,6 +158,10 @@ class LayerwiseDecoder(BatchDecoder):
         first = sorted(bounds - {0})
         index0 = {c: i + 1 for i, c in enumerate(first)} | {0: 0}
         self._first = (first, [index0[e.offset] for e in meta.tensors])
+        # ... and their places in every staging row, made at once (one call per buffer), so
+        # a frame's add cuts only its own payload.
+        cols = self._staging.tensor_split(first, dim=1)
+        self._first_dst = [cols[i].unbind(0) for i in self._first[1]]
 
     def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
         """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
