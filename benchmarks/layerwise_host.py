@@ -97,12 +97,17 @@ def cut_per_load(cache: cs.PrefixCache, toks: list[int], device: torch.device,
     decoder._plan_pieces(frames[0].meta)
     nbytes = frames[0].meta.payload_nbytes
     rows = [(decoder._staging[j], as_host_tensor(f.payload_view())[:nbytes]) for j, f in enumerate(frames)]
-    idx0 = decoder._group_pieces[0]
-    cuts0, first = decoder._first
+    L, entries = LAYOUT.num_layers, frames[0].meta.tensors
+    starts = {e.offset + l0 * (e.nbytes // L) for e in entries for l0, _ in decoder.groups} | {
+        e.offset + e.nbytes for e in entries}
+    every = sorted(starts - {0})  # the cuts into every group's pieces (what add made per frame before)
+    index = {c: i + 1 for i, c in enumerate(every)} | {0: 0}
+    idx0 = [index[e.offset] for e in entries]
+    cuts0, first = decoder._plans[0]
 
     def every_group() -> None:
         for dst, src in rows:
-            d, s = dst.tensor_split(decoder._cuts), src.tensor_split(decoder._cuts)
+            d, s = dst.tensor_split(every), src.tensor_split(every)
             [d[i] for i in idx0], [s[i] for i in idx0]
 
     def group_0() -> None:  # the staging's side is cut once per load (as _plan_pieces does), not per frame

@@ -81,8 +81,7 @@ class LayerwiseDecoder(BatchDecoder):
         super().__init__(fmt, max_blocks, device, sink=sink)
         self.groups = list(groups)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
-        self._rows: list[tuple[Any, Any]] = []  # (staging row, payload) of the frames copied group by group
-        self._split: list[tuple[Any, Any]] = []  # their (dst, src) pieces, cut when group 1 is run
+        self._rows: list[tuple[int, Any]] = []  # (staging row, payload) of the frames copied group by group
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
@@ -115,16 +114,13 @@ class LayerwiseDecoder(BatchDecoder):
             # on a GPU): one C++ call per side cuts its pieces (one per buffer) out; the rest
             # of the frame is cut and copied when group 1 runs, off the path to layer 0.
             src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
-            self._rows.append((dst, src))
+            self._rows.append((j, src))
             self._split_frames.append(frame)
-            cuts, idx = self._first
-            s = src.tensor_split(cuts)
-            d = [rows[j] for rows in self._first_dst]
             if self._copy_stream is None:
-                self._copy_list(d, [s[i] for i in idx])
+                self._copy_group(0, self._rows[-1:])
             else:
                 with on_stream(self._copy_stream):
-                    self._copy_list(d, [s[i] for i in idx])
+                    self._copy_group(0, self._rows[-1:])
             return
         if self._copy_stream is None:
             self._copy(frame, dst)  # done when it returns
@@ -137,37 +133,45 @@ class LayerwiseDecoder(BatchDecoder):
             self._pending.append((landed, frame))
 
     def _plan_pieces(self, meta: Any) -> None:
-        """Where a payload is cut so that each (buffer, layer group) is one piece: the cut
-        offsets, and per group the indices of its pieces (one per buffer)."""
+        """Where a payload is cut for each layer group: per group, the cut offsets of its
+        pieces (one per buffer: that buffer's layers of the group) and their indices among
+        the parts. The staging's side of group 0 is cut here, once for every row."""
         L = self.layout.num_layers
         if any(not e.shape or e.shape[0] != L or e.nbytes % L for e in meta.tensors):
             raise FrameError("frame buffers are not laid out layer-major: cannot load them layer by layer")
-        starts = {}
-        for e in meta.tensors:
-            per = e.nbytes // L
-            for l0, _ in self.groups:
-                starts[(e.name, l0)] = e.offset + l0 * per
-            starts[(e.name, L)] = e.offset + e.nbytes
-        cuts = sorted(set(starts.values()) - {0})
-        index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
-        self._cuts = cuts
-        self._group_pieces = [[index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors] for l0, _ in self.groups]
-        # Group 0 alone: fewer cuts, so fewer views made per frame on the path to layer 0.
-        l1 = self.groups[0][1]
-        bounds = {b for e in meta.tensors for b in (e.offset, e.offset + l1 * (e.nbytes // L))}
-        first = sorted(bounds - {0})
-        index0 = {c: i + 1 for i, c in enumerate(first)} | {0: 0}
-        self._first = (first, [index0[e.offset] for e in meta.tensors])
-        # ... and their places in every staging row, made at once (one call per buffer), so
-        # a frame's add cuts only its own payload.
-        cols = self._staging.tensor_split(first, dim=1)
-        self._first_dst = [cols[i].unbind(0) for i in self._first[1]]
+        self._plans = []
+        for l0, l1 in self.groups:
+            bounds = {b for e in meta.tensors for b in (e.offset + l0 * (e.nbytes // L), e.offset + l1 * (e.nbytes // L))}
+            cuts = sorted(bounds - {0})
+            index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
+            self._plans.append((cuts, [index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors]))
+        self._group_dst: list[Any] = [None] * len(self.groups)
+        self._staging_pieces(0)
 
-    def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
-        """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
-        the current stream: one ``_foreach_copy_`` (its launches made in C++)."""
-        idx = self._group_pieces[g]
-        self._copy_list([d[i] for d, _ in frames for i in idx], [s[i] for _, s in frames for i in idx])
+    def _staging_pieces(self, g: int) -> list[tuple[torch.Tensor, ...]]:
+        """Group ``g``'s pieces of every staging row, one tuple per buffer (made at the
+        group's first use: one ``unbind`` per buffer, not a cut per frame)."""
+        pieces = self._group_dst[g]
+        if pieces is None:
+            cuts, idx = self._plans[g]
+            cols = self._staging.tensor_split(cuts, dim=1)
+            pieces = self._group_dst[g] = [cols[i].unbind(0) for i in idx]
+        return pieces
+
+    def _copy_group(self, g: int, rows: list[tuple[int, Any]] | None = None) -> None:
+        """Copy layer group ``g`` of ``rows`` (default: every frame copied group by group),
+        queued on the current stream: one ``_foreach_copy_`` (its launches made in C++).
+        Each payload is cut into the group's pieces by one C++ call (slicing them one by
+        one in Python cost more than the copies' launches); only this group's, so the
+        first groups' copies start after a small share of the cutting."""
+        cuts, idx = self._plans[g]
+        cols = self._staging_pieces(g)
+        dst, src = [], []
+        for j, payload in self._rows if rows is None else rows:
+            parts = payload.tensor_split(cuts)
+            dst.extend(col[j] for col in cols)
+            src.extend(parts[i] for i in idx)
+        self._copy_list(dst, src)
 
     @staticmethod
     def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -226,14 +230,14 @@ class LayerwiseDecoder(BatchDecoder):
         views = [v[:n, l0:l1] for v in self._views]
         if self._decode_stream is None:
             if g > 0 and self._rows:
-                self._copy_pieces(self._pieces(), g)  # done when it returns
+                self._copy_group(g)  # done when it returns
                 if g == len(self.groups) - 1:
                     self._release_split()
             self._decode_layers(views, l0, l1, n)
             return None
         if g > 0 and self._rows:
             with on_stream(self._copy_stream):
-                self._copy_pieces(self._pieces(), g)
+                self._copy_group(g)
         landed = torch.cuda.Event()
         landed.record(self._copy_stream)
         if g == len(self.groups) - 1:
@@ -245,17 +249,8 @@ class LayerwiseDecoder(BatchDecoder):
         ready.record(self._decode_stream)
         return ready
 
-    def _pieces(self) -> list[tuple[Any, Any]]:
-        """The (dst, src) pieces of every frame copied group by group, cut at the first use:
-        one C++ call per side and frame (slicing them one by one in Python cost more than
-        the copies' launches)."""
-        if len(self._split) < len(self._rows):
-            cuts = self._cuts
-            self._split.extend((d.tensor_split(cuts), s.tensor_split(cuts)) for d, s in self._rows[len(self._split):])
-        return self._split
-
     def _release_split(self) -> None:
-        frames, self._split_frames, self._rows, self._split = self._split_frames, [], [], []
+        frames, self._split_frames, self._rows = self._split_frames, [], []
         for frame in frames:
             frame.release()
 

@@ -211,20 +211,22 @@ def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
         frame, _ = cache.store.get_many(cache.block_hashes(toks)[:1])[0]
         groups = layer_groups(L)
         dec = LayerwiseDecoder(cache.block_format, 1, torch.device("cpu"), groups)
-        dec._start(frame.meta)
-        dec._plan_pieces(frame.meta)
         n = frame.meta.payload_nbytes
-        payload = as_host_tensor(frame.payload_view())[:n]
-        row = torch.zeros(n, dtype=torch.uint8)
-        pieces = (row.tensor_split(dec._cuts), payload.tensor_split(dec._cuts))
+        payload = as_host_tensor(frame.payload_view())[:n].clone()
+        dec.add(frame, split=True)  # group 0 copied now, the rest when its group runs
+        dec.seal()
+        row = dec._staging[0][:n]
         copied = torch.zeros(n, dtype=torch.bool)
         for g, (l0, l1) in enumerate(groups):
-            dec._copy_pieces([pieces], g)
+            if g:
+                dec._copy_group(g)
             for e in frame.meta.tensors:
                 per = e.nbytes // L
                 copied[e.offset + l0 * per : e.offset + l1 * per] = True
-            assert torch.equal(row[copied], payload[copied]) and not row[~copied].any()
-        assert torch.equal(row, payload) or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
+            assert len(dec._plans[g][1]) == len(frame.meta.tensors)  # one piece per buffer
+            assert torch.equal(row[copied], payload[copied])
+        dec.release_all()
+        assert copied.all() or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
 
 
 # -- into an engine's pages ------------------------------------------------------------------
