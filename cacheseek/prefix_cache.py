@@ -204,17 +204,23 @@ class PrefixCache(PrefixCacheBase):
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
         max_tokens)`` each), decoded together into their pages; no page may be written by
         two requests."""
-        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
 
-    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                    batch: Any = None) -> list[Loaded]:
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
+        starts = paged_io.load_starts(call, batch, B)
         limits = paged_io.load_limits(call, requests, B)
         located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
         counts = [len(where) for where in located]
-        paged_io.plan_load(call, counts, B)
-        results = [Loaded() for _ in requests]
+        paged_io.plan_load(call, counts, B, starts)
+        # Blocks before a request's start are in its pages already: counted, not written.
+        results = [Loaded(num_blocks=min(s, n), tiers=list(where[: min(s, n)]))
+                   for s, n, where in zip(starts, counts, located)]
+        for res in results:
+            res.num_tokens = res.num_blocks * B
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
@@ -223,12 +229,12 @@ class PrefixCache(PrefixCacheBase):
         try:
             # As ``materialize``: frames flow from the tiers into the decoder as they land, and
             # each landed chunk is decoded straight into its pages.
-            for r, n in enumerate(counts):
-                if not n:
+            for r, (n, s) in enumerate(zip(counts, starts)):
+                if n <= s:
                     continue
-                frames = self.store.stream(call.hashes[r][:n], where=located[r], leased=True)
+                frames = self.store.stream(call.hashes[r][s:n], where=located[r][s:n], leased=True)
                 try:
-                    for key, got in zip(call.hashes[r], frames):
+                    for key, got in zip(call.hashes[r][s:n], frames):
                         if got is None:
                             break  # evicted or found corrupt since locate: this prefix ends here
                         frame, tier = got
@@ -237,7 +243,7 @@ class PrefixCache(PrefixCacheBase):
                         except FrameError:
                             frame.release()
                             break
-                        sink.rows.append(first_row + results[r].num_blocks)
+                        sink.rows.append(first_row + results[r].num_blocks - s)
                         decoder.add(frame)  # its copy to the device starts now
                         added.append(frame)
                         results[r].num_blocks += 1
@@ -248,7 +254,7 @@ class PrefixCache(PrefixCacheBase):
                         released = max(released, copied)
                 finally:
                     frames.close()  # reads not handed out: cancelled or given back
-                first_row += n
+                first_row += n - s
             if len(decoder):
                 decoder.finish(wait=False)
             for h, res in zip(call.hashes, results):
