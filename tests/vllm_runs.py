@@ -165,18 +165,52 @@ def store(job: dict[str, Any]) -> dict[str, Any]:
 def load(job: dict[str, Any]) -> dict[str, Any]:
     """A fresh engine (nothing in vLLM's cache): prompt 1, then prompt 1 without any cache.
 
-    With ``kill_pid`` (the server's): the server is then SIGKILLed, and prompts 2 and 3 are
-    run (vLLM's cache reset before each) and compared with themselves without any cache."""
+    With ``kill_pid`` (the server's): prompts 2 and 3 are then run (vLLM's cache reset
+    before each) and compared with themselves without any cache; the server is SIGKILLed
+    mid-run, inside prompt 2's step, after its lookup found the prefix and before the
+    worker's load: the load fails, vLLM is told its blocks and recomputes them."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"loaded": eng.run(ps[1]), "baseline": eng.run(ps[1], read=False)}
     out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
     out["after_load"] = eng.stats()
     if "kill_pid" in job:
-        os.kill(job["kill_pid"], signal.SIGKILL)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        side = get_kv_transfer_group()._worker
+        side.cache = KillBeforeLoad(side.cache, job["kill_pid"], job["extra"]["url"])
         out["after_kill"] = rounds(eng, ps, [2, 3])
+        out["killed_in_load"] = side.cache.killed
         out["after_kill_stats"] = eng.stats()
     return out
+
+
+class KillBeforeLoad:
+    """The worker's ``RemoteCache``, with the server SIGKILLed just before the first load
+    (the real call then runs against a dead server)."""
+
+    def __init__(self, cache: Any, pid: int, url: str) -> None:
+        self.cache, self.pid, self.url, self.killed = cache, pid, url, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def materialize_into_batch(self, requests: Any, pages: Any) -> Any:
+        if not self.killed:
+            import socket
+            from urllib.parse import urlsplit
+
+            os.kill(self.pid, signal.SIGKILL)
+            where = urlsplit(self.url)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until its port refuses connections
+                try:
+                    socket.create_connection((where.hostname, where.port), timeout=0.2).close()
+                except OSError:
+                    break
+                time.sleep(0.05)
+            self.killed = True
+        return self.cache.materialize_into_batch(requests, pages)
 
 
 def rounds(eng: Engine, ps: list[list[int]], which: list[int]) -> list[dict[str, Any]]:
