@@ -140,6 +140,20 @@ def test_a_cache_salt_is_part_of_the_key(engines):
     assert stats["worker"]["save_blocks_stored"] == 8  # 4 blocks under salt b, 4 under salt c
 
 
+def test_a_load_after_vllms_own_hit_starts_where_it_ends(engines):
+    res = result(engines, "raw")
+    own, unaligned = res["own_256"], res["own_128"]
+    # vLLM's own 256 tokens, then CacheSeek's 768 (blocks 1-3, written after vLLM's pages)
+    assert own["cached"] == 1024 and own["external"] == 768
+    assert own["tokens"] == res["baseline"]["tokens"], own["agreement"]
+    # vLLM's own 128 tokens end inside store block 0: nothing offered, the rest computed
+    assert unaligned["cached"] == 128 and unaligned["external"] == 0
+    assert unaligned["tokens"] == res["baseline"]["tokens"], unaligned["agreement"]
+    stats = minus(res["after_own"], res["after_salts"])
+    assert stats["scheduler"]["lookup_unaligned"] == 1
+    assert stats["worker"]["loads"] == 1 and stats["worker"]["load_tokens"] == 768
+
+
 def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engines):
     res = result(engines, "keys")
     assert res["save_calls"] == 1 and res["saves"] == 4  # four requests' saves: one ingest_batch
@@ -164,7 +178,7 @@ def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
 def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
     res = result(engines, "raw")
     part = res["partial"]
-    stats = minus(res["after_partial"], res["after_salts"])
+    stats = minus(res["after_partial"], res["after_own"])
     worker = stats["worker"]
     assert part["got"]["external"] == 1024  # the lookup saw 4 blocks
     assert worker["load_failures"] == 1

@@ -142,6 +142,17 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         eng.reset()
         out["salt_c"] = eng.run(ps[1], cache_salt="tenant-c")
         out["after_salts"] = eng.stats()
+        # vLLM's own cache holding the first 256 tokens (two of its blocks, from a prompt that
+        # leaves the prefix at token 300): CacheSeek loads from token 256 on, into the pages
+        # after vLLM's own. Holding 128 (the prefix left at token 200): its hit ends inside a
+        # store block, so nothing is offered and vLLM computes the rest.
+        junk = list(range(5000, 5100))
+        for name, cut in (("own_256", 300), ("own_128", 200)):
+            eng.reset()
+            eng.run(prefix[:cut] + junk, read=False)
+            out[name] = eng.run(ps[1])
+            out[name]["agreement"] = agreement(out[name]["tokens"], out["baseline"]["tokens"])
+        out["after_own"] = eng.stats()
     if "corrupt_block" in job:
         cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
         bad = cache.block_hashes(prefix)[job["corrupt_block"]]
