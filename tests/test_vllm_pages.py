@@ -307,3 +307,16 @@ def test_data_path_benchmark_runs(tmp_path):
                                          "engine materialize_into_batch", "baseline page copy D2H"}
     assert {r["requests"] for r in rows} == {1, 2}
     assert all(r["vs_baseline"] > 0 for r in rows)
+
+
+def test_a_step_plan_with_extra_keys_survives_pickling():
+    """vLLM's multiprocess executors send the connector's metadata to the workers pickled:
+    the keys a worker builds from it are the scheduler's."""
+    import pickle
+
+    extra = cs.ExtraKeys(lora_id="sql", mm_inputs=(cs.MMInput("img-1", 40, 20),), cache_salt="tenant-7")
+    plan = StepPlan(loads=[LoadSpec("r", list(range(96)), [0, 1], 32, extra)],
+                    saves=[SaveSpec("s", list(range(64)), [2], None)])
+    back = pickle.loads(pickle.dumps(plan))
+    assert back.loads[0].keys.extra == extra and back.loads[0].start == 32
+    assert back.saves[0].keys == list(range(64))  # no extra keys: plain token ids
