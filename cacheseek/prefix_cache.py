@@ -209,26 +209,32 @@ class PrefixCache(PrefixCacheBase):
 
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
-        max_tokens)`` each), decoded together into their pages; no page may be written by
-        two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
+        max_tokens, start)`` each), decoded together into their pages; no page may be written
+        by two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
         for all of them (``requests``: the ``Loaded`` of each)."""
         if layerwise:
-            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False)
-        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False, batch=requests)
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
 
-    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool):
+    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool, batch: Any = None):
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
+        starts = paged_io.load_starts(call, batch, B)
         limits = paged_io.load_limits(call, requests, B)
         located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
         counts = [len(where) for where in located]
-        paged_io.plan_load(call, counts, B)
-        return call, located, counts
+        paged_io.plan_load(call, counts, B, starts)
+        return call, located, counts, starts
 
     def _load_paged_layerwise(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *,
-                              single: bool) -> LayerwiseLoad:
-        call, located, counts = self._plan_load(requests, pages, single=single)
+                              single: bool, batch: Any = None) -> LayerwiseLoad:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
+        if any(starts):
+            # A request's first blocks already in its pages (PagedRequest.start) would shift
+            # the rows the layer groups decode into; the whole-load path handles them.
+            raise InputError("materialize_into_batch(layerwise=True) takes requests with start=0 only; "
+                             "load requests whose first blocks are in their pages already without layerwise")
         B, L = self.block_tokens, self.layout.num_layers
         sink = paged_io.PageSink(self.block_format.codec, call.source) if call.rows else None
         firsts = [sum(counts[:r]) for r in range(len(counts))]
@@ -245,10 +251,15 @@ class PrefixCache(PrefixCacheBase):
         return LayerwiseLoad(num_layers=L, device=pages.device, num_tokens=n * B, num_blocks=n,
                              tiers=[t for r in results for t in r.tiers], decoder=decoder, requests=results)
 
-    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
-        call, located, counts = self._plan_load(requests, pages, single=single)
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                    batch: Any = None) -> list[Loaded]:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
         B = self.block_tokens
-        results = [Loaded() for _ in requests]
+        # Blocks before a request's start are in its pages already: counted, not written.
+        results = [Loaded(num_blocks=min(s, n), tiers=list(where[: min(s, n)]))
+                   for s, n, where in zip(starts, counts, located)]
+        for res in results:
+            res.num_tokens = res.num_blocks * B
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
@@ -257,12 +268,12 @@ class PrefixCache(PrefixCacheBase):
         try:
             # As ``materialize``: frames flow from the tiers into the decoder as they land, and
             # each landed chunk is decoded straight into its pages.
-            for r, n in enumerate(counts):
-                if not n:
+            for r, (n, s) in enumerate(zip(counts, starts)):
+                if n <= s:
                     continue
-                frames = self.store.stream(call.hashes[r][:n], where=located[r], leased=True)
+                frames = self.store.stream(call.hashes[r][s:n], where=located[r][s:n], leased=True)
                 try:
-                    for key, got in zip(call.hashes[r], frames):
+                    for key, got in zip(call.hashes[r][s:n], frames):
                         if got is None:
                             break  # evicted or found corrupt since locate: this prefix ends here
                         frame, tier = got
@@ -271,7 +282,7 @@ class PrefixCache(PrefixCacheBase):
                         except FrameError:
                             frame.release()
                             break
-                        sink.rows.append(first_row + results[r].num_blocks)
+                        sink.rows.append(first_row + results[r].num_blocks - s)
                         decoder.add(frame)  # its copy to the device starts now
                         added.append(frame)
                         results[r].num_blocks += 1
@@ -282,7 +293,7 @@ class PrefixCache(PrefixCacheBase):
                         released = max(released, copied)
                 finally:
                     frames.close()  # reads not handed out: cancelled or given back
-                first_row += n
+                first_row += n - s
             if len(decoder):
                 decoder.finish(wait=False)
             for h, res in zip(call.hashes, results):

@@ -92,7 +92,7 @@ for s in "$@"; do
                  cp /tmp/ttft-disk-out/ttft.json "$OUT/ttft_disk.json" ;;
     tests-capacity) step tests-capacity 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_capacity.py tests/test_crash.py ;;
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
-    vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
+    vllm-pages)  step vllm-pages 420 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --requests 1,8 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
     # Before/after a restructuring, in one call: the tree in .base (git archive of the older
     # commit, carried by the lead) installed apart and run from outside any checkout, then this
