@@ -242,6 +242,8 @@ def run_fresh(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
             p = prompts()
             a = timed(lambda: fresh.ingest(p, kv), device)
             c = timed(lambda: fresh.materialize(p, device=device), device)
+            if fresh.lookup(p) != tokens:
+                raise RuntimeError(f"{codec}: a fresh call's blocks were evicted before it was read back")
             del kv
             q = prompts()
             if previous is not None:
