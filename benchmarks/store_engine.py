@@ -196,6 +196,8 @@ def run_batches(shape: Shape, requests: int, request_tokens: int, codecs: list[s
                 "load each": timed(lambda: [separate.materialize_into(p, dest.at(t)) for p, t in zip(ps, dest_tables)],
                                    device),
             }
+            if any(c.lookup(p) != request_tokens for c, ps_ in ((batched, pb), (separate, ps)) for p in ps_):
+                raise RuntimeError(f"{codec}: a request's blocks were evicted before they were loaded")
             if i:
                 for name, t in got.items():
                     times[name].append(t)
