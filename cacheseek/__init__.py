@@ -28,7 +28,7 @@ from .errors import (
 from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
 from .prefix_keys import Prompt
-from .quant import KIVI, KVLayerCodec, Raw
+from .quant import KIVI, KVLayerCodec, PrecisionPolicy, Raw
 
 if TYPE_CHECKING:
     from .pages import KVPages, PagedKV, PagedRequest
@@ -84,6 +84,7 @@ __all__ = [
     "Materialized",
     "PagedKV",
     "PagedRequest",
+    "PrecisionPolicy",
     "PrefixCache",
     "Prompt",
     "Raw",

@@ -6,13 +6,14 @@ from typing import Any
 
 from . import ingest_in_place, paged_io
 from .config import TierConfig
-from .decode import BatchDecoder
+from .decode import make_decoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
 from .kv_input import check_layers, kv_layers
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized
@@ -43,7 +44,7 @@ class PrefixCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         tiers: TierConfig | None = None,
         namespace: str = "",
@@ -126,6 +127,7 @@ class PrefixCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         B = self.block_tokens
         every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
@@ -207,6 +209,7 @@ class PrefixCache(PrefixCacheBase):
         return self._load_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
@@ -280,7 +283,7 @@ class PrefixCache(PrefixCacheBase):
         located = self.store.locate(self._limit(hashes, max_tokens))
         if not located:
             return self._nothing(device)
-        decoder = BatchDecoder(self.block_format, len(located), device)
+        decoder = make_decoder(self.block_format, len(located), device)
         tiers: list[str] = []
         frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
         added: list = []  # frames added to the decoder, in order; the first ``released`` given back

@@ -43,6 +43,7 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
@@ -131,7 +132,7 @@ class RemoteCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
@@ -228,6 +229,7 @@ class RemoteCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
@@ -288,6 +290,7 @@ class RemoteCache(PrefixCacheBase):
         return self._load_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         limits = paged_io.load_limits(call, requests, self.block_tokens)
