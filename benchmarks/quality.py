@@ -1,6 +1,7 @@
-"""Quality drift per codec on a real model: reused (encoded, decoded) prefix KV against recomputed.
+"""Quality drift per codec and precision policy on a real model: reused (stored, decoded)
+prefix KV against recomputed; and a long-context retrieval check.
 
-    python -m benchmarks.quality [--quick] [--threads N] [--out DIR]
+    python -m benchmarks.quality [--quick] [--no-retrieval] [--threads N] [--out DIR]
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
@@ -25,6 +26,18 @@ batch, so every comparison is like with like (same kernels, same shapes):
 
 KIVI here quantizes the whole prefix (the storage use case); KIVI the paper keeps the most
 recent tokens in full precision, which this does not.
+
+Precision policies (``cs.PrecisionPolicy``: a codec per block position) go through a real
+``PrefixCache`` (ingest, materialize) with blocks of ``BLOCK`` = 64 tokens. Variants with
+``last`` keep the chain's last stored block in ``last`` instead (not a policy a store can
+key by: measured to answer whether it would help). ``bits/elem`` counts every stored bit of
+the payload (codes and stats; frame headers add ~1 KB per block, <0.5%) per K/V element of
+a 2048-token prefix, against the model's float32 KV.
+
+Retrieval (``--no-retrieval`` skips it): a pass key (5 digits) hidden in filler text at
+several depths of contexts of several lengths; the context's full blocks are stored and
+reused, the rest of it and the question are recomputed, and 8 greedy tokens must contain
+the key. Raw (the recomputed cache, bit for bit) is the reference.
 """
 
 from __future__ import annotations
@@ -46,6 +59,11 @@ from .report import add_plot_only, plot_only, pyplot, redraw, save, source_line,
 
 CONTINUATION = 128
 GREEDY = 64
+BLOCK = 64  # tokens per stored block (policies' positions; the prefixes are multiples of it)
+BITS_AT = 2048  # prefix length the summary's bits/elem are counted at
+RETRIEVAL_LENGTHS = (1024, 2048, 4096)
+RETRIEVAL_DEPTHS = (0.1, 0.5, 0.9)
+RETRIEVAL_TOKENS = 8
 # (module, prefix tokens): two documents per length, in a fixed order.
 PREFIXES = (
     ("argparse", 512), ("json", 512),
@@ -58,19 +76,62 @@ QUICK = (("argparse", 512), ("subprocess", 1024), ("logging", 2048))
 @dataclass(frozen=True)
 class Variant:
     label: str
-    codec: Any
+    codec: Any  # a codec, or a cs.PrecisionPolicy
     group: int | None
+    last: Any = None  # the chain's last stored block in this codec instead (not a policy)
+
+    @property
+    def kind(self) -> str:
+        return "uniform" if isinstance(self.codec, (cs.KIVI, cs.Raw)) and self.last is None else "policy"
 
 
 def variants() -> list[Variant]:
+    i8 = cs.KIVI(bits=8, group_size=32)
     out = [Variant("raw", cs.Raw(), None)]
-    for group in (32, 128):
-        out += [
-            Variant("int8", cs.KIVI(bits=8, group_size=group), group),
-            Variant("int4", cs.KIVI(bits=4, group_size=group), group),
-            Variant("int2", cs.KIVI(bits=2, group_size=group), group),
-            Variant("k2v4", cs.KIVI(k_bits=2, v_bits=4, group_size=group), group),
-        ]
+    # Uniform codecs: every setting at G=32 (K and V bits apart both ways: which side is
+    # the more sensitive), the bases of the G=64 policies, and int4 / int2 at G=128.
+    out += [Variant(name, cs.KIVI(k_bits=kb, v_bits=vb, group_size=32), 32)
+            for name, kb, vb in (("int8", 8, 8), ("int4", 4, 4), ("int2", 2, 2), ("k2v4", 2, 4), ("k4v2", 4, 2))]
+    out += [Variant(name, cs.KIVI(k_bits=kb, v_bits=vb, group_size=64), 64)
+            for name, kb, vb in (("int2", 2, 2), ("k4v2", 4, 2))]
+    out += [Variant(name, cs.KIVI(bits=b, group_size=128), 128) for name, b in (("int4", 4), ("int2", 2))]
+    int2, k4v2 = cs.KIVI(bits=2, group_size=32), cs.KIVI(k_bits=4, v_bits=2, group_size=32)
+    int2_64, k4v2_64 = cs.KIVI(bits=2, group_size=64), cs.KIVI(k_bits=4, v_bits=2, group_size=64)
+    policy = cs.PrecisionPolicy
+    out += [
+        Variant("int8@0+int2", policy(first=i8, rest=int2), 32),
+        Variant("raw@0+int2", policy(first=cs.Raw(), rest=int2), 32),
+        Variant("int8@0,1+int2", policy(first=i8, first_blocks=2, rest=int2), 32),
+        Variant("int8@0+int2+int8@last", policy(first=i8, rest=int2), 32, last=i8),
+        Variant("int2+int8@last", int2, 32, last=i8),
+        Variant("int8@0+k4v2", policy(first=i8, rest=k4v2), 32),
+        Variant("raw@0+int2", policy(first=cs.Raw(), rest=int2_64), 64),
+        Variant("int8@0+int2", policy(first=i8, rest=int2_64), 64),
+        Variant("int8@0+k4v2", policy(first=i8, rest=k4v2_64), 64),
+    ]
+    return out
+
+
+def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -> list:
+    """The prefix KV ``layers`` [(K, V) [H, T, D]] as a store hands it back: a uniform codec's
+    encode and decode (bit for bit what the store does); a policy through a real
+    ``PrefixCache`` (ingest, materialize); ``last``: the last full block re-encoded with it."""
+    if variant.kind == "uniform":
+        return [variant.codec.decode(variant.codec.encode(k, v), "cpu") for k, v in layers]
+    tokens = layers[0][0].shape[1]
+    tiers = cs.TierConfig(cpu_bytes="4GiB", pin_memory=False)
+    with cs.PrefixCache(model_id="quality", layout=layout, codec=variant.codec, block_tokens=BLOCK,
+                        tiers=tiers) as cache:
+        cache.ingest(ids[:tokens], layers)
+        got = cache.materialize(ids[:tokens])
+        out = [(k[0].clone(), v[0].clone()) for k, v in got.layers]
+    stored = got.num_tokens
+    out = [(torch.cat([k, rk[:, stored:]], 1), torch.cat([v, rv[:, stored:]], 1))
+           for (k, v), (rk, rv) in zip(out, layers)]  # tokens after the last full block: recomputed
+    if variant.last is not None and stored:
+        a, b, c = stored - BLOCK, stored, variant.last
+        for (k, v), (rk, rv) in zip(out, layers):
+            k[:, a:b], v[:, a:b] = c.decode(c.encode(rk[:, a:b].contiguous(), rv[:, a:b].contiguous()), "cpu")
     return out
 
 
@@ -95,9 +156,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def bits_per_element(codec: Any, layout: cs.KVLayout, tokens: int) -> float:
-    """Stored bits per K/V element: codes plus stats, from the codec's own byte count."""
-    return 8 * codec.encoded_nbytes(layout, tokens) / (layout.raw_nbytes(tokens) / layout.itemsize)
+def bits_per_element(variant: Any, layout: cs.KVLayout, tokens: int) -> float:
+    """Stored bits per K/V element of a ``tokens``-token prefix: codes plus stats, from the
+    codecs' own byte counts, block by block (``BLOCK``) for a policy or a ``last`` variant."""
+    codec, last = (variant.codec, variant.last) if isinstance(variant, Variant) else (variant, None)
+    if isinstance(codec, cs.PrecisionPolicy):
+        nbytes = codec.chain_nbytes(layout, BLOCK, tokens // BLOCK)
+        if last is not None:
+            nbytes += last.encoded_nbytes(layout, BLOCK) - codec.codec_at(tokens // BLOCK - 1).encoded_nbytes(
+                layout, BLOCK)
+    else:
+        nbytes = codec.encoded_nbytes(layout, tokens)
+        if last is not None:
+            nbytes += last.encoded_nbytes(layout, BLOCK) - codec.encoded_nbytes(layout, BLOCK)
+    return 8 * nbytes / (layout.raw_nbytes(tokens) / layout.itemsize)
 
 
 def measure_prefix(model: Any, ids: list[int], prefix: int, vs: list[Variant]) -> list[dict]:
@@ -109,8 +181,7 @@ def measure_prefix(model: Any, ids: list[int], prefix: int, vs: list[Variant]) -
     del ref_cache
     rows_layers = [ref_layers]
     for variant in vs:
-        codec = variant.codec
-        rows_layers.append([codec.decode(codec.encode(k, v), "cpu") for k, v in ref_layers])
+        rows_layers.append(reuse(variant, layout, ids, ref_layers))
     batch = len(rows_layers)
     stacked = [
         (torch.stack([r[i][0] for r in rows_layers]), torch.stack([r[i][1] for r in rows_layers]))
@@ -147,19 +218,79 @@ def measure_prefix(model: Any, ids: list[int], prefix: int, vs: list[Variant]) -
             "top1": (logits[0].argmax(-1) == logits[b].argmax(-1)).float().mean().item(),
             "ppl_recomputed": ppl_ref, "ppl_reused": perplexity(logits[b, :-1], targets),
             "greedy_match": match / GREEDY, "greedy_prefix": common_prefix(greedy[0], greedy[b]),
-            "bits_per_elem": bits_per_element(variant.codec, layout, prefix),
+            "bits_per_elem": bits_per_element(variant, layout, prefix), "kind": variant.kind,
         })
     return rows
 
 
-def summarize(rows: list[dict], vs: list[Variant]) -> list[dict]:
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def retrieval_prompt(tokenizer: Any, length: int, depth: float, key: int) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): ``length`` tokens in all, the key's sentence at ``depth``."""
+    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
+    q = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    per = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    fixed = len(tokenizer(INTRO + needle).input_ids) + len(q)
+    reps = max(1, (length - fixed) // per)
+    at = round(depth * reps)
+    text = INTRO + FILLER * at + needle + FILLER * (reps - at)
+    return tokenizer(text).input_ids, q
+
+
+def measure_retrieval(model: Any, tokenizer: Any, length: int, depth: float, key: int, vs: list[Variant]) -> list[dict]:
+    """One pass-key trial: every variant's reused context (its full blocks) against the key."""
+    layout = kv_layout(model)
+    ctx, q = retrieval_prompt(tokenizer, length, depth, key)
+    ids = ctx + q
+    stored = len(ctx) // BLOCK * BLOCK
+    x = torch.tensor([ids])
+    _, ref_cache = forward(model, x[:, :stored])
+    ref_layers = [(k.contiguous(), v.contiguous()) for k, v in dynamic_cache_layers(ref_cache)]
+    del ref_cache
+    rows_layers = [ref_layers] + [reuse(v, layout, ids, ref_layers) for v in vs]
+    batch = len(rows_layers)
+    stacked = [(torch.stack([r[i][0] for r in rows_layers]), torch.stack([r[i][1] for r in rows_layers]))
+               for i in range(len(ref_layers))]
+    del rows_layers
+    cache = to_dynamic_cache(stacked, model.config)
+    del stacked
+    logits, cache = forward(model, x[:, stored:].expand(batch, -1), cache, last_only=True)
+    step = logits[:, -1].float()
+    out = [[] for _ in range(batch)]
+    for i in range(RETRIEVAL_TOKENS):
+        tok = step.argmax(-1)
+        for b in range(batch):
+            out[b].append(int(tok[b]))
+        if i == RETRIEVAL_TOKENS - 1:
+            break
+        logits, cache = forward(model, tok[:, None], cache)
+        step = logits[:, -1].float()
+    del cache
+    texts_out = [tokenizer.decode(t) for t in out]
+    return [{"codec": v.label, "group": v.group or "-", "length": len(ids), "stored": stored, "depth": depth,
+             "key": key, "found": str(key) in texts_out[b], "answer": texts_out[b],
+             "recomputed_found": str(key) in texts_out[0]}
+            for b, v in enumerate(vs, start=1)]
+
+
+def summarize(rows: list[dict], vs: list[Variant], layout: cs.KVLayout | None = None,
+              retrieval: list[dict] | None = None) -> list[dict]:
     out = []
     for variant in vs:
         mine = [r for r in rows if r["codec"] == variant.label and r["group"] == (variant.group or "-")]
         ppl_ref = sum(math.log(r["ppl_recomputed"]) for r in mine) / len(mine)
         ppl_use = sum(math.log(r["ppl_reused"]) for r in mine) / len(mine)
+        bits = bits_per_element(variant, layout, BITS_AT) if layout is not None else mine[0]["bits_per_elem"]
+        extra = {}
+        if retrieval:
+            got = [r["found"] for r in retrieval if r["codec"] == variant.label and r["group"] == (variant.group or "-")]
+            extra["retrieval %"] = 100 * sum(got) / len(got)
         out.append({
-            "codec": variant.label, "group": variant.group or "-", "bits/elem": mine[0]["bits_per_elem"],
+            "codec": variant.label, "group": variant.group or "-", "kind": variant.kind, "bits/elem": bits, **extra,
             "KL mean": sum(r["kl_mean"] for r in mine) / len(mine),
             "KL max": max(r["kl_max"] for r in mine),
             "top-1 %": 100 * sum(r["top1"] for r in mine) / len(mine),
@@ -180,7 +311,7 @@ def plot(docs: list[dict], out_dir: Path) -> Path | None:
     summary = doc["summary"]
     labels = [f"{r['codec']}" + (f" G{r['group']}" if r["group"] != "-" else "") for r in summary]
     xs = range(len(labels))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(13, 0.75 * len(summary)), 5.2))
     floor = 1e-9
     drawn = ax1.bar(xs, [max(r["KL mean"], floor) for r in summary], color="tab:red")
     ax1.bar_label(drawn, labels=["0 (exact)" if r["KL mean"] == 0 else f"{r['KL mean']:.2g}" for r in summary],
@@ -204,14 +335,54 @@ def plot(docs: list[dict], out_dir: Path) -> Path | None:
         ax.set_xticklabels(labels, rotation=30, ha="right")
         ax.set_xlabel("codec, group size G")
     lengths = sorted({r["prefix"] for r in doc["rows"]})
+    if "kind" in summary[0]:
+        bits = plot_bits(doc, out_dir)
+        if bits is not None:
+            print(f"wrote {bits}")
     return save(fig, out_dir, "quality", note=source_line(doc),
                 title=f"Reused prefix KV per codec against recomputed KV: SmolLM2-135M-Instruct, "
                       f"{len(doc['documents'])} stdlib-docstring prefixes of {lengths[0]}-{lengths[-1]} tokens")
 
 
+def plot_bits(doc: dict, out_dir: Path) -> Path | None:
+    """Quality (KL, top-1) against stored bits per element: one point per codec and policy."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    summary = [r for r in doc["summary"] if r["codec"] != "raw"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6.2))
+    for ax, key, ylabel in ((ax1, "KL mean", "KL(recomputed || reused), nats/token (log; lower is better)"),
+                            (ax2, "top-1 %", "top-1 agreement with recomputed KV, % (higher is better)")):
+        for r in summary:
+            policy = r.get("kind") == "policy"
+            ax.scatter(r["bits/elem"], r[key], marker="D" if policy else "o", s=46,
+                       color="tab:orange" if policy else "tab:blue", edgecolor="black", linewidth=0.5, zorder=3)
+            label = r["codec"] + (f" G{r['group']}" if r["group"] != "-" else "")
+            ax.annotate(label, (r["bits/elem"], r[key]), textcoords="offset points", xytext=(5, 3), fontsize=7.5)
+        ax.axvline(3.5, color="0.4", linestyle=":", linewidth=1)
+        ax.set_xlabel(f"stored bits per K/V element (codes + stats, {BITS_AT}-token prefix, blocks of {BLOCK})")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.axhline(0.02, color="tab:red", linestyle="--", linewidth=1, label="goal: KL <= 0.02 at <= 3.5 bits")
+    ax2.axhline(95, color="tab:red", linestyle="--", linewidth=1, label="goal: top-1 >= 95% at <= 3.5 bits")
+    int4 = next((r for r in summary if r["codec"] == "int4" and r["group"] == 32), None)
+    if int4 is not None:
+        ax1.axhline(int4["KL mean"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32's KL")
+        ax2.axhline(int4["top-1 %"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32's top-1")
+    for ax in (ax1, ax2):
+        ax.scatter([], [], marker="o", color="tab:blue", label="uniform codec")
+        ax.scatter([], [], marker="D", color="tab:orange", label="precision policy (or last-block variant)")
+        ax.legend(fontsize=8, loc="lower right" if ax is ax2 else "upper right")
+    return save(fig, out_dir, "quality-bits", note=source_line(doc),
+                title="Quality against stored bits per element, per codec and precision policy: "
+                      "SmolLM2-135M-Instruct, reused vs recomputed prefix KV")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
+    ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
     add_plot_only(ap)
@@ -233,14 +404,24 @@ def main() -> None:
         t = time.perf_counter()
         rows += measure_prefix(model, ids, prefix, vs)
         print(f"  {module:14s} prefix {prefix:5d}: {time.perf_counter() - t:5.1f} s", flush=True)
-    summary = summarize(rows, vs)
-    cols = ["codec", "group", "bits/elem", "KL mean", "KL max", "top-1 %", "ppl recomputed", "ppl reused",
-            "ppl Δ %", "greedy match %", "greedy same-prefix"]
+    retrieval: list[dict] = []
+    if not args.no_retrieval:
+        for length in RETRIEVAL_LENGTHS:
+            for j, depth in enumerate(RETRIEVAL_DEPTHS):
+                key = 10000 + (length * 7 + j * 7919) % 90000
+                t = time.perf_counter()
+                retrieval += measure_retrieval(model, tokenizer, length, depth, key, vs)
+                print(f"  pass key  {length:5d} tokens, depth {depth:.1f}: {time.perf_counter() - t:5.1f} s", flush=True)
+    summary = summarize(rows, vs, layout, retrieval)
+    cols = ["codec", "group", "kind", "bits/elem", "KL mean", "KL max", "top-1 %", "ppl recomputed", "ppl reused",
+            "ppl Δ %", "greedy match %", "greedy same-prefix"] + (["retrieval %"] if retrieval else [])
     seconds = time.perf_counter() - t0
     payload = {
         "model": smollm2.MODEL_ID, "layout": layout.to_dict(), "continuation": CONTINUATION, "greedy": GREEDY,
         "documents": docs, "threads": torch.get_num_threads(), "seconds": seconds,
-        "summary": summary, "rows": rows,
+        "block_tokens": BLOCK, "bits_at_tokens": BITS_AT,
+        "retrieval_setup": {"lengths": RETRIEVAL_LENGTHS, "depths": RETRIEVAL_DEPTHS, "tokens": RETRIEVAL_TOKENS},
+        "summary": summary, "rows": rows, "retrieval": retrieval,
     }
     path = write_json("quality", payload, args.out)
     print(f"wrote {path}")
