@@ -51,6 +51,8 @@ for s in "$@"; do
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
+    # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
+    mixed)       step mixed 300 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
