@@ -1,7 +1,8 @@
 """Quality drift per codec and precision policy on a real model: reused (stored, decoded)
 prefix KV against recomputed; and a long-context retrieval check.
 
-    python -m benchmarks.quality [--quick] [--no-retrieval] [--threads N] [--out DIR]
+    python -m benchmarks.quality [--quick] [--threads N] [--out DIR]          # codecs: quality.json
+    python -m benchmarks.quality --precision [--quick] [--no-retrieval] ...   # policies: precision.json
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
@@ -27,7 +28,8 @@ batch, so every comparison is like with like (same kernels, same shapes):
 KIVI here quantizes the whole prefix (the storage use case); KIVI the paper keeps the most
 recent tokens in full precision, which this does not.
 
-Precision policies (``cs.PrecisionPolicy``: a codec per block position) go through a real
+``--precision`` measures precision policies and the retrieval check instead, into
+precision.json (and docs/precision.png: quality against stored bits). Precision policies (``cs.PrecisionPolicy``: a codec per block position) go through a real
 ``PrefixCache`` (ingest, materialize) with blocks of ``BLOCK`` = 64 tokens. Variants with
 ``last`` keep the chain's last stored block in ``last`` instead (not a policy a store can
 key by: measured to answer whether it would help). ``bits/elem`` counts every stored bit of
@@ -62,7 +64,7 @@ GREEDY = 64
 BLOCK = 64  # tokens per stored block (policies' positions; the prefixes are multiples of it)
 BITS_AT = 2048  # prefix length the summary's bits/elem are counted at
 RETRIEVAL_LENGTHS = (1024, 2048, 4096)
-RETRIEVAL_DEPTHS = (0.1, 0.5, 0.9)
+RETRIEVAL_DEPTHS = (0.25, 0.75)
 RETRIEVAL_TOKENS = 8
 # (module, prefix tokens): two documents per length, in a fixed order.
 PREFIXES = (
@@ -86,15 +88,28 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    i8 = cs.KIVI(bits=8, group_size=32)
+    """The uniform codecs of quality.json."""
     out = [Variant("raw", cs.Raw(), None)]
-    # Uniform codecs: every setting at G=32 (K and V bits apart both ways: which side is
-    # the more sensitive), the bases of the G=64 policies, and int4 / int2 at G=128.
+    for group in (32, 128):
+        out += [
+            Variant("int8", cs.KIVI(bits=8, group_size=group), group),
+            Variant("int4", cs.KIVI(bits=4, group_size=group), group),
+            Variant("int2", cs.KIVI(bits=2, group_size=group), group),
+            Variant("k2v4", cs.KIVI(k_bits=2, v_bits=4, group_size=group), group),
+        ]
+    return out
+
+
+def precision_variants() -> list[Variant]:
+    """precision.json: uniform codecs at G=32 (K and V bits apart both ways: which side is the
+    more sensitive) and the bases at G=64; policies (first blocks int8 or Raw) and
+    last-block variants over them."""
+    out = [Variant("raw", cs.Raw(), None)]
     out += [Variant(name, cs.KIVI(k_bits=kb, v_bits=vb, group_size=32), 32)
             for name, kb, vb in (("int8", 8, 8), ("int4", 4, 4), ("int2", 2, 2), ("k2v4", 2, 4), ("k4v2", 4, 2))]
     out += [Variant(name, cs.KIVI(k_bits=kb, v_bits=vb, group_size=64), 64)
             for name, kb, vb in (("int2", 2, 2), ("k4v2", 4, 2))]
-    out += [Variant(name, cs.KIVI(bits=b, group_size=128), 128) for name, b in (("int4", 4), ("int2", 2))]
+    i8 = cs.KIVI(bits=8, group_size=32)
     int2, k4v2 = cs.KIVI(bits=2, group_size=32), cs.KIVI(k_bits=4, v_bits=2, group_size=32)
     int2_64, k4v2_64 = cs.KIVI(bits=2, group_size=64), cs.KIVI(k_bits=4, v_bits=2, group_size=64)
     policy = cs.PrecisionPolicy
@@ -106,7 +121,6 @@ def variants() -> list[Variant]:
         Variant("int2+int8@last", int2, 32, last=i8),
         Variant("int8@0+k4v2", policy(first=i8, rest=k4v2), 32),
         Variant("raw@0+int2", policy(first=cs.Raw(), rest=int2_64), 64),
-        Variant("int8@0+int2", policy(first=i8, rest=int2_64), 64),
         Variant("int8@0+k4v2", policy(first=i8, rest=k4v2_64), 64),
     ]
     return out
@@ -303,11 +317,13 @@ def summarize(rows: list[dict], vs: list[Variant], layout: cs.KVLayout | None = 
 
 
 def plot(docs: list[dict], out_dir: Path) -> Path | None:
-    """KL drift, top-1 and greedy agreement per codec variant."""
+    """KL drift, top-1 and greedy agreement per codec variant (precision.json: ``plot_bits``)."""
     plt = pyplot()
     if plt is None:
         return None
     doc = docs[0]
+    if doc.get("benchmark") == "precision":
+        return plot_bits(doc, out_dir)
     summary = doc["summary"]
     labels = [f"{r['codec']}" + (f" G{r['group']}" if r["group"] != "-" else "") for r in summary]
     xs = range(len(labels))
@@ -335,10 +351,6 @@ def plot(docs: list[dict], out_dir: Path) -> Path | None:
         ax.set_xticklabels(labels, rotation=30, ha="right")
         ax.set_xlabel("codec, group size G")
     lengths = sorted({r["prefix"] for r in doc["rows"]})
-    if "kind" in summary[0]:
-        bits = plot_bits(doc, out_dir)
-        if bits is not None:
-            print(f"wrote {bits}")
     return save(fig, out_dir, "quality", note=source_line(doc),
                 title=f"Reused prefix KV per codec against recomputed KV: SmolLM2-135M-Instruct, "
                       f"{len(doc['documents'])} stdlib-docstring prefixes of {lengths[0]}-{lengths[-1]} tokens")
@@ -374,7 +386,7 @@ def plot_bits(doc: dict, out_dir: Path) -> Path | None:
         ax.scatter([], [], marker="o", color="tab:blue", label="uniform codec")
         ax.scatter([], [], marker="D", color="tab:orange", label="precision policy (or last-block variant)")
         ax.legend(fontsize=8, loc="lower right" if ax is ax2 else "upper right")
-    return save(fig, out_dir, "quality-bits", note=source_line(doc),
+    return save(fig, out_dir, "precision", note=source_line(doc),
                 title="Quality against stored bits per element, per codec and precision policy: "
                       "SmolLM2-135M-Instruct, reused vs recomputed prefix KV")
 
@@ -382,6 +394,7 @@ def plot_bits(doc: dict, out_dir: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
+    ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
     ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
@@ -393,7 +406,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tokenizer = smollm2.load(progress=print)
     layout = kv_layout(model)
-    vs = variants()
+    vs = precision_variants() if args.precision else variants()
     rows, docs = [], {}
     for module, prefix in QUICK if args.quick else PREFIXES:
         doc = texts.stdlib_document(module)
@@ -405,14 +418,14 @@ def main() -> None:
         rows += measure_prefix(model, ids, prefix, vs)
         print(f"  {module:14s} prefix {prefix:5d}: {time.perf_counter() - t:5.1f} s", flush=True)
     retrieval: list[dict] = []
-    if not args.no_retrieval:
+    if args.precision and not args.no_retrieval:
         for length in RETRIEVAL_LENGTHS:
             for j, depth in enumerate(RETRIEVAL_DEPTHS):
                 key = 10000 + (length * 7 + j * 7919) % 90000
                 t = time.perf_counter()
                 retrieval += measure_retrieval(model, tokenizer, length, depth, key, vs)
                 print(f"  pass key  {length:5d} tokens, depth {depth:.1f}: {time.perf_counter() - t:5.1f} s", flush=True)
-    summary = summarize(rows, vs, layout, retrieval)
+    summary = summarize(rows, vs, layout if args.precision else None, retrieval)
     cols = ["codec", "group", "kind", "bits/elem", "KL mean", "KL max", "top-1 %", "ppl recomputed", "ppl reused",
             "ppl Δ %", "greedy match %", "greedy same-prefix"] + (["retrieval %"] if retrieval else [])
     seconds = time.perf_counter() - t0
@@ -423,7 +436,7 @@ def main() -> None:
         "retrieval_setup": {"lengths": RETRIEVAL_LENGTHS, "depths": RETRIEVAL_DEPTHS, "tokens": RETRIEVAL_TOKENS},
         "summary": summary, "rows": rows, "retrieval": retrieval,
     }
-    path = write_json("quality", payload, args.out)
+    path = write_json("precision" if args.precision else "quality", payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)
     n = len(QUICK if args.quick else PREFIXES)
