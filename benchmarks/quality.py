@@ -81,6 +81,7 @@ class Variant:
     codec: Any  # a codec, or a cs.PrecisionPolicy
     group: int | None
     last: Any = None  # the chain's last stored block in this codec instead (not a policy)
+    block: int = BLOCK  # tokens per stored block
 
     @property
     def kind(self) -> str:
@@ -126,6 +127,25 @@ def precision_variants() -> list[Variant]:
     return out
 
 
+def near_miss_variants() -> list[Variant]:
+    """``--near-miss`` (precision_near_miss.json): the one policy family that fits 3.5 bits with
+    4-bit keys on this model (head_dim 64 caps V's group at 64 channels: V int2 costs 2.5 bits):
+    blocks of 128 tokens, K int4 G=128, V int2, the first block int4 or int8."""
+    i8, i4 = cs.KIVI(bits=8, group_size=32), cs.KIVI(bits=4, group_size=32)
+    k4v2_64 = cs.KIVI(k_bits=4, v_bits=2, group_size=64)
+    k128 = cs.KIVI(k_bits=4, v_bits=2, k_group_size=128, v_group_size=64)
+    policy = cs.PrecisionPolicy
+    return [
+        Variant("raw", cs.Raw(), None),
+        Variant("int4", cs.KIVI(bits=4, group_size=32), 32),
+        Variant("k4v2", k4v2_64, 64),
+        Variant("int8@0+k4v2", policy(first=i8, rest=k4v2_64), 64),
+        Variant("k4(G128)v2(G64)", k128, 128, block=128),
+        Variant("int4@0+k4(G128)v2(G64)", policy(first=i4, rest=k128), 128, block=128),
+        Variant("int8@0+k4(G128)v2(G64)", policy(first=i8, rest=k128), 128, block=128),
+    ]
+
+
 def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -> list:
     """The prefix KV ``layers`` [(K, V) [H, T, D]] as a store hands it back: a uniform codec's
     encode and decode (bit for bit what the store does); a policy through a real
@@ -134,7 +154,8 @@ def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -
         return [variant.codec.decode(variant.codec.encode(k, v), "cpu") for k, v in layers]
     tokens = layers[0][0].shape[1]
     tiers = cs.TierConfig(cpu_bytes="4GiB", pin_memory=False)
-    with cs.PrefixCache(model_id="quality", layout=layout, codec=variant.codec, block_tokens=BLOCK,
+    B = variant.block
+    with cs.PrefixCache(model_id="quality", layout=layout, codec=variant.codec, block_tokens=B,
                         tiers=tiers) as cache:
         cache.ingest(ids[:tokens], layers)
         got = cache.materialize(ids[:tokens])
@@ -143,7 +164,7 @@ def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -
     out = [(torch.cat([k, rk[:, stored:]], 1), torch.cat([v, rv[:, stored:]], 1))
            for (k, v), (rk, rv) in zip(out, layers)]  # tokens after the last full block: recomputed
     if variant.last is not None and stored:
-        a, b, c = stored - BLOCK, stored, variant.last
+        a, b, c = stored - B, stored, variant.last
         for (k, v), (rk, rv) in zip(out, layers):
             k[:, a:b], v[:, a:b] = c.decode(c.encode(rk[:, a:b].contiguous(), rv[:, a:b].contiguous()), "cpu")
     return out
@@ -173,16 +194,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def bits_per_element(variant: Any, layout: cs.KVLayout, tokens: int) -> float:
     """Stored bits per K/V element of a ``tokens``-token prefix: codes plus stats, from the
     codecs' own byte counts, block by block (``BLOCK``) for a policy or a ``last`` variant."""
-    codec, last = (variant.codec, variant.last) if isinstance(variant, Variant) else (variant, None)
+    codec, last, B = (variant.codec, variant.last, variant.block) if isinstance(variant, Variant) \
+        else (variant, None, BLOCK)
     if isinstance(codec, cs.PrecisionPolicy):
-        nbytes = codec.chain_nbytes(layout, BLOCK, tokens // BLOCK)
+        nbytes = codec.chain_nbytes(layout, B, tokens // B)
         if last is not None:
-            nbytes += last.encoded_nbytes(layout, BLOCK) - codec.codec_at(tokens // BLOCK - 1).encoded_nbytes(
-                layout, BLOCK)
+            nbytes += last.encoded_nbytes(layout, B) - codec.codec_at(tokens // B - 1).encoded_nbytes(layout, B)
     else:
         nbytes = codec.encoded_nbytes(layout, tokens)
         if last is not None:
-            nbytes += last.encoded_nbytes(layout, BLOCK) - codec.encoded_nbytes(layout, BLOCK)
+            nbytes += last.encoded_nbytes(layout, B) - codec.encoded_nbytes(layout, B)
     return 8 * nbytes / (layout.raw_nbytes(tokens) / layout.itemsize)
 
 
@@ -357,35 +378,44 @@ def plot(docs: list[dict], out_dir: Path) -> Path | None:
 
 
 def plot_bits(doc: dict, out_dir: Path) -> Path | None:
-    """Quality (KL, top-1) against stored bits per element: one point per codec and policy."""
+    """Quality (KL, top-1) against stored bits per element: one numbered point per codec and
+    policy, the numbers listed beside the plots."""
     plt = pyplot()
     if plt is None:
         return None
     summary = [r for r in doc["summary"] if r["codec"] != "raw"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 6.2))
+    names = [r["codec"] + (f" G{r['group']}" if r["group"] != "-" else "") for r in summary]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(16, 6.4))
     for ax, key, ylabel in ((ax1, "KL mean", "KL(recomputed || reused), nats/token (log; lower is better)"),
                             (ax2, "top-1 %", "top-1 agreement with recomputed KV, % (higher is better)")):
-        for r in summary:
+        for i, r in enumerate(summary, start=1):
             policy = r.get("kind") == "policy"
-            ax.scatter(r["bits/elem"], r[key], marker="D" if policy else "o", s=46,
+            ax.scatter(r["bits/elem"], r[key], marker="D" if policy else "o", s=42,
                        color="tab:orange" if policy else "tab:blue", edgecolor="black", linewidth=0.5, zorder=3)
-            label = r["codec"] + (f" G{r['group']}" if r["group"] != "-" else "")
-            ax.annotate(label, (r["bits/elem"], r[key]), textcoords="offset points", xytext=(5, 3), fontsize=7.5)
-        ax.axvline(3.5, color="0.4", linestyle=":", linewidth=1)
-        ax.set_xlabel(f"stored bits per K/V element (codes + stats, {BITS_AT}-token prefix, blocks of {BLOCK})")
+            ax.annotate(str(i), (r["bits/elem"], r[key]), textcoords="offset points",
+                        xytext=(4 + 9 * (i % 2), 2 - 8 * (i % 3 == 0)), fontsize=8, fontweight="bold")
+        ax.axvline(3.5, color="0.4", linestyle=":", linewidth=1, label="3.5 bits")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([2.5, 3, 3.5, 4, 5, 6, 9])
+        ax.set_xticklabels(["2.5", "3", "3.5", "4", "5", "6", "9"])
+        ax.set_xlabel(f"stored bits per K/V element (codes + stats; {doc.get('bits_at_tokens', 2048)}-token prefix, "
+                      f"blocks of {doc.get('block_tokens', BLOCK)} tokens; log scale)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     ax1.set_yscale("log")
-    ax1.axhline(0.02, color="tab:red", linestyle="--", linewidth=1, label="goal: KL <= 0.02 at <= 3.5 bits")
-    ax2.axhline(95, color="tab:red", linestyle="--", linewidth=1, label="goal: top-1 >= 95% at <= 3.5 bits")
+    ax1.axhline(0.02, color="tab:red", linestyle="--", linewidth=1, label="goal: KL <= 0.02")
+    ax2.axhline(95, color="tab:red", linestyle="--", linewidth=1, label="goal: top-1 >= 95%")
     int4 = next((r for r in summary if r["codec"] == "int4" and r["group"] == 32), None)
     if int4 is not None:
-        ax1.axhline(int4["KL mean"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32's KL")
-        ax2.axhline(int4["top-1 %"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32's top-1")
+        ax1.axhline(int4["KL mean"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32")
+        ax2.axhline(int4["top-1 %"], color="tab:green", linestyle="-.", linewidth=1, label="int4 G32")
     for ax in (ax1, ax2):
         ax.scatter([], [], marker="o", color="tab:blue", label="uniform codec")
-        ax.scatter([], [], marker="D", color="tab:orange", label="precision policy (or last-block variant)")
-        ax.legend(fontsize=8, loc="lower right" if ax is ax2 else "upper right")
+        ax.scatter([], [], marker="D", color="tab:orange", label="precision policy / last-block variant")
+        ax.legend(fontsize=8, loc="lower right" if ax is ax2 else "lower left")
+    key_text = "\n".join(f"{i:2d}  {n}  ({r['bits/elem']:.2f} b)" for i, (n, r) in enumerate(zip(names, summary), 1))
+    fig.text(0.915, 0.5, key_text, fontsize=8.5, va="center", ha="left", family="monospace")
+    fig.subplots_adjust(right=0.9)
     return save(fig, out_dir, "precision", note=source_line(doc),
                 title="Quality against stored bits per element, per codec and precision policy: "
                       "SmolLM2-135M-Instruct, reused vs recomputed prefix KV")
@@ -395,6 +425,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
     ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
+    ap.add_argument("--near-miss", action="store_true", help="with --precision: the variants around 3.5 bits")
     ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
@@ -406,7 +437,7 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tokenizer = smollm2.load(progress=print)
     layout = kv_layout(model)
-    vs = precision_variants() if args.precision else variants()
+    vs = (near_miss_variants() if args.near_miss else precision_variants()) if args.precision else variants()
     rows, docs = [], {}
     for module, prefix in QUICK if args.quick else PREFIXES:
         doc = texts.stdlib_document(module)
@@ -424,7 +455,7 @@ def main() -> None:
                 key = 10000 + (length * 7 + j * 7919) % 90000
                 t = time.perf_counter()
                 retrieval += measure_retrieval(model, tokenizer, length, depth, key, vs)
-                print(f"  pass key  {length:5d} tokens, depth {depth:.1f}: {time.perf_counter() - t:5.1f} s", flush=True)
+                print(f"  pass key  {length:5d} tokens, depth {depth:.2f}: {time.perf_counter() - t:5.1f} s", flush=True)
     summary = summarize(rows, vs, layout if args.precision else None, retrieval)
     cols = ["codec", "group", "kind", "bits/elem", "KL mean", "KL max", "top-1 %", "ppl recomputed", "ppl reused",
             "ppl Δ %", "greedy match %", "greedy same-prefix"] + (["retrieval %"] if retrieval else [])
@@ -436,7 +467,8 @@ def main() -> None:
         "retrieval_setup": {"lengths": RETRIEVAL_LENGTHS, "depths": RETRIEVAL_DEPTHS, "tokens": RETRIEVAL_TOKENS},
         "summary": summary, "rows": rows, "retrieval": retrieval,
     }
-    path = write_json("precision" if args.precision else "quality", payload, args.out)
+    name = ("precision_near_miss" if args.near_miss else "precision") if args.precision else "quality"
+    path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)
     n = len(QUICK if args.quick else PREFIXES)
