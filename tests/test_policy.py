@@ -225,3 +225,15 @@ def test_remote_cache_with_a_policy_through_a_real_server(tmp_path):
         # The same tokens under the uniform codec of the policy's rest: no block shared.
         with cs.RemoteCache(srv.url, model_id="m", layout=LAYOUT, codec=POLICY.rest, block_tokens=BLOCK) as other:
             assert other.lookup(toks) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tiers", [{"cpu_bytes": "64MiB"}, {"gpu_bytes": "64MiB", "cpu_bytes": 0}],
+                         ids=["in-place", "gpu-tier"])
+def test_mixed_chain_on_a_gpu_equals_per_block_uniform_decode(tiers):
+    toks = tokens_for(8, 12 * BLOCK + 3)
+    kv = make_kv(12 * BLOCK + 3, 8, device="cuda")
+    with _cache(POLICY, pin_memory=True, **tiers) as cache:
+        assert cache.ingest(toks, kv).stored == 12
+        got = cache.materialize(toks, device="cuda")
+        _assert_equal_to_uniform(got, POLICY, [(k.cpu(), v.cpu()) for k, v in kv], 12)
