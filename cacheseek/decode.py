@@ -123,6 +123,10 @@ class BatchDecoder:
         else:
             dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
 
+    def flush(self) -> None:
+        """Decode the blocks added and not decoded yet now (once they have landed)."""
+        self._decode_pending()
+
     def _decode_pending(self) -> None:
         j0, j1 = self._decoded, len(self._frames)
         if j1 == j0:
@@ -208,8 +212,11 @@ class MixedDecoder:
             raise RuntimeError(f"MixedDecoder holds {self.max_blocks} blocks already")
         while len(self._parts[self._part][1]) == self._parts[self._part][1].max_blocks:
             self._part += 1
-        self._parts[self._part][1].add(frame)
+        part = self._parts[self._part][1]
+        part.add(frame)
         self._added += 1
+        if len(part) == part.max_blocks:
+            part.flush()  # a run complete (the first blocks'): decoded while later copies land
 
     def copied(self) -> int:
         """As ``BatchDecoder.copied``: frames copied off their memory, counted in order."""
