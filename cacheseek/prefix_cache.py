@@ -6,7 +6,7 @@ from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
 from .config import TierConfig
-from .decode import BatchDecoder
+from .decode import make_decoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
@@ -14,6 +14,7 @@ from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized
@@ -44,7 +45,7 @@ class PrefixCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         tiers: TierConfig | None = None,
         namespace: str = "",
@@ -127,6 +128,7 @@ class PrefixCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         B = self.block_tokens
         every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
@@ -217,6 +219,7 @@ class PrefixCache(PrefixCacheBase):
         return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
 
     def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool, batch: Any = None):
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
@@ -330,7 +333,7 @@ class PrefixCache(PrefixCacheBase):
             return self._materialize_layerwise(hashes, located, device)
         if not located:
             return self._nothing(device)
-        decoder = BatchDecoder(self.block_format, len(located), device)
+        decoder = make_decoder(self.block_format, len(located), device)
         tiers: list[str] = []
         frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
         added: list = []  # frames added to the decoder, in order; the first ``released`` given back
@@ -368,6 +371,7 @@ class PrefixCache(PrefixCacheBase):
                 frame.release()
 
     def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
+        self._check_layerwise()
         L = self.layout.num_layers
         decoder, got = layerwise.load(self.block_format, self.store, [(hashes, located)], device)
         tiers = got[0]

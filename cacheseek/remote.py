@@ -44,7 +44,8 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
-from .results import IngestResult, Loaded, Located
+from .quant.policy import PrecisionPolicy
+from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
@@ -132,7 +133,7 @@ class RemoteCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
@@ -229,6 +230,7 @@ class RemoteCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
@@ -302,6 +304,7 @@ class RemoteCache(PrefixCacheBase):
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
                     batch: Any = None) -> list[Loaded]:
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         starts = paged_io.load_starts(call, batch, self.block_tokens)

@@ -51,3 +51,13 @@ def test_ttft_plot_fills_failed_cells_from_a_later_file():
     assert (4096, "cpu", "raw") not in first and (4096, "cpu", "raw") in merged
     # a cell the first file measured keeps its first measurement
     assert merged[(16384, "cpu", "int4")] is first[(16384, "cpu", "int4")]
+
+
+def test_plot_only_redraws_the_precision_plot_from_json(tmp_path, monkeypatch, capsys):
+    module = importlib.import_module("benchmarks.quality")
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--plot-only", str(RESULTS / "precision.json"),
+                                      "--out", str(tmp_path)])
+    module.main()
+    png = tmp_path / "precision.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"wrote {png}" in capsys.readouterr().out
