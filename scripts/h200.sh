@@ -108,12 +108,14 @@ cd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import cacheseek; print("before: cacheseek from", cacheseek.__file__)' && exec "$@"
 EOS
                  chmod +x /tmp/base.sh
-                 for r in 1 2; do
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-store-$r 150 /tmp/base.sh python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/before-store-$r"
                    step after-store-$r 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/after-store-$r"
                  done
-                 step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
-                 step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels" ;;
+                 if [ "${BA_KERNELS:-1}" = 1 ]; then
+                   step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
+                   step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels"
+                 fi ;;
     *) echo "unknown step $s" ;;
   esac
 done
