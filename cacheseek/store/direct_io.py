@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .lease import Lease, LeaseLedger
+
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a page; >= any logical block here)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
@@ -136,30 +138,16 @@ class AlignedBuffer:
         return self._base
 
 
-class BufferLease:
-    """One pool buffer lent to a reader: ``release()`` gives it back, exactly once."""
+class BufferLease(Lease):
+    """One pool buffer lent to a reader (a ``store.lease.Lease``): ``release()`` gives it
+    back to the pool, exactly once."""
 
-    __slots__ = ("buffer", "_pool", "_released")
+    __slots__ = ("buffer",)
 
     def __init__(self, pool: BufferPool, buffer: AlignedBuffer) -> None:
-        self.buffer, self._pool, self._released = buffer, pool, False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        if self._released:
-            raise RuntimeError("BufferLease: released twice (a lease is released exactly once)")
-        self._released = True
-        self._pool._give_back(self.buffer)
-
-    def __enter__(self) -> BufferLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._released:
-            self.release()
+        super().__init__(pool.ledger, buffer.nbytes, lambda: pool._give_back(buffer))
+        self.buffer = buffer
+        pool.ledger._granted(buffer.nbytes)
 
 
 class BufferPool:
@@ -173,6 +161,7 @@ class BufferPool:
         self._free_bytes = 0
         self._lock = threading.Lock()
         self.made = 0
+        self.ledger = LeaseLedger()
 
     def take(self, nbytes: int) -> BufferLease:
         need = round_up(max(nbytes, 1))
@@ -197,8 +186,9 @@ class BufferPool:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
-                    "pinned": self.pin}
+            out = {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
+                   "pinned": self.pin}
+        return {**out, **self.ledger.stats()}
 
 
 # -- reads in flight -----------------------------------------------------------------------
