@@ -239,7 +239,15 @@ class Tier(ABC):
         ``leased=False``: a disk frame gets a buffer of its own rather than a pooled one
         (frames in a memory tier's slots carry their lease either way)."""
         for start in range(0, len(keys), STREAM_CHUNK):
-            yield from self.get_many(keys[start : start + STREAM_CHUNK])
+            got = self.get_many(keys[start : start + STREAM_CHUNK])
+            try:
+                for i in range(len(got)):
+                    frame, got[i] = got[i], None  # the caller's from here: it releases it
+                    yield frame
+            finally:  # closed early: the frames fetched and not handed out are released here
+                for frame in got:
+                    if frame is not None:
+                        frame.release()
 
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None
