@@ -172,20 +172,27 @@ class HostArena:
 
     def lease_stats(self) -> dict[str, int]:
         with self._lock:
-            held, held_bytes = self._held, self._held_bytes
-        return {**self.ledger.stats(), "held_slots": held, "held_bytes": held_bytes}
+            return {**self.ledger.stats(), "held_slots": self._held, "held_bytes": self._held_bytes}
 
     def lease(self, slot: Slot, nbytes: int | None = None) -> Lease:
         """A lease on ``slot`` (``nbytes`` of it, for the counts): the slot is not reused
         until it is released, even if freed meanwhile. Raises if the slot was freed already."""
+        nbytes = slot.nbytes if nbytes is None else nbytes
+        ledger = self.ledger
         with self._lock:
             if slot.freed:
                 raise RuntimeError("arena: a lease on a slot that was freed")
             slot.leases += 1
-        return self.ledger.grant(slot.nbytes if nbytes is None else nbytes, lambda: self._unlease(slot))
+            ledger.active += 1  # ledger.on_grant, inlined: this is every read's cost
+            ledger.active_bytes += nbytes
+            ledger.granted += 1
+        return Lease(self, nbytes, slot)
 
-    def _unlease(self, slot: Slot) -> None:
+    def lease_released(self, slot: Slot, nbytes: int) -> None:
+        ledger = self.ledger
         with self._lock:
+            ledger.active -= 1  # ledger.on_release, inlined
+            ledger.active_bytes -= nbytes
             slot.leases -= 1
             if slot.leases == 0 and slot.freed:
                 self._held -= 1

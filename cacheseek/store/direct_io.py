@@ -145,9 +145,8 @@ class BufferLease(Lease):
     __slots__ = ("buffer",)
 
     def __init__(self, pool: BufferPool, buffer: AlignedBuffer) -> None:
-        super().__init__(pool.ledger, buffer.nbytes, lambda: pool._give_back(buffer))
+        super().__init__(pool, buffer.nbytes, buffer)
         self.buffer = buffer
-        pool.ledger._granted(buffer.nbytes)
 
 
 class BufferPool:
@@ -174,21 +173,26 @@ class BufferPool:
             if best is not None:
                 buf = self._free.pop(best)
                 self._free_bytes -= buf.nbytes
+                self.ledger.on_grant(buf.nbytes)
                 return BufferLease(self, buf)
             self.made += 1
-        return BufferLease(self, AlignedBuffer(need, pin=self.pin))
-
-    def _give_back(self, buf: AlignedBuffer) -> None:
+        buf = AlignedBuffer(need, pin=self.pin)
         with self._lock:
+            self.ledger.on_grant(buf.nbytes)
+        return BufferLease(self, buf)
+
+    def lease_released(self, buf: AlignedBuffer, nbytes: int) -> None:
+        """A lease's buffer comes back: kept for reuse (up to ``keep_bytes``) or dropped."""
+        with self._lock:
+            self.ledger.on_release(nbytes)
             if self._free_bytes + buf.nbytes <= self.keep_bytes:
                 self._free.append(buf)
                 self._free_bytes += buf.nbytes
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            out = {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
-                   "pinned": self.pin}
-        return {**out, **self.ledger.stats()}
+            return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
+                    "pinned": self.pin, **self.ledger.stats()}
 
 
 # -- reads in flight -----------------------------------------------------------------------

@@ -23,61 +23,82 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 
 class LeaseError(RuntimeError):
     """A lease was released twice."""
 
 
+class Lender(Protocol):
+    """What lends memory with leases: ``ledger`` counts them, ``lease_released`` takes one back."""
+
+    ledger: LeaseLedger
+
+    def lease_released(self, token: Any, nbytes: int) -> None:
+        """A lease on ``token`` (the lender's handle: a slot, a buffer) was released."""
+
+
 class LeaseLedger:
-    """The counts of one lender's leases (stats are data: read them with :meth:`stats`)."""
+    """The counts of one lender's leases (stats are data: read them with :meth:`stats`).
+    A lender updates them under its own lock (``granted``, ``released``), so a lease costs no
+    lock of its own; a ledger used on its own (:meth:`grant`) is its own lender."""
 
     __slots__ = ("_lock", "active", "active_bytes", "granted", "double_releases")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # for double releases, and for leases granted by ``grant``
         self.active = 0  # leases granted and not released
         self.active_bytes = 0  # bytes they cover
         self.granted = 0  # leases granted, ever
         self.double_releases = 0  # releases refused: the lease was released already
 
-    def grant(self, nbytes: int, on_release: Callable[[], None]) -> Lease:
-        """A lease on ``nbytes``; ``on_release`` runs once, at its release."""
-        lease = Lease(self, nbytes, on_release)
-        self._granted(nbytes)
-        return lease
+    @property
+    def ledger(self) -> LeaseLedger:
+        return self
 
-    def _granted(self, nbytes: int) -> None:
-        with self._lock:
-            self.active += 1
-            self.active_bytes += nbytes
-            self.granted += 1
+    def on_grant(self, nbytes: int) -> None:
+        """Count a lease granted (under the lender's lock)."""
+        self.active += 1
+        self.active_bytes += nbytes
+        self.granted += 1
 
-    def _released(self, nbytes: int) -> None:
-        with self._lock:
-            self.active -= 1
-            self.active_bytes -= nbytes
+    def on_release(self, nbytes: int) -> None:
+        """Count a lease released (under the lender's lock)."""
+        self.active -= 1
+        self.active_bytes -= nbytes
 
-    def _double(self) -> None:
+    def on_double_release(self) -> None:
         with self._lock:
             self.double_releases += 1
 
-    def stats(self) -> dict[str, int]:
+    def grant(self, nbytes: int, on_release: Callable[[], None]) -> Lease:
+        """A lease on ``nbytes`` lent by this ledger itself: ``on_release`` runs once, at its release."""
         with self._lock:
-            return {"leases_active": self.active, "leased_bytes": self.active_bytes,
-                    "leases_granted": self.granted, "lease_double_releases": self.double_releases}
+            self.on_grant(nbytes)
+        return Lease(self, nbytes, on_release)
+
+    def lease_released(self, token: Any, nbytes: int) -> None:
+        with self._lock:
+            self.on_release(nbytes)
+        token()
+
+    def stats(self) -> dict[str, int]:
+        """The counts (read under the lender's lock for a consistent set)."""
+        return {"leases_active": self.active, "leased_bytes": self.active_bytes,
+                "leases_granted": self.granted, "lease_double_releases": self.double_releases}
 
 
 class Lease:
-    """``nbytes`` of a lender's memory, lent until :meth:`release` (exactly once)."""
+    """``nbytes`` of a lender's memory (``token``: the lender's handle on it), lent until
+    :meth:`release`, exactly once."""
 
-    __slots__ = ("nbytes", "_ledger", "_on_release", "_released")
+    __slots__ = ("nbytes", "_lender", "_token", "_released")
 
-    def __init__(self, ledger: LeaseLedger, nbytes: int, on_release: Callable[[], None]) -> None:
+    def __init__(self, lender: Lender, nbytes: int, token: Any) -> None:
         self.nbytes = nbytes
-        self._ledger = ledger
-        self._on_release = on_release
+        self._lender = lender
+        self._token = token
         self._released = False
 
     @property
@@ -87,14 +108,11 @@ class Lease:
     def release(self) -> None:
         """Give the memory back. Raises ``LeaseError`` if it was given back already."""
         if self._released:
-            self._ledger._double()
+            self._lender.ledger.on_double_release()
             raise LeaseError(f"a lease on {self.nbytes} bytes was released twice (a lease is released exactly once)")
         self._released = True
-        try:
-            self._on_release()
-        finally:
-            self._on_release = _nothing  # drop the lender's references
-            self._ledger._released(self.nbytes)
+        token, self._token = self._token, None
+        self._lender.lease_released(token, self.nbytes)
 
     def __enter__(self) -> Lease:
         return self
@@ -105,10 +123,6 @@ class Lease:
 
     def __repr__(self) -> str:
         return f"Lease({self.nbytes} bytes, {'released' if self._released else 'held'})"
-
-
-def _nothing() -> None:
-    return None
 
 
 def release_all(leases: list[Lease | None]) -> None:
@@ -127,4 +141,4 @@ def release_all(leases: list[Lease | None]) -> None:
         raise error
 
 
-__all__ = ["Lease", "LeaseError", "LeaseLedger", "release_all"]
+__all__ = ["Lease", "LeaseError", "LeaseLedger", "Lender", "release_all"]
