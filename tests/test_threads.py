@@ -8,7 +8,7 @@ add up, every lease is released, and nothing deadlocks (each run has a timeout).
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+import time
 
 import pytest
 import torch
@@ -74,14 +74,22 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
             out.append((j, _run_one(cache, toks, kv)))
         return out
 
-    with ThreadPoolExecutor(THREADS) as pool:
-        futures = [pool.submit(worker, i) for i in range(THREADS)]
-        results = []
-        for fut in futures:
-            try:
-                results.append(fut.result(timeout=TIMEOUT_S))  # a deadlock fails here
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+    results: list = [None] * THREADS
+
+    def run(i: int) -> None:
+        try:
+            results[i] = worker(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    # Daemon threads joined with a deadline: a deadlock fails the test instead of hanging it.
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
     assert not errors, errors
 
     for per_thread in results:
