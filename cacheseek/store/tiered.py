@@ -156,7 +156,9 @@ class TieredStore:
         written, refused = [], []
         held: list[Lease | None] = []  # leases on the stored copies, released once written through
         try:
-            for (key, frame), result, outcome in zip(current, top.put_many(current, lease_stored=bool(self.write_through)), outcomes):
+            # A write-through reads the top tier's stored copies: leased until it is done.
+            results = top.put_many(current, lease_stored=bool(self.write_through))
+            for (key, frame), result, outcome in zip(current, results, outcomes):
                 _hold(result, held)
                 outcome.note(result, top.name, top.name in self._acknowledging)
                 self._demote(0, result.evicted)
@@ -197,7 +199,8 @@ class TieredStore:
             previous.settle()  # this tier reads the previous one's host copies
             frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
-            for (key, frame), result, (_, _, outcome) in zip(frames, tier.put_many(frames, lease_stored=True), items):
+            results = tier.put_many(frames, lease_stored=True)
+            for (key, frame), result, (_, _, outcome) in zip(frames, results, items):
                 _hold(result, held)
                 outcome.note(result, tier.name, tier.name in self._acknowledging)
                 self._demote(level, result.evicted)
