@@ -11,8 +11,10 @@ only once its last lease is released, so an eviction never overwrites bytes a re
 in-flight device copy, or a response being sent) is still using. Views taken without a lease
 are valid only while the caller otherwise owns the slot (a reservation, the tier's lock).
 
-Thread-safe: the arena has its own lock, taken after the tier's (never before), so a lease
-can be released from any thread.
+Threads: the arena is guarded by its owner's lock (``lock``; the CPU tier passes its own),
+which the caller holds around every call, so a read's lease costs no lock of its own. A
+lease's release, which may come from any thread, takes that lock itself: never release a
+lease while holding it.
 """
 
 from __future__ import annotations
@@ -139,15 +141,17 @@ class Slot:
 
 
 class HostArena:
-    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks."""
+    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks.
+    ``lock``: the owner's lock, held by the caller around every call (see the module doc)."""
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30) -> None:
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30,
+                 lock: threading.Lock | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.pin = pin
         # Powers of two, so a pinned torch allocation wastes nothing. The largest chunk:
         self.chunk_bytes = _pow2_at_least(min(chunk_bytes, max(capacity_bytes, 1)))
         self._chunks: list[_Chunk] = []
-        self._lock = threading.Lock()
+        self._lock = lock if lock is not None else threading.Lock()
         self._held = 0  # slots freed while leased
         self._held_bytes = 0
         self.ledger = LeaseLedger()
@@ -171,24 +175,23 @@ class HostArena:
         return self._held
 
     def lease_stats(self) -> dict[str, int]:
-        with self._lock:
-            return {**self.ledger.stats(), "held_slots": self._held, "held_bytes": self._held_bytes}
+        return {**self.ledger.stats(), "held_slots": self._held, "held_bytes": self._held_bytes}
 
     def lease(self, slot: Slot, nbytes: int | None = None) -> Lease:
         """A lease on ``slot`` (``nbytes`` of it, for the counts): the slot is not reused
         until it is released, even if freed meanwhile. Raises if the slot was freed already."""
         nbytes = slot.nbytes if nbytes is None else nbytes
+        if slot.freed:
+            raise RuntimeError("arena: a lease on a slot that was freed")
+        slot.leases += 1
         ledger = self.ledger
-        with self._lock:
-            if slot.freed:
-                raise RuntimeError("arena: a lease on a slot that was freed")
-            slot.leases += 1
-            ledger.active += 1  # ledger.on_grant, inlined: this is every read's cost
-            ledger.active_bytes += nbytes
-            ledger.granted += 1
+        ledger.active += 1  # ledger.on_grant, inlined: this is every read's cost
+        ledger.active_bytes += nbytes
+        ledger.granted += 1
         return Lease(self, nbytes, slot)
 
     def lease_released(self, slot: Slot, nbytes: int) -> None:
+        """(``Lease.release``: takes the owner's lock.)"""
         ledger = self.ledger
         with self._lock:
             ledger.active -= 1  # ledger.on_release, inlined
@@ -212,10 +215,6 @@ class HostArena:
         need = _align(nbytes)
         if count < 1 or need * count > self.chunk_bytes:
             return None
-        with self._lock:
-            return self._allocate_run(need, count, grow)
-
-    def _allocate_run(self, need: int, count: int, grow: bool) -> list[Slot] | None:
         for chunk in self._chunks:
             offset = chunk.allocate(need * count)
             if offset is not None:
@@ -242,24 +241,19 @@ class HostArena:
 
     def free(self, slot: Slot) -> None:
         """Give a slot back: reused at once, or (while leased) once its last lease is released."""
-        with self._lock:
-            if slot.freed:
-                raise RuntimeError("arena: a slot freed twice")
-            slot.freed = True
-            if slot.leases:
-                self._held += 1
-                self._held_bytes += slot.nbytes
-            else:
-                slot.chunk.free(slot.offset, slot.nbytes)
+        if slot.freed:
+            raise RuntimeError("arena: a slot freed twice")
+        slot.freed = True
+        if slot.leases:
+            self._held += 1
+            self._held_bytes += slot.nbytes
+        else:
+            slot.chunk.free(slot.offset, slot.nbytes)
 
     def release_free(self) -> int:
         """``madvise(MADV_DONTNEED)`` the whole pages of every free extent of the unpinned
         chunks: the OS takes those pages back (RSS falls) and hands out zeroed ones when they
         are written again. Returns the bytes released."""
-        with self._lock:
-            return self._release_free()
-
-    def _release_free(self) -> int:
         released = 0
         page = mmap.PAGESIZE
         for chunk in self._chunks:

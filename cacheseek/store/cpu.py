@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .arena import HostArena, Slot
+from .lease import release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
@@ -45,7 +46,8 @@ class CpuTier(IndexedTier):
         # a full tier then receives a frame in place and evicts for it at commit, rather
         # than evicting before the frame is known to be good, or buffering it.
         self.reserve_bytes = reserve_bytes
-        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes)
+        # The arena is guarded by this tier's lock: a read's lease costs no lock of its own.
+        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes, lock=self._lock)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
         self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
@@ -64,6 +66,7 @@ class CpuTier(IndexedTier):
         copies are issued. A frame that cannot be stored gets ``error`` set; the others
         proceed. ``lease_stored``: each ``stored`` frame carries a lease on its slot."""
         results = [TierPutResult(stored=None) for _ in items]
+        dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
         with self._lock:
             self._forget_landed()
             copies = None  # device copies of this call, issued together
@@ -105,10 +108,11 @@ class CpuTier(IndexedTier):
                         for (key, _), result in zip(items, results):
                             if key in dropped:
                                 if result.stored is not None:
-                                    result.stored.release()
+                                    dropped_leases.append(result.stored.lease)
                                 result.stored = None
                                 result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
             self._sync_counts()
+        release_all(dropped_leases)  # (a release takes this tier's lock)
         return results
 
     def settle(self) -> None:
@@ -253,7 +257,8 @@ class CpuTier(IndexedTier):
     def lease_stats(self) -> dict[str, int]:
         """Leases on this tier's slots: active, bytes, granted, double releases, and the
         slots evicted while leased (``held_slots``, ``held_bytes``)."""
-        return self._arena.lease_stats()
+        with self._lock:
+            return self._arena.lease_stats()
 
     # -- frames written in place (the server receives a request body straight into a slot) --
 
