@@ -185,8 +185,9 @@ def test_a_client_that_goes_away_mid_stream_releases_the_leases(tmp_path, http):
             sock.sendall(f"GET /v1/prefixes/{chain[-1][0].hex()} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             got = sock.recv(65536)
             assert got.startswith(b"HTTP/1.1 200")
-            time.sleep(0.3)  # the server is blocked mid-stream, holding leases
-            held = _cpu(c)
+            deadline = time.monotonic() + 15  # the server blocks mid-stream, holding leases
+            while (held := _cpu(c))["leases_active"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert held["leases_active"] >= 1 and held["leased_bytes"] > 0
             sock.close()
             cpu = _wait_released(c)
