@@ -56,7 +56,9 @@ class BatchDecoder:
         self._meta0: FrameMeta | None = None
         self._staging: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
-        self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+        # The frames added, in order; their memory stays the caller's, who holds each
+        # frame's lease until ``copied()`` (or ``wait``) says its copy is done.
+        self._frames: list[BlockFrame] = []
         self._copied_events: list = []  # one per frame added on a GPU: its copy has been issued
         self._copied = 0
         self._decoded = 0
@@ -104,8 +106,8 @@ class BatchDecoder:
 
     def copied(self) -> int:
         """How many of the frames added (in order) have been copied off their memory: a
-        caller may give back the memory of those (a disk read's pooled buffer) while the
-        later ones are still being read. Asks the device without waiting."""
+        caller may release the leases of those (a CPU-tier slot, a disk read's pooled
+        buffer) while the later ones are still being read. Asks the device without waiting."""
         if self._copy_stream is None:
             return len(self._frames)  # copies on the CPU are done when add returns
         events = self._copied_events
@@ -171,7 +173,7 @@ class BatchDecoder:
         return self._k[:, :, :tokens], self._v[:, :, :tokens]
 
     def wait(self) -> None:
-        """Return once every copy out of the frames added is done; the frames are released."""
+        """Return once every copy out of the frames added is done: their leases may be released."""
         if self._copy_stream is not None and self._frames:
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)  # this decoder's copies, queued before now

@@ -286,8 +286,8 @@ class PrefixCache(PrefixCacheBase):
                             frame.release()
                             break
                         sink.rows.append(first_row + results[r].num_blocks - s)
+                        added.append(frame)  # released in the end even if the add fails
                         decoder.add(frame)  # its copy to the device starts now
-                        added.append(frame)
                         results[r].num_blocks += 1
                         results[r].tiers.append(tier)
                         copied = decoder.copied()
@@ -335,31 +335,31 @@ class PrefixCache(PrefixCacheBase):
             return self._nothing(device)
         decoder = make_decoder(self.block_format, len(located), device)
         tiers: list[str] = []
-        frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
         added: list = []  # frames added to the decoder, in order; the first ``released`` given back
         released = 0
         try:
-            for key, got in zip(hashes, frames):
-                if got is None:
-                    break  # evicted or found corrupt since locate: the prefix ends here
-                frame, tier = got
-                try:
-                    self.block_format.check_fetched(frame.meta, key)
-                except FrameError:
-                    frame.release()
-                    break
-                decoder.add(frame)  # its copy to the device starts now
-                added.append(frame)
-                tiers.append(tier)
-                # Buffers whose copies have landed go back to the pool at once, so a long
-                # chain reuses a few pooled buffers instead of holding one per block.
-                copied = decoder.copied()
-                for done in added[released:copied]:
-                    done.release()
-                released = max(released, copied)
-        finally:
-            frames.close()  # reads not handed out: cancelled or given back
-        try:
+            frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
+            try:
+                for key, got in zip(hashes, frames):
+                    if got is None:
+                        break  # evicted or found corrupt since locate: the prefix ends here
+                    frame, tier = got
+                    try:
+                        self.block_format.check_fetched(frame.meta, key)
+                    except FrameError:
+                        frame.release()
+                        break
+                    added.append(frame)  # released in the end even if the add fails
+                    decoder.add(frame)  # its copy to the device starts now
+                    tiers.append(tier)
+                    # Buffers whose copies have landed go back to the pool at once, so a long
+                    # chain reuses a few pooled buffers instead of holding one per block.
+                    copied = decoder.copied()
+                    for done in added[released:copied]:
+                        done.release()
+                    released = max(released, copied)
+            finally:
+                frames.close()  # reads not handed out: cancelled or given back
             if not tiers:
                 return self._nothing(device)
             k, v = decoder.finish(wait=False)
