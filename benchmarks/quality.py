@@ -4,7 +4,7 @@ prefix KV against recomputed; and a long-context retrieval check.
     python -m benchmarks.quality [--quick] [--threads N] [--out DIR]          # codecs: quality.json
     python -m benchmarks.quality --precision [--quick] [--no-retrieval] ...   # policies: precision.json
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
-    python -m benchmarks.quality --precision --near-miss / --variants ...     # precision_near_miss.json, precision_variants.json
+    python -m benchmarks.quality --precision --near-miss|--variants ...  # precision_{near_miss,variants}.json
     python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants}.json --out docs
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
@@ -436,8 +436,8 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
         ax.set_xscale("log", base=2)
         ax.set_xticks([2.5, 3, 3.5, 4, 5, 6, 9])
         ax.set_xticklabels(["2.5", "3", "3.5", "4", "5", "6", "9"])
-        ax.set_xlabel(f"stored bits per K/V element (codes + stats; {doc.get('bits_at_tokens', 2048)}-token prefix, "
-                      f"blocks of {doc.get('block_tokens', BLOCK)} tokens, 128 where K's group is 128; log scale)")
+        ax.set_xlabel(f"stored bits per K/V element (codes + stats; {doc.get('bits_at_tokens', 2048)}-token prefix; "
+                      "log scale)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     ax1.set_yscale("log")
@@ -451,7 +451,8 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
         ax.scatter([], [], marker="o", color="tab:blue", label="uniform codec")
         ax.scatter([], [], marker="D", color="tab:orange", label="precision policy / last-block variant")
         ax.legend(fontsize=8, loc="lower right" if ax is ax2 else "lower left")
-    key_text = "\n".join(f"{i:2d}  {n}  ({r['bits/elem']:.2f} b)" for i, (n, r) in enumerate(zip(names, summary), 1))
+    key_text = f"blocks of {doc.get('block_tokens', BLOCK)} tokens\n(128 where K's group is 128)\n\n"
+    key_text += "\n".join(f"{i:2d}  {n}  ({r['bits/elem']:.2f} b)" for i, (n, r) in enumerate(zip(names, summary), 1))
     fig.text(0.915, 0.5, key_text, fontsize=8.5, va="center", ha="left", family="monospace")
     fig.subplots_adjust(right=0.9)
     note = "; ".join(source_line(d) for d in docs)
