@@ -67,3 +67,14 @@ def test_precision_policies_go_through_the_store_and_count_every_block(tiny, mon
     layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
     policy = next(v for v in vs if v.label == "int8@0+int2")
     assert quality.bits_per_element(policy, layout, 2048) == pytest.approx((9 + 31 * 3) / 32)
+
+
+def test_more_variants_fit_their_goals_bit_budgets():
+    """--variants: the goal-1 policy stores at most 3.5 bits, the goal-2 ones fewer than int4's 5."""
+    layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    bits = {(v.label, v.group): quality.bits_per_element(v, layout, 2048) for v in quality.more_variants()}
+    assert bits[("k8(G128)v2(G64)@0+k4(G128)v2(G64)", 128)] == pytest.approx((5.375 + 15 * 3.375) / 16) == 3.5
+    assert bits[("int4", 32)] == 5
+    for key in (("int4", 64), ("int8@0+int4", 64), ("int8@0+k4(G32)v4(G64)", 64), ("int8@0+k4(G128)v4(G64)", 128)):
+        assert 4.5 <= bits[key] < 5
+    assert bits[("int8@0+int4", 64)] == pytest.approx((9 + 31 * 4.5) / 32)
