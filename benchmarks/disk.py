@@ -66,6 +66,7 @@ def chain_frames(codec_name: str, blocks: int, device: torch.device) -> tuple[cs
     payload = bytes(memoryview(frame.host).cast("B")[frame.meta.payload_offset:])
     checksum = payload_checksum(payload)
     del segments
+    frame.release()
     ids = [(i * 7919) % 120_000 for i in range(blocks * BLOCK)]
     hashes = one.block_hashes(ids)
     parents = one.keys.parents(hashes)

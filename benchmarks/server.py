@@ -165,7 +165,7 @@ def start_cacheseek(tmp: Path, name: str, *args: str, tree: Path | None = None,
         cmd = [sys.executable, "-c", BASELINE_LAUNCHER, str(tree)]
     else:
         cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cacheseek.server.cli"]
-        args = ("--max-inflight-body-bytes", "8GiB", *args)
+    args = ("--max-inflight-body-bytes", "8GiB", *args)  # (at least --max-body-bytes, or serve refuses)
     if tls is not None:
         args = (*args, "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]))
     proc = Proc([*cmd, "serve", "--port", str(port), "--log-level", "warning", "--disk-path", str(tmp / name),

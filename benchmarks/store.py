@@ -3,6 +3,12 @@
     python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
     python -m benchmarks.store --plot-only benchmarks/results/h200/store.json --out docs
     python -m benchmarks.store --paged | --batches | --fresh [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
+    python -m benchmarks.store --mixed [--blocks 16] [--reps 8] [--tiers gpu,cpu]
+
+``--mixed``: a chain stored under a precision policy (its first block int8, the rest int2 or
+K4/V2) against the same chain under the uniform low-bit codec, in the same run, per tier:
+ingest (encode on the KV's device + copies) and materialize (copies + decode), the ratio of
+the two (goal: the policy within 5%), A/B/A/B interleaved so drift hits both alike.
 
 Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x 256 tokens x 128, fp16 (33.5 MB
 of raw KV each). Throughput is GB/s of *raw KV represented*. KV lives on the GPU when
@@ -34,7 +40,12 @@ CODECS = {
     "int8": cs.KIVI(bits=8, group_size=32),
     "int4": cs.KIVI(bits=4, group_size=32),
     "int2": cs.KIVI(bits=2, group_size=32),
+    "k4v2": cs.KIVI(k_bits=4, v_bits=2, group_size=32),
+    "int8@0+int2": cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32), rest=cs.KIVI(bits=2, group_size=32)),
+    "int8@0+k4v2": cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32),
+                                      rest=cs.KIVI(k_bits=4, v_bits=2, group_size=32)),
 }
+MIXED_PAIRS = (("int2", "int8@0+int2"), ("k4v2", "int8@0+k4v2"))  # (uniform, policy)
 
 
 def _sync(device: torch.device) -> None:
@@ -76,12 +87,13 @@ def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float
 def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path,
              batch_bytes: str = "1GiB", policy: str = "arc") -> dict:
     codec = CODECS[codec_name]
-    frame_guess = codec.encoded_nbytes(LAYOUT, BLOCK) + 4096
+    frame_guess = max(c.encoded_nbytes(LAYOUT, BLOCK) for c in getattr(codec, "codecs", lambda: [codec])()) + 4096
     budget = frame_guess * blocks * 2 + (64 << 20)
     cfg = {
         "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0, eviction=policy),
         "cpu": cs.TierConfig(cpu_bytes=budget, eviction=policy),
-        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name}-{policy}", disk_bytes=budget,
+        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name.replace('@', '_')}-{policy}",
+                              disk_bytes=budget,
                               eviction=policy),
     }[tier]
     cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg,
@@ -114,6 +126,33 @@ def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: in
         "stored_mb_per_block": stats["used_bytes"] / max(1, stats["blocks"]) / 1e6,
         "compression": stats["compression_ratio"],
     }
+
+
+def run_mixed(kv, kv_device: torch.device, blocks: int, reps: int, tiers: list[str], disk_root: Path) -> list[dict]:
+    """Each (uniform, policy) pair per tier, A/B/A/B; the policy's speed over the uniform's."""
+    rows = []
+    for uniform, mixed in MIXED_PAIRS:
+        for tier in tiers:
+            runs: dict[str, list[dict]] = {uniform: [], mixed: []}
+            for rnd in range(2):
+                for name in (uniform, mixed):
+                    root = disk_root / f"r{rnd}"
+                    runs[name].append(run_case(name, tier, kv, kv_device, blocks, reps, root))
+            best = {name: {"ingest_gbps": max(r["ingest_gbps"] for r in got),
+                           "materialize_gbps": max(r["materialize_gbps"] for r in got),
+                           "stored_mb_per_block": got[0]["stored_mb_per_block"]} for name, got in runs.items()}
+            row = {"uniform": uniform, "policy": mixed, "tier": tier, "blocks": blocks,
+                   "uniform_ingest_gbps": best[uniform]["ingest_gbps"], "policy_ingest_gbps": best[mixed]["ingest_gbps"],
+                   "ingest_ratio": best[mixed]["ingest_gbps"] / best[uniform]["ingest_gbps"],
+                   "uniform_materialize_gbps": best[uniform]["materialize_gbps"],
+                   "policy_materialize_gbps": best[mixed]["materialize_gbps"],
+                   "materialize_ratio": best[mixed]["materialize_gbps"] / best[uniform]["materialize_gbps"],
+                   "uniform_mb_per_block": best[uniform]["stored_mb_per_block"],
+                   "policy_mb_per_block": best[mixed]["stored_mb_per_block"]}
+            rows.append(row)
+            print(f"  {mixed:12s} vs {uniform:5s} {tier:5s}: ingest {row['ingest_ratio']:.3f}x, "
+                  f"materialize {row['materialize_ratio']:.3f}x", flush=True)
+    return rows
 
 
 def plot(docs: list[dict], out_dir: Path) -> Path | None:
@@ -157,6 +196,7 @@ def main() -> None:
     ap.add_argument("--batches", action="store_true", help="8 requests of 2K tokens: one batched call vs 8")
     ap.add_argument("--fresh", action="store_true", help="a fresh prompt and fresh KV per call, a full tier")
     ap.add_argument("--tiny", action="store_true", help="engine modes: a tiny layout (a CPU smoke test)")
+    ap.add_argument("--mixed", action="store_true", help="precision policy chains vs the uniform low-bit codec")
     add_plot_only(ap)
     args = ap.parse_args()
     if plot_only(args, plot):
@@ -173,6 +213,18 @@ def main() -> None:
         for _ in range(LAYOUT.num_layers)
     ]
     raw = LAYOUT.raw_nbytes(tokens)
+    if args.mixed:
+        with tempfile.TemporaryDirectory(dir=args.disk_dir) as tmp:
+            rows = run_mixed(kv, kv_device, args.blocks, args.reps, args.tiers.split(","), Path(tmp))
+        path = write_json("store_mixed", {"blocks": args.blocks, "block_tokens": BLOCK, "layout": LAYOUT.to_dict(),
+                                          "kv_device": str(kv_device), "reps": args.reps, "rows": rows}, args.out)
+        print(f"wrote {path}")
+        print(table(rows, ["policy", "uniform", "tier", "uniform_ingest_gbps", "policy_ingest_gbps", "ingest_ratio",
+                           "uniform_materialize_gbps", "policy_materialize_gbps", "materialize_ratio",
+                           "uniform_mb_per_block", "policy_mb_per_block"],
+                    f"Precision policy vs uniform codec, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens, "
+                    f"KV on {kv_device}; best of 2 A/B rounds, median of {args.reps} reps each"))
+        return
     base = baseline(kv_device, raw, args.reps)
     print(f"baseline ({base['kind']}, {raw / 1e9:.2f} GB): ingest-side {base['ingest_gbps']:.1f} GB/s, "
           f"materialize-side {base['materialize_gbps']:.1f} GB/s", flush=True)

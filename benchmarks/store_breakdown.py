@@ -88,6 +88,8 @@ def main() -> None:
         rec("materialize: decoder.add x n (copies to device)", t)
         _, t = _timed(device, dec.finish)
         rec("materialize: decoder.finish (decode)", t)
+        for f, _ in got:
+            f.release()  # the slots' leases: copies have landed (finish waited)
         fresh = [(rep * 31 + 5 + j) % 120_000 for j in range(tokens)]
         _, t = _timed(device, lambda: cache.ingest(fresh, kv))
         rec("whole ingest (new blocks)", t)

@@ -196,6 +196,8 @@ def run_batches(shape: Shape, requests: int, request_tokens: int, codecs: list[s
                 "load each": timed(lambda: [separate.materialize_into(p, dest.at(t)) for p, t in zip(ps, dest_tables)],
                                    device),
             }
+            if any(c.lookup(p) != request_tokens for c, ps_ in ((batched, pb), (separate, ps)) for p in ps_):
+                raise RuntimeError(f"{codec}: a request's blocks were evicted before they were loaded")
             if i:
                 for name, t in got.items():
                     times[name].append(t)
@@ -242,6 +244,8 @@ def run_fresh(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
             p = prompts()
             a = timed(lambda: fresh.ingest(p, kv), device)
             c = timed(lambda: fresh.materialize(p, device=device), device)
+            if fresh.lookup(p) != tokens:
+                raise RuntimeError(f"{codec}: a fresh call's blocks were evicted before it was read back")
             del kv
             q = prompts()
             if previous is not None:

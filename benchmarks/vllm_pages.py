@@ -1,24 +1,26 @@
 """The vLLM connector's own data path, without vLLM: saves from and loads into pages laid
-out as vLLM 0.32's FLASH_ATTN keeps them, against a plain copy of those pages.
+out as vLLM 0.32's FLASH_ATTN keeps them, against the engine surface's calls and a plain
+copy of those pages.
 
-    python -m benchmarks.vllm_pages [--tokens 4096,16384] [--codecs raw,int4] [--reps 5]
+    python -m benchmarks.vllm_pages [--tokens 4096,16384] [--codecs raw,int4] [--requests 1,8] [--reps 5]
 
 vLLM cannot be installed on the H200 machine (its wheel is larger than what travels
 there), so this drives the connector's worker side (``WorkerSide.save`` / ``.load``, the
-code ``CacheSeekConnector.wait_for_save`` and ``start_load_kv`` run) on synthetic pages:
-Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16), vLLM blocks of 16 tokens,
-one ``[P, 16, 8, 256]`` tensor per layer (LBNHC: K and V side by side per token and head),
-the request's blocks scattered over twice as many pages. Each call stores a fresh prompt
-(nothing of it is stored yet), into an embedded cache's pinned CPU tier.
+code ``CacheSeekConnector.wait_for_save`` and ``start_load_kv`` run, with one step's plan)
+on synthetic pages: Llama-3-8B shape (32 layers, 8 KV heads, head dim 128, bf16), vLLM
+blocks of 16 tokens, one ``[P, 16, 8, 256]`` tensor per layer (LBNHC: K and V side by
+side per token and head), the requests' blocks scattered over twice as many pages. A step
+of ``--requests`` requests splits ``--tokens`` among them; each save stores fresh prompts
+(nothing of them is stored yet), into an embedded cache's pinned CPU tier.
 
 Rows (GB/s of raw KV represented):
-- ``connector save`` / ``connector load``: the connector's path. Until the engine surface's
-  paged ingest and ``materialize_into`` land, it gathers the pages into contiguous
-  ``[H, T, D]`` tensors before ``ingest`` and scatters ``materialize``'s result into the
-  pages after it (the stopgap in integrations/vllm/pages.py).
-- ``contiguous ingest`` / ``contiguous materialize``: the same KV already contiguous: what
-  the stopgap's gather and scatter add is the difference.
-- baseline, measured in the same run: a plain copy of the request's pages to pinned host
+- ``connector save`` / ``connector load``: the connector's path: one ``ingest_batch`` /
+  ``materialize_into_batch`` per step on ``cs.KVPages`` views of the pages, built from the
+  step's plan (page tables from vLLM block ids, ``cs.PagedRequest`` per request).
+- ``engine ingest_batch`` / ``engine materialize_into_batch``: the same calls made
+  directly, page tables ready (what ``benchmarks.store --paged --batches`` measures):
+  the connector's own cost is the difference.
+- baseline, measured in the same run: a plain copy of the requests' pages to pinned host
   memory and back (a page gather plus one D2H copy; one H2D copy plus a page scatter),
   what a connector that moves bf16 pages unencoded does at best.
 """
@@ -78,15 +80,17 @@ def fresh_prompt(tokens: int) -> list[int]:
     return [(n * 7919 + i) % 50000 for i in range(tokens)]
 
 
-def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: int) -> list[dict]:
+def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: int, requests: int) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layout = cs.KVLayout(num_layers=layers, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=dtype)
+    per = tokens // requests
     blocks = tokens // PAGE
     g = torch.Generator().manual_seed(tokens)
-    block_ids = torch.randperm(2 * blocks, generator=g)[:blocks].tolist()  # vLLM blocks == pages here
+    perm = torch.randperm(2 * blocks, generator=g)[:blocks].tolist()  # vLLM blocks == pages here
+    block_ids = [perm[r * (per // PAGE) : (r + 1) * (per // PAGE)] for r in range(requests)]
     pages = VllmPages(flash_pages(2 * blocks, layers, dtype, device), PageFormat("channel", HEAD_DIM, PAGE, PAGE))
     raw_bytes = layout.raw_nbytes(tokens)
-    budget = max(4 * raw_bytes, 1 << 30)
+    budget = max(6 * raw_bytes, 1 << 30)
     cache = cs.PrefixCache(model_id="bench", layout=layout, codec=CODECS[codec_name], block_tokens=STORE_BLOCK,
                            tiers=cs.TierConfig(cpu_bytes=budget))
     side = WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({}), "worker"))
@@ -94,28 +98,37 @@ def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: i
     rows = []
 
     def row(what: str, seconds: float) -> None:
-        rows.append({"tokens": tokens, "codec": codec_name, "path": what, "ms": seconds * 1e3,
+        rows.append({"tokens": tokens, "requests": requests, "codec": codec_name, "path": what, "ms": seconds * 1e3,
                      "gbps": raw_bytes / seconds / 1e9})
 
-    row("connector save", timed(lambda: side.save(SaveSpec("r", fresh_prompt(tokens), block_ids)), reps, device))
-    stored = fresh_prompt(tokens)
-    side.save(SaveSpec("r", stored, block_ids))
-    row("connector load", timed(lambda: side.load(LoadSpec("r", stored, block_ids, start=0)), reps, device))
+    def saves() -> list[SaveSpec]:
+        return [SaveSpec(f"r{r}", fresh_prompt(per), ids) for r, ids in enumerate(block_ids)]
+
+    row("connector save", timed(lambda: side.save(saves()), reps, device))
+    stored = saves()
+    side.save(stored)
+    loads = [LoadSpec(s.req_id, s.token_ids, s.block_ids, start=0) for s in stored]
+    row("connector load", timed(lambda: side.load(loads), reps, device))
     if side.stats.save_failures or side.stats.load_failures:
         raise RuntimeError(f"the connector failed a save or a load: {side.stats.to_dict()}")
 
+    tables = [pages.page_table(ids, per) for ids in block_ids]
+
+    def ingest() -> None:
+        cache.ingest_batch([cs.PagedRequest(fresh_prompt(per), t) for t in tables], pages.engine)
+
     def materialize() -> None:
-        if cache.materialize(stored, device=device).num_tokens != tokens:
+        got = cache.materialize_into_batch([cs.PagedRequest(s.token_ids, t) for s, t in zip(stored, tables)],
+                                           pages.engine)
+        if sum(x.num_tokens for x in got) != tokens:
             raise RuntimeError("the stored prefix was evicted during the run: give the CPU tier more room")
 
-    row("contiguous materialize", timed(materialize, reps, device))
-    contiguous = pages.gather(pages.slots(block_ids, 0, tokens))
-    row("contiguous ingest", timed(lambda: cache.ingest(fresh_prompt(tokens), contiguous), reps, device))
-    del contiguous
+    row("engine ingest_batch", timed(ingest, reps, device))
+    row("engine materialize_into_batch", timed(materialize, reps, device))
     cache.close()
 
-    # Baseline: the request's pages, as they are, to pinned host memory and back.
-    index = torch.as_tensor(block_ids, device=device)
+    # Baseline: the requests' pages, as they are, to pinned host memory and back.
+    index = torch.as_tensor(perm, device=device)
     pin = device.type == "cuda"
     host = [torch.empty((blocks, PAGE, HEADS, 2 * HEAD_DIM), dtype=dtype, pin_memory=pin) for _ in range(layers)]
     physical = [t.transpose(1, 2) for t in flash_pages(2 * blocks, layers, dtype, device)]
@@ -141,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096,16384", help="prefix lengths (multiples of 256)")
     ap.add_argument("--codecs", default="raw,int4")
+    ap.add_argument("--requests", default="1,8", help="requests per step, splitting --tokens among them")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=LAYERS, help="fewer for a quick run on a CPU")
     ap.add_argument("--out", default=None, help="folder for vllm_pages.json (default benchmarks/results)")
@@ -151,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         if tokens % STORE_BLOCK:
             raise SystemExit(f"--tokens: {tokens} is not a multiple of {STORE_BLOCK}")
         for codec in args.codecs.split(","):
-            rows += run(tokens, codec, args.reps, device, args.layers)
-    print(table(rows, ["tokens", "codec", "path", "ms", "gbps", "vs_baseline"],
+            for requests in (int(n) for n in args.requests.split(",")):
+                if tokens % (requests * STORE_BLOCK):
+                    raise SystemExit(f"--requests: {tokens} tokens do not split into {requests} whole store blocks")
+                rows += run(tokens, codec, args.reps, device, args.layers, requests)
+    print(table(rows, ["tokens", "requests", "codec", "path", "ms", "gbps", "vs_baseline"],
                 title=f"vLLM connector data path on {device} ({args.layers} layers x {HEADS} heads x {HEAD_DIM}, "
                       f"pages of {PAGE} tokens, flash layout); GB/s of raw KV"))
     path = write_json("vllm_pages", {"device": str(device), "layers": args.layers, "rows": rows},

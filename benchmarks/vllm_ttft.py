@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    "block_tokens": args.block_tokens,
                                                    "tiers": {"cpu_bytes": "2GiB"}}}
     rows, raw = [], {}
+    load_before = os.getloadavg()
     for name, job in configs.items():
         print(f"running {name} ...", flush=True)
         res = engine_run({**common, **job}, python)
@@ -83,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                        "prefill_saved", "load_ms"],
                 title=f"vLLM {args.prefix_tokens}-token stored prefix, SmolLM2-135M float32 on the CPU "
                       "(speedup against vLLM cold, same run)"))
-    path = write_json("vllm_ttft", {"prefix_tokens": args.prefix_tokens, "repeats": args.repeats, "rows": rows,
-                                    "runs": raw}, None if args.out is None else Path(args.out))
+    machine = {"cpus": os.cpu_count(), "load_average_before": load_before, "load_average_after": os.getloadavg(),
+               "note": "a shared machine: other jobs ran beside this one, so the figures are slower than an idle "
+                       "machine's; the speedups are against vllm cold in the same run"}
+    path = write_json("vllm_ttft", {"prefix_tokens": args.prefix_tokens, "repeats": args.repeats, "machine": machine,
+                                    "rows": rows, "runs": raw}, None if args.out is None else Path(args.out))
     print(f"wrote {path}")
     return 0
 

@@ -29,7 +29,7 @@ from .errors import (
 from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
 from .prefix_keys import Prompt
-from .quant import KIVI, KVLayerCodec, Raw
+from .quant import KIVI, KVLayerCodec, PrecisionPolicy, Raw
 
 if TYPE_CHECKING:
     from .layerwise import LayerwiseIngest, LayerwiseLoad
@@ -91,6 +91,7 @@ __all__ = [
     "Materialized",
     "PagedKV",
     "PagedRequest",
+    "PrecisionPolicy",
     "PrefixCache",
     "Prompt",
     "Raw",

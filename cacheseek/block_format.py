@@ -4,6 +4,11 @@ It plans each block's frame (the header a block's payload is written under) and 
 that a frame fetched from a tier or a server is one of this configuration's. Laying out a
 frame's buffers and packing its header costs ~0.1 ms, so it is done once per hash size as
 a template, and each block's frame is derived from it (``replan_frame``: a few µs).
+
+Under a ``PrecisionPolicy`` the codec depends on the block's position: a policy's format
+holds one uniform format per codec (``at(position)``), plans each block with its own
+codec's template, and checks a fetched frame against the codec of its position. Encoders
+and decoders cut their launches at ``boundaries`` so a launch holds blocks of one codec.
 Torch-free.
 """
 
@@ -16,6 +21,7 @@ from collections.abc import Sequence
 from .errors import FrameError
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 from .store.frame import FrameMeta, plan_frame, replan_frame
 
 MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or two
@@ -24,16 +30,49 @@ MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or 
 class BlockFormat:
     """How blocks of ``block_tokens`` tokens of ``layout`` are framed once ``codec`` encodes them."""
 
-    __slots__ = ("block_tokens", "codec", "codec_spec", "layout", "_lock", "_templates")
+    __slots__ = ("block_tokens", "codec", "codec_spec", "layout", "policy", "_parts", "_lock", "_templates")
 
-    def __init__(self, codec: KVLayerCodec, layout: KVLayout, block_tokens: int) -> None:
+    def __init__(self, codec: KVLayerCodec | PrecisionPolicy, layout: KVLayout, block_tokens: int) -> None:
+        """``codec``: a codec, or a ``PrecisionPolicy`` (then ``codec`` is the policy,
+        ``policy`` is set, and ``at(position)`` gives the uniform format of a position)."""
         self.codec, self.layout, self.block_tokens = codec, layout, block_tokens
         self.codec_spec = codec.spec()
+        self.policy = codec if isinstance(codec, PrecisionPolicy) else None
+        self._parts: tuple[BlockFormat, ...] = ()  # a policy's: (first's, rest's)
+        if self.policy is not None:
+            self._parts = tuple(BlockFormat(part, layout, block_tokens) for part in self.policy.codecs())
         self._templates: OrderedDict[tuple[int, int], FrameMeta] = OrderedDict()
         self._lock = threading.Lock()  # taken only to add a template
 
+    @property
+    def uniform(self) -> bool:
+        """One codec for every position."""
+        return self.policy is None
+
+    def at(self, position: int) -> BlockFormat:
+        """The uniform format of the block at ``position`` (this one when uniform)."""
+        if self.policy is None:
+            return self
+        return self._parts[0] if position < self.policy.first_blocks else self._parts[1]
+
+    def parts(self) -> tuple[BlockFormat, ...]:
+        """The uniform formats of every codec this one uses (itself when uniform)."""
+        return (self,) if self.policy is None else self._parts
+
+    def boundaries(self) -> tuple[int, ...]:
+        """Positions where the codec changes (none when uniform)."""
+        return () if self.policy is None else self.policy.boundaries()
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``[start, stop)`` (positions of consecutive blocks) cut where the codec changes."""
+        cuts = [b for b in self.boundaries() if start < b < stop]
+        edges = [start, *cuts, stop]
+        return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
+
     def plan(self, *, block_hash: bytes, parent_hash: bytes, position: int) -> FrameMeta:
         """The frame of one block as the codec encodes it (unsealed: no checksum yet)."""
+        if self.policy is not None:
+            return self.at(position).plan(block_hash=block_hash, parent_hash=parent_hash, position=position)
         return replan_frame(self._template(len(block_hash), len(parent_hash)), block_hash=block_hash,
                             parent_hash=parent_hash, position=position)
 
@@ -43,6 +82,11 @@ class BlockFormat:
         with ``positions``, of blocks at those positions (blocks of several requests' chains)."""
         if not hashes:
             return []
+        if self.policy is not None:
+            if positions is None:
+                positions = range(first, first + len(hashes))
+            return [self.plan(block_hash=h, parent_hash=p, position=pos)
+                    for h, p, pos in zip(hashes, parents, positions, strict=True)]
         template = self._template(len(hashes[0]), len(parents[0]))
         if positions is not None:
             return [replan_frame(template, block_hash=h, parent_hash=p, position=pos)
@@ -72,6 +116,9 @@ class BlockFormat:
         block ``key`` in this configuration."""
         if meta.block_hash != key:
             raise FrameError("frame names another block")
+        if self.policy is not None:
+            self.at(meta.position).check_fetched(meta, key)
+            return
         if meta.codec != self.codec_spec or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
             raise FrameError("frame was written with another codec, layout or block size")
 

@@ -5,6 +5,11 @@ The payloads of n blocks land in one device staging buffer at a fixed stride (on
 block, host-to-device when they come from host memory), are viewed as [n, L, H, ...] with
 ``as_strided``, and one codec call decodes them straight into the [L, H, n*B, D] outputs.
 Full-precision KV is only ever built on the target device.
+
+Under a precision policy (``BlockFormat.policy``) a chain mixes codecs by position:
+``MixedDecoder`` gives each codec's run of positions its own ``BatchDecoder`` (its own
+staging rows and launches), all decoding into one [L, H, n*B, D] output, in one pass over
+the frames as they land. ``make_decoder`` picks the decoder a format needs.
 """
 
 from __future__ import annotations
@@ -34,11 +39,16 @@ class BatchDecoder:
     """
 
     def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, chunk_blocks: int = 8,
-                 sink: Any = None) -> None:
+                 sink: Any = None, blocks_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``sink(j0, j1, buffers)``: decodes blocks ``[j0, j1)`` (``buffers``: the codec's
         buffers as ``[j1 - j0, L, H, ...]`` staging views) where the caller wants them, e.g.
-        into an engine's pages; then ``finish`` returns nothing. Default: into [L, H, n*B, D]."""
+        into an engine's pages; then ``finish`` returns nothing. Default: into [L, H, n*B, D].
+        ``blocks_out``: K and V views ``[max_blocks, L, H, B, D]`` to decode into (a
+        ``MixedDecoder``'s part); ``finish`` then returns nothing either."""
+        if not fmt.uniform:
+            raise RuntimeError("BatchDecoder decodes blocks of one codec; use make_decoder for a precision policy")
         self._sink = sink
+        self._blocks_out = blocks_out
         self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
         self.max_blocks, self.device = max_blocks, device
         self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
@@ -46,7 +56,9 @@ class BatchDecoder:
         self._meta0: FrameMeta | None = None
         self._staging: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
-        self._frames: list[BlockFrame] = []  # host views stay alive until the copies are done
+        # The frames added, in order; their memory stays the caller's, who holds each
+        # frame's lease until ``copied()`` (or ``wait``) says its copy is done.
+        self._frames: list[BlockFrame] = []
         self._copied_events: list = []  # one per frame added on a GPU: its copy has been issued
         self._copied = 0
         self._decoded = 0
@@ -94,8 +106,8 @@ class BatchDecoder:
 
     def copied(self) -> int:
         """How many of the frames added (in order) have been copied off their memory: a
-        caller may give back the memory of those (a disk read's pooled buffer) while the
-        later ones are still being read. Asks the device without waiting."""
+        caller may release the leases of those (a CPU-tier slot, a disk read's pooled
+        buffer) while the later ones are still being read. Asks the device without waiting."""
         if self._copy_stream is None:
             return len(self._frames)  # copies on the CPU are done when add returns
         events = self._copied_events
@@ -113,6 +125,10 @@ class BatchDecoder:
         else:
             dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
 
+    def flush(self) -> None:
+        """Decode the blocks added and not decoded yet now (once they have landed)."""
+        self._decode_pending()
+
     def _decode_pending(self) -> None:
         j0, j1 = self._decoded, len(self._frames)
         if j1 == j0:
@@ -126,7 +142,9 @@ class BatchDecoder:
             self._decoded = j1
             return
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        if self._k is None:
+        if self._k is None and self._blocks_out is not None:
+            self._k, self._v = self._k_blocks, self._v_blocks = self._blocks_out
+        elif self._k is None:
             self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
             self._v = torch.empty_like(self._k)
             as_blocks = (L, H, self.max_blocks, B, D)
@@ -147,7 +165,7 @@ class BatchDecoder:
         self._decode_pending()
         if wait:
             self.wait()
-        if self._sink is not None:
+        if self._sink is not None or self._blocks_out is not None:
             return None, None
         tokens = n * self.block_tokens
         if n == self.max_blocks:
@@ -155,7 +173,7 @@ class BatchDecoder:
         return self._k[:, :, :tokens], self._v[:, :, :tokens]
 
     def wait(self) -> None:
-        """Return once every copy out of the frames added is done; the frames are released."""
+        """Return once every copy out of the frames added is done: their leases may be released."""
         if self._copy_stream is not None and self._frames:
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)  # this decoder's copies, queued before now
@@ -165,13 +183,87 @@ class BatchDecoder:
         self._copied = 0
 
 
+class MixedDecoder:
+    """``BatchDecoder``'s interface for a chain whose codec changes by position (a
+    ``PrecisionPolicy``): blocks ``first_position, first_position + 1, ...`` are added in
+    chain order; each codec's run of positions has its own ``BatchDecoder`` (blocks of each
+    codec decoded together, a launch per chunk), all writing into one [L, H, n*B, D]."""
+
+    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, first_position: int = 0,
+                 chunk_blocks: int = 8) -> None:
+        L, H, D, B = fmt.layout.num_layers, fmt.layout.num_kv_heads, fmt.layout.head_dim, fmt.block_tokens
+        self.block_tokens, self.max_blocks = B, max_blocks
+        self._k = torch.empty((L, H, max_blocks * B, D), dtype=fmt.layout.torch_dtype, device=device)
+        self._v = torch.empty_like(self._k)
+        as_blocks = (L, H, max_blocks, B, D)
+        k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
+        v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
+        self._parts: list[tuple[int, BatchDecoder]] = []  # (first row, decoder) per codec run
+        for a, b in fmt.segments(first_position, first_position + max_blocks):
+            j0, j1 = a - first_position, b - first_position
+            self._parts.append((j0, BatchDecoder(fmt.at(a), j1 - j0, device, chunk_blocks=chunk_blocks,
+                                                 blocks_out=(k_blocks[j0:j1], v_blocks[j0:j1]))))
+        self._added = 0
+        self._part = 0
+
+    def __len__(self) -> int:
+        return self._added
+
+    def add(self, frame: BlockFrame) -> None:
+        if self._added >= self.max_blocks:
+            raise RuntimeError(f"MixedDecoder holds {self.max_blocks} blocks already")
+        while len(self._parts[self._part][1]) == self._parts[self._part][1].max_blocks:
+            self._part += 1
+        part = self._parts[self._part][1]
+        part.add(frame)
+        self._added += 1
+        if len(part) == part.max_blocks:
+            part.flush()  # a run complete (the first blocks'): decoded while later copies land
+
+    def copied(self) -> int:
+        """As ``BatchDecoder.copied``: frames copied off their memory, counted in order."""
+        done = 0
+        for _, part in self._parts:
+            got = part.copied()
+            done += got
+            if got < part.max_blocks:
+                break
+        return min(done, self._added)
+
+    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._added == 0:
+            raise RuntimeError("MixedDecoder.finish: no frames were added")
+        for _, part in self._parts:
+            if len(part):
+                part.finish(wait=False)
+        if wait:
+            self.wait()
+        tokens = self._added * self.block_tokens
+        if self._added == self.max_blocks:
+            return self._k, self._v
+        return self._k[:, :, :tokens], self._v[:, :, :tokens]
+
+    def wait(self) -> None:
+        for _, part in self._parts:
+            part.wait()
+
+
+def make_decoder(fmt: BlockFormat, max_blocks: int, device: torch.device, *, first_position: int = 0,
+                 chunk_blocks: int = 8) -> BatchDecoder | MixedDecoder:
+    """The decoder of blocks ``first_position..`` of a chain in ``fmt`` (into [L, H, n*B, D])."""
+    if fmt.uniform:
+        return BatchDecoder(fmt, max_blocks, device, chunk_blocks=chunk_blocks)
+    return MixedDecoder(fmt, max_blocks, device, first_position=first_position, chunk_blocks=chunk_blocks)
+
+
 def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode n consecutive blocks into K and V of shape [L, H, n*B, D] on ``device``."""
-    decoder = BatchDecoder(fmt, len(frames), device)
+    """Decode n consecutive blocks (a chain's, from its first) into K and V of shape
+    [L, H, n*B, D] on ``device``."""
+    decoder = make_decoder(fmt, len(frames), device)
     for frame in frames:
         decoder.add(frame)
     return decoder.finish()
 
 
-__all__ = ["BatchDecoder", "decode_frames"]
+__all__ = ["BatchDecoder", "MixedDecoder", "decode_frames", "make_decoder"]

@@ -52,11 +52,16 @@ def encode_blocks(
     one device buffer at a fixed stride, so moving a block to host memory later is one
     contiguous copy. Raises ``InputError`` on NaN or Inf.
     """
-    frames, finite = _encode_deferred(fmt, layers, first_block, hashes, parents, staging)
+    frames: list[BlockFrame] = []
     device = layers[0][0].device
-    if device.type == "cuda" and finite.device.type == "cpu":
-        torch.cuda.current_stream(device).synchronize()  # the kernels write the flags in host memory
-    fmt.codec.check_finite(finite)
+    for a, b in fmt.segments(first_block, first_block + len(hashes)):  # one launch per codec
+        part = fmt.at(a)
+        got, finite = _encode_deferred(part, layers, a, hashes[a - first_block : b - first_block],
+                                       parents[a - first_block : b - first_block], staging)
+        if device.type == "cuda" and finite.device.type == "cpu":
+            torch.cuda.current_stream(device).synchronize()  # the kernels write the flags in host memory
+        part.codec.check_finite(finite)
+        frames += got
     return frames
 
 
@@ -71,7 +76,10 @@ def _encode_deferred(
 ) -> tuple[list[BlockFrame], torch.Tensor]:
     """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
     validity flags, which must be checked before the frames are used. ``prepared``: the
-    codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches."""
+    codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches.
+    ``fmt`` is uniform (one codec: a policy's ``fmt.at(position)``)."""
+    if not fmt.uniform:
+        raise RuntimeError("_encode_deferred: a launch holds blocks of one codec; cut at fmt.segments")
     codec, block_tokens = fmt.codec, fmt.block_tokens
     n = len(hashes)
     t0 = first_block * block_tokens
@@ -158,37 +166,41 @@ def iter_encoded(
     side stream: each batch's encoding overlaps the copies of the batch before.
     ``tail_first`` yields the batches of the chain's end first.
     """
-    codec = fmt.codec
     device = layers[0][0].device
     missing = [not p for p in present]
     if device.type == "cuda":
         batch_blocks = batching.pipelined_batch_blocks(sum(missing), batch_blocks,
                                                        fmt.layout.raw_nbytes(fmt.block_tokens))
-    batches = list(batching.runs(missing, batch_blocks))
+    # A batch holds blocks of one codec: under a precision policy, runs are cut where it changes.
+    batches = [seg for run in batching.runs(missing, batch_blocks) for seg in fmt.segments(*run)]
     if tail_first:
         batches.reverse()
     if not batches:
         return
-    prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+    k_layers, v_layers = [k for k, _ in layers], [v for _, v in layers]
+    prepared: dict[int, Any] = {}  # id(part format) -> its codec's prepare_layers
     side = work_stream("encode", device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
 
     def launch(start: int, stop: int):
+        part = fmt.at(start)
+        if id(part) not in prepared:
+            prepared[id(part)] = part.codec.prepare_layers(k_layers, v_layers)
         with on_stream(side) if side is not None else contextlib.nullcontext():
-            frames, finite = _encode_deferred(fmt, layers, start, hashes[start:stop], parents[start:stop],
-                                              prepared=prepared)
+            frames, finite = _encode_deferred(part, layers, start, hashes[start:stop], parents[start:stop],
+                                              prepared=prepared[id(part)])
             done = None
             if side is not None:
                 finite = flags_to_host(finite)
                 done = torch.cuda.Event()
                 done.record(side)
-        return frames, finite, done
+        return frames, finite, done, part.codec
 
     upcoming = launch(*batches[0])
     try:
         for i in range(len(batches)):
-            frames, finite, done = upcoming
+            frames, finite, done, codec = upcoming
             if done is not None:
                 done.synchronize()
                 torch.cuda.current_stream(device).wait_event(done)

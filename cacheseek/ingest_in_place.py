@@ -59,6 +59,7 @@ class _Run:
     metas: list[FrameMeta]
     reservations: list[Reservation]
     flags: Any  # the codec's validity flags, in host memory once the first piece has landed
+    codec: Any  # the run's codec (a run holds blocks of one codec, under a precision policy too)
     # Frames [a, b) of the run per copy, in landing order, with the event that marks it
     # landed (None: nothing in flight, the KV was in host memory).
     pieces: list[tuple[int, int, torch.cuda.Event | None]]
@@ -76,12 +77,12 @@ class InPlaceIngest:
         """The KV: per-layer ``layers``, or ``source`` (a ``pages.PagedSource``: the call's
         blocks in an engine's pages; block ``i`` of the chain is its row ``i``)."""
         self.store, self.format, self.layers, self.source = store, fmt, layers, source
-        self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
-        if source is not None:
-            self.device, self.prepared = source.device, None
-        else:
-            self.device = layers[0][0].device
-            self.prepared = self.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+        self.layout, self.block_tokens = fmt.layout, fmt.block_tokens
+        self.prepared: dict[int, Any] = {}  # id(part format) -> its codec's prepare_layers (None: paged)
+        self.device = source.device if source is not None else layers[0][0].device
+        if source is None:
+            for part in fmt.parts():
+                self.prepared[id(part)] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
@@ -106,8 +107,8 @@ class InPlaceIngest:
         unknown = bytes(hash_size)  # the real keys go into the headers at commit: same sizes
         metas = [self.format.plan(block_hash=unknown, parent_hash=unknown, position=i)
                  for i in range(start, num_blocks)]
-        if len({m.nbytes for m in metas}) != 1:
-            return  # a header grows a byte within these blocks: not worth a second run
+        if len({m.nbytes for m in metas}) != 1 or any(m.codec is not metas[0].codec for m in metas):
+            return  # a header grows a byte (or the codec changes) within these blocks: not worth a second run
         reservations = self.store.reserve_run(metas[0].nbytes, first, grow=True)
         if reservations is None:
             return
@@ -156,10 +157,11 @@ class InPlaceIngest:
     def _launch_batch(self, start: int, metas: list[FrameMeta]) -> None:
         stop = len(metas)  # the batch's frames [0, stop) left to launch, its end first
         while stop > 0:
-            # Frames of a run share one size (a header grows a byte as positions grow).
-            size = metas[stop - 1].nbytes
+            # Frames of a run share one size (a header grows a byte as positions grow) and one
+            # codec (a precision policy changes it along the chain).
+            size, codec = metas[stop - 1].nbytes, metas[stop - 1].codec
             lo = stop - 1
-            while lo > 0 and metas[lo - 1].nbytes == size:
+            while lo > 0 and metas[lo - 1].nbytes == size and metas[lo - 1].codec is codec:
                 lo -= 1
             reservations = self.reserve(size, stop - lo)
             if reservations is None:
@@ -191,7 +193,8 @@ class InPlaceIngest:
             # KV in host memory: the slots themselves are the staging, encoded in place
             # (the pieces are only committed in turn).
             flags = self._encode(first, count, payload_views(host, meta.tensors, count, stride, meta.payload_offset))
-            self.pending.append(_Run(first, metas, reservations, flags, [(a, b, None) for a, b in split]))
+            self.pending.append(_Run(first, metas, reservations, flags, self.format.at(first).codec,
+                                     [(a, b, None) for a, b in split]))
             return
         pieces = []
         with on_stream(self.encode_stream):
@@ -211,12 +214,14 @@ class InPlaceIngest:
                 landed.record(self.copy_stream)
                 pieces.append((a, b, landed))
         staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
-        self.pending.append(_Run(first, metas, reservations, flags, pieces))
+        self.pending.append(_Run(first, metas, reservations, flags, self.format.at(first).codec, pieces))
 
     def _encode(self, first: int, count: int, views: list[torch.Tensor]) -> Any:
+        """Blocks ``first..first+count`` (of one codec) into ``views``; the codec's flags."""
+        part = self.format.at(first)
         if self.source is not None:
-            return self.source.encode(self.codec, first, count, views)
-        return encode_into(self.codec, self.layers, self.prepared, first * self.block_tokens, count,
+            return self.source.encode(part.codec, first, count, views)
+        return encode_into(part.codec, self.layers, self.prepared[id(part)], first * self.block_tokens, count,
                            self.block_tokens, views)
 
     def commit_oldest(self) -> None:
@@ -226,7 +231,7 @@ class InPlaceIngest:
         if landed is not None:
             landed.synchronize()
         if not run.checked:
-            self.codec.check_finite(run.flags)
+            run.codec.check_finite(run.flags)
             run.checked = True
         run.pieces.pop(0)
         if not run.pieces:

@@ -132,11 +132,28 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
     return call
 
 
-def plan_load(call: PagedCall, counts: Sequence[int], block_tokens: int) -> None:
-    """Rows for loading ``counts[r]`` blocks of each request into its pages: refuses a page
-    that two requests would write (``InputError`` naming both), then maps the rows."""
+def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
+    """Each request's first block to write (``PagedRequest.start`` in blocks); ``InputError``
+    naming the request for a start that is not a whole number of blocks."""
+    if not isinstance(requests, (list, tuple)):
+        return [0]
+    out = []
+    for name, r in zip(call.names, requests):
+        start = r.start
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % block_tokens:
+            raise InputError(f"{name}.start: expected a multiple of the block size {block_tokens} >= 0, got {start!r}")
+        out.append(start // block_tokens)
+    return out
+
+
+def plan_load(call: PagedCall, counts: Sequence[int], block_tokens: int, starts: Sequence[int] | None = None) -> None:
+    """Rows for loading blocks ``[starts[r], counts[r])`` of each request into its pages:
+    refuses a page that two requests would write (``InputError`` naming both), then maps
+    the rows. The pages of blocks before ``starts[r]`` are not written."""
     P = call.pages.page_size
-    written = [table[: -(-n * block_tokens // P)] for table, n in zip(call.tables, counts)]
+    starts = starts or [0] * len(counts)
+    written = [table[s * block_tokens // P : -(-n * block_tokens // P)] if n > s else table[:0]
+               for table, n, s in zip(call.tables, counts, starts)]
     every = torch.cat(written) if written else torch.zeros(0, dtype=torch.int32)
     if every.numel() and torch.unique(every).numel() != every.numel():
         owner: dict[int, int] = {}
@@ -146,7 +163,7 @@ def plan_load(call: PagedCall, counts: Sequence[int], block_tokens: int) -> None
                     raise InputError(f"{call.names[r]}.page_ids: page {page} is also written by "
                                      f"{call.names[owner[page]]} in this call")
                 owner[page] = r
-    call.use_rows([(r, b) for r, n in enumerate(counts) for b in range(n)])
+    call.use_rows([(r, b) for r, (n, s) in enumerate(zip(counts, starts)) for b in range(s, n)])
 
 
 def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]], block_tokens: int) -> list[int]:
@@ -250,4 +267,4 @@ def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | 
 
 
 __all__ = ["PageSink", "PagedCall", "decoder", "encode_frames", "encoded_batches", "hash_requests", "plan",
-           "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]
+           "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]

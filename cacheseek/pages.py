@@ -155,11 +155,16 @@ class PagedKV:
 @dataclass(frozen=True, slots=True)
 class PagedRequest:
     """One request of a batch: its keys (token ids, a ``Prompt``, or bytes per block), its
-    page table, and (``materialize_into_batch``) at most how many tokens to load."""
+    page table, and (``materialize_into_batch``) at most how many tokens to load, and from
+    which token on to write them: the blocks before ``start`` (a multiple of the block
+    size) are in the pages already (an engine's own prefix hit, pages it may share with
+    other requests), so they are neither fetched nor written, but must be stored for the
+    blocks after them to load."""
 
     keys: Any
     page_ids: Any
     max_tokens: int | None = None
+    start: int = 0
 
 
 def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:

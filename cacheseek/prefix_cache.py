@@ -6,7 +6,7 @@ from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
 from .config import TierConfig
-from .decode import BatchDecoder
+from .decode import make_decoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
@@ -14,6 +14,7 @@ from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized
@@ -44,7 +45,7 @@ class PrefixCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         tiers: TierConfig | None = None,
         namespace: str = "",
@@ -127,6 +128,7 @@ class PrefixCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         B = self.block_tokens
         every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
@@ -209,26 +211,33 @@ class PrefixCache(PrefixCacheBase):
 
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
-        max_tokens)`` each), decoded together into their pages; no page may be written by
-        two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
+        max_tokens, start)`` each), decoded together into their pages; no page may be written
+        by two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
         for all of them (``requests``: the ``Loaded`` of each)."""
         if layerwise:
-            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False)
-        return self._load_paged(paged_io.requests_of(requests), pages, single=False)
+            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False, batch=requests)
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
 
-    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool):
+    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool, batch: Any = None):
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
+        starts = paged_io.load_starts(call, batch, B)
         limits = paged_io.load_limits(call, requests, B)
         located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
         counts = [len(where) for where in located]
-        paged_io.plan_load(call, counts, B)
-        return call, located, counts
+        paged_io.plan_load(call, counts, B, starts)
+        return call, located, counts, starts
 
     def _load_paged_layerwise(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *,
-                              single: bool) -> LayerwiseLoad:
-        call, located, counts = self._plan_load(requests, pages, single=single)
+                              single: bool, batch: Any = None) -> LayerwiseLoad:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
+        if any(starts):
+            # A request's first blocks already in its pages (PagedRequest.start) would shift
+            # the rows the layer groups decode into; the whole-load path handles them.
+            raise InputError("materialize_into_batch(layerwise=True) takes requests with start=0 only; "
+                             "load requests whose first blocks are in their pages already without layerwise")
         B, L = self.block_tokens, self.layout.num_layers
         sink = paged_io.PageSink(self.block_format.codec, call.source) if call.rows else None
         firsts = [sum(counts[:r]) for r in range(len(counts))]
@@ -245,10 +254,15 @@ class PrefixCache(PrefixCacheBase):
         return LayerwiseLoad(num_layers=L, device=pages.device, num_tokens=n * B, num_blocks=n,
                              tiers=[t for r in results for t in r.tiers], decoder=decoder, requests=results)
 
-    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
-        call, located, counts = self._plan_load(requests, pages, single=single)
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                    batch: Any = None) -> list[Loaded]:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
         B = self.block_tokens
-        results = [Loaded() for _ in requests]
+        # Blocks before a request's start are in its pages already: counted, not written.
+        results = [Loaded(num_blocks=min(s, n), tiers=list(where[: min(s, n)]))
+                   for s, n, where in zip(starts, counts, located)]
+        for res in results:
+            res.num_tokens = res.num_blocks * B
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
@@ -257,12 +271,12 @@ class PrefixCache(PrefixCacheBase):
         try:
             # As ``materialize``: frames flow from the tiers into the decoder as they land, and
             # each landed chunk is decoded straight into its pages.
-            for r, n in enumerate(counts):
-                if not n:
+            for r, (n, s) in enumerate(zip(counts, starts)):
+                if n <= s:
                     continue
-                frames = self.store.stream(call.hashes[r][:n], where=located[r], leased=True)
+                frames = self.store.stream(call.hashes[r][s:n], where=located[r][s:n], leased=True)
                 try:
-                    for key, got in zip(call.hashes[r], frames):
+                    for key, got in zip(call.hashes[r][s:n], frames):
                         if got is None:
                             break  # evicted or found corrupt since locate: this prefix ends here
                         frame, tier = got
@@ -271,9 +285,9 @@ class PrefixCache(PrefixCacheBase):
                         except FrameError:
                             frame.release()
                             break
-                        sink.rows.append(first_row + results[r].num_blocks)
+                        sink.rows.append(first_row + results[r].num_blocks - s)
+                        added.append(frame)  # released in the end even if the add fails
                         decoder.add(frame)  # its copy to the device starts now
-                        added.append(frame)
                         results[r].num_blocks += 1
                         results[r].tiers.append(tier)
                         copied = decoder.copied()
@@ -282,7 +296,7 @@ class PrefixCache(PrefixCacheBase):
                         released = max(released, copied)
                 finally:
                     frames.close()  # reads not handed out: cancelled or given back
-                first_row += n
+                first_row += n - s
             if len(decoder):
                 decoder.finish(wait=False)
             for h, res in zip(call.hashes, results):
@@ -319,33 +333,33 @@ class PrefixCache(PrefixCacheBase):
             return self._materialize_layerwise(hashes, located, device)
         if not located:
             return self._nothing(device)
-        decoder = BatchDecoder(self.block_format, len(located), device)
+        decoder = make_decoder(self.block_format, len(located), device)
         tiers: list[str] = []
-        frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
         added: list = []  # frames added to the decoder, in order; the first ``released`` given back
         released = 0
         try:
-            for key, got in zip(hashes, frames):
-                if got is None:
-                    break  # evicted or found corrupt since locate: the prefix ends here
-                frame, tier = got
-                try:
-                    self.block_format.check_fetched(frame.meta, key)
-                except FrameError:
-                    frame.release()
-                    break
-                decoder.add(frame)  # its copy to the device starts now
-                added.append(frame)
-                tiers.append(tier)
-                # Buffers whose copies have landed go back to the pool at once, so a long
-                # chain reuses a few pooled buffers instead of holding one per block.
-                copied = decoder.copied()
-                for done in added[released:copied]:
-                    done.release()
-                released = max(released, copied)
-        finally:
-            frames.close()  # reads not handed out: cancelled or given back
-        try:
+            frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
+            try:
+                for key, got in zip(hashes, frames):
+                    if got is None:
+                        break  # evicted or found corrupt since locate: the prefix ends here
+                    frame, tier = got
+                    try:
+                        self.block_format.check_fetched(frame.meta, key)
+                    except FrameError:
+                        frame.release()
+                        break
+                    added.append(frame)  # released in the end even if the add fails
+                    decoder.add(frame)  # its copy to the device starts now
+                    tiers.append(tier)
+                    # Buffers whose copies have landed go back to the pool at once, so a long
+                    # chain reuses a few pooled buffers instead of holding one per block.
+                    copied = decoder.copied()
+                    for done in added[released:copied]:
+                        done.release()
+                    released = max(released, copied)
+            finally:
+                frames.close()  # reads not handed out: cancelled or given back
             if not tiers:
                 return self._nothing(device)
             k, v = decoder.finish(wait=False)
@@ -357,6 +371,7 @@ class PrefixCache(PrefixCacheBase):
                 frame.release()
 
     def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
+        self._check_layerwise()
         L = self.layout.num_layers
         decoder, got = layerwise.load(self.block_format, self.store, [(hashes, located)], device)
         tiers = got[0]

@@ -16,6 +16,8 @@ from .prefix_keys import PrefixKeys
 from .quant import backend
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
+from .quant.policy import PrecisionPolicy
+from .errors import ConfigError
 from .results import Located, Materialized
 from .units import parse_size
 
@@ -28,7 +30,7 @@ class PrefixCacheBase:
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None,
+        codec: KVLayerCodec | PrecisionPolicy | None,
         block_tokens: int,
         namespace: str,
         hash_algo: str,
@@ -51,6 +53,19 @@ class PrefixCacheBase:
         self._batch_blocks = max(1, batch // layout.raw_nbytes(block_tokens))
         if backend.forced_triton():
             backend.kernel_backend()  # raises now, naming the reason, if the kernels cannot load
+
+    def _check_paged(self) -> None:
+        """Paged KV (an engine's pages) is stored with one codec: a precision policy is refused."""
+        if not self.block_format.uniform:
+            raise ConfigError(f"paged KV: not supported with a precision policy ({self.codec!r}); "
+                              "use a single codec for paged calls")
+
+    def _check_layerwise(self) -> None:
+        """Layer groups are decoded with one codec over all blocks: a precision policy's mixed
+        chains are loaded whole."""
+        if not self.block_format.uniform:
+            raise ConfigError(f"layer-wise loads: not supported with a precision policy ({self.codec!r}); "
+                              "load the chain whole (layerwise=False)")
 
     def _config_stats(self) -> dict[str, Any]:
         """What ``stats()`` says of this cache's configuration: the model, the codec, the block

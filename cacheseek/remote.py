@@ -44,7 +44,8 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
-from .results import IngestResult, Loaded, Located
+from .quant.policy import PrecisionPolicy
+from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.frame import parse_frame
@@ -132,7 +133,7 @@ class RemoteCache(PrefixCacheBase):
         *,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec | None = None,
+        codec: KVLayerCodec | PrecisionPolicy | None = None,
         block_tokens: int = 256,
         namespace: str = "",
         hash_algo: str = DEFAULT_ALGO,
@@ -229,6 +230,7 @@ class RemoteCache(PrefixCacheBase):
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
@@ -289,7 +291,7 @@ class RemoteCache(PrefixCacheBase):
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
         streamed fetch per request's chain, decoded together into their pages."""
-        loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False)
+        loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
         return self._all_ready(loaded, pages.device) if layerwise else loaded
 
     def _all_ready(self, loaded: list[Loaded], device: Any) -> LayerwiseLoad:
@@ -300,9 +302,12 @@ class RemoteCache(PrefixCacheBase):
         return LayerwiseLoad(num_layers=self.layout.num_layers, device=device, num_tokens=n * self.block_tokens,
                              num_blocks=n, tiers=[t for r in loaded for t in r.tiers], requests=loaded)
 
-    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool) -> list[Loaded]:
+    def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                    batch: Any = None) -> list[Loaded]:
+        self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
+        starts = paged_io.load_starts(call, batch, self.block_tokens)
         limits = paged_io.load_limits(call, requests, self.block_tokens)
         results = [Loaded() for _ in requests]
         # Everything is fetched before any page is written: an outage (or a bad chain) in a
@@ -311,23 +316,27 @@ class RemoteCache(PrefixCacheBase):
             found = [self._lookup(h[:n], tokens=n * self.block_tokens) if n else {"matched": 0, "tiers": []}
                      for h, n in zip(call.hashes, limits)]
             counts = [f["matched"] for f in found]
-            paged_io.plan_load(call, counts, self.block_tokens)
-            chains = [self._fetch_chain(h[:n]) if n else [] for h, n in zip(call.hashes, counts)]
+            paged_io.plan_load(call, counts, self.block_tokens, starts)
+            # A chain streams from its first block: the blocks before a request's start come
+            # along and are dropped (they are in its pages already).
+            chains = [self._fetch_chain(h[:n])[s:] if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
             self._outages.count("missed_materializes")
             return results
+        for r, (n, s) in enumerate(zip(counts, starts)):
+            done = min(n, s) + len(chains[r])
+            results[r] = Loaded(done * self.block_tokens, done, list(found[r]["tiers"][:done]))
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
         first_row = 0
-        for r, (frames, n) in enumerate(zip(chains, counts)):
+        for frames, n, s in zip(chains, counts, starts):
             for j, frame in enumerate(frames):
                 sink.rows.append(first_row + j)
                 decoder.add(frame)
-            results[r] = Loaded(len(frames) * self.block_tokens, len(frames), list(found[r]["tiers"][: len(frames)]))
-            first_row += n
+            first_row += max(0, n - s)
         if len(decoder):
             decoder.finish()
         return results

@@ -59,10 +59,12 @@ for s in "$@"; do
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
+    # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
+    mixed)       step mixed 300 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
-    tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py ;;
+    tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
@@ -96,7 +98,7 @@ for s in "$@"; do
                  cp /tmp/ttft-disk-out/ttft.json "$OUT/ttft_disk.json" ;;
     tests-capacity) step tests-capacity 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_capacity.py tests/test_crash.py ;;
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
-    vllm-pages)  step vllm-pages 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --reps 5 --out "$OUT" ;;
+    vllm-pages)  step vllm-pages 420 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --requests 1,8 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
     # Before/after a restructuring, in one call: the tree in .base (git archive of the older
     # commit, carried by the lead) installed apart and run from outside any checkout, then this
@@ -110,12 +112,14 @@ cd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import cacheseek; print("before: cacheseek from", cacheseek.__file__)' && exec "$@"
 EOS
                  chmod +x /tmp/base.sh
-                 for r in 1 2; do
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-store-$r 150 /tmp/base.sh python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/before-store-$r"
                    step after-store-$r 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out "$OUT/after-store-$r"
                  done
-                 step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
-                 step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels" ;;
+                 if [ "${BA_KERNELS:-1}" = 1 ]; then
+                   step before-kernels 150 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels"
+                   step after-kernels 150 python3 -m benchmarks.kernels --out "$OUT/after-kernels"
+                 fi ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from cacheseek import KIVI, KVLayout, Raw
+from cacheseek import KIVI, KVLayout, PrecisionPolicy, Raw
 from cacheseek.hashing import ExtraKeys, MMInput, Shard, chain_hashes, hash_token_blocks, root_hash
 
 LLAMA = {"namespace": "tenant-a", "model_id": "llama-3-8b", "layout": [32, 8, 128, "bfloat16"], "block_tokens": 256}
@@ -27,12 +27,25 @@ CASES = [
                "mm_inputs": [["img-9f86d081884c7d65", 40, 50], ["img-60303ae22b998861", 130, 10]]}},
     {**LLAMA, "codec": {"bits": 8, "group_size": 64}, "algo": "sha256",
      "extra": {"lora_id": None, "cache_salt": None, "mm_inputs": [["audio-0", 255, 2]]}},
+    # A precision policy (first block int8, the rest K int4 / V int2): its own root.
+    {"namespace": "", "model_id": "smollm2-135m", "layout": [30, 3, 64, "float16"], "block_tokens": 64,
+     "codec": {"policy": {"first": {"bits": 8, "group_size": 32}, "first_blocks": 1,
+                          "rest": {"k_bits": 4, "v_bits": 2, "group_size": 32}}}, "algo": "xxh3_128"},
 ]
+
+
+def make_codec(spec: dict | None):
+    if spec is None:
+        return Raw()
+    if "policy" in spec:
+        p = spec["policy"]
+        return PrecisionPolicy(first=make_codec(p["first"]), first_blocks=p["first_blocks"], rest=make_codec(p["rest"]))
+    return KIVI(**spec)
 
 
 def compute(case: dict) -> dict:
     layout = KVLayout(*case["layout"])
-    codec = Raw() if case["codec"] is None else KIVI(**case["codec"])
+    codec = make_codec(case["codec"])
     shard = Shard(*case["shard"]) if "shard" in case else Shard()
     root = root_hash(
         namespace=case["namespace"], model_id=case["model_id"], layout_fingerprint=layout.fingerprint(),

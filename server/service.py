@@ -22,6 +22,7 @@ from cacheseek.batch_body import LENGTH
 from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.cpu import CpuTier
+from cacheseek.store.lease import Lease
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
 from cacheseek.store.tiered import StorePutResult, TieredStore
@@ -85,10 +86,7 @@ class BlockService:
         already computed as it arrived, if ``payload_digest``); a bad one gives it back."""
         try:
             return Incoming(None, self._check(reservation.view(), url_hash, where, payload_digest), reservation)
-        except BaseException as exc:
-            # The traceback's frames hold views of the reserved slot, and the tier reuses a
-            # slot only once no view of it is alive: drop them, or the slot stays lent out.
-            _forget_frames(exc)
+        except BaseException:
             self.store.abort(reservation)
             raise
 
@@ -222,32 +220,42 @@ class BlockService:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, namespace: str, h: bytes) -> tuple[list[Any], str]:
-        """The frame of block ``h`` as wire segments (no payload copy), and the tier that served it."""
-        got = self.store.get(self.namespaces.stored_key(namespace, h))
+    def get(self, namespace: str, h: bytes, leases: list[Lease | None]) -> tuple[list[Any], str]:
+        """The frame of block ``h`` as wire segments (no payload copy), and the tier that
+        served it. The lease on its bytes is appended to ``leases`` before this returns (so a
+        caller whose worker thread outlives it still releases it)."""
+        got = self.get_stored(self.namespaces.stored_key(namespace, h), leases)
         if got is None:
             raise NotFound(f"block {to_hex(h)} is not stored")
         frame, tier = got
         return self.wire_segments(namespace, frame), tier
 
-    def get_nowait(self, namespace: str, h: bytes) -> tuple[list[Any], str] | None:
+    def get_nowait(self, namespace: str, h: bytes, leases: list[Lease | None]) -> tuple[list[Any], str] | None:
         """``get`` when the block is in host memory (no I/O), else None."""
-        frame = self.get_in_memory(self.namespaces.stored_key(namespace, h))
+        frame = self.get_in_memory(self.namespaces.stored_key(namespace, h), leases)
         if frame is None:
             return None
         return self.wire_segments(namespace, frame), self.store.tiers[0].name
 
-    def get_stored(self, key: bytes) -> BlockFrame | None:
+    def get_stored(self, key: bytes, leases: list[Lease | None]) -> tuple[BlockFrame, str] | None:
+        """The frame from the fastest tier and that tier's name, or None; the frame's lease
+        appended to ``leases``, which the caller releases once the bytes are sent."""
         got = self.store.get(key)
-        return got[0] if got is not None else None
+        if got is not None:
+            leases.append(got[0].lease)
+        return got
 
-    def get_in_memory(self, key: bytes) -> BlockFrame | None:
+    def get_in_memory(self, key: bytes, leases: list[Lease | None]) -> BlockFrame | None:
         """The frame if the top tier holds it in host memory (no I/O: safe in the event loop),
-        else None: the caller then reads it through ``get_stored`` in a worker thread."""
+        else None: the caller then reads it through ``get_stored`` in a worker thread. Its
+        lease is appended to ``leases``."""
         top = self.store.tiers[0]
         if not isinstance(top, CpuTier) or top.info(key) is None:
             return None
-        return top.get(key)
+        frame = top.get(key)
+        if frame is not None:
+            leases.append(frame.lease)
+        return frame
 
     def wire_segments(self, namespace: str, frame: BlockFrame) -> list[Any]:
         """A stored frame as the client sent it: [header prefix, payload], payload not copied."""
@@ -323,15 +331,3 @@ class BlockService:
         if isinstance(top, CpuTier):
             top.release_free()
 
-
-def _forget_frames(exc: BaseException) -> None:
-    """Drop the stack frames that ``exc`` and the exceptions it chains keep alive."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.__traceback__ = None
-        todo += [e.__cause__, e.__context__]

@@ -102,7 +102,7 @@ def test_write_back_under_16_clients_never_answers_507_and_gives_its_slots_back(
             stats = c.get("/v1/stats").json()
             cpu, disk = _cpu(stats), next(t for t in stats["tiers"] if t["name"] == "disk")
             assert stats["durability"] == "memory"
-            assert cpu["zombie_slots"] == 0 and cpu["reservation_bytes"] == 0, cpu
+            assert cpu["held_slots"] == 0 and cpu["leases_active"] == 0 and cpu["reservation_bytes"] == 0, cpu
             assert cpu["used_bytes"] <= cpu["capacity_bytes"] and cpu["evictions"] > 0, cpu
             assert disk["demotions"] > 0 and disk["write_errors"] == 0, disk
             assert cpu["blocks"] + disk["blocks"] == len(acked) == clients * per_client

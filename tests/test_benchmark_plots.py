@@ -51,3 +51,29 @@ def test_ttft_plot_fills_failed_cells_from_a_later_file():
     assert (4096, "cpu", "raw") not in first and (4096, "cpu", "raw") in merged
     # a cell the first file measured keeps its first measurement
     assert merged[(16384, "cpu", "int4")] is first[(16384, "cpu", "int4")]
+
+
+def test_plot_only_redraws_the_precision_plot_from_json(tmp_path, monkeypatch, capsys):
+    module = importlib.import_module("benchmarks.quality")
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--plot-only", str(RESULTS / "precision.json"),
+                                      "--out", str(tmp_path)])
+    module.main()
+    png = tmp_path / "precision.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"wrote {png}" in capsys.readouterr().out
+
+
+def test_precision_plot_adds_the_later_runs_rows_once(tmp_path, monkeypatch, capsys):
+    """docs/precision.png: precision.json, then --near-miss and --variants rows numbered on;
+    a row a later run repeats (same codec, group, bits) is drawn once."""
+    module = importlib.import_module("benchmarks.quality")
+    files = [RESULTS / f for f in ("precision.json", "precision_near_miss.json", "precision_variants.json")]
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--plot-only", *map(str, files), "--out", str(tmp_path)])
+    drawn = []
+    real = module.plot_bits
+    monkeypatch.setattr(module, "plot_bits", lambda docs, out: drawn.append(docs) or real(docs, out))
+    module.main()
+    png = tmp_path / "precision.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert [d["benchmark"] for d in drawn[0]] == ["precision", "precision_near_miss", "precision_variants"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cacheseek as cs
+
 transformers = pytest.importorskip("transformers")
 
 from benchmarks import quality, ttft  # noqa: E402
@@ -45,6 +47,34 @@ def test_quality_rows_compare_each_codec_with_recomputed_kv(tiny, monkeypatch):
     assert raw["codec"] == "raw" and raw["kl_mean"] == 0 and raw["top1"] == 1 and raw["greedy_prefix"] == 8
     assert raw["ppl_reused"] == raw["ppl_recomputed"]
     int2 = next(r for r in rows if r["codec"] == "int2" and r["group"] == 128)
-    assert int2["kl_mean"] > next(r for r in rows if r["codec"] == "int8" and r["group"] == 128)["kl_mean"]
+    assert int2["kl_mean"] > next(r for r in rows if r["codec"] == "int4" and r["group"] == 128)["kl_mean"]
     summary = quality.summarize(rows, vs)
     assert [s["bits/elem"] for s in summary[:2]] == [32, 9]
+
+
+def test_precision_policies_go_through_the_store_and_count_every_block(tiny, monkeypatch):
+    monkeypatch.setattr(quality, "GREEDY", 4)
+    ids = torch.randint(0, ttft.TINY["vocab_size"], (128 + quality.CONTINUATION,),
+                        generator=torch.Generator().manual_seed(2)).tolist()
+    vs = [v for v in quality.precision_variants() if v.label in ("raw", "int2", "int8@0+int2", "int2+int8@last")
+          and v.group in (None, 32)]
+    rows = quality.measure_prefix(tiny, ids, 128, vs)
+    by = {r["codec"]: r for r in rows}
+    assert by["raw"]["kl_mean"] == 0
+    # Two blocks of 64: the int8 first block (or last) costs what it stores.
+    assert by["int8@0+int2"]["bits_per_elem"] == by["int2+int8@last"]["bits_per_elem"]
+    assert by["int2"]["bits_per_elem"] < by["int8@0+int2"]["bits_per_elem"] < by["raw"]["bits_per_elem"]
+    layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    policy = next(v for v in vs if v.label == "int8@0+int2")
+    assert quality.bits_per_element(policy, layout, 2048) == pytest.approx((9 + 31 * 3) / 32)
+
+
+def test_more_variants_fit_their_goals_bit_budgets():
+    """--variants: the goal-1 policy stores at most 3.5 bits, the goal-2 ones fewer than int4's 5."""
+    layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    bits = {(v.label, v.group): quality.bits_per_element(v, layout, 2048) for v in quality.more_variants()}
+    assert bits[("k8(G128)v2(G64)@0+k4(G128)v2(G64)", 128)] == pytest.approx((5.375 + 15 * 3.375) / 16) == 3.5
+    assert bits[("int4", 32)] == 5
+    for key in (("int4", 64), ("int8@0+int4", 64), ("int8@0+k4(G32)v4(G64)", 64), ("int8@0+k4(G128)v4(G64)", 128)):
+        assert 4.5 <= bits[key] < 5
+    assert bits[("int8@0+int4", 64)] == pytest.approx((9 + 31 * 4.5) / 32)

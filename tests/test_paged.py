@@ -367,3 +367,46 @@ def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
     for layer in range(L):
         codec.decode_into_pages([w[:, layer : layer + 1] for w in whole], one, 0, 2, layers=(layer, layer + 1))
     assert unchanged(all_tensors, one_tensors)
+
+
+def check_start_skips_the_engines_own_blocks(cache, raw: bool) -> None:
+    """Two requests whose first block is already in the engine's pages (its own prefix hit:
+    the same pages in both tables), loaded from block 1 on in one call: those shared pages
+    are neither written nor refused as written twice; a start that is not whole blocks is
+    refused naming the request, writing nothing."""
+    T, page = 3 * BLOCK, 16
+    lay = cache.layout
+    L, H, D, DTYPE = lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.torch_dtype
+    toks = tokens_for(40, T)
+    src, _ = engine_pages("nhd", L, H, D, 24, page, DTYPE, seed=6)
+    write_tokens(src, store_helpers.make_kv(T, 40, lay, device=DEVICE), list(range(6)))
+    cache.ingest(toks, src.at(list(range(6))))
+    decoded = read_tokens(src, list(range(6)), T) if raw else None
+    pages, tensors = engine_pages("flash", L, H, D, 24, page, DTYPE, seed=8)
+    before = snapshot(tensors)
+    shared = [10, 11]  # the engine's own pages of block 0, in both tables
+    tables = [shared + [2, 3, 4, 5], shared + [6, 7, 8, 9]]
+    loaded = cache.materialize_into_batch([cs.PagedRequest(toks, tables[0], start=BLOCK),
+                                           cs.PagedRequest(toks[: 2 * BLOCK], tables[1], start=BLOCK)], pages)
+    assert [(x.num_tokens, x.num_blocks) for x in loaded] == [(T, 3), (2 * BLOCK, 2)]
+    shared_before = read_tokens(kv_pages("flash", before), shared, BLOCK)
+    for (k, v), (bk, bv) in zip(read_tokens(pages, shared, BLOCK), shared_before):
+        assert torch.equal(k, bk) and torch.equal(v, bv)  # the engine's own pages: untouched
+    if decoded is not None:
+        for (k, v), (wk, wv) in zip(read_tokens(pages, tables[0], T), decoded):
+            assert torch.equal(k[:, BLOCK:], wk[:, BLOCK:]) and torch.equal(v[:, BLOCK:], wv[:, BLOCK:])
+    before = snapshot(tensors)
+    with pytest.raises(cs.InputError, match=r"requests\[1\]\.start: expected a multiple of the block size"):
+        cache.materialize_into_batch([cs.PagedRequest(toks, tables[0], start=BLOCK),
+                                      cs.PagedRequest(toks, [12, 13, 14, 15, 16, 17], start=BLOCK + 1)], pages)
+    assert unchanged(before, tensors)
+    if isinstance(cache, cs.PrefixCache):  # RemoteCache's handle is all ready at once: a start is fine there
+        with pytest.raises(cs.InputError, match=r"layerwise=True\) takes requests with start=0 only"):
+            cache.materialize_into_batch([cs.PagedRequest(toks, tables[0], start=BLOCK)], pages, layerwise=True)
+        assert unchanged(before, tensors)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), INT4], ids=["raw", "int4"])
+def test_a_load_from_start_leaves_the_engines_own_pages_alone(codec):
+    with make_cache(codec=codec) as cache:
+        check_start_skips_the_engines_own_blocks(cache, isinstance(codec, cs.Raw))

@@ -372,6 +372,14 @@ def test_paged_calls_give_the_embedded_results_through_a_server(srv, tmp_path, m
     assert unchanged(remote[5], embedded[5])
 
 
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_paged_load_from_start_through_a_server(srv, codec):
+    from test_paged import check_start_skips_the_engines_own_blocks
+
+    with _remote(srv, codec, namespace=f"start-{codec.name}") as cache:
+        check_start_skips_the_engines_own_blocks(cache, isinstance(codec, cs.Raw))
+
+
 def test_paged_calls_fail_open_like_the_others():
     """With ``on_unavailable="miss"`` a dead server makes the paged calls a miss and a dropped
     write (counted), and writes no page."""

@@ -56,7 +56,7 @@ def test_large_frames_put_and_batch_are_stored_exactly(srv, transport):
         # Sent again: already there (200), and nothing is lent out or left behind.
         assert c.put(f"/v1/blocks/{chain[0][0].hex()}", content=chain[0][1]).status_code == 200
         cpu = settle(c)[0]
-        assert cpu["reservation_bytes"] == 0 and cpu["zombie_slots"] == 0
+        assert cpu["reservation_bytes"] == 0 and cpu["held_slots"] == 0 and cpu["leases_active"] == 0
 
 
 def test_bad_large_frames_change_nothing(srv):

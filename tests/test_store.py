@@ -297,7 +297,8 @@ def test_cpu_slots_being_read_are_never_reused():
     half = meta.tensors[0].nbytes
     first = build_frame(meta, [b"\x11" * half, b"\x22" * half])
     tier.put(b"\x01" * 16, BlockFrame(meta, host=memoryview(first)))
-    held = tier.get(b"\x01" * 16).host  # a reader still holds this view
+    reader = tier.get(b"\x01" * 16)  # a reader holds a lease on the slot
+    held = reader.host
     snapshot = bytes(held)
     for i in range(2, 8):  # churn far past the budget
         key = bytes([i]) * 16
@@ -306,10 +307,10 @@ def test_cpu_slots_being_read_are_never_reused():
                             buffers=[("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))])
         tier.put(key, BlockFrame(meta_i, host=memoryview(build_frame(meta_i, [bytes([i]) * half] * 2))))
     assert bytes(held) == snapshot
-    assert tier.stats().extra["zombie_slots"] == 1
-    del held
+    assert tier.stats().extra["held_slots"] == 1 and tier.stats().extra["leases_active"] == 1
+    reader.release()
+    assert tier.stats().extra["held_slots"] == 0 and tier.stats().extra["leased_bytes"] == 0
     tier.put(b"\x09" * 16, BlockFrame(meta_i, host=memoryview(build_frame(meta_i, [b"\x09" * half] * 2))))
-    assert tier.stats().extra["zombie_slots"] == 0
 
 
 def _sealed(key: bytes, fill: int) -> tuple[object, bytearray]:
@@ -339,7 +340,7 @@ def test_a_reservation_changes_nothing_until_committed_and_nothing_when_aborted(
     assert lent == {k: v for k, v in before.items() if k != "reservation_bytes"}
     tier.abort(res)
     tier.abort(res)  # idempotent
-    assert _tier_state(tier) == before  # the slot is free again, not a zombie
+    assert _tier_state(tier) == before  # the slot is free again
 
     res = tier.reserve(len(frame))
     res.view()[:] = frame
@@ -376,7 +377,7 @@ def test_reservations_never_evict_and_commits_make_room_as_put_does():
     tier.put(meta4.block_hash, BlockFrame(meta4, host=memoryview(frame4)))
     res.view()[:] = frame4
     assert tier.commit(meta4.block_hash, res, meta4).stored is None
-    assert tier.stats().extra["zombie_slots"] == 0
+    assert tier.stats().extra["held_slots"] == 0
 
 
 def test_a_full_tier_lends_its_reserve_and_evicts_only_at_commit():

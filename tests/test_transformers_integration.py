@@ -195,6 +195,23 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
+def test_prefill_with_reuse_under_a_precision_policy(tiny_model):
+    """The first block in Raw, the rest int4: reuse hands back exactly the stored codecs' KV."""
+    policy = cs.PrecisionPolicy(first=cs.Raw(), rest=cs.KIVI(bits=4, group_size=32))
+    ids = list(range(9, 9 + 3 * BLOCK))
+    with _cache(tiny_model, codec=policy) as cache:
+        first = prefill_with_reuse(tiny_model, cache, ids)
+        assert first.stored_blocks == 3
+        again = prefill_with_reuse(tiny_model, cache, ids + [7] * 4, reuse="always")
+        assert (again.reused_tokens, again.computed_tokens) == (3 * BLOCK, 4)
+        reused = dynamic_cache_layers(again.cache)
+        for (k0, v0), (k, v) in zip(dynamic_cache_layers(first.cache), reused, strict=True):
+            assert torch.equal(k[:, :BLOCK], k0[:, :BLOCK]) and torch.equal(v[:, :BLOCK], v0[:, :BLOCK])  # Raw
+            dk, dv = policy.rest.decode(policy.rest.encode(k0[:, BLOCK:].contiguous(), v0[:, BLOCK:].contiguous()),
+                                        "cpu")
+            assert torch.equal(k[:, BLOCK:3 * BLOCK], dk) and torch.equal(v[:, BLOCK:3 * BLOCK], dv)
+
+
 def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
     ids = list(range(5, 5 + 3 * BLOCK))
     with _cache(tiny_model) as cache:

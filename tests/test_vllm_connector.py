@@ -4,15 +4,20 @@ Each engine runs in its own process (tests/vllm_runs.py) under a Python that has
 ``CACHESEEK_VLLM_PYTHON`` (scripts/test.sh builds that venv and sets it), or this one if
 it has vLLM. Independent engines run two at a time. What is checked:
 
+- scheduler and worker sides driven with vLLM's own Request, LoRARequest,
+  MultiModalFeatureSpec and SchedulerOutput objects: LoRA adapters, cache salts and images
+  key blocks apart; a step's saves and loads are one batched call each.
 - embedded, Raw: an engine stores a prompt's prefix, forgets it (vLLM's prefix cache
   reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
   external hit tokens, and the greedy output equals that prompt computed without any cache,
-  token for token. KIVI int8 and int4: the same, with the agreement reported.
+  token for token. KIVI int8 and int4: the same, with the agreement reported. vLLM's
+  cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones.
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
-  then the server is SIGKILLed, and the second engine's next requests complete, computed,
-  with the same output.
+  then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
+  prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
+  request complete with the same output.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ def engines(model, tmp_path_factory):
             return {"first": first, "second": second}
 
     runs: dict[str, Future] = {
-        "raw": pool.submit(embedded, "raw", corrupt_block=2),
+        "keys": pool.submit(run_engine, {"scenario": "keys", "extra": {}}),
+        "raw": pool.submit(embedded, "raw", corrupt_block=2, salts=True),
         "two_engines": pool.submit(two_engines),
         "int8": pool.submit(embedded, "int8"),
         "int4": pool.submit(embedded, "int4"),
@@ -111,6 +117,7 @@ def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
     assert loaded["cached"] == hit_tokens  # vLLM's own prefix cache was reset: every cached token came from us
     worker = stats["worker"]
     assert worker["loads"] == 1 and worker["load_tokens"] == hit_tokens and worker["load_failures"] == 0
+    assert worker["load_calls"] == 1  # one materialize_into_batch for the step
     assert stats["scheduler"]["lookup_hit_tokens"] == hit_tokens
 
 
@@ -121,6 +128,41 @@ def test_raw_prefix_loaded_from_cacheseek_gives_the_uncached_output(engines):
     assert res["after_store"]["worker"]["save_blocks_stored"] == 4
     check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024)
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
+
+
+def test_a_cache_salt_is_part_of_the_key(engines):
+    res = result(engines, "raw")
+    assert res["salt_b"]["external"] == 0  # prompt 3 under salt b: nothing of the unsalted blocks
+    assert res["salt_b_again"]["external"] == 1024  # prompt 1 under salt b: prompt 3's salted blocks
+    assert res["salt_c"]["external"] == 0  # another salt: nothing
+    stats = minus(res["after_salts"], res["after_load"])
+    assert stats["scheduler"]["requests_keyed"] == 3
+    assert stats["worker"]["save_blocks_stored"] == 8  # 4 blocks under salt b, 4 under salt c
+
+
+def test_a_load_after_vllms_own_hit_starts_where_it_ends(engines):
+    res = result(engines, "raw")
+    own, unaligned = res["own_256"], res["own_128"]
+    # vLLM's own 256 tokens, then CacheSeek's 768 (blocks 1-3, written after vLLM's pages)
+    assert own["cached"] == 1024 and own["external"] == 768
+    assert own["tokens"] == res["baseline"]["tokens"], own["agreement"]
+    # vLLM's own 128 tokens end inside store block 0: nothing offered, the rest computed
+    assert unaligned["cached"] == 128 and unaligned["external"] == 0
+    assert unaligned["tokens"] == res["baseline"]["tokens"], unaligned["agreement"]
+    stats = minus(res["after_own"], res["after_salts"])
+    assert stats["scheduler"]["lookup_unaligned"] == 1
+    assert stats["worker"]["loads"] == 1 and stats["worker"]["load_tokens"] == 768
+
+
+def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engines):
+    res = result(engines, "keys")
+    assert res["save_calls"] == 1 and res["saves"] == 4  # four requests' saves: one ingest_batch
+    assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "salt_a": 96, "salt_b": 0,
+                            "image_1": 96, "image_2": 32}  # image 2 differs from block 1 on
+    assert res["load_calls"] == 1 and res["loads"] == 5 and res["failed_blocks"] == []
+    assert all(res["own_kv"].values()), res["own_kv"]  # each loaded its own variant's KV
+    assert res["sql_is_plain"] is False
+    assert res["scheduler"]["requests_keyed"] == 9
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
@@ -136,7 +178,7 @@ def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
 def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
     res = result(engines, "raw")
     part = res["partial"]
-    stats = minus(res["after_partial"], res["after_load"])
+    stats = minus(res["after_partial"], res["after_own"])
     worker = stats["worker"]
     assert part["got"]["external"] == 1024  # the lookup saw 4 blocks
     assert worker["load_failures"] == 1
@@ -159,11 +201,17 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
 
 def test_server_killed_mid_run_requests_complete_computed(engines):
     second = result(engines, "two_engines")["second"]
+    assert second["killed_in_load"]
     stats = minus(second["after_kill_stats"], second["after_load"])
-    for r in second["after_kill"]:
-        assert r["got"]["external"] == 0  # nothing offered: all computed
+    killed, after = second["after_kill"]
+    # Prompt 2: its lookup found the prefix, then the server died before the load: the load
+    # failed, vLLM was told its blocks, recomputed them, and the output is unchanged.
+    assert killed["got"]["external"] == 1024
+    for r in (killed, after):
         assert r["got"]["tokens"] == r["want"]["tokens"], r["agreement"]
+    assert after["got"]["external"] == 0  # prompt 3: nothing offered, all computed
     sched, worker = stats["scheduler"], stats["worker"]
-    assert sched["lookup_errors"] >= 1  # the first lookup after the kill failed ...
-    assert sched["lookup_errors"] + sched["lookup_skipped"] >= 2  # ... and the breaker spared later ones
-    assert worker["save_failures"] >= 1 and worker["load_failures"] == 0
+    assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 1024
+    assert worker["load_failed_blocks"] == 8  # vLLM blocks of 128 tokens
+    assert sched["lookup_errors"] + sched["lookup_skipped"] >= 1  # prompt 3's lookup: the server is down
+    assert worker["save_failures"] >= 1

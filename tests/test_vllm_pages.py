@@ -13,7 +13,7 @@ from cacheseek.integrations.vllm.config import ConnectorConfig
 from cacheseek.integrations.vllm.guard import StoreGuard
 from cacheseek.integrations.vllm.pages import PageFormat, VllmPages, kv_views
 from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
-from cacheseek.integrations.vllm.stores import Shard, shard_keys, shard_model_id
+from cacheseek.integrations.vllm.stores import close_cache, open_cache
 from cacheseek.integrations.vllm.worker import WorkerSide
 
 H, D, L = 2, 16, 3
@@ -63,18 +63,20 @@ def test_config_errors_name_the_key(extra, names):
 
 def test_two_ranks_never_share_a_block_and_one_worker_keys_as_any_front():
     layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
-    tiers = cs.TierConfig(cpu_bytes="1MiB")
+    config = ConnectorConfig.from_extra({"codec": "raw", "tiers": {"cpu_bytes": "1MiB"}})
 
-    def root(shard: Shard) -> bytes:
-        with cs.PrefixCache(layout=layout, tiers=tiers, **shard_keys(cs.PrefixCache, "m", shard)) as cache:
+    def root(shard: cs.Shard) -> bytes:
+        cache = open_cache(config, layout, "m", shard)
+        try:
             return cache.root
+        finally:
+            close_cache(config, cache)
 
-    assert len({root(Shard(r, 4)) for r in range(4)}) == 4
-    with cs.PrefixCache(model_id="m", layout=layout, tiers=tiers) as plain:
-        assert root(Shard()) == plain.root
-    assert shard_model_id("m", Shard()) == "m" and shard_model_id("m", Shard(1, 2)) != "m"
-    with pytest.raises(ConfigError, match="rank 4"):
-        Shard(4, 4)
+    assert len({root(cs.Shard(tp_rank=r, tp_size=4)) for r in range(4)}) == 4
+    with cs.PrefixCache(model_id="m", layout=layout, codec=cs.Raw(), tiers=cs.TierConfig(cpu_bytes="1MiB")) as plain:
+        assert root(cs.Shard()) == plain.root  # one worker keys as any other front of the model
+    with pytest.raises(ConfigError, match="tp_rank"):
+        cs.Shard(tp_rank=4, tp_size=4)
 
 
 # -- page views ---------------------------------------------------------------------------
@@ -113,35 +115,23 @@ def test_page_format_checks():
         kv_views(torch.zeros(2, H, 16, D), PageFormat("channel", D, 16, 16))
 
 
-def test_slots_follow_block_ids_through_split_blocks():
+def test_page_table_follows_block_ids_through_split_blocks():
     pages = VllmPages([layer_tensor(12, 16)], PageFormat("channel", D, 32, 16))  # a vLLM block spans 2 pages
-    s = pages.slots([4, 1, 5], 20, 70)
-    t = torch.arange(20, 70)
-    block = torch.tensor([4, 1, 5])[t // 32]
-    assert torch.equal(s.pages, block * 2 + (t % 32) // 16) and torch.equal(s.offsets, t % 16)
+    assert pages.page_table([4, 1, 5], 70) == [8, 9, 2, 3, 10]
+    assert pages.page_table([4, 1, 5], 64) == [8, 9, 2, 3]
     with pytest.raises(InputError, match="do not fit"):
-        pages.slots([4, 1], 0, 70)
-    with pytest.raises(InputError, match="outside"):
-        pages.slots([6], 0, 10)
+        pages.page_table([4, 1], 70)
+    assert isinstance(pages.engine, cs.KVPages) and pages.engine.page_size == 16
+    assert pages.engine.k[0].data_ptr() == pages.views[0][0].data_ptr()  # the engine surface reads vLLM's memory
 
 
-@pytest.mark.parametrize("split", ["channel", "token"])
-def test_gather_then_scatter_moves_exactly_the_slots(split):
-    fmt = PageFormat(split, D, 32, 32)
-    src = VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], fmt)
-    dst_tensors = [torch.zeros(8, H, 32, 2 * D) for _ in range(L)]
-    dst = VllmPages(dst_tensors, fmt)
-    kv = src.gather(src.slots([3, 0, 6], 0, 80))
-    assert kv[0][0].shape == (H, 80, D)
-    token = 37
-    page, off = [3, 0, 6][token // 32], token % 32
-    assert torch.equal(kv[1][1][:, token], src.views[1][1][page, :, off])
-    dst.scatter(dst.slots([5, 2, 1], 10, 80), [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in kv], first=0)
-    back = dst.gather(dst.slots([5, 2, 1], 10, 80))
-    for (k, v), (bk, bv) in zip(kv, back):
-        assert torch.equal(k[:, 10:], bk) and torch.equal(v[:, 10:], bv)
-    untouched = dst.gather(dst.slots([5, 2, 1], 0, 10))
-    assert all(not k.any() and not v.any() for k, v in untouched)  # before `start`: not written
+def tokens_of(pages: VllmPages, block_ids: list[int], start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) ``[H, T, D]`` of tokens ``[start, end)`` of a request (a test's own
+    reading of the pages, independent of the engine surface)."""
+    t = torch.arange(start, end)
+    page = torch.tensor(pages.page_table(block_ids, end))[t // pages.fmt.page_tokens]
+    off = t % pages.fmt.page_tokens
+    return [(k.transpose(0, 1)[:, page, off], v.transpose(0, 1)[:, page, off]) for k, v in pages.views]
 
 
 # -- the worker side between pages and a real PrefixCache -------------------------------
@@ -169,9 +159,59 @@ def test_saved_pages_load_into_other_pages_bit_exact():
     side.register(other)
     side.start_step(StepPlan(loads=[LoadSpec("b", tokens[:96], [0, 3, 5], start=32)]))
     assert side.take_failed_blocks() == set() and side.stats.load_tokens == 64
-    for (k, v), (ok, ov) in zip(src.gather(src.slots([2, 7, 4], 32, 96)), other.gather(other.slots([0, 3, 5], 32, 96))):
+    for (k, v), (ok, ov) in zip(tokens_of(src, [2, 7, 4], 32, 96), tokens_of(other, [0, 3, 5], 32, 96)):
         assert torch.equal(k, ok) and torch.equal(v, ov)
-    assert not other.views[0][0][0].any()  # tokens before `start` were left alone
+    assert not other.views[0][0][0].any() and not other.views[0][1][0].any()  # before `start`: vLLM's, not written
+    cache.close()
+
+
+class CountingCache:
+    """A real PrefixCache, with the batched calls it receives counted."""
+
+    def __init__(self, cache: cs.PrefixCache) -> None:
+        self.cache, self.calls = cache, []
+
+    def materialize_into_batch(self, requests, pages):
+        self.calls.append(("load", len(requests)))
+        return self.cache.materialize_into_batch(requests, pages)
+
+    def ingest_batch(self, requests, pages):
+        self.calls.append(("save", len(requests)))
+        return self.cache.ingest_batch(requests, pages)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_a_step_is_one_batched_call_each_way(codec):
+    fmt = PageFormat("channel", D, 16, 16)  # vLLM blocks of 16 tokens, store blocks of 32
+    side, cache = worker(codec)
+    src = VllmPages([layer_tensor(32, 16, seed=i) for i in range(L)], fmt)
+    side.register(src)
+    counted = CountingCache(cache)
+    side.cache = counted
+    a, b = list(range(64)), list(range(500, 564))
+    salted = cs.ExtraKeys(cache_salt="tenant-7")
+    plan = StepPlan(saves=[SaveSpec("a", a, [0, 1, 2, 3]), SaveSpec("b", b, [4, 5, 6, 7]),
+                           SaveSpec("c", a, [8, 9, 10, 11], extra=salted)])
+    side.finish_step(plan)
+    assert counted.calls == [("save", 3)] and side.stats.save_calls == 1
+    assert side.stats.save_blocks_stored == 6  # a's blocks again under the salt: other keys
+    dst = VllmPages([torch.zeros(32, H, 16, 2 * D) for _ in range(L)], fmt)
+    side.register(dst)
+    # Two loads sharing vLLM's own first block (pages 20, 21: its prefix hit) in one call.
+    loads = [LoadSpec("x", a, [20, 21, 12, 13], start=32), LoadSpec("y", a, [20, 21, 14, 15], start=32),
+             LoadSpec("z", b, [16, 17, 18, 19], start=0)]
+    side.start_step(StepPlan(loads=loads))
+    assert counted.calls[-1] == ("load", 3) and side.stats.load_calls == 1
+    assert side.take_failed_blocks() == set() and side.stats.load_tokens == 32 + 32 + 64
+    want = cache.materialize(a, device="cpu")
+    for layer, ((k, v), (wk, wv)) in enumerate(zip(tokens_of(dst, [20, 21, 12, 13], 32, 64), want.layers)):
+        assert torch.equal(k, wk[0][:, 32:64]) and torch.equal(v, wv[0][:, 32:64])
+    for (k, v), (ok, ov) in zip(tokens_of(dst, [20, 21, 12, 13], 32, 64), tokens_of(dst, [20, 21, 14, 15], 32, 64)):
+        assert torch.equal(k, ok) and torch.equal(v, ov)
+    assert not dst.views[0][0][20:22].any()  # vLLM's shared pages: not written
+    if isinstance(codec, cs.Raw):
+        for (k, v), (sk, sv) in zip(tokens_of(dst, [16, 17, 18, 19], 0, 64), tokens_of(src, [4, 5, 6, 7], 0, 64)):
+            assert torch.equal(k, sk) and torch.equal(v, sv)
     cache.close()
 
 
@@ -179,16 +219,16 @@ def test_a_load_that_falls_short_reports_its_blocks_and_drops_the_requests_save(
     fmt = PageFormat("channel", D, 16, 16)  # vLLM blocks of 16 tokens, store blocks of 32
     side, cache = worker()
     side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
-    tokens = list(range(64))
-    cache.ingest(tokens[:32], side.pages.gather(side.pages.slots([0, 1], 0, 32)))  # only block 0 is stored
-    plan = StepPlan(loads=[LoadSpec("r", tokens, [3, 4, 5, 6], start=16)],
-                    saves=[SaveSpec("r", tokens, [3, 4, 5, 6]), SaveSpec("s", tokens[:32], [8, 9])])
+    tokens = list(range(96))
+    cache.ingest(tokens[:32], side.pages.engine.at([0, 1]))  # only block 0 is stored
+    plan = StepPlan(loads=[LoadSpec("r", tokens[:64], [3, 4, 5, 6], start=0)],
+                    saves=[SaveSpec("r", tokens, [3, 4, 5, 6, 10, 11]), SaveSpec("s", tokens[:32], [8, 9])])
     side.start_step(plan)
     side.finish_step(plan)
     assert side.take_failed_blocks() == {5, 6}  # tokens [32, 64): vLLM recomputes from block 5
     assert side.take_failed_blocks() == set()  # reported once
     st = side.stats
-    assert (st.load_failures, st.load_tokens, st.load_failed_tokens, st.load_failed_blocks) == (1, 16, 32, 2)
+    assert (st.load_failures, st.load_tokens, st.load_failed_tokens, st.load_failed_blocks) == (1, 32, 32, 2)
     assert st.saves_skipped == 1 and st.saves == 1  # r's KV was computed over missing blocks; s's is fine
     cache.close()
 
@@ -206,6 +246,31 @@ def test_a_store_that_raises_fails_no_request():
     cache.close()
 
 
+def test_a_server_that_is_down_fails_no_request_and_rests():
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = ConnectorConfig.from_extra({"codec": "raw", "url": f"http://127.0.0.1:{port}", "block_tokens": 32,
+                                         "timeout_seconds": 1, "retry_after_seconds": 60, "retry_cap_seconds": 60})
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    cache = open_cache(config, layout, "m", cs.Shard())
+    side = WorkerSide(cache, guard=StoreGuard(config, "worker"))
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16)))
+    tokens = list(range(64))
+    for step in range(2):
+        plan = StepPlan(loads=[LoadSpec(f"r{step}", tokens, [0, 1, 2, 3], start=0)],
+                        saves=[SaveSpec(f"s{step}", tokens, [4, 5, 6, 7])])
+        side.start_step(plan)
+        side.finish_step(plan)
+        assert side.take_failed_blocks() == {0, 1, 2, 3}  # vLLM recomputes the whole load
+    st = side.stats
+    assert st.load_failures == 2 and st.load_failed_tokens == 128 and st.save_failures == 2
+    assert side.guard.breaker is not None and not side.guard.allow()  # resting: step 2 made no call
+    close_cache(config, cache)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-vllm)")
 @pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
 def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
@@ -216,16 +281,16 @@ def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
     src = VllmPages([torch.randn(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
     side.register(src)
     tokens, blocks = list(range(128)), [5, 17, 2, 9, 11, 0, 23, 8]
-    side.save(SaveSpec("a", tokens, blocks))
+    side.save([SaveSpec("a", tokens, blocks)])
     dst = VllmPages([torch.zeros(24, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(L)], fmt)
     side.register(dst)
-    assert side.load(LoadSpec("b", tokens, [1, 3, 4, 6, 7, 10, 12, 13], start=0)) == 128
+    assert side.load([LoadSpec("b", tokens, [1, 3, 4, 6, 7, 10, 12, 13], start=0)]) == [128]
     want = cache.materialize(tokens, device="cuda")
-    got = dst.gather(dst.slots([1, 3, 4, 6, 7, 10, 12, 13], 0, 128))
+    got = tokens_of(dst, [1, 3, 4, 6, 7, 10, 12, 13], 0, 128)
     for (k, v), (wk, wv) in zip(got, want.layers):
         assert torch.equal(k, wk[0]) and torch.equal(v, wv[0])
     if isinstance(codec, cs.Raw):
-        for (k, v), (sk, sv) in zip(got, src.gather(src.slots(blocks, 0, 128))):
+        for (k, v), (sk, sv) in zip(got, tokens_of(src, blocks, 0, 128)):
             assert torch.equal(k, sk) and torch.equal(v, sv)
     cache.close()
 
@@ -233,10 +298,25 @@ def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
 def test_data_path_benchmark_runs(tmp_path):
     from benchmarks import vllm_pages
 
-    assert vllm_pages.main(["--tokens", "256", "--codecs", "raw", "--reps", "1", "--layers", "2",
-                            "--out", str(tmp_path)]) == 0
+    assert vllm_pages.main(["--tokens", "512", "--codecs", "raw", "--requests", "1,2", "--reps", "1",
+                            "--layers", "2", "--out", str(tmp_path)]) == 0
     import json
 
     rows = json.loads((tmp_path / "vllm_pages.json").read_text())["rows"]
-    assert {r["path"] for r in rows} >= {"connector save", "connector load", "baseline page copy D2H"}
+    assert {r["path"] for r in rows} >= {"connector save", "connector load", "engine ingest_batch",
+                                         "engine materialize_into_batch", "baseline page copy D2H"}
+    assert {r["requests"] for r in rows} == {1, 2}
     assert all(r["vs_baseline"] > 0 for r in rows)
+
+
+def test_a_step_plan_with_extra_keys_survives_pickling():
+    """vLLM's multiprocess executors send the connector's metadata to the workers pickled:
+    the keys a worker builds from it are the scheduler's."""
+    import pickle
+
+    extra = cs.ExtraKeys(lora_id="sql", mm_inputs=(cs.MMInput("img-1", 40, 20),), cache_salt="tenant-7")
+    plan = StepPlan(loads=[LoadSpec("r", list(range(96)), [0, 1], 32, extra)],
+                    saves=[SaveSpec("s", list(range(64)), [2], None)])
+    back = pickle.loads(pickle.dumps(plan))
+    assert back.loads[0].keys.extra == extra and back.loads[0].start == 32
+    assert back.saves[0].keys == list(range(64))  # no extra keys: plain token ids

@@ -84,11 +84,14 @@ class Engine:
     def external_hits(self) -> int:
         return int(sum(m.value for m in self.llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
 
-    def run(self, prompt: list[int], *, read: bool = True) -> dict[str, Any]:
+    def run(self, prompt: list[int], *, read: bool = True, cache_salt: str | None = None) -> dict[str, Any]:
         """Greedy tokens of ``prompt``; ``read=False``: without any cache (vLLM's or ours)."""
         hits = self.external_hits()
         t0 = time.perf_counter()
-        out = self.llm.generate([{"prompt_token_ids": prompt}], self.params if read else self.cold, use_tqdm=False)[0]
+        inp: dict[str, Any] = {"prompt_token_ids": prompt}
+        if cache_salt is not None:
+            inp["cache_salt"] = cache_salt
+        out = self.llm.generate([inp], self.params if read else self.cold, use_tqdm=False)[0]
         seconds = time.perf_counter() - t0
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
                 "external": self.external_hits() - hits, "seconds": seconds}
@@ -129,6 +132,27 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
     out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
     out["after_load"] = eng.stats()
+    if job.get("salts"):
+        # vLLM's cache_salt is part of CacheSeek's keys: a salted prompt finds nothing of the
+        # unsalted one's blocks, stores its own, and another prompt with that salt finds them.
+        eng.reset()
+        out["salt_b"] = eng.run(ps[3], cache_salt="tenant-b")
+        eng.reset()
+        out["salt_b_again"] = eng.run(ps[1], cache_salt="tenant-b")
+        eng.reset()
+        out["salt_c"] = eng.run(ps[1], cache_salt="tenant-c")
+        out["after_salts"] = eng.stats()
+        # vLLM's own cache holding the first 256 tokens (two of its blocks, from a prompt that
+        # leaves the prefix at token 300): CacheSeek loads from token 256 on, into the pages
+        # after vLLM's own. Holding 128 (the prefix left at token 200): its hit ends inside a
+        # store block, so nothing is offered and vLLM computes the rest.
+        junk = list(range(5000, 5100))
+        for name, cut in (("own_256", 300), ("own_128", 200)):
+            eng.reset()
+            eng.run(prefix[:cut] + junk, read=False)
+            out[name] = eng.run(ps[1])
+            out[name]["agreement"] = agreement(out[name]["tokens"], out["baseline"]["tokens"])
+        out["after_own"] = eng.stats()
     if "corrupt_block" in job:
         cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
         bad = cache.block_hashes(prefix)[job["corrupt_block"]]
@@ -152,18 +176,52 @@ def store(job: dict[str, Any]) -> dict[str, Any]:
 def load(job: dict[str, Any]) -> dict[str, Any]:
     """A fresh engine (nothing in vLLM's cache): prompt 1, then prompt 1 without any cache.
 
-    With ``kill_pid`` (the server's): the server is then SIGKILLed, and prompts 2 and 3 are
-    run (vLLM's cache reset before each) and compared with themselves without any cache."""
+    With ``kill_pid`` (the server's): prompts 2 and 3 are then run (vLLM's cache reset
+    before each) and compared with themselves without any cache; the server is SIGKILLed
+    mid-run, inside prompt 2's step, after its lookup found the prefix and before the
+    worker's load: the load fails, vLLM is told its blocks and recomputes them."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"loaded": eng.run(ps[1]), "baseline": eng.run(ps[1], read=False)}
     out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
     out["after_load"] = eng.stats()
     if "kill_pid" in job:
-        os.kill(job["kill_pid"], signal.SIGKILL)
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        side = get_kv_transfer_group()._worker
+        side.cache = KillBeforeLoad(side.cache, job["kill_pid"], job["extra"]["url"])
         out["after_kill"] = rounds(eng, ps, [2, 3])
+        out["killed_in_load"] = side.cache.killed
         out["after_kill_stats"] = eng.stats()
     return out
+
+
+class KillBeforeLoad:
+    """The worker's ``RemoteCache``, with the server SIGKILLed just before the first load
+    (the real call then runs against a dead server)."""
+
+    def __init__(self, cache: Any, pid: int, url: str) -> None:
+        self.cache, self.pid, self.url, self.killed = cache, pid, url, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def materialize_into_batch(self, requests: Any, pages: Any) -> Any:
+        if not self.killed:
+            import socket
+            from urllib.parse import urlsplit
+
+            os.kill(self.pid, signal.SIGKILL)
+            where = urlsplit(self.url)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until its port refuses connections
+                try:
+                    socket.create_connection((where.hostname, where.port), timeout=0.2).close()
+                except OSError:
+                    break
+                time.sleep(0.05)
+            self.killed = True
+        return self.cache.materialize_into_batch(requests, pages)
 
 
 def rounds(eng: Engine, ps: list[list[int]], which: list[int]) -> list[dict[str, Any]]:
@@ -198,7 +256,113 @@ def ttft(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, store, load, ttft)}
+def keys(job: dict[str, Any]) -> dict[str, Any]:
+    """The connector's scheduler and worker sides driven with vLLM's own ``Request``,
+    ``LoRARequest``, ``MultiModalFeatureSpec`` and ``SchedulerOutput`` objects (no model):
+    prompts with the same tokens under other LoRA adapters, cache salts or images are
+    stored in one step, then looked up and loaded. Returns, per variant, the tokens its
+    lookup found and whether the KV loaded into fresh pages is that variant's own."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.request import Request
+
+    import cacheseek as cs
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+    from cacheseek.integrations.vllm.guard import StoreGuard
+    from cacheseek.integrations.vllm.pages import PageFormat, VllmPages
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from cacheseek.integrations.vllm.worker import WorkerSide
+
+    B, L, H, D, PAGE = 32, 2, 2, 16, 16
+    cache = cs.PrefixCache(model_id="keys", layout=cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D,
+                                                               dtype="float32"),
+                           codec=cs.Raw(), block_tokens=B, tiers=cs.TierConfig(cpu_bytes="16MiB"))
+    config = ConnectorConfig.from_extra({"codec": "raw"})
+    blocks: dict[str, list[int]] = {}
+    sched = SchedulerSide([cache], block_tokens=B, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                          block_ids=lambda rid: blocks[rid])
+    worker = WorkerSide(cache, guard=StoreGuard(config, "worker"))
+    layers = [torch.randn(128, H, PAGE, 2 * D, generator=torch.Generator().manual_seed(i)) for i in range(L)]
+    worker.register(VllmPages(layers, PageFormat("channel", D, PAGE, PAGE)))
+    tokens = list(range(1000, 1100))  # 3 store blocks before the last token, 7 vLLM blocks
+
+    def image(h: str) -> Any:
+        return MultiModalFeatureSpec(data=None, modality="image", identifier=h,
+                                     mm_position=PlaceholderRange(offset=40, length=20))
+
+    variants = {
+        "plain": {}, "lora_sql": {"lora_request": LoRARequest("sql", 1, "/adapters/sql")},
+        "lora_chat": {"lora_request": LoRARequest("chat", 2, "/adapters/chat")},
+        "salt_a": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"},
+        "image_1": {"mm_features": [image("img-1")]}, "image_2": {"mm_features": [image("img-2")]},
+    }
+    stored = ("plain", "lora_sql", "salt_a", "image_1")
+    free = iter(range(128))
+
+    def step(reqs: list[Any], scheduled: int) -> Any:
+        new = [NewRequestData.from_request(r, (blocks[r.request_id],)) for r in reqs]
+        out = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData.make_empty(),
+                              num_scheduled_tokens={r.request_id: scheduled for r in reqs},
+                              total_num_scheduled_tokens=scheduled * len(reqs), scheduled_spec_decode_tokens={},
+                              scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[])
+        return sched.plan(out)
+
+    # Step 1: each stored variant computed (no hit) and saved, in one batched call.
+    reqs = []
+    for name in stored:
+        req = Request(f"store-{name}", tokens, SamplingParams(max_tokens=1), None, **variants[name])
+        assert sched.matched_tokens(req, 0) == 0
+        blocks[req.request_id] = [next(free) for _ in range(7)]
+        sched.after_alloc(req, 0)
+        reqs.append(req)
+    plan = step(reqs, len(tokens))
+    worker.start_step(plan)
+    worker.finish_step(plan)
+    out: dict[str, Any] = {"save_calls": worker.stats.save_calls, "saves": worker.stats.saves,
+                           "stored_blocks": worker.stats.save_blocks_stored, "found": {}, "own_kv": {}}
+
+    def kv_of(rid: str, a: int, n: int) -> list[torch.Tensor]:
+        t = torch.arange(a, n)
+        page = torch.tensor(blocks[rid])[t // PAGE]
+        return [x.transpose(0, 1)[:, page, t % PAGE] for k, v in worker.pages.views for x in (k, v)]
+
+    # Step 2: every variant looked up (vLLM's get_num_new_matched_tokens), the hits loaded.
+    reqs = []
+    for name, kw in variants.items():
+        req = Request(f"load-{name}", tokens, SamplingParams(max_tokens=1), None, **kw)
+        hit = sched.matched_tokens(req, 0)
+        out["found"][name] = hit
+        blocks[req.request_id] = [next(free) for _ in range(7)]
+        sched.after_alloc(req, hit)
+        req.num_computed_tokens = hit
+        if hit:
+            reqs.append(req)
+    plan = step(reqs, 4)
+    worker.start_step(plan)
+    out["load_calls"], out["loads"] = worker.stats.load_calls, worker.stats.loads
+    out["failed_blocks"] = sorted(worker.take_failed_blocks())
+    for req in reqs:
+        name = req.request_id.removeprefix("load-")
+        n = out["found"][name]
+        own = f"store-{name}" if name in stored else "store-plain"
+        # An image keys the blocks its placeholders overlap ([40, 60): blocks 1 and 2), as in
+        # vLLM: block 0 of an image prompt is the plain prompt's block, stored once.
+        first = B if name.startswith("image") else 0
+        same = [torch.equal(a, b) for a, b in zip(kv_of(req.request_id, first, n), kv_of(own, first, n))]
+        same += [torch.equal(a, b) for a, b in zip(kv_of(req.request_id, 0, first), kv_of("store-plain", 0, first))]
+        out["own_kv"][name] = all(same)
+        if name == "lora_sql":  # and not the plain prompt's: the pages of each store differ
+            out["sql_is_plain"] = all(torch.equal(a, b) for a, b in zip(kv_of(req.request_id, 0, n),
+                                                                        kv_of("store-plain", 0, n)))
+    out["scheduler"] = sched.stats.to_dict()
+    cache.close()
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (share, store, load, ttft, keys)}
 
 
 def main() -> None:

@@ -5,9 +5,16 @@ costs nothing until it is used. With ``pin=True`` and CUDA present, each chunk i
 locked (``cudaHostRegister``, or a pinned torch allocation as a fallback) so device copies
 run at DMA speed; torch is imported only then.
 
-A slot is lent out as a memoryview. A slot that is freed while any view of it is alive
-becomes a zombie and is reused only once the last view is gone, so an eviction can never
-overwrite bytes a reader (or an in-flight device copy) is still using.
+A slot's bytes are lent with a lease (``HostArena.lease``, ``store.lease``). A slot freed
+(evicted, deleted) while it is leased is *held*: its record is gone, but its memory is reused
+only once its last lease is released, so an eviction never overwrites bytes a reader (or an
+in-flight device copy, or a response being sent) is still using. Views taken without a lease
+are valid only while the caller otherwise owns the slot (a reservation, the tier's lock).
+
+Threads: the arena is guarded by its owner's lock (``lock``; the CPU tier passes its own),
+which the caller holds around every call, so a read's lease costs no lock of its own. A
+lease's release, which may come from any thread, takes that lock itself: never release a
+lease while holding it.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
-import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from .lease import Lease, LeaseLedger
 
 ALIGN = 64
 
@@ -100,8 +109,9 @@ class Slot:
     chunk: _Chunk
     offset: int
     nbytes: int  # bytes reserved (aligned)
-    buf: Any = field(default=None, repr=False)  # the one object every view of this slot exports from
-    base_refs: int = 0
+    buf: Any = field(default=None, repr=False)  # the ctypes array every view of this slot exports from
+    leases: int = 0  # leases not released yet (under the arena's lock)
+    freed: bool = False  # given back while leased: reused once ``leases`` is 0
 
     def view(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self.buf).cast("B")[: self.nbytes if nbytes is None else nbytes]
@@ -129,20 +139,22 @@ class Slot:
         buf._chunk = self.chunk  # the tensor keeps the chunk's memory alive
         return torch.frombuffer(buf, dtype=torch.uint8)
 
-    def in_use(self) -> bool:
-        return sys.getrefcount(self.buf) > self.base_refs
-
 
 class HostArena:
-    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks."""
+    """Slots for frames in host memory, up to ``capacity_bytes`` in ``chunk_bytes`` chunks.
+    ``lock``: the owner's lock, held by the caller around every call (see the module doc)."""
 
-    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30) -> None:
+    def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30,
+                 lock: threading.Lock | None = None) -> None:
         self.capacity_bytes = capacity_bytes
         self.pin = pin
         # Powers of two, so a pinned torch allocation wastes nothing. The largest chunk:
         self.chunk_bytes = _pow2_at_least(min(chunk_bytes, max(capacity_bytes, 1)))
         self._chunks: list[_Chunk] = []
-        self._zombies: list[Slot] = []
+        self._lock = lock if lock is not None else threading.Lock()
+        self._held = 0  # slots freed while leased
+        self._held_bytes = 0
+        self.ledger = LeaseLedger()
 
     @property
     def reserved_bytes(self) -> int:
@@ -158,8 +170,37 @@ class HostArena:
         return bool(self._chunks) and all(c.pinned for c in self._chunks)
 
     @property
-    def zombies(self) -> int:
-        return len(self._zombies)
+    def held(self) -> int:
+        """Slots freed while leased: their memory is reused once their leases are released."""
+        return self._held
+
+    def lease_stats(self) -> dict[str, int]:
+        return {**self.ledger.stats(), "held_slots": self._held, "held_bytes": self._held_bytes}
+
+    def lease(self, slot: Slot, nbytes: int | None = None) -> Lease:
+        """A lease on ``slot`` (``nbytes`` of it, for the counts): the slot is not reused
+        until it is released, even if freed meanwhile. Raises if the slot was freed already."""
+        nbytes = slot.nbytes if nbytes is None else nbytes
+        if slot.freed:
+            raise RuntimeError("arena: a lease on a slot that was freed")
+        slot.leases += 1
+        ledger = self.ledger
+        ledger.active += 1  # ledger.on_grant, inlined: this is every read's cost
+        ledger.active_bytes += nbytes
+        ledger.granted += 1
+        return Lease(self, nbytes, slot)
+
+    def lease_released(self, slot: Slot, nbytes: int) -> None:
+        """(``Lease.release``: takes the owner's lock.)"""
+        ledger = self.ledger
+        with self._lock:
+            ledger.active -= 1  # ledger.on_release, inlined
+            ledger.active_bytes -= nbytes
+            slot.leases -= 1
+            if slot.leases == 0 and slot.freed:
+                self._held -= 1
+                self._held_bytes -= slot.nbytes
+                slot.chunk.free(slot.offset, slot.nbytes)
 
     def allocate(self, nbytes: int, *, grow: bool = True) -> Slot | None:
         """A slot of at least ``nbytes``, or None when no contiguous room is left (in the
@@ -174,7 +215,6 @@ class HostArena:
         need = _align(nbytes)
         if count < 1 or need * count > self.chunk_bytes:
             return None
-        self.reap()
         for chunk in self._chunks:
             offset = chunk.allocate(need * count)
             if offset is not None:
@@ -196,14 +236,17 @@ class HostArena:
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
         slot = Slot(chunk, offset, nbytes)
         slot.buf = (ctypes.c_ubyte * nbytes).from_address(chunk.base + offset)
-        slot.buf._chunk = chunk  # views keep the chunk's memory alive
-        slot.base_refs = sys.getrefcount(slot.buf)  # the slot's own reference, and the call's
+        slot.buf._chunk = chunk  # views keep the chunk's memory mapped (not the slot's bytes unchanged)
         return slot
 
     def free(self, slot: Slot) -> None:
-        """Return a slot; reused only when no view of it is alive any more."""
-        if slot.in_use():
-            self._zombies.append(slot)
+        """Give a slot back: reused at once, or (while leased) once its last lease is released."""
+        if slot.freed:
+            raise RuntimeError("arena: a slot freed twice")
+        slot.freed = True
+        if slot.leases:
+            self._held += 1
+            self._held_bytes += slot.nbytes
         else:
             slot.chunk.free(slot.offset, slot.nbytes)
 
@@ -211,7 +254,6 @@ class HostArena:
         """``madvise(MADV_DONTNEED)`` the whole pages of every free extent of the unpinned
         chunks: the OS takes those pages back (RSS falls) and hands out zeroed ones when they
         are written again. Returns the bytes released."""
-        self.reap()
         released = 0
         page = mmap.PAGESIZE
         for chunk in self._chunks:
@@ -224,15 +266,3 @@ class HostArena:
                     chunk._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
                     released += end - start
         return released
-
-    def reap(self) -> None:
-        """Release zombies whose last view has gone."""
-        if not self._zombies:
-            return
-        alive = []
-        for slot in self._zombies:
-            if slot.in_use():
-                alive.append(slot)
-            else:
-                slot.chunk.free(slot.offset, slot.nbytes)
-        self._zombies = alive

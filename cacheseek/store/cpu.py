@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .arena import HostArena, Slot
+from .lease import release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
@@ -28,7 +29,12 @@ class CpuTier(IndexedTier):
     computed only when they leave memory (disk, Redis, HTTP).
 
     Device copies are not waited for: a frame is indexed at once, and whatever reads,
-    demotes or frees its slot waits for its copies first (:meth:`settle` waits for all)."""
+    demotes or frees its slot waits for its copies first (:meth:`settle` waits for all).
+
+    Every frame ``get`` hands out (and each ``stored`` frame of ``put_many(...,
+    lease_stored=True)``) carries a ``lease`` on its slot, which the receiver releases once
+    done with the bytes. An evicted or deleted block leaves the index at once; its slot is reused only
+    once its leases are all released (``held_slots`` in the stats until then)."""
 
     accepts_device_frames = True
     lends_runs = True
@@ -40,7 +46,8 @@ class CpuTier(IndexedTier):
         # a full tier then receives a frame in place and evicts for it at commit, rather
         # than evicting before the frame is known to be good, or buffering it.
         self.reserve_bytes = reserve_bytes
-        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes)
+        # The arena is guarded by this tier's lock: a read's lease costs no lock of its own.
+        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes, lock=self._lock)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
         self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
@@ -48,17 +55,18 @@ class CpuTier(IndexedTier):
     # -- writes ------------------------------------------------------------------------
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
-        result = self.put_many([(key, frame)])[0]
+        result = self.put_many([(key, frame)])[0]  # ``stored``: readable until evicted
         if result.error is not None:
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """Store several frames. Host bytes are copied before this returns; device
         payloads are copied on their device's to-host stream, and this returns once the
         copies are issued. A frame that cannot be stored gets ``error`` set; the others
-        proceed."""
+        proceed. ``lease_stored``: each ``stored`` frame carries a lease on its slot."""
         results = [TierPutResult(stored=None) for _ in items]
+        dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
         with self._lock:
             self._forget_landed()
             copies = None  # device copies of this call, issued together
@@ -71,9 +79,7 @@ class CpuTier(IndexedTier):
                         slot = self._reserve(frame.nbytes, result.evicted)
                     except StorageError as exc:
                         self._stats.write_errors += 1
-                        # No traceback kept: its frames (this one holds ``results``) would
-                        # form a cycle that keeps every view they reference alive until a GC.
-                        result.error = exc.with_traceback(None)
+                        result.error = exc
                         continue
                     view = slot.view(frame.nbytes)
                     try:
@@ -91,7 +97,8 @@ class CpuTier(IndexedTier):
                     self._index.add(key, _info(frame.meta))
                     self._stats.bytes_in += frame.nbytes
                     self._stats.admissions += 1
-                    result.stored = BlockFrame(frame.meta, host=view, sealed=sealed)
+                    result.stored = BlockFrame(frame.meta, host=view, sealed=sealed,
+                                               lease=self._arena.lease(slot, frame.nbytes) if lease_stored else None)
             finally:
                 if copies is not None:
                     try:
@@ -100,9 +107,12 @@ class CpuTier(IndexedTier):
                         dropped = self._drop_landing(copies)
                         for (key, _), result in zip(items, results):
                             if key in dropped:
+                                if result.stored is not None:
+                                    dropped_leases.append(result.stored.lease)
                                 result.stored = None
                                 result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
             self._sync_counts()
+        release_all(dropped_leases)  # (a release takes this tier's lock)
         return results
 
     def settle(self) -> None:
@@ -170,7 +180,7 @@ class CpuTier(IndexedTier):
         if slot is None:
             raise StorageError(
                 f"{self.name} tier: no contiguous room for a {nbytes}-byte frame "
-                f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.zombies} slots still being read)"
+                f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased)"
             )
         return slot
 
@@ -195,6 +205,9 @@ class CpuTier(IndexedTier):
     # -- reads -------------------------------------------------------------------------
 
     def get(self, key: bytes) -> BlockFrame | None:
+        """The frame in its slot, with a ``lease`` on the slot: the caller releases it
+        (``frame.release()``, or ``with frame:``) once done with the bytes. Until then the
+        slot is not reused, even if the block is evicted or deleted meanwhile."""
         with self._lock:
             rec = self._records.get(key)
             if rec is None or not self._landed(key, rec):
@@ -202,7 +215,24 @@ class CpuTier(IndexedTier):
                 return None
             self._stats.hits += 1
             self._stats.bytes_out += rec.meta.nbytes
-            return BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed)
+            return BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed,
+                              lease=self._arena.lease(rec.slot, rec.meta.nbytes))
+
+    def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
+        """``get`` of each key under one lock (a stream asks 16 at a time); each frame leased."""
+        out: list[BlockFrame | None] = []
+        with self._lock:
+            for key in keys:
+                rec = self._records.get(key)
+                if rec is None or not self._landed(key, rec):
+                    self._stats.misses += 1
+                    out.append(None)
+                    continue
+                self._stats.hits += 1
+                self._stats.bytes_out += rec.meta.nbytes
+                out.append(BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed,
+                                      lease=self._arena.lease(rec.slot, rec.meta.nbytes)))
+        return out
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -222,7 +252,13 @@ class CpuTier(IndexedTier):
 
     def _extra(self) -> dict:
         return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
-                "zombie_slots": self._arena.zombies, "reservation_bytes": self._reserved_bytes}
+                "reservation_bytes": self._reserved_bytes, **self._arena.lease_stats()}
+
+    def lease_stats(self) -> dict[str, int]:
+        """Leases on this tier's slots: active, bytes, granted, double releases, and the
+        slots evicted while leased (``held_slots``, ``held_bytes``)."""
+        with self._lock:
+            return self._arena.lease_stats()
 
     # -- frames written in place (the server receives a request body straight into a slot) --
 

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .lease import Lease, LeaseLedger
+
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a page; >= any logical block here)
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
@@ -136,30 +138,15 @@ class AlignedBuffer:
         return self._base
 
 
-class BufferLease:
-    """One pool buffer lent to a reader: ``release()`` gives it back, exactly once."""
+class BufferLease(Lease):
+    """One pool buffer lent to a reader (a ``store.lease.Lease``): ``release()`` gives it
+    back to the pool, exactly once."""
 
-    __slots__ = ("buffer", "_pool", "_released")
+    __slots__ = ("buffer",)
 
     def __init__(self, pool: BufferPool, buffer: AlignedBuffer) -> None:
-        self.buffer, self._pool, self._released = buffer, pool, False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        if self._released:
-            raise RuntimeError("BufferLease: released twice (a lease is released exactly once)")
-        self._released = True
-        self._pool._give_back(self.buffer)
-
-    def __enter__(self) -> BufferLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._released:
-            self.release()
+        super().__init__(pool, buffer.nbytes, buffer)
+        self.buffer = buffer
 
 
 class BufferPool:
@@ -173,6 +160,7 @@ class BufferPool:
         self._free_bytes = 0
         self._lock = threading.Lock()
         self.made = 0
+        self.ledger = LeaseLedger()
 
     def take(self, nbytes: int) -> BufferLease:
         need = round_up(max(nbytes, 1))
@@ -185,12 +173,18 @@ class BufferPool:
             if best is not None:
                 buf = self._free.pop(best)
                 self._free_bytes -= buf.nbytes
+                self.ledger.on_grant(buf.nbytes)
                 return BufferLease(self, buf)
             self.made += 1
-        return BufferLease(self, AlignedBuffer(need, pin=self.pin))
-
-    def _give_back(self, buf: AlignedBuffer) -> None:
+        buf = AlignedBuffer(need, pin=self.pin)
         with self._lock:
+            self.ledger.on_grant(buf.nbytes)
+        return BufferLease(self, buf)
+
+    def lease_released(self, buf: AlignedBuffer, nbytes: int) -> None:
+        """A lease's buffer comes back: kept for reuse (up to ``keep_bytes``) or dropped."""
+        with self._lock:
+            self.ledger.on_release(nbytes)
             if self._free_bytes + buf.nbytes <= self.keep_bytes:
                 self._free.append(buf)
                 self._free_bytes += buf.nbytes
@@ -198,7 +192,7 @@ class BufferPool:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
-                    "pinned": self.pin}
+                    "pinned": self.pin, **self.ledger.stats()}
 
 
 # -- reads in flight -----------------------------------------------------------------------

@@ -161,6 +161,8 @@ class Prefetcher:
             try:
                 for i, got in enumerate(stream):
                     results[i] = got is not None
+                    if got is not None:
+                        got[0].release()  # promoted by the stream: the bytes are not read here
                     self._settle([mine[i]], [futures[i]], [results[i]])
             finally:
                 stream.close()

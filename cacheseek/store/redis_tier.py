@@ -190,7 +190,7 @@ class RedisTier(Tier):
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
         batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])

@@ -28,8 +28,10 @@ class BlockFrame:
     tensors fresh from an encoder; either may stand in for ``host`` in embedded mode.
     A frame whose payload checksum has not been computed yet (``sealed`` False) carries
     zeros in its header's checksum field; :meth:`wire_segments` seals a copy of the header.
-    ``lease``: set when ``host`` lies in memory lent by a tier (a disk stream's pooled read
-    buffer), which whoever got the frame releases (``release()``) once done with the bytes.
+    ``lease`` (``store.lease.Lease``): set when ``host`` lies in memory lent by a tier (a
+    CPU-tier slot, a disk stream's pooled read buffer). Whoever got the frame releases it
+    exactly once (``release()``, or ``with frame:``) when done with the bytes; until then
+    the tier does not reuse that memory. ``host`` must not be used after the release.
     """
 
     meta: FrameMeta
@@ -42,8 +44,16 @@ class BlockFrame:
     lease: Any = None
 
     def release(self) -> None:
-        """Release the lease on this frame's bytes, if it has one (then exactly once)."""
+        """Release the lease on this frame's bytes, if it has one (then exactly once: a
+        second release raises ``LeaseError``)."""
         if self.lease is not None:
+            self.lease.release()
+
+    def __enter__(self) -> BlockFrame:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.lease is not None and not self.lease.released:
             self.lease.release()
 
     @property
@@ -133,8 +143,9 @@ class Reservation:
     slot: Any
 
     def view(self) -> memoryview:
-        """The reserved bytes. Drop every view before an abort: the tier reuses memory only
-        once no view of it is alive."""
+        """The reserved bytes, for the holder of the reservation: valid until it is committed
+        or aborted (the reservation is the writer's lease on the slot; an abort makes the slot
+        reusable at once, so a view must not be written after it)."""
         if self.slot is None:
             raise RuntimeError("this reservation was already committed or aborted")
         return self.slot.view(self.nbytes)
@@ -168,7 +179,8 @@ class Tier(ABC):
 
     @abstractmethod
     def get(self, key: bytes) -> BlockFrame | None:
-        """The frame, or None on a miss. A corrupt frame is a miss: deleted and counted."""
+        """The frame, or None on a miss. A corrupt frame is a miss: deleted and counted. The
+        caller releases the frame's ``lease`` (``frame.release()``) once done with it."""
 
     @abstractmethod
     def delete(self, key: bytes) -> bool: ...
@@ -179,8 +191,11 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[bytes]: ...
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
-        """Store several frames; a failure is reported in its result, not raised."""
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+        """Store several frames; a failure is reported in its result, not raised.
+        ``lease_stored``: a ``stored`` frame that lies in this tier's memory carries a lease
+        on it (the caller reads it, and releases it); else it may be read only until this
+        tier can evict it (no other thread uses the tier meanwhile)."""
         out = []
         for key, frame in items:
             try:
@@ -219,10 +234,20 @@ class Tier(ABC):
         """Frames for ``keys`` in order, each handed out as soon as it is in hand (None for a
         miss). This default asks ``get_many`` for ``STREAM_CHUNK`` keys at a time (one round
         trip each for a networked tier), so the caller starts on the first frames before the
-        last are fetched; the disk tier keeps many reads in flight instead. ``leased``: the
-        caller releases each frame's ``lease`` (where it has one) once done with its bytes."""
+        last are fetched; the disk tier keeps many reads in flight instead. The caller
+        releases each frame's ``lease`` (where it has one) once done with its bytes.
+        ``leased=False``: a disk frame gets a buffer of its own rather than a pooled one
+        (frames in a memory tier's slots carry their lease either way)."""
         for start in range(0, len(keys), STREAM_CHUNK):
-            yield from self.get_many(keys[start : start + STREAM_CHUNK])
+            got = self.get_many(keys[start : start + STREAM_CHUNK])
+            try:
+                for i in range(len(got)):
+                    frame, got[i] = got[i], None  # the caller's from here: it releases it
+                    yield frame
+            finally:  # closed early: the frames fetched and not handed out are released here
+                for frame in got:
+                    if frame is not None:
+                        frame.release()
 
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None

@@ -41,6 +41,7 @@ from typing import Any
 from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
+from .lease import Lease, release_all
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
@@ -153,14 +154,21 @@ class TieredStore:
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
         written, refused = [], []
-        for (key, frame), result, outcome in zip(current, top.put_many(current), outcomes):
-            outcome.note(result, top.name, top.name in self._acknowledging)
-            self._demote(0, result.evicted)
-            written.append((key, _host_copy(result.stored, frame), outcome))
-            if result.error is not None:
-                refused.append((key, frame, outcome))
-        self._fall_through(refused)
-        self._write_through(written)
+        held: list[Lease | None] = []  # leases on the stored copies, released once written through
+        try:
+            # A write-through reads the top tier's stored copies: leased until it is done.
+            results = top.put_many(current, lease_stored=bool(self.write_through))
+            for (key, frame), result, outcome in zip(current, results, outcomes):
+                _hold(result, held)
+                outcome.note(result, top.name, top.name in self._acknowledging)
+                self._demote(0, result.evicted)
+                written.append((key, _host_copy(result.stored, frame), outcome))
+                if result.error is not None:
+                    refused.append((key, frame, outcome))
+            self._fall_through(refused)
+            self._write_through(written, held)
+        finally:
+            release_all(held)
         return outcomes
 
     def _fall_through(self, refused: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
@@ -174,9 +182,11 @@ class TieredStore:
             outcome.note(result, below.name, below.name in self._acknowledging)
             self._demote(1, result.evicted)
 
-    def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
+    def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
+                       held: list[Lease | None]) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
-        before it stored (rather than from the device again)."""
+        before it stored (rather than from the device again). The leases on the stored copies
+        go into ``held``: the caller releases them once this returns."""
         previous = self.tiers[0]
         for level, tier in enumerate(self.tiers[1:], start=1):
             if tier.name not in self.write_through or not items:
@@ -189,7 +199,9 @@ class TieredStore:
             previous.settle()  # this tier reads the previous one's host copies
             frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
-            for (key, frame), result, (_, _, outcome) in zip(frames, tier.put_many(frames), items):
+            results = tier.put_many(frames, lease_stored=True)
+            for (key, frame), result, (_, _, outcome) in zip(frames, results, items):
+                _hold(result, held)
                 outcome.note(result, tier.name, tier.name in self._acknowledging)
                 self._demote(level, result.evicted)
                 nxt.append((key, _host_copy(result.stored, frame), outcome))
@@ -234,7 +246,8 @@ class TieredStore:
     def get(self, key: bytes, *, promote: bool | None = None,
             join_prefetches: bool = True) -> tuple[BlockFrame, str] | None:
         """The frame from the fastest tier holding it, and that tier's name. A block a
-        prefetch is promoting is waited for, then read from memory (``join_prefetches``)."""
+        prefetch is promoting is waited for, then read from memory (``join_prefetches``).
+        The caller releases the frame's lease (``frame.release()``, ``with frame:``)."""
         promote = self.promote_on_hit if promote is None else promote
         if join_prefetches:
             for fut in self.prefetcher.waiting([key]).values():
@@ -245,7 +258,7 @@ class TieredStore:
             if frame is None:
                 continue
             if promote and level > 0:
-                self._promote(key, frame, level)
+                self._promote_held(key, frame, level)
             return frame, tier.name
         return None
 
@@ -262,7 +275,7 @@ class TieredStore:
                 if frame is None:
                     continue
                 if promote and level > 0:
-                    self._promote(keys[i], frame, level)
+                    self._promote_held(keys[i], frame, level)
                 out[i] = (frame, tier.name)
             missing = [i for i in missing if out[i] is None]
         return out
@@ -276,9 +289,10 @@ class TieredStore:
         ``where``: the tier each key is in (``locate``'s answer; default: asked now); only
         ``keys[:len(where)]`` are read. A block whose promotion a prefetch has in flight is
         waited for and then read from memory, not read again (``join_prefetches``). A block
-        gone from its tier since is looked for in the others. ``leased``: the caller releases
-        each frame's ``lease`` (where it has one) once done with its bytes. Close the
-        iterator if you stop early: reads not handed out are cancelled or given back."""
+        gone from its tier since is looked for in the others. The caller releases each
+        frame's ``lease`` (where it has one) once done with its bytes; ``leased=False``: disk
+        frames get buffers of their own, not pooled ones. Close the iterator if you stop
+        early: reads not handed out are cancelled or given back."""
         promote = self.promote_on_hit if promote is None else promote
         names = list(self.locate(keys) if where is None else where)
         keys = list(keys[: len(names)])
@@ -308,7 +322,7 @@ class TieredStore:
                     continue
                 level = level_of[name]
                 if promote and level > 0:
-                    self._promote(key, frame, level)
+                    self._promote_held(key, frame, level)
                 yield frame, name
         finally:
             for it in streams.values():
@@ -321,6 +335,14 @@ class TieredStore:
         in the background; returns at once (``store.prefetch``: a handle, or None when there
         is nothing to do or too many prefetches are in flight)."""
         return self.prefetcher.start(keys)
+
+    def _promote_held(self, key: bytes, frame: BlockFrame, level: int) -> None:
+        """``_promote`` a frame the caller is about to get: released here if that fails."""
+        try:
+            self._promote(key, frame, level)
+        except BaseException:
+            frame.release()
+            raise
 
     def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
         for upper in range(level):
@@ -523,8 +545,12 @@ class TieredStore:
         top = self.tiers[0]
         if self.write_through:
             top.settle()
-            self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
-                                 for (key, reservation, meta), outcome in zip(items, outcomes)])
+            held: list[Lease | None] = []
+            try:
+                self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
+                                     for (key, reservation, meta), outcome in zip(items, outcomes)], held)
+            finally:
+                release_all(held)
         for result, outcome in zip(top.commit_many(items, sealed=sealed), outcomes):
             outcome.note(result, top.name, top.name in self._acknowledging)
             self._demote(0, result.evicted)
@@ -537,6 +563,11 @@ class TieredStore:
         self.prefetcher.close()
         for tier in self.tiers:
             tier.close()
+
+
+def _hold(result: TierPutResult, held: list[Lease | None]) -> None:
+    if result.stored is not None and result.stored.lease is not None:
+        held.append(result.stored.lease)
 
 
 def _host_copy(stored: BlockFrame | None, frame: BlockFrame) -> BlockFrame:

@@ -122,6 +122,9 @@ class StoreClient:
         n = len(tiers)
         if n:  # materialize the hit
             got = store.get_many(keys[:n])
+            for g in got:
+                if g is not None:
+                    g[0].release()  # the replay reads nothing: the memory goes back at once
             served = next((i for i, g in enumerate(got) if g is None), n)
             tiers = tiers[:served]
             store.touch_chain(keys[: len(tiers)])

@@ -107,18 +107,15 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
     ``ClientGone`` when its client went away, else a ``BadRequest``."""
     if reservation is not None:
         assert length is not None
-        view = reservation.view()
+        view = reservation.view()  # the reservation is the lease: valid until its commit or abort
         filled = 0
-        try:
-            while filled < length:
-                step = min(STEP, length - filled)
-                n = await body.read_into(view[filled : filled + step], on_data)
-                held.take(n)
-                filled += n
-                if n < step:
-                    raise _short(body, filled, length)
-        finally:
-            del view  # the tier reuses a slot only once no view of it is alive
+        while filled < length:
+            step = min(STEP, length - filled)
+            n = await body.read_into(view[filled : filled + step], on_data)
+            held.take(n)
+            filled += n
+            if n < step:
+                raise _short(body, filled, length)
         return None
     if length is not None and length > PIECE:
         # A buffer of its own, mapped for the declared length but committed by the OS page by

@@ -7,16 +7,17 @@ from functools import partial
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import StreamingResponse
 
 from cacheseek.errors import StorageError
 from cacheseek.store.frame import PayloadChecksum
+from cacheseek.store.lease import Lease, release_all
 from cacheseek.store.tier import Reservation
 from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, check_frame_length
 
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest, ClientGone
+from ..leased_response import LeasedStreamingResponse, copied_tail
 from ..limits import BodyBudget, BodyBytes
 from ..metrics import clean_label, client_headers
 from ..service import Incoming
@@ -143,11 +144,20 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
     responses={200: {"description": "the frame", "content": {FRAME_CONTENT_TYPE: BINARY}},
                404: {"description": "not stored", **ERROR}},
 )
-async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> StreamingResponse:
-    """The frame of one block, from the fastest tier holding it (the payload is not copied)."""
-    got = service.get_nowait(caller.namespace, hash)  # in host memory: no I/O, no thread hand-off
-    segments, tier = got if got is not None else await run_in_threadpool(service.get, caller.namespace, hash)
+async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> LeasedStreamingResponse:
+    """The frame of one block, from the fastest tier holding it (the payload is not copied,
+    but for its last ``TAIL_COPY`` bytes; its slot is leased until the response is over)."""
+    leases: list[Lease | None] = []  # released by the response, or here if there is none
+    try:
+        got = service.get_nowait(caller.namespace, hash, leases)  # in host memory: no I/O, no thread hand-off
+        if got is None:
+            got = await run_in_threadpool(service.get, caller.namespace, hash, leases)
+    except BaseException:
+        release_all(leases)
+        raise
+    segments, tier = got
     nbytes = sum(memoryview(s).nbytes for s in segments)
+    segments = [*segments[:-1], *copied_tail(segments[-1])]
     metrics = service.metrics
     metrics.frame_bytes_sent += nbytes
     traffic = metrics.for_request(caller.namespace, request.headers)
@@ -160,8 +170,8 @@ async def get_block(caller: Reader, hash: Hash, request: Request, service: Servi
         for segment in segments:
             yield segment
 
-    return StreamingResponse(body(), media_type=FRAME_CONTENT_TYPE,
-                             headers={"content-length": str(nbytes), "x-cacheseek-tier": tier})
+    return LeasedStreamingResponse(body(), leases=leases, media_type=FRAME_CONTENT_TYPE,
+                                   headers={"content-length": str(nbytes), "x-cacheseek-tier": tier})
 
 
 @router.delete("/{hash}", status_code=204, response_class=Response,

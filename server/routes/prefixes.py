@@ -6,11 +6,13 @@ import asyncio
 
 from fastapi import APIRouter, Request, Response
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import StreamingResponse
+import anyio
 
 from cacheseek.batch_body import BATCH_CONTENT_TYPE, LENGTH
+from cacheseek.store.lease import Lease
 
 from ..deps import Hash, Reader, Service
+from ..leased_response import LeasedStreamingResponse, copied_tail
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
@@ -28,10 +30,12 @@ class ChainBroken(RuntimeError):
                      "content": {BATCH_CONTENT_TYPE: BINARY}},
                404: {"description": "the chain ending at hash is not complete", **ERROR}},
 )
-async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service) -> StreamingResponse:
+async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service) -> LeasedStreamingResponse:
     """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
     then stream every frame head first. A frame is read (from disk, say) while the one
-    before it is being sent."""
+    before it is being sent. Every frame's lease is held until the response is over (the
+    transport may still be sending a frame when the next is handed to it); the last
+    ``TAIL_COPY`` bytes go from a copy."""
     chain = await run_in_threadpool(service.chain, caller.namespace, hash)
     total = service.stream_nbytes(chain)
     namespace = caller.namespace
@@ -40,14 +44,20 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
     if traffic is not None:
         traffic.materialize_requests += 1
 
+    leases: list[Lease | None] = []  # every frame's, released by the response when it is over
+
+    def stored(key: bytes):
+        got = service.get_stored(key, leases)
+        return got[0] if got is not None else None
+
     def fetch(key: bytes) -> asyncio.Future:
         # A frame in host memory is taken at once; one elsewhere (disk) is read in a worker thread.
-        frame = service.get_in_memory(key)
+        frame = service.get_in_memory(key, leases)
         if frame is not None:
             done = asyncio.get_running_loop().create_future()
             done.set_result(frame)
             return done
-        return asyncio.ensure_future(run_in_threadpool(service.get_stored, key))
+        return asyncio.ensure_future(run_in_threadpool(stored, key))
 
     async def body():
         pending = fetch(chain[0][0])
@@ -63,21 +73,26 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                 offset = frame.meta.payload_offset
                 # The length and the header go in one write; the payload goes as a view.
                 yield LENGTH.pack(info.nbytes) + bytes(head[:offset] if len(segments) == 1 else head)
-                yield head[offset:] if len(segments) == 1 else segments[1]
+                payload = head[offset:] if len(segments) == 1 else segments[1]
+                if i + 1 < len(chain):
+                    yield payload
+                else:  # the response's end: what the transport may still hold is a copy
+                    for piece in copied_tail(payload):
+                        yield piece
                 metrics.frame_bytes_sent += info.nbytes
                 if traffic is not None:
                     traffic.materialize_blocks += 1
                     traffic.materialize_bytes += info.nbytes
-                del frame, segments, head
         finally:
-            if not pending.done():
-                pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
+            # A read in flight is waited for, not cancelled (a worker thread runs it to the
+            # end either way): its frame's lease is then in ``leases``, for the response.
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(pending, return_exceptions=True)
         keys = [key for key, _ in chain]
         if service.store.indexes_in_memory:
             service.touch_chain(keys)  # index updates only
         else:
             await run_in_threadpool(service.touch_chain, keys)  # a Redis round trip
 
-    return StreamingResponse(body(), media_type=BATCH_CONTENT_TYPE,
-                             headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})
+    return LeasedStreamingResponse(body(), leases=leases, media_type=BATCH_CONTENT_TYPE,
+                                   headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})

@@ -23,13 +23,14 @@ from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import ConfigError
+from ...hashing import Shard
 from ...layout import KV_DTYPES, KVLayout, dtype_name
 from .config import ConnectorConfig
 from .guard import StoreGuard
 from .pages import PageFormat, VllmPages
 from .plan import StepPlan
 from .scheduler import SchedulerSide
-from .stores import Shard, close_cache, open_cache
+from .stores import close_cache, open_cache
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -111,13 +112,14 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._reported: dict[str, int | float] = {}
         if role == KVConnectorRole.SCHEDULER:
-            self._caches = [open_cache(self.config, self.layout, model_id, Shard(r, tp_size)) for r in range(tp_size)]
+            # one cache per rank: a hit counts only the blocks every rank holds
+            self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, r)) for r in range(tp_size)]
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
-            self._caches = [open_cache(self.config, self.layout, model_id, Shard(rank, tp_size))]
+            self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
 
     # -- what callers can read -------------------------------------------------------------
@@ -156,10 +158,15 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._worker_side().start_step(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole before the forward starts (start_load_kv)
+        # Every layer is loaded in start_load_kv, before the forward starts: nothing to wait
+        # for. TODO(layerwise): with the engine surface's layer-wise handle, start_load_kv
+        # starts the step's load and this waits for the handle's layer (docs/vllm.md).
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # saves read the pages once the forward is done (wait_for_save)
+        # The step's saves read the pages once the forward is done, in one batched call
+        # (wait_for_save). TODO(layerwise): encode each layer's part of the step's blocks here.
+        return
 
     def wait_for_save(self) -> None:
         self._worker_side().finish_step(self._plan())
@@ -255,6 +262,13 @@ def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
     layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
                       head_dim=spec.head_size, dtype=dtype)
     return layout, set(groups[0].layer_names)
+
+
+def _shard(parallel: Any, tp_rank: int) -> Shard:
+    """The ``cs.Shard`` of a tensor-parallel rank, from vLLM's parallel config (pipeline
+    parallelism is refused at start, so its stage is always 0 of 1)."""
+    return Shard(tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
+                 pp_rank=0, pp_size=getattr(parallel, "pipeline_parallel_size", 1))
 
 
 def _tp_rank() -> int:

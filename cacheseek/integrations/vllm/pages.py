@@ -12,9 +12,11 @@ backend's choice, and the connector has to know it:
   K rows, then its N V rows: the backend views it as ``[P, H, 2N, D]`` and splits at N.
 
 Either way the views below are ``[P, H, N, D]`` with strides into the one tensor: nothing
-is copied. A vLLM block (the unit of the scheduler's block ids) may span several pages
-when the kernel's block is smaller than the manager's; ``slots`` maps token positions of a
-request to (page, offset) through its block ids.
+is copied, and they are handed to the engine surface as ``cs.KVPages(k, v, layout="HND")``
+(``VllmPages.engine``), whose paged ingest and ``materialize_into`` read and write them in
+place. A vLLM block (the unit of the scheduler's block ids) may span several pages when
+the kernel's block is smaller than the manager's; ``page_table`` maps a request's block
+ids to the pages holding its tokens.
 
 Torch only, no vLLM import: the GPU benchmark drives the same code without an engine.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ...errors import ConfigError, InputError
+from ...pages import KVPages
 
 KV_SPLITS = ("channel", "token")
 
@@ -68,16 +71,6 @@ def kv_views(layer: torch.Tensor, fmt: PageFormat) -> tuple[torch.Tensor, torch.
     return rows[:, :, :n], rows[:, :, n:]
 
 
-@dataclass(frozen=True, slots=True)
-class Slots:
-    """Where tokens ``[start, end)`` of one request sit: page index and offset, per token."""
-
-    start: int
-    end: int
-    pages: torch.Tensor  # int64 [end - start], on the pages' device
-    offsets: torch.Tensor  # int64 [end - start]
-
-
 class VllmPages:
     """An engine's KV cache: per-layer (K, V) page views, in the model's layer order."""
 
@@ -104,57 +97,11 @@ class VllmPages:
     def num_layers(self) -> int:
         return len(self.views)
 
-    def slots(self, block_ids: list[int], start: int, end: int) -> Slots:
-        """Page and offset of tokens ``[start, end)`` of a request holding ``block_ids``."""
-        fmt = self.fmt
-        if not 0 <= start <= end or end > len(block_ids) * fmt.block_size:
-            raise InputError(f"slots: tokens [{start}, {end}) do not fit {len(block_ids)} blocks of {fmt.block_size}")
-        t = torch.arange(start, end, dtype=torch.int64)
-        blocks = torch.as_tensor(block_ids, dtype=torch.int64)[t // fmt.block_size]
-        in_block = t % fmt.block_size
-        pages = blocks * fmt.pages_per_block + in_block // fmt.page_tokens
-        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            raise InputError(f"slots: block ids {block_ids} point outside the {self.num_pages} pages")
-        offsets = in_block % fmt.page_tokens
-        return Slots(start, end, pages.to(self.device), offsets.to(self.device))
 
-    # -- STOPGAP: contiguous copies, until the engine surface's paged ingest / materialize_into --
-    # CacheSeek's PrefixCache takes and returns contiguous [H, T, D] per layer today. These two
-    # copy between the pages and such tensors with torch indexing: one gather or scatter per
-    # layer and side, plus the contiguous tensors themselves. The engine surface (paged
-    # ingest and materialize_into, issue 12) moves KV page to page without them.
-
-    def gather(self, slots: Slots) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V), each a new contiguous ``[H, T, D]`` of the tokens in ``slots``."""
-        out = []
-        for k, v in self.views:
-            # [P, H, N, D] -> [H, P, N, D]: indexing pages and offsets together gives [H, T, D]
-            out.append((k.transpose(0, 1)[:, slots.pages, slots.offsets],
-                        v.transpose(0, 1)[:, slots.pages, slots.offsets]))
-        return out
-
-    def scatter(self, slots: Slots, layers: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> None:
-        """Write tokens ``[slots.start, slots.end)`` from per-layer (K, V) ``[1, H, T, D]``
-        or ``[H, T, D]`` whose token 0 is token ``first`` of the request."""
-        if len(layers) != self.num_layers:
-            raise InputError(f"scatter: {len(layers)} layers for {self.num_layers} layers of pages")
-        a, b = slots.start - first, slots.end - first
-        for (k_pages, v_pages), (k, v) in zip(self.views, layers):
-            k = k[0] if k.dim() == 4 else k
-            v = v[0] if v.dim() == 4 else v
-            k_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = k[:, a:b]
-            v_pages.transpose(0, 1)[:, slots.pages, slots.offsets] = v[:, a:b]
+def engine_pages(views: list[tuple[torch.Tensor, torch.Tensor]]) -> KVPages:
+    """The same pages as the engine surface's ``cs.KVPages``: K and V as ``[P, H, N, D]``
+    views, its HND layout. The kernels address vLLM's own memory through them."""
+    return KVPages([k for k, _ in views], [v for _, v in views], layout="HND")
 
 
-def engine_pages(views: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The same pages as the engine surface's ``cs.KVPages`` (K and V as ``[P, H, N, D]``
-    views: its HND layout), when this CacheSeek has it; else None, and the stopgap copies
-    above move the KV."""
-    import cacheseek as cs
-
-    if not hasattr(cs, "KVPages"):
-        return None
-    return cs.KVPages([k for k, _ in views], [v for _, v in views], layout="HND")
-
-
-__all__ = ["KV_SPLITS", "PageFormat", "Slots", "VllmPages", "engine_pages", "kv_views"]
+__all__ = ["KV_SPLITS", "PageFormat", "VllmPages", "engine_pages", "kv_views"]

@@ -4,22 +4,39 @@ which pages, and which to store from them. Plain data (vLLM sends it to the work
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from ...hashing import ExtraKeys
+from ...prefix_keys import Prompt
+
+
+def request_keys(token_ids: list[int], extra: ExtraKeys | None) -> Any:
+    """The cache keys of a request's tokens: a ``Prompt`` when its KV depends on more than
+    its tokens (a LoRA adapter, multimodal inputs, a cache salt), else the token ids."""
+    if not extra:
+        return token_ids
+    return Prompt(token_ids, lora_id=extra.lora_id, mm_inputs=extra.mm_inputs, cache_salt=extra.cache_salt)
 
 
 @dataclass(slots=True)
 class LoadSpec:
     """Load the stored prefix ``token_ids`` (tokens ``[0, end)``) and write its tokens
-    ``[start, end)`` into the request's pages; tokens before ``start`` are in vLLM's own
-    prefix cache already."""
+    ``[start, end)`` into the request's pages; tokens before ``start`` (a whole number of
+    store blocks) are in vLLM's own prefix cache already."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     start: int
+    extra: ExtraKeys | None = None
 
     @property
     def end(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def keys(self) -> Any:
+        return request_keys(self.token_ids, self.extra)
 
 
 @dataclass(slots=True)
@@ -29,6 +46,11 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    extra: ExtraKeys | None = None
+
+    @property
+    def keys(self) -> Any:
+        return request_keys(self.token_ids, self.extra)
 
 
 @dataclass(slots=True)
@@ -37,4 +59,4 @@ class StepPlan:
     saves: list[SaveSpec] = field(default_factory=list)
 
 
-__all__ = ["LoadSpec", "SaveSpec", "StepPlan"]
+__all__ = ["LoadSpec", "SaveSpec", "StepPlan", "request_keys"]

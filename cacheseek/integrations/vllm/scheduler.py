@@ -10,9 +10,13 @@ objects, read through the few attributes named here.
   ``(len(prompt) - 1) // block_tokens * block_tokens``.
 - With tensor parallelism each rank stores its own shard; a hit counts only the blocks
   every rank holds.
-- Requests whose KV depends on more than their tokens (a LoRA adapter, multimodal inputs,
-  a cache salt) or that have no token ids (prompt embeddings) are neither loaded nor saved,
-  until the keys carry those inputs.
+- Requests whose KV depends on more than their tokens are keyed by it too (``cs.Prompt``):
+  the LoRA adapter's name, each multimodal input's content hash and placeholder range, the
+  cache salt. Two requests that differ in any of these share no block. Requests with no
+  token ids (prompt embeddings) are neither loaded nor saved.
+- A load writes whole store blocks, so it must start on a store block boundary: when
+  vLLM's own hit ends inside a store block, nothing is offered (``lookup_unaligned``), as
+  writing that block would overwrite vLLM's own pages, which other requests share.
 - A prompt's full blocks are saved as soon as the step that computes them has run (chunked
   prefill saves chunk by chunk). A request whose load failed is rolled back by vLLM; its
   blocks are saved again once recomputed.
@@ -25,8 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...hashing import ExtraKeys, MMInput
 from .guard import StoreGuard
-from .plan import LoadSpec, SaveSpec, StepPlan
+from .plan import LoadSpec, SaveSpec, StepPlan, request_keys
 from .stats import ConnectorStats
 
 MAX_PENDING_LOOKUPS = 4096  # lookups remembered for requests vLLM has not admitted yet
@@ -47,22 +52,31 @@ NO_HIT = Hit(0)
 class _Request:
     prompt: list[int]
     supported: bool
+    extra: ExtraKeys | None = None
     load_tokens: int = 0  # external tokens vLLM took: loaded when the request is first scheduled
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
     hit: Hit = NO_HIT
 
 
 def unsupported_reason(request: Any) -> str | None:
-    """Why a request's KV is not keyed by its token ids alone, or None."""
+    """Why a request's KV cannot be keyed at all, or None."""
     if getattr(request, "prompt_token_ids", None) is None:
         return "prompt embeddings"
-    if getattr(request, "lora_request", None) is not None:
-        return "LoRA adapter"
-    if getattr(request, "mm_features", None):
-        return "multimodal inputs"
-    if getattr(request, "cache_salt", None):
-        return "cache salt"
     return None
+
+
+def extra_keys(request: Any) -> ExtraKeys | None:
+    """What decides a vLLM request's KV besides its tokens (as vLLM's own prefix cache keys
+    it): the LoRA adapter's name, multimodal inputs (content hash, placeholder range), the
+    cache salt; None when nothing does."""
+    lora = getattr(request, "lora_request", None)
+    mm = []
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = feature.mm_position
+        mm.append(MMInput(hash=str(feature.identifier), offset=int(pos.offset), length=int(pos.length)))
+    extra = ExtraKeys(lora_id=lora.lora_name if lora is not None else None, mm_inputs=tuple(mm),
+                      cache_salt=getattr(request, "cache_salt", None) or None)
+    return extra if extra else None
 
 
 class SchedulerSide:
@@ -98,9 +112,12 @@ class SchedulerSide:
         limit = self._limit(prompt)
         if limit <= num_computed_tokens:
             return 0  # nothing the store could add: spare the lookup
+        if num_computed_tokens % self.block_tokens:
+            self.stats.lookup_unaligned += 1
+            return 0  # a load would rewrite vLLM's own pages in the block its hit ends in
         hit = self._lookups.get(request.request_id)
         if hit is None:
-            hit = self._lookup(prompt[:limit])
+            hit = self._lookup(request_keys(list(prompt[:limit]), extra_keys(request)))
             self._lookups[request.request_id] = hit
             while len(self._lookups) > MAX_PENDING_LOOKUPS:
                 self._lookups.popitem(last=False)
@@ -110,13 +127,13 @@ class SchedulerSide:
         """The longest hit worth offering: whole blocks, leaving the last token to compute."""
         return (len(prompt) - 1) // self.block_tokens * self.block_tokens
 
-    def _lookup(self, tokens: list[int]) -> Hit:
+    def _lookup(self, keys: Any) -> Hit:
         if not self.guard.allow():
             self.stats.lookup_skipped += 1
             return NO_HIT
         self.stats.lookups += 1
         try:
-            found = [cache.locate(tokens) for cache in self.caches]
+            found = [cache.locate(keys) for cache in self.caches]
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
             self.stats.lookup_errors += 1
             self.guard.failure("lookup", exc)
@@ -129,11 +146,15 @@ class SchedulerSide:
         """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
         hit = self._lookups.pop(request.request_id, NO_HIT)
         supported = unsupported_reason(request) is None
+        extra = extra_keys(request) if supported else None
         if not supported:
             self.stats.requests_unsupported += 1
+        elif extra is not None:
+            self.stats.requests_keyed += 1
         prompt = list(request.prompt_token_ids) if supported else []
         # A request admitted again after a preemption starts over.
-        self._requests[request.request_id] = _Request(prompt, supported, load_tokens=num_external_tokens, hit=hit)
+        self._requests[request.request_id] = _Request(prompt, supported, extra, load_tokens=num_external_tokens,
+                                                      hit=hit)
         self.stats.lookup_hit_tokens += num_external_tokens
 
     def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
@@ -173,7 +194,7 @@ class SchedulerSide:
             if state.load_tokens:
                 # vLLM counts the loaded tokens as computed already: they end at `before`.
                 plan.loads.append(LoadSpec(req_id, state.prompt[:before], self.block_ids(req_id),
-                                           start=before - state.load_tokens))
+                                           start=before - state.load_tokens, extra=state.extra))
                 state.load_tokens = 0
                 state.saved = max(state.saved, before)  # the store holds them
             elif before < state.saved:
@@ -183,9 +204,9 @@ class SchedulerSide:
                 continue
             full = min(before + scheduled, len(state.prompt)) // self.block_tokens * self.block_tokens
             if full > state.saved:
-                plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id)))
+                plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra))
                 state.saved = full
         return plan
 
 
-__all__ = ["SchedulerSide", "unsupported_reason"]
+__all__ = ["SchedulerSide", "extra_keys", "unsupported_reason"]

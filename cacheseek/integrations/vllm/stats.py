@@ -18,8 +18,11 @@ class ConnectorStats:
     lookup_hit_tokens: int = 0  # tokens offered to vLLM as external hits
     lookup_errors: int = 0  # the store could not answer (server down, timed out): counted as a miss
     lookup_skipped: int = 0  # not asked: the server failed recently (breaker open)
-    requests_unsupported: int = 0  # LoRA, multimodal, cache salt or prompt embeddings: neither loaded nor saved
+    lookup_unaligned: int = 0  # vLLM's own hit ends inside a store block: nothing offered (see docs/vllm.md)
+    requests_unsupported: int = 0  # prompt embeddings (no token ids): neither loaded nor saved
+    requests_keyed: int = 0  # requests keyed by more than their tokens (LoRA, multimodal, cache salt)
     # worker side: loads
+    load_calls: int = 0  # materialize_into_batch calls: one per step with loads
     loads: int = 0  # requests whose prefix was loaded into pages
     load_tokens: int = 0  # tokens written into pages
     load_failures: int = 0  # requests whose load fell short (error, or blocks gone since the lookup)
@@ -27,10 +30,11 @@ class ConnectorStats:
     load_failed_blocks: int = 0  # vLLM blocks reported back to the scheduler
     load_seconds: float = 0.0
     # worker side: saves
-    saves: int = 0  # ingest calls
+    save_calls: int = 0  # ingest_batch calls: one per step with saves
+    saves: int = 0  # requests whose blocks were ingested
     save_blocks_stored: int = 0
     save_blocks_present: int = 0
-    save_failures: int = 0  # ingest calls that raised (server down, bad KV): nothing stored, the request goes on
+    save_failures: int = 0  # saves dropped (the call raised: server down, bad KV; or blocks not acknowledged)
     saves_skipped: int = 0  # saves dropped because the same step's load of that request failed
     save_seconds: float = 0.0
 

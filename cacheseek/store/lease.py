@@ -1,0 +1,144 @@
+"""Leases: memory lent to a reader or a copy, given back exactly once.
+
+One API for every piece of host memory that outlives the call that handed it out: a
+CPU-tier slot read by a materialize or streamed by the server (``HostArena.lease``), a
+pooled read buffer of the disk tier (``direct_io.BufferPool.take``). The lender decides
+what release means (a slot becomes reusable once all its leases are released; a buffer
+goes back to its pool); the holder only promises to release once, when done with the
+bytes, in a ``with`` block or a ``finally``.
+
+Rules:
+- The bytes a lease covers stay valid, and are never reused by the lender, until it is
+  released. Views of them taken while it is held must not be used after.
+- ``release()`` a second time raises ``LeaseError`` (and is counted: ``double_releases``):
+  a double release is a bug in the holder, and an error says where.
+- ``with lease:`` releases on exit unless the block released it already.
+- A lease dropped without a release keeps its memory lent for good; the ledger shows it
+  (``active``, ``active_bytes``). Nothing is inferred from reference counts.
+
+Torch-free, thread-safe: a lease may be released from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class LeaseError(RuntimeError):
+    """A lease was released twice."""
+
+
+class Lender(Protocol):
+    """What lends memory with leases: ``ledger`` counts them, ``lease_released`` takes one back."""
+
+    ledger: LeaseLedger
+
+    def lease_released(self, token: Any, nbytes: int) -> None:
+        """A lease on ``token`` (the lender's handle: a slot, a buffer) was released."""
+
+
+class LeaseLedger:
+    """The counts of one lender's leases (stats are data: read them with :meth:`stats`).
+    A lender updates them under its own lock (``granted``, ``released``), so a lease costs no
+    lock of its own; a ledger used on its own (:meth:`grant`) is its own lender."""
+
+    __slots__ = ("_lock", "active", "active_bytes", "granted", "double_releases")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # for double releases, and for leases granted by ``grant``
+        self.active = 0  # leases granted and not released
+        self.active_bytes = 0  # bytes they cover
+        self.granted = 0  # leases granted, ever
+        self.double_releases = 0  # releases refused: the lease was released already
+
+    @property
+    def ledger(self) -> LeaseLedger:
+        return self
+
+    def on_grant(self, nbytes: int) -> None:
+        """Count a lease granted (under the lender's lock)."""
+        self.active += 1
+        self.active_bytes += nbytes
+        self.granted += 1
+
+    def on_release(self, nbytes: int) -> None:
+        """Count a lease released (under the lender's lock)."""
+        self.active -= 1
+        self.active_bytes -= nbytes
+
+    def on_double_release(self) -> None:
+        with self._lock:
+            self.double_releases += 1
+
+    def grant(self, nbytes: int, on_release: Callable[[], None]) -> Lease:
+        """A lease on ``nbytes`` lent by this ledger itself: ``on_release`` runs once, at its release."""
+        with self._lock:
+            self.on_grant(nbytes)
+        return Lease(self, nbytes, on_release)
+
+    def lease_released(self, token: Any, nbytes: int) -> None:
+        with self._lock:
+            self.on_release(nbytes)
+        token()
+
+    def stats(self) -> dict[str, int]:
+        """The counts (read under the lender's lock for a consistent set)."""
+        return {"leases_active": self.active, "leased_bytes": self.active_bytes,
+                "leases_granted": self.granted, "lease_double_releases": self.double_releases}
+
+
+class Lease:
+    """``nbytes`` of a lender's memory (``token``: the lender's handle on it), lent until
+    :meth:`release`, exactly once."""
+
+    __slots__ = ("nbytes", "_lender", "_token", "_released")
+
+    def __init__(self, lender: Lender, nbytes: int, token: Any) -> None:
+        self.nbytes = nbytes
+        self._lender = lender
+        self._token = token
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Give the memory back. Raises ``LeaseError`` if it was given back already."""
+        if self._released:
+            self._lender.ledger.on_double_release()
+            raise LeaseError(f"a lease on {self.nbytes} bytes was released twice (a lease is released exactly once)")
+        self._released = True
+        token, self._token = self._token, None
+        self._lender.lease_released(token, self.nbytes)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        return f"Lease({self.nbytes} bytes, {'released' if self._released else 'held'})"
+
+
+def release_all(leases: list[Lease | None]) -> None:
+    """Release every lease of ``leases`` not released yet (None entries skipped), even if one
+    release raises; the first error is raised after all were tried. Empties the list."""
+    error: BaseException | None = None
+    for lease in leases:
+        if lease is None or lease.released:
+            continue
+        try:
+            lease.release()
+        except BaseException as exc:  # noqa: BLE001 - the others must still be released
+            error = error or exc
+    leases.clear()
+    if error is not None:
+        raise error
+
+
+__all__ = ["Lease", "LeaseError", "LeaseLedger", "Lender", "release_all"]

@@ -1,0 +1,208 @@
+"""Memory lifetimes: leases on CPU-tier slots and pooled buffers (``store.lease``).
+
+A slot is never reused while leased; a lease is released exactly once; it is released on
+every error path (a decode error, an exception in a ``with`` block, a client that goes
+away in the middle of a streamed response from a real server); the counts are in stats."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+import cacheseek as cs
+from cacheseek.store.arena import HostArena
+from cacheseek.store.cpu import CpuTier
+from cacheseek.store.direct_io import BufferPool
+from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.lease import LeaseError, LeaseLedger
+from cacheseek.store.tier import BlockFrame
+from server_helpers import Server, raw_chain
+from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
+
+BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
+
+
+def _frame(i: int) -> tuple[bytes, BlockFrame]:
+    key = bytes([i]) * 16
+    meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
+                      codec=cs.Raw().spec(), buffers=BUFFERS)
+    half = meta.tensors[0].nbytes
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
+
+
+def _leases(tier: CpuTier) -> dict:
+    return tier.lease_stats()
+
+
+def test_a_leased_slot_is_never_reused_while_leased():
+    key1, f1 = _frame(1)
+    tier = CpuTier(3 * f1.nbytes)
+    for i in (1, 2, 3):  # fill the budget
+        tier.put(*_frame(i))
+    reader = tier.get(key1)
+    snapshot = bytes(reader.host)
+    assert _leases(tier)["leases_active"] == 1 and _leases(tier)["leased_bytes"] == f1.nbytes
+    for i in range(4, 12):  # evict everything, many times over, and write new data
+        tier.put(*_frame(i))
+    assert not tier.contains(key1)  # the record is gone from the index at once
+    assert bytes(reader.host) == snapshot  # but its memory was not reused
+    stats = _leases(tier)
+    assert stats["held_slots"] == 1 and stats["held_bytes"] >= f1.nbytes
+    reader.release()
+    stats = _leases(tier)
+    assert stats["held_slots"] == 0 and stats["leases_active"] == 0 and stats["leased_bytes"] == 0
+    # Released: the slot is reused by the next writes.
+    for i in range(12, 16):
+        tier.put(*_frame(i))
+    assert tier.stats().extra["held_slots"] == 0
+
+
+def test_the_arena_reuses_a_freed_slot_only_after_its_last_lease():
+    arena = HostArena(1 << 20)
+    slot = arena.allocate(4096)
+    a, b = arena.lease(slot), arena.lease(slot)
+    arena.free(slot)
+    assert arena.held == 1
+    assert arena.allocate(1 << 20, grow=False) is None  # the held slot's room is not free
+    a.release()
+    assert arena.held == 1
+    with b:
+        pass
+    assert arena.held == 0
+    assert arena.allocate(1 << 20, grow=False) is not None  # all of it free again
+    with pytest.raises(RuntimeError, match="freed twice"):
+        arena.free(slot)
+    with pytest.raises(RuntimeError, match="freed"):
+        arena.lease(slot)
+
+
+def test_a_lease_is_released_exactly_once_and_a_double_release_is_an_error_that_is_counted():
+    calls = []
+    ledger = LeaseLedger()
+    lease = ledger.grant(10, lambda: calls.append(1))
+    assert ledger.stats()["leases_active"] == 1 and ledger.stats()["leased_bytes"] == 10
+    lease.release()
+    with pytest.raises(LeaseError, match="twice"):
+        lease.release()
+    with lease:  # a with block over a released lease releases nothing
+        pass
+    assert calls == [1]
+    assert ledger.stats() == {"leases_active": 0, "leased_bytes": 0, "leases_granted": 1, "lease_double_releases": 1}
+
+
+def test_a_lease_is_released_when_the_with_block_raises():
+    key, frame = _frame(1)
+    tier = CpuTier(2 * frame.nbytes)
+    tier.put(key, frame)
+    with pytest.raises(ZeroDivisionError):
+        with tier.get(key) as got:
+            assert bytes(got.host) == bytes(frame.host)
+            1 / 0
+    assert got.lease.released and _leases(tier)["leases_active"] == 0
+    with pytest.raises(LeaseError):
+        got.release()  # the with block released it: once
+    assert _leases(tier)["lease_double_releases"] == 1
+
+
+def test_pooled_buffers_are_leases_too():
+    pool = BufferPool(keep_bytes=1 << 20)
+    lease = pool.take(5000)
+    assert pool.stats()["leases_active"] == 1 and pool.stats()["leased_bytes"] == lease.buffer.nbytes
+    lease.release()
+    with pytest.raises(LeaseError):
+        lease.release()
+    stats = pool.stats()
+    assert stats["leases_active"] == 0 and stats["buffers_free"] == 1 and stats["lease_double_releases"] == 1
+
+
+def test_write_through_reads_the_stored_copy_under_a_lease(tmp_path):
+    key, frame = _frame(1)
+    store = cs.TierConfig(cpu_bytes=4 * frame.nbytes, disk_path=tmp_path / "d", pin_memory=False,
+                          write_through=["disk"]).build()
+    try:
+        assert store.put(key, frame).stored
+        assert bytes(store.tier("disk").get(key).to_bytes()) == bytes(frame.host)
+        assert store.tier("cpu").lease_stats()["leases_active"] == 0
+        assert store.tier("cpu").lease_stats()["leases_granted"] == 1  # the write-through's
+    finally:
+        store.close()
+
+
+def test_materialize_releases_every_lease_on_a_decode_error(monkeypatch):
+    cache = make_cache(cpu="4MiB")
+    toks = tokens_for(1, 4 * BLOCK)
+    cache.ingest(toks, make_kv(4 * BLOCK, 1))
+    cpu = cache.store.tier("cpu")
+    from cacheseek import decode
+
+    real_add = decode.BatchDecoder.add
+    seen = []
+
+    def failing_add(self, frame):
+        seen.append(frame)
+        if len(seen) == 3:
+            raise RuntimeError("decode failed")
+        return real_add(self, frame)
+
+    monkeypatch.setattr(decode.BatchDecoder, "add", failing_add)
+    with pytest.raises(RuntimeError, match="decode failed"):
+        cache.materialize(toks)
+    stats = cpu.lease_stats()
+    assert stats["leases_granted"] >= 3 and stats["leases_active"] == 0 and stats["lease_double_releases"] == 0
+    monkeypatch.setattr(decode.BatchDecoder, "add", real_add)
+    assert cache.materialize(toks).num_tokens == 4 * BLOCK
+    assert cpu.lease_stats()["leases_active"] == 0
+    cache.close()
+
+
+def _cpu(c: httpx.Client) -> dict:
+    return c.get("/v1/stats").json()["tiers"][0]
+
+
+def _wait_released(c: httpx.Client, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        cpu = _cpu(c)
+        if cpu["leases_active"] == 0 or time.monotonic() > deadline:
+            return cpu
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("http", ["auto", "h11"])
+def test_a_client_that_goes_away_mid_stream_releases_the_leases(tmp_path, http):
+    chain = raw_chain(7, 16, block=2048)  # 16 frames of ~2 MiB: far more than the socket buffers
+    with Server(tmp_path, "--http", http, cpu_bytes="128MiB", disk=False) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as c:
+        for h, f in chain:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=f).status_code == 201
+        granted = _cpu(c)["leases_granted"]
+        for attempt in range(3):
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(f"GET /v1/prefixes/{chain[-1][0].hex()} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            got = sock.recv(65536)
+            assert got.startswith(b"HTTP/1.1 200")
+            deadline = time.monotonic() + 15  # the server blocks mid-stream, holding leases
+            while (held := _cpu(c))["leases_active"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert held["leases_active"] >= 1 and held["leased_bytes"] > 0
+            sock.close()
+            cpu = _wait_released(c)
+            assert cpu["leases_active"] == 0 and cpu["leased_bytes"] == 0, cpu
+            assert cpu["lease_double_releases"] == 0
+        assert _cpu(c)["leases_granted"] > granted
+        # A single block, cut off too.
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(f"GET /v1/blocks/{chain[0][0].hex()} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.close()
+        assert _wait_released(c)["leases_active"] == 0
+        # And whole answers are exact, with nothing left leased.
+        body = c.get(f"/v1/prefixes/{chain[-1][0].hex()}").content
+        assert len(body) == sum(8 + len(f) for _, f in chain)
+        assert c.get(f"/v1/blocks/{chain[3][0].hex()}").content == chain[3][1]
+        assert _wait_released(c)["leases_active"] == 0

@@ -1,0 +1,248 @@
+"""Precision policies: a codec per block position. Keys (a policy never shares a block with
+a uniform codec or another policy), frames (each names its own codec), round trips through
+every path (in place, put, disk, a real server) equal bit for bit to per-block uniform
+decodes, and bad policies refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cacheseek as cs
+from cacheseek.block_format import BlockFormat
+from cacheseek.errors import FrameError
+from cacheseek.hashing import hash_token_blocks
+from cacheseek.prefix_keys import PrefixKeys
+from cacheseek.quant import setting_from_spec
+from server_helpers import Server
+from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+
+POLICY = cs.PrecisionPolicy(first=cs.KIVI(bits=8), first_blocks=2, rest=cs.KIVI(k_bits=4, v_bits=2))
+RAW_HEAD = cs.PrecisionPolicy(first=cs.Raw(), rest=cs.KIVI(bits=2))
+
+CODECS = [cs.Raw(), cs.KIVI(bits=8), cs.KIVI(bits=4), cs.KIVI(bits=2), cs.KIVI(k_bits=4, v_bits=2),
+          cs.KIVI(bits=2, group_size=64)]
+
+
+def _uniform_decode(policy, kv, blocks: int):
+    """K and V of ``blocks`` blocks, each encoded and decoded alone by its position's codec."""
+    ks, vs = [], []
+    for i in range(blocks):
+        codec = policy.codec_at(i) if isinstance(policy, cs.PrecisionPolicy) else policy
+        k = torch.stack([k[:, i * BLOCK:(i + 1) * BLOCK] for k, _ in kv])
+        v = torch.stack([v[:, i * BLOCK:(i + 1) * BLOCK] for _, v in kv])
+        dk, dv = codec.decode(codec.encode(k, v), "cpu")
+        ks.append(dk)
+        vs.append(dv)
+    return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+
+def _assert_equal_to_uniform(got, policy, kv, blocks: int) -> None:
+    assert got.num_blocks == blocks
+    k_ref, v_ref = _uniform_decode(policy, kv, blocks)
+    for layer, (k, v) in enumerate(got.layers):
+        assert torch.equal(k[0].cpu(), k_ref[layer]), f"layer {layer} K"
+        assert torch.equal(v[0].cpu(), v_ref[layer]), f"layer {layer} V"
+
+
+def _cache(policy=POLICY, **tiers):
+    tiers.setdefault("pin_memory", False)
+    return cs.PrefixCache(model_id="m", layout=LAYOUT, codec=policy, block_tokens=BLOCK, tiers=cs.TierConfig(**tiers))
+
+
+# -- the setting -------------------------------------------------------------------------
+
+
+def test_spec_round_trips_and_names_each_part():
+    spec = POLICY.spec()
+    assert spec == {"name": "policy", "version": 1, "first": cs.KIVI(bits=8).spec(), "first_blocks": 2,
+                    "rest": cs.KIVI(k_bits=4, v_bits=2).spec()}
+    assert setting_from_spec(spec) == POLICY
+    assert setting_from_spec(cs.KIVI(bits=2).spec()) == cs.KIVI(bits=2)
+    assert [POLICY.codec_at(i) for i in range(4)] == [cs.KIVI(bits=8)] * 2 + [cs.KIVI(k_bits=4, v_bits=2)] * 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"first": cs.KIVI(bits=8), "rest": cs.KIVI(bits=8)}, "same codec"),
+    ({"first": cs.Raw(), "rest": cs.KIVI(bits=2), "first_blocks": 0}, "first_blocks"),
+    ({"first": cs.Raw(), "rest": cs.KIVI(bits=2), "first_blocks": True}, "first_blocks"),
+    ({"first": cs.Raw(), "rest": cs.KIVI(bits=2), "first_blocks": 1.5}, "first_blocks"),
+    ({"first": "int8", "rest": cs.KIVI(bits=2)}, "PrecisionPolicy.first: expected a codec"),
+    ({"first": cs.Raw(), "rest": RAW_HEAD}, "PrecisionPolicy.rest: expected a codec"),
+])
+def test_bad_policies_are_refused_with_the_reason(kw, match):
+    with pytest.raises(cs.ConfigError, match=match):
+        cs.PrecisionPolicy(**kw)
+
+
+@pytest.mark.parametrize("spec", [
+    {**POLICY.spec(), "extra": 1},
+    {**POLICY.spec(), "version": 2},
+    {**POLICY.spec(), "rest": {"name": "zstd"}},
+    {**POLICY.spec(), "first": POLICY.spec()},
+])
+def test_bad_policy_specs_are_refused(spec):
+    with pytest.raises(cs.ConfigError):
+        setting_from_spec(spec)
+
+
+def test_a_policy_whose_part_does_not_fit_the_layout_is_refused_at_construction():
+    bad = cs.PrecisionPolicy(first=cs.Raw(), rest=cs.KIVI(bits=2, group_size=64))
+    with pytest.raises(cs.ConfigError):
+        _cache(bad)  # blocks of 32 tokens cannot hold K groups of 64
+
+
+# -- keys --------------------------------------------------------------------------------
+
+_codec = st.sampled_from(CODECS)
+
+
+@st.composite
+def _setting(draw):
+    if draw(st.booleans()):
+        return draw(_codec)
+    first, rest = draw(_codec), draw(_codec)
+    if first == rest:
+        return first
+    return cs.PrecisionPolicy(first=first, first_blocks=draw(st.integers(1, 4)), rest=rest)
+
+
+@given(a=_setting(), b=_setting(), seed=st.integers(0, 3))
+def test_different_settings_never_share_a_key(a, b, seed):
+    def chain(setting):
+        keys = PrefixKeys.create(namespace="", model_id="m", layout=LAYOUT, codec=setting, block_tokens=64)
+        return keys.root, hash_token_blocks(keys.root, tokens_for(seed, 4 * 64), 64)
+
+    (ra, ha), (rb, hb) = chain(a), chain(b)
+    if a.spec() == b.spec():
+        assert (ra, ha) == (rb, hb)
+    else:
+        assert ra != rb
+        assert not set(ha) & set(hb)
+
+
+def test_a_policy_cache_does_not_find_a_uniform_chain_in_the_same_store(tmp_path):
+    toks, kv = tokens_for(1, 4 * BLOCK), make_kv(4 * BLOCK, 1)
+    with _cache(cs.KIVI(k_bits=4, v_bits=2), disk_path=tmp_path, cpu_bytes=0) as uniform:
+        uniform.ingest(toks, kv)
+    with _cache(POLICY, disk_path=tmp_path, cpu_bytes=0) as mixed:
+        assert mixed.lookup(toks) == 0
+        mixed.ingest(toks, kv)
+        assert mixed.lookup(toks) == 4 * BLOCK
+
+
+# -- frames and round trips ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [POLICY, RAW_HEAD], ids=["int8-head", "raw-head"])
+@pytest.mark.parametrize("tiers", [{"cpu_bytes": "8MiB"}, {"cpu_bytes": 0, "disk": True}],
+                         ids=["in-place", "put-disk"])
+def test_mixed_chain_round_trip_equals_per_block_uniform_decode(policy, tiers, tmp_path):
+    tiers = dict(tiers)
+    if tiers.pop("disk", False):
+        tiers["disk_path"] = tmp_path
+    toks, kv = tokens_for(2, 5 * BLOCK + 7), make_kv(5 * BLOCK + 7, 2)
+    with _cache(policy, **tiers) as cache:
+        assert cache.ingest(toks, kv).stored == 5
+        hashes = cache.block_hashes(toks)
+        for i, h in enumerate(hashes):  # each frame names the codec of its position
+            frame, _ = cache.store.get(h)
+            assert frame.meta.codec == policy.codec_at(i).spec()
+            assert frame.meta.position == i
+            frame.release()
+        _assert_equal_to_uniform(cache.materialize(toks), policy, kv, 5)
+        # A prefix that ends inside the first segment, and one just past it.
+        _assert_equal_to_uniform(cache.materialize(toks, max_tokens=BLOCK), policy, kv, 1)
+        _assert_equal_to_uniform(cache.materialize(toks, max_tokens=3 * BLOCK), policy, kv, 3)
+        assert cache.stats()["codec"] == policy.spec()
+
+
+def test_ingest_of_an_extension_stores_only_the_new_blocks_with_the_rest_codec():
+    toks, kv = tokens_for(3, 6 * BLOCK), make_kv(6 * BLOCK, 3)
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        head = [(k[:, : 3 * BLOCK], v[:, : 3 * BLOCK]) for k, v in kv]
+        assert cache.ingest(toks[: 3 * BLOCK], head).stored == 3
+        result = cache.ingest(toks, kv)
+        assert (result.present, result.stored) == (3, 3)
+        _assert_equal_to_uniform(cache.materialize(toks), POLICY, kv, 6)
+
+
+def test_a_frame_with_its_positions_wrong_codec_is_refused():
+    fmt = BlockFormat(POLICY, LAYOUT, BLOCK)
+    key, parent = bytes(range(16)), bytes(16)
+    first = fmt.plan(block_hash=key, parent_hash=parent, position=0)
+    fmt.check_fetched(first, key)
+    assert first.codec == cs.KIVI(bits=8).spec()
+    moved = BlockFormat(cs.KIVI(bits=8), LAYOUT, BLOCK).plan(block_hash=key, parent_hash=parent, position=5)
+    with pytest.raises(FrameError, match="another codec"):
+        fmt.check_fetched(moved, key)
+
+
+def test_nan_in_a_late_block_stores_nothing_of_the_call():
+    toks, kv = tokens_for(4, 4 * BLOCK), make_kv(4 * BLOCK, 4)
+    kv[1][1][0, 3 * BLOCK + 2, 5] = float("nan")
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        with pytest.raises(cs.InputError):
+            cache.ingest(toks, kv)
+        assert cache.lookup(toks) == 0
+
+
+def test_paged_calls_with_a_policy_are_refused_clearly():
+    # vLLM's layout: per layer [2, pages, page_size, H, D]; 4 pages of 16 tokens = 2 blocks.
+    pages = cs.KVPages.vllm([torch.randn(2, 4, 16, 2, 64).half() for _ in range(LAYOUT.num_layers)])
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        with pytest.raises(cs.ConfigError, match="precision policy"):
+            cache.ingest(tokens_for(5, 2 * BLOCK), pages.at([0, 1, 2, 3]))
+        with pytest.raises(cs.ConfigError, match="precision policy"):
+            cache.materialize_into(tokens_for(5, 2 * BLOCK), pages.at([0, 1, 2, 3]))
+        assert cache.lookup(tokens_for(5, 2 * BLOCK)) == 0
+
+
+def test_layerwise_loads_of_a_policy_chain_are_refused_clearly():
+    toks, kv = tokens_for(7, 2 * BLOCK), make_kv(2 * BLOCK, 7)
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        assert cache.ingest(toks, kv).stored == 2
+        with pytest.raises(cs.ConfigError, match="layer-wise loads: not supported with a precision policy"):
+            cache.materialize(toks, layerwise=True)
+        assert cache.materialize(toks).num_tokens == 2 * BLOCK  # the whole-chain load still works
+
+
+def test_the_triton_kernels_in_the_interpreter_decode_a_mixed_chain_bit_for_bit(monkeypatch):
+    pytest.importorskip("triton")
+    toks, kv = tokens_for(6, 3 * BLOCK), make_kv(3 * BLOCK, 6)
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "triton")
+    policy = cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=2))
+    with _cache(policy, cpu_bytes="8MiB") as cache:
+        cache.ingest(toks, kv)
+        got = cache.materialize(toks)
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "torch")
+    _assert_equal_to_uniform(got, policy, kv, 3)
+
+
+# -- a real server ------------------------------------------------------------------------
+
+
+def test_remote_cache_with_a_policy_through_a_real_server(tmp_path):
+    toks, kv = tokens_for(7, 4 * BLOCK + 3), make_kv(4 * BLOCK + 3, 7)
+    with Server(tmp_path / "srv") as srv:
+        with cs.RemoteCache(srv.url, model_id="m", layout=LAYOUT, codec=POLICY, block_tokens=BLOCK) as remote:
+            assert remote.ingest(toks, kv).stored == 4
+            _assert_equal_to_uniform(remote.materialize(toks), POLICY, kv, 4)
+            assert remote.lookup(toks) == 4 * BLOCK
+        # The same tokens under the uniform codec of the policy's rest: no block shared.
+        with cs.RemoteCache(srv.url, model_id="m", layout=LAYOUT, codec=POLICY.rest, block_tokens=BLOCK) as other:
+            assert other.lookup(toks) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("tiers", [{"cpu_bytes": "64MiB"}, {"gpu_bytes": "64MiB", "cpu_bytes": 0}],
+                         ids=["in-place", "gpu-tier"])
+def test_mixed_chain_on_a_gpu_equals_per_block_uniform_decode(tiers):
+    toks = tokens_for(8, 12 * BLOCK + 3)
+    kv = make_kv(12 * BLOCK + 3, 8, device="cuda")
+    with _cache(POLICY, pin_memory=True, **tiers) as cache:
+        assert cache.ingest(toks, kv).stored == 12
+        got = cache.materialize(toks, device="cuda")
+        _assert_equal_to_uniform(got, POLICY, [(k.cpu(), v.cpu()) for k, v in kv], 12)

@@ -1,0 +1,125 @@
+"""``PrefixCache`` from several threads at once (a worker with many request threads).
+
+Eight threads ingest, materialize and look up overlapping and distinct prefixes, on a CPU
+tier alone and on CPU + disk (written through, and with a CPU tier small enough to evict
+and promote). What each thread gets is bit-identical to a single-threaded run, the stats
+add up, every lease is released, and nothing deadlocks (each run has a timeout)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from store_helpers import BLOCK, make_cache, make_kv, tokens_for
+
+THREADS = 8
+ROUNDS = 6
+TIMEOUT_S = 120
+
+
+def _work(seed: int) -> tuple[list[int], list]:
+    """A prompt and its KV: a shared head (blocks 0-1, same for every seed), then its own blocks."""
+    head = tokens_for(0, 2 * BLOCK)
+    own = tokens_for(100 + seed, 3 * BLOCK)
+    kv_head = make_kv(2 * BLOCK, 0)
+    kv_own = make_kv(3 * BLOCK, 100 + seed)
+    kv = [(torch.cat([k0, k1], dim=1), torch.cat([v0, v1], dim=1)) for (k0, v0), (k1, v1) in zip(kv_head, kv_own)]
+    return head + own, kv
+
+
+def _run_one(cache, toks, kv) -> tuple[int, int, list[torch.Tensor]]:
+    cache.ingest(toks, kv)
+    located = cache.locate(toks).num_tokens
+    got = cache.materialize(toks)
+    return located, got.num_tokens, [t.clone() for k, v in got.layers for t in (k, v)]
+
+
+CONFIGS = {
+    "cpu": dict(cpu="8MiB"),
+    "cpu+disk": dict(cpu="8MiB", disk=True),
+    "small-cpu+disk": dict(cpu="160KiB", disk=True),  # evicts, demotes and promotes all along
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_threads_get_what_one_thread_gets(tmp_path, config):
+    kw = dict(CONFIGS[config])
+    if kw.pop("disk", False):
+        kw["disk"] = tmp_path / "disk"
+    work = [_work(seed) for seed in range(THREADS)]
+
+    # Single-threaded reference, in a cache of its own.
+    ref_kw = dict(kw)
+    if "disk" in ref_kw:
+        ref_kw["disk"] = tmp_path / "ref"
+    ref = make_cache(**ref_kw)
+    expected = [_run_one(ref, toks, kv) for toks, kv in work]
+    ref.close()
+
+    cache = make_cache(**kw)
+    start = threading.Barrier(THREADS)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> list:
+        start.wait()
+        out = []
+        for r in range(ROUNDS):
+            # Each thread works on its own prompt and, every other round, a neighbour's
+            # (so distinct threads ingest and read the very same blocks at once).
+            j = i if r % 2 == 0 else (i + 1) % THREADS
+            toks, kv = work[j]
+            out.append((j, _run_one(cache, toks, kv)))
+        return out
+
+    results: list = [None] * THREADS
+
+    def run(i: int) -> None:
+        try:
+            results[i] = worker(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    # Daemon threads joined with a deadline: a deadlock fails the test instead of hanging it.
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
+    assert not errors, errors
+
+    for per_thread in results:
+        for j, (located, tokens, tensors) in per_thread:
+            exp_located, exp_tokens, exp_tensors = expected[j]
+            assert tokens == located == 5 * BLOCK or config.startswith("small"), (tokens, located)
+            if tokens == exp_tokens:
+                assert all(torch.equal(a, b) for a, b in zip(tensors, exp_tensors))
+            else:  # a small tier: a shorter prefix (evicted meanwhile) is still exact
+                n = tokens
+                assert n % BLOCK == 0
+                for a, b in zip(tensors, exp_tensors):
+                    assert torch.equal(a[..., :n, :], b[..., :n, :])
+
+    stats = cache.stats()
+    cpu = stats["tiers"][0]
+    assert cpu["leases_active"] == 0 and cpu["leased_bytes"] == 0 and cpu["lease_double_releases"] == 0
+    assert cpu["held_slots"] == 0 and cpu["reservation_bytes"] == 0
+    assert cpu["used_bytes"] <= cpu["capacity_bytes"]
+    # Every block distinct store-wide: the shared head twice, each thread's own three.
+    if not config.startswith("small"):
+        assert stats["blocks"] == 2 + 3 * THREADS
+        assert cpu["blocks"] == 2 + 3 * THREADS
+    if "disk" in kw:
+        disk = stats["tiers"][1]
+        assert disk["blocks"] == 2 + 3 * THREADS  # written through: every block, once
+    # A last single-threaded pass over the same cache agrees too.
+    for j, (toks, kv) in enumerate(work):
+        located, tokens, tensors = _run_one(cache, toks, kv)
+        assert tokens == 5 * BLOCK or config.startswith("small")
+        for a, b in zip(tensors, expected[j][2]):
+            assert torch.equal(a[..., :tokens, :], b[..., :tokens, :])
+    cache.close()
