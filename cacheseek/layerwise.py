@@ -16,9 +16,10 @@ How a load runs (``LayerwiseDecoder``):
   blocks at once: for each group the copies of its slices of every CPU-tier frame (six
   copies per frame for KIVI, one per buffer), then one decode launch per side, on a decode
   stream of its own, then a CUDA event. ``wait(layer)`` makes the consumer's stream wait for
-  that event: the host never waits. The copies of group ``g + 2`` are issued when the
-  consumer waits for a layer of group ``g``, so the host's launches interleave with the
-  forward's instead of delaying its start.
+  that event: the host never waits on the device. Group 0 is issued before the handle is
+  returned, groups 1.. by a thread of the load's own (``ISSUE_IN_BACKGROUND``), so neither
+  the call nor the consumer's waits spend host time on the later groups' copy launches and
+  view cutting (a wait blocks only if its group has not been issued yet).
 - Without CUDA, each group is decoded when a layer of it is first waited for (synchronous,
   in the caller's thread): the same API and the same bytes, testable anywhere.
 
@@ -28,6 +29,7 @@ loaded raises ``LoadError``, and the caller recomputes.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import deque
@@ -45,7 +47,11 @@ from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 _FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
-LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (on a GPU)
+LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (lazy issue on a GPU)
+# Where groups 1.. are issued from a thread of the load's own (by device type), instead of
+# lazily from the consumer's ``wait``: on a GPU, so the consumer's thread (a forward's
+# launches) never issues the copies; on a CPU the lazy order is kept (tests set it).
+ISSUE_IN_BACKGROUND = {"cuda": True, "cpu": False}
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
@@ -75,7 +81,7 @@ class LayerwiseDecoder(BatchDecoder):
         super().__init__(fmt, max_blocks, device, sink=sink)
         self.groups = list(groups)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
-        self._split: list[tuple[Any, Any]] = []  # (dst, src) pieces of the frames copied group by group
+        self._rows: list[tuple[int, Any]] = []  # (staging row, payload) of the frames copied group by group
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
@@ -103,49 +109,73 @@ class LayerwiseDecoder(BatchDecoder):
         dst = self._staging[j]
         host = frame.device_payload is None and frame.device_entries is None
         self._frames.append(frame)
+        if split and host and len(self.groups) > 1:
+            # Only layer group 0 now (on a CPU too, so the host's work per frame is what it is
+            # on a GPU): one C++ call per side cuts its pieces (one per buffer) out; the rest
+            # of the frame is cut and copied when group 1 runs, off the path to layer 0.
+            src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
+            self._rows.append((j, src))
+            self._split_frames.append(frame)
+            if self._copy_stream is None:
+                self._copy_group(0, self._rows[-1:])
+            else:
+                with on_stream(self._copy_stream):
+                    self._copy_group(0, self._rows[-1:])
+            return
         if self._copy_stream is None:
             self._copy(frame, dst)  # done when it returns
             frame.release()
             return
         with on_stream(self._copy_stream):
-            if split and host and len(self.groups) > 1:
-                # One C++ call per side cuts a frame into its (buffer, layer group) pieces:
-                # slicing them one by one in Python cost more than the copies' launches.
-                src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
-                pieces = (dst.tensor_split(self._cuts), src.tensor_split(self._cuts))
-                self._split.append(pieces)
-                self._split_frames.append(frame)
-                self._copy_pieces([pieces], 0)
-            else:
-                self._copy(frame, dst)
-                landed = torch.cuda.Event()
-                landed.record(self._copy_stream)
-                self._pending.append((landed, frame))
+            self._copy(frame, dst)
+            landed = torch.cuda.Event()
+            landed.record(self._copy_stream)
+            self._pending.append((landed, frame))
 
     def _plan_pieces(self, meta: Any) -> None:
-        """Where a payload is cut so that each (buffer, layer group) is one piece: the cut
-        offsets, and per group the indices of its pieces (one per buffer)."""
+        """Where a payload is cut for each layer group: per group, the cut offsets of its
+        pieces (one per buffer: that buffer's layers of the group) and their indices among
+        the parts. The staging's side of group 0 is cut here, once for every row."""
         L = self.layout.num_layers
         if any(not e.shape or e.shape[0] != L or e.nbytes % L for e in meta.tensors):
             raise FrameError("frame buffers are not laid out layer-major: cannot load them layer by layer")
-        starts = {}
-        for e in meta.tensors:
-            per = e.nbytes // L
-            for l0, _ in self.groups:
-                starts[(e.name, l0)] = e.offset + l0 * per
-            starts[(e.name, L)] = e.offset + e.nbytes
-        cuts = sorted(set(starts.values()) - {0})
-        index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
-        self._cuts = cuts
-        self._group_pieces = [[index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors] for l0, _ in self.groups]
+        self._plans = []
+        for l0, l1 in self.groups:
+            bounds = {b for e in meta.tensors for b in (e.offset + l0 * (e.nbytes // L), e.offset + l1 * (e.nbytes // L))}
+            cuts = sorted(bounds - {0})
+            index = {c: i + 1 for i, c in enumerate(cuts)} | {0: 0}
+            self._plans.append((cuts, [index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors]))
+        self._group_dst: list[Any] = [None] * len(self.groups)
+        self._staging_pieces(0)
 
-    def _copy_pieces(self, frames: list[tuple[Any, Any]], g: int) -> None:
-        """Copy layer group ``g`` of the (dst pieces, src pieces) of ``frames``, queued on
-        the current stream: one ``_foreach_copy_`` (its launches made in C++)."""
+    def _staging_pieces(self, g: int) -> list[tuple[torch.Tensor, ...]]:
+        """Group ``g``'s pieces of every staging row, one tuple per buffer (made at the
+        group's first use: one ``unbind`` per buffer, not a cut per frame)."""
+        pieces = self._group_dst[g]
+        if pieces is None:
+            cuts, idx = self._plans[g]
+            cols = self._staging.tensor_split(cuts, dim=1)
+            pieces = self._group_dst[g] = [cols[i].unbind(0) for i in idx]
+        return pieces
+
+    def _copy_group(self, g: int, rows: list[tuple[int, Any]] | None = None) -> None:
+        """Copy layer group ``g`` of ``rows`` (default: every frame copied group by group),
+        queued on the current stream: one ``_foreach_copy_`` (its launches made in C++).
+        Each payload is cut into the group's pieces by one C++ call (slicing them one by
+        one in Python cost more than the copies' launches); only this group's, so the
+        first groups' copies start after a small share of the cutting."""
+        cuts, idx = self._plans[g]
+        cols = self._staging_pieces(g)
+        dst, src = [], []
+        for j, payload in self._rows if rows is None else rows:
+            parts = payload.tensor_split(cuts)
+            dst.extend(col[j] for col in cols)
+            src.extend(parts[i] for i in idx)
+        self._copy_list(dst, src)
+
+    @staticmethod
+    def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         global _FOREACH_COPY
-        idx = self._group_pieces[g]
-        dst = [d[i] for d, _ in frames for i in idx]
-        src = [s[i] for _, s in frames for i in idx]
         if _FOREACH_COPY:
             try:
                 torch._foreach_copy_(dst, src, non_blocking=True)
@@ -163,9 +193,7 @@ class LayerwiseDecoder(BatchDecoder):
         while pending and pending[0][0].query():
             pending.popleft()[1].release()
         if self._split_frames and self._last_copy is not None and self._last_copy.query():
-            for frame in self._split_frames:
-                frame.release()
-            self._split_frames = []
+            self._release_split()
 
     def seal(self) -> int:
         """No more frames: allocate the outputs (contiguous loads). Returns the block count."""
@@ -201,11 +229,15 @@ class LayerwiseDecoder(BatchDecoder):
         n = self._n
         views = [v[:n, l0:l1] for v in self._views]
         if self._decode_stream is None:
+            if g > 0 and self._rows:
+                self._copy_group(g)  # done when it returns
+                if g == len(self.groups) - 1:
+                    self._release_split()
             self._decode_layers(views, l0, l1, n)
             return None
-        if g > 0 and self._split:
+        if g > 0 and self._rows:
             with on_stream(self._copy_stream):
-                self._copy_pieces(self._split, g)
+                self._copy_group(g)
         landed = torch.cuda.Event()
         landed.record(self._copy_stream)
         if g == len(self.groups) - 1:
@@ -216,6 +248,11 @@ class LayerwiseDecoder(BatchDecoder):
         ready = torch.cuda.Event(enable_timing=timing)
         ready.record(self._decode_stream)
         return ready
+
+    def _release_split(self) -> None:
+        frames, self._split_frames, self._rows = self._split_frames, [], []
+        for frame in frames:
+            frame.release()
 
     def _decode_layers(self, views: list[torch.Tensor], l0: int, l1: int, n: int) -> None:
         if self._sink is not None:
@@ -234,9 +271,7 @@ class LayerwiseDecoder(BatchDecoder):
             done.synchronize()
         while self._pending:
             self._pending.popleft()[1].release()
-        for frame in self._split_frames:
-            frame.release()
-        self._split_frames = []
+        self._release_split()
         self._frames.clear()
 
 
@@ -273,7 +308,7 @@ class LayerwiseLoad:
     def __init__(self, *, num_layers: int, device: torch.device, num_tokens: int = 0, num_blocks: int = 0,
                  tiers: Sequence[str] = (), decoder: LayerwiseDecoder | None = None,
                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, timing: bool = True,
-                 requests: Sequence[Any] | None = None) -> None:
+                 requests: Sequence[Any] | None = None, background: bool | None = None) -> None:
         self.num_layers, self.device = num_layers, device
         self.requests = list(requests) if requests is not None else []
         self.num_tokens, self.num_blocks, self.tiers = num_tokens, num_blocks, list(tiers)
@@ -284,6 +319,10 @@ class LayerwiseLoad:
         self._groups = decoder.groups if decoder is not None else [(0, num_layers)]
         self._group_of = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
         self._issued = 0 if decoder is not None else len(self._groups)
+        self._background = decoder is not None and (
+            background if background is not None else ISSUE_IN_BACKGROUND.get(device.type, False))
+        self._issue_lock = threading.Condition()  # guards _issued/_events with a background issuer
+        self._worker: threading.Thread | None = None
         self._events: list[Any] = [None] * num_layers  # per layer: its group's ready event (GPU)
         self._ready_t: list[float | None] = [None] * num_layers  # per layer, host clock (CPU)
         self._needed: list[Any] = [None] * num_layers  # per layer: when first waited for
@@ -300,6 +339,18 @@ class LayerwiseLoad:
                 ready.record(torch.cuda.current_stream(device))
             self._events = [ready] * num_layers
             self._ready_t = [0.0] * num_layers
+        elif self._background:
+            # Group 0 (its copies went with the frames) is issued here, in the caller's thread,
+            # and nothing more: the handle is returned at once, and a thread of the load's own
+            # issues groups 1.. in order (copies, decodes, events), so neither this call nor the
+            # consumer's waits spend host time on them. It runs under the caller's grad and
+            # inference modes (the outputs may be inference tensors written in place).
+            self._advance(0)
+            if self._issued < len(self._groups) and self.error is None:
+                modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+                self._worker = threading.Thread(target=self._issue_rest, args=modes,
+                                                name="cacheseek-layerwise", daemon=True)
+                self._worker.start()
         elif self._cuda:
             self._advance(min(len(self._groups), LOOKAHEAD_GROUPS) - 1)
 
@@ -332,7 +383,9 @@ class LayerwiseLoad:
                 needed = torch.cuda.Event(enable_timing=True)
                 needed.record(stream)
                 self._needed[layer] = needed
-            self._advance(g + LOOKAHEAD_GROUPS)
+            # With a background issuer: only until this layer's group is issued (normally long
+            # since); lazily: issue it and the next LOOKAHEAD_GROUPS from this thread.
+            self._advance(g if self._background else g + LOOKAHEAD_GROUPS)
             self._check(layer)
             stream.wait_event(self._events[layer])
         else:
@@ -369,6 +422,8 @@ class LayerwiseLoad:
 
     def done(self) -> bool:
         """Whether every layer is loaded (issues what is left; never waits)."""
+        if self._background and self._issued < len(self._groups):
+            return False  # the issuer is still at work
         self._advance(len(self._groups) - 1)
         if self.error is not None:
             return False
@@ -392,6 +447,7 @@ class LayerwiseLoad:
         try:
             if self.error is None:
                 self._advance(len(self._groups) - 1)
+            self._join()
             if self._cuda:
                 done = [e for e in self._events if e is not None]
                 if done:
@@ -439,7 +495,11 @@ class LayerwiseLoad:
     # -- internals ---------------------------------------------------------------------
 
     def _advance(self, upto: int) -> None:
-        """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order."""
+        """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order. With a
+        background issuer, the caller's thread only waits until they have been issued."""
+        if self._worker is not None and threading.current_thread() is not self._worker:
+            self._await_issued(upto)
+            return
         decoder = self._decoder
         upto = min(upto, len(self._groups) - 1)
         while self._issued <= upto and self.error is None and not self._closed:
@@ -447,17 +507,47 @@ class LayerwiseLoad:
             try:
                 event = decoder.run_group(g, timing=self._timing)
             except BaseException as exc:  # marks the load; ``wait`` raises for what is missing
-                self.error = exc
-                decoder.release_all()
+                with self._issue_lock:
+                    self.error = exc
+                    self._issue_lock.notify_all()
+                if self._worker is None:
+                    decoder.release_all()  # (the issuer's frames are given back by close())
                 return
             l0, l1 = self._groups[g]
             now = time.perf_counter()
-            for i in range(l0, l1):
-                self._events[i] = event
-                self._ready_t[i] = now
-            self._issued += 1
-        if self._issued == len(self._groups) and decoder is not None and self._cuda:
+            with self._issue_lock:
+                for i in range(l0, l1):
+                    self._events[i] = event
+                    self._ready_t[i] = now
+                self._issued += 1
+                self._issue_lock.notify_all()
+        if self._issued == len(self._groups) and decoder is not None and self._cuda and self._worker is None:
             decoder.release_copied()
+
+    def _issue_rest(self, grad: bool, inference: bool) -> None:
+        """The background issuer: every group after the first, in order."""
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                if self._cuda:
+                    torch.cuda.set_device(self.device)
+                self._advance(len(self._groups) - 1)
+        except BaseException as exc:  # e.g. set_device failing: the load is marked, never hangs
+            with self._issue_lock:
+                self.error = self.error or exc
+                self._issue_lock.notify_all()
+
+    def _await_issued(self, upto: int) -> None:
+        """Block until the issuer has issued group ``upto`` (or failed, or ended)."""
+        upto = min(upto, len(self._groups) - 1)
+        worker = self._worker
+        with self._issue_lock:
+            while self._issued <= upto and self.error is None and worker.is_alive():
+                self._issue_lock.wait(0.05)
+
+    def _join(self) -> None:
+        """Wait for the issuer to end (every group issued, or the load failed)."""
+        if self._worker is not None and threading.current_thread() is not self._worker:
+            self._worker.join()
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:

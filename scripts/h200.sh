@@ -75,6 +75,10 @@ for s in "$@"; do
     # per-layer timeline (load ready vs compute); goal 12x at 16K, 16x at 32K.
     ttft-layerwise) step ttft-layerwise 400 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu,cpu-layerwise --codecs int4 --timeline --repeats 5 --out /tmp/ttft-lw
                  cp /tmp/ttft-lw/ttft.json "$OUT/ttft_layerwise.json" ;;
+    # Host time of a layer-wise load until its handle (the gap before the forward's layer 0),
+    # 16K and 32K tokens, int4 from the CPU tier; then the TTFT rows with the timeline again.
+    layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9
+                 step layerwise-host-32k 250 python3 -m benchmarks.layerwise_host --device cuda --blocks 128 --repeats 9 ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
     redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek import paged_io
+from cacheseek import layerwise, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import engine_pages, page_tables, snapshot, unchanged
+from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
 from store_helpers import make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -66,12 +66,16 @@ def test_layer_groups_grow_and_cover_every_layer():
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_layerwise_load_is_bit_identical_to_materialize(codec, kernels, monkeypatch):
-    if kernels:  # the Triton decode (interpreted on a CPU) of layer ranges: strided staging views
+    # The Triton decode of layer ranges (strided staging views) runs where test_paged.py runs
+    # the kernels: on CUDA tensors on a GPU, interpreted on a CPU (CPU tensors outside the
+    # interpreter are refused by the kernels).
+    device = DEVICE if kernels else "cpu"
+    if kernels:
         monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
     with make_cache(codec) as cache:
-        toks, _ = stored(cache, codec)
-        want = cache.materialize(toks)
-        with cache.materialize(toks, layerwise=True) as load:
+        toks, _ = stored(cache, codec, device=device)
+        want = cache.materialize(toks, device=device)
+        with cache.materialize(toks, device=device, layerwise=True) as load:
             assert (load.num_tokens, load.num_blocks, load.tiers) == (want.num_tokens, want.num_blocks, want.tiers)
             for i in range(L):
                 k, v = load.layer(i)
@@ -151,6 +155,51 @@ def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypat
             assert torch.equal(again.layer(5)[1], want.layers[5][1])
 
 
+@pytest.fixture
+def background(monkeypatch):
+    """Groups 1.. issued by the load's own thread, as on a GPU (here it decodes them)."""
+    monkeypatch.setitem(layerwise.ISSUE_IN_BACKGROUND, "cpu", True)
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_background_issuer_loads_the_same_bytes_under_the_callers_modes(codec, background):
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with torch.inference_mode():  # the outputs are inference tensors: the issuer writes them in that mode
+            load = cache.materialize(toks, layerwise=True)
+            assert load.ready(0)  # group 0 is issued (here: decoded) before the handle is returned
+            for i in reversed(range(L)):  # any order: a wait blocks until the issuer got there
+                k, v = load.layer(i)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+            load.close()
+        assert load.done() and not load._worker.is_alive()
+        assert [t.layer for t in load.timeline()] == list(range(L))
+
+
+def test_a_background_issuer_that_fails_marks_the_load_and_never_hangs(background, monkeypatch):
+    real = LayerwiseDecoder._decode_layers
+
+    def failing_from_layer_3(self, views, l0, l1, n):
+        if l0 >= 3:
+            raise RuntimeError("device lost")
+        return real(self, views, l0, l1, n)
+
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_3)
+        load = cache.materialize(toks, layerwise=True)
+        assert torch.equal(load.layer(2)[0], want.layers[2][0])  # groups 0 and 1 loaded
+        with pytest.raises(cs.LoadError, match="layer 5 .*device lost"):
+            load.wait(5)
+        assert not load.done()
+        load.close()
+        monkeypatch.undo()
+        with cache.materialize(toks, layerwise=True) as again:  # the frames were given back
+            assert torch.equal(again.layer(5)[1], want.layers[5][1])
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
     """What a GPU copies of a CPU-tier frame per layer group: exactly that group's layers of
@@ -162,20 +211,22 @@ def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
         frame, _ = cache.store.get_many(cache.block_hashes(toks)[:1])[0]
         groups = layer_groups(L)
         dec = LayerwiseDecoder(cache.block_format, 1, torch.device("cpu"), groups)
-        dec._start(frame.meta)
-        dec._plan_pieces(frame.meta)
         n = frame.meta.payload_nbytes
-        payload = as_host_tensor(frame.payload_view())[:n]
-        row = torch.zeros(n, dtype=torch.uint8)
-        pieces = (row.tensor_split(dec._cuts), payload.tensor_split(dec._cuts))
+        payload = as_host_tensor(frame.payload_view())[:n].clone()
+        dec.add(frame, split=True)  # group 0 copied now, the rest when its group runs
+        dec.seal()
+        row = dec._staging[0][:n]
         copied = torch.zeros(n, dtype=torch.bool)
         for g, (l0, l1) in enumerate(groups):
-            dec._copy_pieces([pieces], g)
+            if g:
+                dec._copy_group(g)
             for e in frame.meta.tensors:
                 per = e.nbytes // L
                 copied[e.offset + l0 * per : e.offset + l1 * per] = True
-            assert torch.equal(row[copied], payload[copied]) and not row[~copied].any()
-        assert torch.equal(row, payload) or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
+            assert len(dec._plans[g][1]) == len(frame.meta.tensors)  # one piece per buffer
+            assert torch.equal(row[copied], payload[copied])
+        dec.release_all()
+        assert copied.all() or not payload[~copied].any()  # (gaps between buffers, if any, are zeros)
 
 
 # -- into an engine's pages ------------------------------------------------------------------
@@ -188,7 +239,7 @@ def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer
         monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
     page, num_pages = 16, 24
     with make_cache(codec) as cache:
-        toks, _ = stored(cache, codec)
+        toks, _ = stored(cache, codec, device=DEVICE)  # the KV where the pages are: the kernels encode it
         T = 3 * BLOCK + 7
         ids = page_tables([T], page, num_pages, seed=2)[0]
         normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=4)
@@ -383,7 +434,7 @@ def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
         toks, _ = stored(cache, INT4, device="cuda")
         want = cache.materialize(toks, device="cuda")
         load = cache.materialize(toks, device="cuda", layerwise=True)
-        assert len(load._decoder._split) == load.num_blocks  # CPU-tier frames: first group copied alone
+        assert len(load._decoder._rows) == load.num_blocks  # CPU-tier frames: first group copied alone
         for i in range(L):
             assert torch.equal(load.layer(i)[0], want.layers[i][0])
         load.close()
@@ -441,6 +492,16 @@ def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny
         assert type(b.cache).__name__ == "LayerwiseDynamicCache" and cache_length(b.cache) == len(ids)
         ga, gb = (greedy_continue(tiny_model, r.cache, r.logits, 6, keep_logits=True) for r in (a, b))
         assert ga.tokens == gb.tokens and all(torch.equal(x, y) for x, y in zip(ga.logits, gb.logits))
+
+
+def test_layerwise_prefill_with_a_background_issuer_equals_the_normal_one(tiny_model, background):
+    ids = list(range(5, 5 + 3 * TF_BLOCK + 4))
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        with torch.inference_mode():
+            a = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False)
+            b = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False, layerwise=True)
+        assert b.reused_tokens == 3 * TF_BLOCK and b.skipped_reason is None and same_result(a, b)
 
 
 def test_each_layer_waits_inside_the_forward_in_order(tiny_model):

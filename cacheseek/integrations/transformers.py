@@ -320,6 +320,7 @@ def prefill_with_reuse(
     timings = PrefillTimings()
 
     reused, tiers, past, decision, skipped, load, writer = 0, [], None, None, None, None, None
+    prompt = None  # the prompt's ids on the device, made before a layer-wise load starts
     if reuse != "never" and len(ids) > 1:
         located = cache.locate(ids[: len(ids) - 1])
         timings.locate_s = time.perf_counter() - t0
@@ -333,6 +334,10 @@ def prefill_with_reuse(
             skipped = decision.reason
         elif located.num_tokens and layerwise:
             t = time.perf_counter()
+            # Everything the forward needs but the load is made first: from the load's start
+            # on, the host's time is on the path to layer 0 (the forward starts on the handle).
+            writer = cache.ingest_layerwise(ids) if ingest else None
+            prompt = torch.tensor([ids], dtype=torch.long, device=device)
             load = cache.materialize(ids, device=device, max_tokens=len(ids) - 1, layerwise=True)
             if load.num_tokens:
                 reused, tiers = load.num_tokens, list(load.tiers)
@@ -355,10 +360,14 @@ def prefill_with_reuse(
 
     t = time.perf_counter()
     if layerwise:
-        writer = cache.ingest_layerwise(ids) if ingest else None
+        if writer is None and ingest:
+            writer = cache.ingest_layerwise(ids)
         past = layerwise_cache(load, model.config, writer)
     try:
-        suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
+        if prompt is not None:
+            suffix = prompt[:, reused:]
+        else:
+            suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
         logits, past = forward(model, suffix, past, last_only=True)
     except LoadError as exc:  # a layer-wise load that failed part way: recompute the prompt
         skipped = f"layer-wise load failed, recomputed: {exc}"
