@@ -60,11 +60,12 @@ for s in "$@"; do
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
-    mixed)       step mixed 300 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
+    mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
+    tests-new)   step tests-new 110 python3 -m pytest -q -x -ra -p no:cacheprovider --timeout 60 tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
