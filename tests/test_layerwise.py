@@ -235,8 +235,9 @@ def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec, kernels, monkeypatch):
-    if kernels:  # the Triton kernels (interpreted on a CPU), a layer range per launch
-        monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    # The Triton kernels (interpreted on a CPU), a layer range per launch; or the torch
+    # fallback, named so that a GPU's default (the kernels) does not take over.
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton" if kernels else "torch")
     page, num_pages = 16, 24
     with make_cache(codec) as cache:
         toks, _ = stored(cache, codec, device=DEVICE)  # the KV where the pages are: the kernels encode it
