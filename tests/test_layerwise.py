@@ -560,10 +560,7 @@ def test_smollm2_layerwise_reuse_equals_the_normal_path(codec, monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the machine's cores are shared; OpenMP threads spin when descheduled
     try:
-        try:
-            model, tokenizer = smollm2.load()
-        except smollm2.ModelUnavailable as exc:  # a machine with no network and no copy (the GPU host)
-            pytest.skip(f"SmolLM2 not available here: {exc}")
+        model, tokenizer = smollm2.load()  # fetched on first use (scripts/test.sh's machines have the network)
         doc = texts.stdlib_document("json")[:900]
         ids = chat_prompt(tokenizer, doc, "Which function parses a JSON string?")
         with model_cache(model, codec) as normal, model_cache(model, codec) as lw:

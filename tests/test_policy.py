@@ -209,18 +209,19 @@ def test_layerwise_loads_of_a_policy_chain_are_refused_clearly():
         assert cache.materialize(toks).num_tokens == 2 * BLOCK  # the whole-chain load still works
 
 
-def test_the_triton_kernels_in_the_interpreter_decode_a_mixed_chain_bit_for_bit(monkeypatch):
+def test_the_triton_kernels_decode_a_mixed_chain_bit_for_bit(monkeypatch):
+    # Interpreted on a CPU; on a GPU compiled, on CUDA tensors (the kernels refuse CPU tensors
+    # outside the interpreter).
     pytest.importorskip("triton")
-    if torch.cuda.is_available():  # the kernels refuse CPU tensors outside the interpreter
-        pytest.skip("on a GPU the round trip below runs the kernels on CUDA tensors")
-    toks, kv = tokens_for(6, 3 * BLOCK), make_kv(3 * BLOCK, 6)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    toks, kv = tokens_for(6, 3 * BLOCK), make_kv(3 * BLOCK, 6, device=device)
     monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "triton")
     policy = cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=2))
-    with _cache(policy, cpu_bytes="8MiB") as cache:
+    with _cache(policy, cpu_bytes="8MiB", pin_memory=device == "cuda") as cache:
         cache.ingest(toks, kv)
-        got = cache.materialize(toks)
+        got = cache.materialize(toks, device=device)
     monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "torch")
-    _assert_equal_to_uniform(got, policy, kv, 3)
+    _assert_equal_to_uniform(got, policy, [(k.cpu(), v.cpu()) for k, v in kv], 3)
 
 
 # -- a real server ------------------------------------------------------------------------
