@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
@@ -266,36 +268,20 @@ class PrefixCache(PrefixCacheBase):
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
-        added: list = []  # frames added to the decoder, in order; the first ``released`` given back
-        released = first_row = 0
+        feed = _Feed(decoder)
+        first_row = 0
         try:
             # As ``materialize``: frames flow from the tiers into the decoder as they land, and
             # each landed chunk is decoded straight into its pages.
             for r, (n, s) in enumerate(zip(counts, starts)):
                 if n <= s:
                     continue
-                frames = self.store.stream(call.hashes[r][s:n], where=located[r][s:n], leased=True)
-                try:
-                    for key, got in zip(call.hashes[r][s:n], frames):
-                        if got is None:
-                            break  # evicted or found corrupt since locate: this prefix ends here
-                        frame, tier = got
-                        try:
-                            self.block_format.check_fetched(frame.meta, key)
-                        except FrameError:
-                            frame.release()
-                            break
+                with closing(self._fetch(call.hashes[r][s:n], located[r][s:n])) as frames:
+                    for frame, tier in frames:
                         sink.rows.append(first_row + results[r].num_blocks - s)
-                        added.append(frame)  # released in the end even if the add fails
-                        decoder.add(frame)  # its copy to the device starts now
+                        feed.add(frame)
                         results[r].num_blocks += 1
                         results[r].tiers.append(tier)
-                        copied = decoder.copied()
-                        for done in added[released:copied]:
-                            done.release()
-                        released = max(released, copied)
-                finally:
-                    frames.close()  # reads not handed out: cancelled or given back
                 first_row += n - s
             if len(decoder):
                 decoder.finish(wait=False)
@@ -304,9 +290,7 @@ class PrefixCache(PrefixCacheBase):
                 if res.num_blocks:
                     self.store.touch_chain(h[: res.num_blocks])
         finally:
-            decoder.wait()  # no copy reads the frames' memory any more
-            for frame in added[released:]:
-                frame.release()
+            feed.close()
         return results
 
     def locate(self, keys: Any) -> Located:
@@ -335,40 +319,38 @@ class PrefixCache(PrefixCacheBase):
             return self._nothing(device)
         decoder = make_decoder(self.block_format, len(located), device)
         tiers: list[str] = []
-        added: list = []  # frames added to the decoder, in order; the first ``released`` given back
-        released = 0
+        feed = _Feed(decoder)
         try:
-            frames = self.store.stream(hashes[: len(located)], where=located, leased=True)
-            try:
-                for key, got in zip(hashes, frames):
-                    if got is None:
-                        break  # evicted or found corrupt since locate: the prefix ends here
-                    frame, tier = got
-                    try:
-                        self.block_format.check_fetched(frame.meta, key)
-                    except FrameError:
-                        frame.release()
-                        break
-                    added.append(frame)  # released in the end even if the add fails
-                    decoder.add(frame)  # its copy to the device starts now
+            with closing(self._fetch(hashes[: len(located)], located)) as frames:
+                for frame, tier in frames:
+                    feed.add(frame)
                     tiers.append(tier)
-                    # Buffers whose copies have landed go back to the pool at once, so a long
-                    # chain reuses a few pooled buffers instead of holding one per block.
-                    copied = decoder.copied()
-                    for done in added[released:copied]:
-                        done.release()
-                    released = max(released, copied)
-            finally:
-                frames.close()  # reads not handed out: cancelled or given back
             if not tiers:
                 return self._nothing(device)
             k, v = decoder.finish(wait=False)
             self.store.touch_chain(hashes[: len(tiers)])
             return self._materialized(k, v, tiers, device)  # while the last copies land
         finally:
-            decoder.wait()  # no copy reads the frames' memory any more
-            for frame in added[released:]:
-                frame.release()
+            feed.close()
+
+    def _fetch(self, hashes: list[bytes], where: list[str]) -> Iterator[tuple[Any, str]]:
+        """(frame, tier) of each block of a located chain in order, leased and checked; ends
+        at the first block evicted or found corrupt since ``locate`` (the prefix ends there).
+        Closing it cancels or gives back the reads not handed out."""
+        frames = self.store.stream(hashes, where=where, leased=True)
+        try:
+            for key, got in zip(hashes, frames):
+                if got is None:
+                    return
+                frame, tier = got
+                try:
+                    self.block_format.check_fetched(frame.meta, key)
+                except FrameError:
+                    frame.release()
+                    return
+                yield frame, tier
+        finally:
+            frames.close()
 
     def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
         self._check_layerwise()
@@ -400,3 +382,26 @@ class PrefixCache(PrefixCacheBase):
 
     def close(self) -> None:
         self.store.close()
+
+
+class _Feed:
+    """Frames handed to a decoder in order, each given back as soon as its copy to the device
+    has landed, so a long chain reuses a few pooled buffers instead of holding one per block."""
+
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self.added: list = []
+        self.released = 0  # the first ``released`` of ``added`` are given back
+
+    def add(self, frame: Any) -> None:
+        self.added.append(frame)  # released in ``close`` even if the add fails
+        self.decoder.add(frame)  # its copy to the device starts now
+        copied = self.decoder.copied()
+        for done in self.added[self.released:copied]:
+            done.release()
+        self.released = max(self.released, copied)
+
+    def close(self) -> None:
+        self.decoder.wait()  # no copy reads the frames' memory any more
+        for frame in self.added[self.released:]:
+            frame.release()

@@ -128,18 +128,22 @@ def test_wait_checks_the_layer_and_an_empty_load_is_ready():
         short.close()
 
 
-def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypatch):
+def decode_failing_from(layer: int):
+    """``LayerwiseDecoder._decode_layers`` that raises for every group from ``layer`` on."""
     real = LayerwiseDecoder._decode_layers
 
-    def failing_from_layer_1(self, views, l0, l1, n):
-        if l0 >= 1:
+    def decode(self, views, l0, l1, n):
+        if l0 >= layer:
             raise RuntimeError("device lost")
         return real(self, views, l0, l1, n)
+    return decode
 
+
+def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypatch):
     with make_cache(INT4) as cache:
         toks, _ = stored(cache, INT4)
         want = cache.materialize(toks)
-        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_1)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", decode_failing_from(1))
         load = cache.materialize(toks, layerwise=True)
         k, _ = load.layer(0)  # loaded before the failure: good
         assert torch.equal(k, want.layers[0][0])
@@ -178,17 +182,10 @@ def test_a_background_issuer_loads_the_same_bytes_under_the_callers_modes(codec,
 
 
 def test_a_background_issuer_that_fails_marks_the_load_and_never_hangs(background, monkeypatch):
-    real = LayerwiseDecoder._decode_layers
-
-    def failing_from_layer_3(self, views, l0, l1, n):
-        if l0 >= 3:
-            raise RuntimeError("device lost")
-        return real(self, views, l0, l1, n)
-
     with make_cache(INT4) as cache:
         toks, _ = stored(cache, INT4)
         want = cache.materialize(toks)
-        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", failing_from_layer_3)
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", decode_failing_from(3))
         load = cache.materialize(toks, layerwise=True)
         assert torch.equal(load.layer(2)[0], want.layers[2][0])  # groups 0 and 1 loaded
         with pytest.raises(cs.LoadError, match="layer 5 .*device lost"):
