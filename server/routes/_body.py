@@ -98,6 +98,19 @@ class RequestBody:
         return n
 
 
+async def _read_exactly(body: RequestBody, view: memoryview, length: int, held: BodyBytes,
+                        on_data: Callable[[memoryview], None]) -> None:
+    """Fill ``view[:length]`` from the body a step at a time, counting each step in the budget."""
+    filled = 0
+    while filled < length:
+        step = min(STEP, length - filled)
+        n = await body.read_into(view[filled : filled + step], on_data)
+        held.take(n)
+        filled += n
+        if n < step:
+            raise _short(body, filled, length)
+
+
 async def receive_frame(body: RequestBody, length: int | None, limit: int, held: BodyBytes,
                         reservation: Reservation | None, on_data: Callable[[memoryview], None]) -> Any:
     """Receive one frame of ``length`` bytes (None: to the end of the body, at most
@@ -107,15 +120,8 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
     ``ClientGone`` when its client went away, else a ``BadRequest``."""
     if reservation is not None:
         assert length is not None
-        view = reservation.view()  # the reservation is the lease: valid until its commit or abort
-        filled = 0
-        while filled < length:
-            step = min(STEP, length - filled)
-            n = await body.read_into(view[filled : filled + step], on_data)
-            held.take(n)
-            filled += n
-            if n < step:
-                raise _short(body, filled, length)
+        # The reservation is the lease: its view is valid until its commit or abort.
+        await _read_exactly(body, reservation.view(), length, held, on_data)
         return None
     if length is not None and length > PIECE:
         # A buffer of its own, mapped for the declared length but committed by the OS page by
@@ -123,15 +129,8 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         # what it sent); unmapped, so given back to the OS, when the frame is dropped.
         buf = mmap.mmap(-1, length)
         view = memoryview(buf)
-        filled = 0
         try:
-            while filled < length:
-                step = min(STEP, length - filled)
-                n = await body.read_into(view[filled : filled + step], on_data)
-                held.take(n)
-                filled += n
-                if n < step:
-                    raise _short(body, filled, length)
+            await _read_exactly(body, view, length, held, on_data)
         finally:
             view.release()
         return buf
