@@ -9,7 +9,11 @@
         benchmarks/results/h200/ttft_fixed_cells.json --out docs     # redraw the plot
 
 Model: Llama-3-8B shape (32 layers, 32 heads, 8 KV heads, head dim 128, hidden 4096,
-intermediate 14336, vocab 128256), random weights, bf16, sdpa, built directly on the GPU.
+intermediate 14336, vocab 128256), random weights, bf16, built directly on the GPU. Attention:
+``--attention cacheseek_sdpa`` (default) runs SDPA with the causal mask aligned bottom-right
+(the flash kernel, as engines run a suffix after a cached prefix); ``--attention sdpa`` is
+transformers' own, which builds a mask and repeats K/V heads for that suffix
+(docs/engine.md: both measured). The full prefill runs the same model either way.
 Prompt: random token ids; a context of N tokens is a prefix of N-256 tokens (whole blocks of
 256) plus a 256-token suffix.
 
@@ -52,6 +56,8 @@ from typing import Any
 import torch
 
 import cacheseek as cs
+from cacheseek import layerwise
+from cacheseek.integrations import suffix_attention
 from cacheseek.integrations.planner import ReusePlanner
 from cacheseek.integrations.transformers import forward, kv_layout, layerwise_cache, prefill_with_reuse
 
@@ -73,6 +79,7 @@ CODECS = {"raw": lambda: cs.Raw(), "int4": lambda: cs.KIVI(bits=4, group_size=32
           "int2": lambda: cs.KIVI(bits=2, group_size=32)}
 TIERS = ("gpu", "cpu", "cpu-layerwise", "disk", "disk-prefetch")
 LAYERWISE = "-layerwise"  # a tier name ending so is read layer by layer
+ATTENTION = suffix_attention.NAME  # the model's attention, for the full prefill and the suffix alike
 PREFETCH_LEAD_S = 0.2  # a prefetch starts this long before the request (its time in a queue)
 
 
@@ -92,11 +99,13 @@ def kivi_backend(device: torch.device) -> str:
     return backend
 
 
-def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+def build_model(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, attention: str = ATTENTION) -> Any:
     """Random weights, made directly on ``device`` (no CPU copy, no checkpoint)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**shape, attn_implementation="sdpa")
+    if attention == suffix_attention.NAME:
+        suffix_attention.register()
+    config = LlamaConfig(**shape, attn_implementation=attention)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -365,6 +374,13 @@ def main() -> None:
     ap.add_argument("--tiers", default=",".join(TIERS))
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--attention", default=ATTENTION,
+                    help=f"the model's attn_implementation: {ATTENTION} (default: SDPA with the causal mask aligned "
+                         "bottom-right, flash kernel; cacheseek.integrations.suffix_attention) or transformers' sdpa "
+                         "(a materialized mask and repeated K/V heads for a suffix after a past)")
+    ap.add_argument("--layerwise-issue", choices=layerwise.ISSUE_MODES, default=None,
+                    help="how a layer-wise load issues its later layer groups (default: the library's, "
+                         "cacheseek.layerwise.ISSUE)")
     ap.add_argument("--timeline", action="store_true",
                     help="layer-wise rows: also record a per-layer timeline (load ready vs compute)")
     ap.add_argument("--disk-path", type=Path, default=None, help="folder for the disk tier (default: a temp dir)")
@@ -373,6 +389,8 @@ def main() -> None:
     args = ap.parse_args()
     if plot_only(args, plot):
         return
+    if args.layerwise_issue:
+        layerwise.ISSUE.update(cuda=args.layerwise_issue, cpu=args.layerwise_issue)
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
@@ -390,7 +408,7 @@ def main() -> None:
     tiers = args.tiers.split(",")
     codecs = args.codecs.split(",")
     log(f"building a {'tiny' if args.tiny else 'Llama-3-8B-shaped'} model on {device} ({dtype}) ...")
-    model = build_model(shape, device, dtype)
+    model = build_model(shape, device, dtype, args.attention)
     log(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
         f"attention {model.config._attn_implementation}")
     backend = kivi_backend(device)
@@ -407,7 +425,8 @@ def main() -> None:
     goal = next((r for r in rows if r["context"] == 16384 and r["tier"] == "cpu" and r["codec"] == "int4"
                  and "speedup" in r), None)
     payload = {"model": "llama3-8b-shape (random)" if not args.tiny else "tiny", "shape": shape,
-               "dtype": str(dtype), "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
+               "dtype": str(dtype), "attention": model.config._attn_implementation,
+               "layerwise_issue": layerwise.ISSUE["cpu" if args.tiny else "cuda"], "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
                "seconds": seconds, "kivi_backend": backend, "disk_root": str(disk_root), "disk_fs": disk_fs, "transformers": transformers_version(),
                "rows": rows,
                "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}

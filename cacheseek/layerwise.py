@@ -16,10 +16,12 @@ How a load runs (``LayerwiseDecoder``):
   blocks at once: for each group the copies of its slices of every CPU-tier frame (six
   copies per frame for KIVI, one per buffer), then one decode launch per side, on a decode
   stream of its own, then a CUDA event. ``wait(layer)`` makes the consumer's stream wait for
-  that event: the host never waits on the device. Group 0 is issued before the handle is
-  returned, groups 1.. by a thread of the load's own (``ISSUE_IN_BACKGROUND``), so neither
-  the call nor the consumer's waits spend host time on the later groups' copy launches and
-  view cutting (a wait blocks only if its group has not been issued yet).
+  that event: the host never waits on the device. On a GPU every group is issued before
+  the handle is returned (``ISSUE``): the host's part of the load is then over before the
+  forward's launches begin, and the device runs the groups' copies and decodes on its side
+  streams while the forward computes the layers already there. (A thread issuing them
+  during the forward, or the forward's own waits, contend with its launches for the host
+  and the GIL, and delivered layers late.)
 - Without CUDA, each group is decoded when a layer of it is first waited for (synchronous,
   in the caller's thread): the same API and the same bytes, testable anywhere.
 
@@ -41,17 +43,22 @@ import torch
 
 from .block_format import BlockFormat
 from .decode import BatchDecoder
-from .errors import FrameError, InputError, LoadError
+from .errors import ConfigError, FrameError, InputError, LoadError
 from .store.device import as_host_tensor
 from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 _FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
 LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (lazy issue on a GPU)
-# Where groups 1.. are issued from a thread of the load's own (by device type), instead of
-# lazily from the consumer's ``wait``: on a GPU, so the consumer's thread (a forward's
-# launches) never issues the copies; on a CPU the lazy order is kept (tests set it).
-ISSUE_IN_BACKGROUND = {"cuda": True, "cpu": False}
+# How groups 1.. are issued, by device type: "eager" (all of them before the handle is
+# returned: the copies and decodes are queued on the side streams in order, and the device
+# overlaps them with the consumer's work; the host is done with the load before the
+# forward starts), "background" (a thread of the load's own: on a GPU it contends for the
+# GIL with the forward's launches, and its groups arrive late: benchmarks/ttft.py
+# --layerwise-issue measures all three), or "lazy" (from the consumer's ``wait``,
+# LOOKAHEAD_GROUPS ahead). On a CPU, lazy: a layer is decoded when it is first waited for.
+ISSUE = {"cuda": "eager", "cpu": "lazy"}
+ISSUE_MODES = ("eager", "background", "lazy")
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
@@ -308,7 +315,7 @@ class LayerwiseLoad:
     def __init__(self, *, num_layers: int, device: torch.device, num_tokens: int = 0, num_blocks: int = 0,
                  tiers: Sequence[str] = (), decoder: LayerwiseDecoder | None = None,
                  layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, timing: bool = True,
-                 requests: Sequence[Any] | None = None, background: bool | None = None) -> None:
+                 requests: Sequence[Any] | None = None, issue: str | None = None) -> None:
         self.num_layers, self.device = num_layers, device
         self.requests = list(requests) if requests is not None else []
         self.num_tokens, self.num_blocks, self.tiers = num_tokens, num_blocks, list(tiers)
@@ -319,8 +326,13 @@ class LayerwiseLoad:
         self._groups = decoder.groups if decoder is not None else [(0, num_layers)]
         self._group_of = [g for g, (l0, l1) in enumerate(self._groups) for _ in range(l0, l1)]
         self._issued = 0 if decoder is not None else len(self._groups)
-        self._background = decoder is not None and (
-            background if background is not None else ISSUE_IN_BACKGROUND.get(device.type, False))
+        issue = issue or ISSUE.get(device.type, "lazy")
+        if issue not in ISSUE_MODES:
+            if decoder is not None:
+                decoder.release_all()  # the frames it holds go back: nothing will load them
+            raise ConfigError(f"issue: {issue!r} is not one of {', '.join(ISSUE_MODES)}")
+        self._background = decoder is not None and issue == "background"
+        self._eager = decoder is not None and issue == "eager"
         self._issue_lock = threading.Condition()  # guards _issued/_events with a background issuer
         self._worker: threading.Thread | None = None
         self._events: list[Any] = [None] * num_layers  # per layer: its group's ready event (GPU)
@@ -351,6 +363,8 @@ class LayerwiseLoad:
                 self._worker = threading.Thread(target=self._issue_rest, args=modes,
                                                 name="cacheseek-layerwise", daemon=True)
                 self._worker.start()
+        elif self._eager:
+            self._advance(len(self._groups) - 1)
         elif self._cuda:
             self._advance(min(len(self._groups), LOOKAHEAD_GROUPS) - 1)
 

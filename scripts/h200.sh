@@ -61,12 +61,14 @@ for s in "$@"; do
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
     mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
+    mixed-64)    step mixed-64 200 python3 -m benchmarks.store --mixed --blocks 64 --reps 8 --tiers gpu,cpu --out /tmp/m64
+                 cp /tmp/m64/store_mixed.json "$OUT/store_mixed_64.json" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
-    tests-new)   step tests-new 110 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py ;;
+    tests-new)   step tests-new 110 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
@@ -75,8 +77,20 @@ for s in "$@"; do
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
     # Layer-wise reuse from the CPU tier against the plain one, int4, 16K and 32K, with the
     # per-layer timeline (load ready vs compute); goal 12x at 16K, 16x at 32K.
-    ttft-layerwise) step ttft-layerwise 400 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu,cpu-layerwise --codecs int4 --timeline --repeats 5 --out /tmp/ttft-lw
+    ttft-layerwise) step ttft-layerwise 400 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers gpu,cpu,cpu-layerwise --codecs int4 --timeline --repeats 5 --out /tmp/ttft-lw
                  cp /tmp/ttft-lw/ttft.json "$OUT/ttft_layerwise.json" ;;
+    # The same cells under transformers' own sdpa attention (a mask and repeated K/V heads
+    # for the suffix): what the suffix attention changes.
+    ttft-sdpa)   step ttft-sdpa 300 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers gpu,cpu,cpu-layerwise --codecs int4 --repeats 5 --attention sdpa --out /tmp/ttft-sdpa
+                 cp /tmp/ttft-sdpa/ttft.json "$OUT/ttft_sdpa.json" ;;
+    # Layer-wise rows under the other ways of issuing the later layer groups (the default,
+    # eager, is in ttft-layerwise): a thread of the load's own, and lazily from the waits.
+    ttft-issue)  for mode in background lazy; do
+                   step ttft-issue-$mode 200 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu-layerwise --codecs int4 --timeline --repeats 5 --layerwise-issue $mode --out /tmp/ttft-$mode
+                   cp /tmp/ttft-$mode/ttft.json "$OUT/ttft_layerwise_$mode.json"
+                 done ;;
+    # Kernel loads/stores on pinned host memory against the copy engine.
+    host-access) step host-access 120 python3 -m benchmarks.host_access --out "$OUT" ;;
     # Host time of a layer-wise load until its handle (the gap before the forward's layer 0),
     # 16K and 32K tokens, int4 from the CPU tier; then the TTFT rows with the timeline again.
     layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9

@@ -159,10 +159,34 @@ def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypat
             assert torch.equal(again.layer(5)[1], want.layers[5][1])
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_an_eager_load_has_every_layer_issued_before_the_handle_returns(codec, monkeypatch):
+    """The GPU default: every group queued at once (here: decoded at once, on the CPU)."""
+    monkeypatch.setitem(layerwise.ISSUE, "cpu", "eager")
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with cache.materialize(toks, layerwise=True) as load:
+            assert all(load.ready(i) for i in range(load.num_layers))  # nobody waited for any
+            for i in range(load.num_layers):
+                k, v = load.layer(i)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+
+
+def test_an_unknown_issue_mode_is_a_config_error(monkeypatch):
+    monkeypatch.setitem(layerwise.ISSUE, "cpu", "sideways")
+    codec = CODECS[0]
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        with pytest.raises(cs.ConfigError, match="sideways"):
+            cache.materialize(toks, layerwise=True)
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0  # nothing left lent
+
+
 @pytest.fixture
 def background(monkeypatch):
     """Groups 1.. issued by the load's own thread, as on a GPU (here it decodes them)."""
-    monkeypatch.setitem(layerwise.ISSUE_IN_BACKGROUND, "cpu", True)
+    monkeypatch.setitem(layerwise.ISSUE, "cpu", "background")
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)

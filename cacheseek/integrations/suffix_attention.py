@@ -1,0 +1,98 @@
+"""SDPA for queries that follow a cached past: causal aligned bottom-right, no mask built.
+
+A forward over the suffix after a reused prefix (``prefill_with_reuse``) has q queries and
+past + q keys. transformers' ``sdpa`` attention builds a ``[q, past + q]`` boolean mask for
+it, repeats K and V once per query-head group (GQA), and hands SDPA the mask, which rules
+out the flash kernel. With a long past that is most of the suffix's time: on the H200, a
+256-token suffix over 16K cached tokens of a Llama-3-8B-shaped model spends more in
+attention than in its matmuls (docs/engine.md). Engines run this case on FlashAttention's
+bottom-right causal alignment; SDPA has it too (``causal_lower_right``), with GQA heads
+read in place.
+
+    from cacheseek.integrations.suffix_attention import register
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=register())
+    # or, on a loaded model: model.set_attn_implementation(register())
+
+It applies only where the mask transformers would build is exactly that: no padding mask,
+no sliding window, no mask function other than plain causal, and queries that end at the
+last key (a ``DynamicCache``, and the caches ``prefill_with_reuse`` builds). Everything else
+(padding, a static cache, sliding windows, a bias) gets transformers' own sdpa mask and
+attention, so the results are transformers' results (tests/test_suffix_attention.py
+checks both cases against ``sdpa``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+NAME = "cacheseek_sdpa"
+_lock = threading.Lock()
+_registered = False
+
+
+def register() -> str:
+    """Register the attention and its mask function with transformers (once); returns the
+    name to pass as ``attn_implementation``. Raises ``ImportError`` naming what is missing
+    where transformers or torch is too old for either."""
+    global _registered
+    with _lock:
+        if not _registered:
+            from torch.nn.attention.bias import causal_lower_right  # noqa: F401  (torch >= 2.2)
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface  # transformers >= 4.53
+
+            AttentionInterface.register(NAME, _attention)
+            AttentionMaskInterface.register(NAME, _mask)
+            _registered = True
+    return NAME
+
+
+def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+          mask_function: Any = None, attention_mask: Any = None, local_size: Any = None,
+          allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
+    """``None`` (no mask: :func:`_attention` aligns the causal mask bottom-right) where that is
+    the mask; otherwise transformers' sdpa mask, always materialized, so that ``None`` reaching
+    the attention means exactly this case."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = (mask_function is causal_mask_function and attention_mask is None and local_size is None
+             and allow_is_causal_skip and isinstance(q_offset, int) and isinstance(kv_offset, int))
+    if plain and (q_length == 1 or q_offset + q_length == kv_offset + kv_length):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                     attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
+
+
+def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if (attention_mask is not None or not causal or q_len == 1 or q_len > kv_len
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+            or kwargs.get("sliding_window") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    from torch.nn.attention.bias import causal_lower_right
+
+    gqa = query.shape[1] != key.shape[1]
+    p = dropout if module.training else 0.0
+    if q_len == kv_len:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, dropout_p=p, is_causal=True,
+                                                               scale=scaling, enable_gqa=gqa)
+    else:
+        mask = causal_lower_right(q_len, kv_len)
+        if query.device.type != "cuda":  # no flash kernel to dispatch to: the same mask, built (and no warning)
+            mask = mask._materialize(query.device)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, mask, dropout_p=p, scale=scaling,
+                                                               enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+__all__ = ["NAME", "register"]

@@ -1,0 +1,128 @@
+"""The suffix attention (``cacheseek_sdpa``): transformers' sdpa results, without the mask.
+
+A tiny random Llama runs each case twice, once under transformers' ``sdpa`` and once under
+ours: a full prefill, a suffix after a cached past (the case it exists for), a decode step,
+and a left-padded batch (which must take transformers' own path). The logits must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import cacheseek as cs  # noqa: E402
+from cacheseek.integrations import suffix_attention  # noqa: E402
+from cacheseek.integrations.transformers import forward, kv_layout, prefill_with_reuse  # noqa: E402
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def models():
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    ours = copy.deepcopy(reference)
+    ours.set_attn_implementation(suffix_attention.register())
+    assert ours.config._attn_implementation == suffix_attention.NAME
+    return reference, ours
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_register_is_idempotent():
+    assert suffix_attention.register() == suffix_attention.register() == "cacheseek_sdpa"
+
+
+def test_mask_is_skipped_only_for_queries_ending_at_the_last_key():
+    from transformers.masking_utils import causal_mask_function
+
+    plain = {"batch_size": 1, "mask_function": causal_mask_function}
+    assert suffix_attention._mask(q_length=16, kv_length=80, q_offset=64, **plain) is None  # suffix after a past
+    assert suffix_attention._mask(q_length=16, kv_length=16, **plain) is None  # a prefill
+    assert suffix_attention._mask(q_length=1, kv_length=81, q_offset=80, **plain) is None  # a decode step
+    # a static cache's prefill (keys past the queries' end): a real mask, never None
+    static = suffix_attention._mask(q_length=16, kv_length=128, q_offset=0, **plain)
+    assert static is not None and tuple(static.shape[-2:]) == (16, 128)
+    assert bool(static[0, 0, 0, 0]) and not bool(static[0, 0, 0, 1])  # top-left causal
+    padded = suffix_attention._mask(q_length=4, kv_length=4, attention_mask=torch.tensor([[False, True, True, True]]),
+                                    **plain)
+    assert padded is not None and not bool(padded[0, 0, 3, 0])
+    # a sliding window (its mask function comes from the caller): never skipped
+    assert suffix_attention._mask(q_length=16, kv_length=16, local_size=4, **plain) is not None
+
+
+def test_prefill_suffix_and_decode_match_sdpa(models, monkeypatch):
+    reference, ours = models
+    import torch.nn.attention.bias as bias
+
+    made = []
+    real = bias.causal_lower_right
+    monkeypatch.setattr(bias, "causal_lower_right", lambda *a: made.append(a) or real(*a))
+    ids = _ids(96, 1)
+    with torch.no_grad():
+        full_ref, past_ref = forward(reference, ids[:, :80])
+        full_ours, past_ours = forward(ours, ids[:, :80])
+        assert torch.allclose(full_ref, full_ours, atol=ATOL)
+        # a 16-token suffix over the 80 cached tokens: our bottom-right path
+        suffix_ref, past_ref = forward(reference, ids[:, 80:], past_ref)
+        suffix_ours, past_ours = forward(ours, ids[:, 80:], past_ours)
+        assert torch.allclose(suffix_ref, suffix_ours, atol=ATOL)
+        assert made == [(16, 96)] * 2  # both layers took the bottom-right path, the prefill did not need it
+        # and it is not the top-left alignment (which would hide most of the past)
+        assert not torch.allclose(suffix_ours, forward(reference, ids[:, 80:])[0], atol=1e-3)
+        step_ref, _ = forward(reference, ids[:, 95:], past_ref)
+        step_ours, _ = forward(ours, ids[:, 95:], past_ours)
+        assert torch.allclose(step_ref, step_ours, atol=ATOL)
+
+
+def test_a_padded_batch_takes_transformers_path(models):
+    reference, ours = models
+    ids = torch.cat([_ids(24, 2), _ids(24, 3)])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in the second row
+    with torch.no_grad():
+        a = reference(input_ids=ids, attention_mask=mask).logits
+        b = ours(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(a, b, atol=ATOL)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_with_reuse_under_the_suffix_attention(models, layerwise):
+    """Reuse of a stored prefix (whole, or layer by layer) gives the logits of a full
+    prefill under sdpa."""
+    reference, ours = models
+    ids = _ids(2 * 64 + 20, 4)[0].tolist()
+    with torch.no_grad():
+        want, _ = forward(reference, torch.tensor([ids]), last_only=True)
+    tiers = cs.TierConfig(cpu_bytes="16MiB", pin_memory=False)
+    with cs.PrefixCache(model_id="t", layout=kv_layout(ours), codec=cs.Raw(), block_tokens=64, tiers=tiers) as cache:
+        prefill_with_reuse(ours, cache, ids, reuse="never")
+        res = prefill_with_reuse(ours, cache, ids, reuse="always", ingest=False, layerwise=layerwise)
+    assert res.reused_tokens == 128
+    assert torch.allclose(res.logits.reshape(-1), want.reshape(-1), atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash kernel path needs CUDA")
+def test_suffix_on_cuda_bf16_takes_the_flash_path_and_matches_sdpa(models):
+    """On a GPU, bf16: the bottom-right causal suffix runs on SDPA's flash kernel (no mask),
+    and agrees with transformers' masked sdpa within bf16 rounding."""
+    reference, ours = (copy.deepcopy(m).to("cuda", torch.bfloat16) for m in models)
+    ids = _ids(160, 5).cuda()
+    with torch.no_grad():
+        _, past_ref = forward(reference, ids[:, :128])
+        _, past_ours = forward(ours, ids[:, :128])
+        want, _ = forward(reference, ids[:, 128:], past_ref)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            got, _ = forward(ours, ids[:, 128:], past_ours)  # fails if flash cannot run it
+    assert torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
