@@ -381,6 +381,9 @@ def main() -> None:
     ap.add_argument("--layerwise-issue", choices=layerwise.ISSUE_MODES, default=None,
                     help="how a layer-wise load issues its later layer groups (default: the library's, "
                          "cacheseek.layerwise.ISSUE)")
+    ap.add_argument("--layerwise-copies", action="store_true",
+                    help="layer-wise loads copy each frame's slices one by one, instead of reading every "
+                         "frame's slices of a group in place with one kernel (to measure the difference)")
     ap.add_argument("--timeline", action="store_true",
                     help="layer-wise rows: also record a per-layer timeline (load ready vs compute)")
     ap.add_argument("--disk-path", type=Path, default=None, help="folder for the disk tier (default: a temp dir)")
@@ -391,6 +394,7 @@ def main() -> None:
         return
     if args.layerwise_issue:
         layerwise.ISSUE.update(cuda=args.layerwise_issue, cpu=args.layerwise_issue)
+    layerwise.GATHER = not args.layerwise_copies
 
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f}s] {msg}", flush=True)
@@ -426,7 +430,8 @@ def main() -> None:
                  and "speedup" in r), None)
     payload = {"model": "llama3-8b-shape (random)" if not args.tiny else "tiny", "shape": shape,
                "dtype": str(dtype), "attention": model.config._attn_implementation,
-               "layerwise_issue": layerwise.ISSUE["cpu" if args.tiny else "cuda"], "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
+               "layerwise_issue": layerwise.ISSUE["cpu" if args.tiny else "cuda"],
+               "layerwise_group_copy": "kernel" if layerwise.GATHER else "copies", "suffix": SUFFIX, "block_tokens": BLOCK, "repeats": args.repeats,
                "seconds": seconds, "kivi_backend": backend, "disk_root": str(disk_root), "disk_fs": disk_fs, "transformers": transformers_version(),
                "rows": rows,
                "goal_16k_cpu_int4_speedup": goal["speedup"] if goal else None}

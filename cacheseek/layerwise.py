@@ -44,6 +44,7 @@ import torch
 from .block_format import BlockFormat
 from .decode import BatchDecoder
 from .errors import ConfigError, FrameError, InputError, LoadError
+from .quant.backend import kernels_available
 from .store.device import as_host_tensor
 from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
@@ -59,6 +60,10 @@ LOOKAHEAD_GROUPS = 2  # groups issued beyond the one a consumer waits for (lazy 
 # LOOKAHEAD_GROUPS ahead). On a CPU, lazy: a layer is decoded when it is first waited for.
 ISSUE = {"cuda": "eager", "cpu": "lazy"}
 ISSUE_MODES = ("eager", "background", "lazy")
+# A group's slices of every CPU-tier frame read in place by one kernel (pinned tiers, with
+# Triton), rather than copied one by one: off only to measure the difference (ttft.py).
+GATHER = True
+GATHER_ON_CPU = False  # tests: the one-kernel group copy on CPU tensors too (Triton's interpreter)
 
 
 def layer_groups(num_layers: int, first: int = 1) -> list[tuple[int, int]]:
@@ -84,9 +89,14 @@ class LayerwiseDecoder(BatchDecoder):
     nothing more will be copied out of it (``release``)."""
 
     def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device,
-                 groups: Sequence[tuple[int, int]], *, sink: Any = None) -> None:
+                 groups: Sequence[tuple[int, int]], *, sink: Any = None, host_mapped: bool = False) -> None:
+        """``host_mapped``: the split frames (CPU-tier frames, ``add(split=True)``) live in
+        pinned host memory, mapped into the device: each group's slices of all of them are
+        then read by one kernel (``kernels.copy_ranges``) instead of one copy per slice."""
         super().__init__(fmt, max_blocks, device, sink=sink)
         self.groups = list(groups)
+        self._gather = GATHER and host_mapped and (device.type == "cuda" or GATHER_ON_CPU) and kernels_available()
+        self._gather_tables: Any = None  # (device table of (address, staging row) per split frame)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
         self._rows: list[tuple[int, Any]] = []  # (staging row, payload) of the frames copied group by group
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
@@ -123,6 +133,8 @@ class LayerwiseDecoder(BatchDecoder):
             src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
             self._rows.append((j, src))
             self._split_frames.append(frame)
+            if self._gather:
+                return  # every group, the first too, is read by one kernel when it runs
             if self._copy_stream is None:
                 self._copy_group(0, self._rows[-1:])
             else:
@@ -154,6 +166,11 @@ class LayerwiseDecoder(BatchDecoder):
             self._plans.append((cuts, [index[e.offset + l0 * (e.nbytes // L)] for e in meta.tensors]))
         self._group_dst: list[Any] = [None] * len(self.groups)
         self._staging_pieces(0)
+        # The same slices as byte ranges of a payload (and of its staging row), for the kernel.
+        self._ranges = [[(e.offset + l0 * (e.nbytes // L), (l1 - l0) * (e.nbytes // L)) for e in meta.tensors]
+                        for l0, l1 in self.groups]
+        if self._gather and any(o % 4 or n % 4 for group in self._ranges for o, n in group):
+            self._gather = False  # (frames lay buffers out 64-byte aligned: not seen in practice)
 
     def _staging_pieces(self, g: int) -> list[tuple[torch.Tensor, ...]]:
         """Group ``g``'s pieces of every staging row, one tuple per buffer (made at the
@@ -171,6 +188,9 @@ class LayerwiseDecoder(BatchDecoder):
         Each payload is cut into the group's pieces by one C++ call (slicing them one by
         one in Python cost more than the copies' launches); only this group's, so the
         first groups' copies start after a small share of the cutting."""
+        if self._gather:
+            self._gather_group(g)
+            return
         cuts, idx = self._plans[g]
         cols = self._staging_pieces(g)
         dst, src = [], []
@@ -179,6 +199,21 @@ class LayerwiseDecoder(BatchDecoder):
             dst.extend(col[j] for col in cols)
             src.extend(parts[i] for i in idx)
         self._copy_list(dst, src)
+
+    def _gather_group(self, g: int) -> None:
+        """Group ``g``'s slices of every split frame into their staging rows: one kernel
+        reading the frames where they are (pinned host memory, mapped into the device)."""
+        from . import kernels
+        from .kernels.layers import offsets_table
+
+        if self._gather_tables is None:
+            rows = [(src.data_ptr(), j) for j, src in self._rows]
+            table = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+            self._gather_tables = (table.to(self.device, non_blocking=True), table)  # (keep the source alive)
+        addrs, _ = self._gather_tables
+        offsets, sizes = (tuple(x // 4 for x in col) for col in zip(*self._ranges[g]))
+        kernels.copy_ranges(addrs, self._staging, offsets_table(self.device, offsets),
+                            offsets_table(self.device, sizes), max(sizes))
 
     @staticmethod
     def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -235,14 +270,15 @@ class LayerwiseDecoder(BatchDecoder):
         l0, l1 = self.groups[g]
         n = self._n
         views = [v[:n, l0:l1] for v in self._views]
+        first = 0 if self._gather else 1  # (without the kernel, group 0 went with each frame)
         if self._decode_stream is None:
-            if g > 0 and self._rows:
+            if g >= first and self._rows:
                 self._copy_group(g)  # done when it returns
                 if g == len(self.groups) - 1:
                     self._release_split()
             self._decode_layers(views, l0, l1, n)
             return None
-        if g > 0 and self._rows:
+        if g >= first and self._rows:
             with on_stream(self._copy_stream):
                 self._copy_group(g)
         landed = torch.cuda.Event()
@@ -582,7 +618,9 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
     if not total:
         return None, got
     groups = list(groups) if groups is not None else layer_groups(fmt.layout.num_layers)
-    decoder = LayerwiseDecoder(fmt, total, device, groups, sink=sink)
+    cpu = store.tier("cpu") if "cpu" in store.tier_names else None
+    decoder = LayerwiseDecoder(fmt, total, device, groups, sink=sink,
+                               host_mapped=cpu is not None and (cpu.host_mapped or device.type == "cpu"))
     try:
         for r, (hashes, where) in enumerate(chains):
             if not where:

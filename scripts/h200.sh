@@ -68,7 +68,7 @@ for s in "$@"; do
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
-    tests-new)   step tests-new 110 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py ;;
+    tests-new)   step tests-new 110 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
@@ -88,7 +88,9 @@ for s in "$@"; do
     ttft-issue)  for mode in background lazy; do
                    step ttft-issue-$mode 200 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu-layerwise --codecs int4 --timeline --repeats 5 --layerwise-issue $mode --out /tmp/ttft-$mode
                    cp /tmp/ttft-$mode/ttft.json "$OUT/ttft_layerwise_$mode.json"
-                 done ;;
+                 done
+                 step ttft-copies 200 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu-layerwise --codecs int4 --timeline --repeats 5 --layerwise-copies --out /tmp/ttft-copies
+                 cp /tmp/ttft-copies/ttft.json "$OUT/ttft_layerwise_copies.json" ;;
     # Kernel loads/stores on pinned host memory against the copy engine.
     host-access) step host-access 120 python3 -m benchmarks.host_access --out "$OUT" ;;
     # Host time of a layer-wise load until its handle (the gap before the forward's layer 0),

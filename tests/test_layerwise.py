@@ -33,7 +33,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def make_cache(codec, device_tier=False, **kw):
-    tiers = cs.TierConfig(cpu_bytes="16MiB", pin_memory=torch.cuda.is_available(), **kw)
+    tiers = cs.TierConfig(**({"cpu_bytes": "16MiB", "pin_memory": torch.cuda.is_available()} | kw))
     return cs.PrefixCache(model_id="lw", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=tiers)
 
 
@@ -181,6 +181,27 @@ def test_an_unknown_issue_mode_is_a_config_error(monkeypatch):
         with pytest.raises(cs.ConfigError, match="sideways"):
             cache.materialize(toks, layerwise=True)
         assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0  # nothing left lent
+
+
+@pytest.mark.parametrize("issue", ["eager", "lazy"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layer_groups_read_by_one_kernel_load_the_same_bytes(codec, issue, monkeypatch):
+    """The GPU path for CPU-tier frames (each group's slices of every frame read in place
+    by ``kernels.copy_ranges``), run here by Triton's interpreter on CPU tensors."""
+    monkeypatch.setattr(layerwise, "GATHER_ON_CPU", True)
+    monkeypatch.setitem(layerwise.ISSUE, "cpu", issue)
+    calls = []
+    real = layerwise.LayerwiseDecoder._gather_group
+    monkeypatch.setattr(layerwise.LayerwiseDecoder, "_gather_group", lambda self, g: calls.append(g) or real(self, g))
+    with make_cache(codec) as cache:
+        toks, _ = stored(cache, codec)
+        want = cache.materialize(toks)
+        with cache.materialize(toks, layerwise=True) as load:
+            for i in reversed(range(L)):  # any order of waits
+                k, v = load.layer(i)
+                assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
+        assert sorted(calls) == list(range(len(layer_groups(L))))  # every group, the first too, by the kernel
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
 
 
 @pytest.fixture
@@ -451,15 +472,22 @@ def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec):
 
 
 @cuda
-def test_cuda_layer_groups_of_cpu_frames_are_copied_apart():
-    with make_cache(INT4) as cache:
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("issue", layerwise.ISSUE_MODES)
+def test_cuda_layer_groups_of_cpu_frames_are_copied_apart(issue, pinned, monkeypatch):
+    """A pinned CPU tier: each group's slices of every frame read in place by one kernel;
+    a pageable one: copied slice by slice. Every way of issuing the groups, the same bytes."""
+    monkeypatch.setitem(layerwise.ISSUE, "cuda", issue)
+    with make_cache(INT4, pin_memory=pinned) as cache:
         toks, _ = stored(cache, INT4, device="cuda")
         want = cache.materialize(toks, device="cuda")
         load = cache.materialize(toks, device="cuda", layerwise=True)
-        assert len(load._decoder._rows) == load.num_blocks  # CPU-tier frames: first group copied alone
+        assert load._decoder._gather == pinned
         for i in range(L):
-            assert torch.equal(load.layer(i)[0], want.layers[i][0])
+            k, v = load.layer(i)
+            assert torch.equal(k, want.layers[i][0]) and torch.equal(v, want.layers[i][1])
         load.close()
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
 
 
 # -- transformers: prefill_with_reuse(layerwise=True) ----------------------------------------

@@ -254,6 +254,12 @@ class CpuTier(IndexedTier):
         return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
                 "reservation_bytes": self._reserved_bytes, **self._arena.lease_stats()}
 
+    @property
+    def host_mapped(self) -> bool:
+        """Whether every slot is in pinned memory, mapped into the GPUs' address space: a
+        kernel may read a frame where it is (``kernels.copy_ranges``)."""
+        return self._arena.pinned
+
     def lease_stats(self) -> dict[str, int]:
         """Leases on this tier's slots: active, bytes, granted, double releases, and the
         slots evicted while leased (``held_slots``, ``held_bytes``)."""
