@@ -130,6 +130,9 @@ def main() -> None:
             lines = {name: _host_timeline(fn, device) for name, fn in
                      (("ingest (fresh prompt, fresh KV, full tier)", lambda: cache.ingest(toks, fresh_kv)),
                       ("materialize", lambda: cache.materialize(toks, device=device)))}
+        for name, text in lines.items():
+            print(f"--- host timeline: {name}")
+            print(text)
         print(f"evictions: {cache.stats()['tiers'][0]['evictions']}")
     elif args.host:
         for rep in range(3):  # the last of three: warm
