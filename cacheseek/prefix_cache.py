@@ -108,7 +108,7 @@ class PrefixCache(PrefixCacheBase):
         # call stored before it.
         try:
             for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
-                                      tail_first=True):
+                                      tail_first=True, pooled=True):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
                     _count(result, key, outcome, stored)
@@ -184,7 +184,7 @@ class PrefixCache(PrefixCacheBase):
             # batches tail first as in ``ingest``.
             for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                          [not h for h in handled], self._batch_blocks,
-                                                         tail_first=True):
+                                                         tail_first=True, pooled=True):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):
@@ -402,6 +402,8 @@ class _Feed:
         self.released = max(self.released, copied)
 
     def close(self) -> None:
-        self.decoder.wait()  # no copy reads the frames' memory any more
-        for frame in self.added[self.released:]:
-            frame.release()
+        try:
+            self.decoder.close()  # no copy reads the frames' memory any more; the staging given back
+        finally:
+            for frame in self.added[self.released:]:
+                frame.release()

@@ -331,14 +331,17 @@ class RemoteCache(PrefixCacheBase):
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
-        first_row = 0
-        for frames, n, s in zip(chains, counts, starts):
-            for j, frame in enumerate(frames):
-                sink.rows.append(first_row + j)
-                decoder.add(frame)
-            first_row += max(0, n - s)
-        if len(decoder):
-            decoder.finish()
+        try:
+            first_row = 0
+            for frames, n, s in zip(chains, counts, starts):
+                for j, frame in enumerate(frames):
+                    sink.rows.append(first_row + j)
+                    decoder.add(frame)
+                first_row += max(0, n - s)
+            if len(decoder):
+                decoder.finish()
+        finally:
+            decoder.close()  # the staging given back on every path
         return results
 
     def locate(self, keys: Any) -> Located:
