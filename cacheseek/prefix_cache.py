@@ -20,6 +20,7 @@ from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized
+from .store.device_staging import staging_stats
 from .store.prefetch import Prefetch
 from .store.tiered import StorePutResult
 
@@ -378,7 +379,9 @@ class PrefixCache(PrefixCacheBase):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {**self._config_stats(), **self.store.stats()}
+        """The configuration, the store's figures, and ``device_staging``: each device's
+        staging pool (its buffers and its ledger of leases, process-wide)."""
+        return {**self._config_stats(), **self.store.stats(), "device_staging": staging_stats()}
 
     def close(self) -> None:
         self.store.close()
