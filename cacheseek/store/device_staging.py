@@ -65,6 +65,7 @@ class _Buffer:
     # Recorded at its last release, one per stream, and recorded again at the next (the
     # events are kept: a wait already queued on one is not moved by a later record).
     events: list = field(default_factory=list)
+    views: dict = field(default_factory=dict)  # nbytes -> its first nbytes (a slice costs more than a lookup)
 
 
 class StagingLease(Lease):
@@ -76,7 +77,12 @@ class StagingLease(Lease):
 
     def __init__(self, pool: DeviceStagingPool, buf: _Buffer, nbytes: int) -> None:
         super().__init__(pool, buf.nbytes, buf)
-        self.tensor = buf.tensor[:nbytes]
+        view = buf.views.get(nbytes)
+        if view is None:
+            if len(buf.views) >= 8:
+                buf.views.clear()
+            view = buf.views[nbytes] = buf.tensor[:nbytes]
+        self.tensor = view
 
     def used_on(self, *streams: Any) -> StagingLease:
         """Streams that use the buffer (besides the one it was taken for), each marked at the
@@ -154,7 +160,7 @@ class DeviceStagingPool:
         if not free:
             return None
         for i, buf in enumerate(free):
-            if all(e.query() for e in buf.events):
+            if not buf.events or all(e.query() for e in buf.events):
                 del free[i]
                 break
         else:
