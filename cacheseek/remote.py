@@ -48,6 +48,7 @@ from .quant.policy import PrecisionPolicy
 from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
+from .store.device_staging import staging_stats
 from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
@@ -407,9 +408,10 @@ class RemoteCache(PrefixCacheBase):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The server's per-tier figures, in the shape of ``PrefixCache.stats()``."""
+        """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
+        ``device_staging``: this process's staging pools (the decodes run here)."""
         server = self._request("GET", "/v1/stats").json()
-        return {**self._config_stats(), **server}
+        return {**self._config_stats(), **server, "device_staging": staging_stats()}
 
     def client_stats(self) -> dict[str, Any]:
         """This client's view of the server's availability: ``outages`` (each logged once),

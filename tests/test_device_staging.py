@@ -109,6 +109,26 @@ def test_the_pool_keeps_to_its_cap_and_lends_one_off_buffers_beyond_it():
     assert pool.stats()["pooled_bytes"] <= cap
 
 
+def test_trim_frees_the_free_buffers_and_an_allocation_that_fails_is_not_counted(monkeypatch):
+    pool = DeviceStagingPool(CPU, cap_bytes=8 * MIN_CLASS_BYTES)
+    for lease in [pool.take(MIN_CLASS_BYTES) for _ in range(3)]:
+        lease.release()
+    held = pool.take(MIN_CLASS_BYTES)
+    assert pool.trim() == 2 * MIN_CLASS_BYTES
+    stats = pool.stats()
+    assert stats["pooled_bytes"] == MIN_CLASS_BYTES and stats["free_buffers"] == 0 and stats["dropped"] == 2
+
+    def no_memory(nbytes, stream):
+        raise torch.OutOfMemoryError("no memory")
+
+    monkeypatch.setattr(pool, "_empty", no_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        pool.take(3 * MIN_CLASS_BYTES)
+    stats = pool.stats()
+    assert stats["pooled_bytes"] == MIN_CLASS_BYTES and stats["buffers_made"] == 3 and stats["leases_active"] == 1
+    held.release()
+
+
 def test_a_lease_dropped_unreleased_keeps_its_buffer_lent():
     pool = DeviceStagingPool(CPU, cap_bytes=MIN_CLASS_BYTES)
     lease = pool.take(1000)

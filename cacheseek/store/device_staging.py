@@ -134,21 +134,37 @@ class DeviceStagingPool:
         wait_for: list = []
         with self._lock:
             buf = self._reuse(cls, wait_for)
-            if buf is None and self._room_for(cls):
-                buf = _Buffer(self._empty(cls, stream), cls, pooled=True)
+            fresh = buf is None and self._room_for(cls)
+            if fresh:  # counted now, made below (outside the lock: an allocation may take a while)
                 self.pooled_bytes += cls
                 self.made += 1
-            if buf is None:
+            elif buf is None:
                 self.one_off += 1
             else:
                 buf.streams = [stream] if stream is not None else []
                 self._lent.add(buf)
                 self.ledger.on_grant(cls)
-        if buf is None:  # over the cap: a buffer of its own, freed at its release
-            buf = _Buffer(self._empty(cls, stream), cls, pooled=False, streams=[stream] if stream is not None else [])
+        if buf is None:
+            # A new pooled buffer of the class, or over the cap one of its own (its exact
+            # size), freed at its release.
+            size = cls if fresh else nbytes
+            try:
+                try:
+                    tensor = self._empty(size, stream)
+                except torch.OutOfMemoryError:
+                    if not self.trim():
+                        raise
+                    tensor = self._empty(size, stream)  # once more, with the pool's free buffers given back
+            except BaseException:
+                if fresh:
+                    with self._lock:
+                        self.pooled_bytes -= cls
+                        self.made -= 1
+                raise
+            buf = _Buffer(tensor, size, pooled=fresh, streams=[stream] if stream is not None else [])
             with self._lock:
                 self._lent.add(buf)
-                self.ledger.on_grant(cls)
+                self.ledger.on_grant(size)
         for event in wait_for:
             stream.wait_event(event)  # the device waits for the buffer's last users; the host does not
         return StagingLease(self, buf, nbytes)
@@ -193,6 +209,21 @@ class DeviceStagingPool:
             keep.extend(free)
             self._free[other] = keep
         return self.pooled_bytes + cls <= self.cap_bytes
+
+    def trim(self) -> int:
+        """Free every free buffer whose last users are done (the device is short of memory,
+        or the pool is not needed for a while). Returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            for size, free in self._free.items():
+                keep = deque(buf for buf in free if not all(e.query() for e in buf.events))
+                gone = len(free) - len(keep)
+                freed += gone * size
+                self.dropped += gone
+                self._free[size] = keep
+            self.pooled_bytes -= freed
+            self.free_bytes -= freed
+        return freed
 
     def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
         if stream is None:
