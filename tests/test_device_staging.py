@@ -364,11 +364,12 @@ def test_gpu_ingest_and_materialize_give_their_staging_back_and_reuse_it(codec):
     before = _active(dev)
     cache.ingest(toks, kv)
     first = cache.materialize(toks, dev)
+    torch.cuda.synchronize(dev)  # its decode done: its staging's events have passed
     made = staging_pool(dev).stats()["buffers_made"]
     for _ in range(3):
         again = cache.materialize(toks, dev)
         for (k, v), (k2, v2) in zip(first.layers, again.layers):
-            assert torch.equal(k, k2) and torch.equal(v, v2)
+            assert torch.equal(k, k2) and torch.equal(v, v2)  # (waits for the decode)
     torch.cuda.synchronize(dev)
     stats = staging_pool(dev).stats()
     assert stats["leases_active"] == before and stats["buffers_made"] == made
