@@ -77,7 +77,7 @@ def test_a_staging_lease_is_released_exactly_once():
     pool = DeviceStagingPool(CPU)
     with pool.take(10) as lease:
         assert lease.tensor.numel() == 10 and pool.stats()["leases_active"] == 1
-    assert lease.released
+    assert lease.released and lease.tensor is None  # a use after the release fails
     with pytest.raises(LeaseError, match="twice"):
         lease.release()
     with pytest.raises(LeaseError):
@@ -326,11 +326,12 @@ def test_a_buffer_is_reused_only_after_the_work_its_holder_queued():
     first.release()
     second = pool.take(n, stream=s2)  # at the cap: the same buffer, s2 made to wait (no host wait)
     assert second.tensor.data_ptr() == ptr and pool.stats()["waited"] == 1
+    buf = second.tensor
     with torch.cuda.stream(s2):
-        second.tensor.fill_(2)
+        buf.fill_(2)
     second.release()
     torch.cuda.synchronize(dev)
-    assert bool((second.tensor == 2).all())  # the first holder's fill ran before, never after
+    assert bool((buf == 2).all())  # the first holder's fill ran before, never after
 
 
 @cuda
@@ -344,9 +345,10 @@ def test_under_the_cap_a_buffer_still_in_use_on_the_device_is_not_handed_out():
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)
         first.tensor.fill_(7)
+    first_ptr = first.tensor.data_ptr()
     first.release()
     second = pool.take(1 << 20)
-    assert second.tensor.data_ptr() != first.tensor.data_ptr() and pool.stats()["waited"] == 0
+    assert second.tensor.data_ptr() != first_ptr and pool.stats()["waited"] == 0
     second.release()
     torch.cuda.synchronize(dev)
     third = pool.take(1 << 20)  # both done now: a free one is reused, nothing new made

@@ -95,6 +95,12 @@ class StagingLease(Lease):
                 buf.streams.append(stream)
         return self
 
+    def release(self) -> None:
+        """Give the buffer back (see ``Lease.release``); ``tensor`` is None from then on, so a
+        use after the release fails instead of writing into a buffer lent to another."""
+        super().release()
+        self.tensor = None
+
     def rows(self, n: int, stride: int) -> torch.Tensor:
         """The buffer as ``[n, stride]`` (it must hold ``n * stride`` bytes)."""
         return self.tensor[: n * stride].view(n, stride)
