@@ -175,6 +175,64 @@ def test_many_threads_never_hold_one_buffer_at_once():
     assert stats["pooled_bytes"] <= pool.cap_bytes and stats["reused"] > 0
 
 
+class _Stream:
+    """A stand-in CUDA stream: work queued (``work``) and done (``finish``), and the events
+    it was made to wait for."""
+
+    def __init__(self) -> None:
+        self.queued = self.done = 0
+        self.waits: list = []
+
+    def work(self) -> None:
+        self.queued += 1
+
+    def finish(self) -> None:
+        self.done = self.queued
+
+    def wait_event(self, event) -> None:
+        self.waits.append(event)
+
+
+class _Event:
+    def record(self, stream: _Stream) -> None:
+        self.stream, self.mark = stream, stream.queued
+
+    def query(self) -> bool:
+        return self.stream.done >= self.mark
+
+
+def test_the_stream_order_of_reuse_with_stand_in_streams_and_events(monkeypatch):
+    """The CUDA logic of the pool on a CPU: a release marks every stream of the holder; a
+    buffer is reused once those marks have passed; under the cap a buffer still in use is
+    not handed out; at the cap the taker's stream waits for its marks (the host never)."""
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    n = MIN_CLASS_BYTES
+    pool = DeviceStagingPool(CPU, cap_bytes=2 * n)
+    pool.cuda = True
+    monkeypatch.setattr(pool, "_empty", lambda nbytes, stream: torch.empty(nbytes, dtype=torch.uint8))
+    s1, s2, s3 = _Stream(), _Stream(), _Stream()
+    a = pool.take(n, stream=s1).used_on(s2, s2, None)  # (named twice: marked once)
+    a_ptr = a.tensor.data_ptr()
+    s2.work()  # a copy out of it, still running at the release
+    a.release()
+    b = pool.take(n, stream=s1)  # a's buffer is still in use on s2: a new one (under the cap)
+    b_ptr = b.tensor.data_ptr()
+    assert b_ptr != a_ptr and pool.stats()["buffers_made"] == 2 and not s1.waits
+    b.release()  # s1 has nothing queued: its mark has passed
+    c = pool.take(n, stream=s1)
+    assert c.tensor.data_ptr() == b_ptr and not s1.waits  # the free one whose users are done
+    d = pool.take(n, stream=s3)  # at the cap, only a's buffer free: s3 waits for a's marks
+    assert d.tensor.data_ptr() == a_ptr and pool.stats()["waited"] == 1
+    assert [e.stream for e in s3.waits] == [s1, s2]
+    s2.finish()
+    c.release()
+    d.release()
+    e = pool.take(n, stream=s2)
+    assert not s2.waits and pool.stats()["reused"] == 3 and pool.stats()["buffers_made"] == 2
+    e.release()
+    assert pool.stats()["leases_active"] == 0
+
+
 # -- the data path ---------------------------------------------------------------------------
 
 
