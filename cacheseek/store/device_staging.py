@@ -241,16 +241,16 @@ class DeviceStagingPool:
         """(``Lease.release``.) Marks every stream that used the buffer, then gives it back:
         free for reuse after those marks, or (a one-off) to the caching allocator."""
         streams, buf.streams = buf.streams, []
-        events = buf.events
-        if self.cuda:
+        if not buf.pooled:
+            for stream in streams[1:]:  # the allocator reuses the block after these streams' work
+                buf.tensor.record_stream(stream)
+        elif self.cuda:
+            events = buf.events
             del events[len(streams):]
             for i, stream in enumerate(streams):
                 if i == len(events):
                     events.append(torch.cuda.Event())
                 events[i].record(stream)
-        if not buf.pooled:
-            for stream in streams[1:]:  # the allocator reuses the block after these streams' work
-                buf.tensor.record_stream(stream)
         with self._lock:
             self._lent.discard(buf)
             self.ledger.on_release(nbytes)
