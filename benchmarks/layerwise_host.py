@@ -120,6 +120,7 @@ def cut_per_load(cache: cs.PrefixCache, toks: list[int], device: torch.device,
     out = (time_ms(every_group, repeats)[0], time_ms(group_0, repeats)[0])
     for frame in frames:
         frame.release()
+    decoder.release_all()  # its staging (leased at _start)
     return out
 
 

@@ -4,7 +4,10 @@ PrefixCache and RemoteCache.
 The payloads of n blocks land in one device staging buffer at a fixed stride (one copy per
 block, host-to-device when they come from host memory), are viewed as [n, L, H, ...] with
 ``as_strided``, and one codec call decodes them straight into the [L, H, n*B, D] outputs.
-Full-precision KV is only ever built on the target device.
+Full-precision KV is only ever built on the target device. The staging buffer is leased
+from the device's pool (``store.device_staging``) at the first frame and given back once the
+last decode is queued (``finish``), or by ``close`` on any path: a decoder is closed in a
+``finally`` (``decode_frames`` does).
 
 Under a precision policy (``BlockFormat.policy``) a chain mixes codecs by position:
 ``MixedDecoder`` gives each codec's run of positions its own ``BatchDecoder`` (its own
@@ -23,6 +26,7 @@ from .block_format import BlockFormat
 from .errors import FrameError
 from .staging import payload_views, staging_stride
 from .store.device import as_host_tensor, copy_entry
+from .store.device_staging import StagingLease, staging_pool
 from .store.frame import FrameMeta
 from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
@@ -54,6 +58,7 @@ class BatchDecoder:
         self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
         self._chunk = chunk_blocks
         self._meta0: FrameMeta | None = None
+        self._lease: StagingLease | None = None  # the staging buffer's, from _start until finish or close
         self._staging: torch.Tensor | None = None
         self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
         # The frames added, in order; their memory stays the caller's, who holds each
@@ -76,10 +81,14 @@ class BatchDecoder:
             if entry.name != name or entry.dtype != spec.dtype or (self.max_blocks, *entry.shape) != spec.shape:
                 raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
         stride = staging_stride(meta.payload_nbytes)
-        self._staging = torch.empty((self.max_blocks, stride), dtype=torch.uint8, device=self.device)
+        # Taken for the current stream (the decodes'); the copies run on the copy stream,
+        # after it (the wait below).
+        self._lease = staging_pool(self.device).take(self.max_blocks * stride)
+        self._staging = self._lease.rows(self.max_blocks, stride)
         self._views = payload_views(self._staging, meta.tensors, self.max_blocks, stride)
         self._meta0 = meta
         if self._copy_stream is not None:
+            self._lease.used_on(self._copy_stream)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def add(self, frame: BlockFrame) -> None:
@@ -89,6 +98,8 @@ class BatchDecoder:
             self._start(frame.meta)
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
+        elif self._staging is None:
+            raise RuntimeError("BatchDecoder.add after finish or close (its staging was given back)")
         dst = self._staging[len(self._frames)]
         if self._copy_stream is None:
             self._copy(frame, dst)
@@ -136,7 +147,9 @@ class BatchDecoder:
         if self._copy_stream is not None:
             landed = torch.cuda.Event()
             landed.record(self._copy_stream)
-            torch.cuda.current_stream(self.device).wait_event(landed)
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(landed)
+            self._lease.used_on(current)  # (the stream it was taken for, unless the caller switched)
         if self._sink is not None:
             self._sink(j0, j1, [v[j0:j1] for v in self._views])
             self._decoded = j1
@@ -163,6 +176,7 @@ class BatchDecoder:
         if n == 0:
             raise RuntimeError("BatchDecoder.finish: no frames were added")
         self._decode_pending()
+        self._release_staging()  # every decode out of it is queued
         if wait:
             self.wait()
         if self._sink is not None or self._blocks_out is not None:
@@ -181,6 +195,22 @@ class BatchDecoder:
         self._frames.clear()
         self._copied_events.clear()
         self._copied = 0
+
+    def close(self) -> None:
+        """Wait for the copies out of the frames added (their leases may then be released),
+        and give the staging buffer back if ``finish`` did not (it is reused only after the
+        work queued on it: no host wait). Idempotent; for a ``finally``."""
+        try:
+            self.wait()
+        finally:
+            self._release_staging()
+
+    def _release_staging(self) -> None:
+        lease = self._lease
+        if lease is not None:
+            self._lease = None
+            self._staging, self._views = None, []
+            lease.release()
 
 
 class MixedDecoder:
@@ -247,6 +277,17 @@ class MixedDecoder:
         for _, part in self._parts:
             part.wait()
 
+    def close(self) -> None:
+        """``BatchDecoder.close`` of every part (all of them, even if one raises)."""
+        error: BaseException | None = None
+        for _, part in self._parts:
+            try:
+                part.close()
+            except BaseException as exc:  # noqa: BLE001 - the others must still be closed
+                error = error or exc
+        if error is not None:
+            raise error
+
 
 def make_decoder(fmt: BlockFormat, max_blocks: int, device: torch.device, *, first_position: int = 0,
                  chunk_blocks: int = 8) -> BatchDecoder | MixedDecoder:
@@ -261,9 +302,12 @@ def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
     """Decode n consecutive blocks (a chain's, from its first) into K and V of shape
     [L, H, n*B, D] on ``device``."""
     decoder = make_decoder(fmt, len(frames), device)
-    for frame in frames:
-        decoder.add(frame)
-    return decoder.finish()
+    try:
+        for frame in frames:
+            decoder.add(frame)
+        return decoder.finish()
+    finally:
+        decoder.close()
 
 
 __all__ = ["BatchDecoder", "MixedDecoder", "decode_frames", "make_decoder"]

@@ -6,6 +6,11 @@ n blocks of all layers; with the Triton kernels the layers are read in place, wi
 stacked copy. Each block's frame points at its row of one staging buffer; the bytes are
 copied only when a tier takes them. Raw KV on the host is not staged at all: its frames
 point at the caller's own slices.
+
+``iter_encoded(..., pooled=True)`` (the store's put path) leases each batch's staging from
+the device's pool (``store.device_staging``) and gives it back when the next batch is asked
+for: the frames of a batch are valid until then. Frames that are returned (``encode_blocks``,
+``encode_missing``) own plain tensors instead.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from .quant.backend import kernels_available
 from .quant.codec import KVLayerCodec
 from .quant.tensors import all_finite
 from .staging import payload_views, staging_stride
+from .store.device_staging import StagingLease, staging_pool
+from .store.lease import release_all
 from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
@@ -73,11 +80,14 @@ def _encode_deferred(
     parents: Sequence[bytes],
     staging: bool | None = None,
     prepared: Any = _UNPREPARED,
+    leases: list[StagingLease] | None = None,
 ) -> tuple[list[BlockFrame], torch.Tensor]:
     """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
     validity flags, which must be checked before the frames are used. ``prepared``: the
     codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches.
-    ``fmt`` is uniform (one codec: a policy's ``fmt.at(position)``)."""
+    ``fmt`` is uniform (one codec: a policy's ``fmt.at(position)``). ``leases``: the staging
+    is leased from the device's pool (for the current stream) and its lease appended there,
+    for the caller to release once the frames' bytes are copied (else: a plain tensor)."""
     if not fmt.uniform:
         raise RuntimeError("_encode_deferred: a launch holds blocks of one codec; cut at fmt.segments")
     codec, block_tokens = fmt.codec, fmt.block_tokens
@@ -92,7 +102,12 @@ def _encode_deferred(
     else:
         payload = metas[0].payload_nbytes
         stride = staging_stride(payload)
-        buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
+        if leases is None:
+            buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
+        else:
+            lease = staging_pool(device).take(n * stride)
+            leases.append(lease)
+            buf = lease.rows(n, stride)
         views = payload_views(buf, metas[0].tensors, n, stride)
         if prepared is _UNPREPARED:
             prepared = codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
@@ -158,13 +173,17 @@ def iter_encoded(
     batch_blocks: int,
     *,
     tail_first: bool = False,
+    pooled: bool = False,
 ) -> Iterator[list[BlockFrame]]:
     """Frames of every block not ``present``, a batch (at most ``batch_blocks`` consecutive
     blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
 
     On a GPU the blocks are cut into up to ``batching.PIPELINE_DEPTH`` batches, encoded on a
     side stream: each batch's encoding overlaps the copies of the batch before.
-    ``tail_first`` yields the batches of the chain's end first.
+    ``tail_first`` yields the batches of the chain's end first. ``pooled``: each batch's
+    staging is leased and given back when the next batch is asked for (or the generator
+    closed): the frames are valid until then, and a reader on the device must have queued
+    its reads by then, on the caller's stream or the to-host stream (the store's copies).
     """
     device = layers[0][0].device
     missing = [not p for p in present]
@@ -183,13 +202,15 @@ def iter_encoded(
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
 
+    held: list[StagingLease] = []  # the staging of the batch yielded last (and of one launched ahead)
+
     def launch(start: int, stop: int):
         part = fmt.at(start)
         if id(part) not in prepared:
             prepared[id(part)] = part.codec.prepare_layers(k_layers, v_layers)
         with on_stream(side) if side is not None else contextlib.nullcontext():
             frames, finite = _encode_deferred(part, layers, start, hashes[start:stop], parents[start:stop],
-                                              prepared=prepared[id(part)])
+                                              prepared=prepared[id(part)], leases=held if pooled else None)
             done = None
             if side is not None:
                 finite = flags_to_host(finite)
@@ -197,8 +218,9 @@ def iter_encoded(
                 done.record(side)
         return frames, finite, done, part.codec
 
-    upcoming = launch(*batches[0])
+    upcoming = None
     try:
+        upcoming = launch(*batches[0])
         for i in range(len(batches)):
             frames, finite, done, codec = upcoming
             if done is not None:
@@ -206,6 +228,7 @@ def iter_encoded(
                 torch.cuda.current_stream(device).wait_event(done)
             codec.check_finite(finite)
             yield frames
+            give_back(held, device)  # before the next launch, which may take the same buffer
             if i + 1 < len(batches):
                 # Launched once this batch's copies are out (not before: the host is the
                 # bottleneck, and the copies should start as early as they can); its
@@ -214,8 +237,25 @@ def iter_encoded(
     finally:
         # Stopped early (bad input, or the caller gave up): the batch launched ahead still
         # writes its flags into host memory; let it finish before that memory is reused.
-        if upcoming[2] is not None:
-            upcoming[2].synchronize()
+        try:
+            if upcoming is not None and upcoming[2] is not None:
+                upcoming[2].synchronize()
+        finally:
+            give_back(held, device)
+
+
+def give_back(leases: list[StagingLease], device: torch.device) -> None:
+    """Release the staging ``leases`` of frames handed to a store (emptying the list): the
+    readers of their bytes queued on the caller's stream (a GPU tier's copy) or the to-host
+    stream (``store.device.HostCopies``), both marked as users."""
+    if not leases:
+        return
+    if device.type == "cuda":
+        users = (torch.cuda.current_stream(device), work_stream("to_host", device))
+        for lease in leases:
+            if not lease.released:
+                lease.used_on(*users)
+    release_all(leases)
 
 
 def flags_to_host(flags: torch.Tensor) -> torch.Tensor:
@@ -247,4 +287,4 @@ def encode_missing(
     return frames
 
 
-__all__ = ["encode_blocks", "encode_into", "encode_missing", "flags_to_host", "iter_encoded"]
+__all__ = ["encode_blocks", "encode_into", "encode_missing", "flags_to_host", "give_back", "iter_encoded"]

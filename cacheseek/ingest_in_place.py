@@ -38,6 +38,7 @@ from .errors import InputError
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
+from .store.device_staging import staging_pool
 from .store.frame import FrameMeta, header_prefix
 from .store.streams import on_stream, work_stream
 from .store.tier import Reservation
@@ -197,23 +198,26 @@ class InPlaceIngest:
                                      [(a, b, None) for a, b in split]))
             return
         pieces = []
-        with on_stream(self.encode_stream):
-            staging = torch.empty(start + span, dtype=torch.uint8, device=self.device)
-            flags = flags_to_host(self._encode(first, count, payload_views(staging, meta.tensors, count, stride,
-                                                                           meta.payload_offset)))
-            encoded = torch.cuda.Event()
-            encoded.record(self.encode_stream)
-        # The slots' headers are copied over too (staging garbage between payloads): each
-        # is written once the copy has landed, in commit_oldest().
-        self.copy_stream.wait_event(encoded)
-        with on_stream(self.copy_stream):
-            for a, b in split:
-                lo, hi = start + a * stride, start + (b - 1) * stride + meta.payload_nbytes
-                host[lo:hi].copy_(staging[lo:hi], non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(self.copy_stream)
-                pieces.append((a, b, landed))
-        staging.record_stream(self.copy_stream)  # freed now, reused only after the copies
+        # The staging is leased for the encode stream and used by the copy stream after it;
+        # given back as soon as the copies are queued (reused only after them, on the device).
+        with staging_pool(self.device).take(start + span, stream=self.encode_stream) as lease:
+            lease.used_on(self.copy_stream)
+            staging = lease.tensor
+            with on_stream(self.encode_stream):
+                flags = flags_to_host(self._encode(first, count, payload_views(staging, meta.tensors, count, stride,
+                                                                               meta.payload_offset)))
+                encoded = torch.cuda.Event()
+                encoded.record(self.encode_stream)
+            # The slots' headers are copied over too (staging garbage between payloads): each
+            # is written once the copy has landed, in commit_oldest().
+            self.copy_stream.wait_event(encoded)
+            with on_stream(self.copy_stream):
+                for a, b in split:
+                    lo, hi = start + a * stride, start + (b - 1) * stride + meta.payload_nbytes
+                    host[lo:hi].copy_(staging[lo:hi], non_blocking=True)
+                    landed = torch.cuda.Event()
+                    landed.record(self.copy_stream)
+                    pieces.append((a, b, landed))
         self.pending.append(_Run(first, metas, reservations, flags, self.format.at(first).codec, pieces))
 
     def _encode(self, first: int, count: int, views: list[torch.Tensor]) -> Any:

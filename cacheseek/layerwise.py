@@ -252,12 +252,16 @@ class LayerwiseDecoder(BatchDecoder):
             if prepare is not None:
                 prepare()  # tables the kernels keep: uploaded in the caller's stream order, not the decode stream's
             # The outputs and the staging were made on the caller's stream; the side streams
-            # use them, so the allocator must not hand their memory out again before those are done.
+            # use them. The staging is leased (given back after the last group's decode, its
+            # release marks the decode stream too); the outputs go to the caller, who frees
+            # them whenever: the allocator must not hand their memory out again before the
+            # decode stream is done with them, so they stay on record_stream.
             self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))
-            for t in (self._staging, self._k, self._v):
+            for t in (self._k, self._v):
                 if t is not None:
                     t.record_stream(self._decode_stream)
-            self._staging.record_stream(self._copy_stream)
+            if self._lease is not None:
+                self._lease.used_on(self._decode_stream)
         return n
 
     @property
@@ -271,25 +275,30 @@ class LayerwiseDecoder(BatchDecoder):
         n = self._n
         views = [v[:n, l0:l1] for v in self._views]
         first = 0 if self._gather else 1  # (without the kernel, group 0 went with each frame)
+        last = g == len(self.groups) - 1
         if self._decode_stream is None:
             if g >= first and self._rows:
                 self._copy_group(g)  # done when it returns
-                if g == len(self.groups) - 1:
+                if last:
                     self._release_split()
             self._decode_layers(views, l0, l1, n)
+            if last:
+                self._release_staging()
             return None
         if g >= first and self._rows:
             with on_stream(self._copy_stream):
                 self._copy_group(g)
         landed = torch.cuda.Event()
         landed.record(self._copy_stream)
-        if g == len(self.groups) - 1:
+        if last:
             self._last_copy = landed
         self._decode_stream.wait_event(landed)
         with on_stream(self._decode_stream):
             self._decode_layers(views, l0, l1, n)
         ready = torch.cuda.Event(enable_timing=timing)
         ready.record(self._decode_stream)
+        if last:
+            self._release_staging()  # every copy into it and decode out of it is queued
         return ready
 
     def _release_split(self) -> None:
@@ -307,15 +316,23 @@ class LayerwiseDecoder(BatchDecoder):
         self.codec.decode(template.with_buffers(views), self.device, out=out)
 
     def release_all(self) -> None:
-        """Wait for every copy out of the frames (host-side), then give them all back."""
-        if self._copy_stream is not None and (self._pending or self._split_frames):
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-            done.synchronize()
-        while self._pending:
-            self._pending.popleft()[1].release()
-        self._release_split()
-        self._frames.clear()
+        """Wait for every copy out of the frames (host-side), then give them all back, and the
+        staging buffer if the last group did not (a load that failed or was closed early)."""
+        try:
+            if self._copy_stream is not None and (self._pending or self._split_frames):
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+                done.synchronize()
+            while self._pending:
+                self._pending.popleft()[1].release()
+            self._release_split()
+            self._frames.clear()
+        finally:
+            self._release_staging()
+
+    def _release_staging(self) -> None:
+        self._group_dst = []  # views of the staging
+        super()._release_staging()
 
 
 # -- the handle ----------------------------------------------------------------------------

@@ -34,6 +34,8 @@ from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
 from .prefix_keys import PrefixKeys
 from .quant.codec import KVLayerCodec
 from .staging import payload_views, staging_stride
+from .encode import give_back
+from .store.device_staging import StagingLease, staging_pool
 from .store.tier import BlockFrame
 
 
@@ -189,15 +191,23 @@ def raise_bad_input(call: PagedCall, exc: InputError) -> None:
 
 
 def encode_frames(fmt: BlockFormat, source: PagedSource, start: int, stop: int, hashes: Sequence[bytes],
-                  parents: Sequence[bytes], positions: Sequence[int]) -> tuple[list[BlockFrame], Any]:
+                  parents: Sequence[bytes], positions: Sequence[int],
+                  leases: list[StagingLease] | None = None) -> tuple[list[BlockFrame], Any]:
     """Frames of rows ``[start, stop)`` of ``source``, their payloads in one device staging
     buffer at a fixed stride, encoded straight from the pages in one launch per side; and
-    the codec's flags (not yet waited for), to check before the frames are used."""
+    the codec's flags (not yet waited for), to check before the frames are used.
+    ``leases``: the staging is leased from the device's pool and its lease appended there
+    (the caller releases it once the frames' bytes are copied); else a plain tensor."""
     n = stop - start
     metas = fmt.plan_run(start, hashes[start : start + 1], parents[start : start + 1], positions[start : start + 1])
     payload = metas[0].payload_nbytes
     stride = staging_stride(payload)
-    buf = torch.empty((n, stride), dtype=torch.uint8, device=source.device)
+    if leases is None:
+        buf = torch.empty((n, stride), dtype=torch.uint8, device=source.device)
+    else:
+        lease = staging_pool(source.device).take(n * stride)
+        leases.append(lease)
+        buf = lease.rows(n, stride)
     flags = source.encode(fmt.codec, start, n, payload_views(buf, metas[0].tensors, n, stride))
     # The host plans the frames while the device encodes.
     metas += fmt.plan_run(start + 1, hashes[start + 1 : stop], parents[start + 1 : stop], positions[start + 1 : stop])
@@ -205,22 +215,31 @@ def encode_frames(fmt: BlockFormat, source: PagedSource, start: int, stop: int, 
 
 
 def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], parents: Sequence[bytes],
-                    positions: Sequence[int], missing: Sequence[bool], batch_blocks: int, *, tail_first: bool = False):
+                    positions: Sequence[int], missing: Sequence[bool], batch_blocks: int, *, tail_first: bool = False,
+                    pooled: bool = False):
     """(first row, frames) of the rows ``missing`` marks, a run of at most ``batch_blocks``
     at a time, each checked for NaN and Inf (``InputError`` naming the request) before it is
-    yielded. ``hashes``, ``parents``, ``positions``: those of the call's rows."""
+    yielded. ``hashes``, ``parents``, ``positions``: those of the call's rows. ``pooled``: as
+    ``encode.iter_encoded``'s (the frames of a run are valid until the next is asked for)."""
     runs = list(batching.runs(missing, batch_blocks))
     if tail_first:
         runs.reverse()
-    for start, stop in runs:
-        frames, flags = encode_frames(fmt, call.source, start, stop, hashes, parents, positions)
-        if call.source.device.type == "cuda":
-            torch.cuda.current_stream(call.source.device).synchronize()  # flags are written in host memory
-        try:
-            fmt.codec.check_finite(flags)
-        except InputError as exc:
-            raise_bad_input(call, exc)
-        yield start, frames
+    held: list[StagingLease] = []
+    device = call.source.device
+    try:
+        for start, stop in runs:
+            frames, flags = encode_frames(fmt, call.source, start, stop, hashes, parents, positions,
+                                          held if pooled else None)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()  # flags are written in host memory
+            try:
+                fmt.codec.check_finite(flags)
+            except InputError as exc:
+                raise_bad_input(call, exc)
+            yield start, frames
+            give_back(held, device)
+    finally:
+        give_back(held, device)
 
 
 class PageSink:

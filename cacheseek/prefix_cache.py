@@ -20,6 +20,7 @@ from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized
+from .store.device_staging import staging_stats
 from .store.prefetch import Prefetch
 from .store.tiered import StorePutResult
 
@@ -108,7 +109,7 @@ class PrefixCache(PrefixCacheBase):
         # call stored before it.
         try:
             for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
-                                      tail_first=True):
+                                      tail_first=True, pooled=True):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
                     _count(result, key, outcome, stored)
@@ -184,7 +185,7 @@ class PrefixCache(PrefixCacheBase):
             # batches tail first as in ``ingest``.
             for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                          [not h for h in handled], self._batch_blocks,
-                                                         tail_first=True):
+                                                         tail_first=True, pooled=True):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):
@@ -378,7 +379,9 @@ class PrefixCache(PrefixCacheBase):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {**self._config_stats(), **self.store.stats()}
+        """The configuration, the store's figures, and ``device_staging``: each device's
+        staging pool (its buffers and its ledger of leases, process-wide)."""
+        return {**self._config_stats(), **self.store.stats(), "device_staging": staging_stats()}
 
     def close(self) -> None:
         self.store.close()
@@ -402,6 +405,8 @@ class _Feed:
         self.released = max(self.released, copied)
 
     def close(self) -> None:
-        self.decoder.wait()  # no copy reads the frames' memory any more
-        for frame in self.added[self.released:]:
-            frame.release()
+        try:
+            self.decoder.close()  # no copy reads the frames' memory any more; the staging given back
+        finally:
+            for frame in self.added[self.released:]:
+                frame.release()

@@ -48,6 +48,7 @@ from .quant.policy import PrecisionPolicy
 from .results import IngestResult, Loaded, Located, Materialized
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
+from .store.device_staging import staging_stats
 from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
@@ -331,14 +332,17 @@ class RemoteCache(PrefixCacheBase):
         if not call.rows:
             return results
         decoder, sink = paged_io.decoder(self.block_format, call)
-        first_row = 0
-        for frames, n, s in zip(chains, counts, starts):
-            for j, frame in enumerate(frames):
-                sink.rows.append(first_row + j)
-                decoder.add(frame)
-            first_row += max(0, n - s)
-        if len(decoder):
-            decoder.finish()
+        try:
+            first_row = 0
+            for frames, n, s in zip(chains, counts, starts):
+                for j, frame in enumerate(frames):
+                    sink.rows.append(first_row + j)
+                    decoder.add(frame)
+                first_row += max(0, n - s)
+            if len(decoder):
+                decoder.finish()
+        finally:
+            decoder.close()  # the staging given back on every path
         return results
 
     def locate(self, keys: Any) -> Located:
@@ -404,9 +408,10 @@ class RemoteCache(PrefixCacheBase):
     # -- operations ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """The server's per-tier figures, in the shape of ``PrefixCache.stats()``."""
+        """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
+        ``device_staging``: this process's staging pools (the decodes run here)."""
         server = self._request("GET", "/v1/stats").json()
-        return {**self._config_stats(), **server}
+        return {**self._config_stats(), **server, "device_staging": staging_stats()}
 
     def client_stats(self) -> dict[str, Any]:
         """This client's view of the server's availability: ``outages`` (each logged once),

@@ -68,9 +68,13 @@ for s in "$@"; do
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
-    tests-new)   step tests-new 110 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py ;;
+    tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_device_staging.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
+    # Leased device staging (store/device_staging.py) against a plain buffer per use (a pool of
+    # cap 0): host us per buffer, and ingest / materialize of 16 and 64 blocks through the CPU tier.
+    device-staging) step device-staging-16 150 python3 -m benchmarks.device_staging --blocks 16 --out "$OUT/ds16"
+                 step device-staging-64 200 python3 -m benchmarks.device_staging --blocks 64 --reps 5 --out "$OUT/ds64" ;;
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
     tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;

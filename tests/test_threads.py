@@ -3,7 +3,9 @@
 Eight threads ingest, materialize and look up overlapping and distinct prefixes, on a CPU
 tier alone and on CPU + disk (written through, and with a CPU tier small enough to evict
 and promote). What each thread gets is bit-identical to a single-threaded run, the stats
-add up, every lease is released, and nothing deadlocks (each run has a timeout)."""
+add up, every lease is released (CPU-tier slots and device staging), and nothing deadlocks
+(each run has a timeout). On a GPU (scripts/h200.sh tests-new), threads ingest and
+materialize device KV through one cache at once, sharing the store's streams."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import time
 import pytest
 import torch
 
+import cacheseek as cs
+from cacheseek.store.device_staging import staging_pool
 from store_helpers import BLOCK, make_cache, make_kv, tokens_for
 
 THREADS = 8
@@ -30,11 +34,36 @@ def _work(seed: int) -> tuple[list[int], list]:
     return head + own, kv
 
 
-def _run_one(cache, toks, kv) -> tuple[int, int, list[torch.Tensor]]:
+def _run_one(cache, toks, kv, device=None) -> tuple[int, int, list[torch.Tensor]]:
     cache.ingest(toks, kv)
     located = cache.locate(toks).num_tokens
-    got = cache.materialize(toks)
+    got = cache.materialize(toks, device)
     return located, got.num_tokens, [t.clone() for k, v in got.layers for t in (k, v)]
+
+
+def _run_threads(worker, n: int) -> list:
+    """``worker(i)`` for i < n, each in a thread of its own, all started together; their
+    results. Daemon threads joined with a deadline: a deadlock fails the test, not hangs it."""
+    start = threading.Barrier(n)
+    errors: list[BaseException] = []
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = worker(i)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
+    assert not errors, errors
+    return results
 
 
 CONFIGS = {
@@ -60,11 +89,9 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
     ref.close()
 
     cache = make_cache(**kw)
-    start = threading.Barrier(THREADS)
-    errors: list[BaseException] = []
+    staged = staging_pool(torch.device("cpu")).stats()["leases_active"]
 
     def worker(i: int) -> list:
-        start.wait()
         out = []
         for r in range(ROUNDS):
             # Each thread works on its own prompt and, every other round, a neighbour's
@@ -74,23 +101,7 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
             out.append((j, _run_one(cache, toks, kv)))
         return out
 
-    results: list = [None] * THREADS
-
-    def run(i: int) -> None:
-        try:
-            results[i] = worker(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    # Daemon threads joined with a deadline: a deadlock fails the test instead of hanging it.
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
-    assert not errors, errors
+    results = _run_threads(worker, THREADS)
 
     for per_thread in results:
         for j, (located, tokens, tensors) in per_thread:
@@ -109,6 +120,8 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
     assert cpu["leases_active"] == 0 and cpu["leased_bytes"] == 0 and cpu["lease_double_releases"] == 0
     assert cpu["held_slots"] == 0 and cpu["reservation_bytes"] == 0
     assert cpu["used_bytes"] <= cpu["capacity_bytes"]
+    pools = {p["device"]: p for p in stats["device_staging"]}
+    assert pools["cpu"]["leases_active"] == staged and pools["cpu"]["lease_double_releases"] == 0
     # Every block distinct store-wide: the shared head twice, each thread's own three.
     if not config.startswith("small"):
         assert stats["blocks"] == 2 + 3 * THREADS
@@ -122,4 +135,55 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
         assert tokens == 5 * BLOCK or config.startswith("small")
         for a, b in zip(tensors, expected[j][2]):
             assert torch.equal(a[..., :tokens, :], b[..., :tokens, :])
+    cache.close()
+
+
+GPU_CONFIGS = {
+    "cpu": dict(cpu="64MiB"),  # in-place ingest into CPU-tier slots; decodes from them
+    "gpu+cpu": dict(gpu="32MiB", cpu="64MiB"),  # the put path's pooled staging; hits on the GPU tier
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
+def test_threads_on_a_gpu_share_the_streams_and_get_bit_exact_kv(config, codec):
+    """Threads ingest GPU KV and materialize it on the GPU through one cache at once: the
+    store's long-lived streams and the device's staging pool are shared by all of them."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    work = [(toks, [(k.to(dev), v.to(dev)) for k, v in kv]) for toks, kv in (_work(s) for s in range(THREADS))]
+    ref = make_cache(codec=codec, **GPU_CONFIGS[config])
+    expected = [_run_one(ref, toks, kv, dev) for toks, kv in work]
+    ref.close()
+    torch.cuda.synchronize(dev)
+    if codec.name == "raw":  # the KV itself, bit for bit
+        for (toks, kv), (_, tokens, tensors) in zip(work, expected):
+            assert tokens == 5 * BLOCK
+            assert all(torch.equal(a[0], b) for a, b in zip(tensors, [t for kv_l in kv for t in kv_l]))
+
+    cache = make_cache(codec=codec, **GPU_CONFIGS[config])
+    staged = staging_pool(dev).stats()["leases_active"]
+
+    def worker(i: int) -> list:
+        out = []
+        for r in range(ROUNDS):
+            j = i if r % 2 == 0 else (i + 1) % THREADS
+            toks, kv = work[j]
+            out.append((j, _run_one(cache, toks, kv, dev)))
+        torch.cuda.current_stream(dev).synchronize()
+        return out
+
+    results = _run_threads(worker, THREADS)
+    torch.cuda.synchronize(dev)
+    for per_thread in results:
+        for j, (located, tokens, tensors) in per_thread:
+            assert tokens == located == expected[j][1] == 5 * BLOCK
+            assert all(torch.equal(a, b) for a, b in zip(tensors, expected[j][2]))
+    stats = cache.stats()
+    cpu = next(t for t in stats["tiers"] if t["name"] == "cpu")
+    assert cpu["leases_active"] == 0 and cpu["held_slots"] == 0 and cpu["reservation_bytes"] == 0
+    assert stats["blocks"] == 2 + 3 * THREADS
+    pool = next(p for p in stats["device_staging"] if p["device"] == str(dev))
+    assert pool["leases_active"] == staged and pool["lease_double_releases"] == 0
+    assert pool["pooled_bytes"] <= pool["cap_bytes"]
     cache.close()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..quant.tensors import host_view
+from .device_staging import is_staging
 from .frame import header_prefix, seal_frame
 from .streams import on_stream, work_stream
 from .tier import BlockFrame, Reservation
@@ -94,6 +95,11 @@ class HostCopies:
                 self._synced.add(device)
             with on_stream(stream):
                 copy_entry(target, src)
+            # These stay on record_stream: a payload here may be a plain tensor its owner
+            # frees at any time (the caller's KV slices, ``encode_blocks``'s frames, a GPU
+            # tier's record being evicted), and only the allocator can hold its memory until
+            # this stream is done. A leased staging buffer (``device_staging``) is held by
+            # its lease instead: its holder names this stream at the release.
             for piece in src if isinstance(src, (list, tuple)) else [src]:
                 piece.record_stream(stream)
             self._unmarked.add(device)
@@ -141,12 +147,16 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     meta = frame.meta
     src = frame.device_payload
     if src is not None and src.device == device:
-        # A row of an encoder's batch buffer would pin the whole batch in memory: own it.
+        # A row of an encoder's batch buffer would pin the whole batch in memory, and a
+        # leased staging buffer goes back to its pool: own a copy.
         whole = src.untyped_storage().nbytes() == src.numel() and src.storage_offset() == 0
-        if whole:
+        if whole and not is_staging(src):
             return src
         if device.type == "cuda":
-            src.record_stream(torch.cuda.current_stream(device))  # made on another stream, maybe
+            # The clone reads ``src`` on this stream; a plain tensor's owner may free it
+            # meanwhile, so the allocator is told (record_stream stays for those). A leased
+            # staging buffer's holder marks this stream at its release.
+            src.record_stream(torch.cuda.current_stream(device))
         return src.clone()
     out = torch.empty(meta.payload_nbytes, dtype=torch.uint8, device=device)
     if frame.device_payload is not None:

@@ -1,8 +1,9 @@
 """Leases: memory lent to a reader or a copy, given back exactly once.
 
-One API for every piece of host memory that outlives the call that handed it out: a
-CPU-tier slot read by a materialize or streamed by the server (``HostArena.lease``), a
-pooled read buffer of the disk tier (``direct_io.BufferPool.take``). The lender decides
+One API for every piece of memory that outlives the call that handed it out: a CPU-tier
+slot read by a materialize or streamed by the server (``HostArena.lease``), a pooled read
+buffer of the disk tier (``direct_io.BufferPool.take``), a staging buffer of the data path
+on a device (``device_staging.DeviceStagingPool.take``: there release is stream-ordered). The lender decides
 what release means (a slot becomes reusable once all its leases are released; a buffer
 goes back to its pool); the holder only promises to release once, when done with the
 bytes, in a ``with`` block or a ``finally``.
