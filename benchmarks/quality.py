@@ -4,8 +4,8 @@ prefix KV against recomputed; and a long-context retrieval check.
     python -m benchmarks.quality [--quick] [--threads N] [--out DIR]          # codecs: quality.json
     python -m benchmarks.quality --precision [--quick] [--no-retrieval] ...   # policies: precision.json
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
-    python -m benchmarks.quality --precision --near-miss|--variants ...  # precision_{near_miss,variants}.json
-    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants}.json --out docs
+    python -m benchmarks.quality --precision --near-miss|--variants|--clip ...  # precision_{near_miss,variants,clip}.json
+    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants,_clip}.json --out docs
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
 spin-wait whenever one of them is descheduled, and 2 threads ran 2-5x slower than 1 there.
@@ -171,6 +171,26 @@ def more_variants() -> list[Variant]:
         Variant("int8@0+int4", policy(first=i8, rest=k4v4_64), 64),
         Variant("int8@0+k4(G32)v4(G64)", policy(first=i8, rest=k4v4_32_64), 64),
         Variant("int8@0+k4(G128)v4(G64)", policy(first=i8, rest=k4v4_128_64), 128, block=128),
+    ]
+
+
+def clip_variants() -> list[Variant]:
+    """``--clip`` (precision_clip.json): the near miss (int4@0 + K int4 G=128 / V int2 G=64,
+    blocks of 128) with V's encoder searching shrunk ranges (``KIVI(v_clip=...)``: the same
+    stored bytes per block, so the same bits, and the same decoder), at 1, 2, 3 and 6
+    steps of 5%; the rest alone at 2 steps as the control."""
+    i4 = cs.KIVI(bits=4, group_size=32)
+    policy = cs.PrecisionPolicy
+
+    def rest(clip: int) -> cs.KIVI:
+        return cs.KIVI(k_bits=4, v_bits=2, k_group_size=128, v_group_size=64, v_clip=clip)
+
+    return [
+        Variant("raw", cs.Raw(), None),
+        Variant("int4@0+k4(G128)v2(G64)", policy(first=i4, rest=rest(0)), 128, block=128),
+        *(Variant(f"int4@0+k4(G128)v2(G64,clip{c})", policy(first=i4, rest=rest(c)), 128, block=128)
+          for c in (1, 2, 3, 6)),
+        Variant("k4(G128)v2(G64,clip2)", rest(2), 128, block=128),
     ]
 
 
@@ -467,6 +487,7 @@ def main() -> None:
     ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
     ap.add_argument("--near-miss", action="store_true", help="with --precision: the variants around 3.5 bits")
     ap.add_argument("--variants", action="store_true", help="with --precision: the variants after --near-miss")
+    ap.add_argument("--clip", action="store_true", help="with --precision: the near miss with V's range search")
     ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
@@ -480,7 +501,8 @@ def main() -> None:
     layout = kv_layout(model)
     vs = variants()
     if args.precision:
-        vs = near_miss_variants() if args.near_miss else more_variants() if args.variants else precision_variants()
+        vs = (near_miss_variants() if args.near_miss else more_variants() if args.variants
+              else clip_variants() if args.clip else precision_variants())
     rows, docs = [], {}
     for module, prefix in QUICK if args.quick else PREFIXES:
         doc = texts.stdlib_document(module)
@@ -513,7 +535,8 @@ def main() -> None:
     }
     name = "quality"
     if args.precision:
-        name = "precision_near_miss" if args.near_miss else "precision_variants" if args.variants else "precision"
+        name = ("precision_near_miss" if args.near_miss else "precision_variants" if args.variants
+                else "precision_clip" if args.clip else "precision")
     path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)
