@@ -475,7 +475,8 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
     key_text += "\n".join(f"{i:2d}  {n}  ({r['bits/elem']:.2f} b)" for i, (n, r) in enumerate(zip(names, summary), 1))
     fig.text(0.915, 0.5, key_text, fontsize=8.5, va="center", ha="left", family="monospace")
     fig.subplots_adjust(right=0.9)
-    note = "; ".join(source_line(d) for d in docs)
+    lines = [source_line(d) for d in docs]  # two sources a line: the note stays within the plots' width
+    note = "\n".join("; ".join(lines[i:i + 2]) for i in range(0, len(lines), 2))
     return save(fig, out_dir, "precision", note=note,
                 title="Quality against stored bits per element, per codec and precision policy: "
                       "SmolLM2-135M-Instruct, reused vs recomputed prefix KV")
