@@ -73,9 +73,11 @@ def test_spec_with_a_bad_v_clip_is_refused(bad):
         codec_from_spec({**cs.KIVI().spec(), "k_clip": 2})
 
 
-def test_reference_refuses_a_clip_out_of_range():
+def test_reference_refuses_a_clip_out_of_range_or_on_k():
     with pytest.raises(ValueError, match="clip"):
         ref.quantize(torch.zeros(1, 4, 64), bits=2, group=64, axis=-1, stats_dtype=F16, clip=7)
+    with pytest.raises(ValueError, match="only V"):
+        ref.quantize(torch.zeros(1, 64, 64), bits=2, group=64, axis=AXIS_TOKENS, stats_dtype=F16, clip=2)
 
 
 def test_keys_only_v_changes_and_it_decodes_with_the_same_decoder():

@@ -73,6 +73,8 @@ def quantize(
     range search above (0: off)."""
     if not 0 <= clip <= MAX_CLIP:
         raise ValueError(f"clip: must be 0 to {MAX_CLIP}, got {clip!r}")
+    if clip and axis not in (-1, x.dim() - 1):
+        raise ValueError("clip: only V (axis=-1, groups of channels) has a range search")
     xt = x.movedim(axis, -1).float()
     *lead, n = xt.shape
     ngroups = -(-n // group)
