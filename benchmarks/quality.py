@@ -199,7 +199,14 @@ def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -
     encode and decode (bit for bit what the store does); a policy through a real
     ``PrefixCache`` (ingest, materialize); ``last``: the last full block re-encoded with it."""
     if variant.kind == "uniform":
-        return [variant.codec.decode(variant.codec.encode(k, v), "cpu") for k, v in layers]
+        # Whole blocks only (a retrieval context's stored part is whole 64-token blocks; with
+        # blocks of 128 an odd last 64 stays recomputed, as a policy's chain leaves it).
+        out = []
+        for k, v in layers:
+            n = k.shape[1] // variant.block * variant.block
+            kk, vv = variant.codec.decode(variant.codec.encode(k[:, :n].contiguous(), v[:, :n].contiguous()), "cpu")
+            out.append((torch.cat([kk, k[:, n:]], 1), torch.cat([vv, v[:, n:]], 1)))
+        return out
     tokens = layers[0][0].shape[1]
     tiers = cs.TierConfig(cpu_bytes="4GiB", pin_memory=False)
     B = variant.block
