@@ -1,6 +1,7 @@
 """Throughput of the Triton KIVI kernels against the memory roofline and the torch reference.
 
     python -m benchmarks.kernels [--quick] [--sweep] [--out DIR]
+    python -m benchmarks.kernels --clip [--out DIR]    # V quantize with the range search (v_clip)
     python -m benchmarks.kernels --plot-only benchmarks/results/h200/kernels.json --out docs
 
 On CUDA, for K (per-channel groups) and V (per-token groups) of fp16 KV shaped
@@ -327,6 +328,34 @@ def sweep_v(xs: list[torch.Tensor], reps: int) -> list[dict]:
     return rows
 
 
+def measure_clip(copy_bw: float, reps: int = 30) -> list[dict]:
+    """V quantize, int2 G=64 (the near miss's V) and int4 G=32, with the range search at 0
+    (plain min/max), 1, 2, 3 and 6 steps (``KIVI(v_clip=...)``), on fp16 KV of head_dim 128
+    (SHAPE) and 64 (SmolLM2's): GB/s of raw KV, the share of copy bandwidth of the bytes
+    moved, and whether the codes and stats equal the reference's."""
+    rows = []
+    for D in (128, 64):
+        shape = (*SHAPE[:-1], D)
+        xs = [torch.randn(shape, device=DEVICE).to(F16) for _ in range(N_SETS)]
+        raw = xs[0].nbytes
+        for bits, group in ((2, 64), (4, 32)):
+            base = None
+            for clip in (0, 1, 2, 3, 6):
+                kw = dict(bits=bits, group=group, axis=AXIS_CHANNELS, stats_dtype=F16, clip=clip)
+                small = xs[0][:2, :, :512]
+                exact = all(torch.equal(a, b) for a, b in zip(kernels.quantize(small, **kw), ref.quantize(small, **kw)))
+                moved = raw + _encoded_nbytes(kernels.quantize(xs[0], **kw))
+                t = gpu_time(lambda i: kernels.quantize(xs[i], **kw), reps=reps)
+                base = base or t
+                rows.append({"case": f"V int{bits} G{group} D{D}", "clip": clip, "us": t * 1e6,
+                             "raw_GBps": raw / t / 1e9, "pct_copy_bw": 100 * moved / t / copy_bw,
+                             "time_vs_clip0": t / base, "exact": exact})
+                print(f"  {rows[-1]['case']} clip={clip}: {rows[-1]['raw_GBps']:,.0f} GB/s raw, "
+                      f"{rows[-1]['pct_copy_bw']:.0f}% of copy, x{t / base:.2f} time, exact={exact}", flush=True)
+        del xs
+    return rows
+
+
 def _same(a, b) -> bool:
     return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
@@ -380,6 +409,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="int4 G=32 only, fewer repetitions")
     ap.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
     ap.add_argument("--sweep-v", action="store_true", help="only the wide V-quantize sweep (tiles, cache hints)")
+    ap.add_argument("--clip", action="store_true", help="only V quantize with its range search (v_clip) vs without")
     ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.png")
     add_plot_only(ap)
     args = ap.parse_args()
@@ -399,6 +429,15 @@ def main() -> int:
                     title="\nV quantize, int4: every candidate; * = the default"))
         print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
         return 0
+    if args.clip:
+        copy_bw = copy_bandwidth()
+        rows = measure_clip(copy_bw)
+        path = write_json("kernels_clip", {"shape": list(SHAPE[:-1]), "copy_GBps": copy_bw / 1e9, "rows": rows,
+                                           "triton": _triton_version()}, args.out)
+        print(table(rows, ["case", "clip", "us", "raw_GBps", "pct_copy_bw", "time_vs_clip0", "exact"],
+                    title=f"\nV quantize with the range search; copy bandwidth {copy_bw / 1e9:,.0f} GB/s"))
+        print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+        return 0 if all(r["exact"] for r in rows) else 1
     failures = check_correctness(DEVICE, (4, 8, 512, 128)) + check_strided()
     print("correctness vs reference:", "PASS" if not failures else "FAIL")
     for f in failures:

@@ -4,8 +4,8 @@ prefix KV against recomputed; and a long-context retrieval check.
     python -m benchmarks.quality [--quick] [--threads N] [--out DIR]          # codecs: quality.json
     python -m benchmarks.quality --precision [--quick] [--no-retrieval] ...   # policies: precision.json
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
-    python -m benchmarks.quality --precision --near-miss|--variants ...  # precision_{near_miss,variants}.json
-    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants}.json --out docs
+    python -m benchmarks.quality --precision --near-miss|--variants|--clip ...  # precision_{near_miss,variants,clip}.json
+    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants,_clip}.json --out docs
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
 spin-wait whenever one of them is descheduled, and 2 threads ran 2-5x slower than 1 there.
@@ -174,12 +174,39 @@ def more_variants() -> list[Variant]:
     ]
 
 
+def clip_variants() -> list[Variant]:
+    """``--clip`` (precision_clip.json): the near miss (int4@0 + K int4 G=128 / V int2 G=64,
+    blocks of 128) with V's encoder searching shrunk ranges (``KIVI(v_clip=...)``: the same
+    stored bytes per block, so the same bits, and the same decoder), at 1, 2, 3 and 6
+    steps of 5%; the rest alone at 2 steps as the control."""
+    i4 = cs.KIVI(bits=4, group_size=32)
+    policy = cs.PrecisionPolicy
+
+    def rest(clip: int) -> cs.KIVI:
+        return cs.KIVI(k_bits=4, v_bits=2, k_group_size=128, v_group_size=64, v_clip=clip)
+
+    return [
+        Variant("raw", cs.Raw(), None),
+        Variant("int4@0+k4(G128)v2(G64)", policy(first=i4, rest=rest(0)), 128, block=128),
+        *(Variant(f"int4@0+k4(G128)v2(G64,clip{c})", policy(first=i4, rest=rest(c)), 128, block=128)
+          for c in (1, 2, 3, 6)),
+        Variant("k4(G128)v2(G64,clip2)", rest(2), 128, block=128),
+    ]
+
+
 def reuse(variant: Variant, layout: cs.KVLayout, ids: list[int], layers: list) -> list:
     """The prefix KV ``layers`` [(K, V) [H, T, D]] as a store hands it back: a uniform codec's
     encode and decode (bit for bit what the store does); a policy through a real
     ``PrefixCache`` (ingest, materialize); ``last``: the last full block re-encoded with it."""
     if variant.kind == "uniform":
-        return [variant.codec.decode(variant.codec.encode(k, v), "cpu") for k, v in layers]
+        # Whole blocks only (a retrieval context's stored part is whole 64-token blocks; with
+        # blocks of 128 an odd last 64 stays recomputed, as a policy's chain leaves it).
+        out = []
+        for k, v in layers:
+            n = k.shape[1] // variant.block * variant.block
+            kk, vv = variant.codec.decode(variant.codec.encode(k[:, :n].contiguous(), v[:, :n].contiguous()), "cpu")
+            out.append((torch.cat([kk, k[:, n:]], 1), torch.cat([vv, v[:, n:]], 1)))
+        return out
     tokens = layers[0][0].shape[1]
     tiers = cs.TierConfig(cpu_bytes="4GiB", pin_memory=False)
     B = variant.block
@@ -455,7 +482,8 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
     key_text += "\n".join(f"{i:2d}  {n}  ({r['bits/elem']:.2f} b)" for i, (n, r) in enumerate(zip(names, summary), 1))
     fig.text(0.915, 0.5, key_text, fontsize=8.5, va="center", ha="left", family="monospace")
     fig.subplots_adjust(right=0.9)
-    note = "; ".join(source_line(d) for d in docs)
+    lines = [source_line(d) for d in docs]  # two sources a line: the note stays within the plots' width
+    note = "\n".join("; ".join(lines[i:i + 2]) for i in range(0, len(lines), 2))
     return save(fig, out_dir, "precision", note=note,
                 title="Quality against stored bits per element, per codec and precision policy: "
                       "SmolLM2-135M-Instruct, reused vs recomputed prefix KV")
@@ -467,6 +495,7 @@ def main() -> None:
     ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
     ap.add_argument("--near-miss", action="store_true", help="with --precision: the variants around 3.5 bits")
     ap.add_argument("--variants", action="store_true", help="with --precision: the variants after --near-miss")
+    ap.add_argument("--clip", action="store_true", help="with --precision: the near miss with V's range search")
     ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
@@ -480,7 +509,8 @@ def main() -> None:
     layout = kv_layout(model)
     vs = variants()
     if args.precision:
-        vs = near_miss_variants() if args.near_miss else more_variants() if args.variants else precision_variants()
+        vs = (near_miss_variants() if args.near_miss else more_variants() if args.variants
+              else clip_variants() if args.clip else precision_variants())
     rows, docs = [], {}
     for module, prefix in QUICK if args.quick else PREFIXES:
         doc = texts.stdlib_document(module)
@@ -513,7 +543,8 @@ def main() -> None:
     }
     name = "quality"
     if args.precision:
-        name = "precision_near_miss" if args.near_miss else "precision_variants" if args.variants else "precision"
+        name = ("precision_near_miss" if args.near_miss else "precision_variants" if args.variants
+                else "precision_clip" if args.clip else "precision")
     path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)

@@ -17,6 +17,10 @@ word in bits [j*bits, (j+1)*bits)).
 The kernels are bit-identical to the reference: every division is IEEE-rounded (see
 ``_quotient``), rounding is exact half-to-even, and decoding is mul then add, unfused.
 
+V's encoder can also search ``clip`` shrunk ranges per group (the codec's ``v_clip``; see
+``kivi_reference``): each candidate's squared error is summed in fp64 over the group's
+tile in registers, so the choice matches the reference's whatever the order of the sums.
+
 Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
 ``_dequantize``: checks, allocation, grid, settings), and the public ``quantize`` /
 ``dequantize``.
@@ -43,6 +47,9 @@ BITS = (2, 4, 8)
 GROUPS = (32, 64, 128)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 STATS_DTYPES = (torch.float16, torch.float32)
+CLIP_STEP = 0.025  # as kivi_reference.CLIP_STEP
+MAX_CLIP = 6
+_CLIP_STEP = tl.constexpr(CLIP_STEP)
 
 _INF = tl.constexpr(float("inf"))
 # Float <-> small integer without I2F/F2I (quarter-rate on NVIDIA GPUs) or libdevice rint
@@ -152,6 +159,22 @@ def _decode(codes, s, m):
     ``codes`` int32 in [0, 2^22), ``s`` and ``m`` fp32, broadcastable."""
     c = (codes | _TWO23_BITS).to(tl.float32, bitcast=True) - _TWO23
     return c * s + m
+
+
+@triton.jit
+def _clip_error(x, s_st, m_st, ok, QMAX: tl.constexpr, FP16_STATS: tl.constexpr, MASKED: tl.constexpr):
+    """Per group of V's tile ``x`` [BLOCK_T, NGP, GP] (fp32): sum of float64(decode(codes)
+    - x)^2 over the real lanes, for stored stats ``s_st``, ``m_st`` [BLOCK_T, NGP]."""
+    den, rcp = _divisor(s_st.to(tl.float32), FP16_STATS)
+    s_b = tl.broadcast_to(s_st.to(tl.float32)[:, :, None], x.shape)
+    m_b = tl.broadcast_to(m_st.to(tl.float32)[:, :, None], x.shape)
+    codes = _codes(x, m_b, tl.broadcast_to(den[:, :, None], x.shape), tl.broadcast_to(rcp[:, :, None], x.shape),
+                   QMAX, FP16_STATS)
+    diff = (_decode(codes, s_b, m_b) - x).to(tl.float64)
+    sq = diff * diff
+    if MASKED:
+        sq = tl.where(ok, sq, 0.0)
+    return tl.sum(sq, axis=2)
 
 
 @triton.jit
@@ -393,7 +416,7 @@ def _quantize_v_kernel(
     sx_p,
     BITS: tl.constexpr, GP: tl.constexpr, D_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
     X_TABLE: tl.constexpr, X_ALIGN: tl.constexpr, CHECK: tl.constexpr, PAGE: tl.constexpr,
-    X_EVICT: tl.constexpr, Q_CACHE: tl.constexpr, WORD_BIAS: tl.constexpr, MASKED: tl.constexpr,
+    X_EVICT: tl.constexpr, Q_CACHE: tl.constexpr, WORD_BIAS: tl.constexpr, CLIP: tl.constexpr, MASKED: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     WPG: tl.constexpr = GP // PER
@@ -428,9 +451,26 @@ def _quantize_v_kernel(
 
     lo, hi = _minmax_operands(x, ok, MASKED)
     mn = tl.min(lo, axis=2).to(tl.float32)  # [BLOCK_T, NGP]
-    scale = _scale(mn, tl.max(hi, axis=2).to(tl.float32), QMAX, FP16_STATS)
+    mx = tl.max(hi, axis=2).to(tl.float32)
+    scale = _scale(mn, mx, QMAX, FP16_STATS)
     s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
     m_st = mn.to(m_ptr.dtype.element_ty)
+    if CLIP > 0:
+        # Range i: [mn + d, mx - d], d = (mx - mn) * float32(i * CLIP_STEP); keep the first
+        # with the least fp64 squared error (NaN errors never win: such input is rejected).
+        xf = x.to(tl.float32)
+        err = _clip_error(xf, s_st, m_st, ok, QMAX, FP16_STATS, MASKED)
+        width = mx - mn
+        for i in tl.static_range(1, CLIP + 1):
+            dd = width * (i * _CLIP_STEP)
+            lo_i = mn + dd
+            s_i = _scale(lo_i, mx - dd, QMAX, FP16_STATS).to(s_ptr.dtype.element_ty)
+            m_i = lo_i.to(m_ptr.dtype.element_ty)
+            e_i = _clip_error(xf, s_i, m_i, ok, QMAX, FP16_STATS, MASKED)
+            better = e_i < err
+            s_st = tl.where(better, s_i, s_st)
+            m_st = tl.where(better, m_i, m_st)
+            err = tl.where(better, e_i, err)
     if CHECK:
         _flag_if_nonfinite(tl.reshape(s_st, (BLOCK_T * NGP,)), tl.reshape(m_st, (BLOCK_T * NGP,)),
                            tl.reshape(t_ok[:, None] & (g * GP < D)[None, :], (BLOCK_T * NGP,)), bad_addr, MASKED)
@@ -564,6 +604,13 @@ class _DequantizePlan:
     via_temp: bool = False  # decode into a fresh tensor, then out.copy_ (out cannot be written directly)
 
 
+def _check_clip(clip: int, axis: int) -> None:
+    if isinstance(clip, bool) or clip not in range(MAX_CLIP + 1):
+        raise ValueError(f"clip: must be 0 to {MAX_CLIP}, got {clip!r}")
+    if clip and axis != AXIS_CHANNELS:
+        raise ValueError("clip: only V (axis=-1, groups of channels) has a range search")
+
+
 def _check_args(bits: int, group: int, axis: int, ndim: int) -> int:
     if bits not in BITS:
         raise ValueError(f"bits: must be one of {list(BITS)}, got {bits!r}")
@@ -607,9 +654,11 @@ _KERNELS = {
 
 @functools.cache
 def _tuned(side: str, op: str, group: int, D: int):
-    # One autotuner per (kernel, group, D); it re-tunes per (T, BITS) and argument dtypes.
+    # One autotuner per (kernel, group, D); it re-tunes per (T, BITS) and argument dtypes
+    # (and V's encoder per CLIP: the range search adds compute per group).
     kernel = _KERNELS[side, op][0]
-    return triton.autotune(configs=configs.candidates(side, op, group, D), key=["T", "D", "BITS"])(kernel)
+    key = ["T", "D", "BITS"] + (["CLIP"] if (side, op) == ("v", "quantize") else [])
+    return triton.autotune(configs=configs.candidates(side, op, group, D), key=key)(kernel)
 
 
 def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[tuple[int, ...]],
@@ -630,9 +679,12 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
     else:
         consts = {**consts, "O_TABLE": table_rows > 0, "O_ALIGN": align, "PAGE": page}
     if side == "k":  # whether each code word's tokens lie in one page (one page lookup per word)
+        if consts.pop("CLIP", 0):
+            raise ValueError("clip: only V (axis=-1, groups of channels) has a range search")
         consts["PAGE_WORDS"] = page > 0 and page % (32 // consts["BITS"]) == 0 and page_words
     elif op == "quantize":
         consts["WORD_BIAS"] = _word_bias_value(consts["BITS"])
+        consts["CLIP"] = consts.get("CLIP", 0)
     if side == "v":
         d_pad = configs.padded_head_dim(D)
         consts = {**consts, "GP": min(group, d_pad), "D_PAD": d_pad}
@@ -654,8 +706,9 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
 @functools.lru_cache(maxsize=1024)
 def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, bits: int, group: int,
                    axis: int, stats_dtype: torch.dtype, config: triton.Config | None,
-                   autotune: bool) -> _QuantizePlan:
+                   autotune: bool, clip: int = 0) -> _QuantizePlan:
     axis = _check_args(bits, group, axis, len(shape))
+    _check_clip(clip, axis)
     if dtype not in X_DTYPES:
         raise ValueError(f"x: dtype must be one of {X_DTYPES}, got {dtype}")
     if stats_dtype not in STATS_DTYPES:
@@ -670,14 +723,15 @@ def _quantize_plan(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch
     if lv is None:  # three or more strided levels: one copy rather than one launch per level
         return _QuantizePlan(q_shape, st_shape, None, copy_input=True)
     side = "k" if axis == AXIS_TOKENS else "v"
-    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits}, group, config, dtype=dtype)
+    launch = _make_launch(side, "quantize", lv, T, D, strides, {"BITS": bits, "CLIP": clip}, group, config,
+                          dtype=dtype)
     return _QuantizePlan(q_shape, st_shape, launch)
 
 
 @functools.lru_cache(maxsize=1024)
 def _layers_plan(layer_shape: tuple[int, ...], layer_stride: tuple[int, ...], dtype: torch.dtype, n: int,
                  block: int, outs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...], bits: int,
-                 group: int, axis: int, config: triton.Config | None, autotune: bool) -> _Launch | None:
+                 group: int, axis: int, config: triton.Config | None, autotune: bool, clip: int = 0) -> _Launch | None:
     """The launch for :func:`quantize_layers` (None when there is nothing to do)."""
     if len(layer_shape) != 3 or layer_stride[-1] != 1:
         raise ValueError(f"layers: expected [H, T, D] tensors with unit last stride, got {layer_shape} {layer_stride}")
@@ -685,6 +739,7 @@ def _layers_plan(layer_shape: tuple[int, ...], layer_stride: tuple[int, ...], dt
         raise ValueError(f"layers: dtype must be one of {X_DTYPES}, got {dtype}")
     H, _, D = layer_shape
     axis = _check_args(bits, group, axis, 5)
+    _check_clip(clip, axis)
     L = outs[0][0][1]
     _check_rows("out", n, L, H, block, D, outs, bits, group, axis)
     if n * L * H * block * D == 0:
@@ -694,7 +749,7 @@ def _layers_plan(layer_shape: tuple[int, ...], layer_stride: tuple[int, ...], dt
     lv = Levels(A=n, C=L * H, strides=((block * sx_t, sx_h), (qst[0], qst[2]), (sst[0], sst[2])))
     strides = [(sx_t, 1), qst, sst]
     side = "k" if axis == AXIS_TOKENS else "v"
-    return _make_launch(side, "quantize", lv, block, D, strides, {"BITS": bits}, group, config,
+    return _make_launch(side, "quantize", lv, block, D, strides, {"BITS": bits, "CLIP": clip}, group, config,
                         dtype=dtype, table_rows=H)
 
 
@@ -725,12 +780,13 @@ PageGeometry = tuple  # (L, H, D, strides, dtype, align, page size, slot align):
 @functools.lru_cache(maxsize=1024)
 def _pages_plan(op: str, geometry: PageGeometry, n: int, block: int,
                 bufs: tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype], ...], bits: int, group: int,
-                axis: int, config: triton.Config | None, autotune: bool) -> _Launch | None:
+                axis: int, config: triton.Config | None, autotune: bool, clip: int = 0) -> _Launch | None:
     """The launch for :func:`quantize_pages` or :func:`dequantize_pages` (None: nothing to do)."""
     L, H, D, (s_p, s_t, s_h), dtype, align, page, slot_align = geometry
     if dtype not in X_DTYPES:
         raise ValueError(f"pages: dtype must be one of {X_DTYPES}, got {dtype}")
     axis = _check_args(bits, group, axis, 5)
+    _check_clip(clip, axis)
     _check_rows("out" if op == "quantize" else "encoded", n, L, H, block, D, bufs, bits, group, axis)
     if n * L * H * block * D == 0:
         return None
@@ -739,7 +795,7 @@ def _pages_plan(op: str, geometry: PageGeometry, n: int, block: int,
     pages = ((0, s_h), (s_t, 1))  # (a, c) strides and full strides: the page table places each block
     if op == "quantize":
         lv = Levels(A=n, C=L * H, strides=(pages[0], (qst[0], qst[2]), (sst[0], sst[2])))
-        return _make_launch(side, op, lv, block, D, [pages[1], qst, sst], {"BITS": bits}, group, config,
+        return _make_launch(side, op, lv, block, D, [pages[1], qst, sst], {"BITS": bits, "CLIP": clip}, group, config,
                             dtype=dtype, table_rows=H, align=align, page=page, page_stride=s_p,
                             page_words=slot_align % (32 // bits) == 0)
     lv = Levels(A=n, C=L * H, strides=((qst[0], qst[2]), (sst[0], sst[2]), (mst[0], mst[2]), pages[0]))
@@ -790,12 +846,14 @@ def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], 
 
 
 def _quantize(x: torch.Tensor, bits: int, group: int, axis: int, stats_dtype: torch.dtype,
-              config: triton.Config | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              config: triton.Config | None = None, clip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     autotune = configs.autotune_enabled()
-    plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+    plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune,
+                          clip)
     if plan.copy_input:
         x = x.contiguous()
-        plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config, autotune)
+        plan = _quantize_plan(tuple(x.shape), x.stride(), x.dtype, bits, group, axis, stats_dtype, config,
+                              autotune, clip)
     q = torch.empty(plan.q_shape, dtype=torch.int32, device=x.device)
     scale = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
     mn = torch.empty(plan.stats_shape, dtype=stats_dtype, device=x.device)
@@ -833,11 +891,12 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: in
 # -- public API --------------------------------------------------------------------------
 
 
-def quantize(x: torch.Tensor, *, bits: int, group: int, axis: int,
-             stats_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, *, bits: int, group: int, axis: int, stats_dtype: torch.dtype,
+             clip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KIVI-quantize ``x`` ([..., T, D]) along ``axis``: contiguous ``(q int32, scale, min)``,
-    as ``kivi_reference.quantize``. ``x`` may be a strided view (see ``_strides``)."""
-    return _quantize(x, bits, group, axis, stats_dtype)
+    as ``kivi_reference.quantize`` (``clip``: V's range search, 0 to off). ``x`` may be a
+    strided view (see ``_strides``)."""
+    return _quantize(x, bits, group, axis, stats_dtype, clip=clip)
 
 
 @triton.jit
@@ -866,7 +925,7 @@ def store_to_host(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *, bits: int,
                     group: int, axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    ok_flag: torch.Tensor) -> None:
+                    ok_flag: torch.Tensor, clip: int = 0) -> None:
     """KIVI-quantize tokens ``[t0, t0 + n * block)`` of every layer, as ``n`` blocks, into
     ``out = (q, scale, min)`` of shapes ``[n, L, H, ...]`` (e.g. views of a staging buffer,
     each block a row at its own stride). ``layers`` are L separate ``[H, T, D]`` tensors of
@@ -886,13 +945,14 @@ def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, 
         raise ValueError("ok_flag: one byte of host memory, pinned when the layers are on a GPU")
     outs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _layers_plan(table.shape, table.stride, table.dtype, n, block, outs, bits, group, axis, None,
-                          configs.autotune_enabled())
+                          configs.autotune_enabled(), clip)
     if launch is not None:
         launch(table.layers[0][:, t0:], *out, table.offsets, ok_flag.data_ptr(), table.offsets, table.offsets)
 
 
 def quantize_pages(pages: PagedLayers, where: BlockPages, first: int, n: int, block: int, *, bits: int, group: int,
-                   axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ok_flags: torch.Tensor) -> None:
+                   axis: int, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ok_flags: torch.Tensor,
+                   clip: int = 0) -> None:
     """KIVI-quantize blocks ``[first, first + n)`` of ``where`` (``block`` tokens each, read in
     place from every layer of ``pages``, one side of an engine's paged KV cache) into ``out
     = (q, scale, min)`` of shapes ``[n, L, H, ...]`` (views of staging rows), in one launch:
@@ -907,7 +967,7 @@ def quantize_pages(pages: PagedLayers, where: BlockPages, first: int, n: int, bl
     blk = where.rows(first, n)
     bufs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _pages_plan("quantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
-                         configs.autotune_enabled())
+                         configs.autotune_enabled(), clip)
     if launch is not None:
         _same_device(pages, out)
         launch(pages.base, *out, pages.offsets, ok_flags.data_ptr(), where.page_ids, blk)

@@ -42,6 +42,8 @@ for s in "$@"; do
     kernels)     step kernels 150 python3 -m benchmarks.kernels --out "$OUT" ;;
     sweep)       step sweep 200 python3 -m benchmarks.kernels --quick --sweep --out /tmp/sweep ;;
     sweep-v)     step sweep-v 240 python3 -m benchmarks.kernels --sweep-v --out "$OUT" ;;
+    # V quantize with KIVI's range search (v_clip 0/1/2/3/6): GB/s against plain min/max, bit-exactness on the GPU.
+    kernels-clip) step kernels-clip 200 python3 -m benchmarks.kernels --clip --out "$OUT" ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
     host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host

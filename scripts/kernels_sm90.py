@@ -53,10 +53,10 @@ _PTRS = {"xt_ptr": "*i64", "ot_ptr": "*i64", "pgt_ptr": "*i64", "q_ptr": "*i32",
 
 
 def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dtype="fp16", masked=False, cfg=None,
-                   table=False, page=0):
+                   table=False, page=0, clip=0):
     """Compile one kernel; returns (compiled kernel, config). ``table``: the KV side read or
     written through a table of layer offsets (``X_TABLE`` / ``O_TABLE``); ``page`` > 0: in
-    pages of that many tokens (``PAGE``)."""
+    pages of that many tokens (``PAGE``); ``clip``: V quantize's range search (``CLIP``)."""
     cfg = cfg or configs.pick(side, op, group, head_dim, 256)
     fn = KERNELS[side, op].fn  # under the heuristics wrapper
     consts = {"BITS": bits, "MASKED": masked, "PAGE": page, **cfg.kwargs}
@@ -67,6 +67,7 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
         consts.update(X_TABLE=table, X_ALIGN=align, CHECK=table)
         if side == "v":
             consts["WORD_BIAS"] = K._word_bias_value(bits)
+            consts["CLIP"] = clip
     else:
         consts.update(O_TABLE=table, O_ALIGN=align, SOFT_BF16=False)
     d_pad = configs.padded_head_dim(head_dim)
@@ -145,6 +146,8 @@ def main() -> int:
         # in an engine's pages: vLLM's page size and a token pool
         cases += [(side, op, 4, 32, 128, "bf16", "fp16", False, None, True, page)
                   for side, op in KERNELS for page in (16, 1)]
+        # V's range search (KIVI v_clip=2), int2 G=64 through a layer table
+        cases.append(("v", "quantize", 2, 64, 64, "fp16", "fp16", False, None, True, 0, 2))
     else:
         dtypes, stats = ("fp16", "bf16", "fp32"), ("fp16", "fp32")
         for i, ((side, op), bits, group, d) in enumerate(
@@ -155,11 +158,12 @@ def main() -> int:
     for side, op, bits, group, d, xd, sd, masked, cfg, *rest in cases:
         table = bool(rest and rest[0])
         page = rest[1] if len(rest) > 1 else 0
+        clip = rest[2] if len(rest) > 2 else 0
         name = (f"{side} {op:10s} b{bits} G{group:<3d} D{d:<3d} {xd}/{sd} masked={int(masked)} table={int(table)} "
-                f"page={page}")
+                f"page={page}" + (f" clip={clip}" if clip else ""))
         try:
             kernel, cfg = compile_kernel(side, op, bits=bits, group=group, head_dim=d, x_dtype=xd,
-                                         stats_dtype=sd, masked=masked, cfg=cfg, table=table, page=page)
+                                         stats_dtype=sd, masked=masked, cfg=cfg, table=table, page=page, clip=clip)
         except Exception as e:  # report every failure, then fail
             failures += 1
             print(f"FAIL {name}: {str(e)[-400:]}", flush=True)

@@ -31,6 +31,11 @@ CASES = [
     {"namespace": "", "model_id": "smollm2-135m", "layout": [30, 3, 64, "float16"], "block_tokens": 64,
      "codec": {"policy": {"first": {"bits": 8, "group_size": 32}, "first_blocks": 1,
                           "rest": {"k_bits": 4, "v_bits": 2, "group_size": 32}}}, "algo": "xxh3_128"},
+    # The near miss with V's range search (KIVI v_clip): blocks of 128, int4 first block.
+    {"namespace": "", "model_id": "smollm2-135m", "layout": [30, 3, 64, "float32"], "block_tokens": 128,
+     "codec": {"policy": {"first": {"bits": 4, "group_size": 32}, "first_blocks": 1,
+                          "rest": {"k_bits": 4, "v_bits": 2, "k_group_size": 128, "v_group_size": 64,
+                                   "v_clip": 2}}}, "algo": "xxh3_128"},
 ]
 
 

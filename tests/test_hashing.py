@@ -134,6 +134,7 @@ def test_keys_equal_across_processes_and_hash_seeds():
         {"codec_fingerprint": KIVI(bits=4, group_size=32, v_bits=8).fingerprint()},
         {"codec_fingerprint": KIVI(bits=4, group_size=32, k_group_size=128).fingerprint()},
         {"codec_fingerprint": KIVI(bits=4, group_size=32, stats_dtype="float32").fingerprint()},
+        {"codec_fingerprint": KIVI(bits=4, group_size=32, v_clip=2).fingerprint()},
         {"codec_fingerprint": Raw().fingerprint()},
         {"algo": "sha256"},
         {"shard": Shard(tp_rank=0, tp_size=2)},

@@ -78,3 +78,26 @@ def test_more_variants_fit_their_goals_bit_budgets():
     for key in (("int4", 64), ("int8@0+int4", 64), ("int8@0+k4(G32)v4(G64)", 64), ("int8@0+k4(G128)v4(G64)", 128)):
         assert 4.5 <= bits[key] < 5
     assert bits[("int8@0+int4", 64)] == pytest.approx((9 + 31 * 4.5) / 32)
+
+
+def test_clip_variants_store_the_near_miss_bits():
+    """--clip: V's range search changes no stored byte: every row counts the near miss's bits."""
+    layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    bits = {v.label: quality.bits_per_element(v, layout, 2048) for v in quality.clip_variants() if v.label != "raw"}
+    near_miss = (5 + 15 * 3.375) / 16
+    assert bits.pop("k4(G128)v2(G64,clip2)") == 3.375
+    assert len(bits) == 5 and all(b == pytest.approx(near_miss) for b in bits.values()) and near_miss <= 3.5
+
+
+def test_a_uniform_variant_in_blocks_of_128_reuses_whole_blocks_only():
+    # A retrieval context is whole 64-token blocks: with blocks of 128 an odd last 64 stays
+    # recomputed (as a policy's chain leaves it), instead of failing K's group of 128.
+    layout = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float32")
+    gen = torch.Generator().manual_seed(4)
+    layers = [(torch.randn(2, 192, 64, generator=gen), torch.randn(2, 192, 64, generator=gen)) for _ in range(2)]
+    variant = quality.clip_variants()[-1]
+    assert variant.kind == "uniform" and variant.block == 128
+    out = quality.reuse(variant, layout, list(range(192)), layers)
+    for (k, v), (rk, rv) in zip(out, layers):
+        assert k.shape == rk.shape and torch.equal(k[:, 128:], rk[:, 128:]) and torch.equal(v[:, 128:], rv[:, 128:])
+        assert not torch.equal(k[:, :128], rk[:, :128]) and not torch.equal(v[:, :128], rv[:, :128])

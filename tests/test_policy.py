@@ -23,7 +23,7 @@ POLICY = cs.PrecisionPolicy(first=cs.KIVI(bits=8), first_blocks=2, rest=cs.KIVI(
 RAW_HEAD = cs.PrecisionPolicy(first=cs.Raw(), rest=cs.KIVI(bits=2))
 
 CODECS = [cs.Raw(), cs.KIVI(bits=8), cs.KIVI(bits=4), cs.KIVI(bits=2), cs.KIVI(k_bits=4, v_bits=2),
-          cs.KIVI(bits=2, group_size=64)]
+          cs.KIVI(bits=2, group_size=64), cs.KIVI(k_bits=4, v_bits=2, v_clip=2)]
 
 
 def _uniform_decode(policy, kv, blocks: int):

@@ -21,7 +21,9 @@ VERSION = 1
 BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 STATS_DTYPES = ("float16", "float32")
+CLIP_STEPS = (0, 1, 2, 3, 4, 5, 6)
 _SPEC_KEYS = {"name", "version", "k_bits", "v_bits", "k_group", "v_group", "stats_dtype"}
+_CLIP_KEY = "v_clip"  # in the spec only when on: codecs without it keep their fingerprints
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> Any:
@@ -33,13 +35,19 @@ def _check_choice(name: str, value: Any, choices: tuple) -> Any:
 @dataclass(frozen=True, init=False)
 class KIVI:
     """KIVI asymmetric quantization. ``KIVI(bits=4, group_size=32)`` sets K and V alike;
-    ``k_bits``, ``v_bits``, ``k_group_size`` and ``v_group_size`` override one side."""
+    ``k_bits``, ``v_bits``, ``k_group_size`` and ``v_group_size`` override one side.
+
+    ``v_clip`` (0 to 6; 0, the default, is plain min/max): V's encoder also tries each
+    group's range shrunk about its centre by 5%, 10%, ... (``v_clip`` steps) and keeps the
+    one whose decode has the least squared error (``kivi_reference``). The stored format
+    and the decoder are the same; the spec, so the keys, differ."""
 
     k_bits: int
     v_bits: int
     k_group: int
     v_group: int
     stats_dtype: str
+    v_clip: int
 
     name = "kivi"
 
@@ -53,6 +61,7 @@ class KIVI:
         k_group_size: int | None = None,
         v_group_size: int | None = None,
         stats_dtype: str = "float16",
+        v_clip: int = 0,
     ) -> None:
         _check_choice("bits", bits, BITS)
         _check_choice("group_size", group_size, GROUP_SIZES)
@@ -62,6 +71,7 @@ class KIVI:
             "k_group": _check_choice("k_group_size", group_size if k_group_size is None else k_group_size, GROUP_SIZES),
             "v_group": _check_choice("v_group_size", group_size if v_group_size is None else v_group_size, GROUP_SIZES),
             "stats_dtype": _check_choice("stats_dtype", str(stats_dtype).removeprefix("torch."), STATS_DTYPES),
+            "v_clip": int(_check_choice("v_clip", v_clip, CLIP_STEPS)),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -69,13 +79,14 @@ class KIVI:
     def __repr__(self) -> str:
         return (
             f"KIVI(k_bits={self.k_bits}, v_bits={self.v_bits}, k_group_size={self.k_group}, "
-            f"v_group_size={self.v_group}, stats_dtype={self.stats_dtype!r})"
+            f"v_group_size={self.v_group}, stats_dtype={self.stats_dtype!r}"
+            + (f", v_clip={self.v_clip})" if self.v_clip else ")")
         )
 
     # -- identity ---------------------------------------------------------------------
 
     def spec(self) -> dict[str, Any]:
-        return {
+        spec = {
             "name": self.name,
             "version": VERSION,
             "k_bits": self.k_bits,
@@ -84,16 +95,23 @@ class KIVI:
             "v_group": self.v_group,
             "stats_dtype": self.stats_dtype,
         }
+        if self.v_clip:
+            spec[_CLIP_KEY] = self.v_clip
+        return spec
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> KIVI:
-        if set(spec) != _SPEC_KEYS:
-            raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)}, got {sorted(spec)}")
+        if set(spec) not in (_SPEC_KEYS, _SPEC_KEYS | {_CLIP_KEY}):
+            raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)} (and {_CLIP_KEY!r} when on), "
+                              f"got {sorted(spec)}")
         if spec["version"] != VERSION:
             raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
+        if _CLIP_KEY in spec and (isinstance(spec[_CLIP_KEY], bool) or spec[_CLIP_KEY] not in CLIP_STEPS[1:]):
+            raise ConfigError(f"kivi spec: {_CLIP_KEY} must be one of {list(CLIP_STEPS[1:])} "
+                              f"(left out when off), got {spec[_CLIP_KEY]!r}")
         return cls(
             k_bits=spec["k_bits"], v_bits=spec["v_bits"], k_group_size=spec["k_group"],
-            v_group_size=spec["v_group"], stats_dtype=spec["stats_dtype"],
+            v_group_size=spec["v_group"], stats_dtype=spec["stats_dtype"], v_clip=spec.get(_CLIP_KEY, 0),
         )
 
     def fingerprint(self) -> bytes:
@@ -163,7 +181,8 @@ class KIVI:
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
         kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
-        vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats)
+        vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats,
+                                  clip=self.v_clip)
         # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
         # non-finite scale or min: one check over the small stats catches all of them.
         finite = torch.stack([all_finite(t) for t in (ks, km, vs, vm)])
@@ -189,7 +208,7 @@ class KIVI:
         kernels.quantize_layers(k_table, t0, n, block_tokens, bits=self.k_bits, group=self.k_group,
                                 axis=AXIS_TOKENS, out=tuple(out[:3]), ok_flag=ok[0:1])
         kernels.quantize_layers(v_table, t0, n, block_tokens, bits=self.v_bits, group=self.v_group,
-                                axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flag=ok[2:3])
+                                axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flag=ok[2:3], clip=self.v_clip)
         return ok
 
     def encode_pages_into(self, source: Any, first: int, n: int, block_tokens: int, out: list[Any],
@@ -211,7 +230,7 @@ class KIVI:
             kernels.quantize_pages(k_pages, where, first, n, block_tokens, bits=self.k_bits, group=self.k_group,
                                    axis=AXIS_TOKENS, out=tuple(out[:3]), ok_flags=ok[0])
             kernels.quantize_pages(v_pages, where, first, n, block_tokens, bits=self.v_bits, group=self.v_group,
-                                   axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flags=ok[2])
+                                   axis=AXIS_CHANNELS, out=tuple(out[3:]), ok_flags=ok[2], clip=self.v_clip)
             return ok
         from .tensors import finite_per_block
 
