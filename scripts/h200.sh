@@ -70,7 +70,7 @@ for s in "$@"; do
     # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
-    tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_device_staging.py ;;
+    tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_kivi_clip.py tests/test_device_staging.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     # Leased device staging (store/device_staging.py) against a plain buffer per use (a pool of
@@ -103,6 +103,7 @@ for s in "$@"; do
     # 16K and 32K tokens, int4 from the CPU tier; then the TTFT rows with the timeline again.
     layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9
                  step layerwise-host-32k 250 python3 -m benchmarks.layerwise_host --device cuda --blocks 128 --repeats 9 ;;
+    layerwise-profile) step layerwise-profile 150 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 5 --profile ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
     redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;
