@@ -98,7 +98,7 @@ for s in "$@"; do
                  step ttft-copies 200 python3 -m benchmarks.ttft --contexts 16384,32768 --tiers cpu-layerwise --codecs int4 --timeline --repeats 5 --layerwise-copies --out /tmp/ttft-copies
                  cp /tmp/ttft-copies/ttft.json "$OUT/ttft_layerwise_copies.json" ;;
     # Kernel loads/stores on pinned host memory against the copy engine.
-    host-access) step host-access 120 python3 -m benchmarks.host_access --out "$OUT" ;;
+    host-access) step host-access 150 python3 -m benchmarks.host_access --ranges --mb 256 --blocks 4096 --out "$OUT" ;;
     # Host time of a layer-wise load until its handle (the gap before the forward's layer 0),
     # 16K and 32K tokens, int4 from the CPU tier; then the TTFT rows with the timeline again.
     layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9

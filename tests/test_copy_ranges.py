@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PIN = DEVICE == "cuda"
 
 
-def _run(sources, rows, row_bytes, ranges, order):
+def _run(sources, rows, row_bytes, ranges, order, programs=kernels.ranges.PROGRAMS):
     gen = torch.Generator().manual_seed(sources * 1000 + rows)
     src = [torch.randint(0, 256, (row_bytes,), dtype=torch.uint8, generator=gen) for _ in range(sources)]
     if PIN:
@@ -29,7 +29,7 @@ def _run(sources, rows, row_bytes, ranges, order):
     table = torch.tensor([(t.data_ptr(), r) for t, r in zip(src, order)], dtype=torch.int64, device=DEVICE)
     offsets = torch.tensor([o // 4 for o, _ in ranges], dtype=torch.int64, device=DEVICE)
     sizes = torch.tensor([n // 4 for _, n in ranges], dtype=torch.int64, device=DEVICE)
-    kernels.copy_ranges(table, dst, offsets, sizes, max(n // 4 for _, n in ranges))
+    kernels.copy_ranges(table, dst, offsets, sizes, max(n // 4 for _, n in ranges), programs=programs)
     want = torch.full((rows, row_bytes), 7, dtype=torch.uint8)
     for t, r in zip(src, order):
         for o, n in ranges:
@@ -48,12 +48,13 @@ def test_ranges_land_in_their_rows_and_nothing_else_changes(data):
     cuts = sorted(set(data.draw(st.lists(st.integers(0, row_words), min_size=2, max_size=8))))
     pairs = list(zip(cuts[::2], cuts[1::2]))
     ranges = [(a * 4, (b - a) * 4) for a, b in pairs if b > a] or [(0, row_bytes)]
-    _run(sources, rows, row_bytes, ranges, order)
+    _run(sources, rows, row_bytes, ranges, order, programs=data.draw(st.sampled_from([1, 2, 3, 32])))
 
 
 def test_a_range_larger_than_one_program_is_copied_whole():
     # 2048 words per program: a range of 5000 words takes three
     _run(2, 3, 4 * 6000, [(4 * 100, 4 * 5000), (0, 64)], [2, 0])
+    _run(2, 3, 4 * 6000, [(4 * 100, 4 * 5000), (0, 64)], [2, 0], programs=1)  # one program loops over all
 
 
 def test_bad_tables_and_rows_are_refused():
@@ -61,5 +62,7 @@ def test_bad_tables_and_rows_are_refused():
     one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="table"):
         kernels.copy_ranges(torch.zeros(3, dtype=torch.int64, device=DEVICE), dst, one, one, 1)
+    with pytest.raises(ValueError, match="programs"):
+        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst, one, one, 1, programs=0)
     with pytest.raises(ValueError, match="dst"):
         kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst[:, :62], one, one, 1)
