@@ -21,7 +21,7 @@ CHUNK_WORDS = 2048  # words per chunk (8 KiB)
 # Programs per launch: enough reads in flight to keep the link busy (benchmarks/host_access.py
 # --ranges measures it against the copy engine), few enough to leave most SMs to the kernels
 # a layer-wise load overlaps with.
-PROGRAMS = 32
+PROGRAMS = 16
 
 
 @triton.jit
