@@ -262,6 +262,27 @@ def bits_per_element(variant: Any, layout: cs.KVLayout, tokens: int) -> float:
     return 8 * nbytes / (layout.raw_nbytes(tokens) / layout.itemsize)
 
 
+
+def batched_cache(model: Any, rows_layers: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> Any:
+    """One ``DynamicCache`` holding each row's per-layer (K, V) as a batch row."""
+    stacked = [(torch.stack([r[i][0] for r in rows_layers]), torch.stack([r[i][1] for r in rows_layers]))
+               for i in range(len(rows_layers[0]))]
+    return to_dynamic_cache(stacked, model.config)
+
+
+def greedy_tokens(model: Any, step: torch.Tensor, cache: Any, n: int) -> list[list[int]]:
+    """``n`` greedy tokens per batch row, from the last position's logits ``step`` ([batch, vocab])."""
+    out: list[list[int]] = [[] for _ in range(step.shape[0])]
+    for i in range(n):
+        tok = step.argmax(-1)
+        for b, t in enumerate(tok.tolist()):
+            out[b].append(int(t))
+        if i == n - 1:
+            break
+        logits, cache = forward(model, tok[:, None], cache)
+        step = logits[:, -1].float()
+    return out
+
 def measure_prefix(model: Any, ids: list[int], prefix: int, vs: list[Variant]) -> list[dict]:
     """One prefix: every variant's row against the recomputed reference (row 0 of the batch)."""
     layout = kv_layout(model)
@@ -273,27 +294,12 @@ def measure_prefix(model: Any, ids: list[int], prefix: int, vs: list[Variant]) -
     for variant in vs:
         rows_layers.append(reuse(variant, layout, ids, ref_layers))
     batch = len(rows_layers)
-    stacked = [
-        (torch.stack([r[i][0] for r in rows_layers]), torch.stack([r[i][1] for r in rows_layers]))
-        for i in range(len(ref_layers))
-    ]
+    cache = batched_cache(model, rows_layers)
     del rows_layers
-    cache = to_dynamic_cache(stacked, model.config)
-    del stacked
     cont = x[:, prefix:].expand(batch, -1)
     logits, cache = forward(model, cont, cache)
     logits = logits.float()
-
-    greedy = [[] for _ in range(batch)]
-    step = logits[:, -1]
-    for i in range(GREEDY):
-        tok = step.argmax(-1)
-        for b in range(batch):
-            greedy[b].append(int(tok[b]))
-        if i == GREEDY - 1:
-            break
-        out, cache = forward(model, tok[:, None], cache)
-        step = out[:, -1].float()
+    greedy = greedy_tokens(model, logits[:, -1], cache, GREEDY)
     del cache
 
     targets = cont[0, 1:]
@@ -343,22 +349,10 @@ def measure_retrieval(model: Any, tokenizer: Any, length: int, depth: float, key
     del ref_cache
     rows_layers = [ref_layers] + [reuse(v, layout, ids, ref_layers) for v in vs]
     batch = len(rows_layers)
-    stacked = [(torch.stack([r[i][0] for r in rows_layers]), torch.stack([r[i][1] for r in rows_layers]))
-               for i in range(len(ref_layers))]
+    cache = batched_cache(model, rows_layers)
     del rows_layers
-    cache = to_dynamic_cache(stacked, model.config)
-    del stacked
     logits, cache = forward(model, x[:, stored:].expand(batch, -1), cache, last_only=True)
-    step = logits[:, -1].float()
-    out = [[] for _ in range(batch)]
-    for i in range(RETRIEVAL_TOKENS):
-        tok = step.argmax(-1)
-        for b in range(batch):
-            out[b].append(int(tok[b]))
-        if i == RETRIEVAL_TOKENS - 1:
-            break
-        logits, cache = forward(model, tok[:, None], cache)
-        step = logits[:, -1].float()
+    out = greedy_tokens(model, logits[:, -1].float(), cache, RETRIEVAL_TOKENS)
     del cache
     texts_out = [tokenizer.decode(t) for t in out]
     return [{"codec": v.label, "group": v.group or "-", "length": len(ids), "stored": stored, "depth": depth,

@@ -5,9 +5,21 @@ from __future__ import annotations
 import torch
 
 import cacheseek as cs
+from cacheseek.store.frame import build_frame, plan_frame
+from cacheseek.store.tier import BlockFrame
 
 LAYOUT = cs.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16")
 BLOCK = 32
+RAW_BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
+
+
+def raw_frame(i: int) -> tuple[bytes, BlockFrame]:
+    """(key, frame) of a Raw root block of LAYOUT whose every byte is ``i``."""
+    key = bytes([i]) * 16
+    meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
+                      codec=cs.Raw().spec(), buffers=RAW_BUFFERS)
+    half = meta.tensors[0].nbytes
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
 
 
 def make_kv(tokens: int, seed: int, layout: cs.KVLayout = LAYOUT, device: str = "cpu"):

@@ -17,13 +17,11 @@ from cacheseek.errors import InputError
 from cacheseek.store import cpu as cpu_tier
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.arena import HostArena, slot_stride
-from cacheseek.store.frame import build_frame, parse_frame, plan_frame
-from cacheseek.store.tier import BlockFrame
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from cacheseek.store.frame import parse_frame
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, raw_frame, tokens_for
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 KIVI4 = cs.KIVI(bits=4, group_size=32)
-BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
 
 
 class Landing:
@@ -63,15 +61,7 @@ def landings(monkeypatch):
     return log, fail, made
 
 
-def frame(i: int) -> tuple[bytes, BlockFrame]:
-    key = bytes([i]) * 16
-    meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
-                      codec=cs.Raw().spec(), buffers=BUFFERS)
-    half = meta.tensors[0].nbytes
-    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
-
-
-FRAME_BYTES = frame(1)[1].nbytes
+FRAME_BYTES = raw_frame(1)[1].nbytes
 
 
 def test_reads_wait_for_the_copies_and_a_failed_copy_is_a_counted_miss(landings):
@@ -79,7 +69,7 @@ def test_reads_wait_for_the_copies_and_a_failed_copy_is_a_counted_miss(landings)
     fail.add(bytes([2]) * 16)
     tier = CpuTier(4 * FRAME_BYTES)
     for i in (1, 2):
-        assert tier.put(*frame(i)).stored is not None
+        assert tier.put(*raw_frame(i)).stored is not None
     assert log == []  # nothing waited at put time
     assert tier.contains(bytes([2]) * 16)
     assert tier.get(bytes([1]) * 16) is not None and log == ["01"]
@@ -94,13 +84,13 @@ def test_reads_wait_for_the_copies_and_a_failed_copy_is_a_counted_miss(landings)
 def test_eviction_and_delete_wait_before_the_slot_is_reused(landings):
     log, _, made = landings
     tier = CpuTier(2 * FRAME_BYTES)
-    tier.put(*frame(1))
-    tier.put(*frame(2))
-    result = tier.put(*frame(3))  # evicts 1: its copies must be done before its slot is reused
+    tier.put(*raw_frame(1))
+    tier.put(*raw_frame(2))
+    result = tier.put(*raw_frame(3))  # evicts 1: its copies must be done before its slot is reused
     assert [k for k, _ in result.evicted] == [bytes([1]) * 16] and log == ["01"]
     assert tier.delete(bytes([2]) * 16) and log == ["01", "02"]
     made[bytes([3]) * 16].finished = True  # landed on its own: the next put forgets it, no wait
-    tier.put(*frame(4))
+    tier.put(*raw_frame(4))
     assert tier.get(bytes([3]) * 16) is not None and log == ["01", "02"]
 
 
@@ -109,7 +99,7 @@ def test_an_evicted_frame_whose_copy_failed_is_not_demoted(landings, tmp_path):
     fail.add(bytes([1]) * 16)
     store = cs.TierConfig(cpu_bytes=2 * FRAME_BYTES, disk_path=tmp_path / "d", write_through=()).build()
     for i in (1, 2, 3):
-        store.put(*frame(i))
+        store.put(*raw_frame(i))
     disk = store.tier("disk")
     assert not disk.contains(bytes([1]) * 16)
     assert store.tier("cpu").stats().write_errors == 1
@@ -118,11 +108,11 @@ def test_an_evicted_frame_whose_copy_failed_is_not_demoted(landings, tmp_path):
 def test_write_through_and_close_settle_the_copies_first(landings, tmp_path):
     log, _, _ = landings
     store = cs.TierConfig(cpu_bytes=4 * FRAME_BYTES, disk_path=tmp_path / "d").build()
-    store.put_many([frame(1), frame(2)])
+    store.put_many([raw_frame(1), raw_frame(2)])
     assert sorted(log) == ["01", "02"]  # the disk tier read the CPU tier's copies: waited first
-    assert store.tier("disk").get(bytes([2]) * 16).to_bytes() == frame(2)[1].to_bytes()
+    assert store.tier("disk").get(bytes([2]) * 16).to_bytes() == raw_frame(2)[1].to_bytes()
     tier = CpuTier(4 * FRAME_BYTES)
-    tier.put(*frame(5))
+    tier.put(*raw_frame(5))
     tier.close()
     assert log[-1] == "05"
 

@@ -19,6 +19,7 @@ import cacheseek as cs
 from cacheseek import layerwise, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
+from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
 from store_helpers import make_kv, tokens_for
 
@@ -510,12 +511,7 @@ TF_BLOCK = 64
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(num_hidden_layers=4)
 
 
 def model_cache(model, codec):

@@ -16,21 +16,10 @@ import cacheseek as cs
 from cacheseek.store.arena import HostArena
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.direct_io import BufferPool
-from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.lease import LeaseError, LeaseLedger
-from cacheseek.store.tier import BlockFrame
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, raw_frame, tokens_for
 
-BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
-
-
-def _frame(i: int) -> tuple[bytes, BlockFrame]:
-    key = bytes([i]) * 16
-    meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
-                      codec=cs.Raw().spec(), buffers=BUFFERS)
-    half = meta.tensors[0].nbytes
-    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
 
 
 def _leases(tier: CpuTier) -> dict:
@@ -38,15 +27,15 @@ def _leases(tier: CpuTier) -> dict:
 
 
 def test_a_leased_slot_is_never_reused_while_leased():
-    key1, f1 = _frame(1)
+    key1, f1 = raw_frame(1)
     tier = CpuTier(3 * f1.nbytes)
     for i in (1, 2, 3):  # fill the budget
-        tier.put(*_frame(i))
+        tier.put(*raw_frame(i))
     reader = tier.get(key1)
     snapshot = bytes(reader.host)
     assert _leases(tier)["leases_active"] == 1 and _leases(tier)["leased_bytes"] == f1.nbytes
     for i in range(4, 12):  # evict everything, many times over, and write new data
-        tier.put(*_frame(i))
+        tier.put(*raw_frame(i))
     assert not tier.contains(key1)  # the record is gone from the index at once
     assert bytes(reader.host) == snapshot  # but its memory was not reused
     stats = _leases(tier)
@@ -56,7 +45,7 @@ def test_a_leased_slot_is_never_reused_while_leased():
     assert stats["held_slots"] == 0 and stats["leases_active"] == 0 and stats["leased_bytes"] == 0
     # Released: the slot is reused by the next writes.
     for i in range(12, 16):
-        tier.put(*_frame(i))
+        tier.put(*raw_frame(i))
     assert tier.stats().extra["held_slots"] == 0
 
 
@@ -94,7 +83,7 @@ def test_a_lease_is_released_exactly_once_and_a_double_release_is_an_error_that_
 
 
 def test_a_lease_is_released_when_the_with_block_raises():
-    key, frame = _frame(1)
+    key, frame = raw_frame(1)
     tier = CpuTier(2 * frame.nbytes)
     tier.put(key, frame)
     with pytest.raises(ZeroDivisionError):
@@ -119,7 +108,7 @@ def test_pooled_buffers_are_leases_too():
 
 
 def test_write_through_reads_the_stored_copy_under_a_lease(tmp_path):
-    key, frame = _frame(1)
+    key, frame = raw_frame(1)
     store = cs.TierConfig(cpu_bytes=4 * frame.nbytes, disk_path=tmp_path / "d", pin_memory=False,
                           write_through=["disk"]).build()
     try:

@@ -17,19 +17,14 @@ transformers = pytest.importorskip("transformers")
 import cacheseek as cs  # noqa: E402
 from cacheseek.integrations import suffix_attention  # noqa: E402
 from cacheseek.integrations.transformers import forward, kv_layout, prefill_with_reuse  # noqa: E402
+from model_helpers import tiny_llama  # noqa: E402
 
 ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
 def models():
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
+    reference = tiny_llama(attn_implementation="sdpa")
     ours = copy.deepcopy(reference)
     ours.set_attn_implementation(suffix_attention.register())
     assert ours.config._attn_implementation == suffix_attention.NAME

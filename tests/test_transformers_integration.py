@@ -38,6 +38,8 @@ from cacheseek.integrations.transformers import (
 
 transformers = pytest.importorskip("transformers")
 
+from model_helpers import tiny_llama  # noqa: E402
+
 
 BLOCK = 64
 
@@ -157,12 +159,7 @@ def test_stdlib_documents_are_deterministic():
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 def _cache(model, codec=None, **tiers):
