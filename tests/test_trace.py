@@ -106,6 +106,43 @@ def test_tokens_count_the_partial_last_block():
     assert (inf.hit_tokens, inf.requested_tokens) == (600, 1200)
 
 
+def test_full_blocks_only_never_stores_nor_hits_a_partial_last_block():
+    lines = ['{"hash_ids": [0, 1, 2], "input_length": 1100}',  # 2 full blocks + 76 tokens
+             '{"hash_ids": [0, 1, 2], "input_length": 1100}',
+             '{"hash_ids": [0, 1], "input_length": 1024}',  # both full
+             '{"hash_ids": [0, 1], "input_length": 1024}',
+             '{"hash_ids": [0, 1]}']  # no input_length: every block full
+    reqs = parse_lines(lines)
+    assert [reference.cached_blocks(r, 512, True) for r in reqs] == [2, 2, 2, 2, 2]
+    assert [reference.cached_blocks(r, 512, False) for r in reqs] == [3, 3, 2, 2, 2]
+    issue = reference.infinite(reqs)
+    store = reference.infinite(reqs, full_blocks_only=True)
+    assert (issue.hit_blocks, store.hit_blocks) == (3 + 2 + 2 + 2, 2 + 2 + 2 + 2)
+    assert store.requested_blocks == issue.requested_blocks == 12  # the partial block is still requested
+    assert store.hit_tokens == 1024 * 4
+    for blocks in (2, 3, 5):  # (a tier smaller than one request's chain puts differently)
+        got = replay(reqs, ReplaySpec(cpu_blocks=blocks, policy="lru", full_blocks_only=True))
+        assert got.hit_blocks == reference.lru(reqs, blocks, full_blocks_only=True).hit_blocks
+        assert got.hit_blocks <= reference.belady_prefix(reqs, blocks, full_blocks_only=True).hit_blocks
+    # two blocks of room hold the whole reusable prefix when the partial block is not stored
+    assert replay(reqs, ReplaySpec(cpu_blocks=2, policy="lru", full_blocks_only=True)).hit_blocks == 8
+    assert replay(reqs, ReplaySpec(cpu_blocks=2, policy="lru")).tiers[0]["blocks"] == 2
+
+
+def test_store_replay_follows_the_references_in_both_countings(excerpt):
+    for full in (False, True):
+        nxt = reference.next_uses(excerpt, full_blocks_only=full)
+        for blocks in (300, 1500):
+            best = reference.belady_prefix(excerpt, blocks, nxt=nxt, full_blocks_only=full)
+            assert reference.min_fifo_ties(excerpt, blocks, nxt=nxt, full_blocks_only=full).hit_blocks <= best.hit_blocks
+            assert best.hit_blocks <= reference.infinite(excerpt, full_blocks_only=full).hit_blocks
+            got = replay(excerpt, ReplaySpec(cpu_blocks=blocks, policy="lru", full_blocks_only=full))
+            assert got.hit_blocks == reference.lru(excerpt, blocks, full_blocks_only=full).hit_blocks
+            for policy in POLICIES:
+                assert replay(excerpt, ReplaySpec(cpu_blocks=blocks, policy=policy,
+                                                  full_blocks_only=full)).hit_blocks <= best.hit_blocks
+
+
 # -- eviction policies ---------------------------------------------------------------------
 
 def _chains(rng: random.Random, n: int) -> list[list[int]]:

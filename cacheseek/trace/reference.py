@@ -18,6 +18,13 @@ hits equal plain hits. MIN with bypass maximizes plain hits over every policy, a
 policy prefix hits are at most plain hits; so no policy gets more prefix hits.
 ``belady_prefix`` checks the equality as it runs.
 
+Two countings (``full_blocks_only``). The issue's: every block of a request is cached,
+its partial last block too. The store's: ``PrefixCache`` hashes and stores full blocks
+only (the suffix after the last full block is recomputed, as in vLLM and SGLang), so a
+request's partial last block (``input_length`` not a multiple of ``block_tokens``) is
+requested and counted but never cached and never a hit. The references and the replay
+take the same flag, so their comparisons stay fair.
+
 ``min_fifo_ties`` is MIN without those refinements (ties to the earliest cached block,
 every block admitted): the figures quoted in issue 19 (26.5% / 45.6% / 49.1%) are of this
 kind; it can evict a head before its tail and so wastes room on unreachable tails.
@@ -69,6 +76,17 @@ def block_tokens_of(req: Request, block_tokens: int) -> list[int]:
     return [block_tokens] * (n - 1) + [last]
 
 
+def cached_blocks(req: Request, block_tokens: int, full_blocks_only: bool) -> int:
+    """How many leading blocks of ``req`` a cache may hold: all of them, or, with
+    ``full_blocks_only``, all but a partial last block (a trace without ``input_length``
+    has none: every block counts as full)."""
+    n = len(req.hash_ids)
+    if not full_blocks_only or not n:
+        return n
+    last = req.input_length - (n - 1) * block_tokens
+    return n - 1 if 0 < last < block_tokens else n
+
+
 def hit_tokens(req: Request, hits: int, block_tokens: int) -> int:
     if hits <= 0:
         return 0
@@ -94,22 +112,24 @@ def _prefix_hits(ids: Sequence[int], cached) -> int:
     return n
 
 
-def infinite(trace: Sequence[Request], block_tokens: int = 512) -> RefResult:
+def infinite(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
     seen: set[int] = set()
     hits = []
     for req in trace:
-        hits.append(_prefix_hits(req.hash_ids, seen))
-        seen.update(req.hash_ids)
+        ids = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
+        hits.append(_prefix_hits(ids, seen))
+        seen.update(ids)
     return _totals("infinite", None, trace, hits, block_tokens)
 
 
-def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512) -> RefResult:
+def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
     """LRU touching each request's blocks tail first (the head most recent), as the store does."""
     order: OrderedDict[int, None] = OrderedDict()
     hits = []
     for req in trace:
-        hits.append(_prefix_hits(req.hash_ids, order))
-        for x in reversed(req.hash_ids):
+        ids = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
+        hits.append(_prefix_hits(ids, order))
+        for x in reversed(ids):
             if x in order:
                 order.move_to_end(x)
             else:
@@ -119,12 +139,13 @@ def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512) -
     return _totals("lru-reference", budget_blocks, trace, hits, block_tokens)
 
 
-def next_uses(trace: Sequence[Request]) -> list[list[int]]:
-    """For each request and block, the index of the next request naming that block (NEVER if none)."""
+def next_uses(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only: bool = False) -> list[list[int]]:
+    """For each request and block it may cache, the index of the next request naming that
+    block among those it may cache (NEVER if none)."""
     out: list[list[int]] = [[] for _ in trace]
     last: dict[int, int] = {}
     for t in range(len(trace) - 1, -1, -1):
-        ids = trace[t].hash_ids
+        ids = trace[t].hash_ids[: cached_blocks(trace[t], block_tokens, full_blocks_only)]
         out[t] = [last.get(x, NEVER) for x in ids]
         for x in ids:
             last[x] = t
@@ -132,14 +153,15 @@ def next_uses(trace: Sequence[Request]) -> list[list[int]]:
 
 
 def belady_prefix(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512,
-                  nxt: list[list[int]] | None = None) -> RefResult:
-    """Optimal prefix hits at ``budget_blocks`` (see the module doc)."""
-    nxt = nxt if nxt is not None else next_uses(trace)
+                  nxt: list[list[int]] | None = None, full_blocks_only: bool = False) -> RefResult:
+    """Optimal prefix hits at ``budget_blocks`` (see the module doc). ``nxt``: from
+    ``next_uses`` with the same ``full_blocks_only``."""
+    nxt = nxt if nxt is not None else next_uses(trace, block_tokens, full_blocks_only)
     cached: dict[int, tuple[int, int]] = {}  # id -> its heap key (-next use, -position)
     heap: list[tuple[tuple[int, int], int]] = []
     hits = []
     for t, req in enumerate(trace):
-        ids = req.hash_ids
+        ids = req.hash_ids[: len(nxt[t])]
         n = _prefix_hits(ids, cached)
         present = sum(1 for x in ids if x in cached)
         if present != n:
@@ -159,15 +181,15 @@ def belady_prefix(trace: Sequence[Request], budget_blocks: int, block_tokens: in
 
 
 def min_fifo_ties(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512,
-                  nxt: list[list[int]] | None = None) -> RefResult:
+                  nxt: list[list[int]] | None = None, full_blocks_only: bool = False) -> RefResult:
     """MIN with every block admitted and ties to the block cached earliest (not prefix-aware)."""
-    nxt = nxt if nxt is not None else next_uses(trace)
+    nxt = nxt if nxt is not None else next_uses(trace, block_tokens, full_blocks_only)
     cached: dict[int, tuple[int, int]] = {}
     heap: list[tuple[tuple[int, int], int]] = []
     hits = []
     seq = 0
     for t, req in enumerate(trace):
-        ids = req.hash_ids
+        ids = req.hash_ids[: len(nxt[t])]
         hits.append(_prefix_hits(ids, cached))
         for x, nu in zip(ids, nxt[t]):
             if x not in cached:

@@ -11,6 +11,10 @@ Per request, the replay makes the calls an engine makes through ``PrefixCache``:
 on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``put_many`` of
 the missing blocks tail first, and ``touch_chain`` of the blocks already stored (ingest).
 
+Counting (``ReplaySpec.full_blocks_only``): the issue's, every block of a request stored;
+or the store's, a request's partial last block requested and counted but never stored nor
+hit (``PrefixCache`` stores full blocks only). The references take the same flag.
+
 Block keys: the trace's ids are chained already (an id names a whole prefix), so a block's
 key is its id in 16 bytes, and its parent's key the previous id's.
 """
@@ -32,7 +36,7 @@ from ..store.frame import build_frame, plan_frame, replan_frame, seal_frame
 from ..store.tier import BlockFrame
 from ..store.tiered import TieredStore
 from .format import Request
-from .reference import hit_tokens, requested_tokens
+from .reference import cached_blocks, hit_tokens, requested_tokens
 
 KEY_BYTES = 16
 ROOT = b"\xff" * KEY_BYTES  # never an id's key (ids are < 2^127)
@@ -77,7 +81,7 @@ class StandInFrames:
 @dataclass(frozen=True)
 class ReplaySpec:
     """What to replay: the tiers' budgets in blocks of the real model (0: tier off), the
-    eviction policy, and the disk tier's admission threshold."""
+    eviction policy, the disk tier's admission threshold, and the counting (see the module doc)."""
 
     cpu_blocks: int
     disk_blocks: int = 0
@@ -85,6 +89,7 @@ class ReplaySpec:
     disk_admit_after_uses: int = 1
     write_through: bool = True
     promote_on_hit: bool = True
+    full_blocks_only: bool = False
 
 
 @dataclass
@@ -169,7 +174,8 @@ def replay(trace: Sequence[Request], spec: ReplaySpec, *, block_tokens: int = 51
             total = len(trace)
             step = max(1, total // 50)
             for t, req in enumerate(trace):
-                tiers = client.request(req.hash_ids)
+                ids = req.hash_ids
+                tiers = client.request(ids[: cached_blocks(req, block_tokens, True)] if spec.full_blocks_only else ids)
                 n = len(tiers)
                 result.requests += 1
                 result.requested_blocks += len(req.hash_ids)
