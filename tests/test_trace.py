@@ -14,7 +14,7 @@ import pytest
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.store.eviction import POLICIES, make_index
 from cacheseek.store.tier import BlockInfo
-from cacheseek.trace import reference, synth
+from cacheseek.trace import blocksim, reference, synth
 from cacheseek.trace.format import load_trace, parse_lines
 from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
 
@@ -265,3 +265,35 @@ def test_plan_runs_without_torch(tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())
     assert rows[0]["cpu_blocks"] == 1638 and rows[0]["policy"] == "lru"
     assert "|" in proc.stdout and "3993" not in proc.stdout
+
+
+# -- the block-level simulator and the policy candidates -----------------------------------
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_blocksim_equals_the_store_replay(excerpt, policy):
+    """``blocksim`` drives the index as the store does: the same hits, block for block."""
+    shaped = synth.conversations(requests=300, seed=5)
+    for trace in (excerpt, shaped):
+        for full in (False, True):
+            for blocks in (150, 900):
+                got = blocksim.simulate(trace, policy, blocks, full_blocks_only=full)
+                want = replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy, full_blocks_only=full))
+                assert (got.hit_blocks, got.hit_tokens) == (want.hit_blocks, want.hit_tokens)
+
+
+def test_policy_candidates_stay_below_belady_and_the_sim_writes_its_table(tmp_path):
+    from benchmarks import policy_sim
+    from benchmarks.policy_candidates import CANDIDATES
+
+    trace = load_trace(EXCERPT)
+    best = reference.belady_prefix(trace, 300).hit_blocks
+    for name, make in CANDIDATES.items():
+        got = blocksim.simulate(trace, make, 300)
+        assert 0 < got.hit_blocks <= best, name
+    assert policy_sim.main(["--trace", str(EXCERPT), "--no-shapes", "--blocks", "300", "--candidates",
+                            "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "policy_sim.json").read_text())
+    rows = doc["results"]["mooncake_synthetic_excerpt/store"]
+    assert rows[0]["blocks"] == 300 and all(0 <= rows[0][f"{p} of belady"] <= 1 for p in doc["policies"])
+    with pytest.raises(SystemExit):
+        policy_sim.main(["--policies", "lru,nope"])

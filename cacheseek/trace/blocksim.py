@@ -1,0 +1,59 @@
+"""The store's replay without the store: a tier's ``EvictionIndex`` driven directly, for
+trying eviction policies in seconds rather than a full replay's tens of seconds.
+
+Per request, the calls a CPU tier's index receives from ``TieredStore`` under the replay
+(``cacheseek.trace.replay``): the hit is the longest indexed prefix; it is touched tail
+first (``touch_chain``); the missing blocks are added tail first, each after evicting
+``victim()`` until it fits (``CpuTier.put_many``); then the blocks that were already
+stored are touched tail first. Every block counts one unit of bytes, so a budget is in
+blocks. For one CPU tier the result equals the store's replay with the same policy, block
+for block (a test checks it); frames, leases and tiers below are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..store.eviction import EvictionIndex, make_index
+from ..store.tier import BlockInfo
+from .format import Request
+from .reference import RefResult, _totals, cached_blocks
+
+ROOT = -1  # the parent of a chain's head (ids are non-negative)
+
+
+def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionIndex], budget_blocks: int, *,
+             block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
+    """Hits of ``policy`` (a name in ``POLICIES``, or a factory of an index from a
+    capacity) on ``trace`` with room for ``budget_blocks`` blocks."""
+    index = make_index(policy, budget_blocks) if isinstance(policy, str) else policy(budget_blocks)
+    hits = []
+    for req in trace:
+        keys = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
+        n = 0
+        for key in keys:
+            if key not in index:
+                break
+            n += 1
+        hits.append(n)
+        if n:
+            index.touch(keys[n - 1 :: -1])
+        present = index.contains_many(keys)
+        for i in range(len(keys) - 1, -1, -1):
+            if present[i]:
+                continue
+            key = keys[i]
+            if key in index:  # stored meanwhile (a chain that names a block twice)
+                index.touch((key,))
+                continue
+            while index.used_bytes + 1 > index.capacity_bytes:
+                victim = index.victim()
+                if victim is None:
+                    break
+                index.remove(victim, evicted=True)
+            if index.used_bytes + 1 <= index.capacity_bytes:
+                index.add(key, BlockInfo(1, 1, keys[i - 1] if i else ROOT, i))
+        if any(present):  # the ingest's touch_chain of what it found stored (the hit again too)
+            index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
+    name = policy if isinstance(policy, str) else getattr(index, "name", "custom")
+    return _totals(name, budget_blocks, trace, hits, block_tokens)
