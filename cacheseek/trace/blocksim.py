@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from ..store.eviction import EvictionIndex, make_index
 from ..store.tier import BlockInfo
 from .format import Request
-from .reference import RefResult, _totals, cached_blocks
+from .reference import RefResult, cached_blocks, totals
 
 ROOT = -1  # the parent of a chain's head (ids are non-negative)
 
@@ -56,4 +56,4 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
         if any(present):  # the ingest's touch_chain of what it found stored (the hit again too)
             index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
     name = policy if isinstance(policy, str) else getattr(index, "name", "custom")
-    return _totals(name, budget_blocks, trace, hits, block_tokens)
+    return totals(name, budget_blocks, trace, hits, block_tokens)

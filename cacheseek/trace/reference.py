@@ -97,7 +97,8 @@ def requested_tokens(req: Request, block_tokens: int) -> int:
     return sum(block_tokens_of(req, block_tokens))
 
 
-def _totals(name: str, budget: int | None, trace: Sequence[Request], hits: list[int], block_tokens: int) -> RefResult:
+def totals(name: str, budget: int | None, trace: Sequence[Request], hits: list[int], block_tokens: int) -> RefResult:
+    """A result from the hit prefix length of each request of ``trace``."""
     return RefResult(name, budget, sum(hits), sum(len(r.hash_ids) for r in trace),
                      sum(hit_tokens(r, h, block_tokens) for r, h in zip(trace, hits)),
                      sum(requested_tokens(r, block_tokens) for r in trace))
@@ -119,7 +120,7 @@ def infinite(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only
         ids = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
         hits.append(_prefix_hits(ids, seen))
         seen.update(ids)
-    return _totals("infinite", None, trace, hits, block_tokens)
+    return totals("infinite", None, trace, hits, block_tokens)
 
 
 def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
@@ -136,7 +137,7 @@ def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512, f
                 order[x] = None
                 if len(order) > budget_blocks:
                     order.popitem(last=False)
-    return _totals("lru-reference", budget_blocks, trace, hits, block_tokens)
+    return totals("lru-reference", budget_blocks, trace, hits, block_tokens)
 
 
 def next_uses(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only: bool = False) -> list[list[int]]:
@@ -177,7 +178,7 @@ def belady_prefix(trace: Sequence[Request], budget_blocks: int, block_tokens: in
                 del cached[heapq.heappop(heap)[1]]
             cached[x] = key
             heapq.heappush(heap, (key, x))
-    return _totals("belady", budget_blocks, trace, hits, block_tokens)
+    return totals("belady", budget_blocks, trace, hits, block_tokens)
 
 
 def min_fifo_ties(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512,
@@ -203,4 +204,4 @@ def min_fifo_ties(trace: Sequence[Request], budget_blocks: int, block_tokens: in
                 key = (-nu, cached[x][1])
             cached[x] = key
             heapq.heappush(heap, (key, x))
-    return _totals("min-fifo-ties", budget_blocks, trace, hits, block_tokens)
+    return totals("min-fifo-ties", budget_blocks, trace, hits, block_tokens)
