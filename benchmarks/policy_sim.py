@@ -10,15 +10,18 @@ Traces: the Mooncake synthetic trace (or --trace) and the synthetic shapes of
 (issue 19's); ``store``, a request's partial last block requested but never stored nor hit
 (``PrefixCache`` stores full blocks only). ``--candidates`` adds the policies tried and
 not adopted (``benchmarks/policy_candidates.py``). Prints, per trace, counting and budget,
-each policy's block hit rate and its share of Belady's; writes
+each policy's block hit rate and its share of Belady's; and, for the first trace at the
+first budget, where Belady's hits come from (``belady_profile``); writes
 benchmarks/results/policy_sim.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from cacheseek.store.eviction import POLICIES
@@ -45,6 +48,77 @@ def compare(trace, policies: dict, budgets, full_blocks_only: bool) -> list[dict
             row[f"{name} of belady"] = round(got / best, 3) if best else None
         rows.append(row)
     return rows
+
+
+def belady_profile(trace, budget: int) -> dict:
+    """Where Belady's hits come from at ``budget`` (issue counting): how long each hit block
+    had been idle (requested blocks since its previous use), the hits per quarter of the
+    trace (LRU's beside), and, per use count so far, how often Belady keeps a block until
+    its next use (what an online policy would have to guess from the count)."""
+    nxt = reference.next_uses(trace)
+    cached: dict[int, tuple[int, int]] = {}
+    heap: list[tuple[tuple[int, int], int]] = []
+    last_use: dict[int, int] = {}
+    uses: Counter = Counter()
+    idle: Counter = Counter()
+    quarters = [0, 0, 0, 0]
+    kept_by_count: dict[int, list[int]] = {}
+    pending: dict[int, int] = {}  # block -> its use count at its last access (awaiting its next)
+    clock = 0
+    for t, req in enumerate(trace):
+        ids = req.hash_ids
+        n = 0
+        for x in ids:
+            if x not in cached:
+                break
+            n += 1
+        quarters[4 * t // len(trace)] += n
+        for i, x in enumerate(ids):
+            if x in pending:
+                kept_by_count.setdefault(pending.pop(x), [0, 0])[0] += i < n
+            if i < n:
+                idle[max(0, clock - last_use[x]).bit_length()] += 1
+        for i, (x, nu) in enumerate(zip(ids, nxt[t])):  # belady_prefix's step, verbatim
+            key = (-nu, -i)
+            if x not in cached and len(cached) >= budget:
+                while heap[0][0] != cached.get(heap[0][1]):
+                    heapq.heappop(heap)
+                if key <= heap[0][0]:
+                    continue
+                del cached[heapq.heappop(heap)[1]]
+            cached[x] = key
+            heapq.heappush(heap, (key, x))
+        for i, (x, nu) in enumerate(zip(ids, nxt[t])):
+            c = min(uses[x], 6)
+            kept_by_count.setdefault(c, [0, 0])[1] += 1
+            if nu < reference.NEVER:
+                pending[x] = c
+            uses[x] += 1
+            last_use[x] = clock
+        clock += len(ids)
+    lru_quarters = [0, 0, 0, 0]
+    lru_hits = reference.lru(trace, budget)  # totals only: recount per quarter below
+    order: dict[int, None] = {}
+    for t, req in enumerate(trace):
+        n = 0
+        for x in req.hash_ids:
+            if x not in order:
+                break
+            n += 1
+        lru_quarters[4 * t // len(trace)] += n
+        for x in reversed(req.hash_ids):
+            order.pop(x, None)
+            order[x] = None
+            if len(order) > budget:
+                del order[next(iter(order))]
+    assert sum(lru_quarters) == lru_hits.hit_blocks
+    total = sum(idle.values())
+    return {"budget_blocks": budget, "belady_hits": total,
+            "hits_idle_at_least_budget": round(sum(v for k, v in idle.items() if k and 1 << (k - 1) >= budget) / total, 3),
+            "hits_by_idle_blocks_log2": {f"<{1 << k}": v for k, v in sorted(idle.items())},
+            "belady_hits_per_quarter": quarters, "lru_hits_per_quarter": lru_quarters,
+            "kept_until_next_use_by_prior_uses": {("6+" if c == 6 else str(c)): round(k / a, 3)
+                                                  for c, (k, a) in sorted(kept_by_count.items())}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             doc["results"][f"{tname}/{counting}"] = rows
             cols = ["blocks", "belady %"] + [f"{p} of belady" for p in policies]
             print(table(rows, cols, f"{tname}, {counting} counting ({time.perf_counter() - start:.0f} s)"), flush=True)
+    first = next(iter(traces.values()))
+    doc["belady_profile"] = prof = belady_profile(first, budgets[0])
+    print(f"Belady at {budgets[0]} blocks on {next(iter(traces))}: {prof['hits_idle_at_least_budget']:.0%} of its hits "
+          f"come to blocks idle for at least {budgets[0]} requested blocks; hits per quarter "
+          f"{prof['belady_hits_per_quarter']} (LRU {prof['lru_hits_per_quarter']}); kept until the next use, "
+          f"by uses so far: {prof['kept_until_next_use_by_prior_uses']}")
     path = write_json("policy_sim", doc, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0

@@ -295,5 +295,8 @@ def test_policy_candidates_stay_below_belady_and_the_sim_writes_its_table(tmp_pa
     doc = json.loads((tmp_path / "policy_sim.json").read_text())
     rows = doc["results"]["mooncake_synthetic_excerpt/store"]
     assert rows[0]["blocks"] == 300 and all(0 <= rows[0][f"{p} of belady"] <= 1 for p in doc["policies"])
+    prof = doc["belady_profile"]
+    assert prof["belady_hits"] == best == sum(prof["belady_hits_per_quarter"])
+    assert sum(prof["lru_hits_per_quarter"]) == reference.lru(trace, 300).hit_blocks
     with pytest.raises(SystemExit):
         policy_sim.main(["--policies", "lru,nope"])
