@@ -225,6 +225,8 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--disk-admit-after-uses", type=int, default=1, help="disk admission threshold (1: every block)")
     p.add_argument("--policy", default="arc,lru", help="eviction policies, comma-separated")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block")
+    p.add_argument("--full-blocks-only", action="store_true",
+                   help="never store a request's partial last block, as PrefixCache does (default: store every block)")
     p.add_argument("--json", default="plan.json", metavar="FILE", help="where to write the rows")
     p.add_argument("--plot", default="plan.png", metavar="FILE", help="where to draw hit rate against budget")
     p.set_defaults(func=_plan)
@@ -247,7 +249,8 @@ def _plan(args: argparse.Namespace) -> int:
         disk = parse_size(args.disk_bytes, name="--disk-bytes")
         trace = load_trace(args.trace)  # the whole file is checked before anything runs
         rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
-                    disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens)
+                    disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens,
+                    full_blocks_only=args.full_blocks_only)
     except CacheSeekError as exc:
         print(f"cacheseek plan: {exc}", file=sys.stderr)
         return 2

@@ -267,6 +267,19 @@ def test_plan_runs_without_torch(tmp_path):
     assert "|" in proc.stdout and "3993" not in proc.stdout
 
 
+def test_plan_full_blocks_only_matches_the_store_counting(tmp_path, excerpt):
+    from cacheseek.server.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["plan", "--trace", str(EXCERPT), "--codec", "int4", "--cpu-bytes", "8GiB", "--policy", "lru",
+                 "--full-blocks-only", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    row = json.loads(out.read_text())[0]
+    blocks = row["cpu_blocks"]
+    assert row["full_blocks_only"] is True
+    assert row["hit_blocks"] == reference.lru(excerpt, blocks, full_blocks_only=True).hit_blocks
+    assert row["belady_block_hit_rate"] == reference.belady_prefix(excerpt, blocks, full_blocks_only=True).block_hit_rate
+
+
 # -- the block-level simulator and the policy candidates -----------------------------------
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

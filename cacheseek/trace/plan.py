@@ -85,7 +85,7 @@ class PlanRow:
         return {
             "codec": self.codec, "policy": self.policy, "cpu_bytes": self.cpu_bytes, "disk_bytes": self.disk_bytes,
             "frame_nbytes": self.frame_nbytes, "cpu_blocks": self.cpu_blocks, "disk_blocks": self.disk_blocks,
-            "disk_admit_after_uses": r.spec.disk_admit_after_uses,
+            "disk_admit_after_uses": r.spec.disk_admit_after_uses, "full_blocks_only": r.spec.full_blocks_only,
             "block_hit_rate": r.block_hit_rate, "token_hit_rate": r.token_hit_rate,
             "hit_blocks": r.hit_blocks, "requested_blocks": r.requested_blocks,
             "hit_tokens": r.hit_tokens, "requested_tokens": r.requested_tokens,
@@ -99,10 +99,12 @@ class PlanRow:
 
 def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], cpu_bytes: Sequence[int],
          disk_bytes: int = 0, policies: Sequence[str] = ("arc", "lru"), disk_admit_after_uses: int = 1,
-         block_tokens: int = 512, progress: bool = True) -> list[PlanRow]:
-    """Replay ``trace`` for every codec x CPU budget x policy (the disk budget fixed)."""
-    nxt = reference.next_uses(trace)
-    inf = reference.infinite(trace, block_tokens)
+         block_tokens: int = 512, progress: bool = True, full_blocks_only: bool = False) -> list[PlanRow]:
+    """Replay ``trace`` for every codec x CPU budget x policy (the disk budget fixed).
+    ``full_blocks_only``: the store's counting, a request's partial last block never stored
+    (``cacheseek.trace.replay``), in the replay and the references alike."""
+    nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
+    inf = reference.infinite(trace, block_tokens, full_blocks_only)
     stand_in = StandInFrames(block_tokens).nbytes
     rows = []
     belady_cache: dict[int, reference.RefResult] = {}
@@ -112,10 +114,11 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
             cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // nbytes
             total = cpu_blocks + disk_blocks  # Belady over the tiers' room together
             if total not in belady_cache:
-                belady_cache[total] = reference.belady_prefix(trace, max(total, 1), block_tokens, nxt=nxt)
+                belady_cache[total] = reference.belady_prefix(trace, max(total, 1), block_tokens, nxt=nxt,
+                                                              full_blocks_only=full_blocks_only)
             for policy in policies:
                 spec = ReplaySpec(cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, policy=policy,
-                                  disk_admit_after_uses=disk_admit_after_uses)
+                                  disk_admit_after_uses=disk_admit_after_uses, full_blocks_only=full_blocks_only)
                 label = f"{codec_name} cpu={_gib(cpu)} {policy}"
                 bar = ProgressBar(f"{label:<28}") if progress else None
                 result = replay(trace, spec, block_tokens=block_tokens, progress=bar)
