@@ -11,7 +11,8 @@ Traces: the Mooncake synthetic trace (or --trace) and the synthetic shapes of
 (``PrefixCache`` stores full blocks only). ``--candidates`` adds the policies tried and
 not adopted (``benchmarks/policy_candidates.py``). Prints, per trace, counting and budget,
 each policy's block hit rate and its share of Belady's; and, for the first trace at the
-first budget, where Belady's hits come from (``belady_profile``); writes
+first budget, where Belady's hits come from (``belady_profile``) and how far a policy that
+knows one bit of the future gets (``reuse_bit_bound``); writes
 benchmarks/results/policy_sim.json.
 """
 
@@ -121,6 +122,73 @@ def belady_profile(trace, budget: int) -> dict:
                                                   for c, (k, a) in sorted(kept_by_count.items())}}
 
 
+def _bit_lru(trace, budget: int, soon) -> int:
+    """Hits of an LRU that admits (at the MRU end) and keeps fresh only the accesses
+    ``soon(t, i)`` says are reused soon; any other access moves its block to the LRU end."""
+    order: dict[int, None] = {}
+    hits = 0
+    for t, req in enumerate(trace):
+        ids = req.hash_ids
+        n = 0
+        for x in ids:
+            if x not in order:
+                break
+            n += 1
+        hits += n
+        for i in range(len(ids) - 1, -1, -1):
+            x = ids[i]
+            if soon(t, i):
+                order.pop(x, None)
+                order[x] = None
+                if len(order) > budget:
+                    del order[next(iter(order))]
+            elif x in order:  # to the LRU end: rebuild the front (rare next to the rest)
+                del order[x]
+                order = {x: None, **order}
+    return hits
+
+
+def reuse_bit_bound(trace, budget: int, horizons=(4, 8), thresholds=(0.1, 0.2, 0.3, 0.4, 0.5)) -> dict:
+    """Share of Belady for an LRU told, at each access, one bit: is this block requested
+    again within ``h x budget`` requested blocks? First the true bit (an oracle); then the
+    bit guessed from what an online policy sees, the block's use count so far (0-7+) and
+    how long it has been idle (log2 of requested blocks), with each class's probability of
+    a reuse within the horizon measured over the whole trace in hindsight and compared
+    with each threshold: the best a predictor on those two features can do."""
+    nxt = reference.next_uses(trace)
+    start = [0]
+    for req in trace:
+        start.append(start[-1] + len(req.hash_ids))
+    uses: Counter = Counter()
+    last: dict[int, int] = {}
+    cls: list[list[tuple[int, int]]] = []
+    for t, req in enumerate(trace):
+        row = []
+        for x in req.hash_ids:
+            c = uses[x]
+            row.append((min(c, 7), (start[t] - last[x]).bit_length() if c else -1))
+        for x in req.hash_ids:
+            uses[x] += 1
+            last[x] = start[t]
+        cls.append(row)
+    best = reference.belady_prefix(trace, budget, nxt=nxt).hit_blocks
+    out: dict = {"budget_blocks": budget, "oracle_bit": {}, "guessed_bit": {}}
+    for h in horizons:
+        horizon = h * budget
+        bit = [[nu < reference.NEVER and start[nu] - start[t] <= horizon for nu in nxt[t]] for t in range(len(trace))]
+        out["oracle_bit"][f"{h}x"] = round(_bit_lru(trace, budget, lambda t, i: bit[t][i]) / best, 3)
+        seen: dict[tuple[int, int], list[int]] = {}
+        for t in range(len(trace)):
+            for i, k in enumerate(cls[t]):
+                a = seen.setdefault(k, [0, 0])
+                a[0] += bit[t][i]
+                a[1] += 1
+        prob = {k: a / n for k, (a, n) in seen.items()}
+        out["guessed_bit"][f"{h}x"] = {str(th): round(_bit_lru(trace, budget, lambda t, i: prob[cls[t][i]] > th) / best, 3)
+                                       for th in thresholds}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(FULL_TRACE))
@@ -161,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
           f"come to blocks idle for at least {budgets[0]} requested blocks; hits per quarter "
           f"{prof['belady_hits_per_quarter']} (LRU {prof['lru_hits_per_quarter']}); kept until the next use, "
           f"by uses so far: {prof['kept_until_next_use_by_prior_uses']}")
+    doc["reuse_bit_bound"] = [reuse_bit_bound(first, b) for b in (budgets[0], budgets[-1])]
+    for bound in doc["reuse_bit_bound"]:
+        print(f"LRU told whether each access is reused within h x {bound['budget_blocks']} blocks, share of Belady: "
+              f"true bit {bound['oracle_bit']}; guessed from use count and idle time {bound['guessed_bit']}")
     path = write_json("policy_sim", doc, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0
