@@ -138,6 +138,14 @@ def test_the_in_place_ingest_starts_at_128_mib_and_doubles():
     assert list(batching.runs([True, True, False, True, True, True], 2)) == [(0, 2), (3, 5), (5, 6)]
 
 
+def test_the_guessed_tail_grows_with_the_chain():
+    mb = 1 << 20
+    # Llama-3-8B blocks of 256 tokens (32 MiB raw): the first batch's 4 blocks, until an
+    # eighth of the chain is more (the host hashes and plans the chain while they are copied).
+    assert [batching.guessed_tail_blocks(n, 32 * mb) for n in (8, 16, 32, 40, 64, 256)] == [4, 4, 4, 5, 8, 32]
+    assert batching.guessed_tail_blocks(64, 1 << 30) == 8
+
+
 # -- ingest in place: runs of reserved slots, one copy each, committed after the check ----
 # (On the CPU the KV is encoded straight into the slots; on a GPU into staging laid out
 # like them, then one device-to-host copy. The bookkeeping is the same: tested here.)
@@ -281,6 +289,21 @@ def test_a_guessed_tail_with_nan_stores_nothing(guessing):
         cache.ingest(toks, kv)
     state = _tier_state(cache)
     assert cache.lookup(toks) == 0 and state["used_bytes"] == 0 and state["reservation_bytes"] == 0
+
+
+def test_a_long_chain_guesses_an_eighth_of_it_and_stores_it_once(guessing):
+    cache = make_cache(cpu="8MiB", codec=KIVI4)
+    toks, kv = tokens_for(52, 24 * BLOCK), make_kv(24 * BLOCK, 52)
+    assert batching.guessed_tail_blocks(24, LAYOUT.raw_nbytes(BLOCK)) == 3  # 2-block first batches here
+    assert cache.ingest(toks, kv).stored == 24
+    plain = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="8MiB"))
+    plain.ingest(toks, kv)
+    for (k, v), (k0, v0) in zip(cache.materialize(toks).layers, plain.materialize(toks).layers):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert _tier_state(cache)["reservation_bytes"] == 0
+    again = cache.ingest(toks, kv)  # all stored: the 3 guessed blocks are given back
+    assert (again.stored, again.present) == (0, 24) and _tier_state(cache)["reservation_bytes"] == 0
 
 
 def test_bad_tokens_after_a_guessed_launch_leave_nothing_reserved(guessing):
