@@ -108,8 +108,8 @@ class InPlaceIngest:
             return
         count = batching.guessed_tail_blocks(num_blocks, block_raw)
         start = num_blocks - count
-        unknown = [bytes(hash_size)] * count  # the real keys go into the headers at commit: same sizes
-        metas = self.format.plan_run(start, unknown, unknown)
+        # The real keys go into the headers at commit: same sizes.
+        metas = self.format.placeholder_run(start, count, hash_size)
         if len({m.nbytes for m in metas}) != 1 or any(m.codec is not metas[0].codec for m in metas):
             return  # a header grows a byte (or the codec changes) within these blocks: not worth a second run
         reservations = self.store.reserve_run(metas[0].nbytes, count, grow=True)
@@ -205,9 +205,10 @@ class InPlaceIngest:
         with staging_pool(self.device).take(start + span, stream=self.encode_stream) as lease:
             lease.used_on(self.copy_stream)
             staging = lease.tensor
+            views = lease.memo(("payload", tuple(meta.tensors), count, stride, meta.payload_offset),
+                               lambda: payload_views(staging, meta.tensors, count, stride, meta.payload_offset))
             with on_stream(self.encode_stream):
-                flags = flags_to_host(self._encode(first, count, payload_views(staging, meta.tensors, count, stride,
-                                                                               meta.payload_offset)))
+                flags = flags_to_host(self._encode(first, count, views))
                 encoded = torch.cuda.Event()
                 encoded.record(self.encode_stream)
             # The slots' headers are copied over too (staging garbage between payloads): each

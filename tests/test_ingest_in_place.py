@@ -13,6 +13,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek import batching, ingest_in_place
+from cacheseek.block_format import BlockFormat
 from cacheseek.errors import InputError
 from cacheseek.store import cpu as cpu_tier
 from cacheseek.store.cpu import CpuTier
@@ -459,3 +460,13 @@ def test_a_failed_launch_gives_its_reservations_back(monkeypatch):
         cache.ingest(tokens_for(52, 4 * BLOCK), make_kv(4 * BLOCK, 52))
     assert calls and _tier_state(cache) == {"blocks": 0, "used_bytes": 0, "evictions": 0, "bytes_in": 0,
                                             "reservation_bytes": 0}
+
+
+def test_placeholder_runs_are_the_plans_of_all_zero_keys_kept_per_run():
+    fmt = BlockFormat(KIVI4, LAYOUT, BLOCK)
+    unknown = [bytes(16)] * 3
+    assert fmt.placeholder_run(5, 3, 16) == fmt.plan_run(5, unknown, unknown)
+    first = fmt.placeholder_run(5, 3, 16)
+    again = fmt.placeholder_run(5, 3, 16)
+    assert again == first and again is not first and all(a is b for a, b in zip(again, first))  # kept, a fresh list
+    assert [m.position for m in fmt.placeholder_run(200, 2, 32)] == [200, 201]
