@@ -95,7 +95,7 @@ def engines(model, tmp_path_factory):
         "raw": pool.submit(embedded, "raw", corrupt_block=2, salts=True),
         "two_engines": pool.submit(two_engines),
         "int8": pool.submit(embedded, "int8"),
-        "int4": pool.submit(embedded, "int4"),
+        "int4": pool.submit(embedded, "int4", layerwise_checks=True),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -110,7 +110,7 @@ def minus(after: dict, before: dict) -> dict:
     return {side: {k: v - before[side][k] for k, v in after[side].items()} for side in after}
 
 
-def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
+def check_loaded(res: dict, stats: dict, *, hit_tokens: int, remote: bool = False) -> None:
     """vLLM counted ``hit_tokens`` external hit tokens, and the worker wrote them into pages."""
     loaded = res["loaded"]
     assert loaded["external"] == hit_tokens, loaded
@@ -118,6 +118,8 @@ def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
     worker = stats["worker"]
     assert worker["loads"] == 1 and worker["load_tokens"] == hit_tokens and worker["load_failures"] == 0
     assert worker["load_calls"] == 1  # one materialize_into_batch for the step
+    # embedded: loaded layer by layer (the default), a server's whole
+    assert worker["load_layerwise_calls"] == (0 if remote else 1) and worker["load_late_failures"] == 0
     assert stats["scheduler"]["lookup_hit_tokens"] == hit_tokens
 
 
@@ -175,6 +177,30 @@ def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
     assert len(res["loaded"]["tokens"]) == 16
 
 
+def test_layerwise_loads_equal_whole_step_loads(engines):
+    lw = result(engines, "int4")["layerwise"]
+    for name, layerwise_calls in (("layerwise", 1), ("whole", 0)):
+        run, worker = lw[name]["run"], lw[name]["worker"]
+        assert run["external"] == 1024 and lw[name]["captured"] == 1
+        assert worker["loads"] == 1 and worker["load_tokens"] == 1024 and worker["load_failures"] == 0
+        assert worker["load_calls"] == 1 and worker["load_layerwise_calls"] == layerwise_calls
+    assert lw["tokens_equal"], (lw["layerwise"]["run"]["tokens"], lw["whole"]["run"]["tokens"])
+    assert lw["pages_equal"]  # the loaded tokens' K and V in every layer's pages, bit for bit
+
+
+def test_a_layerwise_load_failing_mid_forward_is_recomputed_by_vllm(engines):
+    # Layer group 2 (layers 3-6 of SmolLM2's 30) fails to decode after the forward has read
+    # layers 0-2: no error reaches vLLM; every block of the load is reported, vLLM discards
+    # the step's output for the request, recomputes the 1,024 tokens, and the output equals
+    # the prompt computed without any cache.
+    failed = result(engines, "int4")["layerwise"]["failed"]
+    worker = failed["worker"]
+    assert failed["fired"] and failed["got"]["external"] == 1024
+    assert worker["load_failures"] == 1 and worker["load_late_failures"] == 1 and worker["loads"] == 0
+    assert worker["load_failed_tokens"] == 1024 and worker["load_failed_blocks"] == 8  # vLLM blocks of 128
+    assert failed["got"]["tokens"] == failed["want"]["tokens"], failed["agreement"]
+
+
 def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
     res = result(engines, "raw")
     part = res["partial"]
@@ -195,7 +221,7 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     first, second = res["first"], res["second"]
     assert first["after_store"]["worker"]["save_blocks_stored"] == 4
     assert first["after_store"]["worker"]["save_failures"] == 0
-    check_loaded(second, second["after_load"], hit_tokens=1024)
+    check_loaded(second, second["after_load"], hit_tokens=1024, remote=True)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
 
 
