@@ -32,7 +32,6 @@ blocks.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +41,6 @@ from .guard import StoreGuard
 from .pages import VllmPages
 from .plan import LoadSpec, SaveSpec, StepPlan
 from .stats import ConnectorStats
-
-log = logging.getLogger("cacheseek.integrations.vllm")
-
 
 @dataclass(slots=True)
 class RunningLoad:
