@@ -466,6 +466,8 @@ def test_gpu_layerwise_step_reads_each_layer_after_its_wait_on_the_forwards_stre
     assert side.take_failed_blocks() == set() and side.stats.load_layerwise_calls == 1
     for (k, v), (wk, wv) in zip(seen, tokens_of(whole, [20, 21, 8, 9, 10, 11, 12, 13], 0, 128)):
         assert torch.equal(k, wk) and torch.equal(v, wv)
+    side.start_step(StepPlan())  # a load left open at the step's end (still running then) is closed here
+    assert side._unclosed is None and cache.store.tier("cpu").lease_stats()["leases_active"] == 0
     cache.close()
 
 

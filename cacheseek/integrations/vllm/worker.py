@@ -64,6 +64,7 @@ class WorkerSide:
         self.stats = ConnectorStats()
         self.pages: VllmPages | None = None
         self._running: RunningLoad | None = None
+        self._unclosed: Any = None  # a finished step's LayerwiseLoad on a GPU, closed at the next step
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their saves are dropped
 
@@ -140,17 +141,17 @@ class WorkerSide:
         run.seconds += time.perf_counter() - t0
 
     def end_load(self) -> None:
-        """Close the step's layer-wise load (every layer in, the store's memory given back)
-        and count it; a load that failed, or whose layers the forward did not all wait for,
-        reports every block it was to write."""
+        """End the step's layer-wise load and count it; a load that failed, or whose layers
+        the forward did not all wait for, reports every block it was to write. The handle is
+        closed (every layer in, the store's memory given back) here, or, on a GPU whose last
+        groups are still running, when the next step starts: every group is issued by then,
+        so its failures are known, and the forward's stream waits for each layer; the host
+        need not wait for the device at the end of the step."""
+        self._close_unclosed()
         run, self._running = self._running, None
         if run is None:
             return
         t0 = time.perf_counter()
-        try:
-            run.handle.close()
-        except Exception as exc:  # noqa: BLE001
-            run.error = run.error or exc
         run.error = run.error or run.handle.error
         if run.error is None and not all(run.waited):
             # The forward did not call wait_for_layer_load for these layers (an attention
@@ -160,6 +161,14 @@ class WorkerSide:
             run.error = RuntimeError(f"vLLM did not wait for layers {run.missing[:8]} of a layer-wise load; "
                                      "loading whole steps from now on")
             self.layerwise = False
+        if run.error is None and run.handle.device.type == "cuda" and not run.handle.done():
+            self._unclosed = run.handle
+        else:
+            try:
+                run.handle.close()
+            except Exception as exc:  # noqa: BLE001
+                run.error = run.error or exc
+            run.error = run.error or run.handle.error
         written = run.written
         if run.error is not None:
             self.guard.failure("layer-wise load", run.error)
@@ -167,6 +176,14 @@ class WorkerSide:
             if run.read_before_error:
                 self.stats.load_late_failures += sum(w > spec.start for w, spec in zip(run.written, run.specs))
         self._account(run.specs, written, run.seconds + time.perf_counter() - t0)
+
+    def _close_unclosed(self) -> None:
+        handle, self._unclosed = self._unclosed, None
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception as exc:  # noqa: BLE001 - (a device error: vLLM's own next call meets it)
+                self.guard.failure("closing a layer-wise load", exc)
 
     # -- one step's calls --------------------------------------------------------------
 
