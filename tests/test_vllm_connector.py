@@ -14,6 +14,10 @@ it has vLLM. Independent engines run two at a time. What is checked:
   cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones.
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged.
+- layer by layer (the default for an embedded cache: every embedded load here): the int4
+  engine loads a prompt layer by layer and whole, with the same tokens and the same pages
+  bit for bit; then a layer group's decode fails after the forward read the first layers:
+  every block of the load is reported, vLLM recomputes them, the output is unchanged.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
