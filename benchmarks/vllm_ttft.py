@@ -12,10 +12,10 @@ per configuration and process (tests/vllm_runs.py, scenario ``ttft``):
   the prefix never left the engine's own pages.
 - ``cacheseek <codec>``: the connector (embedded, CPU tier), the prefix stored by a first
   prompt, vLLM's prefix cache emptied before each timed prompt: the prefix comes from
-  CacheSeek, loaded layer by layer inside the forward (the connector's default);
-  ``cacheseek <codec> whole``: the same with every layer loaded before the forward
-  (``layerwise_load: false``). On a CPU nothing overlaps (a layer group is decoded when the
-  forward first waits for it): the two should match.
+  CacheSeek; ``cacheseek <codec> layer-wise`` loads it layer by layer inside the forward
+  (``layerwise_load: true``, the default only on a GPU), ``cacheseek <codec> whole`` every
+  layer before the forward (``false``, what "auto" does on a CPU). On a CPU nothing
+  overlaps: a layer group is decoded when the forward first waits for it.
 
 TTFT is the wall time of ``LLM.generate`` for one output token (the prefill, the load and
 one sampling step), median over ``--repeats`` prompts that share the prefix and differ in
@@ -36,6 +36,7 @@ from .report import table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 LOAD_MODES = {"layerwise": True, "whole": False}  # --loads -> kv_connector_extra_config.layerwise_load
+LOAD_LABELS = {"layerwise": "layer-wise", "whole": "whole"}
 RUNNER = ROOT / "tests" / "vllm_runs.py"
 
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.loads.split(","):
             if mode not in LOAD_MODES:
                 raise SystemExit(f"--loads: {mode!r} is not one of {', '.join(LOAD_MODES)}")
-            configs[f"cacheseek {codec}" + ("" if mode == "layerwise" else f" {mode}")] = {"extra": {
+            configs[f"cacheseek {codec} {LOAD_LABELS[mode]}"] = {"extra": {
                 "codec": codec, "model_id": "smollm2-135m", "block_tokens": args.block_tokens,
                 "tiers": {"cpu_bytes": "2GiB"}, "layerwise_load": LOAD_MODES[mode]}}
     rows, raw = [], {}

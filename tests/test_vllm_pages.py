@@ -28,11 +28,16 @@ def test_config_defaults_to_embedded_int4():
     assert cfg.tiers.cpu_bytes == "4GiB"
 
 
-def test_loads_are_layerwise_by_default_where_the_cache_is_embedded():
-    assert ConnectorConfig.from_extra({}).loads_layerwise
-    assert not ConnectorConfig.from_extra({"layerwise_load": False}).loads_layerwise
+def test_loads_are_layerwise_by_default_on_a_gpu_with_an_embedded_cache():
+    auto = ConnectorConfig.from_extra({})
+    assert auto.loads_layerwise("cuda") and not auto.loads_layerwise("cpu") and auto.may_load_layerwise
+    assert ConnectorConfig.from_extra({"layerwise_load": "auto"}) == auto
+    on, off = ConnectorConfig.from_extra({"layerwise_load": True}), ConnectorConfig.from_extra({"layerwise_load": False})
+    assert on.loads_layerwise("cpu") and on.loads_layerwise("cuda")
+    assert not off.loads_layerwise("cuda") and not off.may_load_layerwise
     # a server's frames hold every layer of a block: its loads are whole steps
-    assert not ConnectorConfig.from_extra({"url": "http://127.0.0.1:1"}).loads_layerwise
+    remote = ConnectorConfig.from_extra({"url": "http://127.0.0.1:1", "layerwise_load": True})
+    assert not remote.loads_layerwise("cuda") and not remote.may_load_layerwise
 
 
 def test_config_remote_and_embedded_tiers():
@@ -62,7 +67,7 @@ def test_config_remote_and_embedded_tiers():
     ({"timeout_seconds": 0}, "timeout_seconds: must be a positive number"),
     ({"retry_after_seconds": 10, "retry_cap_seconds": 5}, "retry_cap_seconds"),
     ({"model_id": 7}, "model_id: must be a string"),
-    ({"layerwise_load": "no"}, "layerwise_load: must be true or false"),
+    ({"layerwise_load": "no"}, 'layerwise_load: must be true, false or "auto"'),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

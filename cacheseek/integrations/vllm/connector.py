@@ -120,8 +120,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
-            self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
-                                      layerwise=self.config.loads_layerwise)
+            self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
@@ -146,7 +145,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
-        self._worker_side().register(VllmPages(layers, fmt))
+        side = self._worker_side()
+        side.register(VllmPages(layers, fmt))
+        side.layerwise = self.config.loads_layerwise(layers[0].device.type)
 
     def _kv_split(self, names: list[str]) -> str:
         layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
@@ -199,7 +200,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         # full CUDA graph replays the forward without that Python, so vLLM must run
         # piecewise graphs (its attention outside the graph). "layerwise_load": false keeps
         # full graphs, with whole-step loads.
-        return ConnectorConfig.from_extra(extra_config).loads_layerwise
+        return ConnectorConfig.from_extra(extra_config).may_load_layerwise
 
     def shutdown(self) -> None:
         if self._worker is not None:
