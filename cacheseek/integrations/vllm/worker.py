@@ -7,7 +7,7 @@ decoded and encoded there: no contiguous copy of the KV.
 
 A step's load runs one of two ways (``ConnectorConfig.layerwise_load``):
 
-- **layer by layer** (the default with an embedded cache): ``start_load_kv`` starts the
+- **layer by layer** (the default where vLLM's pages are on a GPU, with an embedded cache): ``start_load_kv`` starts the
   load as one ``LayerwiseLoad`` (the frames fetched, the decodes issued: on a GPU queued on
   side streams, an event per layer group; on a CPU each group decoded when a layer of it is
   first waited for), and each attention layer's ``wait_for_layer_load`` waits for its
