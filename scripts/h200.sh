@@ -127,6 +127,11 @@ for s in "$@"; do
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     vllm-pages)  step vllm-pages 420 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --requests 1,8 --reps 5 --out "$OUT" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
+    # The connector's layer-wise loads on the GPU: the tests (event waits on the forward's
+    # stream, same bytes as a whole load), then int4 at 4K and 16K tokens: the layer-wise load
+    # alone and under a stand-in forward, against the whole load then the forward.
+    vllm-layerwise) step tests-vllm-layerwise 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py tests/test_layerwise.py -k "layerwise_step or layerwise_load or from_start or never_waited"
+                 step vllm-layerwise 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs int4 --requests 1,8 --reps 5 --out "$OUT" ;;
     # Before/after a restructuring, in one call: the tree in .base (git archive of the older
     # commit, carried by the lead) installed apart and run from outside any checkout, then this
     # tree; store and kernels, alternated twice so drift hits both alike.
