@@ -20,6 +20,12 @@ Rows (GB/s of raw KV represented):
 - ``engine ingest_batch`` / ``engine materialize_into_batch``: the same calls made
   directly, page tables ready (what ``benchmarks.store --paged --batches`` measures):
   the connector's own cost is the difference.
+- ``connector load layer-wise``: the same load as the connector runs it by default
+  (``WorkerSide.start_load``, ``wait_layer`` per layer, ``end_load``), nothing between the
+  waits. On a GPU also ``whole load, then forward`` against ``layer-wise load under the
+  forward``: a stand-in forward (per layer one matmul through a Llama-3-8B layer's weights
+  for a 256-token suffix) after the whole load, or between the layer waits, and
+  ``forward alone`` (ms: how much of the load the overlap hides).
 - baseline, measured in the same run: a plain copy of the requests' pages to pinned host
   memory and back (a page gather plus one D2H copy; one H2D copy plus a page scatter),
   what a connector that moves bf16 pages unencoded does at best.
@@ -46,6 +52,8 @@ from .report import table, write_json
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 STORE_BLOCK = 256
+HIDDEN = 4096  # Llama-3-8B's, for the stand-in forward
+SUFFIX = 256  # tokens the stand-in forward computes per layer (the prompt after the loaded prefix)
 CODECS = {"raw": cs.Raw(), "int8": cs.KIVI(bits=8, group_size=32), "int4": cs.KIVI(bits=4, group_size=32),
           "int2": cs.KIVI(bits=2, group_size=32)}
 _prompts = count(1)
@@ -73,6 +81,20 @@ def flash_pages(num_pages: int, layers: int, dtype: torch.dtype, device: torch.d
     """Per layer, vLLM's logical ``[P, H, N, 2D]`` view of an LBNHC ``[P, N, H, 2D]`` tensor."""
     return [torch.randn(num_pages, PAGE, HEADS, 2 * HEAD_DIM, dtype=dtype, device=device).transpose(1, 2)
             for _ in range(layers)]
+
+
+def stand_in_forward(device: torch.device, dtype: torch.dtype, suffix: int = SUFFIX):
+    """A decoder layer's compute over a ``suffix``-token prompt tail, per layer: one matmul
+    through as many weights as a Llama-3-8B layer has (4096 x 53248, 218M), queued on the
+    current stream. The loaded prefix is not computed, so this is what a load can hide."""
+    w = torch.randn(HIDDEN, 53248, dtype=dtype, device=device)
+    x = torch.randn(suffix, w.shape[0], dtype=dtype, device=device)
+    out = torch.empty(suffix, w.shape[1], dtype=dtype, device=device)
+
+    def layer(i: int) -> None:
+        torch.matmul(x, w, out=out)
+
+    return layer
 
 
 def fresh_prompt(tokens: int) -> list[int]:
@@ -109,6 +131,29 @@ def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: i
     side.save(stored)
     loads = [LoadSpec(s.req_id, s.token_ids, s.block_ids, start=0) for s in stored]
     row("connector load", timed(lambda: side.load(loads), reps, device))
+
+    def layerwise_load(forward=None) -> None:
+        # as in a vLLM step: start_load_kv, each attention layer's wait_for_layer_load (and
+        # its compute), wait_for_save closing the load
+        side.start_load(loads)
+        for i in range(layers):
+            side.wait_layer(i)
+            if forward is not None:
+                forward(i)
+        side.end_load()
+
+    row("connector load layer-wise", timed(layerwise_load, reps, device))
+    if device.type == "cuda":
+        forward = stand_in_forward(device, dtype)
+
+        def whole_then_forward() -> None:
+            side.load(loads)
+            for i in range(layers):
+                forward(i)
+
+        row("forward alone (stand-in)", timed(lambda: [forward(i) for i in range(layers)], reps, device))
+        row("whole load, then forward", timed(whole_then_forward, reps, device))
+        row("layer-wise load under the forward", timed(lambda: layerwise_load(forward), reps, device))
     if side.stats.save_failures or side.stats.load_failures:
         raise RuntimeError(f"the connector failed a save or a load: {side.stats.to_dict()}")
 
@@ -145,6 +190,8 @@ def run(tokens: int, codec_name: str, reps: int, device: torch.device, layers: i
     row("baseline page copy H2D", timed(h2d, reps, device))
     base = {"save": rows[-2]["gbps"], "load": rows[-1]["gbps"]}
     for r in rows:
+        if "forward" in r["path"]:
+            continue  # (ms of a step: a load and a stand-in forward)
         kind = "load" if any(w in r["path"] for w in ("load", "materialize", "H2D")) else "save"
         r["vs_baseline"] = r["gbps"] / base[kind]
     return rows

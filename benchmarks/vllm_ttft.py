@@ -1,7 +1,7 @@
 """Time to first token in a real vLLM (PyPI's CPU build) serving SmolLM2-135M, when a 2K-token
 prompt's prefix is stored in CacheSeek, against vLLM computing it (its own prefix cache cold).
 
-    python -m benchmarks.vllm_ttft [--prefix-tokens 2048] [--repeats 3] [--codecs raw,int4]
+    python -m benchmarks.vllm_ttft [--prefix-tokens 2048] [--repeats 3] [--codecs raw,int4] [--loads layerwise,whole]
 
 Runs under a Python that has vLLM (``CACHESEEK_VLLM_PYTHON``, else this one), one engine
 per configuration and process (tests/vllm_runs.py, scenario ``ttft``):
@@ -12,7 +12,10 @@ per configuration and process (tests/vllm_runs.py, scenario ``ttft``):
   the prefix never left the engine's own pages.
 - ``cacheseek <codec>``: the connector (embedded, CPU tier), the prefix stored by a first
   prompt, vLLM's prefix cache emptied before each timed prompt: the prefix comes from
-  CacheSeek.
+  CacheSeek; ``cacheseek <codec> layer-wise`` loads it layer by layer inside the forward
+  (``layerwise_load: true``, the default only on a GPU), ``cacheseek <codec> whole`` every
+  layer before the forward (``false``, what "auto" does on a CPU). On a CPU nothing
+  overlaps: a layer group is decoded when the forward first waits for it.
 
 TTFT is the wall time of ``LLM.generate`` for one output token (the prefill, the load and
 one sampling step), median over ``--repeats`` prompts that share the prefix and differ in
@@ -32,6 +35,8 @@ from pathlib import Path
 from .report import table, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
+LOAD_MODES = {"layerwise": True, "whole": False}  # --loads -> kv_connector_extra_config.layerwise_load
+LOAD_LABELS = {"layerwise": "layer-wise", "whole": "whole"}
 RUNNER = ROOT / "tests" / "vllm_runs.py"
 
 
@@ -51,15 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--codecs", default="raw,int4")
     ap.add_argument("--block-tokens", type=int, default=256)
+    ap.add_argument("--loads", default="layerwise,whole",
+                    help="the connector's loads: layer by layer (its default) and/or whole steps")
     ap.add_argument("--out", default=None, help="folder for vllm_ttft.json (default benchmarks/results)")
     args = ap.parse_args(argv)
     python = os.environ.get("CACHESEEK_VLLM_PYTHON") or sys.executable
     common = {"scenario": "ttft", "prefix_tokens": args.prefix_tokens, "repeats": args.repeats}
     configs = {"vllm cold": {}, "vllm warm": {"reset": False}}
     for codec in args.codecs.split(","):
-        configs[f"cacheseek {codec}"] = {"extra": {"codec": codec, "model_id": "smollm2-135m",
-                                                   "block_tokens": args.block_tokens,
-                                                   "tiers": {"cpu_bytes": "2GiB"}}}
+        for mode in args.loads.split(","):
+            if mode not in LOAD_MODES:
+                raise SystemExit(f"--loads: {mode!r} is not one of {', '.join(LOAD_MODES)}")
+            configs[f"cacheseek {codec} {LOAD_LABELS[mode]}"] = {"extra": {
+                "codec": codec, "model_id": "smollm2-135m", "block_tokens": args.block_tokens,
+                "tiers": {"cpu_bytes": "2GiB"}, "layerwise_load": LOAD_MODES[mode]}}
     rows, raw = [], {}
     load_before = os.getloadavg()
     for name, job in configs.items():

@@ -216,7 +216,9 @@ class PrefixCache(PrefixCacheBase):
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
         max_tokens, start)`` each), decoded together into their pages; no page may be written
         by two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
-        for all of them (``requests``: the ``Loaded`` of each)."""
+        for all of them (``requests``: the ``Loaded`` of each). Either way a request's blocks
+        before its ``start`` (in its pages already) are counted in its ``Loaded``, neither
+        fetched nor written."""
         if layerwise:
             return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False, batch=requests)
         return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
@@ -236,24 +238,31 @@ class PrefixCache(PrefixCacheBase):
     def _load_paged_layerwise(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *,
                               single: bool, batch: Any = None) -> LayerwiseLoad:
         call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
-        if any(starts):
-            # A request's first blocks already in its pages (PagedRequest.start) would shift
-            # the rows the layer groups decode into; the whole-load path handles them.
-            raise InputError("materialize_into_batch(layerwise=True) takes requests with start=0 only; "
-                             "load requests whose first blocks are in their pages already without layerwise")
         B, L = self.block_tokens, self.layout.num_layers
+        # Blocks before a request's start are in its pages already (the engine's own prefix
+        # hit): counted, not fetched or written, as in ``_load_paged``. The call's rows are
+        # blocks [start, count) of each request, in order, so a request's first fetched block
+        # is the row after the previous requests' written ones.
+        skip = [min(s, n) for s, n in zip(starts, counts)]
         sink = paged_io.PageSink(self.block_format.codec, call.source) if call.rows else None
-        firsts = [sum(counts[:r]) for r in range(len(counts))]
-        decoder, got = layerwise.load(self.block_format, self.store, list(zip(call.hashes, located)), pages.device,
-                                      sink=sink, rows=firsts)
-        results = [Loaded(len(t) * B, len(t), t) for t in got]
+        firsts, row = [], 0
+        for s, n in zip(skip, counts):
+            firsts.append(row)
+            row += n - s
+        chains = [(h[s:n], where[s:n]) for h, where, s, n in zip(call.hashes, located, skip, counts)]
+        decoder, got = layerwise.load(self.block_format, self.store, chains, pages.device, sink=sink, rows=firsts)
+        results = []
+        for s, where, tiers in zip(skip, located, got):
+            res = Loaded(num_blocks=s + len(tiers), tiers=list(where[:s]) + tiers)
+            res.num_tokens = res.num_blocks * B
+            results.append(res)
         for h, res in zip(call.hashes, results):
             if res.num_blocks:
                 self.store.touch_chain(h[: res.num_blocks])
-        n = sum(r.num_blocks for r in results)
-        if decoder is not None and not n:
+        if decoder is not None and not any(got):
             decoder.release_all()
             decoder = None
+        n = sum(r.num_blocks for r in results)
         return LayerwiseLoad(num_layers=L, device=pages.device, num_tokens=n * B, num_blocks=n,
                              tiers=[t for r in results for t in r.tiers], decoder=decoder, requests=results)
 

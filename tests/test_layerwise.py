@@ -19,6 +19,7 @@ import cacheseek as cs
 from cacheseek import layerwise, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
+from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
 from store_helpers import make_kv, tokens_for
@@ -327,6 +328,79 @@ def test_layerwise_batch_into_pages_equals_the_batch():
             assert load.requests == want and load.num_blocks == 5
             load.synchronize()
         assert unchanged(normal_t, lw_t)
+
+
+@pytest.mark.parametrize("page", [1, 8, 16, 32])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_layerwise_batch_from_start_equals_the_whole_load_from_start(codec, page):
+    """Requests whose first blocks are in their pages already (``start``, an engine's own
+    prefix hit): the layer-wise load writes blocks ``[start, end)`` only, the same bytes as
+    the whole load, and leaves the pages before ``start`` (and every other page) alone."""
+    num_pages = 16 * BLOCK // page
+    with make_cache(codec) as cache:
+        a, _ = stored(cache, codec, T=4 * BLOCK, seed=1)
+        b, _ = stored(cache, codec, T=3 * BLOCK + 1, seed=2)
+        c, _ = stored(cache, codec, T=2 * BLOCK, seed=3)
+        sizes = [4 * BLOCK, 3 * BLOCK + 1, 2 * BLOCK, 2 * BLOCK]
+        tables = page_tables(sizes, page, num_pages, seed=page)
+        # a from block 2, b from block 1 (ending at block 3: max_tokens), c all of it from
+        # block 0, and one whose start is past what is stored (nothing to write).
+        reqs = [cs.PagedRequest(a, tables[0], start=2 * BLOCK),
+                cs.PagedRequest(b, tables[1], max_tokens=3 * BLOCK, start=BLOCK),
+                cs.PagedRequest(c, tables[2]),
+                cs.PagedRequest(c[:BLOCK], tables[3], start=2 * BLOCK)]
+        normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=5)
+        lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=5)
+        before = snapshot(lw_t)
+        want = cache.materialize_into_batch(reqs, normal)
+        assert [(x.num_blocks, len(x.tiers)) for x in want] == [(4, 4), (3, 3), (2, 2), (1, 1)]
+        with cache.materialize_into_batch(reqs, lw, layerwise=True) as load:
+            assert load.requests == want and load.num_blocks == 10
+            for i in range(L):
+                load.wait(i)
+        assert unchanged(normal_t, lw_t)
+        # what was written: exactly the pages of blocks [start, end) (the pages were random)
+        P = BLOCK // page if page < BLOCK else 1
+        written = set(tables[0][2 * P : 4 * P] + tables[1][P : 3 * P] + tables[2][: 2 * P])
+        for layer, (t, b0) in enumerate(zip(lw_t, before)):
+            for p in range(num_pages):
+                same = torch.equal(t[:, p].view(torch.uint8), b0[:, p].view(torch.uint8))
+                assert same == (p not in written), (layer, p)
+
+
+def test_layerwise_from_start_that_fails_part_way_raises_for_the_layers_it_did_not_load(monkeypatch):
+    """A decode that fails at layer group 1, for a batch loading from start > 0: layer 0 is
+    written (and the same as the whole load's), layers of groups 1.. raise ``LoadError``, and
+    ``close`` gives the store's memory back."""
+    page, num_pages = 16, 32
+    with make_cache(INT4) as cache:
+        a, _ = stored(cache, INT4, T=3 * BLOCK, seed=1)
+        table = page_tables([3 * BLOCK], page, num_pages, seed=3)[0]
+        reqs = [cs.PagedRequest(a, table, start=BLOCK)]
+        normal, normal_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=5)
+        lw, lw_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=5)
+        cache.materialize_into_batch(reqs, normal)
+        before = snapshot(lw_t)
+        real = LayerwiseDecoder.run_group
+
+        def run_group(self, g, timing=False):
+            if g == 1:
+                raise RuntimeError("injected decode failure")
+            return real(self, g, timing)
+
+        monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
+        load = cache.materialize_into_batch(reqs, lw, layerwise=True)
+        load.wait(0)
+        with pytest.raises(cs.LoadError, match="injected decode failure"):
+            load.wait(1)
+        load.close()
+        for layer in range(L):  # (nhd: K of each layer, then V of each)
+            if layer == 0:
+                assert torch.equal(lw_t[0], normal_t[0]) and torch.equal(lw_t[L], normal_t[L])
+            else:
+                assert unchanged(before[layer :: L], lw_t[layer :: L])
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0  # the frames given back
+        assert staging_pool(torch.device(DEVICE)).stats()["leases_active"] == 0  # and the staging
 
 
 # -- ingest, layer by layer ------------------------------------------------------------------

@@ -14,6 +14,10 @@ it has vLLM. Independent engines run two at a time. What is checked:
   cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones.
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged.
+- layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
+  default, "auto": whole steps on a CPU): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
+  bit for bit; then a layer group's decode fails after the forward read the first layers:
+  every block of the load is reported, vLLM recomputes them, the output is unchanged.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
@@ -79,9 +83,12 @@ def engines(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     pool = ThreadPoolExecutor(max_workers=2)
 
-    def embedded(codec: str, **job) -> dict:
+    def embedded(codec: str, layerwise: bool | None = None, **job) -> dict:
         tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{codec}"), "disk_bytes": "1GiB", "disk_fsync": False}
-        return run_engine({"scenario": "share", "extra": {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}, **job})
+        extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}
+        if layerwise is not None:  # (default "auto": whole-step loads on this CPU)
+            extra["layerwise_load"] = layerwise
+        return run_engine({"scenario": "share", "extra": extra, **job})
 
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
@@ -92,10 +99,10 @@ def engines(model, tmp_path_factory):
 
     runs: dict[str, Future] = {
         "keys": pool.submit(run_engine, {"scenario": "keys", "extra": {}}),
-        "raw": pool.submit(embedded, "raw", corrupt_block=2, salts=True),
+        "raw": pool.submit(embedded, "raw", layerwise=True, corrupt_block=2, salts=True),
         "two_engines": pool.submit(two_engines),
         "int8": pool.submit(embedded, "int8"),
-        "int4": pool.submit(embedded, "int4"),
+        "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -110,7 +117,7 @@ def minus(after: dict, before: dict) -> dict:
     return {side: {k: v - before[side][k] for k, v in after[side].items()} for side in after}
 
 
-def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
+def check_loaded(res: dict, stats: dict, *, hit_tokens: int, layerwise: bool) -> None:
     """vLLM counted ``hit_tokens`` external hit tokens, and the worker wrote them into pages."""
     loaded = res["loaded"]
     assert loaded["external"] == hit_tokens, loaded
@@ -118,6 +125,8 @@ def check_loaded(res: dict, stats: dict, *, hit_tokens: int) -> None:
     worker = stats["worker"]
     assert worker["loads"] == 1 and worker["load_tokens"] == hit_tokens and worker["load_failures"] == 0
     assert worker["load_calls"] == 1  # one materialize_into_batch for the step
+    # layer by layer where asked for; int8 on "auto" (whole steps on a CPU), a server whole
+    assert worker["load_layerwise_calls"] == int(layerwise) and worker["load_late_failures"] == 0
     assert stats["scheduler"]["lookup_hit_tokens"] == hit_tokens
 
 
@@ -126,7 +135,7 @@ def test_raw_prefix_loaded_from_cacheseek_gives_the_uncached_output(engines):
     # 1100 shared tokens, blocks of 256: 4 blocks stored by the first prompt, loaded by the second
     assert res["stored"]["external"] == 0
     assert res["after_store"]["worker"]["save_blocks_stored"] == 4
-    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024)
+    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024, layerwise=True)
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
 
 
@@ -168,11 +177,35 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
     res = result(engines, codec)
-    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024)
+    check_loaded(res, minus(res["after_load"], res["after_store"]), hit_tokens=1024, layerwise=codec == "int4")
     agree = res["agreement"]
     print(f"\nKIVI {codec}: {agree['matching']}/{agree['of']} greedy tokens as without a cache, "
           f"first divergence at token {agree['first_divergence']}")
     assert len(res["loaded"]["tokens"]) == 16
+
+
+def test_layerwise_loads_equal_whole_step_loads(engines):
+    lw = result(engines, "int4")["layerwise"]
+    for name, layerwise_calls in (("layerwise", 1), ("whole", 0)):
+        run, worker = lw[name]["run"], lw[name]["worker"]
+        assert run["external"] == 1024 and lw[name]["captured"] == 1
+        assert worker["loads"] == 1 and worker["load_tokens"] == 1024 and worker["load_failures"] == 0
+        assert worker["load_calls"] == 1 and worker["load_layerwise_calls"] == layerwise_calls
+    assert lw["tokens_equal"], (lw["layerwise"]["run"]["tokens"], lw["whole"]["run"]["tokens"])
+    assert lw["pages_equal"]  # the loaded tokens' K and V in every layer's pages, bit for bit
+
+
+def test_a_layerwise_load_failing_mid_forward_is_recomputed_by_vllm(engines):
+    # Layer group 2 (layers 3-6 of SmolLM2's 30) fails to decode after the forward has read
+    # layers 0-2: no error reaches vLLM; every block of the load is reported, vLLM discards
+    # the step's output for the request, recomputes the 1,024 tokens, and the output equals
+    # the prompt computed without any cache.
+    failed = result(engines, "int4")["layerwise"]["failed"]
+    worker = failed["worker"]
+    assert failed["fired"] and failed["got"]["external"] == 1024
+    assert worker["load_failures"] == 1 and worker["load_late_failures"] == 1 and worker["loads"] == 0
+    assert worker["load_failed_tokens"] == 1024 and worker["load_failed_blocks"] == 8  # vLLM blocks of 128
+    assert failed["got"]["tokens"] == failed["want"]["tokens"], failed["agreement"]
 
 
 def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
@@ -195,7 +228,7 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     first, second = res["first"], res["second"]
     assert first["after_store"]["worker"]["save_blocks_stored"] == 4
     assert first["after_store"]["worker"]["save_failures"] == 0
-    check_loaded(second, second["after_load"], hit_tokens=1024)
+    check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
 
 

@@ -28,6 +28,18 @@ def test_config_defaults_to_embedded_int4():
     assert cfg.tiers.cpu_bytes == "4GiB"
 
 
+def test_loads_are_layerwise_by_default_on_a_gpu_with_an_embedded_cache():
+    auto = ConnectorConfig.from_extra({})
+    assert auto.loads_layerwise("cuda") and not auto.loads_layerwise("cpu") and auto.may_load_layerwise
+    assert ConnectorConfig.from_extra({"layerwise_load": "auto"}) == auto
+    on, off = ConnectorConfig.from_extra({"layerwise_load": True}), ConnectorConfig.from_extra({"layerwise_load": False})
+    assert on.loads_layerwise("cpu") and on.loads_layerwise("cuda")
+    assert not off.loads_layerwise("cuda") and not off.may_load_layerwise
+    # a server's frames hold every layer of a block: its loads are whole steps
+    remote = ConnectorConfig.from_extra({"url": "http://127.0.0.1:1", "layerwise_load": True})
+    assert not remote.loads_layerwise("cuda") and not remote.may_load_layerwise
+
+
 def test_config_remote_and_embedded_tiers():
     remote = ConnectorConfig.from_extra({"codec": "int8", "url": "http://127.0.0.1:8080", "token": "s3cr3t-t0ken",
                                          "model_id": "m", "block_tokens": 128, "timeout_seconds": 2})
@@ -55,6 +67,7 @@ def test_config_remote_and_embedded_tiers():
     ({"timeout_seconds": 0}, "timeout_seconds: must be a positive number"),
     ({"retry_after_seconds": 10, "retry_cap_seconds": 5}, "retry_cap_seconds"),
     ({"model_id": 7}, "model_id: must be a string"),
+    ({"layerwise_load": "no"}, 'layerwise_load: must be true, false or "auto"'),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -233,6 +246,130 @@ def test_a_load_that_falls_short_reports_its_blocks_and_drops_the_requests_save(
     cache.close()
 
 
+# -- the worker side, layer by layer ------------------------------------------------------
+
+
+def pages_like(fmt: PageFormat, num_pages: int, seed: int = 0) -> VllmPages:
+    """vLLM's pages (random), the layer tensors kept as ``.tensors``."""
+    tensors = [layer_tensor(num_pages, fmt.page_tokens, seed=100 + seed + i) for i in range(L)]
+    pages = VllmPages(tensors, fmt)
+    pages.tensors = tensors
+    return pages
+
+
+def layerwise_step(side: WorkerSide, plan: StepPlan, layers=range(L)) -> set[int]:
+    """One step as vLLM runs it: start_load_kv, each attention layer's wait_for_layer_load
+    in order, wait_for_save, get_block_ids_with_load_errors."""
+    side.start_step(plan)
+    for i in layers:
+        side.wait_layer(i)
+    side.finish_step(plan)
+    return side.take_failed_blocks()
+
+
+def nothing_lent(cache: cs.PrefixCache) -> bool:
+    from cacheseek.store.device_staging import staging_pool
+
+    return (cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+            and staging_pool(torch.device("cpu")).stats()["leases_active"] == 0)
+
+
+def stored_steps(codec, page: int = 16):
+    """A worker whose cache holds prompts a and b (saved from pages), and a step loading them
+    (x and y from block 1, sharing vLLM's own first block; z whole) into fresh pages."""
+    fmt = PageFormat("channel", D, 16, page)  # vLLM blocks of 16 tokens, store blocks of 32
+    side, cache = worker(codec)
+    side.register(pages_like(fmt, 32 * 16 // page))
+    a, b = list(range(64)), list(range(500, 564))
+    side.save([SaveSpec("a", a, [0, 1, 2, 3]), SaveSpec("b", b, [4, 5, 6, 7])])
+    loads = [LoadSpec("x", a, [20, 21, 12, 13], start=32), LoadSpec("y", a, [20, 21, 14, 15], start=32),
+             LoadSpec("z", b, [16, 17, 18, 19], start=0)]
+    return side, cache, fmt, StepPlan(loads=loads, saves=[SaveSpec("z", b, [16, 17, 18, 19])])
+
+
+@pytest.mark.parametrize("page", [16, 8])
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_a_layerwise_step_writes_what_a_whole_step_writes(codec, page):
+    side, cache, fmt, plan = stored_steps(codec, page)
+    whole, lw = pages_like(fmt, 32 * 16 // page, seed=7), pages_like(fmt, 32 * 16 // page, seed=7)
+    side.register(whole)
+    side.start_step(plan)
+    side.finish_step(plan)
+    assert side.take_failed_blocks() == set() and side.stats.load_layerwise_calls == 0
+    side.layerwise = True
+    side.register(lw)
+    before = [t.clone() for t in lw.tensors]
+    side.start_step(plan)
+    # On a CPU a layer group is decoded when the forward first waits for a layer of it:
+    # nothing is in the pages yet.
+    assert all(torch.equal(a, b) for a, b in zip(before, lw.tensors))
+    side.wait_layer(0)
+    assert not torch.equal(before[0], lw.tensors[0]) and torch.equal(before[1], lw.tensors[1])
+    for i in range(1, L):
+        side.wait_layer(i)
+    side.finish_step(plan)
+    assert side.take_failed_blocks() == set()
+    assert all(torch.equal(a, b) for a, b in zip(whole.tensors, lw.tensors))
+    st = side.stats
+    assert (st.load_calls, st.load_layerwise_calls, st.loads, st.load_failures) == (2, 1, 6, 0)
+    assert st.load_tokens == 2 * (32 + 32 + 64) and st.saves_skipped == 0
+    assert nothing_lent(cache)
+    cache.close()
+
+
+def test_a_layerwise_load_that_fails_mid_forward_reports_every_block(monkeypatch):
+    """Layer group 1's decode raises after the forward read layer 0: no error reaches vLLM;
+    every block each load was to write is reported (from its start: vLLM's own first block
+    stays), the loads' saves are dropped, and the store's memory is given back."""
+    from cacheseek.layerwise import LayerwiseDecoder
+
+    side, cache, fmt, plan = stored_steps(cs.KIVI(bits=4, group_size=32))
+    side.layerwise = True
+    side.register(pages_like(fmt, 32))
+    real = LayerwiseDecoder.run_group
+
+    def run_group(self, g, timing=False):
+        if g == 1:
+            raise RuntimeError("injected decode failure")
+        return real(self, g, timing)
+
+    monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
+    assert layerwise_step(side, plan) == {12, 13, 14, 15, 16, 17, 18, 19}
+    st = side.stats
+    assert (st.loads, st.load_failures, st.load_late_failures, st.load_tokens) == (0, 3, 3, 0)
+    assert st.load_failed_tokens == 32 + 32 + 64 and st.load_failed_blocks == 8
+    assert st.saves_skipped == 1 and st.saves == 2  # (the two of stored_steps)
+    assert nothing_lent(cache)
+    monkeypatch.setattr(LayerwiseDecoder, "run_group", real)
+    assert layerwise_step(side, plan) == set() and side.stats.loads == 3  # the next step loads
+    cache.close()
+
+
+def test_layers_the_forward_never_waited_for_are_recomputed_and_loads_go_whole():
+    side, cache, fmt, plan = stored_steps(cs.Raw())
+    side.layerwise = True
+    side.register(pages_like(fmt, 32))
+    assert layerwise_step(side, plan, layers=[0]) == {12, 13, 14, 15, 16, 17, 18, 19}
+    assert side.stats.load_late_failures == 0 and not side.layerwise and nothing_lent(cache)
+    assert layerwise_step(side, plan, layers=[]) == set() and side.stats.loads == 3  # whole from now on
+    cache.close()
+
+
+def test_a_layerwise_load_left_open_is_closed_by_the_next_step():
+    side, cache, fmt, plan = stored_steps(cs.Raw())
+    side.layerwise = True
+    side.register(pages_like(fmt, 32))
+    side.start_step(plan)
+    for i in range(L):
+        side.wait_layer(i)
+    side.start_step(StepPlan())  # vLLM never called wait_for_save: closed here, counted once
+    assert side.take_failed_blocks() == set() and side.stats.loads == 3 and nothing_lent(cache)
+    side.start_step(plan)
+    side.end_load()  # (the connector's shutdown): nothing lent, the layers not waited for reported
+    assert side.take_failed_blocks() and nothing_lent(cache)
+    cache.close()
+
+
 def test_a_store_that_raises_fails_no_request():
     fmt = PageFormat("channel", D, 16, 16)
     side, cache = worker()
@@ -295,6 +432,50 @@ def test_gpu_pages_load_what_the_contiguous_path_materializes(codec):
     cache.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh vllm-layerwise)")
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_gpu_layerwise_step_reads_each_layer_after_its_wait_on_the_forwards_stream(codec):
+    """On a GPU every layer group is issued in start_load (side streams, an event per
+    group) and ``wait_layer`` only queues an event wait: a read of the layer's pages queued
+    after it on the forward's stream (not the default stream) sees the whole load's bytes."""
+    fmt = PageFormat("channel", D, 16, 16)
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16")
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec, block_tokens=32,
+                           tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=True))
+    side = WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({}), "worker"), layerwise=True)
+
+    def gpu_pages(seed: int) -> VllmPages:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return VllmPages([torch.randn(32, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16, generator=g)
+                          .transpose(1, 2) for _ in range(L)], fmt)
+
+    side.register(gpu_pages(1))
+    tokens = list(range(2000, 2128))
+    side.save([SaveSpec("a", tokens, list(range(8)))])
+    plan = StepPlan(loads=[LoadSpec("b", tokens, [20, 21, 8, 9, 10, 11, 12, 13], start=32)])
+    whole = gpu_pages(2)
+    side.register(whole)
+    assert side.load(plan.loads) == [128]
+    lw = gpu_pages(2)
+    side.register(lw)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        side.start_step(plan)
+        seen = []
+        for i in range(L):
+            side.wait_layer(i)
+            seen.append(tokens_of(lw, [20, 21, 8, 9, 10, 11, 12, 13], 0, 128)[i])  # queued on `forward`
+        side.finish_step(plan)
+    torch.cuda.synchronize()
+    assert side.take_failed_blocks() == set() and side.stats.load_layerwise_calls == 1
+    for (k, v), (wk, wv) in zip(seen, tokens_of(whole, [20, 21, 8, 9, 10, 11, 12, 13], 0, 128)):
+        assert torch.equal(k, wk) and torch.equal(v, wv)
+    side.start_step(StepPlan())  # a load left open at the step's end (still running then) is closed here
+    assert side._unclosed is None and cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+    cache.close()
+
+
 def test_data_path_benchmark_runs(tmp_path):
     from benchmarks import vllm_pages
 
@@ -303,10 +484,11 @@ def test_data_path_benchmark_runs(tmp_path):
     import json
 
     rows = json.loads((tmp_path / "vllm_pages.json").read_text())["rows"]
-    assert {r["path"] for r in rows} >= {"connector save", "connector load", "engine ingest_batch",
-                                         "engine materialize_into_batch", "baseline page copy D2H"}
+    assert {r["path"] for r in rows} >= {"connector save", "connector load", "connector load layer-wise",
+                                         "engine ingest_batch", "engine materialize_into_batch",
+                                         "baseline page copy D2H"}
     assert {r["requests"] for r in rows} == {1, 2}
-    assert all(r["vs_baseline"] > 0 for r in rows)
+    assert all(r["vs_baseline"] > 0 for r in rows if "forward" not in r["path"])  # (GPU only: forward rows)
 
 
 def test_a_step_plan_with_extra_keys_survives_pickling():

@@ -132,6 +132,8 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
     out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
     out["after_load"] = eng.stats()
+    if job.get("layerwise_checks"):
+        out["layerwise"] = layerwise_checks(eng, ps)
     if job.get("salts"):
         # vLLM's cache_salt is part of CacheSeek's keys: a salted prompt finds nothing of the
         # unsalted one's blocks, stores its own, and another prompt with that salt finds them.
@@ -164,6 +166,72 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         out["partial"] = rounds(eng, ps, [2])[0]
         out["after_partial"] = eng.stats()
     return out
+
+
+def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:
+    """Prompt 1 loaded layer by layer (the forward waiting for each layer in
+    ``wait_for_layer_load``) and whole (every layer before the forward), vLLM's cache reset
+    before each: the greedy tokens, and the loaded tokens' KV as the pages hold it after the
+    step, of both. Then prompt 2 with layer group 2's decode failing once (after the forward
+    read layers 0-2): the worker's counters, and its output against itself computed."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from cacheseek.layerwise import LayerwiseDecoder
+
+    side = get_kv_transfer_group()._worker
+    captured: list[list[torch.Tensor]] = []
+    finish = side.finish_step
+
+    def finish_step(plan: Any) -> None:
+        finish(plan)  # the load closed, the pages of its tokens as the forward left them
+        pages = side.pages
+        for spec in plan.loads:
+            t = torch.arange(spec.start, spec.end)
+            page = torch.tensor(pages.page_table(spec.block_ids, spec.end))[t // pages.fmt.page_tokens]
+            off = t % pages.fmt.page_tokens
+            captured.append([x[page, :, off].clone() for k, v in pages.views for x in (k, v)])
+
+    side.finish_step = finish_step
+    out: dict[str, Any] = {}
+    try:
+        runs = {}
+        for name, layerwise in (("layerwise", True), ("whole", False)):
+            side.layerwise = layerwise
+            captured.clear()
+            eng.reset()
+            before = eng.stats()
+            runs[name] = (eng.run(ps[1]), list(captured))
+            after = eng.stats()
+            out[name] = {"run": runs[name][0], "worker": minus_worker(after, before), "captured": len(captured)}
+        (lw, lw_kv), (whole, whole_kv) = runs["layerwise"], runs["whole"]
+        out["tokens_equal"] = lw["tokens"] == whole["tokens"]
+        out["pages_equal"] = len(lw_kv) == len(whole_kv) == 1 and all(
+            torch.equal(a, b) for a, b in zip(lw_kv[0], whole_kv[0]))
+    finally:
+        side.finish_step = finish
+        side.layerwise = True
+    real, fired = LayerwiseDecoder.run_group, []
+
+    def run_group(self: Any, g: int, timing: bool = False) -> Any:
+        if g == 2 and not fired:
+            fired.append(g)
+            raise RuntimeError("injected: layer group 2's decode failed")
+        return real(self, g, timing)
+
+    LayerwiseDecoder.run_group = run_group
+    before = eng.stats()
+    try:
+        out["failed"] = rounds(eng, ps, [2])[0]
+    finally:
+        LayerwiseDecoder.run_group = real
+    out["failed"]["fired"] = bool(fired)
+    out["failed"]["worker"] = minus_worker(eng.stats(), before)
+    return out
+
+
+def minus_worker(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {k: v - before["worker"][k] for k, v in after["worker"].items()}
 
 
 def store(job: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ before anything is built, and the parsing is tested without an engine.
     {"codec": "int4", "group_size": 32, "block_tokens": 256, "model_id": "smollm2-135m",
      "tiers": {"cpu_bytes": "4GiB", "disk_path": "/var/cache/cs"}}       # embedded
     {"codec": "int4", "url": "http://127.0.0.1:8080", "model_id": "smollm2-135m"}  # remote
+    {"codec": "int4", "layerwise_load": true}   # layer-wise loads on a CPU too (default "auto": on a GPU)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DEFAULT_TIERS = {"cpu_bytes": "4GiB"}
 
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
-    "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds",
+    "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
 })
 _TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -59,10 +60,26 @@ class ConnectorConfig:
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
     retry_cap_seconds: float = 30.0
+    # A step's load layer by layer (waited for in each attention layer, overlapping the
+    # forward) rather than whole before the forward: True, False, or None ("auto": where
+    # vLLM's pages are on a GPU, the only place it overlaps). Only an embedded cache loads
+    # layer by layer (a server's frames hold every layer of a block: nothing would overlap).
+    layerwise_load: bool | None = None
 
     @property
     def remote(self) -> bool:
         return self.url is not None
+
+    def loads_layerwise(self, device_type: str) -> bool:
+        """Whether the worker loads each step layer by layer, its pages on ``device_type``."""
+        if self.remote:
+            return False
+        return device_type == "cuda" if self.layerwise_load is None else self.layerwise_load
+
+    @property
+    def may_load_layerwise(self) -> bool:
+        """Whether some device would load layer by layer (what vLLM must know at start)."""
+        return not self.remote and self.layerwise_load is not False
 
     @classmethod
     def from_extra(cls, extra: Any) -> ConnectorConfig:
@@ -83,6 +100,8 @@ class ConnectorConfig:
         for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
+        if "layerwise_load" in extra:
+            kw["layerwise_load"] = _auto_bool("layerwise_load", extra["layerwise_load"])
         if "url" in kw and "tiers" in extra:
             raise ConfigError("kv_connector_extra_config: give either url (remote) or tiers (embedded), not both")
         if "token" in kw and "url" not in kw:
@@ -129,6 +148,14 @@ def _positive_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"kv_connector_extra_config.{name}: must be a positive number, got {value!r}")
     return float(value)
+
+
+def _auto_bool(name: str, value: Any) -> bool | None:
+    if value == "auto":
+        return None
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config.{name}: must be true, false or \"auto\", got {value!r}")
+    return value
 
 
 def _string(name: str, value: Any) -> str:

@@ -121,6 +121,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
+        self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
 
@@ -141,9 +142,12 @@ class CacheSeekConnector(KVConnectorBase_V1):
             raise ConfigError(f"CacheSeekConnector: vLLM registered {len(names)} of the model's "
                               f"{self.layout.num_layers} attention layers' KV caches")
         layers = [kv_caches[n] for n in names]
+        self._layer_index = {n: i for i, n in enumerate(names)}
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
-        self._worker_side().register(VllmPages(layers, fmt))
+        side = self._worker_side()
+        side.register(VllmPages(layers, fmt))
+        side.layerwise = self.config.loads_layerwise(layers[0].device.type)
 
     def _kv_split(self, names: list[str]) -> str:
         layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
@@ -158,14 +162,19 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._worker_side().start_step(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Every layer is loaded in start_load_kv, before the forward starts: nothing to wait
-        # for. TODO(layerwise): with the engine surface's layer-wise handle, start_load_kv
-        # starts the step's load and this waits for the handle's layer (docs/vllm.md).
-        return
+        # vLLM calls this in each attention layer before it reads the layer's pages (and
+        # only in a step with connector metadata). With a layer-wise load running, the
+        # forward's stream waits for that layer; a layer the connector does not load (not of
+        # its KV cache group) has nothing to wait for. Never raises (worker.py).
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self._worker_side().wait_layer(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # The step's saves read the pages once the forward is done, in one batched call
-        # (wait_for_save). TODO(layerwise): encode each layer's part of the step's blocks here.
+        # Saves stay whole-step: the step's saves read the pages once the forward is done,
+        # in one batched ingest_batch (wait_for_save). Encoding each layer here would need
+        # the paged ingest to take layers one at a time and commit blocks whole once every
+        # layer is in (docs/vllm.md, "Layer-wise").
         return
 
     def wait_for_save(self) -> None:
@@ -185,7 +194,17 @@ class CacheSeekConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return CacheSeekStats(data=dict(data or {}))
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # A layer-wise load is waited for in each attention layer (wait_for_layer_load): a
+        # full CUDA graph replays the forward without that Python, so vLLM must run
+        # piecewise graphs (its attention outside the graph). "layerwise_load": false keeps
+        # full graphs, with whole-step loads.
+        return ConnectorConfig.from_extra(extra_config).may_load_layerwise
+
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.end_load()
         for cache in self._caches:
             close_cache(self.config, cache)
         self._caches = []

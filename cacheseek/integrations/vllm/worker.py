@@ -1,22 +1,39 @@
 """The worker side: carry out a step's plan against the pages vLLM registered.
 
-Each step is two calls on the engine surface, whatever the number of requests in it:
-``materialize_into_batch`` for every load, before the forward that reads them (vLLM
-calls ``start_load_kv`` first), and ``ingest_batch`` for every save, after it
-(``wait_for_save``). Both read and write vLLM's pages in place (``cs.KVPages``), decoded
-and encoded there: no contiguous copy of the KV.
+Each step is two calls on the engine surface, whatever the number of requests in it: a
+``materialize_into_batch`` for every load, and an ``ingest_batch`` for every save, after
+the forward (``wait_for_save``). Both read and write vLLM's pages in place (``cs.KVPages``),
+decoded and encoded there: no contiguous copy of the KV.
+
+A step's load runs one of two ways (``ConnectorConfig.layerwise_load``):
+
+- **layer by layer** (the default where vLLM's pages are on a GPU, with an embedded cache): ``start_load_kv`` starts the
+  load as one ``LayerwiseLoad`` (the frames fetched, the decodes issued: on a GPU queued on
+  side streams, an event per layer group; on a CPU each group decoded when a layer of it is
+  first waited for), and each attention layer's ``wait_for_layer_load`` waits for its
+  layer on the forward's stream, so the forward of layer ``i`` overlaps the load of the
+  layers after it. The handle is closed (its staging and frames given back) at the end
+  of the step: ``wait_for_save``, or at the latest when vLLM asks for the failed blocks or
+  the next step starts;
+- **whole**: every layer written before the forward starts (``start_load_kv``).
 
 Neither ever raises into vLLM: a load that falls short, for any reason (the call raised,
 the server is down, a block was evicted or found corrupt since the lookup), reports the
 vLLM blocks from the first missing token to the end of the load, and vLLM (with
 ``kv_load_failure_policy: "recompute"``) rolls the request back to the block before and
-computes the rest. A save that fails is dropped; so is the save of a request whose load
-failed in the same step, because its new KV was computed over the missing blocks.
+computes the rest. A layer-wise load that fails part way (a layer group's decode raised)
+has written some layers of its blocks and not others: every block of every load of the
+step is reported, from each load's start, even if the forward has read some layers of
+them by then (the step's output for those requests is then discarded by vLLM, as for any
+failed load; see docs/vllm.md). A save that fails is dropped; so is the save of a request
+whose load failed in the same step, because its new KV was computed over the missing
+blocks.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...pages import PagedRequest
@@ -25,13 +42,29 @@ from .pages import VllmPages
 from .plan import LoadSpec, SaveSpec, StepPlan
 from .stats import ConnectorStats
 
+@dataclass(slots=True)
+class RunningLoad:
+    """A step's layer-wise load while the forward runs: the handle it waits on per layer."""
+
+    specs: list[LoadSpec]
+    handle: Any  # a LayerwiseLoad over every load of the step
+    written: list[int]  # per load, the end of what the handle writes into its pages
+    waited: list[bool]  # per layer: the forward waited for it (wait_for_layer_load)
+    seconds: float = 0.0  # host time in the load's calls (start, waits, close)
+    error: BaseException | None = None
+    read_before_error: bool = False  # the forward had read some layers when it failed
+    missing: list[int] = field(default_factory=list)  # layers the forward never waited for
+
 
 class WorkerSide:
-    def __init__(self, cache: Any, *, guard: StoreGuard) -> None:
+    def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False) -> None:
         self.cache = cache
         self.guard = guard
+        self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
         self.stats = ConnectorStats()
         self.pages: VllmPages | None = None
+        self._running: RunningLoad | None = None
+        self._unclosed: Any = None  # a finished step's LayerwiseLoad on a GPU, closed at the next step
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their saves are dropped
 
@@ -39,11 +72,16 @@ class WorkerSide:
         self.pages = pages
 
     def start_step(self, plan: StepPlan) -> None:
+        self.end_load()  # (ended by the previous step's wait_for_save already, normally)
         self._failed_requests.clear()
         if plan.loads:
-            self.load(plan.loads)
+            if self.layerwise:
+                self.start_load(plan.loads)
+            else:
+                self.load(plan.loads)
 
     def finish_step(self, plan: StepPlan) -> None:
+        self.end_load()  # before the saves: a load that failed drops its request's save
         saves = []
         for spec in plan.saves:
             if spec.req_id in self._failed_requests:
@@ -54,8 +92,98 @@ class WorkerSide:
             self.save(saves)
 
     def take_failed_blocks(self) -> set[int]:
+        self.end_load()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    # -- a step's load, layer by layer ---------------------------------------------------
+
+    def start_load(self, specs: list[LoadSpec]) -> None:
+        """Start the step's loads as one layer-wise ``materialize_into_batch``; the forward
+        then waits per layer (``wait_layer``) and ``end_load`` closes it. A call that raises
+        fails every load, as in ``load``."""
+        pages = self._pages()
+        t0 = time.perf_counter()
+        self.stats.load_layerwise_calls += 1
+        nothing = [spec.start for spec in specs]
+        if not self.guard.allow():
+            self._account(specs, nothing, time.perf_counter() - t0)
+            return
+        try:
+            handle = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine, layerwise=True)
+            written = [max(spec.start, min(got.num_tokens, spec.end)) for spec, got in zip(specs, handle.requests)]
+            self.guard.success()
+        except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
+            self.guard.failure("load", exc)
+            self._account(specs, nothing, time.perf_counter() - t0)
+            return
+        if written == nothing:  # nothing to write (every prefix gone since the lookup)
+            handle.close()
+            self._account(specs, written, time.perf_counter() - t0)
+            return
+        self._running = RunningLoad(specs, handle, written, [False] * pages.num_layers,
+                                    seconds=time.perf_counter() - t0)
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the forward wait for ``layer`` of the step's load (on a GPU an event wait on
+        its current stream; on a CPU the layer's group is decoded now if it is not yet).
+        Never raises: a failure marks the load, ``end_load`` reports it."""
+        run = self._running
+        if run is None or run.error is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            run.handle.wait(layer)
+            run.waited[layer] = True
+        except Exception as exc:  # noqa: BLE001 - reported as failed blocks, recomputed by vLLM
+            run.error = exc
+            run.read_before_error = any(run.waited)
+        run.seconds += time.perf_counter() - t0
+
+    def end_load(self) -> None:
+        """End the step's layer-wise load and count it; a load that failed, or whose layers
+        the forward did not all wait for, reports every block it was to write. The handle is
+        closed (every layer in, the store's memory given back) here, or, on a GPU whose last
+        groups are still running, when the next step starts: every group is issued by then,
+        so its failures are known, and the forward's stream waits for each layer; the host
+        need not wait for the device at the end of the step."""
+        self._close_unclosed()
+        run, self._running = self._running, None
+        if run is None:
+            return
+        t0 = time.perf_counter()
+        run.error = run.error or run.handle.error
+        if run.error is None and not all(run.waited):
+            # The forward did not call wait_for_layer_load for these layers (an attention
+            # path without vLLM's hook): it may have read their pages before they were
+            # written. Recompute, and load whole from now on.
+            run.missing = [i for i, w in enumerate(run.waited) if not w]
+            run.error = RuntimeError(f"vLLM did not wait for layers {run.missing[:8]} of a layer-wise load; "
+                                     "loading whole steps from now on")
+            self.layerwise = False
+        if run.error is None and run.handle.device.type == "cuda" and not run.handle.done():
+            self._unclosed = run.handle
+        else:
+            try:
+                run.handle.close()
+            except Exception as exc:  # noqa: BLE001
+                run.error = run.error or exc
+            run.error = run.error or run.handle.error
+        written = run.written
+        if run.error is not None:
+            self.guard.failure("layer-wise load", run.error)
+            written = [spec.start for spec in run.specs]
+            if run.read_before_error:
+                self.stats.load_late_failures += sum(w > spec.start for w, spec in zip(run.written, run.specs))
+        self._account(run.specs, written, run.seconds + time.perf_counter() - t0)
+
+    def _close_unclosed(self) -> None:
+        handle, self._unclosed = self._unclosed, None
+        if handle is not None:
+            try:
+                handle.close()
+            except Exception as exc:  # noqa: BLE001 - (a device error: vLLM's own next call meets it)
+                self.guard.failure("closing a layer-wise load", exc)
 
     # -- one step's calls --------------------------------------------------------------
 
@@ -68,16 +196,26 @@ class WorkerSide:
         written = [spec.start for spec in specs]
         if self.guard.allow():
             try:
-                requests = [PagedRequest(spec.keys, pages.page_table(spec.block_ids, spec.end), max_tokens=spec.end,
-                                         start=spec.start) for spec in specs]
-                got = self.cache.materialize_into_batch(requests, pages.engine)
+                got = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine)
                 written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
                 self.guard.success()
             except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
                 written = [spec.start for spec in specs]
                 self.guard.failure("load", exc)
+        self._account(specs, written, time.perf_counter() - t0)
+        return written
+
+    @staticmethod
+    def _requests(specs: list[LoadSpec], pages: VllmPages) -> list[PagedRequest]:
+        return [PagedRequest(spec.keys, pages.page_table(spec.block_ids, spec.end), max_tokens=spec.end,
+                             start=spec.start) for spec in specs]
+
+    def _account(self, specs: list[LoadSpec], written: list[int], seconds: float) -> None:
+        """Count a step's loads; a load that ended short of ``spec.end`` reports its vLLM
+        blocks from the first token not written to the end of the load."""
+        pages = self._pages()
         self.stats.load_calls += 1
-        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.load_seconds += seconds
         for spec, end in zip(specs, written):
             self.stats.load_tokens += end - spec.start
             if end >= spec.end:
@@ -90,7 +228,6 @@ class WorkerSide:
             self.stats.load_failures += 1
             self.stats.load_failed_tokens += spec.end - end
             self.stats.load_failed_blocks += len(failed)
-        return written
 
     def save(self, specs: list[SaveSpec]) -> None:
         """Store the full blocks of every save from its pages, in one ``ingest_batch``
@@ -124,4 +261,4 @@ class WorkerSide:
         return self.pages
 
 
-__all__ = ["WorkerSide"]
+__all__ = ["RunningLoad", "WorkerSide"]
