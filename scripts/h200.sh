@@ -132,9 +132,6 @@ for s in "$@"; do
     # alone and under a stand-in forward, against the whole load then the forward.
     vllm-layerwise) step tests-vllm-layerwise 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py tests/test_layerwise.py -k "layerwise_step or layerwise_load or from_start or never_waited"
                  step vllm-layerwise 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs int4 --requests 1,8 --reps 5 --out "$OUT" ;;
-    # Before/after a restructuring, in one call: the tree in .base (git archive of the older
-    # commit, carried by the lead) installed apart and run from outside any checkout, then this
-    # tree; store and kernels, alternated twice so drift hits both alike.
     # Fresh-prompt ingest (store --fresh, int4, 16 and 64 blocks) before (.base) and after, alternating.
     fresh-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
                  rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
@@ -143,6 +140,9 @@ for s in "$@"; do
                    step before-fresh-$r 120 /tmp/base.sh python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/before-fresh-$r"
                    step after-fresh-$r 120 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/after-fresh-$r"
                  done ;;
+    # Before/after a restructuring, in one call: the tree in .base (git archive of the older
+    # commit, carried by the lead) installed apart and run from outside any checkout, then this
+    # tree; store and kernels, alternated twice so drift hits both alike.
     before-after)
                  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
                  rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
