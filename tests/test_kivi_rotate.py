@@ -244,3 +244,19 @@ def test_cache_in_place_ingest_through_layer_tables_equals_the_torch_path(monkey
     for i, (k, v) in enumerate(kv):
         kk, vv = ROT.decode(ROT.encode(k[:, :128].cpu().contiguous(), v[:, :128].cpu().contiguous()))
         assert torch.equal(got["torch"][1][i][1][0], vv) and torch.equal(got["torch"][1][i][0][0], kk)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares a CUDA device with the CPU")
+@pytest.mark.parametrize("n", [64, 128])
+def test_rotation_and_codes_on_a_gpu_equal_the_cpus(n):
+    # The rotation is elementwise fp32 (no device-dependent sums): the same bits on any
+    # device, so a GPU's kernels store the codes the CPU reference stores.
+    x = _v((3, 128, n), 12, F16)
+    assert torch.equal(rotation.rotate(x.cuda()).cpu(), rotation.rotate(x))
+    assert torch.equal(rotation.unrotate(x.cuda().float()).cpu(), rotation.unrotate(x.float()))
+    codec = cs.KIVI(k_bits=4, v_bits=2, k_group_size=64, v_group_size=64, v_clip=2, v_rotate=True)
+    k = torch.randn(3, 128, n, generator=torch.Generator().manual_seed(13)).half()
+    on_gpu, on_cpu = codec.encode(k.cuda(), x.cuda()), codec.encode(k, x)
+    for (_, _, a), (_, _, b) in zip(on_gpu.named_buffers(), on_cpu.named_buffers()):
+        assert torch.equal(a.cpu(), b)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(codec.decode(on_gpu), codec.decode(on_cpu)))

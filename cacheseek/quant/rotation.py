@@ -13,14 +13,16 @@ it is the identity (up to fp32 rounding), and the stored bytes per block are unc
     signs_bytes(n) = SHA-256("cacheseek/kivi/v_rotate/n=<n>/<j>") for j = 0, 1, ...,
               concatenated (ASCII, <n> and <j> in decimal)
 
-    rotate(x)   = fwht(x * s) * float32(1 / sqrt(n))        (x row vectors, fp32)
-    unrotate(y) = fwht(y) * float32(1 / sqrt(n)) * s
+    c           = s * float32(1 / sqrt(n))                 (an fp32 vector: signed scales)
+    rotate(x)   = fwht(x * c)                              (x row vectors, fp32)
+    unrotate(y) = fwht(y) * c
 
 ``fwht`` is the fast Walsh-Hadamard transform, x H_n, computed in log2(n) stages of fp32
 additions and subtractions (stage h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) for elements
 h apart in blocks of 2h). Each output element is the same sequence of IEEE fp32
-operations on every device, so a GPU encode stores the same codes as the CPU reference
-(a matmul would sum in a device-dependent order). The signs are fixed by the hash, not by
+operations on every device (the scaling too: a product of two fp32 tensors, not of a
+tensor and a Python scalar), so a GPU encode stores the same codes as the CPU reference (a
+matmul would sum in a device-dependent order). For n = 64, 1/sqrt(n) = 1/8 is exact. The signs are fixed by the hash, not by
 a random generator whose sequence could change between torch versions.
 
 Torch is imported only by the functions that compute.
@@ -53,18 +55,26 @@ def sign_bits(n: int) -> list[int]:
 
 
 @functools.cache
-def _signs(n: int, device: Any) -> Any:
+def _vectors(n: int, device: Any) -> tuple[Any, Any]:
     import torch
 
-    bits = torch.tensor(sign_bits(n), dtype=torch.float32)
-    return (1.0 - 2.0 * bits).to(device)
+    s = 1.0 - 2.0 * torch.tensor(sign_bits(n), dtype=torch.float32)
+    c = s * torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32)  # fp32 * fp32, on the CPU: the same everywhere
+    return s.to(device), c.to(device)
 
 
 def signs(n: int, device: Any) -> Any:
     """The sign vector s ([n] fp32, +1/-1) on ``device``, cached per device."""
     import torch
 
-    return _signs(n, torch.device(device))
+    return _vectors(n, torch.device(device))[0]
+
+
+def scaled_signs(n: int, device: Any) -> Any:
+    """c = s * float32(1 / sqrt(n)) ([n] fp32) on ``device``, cached per device."""
+    import torch
+
+    return _vectors(n, torch.device(device))[1]
 
 
 def _check(x: Any) -> int:
@@ -93,13 +103,13 @@ def fwht(x: Any) -> Any:
 def rotate(x: Any) -> Any:
     """x R as a new fp32 tensor (any leading shape; the last dimension is head_dim)."""
     n = _check(x)
-    return fwht(x.float() * signs(n, x.device)).mul_(1.0 / math.sqrt(n))
+    return fwht(x.float() * scaled_signs(n, x.device))
 
 
 def unrotate(y: Any) -> Any:
     """y R^T as a new fp32 tensor: the inverse of :func:`rotate`."""
     n = _check(y)
-    return fwht(y).mul_(1.0 / math.sqrt(n)).mul_(signs(n, y.device))
+    return fwht(y).mul_(scaled_signs(n, y.device))
 
 
-__all__ = ["SIGNS_LABEL", "fwht", "rotate", "sign_bits", "signs", "supported", "unrotate"]
+__all__ = ["SIGNS_LABEL", "fwht", "rotate", "scaled_signs", "sign_bits", "signs", "supported", "unrotate"]
