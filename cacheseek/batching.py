@@ -23,6 +23,12 @@ from collections.abc import Iterator, Sequence
 MIN_BATCH_BYTES = 128 << 20  # raw KV per batch below which the host's fixed costs dominate
 PIPELINE_DEPTH = 3  # batches the put path cuts an ingest into on a GPU, so copies overlap encoding
 LAST_PIECE = 4  # frames in the last copy of a long in-place run: the commit that ends the call is short
+# The in-place ingest's guessed tail is at least this share of the chain. On the H200 the
+# host hashes and plans a 64-block int4 chain (16K tokens) in ~1.1 ms after launching the
+# guess; an eighth of that chain's payload takes ~1.5 ms to copy (the first batch alone,
+# 4 blocks, 0.75 ms: the copy engine sat idle ~0.3 ms). Wasted when the tail turns out
+# stored: a share, not all, of a call that stores nothing.
+GUESS_SHARE = 8
 
 
 def runs(flags: Sequence[bool], max_len: int) -> Iterator[tuple[int, int]]:
@@ -52,6 +58,14 @@ def first_batch_blocks(block_raw_nbytes: int) -> int:
     return max(1, MIN_BATCH_BYTES // block_raw_nbytes)
 
 
+def guessed_tail_blocks(num_blocks: int, block_raw_nbytes: int) -> int:
+    """Blocks of a chain's tail that the in-place ingest launches before the keys are known:
+    the first batch, or ``1 / GUESS_SHARE`` of the chain if that is more. While they are
+    copied the host hashes the whole prompt and plans its frames (work that grows with the
+    chain), and the copy engine should not run dry before the next batch is launched."""
+    return max(first_batch_blocks(block_raw_nbytes), num_blocks // GUESS_SHARE)
+
+
 def growing(batches: list[tuple[int, int]], first: int) -> list[tuple[int, int]]:
     """``batches`` (tail first) with the first cut into batches of ``first`` blocks, then
     twice as many, and so on (a launch costs the host the same for any size)."""
@@ -72,5 +86,5 @@ def copy_pieces(count: int) -> list[tuple[int, int]]:
     return [(LAST_PIECE, count), (0, LAST_PIECE)] if count >= 2 * LAST_PIECE else [(0, count)]
 
 
-__all__ = ["LAST_PIECE", "MIN_BATCH_BYTES", "PIPELINE_DEPTH", "copy_pieces", "first_batch_blocks", "growing",
-           "pipelined_batch_blocks", "runs"]
+__all__ = ["GUESS_SHARE", "LAST_PIECE", "MIN_BATCH_BYTES", "PIPELINE_DEPTH", "copy_pieces", "first_batch_blocks",
+           "growing", "guessed_tail_blocks", "pipelined_batch_blocks", "runs"]

@@ -30,7 +30,8 @@ MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or 
 class BlockFormat:
     """How blocks of ``block_tokens`` tokens of ``layout`` are framed once ``codec`` encodes them."""
 
-    __slots__ = ("block_tokens", "codec", "codec_spec", "layout", "policy", "_parts", "_lock", "_templates")
+    __slots__ = ("block_tokens", "codec", "codec_spec", "layout", "policy", "_parts", "_lock", "_placeholders",
+                 "_templates")
 
     def __init__(self, codec: KVLayerCodec | PrecisionPolicy, layout: KVLayout, block_tokens: int) -> None:
         """``codec``: a codec, or a ``PrecisionPolicy`` (then ``codec`` is the policy,
@@ -42,6 +43,7 @@ class BlockFormat:
         if self.policy is not None:
             self._parts = tuple(BlockFormat(part, layout, block_tokens) for part in self.policy.codecs())
         self._templates: OrderedDict[tuple[int, int], FrameMeta] = OrderedDict()
+        self._placeholders: dict[tuple[int, int, int], tuple[FrameMeta, ...]] = {}
         self._lock = threading.Lock()  # taken only to add a template
 
     @property
@@ -93,6 +95,22 @@ class BlockFormat:
                     for h, p, pos in zip(hashes, parents, positions, strict=True)]
         return [replan_frame(template, block_hash=h, parent_hash=p, position=first + i)
                 for i, (h, p) in enumerate(zip(hashes, parents, strict=True))]
+
+    def placeholder_run(self, first: int, count: int, hash_size: int) -> list[FrameMeta]:
+        """``plan_run`` of blocks ``first..first + count`` under all-zero keys of ``hash_size``
+        bytes: the sizes and payload layout of frames whose keys are not known yet (the
+        in-place ingest's guessed tail). Kept per (first, count, hash_size): the same few
+        recur call after call, and planning costs the host ~10 us a frame."""
+        key = (first, count, hash_size)
+        run = self._placeholders.get(key)
+        if run is None:
+            unknown = [bytes(hash_size)] * count
+            run = tuple(self.plan_run(first, unknown, unknown))
+            with self._lock:
+                if len(self._placeholders) >= MAX_TEMPLATES:
+                    self._placeholders.clear()
+                self._placeholders[key] = run
+        return list(run)
 
     def _template(self, hash_size: int, parent_size: int) -> FrameMeta:
         key = (hash_size, parent_size)

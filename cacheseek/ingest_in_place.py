@@ -35,6 +35,7 @@ from . import batching
 from .block_format import BlockFormat
 from .encode import encode_into, flags_to_host
 from .errors import InputError
+from .quant.tensors import give_back_flags
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -101,16 +102,17 @@ class InPlaceIngest:
         copy engine then starts without waiting for the host to hash the prompt. Blocks
         that turn out stored are given back once their copy has landed. Only on a GPU, and
         only for calls long enough that the first batch is not all of it."""
-        first = batching.first_batch_blocks(self.layout.raw_nbytes(self.block_tokens))
+        block_raw = self.layout.raw_nbytes(self.block_tokens)
+        first = batching.first_batch_blocks(block_raw)
         if self.device.type not in GUESS_ON or num_blocks < 2 * first:
             return
-        start = num_blocks - first
-        unknown = bytes(hash_size)  # the real keys go into the headers at commit: same sizes
-        metas = [self.format.plan(block_hash=unknown, parent_hash=unknown, position=i)
-                 for i in range(start, num_blocks)]
+        count = batching.guessed_tail_blocks(num_blocks, block_raw)
+        start = num_blocks - count
+        # The real keys go into the headers at commit: same sizes.
+        metas = self.format.placeholder_run(start, count, hash_size)
         if len({m.nbytes for m in metas}) != 1 or any(m.codec is not metas[0].codec for m in metas):
             return  # a header grows a byte (or the codec changes) within these blocks: not worth a second run
-        reservations = self.store.reserve_run(metas[0].nbytes, first, grow=True)
+        reservations = self.store.reserve_run(metas[0].nbytes, count, grow=True)
         if reservations is None:
             return
         self.launch(start, metas, reservations)
@@ -137,7 +139,7 @@ class InPlaceIngest:
         batches.reverse()  # the chain's end first
         if batches and self.device.type == "cuda":
             first = batching.first_batch_blocks(self.layout.raw_nbytes(self.block_tokens))
-            batches = batching.growing(batches, first if self.guessed is None else 2 * first)
+            batches = batching.growing(batches, first if self.guessed is None else 2 * max(first, g1 - g0))
         try:
             try:
                 for start, stop in batches:
@@ -203,9 +205,10 @@ class InPlaceIngest:
         with staging_pool(self.device).take(start + span, stream=self.encode_stream) as lease:
             lease.used_on(self.copy_stream)
             staging = lease.tensor
+            views = lease.memo(("payload", tuple(meta.tensors), count, stride, meta.payload_offset),
+                               lambda: payload_views(staging, meta.tensors, count, stride, meta.payload_offset))
             with on_stream(self.encode_stream):
-                flags = flags_to_host(self._encode(first, count, payload_views(staging, meta.tensors, count, stride,
-                                                                               meta.payload_offset)))
+                flags = flags_to_host(self._encode(first, count, views))
                 encoded = torch.cuda.Event()
                 encoded.record(self.encode_stream)
             # The slots' headers are copied over too (staging garbage between payloads): each
@@ -237,6 +240,8 @@ class InPlaceIngest:
         if not run.checked:
             run.codec.check_finite(run.flags)
             run.checked = True
+            if landed is not None:  # pinned flags, written by kernels that have run: reusable
+                give_back_flags(run.flags)
         run.pieces.pop(0)
         if not run.pieces:
             self.pending.popleft()

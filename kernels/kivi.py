@@ -38,6 +38,7 @@ import triton.language as tl
 
 from . import configs
 from ._strides import Levels, collapse, contiguous_strides, unit_last
+from .launch import CachedLaunch
 from .layers import LayerTable, layer_row
 from .paged import BlockPages, PagedLayers, block_source, page_offsets
 
@@ -577,6 +578,8 @@ class _Launch:
     scalars: tuple[int, ...]  # C, T, D and each tensor's (stride_a, stride_c, stride_t)
     options: dict[str, Any]  # constexprs and launch options
 
+    cached: CachedLaunch | None = None  # a plain JIT kernel's later launches, past Triton's binding
+
     def __call__(self, *tensors: torch.Tensor) -> None:
         device = tensors[0].device
         if device.type == "cpu" and not _interpreted():
@@ -584,7 +587,13 @@ class _Launch:
         # Triton launches on the current CUDA device, which need not be the tensors' one.
         if device.type == "cuda" and device.index != torch.cuda.current_device():
             with torch.cuda.device(device):
-                self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+                self._launch(tensors)
+        else:
+            self._launch(tensors)
+
+    def _launch(self, tensors: tuple) -> None:
+        if self.cached is not None:
+            self.cached(*tensors)
         else:
             self.kernel[self.grid](*tensors, *self.scalars, **self.options)
 
@@ -700,7 +709,8 @@ def _make_launch(side: str, op: str, lv: Levels, T: int, D: int, strides: list[t
     cfg = config if config is not None else configs.pick(side, op, group, D, T, consts["BITS"])
     options.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                    MASKED=masked({"T": T, "D": D, **consts, **cfg.kwargs}))
-    return _Launch(kernel.fn, grid(cfg.kwargs), scalars, options)  # .fn: past the heuristics wrapper
+    fn, grid = kernel.fn, grid(cfg.kwargs)  # .fn: past the heuristics wrapper
+    return _Launch(fn, grid, scalars, options, None if _interpreted() else CachedLaunch(fn, grid, scalars, options))
 
 
 @functools.lru_cache(maxsize=1024)

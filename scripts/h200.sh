@@ -65,6 +65,8 @@ for s in "$@"; do
     paged)       step paged 240 python3 -m benchmarks.store --paged --blocks 16,64 --codecs raw,int4 --reps 6 --out "$OUT" ;;
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
+    # Direct launches (kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
+    tests-launch) step tests-launch 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernel_launch.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_paged_kernels.py ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
     mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
@@ -133,6 +135,14 @@ for s in "$@"; do
     # Before/after a restructuring, in one call: the tree in .base (git archive of the older
     # commit, carried by the lead) installed apart and run from outside any checkout, then this
     # tree; store and kernels, alternated twice so drift hits both alike.
+    # Fresh-prompt ingest (store --fresh, int4, 16 and 64 blocks) before (.base) and after, alternating.
+    fresh-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
+                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
+                   step before-fresh-$r 120 /tmp/base.sh python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/before-fresh-$r"
+                   step after-fresh-$r 120 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/after-fresh-$r"
+                 done ;;
     before-after)
                  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
                  rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/

@@ -434,3 +434,16 @@ def test_gpu_ingest_and_materialize_give_their_staging_back_and_reuse_it(codec):
     stats = staging_pool(dev).stats()
     assert stats["leases_active"] == before and stats["buffers_made"] == made
     cache.close()
+
+
+def test_memo_keeps_views_with_the_buffer_for_its_next_holder():
+    pool = DeviceStagingPool(torch.device("cpu"))
+    with pool.take(1 << 20) as lease:
+        views = lease.memo(("rows", 4), lambda: [lease.tensor[:4], lease.tensor[4:8]])
+        assert lease.memo(("rows", 4), lambda: pytest.fail("made twice")) is views
+        first = lease.tensor.data_ptr()
+    with pool.take(1 << 20) as again:  # the same buffer, taken again: its views found, not cut again
+        assert again.tensor.data_ptr() == first
+        assert again.memo(("rows", 4), lambda: pytest.fail("made twice")) is views
+    with pytest.raises(LeaseError, match="after its release"):
+        again.memo(("rows", 4), list)

@@ -13,6 +13,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek import batching, ingest_in_place
+from cacheseek.block_format import BlockFormat
 from cacheseek.errors import InputError
 from cacheseek.store import cpu as cpu_tier
 from cacheseek.store.cpu import CpuTier
@@ -136,6 +137,14 @@ def test_the_in_place_ingest_starts_at_128_mib_and_doubles():
     assert batching.growing([(10, 12), (0, 4)], 4) == [(10, 12), (0, 4)]  # only the tail's batch is cut
     assert batching.copy_pieces(12) == [(4, 12), (0, 4)] and batching.copy_pieces(7) == [(0, 7)]
     assert list(batching.runs([True, True, False, True, True, True], 2)) == [(0, 2), (3, 5), (5, 6)]
+
+
+def test_the_guessed_tail_grows_with_the_chain():
+    mb = 1 << 20
+    # Llama-3-8B blocks of 256 tokens (32 MiB raw): the first batch's 4 blocks, until an
+    # eighth of the chain is more (the host hashes and plans the chain while they are copied).
+    assert [batching.guessed_tail_blocks(n, 32 * mb) for n in (8, 16, 32, 40, 64, 256)] == [4, 4, 4, 5, 8, 32]
+    assert batching.guessed_tail_blocks(64, 1 << 30) == 8
 
 
 # -- ingest in place: runs of reserved slots, one copy each, committed after the check ----
@@ -281,6 +290,21 @@ def test_a_guessed_tail_with_nan_stores_nothing(guessing):
         cache.ingest(toks, kv)
     state = _tier_state(cache)
     assert cache.lookup(toks) == 0 and state["used_bytes"] == 0 and state["reservation_bytes"] == 0
+
+
+def test_a_long_chain_guesses_an_eighth_of_it_and_stores_it_once(guessing):
+    cache = make_cache(cpu="8MiB", codec=KIVI4)
+    toks, kv = tokens_for(52, 24 * BLOCK), make_kv(24 * BLOCK, 52)
+    assert batching.guessed_tail_blocks(24, LAYOUT.raw_nbytes(BLOCK)) == 3  # 2-block first batches here
+    assert cache.ingest(toks, kv).stored == 24
+    plain = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="8MiB"))
+    plain.ingest(toks, kv)
+    for (k, v), (k0, v0) in zip(cache.materialize(toks).layers, plain.materialize(toks).layers):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert _tier_state(cache)["reservation_bytes"] == 0
+    again = cache.ingest(toks, kv)  # all stored: the 3 guessed blocks are given back
+    assert (again.stored, again.present) == (0, 24) and _tier_state(cache)["reservation_bytes"] == 0
 
 
 def test_bad_tokens_after_a_guessed_launch_leave_nothing_reserved(guessing):
@@ -436,3 +460,13 @@ def test_a_failed_launch_gives_its_reservations_back(monkeypatch):
         cache.ingest(tokens_for(52, 4 * BLOCK), make_kv(4 * BLOCK, 52))
     assert calls and _tier_state(cache) == {"blocks": 0, "used_bytes": 0, "evictions": 0, "bytes_in": 0,
                                             "reservation_bytes": 0}
+
+
+def test_placeholder_runs_are_the_plans_of_all_zero_keys_kept_per_run():
+    fmt = BlockFormat(KIVI4, LAYOUT, BLOCK)
+    unknown = [bytes(16)] * 3
+    assert fmt.placeholder_run(5, 3, 16) == fmt.plan_run(5, unknown, unknown)
+    first = fmt.placeholder_run(5, 3, 16)
+    again = fmt.placeholder_run(5, 3, 16)
+    assert again == first and again is not first and all(a is b for a, b in zip(again, first))  # kept, a fresh list
+    assert [m.position for m in fmt.placeholder_run(200, 2, 32)] == [200, 201]

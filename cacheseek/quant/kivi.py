@@ -263,10 +263,12 @@ class KIVI:
 
         from cacheseek import kernels
 
+        from .tensors import host_flags
+
         k_table, v_table = prepared
         # The flags live in host memory and the kernels clear them (K: [0], V: [2]) if a
         # stored stat is not finite: ready when the launches are, read with no copy.
-        ok = torch.ones(4, dtype=torch.bool, pin_memory=k_table.device.type == "cuda")
+        ok = host_flags((4,), k_table.device.type == "cuda")
         kernels.quantize_layers(k_table, t0, n, block_tokens, bits=self.k_bits, group=self.k_group,
                                 axis=AXIS_TOKENS, out=tuple(out[:3]), ok_flag=ok[0:1])
         kernels.quantize_layers(v_table, t0, n, block_tokens, bits=self.v_bits, group=self.v_group,

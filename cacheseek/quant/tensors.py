@@ -7,6 +7,7 @@ becomes a tensor and back, without copying where it can avoid it.
 from __future__ import annotations
 
 import ctypes
+import threading
 import warnings
 from typing import Any
 
@@ -22,6 +23,38 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "uint8": torch.uint8,
 }
+
+
+POOL_FLAGS = True  # validity flags come from the pool below (False: a new tensor each)
+_FLAGS: dict[tuple[int, ...], list[torch.Tensor]] = {}  # pinned flags given back, by shape
+_FLAGS_LOCK = threading.Lock()
+_FLAGS_KEPT = 64  # per shape
+
+
+def host_flags(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
+    """Validity flags for a kernel to clear (bool, all True), in host memory: pinned when
+    ``pinned`` (a GPU kernel writes them through their mapped address). Pinned ones come
+    from flags given back (:func:`give_back_flags`) where there are some: a pinned
+    allocation costs the host more than the launch it serves."""
+    if pinned and POOL_FLAGS:
+        with _FLAGS_LOCK:
+            free = _FLAGS.get(shape)
+            flags = free.pop() if free else None
+        if flags is not None:
+            return flags.fill_(True)
+    return torch.ones(shape, dtype=torch.bool, pin_memory=pinned)
+
+
+def give_back_flags(flags: torch.Tensor) -> None:
+    """Pinned flags (bool, host memory, not a view), read for the last time: the kernels
+    that wrote them have run. The caller vouches for the pinning (``is_pinned`` can stall
+    the host for milliseconds)."""
+    if not POOL_FLAGS or flags.dtype != torch.bool or flags.device.type != "cpu" or flags._base is not None:
+        return
+    with _FLAGS_LOCK:
+        free = _FLAGS.setdefault(tuple(flags.shape), [])
+        if len(free) < _FLAGS_KEPT:
+            free.append(flags)
 
 
 def host_view(t: torch.Tensor) -> memoryview:

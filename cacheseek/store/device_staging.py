@@ -65,7 +65,8 @@ class _Buffer:
     # Recorded at its last release, one per stream, and recorded again at the next (the
     # events are kept: a wait already queued on one is not moved by a later record).
     events: list = field(default_factory=list)
-    views: dict = field(default_factory=dict)  # nbytes -> its first nbytes (a slice costs more than a lookup)
+    # nbytes -> its first nbytes (a slice costs more than a lookup); and views kept by ``memo``
+    views: dict = field(default_factory=dict)
 
 
 class StagingLease(Lease):
@@ -100,6 +101,19 @@ class StagingLease(Lease):
         use after the release fails instead of writing into a buffer lent to another."""
         super().release()
         self.tensor = None
+
+    def memo(self, key: Any, make: Any) -> Any:
+        """``make()`` (views of this buffer), kept with the buffer under ``key`` for its next
+        holders: cutting a batch's views costs the host more than finding them."""
+        buf = self._token
+        if buf is None:
+            raise LeaseError("StagingLease.memo after its release")
+        got = buf.views.get(key)
+        if got is None:
+            if len(buf.views) >= 8:
+                buf.views.clear()
+            got = buf.views[key] = make()
+        return got
 
     def rows(self, n: int, stride: int) -> torch.Tensor:
         """The buffer as ``[n, stride]`` (it must hold ``n * stride`` bytes)."""
