@@ -69,7 +69,8 @@ def test_round_trip_is_exact_on_small_integers_and_within_fp32_rounding_otherwis
     assert float((back - y).abs().max()) <= 1e-5 * float(y.abs().max())
 
 
-GOLDEN_SIGNS_64 = "0010110110011010101010011000100101100101010000011111111101110100"  # sha256("cacheseek/kivi/v_rotate/n=64/0"), LSB first
+# Bits of sha256("cacheseek/kivi/v_rotate/n=64/0"), each byte least significant bit first.
+GOLDEN_SIGNS_64 = "0010110110011010101010011000100101100101010000011111111101110100"
 
 
 def test_signs_are_fixed_by_the_hash_golden():

@@ -237,8 +237,8 @@ class KIVI:
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
         kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
-        vq, vs, vm = ops.quantize(self._rotated(v), bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats,
-                                  clip=self.v_clip)
+        vq, vs, vm = ops.quantize(self._rotated(v), bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                                  stats_dtype=stats, clip=self.v_clip)
         # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
         # non-finite scale or min: one check over the small stats catches all of them.
         finite = torch.stack([all_finite(t) for t in (ks, km, vs, vm)])

@@ -22,8 +22,9 @@ additions and subtractions (stage h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) for
 h apart in blocks of 2h). Each output element is the same sequence of IEEE fp32
 operations on every device (the scaling too: a product of two fp32 tensors, not of a
 tensor and a Python scalar), so a GPU encode stores the same codes as the CPU reference (a
-matmul would sum in a device-dependent order). For n = 64, 1/sqrt(n) = 1/8 is exact. The signs are fixed by the hash, not by
-a random generator whose sequence could change between torch versions.
+matmul would sum in a device-dependent order). For n = 64, 1/sqrt(n) = 1/8 is exact. The
+signs are fixed by the hash, not by a random generator whose sequence could change between
+torch versions.
 
 Torch is imported only by the functions that compute.
 """
