@@ -6,6 +6,7 @@ prefix KV against recomputed; and a long-context retrieval check.
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
     python -m benchmarks.quality --precision --near-miss|--variants|--clip|--rotate ...
                                                   # precision_{near_miss,variants,clip,rotate}.json
+    python -m benchmarks.quality --precision --rotate --extra    # 8 further prefixes: precision_rotate_extra.json
     python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants,_clip,_rotate}.json --out docs
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
@@ -77,6 +78,13 @@ PREFIXES = (
     ("logging", 2048), ("email.message", 2048),
 )
 QUICK = (("argparse", 512), ("subprocess", 1024), ("logging", 2048))
+# ``--extra``: eight further documents, none of the above, for a check on prompts no setting
+# was chosen on (written to *_extra.json; the retrieval check is the same, so it is skipped).
+EXTRA = (
+    ("functools", 512), ("csv", 512),
+    ("pathlib", 1024), ("textwrap", 1024), ("zipfile", 1024),
+    ("threading", 2048), ("inspect", 2048), ("os", 2048),
+)
 
 
 @dataclass(frozen=True)
@@ -509,6 +517,7 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
+    ap.add_argument("--extra", action="store_true", help="eight further prefixes instead (no retrieval check)")
     ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
     ap.add_argument("--near-miss", action="store_true", help="with --precision: the variants around 3.5 bits")
     ap.add_argument("--variants", action="store_true", help="with --precision: the variants after --near-miss")
@@ -530,7 +539,8 @@ def main() -> None:
         vs = (near_miss_variants() if args.near_miss else more_variants() if args.variants
               else clip_variants() if args.clip else rotate_variants() if args.rotate else precision_variants())
     rows, docs = [], {}
-    for module, prefix in QUICK if args.quick else PREFIXES:
+    prefixes = EXTRA if args.extra else QUICK if args.quick else PREFIXES
+    for module, prefix in prefixes:
         doc = texts.stdlib_document(module)
         ids = tokenizer(doc).input_ids
         if len(ids) < prefix + CONTINUATION:
@@ -540,7 +550,7 @@ def main() -> None:
         rows += measure_prefix(model, ids, prefix, vs)
         print(f"  {module:14s} prefix {prefix:5d}: {time.perf_counter() - t:5.1f} s", flush=True)
     retrieval: list[dict] = []
-    if args.precision and not args.no_retrieval:
+    if args.precision and not args.no_retrieval and not args.extra:
         for length in RETRIEVAL_LENGTHS:
             for j, depth in enumerate(RETRIEVAL_DEPTHS):
                 key = 10000 + (length * 7 + j * 7919) % 90000
@@ -563,10 +573,12 @@ def main() -> None:
     if args.precision:
         name = ("precision_near_miss" if args.near_miss else "precision_variants" if args.variants
                 else "precision_clip" if args.clip else "precision_rotate" if args.rotate else "precision")
+    if args.extra:
+        name += "_extra"
     path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)
-    n = len(QUICK if args.quick else PREFIXES)
+    n = len(prefixes)
     print(table(summary, cols, f"Reused vs recomputed prefix KV, SmolLM2-135M fp32, {n} prefixes of 512-2048 "
                                f"tokens, {CONTINUATION}-token continuation, {GREEDY} greedy tokens ({seconds:.0f} s)"))
 
