@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels [--quick] [--sweep] [--out DIR]
     python -m benchmarks.kernels --clip [--out DIR]    # V quantize with the range search (v_clip)
+    python -m benchmarks.kernels --rotate [--out DIR]  # KIVI's V rotation (v_rotate): encode/decode cost
     python -m benchmarks.kernels --plot-only benchmarks/results/h200/kernels.json --out docs
 
 On CUDA, for K (per-channel groups) and V (per-token groups) of fp16 KV shaped
@@ -356,6 +357,83 @@ def measure_clip(copy_bw: float, reps: int = 30) -> list[dict]:
     return rows
 
 
+def measure_rotate(copy_bw: float, reps: int = 30) -> list[dict]:
+    """KIVI's V rotation (``KIVI(v_rotate=True)``: a signed Hadamard rotation of V's rows in
+    torch, fp32, before the V quantize kernel; rotated back after V's dequantize): per case,
+    V quantize and dequantize with and without it, the rotation alone, and a whole-codec
+    encode and decode (K and V), on fp16 KV of head_dim 128 (SHAPE) and 64 (SmolLM2's): GB/s
+    of raw KV, time against the plain kernel's, and whether the kernels' codes and decodes
+    equal the torch reference's on the GPU."""
+    import cacheseek as cs
+    from cacheseek.quant import backend, rotation
+
+    def exact_on_gpu(codec, k, v) -> bool:
+        old = os.environ.get(backend.BACKEND_ENV)
+        try:
+            os.environ[backend.BACKEND_ENV] = "torch"
+            want = codec.encode(k, v)
+            want_kv = codec.decode(want)
+            os.environ[backend.BACKEND_ENV] = "triton"
+            got = codec.encode(k, v)
+            got_kv = codec.decode(got)
+        finally:
+            if old is None:
+                os.environ.pop(backend.BACKEND_ENV, None)
+            else:
+                os.environ[backend.BACKEND_ENV] = old
+        return all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got.named_buffers(), want.named_buffers())) \
+            and all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+
+    rows = []
+    for D in (128, 64):
+        shape = (*SHAPE[:-1], D)
+        xs = [torch.randn(shape, device=DEVICE).to(F16) for _ in range(N_SETS)]
+        for x in xs:
+            x[..., [3, D - 5]] *= 15  # outlier channels
+        raw = xs[0].nbytes
+
+        def row(case: str, op: str, t: float, base: float, exact: Any = None) -> None:
+            rows.append({"case": f"{case} D{D}", "op": op, "us": t * 1e6, "raw_GBps": raw / t / 1e9,
+                         "time_vs_plain": t / base, "exact": exact})
+            print(f"  {rows[-1]['case']:28s} {op:26s} {rows[-1]['raw_GBps']:8,.0f} GB/s raw, x{t / base:.2f} time"
+                  + (f", exact={exact}" if exact is not None else ""), flush=True)
+
+        t_rot = gpu_time(lambda i: rotation.rotate(xs[i]).to(F16), reps=reps)
+        t_unrot = gpu_time(lambda i: rotation.unrotate(xs[i]).to(F16), reps=reps)
+        row("rotation alone", "rotate (fp16 -> fp16)", t_rot, t_rot)
+        row("rotation alone", "unrotate (fp16 -> fp16)", t_unrot, t_unrot)
+        for bits, group, clip in ((2, 64, 0), (2, 64, 2), (4, 32, 0)):
+            kw = dict(bits=bits, group=group, axis=AXIS_CHANNELS, stats_dtype=F16, clip=clip)
+            codec = cs.KIVI(bits=4, group_size=32, v_bits=bits, v_group_size=group, v_clip=clip, v_rotate=True)
+            case = f"V int{bits} G{group}" + (f" clip{clip}" if clip else "")
+            small = xs[0][:2, :, :512]
+            exact = exact_on_gpu(codec, small.contiguous(), small.contiguous())
+            t_plain = gpu_time(lambda i: kernels.quantize(xs[i], **kw), reps=reps)
+            t_rq = gpu_time(lambda i: kernels.quantize(codec._rotated(xs[i]), **kw), reps=reps)
+            row(case, "quantize plain", t_plain, t_plain)
+            row(case, "quantize rotated", t_rq, t_plain, exact)
+            enc = [kernels.quantize(x, **kw) for x in xs]
+            dq = dict(bits=bits, group=group, axis=AXIS_CHANNELS, shape=shape, dtype=F16)
+            t_dplain = gpu_time(lambda i: kernels.dequantize(*enc[i], **dq), reps=reps)
+            t_drot = gpu_time(lambda i: codec._dequantize_v(kernels, *enc[i], shape, F16), reps=reps)
+            row(case, "dequantize plain", t_dplain, t_dplain)
+            row(case, "dequantize rotated", t_drot, t_dplain, exact)
+            del enc
+            plain_codec = cs.KIVI(bits=4, group_size=32, v_bits=bits, v_group_size=group, v_clip=clip)
+            t_e0 = gpu_time(lambda i: plain_codec.encode(xs[i], xs[(i + 1) % N_SETS]), reps=max(5, reps // 3))
+            t_e1 = gpu_time(lambda i: codec.encode(xs[i], xs[(i + 1) % N_SETS]), reps=max(5, reps // 3))
+            row(case + " + K int4 G32", "codec encode K+V plain", t_e0, t_e0)
+            row(case + " + K int4 G32", "codec encode K+V rotated", t_e1, t_e0)
+            e0, e1 = plain_codec.encode(xs[0], xs[1]), codec.encode(xs[0], xs[1])
+            t_d0 = gpu_time(lambda i: plain_codec.decode(e0), reps=max(5, reps // 3))
+            t_d1 = gpu_time(lambda i: codec.decode(e1), reps=max(5, reps // 3))
+            row(case + " + K int4 G32", "codec decode K+V plain", t_d0, t_d0)
+            row(case + " + K int4 G32", "codec decode K+V rotated", t_d1, t_d0)
+            del e0, e1
+        del xs
+    return rows
+
+
 def _same(a, b) -> bool:
     return a.kwargs == b.kwargs and a.num_warps == b.num_warps
 
@@ -410,6 +488,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="also time every candidate launch config")
     ap.add_argument("--sweep-v", action="store_true", help="only the wide V-quantize sweep (tiles, cache hints)")
     ap.add_argument("--clip", action="store_true", help="only V quantize with its range search (v_clip) vs without")
+    ap.add_argument("--rotate", action="store_true", help="only KIVI's V rotation (v_rotate): its encode/decode cost")
     ap.add_argument("--out", type=Path, default=None, help="directory for kernels.json / kernels.png")
     add_plot_only(ap)
     args = ap.parse_args()
@@ -438,6 +517,15 @@ def main() -> int:
                     title=f"\nV quantize with the range search; copy bandwidth {copy_bw / 1e9:,.0f} GB/s"))
         print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
         return 0 if all(r["exact"] for r in rows) else 1
+    if args.rotate:
+        copy_bw = copy_bandwidth()
+        rows = measure_rotate(copy_bw)
+        path = write_json("kernels_rotate", {"shape": list(SHAPE[:-1]), "copy_GBps": copy_bw / 1e9, "rows": rows,
+                                             "triton": _triton_version()}, args.out)
+        print(table(rows, ["case", "op", "us", "raw_GBps", "time_vs_plain", "exact"],
+                    title=f"\nKIVI's V rotation (v_rotate); copy bandwidth {copy_bw / 1e9:,.0f} GB/s"))
+        print(f"wrote {path} ({time.perf_counter() - t_start:.0f} s)")
+        return 0 if all(r["exact"] is not False for r in rows) else 1
     failures = check_correctness(DEVICE, (4, 8, 512, 128)) + check_strided()
     print("correctness vs reference:", "PASS" if not failures else "FAIL")
     for f in failures:

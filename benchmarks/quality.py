@@ -4,8 +4,10 @@ prefix KV against recomputed; and a long-context retrieval check.
     python -m benchmarks.quality [--quick] [--threads N] [--out DIR]          # codecs: quality.json
     python -m benchmarks.quality --precision [--quick] [--no-retrieval] ...   # policies: precision.json
     python -m benchmarks.quality --plot-only benchmarks/results/quality.json --out docs   # redraw the plot
-    python -m benchmarks.quality --precision --near-miss|--variants|--clip ...  # precision_{near_miss,variants,clip}.json
-    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants,_clip}.json --out docs
+    python -m benchmarks.quality --precision --near-miss|--variants|--clip|--rotate ...
+                                                  # precision_{near_miss,variants,clip,rotate}.json
+    python -m benchmarks.quality --precision --rotate --extra    # 8 further prefixes: precision_rotate_extra.json
+    python -m benchmarks.quality --plot-only benchmarks/results/precision{,_near_miss,_variants,_clip,_rotate}.json --out docs
 
 Runs on one CPU thread by default: on a small shared machine, torch's OpenMP threads
 spin-wait whenever one of them is descheduled, and 2 threads ran 2-5x slower than 1 there.
@@ -76,6 +78,13 @@ PREFIXES = (
     ("logging", 2048), ("email.message", 2048),
 )
 QUICK = (("argparse", 512), ("subprocess", 1024), ("logging", 2048))
+# ``--extra``: eight further documents, none of the above, for a check on prompts no setting
+# was chosen on (written to *_extra.json; the retrieval check is the same, so it is skipped).
+EXTRA = (
+    ("functools", 512), ("csv", 512),
+    ("pathlib", 1024), ("textwrap", 1024), ("zipfile", 1024),
+    ("threading", 2048), ("inspect", 2048), ("os", 2048),
+)
 
 
 @dataclass(frozen=True)
@@ -191,6 +200,28 @@ def clip_variants() -> list[Variant]:
         *(Variant(f"int4@0+k4(G128)v2(G64,clip{c})", policy(first=i4, rest=rest(c)), 128, block=128)
           for c in (1, 2, 3, 6)),
         Variant("k4(G128)v2(G64,clip2)", rest(2), 128, block=128),
+    ]
+
+
+def rotate_variants() -> list[Variant]:
+    """``--rotate`` (precision_rotate.json): the ``--clip`` policy (int4@0 + K int4 G=128 / V
+    int2 G=64, ``v_clip=2``, blocks of 128) with V rotated before it is quantized
+    (``KIVI(v_rotate=True)``: a fixed signed Hadamard rotation of the head dimension; the
+    same stored bytes, so the same bits): the rest's V rotated, with and without the range
+    search, and the first block's V rotated too."""
+    policy = cs.PrecisionPolicy
+
+    def rest(clip: int, rotate: bool) -> cs.KIVI:
+        return cs.KIVI(k_bits=4, v_bits=2, k_group_size=128, v_group_size=64, v_clip=clip, v_rotate=rotate)
+
+    i4, i4_rot = cs.KIVI(bits=4, group_size=32), cs.KIVI(bits=4, group_size=32, v_rotate=True)
+    return [
+        Variant("raw", cs.Raw(), None),
+        Variant("int4@0+k4(G128)v2(G64,clip2)", policy(first=i4, rest=rest(2, False)), 128, block=128),
+        Variant("int4@0+k4(G128)v2(G64,rot)", policy(first=i4, rest=rest(0, True)), 128, block=128),
+        Variant("int4@0+k4(G128)v2(G64,clip2,rot)", policy(first=i4, rest=rest(2, True)), 128, block=128),
+        Variant("int4(rot)@0+k4(G128)v2(G64,clip2,rot)", policy(first=i4_rot, rest=rest(2, True)), 128, block=128),
+        Variant("k4(G128)v2(G64,clip2,rot)", rest(2, True), 128, block=128),
     ]
 
 
@@ -486,10 +517,12 @@ def plot_bits(docs: list[dict], out_dir: Path) -> Path | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prefix per length (3 instead of 6)")
+    ap.add_argument("--extra", action="store_true", help="eight further prefixes instead (no retrieval check)")
     ap.add_argument("--precision", action="store_true", help="precision policies and the retrieval check")
     ap.add_argument("--near-miss", action="store_true", help="with --precision: the variants around 3.5 bits")
     ap.add_argument("--variants", action="store_true", help="with --precision: the variants after --near-miss")
     ap.add_argument("--clip", action="store_true", help="with --precision: the near miss with V's range search")
+    ap.add_argument("--rotate", action="store_true", help="with --precision: the --clip policy with V rotated")
     ap.add_argument("--no-retrieval", action="store_true", help="skip the pass-key retrieval check")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see above)")
     ap.add_argument("--out", type=Path, default=None)
@@ -504,9 +537,10 @@ def main() -> None:
     vs = variants()
     if args.precision:
         vs = (near_miss_variants() if args.near_miss else more_variants() if args.variants
-              else clip_variants() if args.clip else precision_variants())
+              else clip_variants() if args.clip else rotate_variants() if args.rotate else precision_variants())
     rows, docs = [], {}
-    for module, prefix in QUICK if args.quick else PREFIXES:
+    prefixes = EXTRA if args.extra else QUICK if args.quick else PREFIXES
+    for module, prefix in prefixes:
         doc = texts.stdlib_document(module)
         ids = tokenizer(doc).input_ids
         if len(ids) < prefix + CONTINUATION:
@@ -516,7 +550,7 @@ def main() -> None:
         rows += measure_prefix(model, ids, prefix, vs)
         print(f"  {module:14s} prefix {prefix:5d}: {time.perf_counter() - t:5.1f} s", flush=True)
     retrieval: list[dict] = []
-    if args.precision and not args.no_retrieval:
+    if args.precision and not args.no_retrieval and not args.extra:
         for length in RETRIEVAL_LENGTHS:
             for j, depth in enumerate(RETRIEVAL_DEPTHS):
                 key = 10000 + (length * 7 + j * 7919) % 90000
@@ -538,11 +572,13 @@ def main() -> None:
     name = "quality"
     if args.precision:
         name = ("precision_near_miss" if args.near_miss else "precision_variants" if args.variants
-                else "precision_clip" if args.clip else "precision")
+                else "precision_clip" if args.clip else "precision_rotate" if args.rotate else "precision")
+    if args.extra:
+        name += "_extra"
     path = write_json(name, payload, args.out)
     print(f"wrote {path}")
     redraw(plot, path)
-    n = len(QUICK if args.quick else PREFIXES)
+    n = len(prefixes)
     print(table(summary, cols, f"Reused vs recomputed prefix KV, SmolLM2-135M fp32, {n} prefixes of 512-2048 "
                                f"tokens, {CONTINUATION}-token continuation, {GREEDY} greedy tokens ({seconds:.0f} s)"))
 

@@ -44,6 +44,11 @@ for s in "$@"; do
     sweep-v)     step sweep-v 240 python3 -m benchmarks.kernels --sweep-v --out "$OUT" ;;
     # V quantize with KIVI's range search (v_clip 0/1/2/3/6): GB/s against plain min/max, bit-exactness on the GPU.
     kernels-clip) step kernels-clip 200 python3 -m benchmarks.kernels --clip --out "$OUT" ;;
+    # KIVI's V rotation (v_rotate: signed Hadamard in torch around the V kernels): encode/decode cost against
+    # the plain kernels and codec, codes and decodes equal to the torch reference on the GPU (exact column).
+    kernels-rotate) step kernels-rotate 240 python3 -m benchmarks.kernels --rotate --out "$OUT" ;;
+    # v_rotate's tests natively (kernels compiled): the codec, the layer-table, paged and layer-wise paths.
+    tests-rotate) step tests-rotate 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_kivi_rotate.py tests/test_paged.py tests/test_layerwise.py -k "rot" ;;
     breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
                  step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
     host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host

@@ -31,6 +31,7 @@ L, H, D, DTYPE = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT
 BLOCK = 32
 INT4 = cs.KIVI(bits=4, group_size=32)
 CODECS = [cs.Raw(), INT4]
+ROTATED = cs.KIVI(k_bits=4, v_bits=2, group_size=32, v_rotate=True)  # V rotated back after each group's decode
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -66,7 +67,7 @@ def test_layer_groups_grow_and_cover_every_layer():
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [*CODECS, ROTATED], ids=lambda c: c.name + ("-rot" if getattr(c, "v_rotate", False) else ""))
 def test_layerwise_load_is_bit_identical_to_materialize(codec, kernels, monkeypatch):
     # The Triton decode of layer ranges (strided staging views) runs where test_paged.py runs
     # the kernels: on CUDA tensors on a GPU, interpreted on a CPU (CPU tensors outside the
@@ -279,7 +280,7 @@ def test_a_frame_is_cut_into_one_piece_per_buffer_and_layer_group(codec):
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [*CODECS, ROTATED], ids=lambda c: c.name + ("-rot" if getattr(c, "v_rotate", False) else ""))
 def test_layerwise_into_pages_writes_what_materialize_into_writes_layer_by_layer(codec, kernels, monkeypatch):
     # The Triton kernels (interpreted on a CPU), a layer range per launch; or the torch
     # fallback, named so that a GPU's default (the kernels) does not take over.
@@ -414,7 +415,7 @@ def stored_payloads(cache, keys):
     return out
 
 
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec", [*CODECS, ROTATED], ids=lambda c: c.name + ("-rot" if getattr(c, "v_rotate", False) else ""))
 def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(codec):
     T = 2 * BLOCK + 5
     toks, kv = tokens_for(3, T), make_kv(T, 3, LAYOUT)

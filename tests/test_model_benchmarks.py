@@ -89,6 +89,16 @@ def test_clip_variants_store_the_near_miss_bits():
     assert len(bits) == 5 and all(b == pytest.approx(near_miss) for b in bits.values()) and near_miss <= 3.5
 
 
+def test_rotate_variants_store_the_near_miss_bits():
+    """--rotate: V's rotation changes no stored byte either: the --clip policy's bits."""
+    layout = cs.KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    vs = [v for v in quality.rotate_variants() if v.label != "raw"]
+    bits = {v.label: quality.bits_per_element(v, layout, 2048) for v in vs}
+    assert bits.pop("k4(G128)v2(G64,clip2,rot)") == 3.375
+    assert len(bits) == 4 and all(b == pytest.approx((5 + 15 * 3.375) / 16) for b in bits.values())
+    assert sum(v.codec.codec_at(1).v_rotate for v in vs if v.kind == "policy") == 3
+
+
 def test_a_uniform_variant_in_blocks_of_128_reuses_whole_blocks_only():
     # A retrieval context is whole 64-token blocks: with blocks of 128 an odd last 64 stays
     # recomputed (as a policy's chain leaves it), instead of failing K's group of 128.

@@ -71,11 +71,12 @@ def expected_after_load(kind: str, before: list[torch.Tensor], layers, ids: list
     return want
 
 
+ROTATED = cs.KIVI(k_bits=4, v_bits=2, group_size=32, v_clip=1, v_rotate=True)  # V gathered, rotated, encoded
 CASES = [("flash", 16, INT4), ("nhd", 8, cs.Raw()), ("hnd", 32, cs.KIVI(k_bits=2, v_bits=8, group_size=32)),
-         ("pool", 1, INT4), ("flashinfer-hnd", 64, cs.Raw())]
+         ("pool", 1, INT4), ("flashinfer-hnd", 64, cs.Raw()), ("flash", 16, ROTATED)]
 
 
-@pytest.mark.parametrize("kind, page, codec", CASES, ids=[f"{k}-p{p}-{c.name}" for k, p, c in CASES])
+@pytest.mark.parametrize("kind, page, codec", CASES, ids=[f"{k}-p{p}-{c.name}{'-rot' if getattr(c, 'v_rotate', False) else ''}" for k, p, c in CASES])
 def test_paged_ingest_and_load_equal_the_contiguous_path(kind, page, codec, backend):
     T = 2 * BLOCK + 5  # a partial tail: not stored
     toks, kv = tokens_for(1, T), make_kv(T, 1)
@@ -331,7 +332,7 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
             assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
 
 
-@pytest.mark.parametrize("codec", [INT4, cs.Raw()], ids=["int4", "raw"])
+@pytest.mark.parametrize("codec", [INT4, cs.Raw(), ROTATED], ids=["int4", "raw", "int4-v2-rotated"])
 def test_codecs_encode_and_decode_a_range_of_layers_in_pages(codec, backend):
     """What layer-wise loading builds on: ``layers=(l0, l1)`` encodes and decodes exactly
     those layers' part of each block."""

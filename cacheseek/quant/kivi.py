@@ -16,6 +16,7 @@ from ..layout import KVLayout
 from .backend import backend_for, layer_tables, ops_for
 from .codec import canonical_fingerprint
 from .payload import AXIS_CHANNELS, AXIS_TOKENS, EncodedLayer, EncodedTensor
+from .rotation import supported as rotation_supported
 
 VERSION = 1
 BITS = (2, 4, 8)
@@ -24,6 +25,13 @@ STATS_DTYPES = ("float16", "float32")
 CLIP_STEPS = (0, 1, 2, 3, 4, 5, 6)
 _SPEC_KEYS = {"name", "version", "k_bits", "v_bits", "k_group", "v_group", "stats_dtype"}
 _CLIP_KEY = "v_clip"  # in the spec only when on: codecs without it keep their fingerprints
+_ROTATE_KEY = "v_rotate"  # likewise: in the spec (as true) only when on
+
+
+def _check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: must be True or False, got {value!r}")
+    return value
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> Any:
@@ -40,7 +48,15 @@ class KIVI:
     ``v_clip`` (0 to 6; 0, the default, is plain min/max): V's encoder also tries each
     group's range shrunk about its centre by 5%, 10%, ... (``v_clip`` steps) and keeps the
     one whose decode has the least squared error (``kivi_reference``). The stored format
-    and the decoder are the same; the spec, so the keys, differ."""
+    and the decoder are the same; the spec, so the keys, differ.
+
+    ``v_rotate`` (default False): V's rows are rotated by a fixed orthonormal matrix of the
+    head dimension (signed Hadamard, ``quant.rotation``) before they are quantized, and
+    rotated back after they are decoded, which spreads V's outlier channels over every
+    group. The rotated rows are computed in fp32 and rounded to V's dtype before the
+    quantizer (with its range search, if any) sees them; decoding dequantizes to fp32,
+    rotates back and rounds once. Same bytes per block; the spec, so the keys, differ.
+    Needs a head_dim that is a power of two."""
 
     k_bits: int
     v_bits: int
@@ -48,6 +64,7 @@ class KIVI:
     v_group: int
     stats_dtype: str
     v_clip: int
+    v_rotate: bool
 
     name = "kivi"
 
@@ -62,6 +79,7 @@ class KIVI:
         v_group_size: int | None = None,
         stats_dtype: str = "float16",
         v_clip: int = 0,
+        v_rotate: bool = False,
     ) -> None:
         _check_choice("bits", bits, BITS)
         _check_choice("group_size", group_size, GROUP_SIZES)
@@ -72,6 +90,7 @@ class KIVI:
             "v_group": _check_choice("v_group_size", group_size if v_group_size is None else v_group_size, GROUP_SIZES),
             "stats_dtype": _check_choice("stats_dtype", str(stats_dtype).removeprefix("torch."), STATS_DTYPES),
             "v_clip": int(_check_choice("v_clip", v_clip, CLIP_STEPS)),
+            "v_rotate": _check_flag("v_rotate", v_rotate),
         }
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -80,7 +99,8 @@ class KIVI:
         return (
             f"KIVI(k_bits={self.k_bits}, v_bits={self.v_bits}, k_group_size={self.k_group}, "
             f"v_group_size={self.v_group}, stats_dtype={self.stats_dtype!r}"
-            + (f", v_clip={self.v_clip})" if self.v_clip else ")")
+            + (f", v_clip={self.v_clip}" if self.v_clip else "")
+            + (", v_rotate=True)" if self.v_rotate else ")")
         )
 
     # -- identity ---------------------------------------------------------------------
@@ -97,21 +117,27 @@ class KIVI:
         }
         if self.v_clip:
             spec[_CLIP_KEY] = self.v_clip
+        if self.v_rotate:
+            spec[_ROTATE_KEY] = True
         return spec
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> KIVI:
-        if set(spec) not in (_SPEC_KEYS, _SPEC_KEYS | {_CLIP_KEY}):
-            raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)} (and {_CLIP_KEY!r} when on), "
-                              f"got {sorted(spec)}")
+        if not _SPEC_KEYS <= set(spec) <= _SPEC_KEYS | {_CLIP_KEY, _ROTATE_KEY}:
+            raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)} (and {_CLIP_KEY!r}, "
+                              f"{_ROTATE_KEY!r} when on), got {sorted(spec)}")
         if spec["version"] != VERSION:
             raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
         if _CLIP_KEY in spec and (isinstance(spec[_CLIP_KEY], bool) or spec[_CLIP_KEY] not in CLIP_STEPS[1:]):
             raise ConfigError(f"kivi spec: {_CLIP_KEY} must be one of {list(CLIP_STEPS[1:])} "
                               f"(left out when off), got {spec[_CLIP_KEY]!r}")
+        if _ROTATE_KEY in spec and spec[_ROTATE_KEY] is not True:
+            raise ConfigError(f"kivi spec: {_ROTATE_KEY} must be true (left out when off), "
+                              f"got {spec[_ROTATE_KEY]!r}")
         return cls(
             k_bits=spec["k_bits"], v_bits=spec["v_bits"], k_group_size=spec["k_group"],
             v_group_size=spec["v_group"], stats_dtype=spec["stats_dtype"], v_clip=spec.get(_CLIP_KEY, 0),
+            v_rotate=spec.get(_ROTATE_KEY, False),
         )
 
     def fingerprint(self) -> bytes:
@@ -125,6 +151,9 @@ class KIVI:
                 f"block_tokens: {block_tokens} is not a multiple of k_group_size={self.k_group} "
                 "(K is grouped along tokens, and only whole blocks are stored)"
             )
+        if self.v_rotate and not rotation_supported(layout.head_dim):
+            raise ConfigError(f"head_dim: {layout.head_dim} is not a power of two, which v_rotate needs "
+                              "(a Hadamard rotation of the head dimension)")
         per_word = 32 // self.v_bits
         if layout.head_dim % per_word:
             raise ConfigError(
@@ -161,6 +190,33 @@ class KIVI:
                 f"head_dim: {shape[-1]} cannot be packed at v_bits={self.v_bits} "
                 f"(needs a multiple of {32 // self.v_bits})"
             )
+        if self.v_rotate and not rotation_supported(shape[-1]):
+            raise InputError(f"head_dim: {shape[-1]} is not a power of two, which v_rotate needs")
+
+    def _rotated(self, v: Any) -> Any:
+        """V as the quantizer sees it: rotated in fp32, rounded to V's dtype (``v_rotate``)."""
+        from .rotation import rotate
+
+        return rotate(v).to(v.dtype) if self.v_rotate else v
+
+    def _dequantize_v(self, ops: Any, vq: Any, vs: Any, vm: Any, shape: tuple[int, ...], dtype: Any,
+                      out: Any = None) -> Any:
+        """V decoded (into ``out`` when given): with ``v_rotate``, dequantized to fp32,
+        rotated back, rounded once to ``dtype``."""
+        if not self.v_rotate:
+            return ops.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                                  shape=shape, dtype=dtype, out=out)
+        import torch
+
+        from .rotation import unrotate
+
+        y = ops.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                           shape=shape, dtype=torch.float32)
+        v = unrotate(y)
+        if out is None:
+            return v.to(dtype)
+        out.copy_(v)
+        return out
 
     def encode(self, k: Any, v: Any) -> EncodedLayer:
         """Quantize on the tensors' device. Rejects NaN, Inf and ranges the stats cannot hold."""
@@ -181,8 +237,8 @@ class KIVI:
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
         kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
-        vq, vs, vm = ops.quantize(v, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats,
-                                  clip=self.v_clip)
+        vq, vs, vm = ops.quantize(self._rotated(v), bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
+                                  stats_dtype=stats, clip=self.v_clip)
         # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
         # non-finite scale or min: one check over the small stats catches all of them.
         finite = torch.stack([all_finite(t) for t in (ks, km, vs, vm)])
@@ -190,7 +246,13 @@ class KIVI:
         return layer.with_buffers([kq, ks, km, vq, vs, vm]), finite
 
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
-        """Tables of the layers' offsets for the Triton kernels (see :func:`layer_tables`)."""
+        """Tables of the layers' offsets for the Triton kernels (see :func:`layer_tables`).
+        With ``v_rotate``, V's table is over rotated copies of V's layers (the kernels read
+        them as they would the layers; the table keeps them alive)."""
+        if self.v_rotate and backend_for(k_layers[0]) == "triton":
+            if not rotation_supported(v_layers[0].shape[-1]):
+                raise InputError(f"head_dim: {v_layers[0].shape[-1]} is not a power of two, which v_rotate needs")
+            v_layers = [self._rotated(v) for v in v_layers]
         return layer_tables(k_layers, v_layers)
 
     def encode_layers_into(self, prepared: Any, t0: int, n: int, block_tokens: int, out: list[Any]) -> Any:
@@ -221,10 +283,13 @@ class KIVI:
         ...]``), one launch for K and one for V, reading the pages in place. Returns the
         validity flags: on the kernels, ``[4, n]`` in host memory (K in row 0, V in row 2,
         one column per block), written by the launches; read them once the device has run
-        them. Without Triton, the pages are gathered and encoded by the reference."""
+        them. Without Triton (or with ``v_rotate``), the pages are gathered and encoded as
+        tensors (by the kernels where they run)."""
         import torch
 
-        if backend_for(source.pages.k[0]) == "triton":
+        # v_rotate: V's rows are rotated before the quantizer reads them, so not in place:
+        # the pages are gathered (K too, for one simple path) and encoded as a tensor.
+        if backend_for(source.pages.k[0]) == "triton" and not self.v_rotate:
             from cacheseek import kernels
 
             k_pages, v_pages, where = source.kernel_pages(layers)
@@ -249,9 +314,10 @@ class KIVI:
         """Decode ``n`` blocks (``buffers``: the template's buffers as ``[n, L, H, ...]`` views
         on the pages' device, e.g. staging rows; with ``layers`` only those layers) straight
         into the pages of blocks ``[first, first + n)`` of ``source``, one launch per side.
-        Without Triton: decoded by the reference, then scattered (the same bytes)."""
+        Without Triton (or with ``v_rotate``, whose V is rotated back before it lands):
+        decoded as tensors (by the kernels where they run), then scattered (the same bytes)."""
         kq, ks, km, vq, vs, vm = buffers
-        if backend_for(source.pages.k[0]) == "triton":
+        if backend_for(source.pages.k[0]) == "triton" and not self.v_rotate:
             from cacheseek import kernels
 
             k_pages, v_pages, where = source.kernel_pages(layers)
@@ -260,14 +326,12 @@ class KIVI:
             kernels.dequantize_pages(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
                                      pages=v_pages, where=where, first=first, n=n, block=source.block_tokens)
             return
-        from . import kivi_reference as ref
-
+        ops = ops_for(kq)
         pages = source.pages
         shape = (n, kq.shape[1], pages.num_kv_heads, source.block_tokens, pages.head_dim)
-        k = ref.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, shape=shape,
+        k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, shape=shape,
                            dtype=pages.dtype)
-        v = ref.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS, shape=shape,
-                           dtype=pages.dtype)
+        v = self._dequantize_v(ops, vq, vs, vm, shape, pages.dtype)
         source.scatter("k", k, first, n, layers)
         source.scatter("v", v, first, n, layers)
 
@@ -300,8 +364,7 @@ class KIVI:
         dtype = TORCH_DTYPES[encoded.k.dtype]
         k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS,
                            shape=encoded.k.shape, dtype=dtype, out=k_out)
-        v = ops.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
-                           shape=encoded.v.shape, dtype=dtype, out=v_out)
+        v = self._dequantize_v(ops, vq, vs, vm, encoded.v.shape, dtype, v_out)
         return k, v
 
 
