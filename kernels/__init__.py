@@ -10,6 +10,7 @@ from .kivi import dequantize, dequantize_pages, quantize, quantize_layers, quant
 from .layers import LayerTable, gather_layers
 from .paged import BlockPages, PagedLayers, gather_pages, scatter_pages
 from .ranges import copy_ranges
+from .rotation import rotate_rows
 
 __all__ = ["BlockPages", "LayerTable", "PagedLayers", "copy_ranges", "dequantize", "dequantize_pages", "gather_layers",
-           "gather_pages", "quantize", "quantize_layers", "quantize_pages", "scatter_pages", "store_to_host"]
+           "gather_pages", "quantize", "quantize_layers", "quantize_pages", "rotate_rows", "scatter_pages", "store_to_host"]

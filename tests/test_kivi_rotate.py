@@ -261,3 +261,34 @@ def test_rotation_and_codes_on_a_gpu_equal_the_cpus(n):
     for (_, _, a), (_, _, b) in zip(on_gpu.named_buffers(), on_cpu.named_buffers()):
         assert torch.equal(a.cpu(), b)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(codec.decode(on_gpu), codec.decode(on_cpu)))
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [2, 8, 64, 128, 256])
+def test_the_rotation_kernel_gives_the_references_bits(n, dtype):
+    # One pass in registers (kernels.rotate_rows, interpreted here, compiled on a GPU): the
+    # same fp32 stages as the reference, rounded once to the output dtype.
+    from cacheseek import kernels
+
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(3, 37, n, generator=gen) * 5).to(dtype).to(DEVICE)
+    y = torch.randn(3, 37, n, generator=gen).to(DEVICE)
+    c = rotation.scaled_signs(n, DEVICE)
+    for out in (dtype, torch.float32):
+        got = kernels.rotate_rows(x, c, inverse=False, dtype=out)
+        assert got.dtype == out and torch.equal(got.cpu(), rotation.fwht(x.cpu().float() * c.cpu()).to(out))
+        back = kernels.rotate_rows(y, c, inverse=True, dtype=out)
+        assert torch.equal(back.cpu(), (rotation.fwht(y.cpu()) * c.cpu()).to(out))
+    strided = x.transpose(0, 1)  # not contiguous: read as its rows all the same
+    assert torch.equal(kernels.rotate_rows(strided, c, inverse=False, dtype=dtype).cpu(),
+                       rotation.fwht(strided.cpu().float() * c.cpu()).to(dtype))
+
+
+def test_the_rotation_kernel_refuses_bad_arguments():
+    from cacheseek import kernels
+
+    c = rotation.scaled_signs(64, "cpu")
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.rotate_rows(torch.zeros(2, 48), rotation.scaled_signs(64, "cpu")[:48], inverse=False, dtype=F16)
+    with pytest.raises(ValueError, match="scales"):
+        kernels.rotate_rows(torch.zeros(2, 64, device=DEVICE), c.double().to(DEVICE), inverse=False, dtype=F16)

@@ -197,7 +197,7 @@ class KIVI:
         """V as the quantizer sees it: rotated in fp32, rounded to V's dtype (``v_rotate``)."""
         from .rotation import rotate
 
-        return rotate(v).to(v.dtype) if self.v_rotate else v
+        return rotate(v, v.dtype) if self.v_rotate else v
 
     def _dequantize_v(self, ops: Any, vq: Any, vs: Any, vm: Any, shape: tuple[int, ...], dtype: Any,
                       out: Any = None) -> Any:
@@ -212,9 +212,9 @@ class KIVI:
 
         y = ops.dequantize(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
                            shape=shape, dtype=torch.float32)
-        v = unrotate(y)
+        v = unrotate(y, dtype)
         if out is None:
-            return v.to(dtype)
+            return v
         out.copy_(v)
         return out
 

@@ -26,7 +26,10 @@ matmul would sum in a device-dependent order). For n = 64, 1/sqrt(n) = 1/8 is ex
 signs are fixed by the hash, not by a random generator whose sequence could change between
 torch versions.
 
-Torch is imported only by the functions that compute.
+On a GPU with the kernels, ``rotate`` and ``unrotate`` run as one pass over the rows
+(``kernels.rotation.rotate_rows``: the same stages in registers, the same bits); the torch
+stages here are the reference and the CPU path. Torch is imported only by the functions
+that compute.
 """
 
 from __future__ import annotations
@@ -101,16 +104,40 @@ def fwht(x: Any) -> Any:
     return y.view(*lead, n)
 
 
-def rotate(x: Any) -> Any:
-    """x R as a new fp32 tensor (any leading shape; the last dimension is head_dim)."""
+def rotate(x: Any, dtype: Any = None) -> Any:
+    """x R as a new tensor (any leading shape; the last dimension is head_dim): fp32, or
+    rounded once to ``dtype``. With the kernels on a GPU, one pass
+    (``kernels.rotation.rotate_rows``, the same bits); else the stages above in torch."""
     n = _check(x)
-    return fwht(x.float() * scaled_signs(n, x.device))
+    if _on_kernels(x):
+        from cacheseek import kernels
+
+        return kernels.rotate_rows(x, scaled_signs(n, x.device), inverse=False, dtype=dtype or _fp32())
+    y = fwht(x.float() * scaled_signs(n, x.device))
+    return y if dtype is None else y.to(dtype)
 
 
-def unrotate(y: Any) -> Any:
-    """y R^T as a new fp32 tensor: the inverse of :func:`rotate`."""
+def unrotate(y: Any, dtype: Any = None) -> Any:
+    """y R^T as a new tensor, fp32 or rounded once to ``dtype``: the inverse of :func:`rotate`."""
     n = _check(y)
-    return fwht(y).mul_(scaled_signs(n, y.device))
+    if _on_kernels(y):
+        from cacheseek import kernels
+
+        return kernels.rotate_rows(y, scaled_signs(n, y.device), inverse=True, dtype=dtype or _fp32())
+    x = fwht(y).mul_(scaled_signs(n, y.device))
+    return x if dtype is None else x.to(dtype)
+
+
+def _on_kernels(t: Any) -> bool:
+    from .backend import backend_for
+
+    return t.is_cuda and backend_for(t) == "triton"
+
+
+def _fp32() -> Any:
+    import torch
+
+    return torch.float32
 
 
 __all__ = ["SIGNS_LABEL", "fwht", "rotate", "scaled_signs", "sign_bits", "signs", "supported", "unrotate"]
