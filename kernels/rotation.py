@@ -66,6 +66,7 @@ def rotate_rows(x: torch.Tensor, scales: torch.Tensor, *, inverse: bool, dtype: 
         _rotate_rows_kernel[(triton.cdiv(rows, block_r),)](
             src, scales, out, rows, N=n, LOG_N=n.bit_length() - 1, BLOCK_R=block_r, SCALE_AFTER=inverse,
             SOFT_BF16=dtype == torch.bfloat16 and _interpreted(), num_warps=4,
+            enable_fp_fusion=False,  # no fma of the scaling into a stage's add: the reference rounds both
         )
     return out
 
