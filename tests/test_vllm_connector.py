@@ -15,7 +15,7 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged.
 - layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
-  default, "auto": whole steps on a CPU): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
+  default, whole steps): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
   bit for bit; then a layer group's decode fails after the forward read the first layers:
   every block of the load is reported, vLLM recomputes them, the output is unchanged.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
@@ -86,7 +86,7 @@ def engines(model, tmp_path_factory):
     def embedded(codec: str, layerwise: bool | None = None, **job) -> dict:
         tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{codec}"), "disk_bytes": "1GiB", "disk_fsync": False}
         extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}
-        if layerwise is not None:  # (default "auto": whole-step loads on this CPU)
+        if layerwise is not None:  # (default: whole-step loads)
             extra["layerwise_load"] = layerwise
         return run_engine({"scenario": "share", "extra": extra, **job})
 
@@ -125,7 +125,7 @@ def check_loaded(res: dict, stats: dict, *, hit_tokens: int, layerwise: bool) ->
     worker = stats["worker"]
     assert worker["loads"] == 1 and worker["load_tokens"] == hit_tokens and worker["load_failures"] == 0
     assert worker["load_calls"] == 1  # one materialize_into_batch for the step
-    # layer by layer where asked for; int8 on "auto" (whole steps on a CPU), a server whole
+    # layer by layer where asked for; int8 on the default (whole steps), a server whole
     assert worker["load_layerwise_calls"] == int(layerwise) and worker["load_late_failures"] == 0
     assert stats["scheduler"]["lookup_hit_tokens"] == hit_tokens
 

@@ -28,10 +28,11 @@ def test_config_defaults_to_embedded_int4():
     assert cfg.tiers.cpu_bytes == "4GiB"
 
 
-def test_loads_are_layerwise_by_default_on_a_gpu_with_an_embedded_cache():
-    auto = ConnectorConfig.from_extra({})
+def test_loads_are_whole_steps_by_default_and_layerwise_on_request():
+    default = ConnectorConfig.from_extra({})
+    assert not default.loads_layerwise("cuda") and not default.may_load_layerwise  # vLLM keeps its full graphs
+    auto = ConnectorConfig.from_extra({"layerwise_load": "auto"})
     assert auto.loads_layerwise("cuda") and not auto.loads_layerwise("cpu") and auto.may_load_layerwise
-    assert ConnectorConfig.from_extra({"layerwise_load": "auto"}) == auto
     on, off = ConnectorConfig.from_extra({"layerwise_load": True}), ConnectorConfig.from_extra({"layerwise_load": False})
     assert on.loads_layerwise("cpu") and on.loads_layerwise("cuda")
     assert not off.loads_layerwise("cuda") and not off.may_load_layerwise

@@ -6,7 +6,7 @@ before anything is built, and the parsing is tested without an engine.
     {"codec": "int4", "group_size": 32, "block_tokens": 256, "model_id": "smollm2-135m",
      "tiers": {"cpu_bytes": "4GiB", "disk_path": "/var/cache/cs"}}       # embedded
     {"codec": "int4", "url": "http://127.0.0.1:8080", "model_id": "smollm2-135m"}  # remote
-    {"codec": "int4", "layerwise_load": true}   # layer-wise loads on a CPU too (default "auto": on a GPU)
+    {"codec": "int4", "layerwise_load": "auto"}   # layer-wise loads where vLLM's pages are on a GPU (default: off)
 """
 
 from __future__ import annotations
@@ -61,10 +61,13 @@ class ConnectorConfig:
     retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
     retry_cap_seconds: float = 30.0
     # A step's load layer by layer (waited for in each attention layer, overlapping the
-    # forward) rather than whole before the forward: True, False, or None ("auto": where
-    # vLLM's pages are on a GPU, the only place it overlaps). Only an embedded cache loads
-    # layer by layer (a server's frames hold every layer of a block: nothing would overlap).
-    layerwise_load: bool | None = None
+    # forward) rather than whole before the forward: True, False (the default), or None
+    # ("auto": where vLLM's pages are on a GPU, the only place it overlaps). Off by default:
+    # on the H200 the layer-wise load itself ran 1.4-1.5x longer than the whole load, which
+    # only a forward longer than the difference repays, and it costs vLLM its full CUDA
+    # graphs (docs/vllm.md). Only an embedded cache loads layer by layer (a server's frames
+    # hold every layer of a block: nothing would overlap).
+    layerwise_load: bool | None = False
 
     @property
     def remote(self) -> bool:

@@ -7,7 +7,8 @@ decoded and encoded there: no contiguous copy of the KV.
 
 A step's load runs one of two ways (``ConnectorConfig.layerwise_load``):
 
-- **layer by layer** (the default where vLLM's pages are on a GPU, with an embedded cache): ``start_load_kv`` starts the
+- **layer by layer** (``layerwise_load`` true, or "auto" where vLLM's pages are on a GPU; an
+  embedded cache only): ``start_load_kv`` starts the
   load as one ``LayerwiseLoad`` (the frames fetched, the decodes issued: on a GPU queued on
   side streams, an event per layer group; on a CPU each group decoded when a layer of it is
   first waited for), and each attention layer's ``wait_for_layer_load`` waits for its
@@ -15,7 +16,7 @@ A step's load runs one of two ways (``ConnectorConfig.layerwise_load``):
   layers after it. The handle is closed (its staging and frames given back) at the end
   of the step: ``wait_for_save``, or at the latest when vLLM asks for the failed blocks or
   the next step starts;
-- **whole**: every layer written before the forward starts (``start_load_kv``).
+- **whole** (the default): every layer written before the forward starts (``start_load_kv``).
 
 Neither ever raises into vLLM: a load that falls short, for any reason (the call raised,
 the server is down, a block was evicted or found corrupt since the lookup), reports the
