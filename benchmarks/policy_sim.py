@@ -19,7 +19,6 @@ benchmarks/results/policy_sim.json.
 from __future__ import annotations
 
 import argparse
-import heapq
 import sys
 import time
 from collections import Counter
@@ -57,8 +56,6 @@ def belady_profile(trace, budget: int) -> dict:
     trace (LRU's beside), and, per use count so far, how often Belady keeps a block until
     its next use (what an online policy would have to guess from the count)."""
     nxt = reference.next_uses(trace)
-    cached: dict[int, tuple[int, int]] = {}
-    heap: list[tuple[tuple[int, int], int]] = []
     last_use: dict[int, int] = {}
     uses: Counter = Counter()
     idle: Counter = Counter()
@@ -66,30 +63,17 @@ def belady_profile(trace, budget: int) -> dict:
     kept_by_count: dict[int, list[int]] = {}
     pending: dict[int, int] = {}  # block -> its use count at its last access (awaiting its next)
     clock = 0
-    for t, req in enumerate(trace):
-        ids = req.hash_ids
-        n = 0
-        for x in ids:
-            if x not in cached:
-                break
-            n += 1
+
+    def observe(t: int, n: int) -> None:  # Belady's hits of request t, before it caches its blocks
+        nonlocal clock
+        ids = trace[t].hash_ids
         quarters[4 * t // len(trace)] += n
         for i, x in enumerate(ids):
             if x in pending:
                 kept_by_count.setdefault(pending.pop(x), [0, 0])[0] += i < n
             if i < n:
                 idle[max(0, clock - last_use[x]).bit_length()] += 1
-        for i, (x, nu) in enumerate(zip(ids, nxt[t])):  # belady_prefix's step, verbatim
-            key = (-nu, -i)
-            if x not in cached and len(cached) >= budget:
-                while heap[0][0] != cached.get(heap[0][1]):
-                    heapq.heappop(heap)
-                if key <= heap[0][0]:
-                    continue
-                del cached[heapq.heappop(heap)[1]]
-            cached[x] = key
-            heapq.heappush(heap, (key, x))
-        for i, (x, nu) in enumerate(zip(ids, nxt[t])):
+        for x, nu in zip(ids, nxt[t]):
             c = min(uses[x], 6)
             kept_by_count.setdefault(c, [0, 0])[1] += 1
             if nu < reference.NEVER:
@@ -97,22 +81,14 @@ def belady_profile(trace, budget: int) -> dict:
             uses[x] += 1
             last_use[x] = clock
         clock += len(ids)
+
+    reference.belady_prefix(trace, budget, nxt=nxt, observe=observe)
     lru_quarters = [0, 0, 0, 0]
-    lru_hits = reference.lru(trace, budget)  # totals only: recount per quarter below
-    order: dict[int, None] = {}
-    for t, req in enumerate(trace):
-        n = 0
-        for x in req.hash_ids:
-            if x not in order:
-                break
-            n += 1
+
+    def observe_lru(t: int, n: int) -> None:
         lru_quarters[4 * t // len(trace)] += n
-        for x in reversed(req.hash_ids):
-            order.pop(x, None)
-            order[x] = None
-            if len(order) > budget:
-                del order[next(iter(order))]
-    assert sum(lru_quarters) == lru_hits.hit_blocks
+
+    reference.lru(trace, budget, observe=observe_lru)
     total = sum(idle.values())
     return {"budget_blocks": budget, "belady_hits": total,
             "hits_idle_at_least_budget": round(sum(v for k, v in idle.items() if k and 1 << (k - 1) >= budget) / total, 3),
@@ -129,11 +105,7 @@ def _bit_lru(trace, budget: int, soon) -> int:
     hits = 0
     for t, req in enumerate(trace):
         ids = req.hash_ids
-        n = 0
-        for x in ids:
-            if x not in order:
-                break
-            n += 1
+        n = reference.prefix_hits(ids, order)
         hits += n
         for i in range(len(ids) - 1, -1, -1):
             x = ids[i]

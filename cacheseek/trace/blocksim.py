@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from ..store.eviction import EvictionIndex, make_index
 from ..store.tier import BlockInfo
 from .format import Request
-from .reference import RefResult, cached_blocks, totals
+from .reference import RefResult, cached_blocks, prefix_hits, totals
 
 ROOT = -1  # the parent of a chain's head (ids are non-negative)
 
@@ -30,11 +30,7 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
     hits = []
     for req in trace:
         keys = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
-        n = 0
-        for key in keys:
-            if key not in index:
-                break
-            n += 1
+        n = prefix_hits(keys, index)
         hits.append(n)
         if n:
             index.touch(keys[n - 1 :: -1])

@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .format import Request
 
 NEVER = 1 << 62
+Observer = Callable[[int, int], None]  # (request index, its prefix hits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +105,8 @@ def totals(name: str, budget: int | None, trace: Sequence[Request], hits: list[i
                      sum(requested_tokens(r, block_tokens) for r in trace))
 
 
-def _prefix_hits(ids: Sequence[int], cached) -> int:
+def prefix_hits(ids: Sequence[int], cached) -> int:
+    """How many of ``ids``, from the first, are in ``cached``: a request's prefix hit."""
     n = 0
     for x in ids:
         if x not in cached:
@@ -118,18 +120,22 @@ def infinite(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only
     hits = []
     for req in trace:
         ids = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
-        hits.append(_prefix_hits(ids, seen))
+        hits.append(prefix_hits(ids, seen))
         seen.update(ids)
     return totals("infinite", None, trace, hits, block_tokens)
 
 
-def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
-    """LRU touching each request's blocks tail first (the head most recent), as the store does."""
+def lru(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512, full_blocks_only: bool = False,
+        observe: Observer | None = None) -> RefResult:
+    """LRU touching each request's blocks tail first (the head most recent), as the store
+    does. ``observe(t, hits)``: told each request's hits before its blocks are cached."""
     order: OrderedDict[int, None] = OrderedDict()
     hits = []
-    for req in trace:
+    for t, req in enumerate(trace):
         ids = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
-        hits.append(_prefix_hits(ids, order))
+        hits.append(prefix_hits(ids, order))
+        if observe is not None:
+            observe(t, hits[-1])
         for x in reversed(ids):
             if x in order:
                 order.move_to_end(x)
@@ -154,20 +160,24 @@ def next_uses(trace: Sequence[Request], block_tokens: int = 512, full_blocks_onl
 
 
 def belady_prefix(trace: Sequence[Request], budget_blocks: int, block_tokens: int = 512,
-                  nxt: list[list[int]] | None = None, full_blocks_only: bool = False) -> RefResult:
+                  nxt: list[list[int]] | None = None, full_blocks_only: bool = False,
+                  observe: Observer | None = None) -> RefResult:
     """Optimal prefix hits at ``budget_blocks`` (see the module doc). ``nxt``: from
-    ``next_uses`` with the same ``full_blocks_only``."""
+    ``next_uses`` with the same ``full_blocks_only``. ``observe(t, hits)``: told each
+    request's hits before its blocks are cached."""
     nxt = nxt if nxt is not None else next_uses(trace, block_tokens, full_blocks_only)
     cached: dict[int, tuple[int, int]] = {}  # id -> its heap key (-next use, -position)
     heap: list[tuple[tuple[int, int], int]] = []
     hits = []
     for t, req in enumerate(trace):
         ids = req.hash_ids[: len(nxt[t])]
-        n = _prefix_hits(ids, cached)
+        n = prefix_hits(ids, cached)
         present = sum(1 for x in ids if x in cached)
         if present != n:
             raise RuntimeError(f"belady_prefix: request {t} has cached blocks outside its hit prefix")
         hits.append(n)
+        if observe is not None:
+            observe(t, n)
         for i, (x, nu) in enumerate(zip(ids, nxt[t])):
             key = (-nu, -i)
             if x not in cached and len(cached) >= budget_blocks:
@@ -191,7 +201,7 @@ def min_fifo_ties(trace: Sequence[Request], budget_blocks: int, block_tokens: in
     seq = 0
     for t, req in enumerate(trace):
         ids = req.hash_ids[: len(nxt[t])]
-        hits.append(_prefix_hits(ids, cached))
+        hits.append(prefix_hits(ids, cached))
         for x, nu in zip(ids, nxt[t]):
             if x not in cached:
                 while len(cached) >= budget_blocks:
