@@ -55,3 +55,19 @@ def assert_prefix_equal(got: cs.Materialized, kv, tokens: int) -> None:
     for (k, v), (k0, v0) in zip(got.layers, kv):
         assert torch.equal(k[0].cpu(), k0[:, :tokens].cpu())
         assert torch.equal(v[0].cpu(), v0[:, :tokens].cpu())
+
+
+def fail_layer_group(monkeypatch, group: int = 1):
+    """Every layer-wise load's decode of layer group ``group`` raises ``RuntimeError("injected
+    decode failure")`` (after the groups before it ran); returns the real ``run_group``."""
+    from cacheseek.layerwise import LayerwiseDecoder
+
+    real = LayerwiseDecoder.run_group
+
+    def run_group(self, g, timing=False):
+        if g == group:
+            raise RuntimeError("injected decode failure")
+        return real(self, g, timing)
+
+    monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
+    return real

@@ -22,7 +22,7 @@ from cacheseek.quant import backend as kivi_codec
 from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
-from store_helpers import make_kv, tokens_for
+from store_helpers import fail_layer_group, make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -382,14 +382,7 @@ def test_layerwise_from_start_that_fails_part_way_raises_for_the_layers_it_did_n
         lw, lw_t = engine_pages("nhd", L, H, D, num_pages, page, DTYPE, seed=5)
         cache.materialize_into_batch(reqs, normal)
         before = snapshot(lw_t)
-        real = LayerwiseDecoder.run_group
-
-        def run_group(self, g, timing=False):
-            if g == 1:
-                raise RuntimeError("injected decode failure")
-            return real(self, g, timing)
-
-        monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
+        fail_layer_group(monkeypatch, 1)
         load = cache.materialize_into_batch(reqs, lw, layerwise=True)
         load.wait(0)
         with pytest.raises(cs.LoadError, match="injected decode failure"):

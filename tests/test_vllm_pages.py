@@ -15,6 +15,7 @@ from cacheseek.integrations.vllm.pages import PageFormat, VllmPages, kv_views
 from cacheseek.integrations.vllm.plan import LoadSpec, SaveSpec, StepPlan
 from cacheseek.integrations.vllm.stores import close_cache, open_cache
 from cacheseek.integrations.vllm.worker import WorkerSide
+from store_helpers import fail_layer_group
 
 H, D, L = 2, 16, 3
 
@@ -327,14 +328,7 @@ def test_a_layerwise_load_that_fails_mid_forward_reports_every_block(monkeypatch
     side, cache, fmt, plan = stored_steps(cs.KIVI(bits=4, group_size=32))
     side.layerwise = True
     side.register(pages_like(fmt, 32))
-    real = LayerwiseDecoder.run_group
-
-    def run_group(self, g, timing=False):
-        if g == 1:
-            raise RuntimeError("injected decode failure")
-        return real(self, g, timing)
-
-    monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
+    real = fail_layer_group(monkeypatch, 1)
     assert layerwise_step(side, plan) == {12, 13, 14, 15, 16, 17, 18, 19}
     st = side.stats
     assert (st.loads, st.load_failures, st.load_late_failures, st.load_tokens) == (0, 3, 3, 0)
