@@ -66,8 +66,7 @@ def ranges_rows(reps: int) -> list[dict]:
     host = [torch.randint(0, 255, (frame_bytes,), dtype=torch.uint8).pin_memory() for _ in range(frames)]
     table_ = torch.tensor([(t.data_ptr(), j) for j, t in enumerate(host)], dtype=torch.int64, device="cuda")
     dst = torch.empty((frames, frame_bytes), dtype=torch.uint8, device="cuda")
-    offsets = torch.tensor([i * piece // 4 for i in range(slices)], dtype=torch.int64, device="cuda")
-    sizes = torch.full((slices,), piece // 4, dtype=torch.int64, device="cuda")
+    ranges = [(i * piece, piece) for i in range(slices)]
     whole = torch.cat(host).pin_memory()
     flat = dst.view(-1)
     nbytes = frames * frame_bytes
@@ -97,7 +96,7 @@ def ranges_rows(reps: int) -> list[dict]:
     alone = min(matmul_s() for _ in range(reps))
     out = []
     for programs in (8, 16, 32, 64, 128, 1 << 20):
-        copy = lambda: kernels.copy_ranges(table_, dst, offsets, sizes, piece // 4, programs=programs)  # noqa: E731
+        copy = lambda: kernels.copy_ranges(table_, dst, ranges, programs=programs)  # noqa: E731
         t = _time(copy, reps)
         assert torch.equal(dst.view(-1).cpu(), whole), "copy_ranges lost bytes"
 

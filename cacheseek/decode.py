@@ -9,15 +9,16 @@ from the device's pool (``store.device_staging``) at the first frame and given b
 last decode is queued (``finish``), or by ``close`` on any path: a decoder is closed in a
 ``finally`` (``decode_frames`` does).
 
-Under a precision policy (``BlockFormat.policy``) a chain mixes codecs by position:
-``MixedDecoder`` gives each codec's run of positions its own ``BatchDecoder`` (its own
-staging rows and launches), all decoding into one [L, H, n*B, D] output, in one pass over
-the frames as they land. ``make_decoder`` picks the decoder a format needs.
+Under a precision policy (``BlockFormat.policy``) a chain mixes codecs by position: the
+decoder lays each codec's run of positions out in the same staging buffer (one lease, rows
+at that codec's stride) and cuts each chunk's decode where the codec changes, so a policy
+costs an extra launch per codec change, not extra staging, streams or host work per block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,20 @@ from .store.streams import on_stream, work_stream
 from .store.tier import BlockFrame
 
 
+@dataclass(slots=True)
+class _Run:
+    """Blocks ``[j0, j1)`` of a decoder, of one codec: their staging rows and the codec's
+    buffers over them (``[j1 - j0, ...]`` views), made at the decoder's first frame."""
+
+    j0: int
+    j1: int
+    fmt: BlockFormat
+    tensors: tuple = ()  # the frames' payload layout (every frame of the run must have it)
+    payload_nbytes: int = 0
+    rows: torch.Tensor | None = None
+    views: list[torch.Tensor] = field(default_factory=list)
+
+
 class BatchDecoder:
     """Decodes up to ``max_blocks`` consecutive blocks into [L, H, n*B, D] K and V on ``device``.
 
@@ -39,28 +54,31 @@ class BatchDecoder:
     a side stream and every ``chunk_blocks`` blocks are decoded as soon as they have landed,
     so decoding overlaps the transfer of the next blocks; ``finish`` decodes the rest.
     The host's work per block is a copy launch: the staging views are made once, and each
-    chunk costs one codec call.
+    chunk costs one codec call (one per codec in it, under a precision policy).
     """
 
     def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, chunk_blocks: int = 8,
-                 sink: Any = None, blocks_out: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 sink: Any = None, first_position: int = 0) -> None:
         """``sink(j0, j1, buffers)``: decodes blocks ``[j0, j1)`` (``buffers``: the codec's
         buffers as ``[j1 - j0, L, H, ...]`` staging views) where the caller wants them, e.g.
         into an engine's pages; then ``finish`` returns nothing. Default: into [L, H, n*B, D].
-        ``blocks_out``: K and V views ``[max_blocks, L, H, B, D]`` to decode into (a
-        ``MixedDecoder``'s part); ``finish`` then returns nothing either."""
-        if not fmt.uniform:
-            raise RuntimeError("BatchDecoder decodes blocks of one codec; use make_decoder for a precision policy")
+        ``first_position``: the chain position of the first block (under a precision
+        policy, the codec of each block depends on it)."""
+        if sink is not None and not fmt.uniform:
+            raise RuntimeError("BatchDecoder: a sink takes blocks of one codec, not a precision policy's")
         self._sink = sink
-        self._blocks_out = blocks_out
         self.codec, self.layout, self.block_tokens = fmt.codec, fmt.layout, fmt.block_tokens
         self.max_blocks, self.device = max_blocks, device
+        self._runs = [_Run(a - first_position, b - first_position, fmt.at(a))
+                      for a, b in fmt.segments(first_position, first_position + max_blocks)]
+        # The run of each block (a list index per add, not a search).
+        self._run_of = [r for r, run in enumerate(self._runs) for _ in range(run.j1 - run.j0)]
         self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
         self._chunk = chunk_blocks
         self._meta0: FrameMeta | None = None
         self._lease: StagingLease | None = None  # the staging buffer's, from _start until finish or close
-        self._staging: torch.Tensor | None = None
-        self._views: list[torch.Tensor] = []  # the codec's buffers of every staging row
+        self._staging: torch.Tensor | None = None  # (one codec: its rows [max_blocks, stride])
+        self._views: list[torch.Tensor] = []  # (one codec: its buffers over every staging row)
         # The frames added, in order; their memory stays the caller's, who holds each
         # frame's lease until ``copied()`` (or ``wait``) says its copy is done.
         self._frames: list[BlockFrame] = []
@@ -74,33 +92,46 @@ class BatchDecoder:
         return len(self._frames)
 
     def _start(self, meta: FrameMeta) -> None:
-        """Lay out the staging rows for frames like ``meta``, and check the codec agrees."""
+        """Lay out the staging rows of every codec run (the first run's like ``meta``, the
+        first frame's), and check the codec agrees."""
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        template = self.codec.template((self.max_blocks, L, H, B, D), self.layout.dtype)
+        first = self._runs[0]
+        template = first.fmt.codec.template((first.j1 - first.j0, L, H, B, D), self.layout.dtype)
         for (name, spec, _), entry in zip(template.named_buffers(), meta.tensors, strict=True):
-            if entry.name != name or entry.dtype != spec.dtype or (self.max_blocks, *entry.shape) != spec.shape:
+            if entry.name != name or entry.dtype != spec.dtype or (first.j1 - first.j0, *entry.shape) != spec.shape:
                 raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
-        stride = staging_stride(meta.payload_nbytes)
+        first.tensors, first.payload_nbytes = meta.tensors, meta.payload_nbytes
+        for run in self._runs[1:]:
+            planned = run.fmt.planned_payload()
+            run.tensors, run.payload_nbytes = planned.tensors, planned.payload_nbytes
+        strides = [staging_stride(run.payload_nbytes) for run in self._runs]
         # Taken for the current stream (the decodes'); the copies run on the copy stream,
         # after it (the wait below).
-        self._lease = staging_pool(self.device).take(self.max_blocks * stride)
-        self._staging = self._lease.rows(self.max_blocks, stride)
-        self._views = payload_views(self._staging, meta.tensors, self.max_blocks, stride)
+        self._lease = staging_pool(self.device).take(sum((r.j1 - r.j0) * s for r, s in zip(self._runs, strides)))
+        offset = 0
+        for run, stride in zip(self._runs, strides):
+            n = run.j1 - run.j0
+            run.rows = self._lease.tensor[offset : offset + n * stride].view(n, stride)
+            run.views = payload_views(run.rows, run.tensors, n, stride)
+            offset += n * stride
+        self._staging, self._views = first.rows, first.views
         self._meta0 = meta
         if self._copy_stream is not None:
             self._lease.used_on(self._copy_stream)
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def add(self, frame: BlockFrame) -> None:
-        if len(self._frames) >= self.max_blocks:
+        j = len(self._frames)
+        if j >= self.max_blocks:
             raise RuntimeError(f"BatchDecoder holds {self.max_blocks} blocks already")
         if self._meta0 is None:
             self._start(frame.meta)
-        elif frame.meta.tensors != self._meta0.tensors:
-            raise FrameError("frames of one chain disagree on their payload layout")
-        elif self._staging is None:
+        elif self._lease is None:
             raise RuntimeError("BatchDecoder.add after finish or close (its staging was given back)")
-        dst = self._staging[len(self._frames)]
+        run = self._runs[self._run_of[j]]
+        if frame.meta.tensors != run.tensors:
+            raise FrameError("frames of one chain disagree on their payload layout")
+        dst = run.rows[j - run.j0]
         if self._copy_stream is None:
             self._copy(frame, dst)
         else:
@@ -110,7 +141,7 @@ class BatchDecoder:
                 landed.record(self._copy_stream)
                 self._copied_events.append(landed)
         self._frames.append(frame)
-        pending, left = len(self._frames) - self._decoded, self.max_blocks - len(self._frames)
+        pending, left = j + 1 - self._decoded, self.max_blocks - j - 1
         # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
         if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
             self._decode_pending()
@@ -129,12 +160,12 @@ class BatchDecoder:
 
     def _copy(self, frame: BlockFrame, dst: torch.Tensor) -> None:
         if frame.device_payload is not None:
-            dst[: self._meta0.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
+            dst[: frame.meta.payload_nbytes].copy_(frame.device_payload, non_blocking=True)
         elif frame.device_entries is not None:
             for entry, src in zip(frame.meta.tensors, frame.device_entries, strict=True):
                 copy_entry(dst[entry.offset : entry.offset + entry.nbytes], src)
         else:
-            dst[: self._meta0.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
+            dst[: frame.meta.payload_nbytes].copy_(as_host_tensor(frame.payload_view()), non_blocking=True)
 
     def flush(self) -> None:
         """Decode the blocks added and not decoded yet now (once they have landed)."""
@@ -155,17 +186,19 @@ class BatchDecoder:
             self._decoded = j1
             return
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        if self._k is None and self._blocks_out is not None:
-            self._k, self._v = self._k_blocks, self._v_blocks = self._blocks_out
-        elif self._k is None:
+        if self._k is None:
             self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
             self._v = torch.empty_like(self._k)
             as_blocks = (L, H, self.max_blocks, B, D)
             self._k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
             self._v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
-        template = self.codec.template((j1 - j0, L, H, B, D), self.layout.dtype)
-        out = (self._k_blocks[j0:j1], self._v_blocks[j0:j1])
-        self.codec.decode(template.with_buffers([v[j0:j1] for v in self._views]), self.device, out=out)
+        for run in self._runs:  # one for a codec; under a policy, the chunk is cut where it changes
+            a, b = max(j0, run.j0), min(j1, run.j1)
+            if a >= b:
+                continue
+            # (The views were checked against the codec's template at _start.)
+            run.fmt.codec.decode_buffers([v[a - run.j0 : b - run.j0] for v in run.views],
+                                         (self._k_blocks[a:b], self._v_blocks[a:b]))
         self._decoded = j1
 
     def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +212,7 @@ class BatchDecoder:
         self._release_staging()  # every decode out of it is queued
         if wait:
             self.wait()
-        if self._sink is not None or self._blocks_out is not None:
+        if self._sink is not None:
             return None, None
         tokens = n * self.block_tokens
         if n == self.max_blocks:
@@ -210,98 +243,16 @@ class BatchDecoder:
         if lease is not None:
             self._lease = None
             self._staging, self._views = None, []
+            for run in self._runs:
+                run.rows, run.views = None, []
             lease.release()
-
-
-class MixedDecoder:
-    """``BatchDecoder``'s interface for a chain whose codec changes by position (a
-    ``PrecisionPolicy``): blocks ``first_position, first_position + 1, ...`` are added in
-    chain order; each codec's run of positions has its own ``BatchDecoder`` (blocks of each
-    codec decoded together, a launch per chunk), all writing into one [L, H, n*B, D]."""
-
-    def __init__(self, fmt: BlockFormat, max_blocks: int, device: torch.device, *, first_position: int = 0,
-                 chunk_blocks: int = 8) -> None:
-        L, H, D, B = fmt.layout.num_layers, fmt.layout.num_kv_heads, fmt.layout.head_dim, fmt.block_tokens
-        self.block_tokens, self.max_blocks = B, max_blocks
-        self._k = torch.empty((L, H, max_blocks * B, D), dtype=fmt.layout.torch_dtype, device=device)
-        self._v = torch.empty_like(self._k)
-        as_blocks = (L, H, max_blocks, B, D)
-        k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
-        v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
-        self._parts: list[tuple[int, BatchDecoder]] = []  # (first row, decoder) per codec run
-        for a, b in fmt.segments(first_position, first_position + max_blocks):
-            j0, j1 = a - first_position, b - first_position
-            self._parts.append((j0, BatchDecoder(fmt.at(a), j1 - j0, device, chunk_blocks=chunk_blocks,
-                                                 blocks_out=(k_blocks[j0:j1], v_blocks[j0:j1]))))
-        self._added = 0
-        self._part = 0
-
-    def __len__(self) -> int:
-        return self._added
-
-    def add(self, frame: BlockFrame) -> None:
-        if self._added >= self.max_blocks:
-            raise RuntimeError(f"MixedDecoder holds {self.max_blocks} blocks already")
-        while len(self._parts[self._part][1]) == self._parts[self._part][1].max_blocks:
-            self._part += 1
-        part = self._parts[self._part][1]
-        part.add(frame)
-        self._added += 1
-        if len(part) == part.max_blocks:
-            part.flush()  # a run complete (the first blocks'): decoded while later copies land
-
-    def copied(self) -> int:
-        """As ``BatchDecoder.copied``: frames copied off their memory, counted in order."""
-        done = 0
-        for _, part in self._parts:
-            got = part.copied()
-            done += got
-            if got < part.max_blocks:
-                break
-        return min(done, self._added)
-
-    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._added == 0:
-            raise RuntimeError("MixedDecoder.finish: no frames were added")
-        for _, part in self._parts:
-            if len(part):
-                part.finish(wait=False)
-        if wait:
-            self.wait()
-        tokens = self._added * self.block_tokens
-        if self._added == self.max_blocks:
-            return self._k, self._v
-        return self._k[:, :, :tokens], self._v[:, :, :tokens]
-
-    def wait(self) -> None:
-        for _, part in self._parts:
-            part.wait()
-
-    def close(self) -> None:
-        """``BatchDecoder.close`` of every part (all of them, even if one raises)."""
-        error: BaseException | None = None
-        for _, part in self._parts:
-            try:
-                part.close()
-            except BaseException as exc:  # noqa: BLE001 - the others must still be closed
-                error = error or exc
-        if error is not None:
-            raise error
-
-
-def make_decoder(fmt: BlockFormat, max_blocks: int, device: torch.device, *, first_position: int = 0,
-                 chunk_blocks: int = 8) -> BatchDecoder | MixedDecoder:
-    """The decoder of blocks ``first_position..`` of a chain in ``fmt`` (into [L, H, n*B, D])."""
-    if fmt.uniform:
-        return BatchDecoder(fmt, max_blocks, device, chunk_blocks=chunk_blocks)
-    return MixedDecoder(fmt, max_blocks, device, first_position=first_position, chunk_blocks=chunk_blocks)
 
 
 def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode n consecutive blocks (a chain's, from its first) into K and V of shape
     [L, H, n*B, D] on ``device``."""
-    decoder = make_decoder(fmt, len(frames), device)
+    decoder = BatchDecoder(fmt, len(frames), device)
     try:
         for frame in frames:
             decoder.add(frame)
@@ -310,4 +261,4 @@ def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
         decoder.close()
 
 
-__all__ = ["BatchDecoder", "MixedDecoder", "decode_frames", "make_decoder"]
+__all__ = ["BatchDecoder", "decode_frames"]

@@ -81,13 +81,16 @@ def _encode_deferred(
     staging: bool | None = None,
     prepared: Any = _UNPREPARED,
     leases: list[StagingLease] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> tuple[list[BlockFrame], torch.Tensor]:
     """:func:`encode_blocks` without waiting for the device: the frames plus the codec's
     validity flags, which must be checked before the frames are used. ``prepared``: the
     codec's ``prepare_layers`` of ``layers``, when the caller encodes them in batches.
     ``fmt`` is uniform (one codec: a policy's ``fmt.at(position)``). ``leases``: the staging
     is leased from the device's pool (for the current stream) and its lease appended there,
-    for the caller to release once the frames' bytes are copied (else: a plain tensor)."""
+    for the caller to release once the frames' bytes are copied (else: a plain tensor).
+    ``rows``: ``[n, stride]`` staging rows to encode into instead, the caller's (its share
+    of a lease taken for several pieces)."""
     if not fmt.uniform:
         raise RuntimeError("_encode_deferred: a launch holds blocks of one codec; cut at fmt.segments")
     codec, block_tokens = fmt.codec, fmt.block_tokens
@@ -102,7 +105,9 @@ def _encode_deferred(
     else:
         payload = metas[0].payload_nbytes
         stride = staging_stride(payload)
-        if leases is None:
+        if rows is not None:
+            buf, stride = rows, rows.shape[1]
+        elif leases is None:
             buf = torch.empty((n, stride), dtype=torch.uint8, device=device)
         else:
             lease = staging_pool(device).take(n * stride)
@@ -190,50 +195,64 @@ def iter_encoded(
     if device.type == "cuda":
         batch_blocks = batching.pipelined_batch_blocks(sum(missing), batch_blocks,
                                                        fmt.layout.raw_nbytes(fmt.block_tokens))
-    # A batch holds blocks of one codec: under a precision policy, runs are cut where it changes.
-    batches = [seg for run in batching.runs(missing, batch_blocks) for seg in fmt.segments(*run)]
+    # A launch holds blocks of one codec, so under a precision policy a batch is cut where
+    # the codec changes; its pieces are launched together and waited for once, so a policy
+    # costs a launch per piece, not a pipeline stage (a round trip of the host) per piece.
+    batches = [fmt.segments(*run) for run in batching.runs(missing, batch_blocks)]
     if tail_first:
         batches.reverse()
     if not batches:
         return
     k_layers, v_layers = [k for k, _ in layers], [v for _, v in layers]
-    prepared: dict[int, Any] = {}  # id(part format) -> its codec's prepare_layers
+    prepared: dict[Any, Any] = {}  # codec.prepare_key() -> its prepare_layers (a policy's parts may share it)
     side = work_stream("encode", device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
 
     held: list[StagingLease] = []  # the staging of the batch yielded last (and of one launched ahead)
 
-    def launch(start: int, stop: int):
-        part = fmt.at(start)
-        if id(part) not in prepared:
-            prepared[id(part)] = part.codec.prepare_layers(k_layers, v_layers)
-        with on_stream(side) if side is not None else contextlib.nullcontext():
-            frames, finite = _encode_deferred(part, layers, start, hashes[start:stop], parents[start:stop],
-                                              prepared=prepared[id(part)], leases=held if pooled else None)
-            done = None
-            if side is not None:
-                finite = flags_to_host(finite)
-                done = torch.cuda.Event()
-                done.record(side)
-        return frames, finite, done, part.codec
+    def launch(pieces: list[tuple[int, int]]):
+        frames, checks = [], []  # checks: (codec, its validity flags) per piece
+        shares = None
+        if pooled and side is not None and len(pieces) > 1:
+            with on_stream(side):
+                shares = _round_staging(fmt, pieces, device, held)
+        for p, (start, stop) in enumerate(pieces):
+            part = fmt.at(start)
+            key = part.codec.prepare_key()
+            if key not in prepared:
+                prepared[key] = part.codec.prepare_layers(k_layers, v_layers)
+            with on_stream(side) if side is not None else contextlib.nullcontext():
+                got, finite = _encode_deferred(part, layers, start, hashes[start:stop], parents[start:stop],
+                                               prepared=prepared[key], leases=held if pooled else None,
+                                               rows=None if shares is None else shares[p])
+                if side is not None:
+                    finite = flags_to_host(finite)
+            frames += got
+            checks.append((part.codec, finite))
+        done = None
+        if side is not None:
+            done = torch.cuda.Event()
+            done.record(side)
+        return frames, checks, done
 
     upcoming = None
     try:
-        upcoming = launch(*batches[0])
+        upcoming = launch(batches[0])
         for i in range(len(batches)):
-            frames, finite, done, codec = upcoming
+            frames, checks, done = upcoming
             if done is not None:
                 done.synchronize()
                 torch.cuda.current_stream(device).wait_event(done)
-            codec.check_finite(finite)
+            for codec, finite in checks:
+                codec.check_finite(finite)
             yield frames
             give_back(held, device)  # before the next launch, which may take the same buffer
             if i + 1 < len(batches):
                 # Launched once this batch's copies are out (not before: the host is the
                 # bottleneck, and the copies should start as early as they can); its
                 # encoding overlaps them.
-                upcoming = launch(*batches[i + 1])
+                upcoming = launch(batches[i + 1])
     finally:
         # Stopped early (bad input, or the caller gave up): the batch launched ahead still
         # writes its flags into host memory; let it finish before that memory is reused.
@@ -242,6 +261,21 @@ def iter_encoded(
                 upcoming[2].synchronize()
         finally:
             give_back(held, device)
+
+
+def _round_staging(fmt: BlockFormat, pieces: list[tuple[int, int]], device: torch.device,
+                   held: list[StagingLease]) -> list[torch.Tensor]:
+    """One staging lease (taken for the current stream, appended to ``held``) for the
+    pieces of a round, cut into each piece's rows at its codec's stride: a precision
+    policy's round costs one take, as a uniform one does."""
+    strides = [staging_stride(fmt.at(a).planned_payload().payload_nbytes) for a, _ in pieces]
+    lease = staging_pool(device).take(sum((b - a) * s for (a, b), s in zip(pieces, strides)))
+    held.append(lease)
+    shares, offset = [], 0
+    for (a, b), stride in zip(pieces, strides):
+        shares.append(lease.tensor[offset : offset + (b - a) * stride].view(b - a, stride))
+        offset += (b - a) * stride
+    return shares
 
 
 def give_back(leases: list[StagingLease], device: torch.device) -> None:

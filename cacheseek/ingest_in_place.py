@@ -83,8 +83,12 @@ class InPlaceIngest:
         self.prepared: dict[int, Any] = {}  # id(part format) -> its codec's prepare_layers (None: paged)
         self.device = source.device if source is not None else layers[0][0].device
         if source is None:
+            shared: dict[Any, Any] = {}  # prepare_key -> prepare_layers: a policy's parts may share it
             for part in fmt.parts():
-                self.prepared[id(part)] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+                key = part.codec.prepare_key()
+                if key not in shared:
+                    shared[key] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+                self.prepared[id(part)] = shared[key]
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)

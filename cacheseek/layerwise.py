@@ -167,7 +167,7 @@ class LayerwiseDecoder(BatchDecoder):
         self._group_dst: list[Any] = [None] * len(self.groups)
         self._staging_pieces(0)
         # The same slices as byte ranges of a payload (and of its staging row), for the kernel.
-        self._ranges = [[(e.offset + l0 * (e.nbytes // L), (l1 - l0) * (e.nbytes // L)) for e in meta.tensors]
+        self._ranges = [tuple((e.offset + l0 * (e.nbytes // L), (l1 - l0) * (e.nbytes // L)) for e in meta.tensors)
                         for l0, l1 in self.groups]
         if self._gather and any(o % 4 or n % 4 for group in self._ranges for o, n in group):
             self._gather = False  # (frames lay buffers out 64-byte aligned: not seen in practice)
@@ -204,16 +204,13 @@ class LayerwiseDecoder(BatchDecoder):
         """Group ``g``'s slices of every split frame into their staging rows: one kernel
         reading the frames where they are (pinned host memory, mapped into the device)."""
         from . import kernels
-        from .kernels.layers import offsets_table
 
         if self._gather_tables is None:
             rows = [(src.data_ptr(), j) for j, src in self._rows]
             table = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             self._gather_tables = (table.to(self.device, non_blocking=True), table)  # (keep the source alive)
         addrs, _ = self._gather_tables
-        offsets, sizes = (tuple(x // 4 for x in col) for col in zip(*self._ranges[g]))
-        kernels.copy_ranges(addrs, self._staging, offsets_table(self.device, offsets),
-                            offsets_table(self.device, sizes), max(sizes))
+        kernels.copy_ranges(addrs, self._staging, self._ranges[g])
 
     @staticmethod
     def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -310,10 +307,7 @@ class LayerwiseDecoder(BatchDecoder):
         if self._sink is not None:
             self._sink(0, n, views, layers=(l0, l1))
             return
-        L, H, D, B = l1 - l0, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        template = self.codec.template((n, L, H, B, D), self.layout.dtype)
-        out = (self._k_blocks[:, l0:l1], self._v_blocks[:, l0:l1])
-        self.codec.decode(template.with_buffers(views), self.device, out=out)
+        self.codec.decode_buffers(views, (self._k_blocks[:, l0:l1], self._v_blocks[:, l0:l1]))
 
     def release_all(self) -> None:
         """Wait for every copy out of the frames (host-side), then give them all back, and the

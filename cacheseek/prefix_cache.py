@@ -8,7 +8,7 @@ from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
 from .config import TierConfig
-from .decode import make_decoder
+from .decode import BatchDecoder
 from .encode import iter_encoded
 from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
@@ -327,7 +327,7 @@ class PrefixCache(PrefixCacheBase):
             return self._materialize_layerwise(hashes, located, device)
         if not located:
             return self._nothing(device)
-        decoder = make_decoder(self.block_format, len(located), device)
+        decoder = BatchDecoder(self.block_format, len(located), device)
         tiers: list[str] = []
         feed = _Feed(decoder)
         try:

@@ -11,10 +11,14 @@ the copy engine's rate (``benchmarks/host_access.py``), for one launch per group
 
 # (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
 import contextlib
+import functools
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from .layers import offsets_table
 
 WORD = 4  # bytes moved per element: every offset and size must be a multiple of it
 CHUNK_WORDS = 2048  # words per chunk (8 KiB)
@@ -25,17 +29,18 @@ PROGRAMS = 16
 
 
 @triton.jit
-def _copy_ranges_kernel(table, dst, row_words, offsets, sizes, P, C, total, CHUNK: tl.constexpr):
-    # A fixed number of programs, each looping over chunks (source, range, chunk): the reads
-    # wait on the link, and a program per chunk would hold every SM meanwhile, slowing the
-    # kernels the load overlaps with (a forward's).
+def _copy_ranges_kernel(table, dst, row_words, chunk_offsets, chunk_sizes, Q, total, CHUNK: tl.constexpr):
+    # A fixed number of programs, each looping over (source, chunk) pairs: the reads wait
+    # on the link, and a program per chunk would hold every SM meanwhile, slowing the
+    # kernels the load overlaps with (a forward's). The ranges are cut into chunks on the
+    # host, so no iteration is spent past a short range's end (a codec's small scale
+    # buffers beside its large code buffers).
     for t in range(tl.program_id(0), total, tl.num_programs(0)):
-        i = t // (P * C)
-        r = (t // C) % P
-        c = t % C
-        size = tl.load(sizes + r)
-        off = tl.load(offsets + r)
-        idx = c.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+        i = t // Q
+        q = t % Q
+        size = tl.load(chunk_sizes + q)
+        off = tl.load(chunk_offsets + q)
+        idx = tl.arange(0, CHUNK)
         mask = idx < size
         src = tl.load(table + 2 * i).to(tl.pointer_type(tl.int32))
         row = tl.load(table + 2 * i + 1)
@@ -43,29 +48,46 @@ def _copy_ranges_kernel(table, dst, row_words, offsets, sizes, P, C, total, CHUN
         tl.store(dst + row * row_words + off + idx, values, mask=mask)
 
 
-def copy_ranges(table: torch.Tensor, dst: torch.Tensor, offsets: torch.Tensor, sizes: torch.Tensor,
-                max_size: int, *, programs: int = PROGRAMS) -> None:
-    """For every source ``(address, row)`` of ``table`` and every range ``r``: bytes
-    ``[offsets[r], offsets[r] + sizes[r])`` (given in 4-byte words) of the host buffer at
-    ``address`` into the same bytes of ``dst[row]``, on the current stream, in one launch of
-    at most ``programs`` programs. ``table``: ``[n, 2]`` int64 device tensor; the addresses
-    point into pinned (device-mapped) host memory, 4-byte aligned; ``dst``: a contiguous
-    ``[rows, row_bytes]`` uint8 device tensor; ``max_size``: the largest of ``sizes``
-    (words). Nothing checks that the addresses are mapped or the rows in range: a pageable
-    address faults the kernel (the caller knows where its frames live)."""
+@functools.lru_cache(maxsize=64)
+def _chunks(ranges: tuple[tuple[int, int], ...], chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``ranges`` ((offset, size) in words) cut into pieces of at most ``chunk`` words: their
+    offsets and sizes."""
+    offsets, sizes = [], []
+    for off, size in ranges:
+        for start in range(0, size, chunk):
+            offsets.append(off + start)
+            sizes.append(min(chunk, size - start))
+    return tuple(offsets), tuple(sizes)
+
+
+def copy_ranges(table: torch.Tensor, dst: torch.Tensor, ranges: Sequence[tuple[int, int]], *,
+                programs: int = PROGRAMS) -> None:
+    """For every source ``(address, row)`` of ``table`` and every range ``(offset, size)``
+    of ``ranges`` (bytes, multiples of 4): bytes ``[offset, offset + size)`` of the host
+    buffer at ``address`` into the same bytes of ``dst[row]``, on the current stream, in
+    one launch of at most ``programs`` programs. ``table``: ``[n, 2]`` int64 device tensor;
+    the addresses point into pinned (device-mapped) host memory, 4-byte aligned; ``dst``: a
+    contiguous ``[rows, row_bytes]`` uint8 device tensor. The ranges' chunk table is made
+    once per distinct ``ranges`` (cached on the device). Nothing checks that the addresses
+    are mapped or the rows in range: a pageable address faults the kernel (the caller
+    knows where its frames live)."""
     if table.dim() != 2 or table.shape[1] != 2 or table.dtype != torch.int64 or not table.is_contiguous():
         raise ValueError("copy_ranges: table must be a contiguous [n, 2] int64 tensor of (address, row)")
     if programs < 1:
         raise ValueError(f"programs: must be >= 1, got {programs}")
-    sources = table.shape[0]
     rows, row_bytes = dst.shape
     if row_bytes % WORD or not dst.is_contiguous() or dst.data_ptr() % WORD:
         raise ValueError("copy_ranges: dst must be contiguous [rows, row_bytes] with 4-byte aligned rows")
-    ranges = sizes.numel()
-    if not sources or not ranges or max_size <= 0:
+    if any(off % WORD or size % WORD or off < 0 or size < 0 or off + size > row_bytes for off, size in ranges):
+        raise ValueError(f"copy_ranges: ranges must be 4-byte multiples within a row of {row_bytes} bytes")
+    words = tuple((off // WORD, size // WORD) for off, size in ranges if size)
+    sources = table.shape[0]
+    if not sources or not words:
         return
-    chunks = triton.cdiv(max_size, CHUNK_WORDS)
-    total = sources * ranges * chunks
+    offsets, sizes = _chunks(words, CHUNK_WORDS)
+    total = sources * len(offsets)
     with torch.cuda.device(dst.device) if dst.device.type == "cuda" else contextlib.nullcontext():
-        _copy_ranges_kernel[(min(total, programs),)](table, dst.view(torch.int32), row_bytes // WORD, offsets, sizes,
-                                                     ranges, chunks, total, CHUNK=CHUNK_WORDS)
+        _copy_ranges_kernel[(min(total, programs),)](table, dst.view(torch.int32), row_bytes // WORD,
+                                                     offsets_table(dst.device, offsets),
+                                                     offsets_table(dst.device, sizes), len(offsets), total,
+                                                     CHUNK=CHUNK_WORDS)

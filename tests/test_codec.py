@@ -271,3 +271,20 @@ def test_backend_env_forces_torch(monkeypatch):
     monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", "fast")
     with pytest.raises(ConfigError, match="CACHESEEK_KIVI_BACKEND"):
         backend_for(torch.empty(1))
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=2), cs.KIVI(k_bits=4, v_bits=2, group_size=32),
+                                   cs.KIVI(bits=4, v_rotate=True)], ids=["raw", "int2", "k4v2", "int4-rotate"])
+def test_decode_buffers_writes_what_decode_returns(codec):
+    # The decoders' path (staging views straight into strided outputs) against decode().
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(3, 2, 2, 32, 64, generator=gen).half() for _ in range(2))
+    encoded = codec.encode(k, v)
+    want_k, want_v = codec.decode(encoded)
+    out_k = torch.full((2, 2, 3 * 32, 64), 7.0).half()  # [L, H, n*B, D], written as [n, L, H, B, D]
+    out_v = torch.full_like(out_k, 7.0)
+    as_blocks = (2, 2, 3, 32, 64)
+    codec.decode_buffers([b for _, _, b in encoded.named_buffers()],
+                         (out_k.view(as_blocks).permute(2, 0, 1, 3, 4), out_v.view(as_blocks).permute(2, 0, 1, 3, 4)))
+    assert torch.equal(out_k.view(as_blocks).permute(2, 0, 1, 3, 4), want_k)
+    assert torch.equal(out_v.view(as_blocks).permute(2, 0, 1, 3, 4), want_v)

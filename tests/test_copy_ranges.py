@@ -27,9 +27,7 @@ def _run(sources, rows, row_bytes, ranges, order, programs=kernels.ranges.PROGRA
         src = [t.pin_memory() for t in src]
     dst = torch.full((rows, row_bytes), 7, dtype=torch.uint8, device=DEVICE)
     table = torch.tensor([(t.data_ptr(), r) for t, r in zip(src, order)], dtype=torch.int64, device=DEVICE)
-    offsets = torch.tensor([o // 4 for o, _ in ranges], dtype=torch.int64, device=DEVICE)
-    sizes = torch.tensor([n // 4 for _, n in ranges], dtype=torch.int64, device=DEVICE)
-    kernels.copy_ranges(table, dst, offsets, sizes, max(n // 4 for _, n in ranges), programs=programs)
+    kernels.copy_ranges(table, dst, ranges, programs=programs)
     want = torch.full((rows, row_bytes), 7, dtype=torch.uint8)
     for t, r in zip(src, order):
         for o, n in ranges:
@@ -52,17 +50,21 @@ def test_ranges_land_in_their_rows_and_nothing_else_changes(data):
 
 
 def test_a_range_larger_than_one_program_is_copied_whole():
-    # 2048 words per program: a range of 5000 words takes three
+    # chunks of 2048 words: a range of 5000 words is three, beside one of 16 words
     _run(2, 3, 4 * 6000, [(4 * 100, 4 * 5000), (0, 64)], [2, 0])
     _run(2, 3, 4 * 6000, [(4 * 100, 4 * 5000), (0, 64)], [2, 0], programs=1)  # one program loops over all
 
 
 def test_bad_tables_and_rows_are_refused():
     dst = torch.zeros((2, 64), dtype=torch.uint8, device=DEVICE)
-    one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    one = [(0, 4)]
     with pytest.raises(ValueError, match="table"):
-        kernels.copy_ranges(torch.zeros(3, dtype=torch.int64, device=DEVICE), dst, one, one, 1)
+        kernels.copy_ranges(torch.zeros(3, dtype=torch.int64, device=DEVICE), dst, one)
     with pytest.raises(ValueError, match="programs"):
-        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst, one, one, 1, programs=0)
+        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst, one, programs=0)
     with pytest.raises(ValueError, match="dst"):
-        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst[:, :62], one, one, 1)
+        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst[:, :62], one)
+    with pytest.raises(ValueError, match="ranges"):
+        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst, [(0, 6)])
+    with pytest.raises(ValueError, match="ranges"):
+        kernels.copy_ranges(torch.zeros((1, 2), dtype=torch.int64, device=DEVICE), dst, [(60, 8)])

@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 import cacheseek as cs
 from cacheseek.block_format import BlockFormat
+from cacheseek.decode import BatchDecoder
 from cacheseek.errors import FrameError
 from cacheseek.hashing import hash_token_blocks
 from cacheseek.prefix_keys import PrefixKeys
 from cacheseek.quant import setting_from_spec
+from cacheseek.store.device_staging import staging_pool
 from server_helpers import Server
 from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
 
@@ -157,6 +159,37 @@ def test_mixed_chain_round_trip_equals_per_block_uniform_decode(policy, tiers, t
         _assert_equal_to_uniform(cache.materialize(toks, max_tokens=BLOCK), policy, kv, 1)
         _assert_equal_to_uniform(cache.materialize(toks, max_tokens=3 * BLOCK), policy, kv, 3)
         assert cache.stats()["codec"] == policy.spec()
+
+
+def test_a_mixed_chain_is_decoded_out_of_one_staging_lease_given_back_after():
+    # The parts of a mixed chain share one staging buffer: one take per materialize, as
+    # for a uniform chain, and none left lent once it returns, or once a decode fails.
+    toks, kv = tokens_for(9, 5 * BLOCK), make_kv(5 * BLOCK, 9)
+    pool = staging_pool(torch.device("cpu"))
+
+    def takes() -> int:
+        got = pool.stats()
+        return got["buffers_made"] + got["reused"] + got["one_off"]
+
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        cache.ingest(toks, kv)
+        before = takes()
+        _assert_equal_to_uniform(cache.materialize(toks), POLICY, kv, 5)
+        assert takes() == before + 1
+        assert pool.stats()["leases_active"] == 0
+        decoder = BatchDecoder(BlockFormat(POLICY, LAYOUT, BLOCK), 5, torch.device("cpu"))
+        hashes = cache.block_hashes(toks)
+        frames = [cache.store.get(hashes[0])[0], cache.store.get(hashes[2])[0]]
+        try:
+            decoder.add(frames[0])
+            assert pool.stats()["leases_active"] == 1
+            with pytest.raises(FrameError, match="disagree"):
+                decoder.add(frames[1])  # position 2's frame (the rest's codec) where int8's belongs
+        finally:
+            for frame in frames:
+                frame.release()
+            decoder.close()
+        assert pool.stats()["leases_active"] == 0
 
 
 def test_ingest_of_an_extension_stores_only_the_new_blocks_with_the_rest_codec():

@@ -42,6 +42,11 @@ class KVLayerCodec(Protocol):
         """``encode`` without the host wait: also returns device-side validity flags."""
         ...
 
+    def prepare_key(self) -> Any:
+        """Equal for codecs whose ``prepare_layers`` of the same layers are interchangeable
+        (a precision policy's parts then prepare the layers once)."""
+        ...
+
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
         """Get ready to encode blocks read in place from per-layer ``[H, T, D]`` K and V
         (which the caller has checked agree in shape, dtype and device); None if this codec
@@ -74,6 +79,13 @@ class KVLayerCodec(Protocol):
         ...
 
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]: ...
+
+    def decode_buffers(self, buffers: list[Any], out: tuple[Any, Any]) -> None:
+        """Decode the template's buffers (``[n, ...]`` views, already on ``out``'s device and
+        checked against the template by the caller: a decoder's staging rows) into ``out``,
+        K and V as ``[n, L, H, B, D]``: ``decode`` without building, checking or moving an
+        ``EncodedLayer``, which costs the host more than the launches (~0.1 ms a call)."""
+        ...
 
 
 def canonical_fingerprint(spec: dict[str, Any]) -> bytes:

@@ -245,6 +245,9 @@ class KIVI:
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
         return layer.with_buffers([kq, ks, km, vq, vs, vm]), finite
 
+    def prepare_key(self) -> Any:
+        return "layer-tables, V rotated" if self.v_rotate else "layer-tables"  # Raw's is the plain one too
+
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
         """Tables of the layers' offsets for the Triton kernels (see :func:`layer_tables`).
         With ``v_rotate``, V's table is over rotated copies of V's layers (the kernels read
@@ -358,13 +361,20 @@ class KIVI:
             encoded = to_device(encoded, device)
         else:
             encoded = to_device(encoded, _device_of(encoded))
-        kq, ks, km, vq, vs, vm = (b for _, _, b in encoded.named_buffers())
-        ops = ops_for(kq)
         k_out, v_out = out if out is not None else (None, None)
-        dtype = TORCH_DTYPES[encoded.k.dtype]
+        return self._dequantize(list(b for _, _, b in encoded.named_buffers()), encoded.k.shape,
+                                TORCH_DTYPES[encoded.k.dtype], k_out, v_out)
+
+    def decode_buffers(self, buffers: list[Any], out: tuple[Any, Any]) -> None:
+        self._dequantize(buffers, tuple(out[0].shape), out[0].dtype, out[0], out[1])
+
+    def _dequantize(self, buffers: list[Any], shape: tuple[int, ...], dtype: Any, k_out: Any,
+                    v_out: Any) -> tuple[Any, Any]:
+        kq, ks, km, vq, vs, vm = buffers
+        ops = ops_for(kq)
         k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS,
-                           shape=encoded.k.shape, dtype=dtype, out=k_out)
-        v = self._dequantize_v(ops, vq, vs, vm, encoded.v.shape, dtype, v_out)
+                           shape=shape, dtype=dtype, out=k_out)
+        v = self._dequantize_v(ops, vq, vs, vm, shape, dtype, v_out)
         return k, v
 
 

@@ -62,6 +62,9 @@ class Raw:
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
         return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
 
+    def prepare_key(self) -> Any:
+        return "layer-tables"  # KIVI's too, unless it rotates V
+
     def prepare_layers(self, k_layers: list[Any], v_layers: list[Any]) -> Any | None:
         """Tables of the layers' offsets for the Triton gather (see ``backend.layer_tables``;
         None: the caller stacks the layers, and that copy is the encoding)."""
@@ -146,6 +149,9 @@ class Raw:
         k, v = (b for _, _, b in encoded.named_buffers())
         if out is None:
             return k, v
-        out[0].copy_(k)
-        out[1].copy_(v)
+        self.decode_buffers([k, v], out)
         return out[0], out[1]
+
+    def decode_buffers(self, buffers: list[Any], out: tuple[Any, Any]) -> None:
+        out[0].copy_(buffers[0])
+        out[1].copy_(buffers[1])
