@@ -8,7 +8,8 @@
 ``--mixed``: a chain stored under a precision policy (its first block int8, the rest int2 or
 K4/V2) against the same chain under the uniform low-bit codec, in the same run, per tier:
 ingest (encode on the KV's device + copies) and materialize (copies + decode), the ratio of
-the two (goal: the policy within 5%), A/B/A/B interleaved so drift hits both alike.
+the two (goal: the policy within 5%), medians of calls interleaved A B B A (the two caches
+side by side in one process) so drift hits both alike.
 
 Blocks are Llama-3-8B shaped: 32 layers x 8 KV heads x 256 tokens x 128, fp16 (33.5 MB
 of raw KV each). Throughput is GB/s of *raw KV represented*. KV lives on the GPU when
@@ -84,71 +85,118 @@ def baseline(kv_device: torch.device, nbytes: int, reps: int) -> dict[str, float
     return {"ingest_gbps": nbytes / t / 1e9, "materialize_gbps": nbytes / t / 1e9, "kind": "memcpy"}
 
 
+class Case:
+    """One codec in one tier: a ``PrefixCache`` sized for two chains, and ``reps + 1``
+    prompts made before any clock starts (a worker has its token ids at hand). Call ``i``
+    of ``ingest`` stores prompt ``i`` after freeing prompt ``i - 1``'s blocks, so every
+    call writes into reused memory; ``materialize`` loads the last prompt stored."""
+
+    def __init__(self, codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int,
+                 disk_root: Path, batch_bytes: str = "1GiB", policy: str = "arc") -> None:
+        codec = CODECS[codec_name]
+        frame_guess = max(c.encoded_nbytes(LAYOUT, BLOCK) for c in getattr(codec, "codecs", lambda: [codec])()) + 4096
+        budget = frame_guess * blocks * 2 + (64 << 20)
+        cfg = {
+            "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0, eviction=policy),
+            "cpu": cs.TierConfig(cpu_bytes=budget, eviction=policy),
+            "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name.replace('@', '_')}-{policy}",
+                                  disk_bytes=budget, eviction=policy),
+        }[tier]
+        self.name, self.tier, self.kv, self.kv_device = codec_name, tier, kv, kv_device
+        self.cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg,
+                                    max_batch_bytes=batch_bytes)
+        self.tokens = blocks * BLOCK
+        self.prompts = [[(i * 1_000_003 + j) % 120_000 for j in range(self.tokens)] for i in range(reps + 1)]
+        self.stored: list[int] | None = None
+
+    def clear(self, i: int) -> None:
+        """Free the previous call's blocks (call ``i - 1``'s)."""
+        for key in self.cache.block_hashes(self.prompts[i - 1]) if i else []:
+            self.cache.store.delete(key)
+
+    def ingest(self, i: int) -> None:
+        self.cache.ingest(self.prompts[i], self.kv)
+        self.stored = self.prompts[i]
+
+    def check(self) -> None:
+        if self.stored is None or self.cache.lookup(self.stored) != self.tokens:
+            got = 0 if self.stored is None else self.cache.lookup(self.stored)
+            raise RuntimeError(f"{self.name}/{self.tier}: ingest stored {got} of {self.tokens} tokens")
+
+    def materialize(self, i: int) -> None:
+        self.cache.materialize(self.stored, device=self.kv_device)
+
+    def summary(self, ingest_s: list[float], materialize_s: list[float]) -> dict:
+        t_ingest, t_mat = statistics.median(ingest_s), statistics.median(materialize_s)
+        stats = self.cache.stats()["tiers"][0]
+        raw = LAYOUT.raw_nbytes(self.tokens)
+        return {
+            "codec": self.name, "tier": self.tier,
+            "ingest_gbps": raw / t_ingest / 1e9, "materialize_gbps": raw / t_mat / 1e9,
+            "ingest_ms": t_ingest * 1e3, "materialize_ms": t_mat * 1e3,
+            "ingest_ms_each": [round(t * 1e3, 3) for t in ingest_s],
+            "materialize_ms_each": [round(t * 1e3, 3) for t in materialize_s],
+            "stored_mb_per_block": stats["used_bytes"] / max(1, stats["blocks"]) / 1e6,
+            "compression": stats["compression_ratio"],
+        }
+
+
 def run_case(codec_name: str, tier: str, kv, kv_device: torch.device, blocks: int, reps: int, disk_root: Path,
              batch_bytes: str = "1GiB", policy: str = "arc") -> dict:
-    codec = CODECS[codec_name]
-    frame_guess = max(c.encoded_nbytes(LAYOUT, BLOCK) for c in getattr(codec, "codecs", lambda: [codec])()) + 4096
-    budget = frame_guess * blocks * 2 + (64 << 20)
-    cfg = {
-        "gpu": cs.TierConfig(gpu_bytes=budget, cpu_bytes=0, eviction=policy),
-        "cpu": cs.TierConfig(cpu_bytes=budget, eviction=policy),
-        "disk": cs.TierConfig(cpu_bytes=0, disk_path=disk_root / f"{codec_name.replace('@', '_')}-{policy}",
-                              disk_bytes=budget,
-                              eviction=policy),
-    }[tier]
-    cache = cs.PrefixCache(model_id="bench", layout=LAYOUT, codec=codec, block_tokens=BLOCK, tiers=cfg,
-                           max_batch_bytes=batch_bytes)
-    tokens = blocks * BLOCK
+    case = Case(codec_name, tier, kv, kv_device, blocks, reps, disk_root, batch_bytes, policy)
+    try:
+        ingest_s = _seconds(case.ingest, reps, kv_device, setup=case.clear)
+        case.check()
+        materialize_s = _seconds(case.materialize, reps, kv_device)
+        return case.summary(ingest_s, materialize_s)
+    finally:
+        case.cache.close()
 
-    # A worker has its token ids at hand: they are made before the clock starts.
-    prompts = [[(i * 1_000_003 + j) % 120_000 for j in range(tokens)] for i in range(reps + 1)]
 
-    def clear(i: int) -> None:
-        # Free the previous run's blocks so every run writes into reused memory.
-        for key in cache.block_hashes(prompts[i - 1]) if i else []:
-            cache.store.delete(key)
-
-    ingest_s = _seconds(lambda i: cache.ingest(prompts[i], kv), reps, kv_device, setup=clear)
-    last = prompts[reps]
-    if cache.lookup(last) != tokens:
-        raise RuntimeError(f"{codec_name}/{tier}: ingest stored {cache.lookup(last)} of {tokens} tokens")
-    materialize_s = _seconds(lambda i: cache.materialize(last, device=kv_device), reps, kv_device)
-    t_ingest, t_mat = statistics.median(ingest_s), statistics.median(materialize_s)
-    stats = cache.stats()["tiers"][0]
-    cache.close()
-    raw = LAYOUT.raw_nbytes(tokens)
-    return {
-        "codec": codec_name, "tier": tier,
-        "ingest_gbps": raw / t_ingest / 1e9, "materialize_gbps": raw / t_mat / 1e9,
-        "ingest_ms": t_ingest * 1e3, "materialize_ms": t_mat * 1e3,
-        "ingest_ms_each": [round(t * 1e3, 3) for t in ingest_s],
-        "materialize_ms_each": [round(t * 1e3, 3) for t in materialize_s],
-        "stored_mb_per_block": stats["used_bytes"] / max(1, stats["blocks"]) / 1e6,
-        "compression": stats["compression_ratio"],
-    }
+def _interleaved(cases: list[Case], op: str, reps: int, device: torch.device) -> list[list[float]]:
+    """Seconds of ``op`` per call, per case, the cases' calls alternated A B B A ...: drift
+    of the machine (clocks, other tenants) between calls hits every case alike."""
+    times: list[list[float]] = [[] for _ in cases]
+    for i in range(reps + 1):  # the first round warms up
+        order = range(len(cases)) if i % 2 == 0 else reversed(range(len(cases)))
+        for c in order:
+            case = cases[c]
+            if op == "ingest":
+                case.clear(i)
+            _sync(device)
+            start = time.perf_counter()
+            getattr(case, op)(i)
+            _sync(device)
+            if i:
+                times[c].append(time.perf_counter() - start)
+    return times
 
 
 def run_mixed(kv, kv_device: torch.device, blocks: int, reps: int, tiers: list[str], disk_root: Path) -> list[dict]:
-    """Each (uniform, policy) pair per tier, A/B/A/B; the policy's speed over the uniform's."""
+    """Each (uniform, policy) pair per tier, their calls interleaved; the policy's speed
+    over the uniform's (medians)."""
     rows = []
     for uniform, mixed in MIXED_PAIRS:
         for tier in tiers:
-            runs: dict[str, list[dict]] = {uniform: [], mixed: []}
-            for rnd in range(2):
-                for name in (uniform, mixed):
-                    root = disk_root / f"r{rnd}"
-                    runs[name].append(run_case(name, tier, kv, kv_device, blocks, reps, root))
-            best = {name: {"ingest_gbps": max(r["ingest_gbps"] for r in got),
-                           "materialize_gbps": max(r["materialize_gbps"] for r in got),
-                           "stored_mb_per_block": got[0]["stored_mb_per_block"]} for name, got in runs.items()}
+            cases = [Case(name, tier, kv, kv_device, blocks, reps, disk_root / tier) for name in (uniform, mixed)]
+            try:
+                ingest_s = _interleaved(cases, "ingest", reps, kv_device)
+                for case in cases:
+                    case.check()
+                materialize_s = _interleaved(cases, "materialize", reps, kv_device)
+                got = [case.summary(i_s, m_s) for case, i_s, m_s in zip(cases, ingest_s, materialize_s)]
+            finally:
+                for case in cases:
+                    case.cache.close()
+            u, m = got
             row = {"uniform": uniform, "policy": mixed, "tier": tier, "blocks": blocks,
-                   "uniform_ingest_gbps": best[uniform]["ingest_gbps"], "policy_ingest_gbps": best[mixed]["ingest_gbps"],
-                   "ingest_ratio": best[mixed]["ingest_gbps"] / best[uniform]["ingest_gbps"],
-                   "uniform_materialize_gbps": best[uniform]["materialize_gbps"],
-                   "policy_materialize_gbps": best[mixed]["materialize_gbps"],
-                   "materialize_ratio": best[mixed]["materialize_gbps"] / best[uniform]["materialize_gbps"],
-                   "uniform_mb_per_block": best[uniform]["stored_mb_per_block"],
-                   "policy_mb_per_block": best[mixed]["stored_mb_per_block"]}
+                   "uniform_ingest_gbps": u["ingest_gbps"], "policy_ingest_gbps": m["ingest_gbps"],
+                   "ingest_ratio": m["ingest_gbps"] / u["ingest_gbps"],
+                   "uniform_materialize_gbps": u["materialize_gbps"], "policy_materialize_gbps": m["materialize_gbps"],
+                   "materialize_ratio": m["materialize_gbps"] / u["materialize_gbps"],
+                   "uniform_mb_per_block": u["stored_mb_per_block"], "policy_mb_per_block": m["stored_mb_per_block"],
+                   "uniform_ms_each": {"ingest": u["ingest_ms_each"], "materialize": u["materialize_ms_each"]},
+                   "policy_ms_each": {"ingest": m["ingest_ms_each"], "materialize": m["materialize_ms_each"]}}
             rows.append(row)
             print(f"  {mixed:12s} vs {uniform:5s} {tier:5s}: ingest {row['ingest_ratio']:.3f}x, "
                   f"materialize {row['materialize_ratio']:.3f}x", flush=True)
@@ -223,7 +271,7 @@ def main() -> None:
                            "uniform_materialize_gbps", "policy_materialize_gbps", "materialize_ratio",
                            "uniform_mb_per_block", "policy_mb_per_block"],
                     f"Precision policy vs uniform codec, {args.blocks} Llama-3-8B blocks of {BLOCK} tokens, "
-                    f"KV on {kv_device}; best of 2 A/B rounds, median of {args.reps} reps each"))
+                    f"KV on {kv_device}; medians of {args.reps} calls each, interleaved"))
         return
     base = baseline(kv_device, raw, args.reps)
     print(f"baseline ({base['kind']}, {raw / 1e9:.2f} GB): ingest-side {base['ingest_gbps']:.1f} GB/s, "

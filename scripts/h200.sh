@@ -70,6 +70,10 @@ for s in "$@"; do
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
     mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
+    # A precision policy's chain vs the uniform codec's: device time of encode and decode (16 and 64 blocks).
+    kernels-mixed) step kernels-mixed 200 python3 -m benchmarks.kernels --mixed --out "$OUT" ;;
+    # Precision policies natively: mixed chains through every tier and the decoders' shared staging.
+    tests-policy) step tests-policy 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_policy.py tests/test_encode_decode.py tests/test_device_staging.py ;;
     mixed-64)    step mixed-64 200 python3 -m benchmarks.store --mixed --blocks 64 --reps 8 --tiers gpu,cpu --out /tmp/m64
                  cp /tmp/m64/store_mixed.json "$OUT/store_mixed_64.json" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
@@ -144,6 +148,15 @@ for s in "$@"; do
                  for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-fresh-$r 120 /tmp/base.sh python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/before-fresh-$r"
                    step after-fresh-$r 120 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/after-fresh-$r"
+                 done ;;
+    # A mixed chain vs its uniform codec (64 blocks, GPU and CPU tiers) under the package in .base
+    # and under this tree, alternating; both run this tree's benchmark (interleaved calls).
+    mixed-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r benchmarks /tmp/bwd/
+                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
+                   step before-mixed-$r 150 /tmp/base.sh python3 -m benchmarks.store --mixed --blocks 64 --reps 10 --tiers gpu,cpu --out "$OUT/before-mixed-$r"
+                   step after-mixed-$r 150 python3 -m benchmarks.store --mixed --blocks 64 --reps 10 --tiers gpu,cpu --out "$OUT/after-mixed-$r"
                  done ;;
     # Before/after a restructuring, in one call: the tree in .base (git archive of the older
     # commit, carried by the lead) installed apart and run from outside any checkout, then this
