@@ -72,6 +72,8 @@ for s in "$@"; do
     mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
     # A precision policy's chain vs the uniform codec's: device time of encode and decode (16 and 64 blocks).
     kernels-mixed) step kernels-mixed 200 python3 -m benchmarks.kernels --mixed --out "$OUT" ;;
+    # A pinned CPU tier's first fill (each new chunk page-locked inside an ingest) against a refill.
+    first-fill)  step first-fill 200 python3 -m benchmarks.first_fill --gib 8 --blocks 64 --out "$OUT" ;;
     # Precision policies natively: mixed chains through every tier and the decoders' shared staging.
     tests-policy) step tests-policy 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_policy.py tests/test_encode_decode.py tests/test_device_staging.py ;;
     mixed-64)    step mixed-64 200 python3 -m benchmarks.store --mixed --blocks 64 --reps 8 --tiers gpu,cpu --out /tmp/m64
