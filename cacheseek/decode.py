@@ -104,16 +104,12 @@ class BatchDecoder:
         for run in self._runs[1:]:
             planned = run.fmt.planned_payload()
             run.tensors, run.payload_nbytes = planned.tensors, planned.payload_nbytes
-        strides = [staging_stride(run.payload_nbytes) for run in self._runs]
+        shapes = [(run.j1 - run.j0, staging_stride(run.payload_nbytes)) for run in self._runs]
         # Taken for the current stream (the decodes'); the copies run on the copy stream,
         # after it (the wait below).
-        self._lease = staging_pool(self.device).take(sum((r.j1 - r.j0) * s for r, s in zip(self._runs, strides)))
-        offset = 0
-        for run, stride in zip(self._runs, strides):
-            n = run.j1 - run.j0
-            run.rows = self._lease.tensor[offset : offset + n * stride].view(n, stride)
-            run.views = payload_views(run.rows, run.tensors, n, stride)
-            offset += n * stride
+        self._lease = staging_pool(self.device).take(sum(n * stride for n, stride in shapes))
+        for run, rows, (n, stride) in zip(self._runs, self._lease.row_blocks(shapes), shapes):
+            run.rows, run.views = rows, payload_views(rows, run.tensors, n, stride)
         self._staging, self._views = first.rows, first.views
         self._meta0 = meta
         if self._copy_stream is not None:

@@ -268,14 +268,10 @@ def _round_staging(fmt: BlockFormat, pieces: list[tuple[int, int]], device: torc
     """One staging lease (taken for the current stream, appended to ``held``) for the
     pieces of a round, cut into each piece's rows at its codec's stride: a precision
     policy's round costs one take, as a uniform one does."""
-    strides = [staging_stride(fmt.at(a).planned_payload().payload_nbytes) for a, _ in pieces]
-    lease = staging_pool(device).take(sum((b - a) * s for (a, b), s in zip(pieces, strides)))
+    shapes = [(b - a, staging_stride(fmt.at(a).planned_payload().payload_nbytes)) for a, b in pieces]
+    lease = staging_pool(device).take(sum(n * stride for n, stride in shapes))
     held.append(lease)
-    shares, offset = [], 0
-    for (a, b), stride in zip(pieces, strides):
-        shares.append(lease.tensor[offset : offset + (b - a) * stride].view(b - a, stride))
-        offset += (b - a) * stride
-    return shares
+    return lease.row_blocks(shapes)
 
 
 def give_back(leases: list[StagingLease], device: torch.device) -> None:

@@ -119,6 +119,15 @@ class StagingLease(Lease):
         """The buffer as ``[n, stride]`` (it must hold ``n * stride`` bytes)."""
         return self.tensor[: n * stride].view(n, stride)
 
+    def row_blocks(self, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The buffer cut into consecutive ``[n, stride]`` blocks, one per ``(n, stride)`` of
+        ``shapes`` (blocks of several codecs' payloads, each at its own stride)."""
+        out, offset = [], 0
+        for n, stride in shapes:
+            out.append(self.tensor[offset : offset + n * stride].view(n, stride))
+            offset += n * stride
+        return out
+
 
 class DeviceStagingPool:
     """Staging buffers on one device, lent with leases (see the module doc)."""
