@@ -145,7 +145,10 @@ class HostArena:
     ``lock``: the owner's lock, held by the caller around every call (see the module doc)."""
 
     def __init__(self, capacity_bytes: int, *, pin: bool = False, chunk_bytes: int = 1 << 30,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.Lock | None = None, map_at_start: bool = False) -> None:
+        """``map_at_start``: map (and, pinned, page-lock) the whole capacity now, rather than a
+        chunk at a time inside the allocation that first needs it (~0.5 s a GiB pinned, under
+        the owner's lock: a pinned tier's first fill stalls on it)."""
         self.capacity_bytes = capacity_bytes
         self.pin = pin
         # Powers of two, so a pinned torch allocation wastes nothing. The largest chunk:
@@ -155,6 +158,8 @@ class HostArena:
         self._held = 0  # slots freed while leased
         self._held_bytes = 0
         self.ledger = LeaseLedger()
+        while map_at_start and self.reserved_bytes < capacity_bytes:
+            self._chunks.append(_Chunk(self._next_chunk_bytes(0), self.pin))
 
     @property
     def reserved_bytes(self) -> int:
@@ -221,17 +226,19 @@ class HostArena:
                 return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
-        left = self.capacity_bytes - self.reserved_bytes
-        if grow and left > 0:
-            # Powers of two no larger than what is left (a 4.5 GiB capacity maps 4 x 1 GiB
-            # + 512 MiB, not 5 GiB), unless a frame needs more.
-            size = min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need * count)))
-            chunk = _Chunk(size, self.pin)
+        if grow and self.reserved_bytes < self.capacity_bytes:
+            chunk = _Chunk(self._next_chunk_bytes(need * count), self.pin)
             self._chunks.append(chunk)
             offset = chunk.allocate(need * count)
             assert offset is not None
             return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         return None
+
+    def _next_chunk_bytes(self, need: int) -> int:
+        """The next chunk's size: a power of two no larger than the capacity left (a 4.5 GiB
+        capacity maps 4 x 1 GiB + 512 MiB, not 5 GiB), unless ``need`` bytes need more."""
+        left = self.capacity_bytes - self.reserved_bytes
+        return min(self.chunk_bytes, max(1 << (left.bit_length() - 1), _pow2_at_least(need)))
 
     def _slot(self, chunk: _Chunk, offset: int, nbytes: int) -> Slot:
         slot = Slot(chunk, offset, nbytes)

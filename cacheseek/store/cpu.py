@@ -40,14 +40,17 @@ class CpuTier(IndexedTier):
     lends_runs = True
 
     def __init__(self, capacity_bytes: int, *, pin: bool = False, name: str = "cpu", chunk_bytes: int = 1 << 30,
-                 reserve_bytes: int = 0, policy: str = DEFAULT_POLICY):
+                 reserve_bytes: int = 0, policy: str = DEFAULT_POLICY, map_at_start: bool = False):
         super().__init__(name, capacity_bytes, policy=policy)
         # Reservations (frames still arriving) may take ``reserve_bytes`` beyond the budget:
         # a full tier then receives a frame in place and evicts for it at commit, rather
         # than evicting before the frame is known to be good, or buffering it.
         self.reserve_bytes = reserve_bytes
         # The arena is guarded by this tier's lock: a read's lease costs no lock of its own.
-        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes, lock=self._lock)
+        # ``map_at_start``: the budget's memory (and the reserve's) mapped, pinned: page-locked,
+        # now rather than by the ingests that first fill it.
+        self._arena = HostArena(capacity_bytes + reserve_bytes, pin=pin, chunk_bytes=chunk_bytes, lock=self._lock,
+                                map_at_start=map_at_start)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
         self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
