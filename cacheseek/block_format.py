@@ -71,13 +71,6 @@ class BlockFormat:
         edges = [start, *cuts, stop]
         return [(a, b) for a, b in zip(edges, edges[1:]) if b > a]
 
-    def payload_nbytes(self) -> int:
-        """Bytes of one block's payload (the buffers, aligned; the same under every key size).
-        Uniform formats only: under a policy it depends on the position (``at``)."""
-        if self.policy is not None:
-            raise RuntimeError("payload_nbytes: a policy's payload depends on the position; use at(position)")
-        return self._template(0, 0).payload_nbytes
-
     def planned_payload(self) -> FrameMeta:
         """A frame of this (uniform) format as planned, for its payload's layout: the buffers'
         offsets and ``payload_nbytes``, the same under every key."""

@@ -80,15 +80,15 @@ class InPlaceIngest:
         blocks in an engine's pages; block ``i`` of the chain is its row ``i``)."""
         self.store, self.format, self.layers, self.source = store, fmt, layers, source
         self.layout, self.block_tokens = fmt.layout, fmt.block_tokens
-        self.prepared: dict[int, Any] = {}  # id(part format) -> its codec's prepare_layers (None: paged)
+        # codec.prepare_key() -> its prepare_layers, once per key: a policy's parts may share
+        # it (empty: paged KV, read through the pages instead)
+        self.prepared: dict[Any, Any] = {}
         self.device = source.device if source is not None else layers[0][0].device
         if source is None:
-            shared: dict[Any, Any] = {}  # prepare_key -> prepare_layers: a policy's parts may share it
             for part in fmt.parts():
                 key = part.codec.prepare_key()
-                if key not in shared:
-                    shared[key] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
-                self.prepared[id(part)] = shared[key]
+                if key not in self.prepared:
+                    self.prepared[key] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
@@ -232,7 +232,7 @@ class InPlaceIngest:
         part = self.format.at(first)
         if self.source is not None:
             return self.source.encode(part.codec, first, count, views)
-        return encode_into(part.codec, self.layers, self.prepared[id(part)], first * self.block_tokens, count,
+        return encode_into(part.codec, self.layers, self.prepared[part.codec.prepare_key()], first * self.block_tokens, count,
                            self.block_tokens, views)
 
     def commit_oldest(self) -> None:

@@ -329,12 +329,9 @@ class KIVI:
             kernels.dequantize_pages(vq, vs, vm, bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
                                      pages=v_pages, where=where, first=first, n=n, block=source.block_tokens)
             return
-        ops = ops_for(kq)
         pages = source.pages
         shape = (n, kq.shape[1], pages.num_kv_heads, source.block_tokens, pages.head_dim)
-        k = ops.dequantize(kq, ks, km, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, shape=shape,
-                           dtype=pages.dtype)
-        v = self._dequantize_v(ops, vq, vs, vm, shape, pages.dtype)
+        k, v = self._dequantize(list(buffers), shape, pages.dtype, None, None)
         source.scatter("k", k, first, n, layers)
         source.scatter("v", v, first, n, layers)
 
@@ -362,7 +359,7 @@ class KIVI:
         else:
             encoded = to_device(encoded, _device_of(encoded))
         k_out, v_out = out if out is not None else (None, None)
-        return self._dequantize(list(b for _, _, b in encoded.named_buffers()), encoded.k.shape,
+        return self._dequantize([b for _, _, b in encoded.named_buffers()], encoded.k.shape,
                                 TORCH_DTYPES[encoded.k.dtype], k_out, v_out)
 
     def decode_buffers(self, buffers: list[Any], out: tuple[Any, Any]) -> None:
