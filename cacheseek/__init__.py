@@ -33,6 +33,7 @@ from .quant import KIVI, KVLayerCodec, PrecisionPolicy, Raw
 
 if TYPE_CHECKING:
     from .layerwise import LayerwiseIngest, LayerwiseLoad
+    from .layerwise_save import LayerwiseSave
     from .pages import KVPages, PagedKV, PagedRequest
     from .prefix_cache import PrefixCache
     from .remote import RemoteCache
@@ -46,6 +47,7 @@ _LAZY = {
     "KVPages": ".pages",
     "LayerwiseIngest": ".layerwise",
     "LayerwiseLoad": ".layerwise",
+    "LayerwiseSave": ".layerwise_save",
     "Loaded": ".results",
     "PagedKV": ".pages",
     "PagedRequest": ".pages",
@@ -84,6 +86,7 @@ __all__ = [
     "KVPages",
     "LayerwiseIngest",
     "LayerwiseLoad",
+    "LayerwiseSave",
     "LoadError",
     "Loaded",
     "Located",

@@ -664,6 +664,40 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
 # -- ingest, layer by layer ----------------------------------------------------------------
 
 
+def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer-wise writer's check of layer ``i`` (``layers``: what was put so far, ``tokens``:
+    the earlier layers' length): ``InputError`` naming what is wrong, else K and V as
+    ``[1, H, T, D]``."""
+    L = layout.num_layers
+    if not isinstance(i, int) or not 0 <= i < L:
+        raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
+    if layers[i] is not None:
+        raise InputError(f"layer {i}: put twice")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
+            raise InputError(f"layer {i} {name}: expected a [1, H, T, D] or [H, T, D] tensor")
+    k = k if k.dim() == 4 else k.unsqueeze(0)
+    v = v if v.dim() == 4 else v.unsqueeze(0)
+    if k.shape != v.shape:
+        raise InputError(f"layer {i}: k {list(k.shape)} and v {list(v.shape)} differ")
+    if k.dtype != v.dtype or k.device != v.device:
+        raise InputError(f"layer {i}: k and v differ in dtype or device")
+    H, T, D = k.shape[-3:]
+    if (H, D) != (layout.num_kv_heads, layout.head_dim):
+        raise InputError(f"layer {i}: {H} heads of dim {D}, the layout says {layout.num_kv_heads} of dim {layout.head_dim}")
+    if k.dtype != layout.torch_dtype:
+        raise InputError(f"layer {i}: dtype {k.dtype}, the layout says {layout.dtype}")
+    if tokens is not None and T != tokens:
+        raise InputError(f"layer {i}: {T} tokens, earlier layers have {tokens}")
+    return k, v
+
+
+def missing_layers_error(missing: list[int], num_layers: int) -> InputError:
+    shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+    return InputError(f"layers {shown} were never put ({len(missing)} of {num_layers}); nothing stored")
+
+
 class LayerwiseIngest:
     """Takes a prompt's KV one layer at a time (``put_layer(i, k, v)``, any order, as a
     forward produces them) and stores its blocks when ``finish()`` is called with every
@@ -686,29 +720,8 @@ class LayerwiseIngest:
         usable (nothing of it was taken)."""
         if self._state != "open":
             raise RuntimeError(f"LayerwiseIngest.put_layer: the writer is {self._state}")
-        L = self.layout.num_layers
-        if not isinstance(i, int) or not 0 <= i < L:
-            raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
-        if self._layers[i] is not None:
-            raise InputError(f"layer {i}: put twice")
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
-                raise InputError(f"layer {i} {name}: expected a [1, H, T, D] or [H, T, D] tensor")
-        k = k if k.dim() == 4 else k.unsqueeze(0)
-        v = v if v.dim() == 4 else v.unsqueeze(0)
-        if k.shape != v.shape:
-            raise InputError(f"layer {i}: k {list(k.shape)} and v {list(v.shape)} differ")
-        if k.dtype != v.dtype or k.device != v.device:
-            raise InputError(f"layer {i}: k and v differ in dtype or device")
-        H, T, D = k.shape[-3:]
-        if (H, D) != (self.layout.num_kv_heads, self.layout.head_dim):
-            raise InputError(f"layer {i}: {H} heads of dim {D}, the layout says "
-                             f"{self.layout.num_kv_heads} of dim {self.layout.head_dim}")
-        if k.dtype != self.layout.torch_dtype:
-            raise InputError(f"layer {i}: dtype {k.dtype}, the layout says {self.layout.dtype}")
-        if self._tokens is not None and T != self._tokens:
-            raise InputError(f"layer {i}: {T} tokens, earlier layers have {self._tokens}")
-        self._tokens = T
+        k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
+        self._tokens = k.shape[-2]
         self._layers[i] = (k, v)
 
     @property
@@ -722,9 +735,8 @@ class LayerwiseIngest:
             raise RuntimeError(f"LayerwiseIngest.finish: the writer is {self._state}")
         missing = self.missing
         if missing:
-            shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
             self.abort()
-            raise InputError(f"layers {shown} were never put ({len(missing)} of {len(self._layers)}); nothing stored")
+            raise missing_layers_error(missing, len(self._layers))
         layers, self._layers = self._layers, [None] * len(self._layers)
         self._state = "finished"
         return self._ingest(self.keys, layers)
@@ -745,5 +757,5 @@ class LayerwiseIngest:
             self.abort()  # left without finish(): nothing is stored
 
 
-__all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad", "layer_groups",
-           "load"]
+__all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad", "check_layer",
+           "layer_groups", "load", "missing_layers_error"]

@@ -7,6 +7,7 @@ from contextlib import closing
 from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
+from .layerwise_save import LayerwiseSave
 from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
@@ -19,25 +20,12 @@ from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
-from .results import IngestResult, Loaded, Located, Materialized
+from .results import IngestResult, Loaded, Located, Materialized, count_outcome
 from .store.device_staging import staging_stats
 from .store.prefetch import Prefetch
-from .store.tiered import StorePutResult
 
 __all__ = ["IngestResult", "Loaded", "Located", "Materialized", "Prefetch", "PrefixCache"]
 
-
-
-def _count(result: IngestResult, key: bytes, outcome: StorePutResult, stored: list[bytes]) -> None:
-    if outcome.stored:
-        result.stored += 1
-        stored.append(key)
-    elif outcome.present:
-        result.present += 1
-    else:
-        result.failed += 1
-    for tier, reason in outcome.errors.items():
-        result.errors.setdefault(tier, reason)
 
 
 class PrefixCache(PrefixCacheBase):
@@ -100,7 +88,7 @@ class PrefixCache(PrefixCacheBase):
             outcomes = in_place.run(hashes, parents, present, self._batch_blocks)
             for key, outcome in zip(hashes, outcomes):
                 if outcome is not None:
-                    _count(result, key, outcome, stored)
+                    count_outcome(result, key, outcome, stored)
             present = [p or o is not None for p, o in zip(present, outcomes)]
         # The rest (any other tiers or devices, or blocks the top tier had no room to
         # reserve for) go through put_many. Batches go tail first, so when a chain overflows
@@ -112,7 +100,7 @@ class PrefixCache(PrefixCacheBase):
                                       tail_first=True, pooled=True):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
-                    _count(result, key, outcome, stored)
+                    count_outcome(result, key, outcome, stored)
         except InputError:
             for key in stored:
                 self.store.delete(key)
@@ -121,6 +109,15 @@ class PrefixCache(PrefixCacheBase):
         # tail first, so the head is still the most recent either way.
         self.store.touch_chain([key for key, was in zip(hashes, found) if was])
         return result
+
+    def ingest_layerwise(self, keys: Any) -> LayerwiseSave:
+        """A writer that takes the KV of ``keys`` one layer at a time (``put_layer(i, k, v)``,
+        as a forward produces them) and publishes the full blocks on ``finish()``, once every
+        layer is there; ``abort()`` stores nothing. With a CPU tier on top, each layer is
+        encoded into reserved slots as it is put, so the copies overlap the forward
+        (``layerwise_save``); ``finish`` then checks and commits."""
+        self._num_keys(keys)
+        return LayerwiseSave(self, keys)
 
     def ingest_batch(self, requests: list[Any], pages: KVPages) -> list[IngestResult]:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest(keys,
@@ -179,7 +176,7 @@ class PrefixCache(PrefixCacheBase):
                 outcomes = in_place.run(hashes, parents, present, self._batch_blocks, positions)
                 for i, outcome in enumerate(outcomes):
                     if outcome is not None:
-                        _count(results[call.request_of(i)], hashes[i], outcome, stored)
+                        count_outcome(results[call.request_of(i)], hashes[i], outcome, stored)
                         handled[i] = True
             # The rest (a GPU tier on top, no room to reserve): frames through put_many,
             # batches tail first as in ``ingest``.
@@ -189,7 +186,7 @@ class PrefixCache(PrefixCacheBase):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):
-                    _count(results[call.request_of(i)], hashes[i], outcome, stored)
+                    count_outcome(results[call.request_of(i)], hashes[i], outcome, stored)
         except InputError as exc:
             for key in stored:
                 self.store.delete(key)

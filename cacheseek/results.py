@@ -28,6 +28,20 @@ class IngestResult:
     durability: str = "durable"
 
 
+def count_outcome(result: IngestResult, key: bytes, outcome: Any, stored: list[bytes]) -> None:
+    """Count one block's ``StorePutResult`` into ``result``; ``stored`` collects the keys
+    newly written (a call undoes them if a later batch of it is refused)."""
+    if outcome.stored:
+        result.stored += 1
+        stored.append(key)
+    elif outcome.present:
+        result.present += 1
+    else:
+        result.failed += 1
+    for tier, reason in outcome.errors.items():
+        result.errors.setdefault(tier, reason)
+
+
 @dataclass(slots=True)
 class Located:
     """The longest stored prefix, and the fastest tier holding each of its blocks."""

@@ -9,8 +9,9 @@ one launch per call. On a machine without CUDA they run only under ``TRITON_INTE
 from .kivi import dequantize, dequantize_pages, quantize, quantize_layers, quantize_pages, store_to_host
 from .layers import LayerTable, gather_layers
 from .paged import BlockPages, PagedLayers, gather_pages, scatter_pages
-from .ranges import copy_ranges
+from .ranges import copy_ranges, store_ranges
 from .rotation import rotate_rows
 
 __all__ = ["BlockPages", "LayerTable", "PagedLayers", "copy_ranges", "dequantize", "dequantize_pages", "gather_layers",
-           "gather_pages", "quantize", "quantize_layers", "quantize_pages", "rotate_rows", "scatter_pages", "store_to_host"]
+           "gather_pages", "quantize", "quantize_layers", "quantize_pages", "rotate_rows", "scatter_pages", "store_ranges",
+           "store_to_host"]

@@ -65,6 +65,10 @@ for s in "$@"; do
     paged)       step paged 240 python3 -m benchmarks.store --paged --blocks 16,64 --codecs raw,int4 --reps 6 --out "$OUT" ;;
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
+    # Layer-wise saves (each layer into reserved CPU-tier slots through kernels.store_ranges) against a whole
+    # ingest after a stand-in forward of GEMMs; and their tests natively.
+    layerwise-save) step layerwise-save 400 python3 -m benchmarks.layerwise_save --programs 2,4,16 --out "$OUT" ;;
+    tests-save)  step tests-save 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_copy_ranges.py tests/test_layerwise.py -k "ranges or save or ingest_layerwise or prefill" ;;
     # Direct launches (kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
     tests-launch) step tests-launch 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernel_launch.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_paged_kernels.py ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;

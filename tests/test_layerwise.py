@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cacheseek as cs
-from cacheseek import layerwise, paged_io
+from cacheseek import layerwise, layerwise_save, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
 from cacheseek.store.device_staging import staging_pool
@@ -408,8 +408,23 @@ def stored_payloads(cache, keys):
     return out
 
 
+SAVE_MODES = ["slots", "reference"]
+
+
+@pytest.fixture(params=SAVE_MODES)
+def save_mode(request, monkeypatch):
+    """Layer-wise saves both ways: into reserved slots as each layer is put (any new KV at
+    all pays here), and the reference writer's (layers kept, one ingest on finish)."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0 if request.param == "slots" else 1 << 62)
+    return request.param
+
+
+def reservation_bytes(cache):
+    return cache.stats()["tiers"][0]["reservation_bytes"]
+
+
 @pytest.mark.parametrize("codec", [*CODECS, ROTATED], ids=lambda c: c.name + ("-rot" if getattr(c, "v_rotate", False) else ""))
-def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(codec):
+def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(codec, save_mode):
     T = 2 * BLOCK + 5
     toks, kv = tokens_for(3, T), make_kv(T, 3, LAYOUT)
     with make_cache(codec) as normal, make_cache(codec) as lw:
@@ -418,22 +433,25 @@ def test_ingest_layerwise_stores_what_ingest_stores_once_every_layer_is_there(co
         for i in reversed(range(L)):  # any order
             writer.put_layer(i, kv[i][0][None], kv[i][1])
             assert lw.locate(toks).num_blocks == 0  # nothing visible before finish()
+        assert writer.mode == save_mode
         got = writer.finish()
+        assert reservation_bytes(lw) == 0
         assert (got.blocks, got.stored, got.present) == (want.blocks, want.stored, want.present)
         assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
         with pytest.raises(RuntimeError, match="finished"):
             writer.put_layer(0, *kv[0])
 
 
-def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv():
+def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save_mode):
     T = 2 * BLOCK
     toks, kv = tokens_for(4, T), make_kv(T, 4, LAYOUT)
     with make_cache(INT4) as cache:
         writer = cache.ingest_layerwise(toks)
         for i in range(L):
             writer.put_layer(i, *kv[i])
+        assert writer.mode == save_mode
         writer.abort()
-        assert cache.locate(toks).num_blocks == 0
+        assert cache.locate(toks).num_blocks == 0 and reservation_bytes(cache) == 0
         with pytest.raises(RuntimeError, match="aborted"):
             writer.finish()
 
@@ -460,7 +478,14 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv():
             writer.put_layer(i, *bad[i])
         with pytest.raises(cs.InputError, match="NaN"):
             writer.finish()
-        assert cache.locate(toks).num_blocks == 0
+        assert cache.locate(toks).num_blocks == 0 and reservation_bytes(cache) == 0
+
+        # keys for more tokens than the KV has: refused on the first layer, nothing taken
+        writer = cache.ingest_layerwise(tokens_for(4, T + BLOCK))
+        with pytest.raises(cs.InputError):
+            writer.put_layer(0, *kv[0])
+        assert writer.mode is None and writer.missing == list(range(L))
+        writer.abort()
 
         # bad layers are refused one by one, and the writer stays usable
         writer = cache.ingest_layerwise(toks)
@@ -480,6 +505,72 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv():
         assert writer.finish().stored == 2
         with pytest.raises(cs.InputError, match="empty"):
             cache.ingest_layerwise([])
+
+
+def test_a_layerwise_save_stores_only_new_blocks_and_gives_its_slots_back_when_dropped(monkeypatch):
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 4 * BLOCK
+    toks, kv = tokens_for(6, T), make_kv(T, 6, LAYOUT)
+    with make_cache(INT4) as cache, make_cache(INT4) as normal:
+        assert cache.ingest(toks[: 2 * BLOCK], [(k[:, : 2 * BLOCK], v[:, : 2 * BLOCK]) for k, v in kv]).stored == 2
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and reservation_bytes(cache) > 0
+        got = writer.finish()
+        assert (got.blocks, got.stored, got.present, got.failed) == (4, 2, 2, 0)
+        normal.ingest(toks, kv)
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
+
+        # a forward that raises leaves its writer unfinished: dropping it gives the slots back
+        other = tokens_for(7, T)
+        writer = cache.ingest_layerwise(other)
+        writer.put_layer(0, *kv[0])
+        assert reservation_bytes(cache) > 0
+        del writer
+        assert reservation_bytes(cache) == 0 and cache.locate(other).num_blocks == 0
+        # nothing new at all: nothing reserved, the result says present
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.mode == "reference" and writer.finish().present == 4
+
+
+def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(monkeypatch):
+    """A full tier lends a save only its reserve: the blocks that got no slot are ingested
+    on finish, and the chain is stored whole, the same bytes as a plain ingest."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK
+    frame = make_cache(INT4).block_format.planned_payload().nbytes
+    tiers = {"cpu_bytes": 24 * frame, "cpu_reserve_bytes": 3 * frame}
+    with make_cache(INT4, **tiers) as cache, make_cache(INT4) as normal:
+        for seed in (20, 21, 22):  # fill the tier: every new block now evicts
+            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+        toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        got = writer.finish()
+        assert (got.stored, got.present, got.failed) == (8, 0, 0)
+        assert cache.locate(toks).num_blocks == 8 and reservation_bytes(cache) == 0
+        normal.ingest(toks, kv)
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
+
+
+def test_a_layerwise_save_under_a_precision_policy_stores_each_position_in_its_codec(monkeypatch):
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    policy = cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32), rest=INT4, first_blocks=1)
+    T = 3 * BLOCK
+    toks, kv = tokens_for(9, T), make_kv(T, 9, LAYOUT)
+    with make_cache(policy) as lw, make_cache(policy) as normal:
+        writer = lw.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and len(writer._runs) == 2
+        assert writer.finish().stored == 3
+        normal.ingest(toks, kv)
+        assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
 
 
 # -- RemoteCache: the same API, every layer ready at once ---------------------------------
@@ -561,6 +652,40 @@ def test_cuda_layer_groups_of_cpu_frames_are_copied_apart(issue, pinned, monkeyp
         assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
 
 
+@cuda
+@pytest.mark.parametrize("codec", [*CODECS, ROTATED, "policy"], ids=lambda c: c if isinstance(c, str) else c.name)
+def test_cuda_a_layerwise_save_stores_each_layer_through_the_store_kernel(codec, monkeypatch):
+    """On a GPU each layer is encoded into staging and stored into the pinned slots by
+    ``kernels.store_ranges`` as it is put: the frames equal a plain ingest's, byte for byte;
+    a NaN in one layer publishes nothing and gives every slot back."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    if codec == "policy":
+        codec = cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32), rest=INT4, first_blocks=1)
+    T = 4 * BLOCK + 3
+    toks, kv = tokens_for(11, T), make_kv(T, 11, LAYOUT, device="cuda")
+    with make_cache(codec) as lw, make_cache(codec) as normal:
+        writer = lw.ingest_layerwise(toks)
+        for i in range(L):
+            # made on the current stream just before the put (as a forward's layer): the
+            # save's stream waits for it there, not the host
+            k, v = kv[i][0] * 1, kv[i][1] * 1
+            writer.put_layer(i, k, v)
+        assert writer.mode == "slots"
+        assert writer.finish().stored == 4 and reservation_bytes(lw) == 0
+        normal.ingest(toks, kv)
+        assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
+
+        bad = [(k.clone(), v.clone()) for k, v in kv]
+        bad[L - 1][0][1, 2, 3] = float("inf")
+        other = tokens_for(12, T)
+        writer = lw.ingest_layerwise(other)
+        for i in range(L):
+            writer.put_layer(i, *bad[i])
+        with pytest.raises(cs.InputError):
+            writer.finish()
+        assert lw.locate(other).num_blocks == 0 and reservation_bytes(lw) == 0
+
+
 # -- transformers: prefill_with_reuse(layerwise=True) ----------------------------------------
 
 transformers = pytest.importorskip("transformers")
@@ -594,11 +719,12 @@ def same_result(a, b) -> bool:
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
-def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny_model, codec):
+def test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks(tiny_model, codec, save_mode):
     ids = list(range(3, 3 + 3 * TF_BLOCK + 10))
     with model_cache(tiny_model, codec) as lw, model_cache(tiny_model, codec) as normal:
         first = prefill_with_reuse(tiny_model, lw, ids, layerwise=True)  # nothing stored: layers go to the writer
         assert (first.reused_tokens, first.stored_blocks) == (0, 3)
+        assert lw.stats()["tiers"][0]["reservation_bytes"] == 0
         prefill_with_reuse(tiny_model, normal, ids)
         assert stored_payloads(lw, ids) == stored_payloads(normal, ids)
         a = prefill_with_reuse(tiny_model, normal, ids, reuse="always", ingest=False)

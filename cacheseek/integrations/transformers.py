@@ -377,6 +377,10 @@ def prefill_with_reuse(
             writer = cache.ingest_layerwise(ids)
         suffix = torch.tensor([ids], dtype=torch.long, device=device)
         logits, past = forward(model, suffix, layerwise_cache(None, model.config, writer), last_only=True)
+    except BaseException:
+        if writer is not None:
+            writer.abort()  # gives back the CPU-tier slots a layer-wise save holds
+        raise
     finally:
         if load is not None:
             load.close()  # after the forward's launches: only gives the store's memory back
