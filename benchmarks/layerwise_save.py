@@ -1,6 +1,7 @@
 """Layer-wise saves against a whole ingest after the forward: what a save adds to a prefill.
 
     python -m benchmarks.layerwise_save [--tokens 4096,16384] [--codecs int4,raw] [--reps 6] [--out DIR]
+    python -m benchmarks.layerwise_save --paged    # the same from vLLM's pages (ingest_batch(..., layerwise=True))
     python -m benchmarks.layerwise_save --tiny     # a smoke run (CPU or GPU, seconds)
 
 A stand-in forward of a Llama-3-8B-shaped model runs on the GPU: per layer, bf16 GEMMs
@@ -18,6 +19,10 @@ Three cases, interleaved call by call, medians:
   queued (its encode and copies then overlap the layers after it), ``finish()`` after the
   forward.
 
+``--paged``: the KV is in vLLM's flash pages (pages of 16 tokens in a random order), one
+request per call: ``ingest_batch`` after the forward against ``ingest_batch(...,
+layerwise=True)`` fed ``put_layer(i)``, as the vLLM connector's ``save_kv_layer`` does.
+
 Per case: the forward's device time (start to its last GEMM, from events) and the call's
 time to return (host, after a sync). ``save_ms`` = a case's time to return less the
 forward-only case's: what the save adds to the prefill. ``overlap_gain`` = the whole
@@ -33,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+import cacheseek as cs
 from cacheseek import layerwise_save
 
 from . import store_engine as se
@@ -63,20 +69,29 @@ class StandIn:
             torch.matmul(self.a, self.a, out=self.out)
 
 
-def run_case(case: str, cache, prompt, kv, forward: StandIn) -> dict:
+def run_case(case: str, cache, prompt, kv, forward: StandIn, pages=None) -> dict:
+    """One call: ``kv`` per layer, or with ``pages`` = (KVPages, page ids) the same KV in
+    an engine's pages."""
     if case.startswith("layerwise"):
         layerwise_save.STORE_PROGRAMS = int(case.partition("p=")[2] or layerwise_save.STORE_PROGRAMS)
     start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    requests = None if pages is None else [cs.PagedRequest(prompt, pages[1])]
     torch.cuda.synchronize()
     t = time.perf_counter()
     start.record()
-    writer = cache.ingest_layerwise(prompt) if case.startswith("layerwise") else None
+    writer, result = None, None
+    if case.startswith("layerwise"):
+        writer = cache.ingest_layerwise(prompt) if pages is None else \
+            cache.ingest_batch(requests, pages[0], layerwise=True)
     put_s = 0.0
     for i, (k, v) in enumerate(kv):
         forward.layer()
         if writer is not None:
             p = time.perf_counter()
-            writer.put_layer(i, k, v)
+            if pages is None:
+                writer.put_layer(i, k, v)
+            else:
+                writer.put_layer(i)  # the layer is in the pages already (the forward wrote it)
             put_s += time.perf_counter() - p
     done.record()
     mode = None
@@ -84,19 +99,28 @@ def run_case(case: str, cache, prompt, kv, forward: StandIn) -> dict:
         mode = writer.mode
         result = writer.finish()
     elif case == "whole":
-        result = cache.ingest(prompt, kv)
+        result = cache.ingest(prompt, kv) if pages is None else cache.ingest_batch(requests, pages[0])
     torch.cuda.synchronize()
     total = time.perf_counter() - t
-    if case != "forward" and result.stored != len(kv[0][0][0]) // cache.block_tokens:
+    if isinstance(result, list):  # ingest_batch's, of its one request
+        result = result[0]
+    if result is not None and result.stored != len(kv[0][0][0]) // cache.block_tokens:
         raise RuntimeError(f"{case}: stored {result.stored} blocks: {result}")
     return {"total_ms": total * 1e3, "forward_ms": start.elapsed_time(done), "put_ms": put_s * 1e3, "mode": mode}
 
 
 def measure(shape: se.Shape, tokens: int, codec: str, reps: int, layer_ms: float, device: torch.device,
-            programs: list[int]) -> list[dict]:
+            programs: list[int], paged: bool = False) -> list[dict]:
     blocks = tokens // shape.block
     template = shape.kv(tokens, device)
     forward = StandIn(device, layer_ms)
+    pages = None
+    if paged:
+        num_pages = tokens // shape.page
+        kv_pages, _ = se.vllm_pages(shape, num_pages, device)
+        ids = se.scattered_ids(num_pages, seed=tokens)
+        se.fill_pages(kv_pages, template, ids)
+        pages = (kv_pages, ids)
     cache = se.make_cache(shape, codec, blocks)
     prompts = se.Prompts(tokens)
     for _ in range(4):  # fill the tier: every measured call evicts
@@ -106,7 +130,7 @@ def measure(shape: se.Shape, tokens: int, codec: str, reps: int, layer_ms: float
     for i in range(reps + 1):
         for case in cases if i % 2 else reversed(cases):
             kv = [(k.clone(), v.clone()) for k, v in template]  # a forward's fresh KV
-            row = run_case(case, cache, prompts(), kv, forward)
+            row = run_case(case, cache, prompts(), kv, forward, pages)
             if i:
                 got[case].append(row)
             del kv
@@ -115,7 +139,7 @@ def measure(shape: se.Shape, tokens: int, codec: str, reps: int, layer_ms: float
     rows = []
     for case in cases:
         total = statistics.median(r["total_ms"] for r in got[case])
-        rows.append({"tokens": tokens, "codec": codec, "case": case, "mode": got[case][0]["mode"] or "",
+        rows.append({"tokens": tokens, "codec": codec, "kv": "vllm pages" if paged else "layers", "case": case, "mode": got[case][0]["mode"] or "",
                      "forward_ms": statistics.median(r["forward_ms"] for r in got[case]), "total_ms": total,
                      "save_ms": total - base, "put_ms": statistics.median(r["put_ms"] for r in got[case]),
                      "ms_each": [round(r["total_ms"], 2) for r in got[case]]})
@@ -134,6 +158,7 @@ def main() -> int:
     ap.add_argument("--layer-ms", type=float, default=None, help="stand-in layer time (default: by length, see doc)")
     ap.add_argument("--programs", default=str(layerwise_save.STORE_PROGRAMS),
                     help="programs of the layer-wise store launch, one case each (e.g. 4,16,64)")
+    ap.add_argument("--paged", action="store_true", help="the KV in vLLM's pages: ingest_batch(..., layerwise=True)")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: a 2-layer shape, short layers")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -150,13 +175,13 @@ def main() -> int:
             layer_ms = args.layer_ms or (0.2 if args.tiny else LAYER_MS.get(tokens, 3.8 * tokens / 4096))
             print(f"{tokens} tokens, {codec}, stand-in layer {layer_ms} ms", flush=True)
             rows += measure(shape, tokens, codec, args.reps, layer_ms, device,
-                            [int(p) for p in args.programs.split(",")])
-    cols = ["tokens", "codec", "case", "mode", "forward_ms", "total_ms", "save_ms", "put_ms", "overlap_gain"]
+                            [int(p) for p in args.programs.split(",")], args.paged)
+    cols = ["tokens", "codec", "kv", "case", "mode", "forward_ms", "total_ms", "save_ms", "put_ms", "overlap_gain"]
     print(table(rows, cols, "\nA prefill's save: whole ingest after the forward vs layer-wise (medians, ms)"))
     for r in rows:
         print(f"  {r['tokens']} {r['codec']} {r['case']}: ms each {r['ms_each']}")
-    path = write_json("layerwise_save", {"shape": "tiny" if args.tiny else "llama-3-8b", "reps": args.reps,
-                                         "rows": rows}, args.out)
+    path = write_json("layerwise_save_paged" if args.paged else "layerwise_save",
+                      {"shape": "tiny" if args.tiny else "llama-3-8b", "reps": args.reps, "rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -18,8 +18,13 @@ writer dropped unfinished) gives the slots back. Blocks the tier had no room to 
 for (a full tier lends new blocks only its reserve, ``TierConfig.cpu_reserve_bytes``) are
 stored at ``finish`` by a plain ``ingest`` of the layers, which are kept by reference.
 
-It keeps the reference writer's behaviour (``layerwise.LayerwiseIngest``: every layer kept,
-one ``ingest`` on ``finish``) where slots would not pay: no in-place top tier, KV on a GPU
+``PrefixCache.ingest_batch(requests, pages, layerwise=True)`` returns a
+:class:`PagedLayerwiseSave`: the same for KV in an engine's pages, planned (checked,
+hashed, reserved) when it is made, each ``put_layer(i)`` encoding layer ``i`` straight
+from the pages, ``finish()`` returning one ``IngestResult`` per request.
+
+Both keep the reference writer's behaviour (``layerwise.LayerwiseIngest``: every layer kept,
+one ``ingest`` on ``finish``; paged: one ``ingest_batch``) where slots would not pay: no in-place top tier, KV on a GPU
 without the Triton kernels, or less new KV than ``MIN_SAVE_BYTES``, where the launches per
 layer (three for each run of slots) would cost the forward's host more than the save
 they move out of ``finish``.
@@ -28,12 +33,13 @@ they move out of ``finish``.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import batching, ingest_in_place
+from . import batching, ingest_in_place, paged_io
 from .encode import encode_into, flags_to_host
 from .errors import InputError
 from .layerwise import check_layer, missing_layers_error
@@ -62,7 +68,8 @@ STORE_PROGRAMS = 4
 class _Run:
     """New blocks of one frame size and codec, in reserved slots laid end to end."""
 
-    first: int  # the first block's index in the chain
+    first: int  # the first block's row: its index in the chain (contiguous) or in the call's rows (paged)
+    codec: Any
     metas: list[FrameMeta]
     reservations: list[Reservation]
     host: torch.Tensor  # the slots as one host span, from the first slot's start
@@ -75,95 +82,43 @@ class _Run:
     moves: tuple = ()
 
 
-class LayerwiseSave:
-    """See the module doc. ``put_layer(i, k, v)`` (any order), then ``finish()`` with every
-    layer put; ``abort()`` stores nothing. The same interface as ``LayerwiseIngest``."""
+class _SlotWriter:
+    """What both layer-wise saves share: the reserved runs of slots, a layer's encode and
+    store into them, the check and the commit."""
 
-    def __init__(self, cache: Any, keys: Any) -> None:
-        self.cache, self.keys, self.layout = cache, keys, cache.layout
-        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layout.num_layers
-        self._tokens: int | None = None
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.layout = cache, cache.layout
         self._state = "open"
-        self._mode: str | None = None  # "slots" or "reference", chosen on the first put_layer
+        self._mode: str | None = None  # "slots" or "reference"
         self._device: torch.device | None = None
-        self._hashes: list[bytes] = []
-        self._found: list[bool] = []  # stored already when the save started
         self._runs: list[_Run] = []
         self._flags: list[tuple[Any, Any]] = []  # (codec, validity flags) of every launch
         self._last: torch.cuda.Event | None = None  # the last layer's work on the save stream
+        self._layers_put: list[bool] = [False] * self.layout.num_layers
 
     @property
     def mode(self) -> str | None:
         """``"slots"`` (each layer written into reserved slots as it is put), ``"reference"``
-        (layers kept, one ``ingest`` on ``finish``), or None before the first ``put_layer``."""
+        (the whole save on ``finish``), or None before it is chosen."""
         return self._mode
-
-    # -- the writer ---------------------------------------------------------------------
-
-    def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens,
-        the same for every layer). Bad input raises ``InputError``; the writer stays usable
-        (nothing of it was taken)."""
-        if self._state != "open":
-            raise RuntimeError(f"LayerwiseSave.put_layer: the writer is {self._state}")
-        k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
-        if self._mode is None:
-            self._start(k.device, k.shape[-2])
-        elif k.device != self._device:
-            raise InputError(f"layer {i}: on {k.device}, earlier layers are on {self._device}")
-        self._tokens = k.shape[-2]
-        self._layers[i] = (k, v)
-        if self._mode == "slots":
-            try:
-                self._save_layer(i, k[0], v[0])
-            except BaseException:
-                self.abort()  # a launch that failed part way: its slots hold no whole layer
-                raise
 
     @property
     def missing(self) -> list[int]:
-        return [i for i, kv in enumerate(self._layers) if kv is None]
-
-    def finish(self) -> IngestResult:
-        """Publish the blocks and return the ``IngestResult``. A layer missing, or a NaN/Inf
-        in any layer: ``InputError``, and nothing is stored."""
-        if self._state != "open":
-            raise RuntimeError(f"LayerwiseSave.finish: the writer is {self._state}")
-        missing = self.missing
-        if missing:
-            self.abort()
-            raise missing_layers_error(missing, len(self._layers))
-        if self._mode == "reference":
-            layers, self._layers = self._layers, [None] * len(self._layers)
-            self._state = "finished"
-            return self.cache.ingest(self.keys, layers)
-        try:
-            self._wait()
-            for codec, flags in self._flags:
-                codec.check_finite(flags)
-        except BaseException:
-            self.abort()
-            raise
-        if self._device.type == "cuda":
-            for _, flags in self._flags:
-                give_back_flags(flags)  # pinned, written by kernels that have run
-        self._state = "finished"
-        try:
-            return self._commit()
-        finally:
-            self._give_back()
-            self._layers = [None] * len(self._layers)
+        return [i for i, put in enumerate(self._layers_put) if not put]
 
     def abort(self) -> None:
-        """Drop every layer put and give the reserved slots back: nothing is stored. Idempotent."""
+        """Drop what was put and give the reserved slots back: nothing is stored. Idempotent."""
         if self._state == "open":
             self._state = "aborted"
         with contextlib.suppress(Exception):  # a failed launch writes nothing more either
             self._wait()
         self._give_back()
-        self._layers = [None] * len(self._layers)
+        self._dropped()
 
-    def __enter__(self) -> LayerwiseSave:
+    def _dropped(self) -> None:
+        """Let go of the layers kept (the contiguous writer's)."""
+
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
@@ -176,40 +131,38 @@ class LayerwiseSave:
             with contextlib.suppress(Exception):
                 self.abort()
 
-    # -- slots ----------------------------------------------------------------------------
+    def _open(self, what: str) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"{type(self).__name__}.{what}: the writer is {self._state}")
 
-    def _start(self, device: torch.device, tokens: int) -> None:
-        """Choose the mode; for slots, reserve them for every new block that fits."""
-        cache = self.cache
-        cache.keys.check_ingest(self.keys, tokens)
-        hashes = cache.block_hashes(self.keys)
-        store, fmt = cache.store, cache.block_format
-        found = store.present_many(hashes) if hashes else []
-        new = len(hashes) - sum(found)
-        self._device, self._hashes, self._found = device, hashes, found
-        self._mode = "reference"
-        if (not new or new * self.layout.raw_nbytes(cache.block_tokens) < MIN_SAVE_BYTES
-                or not ingest_in_place.applies(store, device)
-                or device.type == "cuda" and not kernels_available()
-                or not all(_layer_sliceable(part.planned_payload(), self.layout.num_layers) for part in fmt.parts())):
-            return
-        parents = cache.keys.parents(hashes)
+    def _wants_slots(self, device: torch.device, new_blocks: int) -> bool:
+        fmt = self.cache.block_format
+        return (new_blocks * self.layout.raw_nbytes(self.cache.block_tokens) >= MIN_SAVE_BYTES
+                and ingest_in_place.applies(self.cache.store, device)
+                and (device.type != "cuda" or kernels_available())
+                and all(_layer_sliceable(part.planned_payload(), self.layout.num_layers) for part in fmt.parts()))
+
+    def _reserve_all(self, device: torch.device, hashes: list[bytes], parents: list[bytes],
+                     new: list[bool], positions: list[int] | None) -> None:
+        """Reserve slots for the ``new`` blocks, tail first (where the tier runs out of
+        room, the head is left to ``finish``); the mode is "slots" if any were reserved."""
+        self._device = device
+        fmt = self.cache.block_format
         try:
-            # Tail first, as an ingest's batches go: where the tier runs out of room it is the
-            # chain's head that is left to finish's ingest, and published last (most recent).
-            for start, stop in reversed(list(batching.runs([not f for f in found], len(hashes)))):
-                self._reserve(start, fmt.plan_run(start, hashes[start:stop], parents[start:stop]))
+            for start, stop in reversed(list(batching.runs(new, len(hashes)))):
+                part = None if positions is None else positions[start:stop]
+                self._reserve(start, fmt.plan_run(start, hashes[start:stop], parents[start:stop], part),
+                              positions)
         except _NoRoom:
             pass
         except BaseException:
             self._give_back()
             raise
-        if self._runs:
-            self._mode = "slots"
-            if device.type == "cuda":
-                self._stream = work_stream("save", device)
+        self._mode = "slots" if self._runs else "reference"
+        if self._runs and device.type == "cuda":
+            self._stream = work_stream("save", device)
 
-    def _reserve(self, start: int, metas: list[FrameMeta]) -> None:
+    def _reserve(self, start: int, metas: list[FrameMeta], positions: list[int] | None) -> None:
         stop = len(metas)
         while stop > 0:
             # A run holds frames of one size (a header grows a byte as positions grow) and
@@ -225,10 +178,12 @@ class LayerwiseSave:
             if got is None:
                 raise _NoRoom
             lo = stop - len(got)
-            self._runs.append(self._run(start + lo, metas[lo:stop], got))
+            first = start + lo
+            position = first if positions is None else positions[first]
+            self._runs.append(self._run(first, self.cache.block_format.at(position).codec, metas[lo:stop], got))
             stop = lo
 
-    def _run(self, first: int, metas: list[FrameMeta], reservations: list[Reservation]) -> _Run:
+    def _run(self, first: int, codec: Any, metas: list[FrameMeta], reservations: list[Reservation]) -> _Run:
         meta = metas[0]
         stride = slot_stride(meta.nbytes)
         host = reservation_span(reservations[0], 0, (len(metas) - 1) * stride + meta.nbytes)
@@ -237,7 +192,7 @@ class LayerwiseSave:
             per_layer = e.nbytes // L
             entries.append(TensorEntry(e.name, e.dtype, (1, *e.shape[1:]), offset, per_layer))
             offset += -(-per_layer // LAYER_ALIGN) * LAYER_ALIGN
-        run = _Run(first, metas, reservations, host, stride, entries, staging_stride(offset))
+        run = _Run(first, codec, metas, reservations, host, stride, entries, staging_stride(offset))
         run.moves = tuple((part.offset, whole.offset, part.nbytes, part.nbytes)
                           for part, whole in zip(entries, meta.tensors, strict=True))
         if self._device.type == "cuda":
@@ -248,57 +203,150 @@ class LayerwiseSave:
             run.table = offsets_table(self._device, pairs).view(-1, 2)
         return run
 
-    def _save_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode layer ``i`` (``[H, T, D]``) of every reserved block into its slots."""
-        B = self.cache.block_tokens
-        if self._device.type != "cuda":
-            # KV in host memory: the slots themselves are encoded into.
-            for run in self._runs:
-                codec = self.cache.block_format.at(run.first).codec
-                views = [view[:, i : i + 1] for view in payload_views(
-                    run.host, run.metas[0].tensors, len(run.metas), run.stride, run.metas[0].payload_offset)]
-                flags = encode_into(codec, [(k, v)], codec.prepare_layers([k], [v]), run.first * B, len(run.metas), B,
-                                    views)
-                self._flags.append((codec, flags))
-            return
-        from . import kernels
+    def _save_layer(self, i: int, encode: Callable[[_Run, list[torch.Tensor]], Any]) -> None:
+        """Layer ``i`` of every reserved block into its slots; ``encode(run, views)`` encodes
+        the run's blocks of that layer into ``views`` (``[n, 1, H, ...]``) and returns the
+        codec's flags. A launch that fails aborts the writer (its slots hold no whole layer)."""
+        try:
+            if self._device.type != "cuda":
+                # KV in host memory: the slots themselves are encoded into.
+                for run in self._runs:
+                    views = [view[:, i : i + 1] for view in payload_views(
+                        run.host, run.metas[0].tensors, len(run.metas), run.stride, run.metas[0].payload_offset)]
+                    self._flags.append((run.codec, encode(run, views)))
+                return
+            from . import kernels
 
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self._device))  # the forward made the layer there
-        with on_stream(stream):
-            for run in self._runs:
-                codec = self.cache.block_format.at(run.first).codec
-                n = len(run.metas)
-                # Given back once the launches are queued: the next layer's take on this
-                # stream reuses it after them, on the device.
-                with staging_pool(self._device).take(n * run.layer_row, stream=stream) as lease:
-                    rows = lease.rows(n, run.layer_row)
-                    views = payload_views(rows, run.layer_entries, n, run.layer_row)
-                    flags = encode_into(codec, [(k, v)], codec.prepare_layers([k], [v]), run.first * B, n, B, views)
-                    self._flags.append((codec, flags_to_host(flags)))
-                    kernels.store_ranges(rows, run.table, run.moves, step=i, programs=STORE_PROGRAMS)
-            self._last = torch.cuda.Event()
-            self._last.record(stream)
+            stream = self._stream
+            stream.wait_stream(torch.cuda.current_stream(self._device))  # the forward made the layer there
+            with on_stream(stream):
+                for run in self._runs:
+                    n = len(run.metas)
+                    # Given back once the launches are queued: the next layer's take on this
+                    # stream reuses it after them, on the device.
+                    with staging_pool(self._device).take(n * run.layer_row, stream=stream) as lease:
+                        rows = lease.rows(n, run.layer_row)
+                        flags = encode(run, payload_views(rows, run.layer_entries, n, run.layer_row))
+                        self._flags.append((run.codec, flags_to_host(flags)))
+                        kernels.store_ranges(rows, run.table, run.moves, step=i, programs=STORE_PROGRAMS)
+                self._last = torch.cuda.Event()
+                self._last.record(stream)
+        except BaseException:
+            self.abort()
+            raise
 
     def _wait(self) -> None:
         if self._last is not None:
             self._last.synchronize()
+
+    def _check(self) -> None:
+        """Before a commit: every layer put, the last one's work done, every flag good;
+        else ``InputError`` and nothing stored."""
+        missing = self.missing
+        if missing:
+            self.abort()
+            raise missing_layers_error(missing, len(self._layers_put))
+        try:
+            self._wait()
+            for codec, flags in self._flags:
+                codec.check_finite(flags)
+        except BaseException:
+            self.abort()
+            raise
+        if self._device is not None and self._device.type == "cuda":
+            for _, flags in self._flags:
+                give_back_flags(flags)  # pinned, written by kernels that have run
+
+    def _publish(self, count: Callable[[int, Any], None]) -> list[bool]:
+        """Commit every run (tail first), ``count(row, outcome)`` for each block; which rows
+        were in a run."""
+        store = self.cache.store
+        saved = []
+        for run in self._runs:  # tail first (reserved in that order)
+            for reservation, meta in zip(run.reservations, run.metas):
+                reservation.view()[: meta.payload_offset] = header_prefix(meta)
+            rows = range(run.first + len(run.metas) - 1, run.first - 1, -1)
+            items = [(meta.block_hash, reservation, meta) for reservation, meta in zip(reversed(run.reservations),
+                                                                                        reversed(run.metas))]
+            for row, outcome in zip(rows, store.commit_many(items, sealed=False)):
+                count(row, outcome)
+            saved += rows
+        return saved
+
+    def _give_back(self) -> None:
+        """Give back every slot not published (aborting a committed reservation is a no-op)."""
+        runs, self._runs = self._runs, []
+        for run in runs:
+            for reservation in run.reservations:
+                self.cache.store.abort(reservation)
+
+
+class LayerwiseSave(_SlotWriter):
+    """See the module doc. ``put_layer(i, k, v)`` (any order), then ``finish()`` with every
+    layer put; ``abort()`` stores nothing. The same interface as ``LayerwiseIngest``."""
+
+    def __init__(self, cache: Any, keys: Any) -> None:
+        super().__init__(cache)
+        self.keys = keys
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layout.num_layers
+        self._tokens: int | None = None
+        self._hashes: list[bytes] = []
+        self._found: list[bool] = []  # stored already when the save started
+
+    def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens,
+        the same for every layer). Bad input raises ``InputError``; the writer stays usable
+        (nothing of it was taken)."""
+        self._open("put_layer")
+        k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
+        if self._mode is None:
+            self._start(k.device, k.shape[-2])
+        elif k.device != self._device:
+            raise InputError(f"layer {i}: on {k.device}, earlier layers are on {self._device}")
+        self._tokens = k.shape[-2]
+        self._layers[i] = (k, v)
+        self._layers_put[i] = True
+        if self._mode == "slots":
+            B, k3, v3 = self.cache.block_tokens, k[0], v[0]
+            self._save_layer(i, lambda run, views: encode_into(
+                run.codec, [(k3, v3)], run.codec.prepare_layers([k3], [v3]), run.first * B, len(run.metas), B, views))
+
+    def finish(self) -> IngestResult:
+        """Publish the blocks and return the ``IngestResult``. A layer missing, or a NaN/Inf
+        in any layer: ``InputError``, and nothing is stored."""
+        self._open("finish")
+        self._check()
+        self._state = "finished"
+        if self._mode == "reference":
+            layers, self._layers = self._layers, [None] * len(self._layers)
+            return self.cache.ingest(self.keys, layers)
+        try:
+            return self._commit()
+        finally:
+            self._give_back()
+            self._dropped()
+
+    def _dropped(self) -> None:
+        self._layers = [None] * len(self._layers)
+
+    def _start(self, device: torch.device, tokens: int) -> None:
+        """Choose the mode; for slots, reserve them for every new block that fits."""
+        cache = self.cache
+        cache.keys.check_ingest(self.keys, tokens)
+        hashes = cache.block_hashes(self.keys)
+        found = cache.store.present_many(hashes) if hashes else []
+        self._device, self._hashes, self._found = device, hashes, found
+        self._mode = "reference"
+        if self._wants_slots(device, len(hashes) - sum(found)):
+            self._reserve_all(device, hashes, cache.keys.parents(hashes), [not f for f in found], None)
 
     def _commit(self) -> IngestResult:
         store, hashes = self.cache.store, self._hashes
         result = IngestResult(blocks=len(hashes), stored=0, present=sum(self._found),
                               tokens=len(hashes) * self.cache.block_tokens, durability=store.durability)
         stored: list[bytes] = []
-        saved = [False] * len(hashes)
-        for run in self._runs:  # tail first (reserved in that order)
-            for reservation, meta in zip(run.reservations, run.metas):
-                reservation.view()[: meta.payload_offset] = header_prefix(meta)
-            items = [(meta.block_hash, reservation, meta) for reservation, meta in zip(reversed(run.reservations),
-                                                                                        reversed(run.metas))]
-            for (key, _, _), outcome in zip(items, store.commit_many(items, sealed=False)):
-                count_outcome(result, key, outcome, stored)
-            saved[run.first : run.first + len(run.metas)] = [True] * len(run.metas)
-        if not all(s or f for s, f in zip(saved, self._found)):
+        saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored)))
+        if not all(row in saved or f for row, f in enumerate(self._found)):
             # Blocks no slot was reserved for: one ingest of the layers (it finds the blocks
             # just published present, and stores the rest).
             rest = self.cache.ingest(self.keys, self._layers)
@@ -310,12 +358,95 @@ class LayerwiseSave:
         store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         return result
 
-    def _give_back(self) -> None:
-        """Give back every slot not published (aborting a committed reservation is a no-op)."""
-        runs, self._runs = self._runs, []
-        for run in runs:
-            for reservation in run.reservations:
-                self.cache.store.abort(reservation)
+
+class PagedLayerwiseSave(_SlotWriter):
+    """``ingest_batch`` of KV in an engine's pages, layer by layer: ``put_layer(i)`` once the
+    forward has written layer ``i`` of the requests' pages (on the current stream), then
+    ``finish()`` -> one ``IngestResult`` per request. The requests are planned, hashed and
+    their slots reserved when the writer is made (``PrefixCache.ingest_batch(...,
+    layerwise=True)``); bad requests raise there, and nothing is reserved."""
+
+    def __init__(self, cache: Any, requests: list[Any], pages: Any) -> None:
+        super().__init__(cache)
+        self.requests, self.pages = requests, pages  # the caller's PagedRequests
+        planned = paged_io.requests_of(requests)
+        call = paged_io.plan_ingest(cache.keys, self.layout, pages, planned, single=False)
+        paged_io.hash_requests(call, cache.keys, planned)
+        every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
+        hashes, parents, positions = call.flat()
+        self._found = cache.store.present_many(hashes) if hashes else []
+        B = cache.block_tokens
+        self._results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B,
+                                      durability=cache.store.durability) for h in call.hashes]
+        # A block twice in one call (two requests with one prefix) is encoded once: the
+        # later one counts as present.
+        present, seen = list(self._found), set()
+        for i, key in enumerate(hashes):
+            present[i] = present[i] or key in seen
+            seen.add(key)
+            self._results[every[i][0]].present += present[i]
+        keep = [i for i, p in enumerate(present) if not p]
+        call.use_rows([every[i] for i in keep])
+        self._call, self._all_hashes = call, hashes
+        self._hashes = [hashes[i] for i in keep]
+        self._mode = "reference"
+        if keep and self._wants_slots(pages.device, len(keep)):
+            self._reserve_all(pages.device, self._hashes, [parents[i] for i in keep], [True] * len(keep),
+                              [positions[i] for i in keep])
+
+    def put_layer(self, i: int) -> None:
+        """Layer ``i`` of the requests' pages is written (by work queued on the current
+        stream): encode and store it. Any order; each layer once."""
+        self._open("put_layer")
+        L = self.layout.num_layers
+        if not isinstance(i, int) or not 0 <= i < L:
+            raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
+        if self._layers_put[i]:
+            raise InputError(f"layer {i}: put twice")
+        self._layers_put[i] = True
+        if self._mode == "slots":
+            source, B = self._call.source, self.cache.block_tokens
+
+            def encode(run: _Run, views: list[torch.Tensor]) -> Any:
+                flags = run.codec.encode_pages_into(source, run.first, len(run.metas), B, views, layers=(i, i + 1))
+                source.launched.append((run.first, len(run.metas), flags))
+                return flags
+
+            self._save_layer(i, encode)
+
+    def finish(self) -> list[IngestResult]:
+        """Publish the blocks; one ``IngestResult`` per request. A layer missing, or a NaN/Inf
+        in any block: ``InputError`` naming the request, and nothing of the call is stored."""
+        self._open("finish")
+        try:
+            self._check()
+        except InputError as exc:
+            paged_io.raise_bad_input(self._call, exc)
+        self._state = "finished"
+        if self._mode == "reference":
+            return self.cache.ingest_batch(self.requests, self.pages)
+        try:
+            return self._commit()
+        finally:
+            self._give_back()
+
+    def _commit(self) -> list[IngestResult]:
+        call, results, hashes = self._call, self._results, self._hashes
+        stored: list[bytes] = []
+        saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
+                                                                     outcome, stored)))
+        if len(saved) < len(hashes):
+            # Blocks no slot was reserved for: one ingest_batch of the requests (it finds the
+            # blocks just published present, and stores the rest).
+            rest = self.cache.ingest_batch(self.requests, self.pages)
+            for result, more in zip(results, rest):
+                result.stored += more.stored
+                result.failed += more.failed
+                result.present = result.blocks - result.stored - result.failed
+                for tier, reason in more.errors.items():
+                    result.errors.setdefault(tier, reason)
+        self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
+        return results
 
 
 def _layer_sliceable(meta: FrameMeta, num_layers: int) -> bool:
@@ -329,4 +460,4 @@ class _NoRoom(Exception):
     pass
 
 
-__all__ = ["MIN_SAVE_BYTES", "STORE_PROGRAMS", "LayerwiseSave"]
+__all__ = ["MIN_SAVE_BYTES", "STORE_PROGRAMS", "LayerwiseSave", "PagedLayerwiseSave"]

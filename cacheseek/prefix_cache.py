@@ -7,7 +7,7 @@ from contextlib import closing
 from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
-from .layerwise_save import LayerwiseSave
+from .layerwise_save import LayerwiseSave, PagedLayerwiseSave
 from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
@@ -119,11 +119,19 @@ class PrefixCache(PrefixCacheBase):
         self._num_keys(keys)
         return LayerwiseSave(self, keys)
 
-    def ingest_batch(self, requests: list[Any], pages: KVPages) -> list[IngestResult]:
+    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest(keys,
         page_ids)`` each), their new blocks encoded together: launches are cut by the data
         path's batching, never per request. Bad input in any request raises ``InputError``
-        naming it, and nothing of the call is stored."""
+        naming it, and nothing of the call is stored.
+
+        ``layerwise=True``: a writer (``layerwise_save.PagedLayerwiseSave``) instead, made
+        before the forward writes the pages: ``put_layer(i)`` once layer ``i``'s pages are
+        written (encoded and stored into reserved CPU-tier slots while the forward goes
+        on), then ``finish()`` -> the list of ``IngestResult``."""
+        if layerwise:
+            self._check_paged()
+            return PagedLayerwiseSave(self, requests, pages)
         return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool

@@ -68,6 +68,7 @@ for s in "$@"; do
     # Layer-wise saves (each layer into reserved CPU-tier slots through kernels.store_ranges) against a whole
     # ingest after a stand-in forward of GEMMs; and their tests natively.
     layerwise-save) step layerwise-save 400 python3 -m benchmarks.layerwise_save --programs 2,4,16 --out "$OUT" ;;
+    layerwise-save-paged) step layerwise-save-paged 300 python3 -m benchmarks.layerwise_save --paged --out "$OUT" ;;
     tests-save)  step tests-save 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_copy_ranges.py tests/test_layerwise.py -k "ranges or save or ingest_layerwise or prefill" ;;
     # Direct launches (kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
     tests-launch) step tests-launch 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernel_launch.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_paged_kernels.py ;;

@@ -21,7 +21,7 @@ from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
 from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
-from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged
+from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged, write_tokens
 from store_helpers import fail_layer_group, make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -571,6 +571,69 @@ def test_a_layerwise_save_under_a_precision_policy_stores_each_position_in_its_c
         assert writer.finish().stored == 3
         normal.ingest(toks, kv)
         assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
+
+
+PAGED_SAVES = [(cs.Raw(), "flash", None), (cs.Raw(), "hnd", None), (INT4, "flash", None), (INT4, "hnd", None),
+               (INT4, "flash", "triton")]
+
+
+@pytest.mark.parametrize(("codec", "kind", "backend"), PAGED_SAVES,
+                         ids=lambda x: x.name if hasattr(x, "name") else str(x or "default"))
+def test_a_paged_layerwise_save_stores_what_ingest_batch_stores(codec, kind, backend, save_mode, monkeypatch):
+    """Three requests in an engine's pages (one sharing another's first block, one whose
+    first block is stored already): ``ingest_batch(..., layerwise=True)``, a layer put as
+    each is written, stores what ``ingest_batch`` does; a NaN in one request's pages names
+    it, and nothing of the call is stored. ``triton``: the paged encode kernel writes each
+    layer (on a CPU, in the interpreter, straight into the slots)."""
+    if backend is not None:
+        if save_mode == "reference":
+            pytest.skip("the reference writer is ingest_batch, whose kernels test_paged.py runs")
+        monkeypatch.setenv(kivi_codec.BACKEND_ENV, backend)
+    page, num_pages = 16, 48
+    sizes = [2 * BLOCK + 7, 3 * BLOCK, 2 * BLOCK]
+    toks = [tokens_for(40 + r, n) for r, n in enumerate(sizes)]
+    toks[2][:BLOCK] = toks[0][:BLOCK]
+    kvs = [make_kv(n, 40 + r, LAYOUT, device=DEVICE) for r, n in enumerate(sizes)]
+    for layer in range(L):
+        for side in (0, 1):
+            kvs[2][layer][side][:, :BLOCK] = kvs[0][layer][side][:, :BLOCK]
+    tables = page_tables(sizes, page, num_pages, seed=5)
+    pages, _ = engine_pages(kind, L, H, D, num_pages, page, DTYPE)
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)]
+    with make_cache(codec) as lw, make_cache(codec) as normal:
+        for cache in (lw, normal):
+            cache.ingest(toks[1][:BLOCK], [(k[:, :BLOCK], v[:, :BLOCK]) for k, v in kvs[1]])
+        writer = lw.ingest_batch(requests, pages, layerwise=True)
+        assert writer.mode == save_mode
+        for i in range(L):
+            writer.put_layer(i)
+            assert lw.locate(toks[0]).num_blocks == 0
+        got = writer.finish()
+        want = normal.ingest_batch(requests, pages)
+        assert [(r.blocks, r.stored, r.present, r.failed) for r in got] == \
+            [(r.blocks, r.stored, r.present, r.failed) for r in want] == [(2, 2, 0, 0), (3, 2, 1, 0), (2, 1, 1, 0)]
+        for t in toks:
+            assert stored_payloads(lw, t) == stored_payloads(normal, t)
+        assert reservation_bytes(lw) == 0
+        with pytest.raises(RuntimeError, match="finished"):
+            writer.put_layer(0)
+        if backend is not None:
+            return  # (the interpreter is slow: the bad input below is the same code either way)
+
+        bad_toks = [tokens_for(50 + r, n) for r, n in enumerate(sizes)]
+        bad = [[(k.clone(), v.clone()) for k, v in kv] for kv in kvs]
+        bad[1][L - 1][1][0, 2 * BLOCK + 1, 0] = float("nan")
+        write_tokens(pages, bad[1], tables[1])
+        writer = lw.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(bad_toks, tables)], pages, layerwise=True)
+        with pytest.raises(cs.InputError, match="outside"):
+            writer.put_layer(L)
+        for i in range(L):
+            writer.put_layer(i)
+        with pytest.raises(cs.InputError, match=r"requests\[1\]" if save_mode == "slots" else "NaN"):
+            writer.finish()
+        assert all(lw.locate(t).num_blocks == 0 for t in bad_toks) and reservation_bytes(lw) == 0
 
 
 # -- RemoteCache: the same API, every layer ready at once ---------------------------------

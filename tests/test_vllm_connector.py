@@ -18,6 +18,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
   default, whole steps): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
   bit for bit; then a layer group's decode fails after the forward read the first layers:
   every block of the load is reported, vLLM recomputes them, the output is unchanged.
+  And a new prompt saved layer by layer (vLLM's ``save_kv_layer`` feeding the step's
+  writer) and whole, each into a fresh cache with a CPU tier: the same frames, byte for byte.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
@@ -102,7 +104,7 @@ def engines(model, tmp_path_factory):
         "raw": pool.submit(embedded, "raw", layerwise=True, corrupt_block=2, salts=True),
         "two_engines": pool.submit(two_engines),
         "int8": pool.submit(embedded, "int8"),
-        "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True),
+        "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -193,6 +195,16 @@ def test_layerwise_loads_equal_whole_step_loads(engines):
         assert worker["load_calls"] == 1 and worker["load_layerwise_calls"] == layerwise_calls
     assert lw["tokens_equal"], (lw["layerwise"]["run"]["tokens"], lw["whole"]["run"]["tokens"])
     assert lw["pages_equal"]  # the loaded tokens' K and V in every layer's pages, bit for bit
+
+
+def test_layerwise_saves_fed_by_vllm_store_what_whole_saves_store(engines):
+    saves = result(engines, "int4")["layerwise_save"]
+    lw, whole = saves["layerwise"]["worker"], saves["whole"]["worker"]
+    # vLLM called save_kv_layer for every layer: the step's save finished layer by layer
+    assert (lw["save_calls"], lw["save_layerwise_calls"], lw["save_layerwise_fallbacks"]) == (1, 1, 0), \
+        saves["layerwise"]["fallback"]
+    assert (whole["save_calls"], whole["save_layerwise_calls"]) == (1, 0)
+    assert saves["layerwise"]["blocks"] == saves["whole"]["blocks"] == 3 and saves["frames_equal"]
 
 
 def test_a_layerwise_load_failing_mid_forward_is_recomputed_by_vllm(engines):

@@ -42,6 +42,17 @@ def test_loads_are_whole_steps_by_default_and_layerwise_on_request():
     assert not remote.loads_layerwise("cuda") and not remote.may_load_layerwise
 
 
+def test_saves_are_whole_steps_by_default_and_layerwise_on_request():
+    default = ConnectorConfig.from_extra({})
+    assert not default.saves_layerwise("cuda") and not default.may_work_layerwise  # vLLM keeps its full graphs
+    auto = ConnectorConfig.from_extra({"layerwise_save": "auto"})
+    assert auto.saves_layerwise("cuda") and not auto.saves_layerwise("cpu") and auto.may_work_layerwise
+    assert not auto.may_load_layerwise  # loads stay whole
+    assert ConnectorConfig.from_extra({"layerwise_save": True}).saves_layerwise("cpu")
+    remote = ConnectorConfig.from_extra({"url": "http://127.0.0.1:1", "layerwise_save": True})
+    assert not remote.saves_layerwise("cuda") and not remote.may_work_layerwise
+
+
 def test_config_remote_and_embedded_tiers():
     remote = ConnectorConfig.from_extra({"codec": "int8", "url": "http://127.0.0.1:8080", "token": "s3cr3t-t0ken",
                                          "model_id": "m", "block_tokens": 128, "timeout_seconds": 2})
@@ -70,6 +81,7 @@ def test_config_remote_and_embedded_tiers():
     ({"retry_after_seconds": 10, "retry_cap_seconds": 5}, "retry_cap_seconds"),
     ({"model_id": 7}, "model_id: must be a string"),
     ({"layerwise_load": "no"}, 'layerwise_load: must be true, false or "auto"'),
+    ({"layerwise_save": 2}, 'layerwise_save: must be true, false or "auto"'),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -362,6 +374,89 @@ def test_a_layerwise_load_left_open_is_closed_by_the_next_step():
     side.start_step(plan)
     side.end_load()  # (the connector's shutdown): nothing lent, the layers not waited for reported
     assert side.take_failed_blocks() and nothing_lent(cache)
+    cache.close()
+
+
+def save_step(side: WorkerSide, plan: StepPlan, layers=range(L)) -> None:
+    """One step as vLLM 0.32 runs it: start_load_kv before the forward if the step loads
+    (synchronously), after it if not; each attention layer's save_kv_layer (once vLLM wrote
+    its pages); wait_for_save."""
+    if plan.loads:
+        side.start_step(plan)
+    for i in layers:
+        side.save_layer(i, plan)
+    if not plan.loads:
+        side.start_step(plan)
+    side.finish_step(plan)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_a_layerwise_save_stores_what_a_whole_save_stores(codec, monkeypatch):
+    from cacheseek import layerwise_save
+
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)  # so small a step saves into slots too
+    fmt = PageFormat("channel", D, 16, 16)
+    a, b = list(range(64)), list(range(500, 596))
+    plan = StepPlan(saves=[SaveSpec("a", a, [0, 1, 2, 3]), SaveSpec("b", b, [4, 5, 6, 7, 8, 9])])
+    pages = pages_like(fmt, 16, seed=3)
+    whole, whole_cache = worker(codec)
+    whole.register(pages)
+    save_step(whole, plan)
+    side, cache = worker(codec)
+    side.layerwise_save = True
+    side.register(pages)
+    save_step(side, plan)
+    st = side.stats
+    assert (st.save_calls, st.save_layerwise_calls, st.save_layerwise_fallbacks, st.saves) == (1, 1, 0, 2)
+    assert st.save_blocks_stored == whole.stats.save_blocks_stored == 5
+    for keys in (a, b):
+        want = [bytes(f[0].payload_view()) for f in whole_cache.store.get_many(whole_cache.block_hashes(keys))]
+        assert [bytes(f[0].payload_view()) for f in cache.store.get_many(cache.block_hashes(keys))] == want
+
+    # a layer vLLM never fed (an attention path without the hook): the step saves whole
+    c = list(range(900, 964))
+    save_step(side, StepPlan(saves=[SaveSpec("c", c, [10, 11, 12, 13])]), layers=[0])
+    assert (st.save_layerwise_calls, st.save_layerwise_fallbacks, st.save_calls) == (1, 1, 2)
+    assert cache.lookup(c) == 64
+    # a step that never reaches wait_for_save: its slots are given back by the next step's
+    # first layer, whose own save then runs layer by layer
+    d, e = list(range(1200, 1264)), list(range(1300, 1364))
+    side.save_layer(0, StepPlan(saves=[SaveSpec("d", d, [10, 11, 12, 13])]))
+    assert cache.stats()["tiers"][0]["reservation_bytes"] > 0
+    save_step(side, StepPlan(saves=[SaveSpec("e", e, [10, 11, 12, 13])]))
+    assert cache.lookup(d) == 0 and cache.lookup(e) == 64
+    assert cache.stats()["tiers"][0]["reservation_bytes"] == 0
+    assert (st.save_layerwise_calls, st.save_layerwise_fallbacks) == (2, 2)
+    assert side.last_save_fallback == "the step never reached wait_for_save"
+    # start_load_kv before the layers (a step with a synchronous load): the same
+    plan = StepPlan(saves=[SaveSpec("f", list(range(1400, 1464)), [10, 11, 12, 13])])
+    side.start_step(plan)
+    for i in range(L):
+        side.save_layer(i, plan)
+    side.finish_step(plan)
+    assert st.save_layerwise_calls == 3 and cache.lookup(list(range(1400, 1464))) == 64
+    cache.close(), whole_cache.close()
+
+
+def test_a_layerwise_save_drops_the_request_whose_load_failed(monkeypatch):
+    from cacheseek import layerwise_save
+
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    fmt = PageFormat("channel", D, 16, 16)
+    side, cache = worker()
+    side.layerwise_save = True
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+    tokens = list(range(96))
+    cache.ingest(tokens[:32], side.pages.engine.at([0, 1]))  # only block 0 is stored
+    plan = StepPlan(loads=[LoadSpec("r", tokens[:64], [3, 4, 5, 6], start=0)],
+                    saves=[SaveSpec("r", tokens, [3, 4, 5, 6, 10, 11]), SaveSpec("s", tokens[:32] + [7] * 32,
+                                                                                    [8, 9, 12, 13])])
+    save_step(side, plan)
+    assert side.take_failed_blocks() == {5, 6}
+    st = side.stats
+    assert (st.saves_skipped, st.saves, st.save_layerwise_calls, st.save_layerwise_fallbacks) == (1, 1, 0, 1)
+    assert cache.lookup(tokens) == 32 and cache.lookup(tokens[:32] + [7] * 32) == 64  # s saved whole
+    assert cache.stats()["tiers"][0]["reservation_bytes"] == 0
     cache.close()
 
 

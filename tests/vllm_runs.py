@@ -134,6 +134,8 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     out["after_load"] = eng.stats()
     if job.get("layerwise_checks"):
         out["layerwise"] = layerwise_checks(eng, ps)
+    if job.get("layerwise_save_checks"):
+        out["layerwise_save"] = layerwise_save_checks(eng)
     if job.get("salts"):
         # vLLM's cache_salt is part of CacheSeek's keys: a salted prompt finds nothing of the
         # unsalted one's blocks, stores its own, and another prompt with that salt finds them.
@@ -227,6 +229,45 @@ def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:
         LayerwiseDecoder.run_group = real
     out["failed"]["fired"] = bool(fired)
     out["failed"]["worker"] = minus_worker(eng.stats(), before)
+    return out
+
+
+def layerwise_save_checks(eng: Engine) -> dict[str, Any]:
+    """A prompt new to every cache, computed twice (vLLM's cache reset, nothing read), its
+    blocks saved by the worker into a fresh embedded cache with a CPU tier each time: layer
+    by layer (each attention layer's ``save_kv_layer`` feeding the step's writer) and whole
+    (``wait_for_save``). The worker's counters of both, and their stored frames compared
+    byte for byte."""
+    import cacheseek as cs
+    from cacheseek import layerwise_save
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    side = get_kv_transfer_group()._worker
+    original, floor = side.cache, layerwise_save.MIN_SAVE_BYTES
+    layerwise_save.MIN_SAVE_BYTES = 0  # a few blocks of SmolLM2 are far below the default
+    prompt = list(range(7000, 7000 + 3 * original.block_tokens + 40))
+    out: dict[str, Any] = {}
+    frames = {}
+    try:
+        for name, on in (("layerwise", True), ("whole", False)):
+            cache = cs.PrefixCache(model_id="layerwise-save", layout=original.layout, codec=original.codec,
+                                   block_tokens=original.block_tokens,
+                                   tiers=cs.TierConfig(cpu_bytes="256MiB", pin_memory=False))
+            side.cache, side.layerwise_save = cache, on
+            try:
+                eng.reset()
+                before = eng.stats()
+                eng.run(prompt, read=False)
+                out[name] = {"worker": minus_worker(eng.stats(), before), "fallback": side.last_save_fallback}
+                got = cache.store.get_many(cache.block_hashes(prompt))
+                frames[name] = [None if f is None else bytes(f[0].payload_view()) for f in got]
+                out[name]["blocks"] = sum(f is not None for f in frames[name])
+            finally:
+                cache.close()
+        out["frames_equal"] = frames["layerwise"] == frames["whole"] and None not in frames["whole"]
+    finally:
+        side.cache, side.layerwise_save, layerwise_save.MIN_SAVE_BYTES = original, False, floor
     return out
 
 

@@ -7,6 +7,7 @@ before anything is built, and the parsing is tested without an engine.
      "tiers": {"cpu_bytes": "4GiB", "disk_path": "/var/cache/cs"}}       # embedded
     {"codec": "int4", "url": "http://127.0.0.1:8080", "model_id": "smollm2-135m"}  # remote
     {"codec": "int4", "layerwise_load": "auto"}   # layer-wise loads where vLLM's pages are on a GPU (default: off)
+    {"codec": "int4", "layerwise_save": "auto"}   # layer-wise saves where vLLM's pages are on a GPU (default: off)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ DEFAULT_TIERS = {"cpu_bytes": "4GiB"}
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
+    "layerwise_save",
 })
 _TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -68,6 +70,13 @@ class ConnectorConfig:
     # graphs (docs/vllm.md). Only an embedded cache loads layer by layer (a server's frames
     # hold every layer of a block: nothing would overlap).
     layerwise_load: bool | None = False
+    # A step's saves layer by layer: each attention layer's save_kv_layer encodes its new
+    # blocks into reserved CPU-tier slots while the forward computes the next layer, and
+    # wait_for_save only checks and commits (PrefixCache.ingest_batch(..., layerwise=True)).
+    # True, False (the default), or None ("auto": where vLLM's pages are on a GPU). Like
+    # layer-wise loads it needs vLLM's piecewise CUDA graphs and an embedded cache. Off by
+    # default: measured with a stand-in forward, not yet in a vLLM GPU build (docs/vllm.md).
+    layerwise_save: bool | None = False
 
     @property
     def remote(self) -> bool:
@@ -79,10 +88,22 @@ class ConnectorConfig:
             return False
         return device_type == "cuda" if self.layerwise_load is None else self.layerwise_load
 
+    def saves_layerwise(self, device_type: str) -> bool:
+        """Whether the worker saves each step layer by layer, its pages on ``device_type``."""
+        if self.remote:
+            return False
+        return device_type == "cuda" if self.layerwise_save is None else self.layerwise_save
+
     @property
     def may_load_layerwise(self) -> bool:
         """Whether some device would load layer by layer (what vLLM must know at start)."""
         return not self.remote and self.layerwise_load is not False
+
+    @property
+    def may_work_layerwise(self) -> bool:
+        """Whether some device would load or save layer by layer: vLLM must then run the
+        attention layers outside its CUDA graphs (their hooks are Python)."""
+        return not self.remote and (self.layerwise_load is not False or self.layerwise_save is not False)
 
     @classmethod
     def from_extra(cls, extra: Any) -> ConnectorConfig:
@@ -103,8 +124,9 @@ class ConnectorConfig:
         for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
-        if "layerwise_load" in extra:
-            kw["layerwise_load"] = _auto_bool("layerwise_load", extra["layerwise_load"])
+        for key in ("layerwise_load", "layerwise_save"):
+            if key in extra:
+                kw[key] = _auto_bool(key, extra[key])
         if "url" in kw and "tiers" in extra:
             raise ConfigError("kv_connector_extra_config: give either url (remote) or tiers (embedded), not both")
         if "token" in kw and "url" not in kw:

@@ -148,6 +148,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         side = self._worker_side()
         side.register(VllmPages(layers, fmt))
         side.layerwise = self.config.loads_layerwise(layers[0].device.type)
+        side.layerwise_save = self.config.saves_layerwise(layers[0].device.type)
 
     def _kv_split(self, names: list[str]) -> str:
         layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
@@ -171,11 +172,13 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._worker_side().wait_layer(index)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # Saves stay whole-step: the step's saves read the pages once the forward is done,
-        # in one batched ingest_batch (wait_for_save). Encoding each layer here would need
-        # the paged ingest to take layers one at a time and commit blocks whole once every
-        # layer is in (docs/vllm.md, "Layer-wise").
-        return
+        # vLLM calls this in each attention layer once the layer's pages are written. With
+        # layer-wise saves, the step's new blocks of that layer are encoded into their
+        # reserved slots now, on a side stream; else the saves run whole in wait_for_save.
+        # Never raises (worker.py).
+        index = self._layer_index.get(layer_name)
+        if index is not None:
+            self._worker_side().save_layer(index, self._plan())
 
     def wait_for_save(self) -> None:
         self._worker_side().finish_step(self._plan())
@@ -196,15 +199,17 @@ class CacheSeekConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        # A layer-wise load is waited for in each attention layer (wait_for_layer_load): a
-        # full CUDA graph replays the forward without that Python, so vLLM must run
-        # piecewise graphs (its attention outside the graph). "layerwise_load": false keeps
-        # full graphs, with whole-step loads.
-        return ConnectorConfig.from_extra(extra_config).may_load_layerwise
+        # A layer-wise load is waited for in each attention layer (wait_for_layer_load), and
+        # a layer-wise save is fed there (save_kv_layer): a full CUDA graph replays the
+        # forward without that Python, so vLLM must run piecewise graphs (its attention
+        # outside the graph). "layerwise_load" and "layerwise_save" false (the defaults)
+        # keep full graphs, with whole-step loads and saves.
+        return ConnectorConfig.from_extra(extra_config).may_work_layerwise
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.end_load()
+            self._worker.end_save()
         for cache in self._caches:
             close_cache(self.config, cache)
         self._caches = []

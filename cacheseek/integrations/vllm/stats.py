@@ -33,6 +33,8 @@ class ConnectorStats:
     load_late_failures: int = 0  # of load_failures, layer-wise ones that failed after the forward read some layers
     # worker side: saves
     save_calls: int = 0  # ingest_batch calls: one per step with saves
+    save_layerwise_calls: int = 0  # of save_calls, those fed layer by layer in the forward (save_kv_layer)
+    save_layerwise_fallbacks: int = 0  # layer-wise saves dropped for a whole one (a layer not fed, a load failed)
     saves: int = 0  # requests whose blocks were ingested
     save_blocks_stored: int = 0
     save_blocks_present: int = 0

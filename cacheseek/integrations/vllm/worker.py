@@ -18,6 +18,16 @@ A step's load runs one of two ways (``ConnectorConfig.layerwise_load``):
   the next step starts;
 - **whole** (the default): every layer written before the forward starts (``start_load_kv``).
 
+A step's saves likewise (``ConnectorConfig.layerwise_save``): **layer by layer**, the
+writer (``ingest_batch(..., layerwise=True)``) is made at the step's first
+``save_kv_layer`` (the requests hashed, CPU-tier slots reserved for their new blocks:
+not in ``start_load_kv``, which vLLM calls after the forward in a step without a
+synchronous load), each attention layer's ``save_kv_layer`` encodes that layer of them
+into the slots, and ``wait_for_save`` checks and commits; or **whole** (the default): one
+``ingest_batch`` in ``wait_for_save``. A layer-wise save that cannot finish as such (a
+layer never fed, a load of one of its requests failed, the writer raised) is dropped for a
+whole save of the same requests in ``wait_for_save``: the pages still hold their KV then.
+
 Neither ever raises into vLLM: a load that falls short, for any reason (the call raised,
 the server is down, a block was evicted or found corrupt since the lookup), reports the
 vLLM blocks from the first missing token to the end of the load, and vLLM (with
@@ -38,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...pages import PagedRequest
-from .guard import StoreGuard
+from .guard import StoreGuard, log
 from .pages import VllmPages
 from .plan import LoadSpec, SaveSpec, StepPlan
 from .stats import ConnectorStats
@@ -57,11 +67,25 @@ class RunningLoad:
     missing: list[int] = field(default_factory=list)  # layers the forward never waited for
 
 
+@dataclass(slots=True)
+class RunningSave:
+    """A step's layer-wise save while the forward runs: the writer each layer is fed to."""
+
+    plan: StepPlan  # the step's (the connector metadata bound for it)
+    writer: Any  # a PagedLayerwiseSave over every save of the step; None: the step saves whole
+    seconds: float = 0.0  # host time in the save's calls (start, the layers, finish)
+    error: BaseException | None = None
+
+
 class WorkerSide:
-    def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False) -> None:
+    def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
+                 layerwise_save: bool = False) -> None:
         self.cache = cache
         self.guard = guard
         self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
+        self.layerwise_save = layerwise_save  # a step's saves fed layer by layer (save_kv_layer)
+        self._saving: RunningSave | None = None
+        self.last_save_fallback: str | None = None  # why the last layer-wise save was saved whole
         self.stats = ConnectorStats()
         self.pages: VllmPages | None = None
         self._running: RunningLoad | None = None
@@ -89,6 +113,8 @@ class WorkerSide:
                 self.stats.saves_skipped += 1
             else:
                 saves.append(spec)
+        if self._finish_save(plan):
+            return
         if saves:
             self.save(saves)
 
@@ -239,22 +265,113 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            requests = [PagedRequest(spec.keys, pages.page_table(spec.block_ids, len(spec.token_ids)))
-                        for spec in specs]
-            results = self.cache.ingest_batch(requests, pages.engine)
+            results = self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine)
             self.guard.success()
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
             self.stats.save_failures += len(specs)
             self.guard.failure("save", exc)
         else:
-            self.stats.saves += len(specs)
-            for result in results:
-                self.stats.save_blocks_stored += result.stored
-                self.stats.save_blocks_present += result.present
-                if result.failed:
-                    self.stats.save_failures += 1
+            self._account_save(specs, results)
         self.stats.save_calls += 1
         self.stats.save_seconds += time.perf_counter() - t0
+
+    # -- a step's saves, layer by layer --------------------------------------------------
+
+    def save_layer(self, layer: int, plan: StepPlan) -> None:
+        """vLLM has written layer ``layer`` of the step's pages: encode it into the slots.
+        The step's first call makes the writer (the requests hashed, slots reserved for
+        their new blocks). Never raises: a save that goes wrong is saved whole in
+        ``wait_for_save``."""
+        if not (self.layerwise_save and plan.saves):
+            return
+        running = self._saving
+        if running is not None and running.plan is not plan:
+            self.end_save()  # a step that never reached wait_for_save
+            running = None
+        if running is None:
+            running = self._saving = self._start_save(plan)
+        if running.writer is None or running.error is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            running.writer.put_layer(layer)
+        except Exception as exc:  # noqa: BLE001 - dropped for a whole save in wait_for_save
+            running.error = exc
+            running.writer.abort()
+        running.seconds += time.perf_counter() - t0
+
+    def _start_save(self, plan: StepPlan) -> RunningSave:
+        """The step's writer; where it would not write into slots (nothing new worth them),
+        or cannot be made, none: the step saves whole in ``wait_for_save``."""
+        running = RunningSave(plan, None)
+        pages = self._pages()
+        if not self.guard.allow():
+            return running  # (wait_for_save's whole save counts it)
+        t0 = time.perf_counter()
+        try:
+            running.writer = self.cache.ingest_batch(self._save_requests(plan.saves, pages), pages.engine,
+                                                     layerwise=True)
+        except Exception as exc:  # noqa: BLE001 - the whole save in wait_for_save reports what is wrong
+            self._fell_back(f"the writer could not be made: {type(exc).__name__}: {exc}")
+            return running
+        if running.writer.mode != "slots":
+            running.writer.abort()
+            running.writer = None
+        running.seconds = time.perf_counter() - t0
+        return running
+
+    def _finish_save(self, plan: StepPlan) -> bool:
+        """Finish the step's layer-wise save; False if there is none or it had to be
+        dropped (the caller then saves whole)."""
+        running, self._saving = self._saving, None
+        if running is None or running.writer is None:
+            return False
+        if running.plan is not plan:  # (another step's, never finished)
+            running.writer.abort()
+            self._fell_back("the step never reached wait_for_save")
+            return False
+        t0 = time.perf_counter()
+        failed = [spec.req_id for spec in running.plan.saves if spec.req_id in self._failed_requests]
+        if running.error is None and not failed:
+            try:
+                results = running.writer.finish()
+            except Exception as exc:  # noqa: BLE001 - a layer never fed, NaN: the whole save decides
+                running.error = exc
+            else:
+                self.guard.success()
+                self._account_save(running.plan.saves, results)
+                self.stats.save_calls += 1
+                self.stats.save_layerwise_calls += 1
+                self.stats.save_seconds += running.seconds + time.perf_counter() - t0
+                return True
+        running.writer.abort()
+        self._fell_back(f"the load of {failed[:4]} failed in this step" if failed else
+                        f"{type(running.error).__name__}: {running.error}")
+        return False
+
+    def _fell_back(self, reason: str) -> None:
+        self.stats.save_layerwise_fallbacks += 1
+        self.last_save_fallback = reason
+        log.info("cacheseek worker: a layer-wise save is saved whole instead (%s)", reason)
+
+    def end_save(self) -> None:
+        """Drop a layer-wise save still running (a step that never reached wait_for_save)."""
+        running, self._saving = self._saving, None
+        if running is not None and running.writer is not None:
+            running.writer.abort()
+            self._fell_back("the step never reached wait_for_save")
+
+    def _account_save(self, specs: list[SaveSpec], results: list[Any]) -> None:
+        self.stats.saves += len(specs)
+        for result in results:
+            self.stats.save_blocks_stored += result.stored
+            self.stats.save_blocks_present += result.present
+            if result.failed:
+                self.stats.save_failures += 1
+
+    @staticmethod
+    def _save_requests(specs: list[SaveSpec], pages: VllmPages) -> list[PagedRequest]:
+        return [PagedRequest(spec.keys, pages.page_table(spec.block_ids, len(spec.token_ids))) for spec in specs]
 
     def _pages(self) -> VllmPages:
         if self.pages is None:
@@ -262,4 +379,4 @@ class WorkerSide:
         return self.pages
 
 
-__all__ = ["RunningLoad", "WorkerSide"]
+__all__ = ["RunningLoad", "RunningSave", "WorkerSide"]
