@@ -757,5 +757,53 @@ class LayerwiseIngest:
             self.abort()  # left without finish(): nothing is stored
 
 
-__all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad", "check_layer",
-           "layer_groups", "load", "missing_layers_error"]
+class PagedLayerwiseIngest:
+    """The reference writer for KV in an engine's pages (``RemoteCache.ingest_batch(...,
+    layerwise=True)``): ``put_layer(i)`` only records that layer ``i`` is written, and
+    ``finish()`` is one ``ingest_batch`` of the requests, once every layer is there. Over
+    HTTP a frame holds every layer of its block, so nothing can be sent before the last
+    layer; the same interface as ``layerwise_save.PagedLayerwiseSave``."""
+
+    def __init__(self, ingest_batch: Callable[[list, Any], Any], requests: list, pages: Any, num_layers: int) -> None:
+        self._ingest_batch, self.requests, self.pages = ingest_batch, requests, pages
+        self._put = [False] * num_layers
+        self._state = "open"
+        self.mode = "reference"
+
+    def put_layer(self, i: int) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"PagedLayerwiseIngest.put_layer: the writer is {self._state}")
+        if not isinstance(i, int) or not 0 <= i < len(self._put):
+            raise InputError(f"layer: {i!r} is outside the layout's {len(self._put)} layers")
+        if self._put[i]:
+            raise InputError(f"layer {i}: put twice")
+        self._put[i] = True
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, put in enumerate(self._put) if not put]
+
+    def finish(self) -> list:
+        if self._state != "open":
+            raise RuntimeError(f"PagedLayerwiseIngest.finish: the writer is {self._state}")
+        missing = self.missing
+        if missing:
+            self.abort()
+            raise missing_layers_error(missing, len(self._put))
+        self._state = "finished"
+        return self._ingest_batch(self.requests, self.pages)
+
+    def abort(self) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+
+    def __enter__(self) -> PagedLayerwiseIngest:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if self._state == "open":
+            self.abort()
+
+
+__all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad",
+           "PagedLayerwiseIngest", "check_layer", "layer_groups", "load", "missing_layers_error"]

@@ -39,7 +39,7 @@ from .encode import encode_missing
 from .errors import ConfigError, FrameError, InputError, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
-from .layerwise import LayerwiseLoad
+from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
 from .layout import KVLayout
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
@@ -223,10 +223,15 @@ class RemoteCache(PrefixCacheBase):
         for report in self._post_frames(frames):
             _count_report(result, report)
 
-    def ingest_batch(self, requests: list[Any], pages: KVPages) -> list[IngestResult]:
+    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
-        request), and one streamed POST. Bad input in any request sends nothing."""
+        request), and one streamed POST. Bad input in any request sends nothing.
+        ``layerwise=True``: the reference writer (``layerwise.PagedLayerwiseIngest``, this
+        same call on ``finish``), for callers written against ``PrefixCache``'s."""
+        if layerwise:
+            self._check_paged()
+            return PagedLayerwiseIngest(self.ingest_batch, requests, pages, self.layout.num_layers)
         return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool

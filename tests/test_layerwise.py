@@ -670,6 +670,22 @@ def test_remote_cache_returns_a_handle_with_every_layer_ready(server):
         load.wait(L - 1)
         assert unchanged(normal_t, lw_t)
 
+        # a paged save: the reference writer, one ingest_batch on finish
+        other = tokens_for(6, T)
+        pages, _ = engine_pages("flash", L, H, D, num_pages, page, DTYPE)
+        write_tokens(pages, make_kv(T, 6, LAYOUT, device=DEVICE), ids)
+        writer = remote.ingest_batch([cs.PagedRequest(other, ids)], pages, layerwise=True)
+        for i in range(L - 1):
+            writer.put_layer(i)
+        with pytest.raises(cs.InputError, match="never put"):
+            writer.finish()
+        assert remote.lookup(other) == 0
+        writer = remote.ingest_batch([cs.PagedRequest(other, ids)], pages, layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+        assert writer.mode == "reference" and [r.stored for r in writer.finish()] == [2]
+        assert remote.lookup(other) == 2 * BLOCK
+
 
 # -- on a GPU --------------------------------------------------------------------------------
 
