@@ -7,7 +7,6 @@ from contextlib import closing
 from typing import Any
 
 from . import ingest_in_place, layerwise, paged_io
-from .layerwise_save import LayerwiseSave, PagedLayerwiseSave
 from .config import TierConfig
 from .decode import BatchDecoder
 from .encode import iter_encoded
@@ -15,6 +14,7 @@ from .errors import FrameError, InputError
 from .hashing import DEFAULT_ALGO, SINGLE, Shard, digest_size
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad
+from .layerwise_save import LayerwiseSave, PagedLayerwiseSave
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy
