@@ -558,6 +558,22 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
+def test_a_layerwise_save_takes_every_kind_of_keys(monkeypatch):
+    """Keys as bytes per block (world models) and as a ``cs.Prompt`` with extra keys: the
+    same blocks as ``ingest`` of those keys."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 2 * BLOCK
+    kv = make_kv(T, 13, LAYOUT)
+    for keys in ([b"frame-0", b"frame-1+action"], cs.Prompt(tokens_for(13, T), lora_id="sql", cache_salt="t")):
+        with make_cache(INT4) as lw, make_cache(INT4) as normal:
+            writer = lw.ingest_layerwise(keys)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+            assert writer.mode == "slots" and writer.finish().stored == 2
+            assert normal.ingest(keys, kv).stored == 2
+            assert stored_payloads(lw, keys) == stored_payloads(normal, keys)
+
+
 def test_a_layerwise_save_under_a_precision_policy_stores_each_position_in_its_codec(monkeypatch):
     monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
     policy = cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32), rest=INT4, first_blocks=1)
