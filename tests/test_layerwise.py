@@ -589,22 +589,27 @@ def test_a_layerwise_save_under_a_precision_policy_stores_each_position_in_its_c
         assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
 
 
-PAGED_SAVES = [(cs.Raw(), "flash", None), (cs.Raw(), "hnd", None), (INT4, "flash", None), (INT4, "hnd", None),
-               (INT4, "flash", "triton")]
-
-
-@pytest.mark.parametrize(("codec", "kind", "backend"), PAGED_SAVES,
-                         ids=lambda x: x.name if hasattr(x, "name") else str(x or "default"))
-def test_a_paged_layerwise_save_stores_what_ingest_batch_stores(codec, kind, backend, save_mode, monkeypatch):
+@pytest.mark.parametrize("kind", ["flash", "hnd"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_paged_layerwise_save_stores_what_ingest_batch_stores(codec, kind, save_mode):
     """Three requests in an engine's pages (one sharing another's first block, one whose
     first block is stored already): ``ingest_batch(..., layerwise=True)``, a layer put as
     each is written, stores what ``ingest_batch`` does; a NaN in one request's pages names
-    it, and nothing of the call is stored. ``triton``: the paged encode kernel writes each
-    layer (on a CPU, in the interpreter, straight into the slots)."""
-    if backend is not None:
-        if save_mode == "reference":
-            pytest.skip("the reference writer is ingest_batch, whose kernels test_paged.py runs")
-        monkeypatch.setenv(kivi_codec.BACKEND_ENV, backend)
+    it, and nothing of the call is stored."""
+    paged_save_case(codec, kind, save_mode, bad_input=True)
+
+
+def test_a_paged_layerwise_save_through_the_triton_encode(monkeypatch):
+    """The same into slots with the paged encode kernel writing each layer (on a CPU, in the
+    interpreter, straight into the slots). The reference writer is ``ingest_batch``, whose
+    kernels test_paged.py runs; the bad input is the same code either way, and the
+    interpreter is slow."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "triton")
+    paged_save_case(INT4, "flash", "slots", bad_input=False)
+
+
+def paged_save_case(codec, kind, save_mode, *, bad_input):
     page, num_pages = 16, 48
     sizes = [2 * BLOCK + 7, 3 * BLOCK, 2 * BLOCK]
     toks = [tokens_for(40 + r, n) for r, n in enumerate(sizes)]
@@ -635,8 +640,8 @@ def test_a_paged_layerwise_save_stores_what_ingest_batch_stores(codec, kind, bac
         assert reservation_bytes(lw) == 0
         with pytest.raises(RuntimeError, match="finished"):
             writer.put_layer(0)
-        if backend is not None:
-            return  # (the interpreter is slow: the bad input below is the same code either way)
+        if not bad_input:
+            return
 
         bad_toks = [tokens_for(50 + r, n) for r, n in enumerate(sizes)]
         bad = [[(k.clone(), v.clone()) for k, v in kv] for kv in kvs]
