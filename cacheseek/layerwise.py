@@ -664,16 +664,42 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
 # -- ingest, layer by layer ----------------------------------------------------------------
 
 
+class LayerWriter:
+    """What every layer-wise writer shares: open until ``finish`` or ``abort`` (idempotent),
+    and a ``with`` block left open (by an exception, or without ``finish``) aborts it."""
+
+    _state = "open"
+
+    def abort(self) -> None:  # pragma: no cover - each writer implements it
+        raise NotImplementedError
+
+    def _open(self, what: str) -> None:
+        if self._state != "open":
+            raise RuntimeError(f"{type(self).__name__}.{what}: the writer is {self._state}")
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if self._state == "open":
+            self.abort()  # an exception, or left without finish(): nothing is stored
+
+
+def check_layer_index(i: Any, put: Sequence[Any]) -> None:
+    """``InputError`` unless ``i`` is a layer, one per entry of ``put``, whose entry is not
+    set yet (None or False: not put)."""
+    if not isinstance(i, int) or not 0 <= i < len(put):
+        raise InputError(f"layer: {i!r} is outside the layout's {len(put)} layers")
+    if put[i] is not None and put[i] is not False:
+        raise InputError(f"layer {i}: put twice")
+
+
 def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer-wise writer's check of layer ``i`` (``layers``: what was put so far, ``tokens``:
     the earlier layers' length): ``InputError`` naming what is wrong, else K and V as
     ``[1, H, T, D]``."""
-    L = layout.num_layers
-    if not isinstance(i, int) or not 0 <= i < L:
-        raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
-    if layers[i] is not None:
-        raise InputError(f"layer {i}: put twice")
+    check_layer_index(i, layers)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
             raise InputError(f"layer {i} {name}: expected a [1, H, T, D] or [H, T, D] tensor")
@@ -698,7 +724,7 @@ def missing_layers_error(missing: list[int], num_layers: int) -> InputError:
     return InputError(f"layers {shown} were never put ({len(missing)} of {num_layers}); nothing stored")
 
 
-class LayerwiseIngest:
+class LayerwiseIngest(LayerWriter):
     """Takes a prompt's KV one layer at a time (``put_layer(i, k, v)``, any order, as a
     forward produces them) and stores its blocks when ``finish()`` is called with every
     layer there: a block is stored whole or not at all, never some of its layers. ``abort()``
@@ -712,14 +738,12 @@ class LayerwiseIngest:
         self._ingest, self.keys, self.layout = ingest, keys, layout
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
         self._tokens: int | None = None
-        self._state = "open"
 
     def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens
         so far, the same for every layer). Bad input raises ``InputError``; the writer stays
         usable (nothing of it was taken)."""
-        if self._state != "open":
-            raise RuntimeError(f"LayerwiseIngest.put_layer: the writer is {self._state}")
+        self._open("put_layer")
         k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
         self._tokens = k.shape[-2]
         self._layers[i] = (k, v)
@@ -731,8 +755,7 @@ class LayerwiseIngest:
     def finish(self) -> Any:
         """Store the blocks (one ``ingest`` of all layers) and return its ``IngestResult``.
         With a layer missing: ``InputError``, and nothing is stored."""
-        if self._state != "open":
-            raise RuntimeError(f"LayerwiseIngest.finish: the writer is {self._state}")
+        self._open("finish")
         missing = self.missing
         if missing:
             self.abort()
@@ -747,17 +770,8 @@ class LayerwiseIngest:
             self._state = "aborted"
         self._layers = [None] * len(self._layers)
 
-    def __enter__(self) -> LayerwiseIngest:
-        return self
 
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif self._state == "open":
-            self.abort()  # left without finish(): nothing is stored
-
-
-class PagedLayerwiseIngest:
+class PagedLayerwiseIngest(LayerWriter):
     """The reference writer for KV in an engine's pages (``RemoteCache.ingest_batch(...,
     layerwise=True)``): ``put_layer(i)`` only records that layer ``i`` is written, and
     ``finish()`` is one ``ingest_batch`` of the requests, once every layer is there. Over
@@ -767,16 +781,11 @@ class PagedLayerwiseIngest:
     def __init__(self, ingest_batch: Callable[[list, Any], Any], requests: list, pages: Any, num_layers: int) -> None:
         self._ingest_batch, self.requests, self.pages = ingest_batch, requests, pages
         self._put = [False] * num_layers
-        self._state = "open"
         self.mode = "reference"
 
     def put_layer(self, i: int) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"PagedLayerwiseIngest.put_layer: the writer is {self._state}")
-        if not isinstance(i, int) or not 0 <= i < len(self._put):
-            raise InputError(f"layer: {i!r} is outside the layout's {len(self._put)} layers")
-        if self._put[i]:
-            raise InputError(f"layer {i}: put twice")
+        self._open("put_layer")
+        check_layer_index(i, self._put)
         self._put[i] = True
 
     @property
@@ -784,8 +793,7 @@ class PagedLayerwiseIngest:
         return [i for i, put in enumerate(self._put) if not put]
 
     def finish(self) -> list:
-        if self._state != "open":
-            raise RuntimeError(f"PagedLayerwiseIngest.finish: the writer is {self._state}")
+        self._open("finish")
         missing = self.missing
         if missing:
             self.abort()
@@ -797,13 +805,7 @@ class PagedLayerwiseIngest:
         if self._state == "open":
             self._state = "aborted"
 
-    def __enter__(self) -> PagedLayerwiseIngest:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if self._state == "open":
-            self.abort()
-
 
 __all__ = ["LOOKAHEAD_GROUPS", "LayerTiming", "LayerwiseDecoder", "LayerwiseIngest", "LayerwiseLoad",
-           "PagedLayerwiseIngest", "check_layer", "layer_groups", "load", "missing_layers_error"]
+           "LayerWriter", "PagedLayerwiseIngest", "check_layer", "check_layer_index", "layer_groups", "load",
+           "missing_layers_error"]

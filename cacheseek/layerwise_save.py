@@ -42,7 +42,7 @@ import torch
 from . import batching, ingest_in_place, paged_io
 from .encode import encode_into, flags_to_host
 from .errors import InputError
-from .layerwise import check_layer, missing_layers_error
+from .layerwise import LayerWriter, check_layer, check_layer_index, missing_layers_error
 from .quant.backend import kernels_available
 from .quant.tensors import give_back_flags
 from .results import IngestResult, count_outcome
@@ -82,13 +82,12 @@ class _Run:
     moves: tuple = ()
 
 
-class _SlotWriter:
+class _SlotWriter(LayerWriter):
     """What both layer-wise saves share: the reserved runs of slots, a layer's encode and
     store into them, the check and the commit."""
 
     def __init__(self, cache: Any) -> None:
         self.cache, self.layout = cache, cache.layout
-        self._state = "open"
         self._mode: str | None = None  # "slots" or "reference"
         self._device: torch.device | None = None
         self._runs: list[_Run] = []
@@ -118,22 +117,11 @@ class _SlotWriter:
     def _dropped(self) -> None:
         """Let go of the layers kept (the contiguous writer's)."""
 
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if self._state == "open":
-            self.abort()  # an exception, or left without finish(): nothing is stored
-
     def __del__(self) -> None:
         # A writer dropped unfinished (its forward raised) must not keep tier memory reserved.
         if getattr(self, "_runs", None) and self._state == "open":
             with contextlib.suppress(Exception):
                 self.abort()
-
-    def _open(self, what: str) -> None:
-        if self._state != "open":
-            raise RuntimeError(f"{type(self).__name__}.{what}: the writer is {self._state}")
 
     def _wants_slots(self, device: torch.device, new_blocks: int) -> bool:
         fmt = self.cache.block_format
@@ -349,12 +337,7 @@ class LayerwiseSave(_SlotWriter):
         if not all(row in saved or f for row, f in enumerate(self._found)):
             # Blocks no slot was reserved for: one ingest of the layers (it finds the blocks
             # just published present, and stores the rest).
-            rest = self.cache.ingest(self.keys, self._layers)
-            result.stored += rest.stored
-            result.failed += rest.failed
-            result.present = result.blocks - result.stored - result.failed
-            for tier, reason in rest.errors.items():
-                result.errors.setdefault(tier, reason)
+            _add_rest(result, self.cache.ingest(self.keys, self._layers))
         store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         return result
 
@@ -398,11 +381,7 @@ class PagedLayerwiseSave(_SlotWriter):
         """Layer ``i`` of the requests' pages is written (by work queued on the current
         stream): encode and store it. Any order; each layer once."""
         self._open("put_layer")
-        L = self.layout.num_layers
-        if not isinstance(i, int) or not 0 <= i < L:
-            raise InputError(f"layer: {i!r} is outside the layout's {L} layers")
-        if self._layers_put[i]:
-            raise InputError(f"layer {i}: put twice")
+        check_layer_index(i, self._layers_put)
         self._layers_put[i] = True
         if self._mode == "slots":
             source, B = self._call.source, self.cache.block_tokens
@@ -438,15 +417,20 @@ class PagedLayerwiseSave(_SlotWriter):
         if len(saved) < len(hashes):
             # Blocks no slot was reserved for: one ingest_batch of the requests (it finds the
             # blocks just published present, and stores the rest).
-            rest = self.cache.ingest_batch(self.requests, self.pages)
-            for result, more in zip(results, rest):
-                result.stored += more.stored
-                result.failed += more.failed
-                result.present = result.blocks - result.stored - result.failed
-                for tier, reason in more.errors.items():
-                    result.errors.setdefault(tier, reason)
+            for result, rest in zip(results, self.cache.ingest_batch(self.requests, self.pages)):
+                _add_rest(result, rest)
         self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
         return results
+
+
+def _add_rest(result: IngestResult, rest: IngestResult) -> None:
+    """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot:
+    it found the published ones present, so only its stored and failed blocks are new."""
+    result.stored += rest.stored
+    result.failed += rest.failed
+    result.present = result.blocks - result.stored - result.failed
+    for tier, reason in rest.errors.items():
+        result.errors.setdefault(tier, reason)
 
 
 def _layer_sliceable(meta: FrameMeta, num_layers: int) -> bool:
