@@ -142,6 +142,7 @@ for s in "$@"; do
     tests-capacity) step tests-capacity 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_capacity.py tests/test_crash.py ;;
     pins-gpu)    step pins-gpu 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_pins.py ;;
     vllm-pages)  step vllm-pages 420 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs raw,int4 --requests 1,8 --reps 5 --out "$OUT" ;;
+    tests-vllm-save) step tests-vllm-save 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_vllm_pages.py -k "layerwise" ;;
     tests-vllm)  step tests-vllm 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py ;;
     # The connector's layer-wise loads on the GPU: the tests (event waits on the forward's
     # stream, same bytes as a whole load), then int4 at 4K and 16K tokens: the layer-wise load

@@ -566,6 +566,54 @@ def test_gpu_layerwise_step_reads_each_layer_after_its_wait_on_the_forwards_stre
     cache.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-vllm-save)")
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_gpu_layerwise_save_reads_each_layer_after_the_forward_wrote_it(codec, monkeypatch):
+    """vLLM writes a layer's pages on its forward stream and then calls save_kv_layer: the
+    save of that layer (on its own stream) must wait for those writes, never for the host.
+    Each layer is written after a sleep on the forward stream, so a save that did not wait
+    would store the zeros it found; it stores what a whole save of the written pages does."""
+    from cacheseek import layerwise_save
+
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    fmt = PageFormat("channel", D, 16, 16)
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="bfloat16")
+
+    def gpu_worker() -> tuple[WorkerSide, cs.PrefixCache]:
+        cache = cs.PrefixCache(model_id="m", layout=layout, codec=codec, block_tokens=32,
+                               tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=True))
+        return WorkerSide(cache, guard=StoreGuard(ConnectorConfig.from_extra({}), "worker")), cache
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    written = [torch.randn(16, 16, H, 2 * D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(L)]
+    plan = StepPlan(saves=[SaveSpec("a", list(range(3000, 3096)), [3, 7, 1, 12, 0, 9]),
+                           SaveSpec("b", list(range(4000, 4064)), [2, 4, 5, 6])])
+    whole, whole_cache = gpu_worker()
+    whole.register(VllmPages([t.transpose(1, 2) for t in written], fmt))
+    save_step(whole, plan)
+    side, cache = gpu_worker()
+    side.layerwise_save = True
+    raw = [torch.zeros_like(t) for t in written]
+    side.register(VllmPages([t.transpose(1, 2) for t in raw], fmt))
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        for i in range(L):
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the layer's "attention"
+            raw[i].copy_(written[i])
+            side.save_layer(i, plan)
+        side.start_step(plan)  # vLLM 0.32, a step without a synchronous load: after the forward
+        side.finish_step(plan)
+    st = side.stats
+    assert (st.save_layerwise_calls, st.save_layerwise_fallbacks, st.save_blocks_stored) == (1, 0, 5)
+    for spec in plan.saves:
+        want = [bytes(f[0].payload_view()) for f in whole_cache.store.get_many(whole_cache.block_hashes(spec.keys))]
+        got = [bytes(f[0].payload_view()) for f in cache.store.get_many(cache.block_hashes(spec.keys))]
+        assert len(got) == len(want) > 0 and got == want
+    assert cache.stats()["tiers"][0]["reservation_bytes"] == 0
+    cache.close(), whole_cache.close()
+
+
 def test_data_path_benchmark_runs(tmp_path):
     from benchmarks import vllm_pages
 
