@@ -39,9 +39,10 @@ Every time is CUDA-synchronized; each cell is the median of ``--repeats`` runs a
 warm-up. ``speedup`` = full TTFT / reuse TTFT; ``ceiling`` = full TTFT / the suffix forward
 over the prefix's KV already in the model's cache on the device (``suffix_only_s``, nothing
 loaded; one before each of the cell's runs): the most any cache can give with this forward.
-``pays`` = reuse measured faster than the full prefill, ``planner`` = what ``prefill_with_reuse(reuse="auto")`` would decide from the
-measured prefill and read speeds (``skip`` means it would recompute instead). A row where
-reuse is slower than recompute is marked, never hidden.
+``pays`` = reuse measured faster than the full prefill, ``planner`` = what
+``prefill_with_reuse(reuse="auto")`` would decide from the measured prefill and read speeds
+(``skip`` means it would recompute instead). A row where reuse is slower than recompute is
+marked, never hidden.
 """
 
 from __future__ import annotations
