@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,54 @@ def test_raw_is_exact_through_demotion_and_promotion(tmp_path):
     # Promotion pushed older blocks back down; the whole chain is still there, exactly.
     assert cache.lookup(toks) == 8 * BLOCK
     assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+
+
+def test_a_read_waits_for_a_block_on_its_way_down_instead_of_missing_it(tmp_path, monkeypatch):
+    """Write-back: a put that evicts a block from the CPU tier hands it to the disk tier, and
+    while that write is under way the block is in neither. A ``get`` or ``get_many`` of it
+    then waits for the demotion and finds it on disk, byte for byte; once no write runs, a
+    miss is answered at once."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    a, b, c = raw_frame(1), raw_frame(2), raw_frame(3)
+    size = a[1].nbytes
+    cpu, disk = CpuTier(2 * size), DiskTier(tmp_path / "d", 20 * size, fsync=False)
+    store = TieredStore([cpu, disk])  # nothing written through: the disk fills by demotion
+    store.put_many([a, b])
+    entered, release = threading.Event(), threading.Event()
+    real_put = disk.put
+
+    def slow_put(key, frame):  # the demotion's write, held until the readers have looked
+        entered.set()
+        release.wait(10)
+        return real_put(key, frame)
+
+    monkeypatch.setattr(disk, "put", slow_put)
+    writer = threading.Thread(target=store.put_many, args=([c],))
+    writer.start()
+    assert entered.wait(10)
+    victim = next(item for item in (a, b) if not cpu.contains(item[0]))
+    assert not disk.contains(victim[0])  # in neither tier now
+    got_one, got_many = [], []
+    readers = [threading.Thread(target=lambda: got_one.append(store.get(victim[0], promote=False))),
+               threading.Thread(target=lambda: got_many.extend(store.get_many([victim[0]], promote=False)))]
+    for r in readers:
+        r.start()
+    time.sleep(0.3)
+    assert all(r.is_alive() for r in readers)  # waiting for the demotion, not answering a miss
+    release.set()
+    for r in readers + [writer]:
+        r.join(10)
+    want = bytes(victim[1].payload_view())
+    for frame, tier in (got_one[0], got_many[0]):
+        assert tier == "disk" and bytes(frame.payload_view()) == want
+        frame.release()
+    t0 = time.perf_counter()
+    assert store.get(b"\x07" * 16) is None and store.get_many([b"\x07" * 16]) == [None]
+    assert time.perf_counter() - t0 < 1.0
+    store.close()
 
 
 @pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=2, v_bits=8, group_size=32)])

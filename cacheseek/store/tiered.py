@@ -6,6 +6,9 @@
 - A tier that evicts to make room hands its victims down to the next tier (demotion),
   unless that tier already holds them.
 - A hit below the top is copied up into every faster tier (promotion), if enabled.
+- A block on its way down (evicted from one tier, not yet in the next) is not missed by a
+  read: a ``get`` that finds a key nowhere while such a write ran waits for it and looks
+  again (``store.moves``).
 - A tier with an admission threshold (``admit_after``) takes a block only once it has been
   used that many times (the ingest is the first use): a write-through skips it until then,
   and the tier above hands it down when it evicts it, if it has been used enough by then.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
@@ -42,6 +46,7 @@ from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
 from .lease import Lease, release_all
+from .moves import Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
@@ -105,6 +110,7 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
             tier.demote_evicted = below is not None and (below.name not in write_through or below.name in self.filters)
+        self.moves = Moves() if any(t.demote_evicted for t in self.tiers) else None
         self.residency = Residency(len(self.tiers))
         for i, tier in enumerate(self.tiers):
             tier.watch(self.residency.watch(i))
@@ -150,6 +156,14 @@ class TieredStore:
             self.expire_pins()
         for use_filter in self.filters.values():
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
+        with self._moving():
+            return self._put_many(items)
+
+    def _moving(self) -> AbstractContextManager[None]:
+        """Around a write whose evictions may be demoted (see ``store.moves``)."""
+        return nullcontext() if self.moves is None else self.moves.moving()
+
+    def _put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
@@ -253,20 +267,31 @@ class TieredStore:
             for fut in self.prefetcher.waiting([key]).values():
                 fut.result()
                 self.prefetcher.note_waited(1)
-        for level, tier in enumerate(self.tiers):
-            frame = tier.get(key)
-            if frame is None:
-                continue
-            if promote and level > 0:
-                self._promote_held(key, frame, level)
-            return frame, tier.name
-        return None
+        mark = None if self.moves is None else self.moves.mark()
+        while True:
+            for level, tier in enumerate(self.tiers):
+                frame = tier.get(key)
+                if frame is None:
+                    continue
+                if promote and level > 0:
+                    self._promote_held(key, frame, level)
+                return frame, tier.name
+            if mark is None or not self.moves.overlapped(mark):
+                return None
+            mark = None  # looked again once, after the demotions that overlapped the first look
 
     def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[tuple[BlockFrame, str] | None]:
         """Like :meth:`get` for each key, asking each tier once for all the keys still missing."""
         promote = self.promote_on_hit if promote is None else promote
         out: list[tuple[BlockFrame, str] | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
+        mark = None if self.moves is None else self.moves.mark()
+        missing = self._get_missing(keys, list(range(len(keys))), out, promote)
+        if missing and mark is not None and self.moves.overlapped(mark):
+            self._get_missing(keys, missing, out, promote)
+        return out
+
+    def _get_missing(self, keys: Sequence[bytes], missing: list[int], out: list, promote: bool) -> list[int]:
+        """Fill ``out[i]`` for the ``missing`` keys found in a tier; the rest's indices."""
         for level, tier in enumerate(self.tiers):
             if not missing:
                 break
@@ -278,7 +303,7 @@ class TieredStore:
                     self._promote_held(keys[i], frame, level)
                 out[i] = (frame, tier.name)
             missing = [i for i in missing if out[i] is None]
-        return out
+        return missing
 
     def stream(self, keys: Sequence[bytes], *, where: Sequence[str] | None = None, promote: bool | None = None,
                leased: bool = True, join_prefetches: bool = True) -> Iterator[tuple[BlockFrame, str] | None]:
@@ -345,6 +370,10 @@ class TieredStore:
             raise
 
     def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
+        with self._moving():
+            self._promote_up(key, frame, level)
+
+    def _promote_up(self, key: bytes, frame: BlockFrame, level: int) -> None:
         for upper in range(level):
             tier = self.tiers[upper]
             try:
@@ -543,17 +572,18 @@ class TieredStore:
             use_filter.use(key for key, _, _ in items)
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
-        if self.write_through:
-            top.settle()
-            held: list[Lease | None] = []
-            try:
-                self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
-                                     for (key, reservation, meta), outcome in zip(items, outcomes)], held)
-            finally:
-                release_all(held)
-        for result, outcome in zip(top.commit_many(items, sealed=sealed), outcomes):
-            outcome.note(result, top.name, top.name in self._acknowledging)
-            self._demote(0, result.evicted)
+        with self._moving():
+            if self.write_through:
+                top.settle()
+                held: list[Lease | None] = []
+                try:
+                    self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
+                                         for (key, reservation, meta), outcome in zip(items, outcomes)], held)
+                finally:
+                    release_all(held)
+            for result, outcome in zip(top.commit_many(items, sealed=sealed), outcomes):
+                outcome.note(result, top.name, top.name in self._acknowledging)
+                self._demote(0, result.evicted)
         return outcomes
 
     def abort(self, reservation: Reservation) -> None:

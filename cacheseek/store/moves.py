@@ -1,0 +1,65 @@
+"""``Moves``: the writes of a store that may hand evicted blocks down a tier, so that a
+read never misses a block on its way down.
+
+A tier evicts a victim under its own lock and hands it back; the store then puts it into
+the tier below (demotion). Between the two the block is in neither tier, for as long as
+the write below takes (a file written, a Redis round trip). A write-back store promises
+that an acknowledged block can be read until it leaves the last tier, so a read that finds
+a key nowhere asks ``Moves`` whether any such write overlapped it, waits for those writes
+to end, and looks once more. A read that no write overlapped is a genuine miss and waits
+for nothing, so a store without demotion (write-through everywhere) pays nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# How long a read waits for the writes that overlapped it before it gives the miss as it
+# is: far longer than a demotion (a frame written to disk or Redis), short enough that a
+# wedged tier below cannot hold readers.
+WAIT_S = 5.0
+
+
+class Moves:
+    """Count the writes that may demote (``moving``) so that a read can tell whether one
+    overlapped it (``mark``, then ``overlapped``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._started = 0
+        self._finished = 0
+        self._active: set[int] = set()
+
+    @contextmanager
+    def moving(self) -> Iterator[None]:
+        """Around a write that may evict from one tier and put the victims into the next."""
+        with self._cond:
+            ticket = self._started
+            self._started += 1
+            self._active.add(ticket)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active.discard(ticket)
+                self._finished += 1
+                self._cond.notify_all()
+
+    def mark(self) -> tuple[int, int]:
+        """Taken before a read looks at the tiers."""
+        with self._cond:
+            return self._started, self._finished
+
+    def overlapped(self, mark: tuple[int, int], timeout: float = WAIT_S) -> bool:
+        """After a read missed: whether a write that may demote ran at some point since
+        ``mark`` (already running then, or started since); if so, wait until every write
+        started before now has ended (or ``timeout``), and the read should look again."""
+        started, finished = mark
+        with self._cond:
+            upto = self._started
+            if started == finished and upto == started:
+                return False
+            self._cond.wait_for(lambda: all(t >= upto for t in self._active), timeout)
+            return True
