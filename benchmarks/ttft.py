@@ -259,7 +259,6 @@ class SuffixOnly:
         forward(self.model, self.suffix, past, last_only=True)
         sync(self.device)
         self.seconds.append(time.perf_counter() - t)
-        del past
 
     def median_s(self, runs: int) -> float:
         """The median of the last ``runs`` runs (the earlier ones warmed up)."""

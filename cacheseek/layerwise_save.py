@@ -355,20 +355,11 @@ class PagedLayerwiseSave(_SlotWriter):
         planned = paged_io.requests_of(requests)
         call = paged_io.plan_ingest(cache.keys, self.layout, pages, planned, single=False)
         paged_io.hash_requests(call, cache.keys, planned)
-        every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
         hashes, parents, positions = call.flat()
         self._found = cache.store.present_many(hashes) if hashes else []
-        B = cache.block_tokens
-        self._results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B,
-                                      durability=cache.store.durability) for h in call.hashes]
-        # A block twice in one call (two requests with one prefix) is encoded once: the
-        # later one counts as present.
-        present, seen = list(self._found), set()
-        for i, key in enumerate(hashes):
-            present[i] = present[i] or key in seen
-            seen.add(key)
-            self._results[every[i][0]].present += present[i]
+        self._results, present = paged_io.ingest_results(call, self._found, cache.store.durability)
         keep = [i for i, p in enumerate(present) if not p]
+        every = call.every_row()
         call.use_rows([every[i] for i in keep])
         self._call, self._all_hashes = call, hashes
         self._hashes = [hashes[i] for i in keep]

@@ -33,6 +33,7 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
 from .prefix_keys import PrefixKeys
 from .quant.codec import KVLayerCodec
+from .results import IngestResult
 from .staging import payload_views, staging_stride
 from .encode import give_back
 from .store.device_staging import StagingLease, staging_pool
@@ -65,6 +66,10 @@ class PagedCall:
 
     def request_of(self, row: int) -> int:
         return self.rows[row][0]
+
+    def every_row(self) -> list[tuple[int, int]]:
+        """(request, block) of every full block the call's keys name, in request order."""
+        return [(r, b) for r, n in enumerate(self.sizes) for b in range(n)]
 
     def use_rows(self, rows: list[tuple[int, int]]) -> None:
         """Make ``rows`` ((request, block) each) the call's rows, with their source."""
@@ -132,6 +137,24 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
             raise InputError(f"{name}.page_ids: {table.numel()} pages of {P} tokens hold {table.numel() * P} tokens, "
                              f"but its keys name {n} full blocks ({n * B} tokens)")
     return call
+
+
+def ingest_results(call: PagedCall, found: Sequence[bool], durability: str) -> tuple[list[IngestResult], list[bool]]:
+    """Before a hashed call's ingest: one ``IngestResult`` per request, and per block (in
+    ``flat()`` order) whether it needs no encoding, counted as present in its request's
+    result: stored already (``found``), or met earlier in the call (two requests with one
+    prefix encode it once; the later one counts as present)."""
+    B = call.block_tokens
+    results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B, durability=durability)
+               for h in call.hashes]
+    present, seen, i = list(found), set(), 0
+    for result, hashes in zip(results, call.hashes):
+        for key in hashes:
+            present[i] = present[i] or key in seen
+            seen.add(key)
+            result.present += present[i]
+            i += 1
+    return results, present
 
 
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:

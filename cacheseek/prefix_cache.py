@@ -138,8 +138,7 @@ class PrefixCache(PrefixCacheBase):
                       ) -> list[IngestResult]:
         self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
-        B = self.block_tokens
-        every = [(r, b) for r, n in enumerate(call.sizes) for b in range(n)]
+        every = call.every_row()
         in_place = None
         if single and every and ingest_in_place.applies(self.store, pages.device):
             # One request: the chain's tail is on its way before the prompt is hashed (as
@@ -155,15 +154,7 @@ class PrefixCache(PrefixCacheBase):
             if in_place is not None:
                 in_place.abandon()
             raise
-        results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B,
-                                durability=self.store.durability) for h in call.hashes]
-        # A block twice in one call (two requests with one prefix) is encoded once: the
-        # later one counts as present.
-        present, seen = list(found), set()
-        for i, key in enumerate(hashes):
-            present[i] = present[i] or key in seen
-            seen.add(key)
-            results[every[i][0]].present += present[i]
+        results, present = paged_io.ingest_results(call, found, self.store.durability)
         if in_place is None:
             # The rows are the blocks to store, whoever's they are: runs of them (one launch
             # per side each) are not cut where one request ends and the next begins.

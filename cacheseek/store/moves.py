@@ -29,7 +29,6 @@ class Moves:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._started = 0
-        self._finished = 0
         self._active: set[int] = set()
 
     @contextmanager
@@ -44,22 +43,21 @@ class Moves:
         finally:
             with self._cond:
                 self._active.discard(ticket)
-                self._finished += 1
                 self._cond.notify_all()
 
     def mark(self) -> tuple[int, int]:
-        """Taken before a read looks at the tiers."""
+        """Taken before a read looks at the tiers: (writes started, writes running)."""
         with self._cond:
-            return self._started, self._finished
+            return self._started, len(self._active)
 
     def overlapped(self, mark: tuple[int, int], timeout: float = WAIT_S) -> bool:
         """After a read missed: whether a write that may demote ran at some point since
         ``mark`` (already running then, or started since); if so, wait until every write
         started before now has ended (or ``timeout``), and the read should look again."""
-        started, finished = mark
+        started, running = mark
         with self._cond:
             upto = self._started
-            if started == finished and upto == started:
+            if not running and upto == started:
                 return False
             self._cond.wait_for(lambda: all(t >= upto for t in self._active), timeout)
             return True

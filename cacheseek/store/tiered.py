@@ -268,17 +268,20 @@ class TieredStore:
                 fut.result()
                 self.prefetcher.note_waited(1)
         mark = None if self.moves is None else self.moves.mark()
-        while True:
-            for level, tier in enumerate(self.tiers):
-                frame = tier.get(key)
-                if frame is None:
-                    continue
-                if promote and level > 0:
-                    self._promote_held(key, frame, level)
-                return frame, tier.name
-            if mark is None or not self.moves.overlapped(mark):
-                return None
-            mark = None  # looked again once, after the demotions that overlapped the first look
+        got = self._get_one(key, promote)
+        if got is None and mark is not None and self.moves.overlapped(mark):
+            got = self._get_one(key, promote)
+        return got
+
+    def _get_one(self, key: bytes, promote: bool) -> tuple[BlockFrame, str] | None:
+        for level, tier in enumerate(self.tiers):
+            frame = tier.get(key)
+            if frame is None:
+                continue
+            if promote and level > 0:
+                self._promote_held(key, frame, level)
+            return frame, tier.name
+        return None
 
     def get_many(self, keys: Sequence[bytes], *, promote: bool | None = None) -> list[tuple[BlockFrame, str] | None]:
         """Like :meth:`get` for each key, asking each tier once for all the keys still missing."""

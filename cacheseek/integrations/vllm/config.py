@@ -84,15 +84,16 @@ class ConnectorConfig:
 
     def loads_layerwise(self, device_type: str) -> bool:
         """Whether the worker loads each step layer by layer, its pages on ``device_type``."""
-        if self.remote:
-            return False
-        return device_type == "cuda" if self.layerwise_load is None else self.layerwise_load
+        return self._layerwise(self.layerwise_load, device_type)
 
     def saves_layerwise(self, device_type: str) -> bool:
         """Whether the worker saves each step layer by layer, its pages on ``device_type``."""
+        return self._layerwise(self.layerwise_save, device_type)
+
+    def _layerwise(self, setting: bool | None, device_type: str) -> bool:
         if self.remote:
             return False
-        return device_type == "cuda" if self.layerwise_save is None else self.layerwise_save
+        return device_type == "cuda" if setting is None else setting
 
     @property
     def may_load_layerwise(self) -> bool:

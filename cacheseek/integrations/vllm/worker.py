@@ -327,8 +327,7 @@ class WorkerSide:
         if running is None or running.writer is None:
             return False
         if running.plan is not plan:  # (another step's, never finished)
-            running.writer.abort()
-            self._fell_back("the step never reached wait_for_save")
+            self._drop(running, "the step never reached wait_for_save")
             return False
         t0 = time.perf_counter()
         failed = [spec.req_id for spec in running.plan.saves if spec.req_id in self._failed_requests]
@@ -344,10 +343,13 @@ class WorkerSide:
                 self.stats.save_layerwise_calls += 1
                 self.stats.save_seconds += running.seconds + time.perf_counter() - t0
                 return True
-        running.writer.abort()
-        self._fell_back(f"the load of {failed[:4]} failed in this step" if failed else
-                        f"{type(running.error).__name__}: {running.error}")
+        self._drop(running, f"the load of {failed[:4]} failed in this step" if failed else
+                   f"{type(running.error).__name__}: {running.error}")
         return False
+
+    def _drop(self, running: RunningSave, reason: str) -> None:
+        running.writer.abort()
+        self._fell_back(reason)
 
     def _fell_back(self, reason: str) -> None:
         self.stats.save_layerwise_fallbacks += 1
@@ -358,8 +360,7 @@ class WorkerSide:
         """Drop a layer-wise save still running (a step that never reached wait_for_save)."""
         running, self._saving = self._saving, None
         if running is not None and running.writer is not None:
-            running.writer.abort()
-            self._fell_back("the step never reached wait_for_save")
+            self._drop(running, "the step never reached wait_for_save")
 
     def _account_save(self, specs: list[SaveSpec], results: list[Any]) -> None:
         self.stats.saves += len(specs)
