@@ -29,7 +29,7 @@ from .staging import payload_views, staging_stride
 from .store.device import as_host_tensor, copy_entry
 from .store.device_staging import StagingLease, staging_pool
 from .store.frame import FrameMeta
-from .store.streams import on_stream, work_stream
+from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import BlockFrame
 
 
@@ -114,7 +114,7 @@ class BatchDecoder:
         self._meta0 = meta
         if self._copy_stream is not None:
             self._lease.used_on(self._copy_stream)
-            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._copy_stream.wait_stream(current_stream(self.device))
 
     def add(self, frame: BlockFrame) -> None:
         j = len(self._frames)
@@ -174,7 +174,7 @@ class BatchDecoder:
         if self._copy_stream is not None:
             landed = torch.cuda.Event()
             landed.record(self._copy_stream)
-            current = torch.cuda.current_stream(self.device)
+            current = current_stream(self.device)
             current.wait_event(landed)
             self._lease.used_on(current)  # (the stream it was taken for, unless the caller switched)
         if self._sink is not None:

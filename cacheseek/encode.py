@@ -29,7 +29,7 @@ from .quant.tensors import all_finite
 from .staging import payload_views, staging_stride
 from .store.device_staging import StagingLease, staging_pool
 from .store.lease import release_all
-from .store.streams import on_stream, work_stream
+from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import BlockFrame
 
 _UNPREPARED: Any = object()  # _encode_deferred asks the codec to prepare the layers itself
@@ -66,7 +66,7 @@ def encode_blocks(
         got, finite = _encode_deferred(part, layers, a, hashes[a - first_block : b - first_block],
                                        parents[a - first_block : b - first_block], staging)
         if device.type == "cuda" and finite.device.type == "cpu":
-            torch.cuda.current_stream(device).synchronize()  # the kernels write the flags in host memory
+            current_stream(device).synchronize()  # the kernels write the flags in host memory
         part.codec.check_finite(finite)
         frames += got
     return frames
@@ -207,7 +207,7 @@ def iter_encoded(
     prepared: dict[Any, Any] = {}  # codec.prepare_key() -> its prepare_layers (a policy's parts may share it)
     side = work_stream("encode", device) if device.type == "cuda" else None
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(device))  # the KV was made on the current stream
+        side.wait_stream(current_stream(device))  # the KV was made on the current stream
 
     held: list[StagingLease] = []  # the staging of the batch yielded last (and of one launched ahead)
 
@@ -243,7 +243,7 @@ def iter_encoded(
             frames, checks, done = upcoming
             if done is not None:
                 done.synchronize()
-                torch.cuda.current_stream(device).wait_event(done)
+                current_stream(device).wait_event(done)
             for codec, finite in checks:
                 codec.check_finite(finite)
             yield frames
@@ -281,7 +281,7 @@ def give_back(leases: list[StagingLease], device: torch.device) -> None:
     if not leases:
         return
     if device.type == "cuda":
-        users = (torch.cuda.current_stream(device), work_stream("to_host", device))
+        users = (current_stream(device), work_stream("to_host", device))
         for lease in leases:
             if not lease.released:
                 lease.used_on(*users)

@@ -41,7 +41,7 @@ from .store.arena import slot_stride
 from .store.device import reservation_span
 from .store.device_staging import staging_pool
 from .store.frame import FrameMeta, header_prefix
-from .store.streams import on_stream, work_stream
+from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import Reservation
 from .store.tiered import StorePutResult, TieredStore
 
@@ -92,7 +92,7 @@ class InPlaceIngest:
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
-            self.encode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the KV was made there
+            self.encode_stream.wait_stream(current_stream(self.device))  # the KV was made there
         self.pending: deque[_Run] = deque()
         self.outcomes: list[StorePutResult | None] = []
         self.committed: list[bytes] = []

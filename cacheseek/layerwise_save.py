@@ -51,7 +51,7 @@ from .store.arena import slot_stride
 from .store.device import reservation_span
 from .store.device_staging import staging_pool
 from .store.frame import FrameMeta, TensorEntry, header_prefix
-from .store.streams import on_stream, work_stream
+from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import Reservation
 
 # New raw KV below which a save keeps the layers and ingests them on ``finish``: the
@@ -206,7 +206,7 @@ class _SlotWriter(LayerWriter):
             from . import kernels
 
             stream = self._stream
-            stream.wait_stream(torch.cuda.current_stream(self._device))  # the forward made the layer there
+            stream.wait_stream(current_stream(self._device))  # the forward made the layer there
             with on_stream(stream):
                 for run in self._runs:
                     n = len(run.metas)

@@ -37,6 +37,7 @@ from .results import IngestResult
 from .staging import payload_views, staging_stride
 from .encode import give_back
 from .store.device_staging import StagingLease, staging_pool
+from .store.streams import current_stream
 from .store.tier import BlockFrame
 
 
@@ -254,7 +255,7 @@ def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], 
             frames, flags = encode_frames(fmt, call.source, start, stop, hashes, parents, positions,
                                           held if pooled else None)
             if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()  # flags are written in host memory
+                current_stream(device).synchronize()  # flags are written in host memory
             try:
                 fmt.codec.check_finite(flags)
             except InputError as exc:

@@ -27,6 +27,7 @@ class FakeCuda:
                         1: SimpleNamespace(device_index=1, name="caller1")}
 
     def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(streams, "BINDINGS", None)  # torch.cuda's Python calls, as in a CPU build
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.device)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current[
             self.device if device is None else device])
@@ -53,6 +54,49 @@ def test_on_stream_gives_back_the_callers_stream_and_device_even_on_error(monkey
         assert fake.current[1] is other and fake.device == 1
         raise ValueError("the work failed")
     assert fake.current[1].name == "caller1" and fake.current[0].name == "caller0" and fake.device == 0
+
+
+class FakeBindings(FakeCuda):
+    """The same state behind torch's C bindings: streams as (id, device index, device type)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = {0: (100, 0, 1), 1: (101, 1, 1)}
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+        monkeypatch.setattr(streams, "BINDINGS", streams._Bindings(
+            get_stream=lambda index: self.current[index], set_stream=self.set_stream_by_id,
+            get_device=lambda: self.device))
+
+    def set_stream_by_id(self, *, stream_id: int, device_index: int, device_type: int) -> None:
+        self.device = device_index  # as torch._C._cuda_setStream does
+        self.current[device_index] = (stream_id, device_index, device_type)
+
+
+def test_on_stream_through_torchs_bindings_gives_back_the_callers_stream_and_device(monkeypatch):
+    fake = FakeBindings()
+    fake.install(monkeypatch)
+    work = SimpleNamespace(stream_id=7, device_index=0, device_type=1)
+    with streams.on_stream(work):
+        assert fake.current[0] == (7, 0, 1) and fake.device == 0
+    assert fake.current[0] == (100, 0, 1) and fake.device == 0
+    other = SimpleNamespace(stream_id=8, device_index=1, device_type=1)
+    with pytest.raises(ValueError), streams.on_stream(other):
+        assert fake.current[1] == (8, 1, 1) and fake.device == 1
+        raise ValueError("the work failed")
+    assert fake.current == {0: (100, 0, 1), 1: (101, 1, 1)} and fake.device == 0
+
+
+@pytest.mark.skipif(streams.BINDINGS is None or not torch.cuda.is_available(), reason="needs CUDA's bindings")
+def test_current_stream_is_torchs_current_stream():
+    mine = torch.cuda.Stream()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for device in (None, dev, torch.device("cuda"), dev.index):
+        assert streams.current_stream(device) == torch.cuda.current_stream(device)
+        with torch.cuda.stream(mine):
+            got = streams.current_stream(device)
+            assert got == mine == torch.cuda.current_stream(device) and got.device_index == dev.index
 
 
 # -- on a GPU: ingest and materialize leave the caller on its stream ----------------------------

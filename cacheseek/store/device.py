@@ -12,7 +12,7 @@ import torch
 from ..quant.tensors import host_view
 from .device_staging import is_staging
 from .frame import header_prefix, seal_frame
-from .streams import on_stream, work_stream
+from .streams import current_stream, on_stream, work_stream
 from .tier import BlockFrame, Reservation
 
 
@@ -91,7 +91,7 @@ class HostCopies:
                 continue
             stream = work_stream("to_host", device)
             if device not in self._synced:
-                stream.wait_stream(torch.cuda.current_stream(device))  # the payloads were made there
+                stream.wait_stream(current_stream(device))  # the payloads were made there
                 self._synced.add(device)
             with on_stream(stream):
                 copy_entry(target, src)
@@ -156,7 +156,7 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
             # The clone reads ``src`` on this stream; a plain tensor's owner may free it
             # meanwhile, so the allocator is told (record_stream stays for those). A leased
             # staging buffer's holder marks this stream at its release.
-            src.record_stream(torch.cuda.current_stream(device))
+            src.record_stream(current_stream(device))
         return src.clone()
     out = torch.empty(meta.payload_nbytes, dtype=torch.uint8, device=device)
     if frame.device_payload is not None:
@@ -167,7 +167,7 @@ def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
     else:
         out.copy_(_host_tensor(frame.payload_view()), non_blocking=True)
         if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the host view may be released after return
+            current_stream(device).synchronize()  # the host view may be released after return
     return out
 
 

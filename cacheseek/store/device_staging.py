@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from .lease import Lease, LeaseError, LeaseLedger
-from .streams import on_stream
+from .streams import current_stream, on_stream
 
 MIN_CLASS_BYTES = 64 << 10  # the smallest buffer the pool makes
 # Bytes each device's pool keeps (lent or free), by device type. On a CPU the buffers are
@@ -158,7 +158,7 @@ class DeviceStagingPool:
         if nbytes < 0:
             raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
         if self.cuda and stream is None:
-            stream = torch.cuda.current_stream(self.device)
+            stream = current_stream(self.device)
         cls = size_class(nbytes)
         wait_for: list = []
         with self._lock:
