@@ -46,7 +46,7 @@ from .decode import BatchDecoder
 from .errors import ConfigError, FrameError, InputError, LoadError
 from .quant.backend import kernels_available
 from .store.device import as_host_tensor
-from .store.streams import on_stream, work_stream
+from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import BlockFrame
 
 _FOREACH_COPY = True  # torch._foreach_copy_ takes host-to-device pairs (else: one copy_ per piece)
@@ -98,7 +98,9 @@ class LayerwiseDecoder(BatchDecoder):
         self._gather = GATHER and host_mapped and (device.type == "cuda" or GATHER_ON_CPU) and kernels_available()
         self._gather_tables: Any = None  # (device table of (address, staging row) per split frame)
         self._decode_stream = work_stream("layerwise_decode", device) if device.type == "cuda" else None
-        self._rows: list[tuple[int, Any]] = []  # (staging row, payload) of the frames copied group by group
+        # (staging row, payload) of the frames copied group by group: the payload as a host
+        # tensor, or (read in place by one kernel a group) its address
+        self._rows: list[tuple[int, Any]] = []
         self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
@@ -108,7 +110,7 @@ class LayerwiseDecoder(BatchDecoder):
         self.start_event = None
         if device.type == "cuda":
             self.start_event = torch.cuda.Event(enable_timing=True)
-            self.start_event.record(torch.cuda.current_stream(device))
+            self.start_event.record(current_stream(device))
 
     def add(self, frame: BlockFrame, *, split: bool = False) -> None:
         """Start the copy of ``frame`` to the device: whole, or (``split``, host frames on a
@@ -130,11 +132,15 @@ class LayerwiseDecoder(BatchDecoder):
             # Only layer group 0 now (on a CPU too, so the host's work per frame is what it is
             # on a GPU): one C++ call per side cuts its pieces (one per buffer) out; the rest
             # of the frame is cut and copied when group 1 runs, off the path to layer 0.
+            self._split_frames.append(frame)
+            if self._gather:  # every group, the first too, is read by one kernel when it runs
+                address = frame.host_address
+                if address is None:
+                    address = as_host_tensor(frame.host).data_ptr()
+                self._rows.append((j, address + frame.meta.payload_offset))
+                return
             src = as_host_tensor(frame.payload_view())[: self._meta0.payload_nbytes]
             self._rows.append((j, src))
-            self._split_frames.append(frame)
-            if self._gather:
-                return  # every group, the first too, is read by one kernel when it runs
             if self._copy_stream is None:
                 self._copy_group(0, self._rows[-1:])
             else:
@@ -206,7 +212,7 @@ class LayerwiseDecoder(BatchDecoder):
         from . import kernels
 
         if self._gather_tables is None:
-            rows = [(src.data_ptr(), j) for j, src in self._rows]
+            rows = [(address, j) for j, address in self._rows]
             table = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             self._gather_tables = (table.to(self.device, non_blocking=True), table)  # (keep the source alive)
         addrs, _ = self._gather_tables
@@ -238,12 +244,19 @@ class LayerwiseDecoder(BatchDecoder):
         """No more frames: allocate the outputs (contiguous loads). Returns the block count."""
         self._sealed = True
         n = self._n = len(self._frames)
+        # Each group's views of the staging and the outputs, cut by one split per tensor
+        # (not two slices per tensor per group, a few microseconds of host time each).
+        sizes = [l1 - l0 for l0, l1 in self.groups]
+        if n:
+            self._group_views = list(zip(*(v[:n].split(sizes, dim=1) for v in self._views)))
         if n and self._sink is None:
             L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
             self._k = torch.empty((L, H, n * B, D), dtype=self.layout.torch_dtype, device=self.device)
             self._v = torch.empty_like(self._k)
             self._k_blocks = self._k.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
             self._v_blocks = self._v.view(L, H, n, B, D).permute(2, 0, 1, 3, 4)
+            self._group_outputs = {l0: kv for (l0, _), kv in zip(self.groups, zip(self._k_blocks.split(sizes, dim=1),
+                                                                                   self._v_blocks.split(sizes, dim=1)))}
         if self._decode_stream is not None and n:
             prepare = getattr(self._sink, "prepare", None)
             if prepare is not None:
@@ -253,7 +266,7 @@ class LayerwiseDecoder(BatchDecoder):
             # release marks the decode stream too); the outputs go to the caller, who frees
             # them whenever: the allocator must not hand their memory out again before the
             # decode stream is done with them, so they stay on record_stream.
-            self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._decode_stream.wait_stream(current_stream(self.device))
             for t in (self._k, self._v):
                 if t is not None:
                     t.record_stream(self._decode_stream)
@@ -270,7 +283,7 @@ class LayerwiseDecoder(BatchDecoder):
         queued on the side streams and returns the event that marks it decoded."""
         l0, l1 = self.groups[g]
         n = self._n
-        views = [v[:n, l0:l1] for v in self._views]
+        views = self._group_views[g]
         first = 0 if self._gather else 1  # (without the kernel, group 0 went with each frame)
         last = g == len(self.groups) - 1
         if self._decode_stream is None:
@@ -303,11 +316,11 @@ class LayerwiseDecoder(BatchDecoder):
         for frame in frames:
             frame.release()
 
-    def _decode_layers(self, views: list[torch.Tensor], l0: int, l1: int, n: int) -> None:
+    def _decode_layers(self, views: Sequence[torch.Tensor], l0: int, l1: int, n: int) -> None:
         if self._sink is not None:
-            self._sink(0, n, views, layers=(l0, l1))
+            self._sink(0, n, list(views), layers=(l0, l1))
             return
-        self.codec.decode_buffers(views, (self._k_blocks[:, l0:l1], self._v_blocks[:, l0:l1]))
+        self.codec.decode_buffers(list(views), self._group_outputs[l0])
 
     def release_all(self) -> None:
         """Wait for every copy out of the frames (host-side), then give them all back, and the
@@ -325,7 +338,7 @@ class LayerwiseDecoder(BatchDecoder):
             self._release_staging()
 
     def _release_staging(self) -> None:
-        self._group_dst = []  # views of the staging
+        self._group_dst, self._group_views = [], []  # views of the staging
         super()._release_staging()
 
 
@@ -391,11 +404,11 @@ class LayerwiseLoad:
         self._start = decoder.start_event if decoder is not None else None
         if self._cuda and self._start is None:
             self._start = torch.cuda.Event(enable_timing=self._timing)
-            self._start.record(torch.cuda.current_stream(device))
+            self._start.record(current_stream(device))
         if decoder is None:  # everything is there already (nothing stored, or a whole load)
             ready = torch.cuda.Event(enable_timing=self._timing) if self._cuda else None
             if ready is not None:
-                ready.record(torch.cuda.current_stream(device))
+                ready.record(current_stream(device))
             self._events = [ready] * num_layers
             self._ready_t = [0.0] * num_layers
         elif self._background:
@@ -439,7 +452,7 @@ class LayerwiseLoad:
             raise RuntimeError("LayerwiseLoad: closed before every layer was loaded")
         g = self._group_of[layer]
         if self._cuda:
-            stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+            stream = stream if stream is not None else current_stream(self.device)
             if self._needed[layer] is None and self._timing:
                 needed = torch.cuda.Event(enable_timing=True)
                 needed.record(stream)

@@ -80,8 +80,8 @@ class CachedLaunch:
 
     def __call__(self, *args: Any) -> None:
         """Launch on the current device and stream (the caller has made the tensors' device current)."""
-        knobs = triton.knobs.runtime
-        if not (ENABLED and self._direct) or _hooked(knobs.launch_enter_hook) or _hooked(knobs.launch_exit_hook):
+        if not (ENABLED and self._direct) or _hooked(triton.knobs.runtime.launch_enter_hook) \
+                or _hooked(triton.knobs.runtime.launch_exit_hook):  # (no knobs: not _direct)
             # (a hook wants Triton's launch metadata: Triton's own path builds it)
             self.fn[self.grid](*args, *self.scalars, **self.options)
             return

@@ -14,7 +14,6 @@ CPU-tier slots, one launch per layer, while the forward computes the layers afte
 """
 
 # (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
-import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import CachedLaunch
 from .layers import offsets_table
 
 WORD = 4  # bytes moved per element: every offset and size must be a multiple of it
@@ -64,6 +64,22 @@ def _check_launch(fn: str, table: torch.Tensor, rows: torch.Tensor, name: str, p
 
 
 @functools.lru_cache(maxsize=64)
+def _launcher(kernel, programs: int) -> CachedLaunch:
+    """The kernel's launches on ``programs`` programs, past Triton's per-call binding after
+    the first (``launch.py``): a layer-wise load launches one per layer group."""
+    return CachedLaunch(kernel, (programs,), (), {"CHUNK": CHUNK_WORDS})
+
+
+def _launch(kernel, programs: int, device: torch.device, *args) -> None:
+    launch = _launcher(kernel, programs)
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):  # Triton launches on the current device
+            launch(*args)
+    else:
+        launch(*args)
+
+
+@functools.lru_cache(maxsize=64)
 def _chunks(ranges: tuple[tuple[int, int], ...], chunk: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``ranges`` ((offset, size) in words) cut into pieces of at most ``chunk`` words: their
     offsets and sizes."""
@@ -95,11 +111,8 @@ def copy_ranges(table: torch.Tensor, dst: torch.Tensor, ranges: Sequence[tuple[i
         return
     offsets, sizes = _chunks(words, CHUNK_WORDS)
     total = sources * len(offsets)
-    with torch.cuda.device(dst.device) if dst.device.type == "cuda" else contextlib.nullcontext():
-        _copy_ranges_kernel[(min(total, programs),)](table, dst.view(torch.int32), row_bytes // WORD,
-                                                     offsets_table(dst.device, offsets),
-                                                     offsets_table(dst.device, sizes), len(offsets), total,
-                                                     CHUNK=CHUNK_WORDS)
+    _launch(_copy_ranges_kernel, min(total, programs), dst.device, table, dst.view(torch.int32), row_bytes // WORD,
+            offsets_table(dst.device, offsets), offsets_table(dst.device, sizes), len(offsets), total)
 
 
 @triton.jit
@@ -153,10 +166,6 @@ def store_ranges(src: torch.Tensor, table: torch.Tensor, ranges: Sequence[tuple[
         return
     src_offsets, dst_offsets, sizes, steps = _moves(words, CHUNK_WORDS)
     total = sources * len(sizes)
-    with torch.cuda.device(src.device) if src.device.type == "cuda" else contextlib.nullcontext():
-        _store_ranges_kernel[(min(total, programs),)](src.view(torch.int32), row_bytes // WORD, table,
-                                                      offsets_table(src.device, src_offsets),
-                                                      offsets_table(src.device, dst_offsets),
-                                                      offsets_table(src.device, sizes),
-                                                      offsets_table(src.device, steps), step, len(sizes), total,
-                                                      CHUNK=CHUNK_WORDS)
+    _launch(_store_ranges_kernel, min(total, programs), src.device, src.view(torch.int32), row_bytes // WORD, table,
+            offsets_table(src.device, src_offsets), offsets_table(src.device, dst_offsets),
+            offsets_table(src.device, sizes), offsets_table(src.device, steps), step, len(sizes), total)

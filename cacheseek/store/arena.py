@@ -116,6 +116,11 @@ class Slot:
     def view(self, nbytes: int | None = None) -> memoryview:
         return memoryview(self.buf).cast("B")[: self.nbytes if nbytes is None else nbytes]
 
+    @property
+    def address(self) -> int:
+        """Where the slot starts in this process's memory."""
+        return self.chunk.base + self.offset
+
     def torch_view(self, nbytes: int) -> Any:
         """The slot's first ``nbytes`` as a slice of its chunk's pinned torch tensor, or None
         when the chunk is not one (a slice is cheaper to make than a tensor over the view)."""

@@ -219,7 +219,7 @@ class CpuTier(IndexedTier):
             self._stats.hits += 1
             self._stats.bytes_out += rec.meta.nbytes
             return BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed,
-                              lease=self._arena.lease(rec.slot, rec.meta.nbytes))
+                              lease=self._arena.lease(rec.slot, rec.meta.nbytes), host_address=rec.slot.address)
 
     def get_many(self, keys: list[bytes]) -> list[BlockFrame | None]:
         """``get`` of each key under one lock (a stream asks 16 at a time); each frame leased."""
@@ -234,7 +234,7 @@ class CpuTier(IndexedTier):
                 self._stats.hits += 1
                 self._stats.bytes_out += rec.meta.nbytes
                 out.append(BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed,
-                                      lease=self._arena.lease(rec.slot, rec.meta.nbytes)))
+                                      lease=self._arena.lease(rec.slot, rec.meta.nbytes), host_address=rec.slot.address))
         return out
 
     def delete(self, key: bytes) -> bool:

@@ -42,6 +42,9 @@ class BlockFrame:
     # Preamble + header with the real checksum, once computed for an unsealed host frame.
     sealed_prefix: bytes | None = None
     lease: Any = None
+    # Where ``host`` starts in this process's memory, when its tier knows it (a CPU-tier
+    # slot): a kernel that reads a pinned frame in place needs no tensor made over it.
+    host_address: int | None = None
 
     def release(self) -> None:
         """Release the lease on this frame's bytes, if it has one (then exactly once: a
