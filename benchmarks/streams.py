@@ -1,5 +1,6 @@
 """What switching the current CUDA stream costs the host: the data path's ``on_stream`` scope
-against ``torch.cuda.stream()`` and against the two bare ``set_stream`` calls it is made of.
+(through torch's C bindings, and through torch.cuda's calls) against ``torch.cuda.stream()``
+and against two bare ``set_stream`` calls.
 
     python -m benchmarks.streams [--reps 20000] [--out DIR]
 
@@ -19,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
+from cacheseek.store import streams
 from cacheseek.store.streams import on_stream
 
 from .report import table, write_json
@@ -59,13 +61,20 @@ def main() -> None:
         with torch.cuda.stream(side):
             pass
 
-    cases = [("set_stream x2 (baseline)", bare), ("on_stream", scoped)]
+    bindings = streams.BINDINGS
+    cases = [("set_stream x2 (baseline)", bare, bindings), ("on_stream", scoped, bindings)]
     if real:
-        cases.append(("torch.cuda.stream()", torch_context))
+        if bindings is not None:
+            cases.append(("on_stream, torch.cuda's calls", scoped, None))
+        cases.append(("torch.cuda.stream()", torch_context, bindings))
     rows = []
-    for name, fn in cases:
-        fn()
-        us = min(timeit.repeat(fn, number=args.reps, repeat=5)) / args.reps * 1e6
+    for name, fn, calls in cases:
+        streams.BINDINGS = calls  # (on_stream through torch's C bindings, or torch.cuda's calls)
+        try:
+            fn()
+            us = min(timeit.repeat(fn, number=args.reps, repeat=5)) / args.reps * 1e6
+        finally:
+            streams.BINDINGS = bindings
         rows.append({"scope": name, "us_per_use": us})
     base = rows[0]["us_per_use"]
     for row in rows:
