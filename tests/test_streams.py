@@ -88,6 +88,12 @@ def test_on_stream_through_torchs_bindings_gives_back_the_callers_stream_and_dev
     assert fake.current == {0: (100, 0, 1), 1: (101, 1, 1)} and fake.device == 0
 
 
+def test_current_stream_through_the_bindings_refuses_a_device_that_is_not_cuda(monkeypatch):
+    FakeBindings().install(monkeypatch)
+    with pytest.raises(ValueError, match="expected a CUDA device"):
+        streams.current_stream(torch.device("cpu"))
+
+
 @pytest.mark.skipif(streams.BINDINGS is None or not torch.cuda.is_available(), reason="needs CUDA's bindings")
 def test_current_stream_is_torchs_current_stream():
     mine = torch.cuda.Stream()

@@ -62,6 +62,8 @@ def current_stream(device: Any = None) -> torch.cuda.Stream:
         index = calls.get_device()
     elif isinstance(device, int):
         index = device
+    elif device.type != "cuda":
+        raise ValueError(f"current_stream: expected a CUDA device, got {device}")  # as torch.cuda's
     else:
         index = device.index if device.index is not None else calls.get_device()
     stream_id, index, device_type = calls.get_stream(index)
