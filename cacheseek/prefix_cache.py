@@ -57,7 +57,8 @@ class PrefixCache(PrefixCacheBase):
 
         With a persistent tier written through (a ``disk_path``, the default write-through),
         a block counted stored or present is on disk (fsynced) when this returns; without
-        one, in memory. ``IngestResult.durability`` says which."""
+        one, in memory (the last device-to-host copy may still be in flight: every read
+        waits for it). ``IngestResult.durability`` says which."""
         if isinstance(kv, PagedKV):
             return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)

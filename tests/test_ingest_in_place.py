@@ -118,6 +118,37 @@ def test_write_through_and_close_settle_the_copies_first(landings, tmp_path):
     assert log[-1] == "05"
 
 
+def _commit_in_flight(store_or_tier, i: int, landing: Landing):
+    """Reserve a slot, fill it with raw_frame(i)'s bytes and commit it with ``landing``."""
+    key, frame = raw_frame(i)
+    reservation = store_or_tier.reserve_run(frame.nbytes, 1, grow=True)[0]
+    reservation.view()[:] = memoryview(frame.to_bytes())
+    return key, store_or_tier.commit_many([(key, reservation, frame.meta)], sealed=False, landing=landing)[0]
+
+
+def test_a_frame_committed_in_flight_is_read_only_once_it_has_landed():
+    log: list[str] = []
+    tier = CpuTier(4 * FRAME_BYTES)
+    key, result = _commit_in_flight(tier, 1, Landing(log, "01"))
+    assert result.stored is not None and log == []  # published without waiting
+    assert tier.get(key).to_bytes() == raw_frame(1)[1].to_bytes() and log == ["01"]
+    bad, _ = _commit_in_flight(tier, 2, Landing(log, "02", fail=True))
+    assert tier.get(bad) is None and log == ["01", "02"]  # its copy failed: dropped, counted
+    assert tier.stats().write_errors == 1 and tier.stats().blocks == 1
+    _commit_in_flight(tier, 3, Landing(log, "03"))
+    tier.close()  # settles what is still in flight
+    assert log[-1] == "03"
+
+
+def test_a_commit_in_flight_waits_before_the_tiers_written_through(tmp_path):
+    log: list[str] = []
+    store = cs.TierConfig(cpu_bytes=4 * FRAME_BYTES, disk_path=tmp_path / "d").build()
+    key, outcome = _commit_in_flight(store, 4, Landing(log, "04"))
+    assert outcome.stored and log == ["04"]  # the disk tier read the bytes: waited first
+    assert store.tier("disk").get(key).to_bytes() == raw_frame(4)[1].to_bytes()
+    assert store.tier("cpu").get(key) is not None and log == ["04"]  # landed once, not waited again
+
+
 def test_the_put_path_pipelines_three_batches_of_at_least_128_mib():
     mb = 1 << 20
     assert batching.pipelined_batch_blocks(16, 32, 32 * mb) == 6  # 16 Llama-3-8B blocks: 3 batches
@@ -445,6 +476,32 @@ def test_a_gpu_reingest_gives_the_guessed_tail_back_and_keeps_the_frames(monkeyp
     assert {k: after[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")} == \
         {k: before[k] for k in ("blocks", "used_bytes", "bytes_in", "reservation_bytes")}
     _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(KIVI4, kv, 8 * BLOCK))
+
+
+@cuda
+def test_the_last_gpu_piece_is_published_in_flight_and_read_once_landed(monkeypatch):
+    """The call's last copy goes frame by frame (payloads only): its frames are committed
+    with the copy still in flight, and every read waits for it."""
+    _small_batches(monkeypatch)
+    monkeypatch.setattr(batching, "LAST_PIECE", 2)
+    toks, kv = tokens_for(37, 8 * BLOCK), make_kv(8 * BLOCK, 37, device="cuda")
+    cache = _gpu_cache(KIVI4)
+    landings = []
+    real = cache.store.commit_many
+
+    def commit_many(items, **kw):
+        landings.append(kw.get("landing"))
+        return real(items, **kw)
+
+    monkeypatch.setattr(cache.store, "commit_many", commit_many)
+    torch.cuda._sleep(50_000_000)  # hold the device, so the copies are surely in flight at commit
+    assert cache.ingest(toks, kv).stored == 8
+    assert isinstance(landings[-1], ingest_in_place.CopyLanding) and all(x is None for x in landings[:-1])
+    _assert_layers_equal(cache.materialize(toks, device="cuda"), _expected(KIVI4, kv, 8 * BLOCK))
+    for key in cache.block_hashes(toks):  # every header whole, every payload where it belongs
+        frame = cache.store.tiers[0].get(key)
+        assert parse_frame(frame.to_bytes()).block_hash == key
+        frame.release()
 
 
 def test_a_failed_launch_gives_its_reservations_back(monkeypatch):

@@ -313,9 +313,12 @@ class CpuTier(IndexedTier):
         return self.commit_many([(key, reservation, meta)])[0]
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True) -> list[TierPutResult]:
+                    sealed: bool = True, landing: Any = None) -> list[TierPutResult]:
         """:meth:`commit` for several frames, in order, under one lock. ``sealed=False``:
-        the frames' checksums are still zero (computed when they leave memory)."""
+        the frames' checksums are still zero (computed when they leave memory).
+        ``landing``: device copies into the frames' payloads still in flight (``wait()``,
+        ``done()``, as ``device.HostCopies``); reads, evictions and deletes of these frames
+        wait for it first, as for frames put from a device."""
         for _, reservation, meta in items:
             if meta.nbytes != reservation.nbytes:
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
@@ -334,7 +337,9 @@ class CpuTier(IndexedTier):
                     self._stats.write_errors += 1
                     result.error = self._no_room(meta.nbytes)
                     continue
-                self._records[key] = _Record(slot, meta, sealed)
+                self._records[key] = rec = _Record(slot, meta, sealed, landing)
+                if landing is not None:
+                    self._landing[key] = rec
                 self._index.add(key, _info(meta))
                 self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1

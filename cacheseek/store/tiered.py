@@ -563,12 +563,17 @@ class TieredStore:
         return self.commit_many([(key, reservation, meta)])[0]
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True) -> list[StorePutResult]:
+                    sealed: bool = True, landing: Any = None) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet). The write-through tiers are written from the reserved bytes first,
         then the top tier publishes them: a block the top tier holds already (a concurrent
         writer's, whose own write-through may still be in flight) is still written through,
-        or waited for, so its outcome means what a put's does."""
+        or waited for, so its outcome means what a put's does. ``landing``: device copies
+        into the payloads still in flight (see ``CpuTier.commit_many``); with write-through
+        tiers, waited for here, since they read the bytes now."""
+        if landing is not None and self.write_through:
+            landing.wait()
+            landing = None
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
@@ -584,7 +589,7 @@ class TieredStore:
                                          for (key, reservation, meta), outcome in zip(items, outcomes)], held)
                 finally:
                     release_all(held)
-            for result, outcome in zip(top.commit_many(items, sealed=sealed), outcomes):
+            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing), outcomes):
                 outcome.note(result, top.name, top.name in self._acknowledging)
                 self._demote(0, result.evicted)
         return outcomes
