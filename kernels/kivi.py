@@ -38,7 +38,7 @@ import triton.language as tl
 
 from . import configs
 from ._strides import Levels, collapse, contiguous_strides, unit_last
-from .launch import CachedLaunch
+from .launch import CachedLaunch, on_device
 from .layers import LayerTable, layer_row
 from .paged import BlockPages, PagedLayers, block_source, page_offsets
 
@@ -584,12 +584,7 @@ class _Launch:
         device = tensors[0].device
         if device.type == "cpu" and not _interpreted():
             raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
-        # Triton launches on the current CUDA device, which need not be the tensors' one.
-        if device.type == "cuda" and device.index != torch.cuda.current_device():
-            with torch.cuda.device(device):
-                self._launch(tensors)
-        else:
-            self._launch(tensors)
+        on_device(device, self._launch, tensors)
 
     def _launch(self, tensors: tuple) -> None:
         if self.cached is not None:

@@ -23,6 +23,7 @@ turns it off (benchmarks measure both).
 import inspect
 from typing import Any
 
+import torch
 import triton
 
 ENABLED = True
@@ -42,6 +43,16 @@ def _launch_with_bound_args() -> bool:
 
 
 SUPPORTED = hasattr(triton, "knobs") and _launch_with_bound_args()
+
+
+def on_device(device: torch.device, launch: Any, *args: Any) -> None:
+    """``launch(*args)`` with ``device`` current: Triton launches on the current CUDA device,
+    which need not be the one the tensors are on."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            launch(*args)
+    else:
+        launch(*args)
 
 
 def arg_class(arg: Any) -> Any:

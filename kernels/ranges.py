@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import CachedLaunch
+from .launch import CachedLaunch, on_device
 from .layers import offsets_table
 
 WORD = 4  # bytes moved per element: every offset and size must be a multiple of it
@@ -71,12 +71,7 @@ def _launcher(kernel, programs: int) -> CachedLaunch:
 
 
 def _launch(kernel, programs: int, device: torch.device, *args) -> None:
-    launch = _launcher(kernel, programs)
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # Triton launches on the current device
-            launch(*args)
-    else:
-        launch(*args)
+    on_device(device, _launcher(kernel, programs), *args)
 
 
 @functools.lru_cache(maxsize=64)

@@ -135,9 +135,13 @@ def test_a_frame_committed_in_flight_is_read_only_once_it_has_landed():
     bad, _ = _commit_in_flight(tier, 2, Landing(log, "02", fail=True))
     assert tier.get(bad) is None and log == ["01", "02"]  # its copy failed: dropped, counted
     assert tier.stats().write_errors == 1 and tier.stats().blocks == 1
-    _commit_in_flight(tier, 3, Landing(log, "03"))
+    for i in (3, 5):
+        _commit_in_flight(tier, i, Landing(log, f"0{i}"))
+    tier._landing[bytes([3]) * 16].landing.finished = True
+    _commit_in_flight(tier, 6, Landing(log, "06"))
+    assert sorted(tier._landing) == [bytes([5]) * 16, bytes([6]) * 16]  # landed ones forgotten, unwaited
     tier.close()  # settles what is still in flight
-    assert log[-1] == "03"
+    assert log[-2:] == ["05", "06"] and "03" not in log
 
 
 def test_a_commit_in_flight_waits_before_the_tiers_written_through(tmp_path):

@@ -324,6 +324,8 @@ class CpuTier(IndexedTier):
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
         results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
+            if landing is not None:
+                self._forget_landed()  # (the earlier calls' last pieces: their records stay few)
             for (key, reservation, meta), result in zip(items, results):
                 slot = self._take_back(reservation)
                 if key in self._records:
