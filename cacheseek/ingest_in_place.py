@@ -231,8 +231,8 @@ class InPlaceIngest:
             # is written once the copy has landed, in commit_oldest().
             self.copy_stream.wait_event(encoded)
             with on_stream(self.copy_stream):
-                for a, b in split:
-                    if exact_last and b == split[-1][1]:
+                for k, (a, b) in enumerate(split):
+                    if exact_last and k == len(split) - 1:
                         spans = [(start + i * stride, start + i * stride + meta.payload_nbytes) for i in range(a, b)]
                     else:
                         spans = [(start + a * stride, start + (b - 1) * stride + meta.payload_nbytes)]
