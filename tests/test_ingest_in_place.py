@@ -153,6 +153,93 @@ def test_a_commit_in_flight_waits_before_the_tiers_written_through(tmp_path):
     assert store.tier("cpu").get(key) is not None and log == ["04"]  # landed once, not waited again
 
 
+class Dma(Landing):
+    """A Landing whose copy writes ``fill`` over ``view`` when it lands (as a device copy
+    into a slot would, whoever holds the slot by then)."""
+
+    def __init__(self, log: list[str], name: str, view: memoryview, fill: int, fail: bool = False) -> None:
+        super().__init__(log, name, fail)
+        self.view, self.fill = view, fill
+
+    def land(self) -> None:
+        if not self.finished and not self.fail:
+            self.view[:] = bytes([self.fill]) * len(self.view)
+            self.finished = True
+
+    def wait(self) -> None:
+        super().wait()
+        self.finished = False
+        self.land()
+
+
+def _reserve_in_flight(tier, i: int, log: list[str], fill: int = 0xEE, fail: bool = False):
+    """raw_frame(i)'s header in a reserved slot, its payload still to be copied in by a Dma."""
+    key, frame = raw_frame(i)
+    reservation = tier.reserve_run(frame.nbytes, 1, grow=True)[0]
+    view = reservation.view()
+    off = frame.meta.payload_offset
+    view[:off] = memoryview(frame.to_bytes())[:off]
+    return key, frame, reservation, Dma(log, f"0{i}", view[off:], fill, fail)
+
+
+def test_a_commit_in_flight_of_a_key_stored_meanwhile_frees_its_slot_once_landed():
+    """Two ingests of one block: the second's commit finds it stored and gives its slot back,
+    but only after its copy has landed, or the copy would overwrite the next frame put there."""
+    log: list[str] = []
+    tier = CpuTier(8 * FRAME_BYTES)
+    tier.put(*raw_frame(1))
+    key, frame, reservation, dma = _reserve_in_flight(tier, 1, log)
+    result = tier.commit_many([(key, reservation, frame.meta)], sealed=False, landing=dma)[0]
+    assert result.stored is None and log == ["01"]  # stored already: waited, then freed
+    tier.put(*raw_frame(2))  # into the slot given back
+    dma.land()
+    assert tier.get(bytes([2]) * 16).to_bytes() == raw_frame(2)[1].to_bytes()
+    assert tier.get(key).to_bytes() == raw_frame(1)[1].to_bytes()
+
+
+def test_a_commit_in_flight_refused_for_pinned_blocks_frees_its_slot_once_landed():
+    log: list[str] = []
+    tier = CpuTier(2 * FRAME_BYTES, reserve_bytes=2 * FRAME_BYTES)
+    key, frame, reservation, dma = _reserve_in_flight(tier, 3, log)
+    for i in (1, 2):
+        tier.put(*raw_frame(i))
+    tier.pin([bytes([1]) * 16, bytes([2]) * 16])
+    result = tier.commit_many([(key, reservation, frame.meta)], sealed=False, landing=dma)[0]
+    assert result.error is not None and log == ["03"]  # refused: every block pinned
+    tier.unpin([bytes([1]) * 16, bytes([2]) * 16])
+    tier.put(*raw_frame(4))
+    dma.land()
+    assert tier.get(bytes([4]) * 16).to_bytes() == raw_frame(4)[1].to_bytes()
+    assert tier.stats().extra["reservation_bytes"] == 0
+
+
+def test_a_device_frame_whose_copy_failed_is_not_written_through(landings, tmp_path):
+    """The write-through settles the CPU tier's copies first; a frame whose copy failed is
+    neither written to disk from the slot it never filled nor acknowledged."""
+    _, fail, _ = landings
+    fail.add(bytes([7]) * 16)
+    store = cs.TierConfig(cpu_bytes=4 * FRAME_BYTES, disk_path=tmp_path / "d").build()
+    out = store.put_many([raw_frame(6), raw_frame(7)])
+    assert out[0].stored and not out[1].stored and not out[1].present
+    assert "cpu" in out[1].errors and "copy" in out[1].errors["cpu"]
+    disk = store.tier("disk")
+    assert disk.contains(bytes([6]) * 16) and not disk.contains(bytes([7]) * 16)
+    assert store.get(bytes([7]) * 16) is None and store.tier("cpu").stats().write_errors == 1
+    store.close()
+
+
+def test_a_failed_copy_before_the_write_through_gives_the_reservations_back(tmp_path):
+    log: list[str] = []
+    store = cs.TierConfig(cpu_bytes=4 * FRAME_BYTES, disk_path=tmp_path / "d").build()
+    cpu = store.tier("cpu")
+    key, frame, reservation, dma = _reserve_in_flight(cpu, 3, log, fail=True)
+    outcome = store.commit_many([(key, reservation, frame.meta)], sealed=False, landing=dma)[0]
+    assert not outcome.stored and "copy" in outcome.errors["cpu"] and log == ["03"]
+    assert cpu.stats().extra["reservation_bytes"] == 0 and cpu.stats().write_errors == 1
+    assert store.get(key) is None and not store.tier("disk").contains(key)
+    store.close()
+
+
 def test_the_put_path_pipelines_three_batches_of_at_least_128_mib():
     mb = 1 << 20
     assert batching.pipelined_batch_blocks(16, 32, 32 * mb) == 6  # 16 Llama-3-8B blocks: 3 batches
@@ -506,6 +593,27 @@ def test_the_last_gpu_piece_is_published_in_flight_and_read_once_landed(monkeypa
         frame = cache.store.tiers[0].get(key)
         assert parse_frame(frame.to_bytes()).block_hash == key
         frame.release()
+
+
+@cuda
+def test_a_device_frame_with_a_bad_buffer_frees_its_slot_once_the_good_ones_landed():
+    """A frame whose first buffer is good and second is not: the put fails for it, and the
+    tier frees its slot only once the copy already started into it has run."""
+    from cacheseek.store.streams import work_stream
+    from cacheseek.store.tier import BlockFrame
+
+    key, frame = raw_frame(9)
+    first, second = frame.meta.tensors[:2]
+    good = torch.full((first.nbytes,), 9, dtype=torch.uint8, device="cuda")
+    short = torch.full((second.nbytes - 1,), 9, dtype=torch.uint8, device="cuda")
+    tier = CpuTier(4 * FRAME_BYTES, pin=True)
+    torch.cuda._sleep(50_000_000)  # the good buffer's copy queues behind this
+    result = tier.put(key, BlockFrame(frame.meta, device_entries=[good, short], sealed=False))
+    assert result.error is not None and "copy" in str(result.error)
+    assert work_stream("to_host", torch.device("cuda", torch.cuda.current_device())).query()  # ran before the free
+    assert tier.put(*raw_frame(2)).stored is not None
+    torch.cuda.synchronize()
+    assert tier.get(bytes([2]) * 16).to_bytes() == raw_frame(2)[1].to_bytes()
 
 
 def test_a_failed_launch_gives_its_reservations_back(monkeypatch):

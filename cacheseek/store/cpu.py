@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,16 +120,18 @@ class CpuTier(IndexedTier):
         release_all(dropped_leases)  # (a release takes this tier's lock)
         return results
 
-    def settle(self) -> None:
-        """Wait until every frame put so far is in host memory (a frame whose copy
-        failed is dropped and counted as a write error)."""
+    def settle(self) -> set[bytes]:
+        """Wait until every frame put so far is in host memory; the keys of those whose
+        copies failed (each dropped and counted as a write error)."""
+        failed = set()
         with self._lock:
             for key in list(self._landing):
                 rec = self._records.get(key)
-                if rec is not None:
-                    self._landed(key, rec)
+                if rec is not None and not self._landed(key, rec):
+                    failed.add(key)
             self._landing.clear()
             self._sync_counts()
+        return failed
 
     def _landed(self, key: bytes, rec: _Record) -> bool:
         """Wait for ``rec``'s device copies. False (and the record dropped) if they failed."""
@@ -330,12 +334,12 @@ class CpuTier(IndexedTier):
                 slot = self._take_back(reservation)
                 if key in self._records:
                     self._index.touch([key])
-                    self._arena.free(slot)
+                    self._free_landed(slot, landing)
                     continue
                 while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
                     result.evicted += self._evict_one()
                 if self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.pinned_blocks:
-                    self._arena.free(slot)
+                    self._free_landed(slot, landing)
                     self._stats.write_errors += 1
                     result.error = self._no_room(meta.nbytes)
                     continue
@@ -348,6 +352,15 @@ class CpuTier(IndexedTier):
                 result.stored = BlockFrame(meta, host=slot.view(meta.nbytes), sealed=sealed)
             self._sync_counts()
         return results
+
+    def _free_landed(self, slot: Slot, landing: Any) -> None:
+        """Give back a slot not published, once no device copy still writes into it (a
+        commit in flight of a key stored meanwhile, or refused for room: rare, so waited
+        for here rather than kept for later)."""
+        if landing is not None:
+            with contextlib.suppress(Exception):  # a failed copy writes nothing more
+                landing.wait()
+        self._arena.free(slot)
 
     def abort(self, reservation: Reservation) -> None:
         """Give a reservation back unpublished (a bad frame, a client gone); idempotent."""

@@ -5,6 +5,8 @@ Only embedded mode comes here; the server's tiers never import torch.
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 
 import torch
@@ -84,6 +86,7 @@ class HostCopies:
                      for e, src in zip(meta.tensors, frame.device_entries, strict=True)]
         else:
             raise RuntimeError("frame has neither host bytes nor device buffers")
+        started: list[torch.cuda.Stream] = []
         for target, src in pairs:
             device = _devices(src)[0]
             if device.type != "cuda":
@@ -93,8 +96,18 @@ class HostCopies:
             if device not in self._synced:
                 stream.wait_stream(current_stream(device))  # the payloads were made there
                 self._synced.add(device)
-            with on_stream(stream):
-                copy_entry(target, src)
+            try:
+                with on_stream(stream):
+                    copy_entry(target, src)
+            except BaseException:
+                # A bad buffer (or a list of pieces that does not fill its entry) after copies
+                # into this view have started: the caller frees the view at once, so they
+                # must have run first.
+                for s in (*started, stream):
+                    with contextlib.suppress(Exception):
+                        s.synchronize()
+                raise
+            started.append(stream)
             # These stay on record_stream: a payload here may be a plain tensor its owner
             # frees at any time (the caller's KV slices, ``encode_blocks``'s frames, a GPU
             # tier's record being evicted), and only the allocator can hold its memory until

@@ -277,9 +277,11 @@ class Tier(ABC):
         leaving this tier; blocks held now are reported at once. A tier without a local
         index has nothing to report."""
 
-    def settle(self) -> None:
+    def settle(self) -> set[bytes]:
         """Return once every frame stored so far can be read from where this tier keeps
-        it (a tier that leaves device copies in flight waits for them)."""
+        it (a tier that leaves device copies in flight waits for them); the keys dropped
+        because their copies failed."""
+        return set()
 
     def stats(self) -> TierStats:
         with self._lock:

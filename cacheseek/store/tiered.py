@@ -210,7 +210,11 @@ class TieredStore:
                 items = self._admitted(use_filter, items)
                 if not items:
                     continue
-            previous.settle()  # this tier reads the previous one's host copies
+            failed = previous.settle()  # this tier reads the previous one's host copies
+            if failed:
+                items = self._without_failed(items, failed, previous, previous is self.tiers[0])
+                if not items:
+                    break
             frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
             nxt = []
             results = tier.put_many(frames, lease_stored=True)
@@ -220,6 +224,22 @@ class TieredStore:
                 self._demote(level, result.evicted)
                 nxt.append((key, _host_copy(result.stored, frame), outcome))
             items, previous = nxt, tier
+
+    @staticmethod
+    def _without_failed(items: list[tuple[bytes, BlockFrame, StorePutResult]], failed: set[bytes], tier: Tier,
+                        first: bool) -> list[tuple[bytes, BlockFrame, StorePutResult]]:
+        """``items`` less those whose copies into ``tier`` failed (``settle``): nothing below
+        may write them from those bytes. ``first``: ``tier`` is the top one, so its
+        acknowledgement was the only one the outcome had; it is withdrawn."""
+        kept = []
+        for key, frame, outcome in items:
+            if key not in failed:
+                kept.append((key, frame, outcome))
+                continue
+            outcome.errors[tier.name] = f"{tier.name} tier: the device copy into host memory failed"
+            if first:
+                outcome.stored = outcome.present = False
+        return kept
 
     @staticmethod
     def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> list:
@@ -572,7 +592,15 @@ class TieredStore:
         into the payloads still in flight (see ``CpuTier.commit_many``); with write-through
         tiers, waited for here, since they read the bytes now."""
         if landing is not None and self.write_through:
-            landing.wait()
+            try:
+                landing.wait()
+            except Exception as exc:  # nothing landed: nothing to publish or write through
+                top = self.tiers[0]
+                for _, reservation, _ in items:
+                    top.abort(reservation)
+                top.count(write_errors=len(items))
+                why = f"{top.name} tier: the device copy into host memory failed: {exc}"
+                return [StorePutResult(errors={top.name: why}) for _ in items]
             landing = None
         if self.pin_table.due():
             self.expire_pins()
