@@ -252,6 +252,114 @@ class ArcSeen(ArcIndex):
             self.history.note(key)
 
 
+class Lirs(EvictionIndex):
+    """LIRS (Jiang and Zhang, SIGMETRICS'02), in bytes. A block is ranked by its
+    inter-reference recency (the distinct blocks used between its last two uses). Blocks
+    of low IRR (LIR) hold 99% of the tier and leave only by falling to the bottom of the
+    recency stack ``S``; the others (HIR) pass through the last 1% in FIFO order, and an
+    HIR block used again while still in ``S`` becomes LIR, the bottom LIR block becoming
+    HIR in its place. Evicted HIR blocks stay in ``S`` as non-resident entries (up to
+    twice the tier's bytes, as common implementations bound them), so that one coming
+    back soon enough is admitted as LIR. Made for loops longer than the cache, where LRU
+    keeps nothing: the shape of Belady's late hits on the Mooncake trace."""
+
+    name = "lirs"
+    HIR_SHARE = 0.01  # the paper's share of the cache for resident HIR blocks
+    NONRESIDENT = 2  # non-resident entries kept, in capacities' bytes
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.stack: OrderedDict[bytes, None] = OrderedDict()  # S: recency order, bottom first
+        self.lir: dict[bytes, int] = {}  # resident LIR blocks: nbytes
+        self.hir: OrderedDict[bytes, int] = OrderedDict()  # Q: resident HIR blocks, FIFO
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()  # non-resident blocks still in S
+        self.lir_bytes = self.ghost_bytes = 0
+        self.lir_capacity = capacity_bytes * (1 - self.HIR_SHARE)
+
+    def _prune(self) -> None:
+        """Pop non-LIR entries off the bottom of S (its bottom is always LIR)."""
+        stack = self.stack
+        while stack:
+            key = next(iter(stack))
+            if key in self.lir:
+                return
+            del stack[key]
+            n = self.ghosts.pop(key, None)
+            if n is not None:
+                self.ghost_bytes -= n
+
+    def _make_lir(self, key: bytes, n: int) -> None:
+        self.lir[key] = n
+        self.lir_bytes += n
+        while self.lir_bytes > self.lir_capacity and len(self.lir) > 1:
+            bottom = next(iter(self.stack))  # LIR (pruned): it becomes resident HIR
+            del self.stack[bottom]
+            m = self.lir.pop(bottom)
+            self.lir_bytes -= m
+            self.hir[bottom] = m
+            self._prune()
+
+    def _admit(self, key: bytes, info: BlockInfo) -> None:
+        n = info.nbytes
+        ghost = self.ghosts.pop(key, None)
+        if ghost is not None:  # back while still in S: its IRR beats the bottom LIR's recency
+            self.ghost_bytes -= ghost
+            self.stack.move_to_end(key)
+            self._make_lir(key, n)
+        elif self.lir_bytes + n <= self.lir_capacity:  # LIR room left (a tier filling up)
+            self.stack[key] = None
+            self._make_lir(key, n)
+        else:
+            self.stack[key] = None
+            self.hir[key] = n
+
+    def _used(self, key: bytes) -> None:
+        stack = self.stack
+        if key in self.lir:
+            bottom = next(iter(stack)) == key
+            stack.move_to_end(key)
+            if bottom:
+                self._prune()
+        elif key in stack:  # resident HIR, used again within S's reach: LIR
+            stack.move_to_end(key)
+            self._make_lir(key, self.hir.pop(key))
+        else:
+            stack[key] = None
+            self.hir.move_to_end(key)
+
+    def _forget(self, key: bytes, info: BlockInfo, evicted: bool) -> None:
+        n = self.lir.pop(key, None)
+        if n is not None:
+            self.lir_bytes -= n
+            del self.stack[key]
+            self._prune()
+            return
+        n = self.hir.pop(key)
+        if key not in self.stack:
+            return
+        if not evicted:
+            del self.stack[key]
+            return
+        self.ghosts[key] = n
+        self.ghost_bytes += n
+        while self.ghost_bytes > self.NONRESIDENT * self.capacity_bytes:
+            old, m = self.ghosts.popitem(last=False)
+            self.ghost_bytes -= m
+            del self.stack[old]
+
+    def _resized(self, key: bytes, info: BlockInfo) -> None:
+        if key in self.lir:
+            self.lir_bytes += info.nbytes - self.lir[key]
+            self.lir[key] = info.nbytes
+        else:
+            self.hir[key] = info.nbytes
+
+    def _pick(self) -> bytes | None:
+        if self.hir:
+            return next(iter(self.hir))
+        return next(iter(self.stack), None)  # every block LIR: S's bottom, the least recent
+
+
 CANDIDATES: dict[str, Callable[[int], EvictionIndex]] = {
-    cls.name: cls for cls in (LfuAged, LfuDa, S3Fifo, ArcLongGhosts, LruSeen, ArcSeen)
+    cls.name: cls for cls in (LfuAged, LfuDa, S3Fifo, ArcLongGhosts, LruSeen, ArcSeen, Lirs)
 }
