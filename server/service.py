@@ -198,9 +198,20 @@ class BlockService:
         return True
 
     def _check_chain_positions(self, namespace: str, frames: list[Incoming]) -> None:
+        """Each frame's position against its parent's and its stored children's, whichever
+        arrived first: every stored link then goes one position down, so no chain of links
+        can close into a cycle (which eviction's walk to a leaf would never leave)."""
         batch = {inc.meta.block_hash: inc.meta for inc in frames}
         for i, inc in enumerate(frames):
             meta = inc.meta
+            where = f"frame {i}" if len(frames) > 1 else "frame"
+            for child in self.store.children(self.namespaces.stored_key(namespace, meta.block_hash)):
+                info = self.store.info(child)
+                if info is not None and info.position != meta.position + 1:
+                    self.metrics.rejected("inconsistent")
+                    raise BadFrame(f"{where}: position {meta.position}, but block "
+                                   f"{to_hex(self.namespaces.client_hash(namespace, child))}, stored with it "
+                                   f"as its parent, is at position {info.position}")
             if meta.position == 0:
                 continue  # its parent is the client's root, which the server never sees
             parent = batch.get(meta.parent_hash)
@@ -210,7 +221,6 @@ class BlockService:
                 parent_pos = info.position if info is not None else None
             if parent_pos is not None and parent_pos != meta.position - 1:
                 self.metrics.rejected("inconsistent")
-                where = f"frame {i}" if len(frames) > 1 else "frame"
                 raise BadFrame(f"{where}: position {meta.position}, but its parent "
                                f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
 

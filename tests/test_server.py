@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cacheseek.store.frame import parse_frame
+from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, parse_frame
 from server_helpers import Server, batch_body, bodies, cacheseek_command, raw_chain, raw_frame, split_batch
 
 LIMITS = ("--max-frame-bytes", "256KiB", "--max-body-bytes", "1MiB", "--max-lookup-hashes", "1000")
@@ -137,6 +139,23 @@ def test_sha256_hashes_and_kivi_frames_are_accepted(client):
 # -- bad input: the answer, and nothing stored changes ----------------------------------------
 
 
+def _relaid(frame: bytes, **changes) -> bytes:
+    """``frame`` with header fields changed and laid out again (checksums right)."""
+    meta = parse_frame(frame)
+    header = msgpack.unpackb(frame[PREAMBLE.size : PREAMBLE.size + meta.header_nbytes], raw=False)
+    packed = msgpack.packb({**header, **changes}, use_bin_type=True)
+    offset = -(-(PREAMBLE.size + len(packed)) // ALIGN) * ALIGN
+    preamble = PREAMBLE.pack(MAGIC, len(packed), xxhash.xxh3_64_intdigest(packed))
+    return preamble + packed + bytes(offset - PREAMBLE.size - len(packed)) + frame[meta.payload_offset :]
+
+
+def _nested(depth: int) -> list:
+    value: list = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 def _bad_cases():
     h, frame = raw_frame(10)
     meta = parse_frame(frame)
@@ -146,6 +165,9 @@ def _bad_cases():
     big_h, big = raw_frame(12, block=320)  # 320 KiB of payload: over max_frame_bytes
     child_h, child = raw_frame(13, position=5, parent=h)  # its parent (stored below) is at position 0
     n = len(frame).to_bytes(8, "little")
+    layout = msgpack.unpackb(frame[PREAMBLE.size : PREAMBLE.size + meta.header_nbytes], raw=False)["layout"]
+    deep_codec = _relaid(frame, codec={"name": "raw", "version": _nested(1000)})
+    deep_layout = _relaid(frame, layout={**layout, "num_layers": _nested(1000)})
     return [
         # (name, method, path, kwargs, status, reason fragment)
         ("random bytes", "PUT", f"/v1/blocks/{h.hex()}", dict(content=os.urandom(500)), 400, "magic"),
@@ -158,6 +180,8 @@ def _bad_cases():
         ("bad hash in URL", "PUT", "/v1/blocks/xyz", dict(content=frame), 400, "hex"),
         ("uppercase hash", "GET", f"/v1/blocks/{h.hex().upper()}", {}, 400, "hex"),
         ("frame over the limit", "PUT", f"/v1/blocks/{big_h.hex()}", dict(content=big), 413, "max_frame_bytes"),
+        ("codec nested 1000 deep", "PUT", f"/v1/blocks/{h.hex()}", dict(content=deep_codec), 400, "nested too deep"),
+        ("layout nested 1000 deep", "POST", "/v1/blocks", dict(content=batch_body([deep_layout])), 400, "nested"),
         ("position contradicts parent", "PUT", f"/v1/blocks/{child_h.hex()}", dict(content=child), 400, "position"),
         ("batch cut mid-frame", "POST", "/v1/blocks", dict(content=batch_body([frame2])[:-10]), 400, "ended"),
         ("batch cut in a length", "POST", "/v1/blocks", dict(content=batch_body([frame2]) + b"\x01\x02"), 400, "length"),
@@ -207,6 +231,23 @@ def test_each_kind_of_bad_input_gets_its_status_and_changes_nothing(client):
         assert stored_figures(client) == before, name
         assert bodies(client)["in_flight_bytes"] == 0, name
     assert client.get(f"/v1/blocks/{h.hex()}").content == frame
+
+
+def test_a_block_stored_before_its_parent_is_checked_when_the_parent_arrives(client):
+    """A link is checked whichever end arrives first, so two writes cannot store a cycle of
+    parents (which eviction's walk to a leaf would never leave)."""
+    a, b = bytes([0xA1]) * 16, bytes([0xB1]) * 16
+    _, frame_a = raw_frame(41, block_hash=a, parent=b, position=5)
+    _, frame_b = raw_frame(42, block_hash=b, parent=a, position=6)
+    assert put(client, a, frame_a).status_code == 201  # its parent is not stored: nothing to check yet
+    before = stored_figures(client)
+    for r in (put(client, b, frame_b), client.post("/v1/blocks", content=batch_body([frame_b]))):
+        assert r.status_code == 400 and "is at position 5" in r.json()["error"], r.text
+        assert stored_figures(client) == before
+    _, good_b = raw_frame(43, block_hash=b, parent=bytes(16), position=4)
+    assert put(client, b, good_b).status_code == 201  # at 4, as A's link to it says
+    for h in (a, b):
+        assert client.delete(f"/v1/blocks/{h.hex()}").status_code == 204
 
 
 _, _GOOD = raw_frame(20)

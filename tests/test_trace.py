@@ -189,6 +189,20 @@ def test_every_policy_evicts_leaves_only(policy):
     assert evicted > 100
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_cycle_of_links_does_not_hang_the_walk_to_a_leaf(policy):
+    """Links whose positions disagree (frames from outside the library; the server refuses
+    them) can close into a cycle: the walk to a leaf still ends, and evicting breaks it."""
+    index = make_index(policy, 10 * 100)
+    a, b = key_of(1), key_of(2)
+    index.add(a, BlockInfo(100, 100, b, 5))
+    index.add(b, BlockInfo(100, 100, a, 6))
+    victim = index.victim()
+    assert victim in (a, b)
+    index.remove(victim, evicted=True)
+    assert index.victim() == ({a, b} - {victim}).pop()
+
+
 def test_arc_keeps_reused_blocks_through_a_scan():
     index = make_index("arc", 10 * 100)
     hot = [key_of(i) for i in range(4)]

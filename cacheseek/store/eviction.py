@@ -163,7 +163,11 @@ class EvictionIndex(ABC):
             return None
         kids = self._kids
         pinned = self._pinned
-        while key in kids:
+        # At most one step per block: links whose positions disagree (frames from outside
+        # the library, which the server checks) must not turn a cycle into a hang here.
+        for _ in range(len(self._entries)):
+            if key not in kids:
+                break
             below = kids[key]
             nxt = next(iter(below))
             if pinned and nxt in pinned:  # never, for pins of whole chains; kept safe all the same

@@ -293,6 +293,13 @@ _ENTRY_KEYS_TEXT = str(sorted(_ENTRY_KEYS))
 
 def parse_header(data: Any) -> FrameMeta:
     """Parse and check the preamble and header of ``data``; the payload is not read."""
+    try:
+        return _parse_header(data)
+    except RecursionError:  # a value nested ~1000 deep (msgpack unpacks it) met a repr or ==
+        raise FrameError("header: a value is nested too deep") from None
+
+
+def _parse_header(data: Any) -> FrameMeta:
     view = memoryview(data).cast("B")
     _expect(view.nbytes >= PREAMBLE.size, "frame truncated: {} bytes, not even a preamble", view.nbytes)
     magic, header_len, header_sum = PREAMBLE.unpack_from(view)
@@ -367,6 +374,13 @@ def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None 
 
 def check_codec_layout(meta: FrameMeta) -> None:
     """The tensor entries are exactly what the header's codec makes for its layout and block size."""
+    try:
+        _check_codec_layout(meta)
+    except RecursionError:  # a codec spec nested ~1000 deep (see parse_header)
+        raise FrameError("codec: a value is nested too deep") from None
+
+
+def _check_codec_layout(meta: FrameMeta) -> None:
     try:
         codec = codec_from_spec(meta.codec)
     except ConfigError as exc:

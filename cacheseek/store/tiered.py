@@ -486,11 +486,11 @@ class TieredStore:
     def descendants(self, key: bytes) -> list[bytes]:
         """Every block below ``key`` in its prefix tree (tiers with a local index), parents first."""
         out: list[bytes] = []
+        seen = {key}  # (a cycle of links, which the server refuses to store, ends here too)
         todo = [key]
         while todo:
-            nxt = []
-            for k in todo:
-                nxt += self.children(k)
+            nxt = [c for k in todo for c in self.children(k) if c not in seen]
+            seen.update(nxt)
             out += nxt
             todo = nxt
         return out
