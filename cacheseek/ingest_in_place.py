@@ -10,8 +10,11 @@ can be written while it is in flight: it is committed without waiting for it, as
 device frames is (readers wait for the copy), and the call returns ~0.1-0.2 ms sooner,
 the time a commit takes. So a batch costs the host a
 reservation, two kernel launches and a copy, not a copy and a put per block, and a bad
-input publishes nothing (a full tier evicts only at commit, having lent the batch its
-reserve: ``TierConfig.cpu_reserve_bytes``). On the host, the slots themselves are encoded into.
+input publishes nothing: a full tier evicts only at commit, having lent the call its
+reserve (``TierConfig.cpu_reserve_bytes``), and every run launched is checked before the
+first is committed. A call larger than the reserve commits its first runs for room before
+its last are encoded; a bad value in those evicts what the first runs' commits did
+(they are deleted again). On the host, the slots themselves are encoded into.
 
 The chain's last blocks are launched before the keys are known (``guess_tail``), so the
 copy engine starts while the host hashes the prompt; later batches double in size
@@ -159,6 +162,7 @@ class InPlaceIngest:
                                        last=i == len(batches) - 1)
             except _NoRoom:
                 pass  # the blocks not launched are left to the caller
+            self._check_launched()
             while self.pending:
                 self.commit_oldest(last=len(self.pending) == 1 and len(self.pending[0].pieces) == 1)
         except BaseException as exc:
@@ -292,6 +296,21 @@ class InPlaceIngest:
             if outcome.stored:
                 self.committed.append(run.metas[i].block_hash)
 
+    def _check_launched(self) -> None:
+        """Check the NaN/Inf flags of every run launched so far, before the first of them
+        is committed: a commit evicts, and a bad value in a later run must not cost the
+        tier the blocks an earlier run's commit would evict. (The encodes finish long
+        before the copies they feed land, so this waits for nothing a commit would not.)"""
+        for run in self.pending:
+            if run.checked:
+                continue
+            if run.encoded is not None:
+                run.encoded.synchronize()
+            run.codec.check_finite(run.flags)
+            run.checked = True
+            if run.encoded is not None:  # pinned flags, written by kernels that have run: reusable
+                give_back_flags(run.flags)
+
     def reserve(self, nbytes: int, count: int) -> list[Reservation] | None:
         """A run of ``count`` slots, committing landed batches to make room; fewer slots
         if the tier's memory is fragmented; None when not even one slot is free."""
@@ -300,6 +319,7 @@ class InPlaceIngest:
             if got is not None:
                 return got
             if self.pending:
+                self._check_launched()
                 self.commit_oldest()  # frees reservation room (and evicts, at commit)
             elif count > 1:
                 count = (count + 1) // 2

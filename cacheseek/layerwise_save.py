@@ -13,10 +13,13 @@ work, the NaN/Inf check and the commit (headers, publication, eviction), not the
 and copy of the whole prompt.
 
 A block is published whole or not at all: nothing is visible before ``finish``, a bad
-value (NaN, Inf) in any layer publishes nothing and evicts nothing, and ``abort()`` (or a
-writer dropped unfinished) gives the slots back. Blocks the tier had no room to reserve
-for (a full tier lends new blocks only its reserve, ``TierConfig.cpu_reserve_bytes``) are
-stored at ``finish`` by a plain ``ingest`` of the layers, which are kept by reference.
+value (NaN, Inf) in any layer stores nothing, and ``abort()`` (or a writer dropped
+unfinished) gives the slots back. Blocks the tier had no room to reserve for (a full tier
+lends new blocks only its reserve, ``TierConfig.cpu_reserve_bytes``) are stored at
+``finish`` by a plain ``ingest`` of the layers, which are kept by reference. A bad value in
+a block with a slot is found before anything is published, so it evicts nothing either;
+one in a block without a slot is found by that ingest, after the slots' blocks were
+published (evicting for them), which are then deleted again.
 
 ``PrefixCache.ingest_batch(requests, pages, layerwise=True)`` returns a
 :class:`PagedLayerwiseSave`: the same for KV in an engine's pages, planned (checked,
@@ -337,7 +340,8 @@ class LayerwiseSave(_SlotWriter):
         if not all(row in saved or f for row, f in enumerate(self._found)):
             # Blocks no slot was reserved for: one ingest of the layers (it finds the blocks
             # just published present, and stores the rest).
-            _add_rest(result, self.cache.ingest(self.keys, self._layers))
+            with _undone_on_bad_input(store, stored):
+                _add_rest(result, self.cache.ingest(self.keys, self._layers))
         store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         return result
 
@@ -408,10 +412,25 @@ class PagedLayerwiseSave(_SlotWriter):
         if len(saved) < len(hashes):
             # Blocks no slot was reserved for: one ingest_batch of the requests (it finds the
             # blocks just published present, and stores the rest).
-            for result, rest in zip(results, self.cache.ingest_batch(self.requests, self.pages)):
+            with _undone_on_bad_input(self.cache.store, stored):
+                rests = self.cache.ingest_batch(self.requests, self.pages)
+            for result, rest in zip(results, rests):
                 _add_rest(result, rest)
         self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
         return results
+
+
+@contextlib.contextmanager
+def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
+    """Around the ingest of the blocks no slot was reserved for, which checks them only
+    now: a NaN or Inf there deletes the blocks the slots have just published, so the call
+    stores nothing (the blocks evicted for them stay evicted)."""
+    try:
+        yield
+    except InputError:
+        for key in stored:
+            store.delete(key)
+        raise
 
 
 def _add_rest(result: IngestResult, rest: IngestResult) -> None:

@@ -343,18 +343,47 @@ def test_nan_stores_nothing_and_evicts_nothing_even_in_a_full_tier(monkeypatch):
     assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
 
 
-def test_nan_in_a_later_batch_undoes_the_batches_committed_before_it(monkeypatch):
-    # (KIVI: Raw on the host checks whole layers at once, so every batch would fail.)
+def _full_kivi_cache(reserve_frames: int) -> tuple[cs.PrefixCache, list[list[int]]]:
+    """A KIVI cache whose tier three other 6-block prompts fill (every new block evicts), two
+    blocks per in-place run, lending new blocks ``reserve_frames`` frames of reserve."""
+    # (KIVI: Raw on the host checks whole layers at once, so every run would fail.)
+    frame = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK).block_format \
+        .planned_payload().nbytes
     cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
-                           tiers=cs.TierConfig(cpu_bytes=8 * RAW_FRAME), max_batch_bytes=2 * LAYOUT.raw_nbytes(BLOCK))
+                           tiers=cs.TierConfig(cpu_bytes=18 * frame, cpu_reserve_bytes=reserve_frames * frame),
+                           max_batch_bytes=2 * LAYOUT.raw_nbytes(BLOCK))
+    others = [tokens_for(seed, 6 * BLOCK) for seed in (60, 61, 62)]
+    for seed, toks in zip((60, 61, 62), others):
+        cache.ingest(toks, make_kv(6 * BLOCK, seed))
+    return cache, others
+
+
+def test_nan_in_a_later_run_commits_nothing_and_evicts_nothing(monkeypatch):
+    """Every run launched is checked before the first commit, so the runs before the bad one
+    evict nothing for blocks that would only be deleted again."""
+    cache, others = _full_kivi_cache(reserve_frames=6)  # the whole call fits the reserve
+    before = ([cache.lookup(t) for t in others], _tier_state(cache))
     commits = _Spy(monkeypatch, cache.store, "commit_many")
     toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43)
-    kv[0][1][0, 3, 3] = float("inf")  # block 0: the chain's head goes last
+    kv[0][1][0, 3, 3] = float("inf")  # block 0: the chain's head, the last run launched
     with pytest.raises(InputError, match="NaN or Inf"):
         cache.ingest(toks, kv)
-    assert len(commits.calls) == 2  # the tail's two batches were committed, then undone
-    assert cache.lookup(toks) == 0 and _tier_state(cache)["used_bytes"] == 0
-    assert _tier_state(cache)["reservation_bytes"] == 0
+    assert commits.calls == [] and cache.lookup(toks) == 0
+    assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
+
+
+def test_nan_in_a_run_launched_after_a_commit_for_room_undoes_the_runs_before_it(monkeypatch):
+    """A call larger than the reserve commits its first runs to make room before its last is
+    encoded: a bad value there deletes them again (what their commits evicted stays out)."""
+    cache, others = _full_kivi_cache(reserve_frames=2)
+    commits = _Spy(monkeypatch, cache.store, "commit_many")
+    toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43)
+    kv[0][1][0, 3, 3] = float("inf")
+    with pytest.raises(InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    assert len(commits.calls) == 2  # the tail's two runs, committed for room, then undone
+    assert cache.lookup(toks) == 0 and _tier_state(cache)["reservation_bytes"] == 0
+    assert sum(cache.lookup(t) for t in others) < 3 * 6 * BLOCK  # evicted for the runs committed
 
 
 def test_without_room_to_reserve_the_blocks_go_through_put(monkeypatch):

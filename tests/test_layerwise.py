@@ -558,6 +558,37 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
+    """The blocks without a slot are checked by the ingest on finish, after the slots' blocks
+    were published: a NaN there deletes them again, so the save stores nothing."""
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK
+    frame = make_cache(INT4).block_format.planned_payload().nbytes
+    with make_cache(INT4, cpu_bytes=24 * frame, cpu_reserve_bytes=3 * frame) as cache:
+        for seed in (20, 21, 22):  # fill the tier: the save gets slots for its tail only
+            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+        toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
+        kv[2][1][0, 3, 0] = float("nan")  # block 0: the head, which gets no slot
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+            ids = page_tables([T], 16, 24, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+        else:
+            writer = cache.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        with pytest.raises(cs.InputError, match="NaN or Inf"):
+            writer.finish()
+        assert not any(cache.store.present_many(cache.block_hashes(toks)))
+        assert reservation_bytes(cache) == 0
+
+
 def test_a_layerwise_save_takes_every_kind_of_keys(monkeypatch):
     """Keys as bytes per block (world models) and as a ``cs.Prompt`` with extra keys: the
     same blocks as ``ingest`` of those keys."""
