@@ -55,7 +55,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
