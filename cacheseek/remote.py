@@ -12,9 +12,9 @@ between threads.
 
 An outage (the server down, unreachable, timing out, or answering 503) raises
 ``RemoteUnavailable`` by default (``on_unavailable="raise"``). With ``on_unavailable="miss"``
-it is a miss instead: ``lookup`` 0, ``materialize`` nothing, and ``ingest`` reports its
-blocks failed (``errors["server"]``), so a worker's hot path needs no ``try``. Either way a
-circuit breaker (``store.breaker``) stops calls after a few failures in a row and lets one
+it is a miss instead: ``lookup`` 0, ``materialize`` nothing, ``prefetch`` None, and
+``ingest`` reports its blocks failed (``errors["server"]``), so a worker's hot path needs no
+``try``. Either way a circuit breaker (``store.breaker``) stops calls after a few failures in a row and lets one
 probe through after a backoff, so an outage does not cost every call a timeout; the outage
 is logged once when it starts and once when it ends, and counted in ``client_stats()``.
 """
@@ -75,7 +75,7 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
-                       "missed_materializes": 0, "dropped_blocks": 0}
+                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0}
         self.last_error = ""
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
@@ -398,14 +398,21 @@ class RemoteCache(PrefixCacheBase):
         from its disk or Redis tier into its CPU tier, and answers at once. A ``Prefetch``
         (``on_server``: it cannot be waited for here; a ``materialize`` meanwhile waits in the
         server for the blocks still on their way), or None when the server started nothing
-        (nothing stored, already in memory, or its limit of prefetches in flight)."""
+        (nothing stored, already in memory, or its limit of prefetches in flight). In an
+        outage with ``on_unavailable="miss"``, None too."""
         self._num_keys(keys)
         hashes = self.block_hashes(keys)
         if not hashes:
             return None
         path, content, headers = lookup_request(hashes)
-        found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                              headers=headers).json()
+        try:
+            found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
+                                  headers=headers).json()
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_prefetches")
+            return None
         if not found.get("started"):
             return None
         return Prefetch(matched=found["matched"], blocks=found["blocks"], joined=found["joined"], on_server=True)
@@ -421,9 +428,9 @@ class RemoteCache(PrefixCacheBase):
     def client_stats(self) -> dict[str, Any]:
         """This client's view of the server's availability: ``outages`` (each logged once),
         ``unavailable_calls`` (requests that failed to get an answer), ``refused_by_breaker``
-        (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``
-        and ``dropped_blocks`` (outages turned into misses, with ``on_unavailable="miss"``),
-        ``in_outage``, ``last_error``, and the breaker's state."""
+        (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``,
+        ``missed_prefetches`` and ``dropped_blocks`` (outages turned into misses, with
+        ``on_unavailable="miss"``), ``in_outage``, ``last_error``, and the breaker's state."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict()}
 

@@ -402,3 +402,24 @@ def test_paged_calls_fail_open_like_the_others():
         stats = cache.client_stats()
     assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2
     assert unchanged(before, tensors)
+
+
+# -- prefetch in an outage -------------------------------------------------------------------------
+
+
+def test_prefetch_in_an_outage_is_a_miss_like_the_other_calls():
+    toks = tokens_for(25, 2 * BLOCK)
+    breaker = CircuitBreaker(failure_threshold=2, backoff=ConstantBackoff(60))
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                        on_unavailable="miss", breaker=breaker) as cache:
+        for _ in range(3):
+            assert cache.prefetch(toks) is None
+        with pytest.raises(cs.InputError):  # bad input still raises: it is not an outage
+            cache.prefetch([])
+        stats = cache.client_stats()
+    assert stats["missed_prefetches"] == 3 and stats["outages"] == 1 and stats["in_outage"]
+    assert stats["unavailable_calls"] == 2 and stats["refused_by_breaker"] == 1
+    with cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        timeout=5) as cache, pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
+        cache.prefetch(toks)  # the default still raises
