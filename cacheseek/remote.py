@@ -226,19 +226,31 @@ class RemoteCache(PrefixCacheBase):
     def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
-        request), and one streamed POST. Bad input in any request sends nothing.
+        request), and one streamed POST. Bad input in any request raises ``InputError``
+        naming it, and sends nothing.
         ``layerwise=True``: the reference writer (``layerwise.PagedLayerwiseIngest``, this
-        same call on ``finish``), for callers written against ``PrefixCache``'s."""
+        same call on ``finish``), for callers written against ``PrefixCache``'s. As there,
+        the requests are checked and hashed when the writer is made, so bad ones raise
+        before the forward runs rather than after it."""
         if layerwise:
-            self._check_paged()
-            return PagedLayerwiseIngest(self.ingest_batch, requests, pages, self.layout.num_layers)
+            call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
+            return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
+                                        self.layout.num_layers)
         return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        return self._ingest_planned(self._plan_paged(requests, pages, single=single))
+
+    def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
+                    ) -> paged_io.PagedCall:
+        """Every request checked and hashed (``InputError`` naming the request); nothing sent."""
         self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
+        return call
+
+    def _ingest_planned(self, call: paged_io.PagedCall) -> list[IngestResult]:
         results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
                    for h in call.hashes]
         try:

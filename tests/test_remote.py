@@ -423,3 +423,42 @@ def test_prefetch_in_an_outage_is_a_miss_like_the_other_calls():
     with cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                         timeout=5) as cache, pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
         cache.prefetch(toks)  # the default still raises
+
+
+# -- the paged layer-wise writer checks its requests when it is made --------------------------------
+
+
+def test_the_paged_layerwise_writer_refuses_bad_requests_when_it_is_made_as_embedded(srv, tmp_path):
+    from paged_helpers import engine_pages, write_tokens
+
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    good = cs.PagedRequest(tokens_for(26, 2 * BLOCK), [0, 1, 2, 3])
+    write_tokens(pages, make_kv(2 * BLOCK, 26), [0, 1, 2, 3])
+    bad_calls = {
+        "page out of range": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [4, 5, 6, 99])],
+        "table too short": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [4, 5])],
+        "page shared": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [3, 4, 5, 6])],
+        "empty keys": [good, cs.PagedRequest([], [4])],
+        "not a request": [good, (tokens_for(27, 2 * BLOCK), [4, 5, 6, 7])],
+        "no requests": [],
+    }
+    want = {}
+    with _embedded(tmp_path, cs.Raw()) as embedded:
+        for name, requests in bad_calls.items():
+            try:
+                embedded.ingest_batch(requests, pages, layerwise=True).abort()
+            except cs.InputError as exc:
+                want[name] = str(exc)
+    assert set(want) == set(bad_calls) - {"page shared"}  # a write may read one page twice
+    with _remote(srv, cs.Raw(), namespace="lw-checks") as remote:
+        for name, message in want.items():
+            with pytest.raises(cs.InputError) as info:
+                remote.ingest_batch(bad_calls[name], pages, layerwise=True).abort()
+            assert str(info.value) == message, name
+        assert remote.lookup(good.keys) == 0  # nothing sent
+        writer = remote.ingest_batch([good], pages, layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+        assert [r.stored for r in writer.finish()] == [2]
+        assert remote.lookup(good.keys) == 2 * BLOCK
