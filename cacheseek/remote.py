@@ -3,18 +3,19 @@
 Keys are computed here, by the same code as ``PrefixCache`` (``PrefixKeys``). Ingest asks
 the server which blocks are new (one ``/v1/lookup`` round trip), encodes only those, on the
 KV's own device, moves each compact frame to the host just before it is sent, and streams
-them all in one ``POST /v1/blocks``. Materialize asks for the longest stored prefix, streams
-its frames from ``GET /v1/prefixes/{last hash}``, checks each (checksum, hash, codec, layout),
-and decodes them on the target device. One ``httpx.Client`` (keep-alive, a connection pool)
+them in one ``POST /v1/blocks`` (several, tail first, where they pass ``max_body_bytes``).
+Materialize asks for the longest stored prefix, streams its frames from ``GET
+/v1/prefixes/{last hash}``, checks each (checksum, hash, codec, layout), and decodes them on
+the target device. One ``httpx.Client`` (keep-alive, a connection pool)
 serves every call, over ``BulkTransport`` (keep-alive, a connection pool, bodies moved with
 one copy, https with the client's ``verify``, proxies honoured); the object is safe to share
 between threads.
 
 An outage (the server down, unreachable, timing out, or answering 503) raises
 ``RemoteUnavailable`` by default (``on_unavailable="raise"``). With ``on_unavailable="miss"``
-it is a miss instead: ``lookup`` 0, ``materialize`` nothing, and ``ingest`` reports its
-blocks failed (``errors["server"]``), so a worker's hot path needs no ``try``. Either way a
-circuit breaker (``store.breaker``) stops calls after a few failures in a row and lets one
+it is a miss instead: ``lookup`` 0, ``materialize`` nothing, ``prefetch`` None, and
+``ingest`` reports its blocks failed (``errors["server"]``), so a worker's hot path needs no
+``try``. Either way a circuit breaker (``store.breaker``) stops calls after a few failures in a row and lets one
 probe through after a backoff, so an outage does not cost every call a timeout; the outage
 is logged once when it starts and once when it ends, and counted in ``client_stats()``.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import ssl
 import threading
 import time
@@ -45,7 +47,7 @@ from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy
-from .results import IngestResult, Loaded, Located, Materialized
+from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host
 from .store.device_staging import staging_stats
@@ -53,6 +55,7 @@ from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
+from .units import parse_size
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 # For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.
@@ -61,6 +64,8 @@ BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
 ON_UNAVAILABLE = ("raise", "miss")
 _UNLIMITED = 1 << 62
+# How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
+_BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
 log = logging.getLogger("cacheseek.remote")
 T = TypeVar("T")
@@ -75,7 +80,7 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
-                       "missed_materializes": 0, "dropped_blocks": 0}
+                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0}
         self.last_error = ""
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
@@ -142,6 +147,7 @@ class RemoteCache(PrefixCacheBase):
         timeout: float = 60.0,
         max_connections: int = 16,
         max_batch_bytes: int | str = "1GiB",
+        max_body_bytes: int | str = "1GiB",
         on_unavailable: str = "raise",
         verify: bool | str | os.PathLike | ssl.SSLContext = True,
         proxy: str | None = None,
@@ -154,12 +160,21 @@ class RemoteCache(PrefixCacheBase):
         URL: True (the system's CAs), a CA bundle path, an ``ssl.SSLContext``, or False (no
         verification). ``proxy``: a proxy URL; by default (``trust_env``) the environment's
         ``HTTP(S)_PROXY``/``NO_PROXY`` apply. ``breaker``: default 3 failures in a row open
-        it, probes after 0.5 s doubling up to 10 s."""
+        it, probes after 0.5 s doubling up to 10 s. ``max_body_bytes``: the largest body of one
+        ``POST /v1/blocks``; an ingest whose new frames pass it sends them in several, in
+        order. The default, 1 GiB, is half the server's default ``max_body_bytes``, so that
+        one body leaves room in its ``max_inflight_body_bytes`` for others; the server does
+        not publish its limit, so a ``413`` that names a lower one lowers this client's to it,
+        and the refused body goes again, split."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
+        self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
+        self._limit_from_server = False  # whether max_body_bytes is a 413's, not the caller's
         self.url = url.rstrip("/")
         scheme = httpx.URL(self.url).scheme
         if scheme not in ("http", "https"):
@@ -226,19 +241,31 @@ class RemoteCache(PrefixCacheBase):
     def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
-        request), and one streamed POST. Bad input in any request sends nothing.
+        request), and one streamed POST (several past ``max_body_bytes``). Bad input in any
+        request raises ``InputError`` naming it, and sends nothing.
         ``layerwise=True``: the reference writer (``layerwise.PagedLayerwiseIngest``, this
-        same call on ``finish``), for callers written against ``PrefixCache``'s."""
+        same call on ``finish``), for callers written against ``PrefixCache``'s. As there,
+        the requests are checked and hashed when the writer is made, so bad ones raise
+        before the forward runs rather than after it."""
         if layerwise:
-            self._check_paged()
-            return PagedLayerwiseIngest(self.ingest_batch, requests, pages, self.layout.num_layers)
+            call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
+            return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
+                                        self.layout.num_layers)
         return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                       ) -> list[IngestResult]:
+        return self._ingest_planned(self._plan_paged(requests, pages, single=single))
+
+    def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
+                    ) -> paged_io.PagedCall:
+        """Every request checked and hashed (``InputError`` naming the request); nothing sent."""
         self._check_paged()
         call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
+        return call
+
+    def _ingest_planned(self, call: paged_io.PagedCall) -> list[IngestResult]:
         results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
                    for h in call.hashes]
         try:
@@ -398,14 +425,21 @@ class RemoteCache(PrefixCacheBase):
         from its disk or Redis tier into its CPU tier, and answers at once. A ``Prefetch``
         (``on_server``: it cannot be waited for here; a ``materialize`` meanwhile waits in the
         server for the blocks still on their way), or None when the server started nothing
-        (nothing stored, already in memory, or its limit of prefetches in flight)."""
+        (nothing stored, already in memory, or its limit of prefetches in flight). In an
+        outage with ``on_unavailable="miss"``, None too."""
         self._num_keys(keys)
         hashes = self.block_hashes(keys)
         if not hashes:
             return None
         path, content, headers = lookup_request(hashes)
-        found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                              headers=headers).json()
+        try:
+            found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
+                                  headers=headers).json()
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_prefetches")
+            return None
         if not found.get("started"):
             return None
         return Prefetch(matched=found["matched"], blocks=found["blocks"], joined=found["joined"], on_server=True)
@@ -421,9 +455,9 @@ class RemoteCache(PrefixCacheBase):
     def client_stats(self) -> dict[str, Any]:
         """This client's view of the server's availability: ``outages`` (each logged once),
         ``unavailable_calls`` (requests that failed to get an answer), ``refused_by_breaker``
-        (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``
-        and ``dropped_blocks`` (outages turned into misses, with ``on_unavailable="miss"``),
-        ``in_outage``, ``last_error``, and the breaker's state."""
+        (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``,
+        ``missed_prefetches`` and ``dropped_blocks`` (outages turned into misses, with
+        ``on_unavailable="miss"``), ``in_outage``, ``last_error``, and the breaker's state."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict()}
 
@@ -484,17 +518,63 @@ class RemoteCache(PrefixCacheBase):
         self._raise_for_status(response, path)
         return response
 
-    def _post_frames(self, frames: list[BlockFrame]) -> list[dict[str, Any]]:
-        """Send ``frames`` in one streamed POST (content-addressed, so sent again on a new
-        connection if a kept-alive one turns out closed). Takes them over: the list is
-        emptied once the answer is in, which frees their device buffers."""
-        total = sum(LENGTH.size + f.meta.nbytes for f in frames)
+    def _post_frames(self, frames: list[BlockFrame]) -> Iterator[dict[str, Any]]:
+        """Send ``frames`` in streamed POSTs of at most ``max_body_bytes`` each, in their
+        order, and yield each frame's report as its POST is answered (so what a POST stored
+        is counted even if a later one meets an outage). Sends nothing until iterated.
+        Takes the frames over: each POST's leave the list once it is answered, which frees
+        their device buffers. A frame that no body can hold raises ``ConfigError`` before
+        anything more is sent."""
+        try:
+            self._check_body_room(frames)
+            while frames:
+                limit, n, total = self.max_body_bytes, 0, 0
+                while n < len(frames) and (n == 0 or total + _wire_bytes(frames[n]) <= limit):
+                    total += _wire_bytes(frames[n])
+                    n += 1
+                try:
+                    reports = self._post_body(frames[:n], total)
+                except RemoteError as exc:
+                    if not self._lower_body_limit(exc, total):
+                        raise
+                    self._check_body_room(frames)  # a frame the server can never take: say so, send no more
+                    continue
+                del frames[:n]
+                yield from reports
+        finally:
+            frames.clear()  # on an error too: a traceback kept by the caller must not hold device buffers
+
+    def _check_body_room(self, frames: list[BlockFrame]) -> None:
+        biggest = max((_wire_bytes(f) for f in frames), default=0)
+        if biggest > self.max_body_bytes:
+            whose = "the server's max_body_bytes" if self._limit_from_server else "max_body_bytes"
+            raise ConfigError(f"{whose} ({self.max_body_bytes}) cannot hold one frame of this cache "
+                              f"({biggest} bytes with its length prefix): raise it, or use smaller blocks "
+                              "(block_tokens) or a more compact codec; nothing more of this call is sent")
+
+    def _lower_body_limit(self, exc: RemoteError, total: int) -> bool:
+        """Whether a refused body of ``total`` bytes may go again, split: a 413 for the
+        body's size, not for one frame's. The limit the 413 names (the server's
+        ``max_body_bytes``) becomes this client's, so later calls are not refused first;
+        where none is named (a proxy's 413), half the refused body. The limit then is below
+        the refused body, so each retry sends fewer frames, and this ends."""
+        if exc.status != 413 or "max_frame_bytes" in exc.reason:
+            return False
+        named = _BODY_LIMIT.search(exc.reason)
+        lower = min(int(named[1]) if named else total // 2, total - 1)
+        if lower < self.max_body_bytes:  # another thread may have lowered it further meanwhile
+            self.max_body_bytes, self._limit_from_server = lower, True
+        return True
+
+    def _post_body(self, frames: list[BlockFrame], total: int) -> list[dict[str, Any]]:
+        """One streamed POST of ``frames`` (content-addressed, so sent again on a new
+        connection if a kept-alive one turns out closed)."""
         path = "/v1/blocks"
         request = httpx.Request(
-            "POST", self.url + path, stream=_FrameStream(list(frames)),
+            "POST", self.url + path, stream=_FrameStream(frames),
             headers={**self._headers, "Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)},
             extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
-        frames.clear()
+        del frames  # the request's alone, let go below (a traceback would keep this frame's locals)
         try:
             return self._guarded(path, lambda: self._send(request, path).json())
         finally:
@@ -546,6 +626,11 @@ class RemoteCache(PrefixCacheBase):
         except ValueError:
             reason = response.text or response.reason_phrase
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+def _wire_bytes(frame: BlockFrame) -> int:
+    """A frame's bytes in a batch body, its length prefix included."""
+    return LENGTH.size + frame.meta.nbytes
 
 
 def _count_report(result: IngestResult, report: dict[str, Any]) -> None:

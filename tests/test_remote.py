@@ -402,3 +402,170 @@ def test_paged_calls_fail_open_like_the_others():
         stats = cache.client_stats()
     assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2
     assert unchanged(before, tensors)
+
+
+# -- bodies past the server's max_body_bytes -------------------------------------------------------
+
+
+def _block_posts(cache) -> dict[str, int]:
+    """The server's answers to ``POST /v1/blocks`` so far, by status."""
+    for route in cache.stats()["requests"]:
+        if route["route"] == "/v1/blocks" and route["method"] == "POST":
+            return route["statuses"]
+    return {}
+
+
+def test_an_ingest_past_the_servers_body_limit_is_split_as_the_embedded_cache_stores_it(tmp_path):
+    """The server does not publish max_body_bytes: the first body over it is refused (413),
+    the client takes the limit that answer names, sends the frames again in bodies under it,
+    and later calls split at once. The results are the embedded cache's, merged per call."""
+    from paged_helpers import engine_pages, page_tables, write_tokens
+
+    n = 10 * BLOCK  # Raw frames of ~48 KiB: ~490 KiB in all, each well under max_frame_bytes
+    toks, kv = tokens_for(20, n), make_kv(n, 20)
+    head = [(k[:, : 2 * BLOCK], v[:, : 2 * BLOCK]) for k, v in kv]
+    sizes = [4 * BLOCK, 5 * BLOCK + 3]
+    paged_toks = [tokens_for(21 + r, s) for r, s in enumerate(sizes)]
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 24, 16, LAYOUT.torch_dtype)
+    tables = page_tables(sizes, 16, 24, seed=5)
+    for r, (size, ids) in enumerate(zip(sizes, tables)):
+        write_tokens(pages, make_kv(size, 21 + r), ids)
+    requests = [cs.PagedRequest(t, ids) for t, ids in zip(paged_toks, tables)]
+    got = {}
+    with Server(tmp_path / "srv", "--max-frame-bytes", "128KiB", "--max-body-bytes", "256KiB",
+                "--max-inflight-body-bytes", "256KiB", disk=False) as server:
+        embedded = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                                  tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+        remote = cs.RemoteCache(server.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK)
+        for name, cache in (("embedded", embedded), ("remote", remote)):
+            with cache:
+                got[name] = [cache.ingest(toks[: 2 * BLOCK], head), cache.ingest(toks, kv),
+                             cache.ingest_batch(requests, pages), cache.lookup(toks),
+                             [cache.lookup(t) for t in paged_toks]]
+                if name == "remote":
+                    assert_prefix_equal(cache.materialize(toks), kv, n)
+                    posts = _block_posts(cache)
+                    learned = cache.max_body_bytes
+    assert got["remote"] == got["embedded"]
+    assert got["remote"][1].stored == 8 and got["remote"][1].present == 2
+    assert [r.stored for r in got["remote"][2]] == [4, 5]
+    assert learned == 256 << 10
+    # One refusal (the first body over the limit); ingest_batch split at once: 2+2+2 POSTs.
+    assert posts == {"200": 1 + 2 + 2, "413": 1}, posts
+
+
+def test_split_posts_keep_the_chains_head_when_the_servers_tier_overflows(tmp_path):
+    """Tail first across the POSTs, as in one: a chain longer than the server's CPU tier
+    keeps its head (as the embedded cache does), not its tail, which no lookup reaches."""
+    n = 10 * BLOCK
+    toks, kv = tokens_for(22, n), make_kv(n, 22)
+    embedded = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                              tiers=cs.TierConfig(cpu_bytes="256KiB", pin_memory=False))
+    with embedded:
+        assert embedded.ingest(toks, kv).stored == 10
+        kept = embedded.lookup(toks)
+    assert 0 < kept < n
+    with Server(tmp_path, "--max-frame-bytes", "64KiB", "--max-body-bytes", "128KiB",
+                "--max-inflight-body-bytes", "256KiB", cpu_bytes="256KiB", disk=False) as server:
+        with cs.RemoteCache(server.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK) as remote:
+            assert remote.ingest(toks, kv).stored == 10
+            assert remote.lookup(toks) == kept
+            assert_prefix_equal(remote.materialize(toks), kv, kept)
+            assert _block_posts(remote) == {"200": 5, "413": 1}
+
+
+def test_a_client_body_limit_splits_posts_and_a_frame_it_cannot_hold_is_refused(srv, tmp_path):
+    toks, kv = tokens_for(23, 6 * BLOCK), make_kv(6 * BLOCK, 23)
+    with pytest.raises(cs.ConfigError, match="max_body_bytes"):
+        _remote(srv, cs.Raw(), max_body_bytes=0)
+    with pytest.raises(cs.ConfigError, match="max_body_bytes"):
+        _remote(srv, cs.Raw(), max_body_bytes="lots")
+    with _remote(srv, cs.Raw(), namespace="body", max_body_bytes="16KiB") as tiny:
+        with pytest.raises(cs.ConfigError, match=r"max_body_bytes \(16384\) cannot hold one frame"):
+            tiny.ingest(toks, kv)  # a Raw frame is ~48 KiB
+        assert tiny.lookup(toks) == 0  # nothing sent
+    with _remote(srv, cs.Raw(), namespace="body", max_body_bytes="100KiB") as small:
+        before = _block_posts(small)
+        assert small.ingest(toks, kv).stored == 6
+        after = _block_posts(small)
+        assert after.get("200", 0) - before.get("200", 0) == 3  # two frames a body
+        assert after.get("413", 0) == before.get("413", 0)
+        assert small.max_body_bytes == 100 << 10
+        assert_prefix_equal(small.materialize(toks), kv, 6 * BLOCK)
+
+
+def test_a_frame_over_the_servers_body_limit_is_a_clear_error_and_stores_nothing(tmp_path):
+    big = 8 * BLOCK  # a Raw frame of ~384 KiB: no body of the server's can hold it
+    toks, kv = tokens_for(24, 2 * big), make_kv(2 * big, 24)
+    with Server(tmp_path, "--max-frame-bytes", "128KiB", "--max-body-bytes", "256KiB",
+                "--max-inflight-body-bytes", "256KiB", disk=False) as server:
+        with cs.RemoteCache(server.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=big,
+                            on_unavailable="miss") as remote:
+            with pytest.raises(cs.ConfigError, match=r"the server's max_body_bytes \(262144\) cannot hold one frame"):
+                remote.ingest(toks, kv)
+            assert remote.lookup(toks) == 0
+            assert remote.max_body_bytes == 256 << 10
+            with pytest.raises(cs.ConfigError, match="cannot hold one frame"):  # at once, now: nothing sent
+                remote.ingest(toks, kv)
+            assert _block_posts(remote) == {"413": 1}
+
+
+# -- prefetch in an outage -------------------------------------------------------------------------
+
+
+def test_prefetch_in_an_outage_is_a_miss_like_the_other_calls():
+    toks = tokens_for(25, 2 * BLOCK)
+    breaker = CircuitBreaker(failure_threshold=2, backoff=ConstantBackoff(60))
+    url = f"http://127.0.0.1:{_closed_port()}"
+    with cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                        on_unavailable="miss", breaker=breaker) as cache:
+        for _ in range(3):
+            assert cache.prefetch(toks) is None
+        with pytest.raises(cs.InputError):  # bad input still raises: it is not an outage
+            cache.prefetch([])
+        stats = cache.client_stats()
+    assert stats["missed_prefetches"] == 3 and stats["outages"] == 1 and stats["in_outage"]
+    assert stats["unavailable_calls"] == 2 and stats["refused_by_breaker"] == 1
+    with cs.RemoteCache(url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        timeout=5) as cache, pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
+        cache.prefetch(toks)  # the default still raises
+
+
+# -- the paged layer-wise writer checks its requests when it is made --------------------------------
+
+
+def test_the_paged_layerwise_writer_refuses_bad_requests_when_it_is_made_as_embedded(srv, tmp_path):
+    from paged_helpers import engine_pages, write_tokens
+
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    good = cs.PagedRequest(tokens_for(26, 2 * BLOCK), [0, 1, 2, 3])
+    write_tokens(pages, make_kv(2 * BLOCK, 26), [0, 1, 2, 3])
+    bad_calls = {
+        "page out of range": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [4, 5, 6, 99])],
+        "table too short": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [4, 5])],
+        "page shared": [good, cs.PagedRequest(tokens_for(27, 2 * BLOCK), [3, 4, 5, 6])],
+        "empty keys": [good, cs.PagedRequest([], [4])],
+        "not a request": [good, (tokens_for(27, 2 * BLOCK), [4, 5, 6, 7])],
+        "no requests": [],
+    }
+    want = {}
+    with _embedded(tmp_path, cs.Raw()) as embedded:
+        for name, requests in bad_calls.items():
+            try:
+                embedded.ingest_batch(requests, pages, layerwise=True).abort()
+            except cs.InputError as exc:
+                want[name] = str(exc)
+    assert set(want) == set(bad_calls) - {"page shared"}  # a write may read one page twice
+    with _remote(srv, cs.Raw(), namespace="lw-checks") as remote:
+        for name, message in want.items():
+            with pytest.raises(cs.InputError) as info:
+                remote.ingest_batch(bad_calls[name], pages, layerwise=True).abort()
+            assert str(info.value) == message, name
+        assert remote.lookup(good.keys) == 0  # nothing sent
+        writer = remote.ingest_batch([good], pages, layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+        assert [r.stored for r in writer.finish()] == [2]
+        assert remote.lookup(good.keys) == 2 * BLOCK
