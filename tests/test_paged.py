@@ -284,6 +284,22 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
 
 
+def test_pages_on_a_device_without_data_are_refused_when_built():
+    """Meta tensors have shapes and no data: an ingest from them failed inside torch, and a
+    load into them reported tokens loaded that were written nowhere."""
+    meta = [torch.empty(2, 4, 16, H, D, dtype=DTYPE, device="meta") for _ in range(L)]
+    refused = r"^pages: on meta, which holds no data; expected pages on cpu or cuda"
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.vllm(meta)
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages([t[0] for t in meta], [t[1] for t in meta], layout="HND")
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.token_pool([t[0, 0] for t in meta], [t[1, 0] for t in meta])
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.flashinfer([t.transpose(0, 1) for t in meta])
+    assert cs.KVPages.vllm([torch.zeros_like(t, device="cpu") for t in meta]).device.type == "cpu"
+
+
 def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
     toks, kvs, pages, tensors, tables = _setup()
     page = pages.page_size
