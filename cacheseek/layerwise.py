@@ -31,6 +31,7 @@ loaded raises ``LoadError``, and the caller recomputes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -370,6 +371,8 @@ class LayerwiseLoad:
     store's memory back (also on ``with``'s exit). A load that failed part way raises
     ``LoadError`` from ``wait`` for the layers it did not load; ``error`` holds the cause.
     ``requests``: for a load into pages, the ``Loaded`` of each request (what is written).
+    A handle dropped without ``close()`` (its consumer's forward raised) gives the store's
+    memory back once the work in flight is done, and decodes no more groups.
     """
 
     def __init__(self, *, num_layers: int, device: torch.device, num_tokens: int = 0, num_blocks: int = 0,
@@ -446,8 +449,7 @@ class LayerwiseLoad:
         ``layer`` is loaded: work queued on it afterwards sees the layer. On a GPU the host
         does not wait; without one, the layer is decoded now if it is not yet. Raises
         ``LoadError`` if the load failed before this layer."""
-        if not 0 <= layer < self.num_layers:
-            raise InputError(f"layer: {layer} is outside the {self.num_layers} layers")
+        self._layer_index(layer)
         if self._closed and self._decoder is not None and self._issued < len(self._groups):
             raise RuntimeError("LayerwiseLoad: closed before every layer was loaded")
         g = self._group_of[layer]
@@ -472,14 +474,13 @@ class LayerwiseLoad:
         """(K, V) of layer ``i``, ``[1, H, num_tokens, D]`` each, after ``wait(i)``.
         ``wait=False``: the tensors now, not yet holding the layer (for a consumer that
         waits later, before it reads them: shapes and devices are final)."""
+        self._layer_index(i)
         if self._layers is None and (self._decoder is None or self._decoder.outputs[0] is None):
             if self.num_tokens == 0:
                 raise RuntimeError("LayerwiseLoad.layer: nothing was loaded (num_tokens is 0)")
             raise RuntimeError("LayerwiseLoad.layer: this load wrote into an engine's pages; read them there")
         if wait:
             self.wait(i)
-        elif not 0 <= i < self.num_layers:
-            raise InputError(f"layer: {i} is outside the {self.num_layers} layers")
         if self._layers is not None:
             return self._layers[i]
         k, v = self._decoder.outputs
@@ -487,6 +488,7 @@ class LayerwiseLoad:
 
     def ready(self, layer: int) -> bool:
         """Whether ``layer`` is loaded (asks the device; never waits, never issues work)."""
+        self._layer_index(layer)
         if self.error is not None and self._events[layer] is None and self._ready_t[layer] is None:
             return False
         if self._cuda:
@@ -530,6 +532,28 @@ class LayerwiseLoad:
             self._closed = True
             if self._decoder is not None:
                 self._decoder.release_all()
+
+    def __del__(self) -> None:
+        # A consumer whose forward raised drops the handle unclosed: the frames it holds are
+        # CPU-tier slots leased for good otherwise (LayerwiseSave gives its slots back alike).
+        if getattr(self, "_closed", True) or getattr(self, "_decoder", None) is None:
+            return
+        with contextlib.suppress(Exception):
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """Give the store's memory back once nothing in flight reads or writes it, without
+        decoding the groups not issued yet (nobody will read them)."""
+        self._closed = True  # (_advance issues nothing more, a background issuer stops)
+        try:
+            self._join()
+            issued = [e for e in self._events if e is not None]
+            if self._cuda and issued:
+                # The last group issued: its decode may still read the staging and write the
+                # outputs or the engine's pages, and it ran after every copy before it.
+                issued[-1].synchronize()
+        finally:
+            self._decoder.release_all()
 
     def __enter__(self) -> LayerwiseLoad:
         return self
@@ -622,6 +646,16 @@ class LayerwiseLoad:
         """Wait for the issuer to end (every group issued, or the load failed)."""
         if self._worker is not None and threading.current_thread() is not self._worker:
             self._worker.join()
+
+    def _layer_index(self, layer: Any) -> None:
+        """``InputError`` unless ``layer`` is a layer of this load: an int (a bool or a float
+        is a caller's mistake, and a negative index would silently name another layer)."""
+        n = self.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
+                             f"got {type(layer).__name__} {layer!r}")
+        if not 0 <= layer < n:
+            raise InputError(f"layer: {layer} is outside the {n} layers (0 to {n - 1})")
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:

@@ -55,6 +55,12 @@ class PagedCall:
     source: PagedSource | None = None
     sizes: list[int] = field(default_factory=list)  # full blocks each request's keys name
     block_tokens: int = 0
+    single: bool = False  # one request (``ingest`` / ``materialize_into``): parameters named bare
+
+    def param(self, r: int, name: str) -> str:
+        """How errors name parameter ``name`` of request ``r``: ``requests[1].max_tokens``
+        in a batch, ``max_tokens`` in a call of one request."""
+        return name if self.single else f"{self.names[r]}.{name}"
 
     def flat(self) -> tuple[list[BlockHash], list[bytes], list[int]]:
         """Every request's hashes, parents and block positions, end to end (row order)."""
@@ -98,30 +104,41 @@ def check_pages(pages: Any, layout: KVLayout) -> KVPages:
     return pages
 
 
+def _bad_keys(call: PagedCall, r: int, request_keys: Any, exc: TypeError) -> InputError:
+    # The keys' own checks raise InputError; keys of no type they know (None, a number, a
+    # sequence of mixed types) fail in len() or the hashing instead, naming no request.
+    return InputError(f"{call.param(r, 'keys')}: expected token ids, a Prompt or bytes per block, "
+                      f"got {type(request_keys).__name__} ({exc})")
+
+
 def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[tuple[Any, Any, int | None]],
          *, single: bool) -> PagedCall:
     """Check every request (``(keys, page_ids, max_tokens)``): its keys name tokens, its
     page table is one of ``pages``' (ids inside, none twice). Hashing is ``hash_requests``."""
     check_pages(pages, layout)
-    call = PagedCall(pages, [], [], [], [], block_tokens=keys.block_tokens)
+    call = PagedCall(pages, [], [], [], [], block_tokens=keys.block_tokens, single=single)
     for i, (request_keys, page_ids, _) in enumerate(requests):
         name = _name(None if single else i)
+        call.names.append(name)
         try:
             tokens = keys.num_tokens(request_keys)
         except InputError as exc:
             raise InputError(f"{name}: {exc}") from None
-        call.names.append(name)
-        call.tables.append(page_table(page_ids, pages, f"{name}.page_ids" if not single else "page_ids"))
+        except TypeError as exc:
+            raise _bad_keys(call, i, request_keys, exc) from None
+        call.tables.append(page_table(page_ids, pages, call.param(i, "page_ids")))
         call.sizes.append(tokens // keys.block_tokens)
     return call
 
 
 def hash_requests(call: PagedCall, keys: PrefixKeys, requests: Sequence[tuple[Any, Any, int | None]]) -> None:
-    for name, (request_keys, _, _) in zip(call.names, requests):
+    for r, (name, (request_keys, _, _)) in enumerate(zip(call.names, requests)):
         try:
             hashes = keys.block_hashes(request_keys)
         except InputError as exc:
             raise InputError(f"{name}: {exc}") from None
+        except TypeError as exc:
+            raise _bad_keys(call, r, request_keys, exc) from None
         call.hashes.append(hashes)
         call.parents.append(keys.parents(hashes) if hashes else [])
 
@@ -197,7 +214,11 @@ def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]]
     and its ``max_tokens`` allows."""
     P = call.pages.page_size
     out = []
-    for (_, _, max_tokens), table, hashes in zip(requests, call.tables, call.hashes):
+    for r, ((_, _, max_tokens), table, hashes) in enumerate(zip(requests, call.tables, call.hashes)):
+        # A float would slice the chain with a float, a str fail in max(): neither names the request.
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+            raise InputError(f"{call.param(r, 'max_tokens')}: expected an int number of tokens or None, "
+                             f"got {type(max_tokens).__name__} {max_tokens!r}")
         n = min(len(hashes), table.numel() * P // block_tokens)
         if max_tokens is not None:
             n = min(n, max(0, max_tokens) // block_tokens)

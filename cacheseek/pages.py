@@ -36,6 +36,7 @@ from .errors import InputError
 from .layout import KVLayout
 
 PAGE_LAYOUTS = ("NHD", "HND")
+PAGE_DEVICES = ("cpu", "cuda")
 
 
 def _as_pages(t: Any, layout: str, where: str) -> torch.Tensor:
@@ -76,6 +77,12 @@ class KVPages:
                     raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, strides {t.stride()}")
             if len({t.stride() for t in views}) != 1:
                 raise InputError(f"pages {name}: every layer must have the same strides")
+        if device.type not in PAGE_DEVICES:
+            # Refused here, not at the first call: a meta tensor takes any write without
+            # effect (a load would report tokens written nowhere) and fails any read deep in
+            # torch; the data paths (streams, staging, kernels) are built for cpu and cuda.
+            held = "which holds no data" if device.type == "meta" else "which the cache cannot read or write"
+            raise InputError(f"pages: on {device}, {held}; expected pages on {' or '.join(PAGE_DEVICES)}")
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = shape
         self.num_layers, self.dtype, self.device = len(self.k), dtype, device
         self._kernel_pages: dict[tuple[int, int], Any] = {}

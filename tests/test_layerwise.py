@@ -10,6 +10,7 @@ Every load is compared byte for byte with the normal path.
 
 from __future__ import annotations
 
+import gc
 import types
 
 import pytest
@@ -129,6 +130,64 @@ def test_wait_checks_the_layer_and_an_empty_load_is_ready():
         short = cache.materialize(toks, layerwise=True, max_tokens=BLOCK + 3)
         assert short.num_tokens == BLOCK and short.layer(0)[0].shape == (1, H, BLOCK, D)
         short.close()
+
+
+def test_a_bad_layer_index_is_an_input_error_naming_it():
+    """Every layer is loaded, so a negative index is not "not ready yet" but a wrong answer
+    (layer 5's), and a float or a bool would be taken as some layer or fail deep inside."""
+    with make_cache(cs.Raw()) as cache:
+        toks, _ = stored(cache, cs.Raw())
+        empty = cache.materialize(tokens_for(99, 2 * BLOCK), layerwise=True)  # every layer "ready" at once
+        with cache.materialize(toks, layerwise=True) as load:
+            load.wait(L - 1)
+            for handle in (load, empty):
+                for call in ("ready", "wait", "layer"):
+                    for bad in (6, -1, 100):
+                        with pytest.raises(cs.InputError, match=rf"^layer: {bad} is outside the 6 layers \(0 to 5\)"):
+                            getattr(handle, call)(bad)
+                    for bad, shown in ((1.5, "float 1.5"), (True, "bool True"), ("2", "str '2'"), (None, "None")):
+                        with pytest.raises(cs.InputError, match=rf"^layer: expected an int index .*got {shown}"):
+                            getattr(handle, call)(bad)
+                with pytest.raises(cs.InputError, match="got float"):
+                    handle.layer(2.0, wait=False)
+            assert load.ready(5) and load.layer(5, wait=False)[0].shape == (1, H, 3 * BLOCK, D)
+
+
+@pytest.mark.parametrize("into", ["tensors", "pages"])
+def test_a_load_dropped_unclosed_gives_its_frames_back_and_decodes_no_more(into, monkeypatch):
+    """A forward that raised after layer 0 drops its handle without ``close()``: the CPU-tier
+    frames it leased and its staging are given back, and the groups left are not decoded."""
+    decoded = []
+    real = LayerwiseDecoder._decode_layers
+    monkeypatch.setattr(LayerwiseDecoder, "_decode_layers",
+                        lambda self, views, l0, l1, n: decoded.append(l0) or real(self, views, l0, l1, n))
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4, device=DEVICE)
+        T = 3 * BLOCK
+        pages, _ = engine_pages("flash", L, H, D, 12, 16, DTYPE)
+
+        def leases():
+            return cache.store.tier("cpu").lease_stats()["leases_active"]
+
+        if into == "pages":
+            load = cache.materialize_into(toks, pages.at(list(range(7))), layerwise=True)
+        else:
+            load = cache.materialize(toks, DEVICE, layerwise=True)
+        assert load.num_tokens == T
+        load.wait(0)
+        if not torch.cuda.is_available():  # (on a GPU the last copy may have landed and its frames gone back)
+            assert leases() > 0
+        del load
+        gc.collect()
+        assert leases() == 0
+        assert staging_pool(torch.device(DEVICE)).stats()["leases_active"] == 0
+        if not torch.cuda.is_available():  # decoded lazily: the group waited for, nothing after it
+            assert decoded == [0]
+        # what the frames held is intact: the next load is whole
+        want = cache.materialize(toks, DEVICE)
+        with cache.materialize(toks, DEVICE, layerwise=True) as again:
+            assert torch.equal(again.layer(L - 1)[1], want.layers[L - 1][1])
+        assert leases() == 0
 
 
 def decode_failing_from(layer: int):

@@ -284,6 +284,22 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
 
 
+def test_pages_on_a_device_without_data_are_refused_when_built():
+    """Meta tensors have shapes and no data: an ingest from them failed inside torch, and a
+    load into them reported tokens loaded that were written nowhere."""
+    meta = [torch.empty(2, 4, 16, H, D, dtype=DTYPE, device="meta") for _ in range(L)]
+    refused = r"^pages: on meta, which holds no data; expected pages on cpu or cuda"
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.vllm(meta)
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages([t[0] for t in meta], [t[1] for t in meta], layout="HND")
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.token_pool([t[0, 0] for t in meta], [t[1, 0] for t in meta])
+    with pytest.raises(cs.InputError, match=refused):
+        cs.KVPages.flashinfer([t.transpose(0, 1) for t in meta])
+    assert cs.KVPages.vllm([torch.zeros_like(t, device="cpu") for t in meta]).device.type == "cpu"
+
+
 def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
     toks, kvs, pages, tensors, tables = _setup()
     page = pages.page_size
@@ -330,6 +346,48 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
         decoded = cache.materialize(toks[0], device=DEVICE).layers
         for (k, v), (k0, v0) in zip(read_tokens(dest, [0, 1, 2, 3], 2 * BLOCK), decoded):
             assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
+
+
+def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(monkeypatch):
+    """A float or str ``max_tokens``, or keys that are no keys (None, a number), failed deep
+    inside (a chain sliced by a float, ``len(None)``) with a TypeError naming nothing."""
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+    toks, _, pages, tensors, tables = _setup()
+    with make_cache(codec=INT4) as cache:
+        cache.ingest(toks[0], pages.at(tables[0]))  # a load of request 0 would write its pages
+        blocks = cache.stats()["tiers"][0]["blocks"]
+        before = snapshot(tensors)
+
+        def batch(call, bad, **kw):
+            return lambda: getattr(cache, call)([cs.PagedRequest(toks[0], tables[0]), bad], pages, **kw)
+
+        expected = r"expected an int number of tokens or None, got "
+        not_keys = r"\.keys: expected token ids, a Prompt or bytes per block, got "
+        cases = [
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=40.0)),
+             rf"^requests\[1\]\.max_tokens: {expected}float 40.0"),
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens="64")),
+             rf"^requests\[1\]\.max_tokens: {expected}str '64'"),
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=True)),
+             rf"^requests\[1\]\.max_tokens: {expected}bool True"),
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=64.0), layerwise=True),
+             rf"^requests\[1\]\.max_tokens: {expected}float"),
+            (lambda: cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=64.0), rf"^max_tokens: {expected}float"),
+            (batch("ingest_batch", cs.PagedRequest(None, tables[1])), rf"^requests\[1\]{not_keys}NoneType"),
+            (batch("ingest_batch", cs.PagedRequest(7, tables[1]), layerwise=True), rf"^requests\[1\]{not_keys}int"),
+            (batch("materialize_into_batch", cs.PagedRequest(None, tables[1])), rf"^requests\[1\]{not_keys}NoneType"),
+            (batch("materialize_into_batch", cs.PagedRequest(cs.Prompt(None), tables[1])),
+             rf"^requests\[1\]{not_keys}Prompt"),
+        ]
+        for call, match in cases:
+            with pytest.raises(cs.InputError, match=match):
+                call()
+            assert unchanged(before, tensors)
+            assert cache.stats()["tiers"][0]["blocks"] == blocks and cache.lookup(toks[1]) == 0
+        # a whole number of tokens is fine, and None loads what the page table holds
+        got = cache.materialize_into_batch([cs.PagedRequest(toks[0], tables[0], max_tokens=BLOCK + 5),
+                                            cs.PagedRequest(toks[0], tables[1], max_tokens=None)], pages)
+        assert [x.num_tokens for x in got] == [BLOCK, 2 * BLOCK]
 
 
 @pytest.mark.parametrize("codec", [INT4, cs.Raw(), ROTATED], ids=["int4", "raw", "int4-v2-rotated"])
