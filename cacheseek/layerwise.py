@@ -735,8 +735,8 @@ class LayerWriter:
 def check_layer_index(i: Any, put: Sequence[Any]) -> None:
     """``InputError`` unless ``i`` is a layer, one per entry of ``put``, whose entry is not
     set yet (None or False: not put)."""
-    if not isinstance(i, int) or not 0 <= i < len(put):
-        raise InputError(f"layer: {i!r} is outside the layout's {len(put)} layers")
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(put):
+        raise InputError(f"layer: {i!r:.40} is outside the layout's {len(put)} layers")
     if put[i] is not None and put[i] is not False:
         raise InputError(f"layer {i}: put twice")
 

@@ -17,7 +17,7 @@ from .quant import backend
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
 from .quant.policy import PrecisionPolicy
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 from .results import Located, Materialized
 from .units import parse_size
 
@@ -87,7 +87,12 @@ class PrefixCacheBase:
         return self.keys.num_tokens(keys)
 
     def _limit(self, hashes: list[BlockHash], max_tokens: int | None) -> list[BlockHash]:
-        return hashes if max_tokens is None else hashes[: max(0, max_tokens) // self.block_tokens]
+        if max_tokens is None:
+            return hashes
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            raise InputError(f"max_tokens: expected an int number of tokens or None, "
+                             f"got {type(max_tokens).__name__} {max_tokens!r:.40}")
+        return hashes[: max(0, max_tokens) // self.block_tokens]
 
     @staticmethod
     def _device(device: Any) -> torch.device:

@@ -548,8 +548,9 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
 
         # bad layers are refused one by one, and the writer stays usable
         writer = cache.ingest_layerwise(toks)
-        with pytest.raises(cs.InputError, match="outside"):
-            writer.put_layer(6, *kv[0])
+        for bad in (6, -1, True, 1.0):
+            with pytest.raises(cs.InputError, match="outside"):
+                writer.put_layer(bad, *kv[0])
         with pytest.raises(cs.InputError, match="heads"):
             writer.put_layer(0, kv[0][0][:1], kv[0][1][:1])
         with pytest.raises(cs.InputError, match="dtype"):

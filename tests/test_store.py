@@ -159,6 +159,9 @@ def test_lookup_stops_at_the_first_changed_block():
     assert cache.lookup(tail) == 6 * BLOCK
     assert cache.lookup(toks[: 3 * BLOCK + 1]) == 3 * BLOCK
     assert cache.materialize(toks, max_tokens=4 * BLOCK - 1).num_tokens == 3 * BLOCK
+    for bad in (40.0, "40", True):
+        with pytest.raises(cs.InputError, match="max_tokens: expected an int"):
+            cache.materialize(toks, max_tokens=bad)
 
 
 def test_another_codec_model_or_namespace_gets_no_hits(tmp_path):
