@@ -17,6 +17,7 @@ from cacheseek.store.tier import BlockInfo
 from cacheseek.trace import blocksim, reference, synth
 from cacheseek.trace.format import load_trace, parse_lines
 from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
+from redis_servers import RedisServer, needs_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 EXCERPT = ROOT / "tests" / "data" / "mooncake_synthetic_excerpt.jsonl"
@@ -263,6 +264,27 @@ def test_disk_admits_a_block_only_once_it_is_used_twice(tmp_path):
         assert adm["not_admitted"] >= 3
     finally:
         store.close()
+
+
+@needs_redis
+def test_disk_admission_holds_back_only_the_disks_writes(tmp_path):
+    """A tier below the disk that is written through (Redis, the default write-through and
+    then the store's acknowledging tier) gets every block, admitted to the disk or not."""
+    import cacheseek as cs
+    from store_helpers import raw_frame
+
+    server = RedisServer(tmp_path / "redis").start()
+    store = cs.TierConfig(cpu_bytes="16MiB", disk_path=str(tmp_path / "d"), disk_bytes="64MiB",
+                          disk_admit_after_uses=2, redis_url=server.url, redis_bytes="64MiB").build()
+    try:
+        key, frame = raw_frame(5)
+        outcome = store.put(key, frame)
+        assert outcome.stored and not outcome.errors, outcome
+        assert store.tier("redis").contains(key) and not store.tier("disk").contains(key)
+        assert store.tier("redis").get(key).to_bytes() == frame.to_bytes()
+    finally:
+        store.close()
+        server.stop()
 
 
 def test_plan_runs_without_torch(tmp_path):

@@ -199,31 +199,34 @@ class TieredStore:
     def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
                        held: list[Lease | None]) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
-        before it stored (rather than from the device again). The leases on the stored copies
-        go into ``held``: the caller releases them once this returns."""
-        previous = self.tiers[0]
+        before it stored (rather than from the device again). A tier's admission filter
+        holds back only that tier's writes: a block it does not admit goes on to the tiers
+        below from the copy it had. The leases on the stored copies go into ``held``: the
+        caller releases them once this returns."""
+        items = list(items)
+        sources = [self.tiers[0]]  # tiers whose stored copies ``items`` now point into
         for level, tier in enumerate(self.tiers[1:], start=1):
             if tier.name not in self.write_through or not items:
                 continue
+            for source in sources:  # this tier reads their host copies
+                failed = source.settle()
+                if failed:
+                    items = self._without_failed(items, failed, source, source is self.tiers[0])
+            sources = []
             use_filter = self.filters.get(tier.name)
-            if use_filter is not None:
-                items = self._admitted(use_filter, items)
-                if not items:
-                    continue
-            failed = previous.settle()  # this tier reads the previous one's host copies
-            if failed:
-                items = self._without_failed(items, failed, previous, previous is self.tiers[0])
-                if not items:
-                    break
-            frames = [(key, frame if tier.accepts_device_frames else _on_host(frame)) for key, frame, _ in items]
-            nxt = []
+            chosen = list(range(len(items))) if use_filter is None else self._admitted(use_filter, items)
+            if not chosen:
+                continue
+            frames = [(items[i][0], items[i][1] if tier.accepts_device_frames else _on_host(items[i][1]))
+                      for i in chosen]
             results = tier.put_many(frames, lease_stored=True)
-            for (key, frame), result, (_, _, outcome) in zip(frames, results, items):
+            for i, (key, frame), result in zip(chosen, frames, results):
+                outcome = items[i][2]
                 _hold(result, held)
                 outcome.note(result, tier.name, tier.name in self._acknowledging)
                 self._demote(level, result.evicted)
-                nxt.append((key, _host_copy(result.stored, frame), outcome))
-            items, previous = nxt, tier
+                items[i] = (key, _host_copy(result.stored, frame), outcome)
+            sources = [tier]
 
     @staticmethod
     def _without_failed(items: list[tuple[bytes, BlockFrame, StorePutResult]], failed: set[bytes], tier: Tier,
@@ -242,14 +245,15 @@ class TieredStore:
         return kept
 
     @staticmethod
-    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> list:
+    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> list[int]:
+        """The indexes of the ``items`` the filter admits."""
         out = []
-        for item in items:
-            use_filter.size_from(item[1].nbytes)
-            if use_filter.admits(item[0]):
-                out.append(item)
+        for i, (key, frame, _) in enumerate(items):
+            use_filter.size_from(frame.nbytes)
+            if use_filter.admits(key):
+                out.append(i)
             else:
-                use_filter.refuse(item[1].nbytes)
+                use_filter.refuse(frame.nbytes)
         return out
 
     def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
