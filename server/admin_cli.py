@@ -15,6 +15,7 @@ Exit status: 0 done everywhere; 1 a server refused (its reason printed); 2 bad a
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -68,8 +69,9 @@ def main(args: Any) -> int:
     if args.admin_command == "flush" and args.namespace is None and args.model is None:
         print("cacheseek admin flush: give --namespace, --model, or both", file=sys.stderr)
         return 2
-    if args.admin_command == "pin" and args.ttl is not None and not args.ttl > 0:
-        print("cacheseek admin pin: --ttl must be > 0 seconds", file=sys.stderr)
+    if args.admin_command == "pin" and args.ttl is not None and not (math.isfinite(args.ttl) and args.ttl > 0):
+        print("cacheseek admin pin: --ttl must be a finite number of seconds > 0 (omit it: until unpinned)",
+              file=sys.stderr)
         return 2
     if not args.token:
         print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)

@@ -193,14 +193,14 @@ class Metrics:
 
     def owner(self, namespace: str, model: str | None) -> Traffic:
         """The counters of (namespace, model); ``_other`` once ``max_owners`` pairs exist."""
-        key = (namespace, model or "")
+        # Looked up under the cleaned labels it is stored under: a model name that cleaning
+        # changes (non-ASCII, over 128 characters) would otherwise start over every request.
+        key = (clean_label(namespace), clean_label(model or ""))
         t = self.traffic.get(key)
         if t is None:
             if len(self.traffic) >= self.max_owners:
                 key = (OTHER, OTHER)
                 t = self.traffic.get(key)
-            else:
-                key = (clean_label(key[0]), clean_label(key[1]))
             if t is None:
                 t = self.traffic[key] = Traffic()
         return t
@@ -265,7 +265,10 @@ class Metrics:
         and usage (for a tenant-bound caller)."""
         out = dict(self._figures()) if self._figures is not None else {}
         # list(): one atomic copy under the GIL, while the event loop keeps counting
-        owners = [(k, t) for k, t in list(self.traffic.items()) if namespace is None or k[0] == namespace]
+        # (A tenant never sees the overflow's counters, though "_other" is a valid namespace:
+        # they are every other owner's past ``max_owners``.)
+        owners = [(k, t) for k, t in list(self.traffic.items())
+                  if namespace is None or k[0] == namespace and k != (OTHER, OTHER)]
         total = Traffic()
         for _, t in owners:
             total.add(t)

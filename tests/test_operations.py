@@ -133,6 +133,47 @@ def test_a_tenant_sees_only_its_own_namespace_in_stats(tmp_path):
         assert {(u["namespace"], u["blocks"]) for u in every["namespaces"]} == {("team-a", 2), ("team-b", 3)}
 
 
+def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path):
+    """Past ``metrics_max_owners`` every other owner counts under ("_other", "_other"), which a
+    tenant named "_other" must not see; and a tier's last error (redis-py names the host and
+    port it could not reach) is a host detail, hidden from tenants as the URL is."""
+    from server_helpers import free_port
+
+    port = free_port()  # nothing listens: every Redis call fails
+    tenants = '{"a": {"write_token": "a-w"}, "b": {"write_token": "b-w"}, "_other": {"write_token": "o-w"}}'
+    env = {"CACHESEEK_TENANTS": tenants, "CACHESEEK_METRICS_MAX_OWNERS": "1",
+           "CACHESEEK_REDIS_CONNECT_TIMEOUT_SECONDS": "0.2", "CACHESEEK_REDIS_SOCKET_TIMEOUT_SECONDS": "0.2"}
+    with Server(tmp_path, "--write-token", WRITE, "--redis-url", f"redis://127.0.0.1:{port}", env=env) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        def lookup(token: str, model: str) -> None:
+            r = c.post("/v1/lookup", json={"hashes": ["11" * 16]},
+                       headers={"Authorization": f"Bearer {token}", "X-CacheSeek-Model": model})
+            assert r.status_code == 200, r.text
+
+        lookup("a-w", "m")
+        for _ in range(5):
+            lookup("b-w", "b-model")  # past the one owner: counted as ("_other", "_other")
+        c.get("/v1/stats", headers=writer())  # the Redis tier's figures: its error is in
+        everything = c.get("/v1/stats", headers=writer())
+        assert f":{port}" in everything.text  # the operator sees where the server could not reach
+        for token in ("o-w", "a-w"):
+            mine = c.get("/v1/stats", headers={"Authorization": f"Bearer {token}"})
+            assert mine.json()["traffic"]["lookups"] == (0 if token == "o-w" else 1)
+            assert f":{port}" not in mine.text and "127.0.0.1" not in mine.text
+
+
+def test_an_owners_counters_keep_counting_under_a_cleaned_model_name(srv):
+    """A model name the labels clean (over 128 characters, not ASCII) is counted under the
+    cleaned name, request after request, not started over each time."""
+    with httpx.Client(base_url=srv.url) as c:
+        for model in ("x" * 129, "mod\u00e8le"):
+            for seed in range(3):
+                post_chain(c, raw_chain(90 + seed, 1), **writer("clean", model.encode("latin-1")))  # type: ignore[arg-type]
+        owners = [o for o in c.get("/v1/stats", headers=writer()).json()["traffic"]["by_owner"]
+                  if o["namespace"] == "clean"]
+        assert sorted((o["ingest_requests"], o["ingest_blocks_stored"]) for o in owners) == [(3, 3), (3, 3)], owners
+
+
 def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path):
     chain = raw_chain(4, 3)
     with Server(tmp_path, "--write-token", WRITE) as off, httpx.Client(base_url=off.url) as c:
@@ -316,6 +357,9 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     missing = admin_cmd("flush", "--namespace", "nobody")
     assert missing.returncode == 1 and "404" in missing.stderr
     assert admin_cmd("flush").returncode == 2
+    for ttl in ("0", "inf", "1e999"):  # a bad argument: exit 2, no request made
+        bad = admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", ttl)
+        assert bad.returncode == 2 and "--ttl" in bad.stderr, bad.stderr
     flushed = admin_cmd("--json", "flush", "--namespace", "a")
     assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout
     gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],

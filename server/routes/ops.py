@@ -15,7 +15,17 @@ from ._body import ERROR
 router = APIRouter(tags=["operations"])
 
 
-HOST_DETAILS = ("path", "url", "redis_url")  # tier figures that tell where the server keeps its data
+# Tier figures that tell where the server keeps its data: a path, a URL, or an error's text
+# (redis-py's names the host and port it could not reach).
+HOST_DETAILS = ("path", "url", "redis_url", "last_error")
+
+
+def _without_host_details(figures: dict) -> None:
+    for key in HOST_DETAILS:
+        figures.pop(key, None)
+    for value in figures.values():
+        if isinstance(value, dict):  # (the Redis tier's breaker keeps a last_error too)
+            _without_host_details(value)
 
 
 @router.get("/v1/stats", responses={400: {"description": "a bad namespace header", **ERROR},
@@ -31,8 +41,7 @@ async def stats(caller: Reader, service: Service, request: Request) -> JSONRespo
     out = await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None)
     if caller.bound:
         for tier in out.get("tiers", []):
-            for key in HOST_DETAILS:
-                tier.pop(key, None)
+            _without_host_details(tier)
     return JSONResponse(out)
 
 
