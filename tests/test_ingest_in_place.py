@@ -637,7 +637,7 @@ def test_a_device_frame_with_a_bad_buffer_frees_its_slot_once_the_good_ones_land
     short = torch.full((second.nbytes - 1,), 9, dtype=torch.uint8, device="cuda")
     tier = CpuTier(4 * FRAME_BYTES, pin=True)
     torch.cuda._sleep(50_000_000)  # the good buffer's copy queues behind this
-    result = tier.put(key, BlockFrame(frame.meta, device_entries=[good, short], sealed=False))
+    result = tier.put_many([(key, BlockFrame(frame.meta, device_entries=[good, short], sealed=False))])[0]
     assert result.error is not None and "copy" in str(result.error)
     assert work_stream("to_host", torch.device("cuda", torch.cuda.current_device())).query()  # ran before the free
     assert tier.put(*raw_frame(2)).stored is not None
