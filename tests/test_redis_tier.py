@@ -389,6 +389,111 @@ def test_redis_refusing_writes_is_counted_without_opening_the_breaker(redis_url,
     assert cache.store.tier("redis").check()["ghosts"] == 0  # refused SETs were uncounted
 
 
+# -- the index and the frames under races ------------------------------------------------------
+
+
+class _HookedClient(CountingClient):
+    """Runs ``after(n)`` once the n-th round trip sent through a pipeline is answered."""
+
+    def __init__(self, inner, after):
+        super().__init__(inner)
+        self.after = after
+
+    def pipeline(self, *args, **kwargs):
+        return _HookedPipeline(self, self.inner.pipeline(*args, **kwargs))
+
+
+class _HookedPipeline(_CountingPipeline):
+    def execute(self, *args, **kwargs):
+        replies = super().execute(*args, **kwargs)
+        self.owner.after(self.owner.round_trips)
+        return replies
+
+
+def test_a_block_pinned_by_another_process_during_a_put_keeps_its_frame(redis_url):
+    writer, other = RedisTier(redis_url, 64 << 20), RedisTier(redis_url, 64 << 20)
+    key, frame = _frame(40)
+    # The other process pins the block after this put's SET, before its check of the index.
+    writer._client = _HookedClient(writer._connection(), lambda n: n == 2 and other.pin([key]))
+    try:
+        assert writer.put(key, frame).stored is not None
+        s = other.stats()
+        assert (s.blocks, s.pinned_blocks) == (1, 1)
+        assert other.get(key) is not None  # counted, pinned, and stored: not taken for evicted
+        assert other.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+    finally:
+        writer.close()
+        other.close()
+
+
+def test_a_put_finding_its_block_expired_in_the_index_writes_it_again(redis_url):
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(41)
+    try:
+        tier.put(key, frame)
+        # The index's entry ran out before the frame's expiry (the index clock is set one
+        # round trip before the SET's PX): the next put prunes it and counts it anew.
+        c = tier._connection()
+        c.zadd(tier.keys_of.lru, {RedisKeys.member(key): 1}, xx=True)
+        again = tier.put(key, _frame(41)[1])
+        assert again.error is None
+        assert tier.get(key) is not None  # not deleted with the other expired entries
+        assert int(c.pttl(tier.keys_of.frame(key))) > 50_000
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+    finally:
+        tier.close()
+
+
+def test_a_write_of_a_stored_block_restarts_its_expiry_unless_pinned(redis_url):
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    (key, frame), (pinned, pframe) = _frame(42), _frame(43)
+    c = tier._connection()
+    try:
+        tier.put_many([(key, frame), (pinned, pframe)])
+        tier.pin([pinned])
+        c.pexpire(tier.keys_of.frame(key), 1000)  # as if written 59 s ago
+        assert tier.put(key, _frame(42)[1]).stored is None  # present: not sent again
+        assert int(c.pttl(tier.keys_of.frame(key))) > 50_000
+        assert tier.put(pinned, _frame(43)[1]).stored is None
+        assert int(c.pttl(tier.keys_of.frame(pinned))) == -1  # a pinned frame keeps no expiry
+        c.delete(tier.keys_of.frame(pinned))  # a pinned ghost, written again
+        assert tier.put(pinned, _frame(43)[1]).stored is not None
+        assert int(c.pttl(tier.keys_of.frame(pinned))) == -1
+    finally:
+        tier.close()
+
+
+def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):
+    tier = RedisTier(redis_url, 64 << 20)
+    frames = [_frame(i) for i in range(44, 48)]
+    old, fresh, pinned, back = [k for k, _ in frames]
+    c = tier._connection()
+    try:
+        tier.put_many(frames)
+        tier.pin([pinned])
+        for k in (old, fresh, pinned, back):  # gone from Redis (maxmemory, expiry), still counted
+            c.delete(tier.keys_of.frame(k))
+        for k in (old, back):  # untouched for longer than any write takes
+            c.zadd(tier.keys_of.lru, {RedisKeys.member(k): 1}, xx=True)
+        # ``back``'s write, stalled past the grace, lands between the read and the repair.
+        real = tier._pipelined
+
+        def pipelined(client, command, names):
+            if command == "exists":
+                c.set(tier.keys_of.frame(back), frames[3][1].to_bytes())
+            return real(client, command, names)
+
+        tier._pipelined = pipelined
+        assert tier.get_many([old, fresh, pinned, back]) == [None] * 4
+        del tier._pipelined
+        # ``fresh`` may be a write in flight, ``pinned`` is kept by its pin, ``back`` is stored.
+        assert sorted(tier.keys()) == sorted([fresh, pinned, back])
+        assert tier.check() == {"ok": 1, "ghosts": 2, "orphans": 0}
+        assert tier.stats().blocks == 3
+    finally:
+        tier.close()
+
+
 # -- faults --------------------------------------------------------------------------------
 
 

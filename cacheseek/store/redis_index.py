@@ -6,10 +6,11 @@ only through :data:`INDEX_SCRIPT`, a Lua script that runs atomically on the mast
 the index's hash tag. One call of the script, in this order:
 
 1. prunes entries idle longer than the TTL (their frames expire on their own);
-2. forgets blocks (deleted, or found corrupt);
+2. forgets blocks (deleted, or found corrupt), and ghosts a read found (only those idle
+   longer than a grace, and never a pinned one);
 3. touches blocks (marks them used, in order: the last is the most recent);
 4. pins and unpins blocks;
-5. adds blocks with their sizes (a block already indexed is only touched; a block larger
+5. adds blocks with their sizes (a block already indexed is only touched, unless pinned; a block larger
    than the whole budget is refused, and so is one that would not fit beside the pinned
    blocks);
 6. evicts the least recently used blocks until ``used <= budget``, and returns them.
@@ -26,7 +27,8 @@ The index and the frames are updated by different commands (in Redis Cluster the
 different masters, so nothing can make them one atomic step). The caller orders its steps
 so that a failure in between leaves the index *over*-counting: a block is added to the
 index before its frame is written (an interrupted write leaves a "ghost": counted, not
-stored; the next put of that block writes it without counting it twice). The one
+stored; the next put of that block writes it without counting it twice, and a read that
+finds no value forgets it once it has been idle longer than a write could be in flight). The one
 undercount: a victim the script dropped whose DEL never arrived stays stored, unaccounted
 (an "orphan") until its TTL, until it is put again (adding adopts it), or until
 ``RedisTier.check(fix=True)``.
@@ -49,6 +51,7 @@ local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
 local n_forget, n_touch, n_add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local n_pin, n_unpin = tonumber(ARGV[7]), tonumber(ARGV[8])
+local n_repair, repair_idle_us = tonumber(ARGV[9]), tonumber(ARGV[10])
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -93,10 +96,28 @@ if ttl_us > 0 then
   end
 end
 
-local i = 9
+local i = 11
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
+end
+
+-- Ghosts a read found (no value): a write counts its block a moment before its SET lands,
+-- and its add touched the block then, so only an entry idle longer than the grace is one
+-- no write is still filling. A pinned block is not in the LRU zset: its pin keeps it.
+-- Returned with their sizes, so that the caller can count one again if its value appears.
+local repaired = {}
+for _ = 1, n_repair do
+  local m = ARGV[i]
+  i = i + 1
+  local score = redis.call('ZSCORE', lru, m)
+  if score and tonumber(score) <= now - repair_idle_us then
+    local s = redis.call('HGET', sizes, m)
+    if s and drop(m) then
+      repaired[#repaired + 1] = m
+      repaired[#repaired + 1] = s
+    end
+  end
 end
 
 for _ = 1, n_touch do
@@ -138,19 +159,22 @@ for _ = 1, n_unpin do
 end
 
 -- status: 1 newly counted, 2 newly counted and pinned (write it without an expiry),
--- 0 already indexed, -1 larger than the budget, -2 no room beside the pinned blocks
+-- 0 already indexed, 3 already indexed and pinned (its frame keeps no expiry),
+-- -1 larger than the budget, -2 no room beside the pinned blocks
 local status = {}
 for _ = 1, n_add do
   local m, n, r = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
   local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
   if redis.call('HEXISTS', sizes, m) == 1 then
-    if not is_pinned then
+    if is_pinned then
+      status[#status + 1] = 3
+    else
       changed = true
       clock = clock + 1
       redis.call('ZADD', lru, clock, m)
+      status[#status + 1] = 0
     end
-    status[#status + 1] = 0
   elseif n > budget then
     status[#status + 1] = -1
   elseif pinned_bytes + n > budget then
@@ -193,7 +217,7 @@ if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
              'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks}
+return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired}
 """
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
@@ -211,14 +235,17 @@ class IndexTotals:
 @dataclass(frozen=True, slots=True)
 class IndexUpdate:
     """What one script call did. ``added[i]``: 1 newly counted, 2 newly counted and pinned
-    (to be written without an expiry), 0 already indexed (now touched), -1 larger than the
-    budget, -2 no room beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are
-    member names whose frames the caller should delete."""
+    (to be written without an expiry), 0 already indexed (now touched), 3 already indexed and
+    pinned (not touched; its frame keeps no expiry), -1 larger than the budget, -2 no room
+    beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are member names
+    whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
+    ghosts forgotten (see ``SharedIndex.queue``'s ``repair``)."""
 
     added: tuple[int, ...]
     evicted: tuple[str, ...]
     expired: tuple[str, ...]
     totals: IndexTotals
+    repaired: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,13 +265,18 @@ class SharedIndex:
         forget: Sequence[str] = (),
         pin: Sequence[str] = (),
         unpin: Sequence[str] = (),
+        repair: Sequence[str] = (),
+        repair_idle_us: int = 0,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
-        raw_nbytes). EVAL rather than EVALSHA: the script text is small next to a frame,
-        and there is no NOSCRIPT to handle after a Redis restart or failover."""
+        raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
+        and idle at least ``repair_idle_us``. EVAL rather than EVALSHA: the script text is
+        small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
+        failover."""
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
-                           len(pin), len(unpin)]
+                           len(pin), len(unpin), len(repair), int(repair_idle_us)]
         args += forget
+        args += repair
         args += touch
         args += pin
         args += unpin
@@ -254,12 +286,14 @@ class SharedIndex:
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks = reply
+        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired = reply
+        pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
             evicted=tuple(_text(m) for m in evicted),
             expired=tuple(_text(m) for m in expired),
             totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
+            repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs),
         )
 
 

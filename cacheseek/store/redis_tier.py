@@ -10,7 +10,8 @@ Storage (key names in ``redis_keys``):
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
 redis-py in a cluster); a batch put is three (EXISTS + index script; the SETs and the
 victims' DELs; a check that the index still counts what was written); a touch is one
-(index script, plus ``PEXPIRE`` when a TTL is set).
+(index script, plus ``PEXPIRE`` when a TTL is set); a read is one pipelined ``GET``, plus
+an index call when a key is missing (to forget a ghost).
 
 Faults: every redis-py error is caught here. A read that fails is a miss, a write that
 fails raises ``StorageError`` (one result per frame in ``put_many``) and is counted as a
@@ -43,6 +44,10 @@ from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 T = TypeVar("T")
 
 HEADER_PROBE_NBYTES = 4096  # first GETRANGE of info(): holds the whole header of any usual frame
+# A read that finds no value forgets the index entry only once it has been idle this long:
+# a put counts its block one round trip before its SET lands, and a batch of large frames
+# can take seconds to send. Far longer than that, so that no write in flight loses its entry.
+GHOST_GRACE_SECONDS = 60.0
 
 
 class RedisUnavailable(StorageError):
@@ -225,11 +230,12 @@ class RedisTier(Tier):
         replies = pipe.execute()
         exists, update = replies[:-1], SharedIndex.parse(replies[-1])
         self._note_totals(update.totals)
-        evicted_now = set(update.evicted)
+        evicted_now, expired_now = set(update.evicted), set(update.expired)
         # Round trip 2: the SETs, then the victims' frames (read first if demotion wants them).
         pipe = client.pipeline(transaction=False)
         sets: list[int] = []
-        pinned_now: set[str] = set()
+        sent: set[str] = set()
+        refresh: list[str] = []  # present, unpinned: a write restarts their expiry
         for i, member, present, status in zip(batch.todo, members, exists, update.added):
             key, frame = batch.items[i]
             result = batch.results[i]
@@ -240,8 +246,11 @@ class RedisTier(Tier):
                     f"{self.capacity_bytes} bytes are pinned ({t.pinned_blocks} blocks), and pinned blocks are never evicted")
             elif status < 0:  # raced with a smaller budget in another process
                 result.error = StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the shared budget")
-            elif present:
-                pass  # stored=None: already there (now touched)
+            elif present and member not in expired_now:
+                # stored=None: already there (now touched). One the script pruned as expired
+                # is counted anew, but its frame is about to expire (or be deleted): write it.
+                if self._ttl_ms is not None and status in (0, 1) and member not in evicted_now:
+                    refresh.append(member)
             elif member in evicted_now:
                 # The batch alone overflows the budget: this frame would be evicted by the
                 # later ones at once, so it is not sent (stored, then evicted, in effect).
@@ -250,19 +259,22 @@ class RedisTier(Tier):
             else:
                 segments = frame.wire_segments()  # seals the frame if it is not yet
                 value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
-                pipe.set(keys.frame(key), value, px=None if status == 2 else self._ttl_ms)
+                pipe.set(keys.frame(key), value, px=None if status in (2, 3) else self._ttl_ms)
                 sets.append(i)
-                if status == 2:
-                    pinned_now.add(member)
+                sent.add(member)
         own = set(members)
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
         n_get = len(victims) if self.demote_evicted else 0
         if self.demote_evicted:
             for m in victims:
                 pipe.get(keys.frame_of_member(m))
-        # Every evicted block's frame goes, ours included (one may have been there already).
+        # Every evicted or expired block's frame goes, ours included (one may have been there
+        # already), except those just written: they are counted again, and the DELs follow the SETs.
         for m in list(update.evicted) + list(update.expired):
-            pipe.delete(keys.frame_of_member(m))
+            if m not in sent:
+                pipe.delete(keys.frame_of_member(m))
+        for m in refresh:  # last: the replies above are read by position
+            pipe.pexpire(keys.frame_of_member(m), self._ttl_ms)
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         self._raise_unavailable(replies)
         refused = []
@@ -276,14 +288,15 @@ class RedisTier(Tier):
                 with self._lock:
                     self._stats.bytes_in += frame.nbytes
                     self._stats.admissions += 1
-        written = [m for i in sets if batch.results[i].stored is not None
-                   and (m := RedisKeys.member(batch.items[i][0])) not in pinned_now]  # pinned: not in the LRU zset
+        written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
         if written:
             # Round trip 3: another process may have evicted one of these blocks between our
             # index add and our SET, and sent its DEL before our SET landed. Delete what the
             # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
-            scores = client.zmscore(keys.lru, written)
-            gone = [m for m, score in zip(written, scores) if score is None]
+            # The sizes hash counts every block; the LRU zset leaves out pinned ones, and a
+            # block may have been pinned since our add.
+            sizes = client.hmget(keys.sizes, written)
+            gone = [m for m, size in zip(written, sizes) if size is None]
             if gone:
                 self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
         # Victims go with the first frame's result; their frames only if demotion wants them.
@@ -323,7 +336,37 @@ class RedisTier(Tier):
             self._stats.misses += len(out) - len(hits)
             self._stats.bytes_out += sum(f.nbytes for f in hits)
             self._stats.read_seconds += elapsed
+        absent = [key for key, data in zip(keys, datas) if data is None]
+        if absent:
+            self._repair_ghosts(absent)
         return out
+
+    def _repair_ghosts(self, keys: Sequence[bytes]) -> None:
+        """Forget the index entries of blocks a read found without a value (expired, or
+        dropped by Redis under ``maxmemory``), so that they stop holding budget. Only entries
+        idle for ``GHOST_GRACE_SECONDS`` and unpinned go (see the index script). One round
+        trip, more only when one is forgotten; a failure is ignored (a ghost is safe, only
+        wasteful)."""
+        def send(c: Any) -> None:
+            update = SharedIndex.parse(self._index.queue(
+                c, repair=[RedisKeys.member(k) for k in keys], repair_idle_us=round(GHOST_GRACE_SECONDS * 1e6)))
+            self._delete_expired(c, update)
+            if not update.repaired:
+                return
+            # A write stalled past the grace may have landed its SET (and found its block
+            # counted) since our GET: count such a frame again rather than leave it an orphan.
+            found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
+            back = [entry for entry, n in zip(update.repaired, found) if n]
+            if back:
+                again = SharedIndex.parse(self._index.queue(c, add=back))
+                self._delete_expired(c, again)
+                if again.evicted:
+                    self._pipelined(c, "delete", [self.keys_of.frame_of_member(m) for m in again.evicted])
+
+        try:
+            self._run(send)
+        except StorageError:
+            pass
 
     def _decode(self, key: bytes, data: Any, *, drop_corrupt: bool = True) -> BlockFrame | None:
         """Parse and verify a frame read from Redis; a bad one is counted (and deleted)."""
