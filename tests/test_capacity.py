@@ -12,7 +12,9 @@ import httpx
 import pytest
 
 import cacheseek as cs
+from cacheseek.errors import FrameError
 from cacheseek.store import direct_io
+from cacheseek.store import disk as disk_mod
 from cacheseek.store.direct_io import BufferPool, ReadFailed, ReadPool, probe_read_path
 from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
@@ -210,6 +212,59 @@ def test_concurrent_group_commits_of_one_batch_write_each_block_once(tmp_path):
     assert stored == 8 and not any(r.error for results in out for r in results)
     assert tier.stats().admissions == 8
     tier.close()
+
+
+def test_a_read_that_failed_after_an_eviction_spares_the_block_written_again(tmp_path, monkeypatch):
+    (k1, f1), (k2, f2) = _frames(7, 2)
+    tier = DiskTier(tmp_path, 1 << 30, read_depth=1)  # one read thread: the reads run in order
+    try:
+        tier.put_many([(k1, f1), (k2, f2)])
+        gate = threading.Event()
+        real = disk_mod._check_frame
+
+        def check(view, key):
+            if key == k1:
+                gate.wait(10)
+            return real(view, key)
+
+        monkeypatch.setattr(disk_mod, "_check_frame", check)
+        first = tier.stream([k1])  # holds the read thread
+        second = tier.stream([k2])  # looked k2 up; its read waits its turn
+        assert tier.delete(k2)  # (an eviction alike) before that read runs: it finds no file
+        gate.set()
+        assert next(first) is not None
+        tier._reads.submit(tmp_path / "none", None, real).exception(10)  # k2's read has run
+        assert tier.put(k2, f2).stored is not None  # written again, acknowledged as durable
+        assert list(second) == [None]  # the read that raced the delete is a plain miss...
+        got = tier.get(k2)  # ...and takes nothing with it
+        assert got is not None and bytes(got.host) == bytes(f2.host)
+        assert tier._paths(k2)[1].exists()
+        stats = tier.stats()
+        assert stats.corrupt == 0 and stats.blocks == 2
+    finally:
+        tier.close()
+
+
+def test_check_fix_spares_a_block_evicted_and_written_again_while_it_read_it(tmp_path, monkeypatch):
+    (k1, f1), (k2, f2) = _frames(8, 2)
+    tier = DiskTier(tmp_path, 1 << 30)
+    try:
+        tier.put_many([(k1, f1), (k2, f2)])
+        real = disk_mod.parse_frame
+
+        def raced(data, **kw):
+            meta = real(data, **kw)
+            if meta.block_hash == k2 and tier.delete(k2):  # gone under the read, then written again
+                assert tier.put(k2, f2).stored is not None
+                raise FrameError("short read")
+            return meta
+
+        monkeypatch.setattr(disk_mod, "parse_frame", raced)
+        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0}
+        monkeypatch.undo()
+        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0}
+    finally:
+        tier.close()
 
 
 # -- prefetch (embedded) -----------------------------------------------------------------------

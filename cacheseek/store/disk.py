@@ -33,7 +33,9 @@ At start the index is rebuilt from the sidecars alone (no payload is read), temp
 orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
 times (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
-is deleted and counted.
+is deleted and counted. A read that failed because its block was evicted or deleted after
+it was looked up is a plain miss that removes nothing: the block may have been written
+again, and acknowledged, since.
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -552,7 +554,7 @@ class DiskTier(IndexedTier):
                         yield None
                         continue
                     done = next(reads)
-                    frame = self._landed(key, done, leased)
+                    frame = self._landed(key, info, done, leased)
                     if frame is None:
                         misses += 1
                     else:
@@ -567,14 +569,13 @@ class DiskTier(IndexedTier):
                 if hits:  # wall time of the reads, in flight together: what the device gave
                     self._stats.read_seconds += reads.last_landed - reads.started
 
-    def _landed(self, key: bytes, done: ReadDone | ReadFailed, leased: bool) -> BlockFrame | None:
+    def _landed(self, key: bytes, info: BlockInfo, done: ReadDone | ReadFailed, leased: bool
+                ) -> BlockFrame | None:
         """A read's frame, or None (its files dropped and counted when it was corrupt, cut
         short, or its data file gone while its sidecar stayed)."""
         if isinstance(done, ReadFailed):
             with self._lock:
-                if key in self._index:
-                    self._remove_files(key)
-                    self._index.remove(key)
+                if self._drop_if_unchanged(key, info):
                     self._stats.corrupt += 1
                     self._sync_counts()
             return None
@@ -596,6 +597,23 @@ class DiskTier(IndexedTier):
         if done.lease is not None:
             done.lease.release()
         return BlockFrame(done.checked, host=done.view, sealed=True)
+
+    def _drop_if_unchanged(self, key: bytes, info: BlockInfo) -> bool:
+        """Drop ``key``'s files and entry after a failed read, only if the index still holds
+        the entry (``info``, the very object) that was read. Under the lock.
+
+        Any other answer means the block was evicted or deleted since it was looked up, so the
+        failure (often a file not found) says nothing about what is there now: perhaps the
+        block written again and acknowledged, which must not be removed. The same entry, on
+        the other hand, means nothing of this tier touched the files meanwhile (an entry
+        leaves the index with its files, under this lock, and a block in the index is never
+        being written), so the failure is the files' own: damage, or a data file lost while
+        its sidecar stayed."""
+        if self._index.get(key) is not info:
+            return False
+        self._remove_files(key)
+        self._index.remove(key)
+        return True
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -621,15 +639,23 @@ class DiskTier(IndexedTier):
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""
         report = {"ok": 0, "corrupt": 0}
         for key in self.keys():
+            info = self.info(key)
+            if info is None:
+                continue  # evicted or deleted since the listing
             data_path, _ = self._paths(key)
             try:
                 meta = parse_frame(data_path.read_bytes(), verify=True)
                 ok = meta.block_hash == key
             except (OSError, FrameError):
                 ok = False
+            if not ok:
+                with self._lock:
+                    if self._index.get(key) is not info:
+                        continue  # evicted or deleted while it was read: not damage
+                    if fix:
+                        self._drop_if_unchanged(key, info)
+                        self._sync_counts()
             report["ok" if ok else "corrupt"] += 1
-            if not ok and fix:
-                self.delete(key)
         return report
 
 
