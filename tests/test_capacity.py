@@ -12,7 +12,9 @@ import httpx
 import pytest
 
 import cacheseek as cs
+from cacheseek.errors import FrameError
 from cacheseek.store import direct_io
+from cacheseek.store import disk as disk_mod
 from cacheseek.store.direct_io import BufferPool, ReadFailed, ReadPool, probe_read_path
 from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
@@ -210,6 +212,146 @@ def test_concurrent_group_commits_of_one_batch_write_each_block_once(tmp_path):
     assert stored == 8 and not any(r.error for results in out for r in results)
     assert tier.stats().admissions == 8
     tier.close()
+
+
+def _frame_bytes(root: Path) -> int:
+    """Bytes of data files on disk, committed or still temp files."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and ".frame" in p.name)
+
+
+def test_a_batch_larger_than_the_budget_is_committed_in_parts_within_it(tmp_path):
+    items = _frames(6, 5)
+    n = items[0][1].nbytes
+    tier = DiskTier(tmp_path, 2 * n)
+    tier.demote_evicted = True  # as under a tier that takes demotions: victims come with their bytes
+    peak = 0
+    real = DiskTier._write_temp
+
+    def watched(self, final, segments, **kw):
+        nonlocal peak
+        tmp = real(self, final, segments, **kw)
+        peak = max(peak, _frame_bytes(tmp_path))
+        return tmp
+
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(DiskTier, "_write_temp", watched)
+            results = tier.put_many(items)
+        # Every frame was written durably and acknowledged; those that did not fit were
+        # evicted after their commit, with their bytes, for the tier below.
+        assert all(r.stored is not None and r.error is None for r in results)
+        evicted = [(k, f) for r in results for k, f in r.evicted]
+        assert len(evicted) == 3
+        frames = dict(items)
+        assert all(f is not None and bytes(f.host) == bytes(frames[k].host) for k, f in evicted)
+        stats = tier.stats().to_dict()
+        assert stats["used_bytes"] <= 2 * n and stats["blocks"] == 2 and stats["evictions"] == 3
+        assert stats["group_commits"]["frames"] == 5 and stats["group_commits"]["batches"] > 1
+        assert peak <= 2 * n, f"{peak} bytes of frames on disk at once in a {2 * n}-byte budget"
+        assert _frame_bytes(tmp_path) <= 2 * n
+        kept = set(tier.keys())
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 2 * n)  # a restart finds what was kept, whole
+    try:
+        assert set(again.keys()) == kept
+        assert all(got is not None for got in again.get_many(list(kept)))
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("group_commit, writers, frames", [(True, 3, 2), (False, 4, 1)])
+def test_concurrent_writes_that_overshoot_the_budget_together_are_evicted_back_into_it(tmp_path, group_commit,
+                                                                                       writers, frames):
+    # Every writer claims its room before any commits, so none can evict another's frames
+    # (still in flight); the budget must hold once they are all indexed.
+    chains = [_frames(20 + w, frames) for w in range(writers)]
+    n = chains[0][0][1].nbytes
+    tier = DiskTier(tmp_path, 3 * n, group_commit=group_commit)
+    all_claimed = threading.Barrier(writers, timeout=10)
+    waited: set[int] = set()
+    name = "_commit_group" if group_commit else "_write_atomic"
+    real = getattr(DiskTier, name)
+
+    def held_back(self, *args, **kw):
+        if threading.get_ident() not in waited:  # a writer's first commit only
+            waited.add(threading.get_ident())
+            try:
+                all_claimed.wait()
+            except threading.BrokenBarrierError:
+                pass  # a writer committing in parts on its own: nothing overshoots then
+        return real(self, *args, **kw)
+
+    out: list = []
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(DiskTier, name, held_back)
+            threads = [threading.Thread(target=lambda c=c: out.append(tier.put_many(c))) for c in chains]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        results = [r for batch in out for r in batch]
+        assert len(results) == sum(map(len, chains)) and all(r.stored is not None for r in results)
+        stats = tier.stats()
+        assert stats.used_bytes <= 3 * n, f"{stats.blocks} blocks, {stats.used_bytes} bytes in a {3 * n}-byte budget"
+        assert _frame_bytes(tmp_path) == stats.used_bytes
+        assert stats.evictions == sum(len(r.evicted) for r in results) == len(results) - stats.blocks
+    finally:
+        tier.close()
+
+
+def test_a_read_that_failed_after_an_eviction_spares_the_block_written_again(tmp_path, monkeypatch):
+    (k1, f1), (k2, f2) = _frames(7, 2)
+    tier = DiskTier(tmp_path, 1 << 30, read_depth=1)  # one read thread: the reads run in order
+    try:
+        tier.put_many([(k1, f1), (k2, f2)])
+        gate = threading.Event()
+        real = disk_mod._check_frame
+
+        def check(view, key):
+            if key == k1:
+                gate.wait(10)
+            return real(view, key)
+
+        monkeypatch.setattr(disk_mod, "_check_frame", check)
+        first = tier.stream([k1])  # holds the read thread
+        second = tier.stream([k2])  # looked k2 up; its read waits its turn
+        assert tier.delete(k2)  # (an eviction alike) before that read runs: it finds no file
+        gate.set()
+        assert next(first) is not None
+        tier._reads.submit(tmp_path / "none", None, real).exception(10)  # k2's read has run
+        assert tier.put(k2, f2).stored is not None  # written again, acknowledged as durable
+        assert list(second) == [None]  # the read that raced the delete is a plain miss...
+        got = tier.get(k2)  # ...and takes nothing with it
+        assert got is not None and bytes(got.host) == bytes(f2.host)
+        assert tier._paths(k2)[1].exists()
+        stats = tier.stats()
+        assert stats.corrupt == 0 and stats.blocks == 2
+    finally:
+        tier.close()
+
+
+def test_check_fix_spares_a_block_evicted_and_written_again_while_it_read_it(tmp_path, monkeypatch):
+    (k1, f1), (k2, f2) = _frames(8, 2)
+    tier = DiskTier(tmp_path, 1 << 30)
+    try:
+        tier.put_many([(k1, f1), (k2, f2)])
+        real = disk_mod.parse_frame
+
+        def raced(data, **kw):
+            meta = real(data, **kw)
+            if meta.block_hash == k2 and tier.delete(k2):  # gone under the read, then written again
+                assert tier.put(k2, f2).stored is not None
+                raise FrameError("short read")
+            return meta
+
+        monkeypatch.setattr(disk_mod, "parse_frame", raced)
+        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0}
+        monkeypatch.undo()
+        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0}
+    finally:
+        tier.close()
 
 
 # -- prefetch (embedded) -----------------------------------------------------------------------

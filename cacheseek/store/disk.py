@@ -23,6 +23,14 @@ frames costs n data fsyncs, n sidecar fsyncs that overlap, and one directory fsy
 shard instead of n. ``group_commit=False`` commits one frame at a time (a benchmark's
 baseline).
 
+Frames being written cannot be evicted, so a batch larger than the room the tier can free
+is committed in parts: once the frames it has claimed leave no room for the next, those
+are committed (and become evictable) before the rest claim theirs. The bytes on disk stay
+within the budget, and a frame that does not fit is written, acknowledged, then evicted
+(handed to the tier below), as with one frame at a time. Writers in other threads may
+still claim room together that only their commits free: each write, once indexed, evicts
+until the budget holds again.
+
 Reads (``get_many``, ``stream``) run many at a time (``store.direct_io``): whole files,
 O_DIRECT into 4 KiB-aligned buffers where the filesystem enforces it (``read_path`` in the
 stats says which path ran), the checksum computed in the reading thread as each lands.
@@ -33,7 +41,9 @@ At start the index is rebuilt from the sidecars alone (no payload is read), temp
 orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
 times (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
-is deleted and counted.
+is deleted and counted. A read that failed because its block was evicted or deleted after
+it was looked up is a plain miss that removes nothing: the block may have been written
+again, and acknowledged, since.
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -235,6 +245,23 @@ class DiskTier(IndexedTier):
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
         self._sync_counts()
 
+    def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+        """Give up the policy's victim (read first when the tier below takes demotions) into
+        ``evicted``. Under the lock, with something evictable."""
+        victim = self._index.victim()
+        frame_v = self._read_frame(victim) if self.demote_evicted else None
+        self._remove_files(victim)
+        self._index.remove(victim, evicted=True)
+        self._stats.evictions += 1
+        evicted.append((victim, frame_v))
+
+    def _trim(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+        """Evict until the budget holds again. Under the lock, after indexing a write: a
+        claim cannot evict blocks still being written by other threads, so concurrent writes
+        may together overshoot it; the last of them to be indexed evicts the excess."""
+        while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
+            self._evict_one(evicted)
+
     def _evict_over_budget(self) -> None:
         while self._index.used_bytes > self.capacity_bytes:
             victim = self._index.victim()
@@ -284,12 +311,7 @@ class DiskTier(IndexedTier):
             if (pending := self._writing.get(key)) is not None:
                 return self._await(key, pending)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
-                victim = self._index.victim()
-                frame_v = self._read_frame(victim) if self.demote_evicted else None
-                self._remove_files(victim)
-                self._index.remove(victim, evicted=True)
-                self._stats.evictions += 1
-                evicted.append((victim, frame_v))
+                self._evict_one(evicted)
             if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
                 self._stats.write_errors += 1
                 raise self._no_room(n)
@@ -324,6 +346,7 @@ class DiskTier(IndexedTier):
             self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
             self._stats.bytes_in += n
             self._stats.admissions += 1
+            self._trim(evicted)
             self._sync_counts()
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
@@ -335,12 +358,20 @@ class DiskTier(IndexedTier):
             return super().put_many(items)
         results: list[TierPutResult | None] = [None] * len(items)
         group: list[_Pending] = []
+        held = 0  # bytes of ``group``, claimed but not yet committed
         waits: list[tuple[int, bytes, _InFlight]] = []
         for i, (key, frame) in enumerate(items):
+            evicted: list[tuple[bytes, BlockFrame | None]] = []
             try:
-                claimed = self._claim(key, frame)
+                claimed = self._claim(key, frame, evicted, held=held)
+                if claimed is None:
+                    # Frames in flight cannot be evicted: what this batch holds must be
+                    # committed (and so become evictable) before the rest can have room.
+                    self._commit_part(group, results)
+                    group, held = [], 0
+                    claimed = self._claim(key, frame, evicted)
             except StorageError as exc:
-                results[i] = TierPutResult(stored=None, error=exc)
+                results[i] = TierPutResult(stored=None, evicted=evicted, error=exc)
                 continue
             if isinstance(claimed, TierPutResult):
                 results[i] = claimed
@@ -349,11 +380,8 @@ class DiskTier(IndexedTier):
             else:
                 claimed.index = i
                 group.append(claimed)
-        if group:
-            self._commit_group(group)
-        for p in group:
-            results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
-                TierPutResult(stored=None, evicted=p.evicted, error=p.error)
+                held += claimed.frame.meta.nbytes
+        self._commit_part(group, results)
         for i, key, pending in waits:
             try:
                 results[i] = self._await(key, pending)
@@ -361,16 +389,26 @@ class DiskTier(IndexedTier):
                 results[i] = TierPutResult(stored=None, error=exc)
         return results  # type: ignore[return-value]
 
-    def _claim(self, key: bytes, frame: BlockFrame) -> _Pending | _InFlight | TierPutResult:
-        """Make room for one frame of a group and mark its write in flight: a ``_Pending`` to
-        write, the ``_InFlight`` write of it to wait for, or the answer already (present)."""
+    def _commit_part(self, group: list[_Pending], results: list[TierPutResult | None]) -> None:
+        """Commit ``group`` (a batch, or the part of one claimed so far) and answer for it."""
+        if group:
+            self._commit_group(group)
+        for p in group:
+            results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
+                TierPutResult(stored=None, evicted=p.evicted, error=p.error)
+
+    def _claim(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]], *,
+               held: int = 0) -> _Pending | _InFlight | TierPutResult | None:
+        """Make room for one frame of a group (victims into ``evicted``) and mark its write in
+        flight: a ``_Pending`` to write, the ``_InFlight`` write of it to wait for, or the
+        answer already (present). None: still no room, and the caller's own frames not yet
+        committed (``held`` bytes) are in the way."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
         n = meta.nbytes
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
-        evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
             if key in self._index:
                 self._index.touch([key])
@@ -378,15 +416,12 @@ class DiskTier(IndexedTier):
             if (pending := self._writing.get(key)) is not None:
                 return pending
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
-                victim = self._index.victim()
-                frame_v = self._read_frame(victim) if self.demote_evicted else None
-                self._remove_files(victim)
-                self._index.remove(victim, evicted=True)
-                self._stats.evictions += 1
-                evicted.append((victim, frame_v))
+                self._evict_one(evicted)
             if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
                 self._stats.write_errors += 1
                 raise self._no_room(n)
+            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
+                return None
             mine = self._writing[key] = _InFlight()
             self._reserved += n
         data_path, side_path = self._paths(key)
@@ -485,6 +520,9 @@ class DiskTier(IndexedTier):
                 self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1
                 committed += 1
+                last = p
+            if committed:
+                self._trim(last.evicted)
             self._group["batches"] += 1
             self._group["frames"] += committed
             self._sync_counts()
@@ -552,7 +590,7 @@ class DiskTier(IndexedTier):
                         yield None
                         continue
                     done = next(reads)
-                    frame = self._landed(key, done, leased)
+                    frame = self._landed(key, info, done, leased)
                     if frame is None:
                         misses += 1
                     else:
@@ -567,14 +605,13 @@ class DiskTier(IndexedTier):
                 if hits:  # wall time of the reads, in flight together: what the device gave
                     self._stats.read_seconds += reads.last_landed - reads.started
 
-    def _landed(self, key: bytes, done: ReadDone | ReadFailed, leased: bool) -> BlockFrame | None:
+    def _landed(self, key: bytes, info: BlockInfo, done: ReadDone | ReadFailed, leased: bool
+                ) -> BlockFrame | None:
         """A read's frame, or None (its files dropped and counted when it was corrupt, cut
         short, or its data file gone while its sidecar stayed)."""
         if isinstance(done, ReadFailed):
             with self._lock:
-                if key in self._index:
-                    self._remove_files(key)
-                    self._index.remove(key)
+                if self._drop_if_unchanged(key, info):
                     self._stats.corrupt += 1
                     self._sync_counts()
             return None
@@ -596,6 +633,23 @@ class DiskTier(IndexedTier):
         if done.lease is not None:
             done.lease.release()
         return BlockFrame(done.checked, host=done.view, sealed=True)
+
+    def _drop_if_unchanged(self, key: bytes, info: BlockInfo) -> bool:
+        """Drop ``key``'s files and entry after a failed read, only if the index still holds
+        the entry (``info``, the very object) that was read. Under the lock.
+
+        Any other answer means the block was evicted or deleted since it was looked up, so the
+        failure (often a file not found) says nothing about what is there now: perhaps the
+        block written again and acknowledged, which must not be removed. The same entry, on
+        the other hand, means nothing of this tier touched the files meanwhile (an entry
+        leaves the index with its files, under this lock, and a block in the index is never
+        being written), so the failure is the files' own: damage, or a data file lost while
+        its sidecar stayed."""
+        if self._index.get(key) is not info:
+            return False
+        self._remove_files(key)
+        self._index.remove(key)
+        return True
 
     def delete(self, key: bytes) -> bool:
         with self._lock:
@@ -621,15 +675,23 @@ class DiskTier(IndexedTier):
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""
         report = {"ok": 0, "corrupt": 0}
         for key in self.keys():
+            info = self.info(key)
+            if info is None:
+                continue  # evicted or deleted since the listing
             data_path, _ = self._paths(key)
             try:
                 meta = parse_frame(data_path.read_bytes(), verify=True)
                 ok = meta.block_hash == key
             except (OSError, FrameError):
                 ok = False
+            if not ok:
+                with self._lock:
+                    if self._index.get(key) is not info:
+                        continue  # evicted or deleted while it was read: not damage
+                    if fix:
+                        self._drop_if_unchanged(key, info)
+                        self._sync_counts()
             report["ok" if ok else "corrupt"] += 1
-            if not ok and fix:
-                self.delete(key)
         return report
 
 
