@@ -184,6 +184,17 @@ def test_codec_from_spec_roundtrips_and_is_strict():
         codec_from_spec({"name": "zstd"})
     with pytest.raises(ConfigError, match="version"):
         codec_from_spec({**cs.KIVI().spec(), "version": 2})
+    # Values equal to a valid one but of another type (4.0 == 4, True == 1) would rebuild a
+    # codec whose spec, so its key, differs from the one that wrote the frame.
+    kivi, policy = cs.KIVI(bits=4).spec(), cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=4)).spec()
+    for bad in ({**kivi, "k_bits": 4.0}, {**kivi, "v_group": 32.0}, {**kivi, "version": True},
+                {**kivi, "stats_dtype": "torch.float16"}, {**kivi, "v_clip": 2.0}, {**kivi, b"junk": 1},
+                {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0}):
+        with pytest.raises(ConfigError):
+            codec_from_spec(bad)
+    for bad_args in ({"bits": 4.0}, {"group_size": 32.0}, {"v_clip": True}):
+        with pytest.raises(ConfigError):
+            cs.KIVI(**bad_args)
 
 
 def test_fp32_stats_hold_ranges_beyond_fp16():

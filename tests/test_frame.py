@@ -117,7 +117,9 @@ def _good_header():
         (lambda h: h.update(hash=b"short"), "hash"),
         (lambda h: h.update(layout={"num_layers": -1, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}), "layout"),
         (lambda h: h.update(extra=1), "header keys"),
-        (lambda h: h.update(payload_nbytes=1 << 61), "truncated"),
+        (lambda h: h.update(payload_nbytes=1 << 61), "not where the last tensor ends"),
+        (lambda h: h.update(payload_nbytes=h["payload_nbytes"] + 64), "not where the last tensor ends"),
+        (lambda h: h["tensors"][1].update(offset=h["tensors"][1]["offset"] + 64), "leaving a gap"),
         (lambda h: h.update(pos=-1), "pos"),
     ],
 )
@@ -149,6 +151,14 @@ def test_entries_must_match_the_codec_for_the_layout():
     with pytest.raises(FrameError, match="do not match codec"):
         check_codec_layout(meta)
     header["codec"] = {"name": "zstd"}
+    with pytest.raises(FrameError, match="codec"):
+        check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+    # K grouped along tokens: a block that is not whole groups (the template would size it)
+    header["codec"] = cs.KIVI(bits=4, group_size=128).spec()
+    with pytest.raises(FrameError, match="cannot encode this layout and block size"):
+        check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+    # msgpack map keys may be bytes as well as str: a FrameError too, not a TypeError
+    header["codec"] = {**cs.KIVI(bits=4, group_size=32).spec(), b"junk": 1}
     with pytest.raises(FrameError, match="codec"):
         check_codec_layout(parse_frame(_forge(header, payload), verify=False))
 

@@ -35,8 +35,10 @@ def _check_flag(name: str, value: Any) -> bool:
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> Any:
-    if isinstance(value, bool) or value not in choices:
-        raise ConfigError(f"{name}: must be one of {list(choices)}, got {value!r}")
+    # Of the choices' own type: 4.0 == 4 (and True == 1), but a float would reach the spec,
+    # so the same settings would get another fingerprint (another key) and float shapes.
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ConfigError(f"{name}: must be one of {list(choices)}, got {value!r:.40}")
     return value
 
 
@@ -125,10 +127,14 @@ class KIVI:
     def from_spec(cls, spec: dict[str, Any]) -> KIVI:
         if not _SPEC_KEYS <= set(spec) <= _SPEC_KEYS | {_CLIP_KEY, _ROTATE_KEY}:
             raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)} (and {_CLIP_KEY!r}, "
-                              f"{_ROTATE_KEY!r} when on), got {sorted(spec)}")
-        if spec["version"] != VERSION:
+                              f"{_ROTATE_KEY!r} when on), got {sorted(map(repr, spec))}")
+        if type(spec["version"]) is not int or spec["version"] != VERSION:
             raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
-        if _CLIP_KEY in spec and (isinstance(spec[_CLIP_KEY], bool) or spec[_CLIP_KEY] not in CLIP_STEPS[1:]):
+        if type(spec["stats_dtype"]) is not str or spec["stats_dtype"] not in STATS_DTYPES:
+            # (the constructor also takes a torch dtype, "torch.float16"; a spec holds the name only)
+            raise ConfigError(f"kivi spec: stats_dtype must be one of {list(STATS_DTYPES)}, "
+                              f"got {spec['stats_dtype']!r:.40}")
+        if _CLIP_KEY in spec and (type(spec[_CLIP_KEY]) is not int or spec[_CLIP_KEY] not in CLIP_STEPS[1:]):
             raise ConfigError(f"kivi spec: {_CLIP_KEY} must be one of {list(CLIP_STEPS[1:])} "
                               f"(left out when off), got {spec[_CLIP_KEY]!r}")
         if _ROTATE_KEY in spec and spec[_ROTATE_KEY] is not True:
@@ -343,10 +349,16 @@ class KIVI:
             flags = [all(row) for row in flags]
         if not all(flags):
             bad = "k" if not all(flags[:2]) else "v"
-            raise InputError(
-                f"{bad}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
-                f"(use stats_dtype='float32' for values beyond 65504); input rejected"
-            )
+            if self.stats_dtype != "float32":
+                hint = "use stats_dtype='float32' for values beyond 65504"
+            elif bad == "v" and self.v_rotate:
+                # The rotated rows are rounded to V's own dtype: an fp16 row aligned with the
+                # rotation's signs grows by up to sqrt(head_dim) and can pass 65504.
+                hint = "with v_rotate, fp16 V rows grow by up to sqrt(head_dim) when rotated"
+            else:
+                hint = "the stats are float32 already"
+            raise InputError(f"{bad}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
+                             f"({hint}); input rejected")
 
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         """Move the compact buffers to ``device``, then dequantize there."""

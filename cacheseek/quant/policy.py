@@ -71,8 +71,8 @@ class PrecisionPolicy:
         if not isinstance(spec, dict) or set(spec) != _SPEC_KEYS or spec.get("name") != NAME:
             raise ConfigError(f"policy spec: expected keys {sorted(_SPEC_KEYS)} and name {NAME!r}, "
                               f"got {spec!r:.200}")
-        if spec["version"] != VERSION:
-            raise ConfigError(f"policy spec: unsupported version {spec['version']!r}")
+        if type(spec["version"]) is not int or spec["version"] != VERSION:
+            raise ConfigError(f"policy spec: unsupported version {spec['version']!r:.40}")
         return cls(first=codec_from_spec(spec["first"]), first_blocks=spec["first_blocks"],
                    rest=codec_from_spec(spec["rest"]))
 

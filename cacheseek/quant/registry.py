@@ -19,8 +19,8 @@ CODECS: dict[str, Callable[[dict[str, Any]], KVLayerCodec]] = {"kivi": KIVI.from
 
 def codec_from_spec(spec: Any) -> KVLayerCodec:
     """Rebuild a codec from ``codec.spec()`` (as stored in frame headers and configs)."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ConfigError(f"codec spec: expected a dict with a 'name', got {spec!r:.200}")
+    if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec) or not isinstance(spec.get("name"), str):
+        raise ConfigError(f"codec spec: expected a dict of str keys with a 'name', got {spec!r:.200}")
     make = CODECS.get(spec["name"])
     if make is None:
         raise ConfigError(f"codec spec: unknown codec {spec['name']!r}; known: {sorted(CODECS)}")

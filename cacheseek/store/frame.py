@@ -341,10 +341,14 @@ def _parse_header(data: Any) -> FrameMeta:
         offset = _int(e["offset"], what + ".offset")
         nbytes = _int(e["nbytes"], what + ".nbytes")
         _expect(nbytes == BUFFER_DTYPES[dtype] * math.prod(shape), "{}: nbytes disagrees with shape", what)
-        _expect(offset % ALIGN == 0 and offset >= end, "{}: offset unaligned or overlapping", what)
+        # Exactly where plan_frame lays it (the next aligned offset): a gap would be payload
+        # bytes no tensor names, which a decoder sizing rows from another frame overruns.
+        _expect(offset == (_align(end) if i else 0), "{}: offset {} unaligned, overlapping or leaving a gap "
+                "(expected {})", what, offset, _align(end) if i else 0)
         end = offset + nbytes
         _expect(end <= payload_nbytes, "{}: runs past the payload", what)
         entries.append(TensorEntry(name, dtype, shape, offset, nbytes))
+    _expect(payload_nbytes == end, "payload_nbytes {} is not where the last tensor ends ({})", payload_nbytes, end)
     return FrameMeta(
         block_hash=h["hash"], parent_hash=h["parent"],
         position=_int(h["pos"], "pos"), layout=layout,
@@ -383,9 +387,14 @@ def check_codec_layout(meta: FrameMeta) -> None:
 def _check_codec_layout(meta: FrameMeta) -> None:
     try:
         codec = codec_from_spec(meta.codec)
-    except ConfigError as exc:
+    except (ConfigError, TypeError, ValueError) as exc:  # (a spec from outside: any of its values may be odd)
         raise FrameError(f"codec: {exc}") from None
     lay = meta.layout
+    try:
+        # (the geometry first: a template sizes a ragged K group too, which no frame holds)
+        codec.check_layout(lay, meta.block_tokens)
+    except ConfigError as exc:
+        raise FrameError(f"codec {meta.codec.get('name')!r:.20} cannot encode this layout and block size: {exc}") from None
     try:
         template = codec.template((lay.num_layers, lay.num_kv_heads, meta.block_tokens, lay.head_dim), lay.dtype)
         want = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
