@@ -163,6 +163,20 @@ def _decode(codes, s, m):
 
 
 @triton.jit
+def _within(x, out_ty: tl.constexpr):
+    """fp32 ``x`` clamped to the largest finite value of ``out_ty`` (fp16, bf16), as the torch
+    reference does: a group holding the dtype's max may store a scale rounded up, and
+    code * s + m then passes the max by a fraction, which the cast would make Inf. NaN
+    stays NaN (the compares are false), as under torch.clamp."""
+    if out_ty == tl.float16:
+        x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
+    elif out_ty == tl.bfloat16:
+        x = tl.where(x > 3.3895313892515355e38, 3.3895313892515355e38,
+                     tl.where(x < -3.3895313892515355e38, -3.3895313892515355e38, x))
+    return x
+
+
+@triton.jit
 def _clip_error(x, s_st, m_st, ok, QMAX: tl.constexpr, FP16_STATS: tl.constexpr, MASKED: tl.constexpr):
     """Per group of V's tile ``x`` [BLOCK_T, NGP, GP] (fp32): sum of float64(decode(codes)
     - x)^2 over the real lanes, for stored stats ``s_st``, ``m_st`` [BLOCK_T, NGP]."""
@@ -383,7 +397,7 @@ def _dequantize_k_kernel(
         else:
             o_ptrs = o_row + tok * so_t + d[None, :]
         for j in tl.static_range(PER):
-            x = _decode((words >> (j * BITS)) & QMAX, s_b, m_b)
+            x = _within(_decode((words >> (j * BITS)) & QMAX, s_b, m_b), o_ptr.dtype.element_ty)
             if SOFT_BF16:
                 x = _round_to_bf16(x)
             x = x.to(o_ptr.dtype.element_ty)
@@ -548,7 +562,7 @@ def _dequantize_v_kernel(
         m = tl.load(m_ptrs).to(tl.float32)
     codes = (words[:, :, :, None] >> (tl.arange(0, PER) * BITS)[None, None, None, :]) & QMAX
     codes = tl.reshape(codes, (BLOCK_T, NGP, GP))
-    x = _decode(codes, s[:, :, None], m[:, :, None])
+    x = _within(_decode(codes, s[:, :, None], m[:, :, None]), o_ptr.dtype.element_ty)
     if SOFT_BF16:
         x = _round_to_bf16(x)
     x = x.to(o_ptr.dtype.element_ty)

@@ -197,6 +197,32 @@ def test_codec_from_spec_roundtrips_and_is_strict():
             cs.KIVI(**bad_args)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_dtypes_max_decodes_finite_and_alike_on_both_backends(monkeypatch, bits):
+    """A group holding fp16's max (65504) is finite, so accepted; its fp16 scale may be
+    rounded up, and code * s + m then passes the max: clamped to it, never decoded to Inf."""
+    from cacheseek.quant.backend import BACKEND_ENV
+
+    top = torch.finfo(torch.float16).max
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: the kernels interpreted)
+    k = torch.zeros(1, 32, 32, dtype=torch.float16, device=device)
+    k[0, 0, :] = top  # one token at the max in every K group
+    v = torch.zeros(1, 32, 32, dtype=torch.float16, device=device)
+    v[0, :, 0] = -top  # one channel at minus the max in every V group
+    decoded = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(BACKEND_ENV, backend)
+        codec = cs.KIVI(bits=bits)
+        enc = codec.encode(k, v)
+        k_hat, v_hat = (t.cpu() for t in codec.decode(enc, device))
+        assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all(), backend
+        bound = error_bound(k.cpu(), enc.k.scale.cpu(), enc.k.offset.cpu(), bits=bits, group=32, axis=-2,
+                            out_dtype=k.dtype)
+        assert ((k.cpu().double() - k_hat.double()).abs() <= bound).all(), backend
+        decoded[backend] = (k_hat, v_hat)
+    assert all(torch.equal(a, b) for a, b in zip(decoded["torch"], decoded["triton"]))
+
+
 def test_fp32_stats_hold_ranges_beyond_fp16():
     k = torch.randn(1, 64, 64) * 1e6
     with pytest.raises(InputError, match="stats"):

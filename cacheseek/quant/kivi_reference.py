@@ -130,7 +130,13 @@ def dequantize(
     codes = _unpack_last(q.movedim(axis, -1), bits).float()
     s = scale.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
     m = mn.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
-    x = (codes * s + m).to(dtype).movedim(-1, axis)
+    x = codes * s + m
+    if dtype in (torch.float16, torch.bfloat16):
+        # A group holding the dtype's max may store a scale rounded up (fp16 stats), and
+        # code * s + m then passes the max by a fraction: clamped, not cast to Inf.
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    x = x.to(dtype).movedim(-1, axis)
     if out is None:
         return x.contiguous()
     out.copy_(x)
