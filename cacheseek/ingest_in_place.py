@@ -162,7 +162,6 @@ class InPlaceIngest:
                                        last=i == len(batches) - 1)
             except _NoRoom:
                 pass  # the blocks not launched are left to the caller
-            self._check_launched()
             while self.pending:
                 self.commit_oldest(last=len(self.pending) == 1 and len(self.pending[0].pieces) == 1)
         except BaseException as exc:
@@ -261,7 +260,8 @@ class InPlaceIngest:
         call's last piece; if it was copied frame by frame (``_Run.exact_last``) and nothing
         below the top tier reads the bytes at commit, it is published while still in flight,
         as a put of device frames is: its readers wait for the copy (``CopyLanding``), and
-        the call returns without waiting for it."""
+        the call returns without waiting for it. Every run launched is checked first."""
+        self._check_launched()
         run = self.pending[0]
         a, b, landed = run.pieces[0]
         landing = None
@@ -269,15 +269,8 @@ class InPlaceIngest:
         # be reused while a copy may still write into it.)
         if last and run.exact_last and run.skip is None and landed is not None and not self.store.write_through:
             landing = CopyLanding(landed)
-            if not run.checked:
-                run.encoded.synchronize()  # the flags, written by the encode
         elif landed is not None:
             landed.synchronize()
-        if not run.checked:
-            run.codec.check_finite(run.flags)
-            run.checked = True
-            if landed is not None:  # pinned flags, written by kernels that have run: reusable
-                give_back_flags(run.flags)
         run.pieces.pop(0)
         if not run.pieces:
             self.pending.popleft()
@@ -319,7 +312,6 @@ class InPlaceIngest:
             if got is not None:
                 return got
             if self.pending:
-                self._check_launched()
                 self.commit_oldest()  # frees reservation room (and evicts, at commit)
             elif count > 1:
                 count = (count + 1) // 2

@@ -6,7 +6,6 @@ Only embedded mode comes here; the server's tiers never import torch.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import torch

@@ -211,7 +211,7 @@ class TieredStore:
             for source in sources:  # this tier reads their host copies
                 failed = source.settle()
                 if failed:
-                    items = self._without_failed(items, failed, source, source is self.tiers[0])
+                    items = self._without_failed(items, failed, source)
             sources = []
             use_filter = self.filters.get(tier.name)
             chosen = list(range(len(items))) if use_filter is None else self._admitted(use_filter, items)
@@ -228,12 +228,12 @@ class TieredStore:
                 items[i] = (key, _host_copy(result.stored, frame), outcome)
             sources = [tier]
 
-    @staticmethod
-    def _without_failed(items: list[tuple[bytes, BlockFrame, StorePutResult]], failed: set[bytes], tier: Tier,
-                        first: bool) -> list[tuple[bytes, BlockFrame, StorePutResult]]:
+    def _without_failed(self, items: list[tuple[bytes, BlockFrame, StorePutResult]], failed: set[bytes],
+                        tier: Tier) -> list[tuple[bytes, BlockFrame, StorePutResult]]:
         """``items`` less those whose copies into ``tier`` failed (``settle``): nothing below
-        may write them from those bytes. ``first``: ``tier`` is the top one, so its
-        acknowledgement was the only one the outcome had; it is withdrawn."""
+        may write them from those bytes. A top tier's acknowledgement was the only one the
+        outcome had: it is withdrawn."""
+        first = tier is self.tiers[0]
         kept = []
         for key, frame, outcome in items:
             if key not in failed:
