@@ -81,6 +81,13 @@ def _minmax_operands(x, ok, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _plus_zero(x):
+    """Zero's sign made canonical (+0), as the reference does: which of -0.0 and +0.0 a
+    min/max reduction returns depends on its order, and the stored bytes must not."""
+    return tl.where(x == 0.0, 0.0, x)
+
+
+@triton.jit
 def _scale(mn, mx, QMAX: tl.constexpr, FP16_STATS: tl.constexpr):
     """scale = (mx - mn) / (2^bits - 1), IEEE-rounded like torch's division.
 
@@ -300,8 +307,8 @@ def _quantize_k_kernel(
             l, h = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
             lo = tl.minimum(lo, l)
             hi = tl.maximum(hi, h)
-        mn = tl.min(lo, axis=0).to(tl.float32)  # [BLOCK_D]
-        scale = _scale(mn, tl.max(hi, axis=0).to(tl.float32), QMAX, FP16_STATS)
+        mn = _plus_zero(tl.min(lo, axis=0).to(tl.float32))  # [BLOCK_D]
+        scale = _scale(mn, _plus_zero(tl.max(hi, axis=0).to(tl.float32)), QMAX, FP16_STATS)
         s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
         m_st = mn.to(m_ptr.dtype.element_ty)
         if CHECK:
@@ -465,8 +472,8 @@ def _quantize_v_kernel(
         x = tl.load(x_ptrs, eviction_policy=X_EVICT)
 
     lo, hi = _minmax_operands(x, ok, MASKED)
-    mn = tl.min(lo, axis=2).to(tl.float32)  # [BLOCK_T, NGP]
-    mx = tl.max(hi, axis=2).to(tl.float32)
+    mn = _plus_zero(tl.min(lo, axis=2).to(tl.float32))  # [BLOCK_T, NGP]
+    mx = _plus_zero(tl.max(hi, axis=2).to(tl.float32))
     scale = _scale(mn, mx, QMAX, FP16_STATS)
     s_st = scale.to(s_ptr.dtype.element_ty)  # the codes are computed from these stored values
     m_st = mn.to(m_ptr.dtype.element_ty)

@@ -50,6 +50,12 @@ def _unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*words.shape[:-1], words.shape[-1] * per_word)
 
 
+def _plus_zero(t: torch.Tensor) -> torch.Tensor:
+    """Zero's sign made canonical (+0), as the kernels do: which of -0.0 and +0.0 a min/max
+    reduction returns depends on its order, and the stored bytes must not."""
+    return torch.where(t == 0, torch.zeros_like(t), t)
+
+
 def _codes_for(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: int, stats_dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes, stored scale, stored min) of groups ``g`` [..., n, G] over ranges [lo, hi]."""
@@ -83,8 +89,8 @@ def quantize(
         # Replicating the last element leaves the ragged group's min and max unchanged.
         xt = torch.cat([xt, xt[..., -1:].expand(*lead, pad)], dim=-1)
     g = xt.reshape(*lead, ngroups, group)
-    mn = g.amin(-1)
-    mx = g.amax(-1)
+    mn = _plus_zero(g.amin(-1))
+    mx = _plus_zero(g.amax(-1))
     qmax = (1 << bits) - 1
     codes, scale_s, mn_s = _codes_for(g, mn, mx, qmax, stats_dtype)
     if clip:
