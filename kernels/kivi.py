@@ -83,8 +83,9 @@ def _minmax_operands(x, ok, MASKED: tl.constexpr):
 @triton.jit
 def _plus_zero(x):
     """Zero's sign made canonical (+0), as the reference does: which of -0.0 and +0.0 a
-    min/max reduction returns depends on its order, and the stored bytes must not."""
-    return tl.where(x == 0.0, 0.0, x)
+    min/max reduction returns depends on its order, and the stored bytes must not.
+    (-0 + +0 is +0 under round-to-nearest; +0 is not an additive identity, so nothing folds it.)"""
+    return x + 0.0
 
 
 @triton.jit
@@ -171,15 +172,15 @@ def _decode(codes, s, m):
 
 @triton.jit
 def _within(x, out_ty: tl.constexpr):
-    """fp32 ``x`` clamped to the largest finite value of ``out_ty`` (fp16, bf16), as the torch
+    """fp32 ``x`` capped at the largest finite value of ``out_ty`` (fp16, bf16), as the torch
     reference does: a group holding the dtype's max may store a scale rounded up, and
-    code * s + m then passes the max by a fraction, which the cast would make Inf. NaN
-    stays NaN (the compares are false), as under torch.clamp."""
+    code * s + m then passes the max by a fraction, which the cast would make Inf. Only the
+    top: code * s >= 0, so x >= m, the group's stored min, which is finite. NaN stays NaN,
+    as under torch.clamp (one min.NaN instruction, not a compare and a select)."""
     if out_ty == tl.float16:
-        x = tl.where(x > 65504.0, 65504.0, tl.where(x < -65504.0, -65504.0, x))
+        x = tl.minimum(x, 65504.0, propagate_nan=tl.PropagateNan.ALL)
     elif out_ty == tl.bfloat16:
-        x = tl.where(x > 3.3895313892515355e38, 3.3895313892515355e38,
-                     tl.where(x < -3.3895313892515355e38, -3.3895313892515355e38, x))
+        x = tl.minimum(x, 3.3895313892515355e38, propagate_nan=tl.PropagateNan.ALL)
     return x
 
 

@@ -157,6 +157,15 @@ for s in "$@"; do
                    step before-fresh-$r 120 /tmp/base.sh python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/before-fresh-$r"
                    step after-fresh-$r 120 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/after-fresh-$r"
                  done ;;
+    # The kernels benchmark under the package in .base and under this tree, alternating (a kernel
+    # change's cost measured against its own machine's noise).
+    kernels-ab)  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
+                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
+                   step before-kernels-$r 120 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels-$r"
+                   step after-kernels-$r 120 python3 -m benchmarks.kernels --out "$OUT/after-kernels-$r"
+                 done ;;
     # A mixed chain vs its uniform codec (64 blocks, GPU and CPU tiers) under the package in .base
     # and under this tree, alternating; both run this tree's benchmark (interleaved calls).
     mixed-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"

@@ -139,9 +139,9 @@ def dequantize(
     x = codes * s + m
     if dtype in (torch.float16, torch.bfloat16):
         # A group holding the dtype's max may store a scale rounded up (fp16 stats), and
-        # code * s + m then passes the max by a fraction: clamped, not cast to Inf.
-        top = torch.finfo(dtype).max
-        x = x.clamp(-top, top)
+        # code * s + m then passes the max by a fraction: capped, not cast to Inf. Only the
+        # top: code * s >= 0, so x >= m, the group's stored min, which is finite.
+        x = x.clamp(max=torch.finfo(dtype).max)
     x = x.to(dtype).movedim(-1, axis)
     if out is None:
         return x.contiguous()
