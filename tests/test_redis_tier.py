@@ -393,7 +393,7 @@ def test_redis_refusing_writes_is_counted_without_opening_the_breaker(redis_url,
 
 
 class _HookedClient(CountingClient):
-    """Runs ``after(n)`` once the n-th round trip sent through a pipeline is answered."""
+    """Runs ``after(n)`` once the n-th round trip (a pipeline or a direct call) is answered."""
 
     def __init__(self, inner, after):
         super().__init__(inner)
@@ -401,6 +401,18 @@ class _HookedClient(CountingClient):
 
     def pipeline(self, *args, **kwargs):
         return _HookedPipeline(self, self.inner.pipeline(*args, **kwargs))
+
+    def __getattr__(self, name):
+        attr = super().__getattr__(name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            reply = attr(*args, **kwargs)
+            self.after(self.round_trips)
+            return reply
+
+        return call
 
 
 class _HookedPipeline(_CountingPipeline):
@@ -461,6 +473,47 @@ def test_a_write_of_a_stored_block_restarts_its_expiry_unless_pinned(redis_url):
         assert int(c.pttl(tier.keys_of.frame(pinned))) == -1
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("stored_before", [False, True], ids=["new", "present"])
+def test_a_pin_made_during_a_put_with_a_ttl_leaves_the_frame_without_expiry(redis_url, stored_before):
+    # The other process pins the block after this put looked at the index (round trip 1),
+    # before its SET with PX (new block) or its PEXPIRE (stored block) lands.
+    writer, other = RedisTier(redis_url, 64 << 20, ttl_seconds=60), RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(48 + stored_before)
+    c = writer._connection()
+    try:
+        if stored_before:
+            writer.put(key, frame)
+        writer._client = _HookedClient(writer._connection(), lambda n: n == 1 and other.pin([key]))
+        writer.put(key, _frame(48 + stored_before)[1])
+        assert int(c.pttl(writer.keys_of.frame(key))) == -1  # pinned: it must not expire
+        assert other.get(key) is not None and other.stats().pinned_blocks == 1
+        other.unpin([key])
+        assert int(c.pttl(writer.keys_of.frame(key))) > 50_000  # unpinned: it expires again
+    finally:
+        writer.close()
+        other.close()
+
+
+def test_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(redis_url):
+    mine, other = RedisTier(redis_url, 64 << 20, ttl_seconds=60), RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(50)
+    c = mine._connection()
+    try:
+        mine.put(key, frame)
+        other.pin([key])  # this process has not seen that pin yet
+        mine.touch([key])
+        assert int(c.pttl(mine.keys_of.frame(key))) == -1
+        # and an unpin here, while the other process pins again, leaves the pin's frame alone
+        mine.pin([key])
+        mine._client = _HookedClient(mine._connection(), lambda n: n == 1 and other.pin([key]))
+        mine.unpin([key])  # the index's unpin, then the other's pin, then this PEXPIRE
+        assert other.stats().pinned_blocks == 1
+        assert int(c.pttl(mine.keys_of.frame(key))) == -1
+    finally:
+        mine.close()
+        other.close()
 
 
 def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):

@@ -10,8 +10,9 @@ Storage (key names in ``redis_keys``):
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
 redis-py in a cluster); a batch put is three (EXISTS + index script; the SETs and the
 victims' DELs; a check that the index still counts what was written); a touch is one
-(index script, plus ``PEXPIRE`` when a TTL is set); a read is one pipelined ``GET``, plus
-an index call when a key is missing (to forget a ghost).
+(index script), two with a TTL (its ``PEXPIRE``s with the script, then a look at the pinned
+set: a pin another process made meanwhile must not be left to expire); a read is one
+pipelined ``GET``, plus an index call when a key is missing (to forget a ghost).
 
 Faults: every redis-py error is caught here. A read that fails is a miss, a write that
 fails raises ``StorageError`` (one result per frame in ``put_many``) and is counted as a
@@ -236,6 +237,7 @@ class RedisTier(Tier):
         sets: list[int] = []
         sent: set[str] = set()
         refresh: list[str] = []  # present, unpinned: a write restarts their expiry
+        refresh_set: list[str] = []  # written with an expiry (unpinned when the index was asked)
         for i, member, present, status in zip(batch.todo, members, exists, update.added):
             key, frame = batch.items[i]
             result = batch.results[i]
@@ -262,6 +264,8 @@ class RedisTier(Tier):
                 pipe.set(keys.frame(key), value, px=None if status in (2, 3) else self._ttl_ms)
                 sets.append(i)
                 sent.add(member)
+                if self._ttl_ms is not None and status not in (2, 3):
+                    refresh_set.append(member)
         own = set(members)
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
         n_get = len(victims) if self.demote_evicted else 0
@@ -289,16 +293,25 @@ class RedisTier(Tier):
                     self._stats.bytes_in += frame.nbytes
                     self._stats.admissions += 1
         written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
-        if written:
+        landed = set(written)
+        expiring = [m for m in refresh_set if m in landed] + refresh
+        if written or expiring:
             # Round trip 3: another process may have evicted one of these blocks between our
             # index add and our SET, and sent its DEL before our SET landed. Delete what the
             # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
             # The sizes hash counts every block; the LRU zset leaves out pinned ones, and a
-            # block may have been pinned since our add.
-            sizes = client.hmget(keys.sizes, written)
-            gone = [m for m, size in zip(written, sizes) if size is None]
+            # block may have been pinned since our add: its frame's expiry is taken off again.
+            pipe = client.pipeline(transaction=False)  # (one slot: the index's)
+            if written:
+                pipe.hmget(keys.sizes, written)
+            if expiring:
+                pipe.smismember(keys.pinned, expiring)
+            replies = pipe.execute()
+            gone = [m for m, size in zip(written, replies[0]) if size is None] if written else []
             if gone:
                 self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
+            if expiring:
+                self._persist_pinned(client, expiring, replies[-1])
         # Victims go with the first frame's result; their frames only if demotion wants them.
         datas = replies[len(sets) : len(sets) + n_get] if n_get else [None] * len(victims)
         batch.results[batch.todo[0]].evicted += [
@@ -398,6 +411,22 @@ class RedisTier(Tier):
             getattr(pipe, command)(k)
         return pipe.execute()
 
+    def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> None:
+        """Take the expiry off the frames of ``members`` that are pinned now (``flags``: their
+        ``SMISMEMBER`` of the pinned set, asked after their expiry was set; else asked here).
+        A pin is a ``SADD`` to the index's pinned set, then a ``PERSIST`` of the frame, two
+        slots no script can hold together in a cluster: a ``PX`` or ``PEXPIRE`` sent on an
+        older look at the index can land after another process's ``PERSIST``. Asked after
+        the expiry has landed, this sees every pin whose ``PERSIST`` it could have undone;
+        a later pin's own ``PERSIST`` comes after its ``SADD``, so after the expiry too."""
+        if not members:
+            return
+        if flags is None:
+            flags = client.smismember(self.keys_of.pinned, list(members))
+        pinned = [m for m, flag in zip(members, flags) if int(flag)]
+        if pinned:
+            self._pipelined(client, "persist", [self.keys_of.frame_of_member(m) for m in pinned])
+
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 
@@ -480,13 +509,17 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
+            expiring = []
             if self._ttl_ms is not None:
                 pinned = self._pinned
                 for k in keys:
                     if k not in pinned:  # a pinned frame keeps no expiry
                         pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+                        expiring.append(RedisKeys.member(k))
             replies = pipe.execute()
             self._delete_expired(c, SharedIndex.parse(replies[0]))
+            # (this process's view of the pins is refreshed now and then: another's may be newer)
+            self._persist_pinned(c, expiring)
 
         try:
             self._run(send)
@@ -523,6 +556,7 @@ class RedisTier(Tier):
                 for k in keys:
                     pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
                 pipe.execute()
+                self._persist_pinned(c, [RedisKeys.member(k) for k in keys])  # pinned again meanwhile
 
         with self._lock:
             self._pinned.difference_update(keys)
