@@ -3,8 +3,8 @@
 Pure functions only; stores never compute a hash, and nothing here knows about codecs or
 tiers beyond the fingerprint bytes they hand in.
 
-    root  = H("cacheseek/v2" | namespace | model_id | layout fp | block_tokens | codec fp | shard)
-    h[i]  = H(h[i-1] or root | content[i] | extra[i] | u32 len(extra[i]))
+    root  = H("cacheseek/v3" | namespace | model_id | layout fp | block_tokens | codec fp | shard)
+    h[i]  = H(h[i-1] or root | kind | content[i] | extra[i] | u32 len(extra[i]))
 
 The shard is the tensor- and pipeline-parallel rank and size that produced the KV (each
 u32 little-endian), so two ranks never share a block. ``extra[i]`` names what else
@@ -12,7 +12,10 @@ decides block i's KV besides its tokens, as vLLM's ``hash_block_tokens(hash_fn, 
 token_ids, extra_keys)`` does: a LoRA adapter (every block), the multimodal inputs whose
 placeholder tokens overlap the block (content hash, offset and length), and a cache salt
 (the first block only); empty when there is none. Its length closes the input, so the
-parts are unambiguous for any content length.
+parts are unambiguous for any content length. ``kind`` is one byte naming what the content
+is: ``T``, token ids as little-endian int32, or ``B``, one caller-given bytes object per
+block (a world model's frames, say); it sits at a fixed offset (parents have a fixed width),
+so a block keyed by bytes never shares a key with a token block, whatever the bytes.
 
 Each field of the root input is length-prefixed (u32 little-endian), so no two different
 field tuples can produce the same byte string. Parents have a fixed width per algorithm.
@@ -38,7 +41,7 @@ from .errors import ConfigError, InputError
 
 BlockHash = NewType("BlockHash", bytes)
 
-KEY_VERSION = b"cacheseek/v2"
+KEY_VERSION = b"cacheseek/v3"
 DEFAULT_ALGO = "xxh3_128"
 
 
@@ -142,6 +145,8 @@ class MMInput:
 _U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _NO_EXTRA = _U32.pack(0)  # the closing length of a block with no extra keys
+TOKENS = b"T"  # a block's content kind: its token ids, as little-endian int32
+BYTES = b"B"  # a block's content kind: one bytes object the caller gives per block
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,33 +251,37 @@ def root_hash(
 
 
 def hash_block_tokens(parent: bytes, content: bytes | memoryview, extra_keys: bytes = b"",
-                      algo: str = DEFAULT_ALGO) -> BlockHash:
+                      algo: str = DEFAULT_ALGO, kind: bytes = TOKENS) -> BlockHash:
     """Hash of one block given its parent's hash (or the root), its content bytes (token ids
-    as little-endian int32, or the caller's bytes) and its extra-key bytes
-    (:func:`block_extra_keys`; empty for none)."""
+    as little-endian int32, ``kind=TOKENS``; or the caller's bytes, ``kind=BYTES``) and its
+    extra-key bytes (:func:`block_extra_keys`; empty for none)."""
     if len(parent) != digest_size(algo):
         raise InputError(f"parent: a {algo} hash is {digest_size(algo)} bytes, got {len(parent)}")
-    return BlockHash(_digest_fn(algo)(b"".join((bytes(parent), bytes(content), extra_keys,
+    if kind not in (TOKENS, BYTES):
+        raise InputError(f"kind: expected {TOKENS!r} or {BYTES!r}, got {kind!r}")
+    return BlockHash(_digest_fn(algo)(b"".join((bytes(parent), kind, bytes(content), extra_keys,
                                                 _U32.pack(len(extra_keys))))))
 
 
 def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = DEFAULT_ALGO,
-                 extra_keys: Sequence[bytes] | None = None) -> list[BlockHash]:
-    """Chained hashes of caller-given block contents (frames, actions, any bytes);
-    ``extra_keys``: each block's extra-key bytes, or None for none."""
+                 extra_keys: Sequence[bytes] | None = None, kind: bytes = BYTES) -> list[BlockHash]:
+    """Chained hashes of block contents: by default caller-given bytes (frames, actions,
+    anything; ``kind=BYTES``); ``extra_keys``: each block's extra-key bytes, or None for none."""
     fn = _digest_fn(algo)
     if len(root) != digest_size(algo):
         raise InputError(f"root: a {algo} hash is {digest_size(algo)} bytes, got {len(root)}")
+    if kind not in (TOKENS, BYTES):
+        raise InputError(f"kind: expected {TOKENS!r} or {BYTES!r}, got {kind!r}")
     out: list[BlockHash] = []
     parent = bytes(root)
     for i, content in enumerate(blocks):
         if not isinstance(content, (bytes, bytearray, memoryview)):
             raise InputError(f"block_keys[{i}]: expected bytes, got {type(content).__name__}")
         if extra_keys is None or not extra_keys[i]:
-            parent = fn(parent + bytes(content) + _NO_EXTRA)
+            parent = fn(b"".join((parent, kind, bytes(content), _NO_EXTRA)))
         else:
             extra = extra_keys[i]
-            parent = fn(b"".join((parent, bytes(content), extra, _U32.pack(len(extra)))))
+            parent = fn(b"".join((parent, kind, bytes(content), extra, _U32.pack(len(extra)))))
         out.append(BlockHash(parent))
     return out
 
@@ -318,14 +327,14 @@ def hash_token_blocks(
     step = 4 * block_tokens
     if extra:
         extras = extra.for_blocks(n_full, block_tokens)
-        return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo, extras)
+        return chain_hashes(root, (data[i * step : (i + 1) * step] for i in range(n_full)), algo, extras, TOKENS)
     # The usual case, on every ingest and lookup: one join and one digest per block.
     fn = _digest_fn(algo)
     if len(root) != digest_size(algo):
         raise InputError(f"root: a {algo} hash is {digest_size(algo)} bytes, got {len(root)}")
     parent, out, join = bytes(root), [], b"".join
     for a in range(0, n_full * step, step):
-        parent = fn(join((parent, data[a : a + step], _NO_EXTRA)))
+        parent = fn(join((parent, TOKENS, data[a : a + step], _NO_EXTRA)))
         out.append(parent)
     return out
 

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from cacheseek import KIVI, KVLayout, Raw
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.hashing import (
+    BYTES,
     KEY_VERSION,
+    TOKENS,
     ExtraKeys,
     MMInput,
     Shard,
@@ -54,15 +56,18 @@ def _f(b: bytes) -> bytes:
 def test_root_follows_the_documented_recipe():
     # Rebuilt here from docs/design.md's recipe (Keys) with xxhash directly, not through the library.
     layout, codec = KVLayout(30, 3, 64, "float16"), KIVI(bits=4, group_size=32)
-    data = (b"cacheseek/v2" + _f(b"ns") + _f(b"smollm2") + _f(b"L=30;H=3;D=64;dtype=float16")
+    data = (b"cacheseek/v3" + _f(b"ns") + _f(b"smollm2") + _f(b"L=30;H=3;D=64;dtype=float16")
             + struct.pack("<I", 64) + _f(codec.fingerprint()) + struct.pack("<4I", 1, 2, 0, 1))
     expect = xxhash.xxh3_128_digest(data)
     got = root_hash(namespace="ns", model_id="smollm2", layout_fingerprint=layout.fingerprint(),
                     block_tokens=64, codec_fingerprint=codec.fingerprint(), shard=Shard(tp_rank=1, tp_size=2))
     assert got == expect
     tokens = list(range(64))
-    expect_h0 = xxhash.xxh3_128_digest(expect + struct.pack("<64i", *tokens) + struct.pack("<I", 0))
+    expect_h0 = xxhash.xxh3_128_digest(expect + b"T" + struct.pack("<64i", *tokens) + struct.pack("<I", 0))
     assert hash_token_blocks(got, tokens, 64) == [expect_h0]
+    # caller-given bytes: kind B, then the bytes as given
+    expect_b0 = xxhash.xxh3_128_digest(expect + b"B" + b"frame-0" + struct.pack("<I", 0))
+    assert chain_hashes(got, [b"frame-0"]) == [expect_b0]
 
 
 def test_extra_keys_follow_the_documented_recipe():
@@ -74,23 +79,42 @@ def test_extra_keys_follow_the_documented_recipe():
           + b"S" + _f(b"s1"))
     # block 1: the adapter and the image (it overlaps 64..127 too); no salt
     e1 = b"L" + _f(b"ad") + b"M" + struct.pack("<I", 1) + _f(b"img") + struct.pack("<QQ", 60, 10)
-    h0 = xxhash.xxh3_128_digest(root + struct.pack("<64i", *tokens[:64]) + e0 + struct.pack("<I", len(e0)))
-    h1 = xxhash.xxh3_128_digest(h0 + struct.pack("<64i", *tokens[64:]) + e1 + struct.pack("<I", len(e1)))
+    h0 = xxhash.xxh3_128_digest(root + b"T" + struct.pack("<64i", *tokens[:64]) + e0 + struct.pack("<I", len(e0)))
+    h1 = xxhash.xxh3_128_digest(h0 + b"T" + struct.pack("<64i", *tokens[64:]) + e1 + struct.pack("<I", len(e1)))
     assert hash_token_blocks(root, tokens, 64, extra=extra) == [h0, h1]
     assert extra.for_blocks(2, 64) == [e0, e1]
     assert hash_block_tokens(root, struct.pack("<64i", *tokens[:64]), e0) == h0
 
 
 def test_old_key_versions_never_match():
-    # The v1 recipe (no shard, no closing length) on the same configuration: nothing equal.
+    # The v1 recipe (no shard, no closing length) and the v2 one (no content kind) on the
+    # same configuration: nothing equal.
     layout, codec = KVLayout(30, 3, 64, "float16"), KIVI(bits=4, group_size=32)
     v1_root = xxhash.xxh3_128_digest(b"cacheseek/v1" + _f(b"ns") + _f(b"m") + _f(layout.fingerprint())
                                      + struct.pack("<I", 64) + _f(codec.fingerprint()))
     v1_h0 = xxhash.xxh3_128_digest(v1_root + struct.pack("<64i", *range(64)))
+    v2_root = xxhash.xxh3_128_digest(b"cacheseek/v2" + _f(b"ns") + _f(b"m") + _f(layout.fingerprint())
+                                     + struct.pack("<I", 64) + _f(codec.fingerprint()) + Shard().fingerprint())
+    v2_h0 = xxhash.xxh3_128_digest(v2_root + struct.pack("<64i", *range(64)) + struct.pack("<I", 0))
     root = root_hash(namespace="ns", model_id="m", layout_fingerprint=layout.fingerprint(), block_tokens=64,
                      codec_fingerprint=codec.fingerprint())
-    assert KEY_VERSION == b"cacheseek/v2"
-    assert root != v1_root and hash_token_blocks(root, list(range(64)), 64)[0] != v1_h0
+    assert KEY_VERSION == b"cacheseek/v3"
+    h0 = hash_token_blocks(root, list(range(64)), 64)[0]
+    assert root not in (v1_root, v2_root) and h0 not in (v1_h0, v2_h0)
+
+
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=16, max_size=16))
+def test_a_bytes_block_never_shares_a_key_with_the_token_block_it_spells(tokens):
+    # Caller-given bytes equal to a token block's int32 encoding, under the same root: the
+    # content kind keeps them apart (they collided under cacheseek/v2).
+    root = _root(block_tokens=8)
+    spelled = token_block_bytes(tokens)
+    as_tokens = hash_token_blocks(root, tokens, 8)
+    as_bytes = chain_hashes(root, [spelled[:32], spelled[32:]])
+    assert len(as_tokens) == 2 and not set(as_tokens) & set(as_bytes)
+    assert chain_hashes(root, [spelled[:32], spelled[32:]], kind=TOKENS) == as_tokens
+    assert hash_block_tokens(root, spelled[:32]) == as_tokens[0]
+    assert hash_block_tokens(root, spelled[:32], kind=BYTES) == as_bytes[0]
 
 
 def test_keys_equal_across_processes_and_hash_seeds():
@@ -201,7 +225,7 @@ def test_token_bytes_are_little_endian_int32():
 def test_bytes_blocks_chain():
     root = _root()
     hs = chain_hashes(root, [b"a", b"b"])
-    assert hs[0] == hash_block_tokens(root, b"a") and hs[1] == hash_block_tokens(hs[0], b"b")
+    assert hs[0] == hash_block_tokens(root, b"a", kind=BYTES) and hs[1] == hash_block_tokens(hs[0], b"b", kind=BYTES)
     # the closing length keeps content and extra keys apart: no content bytes imitate extras
     extra = block_extra_keys(lora_id="x")
     assert hash_block_tokens(root, b"a" + extra, b"") != hash_block_tokens(root, b"a", extra)
@@ -218,6 +242,8 @@ def test_bytes_blocks_chain():
         (lambda: _root(block_tokens=0), "block_tokens"),
         (lambda: _root(model_id=""), "model_id"),
         (lambda: hash_block_tokens(b"short", b"x"), "parent"),
+        (lambda: hash_block_tokens(_root(), b"x", kind=b"X"), "kind"),
+        (lambda: chain_hashes(_root(), [b"x"], kind="B"), "kind"),
         (lambda: Shard(tp_rank=2, tp_size=2), "tp_rank"),
         (lambda: Shard(tp_size=0), "tp_size"),
         (lambda: Shard(pp_rank=-1, pp_size=2), "pp_rank"),
