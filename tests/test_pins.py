@@ -3,6 +3,8 @@ of pinned blocks refuses writes, and store-wide figures count each block once.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -104,6 +106,44 @@ def test_a_tier_full_of_pinned_blocks_refuses_writes_clearly():
         assert store.stats()["tiers"][0]["reservation_bytes"] == 0
     with pytest.raises(StorageError, match="pinned"):
         store.tiers[0].put(*frames(4, 1)[0])
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["put", "group-commit"])
+def test_disk_blocks_pinned_before_they_arrive_never_fill_it_past_its_budget(tmp_path, monkeypatch, group):
+    # A pinned block's write is in flight in another thread when more pinned blocks arrive:
+    # together they must fit, since none of them can be evicted once written.
+    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    chain = frames(5, 4)
+    disk._index.pin([k for k, _ in chain])  # as a pin of the chain's head does, before it arrives
+    writing, release = threading.Event(), threading.Event()
+    real = disk._write_atomic
+
+    def slow(path, segments):
+        if path.name.startswith(chain[0][0].hex()):
+            writing.set()
+            release.wait(10)
+        real(path, segments)
+
+    monkeypatch.setattr(disk, "_write_atomic", slow)
+    first = threading.Thread(target=disk.put, args=chain[0])
+    first.start()
+    try:
+        assert writing.wait(10)
+        if group:
+            outcomes = disk.put_many(chain[1:])
+            assert [o.error is None for o in outcomes] == [True, True, False]
+            assert "pinned" in str(outcomes[2].error) and "on their way" in str(outcomes[2].error)
+        else:
+            for key, frame in chain[1:3]:
+                assert disk.put(key, frame).error is None
+            with pytest.raises(StorageError, match="on their way"):
+                disk.put(*chain[3])
+    finally:
+        release.set()
+        first.join()
+    s = disk.stats()
+    assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3
+    assert disk._reserved == disk._reserved_pinned == 0
 
 
 def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):

@@ -99,6 +99,7 @@ class _InFlight:
 
     done: threading.Event = field(default_factory=threading.Event)
     error: StorageError | None = None
+    pinned_nbytes: int = 0  # its bytes, when the block was pinned before it arrived
 
 
 @dataclass(slots=True)
@@ -162,6 +163,7 @@ class DiskTier(IndexedTier):
         self.requested_bytes = capacity_bytes
         self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
+        self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -245,6 +247,29 @@ class DiskTier(IndexedTier):
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
         self._sync_counts()
 
+    def _hold_room(self, key: bytes, n: int) -> _InFlight:
+        """Once what may go has been evicted: refuse ``n`` bytes for ``key`` when the blocks
+        that cannot go leave no room, else count them as in flight. Under the lock.
+
+        A block pinned before it arrives can never be evicted, nor can the other such blocks
+        in flight: together with the pinned ones they must fit the budget, or concurrent
+        writes of them would leave the tier over it for good (a later trim evicts only
+        unpinned blocks)."""
+        pinned = self._index.is_pinned(key)
+        if (self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks) or \
+                (pinned and self._index.pinned_bytes + self._reserved_pinned + n > self.capacity_bytes):
+            self._stats.write_errors += 1
+            raise self._no_room(n, in_flight=self._reserved_pinned if pinned else 0)
+        self._reserved += n
+        if pinned:
+            self._reserved_pinned += n
+        return _InFlight(pinned_nbytes=n if pinned else 0)
+
+    def _release(self, mine: _InFlight, n: int) -> None:
+        """The bytes ``_hold_room`` counted as in flight, given back (committed or failed)."""
+        self._reserved -= n
+        self._reserved_pinned -= mine.pinned_nbytes
+
     def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
         """Give up the policy's victim (read first when the tier below takes demotions) into
         ``evicted``. Under the lock, with something evictable."""
@@ -312,11 +337,7 @@ class DiskTier(IndexedTier):
                 return self._await(key, pending)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 self._evict_one(evicted)
-            if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
-                self._stats.write_errors += 1
-                raise self._no_room(n)
-            mine = self._writing[key] = _InFlight()
-            self._reserved += n
+            mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)
         try:
             data_path.parent.mkdir(exist_ok=True)
@@ -334,7 +355,7 @@ class DiskTier(IndexedTier):
             mine.error = StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}")
             with self._lock:
                 del self._writing[key]
-                self._reserved -= n
+                self._release(mine, n)
                 self._stats.write_errors += 1
             mine.done.set()
             if isinstance(exc, OSError):
@@ -342,7 +363,7 @@ class DiskTier(IndexedTier):
             raise
         with self._lock:
             del self._writing[key]
-            self._reserved -= n
+            self._release(mine, n)
             self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
             self._stats.bytes_in += n
             self._stats.admissions += 1
@@ -417,13 +438,10 @@ class DiskTier(IndexedTier):
                 return pending
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 self._evict_one(evicted)
-            if self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks:
-                self._stats.write_errors += 1
-                raise self._no_room(n)
-            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
+            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes and \
+                    not (self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks):
                 return None
-            mine = self._writing[key] = _InFlight()
-            self._reserved += n
+            mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)
         sidecar = msgpack.packb({
             "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
@@ -511,7 +529,7 @@ class DiskTier(IndexedTier):
             committed = 0
             for p in group:
                 del self._writing[p.key]
-                self._reserved -= p.frame.meta.nbytes
+                self._release(p.flight, p.frame.meta.nbytes)
                 if p.error is not None:
                     self._stats.write_errors += 1
                     continue

@@ -346,12 +346,14 @@ class IndexedTier(Tier):
                 for key in self._index.keys():
                     observer.added(key, self._index.get(key))
 
-    def _no_room(self, nbytes: int) -> StorageError:
-        """Why a frame does not fit once nothing more may be evicted (everything left is pinned)."""
+    def _no_room(self, nbytes: int, *, in_flight: int = 0) -> StorageError:
+        """Why a frame does not fit once nothing more may be evicted (everything left is pinned;
+        ``in_flight``: bytes of pinned blocks being written)."""
         idx = self._index
+        coming = f", {in_flight} more on their way" if in_flight else ""
         return StorageError(
             f"{self.name} tier: no room for a {nbytes}-byte frame: {idx.pinned_bytes} of {self.capacity_bytes} "
-            f"bytes are pinned ({idx.pinned_blocks} blocks), and pinned blocks are never evicted")
+            f"bytes are pinned ({idx.pinned_blocks} blocks{coming}), and pinned blocks are never evicted")
 
     def _extra(self) -> dict[str, Any]:
         """Tier-specific figures for ``stats()`` (called under the lock)."""
