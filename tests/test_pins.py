@@ -17,7 +17,7 @@ from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from cacheseek.store.tiered import TieredStore
 from redis_servers import RedisServer, needs_redis
-from server_helpers import raw_chain, raw_frame
+from server_helpers import BLOCK, raw_chain, raw_frame
 
 FRAME = len(raw_chain(0, 1)[0][1])
 
@@ -144,6 +144,29 @@ def test_disk_blocks_pinned_before_they_arrive_never_fill_it_past_its_budget(tmp
     s = disk.stats()
     assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3
     assert disk._reserved == disk._reserved_pinned == 0
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU tier needs CUDA")), "disk"])
+def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):
+    # Two pinned blocks and one evictable in room for three: a frame twice their size can
+    # never fit beside the pins, so it is refused before the evictable block is given up.
+    from cacheseek.store.gpu import GpuTier
+
+    tier = {"cpu": lambda: CpuTier(3 * FRAME + 10), "gpu": lambda: GpuTier(3 * FRAME + 10),
+            "disk": lambda: DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)}[kind]()
+    chain = frames(6, 3)
+    tier.put_many(chain)
+    tier.pin([k for k, _ in chain[:2]])
+    h, data = raw_frame(7, block=2 * BLOCK)
+    big = (h, BlockFrame(parse_frame(bytearray(data)), host=memoryview(bytearray(data))))
+    assert FRAME + 10 < big[1].nbytes <= 3 * FRAME  # more than the room beside the pins
+    outcome = tier.put_many([big])[0]
+    assert outcome.stored is None and "pinned" in str(outcome.error) and not outcome.evicted
+    with pytest.raises(StorageError, match="pinned"):
+        tier.put(*big)
+    assert sorted(tier.keys()) == sorted(k for k, _ in chain)  # the evictable block is still here
+    assert tier.stats().evictions == 0
 
 
 def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):

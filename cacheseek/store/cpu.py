@@ -175,6 +175,8 @@ class CpuTier(IndexedTier):
         and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
+        if not self._fits_beside_pins(nbytes):
+            raise self._no_room(nbytes)
         while self._index.used_bytes + nbytes > self.capacity_bytes and self._index.evictable:
             evicted += self._evict_one()
         if self._index.used_bytes + nbytes > self.capacity_bytes:
@@ -335,8 +337,9 @@ class CpuTier(IndexedTier):
                     self._index.touch([key])
                     self._free_landed(slot, landing)
                     continue
-                while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
-                    result.evicted += self._evict_one()
+                if self._fits_beside_pins(meta.nbytes):
+                    while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
+                        result.evicted += self._evict_one()
                 if self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.pinned_blocks:
                     self._free_landed(slot, landing)
                     self._stats.write_errors += 1

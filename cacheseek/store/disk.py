@@ -247,23 +247,27 @@ class DiskTier(IndexedTier):
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
         self._sync_counts()
 
-    def _hold_room(self, key: bytes, n: int) -> _InFlight:
-        """Once what may go has been evicted: refuse ``n`` bytes for ``key`` when the blocks
-        that cannot go leave no room, else count them as in flight. Under the lock.
+    def _refuse_beside_pins(self, key: bytes, n: int) -> None:
+        """Refuse ``n`` bytes for ``key``, before anything is evicted, when they cannot fit
+        beside the pinned blocks. Under the lock.
 
         A block pinned before it arrives can never be evicted, nor can the other such blocks
         in flight: together with the pinned ones they must fit the budget, or concurrent
-        writes of them would leave the tier over it for good (a later trim evicts only
-        unpinned blocks)."""
-        pinned = self._index.is_pinned(key)
-        if (self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks) or \
-                (pinned and self._index.pinned_bytes + self._reserved_pinned + n > self.capacity_bytes):
+        writes of them would leave the tier over it for good (a trim evicts only unpinned
+        blocks). An unpinned block may overshoot while others are in flight: the last write
+        to be indexed trims the excess."""
+        in_flight = self._reserved_pinned if self._index.is_pinned(key) else 0
+        if not self._fits_beside_pins(n, in_flight=in_flight):
             self._stats.write_errors += 1
-            raise self._no_room(n, in_flight=self._reserved_pinned if pinned else 0)
+            raise self._no_room(n, in_flight=in_flight)
+
+    def _hold_room(self, key: bytes, n: int) -> _InFlight:
+        """Count ``n`` bytes of ``key`` as in flight (checked by ``_refuse_beside_pins``)."""
         self._reserved += n
-        if pinned:
+        if self._index.is_pinned(key):
             self._reserved_pinned += n
-        return _InFlight(pinned_nbytes=n if pinned else 0)
+            return _InFlight(pinned_nbytes=n)
+        return _InFlight()
 
     def _release(self, mine: _InFlight, n: int) -> None:
         """The bytes ``_hold_room`` counted as in flight, given back (committed or failed)."""
@@ -335,6 +339,7 @@ class DiskTier(IndexedTier):
                 return TierPutResult(stored=None)
             if (pending := self._writing.get(key)) is not None:
                 return self._await(key, pending)
+            self._refuse_beside_pins(key, n)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 self._evict_one(evicted)
             mine = self._writing[key] = self._hold_room(key, n)
@@ -436,10 +441,10 @@ class DiskTier(IndexedTier):
                 return TierPutResult(stored=None)
             if (pending := self._writing.get(key)) is not None:
                 return pending
+            self._refuse_beside_pins(key, n)
             while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
                 self._evict_one(evicted)
-            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes and \
-                    not (self._index.used_bytes + n > self.capacity_bytes and self._index.pinned_blocks):
+            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
                 return None
             mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)

@@ -42,6 +42,9 @@ class GpuTier(IndexedTier):
             if frame.nbytes > self.capacity_bytes:
                 self._stats.write_errors += 1
                 raise StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
+            if not self._fits_beside_pins(frame.nbytes):
+                self._stats.write_errors += 1
+                raise self._no_room(frame.nbytes)
             evicted = []
             while self._index.used_bytes + frame.nbytes > self.capacity_bytes and self._index.evictable:
                 evicted += self._evict_one()

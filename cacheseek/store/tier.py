@@ -346,6 +346,12 @@ class IndexedTier(Tier):
                 for key in self._index.keys():
                     observer.added(key, self._index.get(key))
 
+    def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
+        """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being
+        written), which are never evicted. Asked before evicting anything for a frame: one
+        that cannot fit would otherwise cost the tier its evictable blocks for nothing."""
+        return self._index.pinned_bytes + in_flight + nbytes <= self.capacity_bytes
+
     def _no_room(self, nbytes: int, *, in_flight: int = 0) -> StorageError:
         """Why a frame does not fit once nothing more may be evicted (everything left is pinned;
         ``in_flight``: bytes of pinned blocks being written)."""
