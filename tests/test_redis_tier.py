@@ -456,6 +456,27 @@ def test_a_put_finding_its_block_expired_in_the_index_writes_it_again(redis_url)
         tier.close()
 
 
+def test_a_refused_rewrite_of_an_expired_block_leaves_no_uncounted_value(redis_url, server):
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(55)
+    c = tier._connection()
+    try:
+        tier.put(key, frame)
+        c.zadd(tier.keys_of.lru, {RedisKeys.member(key): 1}, xx=True)  # expired in the index
+        used = int(server.cli("INFO", "memory").split("used_memory:")[1].split()[0])
+        server.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        server.cli("CONFIG", "SET", "maxmemory", str(used))  # the rewrite's SET is refused (OOM)
+        try:
+            with pytest.raises(StorageError, match="maxmemory"):
+                tier.put(key, _frame(55)[1])
+        finally:
+            server.cli("CONFIG", "SET", "maxmemory", "0")
+        assert not c.exists(tier.keys_of.frame(key))  # not left behind, uncounted
+        assert tier.check() == {"ok": 0, "ghosts": 0, "orphans": 0}
+    finally:
+        tier.close()
+
+
 def test_a_write_of_a_stored_block_restarts_its_expiry_unless_pinned(redis_url):
     tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
     (key, frame), (pinned, pframe) = _frame(42), _frame(43)
@@ -514,6 +535,21 @@ def test_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(redis_u
     finally:
         mine.close()
         other.close()
+
+
+def test_a_put_that_pushes_blocks_out_hands_their_frames_down_when_asked(redis_url):
+    # A Redis tier above another (demote_evicted): each victim comes back with its frame.
+    frames = [_frame(i) for i in range(51, 54)]
+    tier = RedisTier(redis_url, 2 * frames[0][1].nbytes + 10, ttl_seconds=60)
+    tier.demote_evicted = True
+    try:
+        tier.put_many(frames[:2])
+        out = tier.put_many(frames[2:])[0]
+        assert out.error is None and [k for k, _ in out.evicted] == [frames[0][0]]
+        victim = out.evicted[0][1]
+        assert victim is not None and bytes(victim.host) == bytes(frames[0][1].host)
+    finally:
+        tier.close()
 
 
 def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):

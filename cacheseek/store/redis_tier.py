@@ -306,12 +306,12 @@ class RedisTier(Tier):
                 pipe.hmget(keys.sizes, written)
             if expiring:
                 pipe.smismember(keys.pinned, expiring)
-            replies = pipe.execute()
-            gone = [m for m, size in zip(written, replies[0]) if size is None] if written else []
+            checks = pipe.execute()
+            gone = [m for m, size in zip(written, checks[0]) if size is None] if written else []
             if gone:
                 self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
             if expiring:
-                self._persist_pinned(client, expiring, replies[-1])
+                self._persist_pinned(client, expiring, checks[-1])
         # Victims go with the first frame's result; their frames only if demotion wants them.
         datas = replies[len(sets) : len(sets) + n_get] if n_get else [None] * len(victims)
         batch.results[batch.todo[0]].evicted += [
@@ -323,6 +323,10 @@ class RedisTier(Tier):
             self._faults.dropped_writes += len(refused)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
             self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
+            # and drop what such a SET would have replaced (a block the index had let expire
+            # keeps its old value until its own PX): no value is left uncounted. (DEL runs
+            # under maxmemory.)
+            self._pipelined(client, "delete", [keys.frame_of_member(m) for m in refused])
 
     # -- reads ---------------------------------------------------------------------------
 
