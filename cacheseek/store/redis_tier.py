@@ -304,14 +304,14 @@ class RedisTier(Tier):
             pipe = client.pipeline(transaction=False)  # (one slot: the index's)
             if written:
                 pipe.hmget(keys.sizes, written)
-            if expiring:
-                pipe.smismember(keys.pinned, expiring)
+            for m in expiring:  # (SISMEMBER each, not SMISMEMBER: Redis before 6.2 has none)
+                pipe.sismember(keys.pinned, m)
             checks = pipe.execute()
             gone = [m for m, size in zip(written, checks[0]) if size is None] if written else []
             if gone:
                 self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
             if expiring:
-                self._persist_pinned(client, expiring, checks[-1])
+                self._persist_pinned(client, expiring, checks[len(checks) - len(expiring):])
         # Victims go with the first frame's result; their frames only if demotion wants them.
         datas = replies[len(sets) : len(sets) + n_get] if n_get else [None] * len(victims)
         batch.results[batch.todo[0]].evicted += [
@@ -417,7 +417,7 @@ class RedisTier(Tier):
 
     def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> None:
         """Take the expiry off the frames of ``members`` that are pinned now (``flags``: their
-        ``SMISMEMBER`` of the pinned set, asked after their expiry was set; else asked here).
+        membership of the pinned set, asked after their expiry was set; else asked here).
         A pin is a ``SADD`` to the index's pinned set, then a ``PERSIST`` of the frame, two
         slots no script can hold together in a cluster: a ``PX`` or ``PEXPIRE`` sent on an
         older look at the index can land after another process's ``PERSIST``. Asked after
@@ -426,7 +426,10 @@ class RedisTier(Tier):
         if not members:
             return
         if flags is None:
-            flags = client.smismember(self.keys_of.pinned, list(members))
+            pipe = client.pipeline(transaction=False)  # (one slot: the index's)
+            for m in members:
+                pipe.sismember(self.keys_of.pinned, m)
+            flags = pipe.execute()
         pinned = [m for m, flag in zip(members, flags) if int(flag)]
         if pinned:
             self._pipelined(client, "persist", [self.keys_of.frame_of_member(m) for m in pinned])
