@@ -237,7 +237,7 @@ class RedisTier(Tier):
         sets: list[int] = []
         sent: set[str] = set()
         refresh: list[str] = []  # present, unpinned: a write restarts their expiry
-        refresh_set: list[str] = []  # written with an expiry (unpinned when the index was asked)
+        with_px: list[str] = []  # written with an expiry (unpinned when the index was asked)
         for i, member, present, status in zip(batch.todo, members, exists, update.added):
             key, frame = batch.items[i]
             result = batch.results[i]
@@ -265,7 +265,7 @@ class RedisTier(Tier):
                 sets.append(i)
                 sent.add(member)
                 if self._ttl_ms is not None and status not in (2, 3):
-                    refresh_set.append(member)
+                    with_px.append(member)
         own = set(members)
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
         n_get = len(victims) if self.demote_evicted else 0
@@ -294,7 +294,7 @@ class RedisTier(Tier):
                     self._stats.admissions += 1
         written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
         landed = set(written)
-        expiring = [m for m in refresh_set if m in landed] + refresh
+        expiring = [m for m in with_px if m in landed] + refresh
         if written or expiring:
             # Round trip 3: another process may have evicted one of these blocks between our
             # index add and our SET, and sent its DEL before our SET landed. Delete what the
