@@ -524,8 +524,13 @@ def test_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(redis_u
     try:
         mine.put(key, frame)
         other.pin([key])  # this process has not seen that pin yet
+        counter = mine._client = CountingClient(mine._connection())
         mine.touch([key])
         assert int(c.pttl(mine.keys_of.frame(key))) == -1
+        assert counter.round_trips == 2  # the touch, with its check; then the PERSIST it found needed
+        counter.round_trips = 0
+        mine.touch([_frame(51)[0]])  # nothing pinned to find: the touch alone
+        assert counter.round_trips == 1
         # and an unpin here, while the other process pins again, leaves the pin's frame alone
         mine.pin([key])
         mine._client = _HookedClient(mine._connection(), lambda n: n == 1 and other.pin([key]))
@@ -736,6 +741,22 @@ def test_cluster_chains_span_masters_and_round_trip_exactly(cluster):
     client.set(RedisKeys().frame(hashes[4]), b"garbage")
     assert cache.materialize(toks).num_tokens == 4 * BLOCK
     assert redis_stats(cache)["corrupt"] == 1 and client.exists(RedisKeys().frame(hashes[4])) == 0
+
+
+def test_in_a_cluster_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(cluster):
+    cluster.flush()
+    mine, other = RedisTier(cluster.url, 64 << 20, ttl_seconds=60), RedisTier(cluster.url, 64 << 20, ttl_seconds=60)
+    keys = [_frame(i) for i in range(60, 64)]  # frames on several masters; the pins' set on one
+    try:
+        mine.put_many(keys)
+        other.pin([keys[1][0], keys[3][0]])
+        mine.touch([k for k, _ in keys])
+        c = mine._connection()
+        ttls = [int(c.pttl(mine.keys_of.frame(k))) for k, _ in keys]
+        assert ttls[1] == ttls[3] == -1 and ttls[0] > 50_000 and ttls[2] > 50_000
+    finally:
+        mine.close()
+        other.close()
 
 
 # -- configuration -------------------------------------------------------------------------

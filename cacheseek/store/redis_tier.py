@@ -10,8 +10,9 @@ Storage (key names in ``redis_keys``):
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
 redis-py in a cluster); a batch put is three (EXISTS + index script; the SETs and the
 victims' DELs; a check that the index still counts what was written); a touch is one
-(index script), two with a TTL (its ``PEXPIRE``s with the script, then a look at the pinned
-set: a pin another process made meanwhile must not be left to expire); a read is one
+(index script, plus ``PEXPIRE`` and a look at the pinned set when a TTL is set: a pin
+another process made meanwhile must not be left to expire), two with a TTL in a cluster
+(the look waits for the expiries there); a read is one
 pipelined ``GET``, plus an index call when a key is missing (to forget a ghost).
 
 Faults: every redis-py error is caught here. A read that fails is a miss, a write that
@@ -523,10 +524,16 @@ class RedisTier(Tier):
                     if k not in pinned:  # a pinned frame keeps no expiry
                         pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
                         expiring.append(RedisKeys.member(k))
+            # (this process's view of the pins is refreshed now and then: another's may be
+            # newer.) One connection runs a pipeline in order, so on a single Redis the pin
+            # check can follow the expiries in the same round trip; a cluster's pipeline goes
+            # to several masters at once, so there it waits for their replies.
+            ordered = bool(expiring) and not self.target.cluster
+            for m in expiring if ordered else ():
+                pipe.sismember(self.keys_of.pinned, m)
             replies = pipe.execute()
             self._delete_expired(c, SharedIndex.parse(replies[0]))
-            # (this process's view of the pins is refreshed now and then: another's may be newer)
-            self._persist_pinned(c, expiring)
+            self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
 
         try:
             self._run(send)
