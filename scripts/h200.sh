@@ -8,6 +8,15 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 log() { echo "== $(date +%T) $*"; }
 
+# The package in .base (a git archive of an older tree) installed into /tmp/base, and
+# /tmp/base.sh, which runs a command with it in a folder holding the benchmarks given
+# (.base/benchmarks: the older tree's own; benchmarks: this tree's, interleaved calls).
+use_base() {
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
+  rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r "$1" /tmp/bwd/
+  printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+}
+
 setup() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
   if [ -d .whl ]; then
@@ -150,27 +159,21 @@ for s in "$@"; do
     vllm-layerwise) step tests-vllm-layerwise 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_vllm_pages.py tests/test_layerwise.py -k "layerwise_step or layerwise_load or from_start or never_waited"
                  step vllm-layerwise 300 python3 -m benchmarks.vllm_pages --tokens 4096,16384 --codecs int4 --requests 1,8 --reps 5 --out "$OUT" ;;
     # Fresh-prompt ingest (store --fresh, int4, 16 and 64 blocks) before (.base) and after, alternating.
-    fresh-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
-                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
-                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+    fresh-ab)    use_base .base/benchmarks
                  for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-fresh-$r 120 /tmp/base.sh python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/before-fresh-$r"
                    step after-fresh-$r 120 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs int4 --reps 10 --out "$OUT/after-fresh-$r"
                  done ;;
     # The kernels benchmark under the package in .base and under this tree, alternating (a kernel
     # change's cost measured against its own machine's noise).
-    kernels-ab)  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
-                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r .base/benchmarks /tmp/bwd/
-                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+    kernels-ab)  use_base .base/benchmarks
                  for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-kernels-$r 120 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels-$r"
                    step after-kernels-$r 120 python3 -m benchmarks.kernels --out "$OUT/after-kernels-$r"
                  done ;;
     # A mixed chain vs its uniform codec (64 blocks, GPU and CPU tiers) under the package in .base
     # and under this tree, alternating; both run this tree's benchmark (interleaved calls).
-    mixed-ab)    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/base ./.base >"$OUT/base-install.log" 2>&1 || tail -5 "$OUT/base-install.log"
-                 rm -rf /tmp/bwd && mkdir -p /tmp/bwd && cp -r benchmarks /tmp/bwd/
-                 printf '#!/bin/sh\ncd /tmp/bwd && export PYTHONPATH="/tmp/base${PYTHONPATH:+:$PYTHONPATH}" && exec "$@"\n' >/tmp/base.sh && chmod +x /tmp/base.sh
+    mixed-ab)    use_base benchmarks
                  for r in $(seq 1 "${BA_ROUNDS:-2}"); do
                    step before-mixed-$r 150 /tmp/base.sh python3 -m benchmarks.store --mixed --blocks 64 --reps 10 --tiers gpu,cpu --out "$OUT/before-mixed-$r"
                    step after-mixed-$r 150 python3 -m benchmarks.store --mixed --blocks 64 --reps 10 --tiers gpu,cpu --out "$OUT/after-mixed-$r"
