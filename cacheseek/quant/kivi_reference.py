@@ -51,9 +51,9 @@ def _unpack_last(words: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _plus_zero(t: torch.Tensor) -> torch.Tensor:
-    """Zero's sign made canonical (+0), as the kernels do: which of -0.0 and +0.0 a min/max
-    reduction returns depends on its order, and the stored bytes must not."""
-    return torch.where(t == 0, torch.zeros_like(t), t)
+    """Zero's sign made canonical (+0), as the kernels do (-0 + +0 is +0): which of -0.0 and
+    +0.0 a min/max reduction returns depends on its order, and the stored bytes must not."""
+    return t + 0.0
 
 
 def _codes_for(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: int, stats_dtype: torch.dtype
