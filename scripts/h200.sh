@@ -131,6 +131,7 @@ for s in "$@"; do
     layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9
                  step layerwise-host-32k 250 python3 -m benchmarks.layerwise_host --device cuda --blocks 128 --repeats 9 ;;
     layerwise-profile) step layerwise-profile 150 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 5 --profile ;;
+    suffix-attention) step suffix-attention 300 python3 -m benchmarks.suffix_attention --out "$OUT" ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;
     redis)       step redis 240 python3 -m benchmarks.redis_tier --out "$OUT" ;;

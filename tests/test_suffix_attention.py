@@ -121,3 +121,30 @@ def test_suffix_on_cuda_bf16_takes_the_flash_path_and_matches_sdpa(models):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             got, _ = forward(ours, ids[:, 128:], past_ours)  # fails if flash cannot run it
     assert torch.allclose(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct flash call needs CUDA")
+@pytest.mark.parametrize("flash", [True, False])
+def test_cuda_suffix_calls_flash_directly_with_the_bias_paths_bytes(monkeypatch, flash):
+    """Where flash may run, the suffix calls its kernel directly (no ``causal_lower_right``
+    object) and gets the bytes the bias path gets; where ``sdpa_kernel`` rules flash out,
+    it goes through the bias as before."""
+    import torch.nn.attention.bias as bias
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    class Module:
+        training, is_causal = False, True
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(1, 8, 48, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 2, 1000, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    backends = [SDPBackend.FLASH_ATTENTION] if flash else [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, bias.causal_lower_right(48, 1000),
+                                                                enable_gqa=True).transpose(1, 2)
+        made = []
+        real = bias.causal_lower_right
+        monkeypatch.setattr(bias, "causal_lower_right", lambda *a: made.append(a) or real(*a))
+        got, _ = suffix_attention._attention(Module(), q, k, v, None)
+    assert made == ([] if flash else [(48, 1000)])
+    assert got.is_contiguous() and torch.equal(got, want)
