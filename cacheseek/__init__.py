@@ -28,7 +28,7 @@ from .errors import (
 )
 from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
-from .prefix_keys import Prompt
+from .prefix_keys import HashedKeys, Prompt
 from .quant import KIVI, KVLayerCodec, PrecisionPolicy, Raw
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ __all__ = [
     "ConfigError",
     "ExtraKeys",
     "FrameError",
+    "HashedKeys",
     "IngestResult",
     "InputError",
     "KVLayerCodec",

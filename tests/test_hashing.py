@@ -349,3 +349,43 @@ def test_empty_extra_keys_are_no_extra_keys_and_prompts_hash_like_their_tokens()
     assert hash_token_blocks(keys.root, tokens, 32, extra=ExtraKeys()) == keys.block_hashes(tokens)
     assert keys.block_hashes(Prompt(tokens, lora_id="a")) != keys.block_hashes(tokens)
     assert keys.num_tokens(Prompt(tokens)) == 96
+
+
+@given(tokens=st.lists(st.integers(0, 50000), min_size=1, max_size=120), cut=st.integers(1, 120))
+def test_hashed_keys_give_the_keys_hashes_and_their_prefixes_the_prefixes(tokens, cut):
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=16)
+    hashed = keys.hashed(tokens)
+    assert keys.block_hashes(hashed) == keys.block_hashes(tokens) and keys.num_tokens(hashed) == len(tokens)
+    cut = min(cut, len(tokens))
+    assert keys.block_hashes(hashed.prefix(cut)) == keys.block_hashes(tokens[:cut])
+    assert keys.num_tokens(hashed.prefix(cut)) == cut
+
+
+def test_hashed_keys_are_hashed_again_under_another_configuration(monkeypatch):
+    layout, tokens = KVLayout(2, 2, 64), list(range(96))
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=layout, codec=Raw(), block_tokens=32)
+    other_model = PrefixKeys.create(namespace="", model_id="n", layout=layout, codec=Raw(), block_tokens=32)
+    other_block = PrefixKeys.create(namespace="", model_id="m", layout=layout, codec=Raw(), block_tokens=16)
+    hashed = keys.hashed(tokens)
+    assert other_model.block_hashes(hashed) == other_model.block_hashes(tokens) != keys.block_hashes(tokens)
+    assert other_block.block_hashes(hashed) == other_block.block_hashes(tokens)
+    assert keys.hashed(hashed).hashes == hashed.hashes  # hashed again from its keys, not wrapped twice
+    # under its own configuration the hashes are not computed again
+    import cacheseek.prefix_keys as prefix_keys
+
+    monkeypatch.setattr(prefix_keys, "hash_token_blocks", lambda *a, **k: pytest.fail("hashed again"))
+    assert keys.block_hashes(hashed) == list(hashed.hashes)
+    keys.check_ingest(hashed, 96)
+    with pytest.raises(InputError, match="KV holds 64"):
+        keys.check_ingest(hashed, 64)
+
+
+def test_hashed_keys_prefix_takes_token_ids_and_lengths_within_them_only():
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=32)
+    for bad in (0, 97, -1):
+        with pytest.raises(InputError, match=r"HashedKeys.prefix"):
+            keys.hashed(list(range(96))).prefix(bad)
+    with pytest.raises(InputError, match=r"HashedKeys.prefix"):
+        keys.hashed([b"a", b"b"]).prefix(32)
+    with pytest.raises(InputError, match="empty"):
+        keys.hashed([])

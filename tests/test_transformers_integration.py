@@ -192,6 +192,27 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
             assert torch.equal(k, k2) and torch.equal(v, v2)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_with_reuse_hashes_the_prompt_once(tiny_model, monkeypatch, layerwise):
+    """The lookup, the load and the save of one prompt share its hashes (each would hash
+    the whole prompt again, on the path to the first token)."""
+    import cacheseek.prefix_keys as prefix_keys
+
+    ids = list(range(3, 3 + 3 * BLOCK + 5))
+    calls = []
+    real = prefix_keys.hash_token_blocks
+    monkeypatch.setattr(prefix_keys, "hash_token_blocks", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    with _cache(tiny_model) as cache:
+        prefill_with_reuse(tiny_model, cache, ids[: 2 * BLOCK + 3], layerwise=layerwise)
+        assert calls == [2 * BLOCK + 3]
+        calls.clear()
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        assert calls == [len(ids)]
+        assert (res.reused_tokens, res.stored_blocks) == (2 * BLOCK, 1)
+        calls.clear()
+        assert cache.locate(ids).num_blocks == 3 and calls == [len(ids)]  # what was stored is the prompt's chain
+
+
 def test_prefill_with_reuse_under_a_precision_policy(tiny_model):
     """The first block in Raw, the rest int4: reuse hands back exactly the stored codecs' KV."""
     policy = cs.PrecisionPolicy(first=cs.Raw(), rest=cs.KIVI(bits=4, group_size=32))
