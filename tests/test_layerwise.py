@@ -979,6 +979,34 @@ def test_a_failed_layerwise_load_is_recomputed(tiny_model, monkeypatch):
         assert torch.equal(res.logits, full.logits) and cache_length(res.cache) == len(ids)
 
 
+@pytest.mark.parametrize("change", ["evicted", "stored"])
+def test_a_layerwise_load_that_differs_from_its_lookup_runs_the_right_suffix(tiny_model, monkeypatch, change):
+    """Between the lookup and the load a block may go (the load ends short: the suffix
+    starts earlier than the ids put on the device before the load) or come (it ends
+    later): either way the forward runs exactly the ids after what was loaded."""
+    ids = list(range(13, 13 + 3 * TF_BLOCK + 6))
+    with model_cache(tiny_model, cs.Raw()) as cache:
+        prefill_with_reuse(tiny_model, cache, ids[: 2 * TF_BLOCK] if change == "stored" else ids)
+        hashes = cache.block_hashes(ids)
+        real_locate = cache.locate
+
+        def locate(keys):
+            located = real_locate(keys)
+            if change == "evicted":
+                cache.store.delete(hashes[2])  # the lookup saw 3 blocks; the load finds 2
+            else:
+                prefill_with_reuse(tiny_model, cache, ids, reuse="never")  # the lookup saw 2; the load finds 3
+            return located
+
+        monkeypatch.setattr(cache, "locate", locate)
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False, layerwise=True)
+        monkeypatch.undo()
+        want = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False)
+    assert res.reused_tokens == want.reused_tokens == (2 if change == "evicted" else 3) * TF_BLOCK
+    assert res.computed_tokens == len(ids) - res.reused_tokens and cache_length(res.cache) == len(ids)
+    assert same_result(res, want)
+
+
 # -- SmolLM2 (slow): the real model, Raw and int4 -----------------------------------------
 
 
