@@ -140,7 +140,7 @@ def _make_layerwise_class() -> Any:
             self._cs_load, self._cs_writer = load, writer
             self._cs_pending: set[int] = set()
             if load is not None and load.num_tokens:
-                _fill_without_copy(self, load)
+                _fill_without_copy(self, load.num_layers, lambda i: load.layer(i, wait=False), load.num_tokens)
                 self._cs_pending = set(range(load.num_layers))
 
         def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -161,33 +161,53 @@ def _make_layerwise_class() -> Any:
     return LayerwiseDynamicCache
 
 
-def _fill_without_copy(cache: Any, load: Any) -> None:
-    """Put each layer's prefix tensors (not yet loaded: nothing reads them here) into the
-    cache's layers as they are: transformers 5.x layer objects, or the 4.x lists."""
+def _fill_without_copy(cache: Any, num_layers: int, get: Any, num_tokens: int) -> None:
+    """Put each layer's prefix tensors (``get(i)`` -> (K, V), [1, H, T, D]; a layer-wise
+    load's maybe not loaded yet: nothing reads them here) into the cache's layers as they
+    are: transformers 5.x layer objects, or the 4.x lists. The forward's first ``update``
+    of a layer concatenates the new tokens into a tensor of its own, so the cache returned
+    after a forward shares nothing with them."""
     layers = getattr(cache, "layers", None)
     if layers is not None:  # 5.x: a layer object per layer
         from transformers.cache_utils import DynamicLayer
 
-        for i in range(load.num_layers):
+        for i in range(num_layers):
             if i == len(layers):
                 layers.append(DynamicLayer())
             layer = layers[i]
             if type(layer) is not DynamicLayer:
                 raise ConfigError(f"layer {i} is a {type(layer).__name__}: layer-wise reuse takes full-attention "
                                   "DynamicLayer caches only")
-            k, v = load.layer(i, wait=False)
+            k, v = get(i)
             layer.dtype, layer.device = k.dtype, k.device
             layer.keys, layer.values = k, v
             layer.is_initialized = True
         return
     if not hasattr(cache, "key_cache"):
         raise ConfigError(f"{type(cache).__name__}: neither layer objects nor key_cache lists; cannot fill it")
-    for i in range(load.num_layers):  # 4.x: lists of tensors
-        k, v = load.layer(i, wait=False)
+    for i in range(num_layers):  # 4.x: lists of tensors
+        k, v = get(i)
         cache.key_cache.append(k)
         cache.value_cache.append(v)
     if hasattr(cache, "_seen_tokens"):
-        cache._seen_tokens = load.num_tokens
+        cache._seen_tokens = num_tokens
+
+
+def _cache_over(got: Any, config: Any) -> Any:
+    """A ``DynamicCache`` over a ``Materialized`` prefix's own tensors, for one forward on top
+    of it (``prefill_with_reuse``): not copied first as ``to_dynamic_cache`` does (a copy of
+    the whole prefix on the device, and a cache update a layer on the host), since that
+    forward replaces every layer's tensors with its own. Models whose cache has other than
+    full-attention layers get the copy."""
+    from transformers import DynamicCache
+
+    params = inspect.signature(DynamicCache.__init__).parameters
+    cache = DynamicCache(config=config) if config is not None and "config" in params else DynamicCache()
+    try:
+        _fill_without_copy(cache, len(got.layers), got.layers.__getitem__, got.num_tokens)
+    except ConfigError:
+        return to_dynamic_cache(got.layers, config)
+    return cache
 
 
 def cache_length(cache: Any) -> int:
@@ -356,9 +376,9 @@ def prefill_with_reuse(
             t = time.perf_counter()
             got = cache.materialize(keys, device=device, max_tokens=len(ids) - 1)
             if got.num_tokens:
-                past = to_dynamic_cache(got.layers, model.config)
+                past = _cache_over(got, model.config)
                 reused, tiers = got.num_tokens, list(got.tiers)
-            del got  # the DynamicCache holds its own copy: free the decoded tensors now
+            del got
             _sync(device)
             timings.materialize_s = time.perf_counter() - t
             planner.observe_read(tiers, reused, timings.materialize_s)
