@@ -146,6 +146,106 @@ def test_disk_blocks_pinned_before_they_arrive_never_fill_it_past_its_budget(tmp
     assert disk._reserved == disk._reserved_pinned == 0
 
 
+def _hold_disk_writes(disk, monkeypatch, keys):
+    """Writes of ``keys`` wait (in their thread) until the returned ``release`` is set;
+    ``started[key]`` is set once a write of it has begun. Single puts and group commits."""
+    held = {k.hex(): k for k in keys}
+    started = {k: threading.Event() for k in keys}
+    release = threading.Event()
+
+    def hold(path):
+        key = held.get(path.name.split(".")[0])
+        if key is not None:
+            started[key].set()
+            release.wait(10)
+
+    atomic, temp = disk._write_atomic, disk._write_temp
+    monkeypatch.setattr(disk, "_write_atomic", lambda path, segments: (hold(path), atomic(path, segments))[1])
+    monkeypatch.setattr(disk, "_write_temp", lambda final, segments, sync=True: (hold(final), temp(final, segments,
+                                                                                                 sync=sync))[1])
+    return started, release
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["put", "group-commit"])
+def test_disk_blocks_pinned_while_they_are_written_count_as_pinned_in_flight(tmp_path, monkeypatch, group):
+    # The pin comes after the first block's write began (not before it arrived): its bytes
+    # count as pinned in flight all the same, and the fourth pinned block is refused.
+    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    chain = frames(8, 4)
+    started, release = _hold_disk_writes(disk, monkeypatch, [chain[0][0]])
+    first = threading.Thread(target=disk.put, args=chain[0])
+    first.start()
+    try:
+        assert started[chain[0][0]].wait(10)
+        disk.pin([k for k, _ in chain])
+        assert disk._reserved_pinned == FRAME
+        if group:
+            outcomes = disk.put_many(chain[1:])
+            assert [o.error is None for o in outcomes] == [True, True, False]
+            assert "on their way" in str(outcomes[2].error)
+        else:
+            for key, frame in chain[1:3]:
+                assert disk.put(key, frame).error is None
+            with pytest.raises(StorageError, match="on their way"):
+                disk.put(*chain[3])
+    finally:
+        release.set()
+        first.join()
+    s = disk.stats()
+    assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3
+    assert disk._reserved == disk._reserved_pinned == 0
+    # and an unpin while a write is in flight takes its bytes out of the count again
+    started, release = _hold_disk_writes(disk, monkeypatch, [chain[3][0]])
+    disk.unpin([k for k, _ in chain[:1]])
+    late = threading.Thread(target=disk.put, args=chain[3])
+    late.start()
+    try:
+        assert started[chain[3][0]].wait(10)
+        assert disk._reserved_pinned == FRAME  # pinned since before it arrived
+        disk.unpin([chain[3][0]])
+        assert disk._reserved_pinned == 0
+    finally:
+        release.set()
+        late.join()
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["put", "group-commit"])
+def test_disk_refuses_at_commit_a_block_pinned_in_flight_that_no_longer_fits(tmp_path, monkeypatch, group):
+    # Unpinned writes in flight may overshoot the budget together (the last one indexed
+    # trims it). Pinned while in flight, they could not be trimmed: the write that would
+    # leave the pinned blocks over the budget is refused at its commit, its files removed.
+    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    d, e, h, g = frames(9, 4)
+    started, release = _hold_disk_writes(disk, monkeypatch, [d[0], e[0], h[0]])
+    outcomes = {}
+    threads = [threading.Thread(target=lambda: outcomes.__setitem__("d", disk.put_many([d])))]
+    if group:
+        threads.append(threading.Thread(target=lambda: outcomes.__setitem__("eh", disk.put_many([e, h]))))
+    else:
+        threads += [threading.Thread(target=lambda: outcomes.__setitem__("e", disk.put_many([e]))),
+                    threading.Thread(target=lambda: outcomes.__setitem__("h", disk.put_many([h])))]
+    for t in threads:
+        t.start()
+    try:
+        for key in (d[0], e[0]) if group else (d[0], e[0], h[0]):  # (a group writes its files in turn)
+            assert started[key].wait(10)
+        assert disk.put(*g).error is None  # 3 in flight + 1: over the budget, nothing to evict yet
+        disk.pin([d[0], e[0], h[0], g[0]])
+    finally:
+        release.set()
+        for t in threads:
+            t.join()
+    errors = [o.error for got in outcomes.values() for o in got]
+    assert sum(err is not None for err in errors) == 1
+    assert "pinned" in str(next(err for err in errors if err is not None))
+    s = disk.stats()
+    assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3 and s.write_errors == 1
+    assert disk._reserved == disk._reserved_pinned == 0 and not disk._writing
+    kept = set(disk.keys())
+    on_disk = {p.name.split(".")[0] for p in (tmp_path / "d").rglob("*") if p.is_file() and not p.name.startswith(".")}
+    assert {k.hex() for k in kept} <= on_disk and len({p for p in on_disk if len(p) == 32}) == 3
+
+
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the GPU tier needs CUDA")), "disk"])
 def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):

@@ -66,7 +66,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,7 +99,8 @@ class _InFlight:
 
     done: threading.Event = field(default_factory=threading.Event)
     error: StorageError | None = None
-    pinned_nbytes: int = 0  # its bytes, when the block was pinned before it arrived
+    nbytes: int = 0
+    pinned_nbytes: int = 0  # its bytes, while the block is pinned (before it arrived, or since)
 
 
 @dataclass(slots=True)
@@ -266,8 +267,55 @@ class DiskTier(IndexedTier):
         self._reserved += n
         if self._index.is_pinned(key):
             self._reserved_pinned += n
-            return _InFlight(pinned_nbytes=n)
-        return _InFlight()
+            return _InFlight(nbytes=n, pinned_nbytes=n)
+        return _InFlight(nbytes=n)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self._index.pin(keys)
+            self._recount_writes(keys)
+            self._sync_counts()
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        keys = list(keys)
+        with self._lock:
+            self._index.unpin(keys)
+            self._recount_writes(keys)
+            self._sync_counts()
+
+    def _recount_writes(self, keys: list[bytes]) -> None:
+        """Blocks of ``keys`` being written count as pinned in flight while they are pinned,
+        whenever the pin came (``_refuse_beside_pins`` checks later writes against them).
+        Under the lock."""
+        for key in keys:
+            mine = self._writing.get(key)
+            if mine is not None:
+                pinned = mine.nbytes if self._index.is_pinned(key) else 0
+                self._reserved_pinned += pinned - mine.pinned_nbytes
+                mine.pinned_nbytes = pinned
+
+    def _refused_at_commit(self, key: bytes, n: int) -> StorageError | None:
+        """Why a written block cannot be indexed: it is pinned (maybe only since its write
+        began) and does not fit beside the pinned blocks indexed meanwhile. Indexed, it
+        would keep the tier over its budget for good (a trim evicts no pinned block). Under
+        the lock."""
+        if self._index.is_pinned(key) and not self._fits_beside_pins(n):
+            return self._no_room(n)
+        return None
+
+    def _undo_write(self, key: bytes, mine: _InFlight, n: int, paths: tuple[Path, ...], error: StorageError) -> None:
+        """A write that will not be indexed: its files removed while the block is still marked
+        in flight (a new write of it must not lose its files to this removal), then its room
+        given back, and whoever waits on it told."""
+        for path in paths:  # the sidecar (the commit record) first
+            _unlink(path)
+        mine.error = error
+        with self._lock:
+            del self._writing[key]
+            self._release(mine, n)
+            self._stats.write_errors += 1
+        mine.done.set()
 
     def _release(self, mine: _InFlight, n: int) -> None:
         """The bytes ``_hold_room`` counted as in flight, given back (committed or failed)."""
@@ -355,25 +403,24 @@ class DiskTier(IndexedTier):
             if self.fsync:
                 _fsync_dir(data_path.parent)
         except BaseException as exc:
-            _unlink(side_path)
-            _unlink(data_path)
-            mine.error = StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}")
-            with self._lock:
-                del self._writing[key]
-                self._release(mine, n)
-                self._stats.write_errors += 1
-            mine.done.set()
+            self._undo_write(key, mine, n, (side_path, data_path),
+                             StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}"))
             if isinstance(exc, OSError):
                 raise mine.error from None
             raise
         with self._lock:
-            del self._writing[key]
-            self._release(mine, n)
-            self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
-            self._stats.bytes_in += n
-            self._stats.admissions += 1
-            self._trim(evicted)
-            self._sync_counts()
+            refused = self._refused_at_commit(key, n)
+            if refused is None:
+                del self._writing[key]
+                self._release(mine, n)
+                self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
+                self._stats.bytes_in += n
+                self._stats.admissions += 1
+                self._trim(evicted)
+                self._sync_counts()
+        if refused is not None:
+            self._undo_write(key, mine, n, (side_path, data_path), refused)
+            raise refused
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 
@@ -530,9 +577,14 @@ class DiskTier(IndexedTier):
                 for path in (p.side_path, p.side_tmp, p.data_path, p.data_tmp):  # commit record first
                     if path is not None:
                         _unlink(path)
+        refused: list[_Pending] = []
         with self._lock:
             committed = 0
             for p in group:
+                if p.error is None and (error := self._refused_at_commit(p.key, p.frame.meta.nbytes)) is not None:
+                    p.error = error
+                    refused.append(p)  # still in flight until its files are gone
+                    continue
                 del self._writing[p.key]
                 self._release(p.flight, p.frame.meta.nbytes)
                 if p.error is not None:
@@ -549,6 +601,8 @@ class DiskTier(IndexedTier):
             self._group["batches"] += 1
             self._group["frames"] += committed
             self._sync_counts()
+        for p in refused:
+            self._undo_write(p.key, p.flight, p.frame.meta.nbytes, (p.side_path, p.data_path), p.error)
         for p in group:
             p.flight.error = p.error
             p.flight.done.set()
