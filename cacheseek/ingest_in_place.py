@@ -107,6 +107,7 @@ class InPlaceIngest:
         self.outcomes: list[StorePutResult | None] = []
         self.committed: list[bytes] = []
         self.guessed: tuple[int, int] | None = None  # blocks launched by guess_tail
+        self.unlaunched = 0  # blocks of the call's batches not launched yet (see commit_oldest)
 
     # -- before the keys are known ----------------------------------------------------------
 
@@ -154,6 +155,7 @@ class InPlaceIngest:
         if batches and self.device.type == "cuda":
             first = batching.first_batch_blocks(self.layout.raw_nbytes(self.block_tokens))
             batches = batching.growing(batches, first if self.guessed is None else 2 * max(first, g1 - g0))
+        self.unlaunched = sum(stop - start for start, stop in batches)
         try:
             try:
                 for i, (start, stop) in enumerate(batches):
@@ -188,6 +190,7 @@ class InPlaceIngest:
                 raise _NoRoom
             lo = stop - len(reservations)
             self.launch(start + lo, metas[lo:stop], reservations, exact_last=last and lo == 0)
+            self.unlaunched -= stop - lo
             stop = lo
 
     def launch(self, first: int, metas: list[FrameMeta], reservations: list[Reservation], *,
@@ -284,7 +287,16 @@ class InPlaceIngest:
         # the tier loses its tail, not its head.
         order = [i for i in range(b - 1, a - 1, -1) if not skip[i]]
         items = [(run.metas[i].block_hash, run.reservations[i], run.metas[i]) for i in order]
-        for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing)):
+        # Room is made for the rest of the call as well (pieces in flight, and batches not
+        # launched yet, each block as large as the largest payload the format makes under
+        # this run's largest header: batches go tail first, so theirs are no larger), so
+        # that it does not evict these.
+        later = sum(r.reservations[i].nbytes for r in self.pending for c, d, _ in r.pieces for i in range(c, d)
+                    if not (r.skip and r.skip[i]))
+        if self.unlaunched:
+            header = max(m.nbytes - m.payload_nbytes for m in run.metas)
+            later += self.unlaunched * (max(f.planned_payload().payload_nbytes for f in self.format.parts()) + header)
+        for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing, room_for=later)):
             self.outcomes[run.first + i] = outcome
             if outcome.stored:
                 self.committed.append(run.metas[i].block_hash)

@@ -253,13 +253,16 @@ class _SlotWriter(LayerWriter):
         were in a run."""
         store = self.cache.store
         saved = []
+        # Each commit evicts for the runs after it too: they must not evict this one's blocks.
+        later = sum(r.nbytes for run in self._runs for r in run.reservations)
         for run in self._runs:  # tail first (reserved in that order)
+            later -= sum(r.nbytes for r in run.reservations)
             for reservation, meta in zip(run.reservations, run.metas):
                 reservation.view()[: meta.payload_offset] = header_prefix(meta)
             rows = range(run.first + len(run.metas) - 1, run.first - 1, -1)
             items = [(meta.block_hash, reservation, meta) for reservation, meta in zip(reversed(run.reservations),
                                                                                         reversed(run.metas))]
-            for row, outcome in zip(rows, store.commit_many(items, sealed=False)):
+            for row, outcome in zip(rows, store.commit_many(items, sealed=False, room_for=later)):
                 count(row, outcome)
             saved += rows
         return saved

@@ -373,15 +373,21 @@ def test_nan_in_a_later_run_commits_nothing_and_evicts_nothing(monkeypatch):
 
 
 def test_nan_in_a_run_launched_after_a_commit_for_room_undoes_the_runs_before_it(monkeypatch):
-    """A call larger than the reserve commits its first runs to make room before its last is
-    encoded: a bad value there deletes them again (what their commits evicted stays out)."""
+    """A call larger than the reserve commits its first run to make room before its last is
+    encoded (that commit evicts for the whole call, so that the later runs do not evict
+    it): a bad value there deletes it again (what the commit evicted stays out)."""
     cache, others = _full_kivi_cache(reserve_frames=2)
     commits = _Spy(monkeypatch, cache.store, "commit_many")
     toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43)
     kv[0][1][0, 3, 3] = float("inf")
+    before = _tier_state(cache)
     with pytest.raises(InputError, match="NaN or Inf"):
         cache.ingest(toks, kv)
-    assert len(commits.calls) == 2  # the tail's two runs, committed for room, then undone
+    assert len(commits.calls) == 1  # the tail's run, committed for room, then undone
+    frame = commits.calls[0][0][0][0][1].nbytes
+    evicted = _tier_state(cache)["evictions"] - before["evictions"]
+    assert before["used_bytes"] - (evicted - 1) * frame + 6 * frame > cache.store.tiers[0].capacity_bytes
+    assert before["used_bytes"] - evicted * frame + 6 * frame <= cache.store.tiers[0].capacity_bytes  # room for 6
     assert cache.lookup(toks) == 0 and _tier_state(cache)["reservation_bytes"] == 0
     assert sum(cache.lookup(t) for t in others) < 3 * 6 * BLOCK  # evicted for the runs committed
 

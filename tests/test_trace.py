@@ -225,6 +225,43 @@ def test_arc_keeps_reused_blocks_through_a_scan():
     assert not any(k in lru for k in hot)
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("reserve", ["1KiB", None, "8MiB"], ids=["reserve-tiny", "reserve-default", "reserve-whole"])
+def test_an_ingest_keeps_every_block_it_stores_once_older_blocks_were_reused(policy, reserve):
+    """Every older block read back once (ARC's T2), a fresh prompt's blocks are the only
+    ones used once: added one by one, each evicting for itself, they gave up each other
+    (the ingest answered "stored" for blocks already gone). Room is made for the whole
+    call first: in place, with a reserve smaller than a call (its runs committed as they
+    land) or holding it all, and through put_many."""
+    import torch
+
+    import cacheseek as cs
+
+    layout, block, n = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16"), 32, 16
+    frame = cs.Raw().encoded_nbytes(layout, block) + 4096
+    tiers = cs.TierConfig(cpu_bytes=4 * n * frame, pin_memory=False, eviction=policy, cpu_reserve_bytes=reserve)
+    gen = torch.Generator().manual_seed(0)
+    with cs.PrefixCache(model_id="x", layout=layout, codec=cs.Raw(), block_tokens=block, tiers=tiers) as cache:
+        for i in range(8):
+            toks = list(range(i * 10_000, i * 10_000 + n * block))
+            kv = [tuple(torch.randn(1, 2, n * block, 64, generator=gen).half() for _ in range(2)) for _ in range(2)]
+            assert cache.ingest(toks, kv).stored == n
+            assert cache.locate(toks).num_blocks == n, f"call {i}"
+            assert cache.materialize(toks).num_blocks == n  # read back: T2
+    # put_many (frames handed over whole: a server's PUT, demotions), stand-in frames
+    frames = StandInFrames(512)
+    store = build_store(ReplaySpec(cpu_blocks=4 * n, policy=policy), frames.nbytes, None)
+    try:
+        for i in range(8):
+            chain = [key_of(i * 1000 + j) for j in range(n)]
+            items = [(k, frames.frame(k, chain[j - 1] if j else b"\xff" * 16, j)) for j, k in enumerate(chain)][::-1]
+            assert all(o.stored for o in store.put_many(items)), f"call {i}"
+            assert store.locate(chain) == ["cpu"] * n, f"call {i}"
+            store.touch_chain(chain)  # read back: T2
+    finally:
+        store.close()
+
+
 def test_unknown_policy_is_a_config_error():
     import cacheseek as cs
 

@@ -73,6 +73,7 @@ class CpuTier(IndexedTier):
         dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
         with self._lock:
             self._forget_landed()
+            self._make_room([(key, frame.nbytes) for key, frame in items], results)
             copies = None  # device copies of this call, issued together
             try:
                 for (key, frame), result in zip(items, results):
@@ -191,6 +192,22 @@ class CpuTier(IndexedTier):
                 f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased)"
             )
         return slot
+
+    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
+        """Evict for every new frame of a call (and ``extra`` bytes more: the rest of the
+        caller's own writes, still on their way) before the first is added, so that none of
+        them is a victim of the next. Added one by one, each evicting for itself, a call's
+        frames would go to ARC's T1 with nothing older there once every older block has
+        been used again (T2), and give up each other: the call would answer "stored" for
+        blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
+        are reported in the first new frame's result. Under the lock."""
+        new = {key: n for key, n in items if key not in self._records}
+        need = sum(new.values()) + extra
+        if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
+            return  # each frame evicts for itself, and is refused as it would be
+        first = next(r for (key, _), r in zip(items, results) if key in new)
+        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
+            first.evicted += self._evict_one()
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()
@@ -318,12 +335,14 @@ class CpuTier(IndexedTier):
         return self.commit_many([(key, reservation, meta)])[0]
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None) -> list[TierPutResult]:
+                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[TierPutResult]:
         """:meth:`commit` for several frames, in order, under one lock. ``sealed=False``:
         the frames' checksums are still zero (computed when they leave memory).
         ``landing``: device copies into the frames' payloads still in flight (``wait()``,
         ``done()``, as ``device.HostCopies``); reads, evictions and deletes of these frames
-        wait for it first, as for frames put from a device."""
+        wait for it first, as for frames put from a device. ``room_for``: bytes of the
+        caller's later commits (the rest of one ingest), evicted for now as well, so that
+        they do not evict these (see ``_make_room``)."""
         for _, reservation, meta in items:
             if meta.nbytes != reservation.nbytes:
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
@@ -331,6 +350,7 @@ class CpuTier(IndexedTier):
         with self._lock:
             if landing is not None:
                 self._forget_landed()  # (the earlier calls' last pieces: their records stay few)
+            self._make_room([(key, meta.nbytes) for key, _, meta in items], results, room_for)
             for (key, reservation, meta), result in zip(items, results):
                 slot = self._take_back(reservation)
                 if key in self._records:

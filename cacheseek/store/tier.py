@@ -222,7 +222,7 @@ class Tier(ABC):
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None) -> list[TierPutResult]:
+                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[TierPutResult]:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def abort(self, reservation: Reservation) -> None:

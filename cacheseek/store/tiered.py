@@ -587,14 +587,15 @@ class TieredStore:
         return self.commit_many([(key, reservation, meta)])[0]
 
     def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None) -> list[StorePutResult]:
+                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet). The write-through tiers are written from the reserved bytes first,
         then the top tier publishes them: a block the top tier holds already (a concurrent
         writer's, whose own write-through may still be in flight) is still written through,
         or waited for, so its outcome means what a put's does. ``landing``: device copies
         into the payloads still in flight (see ``CpuTier.commit_many``); with write-through
-        tiers, waited for here, since they read the bytes now."""
+        tiers, waited for here, since they read the bytes now. ``room_for``: bytes of the
+        caller's later commits, evicted for in the top tier now (``CpuTier.commit_many``)."""
         if landing is not None and self.write_through:
             try:
                 landing.wait()
@@ -621,7 +622,8 @@ class TieredStore:
                                          for (key, reservation, meta), outcome in zip(items, outcomes)], held)
                 finally:
                     release_all(held)
-            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing), outcomes):
+            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for),
+                                       outcomes):
                 outcome.note(result, top.name, top.name in self._acknowledging)
                 self._demote(0, result.evicted)
         return outcomes

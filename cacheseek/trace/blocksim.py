@@ -3,8 +3,9 @@ trying eviction policies in seconds rather than a full replay's tens of seconds.
 
 Per request, the calls a CPU tier's index receives from ``TieredStore`` under the replay
 (``cacheseek.trace.replay``): the hit is the longest indexed prefix; it is touched tail
-first (``touch_chain``); the missing blocks are added tail first, each after evicting
-``victim()`` until it fits (``CpuTier.put_many``); then the blocks that were already
+first (``touch_chain``); ``victim()`` is evicted until all the missing blocks fit, then
+they are added tail first, each after evicting until it fits (``CpuTier.put_many``:
+room made for the whole call first, so none of its blocks evicts another); then the blocks that were already
 stored are touched tail first. Every block counts one unit of bytes, so a budget is in
 blocks. For one CPU tier the result equals the store's replay with the same policy, block
 for block (a test checks it); frames, leases and tiers below are left out.
@@ -35,6 +36,9 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
         if n:
             index.touch(keys[n - 1 :: -1])
         present = index.contains_many(keys)
+        need = len({k for k, p in zip(keys, present) if not p})
+        if need <= index.capacity_bytes:
+            _evict_until(index, need)
         for i in range(len(keys) - 1, -1, -1):
             if present[i]:
                 continue
@@ -42,14 +46,19 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
             if key in index:  # stored meanwhile (a chain that names a block twice)
                 index.touch((key,))
                 continue
-            while index.used_bytes + 1 > index.capacity_bytes:
-                victim = index.victim()
-                if victim is None:
-                    break
-                index.remove(victim, evicted=True)
+            _evict_until(index, 1)
             if index.used_bytes + 1 <= index.capacity_bytes:
                 index.add(key, BlockInfo(1, 1, keys[i - 1] if i else ROOT, i))
         if any(present):  # the ingest's touch_chain of what it found stored (the hit again too)
             index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
     name = policy if isinstance(policy, str) else getattr(index, "name", "custom")
     return totals(name, budget_blocks, trace, hits, block_tokens)
+
+
+def _evict_until(index: EvictionIndex, need: int) -> None:
+    """Evict ``victim()`` until ``need`` more blocks fit (or nothing may be evicted)."""
+    while index.used_bytes + need > index.capacity_bytes:
+        victim = index.victim()
+        if victim is None:
+            return
+        index.remove(victim, evicted=True)
