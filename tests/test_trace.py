@@ -262,6 +262,27 @@ def test_an_ingest_keeps_every_block_it_stores_once_older_blocks_were_reused(pol
         store.close()
 
 
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_a_tier_makes_room_for_all_of_a_put_many_before_the_first_frame(kind):
+    """The same on the tiers themselves (the GPU tier's code on CPU tensors): a batch of new
+    frames never evicts its own frames, whatever the policy last reused."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.gpu import GpuTier
+
+    frames, n = StandInFrames(512), 8
+    tier = CpuTier(4 * n * frames.nbytes, policy="arc") if kind == "cpu" else \
+        GpuTier(4 * n * frames.nbytes, device="cpu", policy="arc")
+    for i in range(6):
+        chain = [key_of(i * 1000 + j) for j in range(n)]
+        items = [(k, frames.frame(k, chain[j - 1] if j else b"\xff" * 16, j)) for j, k in enumerate(chain)][::-1]
+        results = tier.put_many(items)
+        assert all(r.stored is not None for r in results)
+        assert all(tier.contains(k) for k in chain), f"call {i}"
+        evicted = [k for r in results for k, _ in r.evicted]
+        assert not set(evicted) & set(chain) and len(evicted) == (n if i >= 4 else 0)
+        tier.touch(chain)  # used again: ARC's T2
+
+
 def test_unknown_policy_is_a_config_error():
     import cacheseek as cs
 

@@ -64,6 +64,23 @@ class GpuTier(IndexedTier):
             self._sync_counts()
             return TierPutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
 
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+        """As ``Tier.put_many``, with room made for all of the call's new frames before the
+        first is added, so that none of them is a victim of the next (see
+        ``CpuTier._make_room``); the victims are reported in the first new frame's result."""
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
+        with self._lock:
+            new = {key: frame.nbytes for key, frame in items if key not in self._records}
+            need = sum(new.values())
+            if new and need <= self.capacity_bytes and self._fits_beside_pins(need):
+                while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
+                    evicted += self._evict_one()
+        results = super().put_many(items, lease_stored=lease_stored)
+        if evicted:
+            first = next(r for (key, _), r in zip(items, results) if key in new)
+            first.evicted = evicted + first.evicted
+        return results
+
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()
         if victim is None:
