@@ -81,9 +81,9 @@ def make_cache(shape: Shape, codec: Any, call_blocks: int, *, calls_held: int = 
     """A CPU tier that holds ``calls_held`` calls' blocks: from then on every ingest evicts,
     as in a server's steady state. Its reserve (host memory lent to blocks being written)
     holds one call, as the default reserve of a 4 GiB tier (512 MiB) holds a 4K-token int4
-    call three times over. LRU, so that the oldest call is the one evicted: under ARC (the
-    default) a prompt read back once outranks one only written, and a tier this small gives
-    up the newest call's tail instead, which is what ARC is for but not what is measured."""
+    call three times over. LRU, so that the oldest call is the one evicted whatever the
+    protocol reads back: under ARC (the default) a prompt read back once outranks one only
+    written, so which call goes would depend on the reads."""
     frame = CODECS[codec].encoded_nbytes(shape.layout, shape.block) + 4096
     tiers = cs.TierConfig(cpu_bytes=frame * call_blocks * calls_held, cpu_reserve_bytes=frame * call_blocks,
                           eviction="lru")
