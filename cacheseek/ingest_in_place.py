@@ -12,9 +12,11 @@ the time a commit takes. So a batch costs the host a
 reservation, two kernel launches and a copy, not a copy and a put per block, and a bad
 input publishes nothing: a full tier evicts only at commit, having lent the call its
 reserve (``TierConfig.cpu_reserve_bytes``), and every run launched is checked before the
-first is committed. A call larger than the reserve commits its first runs for room before
-its last are encoded; a bad value in those evicts what the first runs' commits did
-(they are deleted again). On the host, the slots themselves are encoded into.
+first is committed. The first commit evicts for the whole call (``room_for``), so that no
+later piece of it evicts an earlier one. A call larger than the reserve commits its first
+runs for room before its last are encoded; a bad value in those costs the tier what that
+first commit evicted (the runs are deleted again). On the host, the slots themselves are
+encoded into.
 
 The chain's last blocks are launched before the keys are known (``guess_tail``), so the
 copy engine starts while the host hashes the prompt; later batches double in size

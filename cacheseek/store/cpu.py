@@ -193,22 +193,6 @@ class CpuTier(IndexedTier):
             )
         return slot
 
-    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
-        """Evict for every new frame of a call (and ``extra`` bytes more: the rest of the
-        caller's own writes, still on their way) before the first is added, so that none of
-        them is a victim of the next. Added one by one, each evicting for itself, a call's
-        frames would go to ARC's T1 with nothing older there once every older block has
-        been used again (T2), and give up each other: the call would answer "stored" for
-        blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
-        are reported in the first new frame's result. Under the lock."""
-        new = {key: n for key, n in items if key not in self._records}
-        need = sum(new.values()) + extra
-        if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
-            return  # each frame evicts for itself, and is refused as it would be
-        first = next(r for (key, _), r in zip(items, results) if key in new)
-        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
-            first.evicted += self._evict_one()
-
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()
         if victim is None:

@@ -66,19 +66,13 @@ class GpuTier(IndexedTier):
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """As ``Tier.put_many``, with room made for all of the call's new frames before the
-        first is added, so that none of them is a victim of the next (see
-        ``CpuTier._make_room``); the victims are reported in the first new frame's result."""
-        evicted: list[tuple[bytes, BlockFrame | None]] = []
+        first is added (``_make_room``), so that none of them is a victim of the next."""
+        room = [TierPutResult(stored=None) for _ in items]
         with self._lock:
-            new = {key: frame.nbytes for key, frame in items if key not in self._records}
-            need = sum(new.values())
-            if new and need <= self.capacity_bytes and self._fits_beside_pins(need):
-                while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
-                    evicted += self._evict_one()
+            self._make_room([(key, frame.nbytes) for key, frame in items], room)
         results = super().put_many(items, lease_stored=lease_stored)
-        if evicted:
-            first = next(r for (key, _), r in zip(items, results) if key in new)
-            first.evicted = evicted + first.evicted
+        for early, result in zip(room, results):
+            result.evicted[:0] = early.evicted
         return results
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:

@@ -346,6 +346,24 @@ class IndexedTier(Tier):
                 for key in self._index.keys():
                     observer.added(key, self._index.get(key))
 
+    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
+        """Evict for every new frame of a call, ``items`` (key, bytes), and ``extra`` bytes more
+        (the rest of the caller's own writes, still on their way), before the first is added,
+        so that none of them is a victim of the next. Added one by one, each evicting for
+        itself, a call's frames would be ARC's only T1 blocks once every older block has
+        been used again (T2), and give up each other: the call would answer "stored" for
+        blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
+        go in the first new frame's result; a call that cannot fit whole (larger than the
+        budget, or than the room beside the pins) leaves each frame to evict for itself.
+        Under the lock, in tiers whose ``_evict_one()`` returns its victims."""
+        new = {key: n for key, n in items if key not in self._index}
+        need = sum(new.values()) + extra
+        if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
+            return
+        first = next(r for (key, _), r in zip(items, results) if key in new)
+        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
+            first.evicted += self._evict_one()
+
     def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
         """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being
         written), which are never evicted. Asked before evicting anything for a frame: one

@@ -3,12 +3,13 @@ trying eviction policies in seconds rather than a full replay's tens of seconds.
 
 Per request, the calls a CPU tier's index receives from ``TieredStore`` under the replay
 (``cacheseek.trace.replay``): the hit is the longest indexed prefix; it is touched tail
-first (``touch_chain``); ``victim()`` is evicted until all the missing blocks fit, then
-they are added tail first, each after evicting until it fits (``CpuTier.put_many``:
-room made for the whole call first, so none of its blocks evicts another); then the blocks that were already
-stored are touched tail first. Every block counts one unit of bytes, so a budget is in
-blocks. For one CPU tier the result equals the store's replay with the same policy, block
-for block (a test checks it); frames, leases and tiers below are left out.
+first (``touch_chain``); ``victim()`` is evicted until all the missing blocks fit (room
+made for the whole call first, so that none of its blocks evicts another), then they are
+added tail first, each after evicting until it fits (``CpuTier.put_many``); then the
+blocks that were already stored are touched tail first. Every block counts one unit of
+bytes, so a budget is in blocks. For one CPU tier the result equals the store's replay
+with the same policy, block for block (a test checks it); frames, leases and tiers below
+are left out.
 """
 
 from __future__ import annotations
