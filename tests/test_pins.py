@@ -129,18 +129,32 @@ def test_disk_blocks_pinned_before_they_arrive_never_fill_it_past_its_budget(tmp
     first.start()
     try:
         assert writing.wait(10)
-        if group:
-            outcomes = disk.put_many(chain[1:])
-            assert [o.error is None for o in outcomes] == [True, True, False]
-            assert "pinned" in str(outcomes[2].error) and "on their way" in str(outcomes[2].error)
-        else:
-            for key, frame in chain[1:3]:
-                assert disk.put(key, frame).error is None
-            with pytest.raises(StorageError, match="on their way"):
-                disk.put(*chain[3])
+        error = _the_rest_of_the_chain_but_its_last_fits(disk, chain, group)
+        assert not group or "pinned" in error
     finally:
         release.set()
         first.join()
+    _three_blocks_and_nothing_in_flight(disk)
+
+
+def _the_rest_of_the_chain_but_its_last_fits(disk, chain, group) -> str:
+    """``chain[1:]`` put (one by one, or as a group) while ``chain[0]``'s pinned write is in
+    flight: two fit, the last is refused for the pinned bytes on their way; its error."""
+    if group:
+        outcomes = disk.put_many(chain[1:])
+        assert [o.error is None for o in outcomes] == [True, True, False]
+        error = str(outcomes[2].error)
+    else:
+        for key, frame in chain[1:3]:
+            assert disk.put(key, frame).error is None
+        with pytest.raises(StorageError) as refused:
+            disk.put(*chain[3])
+        error = str(refused.value)
+    assert "on their way" in error
+    return error
+
+
+def _three_blocks_and_nothing_in_flight(disk) -> None:
     s = disk.stats()
     assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3
     assert disk._reserved == disk._reserved_pinned == 0
@@ -179,21 +193,11 @@ def test_disk_blocks_pinned_while_they_are_written_count_as_pinned_in_flight(tmp
         assert started[chain[0][0]].wait(10)
         disk.pin([k for k, _ in chain])
         assert disk._reserved_pinned == FRAME
-        if group:
-            outcomes = disk.put_many(chain[1:])
-            assert [o.error is None for o in outcomes] == [True, True, False]
-            assert "on their way" in str(outcomes[2].error)
-        else:
-            for key, frame in chain[1:3]:
-                assert disk.put(key, frame).error is None
-            with pytest.raises(StorageError, match="on their way"):
-                disk.put(*chain[3])
+        _the_rest_of_the_chain_but_its_last_fits(disk, chain, group)
     finally:
         release.set()
         first.join()
-    s = disk.stats()
-    assert s.used_bytes <= disk.capacity_bytes and s.blocks == 3
-    assert disk._reserved == disk._reserved_pinned == 0
+    _three_blocks_and_nothing_in_flight(disk)
     # and an unpin while a write is in flight takes its bytes out of the count again
     started, release = _hold_disk_writes(disk, monkeypatch, [chain[3][0]])
     disk.unpin([k for k, _ in chain[:1]])

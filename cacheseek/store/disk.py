@@ -66,7 +66,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,29 +271,24 @@ class DiskTier(IndexedTier):
         return _InFlight(nbytes=n)
 
     def pin(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
-        with self._lock:
-            self._index.pin(keys)
-            self._recount_writes(keys)
-            self._sync_counts()
+        self._repin(self._index.pin, list(keys))
 
     def unpin(self, keys: Iterable[bytes]) -> None:
-        keys = list(keys)
-        with self._lock:
-            self._index.unpin(keys)
-            self._recount_writes(keys)
-            self._sync_counts()
+        self._repin(self._index.unpin, list(keys))
 
-    def _recount_writes(self, keys: list[bytes]) -> None:
-        """Blocks of ``keys`` being written count as pinned in flight while they are pinned,
-        whenever the pin came (``_refuse_beside_pins`` checks later writes against them).
-        Under the lock."""
-        for key in keys:
-            mine = self._writing.get(key)
-            if mine is not None:
-                pinned = mine.nbytes if self._index.is_pinned(key) else 0
-                self._reserved_pinned += pinned - mine.pinned_nbytes
-                mine.pinned_nbytes = pinned
+    def _repin(self, change: Callable[[list[bytes]], None], keys: list[bytes]) -> None:
+        """``change`` (the index's pin or unpin) of ``keys``; blocks of them being written
+        count as pinned in flight while they are pinned, whenever the pin came
+        (``_refuse_beside_pins`` checks later writes against them)."""
+        with self._lock:
+            change(keys)
+            for key in keys:
+                mine = self._writing.get(key)
+                if mine is not None:
+                    pinned = mine.nbytes if self._index.is_pinned(key) else 0
+                    self._reserved_pinned += pinned - mine.pinned_nbytes
+                    mine.pinned_nbytes = pinned
+            self._sync_counts()
 
     def _refused_at_commit(self, key: bytes, n: int) -> StorageError | None:
         """Why a written block cannot be indexed: it is pinned (maybe only since its write
