@@ -99,7 +99,9 @@ def _serve(args: argparse.Namespace) -> int:
         limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
                                   body_idle_timeout_seconds=settings.body_idle_timeout_seconds,
                                   body_min_bytes_per_second=settings.body_min_bytes_per_second)
-        http = protocol_class(limits=limits) or "httptools"
+        # Off the fast path, uvicorn chooses: httptools where it imports, else h11 (a server
+        # without httptools must still start).
+        http = protocol_class(limits=limits) or "auto"
         problem = fast_path_problem()
         if problem is None:
             print("cacheseek serve: receive path: in place (server.protocol: bodies by recv_into into the store's "

@@ -182,3 +182,23 @@ def test_the_fast_path_is_on_with_the_pinned_uvicorn_and_off_loudly_otherwise(mo
     monkeypatch.undo()
     monkeypatch.setattr(httptools_impl.HttpToolsProtocol, "on_message_complete", lambda self: None)
     assert "on_message_complete" in fast_path_problem() and protocol_class() is None
+
+
+def test_a_server_without_httptools_starts_on_uvicorns_own_parser_and_says_so(tmp_path):
+    """The fast path needs httptools; without it the server warns and serves on uvicorn's
+    h11 parser (it once asked uvicorn for httptools anyway, and died at start)."""
+    import httpx
+
+    from server_helpers import Server, raw_frame
+
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "httptools.py").write_text('raise ImportError("httptools hidden by this test")\n')
+    path = os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH", "")) if p)
+    h, frame = raw_frame(7)
+    with Server(tmp_path, disk=False, env={"PYTHONPATH": path}) as srv:
+        assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame, timeout=10).status_code == 201
+        got = httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", timeout=10)
+        assert got.status_code == 200 and got.content == frame
+        out = srv.output()
+    assert "fast path is OFF (cannot import uvicorn's httptools protocol: httptools hidden by this test)" in out
