@@ -81,6 +81,10 @@ class BulkTransport(httpx.BaseTransport):
         scheme = request.url.scheme
         if scheme not in ("http", "https"):
             raise httpx.UnsupportedProtocol(f"BulkTransport carries http and https, not {scheme!r}", request=request)
+        if "host" not in request.headers:
+            # httpx.Request(stream=...) adds no default headers: HTTP/1.1 requires Host, and
+            # strict parsers (h11, proxies) refuse a request without it.
+            request.headers["Host"] = request.url.netloc.decode("ascii")
         proxy = self._proxy_for(request.url)
         if proxy is not None:
             return self._through_proxy(proxy, request)

@@ -184,21 +184,31 @@ def test_the_fast_path_is_on_with_the_pinned_uvicorn_and_off_loudly_otherwise(mo
     assert "on_message_complete" in fast_path_problem() and protocol_class() is None
 
 
-def test_a_server_without_httptools_starts_on_uvicorns_own_parser_and_says_so(tmp_path):
+def test_a_server_without_httptools_serves_on_uvicorns_own_parser_and_says_so(tmp_path):
     """The fast path needs httptools; without it the server warns and serves on uvicorn's
-    h11 parser (it once asked uvicorn for httptools anyway, and died at start)."""
+    h11 parser (it once asked uvicorn for httptools anyway, and died at start). h11 is
+    strict: RemoteCache's streamed POSTs once went without a Host header, which it refuses."""
     import httpx
+    import torch
 
-    from server_helpers import Server, raw_frame
+    import cacheseek as cs
+    from server_helpers import LAYOUT, Server, raw_frame
 
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "httptools.py").write_text('raise ImportError("httptools hidden by this test")\n')
     path = os.pathsep.join(p for p in (str(shim), os.environ.get("PYTHONPATH", "")) if p)
     h, frame = raw_frame(7)
+    gen = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(1, 2, 64, 64, generator=gen).half(), torch.randn(1, 2, 64, 64, generator=gen).half())
+          for _ in range(LAYOUT.num_layers)]
     with Server(tmp_path, disk=False, env={"PYTHONPATH": path}) as srv:
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame, timeout=10).status_code == 201
         got = httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", timeout=10)
         assert got.status_code == 200 and got.content == frame
+        with cs.RemoteCache(srv.url, model_id="h11", layout=LAYOUT, codec=cs.Raw(), block_tokens=32) as remote:
+            assert remote.ingest(list(range(64)), kv).stored == 2
+            back = remote.materialize(list(range(64)))
+            assert back.num_tokens == 64 and all(torch.equal(a, b) for a, b in zip(back.layers[1], kv[1]))
         out = srv.output()
     assert "fast path is OFF (cannot import uvicorn's httptools protocol: httptools hidden by this test)" in out
