@@ -264,6 +264,64 @@ def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
             prefill_with_reuse(tiny_model, cache, [1, 2, 3])
 
 
+
+@pytest.mark.parametrize("bad", [2.5, "7", 2**31, -(2**31) - 1, None])
+def test_prefill_rejects_a_token_id_that_is_not_an_int32_before_anything_runs(tiny_model, bad):
+    ids = list(range(3, 3 + 2 * BLOCK))
+    ids[BLOCK + 5] = bad
+    with _cache(tiny_model) as cache:
+        for ingest, reuse in ((True, "auto"), (False, "never")):
+            with pytest.raises(InputError, match="token_ids: every id must be an int"):
+                prefill_with_reuse(tiny_model, cache, ids, ingest=ingest, reuse=reuse)
+            with pytest.raises(InputError, match="token_ids: every id must be an int"):
+                prefill_with_reuse(tiny_model, cache, torch.tensor([ids[:BLOCK] + [0.5]]), ingest=ingest, reuse=reuse)
+        assert cache.stats()["blocks"] == 0
+
+
+def test_prefill_takes_ids_of_any_integer_type_and_keeps_its_own_copy(tiny_model):
+    np = pytest.importorskip("numpy")
+    ids = list(range(3, 3 + 2 * BLOCK + 1))
+    with _cache(tiny_model) as cache:
+        plain = prefill_with_reuse(tiny_model, cache, ids, ingest=False, reuse="never")
+        given = [np.int64(t) for t in ids]
+        numpy = prefill_with_reuse(tiny_model, cache, given)
+        given[3] = 999  # the caller's list changing afterwards changes nothing stored
+        assert torch.equal(plain.logits, numpy.logits) and numpy.stored_blocks == 2
+        assert cache.locate(ids).num_blocks == 2
+
+
+def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
+    """Caches made for a full-attention config skip transformers' reading of the config's
+    layer types (asked once per config); a sliding-window config still gets its own
+    layers, so layer-wise reuse refuses it and a whole load falls back to a copy."""
+    from transformers.cache_utils import DynamicLayer
+
+    import cacheseek.integrations.transformers as integration
+
+    full = tiny_llama().config
+    sliding = transformers.MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    probe = transformers.DynamicCache(config=sliding)
+    if not getattr(probe, "layers", None) or all(type(layer) is DynamicLayer for layer in probe.layers):
+        pytest.skip("this transformers makes no sliding-window cache layers from a config")
+    for _ in range(2):  # the second time from what the first learned
+        assert [type(layer) for layer in integration._new_dynamic_cache(sliding).layers] == \
+            [type(layer) for layer in probe.layers]
+        assert integration._new_dynamic_cache(full).layers == []  # DynamicLayers appended as filled
+    layers = [(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)) for _ in range(2)]
+    assert all(type(layer) is DynamicLayer for layer in to_dynamic_cache(layers, full).layers)
+    assert [type(layer) for layer in to_dynamic_cache(layers, sliding).layers] == [type(layer) for layer in probe.layers]
+    got = types.SimpleNamespace(layers=layers, num_tokens=5)
+    over = integration._cache_over(got, full)
+    assert over.layers[0].keys is layers[0][0]  # no copy
+    copied = integration._cache_over(got, sliding)
+    assert copied.layers[0].keys is not layers[0][0] and torch.equal(copied.layers[0].keys, layers[0][0])
+    load = cs.LayerwiseLoad(num_layers=2, device=torch.device("cpu"), num_tokens=5, num_blocks=1, tiers=["cpu"],
+                            layers=layers)
+    with pytest.raises(ConfigError, match="full-attention DynamicLayer caches only"):
+        integration.layerwise_cache(load, sliding)
+    assert integration.layerwise_cache(load, full).layers[1].values is layers[1][1]
+
 # -- SmolLM2 (slow) -----------------------------------------------------------------------
 
 

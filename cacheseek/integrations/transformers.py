@@ -21,6 +21,7 @@ Limits, stated plainly:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import weakref
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, InputError, LoadError
+from ..hashing import token_block_bytes
 from ..kv_input import kv_layers
 from ..layout import KVLayout
 from ..prefix_keys import HashedKeys
@@ -88,18 +90,59 @@ def _logits_kwarg(model: Any) -> str | None:
 # -- DynamicCache in and out -------------------------------------------------------------
 
 
+def _new_dynamic_cache(config: Any = None) -> Any:
+    """An empty ``DynamicCache`` for a model ``config`` (its layer types: sliding window and
+    so on, on 5.x), or of plain full-attention layers without one."""
+    from transformers import DynamicCache
+
+    return DynamicCache(**_dynamic_cache_kwargs(config))
+
+
+# Per config (by identity): whether DynamicCache(config=...) makes full-attention
+# DynamicLayers only. Reading the layer types from a config costs transformers ~0.4 ms of
+# attribute lookups per cache, on the path to the first token for every reused prompt; for
+# such a config a DynamicCache() that appends a DynamicLayer per layer is the same cache.
+_FULL_ATTENTION: dict[int, tuple[Any, bool]] = {}
+
+
+def _dynamic_cache_kwargs(config: Any) -> dict[str, Any]:
+    """What ``DynamicCache(...)`` needs for ``config``: nothing where the config's layers are
+    all full attention (asked once per config), else the config."""
+    if config is None or not _dynamic_cache_takes_config():
+        return {}
+    known = _FULL_ATTENTION.get(id(config))
+    if known is not None and known[0]() is config:
+        return {} if known[1] else {"config": config}
+    from transformers import DynamicCache
+
+    layers = getattr(DynamicCache(config=config), "layers", None)
+    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
+    _FULL_ATTENTION[id(config)] = (weakref.ref(config), full)
+    return {} if full else {"config": config}
+
+
+@functools.lru_cache(maxsize=1)
+def _dynamic_cache_takes_config() -> bool:
+    from transformers import DynamicCache
+
+    return "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
+def _is_full_attention(layer: Any) -> bool:
+    from transformers.cache_utils import DynamicLayer
+
+    return type(layer) is DynamicLayer
+
+
 def to_dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config: Any = None) -> Any:
     """A ``DynamicCache`` holding ``layers`` [(K, V)], each [1, H, T, D] or [H, T, D].
 
     With a model ``config`` (5.x), the cache gets the model's layer types (sliding window
     and so on); without one, plain full-attention layers. The tensors are copied once.
     """
-    from transformers import DynamicCache
-
     if not layers:
         raise InputError("layers: empty; nothing to build a cache from")
-    params = inspect.signature(DynamicCache.__init__).parameters
-    cache = DynamicCache(config=config) if config is not None and "config" in params else DynamicCache()
+    cache = _new_dynamic_cache(config)
     with torch.no_grad():
         for i, (k, v) in enumerate(layers):
             k = k.unsqueeze(0) if k.dim() == 3 else k
@@ -132,11 +175,7 @@ def _make_layerwise_class() -> Any:
         """See ``layerwise_cache``."""
 
         def __init__(self, load: Any, config: Any, writer: Any) -> None:
-            params = inspect.signature(DynamicCache.__init__).parameters
-            if config is not None and "config" in params:
-                super().__init__(config=config)
-            else:
-                super().__init__()
+            super().__init__(**_dynamic_cache_kwargs(config))
             self._cs_load, self._cs_writer = load, writer
             self._cs_pending: set[int] = set()
             if load is not None and load.num_tokens:
@@ -199,10 +238,7 @@ def _cache_over(got: Any, config: Any) -> Any:
     the whole prefix on the device, and a cache update a layer on the host), since that
     forward replaces every layer's tensors with its own. Models whose cache has other than
     full-attention layers get the copy."""
-    from transformers import DynamicCache
-
-    params = inspect.signature(DynamicCache.__init__).parameters
-    cache = DynamicCache(config=config) if config is not None and "config" in params else DynamicCache()
+    cache = _new_dynamic_cache(config)
     try:
         _fill_without_copy(cache, len(got.layers), got.layers.__getitem__, got.num_tokens)
     except ConfigError:
@@ -456,9 +492,12 @@ def _token_ids(input_ids: Any) -> list[int]:
             raise InputError(f"input_ids: expected [T] or [1, T], got {list(input_ids.shape)}")
         ids = input_ids.tolist()
     else:
-        ids = [int(t) for t in input_ids]
+        ids = list(input_ids)  # this module's own list (HashedKeys keeps it)
     if not ids:
         raise InputError("input_ids: empty prompt")
+    # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
+    # id took ~1 ms of host time per 16K tokens, on the path to the first token.
+    token_block_bytes(ids)
     return ids
 
 
