@@ -334,7 +334,11 @@ def layer_timeline(model: Any, cache: Any, ids: list[int], device: torch.device)
     limits the overlap. ``compute_ms`` of a layer: from when it could run (needed and
     ready) to when the next layer was needed (the last: to the forward's end, LM head in)."""
     sync(device)
-    load = cache.materialize(ids, device=device, max_tokens=len(ids) - SUFFIX, layerwise=True)
+    layerwise.TIMELINE = True
+    try:
+        load = cache.materialize(ids, device=device, max_tokens=len(ids) - SUFFIX, layerwise=True)
+    finally:
+        layerwise.TIMELINE = False
     past = layerwise_cache(load, model.config)
     suffix = torch.tensor([ids[load.num_tokens:]], device=device)
     forward(model, suffix, past, last_only=True)

@@ -804,7 +804,8 @@ def test_remote_cache_returns_a_handle_with_every_layer_ready(server):
 
 @cuda
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
-def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec):
+def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec, monkeypatch):
+    monkeypatch.setattr(layerwise, "TIMELINE", True)
     with make_cache(codec) as cache:
         toks, _ = stored(cache, codec, device="cuda")
         want = cache.materialize(toks, device="cuda")
@@ -822,6 +823,13 @@ def test_cuda_wait_queues_an_event_wait_and_the_bytes_match(codec):
         assert all(t.needed_ms is not None for t in times)
         assert [t.ready_ms for t in times] == sorted(t.ready_ms for t in times)
         load.close()
+        monkeypatch.setattr(layerwise, "TIMELINE", False)  # the default: the waits record no events
+        with cache.materialize(toks, device="cuda", layerwise=True) as load:
+            for i in range(L):
+                load.wait(i)
+            assert load._needed == [None] * L
+            with pytest.raises(RuntimeError, match="TIMELINE = True"):
+                load.timeline()
 
 
 @cuda
