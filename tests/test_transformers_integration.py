@@ -13,6 +13,7 @@ own, so neither side is ever a one-shot prefill of prefix + suffix.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import types
 import zipfile
@@ -107,6 +108,12 @@ def test_cache_keyword_is_read_from_the_forward_signature():
     assert cache_kwarg(Old()) == "past_key_values"
     with pytest.raises(ConfigError):
         cache_kwarg(Neither())
+    # Read per forward function (kept once read): a wrapper set on one instance, as
+    # accelerate's hooks are, is read for that instance, and the class's for the others.
+    wrapped = New()
+    wrapped.forward = functools.partial(lambda self, input_ids=None, past_key_values=None: None, wrapped)
+    assert cache_kwarg(wrapped) == "past_key_values" and cache_kwarg(New()) == "cache"
+    assert cache_kwarg(wrapped) == "past_key_values"
     assert output_cache(types.SimpleNamespace(cache="c5")) == "c5"
     assert output_cache(types.SimpleNamespace(past_key_values="c4")) == "c4"
     with pytest.raises(RuntimeError):

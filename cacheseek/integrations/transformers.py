@@ -43,9 +43,28 @@ from .planner import ReuseDecision, ReusePlanner
 _CACHE_KWARGS = ("cache", "past_key_values")
 
 
+# The parameter names of a forward, per function (the class's, or a wrapper set on the
+# instance, as accelerate's hooks are): inspect.signature costs ~25 us a call, twice per
+# forward, on the path to the first token and on every generated token.
+_FORWARD_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _forward_params(model: Any) -> Any:
+    forward_fn = model.forward
+    key = getattr(forward_fn, "__func__", forward_fn)
+    try:
+        return _FORWARD_PARAMS[key]
+    except KeyError:
+        pass
+    except TypeError:  # (not weakly referable: asked every time)
+        return inspect.signature(forward_fn).parameters
+    params = _FORWARD_PARAMS[key] = inspect.signature(forward_fn).parameters
+    return params
+
+
 def cache_kwarg(model: Any) -> str:
     """The keyword ``model.forward`` takes its KV cache by: ``"cache"`` or ``"past_key_values"``."""
-    params = inspect.signature(model.forward).parameters
+    params = _forward_params(model)
     for name in _CACHE_KWARGS:
         if name in params:
             return name
@@ -83,7 +102,7 @@ def forward(model: Any, input_ids: torch.Tensor, cache: Any = None, *, last_only
 
 
 def _logits_kwarg(model: Any) -> str | None:
-    params = inspect.signature(model.forward).parameters
+    params = _forward_params(model)
     return next((name for name in ("logits_to_keep", "num_logits_to_keep") if name in params), None)
 
 
