@@ -67,8 +67,9 @@ GATHER = True
 GATHER_ON_CPU = False  # tests: the one-kernel group copy on CPU tensors too (Triton's interpreter)
 # GPU loads record when each layer was first waited for (a timing event per layer, for
 # ``LayerwiseLoad.timeline``) only when this is set as the load is made: those events cost
-# a forward's 32 waits 0.13-0.26 ms of host time on the H200's host (0.29-0.47 ms against
-# 0.16-0.21), on the path to the first token. Without a GPU the timeline is always kept.
+# a forward's 32 waits 0.1-0.3 ms of host time on the H200's host (0.29-0.76 ms against
+# 0.16-0.47, paired in six device runs), on the path to the first token. Without a GPU the
+# timeline is always kept.
 TIMELINE = False
 
 

@@ -32,8 +32,9 @@ This overrides methods of uvicorn's classes, which are not a public interface: u
 httptools are pinned to the range this was tested with (pyproject.toml), and
 ``protocol_class()`` checks the versions and that every method it replaces or relies on
 still reads as expected. Otherwise it returns None with the reason (``fast_path_problem``),
-the server falls back to uvicorn's own protocol (httptools, or h11 without it), says so at start (a warning) and
-in ``/readyz`` (``receive_path``), and the test suite fails (``tests/test_protocol.py``).
+the server falls back to uvicorn's own protocol (httptools, or h11 without it), says so at
+start (a warning) and in ``/readyz`` (``receive_path``), and the test suite fails
+(``tests/test_protocol.py``).
 """
 
 from __future__ import annotations

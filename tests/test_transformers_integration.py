@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import re
 import types
 import zipfile
@@ -328,6 +329,11 @@ def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     with pytest.raises(ConfigError, match="full-attention DynamicLayer caches only"):
         integration.layerwise_cache(load, sliding)
     assert integration.layerwise_cache(load, full).layers[1].values is layers[1][1]
+    key = id(sliding)
+    assert key in integration._FULL_ATTENTION
+    del sliding, probe, copied
+    gc.collect()
+    assert key not in integration._FULL_ATTENTION  # what was learnt goes with the config
 
 # -- SmolLM2 (slow) -----------------------------------------------------------------------
 

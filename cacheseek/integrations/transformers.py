@@ -136,7 +136,8 @@ def _dynamic_cache_kwargs(config: Any) -> dict[str, Any]:
 
     layers = getattr(DynamicCache(config=config), "layers", None)
     full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
-    _FULL_ATTENTION[id(config)] = (weakref.ref(config), full)
+    key = id(config)
+    _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full)
     return {} if full else {"config": config}
 
 
