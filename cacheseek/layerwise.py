@@ -132,7 +132,6 @@ class LayerwiseDecoder(BatchDecoder):
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
         j = len(self._frames)
-        dst = self._staging[j]
         host = frame.device_payload is None and frame.device_entries is None
         self._frames.append(frame)
         if split and host and len(self.groups) > 1:
@@ -154,6 +153,7 @@ class LayerwiseDecoder(BatchDecoder):
                 with on_stream(self._copy_stream):
                     self._copy_group(0, self._rows[-1:])
             return
+        dst = self._staging[j]  # (a view made per frame: only where a frame is copied whole)
         if self._copy_stream is None:
             self._copy(frame, dst)  # done when it returns
             frame.release()
