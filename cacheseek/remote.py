@@ -163,9 +163,10 @@ class RemoteCache(PrefixCacheBase):
         it, probes after 0.5 s doubling up to 10 s. ``max_body_bytes``: the largest body of one
         ``POST /v1/blocks``; an ingest whose new frames pass it sends them in several, in
         order. The default, 1 GiB, is half the server's default ``max_body_bytes``, so that
-        one body leaves room in its ``max_inflight_body_bytes`` for others; the server does
-        not publish its limit, so a ``413`` that names a lower one lowers this client's to it,
-        and the refused body goes again, split."""
+        one body leaves room in its ``max_inflight_body_bytes`` for others. A lower limit of
+        the server's lowers this client's to it: the server publishes it in the lookup every
+        write begins with, and a ``413`` (an older server's, or a proxy's: half the refused
+        body where it names none) does it too, the refused body then going again, split."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -225,7 +226,7 @@ class RemoteCache(PrefixCacheBase):
         return result
 
     def _ingest(self, layers: list, hashes: list[BlockHash], result: IngestResult) -> None:
-        found = self._lookup(hashes, each=True)
+        found = self._write_lookup(hashes)
         present = found["present"]
         result.present = sum(present)
         result.durability = found.get("durability", result.durability)
@@ -286,7 +287,7 @@ class RemoteCache(PrefixCacheBase):
         if not hashes:
             return
         every = [(r, b) for r, h in enumerate(call.hashes) for b in range(len(h))]
-        found = self._lookup(hashes, each=True)
+        found = self._write_lookup(hashes)
         for result in results:
             result.durability = found.get("durability", result.durability)
         present, seen = list(found["present"]), set()
@@ -508,6 +509,16 @@ class RemoteCache(PrefixCacheBase):
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         return self._guarded(path, lambda: json.loads(self._send(request, path).content))
 
+    def _write_lookup(self, hashes: list[BlockHash]) -> dict[str, Any]:
+        """The lookup a write begins with (``each``: which blocks are present). The server
+        answers its ``max_body_bytes`` too, which becomes this client's where lower: the
+        frames are then split under it from the first body on, not after a ``413``."""
+        found = self._lookup(hashes, each=True)
+        limit = found.get("max_body_bytes")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            self._take_body_limit(limit)
+        return found
+
     def _send(self, request: httpx.Request, path: str) -> httpx.Response:
         """One request through the transport, its body read whole."""
         try:
@@ -561,10 +572,13 @@ class RemoteCache(PrefixCacheBase):
         if exc.status != 413 or "max_frame_bytes" in exc.reason:
             return False
         named = _BODY_LIMIT.search(exc.reason)
-        lower = min(int(named[1]) if named else total // 2, total - 1)
-        if lower < self.max_body_bytes:  # another thread may have lowered it further meanwhile
-            self.max_body_bytes, self._limit_from_server = lower, True
+        self._take_body_limit(min(int(named[1]) if named else total // 2, total - 1))
         return True
+
+    def _take_body_limit(self, limit: int) -> None:
+        """The server's (or a proxy's) body limit becomes this client's where it is lower."""
+        if limit < self.max_body_bytes:  # another thread may have lowered it further meanwhile
+            self.max_body_bytes, self._limit_from_server = limit, True
 
     def _post_body(self, frames: list[BlockFrame], total: int) -> list[dict[str, Any]]:
         """One streamed POST of ``frames`` (content-addressed, so sent again on a new

@@ -123,7 +123,8 @@ def test_a_binary_lookup_answers_as_the_json_one(client):
                 assert binary.status_code == 200 and binary.json() == answer, (size, len(asked), each)
         each = client.post(f"/v1/lookup?each=true{query.replace('?', '&')}", content=b"".join([other, *hashes]),
                            headers=BINARY).json()
-        assert each == {"matched": 0, "tiers": [], "present": [False, True, True, True], "durability": "durable"}
+        assert each == {"matched": 0, "tiers": [], "present": [False, True, True, True], "durability": "durable",
+                        "max_body_bytes": 1 << 20}  # (LIMITS): what a writer splits its frames under
     # Hashes of one size read as the other are other hashes: no match, never an error.
     assert client.post("/v1/lookup", content=b"".join(hashes), headers=BINARY).json()["matched"] == 0
 
@@ -423,7 +424,8 @@ def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):
             # holds its own block under hexes[0], stored below).
             for other in ((b, {}) if round_ == 0 else ({},)):
                 assert c.post("/v1/lookup", json={"hashes": hexes, "each": True}, headers=other).json() == {
-                    "matched": 0, "tiers": [], "present": [False] * 3, "durability": "durable"}
+                    "matched": 0, "tiers": [], "present": [False] * 3, "durability": "durable",
+                    "max_body_bytes": 2 << 30}
                 assert c.get(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404
                 assert c.get(f"/v1/prefixes/{hexes[2]}", headers=other).status_code == 404
                 assert c.delete(f"/v1/blocks/{hexes[0]}", headers=other).status_code == 404

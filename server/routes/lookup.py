@@ -52,6 +52,9 @@ class LookupResponse(BaseModel):
         None, description="with each=true: whether each hash is stored as a PUT would answer \"present\": whole and "
                           "committed at the store's acknowledgement level (durable: on disk or in Redis)")
     durability: str | None = Field(None, description="with each=true: the acknowledgement level, durable or memory")
+    max_body_bytes: int | None = Field(
+        None, description="with each=true: the largest request body this server takes (POST /v1/blocks), so that a "
+                          "writer splits its frames under it from its first body on")
 
 
 LOOKUP_DOC = {
@@ -98,6 +101,8 @@ async def lookup(request: Request) -> JSONResponse:
     else:
         # A networked tier (Redis) answers in a round trip, or a timeout: never block the loop on it.
         found = await run_in_threadpool(service.lookup, caller.namespace, hashes, each)
+    if each:  # what a writer asks before it sends its new blocks
+        found["max_body_bytes"] = request.app.state.settings.max_body_bytes
     metrics = service.metrics
     if metrics.detail:
         metrics.looked_up(metrics.for_request(caller.namespace, request.headers), request.headers, len(hashes),
