@@ -312,10 +312,23 @@ def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     probe = transformers.DynamicCache(config=sliding)
     if not getattr(probe, "layers", None) or all(type(layer) is DynamicLayer for layer in probe.layers):
         pytest.skip("this transformers makes no sliding-window cache layers from a config")
-    for _ in range(2):  # the second time from what the first learned
-        assert [type(layer) for layer in integration._new_dynamic_cache(sliding).layers] == \
-            [type(layer) for layer in probe.layers]
-        assert integration._new_dynamic_cache(full).layers == []  # DynamicLayers appended as filled
+    asked = []
+    real_init = transformers.DynamicCache.__init__
+
+    @functools.wraps(real_init)  # (the same signature: whether DynamicCache takes a config is read from it)
+    def counting_init(self, *args, **kwargs):
+        asked.append(kwargs.get("config"))
+        real_init(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(transformers.DynamicCache, "__init__", counting_init)
+        for _ in range(3):  # the later times from what the first learned
+            assert [type(layer) for layer in integration._new_dynamic_cache(sliding).layers] == \
+                [type(layer) for layer in probe.layers]
+            assert integration._new_dynamic_cache(full).layers == []  # DynamicLayers appended as filled
+    # The full-attention config was read once (to learn it), never again; the other's caches need it.
+    assert sum(c is full for c in asked) == 1 and sum(c is sliding for c in asked) == 4
+    asked.clear()  # (it holds the configs)
     layers = [(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)) for _ in range(2)]
     assert all(type(layer) is DynamicLayer for layer in to_dynamic_cache(layers, full).layers)
     assert [type(layer) for layer in to_dynamic_cache(layers, sliding).layers] == [type(layer) for layer in probe.layers]
