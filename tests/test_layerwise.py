@@ -60,7 +60,10 @@ def stored(cache, codec, T=3 * BLOCK + 7, seed=1, device="cpu"):
 
 def test_layer_groups_grow_and_cover_every_layer():
     assert layer_groups(6) == [(0, 1), (1, 3), (3, 6)]
-    assert layer_groups(32) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 32)]
+    # A rest smaller than half the group before it joins that group (no launch for one layer).
+    assert layer_groups(32) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 32)]
+    assert layer_groups(16) == [(0, 1), (1, 3), (3, 7), (7, 16)]
+    assert layer_groups(40) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 31), (31, 40)]
     assert layer_groups(1) == [(0, 1)]
     assert layer_groups(5, first=2) == [(0, 2), (2, 5)]
     with pytest.raises(ValueError):
