@@ -112,12 +112,17 @@ class PrefixKeys:
         )
         return cls(root=root, block_tokens=block_tokens, hash_algo=hash_algo)
 
-    def hashed(self, keys: Any) -> HashedKeys:
-        """``keys`` with their block hashes, computed once (see ``HashedKeys``)."""
+    def hashed(self, keys: Any, *, packed: bytes | None = None) -> HashedKeys:
+        """``keys`` with their block hashes, computed once (see ``HashedKeys``). ``packed``:
+        ``hashing.token_block_bytes(keys)`` of token ids the caller has packed already
+        (to check them), not packed again."""
         if isinstance(keys, HashedKeys):
             keys = keys.keys
-        return HashedKeys(keys, self.num_tokens(keys), tuple(self.block_hashes(keys)),
-                          (self.root, self.block_tokens, self.hash_algo))
+        if packed is not None and isinstance(keys, list):
+            hashes = hash_token_blocks(self.root, keys, self.block_tokens, self.hash_algo, packed=packed)
+        else:
+            hashes = self.block_hashes(keys)
+        return HashedKeys(keys, self.num_tokens(keys), tuple(hashes), (self.root, self.block_tokens, self.hash_algo))
 
     def block_hashes(self, keys: Any) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``keys`` (token ids, a ``Prompt``, or one

@@ -195,6 +195,22 @@ def test_chain_is_prefix_stable_and_partial_tails_are_not_keyed(tokens, block, c
 
 
 @given(
+    tokens=st.lists(st.integers(min_value=-(2**31), max_value=2**31 - 1), min_size=0, max_size=200),
+    block=st.sampled_from([4, 16, 32]),
+)
+def test_ids_packed_by_the_caller_give_the_same_keys(tokens, block):
+    # (prefill_with_reuse packs a prompt to check its ids, and hashes with those bytes)
+    root = _root()
+    packed = token_block_bytes(tokens)
+    assert hash_token_blocks(root, tokens, block, packed=packed) == hash_token_blocks(root, tokens, block)
+    keys = PrefixKeys(root, block)
+    if tokens:
+        assert keys.hashed(tokens, packed=packed).hashes == keys.hashed(tokens).hashes
+    with pytest.raises(ValueError, match="packed"):  # bytes of other ids are refused, not hashed
+        hash_token_blocks(root, tokens, block, packed=packed + b"\0\0\0\0")
+
+
+@given(
     tokens=st.lists(st.integers(min_value=0, max_value=50000), min_size=64, max_size=64),
     pos=st.integers(min_value=0, max_value=63),
 )

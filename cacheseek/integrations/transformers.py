@@ -391,7 +391,7 @@ def prefill_with_reuse(
         raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
     t0 = time.perf_counter()
     device = model_device(model)
-    ids = _token_ids(input_ids)
+    ids, packed = _token_ids(input_ids)
     _check_layout(model, cache)
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
@@ -402,7 +402,7 @@ def prefill_with_reuse(
     prompt, past_start = None, 0
     # The prompt is hashed once for the lookup, the load and the save (each would hash it
     # again: ~0.4 ms of host time per 16K tokens, before the first token).
-    keys = _hashed(cache, ids) if ingest or (reuse != "never" and len(ids) > 1) else ids
+    keys = _hashed(cache, ids, packed) if ingest or (reuse != "never" and len(ids) > 1) else ids
     if reuse != "never" and len(ids) > 1:
         located = cache.locate(_prefix(keys, len(ids) - 1))
         timings.locate_s = time.perf_counter() - t0
@@ -502,7 +502,9 @@ def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
             planner.seed_read(tier["name"], gbps * 1e9 / bytes_per_token)
 
 
-def _token_ids(input_ids: Any) -> list[int]:
+def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
+    """The prompt's ids as this module's own list, and packed (``token_block_bytes``: the
+    pack that checks them is the one hashing needs)."""
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
@@ -517,15 +519,15 @@ def _token_ids(input_ids: Any) -> list[int]:
         raise InputError("input_ids: empty prompt")
     # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
     # id took ~1 ms of host time per 16K tokens, on the path to the first token.
-    token_block_bytes(ids)
-    return ids
+    return ids, token_block_bytes(ids)
 
 
-def _hashed(cache: Any, ids: list[int]) -> Any:
+def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:
     """``ids`` hashed once by ``cache``'s keys (``HashedKeys``), or as they are for a cache
-    without ``keys.hashed``. ``ids`` is this module's own list: nothing changes it after."""
+    without ``keys.hashed``. ``ids`` is this module's own list: nothing changes it after.
+    ``packed``: the ids packed by ``_token_ids``, hashed without packing them again."""
     hashed = getattr(getattr(cache, "keys", None), "hashed", None)
-    return hashed(ids) if hashed is not None else ids
+    return hashed(ids, packed=packed) if hashed is not None else ids
 
 
 def _prefix(keys: Any, num_tokens: int) -> Any:
