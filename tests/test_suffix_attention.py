@@ -39,22 +39,35 @@ def test_register_is_idempotent():
     assert suffix_attention.register() == suffix_attention.register() == "cacheseek_sdpa"
 
 
-def test_mask_is_skipped_only_for_queries_ending_at_the_last_key():
+# transformers 4 hands a mask function the queries' cache_position, 5 their count and offset.
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+
+
+def _mask(q_length: int, kv_length: int, q_offset: int = 0, **kw):
+    """``suffix_attention._mask`` called as the installed transformers calls it."""
     from transformers.masking_utils import causal_mask_function
 
-    plain = {"batch_size": 1, "mask_function": causal_mask_function}
-    assert suffix_attention._mask(q_length=16, kv_length=80, q_offset=64, **plain) is None  # suffix after a past
-    assert suffix_attention._mask(q_length=16, kv_length=16, **plain) is None  # a prefill
-    assert suffix_attention._mask(q_length=1, kv_length=81, q_offset=80, **plain) is None  # a decode step
-    # a static cache's prefill (keys past the queries' end): a real mask, never None
-    static = suffix_attention._mask(q_length=16, kv_length=128, q_offset=0, **plain)
+    kw = {"batch_size": 1, "mask_function": causal_mask_function} | kw
+    if TRANSFORMERS_4:
+        return suffix_attention._mask(cache_position=torch.arange(q_offset, q_offset + q_length), kv_length=kv_length,
+                                      **kw)
+    return suffix_attention._mask(q_length=q_length, kv_length=kv_length, q_offset=q_offset, **kw)
+
+
+def test_mask_is_skipped_only_for_queries_ending_at_the_last_key():
+    assert _mask(16, 80, 64) is None  # suffix after a past
+    assert _mask(16, 16) is None  # a prefill
+    assert _mask(1, 81, 80) is None  # a decode step
+    # a static cache's prefill (keys past the queries' end): a real mask, never None.
+    # (transformers 4 sizes the keys from the cache, and says a static one's mask may not
+    # be skipped; 5 gives the queries' offset, which is checked.)
+    static = _mask(16, 128, 0, allow_is_causal_skip=not TRANSFORMERS_4)
     assert static is not None and tuple(static.shape[-2:]) == (16, 128)
     assert bool(static[0, 0, 0, 0]) and not bool(static[0, 0, 0, 1])  # top-left causal
-    padded = suffix_attention._mask(q_length=4, kv_length=4, attention_mask=torch.tensor([[False, True, True, True]]),
-                                    **plain)
+    padded = _mask(4, 4, attention_mask=torch.tensor([[False, True, True, True]]))
     assert padded is not None and not bool(padded[0, 0, 3, 0])
     # a sliding window (its mask function comes from the caller): never skipped
-    assert suffix_attention._mask(q_length=16, kv_length=16, local_size=4, **plain) is not None
+    assert _mask(16, 16, local_size=4) is not None
 
 
 def test_prefill_suffix_and_decode_match_sdpa(models, monkeypatch):

@@ -50,16 +50,27 @@ def register() -> str:
     return NAME
 
 
-def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: Any = 0,
+def _mask(batch_size: int, q_length: int | None = None, kv_length: int = 0, q_offset: Any = 0, kv_offset: Any = 0,
           mask_function: Any = None, attention_mask: Any = None, local_size: Any = None,
-          allow_is_causal_skip: bool = True, **kwargs: Any) -> torch.Tensor | None:
+          allow_is_causal_skip: bool = True, cache_position: Any = None, **kwargs: Any) -> torch.Tensor | None:
     """``None`` (no mask: :func:`_attention` aligns the causal mask bottom-right) where that is
     the mask; otherwise transformers' sdpa mask, always materialized, so that ``None`` reaching
-    the attention means exactly this case."""
+    the attention means exactly this case.
+
+    transformers 5 names the queries by ``q_length`` and ``q_offset``; transformers 4 passes
+    their ``cache_position`` (a device tensor: not read here, which would make the host wait
+    for the device) and sizes the keys from the cache, so that with a cache whose mask may
+    be skipped (``allow_is_causal_skip``: not a static one) the queries end at the last key."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     plain = (mask_function is causal_mask_function and attention_mask is None and local_size is None
              and allow_is_causal_skip and isinstance(q_offset, int) and isinstance(kv_offset, int))
+    if q_length is None:  # transformers 4
+        if plain and kv_offset == 0 and cache_position is not None and cache_position.dim() == 1:
+            return None
+        return sdpa_mask(batch_size=batch_size, cache_position=cache_position, kv_length=kv_length,
+                         kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
+                         attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
     if plain and (q_length == 1 or q_offset + q_length == kv_offset + kv_length):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
