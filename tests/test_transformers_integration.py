@@ -477,8 +477,10 @@ def test_returned_cache_continues_with_generate(smol):
         again = prefill_with_reuse(model, cache, ids, ingest=False)
         # generate() continues from the cache: it gets the prompt plus the first new token
         x = torch.tensor([ids + [again.next_token]])
-        out = model.generate(x, **{cache_kwarg(model): again.cache}, max_new_tokens=5, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
+        # (the mask given: transformers 4 infers one from the pad id, which is the chat
+        # template's end-of-turn token here, and would mask the prompt's own turns)
+        out = model.generate(x, **{cache_kwarg(model): again.cache}, attention_mask=torch.ones_like(x),
+                             max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert [again.next_token] + out[0, len(ids) + 1:].tolist() == mine.tokens
 
 

