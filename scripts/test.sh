@@ -49,4 +49,22 @@ if ! "$VLLM_VENV/bin/python" -c "import vllm.entrypoints.llm, xxhash, msgpack" 2
 fi
 export CACHESEEK_VLLM_PYTHON="$VLLM_VENV/bin/python"
 
+# transformers 4 for tests/test_transformers4.py (the suite runs on transformers 5; the
+# integration supports both): a venv with transformers 4 and what it pins, over this
+# Python's own packages (torch, gguf, accelerate, pytest, this checkout's editable install),
+# added after the venv's by a .pth (venv --system-site-packages would reach the base
+# interpreter's, not those of a venv named by $PYTHON). Built once per machine (~30 s).
+TRANSFORMERS4=4.57.6
+TF4_VENV=${CACHESEEK_TRANSFORMERS4_VENV:-$HOME/.cache/cacheseek/venv-transformers-$TRANSFORMERS4}
+PARENT_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if ! "$TF4_VENV/bin/python" -c "import transformers, torch, pytest, gguf, cacheseek.kernels, sysconfig
+assert transformers.__version__ == '$TRANSFORMERS4' and sysconfig.get_paths()['purelib'] != '$PARENT_SITE'
+assert torch.__file__.startswith('$PARENT_SITE')" 2>/dev/null; then
+  "$PY" -m venv --clear "$TF4_VENV"
+  TF4_SITE=$("$TF4_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('$PARENT_SITE')" > "$TF4_SITE/_cacheseek_parent_site.pth"
+  "$TF4_VENV/bin/python" -m pip install -q "transformers==$TRANSFORMERS4"
+fi
+export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
+
 exec "$PY" -m pytest "$@"
