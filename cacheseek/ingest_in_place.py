@@ -14,9 +14,11 @@ input publishes nothing: a full tier evicts only at commit, having lent the call
 reserve (``TierConfig.cpu_reserve_bytes``), and every run launched is checked before the
 first is committed. The first commit evicts for the whole call (``room_for``), so that no
 later piece of it evicts an earlier one. A call larger than the reserve commits its first
-runs for room before its last are encoded; a bad value in those costs the tier what that
-first commit evicted (the runs are deleted again). On the host, the slots themselves are
-encoded into.
+runs for room before its last are encoded: before that first commit, the KV of the blocks
+not launched yet is checked for NaN and Inf (a pass over it on its device), so that such
+a value costs the tier nothing. (A KIVI group range beyond fp16 stats, which only the
+encode finds, still costs it what that commit evicted: the runs are deleted again.) On
+the host, the slots themselves are encoded into.
 
 The chain's last blocks are launched before the keys are known (``guess_tail``), so the
 copy engine starts while the host hashes the prompt; later batches double in size
@@ -43,7 +45,7 @@ from . import batching
 from .block_format import BlockFormat
 from .encode import encode_into, flags_to_host
 from .errors import InputError
-from .quant.tensors import give_back_flags
+from .quant.tensors import all_finite, give_back_flags
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -110,6 +112,9 @@ class InPlaceIngest:
         self.committed: list[bytes] = []
         self.guessed: tuple[int, int] | None = None  # blocks launched by guess_tail
         self.unlaunched = 0  # blocks of the call's batches not launched yet (see commit_oldest)
+        self.missing: list[bool] = []  # per block of the call: to be stored (not present)
+        self.launched: list[tuple[int, int]] = []  # blocks [a, b) of each run launched
+        self.rest_checked = False  # the blocks not launched were checked, before a commit for room
 
     # -- before the keys are known ----------------------------------------------------------
 
@@ -146,6 +151,7 @@ class InPlaceIngest:
         its own chain, when the blocks are several requests' (default: its index)."""
         self.outcomes = [None] * len(hashes)
         missing = [not p for p in present]
+        self.missing = list(missing)
         if self.guessed is not None:
             g0, g1 = self.guessed
             guessed = self.pending[0]
@@ -202,6 +208,7 @@ class InPlaceIngest:
         by frame, payloads only (see ``_Run.exact_last``)."""
         try:
             self._launch(first, metas, reservations, exact_last)
+            self.launched.append((first, first + len(metas)))
         except BaseException:
             if self.device.type == "cuda":
                 with contextlib.suppress(Exception):
@@ -326,11 +333,33 @@ class InPlaceIngest:
             if got is not None:
                 return got
             if self.pending:
+                if self.unlaunched and not self.rest_checked:
+                    self._check_rest()  # a commit evicts: not for a call a later block rejects
                 self.commit_oldest()  # frees reservation room (and evicts, at commit)
             elif count > 1:
                 count = (count + 1) // 2
             else:
                 return None
+
+    def _check_rest(self) -> None:
+        """``InputError`` if the KV of a block to be stored and not launched yet holds NaN
+        or Inf (the launched ones carry their codec's flags, checked before any commit)."""
+        self.rest_checked = True
+        launched = [False] * len(self.missing)
+        for a, b in self.launched:
+            launched[a:b] = [True] * (b - a)
+        rest = [not done and todo for todo, done in zip(self.missing, launched)]
+        for a, b in batching.runs(rest, len(rest)):
+            if self.source is not None:
+                self.source.check_finite(a, b - a)
+                continue
+            t0, t1 = a * self.block_tokens, b * self.block_tokens
+            # (On the host, a contiguous copy takes all_finite's bit test, not isfinite's
+            # slow path for half types.)
+            ok = torch.stack([all_finite(t[:, t0:t1] if t.is_cuda else t[:, t0:t1].contiguous())
+                              for kv in self.layers for t in kv])
+            if not bool(ok.all()):
+                raise InputError(f"{'k' if not bool(ok[0::2].all()) else 'v'}: holds NaN or Inf; input rejected")
 
     def abandon(self) -> None:
         """Give back every reservation not committed, once no copy writes into it."""

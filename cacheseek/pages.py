@@ -208,7 +208,7 @@ class PagedSource:
     ``blocks[i]`` of request ``requests[i]``. Checked and planned on the host once; what
     the kernels need goes to the device in one upload, the first time they need it."""
 
-    __slots__ = ("_where", "block_tokens", "device", "launched", "owner", "page_ids", "pages", "rows")
+    __slots__ = ("_where", "block_tokens", "checked", "device", "launched", "owner", "page_ids", "pages", "rows")
 
     def __init__(self, pages: KVPages, tables: Sequence[torch.Tensor], rows: Sequence[tuple[int, int]],
                  block_tokens: int) -> None:
@@ -231,6 +231,7 @@ class PagedSource:
             torch.zeros((0, 2), dtype=torch.int32)
         self._where = None
         self.launched: list[tuple[int, int, torch.Tensor]] = []  # (first, n, flags) of each encode
+        self.checked: list[tuple[int, int, torch.Tensor]] = []  # (first, n, flags) of check_finite
 
     def __len__(self) -> int:
         return self.rows.shape[0]
@@ -253,11 +254,25 @@ class PagedSource:
         self.launched.append((first, n, flags))
         return flags
 
+    def check_finite(self, first: int, n: int, *, chunk: int = 4) -> None:
+        """``InputError`` if a token of blocks ``[first, first + n)`` holds NaN or Inf, in K or
+        V of any layer, checked ``chunk`` blocks at a time (each gathered out of the pages:
+        exactly the blocks' tokens, never the rest of a page). Before an encode reaches
+        them: see ``InPlaceIngest``. The result is kept for :meth:`bad_blocks`."""
+        for a in range(first, first + n, chunk):
+            m = min(chunk, first + n - a)
+            ok = torch.isfinite(self.gather("k", a, m)).flatten(1).all(1) & \
+                torch.isfinite(self.gather("v", a, m)).flatten(1).all(1)
+            self.checked.append((a, m, ok.view(1, m)))
+            if not bool(ok.all()):
+                raise InputError("k or v: holds NaN or Inf; input rejected")
+
     def bad_blocks(self) -> list[int]:
         """Rows whose flags say NaN or Inf, among the encodes whose work is done (call it
-        after a codec's ``check_finite`` has failed: the device has run them)."""
+        after a codec's ``check_finite`` has failed: the device has run them) and the
+        blocks ``check_finite`` checked."""
         bad = []
-        for first, n, flags in self.launched:
+        for first, n, flags in self.launched + self.checked:
             ok = flags.reshape(flags.shape[0], -1).all(0).tolist() if flags.dim() > 1 else [bool(flags.all())] * n
             bad += [first + j for j, good in enumerate(ok) if not good]
         return bad

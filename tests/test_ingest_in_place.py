@@ -372,24 +372,74 @@ def test_nan_in_a_later_run_commits_nothing_and_evicts_nothing(monkeypatch):
     assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
 
 
-def test_nan_in_a_run_launched_after_a_commit_for_room_undoes_the_runs_before_it(monkeypatch):
+def _count_rest_checks(monkeypatch) -> list:
+    """One entry per ``InPlaceIngest._check_rest`` call (made before it runs: it may raise)."""
+    calls, real = [], ingest_in_place.InPlaceIngest._check_rest
+    monkeypatch.setattr(ingest_in_place.InPlaceIngest, "_check_rest", lambda self: calls.append(1) or real(self))
+    return calls
+
+
+ON_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_nan_in_a_block_not_launched_before_a_commit_for_room_evicts_nothing(device, monkeypatch):
     """A call larger than the reserve commits its first run to make room before its last is
-    encoded (that commit evicts for the whole call, so that the later runs do not evict
-    it): a bad value there deletes it again (what the commit evicted stays out)."""
+    encoded (that commit evicts for the whole call): the blocks not launched yet are checked
+    for NaN and Inf before it, so a bad value there commits nothing and evicts nothing."""
     cache, others = _full_kivi_cache(reserve_frames=2)
+    before = ([cache.lookup(t) for t in others], _tier_state(cache))
     commits = _Spy(monkeypatch, cache.store, "commit_many")
-    toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43)
-    kv[0][1][0, 3, 3] = float("inf")
-    before = _tier_state(cache)
+    checks = _count_rest_checks(monkeypatch)
+    toks, kv = tokens_for(43, 6 * BLOCK), make_kv(6 * BLOCK, 43, device=device)
+    kv[0][1][0, 3, 3] = float("inf")  # block 0: the chain's head, the last run launched
     with pytest.raises(InputError, match="NaN or Inf"):
         cache.ingest(toks, kv)
-    assert len(commits.calls) == 1  # the tail's run, committed for room, then undone
-    frame = commits.calls[0][0][0][0][1].nbytes
-    evicted = _tier_state(cache)["evictions"] - before["evictions"]
-    assert before["used_bytes"] - (evicted - 1) * frame + 6 * frame > cache.store.tiers[0].capacity_bytes
-    assert before["used_bytes"] - evicted * frame + 6 * frame <= cache.store.tiers[0].capacity_bytes  # room for 6
-    assert cache.lookup(toks) == 0 and _tier_state(cache)["reservation_bytes"] == 0
-    assert sum(cache.lookup(t) for t in others) < 3 * 6 * BLOCK  # evicted for the runs committed
+    assert checks == [1] and commits.calls == [] and cache.lookup(toks) == 0
+    assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
+    kv[0][1][0, 3, 3] = 0.5
+    assert cache.ingest(toks, kv).stored == 6 and len(commits.calls) > 1  # good: committed in pieces
+
+
+def test_the_check_before_a_commit_for_room_looks_only_at_blocks_to_store(monkeypatch):
+    """Exactly the blocks the call stores: a NaN in a stored block's KV, or in the partial
+    tail (never stored), rejects nothing, as without the check."""
+    cache, _ = _full_kivi_cache(reserve_frames=2)
+    checks = _Spy(monkeypatch, ingest_in_place.InPlaceIngest, "_check_rest")
+    toks, kv = tokens_for(44, 6 * BLOCK + 5), make_kv(6 * BLOCK + 5, 44)
+    assert cache.ingest(toks[:BLOCK], [(k[:, :BLOCK], v[:, :BLOCK]) for k, v in kv]).stored == 1
+    kv[1][0][1, 2, 3] = float("nan")  # block 0, stored already
+    kv[2][1][0, 6 * BLOCK + 2, 0] = float("inf")  # the partial tail
+    got = cache.ingest(toks, kv)
+    assert (got.stored, got.present) == (5, 1) and len(checks.calls) == 1  # (the check ran)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_nan_in_pages_not_launched_before_a_commit_for_room_names_the_request_and_evicts_nothing(device, monkeypatch):
+    """The same for KV in an engine's pages (``ingest_batch``): the blocks are gathered out
+    of the pages to be checked, exactly their tokens (garbage in the unused slots of the
+    last page is not the request's), and the error names the request."""
+    from paged_helpers import engine_tensors, kv_pages, write_tokens
+
+    cache, others = _full_kivi_cache(reserve_frames=2)
+    T, page = 6 * BLOCK + 5, 16
+    toks, kv = tokens_for(45, T), make_kv(T, 45)
+    pages = kv_pages("flash", engine_tensors("flash", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 20, page,
+                                             LAYOUT.torch_dtype, device=device))
+    ids = list(range(19, 19 - -(-T // page), -1))  # scattered the other way round
+    write_tokens(pages, kv, ids)
+    pages.k[0][ids[-1], T % page + 1] = float("nan")  # past the request's last token: not its KV
+    before = ([cache.lookup(t) for t in others], _tier_state(cache))
+    commits = _Spy(monkeypatch, cache.store, "commit_many")
+    checks = _count_rest_checks(monkeypatch)
+    pages.v[2][ids[1], 3] = float("inf")  # block 0's token 19 (pages of 16): launched last
+    with pytest.raises(InputError, match=r"requests\[0\].*NaN or Inf"):
+        cache.ingest_batch([cs.PagedRequest(toks, ids)], pages)
+    assert checks == [1] and commits.calls == [] and cache.lookup(toks) == 0
+    assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
+    pages.v[2][ids[1], 3] = 0.5
+    assert cache.ingest_batch([cs.PagedRequest(toks, ids)], pages)[0].stored == 6
 
 
 def test_without_room_to_reserve_the_blocks_go_through_put(monkeypatch):
