@@ -16,9 +16,9 @@ first is committed. The first commit evicts for the whole call (``room_for``), s
 later piece of it evicts an earlier one. A call larger than the reserve commits its first
 runs for room before its last are encoded: before that first commit, the KV of the blocks
 not launched yet is checked for NaN and Inf (a pass over it on its device), so that such
-a value costs the tier nothing. (A KIVI group range beyond fp16 stats, which only the
-encode finds, still costs it what that commit evicted: the runs are deleted again.) On
-the host, the slots themselves are encoded into.
+a value costs the tier nothing; so is KV beyond the magnitudes its codec always encodes
+(``safe_magnitudes``: a KIVI group range beyond fp16 stats, say), which the codec's own
+encode then judges. On the host, the slots themselves are encoded into.
 
 The chain's last blocks are launched before the keys are known (``guess_tail``), so the
 copy engine starts while the host hashes the prompt; later batches double in size
@@ -45,7 +45,7 @@ from . import batching
 from .block_format import BlockFormat
 from .encode import encode_into, flags_to_host
 from .errors import InputError
-from .quant.tensors import all_finite, give_back_flags
+from .quant.tensors import all_finite, give_back_flags, within
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -342,24 +342,39 @@ class InPlaceIngest:
                 return None
 
     def _check_rest(self) -> None:
-        """``InputError`` if the KV of a block to be stored and not launched yet holds NaN
-        or Inf (the launched ones carry their codec's flags, checked before any commit)."""
+        """``InputError`` if the KV of a block to be stored and not launched yet is KV its
+        codec refuses (NaN, Inf, a group range its stats cannot hold); the launched ones
+        carry their codec's flags, checked before any commit."""
         self.rest_checked = True
         launched = [False] * len(self.missing)
         for a, b in self.launched:
             launched[a:b] = [True] * (b - a)
         rest = [not done and todo for todo, done in zip(self.missing, launched)]
         for a, b in batching.runs(rest, len(rest)):
-            if self.source is not None:
-                self.source.check_finite(a, b - a)
-                continue
-            t0, t1 = a * self.block_tokens, b * self.block_tokens
-            # (On the host, a contiguous copy takes all_finite's bit test, not isfinite's
-            # slow path for half types.)
-            ok = torch.stack([all_finite(t[:, t0:t1] if t.is_cuda else t[:, t0:t1].contiguous())
-                              for kv in self.layers for t in kv])
-            if not bool(ok.all()):
-                raise InputError(f"{'k' if not bool(ok[0::2].all()) else 'v'}: holds NaN or Inf; input rejected")
+            for c, d in self.format.segments(a, b):
+                codec = self.format.at(c).codec
+                if self.source is not None:
+                    self.source.check_values(codec, c, d - c)
+                else:
+                    self._check_layers(codec, c * self.block_tokens, d * self.block_tokens)
+
+    def _check_layers(self, codec: Any, t0: int, t1: int) -> None:
+        """Tokens ``[t0, t1)`` of every layer: one pass each (min and max, or finiteness
+        where every finite value encodes); the codec's own encode only for a layer beyond
+        its safe magnitudes, which the encode alone can judge."""
+        # (On the host, a contiguous copy takes all_finite's bit test, not isfinite's slow
+        # path for half types.)
+        sides = [t[:, t0:t1] if t.is_cuda else t[:, t0:t1].contiguous() for kv in self.layers for t in kv]
+        bounds = codec.safe_magnitudes(self.layout.dtype, self.layout.head_dim)
+        ok = torch.stack([all_finite(t) if bounds is None else within(t, bounds[i % 2]) for i, t in enumerate(sides)])
+        if bool(ok.all()):
+            return
+        finite = ok if bounds is None else torch.stack([all_finite(t) for t in sides])
+        if not bool(finite.all()):
+            raise InputError(f"{'k' if not bool(finite[0::2].all()) else 'v'}: holds NaN or Inf; input rejected")
+        for i in range(0, len(sides), 2):
+            if not bool(ok[i] & ok[i + 1]):
+                codec.encode(sides[i], sides[i + 1])  # the codec's InputError, if it refuses them
 
     def abandon(self) -> None:
         """Give back every reservation not committed, once no copy writes into it."""

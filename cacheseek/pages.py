@@ -254,18 +254,32 @@ class PagedSource:
         self.launched.append((first, n, flags))
         return flags
 
-    def check_finite(self, first: int, n: int, *, chunk: int = 4) -> None:
-        """``InputError`` if a token of blocks ``[first, first + n)`` holds NaN or Inf, in K or
-        V of any layer, checked ``chunk`` blocks at a time (each gathered out of the pages:
-        exactly the blocks' tokens, never the rest of a page). Before an encode reaches
-        them: see ``InPlaceIngest``. The result is kept for :meth:`bad_blocks`."""
+    def check_values(self, codec: Any, first: int, n: int, *, chunk: int = 4) -> None:
+        """``InputError`` if the KV of blocks ``[first, first + n)`` is KV ``codec`` refuses:
+        NaN or Inf in K or V of any layer, or (beyond the codec's ``safe_magnitudes``, where
+        its encode of the block decides) a range its stats cannot hold. Checked ``chunk``
+        blocks at a time, each gathered out of the pages: exactly the blocks' tokens, never
+        the rest of a page. Before an encode reaches them: see ``InPlaceIngest``. The
+        result is kept for :meth:`bad_blocks`."""
+        from .quant.tensors import dtype_str, within
+
+        bounds = codec.safe_magnitudes(dtype_str(self.pages.dtype), self.pages.head_dim)
         for a in range(first, first + n, chunk):
             m = min(chunk, first + n - a)
-            ok = torch.isfinite(self.gather("k", a, m)).flatten(1).all(1) & \
-                torch.isfinite(self.gather("v", a, m)).flatten(1).all(1)
+            k, v = self.gather("k", a, m), self.gather("v", a, m)  # [m, L, H, B, D]
+            ok = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
+            refused = None if bool(ok.all()) else InputError("k or v: holds NaN or Inf; input rejected")
+            if refused is None and bounds is not None:
+                beyond = ~(within(k, bounds[0], dim=0) & within(v, bounds[1], dim=0))
+                for j in beyond.nonzero().flatten().tolist():
+                    try:
+                        for layer in range(k.shape[1]):
+                            codec.encode(k[j, layer], v[j, layer])
+                    except InputError as e:
+                        ok[j], refused = False, e
             self.checked.append((a, m, ok.view(1, m)))
-            if not bool(ok.all()):
-                raise InputError("k or v: holds NaN or Inf; input rejected")
+            if refused is not None:
+                raise refused
 
     def bad_blocks(self) -> list[int]:
         """Rows whose flags say NaN or Inf, among the encodes whose work is done (call it

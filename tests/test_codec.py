@@ -3,7 +3,7 @@ import math
 import msgpack
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheseek as cs
@@ -237,6 +237,43 @@ def test_extreme_bf16_values_are_rejected_with_fp16_stats_not_stored_as_inf():
     k[0, 5, 5] = torch.finfo(torch.bfloat16).max
     with pytest.raises(InputError, match="float32"):
         cs.KIVI(bits=4, group_size=32).encode(k, k.clone())
+
+
+def _just_within(bound: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` at most ``bound`` (a positive ``bound`` rounded to
+    ``dtype`` may lie above it; one step down its bits is the next value below)."""
+    x = torch.tensor(bound, dtype=torch.float64).to(dtype)
+    if x.double() > bound:
+        bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+        x = (x.view(bits) - 1).view(dtype)
+    return float(x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from([2, 4, 8]), st.sampled_from(["float16", "float32"]), st.booleans(),
+       st.sampled_from([0, 3]), st.sampled_from(["float16", "bfloat16", "float32"]),
+       st.sampled_from(["torch", "triton"]), st.integers(0, 2**31 - 1))
+def test_kv_within_the_safe_magnitudes_always_encodes(bits, stats, rotate, clip, dtype, backend, seed):
+    """``safe_magnitudes`` promises what the in-place ingest's check relies on: finite KV
+    within them is never refused, whatever its groups' ranges (each group here spans both
+    extremes; V rows all at the extreme, one with equal signs that the rotation aligns).
+    Where it promises every finite value, the dtype's own extremes are what it gets."""
+    from cacheseek.quant.backend import BACKEND_ENV
+
+    codec = cs.KIVI(bits=bits, group_size=32, stats_dtype=stats, v_rotate=rotate, v_clip=clip)
+    bounds = codec.safe_magnitudes(dtype, 64)
+    torch_dtype = getattr(torch, dtype)
+    top = torch.finfo(torch_dtype).max
+    kb, vb = (_just_within(b, torch_dtype) for b in bounds) if bounds else (top, top)
+    gen = torch.Generator().manual_seed(seed)
+    k = (torch.rand(1, 2, 64, 64, generator=gen) * 2 - 1).mul(kb).to(torch_dtype)
+    k[..., ::32, :], k[..., 1::32, :] = kb, -kb  # every K group spans [-kb, kb]
+    signs = torch.randint(0, 2, (1, 2, 64, 64), generator=gen) * 2 - 1
+    v = (signs * vb).to(torch_dtype)
+    v[..., 0, :] = vb  # one row of equal signs: the rotation's worst case, sqrt(head_dim) growth
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BACKEND_ENV, backend)
+        codec.encode(k, v)  # no InputError
 
 
 @pytest.mark.parametrize(

@@ -343,18 +343,18 @@ def test_nan_stores_nothing_and_evicts_nothing_even_in_a_full_tier(monkeypatch):
     assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
 
 
-def _full_kivi_cache(reserve_frames: int) -> tuple[cs.PrefixCache, list[list[int]]]:
+def _full_kivi_cache(reserve_frames: int, layout: cs.KVLayout = LAYOUT) -> tuple[cs.PrefixCache, list[list[int]]]:
     """A KIVI cache whose tier three other 6-block prompts fill (every new block evicts), two
     blocks per in-place run, lending new blocks ``reserve_frames`` frames of reserve."""
     # (KIVI: Raw on the host checks whole layers at once, so every run would fail.)
-    frame = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK).block_format \
+    frame = cs.PrefixCache(model_id="m", layout=layout, codec=KIVI4, block_tokens=BLOCK).block_format \
         .planned_payload().nbytes
-    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=KIVI4, block_tokens=BLOCK,
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=KIVI4, block_tokens=BLOCK,
                            tiers=cs.TierConfig(cpu_bytes=18 * frame, cpu_reserve_bytes=reserve_frames * frame),
-                           max_batch_bytes=2 * LAYOUT.raw_nbytes(BLOCK))
+                           max_batch_bytes=2 * layout.raw_nbytes(BLOCK))
     others = [tokens_for(seed, 6 * BLOCK) for seed in (60, 61, 62)]
     for seed, toks in zip((60, 61, 62), others):
-        cache.ingest(toks, make_kv(6 * BLOCK, seed))
+        cache.ingest(toks, make_kv(6 * BLOCK, seed, layout))
     return cache, others
 
 
@@ -400,6 +400,52 @@ def test_nan_in_a_block_not_launched_before_a_commit_for_room_evicts_nothing(dev
     assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
     kv[0][1][0, 3, 3] = 0.5
     assert cache.ingest(toks, kv).stored == 6 and len(commits.calls) > 1  # good: committed in pieces
+
+
+BF16 = cs.KVLayout(num_layers=LAYOUT.num_layers, num_kv_heads=LAYOUT.num_kv_heads, head_dim=LAYOUT.head_dim,
+                   dtype="bfloat16")
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_range_beyond_fp16_stats_in_a_block_not_launched_evicts_nothing(device, monkeypatch):
+    """bf16 KV past 65504 is finite, yet KIVI's fp16 stats cannot hold a group's min below
+    -65504: the check before a commit for room refuses it as the encode would (nothing
+    committed, nothing evicted), and accepts a value past 65504 the encode accepts."""
+    cache, others = _full_kivi_cache(reserve_frames=2, layout=BF16)
+    before = ([cache.lookup(t) for t in others], _tier_state(cache))
+    commits = _Spy(monkeypatch, cache.store, "commit_many")
+    checks = _count_rest_checks(monkeypatch)
+    toks, kv = tokens_for(46, 6 * BLOCK), make_kv(6 * BLOCK, 46, BF16, device=device)
+    kv[1][0][1, 5, 7] = -1e6  # K of block 0 (the last run launched): the group's min, beyond fp16
+    with pytest.raises(InputError, match="range beyond float16 stats"):
+        cache.ingest(toks, kv)
+    assert checks == [1] and commits.calls == [] and cache.lookup(toks) == 0
+    assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
+    # Past 65504 and yet encodable: the group's min stays small and its range / 15 fits.
+    kv[1][0][1, 5, 7] = 1e5
+    assert cache.ingest(toks, kv).stored == 6 and len(commits.calls) > 1 and checks == [1, 1]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_range_beyond_fp16_stats_in_pages_not_launched_names_the_request(device, monkeypatch):
+    from paged_helpers import engine_tensors, kv_pages, write_tokens
+
+    cache, others = _full_kivi_cache(reserve_frames=2, layout=BF16)
+    T, page = 6 * BLOCK, 16
+    toks, kv = tokens_for(47, T), make_kv(T, 47, BF16)
+    pages = kv_pages("flash", engine_tensors("flash", BF16.num_layers, BF16.num_kv_heads, BF16.head_dim, 20, page,
+                                             BF16.torch_dtype, device=device))
+    ids = list(range(19, 19 - T // page, -1))
+    write_tokens(pages, kv, ids)
+    before = ([cache.lookup(t) for t in others], _tier_state(cache))
+    commits = _Spy(monkeypatch, cache.store, "commit_many")
+    pages.v[2][ids[1], 3, 1, 9] = -1e6  # block 0's token 19, head 1: a V group's min
+    with pytest.raises(InputError, match=r"requests\[0\].*range beyond float16 stats"):
+        cache.ingest_batch([cs.PagedRequest(toks, ids)], pages)
+    assert commits.calls == [] and cache.lookup(toks) == 0
+    assert ([cache.lookup(t) for t in others], _tier_state(cache)) == before
+    pages.v[2][ids[1], 3, 1, 9] = 1e5  # the group's range / 15 fits, its min is the others'
+    assert cache.ingest_batch([cs.PagedRequest(toks, ids)], pages)[0].stored == 6
 
 
 def test_the_check_before_a_commit_for_room_looks_only_at_blocks_to_store(monkeypatch):

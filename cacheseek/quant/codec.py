@@ -78,6 +78,12 @@ class KVLayerCodec(Protocol):
         """Raise ``InputError`` unless the flags from ``encode_deferred`` all hold."""
         ...
 
+    def safe_magnitudes(self, dtype: str, head_dim: int) -> tuple[float, float] | None:
+        """``(k, v)``: magnitudes within which finite ``dtype`` KV always encodes; None when
+        every finite input does. Lets a caller check KV before its encode with one cheap
+        pass (min and max), and run the encode itself only on KV beyond them."""
+        ...
+
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]: ...
 
     def decode_buffers(self, buffers: list[Any], out: tuple[Any, Any]) -> None:

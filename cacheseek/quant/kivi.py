@@ -360,6 +360,18 @@ class KIVI:
             raise InputError(f"{bad}: holds NaN or Inf, or a group range beyond {self.stats_dtype} stats "
                              f"({hint}); input rejected")
 
+    def safe_magnitudes(self, dtype: str, head_dim: int) -> tuple[float, float] | None:
+        """Within ``m``, a group's min fits the stats and its range (at most ``2m``, taken in
+        fp32) over the levels (at least 3) fits too, so ``m`` is the smaller of the stats'
+        largest value and half fp32's. Rotated V rows grow by up to ``sqrt(head_dim)`` and
+        are rounded to V's own dtype first."""
+        import torch
+
+        top = torch.finfo(getattr(torch, dtype)).max
+        k = min(torch.finfo(getattr(torch, self.stats_dtype)).max, torch.finfo(torch.float32).max / 2)
+        v = min(k, top) / math.sqrt(head_dim) if self.v_rotate else k
+        return None if top <= min(k, v) else (k, v)
+
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         """Move the compact buffers to ``device``, then dequantize there."""
         from .tensors import TORCH_DTYPES, to_device

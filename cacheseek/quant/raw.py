@@ -46,6 +46,9 @@ class Raw:
     def encoded_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
         return layout.raw_nbytes(num_tokens)
 
+    def safe_magnitudes(self, dtype: str, head_dim: int) -> None:
+        return None  # only NaN and Inf are refused
+
     def encode(self, k: Any, v: Any) -> EncodedLayer:
         layer, finite = self.encode_deferred(k, v)
         self.check_finite(finite)

@@ -164,6 +164,13 @@ def finite_per_block(t: torch.Tensor) -> torch.Tensor:
     return t.view(int_dtype).bitwise_and(mask).amax(dim=dims) < mask
 
 
+def within(t: torch.Tensor, bound: float, *, dim: int | None = None) -> torch.Tensor:
+    """A bool tensor (0-d, or one per index of ``dim``): every value of ``t`` lies in
+    ``[-bound, bound]``, so none is NaN or Inf either (NaN reaches the min and the max)."""
+    lo, hi = torch.aminmax(t) if dim is None else torch.aminmax(t.flatten(dim + 1), dim=dim + 1)
+    return (lo >= -bound) & (hi <= bound)
+
+
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor: no NaN and no Inf in ``t`` (no host sync until it is read).
 
