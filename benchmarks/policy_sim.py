@@ -12,7 +12,8 @@ Traces: the Mooncake synthetic trace (or --trace) and the synthetic shapes of
 not adopted (``benchmarks/policy_candidates.py``). Prints, per trace, counting and budget,
 each policy's block hit rate and its share of Belady's; and, for the first trace at the
 first budget, where Belady's hits come from (``belady_profile``) and how far a policy that
-knows one bit of the future gets (``reuse_bit_bound``); writes
+knows one bit of the future gets (``reuse_bit_bound``); at every budget, the best static
+cache (``static_oracle``); and how a prefix's requests recur (``family_arrivals``); writes
 benchmarks/results/policy_sim.json.
 """
 
@@ -161,6 +162,60 @@ def reuse_bit_bound(trace, budget: int, horizons=(4, 8), thresholds=(0.1, 0.2, 0
     return out
 
 
+def static_oracle(trace, budgets) -> dict:
+    """Block hit rate of the best *static* cache at each budget, as a share of Belady's:
+    the blocks most used over the whole trace (perfect hindsight of every block's
+    frequency; ties to the block seen first, so a parent comes before its children), a
+    block a hit from its second request on. What a policy that ranks blocks by their
+    rate of use could reach if it knew the rates exactly and paid nothing to learn them."""
+    uses: Counter = Counter(x for req in trace for x in req.hash_ids)
+    first: dict[int, int] = {}
+    for req in trace:
+        for x in req.hash_ids:
+            first.setdefault(x, len(first))
+    ranked = sorted(uses, key=lambda x: (-uses[x], first[x]))
+    nxt = reference.next_uses(trace)
+    total = sum(len(req.hash_ids) for req in trace)
+    out = {}
+    for c in budgets:
+        chosen = set(ranked[:c])
+        present: set[int] = set()
+        hits = 0
+        for req in trace:
+            hits += reference.prefix_hits(req.hash_ids, present)
+            present.update(x for x in req.hash_ids if x in chosen)
+        best = reference.belady_prefix(trace, c, nxt=nxt).hit_blocks
+        out[str(c)] = {"hit %": round(100 * hits / total, 2), "of belady": round(hits / best, 3)}
+    return out
+
+
+def family_arrivals(trace) -> dict:
+    """How a request's prefix recurs. A family: the requests whose chains start with the
+    same block. Per family, the gaps between its requests in requested blocks; the
+    coefficient of variation (std / mean) of each family's gaps, for families with at least
+    three (1 for a memoryless, Poisson arrival; near 0 for a periodic one). A median near 1
+    says that when a family returns is close to a coin toss at its rate: what the past can
+    tell an online policy is the rate, which ``static_oracle`` already knows exactly."""
+    clock = 0
+    arrivals: dict[int, list[int]] = {}
+    for req in trace:
+        if req.hash_ids:
+            arrivals.setdefault(req.hash_ids[0], []).append(clock)
+        clock += len(req.hash_ids)
+    cvs, gaps = [], []
+    for times in arrivals.values():
+        g = [b - a for a, b in zip(times, times[1:])]
+        gaps += g
+        if len(g) >= 3:
+            mean = sum(g) / len(g)
+            cvs.append((sum((x - mean) ** 2 for x in g) / len(g)) ** 0.5 / mean if mean else 0.0)
+    cvs.sort()
+    gaps.sort()
+    return {"families": len(arrivals), "single_request": sum(len(t) == 1 for t in arrivals.values()),
+            "families_with_3_gaps": len(cvs), "median_gap_cv": round(cvs[len(cvs) // 2], 2) if cvs else None,
+            "median_gap_blocks": gaps[len(gaps) // 2] if gaps else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(FULL_TRACE))
@@ -205,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     for bound in doc["reuse_bit_bound"]:
         print(f"LRU told whether each access is reused within h x {bound['budget_blocks']} blocks, share of Belady: "
               f"true bit {bound['oracle_bit']}; guessed from use count and idle time {bound['guessed_bit']}")
+    doc["static_oracle"] = static = static_oracle(first, budgets)
+    print("best static cache (every block's frequency known in hindsight), by budget: "
+          + "; ".join(f"{c}: {v['hit %']}% ({v['of belady']:.0%} of Belady)" for c, v in static.items()))
+    doc["family_arrivals"] = fam = family_arrivals(first)
+    print(f"families (requests with the same first block): {fam['families']}, {fam['single_request']} of them "
+          f"a single request; median CV of a family's gaps {fam['median_gap_cv']} over {fam['families_with_3_gaps']} "
+          f"families with 3+ gaps (1: memoryless); median gap {fam['median_gap_blocks']} requested blocks")
     path = write_json("policy_sim", doc, Path(args.out) if args.out else None)
     print(f"wrote {path}")
     return 0

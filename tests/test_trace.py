@@ -420,5 +420,26 @@ def test_policy_candidates_stay_below_belady_and_the_sim_writes_its_table(tmp_pa
     bound = doc["reuse_bit_bound"][0]
     assert bound["budget_blocks"] == 300 and 0 < bound["oracle_bit"]["4x"] <= 1
     assert all(0 <= v <= 1 for v in bound["guessed_bit"]["4x"].values())
+    assert 0 < doc["static_oracle"]["300"]["of belady"] <= 1
     with pytest.raises(SystemExit):
         policy_sim.main(["--policies", "lru,nope"])
+
+
+def test_the_static_oracle_and_family_arrivals_count_as_documented():
+    from benchmarks.policy_sim import family_arrivals, static_oracle
+
+    def req(i, ids):
+        return json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids})
+
+    # Family 1 (chain 1, 2) every 4th request; family 9 (chain 9) in between, three times.
+    lines = [req(0, [1, 2]), req(1, [9]), req(2, [1, 2]), req(3, [9]), req(4, [1, 2]), req(5, [9]), req(6, [7])]
+    trace = parse_lines(lines)
+    static = static_oracle(trace, [1, 2])
+    # One block: block 1 or 9 (three uses each; 1 seen first), hit twice. Two: 1 and its child
+    # 2 before 9 (the parent comes first among equals): 4 hits of 10 requested blocks.
+    assert static["1"]["hit %"] == round(100 * 2 / 10, 2) and static["2"]["hit %"] == round(100 * 4 / 10, 2)
+    best = reference.belady_prefix(trace, 2).hit_blocks
+    assert static["2"]["of belady"] == round(4 / best, 3)
+    fam = family_arrivals(trace)
+    assert (fam["families"], fam["single_request"], fam["families_with_3_gaps"]) == (3, 1, 0)
+    assert fam["median_gap_cv"] is None and fam["median_gap_blocks"] == 3  # gaps 3, 3 (family 1), 3, 3 (9)
