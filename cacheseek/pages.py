@@ -34,6 +34,7 @@ import torch
 
 from .errors import InputError
 from .layout import KVLayout
+from .quant.tensors import dtype_str, within
 
 PAGE_LAYOUTS = ("NHD", "HND")
 PAGE_DEVICES = ("cpu", "cuda")
@@ -261,8 +262,6 @@ class PagedSource:
         blocks at a time, each gathered out of the pages: exactly the blocks' tokens, never
         the rest of a page. Before an encode reaches them: see ``InPlaceIngest``. The
         result is kept for :meth:`bad_blocks`."""
-        from .quant.tensors import dtype_str, within
-
         bounds = codec.safe_magnitudes(dtype_str(self.pages.dtype), self.pages.head_dim)
         for a in range(first, first + n, chunk):
             m = min(chunk, first + n - a)
