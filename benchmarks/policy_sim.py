@@ -20,6 +20,7 @@ benchmarks/results/policy_sim.json.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import Counter
@@ -168,12 +169,8 @@ def static_oracle(trace, budgets) -> dict:
     frequency; ties to the block seen first, so a parent comes before its children), a
     block a hit from its second request on. What a policy that ranks blocks by their
     rate of use could reach if it knew the rates exactly and paid nothing to learn them."""
-    uses: Counter = Counter(x for req in trace for x in req.hash_ids)
-    first: dict[int, int] = {}
-    for req in trace:
-        for x in req.hash_ids:
-            first.setdefault(x, len(first))
-    ranked = sorted(uses, key=lambda x: (-uses[x], first[x]))
+    uses: Counter = Counter(x for req in trace for x in req.hash_ids)  # keys in order first seen
+    ranked = sorted(uses, key=lambda x: -uses[x])  # stable: ties stay in that order
     nxt = reference.next_uses(trace)
     total = sum(len(req.hash_ids) for req in trace)
     out = {}
@@ -207,8 +204,8 @@ def family_arrivals(trace) -> dict:
         g = [b - a for a, b in zip(times, times[1:])]
         gaps += g
         if len(g) >= 3:
-            mean = sum(g) / len(g)
-            cvs.append((sum((x - mean) ** 2 for x in g) / len(g)) ** 0.5 / mean if mean else 0.0)
+            mean = statistics.mean(g)
+            cvs.append(statistics.pstdev(g) / mean if mean else 0.0)
     cvs.sort()
     gaps.sort()
     return {"families": len(arrivals), "single_request": sum(len(t) == 1 for t in arrivals.values()),

@@ -431,7 +431,7 @@ def test_the_static_oracle_and_family_arrivals_count_as_documented():
     def req(i, ids):
         return json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1, "hash_ids": ids})
 
-    # Family 1 (chain 1, 2) every 4th request; family 9 (chain 9) in between, three times.
+    # Family 1 (chain 1, 2) and family 9 (chain 9) take turns, three requests each; then 7 once.
     lines = [req(0, [1, 2]), req(1, [9]), req(2, [1, 2]), req(3, [9]), req(4, [1, 2]), req(5, [9]), req(6, [7])]
     trace = parse_lines(lines)
     static = static_oracle(trace, [1, 2])
