@@ -616,3 +616,39 @@ def test_a_put_of_a_block_being_written_waits_for_that_write(tmp_path, fails):
         assert answers["first"].stored is not None and answers["second"].stored is None  # present
         assert bytes(tier.get(key).to_bytes()) == bytes(frame)
     tier.close()
+
+
+def test_puts_and_deletes_of_one_block_racing_never_hang_the_disk_tier(tmp_path):
+    """A put that found another thread's write of its block in flight used to wait for it
+    holding the tier's lock, which that write needs to commit: every disk call hung."""
+    from cacheseek.store.disk import DiskTier
+
+    tier = DiskTier(tmp_path, 1 << 20, fsync=False)
+    meta, frame = _sealed(b"\x31" * 16, 0x31)
+    key = meta.block_hash
+    stop = time.monotonic() + 3.0
+    errors: list[BaseException] = []
+
+    def writer(deletes: bool) -> None:
+        try:
+            while time.monotonic() < stop:
+                if deletes:
+                    tier.delete(key)
+                else:
+                    tier.put(key, BlockFrame(meta, host=memoryview(frame)))
+        except BaseException as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i % 3 == 2,), daemon=True) for i in range(9)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a put or delete of the block hung"
+    assert not errors, errors
+    tier.put(key, BlockFrame(meta, host=memoryview(frame)))
+    assert bytes(tier.get(key).to_bytes()) == bytes(frame)
+    stats = tier.stats()
+    assert (stats.blocks, stats.used_bytes) == (1, len(frame))
+    tier.close()

@@ -374,18 +374,14 @@ class DiskTier(IndexedTier):
                 self._index.touch([key])
                 return TierPutResult(stored=None)
             pending = self._writing.get(key)
+            if pending is None:
+                self._refuse_beside_pins(key, n)
+                while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
+                    self._evict_one(evicted)
+                mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
+            # Waited for outside the lock: that write takes the lock to commit.
             return self._await(key, pending)
-        with self._lock:
-            if key in self._index:  # written while the lock was let go
-                self._index.touch([key])
-                return TierPutResult(stored=None)
-            if (pending := self._writing.get(key)) is not None:
-                return self._await(key, pending)
-            self._refuse_beside_pins(key, n)
-            while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
-                self._evict_one(evicted)
-            mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)
         try:
             data_path.parent.mkdir(exist_ok=True)
