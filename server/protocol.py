@@ -169,6 +169,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self.in_message = False  # the parser is inside a request (begun, not complete)
             self.watch = Watchdog(self, limits)
             self.watch.expect_headers()
 
@@ -178,7 +179,22 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.in_message = True
             self.watch.expect_headers()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            # uvicorn cancels the keep-alive timer on any byte, and re-arms it only when a
+            # response completes. Bytes between requests that begin none (a bare CRLF) left
+            # an idle connection with no timer at all, open for good: they count as the
+            # first bytes of the next request's headers instead.
+            if not self.in_message and self.timeout_keep_alive_task is None and self._between_requests():
+                self.watch.expect_headers()
+
+        def _between_requests(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return (not self.transport.is_closing() and not self.pipeline
+                    and (cycle is None or cycle.response_complete))
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
@@ -200,6 +216,16 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self.watch.body_done()
+            self.message_done()
+
+        def message_done(self) -> None:
+            """The request's last byte is in (parsed, or read by a ``BodyTakeover``)."""
+            self.in_message = False
+            # Answered before its body came (a 4xx, a 503): the response's keep-alive timer
+            # was cancelled by the body's bytes. The connection is idle again now.
+            if self.timeout_keep_alive_task is None and self._between_requests():
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
 
         def on_body(self, body: bytes) -> None:
             self.watch.received(len(body))
@@ -297,6 +323,7 @@ class BodyTakeover(asyncio.BufferedProtocol):
         self.watch.body_done()
         protocol.fresh_parser()
         protocol.transport.set_protocol(protocol)
+        protocol.message_done()
         cycle.message_event.set()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -433,6 +460,9 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "on_body"): ("self.cycle.body += body", "pause_reading", "self._should_upgrade()"),
         (proto, "on_message_complete"): ("self.cycle.more_body = False",),
         (proto, "eof_received"): (),
+        (proto, "data_received"): ("self._unset_keepalive_if_required()", "self.parser.feed_data(data)"),
+        (proto, "on_response_complete"): ("if self.pipeline:", "self.timeout_keep_alive_task = self.loop.call_later(",
+                                          "self.timeout_keep_alive_handler"),
         (proto, "pause_writing"): (),
         (proto, "resume_writing"): (),
         (cycle, "__init__"): ("self.disconnected", "self.response_complete", "self.more_body", "self.message_event",

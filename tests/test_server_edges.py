@@ -266,6 +266,34 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
+def test_bytes_that_begin_no_request_never_keep_a_connection_open(tmp_path):
+    """uvicorn cancels the keep-alive timer on any byte: a CRLF between requests, or the body
+    of a request answered before its body came, used to leave the connection open for good."""
+    args = ["--keepalive-timeout-seconds", "1", "--header-timeout-seconds", "1.5"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        cases = {
+            "idle": (head("GET", "/healthz"), b"", 200),
+            "crlf": (head("GET", "/healthz"), b"\r\n", 200),
+            "route": (head("PUT", "/nope", 4000), bytes(4000), 404),
+            "hash": (head("PUT", "/v1/blocks/XYZ", 4000), bytes(4000), 400),
+        }
+        for name, (request, after, status) in cases.items():
+            sock = socket.create_connection(("127.0.0.1", srv.port))
+            sock.sendall(request)
+            assert read_response(sock, bytearray())[0] == status, name
+            sock.sendall(after)
+            assert closed_within(sock, 6) < 6, name
+            sock.close()
+        # a connection that keeps sending requests stays open past the timer
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        rest = bytearray()
+        for _ in range(4):
+            sock.sendall(head("GET", "/healthz"))
+            assert read_response(sock, rest)[0] == 200
+            time.sleep(0.5)
+        sock.close()
+
+
 def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
     args = ["--max-inflight-body-bytes", "40MiB", "--max-body-bytes", "40MiB", "--max-frame-bytes", "32MiB",
             "--cpu-reserve-bytes", "0"]
