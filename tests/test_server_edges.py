@@ -315,6 +315,30 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
         assert figures["in_flight_bytes"] == 0 and figures["refused"] >= 1
 
 
+def test_lookup_and_prefetch_bodies_count_in_the_bytes_in_flight(tmp_path):
+    args = ["--max-inflight-body-bytes", "8MiB", "--max-body-bytes", "4MiB", "--max-frame-bytes", "4MiB"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        holders = []
+        for route in ("lookup", "prefetch", "lookup"):  # 3 MB each of a declared 4.5 MB: the third passes 8 MiB
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head("POST", f"/v1/{route}", 4_500_000, extra="content-type: application/octet-stream\r\n")
+                      + bytes(3_000_000))
+            holders.append(s)
+            time.sleep(0.5)
+        assert bodies(srv.url)["in_flight_bytes"] >= 6_000_000
+        status, _, text = read_response(holders[2], bytearray())
+        assert status == 503 and b"max_inflight_body_bytes" in text
+        for s in holders:
+            s.close()
+        deadline = time.monotonic() + 5
+        while bodies(srv.url)["in_flight_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+        r = httpx.post(srv.url + "/v1/lookup", json={"hashes": ["0" * 32]})
+        assert r.status_code == 200 and r.json()["matched"] == 0
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
 # -- what tenants see ---------------------------------------------------------------------------
 
 

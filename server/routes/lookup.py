@@ -30,6 +30,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of
 from ..errors import BadLookup, TooLarge
+from ..limits import BodyBytes
 from ._body import BINARY, ERROR, declared_length
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
@@ -124,15 +125,23 @@ class _LabelledRoute(Route):
 async def _small_body(request: Request, limit: int) -> bytes:
     """The body, refused (413) once it passes ``limit`` bytes, before or while it arrives."""
     length = declared_length(request, limit, "a lookup of max_lookup_hashes hashes")
+    budget = request.app.state.body_budget
     if length is not None:
-        request.app.state.body_budget.admit()
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise TooLarge(f"body exceeds {limit} bytes, a lookup of max_lookup_hashes hashes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        budget.admit()
+    # Counted in the bytes in flight as it arrives, as a frame's body is: many slow lookup
+    # bodies would otherwise hold memory that max_inflight_body_bytes never sees.
+    held = BodyBytes(budget)
+    try:
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise TooLarge(f"body exceeds {limit} bytes, a lookup of max_lookup_hashes hashes")
+            held.take(len(chunk))
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        held.settle(held.held, stored=True)  # read whole or refused: not an aborted upload to trim after
 
 
 def install(app: FastAPI) -> None:
