@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from cacheseek.batch_body import BatchFormatError, BatchTooLarge
 from cacheseek.errors import FrameError, InputError, StorageError
 
-from cacheseek.batch_body import BatchFormatError, BatchTooLarge
+from .openapi import ANSWERS_422
 
 log = logging.getLogger("cacheseek.server")
 
@@ -120,6 +121,8 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
     status = status_of(exc)
     if status is None:  # pragma: no cover - registered only for classes in the table
         return await _handle_bug(request, exc)
+    if status == 422 and (request.url.path, request.method.lower()) not in ANSWERS_422:
+        status = 400  # FastAPI's validation of a body or parameter: bad input, as every other route says it
     return error_response(status, _reason(exc))
 
 
