@@ -17,6 +17,7 @@ slot is left with the transport.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,9 +26,18 @@ from starlette.responses import StreamingResponse
 
 from cacheseek.store.lease import Lease, release_all
 
+from .protocol import CUT_SHORT
+
+log = logging.getLogger("cacheseek.server")
+
 # Bytes at the end of a response sent from a copy: more than the transport buffers past
 # the last send (its high-water mark, 64 KiB by default in asyncio and uvloop).
 TAIL_COPY = 256 << 10
+
+
+class ResponseCut(RuntimeError):
+    """Raised by a body to end its response short on purpose, a documented outcome (a frame
+    evicted while its chain streams): the connection is closed, and no bug is logged."""
 
 
 class LeasedStreamingResponse(StreamingResponse):
@@ -41,6 +51,12 @@ class LeasedStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ResponseCut as exc:
+            cut = scope.get("extensions", {}).get(CUT_SHORT)
+            if cut is None:
+                raise  # uvicorn's own protocol (the fast path is off): it closes the connection, logging
+            log.info("%s %s: response cut short: %s", scope.get("method"), scope.get("path"), exc)
+            cut()
         finally:
             with anyio.CancelScope(shield=True):
                 close = getattr(self.body_iterator, "aclose", None)
@@ -58,4 +74,4 @@ def copied_tail(segment: Any) -> list[Any]:
     return [view[:cut], bytes(view[cut:])]
 
 
-__all__ = ["LeasedStreamingResponse", "TAIL_COPY", "copied_tail"]
+__all__ = ["LeasedStreamingResponse", "ResponseCut", "TAIL_COPY", "copied_tail"]

@@ -51,6 +51,7 @@ HIGH_WATER = 1 << 20
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
+CUT_SHORT = "cacheseek.cut_short"  # () -> None: end a response begun, on purpose, by closing the connection
 # The releases this module was tested with ([low, high)): pyproject.toml pins the same range.
 UVICORN_RANGE = ((0, 54), (0, 55))
 HTTPTOOLS_RANGE = ((0, 9), (0, 10))
@@ -212,6 +213,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[BODY_INTO] = cycle.receive_into
                 extensions[BODY_GONE] = lambda: cycle.disconnected
+                extensions[CUT_SHORT] = lambda: self.cut_short(cycle)
+
+        def cut_short(self, cycle: Any) -> None:
+            """The ``CUT_SHORT`` extension: the response's client sees its connection closed
+            before the declared length; uvicorn, told the client is gone, logs nothing."""
+            cycle.disconnected = True
+            cycle.message_event.set()
+            self.transport.close()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

@@ -133,6 +133,33 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
         assert "ERROR" not in srv.output() and "Traceback" not in srv.output(), srv.output()
 
 
+def test_a_block_deleted_while_its_prefix_streams_cuts_the_answer_short_and_logs_no_bug(tmp_path):
+    with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:
+        chain = raw_chain(3, 16, layout=BIG_LAYOUT)
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        declared = sum(8 + len(f) for _, f in chain)
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # a slow reader: the server waits on us
+        sock.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}"))
+        got = bytearray(sock.recv(1000))
+        time.sleep(0.3)
+        assert httpx.delete(f"{srv.url}/v1/blocks/{chain[-1][0].hex()}").status_code == 204
+        sock.settimeout(10)
+        while data := sock.recv(1 << 20):
+            got += data
+        sock.close()
+        top, _, body = bytes(got).partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 200") and len(body) < declared  # cut short: the connection closed
+        frames, i = [], 0  # the whole frames before the cut, each the one stored
+        while i + 8 <= len(body) and i + 8 + (n := int.from_bytes(body[i : i + 8], "little")) <= len(body):
+            frames.append(body[i + 8 : i + 8 + n])
+            i += 8 + n
+        assert 0 < len(frames) < len(chain) and all(f == chain[i][1] for i, f in enumerate(frames))
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_clients_gone_mid_body_or_mid_stream_are_not_errors(tmp_path):
     chain = raw_chain(3, 64, layout=BIG_LAYOUT)  # 64 MiB of prefix to stream
     with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:

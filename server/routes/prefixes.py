@@ -12,13 +12,13 @@ from cacheseek.batch_body import BATCH_CONTENT_TYPE, LENGTH
 from cacheseek.store.lease import Lease
 
 from ..deps import Hash, Reader, Service
-from ..leased_response import LeasedStreamingResponse, copied_tail
+from ..leased_response import LeasedStreamingResponse, ResponseCut, copied_tail
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
 
 
-class ChainBroken(RuntimeError):
+class ChainBroken(ResponseCut):
     """A block of the chain vanished (evicted, or found corrupt) after the answer began.
     The response is cut short; the client keeps the whole frames before the cut."""
 
