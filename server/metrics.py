@@ -224,7 +224,7 @@ class Metrics:
     def ingested(self, traffic: Traffic | None, reports: list[Any]) -> None:
         """Count a PUT or POST /v1/blocks answer (``service.PutReport``s)."""
         stored = sum(r.nbytes for r in reports if r.status == "stored")
-        self.frame_bytes_received += stored
+        self.frame_bytes_received += sum(r.nbytes for r in reports)  # stored, present or failed: all came in
         if traffic is None:
             return
         traffic.ingest_requests += 1
@@ -391,7 +391,7 @@ class _Collector(Collector):
         for reason, n in sorted(list(m.frames_rejected.items())):
             rejected.add_metric([reason], n)
         yield rejected
-        yield CounterMetricFamily("cacheseek_frame_bytes_received", "Frame bytes accepted from clients",
+        yield CounterMetricFamily("cacheseek_frame_bytes_received", "Frame bytes received in PUT and POST /v1/blocks (stored, present or failed)",
                                   value=m.frame_bytes_received)
         yield CounterMetricFamily("cacheseek_frame_bytes_sent", "Frame bytes streamed to clients", value=m.frame_bytes_sent)
         if not m.detail:

@@ -84,6 +84,7 @@ def test_every_route_has_its_label_and_lookups_count_tokens_per_model(srv):
         c.delete(f"/v1/blocks/{'00' * 16}", headers=writer())
         h, f = raw_frame(9)
         c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer())
+        assert c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer()).json()["status"] == "present"
         for path in ("/v1/stats", "/metrics", "/healthz", "/readyz", "/dashboard", "/docs", "/openapi.json",
                      "/dashboard/assets/dashboard.js", "/docs/assets/swagger-ui.css"):
             c.get(path, headers=writer())
@@ -107,6 +108,9 @@ def test_every_route_has_its_label_and_lookups_count_tokens_per_model(srv):
         assert value(m, "cacheseek_ingest_blocks_total", outcome="stored", **owner) == 4
         assert value(m, "cacheseek_materialize_blocks_total", **owner) == 5
         assert value(m, "cacheseek_materialize_bytes_total", **owner) == 5 * FRAME
+        # every frame received, stored or already present; every frame sent (a prefix of 4, a block)
+        assert value(m, "cacheseek_frame_bytes_received_total") == 6 * FRAME
+        assert value(m, "cacheseek_frame_bytes_sent_total") == 5 * FRAME
         stats = c.get("/v1/stats", headers=writer()).json()
         mine = next(o for o in stats["traffic"]["by_owner"] if (o["namespace"], o["model"]) == ("team-a", "llama"))
         assert mine["lookup_tokens_matched"] == 128 and mine["token_hit_rate"] == pytest.approx(128 / 232)
