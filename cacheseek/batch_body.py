@@ -96,10 +96,11 @@ class BatchReader:
 def iter_frames(response: Any, *, max_frame_bytes: int) -> Iterator[bytearray | memoryview]:
     """The frames of a streamed batch response (an ``httpx.Response`` opened with ``stream``).
 
-    With ``BulkTransport`` each frame is read straight into a buffer of its own (one copy,
-    exactly sized); with any other transport the chunks go through a ``BatchReader``."""
+    With ``BulkTransport`` and a body of known length, each frame is read straight into a
+    buffer of its own (one copy, exactly sized); otherwise (another transport, a chunked
+    body) the chunks go through a ``BatchReader``."""
     body = getattr(response, "extensions", {}).get("cacheseek_body")  # BulkTransport's (see there)
-    read_exactly = getattr(body, "read_exactly", None)
+    read_exactly = getattr(body, "read_exactly", None) if getattr(body, "sized", False) else None
     if read_exactly is None:
         reader = BatchReader(max_frame_bytes=max_frame_bytes, max_body_bytes=1 << 62)
         for chunk in response.iter_raw():

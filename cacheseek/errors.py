@@ -53,3 +53,10 @@ class RemoteError(CacheSeekError):
 
 class RemoteUnavailable(RemoteError, ConnectionError):
     """The CacheSeek server could not be reached (down, wrong address, timed out)."""
+
+
+class RemoteBusy(RemoteUnavailable):
+    """The server is up but refused the request for now (its request bodies in flight are at
+    their cap: a ``503`` with ``X-CacheSeek-Busy``): retry later. Under
+    ``on_unavailable="miss"`` a miss or a dropped write, as an outage is, but it never opens
+    the circuit breaker nor starts an outage."""

@@ -22,6 +22,7 @@ is logged once when it starts and once when it ends, and counted in ``client_sta
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -35,10 +36,10 @@ from typing import Any, TypeVar
 import httpx
 
 from . import paged_io
-from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, iter_frames
+from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, BatchTooLarge, iter_frames
 from .decode import decode_frames
 from .encode import encode_missing
-from .errors import ConfigError, FrameError, InputError, RemoteError, RemoteUnavailable
+from .errors import ConfigError, FrameError, InputError, RemoteBusy, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
@@ -62,8 +63,11 @@ NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
+BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
+OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
 ON_UNAVAILABLE = ("raise", "miss")
-_UNLIMITED = 1 << 62
+FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
+HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
@@ -80,7 +84,7 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
-                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0}
+                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0}
         self.last_error = ""
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
@@ -458,7 +462,8 @@ class RemoteCache(PrefixCacheBase):
         ``unavailable_calls`` (requests that failed to get an answer), ``refused_by_breaker``
         (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``,
         ``missed_prefetches`` and ``dropped_blocks`` (outages turned into misses, with
-        ``on_unavailable="miss"``), ``in_outage``, ``last_error``, and the breaker's state."""
+        ``on_unavailable="miss"``), ``busy_refusals`` (``RemoteBusy``: the server up, its
+        request bodies in flight at their cap), ``in_outage``, ``last_error``, and the breaker's state."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict()}
 
@@ -478,15 +483,22 @@ class RemoteCache(PrefixCacheBase):
             raise exc
         try:
             out = call()
+        except RemoteBusy:
+            self.breaker.record_success()  # an answer: the server is up, its bodies in flight at their cap
+            self._outages.answered()
+            self._outages.count("busy_refusals")
+            raise
         except RemoteUnavailable as exc:
             self.breaker.record_failure()
             self._outages.failed(exc)
             raise
         except RemoteError as exc:
-            if exc.status == 503:  # starting or shutting down: no service, as far as a caller can tell
+            # 503: starting or shutting down; 502, 504: a proxy that cannot reach it. No
+            # service, as far as a caller can tell.
+            if exc.status in OUTAGE_STATUSES:
                 self.breaker.record_failure()
                 self._outages.failed(exc)
-                raise RemoteUnavailable(exc.reason, status=503, url=exc.url) from None
+                raise RemoteUnavailable(exc.reason, status=exc.status, url=exc.url) from None
             self.breaker.record_success()
             self._outages.answered()
             raise
@@ -595,26 +607,43 @@ class RemoteCache(PrefixCacheBase):
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
     def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
-        """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid."""
-        return self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes))
+        """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid.
+        A block gone since the lookup (evicted, deleted) ends the prefix before it: the server
+        answers 404 for the whole chain, so the stored part is looked up again and fetched."""
+        for _ in range(FETCH_TRIES):
+            frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes))
+            if frames is not None:
+                return frames
+            matched = self._lookup(hashes)["matched"]
+            if not 0 < matched < len(hashes):
+                return []  # nothing stored, or the whole chain again: another writer races this read
+            hashes = hashes[:matched]
+        return []
 
-    def _stream_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
+    @functools.cached_property
+    def _max_frame_bytes(self) -> int:
+        """No frame of this cache's format is longer: a longer declared length is never
+        allocated (memory follows bytes received, not bytes declared)."""
+        return max(part.planned_payload().nbytes for part in self.block_format.parts()) + HEADER_SLACK
+
+    def _stream_chain(self, hashes: list[BlockHash]) -> list[BlockFrame] | None:
+        """None: the server has not every block of ``hashes`` (a 404)."""
         frames: list[BlockFrame] = []
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
             with self._http.stream("GET", path) as response:
                 if response.status_code == 404:
-                    return []  # the chain lost a block since the lookup
+                    return None
                 self._raise_for_status(response, path, streamed=True)
-                for buf in iter_frames(response, max_frame_bytes=_UNLIMITED):
+                for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
                     i = len(frames)
                     if i >= len(hashes):
                         break
                     meta = parse_frame(buf, verify=True)
                     self.block_format.check_fetched(meta, hashes[i])
                     frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
-        except (FrameError, BatchFormatError, httpx.RemoteProtocolError, httpx.ReadError):
-            pass  # a bad or cut-short frame ends the prefix; the whole ones before it stand
+        except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
+            pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         return frames
@@ -639,6 +668,8 @@ class RemoteCache(PrefixCacheBase):
             reason = response.json().get("error") or response.text
         except ValueError:
             reason = response.text or response.reason_phrase
+        if response.status_code == 503 and BUSY_HEADER in response.headers:
+            raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
 
 

@@ -306,10 +306,15 @@ class _Body(httpx.SyncByteStream):
         finally:
             self.close()
 
+    @property
+    def sized(self) -> bool:
+        """Whether the body's length is known (Content-Length): ``read_exactly`` works."""
+        return not self._chunked and self._length is not None
+
     def read_exactly(self, n: int) -> bytearray | None:
-        """The next ``n`` bytes of a body of known length, read straight into one new buffer;
-        None at the end of the body. For readers that know their record sizes (frames)."""
-        if self._chunked or self._length is None:
+        """The next ``n`` bytes of a body of known length (``sized``), read straight into one
+        new buffer; None at the end of the body. For readers that know their record sizes (frames)."""
+        if not self.sized:
             raise RuntimeError("read_exactly needs a body of known length")
         if self._length == 0:
             self._done = True

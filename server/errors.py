@@ -22,6 +22,8 @@ from .openapi import ANSWERS_422
 
 log = logging.getLogger("cacheseek.server")
 
+BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 that is back-pressure, not the service starting or stopping
+
 
 class ServiceError(Exception):
     """An expected failure of a request; ``str(exc)`` is the reason given to the client."""
@@ -100,8 +102,10 @@ def status_of(exc: BaseException) -> int | None:
     return None
 
 
-def error_response(status: int, reason: str) -> JSONResponse:
+def error_response(status: int, reason: str, *, busy: bool = False) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
+    if busy:  # a 503 from a server that is up: clients do not take it for an outage
+        headers = {**(headers or {}), BUSY_HEADER: "max_inflight_body_bytes"}
     return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
 
@@ -123,7 +127,7 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
         return await _handle_bug(request, exc)
     if status == 422 and (request.url.path, request.method.lower()) not in ANSWERS_422:
         status = 400  # FastAPI's validation of a body or parameter: bad input, as every other route says it
-    return error_response(status, _reason(exc))
+    return error_response(status, _reason(exc), busy=isinstance(exc, Busy))
 
 
 async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

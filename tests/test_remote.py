@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -590,3 +591,115 @@ def test_the_paged_layerwise_writer_refuses_bad_requests_when_it_is_made_as_embe
             writer.put_layer(i)
         assert [r.stored for r in writer.finish()] == [2]
         assert remote.lookup(good.keys) == 2 * BLOCK
+
+
+# -- answers that are not the server's, and blocks gone mid-call ---------------------------------
+
+
+def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(srv, monkeypatch):
+    """The server answers 404 for a chain missing any block: the client looks the chain up
+    again and fetches what is left, as the embedded cache would return it."""
+    toks, kv = tokens_for(31, 6 * BLOCK), make_kv(6 * BLOCK, 31)
+    with _remote(srv, cs.Raw()) as cache:
+        assert cache.ingest(toks, kv).stored == 6
+        hashes = cache.block_hashes(toks)
+        stream = cache._stream_chain
+        gets = []
+
+        def evicted_first(chain):
+            if not gets:  # after the lookup, before the GET: the last block goes
+                r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w"})
+                assert r.status_code == 204
+            gets.append(len(chain))
+            return stream(chain)
+
+        monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+        got = cache.materialize(toks)
+        assert gets == [6, 5]
+        assert_prefix_equal(got, kv, 5 * BLOCK)
+
+
+def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, headers: bytes = b""):
+    """A fake front: lookups answered ``lookups`` (JSON) when given, every other request
+    ``status_line`` with ``body``."""
+    def script(n: int, head: bytes):
+        if lookups is not None and b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookups)).encode() + b"\r\n\r\n" + lookups), False
+        return (status_line + b"\r\n" + headers + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+                + body), False
+    return script
+
+
+def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_is_not(caplog):
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(32, 2 * BLOCK), make_kv(2 * BLOCK, 32)
+    for status in (b"502 Bad Gateway", b"504 Gateway Timeout"):
+        with FakeServer(_answers(b"HTTP/1.1 " + status, b"<html>upstream down</html>")) as front, \
+                cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                               on_unavailable="miss", trust_env=False) as cache:
+            assert cache.lookup(toks) == 0 and cache.materialize(toks).num_tokens == 0
+            assert cache.ingest(toks, kv).failed == 2
+            stats = cache.client_stats()
+            assert stats["outages"] == 1 and stats["unavailable_calls"] == 3, (status, stats)
+            assert stats["breaker"]["state"] == "open"
+        with FakeServer(_answers(b"HTTP/1.1 " + status, b"")) as front, \
+                cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                               timeout=5, trust_env=False) as cache, pytest.raises(cs.RemoteUnavailable):
+            cache.lookup(toks)
+    busy = _answers(b"HTTP/1.1 503 Service Unavailable", b'{"error": "retry later"}',
+                    lookups=b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}',
+                    headers=b"retry-after: 1\r\nx-cacheseek-busy: max_inflight_body_bytes\r\n")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cacheseek.remote"), FakeServer(busy) as front, \
+            cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                           on_unavailable="miss", trust_env=False) as cache:
+        for _ in range(5):
+            res = cache.ingest(toks, kv)
+            assert res.failed == 2 and "retry later" in res.errors["server"]
+        assert cache.lookup(toks) == 0  # reads still go: the breaker stayed closed
+        stats = cache.client_stats()
+    assert stats["busy_refusals"] == 5 and stats["dropped_blocks"] == 10
+    assert stats["outages"] == 0 and stats["unavailable_calls"] == 0 and stats["breaker"]["state"] == "closed"
+    assert not [r for r in caplog.records if r.name == "cacheseek.remote"]  # no outage logged
+    with FakeServer(busy) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        with pytest.raises(cs.RemoteBusy, match="retry later"):  # the default raises it (a RemoteUnavailable)
+            cache.ingest(toks, kv)
+
+
+@pytest.mark.parametrize("answer", ["huge-length", "html", "chunked"])
+def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answer):
+    """A body whose first bytes declare an impossible frame length (an HTML page read as
+    one) is never allocated, and a chunked answer is read as well as a sized one."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(33, 2 * BLOCK)
+    bodies = {"huge-length": (1 << 30).to_bytes(8, "little") + bytes(100), "html": b"<!DOCTYPE html><html>maintenance",
+              "chunked": b""}
+    if answer == "chunked":
+        script = _answers(b"HTTP/1.1 200 OK", b"", lookups=b'{"matched": 2, "tiers": ["cpu", "cpu"]}')
+
+        def chunked(n: int, head: bytes):
+            if b" /v1/prefixes/" in head.split(b"\r\n", 1)[0]:
+                chunk = (1 << 30).to_bytes(8, "little") + bytes(100)  # read by a BatchReader: no length known
+                return (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.cacheseek.frames\r\n"
+                        b"transfer-encoding: chunked\r\n\r\n" + f"{len(chunk):x}".encode() + b"\r\n" + chunk
+                        + b"\r\n0\r\n\r\n"), False
+            return script(n, head)
+        script_used = chunked
+    else:
+        script_used = _answers(b"HTTP/1.1 200 OK", bodies[answer], lookups=b'{"matched": 2, "tiers": ["cpu", "cpu"]}',
+                               headers=b"content-type: application/vnd.cacheseek.frames\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script_used) as front, cs.RemoteCache(
+                front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                on_unavailable=mode, trust_env=False) as cache:
+            tracemalloc.start()
+            try:
+                assert cache.materialize(toks).num_tokens == 0  # the prefix ends at the first bad frame: here
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert peak < 64 << 20, f"{peak} bytes allocated for an answer that holds no frame"

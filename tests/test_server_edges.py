@@ -333,6 +333,7 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
             time.sleep(0.5)
         status, headers, text = read_response(holders[2], bytearray())
         assert status == 503 and b"max_inflight_body_bytes" in text and headers[b"retry-after"] == b"1"
+        assert headers[b"x-cacheseek-busy"] == b"max_inflight_body_bytes"  # back-pressure: no outage to clients
         for s in holders:
             s.close()
         time.sleep(0.3)
