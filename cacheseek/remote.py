@@ -439,7 +439,7 @@ class RemoteCache(PrefixCacheBase):
         path, content, headers = lookup_request(hashes)
         try:
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                                  headers=headers).json()
+                                  headers=headers, json_answer=True)
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -519,7 +519,7 @@ class RemoteCache(PrefixCacheBase):
             headers[TOKENS_HEADER] = str(tokens)
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
-        return self._guarded(path, lambda: json.loads(self._send(request, path).content))
+        return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
 
     def _write_lookup(self, hashes: list[BlockHash]) -> dict[str, Any]:
         """The lookup a write begins with (``each``: which blocks are present). The server
@@ -602,7 +602,7 @@ class RemoteCache(PrefixCacheBase):
             extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         del frames  # the request's alone, let go below (a traceback would keep this frame's locals)
         try:
-            return self._guarded(path, lambda: self._send(request, path).json())
+            return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
         finally:
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
@@ -648,14 +648,16 @@ class RemoteCache(PrefixCacheBase):
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         return frames
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        def call() -> httpx.Response:
+    def _request(self, method: str, path: str, *, json_answer: bool = False, **kw: Any) -> Any:
+        """The response; its JSON with ``json_answer`` (parsed under the breaker, as the
+        answer's part)."""
+        def call() -> Any:
             try:
                 response = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
             self._raise_for_status(response, path)
-            return response
+            return _json_answer(response, self.url + path) if json_answer else response
 
         return self._guarded(path, call)
 
@@ -671,6 +673,16 @@ class RemoteCache(PrefixCacheBase):
         if response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+def _json_answer(response: httpx.Response, url: str) -> Any:
+    """A 2xx answer's JSON. One that is not JSON came from something other than the server
+    (a front's maintenance page, say): no service, as far as a caller can tell."""
+    try:
+        return json.loads(response.content)
+    except ValueError:
+        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
+                                status=response.status_code, url=url) from None
 
 
 def _wire_bytes(frame: BlockFrame) -> int:

@@ -648,6 +648,12 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_is_not(caplog):
                 cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                                timeout=5, trust_env=False) as cache, pytest.raises(cs.RemoteUnavailable):
             cache.lookup(toks)
+    page = _answers(b"HTTP/1.1 200 OK", b"<html>maintenance</html>", headers=b"content-type: text/html\r\n")
+    with FakeServer(page) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, on_unavailable="miss",
+                                                   trust_env=False) as cache:
+        assert cache.lookup(toks) == 0 and cache.prefetch(toks) is None and cache.ingest(toks, kv).failed == 2
+        assert cache.client_stats()["outages"] == 1  # a front's page is not the service
     busy = _answers(b"HTTP/1.1 503 Service Unavailable", b'{"error": "retry later"}',
                     lookups=b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}',
                     headers=b"retry-after: 1\r\nx-cacheseek-busy: max_inflight_body_bytes\r\n")
