@@ -136,10 +136,11 @@ class MMInput:
 
     def __post_init__(self) -> None:
         _name_bytes(self.hash, "MMInput.hash")
-        if not _is_count(self.offset) or self.offset < 0:
-            raise InputError(f"MMInput.offset: must be an int >= 0, got {self.offset!r}")
-        if not _is_count(self.length) or self.length < 1:
-            raise InputError(f"MMInput.length: must be an int >= 1, got {self.length!r}")
+        # Both go into the keys as u64, and their sum must not pass that either.
+        if not _is_count(self.offset) or not 0 <= self.offset < 1 << 63:
+            raise InputError(f"MMInput.offset: must be an int in [0, 2**63), got {self.offset!r}")
+        if not _is_count(self.length) or not 1 <= self.length < 1 << 63:
+            raise InputError(f"MMInput.length: must be an int in [1, 2**63), got {self.length!r}")
 
 
 _U64 = struct.Struct("<Q")

@@ -229,10 +229,12 @@ def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]]
 def raise_bad_input(call: PagedCall, exc: InputError) -> None:
     """Re-raise ``exc`` (NaN or Inf found by a paged encode) naming its request and block."""
     bad = call.source.bad_blocks() if call.source is not None else []
-    if not bad:
+    if not bad or getattr(exc, "names_request", False):  # named already (an encode, then its caller)
         raise exc
     r, b = call.rows[bad[0]]
-    raise InputError(f"{call.names[r]}: {exc} (block {b}; nothing of this call is stored)") from None
+    named = InputError(f"{call.names[r]}: {exc} (block {b}; nothing of this call is stored)")
+    named.names_request = True
+    raise named from None
 
 
 def encode_frames(fmt: BlockFormat, source: PagedSource, start: int, stop: int, hashes: Sequence[bytes],

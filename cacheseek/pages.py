@@ -175,12 +175,21 @@ class PagedRequest:
     start: int = 0
 
 
+# Integer dtypes a page table may come in (not bool, nor complex: a complex table lost its
+# imaginary part on the way to int64).
+_ID_DTYPES = frozenset(d for d in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+                                   getattr(torch, "uint16", None), getattr(torch, "uint32", None),
+                                   getattr(torch, "uint64", None)) if d is not None)
+
+
 def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:
     """``page_ids`` (a sequence of ints, or a 1-D integer tensor on any device) as an int32
     host tensor, checked: every id a page of ``pages``, none twice."""
     if isinstance(page_ids, torch.Tensor):
-        if page_ids.dim() != 1 or page_ids.dtype.is_floating_point or page_ids.dtype == torch.bool:
+        if page_ids.dim() != 1 or page_ids.dtype not in _ID_DTYPES:
             raise InputError(f"{where}: expected a 1-D integer tensor, got {page_ids.dtype} {list(page_ids.shape)}")
+        if page_ids.device.type == "meta":
+            raise InputError(f"{where}: a meta tensor holds no page ids")
         ids = page_ids.to("cpu", torch.int64)
     elif isinstance(page_ids, (list, tuple)):
         # array() takes ints only (a float or a nested list is a TypeError), ~8x faster

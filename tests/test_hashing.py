@@ -267,6 +267,8 @@ def test_bytes_blocks_chain():
         (lambda: _root(shard=(0, 1)), "shard"),
         (lambda: MMInput("h", -1, 4), "MMInput.offset"),
         (lambda: MMInput("h", 0, 0), "MMInput.length"),
+        (lambda: MMInput("h", 1 << 63, 4), "MMInput.offset"),  # keys hold it as u64 (a struct.error before)
+        (lambda: MMInput("h", 0, 2**64), "MMInput.length"),
         (lambda: MMInput("", 0, 4), "MMInput.hash"),
         (lambda: MMInput(7, 0, 4), "MMInput.hash"),
         (lambda: ExtraKeys(lora_id=""), "lora_id"),

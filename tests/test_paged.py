@@ -256,6 +256,10 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
         (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
         (lambda c: c.ingest(toks[0], pages.at(torch.tensor([[1, 2]]))), r"page_ids: expected a 1-D integer tensor"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], torch.tensor(tables[0], dtype=torch.complex64))], pages),
+         r"requests\[0\].page_ids: expected a 1-D integer tensor, got torch.complex64"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], torch.tensor(tables[0], device="meta"))], pages),
+         r"requests\[0\].page_ids: a meta tensor holds no page ids"),
         (lambda c: c.ingest_batch([], pages), r"requests: expected a non-empty list"),
     ]
     with make_cache(codec=INT4) as cache:
@@ -330,6 +334,8 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
                                                    cs.PagedRequest(toks[1], [4, 5, 6, 24])], dest),
              r"requests\[1\].page_ids\[3\]: page 24 is outside the 24 pages"),
             (lambda: cache.materialize_into(toks[0], dest.at([7, 8, 7, 9])), r"^page_ids: page 7 appears twice"),
+            (lambda: cache.materialize_into(toks[0], dest.at(torch.tensor([7, 8], device="meta"))),
+             r"^page_ids: a meta tensor holds no page ids"),
             (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
             (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],
                                                   cs.KVPages.vllm([t.float() for t in dest_tensors])),
@@ -470,3 +476,23 @@ def check_start_skips_the_engines_own_blocks(cache, raw: bool) -> None:
 def test_a_load_from_start_leaves_the_engines_own_pages_alone(codec):
     with make_cache(codec=codec) as cache:
         check_start_skips_the_engines_own_blocks(cache, isinstance(codec, cs.Raw))
+
+
+def test_nan_through_the_put_path_names_its_request_once():
+    """A tier with no room to reserve stores paged blocks through put_many; its NaN check
+    named the request twice ("requests[1]: requests[1]: ...")."""
+    layout = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+    kv = [torch.randn(2, 16, 8, 2, 32).half() for _ in range(2)]  # vLLM's flash layout: 16 pages of 8 tokens
+    pages = cs.KVPages.vllm(kv)
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=cs.Raw(), block_tokens=32,
+                           tiers=cs.TierConfig(cpu_bytes="20KiB", cpu_reserve_bytes=0, pin_memory=False))
+    cache.ingest(list(range(1000, 1064)), pages.at(list(range(8))))  # the tier is full
+    held = cache.lookup(list(range(1000, 1064)))
+    kv[0][0, 9, 0, 0, 0] = float("inf")  # K of the second request's first block
+    requests = [cs.PagedRequest(list(range(64)), list(range(8))), cs.PagedRequest(list(range(100, 164)), list(range(8, 16)))]
+    once = r"^{}: k: holds NaN or Inf; input rejected \(block 0; nothing of this call is stored\)$"
+    with pytest.raises(cs.InputError, match=once.format(r"requests\[1\]")):
+        cache.ingest_batch(requests, pages)
+    with pytest.raises(cs.InputError, match=once.format("kv")):
+        cache.ingest(list(range(100, 164)), pages.at(list(range(8, 16))))
+    assert cache.lookup(list(range(64))) == 0 and cache.lookup(list(range(1000, 1064))) == held > 0
