@@ -205,10 +205,15 @@ def test_budgets_hold_and_chains_lose_their_tails_first():
         assert tier["used_bytes"] <= tier["capacity_bytes"]
 
 
-def test_a_frame_larger_than_the_budget_is_reported_not_stored():
-    cache = make_cache(cpu=FRAME // 2)
-    res = cache.ingest(tokens_for(8, BLOCK), make_kv(BLOCK, 8))
-    assert (res.stored, res.failed) == (0, 1) and "cpu" in res.errors
+@pytest.mark.parametrize("cpu, reserve", [(FRAME // 2, None), (FRAME * 95 // 100, None), (FRAME // 2, 2 * FRAME)])
+def test_a_frame_larger_than_the_budget_is_reported_not_stored(cpu, reserve):
+    """Also where the reserve a reservation may use holds the frame: its commit stored it past
+    the budget (the tail of a chain, its head refused: a block that no lookup reaches)."""
+    cache = make_cache(cpu=cpu, **({} if reserve is None else {"cpu_reserve_bytes": reserve}))
+    res = cache.ingest(tokens_for(8, 3 * BLOCK), make_kv(3 * BLOCK, 8))
+    assert (res.stored, res.failed) == (0, 3) and "exceeds the whole budget" in res.errors["cpu"]
+    tier = cache.stats()["tiers"][0]
+    assert tier["blocks"] == tier["used_bytes"] == 0
 
 
 def test_concurrent_ingest_and_materialize_lose_nothing(tmp_path):
@@ -651,4 +656,26 @@ def test_puts_and_deletes_of_one_block_racing_never_hang_the_disk_tier(tmp_path)
     assert bytes(tier.get(key).to_bytes()) == bytes(frame)
     stats = tier.stats()
     assert (stats.blocks, stats.used_bytes) == (1, len(frame))
+    tier.close()
+
+
+def test_a_disk_stream_closed_before_its_first_frame_gives_its_reads_back(tmp_path):
+    """The reads start when the stream is made; a generator closed before it started ran no
+    ``finally``, so its pooled buffers stayed lent for good (a materialize whose chain lost
+    its head between the lookup and the read did this)."""
+    from cacheseek.store.disk import DiskTier
+
+    tier = DiskTier(tmp_path, 1 << 20)
+    keys = []
+    for i in range(3):
+        meta, frame = _sealed(bytes([0x40 + i]) * 16, 0x40 + i)
+        tier.put(meta.block_hash, BlockFrame(meta, host=memoryview(frame)))
+        keys.append(meta.block_hash)
+    for taken in (0, 1, 3):
+        stream = tier.stream(keys, leased=True)
+        for frame in (next(stream) for _ in range(taken)):
+            frame.release()
+        stream.close()
+        buffers = tier.stats().extra["stream_buffers"]
+        assert buffers["leases_active"] == 0 and buffers["lease_double_releases"] == 0, (taken, buffers)
     tier.close()

@@ -344,10 +344,13 @@ class CpuTier(IndexedTier):
                 if self._fits_beside_pins(meta.nbytes):
                     while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
                         result.evicted += self._evict_one()
-                if self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.pinned_blocks:
+                # Still past the budget with nothing left to evict: pinned blocks, or a frame
+                # larger than the whole budget (a reservation may hold one: it lends the reserve).
+                if self._index.used_bytes + meta.nbytes > self.capacity_bytes:
                     self._free_landed(slot, landing)
                     self._stats.write_errors += 1
-                    result.error = self._no_room(meta.nbytes)
+                    result.error = self._no_room(meta.nbytes) if meta.nbytes <= self.capacity_bytes else StorageError(
+                        f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
                     continue
                 self._records[key] = rec = _Record(slot, meta, sealed, landing)
                 if landing is not None:

@@ -75,7 +75,7 @@ import msgpack
 
 from ..errors import ConfigError, FrameError, StorageError
 from ..units import format_size
-from .direct_io import BufferPool, ReadDone, ReadFailed, ReadPool, probe_read_path
+from .direct_io import BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path
 from .frame import FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
@@ -645,7 +645,7 @@ class DiskTier(IndexedTier):
             infos = [self._index.get(k) for k in keys]
         items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
         reads = self._reads.read_many(items, _check_frame, self._stream_buffers if leased else None)
-        return self._hand_out(keys, infos, reads, leased)
+        return _Stream(self._hand_out(keys, infos, reads, leased), reads)
 
     def _hand_out(self, keys: list[bytes], infos: list[BlockInfo | None], reads, leased: bool
                   ) -> Iterator[BlockFrame | None]:
@@ -802,6 +802,27 @@ def _unlink(path: Path) -> None:
     except (FileNotFoundError, NotADirectoryError):
         pass
 
+
+
+class _Stream:
+    """A disk stream: its frames, and ``close()`` that gives back the reads not handed out
+    even when none was asked for (a generator closed before it started runs no ``finally``,
+    and the reads begin when the stream is made)."""
+
+    __slots__ = ("_frames", "_reads")
+
+    def __init__(self, frames: Iterator[BlockFrame | None], reads: ReadStream) -> None:
+        self._frames, self._reads = frames, reads
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> BlockFrame | None:
+        return next(self._frames)
+
+    def close(self) -> None:
+        self._frames.close()
+        self._reads.close()  # idempotent: done already where the frames' own ``with`` ran
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
