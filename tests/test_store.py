@@ -67,12 +67,19 @@ def test_raw_is_exact_through_demotion_and_promotion(tmp_path):
     stats = {t["name"]: t for t in cache.stats()["tiers"]}
     assert stats["disk"]["demotions"] == 5 and stats["cpu"]["evictions"] == 5
     assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
-    stats = {t["name"]: t for t in cache.stats()["tiers"]}
-    assert stats["cpu"]["promotions"] == 5
-    assert stats["cpu"]["used_bytes"] <= stats["cpu"]["capacity_bytes"]
-    # Promotion pushed older blocks back down; the whole chain is still there, exactly.
-    assert cache.lookup(toks) == 8 * BLOCK
+    # Its tail is not promoted over its own head (a tail with no head in the CPU tier).
+    assert cache.locate(toks).tiers == ["cpu"] * 3 + ["disk"] * 5
+    other, kv_other = tokens_for(2, 3 * BLOCK), make_kv(3 * BLOCK, 2)
+    cache.ingest(other, kv_other)  # pushes the head down too
+    assert cache.locate(toks).tiers == ["disk"] * 8
     assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    stats = {t["name"]: t for t in cache.stats()["tiers"]}
+    assert stats["cpu"]["promotions"] == 3  # the head, over the other chain, which went down
+    assert stats["cpu"]["used_bytes"] <= stats["cpu"]["capacity_bytes"]
+    assert cache.locate(toks).tiers == ["cpu"] * 3 + ["disk"] * 5
+    assert cache.locate(other).tiers == ["disk"] * 3
+    assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    assert_prefix_equal(cache.materialize(other), kv_other, 3 * BLOCK)
 
 
 def test_a_read_waits_for_a_block_on_its_way_down_instead_of_missing_it(tmp_path, monkeypatch):
@@ -679,3 +686,29 @@ def test_a_disk_stream_closed_before_its_first_frame_gives_its_reads_back(tmp_pa
         buffers = tier.stats().extra["stream_buffers"]
         assert buffers["leases_active"] == 0 and buffers["lease_double_releases"] == 0, (taken, buffers)
     tier.close()
+
+
+@pytest.mark.parametrize("eviction", ["arc", "lru"])
+def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head(tmp_path, eviction):
+    """Promoted one by one, a chain's blocks read from disk evicted their own parents from the
+    CPU tier: it held a middle and a tail with no head, and once the disk gave the head up
+    (another ingest), blocks stored that no lookup reaches."""
+    cache = make_cache(cpu=5 * FRAME, disk=tmp_path / "disk", disk_bytes=9 * FRAME, eviction=eviction)
+    a, kv_a = tokens_for(3, 8 * BLOCK), make_kv(8 * BLOCK, 3)
+    hashes = cache.block_hashes(a)
+    cpu = cache.store.tiers[0]
+
+    def cpu_holds() -> list[bool]:
+        return cpu.contains_many(hashes)
+
+    assert cache.ingest(a, kv_a).stored == 8
+    assert cpu_holds() == [True] * 5 + [False] * 3
+    for _ in range(3):  # read whole, again and again: nothing of its head is given up for its tail
+        assert_prefix_equal(cache.materialize(a), kv_a, 8 * BLOCK)
+        assert cpu_holds() == [True] * 5 + [False] * 3
+    b = tokens_for(1, 8 * BLOCK)
+    cache.ingest(b, make_kv(8 * BLOCK, 1))
+    stored = [cache.store.contains_many([h])[0] for h in hashes]
+    usable = cache.locate(a).num_blocks
+    assert stored == [True] * usable + [False] * (8 - usable)  # whatever is left of A is a usable prefix
+    cache.close()

@@ -255,6 +255,11 @@ class Tier(ABC):
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None
 
+    def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
+        """Whether a chain's block whose parent is ``parent`` may be promoted into this tier
+        (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
+        return self.contains(parent)
+
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
@@ -338,6 +343,14 @@ class IndexedTier(Tier):
     def children(self, key: bytes) -> list[bytes]:
         with self._lock:
             return self._index.children(key)
+
+    def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
+        """Whether ``parent`` is stored here and a frame of ``nbytes`` would not evict it first:
+        where a chain's next block may go up without leaving a tail with no head."""
+        with self._lock:
+            if parent not in self._index:
+                return False
+            return self._index.used_bytes + nbytes <= self.capacity_bytes or self._index.victim() != parent
 
     def watch(self, observer: Any) -> None:
         with self._lock:

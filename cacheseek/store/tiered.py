@@ -401,14 +401,24 @@ class TieredStore:
             self._promote_up(key, frame, level)
 
     def _promote_up(self, key: bytes, frame: BlockFrame, level: int) -> None:
+        # A block goes up only beside its parent, and stays only if its parent was not what
+        # made room for it: else it would be a tail with no head there, and once the tiers
+        # below gave the head up, a block stored that no lookup reaches (a chain longer than
+        # a tier, read whole, promoted its tail over its own middle).
+        parent, root = frame.meta.parent_hash, frame.meta.position == 0
         for upper in range(level):
             tier = self.tiers[upper]
+            if not root and not tier.holds_with_room(parent, frame.meta.nbytes):
+                continue
             try:
                 result = tier.put(key, frame if tier.accepts_device_frames else _on_host(frame))
             except StorageError:
                 continue
             if result.stored is not None:
-                tier.count(promotions=1)
+                if not root and any(victim == parent for victim, _ in result.evicted):
+                    tier.delete(key)
+                else:
+                    tier.count(promotions=1)
             self._demote(upper, result.evicted)
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
