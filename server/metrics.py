@@ -391,7 +391,8 @@ class _Collector(Collector):
         for reason, n in sorted(list(m.frames_rejected.items())):
             rejected.add_metric([reason], n)
         yield rejected
-        yield CounterMetricFamily("cacheseek_frame_bytes_received", "Frame bytes received in PUT and POST /v1/blocks (stored, present or failed)",
+        yield CounterMetricFamily("cacheseek_frame_bytes_received",
+                                  "Frame bytes received in PUT and POST /v1/blocks (stored, present or failed)",
                                   value=m.frame_bytes_received)
         yield CounterMetricFamily("cacheseek_frame_bytes_sent", "Frame bytes streamed to clients", value=m.frame_bytes_sent)
         if not m.detail:

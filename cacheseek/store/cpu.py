@@ -349,8 +349,9 @@ class CpuTier(IndexedTier):
                 if self._index.used_bytes + meta.nbytes > self.capacity_bytes:
                     self._free_landed(slot, landing)
                     self._stats.write_errors += 1
-                    result.error = self._no_room(meta.nbytes) if meta.nbytes <= self.capacity_bytes else StorageError(
-                        f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
+                    result.error = self._no_room(meta.nbytes) if meta.nbytes <= self.capacity_bytes else \
+                        StorageError(f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the whole budget "
+                                     f"({self.capacity_bytes})")
                     continue
                 self._records[key] = rec = _Record(slot, meta, sealed, landing)
                 if landing is not None:
