@@ -181,9 +181,13 @@ class RemoteCache(PrefixCacheBase):
             raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
         self._limit_from_server = False  # whether max_body_bytes is a 413's, not the caller's
         self.url = url.rstrip("/")
-        scheme = httpx.URL(self.url).scheme
-        if scheme not in ("http", "https"):
-            raise ConfigError(f"url: {url!r} is not an http:// or https:// URL")
+        parsed = httpx.URL(self.url)
+        if parsed.scheme not in ("http", "https"):
+            raise ConfigError(f"url: '{parsed.copy_with(userinfo=b'')}' is not an http:// or https:// URL")
+        if parsed.userinfo:
+            # Not every request would send them (lookups go straight to the transport), and
+            # the URL is in every outage's log line and error.
+            raise ConfigError(f"url: {parsed.copy_with(userinfo=b'')} holds credentials; give them as token=")
         self.on_unavailable = on_unavailable
         self.breaker = breaker if breaker is not None else CircuitBreaker(
             failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))

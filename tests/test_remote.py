@@ -123,6 +123,11 @@ def test_remote_errors_are_clear(srv):
     with _remote(srv, cs.Raw(), token=None) as anonymous, pytest.raises(cs.RemoteError) as info:
         anonymous.stats()
     assert info.value.status == 401
+    with pytest.raises(cs.ConfigError, match="holds credentials; give them as token=") as refused:
+        cs.RemoteCache(f"http://me:s3cret@127.0.0.1:{_closed_port()}", model_id="m", layout=LAYOUT, block_tokens=BLOCK)
+    assert "s3cret" not in str(refused.value)
+    with pytest.raises(cs.ConfigError, match=r"^url: 'ftp://host' is not an http:// or https:// URL$"):
+        cs.RemoteCache("ftp://me:pw@host", model_id="m", layout=LAYOUT, block_tokens=BLOCK)
     down = cs.RemoteCache(f"http://127.0.0.1:{_closed_port()}", model_id="m", layout=LAYOUT, codec=cs.Raw(),
                           block_tokens=BLOCK, timeout=5)
     with pytest.raises(cs.RemoteUnavailable, match="cannot reach") as info:
