@@ -4,6 +4,9 @@ tier's first fill wants: page-locking a chunk inside an ingest stalls it)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 import cacheseek as cs
 from cacheseek.store.arena import HostArena
 from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
@@ -46,3 +49,27 @@ def test_a_cache_built_with_cpu_map_at_start_fills_without_mapping_more():
     with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                         tiers=cs.TierConfig(**tiers)) as lazy:
         assert lazy.stats()["tiers"][0]["arena_bytes"] == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 96), st.booleans(), st.booleans()), min_size=1, max_size=40),
+       st.integers(1, 600))
+def test_could_fit_says_exactly_whether_freeing_the_unleased_slots_makes_the_room(ops, ask):
+    # Slots of 1-96 KiB fill a 2 x 1 MiB arena (some freed, some leased); ``could_fit`` over
+    # every slot still allocated must answer what freeing them all and allocating does.
+    arena = HostArena(2 * MiB, chunk_bytes=MiB, map_at_start=True)
+    live, leases = [], []
+    for kib, free_it, lease_it in ops:
+        slot = arena.allocate(kib * 1024)
+        if slot is None:
+            continue
+        if lease_it:
+            leases.append(arena.lease(slot))
+        if free_it:
+            arena.free(slot)
+        else:
+            live.append(slot)
+    answer = arena.could_fit(ask * 1024, live)
+    for slot in live:
+        arena.free(slot)
+    assert answer == (arena.allocate(ask * 1024) is not None)

@@ -15,6 +15,7 @@ import pytest
 import cacheseek as cs
 from cacheseek.store.arena import HostArena
 from cacheseek.store.cpu import CpuTier
+from cacheseek.errors import StorageError
 from cacheseek.store.direct_io import BufferPool
 from cacheseek.store.lease import LeaseError, LeaseLedger
 from server_helpers import Server, raw_chain
@@ -195,3 +196,24 @@ def test_a_client_that_goes_away_mid_stream_releases_the_leases(tmp_path, http):
         assert len(body) == sum(8 + len(f) for _, f in chain)
         assert c.get(f"/v1/blocks/{chain[3][0].hex()}").content == chain[3][1]
         assert _wait_released(c)["leases_active"] == 0
+
+
+def test_an_arena_held_by_readers_refuses_a_put_without_emptying_the_tier():
+    # Every stored slot leased: evicting frees no room (a leased slot is held until its
+    # reader lets go), so evicting block after block would empty the tier and still fail.
+    _, f = raw_frame(0)
+    tier = CpuTier(1 << 20)  # one 1 MiB chunk, the whole arena
+    count = (1 << 20) // f.nbytes
+    for i in range(count):
+        tier.put(*raw_frame(i))
+    readers = tier.get_many([raw_frame(i)[0] for i in range(count)])
+    try:
+        with pytest.raises(StorageError, match="no contiguous room.*still leased"):
+            tier.put(*raw_frame(count))
+        # The budget asked for one victim; the others stay.
+        assert tier.stats().blocks == count - 1 and tier.stats().evictions == 1
+    finally:
+        for frame in readers:
+            frame.release()
+    tier.put(*raw_frame(count))  # released: the room is there again
+    assert tier.contains(raw_frame(count)[0])

@@ -239,6 +239,30 @@ class HostArena:
             return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         return None
 
+    def could_fit(self, nbytes: int, slots: list[Slot]) -> bool:
+        """Whether freeing ``slots`` (those no lease holds) would leave ``nbytes`` of contiguous
+        room in some chunk: asked before evicting block after block for room the arena cannot
+        give (slots held by readers, reservations) and failing with the tier emptied."""
+        need = _align(nbytes)
+        if need > self.chunk_bytes:
+            return False
+        if self.reserved_bytes < self.capacity_bytes:
+            return True  # a new chunk
+        freeable: dict[int, list[tuple[int, int]]] = {}
+        for slot in slots:
+            if not slot.leases and not slot.freed:
+                freeable.setdefault(id(slot.chunk), []).append((slot.offset, slot.nbytes))
+        for chunk in self._chunks:
+            extents = sorted([*zip(chunk.free_offsets, chunk.free_sizes), *freeable.get(id(chunk), ())])
+            start = end = -1
+            for offset, size in extents:
+                if offset != end:
+                    start = offset
+                end = offset + size
+                if end - start >= need:
+                    return True
+        return False
+
     def _next_chunk_bytes(self, need: int) -> int:
         """The next chunk's size: a power of two no larger than the capacity left (a 4.5 GiB
         capacity maps 4 x 1 GiB + 512 MiB, not 5 GiB), unless ``need`` bytes need more."""

@@ -183,15 +183,21 @@ class CpuTier(IndexedTier):
         if self._index.used_bytes + nbytes > self.capacity_bytes:
             raise self._no_room(nbytes)
         slot = self._arena.allocate(nbytes)
-        while slot is None and self._index.evictable:
-            evicted += self._evict_one()
-            slot = self._arena.allocate(nbytes)
+        if slot is None and self._arena.could_fit(nbytes, self._evictable_slots()):
+            while slot is None and self._index.evictable:
+                evicted += self._evict_one()
+                slot = self._arena.allocate(nbytes)
         if slot is None:
             raise StorageError(
                 f"{self.name} tier: no contiguous room for a {nbytes}-byte frame "
-                f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased)"
+                f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased, "
+                f"{self._reserved_bytes} bytes reserved for frames arriving)"
             )
         return slot
+
+    def _evictable_slots(self) -> list[Slot]:
+        pinned = self._index.is_pinned
+        return [rec.slot for key, rec in self._records.items() if not pinned(key)]
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()
