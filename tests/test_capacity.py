@@ -437,6 +437,20 @@ def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
         assert second is not None and second.wait(30)
 
 
+def test_a_prefetch_after_the_prefetcher_closed_starts_nothing_and_holds_no_slot(tmp_path):
+    toks, kv = tokens_for(9, 2 * BLOCK), make_kv(2 * BLOCK, 9)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:
+        cache.ingest(toks, kv)
+        _on_disk_only(cache, toks)
+        assert cache.prefetch(toks).wait(30)  # (its executor now exists)
+        _on_disk_only(cache, toks)
+        cache.store.prefetcher.close()  # as a store's close does, with a caller still going
+        assert cache.prefetch(toks) is None
+        counts = cache.stats()["prefetch"]
+        assert counts["in_flight"] == 0 and counts["blocks_in_flight"] == 0
+        assert cache.store.prefetcher.waiting(cache.block_hashes(toks)) == {}
+
+
 def test_prefetch_needs_a_memory_tier_and_checks_its_input(tmp_path):
     toks, kv = tokens_for(8, 2 * BLOCK), make_kv(2 * BLOCK, 8)
     with make_cache(cpu=0, disk=tmp_path / "d") as cache:

@@ -134,7 +134,7 @@ class Prefetcher:
         try:
             executor.submit(self._run, mine, futures)
         except RuntimeError:  # shut down meanwhile
-            self._settle(mine, futures, [False] * len(mine))
+            self._settle(mine, futures, [False] * len(mine), last=True)
             return None
         return handle
 
@@ -196,6 +196,16 @@ class Prefetcher:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        # A prefetch cancelled before its thread took it up never settles its blocks: a
+        # reader waiting for one of them would wait for good.
+        with self._lock:
+            left = list(self._waiting.values())
+            self._waiting.clear()
+            self._running = 0
+            for fut in left:
+                if not fut.done():
+                    self.counts["failed_blocks"] += 1
+                    fut.set_result(False)
 
 
 __all__ = ["Prefetch", "Prefetcher"]
