@@ -149,6 +149,7 @@ class RemoteCache(PrefixCacheBase):
         hash_algo: str = DEFAULT_ALGO,
         token: str | None = None,
         timeout: float = 60.0,
+        exchange_timeout: float | None = 600.0,
         max_connections: int = 16,
         max_batch_bytes: int | str = "1GiB",
         max_body_bytes: int | str = "1GiB",
@@ -159,7 +160,10 @@ class RemoteCache(PrefixCacheBase):
         breaker: CircuitBreaker | None = None,
         shard: Shard = SINGLE,
     ) -> None:
-        """``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
+        """``timeout``: seconds for each connect, read and write. ``exchange_timeout``: seconds
+        for one whole request and its answer (None: no bound), which cuts off a server or
+        proxy that sends a byte now and then, each within ``timeout``; a timeout is an outage.
+        ``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
         a miss and a dropped write; see the module doc). ``verify``: TLS for an ``https``
         URL: True (the system's CAs), a CA bundle path, an ``ssl.SSLContext``, or False (no
         verification). ``proxy``: a proxy URL; by default (``trust_env``) the environment's
@@ -188,6 +192,11 @@ class RemoteCache(PrefixCacheBase):
             # Not every request would send them (lookups go straight to the transport), and
             # the URL is in every outage's log line and error.
             raise ConfigError(f"url: {parsed.copy_with(userinfo=b'')} holds credentials; give them as token=")
+        for name, value in (("timeout", timeout), ("exchange_timeout", exchange_timeout)):
+            if value is None and name == "exchange_timeout":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
+                raise ConfigError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
         self.on_unavailable = on_unavailable
         self.breaker = breaker if breaker is not None else CircuitBreaker(
             failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))
@@ -200,7 +209,7 @@ class RemoteCache(PrefixCacheBase):
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
-                                        trust_env=trust_env)
+                                        trust_env=trust_env, exchange_timeout=exchange_timeout)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._headers = headers
         self._timeouts = timeouts.as_dict()

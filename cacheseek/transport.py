@@ -43,8 +43,9 @@ import select
 import socket
 import ssl
 import threading
+import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -62,8 +63,13 @@ _STATUS = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: .*)?$")
 class BulkTransport(httpx.BaseTransport):
     def __init__(self, *, max_connections: int = 16, chunk_bytes: int = 16 << 20,
                  verify: bool | str | os.PathLike | ssl.SSLContext = True, proxy: str | None = None,
-                 trust_env: bool = True) -> None:
+                 trust_env: bool = True, exchange_timeout: float | None = None) -> None:
+        """``exchange_timeout``: the longest one exchange may take, from its request's first
+        byte to its answer's last (None: no bound). httpx's timeouts bound each read and
+        write alone, so a peer that sends a byte now and then within them would otherwise
+        hold the caller for good. Not applied through a proxy (httpx's transport)."""
         self.chunk_bytes = chunk_bytes
+        self.exchange_timeout = exchange_timeout
         self.ssl_context = ssl_context(verify)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle: dict[tuple[str, str, int], list[socket.socket]] = {}
@@ -115,18 +121,18 @@ class BulkTransport(httpx.BaseTransport):
         timeouts = request.extensions.get("timeout", {})
         if not self._slots.acquire(timeout=timeouts.get("pool")):
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
-        lease = _Lease(self, _pool_key(request.url))
+        lease = _Lease(self, _pool_key(request.url), timeouts)
         try:
             lease.sock, reused = self._connect(lease.key, timeouts, request, fresh=fresh)
             send_error: BaseException | None = None
             lease.sock.settimeout(timeouts.get("write"))
             try:
-                self._send(lease.sock, request)
+                self._send(lease, request)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 send_error = exc  # the server may have answered early (413, 401): read that answer
             lease.sock.settimeout(timeouts.get("read"))
             try:
-                status, headers, rest, keep_alive = _read_head(lease.sock, request)
+                status, headers, rest, keep_alive = _read_head(lease, request)
             except _NoAnswer as exc:
                 error = _as_httpx(send_error or exc.cause, request, reading=send_error is None)
                 if reused:
@@ -138,7 +144,7 @@ class BulkTransport(httpx.BaseTransport):
             lease.release(reusable=False)
             if isinstance(exc, _Stale):
                 raise
-            raise _as_httpx(exc, request, reading=True) from None
+            raise _as_httpx(lease.explain(exc), request, reading=True) from None
         try:
             body = _Body(lease, request, status, headers, rest, keep_alive)
         except BaseException as exc:
@@ -225,7 +231,9 @@ class BulkTransport(httpx.BaseTransport):
 
     # -- the request -----------------------------------------------------------------------
 
-    def _send(self, sock: socket.socket, request: httpx.Request) -> None:
+    def _send(self, lease: _Lease, request: httpx.Request) -> None:
+        sock = lease.sock
+        assert sock is not None
         target = request.url.raw_path.decode("ascii")
         lines = [f"{request.method} {target} HTTP/1.1".encode()]
         chunked = False
@@ -247,24 +255,53 @@ class BulkTransport(httpx.BaseTransport):
                 pending.append(b"\r\n")
             pending_bytes += view.nbytes
             if pending_bytes >= _SMALL:
-                send(sock, pending)
+                send(sock, pending, lease.pace_write)
                 pending, pending_bytes = [], 0
         if chunked:
             pending.append(b"0\r\n\r\n")
         if pending:
-            send(sock, pending)
+            send(sock, pending, lease.pace_write)
 
 
 class _Lease:
     """One request's pool slot and socket, given back exactly once (``release``)."""
 
-    __slots__ = ("transport", "key", "sock", "released")
+    __slots__ = ("transport", "key", "sock", "released", "deadline", "read_timeout", "write_timeout")
 
-    def __init__(self, transport: BulkTransport, key: tuple[str, str, int]) -> None:
+    def __init__(self, transport: BulkTransport, key: tuple[str, str, int], timeouts: dict) -> None:
         self.transport = transport
         self.key = key
         self.sock: socket.socket | None = None
         self.released = False
+        limit = transport.exchange_timeout
+        self.deadline = None if limit is None else time.monotonic() + limit
+        self.read_timeout = timeouts.get("read")
+        self.write_timeout = timeouts.get("write")
+
+    def pace(self, write: bool = False) -> None:
+        """Before each blocking call on the socket: its timeout becomes the operation's own,
+        cut to what is left of the exchange's deadline (``TimeoutError`` once that passed)."""
+        if self.deadline is None:
+            return
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._past()
+        op = self.write_timeout if write else self.read_timeout
+        assert self.sock is not None
+        self.sock.settimeout(left if op is None else min(op, left))
+
+    def pace_write(self) -> None:
+        self.pace(write=True)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """``exc``, or for a socket timeout that the deadline cut short, an error that says so."""
+        if isinstance(exc, TimeoutError) and self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
+            return self._past()
+        return exc
+
+    def _past(self) -> TimeoutError:
+        return TimeoutError(f"the exchange took longer than its limit of {self.transport.exchange_timeout} s "
+                            "(exchange_timeout)")
 
     def release(self, *, reusable: bool) -> None:
         if self.released:
@@ -302,7 +339,7 @@ class _Body(httpx.SyncByteStream):
             self._done = True
         except (OSError, ValueError) as exc:
             self._reusable = False
-            raise _as_httpx(exc, self._request, reading=True) from None
+            raise _as_httpx(self._lease.explain(exc), self._request, reading=True) from None
         finally:
             self.close()
 
@@ -334,6 +371,7 @@ class _Body(httpx.SyncByteStream):
         self._rest = self._rest[got:]
         try:
             while got < n:
+                self._lease.pace()
                 k = self._sock.recv_into(view[got:])
                 if not k:
                     raise ConnectionResetError("connection closed inside the body")
@@ -341,7 +379,7 @@ class _Body(httpx.SyncByteStream):
         except OSError as exc:
             self._reusable = False
             self.close()
-            raise _as_httpx(exc, self._request, reading=True) from None
+            raise _as_httpx(self._lease.explain(exc), self._request, reading=True) from None
         self._length -= n
         if self._length == 0:
             self._done = True
@@ -364,6 +402,7 @@ class _Body(httpx.SyncByteStream):
             view = memoryview(buf)
             got = 0
             while got < size:
+                self._lease.pace()
                 n = sock.recv_into(view[got:])
                 if not n:
                     if remaining is None:
@@ -380,7 +419,7 @@ class _Body(httpx.SyncByteStream):
             yield view
 
     def _iter_chunked(self) -> Iterator[bytes]:
-        reader = _LineReader(self._sock, self._rest)
+        reader = _LineReader(self._sock, self._rest, self._lease.pace)
         while True:
             line = reader.line()
             size_text = line.split(b";", 1)[0].strip()
@@ -404,11 +443,13 @@ class _Body(httpx.SyncByteStream):
 
 
 class _LineReader:
-    def __init__(self, sock: socket.socket, rest: bytes) -> None:
+    def __init__(self, sock: socket.socket, rest: bytes, pace: Callable[[], None]) -> None:
         self.sock = sock
         self.buf = bytearray(rest)
+        self.pace = pace
 
     def _fill(self) -> None:
+        self.pace()
         data = self.sock.recv(1 << 16)
         if not data:
             raise ConnectionResetError("connection closed inside a chunked body")
@@ -445,14 +486,17 @@ class _Stale(Exception):
         self.error = error
 
 
-def _read_head(sock: socket.socket, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
+def _read_head(lease: _Lease, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bytes, bool]:
     """The final answer's status, headers, the bytes read past its head, and whether the
     connection may stay open; interim (1xx) answers are read and dropped."""
+    sock = lease.sock
+    assert sock is not None
     buf = b""
     while True:
         while (end := buf.find(b"\r\n\r\n")) < 0:
             if len(buf) > _HEAD_LIMIT:
                 raise httpx.RemoteProtocolError("response head over 64 KiB", request=request)
+            lease.pace()
             try:
                 data = sock.recv(1 << 16)
             except (ConnectionResetError, ConnectionAbortedError) as exc:
@@ -557,9 +601,10 @@ def ssl_context(verify: bool | str | os.PathLike | ssl.SSLContext) -> ssl.SSLCon
     raise ConfigError(f"verify: a bool, a CA bundle path or an ssl.SSLContext, not {type(verify).__name__}")
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: list[Any], pace: Callable[[], None]) -> None:
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
+        pace()
         sent = sock.sendmsg(views[:512])
         while sent and views:
             if sent >= views[0].nbytes:
@@ -570,12 +615,14 @@ def _sendmsg_all(sock: socket.socket, buffers: list[Any]) -> None:
                 sent = 0
 
 
-def _sendall_each(sock: socket.socket, buffers: list[Any]) -> None:
+def _sendall_each(sock: socket.socket, buffers: list[Any], pace: Callable[[], None]) -> None:
     small = [b for b in buffers if memoryview(b).nbytes < _SMALL]
     if len(small) == len(buffers):
+        pace()
         sock.sendall(b"".join(bytes(b) if not isinstance(b, bytes) else b for b in buffers))
         return
     for b in buffers:
+        pace()  # (sendall's timeout bounds the whole call)
         sock.sendall(b)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-# A reply script: (request number on its connection, request head) -> bytes to send, and
-# whether to close the connection after sending them (None: close without answering).
-Script = Callable[[int, bytes], tuple[bytes | None, bool]]
+# A reply script: (request number on its connection, request head) -> bytes to send (or
+# pieces of them, sent as the iterable yields them: a slow server), and whether to close the
+# connection after sending them (None: close without answering).
+Script = Callable[[int, bytes], tuple[bytes | Iterable[bytes] | None, bool]]
 
 
 class FakeServer:
@@ -69,8 +70,11 @@ class FakeServer:
                 buf = buf[length:]
                 self.requests.append(head)
                 reply, close = self.script(n, head)
-                if reply is not None:
+                if isinstance(reply, bytes):
                     conn.sendall(reply)
+                elif reply is not None:
+                    for piece in reply:
+                        conn.sendall(piece)
                 if close or reply is None:
                     return
         except (OSError, ssl.SSLError):

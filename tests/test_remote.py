@@ -680,6 +680,40 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_is_not(caplog):
             cache.ingest(toks, kv)
 
 
+def test_a_server_that_dribbles_its_answer_is_an_outage_at_the_exchange_timeout():
+    from fake_http import FakeServer
+
+    toks = tokens_for(34, 2 * BLOCK)
+    lookup = b'{"matched": 2, "tiers": ["cpu", "cpu"]}'
+
+    def script(n: int, head: bytes):
+        if b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookup)).encode() + b"\r\n\r\n" + lookup), False
+
+        def dribble():  # a byte every 50 ms: each read well within the 5 s timeout
+            yield (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.cacheseek.frames\r\ncontent-length: 4096\r\n\r\n"
+                   + (4088).to_bytes(8, "little"))  # a frame's length, then its bytes
+            for _ in range(4088):
+                time.sleep(0.05)
+                yield b"\0"
+        return dribble(), True
+
+    with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                     block_tokens=BLOCK, timeout=5, exchange_timeout=0.5,
+                                                     on_unavailable="miss", trust_env=False) as cache:
+        start = time.monotonic()
+        assert cache.materialize(toks).num_tokens == 0
+        assert time.monotonic() - start < 3
+        stats = cache.client_stats()
+        assert stats["outages"] == 1 and "exchange_timeout" in stats["last_error"]
+    for bad in (0, -1, float("nan"), float("inf"), "5", True):
+        with pytest.raises(cs.ConfigError, match="timeout"):
+            cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, block_tokens=BLOCK, exchange_timeout=bad)
+        with pytest.raises(cs.ConfigError, match="timeout"):
+            cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, block_tokens=BLOCK, timeout=bad)
+
+
 @pytest.mark.parametrize("answer", ["huge-length", "html", "chunked"])
 def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answer):
     """A body whose first bytes declare an impossible frame length (an HTML page read as

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import time
 
 import httpx
 import pytest
@@ -160,3 +161,42 @@ def test_https_verifies_against_a_ca_bundle_and_moves_bodies(tls, tmp_path):
             c.get("/x")  # the system's CAs do not know the test's CA
         with _client(srv, verify=False) as c:
             assert c.get("/x").content == big
+
+
+def _dribbled(part: str) -> Script:
+    """An answer whose head, body or chunks come a byte every 20 ms: each read is well within
+    the read timeout, the whole far beyond the exchange's limit."""
+    def script(n: int, head: bytes):
+        def pieces():
+            answer = {"head": OK, "body": b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n" + b"x" * 500,
+                      "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1\r\nx\r\n" * 100
+                      + b"0\r\n\r\n"}[part]
+            start = 0 if part == "head" else answer.index(b"\r\n\r\n") + 4
+            yield answer[:start]
+            for i in range(start, len(answer)):
+                time.sleep(0.02)
+                yield answer[i : i + 1]
+        return pieces(), True
+    return script
+
+
+@pytest.mark.parametrize("part", ["head", "body", "chunked"])
+def test_an_answer_dribbled_within_the_read_timeout_is_cut_off_at_the_exchange_timeout(part):
+    with FakeServer(_dribbled(part)) as srv, _client(srv, exchange_timeout=0.5) as c:
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match="exchange_timeout"):
+            c.get("/slow").read()
+        assert time.monotonic() - start < 2.5  # the read timeout is 5 s; the dribble takes 10 s
+    with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv, exchange_timeout=0.5) as c:
+        _usable(c)  # within the limit: answered as ever, and the connection reused
+
+
+def test_a_request_body_a_server_never_reads_is_cut_off_at_the_exchange_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never reads
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        transport = BulkTransport(max_connections=1, trust_env=False, exchange_timeout=0.5)
+        with httpx.Client(base_url=url, transport=transport, timeout=httpx.Timeout(5, pool=1)) as c:
+            start = time.monotonic()
+            with pytest.raises(httpx.TimeoutException, match="exchange_timeout"):
+                c.post("/upload", content=bytes(64 << 20))
+            assert time.monotonic() - start < 2.5
