@@ -121,7 +121,10 @@ class BlockService:
         return self.put(namespace, [incoming], model=model)[0]
 
     def put(self, namespace: str, frames: list[Incoming], *, model: str = "") -> list[ServicePutReport]:
-        """Store checked frames, attributed to (namespace, model) (see ``_put``)."""
+        """Store checked frames, attributed to (namespace, model) (see ``_put``). A batch
+        refused for its positions announces nothing: a position 0 would make its model the
+        owner of the namespace's root."""
+        self._check_chain_positions(namespace, frames)
         owners = self.owners
         keys = [self.namespaces.stored_key(namespace, inc.meta.block_hash) for inc in frames]
         parents = [self.namespaces.stored_key(namespace, inc.meta.parent_hash) if inc.meta.position == 0 else b""
@@ -134,11 +137,10 @@ class BlockService:
             owners.settle(keys)
 
     def _put(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> list[ServicePutReport]:
-        """Store checked frames (in order), after checking each one's position against its
-        parent's (in this batch or stored). Blocks already stored anywhere are not written
+        """Store checked frames (in order), whose positions ``put`` checked against their
+        parents' (in this batch or stored). Blocks already stored anywhere are not written
         again (their reservations are given back). On an error, reservations not yet
         committed stay lent: the caller aborts them."""
-        self._check_chain_positions(namespace, frames)
         ns = self.namespaces
         level = self.store.durability
         reports = [ServicePutReport(to_hex(inc.meta.block_hash), "present", {}, inc.meta.nbytes, level)

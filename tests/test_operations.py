@@ -336,6 +336,23 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert value(m, "cacheseek_recovery_duration_seconds") >= 0
 
 
+def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
+    """A batch refused for its positions announces nothing: its model does not become the
+    owner of the namespace's root, through which blocks recovered at start are attributed."""
+    chain = raw_chain(61, 4)
+    head, _ = raw_frame(62)
+    _, bad = raw_frame(63, position=3, parent=head)  # its parent is at position 0
+    with Server(tmp_path, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain, **writer("a", "llama"))
+        r = c.post("/v1/blocks", content=batch_body([raw_frame(62, block_hash=head)[1], bad]),
+                   headers=writer("a", "intruder"))
+        assert r.status_code == 400 and "position" in r.text
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        assert [(g["namespace"], g["blocks"], [m["model"] for m in g["models"]]) for g in usage] == \
+            [("a", 4, ["llama"])]
+
+
 def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     chain = raw_chain(70, 3)
     with httpx.Client(base_url=srv.url) as c:
