@@ -314,6 +314,8 @@ _TIER_SERIES = {
     "demotions": ("demotions_total", "Blocks moved down into the tier on eviction above", "counter"),
     "corrupt": ("corrupt_frames_total", "Stored frames found corrupt (checksum, length, header): a miss, deleted",
                 "counter"),
+    "read_errors": ("read_errors_total", "Reads that failed for want of a descriptor or memory, or an I/O error: "
+                    "a miss, nothing removed", "counter"),
     "write_errors": ("write_errors_total", "Frames the tier failed to store", "counter"),
     "bytes_in": ("bytes_in_total", "Frame bytes written into the tier", "counter"),
     "bytes_out": ("bytes_out_total", "Frame bytes read from the tier", "counter"),

@@ -332,6 +332,38 @@ def test_a_read_that_failed_after_an_eviction_spares_the_block_written_again(tmp
         tier.close()
 
 
+def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
+    """Out of file descriptors for a moment (a burst of connections): the read is a miss,
+    counted, and the acknowledged block stays; only a bad file is dropped as corrupt."""
+    import resource
+
+    (k1, f1), = _frames(8, 1)
+    tier = DiskTier(tmp_path, 1 << 30)
+    try:
+        tier.put(k1, f1)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+            with pytest.raises(OSError):
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            assert tier.get(k1) is None
+            report = tier.check(fix=True)
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert report == {"ok": 0, "corrupt": 0, "unreadable": 1}
+        stats = tier.stats()
+        assert stats.read_errors == 1 and stats.corrupt == 0 and stats.blocks == 1
+        got = tier.get(k1)
+        assert got is not None and bytes(got.host) == bytes(f1.host)
+        assert all(p.exists() for p in tier._paths(k1))
+    finally:
+        tier.close()
+
+
 def test_check_fix_spares_a_block_evicted_and_written_again_while_it_read_it(tmp_path, monkeypatch):
     (k1, f1), (k2, f2) = _frames(8, 2)
     tier = DiskTier(tmp_path, 1 << 30)
@@ -347,9 +379,9 @@ def test_check_fix_spares_a_block_evicted_and_written_again_while_it_read_it(tmp
             return meta
 
         monkeypatch.setattr(disk_mod, "parse_frame", raced)
-        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0}
+        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0, "unreadable": 0}
         monkeypatch.undo()
-        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0}
+        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
     finally:
         tier.close()
 

@@ -79,7 +79,8 @@ def test_sigkill_at_random_moments_never_loses_an_ack_or_serves_a_torn_block(tmp
 
         cache = _cache(disk)
         assert not list(disk.glob("*/.tmp-*")), "temp files survived the restart scan"
-        assert cache.store.tier("disk").check() == {"ok": cache.stats()["tiers"][0]["blocks"], "corrupt": 0}
+        blocks = cache.stats()["tiers"][0]["blocks"]
+        assert cache.store.tier("disk").check() == {"ok": blocks, "corrupt": 0, "unreadable": 0}
         for s in sorted(begun):
             toks, kv = tokens_for(s, 6 * BLOCK), make_kv(6 * BLOCK, s, LAYOUT)
             got = cache.materialize(toks)

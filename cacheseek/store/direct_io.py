@@ -199,12 +199,15 @@ class BufferPool:
 
 
 class ReadFailed(Exception):
-    """A read could not give a whole file: missing, another size than expected, short, or
-    refused by its ``check``. ``missing``: the file was not there."""
+    """A read could not give a whole file. ``damaged``: the file itself is bad (missing,
+    another size than expected, short, or refused by its ``check``); else the read could
+    not be made (no descriptor or memory left, an I/O error), which says nothing of the
+    file. ``missing``: the file was not there."""
 
-    def __init__(self, reason: str, *, missing: bool = False) -> None:
+    def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True) -> None:
         super().__init__(reason)
         self.missing = missing
+        self.damaged = damaged
 
 
 @dataclass(slots=True)
@@ -259,14 +262,15 @@ class ReadPool:
             raise ReadFailed(f"{path.name}: not found", missing=True) from None
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
-                raise ReadFailed(f"{path.name}: {exc}") from None
+                raise ReadFailed(f"{path.name}: {exc}", damaged=False) from None
             with self._counts_lock:
                 self.direct_refused += 1
             direct = False
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc2:
-                raise ReadFailed(f"{path.name}: {exc2}", missing=isinstance(exc2, FileNotFoundError)) from None
+                missing = isinstance(exc2, FileNotFoundError)
+                raise ReadFailed(f"{path.name}: {exc2}", missing=missing, damaged=missing) from None
         lease = None
         try:
             size = os.fstat(fd).st_size
@@ -277,7 +281,7 @@ class ReadPool:
                 got = _read_whole(fd, path, lease.buffer, size, direct)
             except OSError as exc:
                 if not direct or exc.errno != errno.EINVAL:
-                    raise ReadFailed(f"{path.name}: {exc}") from None
+                    raise ReadFailed(f"{path.name}: {exc}", damaged=False) from None
                 with self._counts_lock:
                     self.direct_refused += 1
                 direct = False
@@ -298,8 +302,8 @@ class ReadPool:
                 lease.release()
             if isinstance(exc, ReadFailed):
                 raise
-            if isinstance(exc, OSError):
-                raise ReadFailed(f"{path.name}: {exc}") from None
+            if isinstance(exc, (OSError, MemoryError)):  # (a buffer not to be had, a read cut off)
+                raise ReadFailed(f"{path.name}: {exc!r}", damaged=False) from None
             raise
         finally:
             os.close(fd)

@@ -675,13 +675,19 @@ class DiskTier(IndexedTier):
 
     def _landed(self, key: bytes, info: BlockInfo, done: ReadDone | ReadFailed, leased: bool
                 ) -> BlockFrame | None:
-        """A read's frame, or None (its files dropped and counted when it was corrupt, cut
-        short, or its data file gone while its sidecar stayed)."""
+        """A read's frame, or None: its files dropped and counted when they are bad (corrupt,
+        cut short, the data file gone while its sidecar stayed); kept, and the read counted,
+        when the read itself could not be made (no descriptor or memory left, an I/O error):
+        a moment's shortage must not delete acknowledged blocks."""
         if isinstance(done, ReadFailed):
             with self._lock:
-                if self._drop_if_unchanged(key, info):
+                if not done.damaged:
+                    self._stats.read_errors += 1
+                elif self._drop_if_unchanged(key, info):
                     self._stats.corrupt += 1
                     self._sync_counts()
+            if not done.damaged:
+                log.warning("%s tier: reading block %s failed (%s); the block is kept", self.name, key.hex(), done)
             return None
         lease = done.lease
         if not leased and lease is not None:
@@ -740,8 +746,10 @@ class DiskTier(IndexedTier):
         return out
 
     def check(self, *, fix: bool = False) -> dict[str, int]:
-        """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones."""
-        report = {"ok": 0, "corrupt": 0}
+        """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones (corrupt,
+        or the data file missing); a frame that could not be read (``unreadable``: no
+        descriptor or memory left, an I/O error) is kept."""
+        report = {"ok": 0, "corrupt": 0, "unreadable": 0}
         for key in self.keys():
             info = self.info(key)
             if info is None:
@@ -750,8 +758,11 @@ class DiskTier(IndexedTier):
             try:
                 meta = parse_frame(data_path.read_bytes(), verify=True)
                 ok = meta.block_hash == key
-            except (OSError, FrameError):
+            except (FileNotFoundError, FrameError):
                 ok = False
+            except (OSError, MemoryError):
+                report["unreadable"] += 1
+                continue
             if not ok:
                 with self._lock:
                     if self._index.get(key) is not info:
