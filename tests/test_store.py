@@ -286,7 +286,7 @@ def test_restart_removes_temp_files_orphans_and_bad_sidecars(tmp_path):
     make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
     frames = _frame_files(tmp_path / "d")
     shard = frames[0].parent
-    (shard / ".tmp-deadbeef.frame-1234").write_bytes(b"partial")
+    (shard / ".tmp-deadbeef.frame-0123abcd").write_bytes(b"partial")
     orphan = shard / ("ab" * 16 + ".frame")
     orphan.write_bytes(b"no sidecar")
     frames[1].with_suffix(".meta").write_bytes(b"\xc1garbage")
@@ -295,6 +295,51 @@ def test_restart_removes_temp_files_orphans_and_bad_sidecars(tmp_path):
     assert removed == {"temp": 1, "orphan": 1, "bad_sidecar": 1}
     assert not orphan.exists() and not frames[1].exists()
     assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+
+
+def test_restart_touches_nothing_the_tier_did_not_write(tmp_path):
+    """A disk path pointed at a folder in use, a shard symlinked elsewhere, odd entries in a
+    shard: recovery removes only the tier's own files, and none of them stops the start."""
+    root, elsewhere = tmp_path / "d", tmp_path / "elsewhere"
+    toks, kv = tokens_for(13, 2 * BLOCK), make_kv(2 * BLOCK, 13)
+    make_cache(cpu=0, disk=root).ingest(toks, kv)
+    shard = _frame_files(root)[0].parent
+    theirs = [root / "go" / "main.meta", root / "go" / "scene.frame", root / "go" / ".tmp-build",
+              elsewhere / "a.meta", elsewhere / "video.frame", elsewhere / ".tmp-upload", shard / "notes.txt",
+              shard / "frame.frame"]
+    for path in theirs:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"not the cache's")
+    (root / "ee").symlink_to(elsewhere)
+    (shard / ("cd" * 16 + ".meta")).mkdir()  # a directory named as a sidecar
+    (shard / ".tmp-whatever").mkdir()
+    cache = make_cache(cpu=0, disk=root)
+    assert cache.stats()["tiers"][0]["removed_at_start"] == {"temp": 0, "orphan": 0, "bad_sidecar": 0}
+    assert all(path.read_bytes() == b"not the cache's" for path in theirs)
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+
+
+def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(tmp_path):
+    import msgpack
+
+    toks, kv = tokens_for(14, 3 * BLOCK), make_kv(3 * BLOCK, 14)
+    make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
+    sidecars = sorted(p.with_suffix(".meta") for p in _frame_files(tmp_path / "d"))
+    side = msgpack.unpackb(sidecars[0].read_bytes())
+    sidecars[0].write_bytes(msgpack.packb({**side, "parent": 1 << 50}))  # a length, not a hash
+    side = msgpack.unpackb(sidecars[1].read_bytes())
+    sidecars[1].write_bytes(msgpack.packb({**side, "pos": -1}))
+    # A whole block moved into another shard: its sidecar names a hash that shard cannot hold.
+    key = msgpack.unpackb(sidecars[2].read_bytes())["hash"]
+    other = sidecars[2].parent.parent / ("00" if key.hex()[:2] != "00" else "01")
+    other.mkdir(exist_ok=True)
+    for path in (sidecars[2], sidecars[2].with_suffix(".frame")):
+        path.rename(other / path.name)
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    stats = cache.stats()["tiers"][0]
+    assert stats["blocks"] == 0 and stats["used_bytes"] == 0
+    assert stats["removed_at_start"]["bad_sidecar"] == 3
+    assert not any((tmp_path / "d").rglob("*.meta"))
 
 
 @pytest.mark.parametrize(

@@ -63,6 +63,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import secrets
 import threading
 import weakref
@@ -76,7 +77,7 @@ import msgpack
 from ..errors import ConfigError, FrameError, StorageError
 from ..units import format_size
 from .direct_io import BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path
-from .frame import FrameMeta, parse_frame
+from .frame import HASH_SIZES, FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
 
@@ -91,6 +92,12 @@ STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for sidecars, file-system blocks and other writers when
 # a budget is clamped to it.
 FREE_SPACE_HEADROOM = 0.05
+# The only entries recovery touches: shard directories, and in them the tier's own files.
+# Anything else (a directory pointed at a folder already in use, a symlinked shard) is
+# left alone: the tier deletes nothing it did not write.
+_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
+_OWN_FILE = re.compile(r"((?:[0-9a-f]{2})+)\.(frame|meta)")
+_OWN_TEMP = re.compile(r"\.tmp-(?:[0-9a-f]{2})+\.(?:frame|meta)-[0-9a-f]{8}")
 
 
 @dataclass(slots=True)
@@ -222,8 +229,18 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
-        for shard in sorted(p for p in self.root.iterdir() if p.is_dir() and len(p.name) == 2):
-            names = {p.name: p for p in shard.iterdir()}
+        foreign = 0
+        with os.scandir(self.root) as entries:
+            shards = sorted(Path(e.path) for e in entries
+                            if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
+        for shard in shards:
+            names: dict[str, Path] = {}
+            with os.scandir(shard) as entries:
+                for e in entries:
+                    if e.is_file(follow_symlinks=False) and (_OWN_FILE.fullmatch(e.name) or _OWN_TEMP.fullmatch(e.name)):
+                        names[e.name] = Path(e.path)
+                    else:
+                        foreign += 1
             handled = set()
             for name, path in names.items():
                 if name.startswith(".tmp-"):
@@ -242,6 +259,9 @@ class DiskTier(IndexedTier):
                 if name.endswith(".frame") and name not in handled:
                     _unlink(path)
                     removed["orphan"] += 1
+        if foreign:
+            log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
+                        self.name, foreign, self.root)
         for _, key, info in sorted(found, key=lambda e: e[0]):
             self._index.add(key, info)
         self._evict_over_budget()
@@ -342,21 +362,30 @@ class DiskTier(IndexedTier):
             self._stats.evictions += 1
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
+        """The block a sidecar commits, or None when it is not one of this tier's: every field
+        of the type and range a write gives it, in the shard its hash names, beside a data
+        file of its size."""
         try:
-            data = path.read_bytes()
-            side = msgpack.unpackb(data, raw=False)
+            if path.stat().st_size > 4096:
+                return None
+            side = msgpack.unpackb(path.read_bytes(), raw=False)
             if not isinstance(side, dict) or set(side) != _SIDECAR_KEYS or side["v"] != SIDECAR_VERSION:
                 return None
-            key = side["hash"]
-            if not isinstance(key, bytes) or path.name != f"{key.hex()}.meta":
+            key, parent = side["hash"], side["parent"]
+            if not (isinstance(key, bytes) and len(key) in HASH_SIZES and isinstance(parent, bytes)
+                    and len(parent) == len(key)):
+                return None
+            if path.name != f"{key.hex()}.meta" or path.parent.name != key.hex()[:2]:
+                return None
+            numbers = [side["nbytes"], side["raw_nbytes"], side["pos"]]
+            if not all(type(x) is int and 0 <= x < 1 << 62 for x in numbers):
                 return None
             frame_name = f"{key.hex()}.frame"
             if frame_name not in names or names[frame_name].stat().st_size != side["nbytes"]:
                 return None
-            info = BlockInfo(nbytes=int(side["nbytes"]), raw_nbytes=int(side["raw_nbytes"]),
-                             parent=bytes(side["parent"]), position=int(side["pos"]))
+            info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"])
             return path.stat().st_mtime, key, info
-        except (OSError, ValueError, TypeError, KeyError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+        except Exception:  # whatever is wrong with one file, the tier starts without it
             return None
 
     # -- writes --------------------------------------------------------------------------
@@ -808,10 +837,15 @@ def _lock_directory(root: Path) -> int:
 
 
 def _unlink(path: Path) -> None:
+    """Remove a file of the tier's; one that cannot be removed is logged, not raised: the
+    callers are undoing or cleaning, and must finish (a write left marked in flight for
+    good would hang every later put of its block)."""
     try:
         path.unlink()
     except (FileNotFoundError, NotADirectoryError):
         pass
+    except OSError as exc:
+        log.warning("disk tier: cannot remove %s: %s", path, exc)
 
 
 
