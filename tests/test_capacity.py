@@ -332,6 +332,23 @@ def test_a_read_that_failed_after_an_eviction_spares_the_block_written_again(tmp
         tier.close()
 
 
+def test_a_batch_whose_frame_cannot_be_claimed_gives_back_the_ones_claimed_before_it(tmp_path):
+    from cacheseek.store.tier import BlockFrame
+
+    (k1, f1), (k2, f2) = _frames(9, 2)
+    tier = DiskTier(tmp_path, 1 << 30)
+    try:
+        with pytest.raises(RuntimeError, match="host"):
+            tier.put_many([(k1, f1), (k2, BlockFrame(f2.meta, host=None))])  # a device frame never moved
+        assert tier._writing == {} and tier._reserved == 0 and tier.stats().blocks == 0
+        done = threading.Event()
+        threading.Thread(target=lambda: (tier.put(k1, f1), done.set()), daemon=True).start()
+        assert done.wait(10)  # not waiting on a write that will never end
+        assert tier.get(k1) is not None
+    finally:
+        tier.close()
+
+
 def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
     """Out of file descriptors for a moment (a burst of connections): the read is a miss,
     counted, and the acknowledged block stays; only a bad file is dropped as corrupt."""

@@ -453,27 +453,35 @@ class DiskTier(IndexedTier):
         group: list[_Pending] = []
         held = 0  # bytes of ``group``, claimed but not yet committed
         waits: list[tuple[int, bytes, _InFlight]] = []
-        for i, (key, frame) in enumerate(items):
-            evicted: list[tuple[bytes, BlockFrame | None]] = []
-            try:
-                claimed = self._claim(key, frame, evicted, held=held)
-                if claimed is None:
-                    # Frames in flight cannot be evicted: what this batch holds must be
-                    # committed (and so become evictable) before the rest can have room.
-                    self._commit_part(group, results)
-                    group, held = [], 0
-                    claimed = self._claim(key, frame, evicted)
-            except StorageError as exc:
-                results[i] = TierPutResult(stored=None, evicted=evicted, error=exc)
-                continue
-            if isinstance(claimed, TierPutResult):
-                results[i] = claimed
-            elif isinstance(claimed, _InFlight):
-                waits.append((i, key, claimed))  # being written by another thread, or earlier in this batch
-            else:
-                claimed.index = i
-                group.append(claimed)
-                held += claimed.frame.meta.nbytes
+        try:
+            for i, (key, frame) in enumerate(items):
+                evicted: list[tuple[bytes, BlockFrame | None]] = []
+                try:
+                    claimed = self._claim(key, frame, evicted, held=held)
+                    if claimed is None:
+                        # Frames in flight cannot be evicted: what this batch holds must be
+                        # committed (and so become evictable) before the rest can have room.
+                        self._commit_part(group, results)
+                        group, held = [], 0
+                        claimed = self._claim(key, frame, evicted)
+                except StorageError as exc:
+                    results[i] = TierPutResult(stored=None, evicted=evicted, error=exc)
+                    continue
+                if isinstance(claimed, TierPutResult):
+                    results[i] = claimed
+                elif isinstance(claimed, _InFlight):
+                    waits.append((i, key, claimed))  # being written by another thread, or earlier in this batch
+                else:
+                    claimed.index = i
+                    group.append(claimed)
+                    held += claimed.frame.meta.nbytes
+        except BaseException as exc:
+            # A frame that could not even be claimed (no host bytes, an interrupt): the ones
+            # claimed before it give their room back and wake their waiters, unwritten.
+            for p in group:
+                p.fail(self.name, exc)
+            self._finish(group)
+            raise
         self._commit_part(group, results)
         for i, key, pending in waits:
             try:
