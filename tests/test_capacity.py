@@ -185,13 +185,13 @@ def test_a_failed_write_in_a_group_fails_that_block_alone(tmp_path, monkeypatch)
 
     def flaky(self, final, segments, **kw):
         if final.name.startswith(bad) and final.suffix == ".meta":
-            raise OSError(28, "No space left on device")
+            raise OSError(5, "Input/output error")  # (no space is retried: see below)
         return real(self, final, segments, **kw)
 
     monkeypatch.setattr(DiskTier, "_write_temp", flaky)
     results = tier.put_many(items)
     assert [r.error is not None for r in results] == [False, False, True, False, False, False]
-    assert "No space left" in str(results[2].error)
+    assert "Input/output error" in str(results[2].error)
     assert not tier.contains(items[2][0]) and not list(tier._paths(items[2][0])[0].parent.glob(bad + "*"))
     assert all(tier.contains(k) for i, (k, _) in enumerate(items) if i != 2)
     monkeypatch.undo()
@@ -347,6 +347,54 @@ def test_a_batch_whose_frame_cannot_be_claimed_gives_back_the_ones_claimed_befor
         assert tier.get(k1) is not None
     finally:
         tier.close()
+
+
+_FULL_FILESYSTEM = r"""
+import json, sys
+sys.path[:0] = sys.argv[2:]
+from cacheseek.store.disk import DiskTier
+from test_capacity import _frames
+
+tier = DiskTier(sys.argv[1], 1 << 30)  # clamped to the 4 MiB filesystem, less 5%
+clamped = tier.capacity_bytes
+frames = _frames(11, 160)  # ~49 KB frames: each one's sidecar and rounding pass the headroom
+failed = sum(tier.put(k, f).stored is None for k, f in frames[:80])
+batch = tier.put_many(frames[80:])
+last = frames[-8:]
+print(json.dumps({"clamped": clamped, "capacity": tier.capacity_bytes, "failed": failed,
+                  "batch_failed": sum(r.error is not None for r in batch), "evictions": tier.stats().evictions,
+                  "last_readable": all(tier.get(k) is not None for k, _ in last)}))
+tier.close()
+"""
+
+
+def test_a_full_filesystem_lowers_the_budget_and_writes_go_on_evicting(tmp_path):
+    """The budget counts frame bytes; sidecars, rounding and other writers fill the
+    filesystem before it. A write that finds no room lowers the budget to what is held and
+    goes again, evicting: the tier keeps taking writes rather than failing every one. On a
+    real 4 MiB tmpfs, mounted in a mount namespace of its own."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a small tmpfs")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    script = tmp_path / "full.py"
+    script.write_text(_FULL_FILESYSTEM)
+    here = Path(__file__).parent
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=4m tmpfs "$0" && exec "$@"',
+                          str(mount), sys.executable, str(script), str(mount), str(here.parent), str(here)],
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and "mount" in run.stderr and "Operation not permitted" in run.stderr:
+        pytest.skip(f"no mount namespace here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["failed"] == 0 and out["batch_failed"] == 0, out
+    assert out["capacity"] < out["clamped"] and out["evictions"] > 0 and out["last_readable"], out
+    assert "the filesystem is full" in run.stderr
 
 
 def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):

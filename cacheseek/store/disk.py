@@ -55,17 +55,22 @@ One process owns a directory: the tier holds an exclusive ``flock`` on ``<root>/
 the same directory fails at start instead of budgeting the same bytes twice and missing
 the other's blocks. The budget is checked against the filesystem at start: one larger
 than the free space (plus what the tier already holds) is clamped to it, with a warning
-naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC.
+naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC. What
+the headroom does not cover (sidecars, file-system blocks, other writers) a write finds
+out: on ENOSPC the budget comes down to what is held and the write goes again, evicting;
+a lowered budget is fitted to the filesystem again every ``REFIT_SECONDS``.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import re
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +97,10 @@ STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for sidecars, file-system blocks and other writers when
 # a budget is clamped to it.
 FREE_SPACE_HEADROOM = 0.05
+# How often a budget lowered to the filesystem is checked again (another writer may have
+# given space back).
+REFIT_SECONDS = 30.0
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # The only entries recovery touches: shard directories, and in them the tier's own files.
 # Anything else (a directory pointed at a folder already in use, a symlinked shard) is
 # left alone: the tier deletes nothing it did not write.
@@ -128,7 +137,7 @@ class _Pending:
     error: StorageError | None = None
 
     def fail(self, tier: str, exc: BaseException) -> None:
-        self.error = StorageError(f"{tier} tier: writing {self.data_path.name} failed: {exc}")
+        self.error = _write_error(tier, self.data_path, exc)
 
 
 def _attempt(op, pending: _Pending) -> tuple[object, BaseException | None]:
@@ -154,6 +163,15 @@ def _try_fsync_dir(path: Path) -> BaseException | None:
     return None
 
 
+class _NoSpace(StorageError):
+    """A write the filesystem had no room for (ENOSPC, EDQUOT), whatever the budget said."""
+
+
+def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
+    kind = _NoSpace if isinstance(exc, OSError) and exc.errno in _NO_SPACE else StorageError
+    return kind(f"{tier} tier: writing {path.name} failed: {exc}")
+
+
 class DiskInUse(ConfigError):
     """The disk tier's directory is owned (locked) by another process or tier."""
 
@@ -169,6 +187,7 @@ class DiskTier(IndexedTier):
         self.fsync = fsync
         self.group_commit = group_commit
         self.requested_bytes = capacity_bytes
+        self._fitted_at = 0.0  # when the budget was last fitted to the filesystem
         self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
@@ -202,20 +221,46 @@ class DiskTier(IndexedTier):
     def _fit_budget_to_filesystem(self) -> None:
         """Clamp the budget to what the filesystem can hold: free space (less a headroom)
         plus the bytes this tier already holds. Logged as a warning naming the setting."""
+        self._refit(at_start=True)
+        self._evict_over_budget()
+
+    def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
+        """The budget fitted to the filesystem: the bytes held (and in flight) plus its free
+        space less a headroom, at most ``disk_bytes``. ``full``: a write just found no room
+        (sidecars, blocks rounded up, other writers: what the headroom did not cover), so
+        the budget is what is held now, and the writes that follow evict for theirs. Checked
+        again every ``REFIT_SECONDS`` while below ``disk_bytes``, so it grows back when
+        another writer frees space (the tier's own evictions move bytes from held to free:
+        they change nothing)."""
         try:
             st = os.statvfs(self.root)
         except OSError:
             return
-        free = st.f_bavail * st.f_frsize
-        room = self._index.used_bytes + int(free * (1 - FREE_SPACE_HEADROOM))
-        if self.capacity_bytes <= room:
-            return
-        log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
-                    "stored here): the budget is clamped to %s", format_size(self.capacity_bytes), self.name,
-                    self.root, format_size(free), format_size(self._index.used_bytes), format_size(room))
-        self.capacity_bytes = room
-        self._stats.capacity_bytes = room
-        self._evict_over_budget()
+        free = 0 if full else st.f_bavail * st.f_frsize
+        with self._lock:
+            self._fitted_at = time.monotonic()
+            held = self._index.used_bytes + (0 if at_start else self._reserved)
+            room = min(self.requested_bytes, held + int(free * (1 - FREE_SPACE_HEADROOM)))
+            before = self.capacity_bytes
+            if room == before or (at_start and room > before):
+                return
+            self.capacity_bytes = self._stats.capacity_bytes = room
+        if at_start:
+            log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
+                        "stored here): the budget is clamped to %s", format_size(before), self.name, self.root,
+                        format_size(free), format_size(held), format_size(room))
+        elif room < before:
+            log.warning("%s tier at %s: the filesystem is full (%s held here, %s free): the budget is lowered "
+                        "from %s to %s; disk_bytes asked for %s", self.name, self.root, format_size(held),
+                        format_size(st.f_bavail * st.f_frsize), format_size(before), format_size(room),
+                        format_size(self.requested_bytes))
+        else:
+            log.info("%s tier at %s: the budget grows back to %s (%s free)", self.name, self.root,
+                     format_size(room), format_size(free))
+
+    def _refit_if_due(self) -> None:
+        if self.capacity_bytes < self.requested_bytes and time.monotonic() - self._fitted_at > REFIT_SECONDS:
+            self._refit()
 
     # -- paths ---------------------------------------------------------------------------
 
@@ -391,13 +436,27 @@ class DiskTier(IndexedTier):
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
+        self._refit_if_due()
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
+        try:
+            return self._put_one(key, frame, evicted)
+        except _NoSpace:
+            # The filesystem is fuller than the budget knew: the budget comes down to what is
+            # held, and the write goes again, evicting for its room as any write does.
+            self._refit(full=True)
+            result = self._put_one(key, frame, evicted)
+            result.evicted = evicted
+            return result
+
+    def _put_one(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]]
+                 ) -> TierPutResult:
+        """``put``, once; victims go into ``evicted`` (also when it raises)."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
         n = meta.nbytes
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
-        evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
             if key in self._index:
                 self._index.touch([key])
@@ -423,8 +482,7 @@ class DiskTier(IndexedTier):
             if self.fsync:
                 _fsync_dir(data_path.parent)
         except BaseException as exc:
-            self._undo_write(key, mine, n, (side_path, data_path),
-                             StorageError(f"{self.name} tier: writing {data_path.name} failed: {exc}"))
+            self._undo_write(key, mine, n, (side_path, data_path), _write_error(self.name, data_path, exc))
             if isinstance(exc, OSError):
                 raise mine.error from None
             raise
@@ -449,6 +507,7 @@ class DiskTier(IndexedTier):
         is reported in its result, not raised. Every block is durable, or failed, on return."""
         if not self.group_commit or len(items) < 2:
             return super().put_many(items)
+        self._refit_if_due()
         results: list[TierPutResult | None] = [None] * len(items)
         group: list[_Pending] = []
         held = 0  # bytes of ``group``, claimed but not yet committed
@@ -491,10 +550,20 @@ class DiskTier(IndexedTier):
         return results  # type: ignore[return-value]
 
     def _commit_part(self, group: list[_Pending], results: list[TierPutResult | None]) -> None:
-        """Commit ``group`` (a batch, or the part of one claimed so far) and answer for it."""
+        """Commit ``group`` (a batch, or the part of one claimed so far) and answer for it.
+        Writes the filesystem had no room for go again one by one, under a budget lowered
+        to what it holds (``put``)."""
         if group:
             self._commit_group(group)
+        if any(isinstance(p.error, _NoSpace) for p in group):
+            self._refit(full=True)
         for p in group:
+            if isinstance(p.error, _NoSpace):
+                try:
+                    p.error = None
+                    self._put_one(p.key, p.frame, p.evicted)
+                except StorageError as exc:
+                    p.error = exc
             results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
                 TierPutResult(stored=None, evicted=p.evicted, error=p.error)
 
