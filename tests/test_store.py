@@ -319,6 +319,38 @@ def test_restart_touches_nothing_the_tier_did_not_write(tmp_path):
     assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
 
 
+def test_a_restart_orders_each_chain_tail_first_for_eviction(tmp_path):
+    """The sidecars' times make a chain's head its oldest block; indexed in that order, every
+    eviction after a restart walked the whole chain to its tail (quadratic in its length).
+    Recovery orders a chain as ``touch_chain`` leaves it: the policy's first pick is a leaf."""
+    import os
+
+    from cacheseek.store.disk import DiskTier
+
+    toks, kv = tokens_for(15, 12 * BLOCK), make_kv(12 * BLOCK, 15)
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    cache.ingest(toks, kv)
+    keys = cache.block_hashes(toks)
+    cache.close()
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    try:
+        for i, key in enumerate(keys):  # the head oldest, as a chain written head first leaves it
+            os.utime(tier._paths(key)[1], (1_000_000 + i, 1_000_000 + i))
+    finally:
+        tier.close()
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    try:
+        assert tier._index._pick() == tier._index.victim()  # a leaf at once: no walk
+        frame_bytes = tier.stats().used_bytes // 12
+    finally:
+        tier.close()
+    half = DiskTier(tmp_path / "d", 6 * frame_bytes)
+    try:
+        assert half.contains_many(keys) == [True] * 6 + [False] * 6  # the tail went, the head stayed
+    finally:
+        half.close()
+
+
 def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(tmp_path):
     import msgpack
 

@@ -39,7 +39,7 @@ stats says which path ran), the checksum computed in the reading thread as each 
 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
 orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
-times (the eviction policy's history of uses does not survive a restart).
+times, each chain tail first (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted. A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
@@ -307,7 +307,7 @@ class DiskTier(IndexedTier):
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
-        for _, key, info in sorted(found, key=lambda e: e[0]):
+        for key, info in _oldest_first(found):
             self._index.add(key, info)
         self._evict_over_budget()
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
@@ -878,6 +878,20 @@ class DiskTier(IndexedTier):
                         self._sync_counts()
             report["ok" if ok else "corrupt"] += 1
         return report
+
+
+def _oldest_first(found: list[tuple[float, bytes, BlockInfo]]) -> list[tuple[bytes, BlockInfo]]:
+    """Recovered blocks in the order to index them, least recently used first: by the
+    sidecars' times, but a block no older than anything below it in its chain and, at a
+    tie, deeper blocks first, as ``touch_chain`` leaves a chain. In mtime order alone a
+    chain's head (written first) is its oldest block: every eviction after a restart would
+    walk the whole chain down to its tail, quadratic in its length."""
+    times = {key: mtime for mtime, key, _ in found}
+    for _, key, info in sorted(found, key=lambda e: -e[2].position):
+        if info.position and info.parent in times and times[info.parent] < times[key]:
+            times[info.parent] = times[key]
+    order = sorted(found, key=lambda e: (times[e[1]], -e[2].position))
+    return [(key, info) for _, key, info in order]
 
 
 def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
