@@ -51,6 +51,40 @@ def test_two_prefix_caches_in_two_processes_on_one_directory(tmp_path):
         child.wait(10)
 
 
+FORK_THEN_HOLD = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {here!r})
+    from store_helpers import make_cache
+    cache = make_cache(cpu=0, disk={disk!r})
+    child = os.fork()  # a worker forked after the cache opened (multiprocessing's default)
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+""")
+
+
+def test_the_owners_kill_9_frees_the_directory_though_a_forked_child_lives(tmp_path):
+    import signal
+
+    disk = tmp_path / "d"
+    owner = subprocess.Popen([sys.executable, "-c", FORK_THEN_HOLD.format(here=str(HERE), disk=str(disk))],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(owner.stdout.readline() or 0)
+        assert child, owner.stderr.read()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        os.kill(child, 0)  # still alive
+        DiskTier(disk, 1 << 20).close()  # the lock went with its owner
+    finally:
+        owner.kill()
+        if child:
+            os.kill(child, signal.SIGKILL)
+
+
 def test_a_second_tier_in_one_process_fails_and_close_releases(tmp_path):
     first = DiskTier(tmp_path, 1 << 20)
     with pytest.raises(DiskInUse, match=f"pid {os.getpid()}"):

@@ -197,7 +197,7 @@ class DiskTier(IndexedTier):
         except OSError as exc:
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
         # Released by close(); the finalizer only covers a tier dropped without one.
-        self._unlock = weakref.finalize(self, os.close, _lock_directory(self.root))
+        self._unlock = weakref.finalize(self, _unlock_directory, _lock_directory(self.root))
         try:
             self._recover()
             self._fit_budget_to_filesystem()
@@ -902,6 +902,32 @@ def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
     return meta
 
 
+# Lock descriptors this process holds. A child made by fork() shares their open file
+# descriptions, and so the locks: the owner's kill -9 would leave the directory locked
+# while any child lived. The child closes its copies at once (it must not use the tier).
+_held_locks: set[int] = set()
+
+
+def _drop_locks_in_child() -> None:
+    for fd in _held_locks:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
+def _unlock_directory(fd: int) -> None:
+    """Close a lock's descriptor, once, and only in the process that took it (a forked
+    child's copy was closed at the fork, and its number may name another file since)."""
+    if fd in _held_locks:
+        _held_locks.discard(fd)
+        os.close(fd)
+
+
 def _lock_directory(root: Path) -> int:
     """An exclusive ``flock`` on ``root/.lock``, with this process's pid written in it; the
     descriptor holds the lock until it is closed. Raises ``DiskInUse`` naming the holder."""
@@ -924,6 +950,7 @@ def _lock_directory(root: Path) -> int:
         raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held_locks.add(fd)
     return fd
 
 
