@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -14,13 +16,13 @@ from cacheseek import __version__
 from cacheseek.store.tiered import TieredStore
 
 from . import errors, openapi
-from .admin import AdminOps
+from .admin import PINS_FILE, AdminOps
 from .auth import Authenticator
 from .config import ServerSettings
 from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
-from .namespaces import Namespaces, load_secret
-from .owners import Owners
+from .namespaces import KEY_FILE, Namespaces, load_secret
+from .owners import OWNERS_FILE, Owners
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
@@ -34,6 +36,18 @@ Bodies are binary block frames (`application/octet-stream`), or several frames e
 by its length as a u64 little-endian (`application/vnd.cacheseek.frames`). Errors are JSON
 `{"error": reason}`. See docs/http-api.md; operations (metrics, dashboard, admin) in
 docs/operations.md."""
+
+
+def _remove_stale_temp_files(disk: Path) -> None:
+    """Temp files of the state kept beside the disk tier (owners, pins, the namespace key)
+    that a kill -9 left mid-write. The server owns the directory (the disk tier's lock,
+    taken when the store opened), so none is another process's write in progress."""
+    for name in (OWNERS_FILE, PINS_FILE, KEY_FILE):
+        for stale in disk.glob(f"{glob.escape(name)}.*.tmp"):
+            try:
+                stale.unlink()
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", stale, exc)
 
 
 def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None,
@@ -51,6 +65,8 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         the_store = await run_in_threadpool(build_store, settings) if owned else store
         opened = time.perf_counter() - start
         disk = settings.disk_path if settings.disk_bytes > 0 else None
+        if disk is not None:
+            _remove_stale_temp_files(Path(disk))
         secret = settings.namespace_secret.get_secret_value().encode() if settings.namespace_secret else None
         namespaces = Namespaces(await run_in_threadpool(load_secret, secret, disk))
         owners = Owners(disk)

@@ -59,6 +59,13 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         pass
     finally:
         os.unlink(tmp)
+    # The key's entry durable before any block masked with it is acknowledged: without it,
+    # every namespaced block on disk would be unreachable after a power cut.
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     return path.read_bytes()
 
 

@@ -397,6 +397,34 @@ def test_a_full_filesystem_lowers_the_budget_and_writes_go_on_evicting(tmp_path)
     assert "the filesystem is full" in run.stderr
 
 
+def test_every_new_directory_is_fsynced_in_its_parent_and_stale_probes_go(tmp_path, monkeypatch):
+    """A new directory's entry lives in its parent: fsyncing the directory itself (as a
+    write's last step does for its shard) does not make it survive a power cut."""
+    synced: list[Path] = []
+    real = disk_mod._fsync_dir
+    monkeypatch.setattr(disk_mod, "_fsync_dir", lambda path: (synced.append(Path(path)), real(path)))
+    root = tmp_path / "new" / "d"
+    root.mkdir(parents=True)
+    (root / ".probe-direct-io-4242-1").write_bytes(b"left by a kill -9")
+    tier = DiskTier(root, 1 << 30)
+    try:
+        assert not list(root.glob(".probe-direct-io-*"))
+        assert sorted(p.name for p in root.iterdir() if p.is_dir()) == [f"{i:02x}" for i in range(256)]
+        assert root in synced  # the 256 shards' entries, once
+        (key, frame), = _frames(12, 1)
+        shard = tier._paths(key)[0].parent
+        shard.rmdir()  # removed behind the tier's back
+        synced.clear()
+        tier.put(key, frame)
+        assert synced == [root, shard]  # the shard's entry in the root, then the write's renames
+    finally:
+        tier.close()
+    fresh = tmp_path / "fresh"
+    synced.clear()
+    DiskTier(fresh, 1 << 30).close()
+    assert synced[0] == tmp_path  # the tier's own directory, made at open
+
+
 def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
     """Out of file descriptors for a moment (a burst of connections): the read is a miss,
     counted, and the acknowledged block stays; only a bad file is dropped as corrupt."""

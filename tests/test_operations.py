@@ -324,7 +324,13 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
     with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
         post_chain(c, chain, **writer("a", "llama"))
         c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+    disk = next(p.parent for p in tmp_path.rglob(".lock"))
+    stale = [disk / f"{name}.0123abcd.tmp" for name in (".cacheseek-owners.json", ".cacheseek-pins.json",
+                                                         ".namespace-key")]
+    for path in stale:  # what a kill -9 in the middle of saving them leaves
+        path.write_text("{")
     with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        assert not any(path.exists() for path in stale)
         out = s.output().split("cacheseek serve 0")[-1]
         assert f"recovered 4 blocks, {4 * FRAME / (1 << 30):.3f} GiB" in out, out
         pins = c.get("/v1/admin/pins", headers=admin()).json()

@@ -310,6 +310,7 @@ def test_restart_touches_nothing_the_tier_did_not_write(tmp_path):
     for path in theirs:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"not the cache's")
+    (root / "ee").rmdir()
     (root / "ee").symlink_to(elsewhere)
     (shard / ("cd" * 16 + ".meta")).mkdir()  # a directory named as a sidecar
     (shard / ".tmp-whatever").mkdir()

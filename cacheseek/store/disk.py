@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import logging
 import os
 import re
@@ -81,7 +82,7 @@ import msgpack
 
 from ..errors import ConfigError, FrameError, StorageError
 from ..units import format_size
-from .direct_io import BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path
+from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path
 from .frame import HASH_SIZES, FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
@@ -193,7 +194,10 @@ class DiskTier(IndexedTier):
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         try:
+            created = not self.root.is_dir()
             self.root.mkdir(parents=True, exist_ok=True)
+            if created and fsync:
+                _fsync_dir(self.root.parent)  # a new directory's entry is its parent's to make durable
         except OSError as exc:
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
         # Released by close(); the finalizer only covers a tier dropped without one.
@@ -201,6 +205,9 @@ class DiskTier(IndexedTier):
         try:
             self._recover()
             self._fit_budget_to_filesystem()
+            for stale in self.root.glob(f"{glob.escape(PROBE_NAME)}-*"):
+                _unlink(stale)  # a probe a kill -9 interrupted (this process owns the directory now)
+            self._make_shards()
         except BaseException:
             self.close()
             raise
@@ -263,6 +270,29 @@ class DiskTier(IndexedTier):
             self._refit()
 
     # -- paths ---------------------------------------------------------------------------
+
+    def _make_shards(self) -> None:
+        """Every shard directory made now, their entries fsynced in the root once: a write
+        then never makes one (``_shard_dir`` covers one removed meanwhile)."""
+        made = 0
+        for i in range(256):
+            try:
+                (self.root / f"{i:02x}").mkdir()
+                made += 1
+            except FileExistsError:
+                pass
+        if made and self.fsync:
+            _fsync_dir(self.root)
+
+    def _shard_dir(self, shard: Path) -> None:
+        """Make a shard directory if it is not there; a new one's entry is fsynced in the
+        root, since the shard's own fsync (after a write's renames) does not cover it."""
+        try:
+            shard.mkdir()
+        except FileExistsError:
+            return
+        if self.fsync:
+            _fsync_dir(self.root)
 
     def _paths(self, key: bytes) -> tuple[Path, Path]:
         hexkey = key.hex()
@@ -472,7 +502,7 @@ class DiskTier(IndexedTier):
             return self._await(key, pending)
         data_path, side_path = self._paths(key)
         try:
-            data_path.parent.mkdir(exist_ok=True)
+            self._shard_dir(data_path.parent)
             self._write_atomic(data_path, segments)
             sidecar = msgpack.packb({
                 "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
@@ -651,7 +681,7 @@ class DiskTier(IndexedTier):
     def _write_temp(self, final: Path, segments: list, *, sync: bool = True) -> Path:
         """``segments`` into a new temp file beside ``final`` (fsynced, with ``sync`` and
         ``fsync``); its path."""
-        final.parent.mkdir(exist_ok=True)
+        self._shard_dir(final.parent)
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
