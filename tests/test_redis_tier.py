@@ -572,10 +572,10 @@ def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):
         # ``back``'s write, stalled past the grace, lands between the read and the repair.
         real = tier._pipelined
 
-        def pipelined(client, command, names):
+        def pipelined(client, command, names, **kw):
             if command == "exists":
                 c.set(tier.keys_of.frame(back), frames[3][1].to_bytes())
-            return real(client, command, names)
+            return real(client, command, names, **kw)
 
         tier._pipelined = pipelined
         assert tier.get_many([old, fresh, pinned, back]) == [None] * 4
@@ -839,3 +839,153 @@ def test_every_redis_error_is_a_miss_or_a_counted_dropped_write(error, kind):
     counter = {"unavailable": "unavailable_errors", "timeout": "timeouts", "rejected": "rejected_errors"}[kind]
     assert s.extra[counter] >= 1
     assert s.extra["breaker"]["state"] == ("closed" if kind == "rejected" else "open")
+
+
+# -- values and index entries this tier did not write, and another process's late DELs ------
+
+
+def _big_frame(i: int) -> tuple[bytes, BlockFrame]:
+    """~16 MB: a batch holding it takes a while to send, so its round trip 2 is slow."""
+    key = i.to_bytes(16, "big")
+    lay = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=64, dtype="float16")
+    shape = (32, 8, 256, 64)
+    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=lay, block_tokens=256,
+                      codec=cs.Raw().spec(), buffers=[("k", "float16", shape), ("v", "float16", shape)])
+    half = meta.tensors[0].nbytes
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+
+
+def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redis_url, server):
+    """Process B's put evicts X in its index script; process A puts X before B's DEL of X
+    lands. A's acknowledgement must mean X is stored: B deletes first (right after its
+    script), A writes a block it counts anew even when a value is there, and checks after
+    its SETs that what it wrote is still there."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    x, w, y = _frame(61), _frame(62), _big_frame(63)
+    budget = y[1].nbytes + x[1].nbytes + w[1].nbytes // 2  # Y evicts X, the oldest
+    sizes = RedisKeys("cacheseek", "default").sizes
+    for _ in range(5):
+        r.flushall()
+        a, b, c = (RedisTier(redis_url, budget) for _ in range(3))
+        try:
+            c.put(*x)
+            c.put(*w)
+            a.contains(x[0])  # (connected)
+            putting = threading.Thread(target=b.put, args=y)
+            putting.start()
+            while r.hexists(sizes, RedisKeys.member(x[0])):  # until B's script has evicted X
+                pass
+            result = a.put(*x)
+            putting.join(30)
+            assert result.error is None
+            got = a.get(x[0])
+            assert got is not None and bytes(got.host) == bytes(x[1].host)
+        finally:
+            for t in (a, b, c):
+                t.close()
+
+
+def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
+    """A DEL of another process's landing right after this process's SET (the window round
+    trip 3 closes): the value is found gone while the index counts it, and written again."""
+    tier = RedisTier(redis_url, 64 << 20)
+    key, frame = _frame(64)
+    queue_set = tier._queue_set
+    late = []
+
+    def set_then_deleted(pipe, batch, i, status):
+        queue_set(pipe, batch, i, status)
+        if not late:
+            late.append(1)
+            pipe.delete(tier.keys_of.frame(key))  # lands after our SET, as a late DEL would
+    try:
+        tier._queue_set = set_then_deleted
+        assert tier.put(key, frame).stored is not None
+        del tier._queue_set
+        got = tier.get(key)
+        assert late and got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        tier.close()
+
+
+def test_a_value_that_is_not_the_whole_frame_is_written_over_and_never_fails_a_read(redis_url, server):
+    import redis
+
+    from cacheseek.store.tiered import TieredStore
+
+    r = redis.Redis.from_url(server.url)
+    tier = RedisTier(redis_url, 64 << 20)
+    store = TieredStore([tier])
+    frames = [_frame(i) for i in (65, 66, 67)]
+    name = [tier.keys_of.frame(k) for k, _ in frames]
+    try:
+        store.put_many(frames)
+        r.set(name[0], r.getrange(name[0], 0, 999))  # truncated (a bad restore, a tool)
+        first = store.put(*frames[0])
+        assert first.stored and r.strlen(name[0]) == frames[0][1].nbytes  # written over, not "present"
+        r.delete(name[1])
+        r.hset(name[1], "not", "a frame")  # a key of another type under a frame's name
+        got = tier.get_many([k for k, _ in frames])
+        assert [g is not None for g in got] == [True, False, True]  # that block's miss alone
+        assert r.exists(name[1]) == 0 and tier.stats().corrupt == 1  # and the value is gone
+        r.hset(name[1], "not", "a frame")
+        assert store.put(*frames[1]).stored and tier.get(frames[1][0]) is not None  # written over
+    finally:
+        tier.close()
+
+
+def test_index_entries_this_tier_did_not_write_neither_fail_a_call_nor_stop_writes(redis_url, server):
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    tier = RedisTier(redis_url, 3 * _frame(0)[1].nbytes, ttl_seconds=60)
+    keys = tier.keys_of
+    try:
+        for i in (70, 71):
+            tier.put(*_frame(i))
+        r.zadd(keys.lru, {"not-a-hash": 0})  # the oldest: the next eviction's victim
+        r.hset(keys.sizes, "not-a-hash", "1 1")
+        r.sadd(keys.pinned, "also-not-a-hash")
+        for i in (72, 73, 74):  # each evicts
+            assert tier.put(*_frame(i)).stored is not None
+        tier.stats()
+        assert tier.stats().extra["breaker"]["state"] == "closed"
+        assert all(isinstance(k, bytes) and len(k) == 16 for k in tier.keys())
+        assert tier.check()["ok"] >= 1
+        r.hset(keys.totals, "used", "garbage")  # totals another tool wrote
+        assert tier.put(*_frame(75)).stored is not None  # counted again from the sizes, not failing
+        assert tier.stats().used_bytes == int(r.hget(keys.totals, "used"))
+    finally:
+        tier.close()
+
+
+def test_a_password_in_the_url_query_is_masked():
+    for url in ("redis://127.0.0.1:6379/0?password=s3cret&db=1", "redis://u:s3cret@127.0.0.1:6379/0"):
+        assert "s3cret" not in parse_redis_url(url).redacted()
+
+
+def test_in_a_cluster_a_hung_master_is_not_retried(cluster):
+    """redis-py's cluster client retried timeouts, each after reloading the slot map: a
+    call to a hung master cost 3-5 socket timeouts before the breaker heard of it. Now it is
+    the timeout, and the one slot-map read redis-py makes after it."""
+    cluster.flush()
+    tier = RedisTier(cluster.url, 64 << 20, timeouts=RedisTimeouts(connect_seconds=0.5, socket_seconds=0.5),
+                     breaker=CircuitBreaker(failure_threshold=3, backoff=ConstantBackoff(30)))
+    frames = [_frame(i) for i in range(80, 86)]
+    try:
+        tier.put_many(frames)
+        client = tier._connection()
+        hung = cluster.nodes[0]
+        key = next(k for k, _ in frames if client.get_node_from_key(tier.keys_of.frame(k)).port == hung.port)
+        hung.pause()
+        try:
+            for _ in range(2):
+                start = time.monotonic()
+                assert tier.contains(key) is False
+                assert time.monotonic() - start < 1.4  # two 0.5 s timeouts at most
+        finally:
+            hung.resume()
+    finally:
+        tier.close()

@@ -35,13 +35,17 @@ class RedisTarget:
     tls: bool = False
 
     def redacted(self) -> str:
-        """The URL with any password replaced, for stats and logs."""
-        if self.password is None:
-            return self.url
+        """The URL with any password replaced (in its userinfo or its query: redis-py reads
+        ``?password=`` too), for stats and logs."""
         scheme, _, rest = self.url.partition("://")
-        userinfo, _, hosts = rest.rpartition("@")
-        user = userinfo.partition(":")[0]
-        return f"{scheme}://{user}:***@{hosts}"
+        rest, question, query = rest.partition("?")
+        userinfo, at, hosts = rest.rpartition("@")
+        if at and ":" in userinfo:
+            rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
+        if query:
+            query = "&".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
+                             for p in query.split("&"))
+        return f"{scheme}://{rest}{question}{query}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +65,9 @@ def _masked(url: str) -> str:
     if not isinstance(url, str):
         return url
     scheme, sep, rest = url.partition("://")
+    rest, question, query = rest.partition("?")
     userinfo, at, hosts = rest.rpartition("@")
-    return f"{scheme}{sep}***@{hosts}" if at else url
+    return f"{scheme}{sep}{'***@' if at else ''}{hosts}{question}{'***' if query else ''}"
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -129,6 +134,11 @@ def connect(target: RedisTarget, timeouts: RedisTimeouts, *, retries: int = 1) -
         return redis.Redis.from_url(target.url, **common)
     from redis.cluster import ClusterNode, RedisCluster
 
+    # No retry at the cluster's level: redis-py's cluster client retries timeouts too, each
+    # after reloading the slot map, so one call to a hung master cost several socket
+    # timeouts before the breaker heard of it. A connection lost in a failover fails that
+    # call; the client reloads the slot map for the next.
+    common["retry"] = Retry(NoBackoff(), 0)
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.seeds],
         username=target.username, password=target.password, ssl=target.tls, **common,

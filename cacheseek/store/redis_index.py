@@ -59,10 +59,26 @@ local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinne
 local used = tonumber(tot[1] or 0)
 local raw = tonumber(tot[2] or 0)
 local blocks = tonumber(tot[3] or 0)
-local clock = math.max(tonumber(tot[4] or 0), now)
+local clock = math.max(tonumber(tot[4] or 0) or 0, now)
 local pinned_bytes = tonumber(tot[5] or 0)
 local pinned_blocks = tonumber(tot[6] or 0)
 local changed = false
+if not (used and raw and blocks and pinned_bytes and pinned_blocks) then
+  -- Totals that are not numbers (another tool wrote them): counted again from the sizes
+  -- hash, once, rather than failing every call of every process for good.
+  used, raw, blocks, pinned_bytes, pinned_blocks = 0, 0, 0, 0, 0
+  local all = redis.call('HGETALL', sizes)
+  for j = 1, #all, 2 do
+    local n, r = string.match(all[j + 1], '^(%d+) (%d+)$')
+    if n then
+      used, raw, blocks = used + tonumber(n), raw + tonumber(r), blocks + 1
+      if redis.call('SISMEMBER', pinned, all[j]) == 1 then
+        pinned_bytes, pinned_blocks = pinned_bytes + tonumber(n), pinned_blocks + 1
+      end
+    end
+  end
+  changed = true
+end
 
 local function size_of(member)
   local s = redis.call('HGET', sizes, member)

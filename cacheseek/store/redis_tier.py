@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, StorageError
 from .breaker import CircuitBreaker
-from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
+from .frame import HASH_SIZES, MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
@@ -224,17 +224,30 @@ class RedisTier(Tier):
         keys, members = self.keys_of, [RedisKeys.member(batch.items[i][0]) for i in batch.todo]
         # Round trip 1: which frames exist, and count the new ones in the shared index
         # (index first: an interrupted write leaves a ghost, never an uncounted frame).
+        # A value is "there" only at its frame's length: a truncated value, or a key of
+        # another type under the frame's name (an error reply), is written over.
         pipe = client.pipeline(transaction=False)
         for i in batch.todo:
-            pipe.exists(keys.frame(batch.items[i][0]))
+            pipe.strlen(keys.frame(batch.items[i][0]))
         self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes)
                                      for m, i in zip(members, batch.todo)])
-        replies = pipe.execute()
-        exists, update = replies[:-1], SharedIndex.parse(replies[-1])
+        replies = pipe.execute(raise_on_error=False)
+        self._raise_unavailable(replies)
+        if isinstance(replies[-1], BaseException):
+            raise replies[-1]
+        exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
+        update = SharedIndex.parse(replies[-1])
         self._note_totals(update.totals)
         evicted_now, expired_now = set(update.evicted), set(update.expired)
-        # Round trip 2: the SETs, then the victims' frames (read first if demotion wants them).
+        # Round trip 2: the victims' frames read (if demotion wants them) and deleted, then the
+        # SETs. Deletes first, so they land as soon after the script as they can: another
+        # process that counts one of them again meanwhile writes it after our DEL, not before.
         pipe = client.pipeline(transaction=False)
+        own = set(members)
+        victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
+        n_get = len(victims) if self.demote_evicted else 0
+        for m in victims[:n_get]:
+            pipe.get(keys.frame_of_member(m))
         sets: list[int] = []
         sent: set[str] = set()
         refresh: list[str] = []  # present, unpinned: a write restarts their expiry
@@ -249,9 +262,10 @@ class RedisTier(Tier):
                     f"{self.capacity_bytes} bytes are pinned ({t.pinned_blocks} blocks), and pinned blocks are never evicted")
             elif status < 0:  # raced with a smaller budget in another process
                 result.error = StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the shared budget")
-            elif present and member not in expired_now:
-                # stored=None: already there (now touched). One the script pruned as expired
-                # is counted anew, but its frame is about to expire (or be deleted): write it.
+            elif present and member not in expired_now and status in (0, 3):
+                # stored=None: already there (now touched). One counted anew is written all
+                # the same: it was stored uncounted, so very likely another process's victim
+                # whose DEL is on its way (or pruned as expired here: about to go).
                 if self._ttl_ms is not None and status in (0, 1) and member not in evicted_now:
                     refresh.append(member)
             elif member in evicted_now:
@@ -260,28 +274,24 @@ class RedisTier(Tier):
                 result.stored = frame
                 result.evicted.append((key, frame if self.demote_evicted else None))
             else:
-                segments = frame.wire_segments()  # seals the frame if it is not yet
-                value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
-                pipe.set(keys.frame(key), value, px=None if status in (2, 3) else self._ttl_ms)
                 sets.append(i)
                 sent.add(member)
                 if self._ttl_ms is not None and status not in (2, 3):
                     with_px.append(member)
-        own = set(members)
-        victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
-        n_get = len(victims) if self.demote_evicted else 0
-        if self.demote_evicted:
-            for m in victims:
-                pipe.get(keys.frame_of_member(m))
         # Every evicted or expired block's frame goes, ours included (one may have been there
-        # already), except those just written: they are counted again, and the DELs follow the SETs.
-        for m in list(update.evicted) + list(update.expired):
-            if m not in sent:
-                pipe.delete(keys.frame_of_member(m))
+        # already), except those about to be written: they are counted again.
+        dels = [m for m in list(update.evicted) + list(update.expired) if m not in sent]
+        for m in dels:
+            pipe.delete(keys.frame_of_member(m))
+        status_of = dict(zip(batch.todo, update.added))
+        for i in sets:
+            self._queue_set(pipe, batch, i, status_of[i])
         for m in refresh:  # last: the replies above are read by position
             pipe.pexpire(keys.frame_of_member(m), self._ttl_ms)
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         self._raise_unavailable(replies)
+        datas = replies[:n_get] if n_get else [None] * len(victims)
+        replies = replies[n_get + len(dels) :]
         refused = []
         for i, reply in zip(sets, replies):
             key, frame = batch.items[i]
@@ -293,31 +303,46 @@ class RedisTier(Tier):
                 with self._lock:
                     self._stats.bytes_in += frame.nbytes
                     self._stats.admissions += 1
-        written = [RedisKeys.member(batch.items[i][0]) for i in sets if batch.results[i].stored is not None]
-        landed = set(written)
+        written = [i for i in sets if batch.results[i].stored is not None]
+        names = [RedisKeys.member(batch.items[i][0]) for i in written]
+        landed = set(names)
         expiring = [m for m in with_px if m in landed] + refresh
         if written or expiring:
             # Round trip 3: another process may have evicted one of these blocks between our
             # index add and our SET, and sent its DEL before our SET landed. Delete what the
             # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
+            # And one whose value is gone though the index counts it: another process's DEL of
+            # it as a victim, sent before we counted it again, landed after our SET. It is
+            # written once more (the window left is another process stalled between its
+            # script and its DELs for longer than our three round trips).
             # The sizes hash counts every block; the LRU zset leaves out pinned ones, and a
             # block may have been pinned since our add: its frame's expiry is taken off again.
-            pipe = client.pipeline(transaction=False)  # (one slot: the index's)
+            pipe = client.pipeline(transaction=False)
             if written:
-                pipe.hmget(keys.sizes, written)
+                pipe.hmget(keys.sizes, names)
             for m in expiring:  # (SISMEMBER each, not SMISMEMBER: Redis before 6.2 has none)
                 pipe.sismember(keys.pinned, m)
+            for m in names:
+                pipe.exists(keys.frame_of_member(m))
             checks = pipe.execute()
-            gone = [m for m, size in zip(written, checks[0]) if size is None] if written else []
+            sizes = checks[0] if written else []
+            found = checks[len(checks) - len(names):] if names else []
+            pins = checks[1 if written else 0 : len(checks) - len(names)]
+            gone = [m for m, size in zip(names, sizes) if size is None]
             if gone:
                 self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
+            lost = [i for i, m, size, n in zip(written, names, sizes, found) if size is not None and not n]
+            if lost:
+                pipe = client.pipeline(transaction=False)
+                for i in lost:
+                    self._queue_set(pipe, batch, i, status_of[i])
+                pipe.execute()
             if expiring:
-                self._persist_pinned(client, expiring, checks[len(checks) - len(expiring):])
+                self._persist_pinned(client, expiring, pins)
         # Victims go with the first frame's result; their frames only if demotion wants them.
-        datas = replies[len(sets) : len(sets) + n_get] if n_get else [None] * len(victims)
         batch.results[batch.todo[0]].evicted += [
-            (bytes.fromhex(m), self._decode(bytes.fromhex(m), data, drop_corrupt=False))
-            for m, data in zip(victims, datas)
+            (key, self._decode(key, data, drop_corrupt=False))
+            for m, data in zip(victims, datas) if (key := _key_of(m)) is not None
         ]
         with self._lock:
             self._stats.evictions += len(update.evicted)
@@ -328,6 +353,12 @@ class RedisTier(Tier):
             # keeps its old value until its own PX): no value is left uncounted. (DEL runs
             # under maxmemory.)
             self._pipelined(client, "delete", [keys.frame_of_member(m) for m in refused])
+
+    def _queue_set(self, pipe: Any, batch: _Batch, i: int, status: int) -> None:
+        key, frame = batch.items[i]
+        segments = frame.wire_segments()  # seals the frame if it is not yet
+        value = segments[0] if len(segments) == 1 else b"".join(segments)  # one SET, one value
+        pipe.set(self.keys_of.frame(key), value, px=None if status in (2, 3) else self._ttl_ms)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -340,14 +371,17 @@ class RedisTier(Tier):
             return []
         start = time.perf_counter()
         try:
-            datas = self._run(lambda c: self._pipelined(c, "get", [self.keys_of.frame(k) for k in keys]))
+            datas = self._run(lambda c: self._pipelined(c, "get", [self.keys_of.frame(k) for k in keys],
+                                                        per_key_errors=True))
         except StorageError:
             with self._lock:
                 self._faults.read_errors += 1
                 self._stats.misses += len(keys)
             return [None] * len(keys)
         elapsed = time.perf_counter() - start
-        out = [None if data is None else self._decode(key, data) for key, data in zip(keys, datas)]
+        # An error reply for one key (a value of another type under a frame's name) is that
+        # block's miss alone, and the value goes, as a corrupt frame does.
+        out = [None if data is None else self._decode(key, data, drop_corrupt=True) for key, data in zip(keys, datas)]
         hits = [f for f in out if f is not None]
         with self._lock:
             self._stats.hits += len(hits)
@@ -387,10 +421,13 @@ class RedisTier(Tier):
             pass
 
     def _decode(self, key: bytes, data: Any, *, drop_corrupt: bool = True) -> BlockFrame | None:
-        """Parse and verify a frame read from Redis; a bad one is counted (and deleted)."""
-        if data is None or isinstance(data, BaseException):
+        """Parse and verify a frame read from Redis; a bad one (or an error reply in its
+        place) is counted (and deleted)."""
+        if data is None:
             return None
         try:
+            if isinstance(data, BaseException):
+                raise FrameError(f"Redis answered {type(data).__name__}: {str(data)[:80]}")
             meta = parse_frame(data, verify=True)
             if meta.block_hash != key:
                 raise FrameError("frame header names another block")
@@ -410,11 +447,18 @@ class RedisTier(Tier):
         except StorageError:
             pass  # counted; the bad value is found (and dropped) again on the next read
 
-    def _pipelined(self, client: Any, command: str, keys: Sequence[str]) -> list[Any]:
+    def _pipelined(self, client: Any, command: str, keys: Sequence[str], *, per_key_errors: bool = False
+                   ) -> list[Any]:
+        """``command`` on each key, one round trip. ``per_key_errors``: an error Redis answers
+        for one key comes back in its place (a connection error still raises)."""
         pipe = client.pipeline(transaction=False)
         for k in keys:
             getattr(pipe, command)(k)
-        return pipe.execute()
+        if not per_key_errors:
+            return pipe.execute()
+        replies = pipe.execute(raise_on_error=False)
+        self._raise_unavailable(replies)
+        return replies
 
     def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> None:
         """Take the expiry off the frames of ``members`` that are pinned now (``flags``: their
@@ -489,7 +533,7 @@ class RedisTier(Tier):
             members = self._run(lambda c: list(_pinned_stored(c, self.keys_of)) + c.zrange(self.keys_of.lru, 0, -1))
         except StorageError:
             return []
-        return [bytes.fromhex(m.decode() if isinstance(m, bytes) else m) for m in members]
+        return [key for m in members if (key := _key_of(m)) is not None]
 
     # -- other changes -------------------------------------------------------------------
 
@@ -584,7 +628,7 @@ class RedisTier(Tier):
         if self._ttl_ms is not None:
             members = client.smembers(self.keys_of.pinned)
             with self._lock:
-                self._pinned = {bytes.fromhex(m.decode() if isinstance(m, bytes) else m) for m in members}
+                self._pinned = {key for m in members if (key := _key_of(m)) is not None}
 
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
         self._note_totals(update.totals)
@@ -639,8 +683,10 @@ class RedisTier(Tier):
             indexed = {m.decode() for m in c.hkeys(self.keys_of.sizes)}
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
-                text = name.decode()
-                stored.add(text[text.index("{") + 1 : -1])
+                text = name.decode("utf-8", "replace")
+                member = text[text.index("{") + 1 : -1]
+                if _key_of(member) is not None:  # (another tool's key under the pattern: not ours)
+                    stored.add(member)
             return indexed, stored
 
         indexed, stored = self._run(scan)
@@ -670,6 +716,17 @@ class RedisTier(Tier):
                 client.close()
             except Exception:  # closing a client whose server is gone must not raise
                 pass
+
+
+def _key_of(member: Any) -> bytes | None:
+    """The block key an index member names, or None for a member no write of this tier
+    made (another tool's, or garbage): skipped, rather than failing the call."""
+    try:
+        text = member.decode() if isinstance(member, bytes) else member
+        key = bytes.fromhex(text)
+    except (ValueError, TypeError, UnicodeDecodeError):
+        return None
+    return key if len(key) in HASH_SIZES else None
 
 
 def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
