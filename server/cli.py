@@ -239,9 +239,11 @@ def _plan(args: argparse.Namespace) -> int:
     from cacheseek.store.eviction import check_policy
     from cacheseek.trace.format import load_trace
     from cacheseek.trace.plan import TABLE_COLUMNS, codec_of, format_table, layout_of, plan, plot, table_rows
+    from cacheseek.trace.replay import check_block_tokens
     from cacheseek.units import parse_size
 
     try:
+        check_block_tokens(args.block_tokens, what="--block-tokens")
         layout = layout_of(args.layout)
         codecs = [c.strip() for c in args.codec.split(",") if c.strip()]
         for c in codecs:

@@ -443,3 +443,31 @@ def test_the_static_oracle_and_family_arrivals_count_as_documented():
     fam = family_arrivals(trace)
     assert (fam["families"], fam["single_request"], fam["families_with_3_gaps"]) == (3, 1, 0)
     assert fam["median_gap_cv"] is None and fam["median_gap_blocks"] == 3  # gaps 3, 3 (family 1), 3, 3 (9)
+
+
+# -- cacheseek plan: flags ---------------------------------------------------------------
+
+def _plan_main(tmp_path, *flags):
+    from cacheseek.server.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    if not trace.exists():
+        trace.write_text('{"timestamp": 0, "input_length": 1000, "hash_ids": [1, 2]}\n'
+                         '{"timestamp": 5, "input_length": 1500, "hash_ids": [1, 2, 3]}\n')
+    return main(["plan", "--trace", str(trace), "--codec", "raw", "--cpu-bytes", "1GiB", "--policy", "lru",
+                 "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "p.png"), *flags])
+
+
+@pytest.mark.parametrize("value", ["0", "-16", str(1 << 40)])
+def test_plan_refuses_a_block_size_a_frame_cannot_carry(tmp_path, capsys, value):
+    assert _plan_main(tmp_path, "--block-tokens=" + value) == 2
+    err = capsys.readouterr().err
+    assert "--block-tokens" in err and value in err and "Traceback" not in err
+    assert not (tmp_path / "rows.json").exists()
+
+
+def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, capsys):
+    assert _plan_main(tmp_path, "--cpu-bytes", "1MiB") == 2
+    err = capsys.readouterr().err
+    assert "cpu_bytes 1048576" in err and "0 blocks of a" in err and "raw frame" in err
+    assert "give a CPU or a disk budget" not in err and not (tmp_path / "rows.json").exists()

@@ -17,7 +17,7 @@ from ..layout import KVLayout
 from ..quant import KIVI, Raw
 from . import reference
 from .format import Request
-from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, frame_nbytes, replay
+from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, frame_nbytes, replay
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -103,13 +103,22 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     """Replay ``trace`` for every codec x CPU budget x policy (the disk budget fixed).
     ``full_blocks_only``: the store's counting, a request's partial last block never stored
     (``cacheseek.trace.replay``), in the replay and the references alike."""
+    check_block_tokens(block_tokens)
+    # Every budget is checked before the first replay, so a bad one costs no replay time.
+    nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
+    for codec_name, nbytes in nbytes_of.items():
+        for cpu in cpu_bytes:
+            if cpu // nbytes + disk_bytes // nbytes == 0:
+                raise ConfigError(
+                    f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
+                    f"({block_tokens} tokens a block); give at least {nbytes} bytes")
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
     stand_in = StandInFrames(block_tokens).nbytes
     rows = []
     belady_cache: dict[int, reference.RefResult] = {}
     for codec_name in codecs:
-        nbytes = frame_nbytes(layout, codec_of(codec_name), block_tokens)
+        nbytes = nbytes_of[codec_name]
         for cpu in cpu_bytes:
             cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // nbytes
             total = cpu_blocks + disk_blocks  # Belady over the tiers' room together

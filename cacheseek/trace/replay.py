@@ -41,6 +41,15 @@ from .reference import cached_blocks, hit_tokens, requested_tokens
 KEY_BYTES = 16
 ROOT = b"\xff" * KEY_BYTES  # never an id's key (ids are < 2^127)
 STAND_IN_NBYTES = 64  # payload bytes of a stand-in frame
+MAX_BLOCK_TOKENS = 1 << 24  # the most a frame header may carry (store.frame refuses more)
+
+
+def check_block_tokens(value: int, what: str = "block_tokens") -> int:
+    """``value`` if it is a block size a frame can carry, else a ``ConfigError`` naming ``what``:
+    0 or a negative size would replay into meaningless figures with no error."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BLOCK_TOKENS:
+        raise ConfigError(f"{what}: must be an integer from 1 to {MAX_BLOCK_TOKENS} tokens, got {value!r}")
+    return value
 
 
 def frame_nbytes(layout: KVLayout, codec: Any, block_tokens: int) -> int:
@@ -62,6 +71,7 @@ class StandInFrames:
     """Frames of ``STAND_IN_NBYTES`` payload for any block, derived from one template."""
 
     def __init__(self, block_tokens: int) -> None:
+        check_block_tokens(block_tokens)
         self.layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
         self.template = plan_frame(block_hash=bytes(KEY_BYTES), parent_hash=ROOT, position=0, layout=self.layout,
                                    block_tokens=block_tokens, codec={"name": "stand-in"},
