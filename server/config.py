@@ -234,7 +234,9 @@ class ServerSettings(BaseSettings):
     @field_validator("cpu_reserve_bytes", mode="before")
     @classmethod
     def _optional_size(cls, value: Any, info: Any) -> int | None:
-        return None if value is None else parse_size(value, name=info.field_name)
+        if value is None or value == "":
+            return None  # CACHESEEK_CPU_RESERVE_BYTES= (empty) means the default reserve
+        return parse_size(value, name=info.field_name)
 
 
     @field_validator("read_token", "write_token", "namespace_secret", "admin_token", mode="before")
@@ -263,6 +265,10 @@ class ServerSettings(BaseSettings):
     @field_validator("disk_path", mode="before")
     @classmethod
     def _path(cls, value: Any) -> Any:
+        if value == "":
+            # CACHESEEK_DISK_PATH= (empty) means the default, as for every optional setting: Path("")
+            # is the current directory, whose files the disk tier's recovery would delete.
+            return default_disk_path()
         return Path(value).expanduser() if isinstance(value, (str, Path)) else value
 
     @field_validator("tls_cert", "tls_key", mode="before")

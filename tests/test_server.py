@@ -468,6 +468,22 @@ def test_settings_come_from_flags_env_and_a_file(tmp_path):
     assert ServerSettings.load(toml, cpu_reserve_bytes="0").cpu_reserve_bytes == 0
 
 
+def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
+    from cacheseek.server.config import ServerSettings, default_disk_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CACHESEEK_DISK_PATH", "")
+    monkeypatch.setenv("CACHESEEK_CPU_RESERVE_BYTES", "")
+    s = ServerSettings.load(cpu_bytes="1GiB")
+    assert s.disk_path == default_disk_path() and s.disk_path.resolve() != tmp_path.resolve()
+    assert s.cpu_reserve_bytes == 128 << 20
+    toml = tmp_path / "cs.toml"
+    toml.write_text('disk_path = ""\n')
+    monkeypatch.delenv("CACHESEEK_DISK_PATH")
+    assert ServerSettings.load(toml).disk_path == default_disk_path()
+    assert ServerSettings.load(disk_path="").disk_path == default_disk_path()
+
+
 def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
     from cacheseek.errors import ConfigError
     from cacheseek.server.config import DEPRECATED_NAMES, ServerSettings
