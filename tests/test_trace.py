@@ -16,6 +16,7 @@ from cacheseek.store.eviction import POLICIES, make_index
 from cacheseek.store.tier import BlockInfo
 from cacheseek.trace import blocksim, reference, synth
 from cacheseek.trace.format import load_trace, parse_lines
+from cacheseek.trace.replay import ROOT as ROOT_KEY
 from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
 from redis_servers import RedisServer, needs_redis
 
@@ -35,6 +36,13 @@ FULL = ROOT / "benchmarks" / "traces" / "mooncake_synthetic.jsonl"
     ('{"hash_ids": 7}', "found 7"),
     ('[1, 2]', "expected a JSON object"),
     ('{"hash_ids": [1], "timestamp": -1}', "'timestamp'"),
+    ('{"hash_ids": [%d]}' % ((1 << 128) - 1), "below 2^128 - 1 (the replay's root key)"),
+    ('{"hash_ids": [%d]}' % (1 << 128), "below 2^128 - 1"),
+    ('{"hash_ids": [' + "9" * 5000 + "]}", "cannot read the line (Exceeds the limit (4300 digits)"),
+    ("[" * 100_000 + "]" * 100_000, "cannot read the line (nested too deeply)"),
+    ('{"hash_ids": [5, 6, 5]}', "id 5 appears twice in 'hash_ids' (positions 0 and 2)"),
+    ('{"hash_ids": [1]}', "id 1 is at the start, but line 1 has it after id 0"),
+    ('{"hash_ids": [0, 2, 1]}', "id 1 is after id 2, but line 1 has it after id 0"),
 ])
 def test_bad_line_is_named_by_number(tmp_path, line, says):
     path = tmp_path / "t.jsonl"
@@ -42,6 +50,24 @@ def test_bad_line_is_named_by_number(tmp_path, line, says):
     with pytest.raises(InputError) as err:
         load_trace(path)
     assert f"{path}:3:" in str(err.value) and says in str(err.value)
+
+
+def test_ids_below_the_root_key_and_reused_with_their_prefix_are_accepted():
+    top = (1 << 128) - 2
+    trace = parse_lines(['{"hash_ids": [3, %d]}' % top, '{"hash_ids": [3, %d, 4]}' % top, '{"hash_ids": [3]}',
+                         '{"hash_ids": [5, 6]}'])
+    assert [r.hash_ids for r in trace] == [(3, top), (3, top, 4), (3,), (5, 6)]
+    assert key_of(top) != ROOT_KEY
+
+
+def test_plan_refuses_an_unchained_trace_before_replaying(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1, "hash_ids": [7, 8]}\n'
+                     '{"timestamp": 2, "hash_ids": [3, 2]}\n')
+    assert _plan_main(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}:3: id 2 is after id 3, but line 1 has it after id 1" in err and "Traceback" not in err
+    assert not (tmp_path / "rows.json").exists()
 
 
 def test_timestamps_must_not_go_back_and_empty_traces_fail():

@@ -2,9 +2,10 @@
 
     {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
 
-``hash_ids`` name the prompt's blocks of ``block_tokens`` tokens, chained: equal ids at the
-same position mean the same prefix. :func:`load_trace` reads and checks the whole file
-before returning anything, so nothing ever runs on a half-read trace.
+``hash_ids`` name the prompt's blocks of ``block_tokens`` tokens, chained: an id names its
+whole prefix, so it always follows the same id (or always starts a request) and appears once
+a request. :func:`load_trace` reads and checks the whole file before returning anything, so
+nothing ever runs on a half-read trace.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pathlib import Path
 
 from ..errors import InputError
 
+# Ids are below it: the replay keys an id by its 16 big-endian bytes, and 2^128 - 1 (all
+# ones) is the key of its root, the parent of a request's first block.
+ID_BOUND = (1 << 128) - 1
+_START = -1  # the "parent" of a request's first id
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -38,6 +43,10 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{where}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise InputError(f"{where}:{lineno}: cannot read the line ({str(exc).split(';')[0]})") from None
+    except RecursionError:
+        raise InputError(f"{where}:{lineno}: cannot read the line (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise InputError(f"{where}:{lineno}: expected a JSON object, got {type(obj).__name__}")
     if "hash_ids" not in obj:
@@ -46,6 +55,9 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
     if not isinstance(ids, list) or not all(_int(i) and i >= 0 for i in ids):
         bad = ids if not isinstance(ids, list) else next(i for i in ids if not (_int(i) and i >= 0))
         raise InputError(f"{where}:{lineno}: 'hash_ids' must be a list of non-negative integers, found {bad!r}")
+    if ids and max(ids) >= ID_BOUND:
+        raise InputError(f"{where}:{lineno}: 'hash_ids' must be below 2^128 - 1 (the replay's root key), "
+                         f"found {max(ids)}")
     fields = {}
     for name in ("timestamp", "input_length", "output_length"):
         value = obj.get(name, 0)
@@ -57,8 +69,13 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
 
 def parse_lines(lines: Iterable[str], where: str = "trace") -> list[Request]:
     """Every request of ``lines`` (blank lines skipped), or an ``InputError`` naming the
-    first bad line; timestamps must not go backwards (arrival order is the trace's order)."""
+    first bad line; timestamps must not go backwards (arrival order is the trace's order).
+    Ids must chain: an id reused after another id than before (or at another request's
+    start) would give one key two prefixes, and the replay and the references would count
+    different things with no error."""
     out: list[Request] = []
+    linenos: list[int] = []
+    parent_of: dict[int, int] = {}
     last = 0
     for lineno, text in enumerate(lines, start=1):
         if not text.strip():
@@ -67,10 +84,37 @@ def parse_lines(lines: Iterable[str], where: str = "trace") -> list[Request]:
         if req.timestamp < last:
             raise InputError(f"{where}:{lineno}: timestamp {req.timestamp} is before the previous line's ({last})")
         last = req.timestamp
+        parent = _START
+        for i in req.hash_ids:  # a duplicate in the line shows as an id after another parent too
+            if parent_of.setdefault(i, parent) != parent:
+                _unchained(req.hash_ids, parent_of, out, linenos, lineno, where)
+            parent = i
         out.append(req)
+        linenos.append(lineno)
     if not out:
         raise InputError(f"{where}: no requests")
     return out
+
+
+def _unchained(ids: tuple[int, ...], parent_of: dict[int, int], out: list[Request], linenos: list[int],
+               lineno: int, where: str) -> None:
+    """Raise the ``InputError`` for the first id of ``ids`` that appears twice or follows
+    another id than it did on an earlier line."""
+    parent = _START
+    for pos, i in enumerate(ids):
+        if i in ids[:pos]:
+            raise InputError(f"{where}:{lineno}: id {i} appears twice in 'hash_ids' "
+                             f"(positions {ids.index(i)} and {pos})")
+        if parent_of.get(i, parent) != parent:
+            break
+        parent = i
+    else:
+        raise AssertionError("_unchained: the line chains")
+    before = parent_of[i]
+    first = next(n for req, n in zip(out, linenos) if i in req.hash_ids)
+    after = lambda p: "at the start" if p == _START else f"after id {p}"  # noqa: E731
+    raise InputError(f"{where}:{lineno}: id {i} is {after(parent)}, but line {first} has it {after(before)}: "
+                     "an id names its whole prefix, so it always follows the same id")
 
 
 def load_trace(path: str | Path) -> list[Request]:

@@ -39,7 +39,7 @@ from .format import Request
 from .reference import cached_blocks, hit_tokens, requested_tokens
 
 KEY_BYTES = 16
-ROOT = b"\xff" * KEY_BYTES  # never an id's key (ids are < 2^127)
+ROOT = b"\xff" * KEY_BYTES  # never an id's key: format.ID_BOUND keeps ids below it
 STAND_IN_NBYTES = 64  # payload bytes of a stand-in frame
 MAX_BLOCK_TOKENS = 1 << 24  # the most a frame header may carry (store.frame refuses more)
 
