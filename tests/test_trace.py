@@ -70,6 +70,15 @@ def test_plan_refuses_an_unchained_trace_before_replaying(tmp_path, capsys):
     assert not (tmp_path / "rows.json").exists()
 
 
+def test_line_numbers_count_newlines_only_as_grep_does(tmp_path):
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b'{"hash_ids": [1]}\r\r\n{"hash_ids": [1], "timestamp": 1}\r\nBROKEN\n')
+    with pytest.raises(InputError, match=rf"^{path}:3: not valid JSON"):
+        load_trace(path)
+    path.write_bytes(b'{"hash_ids": [1]}\r\n\r\n{"hash_ids": [1, 2]}\r\n')  # CRLF, a blank line
+    assert [r.hash_ids for r in load_trace(path)] == [(1,), (1, 2)]
+
+
 def test_timestamps_must_not_go_back_and_empty_traces_fail():
     with pytest.raises(InputError, match=r"trace:2: timestamp 3 is before"):
         parse_lines(['{"hash_ids": [0], "timestamp": 9}', '{"hash_ids": [0], "timestamp": 3}'])

@@ -120,7 +120,9 @@ def _unchained(ids: tuple[int, ...], parent_of: dict[int, int], out: list[Reques
 def load_trace(path: str | Path) -> list[Request]:
     path = Path(path)
     try:
-        with path.open(encoding="utf-8") as f:
+        # Lines end at "\n" only, as grep -n and sed count them: a lone "\r" would shift
+        # every later line number (a "\r\n" ending is whitespace to json).
+        with path.open(encoding="utf-8", newline="\n") as f:
             return parse_lines(f, where=str(path))
     except OSError as exc:
         raise InputError(f"trace: cannot read {path}: {exc.strerror or exc}") from None
