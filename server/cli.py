@@ -300,17 +300,58 @@ def _missing_demo() -> int:
     return 2
 
 
+# The commands whose parsers import the server extras (pydantic, prometheus_client): built only
+# when run, so that plan works in an installation without them.
+_SERVER_COMMANDS = {
+    "serve": "run the HTTP service",
+    "top": "watch a server's figures in the terminal",
+    "admin": "usage, flush, delete and pin on a running server (admin token)",
+}
+
+
+def _server_parser(sub: Any, name: str) -> None:
+    if name == "serve":
+        _serve_parser(sub)
+    elif name == "top":
+        from . import top
+
+        top.add_parser(sub)
+    else:
+        from . import admin_cli
+
+        admin_cli.add_parser(sub)
+
+
+def _lazy_server_parser(sub: Any, name: str, wanted: bool) -> None:
+    if not wanted:
+        sub.add_parser(name, help=_SERVER_COMMANDS[name], add_help=False)
+        return
+    try:
+        _server_parser(sub, name)
+    except ModuleNotFoundError as exc:
+        if not exc.name or exc.name.split(".")[0] == "cacheseek":
+            raise
+        missing = exc.name  # exc itself is unbound once the except clause ends
+        # No prefix character: every argument (--port too) is taken as one of "rest".
+        p = sub.add_parser(name, help=_SERVER_COMMANDS[name], prefix_chars="\0", add_help=False)
+        p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+        p.set_defaults(func=lambda args: _missing_extra(name, missing))
+
+
+def _missing_extra(command: str, module: str | None) -> int:
+    print(f"cacheseek {command}: needs the 'server' extra ({module} is not installed): "
+          "pip install 'cacheseek[server]'", file=sys.stderr)
+    return 2
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from cacheseek import __version__
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,demo}")
-    _serve_parser(sub)
-    from . import admin_cli, top
-
-    top.add_parser(sub)
-    admin_cli.add_parser(sub)
+    for name in _SERVER_COMMANDS:
+        _lazy_server_parser(sub, name, wanted=bool(argv) and argv[0] == name)
     _plan_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser

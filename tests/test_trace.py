@@ -396,6 +396,31 @@ def test_plan_runs_without_torch(tmp_path):
     assert "|" in proc.stdout and "3993" not in proc.stdout
 
 
+def test_plan_runs_without_the_server_extras(tmp_path):
+    code = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('pydantic', 'pydantic_settings', 'fastapi', 'starlette', 'uvicorn',\n"
+        "                                  'prometheus_client', 'yaml'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r} (blocked)', name=name)\n"
+        "sys.meta_path.insert(0, Refuse)\n"
+        "from cacheseek.server.cli import main\n"
+        f"rc = main(['plan', '--trace', {str(EXCERPT)!r}, '--codec', 'int4', '--cpu-bytes', '32GiB',"
+        f" '--policy', 'lru', '--json', {str(tmp_path / 'r.json')!r}, '--plot', {str(tmp_path / 'p.png')!r}])\n"
+        "assert rc == 0, rc\n"
+        "assert 'pydantic' not in sys.modules and 'prometheus_client' not in sys.modules\n"
+        "assert main(['serve', '--port', '1']) == 2\n"
+        "assert main(['top', '--iterations', '1']) == 2\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "r.json").read_text())[0]["cpu_blocks"] == 1638
+    assert "cacheseek serve: needs the 'server' extra (pydantic is not installed)" in proc.stderr
+    assert "cacheseek top: needs the 'server' extra (prometheus_client is not installed)" in proc.stderr
+
+
 def test_plan_full_blocks_only_matches_the_store_counting(tmp_path, excerpt):
     from cacheseek.server.cli import main
 
