@@ -235,22 +235,36 @@ def _plan_parser(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cacheseek.errors import CacheSeekError
+    from cacheseek.errors import CacheSeekError, ConfigError
     from cacheseek.store.eviction import check_policy
     from cacheseek.trace.format import load_trace
-    from cacheseek.trace.plan import TABLE_COLUMNS, codec_of, format_table, layout_of, plan, plot, table_rows
+    from cacheseek.trace.plan import (
+        TABLE_COLUMNS,
+        codec_of,
+        format_table,
+        layout_of,
+        plan,
+        plot,
+        plot_format_problem,
+        table_rows,
+    )
     from cacheseek.trace.replay import check_block_tokens
     from cacheseek.units import parse_size
 
     try:
         check_block_tokens(args.block_tokens, what="--block-tokens")
         layout = layout_of(args.layout)
-        codecs = [c.strip() for c in args.codec.split(",") if c.strip()]
+        codecs = _listed(args.codec, "--codec", "codec")
         for c in codecs:
             codec_of(c)
-        policies = [check_policy(p.strip(), what="--policy") for p in args.policy.split(",") if p.strip()]
-        cpu = [parse_size(b.strip(), name="--cpu-bytes") for b in args.cpu_bytes.split(",") if b.strip()]
+        policies = [check_policy(p, what="--policy") for p in _listed(args.policy, "--policy", "policy")]
+        cpu = [parse_size(b, name="--cpu-bytes") for b in _listed(args.cpu_bytes, "--cpu-bytes", "budget")]
         disk = parse_size(args.disk_bytes, name="--disk-bytes")
+        # The outputs are checked before the replays, which can run for minutes.
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            problem = _output_problem(path) or (plot_format_problem(path) if flag == "--plot" else None)
+            if problem:
+                raise ConfigError(f"{flag}: {path}: {problem}")
         trace = load_trace(args.trace)  # the whole file is checked before anything runs
         rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
                     disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens,
@@ -262,13 +276,40 @@ def _plan(args: argparse.Namespace) -> int:
                        f"{args.trace}: {len(trace)} requests, layout {args.layout}, disk {args.disk_bytes}"))
     from pathlib import Path
 
-    Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
-    print(f"rows: {args.json}")
-    if plot(rows, args.plot, f"Hit rate on {Path(args.trace).name} ({args.layout})"):
-        print(f"plot: {args.plot}")
-    else:
-        print("plot: skipped (install matplotlib to draw it)")
+    try:
+        Path(args.json).write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
+        print(f"rows: {args.json}")
+        drawn = plot(rows, args.plot, f"Hit rate on {Path(args.trace).name} ({args.layout})")
+    except OSError as exc:  # checked before the replays, so only a change since (or a full disk)
+        print(f"cacheseek plan: cannot write {exc.filename or 'an output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"plot: {args.plot}" if drawn else "plot: skipped (install matplotlib to draw it)")
     return 0
+
+
+def _listed(text: str, flag: str, what: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        from cacheseek.errors import ConfigError
+
+        raise ConfigError(f"{flag}: give at least one {what}, got {text!r}")
+    return items
+
+
+def _output_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written, or None."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory"
+    folder = target.parent
+    if not folder.is_dir():
+        return f"no directory {folder}"
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "not writable"
+    return None
 
 
 def _demo(args: argparse.Namespace) -> int:

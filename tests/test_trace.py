@@ -531,3 +531,22 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     err = capsys.readouterr().err
     assert "cpu_bytes 1048576" in err and "0 blocks of a" in err and "raw frame" in err
     assert "give a CPU or a disk budget" not in err and not (tmp_path / "rows.json").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--codec", ""], "--codec: give at least one codec, got ''"),
+    (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),
+    (["--policy", " "], "--policy: give at least one policy, got ' '"),
+    (["--json", "/nonexistent/x.json"], "--json: /nonexistent/x.json: no directory /nonexistent"),
+    (["--plot", "/nonexistent/x.png"], "--plot: /nonexistent/x.png: no directory /nonexistent"),
+    (["--json", "."], "--json: .: is a directory"),
+    (["--plot", "plan.xyz"], "--plot: plan.xyz: format 'xyz' is not one matplotlib writes"),
+])
+def test_plan_refuses_empty_lists_and_unwritable_outputs_before_replaying(tmp_path, capsys, monkeypatch, flags, says):
+    if "xyz" in flags[-1]:
+        pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
+    assert _plan_main(tmp_path, *flags) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran

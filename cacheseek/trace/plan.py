@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -175,6 +176,20 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines += ["| " + " | ".join(v.rjust(w) for v, w in zip(row, widths)) + " |" for row in cells]
     return "\n".join(lines)
+
+
+def plot_format_problem(path: str) -> str | None:
+    """Why :func:`plot` could not draw into ``path`` (its suffix names a format matplotlib
+    does not write), or None; None as well without matplotlib, as the plot is then skipped."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        return None
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        return f"format {suffix!r} is not one matplotlib writes ({', '.join(sorted(formats))})"
+    return None
 
 
 def plot(rows: Sequence[PlanRow], path: str, title: str) -> bool:
