@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import ConfigError
 
@@ -17,19 +18,38 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE = (1 << 63) - 1  # bytes: what an offset or a length in the OS (off_t, ssize_t) can hold
+
+
 def parse_size(value: int | str, *, name: str = "size") -> int:
-    """Return ``value`` in bytes. Ints pass through; strings take SI or IEC units."""
+    """Return ``value`` in bytes. Ints pass through; strings take SI or IEC units and a
+    decimal fraction that makes whole bytes (``1.5KiB``, not ``0.5``); at most ``MAX_SIZE``."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a byte count or a string like '4GiB', got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"{name}: must be >= 0 bytes, got {value}")
-        return value
+        return _at_most_max(value, value, name)
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            number = m.group(1)
+            # Exact arithmetic, never through a float (2^53 + 1 bytes stays that); a number of
+            # more digits than any size is refused before int() is asked to convert it.
+            if len(number.lstrip("0")) > 40:
+                raise ConfigError(f"{name}: {value[:40]!r}... has more digits than any size (at most {MAX_SIZE} "
+                                  "bytes, 2^63 - 1)")
+            nbytes = Fraction(number) * _UNITS[m.group(2).lower()]
+            if nbytes.denominator != 1:
+                raise ConfigError(f"{name}: {value!r} is not a whole number of bytes ({float(nbytes):g})")
+            return _at_most_max(int(nbytes), value, name)
     raise ConfigError(f"{name}: cannot read {value!r} as a size; use bytes or a string like '4GiB' or '512MB'")
+
+
+def _at_most_max(nbytes: int, value: int | str, name: str) -> int:
+    if nbytes > MAX_SIZE:
+        raise ConfigError(f"{name}: {value!r} is more than {MAX_SIZE} bytes (2^63 - 1)")
+    return nbytes
 
 
 def format_size(nbytes: int | float) -> str:

@@ -537,6 +537,8 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     (["--codec", ""], "--codec: give at least one codec, got ''"),
     (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),
     (["--policy", " "], "--policy: give at least one policy, got ' '"),
+    (["--cpu-bytes", "9" * 400], "--cpu-bytes: '9999"),
+    (["--cpu-bytes", "0.5GB,0.5"], "--cpu-bytes: '0.5' is not a whole number of bytes"),
     (["--json", "/nonexistent/x.json"], "--json: /nonexistent/x.json: no directory /nonexistent"),
     (["--plot", "/nonexistent/x.png"], "--plot: /nonexistent/x.png: no directory /nonexistent"),
     (["--json", "."], "--json: .: is a directory"),
