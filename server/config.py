@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from cacheseek.config import default_cpu_reserve
 from cacheseek.errors import ConfigError
@@ -337,6 +337,12 @@ class ServerSettings(BaseSettings):
         token = _config_file.set(Path(config_file) if config_file is not None else None)
         try:
             return cls(**overrides)
+        except SettingsError as exc:
+            # pydantic-settings' own error (an environment variable of a table that is not JSON)
+            # names neither the variable nor the problem: both are said, as for any bad setting.
+            m = re.search(r'field "(\w+)"', str(exc))
+            where = f"{ENV_PREFIX}{m.group(1).upper()}" if m else "settings"
+            raise ConfigError(f"{where}: cannot read it: {exc.__cause__ or exc}; give a JSON object") from None
         finally:
             _config_file.reset(token)
 

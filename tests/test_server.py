@@ -484,6 +484,14 @@ def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     assert ServerSettings.load(disk_path="").disk_path == default_disk_path()
 
 
+def test_a_tenants_variable_that_is_not_json_exits_2_naming_it():
+    env = {**os.environ, "CACHESEEK_TENANTS": "not json"}
+    out = subprocess.run([*cacheseek_command(), "serve", "--port", "1"], capture_output=True, text=True, timeout=60,
+                         env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "CACHESEEK_TENANTS: cannot read it: Expecting value: line 1 column 1" in out.stderr
+
+
 def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
     from cacheseek.errors import ConfigError
     from cacheseek.server.config import DEPRECATED_NAMES, ServerSettings
