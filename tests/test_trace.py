@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.store.eviction import POLICIES, make_index
@@ -237,6 +239,71 @@ def test_a_cycle_of_links_does_not_hang_the_walk_to_a_leaf(policy):
     assert victim in (a, b)
     index.remove(victim, evicted=True)
     assert index.victim() == ({a, b} - {victim}).pop()
+
+
+def _arc_key(i: int) -> bytes:
+    return bytes([i + 1]) * 16
+
+
+def test_a_deleted_block_stored_while_pinned_is_no_ghost_of_arc():
+    index = make_index("arc", 10)
+    key, info = _arc_key(0), BlockInfo(1, 1, bytes(16), 0)
+    index.add(key, info)
+    index.remove(key, evicted=True)  # a ghost in B1
+    index.pin([key])
+    index.add(key, info)  # stored while pinned
+    index.remove(key)  # a plain delete
+    index.unpin([key])
+    index.add(key, info)
+    assert index.ghost_hits == 0 and index.p == 0 and index.describe()["ghost_bytes"] == 0
+
+
+def test_an_arc_ghost_hit_on_a_larger_block_keeps_the_ghosts_within_2c():
+    index = make_index("arc", 10)
+    for i in range(10):  # ten blocks used twice (T2), then evicted: ten bytes of B2 ghosts
+        index.add(_arc_key(i), BlockInfo(1, 1, bytes(16), 0))
+        index.touch([_arc_key(i)])
+    for i in range(10):
+        index.remove(_arc_key(i), evicted=True)
+    for i in range(10, 20):
+        index.add(_arc_key(i), BlockInfo(1, 1, bytes(16), 0))
+    index.remove(_arc_key(10), evicted=True)
+    index.remove(_arc_key(11), evicted=True)
+    index.add(_arc_key(0), BlockInfo(3, 3, bytes(16), 0))  # a B2 ghost back, three times larger
+    assert index.ghost_hits == 1
+    assert index._t1_bytes + index._t2_bytes + index._b1_bytes + index._b2_bytes <= 20
+
+
+@settings(max_examples=500)
+@given(st.lists(st.tuples(st.sampled_from(["add", "touch", "evict", "delete", "pin", "unpin"]), st.integers(0, 4),
+                          st.integers(1, 4)), max_size=80))
+def test_arc_ghosts_stay_within_2c_and_never_hold_a_deleted_block(ops):
+    c = 6
+    index = make_index("arc", c)
+    deleted: set[bytes] = set()  # deleted since they were last evicted
+    for op, i, n in ops:
+        key = _arc_key(i)
+        if op == "add" and key not in index:  # as a tier does: room first, then the block
+            while index.used_bytes + n > c and (victim := index.victim()) is not None:
+                index.remove(victim, evicted=True)
+                deleted.discard(victim)
+            if index.used_bytes + n <= c:
+                index.add(key, BlockInfo(n, n, bytes(16), 0))
+        elif op == "touch":
+            index.touch([key])
+        elif op == "evict" and (victim := index.victim()) is not None:
+            index.remove(victim, evicted=True)
+            deleted.discard(victim)
+        elif op == "delete" and index.remove(key) is not None:
+            deleted.add(key)
+        elif op == "pin":
+            index.pin([key])
+        elif op == "unpin":
+            index.unpin([key])
+        t1, t2, b1, b2 = (sum(lst.values()) for lst in (index._t1, index._t2, index._b1, index._b2))
+        assert (t1, t2, b1, b2) == (index._t1_bytes, index._t2_bytes, index._b1_bytes, index._b2_bytes)
+        assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c, (op, t1, t2, b1, b2)
+        assert not deleted & (index._b1.keys() | index._b2.keys()), "a deleted block is a ghost"
 
 
 def test_arc_keeps_reused_blocks_through_a_scan():

@@ -119,6 +119,7 @@ class EvictionIndex(ABC):
         if pinned:
             self.pinned_blocks += 1
             self.pinned_bytes += info.nbytes
+            self._drop_ghost(key)  # stored again: no longer a block the tier gave up
         else:
             self._admit(key, info)
         if self.observer is not None:
@@ -141,6 +142,8 @@ class EvictionIndex(ABC):
         if key in self._pinned:
             self.pinned_blocks -= 1
             self.pinned_bytes -= info.nbytes
+            if not evicted:
+                self._drop_ghost(key)  # a plain delete forgets the block, pinned or not
         else:
             self._forget(key, info, evicted)
         if self.observer is not None:
@@ -231,6 +234,9 @@ class EvictionIndex(ABC):
     def _resized(self, key: bytes, info: BlockInfo) -> None:
         """An indexed block was stored again with another size (rare: a replaced frame)."""
 
+    def _drop_ghost(self, key: bytes) -> None:
+        """Forget any history of ``key`` (a policy with ghosts drops its ghost)."""
+
     def describe(self) -> dict:
         return {"policy": self.name}
 
@@ -291,18 +297,18 @@ class ArcIndex(EvictionIndex):
             self.ghost_hits += 1
             self._t2[key] = n
             self._t2_bytes += n
-            return
-        ghost = self._b2.pop(key, None)
-        if ghost is not None:  # would have been a hit with a larger T2: shrink T1
-            self._b2_bytes -= ghost
-            self.p = max(0.0, self.p - n * max(self._b1_bytes / max(self._b2_bytes, 1), 1.0))
-            self.ghost_hits += 1
-            self._t2[key] = n
-            self._t2_bytes += n
-            return
-        self._t1[key] = n
-        self._t1_bytes += n
-        self._trim_ghosts()
+        else:
+            ghost = self._b2.pop(key, None)
+            if ghost is not None:  # would have been a hit with a larger T2: shrink T1
+                self._b2_bytes -= ghost
+                self.p = max(0.0, self.p - n * max(self._b1_bytes / max(self._b2_bytes, 1), 1.0))
+                self.ghost_hits += 1
+                self._t2[key] = n
+                self._t2_bytes += n
+            else:
+                self._t1[key] = n
+                self._t1_bytes += n
+        self._trim_ghosts()  # after a ghost hit too: a block may come back larger than its ghost
 
     def _used(self, key: bytes) -> None:
         n = self._t1.pop(key, None)
@@ -335,6 +341,14 @@ class ArcIndex(EvictionIndex):
             if old is not None:
                 lst[key] = info.nbytes
                 setattr(self, attr, getattr(self, attr) + info.nbytes - old)
+
+    def _drop_ghost(self, key: bytes) -> None:
+        n = self._b1.pop(key, None)
+        if n is not None:
+            self._b1_bytes -= n
+        n = self._b2.pop(key, None)
+        if n is not None:
+            self._b2_bytes -= n
 
     def _trim_ghosts(self) -> None:
         """ARC's bounds: |T1| + |B1| <= c and |T1| + |T2| + |B1| + |B2| <= 2c."""
