@@ -228,6 +228,23 @@ def test_every_policy_evicts_leaves_only(policy):
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_block_stored_again_under_another_parent_moves_its_child_link(policy):
+    index = make_index(policy, 100)
+    a, b, k = b"A" * 16, b"B" * 16, b"K" * 16
+    index.add(a, BlockInfo(1, 1, bytes(16), 0))
+    index.add(b, BlockInfo(1, 1, bytes(16), 0))
+    index.add(k, BlockInfo(1, 1, a, 1))
+    index.add(k, BlockInfo(1, 1, b, 1))  # the same key stored again, now under B
+    assert index.children(a) == [] and index.children(b) == [k]
+    index.remove(k)
+    victim = index.victim()
+    assert victim in (a, b) and index.remove(victim, evicted=True) is not None
+    index.add(k, BlockInfo(1, 1, bytes(16), 0))
+    index.add(k, BlockInfo(2, 2, bytes(16), 0))  # re-sized only: still a head, no link
+    assert index.children(bytes(16)) == [] and index.used_bytes == 3
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_cycle_of_links_does_not_hang_the_walk_to_a_leaf(policy):
     """Links whose positions disagree (frames from outside the library; the server refuses
     them) can close into a cycle: the walk to a leaf still ends, and evicting breaks it."""

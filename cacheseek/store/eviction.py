@@ -92,7 +92,8 @@ class EvictionIndex(ABC):
         return len(self._entries) - self.pinned_blocks
 
     def add(self, key: bytes, info: BlockInfo) -> None:
-        """Index a block stored in this tier (a key already indexed is re-sized and touched)."""
+        """Index a block stored in this tier (a key already indexed is re-sized, moved under its
+        parent if that changed, and touched)."""
         old = self._entries.get(key)
         pinned = key in self._pinned
         if old is not None:
@@ -101,6 +102,11 @@ class EvictionIndex(ABC):
             self._entries[key] = info
             self.used_bytes += info.nbytes
             self.raw_bytes += info.raw_nbytes
+            if (old.parent, old.position) != (info.parent, info.position):
+                # The child link moves with the block: a stale one would make victim() name a
+                # block no longer below that parent, or one not stored here at all.
+                self._unlink(key, old)
+                self._link(key, info)
             if pinned:
                 self.pinned_bytes += info.nbytes - old.nbytes
             else:
@@ -110,12 +116,7 @@ class EvictionIndex(ABC):
         self._entries[key] = info
         self.used_bytes += info.nbytes
         self.raw_bytes += info.raw_nbytes
-        if info.position:
-            kids = self._kids.get(info.parent)
-            if kids is None:
-                self._kids[info.parent] = {key: None}
-            else:
-                kids[key] = None
+        self._link(key, info)
         if pinned:
             self.pinned_blocks += 1
             self.pinned_bytes += info.nbytes
@@ -133,12 +134,7 @@ class EvictionIndex(ABC):
             return None
         self.used_bytes -= info.nbytes
         self.raw_bytes -= info.raw_nbytes
-        if info.position:
-            kids = self._kids.get(info.parent)
-            if kids is not None:
-                kids.pop(key, None)
-                if not kids:
-                    del self._kids[info.parent]
+        self._unlink(key, info)
         if key in self._pinned:
             self.pinned_blocks -= 1
             self.pinned_bytes -= info.nbytes
@@ -149,6 +145,22 @@ class EvictionIndex(ABC):
         if self.observer is not None:
             self.observer.removed(key, info)
         return info
+
+    def _link(self, key: bytes, info: BlockInfo) -> None:
+        if info.position:
+            kids = self._kids.get(info.parent)
+            if kids is None:
+                self._kids[info.parent] = {key: None}
+            else:
+                kids[key] = None
+
+    def _unlink(self, key: bytes, info: BlockInfo) -> None:
+        if info.position:
+            kids = self._kids.get(info.parent)
+            if kids is not None:
+                kids.pop(key, None)
+                if not kids:
+                    del self._kids[info.parent]
 
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark ``keys`` used, in order (the last one is the most recent use)."""
