@@ -8,8 +8,9 @@
 
 The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
 than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
-Exit status: 0 done everywhere; 1 a server refused (its reason printed); 2 bad arguments;
-3 a server could not be reached.
+Exit status: 0 done everywhere; 1 a server refused (its reason printed) or answered with
+something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` too); 3 a
+server could not be reached.
 """
 
 from __future__ import annotations
@@ -23,6 +24,29 @@ from typing import Any
 import httpx
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` is not a server's base URL (``http(s)://host[:port]``), or None."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        return f"{url!r} is not a URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"{url!r} is not an http:// or https:// URL with a host"
+    return None
+
+
+def reason(response: httpx.Response) -> str:
+    """A server's reason for an answer, short: its JSON ``error``, else the start of the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    text = " ".join(response.text.split())
+    return repr(text[:80] + ("..." if len(text) > 80 else "")) if text else "(empty body)"
 
 
 def add_parser(sub: Any) -> None:
@@ -76,10 +100,16 @@ def main(args: Any) -> int:
     if not args.token:
         print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)
         return 2
+    urls = args.url or ["http://127.0.0.1:8080"]
+    for url in urls:
+        problem = url_problem(url)
+        if problem:
+            print(f"cacheseek admin: --url: {problem}", file=sys.stderr)
+            return 2
     method, path, kw = _request(args)
     worst = 0
     answers = {}
-    for url in args.url or ["http://127.0.0.1:8080"]:
+    for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
             r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=60.0,
@@ -88,22 +118,27 @@ def main(args: Any) -> int:
             print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
             worst = max(worst, 3)
             continue
-        try:
-            body = r.json()
-        except ValueError:
-            body = {"error": r.text}
         if not r.is_success:
-            print(f"cacheseek admin: {url}: {r.status_code}: {body.get('error', body)}", file=sys.stderr)
+            print(f"cacheseek admin: {url}: {r.status_code}: {reason(r)}", file=sys.stderr)
             worst = max(worst, 1)
             continue
-        answers[url] = body
-    for url, body in answers.items():
+        try:
+            body = r.json()
+            table = None if args.json else _table(args.admin_command, body)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            # A wrong port or a proxy's page: said as such, not a traceback from the table.
+            print(f"cacheseek admin: {url}: {r.status_code} with an answer that is not CacheSeek's "
+                  f"({reason(r)}): is this a CacheSeek server?", file=sys.stderr)
+            worst = max(worst, 1)
+            continue
+        answers[url] = (body, table)
+    for url, (body, table) in answers.items():
         if args.json:
             print(json.dumps({"url": url, "answer": body}))
         else:
             if len(answers) > 1:
                 print(f"# {url}")
-            print(_table(args.admin_command, body))
+            print(table)
     return worst
 
 
@@ -112,6 +147,10 @@ def _size(n: int) -> str:
 
 
 def _table(cmd: str, body: Any) -> str:
+    if cmd in ("namespaces", "models", "pins") and not isinstance(body, list):
+        raise TypeError(f"{cmd}: expected a list, got {type(body).__name__}")
+    if cmd not in ("namespaces", "models", "pins") and not isinstance(body, dict):
+        raise TypeError(f"{cmd}: expected an object, got {type(body).__name__}")
     if cmd in ("namespaces", "models"):
         by, label = ("namespace", "models") if cmd == "namespaces" else ("model", "namespaces")
         within = "model" if cmd == "namespaces" else "namespace"

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from .admin_cli import reason, url_problem
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -105,13 +106,21 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
                 print(f"cacheseek top: cannot reach {url}: {exc}", file=sys.stderr)
                 return 3
             if response.status_code in (401, 403):
-                print(f"cacheseek top: {response.status_code}: {response.json().get('error')} "
+                print(f"cacheseek top: {response.status_code}: {reason(response)} "
                       "(give a read token: --token or CACHESEEK_TOKEN)", file=sys.stderr)
                 return 1
-            response.raise_for_status()
-            stats = response.json()
-            now = time.monotonic()
-            out.write(clear + render(stats, prev, now - prev_at, url) + "\n" + ("" if clear else "\n"))
+            try:
+                if not response.is_success:
+                    raise ValueError(response.status_code)
+                stats = response.json()
+                now = time.monotonic()
+                frame = render(stats, prev, now - prev_at, url)
+            except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+                # A wrong port or a proxy's page: said as such, not a traceback.
+                print(f"cacheseek top: {url}/v1/stats answered {response.status_code} with no CacheSeek stats "
+                      f"({reason(response)}): is this a CacheSeek server?", file=sys.stderr)
+                return 1
+            out.write(clear + frame + "\n" + ("" if clear else "\n"))
             out.flush()
             prev, prev_at = stats, now
             shown += 1
@@ -136,6 +145,14 @@ def add_parser(sub: Any) -> None:
 def _main(args: Any) -> int:
     if args.interval <= 0:
         print("cacheseek top: --interval must be > 0 seconds", file=sys.stderr)
+        return 2
+    if args.iterations is not None and args.iterations < 1:
+        print(f"cacheseek top: --iterations must be >= 1 (omit it: until Ctrl-C), got {args.iterations}",
+              file=sys.stderr)
+        return 2
+    problem = url_problem(args.url)
+    if problem:
+        print(f"cacheseek top: --url: {problem}", file=sys.stderr)
         return 2
     try:
         return run(args.url, token=args.token, interval=args.interval, iterations=1 if args.once else args.iterations)

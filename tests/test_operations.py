@@ -396,3 +396,64 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 3
+
+
+@pytest.fixture()
+def not_cacheseek():
+    """A plain HTTP server, as a wrong port or a proxy's error page looks: /v1/stats a 404
+    until ``pages`` names a body for it."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    pages: dict[str, bytes] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = pages.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            body = body if body is not None else b"<html>not found</html>"
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", pages
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, capsys):
+    from cacheseek.server.cli import main
+
+    url, pages = not_cacheseek
+
+    def said(*argv: str) -> tuple[int, str]:
+        rc = main(list(argv))
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return rc, err
+
+    rc, err = said("top", "--url", url, "--once")
+    assert rc == 1 and "/v1/stats answered 404 with no CacheSeek stats ('<html>not found</html>')" in err
+    pages["/v1/stats"] = b"<html>hi</html>"
+    rc, err = said("top", "--url", url, "--once")
+    assert rc == 1 and "answered 200 with no CacheSeek stats" in err and "is this a CacheSeek server?" in err
+    pages["/v1/admin/namespaces"] = b"<html>not cacheseek</html>"
+    rc, err = said("admin", "--url", url, "--token", "x", "namespaces")
+    assert rc == 1 and "200 with an answer that is not CacheSeek's" in err
+    pages["/v1/admin/namespaces"] = b'{"a": 1}'
+    assert said("admin", "--url", url, "--token", "x", "namespaces")[0] == 1
+    for bad in ("http://[::1", "localhost:8080", "http://"):
+        rc, err = said("admin", "--url", url, "--url", bad, "--token", "x", "namespaces")
+        assert rc == 2 and f"--url: {bad!r}" in err, err
+        rc, err = said("top", "--url", bad, "--once")
+        assert rc == 2 and f"--url: {bad!r}" in err, err
+    for n in ("0", "-1"):
+        rc, err = said("top", "--url", url, "--iterations", n)
+        assert rc == 2 and "--iterations must be >= 1" in err
