@@ -4,6 +4,7 @@ of pinned blocks refuses writes, and store-wide figures count each block once.""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -396,6 +397,48 @@ def test_redis_pins_skip_eviction_and_the_ttl_and_refuse_writes_when_full(tmp_pa
         err = redis.put_many([frames(9, 1)[0]])[0].error
         assert err is not None and "pinned" in str(err)
         assert redis.check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+    finally:
+        srv.stop()
+
+
+@needs_redis
+def test_a_pin_or_unpin_redis_misses_is_sent_again_and_never_leaks(tmp_path):
+    """A pin whose Redis step failed is undone everywhere (pinning again sends it); an unpin
+    that could not reach Redis is owed, and sent by the next call that can: left there, such
+    pins held the shared budget for good, and every process's writes were refused."""
+    from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
+    from cacheseek.store.redis_client import RedisTimeouts
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 2 * FRAME, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3),
+                          breaker=CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(0.2)))
+        store = TieredStore([CpuTier(8 * FRAME), redis], write_through=["redis"])
+        (x, fx), (y, fy) = frames(10, 1)[0], frames(11, 1)[0]
+        store.put(x, fx)
+        srv.pause()
+        try:
+            with pytest.raises(StorageError):
+                store.pin(x)
+        finally:
+            srv.resume()
+        assert store.pins() == [] and not store.tier("cpu")._index.is_pinned(x)  # undone everywhere
+        time.sleep(0.3)  # (the breaker's backoff)
+        assert store.pin(x) is not None and redis.stats().pinned_blocks == 1  # sent, this time
+        store.put(y, fy)
+        store.pin(y)
+        srv.pause()
+        try:
+            store.unpin(x)
+            store.unpin(y)
+        finally:
+            srv.resume()
+        assert store.pins() == [] and redis.stats().extra["owed_unpins"] == 2
+        time.sleep(0.3)
+        stats = redis.stats()  # the first call through pays what is owed
+        assert stats.pinned_blocks == 0 and stats.extra["owed_unpins"] == 0
+        others = RedisTier(srv.url, 2 * FRAME)  # another process's writes find room
+        assert all(r.error is None for r in others.put_many(frames(12, 2)))
     finally:
         srv.stop()
 

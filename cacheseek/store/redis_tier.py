@@ -136,6 +136,9 @@ class RedisTier(Tier):
         self._faults = _Faults()
         self._totals = IndexTotals()
         self._pinned: set[bytes] = set()  # pins known to this process (from Redis, with a TTL)
+        # Unpins that could not reach Redis, sent again with the next call that can: left
+        # there, such pins would hold the shared budget for good (no process remembers them).
+        self._owed_unpins: set[bytes] = set()
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -200,6 +203,7 @@ class RedisTier(Tier):
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
+        self._pay_owed_unpins()
         batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])
         for i, (key, frame) in enumerate(batch.items):
             if frame.nbytes > self.capacity_bytes:
@@ -591,6 +595,8 @@ class RedisTier(Tier):
         if not keys:
             return
         members = [RedisKeys.member(k) for k in keys]
+        with self._lock:
+            self._owed_unpins.difference_update(keys)  # pinned again: that unpin is no longer owed
 
         def send(c: Any) -> None:
             self._note_totals(SharedIndex.parse(self._index.queue(c, pin=members)).totals)
@@ -621,7 +627,17 @@ class RedisTier(Tier):
         try:
             self._run(send)
         except StorageError:
-            pass  # counted; the pin stays in Redis until an unpin reaches it
+            with self._lock:  # counted; sent again by the next call that reaches Redis
+                self._owed_unpins.update(keys)
+            return
+        with self._lock:
+            self._owed_unpins.difference_update(keys)
+
+    def _pay_owed_unpins(self) -> None:
+        if self._owed_unpins:
+            with self._lock:
+                owed = list(self._owed_unpins)
+            self.unpin(owed)
 
     def _refresh_pins(self, client: Any) -> None:
         """Learn the pins other processes made, so that touches leave their frames' expiry alone."""
@@ -648,6 +664,7 @@ class RedisTier(Tier):
             self._delete_expired(c, SharedIndex.parse(self._index.queue(c)))
             self._refresh_pins(c)
 
+        self._pay_owed_unpins()
         try:
             self._run(refresh)
             stale = False
@@ -668,6 +685,7 @@ class RedisTier(Tier):
                 "timeouts": faults.timeouts, "unavailable_errors": faults.unavailable,
                 "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
+                "owed_unpins": len(self._owed_unpins),
             }
             return self._snapshot()
 

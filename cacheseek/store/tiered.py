@@ -519,9 +519,18 @@ class TieredStore:
         if keys is None:
             return None
         pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
-        if newly:
-            for tier in self.tiers:
+        done: list[Tier] = []
+        try:
+            for tier in self.tiers if newly else ():
                 tier.pin(newly)
+                done.append(tier)
+        except BaseException:
+            # A tier that could not pin (Redis unreachable): the pin is undone everywhere, so
+            # that pinning again sends it again, rather than finding it pinned already.
+            _, freed = self.pin_table.remove(pin.key)
+            for tier in done:
+                tier.unpin(freed)
+            raise
         return pin
 
     def unpin(self, key: bytes) -> Pin | None:
