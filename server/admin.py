@@ -20,6 +20,7 @@ delete or pin against every replica (``cacheseek admin --url A --url B ...``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -27,10 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cacheseek.errors import StorageError
 from cacheseek.hashing import to_hex
 
 from .errors import NotFound
 from .service import BlockService
+
+log = logging.getLogger("cacheseek.server")
 
 PINS_FILE = ".cacheseek-pins.json"
 FILE_VERSION = 1
@@ -167,6 +171,8 @@ class AdminOps:
                 restored += 1
             except NotFound:
                 continue
+            except StorageError as exc:  # (Redis unreachable at start): the server starts all the same
+                log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, exc)
         return restored
 
     def _save(self) -> None:

@@ -340,6 +340,15 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         m = samples(c)
         assert value(m, "cacheseek_tier_recovered_blocks", tier="disk") == 4
         assert value(m, "cacheseek_recovery_duration_seconds") >= 0
+    # A Redis tier that cannot be reached at start: the pin is not made again, and the
+    # server starts all the same.
+    from server_helpers import free_port
+
+    env = {"CACHESEEK_REDIS_CONNECT_TIMEOUT_SECONDS": "0.2", "CACHESEEK_REDIS_SOCKET_TIMEOUT_SECONDS": "0.2"}
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--redis-url",
+                f"redis://127.0.0.1:{free_port()}", env=env) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/v1/admin/pins", headers=admin()).json() == []
+        assert "not restored" in s.output()
 
 
 def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
