@@ -989,3 +989,29 @@ def test_in_a_cluster_a_hung_master_is_not_retried(cluster):
             hung.resume()
     finally:
         tier.close()
+
+
+def test_an_orphan_a_chain_in_use_touches_is_counted_again(redis_url):
+    """A victim whose DEL never arrived (its client died) is stored, uncounted: an orphan.
+    A touch of it (a hit, an ingest finding the chain stored) counts it again from its
+    header; else a chain in use kept it outside the budget for good (each touch restarting
+    its TTL)."""
+    from cacheseek.store.redis_index import SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    frames = [_frame(i) for i in range(90, 94)]
+    try:
+        tier.put_many(frames)
+        orphan = frames[-1][0]
+        # The script call an eviction makes, without its DEL.
+        SharedIndex(tier.keys_of, tier.capacity_bytes, 60_000_000).queue(tier._connection(),
+                                                                          forget=[RedisKeys.member(orphan)])
+        assert tier.check()["orphans"] == 1 and tier.stats().blocks == 3
+        tier.touch([k for k, _ in frames])
+        stats = tier.stats()
+        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0}
+        assert stats.blocks == 4 and stats.used_bytes == sum(f.nbytes for _, f in frames)
+        tier.touch([_frame(95)[0]])  # a block stored nowhere: nothing to count
+        assert tier.stats().blocks == 4
+    finally:
+        tier.close()

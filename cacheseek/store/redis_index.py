@@ -30,8 +30,8 @@ index before its frame is written (an interrupted write leaves a "ghost": counte
 stored; the next put of that block writes it without counting it twice, and a read that
 finds no value forgets it once it has been idle longer than a write could be in flight). The one
 undercount: a victim the script dropped whose DEL never arrived stays stored, unaccounted
-(an "orphan") until its TTL, until it is put again (adding adopts it), or until
-``RedisTier.check(fix=True)``.
+(an "orphan") until its TTL, until a touch finds it in use (with a TTL), until it is put
+again (adding adopts it), or until ``RedisTier.check(fix=True)``.
 """
 
 from __future__ import annotations
@@ -136,11 +136,15 @@ for _ = 1, n_repair do
   end
 end
 
+-- Touched blocks the index does not count at all: orphans (stored, uncounted) or gone.
+local uncounted = {}
 for _ = 1, n_touch do
   if redis.call('ZSCORE', lru, ARGV[i]) then
     changed = true
     clock = clock + 1
     redis.call('ZADD', lru, 'XX', clock, ARGV[i])
+  elseif redis.call('HEXISTS', sizes, ARGV[i]) == 0 then
+    uncounted[#uncounted + 1] = ARGV[i]
   end
   i = i + 1
 end
@@ -233,7 +237,7 @@ if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
              'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired}
+return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted}
 """
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
@@ -255,13 +259,15 @@ class IndexUpdate:
     pinned (not touched; its frame keeps no expiry), -1 larger than the budget, -2 no room
     beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are member names
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
-    ghosts forgotten (see ``SharedIndex.queue``'s ``repair``)."""
+    ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
+    blocks the index does not count (orphans, if their frames are there)."""
 
     added: tuple[int, ...]
     evicted: tuple[str, ...]
     expired: tuple[str, ...]
     totals: IndexTotals
     repaired: tuple[tuple[str, int, int], ...] = ()
+    uncounted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +308,7 @@ class SharedIndex:
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired = reply
+        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted = reply
         pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
@@ -310,6 +316,7 @@ class SharedIndex:
             expired=tuple(_text(m) for m in expired),
             totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
             repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs),
+            uncounted=tuple(_text(m) for m in uncounted),
         )
 
 

@@ -580,8 +580,36 @@ class RedisTier(Tier):
             for m in expiring if ordered else ():
                 pipe.sismember(self.keys_of.pinned, m)
             replies = pipe.execute()
-            self._delete_expired(c, SharedIndex.parse(replies[0]))
+            update = SharedIndex.parse(replies[0])
+            self._delete_expired(c, update)
             self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
+            # A PEXPIRE answers whether the value was there: an uncounted one is an orphan.
+            there = {m for m, n in zip(expiring, replies[1 : 1 + len(expiring)]) if n}
+            return [m for m in update.uncounted if m in there]
+
+        try:
+            orphans = self._run(send)
+        except StorageError:
+            return
+        if orphans:
+            self._adopt([key for m in orphans if (key := _key_of(m)) is not None])
+
+    def _adopt(self, keys: list[bytes]) -> None:
+        """Count blocks stored but not counted (orphans: a victim whose DEL never arrived)
+        that a touch found in use, from their headers, as ``check(fix=True)`` does. With a
+        TTL each touch restarts their expiry, so a chain in use would keep them uncounted for
+        good. (Without one, nothing marks them in a touch's round trip: ``check(fix=True)``
+        or a put of the block adopts them.)"""
+        found = [(RedisKeys.member(k), info.nbytes, info.raw_nbytes) for k in keys
+                 if (info := self.info(k)) is not None]
+        if not found:
+            return
+
+        def send(c: Any) -> None:
+            update = SharedIndex.parse(self._index.queue(c, add=found))
+            self._delete_expired(c, update)
+            if update.evicted:  # (an adopted block over the budget goes too: counted, then evicted)
+                self._pipelined(c, "delete", [self.keys_of.frame_of_member(m) for m in update.evicted])
 
         try:
             self._run(send)
