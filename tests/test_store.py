@@ -790,3 +790,18 @@ def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head
     usable = cache.locate(a).num_blocks
     assert stored == [True] * usable + [False] * (8 - usable)  # whatever is left of A is a usable prefix
     cache.close()
+
+
+def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested_again(tmp_path):
+    """Stored blocks whose head no tier holds are unreachable, not lost: an ingest of the
+    chain writes the missing head alone, and the whole prefix is served again."""
+    toks, kv = tokens_for(16, 4 * BLOCK), make_kv(4 * BLOCK, 16)
+    cache = make_cache(cpu="64MiB", disk=tmp_path / "d")
+    cache.ingest(toks, kv)
+    head = cache.block_hashes(toks)[0]
+    for name in ("cpu", "disk"):
+        cache.store.tier(name).delete(head)
+    assert cache.lookup(toks) == 0
+    again = cache.ingest(toks, kv)
+    assert (again.stored, again.present) == (1, 3)
+    assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
