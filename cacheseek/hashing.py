@@ -290,6 +290,8 @@ def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = 
 def as_token_list(token_ids: Any) -> Sequence[int]:
     """Token ids as a flat sequence of ints: a list, a tuple, or a tensor/array of shape [T] or [1, T]."""
     if hasattr(token_ids, "tolist") and hasattr(token_ids, "shape"):
+        if str(getattr(token_ids, "dtype", "")) in ("torch.bool", "bool"):
+            raise InputError("token_ids: a tensor of bools, not token ids")  # (read as 0 and 1)
         shape = tuple(token_ids.shape)
         if len(shape) == 2 and shape[0] == 1:
             token_ids = token_ids.reshape(-1)
@@ -332,7 +334,7 @@ def hash_token_blocks(
             raise ValueError(f"packed: {len(packed)} bytes for {len(tokens)} token ids")
         data = packed
     else:
-        data = token_block_bytes(tokens if len(tokens) == n_full * block_tokens else tokens[: n_full * block_tokens])
+        data = token_block_bytes(tokens)  # the partial tail too: not keyed, but checked as every id is
     step = 4 * block_tokens
     if extra:
         extras = extra.for_blocks(n_full, block_tokens)

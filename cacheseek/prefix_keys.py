@@ -83,7 +83,12 @@ def _token_count(tokens: Any) -> int:
     if isinstance(tokens, (list, tuple)):
         return len(tokens)
     numel = getattr(tokens, "numel", None)
-    return int(numel()) if numel is not None else len(tokens)
+    if numel is not None:
+        return int(numel())
+    if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise InputError(f"keys: expected token ids (a list or a tensor), block keys or a Prompt, "
+                         f"got {type(tokens).__name__}")
+    return len(tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
@@ -278,6 +279,11 @@ def test_bytes_blocks_chain():
         (lambda: Prompt([b"block"]), "Prompt.token_ids"),
         (lambda: from_hex("ABC"), "hash"),
         (lambda: from_hex("00" * 16, "sha256"), "hash"),
+        (lambda: hash_token_blocks(_root(), [1, 2, None], 2), "token_ids"),  # in the unkeyed tail too
+        (lambda: hash_token_blocks(_root(), [1, 2, 2**40], 2), "token_ids"),
+        (lambda: hash_token_blocks(_root(), torch.ones(4, dtype=torch.bool), 2), "bools"),
+        (lambda: PrefixKeys(_root(), 2).num_tokens(5), "keys"),
+        (lambda: PrefixKeys(_root(), 2).num_tokens(None), "keys"),
     ],
 )
 def test_bad_input_names_the_parameter(call, match):
