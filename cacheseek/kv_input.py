@@ -41,9 +41,9 @@ def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if pairs and all(type(k) is torch.Tensor and type(v) is torch.Tensor for k, v in pairs):
         dims = {t.dim() for pair in pairs for t in pair}
         if dims == {3}:
-            return pairs
+            return _detached(pairs)
         if dims == {4} and all(k.shape[0] == 1 and v.shape[0] == 1 for k, v in pairs):
-            return [(k[0], v[0]) for k, v in pairs]
+            return _detached([(k[0], v[0]) for k, v in pairs])
     out = []
     for i, (k, v) in enumerate(pairs):
         for name, t in (("K", k), ("V", v)):
@@ -58,7 +58,15 @@ def kv_layers(kv: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out.append((k, v))
     if not out:
         raise InputError("kv: holds no layers")
-    return out
+    return _detached(out)
+
+
+def _detached(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """KV from a forward run without ``no_grad`` requires grad: storing it needs none (the
+    encode's in-place steps would refuse it). Views without it, sharing the memory."""
+    if any(k.requires_grad or v.requires_grad for k, v in pairs):
+        return [(k.detach(), v.detach()) for k, v in pairs]
+    return pairs
 
 
 def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout) -> int:
@@ -69,6 +77,8 @@ def check_layers(layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayo
     k0 = layers[0][0]
     tokens = k0.shape[-2] if k0.dim() == 3 else -1
     shape, device = (layout.num_kv_heads, tokens, layout.head_dim), k0.device
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"kv layer 0 K: on {device}, which holds no data the cache can read; expected cpu or cuda")
     if all(k.shape == shape and v.shape == shape and k.dtype == want_dtype and v.dtype == want_dtype
            and k.device == device and v.device == device for k, v in layers):
         return tokens  # the usual case, checked in one pass; the loop below says what is wrong

@@ -96,7 +96,12 @@ class PrefixCacheBase:
 
     @staticmethod
     def _device(device: Any) -> torch.device:
-        device = torch.device(device if device is not None else "cpu")
+        try:
+            device = torch.device(device if device is not None else "cpu")
+        except (RuntimeError, TypeError) as exc:
+            raise InputError(f"device: {exc}") from None
+        if device.type not in ("cpu", "cuda"):  # (meta holds no data: a load "into" it loads nothing)
+            raise InputError(f"device: {device.type} holds no data the cache can write; expected cpu or cuda")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return device

@@ -388,6 +388,7 @@ def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(t
         (lambda kv, toks: (toks, [(k.unsqueeze(0).expand(2, -1, -1, -1), v) for k, v in kv]), "batch size"),
         (lambda kv, toks: (toks, "kv"), "DynamicCache"),
         (lambda kv, toks: ([b"x"] * 5, kv), "block_keys"),
+        (lambda kv, toks: (toks, [(k.to("meta"), v.to("meta")) for k, v in kv]), "meta"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(tmp_path, bad, match):
@@ -805,3 +806,24 @@ def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested
     again = cache.ingest(toks, kv)
     assert (again.stored, again.present) == (1, 3)
     assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+
+
+def test_kv_that_requires_grad_is_stored_as_it_is(tmp_path):
+    """KV from a forward run without no_grad: the encode's in-place steps refused it."""
+    toks, kv = tokens_for(17, 2 * BLOCK), make_kv(2 * BLOCK, 17)
+    cache = make_cache(codec=cs.KIVI(bits=4, group_size=32))
+    grads = [(k.float().requires_grad_().half(), v.clone().requires_grad_()) for k, v in kv]
+    assert cache.ingest(toks, grads).stored == 2
+    want = make_cache(codec=cs.KIVI(bits=4, group_size=32))
+    want.ingest(toks, kv)
+    for (k, v), (k0, v0) in zip(cache.materialize(toks).layers, want.materialize(toks).layers):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("device", ["meta", "not-a-device"])
+def test_a_load_onto_a_device_that_holds_no_data_is_refused(device):
+    toks, kv = tokens_for(18, 2 * BLOCK), make_kv(2 * BLOCK, 18)
+    cache = make_cache()
+    cache.ingest(toks, kv)
+    with pytest.raises(InputError, match="device"):
+        cache.materialize(toks, device=device)
