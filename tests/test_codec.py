@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheseek as cs
-from cacheseek.errors import ConfigError, InputError
+from cacheseek.errors import ConfigError, FrameError, InputError
 from cacheseek.quant import EncodedLayer, codec_from_spec
 from cacheseek.quant import kivi_reference as ref
 from cacheseek.quant.payload import AXIS_CHANNELS, AXIS_TOKENS
@@ -174,6 +174,21 @@ def test_encoded_layer_msgpack_roundtrip_decodes_identically():
     assert back.codec == codec.spec() and back.k.shape == enc.k.shape
     a, b = codec.decode(enc), codec.decode(back)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("side, field, value", [
+    ("k", "dtype", "int8"), ("v", "bits", 64), ("v", "stats_dtype", None), ("k", "axis", -1), ("k", "pad", -1),
+    ("v", "group", 10**9), ("v", "dtype", [1, 2]), ("k", "bits", 2), ("v", "pad", 3),
+])
+def test_an_encoded_layer_whose_fields_are_not_an_encodes_is_a_frame_error(side, field, value):
+    """Every field as an encode writes it, or a FrameError: a decoder sizes its work from
+    them (a KeyError, ZeroDivisionError or a torch shape error before)."""
+    codec = cs.KIVI(bits=4, group_size=32)
+    blob = host_buffers(codec.encode(torch.randn(2, 32, 32).half(), torch.randn(2, 32, 32).half())).packb()
+    wire = msgpack.unpackb(blob, raw=False)
+    wire[side][field] = value
+    with pytest.raises(FrameError):
+        codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
 
 
 def test_codec_from_spec_roundtrips_and_is_strict():

@@ -21,6 +21,9 @@ from ..errors import FrameError
 # Element dtypes a payload buffer may have, with their sizes.
 BUFFER_DTYPES: dict[str, int] = {"int32": 4, "float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1}
 
+# What an encoded tensor may stand for (a layout's KV dtype).
+KV_DTYPES = ("float16", "bfloat16", "float32")
+
 # The grouped axis, as a negative index into [..., H, T, D].
 AXIS_TOKENS = -2  # K: per channel, groups of consecutive tokens
 AXIS_CHANNELS = -1  # V: per token, groups of consecutive channels
@@ -139,6 +142,16 @@ class EncodedTensor:
             )
             if any(x < 0 for x in shape) or len(shape) < 3 or t.axis not in (AXIS_TOKENS, AXIS_CHANNELS):
                 raise ValueError(f"bad shape {shape} or axis {t.axis}")
+            # Every field as an encode writes it: a decoder sizes its work from them.
+            if t.dtype not in KV_DTYPES:
+                raise ValueError(f"dtype {t.dtype!r} is not a KV dtype ({', '.join(KV_DTYPES)})")
+            if t.quantized:
+                if t.bits not in (2, 4, 8) or t.stats_dtype not in ("float16", "float32"):
+                    raise ValueError(f"bits {t.bits} or stats_dtype {t.stats_dtype!r}")
+                if not 0 <= t.pad < t.group or (shape[t.axis] + t.pad) % t.group:
+                    raise ValueError(f"pad {t.pad} does not complete the last group of {t.group}")
+            elif t.group != 0 or t.pad or t.stats_dtype is not None:
+                raise ValueError("an unquantized tensor has no group, pad nor stats_dtype")
             specs = t.buffer_specs()
             for spec in specs:
                 if spec.dtype not in BUFFER_DTYPES:
@@ -185,8 +198,8 @@ class EncodedLayer:
                 out[prefix] = {**t.meta(), "buffers": [memoryview(b).cast("B") for b in t.buffers()]}
             except TypeError:
                 raise TypeError(
-                    "EncodedLayer.to_wire needs host buffers; move device tensors to the host "
-                    "first (cacheseek.quant.tensors.to_host)"
+                    "EncodedLayer.to_wire needs host bytes-like buffers: move device tensors to the host "
+                    "(cacheseek.quant.tensors.to_host), then view them as bytes (tensors.host_view)"
                 ) from None
         return out
 
