@@ -425,6 +425,52 @@ def test_every_new_directory_is_fsynced_in_its_parent_and_stale_probes_go(tmp_pa
     assert synced[0] == tmp_path  # the tier's own directory, made at open
 
 
+def test_a_put_the_full_disk_refuses_after_evicting_hands_its_victims_down(tmp_path, monkeypatch):
+    """A disk that stays full: the write goes again after evicting for its room, fails
+    again, and the block it evicted must still reach the tier below (it was deleted and lost)."""
+    import errno
+
+    frames = _frames(13, 5)
+    one = frames[0][1].nbytes
+    tier = DiskTier(tmp_path, 4 * one, fsync=False)
+    tier.demote_evicted = True
+    try:
+        tier.put_many(frames[:3])
+        real = os.open
+
+        def full(path, flags, *a, **kw):
+            if flags & os.O_CREAT and ".tmp-" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(path, flags, *a, **kw)
+        monkeypatch.setattr(os, "open", full)
+        result = tier.put_many([frames[3]])[0]
+        monkeypatch.undo()
+        assert result.error is not None and "No space" in str(result.error)
+        assert result.evicted and all(f is not None for _, f in result.evicted)  # read first: handed down
+        assert tier.stats().blocks == 3 - len(result.evicted)
+        assert tier.put(*frames[4]).stored is not None  # room again: taken at once, no budget left at 0
+    finally:
+        tier.close()
+
+
+def test_an_interrupt_in_a_batchs_part_commit_leaves_nothing_in_flight(tmp_path, monkeypatch):
+    frames = _frames(14, 4)
+    tier = DiskTier(tmp_path, 2 * frames[0][1].nbytes, fsync=False)  # the batch commits in parts
+    try:
+        real = os.replace
+
+        def interrupted(*a, **kw):
+            monkeypatch.setattr(os, "replace", real)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(os, "replace", interrupted)
+        with pytest.raises(KeyboardInterrupt):  # (not a KeyError from finishing a part twice)
+            tier.put_many(frames)
+        assert tier._writing == {} and tier._reserved == 0
+        assert all(r.error is None for r in tier.put_many(frames[:2]))
+    finally:
+        tier.close()
+
+
 def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
     """Out of file descriptors for a moment (a burst of connections): the read is a miss,
     counted, and the acknowledged block stays; only a bad file is dropped as corrupt."""

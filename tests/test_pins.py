@@ -424,6 +424,22 @@ def test_a_pin_or_unpin_redis_misses_is_sent_again_and_never_leaks(tmp_path):
             srv.resume()
         assert store.pins() == [] and not store.tier("cpu")._index.is_pinned(x)  # undone everywhere
         time.sleep(0.3)  # (the breaker's backoff)
+        # A Redis pin that fails after its index step (the frame's PERSIST, with a TTL) is
+        # undone in Redis too.
+        redis.ttl_seconds, redis._ttl_ms = 60, 60_000
+        real = redis._pipelined
+
+        def persist_fails(client, command, names, **kw):
+            if command == "persist":
+                raise ConnectionError("injected: the PERSIST did not get through")
+            return real(client, command, names, **kw)
+        redis._pipelined = persist_fails
+        with pytest.raises(StorageError):
+            store.pin(x)
+        del redis._pipelined
+        redis.ttl_seconds, redis._ttl_ms = None, None
+        time.sleep(0.3)
+        assert store.pins() == [] and redis.stats().pinned_blocks == 0
         assert store.pin(x) is not None and redis.stats().pinned_blocks == 1  # sent, this time
         store.put(y, fy)
         store.pin(y)

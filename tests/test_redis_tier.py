@@ -1015,3 +1015,32 @@ def test_an_orphan_a_chain_in_use_touches_is_counted_again(redis_url):
         assert tier.stats().blocks == 4
     finally:
         tier.close()
+
+
+def test_a_read_answered_busy_keeps_the_block(redis_url, server):
+    """BUSY (another client's long script) says nothing of the value: a miss, counted, and
+    the block kept; only a key of another type under the frame's name is dropped."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    r.config_set("lua-time-limit", 10)  # BUSY for other clients 10 ms into a script
+    tier = RedisTier(redis_url, 64 << 20)
+    key, frame = _frame(96)
+    try:
+        tier.put(key, frame)
+        script = ("local t=redis.call('TIME'); local s=t[1]*1e6+t[2]; "
+                  "while true do t=redis.call('TIME'); if t[1]*1e6+t[2]-s > 300000 then break end end return 1")
+        busy = threading.Thread(target=lambda: redis.Redis.from_url(server.url).eval(script, 0))
+        busy.start()
+        time.sleep(0.1)
+        try:
+            assert tier.get(key) is None
+        finally:
+            busy.join(10)
+        stats = tier.stats()
+        assert stats.corrupt == 0 and stats.extra["read_errors"] >= 1 and "BUSY" in stats.extra["last_error"]
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        r.config_set("lua-time-limit", 5000)
+        tier.close()

@@ -97,14 +97,14 @@ def test_a_read_waits_for_a_block_on_its_way_down_instead_of_missing_it(tmp_path
     store = TieredStore([cpu, disk])  # nothing written through: the disk fills by demotion
     store.put_many([a, b])
     entered, release = threading.Event(), threading.Event()
-    real_put = disk.put
+    real_put = disk.put_many
 
-    def slow_put(key, frame):  # the demotion's write, held until the readers have looked
+    def slow_put(items, **kw):  # the demotion's write, held until the readers have looked
         entered.set()
         release.wait(10)
-        return real_put(key, frame)
+        return real_put(items, **kw)
 
-    monkeypatch.setattr(disk, "put", slow_put)
+    monkeypatch.setattr(disk, "put_many", slow_put)
     writer = threading.Thread(target=store.put_many, args=([c],))
     writer.start()
     assert entered.wait(10)

@@ -58,7 +58,7 @@ than the free space (plus what the tier already holds) is clamped to it, with a 
 naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC. What
 the headroom does not cover (sidecars, file-system blocks, other writers) a write finds
 out: on ENOSPC the budget comes down to what is held and the write goes again, evicting;
-a lowered budget is fitted to the filesystem again every ``REFIT_SECONDS``.
+a budget below ``disk_bytes`` is fitted to the filesystem again every ``REFIT_SECONDS``.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for sidecars, file-system blocks and other writers when
 # a budget is clamped to it.
 FREE_SPACE_HEADROOM = 0.05
-# How often a budget lowered to the filesystem is checked again (another writer may have
-# given space back).
-REFIT_SECONDS = 30.0
+# How often, at most, a budget below ``disk_bytes`` is fitted to the filesystem again (one
+# statvfs: space another writer gave back, or the tier's own overhead, grows or shrinks it).
+REFIT_SECONDS = 1.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # The only entries recovery touches: shard directories, and in them the tier's own files.
 # Anything else (a directory pointed at a folder already in use, a symlinked shard) is
@@ -235,14 +235,16 @@ class DiskTier(IndexedTier):
         """The budget fitted to the filesystem: the bytes held (and in flight) plus its free
         space less a headroom, at most ``disk_bytes``. ``full``: a write just found no room
         (sidecars, blocks rounded up, other writers: what the headroom did not cover), so
-        the budget is what is held now, and the writes that follow evict for theirs. Checked
-        again every ``REFIT_SECONDS`` while below ``disk_bytes``, so it grows back when
-        another writer frees space (the tier's own evictions move bytes from held to free:
-        they change nothing)."""
+        the budget is what is held now, and the write that goes again evicts for its room.
+        Fitted again every ``REFIT_SECONDS`` while below ``disk_bytes``,
+        so it grows back when another writer frees space (the tier's own evictions move
+        bytes from held to free: they change nothing)."""
         try:
             st = os.statvfs(self.root)
         except OSError:
             return
+        # Full: the budget is what is held, so that the write going again evicts at least
+        # its own size (the free space left then covers the sidecars and the rounding).
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
@@ -256,14 +258,13 @@ class DiskTier(IndexedTier):
             log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
                         "stored here): the budget is clamped to %s", format_size(before), self.name, self.root,
                         format_size(free), format_size(held), format_size(room))
-        elif room < before:
+        elif full:
             log.warning("%s tier at %s: the filesystem is full (%s held here, %s free): the budget is lowered "
                         "from %s to %s; disk_bytes asked for %s", self.name, self.root, format_size(held),
                         format_size(st.f_bavail * st.f_frsize), format_size(before), format_size(room),
                         format_size(self.requested_bytes))
-        else:
-            log.info("%s tier at %s: the budget grows back to %s (%s free)", self.name, self.root,
-                     format_size(room), format_size(free))
+        elif room == self.requested_bytes:
+            log.info("%s tier at %s: the budget is disk_bytes (%s) again", self.name, self.root, format_size(room))
 
     def _refit_if_due(self) -> None:
         if self.capacity_bytes < self.requested_bytes and time.monotonic() - self._fitted_at > REFIT_SECONDS:
@@ -466,17 +467,28 @@ class DiskTier(IndexedTier):
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
+        result = self._put_result(key, frame)
+        if result.error is not None:
+            raise result.error
+        return result
+
+    def _put_result(self, key: bytes, frame: BlockFrame) -> TierPutResult:
+        """One frame's put, its failure in the result with the blocks it evicted (handed
+        down all the same: a put that fails after evicting must not lose its victims)."""
         self._refit_if_due()
         evicted: list[tuple[bytes, BlockFrame | None]] = []
         try:
-            return self._put_one(key, frame, evicted)
-        except _NoSpace:
-            # The filesystem is fuller than the budget knew: the budget comes down to what is
-            # held, and the write goes again, evicting for its room as any write does.
-            self._refit(full=True)
-            result = self._put_one(key, frame, evicted)
-            result.evicted = evicted
-            return result
+            try:
+                result = self._put_one(key, frame, evicted)
+            except _NoSpace:
+                # The filesystem is fuller than the budget knew: the budget comes down to
+                # what it can hold, and the write goes again, evicting for its room.
+                self._refit(full=True)
+                result = self._put_one(key, frame, evicted)
+        except StorageError as exc:
+            return TierPutResult(stored=None, evicted=evicted, error=exc)
+        result.evicted = evicted
+        return result
 
     def _put_one(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]]
                  ) -> TierPutResult:
@@ -536,7 +548,7 @@ class DiskTier(IndexedTier):
         """Store several frames, committed together (see the module's docstring); a failure
         is reported in its result, not raised. Every block is durable, or failed, on return."""
         if not self.group_commit or len(items) < 2:
-            return super().put_many(items)
+            return [self._put_result(key, frame) for key, frame in items]
         self._refit_if_due()
         results: list[TierPutResult | None] = [None] * len(items)
         group: list[_Pending] = []
@@ -550,8 +562,9 @@ class DiskTier(IndexedTier):
                     if claimed is None:
                         # Frames in flight cannot be evicted: what this batch holds must be
                         # committed (and so become evictable) before the rest can have room.
-                        self._commit_part(group, results)
-                        group, held = [], 0
+                        # (Handed over first: an interrupt in the commit finishes them there.)
+                        part, group, held = group, [], 0
+                        self._commit_part(part, results)
                         claimed = self._claim(key, frame, evicted)
                 except StorageError as exc:
                     results[i] = TierPutResult(stored=None, evicted=evicted, error=exc)

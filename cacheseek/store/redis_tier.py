@@ -139,6 +139,7 @@ class RedisTier(Tier):
         # Unpins that could not reach Redis, sent again with the next call that can: left
         # there, such pins would hold the shared budget for good (no process remembers them).
         self._owed_unpins: set[bytes] = set()
+        self._pinning = threading.RLock()  # one pin, unpin or owed unpin of this process at a time
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -203,7 +204,6 @@ class RedisTier(Tier):
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
-        self._pay_owed_unpins()
         batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])
         for i, (key, frame) in enumerate(batch.items):
             if frame.nbytes > self.capacity_bytes:
@@ -220,6 +220,8 @@ class RedisTier(Tier):
                     result.error = exc
                 with self._lock:
                     self._faults.dropped_writes += len(dropped)
+            else:
+                self._pay_owed_unpins()  # (Redis answers again: what an outage left owed)
         with self._lock:
             self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
         return batch.results
@@ -340,7 +342,12 @@ class RedisTier(Tier):
                 pipe = client.pipeline(transaction=False)
                 for i in lost:
                     self._queue_set(pipe, batch, i, status_of[i])
-                pipe.execute()
+                again = pipe.execute(raise_on_error=False)
+                self._raise_unavailable(again)
+                for i, reply in zip(lost, again):
+                    if isinstance(reply, BaseException):  # (refused: OOM) a ghost now, not stored
+                        batch.results[i].stored = None
+                        batch.results[i].error = self._failed(reply)
             if expiring:
                 self._persist_pinned(client, expiring, pins)
         # Victims go with the first frame's result; their frames only if demotion wants them.
@@ -383,8 +390,8 @@ class RedisTier(Tier):
                 self._stats.misses += len(keys)
             return [None] * len(keys)
         elapsed = time.perf_counter() - start
-        # An error reply for one key (a value of another type under a frame's name) is that
-        # block's miss alone, and the value goes, as a corrupt frame does.
+        # An error reply for one key is that block's miss alone; a value of another type under
+        # a frame's name (WRONGTYPE) goes, as a corrupt frame does.
         out = [None if data is None else self._decode(key, data, drop_corrupt=True) for key, data in zip(keys, datas)]
         hits = [f for f in out if f is not None]
         with self._lock:
@@ -429,8 +436,14 @@ class RedisTier(Tier):
         place) is counted (and deleted)."""
         if data is None:
             return None
+        if isinstance(data, BaseException) and not str(data).startswith("WRONGTYPE"):
+            # (BUSY with another client's script, OOM...: says nothing of the value, kept)
+            with self._lock:
+                self._faults.read_errors += 1
+                self._faults.last_error = f"{type(data).__name__}: {data}"[:300]
+            return None
         try:
-            if isinstance(data, BaseException):
+            if isinstance(data, BaseException):  # a key of another type under the frame's name
                 raise FrameError(f"Redis answered {type(data).__name__}: {str(data)[:80]}")
             meta = parse_frame(data, verify=True)
             if meta.block_hash != key:
@@ -623,15 +636,16 @@ class RedisTier(Tier):
         if not keys:
             return
         members = [RedisKeys.member(k) for k in keys]
-        with self._lock:
-            self._owed_unpins.difference_update(keys)  # pinned again: that unpin is no longer owed
 
         def send(c: Any) -> None:
             self._note_totals(SharedIndex.parse(self._index.queue(c, pin=members)).totals)
             if self._ttl_ms is not None:
                 self._pipelined(c, "persist", [self.keys_of.frame(k) for k in keys])
 
-        self._run(send)
+        with self._pinning:  # (an owed unpin sent meanwhile would undo this pin)
+            with self._lock:
+                self._owed_unpins.difference_update(keys)  # pinned again: that unpin is no longer owed
+            self._run(send)
         with self._lock:
             self._pinned.update(keys)
 
@@ -652,20 +666,23 @@ class RedisTier(Tier):
 
         with self._lock:
             self._pinned.difference_update(keys)
-        try:
-            self._run(send)
-        except StorageError:
-            with self._lock:  # counted; sent again by the next call that reaches Redis
-                self._owed_unpins.update(keys)
-            return
-        with self._lock:
-            self._owed_unpins.difference_update(keys)
+        with self._pinning:
+            try:
+                self._run(send)
+            except StorageError:
+                with self._lock:  # counted; sent again by the next call that reaches Redis
+                    self._owed_unpins.update(keys)
+                return
+            with self._lock:
+                self._owed_unpins.difference_update(keys)
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
-            with self._lock:
-                owed = list(self._owed_unpins)
-            self.unpin(owed)
+            with self._pinning:  # (a pin made since took its keys out of what is owed)
+                with self._lock:
+                    owed = list(self._owed_unpins)
+                if owed:
+                    self.unpin(owed)
 
     def _refresh_pins(self, client: Any) -> None:
         """Learn the pins other processes made, so that touches leave their frames' expiry alone."""
@@ -692,8 +709,8 @@ class RedisTier(Tier):
             self._delete_expired(c, SharedIndex.parse(self._index.queue(c)))
             self._refresh_pins(c)
 
-        self._pay_owed_unpins()
         try:
+            self._pay_owed_unpins()  # (first, so the figures below count what it gives back)
             self._run(refresh)
             stale = False
         except StorageError:

@@ -269,12 +269,11 @@ class TieredStore:
                 if not use_filter.admits(key):
                     use_filter.refuse(frame.nbytes)
                     continue
-            try:
-                if not below.accepts_device_frames:
-                    frame = _on_host(frame)
-                result = below.put(key, frame)
-            except StorageError:
-                continue  # counted by the tier; the block is simply gone from this level
+            if not below.accepts_device_frames:
+                frame = _on_host(frame)
+            # A failure is in the result (counted by the tier; the block is simply gone from
+            # this level), with whatever the put evicted first: handed down all the same.
+            result = below.put_many([(key, frame)])[0]
             if result.stored is not None:
                 below.count(demotions=1)
             self._demote(level + 1, result.evicted)
@@ -519,16 +518,16 @@ class TieredStore:
         if keys is None:
             return None
         pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
-        done: list[Tier] = []
+        tried: list[Tier] = []
         try:
             for tier in self.tiers if newly else ():
+                tried.append(tier)  # (one that fails may have pinned part of it: undone too)
                 tier.pin(newly)
-                done.append(tier)
         except BaseException:
             # A tier that could not pin (Redis unreachable): the pin is undone everywhere, so
             # that pinning again sends it again, rather than finding it pinned already.
             _, freed = self.pin_table.remove(pin.key)
-            for tier in done:
+            for tier in tried:
                 tier.unpin(freed)
             raise
         return pin
