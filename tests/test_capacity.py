@@ -20,7 +20,7 @@ from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
 
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20, (1 << 20) + 17]
 

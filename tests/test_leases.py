@@ -19,7 +19,7 @@ from cacheseek.errors import StorageError
 from cacheseek.store.direct_io import BufferPool
 from cacheseek.store.lease import LeaseError, LeaseLedger
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, raw_frame, tokens_for
+from store_helpers import BLOCK, make_cache, make_kv, raw_frame, tokens_for
 
 
 

@@ -268,8 +268,6 @@ class KIVI:
         """Quantize ``n`` blocks from token ``t0`` of the prepared layers straight into
         ``out``: one launch for K, one for V, no stacked copy of the KV. The flags are a
         host tensor the kernels write: read them only after the device has run the launches."""
-        import torch
-
         from cacheseek import kernels
 
         from .tensors import host_flags
