@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -177,6 +178,18 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # A request too malformed to parse (a Content-Length that is not a number, a bad
+            # request line) reaches no route: its 400 is JSON all the same, as every error is.
+            body = json.dumps({"error": f"malformed HTTP request: {msg}"}).encode()
+            content = [b"HTTP/1.1 400 Bad Request\r\n"]
+            for name, value in self.server_state.default_headers:
+                content += [name, b": ", value, b"\r\n"]
+            content += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+                        b"\r\nconnection: close\r\n\r\n", body]
+            self.transport.write(b"".join(content))
+            self.transport.close()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -131,6 +131,14 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
         stats = httpx.get(srv.url + "/v1/stats").json()
         assert stats["tiers"][0]["blocks"] == 1 and bodies(srv.url)["in_flight_bytes"] == 0
         assert "ERROR" not in srv.output() and "Traceback" not in srv.output(), srv.output()
+        # Too malformed to reach a route: a 400 in JSON all the same, and the connection closed.
+        for raw in (b"POST /v1/lookup HTTP/1.1\r\nhost: x\r\ncontent-length: abc\r\n\r\n",
+                    b"GET /healthz HTTP/1.1\r\nhost x\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(raw)
+                got, headers, text = read_response(s, bytearray())
+                assert got == 400 and headers[b"content-type"] == b"application/json", (raw, text)
+                assert "malformed HTTP request" in json.loads(text)["error"]
 
 
 def test_a_block_deleted_while_its_prefix_streams_cuts_the_answer_short_and_logs_no_bug(tmp_path):
