@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError
+from .frame import HASH_SIZES
 
 _PREFIX = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{0,64}$")
@@ -49,6 +51,16 @@ class RedisKeys:
     def member(key: bytes) -> str:
         """How the index names a block: its hash in lowercase hex (readable in redis-cli)."""
         return key.hex()
+
+    @staticmethod
+    def key(member: Any) -> bytes | None:
+        """The block a member names (``member``'s inverse), or None for one no write of this
+        tier made (another tool's, or garbage): skipped by the caller, not failing its call."""
+        try:
+            key = bytes.fromhex(member.decode() if isinstance(member, bytes) else member)
+        except (ValueError, TypeError, UnicodeDecodeError):
+            return None
+        return key if len(key) in HASH_SIZES else None
 
     @property
     def frame_pattern(self) -> str:

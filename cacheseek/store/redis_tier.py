@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, StorageError
 from .breaker import CircuitBreaker
-from .frame import HASH_SIZES, MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
+from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
@@ -353,7 +353,7 @@ class RedisTier(Tier):
         # Victims go with the first frame's result; their frames only if demotion wants them.
         batch.results[batch.todo[0]].evicted += [
             (key, self._decode(key, data, drop_corrupt=False))
-            for m, data in zip(victims, datas) if (key := _key_of(m)) is not None
+            for m, data in zip(victims, datas) if (key := RedisKeys.key(m)) is not None
         ]
         with self._lock:
             self._stats.evictions += len(update.evicted)
@@ -550,7 +550,7 @@ class RedisTier(Tier):
             members = self._run(lambda c: list(_pinned_stored(c, self.keys_of)) + c.zrange(self.keys_of.lru, 0, -1))
         except StorageError:
             return []
-        return [key for m in members if (key := _key_of(m)) is not None]
+        return [key for m in members if (key := RedisKeys.key(m)) is not None]
 
     # -- other changes -------------------------------------------------------------------
 
@@ -605,7 +605,7 @@ class RedisTier(Tier):
         except StorageError:
             return
         if orphans:
-            self._adopt([key for m in orphans if (key := _key_of(m)) is not None])
+            self._adopt([key for m in orphans if (key := RedisKeys.key(m)) is not None])
 
     def _adopt(self, keys: list[bytes]) -> None:
         """Count blocks stored but not counted (orphans: a victim whose DEL never arrived)
@@ -689,7 +689,7 @@ class RedisTier(Tier):
         if self._ttl_ms is not None:
             members = client.smembers(self.keys_of.pinned)
             with self._lock:
-                self._pinned = {key for m in members if (key := _key_of(m)) is not None}
+                self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
 
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
         self._note_totals(update.totals)
@@ -748,7 +748,7 @@ class RedisTier(Tier):
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
                 text = name.decode("utf-8", "replace")
                 member = text[text.index("{") + 1 : -1]
-                if _key_of(member) is not None:  # (another tool's key under the pattern: not ours)
+                if RedisKeys.key(member) is not None:  # (another tool's key under the pattern: not ours)
                     stored.add(member)
             return indexed, stored
 
@@ -758,7 +758,7 @@ class RedisTier(Tier):
         if fix and (ghosts or orphans):
             adopt = []
             for m in orphans:
-                info = self.info(bytes.fromhex(m))
+                info = self.info(RedisKeys.key(m))
                 if info is not None:
                     adopt.append((m, info.nbytes, info.raw_nbytes))
 
@@ -779,17 +779,6 @@ class RedisTier(Tier):
                 client.close()
             except Exception:  # closing a client whose server is gone must not raise
                 pass
-
-
-def _key_of(member: Any) -> bytes | None:
-    """The block key an index member names, or None for a member no write of this tier
-    made (another tool's, or garbage): skipped, rather than failing the call."""
-    try:
-        text = member.decode() if isinstance(member, bytes) else member
-        key = bytes.fromhex(text)
-    except (ValueError, TypeError, UnicodeDecodeError):
-        return None
-    return key if len(key) in HASH_SIZES else None
 
 
 def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
