@@ -514,7 +514,6 @@ class DiskTier(IndexedTier):
             return self._await(key, pending)
         data_path, side_path = self._paths(key)
         try:
-            self._shard_dir(data_path.parent)
             self._write_atomic(data_path, segments)
             sidecar = msgpack.packb({
                 "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
@@ -694,9 +693,12 @@ class DiskTier(IndexedTier):
     def _write_temp(self, final: Path, segments: list, *, sync: bool = True) -> Path:
         """``segments`` into a new temp file beside ``final`` (fsynced, with ``sync`` and
         ``fsync``); its path."""
-        self._shard_dir(final.parent)
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # its shard removed behind the tier's back (all are made at open)
+            self._shard_dir(final.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
                 for seg in segments:
@@ -758,17 +760,8 @@ class DiskTier(IndexedTier):
         return TierPutResult(stored=None)
 
     def _write_atomic(self, final: Path, segments: list) -> None:
-        tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        tmp = self._write_temp(final, segments)
         try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                for seg in segments:
-                    view = memoryview(seg).cast("B")
-                    while view.nbytes:  # raw writes may be short
-                        written = f.write(view)
-                        view = view[written:]
-                if self.fsync:
-                    os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
             _unlink(tmp)
