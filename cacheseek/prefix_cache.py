@@ -166,6 +166,8 @@ class PrefixCache(PrefixCacheBase):
         if not hashes:
             if in_place is not None:
                 in_place.abandon()
+            # Every block stored already is a use of them all, as in ``ingest``.
+            self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
             return results
         stored: list[bytes] = []
         handled = list(present)

@@ -496,3 +496,28 @@ def test_nan_through_the_put_path_names_its_request_once():
     with pytest.raises(cs.InputError, match=once.format("kv")):
         cache.ingest(list(range(100, 164)), pages.at(list(range(8, 16))))
     assert cache.lookup(list(range(64))) == 0 and cache.lookup(list(range(1000, 1064))) == held > 0
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["cpu", "disk"])
+def test_an_ingest_that_finds_every_block_stored_marks_them_used(tmp_path, disk):
+    """An ingest of blocks all stored already is a use of them, as a contiguous ingest's is:
+    ``ingest_batch`` (and a paged ``ingest`` not in place) returned before marking them, so
+    the chain just reused was the next evicted."""
+    T = 2 * BLOCK
+    tiers = cs.TierConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes="200KiB") if disk else \
+        cs.TierConfig(cpu_bytes="200KiB", pin_memory=False)  # room for 6 Raw blocks of LAYOUT
+    pages, _ = engine_pages("nhd", L, H, D, 16, 16, DTYPE)
+    chains = [tokens_for(60 + i, T) for i in range(4)]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(4)]
+    for i, ids in enumerate(tables):
+        write_tokens(pages, make_kv(T, 60 + i), ids)
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, tiers=tiers) as cache:
+        for i in range(3):
+            cache.ingest_batch([cs.PagedRequest(chains[i], tables[i])], pages)
+        again = [lambda: cache.ingest_batch([cs.PagedRequest(chains[0], tables[0])], pages)[0]]
+        if disk:
+            again.append(lambda: cache.ingest(chains[0], pages.at(tables[0])))
+        for use in again:
+            assert (use().present, cache.lookup(chains[0])) == (2, T)
+        cache.ingest_batch([cs.PagedRequest(chains[3], tables[3])], pages)  # evicts the least recently used chain
+        assert [cache.lookup(t) for t in chains] == [T, 0, T, T]
