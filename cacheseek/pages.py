@@ -84,6 +84,16 @@ class KVPages:
             # torch; the data paths (streams, staging, kernels) are built for cpu and cuda.
             held = "which holds no data" if device.type == "meta" else "which the cache cannot read or write"
             raise InputError(f"pages: on {device}, {held}; expected pages on {' or '.join(PAGE_DEVICES)}")
+        # Two views that start at one address share that memory: given the K tensors as V
+        # too (or one layer's tensor twice), an ingest stored K as V and a load wrote V over
+        # K, both reported done. (Interleaved views, such as FlashInfer's K and V, start apart.)
+        starts: dict[int, str] = {}
+        for name, views in (("K", self.k), ("V", self.v)):
+            for i, t in enumerate(views):
+                here = f"layer {i} {name}"
+                if t.numel() and starts.setdefault(t.data_ptr(), here) != here:
+                    raise InputError(f"pages {here}: the same memory as {starts[t.data_ptr()]}; every layer's "
+                                     "K and V must be pages of their own")
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = shape
         self.num_layers, self.dtype, self.device = len(self.k), dtype, device
         self._kernel_pages: dict[tuple[int, int], Any] = {}

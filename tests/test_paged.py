@@ -288,6 +288,26 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
 
 
+def test_pages_sharing_memory_are_refused_when_built():
+    """K tensors given as V too, or one layer's tensor twice: a load wrote V over K (or a
+    layer over another) and an ingest stored K as V, each reported done."""
+    t = [torch.zeros(2, 4, 16, H, D, dtype=DTYPE) for _ in range(2)]
+    k, v = [x[0] for x in t], [x[1] for x in t]
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: the same memory as layer 0 K"):
+        cs.KVPages(k, k)
+    with pytest.raises(cs.InputError, match=r"^pages layer 1 K: the same memory as layer 0 K"):
+        cs.KVPages([k[0], k[0]], v)
+    with pytest.raises(cs.InputError, match=r"^pages layer 1 V: the same memory as layer 0 V"):
+        cs.KVPages(k, [v[0], v[0]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 1 K: the same memory as layer 0 K"):
+        cs.KVPages.vllm([t[0], t[0]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: the same memory as layer 1 K"):
+        cs.KVPages(k, [k[1], v[1]], layout="HND")
+    # views that interleave without sharing an element are pages of their own
+    assert cs.KVPages.flashinfer([x.transpose(0, 1) for x in t]).num_layers == 2
+    assert cs.KVPages.vllm(t).num_layers == 2
+
+
 def test_pages_on_a_device_without_data_are_refused_when_built():
     """Meta tensors have shapes and no data: an ingest from them failed inside torch, and a
     load into them reported tokens loaded that were written nowhere."""
