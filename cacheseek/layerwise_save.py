@@ -338,6 +338,8 @@ class LayerwiseSave(_SlotWriter):
         store, hashes = self.cache.store, self._hashes
         result = IngestResult(blocks=len(hashes), stored=0, present=sum(self._found),
                               tokens=len(hashes) * self.cache.block_tokens, durability=store.durability)
+        # A use of the blocks stored already, before the commits make room (as in ``ingest``).
+        store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored)))
         if not all(row in saved or f for row, f in enumerate(self._found)):
@@ -345,7 +347,6 @@ class LayerwiseSave(_SlotWriter):
             # just published present, and stores the rest).
             with _undone_on_bad_input(store, stored):
                 _add_rest(result, self.cache.ingest(self.keys, self._layers))
-        store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         return result
 
 
@@ -409,6 +410,8 @@ class PagedLayerwiseSave(_SlotWriter):
 
     def _commit(self) -> list[IngestResult]:
         call, results, hashes = self._call, self._results, self._hashes
+        # A use of the blocks stored already, before the commits make room (as in ``ingest``).
+        self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
                                                                      outcome, stored)))
@@ -419,7 +422,6 @@ class PagedLayerwiseSave(_SlotWriter):
                 rests = self.cache.ingest_batch(self.requests, self.pages)
             for result, rest in zip(results, rests):
                 _add_rest(result, rest)
-        self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
         return results
 
 

@@ -84,6 +84,10 @@ class PrefixCache(PrefixCacheBase):
                 in_place.abandon()  # (nothing was launched: fewer tokens than a block)
             return result
         parents = self.keys.parents(hashes)
+        # A use of the blocks stored already, before this call's puts make room: else the
+        # chain's own prefix, if least recently used, is what they evict (the new tail then
+        # stored below a gap). A call refused later (NaN, Inf) has counted this use too.
+        self.store.touch_chain([key for key, was in zip(hashes, found) if was])
         stored: list[bytes] = []
         if in_place is not None:
             outcomes = in_place.run(hashes, parents, present, self._batch_blocks)
@@ -106,9 +110,6 @@ class PrefixCache(PrefixCacheBase):
             for key in stored:
                 self.store.delete(key)
             raise
-        # A use of the blocks that were stored already; the ones this call stored were put
-        # tail first, so the head is still the most recent either way.
-        self.store.touch_chain([key for key, was in zip(hashes, found) if was])
         return result
 
     def ingest_layerwise(self, keys: Any) -> LayerwiseSave:
@@ -156,6 +157,8 @@ class PrefixCache(PrefixCacheBase):
                 in_place.abandon()
             raise
         results, present = paged_io.ingest_results(call, found, self.store.durability)
+        # A use of the blocks stored already, before the puts make room (as in ``ingest``).
+        self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
         if in_place is None:
             # The rows are the blocks to store, whoever's they are: runs of them (one launch
             # per side each) are not cut where one request ends and the next begins.
@@ -166,8 +169,6 @@ class PrefixCache(PrefixCacheBase):
         if not hashes:
             if in_place is not None:
                 in_place.abandon()
-            # Every block stored already is a use of them all, as in ``ingest``.
-            self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
             return results
         stored: list[bytes] = []
         handled = list(present)
@@ -193,7 +194,6 @@ class PrefixCache(PrefixCacheBase):
             for key in stored:
                 self.store.delete(key)
             paged_io.raise_bad_input(call, exc)
-        self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
         return results
 
     def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,

@@ -541,3 +541,31 @@ def test_an_ingest_that_finds_every_block_stored_marks_them_used(tmp_path, disk)
             assert (use().present, cache.lookup(chains[0])) == (2, T)
         cache.ingest_batch([cs.PagedRequest(chains[3], tables[3])], pages)  # evicts the least recently used chain
         assert [cache.lookup(t) for t in chains] == [T, 0, T, T]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_an_ingest_never_evicts_its_own_stored_prefix(eviction, paged):
+    """A chain's stored blocks are used by the ingest that extends it before its new blocks
+    make room: they were marked only after the puts, so when the chain's prefix was the
+    least recently used, the new tail evicted it and was stored below a gap (the result
+    counted 3 blocks, a lookup found 1)."""
+    tiers = cs.TierConfig(cpu_bytes="112KiB", pin_memory=False, eviction=eviction)  # room for 3 Raw blocks
+    pages, _ = engine_pages("nhd", L, H, D, 16, 16, DTYPE)
+    x, y = tokens_for(70, 3 * BLOCK), tokens_for(71, BLOCK)
+    kv_x, kv_y = make_kv(3 * BLOCK, 70), make_kv(BLOCK, 71)
+    write_tokens(pages, kv_x, list(range(6)))
+    write_tokens(pages, kv_y, [6, 7])
+
+    def ingest(cache, tokens, kv, ids):
+        if paged:
+            return cache.ingest_batch([cs.PagedRequest(tokens, ids)], pages)[0]
+        return cache.ingest(tokens, [(k[:, : len(tokens)], v[:, : len(tokens)]) for k, v in kv])
+
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, tiers=tiers) as cache:
+        ingest(cache, x[: 2 * BLOCK], kv_x, list(range(4)))  # the prefix, least recently used from here on
+        ingest(cache, y, kv_y, [6, 7])  # the tier is full
+        got = ingest(cache, x, kv_x, list(range(6)))
+        assert (got.present, got.stored) == (2, 1)
+        assert (cache.lookup(x), cache.lookup(y)) == (3 * BLOCK, 0)  # the other chain made the room
+        store_helpers.assert_prefix_equal(cache.materialize(x), kv_x, 3 * BLOCK)

@@ -3,10 +3,11 @@ trying eviction policies in seconds rather than a full replay's tens of seconds.
 
 Per request, the calls a CPU tier's index receives from ``TieredStore`` under the replay
 (``cacheseek.trace.replay``): the hit is the longest indexed prefix; it is touched tail
-first (``touch_chain``); ``victim()`` is evicted until all the missing blocks fit (room
-made for the whole call first, so that none of its blocks evicts another), then they are
-added tail first, each after evicting until it fits (``CpuTier.put_many``); then the
-blocks that were already stored are touched tail first. Every block counts one unit of
+first (``touch_chain``); the blocks of the call that were already stored are touched tail
+first (the ingest's ``touch_chain``, before its puts); ``victim()`` is evicted until all
+the missing blocks fit (room made for the whole call first, so that none of its blocks
+evicts another), then they are added tail first, each after evicting until it fits
+(``CpuTier.put_many``). Every block counts one unit of
 bytes, so a budget is in blocks. For one CPU tier the result equals the store's replay
 with the same policy, block for block (a test checks it); frames, leases and tiers below
 are left out.
@@ -37,6 +38,8 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
         if n:
             index.touch(keys[n - 1 :: -1])
         present = index.contains_many(keys)
+        if any(present):  # the ingest's touch_chain of what it found stored (the hit again too)
+            index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
         need = len({k for k, p in zip(keys, present) if not p})
         if need <= index.capacity_bytes:
             _evict_until(index, need)
@@ -50,8 +53,6 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
             _evict_until(index, 1)
             if index.used_bytes + 1 <= index.capacity_bytes:
                 index.add(key, BlockInfo(1, 1, keys[i - 1] if i else ROOT, i))
-        if any(present):  # the ingest's touch_chain of what it found stored (the hit again too)
-            index.touch([k for k, p in zip(reversed(keys), reversed(present)) if p])
     name = policy if isinstance(policy, str) else getattr(index, "name", "custom")
     return totals(name, budget_blocks, trace, hits, block_tokens)
 
