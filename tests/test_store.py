@@ -793,6 +793,34 @@ def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head
     cache.close()
 
 
+def test_a_promotion_that_finds_no_room_after_evicting_hands_its_victims_down(tmp_path):
+    """A promotion into a CPU tier whose slots readers all hold evicted a block for budget
+    room, then found no slot and failed: the victim, evicted, was never handed to the disk
+    (write-back), so an acknowledged block was stored nowhere."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    cpu = CpuTier(1 << 20, chunk_bytes=1 << 20)  # no reserve: the arena is the budget
+    disk = DiskTier(tmp_path / "d", 64 << 20, fsync=False)
+    store = TieredStore([cpu, disk])  # write-back: the CPU tier's victims go down to the disk
+    cold, cold_frame = raw_frame(200)
+    disk.put(cold, cold_frame)
+    hot = [raw_frame(i) for i in range(1, 1 + (1 << 20) // cold_frame.nbytes)]
+    assert all(r.stored for r in store.put_many(hot))
+    readers = [cpu.get(key) for key, _ in hot]  # every slot is leased
+    frame, tier = store.get(cold)  # a disk hit: promoted, with no slot free for it
+    assert tier == "disk"
+    frame.release()
+    for reader in readers:
+        reader.release()
+    evicted = cpu.stats().evictions
+    assert evicted >= 1
+    assert all(store.contains_many([key for key, _ in hot]))  # each victim is on the disk now
+    assert disk.stats().demotions == evicted
+    store.close()
+
+
 def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested_again(tmp_path):
     """Stored blocks whose head no tier holds are unreachable, not lost: an ingest of the
     chain writes the missing head alone, and the whole prefix is served again."""

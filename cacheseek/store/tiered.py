@@ -409,8 +409,10 @@ class TieredStore:
             tier = self.tiers[upper]
             if not root and not tier.holds_with_room(parent, frame.meta.nbytes):
                 continue
+            # put_many, not put: a put that fails after evicting (an arena whose slots readers
+            # hold, a device out of memory) still hands back its victims, which go down below.
             try:
-                result = tier.put(key, frame if tier.accepts_device_frames else _on_host(frame))
+                result = tier.put_many([(key, frame if tier.accepts_device_frames else _on_host(frame))])[0]
             except StorageError:
                 continue
             if result.stored is not None:
