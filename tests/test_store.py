@@ -821,6 +821,34 @@ def test_a_promotion_that_finds_no_room_after_evicting_hands_its_victims_down(tm
     store.close()
 
 
+def test_a_gpu_tier_put_that_runs_out_of_device_memory_hands_its_victims_down(monkeypatch):
+    """A GPU-tier put that evicted for room and then found the device out of memory raised,
+    and the blocks it had evicted went with the exception: in no tier, never demoted. (A GPU
+    tier on the CPU device, its allocation failing as a full GPU's does.)"""
+    import cacheseek.store.gpu as gpu_mod
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    frame_bytes = raw_frame(1)[1].nbytes
+    gpu, cpu = gpu_mod.GpuTier(3 * frame_bytes, device="cpu"), CpuTier(1 << 20)
+    store = TieredStore([gpu, cpu])  # the GPU tier's victims go down to the CPU tier
+    first = [raw_frame(i) for i in (1, 2, 3)]
+    assert all(r.stored for r in store.put_many(first))
+
+    def out_of_memory(frame, device):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(gpu_mod, "payload_on_device", out_of_memory)
+    # More than the budget in one call: each frame makes its own room, then fails.
+    outcomes = store.put_many([raw_frame(i) for i in (9, 10, 11, 12)])
+    assert all(o.stored and "out of memory" in o.errors["gpu"] for o in outcomes)
+    assert gpu.stats().evictions == 1
+    assert all(store.contains_many([key for key, _ in first]))  # the victim is in the CPU tier
+    assert cpu.stats().demotions == 1
+    with pytest.raises(cs.StorageError, match="out of memory"):
+        gpu.put(*raw_frame(13))
+
+
 def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested_again(tmp_path):
     """Stored blocks whose head no tier holds are unreachable, not lost: an ingest of the
     chain writes the missing head alone, and the whole prefix is served again."""

@@ -35,45 +35,59 @@ class GpuTier(IndexedTier):
         self._records: dict[bytes, _Record] = {}
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
+        result = TierPutResult(stored=None)
         with self._lock:
-            if key in self._records:
-                self._index.touch([key])
-                return TierPutResult(stored=None)
-            if frame.nbytes > self.capacity_bytes:
-                self._stats.write_errors += 1
-                raise StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget ({self.capacity_bytes})")
-            if not self._fits_beside_pins(frame.nbytes):
-                self._stats.write_errors += 1
-                raise self._no_room(frame.nbytes)
-            evicted = []
-            while self._index.used_bytes + frame.nbytes > self.capacity_bytes and self._index.evictable:
-                evicted += self._evict_one()
-            if self._index.used_bytes + frame.nbytes > self.capacity_bytes:
-                self._stats.write_errors += 1
-                raise self._no_room(frame.nbytes)
-            try:
-                payload = payload_on_device(frame, self.device)
-            except torch.OutOfMemoryError as exc:
-                self._stats.write_errors += 1
-                raise StorageError(f"{self.name} tier: device out of memory: {exc}") from None
-            sealed = frame.sealed and frame.device_entries is None
-            self._records[key] = _Record(payload, frame.meta, sealed)
-            self._index.add(key, BlockInfo(frame.meta.nbytes, frame.meta.raw_nbytes, frame.meta.parent_hash, frame.meta.position))
-            self._stats.bytes_in += frame.nbytes
-            self._stats.admissions += 1
-            self._sync_counts()
-            return TierPutResult(stored=BlockFrame(frame.meta, device_payload=payload, sealed=sealed), evicted=evicted)
+            self._put(key, frame, result)
+        if result.error is not None:
+            raise result.error
+        return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
         """As ``Tier.put_many``, with room made for all of the call's new frames before the
         first is added (``_make_room``), so that none of them is a victim of the next."""
-        room = [TierPutResult(stored=None) for _ in items]
+        results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
-            self._make_room([(key, frame.nbytes) for key, frame in items], room)
-        results = super().put_many(items, lease_stored=lease_stored)
-        for early, result in zip(room, results):
-            result.evicted[:0] = early.evicted
+            self._make_room([(key, frame.nbytes) for key, frame in items], results)
+        for (key, frame), result in zip(items, results):
+            with self._lock:
+                self._put(key, frame, result)
         return results
+
+    def _put(self, key: bytes, frame: BlockFrame, result: TierPutResult) -> None:
+        """Store one frame into ``result`` (under the lock). A frame refused after blocks were
+        evicted for it (the device out of memory) keeps them in ``result.evicted``: raised
+        with them, they would be in no tier, never handed down."""
+        if key in self._records:
+            self._index.touch([key])
+            return
+        if frame.nbytes > self.capacity_bytes:
+            self._stats.write_errors += 1
+            result.error = StorageError(f"{self.name} tier: a {frame.nbytes}-byte frame exceeds the budget "
+                                        f"({self.capacity_bytes})")
+            return
+        if not self._fits_beside_pins(frame.nbytes):
+            self._stats.write_errors += 1
+            result.error = self._no_room(frame.nbytes)
+            return
+        while self._index.used_bytes + frame.nbytes > self.capacity_bytes and self._index.evictable:
+            result.evicted += self._evict_one()
+        if self._index.used_bytes + frame.nbytes > self.capacity_bytes:
+            self._stats.write_errors += 1
+            result.error = self._no_room(frame.nbytes)
+            return
+        try:
+            payload = payload_on_device(frame, self.device)
+        except torch.OutOfMemoryError as exc:
+            self._stats.write_errors += 1
+            result.error = StorageError(f"{self.name} tier: device out of memory: {exc}")
+            return
+        sealed = frame.sealed and frame.device_entries is None
+        self._records[key] = _Record(payload, frame.meta, sealed)
+        self._index.add(key, BlockInfo(frame.meta.nbytes, frame.meta.raw_nbytes, frame.meta.parent_hash, frame.meta.position))
+        self._stats.bytes_in += frame.nbytes
+        self._stats.admissions += 1
+        self._sync_counts()
+        result.stored = BlockFrame(frame.meta, device_payload=payload, sealed=sealed)
 
     def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
         victim = self._index.victim()
