@@ -300,6 +300,43 @@ def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):
     assert store.pins() == [] and cpu.stats().pinned_blocks == 0
 
 
+def test_a_chain_pinned_again_while_its_expiry_unpins_it_stays_pinned_in_the_tiers():
+    """The pin table and the tiers were updated apart: an expiry took a pin out of the table,
+    a new pin of the chain went in and pinned it in the tiers, then the expiry's unpin reached
+    the tiers: the table held a pin whose blocks every tier would evict."""
+    clock = Clock()
+
+    class Tier(CpuTier):
+        during_unpin = None
+
+        def unpin(self, keys):
+            hook, self.during_unpin = self.during_unpin, None
+            if hook is not None:
+                hook()
+            super().unpin(keys)
+
+    cpu = Tier(10 * FRAME)
+    store = TieredStore([cpu], clock=clock)
+    chain = frames(1, 2)
+    store.put_many(chain)
+    store.pin(chain[-1][0], ttl_seconds=60)
+    clock.now += 61  # expired, not noticed yet
+    again = threading.Thread(target=store.pin, args=(chain[-1][0],))  # pinned again, for good
+
+    def pin_meanwhile():
+        again.start()
+        again.join(timeout=0.5)  # (it waits for this expiry to be applied first, where pins are serialized)
+
+    cpu.during_unpin = pin_meanwhile
+    store.expire_pins()
+    again.join()
+    assert [p.expires_at for p in store.pins()] == [None]
+    assert cpu.stats().pinned_blocks == 2
+    for seed in range(2, 12):  # pressure: the pinned chain stays
+        store.put_many(frames(seed, 2))
+    assert all(stored(store, [k for k, _ in chain]))
+
+
 def test_overlapping_pins_keep_their_shared_head(tmp_path):
     store = TieredStore([CpuTier(40 * FRAME)])
     head = frames(1, 2)

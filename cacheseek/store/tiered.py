@@ -34,6 +34,7 @@ Torch-free: frames whose bytes are still on a device are moved to the host (thro
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -115,6 +116,10 @@ class TieredStore:
         for i, tier in enumerate(self.tiers):
             tier.watch(self.residency.watch(i))
         self.pin_table = PinTable(clock)
+        # Held from a pin table change until the tiers have applied it: a pin, an unpin and an
+        # expiry of the same blocks interleaved would leave the tiers' pins other than the
+        # table's (a block pinned with no pin left, or a pin whose blocks an expiry unpinned).
+        self._pin_lock = threading.Lock()
         # The tiers every put reaches, and of those the ones whose commit an acknowledgement
         # means: a tier with an admission threshold skips new blocks, so it acknowledges none.
         reached = [self.tiers[0], *(t for t in self.tiers[1:] if t.name in write_through)]
@@ -519,25 +524,27 @@ class TieredStore:
         keys = self.chain(key)
         if keys is None:
             return None
-        pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
-        tried: list[Tier] = []
-        try:
-            for tier in self.tiers if newly else ():
-                tried.append(tier)  # (one that fails may have pinned part of it: undone too)
-                tier.pin(newly)
-        except BaseException:
-            # A tier that could not pin (Redis unreachable): the pin is undone everywhere, so
-            # that pinning again sends it again, rather than finding it pinned already.
-            _, freed = self.pin_table.remove(pin.key)
-            for tier in tried:
-                tier.unpin(freed)
-            raise
-        return pin
+        with self._pin_lock:
+            pin, newly = self.pin_table.add(keys, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            tried: list[Tier] = []
+            try:
+                for tier in self.tiers if newly else ():
+                    tried.append(tier)  # (one that fails may have pinned part of it: undone too)
+                    tier.pin(newly)
+            except BaseException:
+                # A tier that could not pin (Redis unreachable): the pin is undone everywhere, so
+                # that pinning again sends it again, rather than finding it pinned already.
+                _, freed = self.pin_table.remove(pin.key)
+                for tier in tried:
+                    tier.unpin(freed)
+                raise
+            return pin
 
     def unpin(self, key: bytes) -> Pin | None:
         """Drop the pin named ``key`` (the chain's last block); None if there was none."""
-        pin, freed = self.pin_table.remove(key)
-        self._unpin(freed)
+        with self._pin_lock:
+            pin, freed = self.pin_table.remove(key)
+            self._unpin(freed)
         return pin
 
     def pins(self) -> list[Pin]:
@@ -545,7 +552,10 @@ class TieredStore:
         return self.pin_table.pins()
 
     def expire_pins(self) -> None:
-        self._unpin(self.pin_table.expire())
+        if not self.pin_table.due():  # (the usual answer, without waiting for a pin in flight)
+            return
+        with self._pin_lock:
+            self._unpin(self.pin_table.expire())
 
     def _unpin(self, keys: list[bytes]) -> None:
         if keys:
