@@ -767,6 +767,31 @@ def test_a_disk_stream_closed_before_its_first_frame_gives_its_reads_back(tmp_pa
     tier.close()
 
 
+def test_a_store_stream_closed_before_its_first_frame_gives_the_tiers_reads_back(tmp_path):
+    """``TieredStore.stream`` starts every tier's reads when it is called, but handed out a
+    generator: closed before its first frame, it ran no ``finally``, so the disk stream under
+    it was never closed and its pooled buffers stayed lent for good."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    cpu, disk = CpuTier(2 * FRAME), DiskTier(tmp_path / "d", 1 << 30, fsync=False)
+    store = TieredStore([cpu, disk], write_through=["disk"])
+    items = [raw_frame(i) for i in range(1, 7)]  # the last ones in the CPU tier, all on disk
+    store.put_many(items)
+    keys = [key for key, _ in items]
+    assert set(store.locate(keys)) == {"cpu", "disk"}
+    for taken in (0, 1, 6):
+        stream = store.stream(keys, promote=False)
+        for frame, _ in (next(stream) for _ in range(taken)):
+            frame.release()
+        stream.close()
+        stream.close()  # (idempotent)
+        assert disk.stats().extra["stream_buffers"]["leases_active"] == 0, taken
+        assert cpu.lease_stats()["leases_active"] == 0, taken
+    store.close()
+
+
 @pytest.mark.parametrize("eviction", ["arc", "lru"])
 def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head(tmp_path, eviction):
     """Promoted one by one, a chain's blocks read from disk evicted their own parents from the

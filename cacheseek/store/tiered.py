@@ -359,7 +359,7 @@ class TieredStore:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
                 streams[tier.name] = tier.stream(mine, leased=leased)
-        return self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches)
+        return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches), streams)
 
     def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, Iterator[BlockFrame | None]],
                waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool
@@ -665,6 +665,34 @@ class TieredStore:
         self.prefetcher.close()
         for tier in self.tiers:
             tier.close()
+
+
+class _Merged:
+    """``TieredStore.stream``'s frames, and ``close()`` that closes the tiers' streams even when
+    no frame was asked for: their reads start when ``stream`` is called, and a generator
+    closed before it started runs no ``finally`` (a disk stream's pooled buffers stayed
+    lent for good)."""
+
+    __slots__ = ("_frames", "_streams")
+
+    def __init__(self, frames: Iterator[tuple[BlockFrame, str] | None],
+                 streams: dict[str, Iterator[BlockFrame | None]]) -> None:
+        self._frames, self._streams = frames, streams
+
+    def __iter__(self) -> _Merged:
+        return self
+
+    def __next__(self) -> tuple[BlockFrame, str] | None:
+        return next(self._frames)
+
+    def close(self) -> None:
+        try:
+            self._frames.close()
+        finally:
+            for it in self._streams.values():  # (idempotent: closed already where the frames' own finally ran)
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
 
 
 def _hold(result: TierPutResult, held: list[Lease | None]) -> None:
