@@ -8,12 +8,16 @@ import time
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cacheseek.errors import InputError, StorageError
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.disk import DiskTier
-from cacheseek.store.eviction import POLICIES, make_index
+from cacheseek.store.eviction import POLICIES, LruIndex, make_index
 from cacheseek.store.frame import parse_frame
+from cacheseek.store.pins import PinTable
 from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from cacheseek.store.tiered import TieredStore
@@ -64,6 +68,106 @@ def test_an_index_never_names_a_pinned_victim(policy):
     assert index.victim() is None and len(index) == 3
     index.unpin(chain[:3])
     assert index.evictable == 3 and index.victim() == chain[2]  # leaf first again
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """An eviction index driven as a tier drives it (budgeted adds that evict leaf victims,
+    touches, deletes, pins of whole chains through a ``PinTable``), checked after every step
+    against a plain model: byte totals, pins, leaf-only unpinned victims, and for ARC its four
+    lists (disjoint, sized, no ghost of a stored block, within ARC's bounds)."""
+
+    policy = ""
+    CAPACITY = 100
+    # A forest of 12 blocks: 0-3 are heads, block i > 3 is a child of block i - 4.
+    KEYS = [bytes([i]) * 16 for i in range(12)]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = make_index(self.policy, self.CAPACITY)
+        self.held: dict[bytes, int] = {}
+        self.pins = PinTable(lambda: 0.0)
+
+    def _chain(self, i: int) -> list[bytes]:
+        return [self.KEYS[j] for j in range(i % 4, i + 1, 4)]
+
+    def _evict(self) -> None:
+        victim = self.index.victim()
+        assert victim in self.held and not self.index.is_pinned(victim)
+        assert not self.index.children(victim), "a victim with children stored"
+        self.index.remove(victim, evicted=True)
+        del self.held[victim]
+
+    @rule(i=st.integers(0, 11))
+    def add(self, i):
+        key, nbytes = self.KEYS[i], 5 + 3 * i  # a block's size never changes (its hash names its bytes)
+        if key not in self.held:
+            while self.index.used_bytes + nbytes > self.CAPACITY and self.index.evictable:
+                self._evict()
+        parent = self.KEYS[i - 4] if i >= 4 else bytes(16)
+        self.index.add(key, BlockInfo(nbytes, 2 * nbytes, parent, i // 4))
+        self.held[key] = nbytes
+
+    @rule()
+    def evict(self):
+        if self.index.victim() is None:
+            assert self.index.evictable == 0
+        else:
+            self._evict()
+
+    @rule(i=st.integers(0, 11))
+    def delete(self, i):
+        self.index.remove(self.KEYS[i])
+        self.held.pop(self.KEYS[i], None)
+
+    @rule(i=st.integers(0, 11))
+    def touch_chain(self, i):
+        self.index.touch(reversed(self._chain(i)))
+
+    @rule(i=st.integers(0, 11))
+    def pin(self, i):
+        self.index.pin(self.pins.add(self._chain(i))[1])
+
+    @rule(i=st.integers(0, 11))
+    def unpin(self, i):
+        self.index.unpin(self.pins.remove(self.KEYS[i])[1])
+
+    @invariant()
+    def matches_the_model(self):
+        index = self.index
+        assert sorted(index.keys()) == sorted(self.held)
+        assert index.used_bytes == sum(self.held.values()) and index.raw_bytes == 2 * index.used_bytes
+        pinned = {k for k in self.held if self.pins.covered(k)}
+        assert {k for k in self.held if index.is_pinned(k)} == pinned
+        assert (index.pinned_blocks, index.pinned_bytes) == (len(pinned), sum(self.held[k] for k in pinned))
+        for kids in index._kids.values():
+            assert set(kids) <= set(self.held)
+        if isinstance(index, LruIndex):
+            assert set(index._order) == set(self.held) - pinned
+            return
+        t1, t2, b1, b2 = index._t1, index._t2, index._b1, index._b2
+        assert not set(t1) & set(t2) and set(t1) | set(t2) == set(self.held) - pinned
+        assert not (set(b1) | set(b2)) & set(self.held), "a ghost of a stored block"
+        for lst, total in ((t1, index._t1_bytes), (t2, index._t2_bytes), (b1, index._b1_bytes), (b2, index._b2_bytes)):
+            assert sum(lst.values()) == total
+        assert all(n == self.held[k] for lst in (t1, t2) for k, n in lst.items())
+        c = self.CAPACITY
+        assert 0 <= index.p <= c
+        assert not b1 or index._t1_bytes + index._b1_bytes <= c
+        assert not b2 or index._t1_bytes + index._t2_bytes + index._b1_bytes + index._b2_bytes <= 2 * c
+
+
+class ArcMachine(IndexMachine):
+    policy = "arc"
+
+
+class LruMachine(IndexMachine):
+    policy = "lru"
+
+
+TestArcIndexMachine = ArcMachine.TestCase
+TestLruIndexMachine = LruMachine.TestCase
+TestArcIndexMachine.settings = TestLruIndexMachine.settings = settings(max_examples=200, stateful_step_count=50,
+                                                                      deadline=None)
 
 
 def test_a_pinned_chain_outlives_pressure_in_every_tier_and_comes_back_after_unpin(tmp_path):
