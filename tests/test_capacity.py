@@ -20,7 +20,7 @@ from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
 
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20, (1 << 20) + 17]
 
@@ -546,6 +546,26 @@ def test_prefetch_promotes_a_chain_into_memory_and_returns_at_once(tmp_path):
         counts = cache.stats()["prefetch"]
         assert counts["started"] == 1 and counts["in_memory"] == 1 and counts["nothing_stored"] == 1
         assert counts["promoted_blocks"] == 8 and counts["in_flight"] == 0
+
+
+def test_a_prefetch_counts_as_promoted_only_what_memory_took(tmp_path):
+    """A prefetch counted every block it read as promoted, though the CPU tier had refused
+    it (full of pinned blocks): ``promoted`` and ``promoted_blocks`` said the chain was in
+    memory while every block of it was still only on disk."""
+    toks, kv = tokens_for(8, 2 * BLOCK), make_kv(2 * BLOCK, 8)
+    other, kv_other = tokens_for(9, 2 * BLOCK), make_kv(2 * BLOCK, 9)
+    with make_cache(cpu=2 * (LAYOUT.raw_nbytes(BLOCK) + 1024), disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        cache.ingest(other, kv_other)
+        assert set(cache.locate(toks).tiers) == {"disk"}  # the CPU tier holds the other chain
+        cache.store.pin(cache.block_hashes(other)[-1])  # whole, and pinned: no room for a promotion
+        handle = cache.prefetch(toks)
+        assert handle is not None and handle.blocks == 2
+        assert handle.wait(30) and handle.promoted == 0
+        assert set(cache.locate(toks).tiers) == {"disk"}
+        counts = cache.stats()["prefetch"]
+        assert (counts["promoted_blocks"], counts["failed_blocks"]) == (0, 2)
+        assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
 
 
 class _Gate:

@@ -156,13 +156,17 @@ class Prefetcher:
             store = self._store()
             if store is None:
                 return
+            memory = [t for t in store.tiers if not t.persistent]
             stream = store.stream(keys, where=[name for _, name in mine], promote=True, leased=False,
                                        join_prefetches=False)
             try:
                 for i, got in enumerate(stream):
-                    results[i] = got is not None
                     if got is not None:
                         got[0].release()  # promoted by the stream: the bytes are not read here
+                        # Read does not mean promoted: a memory tier may have refused the copy
+                        # (full of pinned blocks, the parent not there): it counts only if memory
+                        # holds it now.
+                        results[i] = store.contains_many([keys[i]], memory)[0]
                     self._settle([mine[i]], [futures[i]], [results[i]])
             finally:
                 stream.close()
