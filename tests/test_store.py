@@ -874,6 +874,48 @@ def test_a_gpu_tier_put_that_runs_out_of_device_memory_hands_its_victims_down(mo
         gpu.put(*raw_frame(13))
 
 
+@pytest.mark.parametrize("read", ["get", "get_many", "stream"])
+def test_a_read_in_flight_does_not_bring_back_a_block_deleted_before_its_promotion(tmp_path, read):
+    """A read took a block from the disk, a delete then removed it from every tier (answered
+    True: a 204), and the read's promotion put it into the CPU tier: the deleted block was
+    stored and served again, though nobody wrote it."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    class Cpu(CpuTier):
+        before_put = None
+
+        def put_many(self, items, **kw):
+            hook, self.before_put = self.before_put, None
+            if hook is not None:
+                hook()  # the delete, between the read and its promotion
+            return super().put_many(items, **kw)
+
+    cpu, disk = Cpu(1 << 20), DiskTier(tmp_path / "d", 1 << 30, fsync=False)
+    store = TieredStore([cpu, disk], write_through=["disk"])
+    gone, kept = raw_frame(5), raw_frame(6)
+    disk.put(*gone)
+    disk.put(*kept)
+    deleted = []
+    cpu.before_put = lambda: deleted.append(store.delete(gone[0]))
+    if read == "get":
+        got = [store.get(gone[0])]
+    elif read == "get_many":
+        got = store.get_many([gone[0]])
+    else:
+        stream = store.stream([gone[0]], where=["disk"])
+        got = list(stream)
+        stream.close()
+    assert deleted == [True] and got[0][1] == "disk"  # the read had it before the delete
+    got[0][0].release()
+    assert store.contains_many([gone[0]]) == [False] and cpu.keys() == []
+    frame, tier = store.get(kept[0])  # a read with no delete meanwhile promotes as before
+    frame.release()
+    assert tier == "disk" and cpu.keys() == [kept[0]] and cpu.stats().promotions == 1
+    store.close()
+
+
 def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested_again(tmp_path):
     """Stored blocks whose head no tier holds are unreachable, not lost: an ingest of the
     chain writes the missing head alone, and the whole prefix is served again."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
 
 DURABLE = "durable"
 MEMORY = "memory"
+# Deletes remembered for reads in flight (``TieredStore._deleted_since``); a read older than
+# these treats its blocks as possibly deleted, and does not promote them.
+RECENT_DELETES = 4096
 
 
 @dataclass(slots=True)
@@ -120,6 +124,12 @@ class TieredStore:
         # expiry of the same blocks interleaved would leave the tiers' pins other than the
         # table's (a block pinned with no pin left, or a pin whose blocks an expiry unpinned).
         self._pin_lock = threading.Lock()
+        # Deletes, numbered: a read that began before a delete of its block must not promote
+        # it (store it again above) once that delete has gone by.
+        self._delete_lock = threading.Lock()
+        self._deletes = 0
+        self._deleting: set[int] = set()  # the numbers of deletes still going through the tiers
+        self._recent_deletes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_DELETES)
         # The tiers every put reaches, and of those the ones whose commit an acknowledgement
         # means: a tier with an admission threshold skips new blocks, so it acknowledges none.
         reached = [self.tiers[0], *(t for t in self.tiers[1:] if t.name in write_through)]
@@ -295,19 +305,20 @@ class TieredStore:
             for fut in self.prefetcher.waiting([key]).values():
                 fut.result()
                 self.prefetcher.note_waited(1)
+        since = self._deletes_done()
         mark = None if self.moves is None else self.moves.mark()
-        got = self._get_one(key, promote)
+        got = self._get_one(key, promote, since)
         if got is None and mark is not None and self.moves.overlapped(mark):
-            got = self._get_one(key, promote)
+            got = self._get_one(key, promote, since)
         return got
 
-    def _get_one(self, key: bytes, promote: bool) -> tuple[BlockFrame, str] | None:
+    def _get_one(self, key: bytes, promote: bool, since: int) -> tuple[BlockFrame, str] | None:
         for level, tier in enumerate(self.tiers):
             frame = tier.get(key)
             if frame is None:
                 continue
             if promote and level > 0:
-                self._promote_held(key, frame, level)
+                self._promote_held(key, frame, level, since)
             return frame, tier.name
         return None
 
@@ -315,13 +326,15 @@ class TieredStore:
         """Like :meth:`get` for each key, asking each tier once for all the keys still missing."""
         promote = self.promote_on_hit if promote is None else promote
         out: list[tuple[BlockFrame, str] | None] = [None] * len(keys)
+        since = self._deletes_done()
         mark = None if self.moves is None else self.moves.mark()
-        missing = self._get_missing(keys, list(range(len(keys))), out, promote)
+        missing = self._get_missing(keys, list(range(len(keys))), out, promote, since)
         if missing and mark is not None and self.moves.overlapped(mark):
-            self._get_missing(keys, missing, out, promote)
+            self._get_missing(keys, missing, out, promote, since)
         return out
 
-    def _get_missing(self, keys: Sequence[bytes], missing: list[int], out: list, promote: bool) -> list[int]:
+    def _get_missing(self, keys: Sequence[bytes], missing: list[int], out: list, promote: bool,
+                     since: int) -> list[int]:
         """Fill ``out[i]`` for the ``missing`` keys found in a tier; the rest's indices."""
         for level, tier in enumerate(self.tiers):
             if not missing:
@@ -331,7 +344,7 @@ class TieredStore:
                 if frame is None:
                     continue
                 if promote and level > 0:
-                    self._promote_held(keys[i], frame, level)
+                    self._promote_held(keys[i], frame, level, since)
                 out[i] = (frame, tier.name)
             missing = [i for i in missing if out[i] is None]
         return missing
@@ -350,6 +363,7 @@ class TieredStore:
         frames get buffers of their own, not pooled ones. Close the iterator if you stop
         early: reads not handed out are cancelled or given back."""
         promote = self.promote_on_hit if promote is None else promote
+        since = self._deletes_done()
         names = list(self.locate(keys) if where is None else where)
         keys = list(keys[: len(names)])
         waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
@@ -359,10 +373,11 @@ class TieredStore:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
                 streams[tier.name] = tier.stream(mine, leased=leased)
-        return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches), streams)
+        return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches, since),
+                       streams)
 
     def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, Iterator[BlockFrame | None]],
-               waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool
+               waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool, since: int
                ) -> Iterator[tuple[BlockFrame, str] | None]:
         try:
             for key, name in zip(keys, names):
@@ -378,7 +393,7 @@ class TieredStore:
                     continue
                 level = level_of[name]
                 if promote and level > 0:
-                    self._promote_held(key, frame, level)
+                    self._promote_held(key, frame, level, since)
                 yield frame, name
         finally:
             for it in streams.values():
@@ -392,19 +407,19 @@ class TieredStore:
         is nothing to do or too many prefetches are in flight)."""
         return self.prefetcher.start(keys)
 
-    def _promote_held(self, key: bytes, frame: BlockFrame, level: int) -> None:
+    def _promote_held(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
         """``_promote`` a frame the caller is about to get: released here if that fails."""
         try:
-            self._promote(key, frame, level)
+            self._promote(key, frame, level, since)
         except BaseException:
             frame.release()
             raise
 
-    def _promote(self, key: bytes, frame: BlockFrame, level: int) -> None:
+    def _promote(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
         with self._moving():
-            self._promote_up(key, frame, level)
+            self._promote_up(key, frame, level, since)
 
-    def _promote_up(self, key: bytes, frame: BlockFrame, level: int) -> None:
+    def _promote_up(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
         # A block goes up only beside its parent, and stays only if its parent was not what
         # made room for it: else it would be a tail with no head there, and once the tiers
         # below gave the head up, a block stored that no lookup reaches (a chain longer than
@@ -421,7 +436,10 @@ class TieredStore:
             except StorageError:
                 continue
             if result.stored is not None:
-                if not root and any(victim == parent for victim, _ in result.evicted):
+                # A delete since the read began (``since``) went by this tier before the put: the
+                # copy would bring back a block the delete answered for.
+                if not root and any(victim == parent for victim, _ in result.evicted) \
+                        or self._deleted_since(key, since):
                     tier.delete(key)
                 else:
                     tier.count(promotions=1)
@@ -491,10 +509,42 @@ class TieredStore:
             tier.touch(rev)
 
     def delete(self, key: bytes) -> bool:
-        deleted = False
-        for tier in self.tiers:
-            deleted = tier.delete(key) or deleted
+        with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
+            self._deletes += 1
+            number = self._deletes
+            self._deleting.add(number)
+            self._recent_deletes.append((number, key))
+        try:
+            deleted = False
+            for tier in self.tiers:
+                deleted = tier.delete(key) or deleted
+        finally:
+            with self._delete_lock:
+                self._deleting.discard(number)
         return deleted
+
+    def _deleted_since(self, key: bytes, since: int) -> bool:
+        """Whether ``key`` may have been deleted after the ``since``-th delete (a read that
+        began then asks, after its promotion's put: a delete numbered before that put reached
+        the tier, or reaches it after, and removes the copy itself)."""
+        if self._deletes == since:  # (the usual answer: no delete at all meanwhile)
+            return False
+        with self._delete_lock:
+            recent = self._recent_deletes
+            if recent[0][0] > since + 1:  # deletes after ``since`` forgotten: one may be of ``key``
+                return True
+            for number, deleted in reversed(recent):
+                if number <= since:
+                    return False
+                if deleted == key:
+                    return True
+            return False
+
+    def _deletes_done(self) -> int:
+        """Taken before a read looks at the tiers: the deletes that had all gone through every
+        tier (a delete still on its way may have left the block in a tier the read reaches)."""
+        with self._delete_lock:
+            return min(self._deleting) - 1 if self._deleting else self._deletes
 
     def children(self, key: bytes) -> list[bytes]:
         """Blocks whose parent is ``key``, in any tier with a local index."""
