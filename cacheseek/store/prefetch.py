@@ -26,6 +26,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout  # (not the built-in one before Python 3.11)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,7 @@ class Prefetch:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 fut.result(timeout=left)
-            except TimeoutError:
+            except FutureTimeout:
                 return False
         return True
 
