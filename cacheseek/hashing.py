@@ -84,6 +84,14 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _utf8(value: str, name: str, error: type[Exception] = InputError) -> bytes:
+    # A lone surrogate ("\ud800", which JSON's escapes can carry into a str) has no UTF-8.
+    try:
+        return value.encode()
+    except UnicodeEncodeError:
+        raise error(f"{name}: not encodable as UTF-8 (a lone surrogate?): {value!r:.80}") from None
+
+
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Which part of a model's KV a worker holds: its tensor-parallel rank among
@@ -99,8 +107,8 @@ class Shard:
     def __post_init__(self) -> None:
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
             r, n = getattr(self, rank), getattr(self, size)
-            if not _is_count(n) or n < 1:
-                raise ConfigError(f"Shard.{size}: must be a positive int, got {n!r}")
+            if not _is_count(n) or not 1 <= n < 1 << 32:  # (the root holds each as u32)
+                raise ConfigError(f"Shard.{size}: must be an int in [1, 2**32), got {n!r}")
             if not _is_count(r) or not 0 <= r < n:
                 raise ConfigError(f"Shard.{rank}: must be an int in [0, {size}={n}), got {r!r}")
 
@@ -114,7 +122,7 @@ SINGLE = Shard()
 def _name_bytes(value: Any, name: str) -> bytes:
     """A non-empty str (as UTF-8) or bytes naming an adapter, an input or a salt."""
     if isinstance(value, str):
-        value = value.encode()
+        value = _utf8(value, name)
     elif isinstance(value, (bytes, bytearray, memoryview)):
         value = bytes(value)
     else:
@@ -164,6 +172,8 @@ class ExtraKeys:
     def __post_init__(self) -> None:
         if self.lora_id is not None and not (isinstance(self.lora_id, str) and self.lora_id):
             raise InputError(f"lora_id: expected a non-empty str, got {self.lora_id!r}")
+        if self.lora_id is not None:
+            _utf8(self.lora_id, "lora_id")
         if self.cache_salt is not None:
             _name_bytes(self.cache_salt, "cache_salt")
         inputs = tuple(self.mm_inputs)
@@ -208,7 +218,7 @@ def block_extra_keys(*, lora_id: str | None = None, mm_inputs: Sequence[MMInput]
     ``mm_inputs`` are the inputs overlapping the block, in (offset, length, hash) order."""
     parts = []
     if lora_id is not None:
-        parts += [b"L", _field(lora_id.encode())]
+        parts += [b"L", _field(_utf8(lora_id, "lora_id"))]
     if mm_inputs:
         parts += [b"M", _U32.pack(len(mm_inputs))]
         for m in mm_inputs:
@@ -233,15 +243,15 @@ def root_hash(
         raise ConfigError(f"namespace: expected str, got {type(namespace).__name__}")
     if not isinstance(model_id, str) or not model_id:
         raise ConfigError(f"model_id: expected a non-empty str, got {model_id!r}")
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0:
-        raise ConfigError(f"block_tokens: must be a positive int, got {block_tokens!r}")
+    if not _is_count(block_tokens) or not 0 < block_tokens < 1 << 32:  # (held as u32)
+        raise ConfigError(f"block_tokens: must be an int in [1, 2**32), got {block_tokens!r}")
     if not isinstance(shard, Shard):
         raise ConfigError(f"shard: expected a cacheseek.Shard, got {type(shard).__name__}")
     data = b"".join(
         (
             KEY_VERSION,
-            _field(namespace.encode()),
-            _field(model_id.encode()),
+            _field(_utf8(namespace, "namespace", ConfigError)),
+            _field(_utf8(model_id, "model_id", ConfigError)),
             _field(bytes(layout_fingerprint)),
             struct.pack("<I", block_tokens),
             _field(bytes(codec_fingerprint)),

@@ -265,6 +265,17 @@ def test_bytes_blocks_chain():
         (lambda: Shard(tp_size=0), "tp_size"),
         (lambda: Shard(pp_rank=-1, pp_size=2), "pp_rank"),
         (lambda: Shard(tp_rank=True, tp_size=2), "tp_rank"),
+        # The root holds these as u32 and the names as UTF-8 (a struct.error and a
+        # UnicodeEncodeError before: a lone surrogate reaches a str through JSON's escapes).
+        (lambda: Shard(tp_rank=0, tp_size=1 << 32), "tp_size"),
+        (lambda: _root(block_tokens=1 << 32), "block_tokens"),
+        (lambda: _root(namespace="\ud800"), "namespace"),
+        (lambda: _root(model_id="m\udfff"), "model_id"),
+        (lambda: ExtraKeys(lora_id="\ud800"), "lora_id"),
+        (lambda: block_extra_keys(lora_id="\ud800"), "lora_id"),
+        (lambda: ExtraKeys(cache_salt="\udc80"), "cache_salt"),
+        (lambda: Prompt([1, 2], cache_salt="\udc80"), "cache_salt"),
+        (lambda: MMInput("\ud800", 0, 4), "MMInput.hash"),
         (lambda: _root(shard=(0, 1)), "shard"),
         (lambda: MMInput("h", -1, 4), "MMInput.offset"),
         (lambda: MMInput("h", 0, 0), "MMInput.length"),
