@@ -179,6 +179,9 @@ def test_encoded_layer_msgpack_roundtrip_decodes_identically():
 @pytest.mark.parametrize("side, field, value", [
     ("k", "dtype", "int8"), ("v", "bits", 64), ("v", "stats_dtype", None), ("k", "axis", -1), ("k", "pad", -1),
     ("v", "group", 10**9), ("v", "dtype", [1, 2]), ("k", "bits", 2), ("v", "pad", 3),
+    # (an OverflowError, a ValueError from zip or dict, before)
+    ("k", "bits", math.inf), ("v", "shape", [2, math.inf, 32]), ("k", "buffers", "first two"),
+    ("v", "buffers", "one more"), ("v", "dtype", "float32"), (None, "codec", "ab"), (None, "codec", [["name", "kivi"]]),
 ])
 def test_an_encoded_layer_whose_fields_are_not_an_encodes_is_a_frame_error(side, field, value):
     """Every field as an encode writes it, or a FrameError: a decoder sizes its work from
@@ -186,9 +189,35 @@ def test_an_encoded_layer_whose_fields_are_not_an_encodes_is_a_frame_error(side,
     codec = cs.KIVI(bits=4, group_size=32)
     blob = host_buffers(codec.encode(torch.randn(2, 32, 32).half(), torch.randn(2, 32, 32).half())).packb()
     wire = msgpack.unpackb(blob, raw=False)
-    wire[side][field] = value
+    _set_wire_field(wire, side, field, value)
     with pytest.raises(FrameError):
         codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
+
+
+def _set_wire_field(wire, side, field, value):
+    if value == "first two":
+        value = wire[side][field][:2]
+    elif value == "one more":
+        value = [*wire[side][field], b""]
+    (wire if side is None else wire[side])[field] = value
+
+
+@pytest.mark.parametrize("side, field, value", [
+    ("v", "shape", [1, 32, 32]), ("v", "dtype", "float32"), ("k", "bits", 3), ("k", "axis", -1),
+    ("v", "buffers", "one more"), ("k", "shape", [2, 32, math.inf]),
+])
+def test_a_raw_layer_whose_fields_are_not_an_encodes_is_a_frame_error(side, field, value):
+    """Raw's decode checks the layer against its template as KIVI's does: it returned K and
+    V of other shapes or dtypes before, as the fields said."""
+    k, v = torch.randn(2, 32, 32).half(), torch.randn(2, 32, 32).half()
+    wire = msgpack.unpackb(host_buffers(cs.Raw().encode(k, v)).packb(), raw=False)
+    if field == "shape" and value == [1, 32, 32]:
+        wire[side]["buffers"] = [bytes(wire[side]["buffers"][0])[: 1 * 32 * 32 * 2]]
+    if field == "dtype":
+        wire[side].update(shape=[2, 32, 16], bits=32)
+    _set_wire_field(wire, side, field, value)
+    with pytest.raises(FrameError):
+        cs.Raw().decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
 
 
 def test_codec_from_spec_roundtrips_and_is_strict():

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, FrameError, InputError
+from ..errors import ConfigError, InputError
 from ..layout import KVLayout
 from .backend import backend_for, layer_tables, ops_for
 from .codec import canonical_fingerprint
@@ -376,12 +376,7 @@ class KIVI:
 
         if encoded.codec != self.spec():
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
-        want = self.template(encoded.k.shape, encoded.k.dtype)
-        for side, got, made in (("k", encoded.k, want.k), ("v", encoded.v, want.v)):
-            fields = ("shape", "bits", "group", "axis", "pad", "stats_dtype")
-            if any(getattr(got, f) != getattr(made, f) for f in fields):  # (a payload from elsewhere)
-                raise FrameError(f"encoded {side}: {[getattr(got, f) for f in fields]} is not what this codec "
-                                 f"writes for that shape ({[getattr(made, f) for f in fields]})")
+        encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
         if device is not None:
             encoded = to_device(encoded, device)
         else:

@@ -156,10 +156,12 @@ class EncodedTensor:
             for spec in specs:
                 if spec.dtype not in BUFFER_DTYPES:
                     raise ValueError(f"unknown dtype {spec.dtype!r}")
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # (int(inf): OverflowError)
             raise FrameError(f"encoded tensor metadata is malformed: {exc}") from None
         if buffers is None:
             return t
+        if len(buffers) != len(specs):
+            raise FrameError(f"encoded tensor has {len(buffers)} buffers, its metadata names {len(specs)}")
         for spec, buf in zip(specs, buffers, strict=True):
             if memoryview(buf).nbytes != spec.nbytes:
                 raise FrameError(f"{spec.role} buffer holds {memoryview(buf).nbytes} bytes, its shape needs {spec.nbytes}")
@@ -186,6 +188,15 @@ class EncodedLayer:
                 out.append((f"{prefix}.{spec.role}", spec, buf))
         return out
 
+    def check_made_as(self, want: EncodedLayer) -> None:
+        """Raise ``FrameError`` unless K and V are described as ``want`` (the codec's template
+        for K's shape and dtype) describes them: a decoder sizes its work from these fields."""
+        fields = ("shape", "dtype", "bits", "group", "axis", "pad", "stats_dtype")
+        for side, got, made in (("k", self.k, want.k), ("v", self.v, want.v)):
+            if any(getattr(got, f) != getattr(made, f) for f in fields):
+                raise FrameError(f"encoded {side}: {[getattr(got, f) for f in fields]} is not what this codec "
+                                 f"writes for that shape ({[getattr(made, f) for f in fields]})")
+
     def with_buffers(self, buffers: list[Any]) -> EncodedLayer:
         nk = len(self.k.buffer_specs())
         return replace(self, k=self.k.with_buffers(buffers[:nk]), v=self.v.with_buffers(buffers[nk:]))
@@ -208,9 +219,11 @@ class EncodedLayer:
         try:
             k = EncodedTensor.from_meta(data["k"], list(data["k"]["buffers"]))
             v = EncodedTensor.from_meta(data["v"], list(data["v"]["buffers"]))
-            codec = dict(data["codec"])
+            codec = data["codec"]
         except (KeyError, TypeError) as exc:
             raise FrameError(f"encoded layer is malformed: missing {exc}") from None
+        if not isinstance(codec, dict):
+            raise FrameError(f"encoded layer is malformed: codec is a {type(codec).__name__}, not a map")
         return cls(k=k, v=v, codec=codec)
 
     def packb(self) -> bytes:

@@ -144,6 +144,7 @@ class Raw:
 
         if encoded.codec != self.spec():
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
+        encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
         if device is not None:
             encoded = to_device(encoded, device)
         else:
