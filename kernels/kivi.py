@@ -446,6 +446,9 @@ def _quantize_v_kernel(
     NGP: tl.constexpr = D_PAD // GP
     QMAX: tl.constexpr = (1 << BITS) - 1
     FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+    # As K's kernel: bf16 goes through fp32 (exact) for the min/max, since the interpreter
+    # compares bf16 wrongly (NaN == NaN held there, so a NaN in bf16 V went unflagged).
+    MM_DTYPE: tl.constexpr = tl.float32 if x_ptr.dtype.element_ty == tl.bfloat16 else x_ptr.dtype.element_ty
 
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BLOCK_T)
@@ -472,7 +475,7 @@ def _quantize_v_kernel(
     else:
         x = tl.load(x_ptrs, eviction_policy=X_EVICT)
 
-    lo, hi = _minmax_operands(x, ok, MASKED)
+    lo, hi = _minmax_operands(x.to(MM_DTYPE), ok, MASKED)
     mn = _plus_zero(tl.min(lo, axis=2).to(tl.float32))  # [BLOCK_T, NGP]
     mx = _plus_zero(tl.max(hi, axis=2).to(tl.float32))
     scale = _scale(mn, mx, QMAX, FP16_STATS)
