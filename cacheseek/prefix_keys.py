@@ -76,7 +76,9 @@ class HashedKeys:
         hashes of a prefix are the first ones of the whole."""
         if isinstance(self.keys, Prompt) or is_block_keys(self.keys) or not 0 < num_tokens <= self.num_tokens:
             raise InputError(f"HashedKeys.prefix({num_tokens}): token ids only, 1..{self.num_tokens} tokens")
-        return HashedKeys(self.keys[:num_tokens], num_tokens, self.hashes[: num_tokens // self.config[1]], self.config)
+        # A [1, T] tensor's ids run along its second dimension ([:n] would keep all T).
+        keys = self.keys[:, :num_tokens] if len(getattr(self.keys, "shape", ())) == 2 else self.keys[:num_tokens]
+        return HashedKeys(keys, num_tokens, self.hashes[: num_tokens // self.config[1]], self.config)
 
 
 def _token_count(tokens: Any) -> int:

@@ -415,6 +415,18 @@ def test_hashed_keys_are_hashed_again_under_another_configuration(monkeypatch):
         keys.check_ingest(hashed, 64)
 
 
+@pytest.mark.parametrize("shape", [(96,), (1, 96)])
+def test_hashed_keys_prefix_of_a_tensor_holds_the_prefix_only(shape):
+    """A [1, T] tensor's prefix kept all T ids (``[:n]`` sliced its batch dimension), so a
+    cache of another configuration hashed all T and an ingest of n tokens was refused."""
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=16)
+    other = PrefixKeys.create(namespace="", model_id="n", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=16)
+    prefix = keys.hashed(torch.arange(96).reshape(shape)).prefix(40)
+    assert keys.num_tokens(prefix.keys) == 40
+    assert other.block_hashes(prefix) == other.block_hashes(list(range(40)))
+    keys.check_ingest(prefix, 40)
+
+
 def test_hashed_keys_prefix_takes_token_ids_and_lengths_within_them_only():
     keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=32)
     for bad in (0, 97, -1):
