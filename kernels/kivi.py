@@ -172,15 +172,18 @@ def _decode(codes, s, m):
 
 @triton.jit
 def _within(x, out_ty: tl.constexpr):
-    """fp32 ``x`` capped at the largest finite value of ``out_ty`` (fp16, bf16), as the torch
-    reference does: a group holding the dtype's max may store a scale rounded up, and
-    code * s + m then passes the max by a fraction, which the cast would make Inf. Only the
-    top: code * s >= 0, so x >= m, the group's stored min, which is finite. NaN stays NaN,
-    as under torch.clamp (one min.NaN instruction, not a compare and a select)."""
+    """fp32 ``x`` capped at the largest finite value of ``out_ty``, as the torch reference
+    does: a group holding the dtype's max may store a scale rounded up, and code * s + m
+    then passes the max by a fraction, which the cast (fp16, bf16) or the add itself (fp32)
+    makes Inf. Only the top: code * s >= 0, so x >= m, the group's stored min, which is
+    finite. NaN stays NaN, as under torch.clamp (one min.NaN instruction, not a compare and
+    a select)."""
     if out_ty == tl.float16:
         x = tl.minimum(x, 65504.0, propagate_nan=tl.PropagateNan.ALL)
     elif out_ty == tl.bfloat16:
         x = tl.minimum(x, 3.3895313892515355e38, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        x = tl.minimum(x, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
     return x
 
 

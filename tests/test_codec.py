@@ -241,22 +241,26 @@ def test_codec_from_spec_roundtrips_and_is_strict():
             cs.KIVI(**bad_args)
 
 
+@pytest.mark.parametrize("dtype, stats, low", [(torch.float16, "float16", 0.0), (torch.float32, "float32", 0.1)],
+                         ids=["fp16", "fp32"])
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_the_dtypes_max_decodes_finite_and_alike_on_both_backends(monkeypatch, bits):
-    """A group holding fp16's max (65504) is finite, so accepted; its fp16 scale may be
-    rounded up, and code * s + m then passes the max: clamped to it, never decoded to Inf."""
+def test_the_dtypes_max_decodes_finite_and_alike_on_both_backends(monkeypatch, bits, dtype, stats, low):
+    """A group holding the dtype's max is finite, so accepted; its scale may be rounded up,
+    and code * s + m then passes the max: clamped to it, never decoded to Inf. (fp32 KV with
+    fp32 stats was not clamped: its max in a K group whose other tokens are at 0.1x the max
+    decoded to Inf, at every bits.)"""
     from cacheseek.quant.backend import BACKEND_ENV
 
-    top = torch.finfo(torch.float16).max
+    top = torch.finfo(dtype).max
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (CPU: the kernels interpreted)
-    k = torch.zeros(1, 32, 32, dtype=torch.float16, device=device)
+    k = torch.full((1, 32, 32), low * top, dtype=dtype, device=device)
     k[0, 0, :] = top  # one token at the max in every K group
-    v = torch.zeros(1, 32, 32, dtype=torch.float16, device=device)
+    v = torch.full((1, 32, 32), -low * top, dtype=dtype, device=device)
     v[0, :, 0] = -top  # one channel at minus the max in every V group
     decoded = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv(BACKEND_ENV, backend)
-        codec = cs.KIVI(bits=bits)
+        codec = cs.KIVI(bits=bits, stats_dtype=stats)
         enc = codec.encode(k, v)
         k_hat, v_hat = (t.cpu() for t in codec.decode(enc, device))
         assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all(), backend

@@ -137,11 +137,10 @@ def dequantize(
     s = scale.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
     m = mn.movedim(axis, -1).float().repeat_interleave(group, dim=-1)[..., :n]
     x = codes * s + m
-    if dtype in (torch.float16, torch.bfloat16):
-        # A group holding the dtype's max may store a scale rounded up (fp16 stats), and
-        # code * s + m then passes the max by a fraction: capped, not cast to Inf. Only the
-        # top: code * s >= 0, so x >= m, the group's stored min, which is finite.
-        x = x.clamp(max=torch.finfo(dtype).max)
+    # A group holding the dtype's max may store a scale rounded up, and code * s + m then
+    # passes the max by a fraction: capped, not cast (fp16, bf16) or added (fp32) to Inf.
+    # Only the top: code * s >= 0, so x >= m, the group's stored min, which is finite.
+    x = x.clamp_(max=torch.finfo(dtype).max)  # (x is a new tensor: no second one)
     x = x.to(dtype).movedim(-1, axis)
     if out is None:
         return x.contiguous()
