@@ -156,7 +156,8 @@ class ServerSettings(BaseSettings):
         10.0, gt=0, description="a request's headers must all arrive within this of its first byte (or of the "
                                 "connection's opening); else the connection is closed")
     body_idle_timeout_seconds: float = Field(
-        10.0, gt=0, description="a request body that gets no byte for this long (while the server reads) is cut off")
+        10.0, gt=0, description="a request body that gets no byte for this long (while the server reads), or a "
+                                "response whose client takes no byte of it for this long, is cut off")
     body_min_bytes_per_second: int = Field(
         64 << 10, description="bytes per second a request body must average once it has run body_idle_timeout_seconds "
                               "(time the server is not reading excluded); 0 turns the check off")

@@ -25,8 +25,10 @@ is replaced by a fresh one for the next request. This needs the body's length up
 The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
 headers must arrive within ``header_timeout_seconds`` of its first byte (or of the connection's
 opening), and while the server is reading a body, the body must not go ``body_idle_timeout_seconds``
-without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); a
-connection that breaks them is closed, and the app sees its client gone.
+without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); and
+while a response waits for its client to read (writing paused), the client must take some of it
+within ``body_idle_timeout_seconds``. A connection that breaks them is closed, and the app sees
+its client gone.
 
 This overrides methods of uvicorn's classes, which are not a public interface: uvicorn and
 httptools are pinned to the range this was tested with (pyproject.toml), and
@@ -178,6 +180,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self.watch.send_paused()
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self.watch.send_resumed()
 
         def send_400_response(self, msg: str) -> None:
             # A request too malformed to parse (a Content-Length that is not a number, a bad
@@ -365,10 +375,14 @@ class Watchdog:
     """A connection's time limits: headers within ``header_timeout_seconds``; a body that the
     server is reading gets a byte at least every ``body_idle_timeout_seconds`` and averages at least
     ``body_min_bytes_per_second`` bytes a second once it has run that long. Time while the server has
-    paused reading (the app is busy, or its buffers are full) does not count."""
+    paused reading (the app is busy, or its buffers are full) does not count. A response the
+    client stops reading (writing paused, the transport's buffer not shrinking) is cut off after
+    ``body_idle_timeout_seconds``: its route holds the leases of the frames it has handed to the
+    transport until the response is over, and a client that kept the connection open without
+    reading held them, and the CPU tier's slots, for good."""
 
     __slots__ = ("protocol", "limits", "loop", "header_timer", "tick_timer", "bytes", "seen", "active_s",
-                 "last_tick", "progress_at", "reading_body")
+                 "last_tick", "progress_at", "reading_body", "send_timer", "send_left", "send_progress_at")
 
     def __init__(self, protocol: Any, limits: ConnectionLimits) -> None:
         self.protocol = protocol
@@ -379,6 +393,9 @@ class Watchdog:
         self.reading_body = False
         self.bytes = self.seen = 0
         self.active_s = self.last_tick = self.progress_at = 0.0
+        self.send_timer: asyncio.TimerHandle | None = None
+        self.send_left = 0
+        self.send_progress_at = 0.0
 
     def expect_headers(self) -> None:
         if self.header_timer is None:
@@ -409,9 +426,43 @@ class Watchdog:
 
     def stop(self) -> None:
         self.body_done()
+        self.send_resumed()
         if self.header_timer is not None:
             self.header_timer.cancel()
             self.header_timer = None
+
+    def send_paused(self) -> None:
+        """The transport holds more unsent bytes than its high-water mark: the client is not
+        keeping up with the response."""
+        if self.send_timer is None:
+            transport = self.protocol.transport
+            self.send_left = transport.get_write_buffer_size() if transport is not None else 0
+            self.send_progress_at = self.loop.time()
+            self.send_timer = self.loop.call_later(TICK_S, self._send_tick)
+
+    def send_resumed(self) -> None:
+        if self.send_timer is not None:
+            self.send_timer.cancel()
+            self.send_timer = None
+
+    def _send_tick(self) -> None:
+        self.send_timer = None
+        transport = self.protocol.transport
+        if transport is None or transport.is_closing():
+            return
+        now = self.loop.time()
+        left = transport.get_write_buffer_size()
+        if left < self.send_left:
+            self.send_left, self.send_progress_at = left, now
+        elif now - self.send_progress_at >= self.limits.body_idle_timeout_seconds:
+            client = self.protocol.client
+            log.info("closing the connection of %s: no response byte taken for %g s",
+                     f"{client[0]}:{client[1]}" if client else "a client", self.limits.body_idle_timeout_seconds)
+            self.stop()
+            # abort, not close: close waits to flush the bytes this client does not take.
+            transport.abort()
+            return
+        self.send_timer = self.loop.call_later(TICK_S, self._send_tick)
 
     def _tick(self) -> None:
         self.tick_timer = None

@@ -236,6 +236,45 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         assert all(c.get(f"/v1/blocks/{h.hex()}").content == f for h, f in cached)
 
 
+def test_a_client_that_stops_reading_a_response_is_cut_off_and_its_leases_given_back(tmp_path):
+    # A materialize whose client stops reading holds the leases of every frame handed to the
+    # transport (what the socket buffers hold): for good, before, as long as the client kept
+    # the connection open. Many such clients kept the CPU tier's slots from reuse.
+    chain = raw_chain(6, 32, layout=BIG_LAYOUT)  # 32 MiB of prefix, 1 MiB frames
+    args = ["--cpu-bytes", "256MiB", "--body-idle-timeout-seconds", "1"]
+    with Server(tmp_path, *args, disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        whole = sum(8 + len(f) for _, f in chain)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", srv.port))
+        s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}"))
+        assert s.recv(64).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 10
+        while not c.get("/v1/stats").json()["tiers"][0]["leases_active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.get("/v1/stats").json()["tiers"][0]["leases_active"] > 0
+        # No byte taken for body_idle_timeout_seconds: the connection is closed, the leases given back.
+        deadline = time.monotonic() + 15
+        while c.get("/v1/stats").json()["tiers"][0]["leases_active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tier = c.get("/v1/stats").json()["tiers"][0]
+        assert tier["leases_active"] == 0 and tier["held_slots"] == 0, tier
+        got = 64
+        s.settimeout(10)
+        try:
+            while data := s.recv(1 << 20):
+                got += len(data)
+        except ConnectionResetError:
+            pass
+        s.close()
+        assert got < whole  # cut short: what the buffers held, then the end of the connection
+        got = c.get(f"/v1/prefixes/{chain[-1][0].hex()}")  # a client that reads is served whole
+        assert got.status_code == 200 and len(got.content) == whole
+        log = srv.output()
+        assert "ERROR" not in log and "Traceback" not in log, log
+
+
 def test_aborted_uploads_give_their_memory_back(tmp_path):
     with Server(tmp_path, "--cpu-bytes", "512MiB", "--cpu-reserve-bytes", "64MiB", disk=False) as srv:
         rss0 = srv.rss_bytes()
