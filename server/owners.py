@@ -11,7 +11,9 @@ nothing either; it keeps its own attribution, fed by the store's residency event
   hash as stored, which is the client's root masked by the namespace: one per namespace,
   model and codec configuration), a later one from its parent. Roots are few, so they are
   kept in a small JSON file beside the disk tier (``OWNERS_FILE``), and blocks recovered at
-  start are attributed again through them.
+  start are attributed again through them. The root is whatever parent hash a client's
+  position-0 frame names, so at most ``max_roots`` are kept: past it, a new root is not
+  remembered (its chains are attributed while written, and unattributed after a restart).
 
 A block whose chain cannot be traced (its head gone, or written before the root was
 known) is *unattributed* (namespace None). Blocks only a shared Redis tier holds are not
@@ -47,9 +49,10 @@ class Usage:
 
 
 class Owners:
-    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096) -> None:
+    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_roots: int = 4096) -> None:
         self._lock = threading.Lock()
         self.max_owners = max_owners
+        self.max_roots = max_roots
         self._names: list[tuple[str | None, str]] = [(None, "")]  # id -> (namespace, model)
         self._ids: dict[tuple[str | None, str], int] = {}
         self._usage: list[Usage] = [Usage()]
@@ -88,6 +91,10 @@ class Owners:
             for key, parent, position in blocks:
                 self._expected[key] = owner
                 if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
+                    # Each new root rewrites the whole file: without a bound, a writer naming a
+                    # fresh parent in every frame grew it (and each write's cost) for good.
+                    if parent not in self._roots and len(self._roots) >= self.max_roots:
+                        continue
                     self._roots[parent] = owner
                     new_root = True
         if new_root:
@@ -171,7 +178,7 @@ class Owners:
             except (KeyError, TypeError, ValueError):
                 continue
             owner = self.owner_id(namespace, model)
-            if owner != UNATTRIBUTED:
+            if owner != UNATTRIBUTED and len(self._roots) < self.max_roots:
                 self._roots[root] = owner
 
     def _save(self) -> None:

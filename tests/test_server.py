@@ -621,6 +621,25 @@ def test_kill9_during_batch_ingest_keeps_every_acknowledged_block_exact(tmp_path
 
 
 @pytest.mark.slow
+def test_the_owners_file_keeps_a_bounded_number_of_roots(tmp_path):
+    """A chain's root is the parent hash its position-0 frame names, so a writer can name a
+    fresh one in every frame. Each new root rewrote the whole roots file, which grew for good:
+    5000 such frames left 5000 roots, and every later new root wrote them all again."""
+    from cacheseek.layout import KVLayout
+    from cacheseek.server.owners import OWNERS_FILE
+
+    cap = 4096  # Owners.max_roots
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    frames = [raw_frame(i, parent=i.to_bytes(16, "little"), layout=tiny)[1] for i in range(1, cap + 905)]
+    with Server(tmp_path) as s, httpx.Client(base_url=s.url, timeout=120) as c:
+        for start in range(0, len(frames), 2000):
+            r = c.post("/v1/blocks", content=batch_body(frames[start : start + 2000]))
+            assert r.status_code == 200 and {x["status"] for x in r.json()} == {"stored"}
+        roots = json.loads((s.disk_path / OWNERS_FILE).read_text())["roots"]
+        assert len(roots) == cap
+        assert c.get("/v1/stats").json()["tiers"][1]["blocks"] == len(frames)  # every block stored all the same
+
+
 def test_16_concurrent_clients_lose_nothing(tmp_path):
     shared = raw_chain(80, 2)
     errors: list[BaseException] = []
