@@ -22,7 +22,9 @@ reads the rest of the body into ``view`` directly: one copy, by the kernel, as
 is replaced by a fresh one for the next request. This needs the body's length up front
 (Content-Length); a chunked body goes through the pieces.
 
-The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
+A request's line and headers may take at most ``MAX_HEAD_BYTES`` (64 KiB), and so may the
+trailers of a chunked body: longer ones are answered 431 and the connection closed
+(httptools and uvicorn buffer them whole, with no bound of their own). The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
 headers must arrive within ``header_timeout_seconds`` of its first byte (or of the connection's
 opening), and while the server is reading a body, the body must not go ``body_idle_timeout_seconds``
 without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); and
@@ -51,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 HIGH_WATER = 1 << 20
+MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, or its trailers (httptools and uvicorn keep them whole)
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
@@ -174,6 +177,11 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self.in_message = False  # the parser is inside a request (begun, not complete)
+            self.in_head = True  # the bytes that come are a request's line and headers (or precede them)
+            self.head_epoch = 0  # changes whenever a head begins or ends, or a request completes
+            self.head_bytes = 0
+            self.in_trailers = False  # after a chunk's size line, before any of its data: trailers, if it was the last
+            self.chunk_epoch = 0  # changes with each chunk's size line and each piece of body
             self.watch = Watchdog(self, limits)
             self.watch.expect_headers()
 
@@ -192,8 +200,11 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def send_400_response(self, msg: str) -> None:
             # A request too malformed to parse (a Content-Length that is not a number, a bad
             # request line) reaches no route: its 400 is JSON all the same, as every error is.
-            body = json.dumps({"error": f"malformed HTTP request: {msg}"}).encode()
-            content = [b"HTTP/1.1 400 Bad Request\r\n"]
+            self.send_error_and_close(b"400 Bad Request", f"malformed HTTP request: {msg}")
+
+        def send_error_and_close(self, status: bytes, error: str) -> None:
+            body = json.dumps({"error": error}).encode()
+            content = [b"HTTP/1.1 " + status + b"\r\n"]
             for name, value in self.server_state.default_headers:
                 content += [name, b": ", value, b"\r\n"]
             content += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
@@ -204,10 +215,26 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.in_message = True
+            self.in_head, self.head_bytes = True, 0
+            self.head_epoch += 1
             self.watch.expect_headers()
 
         def data_received(self, data: bytes) -> None:
+            epoch, chunk_epoch, in_trailers = self.head_epoch, self.chunk_epoch, self.in_trailers
             super().data_received(data)
+            # Bytes of one head (or of trailers) and nothing else (no head or chunk began or
+            # ended within them): counted. A read in which one began is not, so no body byte
+            # is, and a head may pass the bound by one read.
+            counted = (self.in_head or in_trailers and self.in_trailers and chunk_epoch == self.chunk_epoch) \
+                and epoch == self.head_epoch and not self.transport.is_closing()
+            if counted:
+                self.head_bytes += len(data)
+                if self.head_bytes > MAX_HEAD_BYTES:
+                    log.info("closing the connection of %s: request head or trailers over %d bytes",
+                             f"{self.client[0]}:{self.client[1]}" if self.client else "a client", MAX_HEAD_BYTES)
+                    self.send_error_and_close(b"431 Request Header Fields Too Large",
+                                              f"request line and headers (or trailers) over {MAX_HEAD_BYTES} bytes")
+                    return
             # uvicorn cancels the keep-alive timer on any byte, and re-arms it only when a
             # response completes. Bytes between requests that begin none (a bare CRLF) left
             # an idle connection with no timer at all, open for good: they count as the
@@ -222,6 +249,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
+            self.in_head = self.in_trailers = False
+            self.head_epoch += 1
             cycle = getattr(self, "cycle", None)
             body_length = _body_length(self.headers)
             self.watch.headers_done(expect_body=body_length != 0)
@@ -252,7 +281,13 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def message_done(self) -> None:
             """The request's last byte is in (parsed, or read by a ``BodyTakeover``)."""
-            self.in_message = False
+            self.in_message = self.in_trailers = False
+            self.in_head, self.head_bytes = True, 0
+            self.head_epoch += 1
+
+        def on_chunk_header(self) -> None:
+            self.in_trailers, self.head_bytes = True, 0
+            self.chunk_epoch += 1
             # Answered before its body came (a 4xx, a 503): the response's keep-alive timer
             # was cancelled by the body's bytes. The connection is idle again now.
             if self.timeout_keep_alive_task is None and self._between_requests():
@@ -261,6 +296,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def on_body(self, body: bytes) -> None:
             self.watch.received(len(body))
+            self.in_trailers = False
+            self.chunk_epoch += 1
             cycle = self.cycle
             if not isinstance(cycle, PiecesCycle):
                 return super().on_body(body)

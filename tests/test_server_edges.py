@@ -6,6 +6,7 @@ that stays usable, host details kept from tenants, exit codes for bad settings, 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import subprocess
@@ -338,6 +339,46 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         # a fast client on the same server is unaffected
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
+def test_a_request_head_or_trailers_over_64_kib_is_a_431_and_holds_no_memory(tmp_path):
+    # httptools and uvicorn keep a head (and a chunked body's trailers) whole, with no bound:
+    # before, one client sent 1.6 GB of header lines within the header timeout, and the
+    # server's RSS went from 143 MiB to 1.8 GiB, and stayed there after the client left.
+    line = b"x-filler: " + b"a" * 4000 + b"\r\n"
+    with Server(tmp_path, disk=False) as srv:
+        rss0 = srv.rss_bytes()
+        for how in ("many headers", "one header", "request line", "trailers"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall({"request line": b"GET /", "one header": b"GET /healthz HTTP/1.1\r\nx-one: ",
+                           "trailers": b"POST /v1/blocks HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n0\r\n"}.get(
+                    how, b"GET /healthz HTTP/1.1\r\n"))
+                piece = line if how in ("many headers", "trailers") else b"a" * len(line)
+                try:
+                    for _ in range(4 * MiB // len(piece)):  # until the answer comes
+                        s.sendall(piece)
+                        if select.select([s], [], [], 0)[0]:
+                            break
+                except ConnectionResetError:
+                    pass  # the answer came, and the server closed on bytes it had not read
+                status, headers, body = read_response(s, bytearray())
+                assert status == 431 and headers[b"content-type"] == b"application/json", (how, body)
+                assert "over 65536 bytes" in json.loads(body)["error"], how
+        # A head under the bound is served, on a connection that lives on.
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for _ in range(2):
+                s.sendall(head("GET", "/healthz", extra=(line * 12).decode()))
+                assert read_response(s, rest)[0] == 200
+            # and a chunked body of many small chunks, with a trailer
+            h, frame = raw_frame(7)
+            chunks = b"".join(b"%x\r\n" % len(frame[i : i + 100]) + frame[i : i + 100] + b"\r\n"
+                              for i in range(0, len(frame), 100))
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra="transfer-encoding: chunked\r\n") + chunks
+                      + b"0\r\nx-trailer: 1\r\n\r\n")
+            assert read_response(s, rest)[0] == 201
+        assert srv.rss_bytes() - rss0 < 32 * MiB, (srv.rss_bytes() - rss0) / MiB
+        assert "Traceback" not in srv.output(), srv.output()
 
 
 def test_bytes_that_begin_no_request_never_keep_a_connection_open(tmp_path):
