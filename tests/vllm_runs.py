@@ -402,13 +402,21 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
         return MultiModalFeatureSpec(data=None, modality="image", identifier=h,
                                      mm_position=PlaceholderRange(offset=40, length=20))
 
+    def embeds(mixed: bool) -> dict[str, Any]:
+        """Prompt embeddings with the same token ids beside them: vLLM's mixed mode (positions
+        50 on take an embedding, their ids are placeholders), or ids given with embeddings
+        for every position. Their KV is the embeddings', which the ids do not name."""
+        mask = [i < 50 for i in range(len(tokens))] if mixed else None
+        return {"prompt_embeds": torch.randn(len(tokens), 8), "prompt_is_token_ids": mask}
+
     variants = {
         "plain": {}, "lora_sql": {"lora_request": LoRARequest("sql", 1, "/adapters/sql")},
         "lora_chat": {"lora_request": LoRARequest("chat", 2, "/adapters/chat")},
         "salt_a": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"},
         "image_1": {"mm_features": [image("img-1")]}, "image_2": {"mm_features": [image("img-2")]},
+        "embeds_mixed": embeds(True), "embeds_with_ids": embeds(False),
     }
-    stored = ("plain", "lora_sql", "salt_a", "image_1")
+    stored = ("plain", "lora_sql", "salt_a", "image_1", "embeds_mixed")  # (the last is not saved)
     free = iter(range(128))
 
     def step(reqs: list[Any], scheduled: int) -> Any:

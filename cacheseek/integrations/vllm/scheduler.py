@@ -12,8 +12,8 @@ objects, read through the few attributes named here.
   every rank holds.
 - Requests whose KV depends on more than their tokens are keyed by it too (``cs.Prompt``):
   the LoRA adapter's name, each multimodal input's content hash and placeholder range, the
-  cache salt. Two requests that differ in any of these share no block. Requests with no
-  token ids (prompt embeddings) are neither loaded nor saved.
+  cache salt. Two requests that differ in any of these share no block. Requests with
+  prompt embeddings (token ids beside them or not) are neither loaded nor saved.
 - A load writes whole store blocks, so it must start on a store block boundary: when
   vLLM's own hit ends inside a store block, nothing is offered (``lookup_unaligned``), as
   writing that block would overwrite vLLM's own pages, which other requests share.
@@ -60,7 +60,10 @@ class _Request:
 
 def unsupported_reason(request: Any) -> str | None:
     """Why a request's KV cannot be keyed at all, or None."""
-    if getattr(request, "prompt_token_ids", None) is None:
+    # A prompt of embeddings may carry token ids too (vLLM's mixed mode: placeholder ids
+    # where an embedding goes in, or ids given beside the embeddings): its KV depends on
+    # the embeddings, which the ids do not name.
+    if getattr(request, "prompt_token_ids", None) is None or getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
     return None
 
