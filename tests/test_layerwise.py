@@ -990,6 +990,43 @@ def test_a_failed_layerwise_load_is_recomputed(tiny_model, monkeypatch):
         assert torch.equal(res.logits, full.logits) and cache_length(res.cache) == len(ids)
 
 
+def test_a_layerwise_prefill_that_raises_gives_back_the_loads_frames_and_the_writers_slots(tiny_model,
+                                                                                           monkeypatch):
+    """Held while the error is (``pytest.raises`` keeps its traceback, and so the call's
+    frame): the load's CPU-tier frames when a model's cache is refused before the forward
+    (sliding-window layers), and the writer's reserved slots when the recompute after a
+    failed load raises."""
+    sliding = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, max_position_embeddings=1024)).eval()
+    ids = list(range(17, 17 + 2 * TF_BLOCK + 5))
+    with model_cache(sliding, cs.Raw()) as cache:
+        layout = cache.layout
+        kv = [tuple(torch.randn(layout.num_kv_heads, len(ids), layout.head_dim) for _ in "kv")
+              for _ in range(layout.num_layers)]
+        assert cache.ingest(ids, kv).stored == 2
+        with pytest.raises(cs.ConfigError, match="full-attention DynamicLayer caches only") as refused:
+            prefill_with_reuse(sliding, cache, ids, reuse="always", layerwise=True)
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0 and refused.value is not None
+
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)  # the writer reserves slots
+    with model_cache(tiny_model, cs.Raw()) as cache:
+        prefill_with_reuse(tiny_model, cache, ids[: TF_BLOCK + 1])  # block 0 stored: the load fails in layer 1
+        monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", decode_failing_from(1))
+        real_put = layerwise_save.LayerwiseSave.put_layer
+
+        def put_layer(self, i, k, v):
+            real_put(self, i, k, v)
+            if i == 2:  # reached in the recompute only
+                raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(layerwise_save.LayerwiseSave, "put_layer", put_layer)
+        with pytest.raises(RuntimeError, match="out of memory") as raised:
+            prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=True)
+        assert reservation_bytes(cache) == 0 and raised.value is not None
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+
+
 @pytest.mark.parametrize("change", ["evicted", "stored"])
 def test_a_layerwise_load_that_differs_from_its_lookup_runs_the_right_suffix(tiny_model, monkeypatch, change):
     """Between the lookup and the load a block may go (the load ends short: the suffix

@@ -442,24 +442,28 @@ def prefill_with_reuse(
         skipped = "reuse disabled by the caller"
 
     t = time.perf_counter()
-    if layerwise:
-        if writer is None and ingest:
-            writer = cache.ingest_layerwise(keys)
-        past = layerwise_cache(load, model.config, writer)
+    # Whatever raises from here on (a cache of other than full-attention layers refused, the
+    # forward, its recompute) gives back what the load and the writer hold: the load's
+    # frames are CPU-tier slots, the writer's reserved slots.
     try:
+        if layerwise:
+            if writer is None and ingest:
+                writer = cache.ingest_layerwise(keys)
+            past = layerwise_cache(load, model.config, writer)
         if prompt is not None and reused >= past_start:  # (a load may end short of the lookup)
             suffix = prompt[:, reused - past_start:]
         else:
             suffix = torch.tensor([ids[reused:]], dtype=torch.long, device=device)
-        logits, past = forward(model, suffix, past, last_only=True)
-    except LoadError as exc:  # a layer-wise load that failed part way: recompute the prompt
-        skipped = f"layer-wise load failed, recomputed: {exc}"
-        reused, tiers = 0, []
-        if writer is not None:
-            writer.abort()
-            writer = cache.ingest_layerwise(keys)
-        suffix = torch.tensor([ids], dtype=torch.long, device=device)
-        logits, past = forward(model, suffix, layerwise_cache(None, model.config, writer), last_only=True)
+        try:
+            logits, past = forward(model, suffix, past, last_only=True)
+        except LoadError as exc:  # a layer-wise load that failed part way: recompute the prompt
+            skipped = f"layer-wise load failed, recomputed: {exc}"
+            reused, tiers = 0, []
+            if writer is not None:
+                writer.abort()
+                writer = cache.ingest_layerwise(keys)
+            suffix = torch.tensor([ids], dtype=torch.long, device=device)
+            logits, past = forward(model, suffix, layerwise_cache(None, model.config, writer), last_only=True)
     except BaseException:
         if writer is not None:
             writer.abort()  # gives back the CPU-tier slots a layer-wise save holds
