@@ -156,8 +156,13 @@ def _tiers(value: Any) -> TierConfig:
     unknown = sorted(set(value) - _TIER_KEYS)
     if unknown:
         raise ConfigError(f"kv_connector_extra_config.tiers: unknown keys {unknown}; known: {sorted(_TIER_KEYS)}")
-    if "write_through" in value and value["write_through"] is not None:
-        value = {**value, "write_through": tuple(value["write_through"])}
+    names = value.get("write_through")
+    if names is not None:
+        # (a bare string would be read as a list of its letters)
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(f"kv_connector_extra_config.tiers.write_through: expected a list of tier names, "
+                              f"got {names!r}")
+        value = {**value, "write_through": tuple(names)}
     try:
         return TierConfig(**value)
     except TypeError as exc:
