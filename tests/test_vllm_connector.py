@@ -13,7 +13,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   token for token. KIVI int8 and int4: the same, with the agreement reported. vLLM's
   cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones.
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
-  is told which blocks failed and recomputes them; the output is unchanged.
+  is told which blocks failed and recomputes them; the output is unchanged. Again with a
+  second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
+  neither saves what its forward read in the blocks the load left unwritten.
 - layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
   default, whole steps): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
   bit for bit; then a layer group's decode fails after the forward read the first layers:
@@ -239,6 +241,17 @@ def test_block_lost_after_lookup_is_recomputed_by_vllm(engines):
     assert part["got"]["tokens"] == part["want"]["tokens"], part["agreement"]
     # the damaged block was dropped when read, recomputed by vLLM, and stored again
     assert worker["save_blocks_stored"] == 1 and worker["save_blocks_present"] >= 3
+
+
+def test_a_request_on_the_blocks_of_a_load_that_fell_short_saves_nothing_it_read(engines):
+    # Prompts 1 and 2 in one step, block 2 damaged: vLLM gives prompt 2 the blocks prompt 1
+    # loads as its own prefix hit. The load stops at block 2; neither prompt's save stores
+    # what its forward read there, and vLLM's recompute stores block 2 as it was.
+    shared = result(engines, "raw")["shared"]
+    worker = shared["worker"]
+    assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 512
+    assert worker["saves_skipped"] == 1  # prompt 2's save of that step (prompt 1's saves nothing new there)
+    assert shared["blocks"] == [4, 4] and max(shared["k_diff"]) < 1e-4, shared["k_diff"]
 
 
 def test_two_engines_share_a_prefix_through_a_server(engines):

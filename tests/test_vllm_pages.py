@@ -441,6 +441,39 @@ def test_a_layerwise_save_stores_what_a_whole_save_stores(codec, monkeypatch):
     cache.close(), whole_cache.close()
 
 
+@pytest.mark.parametrize("layerwise_save", [False, True], ids=["whole", "layerwise"])
+def test_a_request_sharing_the_blocks_of_a_load_that_fell_short_is_not_saved(layerwise_save, monkeypatch):
+    """vLLM hands the blocks a load is about to write to a request scheduled after it in the
+    same step, as that request's own prefix hit (vLLM 0.32, seen in a real engine: r loads
+    into blocks 3-6, q is scheduled on them, its save names them). r's load falls short: q's
+    forward read the unwritten pages too, so its save would store them, and the KV computed
+    over them, under the right keys: a later request would load that. Nothing of it is
+    saved; another request's save is."""
+    from cacheseek import layerwise_save as lws
+
+    monkeypatch.setattr(lws, "MIN_SAVE_BYTES", 0)
+    fmt = PageFormat("channel", D, 16, 16)  # vLLM blocks of 16 tokens, store blocks of 32
+    side, cache = worker()
+    side.layerwise_save = layerwise_save
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+    tokens, other = list(range(96)), list(range(500, 532))
+    cache.ingest(tokens[:32], side.pages.engine.at([0, 1]))  # only block 0 is stored
+    plan = StepPlan(loads=[LoadSpec("r", tokens[:64], [3, 4, 5, 6], start=0)],
+                    saves=[SaveSpec("q", tokens, [3, 4, 5, 6, 10, 11]), SaveSpec("s", other, [8, 9])])
+    save_step(side, plan)
+    assert side.take_failed_blocks() == {5, 6}
+    st = side.stats
+    assert st.saves_skipped == 1 and st.saves == 1 and cache.lookup(other) == 32
+    assert cache.lookup(tokens) == 32  # block 0 only: nothing computed over the pages of blocks 5 and 6
+    assert cache.stats()["tiers"][0]["reservation_bytes"] == 0
+    # a save of only the blocks before the ones the load left unwritten is saved
+    plan = StepPlan(loads=[LoadSpec("r", tokens[:64], [3, 4, 5, 6], start=0)],
+                    saves=[SaveSpec("q", tokens[:32], [3, 4, 5, 6, 10, 11])])
+    save_step(side, plan)
+    assert st.saves == 2 and st.saves_skipped == 1
+    cache.close()
+
+
 def test_a_layerwise_save_drops_the_request_whose_load_failed(monkeypatch):
     from cacheseek import layerwise_save
 

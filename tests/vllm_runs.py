@@ -14,6 +14,7 @@ its KV transfer group) besides vLLM's own metrics.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -122,7 +123,8 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
 
     With ``corrupt_block`` (a disk-only embedded cache): that block's file is then damaged
     on disk, and prompt 2 is looked up (all blocks are still indexed), loaded up to the bad
-    block, and the rest recomputed by vLLM."""
+    block, and the rest recomputed by vLLM. Then again, with prompts 1 and 2 in one step
+    (``shared_blocks_of_a_failed_load``)."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1])}
@@ -160,14 +162,51 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     if "corrupt_block" in job:
         cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
         bad = cache.block_hashes(prefix)[job["corrupt_block"]]
-        frame = next(Path(job["extra"]["tiers"]["disk_path"]).rglob(f"{bad.hex()}.frame"))
-        data = bytearray(frame.read_bytes())
-        data[-64:] = bytes(b ^ 0xFF for b in data[-64:])  # the payload's tail: its checksum no longer holds
-        frame.write_bytes(bytes(data))
+        damage = functools.partial(damage_frame, job["extra"]["tiers"]["disk_path"])
+        damage(bad)
         eng.reset()
         out["partial"] = rounds(eng, ps, [2])[0]
         out["after_partial"] = eng.stats()
+        out["shared"] = shared_blocks_of_a_failed_load(eng, ps, prefix, damage, bad, job["corrupt_block"])
+        out["after_shared"] = eng.stats()
     return out
+
+
+def damage_frame(disk_path: str, block: bytes) -> None:
+    """Flip the payload's tail of ``block``'s frame on disk: its checksum no longer holds."""
+    frame = next(Path(disk_path).rglob(f"{block.hex()}.frame"))
+    data = bytearray(frame.read_bytes())
+    data[-64:] = bytes(b ^ 0xFF for b in data[-64:])
+    frame.write_bytes(bytes(data))
+
+
+def shared_blocks_of_a_failed_load(eng: Engine, ps: list[list[int]], prefix: list[int], damage_block: Any,
+                                   bad: bytes, index: int) -> dict[str, Any]:
+    """Prompts 1 and 2 in one step, block ``index`` damaged again: vLLM gives prompt 2 the
+    blocks prompt 1 is loading as its own prefix hit, so both forwards read the pages the
+    load leaves unwritten (here filled with a stand-in for other requests' KV first). The
+    largest difference of the stored prefix's K from what it held before, after the step."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
+    with torch.inference_mode():
+        want = cache.materialize(prefix)
+    damage_block(bad)
+    eng.reset()
+    for k, v in get_kv_transfer_group()._worker.pages.views:
+        k.fill_(3.0)
+        v.fill_(3.0)
+    before = eng.stats()
+    outs = eng.llm.generate([{"prompt_token_ids": ps[1]}, {"prompt_token_ids": ps[2]}], eng.params, use_tqdm=False)
+    with torch.inference_mode():
+        got = cache.materialize(prefix)
+    B = cache.block_tokens
+    diff = [max(float((a[..., b * B:(b + 1) * B, :] - c[..., b * B:(b + 1) * B, :]).abs().max())
+                for (a, _), (c, _) in zip(want.layers, got.layers)) for b in range(min(want.num_blocks, got.num_blocks))]
+    return {"blocks": [want.num_blocks, got.num_blocks], "k_diff": diff, "index": index,
+            "worker": minus_worker(eng.stats(), before), "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
 def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class ConnectorStats:
     save_blocks_stored: int = 0
     save_blocks_present: int = 0
     save_failures: int = 0  # saves dropped (the call raised: server down, bad KV; or blocks not acknowledged)
-    saves_skipped: int = 0  # saves dropped because the same step's load of that request failed
+    saves_skipped: int = 0  # saves dropped: their KV read blocks a load of the same step failed to write
     save_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, int | float]:

@@ -38,7 +38,8 @@ step is reported, from each load's start, even if the forward has read some laye
 them by then (the step's output for those requests is then discarded by vLLM, as for any
 failed load; see docs/vllm.md). A save that fails is dropped; so is the save of a request
 whose load failed in the same step, because its new KV was computed over the missing
-blocks.
+blocks, and of any request whose blocks include those (a prefix hit vLLM gave it on the
+blocks being loaded).
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class WorkerSide:
         self._unclosed: Any = None  # a finished step's LayerwiseLoad on a GPU, closed at the next step
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their saves are dropped
+        self._unwritten: set[int] = set()  # this step's vLLM blocks a load failed to write
 
     def register(self, pages: VllmPages) -> None:
         self.pages = pages
@@ -99,6 +101,7 @@ class WorkerSide:
     def start_step(self, plan: StepPlan) -> None:
         self.end_load()  # (ended by the previous step's wait_for_save already, normally)
         self._failed_requests.clear()
+        self._unwritten.clear()
         if plan.loads:
             if self.layerwise:
                 self.start_load(plan.loads)
@@ -109,7 +112,7 @@ class WorkerSide:
         self.end_load()  # before the saves: a load that failed drops its request's save
         saves = []
         for spec in plan.saves:
-            if spec.req_id in self._failed_requests:
+            if self._reads_unwritten(spec):
                 self.stats.saves_skipped += 1
             else:
                 saves.append(spec)
@@ -117,6 +120,17 @@ class WorkerSide:
             return
         if saves:
             self.save(saves)
+
+    def _reads_unwritten(self, spec: SaveSpec) -> bool:
+        """Whether the KV ``spec`` would store was computed over pages a load of this step
+        failed to write: its own load's, or another request's whose blocks it shares (vLLM
+        hands the blocks a load is about to write to a request scheduled after it in the
+        same step, as its own prefix hit; it then recomputes them, but its saves would
+        store what the forward read, under the right keys)."""
+        if spec.req_id in self._failed_requests:
+            return True
+        upto = -(-len(spec.token_ids) // self._pages().fmt.block_size)
+        return not self._unwritten.isdisjoint(spec.block_ids[:upto])
 
     def take_failed_blocks(self) -> set[int]:
         self.end_load()
@@ -251,6 +265,7 @@ class WorkerSide:
             block = pages.fmt.block_size
             failed = spec.block_ids[end // block : -(-spec.end // block)]
             self._failed_blocks.update(failed)
+            self._unwritten.update(failed)
             self._failed_requests.add(spec.req_id)
             self.stats.load_failures += 1
             self.stats.load_failed_tokens += spec.end - end
@@ -330,7 +345,7 @@ class WorkerSide:
             self._drop(running, "the step never reached wait_for_save")
             return False
         t0 = time.perf_counter()
-        failed = [spec.req_id for spec in running.plan.saves if spec.req_id in self._failed_requests]
+        failed = [spec.req_id for spec in running.plan.saves if self._reads_unwritten(spec)]
         if running.error is None and not failed:
             try:
                 results = running.writer.finish()
@@ -343,7 +358,7 @@ class WorkerSide:
                 self.stats.save_layerwise_calls += 1
                 self.stats.save_seconds += running.seconds + time.perf_counter() - t0
                 return True
-        self._drop(running, f"the load of {failed[:4]} failed in this step" if failed else
+        self._drop(running, f"{failed[:4]} read blocks a load failed to write in this step" if failed else
                    f"{type(running.error).__name__}: {running.error}")
         return False
 
