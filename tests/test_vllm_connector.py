@@ -176,8 +176,9 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     # and were not saved under its keys.
     assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "salt_a": 96, "salt_b": 0,
                             "image_1": 96, "image_2": 32,  # image 2 differs from block 1 on
-                            "embeds_mixed": 0, "embeds_with_ids": 0}
-    assert res["scheduler"]["requests_unsupported"] == 3
+                            "embeds_mixed": 0, "embeds_with_ids": 0,
+                            "lora_unnamed": 0}  # extra keys the store cannot take: not keyed, never raised
+    assert res["scheduler"]["requests_unsupported"] == 4
     assert res["load_calls"] == 1 and res["loads"] == 5 and res["failed_blocks"] == []
     assert all(res["own_kv"].values()), res["own_kv"]  # each loaded its own variant's KV
     assert res["sql_is_plain"] is False

@@ -454,6 +454,7 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
         "salt_a": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"},
         "image_1": {"mm_features": [image("img-1")]}, "image_2": {"mm_features": [image("img-2")]},
         "embeds_mixed": embeds(True), "embeds_with_ids": embeds(False),
+        "lora_unnamed": {"lora_request": LoRARequest("", 3, "/adapters/unnamed")},  # (vLLM takes it)
     }
     stored = ("plain", "lora_sql", "salt_a", "image_1", "embeds_mixed")  # (the last is not saved)
     free = iter(range(128))

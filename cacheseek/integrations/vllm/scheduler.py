@@ -13,7 +13,9 @@ objects, read through the few attributes named here.
 - Requests whose KV depends on more than their tokens are keyed by it too (``cs.Prompt``):
   the LoRA adapter's name, each multimodal input's content hash and placeholder range, the
   cache salt. Two requests that differ in any of these share no block. Requests with
-  prompt embeddings (token ids beside them or not) are neither loaded nor saved.
+  prompt embeddings (token ids beside them or not), or extra keys the store cannot take
+  (an adapter with an empty name, an input with an empty hash or no tokens), are neither
+  loaded nor saved.
 - A load writes whole store blocks, so it must start on a store block boundary: when
   vLLM's own hit ends inside a store block, nothing is offered (``lookup_unaligned``), as
   writing that block would overwrite vLLM's own pages, which other requests share.
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import InputError
 from ...hashing import ExtraKeys, MMInput
 from .guard import StoreGuard
 from .plan import LoadSpec, SaveSpec, StepPlan, request_keys
@@ -65,6 +68,10 @@ def unsupported_reason(request: Any) -> str | None:
     # the embeddings, which the ids do not name.
     if getattr(request, "prompt_token_ids", None) is None or getattr(request, "prompt_embeds", None) is not None:
         return "prompt embeddings"
+    try:
+        extra_keys(request)
+    except InputError as exc:  # (vLLM takes an adapter named "", an input of no tokens, ...: never raise into it)
+        return f"extra keys: {exc}"
     return None
 
 

@@ -19,7 +19,7 @@ class ConnectorStats:
     lookup_errors: int = 0  # the store could not answer (server down, timed out): counted as a miss
     lookup_skipped: int = 0  # not asked: the server failed recently (breaker open)
     lookup_unaligned: int = 0  # vLLM's own hit ends inside a store block: nothing offered (see docs/vllm.md)
-    requests_unsupported: int = 0  # prompt embeddings (token ids beside them or not): neither loaded nor saved
+    requests_unsupported: int = 0  # prompt embeddings, extra keys that cannot be keyed: neither loaded nor saved
     requests_keyed: int = 0  # requests keyed by more than their tokens (LoRA, multimodal, cache salt)
     # worker side: loads
     load_calls: int = 0  # materialize_into_batch calls: one per step with loads
