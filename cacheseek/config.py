@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,6 +86,9 @@ class TierConfig:
         if isinstance(self.disk_admit_after_uses, bool) or not isinstance(self.disk_admit_after_uses, int) \
                 or self.disk_admit_after_uses < 1:
             raise ConfigError(f"disk_admit_after_uses: must be an int >= 1, got {self.disk_admit_after_uses!r}")
+        if self.disk_path is not None and (not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path)):
+            # (checked before any tier is built: a CPU tier's pinned memory is not made for nothing)
+            raise ConfigError(f"disk_path: must be a directory path (str or Path), got {self.disk_path!r}")
         tiers = []
         gpu = parse_size(self.gpu_bytes, name="gpu_bytes")
         if gpu:

@@ -607,6 +607,9 @@ def test_tier_config_errors_name_the_setting(tmp_path):
         make_cache(cpu="1MiB", write_through=("cpu",))
     with pytest.raises(cs.ConfigError, match="block_tokens"):
         make_cache(codec=cs.KIVI(group_size=64), block=32)
+    for bad in (5, b"/tmp/x", ""):  # (a number raised TypeError; an empty path meant the current directory)
+        with pytest.raises(cs.ConfigError, match="disk_path"):
+            make_cache(cpu=0, disk=bad)
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(cs.StorageError, match="cannot create"):
