@@ -284,15 +284,15 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.in_message = self.in_trailers = False
             self.in_head, self.head_bytes = True, 0
             self.head_epoch += 1
-
-        def on_chunk_header(self) -> None:
-            self.in_trailers, self.head_bytes = True, 0
-            self.chunk_epoch += 1
             # Answered before its body came (a 4xx, a 503): the response's keep-alive timer
             # was cancelled by the body's bytes. The connection is idle again now.
             if self.timeout_keep_alive_task is None and self._between_requests():
                 self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                     self.timeout_keep_alive_handler)
+
+        def on_chunk_header(self) -> None:
+            self.in_trailers, self.head_bytes = True, 0
+            self.chunk_epoch += 1
 
         def on_body(self, body: bytes) -> None:
             self.watch.received(len(body))
