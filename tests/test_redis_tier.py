@@ -887,6 +887,45 @@ def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redi
                 t.close()
 
 
+def test_a_victims_delete_that_lands_after_another_process_acknowledged_it_takes_nothing(
+        redis_url, monkeypatch):
+    """Process B's index script evicts X, and B stalls before its DELs; process A puts X
+    (all three round trips), then B's DEL lands. On one Redis that DEL is fenced: X is
+    counted again, so its value stays."""
+    from cacheseek.store import redis_tier
+
+    x, w, y = _frame(71), _frame(72), _frame(73)
+    budget = x[1].nbytes + w[1].nbytes + y[1].nbytes // 2  # Y evicts X, the oldest
+    a, b, c = (RedisTier(redis_url, budget, namespace="fence") for _ in range(3))
+    parse = redis_tier.SharedIndex.parse
+    stalled, go = threading.Event(), threading.Event()
+
+    def parse_then_stall(reply):
+        update = parse(reply)
+        if threading.current_thread().name == "evictor" and update.evicted:
+            stalled.set()
+            go.wait(30)
+        return update
+
+    monkeypatch.setattr(redis_tier.SharedIndex, "parse", staticmethod(parse_then_stall))
+    try:
+        c.put(*x)
+        c.put(*w)
+        evictor = threading.Thread(target=b.put, args=y, name="evictor")
+        evictor.start()
+        assert stalled.wait(30)  # B's script has evicted X; its DELs wait
+        assert a.put(*x).error is None
+        go.set()
+        evictor.join(30)
+        got = a.get(x[0])
+        assert got is not None and bytes(got.host) == bytes(x[1].host)
+        assert a.check() == {"ok": 2, "ghosts": 0, "orphans": 0}  # X and Y (A's put evicted W)
+    finally:
+        go.set()
+        for t in (a, b, c):
+            t.close()
+
+
 def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
     """A DEL of another process's landing right after this process's SET (the window round
     trip 3 closes): the value is found gone while the index counts it, and written again."""

@@ -240,6 +240,22 @@ end
 return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted}
 """
 
+# The fence on a victim's DEL: delete a frame only while the index does not count its block.
+# A process that evicts a block deletes its frame a round trip after its script; meanwhile
+# another may have counted the block again and written it. On one Redis the check and the
+# DEL are one atomic step, so a DEL however late never takes a value the index counts. In a
+# cluster the frame and the index live on different masters: no script holds both.
+# KEYS[1]: the sizes hash; KEYS[2..]: the frames; ARGV: their members, in the same order.
+DROP_UNCOUNTED_SCRIPT = """
+local n = 0
+for i = 2, #KEYS do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i - 1]) == 0 then
+    n = n + redis.call('DEL', KEYS[i])
+  end
+end
+return n
+"""
+
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
 
 
@@ -306,6 +322,12 @@ class SharedIndex:
             args += [member, int(nbytes), int(raw_nbytes)]
         return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args)
 
+    def queue_drop_uncounted(self, client: Any, members: Sequence[str]) -> Any:
+        """Queue (or run) the fenced delete of the frames of ``members``: each goes only if
+        the index does not count it (see :data:`DROP_UNCOUNTED_SCRIPT`). One Redis only."""
+        frames = [self.keys.frame_of_member(m) for m in members]
+        return client.execute_command("EVAL", DROP_UNCOUNTED_SCRIPT, 1 + len(frames), self.keys.sizes, *frames, *members)
+
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
         status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted = reply
@@ -324,4 +346,4 @@ def _text(member: Any) -> str:
     return member.decode() if isinstance(member, bytes) else str(member)
 
 
-__all__ = ["INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]
+__all__ = ["DROP_UNCOUNTED_SCRIPT", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]

@@ -287,8 +287,7 @@ class RedisTier(Tier):
         # Every evicted or expired block's frame goes, ours included (one may have been there
         # already), except those about to be written: they are counted again.
         dels = [m for m in list(update.evicted) + list(update.expired) if m not in sent]
-        for m in dels:
-            pipe.delete(keys.frame_of_member(m))
+        n_del = self._queue_drop(pipe, dels)
         status_of = dict(zip(batch.todo, update.added))
         for i in sets:
             self._queue_set(pipe, batch, i, status_of[i])
@@ -297,7 +296,7 @@ class RedisTier(Tier):
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         self._raise_unavailable(replies)
         datas = replies[:n_get] if n_get else [None] * len(victims)
-        replies = replies[n_get + len(dels) :]
+        replies = replies[n_get + n_del :]
         refused = []
         for i, reply in zip(sets, replies):
             key, frame = batch.items[i]
@@ -319,8 +318,9 @@ class RedisTier(Tier):
             # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
             # And one whose value is gone though the index counts it: another process's DEL of
             # it as a victim, sent before we counted it again, landed after our SET. It is
-            # written once more (the window left is another process stalled between its
-            # script and its DELs for longer than our three round trips).
+            # written once more. (On one Redis such DELs are fenced and cannot do this; in a
+            # cluster, a process stalled between its script and its DELs for longer than our
+            # three round trips still can.)
             # The sizes hash counts every block; the LRU zset leaves out pinned ones, and a
             # block may have been pinned since our add: its frame's expiry is taken off again.
             pipe = client.pipeline(transaction=False)
@@ -336,7 +336,7 @@ class RedisTier(Tier):
             pins = checks[1 if written else 0 : len(checks) - len(names)]
             gone = [m for m, size in zip(names, sizes) if size is None]
             if gone:
-                self._pipelined(client, "delete", [keys.frame_of_member(m) for m in gone])
+                self._drop(client, gone)
             lost = [i for i, m, size, n in zip(written, names, sizes, found) if size is not None and not n]
             if lost:
                 pipe = client.pipeline(transaction=False)
@@ -363,7 +363,29 @@ class RedisTier(Tier):
             # and drop what such a SET would have replaced (a block the index had let expire
             # keeps its old value until its own PX): no value is left uncounted. (DEL runs
             # under maxmemory.)
-            self._pipelined(client, "delete", [keys.frame_of_member(m) for m in refused])
+            self._drop(client, refused)
+
+    def _queue_drop(self, pipe: Any, members: Sequence[str]) -> int:
+        """Queue the deletes of the frames of blocks the index has let go (evicted, expired,
+        forgotten); returns how many replies they add. On one Redis the delete is fenced:
+        a frame goes only while the index does not count its block, so another process that
+        counted it again since keeps what it wrote, however late this lands. In a cluster
+        (frames and index on different masters) they are plain ``DEL``s: step 3 of a put
+        covers the usual race there, not a process stalled between its script and its DELs."""
+        if not members:
+            return 0
+        if self.target.cluster:
+            for m in members:
+                pipe.delete(self.keys_of.frame_of_member(m))
+            return len(members)
+        self._index.queue_drop_uncounted(pipe, members)
+        return 1
+
+    def _drop(self, client: Any, members: Sequence[str]) -> None:
+        if members:
+            pipe = client.pipeline(transaction=False)
+            self._queue_drop(pipe, members)
+            pipe.execute()
 
     def _queue_set(self, pipe: Any, batch: _Batch, i: int, status: int) -> None:
         key, frame = batch.items[i]
@@ -424,7 +446,7 @@ class RedisTier(Tier):
                 again = SharedIndex.parse(self._index.queue(c, add=back))
                 self._delete_expired(c, again)
                 if again.evicted:
-                    self._pipelined(c, "delete", [self.keys_of.frame_of_member(m) for m in again.evicted])
+                    self._drop(c, again.evicted)
 
         try:
             self._run(send)
@@ -622,7 +644,7 @@ class RedisTier(Tier):
             update = SharedIndex.parse(self._index.queue(c, add=found))
             self._delete_expired(c, update)
             if update.evicted:  # (an adopted block over the budget goes too: counted, then evicted)
-                self._pipelined(c, "delete", [self.keys_of.frame_of_member(m) for m in update.evicted])
+                self._drop(c, update.evicted)
 
         try:
             self._run(send)
@@ -694,7 +716,7 @@ class RedisTier(Tier):
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
         self._note_totals(update.totals)
         if update.expired:
-            self._pipelined(client, "delete", [self.keys_of.frame_of_member(m) for m in update.expired])
+            self._drop(client, update.expired)
 
     def _note_totals(self, totals: IndexTotals) -> None:
         with self._lock:
@@ -767,7 +789,7 @@ class RedisTier(Tier):
                 self._note_totals(update.totals)
                 victims = list(update.evicted) + list(update.expired)
                 if victims:
-                    self._pipelined(c, "delete", [self.keys_of.frame_of_member(v) for v in victims])
+                    self._drop(c, victims)
 
             self._run(repair)
         return report
