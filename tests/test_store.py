@@ -919,6 +919,45 @@ def test_a_read_in_flight_does_not_bring_back_a_block_deleted_before_its_promoti
     store.close()
 
 
+@pytest.mark.parametrize("write", ["put_many", "commit_many"])
+def test_a_block_deleted_while_it_moves_down_a_tier_is_not_stored_below(tmp_path, write):
+    """A put evicted X from the CPU tier and was handing it down to the disk when a delete
+    of X ran: X was in neither tier, the delete answered False (a 404), and the demotion
+    then stored X on disk, where every later read found it."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    class Disk(DiskTier):
+        before_put = None
+
+        def put_many(self, items, **kw):
+            hook, self.before_put = self.before_put, None
+            if hook is not None:
+                hook()  # the delete, while the victim is in no tier
+            return super().put_many(items, **kw)
+
+    moved, kept, new = raw_frame(7), raw_frame(8), raw_frame(9)
+    cpu = CpuTier(2 * moved[1].nbytes, reserve_bytes=moved[1].nbytes)  # (room to reserve one more)
+    disk = Disk(tmp_path / "d", 1 << 30, fsync=False)
+    store = TieredStore([cpu, disk])  # write-back: the CPU tier's victims go down to the disk
+    store.put_many([moved, kept])
+    deleted = []
+    disk.before_put = lambda: deleted.append(store.delete(moved[0]))
+    if write == "put_many":
+        assert store.put_many([new])[0].stored
+    else:
+        reservation = store.reserve(new[1].nbytes)
+        reservation.view()[:] = new[1].host
+        assert store.commit_many([(new[0], reservation, new[1].meta)])[0].stored
+    assert deleted == [False]  # the delete found X in no tier
+    assert store.contains_many([moved[0]]) == [False] and disk.keys() == []
+    assert store.get(moved[0]) is None and cpu.stats().evictions == 1
+    store.put(*new)  # a write with no delete meanwhile demotes as before
+    assert sorted(store.contains_many([kept[0], new[0]])) == [True, True]
+    store.close()
+
+
 def test_blocks_whose_head_is_gone_are_a_prefix_again_once_the_chain_is_ingested_again(tmp_path):
     """Stored blocks whose head no tier holds are unreachable, not lost: an ingest of the
     chain writes the missing head alone, and the whole prefix is served again."""

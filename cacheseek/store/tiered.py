@@ -8,7 +8,8 @@
 - A hit below the top is copied up into every faster tier (promotion), if enabled.
 - A block on its way down (evicted from one tier, not yet in the next) is not missed by a
   read: a ``get`` that finds a key nowhere while such a write ran waits for it and looks
-  again (``store.moves``).
+  again (``store.moves``). A delete meanwhile misses it, and the demotion takes the copy
+  it put below away again: a deleted block never comes back.
 - A tier with an admission threshold (``admit_after``) takes a block only once it has been
   used that many times (the ingest is the first use): a write-through skips it until then,
   and the tier above hands it down when it evicts it, if it has been used enough by then.
@@ -172,13 +173,13 @@ class TieredStore:
         for use_filter in self.filters.values():
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         with self._moving():
-            return self._put_many(items)
+            return self._put_many(items, self._deletes_done())
 
     def _moving(self) -> AbstractContextManager[None]:
         """Around a write whose evictions may be demoted (see ``store.moves``)."""
         return nullcontext() if self.moves is None else self.moves.moving()
 
-    def _put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
+    def _put_many(self, items: list[tuple[bytes, BlockFrame]], since: int) -> list[StorePutResult]:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
@@ -190,17 +191,17 @@ class TieredStore:
             for (key, frame), result, outcome in zip(current, results, outcomes):
                 _hold(result, held)
                 outcome.note(result, top.name, top.name in self._acknowledging)
-                self._demote(0, result.evicted)
+                self._demote(0, result.evicted, since)
                 written.append((key, _host_copy(result.stored, frame), outcome))
                 if result.error is not None:
                     refused.append((key, frame, outcome))
-            self._fall_through(refused)
-            self._write_through(written, held)
+            self._fall_through(refused, since)
+            self._write_through(written, held, since)
         finally:
             release_all(held)
         return outcomes
 
-    def _fall_through(self, refused: list[tuple[bytes, BlockFrame, StorePutResult]]) -> None:
+    def _fall_through(self, refused: list[tuple[bytes, BlockFrame, StorePutResult]], since: int) -> None:
         """Frames the top tier could not take (full of blocks being read, a frame larger than
         its budget) go to the next tier, unless it is written through anyway."""
         if not refused or len(self.tiers) < 2 or self.tiers[1].name in self.write_through:
@@ -209,10 +210,10 @@ class TieredStore:
         frames = [(key, frame if below.accepts_device_frames else _on_host(frame)) for key, frame, _ in refused]
         for (_, _, outcome), result in zip(refused, below.put_many(frames)):
             outcome.note(result, below.name, below.name in self._acknowledging)
-            self._demote(1, result.evicted)
+            self._demote(1, result.evicted, since)
 
     def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
-                       held: list[Lease | None]) -> None:
+                       held: list[Lease | None], since: int) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
         before it stored (rather than from the device again). A tier's admission filter
         holds back only that tier's writes: a block it does not admit goes on to the tiers
@@ -239,7 +240,7 @@ class TieredStore:
                 outcome = items[i][2]
                 _hold(result, held)
                 outcome.note(result, tier.name, tier.name in self._acknowledging)
-                self._demote(level, result.evicted)
+                self._demote(level, result.evicted, since)
                 items[i] = (key, _host_copy(result.stored, frame), outcome)
             sources = [tier]
 
@@ -271,7 +272,11 @@ class TieredStore:
                 use_filter.refuse(frame.nbytes)
         return out
 
-    def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+    def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]], since: int) -> None:
+        """Hand ``evicted`` down to the tier below ``level``. ``since``: the deletes done
+        before the write that evicted them began (``_deletes_done``). A victim is in no tier
+        while it moves, so a delete meanwhile misses it: a copy below that such a delete may
+        have missed is deleted again, else the block would come back after its delete."""
         if level + 1 >= len(self.tiers):
             return
         below = self.tiers[level + 1]
@@ -290,8 +295,11 @@ class TieredStore:
             # this level), with whatever the put evicted first: handed down all the same.
             result = below.put_many([(key, frame)])[0]
             if result.stored is not None:
-                below.count(demotions=1)
-            self._demote(level + 1, result.evicted)
+                if self._deleted_since(key, since):
+                    below.delete(key)
+                else:
+                    below.count(demotions=1)
+            self._demote(level + 1, result.evicted, since)
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -443,7 +451,7 @@ class TieredStore:
                     tier.delete(key)
                 else:
                     tier.count(promotions=1)
-            self._demote(upper, result.evicted)
+            self._demote(upper, result.evicted, since)
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         """The fastest tier holding each key of the longest stored prefix of ``keys``."""
@@ -694,18 +702,19 @@ class TieredStore:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         with self._moving():
+            since = self._deletes_done()
             if self.write_through:
                 top.settle()
                 held: list[Lease | None] = []
                 try:
                     self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
-                                         for (key, reservation, meta), outcome in zip(items, outcomes)], held)
+                                         for (key, reservation, meta), outcome in zip(items, outcomes)], held, since)
                 finally:
                     release_all(held)
             for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for),
                                        outcomes):
                 outcome.note(result, top.name, top.name in self._acknowledging)
-                self._demote(0, result.evicted)
+                self._demote(0, result.evicted, since)
         return outcomes
 
     def abort(self, reservation: Reservation) -> None:
