@@ -49,10 +49,10 @@ def model_path() -> str:
     return str(smollm2.checkpoint_path())
 
 
-def build_llm(extra: dict[str, Any] | None, *, max_model_len: int = 4096) -> Any:
+def build_llm(extra: dict[str, Any] | None, *, max_model_len: int = 4096, **more: Any) -> Any:
     from vllm import LLM
 
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = dict(more)
     if extra is not None:
         kw["kv_transfer_config"] = {**CONNECTOR, "kv_connector_extra_config": extra}
     return LLM(model=model_path(), dtype="float32", max_model_len=max_model_len, enforce_eager=True,
@@ -170,6 +170,50 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         out["shared"] = shared_blocks_of_a_failed_load(eng, ps, prefix, damage, bad, job["corrupt_block"])
         out["after_shared"] = eng.stats()
     return out
+
+
+def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's asynchronous scheduling (its default on a GPU; the CPU build turns it off, so it
+    is turned back on here) and a chunked prefill (256 tokens a step): a load that falls short
+    in step s is learnt of only after step s + 1 is planned, which runs the request's next
+    chunk over the pages the load left unwritten (filled with a stand-in for other requests'
+    KV first). The largest difference of each stored block's K from what it held before the
+    damage, after the request; and the output against the prompt computed without a cache."""
+    import torch
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def with_async_scheduling(cls: Any, config: Any) -> None:
+        check(cls, config)
+        config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
+    eng = Engine(build_llm(job["extra"], enable_chunked_prefill=True, max_num_batched_tokens=256), 4)
+    prefix, ps = prompts(eng.llm, 1800)
+    head = prefix[:1024]
+    eng.run(head, read=False)
+    cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
+    with torch.inference_mode():
+        want = cache.materialize(head)
+    damage_frame(job["extra"]["tiers"]["disk_path"], cache.block_hashes(head)[job["corrupt_block"]])
+    eng.reset()
+    for k, v in get_kv_transfer_group()._worker.pages.views:
+        k.fill_(3.0)
+        v.fill_(3.0)
+    before = eng.stats()
+    got = eng.run(ps[1])
+    worker = minus_worker(eng.stats(), before)
+    with torch.inference_mode():
+        now = cache.materialize(head)
+    B = cache.block_tokens
+    diff = [max(float((a[..., b * B:(b + 1) * B, :] - c[..., b * B:(b + 1) * B, :]).abs().max())
+                for (a, _), (c, _) in zip(want.layers, now.layers)) for b in range(min(want.num_blocks, now.num_blocks))]
+    baseline = eng.run(ps[1], read=False)
+    return {"async_scheduling": bool(eng.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
+            "blocks": [want.num_blocks, now.num_blocks], "k_diff": diff, "worker": worker, "got": got,
+            "agreement": agreement(got["tokens"], baseline["tokens"])}
 
 
 def damage_frame(disk_path: str, block: bytes) -> None:
@@ -519,7 +563,7 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, store, load, ttft, keys)}
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, store, load, ttft, keys)}
 
 
 def main() -> None:

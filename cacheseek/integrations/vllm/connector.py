@@ -120,7 +120,10 @@ class CacheSeekConnector(KVConnectorBase_V1):
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
-            self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"))
+            # With asynchronous scheduling vLLM plans each step before it has seen how the
+            # previous one ended: a load's failure must also drop the next step's saves.
+            self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
+                                      planned_ahead=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------

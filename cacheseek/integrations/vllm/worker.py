@@ -80,7 +80,7 @@ class RunningSave:
 
 class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
-                 layerwise_save: bool = False) -> None:
+                 layerwise_save: bool = False, planned_ahead: bool = False) -> None:
         self.cache = cache
         self.guard = guard
         self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
@@ -94,14 +94,24 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their saves are dropped
         self._unwritten: set[int] = set()  # this step's vLLM blocks a load failed to write
+        # vLLM's asynchronous scheduling plans step s + 1 before it learns that a load of step
+        # s fell short: s + 1 still runs the request on (its next chunk, over the unwritten
+        # pages) and shares the blocks with others as written. Its saves are judged by step
+        # s's failures too; from s + 2 on, vLLM has rolled the requests back.
+        self.planned_ahead = planned_ahead
+        self._carried: tuple[set[str], set[int]] = (set(), set())  # the previous step's failures
 
     def register(self, pages: VllmPages) -> None:
         self.pages = pages
 
     def start_step(self, plan: StepPlan) -> None:
         self.end_load()  # (ended by the previous step's wait_for_save already, normally)
-        self._failed_requests.clear()
-        self._unwritten.clear()
+        if self.planned_ahead:
+            self._carried = (self._failed_requests, self._unwritten)
+            self._failed_requests, self._unwritten = set(), set()
+        else:
+            self._failed_requests.clear()
+            self._unwritten.clear()
         if plan.loads:
             if self.layerwise:
                 self.start_load(plan.loads)
@@ -123,14 +133,15 @@ class WorkerSide:
 
     def _reads_unwritten(self, spec: SaveSpec) -> bool:
         """Whether the KV ``spec`` would store was computed over pages a load of this step
-        failed to write: its own load's, or another request's whose blocks it shares (vLLM
+        (planned ahead: or of the previous step) failed to write: its own load's, or another request's whose blocks it shares (vLLM
         hands the blocks a load is about to write to a request scheduled after it in the
         same step, as its own prefix hit; it then recomputes them, but its saves would
         store what the forward read, under the right keys)."""
-        if spec.req_id in self._failed_requests:
-            return True
         upto = -(-len(spec.token_ids) // self._pages().fmt.block_size)
-        return not self._unwritten.isdisjoint(spec.block_ids[:upto])
+        for failed, unwritten in ((self._failed_requests, self._unwritten), self._carried):
+            if spec.req_id in failed or not unwritten.isdisjoint(spec.block_ids[:upto]):
+                return True
+        return False
 
     def take_failed_blocks(self) -> set[int]:
         self.end_load()
