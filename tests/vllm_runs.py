@@ -231,7 +231,6 @@ def shared_blocks_of_a_failed_load(eng: Engine, ps: list[list[int]], prefix: lis
     load leaves unwritten (here filled with a stand-in for other requests' KV first). The
     largest difference of the stored prefix's K from what it held before, after the step."""
     import torch
-    from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
