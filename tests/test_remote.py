@@ -109,6 +109,31 @@ def test_remote_and_embedded_give_the_same_results(srv, tmp_path, codec):
             assert torch.equal(k[0], k0[:, : 6 * BLOCK]) and torch.equal(v[0], v0[:, : 6 * BLOCK])
 
 
+def test_chains_longer_than_the_servers_lookup_limit_are_looked_up_in_pieces(tmp_path):
+    """A server taking at most 4 hashes a lookup (65,536 by default: a million tokens in
+    blocks of 16): every call on longer chains gives the embedded cache's results."""
+    with Server(tmp_path / "srv", "--max-lookup-hashes", "4") as small:
+        with cs.RemoteCache(small.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            max_lookup_hashes=4) as remote, _embedded(tmp_path, cs.Raw()) as embedded:
+            for r, e in zip(_scenario(remote), _scenario(embedded), strict=True):
+                _same(r, e, r[0])
+            toks, kv = tokens_for(7, 11 * BLOCK), make_kv(11 * BLOCK, 7)
+            head = [(k[:, : 9 * BLOCK], v[:, : 9 * BLOCK]) for k, v in kv]
+            assert remote.ingest(toks[: 9 * BLOCK], head).stored == 9  # pieces of 4, 4, 1
+            assert remote.ingest(toks, kv).stored == 2 and remote.lookup(toks) == 11 * BLOCK
+            changed = list(toks)
+            changed[9 * BLOCK] += 1  # the third piece matches its first block only
+            assert remote.lookup(changed) == 9 * BLOCK and remote.locate(changed).tiers == ["cpu"] * 9
+            assert_prefix_equal(remote.materialize(toks), kv, 11 * BLOCK)
+            assert remote.prefetch(toks) is None  # (all in memory: a hint for the first 4 blocks)
+            with cs.RemoteCache(small.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(),
+                                block_tokens=BLOCK) as unaware, pytest.raises(cs.RemoteError) as refused:
+                unaware.lookup(toks)  # 11 hashes in one lookup
+            assert refused.value.status == 422 and "max_lookup_hashes" in refused.value.reason
+    with pytest.raises(cs.ConfigError, match="max_lookup_hashes"):
+        cs.RemoteCache("http://127.0.0.1:1", model_id="m", layout=LAYOUT, max_lookup_hashes=0)
+
+
 def test_remote_errors_are_clear(srv):
     toks = tokens_for(6, 2 * BLOCK)
     kv = make_kv(2 * BLOCK, 6)

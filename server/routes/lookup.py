@@ -150,6 +150,9 @@ def install(app: FastAPI) -> None:
     app.router.routes.insert(0, _LabelledRoute("/v1/lookup", lookup, methods=["POST"], include_in_schema=False))
 
 
+_SPLIT = ": look a longer chain up in pieces, as RemoteCache(max_lookup_hashes=) does"
+
+
 def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[bytes], bool]:
     query = request.query_params
     size = query.get("hash_bytes", "16")
@@ -176,7 +179,7 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool]:
     if len(sizes) > 1:
         raise BadLookup("hashes: all of one size (32 or 64 hex digits)")
     if len(hexes) > limit:
-        raise BadLookup(f"hashes: {len(hexes)} given, at most {limit}")
+        raise BadLookup(f"hashes: {len(hexes)} given, at most {limit} (max_lookup_hashes){_SPLIT}")
     joined = "".join(hexes)
     try:
         raw = bytes.fromhex(joined)
@@ -191,7 +194,7 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool]:
 def _split(raw: bytes, size: int, limit: int) -> list[bytes]:
     n = len(raw) // size
     if n > limit:
-        raise BadLookup(f"hashes: {n} given, at most {limit}")
+        raise BadLookup(f"hashes: {n} given, at most {limit} (max_lookup_hashes){_SPLIT}")
     return list(struct.unpack(f"{size}s" * n, raw))
 
 
