@@ -133,10 +133,11 @@ class WorkerSide:
 
     def _reads_unwritten(self, spec: SaveSpec) -> bool:
         """Whether the KV ``spec`` would store was computed over pages a load of this step
-        (planned ahead: or of the previous step) failed to write: its own load's, or another request's whose blocks it shares (vLLM
-        hands the blocks a load is about to write to a request scheduled after it in the
-        same step, as its own prefix hit; it then recomputes them, but its saves would
-        store what the forward read, under the right keys)."""
+        (planned ahead: or of the previous step) failed to write: its own load's, or another
+        request's whose blocks it shares (vLLM hands the blocks a load is about to write to
+        a request scheduled after it in the same step, as its own prefix hit; it then
+        recomputes them, but its saves would store what the forward read, under the right
+        keys)."""
         upto = -(-len(spec.token_ids) // self._pages().fmt.block_size)
         for failed, unwritten in ((self._failed_requests, self._unwritten), self._carried):
             if spec.req_id in failed or not unwritten.isdisjoint(spec.block_ids[:upto]):
