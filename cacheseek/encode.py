@@ -25,7 +25,9 @@ from . import batching
 from .block_format import BlockFormat
 from .quant.backend import kernels_available
 from .quant.codec import KVLayerCodec
-from .quant.tensors import all_finite
+from .errors import InputError
+from .layout import KVLayout
+from .quant.tensors import all_finite, within
 from .staging import payload_views, staging_stride
 from .store.device_staging import StagingLease, staging_pool
 from .store.lease import release_all
@@ -169,6 +171,35 @@ def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
     return torch.stack([torch.stack([ok(k) for k, _ in layers]).all(), torch.stack([ok(v) for _, v in layers]).all()])
 
 
+def check_tokens(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tensor]], layout: KVLayout,
+                 t0: int, t1: int) -> None:
+    """``InputError`` if tokens ``[t0, t1)`` of ``layers`` hold KV ``codec`` refuses: NaN,
+    Inf, or (beyond its ``safe_magnitudes``) a range its stats cannot hold. One pass over
+    each layer (min and max, or finiteness where every finite value encodes); the codec's
+    own encode only for a layer beyond its safe magnitudes, which the encode alone judges.
+    For a caller that must know before its first write that its last one will not fail."""
+    # (On the host, a contiguous copy takes all_finite's bit test, not isfinite's slow
+    # path for half types.)
+    sides = [t[:, t0:t1] if t.is_cuda else t[:, t0:t1].contiguous() for kv in layers for t in kv]
+    bounds = codec.safe_magnitudes(layout.dtype, layout.head_dim)
+    ok = torch.stack([all_finite(t) if bounds is None else within(t, bounds[i % 2]) for i, t in enumerate(sides)])
+    if bool(ok.all()):
+        return
+    finite = ok if bounds is None else torch.stack([all_finite(t) for t in sides])
+    if not bool(finite.all()):
+        raise InputError(f"{'k' if not bool(finite[0::2].all()) else 'v'}: holds NaN or Inf; input rejected")
+    for i in range(0, len(sides), 2):
+        if not bool(ok[i] & ok[i + 1]):
+            codec.encode(sides[i], sides[i + 1])  # the codec's InputError, if it refuses them
+
+
+def check_encodable(fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Tensor]], todo: Sequence[bool]) -> None:
+    """``check_tokens`` for the blocks flagged in ``todo``, each with its position's codec."""
+    for a, b in batching.runs(todo, len(todo)):
+        for c, d in fmt.segments(a, b):
+            check_tokens(fmt.at(c).codec, layers, fmt.layout, c * fmt.block_tokens, d * fmt.block_tokens)
+
+
 def iter_encoded(
     fmt: BlockFormat,
     layers: list[tuple[torch.Tensor, torch.Tensor]],
@@ -179,9 +210,12 @@ def iter_encoded(
     *,
     tail_first: bool = False,
     pooled: bool = False,
+    check_first: bool = False,
 ) -> Iterator[list[BlockFrame]]:
     """Frames of every block not ``present``, a batch (at most ``batch_blocks`` consecutive
-    blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch.
+    blocks) at a time. Raises ``InputError`` on NaN or Inf before yielding the bad batch;
+    with ``check_first``, before the first when there are several (``check_encodable``: a
+    pass over the KV), for a caller whose writes of one batch would cost others (evictions).
 
     On a GPU the blocks are cut into up to ``batching.PIPELINE_DEPTH`` batches, encoded on a
     side stream: each batch's encoding overlaps the copies of the batch before.
@@ -203,6 +237,8 @@ def iter_encoded(
         batches.reverse()
     if not batches:
         return
+    if check_first and len(batches) > 1:
+        check_encodable(fmt, layers, missing)
     k_layers, v_layers = [k for k, _ in layers], [v for _, v in layers]
     prepared: dict[Any, Any] = {}  # codec.prepare_key() -> its prepare_layers (a policy's parts may share it)
     side = work_stream("encode", device) if device.type == "cuda" else None

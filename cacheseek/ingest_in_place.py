@@ -43,9 +43,9 @@ import torch
 
 from . import batching
 from .block_format import BlockFormat
-from .encode import encode_into, flags_to_host
+from .encode import check_tokens, encode_into, flags_to_host
 from .errors import InputError
-from .quant.tensors import all_finite, give_back_flags, within
+from .quant.tensors import give_back_flags
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -356,25 +356,7 @@ class InPlaceIngest:
                 if self.source is not None:
                     self.source.check_values(codec, c, d - c)
                 else:
-                    self._check_layers(codec, c * self.block_tokens, d * self.block_tokens)
-
-    def _check_layers(self, codec: Any, t0: int, t1: int) -> None:
-        """Tokens ``[t0, t1)`` of every layer: one pass each (min and max, or finiteness
-        where every finite value encodes); the codec's own encode only for a layer beyond
-        its safe magnitudes, which the encode alone can judge."""
-        # (On the host, a contiguous copy takes all_finite's bit test, not isfinite's slow
-        # path for half types.)
-        sides = [t[:, t0:t1] if t.is_cuda else t[:, t0:t1].contiguous() for kv in self.layers for t in kv]
-        bounds = codec.safe_magnitudes(self.layout.dtype, self.layout.head_dim)
-        ok = torch.stack([all_finite(t) if bounds is None else within(t, bounds[i % 2]) for i, t in enumerate(sides)])
-        if bool(ok.all()):
-            return
-        finite = ok if bounds is None else torch.stack([all_finite(t) for t in sides])
-        if not bool(finite.all()):
-            raise InputError(f"{'k' if not bool(finite[0::2].all()) else 'v'}: holds NaN or Inf; input rejected")
-        for i in range(0, len(sides), 2):
-            if not bool(ok[i] & ok[i + 1]):
-                codec.encode(sides[i], sides[i + 1])  # the codec's InputError, if it refuses them
+                    check_tokens(codec, self.layers, self.layout, c * self.block_tokens, d * self.block_tokens)
 
     def abandon(self) -> None:
         """Give back every reservation not committed, once no copy writes into it."""

@@ -263,14 +263,22 @@ def encode_frames(fmt: BlockFormat, source: PagedSource, start: int, stop: int, 
 
 def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], parents: Sequence[bytes],
                     positions: Sequence[int], missing: Sequence[bool], batch_blocks: int, *, tail_first: bool = False,
-                    pooled: bool = False):
+                    pooled: bool = False, check_first: bool = False):
     """(first row, frames) of the rows ``missing`` marks, a run of at most ``batch_blocks``
     at a time, each checked for NaN and Inf (``InputError`` naming the request) before it is
-    yielded. ``hashes``, ``parents``, ``positions``: those of the call's rows. ``pooled``: as
-    ``encode.iter_encoded``'s (the frames of a run are valid until the next is asked for)."""
+    yielded; with ``check_first`` and several runs, every run before the first (as
+    ``encode.iter_encoded``'s). ``hashes``, ``parents``, ``positions``: those of the call's
+    rows. ``pooled``: as ``iter_encoded``'s (the frames of a run are valid until the next
+    is asked for)."""
     runs = list(batching.runs(missing, batch_blocks))
     if tail_first:
         runs.reverse()
+    if check_first and len(runs) > 1:
+        try:
+            for start, stop in runs:
+                call.source.check_values(fmt.codec, start, stop - start)
+        except InputError as exc:
+            raise_bad_input(call, exc)
     held: list[StagingLease] = []
     device = call.source.device
     try:

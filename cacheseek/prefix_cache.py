@@ -99,10 +99,13 @@ class PrefixCache(PrefixCacheBase):
         # reserve for) go through put_many. Batches go tail first, so when a chain overflows
         # a tier its head stays and its tail is evicted; on a GPU each batch's encoding
         # overlaps the previous one's copies. A bad batch (NaN, Inf) undoes the batches this
-        # call stored before it.
+        # call stored before it, but not what their puts evicted. So the KV of every batch is
+        # checked before the first (one pass over it), unless the top tier is a GPU tier: its
+        # victims go down to memory, not out, and its puts run at device speed.
         try:
             for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
-                                      tail_first=True, pooled=True):
+                                      tail_first=True, pooled=True,
+                                      check_first=not self.store.tiers[0].accepts_device_frames):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 for (key, _), outcome in zip(items, self.store.put_many(items)):
                     count_outcome(result, key, outcome, stored)
@@ -182,10 +185,11 @@ class PrefixCache(PrefixCacheBase):
                         count_outcome(results[call.request_of(i)], hashes[i], outcome, stored)
                         handled[i] = True
             # The rest (a GPU tier on top, no room to reserve): frames through put_many,
-            # batches tail first as in ``ingest``.
+            # batches tail first and checked first as in ``ingest``.
             for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                          [not h for h in handled], self._batch_blocks,
-                                                         tail_first=True, pooled=True):
+                                                         tail_first=True, pooled=True,
+                                                         check_first=not self.store.tiers[0].accepts_device_frames):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):

@@ -518,6 +518,24 @@ def test_nan_through_the_put_path_names_its_request_once():
     assert cache.lookup(list(range(64))) == 0 and cache.lookup(list(range(1000, 1064))) == held > 0
 
 
+def test_a_refused_paged_ingest_of_several_batches_evicts_nothing(tmp_path):
+    """A full disk tier, and a batch whose second request's first block holds Inf, stored in
+    runs of one block tail first: the puts of the runs after it evicted stored blocks before
+    its check refused the call."""
+    raw = LAYOUT.raw_nbytes(BLOCK)
+    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "d", disk_bytes=3 * raw + raw // 2),
+                           max_batch_bytes=raw)
+    toks, kvs, pages, tensors, tables = _setup()
+    held = tokens_for(70, 3 * BLOCK)
+    assert cache.ingest(held, make_kv(3 * BLOCK, 70)).stored == 3  # the tier is full
+    tensors[0][0, tables[1][0], 0, 0, 0] = float("inf")  # K of layer 0, request 1's first page
+    with pytest.raises(cs.InputError, match=r"^requests\[1\]: .*NaN or Inf"):
+        cache.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], tables[1])], pages)
+    assert cache.lookup(held) == 3 * BLOCK and cache.lookup(toks[0]) == cache.lookup(toks[1]) == 0
+    assert cache.store.tier("disk").stats().evictions == 0
+
+
 @pytest.mark.parametrize("disk", [False, True], ids=["cpu", "disk"])
 def test_an_ingest_that_finds_every_block_stored_marks_them_used(tmp_path, disk):
     """An ingest of blocks all stored already is a use of them, as a contiguous ingest's is:

@@ -887,6 +887,28 @@ def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redi
                 t.close()
 
 
+def test_a_refused_ingest_of_several_batches_evicts_nothing(redis_url):
+    """A full Redis tier (the put path: it lends no slots to write in place), and an ingest
+    whose head block holds Inf, in batches of 2 blocks tail first: the tail batches' puts
+    evicted stored blocks before the head's encode refused the call, which then undid only
+    its own blocks. (KIVI: the encode checks each batch's blocks alone, as on a GPU; Raw
+    on the host checks whole layers at its first batch.)"""
+    raw, codec = LAYOUT.raw_nbytes(BLOCK), cs.KIVI(bits=4)
+    frame = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=codec, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="1MiB")).block_format.planned_payload().nbytes
+    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=codec, block_tokens=BLOCK, max_batch_bytes=2 * raw,
+                           tiers=cs.TierConfig(cpu_bytes=0, redis_url=redis_url, redis_bytes=4 * frame + frame // 2))
+    held = tokens_for(22, 4 * BLOCK)
+    assert cache.ingest(held, make_kv(4 * BLOCK, 22)).stored == 4  # the tier is full
+    toks, kv = tokens_for(23, 6 * BLOCK), make_kv(6 * BLOCK, 23)
+    kv[1][1][0, 3, 5] = float("inf")  # V of block 0, which goes last
+    with pytest.raises(cs.InputError, match="NaN or Inf"):
+        cache.ingest(toks, kv)
+    assert cache.lookup(held) == 4 * BLOCK and cache.lookup(toks) == 0
+    assert cache.store.tier("redis").stats().evictions == 0
+    cache.close()
+
+
 def test_a_victims_delete_that_lands_after_another_process_acknowledged_it_takes_nothing(
         redis_url, monkeypatch):
     """Process B's index script evicts X, and B stalls before its DELs; process A puts X
