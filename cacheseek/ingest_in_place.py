@@ -43,7 +43,7 @@ import torch
 
 from . import batching
 from .block_format import BlockFormat
-from .encode import check_tokens, encode_into, flags_to_host
+from .encode import check_encodable, encode_into, flags_to_host
 from .errors import InputError
 from .quant.tensors import give_back_flags
 from .staging import payload_views
@@ -350,13 +350,12 @@ class InPlaceIngest:
         for a, b in self.launched:
             launched[a:b] = [True] * (b - a)
         rest = [not done and todo for todo, done in zip(self.missing, launched)]
+        if self.source is None:
+            check_encodable(self.format, self.layers, rest)
+            return
         for a, b in batching.runs(rest, len(rest)):
             for c, d in self.format.segments(a, b):
-                codec = self.format.at(c).codec
-                if self.source is not None:
-                    self.source.check_values(codec, c, d - c)
-                else:
-                    check_tokens(codec, self.layers, self.layout, c * self.block_tokens, d * self.block_tokens)
+                self.source.check_values(self.format.at(c).codec, c, d - c)
 
     def abandon(self) -> None:
         """Give back every reservation not committed, once no copy writes into it."""

@@ -180,7 +180,6 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
     KV first). The largest difference of each stored block's K from what it held before the
     damage, after the request; and the output against the prompt computed without a cache."""
     import torch
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.platforms import cpu
 
     check = cpu.CpuPlatform.check_and_update_config.__func__
@@ -199,21 +198,33 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
         want = cache.materialize(head)
     damage_frame(job["extra"]["tiers"]["disk_path"], cache.block_hashes(head)[job["corrupt_block"]])
     eng.reset()
-    for k, v in get_kv_transfer_group()._worker.pages.views:
-        k.fill_(3.0)
-        v.fill_(3.0)
+    fill_pages()
     before = eng.stats()
     got = eng.run(ps[1])
     worker = minus_worker(eng.stats(), before)
     with torch.inference_mode():
         now = cache.materialize(head)
-    B = cache.block_tokens
-    diff = [max(float((a[..., b * B:(b + 1) * B, :] - c[..., b * B:(b + 1) * B, :]).abs().max())
-                for (a, _), (c, _) in zip(want.layers, now.layers)) for b in range(min(want.num_blocks, now.num_blocks))]
+    diff = k_diff_per_block(want, now, cache.block_tokens)
     baseline = eng.run(ps[1], read=False)
     return {"async_scheduling": bool(eng.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "blocks": [want.num_blocks, now.num_blocks], "k_diff": diff, "worker": worker, "got": got,
             "agreement": agreement(got["tokens"], baseline["tokens"])}
+
+
+def fill_pages(value: float = 3.0) -> None:
+    """Every page of the engine filled with ``value``: a stand-in for other requests' KV
+    where a load leaves pages unwritten."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    for k, v in get_kv_transfer_group()._worker.pages.views:
+        k.fill_(value)
+        v.fill_(value)
+
+
+def k_diff_per_block(want: Any, got: Any, block: int) -> list[float]:
+    """The largest difference of K, over every layer, per block the two prefixes share."""
+    return [max(float((a[..., b * block:(b + 1) * block, :] - c[..., b * block:(b + 1) * block, :]).abs().max())
+                for (a, _), (c, _) in zip(want.layers, got.layers)) for b in range(min(want.num_blocks, got.num_blocks))]
 
 
 def damage_frame(disk_path: str, block: bytes) -> None:
@@ -231,23 +242,18 @@ def shared_blocks_of_a_failed_load(eng: Engine, ps: list[list[int]], prefix: lis
     load leaves unwritten (here filled with a stand-in for other requests' KV first). The
     largest difference of the stored prefix's K from what it held before, after the step."""
     import torch
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
     with torch.inference_mode():
         want = cache.materialize(prefix)
     damage_block(bad)
     eng.reset()
-    for k, v in get_kv_transfer_group()._worker.pages.views:
-        k.fill_(3.0)
-        v.fill_(3.0)
+    fill_pages()
     before = eng.stats()
     outs = eng.llm.generate([{"prompt_token_ids": ps[1]}, {"prompt_token_ids": ps[2]}], eng.params, use_tqdm=False)
     with torch.inference_mode():
         got = cache.materialize(prefix)
-    B = cache.block_tokens
-    diff = [max(float((a[..., b * B:(b + 1) * B, :] - c[..., b * B:(b + 1) * B, :]).abs().max())
-                for (a, _), (c, _) in zip(want.layers, got.layers)) for b in range(min(want.num_blocks, got.num_blocks))]
+    diff = k_diff_per_block(want, got, cache.block_tokens)
     return {"blocks": [want.num_blocks, got.num_blocks], "k_diff": diff, "index": index,
             "worker": minus_worker(eng.stats(), before), "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
