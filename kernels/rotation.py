@@ -43,14 +43,17 @@ def _rotate_rows_kernel(x_ptr, c_ptr, o_ptr, R, N: tl.constexpr, LOG_N: tl.const
     tl.store(o_ptr + offs, x.to(o_ptr.dtype.element_ty), mask=ok)
 
 
+MAX_N = 1024  # the widest row one program holds in registers; wider rows take the torch stages
+
+
 def rotate_rows(x: torch.Tensor, scales: torch.Tensor, *, inverse: bool, dtype: torch.dtype) -> torch.Tensor:
     """``rotation.rotate(x)`` (``inverse=False``) or ``rotation.unrotate(x)`` of the rows of
     ``x`` (last dimension n, a power of two up to 1024), as a new contiguous tensor of
     ``dtype``: the reference's fp32 values rounded once. ``scales``: the rotation's signed
     scales (``rotation.scaled_signs(n, device)``, fp32, on ``x``'s device)."""
     n = x.shape[-1]
-    if n < 2 or n & (n - 1) or n > 1024:
-        raise ValueError(f"rotate_rows: the last dimension must be a power of two from 2 to 1024, got {n}")
+    if n < 2 or n & (n - 1) or n > MAX_N:
+        raise ValueError(f"rotate_rows: the last dimension must be a power of two from 2 to {MAX_N}, got {n}")
     if scales.shape != (n,) or scales.dtype != torch.float32 or scales.device != x.device:
         raise ValueError(f"rotate_rows: scales must be [{n}] float32 on {x.device}")
     on_gpu = x.device.type == "cuda"
@@ -71,4 +74,4 @@ def rotate_rows(x: torch.Tensor, scales: torch.Tensor, *, inverse: bool, dtype: 
     return out
 
 
-__all__ = ["rotate_rows"]
+__all__ = ["MAX_N", "rotate_rows"]

@@ -248,10 +248,11 @@ def test_cache_in_place_ingest_through_layer_tables_equals_the_torch_path(monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares a CUDA device with the CPU")
-@pytest.mark.parametrize("n", [64, 128])
+@pytest.mark.parametrize("n", [64, 128, 2048])
 def test_rotation_and_codes_on_a_gpu_equal_the_cpus(n):
     # The rotation is elementwise fp32 (no device-dependent sums): the same bits on any
-    # device, so a GPU's kernels store the codes the CPU reference stores.
+    # device, so a GPU's kernels store the codes the CPU reference stores. Rows wider
+    # than the rotation kernel holds (2048) take the torch stages on the GPU.
     x = _v((3, 128, n), 12, F16)
     assert torch.equal(rotation.rotate(x.cuda()).cpu(), rotation.rotate(x))
     assert torch.equal(rotation.unrotate(x.cuda().float()).cpu(), rotation.unrotate(x.float()))

@@ -107,7 +107,8 @@ def fwht(x: Any) -> Any:
 def rotate(x: Any, dtype: Any = None) -> Any:
     """x R as a new tensor (any leading shape; the last dimension is head_dim): fp32, or
     rounded once to ``dtype``. With the kernels on a GPU, one pass
-    (``kernels.rotation.rotate_rows``, the same bits); else the stages above in torch."""
+    (``kernels.rotation.rotate_rows``, the same bits, rows of up to 1024); else the stages
+    above in torch."""
     n = _check(x)
     if _on_kernels(x):
         from cacheseek import kernels
@@ -131,7 +132,11 @@ def unrotate(y: Any, dtype: Any = None) -> Any:
 def _on_kernels(t: Any) -> bool:
     from .backend import backend_for
 
-    return t.is_cuda and backend_for(t) == "triton"
+    if not (t.is_cuda and backend_for(t) == "triton"):
+        return False
+    from cacheseek.kernels import rotation as rotation_kernel
+
+    return t.shape[-1] <= rotation_kernel.MAX_N
 
 
 def _fp32() -> Any:
