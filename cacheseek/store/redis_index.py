@@ -36,8 +36,8 @@ again (adding adopts it), or until ``RedisTier.check(fix=True)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .redis_keys import RedisKeys
@@ -45,7 +45,7 @@ from .redis_keys import RedisKeys
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
-local lru, sizes, totals, pinned = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local lru, sizes, totals, pinned, gens = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local budget = tonumber(ARGV[1])
 local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
@@ -87,12 +87,24 @@ local function size_of(member)
   return tonumber(n), tonumber(r)
 end
 
+-- A block's generation: the clock when it was last counted anew (0: counted before
+-- generations were kept). Returned with every block a call adds, evicts or lets expire.
+local gen_of = {}
+local function note_gen(member)
+  gen_of[#gen_of + 1] = member
+  gen_of[#gen_of + 1] = tonumber(redis.call('HGET', gens, member) or 0) or 0
+end
+
 local function drop(member)
   changed = true
   redis.call('ZREM', lru, member)
   local n, r = size_of(member)
-  if not n then return false end
+  if not n then
+    redis.call('HDEL', gens, member)
+    return false
+  end
   redis.call('HDEL', sizes, member)
+  redis.call('HDEL', gens, member)
   used = used - n
   raw = raw - r
   blocks = blocks - 1
@@ -107,6 +119,7 @@ local expired = {}
 if ttl_us > 0 then
   local old = redis.call('ZRANGEBYSCORE', lru, '-inf', now - ttl_us, 'LIMIT', 0, prune_limit)
   for _, m in ipairs(old) do
+    note_gen(m)
     drop(m)
     expired[#expired + 1] = m
   end
@@ -187,6 +200,7 @@ for _ = 1, n_add do
   i = i + 3
   local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
   if redis.call('HEXISTS', sizes, m) == 1 then
+    note_gen(m)
     if is_pinned then
       status[#status + 1] = 3
     else
@@ -202,6 +216,10 @@ for _ = 1, n_add do
   else
     changed = true
     redis.call('HSET', sizes, m, n .. ' ' .. r)
+    clock = clock + 1
+    redis.call('HSET', gens, m, clock)
+    gen_of[#gen_of + 1] = m
+    gen_of[#gen_of + 1] = clock
     used = used + n
     raw = raw + r
     blocks = blocks + 1
@@ -210,7 +228,6 @@ for _ = 1, n_add do
       pinned_blocks = pinned_blocks + 1
       status[#status + 1] = 2
     else
-      clock = clock + 1
       redis.call('ZADD', lru, clock, m)
       status[#status + 1] = 1
     end
@@ -228,6 +245,7 @@ while used > budget do
     end
     break
   end
+  note_gen(oldest[1])
   drop(oldest[1])
   evicted[#evicted + 1] = oldest[1]
 end
@@ -237,14 +255,15 @@ if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
              'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted}
+return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of}
 """
 
 # The fence on a victim's DEL: delete a frame only while the index does not count its block.
 # A process that evicts a block deletes its frame a round trip after its script; meanwhile
 # another may have counted the block again and written it. On one Redis the check and the
 # DEL are one atomic step, so a DEL however late never takes a value the index counts. In a
-# cluster the frame and the index live on different masters: no script holds both.
+# cluster the frame and the index live on different masters, so no script holds both: there
+# the fence is the frame's generation (DROP_STALE_SCRIPT, below).
 # KEYS[1]: the sizes hash; KEYS[2..]: the frames; ARGV: their members, in the same order.
 DROP_UNCOUNTED_SCRIPT = """
 local n = 0
@@ -255,6 +274,23 @@ for i = 2, #KEYS do
 end
 return n
 """
+
+# The fence in a cluster. Each block counted anew gets a generation (the index's clock at
+# that moment), and a writer stores it beside the frame (``RedisKeys.frame_gen``, in the
+# frame's slot) before the frame itself. A victim's delete carries the generation the
+# index had for it when it let the block go, and takes the frame only while the frame's
+# generation is no newer: a process that counted the block again since wrote a newer one
+# first, so a DEL however late leaves its value. The generation key expires
+# ``GEN_FENCE_SECONDS`` after its write (no refresh, so none outlives it for long): a
+# victim's delete that lands later than that after its eviction is not fenced.
+# KEYS[1]: the frame; KEYS[2]: its generation key; ARGV[1]: the victim's generation.
+DROP_STALE_SCRIPT = """
+local g = tonumber(redis.call('GET', KEYS[2]) or 0) or 0
+if g > tonumber(ARGV[1]) then return 0 end
+return redis.call('DEL', KEYS[1], KEYS[2])
+"""
+
+GEN_FENCE_SECONDS = 600
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
 
@@ -276,7 +312,9 @@ class IndexUpdate:
     beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are member names
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
-    blocks the index does not count (orphans, if their frames are there)."""
+    blocks the index does not count (orphans, if their frames are there). ``gens``: the
+    generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
+    index now), evicted or expired (the one it had)."""
 
     added: tuple[int, ...]
     evicted: tuple[str, ...]
@@ -284,6 +322,7 @@ class IndexUpdate:
     totals: IndexTotals
     repaired: tuple[tuple[str, int, int], ...] = ()
     uncounted: tuple[str, ...] = ()
+    gens: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +361,12 @@ class SharedIndex:
             args += [member, int(nbytes), int(raw_nbytes)]
         return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args)
 
+    def queue_drop_stale(self, client: Any, member: str, gen: int) -> Any:
+        """Queue (or run) the fenced delete of one victim's frame in a cluster: it goes only
+        if its stored generation is at most ``gen`` (see :data:`DROP_STALE_SCRIPT`)."""
+        return client.execute_command("EVAL", DROP_STALE_SCRIPT, 2, self.keys.frame_of_member(member),
+                                      self.keys.gen_of_member(member), int(gen))
+
     def queue_drop_uncounted(self, client: Any, members: Sequence[str]) -> Any:
         """Queue (or run) the fenced delete of the frames of ``members``: each goes only if
         the index does not count it (see :data:`DROP_UNCOUNTED_SCRIPT`). One Redis only."""
@@ -330,7 +375,7 @@ class SharedIndex:
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted = reply
+        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens = reply
         pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
@@ -339,6 +384,7 @@ class SharedIndex:
             totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
             repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs),
             uncounted=tuple(_text(m) for m in uncounted),
+            gens={_text(m): int(g) for m, g in zip(gens[::2], gens[1::2])},
         )
 
 
@@ -346,4 +392,4 @@ def _text(member: Any) -> str:
     return member.decode() if isinstance(member, bytes) else str(member)
 
 
-__all__ = ["DROP_UNCOUNTED_SCRIPT", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]
+__all__ = ["DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]

@@ -1,10 +1,12 @@
 """Redis key names for one (prefix, namespace): the frames, and the shared index beside them.
 
     {prefix}:{namespace}:{<block hash hex>}       the frame (a string, one SET); hash tag = the block hash
+    {prefix}:{namespace}:gen:{<block hash hex>}   in a cluster: the generation the frame was written at
     {<prefix>:<namespace>}:lru                    zset: block hash hex -> last-use clock (µs)
     {<prefix>:<namespace>}:size                   hash: block hash hex -> "<nbytes> <raw_nbytes>"
     {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock, pinned_bytes, pinned_blocks
     {<prefix>:<namespace>}:pinned                 set: block hash hex of every pinned block
+    {<prefix>:<namespace>}:gen                    hash: block hash hex -> generation (clock when counted anew)
 
 Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
 A frame's tag is its block hash, so the frames of one chain spread over every master; the
@@ -47,6 +49,14 @@ class RedisKeys:
     def frame_of_member(self, member: str) -> str:
         return f"{self.prefix}:{self.namespace}:{{{member}}}"
 
+    def frame_gen(self, key: bytes) -> str:
+        """The key beside a frame, in its slot, holding the generation it was written at (a
+        cluster's fence: ``redis_index.DROP_STALE_SCRIPT``). Not matched by ``frame_pattern``."""
+        return self.gen_of_member(key.hex())
+
+    def gen_of_member(self, member: str) -> str:
+        return f"{self.prefix}:{self.namespace}:gen:{{{member}}}"
+
     @staticmethod
     def member(key: bytes) -> str:
         """How the index names a block: its hash in lowercase hex (readable in redis-cli)."""
@@ -88,8 +98,12 @@ class RedisKeys:
         return f"{self.index_tag}:pinned"
 
     @property
-    def index(self) -> tuple[str, str, str, str]:
-        return self.lru, self.sizes, self.totals, self.pinned
+    def gens(self) -> str:
+        return f"{self.index_tag}:gen"
+
+    @property
+    def index(self) -> tuple[str, str, str, str, str]:
+        return self.lru, self.sizes, self.totals, self.pinned, self.gens
 
 
 __all__ = ["RedisKeys"]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import builtins
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from ..errors import ConfigError, FrameError, StorageError
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
-from .redis_index import IndexTotals, IndexUpdate, SharedIndex
+from .redis_index import GEN_FENCE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
 from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
@@ -287,8 +287,9 @@ class RedisTier(Tier):
         # Every evicted or expired block's frame goes, ours included (one may have been there
         # already), except those about to be written: they are counted again.
         dels = [m for m in list(update.evicted) + list(update.expired) if m not in sent]
-        n_del = self._queue_drop(pipe, dels)
+        n_del = self._queue_drop(pipe, dels, update.gens)
         status_of = dict(zip(batch.todo, update.added))
+        n_gen = self._queue_gens(pipe, [RedisKeys.member(batch.items[i][0]) for i in sets], update.gens)
         for i in sets:
             self._queue_set(pipe, batch, i, status_of[i])
         for m in refresh:  # last: the replies above are read by position
@@ -296,7 +297,7 @@ class RedisTier(Tier):
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         self._raise_unavailable(replies)
         datas = replies[:n_get] if n_get else [None] * len(victims)
-        replies = replies[n_get + n_del :]
+        replies = replies[n_get + n_del + n_gen :]
         refused = []
         for i, reply in zip(sets, replies):
             key, frame = batch.items[i]
@@ -318,9 +319,8 @@ class RedisTier(Tier):
             # index no longer counts: at worst this leaves a ghost, never an uncounted frame.
             # And one whose value is gone though the index counts it: another process's DEL of
             # it as a victim, sent before we counted it again, landed after our SET. It is
-            # written once more. (On one Redis such DELs are fenced and cannot do this; in a
-            # cluster, a process stalled between its script and its DELs for longer than our
-            # three round trips still can.)
+            # written once more. (Such DELs are fenced and cannot do this, unless they land
+            # more than GEN_FENCE_SECONDS after their eviction in a cluster.)
             # The sizes hash counts every block; the LRU zset leaves out pinned ones, and a
             # block may have been pinned since our add: its frame's expiry is taken off again.
             pipe = client.pipeline(transaction=False)
@@ -336,15 +336,16 @@ class RedisTier(Tier):
             pins = checks[1 if written else 0 : len(checks) - len(names)]
             gone = [m for m, size in zip(names, sizes) if size is None]
             if gone:
-                self._drop(client, gone)
+                self._drop(client, gone, update.gens)
             lost = [i for i, m, size, n in zip(written, names, sizes, found) if size is not None and not n]
             if lost:
                 pipe = client.pipeline(transaction=False)
+                n_gen = self._queue_gens(pipe, [RedisKeys.member(batch.items[i][0]) for i in lost], update.gens)
                 for i in lost:
                     self._queue_set(pipe, batch, i, status_of[i])
                 again = pipe.execute(raise_on_error=False)
                 self._raise_unavailable(again)
-                for i, reply in zip(lost, again):
+                for i, reply in zip(lost, again[n_gen:]):
                     if isinstance(reply, BaseException):  # (refused: OOM) a ghost now, not stored
                         batch.results[i].stored = None
                         batch.results[i].error = self._failed(reply)
@@ -363,29 +364,50 @@ class RedisTier(Tier):
             # and drop what such a SET would have replaced (a block the index had let expire
             # keeps its old value until its own PX): no value is left uncounted. (DEL runs
             # under maxmemory.)
-            self._drop(client, refused)
+            self._drop(client, refused, update.gens)
 
-    def _queue_drop(self, pipe: Any, members: Sequence[str]) -> int:
+    def _queue_drop(self, pipe: Any, members: Sequence[str], gens: Mapping[str, int]) -> int:
         """Queue the deletes of the frames of blocks the index has let go (evicted, expired,
-        forgotten); returns how many replies they add. On one Redis the delete is fenced:
-        a frame goes only while the index does not count its block, so another process that
-        counted it again since keeps what it wrote, however late this lands. In a cluster
-        (frames and index on different masters) they are plain ``DEL``s: step 3 of a put
-        covers the usual race there, not a process stalled between its script and its DELs."""
+        forgotten); returns how many replies they add. Fenced, so that another process that
+        counted a block again since keeps what it wrote, however late this lands. On one
+        Redis a frame goes only while the index does not count its block (one script holds
+        both). In a cluster (frames and index on different masters) a frame goes only while
+        the generation stored beside it is no newer than the one the index let go
+        (``gens``: an ``IndexUpdate``'s)."""
         if not members:
             return 0
         if self.target.cluster:
             for m in members:
-                pipe.delete(self.keys_of.frame_of_member(m))
+                self._index.queue_drop_stale(pipe, m, gens[m])
             return len(members)
         self._index.queue_drop_uncounted(pipe, members)
         return 1
 
-    def _drop(self, client: Any, members: Sequence[str]) -> None:
+    def _drop(self, client: Any, members: Sequence[str], gens: Mapping[str, int]) -> None:
         if members:
             pipe = client.pipeline(transaction=False)
-            self._queue_drop(pipe, members)
+            self._queue_drop(pipe, members, gens)
             pipe.execute()
+
+    def _mark_adopted(self, client: Any, members: Sequence[str], update: IndexUpdate) -> None:
+        """In a cluster, give orphans the index just counted again their new generation, so
+        that the late delete of the eviction that orphaned them (if it is only late) is
+        fenced off from here on."""
+        adopted = [m for m, status in zip(members, update.added) if status in (1, 2) and m not in update.evicted]
+        if self.target.cluster and adopted:
+            pipe = client.pipeline(transaction=False)
+            self._queue_gens(pipe, adopted, update.gens)
+            pipe.execute()
+
+    def _queue_gens(self, pipe: Any, members: Sequence[str], gens: Mapping[str, int]) -> int:
+        """In a cluster, queue the generation keys of frames about to be written (before
+        their SETs: a fenced delete landing between the two then keeps the old value, which
+        the SET replaces); returns how many replies they add. On one Redis, none."""
+        if not self.target.cluster:
+            return 0
+        for m in members:
+            pipe.set(self.keys_of.gen_of_member(m), gens[m], px=GEN_FENCE_SECONDS * 1000)
+        return len(members)
 
     def _queue_set(self, pipe: Any, batch: _Batch, i: int, status: int) -> None:
         key, frame = batch.items[i]
@@ -446,7 +468,7 @@ class RedisTier(Tier):
                 again = SharedIndex.parse(self._index.queue(c, add=back))
                 self._delete_expired(c, again)
                 if again.evicted:
-                    self._drop(c, again.evicted)
+                    self._drop(c, again.evicted, again.gens)
 
         try:
             self._run(send)
@@ -586,7 +608,9 @@ class RedisTier(Tier):
         pipe = client.pipeline(transaction=False)
         pipe.delete(self.keys_of.frame(key))
         self._index.queue(pipe, forget=[RedisKeys.member(key)])
-        deleted, reply = pipe.execute()
+        if self.target.cluster:
+            pipe.delete(self.keys_of.frame_gen(key))
+        deleted, reply, *_ = pipe.execute()
         self._note_totals(SharedIndex.parse(reply).totals)
         return bool(deleted)
 
@@ -643,8 +667,9 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             update = SharedIndex.parse(self._index.queue(c, add=found))
             self._delete_expired(c, update)
+            self._mark_adopted(c, [m for m, _, _ in found], update)
             if update.evicted:  # (an adopted block over the budget goes too: counted, then evicted)
-                self._drop(c, update.evicted)
+                self._drop(c, update.evicted, update.gens)
 
         try:
             self._run(send)
@@ -716,7 +741,7 @@ class RedisTier(Tier):
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
         self._note_totals(update.totals)
         if update.expired:
-            self._drop(client, update.expired)
+            self._drop(client, update.expired, update.gens)
 
     def _note_totals(self, totals: IndexTotals) -> None:
         with self._lock:
@@ -787,9 +812,10 @@ class RedisTier(Tier):
             def repair(c: Any) -> None:
                 update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
                 self._note_totals(update.totals)
+                self._mark_adopted(c, [m for m, _, _ in adopt], update)
                 victims = list(update.evicted) + list(update.expired)
                 if victims:
-                    self._drop(c, victims)
+                    self._drop(c, victims, update.gens)
 
             self._run(repair)
         return report
