@@ -991,6 +991,25 @@ def test_in_a_cluster_each_frame_has_a_generation_key_that_goes_with_it(cluster)
         tier.close()
 
 
+def test_in_a_cluster_scripts_in_a_pipeline_are_routed_without_asking_a_server(cluster):
+    """redis-py's cluster pipeline finds an EVAL's node with a COMMAND GETKEYS round trip of
+    its own per script unless told; the tier names the node from the key's slot."""
+    cluster.flush()
+    for node in cluster.nodes:
+        node.cli("CONFIG", "RESETSTAT")
+    frames = [_frame(i) for i in range(100, 112)]
+    tier = RedisTier(cluster.url, 4 * frames[0][1].nbytes, namespace="routed")
+    try:
+        for j in range(0, len(frames), 4):  # every put after the first evicts four
+            assert all(r.error is None for r in tier.put_many(frames[j:j + 4]))
+        tier.touch([k for k, _ in frames[-4:]])
+        assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0}
+    finally:
+        tier.close()
+    stats = "".join(node.cli("INFO", "commandstats") for node in cluster.nodes)
+    assert "cmdstat_eval:" in stats and "getkeys" not in stats
+
+
 def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
     """A DEL of another process's landing right after this process's SET (the window round
     trip 3 closes): the value is found gone while the index counts it, and written again."""

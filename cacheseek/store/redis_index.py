@@ -359,13 +359,15 @@ class SharedIndex:
         args += unpin
         for member, nbytes, raw_nbytes in add:
             args += [member, int(nbytes), int(raw_nbytes)]
-        return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args)
+        return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args,
+                                      **_routed(client, self.keys.lru))
 
     def queue_drop_stale(self, client: Any, member: str, gen: int) -> Any:
         """Queue (or run) the fenced delete of one victim's frame in a cluster: it goes only
         if its stored generation is at most ``gen`` (see :data:`DROP_STALE_SCRIPT`)."""
-        return client.execute_command("EVAL", DROP_STALE_SCRIPT, 2, self.keys.frame_of_member(member),
-                                      self.keys.gen_of_member(member), int(gen))
+        frame = self.keys.frame_of_member(member)
+        return client.execute_command("EVAL", DROP_STALE_SCRIPT, 2, frame, self.keys.gen_of_member(member), int(gen),
+                                      **_routed(client, frame))
 
     def queue_drop_uncounted(self, client: Any, members: Sequence[str]) -> Any:
         """Queue (or run) the fenced delete of the frames of ``members``: each goes only if
@@ -386,6 +388,22 @@ class SharedIndex:
             uncounted=tuple(_text(m) for m in uncounted),
             gens={_text(m): int(g) for m, g in zip(gens[::2], gens[1::2])},
         )
+
+
+def _routed(client: Any, key: str) -> dict[str, Any]:
+    """Where a cluster client sends an EVAL on ``key``'s slot. redis-py's cluster pipeline
+    asks a server (``COMMAND GETKEYS``, a round trip of its own per command) where a script
+    goes unless it is told: 1.9 ms instead of 0.4 for a pipeline of 8 on loopback. Only in
+    a pipeline, which sends the command again (routed by redis-py) if the slot has moved;
+    a cluster client's own call finds the slot from the keys without asking. Nothing for
+    one Redis, nor where the slot map has no node for it (redis-py then finds one)."""
+    node_of = getattr(client, "get_node_from_key", None)
+    if node_of is None or getattr(client, "command_stack", None) is None:
+        return {}
+    try:
+        return {"target_nodes": node_of(key)}
+    except Exception:  # (SlotNotCoveredError: a map being rebuilt)
+        return {}
 
 
 def _text(member: Any) -> str:
