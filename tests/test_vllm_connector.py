@@ -24,6 +24,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
   every block of the load is reported, vLLM recomputes them, the output is unchanged.
   And a new prompt saved layer by layer (vLLM's ``save_kv_layer`` feeding the step's
   writer) and whole, each into a fresh cache with a CPU tier: the same frames, byte for byte.
+- tensor parallelism (3 ranks, vLLM's multiprocessing executor) through a server: each
+  rank stores and loads its own shard of the heads under its own keys.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
@@ -41,6 +43,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from server_helpers import Server
@@ -105,10 +108,18 @@ def engines(model, tmp_path_factory):
             second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid})
             return {"first": first, "second": second}
 
+    def tensor_parallel() -> dict:
+        with Server(root / "server-tp", disk=False, cpu_bytes="1GiB") as srv:
+            extra = {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30}
+            res = run_engine({"scenario": "tensor_parallel", "extra": extra})
+            res["server"] = httpx.get(srv.url + "/v1/stats", timeout=30).json()
+            return res
+
     runs: dict[str, Future] = {
         "keys": pool.submit(run_engine, {"scenario": "keys", "extra": {}}),
         "raw": pool.submit(embedded, "raw", layerwise=True, corrupt_block=2, salts=True),
         "two_engines": pool.submit(two_engines),
+        "tensor_parallel": pool.submit(tensor_parallel),
         "int8": pool.submit(embedded, "int8"),
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
@@ -278,6 +289,20 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     assert first["after_store"]["worker"]["save_failures"] == 0
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
+
+
+def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engines):
+    """TP=3 (three worker processes, one KV head each) through a server: every rank stores
+    the prefix's 4 blocks under its own keys (12 distinct blocks of one head each), loads
+    its own back, and the output equals the uncached one."""
+    res = result(engines, "tensor_parallel")
+    assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024
+    assert res["scheduler"]["lookup_hit_tokens"] == 1024
+    assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
+    tier = res["server"]["tiers"][0]
+    assert tier["unique_blocks"] == tier["blocks"] == 12 and tier["hits"] == 12
+    one_head = 30 * 2 * 256 * 64 * 4  # layers x (K, V) x tokens x head dim x fp32
+    assert tier["raw_bytes"] == 12 * one_head
 
 
 def test_server_killed_mid_run_requests_complete_computed(engines):

@@ -393,6 +393,23 @@ def load(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
+    """Tensor parallelism over three worker processes (vLLM's multiprocessing executor; one
+    of SmolLM2's three KV heads each), through a server: prompt 0 computed and stored (each
+    rank its own shard of the heads, under its own keys), vLLM's cache reset, prompt 1 loads
+    the prefix on every rank; compared with prompt 1 computed without any cache. Only the
+    scheduler side's counters are read: the workers live in their own processes."""
+    llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp")
+    eng = Engine(llm, job.get("max_tokens", 8))
+    _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    out: dict[str, Any] = {"stored": eng.run(ps[0], read=False)}
+    eng.reset()
+    out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
+    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out["scheduler"] = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
+    return out
+
+
 class KillBeforeLoad:
     """The worker's ``RemoteCache``, with the server SIGKILLed just before the first load
     (the real call then runs against a dead server)."""
@@ -568,7 +585,7 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, store, load, ttft, keys)}
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, store, load, tensor_parallel, ttft, keys)}
 
 
 def main() -> None:
