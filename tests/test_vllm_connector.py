@@ -24,6 +24,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
   every block of the load is reported, vLLM recomputes them, the output is unchanged.
   And a new prompt saved layer by layer (vLLM's ``save_kv_layer`` feeding the step's
   writer) and whole, each into a fresh cache with a CPU tier: the same frames, byte for byte.
+- real LoRA adapters (random, on K and V): a prefix stored under one adapter is found
+  only under it, and loads that adapter's KV.
 - tensor parallelism (3 ranks, vLLM's multiprocessing executor) through a server: each
   rank stores and loads its own shard of the heads under its own keys.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
@@ -92,8 +94,9 @@ def engines(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     pool = ThreadPoolExecutor(max_workers=2)
 
-    def embedded(codec: str, layerwise: bool | None = None, **job) -> dict:
-        tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{codec}"), "disk_bytes": "1GiB", "disk_fsync": False}
+    def embedded(codec: str, layerwise: bool | None = None, disk: str | None = None, **job) -> dict:
+        tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{disk or codec}"), "disk_bytes": "1GiB",
+                 "disk_fsync": False}
         extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}
         if layerwise is not None:  # (default: whole-step loads)
             extra["layerwise_load"] = layerwise
@@ -123,6 +126,7 @@ def engines(model, tmp_path_factory):
         "int8": pool.submit(embedded, "int8"),
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
+        "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -289,6 +293,21 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     assert first["after_store"]["worker"]["save_failures"] == 0
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
+
+
+def test_real_lora_adapters_key_their_kv_apart(engines):
+    """Two real (random) adapters on k_proj and v_proj, whose KV is not the base model's:
+    a prompt stored under adapter a is found only under a, and loads a's KV (the output
+    equals a's without any cache); the base model and adapter b find nothing of it."""
+    res = result(engines, "lora")
+    assert res["a"]["external"] == res["a"]["cached"] == 1024
+    assert res["a"]["tokens"] == res["a_uncached"]["tokens"]
+    assert res["base"]["external"] == 0 and res["b"]["external"] == 0
+    outputs = {tuple(res[k]["tokens"]) for k in ("base", "a", "b")}
+    assert len(outputs) == 3  # the adapters change the KV, and so the output
+    worker = res["stats"]["worker"]
+    assert worker["loads"] == 1 and worker["load_failures"] == 0
+    assert worker["save_blocks_stored"] == 12  # a, the base model and b: 4 blocks each
 
 
 def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engines):

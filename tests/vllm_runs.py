@@ -85,14 +85,16 @@ class Engine:
     def external_hits(self) -> int:
         return int(sum(m.value for m in self.llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits"))
 
-    def run(self, prompt: list[int], *, read: bool = True, cache_salt: str | None = None) -> dict[str, Any]:
-        """Greedy tokens of ``prompt``; ``read=False``: without any cache (vLLM's or ours)."""
+    def run(self, prompt: list[int], *, read: bool = True, cache_salt: str | None = None,
+            lora: Any = None) -> dict[str, Any]:
+        """Greedy tokens of ``prompt`` (under the ``lora`` request's adapter); ``read=False``:
+        without any cache (vLLM's or ours)."""
         hits = self.external_hits()
         t0 = time.perf_counter()
         inp: dict[str, Any] = {"prompt_token_ids": prompt}
         if cache_salt is not None:
             inp["cache_salt"] = cache_salt
-        out = self.llm.generate([inp], self.params if read else self.cold, use_tqdm=False)[0]
+        out = self.llm.generate([inp], self.params if read else self.cold, use_tqdm=False, lora_request=lora)[0]
         seconds = time.perf_counter() - t0
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
                 "external": self.external_hits() - hits, "seconds": seconds}
@@ -169,6 +171,48 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         out["after_partial"] = eng.stats()
         out["shared"] = shared_blocks_of_a_failed_load(eng, ps, prefix, damage, bad, job["corrupt_block"])
         out["after_shared"] = eng.stats()
+    return out
+
+
+def write_kv_adapter(path: Path, seed: int, rank: int = 8) -> None:
+    """A LoRA adapter for SmolLM2 in PEFT's format, random, on k_proj and v_proj: its KV is
+    not the base model's."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for i in range(30):
+        for name in ("k_proj", "v_proj"):
+            pre = f"base_model.model.model.layers.{i}.self_attn.{name}"
+            weights[pre + ".lora_A.weight"] = torch.randn(rank, 576, generator=gen) * 0.06
+            weights[pre + ".lora_B.weight"] = torch.randn(192, rank, generator=gen) * 0.06
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["k_proj", "v_proj"],
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
+
+
+def lora(job: dict[str, Any]) -> dict[str, Any]:
+    """Real LoRA adapters (two, random, on K and V) in one engine: prompt 0 under adapter
+    ``a`` stored; vLLM's cache reset before each run: prompt 1 on the base model, under ``a``
+    (compared with itself without any cache), under ``b``."""
+    from vllm.lora.request import LoRARequest
+
+    root = Path(job["workdir"])
+    adapters = {}
+    for i, name in enumerate(("a", "b"), start=1):
+        write_kv_adapter(root / name, seed=i)
+        adapters[name] = LoRARequest(name, i, str(root / name))
+    eng = Engine(build_llm(job["extra"], enable_lora=True, max_lora_rank=8, max_loras=2), job.get("max_tokens", 16))
+    _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    out: dict[str, Any] = {"stored_a": eng.run(ps[0], read=False, lora=adapters["a"])}
+    for name, adapter in (("base", None), ("a", adapters["a"]), ("b", adapters["b"])):
+        eng.reset()
+        out[name] = eng.run(ps[1], lora=adapter)
+    out["a_uncached"] = eng.run(ps[1], read=False, lora=adapters["a"])
+    out["stats"] = eng.stats()
     return out
 
 
@@ -585,7 +629,7 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, store, load, tensor_parallel, ttft, keys)}
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys)}
 
 
 def main() -> None:
