@@ -52,6 +52,7 @@ local prune_limit = tonumber(ARGV[3])
 local n_forget, n_touch, n_add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local n_pin, n_unpin = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_repair, repair_idle_us = tonumber(ARGV[9]), tonumber(ARGV[10])
+local keep_gens = ARGV[11] == '1'
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -87,24 +88,24 @@ local function size_of(member)
   return tonumber(n), tonumber(r)
 end
 
--- A block's generation: the clock when it was last counted anew (0: counted before
--- generations were kept). Returned with every block a call adds, evicts or lets expire.
+-- A block's generation (kept only where asked: a cluster's fence): the clock when it was
+-- last counted anew (0: counted before generations were kept). Returned with every block a
+-- call adds, evicts or lets expire.
 local gen_of = {}
 local function note_gen(member)
-  gen_of[#gen_of + 1] = member
-  gen_of[#gen_of + 1] = tonumber(redis.call('HGET', gens, member) or 0) or 0
+  if keep_gens then
+    gen_of[#gen_of + 1] = member
+    gen_of[#gen_of + 1] = tonumber(redis.call('HGET', gens, member) or 0) or 0
+  end
 end
 
 local function drop(member)
   changed = true
   redis.call('ZREM', lru, member)
   local n, r = size_of(member)
-  if not n then
-    redis.call('HDEL', gens, member)
-    return false
-  end
+  if keep_gens then redis.call('HDEL', gens, member) end
+  if not n then return false end
   redis.call('HDEL', sizes, member)
-  redis.call('HDEL', gens, member)
   used = used - n
   raw = raw - r
   blocks = blocks - 1
@@ -125,7 +126,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 11
+local i = 12
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -217,9 +218,11 @@ for _ = 1, n_add do
     changed = true
     redis.call('HSET', sizes, m, n .. ' ' .. r)
     clock = clock + 1
-    redis.call('HSET', gens, m, clock)
-    gen_of[#gen_of + 1] = m
-    gen_of[#gen_of + 1] = clock
+    if keep_gens then
+      redis.call('HSET', gens, m, clock)
+      gen_of[#gen_of + 1] = m
+      gen_of[#gen_of + 1] = clock
+    end
     used = used + n
     raw = raw + r
     blocks = blocks + 1
@@ -314,7 +317,7 @@ class IndexUpdate:
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
     blocks the index does not count (orphans, if their frames are there). ``gens``: the
     generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
-    index now), evicted or expired (the one it had)."""
+    index now), evicted or expired (the one it had); empty unless ``SharedIndex.generations``."""
 
     added: tuple[int, ...]
     evicted: tuple[str, ...]
@@ -332,6 +335,7 @@ class SharedIndex:
     keys: RedisKeys
     budget_bytes: int
     ttl_us: int = 0  # 0: no TTL
+    generations: bool = False  # keep each block's generation (a cluster's fence)
 
     def queue(
         self,
@@ -351,7 +355,7 @@ class SharedIndex:
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
         failover."""
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
-                           len(pin), len(unpin), len(repair), int(repair_idle_us)]
+                           len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations)]
         args += forget
         args += repair
         args += touch

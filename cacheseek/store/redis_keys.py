@@ -6,7 +6,7 @@
     {<prefix>:<namespace>}:size                   hash: block hash hex -> "<nbytes> <raw_nbytes>"
     {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock, pinned_bytes, pinned_blocks
     {<prefix>:<namespace>}:pinned                 set: block hash hex of every pinned block
-    {<prefix>:<namespace>}:gen                    hash: block hash hex -> generation (clock when counted anew)
+    {<prefix>:<namespace>}:gen                    in a cluster: hash: block hash hex -> generation (clock when counted anew)
 
 Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
 A frame's tag is its block hash, so the frames of one chain spread over every master; the

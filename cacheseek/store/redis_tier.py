@@ -130,7 +130,8 @@ class RedisTier(Tier):
         self.timeouts = timeouts if timeouts is not None else RedisTimeouts()
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self._client_retries = client_retries
-        self._index = SharedIndex(self.keys_of, capacity_bytes, 0 if self._ttl_ms is None else self._ttl_ms * 1000)
+        self._index = SharedIndex(self.keys_of, capacity_bytes, 0 if self._ttl_ms is None else self._ttl_ms * 1000,
+                                  generations=self.target.cluster)
         self._client: Any = None
         self._connect_lock = threading.Lock()
         self._faults = _Faults()
