@@ -1,12 +1,14 @@
-"""The ``cacheseek`` command: ``serve``, ``top``, ``admin``, ``plan`` and ``demo``.
+"""The ``cacheseek`` command: ``serve``, ``top``, ``admin``, ``plan``, ``redis-check`` and ``demo``.
 
 ``serve`` never imports torch: the store and the server only move bytes. ``plan`` needs
-neither torch nor the server extras (matplotlib, for its plot, if installed).
+neither torch nor the server extras (matplotlib, for its plot, if installed);
+``redis-check`` only the ``redis`` extra.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import warnings
@@ -211,6 +213,59 @@ def keep_freed_memory(max_bytes: int = 1 << 30) -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, min(max_bytes, 1 << 30)) and mallopt(M_TRIM_THRESHOLD, 2 * max_bytes))
 
 
+def _redis_check_parser(sub: Any) -> None:
+    import os
+
+    env = os.environ.get
+    p = sub.add_parser(
+        "redis-check", help="compare a Redis tier's shared index with its frames, and repair it",
+        description="Scan every master of a Redis tier's namespace and compare the shared index with the frames "
+                    "stored: ghosts (counted, not stored: a write cut short, or frames lost with a master) and "
+                    "orphans (stored, not counted: a victim's DEL that never arrived, or the index lost with its "
+                    "master). --fix forgets the ghosts and counts the orphans again from their headers (over the "
+                    "budget, the least recently used are evicted). Defaults come from the server's CACHESEEK_REDIS_* "
+                    "variables. Exit status: 0 consistent (or repaired), 1 inconsistent (without --fix), "
+                    "2 Redis unreachable or a bad setting. See docs/redis.md.",
+    )
+    p.add_argument("--redis-url", default=env("CACHESEEK_REDIS_URL"), required=env("CACHESEEK_REDIS_URL") is None,
+                   help="redis://host:port or redis+cluster://host:port[,host:port...]")
+    p.add_argument("--redis-bytes", default=env("CACHESEEK_REDIS_BYTES", "16GiB"),
+                   help="the namespace's budget, as the servers using it have it (an adoption over it evicts)")
+    p.add_argument("--redis-prefix", default=env("CACHESEEK_REDIS_PREFIX", "cacheseek"))
+    p.add_argument("--redis-namespace", default=env("CACHESEEK_REDIS_NAMESPACE", "default"))
+    p.add_argument("--fix", action="store_true", help="forget the ghosts and adopt the orphans, then check again")
+    p.set_defaults(func=_redis_check)
+
+
+def _redis_check(args: argparse.Namespace) -> int:
+    from cacheseek.errors import CacheSeekError
+    from cacheseek.store.redis_tier import RedisTier
+    from cacheseek.units import parse_size
+
+    if importlib.util.find_spec("redis") is None:
+        print("cacheseek redis-check: needs the 'redis' extra: pip install 'cacheseek[redis]'", file=sys.stderr)
+        return 2
+    try:
+        tier = RedisTier(args.redis_url, parse_size(args.redis_bytes, name="--redis-bytes"),
+                         prefix=args.redis_prefix, namespace=args.redis_namespace)
+    except (CacheSeekError, ValueError) as exc:
+        print(f"cacheseek redis-check: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report: dict[str, Any] = {"url": tier.target.redacted(), "namespace": args.redis_namespace,
+                                  "found": tier.check(fix=args.fix)}
+        if args.fix:
+            report["after_fix"] = tier.check()
+    except CacheSeekError as exc:
+        print(f"cacheseek redis-check: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tier.close()
+    print(json.dumps(report, indent=2))
+    last = report.get("after_fix", report["found"])
+    return 0 if last["ghosts"] == last["orphans"] == 0 else 1
+
+
 def _plan_parser(sub: Any) -> None:
     p = sub.add_parser(
         "plan", help="size tiers and pick a codec by replaying a request trace",
@@ -390,10 +445,11 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,redis-check,demo}")
     for name in _SERVER_COMMANDS:
         _lazy_server_parser(sub, name, wanted=bool(argv) and argv[0] == name)
     _plan_parser(sub)
+    _redis_check_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from cacheseek.store.redis_client import RedisTimeouts, parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame
-from redis_servers import RedisCluster3, RedisServer, needs_redis
+from redis_servers import RedisCluster3, RedisServer, free_port, needs_redis
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 pytestmark = needs_redis
@@ -1008,6 +1009,64 @@ def test_in_a_cluster_scripts_in_a_pipeline_are_routed_without_asking_a_server(c
         tier.close()
     stats = "".join(node.cli("INFO", "commandstats") for node in cluster.nodes)
     assert "cmdstat_eval:" in stats and "getkeys" not in stats
+
+
+def test_a_cluster_master_killed_and_restarted_costs_misses_and_redis_check_repairs_the_index(tmp_path):
+    """The master holding the shared index (and some frames) is SIGKILLed: every call
+    answers at once (misses, a refused write), none raises. Restarted empty, it serves again
+    on its own; the frames on the other masters are then orphans of the lost index, which
+    ``cacheseek redis-check`` reports (exit 1) and ``--fix`` counts again (exit 0)."""
+    from server_helpers import cacheseek_command
+
+    cluster = RedisCluster3(tmp_path / "cluster").start()
+    tier = _fault_tier(cluster.url)
+    frames = [_frame(i) for i in range(120, 132)]
+    keys = [k for k, _ in frames]
+    try:
+        assert all(r.error is None for r in tier.put_many(frames))
+        client = tier._connection()
+        port_of = {k: client.get_node_from_key(tier.keys_of.frame(k)).port for k in keys}
+        index_port = client.get_node_from_key(tier.keys_of.lru).port
+        survivors = [k for k in keys if port_of[k] != index_port]
+        assert 0 < len(survivors) < len(keys)
+        master = next(n for n in cluster.nodes if n.port == index_port)
+        master.kill()
+        start = time.monotonic()
+        assert tier.contains_many(keys) == [False] * len(keys)
+        assert tier.get_many(keys) == [None] * len(keys)
+        assert tier.put_many([_frame(140)])[0].error is not None
+        assert time.monotonic() - start < 3.0
+        master.start()
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False) for n in cluster.nodes):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(0.4)  # the breaker's backoff: the next call is its probe
+        assert tier.put_many([_frame(141)])[0].error is None
+        assert tier.contains_many(keys) == [k in survivors for k in keys]  # lost with the master: the others
+        command = [*cacheseek_command(), "redis-check", "--redis-url", cluster.url, "--redis-bytes", "64MiB"]
+        found = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert found.returncode == 1, found.stderr
+        assert json.loads(found.stdout)["found"] == {"ok": 1, "ghosts": 0, "orphans": len(survivors)}
+        fixed = subprocess.run([*command, "--fix"], capture_output=True, text=True, timeout=120)
+        assert fixed.returncode == 0, fixed.stderr
+        assert json.loads(fixed.stdout)["after_fix"] == {"ok": 1 + len(survivors), "ghosts": 0, "orphans": 0}
+        assert tier.stats().blocks == 1 + len(survivors)
+        assert all(tier.get(k) is not None for k in survivors)
+    finally:
+        tier.close()
+        cluster.stop()
+
+
+def test_redis_check_refuses_an_unreachable_redis_and_bad_settings():
+    from server_helpers import cacheseek_command
+
+    port = free_port()
+    for args, match in [(["--redis-url", f"redis://127.0.0.1:{port}"], "redis"),
+                        (["--redis-url", "http://x"], "scheme"),
+                        (["--redis-url", f"redis://127.0.0.1:{port}", "--redis-bytes", "lots"], "redis-bytes")]:
+        done = subprocess.run([*cacheseek_command(), "redis-check", *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and match in done.stderr.lower() and not done.stdout, (args, done.stderr)
 
 
 def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
