@@ -1041,8 +1041,10 @@ def test_a_cluster_master_killed_and_restarted_costs_misses_and_redis_check_repa
         while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO", check=False) for n in cluster.nodes):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(0.4)  # the breaker's backoff: the next call is its probe
-        assert tier.put_many([_frame(141)])[0].error is None
+        deadline = time.monotonic() + 10  # on its own: the breaker's next call is its probe
+        while tier.put_many([_frame(141)])[0].error is not None:
+            assert time.monotonic() < deadline, tier.stats().extra["last_error"]
+            time.sleep(0.2)
         assert tier.contains_many(keys) == [k in survivors for k in keys]  # lost with the master: the others
         command = [*cacheseek_command(), "redis-check", "--redis-url", cluster.url, "--redis-bytes", "64MiB"]
         found = subprocess.run(command, capture_output=True, text=True, timeout=120)
