@@ -102,18 +102,21 @@ def engines(model, tmp_path_factory):
             extra["layerwise_load"] = layerwise
         return run_engine({"scenario": "share", "extra": extra, **job})
 
+    def remote(srv: Server) -> dict:
+        # A killed server refuses at once; the timeout only bounds a request to a live one,
+        # which a loaded 2-core machine (other suites' engines beside it) can slow past 5 s.
+        return {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30}
+
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
-            # A killed server refuses at once; the timeout only bounds a request to a live one,
-            # which a loaded 2-core machine (other suites' engines beside it) can slow past 5 s.
-            extra = {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30}
+            extra = remote(srv)
             first = run_engine({"scenario": "store", "extra": extra})
             second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid})
             return {"first": first, "second": second}
 
     def tensor_parallel() -> dict:
         with Server(root / "server-tp", disk=False, cpu_bytes="1GiB") as srv:
-            extra = {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30}
+            extra = remote(srv)
             res = run_engine({"scenario": "tensor_parallel", "extra": extra})
             res["server"] = httpx.get(srv.url + "/v1/stats", timeout=30).json()
             return res

@@ -110,6 +110,12 @@ class Engine:
         return {"scheduler": scheduler.stats(), "worker": get_kv_transfer_group().stats()}
 
 
+def loaded_and_uncached(eng: Engine, prompt: list[int]) -> dict[str, Any]:
+    """``prompt`` as the cache serves it, then computed without any cache, and how far they agree."""
+    loaded, baseline = eng.run(prompt), eng.run(prompt, read=False)
+    return {"loaded": loaded, "baseline": baseline, "agreement": agreement(loaded["tokens"], baseline["tokens"])}
+
+
 def agreement(got: list[int], want: list[int]) -> dict[str, Any]:
     same = sum(a == b for a, b in zip(got, want))
     first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
@@ -133,8 +139,7 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     out["stored"] = eng.run(ps[0], read=False)
     out["after_store"] = eng.stats()
     eng.reset()
-    out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
-    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out.update(loaded_and_uncached(eng, ps[1]))
     out["after_load"] = eng.stats()
     if job.get("layerwise_checks"):
         out["layerwise"] = layerwise_checks(eng, ps)
@@ -423,8 +428,7 @@ def load(job: dict[str, Any]) -> dict[str, Any]:
     worker's load: the load fails, vLLM is told its blocks and recomputes them."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
-    out: dict[str, Any] = {"loaded": eng.run(ps[1]), "baseline": eng.run(ps[1], read=False)}
-    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out: dict[str, Any] = loaded_and_uncached(eng, ps[1])
     out["after_load"] = eng.stats()
     if "kill_pid" in job:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -448,8 +452,7 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"stored": eng.run(ps[0], read=False)}
     eng.reset()
-    out["loaded"], out["baseline"] = eng.run(ps[1]), eng.run(ps[1], read=False)
-    out["agreement"] = agreement(out["loaded"]["tokens"], out["baseline"]["tokens"])
+    out.update(loaded_and_uncached(eng, ps[1]))
     out["scheduler"] = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
     return out
 
