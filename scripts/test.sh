@@ -67,4 +67,9 @@ assert torch.__file__.startswith('$PARENT_SITE')" 2>/dev/null; then
 fi
 export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 
-exec "$PY" -m pytest "$@"
+# One pytest worker per core, at most 4 (each imports torch; the vLLM tests run two engines
+# of their own), a test file to a worker: most of the suite waits on servers, subprocesses
+# and sockets, so a lone worker left a 2-core machine half idle (18 min against 13).
+# CACHESEEK_TEST_WORKERS=0 runs everything in this process.
+WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
+exec "$PY" -m pytest -n "$WORKERS" --dist loadfile "$@"
