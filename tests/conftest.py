@@ -19,8 +19,10 @@ settings.load_profile("ci")
 
 
 # The longest files start first, so that the workers of scripts/test.sh (one file each at
-# a time) finish together instead of one of them starting a four-minute file last.
-LONGEST_FIRST = ("test_vllm_connector.py", "test_crash.py", "test_transformers4.py", "test_transformers_integration.py")
+# a time) finish together instead of one of them starting a four-minute file last. xdist
+# hands each worker two files at the start, in this order, alternately: the third goes to
+# the worker running the first (the longest by far), so it is the shortest of the four.
+LONGEST_FIRST = ("test_vllm_connector.py", "test_crash.py", "test_transformers_integration.py", "test_transformers4.py")
 
 
 def pytest_collection_modifyitems(items):
