@@ -66,16 +66,13 @@ def _exclusive(folder: Path, step: str, progress: Progress) -> Iterator[None]:
     """Hold ``folder``'s lock for ``step`` (one lock file per step, so that converting may
     fetch first) against other processes; says so if it has to wait."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f".smollm2-{step}.lock", "a+b") as lock:
+    with open(folder / f".smollm2-{step}.lock", "a+b") as lock:  # closing it releases the lock
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             progress(f"waiting for another process to {step} SmolLM2 in {folder} ...")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
 
 
 def _quiet(_: str) -> None:
