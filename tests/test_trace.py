@@ -636,6 +636,7 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     (["--plot", "/nonexistent/x.png"], "--plot: /nonexistent/x.png: no directory /nonexistent"),
     (["--json", "."], "--json: .: is a directory"),
     (["--plot", "plan.xyz"], "--plot: plan.xyz: format 'xyz' is not one matplotlib writes"),
+    (["--disk-admit-after-uses", "0"], "--disk-admit-after-uses: must be an integer >= 1, got 0"),
 ])
 def test_plan_refuses_empty_lists_and_unwritable_outputs_before_replaying(tmp_path, capsys, monkeypatch, flags, says):
     if "xyz" in flags[-1]:
