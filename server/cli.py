@@ -308,6 +308,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     try:
         check_block_tokens(args.block_tokens, what="--block-tokens")
+        # (the store would refuse it too, but only at the first replay and by its setting's name)
+        if args.disk_admit_after_uses < 1:
+            raise ConfigError(f"--disk-admit-after-uses: must be an integer >= 1, got {args.disk_admit_after_uses}")
         layout = layout_of(args.layout)
         codecs = _listed(args.codec, "--codec", "codec")
         for c in codecs:

@@ -81,6 +81,15 @@ def test_line_numbers_count_newlines_only_as_grep_does(tmp_path):
     assert [r.hash_ids for r in load_trace(path)] == [(1,), (1, 2)]
 
 
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = b'{"hash_ids": [1], "timestamp": 0}\n'
+    # Far enough down that a text stream's read-ahead chunk would already hold it.
+    path.write_bytes(good * 500 + b'{"hash_ids": [1], "note": "caf\xe9"}\n' + good)
+    with pytest.raises(InputError, match=rf"^{path}:501: not UTF-8 text \(invalid continuation byte at byte 31\)"):
+        load_trace(path)
+
+
 def test_timestamps_must_not_go_back_and_empty_traces_fail():
     with pytest.raises(InputError, match=r"trace:2: timestamp 3 is before"):
         parse_lines(['{"hash_ids": [0], "timestamp": 9}', '{"hash_ids": [0], "timestamp": 3}'])
@@ -627,6 +636,7 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     (["--plot", "/nonexistent/x.png"], "--plot: /nonexistent/x.png: no directory /nonexistent"),
     (["--json", "."], "--json: .: is a directory"),
     (["--plot", "plan.xyz"], "--plot: plan.xyz: format 'xyz' is not one matplotlib writes"),
+    (["--disk-admit-after-uses", "0"], "--disk-admit-after-uses: must be an integer >= 1, got 0"),
 ])
 def test_plan_refuses_empty_lists_and_unwritable_outputs_before_replaying(tmp_path, capsys, monkeypatch, flags, says):
     if "xyz" in flags[-1]:

@@ -549,6 +549,38 @@ def test_returned_cache_continues_with_generate(smol):
     assert [again.next_token] + out[0, len(ids) + 1:].tolist() == mine.tokens
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--block-tokens", "0"], "argument --block-tokens: must be a positive integer, got '0'"),
+    (["--max-new-tokens", "-1"], "argument --max-new-tokens: must be a positive integer, got '-1'"),
+    (["--doc-chars", "many"], "argument --doc-chars: must be a positive integer, got 'many'"),
+])
+def test_demo_refuses_a_bad_count_before_loading_the_model(capsys, monkeypatch, argv, says):
+    from cacheseek.integrations import demo
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    parser = argparse.ArgumentParser(prog="cacheseek demo")
+    demo.add_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--block-tokens", "48"], "error: block_tokens: 48 is not a multiple of k_group_size=32"),
+    (["--cpu-bytes", "lots"], "error: cpu_bytes: cannot read 'lots' as a size"),
+    (["--document", "no_such_module_here"], "error: --document: no module 'no_such_module_here'"),
+])
+def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkeypatch, argv, says):
+    from cacheseek.integrations import demo
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: (tiny_model, None))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.run(parser.parse_args(argv)) == 2
+    out = capsys.readouterr().out
+    assert says in out and "Traceback" not in out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["embedded", "server"])
 def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="use a running cacheseek server instead of an embedded cache")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="how blocks are stored (default int4)")
     parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="KIVI group size")
-    parser.add_argument("--block-tokens", type=int, default=64, help="tokens per stored block (default 64)")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="answer length cap (default 48)")
+    parser.add_argument("--block-tokens", type=_positive_int, default=64, help="tokens per stored block (default 64)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=48, help="answer length cap (default 48)")
     parser.add_argument("--device", default="cpu", help="torch device for the model (default cpu)")
     parser.add_argument("--cache-dir", default=None,
                         help="where the model is downloaded and converted ($CACHESEEK_MODEL_DIR, "
@@ -50,7 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-bytes", default="1GiB", help="CPU tier budget (embedded cache, default 1GiB)")
     parser.add_argument("--gpu-bytes", default="0", help="GPU tier budget (embedded cache, needs --device cuda)")
     parser.add_argument("--document", default="json", help="stdlib module whose docstrings are the document")
-    parser.add_argument("--doc-chars", type=int, default=6000, help="characters of the document to use")
+    parser.add_argument("--doc-chars", type=_positive_int, default=6000, help="characters of the document to use")
+
+
+def _positive_int(text: str) -> int:
+    # (argparse names the flag and exits 2: before the model loads, not as a traceback after)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def make_codec(name: str, group_size: int) -> Any:
@@ -88,9 +99,15 @@ def _say(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
+    from ..errors import CacheSeekError
     from . import smollm2, texts
-    from .transformers import forward, greedy_continue, kv_layout, prefill_with_reuse
+    from .transformers import forward, kv_layout
 
+    try:
+        document = texts.stdlib_document(args.document)[: args.doc_chars]
+    except ImportError:
+        _say(f"error: --document: no module {args.document!r} to read docstrings from")
+        return 2
     t = time.perf_counter()
     _say(f"[1/3] loading SmolLM2-135M-Instruct on {args.device} (first run: download + one-time conversion) ...")
     try:
@@ -108,8 +125,16 @@ def run(args: argparse.Namespace) -> int:
 
     where = f"server {args.url}" if args.url else "an embedded cache"
     _say(f"[2/3] opening {where}, blocks of {args.block_tokens} tokens ...")
-    cache = open_cache(args, layout, codec, smollm2.MODEL_ID)
-    document = texts.stdlib_document(args.document)[: args.doc_chars]
+    try:
+        return _questions(args, model, tokenizer, open_cache(args, layout, codec, smollm2.MODEL_ID), document)
+    except CacheSeekError as exc:  # a setting the cache refuses (--block-tokens, a size), a server that is down
+        _say(f"error: {exc}")
+        return 2
+
+
+def _questions(args: argparse.Namespace, model: Any, tokenizer: Any, cache: Any, document: str) -> int:
+    from .transformers import greedy_continue, prefill_with_reuse
+
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     rows = []
     try:

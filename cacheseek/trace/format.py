@@ -121,13 +121,21 @@ def load_trace(path: str | Path) -> list[Request]:
     path = Path(path)
     try:
         # Lines end at "\n" only, as grep -n and sed count them: a lone "\r" would shift
-        # every later line number (a "\r\n" ending is whitespace to json).
-        with path.open(encoding="utf-8", newline="\n") as f:
-            return parse_lines(f, where=str(path))
+        # every later line number (a "\r\n" ending is whitespace to json). Read as bytes and
+        # decoded a line at a time: a text stream decodes ahead in chunks, so its error
+        # could not say which line holds the bad byte.
+        with path.open("rb") as f:
+            return parse_lines(_decoded(f, str(path)), where=str(path))
     except OSError as exc:
         raise InputError(f"trace: cannot read {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"trace: {path} is not UTF-8 text ({exc.reason})") from None
+
+
+def _decoded(lines: Iterable[bytes], where: str) -> Iterable[str]:
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{where}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
 
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
