@@ -254,6 +254,8 @@ class DiskTier(IndexedTier):
             if room == before or (at_start and room > before):
                 return
             self.capacity_bytes = self._stats.capacity_bytes = room
+            # ARC's target and ghost lists are sized by the budget: the index follows it.
+            self._index.resize(room)
         if at_start:
             log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
                         "stored here): the budget is clamped to %s", format_size(before), self.name, self.root,
