@@ -407,7 +407,11 @@ class DiskTier(IndexedTier):
         with self._lock:
             del self._writing[key]
             self._release(mine, n)
-            self._stats.write_errors += 1
+            # A write the filesystem had no room for goes again (``_put_result``,
+            # ``_commit_part``), which counts it only if it fails again: a frame stored on
+            # its second try is no write error.
+            if not isinstance(error, _NoSpace):
+                self._stats.write_errors += 1
         mine.done.set()
 
     def _release(self, mine: _InFlight, n: int) -> None:
@@ -488,6 +492,8 @@ class DiskTier(IndexedTier):
                 self._refit(full=True)
                 result = self._put_one(key, frame, evicted)
         except StorageError as exc:
+            if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
+                self.count(write_errors=1)
             return TierPutResult(stored=None, evicted=evicted, error=exc)
         result.evicted = evicted
         return result
@@ -608,6 +614,8 @@ class DiskTier(IndexedTier):
                     self._put_one(p.key, p.frame, p.evicted)
                 except StorageError as exc:
                     p.error = exc
+                    if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
+                        self.count(write_errors=1)
             results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
                 TierPutResult(stored=None, evicted=p.evicted, error=p.error)
 
@@ -732,7 +740,8 @@ class DiskTier(IndexedTier):
                 del self._writing[p.key]
                 self._release(p.flight, p.frame.meta.nbytes)
                 if p.error is not None:
-                    self._stats.write_errors += 1
+                    if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
+                        self._stats.write_errors += 1
                     continue
                 meta = p.frame.meta
                 self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position))
