@@ -885,6 +885,37 @@ def test_a_promotion_that_finds_no_room_after_evicting_hands_its_victims_down(tm
     store.close()
 
 
+def test_a_victim_a_middle_tier_refuses_goes_on_to_the_tier_below_it(tmp_path):
+    """Write-back over three tiers: a block the CPU tier evicted and the disk refused (a
+    failing disk; one full of pinned blocks) was dropped, though the tier below had room:
+    an acknowledged block gone before it left the last tier."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    class FailingDisk(DiskTier):
+        def _write_temp(self, final, segments, *, sync=True):
+            raise OSError(errno.EIO, "Input/output error")
+
+    size = raw_frame(0)[1].nbytes
+    cpu, disk = CpuTier(2 * size), FailingDisk(tmp_path / "d", 10 * size, fsync=False)
+    below = CpuTier(10 * size, name="below")
+    store = TieredStore([cpu, disk, below])  # nothing written through: victims go down
+    blocks = [raw_frame(i) for i in (1, 2, 3)]
+    assert all(r.stored for r in store.put_many(blocks[:2]))
+    assert all(r.stored for r in store.put_many(blocks[2:]))  # evicts one of the first two
+    assert cpu.stats().evictions == 1 and disk.stats().write_errors == 1
+    for key, frame in blocks:
+        got = store.get(key, promote=False)
+        assert got is not None, "an acknowledged block was lost on its way down"
+        assert bytes(got[0].payload_view()) == bytes(frame.payload_view())
+        got[0].release()
+    assert below.stats().demotions == 1
+    store.close()
+
+
 def test_a_gpu_tier_put_that_runs_out_of_device_memory_hands_its_victims_down(monkeypatch):
     """A GPU-tier put that evicted for room and then found the device out of memory raised,
     and the blocks it had evicted went with the exception: in no tier, never demoted. (A GPU
