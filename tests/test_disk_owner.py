@@ -124,3 +124,24 @@ def test_a_server_with_a_budget_beyond_the_filesystem_says_so(tmp_path):
         disk = next(t for t in httpx.get(srv.url + "/v1/stats").json()["tiers"] if t["name"] == "disk")
         assert disk["capacity_bytes"] < disk["requested_bytes"] == 100 << 40
     assert "disk_bytes: 100.00 TiB" in srv.output() and "clamped" in srv.output()
+
+
+def test_a_clamped_disk_budget_is_the_eviction_policys_budget_too(tmp_path, monkeypatch):
+    """ARC sizes its target and its ghost lists from the budget: left at ``disk_bytes`` when
+    the tier was clamped to the filesystem, it kept ghosts for ten times the blocks the
+    tier could hold (its bound is |T1| + |B1| <= the budget)."""
+    from types import SimpleNamespace
+
+    from store_helpers import raw_frame
+
+    nbytes = raw_frame(0)[1].nbytes
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=10 * nbytes, f_frsize=1))
+    tier = DiskTier(tmp_path, 100 * 10 * nbytes, fsync=False, policy="arc")
+    try:
+        assert tier.capacity_bytes < 10 * nbytes
+        for i in range(100):
+            tier.put(*raw_frame(i))
+        arc = tier.stats().to_dict()["eviction"]
+        assert arc["t1_bytes"] + arc["ghost_bytes"] <= tier.capacity_bytes, arc
+    finally:
+        tier.close()

@@ -598,6 +598,42 @@ def test_disk_full_is_reported_and_the_cache_keeps_serving(tmp_path):
     assert not list((tmp_path / "d").glob("*/.tmp-*"))
 
 
+@pytest.mark.parametrize("group_commit", [True, False])
+def test_a_write_that_finds_the_disk_full_and_goes_again_is_no_write_error(tmp_path, group_commit):
+    """On ENOSPC the budget comes down and the write goes again, evicting: a frame stored
+    on its second try did not fail (``write_errors`` counts frames a tier failed to store:
+    a group commit counted every frame of the batch, all stored); one that fails again
+    counts once."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    class FillingDisk(DiskTier):
+        full = 0  # writes still to fail with ENOSPC
+
+        def _write_temp(self, final, segments, *, sync=True):
+            if self.full:
+                self.full -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write_temp(final, segments, sync=sync)
+
+    tier = FillingDisk(tmp_path, 1 << 20, fsync=False, group_commit=group_commit)
+    try:
+        tier.put_many([raw_frame(i) for i in range(6)])
+        tier.full = 4 if group_commit else 1  # the first try of each frame of a batch; of one frame
+        results = tier.put_many([raw_frame(i) for i in range(10, 14)])
+        assert [r.error for r in results] == [None] * 4 and all(r.stored is not None for r in results)
+        stats = tier.stats()
+        assert stats.write_errors == 0 and stats.blocks == 6
+        tier.full = 1 << 30  # full for good: each frame fails twice, and counts once
+        results = tier.put_many([raw_frame(20), raw_frame(21)])
+        assert all(r.error is not None for r in results)
+        assert tier.stats().write_errors == 2
+    finally:
+        tier.close()
+
+
 def test_tier_config_errors_name_the_setting(tmp_path):
     with pytest.raises(cs.ConfigError, match="no tier"):
         make_cache(cpu=0)
@@ -846,6 +882,37 @@ def test_a_promotion_that_finds_no_room_after_evicting_hands_its_victims_down(tm
     assert evicted >= 1
     assert all(store.contains_many([key for key, _ in hot]))  # each victim is on the disk now
     assert disk.stats().demotions == evicted
+    store.close()
+
+
+def test_a_victim_a_middle_tier_refuses_goes_on_to_the_tier_below_it(tmp_path):
+    """Write-back over three tiers: a block the CPU tier evicted and the disk refused (a
+    failing disk; one full of pinned blocks) was dropped, though the tier below had room:
+    an acknowledged block gone before it left the last tier."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    class FailingDisk(DiskTier):
+        def _write_temp(self, final, segments, *, sync=True):
+            raise OSError(errno.EIO, "Input/output error")
+
+    size = raw_frame(0)[1].nbytes
+    cpu, disk = CpuTier(2 * size), FailingDisk(tmp_path / "d", 10 * size, fsync=False)
+    below = CpuTier(10 * size, name="below")
+    store = TieredStore([cpu, disk, below])  # nothing written through: victims go down
+    blocks = [raw_frame(i) for i in (1, 2, 3)]
+    assert all(r.stored for r in store.put_many(blocks[:2]))
+    assert all(r.stored for r in store.put_many(blocks[2:]))  # evicts one of the first two
+    assert cpu.stats().evictions == 1 and disk.stats().write_errors == 1
+    for key, frame in blocks:
+        got = store.get(key, promote=False)
+        assert got is not None, "an acknowledged block was lost on its way down"
+        assert bytes(got[0].payload_view()) == bytes(frame.payload_view())
+        got[0].release()
+    assert below.stats().demotions == 1
     store.close()
 
 

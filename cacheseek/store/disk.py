@@ -254,6 +254,8 @@ class DiskTier(IndexedTier):
             if room == before or (at_start and room > before):
                 return
             self.capacity_bytes = self._stats.capacity_bytes = room
+            # ARC's target and ghost lists are sized by the budget: the index follows it.
+            self._index.resize(room)
         if at_start:
             log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
                         "stored here): the budget is clamped to %s", format_size(before), self.name, self.root,
@@ -405,7 +407,11 @@ class DiskTier(IndexedTier):
         with self._lock:
             del self._writing[key]
             self._release(mine, n)
-            self._stats.write_errors += 1
+            # A write the filesystem had no room for goes again (``_put_result``,
+            # ``_commit_part``), which counts it only if it fails again: a frame stored on
+            # its second try is no write error.
+            if not isinstance(error, _NoSpace):
+                self._stats.write_errors += 1
         mine.done.set()
 
     def _release(self, mine: _InFlight, n: int) -> None:
@@ -486,6 +492,8 @@ class DiskTier(IndexedTier):
                 self._refit(full=True)
                 result = self._put_one(key, frame, evicted)
         except StorageError as exc:
+            if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
+                self.count(write_errors=1)
             return TierPutResult(stored=None, evicted=evicted, error=exc)
         result.evicted = evicted
         return result
@@ -606,6 +614,8 @@ class DiskTier(IndexedTier):
                     self._put_one(p.key, p.frame, p.evicted)
                 except StorageError as exc:
                     p.error = exc
+                    if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
+                        self.count(write_errors=1)
             results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
                 TierPutResult(stored=None, evicted=p.evicted, error=p.error)
 
@@ -730,7 +740,8 @@ class DiskTier(IndexedTier):
                 del self._writing[p.key]
                 self._release(p.flight, p.frame.meta.nbytes)
                 if p.error is not None:
-                    self._stats.write_errors += 1
+                    if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
+                        self._stats.write_errors += 1
                     continue
                 meta = p.frame.meta
                 self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position))

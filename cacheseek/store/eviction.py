@@ -225,6 +225,10 @@ class EvictionIndex(ABC):
     def is_pinned(self, key: bytes) -> bool:
         return key in self._pinned
 
+    def resize(self, capacity_bytes: int) -> None:
+        """The tier's budget changed (a disk tier fitted to its filesystem)."""
+        self.capacity_bytes = capacity_bytes
+
     # -- the policy ---------------------------------------------------------------------
 
     @abstractmethod
@@ -353,6 +357,13 @@ class ArcIndex(EvictionIndex):
             if old is not None:
                 lst[key] = info.nbytes
                 setattr(self, attr, getattr(self, attr) + info.nbytes - old)
+
+    def resize(self, capacity_bytes: int) -> None:
+        super().resize(capacity_bytes)
+        # The target and the ghost lists are bounded by the budget: a smaller one applies now,
+        # not only once the policy happens to grow p or trim its ghosts again.
+        self.p = min(self.p, capacity_bytes)
+        self._trim_ghosts()
 
     def _drop_ghost(self, key: bytes) -> None:
         n = self._b1.pop(key, None)

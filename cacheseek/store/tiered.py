@@ -291,15 +291,21 @@ class TieredStore:
                     continue
             if not below.accepts_device_frames:
                 frame = _on_host(frame)
-            # A failure is in the result (counted by the tier; the block is simply gone from
-            # this level), with whatever the put evicted first: handed down all the same.
+            # A failure is in the result (counted by the tier), with whatever the put evicted
+            # first: handed down all the same.
             result = below.put_many([(key, frame)])[0]
             if result.stored is not None:
                 if self._deleted_since(key, since):
                     below.delete(key)
                 else:
                     below.count(demotions=1)
-            self._demote(level + 1, result.evicted, since)
+            down = result.evicted
+            if result.error is not None:
+                # Refused there (a failing disk, one full of pinned blocks): the block goes on
+                # down too. Dropped here, an acknowledged block would leave the store before
+                # its last tier, which may well have room.
+                down = [*down, (key, frame)]
+            self._demote(level + 1, down, since)
 
     # -- reads ---------------------------------------------------------------------------
 
