@@ -308,6 +308,40 @@ def test_pages_sharing_memory_are_refused_when_built():
     assert cs.KVPages.vllm(t).num_layers == 2
 
 
+def test_pages_overlapping_in_part_are_refused_when_built():
+    """Views that share memory without starting at one address (V one page past K, a
+    layer's pages shifted into the next's, pages expanded from one page, heads on top of
+    each other) were taken: a load wrote one request's V over another's K, or every page
+    into the same memory, and reported each token written."""
+    buf = torch.zeros(26, 16, H, D, dtype=DTYPE)
+    own = [torch.zeros(24, 16, H, D, dtype=DTYPE) for _ in range(2)]
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[0:24]], [buf[1:25]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 1 K: shares memory with layer 0 K"):
+        cs.KVPages([buf[0:24], buf[2:26]], own)
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[:24]], [buf.view(-1)[1 : 1 + 24 * 16 * H * D].view(24, 16, H, D)])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 K: its pages, slots or heads overlap one another"):
+        cs.KVPages([buf[:1].expand(24, 16, H, D)], own[:1])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 K: its pages, slots or heads overlap one another"):
+        cs.KVPages([buf[:, :1].expand(26, 16, H, D)[:24]], own[:1])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: its pages, slots or heads overlap one another"):
+        cs.KVPages(own[:1], [buf.as_strided((24, 16, H, D), (16 * H * D, H * D, 0, 1))])
+    # named in the views' order, not the addresses' (layer 1 below layer 0 here)
+    two = torch.zeros(2, 24, 16, H, D, dtype=DTYPE)
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: the same memory as layer 0 K"):
+        cs.KVPages([two[1], two[0]], [two[1], two[0]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[1:25]], [buf[0:24]])
+    # interleaved K and V (FlashInfer), pages of every other page, a pool: no element shared
+    t = torch.zeros(24, 2, H, 16, D, dtype=DTYPE)
+    assert cs.KVPages.flashinfer([t, t.clone()], "HND").num_pages == 24
+    assert cs.KVPages.flashinfer([t.transpose(2, 3).contiguous()], "NHD").num_pages == 24
+    assert cs.KVPages([buf[0:24:2]], [buf[1:25:2]]).num_pages == 12
+    assert cs.KVPages.vllm([torch.zeros(2, 24, 16, 2 * H, D, dtype=DTYPE)[:, :, :, ::2]]).num_pages == 24
+    assert cs.KVPages.token_pool([buf.view(-1, H, D)[:100]], [buf.view(-1, H, D)[100:200]]).num_pages == 100
+
+
 def test_pages_on_a_device_without_data_are_refused_when_built():
     """Meta tensors have shapes and no data: an ingest from them failed inside torch, and a
     load into them reported tokens loaded that were written nowhere."""
