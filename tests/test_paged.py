@@ -252,6 +252,10 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
          r"requests\[1\]: token_ids: empty"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [0.5, 1.5])], pages),
          r"requests\[1\].page_ids: expected a flat sequence of int page ids"),
+        # (bools were read as pages 1 and 0, as a tensor of bools is not)
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
+                                  pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
+        (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_dtype), r"pages: dtype torch.bfloat16"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
         (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
