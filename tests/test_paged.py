@@ -265,6 +265,7 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], torch.tensor(tables[0], device="meta"))], pages),
          r"requests\[0\].page_ids: a meta tensor holds no page ids"),
         (lambda c: c.ingest_batch([], pages), r"requests: expected a non-empty list"),
+        (lambda c: c.ingest([], pages.at(tables[0])), r"^token_ids: empty input"),
     ]
     with make_cache(codec=INT4) as cache:
         for call, match in cases:
@@ -395,6 +396,11 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
             (lambda: cache.materialize_into(toks[0], dest.at(torch.tensor([7, 8], device="meta"))),
              r"^page_ids: a meta tensor holds no page ids"),
             (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
+            # the keys are at fault, not a ``kv`` (materialize_into has none): named as materialize names them
+            (lambda: cache.materialize_into([], dest.at([7, 8])), r"^token_ids: empty input"),
+            (lambda: cache.materialize_into([2**40] * BLOCK, dest.at([7, 8])), r"^token_ids: every id must be an int"),
+            (lambda: cache.materialize_into(torch.ones(2, BLOCK, dtype=torch.long), dest.at([7, 8])),
+             r"^token_ids: expected shape \[T\] or \[1, T\]"),
             (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],
                                                   cs.KVPages.vllm([t.float() for t in dest_tensors])),
              r"pages: dtype torch.float32"),
