@@ -46,6 +46,9 @@ def _as_pages(t: Any, layout: str, where: str) -> torch.Tensor:
         raise InputError(f"{where}: expected a tensor, got {type(t).__name__}")
     if t.dim() != 4:
         raise InputError(f"{where}: expected [num_pages, page_size, H, D] ({layout}) pages, got shape {list(t.shape)}")
+    # Pages a forward wrote under grad mode require grad: the torch path's gathers would carry
+    # it into the encode's in-place copies, which refuse it (as ``kv_input`` detaches KV).
+    t = t.detach()
     return t if layout == "NHD" else t.transpose(1, 2)
 
 

@@ -363,6 +363,30 @@ def test_pages_on_a_device_without_data_are_refused_when_built():
     assert cs.KVPages.vllm([torch.zeros_like(t, device="cpu") for t in meta]).device.type == "cpu"
 
 
+def test_pages_a_forward_wrote_under_grad_mode_are_read_and_written_as_any(backend):
+    """A forward run without ``no_grad`` leaves the engine's pages requiring grad: the torch
+    path's gather then fed the encode's in-place copies a tensor with a grad, and the ingest
+    failed with torch's "a leaf Variable that requires grad" (contiguous KV is detached)."""
+    toks, kvs, _, _, tables = _setup()
+    tensors = [torch.zeros(24, 16, H, D, dtype=DTYPE, device=DEVICE) for _ in range(2 * L)]
+    weight = torch.ones((), dtype=DTYPE, device=DEVICE, requires_grad=True)
+    g = torch.arange(2 * BLOCK)
+    page, slot = torch.tensor(tables[0])[g // 16].to(DEVICE), (g % 16).to(DEVICE)
+    for layer, (k, v) in enumerate(kvs[0]):  # as the forward's own writes
+        tensors[layer][page, slot] = (k * weight).transpose(0, 1)
+        tensors[L + layer][page, slot] = (v * weight).transpose(0, 1)
+    pages = cs.KVPages(tensors[:L], tensors[L:])
+    assert tensors[0].requires_grad  # (as a forward under grad mode leaves them)
+    with make_cache(codec=INT4) as cache, make_cache(codec=INT4) as contiguous:
+        assert cache.ingest(toks[0], pages.at(tables[0])).stored == 2
+        contiguous.ingest(toks[0], kvs[0])
+        assert stored_bytes(cache, toks[0]) == stored_bytes(contiguous, toks[0])
+        assert cache.materialize_into(toks[0], pages.at(tables[1])).num_tokens == 2 * BLOCK
+        decoded = contiguous.materialize(toks[0], device=DEVICE).layers
+        for (k, v), (k0, v0) in zip(read_tokens(pages, tables[1], 2 * BLOCK), decoded):
+            assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
+
+
 def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
     toks, kvs, pages, tensors, tables = _setup()
     page = pages.page_size
