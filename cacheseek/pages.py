@@ -26,6 +26,7 @@ scatter that give the same bytes.
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -399,10 +400,13 @@ class PagedSource:
         for layer, view in enumerate(self._views(side, layers)):
             x = rows[:, layer]  # [n, H, B, D]
             x = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
-            if _mergeable(view):
-                view.flatten(0, 1).index_copy_(0, page * view.shape[1] + slot, x)
-            else:
-                view[page, slot] = x
+            # An engine's cache allocated under inference mode takes in-place writes only
+            # inside it (the kernels write by address, whatever the mode).
+            with torch.inference_mode() if view.is_inference() else contextlib.nullcontext():
+                if _mergeable(view):
+                    view.flatten(0, 1).index_copy_(0, page * view.shape[1] + slot, x)
+                else:
+                    view[page, slot] = x
 
 
 def _mergeable(view: torch.Tensor) -> bool:

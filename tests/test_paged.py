@@ -387,6 +387,27 @@ def test_pages_a_forward_wrote_under_grad_mode_are_read_and_written_as_any(backe
             assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
 
 
+def test_pages_made_under_inference_mode_are_written_outside_it(backend):
+    """An engine's cache allocated under ``torch.inference_mode`` holds inference tensors:
+    the torch path's ``index_copy_`` into them, outside that mode, raised torch's "Inplace
+    update to inference tensor outside InferenceMode" (a layer-wise load failed each layer);
+    the kernels, writing by address, were fine."""
+    toks, kvs, _, _, tables = _setup()
+    with torch.inference_mode():
+        tensors = engine_tensors("flash", L, H, D, 24, 16, DTYPE)
+    pages = kv_pages("flash", tensors)
+    with make_cache(codec=INT4) as cache:
+        cache.ingest(toks[0], kvs[0])
+        decoded = cache.materialize(toks[0], device=DEVICE).layers
+        assert cache.materialize_into(toks[0], pages.at(tables[0])).num_tokens == 2 * BLOCK
+        with cache.materialize_into(toks[0], pages.at(tables[1]), layerwise=True) as load:
+            for layer in range(L):
+                load.wait(layer)
+        for ids in tables:
+            for (k, v), (k0, v0) in zip(read_tokens(pages, ids, 2 * BLOCK), decoded):
+                assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
+
+
 def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
     toks, kvs, pages, tensors, tables = _setup()
     page = pages.page_size
