@@ -111,6 +111,12 @@ def _bad_keys(call: PagedCall, r: int, request_keys: Any, exc: TypeError) -> Inp
                       f"got {type(request_keys).__name__} ({exc})")
 
 
+def _keys_error(call: PagedCall, r: int, exc: InputError) -> InputError:
+    # A call of one request has no request to name, and its keys are what is wrong, not its
+    # ``kv`` (``materialize_into`` has none): the error as ``ingest``/``materialize`` give it.
+    return exc if call.single else InputError(f"{call.names[r]}: {exc}")
+
+
 def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[tuple[Any, Any, int | None]],
          *, single: bool) -> PagedCall:
     """Check every request (``(keys, page_ids, max_tokens)``): its keys name tokens, its
@@ -123,7 +129,7 @@ def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[
         try:
             tokens = keys.num_tokens(request_keys)
         except InputError as exc:
-            raise InputError(f"{name}: {exc}") from None
+            raise _keys_error(call, i, exc) from None
         except TypeError as exc:
             raise _bad_keys(call, i, request_keys, exc) from None
         call.tables.append(page_table(page_ids, pages, call.param(i, "page_ids")))
@@ -132,11 +138,11 @@ def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[
 
 
 def hash_requests(call: PagedCall, keys: PrefixKeys, requests: Sequence[tuple[Any, Any, int | None]]) -> None:
-    for r, (name, (request_keys, _, _)) in enumerate(zip(call.names, requests)):
+    for r, (request_keys, _, _) in enumerate(requests):
         try:
             hashes = keys.block_hashes(request_keys)
         except InputError as exc:
-            raise InputError(f"{name}: {exc}") from None
+            raise _keys_error(call, r, exc) from None
         except TypeError as exc:
             raise _bad_keys(call, r, request_keys, exc) from None
         call.hashes.append(hashes)

@@ -26,6 +26,7 @@ scatter that give the same bytes.
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +47,68 @@ def _as_pages(t: Any, layout: str, where: str) -> torch.Tensor:
         raise InputError(f"{where}: expected a tensor, got {type(t).__name__}")
     if t.dim() != 4:
         raise InputError(f"{where}: expected [num_pages, page_size, H, D] ({layout}) pages, got shape {list(t.shape)}")
+    # Pages a forward wrote under grad mode require grad: the torch path's gathers would carry
+    # it into the encode's in-place copies, which refuse it (as ``kv_input`` detaches KV).
+    t = t.detach()
     return t if layout == "NHD" else t.transpose(1, 2)
+
+
+def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(stride, size) of the dims of ``t`` that take more than one index, largest stride first."""
+    return sorted(((st, n) for st, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    # Each stride past what the smaller ones span: then no two indices meet. Engines'
+    # layouts (pages, slots, heads, dims nested, any gaps) all pass.
+    span = 0
+    for st, n in reversed(_dims(t)):
+        if st <= span:
+            return True
+        span += (n - 1) * st
+    return False
+
+
+def _reaches(d: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether ``d`` elements is a difference of two offsets of a view of ``dims`` (as
+    ``_dims``, not self-overlapping): whether two such views ``d`` apart share an element."""
+    if not dims:
+        return d == 0
+    (st, n), rest = dims[0], dims[1:]
+    below = sum((m - 1) * s for s, m in rest)
+    lo, hi = max(-(n - 1), -((below - d) // st)), min(n - 1, (d + below) // st)
+    return any(_reaches(d - c * st, rest) for c in range(lo, hi + 1))  # (at most two c: st > below)
+
+
+def _check_disjoint(views: list[tuple[str, torch.Tensor]]) -> None:
+    """``InputError`` naming the first view that shares an element with itself or another."""
+    spans = []
+    for j, (here, t) in enumerate(views):
+        if not t.numel():
+            continue
+        if _self_overlaps(t):
+            raise InputError(f"pages {here}: its pages, slots or heads overlap one another (shape {list(t.shape)}, "
+                             f"strides {list(t.stride())})")
+        size = t.element_size()
+        end = t.data_ptr() + (sum((n - 1) * st for st, n in zip(t.stride(), t.shape)) + 1) * size
+        spans.append((t.data_ptr(), end, j, t))
+    clashes = []  # (the later view, the earlier one, whether they start at one address)
+    active: list[tuple[int, int, int, torch.Tensor]] = []
+    for start, end, j, t in sorted(spans, key=lambda s: (s[0], s[2])):
+        active = [a for a in active if a[1] > start]
+        for a_start, _, i, a in active:
+            d, size = start - a_start, t.element_size()
+            # Address ranges that meet hold disjoint elements only where the views interleave
+            # (FlashInfer's K and V): the same strides, and no offset of one on the other's.
+            if not d or a.stride() != t.stride() or a.element_size() != size or d % size or \
+                    _reaches(d // size, _dims(t)):
+                clashes.append((max(i, j), min(i, j), not d))
+        active.append((start, end, j, t))
+    if clashes:  # named in the views' order, whatever order the allocator put them in
+        later, earlier, same = min(clashes)
+        what = "the same memory as" if same else "shares memory with"
+        raise InputError(f"pages {views[later][0]}: {what} {views[earlier][0]}; every layer's K and V must be "
+                         "pages of their own")
 
 
 class KVPages:
@@ -84,16 +146,11 @@ class KVPages:
             # torch; the data paths (streams, staging, kernels) are built for cpu and cuda.
             held = "which holds no data" if device.type == "meta" else "which the cache cannot read or write"
             raise InputError(f"pages: on {device}, {held}; expected pages on {' or '.join(PAGE_DEVICES)}")
-        # Two views that start at one address share that memory: given the K tensors as V
-        # too (or one layer's tensor twice), an ingest stored K as V and a load wrote V over
-        # K, both reported done. (Interleaved views, such as FlashInfer's K and V, start apart.)
-        starts: dict[int, str] = {}
-        for name, views in (("K", self.k), ("V", self.v)):
-            for i, t in enumerate(views):
-                here = f"layer {i} {name}"
-                if t.numel() and starts.setdefault(t.data_ptr(), here) != here:
-                    raise InputError(f"pages {here}: the same memory as {starts[t.data_ptr()]}; every layer's "
-                                     "K and V must be pages of their own")
+        # Views that share memory: given the K tensors as V too (or one layer's tensor
+        # twice, or V a page past K), an ingest stored K as V and a load wrote V over K, both
+        # reported done; pages expanded from one page took every page's load into one.
+        _check_disjoint([(f"layer {i} {name}", t) for name, views in (("K", self.k), ("V", self.v))
+                         for i, t in enumerate(views)])
         self.num_pages, self.page_size, self.num_kv_heads, self.head_dim = shape
         self.num_layers, self.dtype, self.device = len(self.k), dtype, device
         self._kernel_pages: dict[tuple[int, int], Any] = {}
@@ -209,6 +266,11 @@ def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:
                 torch.zeros(0, dtype=torch.int64)
         except (TypeError, OverflowError) as exc:
             raise InputError(f"{where}: expected a flat sequence of int page ids ({exc})") from None
+        # array() takes a bool as 0 or 1 (a mask given as the table read pages 1 and 0), as
+        # torch refuses a tensor of bools; only ids 0 and 1 can have been one.
+        for j in ((ids == 0) | (ids == 1)).nonzero().flatten().tolist():
+            if isinstance(page_ids[j], bool):
+                raise InputError(f"{where}[{j}]: a bool, not a page id")
     else:
         raise InputError(f"{where}: expected a list of page ids or a 1-D tensor, got {type(page_ids).__name__}")
     if ids.numel():
@@ -338,10 +400,13 @@ class PagedSource:
         for layer, view in enumerate(self._views(side, layers)):
             x = rows[:, layer]  # [n, H, B, D]
             x = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
-            if _mergeable(view):
-                view.flatten(0, 1).index_copy_(0, page * view.shape[1] + slot, x)
-            else:
-                view[page, slot] = x
+            # An engine's cache allocated under inference mode takes in-place writes only
+            # inside it (the kernels write by address, whatever the mode).
+            with torch.inference_mode() if view.is_inference() else contextlib.nullcontext():
+                if _mergeable(view):
+                    view.flatten(0, 1).index_copy_(0, page * view.shape[1] + slot, x)
+                else:
+                    view[page, slot] = x
 
 
 def _mergeable(view: torch.Tensor) -> bool:

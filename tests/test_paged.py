@@ -252,6 +252,10 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
          r"requests\[1\]: token_ids: empty"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [0.5, 1.5])], pages),
          r"requests\[1\].page_ids: expected a flat sequence of int page ids"),
+        # (bools were read as pages 1 and 0, as a tensor of bools is not)
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
+                                  pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
+        (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_dtype), r"pages: dtype torch.bfloat16"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
         (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
@@ -261,6 +265,7 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], torch.tensor(tables[0], device="meta"))], pages),
          r"requests\[0\].page_ids: a meta tensor holds no page ids"),
         (lambda c: c.ingest_batch([], pages), r"requests: expected a non-empty list"),
+        (lambda c: c.ingest([], pages.at(tables[0])), r"^token_ids: empty input"),
     ]
     with make_cache(codec=INT4) as cache:
         for call, match in cases:
@@ -308,6 +313,40 @@ def test_pages_sharing_memory_are_refused_when_built():
     assert cs.KVPages.vllm(t).num_layers == 2
 
 
+def test_pages_overlapping_in_part_are_refused_when_built():
+    """Views that share memory without starting at one address (V one page past K, a
+    layer's pages shifted into the next's, pages expanded from one page, heads on top of
+    each other) were taken: a load wrote one request's V over another's K, or every page
+    into the same memory, and reported each token written."""
+    buf = torch.zeros(26, 16, H, D, dtype=DTYPE)
+    own = [torch.zeros(24, 16, H, D, dtype=DTYPE) for _ in range(2)]
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[0:24]], [buf[1:25]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 1 K: shares memory with layer 0 K"):
+        cs.KVPages([buf[0:24], buf[2:26]], own)
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[:24]], [buf.view(-1)[1 : 1 + 24 * 16 * H * D].view(24, 16, H, D)])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 K: its pages, slots or heads overlap one another"):
+        cs.KVPages([buf[:1].expand(24, 16, H, D)], own[:1])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 K: its pages, slots or heads overlap one another"):
+        cs.KVPages([buf[:, :1].expand(26, 16, H, D)[:24]], own[:1])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: its pages, slots or heads overlap one another"):
+        cs.KVPages(own[:1], [buf.as_strided((24, 16, H, D), (16 * H * D, H * D, 0, 1))])
+    # named in the views' order, not the addresses' (layer 1 below layer 0 here)
+    two = torch.zeros(2, 24, 16, H, D, dtype=DTYPE)
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: the same memory as layer 0 K"):
+        cs.KVPages([two[1], two[0]], [two[1], two[0]])
+    with pytest.raises(cs.InputError, match=r"^pages layer 0 V: shares memory with layer 0 K"):
+        cs.KVPages([buf[1:25]], [buf[0:24]])
+    # interleaved K and V (FlashInfer), pages of every other page, a pool: no element shared
+    t = torch.zeros(24, 2, H, 16, D, dtype=DTYPE)
+    assert cs.KVPages.flashinfer([t, t.clone()], "HND").num_pages == 24
+    assert cs.KVPages.flashinfer([t.transpose(2, 3).contiguous()], "NHD").num_pages == 24
+    assert cs.KVPages([buf[0:24:2]], [buf[1:25:2]]).num_pages == 12
+    assert cs.KVPages.vllm([torch.zeros(2, 24, 16, 2 * H, D, dtype=DTYPE)[:, :, :, ::2]]).num_pages == 24
+    assert cs.KVPages.token_pool([buf.view(-1, H, D)[:100]], [buf.view(-1, H, D)[100:200]]).num_pages == 100
+
+
 def test_pages_on_a_device_without_data_are_refused_when_built():
     """Meta tensors have shapes and no data: an ingest from them failed inside torch, and a
     load into them reported tokens loaded that were written nowhere."""
@@ -322,6 +361,51 @@ def test_pages_on_a_device_without_data_are_refused_when_built():
     with pytest.raises(cs.InputError, match=refused):
         cs.KVPages.flashinfer([t.transpose(0, 1) for t in meta])
     assert cs.KVPages.vllm([torch.zeros_like(t, device="cpu") for t in meta]).device.type == "cpu"
+
+
+def test_pages_a_forward_wrote_under_grad_mode_are_read_and_written_as_any(backend):
+    """A forward run without ``no_grad`` leaves the engine's pages requiring grad: the torch
+    path's gather then fed the encode's in-place copies a tensor with a grad, and the ingest
+    failed with torch's "a leaf Variable that requires grad" (contiguous KV is detached)."""
+    toks, kvs, _, _, tables = _setup()
+    tensors = [torch.zeros(24, 16, H, D, dtype=DTYPE, device=DEVICE) for _ in range(2 * L)]
+    weight = torch.ones((), dtype=DTYPE, device=DEVICE, requires_grad=True)
+    g = torch.arange(2 * BLOCK)
+    page, slot = torch.tensor(tables[0])[g // 16].to(DEVICE), (g % 16).to(DEVICE)
+    for layer, (k, v) in enumerate(kvs[0]):  # as the forward's own writes
+        tensors[layer][page, slot] = (k * weight).transpose(0, 1)
+        tensors[L + layer][page, slot] = (v * weight).transpose(0, 1)
+    pages = cs.KVPages(tensors[:L], tensors[L:])
+    assert tensors[0].requires_grad  # (as a forward under grad mode leaves them)
+    with make_cache(codec=INT4) as cache, make_cache(codec=INT4) as contiguous:
+        assert cache.ingest(toks[0], pages.at(tables[0])).stored == 2
+        contiguous.ingest(toks[0], kvs[0])
+        assert stored_bytes(cache, toks[0]) == stored_bytes(contiguous, toks[0])
+        assert cache.materialize_into(toks[0], pages.at(tables[1])).num_tokens == 2 * BLOCK
+        decoded = contiguous.materialize(toks[0], device=DEVICE).layers
+        for (k, v), (k0, v0) in zip(read_tokens(pages, tables[1], 2 * BLOCK), decoded):
+            assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
+
+
+def test_pages_made_under_inference_mode_are_written_outside_it(backend):
+    """An engine's cache allocated under ``torch.inference_mode`` holds inference tensors:
+    the torch path's ``index_copy_`` into them, outside that mode, raised torch's "Inplace
+    update to inference tensor outside InferenceMode" (a layer-wise load failed each layer);
+    the kernels, writing by address, were fine."""
+    toks, kvs, _, _, tables = _setup()
+    with torch.inference_mode():
+        tensors = engine_tensors("flash", L, H, D, 24, 16, DTYPE)
+    pages = kv_pages("flash", tensors)
+    with make_cache(codec=INT4) as cache:
+        cache.ingest(toks[0], kvs[0])
+        decoded = cache.materialize(toks[0], device=DEVICE).layers
+        assert cache.materialize_into(toks[0], pages.at(tables[0])).num_tokens == 2 * BLOCK
+        with cache.materialize_into(toks[0], pages.at(tables[1]), layerwise=True) as load:
+            for layer in range(L):
+                load.wait(layer)
+        for ids in tables:
+            for (k, v), (k0, v0) in zip(read_tokens(pages, ids, 2 * BLOCK), decoded):
+                assert torch.equal(k.cpu(), k0[0].cpu()) and torch.equal(v.cpu(), v0[0].cpu())
 
 
 def test_nan_in_one_request_names_it_and_stores_nothing_of_the_batch(backend):
@@ -357,6 +441,11 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
             (lambda: cache.materialize_into(toks[0], dest.at(torch.tensor([7, 8], device="meta"))),
              r"^page_ids: a meta tensor holds no page ids"),
             (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
+            # the keys are at fault, not a ``kv`` (materialize_into has none): named as materialize names them
+            (lambda: cache.materialize_into([], dest.at([7, 8])), r"^token_ids: empty input"),
+            (lambda: cache.materialize_into([2**40] * BLOCK, dest.at([7, 8])), r"^token_ids: every id must be an int"),
+            (lambda: cache.materialize_into(torch.ones(2, BLOCK, dtype=torch.long), dest.at([7, 8])),
+             r"^token_ids: expected shape \[T\] or \[1, T\]"),
             (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],
                                                   cs.KVPages.vllm([t.float() for t in dest_tensors])),
              r"pages: dtype torch.float32"),
