@@ -7,8 +7,9 @@ a template, and each block's frame is derived from it (``replan_frame``: a few Â
 
 Under a ``PrecisionPolicy`` the codec depends on the block's position: a policy's format
 holds one uniform format per codec (``at(position)``), plans each block with its own
-codec's template, and checks a fetched frame against the codec of its position. Encoders
-and decoders cut their launches at ``boundaries`` so a launch holds blocks of one codec.
+codec's template, and checks a fetched frame against the codec of the position it is
+fetched for. Encoders and decoders cut their launches at ``boundaries`` so a launch holds
+blocks of one codec.
 Torch-free.
 """
 
@@ -136,13 +137,16 @@ class BlockFormat:
                 self._templates.popitem(last=False)
         return template
 
-    def check_fetched(self, meta: FrameMeta, key: bytes) -> None:
+    def check_fetched(self, meta: FrameMeta, key: bytes, position: int) -> None:
         """Raise ``FrameError`` unless ``meta`` (a frame fetched from a tier or a server) is
-        block ``key`` in this configuration."""
+        block ``key``, fetched for ``position`` of its chain, in this configuration."""
         if meta.block_hash != key:
             raise FrameError("frame names another block")
         if self.policy is not None:
-            self.at(meta.position).check_fetched(meta, key)
+            # The codec of the place the block is fetched for, not of the position its header
+            # claims: a header claiming another one parses and names that one's codec, and
+            # the decoder, which lays the block out by its place, then raised instead of missing.
+            self.at(position).check_fetched(meta, key, position)
             return
         if meta.codec != self.codec_spec or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
             raise FrameError("frame was written with another codec, layout or block size")

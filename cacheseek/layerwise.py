@@ -680,11 +680,13 @@ class LayerwiseLoad:
 
 def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], Sequence[str]]],
          device: torch.device, *, sink: Any = None, rows: list[int] | None = None,
-         groups: Sequence[tuple[int, int]] | None = None) -> tuple[LayerwiseDecoder | None, list[list[str]]]:
+         groups: Sequence[tuple[int, int]] | None = None,
+         starts: Sequence[int] | None = None) -> tuple[LayerwiseDecoder | None, list[list[str]]]:
     """Fetch the frames of ``chains`` ((hashes, located tiers) per request, in row order)
     into a ``LayerwiseDecoder``: per chain, the tiers of the blocks it got (a chain ends at
     the first block gone or bad since the lookup). ``rows``: with a page ``sink``, the
-    call's row of each chain's first block, appended to ``sink.rows`` per block added."""
+    call's row of each chain's first block, appended to ``sink.rows`` per block added.
+    ``starts``: the position in its chain of each chain's first block (0 when not given)."""
     total = sum(len(where) for _, where in chains)
     got: list[list[str]] = [[] for _ in chains]
     if not total:
@@ -699,12 +701,12 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
                 continue
             frames = store.stream(list(hashes[: len(where)]), where=list(where), leased=True)
             try:
-                for key, item in zip(hashes, frames):
+                for position, (key, item) in enumerate(zip(hashes, frames), starts[r] if starts else 0):
                     if item is None:
                         break  # evicted or found corrupt since the lookup: this prefix ends here
                     frame, tier = item
                     try:
-                        fmt.check_fetched(frame.meta, key)
+                        fmt.check_fetched(frame.meta, key, position)
                     except FrameError:
                         frame.release()
                         break

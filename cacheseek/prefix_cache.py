@@ -253,7 +253,8 @@ class PrefixCache(PrefixCacheBase):
             firsts.append(row)
             row += n - s
         chains = [(h[s:n], where[s:n]) for h, where, s, n in zip(call.hashes, located, skip, counts)]
-        decoder, got = layerwise.load(self.block_format, self.store, chains, pages.device, sink=sink, rows=firsts)
+        decoder, got = layerwise.load(self.block_format, self.store, chains, pages.device, sink=sink, rows=firsts,
+                                      starts=skip)
         results = []
         for s, where, tiers in zip(skip, located, got):
             res = Loaded(num_blocks=s + len(tiers), tiers=list(where[:s]) + tiers)
@@ -289,7 +290,7 @@ class PrefixCache(PrefixCacheBase):
             for r, (n, s) in enumerate(zip(counts, starts)):
                 if n <= s:
                     continue
-                with closing(self._fetch(call.hashes[r][s:n], located[r][s:n])) as frames:
+                with closing(self._fetch(call.hashes[r][s:n], located[r][s:n], first=s)) as frames:
                     for frame, tier in frames:
                         sink.rows.append(first_row + results[r].num_blocks - s)
                         feed.add(frame)
@@ -346,18 +347,19 @@ class PrefixCache(PrefixCacheBase):
         finally:
             feed.close()
 
-    def _fetch(self, hashes: list[bytes], where: list[str]) -> Iterator[tuple[Any, str]]:
-        """(frame, tier) of each block of a located chain in order, leased and checked; ends
+    def _fetch(self, hashes: list[bytes], where: list[str], first: int = 0) -> Iterator[tuple[Any, str]]:
+        """(frame, tier) of each block of a located chain in order (``hashes``: its blocks from
+        position ``first`` on), leased and checked; ends
         at the first block evicted or found corrupt since ``locate`` (the prefix ends there).
         Closing it cancels or gives back the reads not handed out."""
         frames = self.store.stream(hashes, where=where, leased=True)
         try:
-            for key, got in zip(hashes, frames):
+            for position, (key, got) in enumerate(zip(hashes, frames), first):
                 if got is None:
                     return
                 frame, tier = got
                 try:
-                    self.block_format.check_fetched(frame.meta, key)
+                    self.block_format.check_fetched(frame.meta, key, position)
                 except FrameError:
                     frame.release()
                     return

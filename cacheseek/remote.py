@@ -683,7 +683,7 @@ class RemoteCache(PrefixCacheBase):
                     if i >= len(hashes):
                         break
                     meta = parse_frame(buf, verify=True)
-                    self.block_format.check_fetched(meta, hashes[i])
+                    self.block_format.check_fetched(meta, hashes[i], i)
                     frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
         except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
             pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kivi import _interpreted, _round_to_bf16
+from .kivi import _interpreted, _round_to_bf16, _within
 
 
 @triton.jit
@@ -36,8 +36,9 @@ def _rotate_rows_kernel(x_ptr, c_ptr, o_ptr, R, N: tl.constexpr, LOG_N: tl.const
         y = tl.permute(tl.reshape(x, (BLOCK_R, N // (2 << s), 2, 1 << s)), (0, 1, 3, 2))
         a, b = tl.split(y)
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, N))
-    if SCALE_AFTER:  # unrotate: (y H) * c
+    if SCALE_AFTER:  # unrotate: (y H) * c, capped at the output's max of either sign (as the reference)
         x = x * c[None, :]
+        x = -_within(-_within(x, o_ptr.dtype.element_ty), o_ptr.dtype.element_ty)
     if SOFT_BF16:
         x = _round_to_bf16(x)
     tl.store(o_ptr + offs, x.to(o_ptr.dtype.element_ty), mask=ok)

@@ -293,3 +293,30 @@ def test_the_rotation_kernel_refuses_bad_arguments():
         kernels.rotate_rows(torch.zeros(2, 48), rotation.scaled_signs(64, "cpu")[:48], inverse=False, dtype=F16)
     with pytest.raises(ValueError, match="scales"):
         kernels.rotate_rows(torch.zeros(2, 64, device=DEVICE), c.double().to(DEVICE), inverse=False, dtype=F16)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_decode_is_capped_at_the_dtype_max_after_the_rotation_back(bits, monkeypatch):
+    # fp16 V holding +-65504 (its max) is accepted: rotated, it is 65504 / 8 in every
+    # channel. Each group's quantization error, rotated back, adds up on the one channel
+    # and passed 65520, which the fp16 cast made +-Inf: a decode must stay finite, capped
+    # at the dtype's max as the plain decode is.
+    monkeypatch.setenv(backend.BACKEND_ENV, "torch")
+    codec = cs.KIVI(bits=bits, group_size=32, v_rotate=True)
+    k = torch.zeros(1, 32, 64, dtype=F16)
+    v = torch.zeros(1, 32, 64, dtype=F16)
+    v[..., 0] = 65504.0
+    v[0, 1, 5] = -65504.0
+    _, v_hat = codec.decode(codec.encode(k, v))
+    assert bool(torch.isfinite(v_hat).all()) and v_hat.abs().max() == 65504.0
+
+
+def test_the_rotation_kernel_caps_a_rotation_back_as_the_reference_does():
+    from cacheseek import kernels
+
+    y = torch.full((2, 64), 65504 / 8 * 1.001)  # rotated back: +-1.001 * 65504 in channel 0
+    y[1] *= -1
+    c = rotation.scaled_signs(64, DEVICE)
+    want = rotation.unrotate(y, F16)
+    assert bool(torch.isfinite(want).all()) and want.abs().max() == 65504.0
+    assert torch.equal(kernels.rotate_rows(y.to(DEVICE), c, inverse=True, dtype=F16).cpu(), want)

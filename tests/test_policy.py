@@ -206,11 +206,37 @@ def test_a_frame_with_its_positions_wrong_codec_is_refused():
     fmt = BlockFormat(POLICY, LAYOUT, BLOCK)
     key, parent = bytes(range(16)), bytes(16)
     first = fmt.plan(block_hash=key, parent_hash=parent, position=0)
-    fmt.check_fetched(first, key)
+    fmt.check_fetched(first, key, 0)
     assert first.codec == cs.KIVI(bits=8).spec()
     moved = BlockFormat(cs.KIVI(bits=8), LAYOUT, BLOCK).plan(block_hash=key, parent_hash=parent, position=5)
     with pytest.raises(FrameError, match="another codec"):
-        fmt.check_fetched(moved, key)
+        fmt.check_fetched(moved, key, 5)
+
+
+def test_a_frame_whose_header_claims_another_position_ends_the_prefix():
+    # Block 0's frame (the first codec) stored under block 2's key, its header saying pos 0:
+    # it parses, and its codec is position 0's. It must be checked against the codec of the
+    # place it is fetched for (a miss there), not raise in the decoder that lays block 2 out.
+    from cacheseek.store.frame import build_frame, parse_frame, plan_frame
+    from cacheseek.store.tier import BlockFrame
+
+    toks, kv = tokens_for(5, 3 * BLOCK), make_kv(3 * BLOCK, 5)
+    with _cache(POLICY, cpu_bytes="8MiB") as cache:
+        assert cache.ingest(toks, kv).stored == 3
+        h = cache.block_hashes(toks)
+        frame, _ = cache.store.get(h[0])
+        meta, payload = frame.meta, bytes(frame.payload_view())
+        frame.release()
+        forged = plan_frame(block_hash=h[2], parent_hash=h[1], position=0, layout=meta.layout,
+                            block_tokens=BLOCK, codec=meta.codec,
+                            buffers=[(e.name, e.dtype, e.shape) for e in meta.tensors])
+        data = build_frame(forged, [payload[e.offset:e.offset + e.nbytes] for e in meta.tensors])
+        cache.store.delete(h[2])
+        assert cache.store.put(h[2], BlockFrame(parse_frame(data), host=memoryview(data), sealed=True)).stored
+        _assert_equal_to_uniform(cache.materialize(toks), POLICY, kv, 2)
+    fmt = BlockFormat(POLICY, LAYOUT, BLOCK)
+    with pytest.raises(FrameError, match="another codec"):
+        fmt.check_fetched(forged, h[2], 2)
 
 
 def test_nan_in_a_late_block_stores_nothing_of_the_call():

@@ -10,7 +10,8 @@ one codec. A chain's *last* block has no such property: a longer prompt extends 
 "the last block" is not a rule a store can key by (docs/precision.md measures it anyway).
 
 The policy is a cache's codec setting, never a frame's: every frame names the one codec
-that encoded it, and a reader checks that codec against ``codec_at(frame position)``. The
+that encoded it, and a reader checks that codec against ``codec_at(position)``, the
+position it fetches the block for. The
 policy's spec is part of the root hash (``fingerprint``), so a policy chain never shares a
 block with a uniform chain, nor with another policy's. Torch-free.
 """

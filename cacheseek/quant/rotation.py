@@ -15,7 +15,7 @@ it is the identity (up to fp32 rounding), and the stored bytes per block are unc
 
     c           = s * float32(1 / sqrt(n))                 (an fp32 vector: signed scales)
     rotate(x)   = fwht(x * c)                              (x row vectors, fp32)
-    unrotate(y) = fwht(y) * c
+    unrotate(y) = fwht(y) * c, capped at +-the output dtype's largest finite value
 
 ``fwht`` is the fast Walsh-Hadamard transform, x H_n, computed in log2(n) stages of fp32
 additions and subtractions (stage h = 1, 2, 4, ...: (a, b) -> (a + b, a - b) for elements
@@ -119,13 +119,21 @@ def rotate(x: Any, dtype: Any = None) -> Any:
 
 
 def unrotate(y: Any, dtype: Any = None) -> Any:
-    """y R^T as a new tensor, fp32 or rounded once to ``dtype``: the inverse of :func:`rotate`."""
+    """y R^T as a new tensor, fp32 or rounded once to ``dtype`` (capped at its largest
+    finite value, either sign): the inverse of :func:`rotate`."""
+    import torch
+
     n = _check(y)
     if _on_kernels(y):
         from cacheseek import kernels
 
         return kernels.rotate_rows(y, scaled_signs(n, y.device), inverse=True, dtype=dtype or _fp32())
     x = fwht(y).mul_(scaled_signs(n, y.device))
+    # Capped at the output dtype's largest finite value, as a plain decode is: a row at
+    # fp16's max comes back with the quantization errors of every channel added to it,
+    # which can pass 65520 and round to Inf (and a decode has no lower bound either).
+    top = torch.finfo(dtype or torch.float32).max
+    x = x.clamp_(-top, top)
     return x if dtype is None else x.to(dtype)
 
 
