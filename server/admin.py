@@ -122,11 +122,14 @@ class AdminOps:
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
             pin = self.store.unpin(key)
-            self._pins.pop(key, None)
             if pin is None:
+                self._pins.pop(key, None)
                 raise NotFound(f"no pin on {to_hex(h)}")
+            # Described before its name is forgotten: the answer names the chain it unpinned.
+            described = self._describe(key, pin)
+            self._pins.pop(key, None)
             self._save()
-        return self._describe(key, pin)
+        return described
 
     def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
         out = []
