@@ -335,6 +335,8 @@ class BlockService:
         counts = self.store.prefetcher.stats()
         if not matched:
             reason = "nothing stored for this chain"
+        elif all(tier.persistent for tier in self.store.tiers):  # what the prefetcher refused for
+            reason = "this server has no memory tier to promote into (cpu_bytes is 0)"
         elif counts["in_flight"] >= counts["max_in_flight"]:
             reason = f"{counts['max_in_flight']} prefetches in flight already (max_prefetches)"
         else:
