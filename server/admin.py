@@ -84,9 +84,13 @@ class AdminOps:
                 parent = pinfo.parent
                 if any(c != child for c in store.children(parent)):
                     break
-                pinfo = store.info(parent)
-                if pinfo is None:
+                up = store.info(parent)
+                # Only a parent one position down is this chain's (as ``BlockService.chain``
+                # reads it): a link that skips positions can close a cycle where a tier keeps no
+                # index of children to refuse it (Redis), and this walk would never end.
+                if up is None or up.position != pinfo.position - 1:
                     break
+                pinfo = up
                 doomed.append(parent)
                 child = parent
             blocks, nbytes = self._delete(doomed)
