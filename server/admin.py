@@ -84,9 +84,13 @@ class AdminOps:
                 parent = pinfo.parent
                 if any(c != child for c in store.children(parent)):
                     break
-                pinfo = store.info(parent)
-                if pinfo is None:
+                up = store.info(parent)
+                # Only a parent one position down is this chain's (as ``BlockService.chain``
+                # reads it): a link that skips positions can close a cycle where a tier keeps no
+                # index of children to refuse it (Redis), and this walk would never end.
+                if up is None or up.position != pinfo.position - 1:
                     break
+                pinfo = up
                 doomed.append(parent)
                 child = parent
             blocks, nbytes = self._delete(doomed)
@@ -122,11 +126,14 @@ class AdminOps:
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
             pin = self.store.unpin(key)
-            self._pins.pop(key, None)
             if pin is None:
+                self._pins.pop(key, None)
                 raise NotFound(f"no pin on {to_hex(h)}")
+            # Described before its name is forgotten: the answer names the chain it unpinned.
+            described = self._describe(key, pin)
+            self._pins.pop(key, None)
             self._save()
-        return self._describe(key, pin)
+        return described
 
     def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
         out = []

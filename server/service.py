@@ -203,7 +203,15 @@ class BlockService:
         """Each frame's position against its parent's and its stored children's, whichever
         arrived first: every stored link then goes one position down, so no chain of links
         can close into a cycle (which eviction's walk to a leaf would never leave)."""
-        batch = {inc.meta.block_hash: inc.meta for inc in frames}
+        batch: dict[bytes, tuple[int, FrameMeta]] = {}
+        for i, inc in enumerate(frames):
+            first = batch.setdefault(inc.meta.block_hash, (i, inc.meta))
+            # Only the first copy is stored, but children are checked against the batch's:
+            # two positions for one hash would let a link pass that the store contradicts.
+            if first[1].position != inc.meta.position:
+                self.metrics.rejected("inconsistent")
+                raise BadFrame(f"frame {i}: block {to_hex(inc.meta.block_hash)} at position {inc.meta.position} "
+                               f"is also frame {first[0]}, at position {first[1].position}")
         for i, inc in enumerate(frames):
             meta = inc.meta
             where = f"frame {i}" if len(frames) > 1 else "frame"
@@ -217,7 +225,7 @@ class BlockService:
             if meta.position == 0:
                 continue  # its parent is the client's root, which the server never sees
             parent = batch.get(meta.parent_hash)
-            parent_pos = parent.position if parent is not None else None
+            parent_pos = parent[1].position if parent is not None else None
             if parent is None:
                 info = self.store.info(self.namespaces.stored_key(namespace, meta.parent_hash))
                 parent_pos = info.position if info is not None else None
@@ -327,6 +335,8 @@ class BlockService:
         counts = self.store.prefetcher.stats()
         if not matched:
             reason = "nothing stored for this chain"
+        elif all(tier.persistent for tier in self.store.tiers):  # what the prefetcher refused for
+            reason = "this server has no memory tier to promote into (cpu_bytes is 0)"
         elif counts["in_flight"] >= counts["max_in_flight"]:
             reason = f"{counts['max_in_flight']} prefetches in flight already (max_prefetches)"
         else:

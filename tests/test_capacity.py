@@ -698,6 +698,18 @@ def test_prefetch_route_promotes_into_the_servers_memory(tmp_path):
             assert "/v1/prefetch" in httpx.get(srv.url + "/openapi.json").json()["paths"]
 
 
+def test_prefetch_route_on_a_server_without_memory_says_so(tmp_path):
+    """A disk-only server (cpu_bytes 0) has nowhere to promote into: its answer says that,
+    not that the chain is in memory already."""
+    chain = raw_chain(22, 3)
+    with Server(tmp_path, "--cpu-bytes", "0") as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=b"".join(
+            len(f).to_bytes(8, "little") + f for _, f in chain)).status_code == 200
+        answer = httpx.post(srv.url + "/v1/prefetch", json={"hashes": [h.hex() for h, _ in chain]})
+        assert answer.status_code == 200 and answer.json()["started"] is False, answer.text
+        assert answer.json()["matched"] == 3 and "no memory tier" in answer.json()["reason"], answer.text
+
+
 def test_prefetch_route_keeps_auth_and_namespaces(tmp_path):
     toks, kv = tokens_for(21, 2 * 32), _server_kv(2 * 32, 21)
     env = {"CACHESEEK_READ_TOKEN": "r-token", "CACHESEEK_WRITE_TOKEN": "w-token"}

@@ -267,8 +267,8 @@ def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_pat
         h, f = raw_frame(50)
         r = c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a"))
         assert r.status_code == 507 and "pinned" in r.json()["error"], r.text
-        assert c.delete(f"/v1/admin/pins/{everything[-1][0].hex()}",
-                        headers=admin() | {"X-CacheSeek-Namespace": "a"}).status_code == 200
+        r = c.delete(f"/v1/admin/pins/{everything[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+        assert r.status_code == 200 and (r.json()["namespace"], r.json()["hash"]) == ("a", everything[-1][0].hex()), r.text
         assert c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a")).status_code == 201
 
 

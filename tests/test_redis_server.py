@@ -144,3 +144,32 @@ def test_redis_killed_during_ingest_through_a_server_never_gives_a_500(tmp_path)
             _no_500(a)
     finally:
         redis.stop()
+
+
+def test_an_admin_chain_delete_ends_on_links_that_skip_positions(tmp_path):
+    """Redis keeps no index of children, so on a server whose blocks are only in Redis a
+    link is checked from the child's end only: a block stored before its parent can name a
+    parent that is stored later at another position, closing a cycle of links. A chain
+    delete walked up that cycle for good (and the server then ignored SIGTERM), and a pin
+    for a million steps; both climb only to a parent one position down, as a chain read does."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="0", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, k = bytes([0xE1]) * 16, bytes([0xF1]) * 16
+            _, child = raw_frame(60, block_hash=k, parent=h, position=1)
+            _, parent = raw_frame(61, block_hash=h, parent=k, position=2)
+            assert c.put(f"/v1/blocks/{k.hex()}", content=child).status_code == 201
+            assert c.put(f"/v1/blocks/{h.hex()}", content=parent).status_code == 201
+            # A pin reads the chain as a read does: not whole (a million Redis round trips before).
+            r = c.put(f"/v1/admin/pins/{k.hex()}", headers={"authorization": "Bearer adm"})
+            assert r.status_code == 404 and "not stored whole" in r.json()["error"], r.text
+            r = c.delete(f"/v1/admin/chains/{k.hex()}", headers={"authorization": "Bearer adm"})
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 1, r.text
+            assert c.get(f"/v1/blocks/{k.hex()}").status_code == 404
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # not an ancestor of k: kept
+            _no_500(srv)
+    finally:
+        redis.kill()

@@ -251,6 +251,26 @@ def test_a_block_stored_before_its_parent_is_checked_when_the_parent_arrives(cli
         assert client.delete(f"/v1/blocks/{h.hex()}").status_code == 204
 
 
+def test_a_batch_naming_one_hash_at_two_positions_is_refused(client):
+    """The batch's copy of a parent is what its children are checked against: a hash sent
+    twice at two positions let one link pass against the copy not stored, and a batch
+    stored a cycle of parents (an admin chain delete then walked it for good)."""
+    h, k = bytes([0xC1]) * 16, bytes([0xD1]) * 16
+    _, at_2 = raw_frame(44, block_hash=h, parent=k, position=2)
+    _, at_0 = raw_frame(45, block_hash=h, position=0)
+    _, child = raw_frame(46, block_hash=k, parent=h, position=1)
+    before = stored_figures(client)
+    r = client.post("/v1/blocks", content=batch_body([at_2, at_0, child]))
+    assert r.status_code == 400 and "also frame" in r.json()["error"], r.text
+    assert stored_figures(client) == before
+    assert client.get(f"/v1/blocks/{h.hex()}").status_code == 404
+    # The same frame twice is no contradiction.
+    r = client.post("/v1/blocks", content=batch_body([at_0, at_0, child]))
+    assert r.status_code == 200 and [x["status"] for x in r.json()] == ["stored", "present", "stored"], r.text
+    assert client.get(f"/v1/prefixes/{k.hex()}").status_code == 200
+    for x in (k, h):
+        assert client.delete(f"/v1/blocks/{x.hex()}").status_code == 204
+
 _, _GOOD = raw_frame(20)
 _GOOD_HASH = parse_frame(_GOOD).block_hash
 _META = parse_frame(_GOOD)

@@ -509,8 +509,12 @@ class TieredStore:
             out.append(key)
             if info.position == 0:
                 return out[::-1]
-            key = info.parent
+            key, child = info.parent, info
             info = self.info(key)
+            # A parent at another position is not this chain's: such links (refused where a tier
+            # indexes children, possible in Redis) can close a cycle, walked until ``limit``.
+            if info is not None and info.position != child.position - 1:
+                return None
         return None
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
