@@ -363,6 +363,51 @@ def test_prefill_takes_ids_of_any_integer_type_and_keeps_its_own_copy(tiny_model
         assert cache.locate(ids).num_blocks == 2
 
 
+def test_a_sliding_window_model_stores_whole_kv_and_says_when_it_cannot():
+    """A sliding-window layer keeps only its window after the forward, so the prompt's KV is
+    whole only inside it: prefill_with_reuse stores what the forward made (the same bytes as
+    a full cache's forward), also after a reused prefix within the window; after a longer
+    one it stores nothing and says why, instead of raising once the first token is out."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=64)).eval()
+
+    def full_kv(ids):  # the same forward over a cache of full-attention layers: every token kept
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), **{cache_kwarg(model): transformers.DynamicCache()})
+        return [(k[0], v[0]) for k, v in ((layer.keys, layer.values) for layer in output_cache(out).layers)]
+
+    def assert_stored_as_computed(cache, ids):
+        got = cache.materialize(ids)
+        want = full_kv(ids)
+        assert got.num_tokens == len(ids) // 32 * 32
+        for (k, v), (wk, wv) in zip(got.layers, want):
+            n = got.num_tokens
+            assert torch.equal(k[0], wk[:, :n]) and torch.equal(v[0], wv[:, :n])
+
+    cache = cs.PrefixCache(model_id="mistral", layout=kv_layout(model), codec=cs.Raw(), block_tokens=32,
+                           tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+    ids = list(range(3, 133))  # 130 tokens, twice the window
+    first = prefill_with_reuse(model, cache, ids)
+    assert first.stored_blocks == 4 and first.ingest_skipped_reason is None and not first.ingest_errors
+    assert_stored_as_computed(cache, ids)
+
+    longer = ids + list(range(40, 80))  # 5 full blocks; the 128 reused tokens exceed the window
+    again = prefill_with_reuse(model, cache, longer)
+    recomputed = prefill_with_reuse(model, cache, longer, reuse="never", ingest=False)
+    assert again.reused_tokens == 128 and again.stored_blocks == 0
+    assert "sliding-window" in again.ingest_skipped_reason and cache.locate(longer).num_blocks == 4
+    assert torch.allclose(again.logits, recomputed.logits, atol=1e-5)
+
+    within = cs.PrefixCache(model_id="mistral", layout=kv_layout(model), codec=cs.Raw(), block_tokens=32,
+                            tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+    prefill_with_reuse(model, within, ids[:40])  # one block stored
+    extended = prefill_with_reuse(model, within, ids[:100])  # 32 reused tokens: inside the window
+    assert extended.reused_tokens == 32 and extended.stored_blocks == 2 and extended.ingest_skipped_reason is None
+    assert_stored_as_computed(within, ids[:100])
+
+
 def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     """Caches made for a full-attention config skip transformers' reading of the config's
     layer types (asked once per config); a sliding-window config still gets its own

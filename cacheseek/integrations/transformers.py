@@ -13,8 +13,9 @@ Limits, stated plainly:
 - Batch size 1. A batch needs per-row prefix lengths (ragged KV) and padding masks.
 - Decoder-only models whose cache is a ``DynamicCache`` of full-attention layers holding K
   after RoPE (Llama, Mistral, Qwen2, SmolLM2 ...). A sliding-window layer keeps only its
-  window of the materialized prefix; encoder-decoder, linear-attention/recurrent (Mamba)
-  and multimodal caches are not handled.
+  window of the materialized prefix, and its prompt's KV is stored as the forward makes it
+  (after a reused prefix longer than the window, not at all: ``ingest_skipped_reason``);
+  encoder-decoder, linear-attention/recurrent (Mamba) and multimodal caches are not handled.
 - The stored layout's dtype must be the model's KV dtype: nothing is cast silently.
 - Token ids only: the prompt must be tokenized identically for a hit (exact-prefix reuse).
 """
@@ -139,6 +140,31 @@ def _dynamic_cache_kwargs(config: Any) -> dict[str, Any]:
     key = id(config)
     _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full)
     return {} if full else {"config": config}
+
+
+def _windowed(config: Any) -> bool:
+    """Whether a model's ``DynamicCache`` has layers that keep less than every token (sliding
+    window and the like; transformers 5.x). Asked once per config."""
+    return bool(_dynamic_cache_kwargs(config))
+
+
+def _window(config: Any) -> int:
+    """Tokens a windowed layer keeps after a forward (its window less one; 0 where the
+    config names no window, so nothing reused is taken to be whole)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    return max(int(window) - 1, 0) if isinstance(window, int) else 0
+
+
+def _windowed_cache_over(past: Any, config: Any, writer: Any) -> Any:
+    """A writer's cache holding ``past``'s prefix (every token of it: shorter than every
+    window), so the forward hands the writer whole layers, prefix and prompt."""
+    cache = layerwise_cache(None, config, None)
+    with torch.no_grad():
+        for i, (k, v) in enumerate(kv_layers(past)):
+            cache.update(k.unsqueeze(0), v.unsqueeze(0), i)
+    cache._cs_writer = writer
+    return cache
 
 
 @functools.lru_cache(maxsize=1)
@@ -315,7 +341,8 @@ class PrefillResult:
     ``reused_tokens`` came from the store, ``computed_tokens`` were run through the model.
     ``tiers``: the tier each reused block came from. ``skipped_reason`` says why nothing was
     reused when a stored prefix was there (predicted slower than recompute) or when reuse
-    was turned off (``reuse="never"``).
+    was turned off (``reuse="never"``). ``ingest_skipped_reason`` says why the prompt was not
+    stored although ``ingest`` was asked for (a sliding-window model after a reused prefix).
     """
 
     logits: torch.Tensor
@@ -330,6 +357,7 @@ class PrefillResult:
     skipped_reason: str | None = None
     ingest_errors: dict[str, str] = field(default_factory=dict)
     prefetched_blocks: int = 0
+    ingest_skipped_reason: str | None = None
 
     @property
     def next_token(self) -> int:
@@ -441,15 +469,30 @@ def prefill_with_reuse(
     elif reuse == "never":
         skipped = "reuse disabled by the caller"
 
+    # A sliding-window layer keeps only its window once the forward is over, so the prompt's
+    # KV is whole only inside the forward: a writer takes each layer there. After a reused
+    # prefix even the forward sees only the window of it, and nothing can be stored.
+    capture = ingest and not layerwise and _windowed(model.config)
+    ingest_skipped = None
+    if capture and reused >= _window(model.config):
+        capture = False
+        block = getattr(cache, "block_tokens", 0) or 1
+        ingest_skipped = "nothing new to store" if len(ids) // block <= reused // block else (
+            "not stored: the model has sliding-window layers, which hold only their window of the "
+            f"{reused} reused tokens, so the blocks after them have no whole KV to store")
+
     t = time.perf_counter()
     # Whatever raises from here on (a cache of other than full-attention layers refused, the
     # forward, its recompute) gives back what the load and the writer hold: the load's
     # frames are CPU-tier slots, the writer's reserved slots.
     try:
-        if layerwise:
+        if layerwise or capture:
             if writer is None and ingest:
                 writer = cache.ingest_layerwise(keys)
-            past = layerwise_cache(load, model.config, writer)
+            if capture and past is not None:  # the reused prefix, within every window: copied in
+                past = _windowed_cache_over(past, model.config, writer)
+            else:
+                past = layerwise_cache(load, model.config, writer)
         if prompt is not None and reused >= past_start:  # (a load may end short of the lookup)
             suffix = prompt[:, reused - past_start:]
         else:
@@ -471,7 +514,7 @@ def prefill_with_reuse(
     finally:
         if load is not None:
             load.close()  # after the forward's launches: only gives the store's memory back
-    if layerwise:
+    if layerwise or capture:
         past.detach_layerwise()  # a plain DynamicCache from here on (generation goes on with it)
     last = logits[0, -1]
     _sync(device)
@@ -480,7 +523,7 @@ def prefill_with_reuse(
     planner.observe_prefill(len(ids) - reused, timings.forward_s)
 
     stored, errors = 0, {}
-    if ingest:
+    if ingest and ingest_skipped is None:
         t = time.perf_counter()
         result = writer.finish() if writer is not None else cache.ingest(keys, past)
         stored, errors = result.stored, dict(getattr(result, "errors", {}) or {})
@@ -491,6 +534,7 @@ def prefill_with_reuse(
         computed_tokens=len(ids) - reused, stored_blocks=stored, tiers=tiers, timings=timings,
         decision=decision, skipped_reason=skipped, ingest_errors=errors,
         prefetched_blocks=getattr(prefetch, "blocks", 0) if prefetch is not None else 0,
+        ingest_skipped_reason=ingest_skipped,
     )
 
 
