@@ -16,7 +16,6 @@ WORKDIR /src
 RUN pip install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY cacheseek ./cacheseek
-COPY kernels ./kernels
 COPY server ./server
 RUN pip install ".[server,redis]" && rm -rf /src
 

@@ -23,7 +23,7 @@ setup() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
   fi
-  # The package maps kernels/ and server/ into cacheseek.*: install it (no network there).
+  # The package maps server/ into cacheseek.server: install it (no network there).
   python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || cat "$OUT/install.log"
   python3 -c "import torch, triton, cacheseek.kernels; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 }
@@ -79,7 +79,7 @@ for s in "$@"; do
     layerwise-save) step layerwise-save 400 python3 -m benchmarks.layerwise_save --programs 2,4,16 --out "$OUT" ;;
     layerwise-save-paged) step layerwise-save-paged 300 python3 -m benchmarks.layerwise_save --paged --out "$OUT" ;;
     tests-save)  step tests-save 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_copy_ranges.py tests/test_layerwise.py -k "ranges or save or ingest_layerwise or prefill" ;;
-    # Direct launches (kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
+    # Direct launches (cacheseek/kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
     tests-launch) step tests-launch 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernel_launch.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_paged_kernels.py ;;
     fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.

@@ -1,4 +1,4 @@
-"""The paged kernels (``kernels/paged.py``, ``kivi.quantize_pages`` / ``dequantize_pages``)
+"""The paged kernels (``cacheseek/kernels/paged.py``, ``kivi.quantize_pages`` / ``dequantize_pages``)
 against the contiguous path they must equal bit for bit: ``quantize_layers`` and
 ``gather_layers`` reading per-layer ``[H, T, D]`` KV, ``dequantize`` into a contiguous tensor.
 
