@@ -17,9 +17,20 @@ PROBE = (
 def test_editable_install_maps_kernels_and_server(tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True)
     pkg, kernels, server = (Path(p) for p in out.stdout.split())
-    assert kernels.parent == ROOT / "kernels"
+    assert kernels.parent == ROOT / "cacheseek" / "kernels"
     assert server.parent == ROOT / "server"
     assert pkg.parent == ROOT / "cacheseek"
+
+
+def test_the_repository_root_holds_no_kernels_package():
+    """pytest and `python -m benchmarks...` put the repository's root on sys.path: a folder
+    there named `kernels` would be imported for Hugging Face's `kernels` package, which
+    transformers 5.25 imports (and then fails to import). The kernels are cacheseek/kernels/."""
+    probe = "import importlib.util, sys; sys.path.insert(0, sys.argv[1]); print(getattr(importlib.util.find_spec('kernels'), 'origin', None))"
+    out = subprocess.run([sys.executable, "-c", probe, str(ROOT)], capture_output=True, text=True, check=True, cwd=ROOT)
+    origin = out.stdout.strip()
+    assert origin == "None" or Path(origin).parent.parent != ROOT, origin
+
 
 
 @pytest.mark.slow
