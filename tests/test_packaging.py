@@ -32,7 +32,6 @@ def test_the_repository_root_holds_no_kernels_package():
     assert origin == "None" or Path(origin).parent.parent != ROOT, origin
 
 
-
 @pytest.mark.slow
 def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
     subprocess.run(
