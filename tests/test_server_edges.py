@@ -431,6 +431,24 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
         assert figures["in_flight_bytes"] == 0 and figures["refused"] >= 1
 
 
+def test_a_batch_of_many_tiny_frames_counts_what_each_frame_costs(tmp_path):
+    """Each frame of a batch costs the server its parsed header and bookkeeping until the
+    batch is stored (a few KiB, far more than a tiny frame's bytes): counted in the bytes in
+    flight, so a body of tiny frames cannot hold many times the cap in memory."""
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    frames = [raw_frame(i, layout=tiny, block=1)[1] for i in range(2000)]
+    assert len(frames[0]) < 512
+    args = ["--max-inflight-body-bytes", "4MiB", "--max-body-bytes", "4MiB", "--max-frame-bytes", "1MiB"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        r = httpx.post(f"{srv.url}/v1/blocks", content=batch_body(frames), timeout=60)  # 0.9 MB of 2,000 frames
+        assert r.status_code == 503 and "max_inflight_body_bytes" in r.text, r.status_code
+        assert [t["blocks"] for t in httpx.get(f"{srv.url}/v1/stats").json()["tiers"]] == [0]  # nothing stored
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+        r = httpx.post(f"{srv.url}/v1/blocks", content=batch_body(frames[:500]), timeout=60)  # 500 x 4.4 KiB fit
+        assert r.status_code == 200 and [x["status"] for x in r.json()] == ["stored"] * 500
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
 def test_lookup_and_prefetch_bodies_count_in_the_bytes_in_flight(tmp_path):
     args = ["--max-inflight-body-bytes", "8MiB", "--max-body-bytes", "4MiB", "--max-frame-bytes", "4MiB"]
     with Server(tmp_path, *args, disk=False) as srv:
