@@ -160,7 +160,8 @@ class ServerSettings(BaseSettings):
                                 "response whose client takes no byte of it for this long, is cut off")
     body_min_bytes_per_second: int = Field(
         64 << 10, description="bytes per second a request body must average once it has run body_idle_timeout_seconds "
-                              "(time the server is not reading excluded); 0 turns the check off")
+                              "(time the server is not reading excluded), and a response its client must take once "
+                              "it has waited for the client that long; 0 turns the check off")
     tls_cert: Path | None = Field(None, description="PEM certificate chain: serve HTTPS (with tls_key)")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
 

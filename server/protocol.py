@@ -29,7 +29,8 @@ headers must arrive within ``header_timeout_seconds`` of its first byte (or of t
 opening), and while the server is reading a body, the body must not go ``body_idle_timeout_seconds``
 without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); and
 while a response waits for its client to read (writing paused), the client must take some of it
-within ``body_idle_timeout_seconds``. A connection that breaks them is closed, and the app sees
+within ``body_idle_timeout_seconds``, and, once it has waited that long, average at least
+``body_min_bytes_per_second``. A connection that breaks them is closed, and the app sees
 its client gone.
 
 This overrides methods of uvicorn's classes, which are not a public interface: uvicorn and
@@ -414,12 +415,15 @@ class Watchdog:
     ``body_min_bytes_per_second`` bytes a second once it has run that long. Time while the server has
     paused reading (the app is busy, or its buffers are full) does not count. A response the
     client stops reading (writing paused, the transport's buffer not shrinking) is cut off after
-    ``body_idle_timeout_seconds``: its route holds the leases of the frames it has handed to the
-    transport until the response is over, and a client that kept the connection open without
-    reading held them, and the CPU tier's slots, for good."""
+    ``body_idle_timeout_seconds``, and so is one it reads at less than ``body_min_bytes_per_second``
+    on average once writing has been paused that long: its route holds the leases of the frames
+    it has handed to the transport until the response is over, and a client that kept the
+    connection open without reading (or reading a few bytes now and then) held them, and the
+    CPU tier's slots, for good."""
 
     __slots__ = ("protocol", "limits", "loop", "header_timer", "tick_timer", "bytes", "seen", "active_s",
-                 "last_tick", "progress_at", "reading_body", "send_timer", "send_left", "send_progress_at")
+                 "last_tick", "progress_at", "reading_body", "send_timer", "send_left", "send_progress_at",
+                 "send_since", "send_taken")
 
     def __init__(self, protocol: Any, limits: ConnectionLimits) -> None:
         self.protocol = protocol
@@ -432,7 +436,8 @@ class Watchdog:
         self.active_s = self.last_tick = self.progress_at = 0.0
         self.send_timer: asyncio.TimerHandle | None = None
         self.send_left = 0
-        self.send_progress_at = 0.0
+        self.send_progress_at = self.send_since = 0.0
+        self.send_taken = 0
 
     def expect_headers(self) -> None:
         if self.header_timer is None:
@@ -474,7 +479,8 @@ class Watchdog:
         if self.send_timer is None:
             transport = self.protocol.transport
             self.send_left = transport.get_write_buffer_size() if transport is not None else 0
-            self.send_progress_at = self.loop.time()
+            self.send_progress_at = self.send_since = self.loop.time()
+            self.send_taken = 0
             self.send_timer = self.loop.call_later(TICK_S, self._send_tick)
 
     def send_resumed(self) -> None:
@@ -489,12 +495,21 @@ class Watchdog:
             return
         now = self.loop.time()
         left = transport.get_write_buffer_size()
+        limits, why = self.limits, None
         if left < self.send_left:
+            # (writing is paused, so the app adds nothing: what left the buffer, the client took)
+            self.send_taken += self.send_left - left
             self.send_left, self.send_progress_at = left, now
-        elif now - self.send_progress_at >= self.limits.body_idle_timeout_seconds:
+        elif now - self.send_progress_at >= limits.body_idle_timeout_seconds:
+            why = f"no response byte taken for {limits.body_idle_timeout_seconds:g} s"
+        paused = now - self.send_since
+        if why is None and limits.body_min_bytes_per_second and paused >= limits.body_idle_timeout_seconds \
+                and self.send_taken < limits.body_min_bytes_per_second * paused:
+            why = (f"response taken at {self.send_taken / paused:.0f} B/s, under body_min_bytes_per_second "
+                   f"({limits.body_min_bytes_per_second})")
+        if why is not None:
             client = self.protocol.client
-            log.info("closing the connection of %s: no response byte taken for %g s",
-                     f"{client[0]}:{client[1]}" if client else "a client", self.limits.body_idle_timeout_seconds)
+            log.info("closing the connection of %s: %s", f"{client[0]}:{client[1]}" if client else "a client", why)
             self.stop()
             # abort, not close: close waits to flush the bytes this client does not take.
             transport.abort()

@@ -217,3 +217,45 @@ def test_a_server_without_httptools_serves_on_uvicorns_own_parser_and_says_so(tm
             assert back.num_tokens == 64 and all(torch.equal(a, b) for a, b in zip(back.layers[1], kv[1]))
         out = srv.output()
     assert "fast path is OFF (cannot import uvicorn's httptools protocol: httptools hidden by this test)" in out
+
+
+class _SlowReader:
+    """A transport whose client takes ``per_tick`` bytes of the buffered response a second."""
+
+    def __init__(self, buffered: int, per_tick: int) -> None:
+        self.buffered, self.per_tick, self.aborted_at = buffered, per_tick, None
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.aborted_at is not None
+
+    def abort(self) -> None:
+        self.aborted_at = time.monotonic()
+
+
+def test_a_response_read_slower_than_the_minimum_rate_is_cut_off():
+    """A client that takes a little of a response now and then never goes a whole
+    body_idle_timeout_seconds without a byte, and held the response's leases for good: once
+    writing has been paused that long, it must have averaged body_min_bytes_per_second."""
+    import asyncio
+
+    limits = protocol.ConnectionLimits(body_idle_timeout_seconds=2.0, body_min_bytes_per_second=64 << 10)
+
+    async def watch(per_second: int) -> float | None:
+        loop = asyncio.get_running_loop()
+        transport = _SlowReader(8 << 20, per_second)
+        proto = type("P", (), {"loop": loop, "transport": transport, "client": ("127.0.0.1", 1)})()
+        dog = protocol.Watchdog(proto, limits)
+        start = time.monotonic()
+        dog.send_paused()
+        while time.monotonic() - start < 4.5 and transport.aborted_at is None:
+            await asyncio.sleep(0.25)
+            transport.buffered -= per_second // 4  # the client reads on
+        dog.stop()
+        return None if transport.aborted_at is None else transport.aborted_at - start
+
+    trickle = asyncio.run(watch(16 << 10))  # 16 KiB/s: progress on every tick, a quarter of the rate
+    assert trickle is not None and 1.5 < trickle < 3.5, trickle
+    assert asyncio.run(watch(1 << 20)) is None  # a reader at 1 MiB/s is served on
