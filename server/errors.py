@@ -69,6 +69,10 @@ class Busy(ServiceError):
     """Request bodies in flight are at ``max_inflight_body_bytes``: retry later."""
 
 
+class TierUnreachable(ServiceError):
+    """A tier that may hold the block could not be reached (a delete cannot say it is gone)."""
+
+
 class ClientGone(BadRequest):
     """The client closed the connection (or was cut off as too slow) before its body ended.
     The answer reaches no one; it is not an error of the server, and it is not logged as one."""
@@ -91,6 +95,7 @@ STATUS: dict[type[BaseException], int] = {
     ClientDisconnect: 400,  # the client went away mid-body (starlette's own reading of a body)
     NotReady: 503,
     Busy: 503,
+    TierUnreachable: 503,
     StorageError: 507,  # no tier could take the block: the store is full or its disk fails
 }
 

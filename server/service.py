@@ -27,7 +27,7 @@ from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, 
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
 from cacheseek.store.tiered import StorePutResult, TieredStore
 
-from .errors import BadFrame, HashMismatch, NotFound
+from .errors import BadFrame, HashMismatch, NotFound, TierUnreachable
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
 from .owners import Owners
@@ -235,7 +235,11 @@ class BlockService:
                                f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
 
     def delete(self, namespace: str, h: bytes) -> None:
-        if not self.store.delete(self.namespaces.stored_key(namespace, h)):
+        deleted = self.store.delete(self.namespaces.stored_key(namespace, h))
+        if deleted is None:  # a 404 would tell the client it is gone
+            raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may hold it "
+                                  "could not be reached; retry")
+        if not deleted:
             raise NotFound(f"block {to_hex(h)} is not stored")
 
     # -- reads ---------------------------------------------------------------------------

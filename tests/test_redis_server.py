@@ -173,3 +173,33 @@ def test_an_admin_chain_delete_ends_on_links_that_skip_positions(tmp_path):
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def test_a_delete_while_redis_is_unreachable_is_a_503_not_a_404(tmp_path):
+    """A block only Redis holds, deleted while Redis hangs: the server cannot say whether it
+    is gone, so it answers 503 (retry), not 404 (which told the client it was not stored).
+    The hung Redis runs the DEL it was sent once it wakes: the retry finds nothing."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "s", disk=False, cpu_bytes="0", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, frame = raw_frame(70)
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            redis.pause()
+            try:
+                r = c.delete(f"/v1/blocks/{h.hex()}")
+                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+                assert r.headers["retry-after"] == "1"
+            finally:
+                redis.resume()
+            deadline = time.monotonic() + 10  # the breaker lets calls through again
+            while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.status_code in (204, 404), r.text  # (404: the first DEL landed after all)
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            assert c.delete(f"/v1/blocks/{h.hex()}").status_code == 404
+            _no_500(srv)
+    finally:
+        redis.kill()

@@ -833,7 +833,7 @@ def test_every_redis_error_is_a_miss_or_a_counted_dropped_write(error, kind):
             tier.put(key, frame)
         assert tier.get(key) is None and tier.get_many([key]) == [None]
         assert tier.contains_many([key, key]) == [False, False] and tier.info(key) is None
-        assert tier.keys() == [] and tier.delete(key) is False
+        assert tier.keys() == [] and tier.delete(key) is None  # (not known: not "not held")
         tier.touch([key])
     s = tier.stats()
     assert s.extra["dropped_writes"] == 2 and s.write_errors == 2

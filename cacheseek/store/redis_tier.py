@@ -599,11 +599,11 @@ class RedisTier(Tier):
 
     # -- other changes -------------------------------------------------------------------
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes) -> bool | None:
         try:
             return self._run(lambda c: self._delete(c, key))
         except StorageError:
-            return False
+            return None  # (not "not held": the frame may be there still)
 
     def _delete(self, client: Any, key: bytes) -> bool:
         pipe = client.pipeline(transaction=False)

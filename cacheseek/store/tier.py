@@ -187,7 +187,9 @@ class Tier(ABC):
         caller releases the frame's ``lease`` (``frame.release()``) once done with it."""
 
     @abstractmethod
-    def delete(self, key: bytes) -> bool: ...
+    def delete(self, key: bytes) -> bool | None:
+        """True: deleted; False: not held here; None: the tier could not be reached, so
+        whether it held the block is not known (it may hold it still)."""
 
     @abstractmethod
     def info(self, key: bytes) -> BlockInfo | None: ...

@@ -526,20 +526,23 @@ class TieredStore:
         for tier in self.tiers:
             tier.touch(rev)
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes) -> bool | None:
+        """Delete ``key`` from every tier: True if one held it; None if none did that could
+        be asked, but one could not be (its copy, if any, is still there); else False."""
         with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
             self._deletes += 1
             number = self._deletes
             self._deleting.add(number)
             self._recent_deletes.append((number, key))
         try:
-            deleted = False
+            deleted, unknown = False, False
             for tier in self.tiers:
-                deleted = tier.delete(key) or deleted
+                done = tier.delete(key)
+                deleted, unknown = deleted or bool(done), unknown or done is None
         finally:
             with self._delete_lock:
                 self._deleting.discard(number)
-        return deleted
+        return True if deleted else None if unknown else False
 
     def _deleted_since(self, key: bytes, since: int) -> bool:
         """Whether ``key`` may have been deleted after the ``since``-th delete (a read that
