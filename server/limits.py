@@ -20,10 +20,11 @@ from .errors import Busy
 log = logging.getLogger("cacheseek.server")
 
 TRIM_AFTER_BYTES = 64 << 20  # bodies given back unstored before memory is handed to the OS
-# What a batch's frame costs the server beside its bytes until the batch is stored (its
-# parsed header, checksum and bookkeeping: ~2.3 KiB a frame measured on CPython 3.11),
-# rounded up and counted as body bytes: a batch of many tiny frames held 6x its body.
-FRAME_OVERHEAD_BYTES = 4096
+# A batch's frame costs the server ~2.3 KiB beside its bytes until the batch is stored (its
+# parsed header, checksum and bookkeeping, measured on CPython 3.11): a frame counts at least
+# this many body bytes, or a batch of many tiny frames held 6x its body. (Only below it: a
+# body of real frames, each far larger, counts its bytes, so one at max_body_bytes still fits.)
+FRAME_MIN_BYTES = 4096
 
 
 class BodyBudget:

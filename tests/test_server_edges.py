@@ -433,8 +433,8 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
 
 def test_a_batch_of_many_tiny_frames_counts_what_each_frame_costs(tmp_path):
     """Each frame of a batch costs the server its parsed header and bookkeeping until the
-    batch is stored (a few KiB, far more than a tiny frame's bytes): counted in the bytes in
-    flight, so a body of tiny frames cannot hold many times the cap in memory."""
+    batch is stored (a few KiB, far more than a tiny frame's bytes): a frame counts at least
+    4 KiB in the bytes in flight, so a body of tiny frames cannot hold many times the cap."""
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
     frames = [raw_frame(i, layout=tiny, block=1)[1] for i in range(2000)]
     assert len(frames[0]) < 512

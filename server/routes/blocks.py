@@ -18,7 +18,7 @@ from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest, ClientGone
 from ..leased_response import LeasedStreamingResponse, copied_tail
-from ..limits import FRAME_OVERHEAD_BYTES, BodyBudget, BodyBytes
+from ..limits import FRAME_MIN_BYTES, BodyBudget, BodyBytes
 from ..metrics import clean_label, client_headers
 from ..service import Incoming
 from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_length, receive_frame
@@ -94,7 +94,8 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
     try:
         while (length := await _next_length(body, len(frames), settings)) is not None:
             where = f"frame {len(frames)}"
-            held.take(FRAME_OVERHEAD_BYTES)  # given back with the request's other bytes
+            if length < FRAME_MIN_BYTES:  # (given back with the request's other bytes)
+                held.take(FRAME_MIN_BYTES - length)
             checksum = PayloadChecksum()
             reservation = service.store.reserve(length)
             if reservation is not None:
