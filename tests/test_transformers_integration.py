@@ -407,6 +407,19 @@ def test_a_sliding_window_model_stores_whole_kv_and_says_when_it_cannot():
     assert extended.reused_tokens == 32 and extended.stored_blocks == 2 and extended.ingest_skipped_reason is None
     assert_stored_as_computed(within, ids[:100])
 
+    # Layers that keep less than every token under a config that names no window (chunked
+    # attention, say): nothing reused is taken to be whole, and a fresh prompt is still stored.
+    import cacheseek.integrations.transformers as integration
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(integration, "_window", lambda config: 0)
+        unnamed = cs.PrefixCache(model_id="mistral", layout=kv_layout(model), codec=cs.Raw(), block_tokens=32,
+                                 tiers=cs.TierConfig(cpu_bytes="64MiB", pin_memory=False))
+        assert prefill_with_reuse(model, unnamed, ids).stored_blocks == 4
+        assert_stored_as_computed(unnamed, ids)
+        again = prefill_with_reuse(model, unnamed, longer)
+        assert again.reused_tokens == 128 and again.stored_blocks == 0 and "sliding-window" in again.ingest_skipped_reason
+
 
 def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     """Caches made for a full-attention config skip transformers' reading of the config's

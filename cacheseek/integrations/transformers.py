@@ -474,7 +474,7 @@ def prefill_with_reuse(
     # prefix even the forward sees only the window of it, and nothing can be stored.
     capture = ingest and not layerwise and _windowed(model.config)
     ingest_skipped = None
-    if capture and reused >= _window(model.config):
+    if capture and reused and reused >= _window(model.config):
         capture = False
         block = getattr(cache, "block_tokens", 0) or 1
         ingest_skipped = "nothing new to store" if len(ids) // block <= reused // block else (
