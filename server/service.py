@@ -27,6 +27,7 @@ from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, 
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
 from cacheseek.store.tiered import StorePutResult, TieredStore
 
+from .claims import Claimed, PositionClaims
 from .errors import BadFrame, HashMismatch, NotFound, TierUnreachable
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
@@ -70,6 +71,7 @@ class BlockService:
         self.metrics = metrics
         self.max_chain_blocks = max_chain_blocks
         self.owners = owners if owners is not None else Owners()
+        self.claims = PositionClaims()
         self.owners.adopt(store.residency.listen(self.owners))
 
     # -- writes --------------------------------------------------------------------------
@@ -124,17 +126,24 @@ class BlockService:
         """Store checked frames, attributed to (namespace, model) (see ``_put``). A batch
         refused for its positions announces nothing: a position 0 would make its model the
         owner of the namespace's root."""
-        self._check_chain_positions(namespace, frames)
-        owners = self.owners
+        self._check_batch_positions(frames)
         keys = [self.namespaces.stored_key(namespace, inc.meta.block_hash) for inc in frames]
-        parents = [self.namespaces.stored_key(namespace, inc.meta.parent_hash) if inc.meta.position == 0 else b""
-                   for inc in frames]
-        owners.expect(owners.owner_id(namespace, model),
-                      [(k, p, inc.meta.position) for k, p, inc in zip(keys, parents, frames)])
+        parents = [self.namespaces.stored_key(namespace, inc.meta.parent_hash) for inc in frames]
+        claimed = [(k, p, inc.meta.position) for k, p, inc in zip(keys, parents, frames)]
+        # Claimed before the store is looked at, given back once stored (server.claims): a
+        # write checked meanwhile sees these positions, in the store or here.
+        self._claim(namespace, frames, claimed)
         try:
-            return self._put(namespace, frames, keys)
+            self._check_stored_positions(namespace, frames, keys)
+            owners = self.owners
+            owners.expect(owners.owner_id(namespace, model),
+                          [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
+            try:
+                return self._put(namespace, frames, keys)
+            finally:
+                owners.settle(keys)
         finally:
-            owners.settle(keys)
+            self.claims.release(claimed)
 
     def _put(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> list[ServicePutReport]:
         """Store checked frames (in order), whose positions ``put`` checked against their
@@ -199,23 +208,46 @@ class BlockService:
         reservation.view()[: len(prefix)] = prefix
         return True
 
-    def _check_chain_positions(self, namespace: str, frames: list[Incoming]) -> None:
-        """Each frame's position against its parent's and its stored children's, whichever
-        arrived first: every stored link then goes one position down, so no chain of links
-        can close into a cycle (which eviction's walk to a leaf would never leave)."""
+    def _check_batch_positions(self, frames: list[Incoming]) -> None:
+        """One position per hash in a batch: only the first copy is stored, but children are
+        checked against the batch's, so two positions for one hash would let a link pass that
+        the store contradicts."""
         batch: dict[bytes, tuple[int, FrameMeta]] = {}
         for i, inc in enumerate(frames):
             first = batch.setdefault(inc.meta.block_hash, (i, inc.meta))
-            # Only the first copy is stored, but children are checked against the batch's:
-            # two positions for one hash would let a link pass that the store contradicts.
             if first[1].position != inc.meta.position:
                 self.metrics.rejected("inconsistent")
                 raise BadFrame(f"frame {i}: block {to_hex(inc.meta.block_hash)} at position {inc.meta.position} "
                                f"is also frame {first[0]}, at position {first[1].position}")
-        for i, inc in enumerate(frames):
+
+    def _claim(self, namespace: str, frames: list[Incoming], claimed: list[Claimed]) -> None:
+        """Claim the frames' positions (``PositionClaims``); one that contradicts a write in
+        flight is refused as a stored block that contradicts it would be."""
+        conflict = self.claims.claim(claimed)
+        if conflict is None:
+            return
+        self.metrics.rejected("inconsistent")
+        meta = frames[conflict.index].meta
+        where = f"frame {conflict.index}" if len(frames) > 1 else "frame"
+        other = to_hex(self.namespaces.client_hash(namespace, conflict.other))
+        if conflict.what == "self":
+            raise BadFrame(f"{where}: block {other} at position {meta.position} is being written at position "
+                           f"{conflict.position} by another request")
+        if conflict.what == "parent":
+            raise BadFrame(f"{where}: position {meta.position}, but its parent {other} is being written at "
+                           f"position {conflict.position} by another request")
+        raise BadFrame(f"{where}: position {meta.position}, but block {other}, being written with it as its "
+                       f"parent by another request, is at position {conflict.position}")
+
+    def _check_stored_positions(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> None:
+        """Each frame's position against its parent's and its stored children's, whichever
+        arrived first: every stored link then goes one position down, so no chain of links
+        can close into a cycle (which eviction's walk to a leaf would never leave)."""
+        batch = {inc.meta.block_hash: inc.meta for inc in frames}
+        for i, (inc, key) in enumerate(zip(frames, keys)):
             meta = inc.meta
             where = f"frame {i}" if len(frames) > 1 else "frame"
-            for child in self.store.children(self.namespaces.stored_key(namespace, meta.block_hash)):
+            for child in self.store.children(key):
                 info = self.store.info(child)
                 if info is not None and info.position != meta.position + 1:
                     self.metrics.rejected("inconsistent")
@@ -225,7 +257,7 @@ class BlockService:
             if meta.position == 0:
                 continue  # its parent is the client's root, which the server never sees
             parent = batch.get(meta.parent_hash)
-            parent_pos = parent[1].position if parent is not None else None
+            parent_pos = parent.position if parent is not None else None
             if parent is None:
                 info = self.store.info(self.namespaces.stored_key(namespace, meta.parent_hash))
                 parent_pos = info.position if info is not None else None
