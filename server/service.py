@@ -242,8 +242,21 @@ class BlockService:
     def _check_stored_positions(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> None:
         """Each frame's position against its parent's and its stored children's, whichever
         arrived first: every stored link then goes one position down, so no chain of links
-        can close into a cycle (which eviction's walk to a leaf would never leave)."""
+        can close into a cycle (which eviction's walk to a leaf would never leave). A parent
+        in the batch stands for the stored one, so it must be at its stored position, if
+        stored."""
         batch = {inc.meta.block_hash: inc.meta for inc in frames}
+        named = {inc.meta.parent_hash for inc in frames if inc.meta.position > 0}
+        linked = [i for i, inc in enumerate(frames) if inc.meta.block_hash in named]
+        # One question per tier for them all (one round trip to Redis), then a header per hit.
+        for i, here in zip(linked, self.store.contains_many([keys[i] for i in linked])):
+            info = self.store.info(keys[i]) if here else None
+            meta = frames[i].meta
+            if info is not None and info.position != meta.position:
+                self.metrics.rejected("inconsistent")
+                where = f"frame {i}" if len(frames) > 1 else "frame"
+                raise BadFrame(f"{where}: block {to_hex(meta.block_hash)} at position {meta.position} is "
+                               f"stored at position {info.position}")
         for i, (inc, key) in enumerate(zip(frames, keys)):
             meta = inc.meta
             where = f"frame {i}" if len(frames) > 1 else "frame"

@@ -271,6 +271,29 @@ def test_a_batch_naming_one_hash_at_two_positions_is_refused(client):
     for x in (k, h):
         assert client.delete(f"/v1/blocks/{x.hex()}").status_code == 204
 
+
+def test_a_batch_naming_a_stored_hash_at_another_position_is_refused(client):
+    """A parent in the batch is what its children are checked against, and a stored copy is
+    not written again: the batch's copy at another position than the stored one let a link
+    pass that the store contradicts (here, closing a cycle of parents: A at 5 -> B, B at 4 -> A)."""
+    a, b = bytes([0xE1]) * 16, bytes([0xF1]) * 16
+    _, a_at_5 = raw_frame(47, block_hash=a, parent=b, position=5)
+    _, a_at_3 = raw_frame(48, block_hash=a, parent=bytes(16), position=3)
+    _, b_at_4 = raw_frame(49, block_hash=b, parent=a, position=4)
+    assert put(client, a, a_at_5).status_code == 201  # its parent is not stored: nothing to check yet
+    before = stored_figures(client)
+    r = client.post("/v1/blocks", content=batch_body([a_at_3, b_at_4]))
+    assert r.status_code == 400 and "stored at position 5" in r.json()["error"], r.text
+    assert stored_figures(client) == before
+    assert client.get(f"/v1/blocks/{b.hex()}").status_code == 404
+    # At its stored position, the batch's copy stands for the stored one: found present.
+    _, a_again = raw_frame(50, block_hash=a, parent=b, position=5)
+    _, child = raw_frame(51, parent=a, position=6)
+    r = client.post("/v1/blocks", content=batch_body([a_again, child]))
+    assert r.status_code == 200 and [x["status"] for x in r.json()] == ["present", "stored"], r.text
+    for x in (parse_frame(child).block_hash, a):
+        assert client.delete(f"/v1/blocks/{x.hex()}").status_code == 204
+
 _, _GOOD = raw_frame(20)
 _GOOD_HASH = parse_frame(_GOOD).block_hash
 _META = parse_frame(_GOOD)
