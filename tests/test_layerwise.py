@@ -23,7 +23,7 @@ from cacheseek.quant import backend as kivi_codec
 from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged, write_tokens
-from store_helpers import fail_layer_group, make_kv, tokens_for
+from store_helpers import fail_disk_writes, fail_layer_group, make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -649,6 +649,34 @@ def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
         with pytest.raises(cs.InputError, match="NaN or Inf"):
             writer.finish()
         assert not any(cache.store.present_many(cache.block_hashes(toks)))
+        assert reservation_bytes(cache) == 0
+
+
+def test_a_paged_save_counts_a_block_two_requests_share_as_its_one_write_ended(tmp_path, monkeypatch, save_mode):
+    """Two requests with one prefix: its block gets one slot (or one put), for the first,
+    and the second counted it present before the commit. A commit whose write through to
+    the disk failed left the second's result saying the block was stored."""
+    T, page = 2 * BLOCK, 16
+    shared = tokens_for(90, BLOCK)
+    toks = [shared + tokens_for(91, BLOCK), shared + tokens_for(92, BLOCK)]
+    kvs = [make_kv(T, 90, LAYOUT), make_kv(T, 91, LAYOUT)]
+    for (k0, v0), (k1, v1) in zip(*kvs):  # one prefix: the same tokens, the same KV
+        k1[:, :BLOCK], v1[:, :BLOCK] = k0[:, :BLOCK], v0[:, :BLOCK]
+    pages, _ = engine_pages("flash", L, H, D, 8, page, DTYPE)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    with make_cache(cs.Raw(), disk_path=tmp_path / "d") as cache:
+        head = cache.block_hashes(shared)[0]
+        writer = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages,
+                                    layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+        assert writer.mode == save_mode
+        fail_disk_writes(monkeypatch, [head])
+        got = writer.finish()
+        assert [(r.stored, r.present, r.failed) for r in got] == [(1, 0, 1), (1, 0, 1)]
+        assert all("Input/output error" in r.errors["disk"] for r in got)
         assert reservation_bytes(cache) == 0
 
 
