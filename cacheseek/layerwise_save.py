@@ -440,10 +440,13 @@ def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
 
 
 def _add_rest(result: IngestResult, rest: IngestResult) -> None:
-    """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot:
-    it found the published ones present, so only its stored and failed blocks are new."""
+    """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot.
+    It looks at every block again: it finds the published ones present, so its stored
+    blocks are new beside the slots', and it writes again those whose commit failed, so its
+    failed blocks are all the save's (added to the commit's, a block that failed both times
+    counted twice)."""
     result.stored += rest.stored
-    result.failed += rest.failed
+    result.failed = rest.failed
     result.present = result.blocks - result.stored - result.failed
     for tier, reason in rest.errors.items():
         result.errors.setdefault(tier, reason)

@@ -622,6 +622,39 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
 
 
 @pytest.mark.parametrize("paged", [False, True])
+def test_a_save_whose_commit_fails_for_a_block_counts_it_once(tmp_path, monkeypatch, paged):
+    """A full tier: the tail gets slots, the head is ingested on finish. A slot's commit
+    whose write through to the disk failed counted the block failed, and that ingest, which
+    writes such a block again, counted it failed once more: failed 2 of 1, present -1."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK
+    frame = make_cache(cs.Raw()).block_format.planned_payload().nbytes
+    with make_cache(cs.Raw(), cpu_bytes=24 * frame, cpu_reserve_bytes=3 * frame, disk_path=tmp_path / "d") as cache:
+        for seed in (20, 21, 22):  # fill the tier: the save gets slots for its tail only
+            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+        toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+            ids = page_tables([T], 16, 24, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+        else:
+            writer = cache.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        tail = cache.block_hashes(toks)[-1]  # in a slot
+        fail_disk_writes(monkeypatch, [tail])
+        got = writer.finish()
+        got = got[0] if paged else got
+        assert (got.stored, got.present, got.failed) == (7, 0, 1) and "Input/output error" in got.errors["disk"]
+        monkeypatch.undo()
+        assert cache.store.present_many(cache.block_hashes(toks)) == [True] * 7 + [False]
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
     """The blocks without a slot are checked by the ingest on finish, after the slots' blocks
     were published: a NaN there deletes them again, so the save stores nothing."""
