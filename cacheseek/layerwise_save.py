@@ -365,7 +365,7 @@ class PagedLayerwiseSave(_SlotWriter):
         paged_io.hash_requests(call, cache.keys, planned)
         hashes, parents, positions = call.flat()
         self._found = cache.store.present_many(hashes) if hashes else []
-        self._results, present = paged_io.ingest_results(call, self._found, cache.store.durability)
+        self._results, present, self._copies = paged_io.ingest_results(call, self._found, cache.store.durability)
         keep = [i for i, p in enumerate(present) if not p]
         every = call.every_row()
         call.use_rows([every[i] for i in keep])
@@ -414,7 +414,8 @@ class PagedLayerwiseSave(_SlotWriter):
         self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
-                                                                     outcome, stored)))
+                                                                     outcome, stored,
+                                                                     self._copies.get(hashes[row], ()))))
         if len(saved) < len(hashes):
             # Blocks no slot was reserved for: one ingest_batch of the requests (it finds the
             # blocks just published present, and stores the rest).
@@ -439,10 +440,13 @@ def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
 
 
 def _add_rest(result: IngestResult, rest: IngestResult) -> None:
-    """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot:
-    it found the published ones present, so only its stored and failed blocks are new."""
+    """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot.
+    It looks at every block again: it finds the published ones present, so its stored
+    blocks are new beside the slots', and it writes again those whose commit failed, so its
+    failed blocks are all the save's (added to the commit's, a block that failed both times
+    counted twice)."""
     result.stored += rest.stored
-    result.failed += rest.failed
+    result.failed = rest.failed
     result.present = result.blocks - result.stored - result.failed
     for tier, reason in rest.errors.items():
         result.errors.setdefault(tier, reason)

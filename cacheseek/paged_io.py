@@ -163,22 +163,35 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
     return call
 
 
-def ingest_results(call: PagedCall, found: Sequence[bool], durability: str) -> tuple[list[IngestResult], list[bool]]:
-    """Before a hashed call's ingest: one ``IngestResult`` per request, and per block (in
-    ``flat()`` order) whether it needs no encoding, counted as present in its request's
-    result: stored already (``found``), or met earlier in the call (two requests with one
-    prefix encode it once; the later one counts as present)."""
+def ingest_results(call: PagedCall, found: Sequence[bool], durability: str
+                   ) -> tuple[list[IngestResult], list[bool], dict[bytes, list[IngestResult]]]:
+    """Before a hashed call's ingest: one ``IngestResult`` per request, and what
+    ``count_found`` gives for them."""
     B = call.block_tokens
     results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B, durability=durability)
                for h in call.hashes]
-    present, seen, i = list(found), set(), 0
+    return (results, *count_found(call, found, results))
+
+
+def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[IngestResult]
+                ) -> tuple[list[bool], dict[bytes, list[IngestResult]]]:
+    """Per block (in ``flat()`` order) whether it needs no encoding: stored already
+    (``found``, counted present in its request's result), or met earlier in the call (two
+    requests with one prefix encode and write it once); and for each block met again, the
+    results of the later requests holding it. They count the outcome of its one write
+    (``count_outcome``'s ``copies``), not present before it runs: a write that fails must
+    not leave them saying the block is stored."""
+    present, copies, seen, i = list(found), {}, set(), 0
     for result, hashes in zip(results, call.hashes):
         for key in hashes:
-            present[i] = present[i] or key in seen
+            if present[i]:
+                result.present += 1
+            elif key in seen:
+                present[i] = True
+                copies.setdefault(key, []).append(result)
             seen.add(key)
-            result.present += present[i]
             i += 1
-    return results, present
+    return present, copies
 
 
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
@@ -346,5 +359,5 @@ def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | 
     return [(r.keys, r.page_ids, r.max_tokens) for r in as_requests(kv_or_requests)]
 
 
-__all__ = ["PageSink", "PagedCall", "decoder", "encode_frames", "encoded_batches", "hash_requests", "plan",
-           "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]
+__all__ = ["PageSink", "PagedCall", "count_found", "decoder", "encode_frames", "encoded_batches", "hash_requests",
+           "ingest_results", "plan", "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]

@@ -159,7 +159,7 @@ class PrefixCache(PrefixCacheBase):
             if in_place is not None:
                 in_place.abandon()
             raise
-        results, present = paged_io.ingest_results(call, found, self.store.durability)
+        results, present, copies = paged_io.ingest_results(call, found, self.store.durability)
         # A use of the blocks stored already, before the puts make room (as in ``ingest``).
         self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
         if in_place is None:
@@ -182,7 +182,8 @@ class PrefixCache(PrefixCacheBase):
                 outcomes = in_place.run(hashes, parents, present, self._batch_blocks, positions)
                 for i, outcome in enumerate(outcomes):
                     if outcome is not None:
-                        count_outcome(results[call.request_of(i)], hashes[i], outcome, stored)
+                        count_outcome(results[call.request_of(i)], hashes[i], outcome, stored,
+                                      copies.get(hashes[i], ()))
                         handled[i] = True
             # The rest (a GPU tier on top, no room to reserve): frames through put_many,
             # batches tail first and checked first as in ``ingest``.
@@ -193,7 +194,7 @@ class PrefixCache(PrefixCacheBase):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):
-                    count_outcome(results[call.request_of(i)], hashes[i], outcome, stored)
+                    count_outcome(results[call.request_of(i)], hashes[i], outcome, stored, copies.get(hashes[i], ()))
         except InputError as exc:
             for key in stored:
                 self.store.delete(key)

@@ -315,11 +315,7 @@ class RemoteCache(PrefixCacheBase):
         found = self._write_lookup(hashes)
         for result in results:
             result.durability = found.get("durability", result.durability)
-        present, seen = list(found["present"]), set()
-        for i, key in enumerate(hashes):
-            present[i] = present[i] or key in seen  # twice in this call: sent once
-            seen.add(key)
-            results[every[i][0]].present += present[i]
+        present, copies = paged_io.count_found(call, found["present"], results)  # twice in this call: sent once
         keep = [i for i, p in enumerate(present) if not p]
         if not keep:
             return
@@ -334,7 +330,7 @@ class RemoteCache(PrefixCacheBase):
         frames.reverse()  # tail first, as ingest sends them
         rows.reverse()
         for row, report in zip(rows, self._post_frames(frames)):
-            _count_report(results[call.request_of(row)], report)
+            _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
 
     def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
                          layerwise: bool = False) -> Any:
@@ -733,8 +729,10 @@ def _wire_bytes(frame: BlockFrame) -> int:
     return LENGTH.size + frame.meta.nbytes
 
 
-def _count_report(result: IngestResult, report: dict[str, Any]) -> None:
-    result.durability = report.get("durability", result.durability)
+def _count_report(result: IngestResult, report: dict[str, Any], copies: Sequence[IngestResult] = ()) -> None:
+    """Count one frame's report into ``result``; ``copies``: the results of the other
+    requests of the call that hold the block too (sent once): present in each if the
+    server holds it now, failed if not."""
     status = report.get("status")
     if status == "stored":
         result.stored += 1
@@ -742,8 +740,15 @@ def _count_report(result: IngestResult, report: dict[str, Any]) -> None:
         result.present += 1
     else:
         result.failed += 1
-    for tier, reason in (report.get("errors") or {}).items():
-        result.errors.setdefault(tier, reason)
+    for copy in copies:
+        if status in ("stored", "present"):
+            copy.present += 1
+        else:
+            copy.failed += 1
+    for res in (result, *copies):
+        res.durability = report.get("durability", res.durability)
+        for tier, reason in (report.get("errors") or {}).items():
+            res.errors.setdefault(tier, reason)
 
 
 def lookup_request(hashes: Sequence[bytes], *, each: bool = False) -> tuple[str, bytes, dict[str, str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +29,12 @@ class IngestResult:
     durability: str = "durable"
 
 
-def count_outcome(result: IngestResult, key: bytes, outcome: Any, stored: list[bytes]) -> None:
+def count_outcome(result: IngestResult, key: bytes, outcome: Any, stored: list[bytes],
+                  copies: Sequence[IngestResult] = ()) -> None:
     """Count one block's ``StorePutResult`` into ``result``; ``stored`` collects the keys
-    newly written (a call undoes them if a later batch of it is refused)."""
+    newly written (a call undoes them if a later batch of it is refused). ``copies``: the
+    results of the other requests of a batch that hold the block too (written once, for
+    the first): present in each if this write stored it, failed if it did not."""
     if outcome.stored:
         result.stored += 1
         stored.append(key)
@@ -40,6 +44,13 @@ def count_outcome(result: IngestResult, key: bytes, outcome: Any, stored: list[b
         result.failed += 1
     for tier, reason in outcome.errors.items():
         result.errors.setdefault(tier, reason)
+    for copy in copies:
+        if outcome.stored or outcome.present:
+            copy.present += 1
+        else:
+            copy.failed += 1
+        for tier, reason in outcome.errors.items():
+            copy.errors.setdefault(tier, reason)
 
 
 @dataclass(slots=True)

@@ -71,3 +71,20 @@ def fail_layer_group(monkeypatch, group: int = 1):
 
     monkeypatch.setattr(LayerwiseDecoder, "run_group", run_group)
     return real
+
+
+def fail_disk_writes(monkeypatch, keys) -> None:
+    """Every disk-tier write of a block of ``keys`` fails as a failing disk's does (EIO on
+    creating its temp file); other blocks are written as ever."""
+    import errno
+    import os
+
+    names = tuple(f".tmp-{key.hex()}." for key in keys)
+    real = os.open
+
+    def failing(path, flags, *args, **kw):
+        if flags & os.O_CREAT and any(name in str(path) for name in names):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", failing)

@@ -23,7 +23,7 @@ from cacheseek.quant import backend as kivi_codec
 from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged, write_tokens
-from store_helpers import fail_layer_group, make_kv, tokens_for
+from store_helpers import fail_disk_writes, fail_layer_group, make_kv, tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
@@ -622,6 +622,39 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
 
 
 @pytest.mark.parametrize("paged", [False, True])
+def test_a_save_whose_commit_fails_for_a_block_counts_it_once(tmp_path, monkeypatch, paged):
+    """A full tier: the tail gets slots, the head is ingested on finish. A slot's commit
+    whose write through to the disk failed counted the block failed, and that ingest, which
+    writes such a block again, counted it failed once more: failed 2 of 1, present -1."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK
+    frame = make_cache(cs.Raw()).block_format.planned_payload().nbytes
+    with make_cache(cs.Raw(), cpu_bytes=24 * frame, cpu_reserve_bytes=3 * frame, disk_path=tmp_path / "d") as cache:
+        for seed in (20, 21, 22):  # fill the tier: the save gets slots for its tail only
+            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+        toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+            ids = page_tables([T], 16, 24, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+        else:
+            writer = cache.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        tail = cache.block_hashes(toks)[-1]  # in a slot
+        fail_disk_writes(monkeypatch, [tail])
+        got = writer.finish()
+        got = got[0] if paged else got
+        assert (got.stored, got.present, got.failed) == (7, 0, 1) and "Input/output error" in got.errors["disk"]
+        monkeypatch.undo()
+        assert cache.store.present_many(cache.block_hashes(toks)) == [True] * 7 + [False]
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
     """The blocks without a slot are checked by the ingest on finish, after the slots' blocks
     were published: a NaN there deletes them again, so the save stores nothing."""
@@ -649,6 +682,34 @@ def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
         with pytest.raises(cs.InputError, match="NaN or Inf"):
             writer.finish()
         assert not any(cache.store.present_many(cache.block_hashes(toks)))
+        assert reservation_bytes(cache) == 0
+
+
+def test_a_paged_save_counts_a_block_two_requests_share_as_its_one_write_ended(tmp_path, monkeypatch, save_mode):
+    """Two requests with one prefix: its block gets one slot (or one put), for the first,
+    and the second counted it present before the commit. A commit whose write through to
+    the disk failed left the second's result saying the block was stored."""
+    T, page = 2 * BLOCK, 16
+    shared = tokens_for(90, BLOCK)
+    toks = [shared + tokens_for(91, BLOCK), shared + tokens_for(92, BLOCK)]
+    kvs = [make_kv(T, 90, LAYOUT), make_kv(T, 91, LAYOUT)]
+    for (k0, v0), (k1, v1) in zip(*kvs):  # one prefix: the same tokens, the same KV
+        k1[:, :BLOCK], v1[:, :BLOCK] = k0[:, :BLOCK], v0[:, :BLOCK]
+    pages, _ = engine_pages("flash", L, H, D, 8, page, DTYPE)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    with make_cache(cs.Raw(), disk_path=tmp_path / "d") as cache:
+        head = cache.block_hashes(shared)[0]
+        writer = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages,
+                                    layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+        assert writer.mode == save_mode
+        fail_disk_writes(monkeypatch, [head])
+        got = writer.finish()
+        assert [(r.stored, r.present, r.failed) for r in got] == [(1, 0, 1), (1, 0, 1)]
+        assert all("Input/output error" in r.errors["disk"] for r in got)
         assert reservation_bytes(cache) == 0
 
 

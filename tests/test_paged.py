@@ -676,3 +676,33 @@ def test_an_ingest_never_evicts_its_own_stored_prefix(eviction, paged):
         assert (got.present, got.stored) == (2, 1)
         assert (cache.lookup(x), cache.lookup(y)) == (3 * BLOCK, 0)  # the other chain made the room
         store_helpers.assert_prefix_equal(cache.materialize(x), kv_x, 3 * BLOCK)
+
+
+@pytest.mark.parametrize("top", ["disk", "cpu"])
+def test_a_block_two_requests_share_counts_its_one_writes_outcome_for_both(tmp_path, monkeypatch, top):
+    """Two requests of a batch with one prefix: its block is encoded and written once, for
+    the first, and the second counted it present before that write ran. A write that failed
+    (a disk error) left the second's result saying the block was stored. Through put (the
+    disk on top) and in place (a CPU tier on top, written through to the disk)."""
+    T, page = 2 * BLOCK, 16
+    shared = tokens_for(80, BLOCK)
+    toks = [shared + tokens_for(81, BLOCK), shared + tokens_for(82, BLOCK)]
+    kv0, kv1 = make_kv(T, 80), make_kv(T, 81)
+    for (k0, v0), (k1, v1) in zip(kv0, kv1):  # one prefix: the same tokens, the same KV
+        k1[:, :BLOCK], v1[:, :BLOCK] = k0[:, :BLOCK], v0[:, :BLOCK]
+    pages, _ = engine_pages("nhd", L, H, D, 8, page, DTYPE)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    write_tokens(pages, kv0, tables[0])
+    write_tokens(pages, kv1, tables[1])
+    requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)]
+    with make_cache(cpu="1MiB" if top == "cpu" else 0, disk=tmp_path / "d", pin_memory=False) as cache:
+        head = cache.block_hashes(shared)[0]
+        store_helpers.fail_disk_writes(monkeypatch, [head])
+        got = cache.ingest_batch(requests, pages)
+        monkeypatch.undo()
+        assert [(r.stored, r.present, r.failed) for r in got] == [(1, 0, 1), (1, 0, 1)]
+        assert all("Input/output error" in r.errors["disk"] for r in got)
+        assert not cache.store.present_many([head])[0]
+        # Written again, it is stored once, and counted present by the request that shares it.
+        again = cache.ingest_batch(requests, pages)
+        assert [(r.stored, r.present, r.failed) for r in again] == [(1, 1, 0), (0, 2, 0)]

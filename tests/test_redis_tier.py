@@ -558,6 +558,42 @@ def test_a_put_that_pushes_blocks_out_hands_their_frames_down_when_asked(redis_u
         tier.close()
 
 
+def test_a_disk_victim_that_cannot_be_read_to_hand_down_to_redis_stays_on_disk(redis_url, tmp_path, monkeypatch):
+    """A disk over Redis, write-back: a block the disk evicts goes down to Redis, read from
+    its file first. A read that found no descriptor (EMFILE, once) lost the victim: deleted
+    from the disk, never in Redis. It stays on the disk now; the ingest that needed its room
+    goes to Redis instead (not acknowledged: the disk is the durable tier)."""
+    import errno
+    import os
+
+    from cacheseek.store import direct_io
+
+    cache = rcache(redis_url, disk=tmp_path / "d", disk_bytes=3 * FRAME + FRAME // 2, write_through=())
+    a, kv_a = tokens_for(40, 3 * BLOCK), make_kv(3 * BLOCK, 40)
+    b, kv_b = tokens_for(41, BLOCK), make_kv(BLOCK, 41)
+    assert cache.ingest(a, kv_a).stored == 3  # the disk is full
+    real = os.open
+
+    def no_descriptor_once(path, flags, *args, **kw):
+        if not str(path).endswith(".frame"):  # a frame file's read, not its write (a temp file)
+            return real(path, flags, *args, **kw)
+        monkeypatch.setattr(direct_io.os, "open", real)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(direct_io.os, "open", no_descriptor_once)
+    res = cache.ingest(b, kv_b)
+    assert (res.stored, res.failed) == (0, 1) and "could not be read" in res.errors["disk"]
+    assert cache.locate(a).tiers == ["disk"] * 3 and cache.locate(b).tiers == ["redis"]
+    disk = {t["name"]: t for t in cache.stats()["tiers"]}["disk"]
+    assert (disk["evictions"], disk["read_errors"], disk["write_errors"]) == (0, 1, 1)
+    assert_prefix_equal(cache.materialize(a), kv_a, 3 * BLOCK)
+    # The descriptor back: the next ingest that needs room hands the victim down to Redis.
+    assert cache.ingest(tokens_for(42, BLOCK), make_kv(BLOCK, 42)).stored == 1
+    assert redis_stats(cache)["demotions"] == 1
+    assert cache.lookup(a) == 3 * BLOCK and cache.lookup(b) == BLOCK
+    cache.close()
+
+
 def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):
     tier = RedisTier(redis_url, 64 << 20)
     frames = [_frame(i) for i in range(44, 48)]

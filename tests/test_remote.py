@@ -438,6 +438,62 @@ def test_paged_calls_fail_open_like_the_others():
 # -- bodies past the server's max_body_bytes -------------------------------------------------------
 
 
+def _shared_prefix_batch():
+    """Two requests with one prefix in an engine's pages: (their PagedRequests, the pages,
+    the shared block's keys)."""
+    from paged_helpers import engine_pages, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    shared = tokens_for(85, BLOCK)
+    toks = [shared + tokens_for(86, BLOCK), shared + tokens_for(87, BLOCK)]
+    kvs = [make_kv(2 * BLOCK, 85), make_kv(2 * BLOCK, 86)]
+    for (k0, v0), (k1, v1) in zip(*kvs):  # one prefix: the same tokens, the same KV
+        k1[:, :BLOCK], v1[:, :BLOCK] = k0[:, :BLOCK], v0[:, :BLOCK]
+    pages, _ = engine_pages("nhd", L, H, D, 8, 16, dtype)
+    tables = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for kv, ids in zip(kvs, tables):
+        write_tokens(pages, kv, ids)
+    return [cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages, shared
+
+
+def test_a_block_two_requests_share_counts_the_servers_answer_for_both(tmp_path):
+    """Two requests of a batch with one prefix: its frame is sent once, and the second
+    request counted it present before the server answered. A write the server failed (its
+    disk refused the frame) left the second's result saying the block was stored."""
+    requests, pages, shared = _shared_prefix_batch()
+    with Server(tmp_path) as server, _remote(server, cs.Raw(), token=None) as cache:
+        head, tails = cache.block_hashes(shared)[0], [cache.block_hashes(r.keys)[1] for r in requests]
+        assert head[:1] not in {t[:1] for t in tails}
+        shard = server.disk_path / head[:1].hex()
+        shard.rmdir()
+        shard.write_text("not a directory: every write of a block of this shard fails")
+        got = cache.ingest_batch(requests, pages)
+        assert [(r.stored, r.present, r.failed) for r in got] == [(1, 0, 1), (1, 0, 1)]
+        assert all("disk" in r.errors for r in got)
+
+
+def test_a_block_two_requests_share_is_dropped_for_both_in_an_outage(tmp_path, monkeypatch):
+    """The server dies between a batch's lookup and its POST: the blocks not acknowledged are
+    dropped, and the shared block, counted present at the lookup, was not among them."""
+    requests, pages, _ = _shared_prefix_batch()
+    server = Server(tmp_path).start()
+    try:
+        with _remote(server, cs.Raw(), token=None, on_unavailable="miss", timeout=5) as cache:
+            real = cache._write_lookup
+
+            def lookup_then_die(*args, **kwargs):
+                found = real(*args, **kwargs)
+                server.kill()
+                return found
+
+            monkeypatch.setattr(cache, "_write_lookup", lookup_then_die)
+            got = cache.ingest_batch(requests, pages)
+            assert [(r.stored, r.present, r.failed) for r in got] == [(0, 0, 2), (0, 0, 2)]
+            assert all("server" in r.errors for r in got) and cache.client_stats()["dropped_blocks"] == 4
+    finally:
+        server.kill()
+
+
 def _block_posts(cache) -> dict[str, int]:
     """The server's answers to ``POST /v1/blocks`` so far, by status."""
     for route in cache.stats()["requests"]:

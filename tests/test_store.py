@@ -916,6 +916,100 @@ def test_a_victim_a_middle_tier_refuses_goes_on_to_the_tier_below_it(tmp_path):
     store.close()
 
 
+def _out_of_descriptors():
+    """A context in which this process can open no file: RLIMIT_NOFILE lowered and every
+    descriptor left under it taken (a burst of connections), as the kernel answers EMFILE."""
+    import contextlib
+    import resource
+
+    @contextlib.contextmanager
+    def scope():
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+            with pytest.raises(OSError):
+                while True:
+                    held.append(os.open(os.devnull, os.O_RDONLY))
+            yield
+        finally:
+            for fd in held:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return scope()
+
+
+def test_a_victim_the_disk_cannot_read_to_hand_down_is_kept(tmp_path):
+    """Write-back below a disk: a put that makes room reads each victim to hand it down. Out
+    of file descriptors, that read failed, and the victim was deleted all the same, in no
+    tier: an acknowledged block lost for a moment's shortage. It stays on the disk now, and
+    the put that needed its room is refused (and goes down to the tier below instead)."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    size = raw_frame(0)[1].nbytes
+    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    store = TieredStore([disk, below])  # nothing written through: the disk's victims go down
+    blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
+    assert all(r.stored for r in store.put_many(blocks[:3]))  # acknowledged: on disk, durable
+    with _out_of_descriptors():
+        outcome = store.put(*blocks[3])
+    assert not outcome.stored and "could not be read" in outcome.errors["disk"]
+    assert "Too many open files" in outcome.errors["disk"]
+    for key, frame in blocks:
+        got = store.get(key, promote=False)
+        assert got is not None, "a block was lost on its way down"
+        assert bytes(got[0].payload_view()) == bytes(frame.payload_view())
+        got[0].release()
+    assert [store.locate([key]) for key, _ in blocks] == [["disk"]] * 3 + [["below"]]
+    stats = disk.stats()
+    assert (stats.blocks, stats.evictions, stats.read_errors, stats.write_errors, stats.corrupt) == (3, 0, 1, 1, 0)
+    # Descriptors again: the victim is read, handed down, and the put takes its room.
+    fresh = raw_frame(5)
+    assert store.put(*fresh).stored
+    assert disk.stats().evictions == 1 and below.stats().demotions == 1
+    assert all(store.contains_many([key for key, _ in [*blocks, fresh]]))
+    store.close()
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "io-error"])
+def test_a_victim_whose_bytes_cannot_be_had_goes_without_them_and_the_put_is_stored(tmp_path, monkeypatch, fault):
+    """A victim whose file fails its checksum holds no block to hand down: it goes, counted
+    corrupt (not evicted). One the disk fails to read (EIO) goes too, counted in
+    ``read_errors``: kept, it would hold the tier full, no read of it succeeding either.
+    Either way the put that needed the room is stored."""
+    import errno
+
+    from cacheseek.store import direct_io
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    size = raw_frame(0)[1].nbytes
+    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    store = TieredStore([disk, below])
+    blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
+    assert all(r.stored for r in store.put_many(blocks[:3]))
+    victim = blocks[0][0]  # the least recently used
+    data = disk._paths(victim)[0]
+    if fault == "corrupt":
+        raw = bytearray(data.read_bytes())
+        raw[-1] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    else:
+        def failing_read(*args, **kw):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(direct_io.os, "preadv", failing_read)
+    assert store.put(*blocks[3]).stored
+    monkeypatch.undo()
+    assert not store.contains_many([victim])[0] and not data.exists()
+    stats = disk.stats()
+    assert (stats.corrupt, stats.evictions, stats.read_errors) == ((1, 0, 0) if fault == "corrupt" else (0, 1, 1))
+    assert below.stats().demotions == 0 and all(store.contains_many([key for key, _ in blocks[1:]]))
+    store.close()
+
+
 def test_a_gpu_tier_put_that_runs_out_of_device_memory_hands_its_victims_down(monkeypatch):
     """A GPU-tier put that evicted for room and then found the device out of memory raised,
     and the blocks it had evicted went with the exception: in no tier, never demoted. (A GPU

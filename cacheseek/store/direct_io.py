@@ -198,16 +198,29 @@ class BufferPool:
 # -- reads in flight -----------------------------------------------------------------------
 
 
+# What a read that could not be made ran short of (descriptors, memory, buffers): a state of
+# the process or the system that passes, not of the file.
+SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
+
+
 class ReadFailed(Exception):
     """A read could not give a whole file. ``damaged``: the file itself is bad (missing,
     another size than expected, short, or refused by its ``check``); else the read could
     not be made (no descriptor or memory left, an I/O error), which says nothing of the
-    file. ``missing``: the file was not there."""
+    file. ``missing``: the file was not there. ``shortage``: not made for want of a
+    descriptor or memory (``SHORTAGES``), which a moment later may be there again."""
 
-    def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True) -> None:
+    def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True, shortage: bool = False) -> None:
         super().__init__(reason)
         self.missing = missing
         self.damaged = damaged
+        self.shortage = shortage
+
+    @classmethod
+    def not_made(cls, reason: str, exc: BaseException) -> ReadFailed:
+        """A read that ``exc`` (an ``OSError`` or ``MemoryError``) kept from being made."""
+        shortage = isinstance(exc, MemoryError) or isinstance(exc, OSError) and exc.errno in SHORTAGES
+        return cls(reason, damaged=False, shortage=shortage)
 
 
 @dataclass(slots=True)
@@ -262,15 +275,16 @@ class ReadPool:
             raise ReadFailed(f"{path.name}: not found", missing=True) from None
         except OSError as exc:
             if not direct or exc.errno != errno.EINVAL:
-                raise ReadFailed(f"{path.name}: {exc}", damaged=False) from None
+                raise ReadFailed.not_made(f"{path.name}: {exc}", exc) from None
             with self._counts_lock:
                 self.direct_refused += 1
             direct = False
             try:
                 fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise ReadFailed(f"{path.name}: not found", missing=True) from None
             except OSError as exc2:
-                missing = isinstance(exc2, FileNotFoundError)
-                raise ReadFailed(f"{path.name}: {exc2}", missing=missing, damaged=missing) from None
+                raise ReadFailed.not_made(f"{path.name}: {exc2}", exc2) from None
         lease = None
         try:
             size = os.fstat(fd).st_size
@@ -281,7 +295,7 @@ class ReadPool:
                 got = _read_whole(fd, path, lease.buffer, size, direct)
             except OSError as exc:
                 if not direct or exc.errno != errno.EINVAL:
-                    raise ReadFailed(f"{path.name}: {exc}", damaged=False) from None
+                    raise ReadFailed.not_made(f"{path.name}: {exc}", exc) from None
                 with self._counts_lock:
                     self.direct_refused += 1
                 direct = False
@@ -303,7 +317,7 @@ class ReadPool:
             if isinstance(exc, ReadFailed):
                 raise
             if isinstance(exc, (OSError, MemoryError)):  # (a buffer not to be had, a read cut off)
-                raise ReadFailed(f"{path.name}: {exc!r}", damaged=False) from None
+                raise ReadFailed.not_made(f"{path.name}: {exc!r}", exc) from None
             raise
         finally:
             os.close(fd)

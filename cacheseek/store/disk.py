@@ -43,7 +43,9 @@ times, each chain tail first (the eviction policy's history of uses does not sur
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted. A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
-again, and acknowledged, since.
+again, and acknowledged, since. A victim handed down to the tier below is read first;
+where no descriptor or memory is left for that read it stays, and the write that needed
+its room is refused (``_evict_one`` says why).
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -166,6 +168,11 @@ def _try_fsync_dir(path: Path) -> BaseException | None:
 
 class _NoSpace(StorageError):
     """A write the filesystem had no room for (ENOSPC, EDQUOT), whatever the budget said."""
+
+
+class _Unreadable(StorageError):
+    """The next victim could not be read to hand it down, for want of a descriptor or memory:
+    it stays, and so no room is made."""
 
 
 def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
@@ -420,21 +427,62 @@ class DiskTier(IndexedTier):
         self._reserved_pinned -= mine.pinned_nbytes
 
     def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
-        """Give up the policy's victim (read first when the tier below takes demotions) into
-        ``evicted``. Under the lock, with something evictable."""
+        """Give up the policy's victim into ``evicted``, read first when the tier below takes
+        demotions. Under the lock, with something evictable.
+
+        A victim that cannot be read for want of a descriptor or memory is kept, and
+        ``_Unreadable`` raised: it may be the only copy of an acknowledged block, and the
+        shortage passes (every other victim would meet it too). One whose file is bad holds
+        no block to hand down: dropped and counted corrupt. One the disk fails to read (an
+        I/O error) is evicted without its bytes, counted in ``read_errors``: kept, it
+        would hold the tier full for good, since no read of it succeeds either."""
         victim = self._index.victim()
-        frame_v = self._read_frame(victim) if self.demote_evicted else None
+        frame_v = None
+        if self.demote_evicted:
+            try:
+                frame_v = self._read_frame(victim)
+            except ReadFailed as exc:
+                if exc.shortage:
+                    self._stats.read_errors += 1
+                    log.warning("%s tier: block %s, the next to evict, could not be read to hand it down (%s); "
+                                "it is kept", self.name, victim.hex(), exc)
+                    raise _Unreadable(f"block {victim.hex()}, the next to evict, could not be read to hand it "
+                                      f"down to the tier below ({exc}); it is kept") from None
+                if exc.damaged:
+                    self._remove_files(victim)
+                    self._index.remove(victim)
+                    self._stats.corrupt += 1
+                    return
+                self._stats.read_errors += 1
+                log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
+                            victim.hex(), exc)
         self._remove_files(victim)
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
         evicted.append((victim, frame_v))
 
+    def _make_room(self, n: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+        """Evict (into ``evicted``) until ``n`` bytes more fit or nothing is left to evict.
+        Under the lock. A victim kept for a shortage (``_evict_one``) refuses the write that
+        needed its room: ``StorageError``, counted in ``write_errors``."""
+        while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
+            try:
+                self._evict_one(evicted)
+            except _Unreadable as exc:
+                self._stats.write_errors += 1
+                raise StorageError(f"{self.name} tier: no room for a {n}-byte frame: {exc}") from None
+
     def _trim(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
         """Evict until the budget holds again. Under the lock, after indexing a write: a
         claim cannot evict blocks still being written by other threads, so concurrent writes
-        may together overshoot it; the last of them to be indexed evicts the excess."""
+        may together overshoot it; the last of them to be indexed evicts the excess. A
+        victim kept for a shortage ends the trim: the tier stays over its budget until the
+        next write trims, rather than lose a block (the write is committed: it stands)."""
         while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
-            self._evict_one(evicted)
+            try:
+                self._evict_one(evicted)
+            except _Unreadable:
+                return
 
     def _evict_over_budget(self) -> None:
         while self._index.used_bytes > self.capacity_bytes:
@@ -514,8 +562,7 @@ class DiskTier(IndexedTier):
             pending = self._writing.get(key)
             if pending is None:
                 self._refuse_beside_pins(key, n)
-                while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
-                    self._evict_one(evicted)
+                self._make_room(n, evicted)
                 mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
             # Waited for outside the lock: that write takes the lock to commit.
@@ -638,8 +685,7 @@ class DiskTier(IndexedTier):
             if (pending := self._writing.get(key)) is not None:
                 return pending
             self._refuse_beside_pins(key, n)
-            while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
-                self._evict_one(evicted)
+            self._make_room(n, evicted)
             if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
                 return None
             mine = self._writing[key] = self._hold_room(key, n)
@@ -848,15 +894,12 @@ class DiskTier(IndexedTier):
             lease = None
         return BlockFrame(done.checked, host=done.view, sealed=True, lease=lease)
 
-    def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame | None:
-        """Read and verify one frame (a victim handed down). Corrupt or truncated: None."""
+    def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame:
+        """Read and verify one frame (a victim handed down); ``ReadFailed`` says why not."""
         if expected is None:
             info = self._index.get(key)
             expected = info.nbytes if info is not None else None
-        try:
-            done = self._reads.submit(self._paths(key)[0], expected, _check_frame, key).result()
-        except ReadFailed:
-            return None
+        done = self._reads.submit(self._paths(key)[0], expected, _check_frame, key).result()
         if done.lease is not None:
             done.lease.release()
         return BlockFrame(done.checked, host=done.view, sealed=True)

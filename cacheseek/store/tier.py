@@ -110,7 +110,9 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0
     corrupt: int = 0
-    read_errors: int = 0  # reads that failed for want of a descriptor, memory, or an I/O error: nothing removed
+    # Reads that failed for want of a descriptor, memory, or an I/O error: nothing removed (but a
+    # victim read to hand it down after an I/O error: ``DiskTier._evict_one``).
+    read_errors: int = 0
     write_errors: int = 0
     read_seconds: float = 0.0
     pinned_blocks: int = 0
