@@ -256,6 +256,11 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
                                   pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
         (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        # and so were token ids, as 1 and 0
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
+                                   cs.PagedRequest([*toks[1][:3], True, *toks[1][4:]], tables[1])], pages),
+         r"^requests\[1\]: token_ids\[3\]: a bool, not a token id"),
+        (lambda c: c.ingest([False, *toks[0][1:]], pages.at(tables[0])), r"^token_ids\[0\]: a bool, not a token id"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_dtype), r"pages: dtype torch.bfloat16"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
         (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
@@ -444,6 +449,9 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
             # the keys are at fault, not a ``kv`` (materialize_into has none): named as materialize names them
             (lambda: cache.materialize_into([], dest.at([7, 8])), r"^token_ids: empty input"),
             (lambda: cache.materialize_into([2**40] * BLOCK, dest.at([7, 8])), r"^token_ids: every id must be an int"),
+            (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                                   cs.PagedRequest([True, *toks[1][1:]], [4, 5, 6, 7])], dest),
+             r"^requests\[1\]: token_ids\[0\]: a bool, not a token id"),
             (lambda: cache.materialize_into(torch.ones(2, BLOCK, dtype=torch.long), dest.at([7, 8])),
              r"^token_ids: expected shape \[T\] or \[1, T\]"),
             (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],

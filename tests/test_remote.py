@@ -64,13 +64,17 @@ def _scenario(cache) -> list:
     nan_kv = make_kv(2 * BLOCK, 5)
     nan_kv[1][0][0, BLOCK + 3, 5] = float("nan")
     bad_toks = tokens_for(5, 2 * BLOCK)
+    masked = [*bad_toks[:BLOCK + 2], True, *bad_toks[BLOCK + 3 :]]  # (a bool was read as id 1)
     for name, call in (("nan", lambda: cache.ingest(bad_toks, nan_kv)),
                        ("short keys", lambda: cache.ingest(bad_toks[:-1], make_kv(2 * BLOCK, 5))),
-                       ("empty", lambda: cache.lookup([]))):
+                       ("empty", lambda: cache.lookup([])),
+                       ("bool id ingest", lambda: cache.ingest(masked, make_kv(2 * BLOCK, 5))),
+                       ("bool id lookup", lambda: cache.lookup([False, *toks[1:]])),
+                       ("bool id materialize", lambda: cache.materialize([False, *toks[1:]]))):
         with pytest.raises(cs.InputError) as info:
             call()
         out.append((name, type(info.value).__name__, str(info.value)))
-    out.append(("after bad input", cache.lookup(bad_toks)))
+    out.append(("after bad input", cache.lookup(bad_toks), cache.lookup([1 if t is True else t for t in masked])))
     stats = cache.stats()
     # The server adds its own figures (traffic, requests, usage per namespace: docs/operations.md).
     server_only = {"frame_bytes_received", "frame_bytes_sent", "frames_rejected", "lookup_latency", "metrics_detail",
