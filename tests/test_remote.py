@@ -8,6 +8,7 @@ import time
 import tracemalloc
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,7 @@ def _scenario(cache) -> list:
     for name, got in (("materialize", cache.materialize(toks)),
                       ("materialize changed", cache.materialize(changed)),
                       ("materialize max_tokens", cache.materialize(toks, max_tokens=4 * BLOCK - 1)),
+                      ("materialize numpy max_tokens", cache.materialize(toks, max_tokens=np.int64(4 * BLOCK - 1))),
                       ("materialize unknown", cache.materialize(tokens_for(3, 2 * BLOCK)))):
         out.append((name, (got.num_tokens, got.num_blocks, got.tiers, str(got.device),
                            [(k.clone(), v.clone()) for k, v in got.layers])))
@@ -385,7 +387,7 @@ def test_paged_calls_give_the_embedded_results_through_a_server(srv, tmp_path, m
             batch = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
             dest, dest_tensors = engine_pages("nhd", L, H, D, 24, 16, dtype, seed=4)
             dest_tables = page_tables(sizes, 16, 24, seed=2)
-            one = cache.materialize_into(toks[1], dest.at(dest_tables[1]), max_tokens=2 * BLOCK)
+            one = cache.materialize_into(toks[1], dest.at(dest_tables[1]), max_tokens=np.int64(2 * BLOCK))
             loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)], dest)
             bad = make_kv(BLOCK, 5)
             bad[1][0][0, 3, 7] = float("inf")
