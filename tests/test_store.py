@@ -168,7 +168,8 @@ def test_lookup_stops_at_the_first_changed_block():
     assert cache.materialize(toks, max_tokens=4 * BLOCK - 1).num_tokens == 3 * BLOCK
     # any integer a caller holds, as page ids are taken (a numpy one was refused)
     np = pytest.importorskip("numpy")
-    for given in (np.int64(4 * BLOCK - 1), np.int32(4 * BLOCK - 1), np.array(4 * BLOCK - 1), torch.tensor(4 * BLOCK - 1)):
+    n = 4 * BLOCK - 1
+    for given in (np.int64(n), np.int32(n), np.array(n), torch.tensor(n)):
         assert cache.materialize(toks, max_tokens=given).num_tokens == 3 * BLOCK, repr(given)
     for bad in (40.0, "40", True, np.bool_(True), torch.tensor(True), torch.tensor([40]), np.float64(40.0)):
         with pytest.raises(cs.InputError, match="max_tokens: expected an int"):

@@ -20,11 +20,13 @@ group and stores the one whose decode has the least squared error; decoding is u
     err_i   = sum over the group's real elements of float64(x_hat_i - x)^2   (fp32 difference)
     kept    = the first i with the least err_i; range 0 if s_0 or m_0 is not finite
 
+Values beyond a shrunk range clamp to its end codes. The fp64 sum makes the choice the same
+whatever order an implementation adds in, except where two ranges' errors agree to ~1e-15.
+
 A group whose own range the stats cannot hold (s_0 or m_0 Inf: a min below fp16's -65504,
 say) keeps range 0, so it is rejected as without the search: a shrunk range may fit, but
 would clamp the values the stats cannot reach to it, and whether a group is stored would
-then depend on ``clip`` and on how far it reaches. Values beyond a shrunk range clamp to its end codes. The fp64 sum makes the choice the same
-whatever order an implementation adds in, except where two ranges' errors agree to ~1e-15.
+then depend on ``clip`` and on how far the group reaches.
 """
 
 from __future__ import annotations
