@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from .errors import FrameError
 from .layout import KVLayout
-from .quant.codec import KVLayerCodec
+from .quant.codec import KVLayerCodec, same_spec
 from .quant.policy import PrecisionPolicy
 from .store.frame import FrameMeta, plan_frame, replan_frame
 
@@ -148,7 +148,9 @@ class BlockFormat:
             # the decoder, which lays the block out by its place, then raised instead of missing.
             self.at(position).check_fetched(meta, key, position)
             return
-        if meta.codec != self.codec_spec or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
+        # (a frame planned here holds this spec itself; a parsed one, a copy to compare type-strictly)
+        codec_ok = meta.codec is self.codec_spec or same_spec(meta.codec, self.codec_spec)
+        if not codec_ok or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
             raise FrameError("frame was written with another codec, layout or block size")
 
 

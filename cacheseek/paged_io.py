@@ -31,7 +31,7 @@ from .errors import InputError
 from .hashing import BlockHash
 from .layout import KVLayout
 from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
-from .prefix_keys import PrefixKeys
+from .prefix_keys import PrefixKeys, as_index
 from .quant.codec import KVLayerCodec
 from .results import IngestResult
 from .staging import payload_views, staging_stride
@@ -201,9 +201,10 @@ def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
         return [0]
     out = []
     for name, r in zip(call.names, requests):
-        start = r.start
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0 or start % block_tokens:
-            raise InputError(f"{name}.start: expected a multiple of the block size {block_tokens} >= 0, got {start!r}")
+        start = as_index(r.start)
+        if start is None or start < 0 or start % block_tokens:
+            raise InputError(f"{name}.start: expected a multiple of the block size {block_tokens} >= 0, "
+                             f"got {r.start!r:.40}")
         out.append(start // block_tokens)
     return out
 
@@ -233,11 +234,12 @@ def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]]
     and its ``max_tokens`` allows."""
     P = call.pages.page_size
     out = []
-    for r, ((_, _, max_tokens), table, hashes) in enumerate(zip(requests, call.tables, call.hashes)):
+    for r, ((_, _, given), table, hashes) in enumerate(zip(requests, call.tables, call.hashes)):
         # A float would slice the chain with a float, a str fail in max(): neither names the request.
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)):
+        max_tokens = None if given is None else as_index(given)
+        if given is not None and max_tokens is None:
             raise InputError(f"{call.param(r, 'max_tokens')}: expected an int number of tokens or None, "
-                             f"got {type(max_tokens).__name__} {max_tokens!r}")
+                             f"got {type(given).__name__} {given!r:.40}")
         n = min(len(hashes), table.numel() * P // block_tokens)
         if max_tokens is not None:
             n = min(n, max(0, max_tokens) // block_tokens)

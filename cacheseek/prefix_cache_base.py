@@ -12,7 +12,7 @@ from .block_format import BlockFormat
 from .hashing import SINGLE, BlockHash, Shard
 from .layerwise import LayerwiseIngest
 from .layout import KVLayout
-from .prefix_keys import PrefixKeys
+from .prefix_keys import PrefixKeys, as_index
 from .quant import backend
 from .quant.codec import KVLayerCodec
 from .quant.kivi import KIVI
@@ -86,12 +86,21 @@ class PrefixCacheBase:
         """Tokens named by ``keys``; raises on an empty input."""
         return self.keys.num_tokens(keys)
 
-    def _limit(self, hashes: list[BlockHash], max_tokens: int | None) -> list[BlockHash]:
+    @staticmethod
+    def _max_tokens(max_tokens: Any) -> int | None:
+        """``max_tokens`` as an int (any integer type) or None; ``InputError`` otherwise."""
         if max_tokens is None:
-            return hashes
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+            return None
+        n = as_index(max_tokens)
+        if n is None:
             raise InputError(f"max_tokens: expected an int number of tokens or None, "
                              f"got {type(max_tokens).__name__} {max_tokens!r:.40}")
+        return n
+
+    def _limit(self, hashes: list[BlockHash], max_tokens: Any) -> list[BlockHash]:
+        max_tokens = self._max_tokens(max_tokens)
+        if max_tokens is None:
+            return hashes
         return hashes[: max(0, max_tokens) // self.block_tokens]
 
     @staticmethod

@@ -426,6 +426,7 @@ class RemoteCache(PrefixCacheBase):
             return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
         tokens = self._num_keys(keys)
         device = self._device(device)
+        max_tokens = self._max_tokens(max_tokens)
         hashes = self._limit(self.block_hashes(keys), max_tokens)
         if max_tokens is not None:
             tokens = min(tokens, max(0, max_tokens))

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -236,9 +237,13 @@ def test_codec_from_spec_roundtrips_and_is_strict():
                 {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0}):
         with pytest.raises(ConfigError):
             codec_from_spec(bad)
-    for bad_args in ({"bits": 4.0}, {"group_size": 32.0}, {"v_clip": True}):
+    for bad_args in ({"bits": 4.0}, {"group_size": 32.0}, {"v_clip": True}, {"k_bits": True}, {"v_bits": 2.0},
+                     {"k_group_size": 64.0}, {"v_group_size": True}, {"v_clip": 1.0}, {"v_rotate": 1}):
         with pytest.raises(ConfigError):
             cs.KIVI(**bad_args)
+    for first_blocks in (1.0, True):
+        with pytest.raises(ConfigError, match="first_blocks"):
+            cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=4), first_blocks=first_blocks)
 
 
 @pytest.mark.parametrize("dtype, stats, low", [(torch.float16, "float16", 0.0), (torch.float32, "float32", 0.1)],
@@ -382,6 +387,60 @@ def test_decode_rejects_another_codecs_payload():
     enc = cs.KIVI(bits=4).encode(k, k)
     with pytest.raises(InputError, match="codec"):
         cs.KIVI(bits=2).decode(enc)
+
+
+# Values equal to the spec's under == (4.0 == 4, True == 1) but of another type: no codec's spec
+# (the constructors refuse them), so a frame or layer saying so was not made by this codec.
+TYPE_ONLY = [("k_bits", 4.0), ("v_group", 32.0), ("version", 1.0), ("version", True), ("v_clip", True),
+             ("v_clip", 1.0), ("v_rotate", 1)]
+
+
+@pytest.mark.parametrize("field, value", TYPE_ONLY)
+def test_a_fetched_frame_whose_codec_spec_differs_only_in_type_ends_the_prefix(field, value):
+    from cacheseek.block_format import BlockFormat
+    from cacheseek.store.frame import build_frame, parse_frame, plan_frame
+    from cacheseek.store.tier import BlockFrame
+    from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
+
+    codec = cs.KIVI(bits=4, group_size=32, v_clip=1, v_rotate=True)
+    toks, kv = tokens_for(8, 3 * BLOCK), make_kv(3 * BLOCK, 8)
+    with make_cache(codec=codec) as cache:
+        assert cache.ingest(toks, kv).stored == 3
+        h = cache.block_hashes(toks)
+        frame, _ = cache.store.get(h[2])
+        meta, payload = frame.meta, bytes(frame.payload_view())
+        frame.release()
+        assert meta.codec[field] == value  # equal under ==: what let it through
+        forged = plan_frame(block_hash=h[2], parent_hash=h[1], position=2, layout=meta.layout, block_tokens=BLOCK,
+                            codec={**meta.codec, field: value},
+                            buffers=[(e.name, e.dtype, e.shape) for e in meta.tensors])
+        data = build_frame(forged, [payload[e.offset:e.offset + e.nbytes] for e in meta.tensors])
+        cache.store.delete(h[2])
+        assert cache.store.put(h[2], BlockFrame(parse_frame(data), host=memoryview(data), sealed=True)).stored
+        assert cache.lookup(toks) == 3 * BLOCK  # stored, but not this codec's frame:
+        assert cache.materialize(toks).num_blocks == 2  # the prefix ends before it, as at any mismatch
+    with pytest.raises(FrameError, match="another codec"):
+        BlockFormat(codec, LAYOUT, BLOCK).check_fetched(parse_frame(data), h[2], 2)
+    raw = BlockFormat(cs.Raw(), LAYOUT, BLOCK)
+    planned = raw.plan(block_hash=h[0], parent_hash=h[0], position=0)
+    raw.check_fetched(replace(planned, codec={"name": "raw", "version": 1}), h[0], 0)  # a parsed copy: fine
+    for version in (1.0, True):
+        with pytest.raises(FrameError, match="another codec"):
+            raw.check_fetched(replace(planned, codec={"name": "raw", "version": version}), h[0], 0)
+
+
+@pytest.mark.parametrize("field, value", TYPE_ONLY)
+def test_decode_refuses_a_layer_whose_codec_spec_differs_only_in_type(field, value):
+    codec = cs.KIVI(bits=4, group_size=32, v_clip=1, v_rotate=True)
+    k = _t(1, 64, 64)
+    wire = msgpack.unpackb(host_buffers(codec.encode(k, k)).packb(), raw=False)
+    wire["codec"][field] = value
+    with pytest.raises(InputError, match="codec"):
+        codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
+    wire = msgpack.unpackb(host_buffers(cs.Raw().encode(k, k)).packb(), raw=False)
+    wire["codec"]["version"] = 1.0
+    with pytest.raises(InputError, match="codec"):
+        cs.Raw().decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
 
 
 def test_backend_env_forces_torch(monkeypatch):

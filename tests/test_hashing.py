@@ -235,6 +235,33 @@ def test_tensor_and_list_token_ids_give_the_same_keys():
     assert hash_token_blocks(root, torch.tensor([tokens]), 64) == by_list
 
 
+@pytest.mark.parametrize("n", [16, 1000], ids=["short", "long"])  # (the two ways 0s and 1s are found)
+def test_a_bool_among_token_ids_is_refused_naming_its_index(n):
+    # struct packs True and False as 1 and 0: a mask handed in as the ids got keys.
+    import numpy as np
+
+    root, ids = _root(), [j % 3 + 256 * (j % 7) for j in range(n)]  # 0s and 1s among them
+    keys = hash_token_blocks(root, ids, 8)
+    assert hash_token_blocks(root, torch.tensor(ids), 8) == keys  # 0 and 1 as ints are ids
+    for j, bad in ((0, True), (n - 3, False), (n // 2, torch.tensor(True))):
+        mixed = list(ids)
+        mixed[j] = bad
+        for keys_in in (mixed, tuple(mixed), Prompt(mixed), np.array(mixed, dtype=object)):
+            with pytest.raises(InputError, match=rf"^token_ids\[{j}\]: a bool, not a token id$"):
+                PrefixKeys(root, 8).block_hashes(keys_in)
+        with pytest.raises(InputError, match=rf"^token_ids\[{j}\]: a bool"):
+            token_block_bytes(mixed)
+    # numpy and 0-d tensor integers are ids (as page ids are), bool dtypes are not
+    assert hash_token_blocks(root, [np.int64(t) for t in ids], 8) == keys
+    assert hash_token_blocks(root, [torch.tensor(t) for t in ids], 8) == keys
+    for bools in (torch.ones(n, dtype=torch.bool), np.ones(n, dtype=bool)):
+        with pytest.raises(InputError, match="^token_ids: a tensor of bools"):
+            hash_token_blocks(root, bools, 8)
+    for bad in (np.True_, np.array(False)):  # (their __index__ refuses: struct says so)
+        with pytest.raises(InputError, match="^token_ids: every id must be an int"):
+            hash_token_blocks(root, [*ids[:-1], bad], 8)
+
+
 def test_token_bytes_are_little_endian_int32():
     assert token_block_bytes([1, -1, 256]) == b"\x01\x00\x00\x00\xff\xff\xff\xff\x00\x01\x00\x00"
 

@@ -217,3 +217,35 @@ def test_codec_through_the_kernels_equals_the_torch_path(monkeypatch):
     got = codec.encode(k, v)
     for (_, _, a), (_, _, b) in zip(got.named_buffers(), want.named_buffers()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # (the interpreter's, at -Inf)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("low", [-66048.0, -70000.0])
+def test_a_group_whose_range_the_stats_cannot_hold_is_rejected_whatever_the_clip(monkeypatch, dtype, low):
+    # fp16 stats cannot hold the min of a group reaching below -65504 (its range 0 stores m =
+    # -Inf, so the codec rejects the KV), but a shrunk range's low end can fit: the search took
+    # it (its error beat range 0's Inf), clamping the values below it, so whether the KV was
+    # stored depended on v_clip and on how far the group reached (-66048 from clip 1 on,
+    # -70000 from clip 3). Range 0 is kept for such a group, rejected as with v_clip=0.
+    kernels = _kernels()
+    from cacheseek.quant import backend
+
+    x = _v((2, 4, 64), seed=9, dtype=dtype)
+    x[0, 1, 7] = low  # row (0, 1) is one group of 64 channels
+    x = x.to(DEVICE)
+    for clip in range(ref.MAX_CLIP + 1):
+        kw = dict(bits=4, group=64, axis=AXIS_CHANNELS, stats_dtype=F16, clip=clip)
+        want, got = ref.quantize(x, **kw), kernels.quantize(x, **kw)
+        _, s, m = want
+        assert not (torch.isfinite(s[0, 1]).all() and torch.isfinite(m[0, 1]).all()), clip
+        for a, b in zip(got, want):
+            a, b = a.clone(), b.clone()
+            a[0, 1] = b[0, 1] = 0  # (the rejected group's codes are no one's)
+            assert torch.isfinite(b.float()).all() and torch.equal(a, b), clip  # every other group alike
+        k = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(clip)).to(dtype).to(DEVICE)
+        v = torch.cat([x, x[:, :1].expand(2, 60, 64)], dim=1)  # 64 tokens: K's group
+        for name in ("torch", "triton"):
+            monkeypatch.setenv(backend.BACKEND_ENV, name)
+            with pytest.raises(cs.InputError, match="^v: holds NaN or Inf, or a group range beyond float16 stats"):
+                cs.KIVI(bits=4, group_size=64, v_clip=clip).encode(k, v)

@@ -6,6 +6,7 @@ stores and writes exactly what it decodes, in every engine layout, on the Triton
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,6 +257,11 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
                                   pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
         (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        # and so were token ids, as 1 and 0
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
+                                   cs.PagedRequest([*toks[1][:3], True, *toks[1][4:]], tables[1])], pages),
+         r"^requests\[1\]: token_ids\[3\]: a bool, not a token id"),
+        (lambda c: c.ingest([False, *toks[0][1:]], pages.at(tables[0])), r"^token_ids\[0\]: a bool, not a token id"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_dtype), r"pages: dtype torch.bfloat16"),
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0])], wrong_heads), r"pages: 1 KV heads"),
         (lambda c: c.ingest_batch([(toks[0], tables[0])], pages), r"requests\[0\]: expected a cacheseek.PagedRequest"),
@@ -444,6 +450,9 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
             # the keys are at fault, not a ``kv`` (materialize_into has none): named as materialize names them
             (lambda: cache.materialize_into([], dest.at([7, 8])), r"^token_ids: empty input"),
             (lambda: cache.materialize_into([2**40] * BLOCK, dest.at([7, 8])), r"^token_ids: every id must be an int"),
+            (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3]),
+                                                   cs.PagedRequest([True, *toks[1][1:]], [4, 5, 6, 7])], dest),
+             r"^requests\[1\]: token_ids\[0\]: a bool, not a token id"),
             (lambda: cache.materialize_into(torch.ones(2, BLOCK, dtype=torch.long), dest.at([7, 8])),
              r"^token_ids: expected shape \[T\] or \[1, T\]"),
             (lambda: cache.materialize_into_batch([cs.PagedRequest(toks[0], [0, 1, 2, 3])],
@@ -485,6 +494,8 @@ def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(m
              rf"^requests\[1\]\.max_tokens: {expected}str '64'"),
             (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=True)),
              rf"^requests\[1\]\.max_tokens: {expected}bool True"),
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=torch.tensor(True))),
+             rf"^requests\[1\]\.max_tokens: {expected}Tensor"),
             (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=64.0), layerwise=True),
              rf"^requests\[1\]\.max_tokens: {expected}float"),
             (lambda: cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=64.0), rf"^max_tokens: {expected}float"),
@@ -499,10 +510,16 @@ def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(m
                 call()
             assert unchanged(before, tensors)
             assert cache.stats()["tiers"][0]["blocks"] == blocks and cache.lookup(toks[1]) == 0
-        # a whole number of tokens is fine, and None loads what the page table holds
+        # a whole number of tokens is fine, of any integer type (a numpy one was refused), and
+        # None loads what the page table holds
         got = cache.materialize_into_batch([cs.PagedRequest(toks[0], tables[0], max_tokens=BLOCK + 5),
                                             cs.PagedRequest(toks[0], tables[1], max_tokens=None)], pages)
         assert [x.num_tokens for x in got] == [BLOCK, 2 * BLOCK]
+        got = cache.materialize_into_batch([cs.PagedRequest(toks[0], tables[0], max_tokens=np.int64(BLOCK + 5)),
+                                            cs.PagedRequest(toks[0], tables[1], max_tokens=torch.tensor(BLOCK))],
+                                           pages)
+        assert [x.num_tokens for x in got] == [BLOCK, BLOCK]
+        assert cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=np.int32(BLOCK)).num_tokens == BLOCK
 
 
 @pytest.mark.parametrize("codec", [INT4, cs.Raw(), ROTATED], ids=["int4", "raw", "int4-v2-rotated"])
@@ -560,8 +577,10 @@ def check_start_skips_the_engines_own_blocks(cache, raw: bool) -> None:
     before = snapshot(tensors)
     shared = [10, 11]  # the engine's own pages of block 0, in both tables
     tables = [shared + [2, 3, 4, 5], shared + [6, 7, 8, 9]]
-    loaded = cache.materialize_into_batch([cs.PagedRequest(toks, tables[0], start=BLOCK),
-                                           cs.PagedRequest(toks[: 2 * BLOCK], tables[1], start=BLOCK)], pages)
+    # (a numpy start, as a page table's ids may be, was refused)
+    loaded = cache.materialize_into_batch([cs.PagedRequest(toks, tables[0], start=np.int64(BLOCK)),
+                                           cs.PagedRequest(toks[: 2 * BLOCK], tables[1], start=torch.tensor(BLOCK))],
+                                          pages)
     assert [(x.num_tokens, x.num_blocks) for x in loaded] == [(T, 3), (2 * BLOCK, 2)]
     shared_before = read_tokens(kv_pages("flash", before), shared, BLOCK)
     for (k, v), (bk, bv) in zip(read_tokens(pages, shared, BLOCK), shared_before):
@@ -579,6 +598,11 @@ def check_start_skips_the_engines_own_blocks(cache, raw: bool) -> None:
                                       cs.PagedRequest(toks, [12, 13, 14, 15, 16, 17], start=BLOCK + 1)], pages,
                                      layerwise=True)
     assert unchanged(before, tensors)
+    for bad in (False, np.bool_(False), torch.tensor(False), float(BLOCK), [BLOCK]):
+        with pytest.raises(cs.InputError, match=r"requests\[1\]\.start: expected a multiple of the block size"):
+            cache.materialize_into_batch([cs.PagedRequest(toks, tables[0]),
+                                          cs.PagedRequest(toks, [12, 13, 14, 15, 16, 17], start=bad)], pages)
+        assert unchanged(before, tensors)
 
 
 @pytest.mark.parametrize("codec", [cs.Raw(), INT4], ids=["raw", "int4"])

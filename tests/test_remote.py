@@ -8,6 +8,7 @@ import time
 import tracemalloc
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,7 @@ def _scenario(cache) -> list:
     for name, got in (("materialize", cache.materialize(toks)),
                       ("materialize changed", cache.materialize(changed)),
                       ("materialize max_tokens", cache.materialize(toks, max_tokens=4 * BLOCK - 1)),
+                      ("materialize numpy max_tokens", cache.materialize(toks, max_tokens=np.int64(4 * BLOCK - 1))),
                       ("materialize unknown", cache.materialize(tokens_for(3, 2 * BLOCK)))):
         out.append((name, (got.num_tokens, got.num_blocks, got.tiers, str(got.device),
                            [(k.clone(), v.clone()) for k, v in got.layers])))
@@ -64,13 +66,17 @@ def _scenario(cache) -> list:
     nan_kv = make_kv(2 * BLOCK, 5)
     nan_kv[1][0][0, BLOCK + 3, 5] = float("nan")
     bad_toks = tokens_for(5, 2 * BLOCK)
+    masked = [*bad_toks[:BLOCK + 2], True, *bad_toks[BLOCK + 3 :]]  # (a bool was read as id 1)
     for name, call in (("nan", lambda: cache.ingest(bad_toks, nan_kv)),
                        ("short keys", lambda: cache.ingest(bad_toks[:-1], make_kv(2 * BLOCK, 5))),
-                       ("empty", lambda: cache.lookup([]))):
+                       ("empty", lambda: cache.lookup([])),
+                       ("bool id ingest", lambda: cache.ingest(masked, make_kv(2 * BLOCK, 5))),
+                       ("bool id lookup", lambda: cache.lookup([False, *toks[1:]])),
+                       ("bool id materialize", lambda: cache.materialize([False, *toks[1:]]))):
         with pytest.raises(cs.InputError) as info:
             call()
         out.append((name, type(info.value).__name__, str(info.value)))
-    out.append(("after bad input", cache.lookup(bad_toks)))
+    out.append(("after bad input", cache.lookup(bad_toks), cache.lookup([1 if t is True else t for t in masked])))
     stats = cache.stats()
     # The server adds its own figures (traffic, requests, usage per namespace: docs/operations.md).
     server_only = {"frame_bytes_received", "frame_bytes_sent", "frames_rejected", "lookup_latency", "metrics_detail",
@@ -381,7 +387,7 @@ def test_paged_calls_give_the_embedded_results_through_a_server(srv, tmp_path, m
             batch = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
             dest, dest_tensors = engine_pages("nhd", L, H, D, 24, 16, dtype, seed=4)
             dest_tables = page_tables(sizes, 16, 24, seed=2)
-            one = cache.materialize_into(toks[1], dest.at(dest_tables[1]), max_tokens=2 * BLOCK)
+            one = cache.materialize_into(toks[1], dest.at(dest_tables[1]), max_tokens=np.int64(2 * BLOCK))
             loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)], dest)
             bad = make_kv(BLOCK, 5)
             bad[1][0][0, 3, 7] = float("inf")

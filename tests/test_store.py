@@ -166,7 +166,12 @@ def test_lookup_stops_at_the_first_changed_block():
     assert cache.lookup(tail) == 6 * BLOCK
     assert cache.lookup(toks[: 3 * BLOCK + 1]) == 3 * BLOCK
     assert cache.materialize(toks, max_tokens=4 * BLOCK - 1).num_tokens == 3 * BLOCK
-    for bad in (40.0, "40", True):
+    # any integer a caller holds, as page ids are taken (a numpy one was refused)
+    np = pytest.importorskip("numpy")
+    n = 4 * BLOCK - 1
+    for given in (np.int64(n), np.int32(n), np.array(n), torch.tensor(n)):
+        assert cache.materialize(toks, max_tokens=given).num_tokens == 3 * BLOCK, repr(given)
+    for bad in (40.0, "40", True, np.bool_(True), torch.tensor(True), torch.tensor([40]), np.float64(40.0)):
         with pytest.raises(cs.InputError, match="max_tokens: expected an int"):
             cache.materialize(toks, max_tokens=bad)
 

@@ -351,6 +351,18 @@ def test_prefill_rejects_a_token_id_that_is_not_an_int32_before_anything_runs(ti
         assert cache.stats()["blocks"] == 0
 
 
+def test_prefill_rejects_bools_as_token_ids_before_anything_runs(tiny_model):
+    # (read as ids 1 and 0 before: a mask handed in as the prompt was computed and stored)
+    ids = list(range(3, 3 + 2 * BLOCK))
+    ids[BLOCK + 5] = True
+    with _cache(tiny_model) as cache:
+        with pytest.raises(InputError, match=rf"^token_ids\[{BLOCK + 5}\]: a bool, not a token id"):
+            prefill_with_reuse(tiny_model, cache, ids)
+        with pytest.raises(InputError, match="^input_ids: a tensor of bools"):
+            prefill_with_reuse(tiny_model, cache, torch.ones(1, 2 * BLOCK, dtype=torch.bool))
+        assert cache.stats()["blocks"] == 0
+
+
 def test_prefill_takes_ids_of_any_integer_type_and_keeps_its_own_copy(tiny_model):
     np = pytest.importorskip("numpy")
     ids = list(range(3, 3 + 2 * BLOCK + 1))

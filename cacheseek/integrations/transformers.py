@@ -560,14 +560,16 @@ def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
             input_ids = input_ids[0]
         if input_ids.dim() != 1:
             raise InputError(f"input_ids: expected [T] or [1, T], got {list(input_ids.shape)}")
-        ids = input_ids.tolist()
+        if input_ids.dtype == torch.bool:
+            raise InputError("input_ids: a tensor of bools, not token ids")  # (tolist() reads them as 0 and 1)
+        ids, from_tensor = input_ids.tolist(), True
     else:
-        ids = list(input_ids)  # this module's own list (HashedKeys keeps it)
+        ids, from_tensor = list(input_ids), False  # this module's own list (HashedKeys keeps it)
     if not ids:
         raise InputError("input_ids: empty prompt")
     # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
     # id took ~1 ms of host time per 16K tokens, on the path to the first token.
-    return ids, token_block_bytes(ids)
+    return ids, token_block_bytes(ids, from_tensor=from_tensor)
 
 
 def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:

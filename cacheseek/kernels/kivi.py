@@ -487,8 +487,13 @@ def _quantize_v_kernel(
     if CLIP > 0:
         # Range i: [mn + d, mx - d], d = (mx - mn) * float32(i * CLIP_STEP); keep the first
         # with the least fp64 squared error (NaN errors never win: such input is rejected).
+        # A group whose own range the stats cannot hold keeps it, rejected as without the
+        # search (its Inf error lost to any shrunk range that fit).
         xf = x.to(tl.float32)
         err = _clip_error(xf, s_st, m_st, ok, QMAX, FP16_STATS, MASKED)
+        s0 = s_st.to(tl.float32)
+        m0 = m_st.to(tl.float32)
+        held = ((s0 - s0) == 0.0) & ((m0 - m0) == 0.0)  # finite: inf - inf and nan - nan are nan
         width = mx - mn
         for i in tl.static_range(1, CLIP + 1):
             dd = width * (i * _CLIP_STEP)
@@ -496,7 +501,7 @@ def _quantize_v_kernel(
             s_i = _scale(lo_i, mx - dd, QMAX, FP16_STATS).to(s_ptr.dtype.element_ty)
             m_i = lo_i.to(m_ptr.dtype.element_ty)
             e_i = _clip_error(xf, s_i, m_i, ok, QMAX, FP16_STATS, MASKED)
-            better = e_i < err
+            better = (e_i < err) & held
             s_st = tl.where(better, s_i, s_st)
             m_st = tl.where(better, m_i, m_st)
             err = tl.where(better, e_i, err)

@@ -97,3 +97,22 @@ class KVLayerCodec(Protocol):
 def canonical_fingerprint(spec: dict[str, Any]) -> bytes:
     """Canonical bytes of a codec spec: sorted keys, no whitespace. Part of every root hash."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
+
+
+def same_spec(a: Any, b: Any) -> bool:
+    """Whether codec specs ``a`` and ``b`` name the same codec: equal, with every value of
+    the same type. ``==`` holds for 1.0, True and 1, but a spec saying ``"k_bits": 4.0``
+    is no codec's (the constructors refuse it) and has other canonical bytes, so another
+    key: a frame whose header says so was not written by ``k_bits=4``."""
+    if type(a) is not type(b):
+        return False
+    if type(a) is dict:
+        if a.keys() != b.keys():
+            return False
+        for key, value in a.items():
+            if not same_spec(value, b[key]):
+                return False
+        return True
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(map(same_spec, a, b))
+    return a == b

@@ -14,7 +14,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from ..layout import KVLayout
 from .backend import backend_for, layer_tables, ops_for
-from .codec import canonical_fingerprint
+from .codec import canonical_fingerprint, same_spec
 from .payload import AXIS_CHANNELS, AXIS_TOKENS, EncodedLayer, EncodedTensor
 from .rotation import supported as rotation_supported
 
@@ -374,7 +374,7 @@ class KIVI:
         """Move the compact buffers to ``device``, then dequantize there."""
         from .tensors import TORCH_DTYPES, to_device
 
-        if encoded.codec != self.spec():
+        if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
         encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
         if device is not None:

@@ -18,10 +18,15 @@ group and stores the one whose decode has the least squared error; decoding is u
     f_i     = float32(i * CLIP_STEP)          (each step shrinks the range by 2 * 2.5%)
     s_i, m_i, codes_i, x_hat_i as above, from range i's low end and (hi - lo) / (2^bits - 1)
     err_i   = sum over the group's real elements of float64(x_hat_i - x)^2   (fp32 difference)
-    kept    = the first i with the least err_i
+    kept    = the first i with the least err_i; range 0 if s_0 or m_0 is not finite
 
 Values beyond a shrunk range clamp to its end codes. The fp64 sum makes the choice the same
 whatever order an implementation adds in, except where two ranges' errors agree to ~1e-15.
+
+A group whose own range the stats cannot hold (s_0 or m_0 Inf: a min below fp16's -65504,
+say) keeps range 0, so it is rejected as without the search: a shrunk range may fit, but
+would clamp the values the stats cannot reach to it, and whether a group is stored would
+then depend on ``clip`` and on how far the group reaches.
 """
 
 from __future__ import annotations
@@ -101,12 +106,13 @@ def quantize(
             return torch.where(real, diff.double().square(), 0.0).sum(-1)
 
         err = error(codes, scale_s, mn_s)
+        held = torch.isfinite(scale_s) & torch.isfinite(mn_s)  # range 0 fits the stats (else rejected)
         width = mx - mn
         for i in range(1, clip + 1):
             d = width * torch.tensor(i * CLIP_STEP, dtype=torch.float32, device=g.device)
             c_i, s_i, m_i = _codes_for(g, mn + d, mx - d, qmax, stats_dtype)
             e_i = error(c_i, s_i, m_i)
-            better = e_i < err
+            better = (e_i < err) & held
             codes = torch.where(better.unsqueeze(-1), c_i, codes)
             scale_s, mn_s = torch.where(better, s_i, scale_s), torch.where(better, m_i, mn_s)
             err = torch.where(better, e_i, err)

@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ConfigError, InputError
 from ..layout import KVLayout
 from .backend import layer_tables
-from .codec import canonical_fingerprint
+from .codec import canonical_fingerprint, same_spec
 from .payload import AXIS_TOKENS, EncodedLayer, EncodedTensor
 
 VERSION = 1
@@ -142,7 +142,7 @@ class Raw:
 
         from .tensors import to_device
 
-        if encoded.codec != self.spec():
+        if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
         encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
         if device is not None:
