@@ -71,6 +71,44 @@ def test_read_pool_reads_every_size_whole_and_in_order(tmp_path, path):
         pool.close()
 
 
+def test_a_direct_read_refused_then_not_reopened_closes_its_descriptor_once(tmp_path, monkeypatch):
+    # An O_DIRECT read that fails with EINVAL is retried buffered: the descriptor is closed
+    # and the file opened again. When that open fails (no descriptor left), the old number,
+    # which another thread's open may have taken by then, must not be closed a second time.
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(5000))
+    opens, closed = [], []
+    real_open, real_close = os.open, os.close
+
+    def fake_open(p, flags, *a):
+        opens.append(flags)
+        if len(opens) > 1:
+            raise OSError(24, "Too many open files")
+        return real_open(p, flags & ~direct_io.O_DIRECT, *a)  # (tmpfs refuses O_DIRECT at open)
+
+    def fake_read_whole(fd, p, buf, size, direct):
+        raise OSError(22, "Invalid argument")  # the O_DIRECT read refused
+
+    def fake_close(fd):
+        closed.append(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(direct_io.os, "open", fake_open)
+    monkeypatch.setattr(direct_io.os, "close", fake_close)
+    monkeypatch.setattr(direct_io, "_read_whole", fake_read_whole)
+    buffers = BufferPool()
+    pool = ReadPool("o_direct", depth=1, buffers=buffers)
+    try:
+        with pytest.raises(ReadFailed) as failed:
+            pool.submit(path, 5000, lambda view, ctx: None).result(timeout=30)
+    finally:
+        pool.close()
+    assert failed.value.shortage and "Too many open files" in str(failed.value)
+    assert len(opens) == 2 and len(closed) == 1
+    stats = buffers.stats()
+    assert stats["buffers_free"] == stats["buffers_made"]
+
+
 def test_read_pool_failures_and_an_early_stop_give_every_buffer_back(tmp_path):
     files = _files(tmp_path, [5000] * 12)
     buffers = BufferPool()

@@ -300,6 +300,7 @@ class ReadPool:
                     self.direct_refused += 1
                 direct = False
                 os.close(fd)
+                fd = -1  # (closed: if the open below fails, the number may be another thread's by then)
                 fd = os.open(path, os.O_RDONLY)
                 got = _read_whole(fd, path, lease.buffer, size, False)
             if got != size:
@@ -320,7 +321,8 @@ class ReadPool:
                 raise ReadFailed.not_made(f"{path.name}: {exc!r}", exc) from None
             raise
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         with self._counts_lock:
             if direct:
                 self.direct_reads += 1
