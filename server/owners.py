@@ -58,7 +58,9 @@ class Owners:
         self._usage: list[Usage] = [Usage()]
         self._roots: dict[bytes, int] = {}  # stored root -> owner id
         self._of: dict[bytes, int] = {}  # stored key -> owner id, for blocks held
-        self._expected: dict[bytes, int] = {}  # keys being written -> owner id
+        # keys being written -> the owner ids of the writes in flight, first announced first:
+        # two writers of one block (clients sharing a prompt) each settle their own.
+        self._expected: dict[bytes, list[int]] = {}
         self._path = Path(state_dir) / OWNERS_FILE if state_dir is not None else None
         self._save_lock = threading.Lock()  # one writer of the file at a time, newest last
         self._load()
@@ -89,7 +91,7 @@ class Owners:
         new_root = False
         with self._lock:
             for key, parent, position in blocks:
-                self._expected[key] = owner
+                self._expected.setdefault(key, []).append(owner)
                 if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
                     # Each new root rewrites the whole file: without a bound, a writer naming a
                     # fresh parent in every frame grew it (and each write's cost) for good.
@@ -100,17 +102,27 @@ class Owners:
         if new_root:
             self._save()
 
-    def settle(self, keys: Iterable[bytes]) -> None:
-        """The writes announced for ``keys`` are done (stored, found present, or failed)."""
+    def settle(self, owner: int, keys: Iterable[bytes]) -> None:
+        """``owner``'s writes announced for ``keys`` are done (stored, found present, or
+        failed); another writer's announcement of the same key stands."""
         with self._lock:
             for key in keys:
-                self._expected.pop(key, None)
+                writers = self._expected.get(key)
+                if writers is None:
+                    continue
+                try:
+                    writers.remove(owner)
+                except ValueError:
+                    pass
+                if not writers:
+                    del self._expected[key]
 
     # -- residency events (under a tier's lock) ------------------------------------------------
 
     def appeared(self, key: bytes, info: BlockInfo) -> None:
         with self._lock:
-            owner = self._expected.get(key)
+            writers = self._expected.get(key)
+            owner = writers[0] if writers else None
             if owner is None:
                 owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
                     else self._of.get(info.parent, UNATTRIBUTED)

@@ -136,12 +136,12 @@ class BlockService:
         try:
             self._check_stored_positions(namespace, frames, keys)
             owners = self.owners
-            owners.expect(owners.owner_id(namespace, model),
-                          [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
+            owner = owners.owner_id(namespace, model)
+            owners.expect(owner, [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
             try:
                 return self._put(namespace, frames, keys)
             finally:
-                owners.settle(keys)
+                owners.settle(owner, keys)
         finally:
             self.claims.release(claimed)
 

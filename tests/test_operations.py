@@ -137,6 +137,25 @@ def test_a_tenant_sees_only_its_own_namespace_in_stats(tmp_path):
         assert {(u["namespace"], u["blocks"]) for u in every["namespaces"]} == {("team-a", 2), ("team-b", 3)}
 
 
+def test_two_writers_of_one_block_each_settle_their_own_announcement():
+    """Two requests write one block (clients sharing a prompt, each naming its model): the
+    first to finish, its copy found present or failed, must not take the second's
+    announcement with it, or the block the second stores is counted as nobody's."""
+    from cacheseek.store.tier import BlockInfo
+    from server.owners import Owners
+
+    owners = Owners()
+    first, second = owners.owner_id("team", "model-a"), owners.owner_id("team", "model-b")
+    key, parent = b"k" * 16, b"p" * 16  # a block at position 3 whose parent this server never saw
+    owners.expect(first, [(key, b"", 3)])
+    owners.expect(second, [(key, b"", 3)])
+    owners.settle(first, [key])  # the first request's write failed
+    owners.appeared(key, BlockInfo(nbytes=100, raw_nbytes=400, parent=parent, position=3))
+    owners.settle(second, [key])
+    assert owners.owner_of(key) == ("team", "model-b")
+    assert [(u["model"], u["blocks"]) for u in owners.usage() if u["blocks"]] == [("model-b", 1)]
+
+
 def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path):
     """Past ``metrics_max_owners`` every other owner counts under ("_other", "_other"), which a
     tenant named "_other" must not see; and a tier's last error (redis-py names the host and
