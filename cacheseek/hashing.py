@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
 import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -80,6 +81,19 @@ def _field(value: bytes) -> bytes:
     return struct.pack("<I", len(value)) + value
 
 
+def as_index(value: Any) -> int | None:
+    """``value`` as an int if it is an integer of any kind a caller may hold (an int, a
+    numpy integer, a 0-d integer tensor: what ``operator.index`` takes, as page ids are
+    taken), else None: a bool (True is no count of tokens), a bool tensor, a float, a str."""
+    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("torch.bool", "bool") \
+            or getattr(value, "ndim", 0) != 0:  # (a 1-element tensor's __index__ works too)
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -107,10 +121,13 @@ class Shard:
     def __post_init__(self) -> None:
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
             r, n = getattr(self, rank), getattr(self, size)
-            if not _is_count(n) or not 1 <= n < 1 << 32:  # (the root holds each as u32)
+            n_, r_ = as_index(n), as_index(r)  # (numpy ints, as engines hold ranks, kept as ints)
+            if n_ is None or not 1 <= n_ < 1 << 32:  # (the root holds each as u32)
                 raise ConfigError(f"Shard.{size}: must be an int in [1, 2**32), got {n!r}")
-            if not _is_count(r) or not 0 <= r < n:
+            if r_ is None or not 0 <= r_ < n_:
                 raise ConfigError(f"Shard.{rank}: must be an int in [0, {size}={n}), got {r!r}")
+            object.__setattr__(self, size, n_)
+            object.__setattr__(self, rank, r_)
 
     def fingerprint(self) -> bytes:
         return struct.pack("<4I", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
@@ -145,10 +162,13 @@ class MMInput:
     def __post_init__(self) -> None:
         _name_bytes(self.hash, "MMInput.hash")
         # Both go into the keys as u64, and their sum must not pass that either.
-        if not _is_count(self.offset) or not 0 <= self.offset < 1 << 63:
+        offset, length = as_index(self.offset), as_index(self.length)
+        if offset is None or not 0 <= offset < 1 << 63:
             raise InputError(f"MMInput.offset: must be an int in [0, 2**63), got {self.offset!r}")
-        if not _is_count(self.length) or not 1 <= self.length < 1 << 63:
+        if length is None or not 1 <= length < 1 << 63:
             raise InputError(f"MMInput.length: must be an int in [1, 2**63), got {self.length!r}")
+        object.__setattr__(self, "offset", offset)
+        object.__setattr__(self, "length", length)
 
 
 _U64 = struct.Struct("<Q")

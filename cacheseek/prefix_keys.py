@@ -8,13 +8,13 @@ the same keys by the same code. Torch-free.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
 from .hashing import (
+    as_index,
     DEFAULT_ALGO,
     SINGLE,
     BlockHash,
@@ -80,19 +80,6 @@ class HashedKeys:
         # A [1, T] tensor's ids run along its second dimension ([:n] would keep all T).
         keys = self.keys[:, :num_tokens] if len(getattr(self.keys, "shape", ())) == 2 else self.keys[:num_tokens]
         return HashedKeys(keys, num_tokens, self.hashes[: num_tokens // self.config[1]], self.config)
-
-
-def as_index(value: Any) -> int | None:
-    """``value`` as an int if it is an integer of any kind a caller may hold (an int, a
-    numpy integer, a 0-d integer tensor: what ``operator.index`` takes, as page ids are
-    taken), else None: a bool (True is no count of tokens), a bool tensor, a float, a str."""
-    if isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("torch.bool", "bool") \
-            or getattr(value, "ndim", 0) != 0:  # (a 1-element tensor's __index__ works too)
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _token_count(tokens: Any) -> int:

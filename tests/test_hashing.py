@@ -463,3 +463,24 @@ def test_hashed_keys_prefix_takes_token_ids_and_lengths_within_them_only():
         keys.hashed([b"a", b"b"]).prefix(32)
     with pytest.raises(InputError, match="empty"):
         keys.hashed([])
+
+
+def test_ranks_and_placeholder_offsets_take_any_integer_and_give_the_same_keys():
+    # Engines hold ranks and placeholder ranges as numpy or tensor ints: such a value is the
+    # int it stands for (the same keys, equal objects), while a bool, a float or a 1-element
+    # list is refused as before.
+    import numpy as np
+
+    assert Shard(tp_rank=np.int64(1), tp_size=np.int32(2), pp_size=torch.tensor(1)) == Shard(tp_rank=1, tp_size=2)
+    assert type(Shard(tp_rank=np.int64(1), tp_size=np.int64(2)).tp_rank) is int
+    assert Shard(tp_rank=np.int64(1), tp_size=2).fingerprint() == Shard(tp_rank=1, tp_size=2).fingerprint()
+    odd = ExtraKeys(mm_inputs=(MMInput("img", np.int64(60), torch.tensor(10)),))
+    even = ExtraKeys(mm_inputs=(MMInput("img", 60, 10),))
+    root = b"r" * 16
+    tokens = list(range(128))
+    assert hash_token_blocks(root, tokens, 64, extra=odd) == hash_token_blocks(root, tokens, 64, extra=even)
+    for bad in (True, 1.0, [1], np.bool_(True), torch.tensor([1, 2])):
+        with pytest.raises(ConfigError, match="Shard.tp_size"):
+            Shard(tp_size=bad)
+        with pytest.raises(InputError, match="MMInput.length"):
+            MMInput("img", 0, bad)
