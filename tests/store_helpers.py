@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import resource
+
 import torch
 
 import cacheseek as cs
@@ -88,3 +92,23 @@ def fail_disk_writes(monkeypatch, keys) -> None:
         return real(path, flags, *args, **kw)
 
     monkeypatch.setattr(os, "open", failing)
+
+
+@contextlib.contextmanager
+def out_of_descriptors():
+    """A context in which this process can open no file: RLIMIT_NOFILE lowered and every
+    descriptor left under it taken (a burst of connections), as the kernel answers EMFILE."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -20,7 +20,7 @@ from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
 
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, out_of_descriptors, tokens_for
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20, (1 << 20) + 17]
 
@@ -508,25 +508,13 @@ def test_an_interrupt_in_a_batchs_part_commit_leaves_nothing_in_flight(tmp_path,
 def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
     """Out of file descriptors for a moment (a burst of connections): the read is a miss,
     counted, and the acknowledged block stays; only a bad file is dropped as corrupt."""
-    import resource
-
     (k1, f1), = _frames(8, 1)
     tier = DiskTier(tmp_path, 1 << 30)
     try:
         tier.put(k1, f1)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        held: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
-            with pytest.raises(OSError):
-                while True:
-                    held.append(os.open(os.devnull, os.O_RDONLY))
+        with out_of_descriptors():
             assert tier.get(k1) is None
             report = tier.check(fix=True)
-        finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert report == {"ok": 0, "corrupt": 0, "unreadable": 1}
         stats = tier.stats()
         assert stats.read_errors == 1 and stats.corrupt == 0 and stats.blocks == 1

@@ -621,6 +621,27 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
+def _save_with_its_tail_in_slots(cache, toks, kv, paged):
+    """A layer-wise save of ``kv`` (8 blocks) into a tier filled first, so that it gets slots
+    for its tail only (its head is ingested on finish); every layer put, not finished."""
+    T = len(toks)
+    for seed in (20, 21, 22):
+        cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+    if paged:
+        pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+        ids = page_tables([T], 16, 24, seed=1)[0]
+        write_tokens(pages, kv, ids)
+        writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+        for i in range(L):
+            writer.put_layer(i)
+    else:
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+    assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+    return writer
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_save_whose_commit_fails_for_a_block_counts_it_once(tmp_path, monkeypatch, paged):
     """A full tier: the tail gets slots, the head is ingested on finish. A slot's commit
@@ -630,21 +651,8 @@ def test_a_save_whose_commit_fails_for_a_block_counts_it_once(tmp_path, monkeypa
     T = 8 * BLOCK
     frame = make_cache(cs.Raw()).block_format.planned_payload().nbytes
     with make_cache(cs.Raw(), cpu_bytes=24 * frame, cpu_reserve_bytes=3 * frame, disk_path=tmp_path / "d") as cache:
-        for seed in (20, 21, 22):  # fill the tier: the save gets slots for its tail only
-            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
         toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
-        if paged:
-            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
-            ids = page_tables([T], 16, 24, seed=1)[0]
-            write_tokens(pages, kv, ids)
-            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
-            for i in range(L):
-                writer.put_layer(i)
-        else:
-            writer = cache.ingest_layerwise(toks)
-            for i in range(L):
-                writer.put_layer(i, *kv[i])
-        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        writer = _save_with_its_tail_in_slots(cache, toks, kv, paged)
         tail = cache.block_hashes(toks)[-1]  # in a slot
         fail_disk_writes(monkeypatch, [tail])
         got = writer.finish()
@@ -663,22 +671,9 @@ def test_a_nan_in_a_block_that_got_no_slot_stores_nothing(monkeypatch, paged):
     T = 8 * BLOCK
     frame = make_cache(INT4).block_format.planned_payload().nbytes
     with make_cache(INT4, cpu_bytes=24 * frame, cpu_reserve_bytes=3 * frame) as cache:
-        for seed in (20, 21, 22):  # fill the tier: the save gets slots for its tail only
-            cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
         toks, kv = tokens_for(8, T), make_kv(T, 8, LAYOUT)
         kv[2][1][0, 3, 0] = float("nan")  # block 0: the head, which gets no slot
-        if paged:
-            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
-            ids = page_tables([T], 16, 24, seed=1)[0]
-            write_tokens(pages, kv, ids)
-            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
-            for i in range(L):
-                writer.put_layer(i)
-        else:
-            writer = cache.ingest_layerwise(toks)
-            for i in range(L):
-                writer.put_layer(i, *kv[i])
-        assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
+        writer = _save_with_its_tail_in_slots(cache, toks, kv, paged)
         with pytest.raises(cs.InputError, match="NaN or Inf"):
             writer.finish()
         assert not any(cache.store.present_many(cache.block_hashes(toks)))

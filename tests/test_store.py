@@ -921,29 +921,6 @@ def test_a_victim_a_middle_tier_refuses_goes_on_to_the_tier_below_it(tmp_path):
     store.close()
 
 
-def _out_of_descriptors():
-    """A context in which this process can open no file: RLIMIT_NOFILE lowered and every
-    descriptor left under it taken (a burst of connections), as the kernel answers EMFILE."""
-    import contextlib
-    import resource
-
-    @contextlib.contextmanager
-    def scope():
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        held: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 4096), hard))
-            with pytest.raises(OSError):
-                while True:
-                    held.append(os.open(os.devnull, os.O_RDONLY))
-            yield
-        finally:
-            for fd in held:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    return scope()
-
-
 def test_a_victim_the_disk_cannot_read_to_hand_down_is_kept(tmp_path):
     """Write-back below a disk: a put that makes room reads each victim to hand it down. Out
     of file descriptors, that read failed, and the victim was deleted all the same, in no
@@ -951,14 +928,14 @@ def test_a_victim_the_disk_cannot_read_to_hand_down_is_kept(tmp_path):
     the put that needed its room is refused (and goes down to the tier below instead)."""
     from cacheseek.store.disk import DiskTier
     from cacheseek.store.tiered import TieredStore
-    from store_helpers import raw_frame
+    from store_helpers import out_of_descriptors, raw_frame
 
     size = raw_frame(0)[1].nbytes
     disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
     store = TieredStore([disk, below])  # nothing written through: the disk's victims go down
     blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
     assert all(r.stored for r in store.put_many(blocks[:3]))  # acknowledged: on disk, durable
-    with _out_of_descriptors():
+    with out_of_descriptors():
         outcome = store.put(*blocks[3])
     assert not outcome.stored and "could not be read" in outcome.errors["disk"]
     assert "Too many open files" in outcome.errors["disk"]
