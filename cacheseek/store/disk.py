@@ -112,6 +112,14 @@ _OWN_FILE = re.compile(r"((?:[0-9a-f]{2})+)\.(frame|meta)")
 _OWN_TEMP = re.compile(r"\.tmp-(?:[0-9a-f]{2})+\.(?:frame|meta)-[0-9a-f]{8}")
 
 
+def _sidecar(key: bytes, meta: FrameMeta) -> bytes:
+    """The commit record of ``key``'s frame, read back at start by ``_load_sidecar``."""
+    return msgpack.packb({
+        "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
+        "nbytes": meta.nbytes, "raw_nbytes": meta.raw_nbytes, "checksum": meta.checksum,
+    }, use_bin_type=True)
+
+
 @dataclass(slots=True)
 class _InFlight:
     """One block's write in progress: later puts of the same block wait on ``done``."""
@@ -570,11 +578,7 @@ class DiskTier(IndexedTier):
         data_path, side_path = self._paths(key)
         try:
             self._write_atomic(data_path, segments)
-            sidecar = msgpack.packb({
-                "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
-                "nbytes": n, "raw_nbytes": meta.raw_nbytes, "checksum": meta.checksum,
-            }, use_bin_type=True)
-            self._write_atomic(side_path, [sidecar])
+            self._write_atomic(side_path, [_sidecar(key, meta)])
             if self.fsync:
                 _fsync_dir(data_path.parent)
         except BaseException as exc:
@@ -690,11 +694,7 @@ class DiskTier(IndexedTier):
                 return None
             mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)
-        sidecar = msgpack.packb({
-            "v": SIDECAR_VERSION, "hash": key, "parent": meta.parent_hash, "pos": meta.position,
-            "nbytes": n, "raw_nbytes": meta.raw_nbytes, "checksum": meta.checksum,
-        }, use_bin_type=True)
-        return _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+        return _Pending(key, frame, segments, _sidecar(key, meta), data_path, side_path, mine, evicted)
 
     def _commit_group(self, group: list[_Pending]) -> None:
         """Write and commit ``group`` stage by stage (data, sidecars, directories), then index
