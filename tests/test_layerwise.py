@@ -193,6 +193,32 @@ def test_a_load_dropped_unclosed_gives_its_frames_back_and_decodes_no_more(into,
         assert leases() == 0
 
 
+@pytest.mark.parametrize("into", ["tensors", "pages"])
+def test_a_load_whose_first_frame_cannot_be_taken_gives_it_back(into, monkeypatch):
+    """The decoder's staging, laid out at the first frame, cannot be had (out of memory): the
+    load raises, and that frame, leased from the CPU tier and taken by no list yet, goes back
+    with the rest (its slot was leased for good: never evicted, never reused)."""
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4, device=DEVICE)
+        want = cache.materialize(toks, DEVICE)
+        pages, _ = engine_pages("flash", L, H, D, 12, 16, DTYPE)
+
+        def out_of_memory(self, meta):
+            raise RuntimeError("injected: out of memory for the staging")
+
+        monkeypatch.setattr(LayerwiseDecoder, "_start", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            if into == "pages":
+                cache.materialize_into(toks, pages.at(list(range(7))), layerwise=True)
+            else:
+                cache.materialize(toks, DEVICE, layerwise=True)
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+        monkeypatch.undo()
+        with cache.materialize(toks, DEVICE, layerwise=True) as again:
+            assert torch.equal(again.layer(L - 1)[1], want.layers[L - 1][1])
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+
+
 def decode_failing_from(layer: int):
     """``LayerwiseDecoder._decode_layers`` that raises for every group from ``layer`` on."""
     real = LayerwiseDecoder._decode_layers
