@@ -792,6 +792,10 @@ def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int |
         raise InputError(f"layer {i}: dtype {k.dtype}, the layout says {layout.dtype}")
     if tokens is not None and T != tokens:
         raise InputError(f"layer {i}: {T} tokens, earlier layers have {tokens}")
+    if k.requires_grad or v.requires_grad:
+        # KV from a forward run without ``no_grad``: storing it needs none, and the encode's
+        # in-place steps into the slots refuse it (``ingest`` detaches it alike).
+        k, v = k.detach(), v.detach()
     return k, v
 
 

@@ -596,6 +596,24 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
             cache.ingest_layerwise([])
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_layerwise_save_takes_kv_that_requires_grad_as_ingest_does(codec, save_mode):
+    """KV from a forward run without ``no_grad`` requires grad: ``ingest`` stores it, and a
+    save into slots raised from the encode's in-place steps (a leaf that requires grad),
+    out of the forward that put the layer."""
+    T = 2 * BLOCK
+    toks, kv = tokens_for(5, T), make_kv(T, 5, LAYOUT)
+    grad = [(k.float().requires_grad_().to(DTYPE), v.float().requires_grad_().to(DTYPE)) for k, v in kv]
+    with make_cache(codec) as cache, make_cache(codec) as normal:
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *grad[i])
+        assert writer.mode == save_mode
+        assert writer.finish().stored == 2 and reservation_bytes(cache) == 0
+        assert normal.ingest(toks, grad).stored == 2
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
+
+
 def test_a_layerwise_save_stores_only_new_blocks_and_gives_its_slots_back_when_dropped(monkeypatch):
     monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
     T = 4 * BLOCK
