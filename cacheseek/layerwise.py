@@ -125,7 +125,20 @@ class LayerwiseDecoder(BatchDecoder):
 
     def add(self, frame: BlockFrame, *, split: bool = False) -> None:
         """Start the copy of ``frame`` to the device: whole, or (``split``, host frames on a
-        GPU) its first layer group only, the rest when its group is run."""
+        GPU) its first layer group only, the rest when its group is run. The frame is the
+        decoder's from this call on, also when it raises: given back here if neither
+        ``release_all``'s lists took it (a CPU-tier slot leased for good otherwise)."""
+        taken = len(self._split_frames) + len(self._pending)
+        try:
+            self._add(frame, split)
+        except BaseException:
+            if len(self._split_frames) + len(self._pending) == taken:
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()  # (a part of its copy may be in flight)
+                frame.release()
+            raise
+
+    def _add(self, frame: BlockFrame, split: bool) -> None:
         if self._sealed:
             raise RuntimeError("LayerwiseDecoder.add after seal")
         if len(self._frames) >= self.max_blocks:
@@ -779,6 +792,10 @@ def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int |
         raise InputError(f"layer {i}: dtype {k.dtype}, the layout says {layout.dtype}")
     if tokens is not None and T != tokens:
         raise InputError(f"layer {i}: {T} tokens, earlier layers have {tokens}")
+    if k.requires_grad or v.requires_grad:
+        # KV from a forward run without ``no_grad``: storing it needs none, and the encode's
+        # in-place steps into the slots refuse it (``ingest`` detaches it alike).
+        k, v = k.detach(), v.detach()
     return k, v
 
 

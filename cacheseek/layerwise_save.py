@@ -342,9 +342,10 @@ class LayerwiseSave(_SlotWriter):
         store.touch_chain([key for key, was in zip(hashes, self._found) if was])
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored)))
-        if not all(row in saved or f for row, f in enumerate(self._found)):
-            # Blocks no slot was reserved for: one ingest of the layers (it finds the blocks
-            # just published present, and stores the rest).
+        if not all(row in saved or f for row, f in enumerate(_still_stored(store, hashes, self._found))):
+            # Blocks no slot was reserved for, or stored when the save started and gone since:
+            # one ingest of the layers (it finds the blocks just published present, and stores
+            # the rest).
             with _undone_on_bad_input(store, stored):
                 _add_rest(result, self.cache.ingest(self.keys, self._layers))
         return result
@@ -416,9 +417,10 @@ class PagedLayerwiseSave(_SlotWriter):
         saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
                                                                      outcome, stored,
                                                                      self._copies.get(hashes[row], ()))))
-        if len(saved) < len(hashes):
-            # Blocks no slot was reserved for: one ingest_batch of the requests (it finds the
-            # blocks just published present, and stores the rest).
+        if len(saved) < len(hashes) or _still_stored(self.cache.store, self._all_hashes, self._found) != self._found:
+            # Blocks no slot was reserved for, or stored when the save was planned and gone
+            # since: one ingest_batch of the requests (it finds the blocks just published
+            # present, and stores the rest).
             with _undone_on_bad_input(self.cache.store, stored):
                 rests = self.cache.ingest_batch(self.requests, self.pages)
             for result, rest in zip(results, rests):
@@ -437,6 +439,16 @@ def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
         for key in stored:
             store.delete(key)
         raise
+
+
+def _still_stored(store: Any, hashes: list[bytes], found: list[bool]) -> list[bool]:
+    """Of the blocks ``found`` stored when the save started, those stored still: the forward
+    ran meanwhile, and one evicted or deleted since is the save's to store again (counted
+    present, it was left a gap before the blocks published after it)."""
+    if not any(found):
+        return found
+    now = iter(store.present_many([key for key, was in zip(hashes, found) if was]))
+    return [was and next(now) for was in found]
 
 
 def _add_rest(result: IngestResult, rest: IngestResult) -> None:

@@ -664,6 +664,21 @@ def test_a_prefetch_after_the_prefetcher_closed_starts_nothing_and_holds_no_slot
         assert cache.store.prefetcher.waiting(cache.block_hashes(toks)) == {}
 
 
+def test_a_prefetch_after_the_store_closed_starts_no_thread(tmp_path):
+    """Closed before any prefetch had made the executor: the next prefetch made one, reading
+    the closed tiers on a thread nothing would shut down, and counted itself started."""
+    toks, kv = tokens_for(9, 2 * BLOCK), make_kv(2 * BLOCK, 9)
+    cache = make_cache(cpu="64MiB", disk=tmp_path / "d")
+    cache.ingest(toks, kv)
+    _on_disk_only(cache, toks)
+    cache.close()
+    before = set(threading.enumerate())
+    assert cache.prefetch(toks) is None
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("cacheseek-prefetch")]
+    counts = cache.store.prefetcher.stats()
+    assert counts["started"] == 0 and counts["in_flight"] == 0 and counts["blocks_in_flight"] == 0
+
+
 def test_prefetch_needs_a_memory_tier_and_checks_its_input(tmp_path):
     toks, kv = tokens_for(8, 2 * BLOCK), make_kv(2 * BLOCK, 8)
     with make_cache(cpu=0, disk=tmp_path / "d") as cache:

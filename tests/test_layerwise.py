@@ -193,6 +193,32 @@ def test_a_load_dropped_unclosed_gives_its_frames_back_and_decodes_no_more(into,
         assert leases() == 0
 
 
+@pytest.mark.parametrize("into", ["tensors", "pages"])
+def test_a_load_whose_first_frame_cannot_be_taken_gives_it_back(into, monkeypatch):
+    """The decoder's staging, laid out at the first frame, cannot be had (out of memory): the
+    load raises, and that frame, leased from the CPU tier and taken by no list yet, goes back
+    with the rest (its slot was leased for good: never evicted, never reused)."""
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4, device=DEVICE)
+        want = cache.materialize(toks, DEVICE)
+        pages, _ = engine_pages("flash", L, H, D, 12, 16, DTYPE)
+
+        def out_of_memory(self, meta):
+            raise RuntimeError("injected: out of memory for the staging")
+
+        monkeypatch.setattr(LayerwiseDecoder, "_start", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            if into == "pages":
+                cache.materialize_into(toks, pages.at(list(range(7))), layerwise=True)
+            else:
+                cache.materialize(toks, DEVICE, layerwise=True)
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+        monkeypatch.undo()
+        with cache.materialize(toks, DEVICE, layerwise=True) as again:
+            assert torch.equal(again.layer(L - 1)[1], want.layers[L - 1][1])
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+
+
 def decode_failing_from(layer: int):
     """``LayerwiseDecoder._decode_layers`` that raises for every group from ``layer`` on."""
     real = LayerwiseDecoder._decode_layers
@@ -570,6 +596,24 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
             cache.ingest_layerwise([])
 
 
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+def test_a_layerwise_save_takes_kv_that_requires_grad_as_ingest_does(codec, save_mode):
+    """KV from a forward run without ``no_grad`` requires grad: ``ingest`` stores it, and a
+    save into slots raised from the encode's in-place steps (a leaf that requires grad),
+    out of the forward that put the layer."""
+    T = 2 * BLOCK
+    toks, kv = tokens_for(5, T), make_kv(T, 5, LAYOUT)
+    grad = [(k.float().requires_grad_().to(DTYPE), v.float().requires_grad_().to(DTYPE)) for k, v in kv]
+    with make_cache(codec) as cache, make_cache(codec) as normal:
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *grad[i])
+        assert writer.mode == save_mode
+        assert writer.finish().stored == 2 and reservation_bytes(cache) == 0
+        assert normal.ingest(toks, grad).stored == 2
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
+
+
 def test_a_layerwise_save_stores_only_new_blocks_and_gives_its_slots_back_when_dropped(monkeypatch):
     monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
     T = 4 * BLOCK
@@ -597,6 +641,39 @@ def test_a_layerwise_save_stores_only_new_blocks_and_gives_its_slots_back_when_d
         for i in range(L):
             writer.put_layer(i, *kv[i])
         assert writer.mode == "reference" and writer.finish().present == 4
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_save_stores_again_a_block_found_stored_and_deleted_while_it_ran(monkeypatch, paged):
+    """A block stored when the save started gets no slot; deleted (or evicted) while the
+    forward ran, it was counted present and left missing: the chain's blocks published after
+    it were behind a gap, and no lookup found any of them. It is stored again on finish."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 4 * BLOCK
+    toks, kv = tokens_for(6, T), make_kv(T, 6, LAYOUT)
+    with make_cache(INT4) as cache, make_cache(INT4) as normal:
+        head = [(k[:, : 2 * BLOCK], v[:, : 2 * BLOCK]) for k, v in kv]
+        assert cache.ingest(toks[: 2 * BLOCK], head).stored == 2
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 8, 16, DTYPE)
+            ids = page_tables([T], 16, 8, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            put = writer.put_layer
+        else:
+            writer = cache.ingest_layerwise(toks)
+            put = lambda i: writer.put_layer(i, *kv[i])  # noqa: E731
+        put(0)
+        assert writer.mode == "slots"
+        assert cache.store.delete(cache.block_hashes(toks)[0])
+        for i in range(1, L):
+            put(i)
+        got = writer.finish()
+        got = got[0] if paged else got
+        assert (got.blocks, got.stored, got.present, got.failed) == (4, 3, 1, 0)
+        assert cache.locate(toks).num_blocks == 4 and reservation_bytes(cache) == 0
+        normal.ingest(toks, kv)
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
 def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(monkeypatch):

@@ -92,6 +92,7 @@ class Prefetcher:
         self._waiting: dict[bytes, Future] = {}
         self._running = 0
         self._executor: ThreadPoolExecutor | None = None
+        self._closed = False
         self.counts = {"started": 0, "joined": 0, "in_memory": 0, "nothing_stored": 0, "refused_busy": 0,
                        "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0}
 
@@ -114,6 +115,8 @@ class Prefetcher:
             self._count("in_memory")  # what a prefetch of a chain in memory costs: this lookup
             return None
         with self._lock:
+            if self._closed:  # (an executor made now would run on closed tiers, and never be shut down)
+                return None
             joined = [self._waiting[k] for k, _ in todo if k in self._waiting]
             mine = [(k, name) for k, name in todo if k not in self._waiting]
             if not mine:
@@ -199,6 +202,8 @@ class Prefetcher:
                     "max_in_flight": self.max_in_flight}
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         # A prefetch cancelled before its thread took it up never settles its blocks: a
