@@ -543,6 +543,37 @@ def test_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(redis_u
         other.close()
 
 
+def test_a_touch_restarts_the_expiry_of_a_block_whose_pin_is_gone(redis_url, server):
+    """This process's view of the pins can be stale: another process unpinned the block since,
+    or Redis was flushed (or restarted) under a pin this process made. A touch restarts such a
+    block's expiry all the same: it skipped the PEXPIRE, so a chain in use expired under its
+    reader while the index went on counting it."""
+    mine, other = RedisTier(redis_url, 64 << 20, ttl_seconds=60), RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(52)
+    name = mine.keys_of.frame(key)
+    c = mine._connection()
+    try:
+        mine.put(key, frame)
+        other.pin([key])
+        mine.stats()  # this process learns the other's pin
+        other.unpin([key])
+        c.pexpire(name, 5000)  # (time passing: the expiry runs down)
+        mine.touch([key])
+        assert int(c.pttl(name)) > 50_000
+        mine.pin([key])
+        server.cli("FLUSHALL")  # the pin is gone with everything else
+        mine.put(key, frame)
+        c.pexpire(name, 5000)
+        mine.touch([key])
+        assert int(c.pttl(name)) > 50_000
+        mine.pin([key])  # pinned again: its frame keeps no expiry
+        mine.touch([key])
+        assert int(c.pttl(name)) == -1
+    finally:
+        mine.close()
+        other.close()
+
+
 def test_a_put_that_pushes_blocks_out_hands_their_frames_down_when_asked(redis_url):
     # A Redis tier above another (demote_evicted): each victim comes back with its frame.
     frames = [_frame(i) for i in range(51, 54)]

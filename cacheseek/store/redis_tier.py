@@ -625,11 +625,13 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
-            expiring = []
+            expiring, skipped = [], []
             if self._ttl_ms is not None:
                 pinned = self._pinned
                 for k in keys:
-                    if k not in pinned:  # a pinned frame keeps no expiry
+                    if k in pinned:  # a pinned frame keeps no expiry
+                        skipped.append(k)
+                    else:
                         pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
                         expiring.append(RedisKeys.member(k))
             # (this process's view of the pins is refreshed now and then: another's may be
@@ -643,6 +645,14 @@ class RedisTier(Tier):
             update = SharedIndex.parse(replies[0])
             self._delete_expired(c, update)
             self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
+            # A pin this process knew of may be gone (another process unpinned the block, or
+            # Redis was flushed or restarted): left without its PEXPIRE, a block in use expired.
+            held = set(update.pinned)
+            unpinned = [k for k in skipped if RedisKeys.member(k) not in held]
+            if unpinned:
+                with self._lock:
+                    self._pinned.difference_update(unpinned)
+                self._restart_expiry(c, unpinned)
             # A PEXPIRE answers whether the value was there: an uncounted one is an orphan.
             there = {m for m, n in zip(expiring, replies[1 : 1 + len(expiring)]) if n}
             return [m for m in update.uncounted if m in there]
@@ -706,11 +716,7 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             self._note_totals(SharedIndex.parse(self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys])).totals)
             if self._ttl_ms is not None:
-                pipe = c.pipeline(transaction=False)
-                for k in keys:
-                    pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
-                pipe.execute()
-                self._persist_pinned(c, [RedisKeys.member(k) for k in keys])  # pinned again meanwhile
+                self._restart_expiry(c, keys)
 
         with self._lock:
             self._pinned.difference_update(keys)
@@ -723,6 +729,15 @@ class RedisTier(Tier):
                 return
             with self._lock:
                 self._owed_unpins.difference_update(keys)
+
+    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> None:
+        """Give unpinned blocks' frames their expiry again (then take it off those pinned again
+        meanwhile)."""
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+        pipe.execute()
+        self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
