@@ -971,6 +971,30 @@ def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redi
                 t.close()
 
 
+def test_victims_whose_deletes_a_fault_kept_from_redis_are_deleted_by_the_next_call(redis_url, server):
+    """A put's script evicts, then Redis stops answering (paused) before the victims' deletes
+    land. Their frames stayed stored and uncounted (orphans outside the budget) for good,
+    without a TTL. The deletes are owed now, and sent by the next call that reaches Redis."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    frames = [_frame(i) for i in range(100, 104)]
+    tier = RedisTier(redis_url, 3 * frames[0][1].nbytes, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3))
+    try:
+        tier.put_many(frames[:3])
+        tier._client = _HookedClient(tier._connection(),
+                                     lambda n: n == 1 and r.execute_command("CLIENT", "PAUSE", 800, "ALL"))
+        with pytest.raises(StorageError):
+            tier.put(*frames[3])  # its script evicted the oldest; its deletes time out
+        tier._client = tier._client.inner
+        time.sleep(0.9)
+        assert tier.stats().extra["owed_drops"] == 0  # the stats' own call sent them
+        assert not r.exists(tier.keys_of.frame(frames[0][0]))
+        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0}  # (the failed write's own entry: a ghost)
+    finally:
+        tier.close()
+
+
 def test_a_refused_ingest_of_several_batches_evicts_nothing(redis_url):
     """A full Redis tier (the put path: it lends no slots to write in place), and an ingest
     whose head block holds Inf, in batches of 2 blocks tail first: the tail batches' puts

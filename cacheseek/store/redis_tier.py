@@ -141,6 +141,10 @@ class RedisTier(Tier):
         # there, such pins would hold the shared budget for good (no process remembers them).
         self._owed_unpins: set[bytes] = set()
         self._pinning = threading.RLock()  # one pin, unpin or owed unpin of this process at a time
+        # Fenced deletes of frames the index has let go that a fault kept from Redis (the
+        # connection lost between a script and its deletes): member -> (generation, when owed).
+        # Left undone, such a frame stays stored and uncounted (an orphan, outside the budget).
+        self._owed_drops: dict[str, tuple[int, float]] = {}
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -223,6 +227,7 @@ class RedisTier(Tier):
                     self._faults.dropped_writes += len(dropped)
             else:
                 self._pay_owed_unpins()  # (Redis answers again: what an outage left owed)
+                self._pay_owed_drops()
         with self._lock:
             self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
         return batch.results
@@ -295,8 +300,12 @@ class RedisTier(Tier):
             self._queue_set(pipe, batch, i, status_of[i])
         for m in refresh:  # last: the replies above are read by position
             pipe.pexpire(keys.frame_of_member(m), self._ttl_ms)
-        replies = pipe.execute(raise_on_error=False) if len(pipe) else []
-        self._raise_unavailable(replies)
+        try:
+            replies = pipe.execute(raise_on_error=False) if len(pipe) else []
+            self._raise_unavailable(replies)
+        except _redis_errors() as exc:
+            self._owe_drops(dels, update.gens, exc)
+            raise
         datas = replies[:n_get] if n_get else [None] * len(victims)
         replies = replies[n_get + n_del + n_gen :]
         refused = []
@@ -388,7 +397,47 @@ class RedisTier(Tier):
         if members:
             pipe = client.pipeline(transaction=False)
             self._queue_drop(pipe, members, gens)
+            try:
+                pipe.execute()
+            except _redis_errors() as exc:
+                self._owe_drops(members, gens, exc)
+                raise
+
+    def _owe_drops(self, members: Sequence[str], gens: Mapping[str, int], exc: BaseException) -> None:
+        """Remember the deletes of ``members`` that a connection failure or a timeout may have
+        kept from Redis (landed or not: a fenced delete sent twice takes nothing)."""
+        if members and _fault_kind(exc) != "rejected":
+            now = time.monotonic()
+            with self._lock:
+                for m in members:
+                    self._owed_drops.setdefault(m, (gens.get(m, 0), now))
+
+    def _pay_owed_drops(self) -> None:
+        if not self._owed_drops:
+            return
+        with self._lock:
+            owed, self._owed_drops = self._owed_drops, {}
+        if self.target.cluster:
+            # A generation key expires GEN_FENCE_SECONDS after its write: a delete sent later
+            # than that after its eviction could take a block counted and written again since.
+            now = time.monotonic()
+            owed = {m: v for m, v in owed.items() if now - v[1] < GEN_FENCE_SECONDS / 2}
+        if not owed:
+            return
+
+        def send(c: Any) -> None:
+            pipe = c.pipeline(transaction=False)
+            self._queue_drop(pipe, list(owed), {m: gen for m, (gen, _) in owed.items()})
             pipe.execute()
+
+        try:
+            self._run(send)
+        except RedisUnavailable:
+            with self._lock:
+                for m, entry in owed.items():
+                    self._owed_drops.setdefault(m, entry)
+        except StorageError:
+            pass  # (Redis refused them: counted; sending them again would not help)
 
     def _mark_adopted(self, client: Any, members: Sequence[str], update: IndexUpdate) -> None:
         """In a cluster, give orphans the index just counted again their new generation, so
@@ -774,6 +823,7 @@ class RedisTier(Tier):
 
         try:
             self._pay_owed_unpins()  # (first, so the figures below count what it gives back)
+            self._pay_owed_drops()
             self._run(refresh)
             stale = False
         except StorageError:
@@ -793,7 +843,7 @@ class RedisTier(Tier):
                 "timeouts": faults.timeouts, "unavailable_errors": faults.unavailable,
                 "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
-                "owed_unpins": len(self._owed_unpins),
+                "owed_unpins": len(self._owed_unpins), "owed_drops": len(self._owed_drops),
             }
             return self._snapshot()
 
