@@ -250,6 +250,7 @@ class RedisTier(Tier):
         exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
         update = SharedIndex.parse(replies[-1])
         self._note_totals(update.totals)
+        self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
         evicted_now, expired_now = set(update.evicted), set(update.expired)
         # Round trip 2: the victims' frames read (if demotion wants them) and deleted, then the
         # SETs. Deletes first, so they land as soon after the script as they can: another
@@ -367,7 +368,6 @@ class RedisTier(Tier):
             for m, data in zip(victims, datas) if (key := RedisKeys.key(m)) is not None
         ]
         with self._lock:
-            self._stats.evictions += len(update.evicted)
             self._faults.dropped_writes += len(refused)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
             self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
