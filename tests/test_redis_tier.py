@@ -1203,6 +1203,32 @@ def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url
         tier.close()
 
 
+def test_a_write_whose_value_is_deleted_and_cannot_be_written_again_is_not_acknowledged(redis_url, server):
+    """Round trip 3 finds the value gone (another process's late DEL), and the SET that writes
+    it again times out: the put answered "stored" for a block it had just found missing."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    tier = RedisTier(redis_url, 64 << 20, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3))
+    key, frame = _frame(68)
+    name = tier.keys_of.frame(key)
+
+    def after(n):
+        if n == 2:
+            r.delete(name)  # lands after our SET, as a late DEL would
+        elif n == 3:
+            r.execute_command("CLIENT", "PAUSE", 800, "ALL")  # the SET again times out
+
+    tier._client = _HookedClient(tier._connection(), after)
+    try:
+        with pytest.raises(StorageError):
+            tier.put(key, frame)
+        time.sleep(0.9)
+        assert not r.exists(name) and tier.stats().extra["dropped_writes"] == 1
+    finally:
+        tier.close()
+
+
 def test_a_value_that_is_not_the_whole_frame_is_written_over_and_never_fails_a_read(redis_url, server):
     import redis
 

@@ -350,6 +350,8 @@ class RedisTier(Tier):
                 self._drop(client, gone, update.gens)
             lost = [i for i, m, size, n in zip(written, names, sizes, found) if size is not None and not n]
             if lost:
+                for i in lost:  # not stored until written again (a fault here fails them)
+                    batch.results[i].stored = None
                 pipe = client.pipeline(transaction=False)
                 n_gen = self._queue_gens(pipe, [RedisKeys.member(batch.items[i][0]) for i in lost], update.gens)
                 for i in lost:
@@ -358,8 +360,9 @@ class RedisTier(Tier):
                 self._raise_unavailable(again)
                 for i, reply in zip(lost, again[n_gen:]):
                     if isinstance(reply, BaseException):  # (refused: OOM) a ghost now, not stored
-                        batch.results[i].stored = None
                         batch.results[i].error = self._failed(reply)
+                    else:
+                        batch.results[i].stored = batch.items[i][1]
             if expiring:
                 self._persist_pinned(client, expiring, pins)
         # Victims go with the first frame's result; their frames only if demotion wants them.
