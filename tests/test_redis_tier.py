@@ -846,12 +846,13 @@ def test_urls_select_standalone_or_cluster():
 
 
 def test_a_standalone_url_redis_py_cannot_read_is_refused_up_front():
-    """A port that is not one, or an option redis-py cannot read, was taken, and then every
-    call raised ValueError (a 500 from the server, and its stats failed): refused when parsed,
-    as a cluster URL's port is."""
+    """A port that is not one, or an option redis-py cannot read or does not take, was taken,
+    and then every call raised ValueError or TypeError (a 500 from the server, and its stats
+    failed): refused when parsed, as a cluster URL's port is."""
     key, frame = _frame(4)
     for bad, match in [("redis://127.0.0.1:notaport", "notaport"), ("redis://127.0.0.1:99999", "range"),
-                       ("rediss://h:6380/0?socket_timeout=soon", "socket_timeout"), ("redis://h/0?db=zz", "db")]:
+                       ("rediss://h:6380/0?socket_timeout=soon", "socket_timeout"), ("redis://h/0?db=zz", "db"),
+                       ("redis://h:1?timeout=5", "timeout"), ("redis://h:1/0?protocol=7", "protocol")]:
         with pytest.raises(cs.ConfigError, match=match):
             parse_redis_url(bad)
     tier = _fault_tier("redis://127.0.0.1:1/0?socket_timeout=0.5")  # options it can read: fine

@@ -103,15 +103,16 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 def _check_options(url: str) -> None:
     """redis-py reads a standalone URL's options (``?db=1&socket_timeout=0.5``) only as it
-    makes the client, and raises ``ValueError`` for one it cannot read: that would fail every
-    call of the tier, so it is refused here. Without redis-py, ``connect`` says what is missing."""
+    makes a connection, and raises for one it cannot read (``ValueError``) or does not take
+    (``TypeError``): that would fail every call of the tier, so it is refused here, by
+    building (not connecting) one connection. Without redis-py, ``connect`` says what is missing."""
     try:
-        from redis.connection import parse_url
+        import redis
     except ImportError:
         return
     try:
-        parse_url(url)
-    except ValueError as exc:
+        redis.ConnectionPool.from_url(url).make_connection()
+    except (TypeError, ValueError, redis.exceptions.RedisError) as exc:
         raise ConfigError(f"redis_url: {exc} ({_masked(url)!r})") from None
 
 
