@@ -862,6 +862,16 @@ def test_a_standalone_url_redis_py_cannot_read_is_refused_up_front():
         tier.close()
 
 
+def test_a_redis_tier_without_redis_py_is_refused_up_front(monkeypatch):
+    """Without the redis extra, the tier was built, and every call (stats() too) raised
+    ImportError: a server answered 500s."""
+    monkeypatch.setitem(sys.modules, "redis", None)  # (not installed)
+    with pytest.raises(cs.ConfigError, match=r"cacheseek\[redis\]"):
+        RedisTier("redis://127.0.0.1:1", 1 << 20)
+    with pytest.raises(cs.ConfigError, match=r"cacheseek\[redis\]"):
+        rcache("redis://127.0.0.1:1")
+
+
 def test_redis_settings_are_checked(redis_url):
     for kw, match in [(dict(redis_prefix="a:b"), "redis_prefix"), (dict(redis_namespace="{x}"), "redis_namespace"),
                       (dict(redis_ttl_seconds=0), "redis_ttl_seconds"), (dict(redis_bytes="lots"), "redis_bytes"),

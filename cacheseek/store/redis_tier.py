@@ -29,6 +29,7 @@ write: a touch refreshes it, so a chain in use keeps its head.
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -124,6 +125,8 @@ class RedisTier(Tier):
         if not (isinstance(client_retries, int) and client_retries >= 0):
             raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
         self.target: RedisTarget = parse_redis_url(url)
+        if importlib.util.find_spec("redis") is None:  # (else every call would raise ImportError)
+            raise ConfigError("redis_url: the redis tier needs redis-py: pip install 'cacheseek[redis]'")
         self.keys_of = RedisKeys(prefix, namespace)
         self.ttl_seconds = ttl_seconds
         self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
