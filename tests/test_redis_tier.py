@@ -543,6 +543,37 @@ def test_a_touch_leaves_a_block_pinned_by_another_process_without_expiry(redis_u
         other.close()
 
 
+def test_a_touch_restarts_the_expiry_of_a_block_whose_pin_is_gone(redis_url, server):
+    """This process's view of the pins can be stale: another process unpinned the block since,
+    or Redis was flushed (or restarted) under a pin this process made. A touch restarts such a
+    block's expiry all the same: it skipped the PEXPIRE, so a chain in use expired under its
+    reader while the index went on counting it."""
+    mine, other = RedisTier(redis_url, 64 << 20, ttl_seconds=60), RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(52)
+    name = mine.keys_of.frame(key)
+    c = mine._connection()
+    try:
+        mine.put(key, frame)
+        other.pin([key])
+        mine.stats()  # this process learns the other's pin
+        other.unpin([key])
+        c.pexpire(name, 5000)  # (time passing: the expiry runs down)
+        mine.touch([key])
+        assert int(c.pttl(name)) > 50_000
+        mine.pin([key])
+        server.cli("FLUSHALL")  # the pin is gone with everything else
+        mine.put(key, frame)
+        c.pexpire(name, 5000)
+        mine.touch([key])
+        assert int(c.pttl(name)) > 50_000
+        mine.pin([key])  # pinned again: its frame keeps no expiry
+        mine.touch([key])
+        assert int(c.pttl(name)) == -1
+    finally:
+        mine.close()
+        other.close()
+
+
 def test_a_put_that_pushes_blocks_out_hands_their_frames_down_when_asked(redis_url):
     # A Redis tier above another (demote_evicted): each victim comes back with its frame.
     frames = [_frame(i) for i in range(51, 54)]
@@ -814,6 +845,33 @@ def test_urls_select_standalone_or_cluster():
             parse_redis_url(bad)
 
 
+def test_a_standalone_url_redis_py_cannot_read_is_refused_up_front():
+    """A port that is not one, or an option redis-py cannot read or does not take, was taken,
+    and then every call raised ValueError or TypeError (a 500 from the server, and its stats
+    failed): refused when parsed, as a cluster URL's port is."""
+    key, frame = _frame(4)
+    for bad, match in [("redis://127.0.0.1:notaport", "notaport"), ("redis://127.0.0.1:99999", "range"),
+                       ("rediss://h:6380/0?socket_timeout=soon", "socket_timeout"), ("redis://h/0?db=zz", "db"),
+                       ("redis://h:1?timeout=5", "timeout"), ("redis://h:1/0?protocol=7", "protocol")]:
+        with pytest.raises(cs.ConfigError, match=match):
+            parse_redis_url(bad)
+    tier = _fault_tier("redis://127.0.0.1:1/0?socket_timeout=0.5")  # options it can read: fine
+    try:
+        assert tier.get(key) is None and tier.put_many([(key, frame)])[0].error is not None
+    finally:
+        tier.close()
+
+
+def test_a_redis_tier_without_redis_py_is_refused_up_front(monkeypatch):
+    """Without the redis extra, the tier was built, and every call (stats() too) raised
+    ImportError: a server answered 500s."""
+    monkeypatch.setitem(sys.modules, "redis", None)  # (not installed)
+    with pytest.raises(cs.ConfigError, match=r"cacheseek\[redis\]"):
+        RedisTier("redis://127.0.0.1:1", 1 << 20)
+    with pytest.raises(cs.ConfigError, match=r"cacheseek\[redis\]"):
+        rcache("redis://127.0.0.1:1")
+
+
 def test_redis_settings_are_checked(redis_url):
     for kw, match in [(dict(redis_prefix="a:b"), "redis_prefix"), (dict(redis_namespace="{x}"), "redis_namespace"),
                       (dict(redis_ttl_seconds=0), "redis_ttl_seconds"), (dict(redis_bytes="lots"), "redis_bytes"),
@@ -922,6 +980,32 @@ def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redi
         finally:
             for t in (a, b, c):
                 t.close()
+
+
+def test_victims_whose_deletes_a_fault_kept_from_redis_are_deleted_by_the_next_call(redis_url, server):
+    """A put's script evicts, then Redis stops answering (paused) before the victims' deletes
+    land. Their frames stayed stored and uncounted (orphans outside the budget) for good,
+    without a TTL. The deletes are owed now, and sent by the next call that reaches Redis."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    frames = [_frame(i) for i in range(100, 104)]
+    tier = RedisTier(redis_url, 3 * frames[0][1].nbytes, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3))
+    try:
+        tier.put_many(frames[:3])
+        tier._client = _HookedClient(tier._connection(),
+                                     lambda n: n == 1 and r.execute_command("CLIENT", "PAUSE", 800, "ALL"))
+        with pytest.raises(StorageError):
+            tier.put(*frames[3])  # its script evicted the oldest; its deletes time out
+        tier._client = tier._client.inner
+        time.sleep(0.9)
+        stats = tier.stats()
+        assert stats.extra["owed_drops"] == 0  # the stats' own call sent them
+        assert stats.evictions == 1  # (counted, though the write that evicted failed)
+        assert not r.exists(tier.keys_of.frame(frames[0][0]))
+        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0}  # (the failed write's own entry: a ghost)
+    finally:
+        tier.close()
 
 
 def test_a_refused_ingest_of_several_batches_evicts_nothing(redis_url):
@@ -1126,6 +1210,32 @@ def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url
         del tier._queue_set
         got = tier.get(key)
         assert late and got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        tier.close()
+
+
+def test_a_write_whose_value_is_deleted_and_cannot_be_written_again_is_not_acknowledged(redis_url, server):
+    """Round trip 3 finds the value gone (another process's late DEL), and the SET that writes
+    it again times out: the put answered "stored" for a block it had just found missing."""
+    import redis
+
+    r = redis.Redis.from_url(server.url)
+    tier = RedisTier(redis_url, 64 << 20, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3))
+    key, frame = _frame(68)
+    name = tier.keys_of.frame(key)
+
+    def after(n):
+        if n == 2:
+            r.delete(name)  # lands after our SET, as a late DEL would
+        elif n == 3:
+            r.execute_command("CLIENT", "PAUSE", 800, "ALL")  # the SET again times out
+
+    tier._client = _HookedClient(tier._connection(), after)
+    try:
+        with pytest.raises(StorageError):
+            tier.put(key, frame)
+        time.sleep(0.9)
+        assert not r.exists(name) and tier.stats().extra["dropped_writes"] == 1
     finally:
         tier.close()
 

@@ -8,7 +8,8 @@
 Clients are built with short timeouts and at most ``retries`` immediate retries on a
 connection error (enough to replace a pooled connection that died with a restarted
 server, never a sleep): the tier's circuit breaker, not the client, decides when to try a
-backend that keeps failing. redis-py is imported only when a client is made.
+backend that keeps failing. redis-py is imported only when a client is made, or to check a
+standalone URL's options.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ def parse_redis_url(url: str) -> RedisTarget:
         if "," in rest:
             raise ConfigError(f"redis_url: several hosts need redis+cluster://, got {_masked(url)!r}")
         parsed = urlparse(url)
+        try:
+            parsed.port  # (raises for a port that is not a number in range)
+        except ValueError as exc:
+            raise ConfigError(f"redis_url: {exc} in {_masked(url)!r}") from None
+        _check_options(url)
         return RedisTarget(url=url, cluster=False, username=parsed.username, password=parsed.password,
                            tls=scheme == "rediss")
     if scheme not in _CLUSTER:
@@ -93,6 +99,21 @@ def parse_redis_url(url: str) -> RedisTarget:
     seeds = tuple(_host_port(h, url) for h in hosts.split(","))
     return RedisTarget(url=url, cluster=True, seeds=seeds, username=username, password=password,
                        tls=scheme == "rediss+cluster")
+
+
+def _check_options(url: str) -> None:
+    """redis-py reads a standalone URL's options (``?db=1&socket_timeout=0.5``) only as it
+    makes a connection, and raises for one it cannot read (``ValueError``) or does not take
+    (``TypeError``): that would fail every call of the tier, so it is refused here, by
+    building (not connecting) one connection. Without redis-py, ``connect`` says what is missing."""
+    try:
+        import redis
+    except ImportError:
+        return
+    try:
+        redis.ConnectionPool.from_url(url).make_connection()
+    except (TypeError, ValueError, redis.exceptions.RedisError) as exc:
+        raise ConfigError(f"redis_url: {exc} ({_masked(url)!r})") from None
 
 
 def _host_port(text: str, url: str) -> tuple[str, int]:

@@ -8,7 +8,8 @@ the index's hash tag. One call of the script, in this order:
 1. prunes entries idle longer than the TTL (their frames expire on their own);
 2. forgets blocks (deleted, or found corrupt), and ghosts a read found (only those idle
    longer than a grace, and never a pinned one);
-3. touches blocks (marks them used, in order: the last is the most recent);
+3. touches blocks (marks them used, in order: the last is the most recent), and says which
+   of them are pinned;
 4. pins and unpins blocks;
 5. adds blocks with their sizes (a block already indexed is only touched, unless pinned; a block larger
    than the whole budget is refused, and so is one that would not fit beside the pinned
@@ -151,14 +152,21 @@ for _ = 1, n_repair do
 end
 
 -- Touched blocks the index does not count at all: orphans (stored, uncounted) or gone.
-local uncounted = {}
+-- And the touched blocks pinned now (never in the LRU zset), for callers whose own view of
+-- the pins may be stale.
+local uncounted, held = {}, {}
 for _ = 1, n_touch do
   if redis.call('ZSCORE', lru, ARGV[i]) then
     changed = true
     clock = clock + 1
     redis.call('ZADD', lru, 'XX', clock, ARGV[i])
-  elseif redis.call('HEXISTS', sizes, ARGV[i]) == 0 then
-    uncounted[#uncounted + 1] = ARGV[i]
+  else
+    if redis.call('HEXISTS', sizes, ARGV[i]) == 0 then
+      uncounted[#uncounted + 1] = ARGV[i]
+    end
+    if redis.call('SISMEMBER', pinned, ARGV[i]) == 1 then
+      held[#held + 1] = ARGV[i]
+    end
   end
   i = i + 1
 end
@@ -258,7 +266,8 @@ if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
              'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of}
+return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of,
+        held}
 """
 
 # The fence on a victim's DEL: delete a frame only while the index does not count its block.
@@ -315,7 +324,8 @@ class IndexUpdate:
     beside the pinned blocks (neither indexed). ``evicted`` and ``expired`` are member names
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
-    blocks the index does not count (orphans, if their frames are there). ``gens``: the
+    blocks the index does not count (orphans, if their frames are there). ``pinned``: touched
+    blocks that are pinned. ``gens``: the
     generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
     index now), evicted or expired (the one it had); empty unless ``SharedIndex.generations``."""
 
@@ -326,6 +336,7 @@ class IndexUpdate:
     repaired: tuple[tuple[str, int, int], ...] = ()
     uncounted: tuple[str, ...] = ()
     gens: Mapping[str, int] = field(default_factory=dict)
+    pinned: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +392,7 @@ class SharedIndex:
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens = reply
+        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held = reply
         pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
@@ -391,6 +402,7 @@ class SharedIndex:
             repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs),
             uncounted=tuple(_text(m) for m in uncounted),
             gens={_text(m): int(g) for m, g in zip(gens[::2], gens[1::2])},
+            pinned=tuple(_text(m) for m in held),
         )
 
 

@@ -29,6 +29,7 @@ write: a touch refreshes it, so a chain in use keeps its head.
 from __future__ import annotations
 
 import builtins
+import importlib.util
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -124,6 +125,8 @@ class RedisTier(Tier):
         if not (isinstance(client_retries, int) and client_retries >= 0):
             raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
         self.target: RedisTarget = parse_redis_url(url)
+        if importlib.util.find_spec("redis") is None:  # (else every call would raise ImportError)
+            raise ConfigError("redis_url: the redis tier needs redis-py: pip install 'cacheseek[redis]'")
         self.keys_of = RedisKeys(prefix, namespace)
         self.ttl_seconds = ttl_seconds
         self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
@@ -141,6 +144,10 @@ class RedisTier(Tier):
         # there, such pins would hold the shared budget for good (no process remembers them).
         self._owed_unpins: set[bytes] = set()
         self._pinning = threading.RLock()  # one pin, unpin or owed unpin of this process at a time
+        # Fenced deletes of frames the index has let go that a fault kept from Redis (the
+        # connection lost between a script and its deletes): member -> (generation, when owed).
+        # Left undone, such a frame stays stored and uncounted (an orphan, outside the budget).
+        self._owed_drops: dict[str, tuple[int, float]] = {}
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -223,6 +230,7 @@ class RedisTier(Tier):
                     self._faults.dropped_writes += len(dropped)
             else:
                 self._pay_owed_unpins()  # (Redis answers again: what an outage left owed)
+                self._pay_owed_drops()
         with self._lock:
             self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
         return batch.results
@@ -245,6 +253,7 @@ class RedisTier(Tier):
         exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
         update = SharedIndex.parse(replies[-1])
         self._note_totals(update.totals)
+        self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
         evicted_now, expired_now = set(update.evicted), set(update.expired)
         # Round trip 2: the victims' frames read (if demotion wants them) and deleted, then the
         # SETs. Deletes first, so they land as soon after the script as they can: another
@@ -295,8 +304,12 @@ class RedisTier(Tier):
             self._queue_set(pipe, batch, i, status_of[i])
         for m in refresh:  # last: the replies above are read by position
             pipe.pexpire(keys.frame_of_member(m), self._ttl_ms)
-        replies = pipe.execute(raise_on_error=False) if len(pipe) else []
-        self._raise_unavailable(replies)
+        try:
+            replies = pipe.execute(raise_on_error=False) if len(pipe) else []
+            self._raise_unavailable(replies)
+        except _redis_errors() as exc:
+            self._owe_drops(dels, update.gens, exc)
+            raise
         datas = replies[:n_get] if n_get else [None] * len(victims)
         replies = replies[n_get + n_del + n_gen :]
         refused = []
@@ -340,6 +353,8 @@ class RedisTier(Tier):
                 self._drop(client, gone, update.gens)
             lost = [i for i, m, size, n in zip(written, names, sizes, found) if size is not None and not n]
             if lost:
+                for i in lost:  # not stored until written again (a fault here fails them)
+                    batch.results[i].stored = None
                 pipe = client.pipeline(transaction=False)
                 n_gen = self._queue_gens(pipe, [RedisKeys.member(batch.items[i][0]) for i in lost], update.gens)
                 for i in lost:
@@ -348,8 +363,9 @@ class RedisTier(Tier):
                 self._raise_unavailable(again)
                 for i, reply in zip(lost, again[n_gen:]):
                     if isinstance(reply, BaseException):  # (refused: OOM) a ghost now, not stored
-                        batch.results[i].stored = None
                         batch.results[i].error = self._failed(reply)
+                    else:
+                        batch.results[i].stored = batch.items[i][1]
             if expiring:
                 self._persist_pinned(client, expiring, pins)
         # Victims go with the first frame's result; their frames only if demotion wants them.
@@ -358,7 +374,6 @@ class RedisTier(Tier):
             for m, data in zip(victims, datas) if (key := RedisKeys.key(m)) is not None
         ]
         with self._lock:
-            self._stats.evictions += len(update.evicted)
             self._faults.dropped_writes += len(refused)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
             self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
@@ -388,7 +403,47 @@ class RedisTier(Tier):
         if members:
             pipe = client.pipeline(transaction=False)
             self._queue_drop(pipe, members, gens)
+            try:
+                pipe.execute()
+            except _redis_errors() as exc:
+                self._owe_drops(members, gens, exc)
+                raise
+
+    def _owe_drops(self, members: Sequence[str], gens: Mapping[str, int], exc: BaseException) -> None:
+        """Remember the deletes of ``members`` that a connection failure or a timeout may have
+        kept from Redis (landed or not: a fenced delete sent twice takes nothing)."""
+        if members and _fault_kind(exc) != "rejected":
+            now = time.monotonic()
+            with self._lock:
+                for m in members:
+                    self._owed_drops.setdefault(m, (gens.get(m, 0), now))
+
+    def _pay_owed_drops(self) -> None:
+        if not self._owed_drops:
+            return
+        with self._lock:
+            owed, self._owed_drops = self._owed_drops, {}
+        if self.target.cluster:
+            # A generation key expires GEN_FENCE_SECONDS after its write: a delete sent later
+            # than that after its eviction could take a block counted and written again since.
+            now = time.monotonic()
+            owed = {m: v for m, v in owed.items() if now - v[1] < GEN_FENCE_SECONDS / 2}
+        if not owed:
+            return
+
+        def send(c: Any) -> None:
+            pipe = c.pipeline(transaction=False)
+            self._queue_drop(pipe, list(owed), {m: gen for m, (gen, _) in owed.items()})
             pipe.execute()
+
+        try:
+            self._run(send)
+        except RedisUnavailable:
+            with self._lock:
+                for m, entry in owed.items():
+                    self._owed_drops.setdefault(m, entry)
+        except StorageError:
+            pass  # (Redis refused them: counted; sending them again would not help)
 
     def _mark_adopted(self, client: Any, members: Sequence[str], update: IndexUpdate) -> None:
         """In a cluster, give orphans the index just counted again their new generation, so
@@ -625,11 +680,13 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             pipe = c.pipeline(transaction=False)
             self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
-            expiring = []
+            expiring, skipped = [], []
             if self._ttl_ms is not None:
                 pinned = self._pinned
                 for k in keys:
-                    if k not in pinned:  # a pinned frame keeps no expiry
+                    if k in pinned:  # a pinned frame keeps no expiry
+                        skipped.append(k)
+                    else:
                         pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
                         expiring.append(RedisKeys.member(k))
             # (this process's view of the pins is refreshed now and then: another's may be
@@ -643,6 +700,14 @@ class RedisTier(Tier):
             update = SharedIndex.parse(replies[0])
             self._delete_expired(c, update)
             self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
+            # A pin this process knew of may be gone (another process unpinned the block, or
+            # Redis was flushed or restarted): left without its PEXPIRE, a block in use expired.
+            held = set(update.pinned)
+            unpinned = [k for k in skipped if RedisKeys.member(k) not in held]
+            if unpinned:
+                with self._lock:
+                    self._pinned.difference_update(unpinned)
+                self._restart_expiry(c, unpinned)
             # A PEXPIRE answers whether the value was there: an uncounted one is an orphan.
             there = {m for m, n in zip(expiring, replies[1 : 1 + len(expiring)]) if n}
             return [m for m in update.uncounted if m in there]
@@ -706,11 +771,7 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             self._note_totals(SharedIndex.parse(self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys])).totals)
             if self._ttl_ms is not None:
-                pipe = c.pipeline(transaction=False)
-                for k in keys:
-                    pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
-                pipe.execute()
-                self._persist_pinned(c, [RedisKeys.member(k) for k in keys])  # pinned again meanwhile
+                self._restart_expiry(c, keys)
 
         with self._lock:
             self._pinned.difference_update(keys)
@@ -723,6 +784,15 @@ class RedisTier(Tier):
                 return
             with self._lock:
                 self._owed_unpins.difference_update(keys)
+
+    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> None:
+        """Give unpinned blocks' frames their expiry again (then take it off those pinned again
+        meanwhile)."""
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
+        pipe.execute()
+        self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
@@ -759,6 +829,7 @@ class RedisTier(Tier):
 
         try:
             self._pay_owed_unpins()  # (first, so the figures below count what it gives back)
+            self._pay_owed_drops()
             self._run(refresh)
             stale = False
         except StorageError:
@@ -778,7 +849,7 @@ class RedisTier(Tier):
                 "timeouts": faults.timeouts, "unavailable_errors": faults.unavailable,
                 "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
-                "owed_unpins": len(self._owed_unpins),
+                "owed_unpins": len(self._owed_unpins), "owed_drops": len(self._owed_drops),
             }
             return self._snapshot()
 
