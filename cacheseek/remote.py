@@ -213,6 +213,10 @@ class RemoteCache(PrefixCacheBase):
         if model_id.isascii() and model_id.isprintable():
             headers[MODEL_HEADER] = model_id[:128]
         headers[BLOCK_TOKENS_HEADER] = str(block_tokens)
+        # Frames are read raw (read_exactly, iter_raw), past httpx's decoding: httpx's default
+        # "gzip, deflate" would invite a front (an ingress's compress middleware) to send
+        # gzip, read as frames and so a miss.
+        headers["Accept-Encoding"] = "identity"
         if token:
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))

@@ -835,3 +835,36 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
             finally:
                 tracemalloc.stop()
             assert peak < 64 << 20, f"{peak} bytes allocated for an answer that holds no frame"
+
+
+def test_a_front_that_compresses_what_the_client_accepts_leaves_materialize_whole(srv):
+    """The frames of a materialize are read raw (``read_exactly``, not httpx's decoding), so
+    the client must not invite a front (an ingress's compress middleware) to gzip them: it
+    asked for gzip, got it, read the gzip stream as frames, and every load was a miss."""
+    import gzip
+
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(35, 4 * BLOCK), make_kv(4 * BLOCK, 35)
+    with _remote(srv, cs.Raw(), namespace="gzip") as cache:
+        assert cache.ingest(toks, kv).stored == 4
+    lookup = b'{"matched": 4, "tiers": ["cpu", "cpu", "cpu", "cpu"]}'
+
+    def compressing_front(n: int, head: bytes):
+        line, *fields = head.decode("latin-1").split("\r\n")
+        method, path, _ = line.split(" ")
+        headers = dict(f.split(": ", 1) for f in fields)
+        if path.startswith("/v1/lookup"):
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookup)).encode() + b"\r\n\r\n" + lookup), False
+        upstream = httpx.get(srv.url + path, headers={k: v for k, v in headers.items() if k.lower() != "host"})
+        body, extra = upstream.content, b""
+        if "gzip" in headers.get("Accept-Encoding", headers.get("accept-encoding", "")):
+            body, extra = gzip.compress(body), b"content-encoding: gzip\r\n"
+        return (b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code, upstream.headers["content-type"].encode())
+                + extra + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body), False
+
+    with FakeServer(compressing_front) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+            namespace="gzip", timeout=5, trust_env=False) as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
