@@ -563,7 +563,13 @@ class RemoteCache(PrefixCacheBase):
             headers[TOKENS_HEADER] = str(tokens)
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
-        return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
+
+        def call() -> dict[str, Any]:
+            response = self._send(request, path)
+            found = _json_answer(response, self.url + path)
+            return _lookup_answer(found, len(hashes), each, response.status_code, self.url + path)
+
+        return self._guarded(path, call)
 
     def _write_lookup(self, hashes: list[BlockHash]) -> dict[str, Any]:
         """The lookup a write begins with (``each``: which blocks are present). The server
@@ -727,6 +733,24 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _lookup_answer(found: Any, asked: int, each: bool, status: int, url: str) -> dict[str, Any]:
+    """``found`` if it answers a lookup of ``asked`` hashes. Its count slices the chain that
+    is fetched and names the pages that are written, so a count past the hashes asked about
+    (or an answer of another shape: a front's JSON, a server out of step) is no service, as
+    an answer that is not JSON is."""
+    ok = isinstance(found, dict)
+    if ok:
+        matched, tiers = found.get("matched"), found.get("tiers")
+        ok = type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched
+    if ok and each:
+        present = found.get("present")
+        ok = isinstance(present, list) and len(present) == asked
+    if not ok:
+        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not a lookup of {asked} hashes: "
+                                f"{json.dumps(found)[:60]})", status=status, url=url)
+    return found
 
 
 def _wire_bytes(frame: BlockFrame) -> int:

@@ -837,34 +837,74 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
             assert peak < 64 << 20, f"{peak} bytes allocated for an answer that holds no frame"
 
 
+
+def _forwarding_front(srv, lookup: bytes, *, compress: bool = False):
+    """A fake front: lookups answered ``lookup`` (JSON), other requests forwarded to ``srv``
+    (their bodies are not), the answer gzipped when ``compress`` and the request accepts it."""
+    import gzip
+
+    def script(n: int, head: bytes):
+        line, *fields = head.decode("latin-1").split("\r\n")
+        _, path, _ = line.split(" ")
+        headers = {k.lower(): v for k, v in (f.split(": ", 1) for f in fields)}
+        if path.startswith("/v1/lookup"):
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookup)).encode() + b"\r\n\r\n" + lookup), False
+        headers.pop("host")
+        upstream = httpx.get(srv.url + path, headers=headers)
+        body, extra = upstream.content, b""
+        if compress and "gzip" in headers.get("accept-encoding", ""):
+            body, extra = gzip.compress(body), b"content-encoding: gzip\r\n"
+        return (b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code,
+                                                           upstream.headers["content-type"].encode())
+                + extra + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body), False
+    return script
+
+
 def test_a_front_that_compresses_what_the_client_accepts_leaves_materialize_whole(srv):
     """The frames of a materialize are read raw (``read_exactly``, not httpx's decoding), so
     the client must not invite a front (an ingress's compress middleware) to gzip them: it
     asked for gzip, got it, read the gzip stream as frames, and every load was a miss."""
-    import gzip
-
     from fake_http import FakeServer
 
     toks, kv = tokens_for(35, 4 * BLOCK), make_kv(4 * BLOCK, 35)
     with _remote(srv, cs.Raw(), namespace="gzip") as cache:
         assert cache.ingest(toks, kv).stored == 4
     lookup = b'{"matched": 4, "tiers": ["cpu", "cpu", "cpu", "cpu"]}'
-
-    def compressing_front(n: int, head: bytes):
-        line, *fields = head.decode("latin-1").split("\r\n")
-        method, path, _ = line.split(" ")
-        headers = dict(f.split(": ", 1) for f in fields)
-        if path.startswith("/v1/lookup"):
-            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                    + str(len(lookup)).encode() + b"\r\n\r\n" + lookup), False
-        upstream = httpx.get(srv.url + path, headers={k: v for k, v in headers.items() if k.lower() != "host"})
-        body, extra = upstream.content, b""
-        if "gzip" in headers.get("Accept-Encoding", headers.get("accept-encoding", "")):
-            body, extra = gzip.compress(body), b"content-encoding: gzip\r\n"
-        return (b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code, upstream.headers["content-type"].encode())
-                + extra + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body), False
-
-    with FakeServer(compressing_front) as front, cs.RemoteCache(
+    with FakeServer(_forwarding_front(srv, lookup, compress=True)) as front, cs.RemoteCache(
             front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
             namespace="gzip", timeout=5, trust_env=False) as cache:
         assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+
+
+@pytest.mark.parametrize("lookup", [b'{"matched": 4, "tiers": ["cpu", "cpu", "cpu", "cpu"]}', b'{}',
+                                    b'{"matched": "2", "tiers": ["cpu", "cpu"]}', b'[]'],
+                         ids=["more-than-asked", "empty", "matched-a-string", "a-list"])
+def test_a_lookup_answer_that_is_not_the_servers_is_an_outage_and_writes_no_page(srv, lookup):
+    """A lookup answer is checked before it is used: a count past the hashes asked about
+    made ``materialize_into`` fetch and write blocks past ``max_tokens`` (pages the engine
+    did not offer), and an answer of another shape raised KeyError or TypeError."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, snapshot, unchanged
+
+    toks, kv = tokens_for(36, 4 * BLOCK), make_kv(4 * BLOCK, 36)
+    with _remote(srv, cs.Raw(), namespace="lie") as cache:
+        cache.ingest(toks, kv)
+        assert cache.lookup(toks) == 4 * BLOCK
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, tensors = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    before = snapshot(tensors)
+    with FakeServer(_forwarding_front(srv, lookup)) as front:
+        for mode in ("miss", "raise"):
+            with cs.RemoteCache(front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                                token="w", namespace="lie", timeout=5, trust_env=False, on_unavailable=mode) as cache:
+                if mode == "raise":
+                    with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                        cache.materialize_into(toks, pages.at(list(range(8))), max_tokens=2 * BLOCK)
+                    continue
+                got = cache.materialize_into(toks, pages.at(list(range(8))), max_tokens=2 * BLOCK)
+                assert got.num_tokens == 0
+                assert cache.lookup(toks[: 2 * BLOCK]) == 0
+                assert cache.materialize(toks[: 2 * BLOCK]).num_tokens == 0
+                assert cache.client_stats()["unavailable_calls"] == 3
+    assert unchanged(before, tensors)
