@@ -645,14 +645,24 @@ class RemoteCache(PrefixCacheBase):
     def _post_body(self, frames: list[BlockFrame], total: int) -> list[dict[str, Any]]:
         """One streamed POST of ``frames`` (content-addressed, so sent again on a new
         connection if a kept-alive one turns out closed)."""
-        path = "/v1/blocks"
+        path, sent = "/v1/blocks", len(frames)
         request = httpx.Request(
             "POST", self.url + path, stream=_FrameStream(frames),
             headers={**self._headers, "Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)},
             extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         del frames  # the request's alone, let go below (a traceback would keep this frame's locals)
+
+        def call() -> list[dict[str, Any]]:
+            response = self._send(request, path)
+            reports = _json_answer(response, self.url + path)
+            # Counted frame by frame, each given to its request by its place: a list of
+            # another length would count blocks never sent, or give reports to the wrong requests.
+            if not (isinstance(reports, list) and len(reports) == sent and all(isinstance(r, dict) for r in reports)):
+                raise _foreign(reports, f"{sent} reports", response.status_code, self.url + path)
+            return reports
+
         try:
-            return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
+            return self._guarded(path, call)
         finally:
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
@@ -748,9 +758,13 @@ def _lookup_answer(found: Any, asked: int, each: bool, status: int, url: str) ->
         present = found.get("present")
         ok = isinstance(present, list) and len(present) == asked
     if not ok:
-        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not a lookup of {asked} hashes: "
-                                f"{json.dumps(found)[:60]})", status=status, url=url)
+        raise _foreign(found, f"a lookup of {asked} hashes", status, url)
     return found
+
+
+def _foreign(answer: Any, expected: str, status: int, url: str) -> RemoteUnavailable:
+    return RemoteUnavailable(f"the answer is not the CacheSeek server's (not {expected}: {json.dumps(answer)[:60]})",
+                             status=status, url=url)
 
 
 def _wire_bytes(frame: BlockFrame) -> int:

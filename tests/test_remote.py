@@ -908,3 +908,28 @@ def test_a_lookup_answer_that_is_not_the_servers_is_an_outage_and_writes_no_page
                 assert cache.materialize(toks[: 2 * BLOCK]).num_tokens == 0
                 assert cache.client_stats()["unavailable_calls"] == 3
     assert unchanged(before, tensors)
+
+
+@pytest.mark.parametrize("answer", [b'[{"status": "stored"}]', b'[{"status": "stored"}, {"status": "stored"}, '
+                                    b'{"status": "stored"}]', b'[]', b'{}', b'["stored", "stored"]'],
+                         ids=["one-for-two", "three-for-two", "none", "an-object", "not-reports"])
+def test_a_write_answer_that_is_not_one_report_per_frame_is_an_outage(answer):
+    """The reports of a POST are counted frame by frame (``ingest_batch`` gives each to its
+    request by its place): a list of another length counted blocks never sent, or left
+    sent ones uncounted and the next body's reports given to the wrong requests."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(37, 2 * BLOCK), make_kv(2 * BLOCK, 37)
+    lookups = b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}'
+    script = _answers(b"HTTP/1.1 200 OK", answer, lookups=lookups, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.ingest(toks, kv)
+                continue
+            res = cache.ingest(toks, kv)
+            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors
+            assert cache.client_stats()["dropped_blocks"] == 2
