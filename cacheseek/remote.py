@@ -727,9 +727,11 @@ class RemoteCache(PrefixCacheBase):
         if streamed:
             response.read()
         try:
-            reason = response.json().get("error") or response.text
+            answer = response.json()
         except ValueError:
-            reason = response.text or response.reason_phrase
+            answer = None
+        # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
+        reason = (answer.get("error") if isinstance(answer, dict) else None) or response.text or response.reason_phrase
         if response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)

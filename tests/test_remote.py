@@ -933,3 +933,21 @@ def test_a_write_answer_that_is_not_one_report_per_frame_is_an_outage(answer):
             res = cache.ingest(toks, kv)
             assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors
             assert cache.client_stats()["dropped_blocks"] == 2
+
+
+@pytest.mark.parametrize("body", [b'"upstream down"', b'["upstream down"]', b"null", b"42"])
+def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(body):
+    """The reason of an error answer is its JSON's ``error``; a front's JSON of another kind
+    (a string, a list) raised AttributeError, so a 503 was no outage and a 403 no RemoteError."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(38, 2 * BLOCK)
+    for status, error in ((b"503 Service Unavailable", cs.RemoteUnavailable), (b"403 Forbidden", cs.RemoteError)):
+        for lookups in (None, b'{"matched": 2, "tiers": ["cpu", "cpu"]}'):  # the lookup's answer, the GET's
+            script = _answers(b"HTTP/1.1 " + status, body, headers=b"content-type: application/json\r\n",
+                              lookups=lookups)
+            with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                             block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+                with pytest.raises(error) as info:
+                    cache.materialize(toks)
+                assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
