@@ -45,6 +45,8 @@ def _bad_first(bad: bytes) -> Script:
     (b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\nok", "status line"),
     (b"ICY 200 OK\r\n\r\nok", "status line"),
     (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", "101"),
+    (b"HTTP/1.1 099 Odd\r\n\r\n" + OK, "status 099"),  # no status below 100: not an interim answer
+    (b"HTTP/1.1 000 Zero\r\n\r\n" + OK, "status 000"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok", "missing"),
 ])
 def test_a_malformed_answer_is_a_clear_error_and_leaks_nothing(bad, match):
