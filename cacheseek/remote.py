@@ -695,16 +695,18 @@ class RemoteCache(PrefixCacheBase):
                 if response.status_code == 404:
                     return None
                 self._raise_for_status(response, path, streamed=True)
-                for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
-                    i = len(frames)
-                    if i >= len(hashes):
-                        break
-                    meta = parse_frame(buf, verify=True)
-                    self.block_format.check_fetched(meta, hashes[i], i)
-                    frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
-        except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
-            pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
+                try:
+                    for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
+                        i = len(frames)
+                        if i >= len(hashes):
+                            break
+                        meta = parse_frame(buf, verify=True)
+                        self.block_format.check_fetched(meta, hashes[i], i)
+                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
+                    pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
+            # Before a body (no answer, or one that is not HTTP), as for any other call.
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         return frames
 

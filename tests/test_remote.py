@@ -951,3 +951,32 @@ def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(
                 with pytest.raises(error) as info:
                     cache.materialize(toks)
                 assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
+
+
+@pytest.mark.parametrize("reply", [b"ICY 200 OK\r\n\r\n", None], ids=["not-http", "closed-unanswered"])
+def test_a_prefix_get_answered_with_no_valid_http_is_an_outage_like_a_lookup(reply):
+    """A GET whose reply is not HTTP, or that the connection ends before any answer, got no
+    answer: an outage (raised by default, a miss under ``"miss"``, counted, the breaker
+    told), as for a lookup. It was taken for a body cut short: an empty prefix, and an answer."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(39, 2 * BLOCK)
+    lookups = b'{"matched": 2, "tiers": ["cpu", "cpu"]}'
+
+    def script(n: int, head: bytes):
+        if b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookups)).encode() + b"\r\n\r\n" + lookups), False
+        return reply, True
+
+    for mode in ("raise", "miss"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
+                    cache.materialize(toks)
+            else:
+                assert cache.materialize(toks).num_tokens == 0
+            stats = cache.client_stats()
+            assert stats["unavailable_calls"] == 1 and stats["breaker"]["consecutive_failures"] == 1
