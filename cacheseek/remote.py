@@ -68,6 +68,8 @@ OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the s
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
+# The namespaces the server takes in NAMESPACE_HEADER (server/config.py's NAMESPACE_PATTERN).
+NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
@@ -183,6 +185,9 @@ class RemoteCache(PrefixCacheBase):
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
+        if not NAMESPACE_PATTERN.match(namespace):  # (a header: CR LF would write a line of its own)
+            raise ConfigError(f"namespace: {namespace!r:.40} is not 0-128 printable ASCII characters without "
+                              "spaces, as the server takes it")
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
         if isinstance(max_lookup_hashes, bool) or not isinstance(max_lookup_hashes, int) or max_lookup_hashes < 1:
