@@ -190,8 +190,9 @@ class RemoteCache(PrefixCacheBase):
                               "spaces, as the server takes it")
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
-        if isinstance(max_lookup_hashes, bool) or not isinstance(max_lookup_hashes, int) or max_lookup_hashes < 1:
-            raise ConfigError(f"max_lookup_hashes: must be an int >= 1, got {max_lookup_hashes!r}")
+        for name, value in (("max_lookup_hashes", max_lookup_hashes), ("max_connections", max_connections)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: must be an int >= 1, got {value!r}")
         self.max_lookup_hashes = max_lookup_hashes
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:

@@ -991,3 +991,12 @@ def test_a_namespace_the_server_refuses_is_a_config_error_before_anything_is_sen
         _remote(srv, cs.Raw(), namespace=namespace)
     with _remote(srv, cs.Raw(), namespace="~ok.ns-1_!") as cache:
         assert cache.lookup(tokens_for(40, BLOCK)) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, "4", 2.5, True])
+def test_a_pool_of_no_connections_is_a_config_error_not_an_outage(bad):
+    """``max_connections=0`` made every call wait the pool timeout and fail as an outage
+    (the breaker opened on a server that was up); the others raised ValueError or TypeError
+    from the semaphore, or took 2.5 for a count of connections."""
+    with pytest.raises(cs.ConfigError, match="max_connections"):
+        cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, block_tokens=BLOCK, max_connections=bad)
