@@ -224,6 +224,10 @@ class RemoteCache(PrefixCacheBase):
         # gzip, read as frames and so a miss.
         headers["Accept-Encoding"] = "identity"
         if token:
+            # A token read from a file keeps its newline: the request would go out malformed.
+            if not token.isascii() or not token.isprintable():
+                raise ConfigError("token: holds a line break, another control character or non-ASCII text, which "
+                                  "no header can carry (one read from a file keeps its newline: strip it)")
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,

@@ -1000,3 +1000,15 @@ def test_a_pool_of_no_connections_is_a_config_error_not_an_outage(bad):
     from the semaphore, or took 2.5 for a count of connections."""
     with pytest.raises(cs.ConfigError, match="max_connections"):
         cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, block_tokens=BLOCK, max_connections=bad)
+
+
+@pytest.mark.parametrize("token", ["s3cret\n", "s3cret\r\nX-CacheSeek-Namespace: other", "s3crét"])
+def test_a_token_that_cannot_be_a_header_is_a_config_error_naming_it(srv, token):
+    """A token read from a file keeps its newline: every request went out malformed, and the
+    server's 400 ("malformed HTTP request") named no token; a non-ASCII one raised
+    UnicodeEncodeError. The error names the token (not its value) when the client is made."""
+    with pytest.raises(cs.ConfigError, match="^token: ") as info:
+        _remote(srv, cs.Raw(), token=token)
+    assert "s3cr" not in str(info.value)
+    with _remote(srv, cs.Raw(), token="w") as cache:
+        assert cache.lookup(tokens_for(41, BLOCK)) == 0
