@@ -472,7 +472,7 @@ class RemoteCache(PrefixCacheBase):
         path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                                  headers=headers, json_answer=True)
+                                  headers=headers, json_answer=True, check=_is_prefetch_answer, what="a prefetch's answer")
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -720,16 +720,23 @@ class RemoteCache(PrefixCacheBase):
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         return frames
 
-    def _request(self, method: str, path: str, *, json_answer: bool = False, **kw: Any) -> Any:
+    def _request(self, method: str, path: str, *, json_answer: bool = False,
+                 check: Callable[[Any], bool] | None = None, what: str = "", **kw: Any) -> Any:
         """The response; its JSON with ``json_answer`` (parsed under the breaker, as the
-        answer's part)."""
+        answer's part), which ``check`` (if given) must pass, else it is not the server's
+        answer (``what`` it should be)."""
         def call() -> Any:
             try:
                 response = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
             self._raise_for_status(response, path)
-            return _json_answer(response, self.url + path) if json_answer else response
+            if not json_answer:
+                return response
+            found = _json_answer(response, self.url + path)
+            if check is not None and not check(found):
+                raise _foreign(found, what, response.status_code, self.url + path)
+            return found
 
         return self._guarded(path, call)
 
@@ -774,6 +781,14 @@ def _lookup_answer(found: Any, asked: int, each: bool, status: int, url: str) ->
     if not ok:
         raise _foreign(found, f"a lookup of {asked} hashes", status, url)
     return found
+
+
+def _is_prefetch_answer(found: Any) -> bool:
+    """Whether ``found`` is ``POST /v1/prefetch``'s answer: started (and its counts), or not."""
+    if not isinstance(found, dict) or not isinstance(found.get("started"), bool):
+        return False
+    counts = [found.get(name) for name in ("matched", "blocks", "joined")]
+    return not found["started"] or all(type(n) is int and n >= 0 for n in counts)
 
 
 def _foreign(answer: Any, expected: str, status: int, url: str) -> RemoteUnavailable:

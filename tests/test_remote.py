@@ -1012,3 +1012,30 @@ def test_a_token_that_cannot_be_a_header_is_a_config_error_naming_it(srv, token)
     assert "s3cr" not in str(info.value)
     with _remote(srv, cs.Raw(), token="w") as cache:
         assert cache.lookup(tokens_for(41, BLOCK)) == 0
+
+
+@pytest.mark.parametrize("answer", [b'{"started": true}', b"[]", b'{"started": true, "matched": "2", "blocks": 2, '
+                                    b'"joined": 0}'], ids=["no-counts", "a-list", "a-string-count"])
+def test_a_prefetch_answer_that_is_not_the_servers_is_an_outage(answer):
+    """``prefetch`` is a scheduler's call (``prefetch_queued``): an answer of another shape
+    raised KeyError or AttributeError there, where an outage is None under ``"miss"``."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(42, 2 * BLOCK)
+    script = _answers(b"HTTP/1.1 202 Accepted", answer, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.prefetch(toks)
+            else:
+                assert cache.prefetch(toks) is None
+                assert cache.client_stats()["missed_prefetches"] == 1
+    started = b'{"started": true, "matched": 2, "blocks": 1, "joined": 0, "reason": null}'
+    with FakeServer(_answers(b"HTTP/1.1 202 Accepted", started)) as front, cs.RemoteCache(
+            front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+            trust_env=False) as cache:
+        got = cache.prefetch(toks)
+        assert (got.matched, got.blocks, got.joined, got.on_server) == (2, 1, 0, True)
