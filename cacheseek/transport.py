@@ -632,7 +632,11 @@ def _alive(sock: socket.socket) -> bool:
     """A pooled connection is usable if the server has not closed it: nothing is readable
     (over TLS, readable records that hold no data, such as session tickets, are fine)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        # poll, not select: select refuses descriptors past FD_SETSIZE (1024), which a process
+        # with many files open hands out, and every pooled connection was then taken for closed.
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        readable = poller.poll(0)  # (POLLHUP and POLLERR come whether asked for or not)
     except (OSError, ValueError):
         return False
     if not readable:

@@ -112,6 +112,44 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_before_use():
         assert srv.connections == 2
 
 
+
+@pytest.fixture
+def high_fds():
+    """Descriptors above 1024 (FD_SETSIZE) for what is opened next, as in a process with
+    many files and sockets open (vLLM raises its limit for them)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_connections_past_descriptor_1024_are_kept_alive_and_checked(high_fds):
+    """The check of a pooled connection (is it still open?) used select(), which refuses
+    descriptors past 1024: every such connection was taken for closed, and every request
+    opened a new one (a TCP and TLS handshake each, and no error to say so)."""
+    with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
+        for _ in range(4):
+            assert c.get("/x").content == b"ok"
+        assert srv.connections == 1
+        pooled = next(iter(c._transport._idle.values()))[0]
+        assert pooled.fileno() > 1024
+        pooled.shutdown(socket.SHUT_RD)  # as if the server's FIN arrived: still replaced before use
+        assert c.get("/y").content == b"ok"
+        assert srv.connections == 2
+
+
 def test_chunked_and_close_delimited_bodies():
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2;ext=1\r\nok\r\n3\r\n!!!\r\n0\r\nX-T: 1\r\n\r\n"
     eof = b"HTTP/1.1 200 OK\r\n\r\nuntil the end"
