@@ -487,7 +487,8 @@ class RemoteCache(PrefixCacheBase):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
         ``device_staging``: this process's staging pools (the decodes run here)."""
-        server = self._request("GET", "/v1/stats").json()
+        server = self._request("GET", "/v1/stats", json_answer=True, check=lambda found: isinstance(found, dict),
+                               what="the server's figures")
         return {**self._config_stats(), **server, "device_staging": staging_stats()}
 
     def client_stats(self) -> dict[str, Any]:

@@ -1039,3 +1039,16 @@ def test_a_prefetch_answer_that_is_not_the_servers_is_an_outage(answer):
             trust_env=False) as cache:
         got = cache.prefetch(toks)
         assert (got.matched, got.blocks, got.joined, got.on_server) == (2, 1, 0, True)
+
+
+def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_calls():
+    """``stats()`` parsed its answer outside the breaker, with httpx: a front's page raised
+    JSONDecodeError, where every other call's is ``RemoteUnavailable``."""
+    from fake_http import FakeServer
+
+    page = _answers(b"HTTP/1.1 200 OK", b"<html>maintenance</html>", headers=b"content-type: text/html\r\n")
+    with FakeServer(page) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
+            cache.stats()
+        assert cache.client_stats()["unavailable_calls"] == 1
