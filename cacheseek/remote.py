@@ -472,7 +472,8 @@ class RemoteCache(PrefixCacheBase):
         path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                                  headers=headers, json_answer=True, check=_is_prefetch_answer, what="a prefetch's answer")
+                                  headers=headers, json_answer=True, check=_is_prefetch_answer,
+                                  what="a prefetch's answer")
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -578,7 +579,9 @@ class RemoteCache(PrefixCacheBase):
         def call() -> dict[str, Any]:
             response = self._send(request, path)
             found = _json_answer(response, self.url + path)
-            return _lookup_answer(found, len(hashes), each, response.status_code, self.url + path)
+            if not _is_lookup_answer(found, len(hashes), each):
+                raise _foreign(found, f"a lookup of {len(hashes)} hashes", response.status_code, self.url + path)
+            return found
 
         return self._guarded(path, call)
 
@@ -767,21 +770,17 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
                                 status=response.status_code, url=url) from None
 
 
-def _lookup_answer(found: Any, asked: int, each: bool, status: int, url: str) -> dict[str, Any]:
-    """``found`` if it answers a lookup of ``asked`` hashes. Its count slices the chain that
-    is fetched and names the pages that are written, so a count past the hashes asked about
-    (or an answer of another shape: a front's JSON, a server out of step) is no service, as
-    an answer that is not JSON is."""
-    ok = isinstance(found, dict)
-    if ok:
-        matched, tiers = found.get("matched"), found.get("tiers")
-        ok = type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched
-    if ok and each:
-        present = found.get("present")
-        ok = isinstance(present, list) and len(present) == asked
-    if not ok:
-        raise _foreign(found, f"a lookup of {asked} hashes", status, url)
-    return found
+def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:
+    """Whether ``found`` answers a lookup of ``asked`` hashes. Its count slices the chain that
+    is fetched and names the pages that are written, so one past the hashes asked about (or
+    an answer of another shape: a front's JSON, a server out of step) is no service, as an
+    answer that is not JSON is."""
+    if not isinstance(found, dict):
+        return False
+    matched, tiers = found.get("matched"), found.get("tiers")
+    if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched):
+        return False
+    return not each or (isinstance(found.get("present"), list) and len(found["present"]) == asked)
 
 
 def _is_prefetch_answer(found: Any) -> bool:
