@@ -68,6 +68,8 @@ OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the s
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
+# The namespaces the server takes in NAMESPACE_HEADER (server/config.py's NAMESPACE_PATTERN).
+NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
@@ -183,10 +185,14 @@ class RemoteCache(PrefixCacheBase):
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
+        if not NAMESPACE_PATTERN.match(namespace):  # (a header: CR LF would write a line of its own)
+            raise ConfigError(f"namespace: {namespace!r:.40} is not 0-128 printable ASCII characters without "
+                              "spaces, as the server takes it")
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
-        if isinstance(max_lookup_hashes, bool) or not isinstance(max_lookup_hashes, int) or max_lookup_hashes < 1:
-            raise ConfigError(f"max_lookup_hashes: must be an int >= 1, got {max_lookup_hashes!r}")
+        for name, value in (("max_lookup_hashes", max_lookup_hashes), ("max_connections", max_connections)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: must be an int >= 1, got {value!r}")
         self.max_lookup_hashes = max_lookup_hashes
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:
@@ -213,7 +219,15 @@ class RemoteCache(PrefixCacheBase):
         if model_id.isascii() and model_id.isprintable():
             headers[MODEL_HEADER] = model_id[:128]
         headers[BLOCK_TOKENS_HEADER] = str(block_tokens)
+        # Frames are read raw (read_exactly, iter_raw), past httpx's decoding: httpx's default
+        # "gzip, deflate" would invite a front (an ingress's compress middleware) to send
+        # gzip, read as frames and so a miss.
+        headers["Accept-Encoding"] = "identity"
         if token:
+            # A token read from a file keeps its newline: the request would go out malformed.
+            if not token.isascii() or not token.isprintable():
+                raise ConfigError("token: holds a line break, another control character or non-ASCII text, which "
+                                  "no header can carry (one read from a file keeps its newline: strip it)")
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
@@ -458,7 +472,8 @@ class RemoteCache(PrefixCacheBase):
         path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                                  headers=headers, json_answer=True)
+                                  headers=headers, json_answer=True, check=_is_prefetch_answer,
+                                  what="a prefetch's answer")
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -473,7 +488,8 @@ class RemoteCache(PrefixCacheBase):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
         ``device_staging``: this process's staging pools (the decodes run here)."""
-        server = self._request("GET", "/v1/stats").json()
+        server = self._request("GET", "/v1/stats", json_answer=True, check=lambda found: isinstance(found, dict),
+                               what="the server's figures")
         return {**self._config_stats(), **server, "device_staging": staging_stats()}
 
     def client_stats(self) -> dict[str, Any]:
@@ -559,7 +575,15 @@ class RemoteCache(PrefixCacheBase):
             headers[TOKENS_HEADER] = str(tokens)
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
-        return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
+
+        def call() -> dict[str, Any]:
+            response = self._send(request, path)
+            found = _json_answer(response, self.url + path)
+            if not _is_lookup_answer(found, len(hashes), each):
+                raise _foreign(found, f"a lookup of {len(hashes)} hashes", response.status_code, self.url + path)
+            return found
+
+        return self._guarded(path, call)
 
     def _write_lookup(self, hashes: list[BlockHash]) -> dict[str, Any]:
         """The lookup a write begins with (``each``: which blocks are present). The server
@@ -635,14 +659,24 @@ class RemoteCache(PrefixCacheBase):
     def _post_body(self, frames: list[BlockFrame], total: int) -> list[dict[str, Any]]:
         """One streamed POST of ``frames`` (content-addressed, so sent again on a new
         connection if a kept-alive one turns out closed)."""
-        path = "/v1/blocks"
+        path, sent = "/v1/blocks", len(frames)
         request = httpx.Request(
             "POST", self.url + path, stream=_FrameStream(frames),
             headers={**self._headers, "Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)},
             extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         del frames  # the request's alone, let go below (a traceback would keep this frame's locals)
+
+        def call() -> list[dict[str, Any]]:
+            response = self._send(request, path)
+            reports = _json_answer(response, self.url + path)
+            # Counted frame by frame, each given to its request by its place: a list of
+            # another length would count blocks never sent, or give reports to the wrong requests.
+            if not (isinstance(reports, list) and len(reports) == sent and all(isinstance(r, dict) for r in reports)):
+                raise _foreign(reports, f"{sent} reports", response.status_code, self.url + path)
+            return reports
+
         try:
-            return self._guarded(path, lambda: _json_answer(self._send(request, path), self.url + path))
+            return self._guarded(path, call)
         finally:
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
@@ -675,29 +709,38 @@ class RemoteCache(PrefixCacheBase):
                 if response.status_code == 404:
                     return None
                 self._raise_for_status(response, path, streamed=True)
-                for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
-                    i = len(frames)
-                    if i >= len(hashes):
-                        break
-                    meta = parse_frame(buf, verify=True)
-                    self.block_format.check_fetched(meta, hashes[i], i)
-                    frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
-        except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
-            pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
+                try:
+                    for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
+                        i = len(frames)
+                        if i >= len(hashes):
+                            break
+                        meta = parse_frame(buf, verify=True)
+                        self.block_format.check_fetched(meta, hashes[i], i)
+                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
+                    pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
+            # Before a body (no answer, or one that is not HTTP), as for any other call.
             raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
         return frames
 
-    def _request(self, method: str, path: str, *, json_answer: bool = False, **kw: Any) -> Any:
+    def _request(self, method: str, path: str, *, json_answer: bool = False,
+                 check: Callable[[Any], bool] | None = None, what: str = "", **kw: Any) -> Any:
         """The response; its JSON with ``json_answer`` (parsed under the breaker, as the
-        answer's part)."""
+        answer's part), which ``check`` (if given) must pass, else it is not the server's
+        answer (``what`` it should be)."""
         def call() -> Any:
             try:
                 response = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
             self._raise_for_status(response, path)
-            return _json_answer(response, self.url + path) if json_answer else response
+            if not json_answer:
+                return response
+            found = _json_answer(response, self.url + path)
+            if check is not None and not check(found):
+                raise _foreign(found, what, response.status_code, self.url + path)
+            return found
 
         return self._guarded(path, call)
 
@@ -707,9 +750,11 @@ class RemoteCache(PrefixCacheBase):
         if streamed:
             response.read()
         try:
-            reason = response.json().get("error") or response.text
+            answer = response.json()
         except ValueError:
-            reason = response.text or response.reason_phrase
+            answer = None
+        # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
+        reason = (answer.get("error") if isinstance(answer, dict) else None) or response.text or response.reason_phrase
         if response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
@@ -723,6 +768,32 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:
+    """Whether ``found`` answers a lookup of ``asked`` hashes. Its count slices the chain that
+    is fetched and names the pages that are written, so one past the hashes asked about (or
+    an answer of another shape: a front's JSON, a server out of step) is no service, as an
+    answer that is not JSON is."""
+    if not isinstance(found, dict):
+        return False
+    matched, tiers = found.get("matched"), found.get("tiers")
+    if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched):
+        return False
+    return not each or (isinstance(found.get("present"), list) and len(found["present"]) == asked)
+
+
+def _is_prefetch_answer(found: Any) -> bool:
+    """Whether ``found`` is ``POST /v1/prefetch``'s answer: started (and its counts), or not."""
+    if not isinstance(found, dict) or not isinstance(found.get("started"), bool):
+        return False
+    counts = [found.get(name) for name in ("matched", "blocks", "joined")]
+    return not found["started"] or all(type(n) is int and n >= 0 for n in counts)
+
+
+def _foreign(answer: Any, expected: str, status: int, url: str) -> RemoteUnavailable:
+    return RemoteUnavailable(f"the answer is not the CacheSeek server's (not {expected}: {json.dumps(answer)[:60]})",
+                             status=status, url=url)
 
 
 def _wire_bytes(frame: BlockFrame) -> int:

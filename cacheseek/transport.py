@@ -16,7 +16,7 @@ What it holds to, since it is hand-written (each case is tested against a fake s
 ``tests/test_transport.py``):
 
 - Response heads are parsed strictly (``_parse_head``): a status line that is not
-  ``HTTP/1.x NNN``, a header line without a name, a ``Content-Length`` that is not digits
+  ``HTTP/1.x NNN`` (NNN from 100), a header line without a name, a ``Content-Length`` that is not digits
   (or two that differ), ``Transfer-Encoding`` other than ``chunked``, or both framings at
   once, is an ``httpx.RemoteProtocolError``. Interim answers (100, 102, 103) are skipped;
   101 is an error (no upgrade is ever asked for).
@@ -523,6 +523,8 @@ def _parse_head(head: bytes, request: httpx.Request) -> tuple[int, list[tuple[by
     if match is None:
         raise httpx.RemoteProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}", request=request)
     minor, status = match.group(1), int(match.group(2))
+    if status < 100:  # (RFC 9110 section 15: 100 to 599) else read as an interim answer and skipped
+        raise httpx.RemoteProtocolError(f"status {match.group(2).decode()} is not an HTTP status", request=request)
     headers = []
     connection = b""
     for line in lines[1:]:
@@ -630,7 +632,11 @@ def _alive(sock: socket.socket) -> bool:
     """A pooled connection is usable if the server has not closed it: nothing is readable
     (over TLS, readable records that hold no data, such as session tickets, are fine)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        # poll, not select: select refuses descriptors past FD_SETSIZE (1024), which a process
+        # with many files open hands out, and every pooled connection was then taken for closed.
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        readable = poller.poll(0)  # (POLLHUP and POLLERR come whether asked for or not)
     except (OSError, ValueError):
         return False
     if not readable:

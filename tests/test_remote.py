@@ -835,3 +835,220 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
             finally:
                 tracemalloc.stop()
             assert peak < 64 << 20, f"{peak} bytes allocated for an answer that holds no frame"
+
+
+
+def _forwarding_front(srv, lookup: bytes, *, compress: bool = False):
+    """A fake front: lookups answered ``lookup`` (JSON), other requests forwarded to ``srv``
+    (their bodies are not), the answer gzipped when ``compress`` and the request accepts it."""
+    import gzip
+
+    def script(n: int, head: bytes):
+        line, *fields = head.decode("latin-1").split("\r\n")
+        _, path, _ = line.split(" ")
+        headers = {k.lower(): v for k, v in (f.split(": ", 1) for f in fields)}
+        if path.startswith("/v1/lookup"):
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookup)).encode() + b"\r\n\r\n" + lookup), False
+        headers.pop("host")
+        upstream = httpx.get(srv.url + path, headers=headers)
+        body, extra = upstream.content, b""
+        if compress and "gzip" in headers.get("accept-encoding", ""):
+            body, extra = gzip.compress(body), b"content-encoding: gzip\r\n"
+        return (b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code,
+                                                           upstream.headers["content-type"].encode())
+                + extra + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body), False
+    return script
+
+
+def test_a_front_that_compresses_what_the_client_accepts_leaves_materialize_whole(srv):
+    """The frames of a materialize are read raw (``read_exactly``, not httpx's decoding), so
+    the client must not invite a front (an ingress's compress middleware) to gzip them: it
+    asked for gzip, got it, read the gzip stream as frames, and every load was a miss."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(35, 4 * BLOCK), make_kv(4 * BLOCK, 35)
+    with _remote(srv, cs.Raw(), namespace="gzip") as cache:
+        assert cache.ingest(toks, kv).stored == 4
+    lookup = b'{"matched": 4, "tiers": ["cpu", "cpu", "cpu", "cpu"]}'
+    with FakeServer(_forwarding_front(srv, lookup, compress=True)) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+            namespace="gzip", timeout=5, trust_env=False) as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+
+
+@pytest.mark.parametrize("lookup", [b'{"matched": 4, "tiers": ["cpu", "cpu", "cpu", "cpu"]}', b'{}',
+                                    b'{"matched": "2", "tiers": ["cpu", "cpu"]}', b'[]'],
+                         ids=["more-than-asked", "empty", "matched-a-string", "a-list"])
+def test_a_lookup_answer_that_is_not_the_servers_is_an_outage_and_writes_no_page(srv, lookup):
+    """A lookup answer is checked before it is used: a count past the hashes asked about
+    made ``materialize_into`` fetch and write blocks past ``max_tokens`` (pages the engine
+    did not offer), and an answer of another shape raised KeyError or TypeError."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, snapshot, unchanged
+
+    toks, kv = tokens_for(36, 4 * BLOCK), make_kv(4 * BLOCK, 36)
+    with _remote(srv, cs.Raw(), namespace="lie") as cache:
+        cache.ingest(toks, kv)
+        assert cache.lookup(toks) == 4 * BLOCK
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, tensors = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    before = snapshot(tensors)
+    with FakeServer(_forwarding_front(srv, lookup)) as front:
+        for mode in ("miss", "raise"):
+            with cs.RemoteCache(front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                                token="w", namespace="lie", timeout=5, trust_env=False, on_unavailable=mode) as cache:
+                if mode == "raise":
+                    with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                        cache.materialize_into(toks, pages.at(list(range(8))), max_tokens=2 * BLOCK)
+                    continue
+                got = cache.materialize_into(toks, pages.at(list(range(8))), max_tokens=2 * BLOCK)
+                assert got.num_tokens == 0
+                assert cache.lookup(toks[: 2 * BLOCK]) == 0
+                assert cache.materialize(toks[: 2 * BLOCK]).num_tokens == 0
+                assert cache.client_stats()["unavailable_calls"] == 3
+    assert unchanged(before, tensors)
+
+
+@pytest.mark.parametrize("answer", [b'[{"status": "stored"}]', b'[{"status": "stored"}, {"status": "stored"}, '
+                                    b'{"status": "stored"}]', b'[]', b'{}', b'["stored", "stored"]'],
+                         ids=["one-for-two", "three-for-two", "none", "an-object", "not-reports"])
+def test_a_write_answer_that_is_not_one_report_per_frame_is_an_outage(answer):
+    """The reports of a POST are counted frame by frame (``ingest_batch`` gives each to its
+    request by its place): a list of another length counted blocks never sent, or left
+    sent ones uncounted and the next body's reports given to the wrong requests."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(37, 2 * BLOCK), make_kv(2 * BLOCK, 37)
+    lookups = b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}'
+    script = _answers(b"HTTP/1.1 200 OK", answer, lookups=lookups, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.ingest(toks, kv)
+                continue
+            res = cache.ingest(toks, kv)
+            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors
+            assert cache.client_stats()["dropped_blocks"] == 2
+
+
+@pytest.mark.parametrize("body", [b'"upstream down"', b'["upstream down"]', b"null", b"42"])
+def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(body):
+    """The reason of an error answer is its JSON's ``error``; a front's JSON of another kind
+    (a string, a list) raised AttributeError, so a 503 was no outage and a 403 no RemoteError."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(38, 2 * BLOCK)
+    for status, error in ((b"503 Service Unavailable", cs.RemoteUnavailable), (b"403 Forbidden", cs.RemoteError)):
+        for lookups in (None, b'{"matched": 2, "tiers": ["cpu", "cpu"]}'):  # the lookup's answer, the GET's
+            script = _answers(b"HTTP/1.1 " + status, body, headers=b"content-type: application/json\r\n",
+                              lookups=lookups)
+            with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                             block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+                with pytest.raises(error) as info:
+                    cache.materialize(toks)
+                assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
+
+
+@pytest.mark.parametrize("reply", [b"ICY 200 OK\r\n\r\n", None], ids=["not-http", "closed-unanswered"])
+def test_a_prefix_get_answered_with_no_valid_http_is_an_outage_like_a_lookup(reply):
+    """A GET whose reply is not HTTP, or that the connection ends before any answer, got no
+    answer: an outage (raised by default, a miss under ``"miss"``, counted, the breaker
+    told), as for a lookup. It was taken for a body cut short: an empty prefix, and an answer."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(39, 2 * BLOCK)
+    lookups = b'{"matched": 2, "tiers": ["cpu", "cpu"]}'
+
+    def script(n: int, head: bytes):
+        if b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(lookups)).encode() + b"\r\n\r\n" + lookups), False
+        return reply, True
+
+    for mode in ("raise", "miss"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="cannot reach"):
+                    cache.materialize(toks)
+            else:
+                assert cache.materialize(toks).num_tokens == 0
+            stats = cache.client_stats()
+            assert stats["unavailable_calls"] == 1 and stats["breaker"]["consecutive_failures"] == 1
+
+
+@pytest.mark.parametrize("namespace", ["é", "a b", "x" * 129, "a\r\nX-CacheSeek-Model: other", "tab\there"])
+def test_a_namespace_the_server_refuses_is_a_config_error_before_anything_is_sent(srv, namespace):
+    """The namespace travels in a header that the server takes as 0-128 printable ASCII
+    characters without spaces: any other raised UnicodeEncodeError, or went out as it was
+    (every call a 400, or a CR LF writing a header line of its own into each request)."""
+    with pytest.raises(cs.ConfigError, match="namespace"):
+        _remote(srv, cs.Raw(), namespace=namespace)
+    with _remote(srv, cs.Raw(), namespace="~ok.ns-1_!") as cache:
+        assert cache.lookup(tokens_for(40, BLOCK)) == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, "4", 2.5, True])
+def test_a_pool_of_no_connections_is_a_config_error_not_an_outage(bad):
+    """``max_connections=0`` made every call wait the pool timeout and fail as an outage
+    (the breaker opened on a server that was up); the others raised ValueError or TypeError
+    from the semaphore, or took 2.5 for a count of connections."""
+    with pytest.raises(cs.ConfigError, match="max_connections"):
+        cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, block_tokens=BLOCK, max_connections=bad)
+
+
+@pytest.mark.parametrize("token", ["s3cret\n", "s3cret\r\nX-CacheSeek-Namespace: other", "s3crét"])
+def test_a_token_that_cannot_be_a_header_is_a_config_error_naming_it(srv, token):
+    """A token read from a file keeps its newline: every request went out malformed, and the
+    server's 400 ("malformed HTTP request") named no token; a non-ASCII one raised
+    UnicodeEncodeError. The error names the token (not its value) when the client is made."""
+    with pytest.raises(cs.ConfigError, match="^token: ") as info:
+        _remote(srv, cs.Raw(), token=token)
+    assert "s3cr" not in str(info.value)
+    with _remote(srv, cs.Raw(), token="w") as cache:
+        assert cache.lookup(tokens_for(41, BLOCK)) == 0
+
+
+@pytest.mark.parametrize("answer", [b'{"started": true}', b"[]", b'{"started": true, "matched": "2", "blocks": 2, '
+                                    b'"joined": 0}'], ids=["no-counts", "a-list", "a-string-count"])
+def test_a_prefetch_answer_that_is_not_the_servers_is_an_outage(answer):
+    """``prefetch`` is a scheduler's call (``prefetch_queued``): an answer of another shape
+    raised KeyError or AttributeError there, where an outage is None under ``"miss"``."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(42, 2 * BLOCK)
+    script = _answers(b"HTTP/1.1 202 Accepted", answer, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.prefetch(toks)
+            else:
+                assert cache.prefetch(toks) is None
+                assert cache.client_stats()["missed_prefetches"] == 1
+    started = b'{"started": true, "matched": 2, "blocks": 1, "joined": 0, "reason": null}'
+    with FakeServer(_answers(b"HTTP/1.1 202 Accepted", started)) as front, cs.RemoteCache(
+            front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+            trust_env=False) as cache:
+        got = cache.prefetch(toks)
+        assert (got.matched, got.blocks, got.joined, got.on_server) == (2, 1, 0, True)
+
+
+def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_calls():
+    """``stats()`` parsed its answer outside the breaker, with httpx: a front's page raised
+    JSONDecodeError, where every other call's is ``RemoteUnavailable``."""
+    from fake_http import FakeServer
+
+    page = _answers(b"HTTP/1.1 200 OK", b"<html>maintenance</html>", headers=b"content-type: text/html\r\n")
+    with FakeServer(page) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
+            cache.stats()
+        assert cache.client_stats()["unavailable_calls"] == 1

@@ -45,6 +45,8 @@ def _bad_first(bad: bytes) -> Script:
     (b"HTTP/2 200 OK\r\nContent-Length: 2\r\n\r\nok", "status line"),
     (b"ICY 200 OK\r\n\r\nok", "status line"),
     (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", "101"),
+    (b"HTTP/1.1 099 Odd\r\n\r\n" + OK, "status 099"),  # no status below 100: not an interim answer
+    (b"HTTP/1.1 000 Zero\r\n\r\n" + OK, "status 000"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nok", "missing"),
 ])
 def test_a_malformed_answer_is_a_clear_error_and_leaks_nothing(bad, match):
@@ -106,6 +108,44 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_before_use():
         assert c.get("/x").content == b"ok"
         pooled = next(iter(c._transport._idle.values()))[0]
         pooled.shutdown(socket.SHUT_RD)  # as if the server's FIN arrived
+        assert c.get("/y").content == b"ok"
+        assert srv.connections == 2
+
+
+
+@pytest.fixture
+def high_fds():
+    """Descriptors above 1024 (FD_SETSIZE) for what is opened next, as in a process with
+    many files and sockets open (vLLM raises its limit for them)."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_connections_past_descriptor_1024_are_kept_alive_and_checked(high_fds):
+    """The check of a pooled connection (is it still open?) used select(), which refuses
+    descriptors past 1024: every such connection was taken for closed, and every request
+    opened a new one (a TCP and TLS handshake each, and no error to say so)."""
+    with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
+        for _ in range(4):
+            assert c.get("/x").content == b"ok"
+        assert srv.connections == 1
+        pooled = next(iter(c._transport._idle.values()))[0]
+        assert pooled.fileno() > 1024
+        pooled.shutdown(socket.SHUT_RD)  # as if the server's FIN arrived: still replaced before use
         assert c.get("/y").content == b"ok"
         assert srv.connections == 2
 
