@@ -257,6 +257,11 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
                                   pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
         (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        # (and so was a 0-d bool tensor, as ``list(mask)`` holds: read as page 0 here)
+        (lambda c: c.ingest(toks[0], pages.at([torch.tensor(False), 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
+                                   cs.PagedRequest(toks[1], [*tables[1][:3], torch.tensor(True)])], pages),
+         r"^requests\[1\].page_ids\[3\]: a bool, not a page id"),
         # and so were token ids, as 1 and 0
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
                                    cs.PagedRequest([*toks[1][:3], True, *toks[1][4:]], tables[1])], pages),
@@ -444,6 +449,8 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
                                                    cs.PagedRequest(toks[1], [4, 5, 6, 24])], dest),
              r"requests\[1\].page_ids\[3\]: page 24 is outside the 24 pages"),
             (lambda: cache.materialize_into(toks[0], dest.at([7, 8, 7, 9])), r"^page_ids: page 7 appears twice"),
+            (lambda: cache.materialize_into(toks[0], dest.at([torch.tensor(True), 8, 9, 10])),
+             r"^page_ids\[0\]: a bool, not a page id"),
             (lambda: cache.materialize_into(toks[0], dest.at(torch.tensor([7, 8], device="meta"))),
              r"^page_ids: a meta tensor holds no page ids"),
             (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
