@@ -709,6 +709,35 @@ def test_an_ingest_never_evicts_its_own_stored_prefix(eviction, paged):
         store_helpers.assert_prefix_equal(cache.materialize(x), kv_x, 3 * BLOCK)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batch", "layerwise"])
+def test_a_batch_never_evicts_a_requests_own_stored_prefix(eviction, layerwise):
+    """A batch's stored blocks were marked used as one chain of all its requests: the last
+    request's stored prefix became the least recently used of them, so its own new blocks
+    evicted it and were stored below a gap (counted stored, found by no lookup), where
+    ingests of the requests one after another evict the other chain."""
+    tiers = cs.TierConfig(cpu_bytes="112KiB", pin_memory=False, eviction=eviction)  # room for 3 Raw blocks
+    pages, _ = engine_pages("nhd", L, H, D, 16, 16, DTYPE)
+    x, y = tokens_for(72, 2 * BLOCK), tokens_for(73, 3 * BLOCK)
+    kv_y = make_kv(3 * BLOCK, 73)
+    write_tokens(pages, make_kv(2 * BLOCK, 72), list(range(4)))
+    write_tokens(pages, kv_y, list(range(4, 10)))
+    requests = [cs.PagedRequest(x, list(range(4))), cs.PagedRequest(y, list(range(4, 10)))]
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, tiers=tiers) as cache:
+        cache.ingest_batch([cs.PagedRequest(y[:BLOCK], [4, 5])], pages)
+        cache.ingest_batch(requests[:1], pages)  # the tier is full: x, and y's first block
+        if layerwise:
+            with cache.ingest_batch(requests, pages, layerwise=True) as writer:
+                for layer in range(L):
+                    writer.put_layer(layer)
+                got = writer.finish()
+        else:
+            got = cache.ingest_batch(requests, pages)
+        assert [(r.present, r.stored) for r in got] == [(2, 0), (1, 2)]
+        assert (cache.lookup(x), cache.lookup(y)) == (0, 3 * BLOCK)  # the other chain made the room
+        store_helpers.assert_prefix_equal(cache.materialize(y), kv_y, 3 * BLOCK)
+
+
 @pytest.mark.parametrize("top", ["disk", "cpu"])
 def test_a_block_two_requests_share_counts_its_one_writes_outcome_for_both(tmp_path, monkeypatch, top):
     """Two requests of a batch with one prefix: its block is encoded and written once, for
