@@ -411,8 +411,7 @@ class PagedLayerwiseSave(_SlotWriter):
 
     def _commit(self) -> list[IngestResult]:
         call, results, hashes = self._call, self._results, self._hashes
-        # A use of the blocks stored already, before the commits make room (as in ``ingest``).
-        self.cache.store.touch_chain([key for key, was in zip(self._all_hashes, self._found) if was])
+        paged_io.touch_found(self.cache.store, call, self._found)
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
                                                                      outcome, stored,

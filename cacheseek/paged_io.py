@@ -194,6 +194,18 @@ def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[Ingest
     return present, copies
 
 
+def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
+    """Mark each request's blocks stored already (``found``, in ``flat()`` order) used, as
+    ``ingest`` does before its puts make room: request by request, each its own chain, as
+    ingests of them one after another would. (As one chain of them all, the last
+    request's stored prefix was the least recently used, and its own new blocks, put
+    first, evicted it: they were stored below a gap.)"""
+    i = 0
+    for hashes in call.hashes:
+        store.touch_chain([key for key, was in zip(hashes, found[i : i + len(hashes)]) if was])
+        i += len(hashes)
+
+
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
     """Each request's first block to write (``PagedRequest.start`` in blocks); ``InputError``
     naming the request for a start that is not a whole number of blocks."""
@@ -362,4 +374,5 @@ def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | 
 
 
 __all__ = ["PageSink", "PagedCall", "count_found", "decoder", "encode_frames", "encoded_batches", "hash_requests",
-           "ingest_results", "plan", "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of"]
+           "ingest_results", "plan", "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of",
+           "touch_found"]

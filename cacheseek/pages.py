@@ -266,10 +266,11 @@ def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:
                 torch.zeros(0, dtype=torch.int64)
         except (TypeError, OverflowError) as exc:
             raise InputError(f"{where}: expected a flat sequence of int page ids ({exc})") from None
-        # array() takes a bool as 0 or 1 (a mask given as the table read pages 1 and 0), as
-        # torch refuses a tensor of bools; only ids 0 and 1 can have been one.
+        # array() takes a bool as 0 or 1 (a mask given as the table read pages 1 and 0), and
+        # a 0-d bool tensor too (what ``list(mask)`` holds), as torch refuses a tensor of
+        # bools; only ids 0 and 1 can have been one.
         for j in ((ids == 0) | (ids == 1)).nonzero().flatten().tolist():
-            if isinstance(page_ids[j], bool):
+            if isinstance(page_ids[j], bool) or getattr(page_ids[j], "dtype", None) == torch.bool:
                 raise InputError(f"{where}[{j}]: a bool, not a page id")
     else:
         raise InputError(f"{where}: expected a list of page ids or a 1-D tensor, got {type(page_ids).__name__}")

@@ -160,8 +160,7 @@ class PrefixCache(PrefixCacheBase):
                 in_place.abandon()
             raise
         results, present, copies = paged_io.ingest_results(call, found, self.store.durability)
-        # A use of the blocks stored already, before the puts make room (as in ``ingest``).
-        self.store.touch_chain([key for key, was in zip(call.flat()[0], found) if was])
+        paged_io.touch_found(self.store, call, found)
         if in_place is None:
             # The rows are the blocks to store, whoever's they are: runs of them (one launch
             # per side each) are not cut where one request ends and the next begins.

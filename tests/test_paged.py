@@ -257,6 +257,11 @@ def test_bad_ingest_input_names_the_request_and_stores_nothing(monkeypatch):
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]), cs.PagedRequest(toks[1], [2, 3, True, False])],
                                   pages), r"requests\[1\].page_ids\[2\]: a bool, not a page id"),
         (lambda c: c.ingest(toks[0], pages.at([False, 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        # (and so was a 0-d bool tensor, as ``list(mask)`` holds: read as page 0 here)
+        (lambda c: c.ingest(toks[0], pages.at([torch.tensor(False), 5, 6, 7])), r"^page_ids\[0\]: a bool, not a page id"),
+        (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
+                                   cs.PagedRequest(toks[1], [*tables[1][:3], torch.tensor(True)])], pages),
+         r"^requests\[1\].page_ids\[3\]: a bool, not a page id"),
         # and so were token ids, as 1 and 0
         (lambda c: c.ingest_batch([cs.PagedRequest(toks[0], tables[0]),
                                    cs.PagedRequest([*toks[1][:3], True, *toks[1][4:]], tables[1])], pages),
@@ -444,6 +449,8 @@ def test_bad_load_input_names_the_request_and_writes_no_page(monkeypatch):
                                                    cs.PagedRequest(toks[1], [4, 5, 6, 24])], dest),
              r"requests\[1\].page_ids\[3\]: page 24 is outside the 24 pages"),
             (lambda: cache.materialize_into(toks[0], dest.at([7, 8, 7, 9])), r"^page_ids: page 7 appears twice"),
+            (lambda: cache.materialize_into(toks[0], dest.at([torch.tensor(True), 8, 9, 10])),
+             r"^page_ids\[0\]: a bool, not a page id"),
             (lambda: cache.materialize_into(toks[0], dest.at(torch.tensor([7, 8], device="meta"))),
              r"^page_ids: a meta tensor holds no page ids"),
             (lambda: cache.materialize_into(toks[0], dest), r"dest: expected an engine's pages"),
@@ -700,6 +707,35 @@ def test_an_ingest_never_evicts_its_own_stored_prefix(eviction, paged):
         assert (got.present, got.stored) == (2, 1)
         assert (cache.lookup(x), cache.lookup(y)) == (3 * BLOCK, 0)  # the other chain made the room
         store_helpers.assert_prefix_equal(cache.materialize(x), kv_x, 3 * BLOCK)
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["batch", "layerwise"])
+def test_a_batch_never_evicts_a_requests_own_stored_prefix(eviction, layerwise):
+    """A batch's stored blocks were marked used as one chain of all its requests: the last
+    request's stored prefix became the least recently used of them, so its own new blocks
+    evicted it and were stored below a gap (counted stored, found by no lookup), where
+    ingests of the requests one after another evict the other chain."""
+    tiers = cs.TierConfig(cpu_bytes="112KiB", pin_memory=False, eviction=eviction)  # room for 3 Raw blocks
+    pages, _ = engine_pages("nhd", L, H, D, 16, 16, DTYPE)
+    x, y = tokens_for(72, 2 * BLOCK), tokens_for(73, 3 * BLOCK)
+    kv_y = make_kv(3 * BLOCK, 73)
+    write_tokens(pages, make_kv(2 * BLOCK, 72), list(range(4)))
+    write_tokens(pages, kv_y, list(range(4, 10)))
+    requests = [cs.PagedRequest(x, list(range(4))), cs.PagedRequest(y, list(range(4, 10)))]
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, tiers=tiers) as cache:
+        cache.ingest_batch([cs.PagedRequest(y[:BLOCK], [4, 5])], pages)
+        cache.ingest_batch(requests[:1], pages)  # the tier is full: x, and y's first block
+        if layerwise:
+            with cache.ingest_batch(requests, pages, layerwise=True) as writer:
+                for layer in range(L):
+                    writer.put_layer(layer)
+                got = writer.finish()
+        else:
+            got = cache.ingest_batch(requests, pages)
+        assert [(r.present, r.stored) for r in got] == [(2, 0), (1, 2)]
+        assert (cache.lookup(x), cache.lookup(y)) == (0, 3 * BLOCK)  # the other chain made the room
+        store_helpers.assert_prefix_equal(cache.materialize(y), kv_y, 3 * BLOCK)
 
 
 @pytest.mark.parametrize("top", ["disk", "cpu"])
