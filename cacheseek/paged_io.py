@@ -18,6 +18,7 @@ what the call had stored is deleted again.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -199,11 +200,11 @@ def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
     ``ingest`` does before its puts make room: request by request, each its own chain, as
     ingests of them one after another would. (As one chain of them all, the last
     request's stored prefix was the least recently used, and its own new blocks, put
-    first, evicted it: they were stored below a gap.)"""
-    i = 0
-    for hashes in call.hashes:
-        store.touch_chain([key for key, was in zip(hashes, found[i : i + len(hashes)]) if was])
-        i += len(hashes)
+    first, evicted it: they were stored below a gap.) One call all the same, one round trip
+    to a shared index: ``touch_chain`` uses a chain tail first, so the last request goes first."""
+    ends = list(itertools.accumulate(len(hashes) for hashes in call.hashes))
+    store.touch_chain([key for hashes, end in zip(reversed(call.hashes), reversed(ends))
+                       for key, was in zip(hashes, found[end - len(hashes) : end]) if was])
 
 
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
