@@ -155,3 +155,87 @@ class RedisCluster3:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class ReplyLosingProxy:
+    """A loopback TCP proxy in front of a Redis. Once ``arm(marker)`` is called, the first
+    request that carries ``marker`` is passed on, and its reply is lost: both sockets are
+    closed once Redis has had time to answer, as a connection reset after the server
+    acted would. Every other byte is passed on as it comes."""
+
+    def __init__(self, target_port: int, *, settle_seconds: float = 0.2):
+        import threading
+
+        self.target_port = target_port
+        self.settle_seconds = settle_seconds
+        self.marker: bytes | None = None
+        self.lost = 0
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(16)
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def arm(self, marker: bytes) -> None:
+        with self._lock:
+            self.marker = marker
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            pair = (client, upstream)
+            for args in ((client, upstream, True, pair), (upstream, client, False, pair)):
+                t = threading.Thread(target=self._pump, args=args, daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool, pair) -> None:
+        seen = b""
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                hit = False
+                if requests:
+                    seen = (seen + data)[-(1 << 16):]
+                    with self._lock:
+                        hit = self.marker is not None and self.marker in seen
+                        if hit:
+                            self.marker = None
+                if hit:
+                    # The client's side goes first, so that no byte of the answer reaches it;
+                    # then Redis gets the request, runs it and answers into the void.
+                    self.lost += 1
+                    src.shutdown(socket.SHUT_RDWR)
+                    dst.sendall(data)
+                    time.sleep(self.settle_seconds)
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in pair:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()

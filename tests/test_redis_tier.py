@@ -21,7 +21,7 @@ from cacheseek.store.redis_client import RedisTimeouts, parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame
-from redis_servers import RedisCluster3, RedisServer, free_port, needs_redis
+from redis_servers import RedisCluster3, RedisServer, ReplyLosingProxy, free_port, needs_redis
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 pytestmark = needs_redis
@@ -1374,3 +1374,27 @@ def test_a_read_answered_busy_keeps_the_block(redis_url, server):
     finally:
         r.config_set("lua-time-limit", 5000)
         tier.close()
+
+
+def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_first_runs_victims(redis_url, server):
+    """redis-py sends a pipeline again, once, after a connection error. When the reply was
+    lost after Redis had run the index script, the script ran twice: the second run evicted
+    nothing (the first had), so the first run's victims were never deleted (orphans, outside
+    the budget) nor counted. A script called again under its call id answers the first
+    run's reply."""
+    from cacheseek.store.redis_index import INDEX_SCRIPT
+
+    proxy = ReplyLosingProxy(server.port)
+    frames = [_frame(i) for i in range(110, 114)]
+    tier = RedisTier(proxy.url, 3 * frames[0][1].nbytes)
+    try:
+        tier.put_many(frames[:3])
+        proxy.arm(INDEX_SCRIPT.strip().splitlines()[0].encode())
+        assert tier.put(*frames[3]).error is None  # (sent again by redis-py, and answered)
+        assert proxy.lost == 1
+        stats = tier.stats()
+        assert stats.evictions == 1 and stats.blocks == 3
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0}  # frame 110 went, with its entry
+    finally:
+        tier.close()
+        proxy.close()

@@ -6,9 +6,10 @@
                                                      (rediss+cluster:// for TLS)
 
 Clients are built with short timeouts and at most ``retries`` immediate retries on a
-connection error (enough to replace a pooled connection that died with a restarted
-server, never a sleep): the tier's circuit breaker, not the client, decides when to try a
-backend that keeps failing. redis-py is imported only when a client is made, or to check a
+connection error (never a sleep): the tier's circuit breaker, not the client, decides when
+to try a backend that keeps failing. (redis-py's pool already replaces a connection that
+died with a restarted server as it hands it out; the retry covers one that dies in a call.
+A call sent again may have run: the index script answers it with its first reply.) redis-py is imported only when a client is made, or to check a
 standalone URL's options.
 """
 

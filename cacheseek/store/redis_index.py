@@ -16,6 +16,10 @@ the index's hash tag. One call of the script, in this order:
    blocks);
 6. evicts the least recently used blocks until ``used <= budget``, and returns them.
 
+A call sent again under its id (redis-py's retry after a connection error) does none of
+this: it answers the first run's reply, kept for a minute when it holds victims, expired
+entries, forgotten ghosts or blocks counted anew (see :meth:`SharedIndex.queue`).
+
 Pins: a pinned block is kept in the sizes hash (so it counts) but not in the LRU zset, so
 neither eviction nor the TTL prune ever reaches it; the ``pinned`` set names every pinned
 block, stored or not (a pin covers a block that arrives later). A pinned frame is written
@@ -37,6 +41,7 @@ again (adding adopts it), or until ``RedisTier.check(fix=True)``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +51,7 @@ from .redis_keys import RedisKeys
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
-local lru, sizes, totals, pinned, gens = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local lru, sizes, totals, pinned, gens, call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local budget = tonumber(ARGV[1])
 local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
@@ -54,6 +59,14 @@ local n_forget, n_touch, n_add = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(
 local n_pin, n_unpin = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_repair, repair_idle_us = tonumber(ARGV[9]), tonumber(ARGV[10])
 local keep_gens = ARGV[11] == '1'
+local reply_ms = tonumber(ARGV[12])
+
+-- This call sent again (redis-py sends a pipeline again after a connection error, and the
+-- first reply may have been lost after this ran): the first run's reply, not a second run.
+local first = redis.call('GET', call)
+if first then
+  return cmsgpack.unpack(first)
+end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -127,7 +140,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 12
+local i = 13
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -204,6 +217,7 @@ end
 -- 0 already indexed, 3 already indexed and pinned (its frame keeps no expiry),
 -- -1 larger than the budget, -2 no room beside the pinned blocks
 local status = {}
+local counted_anew = false
 for _ = 1, n_add do
   local m, n, r = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
@@ -231,6 +245,7 @@ for _ = 1, n_add do
       gen_of[#gen_of + 1] = m
       gen_of[#gen_of + 1] = clock
     end
+    counted_anew = true
     used = used + n
     raw = raw + r
     blocks = blocks + 1
@@ -266,8 +281,14 @@ if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
              'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
 end
-return {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of,
-        held}
+local reply = {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of,
+               held}
+-- Kept only where a second run would answer otherwise (it would evict, expire and repair
+-- nothing, and count nothing anew): those victims and entries are the caller's to delete.
+if #evicted > 0 or #expired > 0 or #repaired > 0 or counted_anew then
+  redis.call('SET', call, cmsgpack.pack(reply), 'PX', reply_ms)
+end
+return reply
 """
 
 # The fence on a victim's DEL: delete a frame only while the index does not count its block.
@@ -305,6 +326,9 @@ return redis.call('DEL', KEYS[1], KEYS[2])
 GEN_FENCE_SECONDS = 600
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
+# How long a script call's reply is kept for the same call sent again: redis-py sends a
+# pipeline again at once after a connection error, so a minute is far more than it needs.
+CALL_REPLY_SECONDS = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,9 +388,20 @@ class SharedIndex:
         raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
         and idle at least ``repair_idle_us``. EVAL rather than EVALSHA: the script text is
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
-        failover."""
+        failover.
+
+        Each call carries an id of its own, under which the script keeps its reply when
+        running it again would answer otherwise (victims, entries let expire, blocks counted
+        anew). redis-py sends a pipeline (or a command) again, once, after a connection
+        error: when that error lost the reply of a script Redis had run, the second run
+        evicted nothing, and the first run's victims were neither deleted nor counted
+        (orphans). Dropping the client's retry would not save them (the reply is lost all the
+        same; the call would fail instead), so the script answers a call sent again with
+        the first run's reply, and the caller deletes its victims."""
+        keys = (*self.keys.index, self.keys.call(os.urandom(12).hex()))
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
-                           len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations)]
+                           len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
+                           CALL_REPLY_SECONDS * 1000]
         args += forget
         args += repair
         args += touch
@@ -374,7 +409,7 @@ class SharedIndex:
         args += unpin
         for member, nbytes, raw_nbytes in add:
             args += [member, int(nbytes), int(raw_nbytes)]
-        return client.execute_command("EVAL", INDEX_SCRIPT, len(self.keys.index), *self.keys.index, *args,
+        return client.execute_command("EVAL", INDEX_SCRIPT, len(keys), *keys, *args,
                                       **_routed(client, self.keys.lru))
 
     def queue_drop_stale(self, client: Any, member: str, gen: int) -> Any:

@@ -105,5 +105,10 @@ class RedisKeys:
     def index(self) -> tuple[str, str, str, str, str]:
         return self.lru, self.sizes, self.totals, self.pinned, self.gens
 
+    def call(self, call_id: str) -> str:
+        """Where one index-script call keeps its reply for a while, should it be sent again
+        (``redis_index.INDEX_SCRIPT``); in the index's slot."""
+        return f"{self.index_tag}:call:{call_id}"
+
 
 __all__ = ["RedisKeys"]
