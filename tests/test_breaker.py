@@ -86,14 +86,18 @@ def test_a_success_resets_the_failure_count():
     assert br.state == CLOSED
 
 
-def test_a_probe_that_never_reports_is_replaced_after_the_backoff():
+def test_a_probe_that_never_reports_is_replaced_after_the_probe_timeout():
     clock = FakeClock()
-    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(2.0), clock=clock)
+    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(2.0), probe_timeout_seconds=10.0, clock=clock)
     br.record_failure()
     clock.advance(2)
     assert br.allow()  # this probe's caller vanishes
     assert not br.allow()
     clock.advance(2)
+    assert not br.allow()  # (a probe in flight for longer than the backoff is no reason for another)
+    clock.advance(7)
+    assert not br.allow()
+    clock.advance(1)  # the probe's timeout since it went
     assert br.allow()
     br.record_success()
     assert br.state == CLOSED
@@ -132,3 +136,6 @@ def test_threads_see_one_probe():
 def test_bad_threshold_is_a_config_error():
     with pytest.raises(ConfigError, match="failure_threshold"):
         CircuitBreaker(failure_threshold=0)
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ConfigError, match="probe_timeout_seconds"):
+            CircuitBreaker(probe_timeout_seconds=bad)

@@ -1398,3 +1398,32 @@ def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_
     finally:
         tier.close()
         proxy.close()
+
+
+def test_a_hung_redis_gets_one_probe_at_a_time(tmp_path):
+    """docs/redis.md: only one probe is in flight at a time. The probe was replaced once it
+    had been out for the backoff, so with a backoff shorter than the socket timeout (the
+    defaults: 1 s and 2 s) a hung Redis got a second probe while the first still waited,
+    and the call that carried it paid the whole timeout."""
+    srv = RedisServer(tmp_path / "r").start()
+    tier = RedisTier(srv.url, 64 << 20, timeouts=RedisTimeouts(connect_seconds=1.0, socket_seconds=1.0),
+                     breaker=CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(0.2)))
+    key, frame = _frame(3)
+    try:
+        tier.put(key, frame)
+        srv.pause()
+        assert tier.get(key) is None  # times out: open
+        time.sleep(0.25)
+        probe = threading.Thread(target=tier.get, args=(key,))
+        probe.start()  # the probe: waits for its timeout
+        time.sleep(0.4)  # (twice the backoff, half the timeout)
+        assert probe.is_alive()
+        start = time.perf_counter()
+        assert tier.get(key) is None
+        assert time.perf_counter() - start < 0.3  # refused at once, not a second probe
+        probe.join(5)
+        s = tier.stats().extra
+        assert s["timeouts"] == 2 and s["refused_by_breaker"] >= 1
+    finally:
+        srv.stop()
+        tier.close()

@@ -8,9 +8,11 @@ calls at once for a while:
     open ──(backoff.compute(trips) seconds later: the next call is the probe)──▶ half_open
     half_open ──(probe succeeds)──▶ closed        half_open ──(probe fails)──▶ open, trips + 1
 
-While half-open, only the probe goes through; every other call is refused as if open. A
-probe that never reports back (its caller died) is replaced by a new one after the same
-backoff, so the breaker cannot wedge half-open.
+While half-open, only the probe goes through; every other call is refused as if open,
+however long the probe takes (a hung backend holds it for a whole timeout, often longer
+than the backoff). A probe that never reports back (its caller died) is replaced by a new
+one after ``probe_timeout_seconds`` (longer than any call should take), so the breaker
+cannot wedge half-open.
 
 Backoffs are value objects with one method, ``compute(failures) -> seconds`` (the
 redis-py shape); the clock is injected, so tests drive time by hand.
@@ -98,10 +100,15 @@ class CircuitBreaker:
         *,
         failure_threshold: int = 3,
         backoff: Backoff | None = None,
+        probe_timeout_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not (isinstance(failure_threshold, int) and failure_threshold >= 1):
             raise ConfigError(f"failure_threshold: must be an int >= 1, got {failure_threshold!r}")
+        if isinstance(probe_timeout_seconds, bool) or not (isinstance(probe_timeout_seconds, (int, float))
+                                                           and probe_timeout_seconds > 0):
+            raise ConfigError(f"probe_timeout_seconds: must be a number of seconds > 0, got {probe_timeout_seconds!r}")
+        self.probe_timeout_seconds = probe_timeout_seconds
         self.failure_threshold = failure_threshold
         self.backoff = backoff if backoff is not None else ExponentialBackoff()
         self._clock = clock
@@ -130,7 +137,7 @@ class CircuitBreaker:
                 self._state = HALF_OPEN
                 self._probe_at = now
                 return True
-            if self._state == HALF_OPEN and now - self._probe_at >= wait:
+            if self._state == HALF_OPEN and now - self._probe_at >= max(wait, self.probe_timeout_seconds):
                 self._probe_at = now  # the last probe never reported: let another through
                 return True
             self._rejected_total += 1
