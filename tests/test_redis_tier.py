@@ -1427,3 +1427,53 @@ def test_a_hung_redis_gets_one_probe_at_a_time(tmp_path):
     finally:
         srv.stop()
         tier.close()
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_a_corrupt_values_delete_spares_a_rewrite_that_landed_since_the_read(where, request, monkeypatch):
+    """Process A reads a block's value and finds it corrupt (truncated); before A drops it,
+    process B puts the block (written over: not the whole frame) and is acknowledged. A's
+    delete was a plain DEL, with the index entry forgotten: B's value went. It is fenced now:
+    A deletes only the value it found bad, and forgets the entry only if it did."""
+    from cacheseek.store import redis_tier
+
+    if where == "standalone":
+        url = request.getfixturevalue("redis_url")
+    else:
+        cluster = request.getfixturevalue("cluster")
+        cluster.flush()
+        url = cluster.url
+    a, b = (RedisTier(url, 64 << 20, namespace="corrupt") for _ in range(2))
+    key, frame = _frame(81)
+    parse = redis_tier.parse_frame
+    stalled, go = threading.Event(), threading.Event()
+
+    def parse_then_stall(data, **kw):
+        try:
+            return parse(data, **kw)
+        except redis_tier.FrameError:
+            if threading.current_thread().name == "reader":
+                stalled.set()
+                go.wait(30)
+            raise
+
+    monkeypatch.setattr(redis_tier, "parse_frame", parse_then_stall)
+    try:
+        b.put(key, frame)
+        client = b._connection()
+        name = b.keys_of.frame(key)
+        client.set(name, client.getrange(name, 0, 999))
+        reader = threading.Thread(target=a.get, args=(key,), name="reader")
+        reader.start()
+        assert stalled.wait(30)  # A has read the bad value; its delete waits
+        assert b.put(key, frame).error is None  # written over, acknowledged
+        go.set()
+        reader.join(30)
+        assert a.stats().corrupt == 1
+        got = b.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+        assert b.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+    finally:
+        go.set()
+        a.close()
+        b.close()

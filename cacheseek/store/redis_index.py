@@ -325,6 +325,28 @@ return redis.call('DEL', KEYS[1], KEYS[2])
 
 GEN_FENCE_SECONDS = 600
 
+# The fence on the delete of a value a read found bad (corrupt, or a key of another type):
+# only that value goes. Another process may have put the block since the read (a value
+# that is not the whole frame is written over) and been acknowledged; a plain DEL took its
+# value. The value is named by its length and its first bytes as read (the whole of it for
+# a frame's read, the header for ``info``'s). Its generation key, in a cluster, is left to
+# expire: a write in flight may have just stored its own.
+# KEYS[1]: the frame; ARGV[1]: its length as read (-1: a key of another type); ARGV[2]: its
+# first bytes as read.
+DROP_FOUND_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then return 0 end
+local n = tonumber(ARGV[1])
+if n < 0 then
+  if kind == 'string' then return 0 end
+elseif kind ~= 'string' or redis.call('STRLEN', KEYS[1]) ~= n then
+  return 0
+elseif #ARGV[2] > 0 and redis.call('GETRANGE', KEYS[1], 0, #ARGV[2] - 1) ~= ARGV[2] then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
+"""
+
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
 # How long a script call's reply is kept for the same call sent again: redis-py sends a
 # pipeline again at once after a connection error, so a minute is far more than it needs.
@@ -425,6 +447,13 @@ class SharedIndex:
         frames = [self.keys.frame_of_member(m) for m in members]
         return client.execute_command("EVAL", DROP_UNCOUNTED_SCRIPT, 1 + len(frames), self.keys.sizes, *frames, *members)
 
+    def drop_found(self, client: Any, member: str, length: int, head: bytes) -> bool:
+        """Delete the frame of ``member`` only if it is still the value a read found bad
+        (see :data:`DROP_FOUND_SCRIPT`): ``length`` (-1: a key of another type) and its first
+        bytes ``head``. Whether it went."""
+        frame = self.keys.frame_of_member(member)
+        return bool(client.execute_command("EVAL", DROP_FOUND_SCRIPT, 1, frame, int(length), head))
+
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
         status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held = reply
@@ -461,4 +490,4 @@ def _text(member: Any) -> str:
     return member.decode() if isinstance(member, bytes) else str(member)
 
 
-__all__ = ["DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]
+__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]

@@ -550,17 +550,28 @@ class RedisTier(Tier):
                 raise FrameError("frame header names another block")
         except FrameError:
             if drop_corrupt:
-                self._drop_corrupt(key)
+                found = (-1, b"") if isinstance(data, BaseException) else (len(data), data)
+                self._drop_corrupt(key, *found)
             else:
                 self.count(corrupt=1)
             return None
         return BlockFrame(meta, host=memoryview(data), sealed=True)
 
-    def _drop_corrupt(self, key: bytes) -> None:
+    def _drop_corrupt(self, key: bytes, length: int, head: bytes) -> None:
+        """Count a value a read found bad, delete it and forget its block. Fenced: another
+        process may have put the block since the read (written over, acknowledged), so only
+        the value found bad goes (``length``, -1 for a key of another type, and its first
+        bytes ``head`` as read), and the index forgets the block only if that value went."""
         with self._lock:
             self._stats.corrupt += 1
+        member = RedisKeys.member(key)
+
+        def drop(c: Any) -> None:
+            if self._index.drop_found(c, member, length, head):
+                self._note_totals(SharedIndex.parse(self._index.queue(c, forget=[member])).totals)
+
         try:
-            self._run(lambda c: self._delete(c, key))
+            self._run(drop)
         except StorageError:
             pass  # counted; the bad value is found (and dropped) again on the next read
 
@@ -639,7 +650,7 @@ class RedisTier(Tier):
             if meta.block_hash != key or meta.nbytes != size:
                 raise FrameError("frame header disagrees with its key or its length")
         except FrameError:
-            self._drop_corrupt(key)
+            self._drop_corrupt(key, size, head)
             return None
         return BlockInfo(nbytes=meta.nbytes, raw_nbytes=meta.raw_nbytes, parent=meta.parent_hash,
                          position=meta.position)
