@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -157,15 +158,20 @@ class RedisCluster3:
             node.stop()
 
 
+def _end_stream(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
 class ReplyLosingProxy:
     """A loopback TCP proxy in front of a Redis. Once ``arm(marker)`` is called, the first
-    request that carries ``marker`` is passed on, and its reply is lost: both sockets are
-    closed once Redis has had time to answer, as a connection reset after the server
-    acted would. Every other byte is passed on as it comes."""
+    request that carries ``marker`` is passed on, and its reply is lost: the client reads an
+    end of stream once Redis has had time to run it, as after a connection lost once the
+    server acted. Every other byte is passed on as it comes."""
 
     def __init__(self, target_port: int, *, settle_seconds: float = 0.2):
-        import threading
-
         self.target_port = target_port
         self.settle_seconds = settle_seconds
         self.marker: bytes | None = None
@@ -175,7 +181,6 @@ class ReplyLosingProxy:
         self._listener.listen(16)
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self._accepting = threading.Thread(target=self._accept, daemon=True)
         self._accepting.start()
@@ -189,47 +194,42 @@ class ReplyLosingProxy:
             self.marker = marker
 
     def _accept(self) -> None:
-        import threading
-
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            pair = (client, upstream)
-            for args in ((client, upstream, True, pair), (upstream, client, False, pair)):
-                t = threading.Thread(target=self._pump, args=args, daemon=True)
-                t.start()
-                self._threads.append(t)
+            state = {"deaf": False}  # set once this connection's reply is to be lost
+            for args in ((client, upstream, True, state), (upstream, client, False, state)):
+                threading.Thread(target=self._pump, args=args, daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool, pair) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool, state: dict) -> None:
         seen = b""
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
-                hit = False
-                if requests:
-                    seen = (seen + data)[-(1 << 16):]
-                    with self._lock:
-                        hit = self.marker is not None and self.marker in seen
-                        if hit:
-                            self.marker = None
-                if hit:
-                    # The client's side goes first, so that no byte of the answer reaches it;
-                    # then Redis gets the request, runs it and answers into the void.
-                    self.lost += 1
-                    src.shutdown(socket.SHUT_RDWR)
-                    dst.sendall(data)
-                    time.sleep(self.settle_seconds)
-                    break
+                if not requests:
+                    if not state["deaf"]:
+                        dst.sendall(data)
+                    continue
+                seen = (seen + data)[-(1 << 16):]
+                with self._lock:
+                    if self.marker is not None and self.marker in seen:
+                        self.marker = None
+                        self.lost += 1
+                        # No byte of the answer reaches the client. The rest of its request
+                        # still reaches Redis, which runs it; then the client reads an end
+                        # of stream (a connection error).
+                        state["deaf"] = True
+                        threading.Timer(self.settle_seconds, _end_stream, args=(src,)).start()
                 dst.sendall(data)
         except OSError:
             pass
         finally:
-            for s in pair:
+            for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:

@@ -1477,3 +1477,29 @@ def test_a_corrupt_values_delete_spares_a_rewrite_that_landed_since_the_read(whe
         go.set()
         a.close()
         b.close()
+
+
+def test_a_puts_script_whose_reply_a_fault_kept_gets_its_victims_deleted_by_the_next_call(redis_url, server):
+    """A put's script ran and evicted, and its reply was lost (a connection error redis-py
+    did not retry, or a timeout): the put failed knowing nothing of its victims, which
+    stayed stored and uncounted (orphans) for good, without a TTL. The reply is kept under
+    the call's id; the next call that reaches Redis asks for it and deletes the victims."""
+    from cacheseek.store.redis_index import INDEX_SCRIPT
+
+    proxy = ReplyLosingProxy(server.port)
+    frames = [_frame(i) for i in range(120, 124)]
+    tier = RedisTier(proxy.url, 3 * frames[0][1].nbytes, client_retries=0)
+    try:
+        tier.put_many(frames[:3])
+        proxy.arm(INDEX_SCRIPT.strip().splitlines()[0].encode())
+        with pytest.raises(StorageError):
+            tier.put(*frames[3])
+        assert proxy.lost == 1
+        stats = tier.stats()  # (reaches Redis: asks for the lost reply)
+        assert tier.check() == {"ok": 2, "ghosts": 1, "orphans": 0}  # (the failed write's own entry: a ghost)
+        assert stats.evictions == 1 and stats.extra["owed_replies"] == 0
+        assert tier.put(*frames[3]).error is None
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0}
+    finally:
+        tier.close()
+        proxy.close()

@@ -60,12 +60,16 @@ local n_pin, n_unpin = tonumber(ARGV[7]), tonumber(ARGV[8])
 local n_repair, repair_idle_us = tonumber(ARGV[9]), tonumber(ARGV[10])
 local keep_gens = ARGV[11] == '1'
 local reply_ms = tonumber(ARGV[12])
+local replay = ARGV[13] == '1'
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
+-- A replay only asks for that reply (nil: none kept), and runs nothing.
 local first = redis.call('GET', call)
 if first then
   return cmsgpack.unpack(first)
+elseif replay then
+  return false
 end
 
 local t = redis.call('TIME')
@@ -140,7 +144,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 13
+local i = 14
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -405,6 +409,8 @@ class SharedIndex:
         unpin: Sequence[str] = (),
         repair: Sequence[str] = (),
         repair_idle_us: int = 0,
+        call: str | None = None,
+        replay: bool = False,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
@@ -419,11 +425,12 @@ class SharedIndex:
         evicted nothing, and the first run's victims were neither deleted nor counted
         (orphans). Dropping the client's retry would not save them (the reply is lost all the
         same; the call would fail instead), so the script answers a call sent again with
-        the first run's reply, and the caller deletes its victims."""
-        keys = (*self.keys.index, self.keys.call(os.urandom(12).hex()))
+        the first run's reply, and the caller deletes its victims. ``call``: the id (else a
+        new one); ``replay``: only ask for the reply kept under it (see :meth:`replay`)."""
+        keys = (*self.keys.index, self.keys.call(call or self.new_call()))
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
-                           CALL_REPLY_SECONDS * 1000]
+                           CALL_REPLY_SECONDS * 1000, int(replay)]
         args += forget
         args += repair
         args += touch
@@ -433,6 +440,17 @@ class SharedIndex:
             args += [member, int(nbytes), int(raw_nbytes)]
         return client.execute_command("EVAL", INDEX_SCRIPT, len(keys), *keys, *args,
                                       **_routed(client, self.keys.lru))
+
+    @staticmethod
+    def new_call() -> str:
+        return os.urandom(12).hex()
+
+    def replay(self, client: Any, call: str) -> IndexUpdate | None:
+        """What the call under id ``call`` did, if Redis ran it and kept its reply (for
+        ``CALL_REPLY_SECONDS``, when it had victims, expired entries or blocks counted anew);
+        None if not. Runs nothing: for a call whose reply a fault kept from its caller."""
+        reply = self.queue(client, call=call, replay=True)
+        return None if reply is None else self.parse(reply)
 
     def queue_drop_stale(self, client: Any, member: str, gen: int) -> Any:
         """Queue (or run) the fenced delete of one victim's frame in a cluster: it goes only

@@ -40,7 +40,7 @@ from ..errors import ConfigError, FrameError, StorageError
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
-from .redis_index import GEN_FENCE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
+from .redis_index import CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
 from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
@@ -148,6 +148,10 @@ class RedisTier(Tier):
         # connection lost between a script and its deletes): member -> (generation, when owed).
         # Left undone, such a frame stays stored and uncounted (an orphan, outside the budget).
         self._owed_drops: dict[str, tuple[int, float]] = {}
+        # Puts' script calls whose reply a fault kept from us (Redis may have run them, and
+        # evicted): call id -> when owed. Their replies are kept in Redis for a while; the
+        # next call that reaches it asks for them, and deletes their victims.
+        self._owed_replies: dict[str, float] = {}
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -230,6 +234,7 @@ class RedisTier(Tier):
                     self._faults.dropped_writes += len(dropped)
             else:
                 self._pay_owed_unpins()  # (Redis answers again: what an outage left owed)
+                self._pay_owed_replies()
                 self._pay_owed_drops()
         with self._lock:
             self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
@@ -244,10 +249,17 @@ class RedisTier(Tier):
         pipe = client.pipeline(transaction=False)
         for i in batch.todo:
             pipe.strlen(keys.frame(batch.items[i][0]))
+        call = SharedIndex.new_call()
         self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes)
-                                     for m, i in zip(members, batch.todo)])
-        replies = pipe.execute(raise_on_error=False)
-        self._raise_unavailable(replies)
+                                     for m, i in zip(members, batch.todo)], call=call)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+            self._raise_unavailable(replies)
+        except _redis_errors() as exc:
+            if _fault_kind(exc) != "rejected":  # (it may have run, and evicted)
+                with self._lock:
+                    self._owed_replies[call] = time.monotonic()
+            raise
         if isinstance(replies[-1], BaseException):
             raise replies[-1]
         exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
@@ -417,6 +429,34 @@ class RedisTier(Tier):
             with self._lock:
                 for m in members:
                     self._owed_drops.setdefault(m, (gens.get(m, 0), now))
+
+    def _pay_owed_replies(self) -> None:
+        """Ask for the replies of puts' script calls a fault kept from us, and delete their
+        victims (fenced: a block counted again since keeps its frame). A reply Redis kept
+        no longer (``CALL_REPLY_SECONDS``) is not asked for; the call's victims stay orphans."""
+        if not self._owed_replies:
+            return
+        with self._lock:
+            owed, self._owed_replies = self._owed_replies, {}
+        now = time.monotonic()
+        todo = [call for call, since in owed.items() if now - since < CALL_REPLY_SECONDS]
+
+        def send(c: Any) -> None:
+            while todo:
+                update = self._index.replay(c, todo[0])
+                todo.pop(0)  # (asked: its deletes, if they fail now, are owed)
+                if update is not None:
+                    self.count(evictions=len(update.evicted))
+                    self._drop(c, list(update.evicted) + list(update.expired), update.gens)
+
+        try:
+            self._run(send)
+        except RedisUnavailable:
+            with self._lock:
+                for call in todo:
+                    self._owed_replies.setdefault(call, owed[call])
+        except StorageError:
+            pass  # (Redis refused: counted; asking again would not help)
 
     def _pay_owed_drops(self) -> None:
         if not self._owed_drops:
@@ -840,6 +880,7 @@ class RedisTier(Tier):
 
         try:
             self._pay_owed_unpins()  # (first, so the figures below count what it gives back)
+            self._pay_owed_replies()
             self._pay_owed_drops()
             self._run(refresh)
             stale = False
@@ -861,6 +902,7 @@ class RedisTier(Tier):
                 "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
                 "owed_unpins": len(self._owed_unpins), "owed_drops": len(self._owed_drops),
+                "owed_replies": len(self._owed_replies),
             }
             return self._snapshot()
 
