@@ -63,6 +63,7 @@ NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
+START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
 ON_UNAVAILABLE = ("raise", "miss")
@@ -386,9 +387,8 @@ class RemoteCache(PrefixCacheBase):
                      for h, n in zip(call.hashes, limits)]
             counts = [f["matched"] for f in found]
             paged_io.plan_load(call, counts, self.block_tokens, starts)
-            # A chain streams from its first block: the blocks before a request's start come
-            # along and are dropped (they are in its pages already).
-            chains = [self._fetch_chain(h[:n])[s:] if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
+            # The blocks before a request's start are in its pages already: not fetched.
+            chains = [self._fetch_chain(h[:n], s) if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -680,17 +680,18 @@ class RemoteCache(PrefixCacheBase):
         finally:
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
-    def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
-        """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid.
-        A block gone since the lookup (evicted, deleted) ends the prefix before it: the server
-        answers 404 for the whole chain, so the stored part is looked up again and fetched."""
+    def _fetch_chain(self, hashes: list[BlockHash], start: int = 0) -> list[BlockFrame]:
+        """The frames of ``hashes`` (a chain from its head) from position ``start`` on, as far
+        as they arrive whole and valid. A block gone since the lookup (evicted, deleted) ends
+        the prefix before it: the server answers 404 for the whole chain, so the stored part
+        is looked up again and fetched."""
         for _ in range(FETCH_TRIES):
-            frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes))
+            frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes, start))
             if frames is not None:
                 return frames
             matched = self._lookup(hashes)["matched"]
-            if not 0 < matched < len(hashes):
-                return []  # nothing stored, or the whole chain again: another writer races this read
+            if not start < matched < len(hashes):
+                return []  # nothing stored past start, or the whole chain again: another writer races this read
             hashes = hashes[:matched]
         return []
 
@@ -700,23 +701,30 @@ class RemoteCache(PrefixCacheBase):
         allocated (memory follows bytes received, not bytes declared)."""
         return max(part.planned_payload().nbytes for part in self.block_format.parts()) + HEADER_SLACK
 
-    def _stream_chain(self, hashes: list[BlockHash]) -> list[BlockFrame] | None:
-        """None: the server has not every block of ``hashes`` (a 404)."""
+    def _stream_chain(self, hashes: list[BlockHash], start: int = 0) -> list[BlockFrame] | None:
+        """The frames from position ``start`` on; None: the server has not every block of
+        ``hashes`` (a 404)."""
         frames: list[BlockFrame] = []
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
-            with self._http.stream("GET", path) as response:
+            with self._http.stream("GET", path, params={"start": start} if start else None) as response:
                 if response.status_code == 404:
                     return None
                 self._raise_for_status(response, path, streamed=True)
+                # A server that ignored ?start= (an older one: no answer header) streams from
+                # the head; those frames are checked at their places, then dropped.
+                i = _streamed_from(response, start)
+                if i is None:
+                    return []  # a start this client did not ask for: no frame's place is known
                 try:
                     for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
-                        i = len(frames)
                         if i >= len(hashes):
                             break
                         meta = parse_frame(buf, verify=True)
                         self.block_format.check_fetched(meta, hashes[i], i)
-                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                        if i >= start:
+                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                        i += 1
                 except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
                     pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
@@ -768,6 +776,15 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _streamed_from(response: httpx.Response, start: int) -> int | None:
+    """The chain position a prefix's answer streams from: ``start`` if the server honoured
+    it, 0 if it ignored it (no answer header), None if it names another."""
+    honoured = response.headers.get(START_HEADER)
+    if honoured is None:
+        return 0
+    return start if honoured == str(start) else None
 
 
 def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:

@@ -698,12 +698,12 @@ def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(s
         stream = cache._stream_chain
         gets = []
 
-        def evicted_first(chain):
+        def evicted_first(chain, start=0):
             if not gets:  # after the lookup, before the GET: the last block goes
                 r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w"})
                 assert r.status_code == 204
             gets.append(len(chain))
-            return stream(chain)
+            return stream(chain, start)
 
         monkeypatch.setattr(cache, "_stream_chain", evicted_first)
         got = cache.materialize(toks)
@@ -838,14 +838,17 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
 
 
 
-def _forwarding_front(srv, lookup: bytes, *, compress: bool = False):
+def _forwarding_front(srv, lookup: bytes, *, compress: bool = False, strip_query: bool = False):
     """A fake front: lookups answered ``lookup`` (JSON), other requests forwarded to ``srv``
-    (their bodies are not), the answer gzipped when ``compress`` and the request accepts it."""
+    (their bodies are not; their query too unless ``strip_query``: a server that knows no
+    parameter), the answer gzipped when ``compress`` and the request accepts it."""
     import gzip
 
     def script(n: int, head: bytes):
         line, *fields = head.decode("latin-1").split("\r\n")
         _, path, _ = line.split(" ")
+        if strip_query:
+            path = path.partition("?")[0]
         headers = {k.lower(): v for k, v in (f.split(": ", 1) for f in fields)}
         if path.startswith("/v1/lookup"):
             return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -1052,3 +1055,80 @@ def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_c
         with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
             cache.stats()
         assert cache.client_stats()["unavailable_calls"] == 1
+
+
+# -- a load from start fetches only the blocks past it ---------------------------------------------
+
+
+def _sent(srv) -> int:
+    return httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()["frame_bytes_sent"]
+
+
+def test_a_paged_load_from_start_streams_only_the_blocks_past_it(srv):
+    """An engine holding the chain's first blocks in its own pages gets only the rest: the
+    GET asks for them from ``start`` on (``?start=``), so the head's frames are no longer
+    read and sent to be dropped. The pages written are the unranged load's, bit for bit;
+    against a server that ignores the parameter (no answer header) the client drops the
+    head itself."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, read_tokens, snapshot, unchanged
+
+    codec = cs.KIVI(bits=4, group_size=32)
+    T, start = 6 * BLOCK, 3 * BLOCK
+    toks, kv = tokens_for(37, T), make_kv(T, 37)
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    table = list(range(11, -1, -1))  # 12 pages of 16 tokens, in reverse
+
+    def load(cache, from_token):
+        pages, tensors = engine_pages("nhd", L, H, D, 12, 16, dtype, seed=5)
+        before = snapshot(tensors)
+        sent = _sent(srv)
+        got = cache.materialize_into_batch([cs.PagedRequest(toks, table, start=from_token)], pages)[0]
+        return (got.num_tokens, got.num_blocks, got.tiers), pages, before, tensors, _sent(srv) - sent
+
+    with _remote(srv, codec, namespace="ranged") as cache:
+        assert cache.ingest(toks, kv).stored == 6
+        whole, whole_pages, _, _, whole_bytes = load(cache, 0)
+        ranged, pages, before, tensors, ranged_bytes = load(cache, start)
+    assert whole == (T, 6, ["cpu"] * 6) and ranged == whole
+    assert 0 < ranged_bytes < whole_bytes * 0.55  # 3 frames of 6
+    own = table[: start // 16]
+    assert unchanged([t[own] for t in before], [t[own] for t in tensors])  # the engine's own pages: untouched
+    for (k, v), (wk, wv) in zip(read_tokens(pages, table, T), read_tokens(whole_pages, table, T)):
+        assert torch.equal(k[:, start:], wk[:, start:]) and torch.equal(v[:, start:], wv[:, start:])
+    lookup = b'{"matched": 6, "tiers": ["cpu", "cpu", "cpu", "cpu", "cpu", "cpu"]}'
+    with FakeServer(_forwarding_front(srv, lookup, strip_query=True)) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=codec, block_tokens=BLOCK, token="w",
+            namespace="ranged", timeout=5, trust_env=False) as older:
+        fallback, _, _, fallback_tensors, fallback_bytes = load(older, start)
+        assert "start=3" in front.requests[-1].split(b"\r\n", 1)[0].decode()
+    assert fallback == whole and fallback_bytes == whole_bytes  # the whole chain came, its head dropped
+    assert unchanged(tensors, fallback_tensors)
+
+
+def test_a_prefix_get_from_start_answers_what_it_streams_and_refuses_bad_starts(srv):
+    toks, kv = tokens_for(38, 5 * BLOCK), make_kv(5 * BLOCK, 38)
+    with _remote(srv, cs.Raw(), namespace="start") as cache:
+        assert cache.ingest(toks, kv).stored == 5
+        hashes = cache.block_hashes(toks)
+    auth = {"authorization": "Bearer r", "x-cacheseek-namespace": "start"}
+    url = f"{srv.url}/v1/prefixes/{hashes[-1].hex()}"
+    whole = httpx.get(url, headers=auth)
+    assert whole.status_code == 200 and whole.headers["x-cacheseek-start"] == "0"
+    got = httpx.get(url, params={"start": 3}, headers=auth)
+    assert got.status_code == 200 and got.headers["x-cacheseek-blocks"] == "2" and got.headers["x-cacheseek-start"] == "3"
+    frames = [httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers=auth).content for h in hashes]
+    assert int(got.headers["content-length"]) == len(got.content) == sum(8 + len(f) for f in frames[3:])
+    assert got.content == b"".join(len(f).to_bytes(8, "little") + f for f in frames[3:])
+    assert whole.content.endswith(got.content)
+    last = httpx.get(url, params={"start": 4}, headers=auth)
+    assert last.status_code == 200 and last.content == len(frames[4]).to_bytes(8, "little") + frames[4]
+    sent = _sent(srv)
+    for bad in ("-1", "x", "1.0", " 1", "+1", "1_0", "\u0663", "", "5", "99", "9" * 5000):
+        r = httpx.get(url, params={"start": bad}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"].startswith("start: "), (bad, r.status_code, r.text[:200])
+    assert _sent(srv) == sent  # nothing streamed
+    # An incomplete chain is a 404 whatever the start.
+    gone = httpx.delete(f"{srv.url}/v1/blocks/{hashes[1].hex()}", headers={**auth, "authorization": "Bearer w"})
+    assert gone.status_code == 204
+    assert httpx.get(url, params={"start": 3}, headers=auth).status_code == 404
