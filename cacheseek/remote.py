@@ -39,7 +39,7 @@ from . import paged_io
 from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, BatchTooLarge, iter_frames
 from .decode import decode_frames
 from .encode import encode_missing
-from .errors import ConfigError, FrameError, InputError, RemoteBusy, RemoteError, RemoteUnavailable
+from .errors import ConfigError, FrameError, InputError, PoolExhausted, RemoteBusy, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
@@ -87,7 +87,8 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
-                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0}
+                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0,
+                       "pool_timeouts": 0}
         self.last_error = ""
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
@@ -231,6 +232,7 @@ class RemoteCache(PrefixCacheBase):
                                   "no header can carry (one read from a file keeps its newline: strip it)")
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self.max_connections = max_connections
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
                                         trust_env=trust_env, exchange_timeout=exchange_timeout)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
@@ -498,7 +500,9 @@ class RemoteCache(PrefixCacheBase):
         (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``,
         ``missed_prefetches`` and ``dropped_blocks`` (outages turned into misses, with
         ``on_unavailable="miss"``), ``busy_refusals`` (``RemoteBusy``: the server up, its
-        request bodies in flight at their cap), ``in_outage``, ``last_error``, and the breaker's state."""
+        request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
+        waited past their timeout for a connection of this client's pool, not sent),
+        ``in_outage``, ``last_error``, and the breaker's state."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict()}
 
@@ -518,6 +522,10 @@ class RemoteCache(PrefixCacheBase):
             raise exc
         try:
             out = call()
+        except PoolExhausted:
+            self.breaker.record_unsent()  # this client's own limit: the server was not asked
+            self._outages.count("pool_timeouts")
+            raise
         except RemoteBusy:
             self.breaker.record_success()  # an answer: the server is up, its bodies in flight at their cap
             self._outages.answered()
@@ -601,7 +609,7 @@ class RemoteCache(PrefixCacheBase):
             response = self._transport.handle_request(request)
             response.read()
         except httpx.TransportError as exc:
-            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+            raise self._unreached(exc, path) from None
         self._raise_for_status(response, path)
         return response
 
@@ -729,7 +737,7 @@ class RemoteCache(PrefixCacheBase):
                     pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             # Before a body (no answer, or one that is not HTTP), as for any other call.
-            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+            raise self._unreached(exc, path) from None
         return frames
 
     def _request(self, method: str, path: str, *, json_answer: bool = False,
@@ -741,7 +749,7 @@ class RemoteCache(PrefixCacheBase):
             try:
                 response = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
-                raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+                raise self._unreached(exc, path) from None
             self._raise_for_status(response, path)
             if not json_answer:
                 return response
@@ -751,6 +759,14 @@ class RemoteCache(PrefixCacheBase):
             return found
 
         return self._guarded(path, call)
+
+    def _unreached(self, exc: httpx.TransportError, path: str) -> RemoteUnavailable:
+        """The error of a request that got no answer. A wait for a pooled connection is this
+        client's saturation (more calls at once than its pool), not the server's failure."""
+        if isinstance(exc, httpx.PoolTimeout):
+            return PoolExhausted(f"no connection of this client's pool came free in time: more calls at once than "
+                                 f"max_connections ({self.max_connections}); not sent", url=self.url + path)
+        return RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path)
 
     def _raise_for_status(self, response: httpx.Response, path: str, streamed: bool = False) -> None:
         if response.is_success:

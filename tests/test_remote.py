@@ -1132,3 +1132,26 @@ def test_a_prefix_get_from_start_answers_what_it_streams_and_refuses_bad_starts(
     gone = httpx.delete(f"{srv.url}/v1/blocks/{hashes[1].hex()}", headers={**auth, "authorization": "Bearer w"})
     assert gone.status_code == 204
     assert httpx.get(url, params={"start": 3}, headers=auth).status_code == 404
+
+
+def test_a_wait_for_a_pooled_connection_is_not_the_servers_outage(srv):
+    """More calls at once than ``max_connections``: one that waits past its timeout for a
+    connection of this client's pool raises ``PoolExhausted`` (a miss under ``"miss"``).
+    The server is up: it was counted as an outage, three opened the breaker, and every
+    call after them was refused though the server answered."""
+    toks, kv = tokens_for(39, 2 * BLOCK), make_kv(2 * BLOCK, 39)
+    for mode in ("raise", "miss"):
+        with _remote(srv, cs.Raw(), namespace="pool", max_connections=1, timeout=0.2,
+                     on_unavailable=mode) as cache:
+            assert cache.ingest(toks, kv).failed == 0
+            with cache._http.stream("GET", "/v1/stats"):  # the pool's one connection, held
+                for _ in range(4):
+                    if mode == "raise":
+                        with pytest.raises(cs.PoolExhausted, match="max_connections"):
+                            cache.lookup(toks)
+                    else:
+                        assert cache.lookup(toks) == 0
+            stats = cache.client_stats()
+            assert stats["pool_timeouts"] == 4 and stats["outages"] == stats["unavailable_calls"] == 0, stats
+            assert stats["breaker"]["state"] == "closed" and stats["breaker"]["consecutive_failures"] == 0
+            assert cache.lookup(toks) == 2 * BLOCK  # the connection given back: served at once
