@@ -69,6 +69,7 @@ OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the s
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
+ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connection to stay open, up to this
 # The namespaces the server takes in NAMESPACE_HEADER (server/config.py's NAMESPACE_PATTERN).
 NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
@@ -717,6 +718,7 @@ class RemoteCache(PrefixCacheBase):
         try:
             with self._http.stream("GET", path, params={"start": start} if start else None) as response:
                 if response.status_code == 404:
+                    _read_small(response)  # the eviction race: its connection back to the pool, not closed
                     return None
                 self._raise_for_status(response, path, streamed=True)
                 # A server that ignored ?start= (an older one: no answer header) streams from
@@ -792,6 +794,17 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _read_small(response: httpx.Response) -> None:
+    """Read a streamed answer's body whole if it declares at most ``ERROR_BODY_BYTES``: a
+    body left unread closes its kept-alive connection."""
+    length = response.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) <= ERROR_BODY_BYTES:
+        try:
+            response.read()
+        except httpx.TransportError:
+            pass  # the answer stands; only its connection is lost
 
 
 def _streamed_from(response: httpx.Response, start: int) -> int | None:

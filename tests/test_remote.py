@@ -1155,3 +1155,71 @@ def test_a_wait_for_a_pooled_connection_is_not_the_servers_outage(srv):
             assert stats["pool_timeouts"] == 4 and stats["outages"] == stats["unavailable_calls"] == 0, stats
             assert stats["breaker"]["state"] == "closed" and stats["breaker"]["consecutive_failures"] == 0
             assert cache.lookup(toks) == 2 * BLOCK  # the connection given back: served at once
+
+
+class _CountingRelay:
+    """A TCP relay on loopback in front of ``srv`` that counts the connections it accepts."""
+
+    def __init__(self, srv) -> None:
+        import socket
+
+        self.upstream = ("127.0.0.1", srv.port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            up = socket.create_connection(self.upstream)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        import socket
+
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_chain_gone_before_its_get_keeps_the_connection_alive(srv, monkeypatch):
+    """A 404 for a chain evicted between the lookup and the GET (the eviction race) leaves
+    the connection in the pool: its small error body is read, where it was left unread and
+    the connection closed, so every race cost a new connection."""
+    toks, kv = tokens_for(41, 3 * BLOCK), make_kv(3 * BLOCK, 41)
+    with _remote(srv, cs.Raw(), namespace="race404") as cache:
+        assert cache.ingest(toks, kv).stored == 3
+        hashes = cache.block_hashes(toks)
+    assert httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w",
+                                                                            "x-cacheseek-namespace": "race404"}
+                        ).status_code == 204
+    relay = _CountingRelay(srv)
+    try:
+        with cs.RemoteCache(relay.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            token="w", namespace="race404", max_connections=1, trust_env=False) as cache:
+            for _ in range(3):
+                assert cache._stream_chain(hashes) is None  # the whole chain asked for: a 404
+                assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+            assert cache.lookup(toks) == 2 * BLOCK
+    finally:
+        relay.close()
+    assert relay.accepted == 1
