@@ -239,6 +239,7 @@ class RemoteCache(PrefixCacheBase):
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
+        self._closed = False
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -249,6 +250,7 @@ class RemoteCache(PrefixCacheBase):
         on disk, with a write-through server). In an outage with ``on_unavailable="miss"``,
         the blocks not acknowledged count as failed, with ``errors["server"]``. ``kv`` may be
         one request's KV in an engine's pages (``pages.at(page_ids)``), encoded there in place."""
+        self._check_open()
         if isinstance(kv, PagedKV):
             return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)
@@ -291,6 +293,7 @@ class RemoteCache(PrefixCacheBase):
         same call on ``finish``), for callers written against ``PrefixCache``'s. As there,
         the requests are checked and hashed when the writer is made, so bad ones raise
         before the forward runs rather than after it."""
+        self._check_open()
         if layerwise:
             call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
@@ -356,6 +359,7 @@ class RemoteCache(PrefixCacheBase):
         table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
         (``PrefixCache.materialize_into``). ``layerwise``: a ``LayerwiseLoad`` with every
         layer ready at once (see ``materialize``)."""
+        self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
         loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)
@@ -364,6 +368,7 @@ class RemoteCache(PrefixCacheBase):
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
         streamed fetch per request's chain, decoded together into their pages."""
+        self._check_open()
         loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
         return self._all_ready(loaded, pages.device) if layerwise else loaded
 
@@ -417,6 +422,7 @@ class RemoteCache(PrefixCacheBase):
         return results
 
     def locate(self, keys: Any) -> Located:
+        self._check_open()
         tokens = self._num_keys(keys)
         hashes = self.block_hashes(keys)
         try:
@@ -439,6 +445,7 @@ class RemoteCache(PrefixCacheBase):
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``. In an outage with
         ``on_unavailable="miss"``, nothing."""
+        self._check_open()
         if layerwise:
             return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
         tokens = self._num_keys(keys)
@@ -467,6 +474,7 @@ class RemoteCache(PrefixCacheBase):
         server for the blocks still on their way), or None when the server started nothing
         (nothing stored, already in memory, or its limit of prefetches in flight). In an
         outage with ``on_unavailable="miss"``, None too."""
+        self._check_open()
         self._num_keys(keys)
         hashes = self.block_hashes(keys)
         if not hashes:
@@ -491,6 +499,7 @@ class RemoteCache(PrefixCacheBase):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
         ``device_staging``: this process's staging pools (the decodes run here)."""
+        self._check_open()
         server = self._request("GET", "/v1/stats", json_answer=True, check=lambda found: isinstance(found, dict),
                                what="the server's figures")
         return {**self._config_stats(), **server, "device_staging": staging_stats()}
@@ -508,13 +517,21 @@ class RemoteCache(PrefixCacheBase):
                 "breaker": self.breaker.stats().to_dict()}
 
     def close(self) -> None:
+        """Close the connections. Every call but ``client_stats`` then raises ``RuntimeError``."""
+        self._closed = True
         self._http.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RemoteCache: closed (close() was called, or its with block ended); "
+                               "make a new one to talk to the server")
 
     # -- HTTP ----------------------------------------------------------------------------
 
     def _guarded(self, path: str, call: Callable[[], T]) -> T:
         """Run one exchange with the server under the breaker: refused at once while it is
         open; a failure to get an answer (or a 503) counts against it, any other answer for it."""
+        self._check_open()  # (a layer-wise writer made before close() sends on finish())
         if not self.breaker.allow():
             retry = self.breaker.stats().retry_in_seconds
             exc = RemoteUnavailable(f"the CacheSeek server failed {self.breaker.failure_threshold} or more calls in a "

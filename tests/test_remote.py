@@ -1223,3 +1223,40 @@ def test_a_chain_gone_before_its_get_keeps_the_connection_alive(srv, monkeypatch
     finally:
         relay.close()
     assert relay.accepted == 1
+
+
+def test_every_call_after_close_raises_one_clear_error(srv):
+    """After ``close()`` lookups and ingests still went out (straight to the transport),
+    while materialize, prefetch and stats raised httpx's RuntimeError about its client;
+    a call of no blocks answered as if open. Every call raises the same error now, under
+    ``on_unavailable="miss"`` too, sends nothing, and counts no outage."""
+    from paged_helpers import engine_pages
+
+    toks, kv = tokens_for(42, 2 * BLOCK), make_kv(2 * BLOCK, 42)
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    for mode in ("raise", "miss"):
+        cache = _remote(srv, cs.Raw(), namespace="closed", on_unavailable=mode)
+        writer = cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages, layerwise=True)
+        cache.close()
+        calls = {"lookup": lambda: cache.lookup(toks), "locate": lambda: cache.locate(toks),
+                 "lookup of nothing": lambda: cache.lookup(toks[: BLOCK - 1]),
+                 "ingest": lambda: cache.ingest(toks, kv), "materialize": lambda: cache.materialize(toks),
+                 "prefetch": lambda: cache.prefetch(toks), "stats": cache.stats,
+                 "ingest_batch": lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages),
+                 "materialize_into": lambda: cache.materialize_into(toks, pages.at([4, 5, 6, 7])),
+                 "materialize_into_batch": lambda: cache.materialize_into_batch(
+                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages)}
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match=r"^RemoteCache: closed") as info:
+                call()
+            assert not isinstance(info.value, cs.CacheSeekError), name
+        for i in range(L):
+            writer.put_layer(i)
+        with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+            writer.finish()
+        stats = cache.client_stats()  # this client's own figures: still there
+        assert stats["outages"] == stats["unavailable_calls"] == 0 and stats["breaker"]["state"] == "closed"
+        cache.close()  # again: nothing to do
+    with _remote(srv, cs.Raw(), namespace="closed") as cache:
+        assert cache.lookup(toks) == 0  # nothing was sent
