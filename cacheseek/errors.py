@@ -55,6 +55,13 @@ class RemoteUnavailable(RemoteError, ConnectionError):
     """The CacheSeek server could not be reached (down, wrong address, timed out)."""
 
 
+class PoolExhausted(RemoteUnavailable):
+    """No connection of this client's pool came free within the timeout: more calls at once
+    than its ``max_connections``, each waiting for one. Not the server's failure: it neither
+    opens the circuit breaker nor starts an outage; under ``on_unavailable="miss"`` a miss or
+    a dropped write, as an outage is. Raise ``max_connections``, or make fewer calls at once."""
+
+
 class RemoteBusy(RemoteUnavailable):
     """The server is up but refused the request for now (its request bodies in flight are at
     their cap: a ``503`` with ``X-CacheSeek-Busy``): retry later. Under

@@ -39,7 +39,7 @@ from . import paged_io
 from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, BatchTooLarge, iter_frames
 from .decode import decode_frames
 from .encode import encode_missing
-from .errors import ConfigError, FrameError, InputError, RemoteBusy, RemoteError, RemoteUnavailable
+from .errors import ConfigError, FrameError, InputError, PoolExhausted, RemoteBusy, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
@@ -63,11 +63,13 @@ NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
+START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
+ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connection to stay open, up to this
 # The namespaces the server takes in NAMESPACE_HEADER (server/config.py's NAMESPACE_PATTERN).
 NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
@@ -86,7 +88,8 @@ class _Outages:
         self._lock = threading.Lock()
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
-                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0}
+                       "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0,
+                       "pool_timeouts": 0}
         self.last_error = ""
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
@@ -230,11 +233,13 @@ class RemoteCache(PrefixCacheBase):
                                   "no header can carry (one read from a file keeps its newline: strip it)")
             headers["Authorization"] = f"Bearer {token}"
         timeouts = httpx.Timeout(timeout, connect=min(timeout, 10.0))
+        self.max_connections = max_connections
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
                                         trust_env=trust_env, exchange_timeout=exchange_timeout)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
+        self._closed = False
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -245,6 +250,7 @@ class RemoteCache(PrefixCacheBase):
         on disk, with a write-through server). In an outage with ``on_unavailable="miss"``,
         the blocks not acknowledged count as failed, with ``errors["server"]``. ``kv`` may be
         one request's KV in an engine's pages (``pages.at(page_ids)``), encoded there in place."""
+        self._check_open()
         if isinstance(kv, PagedKV):
             return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)
@@ -287,6 +293,7 @@ class RemoteCache(PrefixCacheBase):
         same call on ``finish``), for callers written against ``PrefixCache``'s. As there,
         the requests are checked and hashed when the writer is made, so bad ones raise
         before the forward runs rather than after it."""
+        self._check_open()
         if layerwise:
             call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
@@ -352,6 +359,7 @@ class RemoteCache(PrefixCacheBase):
         table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
         (``PrefixCache.materialize_into``). ``layerwise``: a ``LayerwiseLoad`` with every
         layer ready at once (see ``materialize``)."""
+        self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
         loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)
@@ -360,6 +368,7 @@ class RemoteCache(PrefixCacheBase):
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
         streamed fetch per request's chain, decoded together into their pages."""
+        self._check_open()
         loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
         return self._all_ready(loaded, pages.device) if layerwise else loaded
 
@@ -386,9 +395,8 @@ class RemoteCache(PrefixCacheBase):
                      for h, n in zip(call.hashes, limits)]
             counts = [f["matched"] for f in found]
             paged_io.plan_load(call, counts, self.block_tokens, starts)
-            # A chain streams from its first block: the blocks before a request's start come
-            # along and are dropped (they are in its pages already).
-            chains = [self._fetch_chain(h[:n])[s:] if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
+            # The blocks before a request's start are in its pages already: not fetched.
+            chains = [self._fetch_chain(h[:n], s) if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -414,6 +422,7 @@ class RemoteCache(PrefixCacheBase):
         return results
 
     def locate(self, keys: Any) -> Located:
+        self._check_open()
         tokens = self._num_keys(keys)
         hashes = self.block_hashes(keys)
         try:
@@ -436,6 +445,7 @@ class RemoteCache(PrefixCacheBase):
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``. In an outage with
         ``on_unavailable="miss"``, nothing."""
+        self._check_open()
         if layerwise:
             return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
         tokens = self._num_keys(keys)
@@ -464,6 +474,7 @@ class RemoteCache(PrefixCacheBase):
         server for the blocks still on their way), or None when the server started nothing
         (nothing stored, already in memory, or its limit of prefetches in flight). In an
         outage with ``on_unavailable="miss"``, None too."""
+        self._check_open()
         self._num_keys(keys)
         hashes = self.block_hashes(keys)
         if not hashes:
@@ -488,6 +499,7 @@ class RemoteCache(PrefixCacheBase):
     def stats(self) -> dict[str, Any]:
         """The server's per-tier figures, in the shape of ``PrefixCache.stats()``;
         ``device_staging``: this process's staging pools (the decodes run here)."""
+        self._check_open()
         server = self._request("GET", "/v1/stats", json_answer=True, check=lambda found: isinstance(found, dict),
                                what="the server's figures")
         return {**self._config_stats(), **server, "device_staging": staging_stats()}
@@ -498,18 +510,28 @@ class RemoteCache(PrefixCacheBase):
         (calls not sent: the breaker was open), ``missed_lookups``, ``missed_materializes``,
         ``missed_prefetches`` and ``dropped_blocks`` (outages turned into misses, with
         ``on_unavailable="miss"``), ``busy_refusals`` (``RemoteBusy``: the server up, its
-        request bodies in flight at their cap), ``in_outage``, ``last_error``, and the breaker's state."""
+        request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
+        waited past their timeout for a connection of this client's pool, not sent),
+        ``in_outage``, ``last_error``, and the breaker's state."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict()}
 
     def close(self) -> None:
+        """Close the connections. Every call but ``client_stats`` then raises ``RuntimeError``."""
+        self._closed = True
         self._http.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("RemoteCache: closed (close() was called, or its with block ended); "
+                               "make a new one to talk to the server")
 
     # -- HTTP ----------------------------------------------------------------------------
 
     def _guarded(self, path: str, call: Callable[[], T]) -> T:
         """Run one exchange with the server under the breaker: refused at once while it is
         open; a failure to get an answer (or a 503) counts against it, any other answer for it."""
+        self._check_open()  # (a layer-wise writer made before close() sends on finish())
         if not self.breaker.allow():
             retry = self.breaker.stats().retry_in_seconds
             exc = RemoteUnavailable(f"the CacheSeek server failed {self.breaker.failure_threshold} or more calls in a "
@@ -518,6 +540,10 @@ class RemoteCache(PrefixCacheBase):
             raise exc
         try:
             out = call()
+        except PoolExhausted:
+            self.breaker.record_unsent()  # this client's own limit: the server was not asked
+            self._outages.count("pool_timeouts")
+            raise
         except RemoteBusy:
             self.breaker.record_success()  # an answer: the server is up, its bodies in flight at their cap
             self._outages.answered()
@@ -601,7 +627,7 @@ class RemoteCache(PrefixCacheBase):
             response = self._transport.handle_request(request)
             response.read()
         except httpx.TransportError as exc:
-            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+            raise self._unreached(exc, path) from None
         self._raise_for_status(response, path)
         return response
 
@@ -680,17 +706,18 @@ class RemoteCache(PrefixCacheBase):
         finally:
             request.stream = httpx.ByteStream(b"")  # the frames go now, answered or not
 
-    def _fetch_chain(self, hashes: list[BlockHash]) -> list[BlockFrame]:
-        """The frames of ``hashes`` (a chain from its head), as far as they arrive whole and valid.
-        A block gone since the lookup (evicted, deleted) ends the prefix before it: the server
-        answers 404 for the whole chain, so the stored part is looked up again and fetched."""
+    def _fetch_chain(self, hashes: list[BlockHash], start: int = 0) -> list[BlockFrame]:
+        """The frames of ``hashes`` (a chain from its head) from position ``start`` on, as far
+        as they arrive whole and valid. A block gone since the lookup (evicted, deleted) ends
+        the prefix before it: the server answers 404 for the whole chain, so the stored part
+        is looked up again and fetched."""
         for _ in range(FETCH_TRIES):
-            frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes))
+            frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes, start))
             if frames is not None:
                 return frames
             matched = self._lookup(hashes)["matched"]
-            if not 0 < matched < len(hashes):
-                return []  # nothing stored, or the whole chain again: another writer races this read
+            if not start < matched < len(hashes):
+                return []  # nothing stored past start, or the whole chain again: another writer races this read
             hashes = hashes[:matched]
         return []
 
@@ -700,28 +727,36 @@ class RemoteCache(PrefixCacheBase):
         allocated (memory follows bytes received, not bytes declared)."""
         return max(part.planned_payload().nbytes for part in self.block_format.parts()) + HEADER_SLACK
 
-    def _stream_chain(self, hashes: list[BlockHash]) -> list[BlockFrame] | None:
-        """None: the server has not every block of ``hashes`` (a 404)."""
+    def _stream_chain(self, hashes: list[BlockHash], start: int = 0) -> list[BlockFrame] | None:
+        """The frames from position ``start`` on; None: the server has not every block of
+        ``hashes`` (a 404)."""
         frames: list[BlockFrame] = []
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
-            with self._http.stream("GET", path) as response:
+            with self._http.stream("GET", path, params={"start": start} if start else None) as response:
                 if response.status_code == 404:
+                    _read_small(response)  # the eviction race: its connection back to the pool, not closed
                     return None
                 self._raise_for_status(response, path, streamed=True)
+                # A server that ignored ?start= (an older one: no answer header) streams from
+                # the head; those frames are checked at their places, then dropped.
+                i = _streamed_from(response, start)
+                if i is None:
+                    return []  # a start this client did not ask for: no frame's place is known
                 try:
                     for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
-                        i = len(frames)
                         if i >= len(hashes):
                             break
                         meta = parse_frame(buf, verify=True)
                         self.block_format.check_fetched(meta, hashes[i], i)
-                        frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                        if i >= start:
+                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                        i += 1
                 except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
                     pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             # Before a body (no answer, or one that is not HTTP), as for any other call.
-            raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+            raise self._unreached(exc, path) from None
         return frames
 
     def _request(self, method: str, path: str, *, json_answer: bool = False,
@@ -733,7 +768,7 @@ class RemoteCache(PrefixCacheBase):
             try:
                 response = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
-                raise RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path) from None
+                raise self._unreached(exc, path) from None
             self._raise_for_status(response, path)
             if not json_answer:
                 return response
@@ -743,6 +778,14 @@ class RemoteCache(PrefixCacheBase):
             return found
 
         return self._guarded(path, call)
+
+    def _unreached(self, exc: httpx.TransportError, path: str) -> RemoteUnavailable:
+        """The error of a request that got no answer. A wait for a pooled connection is this
+        client's saturation (more calls at once than its pool), not the server's failure."""
+        if isinstance(exc, httpx.PoolTimeout):
+            return PoolExhausted(f"no connection of this client's pool came free in time: more calls at once than "
+                                 f"max_connections ({self.max_connections}); not sent", url=self.url + path)
+        return RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path)
 
     def _raise_for_status(self, response: httpx.Response, path: str, streamed: bool = False) -> None:
         if response.is_success:
@@ -768,6 +811,26 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _read_small(response: httpx.Response) -> None:
+    """Read a streamed answer's body whole if it declares at most ``ERROR_BODY_BYTES``: a
+    body left unread closes its kept-alive connection."""
+    length = response.headers.get("content-length", "")
+    if length.isascii() and length.isdigit() and int(length) <= ERROR_BODY_BYTES:
+        try:
+            response.read()
+        except httpx.TransportError:
+            pass  # the answer stands; only its connection is lost
+
+
+def _streamed_from(response: httpx.Response, start: int) -> int | None:
+    """The chain position a prefix's answer streams from: ``start`` if the server honoured
+    it, 0 if it ignored it (no answer header), None if it names another."""
+    honoured = response.headers.get(START_HEADER)
+    if honoured is None:
+        return 0
+    return start if honoured == str(start) else None
 
 
 def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:

@@ -77,6 +77,26 @@ def test_a_failed_probe_reopens_with_a_longer_backoff_and_a_success_closes():
     assert br.state == OPEN and br.stats().retry_in_seconds == pytest.approx(1.0)
 
 
+def test_a_call_that_was_never_sent_counts_neither_way_and_hands_the_probe_on():
+    """A call the caller itself could not send (its connection pool full) says nothing of
+    the backend: no failure toward the threshold, and a probe's turn goes to the next call."""
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=2, backoff=ConstantBackoff(1), clock=clock)
+    for _ in range(5):
+        assert br.allow()
+        br.record_unsent()
+    assert br.state == CLOSED and br.stats().consecutive_failures == 0
+    br.record_failure()
+    br.record_failure()
+    assert br.state == OPEN
+    clock.advance(1)
+    assert br.allow() and br.state == HALF_OPEN
+    br.record_unsent()
+    assert br.state == OPEN and br.allow()  # the next call probes at once, not a backoff later
+    br.record_success()
+    assert br.state == CLOSED
+
+
 def test_a_success_resets_the_failure_count():
     br = CircuitBreaker(failure_threshold=3, clock=FakeClock())
     for _ in range(5):

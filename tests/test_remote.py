@@ -698,12 +698,12 @@ def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(s
         stream = cache._stream_chain
         gets = []
 
-        def evicted_first(chain):
+        def evicted_first(chain, start=0):
             if not gets:  # after the lookup, before the GET: the last block goes
                 r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w"})
                 assert r.status_code == 204
             gets.append(len(chain))
-            return stream(chain)
+            return stream(chain, start)
 
         monkeypatch.setattr(cache, "_stream_chain", evicted_first)
         got = cache.materialize(toks)
@@ -838,14 +838,17 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
 
 
 
-def _forwarding_front(srv, lookup: bytes, *, compress: bool = False):
+def _forwarding_front(srv, lookup: bytes, *, compress: bool = False, strip_query: bool = False):
     """A fake front: lookups answered ``lookup`` (JSON), other requests forwarded to ``srv``
-    (their bodies are not), the answer gzipped when ``compress`` and the request accepts it."""
+    (their bodies are not; their query too unless ``strip_query``: a server that knows no
+    parameter), the answer gzipped when ``compress`` and the request accepts it."""
     import gzip
 
     def script(n: int, head: bytes):
         line, *fields = head.decode("latin-1").split("\r\n")
         _, path, _ = line.split(" ")
+        if strip_query:
+            path = path.partition("?")[0]
         headers = {k.lower(): v for k, v in (f.split(": ", 1) for f in fields)}
         if path.startswith("/v1/lookup"):
             return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -1052,3 +1055,208 @@ def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_c
         with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
             cache.stats()
         assert cache.client_stats()["unavailable_calls"] == 1
+
+
+# -- a load from start fetches only the blocks past it ---------------------------------------------
+
+
+def _sent(srv) -> int:
+    return httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()["frame_bytes_sent"]
+
+
+def test_a_paged_load_from_start_streams_only_the_blocks_past_it(srv):
+    """An engine holding the chain's first blocks in its own pages gets only the rest: the
+    GET asks for them from ``start`` on (``?start=``), so the head's frames are no longer
+    read and sent to be dropped. The pages written are the unranged load's, bit for bit;
+    against a server that ignores the parameter (no answer header) the client drops the
+    head itself."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, read_tokens, snapshot, unchanged
+
+    codec = cs.KIVI(bits=4, group_size=32)
+    T, start = 6 * BLOCK, 3 * BLOCK
+    toks, kv = tokens_for(37, T), make_kv(T, 37)
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    table = list(range(11, -1, -1))  # 12 pages of 16 tokens, in reverse
+
+    def load(cache, from_token):
+        pages, tensors = engine_pages("nhd", L, H, D, 12, 16, dtype, seed=5)
+        before = snapshot(tensors)
+        sent = _sent(srv)
+        got = cache.materialize_into_batch([cs.PagedRequest(toks, table, start=from_token)], pages)[0]
+        return (got.num_tokens, got.num_blocks, got.tiers), pages, before, tensors, _sent(srv) - sent
+
+    with _remote(srv, codec, namespace="ranged") as cache:
+        assert cache.ingest(toks, kv).stored == 6
+        whole, whole_pages, _, _, whole_bytes = load(cache, 0)
+        ranged, pages, before, tensors, ranged_bytes = load(cache, start)
+    assert whole == (T, 6, ["cpu"] * 6) and ranged == whole
+    assert 0 < ranged_bytes < whole_bytes * 0.55  # 3 frames of 6
+    own = table[: start // 16]
+    assert unchanged([t[own] for t in before], [t[own] for t in tensors])  # the engine's own pages: untouched
+    for (k, v), (wk, wv) in zip(read_tokens(pages, table, T), read_tokens(whole_pages, table, T)):
+        assert torch.equal(k[:, start:], wk[:, start:]) and torch.equal(v[:, start:], wv[:, start:])
+    lookup = b'{"matched": 6, "tiers": ["cpu", "cpu", "cpu", "cpu", "cpu", "cpu"]}'
+    with FakeServer(_forwarding_front(srv, lookup, strip_query=True)) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=codec, block_tokens=BLOCK, token="w",
+            namespace="ranged", timeout=5, trust_env=False) as older:
+        fallback, _, _, fallback_tensors, fallback_bytes = load(older, start)
+        assert "start=3" in front.requests[-1].split(b"\r\n", 1)[0].decode()
+    assert fallback == whole and fallback_bytes == whole_bytes  # the whole chain came, its head dropped
+    assert unchanged(tensors, fallback_tensors)
+
+
+def test_a_prefix_get_from_start_answers_what_it_streams_and_refuses_bad_starts(srv):
+    toks, kv = tokens_for(38, 5 * BLOCK), make_kv(5 * BLOCK, 38)
+    with _remote(srv, cs.Raw(), namespace="start") as cache:
+        assert cache.ingest(toks, kv).stored == 5
+        hashes = cache.block_hashes(toks)
+    auth = {"authorization": "Bearer r", "x-cacheseek-namespace": "start"}
+    url = f"{srv.url}/v1/prefixes/{hashes[-1].hex()}"
+    whole = httpx.get(url, headers=auth)
+    assert whole.status_code == 200 and whole.headers["x-cacheseek-start"] == "0"
+    got = httpx.get(url, params={"start": 3}, headers=auth)
+    assert got.status_code == 200 and got.headers["x-cacheseek-blocks"] == "2" and got.headers["x-cacheseek-start"] == "3"
+    frames = [httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers=auth).content for h in hashes]
+    assert int(got.headers["content-length"]) == len(got.content) == sum(8 + len(f) for f in frames[3:])
+    assert got.content == b"".join(len(f).to_bytes(8, "little") + f for f in frames[3:])
+    assert whole.content.endswith(got.content)
+    last = httpx.get(url, params={"start": 4}, headers=auth)
+    assert last.status_code == 200 and last.content == len(frames[4]).to_bytes(8, "little") + frames[4]
+    sent = _sent(srv)
+    for bad in ("-1", "x", "1.0", " 1", "+1", "1_0", "\u0663", "", "5", "99", "9" * 5000):
+        r = httpx.get(url, params={"start": bad}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"].startswith("start: "), (bad, r.status_code, r.text[:200])
+    assert _sent(srv) == sent  # nothing streamed
+    # An incomplete chain is a 404 whatever the start.
+    gone = httpx.delete(f"{srv.url}/v1/blocks/{hashes[1].hex()}", headers={**auth, "authorization": "Bearer w"})
+    assert gone.status_code == 204
+    assert httpx.get(url, params={"start": 3}, headers=auth).status_code == 404
+
+
+def test_a_wait_for_a_pooled_connection_is_not_the_servers_outage(srv):
+    """More calls at once than ``max_connections``: one that waits past its timeout for a
+    connection of this client's pool raises ``PoolExhausted`` (a miss under ``"miss"``).
+    The server is up: it was counted as an outage, three opened the breaker, and every
+    call after them was refused though the server answered."""
+    toks, kv = tokens_for(39, 2 * BLOCK), make_kv(2 * BLOCK, 39)
+    for mode in ("raise", "miss"):
+        with _remote(srv, cs.Raw(), namespace="pool", max_connections=1, timeout=0.2,
+                     on_unavailable=mode) as cache:
+            assert cache.ingest(toks, kv).failed == 0
+            with cache._http.stream("GET", "/v1/stats"):  # the pool's one connection, held
+                for _ in range(4):
+                    if mode == "raise":
+                        with pytest.raises(cs.PoolExhausted, match="max_connections"):
+                            cache.lookup(toks)
+                    else:
+                        assert cache.lookup(toks) == 0
+            stats = cache.client_stats()
+            assert stats["pool_timeouts"] == 4 and stats["outages"] == stats["unavailable_calls"] == 0, stats
+            assert stats["breaker"]["state"] == "closed" and stats["breaker"]["consecutive_failures"] == 0
+            assert cache.lookup(toks) == 2 * BLOCK  # the connection given back: served at once
+
+
+class _CountingRelay:
+    """A TCP relay on loopback in front of ``srv`` that counts the connections it accepts."""
+
+    def __init__(self, srv) -> None:
+        import socket
+
+        self.upstream = ("127.0.0.1", srv.port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            up = socket.create_connection(self.upstream)
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        import socket
+
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_chain_gone_before_its_get_keeps_the_connection_alive(srv, monkeypatch):
+    """A 404 for a chain evicted between the lookup and the GET (the eviction race) leaves
+    the connection in the pool: its small error body is read, where it was left unread and
+    the connection closed, so every race cost a new connection."""
+    toks, kv = tokens_for(41, 3 * BLOCK), make_kv(3 * BLOCK, 41)
+    with _remote(srv, cs.Raw(), namespace="race404") as cache:
+        assert cache.ingest(toks, kv).stored == 3
+        hashes = cache.block_hashes(toks)
+    assert httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w",
+                                                                            "x-cacheseek-namespace": "race404"}
+                        ).status_code == 204
+    relay = _CountingRelay(srv)
+    try:
+        with cs.RemoteCache(relay.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            token="w", namespace="race404", max_connections=1, trust_env=False) as cache:
+            for _ in range(3):
+                assert cache._stream_chain(hashes) is None  # the whole chain asked for: a 404
+                assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+            assert cache.lookup(toks) == 2 * BLOCK
+    finally:
+        relay.close()
+    assert relay.accepted == 1
+
+
+def test_every_call_after_close_raises_one_clear_error(srv):
+    """After ``close()`` lookups and ingests still went out (straight to the transport),
+    while materialize, prefetch and stats raised httpx's RuntimeError about its client;
+    a call of no blocks answered as if open. Every call raises the same error now, under
+    ``on_unavailable="miss"`` too, sends nothing, and counts no outage."""
+    from paged_helpers import engine_pages
+
+    toks, kv = tokens_for(42, 2 * BLOCK), make_kv(2 * BLOCK, 42)
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 8, 16, LAYOUT.torch_dtype)
+    for mode in ("raise", "miss"):
+        cache = _remote(srv, cs.Raw(), namespace="closed", on_unavailable=mode)
+        writer = cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages, layerwise=True)
+        cache.close()
+        calls = {"lookup": lambda: cache.lookup(toks), "locate": lambda: cache.locate(toks),
+                 "lookup of nothing": lambda: cache.lookup(toks[: BLOCK - 1]),
+                 "ingest": lambda: cache.ingest(toks, kv), "materialize": lambda: cache.materialize(toks),
+                 "prefetch": lambda: cache.prefetch(toks), "stats": cache.stats,
+                 "ingest_batch": lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages),
+                 "materialize_into": lambda: cache.materialize_into(toks, pages.at([4, 5, 6, 7])),
+                 "materialize_into_batch": lambda: cache.materialize_into_batch(
+                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages)}
+        for name, call in calls.items():
+            with pytest.raises(RuntimeError, match=r"^RemoteCache: closed") as info:
+                call()
+            assert not isinstance(info.value, cs.CacheSeekError), name
+        for i in range(L):
+            writer.put_layer(i)
+        with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+            writer.finish()
+        stats = cache.client_stats()  # this client's own figures: still there
+        assert stats["outages"] == stats["unavailable_calls"] == 0 and stats["breaker"]["state"] == "closed"
+        cache.close()  # again: nothing to do
+    with _remote(srv, cs.Raw(), namespace="closed") as cache:
+        assert cache.lookup(toks) == 0  # nothing was sent

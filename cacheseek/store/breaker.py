@@ -93,7 +93,7 @@ class BreakerStats:
 
 class CircuitBreaker:
     """Thread-safe. Callers ask :meth:`allow` before a call, then report exactly one of
-    :meth:`record_success` or :meth:`record_failure` for every allowed call."""
+    :meth:`record_success`, :meth:`record_failure` or :meth:`record_unsent` for every allowed call."""
 
     def __init__(
         self,
@@ -148,6 +148,13 @@ class CircuitBreaker:
             self._state = CLOSED
             self._failures = 0
             self._trips = 0
+
+    def record_unsent(self) -> None:
+        """An allowed call that never reached the backend (the caller's own limit: a full
+        connection pool): neither a success nor a failure. A probe's turn goes to the next call."""
+        with self._lock:
+            if self._state == HALF_OPEN:
+                self._state = OPEN  # opened at least a backoff ago: the next allow() probes
 
     def record_failure(self) -> None:
         with self._lock:

@@ -1,10 +1,12 @@
-"""``GET /v1/prefixes/{hash}``: materialize by prefix hash, every frame of the chain streamed in order."""
+"""``GET /v1/prefixes/{hash}``: materialize by prefix hash, the chain's frames streamed in order
+(from ``?start=N`` on: an engine holding the chain's head in its own pages needs only the rest)."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 import anyio
 
@@ -12,10 +14,15 @@ from cacheseek.batch_body import BATCH_CONTENT_TYPE, LENGTH
 from cacheseek.store.lease import Lease
 
 from ..deps import Hash, Reader, Service
+from ..errors import BadRequest
 from ..leased_response import LeasedStreamingResponse, ResponseCut, copied_tail
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
+
+START_HEADER = "x-cacheseek-start"  # the position the answer streams from: a client knows it was honoured
+Start = Annotated[str | None, Query(description="the position of the first block to stream (default 0); the whole "
+                                                "chain is still checked and touched")]
 
 
 class ChainBroken(ResponseCut):
@@ -25,18 +32,25 @@ class ChainBroken(ResponseCut):
 
 @router.get(
     "/{hash}", response_class=Response,
-    responses={200: {"description": "the chain's frames, head first, each preceded by its length (u64 LE); "
-                                    "X-CacheSeek-Blocks says how many",
+    responses={200: {"description": "the chain's frames from position start on, each preceded by its length "
+                                    "(u64 LE); X-CacheSeek-Blocks says how many, X-CacheSeek-Start from where",
                      "content": {BATCH_CONTENT_TYPE: BINARY}},
+               400: {"description": "a start that is not an integer >= 0, or past the chain's last block", **ERROR},
                404: {"description": "the chain ending at hash is not complete", **ERROR}},
 )
-async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service) -> LeasedStreamingResponse:
+async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service,
+                     start: Start = None) -> LeasedStreamingResponse:
     """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
-    then stream every frame head first. A frame is read (from disk, say) while the one
-    before it is being sent. Every frame's lease is held until the response is over (the
-    transport may still be sending a frame when the next is handed to it); the last
-    ``TAIL_COPY`` bytes go from a copy."""
-    chain = await run_in_threadpool(service.chain, caller.namespace, hash)
+    then stream its frames from position ``start`` on, head first. A frame is read (from
+    disk, say) while the one before it is being sent. Every frame's lease is held until the
+    response is over (the transport may still be sending a frame when the next is handed
+    to it); the last ``TAIL_COPY`` bytes go from a copy. The whole chain is touched, the
+    frames not sent too: the engine uses them, from its own pages."""
+    first = _position(start)
+    whole = await run_in_threadpool(service.chain, caller.namespace, hash)
+    if first >= len(whole):
+        raise BadRequest(f"start: {start:.40} is past the chain's last block (position {len(whole) - 1})")
+    chain = whole[first:]
     total = service.stream_nbytes(chain)
     namespace = caller.namespace
     metrics = service.metrics
@@ -88,11 +102,21 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
             # end either way): its frame's lease is then in ``leases``, for the response.
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(pending, return_exceptions=True)
-        keys = [key for key, _ in chain]
+        keys = [key for key, _ in whole]
         if service.store.indexes_in_memory:
             service.touch_chain(keys)  # index updates only
         else:
             await run_in_threadpool(service.touch_chain, keys)  # a Redis round trip
 
     return LeasedStreamingResponse(body(), leases=leases, media_type=BATCH_CONTENT_TYPE,
-                                   headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain))})
+                                   headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain)),
+                                            START_HEADER: str(first)})
+
+
+def _position(start: str | None) -> int:
+    if start is None:
+        return 0
+    # Digits only: int() would also take " 3", "+3", "3_0" and other scripts' digits.
+    if not (start.isascii() and start.isdigit()):
+        raise BadRequest(f"start: {start!r:.40} is not an integer >= 0 (a block position)")
+    return int(start) if len(start) < 20 else 1 << 64  # (past any chain; int() refuses 4,300 digits)
