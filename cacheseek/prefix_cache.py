@@ -59,6 +59,7 @@ class PrefixCache(PrefixCacheBase):
         a block counted stored or present is on disk (fsynced) when this returns; without
         one, in memory (the last device-to-host copy may still be in flight: every read
         waits for it). ``IngestResult.durability`` says which."""
+        self._check_open()
         if isinstance(kv, PagedKV):
             return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
         layers = kv_layers(kv)
@@ -121,6 +122,7 @@ class PrefixCache(PrefixCacheBase):
         layer is there; ``abort()`` stores nothing. With a CPU tier on top, each layer is
         encoded into reserved slots as it is put, so the copies overlap the forward
         (``layerwise_save``); ``finish`` then checks and commits."""
+        self._check_open()
         self._num_keys(keys)
         return LayerwiseSave(self, keys)
 
@@ -134,6 +136,7 @@ class PrefixCache(PrefixCacheBase):
         before the forward writes the pages: ``put_layer(i)`` once layer ``i``'s pages are
         written (encoded and stored into reserved CPU-tier slots while the forward goes
         on), then ``finish()`` -> the list of ``IngestResult``."""
+        self._check_open()
         if layerwise:
             self._check_paged()
             return PagedLayerwiseSave(self, requests, pages)
@@ -208,6 +211,7 @@ class PrefixCache(PrefixCacheBase):
         the pages' device's current stream. Returns ``Loaded``; with ``layerwise``, a
         ``LayerwiseLoad`` whose layers are written into the pages in order (``wait(layer)``
         before the engine reads a layer's pages; ``requests[0]`` is the ``Loaded``)."""
+        self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
         requests = [(keys, dest.page_ids, max_tokens)]
@@ -222,6 +226,7 @@ class PrefixCache(PrefixCacheBase):
         for all of them (``requests``: the ``Loaded`` of each). Either way a request's blocks
         before its ``start`` (in its pages already) are counted in its ``Loaded``, neither
         fetched nor written."""
+        self._check_open()
         if layerwise:
             return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False, batch=requests)
         return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
@@ -308,6 +313,7 @@ class PrefixCache(PrefixCacheBase):
         return results
 
     def locate(self, keys: Any) -> Located:
+        self._check_open()
         self._num_keys(keys)
         tiers = self.store.locate(self.block_hashes(keys))
         return Located(num_blocks=len(tiers), num_tokens=len(tiers) * self.block_tokens, tiers=tiers)
@@ -323,6 +329,7 @@ class PrefixCache(PrefixCacheBase):
         it has been read and verified, while the next ones are still being read. A block a
         prefetch is promoting is waited for, not read twice. Frames lent in pooled buffers
         are released once their copies have landed."""
+        self._check_open()
         self._num_keys(keys)
         device = self._device(device)
         hashes = self.block_hashes(keys)
@@ -387,6 +394,7 @@ class PrefixCache(PrefixCacheBase):
         promoted), or None when there is nothing to promote (nothing stored, or the chain is
         in memory already: that costs one lookup) or ``max_prefetches`` are in flight. A
         ``materialize`` that comes meanwhile waits only for the blocks still on their way."""
+        self._check_open()
         self._num_keys(keys)
         return self.store.prefetch(self.block_hashes(keys))
 
@@ -398,6 +406,9 @@ class PrefixCache(PrefixCacheBase):
         return {**self._config_stats(), **self.store.stats(), "device_staging": staging_stats()}
 
     def close(self) -> None:
+        """Close the store's tiers (idempotent). Every call but ``stats`` then raises
+        ``RuntimeError``."""
+        self._closed = True
         self.store.close()
 
 

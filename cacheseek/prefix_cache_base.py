@@ -51,6 +51,7 @@ class PrefixCacheBase:
         self._codec_spec = self.block_format.codec_spec
         batch = parse_size(max_batch_bytes, name="max_batch_bytes")
         self._batch_blocks = max(1, batch // layout.raw_nbytes(block_tokens))
+        self._closed = False
         if backend.forced_triton():
             backend.kernel_backend()  # raises now, naming the reason, if the kernels cannot load
 
@@ -142,6 +143,14 @@ class PrefixCacheBase:
 
     def close(self) -> None:  # pragma: no cover - each cache implements it
         raise NotImplementedError
+
+    def _check_open(self) -> None:
+        """``RuntimeError`` once ``close`` was called: every call but ``close`` and the
+        figures then raises it, before it touches anything (a closed store's tiers, or
+        connections, would fail half-way, each in its own way)."""
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}: closed (close() was called, or its with block ended); "
+                               "make a new one")
 
     def __enter__(self):
         return self

@@ -239,7 +239,6 @@ class RemoteCache(PrefixCacheBase):
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
-        self._closed = False
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -520,11 +519,6 @@ class RemoteCache(PrefixCacheBase):
         """Close the connections. Every call but ``client_stats`` then raises ``RuntimeError``."""
         self._closed = True
         self._http.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("RemoteCache: closed (close() was called, or its with block ended); "
-                               "make a new one to talk to the server")
 
     # -- HTTP ----------------------------------------------------------------------------
 

@@ -666,14 +666,15 @@ def test_a_prefetch_after_the_prefetcher_closed_starts_nothing_and_holds_no_slot
 
 def test_a_prefetch_after_the_store_closed_starts_no_thread(tmp_path):
     """Closed before any prefetch had made the executor: the next prefetch made one, reading
-    the closed tiers on a thread nothing would shut down, and counted itself started."""
+    the closed tiers on a thread nothing would shut down, and counted itself started. The
+    store's own (the server's path: a closed PrefixCache refuses the call before it)."""
     toks, kv = tokens_for(9, 2 * BLOCK), make_kv(2 * BLOCK, 9)
     cache = make_cache(cpu="64MiB", disk=tmp_path / "d")
     cache.ingest(toks, kv)
     _on_disk_only(cache, toks)
     cache.close()
     before = set(threading.enumerate())
-    assert cache.prefetch(toks) is None
+    assert cache.store.prefetch(cache.block_hashes(toks)) is None
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("cacheseek-prefetch")]
     counts = cache.store.prefetcher.stats()
     assert counts["started"] == 0 and counts["in_flight"] == 0 and counts["blocks_in_flight"] == 0

@@ -1135,3 +1135,33 @@ def test_a_load_onto_a_device_that_holds_no_data_is_refused(device):
     cache.ingest(toks, kv)
     with pytest.raises(InputError, match="device"):
         cache.materialize(toks, device=device)
+
+
+def test_every_call_after_close_raises_and_stores_nothing(tmp_path):
+    """After ``close`` an ingest of new blocks failed half-way (the disk tier's writer pool
+    shut down: "cannot schedule new futures after shutdown") while lookups and materializes
+    went on reading the closed tiers. Every call but ``stats`` and ``close`` now raises one
+    clear error before it touches anything."""
+    toks, kv = tokens_for(90, 4 * BLOCK), make_kv(4 * BLOCK, 90)
+    new = tokens_for(91, 4 * BLOCK)
+    cache = make_cache(cpu="4MiB", disk=tmp_path / "disk")
+    assert cache.ingest(toks, kv).stored == 4
+    cache.close()
+    calls = {
+        "ingest": lambda: cache.ingest(new, kv),
+        "ingest_layerwise": lambda: cache.ingest_layerwise(new),
+        "ingest_batch": lambda: cache.ingest_batch([cs.PagedRequest(new, [0])], None),
+        "materialize_into_batch": lambda: cache.materialize_into_batch([cs.PagedRequest(toks, [0])], None),
+        "lookup": lambda: cache.lookup(toks),
+        "locate": lambda: cache.locate(toks),
+        "materialize": lambda: cache.materialize(toks),
+        "materialize layer-wise": lambda: cache.materialize(toks, layerwise=True),
+        "prefetch": lambda: cache.prefetch(toks),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=r"^PrefixCache: closed \(close\(\) was called"):
+            call()
+    assert cache.stats()["model_id"] == "m"
+    cache.close()  # (again: nothing)
+    with make_cache(cpu="4MiB", disk=tmp_path / "disk") as reopened:
+        assert (reopened.lookup(toks), reopened.lookup(new)) == (4 * BLOCK, 0)
