@@ -7,6 +7,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -621,6 +622,53 @@ def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
         got = c.get(f"/v1/prefixes/{chain[-1][0].hex()}")
         assert split_batch(got.content) == [f for _, f in chain]
 
+
+
+def _answer(s: socket.socket) -> bytes:
+    """One whole HTTP answer from ``s`` (its head and Content-Length bytes), b"" if closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_durations_under_a_second_are_kept_whole_not_truncated(tmp_path):
+    """graceful_timeout_seconds and keepalive_timeout_seconds take fractions (> 0): 0.9 was
+    handed to uvicorn as int 0, so a SIGTERM cut off every request in flight at once and
+    every kept-alive connection closed as its answer was sent."""
+    h, frame = raw_frame(71)
+    srv = Server(tmp_path, "--graceful-timeout-seconds", "0.9", "--keepalive-timeout-seconds", "0.9").start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(s).startswith(b"HTTP/1.1 200")
+            time.sleep(0.2)  # well within the keep-alive timeout
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _answer(s).startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(f"PUT /v1/blocks/{h.hex()} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(frame)}\r\n"
+                      "Content-Type: application/octet-stream\r\n\r\n".encode() + frame[: len(frame) // 2])
+            time.sleep(0.3)
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # SIGTERM taken; the rest of the body comes within the graceful timeout
+            s.sendall(frame[len(frame) // 2 :])
+            assert _answer(s).startswith(b"HTTP/1.1 201"), srv.output()
+        assert srv.proc.wait(30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in srv.output()
+    finally:
+        srv.kill()
+    with Server(tmp_path) as again:
+        assert httpx.get(f"{again.url}/v1/blocks/{h.hex()}").content == frame
 
 # -- crashes and concurrency ------------------------------------------------------------------
 
