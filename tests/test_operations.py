@@ -485,3 +485,7 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for n in ("0", "-1"):
         rc, err = said("top", "--url", url, "--iterations", n)
         assert rc == 2 and "--iterations must be >= 1" in err
+    pages["/v1/stats"] = b"{}"
+    for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
+        rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
+        assert rc == 2 and "--interval must be a finite number of seconds > 0" in err, (interval, rc, err)
