@@ -54,6 +54,7 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import time
 
     import uvicorn
     from pydantic import ValidationError
@@ -91,11 +92,13 @@ def _serve(args: argparse.Namespace) -> int:
         sock = _listen(settings.host, settings.port)
     except OSError as exc:
         return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
+    started = time.perf_counter()
     try:
         store = build_store(settings)
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()
         return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
+    opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     http: Any = settings.http
     if http == "auto":
         limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
@@ -112,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: WARNING: receive path: uvicorn's own, the fast path is OFF ({problem}): every "
                   "body is copied twice more, and header/body timeouts are off", file=sys.stderr, flush=True)
     keep_freed_memory()
-    app = create_app(settings, store=store, announce=lambda text: print(text, flush=True))
+    app = create_app(settings, store=store, opened_seconds=opened, announce=lambda text: print(text, flush=True))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",

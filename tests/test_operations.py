@@ -370,6 +370,41 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert "not restored" in s.output()
 
 
+
+def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
+    """``cacheseek serve`` opens the store before the app: the time the app measured was
+    its own hand-over (always "0.00 s"), not the rebuild of the disk index."""
+    import os
+    import time
+
+    from cacheseek.quant import Raw
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.frame import build_frame, plan_frame
+    from cacheseek.store.tier import BlockFrame
+    from server_helpers import LAYOUT
+
+    disk = tmp_path / "disk"
+    tier = DiskTier(disk, 1 << 30, fsync=False)
+    buffers = [(name, "float16", (2, 2, 1, 64)) for name in ("k", "v")]
+    for _ in range(12):  # 3,000 small frames: a rebuild of a few tenths of a second here
+        batch = []
+        for _ in range(250):
+            meta = plan_frame(block_hash=os.urandom(16), parent_hash=bytes(16), position=0, layout=LAYOUT,
+                              block_tokens=1, codec=Raw().spec(), buffers=buffers)
+            batch.append((meta.block_hash, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes(512)] * 2)))))
+        tier.put_many(batch)
+    tier.close()
+    start = time.perf_counter()
+    DiskTier(disk, 1 << 30).close()
+    rebuild = time.perf_counter() - start
+    with Server(tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        m = samples(c)
+        assert value(m, "cacheseek_tier_recovered_blocks", tier="disk") == 3000
+        reported = value(m, "cacheseek_recovery_duration_seconds")
+        assert reported >= rebuild / 4, (reported, rebuild)
+        said = float(re.search(r"store open in ([0-9.]+) s", s.output()).group(1))
+        assert abs(said - reported) < 0.01, (said, reported)
+
 def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
     """A batch refused for its positions announces nothing: its model does not become the
     owner of the namespace's root, through which blocks recovered at start are attributed."""
