@@ -29,6 +29,8 @@ from cacheseek.store.redis_client import parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
 
+from .namespaces import MIN_SECRET_BYTES
+
 ENV_PREFIX = "CACHESEEK_"
 # Old spelling -> setting: durations were once named ``_s``. Each still works (flags, keyword
 # arguments, CACHESEEK_* variables, config files) and warns.
@@ -216,7 +218,7 @@ class ServerSettings(BaseSettings):
     tenants: dict[str, TenantTokens] = Field(
         default_factory=dict, description="namespace -> {read_token, write_token}: tokens bound to one namespace")
     namespace_secret: SecretStr | None = Field(
-        None, description="key that separates namespaces in storage; default: a file in disk_path, or random")
+        None, description="key that separates namespaces in storage (at least 16 bytes); default: a file in disk_path, or random")
     admin_token: SecretStr | None = Field(
         None, description="bearer token for /v1/admin (usage, flush, delete, pin); unset: admin routes are off")
 
@@ -245,6 +247,15 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
+
+    @field_validator("namespace_secret")
+    @classmethod
+    def _namespace_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        # Checked here, with the other settings: the app refused it only once started (exit
+        # 3, a traceback), after the store was opened.
+        if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes")
+        return value
 
     @field_validator("redis_url", "redis_ttl_seconds", mode="before")
     @classmethod

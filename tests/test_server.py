@@ -579,6 +579,13 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
                        (["--config", str(tmp_path / "x.ini")], "config"), (["--port", "70000"], "port")):
         out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and name in out.stderr, (args, out.stderr)
+    # A namespace secret too short to key anything: said as a setting, before the store is
+    # opened (it was refused only as the app started: exit 3, a traceback, the disk created).
+    disk = tmp_path / "never"
+    out = subprocess.run([*base, "--disk-path", str(disk), "--namespace-secret", "fifteen-bytes!!"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "namespace_secret" in out.stderr and "16 bytes" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not disk.exists()
 
 
 def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
