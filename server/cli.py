@@ -54,6 +54,7 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import signal
     import time
 
     import uvicorn
@@ -128,12 +129,19 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
     server = uvicorn.Server(config)
+    # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
+    # the default ones, that killed the process before the store below was closed (status
+    # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
+    previous = {sig: signal.signal(sig, lambda _sig, _frame: setattr(server, "should_exit", True))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn's exit on a failed start (the log says why)
         print(f"cacheseek serve: start failed (uvicorn exit {exc.code})", file=sys.stderr, flush=True)
         return EXIT_STARTUP_FAILED
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
