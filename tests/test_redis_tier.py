@@ -817,6 +817,9 @@ def test_urls_select_standalone_or_cluster():
 def test_redis_settings_are_checked(redis_url):
     for kw, match in [(dict(redis_prefix="a:b"), "redis_prefix"), (dict(redis_namespace="{x}"), "redis_namespace"),
                       (dict(redis_ttl_seconds=0), "redis_ttl_seconds"), (dict(redis_bytes="lots"), "redis_bytes"),
+                      # inf raised OverflowError; 1e16 s, taken, had Redis refuse every write's expiry
+                      (dict(redis_ttl_seconds=float("inf")), "redis_ttl_seconds"),
+                      (dict(redis_ttl_seconds=1e16), "redis_ttl_seconds"),
                       (dict(redis_socket_timeout_seconds=0), "socket_seconds"),
                       (dict(redis_breaker_failures=0), "failure_threshold"), (dict(redis_url="nope"), "redis_url")]:
         with pytest.raises(cs.ConfigError, match=match):

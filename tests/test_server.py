@@ -579,6 +579,9 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
                        (["--config", str(tmp_path / "x.ini")], "config"), (["--port", "70000"], "port")):
         out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and name in out.stderr, (args, out.stderr)
+    out = subprocess.run([*base, "--disk-bytes", "0", "--redis-url", "redis://127.0.0.1:1", "--redis-ttl-seconds", "inf"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "redis_ttl_seconds: must be > 0 and at most" in out.stderr, out.stderr
     # A namespace secret too short to key anything: said as a setting, before the store is
     # opened (it was refused only as the app started: exit 3, a traceback, the disk created).
     disk = tmp_path / "never"
