@@ -291,6 +291,24 @@ def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_pat
         assert c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a")).status_code == 201
 
 
+
+def test_blocks_demoted_to_disk_keep_their_owner_and_a_flush_takes_them(tmp_path):
+    """Write-back: an evicted chain is handed down tail first, each victim in no tier while it
+    moves, so a block reached the disk while its parent was still on its way. It was counted
+    unattributed, and a flush of its namespace left it stored."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(6 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        for seed in range(6):  # 24 blocks through a 6-block CPU tier: most go down to disk
+            post_chain(c, raw_chain(800 + seed, 4), **writer("a", "m"))
+        post_chain(c, raw_chain(900, 2), **writer("b", "m"))
+        stats = c.get("/v1/stats", headers=writer()).json()
+        assert stats["tiers"][1]["demotions"] > 0 and stats["blocks"] == 26
+        owners = {(u["namespace"], u["model"]): u["blocks"] for u in stats["namespaces"] if u["blocks"]}
+        assert owners == {("a", "m"): 24, ("b", "m"): 2}, owners
+        r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 24, r.text
+        assert c.get("/v1/stats", headers=writer()).json()["blocks"] == 2
+
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
     chains = [raw_chain(100 + i, 4) for i in range(24)]
     keep = raw_chain(99, 3)
