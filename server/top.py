@@ -41,6 +41,8 @@ def _ms(x: float | None) -> str:
 
 def render(stats: dict[str, Any], prev: dict[str, Any] | None, dt: float, url: str) -> str:
     """One frame of text from two successive ``/v1/stats`` answers ``dt`` seconds apart."""
+    if prev is not None and prev.get("started_at") != stats.get("started_at"):
+        prev = None  # the server restarted: its counters started again, no rate spans the two
     t = stats.get("traffic", {})
     p = (prev or {}).get("traffic", {})
 

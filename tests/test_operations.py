@@ -479,6 +479,26 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     assert gone.returncode == 3
 
 
+
+def test_top_across_a_server_restart_shows_no_negative_rates(tmp_path):
+    """A restart starts every counter again: the refresh after it took the difference with
+    the last process's figures (-97.0 lookups/s, a hit rate "now" of the new over the old)."""
+    from cacheseek.server.top import render
+
+    chain = raw_chain(75, 3)
+    seen = []
+    for _ in range(2):
+        with Server(tmp_path, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+            if not seen:
+                post_chain(c, chain, **writer("a", "llama"))
+            for _ in range(3 if not seen else 1):
+                c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]},
+                       headers=writer("a", "llama", **{"X-CacheSeek-Block-Tokens": "32"}))
+            seen.append(c.get("/v1/stats", headers=writer()).json())
+    frame = render(seen[1], seen[0], 1.0, "http://x")
+    assert not re.search(r"-\d", frame), frame
+    assert re.search(r"lookups +1 +-/s", frame) and re.search(r"% all +- now", frame), frame
+
 @pytest.fixture()
 def not_cacheseek():
     """A plain HTTP server, as a wrong port or a proxy's error page looks: /v1/stats a 404
