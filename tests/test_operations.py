@@ -499,6 +499,18 @@ def test_top_across_a_server_restart_shows_no_negative_rates(tmp_path):
     assert not re.search(r"-\d", frame), frame
     assert re.search(r"lookups +1 +-/s", frame) and re.search(r"% all +- now", frame), frame
 
+
+def test_the_start_up_summary_says_the_url_a_client_uses():
+    """The scheme of a TLS server, and an IPv6 address in brackets (it said http://:::8080)."""
+    from cacheseek.server.config import ServerSettings
+    from cacheseek.server.summary import store_lines
+
+    stats = {"tiers": [], "write_through": [], "promote_on_hit": True, "blocks": 0, "used_bytes": 0}
+    recovery = {"seconds": 0.5, "tiers": {}}
+    for host, url in (("::", "http://[::]:8080"), ("127.0.0.1", "http://127.0.0.1:8080")):
+        line = store_lines(ServerSettings(host=host, disk_bytes=0), stats, recovery)[0]
+        assert line == f"cacheseek serve: store open in 0.50 s, on {url}", line
+
 @pytest.fixture()
 def not_cacheseek():
     """A plain HTTP server, as a wrong port or a proxy's error page looks: /v1/stats a 404
