@@ -423,6 +423,27 @@ def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
         said = float(re.search(r"store open in ([0-9.]+) s", s.output()).group(1))
         assert abs(said - reported) < 0.01, (said, reported)
 
+
+def test_a_pins_file_with_entries_of_the_wrong_type_skips_them_and_the_server_starts(tmp_path):
+    """The pins file is read at start: an entry it cannot use is skipped (an expiry that was
+    not a number stopped the start with a TypeError, exit 3), the others pinned again."""
+    import json
+
+    chain = raw_chain(65, 3)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain, **writer("a"))
+        assert c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"},
+                     json={"ttl_seconds": 3600}).status_code == 200
+    pins = next(tmp_path.rglob(".cacheseek-pins.json"))
+    good = json.loads(pins.read_text())["pins"][0]
+    for bad in ([{**good, "expires_at": "soon"}, good], [{**good, "expires_at": [1]}, "x", 7, good],
+                [{**good, "expires_at": float("inf")}, good], 5):
+        pins.write_text(json.dumps({"version": 1, "pins": bad}))
+        with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, \
+                httpx.Client(base_url=s.url) as c:
+            got = [(p["namespace"], p["hash"]) for p in c.get("/v1/admin/pins", headers=admin()).json()]
+            assert got == ([] if bad == 5 else [("a", chain[-1][0].hex())]), (bad, got)
+
 def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
     """A batch refused for its positions announces nothing: its model does not become the
     owner of the namespace's root, through which blocks recovered at start are attributed."""
