@@ -198,7 +198,8 @@ class Owners:
             return  # unreadable: attribution starts afresh (usage of old blocks shows unattributed)
         if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
             return
-        for entry in data.get("roots", []):
+        roots = data.get("roots")
+        for entry in roots if isinstance(roots, list) else []:  # (anything else raised: no start)
             try:
                 namespace, model, root = str(entry["namespace"]), str(entry["model"]), bytes.fromhex(entry["root"])
             except (KeyError, TypeError, ValueError):

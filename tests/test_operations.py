@@ -424,9 +424,9 @@ def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
         assert abs(said - reported) < 0.01, (said, reported)
 
 
-def test_a_pins_file_with_entries_of_the_wrong_type_skips_them_and_the_server_starts(tmp_path):
-    """The pins file is read at start: an entry it cannot use is skipped (an expiry that was
-    not a number stopped the start with a TypeError, exit 3), the others pinned again."""
+def test_state_files_with_entries_of_the_wrong_type_skip_them_and_the_server_starts(tmp_path):
+    """The pins and owners files are read at start: an entry they cannot use is skipped (an
+    expiry that was not a number stopped the start with a TypeError, exit 3), the others used."""
     import json
 
     chain = raw_chain(65, 3)
@@ -443,6 +443,10 @@ def test_a_pins_file_with_entries_of_the_wrong_type_skips_them_and_the_server_st
                 httpx.Client(base_url=s.url) as c:
             got = [(p["namespace"], p["hash"]) for p in c.get("/v1/admin/pins", headers=admin()).json()]
             assert got == ([] if bad == 5 else [("a", chain[-1][0].hex())]), (bad, got)
+    owners = next(tmp_path.rglob(".cacheseek-owners.json"))
+    owners.write_text(json.dumps({"version": 1, "roots": 5}))  # (a TypeError out of Owners: no start either)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/v1/admin/namespaces", headers=admin()).status_code == 200
 
 def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
     """A batch refused for its positions announces nothing: its model does not become the
