@@ -80,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: warning: {w.message}", file=sys.stderr, flush=True)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if isinstance(settings, ValidationError):
+        return _bad_setting(f"bad settings:\n{_without_values(settings)}")
     if isinstance(settings, Exception):
         return _bad_setting(f"bad settings:\n{settings}")
     print("\n".join(settings_lines(settings)), flush=True)
@@ -145,6 +147,18 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+def _without_values(exc: Any) -> str:
+    """A settings ``ValidationError`` as pydantic words it, less the values given: its own
+    text repeats them (a model-wide check repeats every setting), tokens included."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    lines = [f"{len(errors)} validation error{'s' if len(errors) != 1 else ''} for {exc.title}"]
+    for error in errors:
+        where = ".".join(str(part) for part in error["loc"])
+        lines += [where] if where else []
+        lines.append(f"  {error['msg']} [type={error['type']}]")
+    return "\n".join(lines)
 
 
 def _bad_setting(message: str) -> int:

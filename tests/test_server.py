@@ -596,6 +596,20 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     assert "Traceback" not in out.stderr and not disk.exists()
 
 
+
+def test_bad_settings_never_print_a_token():
+    """pydantic's message for a bad setting repeats the values given (input_value=...), and a
+    model-wide check's repeats them all: the tokens went to stderr, and so to the logs."""
+    base = [*cacheseek_command(), "serve", "--port", "1"]
+    for args, env, name in (
+            (["--write-token", "s3cret-w"], {"CACHESEEK_TENANTS": '{"a b": {"write_token": "s3cret-t"}}'}, "tenants"),
+            (["--write-token", "s3cret-w", "--admin-token", "s3cret-w"], {}, "every token must be different"),
+            (["--read-token", "s3cret-r"], {}, "write_token"),
+            (["--write-token", "s3cret-w", "--port", "x"], {}, "port")):
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+        assert out.returncode == 2 and name in out.stderr, (args, out.stderr)
+        assert "s3cret" not in out.stderr + out.stdout, (args, out.stderr)
+
 def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
     chain = raw_chain(70, 6)
     srv = Server(tmp_path, "--write-token", "s3cret").start()
