@@ -129,12 +129,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise ConfigError(f"config: {path} is not valid: {exc}") from None
     except Exception as exc:  # yaml.YAMLError and friends
-        raise ConfigError(f"config: {path} is not valid: {exc}") from None
+        raise ConfigError(f"config: {path} is not valid: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a table of settings")
     if isinstance(data.get("cacheseek"), dict):
         data = data["cacheseek"]
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error's reason and place, without the quote of the line it stopped at (that
+    line may hold a token)."""
+    problem = getattr(exc, "problem", None)
+    if problem is None:
+        return type(exc).__name__
+    def at(mark: Any) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+    context = getattr(exc, "context", None)
+    context = f"{context}{at(getattr(exc, 'context_mark', None))}: " if context else ""
+    return f"{context}{problem}{at(getattr(exc, 'problem_mark', None))}"
 
 
 class ServerSettings(BaseSettings):

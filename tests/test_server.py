@@ -597,7 +597,7 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
 
 
 
-def test_bad_settings_never_print_a_token():
+def test_bad_settings_never_print_a_token(tmp_path):
     """pydantic's message for a bad setting repeats the values given (input_value=...), and a
     model-wide check's repeats them all: the tokens went to stderr, and so to the logs."""
     base = [*cacheseek_command(), "serve", "--port", "1"]
@@ -609,6 +609,11 @@ def test_bad_settings_never_print_a_token():
         out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
         assert out.returncode == 2 and name in out.stderr, (args, out.stderr)
         assert "s3cret" not in out.stderr + out.stdout, (args, out.stderr)
+    config = tmp_path / "cs.yaml"  # YAML's own message quotes the line it stopped at
+    config.write_text('write_token: "s3cret-y\nport: 1\n')
+    out = subprocess.run([*base, "--config", str(config)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is not valid: while scanning a quoted scalar" in out.stderr, out.stderr
+    assert "line 1, column 14" in out.stderr and "s3cret" not in out.stderr, out.stderr
 
 def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
     chain = raw_chain(70, 6)
