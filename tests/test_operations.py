@@ -497,6 +497,13 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     for ttl in ("0", "inf", "1e999"):  # a bad argument: exit 2, no request made
         bad = admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", ttl)
         assert bad.returncode == 2 and "--ttl" in bad.stderr, bad.stderr
+    # A HASH that is not one: exit 2, no request made (it was put in the path as it was:
+    # "../chains/H" unpinned nothing and deleted the chain, the server normalizing the path).
+    for cmd, bad in (("unpin", f"../chains/{chain[-1][0].hex()}"), ("pin", "XYZ"), ("delete-chain", "A" * 32)):
+        refused = admin_cmd(cmd, bad, "--namespace", "a")
+        assert refused.returncode == 2 and "HASH" in refused.stderr, (cmd, refused.stderr)
+    with httpx.Client(base_url=srv.url) as c:
+        assert held(c, chain, "a") == [f for _, f in chain]
     flushed = admin_cmd("--json", "flush", "--namespace", "a")
     assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout
     gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],
