@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -166,12 +167,16 @@ class AdminOps:
             return 0
         restored = 0
         now = time.time()
-        for entry in data.get("pins", []) if isinstance(data, dict) else []:
+        entries = data.get("pins") if isinstance(data, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
             try:
                 namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")
             except (KeyError, TypeError, ValueError):
                 continue
-            if expires is not None and expires <= now:
+            # An expiry that is not a finite number is skipped as any unreadable entry (compared
+            # with the clock, a string stopped the server's start).
+            if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
+                                        or not math.isfinite(expires) or expires <= now):
                 continue
             try:
                 self.pin(namespace, h, expires_at=expires)

@@ -9,8 +9,8 @@
 The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
 than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
 Exit status: 0 done everywhere; 1 a server refused (its reason printed) or answered with
-something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` too); 3 a
-server could not be reached.
+something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` or HASH
+too); 3 a server could not be reached.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import sys
 from typing import Any
 
 import httpx
+
+from cacheseek.errors import InputError
+from cacheseek.hashing import from_hex
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 
@@ -97,6 +100,14 @@ def main(args: Any) -> int:
         print("cacheseek admin pin: --ttl must be a finite number of seconds > 0 (omit it: until unpinned)",
               file=sys.stderr)
         return 2
+    if getattr(args, "hash", None) is not None:
+        # Checked here, not by the server: it goes into the path as given, where "../chains/H"
+        # made an unpin a delete of the chain.
+        try:
+            from_hex(args.hash)
+        except InputError as exc:
+            print(f"cacheseek admin {args.admin_command}: HASH: {exc}", file=sys.stderr)
+            return 2
     if not args.token:
         print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)
         return 2

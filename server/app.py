@@ -51,9 +51,10 @@ def _remove_stale_temp_files(disk: Path) -> None:
 
 
 def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None,
-               announce: Callable[[str], None] | None = None) -> FastAPI:
+               opened_seconds: float | None = None, announce: Callable[[str], None] | None = None) -> FastAPI:
     """The service over ``store`` (kept open: the caller owns it), or over a store built from
     ``settings`` when the app starts (closed, and so flushed, when it shuts down).
+    ``opened_seconds``: how long building ``store`` took, for the recovery figures.
     ``announce``: where the start-up summary goes (``cacheseek serve`` prints it)."""
     settings = settings if settings is not None else ServerSettings.load()
     metrics = Metrics(detail=settings.metrics_detail, max_owners=settings.metrics_max_owners)
@@ -63,7 +64,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         owned = store is None
         start = time.perf_counter()
         the_store = await run_in_threadpool(build_store, settings) if owned else store
-        opened = time.perf_counter() - start
+        opened = time.perf_counter() - start if opened_seconds is None else opened_seconds
         disk = settings.disk_path if settings.disk_bytes > 0 else None
         if disk is not None:
             _remove_stale_temp_files(Path(disk))

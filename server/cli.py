@@ -54,6 +54,8 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import signal
+    import time
 
     import uvicorn
     from pydantic import ValidationError
@@ -78,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: warning: {w.message}", file=sys.stderr, flush=True)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if isinstance(settings, ValidationError):
+        return _bad_setting(f"bad settings:\n{_without_values(settings)}")
     if isinstance(settings, Exception):
         return _bad_setting(f"bad settings:\n{settings}")
     print("\n".join(settings_lines(settings)), flush=True)
@@ -91,11 +95,13 @@ def _serve(args: argparse.Namespace) -> int:
         sock = _listen(settings.host, settings.port)
     except OSError as exc:
         return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
+    started = time.perf_counter()
     try:
         store = build_store(settings)
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()
         return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
+    opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     http: Any = settings.http
     if http == "auto":
         limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
@@ -112,26 +118,47 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: WARNING: receive path: uvicorn's own, the fast path is OFF ({problem}): every "
                   "body is copied twice more, and header/body timeouts are off", file=sys.stderr, flush=True)
     keep_freed_memory()
-    app = create_app(settings, store=store, announce=lambda text: print(text, flush=True))
+    app = create_app(settings, store=store, opened_seconds=opened, announce=lambda text: print(text, flush=True))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
-        timeout_graceful_shutdown=int(settings.graceful_timeout_seconds),
-        timeout_keep_alive=int(settings.keepalive_timeout_seconds),
+        # Whole seconds in uvicorn's annotations, but both go to asyncio as they are: int()
+        # made 0.9 a 0 (no drain at all on SIGTERM; kept-alive connections closed at once).
+        timeout_graceful_shutdown=settings.graceful_timeout_seconds,  # type: ignore[arg-type]
+        timeout_keep_alive=settings.keepalive_timeout_seconds,  # type: ignore[arg-type]
         server_header=False,
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
     server = uvicorn.Server(config)
+    # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
+    # the default ones, that killed the process before the store below was closed (status
+    # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
+    previous = {sig: signal.signal(sig, lambda _sig, _frame: setattr(server, "should_exit", True))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn's exit on a failed start (the log says why)
         print(f"cacheseek serve: start failed (uvicorn exit {exc.code})", file=sys.stderr, flush=True)
         return EXIT_STARTUP_FAILED
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+def _without_values(exc: Any) -> str:
+    """A settings ``ValidationError`` as pydantic words it, less the values given: its own
+    text repeats them (a model-wide check repeats every setting), tokens included."""
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    lines = [f"{len(errors)} validation error{'s' if len(errors) != 1 else ''} for {exc.title}"]
+    for error in errors:
+        where = ".".join(str(part) for part in error["loc"])
+        lines += [where] if where else []
+        lines.append(f"  {error['msg']} [type={error['type']}]")
+    return "\n".join(lines)
 
 
 def _bad_setting(message: str) -> int:

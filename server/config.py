@@ -29,6 +29,8 @@ from cacheseek.store.redis_client import parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
 
+from .namespaces import MIN_SECRET_BYTES
+
 ENV_PREFIX = "CACHESEEK_"
 # Old spelling -> setting: durations were once named ``_s``. Each still works (flags, keyword
 # arguments, CACHESEEK_* variables, config files) and warns.
@@ -127,12 +129,26 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise ConfigError(f"config: {path} is not valid: {exc}") from None
     except Exception as exc:  # yaml.YAMLError and friends
-        raise ConfigError(f"config: {path} is not valid: {exc}") from None
+        raise ConfigError(f"config: {path} is not valid: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a table of settings")
     if isinstance(data.get("cacheseek"), dict):
         data = data["cacheseek"]
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error's reason and place, without the quote of the line it stopped at (that
+    line may hold a token)."""
+    problem = getattr(exc, "problem", None)
+    if problem is None:
+        return type(exc).__name__
+    def at(mark: Any) -> str:
+        return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+    context = getattr(exc, "context", None)
+    context = f"{context}{at(getattr(exc, 'context_mark', None))}: " if context else ""
+    return f"{context}{problem}{at(getattr(exc, 'problem_mark', None))}"
 
 
 class ServerSettings(BaseSettings):
@@ -216,7 +232,7 @@ class ServerSettings(BaseSettings):
     tenants: dict[str, TenantTokens] = Field(
         default_factory=dict, description="namespace -> {read_token, write_token}: tokens bound to one namespace")
     namespace_secret: SecretStr | None = Field(
-        None, description="key that separates namespaces in storage; default: a file in disk_path, or random")
+        None, description="key that separates namespaces in storage (at least 16 bytes); default: a file in disk_path, or random")
     admin_token: SecretStr | None = Field(
         None, description="bearer token for /v1/admin (usage, flush, delete, pin); unset: admin routes are off")
 
@@ -245,6 +261,15 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
+
+    @field_validator("namespace_secret")
+    @classmethod
+    def _namespace_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        # Checked here, with the other settings: the app refused it only once started (exit
+        # 3, a traceback), after the store was opened.
+        if value is not None and len(value.get_secret_value().encode()) < MIN_SECRET_BYTES:
+            raise ValueError(f"must be at least {MIN_SECRET_BYTES} bytes")
+        return value
 
     @field_validator("redis_url", "redis_ttl_seconds", mode="before")
     @classmethod

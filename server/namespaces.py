@@ -34,6 +34,7 @@ import msgpack
 from cacheseek.store.frame import FrameMeta, header_prefix
 
 KEY_FILE = ".namespace-key"
+MIN_SECRET_BYTES = 16  # of namespace_secret (UTF-8): a shorter key is guessable
 
 
 def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
@@ -71,8 +72,8 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
 
 class Namespaces:
     def __init__(self, secret: bytes) -> None:
-        if len(secret) < 16:
-            raise ValueError("namespace_secret: at least 16 bytes")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"namespace_secret: at least {MIN_SECRET_BYTES} bytes")
         self._key = hashlib.blake2b(secret, digest_size=32, person=b"cacheseek-ns").digest()
         self._masks: dict[tuple[str, int], bytes] = {}
 

@@ -6,6 +6,8 @@ nothing either; it keeps its own attribution, fed by the store's residency event
 
 - a block the server is writing was announced first (``expect``): it belongs to the writer's
   namespace and model (``X-CacheSeek-Model``; "" when the client does not say);
+- a block that left the store a moment ago enters it again as its owner's (a demotion:
+  out of one tier, then into the next), as does a child whose parent is so on its way;
 - any other block (promoted back from Redis, recovered from disk, a write that lost the
   announcement) inherits from its chain: a block at position 0 from its *root* (its parent
   hash as stored, which is the client's root masked by the namespace: one per namespace,
@@ -49,7 +51,8 @@ class Usage:
 
 
 class Owners:
-    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_roots: int = 4096) -> None:
+    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_roots: int = 4096,
+                 max_left: int = 1 << 16) -> None:
         self._lock = threading.Lock()
         self.max_owners = max_owners
         self.max_roots = max_roots
@@ -58,6 +61,12 @@ class Owners:
         self._usage: list[Usage] = [Usage()]
         self._roots: dict[bytes, int] = {}  # stored root -> owner id
         self._of: dict[bytes, int] = {}  # stored key -> owner id, for blocks held
+        # Stored key -> owner id of the blocks that left the store last, oldest first. A block
+        # demoted leaves one tier before it enters the next (a chain goes down tail first,
+        # each victim in no tier meanwhile): it, and a child entering before it, are
+        # attributed through this. A key is one namespace's for good (keys are masked by it).
+        self._left: dict[bytes, int] = {}
+        self.max_left = max_left
         # keys being written -> the owner ids of the writes in flight, first announced first:
         # two writers of one block (clients sharing a prompt) each settle their own.
         self._expected: dict[bytes, list[int]] = {}
@@ -122,10 +131,11 @@ class Owners:
     def appeared(self, key: bytes, info: BlockInfo) -> None:
         with self._lock:
             writers = self._expected.get(key)
-            owner = writers[0] if writers else None
+            left = self._left.pop(key, None)
+            owner = writers[0] if writers else left
             if owner is None:
                 owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
-                    else self._of.get(info.parent, UNATTRIBUTED)
+                    else self._of.get(info.parent, self._left.get(info.parent, UNATTRIBUTED))
             self._of[key] = owner
             u = self._usage[owner]
             u.blocks += 1
@@ -135,6 +145,10 @@ class Owners:
     def gone(self, key: bytes, info: BlockInfo) -> None:
         with self._lock:
             owner = self._of.pop(key, UNATTRIBUTED)
+            if owner != UNATTRIBUTED:
+                self._left[key] = owner
+                if len(self._left) > self.max_left:
+                    del self._left[next(iter(self._left))]
             u = self._usage[owner]
             u.blocks -= 1
             u.used_bytes -= info.nbytes
@@ -184,7 +198,8 @@ class Owners:
             return  # unreadable: attribution starts afresh (usage of old blocks shows unattributed)
         if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
             return
-        for entry in data.get("roots", []):
+        roots = data.get("roots")
+        for entry in roots if isinstance(roots, list) else []:  # (anything else raised: no start)
             try:
                 namespace, model, root = str(entry["namespace"]), str(entry["model"]), bytes.fromhex(entry["root"])
             except (KeyError, TypeError, ValueError):

@@ -53,7 +53,9 @@ def settings_lines(settings: ServerSettings) -> list[str]:
 
 def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[str, Any]) -> list[str]:
     """The store as opened: each tier's budget, place and what it held at start."""
-    out = [f"cacheseek serve: store open in {recovery['seconds']:.2f} s, on http://{settings.host}:{settings.port}"]
+    scheme = "https" if settings.tls_cert is not None else "http"
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host  # an IPv6 address
+    out = [f"cacheseek serve: store open in {recovery['seconds']:.2f} s, on {scheme}://{host}:{settings.port}"]
     tiers = {t["name"]: t for t in stats["tiers"]}
     for name, tier in tiers.items():
         found = recovery["tiers"].get(name, {"blocks": 0, "bytes": 0})

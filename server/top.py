@@ -7,6 +7,7 @@ on a terminal each frame replaces the last; piped, frames follow one another.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ def _ms(x: float | None) -> str:
 
 def render(stats: dict[str, Any], prev: dict[str, Any] | None, dt: float, url: str) -> str:
     """One frame of text from two successive ``/v1/stats`` answers ``dt`` seconds apart."""
+    if prev is not None and prev.get("started_at") != stats.get("started_at"):
+        prev = None  # the server restarted: its counters started again, no rate spans the two
     t = stats.get("traffic", {})
     p = (prev or {}).get("traffic", {})
 
@@ -143,8 +146,8 @@ def add_parser(sub: Any) -> None:
 
 
 def _main(args: Any) -> int:
-    if args.interval <= 0:
-        print("cacheseek top: --interval must be > 0 seconds", file=sys.stderr)
+    if not (math.isfinite(args.interval) and args.interval > 0):  # (nan polled without a pause; inf cannot sleep)
+        print(f"cacheseek top: --interval must be a finite number of seconds > 0, got {args.interval}", file=sys.stderr)
         return 2
     if args.iterations is not None and args.iterations < 1:
         print(f"cacheseek top: --iterations must be >= 1 (omit it: until Ctrl-C), got {args.iterations}",

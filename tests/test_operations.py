@@ -291,6 +291,24 @@ def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_pat
         assert c.put(f"/v1/blocks/{h.hex()}", content=f, headers=writer("a")).status_code == 201
 
 
+
+def test_blocks_demoted_to_disk_keep_their_owner_and_a_flush_takes_them(tmp_path):
+    """Write-back: an evicted chain is handed down tail first, each victim in no tier while it
+    moves, so a block reached the disk while its parent was still on its way. It was counted
+    unattributed, and a flush of its namespace left it stored."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(6 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        for seed in range(6):  # 24 blocks through a 6-block CPU tier: most go down to disk
+            post_chain(c, raw_chain(800 + seed, 4), **writer("a", "m"))
+        post_chain(c, raw_chain(900, 2), **writer("b", "m"))
+        stats = c.get("/v1/stats", headers=writer()).json()
+        assert stats["tiers"][1]["demotions"] > 0 and stats["blocks"] == 26
+        owners = {(u["namespace"], u["model"]): u["blocks"] for u in stats["namespaces"] if u["blocks"]}
+        assert owners == {("a", "m"): 24, ("b", "m"): 2}, owners
+        r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 24, r.text
+        assert c.get("/v1/stats", headers=writer()).json()["blocks"] == 2
+
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
     chains = [raw_chain(100 + i, 4) for i in range(24)]
     keep = raw_chain(99, 3)
@@ -370,6 +388,66 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert "not restored" in s.output()
 
 
+
+def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
+    """``cacheseek serve`` opens the store before the app: the time the app measured was
+    its own hand-over (always "0.00 s"), not the rebuild of the disk index."""
+    import os
+    import time
+
+    from cacheseek.quant import Raw
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.frame import build_frame, plan_frame
+    from cacheseek.store.tier import BlockFrame
+    from server_helpers import LAYOUT
+
+    disk = tmp_path / "disk"
+    tier = DiskTier(disk, 1 << 30, fsync=False)
+    buffers = [(name, "float16", (2, 2, 1, 64)) for name in ("k", "v")]
+    for _ in range(12):  # 3,000 small frames: a rebuild of a few tenths of a second here
+        batch = []
+        for _ in range(250):
+            meta = plan_frame(block_hash=os.urandom(16), parent_hash=bytes(16), position=0, layout=LAYOUT,
+                              block_tokens=1, codec=Raw().spec(), buffers=buffers)
+            batch.append((meta.block_hash, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes(512)] * 2)))))
+        tier.put_many(batch)
+    tier.close()
+    start = time.perf_counter()
+    DiskTier(disk, 1 << 30).close()
+    rebuild = time.perf_counter() - start
+    with Server(tmp_path) as s, httpx.Client(base_url=s.url) as c:
+        m = samples(c)
+        assert value(m, "cacheseek_tier_recovered_blocks", tier="disk") == 3000
+        reported = value(m, "cacheseek_recovery_duration_seconds")
+        assert reported >= rebuild / 4, (reported, rebuild)
+        said = float(re.search(r"store open in ([0-9.]+) s", s.output()).group(1))
+        assert abs(said - reported) < 0.01, (said, reported)
+
+
+def test_state_files_with_entries_of_the_wrong_type_skip_them_and_the_server_starts(tmp_path):
+    """The pins and owners files are read at start: an entry they cannot use is skipped (an
+    expiry that was not a number stopped the start with a TypeError, exit 3), the others used."""
+    import json
+
+    chain = raw_chain(65, 3)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain, **writer("a"))
+        assert c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"},
+                     json={"ttl_seconds": 3600}).status_code == 200
+    pins = next(tmp_path.rglob(".cacheseek-pins.json"))
+    good = json.loads(pins.read_text())["pins"][0]
+    for bad in ([{**good, "expires_at": "soon"}, good], [{**good, "expires_at": [1]}, "x", 7, good],
+                [{**good, "expires_at": float("inf")}, good], 5):
+        pins.write_text(json.dumps({"version": 1, "pins": bad}))
+        with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, \
+                httpx.Client(base_url=s.url) as c:
+            got = [(p["namespace"], p["hash"]) for p in c.get("/v1/admin/pins", headers=admin()).json()]
+            assert got == ([] if bad == 5 else [("a", chain[-1][0].hex())]), (bad, got)
+    owners = next(tmp_path.rglob(".cacheseek-owners.json"))
+    owners.write_text(json.dumps({"version": 1, "roots": 5}))  # (a TypeError out of Owners: no start either)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/v1/admin/namespaces", headers=admin()).status_code == 200
+
 def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_path):
     """A batch refused for its positions announces nothing: its model does not become the
     owner of the namespace's root, through which blocks recovered at start are attributed."""
@@ -419,12 +497,51 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
     for ttl in ("0", "inf", "1e999"):  # a bad argument: exit 2, no request made
         bad = admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", ttl)
         assert bad.returncode == 2 and "--ttl" in bad.stderr, bad.stderr
+    # A HASH that is not one: exit 2, no request made (it was put in the path as it was:
+    # "../chains/H" unpinned nothing and deleted the chain, the server normalizing the path).
+    for cmd, bad in (("unpin", f"../chains/{chain[-1][0].hex()}"), ("pin", "XYZ"), ("delete-chain", "A" * 32)):
+        refused = admin_cmd(cmd, bad, "--namespace", "a")
+        assert refused.returncode == 2 and "HASH" in refused.stderr, (cmd, refused.stderr)
+    with httpx.Client(base_url=srv.url) as c:
+        assert held(c, chain, "a") == [f for _, f in chain]
     flushed = admin_cmd("--json", "flush", "--namespace", "a")
     assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout
     gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 3
 
+
+
+def test_top_across_a_server_restart_shows_no_negative_rates(tmp_path):
+    """A restart starts every counter again: the refresh after it took the difference with
+    the last process's figures (-97.0 lookups/s, a hit rate "now" of the new over the old)."""
+    from cacheseek.server.top import render
+
+    chain = raw_chain(75, 3)
+    seen = []
+    for _ in range(2):
+        with Server(tmp_path, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+            if not seen:
+                post_chain(c, chain, **writer("a", "llama"))
+            for _ in range(3 if not seen else 1):
+                c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]},
+                       headers=writer("a", "llama", **{"X-CacheSeek-Block-Tokens": "32"}))
+            seen.append(c.get("/v1/stats", headers=writer()).json())
+    frame = render(seen[1], seen[0], 1.0, "http://x")
+    assert not re.search(r"-\d", frame), frame
+    assert re.search(r"lookups +1 +-/s", frame) and re.search(r"% all +- now", frame), frame
+
+
+def test_the_start_up_summary_says_the_url_a_client_uses():
+    """The scheme of a TLS server, and an IPv6 address in brackets (it said http://:::8080)."""
+    from cacheseek.server.config import ServerSettings
+    from cacheseek.server.summary import store_lines
+
+    stats = {"tiers": [], "write_through": [], "promote_on_hit": True, "blocks": 0, "used_bytes": 0}
+    recovery = {"seconds": 0.5, "tiers": {}}
+    for host, url in (("::", "http://[::]:8080"), ("127.0.0.1", "http://127.0.0.1:8080")):
+        line = store_lines(ServerSettings(host=host, disk_bytes=0), stats, recovery)[0]
+        assert line == f"cacheseek serve: store open in 0.50 s, on {url}", line
 
 @pytest.fixture()
 def not_cacheseek():
@@ -485,3 +602,7 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for n in ("0", "-1"):
         rc, err = said("top", "--url", url, "--iterations", n)
         assert rc == 2 and "--iterations must be >= 1" in err
+    pages["/v1/stats"] = b"{}"
+    for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
+        rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
+        assert rc == 2 and "--interval must be a finite number of seconds > 0" in err, (interval, rc, err)

@@ -875,6 +875,14 @@ def test_a_redis_tier_without_redis_py_is_refused_up_front(monkeypatch):
 def test_redis_settings_are_checked(redis_url):
     for kw, match in [(dict(redis_prefix="a:b"), "redis_prefix"), (dict(redis_namespace="{x}"), "redis_namespace"),
                       (dict(redis_ttl_seconds=0), "redis_ttl_seconds"), (dict(redis_bytes="lots"), "redis_bytes"),
+                      # inf raised OverflowError; 1e16 s, taken, had Redis refuse every write's expiry
+                      (dict(redis_ttl_seconds=float("inf")), "redis_ttl_seconds"),
+                      (dict(redis_ttl_seconds=1e16), "redis_ttl_seconds"),
+                      # inf crashed a server's start (a socket timeout cannot be inf) or its /v1/stats (JSON)
+                      (dict(redis_connect_timeout_seconds=float("inf")), "connect_seconds"),
+                      (dict(redis_socket_timeout_seconds=1e300), "socket_seconds"),
+                      (dict(redis_breaker_base_seconds=float("inf"), redis_breaker_cap_seconds=float("inf")),
+                       "cap_seconds"),
                       (dict(redis_socket_timeout_seconds=0), "socket_seconds"),
                       (dict(redis_breaker_failures=0), "failure_threshold"), (dict(redis_url="nope"), "redis_url")]:
         with pytest.raises(cs.ConfigError, match=match):

@@ -545,6 +545,7 @@ def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):
     env = {"CACHESEEK_TLS_KEY": str(tls_files / "key.pem")}  # settings from the environment work too
     with Server(tmp_path, "--tls-cert", str(tls_files / "cert.pem"), env=env, verify=ca) as srv:
         assert srv.url.startswith("https://")
+        assert f", on {srv.url}\n" in srv.output()  # the start-up summary (it said http://)
         chain = raw_chain(6, 8, layout=BIG_LAYOUT)
         with httpx.Client(base_url=srv.url, verify=ca, timeout=30) as c:
             assert c.get("/readyz").json()["receive_path"] == "in-place"

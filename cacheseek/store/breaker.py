@@ -20,6 +20,7 @@ redis-py shape); the clock is injected, so tests drive time by hand.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -60,9 +61,12 @@ class ExponentialBackoff:
     factor: float = 2.0
 
     def __post_init__(self) -> None:
-        if not (self.base_seconds > 0 and self.cap_seconds >= self.base_seconds and self.factor >= 1):
+        # A finite cap: an infinite one kept a breaker open for good, its retry_in_seconds inf
+        # (no JSON number: a server's /v1/stats answered 500).
+        if not (self.base_seconds > 0 and math.isfinite(self.cap_seconds) and self.cap_seconds >= self.base_seconds
+                and self.factor >= 1):
             raise ConfigError(
-                "backoff: need base_seconds > 0, cap_seconds >= base_seconds and factor >= 1, got "
+                "backoff: need base_seconds > 0, a finite cap_seconds >= base_seconds and factor >= 1, got "
                 f"base_seconds={self.base_seconds!r}, cap_seconds={self.cap_seconds!r}, factor={self.factor!r}"
             )
 

@@ -23,6 +23,9 @@ from ..errors import ConfigError
 
 DEFAULT_PORT = 6379
 SOCKET_READ_NBYTES = 1 << 20
+# A socket's timeout is held in int64 nanoseconds: a longer one (inf) raised OverflowError at
+# the first connection, out of a server's start, not as a bad setting.
+MAX_TIMEOUT_SECONDS = ((1 << 63) - 1) // 10**9
 _STANDALONE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis+cluster", "rediss+cluster")
 
@@ -58,8 +61,9 @@ class RedisTimeouts:
     def __post_init__(self) -> None:
         for name in ("connect_seconds", "socket_seconds"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"redis timeout {name}: must be a number of seconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_TIMEOUT_SECONDS:
+                raise ConfigError(f"redis timeout {name}: must be a number of seconds > 0 and at most "
+                                  f"{MAX_TIMEOUT_SECONDS:,}, got {value!r}")
 
 
 def _masked(url: str) -> str:

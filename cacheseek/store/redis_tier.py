@@ -51,6 +51,10 @@ HEADER_PROBE_NBYTES = 4096  # first GETRANGE of info(): holds the whole header o
 # a put counts its block one round trip before its SET lands, and a batch of large frames
 # can take seconds to send. Far longer than that, so that no write in flight loses its entry.
 GHOST_GRACE_SECONDS = 60.0
+# Redis refuses an expiry (PEXPIRE, SET PX) whose milliseconds, added to its clock, pass
+# 2^63 - 1: past that every write failed ("value is not an integer or out of range"), and
+# inf could not be made milliseconds at all. 2^62 ms is 146 million years.
+MAX_TTL_SECONDS = (1 << 62) / 1000
 
 
 class RedisUnavailable(StorageError):
@@ -120,8 +124,9 @@ class RedisTier(Tier):
         super().__init__(name, capacity_bytes)
         if not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
             raise ConfigError(f"redis_bytes: must be > 0 bytes, got {capacity_bytes!r}")
-        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not ttl_seconds > 0):
-            raise ConfigError(f"redis_ttl_seconds: must be > 0 seconds or None, got {ttl_seconds!r}")
+        if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not 0 < ttl_seconds <= MAX_TTL_SECONDS):
+            raise ConfigError(f"redis_ttl_seconds: must be > 0 and at most {MAX_TTL_SECONDS:.3g} seconds, or None, "
+                              f"got {ttl_seconds!r}")
         if not (isinstance(client_retries, int) and client_retries >= 0):
             raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
         self.target: RedisTarget = parse_redis_url(url)
