@@ -64,6 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from .app import create_app
     from .config import ServerSettings, renamed
+    from .namespaces import check_key_file
     from .protocol import ConnectionLimits, fast_path_problem, protocol_class
     from .store import build_store
     from .summary import settings_lines
@@ -97,6 +98,8 @@ def _serve(args: argparse.Namespace) -> int:
         return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
     started = time.perf_counter()
     try:
+        if not settings.namespace_secret and settings.disk_bytes > 0:
+            check_key_file(settings.disk_path)
         store = build_store(settings)
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()

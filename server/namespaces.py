@@ -31,6 +31,7 @@ from pathlib import Path
 
 import msgpack
 
+from cacheseek.errors import ConfigError
 from cacheseek.store.frame import FrameMeta, header_prefix
 
 KEY_FILE = ".namespace-key"
@@ -44,7 +45,7 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         return secrets.token_bytes(32)
     path = Path(disk_path) / KEY_FILE
     try:
-        return path.read_bytes()
+        return _checked_key(path, path.read_bytes())
     except FileNotFoundError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,27 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return path.read_bytes()
+    return _checked_key(path, path.read_bytes())
+
+
+def check_key_file(disk_path: Path | None) -> None:
+    """``ConfigError`` if ``disk_path`` holds a key file too short to be one (truncated, or
+    written by hand): said before the store opens. A new key is never made in its place:
+    every namespaced block on disk would be unreachable under it."""
+    if disk_path is not None:
+        path = Path(disk_path) / KEY_FILE
+        try:
+            _checked_key(path, path.read_bytes())
+        except FileNotFoundError:
+            pass
+
+
+def _checked_key(path: Path, key: bytes) -> bytes:
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigError(f"namespace key: {path} holds {len(key)} bytes, not a key (at least {MIN_SECRET_BYTES}): "
+                          "restore it from a backup, or remove it to start with a new key (the blocks stored in "
+                          "namespaces other than the default one are then unreachable)")
+    return key
 
 
 class Namespaces:

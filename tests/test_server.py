@@ -594,7 +594,14 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "namespace_secret" in out.stderr and "16 bytes" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and not disk.exists()
-
+    # A namespace key file too short to be one (truncated, written by hand): exit 2 naming
+    # it, and no new key made in its place (exit 3 and a traceback, as the app started).
+    disk = tmp_path / "short-key"
+    disk.mkdir()
+    (disk / ".namespace-key").write_bytes(b"short")
+    out = subprocess.run([*base, "--disk-path", str(disk)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "namespace key:" in out.stderr and "holds 5 bytes" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and (disk / ".namespace-key").read_bytes() == b"short"
 
 
 def test_bad_settings_never_print_a_token(tmp_path):
@@ -614,6 +621,7 @@ def test_bad_settings_never_print_a_token(tmp_path):
     out = subprocess.run([*base, "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "is not valid: while scanning a quoted scalar" in out.stderr, out.stderr
     assert "line 1, column 14" in out.stderr and "s3cret" not in out.stderr, out.stderr
+
 
 def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
     chain = raw_chain(70, 6)
