@@ -202,7 +202,9 @@ class AdminOps:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._path)
-        except OSError:
+        except OSError as exc:
+            # Said, not raised: the pin holds in this process; a restart would not make it again.
+            log.warning("pins not saved to %s: %s (a restart keeps only those of the last save)", self._path, exc)
             try:
                 tmp.unlink()
             except OSError:

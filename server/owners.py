@@ -28,6 +28,7 @@ Events arrive under a tier's lock: every method they call is a few dict operatio
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import threading
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from cacheseek.store.tier import BlockInfo
+
+log = logging.getLogger("cacheseek.server")
 
 OWNERS_FILE = ".cacheseek-owners.json"
 FILE_VERSION = 1
@@ -229,7 +232,10 @@ class Owners:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self._path)
-        except OSError:
+        except OSError as exc:
+            # Said, not raised: the write that named a new root is stored all the same. After a
+            # restart, that root's blocks are counted as nobody's until it is written again.
+            log.warning("owners not saved to %s: %s", self._path, exc)
             try:
                 tmp.unlink()
             except OSError:

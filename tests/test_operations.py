@@ -388,6 +388,23 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert "not restored" in s.output()
 
 
+def test_state_files_that_cannot_be_saved_are_said_in_the_log(tmp_path):
+    """The pins and owners files were saved with every OSError ignored: a pin acknowledged and
+    never persisted, a root never recorded, and nothing said. The write stands; the log says
+    which file was not saved and why."""
+    chain = raw_chain(62, 3)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        disk = next(p.parent for p in tmp_path.rglob(".lock"))
+        for name in (".cacheseek-owners.json", ".cacheseek-pins.json"):
+            (disk / name).mkdir()  # (a rename over a directory fails, whoever runs the server)
+        post_chain(c, chain, **writer("a", "llama"))
+        r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+        assert r.status_code == 200, r.text
+        assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=writer("a", "llama")).status_code == 200
+        out = s.output()
+        assert re.search(r"owners not saved to .*\.cacheseek-owners\.json: \[Errno 21\]", out), out
+        assert re.search(r"pins not saved to .*\.cacheseek-pins\.json: \[Errno 21\]", out), out
+
 
 def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
     """``cacheseek serve`` opens the store before the app: the time the app measured was
