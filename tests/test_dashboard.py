@@ -91,6 +91,28 @@ def test_the_dashboard_shows_the_stats_and_loads_nothing_from_elsewhere(tmp_path
         browser.screenshot(Path(target) if target else tmp_path / "dashboard.png")
 
 
+def test_the_charts_across_a_server_restart_hold_no_negative_rate(tmp_path):
+    """A restart starts every counter again: the refresh after it took the difference with
+    the last process's figures (negative lookups, bytes and latency counts per second)."""
+    first = Server(tmp_path / "a", cpu_bytes="4MiB").start()
+    with Browser() as browser:
+        try:
+            stop = threading.Event()
+            _traffic(first.url, stop, 3.0)
+            browser.goto(first.url + "/dashboard")
+            browser.wait_for("Number(document.body.dataset.refreshes) >= 2", timeout=60)
+        finally:
+            first.stop()
+        second = Server(tmp_path / "b", cpu_bytes="4MiB")  # the same port, so the page polls it
+        second.port, second.url = first.port, first.url
+        second.args[second.args.index("--port") + 1] = str(first.port)
+        with second:
+            n = browser.js("Number(document.body.dataset.refreshes)")
+            browser.wait_for(f"Number(document.body.dataset.refreshes) >= {n + 2}", timeout=60)
+            rates = browser.js("[...state.points.hits, ...state.points.io].flatMap(p => Object.values(p.v))")
+        assert rates and all(r is None or r >= 0 for r in rates), rates
+
+
 def test_api_docs_render_offline(tmp_path):
     with Server(tmp_path, disk=False) as srv, Browser() as browser:
         browser.goto(srv.url + "/docs")

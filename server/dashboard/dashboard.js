@@ -175,7 +175,8 @@ function addPoints(s) {
   push(state.points.fill, { at: now, v: fill });
   if (!state.prev) return;
   const p = state.prev.s, dt = (now - state.prev.at) / 1000, pt = p.traffic || {};
-  if (dt <= 0) return;
+  // A restarted server counts from zero: no rate against the last process's counters.
+  if (dt <= 0 || p.started_at !== s.started_at) return;
   const asked = t.lookup_tokens_requested - pt.lookup_tokens_requested;
   const found = t.lookup_tokens_matched - pt.lookup_tokens_matched;
   push(state.points.hits, { at: now, v: { "hit rate %": asked > 0 ? 100 * found / asked : null, "tokens reused/s": found / dt } });
