@@ -764,8 +764,12 @@ class LayerWriter:
 def check_layer_index(i: Any, put: Sequence[Any]) -> None:
     """``InputError`` unless ``i`` is a layer, one per entry of ``put``, whose entry is not
     set yet (None or False: not put)."""
-    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(put):
-        raise InputError(f"layer: {i!r:.40} is outside the layout's {len(put)} layers")
+    n = len(put)
+    if isinstance(i, bool) or not isinstance(i, int):  # as a load's layers are named (``_layer_index``)
+        raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
+                         f"got {type(i).__name__} {i!r:.40}")
+    if not 0 <= i < n:
+        raise InputError(f"layer: {i} is outside the layout's {n} layers (0 to {n - 1})")
     if put[i] is not None and put[i] is not False:
         raise InputError(f"layer {i}: put twice")
 

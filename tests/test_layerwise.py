@@ -577,8 +577,12 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
 
         # bad layers are refused one by one, and the writer stays usable
         writer = cache.ingest_layerwise(toks)
-        for bad in (6, -1, True, 1.0):
-            with pytest.raises(cs.InputError, match="outside"):
+        for bad in (6, -1):
+            with pytest.raises(cs.InputError, match=rf"^layer: {bad} is outside the layout's 6 layers \(0 to 5\)"):
+                writer.put_layer(bad, *kv[0])
+        # named as a load's layers are (a numpy int was called "outside" the layers)
+        for bad, shown in ((True, "bool True"), (1.0, "float 1.0"), (torch.tensor(1), "Tensor"), ("1", "str '1'")):
+            with pytest.raises(cs.InputError, match=rf"^layer: expected an int index of one of the 6 layers .*got {shown}"):
                 writer.put_layer(bad, *kv[0])
         with pytest.raises(cs.InputError, match="heads"):
             writer.put_layer(0, kv[0][0][:1], kv[0][1][:1])
