@@ -60,6 +60,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token", default=os.environ.get("CACHESEEK_ADMIN_TOKEN"),
                    help="the admin token [env CACHESEEK_ADMIN_TOKEN]")
     p.add_argument("--json", action="store_true", help="print the servers' answers as JSON")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for each server's answer (default 60; a flush of many blocks takes long)")
     cmds = p.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
     cmds.add_parser("namespaces", help="usage per namespace (and per model within it)")
     cmds.add_parser("models", help="usage per model (and per namespace)")
@@ -108,6 +110,9 @@ def main(args: Any) -> int:
         except InputError as exc:
             print(f"cacheseek admin {args.admin_command}: HASH: {exc}", file=sys.stderr)
             return 2
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        print("cacheseek admin: --timeout must be a finite number of seconds > 0", file=sys.stderr)
+        return 2
     if not args.token:
         print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)
         return 2
@@ -123,8 +128,14 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=60.0,
+            r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=args.timeout,
                               **{k: v for k, v in kw.items() if k != "headers"})
+        except httpx.ReadTimeout:
+            # Reached, and busy: a flush or a delete goes on to its end on the server.
+            print(f"cacheseek admin: {url}: no answer within {args.timeout:g} s (it may still be carrying it out: "
+                  "see its log, or ask again with a longer --timeout)", file=sys.stderr)
+            worst = max(worst, 3)
+            continue
         except httpx.HTTPError as exc:
             print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
             worst = max(worst, 3)

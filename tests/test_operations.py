@@ -623,3 +623,29 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
         rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
         assert rc == 2 and "--interval must be a finite number of seconds > 0" in err, (interval, rc, err)
+
+
+def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachable(capsys):
+    """A flush of many blocks outlasts the 60 s every request was given, and the command said
+    "unreachable" while the server went on flushing. A server reached but silent past
+    ``--timeout`` is said as such (exit 3, as for one not reached)."""
+    import socket
+    import time
+
+    from cacheseek.server.cli import main
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the backlog; nothing ever answers
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        rc = main(["admin", "--url", url, "--token", "x", "--timeout", "0.5", "flush", "--namespace", "a"])
+        err = capsys.readouterr().err
+        assert rc == 3 and time.monotonic() - start < 10, (rc, err)
+        assert f"{url}: no answer within 0.5 s (it may still be carrying it out" in err and "unreachable" not in err, err
+    finally:
+        silent.close()
+    for bad in ("0", "-1", "nan", "inf"):
+        assert main(["admin", "--url", url, "--token", "x", "--timeout", bad, "namespaces"]) == 2
+        assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
