@@ -664,6 +664,15 @@ def _fault_tier(url: str, **kw) -> RedisTier:
                      breaker=CircuitBreaker(failure_threshold=2, backoff=ConstantBackoff(kw.pop("backoff", 0.3))), **kw)
 
 
+def _emptied_url(where: str, request) -> str:
+    """The URL of the module's one Redis (``standalone``) or its cluster, flushed."""
+    if where == "standalone":
+        return request.getfixturevalue("redis_url")
+    cluster = request.getfixturevalue("cluster")
+    cluster.flush()
+    return cluster.url
+
+
 def _frame(i: int) -> tuple[bytes, BlockFrame]:
     key = i.to_bytes(16, "big")
     meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=LAYOUT, block_tokens=BLOCK,
@@ -1046,12 +1055,7 @@ def test_a_victims_delete_that_lands_after_another_process_acknowledged_it_takes
     counted again, in a cluster A wrote a newer generation beside X; its value stays."""
     from cacheseek.store import redis_tier
 
-    if where == "standalone":
-        url = request.getfixturevalue("redis_url")
-    else:
-        cluster = request.getfixturevalue("cluster")
-        cluster.flush()
-        url = cluster.url
+    url = _emptied_url(where, request)
     x, w, y = _frame(71), _frame(72), _frame(73)
     budget = x[1].nbytes + w[1].nbytes + y[1].nbytes // 2  # Y evicts X, the oldest
     a, b, c = (RedisTier(url, budget, namespace="fence") for _ in range(3))
@@ -1445,12 +1449,7 @@ def test_a_corrupt_values_delete_spares_a_rewrite_that_landed_since_the_read(whe
     A deletes only the value it found bad, and forgets the entry only if it did."""
     from cacheseek.store import redis_tier
 
-    if where == "standalone":
-        url = request.getfixturevalue("redis_url")
-    else:
-        cluster = request.getfixturevalue("cluster")
-        cluster.flush()
-        url = cluster.url
+    url = _emptied_url(where, request)
     a, b = (RedisTier(url, 64 << 20, namespace="corrupt") for _ in range(2))
     key, frame = _frame(81)
     parse = redis_tier.parse_frame

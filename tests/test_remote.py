@@ -3,6 +3,7 @@ same results."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import tracemalloc
@@ -263,48 +264,48 @@ def test_the_default_raises_and_the_breaker_refuses_at_once():
 # -- TLS: RemoteCache through a TLS front end to a real server ---------------------------------
 
 
-class _TlsFront:
-    """A TLS terminator on loopback (ssl module) in front of a plain ``cacheseek serve``: a
-    certificate the test makes, so RemoteCache's ``verify`` is exercised end to end."""
+class _Relay:
+    """A TCP relay on loopback in front of a plain ``cacheseek serve`` that counts the
+    connections it accepts; with ``context``, a TLS terminator (a certificate the test
+    makes, so RemoteCache's ``verify`` is exercised end to end)."""
 
-    def __init__(self, upstream_port: int, context) -> None:
-        import socket
-
+    def __init__(self, upstream_port: int, context=None) -> None:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self.upstream_port, self.context = upstream_port, context
+        self.accepted = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        import socket
-
         while True:
             try:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            try:
-                tls = self.context.wrap_socket(conn, server_side=True)
-            except OSError:
-                conn.close()
-                continue
+            self.accepted += 1
+            if self.context is not None:
+                try:
+                    conn = self.context.wrap_socket(conn, server_side=True)
+                except OSError:
+                    conn.close()
+                    continue
             upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            for a, b in ((tls, upstream), (upstream, tls)):
+            for a, b in ((conn, upstream), (upstream, conn)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
-    def _pipe(a, b) -> None:
+    def _pipe(src, dst) -> None:
         try:
-            while data := a.recv(1 << 20):
-                b.sendall(data)
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
         except OSError:
             pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.close()
-                except OSError:
-                    pass
+        for s in (src, dst):  # (a shutdown wakes the other direction's recv, and the client)
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def close(self) -> None:
         self.listener.close()
@@ -319,7 +320,7 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
     ca.issue_cert("localhost").configure_cert(context)
     bundle = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(bundle))
-    front = _TlsFront(srv.port, context)
+    front = _Relay(srv.port, context)
     url = f"https://localhost:{front.port}"
     toks, kv = tokens_for(12, 3 * BLOCK), make_kv(3 * BLOCK, 12)
     try:
@@ -1157,50 +1158,6 @@ def test_a_wait_for_a_pooled_connection_is_not_the_servers_outage(srv):
             assert cache.lookup(toks) == 2 * BLOCK  # the connection given back: served at once
 
 
-class _CountingRelay:
-    """A TCP relay on loopback in front of ``srv`` that counts the connections it accepts."""
-
-    def __init__(self, srv) -> None:
-        import socket
-
-        self.upstream = ("127.0.0.1", srv.port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        import socket
-
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            up = socket.create_connection(self.upstream)
-            for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst) -> None:
-        import socket
-
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_a_chain_gone_before_its_get_keeps_the_connection_alive(srv, monkeypatch):
     """A 404 for a chain evicted between the lookup and the GET (the eviction race) leaves
     the connection in the pool: its small error body is read, where it was left unread and
@@ -1212,7 +1169,7 @@ def test_a_chain_gone_before_its_get_keeps_the_connection_alive(srv, monkeypatch
     assert httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w",
                                                                             "x-cacheseek-namespace": "race404"}
                         ).status_code == 204
-    relay = _CountingRelay(srv)
+    relay = _Relay(srv.port)
     try:
         with cs.RemoteCache(relay.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                             token="w", namespace="race404", max_connections=1, trust_env=False) as cache:
