@@ -63,6 +63,9 @@ HASH_ALGOS: dict[str, tuple[Callable[[bytes | memoryview], bytes], int]] = {
 _HEX = re.compile(r"^[0-9a-f]+$")
 # A block hash in a URL: xxh3-128 (32 digits) or sha256 (64), lowercase (the OpenAPI document states it).
 HASH_HEX_PATTERN = "^([0-9a-f]{32}|[0-9a-f]{64})$"
+# The namespaces the server takes (its X-CacheSeek-Namespace header): printable ASCII, no
+# spaces, at most 128. A client checks a namespace against it when it is made.
+NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 
 
 def _digest_fn(algo: str) -> Callable[[bytes | memoryview], bytes]:

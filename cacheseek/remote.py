@@ -40,7 +40,7 @@ from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFor
 from .decode import decode_frames
 from .encode import encode_missing
 from .errors import ConfigError, FrameError, InputError, PoolExhausted, RemoteBusy, RemoteError, RemoteUnavailable
-from .hashing import DEFAULT_ALGO, SINGLE, BlockHash, Shard, to_hex
+from .hashing import DEFAULT_ALGO, NAMESPACE_PATTERN, SINGLE, BlockHash, Shard, to_hex
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
 from .layout import KVLayout
@@ -70,8 +70,6 @@ ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
 ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connection to stay open, up to this
-# The namespaces the server takes in NAMESPACE_HEADER (server/config.py's NAMESPACE_PATTERN).
-NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from cacheseek.config import default_cpu_reserve
 from cacheseek.errors import ConfigError
+from cacheseek.hashing import NAMESPACE_PATTERN
 from cacheseek.store.redis_client import parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
@@ -43,7 +44,6 @@ DEPRECATED_NAMES = {
     "redis_breaker_base_s": "redis_breaker_base_seconds",
     "redis_breaker_cap_s": "redis_breaker_cap_seconds",
 }
-NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")  # printable ASCII, no spaces
 
 
 def default_disk_path() -> Path:
