@@ -70,6 +70,9 @@ ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
 ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connection to stay open, up to this
+# The longest JSON answer read: a lookup of 65,536 hashes with every block's presence is ~1 MB.
+ANSWER_BYTES = 64 << 20
+REASON_CHARS = 500  # of an error answer that is not the server's JSON, kept as the error's reason
 # How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
@@ -616,8 +619,7 @@ class RemoteCache(PrefixCacheBase):
     def _send(self, request: httpx.Request, path: str) -> httpx.Response:
         """One request through the transport, its body read whole."""
         try:
-            response = self._transport.handle_request(request)
-            response.read()
+            response = _read_answer(self._transport.handle_request(request), self.url + path)
         except httpx.TransportError as exc:
             raise self._unreached(exc, path) from None
         self._raise_for_status(response, path)
@@ -729,7 +731,8 @@ class RemoteCache(PrefixCacheBase):
                 if response.status_code == 404:
                     _read_small(response)  # the eviction race: its connection back to the pool, not closed
                     return None
-                self._raise_for_status(response, path, streamed=True)
+                if not response.is_success:
+                    self._raise_for_status(_read_answer(response, self.url + path), path)
                 # A server that ignored ?start= (an older one: no answer header) streams from
                 # the head; those frames are checked at their places, then dropped.
                 i = _streamed_from(response, start)
@@ -758,7 +761,8 @@ class RemoteCache(PrefixCacheBase):
         answer (``what`` it should be)."""
         def call() -> Any:
             try:
-                response = self._http.request(method, path, **kw)
+                response = self._http.send(self._http.build_request(method, path, **kw), stream=True)
+                response = _read_answer(response, self.url + path)
             except httpx.TransportError as exc:
                 raise self._unreached(exc, path) from None
             self._raise_for_status(response, path)
@@ -779,17 +783,16 @@ class RemoteCache(PrefixCacheBase):
                                  f"max_connections ({self.max_connections}); not sent", url=self.url + path)
         return RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path)
 
-    def _raise_for_status(self, response: httpx.Response, path: str, streamed: bool = False) -> None:
+    def _raise_for_status(self, response: httpx.Response, path: str) -> None:
         if response.is_success:
             return
-        if streamed:
-            response.read()
         try:
             answer = response.json()
         except ValueError:
             answer = None
         # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
-        reason = (answer.get("error") if isinstance(answer, dict) else None) or response.text or response.reason_phrase
+        reason = ((answer.get("error") if isinstance(answer, dict) else None) or response.text[:REASON_CHARS]
+                  or response.reason_phrase)
         if response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
@@ -803,6 +806,35 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     except ValueError:
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
+
+
+def _read_answer(response: httpx.Response, url: str) -> httpx.Response:
+    """``response`` with its body read: up to ``ANSWER_BYTES`` of a 2xx answer (JSON; a longer
+    one is not the server's: ``RemoteUnavailable``) and ``ERROR_BODY_BYTES`` of an error
+    (its reason; the rest goes with the connection). Read whole, the body of a peer that
+    sends without end (a misdirected URL, a broken front) took the worker's memory."""
+    cap = ANSWER_BYTES if response.is_success else ERROR_BODY_BYTES
+    length = response.headers.get("content-length", "")
+    declared = int(length) if length.isascii() and length.isdigit() else None
+    if declared is not None and declared <= cap:
+        response.read()
+        return response
+    body, too_long = bytearray(), declared is not None
+    try:
+        if not (too_long and response.is_success):  # an error's reason is read, however long its body
+            for chunk in response.iter_bytes():
+                body += chunk[: cap + 1 - len(body)]
+                if len(body) > cap:
+                    too_long = True
+                    break
+    finally:
+        response.close()  # a body left unread: its connection is closed, not pooled
+    if too_long and response.is_success:
+        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (longer than {cap} bytes)",
+                                status=response.status_code, url=url)
+    headers = [(k, v) for k, v in response.headers.multi_items()
+               if k.lower() not in ("content-length", "transfer-encoding", "content-encoding")]
+    return httpx.Response(response.status_code, headers=headers, content=bytes(body[:cap]))
 
 
 def _read_small(response: httpx.Response) -> None:

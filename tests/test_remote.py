@@ -1058,6 +1058,61 @@ def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_c
         assert cache.client_stats()["unavailable_calls"] == 1
 
 
+@pytest.mark.parametrize("framing", ["sized", "chunked"])
+def test_an_endless_answer_is_not_read_whole(framing):
+    """Every answer but a prefix's frames was read whole before its status was looked at: a
+    peer that sends without end (a URL that names a file server, a broken front) took the
+    worker's memory. A 2xx answer past ``ANSWER_BYTES`` is no server's (an outage); an
+    error is read for its reason only, its connection dropped."""
+    from fake_http import FakeServer
+
+    from cacheseek.remote import ANSWER_BYTES, ERROR_BODY_BYTES, REASON_CHARS
+
+    toks = tokens_for(40, 2 * BLOCK)
+    size = 4 * ANSWER_BYTES
+    unsent: list[int] = []
+
+    def endless(status: bytes):
+        def body():
+            head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+            head += b"content-length: %d\r\n\r\n" % size if framing == "sized" else b"transfer-encoding: chunked\r\n\r\n"
+            yield head
+            piece, left = b"x" * (1 << 20), size
+            while left:
+                yield piece if framing == "sized" else b"%x\r\n%s\r\n" % (len(piece), piece)
+                left -= len(piece)
+                unsent[:] = [left]
+            if framing == "chunked":
+                yield b"0\r\n\r\n"
+        return body()
+
+    def script(status: bytes):
+        def answer(n: int, head: bytes):
+            return endless(status), True
+        return answer
+
+    for status, error in ((b"200 OK", cs.RemoteUnavailable), (b"500 Internal Server Error", cs.RemoteError)):
+        for call in ("lookup", "stats"):
+            unsent[:] = [size]
+            with FakeServer(script(status)) as front, cs.RemoteCache(
+                    front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                    trust_env=False) as cache:
+                tracemalloc.start()
+                try:
+                    with pytest.raises(error) as info:
+                        cache.lookup(toks) if call == "lookup" else cache.stats()
+                    peak = tracemalloc.get_traced_memory()[1]
+                finally:
+                    tracemalloc.stop()
+            assert peak < ANSWER_BYTES + (32 << 20), (status, call, peak)
+            assert unsent[0] > 0, (status, call)  # the client stopped reading: the rest was never sent
+            if error is cs.RemoteError:
+                assert info.value.status == 500 and info.value.reason == "x" * REASON_CHARS
+                assert peak < ERROR_BODY_BYTES + (32 << 20), (call, peak)
+            else:
+                assert "longer than" in str(info.value)
+
+
 # -- a load from start fetches only the blocks past it ---------------------------------------------
 
 
