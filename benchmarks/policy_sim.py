@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown counting {c!r}; one of {sorted(COUNTINGS)}")
     budgets = [int(b) for b in args.blocks.split(",")]
 
-    traces = {Path(args.trace).stem: load_trace(args.trace)}
+    traces = {Path(args.trace).stem: load_trace(args.trace, 512)}  # simulated in blocks of 512 tokens
     if not args.no_shapes:
         traces.update({name: gen(seed=1) for name, gen in synth.GENERATORS.items()})
     doc: dict = {"trace": Path(args.trace).name, "policies": list(policies), "results": {}}

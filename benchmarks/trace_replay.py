@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_only(args, plot)
         return 0
 
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, 512)  # the replay counts blocks of 512 tokens
     policies = args.policies.split(",")
     codecs = ["int4"] if args.quick else args.codecs.split(",")
     layout = layout_of(args.layout)

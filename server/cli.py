@@ -353,7 +353,7 @@ def _plan(args: argparse.Namespace) -> int:
             problem = _output_problem(path) or (plot_format_problem(path) if flag == "--plot" else None)
             if problem:
                 raise ConfigError(f"{flag}: {path}: {problem}")
-        trace = load_trace(args.trace)  # the whole file is checked before anything runs
+        trace = load_trace(args.trace, args.block_tokens)  # the whole file is checked before anything runs
         rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
                     disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens,
                     full_blocks_only=args.full_blocks_only)

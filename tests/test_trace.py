@@ -54,6 +54,27 @@ def test_bad_line_is_named_by_number(tmp_path, line, says):
     assert f"{path}:3:" in str(err.value) and says in str(err.value)
 
 
+def test_a_line_whose_length_takes_other_blocks_than_its_ids_is_named(tmp_path, capsys):
+    """Read at one block size, a trace of another counted every block as full, with no
+    error (blocks of 16 tokens read at 512: 435 ids for 6,955 tokens)."""
+    lines = ['{"hash_ids": [0, 1], "input_length": 1000}', '{"hash_ids": [0, 1, 2], "input_length": 1024}',
+             '{"hash_ids": [0], "input_length": 0}', '{"hash_ids": [], "input_length": 3}']
+    with pytest.raises(InputError, match=r"^trace:2: 'input_length' 1024 takes 2 blocks of 512 tokens, but "
+                                         r"'hash_ids' has 3: are its blocks of another size \(block_tokens\)\?"):
+        parse_lines(lines, block_tokens=512)
+    with pytest.raises(InputError, match=r"^trace:3: 'input_length' 3 takes 1 block of 512 tokens, but 'hash_ids' has 0"):
+        parse_lines([lines[0], lines[2], lines[3]], block_tokens=512)
+    # a length of 0 is a trace without lengths: every block full, as before
+    assert len(parse_lines(lines[:3], block_tokens=500)) == 3
+    assert len(parse_lines(lines)) == 4  # no block size, no check
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(lines[:2]) + "\n")
+    assert _plan_main(tmp_path) == 2
+    assert f"{trace}:2: 'input_length' 1024 takes 2 blocks of 512 tokens" in capsys.readouterr().err
+    assert not (tmp_path / "rows.json").exists()
+    assert _plan_main(tmp_path, "--block-tokens", "500") == 0  # 1000 and 1024 tokens: 2 and 3 blocks of 500
+
+
 def test_ids_below_the_root_key_and_reused_with_their_prefix_are_accepted():
     top = (1 << 128) - 2
     trace = parse_lines(['{"hash_ids": [3, %d]}' % top, '{"hash_ids": [3, %d, 4]}' % top, '{"hash_ids": [3]}',

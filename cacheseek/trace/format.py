@@ -67,12 +67,14 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
     return Request(hash_ids=tuple(ids), **fields)
 
 
-def parse_lines(lines: Iterable[str], where: str = "trace") -> list[Request]:
+def parse_lines(lines: Iterable[str], where: str = "trace", block_tokens: int | None = None) -> list[Request]:
     """Every request of ``lines`` (blank lines skipped), or an ``InputError`` naming the
     first bad line; timestamps must not go backwards (arrival order is the trace's order).
     Ids must chain: an id reused after another id than before (or at another request's
     start) would give one key two prefixes, and the replay and the references would count
-    different things with no error."""
+    different things with no error. With ``block_tokens``, a line's ``input_length`` (where
+    given: not 0) must take as many blocks as it has ids: a trace of another block size
+    read at this one counted every block as full, with no error."""
     out: list[Request] = []
     linenos: list[int] = []
     parent_of: dict[int, int] = {}
@@ -81,6 +83,8 @@ def parse_lines(lines: Iterable[str], where: str = "trace") -> list[Request]:
         if not text.strip():
             continue
         req = parse_line(text, lineno, where)
+        if block_tokens is not None and req.input_length:
+            _check_blocks(req, block_tokens, lineno, where)
         if req.timestamp < last:
             raise InputError(f"{where}:{lineno}: timestamp {req.timestamp} is before the previous line's ({last})")
         last = req.timestamp
@@ -94,6 +98,14 @@ def parse_lines(lines: Iterable[str], where: str = "trace") -> list[Request]:
     if not out:
         raise InputError(f"{where}: no requests")
     return out
+
+
+def _check_blocks(req: Request, block_tokens: int, lineno: int, where: str) -> None:
+    need = -(-req.input_length // block_tokens)
+    if need != len(req.hash_ids):
+        raise InputError(f"{where}:{lineno}: 'input_length' {req.input_length} takes {need} block{'s' * (need != 1)} of {block_tokens} "
+                         f"tokens, but 'hash_ids' has {len(req.hash_ids)}: are its blocks of another size "
+                         "(block_tokens)?")
 
 
 def _unchained(ids: tuple[int, ...], parent_of: dict[int, int], out: list[Request], linenos: list[int],
@@ -117,7 +129,8 @@ def _unchained(ids: tuple[int, ...], parent_of: dict[int, int], out: list[Reques
                      "an id names its whole prefix, so it always follows the same id")
 
 
-def load_trace(path: str | Path) -> list[Request]:
+def load_trace(path: str | Path, block_tokens: int | None = None) -> list[Request]:
+    """The trace at ``path``, checked whole (see :func:`parse_lines`)."""
     path = Path(path)
     try:
         # Lines end at "\n" only, as grep -n and sed count them: a lone "\r" would shift
@@ -125,7 +138,7 @@ def load_trace(path: str | Path) -> list[Request]:
         # decoded a line at a time: a text stream decodes ahead in chunks, so its error
         # could not say which line holds the bad byte.
         with path.open("rb") as f:
-            return parse_lines(_decoded(f, str(path)), where=str(path))
+            return parse_lines(_decoded(f, str(path)), where=str(path), block_tokens=block_tokens)
     except OSError as exc:
         raise InputError(f"trace: cannot read {path}: {exc.strerror or exc}") from None
 
