@@ -120,8 +120,8 @@ class AdminOps:
             if pin is None:
                 raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
             self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
-            self._save()
-        return self._describe(key, pin)
+            saved = self._save()
+        return {**self._describe(key, pin), "saved": saved}
 
     def unpin(self, namespace: str, h: bytes) -> dict[str, Any]:
         key = self.service.namespaces.stored_key(namespace, h)
@@ -133,8 +133,8 @@ class AdminOps:
             # Described before its name is forgotten: the answer names the chain it unpinned.
             described = self._describe(key, pin)
             self._pins.pop(key, None)
-            self._save()
-        return described
+            saved = self._save()
+        return {**described, "saved": saved}
 
     def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
         out = []
@@ -187,9 +187,12 @@ class AdminOps:
                 log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, exc)
         return restored
 
-    def _save(self) -> None:
+    def _save(self) -> bool | None:
+        """Write the pins file: whether it was written (None: no disk tier, no file). A pin
+        or unpin answers it, so that one a restart will not keep is not acknowledged as if
+        it would be."""
         if self._path is None:
-            return
+            return None
         entries = []
         for key, named in self._pins.items():
             pin = self.store.pin_table.get(key)
@@ -209,6 +212,8 @@ class AdminOps:
                 tmp.unlink()
             except OSError:
                 pass
+            return False
+        return True
 
 
 def _group(usage: list[dict[str, Any]], by: str, within: str, label: str) -> list[dict[str, Any]]:

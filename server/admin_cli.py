@@ -154,6 +154,12 @@ def main(args: Any) -> int:
             worst = max(worst, 1)
             continue
         answers[url] = (body, table)
+        if args.admin_command in ("pin", "unpin") and isinstance(body, dict) and body.get("saved") is not True:
+            # Done, but only for this server process: a restart goes back to the pins file.
+            why = ("it has no disk tier, so no pins file" if body.get("saved") is None
+                   else "its pins file could not be written: see its log")
+            print(f"cacheseek admin: {url}: {args.admin_command}ned until the server restarts only ({why})",
+                  file=sys.stderr)
     for url, (body, table) in answers.items():
         if args.json:
             print(json.dumps({"url": url, "answer": body}))

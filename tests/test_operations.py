@@ -272,6 +272,7 @@ def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_pat
         post_chain(c, keep, **writer("a"))
         r = c.put(f"/v1/admin/pins/{keep[-1][0].hex()}", json={"ttl_seconds": 3600}, headers=admin() | {"X-CacheSeek-Namespace": "a"})
         assert r.status_code == 200 and r.json()["blocks"] == 3 and r.json()["expires_at"] is not None
+        assert r.json()["saved"] is None  # no disk tier, no pins file: a restart forgets it
         for seed in range(21, 31):  # 20 blocks through an 8-block tier
             post_chain(c, raw_chain(seed, 2), **writer("b"))
         assert held(c, keep, "a") == [f for _, f in keep]
@@ -399,8 +400,12 @@ def test_state_files_that_cannot_be_saved_are_said_in_the_log(tmp_path):
             (disk / name).mkdir()  # (a rename over a directory fails, whoever runs the server)
         post_chain(c, chain, **writer("a", "llama"))
         r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200 and r.json()["saved"] is False, r.text  # held, and said not to last
         assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=writer("a", "llama")).status_code == 200
+        cli = subprocess.run([*cacheseek_command(), "admin", "--url", s.url, "--token", ADMIN, "unpin",
+                              chain[-1][0].hex(), "--namespace", "a"], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and "unpinned until the server restarts only (its pins file could not be " \
+            "written: see its log)" in cli.stderr, cli
         out = s.output()
         assert re.search(r"owners not saved to .*\.cacheseek-owners\.json: \[Errno 21\]", out), out
         assert re.search(r"pins not saved to .*\.cacheseek-pins\.json: \[Errno 21\]", out), out
@@ -505,9 +510,11 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
 
     listed = admin_cmd("namespaces")
     assert listed.returncode == 0 and "llama" in listed.stdout and "a " in listed.stdout
-    assert admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", "60").returncode == 0
+    pinned = admin_cmd("pin", chain[-1][0].hex(), "--namespace", "a", "--ttl", "60")
+    assert pinned.returncode == 0 and '"saved": true' in pinned.stdout and not pinned.stderr, pinned
     assert chain[-1][0].hex() in admin_cmd("pins").stdout
-    assert admin_cmd("unpin", chain[-1][0].hex(), "--namespace", "a").returncode == 0
+    unpinned = admin_cmd("unpin", chain[-1][0].hex(), "--namespace", "a")
+    assert unpinned.returncode == 0 and '"saved": true' in unpinned.stdout and not unpinned.stderr, unpinned
     missing = admin_cmd("flush", "--namespace", "nobody")
     assert missing.returncode == 1 and "404" in missing.stderr
     assert admin_cmd("flush").returncode == 2
