@@ -1192,6 +1192,39 @@ def test_a_layerwise_load_that_differs_from_its_lookup_runs_the_right_suffix(tin
     assert same_result(res, want)
 
 
+def test_a_layerwise_prefill_whose_forward_raises_decodes_no_more_layers(tiny_model, monkeypatch):
+    """The forward raises in layer 1 (out of memory, say): the caller gets that error, the
+    load's frames and staging go back, and the layer groups after the one layer 0 waited
+    for are not decoded (nobody reads them; closing the load decoded all of them first)."""
+    ids = list(range(23, 23 + 2 * TF_BLOCK + 5))
+    decoded = []
+    real = LayerwiseDecoder._decode_layers
+    monkeypatch.setattr(LayerwiseDecoder, "_decode_layers",
+                        lambda self, views, l0, l1, n: decoded.append(l0) or real(self, views, l0, l1, n))
+
+    def out_of_memory(module, args, kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        assert layer_groups(4) == [(0, 1), (1, 3), (3, 4)]
+        decoded.clear()
+        hook = tiny_model.model.layers[1].register_forward_pre_hook(out_of_memory, with_kwargs=True)
+        try:
+            with pytest.raises(RuntimeError, match="^CUDA out of memory$") as raised:
+                prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=True)
+        finally:
+            hook.remove()
+        assert raised.value is not None  # (its traceback holds the call's frame, and so the load)
+        if not torch.cuda.is_available():  # (on a GPU every group is issued before the forward)
+            assert decoded == [0]
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+        assert staging_pool(torch.device("cpu")).stats()["leases_active"] == 0
+        assert reservation_bytes(cache) == 0
+        again = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False, layerwise=True)
+        assert same_result(again, prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False))
+
+
 # -- SmolLM2 (slow): the real model, Raw and int4 -----------------------------------------
 
 

@@ -510,6 +510,11 @@ def prefill_with_reuse(
     except BaseException:
         if writer is not None:
             writer.abort()  # gives back the CPU-tier slots a layer-wise save holds
+        if load is not None:
+            # Nobody reads the layers the forward did not reach: not decoded (``close`` would
+            # decode them all first, on a CPU in this thread), and the error raised as it is.
+            load, abandoned = None, load
+            abandoned.abandon()
         raise
     finally:
         if load is not None:
