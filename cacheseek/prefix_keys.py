@@ -88,6 +88,9 @@ def _token_count(tokens: Any) -> int:
     numel = getattr(tokens, "numel", None)
     if numel is not None:
         return int(numel())
+    size = getattr(tokens, "size", None)
+    if isinstance(size, int) and hasattr(tokens, "shape"):  # a numpy array: its len() of [1, T] is 1
+        return size
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise InputError(f"keys: expected token ids (a list or a tensor), block keys or a Prompt, "
                          f"got {type(tokens).__name__}")
