@@ -702,6 +702,37 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_save_into_a_tier_smaller_than_its_chain_counts_each_block_once(monkeypatch, paged):
+    """The slots' commits evict one another's blocks (three frames of room, eight new
+    blocks), and the ingest of the blocks without a slot stores those again: they were
+    counted stored by both, 9 stored and -1 present of 8 blocks."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK + 5
+    frame = make_cache(INT4).block_format.planned_payload().nbytes
+    with make_cache(INT4, cpu_bytes=3 * frame) as cache, make_cache(INT4, cpu_bytes=3 * frame) as normal:
+        toks, kv = tokens_for(9, T), make_kv(T, 9, LAYOUT, device=DEVICE)
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+            ids = page_tables([T], 16, 24, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+            assert writer.mode == "slots"
+            [got] = writer.finish()
+        else:
+            writer = cache.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+            assert writer.mode == "slots"
+            got = writer.finish()
+        want = normal.ingest(toks, kv)
+        assert (want.blocks, want.stored, want.present, want.failed) == (8, 8, 0, 0)
+        assert (got.blocks, got.stored, got.present, got.failed) == (8, 8, 0, 0)
+        assert reservation_bytes(cache) == 0
+
+
 def _save_with_its_tail_in_slots(cache, toks, kv, paged):
     """A layer-wise save of ``kv`` (8 blocks) into a tier filled first, so that it gets slots
     for its tail only (its head is ingested on finish); every layer put, not finished."""
