@@ -302,6 +302,11 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages([x[0].transpose(2, 3) for x in t], [x[1].transpose(2, 3) for x in t], layout="NHD")
     with pytest.raises(cs.InputError, match=r"token pool"):
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
+    # (a TypeError from iterating them, naming nothing, before)
+    for build in (lambda: cs.KVPages.vllm(None), lambda: cs.KVPages.flashinfer(7),
+                  lambda: cs.KVPages.token_pool(None, [x[1] for x in t])):
+        with pytest.raises(cs.InputError, match=r"^pages( K)?: expected a sequence of per-layer tensors, got (NoneType|int)"):
+            build()
 
 
 def test_pages_sharing_memory_are_refused_when_built():
