@@ -199,6 +199,8 @@ class ExtraKeys:
             _utf8(self.lora_id, "lora_id")
         if self.cache_salt is not None:
             _name_bytes(self.cache_salt, "cache_salt")
+        if isinstance(self.mm_inputs, (str, bytes)) or not hasattr(self.mm_inputs, "__iter__"):
+            raise InputError(f"mm_inputs: expected a sequence of cacheseek.MMInput, got {type(self.mm_inputs).__name__}")
         inputs = tuple(self.mm_inputs)
         for i, item in enumerate(inputs):
             if not isinstance(item, MMInput):

@@ -391,7 +391,8 @@ class LayerwiseLoad:
     is returned: the frames are fetched by then, only the decodes run on). ``layer(i)``:
     the (K, V) of a contiguous load, ``[1, H, num_tokens, D]`` each, after waiting for it.
     ``done()``: every layer ready (no wait). ``close()``: wait for the device, give the
-    store's memory back (also on ``with``'s exit). A load that failed part way raises
+    store's memory back (also on ``with``'s exit); ``abandon()``: the same without loading
+    the layers not issued yet (nobody will read them). A load that failed part way raises
     ``LoadError`` from ``wait`` for the layers it did not load; ``error`` holds the cause.
     ``requests``: for a load into pages, the ``Loaded`` of each request (what is written).
     A handle dropped without ``close()`` (its consumer's forward raised) gives the store's
@@ -558,6 +559,18 @@ class LayerwiseLoad:
             if self._decoder is not None:
                 self._decoder.release_all()
 
+    def abandon(self) -> None:
+        """``close`` for a consumer that will read no more of the load (its forward raised):
+        the store's memory is given back once the copies and decodes already issued are
+        done, and the layer groups not issued yet are never decoded. Idempotent; ``close``
+        after it does nothing, and ``wait`` on a layer never loaded raises."""
+        if self._closed:
+            return
+        if self._decoder is None:
+            self._closed = True
+            return
+        self._abandon()
+
     def __del__(self) -> None:
         # A consumer whose forward raised drops the handle unclosed: the frames it holds are
         # CPU-tier slots leased for good otherwise (LayerwiseSave gives its slots back alike).
@@ -576,7 +589,8 @@ class LayerwiseLoad:
             if self._cuda and issued:
                 # The last group issued: its decode may still read the staging and write the
                 # outputs or the engine's pages, and it ran after every copy before it.
-                issued[-1].synchronize()
+                with contextlib.suppress(Exception):  # (a device error: that work failed, writes no more)
+                    issued[-1].synchronize()
         finally:
             self._decoder.release_all()
 

@@ -346,8 +346,9 @@ class LayerwiseSave(_SlotWriter):
             # Blocks no slot was reserved for, or stored when the save started and gone since:
             # one ingest of the layers (it finds the blocks just published present, and stores
             # the rest).
+            gone = _published_gone(store, stored)
             with _undone_on_bad_input(store, stored):
-                _add_rest(result, self.cache.ingest(self.keys, self._layers))
+                _add_rest(result, self.cache.ingest(self.keys, self._layers), gone)
         return result
 
 
@@ -413,17 +414,23 @@ class PagedLayerwiseSave(_SlotWriter):
         call, results, hashes = self._call, self._results, self._hashes
         paged_io.touch_found(self.cache.store, call, self._found)
         stored: list[bytes] = []
-        saved = set(self._publish(lambda row, outcome: count_outcome(results[call.request_of(row)], hashes[row],
-                                                                     outcome, stored,
-                                                                     self._copies.get(hashes[row], ()))))
+        published: list[list[bytes]] = [[] for _ in results]  # per request, the blocks its rows stored
+
+        def count(row: int, outcome: Any) -> None:
+            count_outcome(results[call.request_of(row)], hashes[row], outcome, stored, self._copies.get(hashes[row], ()))
+            if outcome.stored:
+                published[call.request_of(row)].append(hashes[row])
+
+        saved = set(self._publish(count))
         if len(saved) < len(hashes) or _still_stored(self.cache.store, self._all_hashes, self._found) != self._found:
             # Blocks no slot was reserved for, or stored when the save was planned and gone
             # since: one ingest_batch of the requests (it finds the blocks just published
             # present, and stores the rest).
+            gone = [_published_gone(self.cache.store, keys) for keys in published]
             with _undone_on_bad_input(self.cache.store, stored):
                 rests = self.cache.ingest_batch(self.requests, self.pages)
-            for result, rest in zip(results, rests):
-                _add_rest(result, rest)
+            for result, rest, n in zip(results, rests, gone):
+                _add_rest(result, rest, n)
         return results
 
 
@@ -450,13 +457,21 @@ def _still_stored(store: Any, hashes: list[bytes], found: list[bool]) -> list[bo
     return [was and next(now) for was in found]
 
 
-def _add_rest(result: IngestResult, rest: IngestResult) -> None:
+def _published_gone(store: Any, keys: list[bytes]) -> int:
+    """How many of the blocks ``keys`` the slots have just published are gone again: a
+    later commit of the same save made room by evicting them (a tier smaller than the
+    chain)."""
+    return len(keys) - sum(store.present_many(keys)) if keys else 0
+
+
+def _add_rest(result: IngestResult, rest: IngestResult, gone: int) -> None:
     """Count into ``result`` (the slots' commit) the ingest of the blocks that got no slot.
     It looks at every block again: it finds the published ones present, so its stored
     blocks are new beside the slots', and it writes again those whose commit failed, so its
     failed blocks are all the save's (added to the commit's, a block that failed both times
-    counted twice)."""
-    result.stored += rest.stored
+    counted twice). ``gone``: published blocks evicted before it looked, which it counts
+    itself, stored again or failed (added to the commit's, stored 9 of 8 blocks)."""
+    result.stored += rest.stored - gone
     result.failed = rest.failed
     result.present = result.blocks - result.stored - result.failed
     for tier, reason in rest.errors.items():

@@ -53,6 +53,14 @@ def _as_pages(t: Any, layout: str, where: str) -> torch.Tensor:
     return t if layout == "NHD" else t.transpose(1, 2)
 
 
+def _per_layer(tensors: Any, where: str) -> Any:
+    """``tensors`` (one per layer: a list, a tuple, or a tensor whose first dim is the
+    layers), or ``InputError`` (iterating anything else failed naming nothing)."""
+    if not isinstance(tensors, (list, tuple, torch.Tensor)):
+        raise InputError(f"{where}: expected a sequence of per-layer tensors, got {type(tensors).__name__}")
+    return tensors
+
+
 def _dims(t: torch.Tensor) -> list[tuple[int, int]]:
     """(stride, size) of the dims of ``t`` that take more than one index, largest stride first."""
     return sorted(((st, n) for st, n in zip(t.stride(), t.shape) if n > 1), reverse=True)
@@ -159,7 +167,7 @@ class KVPages:
     def vllm(cls, kv_caches: Sequence[torch.Tensor]) -> KVPages:
         """vLLM's flash-attention layout: per layer one ``[2, num_pages, page_size, H, D]``
         tensor, K at index 0 and V at 1."""
-        for i, t in enumerate(kv_caches):
+        for i, t in enumerate(_per_layer(kv_caches, "pages")):
             if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[0] != 2:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InputError(f"pages layer {i}: expected vLLM's [2, num_pages, page_size, H, D], got {got}")
@@ -169,7 +177,7 @@ class KVPages:
     def flashinfer(cls, kv_caches: Sequence[torch.Tensor], layout: str = "NHD") -> KVPages:
         """FlashInfer's paged layout, K and V in one tensor per layer: ``[num_pages, 2,
         page_size, H, D]`` (NHD) or ``[num_pages, 2, H, page_size, D]`` (HND)."""
-        for i, t in enumerate(kv_caches):
+        for i, t in enumerate(_per_layer(kv_caches, "pages")):
             if not isinstance(t, torch.Tensor) or t.dim() != 5 or t.shape[1] != 2:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InputError(f"pages layer {i}: expected FlashInfer's [num_pages, 2, ...] ({layout}), got {got}")
@@ -180,7 +188,7 @@ class KVPages:
         """A token pool (SGLang's ``MHATokenToKVPool``): per layer ``[slots, H, D]``, a page
         table of slot indices (pages of one token)."""
         for name, side in (("K", k), ("V", v)):
-            for i, t in enumerate(side):
+            for i, t in enumerate(_per_layer(side, f"pages {name}")):
                 if not isinstance(t, torch.Tensor) or t.dim() != 3:
                     got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise InputError(f"pages layer {i} {name}: expected a [slots, H, D] token pool, got {got}")

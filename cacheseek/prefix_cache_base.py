@@ -112,8 +112,13 @@ class PrefixCacheBase:
             raise InputError(f"device: {exc}") from None
         if device.type not in ("cpu", "cuda"):  # (meta holds no data: a load "into" it loads nothing)
             raise InputError(f"device: {device.type} holds no data the cache can write; expected cpu or cuda")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            # (else torch's AssertionError without CUDA, or a failure part way into the load)
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if not count or (device.index is not None and device.index >= count):
+                raise InputError(f"device: {device} is not one of this process's {count} CUDA devices")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         return device
 
     def _materialized(self, k: torch.Tensor, v: torch.Tensor, tiers: list[str], device: torch.device) -> Materialized:

@@ -51,8 +51,7 @@ class Prompt:
         if isinstance(token_ids, Prompt) or is_block_keys(token_ids):
             raise InputError("Prompt.token_ids: expected token ids (a list, tuple or tensor of ints)")
         object.__setattr__(self, "token_ids", token_ids)
-        object.__setattr__(self, "extra", ExtraKeys(lora_id=lora_id, mm_inputs=tuple(mm_inputs),
-                                                    cache_salt=cache_salt))
+        object.__setattr__(self, "extra", ExtraKeys(lora_id=lora_id, mm_inputs=mm_inputs, cache_salt=cache_salt))
 
     def __len__(self) -> int:
         return _token_count(self.token_ids)
@@ -88,6 +87,9 @@ def _token_count(tokens: Any) -> int:
     numel = getattr(tokens, "numel", None)
     if numel is not None:
         return int(numel())
+    size = getattr(tokens, "size", None)
+    if isinstance(size, int) and hasattr(tokens, "shape"):  # a numpy array: its len() of [1, T] is 1
+        return size
     if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
         raise InputError(f"keys: expected token ids (a list or a tensor), block keys or a Prompt, "
                          f"got {type(tokens).__name__}")

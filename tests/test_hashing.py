@@ -314,6 +314,8 @@ def test_bytes_blocks_chain():
         (lambda: ExtraKeys(lora_id=3), "lora_id"),
         (lambda: ExtraKeys(cache_salt=""), "cache_salt"),
         (lambda: ExtraKeys(mm_inputs=(("h", 0, 4),)), r"mm_inputs\[0\]"),
+        (lambda: ExtraKeys(mm_inputs=None), "^mm_inputs: expected a sequence of cacheseek.MMInput, got NoneType"),
+        (lambda: Prompt([1, 2], mm_inputs=MMInput("h", 0, 4)), "^mm_inputs: expected a sequence .* got MMInput"),
         (lambda: Prompt([b"block"]), "Prompt.token_ids"),
         (lambda: from_hex("ABC"), "hash"),
         (lambda: from_hex("00" * 16, "sha256"), "hash"),

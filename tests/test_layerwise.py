@@ -702,6 +702,37 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_save_into_a_tier_smaller_than_its_chain_counts_each_block_once(monkeypatch, paged):
+    """The slots' commits evict one another's blocks (three frames of room, eight new
+    blocks), and the ingest of the blocks without a slot stores those again: they were
+    counted stored by both, 9 stored and -1 present of 8 blocks."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 8 * BLOCK + 5
+    frame = make_cache(INT4).block_format.planned_payload().nbytes
+    with make_cache(INT4, cpu_bytes=3 * frame) as cache, make_cache(INT4, cpu_bytes=3 * frame) as normal:
+        toks, kv = tokens_for(9, T), make_kv(T, 9, LAYOUT, device=DEVICE)
+        if paged:
+            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
+            ids = page_tables([T], 16, 24, seed=1)[0]
+            write_tokens(pages, kv, ids)
+            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+            assert writer.mode == "slots"
+            [got] = writer.finish()
+        else:
+            writer = cache.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+            assert writer.mode == "slots"
+            got = writer.finish()
+        want = normal.ingest(toks, kv)
+        assert (want.blocks, want.stored, want.present, want.failed) == (8, 8, 0, 0)
+        assert (got.blocks, got.stored, got.present, got.failed) == (8, 8, 0, 0)
+        assert reservation_bytes(cache) == 0
+
+
 def _save_with_its_tail_in_slots(cache, toks, kv, paged):
     """A layer-wise save of ``kv`` (8 blocks) into a tier filled first, so that it gets slots
     for its tail only (its head is ingested on finish); every layer put, not finished."""
@@ -1190,6 +1221,39 @@ def test_a_layerwise_load_that_differs_from_its_lookup_runs_the_right_suffix(tin
     assert res.reused_tokens == want.reused_tokens == (2 if change == "evicted" else 3) * TF_BLOCK
     assert res.computed_tokens == len(ids) - res.reused_tokens and cache_length(res.cache) == len(ids)
     assert same_result(res, want)
+
+
+def test_a_layerwise_prefill_whose_forward_raises_decodes_no_more_layers(tiny_model, monkeypatch):
+    """The forward raises in layer 1 (out of memory, say): the caller gets that error, the
+    load's frames and staging go back, and the layer groups after the one layer 0 waited
+    for are not decoded (nobody reads them; closing the load decoded all of them first)."""
+    ids = list(range(23, 23 + 2 * TF_BLOCK + 5))
+    decoded = []
+    real = LayerwiseDecoder._decode_layers
+    monkeypatch.setattr(LayerwiseDecoder, "_decode_layers",
+                        lambda self, views, l0, l1, n: decoded.append(l0) or real(self, views, l0, l1, n))
+
+    def out_of_memory(module, args, kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    with model_cache(tiny_model, INT4) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        assert layer_groups(4) == [(0, 1), (1, 3), (3, 4)]
+        decoded.clear()
+        hook = tiny_model.model.layers[1].register_forward_pre_hook(out_of_memory, with_kwargs=True)
+        try:
+            with pytest.raises(RuntimeError, match="^CUDA out of memory$") as raised:
+                prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=True)
+        finally:
+            hook.remove()
+        assert raised.value is not None  # (its traceback holds the call's frame, and so the load)
+        if not torch.cuda.is_available():  # (on a GPU every group is issued before the forward)
+            assert decoded == [0]
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+        assert staging_pool(torch.device("cpu")).stats()["leases_active"] == 0
+        assert reservation_bytes(cache) == 0
+        again = prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False, layerwise=True)
+        assert same_result(again, prefill_with_reuse(tiny_model, cache, ids, reuse="always", ingest=False))
 
 
 # -- SmolLM2 (slow): the real model, Raw and int4 -----------------------------------------

@@ -302,6 +302,11 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages([x[0].transpose(2, 3) for x in t], [x[1].transpose(2, 3) for x in t], layout="NHD")
     with pytest.raises(cs.InputError, match=r"token pool"):
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
+    # (a TypeError from iterating them, naming nothing, before)
+    for build in (lambda: cs.KVPages.vllm(None), lambda: cs.KVPages.flashinfer(7),
+                  lambda: cs.KVPages.token_pool(None, [x[1] for x in t])):
+        with pytest.raises(cs.InputError, match=r"^pages( K)?: expected a sequence of per-layer tensors, got (NoneType|int)"):
+            build()
 
 
 def test_pages_sharing_memory_are_refused_when_built():
@@ -527,6 +532,26 @@ def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(m
                                            pages)
         assert [x.num_tokens for x in got] == [BLOCK, BLOCK]
         assert cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=np.int32(BLOCK)).num_tokens == BLOCK
+
+
+@pytest.mark.parametrize("shape", ["[T]", "[1, T]"])
+def test_token_ids_in_a_numpy_array_are_keys_as_in_a_tensor(shape, monkeypatch):
+    """A numpy [1, T] array of ids (as a tokenizer returns them) was counted as one token,
+    though hashed as T: ``ingest`` refused it ("1 tokens, but KV holds ..."), and a paged
+    ingest of it failed with an IndexError naming nothing."""
+    monkeypatch.setenv(kivi_codec.BACKEND_ENV, "torch")
+    toks, kvs, pages, _, tables = _setup()
+    ids = np.array(toks[0]) if shape == "[T]" else np.array([toks[0]])
+    with make_cache(codec=INT4) as want, make_cache(codec=INT4) as contiguous, \
+            make_cache(codec=INT4) as paged, make_cache(codec=INT4) as batch:
+        expected = want.ingest(toks[0], kvs[0])
+        assert expected.stored == 2
+        assert contiguous.ingest(ids, kvs[0]) == expected
+        assert paged.ingest(ids, pages.at(tables[0])) == expected
+        assert batch.ingest_batch([cs.PagedRequest(ids, tables[0])], pages) == [expected]
+        for cache in (contiguous, paged, batch):
+            assert cache.locate(ids).num_tokens == cache.lookup(toks[0]) == 2 * BLOCK
+            assert stored_bytes(cache, toks[0]) == stored_bytes(want, toks[0])
 
 
 @pytest.mark.parametrize("codec", [INT4, cs.Raw(), ROTATED], ids=["int4", "raw", "int4-v2-rotated"])

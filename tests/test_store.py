@@ -1128,13 +1128,19 @@ def test_kv_that_requires_grad_is_stored_as_it_is(tmp_path):
         assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
-@pytest.mark.parametrize("device", ["meta", "not-a-device"])
-def test_a_load_onto_a_device_that_holds_no_data_is_refused(device):
+@pytest.mark.parametrize("device", ["meta", "not-a-device", "cuda:past-the-last"])
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_load_onto_a_device_that_holds_no_data_is_refused(device, layerwise):
+    """A CUDA device this process does not have (no CUDA at all: torch's AssertionError,
+    naming nothing; an index past the last GPU) is refused as one that holds no data."""
+    if device == "cuda:past-the-last":
+        device = f"cuda:{torch.cuda.device_count()}"
     toks, kv = tokens_for(18, 2 * BLOCK), make_kv(2 * BLOCK, 18)
     cache = make_cache()
     cache.ingest(toks, kv)
-    with pytest.raises(InputError, match="device"):
-        cache.materialize(toks, device=device)
+    with pytest.raises(InputError, match="^device: "):
+        cache.materialize(toks, device=device, layerwise=layerwise)
+    assert cache.stats()["tiers"][0]["leases_active"] == 0
 
 
 def test_every_call_after_close_raises_and_stores_nothing(tmp_path):

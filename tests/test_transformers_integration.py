@@ -363,6 +363,36 @@ def test_prefill_rejects_bools_as_token_ids_before_anything_runs(tiny_model):
         assert cache.stats()["blocks"] == 0
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_rejects_a_token_id_outside_the_vocabulary_before_anything_runs(tiny_model, monkeypatch, layerwise):
+    """An id past the embedding's rows (or a negative one) failed in the forward, with an
+    IndexError on a CPU (a device-side assert on a GPU, which ends the process's CUDA
+    context), after the stored prefix had been looked up and its load started."""
+    ids = list(range(3, 3 + 2 * BLOCK + 1))
+    vocab = tiny_model.get_input_embeddings().num_embeddings
+    with _cache(tiny_model) as cache:
+        prefill_with_reuse(tiny_model, cache, ids)
+        looked_up = []
+        monkeypatch.setattr(cache, "locate", lambda keys: looked_up.append(keys))
+        for at, bad in ((BLOCK + 5, vocab), (2 * BLOCK, -1)):
+            given = list(ids)
+            given[at] = bad
+            for prompt in (given, torch.tensor([given])):
+                with pytest.raises(InputError, match=rf"^input_ids\[{at}\]: token {bad} is outside the model's "
+                                                     rf"vocabulary of {vocab}"):
+                    prefill_with_reuse(tiny_model, cache, prompt, reuse="always", layerwise=layerwise)
+        assert looked_up == [] and cache.stats()["blocks"] == 2
+        assert cache.stats()["tiers"][0]["leases_active"] == 0
+
+
+@pytest.mark.parametrize("bad", [None, 7, cs.Prompt([1, 2, 3])], ids=["None", "int", "Prompt"])
+def test_prefill_rejects_input_ids_that_are_no_token_ids(tiny_model, bad):
+    with _cache(tiny_model) as cache:
+        with pytest.raises(InputError, match=rf"^input_ids: expected token ids \(a list or a tensor\), "
+                                             rf"got {type(bad).__name__}"):
+            prefill_with_reuse(tiny_model, cache, bad)
+
+
 def test_prefill_takes_ids_of_any_integer_type_and_keeps_its_own_copy(tiny_model):
     np = pytest.importorskip("numpy")
     ids = list(range(3, 3 + 2 * BLOCK + 1))

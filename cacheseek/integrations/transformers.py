@@ -420,6 +420,7 @@ def prefill_with_reuse(
     t0 = time.perf_counter()
     device = model_device(model)
     ids, packed = _token_ids(input_ids)
+    _check_vocabulary(model, packed)
     _check_layout(model, cache)
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
@@ -510,6 +511,11 @@ def prefill_with_reuse(
     except BaseException:
         if writer is not None:
             writer.abort()  # gives back the CPU-tier slots a layer-wise save holds
+        if load is not None:
+            # Nobody reads the layers the forward did not reach: not decoded (``close`` would
+            # decode them all first, on a CPU in this thread), and the error raised as it is.
+            load, abandoned = None, load
+            abandoned.abandon()
         raise
     finally:
         if load is not None:
@@ -564,12 +570,32 @@ def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
             raise InputError("input_ids: a tensor of bools, not token ids")  # (tolist() reads them as 0 and 1)
         ids, from_tensor = input_ids.tolist(), True
     else:
-        ids, from_tensor = list(input_ids), False  # this module's own list (HashedKeys keeps it)
+        try:
+            ids, from_tensor = list(input_ids), False  # this module's own list (HashedKeys keeps it)
+        except TypeError:
+            raise InputError(f"input_ids: expected token ids (a list or a tensor), got {type(input_ids).__name__}") \
+                from None
     if not ids:
         raise InputError("input_ids: empty prompt")
     # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
     # id took ~1 ms of host time per 16K tokens, on the path to the first token.
     return ids, token_block_bytes(ids, from_tensor=from_tensor)
+
+
+def _check_vocabulary(model: Any, packed: bytes) -> None:
+    """``InputError`` for an id the model's embedding has no row for, before anything runs:
+    the forward's lookup fails on a CPU, and on a GPU asserts on the device, which ends the
+    process's CUDA context. (One pass over the ids packed already: tens of microseconds of host
+    time for 16K tokens.)"""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if not isinstance(vocab, int):
+        return
+    ids = torch.frombuffer(bytearray(packed), dtype=torch.int32)
+    lo, hi = (int(x) for x in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab:
+        j = int(((ids < 0) | (ids >= vocab)).nonzero()[0])
+        raise InputError(f"input_ids[{j}]: token {int(ids[j])} is outside the model's vocabulary of {vocab}")
 
 
 def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:
