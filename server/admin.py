@@ -6,6 +6,8 @@ Each operation changes what it names and nothing else:
   (``owners.Owners``), tail first (highest position first), so that what a concurrent
   reader still finds is always a prefix. Blocks written while a flush runs are either
   deleted or stored whole: every tier stores and deletes a block in one step under its lock.
+  Blocks a demotion has in flight (between two tiers, in neither) are waited for, and
+  deleted where they land.
 - ``delete_chain(namespace, hash)`` deletes the block, every block that extends it (they
   are unreachable without it), and its ancestors that no other stored chain goes through:
   chains sharing its head keep every block they use.
@@ -67,6 +69,12 @@ class AdminOps:
             raise NotFound(f"no blocks were ever stored for {what}")
         with self._lock:
             keys = owners.keys_of(namespace=namespace, model=model)
+            # A block a demotion has on its way down now is in no tier, so owned by nobody
+            # and not among ``keys``: it would reach the next tier after the flush and stay.
+            # Once those moves are over it is held, and owned, again. (A block they evict
+            # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
+            self.store.settle_moves()
+            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
             blocks, nbytes = self._delete(keys)
             self._forget_pins_of(set(keys))
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}

@@ -309,6 +309,41 @@ def test_blocks_demoted_to_disk_keep_their_owner_and_a_flush_takes_them(tmp_path
         assert r.status_code == 200 and r.json()["deleted_blocks"] == 24, r.text
         assert c.get("/v1/stats", headers=writer()).json()["blocks"] == 2
 
+def test_a_flush_takes_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back: a block evicted from the CPU tier is in no tier, and owned by nobody, until
+    the disk has it. A flush of its namespace meanwhile did not see it: it reached the disk
+    after the flush and stayed there, still counted as the namespace's."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(32 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        for round_ in range(30):  # (the race is hit within a few rounds)
+            chains = [raw_chain(1000 * round_ + seed, 4) for seed in range(8)]  # the CPU tier full of them
+            for chain in chains:
+                post_chain(c, chain, **writer("a", "m"))
+            stop, evicting = threading.Event(), threading.Event()
+
+            def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk
+                with httpx.Client(base_url=s.url) as w:
+                    seed = 0
+                    while not stop.is_set():
+                        seed += 1
+                        post_chain(w, raw_chain(500_000 + 1000 * round_ + seed, 4), **writer("b", "m"))
+                        evicting.set()
+
+            t = threading.Thread(target=other_tenant)
+            t.start()
+            try:
+                evicting.wait(30)
+                r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+            finally:
+                stop.set()
+                t.join(60)
+            assert r.status_code == 200, r.text
+            left = [h.hex() for chain in chains for h, got in zip((h for h, _ in chain), held(c, chain, "a"))
+                    if got is not None]
+            usage = {u["namespace"]: u["blocks"] for u in c.get("/v1/stats", headers=writer()).json()["namespaces"]}
+            assert not left and not usage.get("a"), (round_, left, usage)
+
+
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
     chains = [raw_chain(100 + i, 4) for i in range(24)]
     keep = raw_chain(99, 3)

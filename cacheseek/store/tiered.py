@@ -544,6 +544,13 @@ class TieredStore:
                 self._deleting.discard(number)
         return True if deleted else None if unknown else False
 
+    def settle_moves(self) -> None:
+        """Wait until the blocks on their way down now (evicted from one tier, not yet in the
+        next, so in none) are in a tier again or gone for good (see ``store.moves``): a caller
+        that lists blocks by what the tiers hold, to delete them, lists again after this."""
+        if self.moves is not None:
+            self.moves.settle()
+
     def _deleted_since(self, key: bytes, since: int) -> bool:
         """Whether ``key`` may have been deleted after the ``since``-th delete (a read that
         began then asks, after its promotion's put: a delete numbered before that put reached
