@@ -41,6 +41,9 @@ log = logging.getLogger("cacheseek.server")
 
 PINS_FILE = ".cacheseek-pins.json"
 FILE_VERSION = 1
+# Walks of a chain to delete, each after the demotions then in flight: two that agree end it
+# (a chain's blocks move down a few times at most, each move changing the walk once).
+WALKS = 8
 
 
 class AdminOps:
@@ -83,28 +86,49 @@ class AdminOps:
         store = self.store
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
-            info = store.info(key)
-            if info is None:
+            # A block a demotion has on its way down is in no tier for a moment, and a walk
+            # misses it: a head another chain still goes through looked like this chain's
+            # alone, a parent on its way ended the walk (and came back as a usable prefix),
+            # the block itself was not found. Walked again once the moves in flight are over,
+            # until two walks agree: what one missed in transit has landed for the next.
+            doomed = self._doomed(key)
+            for _ in range(WALKS):
+                store.settle_moves()
+                again = self._doomed(key)
+                same = again == doomed if again is None or doomed is None else set(again) == set(doomed)
+                doomed = again
+                if same:
+                    break
+            if doomed is None:
                 raise NotFound(f"block {to_hex(h)} is not stored")
-            doomed = [key, *store.descendants(key)]
-            # Up the chain while no other stored chain goes through the parent.
-            child, pinfo = key, info
-            while pinfo.position > 0:
-                parent = pinfo.parent
-                if any(c != child for c in store.children(parent)):
-                    break
-                up = store.info(parent)
-                # Only a parent one position down is this chain's (as ``BlockService.chain``
-                # reads it): a link that skips positions can close a cycle where a tier keeps no
-                # index of children to refuse it (Redis), and this walk would never end.
-                if up is None or up.position != pinfo.position - 1:
-                    break
-                pinfo = up
-                doomed.append(parent)
-                child = parent
             blocks, nbytes = self._delete(doomed)
             self._forget_pins_of(set(doomed))
         return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
+
+    def _doomed(self, key: bytes) -> list[bytes] | None:
+        """The blocks a delete of the chain at ``key`` takes: it, every block that extends
+        it, and its ancestors no other stored chain goes through; None if it is not stored."""
+        store = self.store
+        info = store.info(key)
+        if info is None:
+            return None
+        doomed = [key, *store.descendants(key)]
+        # Up the chain while no other stored chain goes through the parent.
+        child, pinfo = key, info
+        while pinfo.position > 0:
+            parent = pinfo.parent
+            if any(c != child for c in store.children(parent)):
+                break
+            up = store.info(parent)
+            # Only a parent one position down is this chain's (as ``BlockService.chain``
+            # reads it): a link that skips positions can close a cycle where a tier keeps no
+            # index of children to refuse it (Redis), and this walk would never end.
+            if up is None or up.position != pinfo.position - 1:
+                break
+            pinfo = up
+            doomed.append(parent)
+            child = parent
+        return doomed
 
     def _delete(self, keys: list[bytes]) -> tuple[int, int]:
         """Delete ``keys``, highest position first; returns blocks and bytes deleted."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -342,6 +343,46 @@ def test_a_flush_takes_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
                     if got is not None]
             usage = {u["namespace"]: u["blocks"] for u in c.get("/v1/stats", headers=writer()).json()["namespaces"]}
             assert not left and not usage.get("a"), (round_, left, usage)
+
+
+def test_a_chain_delete_sees_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back: a block evicted from the CPU tier is in no tier until the disk has it. A
+    chain delete meanwhile took a head whose other child was on its way (the other chain
+    lost its head), or stopped at a parent on its way (that part of the deleted chain came
+    back as a usable prefix)."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(8 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        posts = [0]
+        stop = threading.Event()
+
+        def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk, tail first
+            with httpx.Client(base_url=s.url) as w:
+                while not stop.is_set():
+                    post_chain(w, raw_chain(700_000 + posts[0], 4), **writer("b", "m"))
+                    posts[0] += 1
+
+        t = threading.Thread(target=other_tenant)
+        t.start()
+        try:
+            for round_ in range(30):  # (the race is hit within a few rounds)
+                kept = raw_chain(2000 + round_, 4)  # a head with two tails: this one stays
+                doomed, tail = [], kept[0][0]
+                for i in range(3):
+                    h, f = raw_frame(3000 + 10 * round_ + i, position=i + 1, parent=tail)
+                    doomed.append((h, f))
+                    tail = h
+                post_chain(c, kept, **writer("a", "m"))
+                post_chain(c, doomed, **writer("a", "m"))
+                seen = posts[0]
+                while posts[0] < seen + round_ % 3:
+                    time.sleep(0.001)
+                r = c.delete(f"/v1/admin/chains/{doomed[-1][0].hex()}", headers=writer("a") | admin())
+                assert r.status_code == 200, r.text
+                assert held(c, kept, "a") == [f for _, f in kept], round_
+                assert held(c, doomed, "a") == [None] * 3, round_
+        finally:
+            stop.set()
+            t.join(60)
 
 
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
