@@ -385,6 +385,36 @@ def test_a_chain_delete_sees_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_
             t.join(60)
 
 
+def test_a_prefix_read_finds_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back promises an acknowledged block is read until it leaves the last tier. The
+    walk of ``GET /v1/prefixes/{hash}`` met a block between the CPU tier and the disk (in
+    neither for a moment) and answered 404: the chain not complete."""
+    with Server(tmp_path, "--write-token", WRITE, "--no-write-through", "--no-promote-on-hit",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(8 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        stop = threading.Event()
+
+        def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk, tail first
+            with httpx.Client(base_url=s.url) as w:
+                seed = 0
+                while not stop.is_set():
+                    seed += 1
+                    post_chain(w, raw_chain(900_000 + seed, 4), **writer("b", "m"))
+
+        t = threading.Thread(target=other_tenant)
+        t.start()
+        try:
+            for round_ in range(40):  # (the race is hit within a few rounds)
+                chain = raw_chain(4000 + round_, 4)
+                post_chain(c, chain, **writer("a", "m"))
+                for _ in range(10):
+                    r = c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=writer("a"))
+                    assert r.status_code == 200, (round_, r.text)
+                    assert r.content == batch_body([f for _, f in chain])
+        finally:
+            stop.set()
+            t.join(60)
+
+
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
     chains = [raw_chain(100 + i, 4) for i in range(24)]
     keep = raw_chain(99, 3)
