@@ -6,6 +6,8 @@ Each operation changes what it names and nothing else:
   (``owners.Owners``), tail first (highest position first), so that what a concurrent
   reader still finds is always a prefix. Blocks written while a flush runs are either
   deleted or stored whole: every tier stores and deletes a block in one step under its lock.
+  Blocks a demotion has in flight (between two tiers, in neither) are waited for, and
+  deleted where they land.
 - ``delete_chain(namespace, hash)`` deletes the block, every block that extends it (they
   are unreachable without it), and its ancestors that no other stored chain goes through:
   chains sharing its head keep every block they use.
@@ -39,6 +41,9 @@ log = logging.getLogger("cacheseek.server")
 
 PINS_FILE = ".cacheseek-pins.json"
 FILE_VERSION = 1
+# Walks of a chain to delete, each after the demotions then in flight: two that agree end it
+# (a chain's blocks move down a few times at most, each move changing the walk once).
+WALKS = 8
 
 
 class AdminOps:
@@ -67,6 +72,12 @@ class AdminOps:
             raise NotFound(f"no blocks were ever stored for {what}")
         with self._lock:
             keys = owners.keys_of(namespace=namespace, model=model)
+            # A block a demotion has on its way down now is in no tier, so owned by nobody
+            # and not among ``keys``: it would reach the next tier after the flush and stay.
+            # Once those moves are over it is held, and owned, again. (A block they evict
+            # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
+            self.store.settle_moves()
+            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
             blocks, nbytes = self._delete(keys)
             self._forget_pins_of(set(keys))
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
@@ -75,28 +86,49 @@ class AdminOps:
         store = self.store
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
-            info = store.info(key)
-            if info is None:
+            # A block a demotion has on its way down is in no tier for a moment, and a walk
+            # misses it: a head another chain still goes through looked like this chain's
+            # alone, a parent on its way ended the walk (and came back as a usable prefix),
+            # the block itself was not found. Walked again once the moves in flight are over,
+            # until two walks agree: what one missed in transit has landed for the next.
+            doomed = self._doomed(key)
+            for _ in range(WALKS):
+                store.settle_moves()
+                again = self._doomed(key)
+                same = again == doomed if again is None or doomed is None else set(again) == set(doomed)
+                doomed = again
+                if same:
+                    break
+            if doomed is None:
                 raise NotFound(f"block {to_hex(h)} is not stored")
-            doomed = [key, *store.descendants(key)]
-            # Up the chain while no other stored chain goes through the parent.
-            child, pinfo = key, info
-            while pinfo.position > 0:
-                parent = pinfo.parent
-                if any(c != child for c in store.children(parent)):
-                    break
-                up = store.info(parent)
-                # Only a parent one position down is this chain's (as ``BlockService.chain``
-                # reads it): a link that skips positions can close a cycle where a tier keeps no
-                # index of children to refuse it (Redis), and this walk would never end.
-                if up is None or up.position != pinfo.position - 1:
-                    break
-                pinfo = up
-                doomed.append(parent)
-                child = parent
             blocks, nbytes = self._delete(doomed)
             self._forget_pins_of(set(doomed))
         return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
+
+    def _doomed(self, key: bytes) -> list[bytes] | None:
+        """The blocks a delete of the chain at ``key`` takes: it, every block that extends
+        it, and its ancestors no other stored chain goes through; None if it is not stored."""
+        store = self.store
+        info = store.info(key)
+        if info is None:
+            return None
+        doomed = [key, *store.descendants(key)]
+        # Up the chain while no other stored chain goes through the parent.
+        child, pinfo = key, info
+        while pinfo.position > 0:
+            parent = pinfo.parent
+            if any(c != child for c in store.children(parent)):
+                break
+            up = store.info(parent)
+            # Only a parent one position down is this chain's (as ``BlockService.chain``
+            # reads it): a link that skips positions can close a cycle where a tier keeps no
+            # index of children to refuse it (Redis), and this walk would never end.
+            if up is None or up.position != pinfo.position - 1:
+                break
+            pinfo = up
+            doomed.append(parent)
+            child = parent
+        return doomed
 
     def _delete(self, keys: list[bytes]) -> tuple[int, int]:
         """Delete ``keys``, highest position first; returns blocks and bytes deleted."""

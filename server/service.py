@@ -340,7 +340,17 @@ class BlockService:
 
     def chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]]:
         """Stored keys (and infos) of the chain ending at ``h``, head first. Positions must
-        step down by one to 0 through the stored parent hashes; else the chain is incomplete."""
+        step down by one to 0 through the stored parent hashes; else the chain is incomplete.
+        A block on its way down a tier (in none for a moment) is waited for, as a read does."""
+        mark = self.store.mark_moves()
+        try:
+            return self._chain(namespace, h)
+        except NotFound:
+            if not self.store.moved_since(mark):
+                raise
+        return self._chain(namespace, h)
+
+    def _chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]]:
         key = self.namespaces.stored_key(namespace, h)
         info = self.store.info(key)
         if info is None:

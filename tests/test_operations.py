@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 
 import httpx
 import pytest
@@ -309,6 +310,111 @@ def test_blocks_demoted_to_disk_keep_their_owner_and_a_flush_takes_them(tmp_path
         r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
         assert r.status_code == 200 and r.json()["deleted_blocks"] == 24, r.text
         assert c.get("/v1/stats", headers=writer()).json()["blocks"] == 2
+
+def test_a_flush_takes_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back: a block evicted from the CPU tier is in no tier, and owned by nobody, until
+    the disk has it. A flush of its namespace meanwhile did not see it: it reached the disk
+    after the flush and stayed there, still counted as the namespace's."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(32 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        for round_ in range(30):  # (the race is hit within a few rounds)
+            chains = [raw_chain(1000 * round_ + seed, 4) for seed in range(8)]  # the CPU tier full of them
+            for chain in chains:
+                post_chain(c, chain, **writer("a", "m"))
+            stop, evicting = threading.Event(), threading.Event()
+
+            def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk
+                with httpx.Client(base_url=s.url) as w:
+                    seed = 0
+                    while not stop.is_set():
+                        seed += 1
+                        post_chain(w, raw_chain(500_000 + 1000 * round_ + seed, 4), **writer("b", "m"))
+                        evicting.set()
+
+            t = threading.Thread(target=other_tenant)
+            t.start()
+            try:
+                evicting.wait(30)
+                r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+            finally:
+                stop.set()
+                t.join(60)
+            assert r.status_code == 200, r.text
+            left = [h.hex() for chain in chains for h, got in zip((h for h, _ in chain), held(c, chain, "a"))
+                    if got is not None]
+            usage = {u["namespace"]: u["blocks"] for u in c.get("/v1/stats", headers=writer()).json()["namespaces"]}
+            assert not left and not usage.get("a"), (round_, left, usage)
+
+
+def test_a_chain_delete_sees_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back: a block evicted from the CPU tier is in no tier until the disk has it. A
+    chain delete meanwhile took a head whose other child was on its way (the other chain
+    lost its head), or stopped at a parent on its way (that part of the deleted chain came
+    back as a usable prefix)."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, "--no-write-through",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(8 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        posts = [0]
+        stop = threading.Event()
+
+        def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk, tail first
+            with httpx.Client(base_url=s.url) as w:
+                while not stop.is_set():
+                    post_chain(w, raw_chain(700_000 + posts[0], 4), **writer("b", "m"))
+                    posts[0] += 1
+
+        t = threading.Thread(target=other_tenant)
+        t.start()
+        try:
+            for round_ in range(30):  # (the race is hit within a few rounds)
+                kept = raw_chain(2000 + round_, 4)  # a head with two tails: this one stays
+                doomed, tail = [], kept[0][0]
+                for i in range(3):
+                    h, f = raw_frame(3000 + 10 * round_ + i, position=i + 1, parent=tail)
+                    doomed.append((h, f))
+                    tail = h
+                post_chain(c, kept, **writer("a", "m"))
+                post_chain(c, doomed, **writer("a", "m"))
+                seen = posts[0]
+                while posts[0] < seen + round_ % 3:
+                    time.sleep(0.001)
+                r = c.delete(f"/v1/admin/chains/{doomed[-1][0].hex()}", headers=writer("a") | admin())
+                assert r.status_code == 200, r.text
+                assert held(c, kept, "a") == [f for _, f in kept], round_
+                assert held(c, doomed, "a") == [None] * 3, round_
+        finally:
+            stop.set()
+            t.join(60)
+
+
+def test_a_prefix_read_finds_the_blocks_a_demotion_has_on_their_way_to_disk(tmp_path):
+    """Write-back promises an acknowledged block is read until it leaves the last tier. The
+    walk of ``GET /v1/prefixes/{hash}`` met a block between the CPU tier and the disk (in
+    neither for a moment) and answered 404: the chain not complete."""
+    with Server(tmp_path, "--write-token", WRITE, "--no-write-through", "--no-promote-on-hit",
+                "--cpu-reserve-bytes", "0", cpu_bytes=str(8 * FRAME)) as s, httpx.Client(base_url=s.url) as c:
+        stop = threading.Event()
+
+        def other_tenant() -> None:  # its writes evict namespace a's blocks down to disk, tail first
+            with httpx.Client(base_url=s.url) as w:
+                seed = 0
+                while not stop.is_set():
+                    seed += 1
+                    post_chain(w, raw_chain(900_000 + seed, 4), **writer("b", "m"))
+
+        t = threading.Thread(target=other_tenant)
+        t.start()
+        try:
+            for round_ in range(40):  # (the race is hit within a few rounds)
+                chain = raw_chain(4000 + round_, 4)
+                post_chain(c, chain, **writer("a", "m"))
+                for _ in range(10):
+                    r = c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=writer("a"))
+                    assert r.status_code == 200, (round_, r.text)
+                    assert r.content == batch_body([f for _, f in chain])
+        finally:
+            stop.set()
+            t.join(60)
+
 
 def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
     chains = [raw_chain(100 + i, 4) for i in range(24)]

@@ -59,5 +59,14 @@ class Moves:
             upto = self._started
             if not running and upto == started:
                 return False
-            self._cond.wait_for(lambda: all(t >= upto for t in self._active), timeout)
+            self._wait_before(upto, timeout)
             return True
+
+    def settle(self, timeout: float = WAIT_S) -> None:
+        """Wait until every write started before now has ended (or ``timeout``): the blocks
+        they had on their way down are in the next tier, or gone for good."""
+        with self._cond:
+            self._wait_before(self._started, timeout)
+
+    def _wait_before(self, upto: int, timeout: float) -> None:
+        self._cond.wait_for(lambda: all(t >= upto for t in self._active), timeout)

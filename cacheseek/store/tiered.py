@@ -501,8 +501,27 @@ class TieredStore:
                 return info
         return None
 
+    def mark_moves(self) -> tuple[int, int] | None:
+        """Taken before a walk of the tiers' indexes (``info``) that must not miss a block on
+        its way down, as a read must not: after a miss, ``moved_since`` says whether to walk
+        again. (``info`` itself does not wait: most of its misses are genuine, and cheap.)"""
+        return None if self.moves is None else self.moves.mark()
+
+    def moved_since(self, mark: tuple[int, int] | None) -> bool:
+        """Whether a block may have been on its way down during a walk begun at ``mark``;
+        if so, once those moves are over (``Moves.overlapped``): walk again."""
+        return mark is not None and self.moves is not None and self.moves.overlapped(mark)
+
     def chain(self, key: bytes, *, limit: int = 1 << 20) -> list[bytes] | None:
-        """Every block of the chain ending at ``key``, head first; None if any link is missing."""
+        """Every block of the chain ending at ``key``, head first; None if any link is missing
+        (a block on its way down a tier is not missing: see ``mark_moves``)."""
+        mark = self.mark_moves()
+        keys = self._chain(key, limit)
+        if keys is None and self.moved_since(mark):
+            keys = self._chain(key, limit)
+        return keys
+
+    def _chain(self, key: bytes, limit: int) -> list[bytes] | None:
         out = []
         info = self.info(key)
         while info is not None and len(out) < limit:
@@ -543,6 +562,13 @@ class TieredStore:
             with self._delete_lock:
                 self._deleting.discard(number)
         return True if deleted else None if unknown else False
+
+    def settle_moves(self) -> None:
+        """Wait until the blocks on their way down now (evicted from one tier, not yet in the
+        next, so in none) are in a tier again or gone for good (see ``store.moves``): a caller
+        that lists blocks by what the tiers hold, to delete them, lists again after this."""
+        if self.moves is not None:
+            self.moves.settle()
 
     def _deleted_since(self, key: bytes, since: int) -> bool:
         """Whether ``key`` may have been deleted after the ``since``-th delete (a read that
