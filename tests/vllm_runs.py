@@ -632,7 +632,39 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys)}
+def specs(job: dict[str, Any]) -> dict[str, Any]:
+    """Which of vLLM's KV cache specs (one group of 2 layers) the connector takes, and the
+    ConfigError of each it refuses. vLLM keeps a sliding-window or chunked-local group's
+    blocks only within the window: it hands the null block in place of the others, both
+    as a request's own prefix hit and for external tokens."""
+    import torch
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec)
+
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.connector import _layout
+
+    common = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    kinds = {
+        "full": FullAttentionSpec(**common),
+        "full_computed_as_sliding": FullAttentionSpec(**common, sliding_window=128),  # (vLLM's promoted SWA)
+        "sliding_window": SlidingWindowSpec(**common, sliding_window=128),
+        "chunked_local": ChunkedLocalAttentionSpec(**common, attention_chunk_size=128),
+        "mla": MLAAttentionSpec(**{**common, "num_kv_heads": 1}),
+    }
+    out: dict[str, Any] = {}
+    for name, spec in kinds.items():
+        config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
+        try:
+            layout, _ = _layout(config)
+            out[name] = layout.num_layers
+        except ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs)}
 
 
 def main() -> None:
