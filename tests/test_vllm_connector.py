@@ -219,6 +219,14 @@ def test_only_full_attention_kv_caches_are_taken():
         assert "only full K/V attention is supported" in res[name], res
 
 
+def test_a_request_vllm_asks_about_again_before_admitting_it_is_counted_once():
+    """vLLM asks for a waiting request's external hit each step it cannot admit it: one
+    lookup (remembered until admitted), and one lookup_unaligned, per admission."""
+    res = run_engine({"scenario": "admission", "extra": {}})
+    assert res["own_16"] == {"lookups": 0, "lookup_unaligned": 2}  # before and after the preemption
+    assert res["own_32"] == {"lookups": 2, "lookup_unaligned": 0}
+
+
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_kivi_prefix_loaded_and_agreement_reported(engines, codec):
     res = result(engines, codec)

@@ -664,7 +664,39 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs)}
+def admission(job: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler side asked as vLLM asks while it cannot admit a request (no free
+    blocks: ``get_num_new_matched_tokens`` each step, no ``update_state_after_alloc``),
+    then admitted, preempted and asked again; with vLLM's own hit ending inside a store
+    block (16 tokens of a block of 32) and on its boundary. Returns the counters."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    import cacheseek as cs
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+    from cacheseek.integrations.vllm.guard import StoreGuard
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+
+    cache = cs.PrefixCache(model_id="admission", layout=cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
+                                                                    dtype="float32"),
+                           codec=cs.Raw(), block_tokens=32, tiers=cs.TierConfig(cpu_bytes="16MiB"))
+    out: dict[str, Any] = {}
+    for own in (16, 32):
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True,
+                              guard=StoreGuard(ConnectorConfig.from_extra({"codec": "raw"}), "scheduler"),
+                              block_ids=lambda rid: [])
+        req = Request(f"r{own}", list(range(100)), SamplingParams(max_tokens=1), None)
+        for _ in range(3):  # three steps without a free block
+            sched.matched_tokens(req, own)
+        sched.after_alloc(req, 0)  # admitted
+        sched.matched_tokens(req, own)  # preempted, asked again before it is admitted again
+        out[f"own_{own}"] = {k: sched.stats.to_dict()[k] for k in ("lookups", "lookup_unaligned")}
+    cache.close()
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
+                                               admission)}
 
 
 def main() -> None:
