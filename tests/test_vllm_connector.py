@@ -6,7 +6,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
 
 - scheduler and worker sides driven with vLLM's own Request, LoRARequest,
   MultiModalFeatureSpec and SchedulerOutput objects: LoRA adapters, cache salts and images
-  key blocks apart; a step's saves and loads are one batched call each.
+  key blocks apart; a step's saves and loads are one batched call each. Only full
+  attention's KV cache specs are taken (a sliding window's null blocks would be saved
+  and loaded into).
 - embedded, Raw: an engine stores a prompt's prefix, forgets it (vLLM's prefix cache
   reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
   external hit tokens, and the greedy output equals that prompt computed without any cache,
@@ -204,6 +206,25 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert all(res["own_kv"].values()), res["own_kv"]  # each loaded its own variant's KV
     assert res["sql_is_plain"] is False
     assert res["scheduler"]["requests_keyed"] == 9
+
+
+def test_only_full_attention_kv_caches_are_taken():
+    """A sliding-window or chunked-local group (every layer of the model windowed) holds
+    only the window's blocks: vLLM puts its null block in place of the others, so a save
+    would store the null block's page as a prefix block and a load would write into it.
+    Refused at start, as MLA is; sliding-window layers vLLM keeps in full are taken."""
+    res = run_engine({"scenario": "specs", "extra": {}})
+    assert res["full"] == res["full_computed_as_sliding"] == 2
+    for name in ("sliding_window", "chunked_local", "mla"):
+        assert "only full K/V attention is supported" in res[name], res
+
+
+def test_a_request_vllm_asks_about_again_before_admitting_it_is_counted_once():
+    """vLLM asks for a waiting request's external hit each step it cannot admit it: one
+    lookup (remembered until admitted), and one lookup_unaligned, per admission."""
+    res = run_engine({"scenario": "admission", "extra": {}})
+    assert res["own_16"] == {"lookups": 0, "lookup_unaligned": 2}  # before and after the preemption
+    assert res["own_32"] == {"lookups": 2, "lookup_unaligned": 0}
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])

@@ -71,6 +71,9 @@ def test_config_remote_and_embedded_tiers():
     ({"codec": "int3"}, "codec: must be one of"),
     ({"group_size": 0}, "group_size: must be a positive int"),
     ({"group_size": 24}, "group_size"),
+    # a spec names its own groups: another group_size beside it was dropped without a word
+    ({"codec": cs.KIVI(bits=4, group_size=64).spec(), "group_size": 32}, "group_size: a codec spec"),
+    ({"codec": "raw", "group_size": 64}, "group_size: only the KIVI codecs"),
     ({"block_tokens": "256"}, "block_tokens: must be a positive int"),
     ({"url": "127.0.0.1:8080"}, "url: expected http://host:port"),
     ({"url": "http://h:1", "tiers": {}}, "either url (remote) or tiers (embedded)"),

@@ -632,7 +632,71 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys)}
+def specs(job: dict[str, Any]) -> dict[str, Any]:
+    """Which of vLLM's KV cache specs (one group of 2 layers) the connector takes, and the
+    ConfigError of each it refuses. vLLM keeps a sliding-window or chunked-local group's
+    blocks only within the window: it hands the null block in place of the others, both
+    as a request's own prefix hit and for external tokens."""
+    import torch
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec)
+
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.connector import _layout
+
+    common = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
+    kinds = {
+        "full": FullAttentionSpec(**common),
+        "full_computed_as_sliding": FullAttentionSpec(**common, sliding_window=128),  # (vLLM's promoted SWA)
+        "sliding_window": SlidingWindowSpec(**common, sliding_window=128),
+        "chunked_local": ChunkedLocalAttentionSpec(**common, attention_chunk_size=128),
+        "mla": MLAAttentionSpec(**{**common, "num_kv_heads": 1}),
+    }
+    out: dict[str, Any] = {}
+    for name, spec in kinds.items():
+        config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
+        try:
+            layout, _ = _layout(config)
+            out[name] = layout.num_layers
+        except ConfigError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def admission(job: dict[str, Any]) -> dict[str, Any]:
+    """The scheduler side asked as vLLM asks while it cannot admit a request (no free
+    blocks: ``get_num_new_matched_tokens`` each step, no ``update_state_after_alloc``),
+    then admitted, preempted and asked again; with vLLM's own hit ending inside a store
+    block (16 tokens of a block of 32) and on its boundary. Returns the counters."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    import cacheseek as cs
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+    from cacheseek.integrations.vllm.guard import StoreGuard
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+
+    cache = cs.PrefixCache(model_id="admission", layout=cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=16,
+                                                                    dtype="float32"),
+                           codec=cs.Raw(), block_tokens=32, tiers=cs.TierConfig(cpu_bytes="16MiB"))
+    out: dict[str, Any] = {}
+    for own in (16, 32):
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True,
+                              guard=StoreGuard(ConnectorConfig.from_extra({"codec": "raw"}), "scheduler"),
+                              block_ids=lambda rid: [])
+        req = Request(f"r{own}", list(range(100)), SamplingParams(max_tokens=1), None)
+        for _ in range(3):  # three steps without a free block
+            sched.matched_tokens(req, own)
+        sched.after_alloc(req, 0)  # admitted
+        sched.matched_tokens(req, own)  # preempted, asked again before it is admitted again
+        out[f"own_{own}"] = {k: sched.stats.to_dict()[k] for k in ("lookups", "lookup_unaligned")}
+    cache.close()
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
+                                               admission)}
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ CODECS = {
 }
 
 DEFAULT_TIERS = {"cpu_bytes": "4GiB"}
+DEFAULT_GROUP_SIZE = 32
 
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
@@ -116,7 +117,7 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - _KEYS)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(_KEYS)}")
-        kw: dict[str, Any] = {"codec": _codec(extra.get("codec", "int4"), extra.get("group_size", 32))}
+        kw: dict[str, Any] = {"codec": _codec(extra.get("codec", "int4"), extra.get("group_size"))}
         if "block_tokens" in extra:
             kw["block_tokens"] = _positive_int("block_tokens", extra["block_tokens"])
         for key in ("model_id", "namespace", "hash_algo", "url", "token"):
@@ -142,11 +143,19 @@ class ConnectorConfig:
 
 
 def _codec(name: Any, group_size: Any) -> KVLayerCodec:
+    # A group_size the codec would not use is refused, not dropped: a spec names its own
+    # groups, and raw has none.
     if isinstance(name, dict):
+        if group_size is not None:
+            raise ConfigError("kv_connector_extra_config.group_size: a codec spec names its own group sizes "
+                              f"(k_group, v_group); give them there, not group_size={group_size!r}")
         return codec_from_spec(name)
     if not isinstance(name, str) or name not in CODECS:
         raise ConfigError(f"kv_connector_extra_config.codec: must be one of {sorted(CODECS)} or a codec spec, got {name!r}")
-    group = _positive_int("group_size", group_size)
+    if name == "raw" and group_size is not None:
+        raise ConfigError(f"kv_connector_extra_config.group_size: only the KIVI codecs take one, not raw "
+                          f"(got {group_size!r})")
+    group = _positive_int("group_size", DEFAULT_GROUP_SIZE if group_size is None else group_size)
     return CODECS[name](group)
 
 

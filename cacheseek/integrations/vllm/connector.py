@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import ConfigError
@@ -277,8 +277,14 @@ def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
     if len(groups) != 1:
         raise ConfigError(f"CacheSeekConnector: {len(groups)} KV cache groups (a hybrid model); one is supported")
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, AttentionSpec) or isinstance(spec, MLAAttentionSpec):
-        raise ConfigError(f"CacheSeekConnector: KV cache spec {type(spec).__name__}; only K/V attention is supported")
+    # A sliding-window or chunked-local group (every layer windowed) holds only the
+    # window's blocks: vLLM hands its null block in place of the others, in a request's
+    # own prefix hit and for external tokens, so a save would store the null block's page
+    # under a prefix block's key and a load would write into it. (Windowed layers beside
+    # full ones vLLM allocates in full, without its hybrid allocator: a FullAttentionSpec.)
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        raise ConfigError(f"CacheSeekConnector: KV cache spec {type(spec).__name__}; only full K/V attention "
+                          "is supported (no sliding-window or chunked-local groups, no MLA)")
     if spec.head_size_v != spec.head_size:
         raise ConfigError(f"CacheSeekConnector: K head size {spec.head_size} != V head size {spec.head_size_v}")
     try:

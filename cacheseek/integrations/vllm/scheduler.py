@@ -109,6 +109,7 @@ class SchedulerSide:
         self.stats = ConnectorStats()
         self._requests: dict[str, _Request] = {}
         self._lookups: OrderedDict[str, Hit] = OrderedDict()  # req_id -> what the store holds, until admitted
+        self._unaligned: OrderedDict[str, None] = OrderedDict()  # req_ids counted in lookup_unaligned, until admitted
 
     # -- admission ---------------------------------------------------------------------
 
@@ -123,14 +124,15 @@ class SchedulerSide:
         if limit <= num_computed_tokens:
             return 0  # nothing the store could add: spare the lookup
         if num_computed_tokens % self.block_tokens:
-            self.stats.lookup_unaligned += 1
+            # (vLLM asks again each step it cannot admit the request: counted once)
+            if request.request_id not in self._unaligned:
+                self.stats.lookup_unaligned += 1
+                _remember(self._unaligned, request.request_id, None)
             return 0  # a load would rewrite vLLM's own pages in the block its hit ends in
         hit = self._lookups.get(request.request_id)
         if hit is None:
             hit = self._lookup(request_keys(list(prompt[:limit]), extra_keys(request)))
-            self._lookups[request.request_id] = hit
-            while len(self._lookups) > MAX_PENDING_LOOKUPS:
-                self._lookups.popitem(last=False)
+            _remember(self._lookups, request.request_id, hit)
         return max(0, min(hit.tokens, limit) - num_computed_tokens)
 
     def _limit(self, prompt: list[int]) -> int:
@@ -155,6 +157,7 @@ class SchedulerSide:
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
         hit = self._lookups.pop(request.request_id, NO_HIT)
+        self._unaligned.pop(request.request_id, None)
         supported = unsupported_reason(request) is None
         extra = extra_keys(request) if supported else None
         if not supported:
@@ -183,6 +186,7 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> None:
         self._lookups.pop(request.request_id, None)
+        self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
     # -- each step ---------------------------------------------------------------------
@@ -217,6 +221,14 @@ class SchedulerSide:
                 plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra))
                 state.saved = full
         return plan
+
+
+def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> None:
+    """Keep ``value`` for a request vLLM has not admitted yet, the oldest dropped past
+    ``MAX_PENDING_LOOKUPS`` (a request vLLM never admits nor finishes)."""
+    pending[req_id] = value
+    while len(pending) > MAX_PENDING_LOOKUPS:
+        pending.popitem(last=False)
 
 
 __all__ = ["SchedulerSide", "extra_keys", "unsupported_reason"]
