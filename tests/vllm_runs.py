@@ -138,6 +138,9 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1])}
     out["stored"] = eng.run(ps[0], read=False)
     out["after_store"] = eng.stats()
+    # A reset of the connector's cache too (vLLM's, after a weight update say): the store
+    # keeps its blocks, and vLLM is told so.
+    out["connector_reset"] = eng.llm.reset_prefix_cache(reset_connector=True)
     eng.reset()
     out.update(loaded_and_uncached(eng, ps[1]))
     out["after_load"] = eng.stats()

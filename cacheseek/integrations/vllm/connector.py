@@ -7,6 +7,7 @@ class is only the adapter between vLLM's calls and those two.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+log = logging.getLogger("cacheseek.vllm")
 
 # embedded tier -> vLLM's name for where hit tokens came from (a server's are all "external")
 HIT_SOURCE_OF_TIER = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -104,7 +107,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
                 f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
                 "process than the scheduler, which an embedded cache cannot serve; give a server url"
             )
-        model_id = self.config.model_id or vllm_config.model_config.model
+        self.model_id = model_id = self.config.model_id or vllm_config.model_config.model
         load = transfer.kv_role in ("kv_both", "kv_consumer")
         save = transfer.kv_role in ("kv_both", "kv_producer")
         self._caches: list[Any] = []
@@ -216,6 +219,18 @@ class CacheSeekConnector(KVConnectorBase_V1):
         for cache in self._caches:
             close_cache(self.config, cache)
         self._caches = []
+
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (after a weight update, say).
+        The prefixes stored under this ``model_id`` stay, for this engine and every other
+        that shares the store: vLLM is told the reset did not happen (False). The base
+        class's answer, None, reads as done, and the engine went on loading KV that the
+        old weights computed."""
+        log.warning("CacheSeekConnector: vLLM asked to reset the connector's cache; the prefixes stored under "
+                    "model_id %r stay (for every engine sharing them). After a weight update, give the engines "
+                    "a new model_id (on a server, `cacheseek admin flush --model` deletes the old one's blocks)",
+                    self.model_id)
+        return False
 
     # -- scheduler side ---------------------------------------------------------------------
 
