@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, FrameError, InputError
 from ..layout import KVLayout
 from .backend import backend_for, layer_tables, ops_for
 from .codec import canonical_fingerprint, same_spec
@@ -377,6 +377,12 @@ class KIVI:
         if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
         encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
+        try:
+            # The template sizes shapes no encode makes (a ragged K group, a head_dim v_rotate
+            # cannot rotate), which the kernels and the rotation refuse with a ValueError.
+            self._check_shape(encoded.k.shape)
+        except InputError as exc:
+            raise FrameError(f"encoded: no encode of this codec makes this shape: {exc}") from None
         if device is not None:
             encoded = to_device(encoded, device)
         else:
