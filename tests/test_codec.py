@@ -253,7 +253,8 @@ def test_codec_from_spec_roundtrips_and_is_strict():
     kivi, policy = cs.KIVI(bits=4).spec(), cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=4)).spec()
     for bad in ({**kivi, "k_bits": 4.0}, {**kivi, "v_group": 32.0}, {**kivi, "version": True},
                 {**kivi, "stats_dtype": "torch.float16"}, {**kivi, "v_clip": 2.0}, {**kivi, b"junk": 1},
-                {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0}):
+                {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0},
+                {**kivi, "k_bits": None}, {**kivi, "v_group": None}):
         with pytest.raises(ConfigError):
             codec_from_spec(bad)
     for bad_args in ({"bits": 4.0}, {"group_size": 32.0}, {"v_clip": True}, {"k_bits": True}, {"v_bits": 2.0},

@@ -171,6 +171,12 @@ def test_entries_must_match_the_codec_for_the_layout():
     header["codec"] = {**cs.KIVI(bits=4, group_size=32).spec(), b"junk": 1}
     with pytest.raises(FrameError, match="codec"):
         check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+    # nil where a spec holds bits or a group size: the constructor took None for "as bits or
+    # group_size", so the frame passed as a KIVI(bits=4, group_size=32)'s under a spec no codec writes
+    for key in ("k_bits", "v_bits", "k_group", "v_group"):
+        header["codec"] = {**cs.KIVI(bits=4, group_size=32).spec(), key: None}
+        with pytest.raises(FrameError, match=key):
+            check_codec_layout(parse_frame(_forge(header, payload), verify=False))
 
 
 @given(st.binary(min_size=16, max_size=16), st.binary(min_size=16, max_size=16), st.integers(0, 1 << 40))

@@ -130,6 +130,10 @@ class KIVI:
                               f"{_ROTATE_KEY!r} when on), got {sorted(map(repr, spec))}")
         if type(spec["version"]) is not int or spec["version"] != VERSION:
             raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
+        for key in ("k_bits", "v_bits", "k_group", "v_group"):
+            # (the constructor takes None for "as bits or group_size": a spec holds the value itself)
+            if spec[key] is None:
+                raise ConfigError(f"kivi spec: {key} must be an int, got None")
         if type(spec["stats_dtype"]) is not str or spec["stats_dtype"] not in STATS_DTYPES:
             # (the constructor also takes a torch dtype, "torch.float16"; a spec holds the name only)
             raise ConfigError(f"kivi spec: stats_dtype must be one of {list(STATS_DTYPES)}, "
