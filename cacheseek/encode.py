@@ -161,12 +161,10 @@ def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tens
 
 def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
     """[K ok, V ok] for tokens [t0, t1) of every layer (Raw frames are the caller's bytes,
-    checked where they lie). On the host, whole contiguous layers are checked instead: the
-    fast bit test needs contiguous memory, and a copy would cost more than the extra bytes."""
-    whole = layers[0][0].device.type == "cpu"
-
+    checked where they lie). Only those tokens: a NaN in a block already stored or in the
+    partial tail is no block's of this encode, as for KIVI, which checks what it encodes."""
     def ok(t: torch.Tensor) -> torch.Tensor:
-        return all_finite(t if whole else t[:, t0:t1])
+        return all_finite(t[:, t0:t1])
 
     return torch.stack([torch.stack([ok(k) for k, _ in layers]).all(), torch.stack([ok(v) for _, v in layers]).all()])
 

@@ -195,6 +195,25 @@ def test_an_encoded_layer_whose_fields_are_not_an_encodes_is_a_frame_error(side,
         codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("codec, shape", [(cs.KIVI(bits=4), (2, 40, 32)), (cs.KIVI(bits=4, v_rotate=True), (2, 32, 48))],
+                         ids=["ragged-k-group", "rotate-head-dim-48"])
+def test_an_encoded_layer_of_a_shape_no_encode_makes_is_a_frame_error(monkeypatch, backend, codec, shape):
+    """A layer whose fields and buffers agree with the codec's template, of a shape its
+    encode refuses (40 tokens against a K group of 32; head_dim 48 under v_rotate): the
+    torch reference decoded the ragged K group, the kernels raised a ValueError, and the
+    rotation a ValueError on either."""
+    from cacheseek.quant.backend import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    x = torch.randn(shape).half()
+    buffers = [*ref.quantize(x, bits=4, group=32, axis=AXIS_TOKENS, stats_dtype=torch.float16),
+               *ref.quantize(x, bits=4, group=32, axis=AXIS_CHANNELS, stats_dtype=torch.float16)]
+    blob = host_buffers(codec.template(shape, "float16").with_buffers(buffers)).packb()
+    with pytest.raises(FrameError, match="head_dim|k_group_size"):
+        codec.decode(EncodedLayer.unpackb(blob))
+
+
 def _set_wire_field(wire, side, field, value):
     if value == "first two":
         value = wire[side][field][:2]
@@ -234,7 +253,8 @@ def test_codec_from_spec_roundtrips_and_is_strict():
     kivi, policy = cs.KIVI(bits=4).spec(), cs.PrecisionPolicy(first=cs.KIVI(bits=8), rest=cs.KIVI(bits=4)).spec()
     for bad in ({**kivi, "k_bits": 4.0}, {**kivi, "v_group": 32.0}, {**kivi, "version": True},
                 {**kivi, "stats_dtype": "torch.float16"}, {**kivi, "v_clip": 2.0}, {**kivi, b"junk": 1},
-                {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0}):
+                {"name": "raw", "version": 1.0}, {"name": "raw", "version": True}, {**policy, "version": 1.0},
+                {**kivi, "k_bits": None}, {**kivi, "v_group": None}):
         with pytest.raises(ConfigError):
             codec_from_spec(bad)
     for bad_args in ({"bits": 4.0}, {"group_size": 32.0}, {"v_clip": True}, {"k_bits": True}, {"v_bits": 2.0},

@@ -64,3 +64,22 @@ def test_the_kernels_read_the_layers_in_place_and_give_the_stacked_frames(codec,
     monkeypatch.setenv(backend.BACKEND_ENV, "triton")
     with pytest.raises(cs.InputError, match="NaN or Inf"):
         encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, **args)
+
+
+@pytest.mark.parametrize("staging", [False, True], ids=["direct", "staged"])
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)])
+def test_nan_outside_the_blocks_encoded_is_not_theirs(codec, staging):
+    """Only the blocks encoded are checked, whatever the codec and device: Raw on the host
+    checked its whole layers, so a NaN in a block already stored or in the partial tail
+    (neither of them encoded) refused the blocks between, which KIVI, and Raw on a GPU, stored."""
+    kv = make_kv(4 * BLOCK + 5, 24)
+    kv[1][0][0, BLOCK - 1, 3] = float("nan")  # block 0, before the blocks encoded
+    kv[2][1][1, 4 * BLOCK + 2, 0] = float("inf")  # the partial tail
+    hashes = [bytes([i]) * 16 for i in range(1, 4)]
+    frames = encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, first_block=1, hashes=hashes,
+                           parents=block_parents(b"\x00" * 16, hashes), staging=staging)
+    assert len(frames) == 3
+    kv[0][1][1, 2 * BLOCK, 7] = float("nan")  # block 2, encoded
+    with pytest.raises(cs.InputError, match="NaN or Inf"):
+        encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, first_block=1, hashes=hashes,
+                      parents=block_parents(b"\x00" * 16, hashes), staging=staging)

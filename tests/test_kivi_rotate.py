@@ -320,3 +320,23 @@ def test_the_rotation_kernel_caps_a_rotation_back_as_the_reference_does():
     want = rotation.unrotate(y, F16)
     assert bool(torch.isfinite(want).all()) and want.abs().max() == 65504.0
     assert torch.equal(kernels.rotate_rows(y.to(DEVICE), c, inverse=True, dtype=F16).cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [F16, torch.bfloat16, torch.float32], ids=str)
+def test_the_rotation_kernel_keeps_the_sign_of_zero_as_the_reference_does(dtype):
+    # A row that rotates back to zeros is +0 times the signed scales: -0.0 where a sign is
+    # negative. The kernel's lower cap was -cap(-x), and Triton negates as 0 - x, which
+    # made every -0.0 +0.0 on a GPU (the interpreter negates truly): its decodes of low-bit
+    # V differed from the reference's in those bits (equal as numbers, not as the bytes
+    # the kernels promise).
+    from cacheseek import kernels
+
+    y = torch.zeros(3, 64)
+    y[1, 5] = -0.0
+    y[2] = torch.arange(64.0) - 31.5  # most channels nonzero, as a check on the rest
+    c = rotation.scaled_signs(64, DEVICE)
+    want = rotation.unrotate(y, dtype)
+    assert bool(torch.signbit(want[0]).any())
+    got = kernels.rotate_rows(y.to(DEVICE), c, inverse=True, dtype=dtype).cpu()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))

@@ -20,6 +20,21 @@ from .kivi import _interpreted, _round_to_bf16, _within
 
 
 @triton.jit
+def _capped(x, out_ty: tl.constexpr):
+    """fp32 ``x`` within +-the largest finite value of ``out_ty``, NaN kept, zero's sign kept:
+    the reference's clamp. (Not -_within(-_within(x)): Triton negates as 0 - x, which turns
+    -0.0 into +0.0 on a GPU.)"""
+    x = _within(x, out_ty)
+    if out_ty == tl.float16:
+        x = tl.maximum(x, -65504.0, propagate_nan=tl.PropagateNan.ALL)
+    elif out_ty == tl.bfloat16:
+        x = tl.maximum(x, -3.3895313892515355e38, propagate_nan=tl.PropagateNan.ALL)
+    else:
+        x = tl.maximum(x, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
+    return x
+
+
+@triton.jit
 def _rotate_rows_kernel(x_ptr, c_ptr, o_ptr, R, N: tl.constexpr, LOG_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         SCALE_AFTER: tl.constexpr, SOFT_BF16: tl.constexpr):
     pid = tl.program_id(0)
@@ -38,7 +53,7 @@ def _rotate_rows_kernel(x_ptr, c_ptr, o_ptr, R, N: tl.constexpr, LOG_N: tl.const
         x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BLOCK_R, N))
     if SCALE_AFTER:  # unrotate: (y H) * c, capped at the output's max of either sign (as the reference)
         x = x * c[None, :]
-        x = -_within(-_within(x, o_ptr.dtype.element_ty), o_ptr.dtype.element_ty)
+        x = _capped(x, o_ptr.dtype.element_ty)
     if SOFT_BF16:
         x = _round_to_bf16(x)
     tl.store(o_ptr + offs, x.to(o_ptr.dtype.element_ty), mask=ok)

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, FrameError, InputError
 from ..layout import KVLayout
 from .backend import backend_for, layer_tables, ops_for
 from .codec import canonical_fingerprint, same_spec
@@ -130,6 +130,10 @@ class KIVI:
                               f"{_ROTATE_KEY!r} when on), got {sorted(map(repr, spec))}")
         if type(spec["version"]) is not int or spec["version"] != VERSION:
             raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
+        for key in ("k_bits", "v_bits", "k_group", "v_group"):
+            # (the constructor takes None for "as bits or group_size": a spec holds the value itself)
+            if spec[key] is None:
+                raise ConfigError(f"kivi spec: {key} must be an int, got None")
         if type(spec["stats_dtype"]) is not str or spec["stats_dtype"] not in STATS_DTYPES:
             # (the constructor also takes a torch dtype, "torch.float16"; a spec holds the name only)
             raise ConfigError(f"kivi spec: stats_dtype must be one of {list(STATS_DTYPES)}, "
@@ -377,6 +381,12 @@ class KIVI:
         if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
         encoded.check_made_as(self.template(encoded.k.shape, encoded.k.dtype))  # (a payload from elsewhere)
+        try:
+            # The template sizes shapes no encode makes (a ragged K group, a head_dim v_rotate
+            # cannot rotate), which the kernels and the rotation refuse with a ValueError.
+            self._check_shape(encoded.k.shape)
+        except InputError as exc:
+            raise FrameError(f"encoded: no encode of this codec makes this shape: {exc}") from None
         if device is not None:
             encoded = to_device(encoded, device)
         else:
