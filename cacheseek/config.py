@@ -78,7 +78,10 @@ class TierConfig:
     redis_breaker_base_seconds: float = 1.0
     redis_breaker_cap_seconds: float = 30.0
 
-    def build(self) -> TieredStore:
+    def build(self, *, trim_disk_at_open: bool = True) -> TieredStore:
+        """The store. ``trim_disk_at_open=False``: a disk tier holding more than ``disk_bytes``
+        at open is trimmed to it only by its ``trim()``, which its owner calls once the pins
+        it keeps are made again (the server: ``.cacheseek-pins.json``)."""
         from .store.cpu import CpuTier
         from .store.disk import DiskTier
 
@@ -105,7 +108,8 @@ class TierConfig:
                 raise ConfigError(f"disk_read_depth: must be an int in [1, 256], got {self.disk_read_depth!r}")
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync,
                                   policy=self.eviction, group_commit=self.disk_group_commit,
-                                  read_depth=self.disk_read_depth, pin=self.pin_memory))
+                                  read_depth=self.disk_read_depth, pin=self.pin_memory,
+                                  trim_at_open=trim_disk_at_open))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
         if self.redis_url is not None and redis_bytes:
             tiers.append(self.build_redis_tier(redis_bytes))

@@ -7,6 +7,7 @@ connects lazily: a server starts (and serves from its other tiers) while Redis i
 from __future__ import annotations
 
 from cacheseek.config import TierConfig
+from cacheseek.store.disk import DiskTier
 from cacheseek.store.tiered import TieredStore
 
 from .config import ServerSettings
@@ -44,4 +45,13 @@ def tier_config(settings: ServerSettings) -> TierConfig:
 
 
 def build_store(settings: ServerSettings) -> TieredStore:
-    return tier_config(settings).build()
+    """The store, its disk tier not yet trimmed to ``disk_bytes``: ``trim_disk`` once the
+    pins file's pins are made again, so that a smaller budget does not evict a pinned chain."""
+    return tier_config(settings).build(trim_disk_at_open=False)
+
+
+def trim_disk(store: TieredStore) -> None:
+    """Trim a disk tier built by ``build_store`` to its budget (see ``DiskTier.trim``)."""
+    for tier in store.tiers:
+        if isinstance(tier, DiskTier):
+            tier.trim()

@@ -495,6 +495,39 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert "not restored" in s.output()
 
 
+def test_a_restart_with_a_smaller_disk_budget_keeps_the_pinned_chains(tmp_path):
+    """The disk tier trimmed a directory fuller than a new ``disk_bytes`` when it opened, before
+    the pins file's pins were made again: a pinned chain, the oldest, was evicted first and
+    its pin silently lost. Now the pins come back first and the trim takes unpinned blocks
+    (the oldest first); a pin that no longer fits the budget is not made again, and said."""
+    pinned, old, new = raw_chain(63, 3), raw_chain(64, 3), raw_chain(65, 3)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        for chain in (pinned, old, new):
+            post_chain(c, chain, **writer("a"))
+            time.sleep(0.05)  # (the sidecars' times: the restart's order of use)
+        r = c.put(f"/v1/admin/pins/{pinned[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"})
+        assert r.status_code == 200 and r.json()["saved"] is True, r.text
+
+    def restart(disk_bytes: int) -> Server:
+        srv = Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, cpu_bytes="0")
+        srv.args[srv.args.index("--disk-bytes") + 1] = str(disk_bytes)
+        return srv
+
+    with restart(6 * FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
+        pins = c.get("/v1/admin/pins", headers=admin()).json()
+        assert [p["hash"] for p in pins] == [pinned[-1][0].hex()]
+        assert held(c, pinned, "a") == [f for _, f in pinned]
+        assert held(c, new, "a") == [f for _, f in new]
+        assert held(c, old, "a") == [None] * 3  # the oldest unpinned chain went, tail first
+        disk = c.get("/v1/stats", headers=writer()).json()["tiers"][0]
+        assert disk["used_bytes"] == 6 * FRAME <= disk["capacity_bytes"] and disk["pinned_blocks"] == 3
+    with restart(2 * FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/v1/admin/pins", headers=admin()).json() == []
+        assert "not restored" in s.output()
+        disk = c.get("/v1/stats", headers=writer()).json()["tiers"][0]
+        assert disk["used_bytes"] <= disk["capacity_bytes"] and disk["pinned_blocks"] == 0
+
+
 def test_state_files_that_cannot_be_saved_are_said_in_the_log(tmp_path):
     """The pins and owners files were saved with every OSError ignored: a pin acknowledged and
     never persisted, a root never recorded, and nothing said. The write stands; the log says

@@ -197,7 +197,7 @@ class DiskTier(IndexedTier):
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True,
                  policy: str = DEFAULT_POLICY, group_commit: bool = True, read_depth: int = READ_DEPTH,
-                 pin: bool = False):
+                 pin: bool = False, trim_at_open: bool = True):
         super().__init__(name, capacity_bytes, policy=policy)
         self.root = Path(root).expanduser()
         self.fsync = fsync
@@ -208,6 +208,7 @@ class DiskTier(IndexedTier):
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
+        self._trim_at_open = trim_at_open
         try:
             created = not self.root.is_dir()
             self.root.mkdir(parents=True, exist_ok=True)
@@ -244,7 +245,8 @@ class DiskTier(IndexedTier):
         """Clamp the budget to what the filesystem can hold: free space (less a headroom)
         plus the bytes this tier already holds. Logged as a warning naming the setting."""
         self._refit(at_start=True)
-        self._evict_over_budget()
+        if self._trim_at_open:
+            self.trim()
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
         """The budget fitted to the filesystem: the bytes held (and in flight) plus its free
@@ -357,8 +359,10 @@ class DiskTier(IndexedTier):
                         self.name, foreign, self.root)
         for key, info in _oldest_first(found):
             self._index.add(key, info)
-        self._evict_over_budget()
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
+        if self._trim_at_open:
+            self.trim()
+            self._recovery["recovered_blocks"] = len(self._index)
         self._sync_counts()
 
     def _refuse_beside_pins(self, key: bytes, n: int) -> None:
@@ -384,7 +388,20 @@ class DiskTier(IndexedTier):
         return _InFlight(nbytes=n)
 
     def pin(self, keys: Iterable[bytes]) -> None:
-        self._repin(self._index.pin, list(keys))
+        """Refused (``StorageError``, nothing pinned) when the blocks held here would not fit
+        beside those pinned already: pinned blocks are never evicted, so the tier would stay
+        over its budget for good. (A pin made again at a restart, over a tier not yet
+        trimmed to a smaller budget, is the case: blocks held fit their budget otherwise.)"""
+        keys = list(keys)
+        with self._lock:
+            index = self._index
+            coming = sum(info.nbytes for key in set(keys)
+                         if not index.is_pinned(key) and (info := index.get(key)) is not None)
+            if coming and index.pinned_bytes + coming > self.capacity_bytes:
+                raise StorageError(
+                    f"{self.name} tier: cannot pin {coming} bytes beside the {index.pinned_bytes} pinned: the budget "
+                    f"is {self.capacity_bytes} bytes, and pinned blocks are never evicted")
+            self._repin_locked(index.pin, keys)
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         self._repin(self._index.unpin, list(keys))
@@ -394,14 +411,17 @@ class DiskTier(IndexedTier):
         count as pinned in flight while they are pinned, whenever the pin came
         (``_refuse_beside_pins`` checks later writes against them)."""
         with self._lock:
-            change(keys)
-            for key in keys:
-                mine = self._writing.get(key)
-                if mine is not None:
-                    pinned = mine.nbytes if self._index.is_pinned(key) else 0
-                    self._reserved_pinned += pinned - mine.pinned_nbytes
-                    mine.pinned_nbytes = pinned
-            self._sync_counts()
+            self._repin_locked(change, keys)
+
+    def _repin_locked(self, change: Callable[[list[bytes]], None], keys: list[bytes]) -> None:
+        change(keys)
+        for key in keys:
+            mine = self._writing.get(key)
+            if mine is not None:
+                pinned = mine.nbytes if self._index.is_pinned(key) else 0
+                self._reserved_pinned += pinned - mine.pinned_nbytes
+                mine.pinned_nbytes = pinned
+        self._sync_counts()
 
     def _refused_at_commit(self, key: bytes, n: int) -> StorageError | None:
         """Why a written block cannot be indexed: it is pinned (maybe only since its write
@@ -492,12 +512,20 @@ class DiskTier(IndexedTier):
             except _Unreadable:
                 return
 
-    def _evict_over_budget(self) -> None:
-        while self._index.used_bytes > self.capacity_bytes:
-            victim = self._index.victim()
-            self._remove_files(victim)
-            self._index.remove(victim, evicted=True)
-            self._stats.evictions += 1
+    def trim(self) -> None:
+        """Evict, least recently used first and never a pinned block, until the budget holds
+        (files removed, nothing handed down). Done at open, over a directory that holds more
+        than the budget (a restart with a smaller ``disk_bytes``); a tier opened with
+        ``trim_at_open=False`` is trimmed by its owner once the pins a restart makes again
+        are in place: trimmed before, a pinned chain the restart found was evicted first
+        when it was the oldest, and its pin was lost."""
+        with self._lock:
+            while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
+                victim = self._index.victim()
+                self._remove_files(victim)
+                self._index.remove(victim, evicted=True)
+                self._stats.evictions += 1
+            self._sync_counts()
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
         """The block a sidecar commits, or None when it is not one of this tier's: every field
