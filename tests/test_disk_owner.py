@@ -145,3 +145,23 @@ def test_a_clamped_disk_budget_is_the_eviction_policys_budget_too(tmp_path, monk
         assert arc["t1_bytes"] + arc["ghost_bytes"] <= tier.capacity_bytes, arc
     finally:
         tier.close()
+
+
+def test_a_directory_that_cannot_be_grown_at_open_is_a_storage_error_and_frees_it(tmp_path, monkeypatch):
+    """A full or read-only filesystem under an existing directory: making its shard folders
+    raised a bare OSError (the server's command line caught it, an embedded cache did not).
+    It is a StorageError naming the directory, and the directory is free again."""
+    import errno
+
+    real_mkdir = Path.mkdir
+
+    def full(self, *args, **kwargs):
+        if self.parent == tmp_path / "d":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    with pytest.raises(cs.StorageError, match=rf"disk tier: cannot open {tmp_path / 'd'}: .*No space left"):
+        DiskTier(tmp_path / "d", 1 << 20)
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
+    DiskTier(tmp_path / "d", 1 << 20).close()  # (the lock was given back)

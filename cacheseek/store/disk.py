@@ -224,6 +224,9 @@ class DiskTier(IndexedTier):
             for stale in self.root.glob(f"{glob.escape(PROBE_NAME)}-*"):
                 _unlink(stale)  # a probe a kill -9 interrupted (this process owns the directory now)
             self._make_shards()
+        except OSError as exc:  # (a directory that cannot be read or grown: full, read-only, no permission)
+            self.close()
+            raise StorageError(f"{name} tier: cannot open {self.root}: {exc}") from None
         except BaseException:
             self.close()
             raise
