@@ -367,6 +367,10 @@ class BodyTakeover(asyncio.BufferedProtocol):
         cycle = self.cycle
         self.left -= nbytes
         self.watch.received(nbytes)
+        # Bytes of a body are activity, as uvicorn's data_received counts them: an answer sent
+        # before the body ended armed the idle keep-alive timer, which would close the
+        # connection under a client still sending the body (it is re-armed once the body is done).
+        self.protocol._unset_keepalive_if_required()
         if self.target is not None:
             if self.on_data is not None:
                 self.on_data(self.target[self.filled : self.filled + nbytes])
@@ -586,6 +590,7 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "on_message_complete"): ("self.cycle.more_body = False",),
         (proto, "eof_received"): (),
         (proto, "data_received"): ("self._unset_keepalive_if_required()", "self.parser.feed_data(data)"),
+        (proto, "_unset_keepalive_if_required"): ("self.timeout_keep_alive_task.cancel()",),
         (proto, "on_response_complete"): ("if self.pipeline:", "self.timeout_keep_alive_task = self.loop.call_later(",
                                           "self.timeout_keep_alive_handler"),
         (proto, "pause_writing"): (),

@@ -71,8 +71,10 @@ def server(request, monkeypatch):
 
     monkeypatch.setattr(protocol.BodyTakeover, "buffer_updated", counting)
     port = free_port()
+    marker = request.node.get_closest_marker("keep_alive_s")
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol_class(), loop=request.param,
-                            log_level="warning", lifespan="on")
+                            log_level="warning", lifespan="on",
+                            timeout_keep_alive=marker.args[0] if marker else 5)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -152,6 +154,26 @@ def test_an_answer_in_the_middle_of_a_body_read_in_place_skips_the_rest(server):
         assert read_response(s, rest)[1] == {"got": [8, 1_000_000], "sha256": digest, "pieces": digest}
         assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
     assert sum(taken) >= BIG - 1_000_008  # the rest of the first body went through the takeover
+
+
+@pytest.mark.keep_alive_s(1)
+def test_a_body_still_arriving_after_an_early_answer_is_not_cut_off_as_idle(server):
+    """Answered mid-body (a bad frame, a 503), the connection skips the rest of the body as
+    it comes: the body's bytes are activity, as the parser's are, and the idle keep-alive timer
+    armed by the answer once closed the connection under a client still sending its body."""
+    port, taken = server
+    first, second = os.urandom(BIG), os.urandom(3000)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        whole = request("/?only,8,1000000", first)
+        s.sendall(whole[: 2 << 20])
+        rest = bytearray()
+        assert read_response(s, rest)[1]["got"] == [8, 1_000_000]
+        for i in range(2 << 20, len(whole), 512 << 10):  # the rest over ~2.5 s, well past the keep-alive
+            time.sleep(0.4)
+            s.sendall(whole[i : i + (512 << 10)])
+        s.sendall(request("/", second))
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
+    assert sum(taken) >= BIG - (2 << 20)  # the rest of the first body went through the takeover
 
 
 def test_a_client_gone_mid_body_ends_the_read_short(server):
