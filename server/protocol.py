@@ -146,6 +146,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)], on_data)
             return filled
 
+        async def send(self, message: Any) -> None:
+            if message["type"] == "http.response.start" and self.waiting_for_100_continue and self.more_body:
+                # Answered under ``Expect: 100-continue`` before the body was asked for: the
+                # client, sent no 100, may send its body or not (RFC 9110, 10.1.1), and the
+                # next request could not be told from a body to skip. The answer ends the connection.
+                self.keep_alive = False
+            await super().send(message)
+
         def _continue(self) -> None:
             if self.waiting_for_100_continue and not self.transport.is_closing():
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -598,6 +606,7 @@ def _unexpected(impl: Any) -> str | None:
         (cycle, "__init__"): ("self.disconnected", "self.response_complete", "self.more_body", "self.message_event",
                               "self.waiting_for_100_continue", "self.transport", "self.flow", "self.scope"),
         (cycle, "receive"): ("bytes(self.body)", "resume_reading", "waiting_for_100_continue"),
+        (cycle, "send"): ("self.waiting_for_100_continue = False", "if not self.keep_alive:"),
     }
     try:
         from uvicorn.protocols.http.flow_control import FlowControl
