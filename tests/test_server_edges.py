@@ -142,6 +142,29 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
                 assert "malformed HTTP request" in json.loads(text)["error"]
 
 
+def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(tmp_path):
+    """The parser reads a Content-Length past any number of leading zeros; the routes read it
+    again, and int() refused its 4,300 digits: a 500, logged as a bug."""
+    h, frame = raw_frame(4)
+    zeros = "0" * 5000
+    lookup = json.dumps({"hashes": [h.hex()]}).encode()
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for method, path, body, status in (("PUT", f"/v1/blocks/{h.hex()}", frame, 201),
+                                               ("POST", "/v1/blocks", batch_body([frame]), 200),
+                                               ("POST", "/v1/lookup", lookup, 200)):
+                s.sendall(head(method, path, extra=f"content-length: {zeros}{len(body)}\r\n") + body)
+                got, _, text = read_response(s, rest)
+                assert got == status, (method, path, got, text)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {zeros}{2 * MiB}\r\n"))
+            got, _, text = read_response(s, rest)
+            assert got == 413 and "max_frame_bytes" in json.loads(text)["error"], text
+        assert httpx.post(srv.url + "/v1/lookup", content=lookup).json()["matched"] == 1
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_block_deleted_while_its_prefix_streams_cuts_the_answer_short_and_logs_no_bug(tmp_path):
     with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:
         chain = raw_chain(3, 16, layout=BIG_LAYOUT)
