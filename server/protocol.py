@@ -193,10 +193,19 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.chunk_epoch = 0  # changes with each chunk's size line and each piece of body
             self.watch = Watchdog(self, limits)
             self.watch.expect_headers()
+            self.open_cycles: list[Any] = []  # requests whose responses are not complete yet
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
             super().connection_lost(exc)
+            # uvicorn tells only the newest request's cycle. A response still being sent when
+            # a pipelined request's headers came in would write on into the closed transport
+            # (uvloop raises: its route failed, logged as a bug) and fetch its frames to the end.
+            for cycle in self.open_cycles:
+                if not cycle.response_complete and not cycle.disconnected:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self.open_cycles.clear()
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -264,6 +273,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             body_length = _body_length(self.headers)
             self.watch.headers_done(expect_body=body_length != 0)
             if cycle is not None and type(cycle) is cycle_cls:
+                self.open_cycles = [c for c in self.open_cycles if not c.response_complete]
+                self.open_cycles.append(cycle)
                 cycle.__class__ = PiecesCycle
                 cycle.pieces = deque()
                 cycle.waiting = 0
