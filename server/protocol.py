@@ -464,8 +464,24 @@ class Watchdog:
 
     def expect_headers(self) -> None:
         if self.header_timer is None:
-            self.header_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._cut,
-                                                     f"headers not complete within {self.limits.header_timeout_seconds:g} s")
+            self.header_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._headers_due)
+
+    def _headers_due(self) -> None:
+        self.header_timer = None
+        if self.protocol.flow.read_paused:
+            # The server is not reading (a pipelined request waits for the response before
+            # it): no fault of the client's. Once reading resumes, the head gets a whole
+            # header_timeout_seconds.
+            self.header_timer = self.loop.call_later(TICK_S, self._headers_due_paused)
+            return
+        self._cut(f"headers not complete within {self.limits.header_timeout_seconds:g} s")
+
+    def _headers_due_paused(self) -> None:
+        self.header_timer = None
+        if self.protocol.flow.read_paused:
+            self.header_timer = self.loop.call_later(TICK_S, self._headers_due_paused)
+        else:
+            self.expect_headers()
 
     def headers_done(self, *, expect_body: bool) -> None:
         if self.header_timer is not None:

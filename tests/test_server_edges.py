@@ -385,6 +385,34 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
+def test_a_pipelined_head_the_server_stopped_reading_is_not_cut_off_as_slow(tmp_path):
+    """Behind a response still streaming, a pipelined request waits its turn with reading
+    paused (uvicorn's back-pressure on pipelining): a head begun in the bytes already read
+    cannot end before reading resumes. Its header timeout once ran all the same, and cut the
+    connection under the response being read."""
+    chain = raw_chain(6, 8, layout=BIG_LAYOUT)  # 8 MiB to stream, read at ~1 MiB/s
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--header-timeout-seconds", "1.5", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        nxt = head("GET", "/healthz")
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the stream waits on us
+            s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + nxt)  # the second one waits its turn
+            time.sleep(0.3)
+            s.sendall(nxt + nxt[:10])  # a third, and a fourth's first bytes: its head begins
+            time.sleep(0.3)
+            s.sendall(nxt[10:])  # ... and ends, in the socket until the server reads again
+            got = bytearray()
+            s.settimeout(10)
+            while got.count(b'{"status":"ok"}') < 3:
+                data = s.recv(16 << 10)
+                assert data, f"the connection closed after {len(got)} bytes"
+                got += data
+                time.sleep(0.015)
+        top, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 200") and rest[: 8 + len(chain[0][1])] == batch_body([chain[0][1]])
+        assert "headers not complete" not in srv.output()
+
+
 def test_a_request_head_or_trailers_over_64_kib_is_a_431_and_holds_no_memory(tmp_path):
     # httptools and uvicorn keep a head (and a chunked body's trailers) whole, with no bound:
     # before, one client sent 1.6 GB of header lines within the header timeout, and the
