@@ -4,7 +4,8 @@ memory given back once a burst of bodies is gone.
 Memory follows bytes that arrive, never bytes that are declared: a body's bytes are counted
 here as they are received (into a CPU-tier reservation or a buffer of their own) and given
 back when the frame is stored or the request ends. A request whose bytes would pass the cap
-is answered 503 (``Busy``) and its connection closed; nothing already stored changes.
+is answered 503 (``Busy``), and the rest of its body is skipped as it comes (the connection lives
+on for the next request); nothing already stored changes.
 """
 
 from __future__ import annotations

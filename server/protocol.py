@@ -146,6 +146,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)], on_data)
             return filled
 
+        async def send(self, message: Any) -> None:
+            if message["type"] == "http.response.start" and self.waiting_for_100_continue and self.more_body:
+                # Answered under ``Expect: 100-continue`` before the body was asked for: the
+                # client, sent no 100, may send its body or not (RFC 9110, 10.1.1), and the
+                # next request could not be told from a body to skip. The answer ends the connection.
+                self.keep_alive = False
+            await super().send(message)
+
         def _continue(self) -> None:
             if self.waiting_for_100_continue and not self.transport.is_closing():
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -185,10 +193,19 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.chunk_epoch = 0  # changes with each chunk's size line and each piece of body
             self.watch = Watchdog(self, limits)
             self.watch.expect_headers()
+            self.open_cycles: list[Any] = []  # requests whose responses are not complete yet
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
             super().connection_lost(exc)
+            # uvicorn tells only the newest request's cycle. A response still being sent when
+            # a pipelined request's headers came in would write on into the closed transport
+            # (uvloop raises: its route failed, logged as a bug) and fetch its frames to the end.
+            for cycle in self.open_cycles:
+                if not cycle.response_complete and not cycle.disconnected:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self.open_cycles.clear()
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -256,6 +273,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             body_length = _body_length(self.headers)
             self.watch.headers_done(expect_body=body_length != 0)
             if cycle is not None and type(cycle) is cycle_cls:
+                self.open_cycles = [c for c in self.open_cycles if not c.response_complete]
+                self.open_cycles.append(cycle)
                 cycle.__class__ = PiecesCycle
                 cycle.pieces = deque()
                 cycle.waiting = 0
@@ -367,6 +386,10 @@ class BodyTakeover(asyncio.BufferedProtocol):
         cycle = self.cycle
         self.left -= nbytes
         self.watch.received(nbytes)
+        # Bytes of a body are activity, as uvicorn's data_received counts them: an answer sent
+        # before the body ended armed the idle keep-alive timer, which would close the
+        # connection under a client still sending the body (it is re-armed once the body is done).
+        self.protocol._unset_keepalive_if_required()
         if self.target is not None:
             if self.on_data is not None:
                 self.on_data(self.target[self.filled : self.filled + nbytes])
@@ -441,8 +464,24 @@ class Watchdog:
 
     def expect_headers(self) -> None:
         if self.header_timer is None:
-            self.header_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._cut,
-                                                     f"headers not complete within {self.limits.header_timeout_seconds:g} s")
+            self.header_timer = self.loop.call_later(self.limits.header_timeout_seconds, self._headers_due)
+
+    def _headers_due(self) -> None:
+        self.header_timer = None
+        if self.protocol.flow.read_paused:
+            # The server is not reading (a pipelined request waits for the response before
+            # it): no fault of the client's. Once reading resumes, the head gets a whole
+            # header_timeout_seconds.
+            self.header_timer = self.loop.call_later(TICK_S, self._headers_due_paused)
+            return
+        self._cut(f"headers not complete within {self.limits.header_timeout_seconds:g} s")
+
+    def _headers_due_paused(self) -> None:
+        self.header_timer = None
+        if self.protocol.flow.read_paused:
+            self.header_timer = self.loop.call_later(TICK_S, self._headers_due_paused)
+        else:
+            self.expect_headers()
 
     def headers_done(self, *, expect_body: bool) -> None:
         if self.header_timer is not None:
@@ -586,6 +625,7 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "on_message_complete"): ("self.cycle.more_body = False",),
         (proto, "eof_received"): (),
         (proto, "data_received"): ("self._unset_keepalive_if_required()", "self.parser.feed_data(data)"),
+        (proto, "_unset_keepalive_if_required"): ("self.timeout_keep_alive_task.cancel()",),
         (proto, "on_response_complete"): ("if self.pipeline:", "self.timeout_keep_alive_task = self.loop.call_later(",
                                           "self.timeout_keep_alive_handler"),
         (proto, "pause_writing"): (),
@@ -593,6 +633,7 @@ def _unexpected(impl: Any) -> str | None:
         (cycle, "__init__"): ("self.disconnected", "self.response_complete", "self.more_body", "self.message_event",
                               "self.waiting_for_100_continue", "self.transport", "self.flow", "self.scope"),
         (cycle, "receive"): ("bytes(self.body)", "resume_reading", "waiting_for_100_continue"),
+        (cycle, "send"): ("self.waiting_for_100_continue = False", "if not self.keep_alive:"),
     }
     try:
         from uvicorn.protocols.http.flow_control import FlowControl

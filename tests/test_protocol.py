@@ -71,8 +71,10 @@ def server(request, monkeypatch):
 
     monkeypatch.setattr(protocol.BodyTakeover, "buffer_updated", counting)
     port = free_port()
+    marker = request.node.get_closest_marker("keep_alive_s")
     config = uvicorn.Config(app, host="127.0.0.1", port=port, http=protocol_class(), loop=request.param,
-                            log_level="warning", lifespan="on")
+                            log_level="warning", lifespan="on",
+                            timeout_keep_alive=marker.args[0] if marker else 5)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -152,6 +154,60 @@ def test_an_answer_in_the_middle_of_a_body_read_in_place_skips_the_rest(server):
         assert read_response(s, rest)[1] == {"got": [8, 1_000_000], "sha256": digest, "pieces": digest}
         assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
     assert sum(taken) >= BIG - 1_000_008  # the rest of the first body went through the takeover
+
+
+@pytest.mark.keep_alive_s(1)
+def test_a_body_still_arriving_after_an_early_answer_is_not_cut_off_as_idle(server):
+    """Answered mid-body (a bad frame, a 503), the connection skips the rest of the body as
+    it comes: the body's bytes are activity, as the parser's are, and the idle keep-alive timer
+    armed by the answer once closed the connection under a client still sending its body."""
+    port, taken = server
+    first, second = os.urandom(BIG), os.urandom(3000)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        whole = request("/?only,8,1000000", first)
+        s.sendall(whole[: 2 << 20])
+        rest = bytearray()
+        assert read_response(s, rest)[1]["got"] == [8, 1_000_000]
+        for i in range(2 << 20, len(whole), 512 << 10):  # the rest over ~2.5 s, well past the keep-alive
+            time.sleep(0.4)
+            s.sendall(whole[i : i + (512 << 10)])
+        s.sendall(request("/", second))
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(second).hexdigest()
+    assert sum(taken) >= BIG - (2 << 20)  # the rest of the first body went through the takeover
+
+
+def test_an_answer_to_a_body_never_asked_for_under_expect_100_continue_closes_the_connection(server):
+    """A client that sent ``Expect: 100-continue`` and got a final answer without a 100 may
+    send its body or not (RFC 9110, 10.1.1), so what follows the answer on the connection is
+    a body or the next request, which nothing tells apart: the server once read the client's
+    next request as the body it skips, and never answered it. It closes the connection now.
+    A body asked for (the 100 sent) is read, and the connection lives on."""
+    port, _ = server
+    expect = "expect: 100-continue\r\n"
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"POST /early HTTP/1.1\r\nhost: x\r\n{expect}content-length: {BIG}\r\n\r\n".encode())
+        rest = bytearray()
+        assert read_response(s, rest)[1] == {"early": True}
+        s.settimeout(3)
+        try:
+            s.sendall(request("/", b"next"))
+            assert s.recv(65536) == b""
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed, too
+        except TimeoutError:
+            raise AssertionError("the connection stayed open, reading the next request as the body") from None
+    body = os.urandom(3000)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"POST / HTTP/1.1\r\nhost: x\r\n{expect}content-length: {len(body)}\r\n\r\n".encode())
+        rest = bytearray()
+        while b"\r\n\r\n" not in rest:
+            rest += s.recv(65536)
+        assert bytes(rest).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        del rest[: len(b"HTTP/1.1 100 Continue\r\n\r\n")]
+        s.sendall(body)
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
+        s.sendall(request("/", body))
+        assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
 
 
 def test_a_client_gone_mid_body_ends_the_read_short(server):

@@ -142,6 +142,29 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
                 assert "malformed HTTP request" in json.loads(text)["error"]
 
 
+def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(tmp_path):
+    """The parser reads a Content-Length past any number of leading zeros; the routes read it
+    again, and int() refused its 4,300 digits: a 500, logged as a bug."""
+    h, frame = raw_frame(4)
+    zeros = "0" * 5000
+    lookup = json.dumps({"hashes": [h.hex()]}).encode()
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for method, path, body, status in (("PUT", f"/v1/blocks/{h.hex()}", frame, 201),
+                                               ("POST", "/v1/blocks", batch_body([frame]), 200),
+                                               ("POST", "/v1/lookup", lookup, 200)):
+                s.sendall(head(method, path, extra=f"content-length: {zeros}{len(body)}\r\n") + body)
+                got, _, text = read_response(s, rest)
+                assert got == status, (method, path, got, text)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {zeros}{2 * MiB}\r\n"))
+            got, _, text = read_response(s, rest)
+            assert got == 413 and "max_frame_bytes" in json.loads(text)["error"], text
+        assert httpx.post(srv.url + "/v1/lookup", content=lookup).json()["matched"] == 1
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_block_deleted_while_its_prefix_streams_cuts_the_answer_short_and_logs_no_bug(tmp_path):
     with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:
         chain = raw_chain(3, 16, layout=BIG_LAYOUT)
@@ -199,6 +222,27 @@ def test_clients_gone_mid_body_or_mid_stream_are_not_errors(tmp_path):
         assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
         log = srv.output()
         assert "ERROR" not in log and "Traceback" not in log and "Exception" not in log, log
+
+
+def test_a_client_gone_mid_stream_with_a_request_pipelined_behind_it_is_not_an_error(tmp_path):
+    """uvicorn tells only a connection's newest request that its client went away: a
+    response still streaming when the next request's headers came in wrote on into the
+    closed connection, and its route failed (logged as a bug, and by uvicorn)."""
+    chain = raw_chain(5, 32, layout=BIG_LAYOUT)
+    with Server(tmp_path, "--cpu-bytes", "128MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        h = chain[0][0].hex()
+        for behind in (head("GET", "/healthz"), head("PUT", f"/v1/blocks/{h}", 5000) + bytes(2000)):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the stream waits on us
+                s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + behind)
+                s.recv(65536)
+                time.sleep(0.5)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+            time.sleep(0.5)
+            assert httpx.get(srv.url + "/v1/stats").json()["tiers"][0]["leases_active"] == 0
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
 # -- memory and time under hostile clients ---------------------------------------------------
@@ -339,6 +383,34 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         # a fast client on the same server is unaffected
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
+def test_a_pipelined_head_the_server_stopped_reading_is_not_cut_off_as_slow(tmp_path):
+    """Behind a response still streaming, a pipelined request waits its turn with reading
+    paused (uvicorn's back-pressure on pipelining): a head begun in the bytes already read
+    cannot end before reading resumes. Its header timeout once ran all the same, and cut the
+    connection under the response being read."""
+    chain = raw_chain(6, 8, layout=BIG_LAYOUT)  # 8 MiB to stream, read at ~1 MiB/s
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--header-timeout-seconds", "1.5", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        nxt = head("GET", "/healthz")
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # the stream waits on us
+            s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + nxt)  # the second one waits its turn
+            time.sleep(0.3)
+            s.sendall(nxt + nxt[:10])  # a third, and a fourth's first bytes: its head begins
+            time.sleep(0.3)
+            s.sendall(nxt[10:])  # ... and ends, in the socket until the server reads again
+            got = bytearray()
+            s.settimeout(10)
+            while got.count(b'{"status":"ok"}') < 3:
+                data = s.recv(16 << 10)
+                assert data, f"the connection closed after {len(got)} bytes"
+                got += data
+                time.sleep(0.015)
+        top, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 200") and rest[: 8 + len(chain[0][1])] == batch_body([chain[0][1]])
+        assert "headers not complete" not in srv.output()
 
 
 def test_a_request_head_or_trailers_over_64_kib_is_a_431_and_holds_no_memory(tmp_path):
