@@ -632,6 +632,35 @@ def test_a_materialize_during_a_prefetch_waits_for_it_and_reads_nothing_twice(tm
         assert cache.stats()["prefetch"]["waited_for"] >= 1
 
 
+def test_a_prefetch_joining_a_chains_head_promotes_its_own_tail(tmp_path, monkeypatch):
+    """A prefetch of a chain whose head another prefetch was promoting read its own tail at
+    once and promoted none of it: a block goes up only beside its parent, which was still on
+    its way. Half the chain stayed on disk, counted failed."""
+    toks, kv = tokens_for(7, 8 * BLOCK), make_kv(8 * BLOCK, 7)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        _on_disk_only(cache, toks)
+        held, release = cache.block_hashes(toks)[3].hex(), threading.Event()
+        real = ReadPool._read
+
+        def gated(pool, path, *args):  # the head's last block lands only once the tail is read
+            if held in path.name:
+                release.wait(30)
+            return real(pool, path, *args)
+
+        monkeypatch.setattr(ReadPool, "_read", gated)
+        head = cache.prefetch(toks[: 4 * BLOCK])
+        whole = cache.prefetch(toks)
+        assert head is not None and whole is not None and (whole.blocks, whole.joined) == (8, 4)
+        time.sleep(0.3)
+        release.set()
+        assert whole.wait(30) and whole.promoted == 8
+        assert set(cache.locate(toks).tiers) == {"cpu"}
+        counts = cache.stats()["prefetch"]
+        assert (counts["promoted_blocks"], counts["failed_blocks"], counts["in_flight"]) == (8, 0, 0)
+        assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+
+
 def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
     chains = [(tokens_for(10 + i, 2 * BLOCK), make_kv(2 * BLOCK, 10 + i)) for i in range(3)]
     with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:

@@ -25,7 +25,8 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_any
 from concurrent.futures import TimeoutError as FutureTimeout  # (not the built-in one before Python 3.11)
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,9 @@ class Prefetch:
         return {"matched": self.matched, "blocks": self.blocks, "joined": self.joined}
 
 
+_END = object()
+
+
 class Prefetcher:
     """Background promotions for one ``TieredStore``, at most ``max_in_flight`` at once."""
 
@@ -93,6 +97,7 @@ class Prefetcher:
         self._running = 0
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+        self._closing: Future = Future()  # set by close(): a run waiting for another's block gives up
         self.counts = {"started": 0, "joined": 0, "in_memory": 0, "nothing_stored": 0, "refused_busy": 0,
                        "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0}
 
@@ -125,6 +130,12 @@ class Prefetcher:
             if self._running >= self.max_in_flight:
                 self.counts["refused_busy"] += 1
                 return None
+            # A block goes up only beside its parent (``TieredStore._promote_up``): one whose
+            # parent another prefetch is promoting goes up once that has landed, not before
+            # (read then, it found no parent in memory and stayed below: a prefetch joining a
+            # chain's head left its own tail on disk).
+            parent_of = dict(zip(keys[1:], keys))
+            after = [self._waiting.get(parent_of.get(k)) for k, _ in mine]
             futures = [Future() for _ in mine]
             for (k, _), fut in zip(mine, futures):
                 fut.set_running_or_notify_cancel()
@@ -136,7 +147,7 @@ class Prefetcher:
             executor = self._executor
         handle = Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
         try:
-            executor.submit(self._run, mine, futures)
+            executor.submit(self._run, mine, futures, after)
         except RuntimeError:  # shut down meanwhile
             self._settle(mine, futures, [False] * len(mine), last=True)
             return None
@@ -153,7 +164,7 @@ class Prefetcher:
     def note_waited(self, n: int) -> None:
         self._count("waited_for", n)
 
-    def _run(self, mine: list[tuple[bytes, str]], futures: list[Future]) -> None:
+    def _run(self, mine: list[tuple[bytes, str]], futures: list[Future], after: list[Future | None]) -> None:
         keys = [k for k, _ in mine]
         results = [False] * len(mine)
         try:
@@ -164,7 +175,12 @@ class Prefetcher:
             stream = store.stream(keys, where=[name for _, name in mine], promote=True, leased=False,
                                        join_prefetches=False)
             try:
-                for i, got in enumerate(stream):
+                for i in range(len(mine)):
+                    if after[i] is not None:  # (its read is under way meanwhile: the stream's reads start at once)
+                        wait_any((after[i], self._closing), return_when=FIRST_COMPLETED)
+                    got = next(stream, _END)
+                    if got is _END:
+                        break
                     if got is not None:
                         got[0].release()  # promoted by the stream: the bytes are not read here
                         # Read does not mean promoted: a memory tier may have refused the copy
@@ -204,6 +220,8 @@ class Prefetcher:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            if not self._closing.done():
+                self._closing.set_result(None)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         # A prefetch cancelled before its thread took it up never settles its blocks: a
