@@ -460,14 +460,13 @@ class _Collector(Collector):
             recovered_bytes.add_metric([name], got["bytes"])
         yield recovered
         yield recovered_bytes
-        usage = figures.get("namespaces") or []
+        usage = _bounded_usage(figures.get("namespaces") or [], self.metrics.max_owners)
         for field, name, help_ in (("used_bytes", "cacheseek_namespace_used_bytes", "Encoded bytes of the owner's distinct blocks"),
                                    ("blocks", "cacheseek_namespace_blocks", "The owner's distinct blocks"),
                                    ("raw_bytes", "cacheseek_namespace_raw_bytes", "Unencoded KV bytes of the owner's blocks")):
             family = GaugeMetricFamily(name, help_, labels=["namespace", "model"])
-            for u in usage[: self.metrics.max_owners]:
-                family.add_metric([clean_label(u["namespace"] if u["namespace"] is not None else OTHER),
-                                   clean_label(u["model"])], u[field])
+            for labels, u in usage:
+                family.add_metric(list(labels), u[field])
             yield family
         yield from self._redis(tiers)
 
@@ -491,6 +490,24 @@ class _Collector(Collector):
                 state.add_metric([tier["name"], s], 1.0 if now == s else 0.0)
         yield open_
         yield state
+
+
+def _bounded_usage(usage: list[dict[str, Any]], max_owners: int) -> list[tuple[tuple[str, str], dict[str, int]]]:
+    """Usage per (namespace, model) label pair, at most ``max_owners`` pairs: the rest (the
+    smallest, as ``Owners.usage`` sorts) summed under ``_other``, as traffic is, so that the
+    pairs still add up to the store's figures."""
+    out: list[tuple[tuple[str, str], dict[str, int]]] = []
+    rest = {"used_bytes": 0, "blocks": 0, "raw_bytes": 0}
+    for i, u in enumerate(usage):
+        if i < max_owners:
+            out.append(((clean_label(u["namespace"] if u["namespace"] is not None else OTHER),
+                         clean_label(u["model"])), u))
+        else:
+            for field in rest:
+                rest[field] += u[field]
+    if len(usage) > max_owners:
+        out.append(((OTHER, OTHER), rest))
+    return out
 
 
 class MetricsMiddleware:

@@ -186,6 +186,19 @@ def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path
             assert f":{port}" not in mine.text and "127.0.0.1" not in mine.text
 
 
+def test_usage_past_metrics_max_owners_counts_under_other_and_still_adds_up(tmp_path):
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_METRICS_MAX_OWNERS": "2"}) as s, \
+            httpx.Client(base_url=s.url) as c:
+        for i, ns in enumerate(("team-a", "team-b", "team-c")):
+            post_chain(c, raw_chain(40 + i, 3 - i), **writer(ns, "llama"))  # 3, 2, 1 blocks
+        m = samples(c)
+        used = {(x.labels["namespace"], x.labels["model"]): x.value for x in m["cacheseek_namespace_used_bytes"]}
+        # The two largest owners by name; the third (past the bound) under _other, not dropped.
+        assert used == {("team-a", "llama"): 3 * FRAME, ("team-b", "llama"): 2 * FRAME, ("_other", "_other"): FRAME}
+        assert sum(used.values()) == value(m, "cacheseek_store_used_bytes") == 6 * FRAME
+        assert value(m, "cacheseek_namespace_blocks", namespace="_other", model="_other") == 1
+
+
 def test_an_owners_counters_keep_counting_under_a_cleaned_model_name(srv):
     """A model name the labels clean (over 128 characters, not ASCII) is counted under the
     cleaned name, request after request, not started over each time."""
