@@ -47,6 +47,9 @@ UNMATCHED = "unmatched"
 MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
+# On a lookup piece after a chain's first (RemoteCache splits chains past max_lookup_hashes):
+# the position of its first block. The query is counted once, by its first piece.
+CONTINUES_HEADER = "X-CacheSeek-Continues"
 MAX_LABEL = 128
 
 
@@ -122,17 +125,19 @@ def _positive(value: bytes | None) -> int | None:
     return int(value) or None
 
 
-_MODEL, _BLOCK_TOKENS, _TOKENS = (h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER, TOKENS_HEADER))
+_MODEL, _BLOCK_TOKENS, _TOKENS, _CONTINUES = (h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER,
+                                                                           TOKENS_HEADER, CONTINUES_HEADER))
 
 
-def client_headers(headers: Any) -> tuple[str | None, int | None, int | None]:
-    """(model, block tokens, query tokens) as the client named them, in one pass over the
-    raw headers (a ``Headers.get`` scans them all once per name), cached on the request's
-    ``Headers`` object."""
+def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bool]:
+    """(model, block tokens, query tokens, whether a lookup continues a query) as the client
+    named them, in one pass over the raw headers (a ``Headers.get`` scans them all once per
+    name), cached on the request's ``Headers`` object."""
     cached = getattr(headers, "_cacheseek", None)
     if cached is not None:
         return cached
     model = block_tokens = tokens = None
+    continues = False
     for name, value in headers.raw:
         if name[:12] != b"x-cacheseek-":
             continue
@@ -142,7 +147,9 @@ def client_headers(headers: Any) -> tuple[str | None, int | None, int | None]:
             block_tokens = _positive(value)
         elif name == _TOKENS:
             tokens = _positive(value)
-    out = (model, block_tokens, tokens)
+        elif name == _CONTINUES:
+            continues = _positive(value) is not None
+    out = (model, block_tokens, tokens, continues)
     try:
         headers._cacheseek = out
     except AttributeError:  # a Headers class with slots: no cache, one more pass next time
@@ -238,20 +245,25 @@ class Metrics:
         traffic.ingest_bytes += stored
 
     def looked_up(self, traffic: Traffic | None, headers: Any, requested: int, matched: int, each: bool) -> None:
-        """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``."""
+        """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``.
+        A piece that continues a query (``X-CacheSeek-Continues``) adds its blocks to the
+        query its first piece counted: no lookup, hit or requested tokens of its own (the
+        first piece counted the query's tokens; counted again, the token hit rate fell)."""
         if traffic is None:
             return
+        _, block_tokens, tokens, continues = client_headers(headers)
         if each:
-            traffic.ingest_checks += 1
+            traffic.ingest_checks += not continues
             return
-        traffic.lookups += 1
-        traffic.lookup_hits += matched > 0
+        if not continues:
+            traffic.lookups += 1
+            traffic.lookup_hits += matched > 0
         traffic.lookup_blocks_requested += requested
         traffic.lookup_blocks_matched += matched
-        _, block_tokens, tokens = client_headers(headers)
         if block_tokens:
-            # The query's tokens (the partial tail included) when the client says; at least the blocks asked.
-            traffic.lookup_tokens_requested += max(tokens or 0, requested * block_tokens)
+            if not continues:
+                # The query's tokens (the partial tail included) when the client says; at least the blocks asked.
+                traffic.lookup_tokens_requested += max(tokens or 0, requested * block_tokens)
             traffic.lookup_tokens_matched += matched * block_tokens
 
     # -- reading ---------------------------------------------------------------------------

@@ -130,7 +130,15 @@ def test_chains_longer_than_the_servers_lookup_limit_are_looked_up_in_pieces(tmp
             assert remote.ingest(toks, kv).stored == 2 and remote.lookup(toks) == 11 * BLOCK
             changed = list(toks)
             changed[9 * BLOCK] += 1  # the third piece matches its first block only
-            assert remote.lookup(changed) == 9 * BLOCK and remote.locate(changed).tiers == ["cpu"] * 9
+            before = _parity_traffic(small)
+            assert remote.lookup(changed + [1, 2, 3]) == 9 * BLOCK  # 11 blocks and 3 tokens, in 3 pieces
+            # One query, counted once: its tokens by its first piece, the others' blocks added
+            # to it (each piece counted the query's tokens again, and as a lookup of its own).
+            after = _parity_traffic(small)
+            assert {k: after[k] - before[k] for k in after} == {
+                "lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 11, "lookup_blocks_matched": 9,
+                "lookup_tokens_requested": 11 * BLOCK + 3, "lookup_tokens_matched": 9 * BLOCK}
+            assert remote.locate(changed).tiers == ["cpu"] * 9
             assert_prefix_equal(remote.materialize(toks), kv, 11 * BLOCK)
             assert remote.prefetch(toks) is None  # (all in memory: a hint for the first 4 blocks)
             with cs.RemoteCache(small.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(),
@@ -139,6 +147,14 @@ def test_chains_longer_than_the_servers_lookup_limit_are_looked_up_in_pieces(tmp
             assert refused.value.status == 422 and "max_lookup_hashes" in refused.value.reason
     with pytest.raises(cs.ConfigError, match="max_lookup_hashes"):
         cs.RemoteCache("http://127.0.0.1:1", model_id="m", layout=LAYOUT, max_lookup_hashes=0)
+
+
+def _parity_traffic(server) -> dict[str, int]:
+    """The lookup counters of the ``parity`` model's traffic on ``server``."""
+    stats = httpx.get(server.url + "/v1/stats").json()
+    mine = next(o for o in stats["traffic"]["by_owner"] if o["model"] == "parity")
+    return {k: mine[k] for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                 "lookup_tokens_requested", "lookup_tokens_matched")}
 
 
 def test_remote_errors_are_clear(srv):
