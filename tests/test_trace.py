@@ -10,14 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.store.eviction import POLICIES, make_index
 from cacheseek.store.tier import BlockInfo
 from cacheseek.trace import blocksim, reference, synth
-from cacheseek.trace.format import load_trace, parse_lines
+from cacheseek.trace.format import Request, load_trace, parse_lines
 from cacheseek.trace.replay import ROOT as ROOT_KEY
 from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
 from redis_servers import RedisServer, needs_redis
@@ -222,6 +222,49 @@ def test_store_replay_follows_the_references_in_both_countings(excerpt):
             for policy in POLICIES:
                 assert replay(excerpt, ReplaySpec(cpu_blocks=blocks, policy=policy,
                                                   full_blocks_only=full)).hit_blocks <= best.hit_blocks
+
+
+# -- tiny traces, brute force -------------------------------------------------------------
+
+# A request: the branch taken at each depth of a prefix tree, and its last block's tokens.
+_paths = st.lists(st.tuples(st.lists(st.integers(0, 1), max_size=5), st.integers(1, 4)), min_size=1, max_size=6)
+
+
+def _chained(paths: list, block_tokens: int) -> list[Request]:
+    ids: dict = {}
+    out = []
+    for branches, last in paths:
+        chain, parent = [], None
+        for b in branches:
+            parent = ids.setdefault((parent, b), len(ids))
+            chain.append(parent)
+        length = (len(chain) - 1) * block_tokens + min(last, block_tokens) if chain else 0
+        out.append(Request(0, length, 0, tuple(chain)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(_paths, st.sampled_from([1, 2, 4]))
+@example([([0, 0, 0, 0], 1), ([0, 0, 0, 0, 0], 2), ([0, 0, 0, 0, 0], 1), ([0, 0], 2)], 2)
+def test_the_store_replay_equals_the_block_simulation_on_tiny_traces(paths, block_tokens):
+    """Every policy, budgets of 1 to 6 blocks (a chain longer than the tier too), both
+    countings: the store and ``blocksim`` (the calls PrefixCache makes, stored blocks
+    touched before the puts) hit the same blocks, and neither beats Belady. The example:
+    the replay touched them after its puts, which had evicted them (5 hits against 3)."""
+    trace = _chained(paths, block_tokens)
+    longest = max(len(r.hash_ids) for r in trace)
+    for full in (False, True):
+        for blocks in range(1, 7):
+            best = reference.belady_prefix(trace, blocks, block_tokens, full_blocks_only=full).hit_blocks
+            for policy in POLICIES:
+                want = blocksim.simulate(trace, policy, blocks, block_tokens=block_tokens, full_blocks_only=full)
+                got = replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy, full_blocks_only=full),
+                             block_tokens=block_tokens)
+                assert (got.hit_blocks, got.hit_tokens) == (want.hit_blocks, want.hit_tokens), (policy, blocks, full)
+                assert got.hit_blocks <= best
+                assert got.hits_by_tier == ({"cpu": got.hit_blocks} if got.hit_blocks else {})
+                if policy == "lru" and blocks >= longest:  # (a longer chain leaves its stored head a victim)
+                    assert got.hit_blocks == reference.lru(trace, blocks, block_tokens, full).hit_blocks
 
 
 # -- eviction policies ---------------------------------------------------------------------

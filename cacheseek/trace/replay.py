@@ -8,8 +8,8 @@ it runs on a laptop. Bytes written and read are reported in real bytes (blocks x
 
 Per request, the replay makes the calls an engine makes through ``PrefixCache``:
 ``locate`` (the hit: the longest stored prefix, and the tier of each block), ``get_many``
-on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``put_many`` of
-the missing blocks tail first, and ``touch_chain`` of the blocks already stored (ingest).
+on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``touch_chain``
+of the blocks already stored, and ``put_many`` of the missing blocks tail first (ingest).
 
 Counting (``ReplaySpec.full_blocks_only``): the issue's, every block of a request stored;
 or the store's, a request's partial last block requested and counted but never stored nor
@@ -153,11 +153,11 @@ class StoreClient:
             store.touch_chain(keys[: len(tiers)])
         present = store.contains_many(keys)  # ingest
         missing = [i for i in range(len(keys) - 1, -1, -1) if not present[i]]
+        if len(missing) < len(keys):  # before the puts, as PrefixCache.ingest: else they may evict these
+            store.touch_chain([k for k, p in zip(keys, present) if p])
         if missing:
             frames = self.frames
             store.put_many([(keys[i], frames.frame(keys[i], keys[i - 1] if i else ROOT, i)) for i in missing])
-        if len(missing) < len(keys):
-            store.touch_chain([k for k, p in zip(keys, present) if p])
         return tiers
 
 
