@@ -171,6 +171,14 @@ def test_no_policy_beats_belady_and_belady_stays_below_the_ceiling(excerpt):
                 assert replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy)).hit_blocks <= best.hit_blocks
 
 
+def test_references_at_a_budget_of_no_block_hit_nothing():
+    """``policy_sim --blocks 0`` stopped on an IndexError in Belady (and MIN with FIFO ties)."""
+    trace = parse_lines(['{"hash_ids": [0, 1]}', '{"hash_ids": [0, 1]}'])
+    for ref in (reference.belady_prefix, reference.min_fifo_ties, reference.lru):
+        assert ref(trace, 0).hit_blocks == 0
+    assert reference.belady_prefix(trace, 1).hit_blocks == 1
+
+
 def test_anchor_figures_of_issue_19():
     trace = load_trace(FULL)
     assert round(100 * reference.infinite(trace).block_hit_rate, 1) == 64.0
