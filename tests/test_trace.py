@@ -3,6 +3,7 @@ eviction policies' chain invariant, disk admission, and ``cacheseek plan``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -249,6 +250,95 @@ def _chained(paths: list, block_tokens: int) -> list[Request]:
         length = (len(chain) - 1) * block_tokens + min(last, block_tokens) if chain else 0
         out.append(Request(0, length, 0, tuple(chain)))
     return out
+
+
+def _cacheable(trace: list[Request], block_tokens: int, full: bool) -> list[tuple[int, ...]]:
+    return [r.hash_ids[: reference.cached_blocks(r, block_tokens, full)] for r in trace]
+
+
+def _best_prefix_hits(chains: list[tuple[int, ...]], budget: int) -> int:
+    """The most prefix hits of any policy: after each request, the cache may become any set
+    of at most ``budget`` blocks among what it held and the request's blocks (every
+    eviction and bypass), keeping only blocks that some later request names."""
+    later = [set().union(*chains[t + 1 :]) for t in range(len(chains))]
+    best = {frozenset(): 0}
+    for t, ids in enumerate(chains):
+        nxt: dict[frozenset, int] = {}
+        for held, hits in best.items():
+            hits += reference.prefix_hits(ids, held)
+            pool = sorted((held | set(ids)) & later[t])
+            for k in range(min(budget, len(pool)) + 1):
+                for kept in itertools.combinations(pool, k):
+                    key = frozenset(kept)
+                    nxt[key] = max(nxt.get(key, -1), hits)
+        best = nxt
+    return max(best.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(_paths, st.sampled_from([1, 2, 4]))
+def test_the_references_count_what_they_say_on_tiny_traces(paths, block_tokens):
+    """Belady's prefix hits are the best of every eviction and bypass choice; MIN with FIFO
+    ties, LRU and the infinite cache are the plain algorithms their docstrings name; token
+    counts weigh a partial last block by its tokens. Budgets of 0 to 6 blocks, both countings."""
+    trace = _chained(paths, block_tokens)
+    for full in (False, True):
+        chains = _cacheable(trace, block_tokens, full)
+        nxt = reference.next_uses(trace, block_tokens, full)
+        seen: set[int] = set()
+        inf_hits = []
+        for ids in chains:
+            inf_hits.append(reference.prefix_hits(ids, seen))
+            seen.update(ids)
+        inf = reference.infinite(trace, block_tokens, full)
+        assert inf.hit_blocks == sum(inf_hits)
+        for budget in range(7):
+            belady = reference.belady_prefix(trace, budget, block_tokens, nxt=nxt, full_blocks_only=full)
+            assert belady.hit_blocks == _best_prefix_hits(chains, budget), (budget, full)
+            assert reference.min_fifo_ties(trace, budget, block_tokens, nxt=nxt, full_blocks_only=full).hit_blocks \
+                == _min_fifo_ties(chains, budget)
+            hits = []
+            lru = reference.lru(trace, budget, block_tokens, full, observe=lambda t, n: hits.append(n))
+            assert hits == _lru(chains, budget) and lru.hit_blocks == sum(hits)
+            for result, per_request in ((lru, hits), (inf, inf_hits)):
+                # a hit block is whole except a partial last one (input_length past the full blocks)
+                assert result.hit_tokens == sum(min(n * block_tokens, r.input_length) for r, n in zip(trace, per_request))
+                assert result.requested_tokens == sum(r.input_length for r in trace)
+
+
+def _min_fifo_ties(chains: list[tuple[int, ...]], budget: int) -> int:
+    """MIN over the blocks in arrival order, every block admitted: the block next named
+    farthest ahead is evicted (a block of this request not yet reached is next named now),
+    ties to the one cached earliest."""
+    cached: dict[int, int] = {}  # block -> when it was cached
+    hits = clock = 0
+    for t, ids in enumerate(chains):
+        hits += reference.prefix_hits(ids, cached)
+        for i, x in enumerate(ids):
+            if x not in cached and budget:
+                if len(cached) >= budget:
+                    def ahead(y: int) -> int:
+                        if y in ids[i + 1 :]:
+                            return t
+                        return next((s for s in range(t + 1, len(chains)) if y in chains[s]), len(chains))
+                    del cached[max(cached, key=lambda y: (ahead(y), -cached[y]))]
+                clock += 1
+                cached[x] = clock
+    return hits
+
+
+def _lru(chains: list[tuple[int, ...]], budget: int) -> list[int]:
+    """LRU, each request's blocks used tail first (its head the most recent)."""
+    order: list[int] = []
+    hits = []
+    for ids in chains:
+        hits.append(reference.prefix_hits(ids, order))
+        for x in reversed(ids):
+            if x in order:
+                order.remove(x)
+            order.append(x)
+            del order[: max(0, len(order) - budget)]
+    return hits
 
 
 @settings(max_examples=60, deadline=None)
