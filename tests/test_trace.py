@@ -3,6 +3,7 @@ eviction policies' chain invariant, disk admission, and ``cacheseek plan``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -10,14 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.store.eviction import POLICIES, make_index
 from cacheseek.store.tier import BlockInfo
 from cacheseek.trace import blocksim, reference, synth
-from cacheseek.trace.format import load_trace, parse_lines
+from cacheseek.trace.format import Request, load_trace, parse_lines
 from cacheseek.trace.replay import ROOT as ROOT_KEY
 from cacheseek.trace.replay import ReplaySpec, StandInFrames, build_store, key_of, replay
 from redis_servers import RedisServer, needs_redis
@@ -146,6 +147,19 @@ def test_store_lru_replay_equals_the_block_level_lru(excerpt):
         assert got.hits_by_tier == ({"cpu": want.hit_blocks} if want.hit_blocks else {})
 
 
+@pytest.mark.parametrize("block_tokens", [1, 16, 64, 128, 255, 256, 512])
+def test_every_stand_in_frame_takes_the_bytes_a_tier_is_given_per_block(block_tokens):
+    """A tier of N blocks holds N stand-in frames, at every position: frames of small
+    blocks (vLLM's 16 tokens) near a chain's head were 320 bytes against 384 budgeted, so
+    a tier held a fifth more blocks than the real one and the replay's hit rates were high."""
+    frames = StandInFrames(block_tokens)
+    for pos in (0, 1, 127, 128, 255, 256, 65535, 65536, 1 << 30):
+        assert frames.frame(key_of(pos + 1), key_of(pos) if pos else ROOT_KEY, pos).meta.nbytes == frames.nbytes
+    trace = parse_lines(['{"hash_ids": [0, 1, 2, 3, 4, 5]}'])
+    for blocks in (1, 5):
+        assert replay(trace, ReplaySpec(cpu_blocks=blocks, policy="lru"), block_tokens=block_tokens).tiers[0]["blocks"] == blocks
+
+
 def test_no_policy_beats_belady_and_belady_stays_below_the_ceiling(excerpt):
     shaped = synth.documents(requests=600, documents=40, seed=3)
     for trace in (excerpt, shaped):
@@ -156,6 +170,14 @@ def test_no_policy_beats_belady_and_belady_stays_below_the_ceiling(excerpt):
             assert reference.min_fifo_ties(trace, blocks).hit_blocks <= best.hit_blocks
             for policy in POLICIES:
                 assert replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy)).hit_blocks <= best.hit_blocks
+
+
+def test_references_at_a_budget_of_no_block_hit_nothing():
+    """``policy_sim --blocks 0`` stopped on an IndexError in Belady (and MIN with FIFO ties)."""
+    trace = parse_lines(['{"hash_ids": [0, 1]}', '{"hash_ids": [0, 1]}'])
+    for ref in (reference.belady_prefix, reference.min_fifo_ties, reference.lru):
+        assert ref(trace, 0).hit_blocks == 0
+    assert reference.belady_prefix(trace, 1).hit_blocks == 1
 
 
 def test_anchor_figures_of_issue_19():
@@ -209,6 +231,138 @@ def test_store_replay_follows_the_references_in_both_countings(excerpt):
             for policy in POLICIES:
                 assert replay(excerpt, ReplaySpec(cpu_blocks=blocks, policy=policy,
                                                   full_blocks_only=full)).hit_blocks <= best.hit_blocks
+
+
+# -- tiny traces, brute force -------------------------------------------------------------
+
+# A request: the branch taken at each depth of a prefix tree, and its last block's tokens.
+_paths = st.lists(st.tuples(st.lists(st.integers(0, 1), max_size=5), st.integers(1, 4)), min_size=1, max_size=6)
+
+
+def _chained(paths: list, block_tokens: int) -> list[Request]:
+    ids: dict = {}
+    out = []
+    for branches, last in paths:
+        chain, parent = [], None
+        for b in branches:
+            parent = ids.setdefault((parent, b), len(ids))
+            chain.append(parent)
+        length = (len(chain) - 1) * block_tokens + min(last, block_tokens) if chain else 0
+        out.append(Request(0, length, 0, tuple(chain)))
+    return out
+
+
+def _cacheable(trace: list[Request], block_tokens: int, full: bool) -> list[tuple[int, ...]]:
+    return [r.hash_ids[: reference.cached_blocks(r, block_tokens, full)] for r in trace]
+
+
+def _best_prefix_hits(chains: list[tuple[int, ...]], budget: int) -> int:
+    """The most prefix hits of any policy: after each request, the cache may become any set
+    of at most ``budget`` blocks among what it held and the request's blocks (every
+    eviction and bypass), keeping only blocks that some later request names."""
+    later = [set().union(*chains[t + 1 :]) for t in range(len(chains))]
+    best = {frozenset(): 0}
+    for t, ids in enumerate(chains):
+        nxt: dict[frozenset, int] = {}
+        for held, hits in best.items():
+            hits += reference.prefix_hits(ids, held)
+            pool = sorted((held | set(ids)) & later[t])
+            for k in range(min(budget, len(pool)) + 1):
+                for kept in itertools.combinations(pool, k):
+                    key = frozenset(kept)
+                    nxt[key] = max(nxt.get(key, -1), hits)
+        best = nxt
+    return max(best.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(_paths, st.sampled_from([1, 2, 4]))
+def test_the_references_count_what_they_say_on_tiny_traces(paths, block_tokens):
+    """Belady's prefix hits are the best of every eviction and bypass choice; MIN with FIFO
+    ties, LRU and the infinite cache are the plain algorithms their docstrings name; token
+    counts weigh a partial last block by its tokens. Budgets of 0 to 6 blocks, both countings."""
+    trace = _chained(paths, block_tokens)
+    for full in (False, True):
+        chains = _cacheable(trace, block_tokens, full)
+        nxt = reference.next_uses(trace, block_tokens, full)
+        seen: set[int] = set()
+        inf_hits = []
+        for ids in chains:
+            inf_hits.append(reference.prefix_hits(ids, seen))
+            seen.update(ids)
+        inf = reference.infinite(trace, block_tokens, full)
+        assert inf.hit_blocks == sum(inf_hits)
+        for budget in range(7):
+            belady = reference.belady_prefix(trace, budget, block_tokens, nxt=nxt, full_blocks_only=full)
+            assert belady.hit_blocks == _best_prefix_hits(chains, budget), (budget, full)
+            assert reference.min_fifo_ties(trace, budget, block_tokens, nxt=nxt, full_blocks_only=full).hit_blocks \
+                == _min_fifo_ties(chains, budget)
+            hits = []
+            lru = reference.lru(trace, budget, block_tokens, full, observe=lambda t, n: hits.append(n))
+            assert hits == _lru(chains, budget) and lru.hit_blocks == sum(hits)
+            for result, per_request in ((lru, hits), (inf, inf_hits)):
+                # a hit block is whole except a partial last one (input_length past the full blocks)
+                assert result.hit_tokens == sum(min(n * block_tokens, r.input_length) for r, n in zip(trace, per_request))
+                assert result.requested_tokens == sum(r.input_length for r in trace)
+
+
+def _min_fifo_ties(chains: list[tuple[int, ...]], budget: int) -> int:
+    """MIN over the blocks in arrival order, every block admitted: the block next named
+    farthest ahead is evicted (a block of this request not yet reached is next named now),
+    ties to the one cached earliest."""
+    cached: dict[int, int] = {}  # block -> when it was cached
+    hits = clock = 0
+    for t, ids in enumerate(chains):
+        hits += reference.prefix_hits(ids, cached)
+        for i, x in enumerate(ids):
+            if x not in cached and budget:
+                if len(cached) >= budget:
+                    def ahead(y: int) -> int:
+                        if y in ids[i + 1 :]:
+                            return t
+                        return next((s for s in range(t + 1, len(chains)) if y in chains[s]), len(chains))
+                    del cached[max(cached, key=lambda y: (ahead(y), -cached[y]))]
+                clock += 1
+                cached[x] = clock
+    return hits
+
+
+def _lru(chains: list[tuple[int, ...]], budget: int) -> list[int]:
+    """LRU, each request's blocks used tail first (its head the most recent)."""
+    order: list[int] = []
+    hits = []
+    for ids in chains:
+        hits.append(reference.prefix_hits(ids, order))
+        for x in reversed(ids):
+            if x in order:
+                order.remove(x)
+            order.append(x)
+            del order[: max(0, len(order) - budget)]
+    return hits
+
+
+@settings(max_examples=60, deadline=None)
+@given(_paths, st.sampled_from([1, 2, 4]))
+@example([([0, 0, 0, 0], 1), ([0, 0, 0, 0, 0], 2), ([0, 0, 0, 0, 0], 1), ([0, 0], 2)], 2)
+def test_the_store_replay_equals_the_block_simulation_on_tiny_traces(paths, block_tokens):
+    """Every policy, budgets of 1 to 6 blocks (a chain longer than the tier too), both
+    countings: the store and ``blocksim`` (the calls PrefixCache makes, stored blocks
+    touched before the puts) hit the same blocks, and neither beats Belady. The example:
+    the replay touched them after its puts, which had evicted them (5 hits against 3)."""
+    trace = _chained(paths, block_tokens)
+    longest = max(len(r.hash_ids) for r in trace)
+    for full in (False, True):
+        for blocks in range(1, 7):
+            best = reference.belady_prefix(trace, blocks, block_tokens, full_blocks_only=full).hit_blocks
+            for policy in POLICIES:
+                want = blocksim.simulate(trace, policy, blocks, block_tokens=block_tokens, full_blocks_only=full)
+                got = replay(trace, ReplaySpec(cpu_blocks=blocks, policy=policy, full_blocks_only=full),
+                             block_tokens=block_tokens)
+                assert (got.hit_blocks, got.hit_tokens) == (want.hit_blocks, want.hit_tokens), (policy, blocks, full)
+                assert got.hit_blocks <= best
+                assert got.hits_by_tier == ({"cpu": got.hit_blocks} if got.hit_blocks else {})
+                if policy == "lru" and blocks >= longest:  # (a longer chain leaves its stored head a victim)
+                    assert got.hit_blocks == reference.lru(trace, blocks, block_tokens, full).hit_blocks
 
 
 # -- eviction policies ---------------------------------------------------------------------

@@ -181,6 +181,8 @@ def belady_prefix(trace: Sequence[Request], budget_blocks: int, block_tokens: in
         for i, (x, nu) in enumerate(zip(ids, nxt[t])):
             key = (-nu, -i)
             if x not in cached and len(cached) >= budget_blocks:
+                if not cached:
+                    continue  # no room at all (a budget of 0)
                 while heap[0][0] != cached.get(heap[0][1]):
                     heapq.heappop(heap)  # stale entry
                 if key <= heap[0][0]:
@@ -204,6 +206,8 @@ def min_fifo_ties(trace: Sequence[Request], budget_blocks: int, block_tokens: in
         hits.append(prefix_hits(ids, cached))
         for x, nu in zip(ids, nxt[t]):
             if x not in cached:
+                if budget_blocks < 1:
+                    continue  # no room at all
                 while len(cached) >= budget_blocks:
                     k, y = heapq.heappop(heap)
                     if cached.get(y) == k:

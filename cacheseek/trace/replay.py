@@ -8,8 +8,8 @@ it runs on a laptop. Bytes written and read are reported in real bytes (blocks x
 
 Per request, the replay makes the calls an engine makes through ``PrefixCache``:
 ``locate`` (the hit: the longest stored prefix, and the tier of each block), ``get_many``
-on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``put_many`` of
-the missing blocks tail first, and ``touch_chain`` of the blocks already stored (ingest).
+on that prefix and ``touch_chain`` (materialize), then ``contains_many``, ``touch_chain``
+of the blocks already stored, and ``put_many`` of the missing blocks tail first (ingest).
 
 Counting (``ReplaySpec.full_blocks_only``): the issue's, every block of a request stored;
 or the store's, a request's partial last block requested and counted but never stored nor
@@ -32,7 +32,7 @@ from typing import Any
 from ..config import TierConfig
 from ..errors import ConfigError
 from ..layout import KVLayout
-from ..store.frame import build_frame, plan_frame, replan_frame, seal_frame
+from ..store.frame import ALIGN, build_frame, plan_frame, replan_frame, seal_frame
 from ..store.tier import BlockFrame
 from ..store.tiered import TieredStore
 from .format import Request
@@ -42,6 +42,7 @@ KEY_BYTES = 16
 ROOT = b"\xff" * KEY_BYTES  # never an id's key: format.ID_BOUND keeps ids below it
 STAND_IN_NBYTES = 64  # payload bytes of a stand-in frame
 MAX_BLOCK_TOKENS = 1 << 24  # the most a frame header may carry (store.frame refuses more)
+MAX_POSITION = 1 << 30  # the deepest block a stand-in frame keeps its size at
 
 
 def check_block_tokens(value: int, what: str = "block_tokens") -> int:
@@ -73,13 +74,20 @@ class StandInFrames:
     def __init__(self, block_tokens: int) -> None:
         check_block_tokens(block_tokens)
         self.layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
-        self.template = plan_frame(block_hash=bytes(KEY_BYTES), parent_hash=ROOT, position=0, layout=self.layout,
-                                   block_tokens=block_tokens, codec={"name": "stand-in"},
-                                   buffers=[("kv", "uint8", (STAND_IN_NBYTES,))])
         self.payload = bytes(STAND_IN_NBYTES)
-        # Largest position a trace may reach keeps the header (so the frame) the same size.
-        self.nbytes = replan_frame(self.template, block_hash=bytes(KEY_BYTES), parent_hash=ROOT,
-                                   position=1 << 30).nbytes
+        # Every frame must take the bytes a tier is given per block, or a tier holds more
+        # blocks than the real one: a position takes 1 to 5 bytes of header, which can
+        # cross the payload's alignment (small block sizes). The codec spec is padded until
+        # the first position and the largest a trace may reach make frames of one size.
+        for pad in range(ALIGN):
+            self.template = plan_frame(block_hash=bytes(KEY_BYTES), parent_hash=ROOT, position=0,
+                                       layout=self.layout, block_tokens=block_tokens,
+                                       codec={"name": "stand-in", **({"pad": "-" * pad} if pad else {})},
+                                       buffers=[("kv", "uint8", (STAND_IN_NBYTES,))])
+            self.nbytes = replan_frame(self.template, block_hash=bytes(KEY_BYTES), parent_hash=ROOT,
+                                       position=MAX_POSITION).nbytes
+            if self.template.nbytes == self.nbytes:
+                break
 
     def frame(self, key: bytes, parent: bytes, position: int) -> BlockFrame:
         meta = replan_frame(self.template, block_hash=key, parent_hash=parent, position=position)
@@ -145,11 +153,11 @@ class StoreClient:
             store.touch_chain(keys[: len(tiers)])
         present = store.contains_many(keys)  # ingest
         missing = [i for i in range(len(keys) - 1, -1, -1) if not present[i]]
+        if len(missing) < len(keys):  # before the puts, as PrefixCache.ingest: else they may evict these
+            store.touch_chain([k for k, p in zip(keys, present) if p])
         if missing:
             frames = self.frames
             store.put_many([(keys[i], frames.frame(keys[i], keys[i - 1] if i else ROOT, i)) for i in missing])
-        if len(missing) < len(keys):
-            store.touch_chain([k for k, p in zip(keys, present) if p])
         return tiers
 
 
