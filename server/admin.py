@@ -95,7 +95,7 @@ class AdminOps:
             for _ in range(WALKS):
                 store.settle_moves()
                 again = self._doomed(key)
-                same = again == doomed if again is None or doomed is None else set(again) == set(doomed)
+                same = _blocks(again) == _blocks(doomed)
                 doomed = again
                 if same:
                     break
@@ -246,6 +246,10 @@ class AdminOps:
                 pass
             return False
         return True
+
+
+def _blocks(doomed: list[bytes] | None) -> frozenset[bytes] | None:
+    return None if doomed is None else frozenset(doomed)
 
 
 def _group(usage: list[dict[str, Any]], by: str, within: str, label: str) -> list[dict[str, Any]]:

@@ -712,36 +712,21 @@ def test_a_save_into_a_tier_smaller_than_its_chain_counts_each_block_once(monkey
     frame = make_cache(INT4).block_format.planned_payload().nbytes
     with make_cache(INT4, cpu_bytes=3 * frame) as cache, make_cache(INT4, cpu_bytes=3 * frame) as normal:
         toks, kv = tokens_for(9, T), make_kv(T, 9, LAYOUT, device=DEVICE)
-        if paged:
-            pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
-            ids = page_tables([T], 16, 24, seed=1)[0]
-            write_tokens(pages, kv, ids)
-            writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
-            for i in range(L):
-                writer.put_layer(i)
-            assert writer.mode == "slots"
-            [got] = writer.finish()
-        else:
-            writer = cache.ingest_layerwise(toks)
-            for i in range(L):
-                writer.put_layer(i, *kv[i])
-            assert writer.mode == "slots"
-            got = writer.finish()
+        writer = _layerwise_save(cache, toks, kv, paged)
+        assert writer.mode == "slots"
+        got = writer.finish()[0] if paged else writer.finish()
         want = normal.ingest(toks, kv)
         assert (want.blocks, want.stored, want.present, want.failed) == (8, 8, 0, 0)
         assert (got.blocks, got.stored, got.present, got.failed) == (8, 8, 0, 0)
         assert reservation_bytes(cache) == 0
 
 
-def _save_with_its_tail_in_slots(cache, toks, kv, paged):
-    """A layer-wise save of ``kv`` (8 blocks) into a tier filled first, so that it gets slots
-    for its tail only (its head is ingested on finish); every layer put, not finished."""
-    T = len(toks)
-    for seed in (20, 21, 22):
-        cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+def _layerwise_save(cache, toks, kv, paged):
+    """A layer-wise save of ``kv`` with every layer put, not finished: from vLLM-layout pages
+    (one request, 16-token pages) when ``paged``, else from the layers."""
     if paged:
         pages, _ = engine_pages("flash", L, H, D, 24, 16, DTYPE)
-        ids = page_tables([T], 16, 24, seed=1)[0]
+        ids = page_tables([len(toks)], 16, 24, seed=1)[0]
         write_tokens(pages, kv, ids)
         writer = cache.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
         for i in range(L):
@@ -750,6 +735,16 @@ def _save_with_its_tail_in_slots(cache, toks, kv, paged):
         writer = cache.ingest_layerwise(toks)
         for i in range(L):
             writer.put_layer(i, *kv[i])
+    return writer
+
+
+def _save_with_its_tail_in_slots(cache, toks, kv, paged):
+    """A layer-wise save of ``kv`` (8 blocks) into a tier filled first, so that it gets slots
+    for its tail only (its head is ingested on finish); every layer put, not finished."""
+    T = len(toks)
+    for seed in (20, 21, 22):
+        cache.ingest(tokens_for(seed, T), make_kv(T, seed, LAYOUT))
+    writer = _layerwise_save(cache, toks, kv, paged)
     assert writer.mode == "slots" and 0 < sum(len(r.metas) for r in writer._runs) < 8
     return writer
 
