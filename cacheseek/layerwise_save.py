@@ -339,7 +339,7 @@ class LayerwiseSave(_SlotWriter):
         result = IngestResult(blocks=len(hashes), stored=0, present=sum(self._found),
                               tokens=len(hashes) * self.cache.block_tokens, durability=store.durability)
         # A use of the blocks stored already, before the commits make room (as in ``ingest``).
-        store.touch_chain([key for key, was in zip(hashes, self._found) if was])
+        store.touch_chain([key for key, was in zip(hashes, self._found) if was], count_use=False)
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored)))
         if not all(row in saved or f for row, f in enumerate(_still_stored(store, hashes, self._found))):

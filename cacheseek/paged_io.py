@@ -204,7 +204,7 @@ def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
     to a shared index: ``touch_chain`` uses a chain tail first, so the last request goes first."""
     ends = list(itertools.accumulate(len(hashes) for hashes in call.hashes))
     store.touch_chain([key for hashes, end in zip(reversed(call.hashes), reversed(ends))
-                       for key, was in zip(hashes, found[end - len(hashes) : end]) if was])
+                       for key, was in zip(hashes, found[end - len(hashes) : end]) if was], count_use=False)
 
 
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:

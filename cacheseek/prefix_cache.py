@@ -87,8 +87,8 @@ class PrefixCache(PrefixCacheBase):
         parents = self.keys.parents(hashes)
         # A use of the blocks stored already, before this call's puts make room: else the
         # chain's own prefix, if least recently used, is what they evict (the new tail then
-        # stored below a gap). A call refused later (NaN, Inf) has counted this use too.
-        self.store.touch_chain([key for key, was in zip(hashes, found) if was])
+        # stored below a gap). Recency only: a hit's read counted the use.
+        self.store.touch_chain([key for key, was in zip(hashes, found) if was], count_use=False)
         stored: list[bytes] = []
         if in_place is not None:
             outcomes = in_place.run(hashes, parents, present, self._batch_blocks)

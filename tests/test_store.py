@@ -1171,3 +1171,28 @@ def test_every_call_after_close_raises_and_stores_nothing(tmp_path):
     cache.close()  # (again: nothing)
     with make_cache(cpu="4MiB", disk=tmp_path / "disk") as reopened:
         assert (reopened.lookup(toks), reopened.lookup(new)) == (4 * BLOCK, 0)
+
+
+def test_a_hit_then_the_ingest_of_the_same_prompt_is_one_use_for_disk_admission(tmp_path):
+    """A request that reads its prefix and then stores its prompt touches the prefix twice
+    (the read, and the ingest finding it stored): one use. Admitted after 3 uses, a block
+    ingested once and read back once has 2, so the CPU tier's eviction drops it; a second
+    read makes 3, and it goes to disk."""
+    cache = make_cache(cpu=2 * FRAME, disk=tmp_path / "d", disk_admit_after_uses=3, eviction="lru")
+    disk = cache.store.tier("disk")
+    toks, kv = tokens_for(40, BLOCK), make_kv(BLOCK, 40)
+    (key,) = cache.block_hashes(toks)
+
+    def request_and_evict(seed: int) -> None:
+        assert cache.materialize(toks).num_tokens == BLOCK
+        assert cache.ingest(toks, kv).present == 1
+        for s in (seed, seed + 1):  # two fresh blocks push it out of the 2-block CPU tier
+            cache.ingest(tokens_for(s, BLOCK), make_kv(BLOCK, s))
+        assert not cache.store.tier("cpu").contains(key)
+
+    cache.ingest(toks, kv)  # use 1
+    request_and_evict(41)  # use 2: not admitted, dropped
+    assert not disk.contains(key) and cache.lookup(toks) == 0
+    cache.ingest(toks, kv)  # use 3 (the cache lost it: computed again)
+    request_and_evict(43)  # use 4
+    assert disk.contains(key) and cache.lookup(toks) == BLOCK

@@ -536,12 +536,16 @@ class TieredStore:
                 return None
         return None
 
-    def touch_chain(self, keys: Sequence[bytes]) -> None:
+    def touch_chain(self, keys: Sequence[bytes], *, count_use: bool = True) -> None:
         """Mark a chain used again (a hit, or an ingest that found it stored): the head ends
-        up the most recent use, so the tail is evicted first."""
+        up the most recent use, so the tail is evicted first. ``count_use=False``: recency
+        only, not a use for admission: an ingest's touch of blocks it found stored (a request
+        that read them and then stores its prompt touches them twice; it used them once, and
+        a block the ingest computed again was not reused at all)."""
         rev = list(reversed(keys))
-        for use_filter in self.filters.values():
-            use_filter.use(rev)
+        if count_use:
+            for use_filter in self.filters.values():
+                use_filter.use(rev)
         for tier in self.tiers:
             tier.touch(rev)
 
