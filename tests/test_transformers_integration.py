@@ -363,6 +363,23 @@ def test_prefill_rejects_bools_as_token_ids_before_anything_runs(tiny_model):
         assert cache.stats()["blocks"] == 0
 
 
+def test_prefill_takes_token_ids_in_a_numpy_array_as_a_tensor_of_them(tiny_model):
+    """A numpy ``[1, T]`` array was read as one id (its first row), refused with "every id
+    must be an int"; it is the prompt, as the same tensor is."""
+    import numpy as np
+    ids = list(range(3, 3 + 2 * BLOCK))
+    with _cache(tiny_model) as cache:
+        first = prefill_with_reuse(tiny_model, cache, np.array([ids]))
+        assert (first.computed_tokens, first.stored_blocks) == (2 * BLOCK, 2)
+        again = prefill_with_reuse(tiny_model, cache, np.array(ids, dtype=np.int32), reuse="always")
+        assert (again.reused_tokens, again.computed_tokens) == (BLOCK, BLOCK)
+        for bad, why in ((np.array([ids, ids]), "batch size 2"), (np.array([["a"]]), "an array torch cannot read"),
+                         (np.ones((1, 4), dtype=bool), "a tensor of bools")):
+            with pytest.raises(InputError, match=f"^input_ids: .*{why}"):
+                prefill_with_reuse(tiny_model, cache, bad)
+        assert cache.stats()["blocks"] == 2
+
+
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_prefill_rejects_a_token_id_outside_the_vocabulary_before_anything_runs(tiny_model, monkeypatch, layerwise):
     """An id past the embedding's rows (or a negative one) failed in the forward, with an
@@ -394,7 +411,7 @@ def test_prefill_rejects_input_ids_that_are_no_token_ids(tiny_model, bad):
 
 
 def test_prefill_takes_ids_of_any_integer_type_and_keeps_its_own_copy(tiny_model):
-    np = pytest.importorskip("numpy")
+    import numpy as np
     ids = list(range(3, 3 + 2 * BLOCK + 1))
     with _cache(tiny_model) as cache:
         plain = prefill_with_reuse(tiny_model, cache, ids, ingest=False, reuse="never")

@@ -559,6 +559,12 @@ def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
 def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
     """The prompt's ids as this module's own list, and packed (``token_block_bytes``: the
     pack that checks them is the one hashing needs)."""
+    if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "shape") and hasattr(input_ids, "tolist"):
+        # A numpy array: read as a tensor is (its list() of a [1, T] array is one row).
+        try:
+            input_ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InputError(f"input_ids: expected token ids, got an array torch cannot read ({exc})") from None
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
