@@ -490,3 +490,22 @@ def test_decode_buffers_writes_what_decode_returns(codec):
                          (out_k.view(as_blocks).permute(2, 0, 1, 3, 4), out_v.view(as_blocks).permute(2, 0, 1, 3, 4)))
     assert torch.equal(out_k.view(as_blocks).permute(2, 0, 1, 3, 4), want_k)
     assert torch.equal(out_v.view(as_blocks).permute(2, 0, 1, 3, 4), want_v)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_decode_into_out_takes_only_the_layers_own_shape_and_dtype(codec):
+    """``decode(out=)`` into a larger tensor broadcast the layer over it, and into another
+    dtype cast it: refused, ``out`` left as it was; the layer's own shape, strided, works."""
+    k, v = _t(2, 64, 64, dtype=torch.float32), _t(2, 64, 64, dtype=torch.float32)
+    encoded = codec.encode(k, v)
+    want_k, want_v = codec.decode(encoded)
+    for shape, dtype in (((3, 2, 64, 64), torch.float32), ((2, 64, 64), torch.float16), ((1, 64, 64), torch.float32)):
+        out = (torch.full(shape, 7.0, dtype=dtype), torch.full(shape, 7.0, dtype=dtype))
+        with pytest.raises(InputError, match=r"^out\[k\]: expected \[2, 64, 64\] torch.float32 on cpu"):
+            codec.decode(encoded, out=out)
+        assert all((t == 7).all() for t in out)
+    with pytest.raises(InputError, match=r"^out: expected \(k, v\)"):
+        codec.decode(encoded, out=torch.empty(2, 64, 64))
+    wide = torch.zeros(2, 2, 64, 64), torch.zeros(2, 2, 64, 64)
+    codec.decode(encoded, out=(wide[0][:, 1], wide[1][:, 1]))
+    assert torch.equal(wide[0][:, 1], want_k) and torch.equal(wide[1][:, 1], want_v)

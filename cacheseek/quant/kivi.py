@@ -376,7 +376,7 @@ class KIVI:
 
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         """Move the compact buffers to ``device``, then dequantize there."""
-        from .tensors import TORCH_DTYPES, to_device
+        from .tensors import TORCH_DTYPES, check_out, to_device
 
         if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
@@ -391,7 +391,7 @@ class KIVI:
             encoded = to_device(encoded, device)
         else:
             encoded = to_device(encoded, _device_of(encoded))
-        k_out, v_out = out if out is not None else (None, None)
+        k_out, v_out = check_out(out, encoded, encoded.k.qdata.device) if out is not None else (None, None)
         return self._dequantize([b for _, _, b in encoded.named_buffers()], encoded.k.shape,
                                 TORCH_DTYPES[encoded.k.dtype], k_out, v_out)
 

@@ -140,7 +140,7 @@ class Raw:
     def decode(self, encoded: EncodedLayer, device: Any = None, *, out: Any = None) -> tuple[Any, Any]:
         import torch
 
-        from .tensors import to_device
+        from .tensors import check_out, to_device
 
         if not same_spec(encoded.codec, self.spec()):
             raise InputError(f"encoded: made by codec {encoded.codec}, not {self.spec()}")
@@ -153,6 +153,7 @@ class Raw:
         k, v = (b for _, _, b in encoded.named_buffers())
         if out is None:
             return k, v
+        out = check_out(out, encoded, k.device)
         self.decode_buffers([k, v], out)
         return out[0], out[1]
 

@@ -142,6 +142,21 @@ def check_kv(k: Any, v: Any, *, min_rank: int = 3) -> None:
         raise InputError(f"k and v: devices differ, {k.device} vs {v.device}")
 
 
+def check_out(out: Any, encoded: EncodedLayer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` of a decode: K and V tensors of exactly the layer's shape and dtype on the
+    decode's device (a larger one took the layer by broadcasting; a wrong dtype, a cast)."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise InputError(f"out: expected (k, v) tensors, got {type(out).__name__}")
+    shape, dtype = tuple(encoded.k.shape), TORCH_DTYPES[encoded.k.dtype]
+    for name, t in zip(("k", "v"), out):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"out[{name}]: expected a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+            raise InputError(f"out[{name}]: expected {list(shape)} {dtype} on {device}, "
+                             f"got {list(t.shape)} {t.dtype} on {t.device}")
+    return out[0], out[1]
+
+
 def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
