@@ -228,6 +228,8 @@ def test_a_request_vllm_asks_about_again_before_admitting_it_is_counted_once():
     res = run_engine({"scenario": "admission", "extra": {}})
     assert res["own_16"] == {"lookups": 0, "lookup_unaligned": 2}  # before and after the preemption
     assert res["own_32"] == {"lookups": 2, "lookup_unaligned": 0}
+    assert res["readmitted"] == {"requests_keyed": 1, "requests_unsupported": 0}  # (was 3: once per admission)
+    assert res["id_reused"] == 2  # a finished request's id, used again: another request
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])

@@ -694,6 +694,20 @@ def admission(job: dict[str, Any]) -> dict[str, Any]:
         sched.after_alloc(req, 0)  # admitted
         sched.matched_tokens(req, own)  # preempted, asked again before it is admitted again
         out[f"own_{own}"] = {k: sched.stats.to_dict()[k] for k in ("lookups", "lookup_unaligned")}
+    # Requests counted by kind once each, however often vLLM preempts and admits them again.
+    sched = SchedulerSide([cache], block_tokens=32, load=True, save=True,
+                          guard=StoreGuard(ConnectorConfig.from_extra({"codec": "raw"}), "scheduler"),
+                          block_ids=lambda rid: [])
+    salted = Request("salted", list(range(100)), SamplingParams(max_tokens=1), None, cache_salt="s")
+    plain = Request("plain", list(range(100)), SamplingParams(max_tokens=1), None)
+    for _ in range(3):  # admitted, preempted, admitted again...
+        for req in (salted, plain):
+            sched.matched_tokens(req, 0)
+            sched.after_alloc(req, 0)
+    out["readmitted"] = {k: sched.stats.to_dict()[k] for k in ("requests_keyed", "requests_unsupported")}
+    sched.finished(salted)
+    sched.after_alloc(Request("salted", list(range(50)), SamplingParams(max_tokens=1), None, cache_salt="t"), 0)
+    out["id_reused"] = sched.stats.to_dict()["requests_keyed"]
     cache.close()
     return out
 

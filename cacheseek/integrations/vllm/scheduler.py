@@ -160,10 +160,11 @@ class SchedulerSide:
         self._unaligned.pop(request.request_id, None)
         supported = unsupported_reason(request) is None
         extra = extra_keys(request) if supported else None
-        if not supported:
-            self.stats.requests_unsupported += 1
-        elif extra is not None:
-            self.stats.requests_keyed += 1
+        if request.request_id not in self._requests:  # (a preempted request admitted again: one request)
+            if not supported:
+                self.stats.requests_unsupported += 1
+            elif extra is not None:
+                self.stats.requests_keyed += 1
         prompt = list(request.prompt_token_ids) if supported else []
         # A request admitted again after a preemption starts over.
         self._requests[request.request_id] = _Request(prompt, supported, extra, load_tokens=num_external_tokens,
