@@ -23,6 +23,7 @@ from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.lease import Lease
+from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
 from cacheseek.store.tiered import StorePutResult, TieredStore
@@ -387,20 +388,17 @@ class BlockService:
     def prefetch(self, namespace: str, hashes: list[bytes]) -> dict[str, Any]:
         """Start promoting the stored prefix of ``hashes`` into memory (``TieredStore.prefetch``)."""
         keys = self.namespaces.stored_keys(namespace, hashes)
-        started = self.store.prefetch(keys)
-        if started is not None:
+        started = self.store.prefetcher.attempt(keys)
+        if isinstance(started, Prefetch):
             return {"started": True, **started.to_dict(), "reason": None}
-        matched = len(self.store.locate(keys))
-        counts = self.store.prefetcher.stats()
-        if not matched:
-            reason = "nothing stored for this chain"
-        elif all(tier.persistent for tier in self.store.tiers):  # what the prefetcher refused for
-            reason = "this server has no memory tier to promote into (cpu_bytes is 0)"
-        elif counts["in_flight"] >= counts["max_in_flight"]:
-            reason = f"{counts['max_in_flight']} prefetches in flight already (max_prefetches)"
-        else:
-            reason = "the chain's stored prefix is in memory already"
-        return {"started": False, "matched": matched, "blocks": 0, "joined": 0, "reason": reason}
+        reason = {
+            "no_memory_tier": "this server has no memory tier to promote into (cpu_bytes is 0)",
+            "nothing_stored": "nothing stored for this chain",
+            "in_memory": "the chain's stored prefix is in memory already",
+            "refused_busy": f"{self.store.prefetcher.max_in_flight} prefetches in flight already (max_prefetches)",
+            "closed": "the server is shutting down",
+        }[started.reason]
+        return {"started": False, "matched": started.matched, "blocks": 0, "joined": 0, "reason": reason}
 
     def stats(self) -> dict[str, Any]:
         """The store's figures, with usage per owner (``namespaces``)."""

@@ -679,6 +679,42 @@ def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
         assert second is not None and second.wait(30)
 
 
+def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
+    """The server's answer to a refused prefetch worked its reason out afterwards, from the
+    counts at that moment: a prefetch in flight that ended between the refusal and that
+    look made "2 prefetches in flight" read "in memory already" (the chain was on disk)."""
+    from cacheseek.server.metrics import Metrics
+    from cacheseek.server.namespaces import Namespaces
+    from cacheseek.server.service import BlockService
+    from cacheseek.store.prefetch import Prefetcher
+
+    chains = [(tokens_for(30 + i, 2 * BLOCK), make_kv(2 * BLOCK, 30 + i)) for i in range(2)]
+    with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:
+        for toks, kv in chains:
+            cache.ingest(toks, kv)
+            _on_disk_only(cache, toks)
+        service = BlockService(cache.store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=64)
+        hashes = [service.namespaces.stored_keys("", cache.block_hashes(toks)) for toks, _ in chains]
+        gate = _Gate(monkeypatch)
+        first = cache.store.prefetcher.start(hashes[0])
+        assert first is not None
+        for name in ("start", "attempt"):  # whichever the service calls: the first ends right after it
+            real = getattr(Prefetcher, name)
+
+            def then_the_first_ends(self, keys, real=real):
+                out = real(self, keys)
+                gate.open.set()
+                assert first.wait(30)
+                time.sleep(0.05)  # (its slot is given back after its blocks land)
+                return out
+
+            monkeypatch.setattr(Prefetcher, name, then_the_first_ends)
+        answer = service.prefetch("", cache.block_hashes(chains[1][0]))
+        assert answer["started"] is False and answer["matched"] == 2, answer
+        assert answer["reason"] == "1 prefetches in flight already (max_prefetches)", answer
+        assert set(cache.locate(chains[1][0]).tiers) == {"disk"}
+
+
 def test_a_prefetch_after_the_prefetcher_closed_starts_nothing_and_holds_no_slot(tmp_path):
     toks, kv = tokens_for(9, 2 * BLOCK), make_kv(2 * BLOCK, 9)
     with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:

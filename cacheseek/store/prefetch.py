@@ -5,8 +5,8 @@ started then reads the prompt's stored chain from the slow tiers into the memory
 (CPU, and GPU where there is one) while it waits, so the materialize that comes with the
 request is served from memory.
 
-- ``Prefetcher.start(keys)`` returns at once: a ``Prefetch`` handle, or None when there is
-  nothing to do (nothing stored, the chain already in memory: that costs one lookup) or
+- ``Prefetcher.start(keys)`` returns at once: a ``Prefetch`` handle, or None (``attempt``:
+  a ``Refused`` saying why, as it was decided) when there is nothing to do (nothing stored, the chain already in memory: that costs one lookup) or
   the limit of prefetches in flight (``max_in_flight``) is reached (counted, never queued:
   a prefetch that cannot start at once is worth less than the one it would wait behind).
 - Promotions in flight are shared: each block being promoted has a future in
@@ -79,6 +79,15 @@ class Prefetch:
         return {"matched": self.matched, "blocks": self.blocks, "joined": self.joined}
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a prefetch did not start: ``reason`` is ``nothing_stored``, ``no_memory_tier``,
+    ``in_memory``, ``refused_busy`` (the names of their counts in ``Prefetcher.counts``) or
+    ``closed``; ``matched``: blocks of the chain's stored prefix, as looked up."""
+
+    reason: str
+    matched: int = 0
+
 _END = object()
 
 
@@ -104,24 +113,30 @@ class Prefetcher:
     def start(self, keys: Sequence[bytes]) -> Prefetch | None:
         """Promote the stored prefix of ``keys`` into memory in the background (see the
         module's docstring). Returns at once."""
+        started = self.attempt(keys)
+        return started if isinstance(started, Prefetch) else None
+
+    def attempt(self, keys: Sequence[bytes]) -> Prefetch | Refused:
+        """``start``, saying why when nothing started (read from the state it decided on, not
+        worked out afterwards: a prefetch finishing meanwhile changes nothing in it)."""
         store = self._store()
         if store is None:
-            return None
-        memory = {t.name for t in store.tiers if not t.persistent}
-        if not memory:
-            self._count("no_memory_tier")
-            return None
+            return Refused("closed")
         where = store.locate(keys)
         if not where:
             self._count("nothing_stored")
-            return None
+            return Refused("nothing_stored")
+        memory = {t.name for t in store.tiers if not t.persistent}
+        if not memory:
+            self._count("no_memory_tier")
+            return Refused("no_memory_tier", len(where))
         todo = [(k, name) for k, name in zip(keys, where) if name not in memory]
         if not todo:
             self._count("in_memory")  # what a prefetch of a chain in memory costs: this lookup
-            return None
+            return Refused("in_memory", len(where))
         with self._lock:
             if self._closed:  # (an executor made now would run on closed tiers, and never be shut down)
-                return None
+                return Refused("closed", len(where))
             joined = [self._waiting[k] for k, _ in todo if k in self._waiting]
             mine = [(k, name) for k, name in todo if k not in self._waiting]
             if not mine:
@@ -129,7 +144,7 @@ class Prefetcher:
                 return Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined)
             if self._running >= self.max_in_flight:
                 self.counts["refused_busy"] += 1
-                return None
+                return Refused("refused_busy", len(where))
             # A block goes up only beside its parent (``TieredStore._promote_up``): one whose
             # parent another prefetch is promoting goes up once that has landed, not before
             # (read then, it found no parent in memory and stayed below: a prefetch joining a
@@ -150,7 +165,7 @@ class Prefetcher:
             executor.submit(self._run, mine, futures, after)
         except RuntimeError:  # shut down meanwhile
             self._settle(mine, futures, [False] * len(mine), last=True)
-            return None
+            return Refused("closed", len(where))
         return handle
 
     def waiting(self, keys: Sequence[bytes]) -> dict[bytes, Future]:
