@@ -5,7 +5,7 @@ chain invariant (victims are leaves) exactly as ``lru`` and ``arc`` do, but they
 in ``POLICIES``: none beat ARC on the Mooncake trace by more than a point or two without
 losing more on another shape. Constants are the literature's, none fitted to a trace:
 TinyLFU's sample of 10 x the cache's entries, S3-FIFO's 10% small queue and a ghost as
-large as the main queue.
+large as the main queue, Hawkeye's 3-bit counters and OPTgen window of 8 x the cache.
 """
 
 from __future__ import annotations
@@ -360,6 +360,233 @@ class Lirs(EvictionIndex):
         return next(iter(self.stack), None)  # every block LIR: S's bottom, the least recent
 
 
+class _MaxTree:
+    """Occupancy over a circular window of ``size`` time slots: add to a range, the maximum
+    of a range (a bottom-up segment tree with lazy adds; O(log size) an operation)."""
+
+    def __init__(self, size: int) -> None:
+        size = 1 << max(0, size - 1).bit_length()  # a power of two: lazy pushes need a full tree
+        self.n = size
+        self.h = size.bit_length()
+        self.t = [0] * (2 * size)
+        self.d = [0] * size
+
+    def _apply(self, p: int, v: int) -> None:
+        self.t[p] += v
+        if p < self.n:
+            self.d[p] += v
+
+    def _build(self, p: int) -> None:
+        t, d = self.t, self.d
+        while p > 1:
+            p >>= 1
+            t[p] = max(t[2 * p], t[2 * p + 1]) + d[p]
+
+    def _push(self, p: int) -> None:
+        d = self.d
+        for s in range(self.h, 0, -1):
+            i = p >> s
+            if i and d[i]:
+                self._apply(2 * i, d[i])
+                self._apply(2 * i + 1, d[i])
+                d[i] = 0
+
+    def add(self, lo: int, hi: int, v: int) -> None:
+        """Add ``v`` to slots [lo, hi) (lo < hi <= size)."""
+        lo += self.n
+        hi += self.n
+        l0, r0 = lo, hi
+        while lo < hi:
+            if lo & 1:
+                self._apply(lo, v)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                self._apply(hi, v)
+            lo >>= 1
+            hi >>= 1
+        self._build(l0)
+        self._build(r0 - 1)
+
+    def max(self, lo: int, hi: int) -> int:
+        lo += self.n
+        hi += self.n
+        self._push(lo)
+        self._push(hi - 1)
+        t = self.t
+        best = -(1 << 62)
+        while lo < hi:
+            if lo & 1:
+                best = max(best, t[lo])
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                best = max(best, t[hi])
+            lo >>= 1
+            hi >>= 1
+        return best
+
+
+class Hawkeye(EvictionIndex):
+    """Hawkeye (Jain and Lin, ISCA'16) without a PC. OPTgen replays Belady's MIN online
+    over the last 8 x capacity accesses (an occupancy vector: a block's reuse would have
+    been a hit iff the cache never filled between its two uses); each verdict trains a
+    3-bit saturating counter of the signature of the block's previous access, and an
+    access is cache-friendly if its counter's top bit is set. An access without a reuse
+    within the window detrains its signature when it leaves the window (OPT missed it).
+    The signature is what is visible at the access: the request's length, the block's
+    position in its chain and its uses within the window (each bucketed by log2, no cut
+    fitted; ``FEATURES`` also takes ``idle``, the time since its last use in capacities).
+
+    Cache-averse blocks are evicted first (oldest first), friendly ones in recency order
+    (RRIP's aging of friendly lines without the 3-bit cap), and picking a friendly victim
+    detrains its signature. A request's accesses are told apart from the store's double
+    touch of a hit (the hit's ``touch_chain``, then the ingest's) by segments: a run of
+    touches and the adds after them is one request, each block counted once. The request's
+    length (its tail's position) is known at its first add, so its touched blocks are
+    classified then; until that they stay friendly and most recent, so that the room made
+    for the request's new blocks does not take its own hit prefix. O(log capacity) an
+    access (OPTgen's segment tree)."""
+
+    name = "hawkeye"
+    WINDOW = 8  # OPTgen's history, in cache capacities (the paper's 8x)
+    COUNTER_MAX = 7  # 3-bit counters
+    FRIENDLY_AT = 4  # top bit set
+    FEATURES = ("length", "position", "uses")
+
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.averse: OrderedDict[bytes, None] = OrderedDict()
+        self.friendly: OrderedDict[bytes, None] = OrderedDict()
+        self.counters: dict[tuple, int] = {}
+        self.sig: dict[bytes, tuple] = {}  # stored blocks: signature of their last access
+        # key -> [time, signature or None (pending), uses, idle], in access order
+        self.history: OrderedDict[bytes, list] = OrderedDict()
+        self.occ: _MaxTree | None = None
+        self.window = 0
+        self.clock = 0
+        self.seg: dict[bytes, list] = {}  # this request's accesses
+        self.pending: list[tuple[bytes, list, int]] = []  # touched, to classify at the first add
+        self.seg_len = 0
+        self.adding = False
+
+    def _train(self, sig: tuple | None, up: bool) -> None:
+        if sig is None:
+            return
+        c = self.counters.get(sig, self.FRIENDLY_AT)
+        self.counters[sig] = min(c + 1, self.COUNTER_MAX) if up else max(c - 1, 0)
+
+    def _friendly(self, sig: tuple) -> bool:
+        return self.counters.get(sig, self.FRIENDLY_AT) >= self.FRIENDLY_AT
+
+    def _signature(self, length: int, position: int, uses: int, idle: int) -> tuple:
+        cap = max(1, self.window // self.WINDOW)
+        feats = {"length": length.bit_length(), "position": (position + 1).bit_length(),
+                 "uses": uses.bit_length(), "idle": (idle // cap).bit_length() if idle >= 0 else -1}
+        return tuple(feats[f] for f in self.FEATURES)
+
+    def _access(self, key: bytes, nbytes: int) -> list:
+        """OPTgen on one access of ``key``; its history entry (signature still to set)."""
+        if self.occ is None:
+            self.window = self.WINDOW * max(1, self.capacity_bytes // max(1, nbytes))
+            self.occ = _MaxTree(self.window)
+        w, now, occ, hist = self.window, self.clock, self.occ, self.history
+        while hist:
+            old = next(iter(hist))
+            if hist[old][0] > now - w:
+                break
+            self._train(hist.pop(old)[1], False)  # no reuse within the window: OPT missed it
+        slot = now % w
+        stale = occ.max(slot, slot + 1)
+        if stale:
+            occ.add(slot, slot + 1, -stale)
+        prev = hist.pop(key, None)
+        uses, idle = 0, -1
+        if prev is not None:
+            t0, sig0, uses = prev[0], prev[1], prev[2]
+            idle = now - t0
+            s0 = t0 % w
+            spans = [(s0, slot)] if s0 < slot else [(s0, w), (0, slot)] if slot else [(s0, w)]
+            if max(occ.max(a, b) for a, b in spans if a < b) + nbytes <= self.capacity_bytes:
+                for a, b in spans:
+                    if a < b:
+                        occ.add(a, b, nbytes)
+                self._train(sig0, True)
+            else:
+                self._train(sig0, False)
+        entry = [now, None, uses + 1, idle]
+        hist[key] = entry
+        self.clock = now + 1
+        return entry
+
+    def _classify(self, key: bytes, entry: list, position: int, length: int) -> None:
+        sig = entry[1] = self._signature(length, position, entry[2] - 1, entry[3])
+        if key in self._entries and key not in self._pinned:
+            self.sig[key] = sig
+            self._place(key, self._friendly(sig))
+
+    def _end_request(self) -> None:
+        for key, entry, position in self.pending:
+            self._classify(key, entry, position, self.seg_len)
+        self.pending.clear()
+        self.seg.clear()
+        self.seg_len = 0
+        self.adding = False
+
+    def _observe_add(self, key: bytes, info: BlockInfo) -> None:
+        if not self.adding:
+            self.seg_len = max(self.seg_len, info.position + 1)
+            self.adding = True
+            for k, entry, position in self.pending:
+                self._classify(k, entry, position, self.seg_len)
+            self.pending.clear()
+        entry = self.seg.get(key)
+        if entry is None:
+            entry = self.seg[key] = self._access(key, info.nbytes)
+        self._classify(key, entry, info.position, self.seg_len)
+
+    def _observe_touch(self, key: bytes) -> bool:
+        """Whether this touch is the request's first access of ``key``."""
+        if self.adding:
+            self._end_request()
+        if key in self.seg:
+            return False
+        info = self._entries[key]
+        entry = self.seg[key] = self._access(key, info.nbytes)
+        self.seg_len = max(self.seg_len, info.position + 1)
+        self.pending.append((key, entry, info.position))
+        return True
+
+    def _place(self, key: bytes, friendly: bool) -> None:
+        src, dst = (self.averse, self.friendly) if friendly else (self.friendly, self.averse)
+        src.pop(key, None)
+        dst[key] = None
+        dst.move_to_end(key)
+
+    def _admit(self, key: bytes, info: BlockInfo) -> None:
+        self.friendly[key] = None
+        self._observe_add(key, info)
+
+    def _used(self, key: bytes) -> None:
+        if self._observe_touch(key):
+            self._place(key, True)
+
+    def _forget(self, key: bytes, info: BlockInfo, evicted: bool) -> None:
+        if key in self.averse:
+            del self.averse[key]
+        else:
+            del self.friendly[key]
+        self.sig.pop(key, None)
+
+    def _pick(self) -> bytes | None:
+        if self.averse:
+            return next(iter(self.averse))
+        key = next(iter(self.friendly), None)
+        if key is not None:
+            self._train(self.sig.get(key), False)  # a friendly block aged out: detrain
+        return key
+
+
 CANDIDATES: dict[str, Callable[[int], EvictionIndex]] = {
-    cls.name: cls for cls in (LfuAged, LfuDa, S3Fifo, ArcLongGhosts, LruSeen, ArcSeen, Lirs)
+    cls.name: cls for cls in (LfuAged, LfuDa, S3Fifo, ArcLongGhosts, LruSeen, ArcSeen, Lirs, Hawkeye)
 }

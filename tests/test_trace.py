@@ -728,6 +728,43 @@ def test_lirs_candidate_keeps_part_of_a_loop_longer_than_the_cache():
     assert blocksim.simulate(trace, Lirs, 100).hit_blocks >= 99 * 8
 
 
+def test_hawkeye_candidate_learns_that_long_one_off_requests_are_cache_averse():
+    """Short hot prompts (a single block, 10 of them in turn) between long one-off
+    requests (64 fresh blocks each) in a tier of 100 blocks: under LRU each long request
+    flushes the hot blocks; OPTgen finds their reuses hits and the long requests' blocks
+    never reused, so Hawkeye learns the long requests' signature averse and keeps the hot
+    ones."""
+    from benchmarks.policy_candidates import Hawkeye
+
+    fresh = itertools.count(1000)
+    lines = []
+    for i in range(1200):
+        ids = [i // 2 % 10] if i % 2 else [next(fresh) for _ in range(64)]
+        lines.append(json.dumps({"timestamp": i, "input_length": 512 * len(ids), "output_length": 1,
+                                 "hash_ids": ids}))
+    trace = parse_lines(lines)
+    best = reference.belady_prefix(trace, 100).hit_blocks
+    assert blocksim.simulate(trace, "lru", 100).hit_blocks == 0
+    assert best * 0.9 <= blocksim.simulate(trace, Hawkeye, 100).hit_blocks <= best
+
+
+def test_hawkeye_occupancy_tree_adds_and_takes_maxima_as_a_list_does():
+    from benchmarks.policy_candidates import _MaxTree
+
+    rng = random.Random(3)
+    for n in (1, 3, 8, 13):
+        tree, slots = _MaxTree(n), [0] * n
+        for _ in range(500):
+            lo = rng.randrange(n)
+            hi = rng.randrange(lo + 1, n + 1)
+            if rng.random() < 0.5:
+                v = rng.randint(-2, 5)
+                tree.add(lo, hi, v)
+                slots[lo:hi] = [x + v for x in slots[lo:hi]]
+            else:
+                assert tree.max(lo, hi) == max(slots[lo:hi])
+
+
 def test_policy_candidates_stay_below_belady_and_the_sim_writes_its_table(tmp_path):
     from benchmarks import policy_sim
     from benchmarks.policy_candidates import CANDIDATES
