@@ -1196,3 +1196,36 @@ def test_a_hit_then_the_ingest_of_the_same_prompt_is_one_use_for_disk_admission(
     cache.ingest(toks, kv)  # use 3 (the cache lost it: computed again)
     request_and_evict(43)  # use 4
     assert disk.contains(key) and cache.lookup(toks) == BLOCK
+
+
+def test_a_delete_of_a_block_on_its_way_down_finds_it(tmp_path, monkeypatch):
+    """Write-back: a block evicted from the CPU tier is in no tier until the disk has it. Its
+    delete then was deleted where it landed, but answered "not held" (a DELETE's 404)."""
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    store = cs.TierConfig(cpu_bytes=2 * FRAME, disk_path=tmp_path / "d", write_through=(), eviction="lru").build()
+    try:
+        (first, f1), (second, f2), (third, f3) = raw_frame(1), raw_frame(2), raw_frame(3)
+        store.put_many([(first, f1)])
+        store.put_many([(second, f2)])
+        landing, release = threading.Event(), threading.Event()
+        real = DiskTier.put_many
+
+        def held_put(tier, items):
+            if any(key == first for key, _ in items):
+                landing.set()
+                release.wait(30)
+            return real(tier, items)
+
+        monkeypatch.setattr(DiskTier, "put_many", held_put)
+        writer = threading.Thread(target=store.put_many, args=([(third, f3)],))  # evicts `first` down
+        writer.start()
+        assert landing.wait(30) and not store.tier("cpu").contains(first)
+        threading.Timer(0.3, release.set).start()  # lands while the delete waits for it
+        assert store.delete(first) is True
+        writer.join(30)
+        assert not store.tier("disk").contains(first) and store.get(first) is None
+        assert store.delete(first) is False  # and a delete of what is nowhere says so
+    finally:
+        store.close()

@@ -131,6 +131,9 @@ class TieredStore:
         self._deletes = 0
         self._deleting: set[int] = set()  # the numbers of deletes still going through the tiers
         self._recent_deletes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_DELETES)
+        # Deletes that found nothing while a demotion may have had their block on its way down
+        # (write-back): number -> whether a demotion then deleted the block it landed.
+        self._in_transit: dict[int, bool] = {}
         # The tiers every put reaches, and of those the ones whose commit an acknowledgement
         # means: a tier with an admission threshold skips new blocks, so it acknowledges none.
         reached = [self.tiers[0], *(t for t in self.tiers[1:] if t.name in write_through)]
@@ -297,6 +300,7 @@ class TieredStore:
             if result.stored is not None:
                 if self._deleted_since(key, since):
                     below.delete(key)
+                    self._landed_after_delete(key, since)
                 else:
                     below.count(demotions=1)
             down = result.evicted
@@ -551,21 +555,42 @@ class TieredStore:
 
     def delete(self, key: bytes) -> bool | None:
         """Delete ``key`` from every tier: True if one held it; None if none did that could
-        be asked, but one could not be (its copy, if any, is still there); else False."""
+        be asked, but one could not be (its copy, if any, is still there); else False. A block
+        on its way down a tier (write-back) is deleted where it lands, and counts as held."""
+        mark = self.mark_moves()
         with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
             self._deletes += 1
             number = self._deletes
             self._deleting.add(number)
             self._recent_deletes.append((number, key))
+            if mark is not None:
+                self._in_transit[number] = False
         try:
-            deleted, unknown = False, False
-            for tier in self.tiers:
-                done = tier.delete(key)
-                deleted, unknown = deleted or bool(done), unknown or done is None
+            try:
+                deleted, unknown = False, False
+                for tier in self.tiers:
+                    done = tier.delete(key)
+                    deleted, unknown = deleted or bool(done), unknown or done is None
+            finally:
+                with self._delete_lock:
+                    self._deleting.discard(number)
+            if not deleted and self.moved_since(mark):  # (waits for the moves that overlapped)
+                deleted = self._in_transit[number]
         finally:
-            with self._delete_lock:
-                self._deleting.discard(number)
+            if mark is not None:
+                with self._delete_lock:
+                    del self._in_transit[number]
         return True if deleted else None if unknown else False
+
+    def _landed_after_delete(self, key: bytes, since: int) -> None:
+        """A demotion deleted ``key`` where it landed, for a delete after ``since`` that had
+        missed it: that delete found the block."""
+        with self._delete_lock:
+            for number, deleted in reversed(self._recent_deletes):
+                if number <= since:
+                    return
+                if deleted == key and number in self._in_transit:
+                    self._in_transit[number] = True
 
     def settle_moves(self) -> None:
         """Wait until the blocks on their way down now (evicted from one tier, not yet in the
