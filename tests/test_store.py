@@ -639,6 +639,61 @@ def test_a_write_that_finds_the_disk_full_and_goes_again_is_no_write_error(tmp_p
         tier.close()
 
 
+def test_a_put_that_waited_on_a_write_stored_on_its_second_try_answers_present(tmp_path):
+    """A put of a block whose write is in flight answers as that write ended. One the
+    filesystem had no room for goes again and stores the block: the puts that waited on its
+    first try answered "failed" for a block on disk. In one batch (the block twice) and from
+    two threads, on real files."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    class FillingDisk(DiskTier):
+        full = 0  # writes still to fail with ENOSPC
+        first_try = None  # (entered, waiter_waits): the first try holds until the other put waits
+
+        def _write_temp(self, final, segments, *, sync=True):
+            if self.first_try is not None:
+                entered, waiter_waits = self.first_try
+                self.first_try = None
+                entered.set()
+                assert waiter_waits.wait(10)
+            if self.full:
+                self.full -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write_temp(final, segments, sync=sync)
+
+        def _await(self, key, pending):
+            self.waiting.set()
+            return super()._await(key, pending)
+
+    tier = FillingDisk(tmp_path, 1 << 20, fsync=False)
+    tier.waiting = threading.Event()
+    try:
+        tier.put_many([raw_frame(i) for i in range(6)])  # (victims for the tries that go again)
+        key, frame = raw_frame(30)
+        tier.full = 1
+        results = tier.put_many([(key, frame), (key, frame)])
+        assert [r.error for r in results] == [None, None], results
+        assert tier.contains(key) and tier.stats().write_errors == 0
+
+        key, frame = raw_frame(31)
+        entered = threading.Event()
+        tier.first_try, tier.full = (entered, tier.waiting), 1
+        tier.waiting.clear()
+        answers = {}
+        writer = threading.Thread(target=lambda: answers.setdefault("writer", tier._put_result(key, frame)))
+        writer.start()
+        assert entered.wait(10)
+        answers["waiter"] = tier._put_result(key, frame)
+        writer.join(10)
+        assert {name: r.error for name, r in answers.items()} == {"writer": None, "waiter": None}, answers
+        assert tier.contains(key) and tier.get(key) is not None and tier.stats().write_errors == 0
+    finally:
+        tier.close()
+
+
 def test_tier_config_errors_name_the_setting(tmp_path):
     with pytest.raises(cs.ConfigError, match="no tier"):
         make_cache(cpu=0)

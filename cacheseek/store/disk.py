@@ -605,7 +605,8 @@ class DiskTier(IndexedTier):
                 mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
             # Waited for outside the lock: that write takes the lock to commit.
-            return self._await(key, pending)
+            answer = self._await(key, pending)
+            return answer if answer is not None else self._put_one(key, frame, evicted)
         data_path, side_path = self._paths(key)
         try:
             self._write_atomic(data_path, segments)
@@ -676,9 +677,11 @@ class DiskTier(IndexedTier):
         self._commit_part(group, results)
         for i, key, pending in waits:
             try:
-                results[i] = self._await(key, pending)
+                answer = self._await(key, pending)
             except StorageError as exc:
                 results[i] = TierPutResult(stored=None, error=exc)
+                continue
+            results[i] = answer if answer is not None else self._put_result(key, items[i][1])
         return results  # type: ignore[return-value]
 
     def _commit_part(self, group: list[_Pending], results: list[TierPutResult | None]) -> None:
@@ -837,10 +840,16 @@ class DiskTier(IndexedTier):
             p.flight.error = p.error
             p.flight.done.set()
 
-    def _await(self, key: bytes, pending: _InFlight) -> TierPutResult:
+    def _await(self, key: bytes, pending: _InFlight) -> TierPutResult | None:
         """Wait for another thread's write of ``key`` and answer as it ended: present once
-        committed, its error if it failed."""
+        committed, its error if it failed. None: it found the filesystem full, and goes
+        again (``_put_result``, ``_commit_part``); the caller puts the block again too, and
+        so finds it present once that try commits it, waits for it, or writes it itself.
+        Answered "failed" then, a block its writer's second try stored would be on disk
+        while the client was told it is not."""
         pending.done.wait()
+        if isinstance(pending.error, _NoSpace):
+            return None
         if pending.error is not None:
             raise StorageError(f"{pending.error} (a concurrent write of this block)")
         with self._lock:
