@@ -47,6 +47,11 @@ again, and acknowledged, since. A victim handed down to the tier below is read f
 where no descriptor or memory is left for that read it stays, and the write that needed
 its room is refused (``_evict_one`` says why).
 
+Deletes are durable when they return: the shard directory is fsynced after the unlinks
+(once per shard for a ``batched_deletes``, a flush of many blocks); also for a block
+evicted from the shard before, which would otherwise come back as one. Evictions alone are
+not synced: a block one brings back after a power cut is whole and valid, a cached block.
+
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
 thread waits for that one write and answers as it ended (present, or its error): a block
@@ -77,6 +82,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,6 +215,12 @@ class DiskTier(IndexedTier):
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         self._trim_at_open = trim_at_open
+        # Per shard directory (by the hash's first byte): its unlinks so far, and how many of
+        # them a directory fsync has made durable. A delete syncs its shard before it
+        # returns (``_sync_unlinks``); evictions alone are not synced (``_remove_files``).
+        self._unlinks = [0] * 256
+        self._synced = [0] * 256
+        self._batch = threading.local()  # ``batched_deletes``: the shards owed a sync at its end
         try:
             created = not self.root.is_dir()
             self.root.mkdir(parents=True, exist_ok=True)
@@ -962,17 +974,61 @@ class DiskTier(IndexedTier):
         return True
 
     def delete(self, key: bytes) -> bool:
+        """Durable on return: the shard directory is fsynced after the unlinks (once for a
+        whole ``batched_deletes``), else a power cut could bring the block back. A block not
+        held here syncs its shard too when unlinks there are not yet durable: it may be one
+        evicted (handed down, not synced) that would come back the same way."""
         with self._lock:
-            if self._index.remove(key) is None:
-                return False
-            self._remove_files(key)
-            self._sync_counts()
-            return True
+            deleted = self._index.remove(key) is not None
+            if deleted:
+                self._remove_files(key)
+                self._sync_counts()
+            owed = {key[0]: self._unlinks[key[0]]}
+        self._sync_unlinks(owed)
+        return deleted
+
+    @contextmanager
+    def batched_deletes(self) -> Iterator[None]:
+        if getattr(self._batch, "owed", None) is not None:  # nested: the outer one syncs
+            yield
+            return
+        self._batch.owed = {}
+        try:
+            yield
+        finally:
+            owed, self._batch.owed = self._batch.owed, None
+            self._sync_unlinks(owed)
+
+    def _sync_unlinks(self, owed: dict[int, int]) -> None:
+        """Make the unlinks counted in ``owed`` (shard: unlinks) durable: one fsync per shard
+        not synced that far, or owed to the ``batched_deletes`` this thread is in. A shard
+        that cannot be synced is logged: its deletes are done, only not yet durable."""
+        if not self.fsync:
+            return
+        batch = getattr(self._batch, "owed", None)
+        if batch is not None:
+            for shard, n in owed.items():
+                batch[shard] = max(batch.get(shard, 0), n)
+            return
+        for shard, n in owed.items():
+            if self._synced[shard] >= n:
+                continue  # (none owed, or another thread's fsync covered them)
+            path = self.root / f"{shard:02x}"
+            try:
+                _fsync_dir(path)
+            except OSError as exc:
+                log.warning("%s tier: cannot fsync %s after deleting from it: %s", self.name, path, exc)
+                continue
+            with self._lock:
+                self._synced[shard] = max(self._synced[shard], n)
 
     def _remove_files(self, key: bytes) -> None:
+        """Under the lock. Not synced: an evicted block that comes back after a power cut is
+        a whole, valid block (recovery drops a half of one); deletes sync (``delete``)."""
         data_path, side_path = self._paths(key)
         _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
         _unlink(data_path)
+        self._unlinks[key[0]] += 1
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery,

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
@@ -562,6 +562,14 @@ class TieredStore:
             with self._delete_lock:
                 self._deleting.discard(number)
         return True if deleted else None if unknown else False
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """``delete`` of each of ``keys``, in their order, made durable together: each tier
+        syncs the deletes once at the end (``Tier.batched_deletes``), not once per block."""
+        with ExitStack() as stack:
+            for tier in self.tiers:
+                stack.enter_context(tier.batched_deletes())
+            return [self.delete(key) for key in keys]
 
     def settle_moves(self) -> None:
         """Wait until the blocks on their way down now (evicted from one tier, not yet in the
