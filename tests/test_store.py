@@ -380,6 +380,31 @@ def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(t
     assert not any((tmp_path / "d").rglob("*.meta"))
 
 
+def test_a_restart_leaves_another_format_versions_blocks_alone(tmp_path, caplog):
+    """A rollback, or two releases taking turns over one directory: blocks whose sidecars
+    carry another version are neither indexed nor deleted (they were, as bad sidecars, and
+    the other release lost its cache); the log says so once, naming the directory."""
+    import msgpack
+
+    toks, kv = tokens_for(16, 3 * BLOCK), make_kv(3 * BLOCK, 16)
+    make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
+    sidecars = sorted(p.with_suffix(".meta") for p in _frame_files(tmp_path / "d"))
+    theirs = {}
+    for path, version in zip(sidecars[:2], (2, 0)):
+        side = msgpack.unpackb(path.read_bytes())
+        path.write_bytes(msgpack.packb({**side, "v": version, "added_in_that_version": 1}))
+        theirs[path] = path.read_bytes()
+        theirs[path.with_suffix(".frame")] = path.with_suffix(".frame").read_bytes()
+    with caplog.at_level("WARNING", logger="cacheseek.store"):
+        cache = make_cache(cpu=0, disk=tmp_path / "d")
+    assert all(path.exists() and path.read_bytes() == body for path, body in theirs.items())
+    stats = cache.stats()["tiers"][0]
+    assert stats["blocks"] == 1 and stats["other_version_at_start"] == 2
+    assert stats["removed_at_start"] == {"temp": 0, "orphan": 0, "bad_sidecar": 0}
+    warned = [r.getMessage() for r in caplog.records if "another format version" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "d") in warned[0] and "2 blocks" in warned[0]
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [

@@ -38,7 +38,7 @@ stats says which path ran), the checksum computed in the reading thread as each 
 ``pin=True``) lent with a lease the caller releases once its copy to the device is done.
 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
-orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
+orphans are removed (blocks of another sidecar version are another release's: left alone), and blocks are re-indexed in the order of the sidecars' modification
 times, each chain tail first (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted. A read that failed because its block was evicted or deleted after
@@ -116,6 +116,13 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 _OWN_FILE = re.compile(r"((?:[0-9a-f]{2})+)\.(frame|meta)")
 _OWN_TEMP = re.compile(r"\.tmp-(?:[0-9a-f]{2})+\.(?:frame|meta)-[0-9a-f]{8}")
+
+
+class _OtherVersion:
+    """A sidecar of another format version: ``_load_sidecar`` leaves it, and its frame, alone."""
+
+
+_OTHER_VERSION = _OtherVersion()
 
 
 def _sidecar(key: bytes, meta: FrameMeta) -> bytes:
@@ -339,7 +346,7 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
-        foreign = 0
+        foreign = other_version = 0
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
                             if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
@@ -358,7 +365,9 @@ class DiskTier(IndexedTier):
                     removed["temp"] += 1
                 elif name.endswith(".meta"):
                     entry = self._load_sidecar(path, names)
-                    if entry is None:
+                    if entry is _OTHER_VERSION:
+                        other_version += 1  # (its data file too is left, as handled)
+                    elif entry is None:
                         _unlink(path)
                         _unlink(path.with_suffix(".frame"))
                         removed["bad_sidecar"] += 1
@@ -372,9 +381,15 @@ class DiskTier(IndexedTier):
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
+        if other_version:
+            log.warning("%s tier: %d blocks in %s were written by another format version of the tier (sidecar "
+                        "version other than %d): left alone, neither read nor counted in the budget; remove them "
+                        "once no version that reads them runs here", self.name, other_version, self.root,
+                        SIDECAR_VERSION)
         for key, info in _oldest_first(found):
             self._index.add(key, info)
-        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
+        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed,
+                          "other_version_at_start": other_version}
         if self._trim_at_open:
             self.trim()
             self._recovery["recovered_blocks"] = len(self._index)
@@ -542,14 +557,19 @@ class DiskTier(IndexedTier):
                 self._stats.evictions += 1
             self._sync_counts()
 
-    def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
+    def _load_sidecar(self, path: Path, names: dict[str, Path]
+                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | None:
         """The block a sidecar commits, or None when it is not one of this tier's: every field
         of the type and range a write gives it, in the shard its hash names, beside a data
-        file of its size."""
+        file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
+        ``SIDECAR_VERSION`` (an older or newer release over the same directory, after a
+        rollback): not this tier's to judge, and not to delete."""
         try:
             if path.stat().st_size > 4096:
                 return None
             side = msgpack.unpackb(path.read_bytes(), raw=False)
+            if isinstance(side, dict) and type(side.get("v")) is int and side["v"] != SIDECAR_VERSION:
+                return _OTHER_VERSION
             if not isinstance(side, dict) or set(side) != _SIDECAR_KEYS or side["v"] != SIDECAR_VERSION:
                 return None
             key, parent = side["hash"], side["parent"]
