@@ -380,6 +380,27 @@ def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(t
     assert not any((tmp_path / "d").rglob("*.meta"))
 
 
+@pytest.mark.parametrize("stray", ["file", "dangling symlink"])
+def test_a_file_where_a_shard_directory_goes_stops_the_start_naming_it(tmp_path, stray):
+    """A regular file (or a link to nothing) named ``00`` in the disk path: every write of a
+    block whose hash began with 00 failed for good, and the start said nothing. The start
+    now fails naming it, and it is left as it was."""
+    root = tmp_path / "d"
+    toks, kv = tokens_for(17, 2 * BLOCK), make_kv(2 * BLOCK, 17)
+    make_cache(cpu=0, disk=root).ingest(toks, kv)
+    shutil.rmtree(root / "00")
+    if stray == "file":
+        (root / "00").write_bytes(b"someone's notes")
+    else:
+        (root / "00").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(cs.StorageError, match=r"d/00 is in the way of a shard directory"):
+        make_cache(cpu=0, disk=root)
+    assert (root / "00").read_bytes() == b"someone's notes" if stray == "file" else (root / "00").is_symlink()
+    (root / "00").unlink()
+    cache = make_cache(cpu=0, disk=root)  # the lock was given back; the blocks are all there
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+
+
 def test_a_restart_leaves_another_format_versions_blocks_alone(tmp_path, caplog):
     """A rollback, or two releases taking turns over one directory: blocks whose sidecars
     carry another version are neither indexed nor deleted (they were, as bad sidecars, and

@@ -318,11 +318,17 @@ class DiskTier(IndexedTier):
         then never makes one (``_shard_dir`` covers one removed meanwhile)."""
         made = 0
         for i in range(256):
+            shard = self.root / f"{i:02x}"
             try:
-                (self.root / f"{i:02x}").mkdir()
+                shard.mkdir()
                 made += 1
             except FileExistsError:
-                pass
+                if not shard.is_dir():  # (a symlink to a directory is the operator's choice: it works)
+                    # Every write of a block whose hash begins so would fail for good. Not
+                    # moved aside: it is not the tier's, and may be someone's file.
+                    raise StorageError(f"{self.name} tier: {shard} is in the way of a shard directory (blocks whose "
+                                       "hashes begin with those two hex digits are kept there): move or remove "
+                                       "it, then start again") from None
         if made and self.fsync:
             _fsync_dir(self.root)
 
