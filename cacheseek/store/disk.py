@@ -548,20 +548,20 @@ class DiskTier(IndexedTier):
             except _Unreadable:
                 return
 
-    def trim(self) -> None:
-        """Evict, least recently used first and never a pinned block, until the budget holds
-        (files removed, nothing handed down). Done at open, over a directory that holds more
-        than the budget (a restart with a smaller ``disk_bytes``); a tier opened with
+    def trim(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """Evict, least recently used first and never a pinned block, until the budget holds;
+        the victims, read first when the tier below takes demotions, as any eviction's
+        (``TieredStore.trim`` hands them down). Done at open, over a directory that holds
+        more than the budget (a restart with a smaller ``disk_bytes``): inside the
+        constructor nothing is below yet, so nothing is handed down; a tier opened with
         ``trim_at_open=False`` is trimmed by its owner once the pins a restart makes again
-        are in place: trimmed before, a pinned chain the restart found was evicted first
-        when it was the oldest, and its pin was lost."""
+        are in place (trimmed before, a pinned chain the restart found was evicted first
+        when it was the oldest, and its pin was lost) and the tiers below are there."""
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
-            while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
-                victim = self._index.victim()
-                self._remove_files(victim)
-                self._index.remove(victim, evicted=True)
-                self._stats.evictions += 1
+            self._trim(evicted)
             self._sync_counts()
+        return evicted
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]
                       ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | None:

@@ -288,6 +288,11 @@ class Tier(ABC):
         leaving this tier; blocks held now are reported at once. A tier without a local
         index has nothing to report."""
 
+    def trim(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """Evict until the budget holds (a tier opened over more than it); the victims, as a
+        put's ``evicted``. A tier that can never hold more than its budget has none."""
+        return []
+
     def batched_deletes(self) -> AbstractContextManager:
         """Deletes this thread makes inside the ``with`` are made durable together at its
         end, where the tier must sync them (the disk's directory fsyncs): a flush of many

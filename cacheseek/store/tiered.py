@@ -563,6 +563,15 @@ class TieredStore:
                 self._deleting.discard(number)
         return True if deleted else None if unknown else False
 
+    def trim(self) -> None:
+        """Trim each tier holding more than its budget (a disk tier opened with
+        ``trim_at_open=False`` over a directory fuller than a smaller ``disk_bytes``), its
+        victims handed down as any eviction's: a restart with a smaller budget must not
+        lose blocks the tier below would have taken."""
+        with self._moving():
+            for level, tier in enumerate(self.tiers):
+                self._demote(level, tier.trim(), self._deletes_done())
+
     def delete_many(self, keys: Sequence[bytes]) -> list[bool | None]:
         """``delete`` of each of ``keys``, in their order, made durable together: each tier
         syncs the deletes once at the end (``Tier.batched_deletes``), not once per block."""
