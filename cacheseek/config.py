@@ -80,8 +80,9 @@ class TierConfig:
 
     def build(self, *, trim_disk_at_open: bool = True) -> TieredStore:
         """The store. ``trim_disk_at_open=False``: a disk tier holding more than ``disk_bytes``
-        at open is trimmed to it only by its ``trim()``, which its owner calls once the pins
-        it keeps are made again (the server: ``.cacheseek-pins.json``)."""
+        at open is trimmed to it only by the store's ``trim()``, which its owner calls once the
+        pins it keeps are made again (the server: ``.cacheseek-pins.json``); else it is
+        trimmed here, once the tiers below that take what it evicts are built."""
         from .store.cpu import CpuTier
         from .store.disk import DiskTier
 
@@ -109,7 +110,7 @@ class TierConfig:
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync,
                                   policy=self.eviction, group_commit=self.disk_group_commit,
                                   read_depth=self.disk_read_depth, pin=self.pin_memory,
-                                  trim_at_open=trim_disk_at_open))
+                                  trim_at_open=False))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
         if self.redis_url is not None and redis_bytes:
             tiers.append(self.build_redis_tier(redis_bytes))
@@ -119,8 +120,15 @@ class TierConfig:
         write_through = persistent if self.write_through is None else list(self.write_through)
         admit = {"disk": self.disk_admit_after_uses} if self.disk_path is not None and len(tiers) > 1 else {}
         admit = {k: v for k, v in admit.items() if k in [t.name for t in tiers[1:]]}
-        return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit, admit_after=admit,
-                           max_prefetches=self.max_prefetches)
+        store = TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit,
+                            admit_after=admit, max_prefetches=self.max_prefetches)
+        if trim_disk_at_open:
+            try:
+                store.trim()  # (once the tiers below are there: what the disk trims is handed down)
+            except BaseException:
+                store.close()  # (the disk's lock given back)
+                raise
+        return store
 
     def resolved_cpu_reserve_bytes(self) -> int:
         if self.cpu_reserve_bytes is None:

@@ -136,8 +136,8 @@ class AdminOps:
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
         blocks = nbytes = 0
-        for key, info in infos:
-            if store.delete(key):
+        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos])):
+            if deleted:
                 blocks += 1
                 nbytes += info.nbytes if info is not None else 0
         return blocks, nbytes

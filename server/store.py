@@ -7,7 +7,6 @@ connects lazily: a server starts (and serves from its other tiers) while Redis i
 from __future__ import annotations
 
 from cacheseek.config import TierConfig
-from cacheseek.store.disk import DiskTier
 from cacheseek.store.tiered import TieredStore
 
 from .config import ServerSettings
@@ -51,7 +50,6 @@ def build_store(settings: ServerSettings) -> TieredStore:
 
 
 def trim_disk(store: TieredStore) -> None:
-    """Trim a disk tier built by ``build_store`` to its budget (see ``DiskTier.trim``)."""
-    for tier in store.tiers:
-        if isinstance(tier, DiskTier):
-            tier.trim()
+    """Trim a disk tier built by ``build_store`` to its budget (see ``DiskTier.trim``),
+    handing what it evicts down to the tier below as any eviction does."""
+    store.trim()

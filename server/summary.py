@@ -79,6 +79,8 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
             removed = tier.get("removed_at_start")
             if isinstance(removed, dict) and any(removed.values()):
                 extra = " (removed at start: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()) + ")"
+            if tier.get("other_version_at_start"):
+                extra += f" ({tier['other_version_at_start']:,} blocks of another format version left alone)"
             out.append(f"        {held} {found['blocks']:,} blocks, {gib(found['bytes'])}{extra}")
     out.append(f"  write-through: {', '.join(stats['write_through']) or 'none'}; "
                f"promote on hit: {'on' if stats['promote_on_hit'] else 'off'}")

@@ -459,6 +459,58 @@ def test_every_new_directory_is_fsynced_in_its_parent_and_stale_probes_go(tmp_pa
     assert synced[0] == tmp_path  # the tier's own directory, made at open
 
 
+def test_deletes_fsync_each_shard_once_after_their_unlinks(tmp_path, monkeypatch):
+    """A delete is durable when it returns: its shard directory is fsynced after the unlinks
+    (a power cut cannot be simulated here: the spy checks the order and the count). A flush
+    of many blocks (``delete_many``) syncs each shard it touched once. Evictions are not
+    synced; a delete of an evicted block syncs its shard all the same (it would come back
+    from there); one of a block never there, in a shard with nothing owed, syncs nothing."""
+    from cacheseek.store.tiered import TieredStore
+
+    synced: list[tuple[Path, set[str]]] = []
+    real = disk_mod._fsync_dir
+    monkeypatch.setattr(disk_mod, "_fsync_dir",
+                        lambda path: (synced.append((Path(path), {p.name for p in Path(path).iterdir()})), real(path)))
+    frames = _frames(15, 100)
+    one = frames[0][1].nbytes
+    tier = DiskTier(tmp_path, 96 * one)
+    store = TieredStore([tier])
+    try:
+        tier.put_many(frames[:96])
+        key, _ = frames[5]
+        data, side = tier._paths(key)
+        synced.clear()
+        assert tier.delete(key)
+        assert [p for p, _ in synced] == [data.parent] and not {data.name, side.name} & synced[0][1]
+
+        doomed = [k for k, _ in frames[10:96]]
+        shards = {tier._paths(k)[0].parent for k in doomed}
+        assert len(shards) < len(doomed)  # (some shards hold several of them)
+        synced.clear()
+        assert store.delete_many(doomed) == [True] * len(doomed)
+        assert sorted(path for path, _ in synced) == sorted(shards)
+        for path, names in synced:
+            assert not {n for k in doomed for n in (f"{k.hex()}.frame", f"{k.hex()}.meta")} & names
+
+        tier.put_many(frames[:5] + frames[6:10])  # held: 9
+    finally:
+        tier.close()
+    synced.clear()
+    tier = DiskTier(tmp_path, 4 * one)  # a restart with a smaller budget: 5 evicted, not synced
+    try:
+        evicted = [k for k, _ in frames[:10] if k != key and not tier.contains(k)]
+        assert len(evicted) == 5 and tier.stats().evictions == 5
+        assert not [p for p, _ in synced if p.parent == tmp_path]
+        assert tier.delete(evicted[0]) is False
+        assert [p for p, _ in synced] == [tier._paths(evicted[0])[0].parent]
+        synced.clear()
+        assert tier.delete(evicted[0]) is False  # its shard synced already
+        clean = next(bytes([b]) * 16 for b in range(256) if not tier._unlinks[b])
+        assert tier.delete(clean) is False and synced == []
+    finally:
+        tier.close()
+
+
 def test_a_put_the_full_disk_refuses_after_evicting_hands_its_victims_down(tmp_path, monkeypatch):
     """A disk that stays full: the write goes again after evicting for its room, fails
     again, and the block it evicted must still reach the tier below (it was deleted and lost)."""

@@ -589,6 +589,36 @@ def test_a_put_that_pushes_blocks_out_hands_their_frames_down_when_asked(redis_u
         tier.close()
 
 
+@pytest.mark.parametrize("server_start", [False, True])
+def test_a_restart_with_a_smaller_disk_budget_hands_what_it_trims_down_to_redis(redis_url, tmp_path, server_start):
+    """A disk over Redis, write-back: the disk hands what it evicts down to Redis. A restart
+    with a smaller ``disk_bytes`` trims the directory to it; the blocks it trimmed were
+    deleted, not handed down, though Redis had room. Embedded (trimmed as the store is
+    built) and as the server does it (``build_store``, then ``trim_disk``)."""
+    from cacheseek.server.store import trim_disk
+
+    toks, kv = tokens_for(41, 6 * BLOCK), make_kv(6 * BLOCK, 41)
+    cache = rcache(redis_url, disk=tmp_path / "d", disk_bytes=8 * FRAME, write_through=())
+    assert cache.ingest(toks, kv).stored == 6
+    assert cache.locate(toks).tiers == ["disk"] * 6
+    keys = cache.block_hashes(toks)
+    cache.close()
+    config = cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "d", disk_bytes=3 * FRAME + FRAME // 2,
+                           redis_url=redis_url, redis_bytes="64MiB", write_through=())
+    if server_start:
+        store = config.build(trim_disk_at_open=False)
+        trim_disk(store)
+    else:
+        store = config.build()
+    try:
+        disk, redis = store.tiers
+        assert disk.stats().blocks == 3 and disk.stats().evictions == 3
+        assert redis.stats().demotions == 3
+        assert store.locate(keys) == ["disk"] * 3 + ["redis"] * 3  # the tails went down, the heads stayed
+    finally:
+        store.close()
+
+
 def test_a_disk_victim_that_cannot_be_read_to_hand_down_to_redis_stays_on_disk(redis_url, tmp_path, monkeypatch):
     """A disk over Redis, write-back: a block the disk evicts goes down to Redis, read from
     its file first. A read that found no descriptor (EMFILE, once) lost the victim: deleted

@@ -380,6 +380,52 @@ def test_a_sidecar_that_is_not_the_tiers_is_dropped_at_start_and_never_indexed(t
     assert not any((tmp_path / "d").rglob("*.meta"))
 
 
+@pytest.mark.parametrize("stray", ["file", "dangling symlink"])
+def test_a_file_where_a_shard_directory_goes_stops_the_start_naming_it(tmp_path, stray):
+    """A regular file (or a link to nothing) named ``00`` in the disk path: every write of a
+    block whose hash began with 00 failed for good, and the start said nothing. The start
+    now fails naming it, and it is left as it was."""
+    root = tmp_path / "d"
+    toks, kv = tokens_for(17, 2 * BLOCK), make_kv(2 * BLOCK, 17)
+    make_cache(cpu=0, disk=root).ingest(toks, kv)
+    shutil.rmtree(root / "00")
+    if stray == "file":
+        (root / "00").write_bytes(b"someone's notes")
+    else:
+        (root / "00").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(cs.StorageError, match=r"d/00 is in the way of a shard directory"):
+        make_cache(cpu=0, disk=root)
+    assert (root / "00").read_bytes() == b"someone's notes" if stray == "file" else (root / "00").is_symlink()
+    (root / "00").unlink()
+    cache = make_cache(cpu=0, disk=root)  # the lock was given back; the blocks are all there
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+
+
+def test_a_restart_leaves_another_format_versions_blocks_alone(tmp_path, caplog):
+    """A rollback, or two releases taking turns over one directory: blocks whose sidecars
+    carry another version are neither indexed nor deleted (they were, as bad sidecars, and
+    the other release lost its cache); the log says so once, naming the directory."""
+    import msgpack
+
+    toks, kv = tokens_for(16, 3 * BLOCK), make_kv(3 * BLOCK, 16)
+    make_cache(cpu=0, disk=tmp_path / "d").ingest(toks, kv)
+    sidecars = sorted(p.with_suffix(".meta") for p in _frame_files(tmp_path / "d"))
+    theirs = {}
+    for path, version in zip(sidecars[:2], (2, 0)):
+        side = msgpack.unpackb(path.read_bytes())
+        path.write_bytes(msgpack.packb({**side, "v": version, "added_in_that_version": 1}))
+        theirs[path] = path.read_bytes()
+        theirs[path.with_suffix(".frame")] = path.with_suffix(".frame").read_bytes()
+    with caplog.at_level("WARNING", logger="cacheseek.store"):
+        cache = make_cache(cpu=0, disk=tmp_path / "d")
+    assert all(path.exists() and path.read_bytes() == body for path, body in theirs.items())
+    stats = cache.stats()["tiers"][0]
+    assert stats["blocks"] == 1 and stats["other_version_at_start"] == 2
+    assert stats["removed_at_start"] == {"temp": 0, "orphan": 0, "bad_sidecar": 0}
+    warned = [r.getMessage() for r in caplog.records if "another format version" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "d") in warned[0] and "2 blocks" in warned[0]
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -639,6 +685,61 @@ def test_a_write_that_finds_the_disk_full_and_goes_again_is_no_write_error(tmp_p
         tier.close()
 
 
+def test_a_put_that_waited_on_a_write_stored_on_its_second_try_answers_present(tmp_path):
+    """A put of a block whose write is in flight answers as that write ended. One the
+    filesystem had no room for goes again and stores the block: the puts that waited on its
+    first try answered "failed" for a block on disk. In one batch (the block twice) and from
+    two threads, on real files."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    class FillingDisk(DiskTier):
+        full = 0  # writes still to fail with ENOSPC
+        first_try = None  # (entered, waiter_waits): the first try holds until the other put waits
+
+        def _write_temp(self, final, segments, *, sync=True):
+            if self.first_try is not None:
+                entered, waiter_waits = self.first_try
+                self.first_try = None
+                entered.set()
+                assert waiter_waits.wait(10)
+            if self.full:
+                self.full -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write_temp(final, segments, sync=sync)
+
+        def _await(self, key, pending):
+            self.waiting.set()
+            return super()._await(key, pending)
+
+    tier = FillingDisk(tmp_path, 1 << 20, fsync=False)
+    tier.waiting = threading.Event()
+    try:
+        tier.put_many([raw_frame(i) for i in range(6)])  # (victims for the tries that go again)
+        key, frame = raw_frame(30)
+        tier.full = 1
+        results = tier.put_many([(key, frame), (key, frame)])
+        assert [r.error for r in results] == [None, None], results
+        assert tier.contains(key) and tier.stats().write_errors == 0
+
+        key, frame = raw_frame(31)
+        entered = threading.Event()
+        tier.first_try, tier.full = (entered, tier.waiting), 1
+        tier.waiting.clear()
+        answers = {}
+        writer = threading.Thread(target=lambda: answers.setdefault("writer", tier._put_result(key, frame)))
+        writer.start()
+        assert entered.wait(10)
+        answers["waiter"] = tier._put_result(key, frame)
+        writer.join(10)
+        assert {name: r.error for name, r in answers.items()} == {"writer": None, "waiter": None}, answers
+        assert tier.contains(key) and tier.get(key) is not None and tier.stats().write_errors == 0
+    finally:
+        tier.close()
+
+
 def test_tier_config_errors_name_the_setting(tmp_path):
     with pytest.raises(cs.ConfigError, match="no tier"):
         make_cache(cpu=0)
@@ -706,6 +807,8 @@ def test_the_cpu_tier_holds_its_whole_budget_whatever_the_chunk_size():
 
 @pytest.mark.parametrize("fails", [False, True])
 def test_a_put_of_a_block_being_written_waits_for_that_write(tmp_path, fails):
+    import errno
+
     from cacheseek.store.disk import DiskTier
 
     class SlowDisk(DiskTier):
@@ -717,8 +820,8 @@ def test_a_put_of_a_block_being_written_waits_for_that_write(tmp_path, fails):
             if final.suffix == ".frame" and not self.entered.is_set():
                 self.entered.set()
                 assert self.gate.wait(10)
-                if fails:
-                    raise OSError(28, "No space left on device")
+                if fails:  # (not ENOSPC: a write the filesystem had no room for goes again)
+                    raise OSError(errno.EIO, "Input/output error")
             super()._write_atomic(final, segments)
 
     tier = SlowDisk(tmp_path, 1 << 20)
@@ -745,7 +848,7 @@ def test_a_put_of_a_block_being_written_waits_for_that_write(tmp_path, fails):
     second.join(10)
     if fails:
         assert isinstance(answers["first"], cs.StorageError) and isinstance(answers["second"], cs.StorageError)
-        assert "No space left" in str(answers["second"]) and "concurrent write" in str(answers["second"])
+        assert "Input/output error" in str(answers["second"]) and "concurrent write" in str(answers["second"])
         assert not tier.contains(key)
     else:
         assert answers["first"].stored is not None and answers["second"].stored is None  # present

@@ -38,7 +38,7 @@ stats says which path ran), the checksum computed in the reading thread as each 
 ``pin=True``) lent with a lease the caller releases once its copy to the device is done.
 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
-orphans are removed, and blocks are re-indexed in the order of the sidecars' modification
+orphans are removed (blocks of another sidecar version are another release's: left alone), and blocks are re-indexed in the order of the sidecars' modification
 times, each chain tail first (the eviction policy's history of uses does not survive a restart).
 Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
 is deleted and counted. A read that failed because its block was evicted or deleted after
@@ -46,6 +46,11 @@ it was looked up is a plain miss that removes nothing: the block may have been w
 again, and acknowledged, since. A victim handed down to the tier below is read first;
 where no descriptor or memory is left for that read it stays, and the write that needed
 its room is refused (``_evict_one`` says why).
+
+Deletes are durable when they return: the shard directory is fsynced after the unlinks
+(once per shard for a ``batched_deletes``, a flush of many blocks); also for a block
+evicted from the shard before, which would otherwise come back as one. Evictions alone are
+not synced: a block one brings back after a power cut is whole and valid, a cached block.
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -77,6 +82,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +116,13 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")
 _OWN_FILE = re.compile(r"((?:[0-9a-f]{2})+)\.(frame|meta)")
 _OWN_TEMP = re.compile(r"\.tmp-(?:[0-9a-f]{2})+\.(?:frame|meta)-[0-9a-f]{8}")
+
+
+class _OtherVersion:
+    """A sidecar of another format version: ``_load_sidecar`` leaves it, and its frame, alone."""
+
+
+_OTHER_VERSION = _OtherVersion()
 
 
 def _sidecar(key: bytes, meta: FrameMeta) -> bytes:
@@ -209,6 +222,12 @@ class DiskTier(IndexedTier):
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
         self._group = {"batches": 0, "frames": 0, "dir_fsyncs": 0}
         self._trim_at_open = trim_at_open
+        # Per shard directory (by the hash's first byte): its unlinks so far, and how many of
+        # them a directory fsync has made durable. A delete syncs its shard before it
+        # returns (``_sync_unlinks``); evictions alone are not synced (``_remove_files``).
+        self._unlinks = [0] * 256
+        self._synced = [0] * 256
+        self._batch = threading.local()  # ``batched_deletes``: the shards owed a sync at its end
         try:
             created = not self.root.is_dir()
             self.root.mkdir(parents=True, exist_ok=True)
@@ -299,11 +318,17 @@ class DiskTier(IndexedTier):
         then never makes one (``_shard_dir`` covers one removed meanwhile)."""
         made = 0
         for i in range(256):
+            shard = self.root / f"{i:02x}"
             try:
-                (self.root / f"{i:02x}").mkdir()
+                shard.mkdir()
                 made += 1
             except FileExistsError:
-                pass
+                if not shard.is_dir():  # (a symlink to a directory is the operator's choice: it works)
+                    # Every write of a block whose hash begins so would fail for good. Not
+                    # moved aside: it is not the tier's, and may be someone's file.
+                    raise StorageError(f"{self.name} tier: {shard} is in the way of a shard directory (blocks whose "
+                                       "hashes begin with those two hex digits are kept there): move or remove "
+                                       "it, then start again") from None
         if made and self.fsync:
             _fsync_dir(self.root)
 
@@ -327,7 +352,7 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
-        foreign = 0
+        foreign = other_version = 0
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
                             if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
@@ -346,7 +371,9 @@ class DiskTier(IndexedTier):
                     removed["temp"] += 1
                 elif name.endswith(".meta"):
                     entry = self._load_sidecar(path, names)
-                    if entry is None:
+                    if entry is _OTHER_VERSION:
+                        other_version += 1  # (its data file too is left, as handled)
+                    elif entry is None:
                         _unlink(path)
                         _unlink(path.with_suffix(".frame"))
                         removed["bad_sidecar"] += 1
@@ -360,9 +387,15 @@ class DiskTier(IndexedTier):
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
+        if other_version:
+            log.warning("%s tier: %d blocks in %s were written by another format version of the tier (sidecar "
+                        "version other than %d): left alone, neither read nor counted in the budget; remove them "
+                        "once no version that reads them runs here", self.name, other_version, self.root,
+                        SIDECAR_VERSION)
         for key, info in _oldest_first(found):
             self._index.add(key, info)
-        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed}
+        self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed,
+                          "other_version_at_start": other_version}
         if self._trim_at_open:
             self.trim()
             self._recovery["recovered_blocks"] = len(self._index)
@@ -515,29 +548,34 @@ class DiskTier(IndexedTier):
             except _Unreadable:
                 return
 
-    def trim(self) -> None:
-        """Evict, least recently used first and never a pinned block, until the budget holds
-        (files removed, nothing handed down). Done at open, over a directory that holds more
-        than the budget (a restart with a smaller ``disk_bytes``); a tier opened with
+    def trim(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """Evict, least recently used first and never a pinned block, until the budget holds;
+        the victims, read first when the tier below takes demotions, as any eviction's
+        (``TieredStore.trim`` hands them down). Done at open, over a directory that holds
+        more than the budget (a restart with a smaller ``disk_bytes``): inside the
+        constructor nothing is below yet, so nothing is handed down; a tier opened with
         ``trim_at_open=False`` is trimmed by its owner once the pins a restart makes again
-        are in place: trimmed before, a pinned chain the restart found was evicted first
-        when it was the oldest, and its pin was lost."""
+        are in place (trimmed before, a pinned chain the restart found was evicted first
+        when it was the oldest, and its pin was lost) and the tiers below are there."""
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
-            while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
-                victim = self._index.victim()
-                self._remove_files(victim)
-                self._index.remove(victim, evicted=True)
-                self._stats.evictions += 1
+            self._trim(evicted)
             self._sync_counts()
+        return evicted
 
-    def _load_sidecar(self, path: Path, names: dict[str, Path]) -> tuple[float, bytes, BlockInfo] | None:
+    def _load_sidecar(self, path: Path, names: dict[str, Path]
+                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | None:
         """The block a sidecar commits, or None when it is not one of this tier's: every field
         of the type and range a write gives it, in the shard its hash names, beside a data
-        file of its size."""
+        file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
+        ``SIDECAR_VERSION`` (an older or newer release over the same directory, after a
+        rollback): not this tier's to judge, and not to delete."""
         try:
             if path.stat().st_size > 4096:
                 return None
             side = msgpack.unpackb(path.read_bytes(), raw=False)
+            if isinstance(side, dict) and type(side.get("v")) is int and side["v"] != SIDECAR_VERSION:
+                return _OTHER_VERSION
             if not isinstance(side, dict) or set(side) != _SIDECAR_KEYS or side["v"] != SIDECAR_VERSION:
                 return None
             key, parent = side["hash"], side["parent"]
@@ -605,7 +643,8 @@ class DiskTier(IndexedTier):
                 mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
             # Waited for outside the lock: that write takes the lock to commit.
-            return self._await(key, pending)
+            answer = self._await(key, pending)
+            return answer if answer is not None else self._put_one(key, frame, evicted)
         data_path, side_path = self._paths(key)
         try:
             self._write_atomic(data_path, segments)
@@ -676,9 +715,11 @@ class DiskTier(IndexedTier):
         self._commit_part(group, results)
         for i, key, pending in waits:
             try:
-                results[i] = self._await(key, pending)
+                answer = self._await(key, pending)
             except StorageError as exc:
                 results[i] = TierPutResult(stored=None, error=exc)
+                continue
+            results[i] = answer if answer is not None else self._put_result(key, items[i][1])
         return results  # type: ignore[return-value]
 
     def _commit_part(self, group: list[_Pending], results: list[TierPutResult | None]) -> None:
@@ -837,10 +878,16 @@ class DiskTier(IndexedTier):
             p.flight.error = p.error
             p.flight.done.set()
 
-    def _await(self, key: bytes, pending: _InFlight) -> TierPutResult:
+    def _await(self, key: bytes, pending: _InFlight) -> TierPutResult | None:
         """Wait for another thread's write of ``key`` and answer as it ended: present once
-        committed, its error if it failed."""
+        committed, its error if it failed. None: it found the filesystem full, and goes
+        again (``_put_result``, ``_commit_part``); the caller puts the block again too, and
+        so finds it present once that try commits it, waits for it, or writes it itself.
+        Answered "failed" then, a block its writer's second try stored would be on disk
+        while the client was told it is not."""
         pending.done.wait()
+        if isinstance(pending.error, _NoSpace):
+            return None
         if pending.error is not None:
             raise StorageError(f"{pending.error} (a concurrent write of this block)")
         with self._lock:
@@ -953,17 +1000,61 @@ class DiskTier(IndexedTier):
         return True
 
     def delete(self, key: bytes) -> bool:
+        """Durable on return: the shard directory is fsynced after the unlinks (once for a
+        whole ``batched_deletes``), else a power cut could bring the block back. A block not
+        held here syncs its shard too when unlinks there are not yet durable: it may be one
+        evicted (handed down, not synced) that would come back the same way."""
         with self._lock:
-            if self._index.remove(key) is None:
-                return False
-            self._remove_files(key)
-            self._sync_counts()
-            return True
+            deleted = self._index.remove(key) is not None
+            if deleted:
+                self._remove_files(key)
+                self._sync_counts()
+            owed = {key[0]: self._unlinks[key[0]]}
+        self._sync_unlinks(owed)
+        return deleted
+
+    @contextmanager
+    def batched_deletes(self) -> Iterator[None]:
+        if getattr(self._batch, "owed", None) is not None:  # nested: the outer one syncs
+            yield
+            return
+        self._batch.owed = {}
+        try:
+            yield
+        finally:
+            owed, self._batch.owed = self._batch.owed, None
+            self._sync_unlinks(owed)
+
+    def _sync_unlinks(self, owed: dict[int, int]) -> None:
+        """Make the unlinks counted in ``owed`` (shard: unlinks) durable: one fsync per shard
+        not synced that far, or owed to the ``batched_deletes`` this thread is in. A shard
+        that cannot be synced is logged: its deletes are done, only not yet durable."""
+        if not self.fsync:
+            return
+        batch = getattr(self._batch, "owed", None)
+        if batch is not None:
+            for shard, n in owed.items():
+                batch[shard] = max(batch.get(shard, 0), n)
+            return
+        for shard, n in owed.items():
+            if self._synced[shard] >= n:
+                continue  # (none owed, or another thread's fsync covered them)
+            path = self.root / f"{shard:02x}"
+            try:
+                _fsync_dir(path)
+            except OSError as exc:
+                log.warning("%s tier: cannot fsync %s after deleting from it: %s", self.name, path, exc)
+                continue
+            with self._lock:
+                self._synced[shard] = max(self._synced[shard], n)
 
     def _remove_files(self, key: bytes) -> None:
+        """Under the lock. Not synced: an evicted block that comes back after a power cut is
+        a whole, valid block (recovery drops a half of one); deletes sync (``delete``)."""
         data_path, side_path = self._paths(key)
         _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
         _unlink(data_path)
+        self._unlinks[key[0]] += 1
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery,

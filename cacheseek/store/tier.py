@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -286,6 +287,17 @@ class Tier(ABC):
         """Tell ``observer`` (an ``eviction.IndexObserver``) of every block entering or
         leaving this tier; blocks held now are reported at once. A tier without a local
         index has nothing to report."""
+
+    def trim(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """Evict until the budget holds (a tier opened over more than it); the victims, as a
+        put's ``evicted``. A tier that can never hold more than its budget has none."""
+        return []
+
+    def batched_deletes(self) -> AbstractContextManager:
+        """Deletes this thread makes inside the ``with`` are made durable together at its
+        end, where the tier must sync them (the disk's directory fsyncs): a flush of many
+        blocks pays once per directory touched, not once per block."""
+        return nullcontext()
 
     def settle(self) -> set[bytes]:
         """Return once every frame stored so far can be read from where this tier keeps

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
@@ -591,6 +591,23 @@ class TieredStore:
                     return
                 if deleted == key and number in self._in_transit:
                     self._in_transit[number] = True
+
+    def trim(self) -> None:
+        """Trim each tier holding more than its budget (a disk tier opened with
+        ``trim_at_open=False`` over a directory fuller than a smaller ``disk_bytes``), its
+        victims handed down as any eviction's: a restart with a smaller budget must not
+        lose blocks the tier below would have taken."""
+        with self._moving():
+            for level, tier in enumerate(self.tiers):
+                self._demote(level, tier.trim(), self._deletes_done())
+
+    def delete_many(self, keys: Sequence[bytes]) -> list[bool | None]:
+        """``delete`` of each of ``keys``, in their order, made durable together: each tier
+        syncs the deletes once at the end (``Tier.batched_deletes``), not once per block."""
+        with ExitStack() as stack:
+            for tier in self.tiers:
+                stack.enter_context(tier.batched_deletes())
+            return [self.delete(key) for key in keys]
 
     def settle_moves(self) -> None:
         """Wait until the blocks on their way down now (evicted from one tier, not yet in the
