@@ -13,12 +13,21 @@ not written yet: uvloop keeps a view of them (not a copy), up to the transport's
 mark (64 KiB by default) beyond what the socket took. So the last ``TAIL_COPY`` bytes of a
 response are sent from a copy (``copied_tail``): when the response ends, no view of a leased
 slot is left with the transport.
+
+A response of many frames releases each frame's lease as soon as the transport has sent past
+its bytes (``SentLeases``), not when the response is over: a client reading a long prefix
+slowly (above ``body_min_bytes_per_second``, so never cut off) held every frame fetched so
+far, and the slots evicted under it could not be reused, shrinking the tier for everyone.
+Now it holds what the transport and the look-ahead hold: a frame or two, or its high-water
+mark's worth of small ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -26,13 +35,14 @@ from starlette.responses import StreamingResponse
 
 from cacheseek.store.lease import Lease, release_all
 
-from .protocol import CUT_SHORT
+from .protocol import CUT_SHORT, UNSENT
 
 log = logging.getLogger("cacheseek.server")
 
 # Bytes at the end of a response sent from a copy: more than the transport buffers past
 # the last send (its high-water mark, 64 KiB by default in asyncio and uvloop).
 TAIL_COPY = 256 << 10
+DRAIN_POLL_S = 0.01  # how often a response about to be cut short looks whether its leased bytes are out
 
 
 class ResponseCut(RuntimeError):
@@ -65,6 +75,59 @@ class LeasedStreamingResponse(StreamingResponse):
             release_all(self.leases)
 
 
+class SentLeases:
+    """The leases of a response's frames, each released once the transport has sent past the
+    frame's bytes. The body counts what it hands to ``send`` (``wrote``), names each frame's
+    lease with the body offset where its last view ends (``hold``), and calls ``release_sent``
+    whenever it resumes (each ``send`` returns once its bytes are written to the transport).
+    The transport holds the last ``unsent()`` bytes written to the connection, so every body
+    byte before ``written - unsent()`` is out; a lease over bytes before that mark is done with.
+
+    Without the protocol's ``UNSENT`` (uvicorn's own protocol: the fast path off) there is no
+    such mark: ``views`` is False, and the body sends copies and releases each lease at once."""
+
+    __slots__ = ("unsent", "written", "held")
+
+    def __init__(self, scope: Any) -> None:
+        self.unsent: Callable[[], int] | None = scope.get("extensions", {}).get(UNSENT)
+        self.written = 0  # body bytes handed to send
+        self.held: deque[tuple[int, Any]] = deque()  # (body offset its bytes end at, lease), in order
+
+    @property
+    def views(self) -> bool:
+        """Whether the body may send views of leased memory (else copies)."""
+        return self.unsent is not None
+
+    def wrote(self, chunk: Any) -> Any:
+        self.written += memoryview(chunk).nbytes
+        return chunk
+
+    def hold(self, lease: Any) -> None:
+        """``lease`` covers bytes the body has handed to ``send`` (all before ``written``)."""
+        if lease is not None and not lease.released:
+            self.held.append((self.written, lease))
+
+    def release_sent(self) -> None:
+        if not self.held:
+            return
+        sent = self.written - self.unsent()  # type: ignore[misc]
+        while self.held and self.held[0][0] <= sent:
+            lease = self.held.popleft()[1]
+            if not lease.released:
+                lease.release()
+
+    async def drained(self) -> None:
+        """Wait until every held lease's bytes are out (or the connection is gone, its buffer
+        dropped), before a response closes its connection on purpose: a close sends what the
+        transport still holds after the leases are released. A client too slow to take them is
+        cut off by the protocol's send limits."""
+        while True:
+            self.release_sent()
+            if not self.held:
+                return
+            await asyncio.sleep(DRAIN_POLL_S)
+
+
 def copied_tail(segment: Any) -> list[Any]:
     """The last segment of a response as [view of its head, copy of its last ``TAIL_COPY`` bytes]."""
     view = memoryview(segment).cast("B")
@@ -74,4 +137,4 @@ def copied_tail(segment: Any) -> list[Any]:
     return [view[:cut], bytes(view[cut:])]
 
 
-__all__ = ["LeasedStreamingResponse", "ResponseCut", "TAIL_COPY", "copied_tail"]
+__all__ = ["LeasedStreamingResponse", "ResponseCut", "SentLeases", "TAIL_COPY", "copied_tail"]

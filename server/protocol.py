@@ -59,6 +59,10 @@ SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protoco
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
 CUT_SHORT = "cacheseek.cut_short"  # () -> None: end a response begun, on purpose, by closing the connection
+# () -> int: bytes written to the connection and not sent yet (0 once it is gone). The
+# transport may hold them by reference (uvloop, asyncio from 3.12): a response releases a
+# frame's memory once its bytes are past them (server/leased_response.py).
+UNSENT = "cacheseek.unsent"
 # The releases this module was tested with ([low, high)): pyproject.toml pins the same range.
 UVICORN_RANGE = ((0, 54), (0, 55))
 HTTPTOOLS_RANGE = ((0, 9), (0, 10))
@@ -286,6 +290,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 extensions[BODY_INTO] = cycle.receive_into
                 extensions[BODY_GONE] = lambda: cycle.disconnected
                 extensions[CUT_SHORT] = lambda: self.cut_short(cycle)
+                extensions[UNSENT] = self.transport.get_write_buffer_size
 
         def cut_short(self, cycle: Any) -> None:
             """The ``CUT_SHORT`` extension: the response's client sees its connection closed

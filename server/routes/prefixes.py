@@ -15,7 +15,7 @@ from cacheseek.store.lease import Lease
 
 from ..deps import Hash, Reader, Service
 from ..errors import BadRequest
-from ..leased_response import LeasedStreamingResponse, ResponseCut, copied_tail
+from ..leased_response import LeasedStreamingResponse, ResponseCut, SentLeases, copied_tail
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
@@ -42,9 +42,9 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                      start: Start = None) -> LeasedStreamingResponse:
     """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
     then stream its frames from position ``start`` on, head first. A frame is read (from
-    disk, say) while the one before it is being sent. Every frame's lease is held until the
-    response is over (the transport may still be sending a frame when the next is handed
-    to it); the last ``TAIL_COPY`` bytes go from a copy. The whole chain is touched, the
+    disk, say) while the one before it is being sent. A frame's lease is held until the
+    transport has sent past its bytes (``SentLeases``: a slow reader holds a few, not the
+    chain); the last ``TAIL_COPY`` bytes go from a copy. The whole chain is touched, the
     frames not sent too: the engine uses them, from its own pages."""
     first = _position(start)
     whole = await run_in_threadpool(service.chain, caller.namespace, hash)
@@ -58,7 +58,7 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
     if traffic is not None:
         traffic.materialize_requests += 1
 
-    leases: list[Lease | None] = []  # every frame's, released by the response when it is over
+    leases: list[Lease | None] = []  # every frame's fetched; those not released sooner, by the response when it is over
 
     def stored(key: bytes):
         got = service.get_stored(key, leases)
@@ -73,6 +73,8 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
             return done
         return asyncio.ensure_future(run_in_threadpool(stored, key))
 
+    sent = SentLeases(request.scope)  # each frame's lease released once the transport is past its bytes
+
     async def body():
         pending = fetch(chain[0][0])
         try:
@@ -81,18 +83,22 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                 if i + 1 < len(chain):
                     pending = fetch(chain[i + 1][0])
                 if frame is None or frame.meta.nbytes != info.nbytes:
+                    await sent.drained()  # the cut closes the connection: what it still sends is no view
                     raise ChainBroken(f"block at position {info.position} vanished while streaming")
                 segments = service.wire_segments(namespace, frame)
                 head = memoryview(segments[0])
                 offset = frame.meta.payload_offset
                 # The length and the header go in one write; the payload goes as a view.
-                yield LENGTH.pack(info.nbytes) + bytes(head[:offset] if len(segments) == 1 else head)
+                yield sent.wrote(LENGTH.pack(info.nbytes) + bytes(head[:offset] if len(segments) == 1 else head))
+                sent.release_sent()
                 payload = head[offset:] if len(segments) == 1 else segments[1]
-                if i + 1 < len(chain):
-                    yield payload
-                else:  # the response's end: what the transport may still hold is a copy
-                    for piece in copied_tail(payload):
-                        yield piece
+                if not sent.views:  # no mark of what the transport has sent: a copy, and the slot is free
+                    payload = bytes(payload)
+                    frame.release()
+                for piece in [payload] if i + 1 < len(chain) else copied_tail(payload):  # the end: its tail a copy
+                    yield sent.wrote(piece)
+                    sent.release_sent()
+                sent.hold(frame.lease)
                 metrics.frame_bytes_sent += info.nbytes
                 if traffic is not None:
                     traffic.materialize_blocks += 1

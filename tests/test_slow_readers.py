@@ -1,0 +1,140 @@
+"""Responses that stream stored frames to a client reading slowly (but above
+``body_min_bytes_per_second``, so it is never cut off), on a real ``cacheseek serve`` over
+loopback: the CPU-tier slots such a response keeps leased, and the bytes it sends while
+the tier evicts and reuses slots under it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+
+from cacheseek.layout import KVLayout
+from server_helpers import LAYOUT, Server, batch_body, raw_chain
+
+MiB = 1 << 20
+BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
+
+
+class SlowReader:
+    """A raw-socket GET of a prefix, read at ``rate`` bytes a second in a thread of its own."""
+
+    def __init__(self, port: int, path: str, rate: int) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        self.rate = rate
+        self.got = bytearray()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        start = time.monotonic()
+        self.sock.settimeout(20)
+        while not self.stop.is_set():
+            ahead = len(self.got) - self.rate * (time.monotonic() - start)
+            if ahead > 0:
+                time.sleep(min(ahead / self.rate, 0.05))
+                continue
+            try:
+                data = self.sock.recv(16 << 10)
+            except OSError:
+                return
+            if not data:
+                return
+            self.got += data
+            if self._whole():
+                return
+
+    def _whole(self) -> bool:
+        top, sep, body = bytes(self.got[:4096]).partition(b"\r\n\r\n")
+        if not sep:
+            return False
+        length = next(int(line.split(b":")[1]) for line in top.split(b"\r\n") if line.lower().startswith(b"content-length"))
+        return len(self.got) >= len(top) + 4 + length
+
+    def finish(self, timeout: float = 30) -> bytes:
+        """Read the rest (at full speed) until the server closes or the body is whole."""
+        self.rate = 1 << 40
+        self.thread.join(timeout)
+        self.sock.close()
+        return bytes(self.got)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def _cpu(url: str) -> dict:
+    return httpx.get(url + "/v1/stats").json()["tiers"][0]
+
+
+def _frames(body: bytes) -> list[bytes]:
+    """The whole frames of a (possibly cut short) batch body."""
+    frames, i = [], 0
+    while i + 8 <= len(body) and i + 8 + (n := int.from_bytes(body[i : i + 8], "little")) <= len(body):
+        frames.append(body[i + 8 : i + 8 + n])
+        i += 8 + n
+    return frames
+
+
+def test_a_slow_reader_holds_a_few_leases_not_its_whole_prefix(tmp_path):
+    """A response read slowly held the lease of every frame it had fetched until it was over:
+    a 16 MiB prefix read at 1 MiB/s held 9 leases after 3 MiB read (and more as it went on),
+    and a 24 MiB ingest into the 24 MiB tier meanwhile kept 16 blocks, its evicted slots held."""
+    chain = raw_chain(1, 16, layout=BIG_LAYOUT)  # 16 MiB, 1 MiB frames
+    args = ["--cpu-reserve-bytes", "6MiB", "--body-min-bytes-per-second", "64KiB"]
+    with Server(tmp_path, *args, cpu_bytes="24MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        reader = SlowReader(srv.port, f"/v1/prefixes/{chain[-1][0].hex()}", 1 * MiB)
+        try:
+            time.sleep(2.5)
+            held = _cpu(srv.url)
+            # The frame the transport is sending, the tail of the one before, the next one fetched.
+            assert held["leases_active"] <= 3, held
+            fresh = raw_chain(2, 24, layout=BIG_LAYOUT)  # the tier's whole budget: evicts the chain being read
+            codes = [httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=f, timeout=30).status_code for h, f in fresh]
+            assert codes == [201] * 24, codes
+            tier = _cpu(srv.url)
+            assert tier["held_slots"] <= 3 and tier["blocks"] >= 20, tier
+        finally:
+            reader.close()
+        tier = _cpu(srv.url)
+        assert tier["leases_active"] == 0 and tier["held_slots"] == 0, tier
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_slow_reader_gets_the_stored_bytes_while_the_tier_reuses_slots_under_it(tmp_path):
+    """Leases released as the transport sends past their frames, never sooner: slots evicted
+    and refilled while slow readers are mid-response never change the bytes they receive."""
+    # 12 MiB of 128 KiB frames: more than the kernel's socket buffers take, so the transport
+    # holds views of several frames when the tier is refilled.
+    chain = raw_chain(3, 96, layout=LAYOUT, block=128)
+    args = ["--body-min-bytes-per-second", "64KiB", "--eviction", "lru"]
+    with Server(tmp_path, *args, cpu_bytes="16MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        readers = []
+        for _ in range(4):
+            readers.append(SlowReader(srv.port, f"/v1/prefixes/{chain[-1][0].hex()}", 1 * MiB))
+            time.sleep(0.3)
+        time.sleep(0.5)
+        for seed in (10, 11, 12):  # 24 MiB: every slot of the chain evicted, and refilled
+            fresh = raw_chain(seed, 64, layout=LAYOUT, block=128)
+            assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in fresh])).status_code == 200
+        for reader in readers:
+            got = reader.finish()
+            top, _, body = got.partition(b"\r\n\r\n")
+            assert top.startswith(b"HTTP/1.1 200")
+            frames = _frames(body); print("READ", len(got), len(frames))
+            assert len(frames) >= 8  # (cut short where the chain was evicted ahead of the stream)
+            assert all(f == chain[i][1] for i, f in enumerate(frames)), [f == chain[i][1] for i, f in enumerate(frames)]
+        tier = _cpu(srv.url)
+        assert tier["leases_active"] == 0 and tier["held_slots"] == 0 and tier["evictions"] > 0, tier
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
