@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from cacheseek.batch_body import BatchFormatError, BatchTooLarge
 from cacheseek.errors import FrameError, InputError, StorageError
@@ -137,7 +138,22 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
 
 async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Starlette's own: unknown route (404), wrong method (405).
-    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+    headers = exc.headers
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route on the path only (PUT for
+        # /v1/blocks/{hash}, which GET and DELETE serve too); Allow lists the resource's.
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed(request))}
+    return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code, headers=headers)
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods some route takes at the request's path."""
+    routes = request.app.router.routes
+    return [method for method in _METHODS
+            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
 
 
 async def _handle_bug(request: Request, exc: Exception) -> JSONResponse:

@@ -235,6 +235,17 @@ def test_each_kind_of_bad_input_gets_its_status_and_changes_nothing(client):
     assert client.get(f"/v1/blocks/{h.hex()}").content == frame
 
 
+def test_a_method_a_path_does_not_take_names_every_method_it_does(client):
+    """RFC 9110: a 405's Allow lists the resource's methods. Starlette named those of the
+    first route on the path only: PUT for a block, which GET and DELETE serve too."""
+    h = bytes([0xE1]) * 16
+    for method, path, allowed in (("PATCH", f"/v1/blocks/{h.hex()}", "GET, PUT, DELETE"),
+                                  ("HEAD", f"/v1/blocks/{h.hex()}", "GET, PUT, DELETE"),
+                                  ("GET", "/v1/blocks", "POST"), ("PUT", "/v1/lookup", "POST")):
+        r = client.request(method, path)
+        assert (r.status_code, r.headers["allow"]) == (405, allowed), (method, path, r.headers)
+
+
 def test_a_block_stored_before_its_parent_is_checked_when_the_parent_arrives(client):
     """A link is checked whichever end arrives first, so two writes cannot store a cycle of
     parents (which eviction's walk to a leaf would never leave)."""
