@@ -131,10 +131,33 @@ def test_a_slow_reader_gets_the_stored_bytes_while_the_tier_reuses_slots_under_i
             got = reader.finish()
             top, _, body = got.partition(b"\r\n\r\n")
             assert top.startswith(b"HTTP/1.1 200")
-            frames = _frames(body); print("READ", len(got), len(frames))
+            frames = _frames(body)
             assert len(frames) >= 8  # (cut short where the chain was evicted ahead of the stream)
             assert all(f == chain[i][1] for i, f in enumerate(frames)), [f == chain[i][1] for i, f in enumerate(frames)]
         tier = _cpu(srv.url)
         assert tier["leases_active"] == 0 and tier["held_slots"] == 0 and tier["evictions"] > 0, tier
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_reader_above_the_minimum_rate_is_not_cut_off_while_the_kernel_holds_its_bytes(tmp_path):
+    """The send watchdog saw progress only when the transport's own buffer shrank, which it
+    does only when the socket's kernel buffer (megabytes on loopback) has room again: a
+    reader taking 1 MiB/s was cut off as "no response byte taken" within a second or two
+    under a 1 s idle limit. What the kernel has not sent counts as unsent too."""
+    chain = raw_chain(4, 4, layout=BIG_LAYOUT)  # 4 MiB
+    args = ["--body-idle-timeout-seconds", "1", "--body-min-bytes-per-second", "16KiB"]
+    with Server(tmp_path, *args, cpu_bytes="24MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        reader = SlowReader(srv.port, f"/v1/prefixes/{chain[-1][0].hex()}", 1 * MiB)
+        reader.thread.join(30)
+        got = reader.finish()
+        top, _, body = got.partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 200") and _frames(body) == [f for _, f in chain], (len(body), top[:200])
+        # One under the minimum is still cut off, once its response outgrows the kernel's buffers.
+        long = raw_chain(5, 12, layout=BIG_LAYOUT)
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in long]), timeout=30).status_code == 200
+        reader = SlowReader(srv.port, f"/v1/prefixes/{long[-1][0].hex()}", 4 << 10)
+        time.sleep(4)
+        got = reader.finish()  # the rest at full speed: what the kernels held when it was cut (~4 MiB)
+        assert len(got) < 8 * MiB, len(got)
