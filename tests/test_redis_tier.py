@@ -866,6 +866,33 @@ def test_in_a_cluster_a_touch_leaves_a_block_pinned_by_another_process_without_e
         other.close()
 
 
+def test_in_a_cluster_a_block_stays_pinned_while_any_process_pins_it(cluster):
+    """Pins are counted per owner in the index's slot (the owners' sets share its hash tag),
+    so the script reaches every owner's set on the one master: a block two processes pin
+    stays pinned until both let go, and the pins of one that is gone lapse with its lease."""
+    cluster.flush()
+    mine = RedisTier(cluster.url, 64 << 20, ttl_seconds=60, pin_lease_seconds=0.5)
+    other = RedisTier(cluster.url, 64 << 20, ttl_seconds=60, pin_lease_seconds=0.5)
+    frames = [_frame(i) for i in range(64, 68)]  # frames on several masters
+    keys = [k for k, _ in frames]
+    try:
+        mine.put_many(frames)
+        mine.pin(keys)
+        other.pin(keys[:2])
+        mine.unpin(keys)
+        c = mine._connection()
+        assert other.stats().pinned_blocks == 2
+        ttls = [int(c.pttl(mine.keys_of.frame(k))) for k in keys]
+        assert ttls[0] == ttls[1] == -1 and ttls[2] > 50_000 and ttls[3] > 50_000
+        other.close()  # gone without unpinning
+        time.sleep(0.8)
+        assert mine.stats().pinned_blocks == 0
+        assert all(int(c.pttl(mine.keys_of.frame(k))) > 50_000 for k in keys[:2])
+    finally:
+        mine.close()
+        other.close()
+
+
 # -- configuration -------------------------------------------------------------------------
 
 

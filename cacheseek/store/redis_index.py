@@ -10,7 +10,7 @@ the index's hash tag. One call of the script, in this order:
    longer than a grace, and never a pinned one);
 3. touches blocks (marks them used, in order: the last is the most recent), and says which
    of them are pinned;
-4. pins and unpins blocks;
+4. pins and unpins blocks, for the caller's owner (below);
 5. adds blocks with their sizes (a block already indexed is only touched, unless pinned; a block larger
    than the whole budget is refused, and so is one that would not fit beside the pinned
    blocks);
@@ -24,6 +24,14 @@ Pins: a pinned block is kept in the sizes hash (so it counts) but not in the LRU
 neither eviction nor the TTL prune ever reaches it; the ``pinned`` set names every pinned
 block, stored or not (a pin covers a block that arrives later). A pinned frame is written
 without an expiry, and ``RedisTier`` takes the expiry off a frame it pins.
+
+Pins have owners: each process (``RedisTier.owner``) pins into a set of its own, under a
+lease (``pinners``: owner -> end of lease) that it renews while it holds pins, and the
+``pinned`` set is the union of those sets. So a block two processes pin stays pinned until
+both have unpinned it, and the pins of a process that died without unpinning go when its
+lease runs out (any call drops lapsed owners first). An index written before pins had
+owners (a plain pinned set, no ``pin_owners`` marker in the totals) is taken over on its
+first call as the pins of one owner, ``LEGACY_OWNER``, under one lease.
 
 The clock is Redis's ``TIME`` in microseconds on the index's master, made strictly
 increasing, so every process shares one recency order and the order of a batch is kept.
@@ -51,7 +59,7 @@ from .redis_keys import RedisKeys
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
-local lru, sizes, totals, pinned, gens, call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local lru, sizes, totals, pinned, gens, pinners, call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local budget = tonumber(ARGV[1])
 local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
@@ -61,6 +69,7 @@ local n_repair, repair_idle_us = tonumber(ARGV[9]), tonumber(ARGV[10])
 local keep_gens = ARGV[11] == '1'
 local reply_ms = tonumber(ARGV[12])
 local replay = ARGV[13] == '1'
+local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
@@ -74,7 +83,7 @@ end
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinned_bytes', 'pinned_blocks')
+local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinned_bytes', 'pinned_blocks', 'pin_owners')
 local used = tonumber(tot[1] or 0)
 local raw = tonumber(tot[2] or 0)
 local blocks = tonumber(tot[3] or 0)
@@ -134,6 +143,60 @@ local function drop(member)
   return true
 end
 
+-- Pins are held per owner (one per process), each owner under a lease it renews; the pinned
+-- set is the union of the owners' sets, so a block stays pinned while any owner pins it, and
+-- the pins of a process that died without unpinning go when its lease runs out.
+local released = {}  -- blocks no owner pins any more, back in the LRU: their frames expire again
+local function held(member)
+  for _, o in ipairs(redis.call('ZRANGE', pinners, 0, -1)) do
+    if redis.call('SISMEMBER', owned_prefix .. o, member) == 1 then return true end
+  end
+  return false
+end
+local function release(member)
+  if redis.call('SREM', pinned, member) == 1 then
+    changed = true
+    released[#released + 1] = member
+    local n = size_of(member)
+    if n then
+      clock = clock + 1
+      redis.call('ZADD', lru, clock, member)
+      pinned_bytes = pinned_bytes - n
+      pinned_blocks = pinned_blocks - 1
+    end
+  end
+end
+
+-- An index written before pins had owners: its pinned set becomes the pins of one owner
+-- (LEGACY_OWNER), under one lease from now, since no process renews it. The processes that
+-- made those pins pin them again when they start (the server's pins file), under owners of
+-- their own. The marker is written with the totals of this or any later call that pins.
+if tot[7] ~= '1' and redis.call('SCARD', pinned) > 0 then
+  redis.call('SUNIONSTORE', owned_prefix .. 'legacy', owned_prefix .. 'legacy', pinned)
+  redis.call('ZADD', pinners, now + lease_us, 'legacy')
+  changed = true
+end
+-- Owners whose lease ran out (a process that died, or one cut off from Redis for longer):
+-- their pins go, a few owners a call.
+for _, o in ipairs(redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0, 8)) do
+  local members = redis.call('SMEMBERS', owned_prefix .. o)
+  redis.call('DEL', owned_prefix .. o)
+  redis.call('ZREM', pinners, o)
+  changed = true
+  for _, m in ipairs(members) do
+    if not held(m) then release(m) end
+  end
+end
+-- The caller's own lease, renewed; lost if it ran out (its pins went: it pins them again).
+local lease_lost = 0
+if owner ~= '' then
+  if redis.call('ZSCORE', pinners, owner) then
+    redis.call('ZADD', pinners, now + lease_us, owner)
+  elseif n_pin == 0 then
+    lease_lost = 1
+  end
+end
+
 local expired = {}
 if ttl_us > 0 then
   local old = redis.call('ZRANGEBYSCORE', lru, '-inf', now - ttl_us, 'LIMIT', 0, prune_limit)
@@ -144,7 +207,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 14
+local i = 17
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -171,7 +234,7 @@ end
 -- Touched blocks the index does not count at all: orphans (stored, uncounted) or gone.
 -- And the touched blocks pinned now (never in the LRU zset), for callers whose own view of
 -- the pins may be stale.
-local uncounted, held = {}, {}
+local uncounted, held_now = {}, {}
 for _ = 1, n_touch do
   if redis.call('ZSCORE', lru, ARGV[i]) then
     changed = true
@@ -182,17 +245,22 @@ for _ = 1, n_touch do
       uncounted[#uncounted + 1] = ARGV[i]
     end
     if redis.call('SISMEMBER', pinned, ARGV[i]) == 1 then
-      held[#held + 1] = ARGV[i]
+      held_now[#held_now + 1] = ARGV[i]
     end
   end
   i = i + 1
 end
 
+-- A pin or unpin is the caller's (owner): set operations, so one sent twice counts once.
+if n_pin > 0 then
+  if not redis.call('ZSCORE', pinners, owner) then lease_lost = 1 end
+  redis.call('ZADD', pinners, now + lease_us, owner)
+  changed = true
+end
 for _ = 1, n_pin do
   local m = ARGV[i]
   i = i + 1
-  if redis.call('SADD', pinned, m) == 1 then
-    changed = true
+  if redis.call('SADD', owned_prefix .. owner, m) == 1 and redis.call('SADD', pinned, m) == 1 then
     local n = size_of(m)
     if n then
       redis.call('ZREM', lru, m)
@@ -205,16 +273,13 @@ end
 for _ = 1, n_unpin do
   local m = ARGV[i]
   i = i + 1
-  if redis.call('SREM', pinned, m) == 1 then
+  if redis.call('SREM', owned_prefix .. owner, m) == 1 then
     changed = true
-    local n = size_of(m)
-    if n then
-      clock = clock + 1
-      redis.call('ZADD', lru, clock, m)
-      pinned_bytes = pinned_bytes - n
-      pinned_blocks = pinned_blocks - 1
-    end
+    if not held(m) then release(m) end
   end
+end
+if n_unpin > 0 and redis.call('EXISTS', owned_prefix .. owner) == 0 then
+  redis.call('ZREM', pinners, owner)  -- (an owner with no pins left holds no lease)
 end
 
 -- status: 1 newly counted, 2 newly counted and pinned (write it without an expiry),
@@ -283,13 +348,13 @@ end
 -- A call that changed nothing writes nothing: reading totals works under maxmemory OOM.
 if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
-             'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks)
+             'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks, 'pin_owners', 1)
 end
 local reply = {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of,
-               held}
+               held_now, released, lease_lost}
 -- Kept only where a second run would answer otherwise (it would evict, expire and repair
 -- nothing, and count nothing anew): those victims and entries are the caller's to delete.
-if #evicted > 0 or #expired > 0 or #repaired > 0 or counted_anew then
+if #evicted > 0 or #expired > 0 or #repaired > 0 or #released > 0 or counted_anew then
   redis.call('SET', call, cmsgpack.pack(reply), 'PX', reply_ms)
 end
 return reply
@@ -351,6 +416,11 @@ end
 return redis.call('DEL', KEYS[1])
 """
 
+# How long a process's pins outlive its last renewal of them: the longest a process that died
+# without unpinning keeps its pins in Redis. ``RedisTier`` renews every fifth of it.
+PIN_LEASE_SECONDS = 300.0
+LEGACY_OWNER = "legacy"  # the owner of the pins of an index written before pins had owners
+
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
 # How long a script call's reply is kept for the same call sent again: redis-py sends a
 # pipeline again at once after a connection error, so a minute is far more than it needs.
@@ -375,7 +445,10 @@ class IndexUpdate:
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
     blocks the index does not count (orphans, if their frames are there). ``pinned``: touched
-    blocks that are pinned. ``gens``: the
+    blocks that are pinned. ``released``: blocks no owner pins any more (this call's unpins,
+    and the pins of owners whose lease ran out), back in the LRU: their frames are to expire
+    again. ``lease_lost``: the caller's owner held no lease (it ran out, or Redis lost it):
+    its pins are gone, to be sent again. ``gens``: the
     generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
     index now), evicted or expired (the one it had); empty unless ``SharedIndex.generations``."""
 
@@ -387,6 +460,8 @@ class IndexUpdate:
     uncounted: tuple[str, ...] = ()
     gens: Mapping[str, int] = field(default_factory=dict)
     pinned: tuple[str, ...] = ()
+    released: tuple[str, ...] = ()
+    lease_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +472,7 @@ class SharedIndex:
     budget_bytes: int
     ttl_us: int = 0  # 0: no TTL
     generations: bool = False  # keep each block's generation (a cluster's fence)
+    pin_lease_us: int = int(PIN_LEASE_SECONDS * 1_000_000)
 
     def queue(
         self,
@@ -409,12 +485,14 @@ class SharedIndex:
         unpin: Sequence[str] = (),
         repair: Sequence[str] = (),
         repair_idle_us: int = 0,
+        owner: str = "",
         call: str | None = None,
         replay: bool = False,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
-        and idle at least ``repair_idle_us``. EVAL rather than EVALSHA: the script text is
+        and idle at least ``repair_idle_us``. ``owner``: whose pins ``pin`` and ``unpin``
+        change (required with them); given alone, it renews that owner's lease. EVAL rather than EVALSHA: the script text is
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
         failover.
 
@@ -427,10 +505,13 @@ class SharedIndex:
         same; the call would fail instead), so the script answers a call sent again with
         the first run's reply, and the caller deletes its victims. ``call``: the id (else a
         new one); ``replay``: only ask for the reply kept under it (see :meth:`replay`)."""
+        if (pin or unpin) and not owner:
+            raise ValueError("SharedIndex.queue: pins and unpins need an owner")
         keys = (*self.keys.index, self.keys.call(call or self.new_call()))
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
-                           CALL_REPLY_SECONDS * 1000, int(replay)]
+                           CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
+                           self.keys.owner_pins_prefix]
         args += forget
         args += repair
         args += touch
@@ -474,7 +555,8 @@ class SharedIndex:
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
-        status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held = reply
+        (status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held,
+         released, lease_lost) = reply
         pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
@@ -485,6 +567,8 @@ class SharedIndex:
             uncounted=tuple(_text(m) for m in uncounted),
             gens={_text(m): int(g) for m, g in zip(gens[::2], gens[1::2])},
             pinned=tuple(_text(m) for m in held),
+            released=tuple(_text(m) for m in released),
+            lease_lost=bool(lease_lost),
         )
 
 
@@ -508,4 +592,5 @@ def _text(member: Any) -> str:
     return member.decode() if isinstance(member, bytes) else str(member)
 
 
-__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals", "IndexUpdate", "SharedIndex"]
+__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals",
+           "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex"]

@@ -5,7 +5,9 @@
     {<prefix>:<namespace>}:lru                    zset: block hash hex -> last-use clock (µs)
     {<prefix>:<namespace>}:size                   hash: block hash hex -> "<nbytes> <raw_nbytes>"
     {<prefix>:<namespace>}:totals                 hash: used, raw, blocks, clock, pinned_bytes, pinned_blocks
-    {<prefix>:<namespace>}:pinned                 set: block hash hex of every pinned block
+    {<prefix>:<namespace>}:pinned                 set: block hash hex of every pinned block (by any owner)
+    {<prefix>:<namespace>}:pinners                zset: pin owner (one per process) -> end of its lease (µs)
+    {<prefix>:<namespace>}:pins:<owner>           set: block hash hex of every block that owner pins
     {<prefix>:<namespace>}:gen                    in a cluster: hash: block hash hex -> generation (clock when counted anew)
 
 Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
@@ -102,8 +104,21 @@ class RedisKeys:
         return f"{self.index_tag}:gen"
 
     @property
-    def index(self) -> tuple[str, str, str, str, str]:
-        return self.lru, self.sizes, self.totals, self.pinned, self.gens
+    def pinners(self) -> str:
+        return f"{self.index_tag}:pinners"
+
+    @property
+    def owner_pins_prefix(self) -> str:
+        """What an owner's pin set is named after (its owner id follows): the index script
+        names the sets of owners other than its caller's from it, in the index's slot."""
+        return f"{self.index_tag}:pins:"
+
+    def owner_pins(self, owner: str) -> str:
+        return f"{self.owner_pins_prefix}{owner}"
+
+    @property
+    def index(self) -> tuple[str, str, str, str, str, str]:
+        return self.lru, self.sizes, self.totals, self.pinned, self.gens, self.pinners
 
     def call(self, call_id: str) -> str:
         """Where one index-script call keeps its reply for a while, should it be sent again

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -40,7 +42,7 @@ from ..errors import ConfigError, FrameError, StorageError
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
-from .redis_index import CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
+from .redis_index import CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
 from .redis_keys import RedisKeys
 from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
@@ -119,6 +121,7 @@ class RedisTier(Tier):
         timeouts: RedisTimeouts | None = None,
         breaker: CircuitBreaker | None = None,
         client_retries: int = 1,
+        pin_lease_seconds: float = PIN_LEASE_SECONDS,
         name: str = "redis",
     ) -> None:
         super().__init__(name, capacity_bytes)
@@ -127,6 +130,8 @@ class RedisTier(Tier):
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not 0 < ttl_seconds <= MAX_TTL_SECONDS):
             raise ConfigError(f"redis_ttl_seconds: must be > 0 and at most {MAX_TTL_SECONDS:.3g} seconds, or None, "
                               f"got {ttl_seconds!r}")
+        if isinstance(pin_lease_seconds, bool) or not 0 < pin_lease_seconds <= MAX_TTL_SECONDS:
+            raise ConfigError(f"redis pin_lease_seconds: must be > 0 seconds, got {pin_lease_seconds!r}")
         if not (isinstance(client_retries, int) and client_retries >= 0):
             raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
         self.target: RedisTarget = parse_redis_url(url)
@@ -139,7 +144,16 @@ class RedisTier(Tier):
         self.breaker = breaker if breaker is not None else CircuitBreaker()
         self._client_retries = client_retries
         self._index = SharedIndex(self.keys_of, capacity_bytes, 0 if self._ttl_ms is None else self._ttl_ms * 1000,
-                                  generations=self.target.cluster)
+                                  generations=self.target.cluster,
+                                  pin_lease_us=max(1, round(pin_lease_seconds * 1_000_000)))
+        # This process's pins in Redis are its own (``owner``), under a lease renewed every
+        # fifth of it while it holds any: another process's unpin leaves them, and they
+        # outlive this process by one lease at most (see ``redis_index``).
+        self.owner = os.urandom(12).hex()
+        self.pin_lease_seconds = pin_lease_seconds
+        self._own: set[bytes] = set()  # the blocks this process pins in Redis
+        self._lease_stop = threading.Event()
+        self._lease_keeper: threading.Thread | None = None
         self._client: Any = None
         self._connect_lock = threading.Lock()
         self._faults = _Faults()
@@ -392,6 +406,7 @@ class RedisTier(Tier):
         ]
         with self._lock:
             self._faults.dropped_writes += len(refused)
+        self._unpinned(client, update.released)  # (another process's lease ran out in this call)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
             self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
             # and drop what such a SET would have replaced (a block the index had let expire
@@ -799,15 +814,16 @@ class RedisTier(Tier):
             pass
 
     def pin(self, keys: Iterable[bytes]) -> None:
-        """Pin blocks in the shared index (every process sharing it sees the pin) and take
-        the expiry off their frames. Raises ``StorageError`` if Redis cannot be reached."""
+        """Pin blocks in the shared index, as this process's (every process sharing it sees
+        the pin; another's unpin leaves it), and take the expiry off their frames. Raises
+        ``StorageError`` if Redis cannot be reached."""
         keys = list(keys)
         if not keys:
             return
         members = [RedisKeys.member(k) for k in keys]
 
         def send(c: Any) -> None:
-            self._note_totals(SharedIndex.parse(self._index.queue(c, pin=members)).totals)
+            self._delete_expired(c, SharedIndex.parse(self._index.queue(c, pin=members, owner=self.owner)))
             if self._ttl_ms is not None:
                 self._pipelined(c, "persist", [self.keys_of.frame(k) for k in keys])
 
@@ -815,23 +831,25 @@ class RedisTier(Tier):
             with self._lock:
                 self._owed_unpins.difference_update(keys)  # pinned again: that unpin is no longer owed
             self._run(send)
-        with self._lock:
-            self._pinned.update(keys)
+            with self._lock:
+                self._own.update(keys)
+                self._pinned.update(keys)
+        self._keep_lease()
 
     def unpin(self, keys: Iterable[bytes]) -> None:
-        """Give blocks back to the shared LRU (their frames expire again, with a TTL)."""
+        """Drop this process's pins of blocks. Those no other process pins go back to the
+        shared LRU (their frames expire again, with a TTL)."""
         keys = list(keys)
         if not keys:
             return
 
         def send(c: Any) -> None:
-            self._note_totals(SharedIndex.parse(self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys])).totals)
-            if self._ttl_ms is not None:
-                self._restart_expiry(c, keys)
+            self._delete_expired(c, SharedIndex.parse(
+                self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys], owner=self.owner)))
 
-        with self._lock:
-            self._pinned.difference_update(keys)
         with self._pinning:
+            with self._lock:
+                self._own.difference_update(keys)
             try:
                 self._run(send)
             except StorageError:
@@ -850,6 +868,47 @@ class RedisTier(Tier):
         pipe.execute()
         self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
 
+    def _unpinned(self, client: Any, members: Sequence[str]) -> None:
+        """Blocks no process pins any more (a call's ``released``): their frames expire again."""
+        if members:
+            released = [key for m in members if (key := RedisKeys.key(m)) is not None]
+            with self._lock:
+                self._pinned.difference_update(released)
+            if self._ttl_ms is not None:
+                self._restart_expiry(client, released)
+
+    def _pin_again(self, client: Any) -> None:
+        """Send this process's pins again: its lease ran out (it was cut off from Redis for
+        longer than the lease) or Redis lost it (flushed, restarted), and its pins with it."""
+        with self._pinning:  # (an unpin meanwhile must not be undone by this)
+            with self._lock:
+                own = [k for k in self._own if k not in self._owed_unpins]
+            if own:
+                update = SharedIndex.parse(self._index.queue(client, pin=[RedisKeys.member(k) for k in own],
+                                                             owner=self.owner))
+                self._note_totals(update.totals)
+                if self._ttl_ms is not None:
+                    self._pipelined(client, "persist", [self.keys_of.frame(k) for k in own])
+
+    def _keep_lease(self) -> None:
+        """Start renewing this process's pin lease (once; the thread ends with ``close`` or
+        when the tier is dropped)."""
+        with self._lock:
+            if self._lease_keeper is not None:
+                return
+            self._lease_keeper = threading.Thread(
+                target=_renew_leases, args=(weakref.ref(self), self._lease_stop, self.pin_lease_seconds / 5),
+                name=f"cacheseek-{self.name}-pin-lease", daemon=True)
+        self._lease_keeper.start()
+
+    def _renew_lease(self) -> None:
+        if not self._own:
+            return
+        try:
+            self._run(lambda c: self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+        except StorageError:
+            pass  # counted; the next renewal tries again (and pins again what a lapse took)
+
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
             with self._pinning:  # (a pin made since took its keys out of what is owed)
@@ -866,9 +925,15 @@ class RedisTier(Tier):
                 self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
 
     def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
+        """What a script call left to do beside the index: delete the frames of blocks it let
+        expire, give back their expiry to frames no pin holds any more, and pin again what
+        a lapse of this process's lease took."""
         self._note_totals(update.totals)
         if update.expired:
             self._drop(client, update.expired, update.gens)
+        self._unpinned(client, update.released)
+        if update.lease_lost:
+            self._pin_again(client)
 
     def _note_totals(self, totals: IndexTotals) -> None:
         with self._lock:
@@ -880,7 +945,7 @@ class RedisTier(Tier):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
         def refresh(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(self._index.queue(c)))
+            self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
             self._refresh_pins(c)
 
         try:
@@ -951,12 +1016,27 @@ class RedisTier(Tier):
         return report
 
     def close(self) -> None:
+        """Close the connection and stop renewing this process's pin lease: its pins in Redis
+        go one lease later, unless pinned again (the server's pins file does at its start)."""
+        with self._lock:
+            self._lease_stop.set()
+            self._lease_stop, self._lease_keeper = threading.Event(), None
         client, self._client = self._client, None
         if client is not None:
             try:
                 client.close()
             except Exception:  # closing a client whose server is gone must not raise
                 pass
+
+
+def _renew_leases(tier_ref: Callable[[], RedisTier | None], stop: threading.Event, every_seconds: float) -> None:
+    """A tier's pin lease keeper (a weak reference: a tier dropped without ``close`` ends it)."""
+    while not stop.wait(every_seconds):
+        tier = tier_ref()
+        if tier is None:
+            return
+        tier._renew_lease()
+        del tier
 
 
 def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
