@@ -23,6 +23,7 @@ from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.lease import Lease
+from cacheseek.store.moves import MAX_WALKS
 from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
@@ -343,12 +344,13 @@ class BlockService:
         """Stored keys (and infos) of the chain ending at ``h``, head first. Positions must
         step down by one to 0 through the stored parent hashes; else the chain is incomplete.
         A block on its way down a tier (in none for a moment) is waited for, as a read does."""
-        mark = self.store.mark_moves()
-        try:
-            return self._chain(namespace, h)
-        except NotFound:
-            if not self.store.moved_since(mark):
-                raise
+        for _ in range(MAX_WALKS - 1):  # (each walk may meet another block on its way down)
+            mark = self.store.mark_moves()
+            try:
+                return self._chain(namespace, h)
+            except NotFound:
+                if not self.store.moved_since(mark):
+                    raise
         return self._chain(namespace, h)
 
     def _chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]]:

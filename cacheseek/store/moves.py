@@ -20,6 +20,9 @@ from contextlib import contextmanager
 # is: far longer than a demotion (a frame written to disk or Redis), short enough that a
 # wedged tier below cannot hold readers.
 WAIT_S = 5.0
+# How many times a walk of many blocks (a chain) looks again: under steady eviction each look
+# can meet another of its blocks on the way down, each one settled by the look after it.
+MAX_WALKS = 8
 
 
 class Moves:

@@ -49,7 +49,7 @@ from ..errors import ConfigError, StorageError
 from .admission import UseFilter
 from .frame import FrameMeta
 from .lease import Lease, release_all
-from .moves import Moves
+from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
@@ -519,10 +519,11 @@ class TieredStore:
     def chain(self, key: bytes, *, limit: int = 1 << 20) -> list[bytes] | None:
         """Every block of the chain ending at ``key``, head first; None if any link is missing
         (a block on its way down a tier is not missing: see ``mark_moves``)."""
-        mark = self.mark_moves()
-        keys = self._chain(key, limit)
-        if keys is None and self.moved_since(mark):
+        for _ in range(MAX_WALKS):
+            mark = self.mark_moves()
             keys = self._chain(key, limit)
+            if keys is not None or not self.moved_since(mark):
+                break
         return keys
 
     def _chain(self, key: bytes, limit: int) -> list[bytes] | None:
