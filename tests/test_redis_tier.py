@@ -1469,6 +1469,37 @@ def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_
         proxy.close()
 
 
+def test_a_pin_sent_again_after_its_reply_was_lost_still_says_the_lease_was_lost(redis_url, server):
+    """A process whose pin lease ran out (another process's call dropped its pins) learns so
+    from its next pin, and pins again what it held. When that pin's reply was lost and
+    redis-py sent it again, the second run found the lease the first had just made and
+    answered that none was lost: the pins the process held before stayed out of Redis (in
+    its LRU, their frames expiring) while it went on holding them."""
+    proxy = ReplyLosingProxy(server.port)
+    a = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, pin_lease_seconds=0.3)
+    b = RedisTier(server.url, 64 << 20, ttl_seconds=60)
+    frames = [_frame(i) for i in range(120, 122)]
+    held, later = (k for k, _ in frames)
+    try:
+        a.put_many(frames)
+        a.pin([held])
+        a._lease_stop.set()  # (its renewals held up: cut off for longer than the lease)
+        a._lease_keeper.join(5)
+        time.sleep(0.6)
+        b.stats()  # another process's call drops the lapsed lease, and a's pin with it
+        r = b._connection()
+        assert not r.sismember(b.keys_of.pinned, RedisKeys.member(held))
+        proxy.arm(RedisKeys.member(later).encode())
+        a.pin([later])  # (its reply lost, sent again by redis-py, and answered)
+        assert proxy.lost == 1
+        assert {m.decode() for m in r.smembers(b.keys_of.pinned)} == {RedisKeys.member(held), RedisKeys.member(later)}
+        assert r.pttl(a.keys_of.frame(held)) == -1
+    finally:
+        a.close()
+        b.close()
+        proxy.close()
+
+
 def test_a_hung_redis_gets_one_probe_at_a_time(tmp_path):
     """docs/redis.md: only one probe is in flight at a time. The probe was replaced once it
     had been out for the backoff, so with a backoff shorter than the socket timeout (the

@@ -18,7 +18,8 @@ the index's hash tag. One call of the script, in this order:
 
 A call sent again under its id (redis-py's retry after a connection error) does none of
 this: it answers the first run's reply, kept for a minute when it holds victims, expired
-entries, forgotten ghosts or blocks counted anew (see :meth:`SharedIndex.queue`).
+entries, forgotten ghosts, blocks counted anew or unpinned, or a lost lease (see
+:meth:`SharedIndex.queue`).
 
 Pins: a pinned block is kept in the sizes hash (so it counts) but not in the LRU zset, so
 neither eviction nor the TTL prune ever reaches it; the ``pinned`` set names every pinned
@@ -354,7 +355,9 @@ local reply = {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned
                held_now, released, lease_lost}
 -- Kept only where a second run would answer otherwise (it would evict, expire and repair
 -- nothing, and count nothing anew): those victims and entries are the caller's to delete.
-if #evicted > 0 or #expired > 0 or #repaired > 0 or #released > 0 or counted_anew then
+-- A lost lease too: a pin takes the lease again, so a second run would find it held, and
+-- the caller would never pin again what the lapse took.
+if #evicted > 0 or #expired > 0 or #repaired > 0 or #released > 0 or counted_anew or lease_lost == 1 then
   redis.call('SET', call, cmsgpack.pack(reply), 'PX', reply_ms)
 end
 return reply
@@ -498,7 +501,7 @@ class SharedIndex:
 
         Each call carries an id of its own, under which the script keeps its reply when
         running it again would answer otherwise (victims, entries let expire, blocks counted
-        anew). redis-py sends a pipeline (or a command) again, once, after a connection
+        anew or unpinned, a lost lease). redis-py sends a pipeline (or a command) again, once, after a connection
         error: when that error lost the reply of a script Redis had run, the second run
         evicted nothing, and the first run's victims were neither deleted nor counted
         (orphans). Dropping the client's retry would not save them (the reply is lost all the
