@@ -148,12 +148,6 @@ end
 -- set is the union of the owners' sets, so a block stays pinned while any owner pins it, and
 -- the pins of a process that died without unpinning go when its lease runs out.
 local released = {}  -- blocks no owner pins any more, back in the LRU: their frames expire again
-local function held(member)
-  for _, o in ipairs(redis.call('ZRANGE', pinners, 0, -1)) do
-    if redis.call('SISMEMBER', owned_prefix .. o, member) == 1 then return true end
-  end
-  return false
-end
 local function release(member)
   if redis.call('SREM', pinned, member) == 1 then
     changed = true
@@ -165,6 +159,28 @@ local function release(member)
       pinned_bytes = pinned_bytes - n
       pinned_blocks = pinned_blocks - 1
     end
+  end
+end
+-- Release those of ``members`` (in their order) that none of ``owners`` pins. One SDIFF
+-- over a scratch set in the index's slot rather than a SISMEMBER per member and owner: a
+-- 100k-block unpin beside 16 owners blocked Redis for 1.7 s that way.
+local function release_unheld(members, owners)
+  if #owners > 0 and #members > 0 then
+    local scratch = call .. ':held'
+    redis.call('DEL', scratch)
+    for j = 1, #members, 4096 do
+      redis.call('SADD', scratch, unpack(members, j, math.min(j + 4095, #members)))
+    end
+    local sets = {scratch}
+    for _, o in ipairs(owners) do sets[#sets + 1] = owned_prefix .. o end
+    local free = {}
+    for _, m in ipairs(redis.call('SDIFF', unpack(sets))) do free[m] = true end
+    redis.call('DEL', scratch)
+    for _, m in ipairs(members) do
+      if free[m] then release(m) end
+    end
+  else
+    for _, m in ipairs(members) do release(m) end
   end
 end
 
@@ -184,9 +200,7 @@ for _, o in ipairs(redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0,
   redis.call('DEL', owned_prefix .. o)
   redis.call('ZREM', pinners, o)
   changed = true
-  for _, m in ipairs(members) do
-    if not held(m) then release(m) end
-  end
+  release_unheld(members, redis.call('ZRANGE', pinners, 0, -1))
 end
 -- The caller's own lease, renewed; lost if it ran out (its pins went: it pins them again).
 local lease_lost = 0
@@ -271,14 +285,22 @@ for _ = 1, n_pin do
   end
 end
 
+local others = {}  -- (the caller's own set no longer holds what it unpins)
+if n_unpin > 0 then
+  for _, o in ipairs(redis.call('ZRANGE', pinners, 0, -1)) do
+    if o ~= owner then others[#others + 1] = o end
+  end
+end
+local dropped = {}
 for _ = 1, n_unpin do
   local m = ARGV[i]
   i = i + 1
   if redis.call('SREM', owned_prefix .. owner, m) == 1 then
     changed = true
-    if not held(m) then release(m) end
+    dropped[#dropped + 1] = m
   end
 end
+release_unheld(dropped, others)
 if n_unpin > 0 and redis.call('EXISTS', owned_prefix .. owner) == 0 then
   redis.call('ZREM', pinners, owner)  -- (an owner with no pins left holds no lease)
 end
