@@ -161,3 +161,65 @@ def test_a_reader_above_the_minimum_rate_is_not_cut_off_while_the_kernel_holds_i
         time.sleep(4)
         got = reader.finish()  # the rest at full speed: what the kernels held when it was cut (~4 MiB)
         assert len(got) < 8 * MiB, len(got)
+
+
+
+
+def test_a_stalled_reader_of_a_chain_broken_mid_stream_is_cut_off(tmp_path):
+    """A response cut short (a block found corrupt ahead of the stream) waits for its leased
+    bytes to leave the transport before it closes. That wait had no end: where the frame
+    before the break left the transport under its high-water mark (writing not paused, so
+    the protocol's send limits never armed), a client that read no more held the response,
+    and the leases of the frames in the transport, for good. Now the wait ends once
+    body_idle_timeout_seconds pass without a byte taken, and the connection is dropped."""
+    # 48 KiB frames: the one the socket's buffers take only part of leaves the rest (under
+    # the transport's 64 KiB high-water mark) in the transport, and writing goes on.
+    layout = dict(layout=LAYOUT, block=48)
+    probe_chain = raw_chain(40, 150, **layout)
+    chains = [raw_chain(41 + i, 150, **layout) for i in range(3)]
+    args = ["--body-idle-timeout-seconds", "2", "--body-min-bytes-per-second", "1KiB"]
+    with Server(tmp_path, *args, cpu_bytes="16MiB") as srv:
+
+        def stalled(chain) -> socket.socket:  # a GET of the chain that reads nothing
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+            sock.connect(("127.0.0.1", srv.port))
+            sock.sendall(f"GET /v1/prefixes/{chain[-1][0].hex()} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            return sock
+
+        def put(frames) -> None:
+            assert httpx.post(srv.url + "/v1/blocks", content=batch_body(frames), timeout=30).status_code == 200
+
+        put([f for _, f in probe_chain])
+        probe = stalled(probe_chain)
+        time.sleep(1.0)  # the socket's buffers fill, then the transport's; writing pauses
+        # Fetched: the frame the kernel took part of, the one that paused writing, the one
+        # waiting to be sent, the next one.
+        partly = _cpu(srv.url)["hits"] - 4
+        probe.close()
+        assert 10 <= partly <= 140, partly
+        # Each chain breaks at a block near the one after that one: a block read from disk
+        # and found corrupt; those before it are in memory, leased as they are sent.
+        breaks = [partly + 1 + i for i in (-1, 0, 1)]
+        put([f for chain, at in zip(chains, breaks) for _, f in chain[at:]])
+        put([f for _, f in raw_chain(50, 400, **layout)])  # 19 MiB: the tails go to disk only
+        put([f for chain, at in zip(chains, breaks) for _, f in chain[:at]])
+        for chain, at in zip(chains, breaks):
+            hexkey = chain[at][0].hex()
+            with open(srv.disk_path / hexkey[:2] / f"{hexkey}.frame", "r+b") as f:
+                f.seek(-100, 2)
+                f.write(b"\xff" * 100)
+        socks = []
+        try:
+            socks = [stalled(chain) for chain in chains]
+            deadline = time.monotonic() + 10
+            while (tier := _cpu(srv.url))["leases_active"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert tier["leases_active"] == 0 and tier["held_slots"] == 0, tier
+            disk = httpx.get(srv.url + "/v1/stats").json()["tiers"][1]
+            assert disk["corrupt"] == 3, disk  # each chain's break was met
+        finally:
+            for sock in socks:
+                sock.close()
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]

@@ -74,6 +74,7 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         return asyncio.ensure_future(run_in_threadpool(stored, key))
 
     sent = SentLeases(request.scope)  # each frame's lease released once the transport is past its bytes
+    idle_s = request.app.state.settings.body_idle_timeout_seconds
 
     async def body():
         pending = fetch(chain[0][0])
@@ -83,8 +84,10 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                 if i + 1 < len(chain):
                     pending = fetch(chain[i + 1][0])
                 if frame is None or frame.meta.nbytes != info.nbytes:
-                    await sent.drained()  # the cut closes the connection: what it still sends is no view
-                    raise ChainBroken(f"block at position {info.position} vanished while streaming")
+                    # The cut closes the connection: what it still sends is no view (or, the
+                    # client taking none of it, aborts it with the views).
+                    out = await sent.drained(idle_s)
+                    raise ChainBroken(f"block at position {info.position} vanished while streaming", abort=not out)
                 segments = service.wire_segments(namespace, frame)
                 head = memoryview(segments[0])
                 offset = frame.meta.payload_offset
