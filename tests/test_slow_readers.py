@@ -6,6 +6,7 @@ the tier evicts and reuses slots under it."""
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -223,3 +224,35 @@ def test_a_stalled_reader_of_a_chain_broken_mid_stream_is_cut_off(tmp_path):
                 sock.close()
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_prefix_stream_stops_fetching_once_its_client_is_gone(tmp_path):
+    """A client that went away mid-prefix had the rest of its chain fetched all the same (and
+    counted as hits and as bytes sent): woken by the disconnection, the body ran through every
+    frame in memory before the cancellation reached it (a send to a gone client returns at
+    once). It now stops at the next frame."""
+    chain = raw_chain(60, 200, layout=LAYOUT, block=48)  # 9.4 MiB: more than the socket's buffers take
+    with Server(tmp_path, cpu_bytes="64MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        sent_before = _frame_bytes_sent(srv.url)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        sock.connect(("127.0.0.1", srv.port))
+        sock.sendall(f"GET /v1/prefixes/{chain[-1][0].hex()} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        time.sleep(1.0)  # the buffers fill; writing pauses
+        fetched = _cpu(srv.url)["hits"]
+        assert fetched < len(chain) - 10, fetched
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset: the client is gone
+        time.sleep(1.0)
+        tier = _cpu(srv.url)
+        assert tier["hits"] <= fetched + 1 and tier["leases_active"] == 0, (fetched, tier)
+        assert _frame_bytes_sent(srv.url) - sent_before <= (fetched + 1) * len(chain[0][1])
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def _frame_bytes_sent(url: str) -> float:
+    line = next(line for line in httpx.get(url + "/metrics").text.splitlines()
+                if line.startswith("cacheseek_frame_bytes_sent_total "))
+    return float(line.split()[1])

@@ -16,6 +16,7 @@ from cacheseek.store.lease import Lease
 from ..deps import Hash, Reader, Service
 from ..errors import BadRequest
 from ..leased_response import LeasedStreamingResponse, ResponseCut, SentLeases, copied_tail
+from ..protocol import BODY_GONE
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
@@ -75,12 +76,18 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
 
     sent = SentLeases(request.scope)  # each frame's lease released once the transport is past its bytes
     idle_s = request.app.state.settings.body_idle_timeout_seconds
+    # A send to a client gone returns at once: woken by the disconnection, the body would run
+    # through every frame in memory (fetched, counted as hits and as sent) before the
+    # cancellation reached it.
+    gone = request.scope.get("extensions", {}).get(BODY_GONE, lambda: False)
 
     async def body():
         pending = fetch(chain[0][0])
         try:
             for i, (key, info) in enumerate(chain):
                 frame = await pending
+                if gone():
+                    break
                 if i + 1 < len(chain):
                     pending = fetch(chain[i + 1][0])
                 if frame is None or frame.meta.nbytes != info.nbytes:
