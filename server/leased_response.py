@@ -11,8 +11,9 @@ still had in flight lands in ``leases`` before they are released.
 After the last ``send`` returns, the event loop's transport may still hold the bytes it has
 not written yet: uvloop keeps a view of them (not a copy), up to the transport's high-water
 mark (64 KiB by default) beyond what the socket took. So the last ``TAIL_COPY`` bytes of a
-response are sent from a copy (``copied_tail``): when the response ends, no view of a leased
-slot is left with the transport.
+response are sent from a copy (``copied_tail``), whichever frames they are of (frames smaller
+than the high-water mark leave views of the frames before the last): when the response ends,
+no view of a leased slot is left with the transport.
 
 A response of many frames releases each frame's lease as soon as the transport has sent past
 its bytes (``SentLeases``), not when the response is over: a client reading a long prefix
@@ -144,12 +145,15 @@ class SentLeases:
             await asyncio.sleep(DRAIN_POLL_S)
 
 
-def copied_tail(segment: Any) -> list[Any]:
-    """The last segment of a response as [view of its head, copy of its last ``TAIL_COPY`` bytes]."""
+def copied_tail(segment: Any, after: int = 0) -> list[Any]:
+    """A segment of a response followed by ``after`` bytes more, as [view of its head, copy
+    of its bytes among the response's last ``TAIL_COPY``] (the view alone when none is)."""
     view = memoryview(segment).cast("B")
-    if view.nbytes <= TAIL_COPY:
+    cut = view.nbytes + after - TAIL_COPY
+    if cut >= view.nbytes:
+        return [view]
+    if cut <= 0:
         return [bytes(view)]
-    cut = view.nbytes - TAIL_COPY
     return [view[:cut], bytes(view[cut:])]
 
 

@@ -256,3 +256,45 @@ def _frame_bytes_sent(url: str) -> float:
     line = next(line for line in httpx.get(url + "/metrics").text.splitlines()
                 if line.startswith("cacheseek_frame_bytes_sent_total "))
     return float(line.split()[1])
+
+
+
+def test_a_stalled_reader_of_small_frames_gets_the_stored_bytes_after_the_response_is_over(tmp_path):
+    """The last ``TAIL_COPY`` bytes of a response go from a copy, so that no view of a leased
+    slot is left with the transport once it is over and every lease is released. Only the
+    last frame's were copied: with frames smaller than the transport's high-water mark, what
+    it still held at the end began with views of the frames before (their leases released),
+    and a tier reusing those slots changed the bytes the client got. Now the copy is the
+    response's last bytes, whichever frames they are of."""
+    chain = raw_chain(70, 1500, layout=LAYOUT, block=4)  # 6.8 MiB of 4.6 KiB frames
+    args = ["--body-idle-timeout-seconds", "30", "--body-min-bytes-per-second", "1KiB", "--eviction", "lru"]
+    with Server(tmp_path, *args, cpu_bytes="8MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=30).status_code == 200
+        probe = SlowReader(srv.port, f"/v1/prefixes/{chain[-1][0].hex()}", 1)  # reads (almost) nothing
+        time.sleep(1.0)  # the socket's buffers fill, then the transport's: writing pauses
+        fetched = _cpu(srv.url)["hits"]
+        probe.close()
+        assert fetched < len(chain) - 10, fetched
+        # A prefix of the chain that ends a few frames before writing paused: the response is
+        # over with the transport under its high-water mark, holding the end of the frames
+        # before the last, as the socket's buffers fill again.
+        time.sleep(0.5)
+        hits = _cpu(srv.url)["hits"]
+        reader = SlowReader(srv.port, f"/v1/prefixes/{chain[fetched - 8][0].hex()}", 1)
+        deadline = time.monotonic() + 10
+        while ((tier := _cpu(srv.url))["hits"] < hits + fetched - 7 or tier["leases_active"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier["leases_active"] == 0, tier  # the response is over; the client has read nothing
+        for seed in (71, 72, 73):  # every slot of the chain evicted, and refilled
+            fresh = raw_chain(seed, 1000, layout=LAYOUT, block=4)
+            assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in fresh])).status_code == 200
+        got = reader.finish()
+        top, _, body = got.partition(b"\r\n\r\n")
+        assert top.startswith(b"HTTP/1.1 200")
+        frames = _frames(body)
+        assert len(frames) == fetched - 7
+        bad = [i for i, f in enumerate(frames) if f != chain[i][1]]
+        assert not bad, bad
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]

@@ -105,7 +105,8 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                 if not sent.views:  # no mark of what the transport has sent: a copy, and the slot is free
                     payload = bytes(payload)
                     frame.release()
-                for piece in [payload] if i + 1 < len(chain) else copied_tail(payload):  # the end: its tail a copy
+                payload = memoryview(payload).cast("B")
+                for piece in copied_tail(payload, total - sent.written - payload.nbytes):  # the end: a copy
                     yield sent.wrote(piece)
                     sent.release_sent()
                 sent.hold(frame.lease)
