@@ -298,3 +298,33 @@ def test_a_stalled_reader_of_small_frames_gets_the_stored_bytes_after_the_respon
         assert not bad, bad
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_client_gone_while_a_frame_is_read_in_a_thread_leaves_no_lease(tmp_path):
+    """A frame a worker thread reads (here: one a prefetch is promoting, waited for, then
+    taken from memory, leased) was cancelled with the response when its client went away,
+    but the thread read on, and added the frame's lease to the response's leases after they
+    were released: the lease was held for good (the slot never reused). The read is now
+    waited for, and its lease released with the others."""
+    chain = raw_chain(80, 100, layout=BIG_LAYOUT)  # 100 MiB, 1 MiB frames
+    srv = Server(tmp_path, cpu_bytes="256MiB")
+    with srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]), timeout=60).status_code == 200
+    with srv:  # restarted: the chain on disk only
+        answer = httpx.post(srv.url + "/v1/prefetch", json={"hashes": [h.hex() for h, _ in chain]})
+        assert answer.status_code == 202, answer.text
+        # The last block: the prefetch promotes it last, and the read waits for it.
+        sock = socket.socket()
+        sock.connect(("127.0.0.1", srv.port))
+        sock.sendall(f"GET /v1/prefixes/{chain[-1][0].hex()}?start={len(chain) - 1} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        time.sleep(0.05)  # the response begun, its read waiting
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset: the client is gone
+        deadline = time.monotonic() + 20
+        while (tier := _cpu(srv.url))["blocks"] < len(chain) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        tier = _cpu(srv.url)
+        assert tier["blocks"] == len(chain) and tier["leases_active"] == 0 and tier["held_slots"] == 0, tier
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]

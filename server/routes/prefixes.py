@@ -85,7 +85,9 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         pending = fetch(chain[0][0])
         try:
             for i, (key, info) in enumerate(chain):
-                frame = await pending
+                # Shielded: cancelled, the future would not stop its worker thread, which would
+                # add the frame's lease to ``leases`` after the response had released them.
+                frame = await asyncio.shield(pending)
                 if gone():
                     break
                 if i + 1 < len(chain):
