@@ -11,8 +11,9 @@ still had in flight lands in ``leases`` before they are released.
 After the last ``send`` returns, the event loop's transport may still hold the bytes it has
 not written yet: uvloop keeps a view of them (not a copy), up to the transport's high-water
 mark (64 KiB by default) beyond what the socket took. So the last ``TAIL_COPY`` bytes of a
-response are sent from a copy (``copied_tail``): when the response ends, no view of a leased
-slot is left with the transport.
+response are sent from a copy (``copied_tail``), whichever frames they are of (frames smaller
+than the high-water mark leave views of the frames before the last): when the response ends,
+no view of a leased slot is left with the transport.
 
 A response of many frames releases each frame's lease as soon as the transport has sent past
 its bytes (``SentLeases``), not when the response is over: a client reading a long prefix
@@ -47,7 +48,13 @@ DRAIN_POLL_S = 0.01  # how often a response about to be cut short looks whether 
 
 class ResponseCut(RuntimeError):
     """Raised by a body to end its response short on purpose, a documented outcome (a frame
-    evicted while its chain streams): the connection is closed, and no bug is logged."""
+    evicted while its chain streams): the connection is closed, and no bug is logged.
+    ``abort``: dropped with what the transport still holds (views of leased memory the
+    client would not take), not closed after sending it."""
+
+    def __init__(self, message: str, *, abort: bool = False) -> None:
+        super().__init__(message)
+        self.abort = abort
 
 
 class LeasedStreamingResponse(StreamingResponse):
@@ -66,7 +73,7 @@ class LeasedStreamingResponse(StreamingResponse):
             if cut is None:
                 raise  # uvicorn's own protocol (the fast path is off): it closes the connection, logging
             log.info("%s %s: response cut short: %s", scope.get("method"), scope.get("path"), exc)
-            cut()
+            cut(abort=exc.abort)
         finally:
             with anyio.CancelScope(shield=True):
                 close = getattr(self.body_iterator, "aclose", None)
@@ -116,24 +123,37 @@ class SentLeases:
             if not lease.released:
                 lease.release()
 
-    async def drained(self) -> None:
+    async def drained(self, idle_s: float) -> bool:
         """Wait until every held lease's bytes are out (or the connection is gone, its buffer
         dropped), before a response closes its connection on purpose: a close sends what the
-        transport still holds after the leases are released. A client too slow to take them is
-        cut off by the protocol's send limits."""
+        transport still holds after the leases are released. False once ``idle_s`` passed
+        with no byte of them sent: the connection must then be aborted, not closed. (The
+        protocol's send limits watch only a transport past its high-water mark; the last
+        frame may have left less than that, and a client that read no more held this wait,
+        and the leases, for good.)"""
+        loop = asyncio.get_running_loop()
+        mark, since = -1, loop.time()
         while True:
             self.release_sent()
             if not self.held:
-                return
+                return True
+            sent = self.written - self.unsent()  # type: ignore[misc]
+            if sent > mark:
+                mark, since = sent, loop.time()
+            elif loop.time() - since >= idle_s:
+                return False
             await asyncio.sleep(DRAIN_POLL_S)
 
 
-def copied_tail(segment: Any) -> list[Any]:
-    """The last segment of a response as [view of its head, copy of its last ``TAIL_COPY`` bytes]."""
+def copied_tail(segment: Any, after: int = 0) -> list[Any]:
+    """A segment of a response followed by ``after`` bytes more, as [view of its head, copy
+    of its bytes among the response's last ``TAIL_COPY``] (the view alone when none is)."""
     view = memoryview(segment).cast("B")
-    if view.nbytes <= TAIL_COPY:
+    cut = view.nbytes + after - TAIL_COPY
+    if cut >= view.nbytes:
+        return [view]
+    if cut <= 0:
         return [bytes(view)]
-    cut = view.nbytes - TAIL_COPY
     return [view[:cut], bytes(view[cut:])]
 
 

@@ -61,7 +61,9 @@ MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, or its trailers (http
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
-CUT_SHORT = "cacheseek.cut_short"  # () -> None: end a response begun, on purpose, by closing the connection
+# (abort=False) -> None: end a response begun, on purpose, by closing the connection (abort:
+# dropping what the transport still holds, unsent).
+CUT_SHORT = "cacheseek.cut_short"
 # () -> int: bytes written to the connection and not sent yet (0 once it is gone). The
 # transport may hold them by reference (uvloop, asyncio from 3.12): a response releases a
 # frame's memory once its bytes are past them (server/leased_response.py).
@@ -292,15 +294,18 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[BODY_INTO] = cycle.receive_into
                 extensions[BODY_GONE] = lambda: cycle.disconnected
-                extensions[CUT_SHORT] = lambda: self.cut_short(cycle)
+                extensions[CUT_SHORT] = lambda abort=False: self.cut_short(cycle, abort)
                 extensions[UNSENT] = self.transport.get_write_buffer_size
 
-        def cut_short(self, cycle: Any) -> None:
+        def cut_short(self, cycle: Any, abort: bool = False) -> None:
             """The ``CUT_SHORT`` extension: the response's client sees its connection closed
             before the declared length; uvicorn, told the client is gone, logs nothing."""
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.close()
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
 
         def on_message_complete(self) -> None:
             super().on_message_complete()

@@ -16,6 +16,7 @@ from cacheseek.store.lease import Lease
 from ..deps import Hash, Reader, Service
 from ..errors import BadRequest
 from ..leased_response import LeasedStreamingResponse, ResponseCut, SentLeases, copied_tail
+from ..protocol import BODY_GONE
 from ._body import BINARY, ERROR
 
 router = APIRouter(prefix="/v1/prefixes", tags=["prefixes"])
@@ -74,17 +75,28 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         return asyncio.ensure_future(run_in_threadpool(stored, key))
 
     sent = SentLeases(request.scope)  # each frame's lease released once the transport is past its bytes
+    idle_s = request.app.state.settings.body_idle_timeout_seconds
+    # A send to a client gone returns at once: woken by the disconnection, the body would run
+    # through every frame in memory (fetched, counted as hits and as sent) before the
+    # cancellation reached it.
+    gone = request.scope.get("extensions", {}).get(BODY_GONE, lambda: False)
 
     async def body():
         pending = fetch(chain[0][0])
         try:
             for i, (key, info) in enumerate(chain):
-                frame = await pending
+                # Shielded: cancelled, the future would not stop its worker thread, which would
+                # add the frame's lease to ``leases`` after the response had released them.
+                frame = await asyncio.shield(pending)
+                if gone():
+                    break
                 if i + 1 < len(chain):
                     pending = fetch(chain[i + 1][0])
                 if frame is None or frame.meta.nbytes != info.nbytes:
-                    await sent.drained()  # the cut closes the connection: what it still sends is no view
-                    raise ChainBroken(f"block at position {info.position} vanished while streaming")
+                    # The cut closes the connection: what it still sends is no view (or, the
+                    # client taking none of it, aborts it with the views).
+                    out = await sent.drained(idle_s)
+                    raise ChainBroken(f"block at position {info.position} vanished while streaming", abort=not out)
                 segments = service.wire_segments(namespace, frame)
                 head = memoryview(segments[0])
                 offset = frame.meta.payload_offset
@@ -95,7 +107,8 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
                 if not sent.views:  # no mark of what the transport has sent: a copy, and the slot is free
                     payload = bytes(payload)
                     frame.release()
-                for piece in [payload] if i + 1 < len(chain) else copied_tail(payload):  # the end: its tail a copy
+                payload = memoryview(payload).cast("B")
+                for piece in copied_tail(payload, total - sent.written - payload.nbytes):  # the end: a copy
                     yield sent.wrote(piece)
                     sent.release_sent()
                 sent.hold(frame.lease)
