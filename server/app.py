@@ -25,7 +25,7 @@ from .namespaces import KEY_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
-from .store import build_store, trim_disk
+from .store import build_store
 from .summary import recovery_figures, store_lines
 
 log = logging.getLogger("cacheseek.server")
@@ -74,7 +74,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks, owners=owners)
         app.state.admin = AdminOps(service, disk)
         await run_in_threadpool(app.state.admin.restore_pins)
-        await run_in_threadpool(trim_disk, the_store)
+        await run_in_threadpool(the_store.trim)  # (its victims handed down)
         first = await run_in_threadpool(service.stats)
         recovery = recovery_figures(first, opened)
         metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency()})

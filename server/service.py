@@ -23,7 +23,6 @@ from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.lease import Lease
-from cacheseek.store.moves import MAX_WALKS
 from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
@@ -344,27 +343,24 @@ class BlockService:
         """Stored keys (and infos) of the chain ending at ``h``, head first. Positions must
         step down by one to 0 through the stored parent hashes; else the chain is incomplete.
         A block on its way down a tier (in none for a moment) is waited for, as a read does."""
-        for _ in range(MAX_WALKS - 1):  # (each walk may meet another block on its way down)
-            mark = self.store.mark_moves()
-            try:
-                return self._chain(namespace, h)
-            except NotFound:
-                if not self.store.moved_since(mark):
-                    raise
-        return self._chain(namespace, h)
+        found = self.store.walk_past_moves(lambda: self._chain(namespace, h),
+                                           missed=lambda out: isinstance(out, NotFound))
+        if isinstance(found, NotFound):
+            raise found
+        return found
 
-    def _chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]]:
+    def _chain(self, namespace: str, h: bytes) -> list[tuple[bytes, BlockInfo]] | NotFound:
         key = self.namespaces.stored_key(namespace, h)
         info = self.store.info(key)
         if info is None:
-            raise NotFound(f"block {to_hex(h)} is not stored")
+            return NotFound(f"block {to_hex(h)} is not stored")
         out = [(key, info)]
         while info.position > 0:
             parent = info.parent
             pinfo = self.store.info(parent)
             if pinfo is None or pinfo.position != info.position - 1:
-                raise NotFound(f"the chain ending at {to_hex(h)} is not complete: block at position "
-                               f"{info.position - 1} is missing")
+                return NotFound(f"the chain ending at {to_hex(h)} is not complete: block at position "
+                                f"{info.position - 1} is missing")
             out.append((parent, pinfo))
             info = pinfo
         out.reverse()

@@ -44,12 +44,6 @@ def tier_config(settings: ServerSettings) -> TierConfig:
 
 
 def build_store(settings: ServerSettings) -> TieredStore:
-    """The store, its disk tier not yet trimmed to ``disk_bytes``: ``trim_disk`` once the
+    """The store, its disk tier not yet trimmed to ``disk_bytes``: ``store.trim()`` once the
     pins file's pins are made again, so that a smaller budget does not evict a pinned chain."""
     return tier_config(settings).build(trim_disk_at_open=False)
-
-
-def trim_disk(store: TieredStore) -> None:
-    """Trim a disk tier built by ``build_store`` to its budget (see ``DiskTier.trim``),
-    handing what it evicts down to the tier below as any eviction does."""
-    store.trim()

@@ -594,9 +594,7 @@ def test_a_restart_with_a_smaller_disk_budget_hands_what_it_trims_down_to_redis(
     """A disk over Redis, write-back: the disk hands what it evicts down to Redis. A restart
     with a smaller ``disk_bytes`` trims the directory to it; the blocks it trimmed were
     deleted, not handed down, though Redis had room. Embedded (trimmed as the store is
-    built) and as the server does it (``build_store``, then ``trim_disk``)."""
-    from cacheseek.server.store import trim_disk
-
+    built) and as the server does it (built untrimmed, then ``store.trim()``)."""
     toks, kv = tokens_for(41, 6 * BLOCK), make_kv(6 * BLOCK, 41)
     cache = rcache(redis_url, disk=tmp_path / "d", disk_bytes=8 * FRAME, write_through=())
     assert cache.ingest(toks, kv).stored == 6
@@ -607,7 +605,7 @@ def test_a_restart_with_a_smaller_disk_budget_hands_what_it_trims_down_to_redis(
                            redis_url=redis_url, redis_bytes="64MiB", write_through=())
     if server_start:
         store = config.build(trim_disk_at_open=False)
-        trim_disk(store)
+        store.trim()
     else:
         store = config.build()
     try:

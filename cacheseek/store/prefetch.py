@@ -6,7 +6,8 @@ started then reads the prompt's stored chain from the slow tiers into the memory
 request is served from memory.
 
 - ``Prefetcher.start(keys)`` returns at once: a ``Prefetch`` handle, or None (``attempt``:
-  a ``Refused`` saying why, as it was decided) when there is nothing to do (nothing stored, the chain already in memory: that costs one lookup) or
+  a ``Refused`` saying why, as it was decided) when there is nothing to do (nothing
+  stored, the chain already in memory: that costs one lookup) or
   the limit of prefetches in flight (``max_in_flight``) is reached (counted, never queued:
   a prefetch that cannot start at once is worth less than the one it would wait behind).
 - Promotions in flight are shared: each block being promoted has a future in

@@ -820,12 +820,8 @@ class RedisTier(Tier):
         keys = list(keys)
         if not keys:
             return
-        members = [RedisKeys.member(k) for k in keys]
-
         def send(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(self._index.queue(c, pin=members, owner=self.owner)))
-            if self._ttl_ms is not None:
-                self._pipelined(c, "persist", [self.keys_of.frame(k) for k in keys])
+            self._delete_expired(c, self._send_pins(c, keys))
 
         with self._pinning:  # (an owed unpin sent meanwhile would undo this pin)
             with self._lock:
@@ -884,11 +880,15 @@ class RedisTier(Tier):
             with self._lock:
                 own = [k for k in self._own if k not in self._owed_unpins]
             if own:
-                update = SharedIndex.parse(self._index.queue(client, pin=[RedisKeys.member(k) for k in own],
-                                                             owner=self.owner))
-                self._note_totals(update.totals)
-                if self._ttl_ms is not None:
-                    self._pipelined(client, "persist", [self.keys_of.frame(k) for k in own])
+                self._note_totals(self._send_pins(client, own).totals)
+
+    def _send_pins(self, client: Any, keys: list[bytes]) -> IndexUpdate:
+        """Pin ``keys`` in the index as this process's, and take the expiry off their frames."""
+        update = SharedIndex.parse(self._index.queue(client, pin=[RedisKeys.member(k) for k in keys],
+                                                     owner=self.owner))
+        if self._ttl_ms is not None:
+            self._pipelined(client, "persist", [self.keys_of.frame(k) for k in keys])
+        return update
 
     def _keep_lease(self) -> None:
         """Start renewing this process's pin lease (once; the thread ends with ``close`` or

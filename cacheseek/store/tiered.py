@@ -43,7 +43,7 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import not_
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import ConfigError, StorageError
 from .admission import UseFilter
@@ -61,6 +61,8 @@ MEMORY = "memory"
 # Deletes remembered for reads in flight (``TieredStore._deleted_since``); a read older than
 # these treats its blocks as possibly deleted, and does not promote them.
 RECENT_DELETES = 4096
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -519,12 +521,18 @@ class TieredStore:
     def chain(self, key: bytes, *, limit: int = 1 << 20) -> list[bytes] | None:
         """Every block of the chain ending at ``key``, head first; None if any link is missing
         (a block on its way down a tier is not missing: see ``mark_moves``)."""
-        for _ in range(MAX_WALKS):
+        return self.walk_past_moves(lambda: self._chain(key, limit))
+
+    def walk_past_moves(self, walk: Callable[[], T], missed: Callable[[T], bool] = lambda out: out is None) -> T:
+        """``walk()`` of the tiers' indexes, again while it ``missed`` a block and a block may
+        have been on its way down during it (``mark_moves``): under steady eviction each walk
+        of many blocks can meet another of them in transit; at most ``MAX_WALKS`` walks."""
+        for _ in range(MAX_WALKS - 1):
             mark = self.mark_moves()
-            keys = self._chain(key, limit)
-            if keys is not None or not self.moved_since(mark):
-                break
-        return keys
+            out = walk()
+            if not missed(out) or not self.moved_since(mark):
+                return out
+        return walk()
 
     def _chain(self, key: bytes, limit: int) -> list[bytes] | None:
         out = []
