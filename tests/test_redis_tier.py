@@ -1625,3 +1625,75 @@ def test_a_puts_script_whose_reply_a_fault_kept_gets_its_victims_deleted_by_the_
     finally:
         tier.close()
         proxy.close()
+
+
+# -- what every script call leaves to do ---------------------------------------------------
+
+
+def _pin_as(tier: RedisTier, keys, owner: str, lease_seconds: float) -> None:
+    """Pin ``keys`` as another process would (the index, then PERSIST), under a short lease."""
+    from cacheseek.store.redis_index import SharedIndex
+
+    index = SharedIndex(tier.keys_of, tier.capacity_bytes, tier._index.ttl_us, pin_lease_us=round(lease_seconds * 1e6))
+    r = tier._connection()
+    index.queue(r, pin=[RedisKeys.member(k) for k in keys], owner=owner)
+    for k in keys:
+        r.persist(tier.keys_of.frame(k))
+
+
+@pytest.mark.parametrize("call", ["pin_again", "delete", "corrupt_read"])
+def test_every_call_that_meets_a_lapsed_lease_gives_its_frames_their_expiry_back(redis_url, call):
+    """Any script call drops the pins of owners whose lease ran out and says which blocks
+    no owner pins any more. The pin that takes a lost lease again, a delete and the forget
+    of a corrupt value took no notice: those frames kept no expiry (in the LRU, unpinned)
+    until the TTL prune dropped their entries."""
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60, pin_lease_seconds=0.3)
+    frames = [_frame(i) for i in range(130, 141)]
+    keys = [k for k, _ in frames]
+    r = tier._connection()
+    try:
+        tier.put_many(frames)
+        if call == "pin_again":
+            tier.pin([keys[0]])
+            tier._lease_stop.set()  # (its renewals held up: cut off for longer than the lease)
+            tier._lease_keeper.join(5)
+            # Eight owners whose leases end after this one's: a call drops eight lapsed owners,
+            # so this process's next call drops its own and seven, and its pin again the eighth.
+            for o in range(8):
+                _pin_as(tier, [keys[1 + o]], f"gone{o}", 0.3 + 0.01 * o)
+            released = keys[8]
+        else:
+            _pin_as(tier, [keys[9]], "gone", 0.3)
+            released = keys[9]
+        time.sleep(0.6)
+        if call == "pin_again":
+            tier.stats()
+            assert int(r.pttl(tier.keys_of.frame(keys[0]))) == -1  # pinned again
+        elif call == "delete":
+            assert tier.delete(keys[10])
+        else:
+            name = tier.keys_of.frame(keys[10])
+            r.setrange(name, r.strlen(name) - 8, b"\xff" * 4)
+            assert tier.get(keys[10]) is None and tier.stats().corrupt == 1
+        assert r.scard(tier.keys_of.pinned) == (1 if call == "pin_again" else 0)
+        assert int(r.pttl(tier.keys_of.frame(released))) > 50_000
+    finally:
+        tier.close()
+
+
+def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):
+    """Each call evicts down to its caller's budget, so the smallest in use wins; a touch,
+    a pin, an unpin or a lease renewal that evicted dropped the victims' entries and left
+    their frames stored, uncounted (orphans)."""
+    big = RedisTier(redis_url, 64 << 20)
+    frames = [_frame(i) for i in range(142, 146)]
+    small = RedisTier(redis_url, 2 * frames[0][1].nbytes)
+    try:
+        big.put_many(frames)
+        small.touch([frames[-1][0]])  # evicts the two least recently used
+        assert small.stats().evictions == 2
+        assert small.check() == {"ok": 2, "ghosts": 0, "orphans": 0}
+        assert big.contains_many([k for k, _ in frames]) == [False, False, True, True]
+    finally:
+        big.close()
+        small.close()

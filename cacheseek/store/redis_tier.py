@@ -406,9 +406,9 @@ class RedisTier(Tier):
         ]
         with self._lock:
             self._faults.dropped_writes += len(refused)
-        self._unpinned(client, update.released)  # (another process's lease ran out in this call)
+        self._settle(client, update, victims=False)  # (dealt with above)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
-            self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
+            self._settle(client, SharedIndex.parse(self._index.queue(client, forget=refused)))
             # and drop what such a SET would have replaced (a block the index had let expire
             # keeps its old value until its own PX): no value is left uncounted. (DEL runs
             # under maxmemory.)
@@ -466,8 +466,7 @@ class RedisTier(Tier):
                 update = self._index.replay(c, todo[0])
                 todo.pop(0)  # (asked: its deletes, if they fail now, are owed)
                 if update is not None:
-                    self.count(evictions=len(update.evicted))
-                    self._drop(c, list(update.evicted) + list(update.expired), update.gens)
+                    self._settle(c, update)
 
         try:
             self._run(send)
@@ -573,7 +572,7 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             update = SharedIndex.parse(self._index.queue(
                 c, repair=[RedisKeys.member(k) for k in keys], repair_idle_us=round(GHOST_GRACE_SECONDS * 1e6)))
-            self._delete_expired(c, update)
+            self._settle(c, update)
             if not update.repaired:
                 return
             # A write stalled past the grace may have landed its SET (and found its block
@@ -581,10 +580,7 @@ class RedisTier(Tier):
             found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
             back = [entry for entry, n in zip(update.repaired, found) if n]
             if back:
-                again = SharedIndex.parse(self._index.queue(c, add=back))
-                self._delete_expired(c, again)
-                if again.evicted:
-                    self._drop(c, again.evicted, again.gens)
+                self._settle(c, SharedIndex.parse(self._index.queue(c, add=back)))
 
         try:
             self._run(send)
@@ -628,7 +624,7 @@ class RedisTier(Tier):
 
         def drop(c: Any) -> None:
             if self._index.drop_found(c, member, length, head):
-                self._note_totals(SharedIndex.parse(self._index.queue(c, forget=[member])).totals)
+                self._settle(c, SharedIndex.parse(self._index.queue(c, forget=[member])))
 
         try:
             self._run(drop)
@@ -738,7 +734,7 @@ class RedisTier(Tier):
         if self.target.cluster:
             pipe.delete(self.keys_of.frame_gen(key))
         deleted, reply, *_ = pipe.execute()
-        self._note_totals(SharedIndex.parse(reply).totals)
+        self._settle(client, SharedIndex.parse(reply))
         return bool(deleted)
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -769,7 +765,7 @@ class RedisTier(Tier):
                 pipe.sismember(self.keys_of.pinned, m)
             replies = pipe.execute()
             update = SharedIndex.parse(replies[0])
-            self._delete_expired(c, update)
+            self._settle(c, update)
             self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
             # A pin this process knew of may be gone (another process unpinned the block, or
             # Redis was flushed or restarted): left without its PEXPIRE, a block in use expired.
@@ -803,10 +799,8 @@ class RedisTier(Tier):
 
         def send(c: Any) -> None:
             update = SharedIndex.parse(self._index.queue(c, add=found))
-            self._delete_expired(c, update)
+            self._settle(c, update)  # (an adopted block over the budget goes too: counted, then evicted)
             self._mark_adopted(c, [m for m, _, _ in found], update)
-            if update.evicted:  # (an adopted block over the budget goes too: counted, then evicted)
-                self._drop(c, update.evicted, update.gens)
 
         try:
             self._run(send)
@@ -821,7 +815,7 @@ class RedisTier(Tier):
         if not keys:
             return
         def send(c: Any) -> None:
-            self._delete_expired(c, self._send_pins(c, keys))
+            self._settle(c, self._send_pins(c, keys))
 
         with self._pinning:  # (an owed unpin sent meanwhile would undo this pin)
             with self._lock:
@@ -840,7 +834,7 @@ class RedisTier(Tier):
             return
 
         def send(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(
+            self._settle(c, SharedIndex.parse(
                 self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys], owner=self.owner)))
 
         with self._pinning:
@@ -880,7 +874,9 @@ class RedisTier(Tier):
             with self._lock:
                 own = [k for k in self._own if k not in self._owed_unpins]
             if own:
-                self._note_totals(self._send_pins(client, own).totals)
+                # (its reply says the lease was lost, as every pin's does that takes a lease
+                # anew: this is the pin that answers that)
+                self._settle(client, self._send_pins(client, own), pin_again=False)
 
     def _send_pins(self, client: Any, keys: list[bytes]) -> IndexUpdate:
         """Pin ``keys`` in the index as this process's, and take the expiry off their frames."""
@@ -905,7 +901,7 @@ class RedisTier(Tier):
         if not self._own:
             return
         try:
-            self._run(lambda c: self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+            self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
         except StorageError:
             pass  # counted; the next renewal tries again (and pins again what a lapse took)
 
@@ -924,15 +920,19 @@ class RedisTier(Tier):
             with self._lock:
                 self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
 
-    def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
-        """What a script call left to do beside the index: delete the frames of blocks it let
-        expire, give back their expiry to frames no pin holds any more, and pin again what
-        a lapse of this process's lease took."""
+    def _settle(self, client: Any, update: IndexUpdate, *, victims: bool = True, pin_again: bool = True) -> None:
+        """What any script call leaves to do beside the index, whatever the call was for
+        (every call drops the pins of owners whose lease ran out, prunes expired entries,
+        and evicts down to this process's budget, which may be the smallest in use): delete
+        the frames of blocks it evicted or let expire (``victims``; a put deletes its own in
+        its next round trip), give back their expiry to frames no pin holds any more, and
+        pin again what a lapse of this process's lease took (``pin_again``)."""
         self._note_totals(update.totals)
-        if update.expired:
-            self._drop(client, update.expired, update.gens)
+        if victims and (update.evicted or update.expired):
+            self.count(evictions=len(update.evicted))
+            self._drop(client, list(update.evicted) + list(update.expired), update.gens)
         self._unpinned(client, update.released)
-        if update.lease_lost:
+        if update.lease_lost and pin_again:
             self._pin_again(client)
 
     def _note_totals(self, totals: IndexTotals) -> None:
@@ -945,7 +945,7 @@ class RedisTier(Tier):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
         def refresh(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
             self._refresh_pins(c)
 
         try:
@@ -1006,11 +1006,8 @@ class RedisTier(Tier):
 
             def repair(c: Any) -> None:
                 update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
-                self._note_totals(update.totals)
+                self._settle(c, update)
                 self._mark_adopted(c, [m for m, _, _ in adopt], update)
-                victims = list(update.evicted) + list(update.expired)
-                if victims:
-                    self._drop(c, victims, update.gens)
 
             self._run(repair)
         return report
