@@ -1697,3 +1697,33 @@ def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(
     finally:
         big.close()
         small.close()
+
+
+def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(redis_url):
+    """``close`` stopped the lease keeper without waiting for it: a renewal in flight (here
+    held up by a pause of Redis's writes) had its connection closed under it, redis-py sent
+    it again on a new connection, and the renewal ran after ``close`` returned, leaving that
+    connection open for good."""
+    import redis
+
+    tier = RedisTier(redis_url, 64 << 20, pin_lease_seconds=0.5)  # renewed every 0.1 s
+    key, frame = _frame(146)
+    watcher = redis.Redis.from_url(redis_url)
+
+    def evals() -> int:
+        return watcher.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+
+    try:
+        tier.put(key, frame)
+        tier.pin([key])
+        watcher.execute_command("CLIENT", "PAUSE", 800, "WRITE")  # (scripts wait; reads run)
+        time.sleep(0.3)  # a renewal is waiting in Redis
+        tier.close()
+        closed_at = evals()
+        time.sleep(1.0)  # the pause is over
+        assert evals() == closed_at
+        assert watcher.info("clients")["connected_clients"] == 1  # this test's own
+    finally:
+        watcher.execute_command("CLIENT", "UNPAUSE")
+        watcher.close()
+        tier.close()

@@ -1013,11 +1013,17 @@ class RedisTier(Tier):
         return report
 
     def close(self) -> None:
-        """Close the connection and stop renewing this process's pin lease: its pins in Redis
+        """Stop renewing this process's pin lease, then close the connection: its pins in Redis
         go one lease later, unless pinned again (the server's pins file does at its start)."""
         with self._lock:
             self._lease_stop.set()
+            keeper = self._lease_keeper
             self._lease_stop, self._lease_keeper = threading.Event(), None
+        # A renewal in flight is waited for (its commands' socket timeouts at most): with its
+        # connection closed under it, redis-py would send it again on a new one, after this
+        # returned, and that connection would stay open.
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join()
         client, self._client = self._client, None
         if client is not None:
             try:
