@@ -1502,8 +1502,8 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
     """An unpin (or a lapsed lease) released a block only if no other owner pinned it, and
     asked every owner's set about every block (and read the lease zset again for each
     block): one script call, blocking Redis, grew with blocks x owners (a 100k-block unpin
-    beside 16 owners: 1.7 s). It is one SDIFF a call now; what it releases is the same, in
-    the order unpinned."""
+    beside 16 owners: 1.7 s). It is one SDIFF a call now; what it releases is the same, back
+    in the LRU in the order unpinned."""
     from cacheseek.store.redis_index import SharedIndex
 
     tier = RedisTier(redis_url, 64 << 20)
@@ -1518,7 +1518,8 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
         r.config_resetstat()
         update = SharedIndex.parse(index.queue(r, unpin=members, owner="mine"))
         held = {m for o in range(16) for m in members[o :: 100]}
-        assert update.released == tuple(m for m in members if m not in held)
+        assert [m.decode() for m in r.zrange(index.keys.lru, 0, -1)] == [m for m in members if m not in held]
+        assert {m.decode() for m in r.smembers(index.keys.pinned)} == held
         assert update.totals.pinned_blocks == len(held)
         calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
         assert calls.get("cmdstat_sismember", 0) + calls.get("cmdstat_zrange", 0) < len(members)
@@ -1727,3 +1728,35 @@ def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(redis_ur
         watcher.execute_command("CLIENT", "UNPAUSE")
         watcher.close()
         tier.close()
+
+
+@pytest.mark.parametrize("client_retries", [1, 0])
+def test_an_unpin_keeps_no_reply_the_size_of_its_blocks_and_one_sent_again_still_restarts_their_expiry(
+        redis_url, server, client_retries):
+    """An unpin's reply listed every block it released, and the script kept it a minute for
+    the call sent again: 7 MB for a 100k-block unpin. The unpinning process knows those
+    blocks, and now restarts their expiry itself. So an unpin whose reply was lost and that
+    was sent again, by redis-py or (without its retry) as an owed unpin, gives its frames
+    their expiry back: sent again as an owed unpin, it released nothing and they kept none."""
+    proxy = ReplyLosingProxy(server.port)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=client_retries)
+    other = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    frames = [_frame(i) for i in range(150, 153)]
+    keys = [k for k, _ in frames]
+    r = other._connection()
+    try:
+        tier.put_many(frames)
+        tier.pin(keys)
+        other.pin(keys[2:])  # pinned by another process too: its frame keeps no expiry
+        proxy.arm(b"EVAL")
+        tier.unpin(keys)
+        assert proxy.lost == 1
+        assert tier.stats().pinned_blocks == 1  # (an owed unpin is sent again first)
+        assert [int(r.pttl(tier.keys_of.frame(k))) > 50_000 for k in keys] == [True, True, False]
+        assert int(r.pttl(tier.keys_of.frame(keys[2]))) == -1
+        kept = [r.get(k) for k in r.keys("*:call:*")]
+        assert not any(RedisKeys.member(k).encode() in reply for k in keys for reply in kept if reply)
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()

@@ -644,16 +644,17 @@ class RedisTier(Tier):
         self._raise_unavailable(replies)
         return replies
 
-    def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> None:
-        """Take the expiry off the frames of ``members`` that are pinned now (``flags``: their
-        membership of the pinned set, asked after their expiry was set; else asked here).
+    def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> list[str]:
+        """Take the expiry off the frames of ``members`` that are pinned now, and return those
+        (``flags``: their membership of the pinned set, asked after their expiry was set; else
+        asked here).
         A pin is a ``SADD`` to the index's pinned set, then a ``PERSIST`` of the frame, two
         slots no script can hold together in a cluster: a ``PX`` or ``PEXPIRE`` sent on an
         older look at the index can land after another process's ``PERSIST``. Asked after
         the expiry has landed, this sees every pin whose ``PERSIST`` it could have undone;
         a later pin's own ``PERSIST`` comes after its ``SADD``, so after the expiry too."""
         if not members:
-            return
+            return []
         if flags is None:
             pipe = client.pipeline(transaction=False)  # (one slot: the index's)
             for m in members:
@@ -662,6 +663,7 @@ class RedisTier(Tier):
         pinned = [m for m, flag in zip(members, flags) if int(flag)]
         if pinned:
             self._pipelined(client, "persist", [self.keys_of.frame_of_member(m) for m in pinned])
+        return pinned
 
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
@@ -833,9 +835,14 @@ class RedisTier(Tier):
         if not keys:
             return
 
+        members = [RedisKeys.member(k) for k in keys]
+
         def send(c: Any) -> None:
-            self._settle(c, SharedIndex.parse(
-                self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys], owner=self.owner)))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, unpin=members, owner=self.owner)))
+            # Not listed in the reply (see ``IndexUpdate.released``): each frame gets its
+            # expiry back, then those another owner still pins lose it again. So an unpin sent
+            # again (its first reply lost, or owed), which releases nothing, still does this.
+            self._unpinned(c, members)
 
         with self._pinning:
             with self._lock:
@@ -849,23 +856,26 @@ class RedisTier(Tier):
             with self._lock:
                 self._owed_unpins.difference_update(keys)
 
-    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> None:
-        """Give unpinned blocks' frames their expiry again (then take it off those pinned again
-        meanwhile)."""
+    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> list[str]:
+        """Give unpinned blocks' frames their expiry again (then take it off those pinned
+        meanwhile, or still); returns those."""
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
         pipe.execute()
-        self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
+        return self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
 
     def _unpinned(self, client: Any, members: Sequence[str]) -> None:
-        """Blocks no process pins any more (a call's ``released``): their frames expire again."""
+        """Blocks this process no longer pins, or none does (a call's ``released``): their
+        frames expire again, unless pinned still."""
         if members:
             released = [key for m in members if (key := RedisKeys.key(m)) is not None]
             with self._lock:
                 self._pinned.difference_update(released)
             if self._ttl_ms is not None:
-                self._restart_expiry(client, released)
+                held = [key for m in self._restart_expiry(client, released) if (key := RedisKeys.key(m)) is not None]
+                with self._lock:
+                    self._pinned.update(held)
 
     def _pin_again(self, client: Any) -> None:
         """Send this process's pins again: its lease ran out (it was cut off from Redis for
