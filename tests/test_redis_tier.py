@@ -1760,3 +1760,29 @@ def test_an_unpin_keeps_no_reply_the_size_of_its_blocks_and_one_sent_again_still
         tier.close()
         other.close()
         proxy.close()
+
+
+def test_a_pin_made_again_repairs_a_pinned_set_that_lost_the_block(redis_url):
+    """An owner's pin set and the pinned set can disagree (a process of the older version,
+    sharing the namespace, unpins for everyone in the pinned set alone). Pinning again, the
+    owner found the block in its own set and did nothing: the block stayed in the LRU,
+    evictable, while the process held its pin."""
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(160)
+    m = RedisKeys.member(key)
+    r = tier._connection()
+    try:
+        tier.put(key, frame)
+        tier.pin([key])
+        # the older version's unpin: out of the pinned set, back in the LRU, uncounted as pinned
+        r.srem(tier.keys_of.pinned, m)
+        r.zadd(tier.keys_of.lru, {m: int(r.hget(tier.keys_of.totals, "clock")) + 1})
+        r.hset(tier.keys_of.totals, mapping={"pinned_bytes": 0, "pinned_blocks": 0})
+        r.pexpire(tier.keys_of.frame(key), 60_000)
+        tier.pin([key])
+        assert r.sismember(tier.keys_of.pinned, m) and r.zscore(tier.keys_of.lru, m) is None
+        stats = tier.stats()
+        assert (stats.pinned_blocks, stats.pinned_bytes) == (1, frame.nbytes)
+        assert int(r.pttl(tier.keys_of.frame(key))) == -1
+    finally:
+        tier.close()

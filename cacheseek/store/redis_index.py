@@ -279,7 +279,11 @@ end
 for _ = 1, n_pin do
   local m = ARGV[i]
   i = i + 1
-  if redis.call('SADD', owned_prefix .. owner, m) == 1 and redis.call('SADD', pinned, m) == 1 then
+  -- Into the pinned set whether or not the owner's own set held the block already: the two
+  -- can disagree (an older version's unpin changes the pinned set alone), and a pin made
+  -- again is what puts that right.
+  redis.call('SADD', owned_prefix .. owner, m)
+  if redis.call('SADD', pinned, m) == 1 then
     local n = size_of(m)
     if n then
       redis.call('ZREM', lru, m)
