@@ -1502,8 +1502,8 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
     """An unpin (or a lapsed lease) released a block only if no other owner pinned it, and
     asked every owner's set about every block (and read the lease zset again for each
     block): one script call, blocking Redis, grew with blocks x owners (a 100k-block unpin
-    beside 16 owners: 1.7 s). It is one SDIFF a call now; what it releases is the same, in
-    the order unpinned."""
+    beside 16 owners: 1.7 s). It is one SDIFF a call now; what it releases is the same, back
+    in the LRU in the order unpinned."""
     from cacheseek.store.redis_index import SharedIndex
 
     tier = RedisTier(redis_url, 64 << 20)
@@ -1518,7 +1518,8 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
         r.config_resetstat()
         update = SharedIndex.parse(index.queue(r, unpin=members, owner="mine"))
         held = {m for o in range(16) for m in members[o :: 100]}
-        assert update.released == tuple(m for m in members if m not in held)
+        assert [m.decode() for m in r.zrange(index.keys.lru, 0, -1)] == [m for m in members if m not in held]
+        assert {m.decode() for m in r.smembers(index.keys.pinned)} == held
         assert update.totals.pinned_blocks == len(held)
         calls = {k: v["calls"] for k, v in r.info("commandstats").items()}
         assert calls.get("cmdstat_sismember", 0) + calls.get("cmdstat_zrange", 0) < len(members)
@@ -1625,3 +1626,163 @@ def test_a_puts_script_whose_reply_a_fault_kept_gets_its_victims_deleted_by_the_
     finally:
         tier.close()
         proxy.close()
+
+
+# -- what every script call leaves to do ---------------------------------------------------
+
+
+def _pin_as(tier: RedisTier, keys, owner: str, lease_seconds: float) -> None:
+    """Pin ``keys`` as another process would (the index, then PERSIST), under a short lease."""
+    from cacheseek.store.redis_index import SharedIndex
+
+    index = SharedIndex(tier.keys_of, tier.capacity_bytes, tier._index.ttl_us, pin_lease_us=round(lease_seconds * 1e6))
+    r = tier._connection()
+    index.queue(r, pin=[RedisKeys.member(k) for k in keys], owner=owner)
+    for k in keys:
+        r.persist(tier.keys_of.frame(k))
+
+
+@pytest.mark.parametrize("call", ["pin_again", "delete", "corrupt_read"])
+def test_every_call_that_meets_a_lapsed_lease_gives_its_frames_their_expiry_back(redis_url, call):
+    """Any script call drops the pins of owners whose lease ran out and says which blocks
+    no owner pins any more. The pin that takes a lost lease again, a delete and the forget
+    of a corrupt value took no notice: those frames kept no expiry (in the LRU, unpinned)
+    until the TTL prune dropped their entries."""
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60, pin_lease_seconds=0.3)
+    frames = [_frame(i) for i in range(130, 141)]
+    keys = [k for k, _ in frames]
+    r = tier._connection()
+    try:
+        tier.put_many(frames)
+        if call == "pin_again":
+            tier.pin([keys[0]])
+            tier._lease_stop.set()  # (its renewals held up: cut off for longer than the lease)
+            tier._lease_keeper.join(5)
+            # Eight owners whose leases end after this one's: a call drops eight lapsed owners,
+            # so this process's next call drops its own and seven, and its pin again the eighth.
+            for o in range(8):
+                _pin_as(tier, [keys[1 + o]], f"gone{o}", 0.3 + 0.01 * o)
+            released = keys[8]
+        else:
+            _pin_as(tier, [keys[9]], "gone", 0.3)
+            released = keys[9]
+        time.sleep(0.6)
+        if call == "pin_again":
+            tier.stats()
+            assert int(r.pttl(tier.keys_of.frame(keys[0]))) == -1  # pinned again
+        elif call == "delete":
+            assert tier.delete(keys[10])
+        else:
+            name = tier.keys_of.frame(keys[10])
+            r.setrange(name, r.strlen(name) - 8, b"\xff" * 4)
+            assert tier.get(keys[10]) is None and tier.stats().corrupt == 1
+        assert r.scard(tier.keys_of.pinned) == (1 if call == "pin_again" else 0)
+        assert int(r.pttl(tier.keys_of.frame(released))) > 50_000
+    finally:
+        tier.close()
+
+
+def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):
+    """Each call evicts down to its caller's budget, so the smallest in use wins; a touch,
+    a pin, an unpin or a lease renewal that evicted dropped the victims' entries and left
+    their frames stored, uncounted (orphans)."""
+    big = RedisTier(redis_url, 64 << 20)
+    frames = [_frame(i) for i in range(142, 146)]
+    small = RedisTier(redis_url, 2 * frames[0][1].nbytes)
+    try:
+        big.put_many(frames)
+        small.touch([frames[-1][0]])  # evicts the two least recently used
+        assert small.stats().evictions == 2
+        assert small.check() == {"ok": 2, "ghosts": 0, "orphans": 0}
+        assert big.contains_many([k for k, _ in frames]) == [False, False, True, True]
+    finally:
+        big.close()
+        small.close()
+
+
+def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(redis_url):
+    """``close`` stopped the lease keeper without waiting for it: a renewal in flight (here
+    held up by a pause of Redis's writes) had its connection closed under it, redis-py sent
+    it again on a new connection, and the renewal ran after ``close`` returned, leaving that
+    connection open for good."""
+    import redis
+
+    tier = RedisTier(redis_url, 64 << 20, pin_lease_seconds=0.5)  # renewed every 0.1 s
+    key, frame = _frame(146)
+    watcher = redis.Redis.from_url(redis_url)
+
+    def evals() -> int:
+        return watcher.info("commandstats").get("cmdstat_eval", {}).get("calls", 0)
+
+    try:
+        tier.put(key, frame)
+        tier.pin([key])
+        watcher.execute_command("CLIENT", "PAUSE", 800, "WRITE")  # (scripts wait; reads run)
+        time.sleep(0.3)  # a renewal is waiting in Redis
+        tier.close()
+        closed_at = evals()
+        time.sleep(1.0)  # the pause is over
+        assert evals() == closed_at
+        assert watcher.info("clients")["connected_clients"] == 1  # this test's own
+    finally:
+        watcher.execute_command("CLIENT", "UNPAUSE")
+        watcher.close()
+        tier.close()
+
+
+@pytest.mark.parametrize("client_retries", [1, 0])
+def test_an_unpin_keeps_no_reply_the_size_of_its_blocks_and_one_sent_again_still_restarts_their_expiry(
+        redis_url, server, client_retries):
+    """An unpin's reply listed every block it released, and the script kept it a minute for
+    the call sent again: 7 MB for a 100k-block unpin. The unpinning process knows those
+    blocks, and now restarts their expiry itself. So an unpin whose reply was lost and that
+    was sent again, by redis-py or (without its retry) as an owed unpin, gives its frames
+    their expiry back: sent again as an owed unpin, it released nothing and they kept none."""
+    proxy = ReplyLosingProxy(server.port)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=client_retries)
+    other = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    frames = [_frame(i) for i in range(150, 153)]
+    keys = [k for k, _ in frames]
+    r = other._connection()
+    try:
+        tier.put_many(frames)
+        tier.pin(keys)
+        other.pin(keys[2:])  # pinned by another process too: its frame keeps no expiry
+        proxy.arm(b"EVAL")
+        tier.unpin(keys)
+        assert proxy.lost == 1
+        assert tier.stats().pinned_blocks == 1  # (an owed unpin is sent again first)
+        assert [int(r.pttl(tier.keys_of.frame(k))) > 50_000 for k in keys] == [True, True, False]
+        assert int(r.pttl(tier.keys_of.frame(keys[2]))) == -1
+        kept = [r.get(k) for k in r.keys("*:call:*")]
+        assert not any(RedisKeys.member(k).encode() in reply for k in keys for reply in kept if reply)
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()
+
+
+def test_a_pin_made_again_repairs_a_pinned_set_that_lost_the_block(redis_url):
+    """An owner's pin set and the pinned set can disagree (a process of the older version,
+    sharing the namespace, unpins for everyone in the pinned set alone). Pinning again, the
+    owner found the block in its own set and did nothing: the block stayed in the LRU,
+    evictable, while the process held its pin."""
+    tier = RedisTier(redis_url, 64 << 20, ttl_seconds=60)
+    key, frame = _frame(160)
+    m = RedisKeys.member(key)
+    r = tier._connection()
+    try:
+        tier.put(key, frame)
+        tier.pin([key])
+        # the older version's unpin: out of the pinned set, back in the LRU, uncounted as pinned
+        r.srem(tier.keys_of.pinned, m)
+        r.zadd(tier.keys_of.lru, {m: int(r.hget(tier.keys_of.totals, "clock")) + 1})
+        r.hset(tier.keys_of.totals, mapping={"pinned_bytes": 0, "pinned_blocks": 0})
+        r.pexpire(tier.keys_of.frame(key), 60_000)
+        tier.pin([key])
+        assert r.sismember(tier.keys_of.pinned, m) and r.zscore(tier.keys_of.lru, m) is None
+        stats = tier.stats()
+        assert (stats.pinned_blocks, stats.pinned_bytes) == (1, frame.nbytes)
+        assert int(r.pttl(tier.keys_of.frame(key))) == -1
+    finally:
+        tier.close()

@@ -18,8 +18,8 @@ the index's hash tag. One call of the script, in this order:
 
 A call sent again under its id (redis-py's retry after a connection error) does none of
 this: it answers the first run's reply, kept for a minute when it holds victims, expired
-entries, forgotten ghosts, blocks counted anew or unpinned, or a lost lease (see
-:meth:`SharedIndex.queue`).
+entries, forgotten ghosts, blocks counted anew, blocks a lapsed lease let go, or a lost
+lease (see :meth:`SharedIndex.queue`).
 
 Pins: a pinned block is kept in the sizes hash (so it counts) but not in the LRU zset, so
 neither eviction nor the TTL prune ever reaches it; the ``pinned`` set names every pinned
@@ -147,11 +147,15 @@ end
 -- Pins are held per owner (one per process), each owner under a lease it renews; the pinned
 -- set is the union of the owners' sets, so a block stays pinned while any owner pins it, and
 -- the pins of a process that died without unpinning go when its lease runs out.
-local released = {}  -- blocks no owner pins any more, back in the LRU: their frames expire again
-local function release(member)
+-- Blocks a lapsed lease let go, back in the LRU: their frames expire again. Not the caller's
+-- own unpins: it knows those, and gives their frames their expiry back itself. Listed, they
+-- made the reply (kept a minute for a call sent again) as large as the unpin: 7 MB for
+-- 100k blocks.
+local released = {}
+local function release(member, listed)
   if redis.call('SREM', pinned, member) == 1 then
     changed = true
-    released[#released + 1] = member
+    if listed then released[#released + 1] = member end
     local n = size_of(member)
     if n then
       clock = clock + 1
@@ -164,7 +168,7 @@ end
 -- Release those of ``members`` (in their order) that none of ``owners`` pins. One SDIFF
 -- over a scratch set in the index's slot rather than a SISMEMBER per member and owner: a
 -- 100k-block unpin beside 16 owners blocked Redis for 1.7 s that way.
-local function release_unheld(members, owners)
+local function release_unheld(members, owners, listed)
   if #owners > 0 and #members > 0 then
     local scratch = call .. ':held'
     redis.call('DEL', scratch)
@@ -177,10 +181,10 @@ local function release_unheld(members, owners)
     for _, m in ipairs(redis.call('SDIFF', unpack(sets))) do free[m] = true end
     redis.call('DEL', scratch)
     for _, m in ipairs(members) do
-      if free[m] then release(m) end
+      if free[m] then release(m, listed) end
     end
   else
-    for _, m in ipairs(members) do release(m) end
+    for _, m in ipairs(members) do release(m, listed) end
   end
 end
 
@@ -200,7 +204,7 @@ for _, o in ipairs(redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0,
   redis.call('DEL', owned_prefix .. o)
   redis.call('ZREM', pinners, o)
   changed = true
-  release_unheld(members, redis.call('ZRANGE', pinners, 0, -1))
+  release_unheld(members, redis.call('ZRANGE', pinners, 0, -1), true)
 end
 -- The caller's own lease, renewed; lost if it ran out (its pins went: it pins them again).
 local lease_lost = 0
@@ -275,7 +279,11 @@ end
 for _ = 1, n_pin do
   local m = ARGV[i]
   i = i + 1
-  if redis.call('SADD', owned_prefix .. owner, m) == 1 and redis.call('SADD', pinned, m) == 1 then
+  -- Into the pinned set whether or not the owner's own set held the block already: the two
+  -- can disagree (an older version's unpin changes the pinned set alone), and a pin made
+  -- again is what puts that right.
+  redis.call('SADD', owned_prefix .. owner, m)
+  if redis.call('SADD', pinned, m) == 1 then
     local n = size_of(m)
     if n then
       redis.call('ZREM', lru, m)
@@ -300,7 +308,7 @@ for _ = 1, n_unpin do
     dropped[#dropped + 1] = m
   end
 end
-release_unheld(dropped, others)
+release_unheld(dropped, others, false)
 if n_unpin > 0 and redis.call('EXISTS', owned_prefix .. owner) == 0 then
   redis.call('ZREM', pinners, owner)  -- (an owner with no pins left holds no lease)
 end
@@ -470,9 +478,10 @@ class IndexUpdate:
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
     blocks the index does not count (orphans, if their frames are there). ``pinned``: touched
-    blocks that are pinned. ``released``: blocks no owner pins any more (this call's unpins,
-    and the pins of owners whose lease ran out), back in the LRU: their frames are to expire
-    again. ``lease_lost``: the caller's owner held no lease (it ran out, or Redis lost it):
+    blocks that are pinned. ``released``: blocks no owner pins any more since an owner's lease
+    ran out in this call, back in the LRU: their frames are to expire again (so are those of
+    the caller's own unpins, which it knows, not listed: a 100k-block unpin's reply would
+    hold them all, kept a minute). ``lease_lost``: the caller's owner held no lease (it ran out, or Redis lost it):
     its pins are gone, to be sent again. ``gens``: the
     generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
     index now), evicted or expired (the one it had); empty unless ``SharedIndex.generations``."""
@@ -523,7 +532,7 @@ class SharedIndex:
 
         Each call carries an id of its own, under which the script keeps its reply when
         running it again would answer otherwise (victims, entries let expire, blocks counted
-        anew or unpinned, a lost lease). redis-py sends a pipeline (or a command) again, once, after a connection
+        anew, blocks a lapsed lease let go, a lost lease). redis-py sends a pipeline (or a command) again, once, after a connection
         error: when that error lost the reply of a script Redis had run, the second run
         evicted nothing, and the first run's victims were neither deleted nor counted
         (orphans). Dropping the client's retry would not save them (the reply is lost all the

@@ -406,9 +406,9 @@ class RedisTier(Tier):
         ]
         with self._lock:
             self._faults.dropped_writes += len(refused)
-        self._unpinned(client, update.released)  # (another process's lease ran out in this call)
+        self._settle(client, update, victims=False)  # (dealt with above)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
-            self._note_totals(SharedIndex.parse(self._index.queue(client, forget=refused)).totals)
+            self._settle(client, SharedIndex.parse(self._index.queue(client, forget=refused)))
             # and drop what such a SET would have replaced (a block the index had let expire
             # keeps its old value until its own PX): no value is left uncounted. (DEL runs
             # under maxmemory.)
@@ -466,8 +466,7 @@ class RedisTier(Tier):
                 update = self._index.replay(c, todo[0])
                 todo.pop(0)  # (asked: its deletes, if they fail now, are owed)
                 if update is not None:
-                    self.count(evictions=len(update.evicted))
-                    self._drop(c, list(update.evicted) + list(update.expired), update.gens)
+                    self._settle(c, update)
 
         try:
             self._run(send)
@@ -573,7 +572,7 @@ class RedisTier(Tier):
         def send(c: Any) -> None:
             update = SharedIndex.parse(self._index.queue(
                 c, repair=[RedisKeys.member(k) for k in keys], repair_idle_us=round(GHOST_GRACE_SECONDS * 1e6)))
-            self._delete_expired(c, update)
+            self._settle(c, update)
             if not update.repaired:
                 return
             # A write stalled past the grace may have landed its SET (and found its block
@@ -581,10 +580,7 @@ class RedisTier(Tier):
             found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
             back = [entry for entry, n in zip(update.repaired, found) if n]
             if back:
-                again = SharedIndex.parse(self._index.queue(c, add=back))
-                self._delete_expired(c, again)
-                if again.evicted:
-                    self._drop(c, again.evicted, again.gens)
+                self._settle(c, SharedIndex.parse(self._index.queue(c, add=back)))
 
         try:
             self._run(send)
@@ -628,7 +624,7 @@ class RedisTier(Tier):
 
         def drop(c: Any) -> None:
             if self._index.drop_found(c, member, length, head):
-                self._note_totals(SharedIndex.parse(self._index.queue(c, forget=[member])).totals)
+                self._settle(c, SharedIndex.parse(self._index.queue(c, forget=[member])))
 
         try:
             self._run(drop)
@@ -648,16 +644,17 @@ class RedisTier(Tier):
         self._raise_unavailable(replies)
         return replies
 
-    def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> None:
-        """Take the expiry off the frames of ``members`` that are pinned now (``flags``: their
-        membership of the pinned set, asked after their expiry was set; else asked here).
+    def _persist_pinned(self, client: Any, members: Sequence[str], flags: Sequence[Any] | None = None) -> list[str]:
+        """Take the expiry off the frames of ``members`` that are pinned now, and return those
+        (``flags``: their membership of the pinned set, asked after their expiry was set; else
+        asked here).
         A pin is a ``SADD`` to the index's pinned set, then a ``PERSIST`` of the frame, two
         slots no script can hold together in a cluster: a ``PX`` or ``PEXPIRE`` sent on an
         older look at the index can land after another process's ``PERSIST``. Asked after
         the expiry has landed, this sees every pin whose ``PERSIST`` it could have undone;
         a later pin's own ``PERSIST`` comes after its ``SADD``, so after the expiry too."""
         if not members:
-            return
+            return []
         if flags is None:
             pipe = client.pipeline(transaction=False)  # (one slot: the index's)
             for m in members:
@@ -666,6 +663,7 @@ class RedisTier(Tier):
         pinned = [m for m, flag in zip(members, flags) if int(flag)]
         if pinned:
             self._pipelined(client, "persist", [self.keys_of.frame_of_member(m) for m in pinned])
+        return pinned
 
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
@@ -738,7 +736,7 @@ class RedisTier(Tier):
         if self.target.cluster:
             pipe.delete(self.keys_of.frame_gen(key))
         deleted, reply, *_ = pipe.execute()
-        self._note_totals(SharedIndex.parse(reply).totals)
+        self._settle(client, SharedIndex.parse(reply))
         return bool(deleted)
 
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -769,7 +767,7 @@ class RedisTier(Tier):
                 pipe.sismember(self.keys_of.pinned, m)
             replies = pipe.execute()
             update = SharedIndex.parse(replies[0])
-            self._delete_expired(c, update)
+            self._settle(c, update)
             self._persist_pinned(c, expiring, replies[len(replies) - len(expiring):] if ordered else None)
             # A pin this process knew of may be gone (another process unpinned the block, or
             # Redis was flushed or restarted): left without its PEXPIRE, a block in use expired.
@@ -803,10 +801,8 @@ class RedisTier(Tier):
 
         def send(c: Any) -> None:
             update = SharedIndex.parse(self._index.queue(c, add=found))
-            self._delete_expired(c, update)
+            self._settle(c, update)  # (an adopted block over the budget goes too: counted, then evicted)
             self._mark_adopted(c, [m for m, _, _ in found], update)
-            if update.evicted:  # (an adopted block over the budget goes too: counted, then evicted)
-                self._drop(c, update.evicted, update.gens)
 
         try:
             self._run(send)
@@ -821,7 +817,7 @@ class RedisTier(Tier):
         if not keys:
             return
         def send(c: Any) -> None:
-            self._delete_expired(c, self._send_pins(c, keys))
+            self._settle(c, self._send_pins(c, keys))
 
         with self._pinning:  # (an owed unpin sent meanwhile would undo this pin)
             with self._lock:
@@ -839,9 +835,14 @@ class RedisTier(Tier):
         if not keys:
             return
 
+        members = [RedisKeys.member(k) for k in keys]
+
         def send(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(
-                self._index.queue(c, unpin=[RedisKeys.member(k) for k in keys], owner=self.owner)))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, unpin=members, owner=self.owner)))
+            # Not listed in the reply (see ``IndexUpdate.released``): each frame gets its
+            # expiry back, then those another owner still pins lose it again. So an unpin sent
+            # again (its first reply lost, or owed), which releases nothing, still does this.
+            self._unpinned(c, members)
 
         with self._pinning:
             with self._lock:
@@ -855,23 +856,26 @@ class RedisTier(Tier):
             with self._lock:
                 self._owed_unpins.difference_update(keys)
 
-    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> None:
-        """Give unpinned blocks' frames their expiry again (then take it off those pinned again
-        meanwhile)."""
+    def _restart_expiry(self, client: Any, keys: Sequence[bytes]) -> list[str]:
+        """Give unpinned blocks' frames their expiry again (then take it off those pinned
+        meanwhile, or still); returns those."""
         pipe = client.pipeline(transaction=False)
         for k in keys:
             pipe.pexpire(self.keys_of.frame(k), self._ttl_ms)
         pipe.execute()
-        self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
+        return self._persist_pinned(client, [RedisKeys.member(k) for k in keys])
 
     def _unpinned(self, client: Any, members: Sequence[str]) -> None:
-        """Blocks no process pins any more (a call's ``released``): their frames expire again."""
+        """Blocks this process no longer pins, or none does (a call's ``released``): their
+        frames expire again, unless pinned still."""
         if members:
             released = [key for m in members if (key := RedisKeys.key(m)) is not None]
             with self._lock:
                 self._pinned.difference_update(released)
             if self._ttl_ms is not None:
-                self._restart_expiry(client, released)
+                held = [key for m in self._restart_expiry(client, released) if (key := RedisKeys.key(m)) is not None]
+                with self._lock:
+                    self._pinned.update(held)
 
     def _pin_again(self, client: Any) -> None:
         """Send this process's pins again: its lease ran out (it was cut off from Redis for
@@ -880,7 +884,9 @@ class RedisTier(Tier):
             with self._lock:
                 own = [k for k in self._own if k not in self._owed_unpins]
             if own:
-                self._note_totals(self._send_pins(client, own).totals)
+                # (its reply says the lease was lost, as every pin's does that takes a lease
+                # anew: this is the pin that answers that)
+                self._settle(client, self._send_pins(client, own), pin_again=False)
 
     def _send_pins(self, client: Any, keys: list[bytes]) -> IndexUpdate:
         """Pin ``keys`` in the index as this process's, and take the expiry off their frames."""
@@ -905,7 +911,7 @@ class RedisTier(Tier):
         if not self._own:
             return
         try:
-            self._run(lambda c: self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+            self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
         except StorageError:
             pass  # counted; the next renewal tries again (and pins again what a lapse took)
 
@@ -924,15 +930,19 @@ class RedisTier(Tier):
             with self._lock:
                 self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
 
-    def _delete_expired(self, client: Any, update: IndexUpdate) -> None:
-        """What a script call left to do beside the index: delete the frames of blocks it let
-        expire, give back their expiry to frames no pin holds any more, and pin again what
-        a lapse of this process's lease took."""
+    def _settle(self, client: Any, update: IndexUpdate, *, victims: bool = True, pin_again: bool = True) -> None:
+        """What any script call leaves to do beside the index, whatever the call was for
+        (every call drops the pins of owners whose lease ran out, prunes expired entries,
+        and evicts down to this process's budget, which may be the smallest in use): delete
+        the frames of blocks it evicted or let expire (``victims``; a put deletes its own in
+        its next round trip), give back their expiry to frames no pin holds any more, and
+        pin again what a lapse of this process's lease took (``pin_again``)."""
         self._note_totals(update.totals)
-        if update.expired:
-            self._drop(client, update.expired, update.gens)
+        if victims and (update.evicted or update.expired):
+            self.count(evictions=len(update.evicted))
+            self._drop(client, list(update.evicted) + list(update.expired), update.gens)
         self._unpinned(client, update.released)
-        if update.lease_lost:
+        if update.lease_lost and pin_again:
             self._pin_again(client)
 
     def _note_totals(self, totals: IndexTotals) -> None:
@@ -945,7 +955,7 @@ class RedisTier(Tier):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
         def refresh(c: Any) -> None:
-            self._delete_expired(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
             self._refresh_pins(c)
 
         try:
@@ -1006,21 +1016,24 @@ class RedisTier(Tier):
 
             def repair(c: Any) -> None:
                 update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
-                self._note_totals(update.totals)
+                self._settle(c, update)
                 self._mark_adopted(c, [m for m, _, _ in adopt], update)
-                victims = list(update.evicted) + list(update.expired)
-                if victims:
-                    self._drop(c, victims, update.gens)
 
             self._run(repair)
         return report
 
     def close(self) -> None:
-        """Close the connection and stop renewing this process's pin lease: its pins in Redis
+        """Stop renewing this process's pin lease, then close the connection: its pins in Redis
         go one lease later, unless pinned again (the server's pins file does at its start)."""
         with self._lock:
             self._lease_stop.set()
+            keeper = self._lease_keeper
             self._lease_stop, self._lease_keeper = threading.Event(), None
+        # A renewal in flight is waited for (its commands' socket timeouts at most): with its
+        # connection closed under it, redis-py would send it again on a new one, after this
+        # returned, and that connection would stay open.
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join()
         client, self._client = self._client, None
         if client is not None:
             try:
