@@ -31,6 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import httpx
@@ -50,13 +51,14 @@ from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy
 from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
-from .store.device import frame_to_host
+from .store.device import frame_to_host, frames_to_host
 from .store.device_staging import staging_stats
 from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 from .units import parse_size
+from .write_behind import WriteBehind
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 # For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.
@@ -167,6 +169,7 @@ class RemoteCache(PrefixCacheBase):
         breaker: CircuitBreaker | None = None,
         shard: Shard = SINGLE,
         max_lookup_hashes: int = 1 << 16,
+        max_pending_bytes: int | str = "2GiB",
     ) -> None:
         """``timeout``: seconds for each connect, read and write. ``exchange_timeout``: seconds
         for one whole request and its answer (None: no bound), which cuts off a server or
@@ -186,7 +189,9 @@ class RemoteCache(PrefixCacheBase):
         ``max_lookup_hashes``: the most hashes in one ``POST /v1/lookup`` (the server's
         ``max_lookup_hashes``, 65,536 by default): a longer chain (a million tokens in
         blocks of 16) is looked up in pieces, in order, each only if the one before it
-        matched whole (a write's lookup asks every piece)."""
+        matched whole (a write's lookup asks every piece). ``max_pending_bytes``: the most
+        bytes of frames that ``wait=False`` ingests hold in host memory, queued or being
+        sent (``cacheseek.write_behind``); a write that would pass it is dropped."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -199,6 +204,10 @@ class RemoteCache(PrefixCacheBase):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: must be an int >= 1, got {value!r}")
         self.max_lookup_hashes = max_lookup_hashes
+        pending = parse_size(max_pending_bytes, name="max_pending_bytes")
+        if pending <= 0:
+            raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
+        self._behind = WriteBehind(pending)
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
@@ -244,31 +253,38 @@ class RemoteCache(PrefixCacheBase):
 
     # -- the three calls -----------------------------------------------------------------
 
-    def ingest(self, keys: Any, kv: Any) -> IngestResult:
+    def ingest(self, keys: Any, kv: Any, *, wait: bool = True) -> IngestResult | Future:
         """Store the full blocks of ``kv`` that the server does not hold yet. Nothing is sent
         if the input is bad (wrong layout, lengths that disagree, NaN/Inf). Stored and
         present mean what the server's answers say (``IngestResult.durability``: durable,
         on disk, with a write-through server). In an outage with ``on_unavailable="miss"``,
         the blocks not acknowledged count as failed, with ``errors["server"]``. ``kv`` may be
-        one request's KV in an engine's pages (``pages.at(page_ids)``), encoded there in place."""
+        one request's KV in an engine's pages (``pages.at(page_ids)``), encoded there in place.
+        ``wait=False``: return once the KV is read (encoded, its frames in host memory: the
+        tensors or pages may then change), with a ``Future`` of the result; the lookup and
+        the upload follow on the cache's sender thread (``cacheseek.write_behind``). Bad
+        input still raises here."""
         self._check_open()
         if isinstance(kv, PagedKV):
-            return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
+            call = self._plan_paged([(keys, kv.page_ids, None)], kv.pages, single=True)
+            if not wait:
+                return self._write_behind_paged(call, single=True)
+            return self._ingest_planned(call)[0]
         layers = kv_layers(kv)
         self.keys.check_ingest(keys, check_layers(layers, self.layout))
         hashes = self.block_hashes(keys)
         result = IngestResult(blocks=len(hashes), stored=0, present=0, tokens=len(hashes) * self.block_tokens)
+        if not wait:
+            return self._write_behind(
+                [result], hashes, [0] * len(hashes), {},
+                lambda: encode_missing(self.block_format, layers, hashes, self.keys.parents(hashes),
+                                       [False] * len(hashes), self._batch_blocks), single=True)
         if not hashes:
             return result
         try:
             self._ingest(layers, hashes, result)
         except RemoteUnavailable as exc:
-            if self.on_unavailable == "raise":
-                raise
-            dropped = result.blocks - result.stored - result.present - result.failed
-            result.failed += dropped
-            result.errors.setdefault("server", str(exc))
-            self._outages.count("dropped_blocks", dropped)
+            self._dropped([result], exc)
         return result
 
     def _ingest(self, layers: list, hashes: list[BlockHash], result: IngestResult) -> None:
@@ -285,7 +301,8 @@ class RemoteCache(PrefixCacheBase):
         for report in self._post_frames(frames):
             _count_report(result, report)
 
-    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
+    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
+                     wait: bool = True) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
         request), and one streamed POST (several past ``max_body_bytes``). Bad input in any
@@ -293,17 +310,19 @@ class RemoteCache(PrefixCacheBase):
         ``layerwise=True``: the reference writer (``layerwise.PagedLayerwiseIngest``, this
         same call on ``finish``), for callers written against ``PrefixCache``'s. As there,
         the requests are checked and hashed when the writer is made, so bad ones raise
-        before the forward runs rather than after it."""
+        before the forward runs rather than after it.
+        ``wait=False`` (not with ``layerwise``): as ``ingest``'s, a ``Future`` of the
+        results, returned once the pages are read; every block is encoded, the server's
+        lookup comes after."""
         self._check_open()
+        if layerwise and not wait:
+            raise InputError("wait=False: not with layerwise=True (a layer-wise writer's finish() is the call "
+                             "that sends; call ingest_batch(requests, pages, wait=False) after the forward instead)")
+        call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
         if layerwise:
-            call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
                                         self.layout.num_layers)
-        return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
-
-    def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
-                      ) -> list[IngestResult]:
-        return self._ingest_planned(self._plan_paged(requests, pages, single=single))
+        return self._ingest_planned(call) if wait else self._write_behind_paged(call)
 
     def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
                     ) -> paged_io.PagedCall:
@@ -314,20 +333,28 @@ class RemoteCache(PrefixCacheBase):
         return call
 
     def _ingest_planned(self, call: paged_io.PagedCall) -> list[IngestResult]:
-        results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
-                   for h in call.hashes]
+        results = self._results(call)
         try:
             self._send_paged(call, results)
-        except RemoteUnavailable as exc:  # as ingest: dropped in an outage, or raised
-            if self.on_unavailable == "raise":
-                raise
-            for result in results:
-                dropped = result.blocks - result.stored - result.present - result.failed
-                result.failed += dropped
-                if dropped:
-                    result.errors.setdefault("server", str(exc))
-                self._outages.count("dropped_blocks", dropped)
+        except RemoteUnavailable as exc:
+            self._dropped(results, exc)
         return results
+
+    def _results(self, call: paged_io.PagedCall) -> list[IngestResult]:
+        return [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
+                for h in call.hashes]
+
+    def _dropped(self, results: list[IngestResult], exc: RemoteUnavailable) -> None:
+        """An outage met by a write: raised, or (``on_unavailable="miss"``) every block not
+        acknowledged counted failed."""
+        if self.on_unavailable == "raise":
+            raise exc
+        for result in results:
+            dropped = result.blocks - result.stored - result.present - result.failed
+            result.failed += dropped
+            if dropped:
+                result.errors.setdefault("server", str(exc))
+            self._outages.count("dropped_blocks", dropped)
 
     def _send_paged(self, call: paged_io.PagedCall, results: list[IngestResult]) -> None:
         hashes, parents, positions = call.flat()
@@ -341,18 +368,95 @@ class RemoteCache(PrefixCacheBase):
         keep = [i for i, p in enumerate(present) if not p]
         if not keep:
             return
-        call.use_rows([every[i] for i in keep])
-        hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
-        # Encode everything first: a bad block (NaN, Inf) then sends nothing.
-        frames, rows = [], []
-        for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
-                                                     [True] * len(keep), self._batch_blocks):
-            frames += batch
-            rows += range(start, start + len(batch))
+        hashes, frames = self._encode_rows(call, [every[i] for i in keep], hashes, parents, positions)
         frames.reverse()  # tail first, as ingest sends them
-        rows.reverse()
+        rows = range(len(frames) - 1, -1, -1)
         for row, report in zip(rows, self._post_frames(frames)):
             _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
+
+    def _encode_rows(self, call: paged_io.PagedCall, rows: list[tuple[int, int]], hashes: list[BlockHash],
+                     parents: list[bytes], positions: list[int]) -> tuple[list[BlockHash], list[BlockFrame]]:
+        """The frames of ``rows`` (request, block) of the call, encoded from its pages, and
+        their hashes; every block is encoded before any is returned, so a bad one (NaN, Inf)
+        sends nothing. The call's rows become ``rows``."""
+        index = {row: i for i, row in enumerate(call.every_row())}
+        picked = [index[row] for row in rows]
+        call.use_rows(rows)
+        hashes, parents, positions = ([x[i] for i in picked] for x in (hashes, parents, positions))
+        frames: list[BlockFrame] = []
+        for _, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
+                                                 [True] * len(rows), self._batch_blocks):
+            frames += batch
+        return hashes, frames
+
+    # -- writes sent after the call returns ------------------------------------------------
+
+    def _write_behind_paged(self, call: paged_io.PagedCall, *, single: bool = False) -> Future:
+        """``ingest_batch(wait=False)``: a block twice in the call is encoded once (its later
+        requests count the one write's outcome), every other encoded, none looked up first."""
+        results = self._results(call)
+        every = call.every_row()
+        again, copies = paged_io.count_found(call, [False] * len(every), results)
+        rows = [row for row, seen in zip(every, again) if not seen]
+        flat = call.flat()
+        return self._write_behind(results, [call.hashes[r][b] for r, b in rows], [r for r, _ in rows], copies,
+                                  lambda: self._encode_rows(call, rows, *flat)[1], single=single)
+
+    def _write_behind(self, results: list[IngestResult], hashes: list[BlockHash], owners: list[int],
+                      copies: dict[bytes, list[IngestResult]], encode: Callable[[], list[BlockFrame]], *,
+                      single: bool) -> Future:
+        """Encode (``encode()``: the frames of ``hashes``, in order; ``owners``: each one's
+        result) and move the frames to host memory now; queue the lookup and the upload.
+        Past ``max_pending_bytes`` nothing is encoded: the blocks are answered failed. The
+        future's result: ``results``, or with ``single`` its one result."""
+        answer = (lambda: results[0]) if single else (lambda: results)
+        if not hashes:
+            return _done(answer())
+        nbytes = len(hashes) * self._max_frame_bytes
+        if not self._behind.reserve(nbytes):
+            for result in results:
+                result.failed = result.blocks
+                result.errors.setdefault("backlog", f"the writes not sent yet hold max_pending_bytes "
+                                                    f"({self._behind.max_bytes}): dropped")
+            self._outages.count("dropped_blocks", len(hashes))
+            return _done(answer())
+        try:
+            frames = frames_to_host(encode())
+
+            def send() -> Any:
+                self._send_behind(results, hashes, owners, copies, frames)
+                return answer()
+
+            return self._behind.submit(nbytes, send)
+        except BaseException:
+            self._behind.release(nbytes)
+            raise
+
+    def _send_behind(self, results: list[IngestResult], hashes: list[BlockHash], owners: list[int],
+                     copies: dict[bytes, list[IngestResult]], frames: list[BlockFrame]) -> None:
+        """On the sender thread: the lookup, then the frames of the blocks not stored yet."""
+        try:
+            found = self._write_lookup(hashes)
+            for result in results:
+                result.durability = found.get("durability", result.durability)
+            new = []
+            for i, was in enumerate(found["present"]):
+                if was:
+                    for result in (results[owners[i]], *copies.get(hashes[i], ())):
+                        result.present += 1
+                else:
+                    new.append(i)
+            sent = [frames[i] for i in reversed(new)]  # tail first, as ingest sends them
+            frames.clear()
+            for i, report in zip(reversed(new), self._post_frames(sent)):
+                _count_report(results[owners[i]], report, copies.get(hashes[i], ()))
+        except RemoteUnavailable as exc:
+            self._dropped(results, exc)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every ``wait=False`` ingest made before this call is answered;
+        False if ``timeout`` seconds passed first."""
+        return self._behind.flush(timeout)
 
     def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
                          layerwise: bool = False) -> Any:
@@ -513,12 +617,16 @@ class RemoteCache(PrefixCacheBase):
         ``on_unavailable="miss"``), ``busy_refusals`` (``RemoteBusy``: the server up, its
         request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
         waited past their timeout for a connection of this client's pool, not sent),
-        ``in_outage``, ``last_error``, and the breaker's state."""
+        ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
+        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, pending
+        now, and their bytes)."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
-                "breaker": self.breaker.stats().to_dict()}
+                "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats()}
 
     def close(self) -> None:
-        """Close the connections. Every call but ``client_stats`` then raises ``RuntimeError``."""
+        """Send the ``wait=False`` ingests still queued, then close the connections. Every
+        call but ``client_stats`` then raises ``RuntimeError``."""
+        self._behind.close()
         self._closed = True
         self._http.close()
 
@@ -800,6 +908,12 @@ class RemoteCache(PrefixCacheBase):
         if response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=503, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def _json_answer(response: httpx.Response, url: str) -> Any:

@@ -88,6 +88,11 @@ def test_config_remote_and_embedded_tiers():
     ({"model_id": 7}, "model_id: must be a string"),
     ({"layerwise_load": "no"}, 'layerwise_load: must be true, false or "auto"'),
     ({"layerwise_save": 2}, 'layerwise_save: must be true, false or "auto"'),
+    ({"url": "http://h:1", "background_saves": "yes"}, "background_saves: must be true or false"),
+    ({"background_saves": True}, "background_saves: only a remote cache"),
+    ({"max_pending_bytes": "1GiB"}, "max_pending_bytes: only a remote cache"),
+    ({"url": "http://h:1", "max_pending_bytes": "lots"}, "max_pending_bytes: cannot read 'lots'"),
+    ({"url": "http://h:1", "max_pending_bytes": 0}, "max_pending_bytes: must be > 0"),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -510,6 +515,68 @@ def test_a_store_that_raises_fails_no_request():
     assert side.take_failed_blocks() == {0, 1}
     assert side.stats.save_failures == 1 and side.stats.load_failures == 1
     cache.close()
+
+
+def test_remote_saves_go_in_the_background_by_default():
+    remote = ConnectorConfig.from_extra({"url": "http://h:1", "max_pending_bytes": "512MiB"})
+    assert remote.saves_in_background and remote.max_pending_bytes == 512 << 20
+    assert not ConnectorConfig.from_extra({"url": "http://h:1", "background_saves": False}).saves_in_background
+    assert not ConnectorConfig.from_extra({}).saves_in_background  # embedded: stored within the call
+
+
+def test_a_background_save_stores_the_pages_as_they_were_and_is_counted_later(tmp_path):
+    """A remote worker's whole save returns before the server has answered; vLLM reuses
+    the pages at once; the server then holds the KV the pages held at the save (loaded
+    into other pages, bit for bit), and the save is counted at the next step."""
+    from server_helpers import Server
+
+    fmt = PageFormat("channel", D, 16, 16)
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(2000, 2096))
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=config.saves_in_background)
+        side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+        want = [(k.clone(), v.clone()) for k, v in tokens_of(side.pages, [0, 1, 2, 3, 4, 5], 0, 96)]
+        plan = StepPlan(saves=[SaveSpec("s", tokens, [0, 1, 2, 3, 4, 5])])
+        side.start_step(plan)
+        side.finish_step(plan)
+        for k, v in side.pages.views:  # the next step overwrites the pages
+            k.zero_()
+            v.zero_()
+        assert side.stats.save_calls == 1 and side.stats.saves == 0  # not answered yet, or not counted yet
+        assert cache.flush(timeout=60)
+        side.start_step(StepPlan())
+        assert side.stats.saves == 1 and side.stats.save_blocks_stored == 3 and side.stats.save_failures == 0
+        side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], fmt))
+        side.start_step(StepPlan(loads=[LoadSpec("l", tokens, [9, 10, 11, 12, 13, 14], start=0)]))
+        assert side.take_failed_blocks() == set() and side.stats.load_tokens == 96
+        for (k, v), (wk, wv) in zip(tokens_of(side.pages, [9, 10, 11, 12, 13, 14], 0, 96), want):
+            assert torch.equal(k, wk) and torch.equal(v, wv)
+        close_cache(config, cache)
+
+
+def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = ConnectorConfig.from_extra({"codec": "raw", "url": f"http://127.0.0.1:{port}", "block_tokens": 32,
+                                         "timeout_seconds": 1, "retry_after_seconds": 60, "retry_cap_seconds": 60})
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    cache = open_cache(config, layout, "m", cs.Shard())
+    side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=True)
+    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16)))
+    plan = StepPlan(saves=[SaveSpec("s", list(range(64)), [4, 5, 6, 7])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    assert cache.flush(timeout=60)
+    side.start_step(StepPlan())
+    assert side.stats.save_failures == 1 and side.stats.saves == 0
+    assert not side.guard.allow()  # resting: the next saves make no call
+    close_cache(config, cache)
 
 
 def test_a_server_that_is_down_fails_no_request_and_rests():

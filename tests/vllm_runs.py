@@ -35,6 +35,7 @@ for _name, _value in {
 }.items():
     os.environ.setdefault(_name, _value)
 
+RUN_FLUSH_SECONDS = 120  # for the saves a remote cache sends in the background
 CONNECTOR = {"kv_connector": "CacheSeekConnector", "kv_connector_module_path": "cacheseek.integrations.vllm",
              "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
 QUESTIONS = ("\n\nQuestion: which function turns a Python object into a JSON string?\nAnswer:",
@@ -107,6 +108,10 @@ class Engine:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
+        worker = get_kv_transfer_group()._worker
+        if hasattr(worker.cache, "flush"):  # a remote cache's saves go in the background: counted once answered
+            worker.cache.flush(timeout=RUN_FLUSH_SECONDS)
+            worker.take_sent()
         return {"scheduler": scheduler.stats(), "worker": get_kv_transfer_group().stats()}
 
 
@@ -454,10 +459,23 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     eng = Engine(llm, job.get("max_tokens", 8))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"stored": eng.run(ps[0], read=False)}
+    # The ranks' saves go in the background, from their own processes: wait until the
+    # server holds every rank's blocks of the prefix before asking for it.
+    stored_blocks(job["extra"]["url"], job.get("tp", 3) * (job.get("prefix_tokens", 1100) // 256))
     eng.reset()
     out.update(loaded_and_uncached(eng, ps[1]))
     out["scheduler"] = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
     return out
+
+
+def stored_blocks(url: str, want: int) -> None:
+    import httpx
+
+    deadline = time.monotonic() + RUN_FLUSH_SECONDS
+    while (held := httpx.get(url + "/v1/stats", timeout=30).json()["tiers"][0]["blocks"]) < want:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server holds {held} blocks, not {want}, {RUN_FLUSH_SECONDS} s after the saves")
+        time.sleep(0.1)
 
 
 class KillBeforeLoad:

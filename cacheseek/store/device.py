@@ -144,14 +144,22 @@ def copy_payloads_to_host(work: list[tuple[BlockFrame, memoryview]]) -> None:
 
 def frame_to_host(frame: BlockFrame) -> BlockFrame:
     """A sealed host copy of a frame whose bytes live on a device."""
-    if frame.host is not None:
-        return frame
-    out = bytearray(frame.meta.nbytes)
-    view = memoryview(out)
-    view[: frame.meta.payload_offset] = header_prefix(frame.meta)
-    copy_payloads_to_host([(frame, view)])
-    meta = seal_frame(frame.meta, out)
-    return BlockFrame(meta, host=view, sealed=True)
+    return frames_to_host([frame])[0]
+
+
+def frames_to_host(frames: list[BlockFrame]) -> list[BlockFrame]:
+    """Sealed host copies of ``frames`` (those in host memory already as they are): every
+    copy in flight at once, then one wait."""
+    outs = [bytearray(f.meta.nbytes) if f.host is None else None for f in frames]
+    work = []
+    for frame, out in zip(frames, outs):
+        if out is not None:
+            view = memoryview(out)
+            view[: frame.meta.payload_offset] = header_prefix(frame.meta)
+            work.append((frame, view))
+    copy_payloads_to_host(work)
+    return [frame if out is None else BlockFrame(seal_frame(frame.meta, out), host=memoryview(out), sealed=True)
+            for frame, out in zip(frames, outs)]
 
 
 def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
@@ -202,6 +210,7 @@ __all__ = [
     "copy_entry",
     "copy_payloads_to_host",
     "frame_to_host",
+    "frames_to_host",
     "host_view",
     "payload_on_device",
     "reservation_span",

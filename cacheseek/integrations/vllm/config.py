@@ -8,6 +8,7 @@ before anything is built, and the parsing is tested without an engine.
     {"codec": "int4", "url": "http://127.0.0.1:8080", "model_id": "smollm2-135m"}  # remote
     {"codec": "int4", "layerwise_load": "auto"}   # layer-wise loads where vLLM's pages are on a GPU (default: off)
     {"codec": "int4", "layerwise_save": "auto"}   # layer-wise saves where vLLM's pages are on a GPU (default: off)
+    {"codec": "int4", "url": "...", "background_saves": false}   # a remote save's upload inside wait_for_save
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ...hashing import DEFAULT_ALGO
 from ...quant import KIVI, Raw
 from ...quant.codec import KVLayerCodec
 from ...quant.registry import codec_from_spec
+from ...units import parse_size
 
 # codec name -> how it is built from the group size
 CODECS = {
@@ -38,8 +40,10 @@ DEFAULT_GROUP_SIZE = 32
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
-    "layerwise_save",
+    "layerwise_save", "background_saves", "max_pending_bytes",
 })
+_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes")
+DEFAULT_MAX_PENDING_BYTES = 2 << 30
 _TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
 
@@ -78,6 +82,12 @@ class ConnectorConfig:
     # layer-wise loads it needs vLLM's piecewise CUDA graphs and an embedded cache. Off by
     # default: measured with a stand-in forward, not yet in a vLLM GPU build (docs/vllm.md).
     layerwise_save: bool | None = False
+    # A remote cache's saves: wait_for_save encodes the step's new blocks and moves their
+    # frames to host memory, and the lookup and the upload follow on the client's sender
+    # thread (RemoteCache.ingest_batch(wait=False)), so the step never waits for the
+    # network. At most max_pending_bytes of frames wait; a save past it is dropped.
+    background_saves: bool = True
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
 
     @property
     def remote(self) -> bool:
@@ -95,6 +105,10 @@ class ConnectorConfig:
         if self.remote:
             return False
         return device_type == "cuda" if setting is None else setting
+
+    @property
+    def saves_in_background(self) -> bool:
+        return self.remote and self.background_saves
 
     @property
     def may_load_layerwise(self) -> bool:
@@ -129,10 +143,25 @@ class ConnectorConfig:
         for key in ("layerwise_load", "layerwise_save"):
             if key in extra:
                 kw[key] = _auto_bool(key, extra[key])
+        if "background_saves" in extra:
+            if not isinstance(extra["background_saves"], bool):
+                raise ConfigError(f"kv_connector_extra_config.background_saves: must be true or false, "
+                                  f"got {extra['background_saves']!r}")
+            kw["background_saves"] = extra["background_saves"]
+        if "max_pending_bytes" in extra:
+            try:
+                kw["max_pending_bytes"] = parse_size(extra["max_pending_bytes"], name="max_pending_bytes")
+            except ConfigError as exc:
+                raise ConfigError(f"kv_connector_extra_config.{exc}") from None
+            if kw["max_pending_bytes"] <= 0:
+                raise ConfigError(f"kv_connector_extra_config.max_pending_bytes: must be > 0 bytes, "
+                                  f"got {extra['max_pending_bytes']!r}")
         if "url" in kw and "tiers" in extra:
             raise ConfigError("kv_connector_extra_config: give either url (remote) or tiers (embedded), not both")
-        if "token" in kw and "url" not in kw:
-            raise ConfigError("kv_connector_extra_config.token: only a remote cache (url) takes a token")
+        for key in _REMOTE_ONLY:
+            # (an embedded cache stores into its own tiers within the call: nothing to send behind)
+            if key in extra and "url" not in kw:
+                raise ConfigError(f"kv_connector_extra_config.{key}: only a remote cache (url) takes it")
         if "url" in kw and not kw["url"].startswith(("http://", "https://")):
             raise ConfigError(f"kv_connector_extra_config.url: expected http://host:port, got {kw['url']!r}")
         if "tiers" in extra:

@@ -126,7 +126,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
             # With asynchronous scheduling vLLM plans each step before it has seen how the
             # previous one ended: a load's failure must also drop the next step's saves.
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
-                                      planned_ahead=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
+                                      planned_ahead=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+                                      background_saves=self.config.saves_in_background)
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
@@ -217,7 +218,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._worker.end_load()
             self._worker.end_save()
         for cache in self._caches:
-            close_cache(self.config, cache)
+            close_cache(self.config, cache)  # (a remote cache sends its queued saves first)
+        if self._worker is not None:
+            self._worker.take_sent()
         self._caches = []
 
     def reset_cache(self) -> bool:

@@ -58,7 +58,8 @@ def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: 
     if config.remote:
         from ...remote import RemoteCache
 
-        return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds, **common)
+        return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds,
+                           max_pending_bytes=config.max_pending_bytes, **common)
     from ...prefix_cache import PrefixCache
 
     name = json.dumps({**common, "layout": layout.to_dict(), "codec": config.codec.spec(),

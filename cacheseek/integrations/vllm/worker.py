@@ -28,6 +28,12 @@ into the slots, and ``wait_for_save`` checks and commits; or **whole** (the defa
 layer never fed, a load of one of its requests failed, the writer raised) is dropped for a
 whole save of the same requests in ``wait_for_save``: the pages still hold their KV then.
 
+With a remote cache (``background_saves``, the default) a whole save returns once the
+step's new blocks are encoded and their frames are in host memory: the pages are vLLM's
+again, and the server's lookup and the upload follow on the client's sender thread
+(``RemoteCache.ingest_batch(..., wait=False)``). Its outcome is counted when it is
+known, at a later step (or at shutdown, which sends what is queued).
+
 Neither ever raises into vLLM: a load that falls short, for any reason (the call raised,
 the server is down, a block was evicted or found corrupt since the lookup), reports the
 vLLM blocks from the first missing token to the end of the load, and vLLM (with
@@ -45,6 +51,7 @@ blocks being loaded).
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,9 +87,11 @@ class RunningSave:
 
 class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
-                 layerwise_save: bool = False, planned_ahead: bool = False) -> None:
+                 layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False) -> None:
         self.cache = cache
         self.guard = guard
+        self.background_saves = background_saves  # a whole save's upload left to the cache's sender
+        self._sending: list[tuple[list[SaveSpec], Future]] = []  # those saves, until their answer is counted
         self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
         self.layerwise_save = layerwise_save  # a step's saves fed layer by layer (save_kv_layer)
         self._saving: RunningSave | None = None
@@ -106,6 +115,7 @@ class WorkerSide:
 
     def start_step(self, plan: StepPlan) -> None:
         self.end_load()  # (ended by the previous step's wait_for_save already, normally)
+        self.take_sent()
         if self.planned_ahead:
             self._carried = (self._failed_requests, self._unwritten)
             self._failed_requests, self._unwritten = set(), set()
@@ -120,6 +130,7 @@ class WorkerSide:
 
     def finish_step(self, plan: StepPlan) -> None:
         self.end_load()  # before the saves: a load that failed drops its request's save
+        self.take_sent()
         saves = []
         for spec in plan.saves:
             if self._reads_unwritten(spec):
@@ -292,15 +303,36 @@ class WorkerSide:
             return
         t0 = time.perf_counter()
         try:
-            results = self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine)
-            self.guard.success()
+            if self.background_saves:
+                self._sending.append((specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine,
+                                                                     wait=False)))
+            else:
+                self._saved(specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine))
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
-            self.stats.save_failures += len(specs)
-            self.guard.failure("save", exc)
-        else:
-            self._account_save(specs, results)
+            self._save_failed(specs, exc)
         self.stats.save_calls += 1
         self.stats.save_seconds += time.perf_counter() - t0
+
+    def take_sent(self) -> None:
+        """Count the background saves whose answer has come (in the worker's thread, as
+        every other count)."""
+        waiting = []
+        for specs, future in self._sending:
+            if not future.done():
+                waiting.append((specs, future))
+            elif future.exception() is not None:
+                self._save_failed(specs, future.exception())
+            else:
+                self._saved(specs, future.result())
+        self._sending = waiting
+
+    def _saved(self, specs: list[SaveSpec], results: list[Any]) -> None:
+        self.guard.success()
+        self._account_save(specs, results)
+
+    def _save_failed(self, specs: list[SaveSpec], exc: BaseException) -> None:
+        self.stats.save_failures += len(specs)
+        self.guard.failure("save", exc)
 
     # -- a step's saves, layer by layer --------------------------------------------------
 

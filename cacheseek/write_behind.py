@@ -1,0 +1,97 @@
+"""Writes that finish after their call returns: ``RemoteCache``'s ``wait=False`` ingests.
+
+The call itself reads the KV: it encodes the blocks and moves their compact frames to host
+memory, so the caller's tensors or pages are its own again when it returns. What is left,
+the server's lookup of which blocks are new and the upload of those, runs on one sender
+thread per cache, one write after another in the order the calls were made, each answered
+through a ``Future``. An engine's step then pays for the encode and one copy, not for two
+round trips and the upload of its new KV.
+
+What waits is bounded: at most ``max_bytes`` of frames queued or being sent. A write that
+would pass the bound is not queued (the caller answers it at once, its blocks failed): a
+cache that cannot keep up with the server drops writes rather than stall its caller or
+grow without limit. ``flush`` waits for the writes queued so far; ``close`` for all of
+them, then stops the thread (at interpreter exit the thread finishes its queue too).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+
+class WriteBehind:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._futures: set[Future] = set()
+        self._executor: ThreadPoolExecutor | None = None  # started by the first write
+        self._closed = False
+        self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "pending_bytes_high": 0}
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for a write of ``nbytes`` of frames, taken now (False: the bound would be
+        passed; the write is not to be queued). Given back by ``release`` or, once
+        submitted, when the write is done."""
+        with self._lock:
+            if self._pending_bytes + nbytes > self.max_bytes:
+                self.counts["writes_refused"] += 1
+                return False
+            self._pending_bytes += nbytes
+            self.counts["pending_bytes_high"] = max(self.counts["pending_bytes_high"], self._pending_bytes)
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+
+    def submit(self, nbytes: int, send: Callable[[], Any]) -> Future:
+        """Queue ``send`` (room for ``nbytes`` reserved already); its answer, or what it
+        raised, in the returned future."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the cache is closed")
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
+            future = self._executor.submit(self._run, send, nbytes)
+            self._futures.add(future)
+            self.counts["writes_queued"] += 1
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._futures.discard(future)
+
+    def _run(self, send: Callable[[], Any], nbytes: int) -> Any:
+        try:
+            return send()
+        finally:  # before the future is done: whoever waited for it sees the room given back
+            with self._lock:
+                self._pending_bytes -= nbytes
+                self.counts["writes_done"] += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every write queued before this call; False if ``timeout`` seconds
+        passed first."""
+        with self._lock:
+            futures = list(self._futures)
+        return not wait(futures, timeout=timeout).not_done
+
+    def close(self) -> None:
+        """Send everything queued, then stop the sender."""
+        with self._lock:
+            executor, self._executor, self._closed = self._executor, None, True
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {**self.counts, "writes_pending": self.counts["writes_queued"] - self.counts["writes_done"], "pending_bytes": self._pending_bytes,
+                    "max_pending_bytes": self.max_bytes}
+
+
+__all__ = ["WriteBehind"]

@@ -1,0 +1,173 @@
+"""``RemoteCache`` ingests with ``wait=False`` against a real server: the call returns once
+the KV is read, the lookup and the upload follow on the sender thread, in order; what they
+store and count is what a waited ingest stores and counts; the backlog is bounded; close
+sends what is queued; an outage is counted as for a waited ingest."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+import cacheseek as cs
+from server_helpers import Server
+from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+
+
+def _remote(srv, codec=None, **kw):
+    return cs.RemoteCache(srv.url, model_id="behind", layout=LAYOUT, codec=codec or cs.KIVI(bits=4, group_size=32),
+                          block_tokens=BLOCK, **kw)
+
+
+def _paged(n_pages=24):
+    from paged_helpers import engine_pages
+
+    return engine_pages("flash", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, n_pages, 16,
+                        LAYOUT.torch_dtype)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with Server(tmp_path_factory.mktemp("behind")) as server:
+        yield server
+
+
+def test_a_batch_sent_behind_stores_and_counts_what_a_waited_one_does(srv):
+    """Two requests sharing a prefix, one of them half stored already: the future's results
+    equal a waited call's on a twin namespace, the frames stored are the same bytes, and the
+    pages were read before the call returned (overwritten at once, nothing of it is stored)."""
+    from paged_helpers import page_tables, write_tokens
+
+    shared = tokens_for(1, BLOCK)
+    toks = [shared + tokens_for(2, 2 * BLOCK), shared + tokens_for(3, BLOCK)]
+    tables = page_tables([3 * BLOCK, 2 * BLOCK], 16, 24, seed=5)
+    got = {}
+    for name in ("waited", "behind"):
+        pages, tensors = _paged()
+        kvs = [make_kv(3 * BLOCK, 1), make_kv(2 * BLOCK, 2)]
+        for (k0, v0), (k1, v1) in zip(*kvs):  # one prefix: the same KV
+            k1[:, :BLOCK], v1[:, :BLOCK] = k0[:, :BLOCK], v0[:, :BLOCK]
+        for kv, ids in zip(kvs, tables):
+            write_tokens(pages, kv, ids)
+        requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)]
+        with _remote(srv, namespace=name) as cache:
+            head = cache.ingest(toks[0][: 2 * BLOCK], pages.at(tables[0]), wait=name == "waited")
+            assert (head if name == "waited" else head.result(timeout=60)).stored == 2
+            if name == "waited":
+                results = cache.ingest_batch(requests, pages)
+            else:
+                future = cache.ingest_batch(requests, pages, wait=False)
+                for t in tensors:  # the engine reuses its pages as soon as the call returns
+                    t.fill_(7.0)
+                results = future.result(timeout=60)
+                assert cache.client_stats()["write_behind"]["writes_done"] == 2
+            loaded = cache.materialize(toks[0])
+            got[name] = ([(r.blocks, r.stored, r.present, r.failed, r.errors) for r in results],
+                         [(k.clone(), v.clone()) for k, v in loaded.layers], loaded.num_tokens)
+    assert got["behind"][0] == got["waited"][0] == [(3, 1, 2, 0, {}), (2, 1, 1, 0, {})]
+    assert got["behind"][2] == got["waited"][2] == 3 * BLOCK
+    for (kb, vb), (kw, vw) in zip(got["behind"][1], got["waited"][1]):
+        assert kb.equal(kw) and vb.equal(vw)
+
+
+def test_contiguous_kv_is_read_before_the_call_returns(srv):
+    toks, kv = tokens_for(10, 2 * BLOCK + 3), make_kv(2 * BLOCK + 3, 10)
+    expected = [(k[:, : 2 * BLOCK].clone(), v[:, : 2 * BLOCK].clone()) for k, v in kv]
+    with _remote(srv, codec=cs.Raw(), namespace="contiguous") as cache:
+        future = cache.ingest(toks, kv, wait=False)
+        for k, v in kv:
+            k.zero_()
+            v.zero_()
+        result = future.result(timeout=60)
+        assert (result.blocks, result.stored, result.present, result.failed) == (2, 2, 0, 0)
+        got = cache.materialize(toks)
+    assert got.num_tokens == 2 * BLOCK
+    for (k, v), (ek, ev) in zip(got.layers, expected):
+        assert k.reshape(ek.shape).equal(ek) and v.reshape(ev.shape).equal(ev)
+
+
+def test_bad_input_raises_in_the_call_and_queues_nothing(srv):
+    toks, kv = tokens_for(20, 2 * BLOCK), make_kv(2 * BLOCK, 20)
+    kv[1][1][0, BLOCK + 1, 3] = float("nan")
+    with _remote(srv, namespace="bad") as cache:
+        with pytest.raises(cs.InputError, match="NaN or Inf"):
+            cache.ingest(toks, kv, wait=False)
+        with pytest.raises(cs.InputError, match="wait=False: not with layerwise=True"):
+            cache.ingest_batch([cs.PagedRequest(toks, list(range(8)))], _paged()[0], layerwise=True, wait=False)
+        stats = cache.client_stats()["write_behind"]
+        assert stats["writes_queued"] == 0 and stats["pending_bytes"] == 0
+        assert cache.lookup(toks) == 0
+
+
+def test_past_max_pending_bytes_a_write_is_dropped_not_queued(tmp_path):
+    """The server stopped (SIGSTOP) with one write in flight: the next write that would pass
+    the bound is answered at once, its blocks failed; the first is stored once the server
+    runs again, and the bound's room is given back."""
+    toks = [tokens_for(30 + i, 2 * BLOCK) for i in range(3)]
+    with Server(tmp_path) as server:
+        with _remote(server, codec=cs.Raw(), timeout=60) as probe:
+            frame = probe._max_frame_bytes
+        with _remote(server, codec=cs.Raw(), timeout=60, max_pending_bytes=3 * frame) as cache:
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                first = cache.ingest(toks[0], make_kv(2 * BLOCK, 30), wait=False)
+                refused = cache.ingest(toks[1], make_kv(2 * BLOCK, 31), wait=False)
+                assert refused.done() and not first.done()
+                r = refused.result()
+                assert (r.stored, r.failed) == (0, 2) and "max_pending_bytes" in r.errors["backlog"]
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            assert first.result(timeout=60).stored == 2
+            third = cache.ingest(toks[2], make_kv(2 * BLOCK, 32), wait=False).result(timeout=60)
+            assert third.stored == 2
+            stats = cache.client_stats()
+            assert stats["write_behind"]["writes_refused"] == 1 and stats["write_behind"]["pending_bytes"] == 0
+            assert stats["dropped_blocks"] == 2
+            assert [cache.lookup(t) for t in toks] == [2 * BLOCK, 0, 2 * BLOCK]
+
+
+def test_close_sends_what_is_queued_and_later_calls_raise(srv):
+    toks = [tokens_for(40 + i, 3 * BLOCK) for i in range(4)]
+    cache = _remote(srv, namespace="close")
+    futures = [cache.ingest(t, make_kv(3 * BLOCK, 40 + i), wait=False) for i, t in enumerate(toks)]
+    cache.close()
+    assert all(f.done() and f.result().stored == 3 for f in futures)
+    with pytest.raises(RuntimeError):
+        cache.ingest(toks[0], make_kv(3 * BLOCK, 40), wait=False)
+    with _remote(srv, namespace="close") as other:
+        assert [other.lookup(t) for t in toks] == [3 * BLOCK] * 4
+
+
+def test_flush_waits_for_every_write_made_before_it(srv):
+    with _remote(srv, namespace="flush") as cache:
+        futures = []
+        threads = [threading.Thread(target=lambda i=i: futures.append(
+            cache.ingest(tokens_for(50 + i, BLOCK), make_kv(BLOCK, 50 + i), wait=False))) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert cache.flush(timeout=60)
+        assert all(f.done() for f in futures)
+        assert sum(f.result().stored for f in futures) == 4
+
+
+def test_an_outage_is_counted_as_for_a_waited_write(tmp_path):
+    """The server gone: with on_unavailable="miss" the future's blocks are failed and counted
+    dropped; with "raise" the future holds the RemoteUnavailable."""
+    toks = tokens_for(60, 2 * BLOCK)
+    server = Server(tmp_path).start()
+    url = server.url
+    server.stop()
+    for mode in ("miss", "raise"):
+        with cs.RemoteCache(url, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                            on_unavailable=mode) as cache:
+            future = cache.ingest(toks, make_kv(2 * BLOCK, 60), wait=False)
+            if mode == "miss":
+                r = future.result(timeout=60)
+                assert (r.stored, r.failed) == (0, 2) and "server" in r.errors
+                assert cache.client_stats()["dropped_blocks"] == 2
+            else:
+                assert isinstance(future.exception(timeout=60), cs.RemoteUnavailable)
