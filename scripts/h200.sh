@@ -100,6 +100,10 @@ for s in "$@"; do
     tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_kivi_clip.py tests/test_device_staging.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
+    # A remote save from vLLM's pages: the caller's wait with wait=True against wait=False (loopback server).
+    write-behind) step write-behind 240 python3 -m benchmarks.write_behind --tokens 4096,16384 --codecs int4,raw --reps 5 --out "$OUT" ;;
+    # The background writes' tests with the KV on the GPU (frames copied to host memory within the call).
+    tests-behind) step tests-behind 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_write_behind.py tests/test_vllm_pages.py ;;
     # Leased device staging (store/device_staging.py) against a plain buffer per use (a pool of
     # cap 0): host us per buffer, and ingest / materialize of 16 and 64 blocks through the CPU tier.
     device-staging) step device-staging-16 150 python3 -m benchmarks.device_staging --blocks 16 --out "$OUT/ds16"

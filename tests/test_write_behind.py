@@ -10,6 +10,7 @@ import signal
 import threading
 
 import pytest
+import torch
 
 import cacheseek as cs
 from server_helpers import Server
@@ -72,20 +73,26 @@ def test_a_batch_sent_behind_stores_and_counts_what_a_waited_one_does(srv):
         assert kb.equal(kw) and vb.equal(vw)
 
 
-def test_contiguous_kv_is_read_before_the_call_returns(srv):
-    toks, kv = tokens_for(10, 2 * BLOCK + 3), make_kv(2 * BLOCK + 3, 10)
-    expected = [(k[:, : 2 * BLOCK].clone(), v[:, : 2 * BLOCK].clone()) for k, v in kv]
-    with _remote(srv, codec=cs.Raw(), namespace="contiguous") as cache:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-behind)"))])
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_contiguous_kv_is_read_before_the_call_returns(srv, device, codec):
+    """The KV zeroed as soon as the call returns: what is stored is what it held."""
+    toks, kv = tokens_for(10, 2 * BLOCK + 3), [(k.to(device), v.to(device)) for k, v in make_kv(2 * BLOCK + 3, 10)]
+    with _remote(srv, codec=codec, namespace=f"contiguous-{device}-{codec.name}") as cache:
+        with _remote(srv, codec=codec, namespace=f"contiguous-waited-{device}-{codec.name}") as waited:
+            assert waited.ingest(toks, kv).stored == 2
+            expected = [(k.cpu(), v.cpu()) for k, v in waited.materialize(toks, device="cpu").layers]
         future = cache.ingest(toks, kv, wait=False)
         for k, v in kv:
             k.zero_()
             v.zero_()
         result = future.result(timeout=60)
         assert (result.blocks, result.stored, result.present, result.failed) == (2, 2, 0, 0)
-        got = cache.materialize(toks)
+        got = cache.materialize(toks, device="cpu")
     assert got.num_tokens == 2 * BLOCK
     for (k, v), (ek, ev) in zip(got.layers, expected):
-        assert k.reshape(ek.shape).equal(ek) and v.reshape(ev.shape).equal(ev)
+        assert k.equal(ek) and v.equal(ev)
 
 
 def test_bad_input_raises_in_the_call_and_queues_nothing(srv):
