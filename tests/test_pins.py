@@ -355,6 +355,49 @@ def test_disk_refuses_at_commit_a_block_pinned_in_flight_that_no_longer_fits(tmp
     assert {k.hex() for k in kept} <= on_disk and len({p for p in on_disk if len(p) == 32}) == 3
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["put", "group-commit"])
+def test_disk_syncs_the_shard_after_removing_a_write_refused_at_commit(tmp_path, monkeypatch, group):
+    # A write refused at its commit has renamed its files into place (and fsynced its shard):
+    # their removal is made durable as a delete's is, else a power cut brings them back.
+    from cacheseek.store import disk as disk_mod
+
+    a, b, x, y = frames(11, 4)
+    batch = [x, y] if group else [x]
+    disk = DiskTier(tmp_path / "d", (len(batch) + 1) * FRAME + 10)
+    disk.put(*a)
+    disk.pin([a[0]])
+    shard_of = {k: disk._paths(k)[0].parent for k, _ in batch}
+    seen: list[tuple[bytes, bool]] = []  # (key, its files there) at each fsync of its shard
+    real = disk_mod._fsync_dir
+
+    def spy(path):
+        real(path)
+        for k, _ in batch:
+            if path == shard_of[k]:
+                seen.append((k, any(p.exists() for p in disk._paths(k))))
+
+    monkeypatch.setattr(disk_mod, "_fsync_dir", spy)
+    started, release = _hold_disk_writes(disk, monkeypatch, [x[0]])
+    outcome = {}
+    writer = threading.Thread(target=lambda: outcome.__setitem__("r", disk.put_many(batch)))
+    writer.start()
+    try:
+        assert started[x[0]].wait(10)
+        disk.pin([b[0]])
+        assert disk.put(*b).error is None  # pinned, beside the writes in flight: over the budget
+        disk.pin([k for k, _ in batch])
+    finally:
+        release.set()
+        writer.join(10)
+    refused = [k for (k, _), r in zip(batch, outcome["r"]) if r.error is not None]
+    assert len(refused) == 1 and "pinned" in str(outcome["r"][[k for k, _ in batch].index(refused[0])].error)
+    key = refused[0]
+    assert not any(p.exists() for p in disk._paths(key))
+    events = [there for k, there in seen if k == key]
+    assert True in events, events  # its commit synced the renames
+    assert False in events[events.index(True):], events  # and the removal after them
+
+
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the GPU tier needs CUDA")), "disk"])
 def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):

@@ -740,6 +740,56 @@ def test_a_put_that_waited_on_a_write_stored_on_its_second_try_answers_present(t
         tier.close()
 
 
+def test_a_batch_whose_retry_finds_its_block_stored_by_a_waiter_answers_present(tmp_path):
+    """A group commit's frame the filesystem had no room for goes again; meanwhile a put in
+    another thread that waited on its first try stored the block itself. Exactly one of the
+    two answers "stored": the batch's retry found the block present (it answered "stored"
+    too, whatever its retry found). On real files."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    key, frame = raw_frame(40)
+
+    class FillingDisk(DiskTier):
+        def _write_temp(self, final, segments, *, sync=True):
+            if final.name == f"{key.hex()}.frame" and not self.failed.is_set():
+                assert self.waiting.wait(10)  # the other put waits on this first try
+                self.failed.set()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write_temp(final, segments, sync=sync)
+
+        def _await(self, k, pending):
+            self.waiting.set()
+            return super()._await(k, pending)
+
+        def _refit(self, *, at_start=False, full=False):
+            if full:
+                assert self.waiter_done.wait(10)  # its retry comes once the waiter stored it
+            super()._refit(at_start=at_start, full=full)
+
+    tier = FillingDisk(tmp_path, 1 << 20, fsync=False)
+    tier.waiting, tier.failed, tier.waiter_done = threading.Event(), threading.Event(), threading.Event()
+    try:
+        answers = {}
+        batch = threading.Thread(target=lambda: answers.setdefault("batch", tier.put_many([(key, frame), raw_frame(41)])))
+        batch.start()
+        while not tier._writing.get(key):
+            time.sleep(0.001)
+        answers["waiter"] = tier._put_result(key, frame)
+        tier.waiter_done.set()
+        batch.join(10)
+        assert not batch.is_alive()
+        outcomes = [answers["batch"][0], answers["waiter"]]
+        assert [r.error for r in outcomes] == [None, None], outcomes
+        assert sum(r.stored is not None for r in outcomes) == 1, outcomes
+        stats = tier.stats()
+        assert stats.admissions == 2 and stats.blocks == 2 and stats.write_errors == 0
+    finally:
+        tier.close()
+
+
 def test_tier_config_errors_name_the_setting(tmp_path):
     with pytest.raises(cs.ConfigError, match="no tier"):
         make_cache(cpu=0)

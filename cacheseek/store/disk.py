@@ -731,15 +731,18 @@ class DiskTier(IndexedTier):
         if any(isinstance(p.error, _NoSpace) for p in group):
             self._refit(full=True)
         for p in group:
+            stored = p.frame
             if isinstance(p.error, _NoSpace):
                 try:
                     p.error = None
-                    self._put_one(p.key, p.frame, p.evicted)
+                    # Present, where a put that waited on the first try stored it meanwhile:
+                    # that put answered "stored", so this one must not.
+                    stored = self._put_one(p.key, p.frame, p.evicted).stored
                 except StorageError as exc:
                     p.error = exc
                     if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
                         self.count(write_errors=1)
-            results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
+            results[p.index] = TierPutResult(stored=stored, evicted=p.evicted) if p.error is None else \
                 TierPutResult(stored=None, evicted=p.evicted, error=p.error)
 
     def _claim(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]], *,
