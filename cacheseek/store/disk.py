@@ -468,12 +468,20 @@ class DiskTier(IndexedTier):
             return self._no_room(n)
         return None
 
-    def _undo_write(self, key: bytes, mine: _InFlight, n: int, paths: tuple[Path, ...], error: StorageError) -> None:
+    def _undo_write(self, key: bytes, mine: _InFlight, n: int, paths: tuple[Path, ...], error: StorageError, *,
+                    renamed: bool = False) -> None:
         """A write that will not be indexed: its files removed while the block is still marked
         in flight (a new write of it must not lose its files to this removal), then its room
-        given back, and whoever waits on it told."""
+        given back, and whoever waits on it told. ``renamed``: its files were in place, their
+        renames fsynced (a write refused at its commit), so their removal is synced as a
+        delete's is: else a power cut brings back a block its put answered as failed."""
         for path in paths:  # the sidecar (the commit record) first
             _unlink(path)
+        if renamed:
+            with self._lock:
+                self._unlinks[key[0]] += 1
+                owed = {key[0]: self._unlinks[key[0]]}
+            self._sync_unlinks(owed)
         mine.error = error
         with self._lock:
             del self._writing[key]
@@ -667,7 +675,7 @@ class DiskTier(IndexedTier):
                 self._trim(evicted)
                 self._sync_counts()
         if refused is not None:
-            self._undo_write(key, mine, n, (side_path, data_path), refused)
+            self._undo_write(key, mine, n, (side_path, data_path), refused, renamed=True)
             raise refused
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
@@ -876,7 +884,7 @@ class DiskTier(IndexedTier):
             self._group["frames"] += committed
             self._sync_counts()
         for p in refused:
-            self._undo_write(p.key, p.flight, p.frame.meta.nbytes, (p.side_path, p.data_path), p.error)
+            self._undo_write(p.key, p.flight, p.frame.meta.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
         for p in group:
             p.flight.error = p.error
             p.flight.done.set()
