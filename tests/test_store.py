@@ -16,10 +16,9 @@ from cacheseek.store.cpu import CpuTier
 from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
 from kivi_bounds import error_bound
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, disk_charge, make_cache, make_kv, tokens_for
 
 FRAME = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
-
 TIER_SETUPS = {
     "cpu": dict(cpu="4MiB"),
     "disk": dict(cpu=0, disk=True),
@@ -938,7 +937,7 @@ def test_puts_and_deletes_of_one_block_racing_never_hang_the_disk_tier(tmp_path)
     tier.put(key, BlockFrame(meta, host=memoryview(frame)))
     assert bytes(tier.get(key).to_bytes()) == bytes(frame)
     stats = tier.stats()
-    assert (stats.blocks, stats.used_bytes) == (1, len(frame))
+    assert (stats.blocks, stats.to_dict()["frame_bytes"], stats.used_bytes) == (1, len(frame), tier._charge(len(frame)))
     tier.close()
 
 
@@ -994,7 +993,7 @@ def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head
     """Promoted one by one, a chain's blocks read from disk evicted their own parents from the
     CPU tier: it held a middle and a tail with no head, and once the disk gave the head up
     (another ingest), blocks stored that no lookup reaches."""
-    cache = make_cache(cpu=5 * FRAME, disk=tmp_path / "disk", disk_bytes=9 * FRAME, eviction=eviction)
+    cache = make_cache(cpu=5 * FRAME, disk=tmp_path / "disk", disk_bytes=9 * disk_charge(FRAME), eviction=eviction)
     a, kv_a = tokens_for(3, 8 * BLOCK), make_kv(8 * BLOCK, 3)
     hashes = cache.block_hashes(a)
     cpu = cache.store.tiers[0]
@@ -1084,7 +1083,7 @@ def test_a_victim_the_disk_cannot_read_to_hand_down_is_kept(tmp_path):
     from store_helpers import out_of_descriptors, raw_frame
 
     size = raw_frame(0)[1].nbytes
-    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    disk, below = DiskTier(tmp_path / "d", 3 * disk_charge(size), fsync=False), CpuTier(10 * size, name="below")
     store = TieredStore([disk, below])  # nothing written through: the disk's victims go down
     blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
     assert all(r.stored for r in store.put_many(blocks[:3]))  # acknowledged: on disk, durable
@@ -1122,7 +1121,7 @@ def test_a_victim_whose_bytes_cannot_be_had_goes_without_them_and_the_put_is_sto
     from store_helpers import raw_frame
 
     size = raw_frame(0)[1].nbytes
-    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    disk, below = DiskTier(tmp_path / "d", 3 * disk_charge(size), fsync=False), CpuTier(10 * size, name="below")
     store = TieredStore([disk, below])
     blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
     assert all(r.stored for r in store.put_many(blocks[:3]))
