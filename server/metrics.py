@@ -331,13 +331,14 @@ _TIER_SERIES = {
     "write_errors": ("write_errors_total", "Frames the tier failed to store", "counter"),
     "bytes_in": ("bytes_in_total", "Frame bytes written into the tier", "counter"),
     "bytes_out": ("bytes_out_total", "Frame bytes read from the tier", "counter"),
-    "used_bytes": ("used_bytes", "Encoded bytes held, every copy counted", "gauge"),
+    "used_bytes": ("used_bytes", "Bytes held against the budget, every copy counted (disk: whole file-system blocks)",
+                   "gauge"),
     "capacity_bytes": ("capacity_bytes", "Byte budget", "gauge"),
     "blocks": ("blocks", "Blocks held", "gauge"),
     "raw_bytes": ("raw_bytes", "Unencoded KV bytes the held blocks stand for", "gauge"),
     "unique_bytes": ("unique_bytes", "Encoded bytes of the blocks no faster tier holds (absent for Redis)", "gauge"),
     "unique_blocks": ("unique_blocks", "Blocks no faster tier holds (absent for Redis)", "gauge"),
-    "pinned_bytes": ("pinned_bytes", "Encoded bytes of pinned blocks (never evicted)", "gauge"),
+    "pinned_bytes": ("pinned_bytes", "Bytes of pinned blocks (never evicted), as used_bytes counts them", "gauge"),
     "pinned_blocks": ("pinned_blocks", "Pinned blocks held", "gauge"),
 }
 

@@ -5,16 +5,25 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import tempfile
+from pathlib import Path
 
 import torch
 
 import cacheseek as cs
+from cacheseek.store.disk import allocation_unit, block_charge
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
 
 LAYOUT = cs.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16")
 BLOCK = 32
 RAW_BUFFERS = [("k", "float16", (3, 2, BLOCK, 64)), ("v", "float16", (3, 2, BLOCK, 64))]
+
+
+def disk_charge(nbytes: int) -> int:
+    """What a disk tier under the temp directory counts for a frame of ``nbytes``: its files
+    in whole file-system blocks (``disk.block_charge``)."""
+    return block_charge(nbytes, allocation_unit(Path(tempfile.gettempdir())))
 
 
 def raw_frame(i: int) -> tuple[bytes, BlockFrame]:

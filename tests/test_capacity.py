@@ -253,13 +253,21 @@ def test_concurrent_group_commits_of_one_batch_write_each_block_once(tmp_path):
 
 
 def _frame_bytes(root: Path) -> int:
-    """Bytes of data files on disk, committed or still temp files."""
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and ".frame" in p.name)
+    """What the budget counts for the data files on disk, committed or still temp files:
+    each with its sidecar, in whole file-system blocks (``disk.block_charge``)."""
+    unit = disk_mod.allocation_unit(root)
+    return sum(disk_mod.block_charge(p.stat().st_size, unit) for p in root.rglob("*")
+               if p.is_file() and ".frame" in p.name)
+
+
+def _charged(root: Path, frame) -> int:
+    """What a disk tier over ``root`` counts for ``frame`` (``disk.block_charge``)."""
+    return disk_mod.block_charge(frame.nbytes, disk_mod.allocation_unit(root))
 
 
 def test_a_batch_larger_than_the_budget_is_committed_in_parts_within_it(tmp_path):
     items = _frames(6, 5)
-    n = items[0][1].nbytes
+    n = _charged(tmp_path, items[0][1])
     tier = DiskTier(tmp_path, 2 * n)
     tier.demote_evicted = True  # as under a tier that takes demotions: victims come with their bytes
     peak = 0
@@ -304,7 +312,7 @@ def test_concurrent_writes_that_overshoot_the_budget_together_are_evicted_back_i
     # Every writer claims its room before any commits, so none can evict another's frames
     # (still in flight); the budget must hold once they are all indexed.
     chains = [_frames(20 + w, frames) for w in range(writers)]
-    n = chains[0][0][1].nbytes
+    n = _charged(tmp_path, chains[0][0][1])
     tier = DiskTier(tmp_path, 3 * n, group_commit=group_commit)
     all_claimed = threading.Barrier(writers, timeout=10)
     waited: set[int] = set()
@@ -393,22 +401,26 @@ sys.path[:0] = sys.argv[2:]
 from cacheseek.store.disk import DiskTier
 from test_capacity import _frames
 
-tier = DiskTier(sys.argv[1], 1 << 30)  # clamped to the 4 MiB filesystem, less 5%
+tier = DiskTier(sys.argv[1] + "/d", 1 << 30)  # clamped to the 4 MiB filesystem, less 5%
 clamped = tier.capacity_bytes
-frames = _frames(11, 160)  # ~49 KB frames: each one's sidecar and rounding pass the headroom
-failed = sum(tier.put(k, f).stored is None for k, f in frames[:80])
+frames = _frames(11, 160)  # ~49 KB frames
+failed = sum(tier.put(k, f).stored is None for k, f in frames[:40])
+with open(sys.argv[1] + "/other", "wb") as f:  # another writer takes a quarter of the filesystem
+    f.write(b"x" * (1 << 20))
+failed += sum(tier.put(k, f).stored is None for k, f in frames[40:80])
 batch = tier.put_many(frames[80:])
-last = frames[-8:]
+held = tier.keys()  # (one chain: its tail goes first, leaf-first, so the batch's last blocks may not stay)
 print(json.dumps({"clamped": clamped, "capacity": tier.capacity_bytes, "failed": failed,
                   "batch_failed": sum(r.error is not None for r in batch), "evictions": tier.stats().evictions,
-                  "last_readable": all(tier.get(k) is not None for k, _ in last)}))
+                  "held_readable": bool(set(held) & {k for k, _ in frames[80:]})
+                                   and all(tier.get(k) is not None for k in held)}))
 tier.close()
 """
 
 
 def test_a_full_filesystem_lowers_the_budget_and_writes_go_on_evicting(tmp_path):
-    """The budget counts frame bytes; sidecars, rounding and other writers fill the
-    filesystem before it. A write that finds no room lowers the budget to what is held and
+    """Other writers fill the filesystem before the budget (the tier's own files are
+    counted in it whole). A write that finds no room lowers the budget to what is held and
     goes again, evicting: the tier keeps taking writes rather than failing every one. On a
     real 4 MiB tmpfs, mounted in a mount namespace of its own (unshare(1), util-linux: on
     every Debian; a machine that cannot make one fails here, it does not skip)."""
@@ -427,7 +439,7 @@ def test_a_full_filesystem_lowers_the_budget_and_writes_go_on_evicting(tmp_path)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["failed"] == 0 and out["batch_failed"] == 0, out
-    assert out["capacity"] < out["clamped"] and out["evictions"] > 0 and out["last_readable"], out
+    assert out["capacity"] < out["clamped"] and out["evictions"] > 0 and out["held_readable"], out
     assert "the filesystem is full" in run.stderr
 
 
@@ -472,7 +484,7 @@ def test_deletes_fsync_each_shard_once_after_their_unlinks(tmp_path, monkeypatch
     monkeypatch.setattr(disk_mod, "_fsync_dir",
                         lambda path: (synced.append((Path(path), {p.name for p in Path(path).iterdir()})), real(path)))
     frames = _frames(15, 100)
-    one = frames[0][1].nbytes
+    one = _charged(tmp_path, frames[0][1])
     tier = DiskTier(tmp_path, 96 * one)
     store = TieredStore([tier])
     try:

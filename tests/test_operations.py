@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cacheseek.store.disk import allocation_unit, block_charge
 from server_helpers import Server, batch_body, cacheseek_command, raw_chain, raw_frame
 
 ADMIN = "adm1n-token"
 WRITE = "wr1te-token"
 FRAME = len(raw_chain(0, 1)[0][1])
+# What a disk tier under the temp directory counts for one: its files in whole file-system blocks.
+DISK_FRAME = block_charge(FRAME, allocation_unit(Path(tempfile.gettempdir())))
 
 
 def admin(token: str = ADMIN) -> dict:
@@ -526,15 +531,16 @@ def test_a_restart_with_a_smaller_disk_budget_keeps_the_pinned_chains(tmp_path):
         srv.args[srv.args.index("--disk-bytes") + 1] = str(disk_bytes)
         return srv
 
-    with restart(6 * FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
+    with restart(6 * DISK_FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
         pins = c.get("/v1/admin/pins", headers=admin()).json()
         assert [p["hash"] for p in pins] == [pinned[-1][0].hex()]
         assert held(c, pinned, "a") == [f for _, f in pinned]
         assert held(c, new, "a") == [f for _, f in new]
         assert held(c, old, "a") == [None] * 3  # the oldest unpinned chain went, tail first
         disk = c.get("/v1/stats", headers=writer()).json()["tiers"][0]
-        assert disk["used_bytes"] == 6 * FRAME <= disk["capacity_bytes"] and disk["pinned_blocks"] == 3
-    with restart(2 * FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
+        assert disk["used_bytes"] == 6 * DISK_FRAME <= disk["capacity_bytes"] and disk["pinned_blocks"] == 3
+        assert disk["frame_bytes"] == 6 * FRAME
+    with restart(2 * DISK_FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
         assert c.get("/v1/admin/pins", headers=admin()).json() == []
         assert "not restored" in s.output()
         disk = c.get("/v1/stats", headers=writer()).json()["tiers"][0]

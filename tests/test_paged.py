@@ -669,7 +669,8 @@ def test_a_refused_paged_ingest_of_several_batches_evicts_nothing(tmp_path):
     its check refused the call."""
     raw = LAYOUT.raw_nbytes(BLOCK)
     cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
-                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "d", disk_bytes=3 * raw + raw // 2),
+                           tiers=cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "d",
+                                               disk_bytes=3 * store_helpers.disk_charge(raw + 1024) + raw // 2),
                            max_batch_bytes=raw)
     toks, kvs, pages, tensors, tables = _setup()
     held = tokens_for(70, 3 * BLOCK)
@@ -687,7 +688,8 @@ def test_an_ingest_that_finds_every_block_stored_marks_them_used(tmp_path, disk)
     ``ingest_batch`` (and a paged ``ingest`` not in place) returned before marking them, so
     the chain just reused was the next evicted."""
     T = 2 * BLOCK
-    tiers = cs.TierConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes="200KiB") if disk else \
+    room = 6 * store_helpers.disk_charge(LAYOUT.raw_nbytes(BLOCK) + 1024) + (16 << 10)  # 6 Raw blocks of LAYOUT
+    tiers = cs.TierConfig(cpu_bytes=0, disk_path=str(tmp_path), disk_bytes=room) if disk else \
         cs.TierConfig(cpu_bytes="200KiB", pin_memory=False)  # room for 6 Raw blocks of LAYOUT
     pages, _ = engine_pages("nhd", L, H, D, 16, 16, DTYPE)
     chains = [tokens_for(60 + i, T) for i in range(4)]

@@ -3,8 +3,10 @@ of pinned blocks refuses writes, and store-wide figures count each block once.""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cacheseek.errors import InputError, StorageError
 from cacheseek.store.cpu import CpuTier
-from cacheseek.store.disk import DiskTier
+from cacheseek.store.disk import DiskTier, allocation_unit, block_charge
 from cacheseek.store.eviction import POLICIES, LruIndex, make_index
 from cacheseek.store.frame import parse_frame
 from cacheseek.store.pins import PinTable
@@ -25,6 +27,8 @@ from redis_servers import RedisServer, needs_redis
 from server_helpers import BLOCK, raw_chain, raw_frame
 
 FRAME = len(raw_chain(0, 1)[0][1])
+# What a disk tier under the temp directory counts for one: its files in whole file-system blocks.
+DISK_FRAME = block_charge(FRAME, allocation_unit(Path(tempfile.gettempdir())))
 
 
 def frames(seed: int, n: int) -> list[tuple[bytes, BlockFrame]]:
@@ -172,7 +176,7 @@ TestArcIndexMachine.settings = TestLruIndexMachine.settings = settings(max_examp
 
 def test_a_pinned_chain_outlives_pressure_in_every_tier_and_comes_back_after_unpin(tmp_path):
     cpu = CpuTier(4 * FRAME)
-    store = TieredStore([cpu, DiskTier(tmp_path / "d", 6 * FRAME, fsync=False)], write_through=["disk"])
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 6 * DISK_FRAME, fsync=False)], write_through=["disk"])
     pinned = frames(1, 3)
     store.put_many(pinned)
     pin = store.pin(pinned[-1][0], ttl_seconds=None)
@@ -217,7 +221,7 @@ def test_a_tier_full_of_pinned_blocks_refuses_writes_clearly():
 def test_disk_blocks_pinned_before_they_arrive_never_fill_it_past_its_budget(tmp_path, monkeypatch, group):
     # A pinned block's write is in flight in another thread when more pinned blocks arrive:
     # together they must fit, since none of them can be evicted once written.
-    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    disk = DiskTier(tmp_path / "d", 3 * DISK_FRAME + 10, fsync=False)
     chain = frames(5, 4)
     disk._index.pin([k for k, _ in chain])  # as a pin of the chain's head does, before it arrives
     writing, release = threading.Event(), threading.Event()
@@ -289,7 +293,7 @@ def _hold_disk_writes(disk, monkeypatch, keys):
 def test_disk_blocks_pinned_while_they_are_written_count_as_pinned_in_flight(tmp_path, monkeypatch, group):
     # The pin comes after the first block's write began (not before it arrived): its bytes
     # count as pinned in flight all the same, and the fourth pinned block is refused.
-    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    disk = DiskTier(tmp_path / "d", 3 * DISK_FRAME + 10, fsync=False)
     chain = frames(8, 4)
     started, release = _hold_disk_writes(disk, monkeypatch, [chain[0][0]])
     first = threading.Thread(target=disk.put, args=chain[0])
@@ -297,7 +301,7 @@ def test_disk_blocks_pinned_while_they_are_written_count_as_pinned_in_flight(tmp
     try:
         assert started[chain[0][0]].wait(10)
         disk.pin([k for k, _ in chain])
-        assert disk._reserved_pinned == FRAME
+        assert disk._reserved_pinned == DISK_FRAME
         _the_rest_of_the_chain_but_its_last_fits(disk, chain, group)
     finally:
         release.set()
@@ -310,7 +314,7 @@ def test_disk_blocks_pinned_while_they_are_written_count_as_pinned_in_flight(tmp
     late.start()
     try:
         assert started[chain[3][0]].wait(10)
-        assert disk._reserved_pinned == FRAME  # pinned since before it arrived
+        assert disk._reserved_pinned == DISK_FRAME  # pinned since before it arrived
         disk.unpin([chain[3][0]])
         assert disk._reserved_pinned == 0
     finally:
@@ -323,7 +327,7 @@ def test_disk_refuses_at_commit_a_block_pinned_in_flight_that_no_longer_fits(tmp
     # Unpinned writes in flight may overshoot the budget together (the last one indexed
     # trims it). Pinned while in flight, they could not be trimmed: the write that would
     # leave the pinned blocks over the budget is refused at its commit, its files removed.
-    disk = DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)
+    disk = DiskTier(tmp_path / "d", 3 * DISK_FRAME + 10, fsync=False)
     d, e, h, g = frames(9, 4)
     started, release = _hold_disk_writes(disk, monkeypatch, [d[0], e[0], h[0]])
     outcomes = {}
@@ -355,6 +359,49 @@ def test_disk_refuses_at_commit_a_block_pinned_in_flight_that_no_longer_fits(tmp
     assert {k.hex() for k in kept} <= on_disk and len({p for p in on_disk if len(p) == 32}) == 3
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["put", "group-commit"])
+def test_disk_syncs_the_shard_after_removing_a_write_refused_at_commit(tmp_path, monkeypatch, group):
+    # A write refused at its commit has renamed its files into place (and fsynced its shard):
+    # their removal is made durable as a delete's is, else a power cut brings them back.
+    from cacheseek.store import disk as disk_mod
+
+    a, b, x, y = frames(11, 4)
+    batch = [x, y] if group else [x]
+    disk = DiskTier(tmp_path / "d", (len(batch) + 1) * DISK_FRAME + 10)
+    disk.put(*a)
+    disk.pin([a[0]])
+    shard_of = {k: disk._paths(k)[0].parent for k, _ in batch}
+    seen: list[tuple[bytes, bool]] = []  # (key, its files there) at each fsync of its shard
+    real = disk_mod._fsync_dir
+
+    def spy(path):
+        real(path)
+        for k, _ in batch:
+            if path == shard_of[k]:
+                seen.append((k, any(p.exists() for p in disk._paths(k))))
+
+    monkeypatch.setattr(disk_mod, "_fsync_dir", spy)
+    started, release = _hold_disk_writes(disk, monkeypatch, [x[0]])
+    outcome = {}
+    writer = threading.Thread(target=lambda: outcome.__setitem__("r", disk.put_many(batch)))
+    writer.start()
+    try:
+        assert started[x[0]].wait(10)
+        disk.pin([b[0]])
+        assert disk.put(*b).error is None  # pinned, beside the writes in flight: over the budget
+        disk.pin([k for k, _ in batch])
+    finally:
+        release.set()
+        writer.join(10)
+    refused = [k for (k, _), r in zip(batch, outcome["r"]) if r.error is not None]
+    assert len(refused) == 1 and "pinned" in str(outcome["r"][[k for k, _ in batch].index(refused[0])].error)
+    key = refused[0]
+    assert not any(p.exists() for p in disk._paths(key))
+    events = [there for k, there in seen if k == key]
+    assert True in events, events  # its commit synced the renames
+    assert False in events[events.index(True):], events  # and the removal after them
+
+
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("gpu", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the GPU tier needs CUDA")), "disk"])
 def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):
@@ -363,7 +410,7 @@ def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):
     from cacheseek.store.gpu import GpuTier
 
     tier = {"cpu": lambda: CpuTier(3 * FRAME + 10), "gpu": lambda: GpuTier(3 * FRAME + 10),
-            "disk": lambda: DiskTier(tmp_path / "d", 3 * FRAME + 10, fsync=False)}[kind]()
+            "disk": lambda: DiskTier(tmp_path / "d", 3 * DISK_FRAME + 10, fsync=False)}[kind]()
     chain = frames(6, 3)
     tier.put_many(chain)
     tier.pin([k for k, _ in chain[:2]])
@@ -381,7 +428,7 @@ def test_a_frame_that_cannot_fit_beside_the_pins_evicts_nothing(tmp_path, kind):
 def test_a_pin_reaches_blocks_that_arrive_later_and_expires(tmp_path):
     clock = Clock()
     cpu = CpuTier(3 * FRAME)
-    store = TieredStore([cpu, DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)], write_through=["disk"], clock=clock)
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 20 * DISK_FRAME, fsync=False)], write_through=["disk"], clock=clock)
     chain = frames(1, 2)
     store.put_many(chain)
     pin = store.pin(chain[-1][0], ttl_seconds=60)
@@ -462,13 +509,13 @@ def test_overlapping_pins_keep_their_shared_head(tmp_path):
 
 
 def test_store_wide_figures_count_a_block_held_twice_once(tmp_path):
-    store = TieredStore([CpuTier(4 * FRAME), DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)],
+    store = TieredStore([CpuTier(4 * FRAME), DiskTier(tmp_path / "d", 20 * DISK_FRAME, fsync=False)],
                         write_through=["disk"])
     first = frames(1, 3)
     store.put_many(first)
     stats = store.stats()
     cpu, disk = stats["tiers"]
-    assert cpu["used_bytes"] == disk["used_bytes"] == 3 * FRAME
+    assert cpu["used_bytes"] == disk["frame_bytes"] == 3 * FRAME and disk["used_bytes"] == 3 * DISK_FRAME
     assert stats["stored_bytes"] == 6 * FRAME and stats["used_bytes"] == 3 * FRAME and stats["blocks"] == 3
     assert (cpu["unique_blocks"], disk["unique_blocks"]) == (3, 0)
     store.put_many(frames(2, 3))  # 6 blocks, the CPU tier holds 4: 2 are on disk only
@@ -485,7 +532,7 @@ def test_store_wide_figures_count_a_block_held_twice_once(tmp_path):
 
 
 def test_residency_listeners_see_each_block_enter_and_leave_once(tmp_path):
-    store = TieredStore([CpuTier(3 * FRAME), DiskTier(tmp_path / "d", 20 * FRAME, fsync=False)],
+    store = TieredStore([CpuTier(3 * FRAME), DiskTier(tmp_path / "d", 20 * DISK_FRAME, fsync=False)],
                         write_through=["disk"])
     seen: list[tuple[str, bytes]] = []
 

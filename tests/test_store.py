@@ -16,10 +16,9 @@ from cacheseek.store.cpu import CpuTier
 from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
 from kivi_bounds import error_bound
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, disk_charge, make_cache, make_kv, tokens_for
 
 FRAME = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
-
 TIER_SETUPS = {
     "cpu": dict(cpu="4MiB"),
     "disk": dict(cpu=0, disk=True),
@@ -740,6 +739,56 @@ def test_a_put_that_waited_on_a_write_stored_on_its_second_try_answers_present(t
         tier.close()
 
 
+def test_a_batch_whose_retry_finds_its_block_stored_by_a_waiter_answers_present(tmp_path):
+    """A group commit's frame the filesystem had no room for goes again; meanwhile a put in
+    another thread that waited on its first try stored the block itself. Exactly one of the
+    two answers "stored": the batch's retry found the block present (it answered "stored"
+    too, whatever its retry found). On real files."""
+    import errno
+
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    key, frame = raw_frame(40)
+
+    class FillingDisk(DiskTier):
+        def _write_temp(self, final, segments, *, sync=True):
+            if final.name == f"{key.hex()}.frame" and not self.failed.is_set():
+                assert self.waiting.wait(10)  # the other put waits on this first try
+                self.failed.set()
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return super()._write_temp(final, segments, sync=sync)
+
+        def _await(self, k, pending):
+            self.waiting.set()
+            return super()._await(k, pending)
+
+        def _refit(self, *, at_start=False, full=False):
+            if full:
+                assert self.waiter_done.wait(10)  # its retry comes once the waiter stored it
+            super()._refit(at_start=at_start, full=full)
+
+    tier = FillingDisk(tmp_path, 1 << 20, fsync=False)
+    tier.waiting, tier.failed, tier.waiter_done = threading.Event(), threading.Event(), threading.Event()
+    try:
+        answers = {}
+        batch = threading.Thread(target=lambda: answers.setdefault("batch", tier.put_many([(key, frame), raw_frame(41)])))
+        batch.start()
+        while not tier._writing.get(key):
+            time.sleep(0.001)
+        answers["waiter"] = tier._put_result(key, frame)
+        tier.waiter_done.set()
+        batch.join(10)
+        assert not batch.is_alive()
+        outcomes = [answers["batch"][0], answers["waiter"]]
+        assert [r.error for r in outcomes] == [None, None], outcomes
+        assert sum(r.stored is not None for r in outcomes) == 1, outcomes
+        stats = tier.stats()
+        assert stats.admissions == 2 and stats.blocks == 2 and stats.write_errors == 0
+    finally:
+        tier.close()
+
+
 def test_tier_config_errors_name_the_setting(tmp_path):
     with pytest.raises(cs.ConfigError, match="no tier"):
         make_cache(cpu=0)
@@ -888,7 +937,7 @@ def test_puts_and_deletes_of_one_block_racing_never_hang_the_disk_tier(tmp_path)
     tier.put(key, BlockFrame(meta, host=memoryview(frame)))
     assert bytes(tier.get(key).to_bytes()) == bytes(frame)
     stats = tier.stats()
-    assert (stats.blocks, stats.used_bytes) == (1, len(frame))
+    assert (stats.blocks, stats.to_dict()["frame_bytes"], stats.used_bytes) == (1, len(frame), tier._charge(len(frame)))
     tier.close()
 
 
@@ -944,7 +993,7 @@ def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head
     """Promoted one by one, a chain's blocks read from disk evicted their own parents from the
     CPU tier: it held a middle and a tail with no head, and once the disk gave the head up
     (another ingest), blocks stored that no lookup reaches."""
-    cache = make_cache(cpu=5 * FRAME, disk=tmp_path / "disk", disk_bytes=9 * FRAME, eviction=eviction)
+    cache = make_cache(cpu=5 * FRAME, disk=tmp_path / "disk", disk_bytes=9 * disk_charge(FRAME), eviction=eviction)
     a, kv_a = tokens_for(3, 8 * BLOCK), make_kv(8 * BLOCK, 3)
     hashes = cache.block_hashes(a)
     cpu = cache.store.tiers[0]
@@ -1034,7 +1083,7 @@ def test_a_victim_the_disk_cannot_read_to_hand_down_is_kept(tmp_path):
     from store_helpers import out_of_descriptors, raw_frame
 
     size = raw_frame(0)[1].nbytes
-    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    disk, below = DiskTier(tmp_path / "d", 3 * disk_charge(size), fsync=False), CpuTier(10 * size, name="below")
     store = TieredStore([disk, below])  # nothing written through: the disk's victims go down
     blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
     assert all(r.stored for r in store.put_many(blocks[:3]))  # acknowledged: on disk, durable
@@ -1072,7 +1121,7 @@ def test_a_victim_whose_bytes_cannot_be_had_goes_without_them_and_the_put_is_sto
     from store_helpers import raw_frame
 
     size = raw_frame(0)[1].nbytes
-    disk, below = DiskTier(tmp_path / "d", 3 * size, fsync=False), CpuTier(10 * size, name="below")
+    disk, below = DiskTier(tmp_path / "d", 3 * disk_charge(size), fsync=False), CpuTier(10 * size, name="below")
     store = TieredStore([disk, below])
     blocks = [raw_frame(i) for i in (1, 2, 3, 4)]
     assert all(r.stored for r in store.put_many(blocks[:3]))

@@ -63,9 +63,15 @@ the same directory fails at start instead of budgeting the same bytes twice and 
 the other's blocks. The budget is checked against the filesystem at start: one larger
 than the free space (plus what the tier already holds) is clamped to it, with a warning
 naming ``disk_bytes``, so the tier evicts rather than failing writes with ENOSPC. What
-the headroom does not cover (sidecars, file-system blocks, other writers) a write finds
-out: on ENOSPC the budget comes down to what is held and the write goes again, evicting;
-a budget below ``disk_bytes`` is fitted to the filesystem again every ``REFIT_SECONDS``.
+the headroom does not cover (the directories, other writers) a write finds out: on ENOSPC
+the budget comes down to what is held and the write goes again, evicting; a budget below
+``disk_bytes`` is fitted to the filesystem again every ``REFIT_SECONDS``.
+
+The budget counts what a block takes on the filesystem (``_charge``): its frame and its
+sidecar, each rounded up to the filesystem's allocation unit, not its frame bytes alone
+(a quarter more for 32 KiB frames). Writes, evictions, pins, the rebuild at start and the
+fit to the filesystem all count the same charge; ``frame_bytes`` in the stats is the
+frames' own bytes.
 """
 
 from __future__ import annotations
@@ -90,7 +96,7 @@ import msgpack
 
 from ..errors import ConfigError, FrameError, StorageError
 from ..units import format_size
-from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path
+from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up
 from .frame import HASH_SIZES, FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
@@ -103,9 +109,14 @@ LOCK_NAME = ".lock"
 READ_DEPTH = 16  # whole-file reads in flight
 WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
 STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
-# Of the free space, the part left for sidecars, file-system blocks and other writers when
-# a budget is clamped to it.
+# Of the free space, the part left for the shard directories and other writers when a
+# budget is clamped to it.
 FREE_SPACE_HEADROOM = 0.05
+# A block is charged what its two files take: each rounded up to the filesystem's allocation
+# unit (statvfs's ``f_frsize``), taken where it is a power of two in this range, else 4 KiB
+# (ext4's and XFS's): a network filesystem may report its transfer size there (1 MiB).
+ALLOC_UNIT_RANGE = (512, 64 << 10)
+DEFAULT_ALLOC_UNIT = 4096
 # How often, at most, a budget below ``disk_bytes`` is fitted to the filesystem again (one
 # statvfs: space another writer gave back, or the tier's own overhead, grows or shrinks it).
 REFIT_SECONDS = 1.0
@@ -139,7 +150,7 @@ class _InFlight:
 
     done: threading.Event = field(default_factory=threading.Event)
     error: StorageError | None = None
-    nbytes: int = 0
+    nbytes: int = 0  # its charge (``DiskTier._charge``), counted as in flight
     pinned_nbytes: int = 0  # its bytes, while the block is pinned (before it arrived, or since)
 
 
@@ -237,6 +248,7 @@ class DiskTier(IndexedTier):
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
         # Released by close(); the finalizer only covers a tier dropped without one.
         self._unlock = weakref.finalize(self, _unlock_directory, _lock_directory(self.root))
+        self.alloc_unit = allocation_unit(self.root)
         try:
             self._recover()
             self._fit_budget_to_filesystem()
@@ -256,6 +268,16 @@ class DiskTier(IndexedTier):
         self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
         self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
 
+    def _charge(self, nbytes: int) -> int:
+        """What the budget counts for a block of an ``nbytes`` frame (``block_charge``).
+        Counted by frame bytes alone, a directory of 32 KiB frames held a quarter more than
+        ``disk_bytes``."""
+        return block_charge(nbytes, self.alloc_unit)
+
+    def _too_large(self, nbytes: int) -> StorageError:
+        return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self._charge(nbytes)} bytes on disk, with its "
+                            f"sidecar) exceeds the budget ({self.capacity_bytes})")
+
     def close(self) -> None:
         """Give the directory up (another process may then open it)."""
         if hasattr(self, "_reads"):
@@ -271,10 +293,11 @@ class DiskTier(IndexedTier):
             self.trim()
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
-        """The budget fitted to the filesystem: the bytes held (and in flight) plus its free
-        space less a headroom, at most ``disk_bytes``. ``full``: a write just found no room
-        (sidecars, blocks rounded up, other writers: what the headroom did not cover), so
-        the budget is what is held now, and the write that goes again evicts for its room.
+        """The budget fitted to the filesystem: the bytes held (and in flight, both as charged:
+        ``_charge``) plus its free space less a headroom, at most ``disk_bytes``. ``full``: a
+        write just found no room (other writers, the directories: what the headroom did not
+        cover), so the budget is what is held now, and the write that goes again evicts for
+        its room.
         Fitted again every ``REFIT_SECONDS`` while below ``disk_bytes``,
         so it grows back when another writer frees space (the tier's own evictions move
         bytes from held to free: they change nothing)."""
@@ -283,7 +306,7 @@ class DiskTier(IndexedTier):
         except OSError:
             return
         # Full: the budget is what is held, so that the write going again evicts at least
-        # its own size (the free space left then covers the sidecars and the rounding).
+        # its own charge, the units its files will take.
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
@@ -431,7 +454,7 @@ class DiskTier(IndexedTier):
         keys = list(keys)
         with self._lock:
             index = self._index
-            coming = sum(info.nbytes for key in set(keys)
+            coming = sum(info.charge for key in set(keys)
                          if not index.is_pinned(key) and (info := index.get(key)) is not None)
             if coming and index.pinned_bytes + coming > self.capacity_bytes:
                 raise StorageError(
@@ -468,12 +491,20 @@ class DiskTier(IndexedTier):
             return self._no_room(n)
         return None
 
-    def _undo_write(self, key: bytes, mine: _InFlight, n: int, paths: tuple[Path, ...], error: StorageError) -> None:
+    def _undo_write(self, key: bytes, mine: _InFlight, n: int, paths: tuple[Path, ...], error: StorageError, *,
+                    renamed: bool = False) -> None:
         """A write that will not be indexed: its files removed while the block is still marked
         in flight (a new write of it must not lose its files to this removal), then its room
-        given back, and whoever waits on it told."""
+        given back, and whoever waits on it told. ``renamed``: its files were in place, their
+        renames fsynced (a write refused at its commit), so their removal is synced as a
+        delete's is: else a power cut brings back a block its put answered as failed."""
         for path in paths:  # the sidecar (the commit record) first
             _unlink(path)
+        if renamed:
+            with self._lock:
+                self._unlinks[key[0]] += 1
+                owed = {key[0]: self._unlinks[key[0]]}
+            self._sync_unlinks(owed)
         mine.error = error
         with self._lock:
             del self._writing[key]
@@ -590,7 +621,8 @@ class DiskTier(IndexedTier):
             frame_name = f"{key.hex()}.frame"
             if frame_name not in names or names[frame_name].stat().st_size != side["nbytes"]:
                 return None
-            info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"])
+            info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"],
+                             charged_nbytes=self._charge(side["nbytes"]))
             return path.stat().st_mtime, key, info
         except Exception:  # whatever is wrong with one file, the tier starts without it
             return None
@@ -628,10 +660,10 @@ class DiskTier(IndexedTier):
         """``put``, once; victims go into ``evicted`` (also when it raises)."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
-        n = meta.nbytes
+        n = self._charge(meta.nbytes)
         if n > self.capacity_bytes:
             self.count(write_errors=1)
-            raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
+            raise self._too_large(meta.nbytes)
         with self._lock:
             if key in self._index:
                 self._index.touch([key])
@@ -661,13 +693,13 @@ class DiskTier(IndexedTier):
             if refused is None:
                 del self._writing[key]
                 self._release(mine, n)
-                self._index.add(key, BlockInfo(n, meta.raw_nbytes, meta.parent_hash, meta.position))
-                self._stats.bytes_in += n
+                self._index.add(key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position, n))
+                self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1
                 self._trim(evicted)
                 self._sync_counts()
         if refused is not None:
-            self._undo_write(key, mine, n, (side_path, data_path), refused)
+            self._undo_write(key, mine, n, (side_path, data_path), refused, renamed=True)
             raise refused
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
@@ -704,7 +736,7 @@ class DiskTier(IndexedTier):
                 else:
                     claimed.index = i
                     group.append(claimed)
-                    held += claimed.frame.meta.nbytes
+                    held += claimed.flight.nbytes
         except BaseException as exc:
             # A frame that could not even be claimed (no host bytes, an interrupt): the ones
             # claimed before it give their room back and wake their waiters, unwritten.
@@ -731,15 +763,18 @@ class DiskTier(IndexedTier):
         if any(isinstance(p.error, _NoSpace) for p in group):
             self._refit(full=True)
         for p in group:
+            stored = p.frame
             if isinstance(p.error, _NoSpace):
                 try:
                     p.error = None
-                    self._put_one(p.key, p.frame, p.evicted)
+                    # Present, where a put that waited on the first try stored it meanwhile:
+                    # that put answered "stored", so this one must not.
+                    stored = self._put_one(p.key, p.frame, p.evicted).stored
                 except StorageError as exc:
                     p.error = exc
                     if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
                         self.count(write_errors=1)
-            results[p.index] = TierPutResult(stored=p.frame, evicted=p.evicted) if p.error is None else \
+            results[p.index] = TierPutResult(stored=stored, evicted=p.evicted) if p.error is None else \
                 TierPutResult(stored=None, evicted=p.evicted, error=p.error)
 
     def _claim(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]], *,
@@ -750,10 +785,10 @@ class DiskTier(IndexedTier):
         committed (``held`` bytes) are in the way."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
-        n = meta.nbytes
+        n = self._charge(meta.nbytes)
         if n > self.capacity_bytes:
             self.count(write_errors=1)
-            raise StorageError(f"{self.name} tier: a {n}-byte frame exceeds the budget ({self.capacity_bytes})")
+            raise self._too_large(meta.nbytes)
         with self._lock:
             if key in self._index:
                 self._index.touch([key])
@@ -851,18 +886,19 @@ class DiskTier(IndexedTier):
         with self._lock:
             committed = 0
             for p in group:
-                if p.error is None and (error := self._refused_at_commit(p.key, p.frame.meta.nbytes)) is not None:
+                if p.error is None and (error := self._refused_at_commit(p.key, p.flight.nbytes)) is not None:
                     p.error = error
                     refused.append(p)  # still in flight until its files are gone
                     continue
                 del self._writing[p.key]
-                self._release(p.flight, p.frame.meta.nbytes)
+                self._release(p.flight, p.flight.nbytes)
                 if p.error is not None:
                     if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
                         self._stats.write_errors += 1
                     continue
                 meta = p.frame.meta
-                self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position))
+                self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
+                                                 p.flight.nbytes))
                 self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1
                 committed += 1
@@ -873,7 +909,7 @@ class DiskTier(IndexedTier):
             self._group["frames"] += committed
             self._sync_counts()
         for p in refused:
-            self._undo_write(p.key, p.flight, p.frame.meta.nbytes, (p.side_path, p.data_path), p.error)
+            self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
         for p in group:
             p.flight.error = p.error
             p.flight.done.set()
@@ -1057,7 +1093,8 @@ class DiskTier(IndexedTier):
         self._unlinks[key[0]] += 1
 
     def _extra(self) -> dict:
-        out = {"path": str(self.root), "requested_bytes": self.requested_bytes, **self._recovery,
+        out = {"path": str(self.root), "requested_bytes": self.requested_bytes, "frame_bytes": self._index.frame_bytes,
+               "alloc_unit": self.alloc_unit, **self._recovery,
                "group_commit": self.group_commit, "group_commits": dict(self._group)}
         if hasattr(self, "_reads"):  # (not yet while recovering)
             out |= {**self._reads.stats(), "stream_buffers": self._stream_buffers.stats()}
@@ -1164,6 +1201,26 @@ def _lock_directory(root: Path) -> int:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held_locks.add(fd)
     return fd
+
+
+def block_charge(nbytes: int, unit: int) -> int:
+    """What a block of an ``nbytes`` frame takes on a filesystem allocating ``unit`` bytes at
+    a time: the frame and its sidecar (under 200 bytes), each rounded up to whole units."""
+    return round_up(nbytes, unit) + unit
+
+
+def allocation_unit(root: Path) -> int:
+    """The unit ``root``'s filesystem allocates file space in (``ALLOC_UNIT_RANGE``)."""
+    try:
+        unit = os.statvfs(root).f_frsize
+    except OSError:
+        return DEFAULT_ALLOC_UNIT
+    low, high = ALLOC_UNIT_RANGE
+    if low <= unit <= high and unit & (unit - 1) == 0:
+        return unit
+    log.warning("disk tier at %s: its filesystem reports an allocation unit of %d bytes; blocks are charged in "
+                "units of %d", root, unit, DEFAULT_ALLOC_UNIT)
+    return DEFAULT_ALLOC_UNIT
 
 
 def _unlink(path: Path) -> None:

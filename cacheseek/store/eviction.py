@@ -61,7 +61,8 @@ class EvictionIndex(ABC):
         self._entries: dict[bytes, BlockInfo] = {}
         # parent hash -> its children stored here (insertion-ordered), for leaf-first victims
         self._kids: dict[bytes, dict[bytes, None]] = {}
-        self.used_bytes = 0
+        self.used_bytes = 0  # of the blocks' charges (``BlockInfo.charge``): what the budget counts
+        self.frame_bytes = 0  # of the frames themselves
         self.raw_bytes = 0
         # Pinned keys, stored here or not (a pin covers a block that arrives later), and
         # the totals of those stored here.
@@ -97,29 +98,29 @@ class EvictionIndex(ABC):
         old = self._entries.get(key)
         pinned = key in self._pinned
         if old is not None:
-            self.used_bytes -= old.nbytes
-            self.raw_bytes -= old.raw_nbytes
+            self.used_bytes += info.charge - old.charge
+            self.frame_bytes += info.nbytes - old.nbytes
+            self.raw_bytes += info.raw_nbytes - old.raw_nbytes
             self._entries[key] = info
-            self.used_bytes += info.nbytes
-            self.raw_bytes += info.raw_nbytes
             if (old.parent, old.position) != (info.parent, info.position):
                 # The child link moves with the block: a stale one would make victim() name a
                 # block no longer below that parent, or one not stored here at all.
                 self._unlink(key, old)
                 self._link(key, info)
             if pinned:
-                self.pinned_bytes += info.nbytes - old.nbytes
+                self.pinned_bytes += info.charge - old.charge
             else:
                 self._resized(key, info)
                 self._used(key)
             return
         self._entries[key] = info
-        self.used_bytes += info.nbytes
+        self.used_bytes += info.charge
+        self.frame_bytes += info.nbytes
         self.raw_bytes += info.raw_nbytes
         self._link(key, info)
         if pinned:
             self.pinned_blocks += 1
-            self.pinned_bytes += info.nbytes
+            self.pinned_bytes += info.charge
             self._drop_ghost(key)  # stored again: no longer a block the tier gave up
         else:
             self._admit(key, info)
@@ -132,12 +133,13 @@ class EvictionIndex(ABC):
         info = self._entries.pop(key, None)
         if info is None:
             return None
-        self.used_bytes -= info.nbytes
+        self.used_bytes -= info.charge
+        self.frame_bytes -= info.nbytes
         self.raw_bytes -= info.raw_nbytes
         self._unlink(key, info)
         if key in self._pinned:
             self.pinned_blocks -= 1
-            self.pinned_bytes -= info.nbytes
+            self.pinned_bytes -= info.charge
             if not evicted:
                 self._drop_ghost(key)  # a plain delete forgets the block, pinned or not
         else:
@@ -208,7 +210,7 @@ class EvictionIndex(ABC):
             if info is not None:
                 self._forget(key, info, False)
                 self.pinned_blocks += 1
-                self.pinned_bytes += info.nbytes
+                self.pinned_bytes += info.charge
 
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Give ``keys`` back to the policy, as newly used blocks."""
@@ -219,7 +221,7 @@ class EvictionIndex(ABC):
             info = self._entries.get(key)
             if info is not None:
                 self.pinned_blocks -= 1
-                self.pinned_bytes -= info.nbytes
+                self.pinned_bytes -= info.charge
                 self._admit(key, info)
 
     def is_pinned(self, key: bytes) -> bool:
@@ -294,7 +296,7 @@ class ArcIndex(EvictionIndex):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        # key -> nbytes, each in LRU order (oldest first)
+        # key -> charge (bytes the budget counts), each in LRU order (oldest first)
         self._t1: OrderedDict[bytes, int] = OrderedDict()  # stored, used once here
         self._t2: OrderedDict[bytes, int] = OrderedDict()  # stored, used again
         self._b1: OrderedDict[bytes, int] = OrderedDict()  # ghosts evicted from T1
@@ -304,7 +306,7 @@ class ArcIndex(EvictionIndex):
         self.ghost_hits = 0
 
     def _admit(self, key: bytes, info: BlockInfo) -> None:
-        n = info.nbytes
+        n = info.charge
         c = self.capacity_bytes
         ghost = self._b1.pop(key, None)
         if ghost is not None:  # would have been a hit with a larger T1: grow it
@@ -355,8 +357,8 @@ class ArcIndex(EvictionIndex):
         for lst, attr in ((self._t1, "_t1_bytes"), (self._t2, "_t2_bytes")):
             old = lst.get(key)
             if old is not None:
-                lst[key] = info.nbytes
-                setattr(self, attr, getattr(self, attr) + info.nbytes - old)
+                lst[key] = info.charge
+                setattr(self, attr, getattr(self, attr) + info.charge - old)
 
     def resize(self, capacity_bytes: int) -> None:
         super().resize(capacity_bytes)

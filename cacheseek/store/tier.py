@@ -93,6 +93,14 @@ class BlockInfo:
     raw_nbytes: int
     parent: bytes
     position: int
+    # What the tier's budget counts for the block where its storage takes more than the
+    # frame (the disk tier: whole file-system blocks, and its sidecar's); 0: ``nbytes``.
+    charged_nbytes: int = 0
+
+    @property
+    def charge(self) -> int:
+        """The bytes the tier's budget counts for this block."""
+        return self.charged_nbytes or self.nbytes
 
 
 @dataclass(slots=True)
@@ -367,7 +375,8 @@ class IndexedTier(Tier):
         with self._lock:
             if parent not in self._index:
                 return False
-            return self._index.used_bytes + nbytes <= self.capacity_bytes or self._index.victim() != parent
+            return self._index.used_bytes + self._charge(nbytes) <= self.capacity_bytes or \
+                self._index.victim() != parent
 
     def watch(self, observer: Any) -> None:
         with self._lock:
@@ -393,6 +402,10 @@ class IndexedTier(Tier):
         first = next(r for (key, _), r in zip(items, results) if key in new)
         while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
             first.evicted += self._evict_one()
+
+    def _charge(self, nbytes: int) -> int:
+        """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
+        return nbytes
 
     def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
         """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being

@@ -745,7 +745,8 @@ class TieredStore:
             "used_bytes": used,
             "blocks": sum(f.blocks for f in unique),
             "raw_bytes": raw,
-            "stored_bytes": sum(t["used_bytes"] for t in tiers),
+            # (Encoded bytes: a disk tier's ``used_bytes`` counts its files' whole file-system blocks.)
+            "stored_bytes": sum(t.get("frame_bytes", t["used_bytes"]) for t in tiers),
             "shared_tiers": [t["name"] for t in shared],
             "compression_ratio": ratio_of[1] / ratio_of[0] if ratio_of[0] else None,
             "pins": len(self.pin_table),
