@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..layout import KVLayout
 from ..quant import KIVI, Raw
+from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from . import reference
 from .format import Request
 from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, frame_nbytes, replay
@@ -109,7 +110,7 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
     for codec_name, nbytes in nbytes_of.items():
         for cpu in cpu_bytes:
-            if cpu // nbytes + disk_bytes // nbytes == 0:
+            if cpu // nbytes + disk_bytes // block_charge(nbytes, DEFAULT_ALLOC_UNIT) == 0:
                 raise ConfigError(
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
                     f"({block_tokens} tokens a block); give at least {nbytes} bytes")
@@ -121,7 +122,9 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     for codec_name in codecs:
         nbytes = nbytes_of[codec_name]
         for cpu in cpu_bytes:
-            cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // nbytes
+            # A disk tier charges a block its frame and sidecar in whole allocation units
+            # (4 KiB, ext4's and XFS's), as its budget counts them.
+            cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // block_charge(nbytes, DEFAULT_ALLOC_UNIT)
             total = cpu_blocks + disk_blocks  # Belady over the tiers' room together
             if total not in belady_cache:
                 belady_cache[total] = reference.belady_prefix(trace, max(total, 1), block_tokens, nxt=nxt,

@@ -32,6 +32,7 @@ from typing import Any
 from ..config import TierConfig
 from ..errors import ConfigError
 from ..layout import KVLayout
+from ..store.disk import allocation_unit, block_charge
 from ..store.frame import ALIGN, build_frame, plan_frame, replan_frame, seal_frame
 from ..store.tier import BlockFrame
 from ..store.tiered import TieredStore
@@ -166,9 +167,12 @@ def build_store(spec: ReplaySpec, frame_nbytes_: int, disk_dir: str | None) -> T
         raise ConfigError("replay: give a CPU or a disk budget")
     if spec.disk_blocks > 0 and disk_dir is None:
         raise ConfigError("replay: a disk tier needs a directory")
+    # The disk budget counts a block's files in whole allocation units (its sidecar too):
+    # ``disk_blocks`` stand-in blocks take that many charges.
+    disk_charge = block_charge(frame_nbytes_, allocation_unit(Path(disk_dir).parent)) if disk_dir else 0
     config = TierConfig(
         cpu_bytes=max(spec.cpu_blocks, 0) * frame_nbytes_, cpu_reserve_bytes=0, pin_memory=False,
-        disk_path=disk_dir if spec.disk_blocks > 0 else None, disk_bytes=max(spec.disk_blocks, 0) * frame_nbytes_,
+        disk_path=disk_dir if spec.disk_blocks > 0 else None, disk_bytes=max(spec.disk_blocks, 0) * disk_charge,
         disk_fsync=False, eviction=spec.policy, disk_admit_after_uses=spec.disk_admit_after_uses,
         write_through=None if spec.write_through else (), promote_on_hit=spec.promote_on_hit,
     )
