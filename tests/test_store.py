@@ -1381,3 +1381,38 @@ def test_a_delete_of_a_block_on_its_way_down_finds_it(tmp_path, monkeypatch):
         assert store.delete(first) is False  # and a delete of what is nowhere says so
     finally:
         store.close()
+
+
+def test_a_stream_read_lands_in_pageable_memory_when_page_locked_memory_is_refused(tmp_path, monkeypatch, caplog):
+    """``pin=True`` on a host whose pinned allocations fail (its locked-memory limit, a driver
+    error): torch raises a RuntimeError, which escaped the read (a 500 in the server, the
+    stream ended early). The read lands in pageable memory instead, and says so once."""
+    from cacheseek.store import direct_io
+    from cacheseek.store.disk import DiskTier
+
+    real_empty = torch.empty
+
+    def refusing_empty(*args, **kw):
+        if kw.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real_empty(*args, **kw)
+
+    tier = DiskTier(tmp_path, 1 << 20, pin=True)
+    keys, frames = [], []
+    for i in range(3):
+        meta, frame = _sealed(bytes([0x50 + i]) * 16, 0x50 + i)
+        tier.put(meta.block_hash, BlockFrame(meta, host=memoryview(frame)))
+        keys.append(meta.block_hash)
+        frames.append(bytes(frame))
+    monkeypatch.setattr(torch, "empty", refusing_empty)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(direct_io, "_warned_unpinned", False)
+    with caplog.at_level("WARNING", logger="cacheseek.store.direct_io"):
+        got = []
+        for frame in tier.stream(keys, leased=True):
+            got.append(bytes(frame.host))
+            frame.release()
+    assert got == frames
+    assert caplog.text.count("page-locked memory refused") == 1
+    assert tier.stats().extra["stream_buffers"]["leases_active"] == 0
+    tier.close()

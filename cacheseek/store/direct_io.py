@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -43,6 +44,8 @@ DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a pag
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 READ_PATHS = ("o_direct", "o_direct-unenforced", "buffered")
 PROBE_NAME = ".probe-direct-io"
+
+log = logging.getLogger("cacheseek.store.direct_io")
 
 
 def round_up(n: int, align: int = DIRECT_ALIGN) -> int:
@@ -122,7 +125,14 @@ class AlignedBuffer:
             return
         if not torch.cuda.is_available():
             return
-        keep = torch.empty(self.nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
+        try:
+            keep = torch.empty(self.nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:
+            # Page-locked memory refused (the host's limit, a driver error): the read still
+            # lands, in pageable memory, and its copy to the device is slower. Raised, it
+            # failed the read with a RuntimeError no caller expects (a 500 in the server).
+            _warn_unpinned(exc)
+            return
         skip = -keep.data_ptr() % DIRECT_ALIGN
         self._keep = keep[skip : skip + self.nbytes]
         self._base = self._keep.data_ptr()
@@ -408,6 +418,16 @@ class ReadStream:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_warned_unpinned = False
+
+
+def _warn_unpinned(exc: BaseException) -> None:
+    global _warned_unpinned
+    if not _warned_unpinned:
+        _warned_unpinned = True
+        log.warning("read buffers: page-locked memory refused (%s); reading into pageable memory", exc)
 
 
 def _read_whole(fd: int, path: Path, buf: AlignedBuffer, size: int, direct: bool) -> int:
