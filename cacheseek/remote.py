@@ -53,6 +53,7 @@ from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
 from .store.device import frame_to_host, frames_to_host
 from .store.device_staging import staging_stats
+from .store.direct_io import BufferPool
 from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
@@ -208,6 +209,10 @@ class RemoteCache(PrefixCacheBase):
         if pending <= 0:
             raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
         self._behind = WriteBehind(pending)
+        # The frames' host memory, reused from one write to the next (page-locked beside a
+        # GPU): fresh memory cost a 4K-token int4 save 87 ms of page faults on the H200, the
+        # copy itself 15 ms.
+        self._host_buffers = BufferPool(pin=True, keep_bytes=pending)
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
@@ -420,15 +425,31 @@ class RemoteCache(PrefixCacheBase):
                                                     f"({self._behind.max_bytes}): dropped")
             self._outages.count("dropped_blocks", len(hashes))
             return _done(answer())
+        leases: list[Any] = []
+
+        def take(n: int) -> memoryview:
+            lease = self._host_buffers.take(n)
+            leases.append(lease)
+            return lease.buffer.view(n)
+
+        def give_back() -> None:
+            for lease in leases:
+                lease.release()
+
         try:
-            frames = frames_to_host(encode())
+            # Checksummed on the sender thread, as each frame is sent (BlockFrame.wire_segments).
+            frames = frames_to_host(encode(), take=take, seal=False)
 
             def send() -> Any:
-                self._send_behind(results, hashes, owners, copies, frames)
+                try:
+                    self._send_behind(results, hashes, owners, copies, frames)
+                finally:
+                    give_back()
                 return answer()
 
             return self._behind.submit(nbytes, send)
         except BaseException:
+            give_back()
             self._behind.release(nbytes)
             raise
 

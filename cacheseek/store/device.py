@@ -6,6 +6,7 @@ Only embedded mode comes here; the server's tiers never import torch.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -147,19 +148,23 @@ def frame_to_host(frame: BlockFrame) -> BlockFrame:
     return frames_to_host([frame])[0]
 
 
-def frames_to_host(frames: list[BlockFrame]) -> list[BlockFrame]:
-    """Sealed host copies of ``frames`` (those in host memory already as they are): every
-    copy in flight at once, then one wait."""
-    outs = [bytearray(f.meta.nbytes) if f.host is None else None for f in frames]
+def frames_to_host(frames: list[BlockFrame], *, take: Callable[[int], memoryview] | None = None,
+                   seal: bool = True) -> list[BlockFrame]:
+    """Host copies of ``frames`` (those in host memory already as they are): every copy in
+    flight at once, then one wait. ``take(nbytes)``: the memory a frame is copied into
+    (reused buffers: a fresh allocation costs its page faults, more than the copy); by
+    default a new ``bytearray``. ``seal=False``: not checksummed yet (``BlockFrame.sealed``
+    False: ``wire_segments`` checksums it as it is sent)."""
+    outs = [None if f.host is not None else take(f.meta.nbytes) if take else memoryview(bytearray(f.meta.nbytes))
+            for f in frames]
     work = []
     for frame, out in zip(frames, outs):
         if out is not None:
-            view = memoryview(out)
-            view[: frame.meta.payload_offset] = header_prefix(frame.meta)
-            work.append((frame, view))
+            out[: frame.meta.payload_offset] = header_prefix(frame.meta)
+            work.append((frame, out))
     copy_payloads_to_host(work)
-    return [frame if out is None else BlockFrame(seal_frame(frame.meta, out), host=memoryview(out), sealed=True)
-            for frame, out in zip(frames, outs)]
+    return [frame if out is None else BlockFrame(seal_frame(frame.meta, out), host=out, sealed=True) if seal
+            else BlockFrame(frame.meta, host=out, sealed=False) for frame, out in zip(frames, outs)]
 
 
 def payload_on_device(frame: BlockFrame, device: torch.device) -> torch.Tensor:
