@@ -1074,12 +1074,14 @@ def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_c
         assert cache.client_stats()["unavailable_calls"] == 1
 
 
-@pytest.mark.parametrize("framing", ["sized", "chunked"])
+@pytest.mark.parametrize("framing", ["sized", "chunked", "one-chunk"])
 def test_an_endless_answer_is_not_read_whole(framing):
     """Every answer but a prefix's frames was read whole before its status was looked at: a
     peer that sends without end (a URL that names a file server, a broken front) took the
     worker's memory. A 2xx answer past ``ANSWER_BYTES`` is no server's (an outage); an
-    error is read for its reason only, its connection dropped."""
+    error is read for its reason only, its connection dropped. ``one-chunk``: a chunked
+    body of one chunk that declares more than is ever sent was read into memory whole
+    before any of it was handed on, however far past the limit."""
     from fake_http import FakeServer
 
     from cacheseek.remote import ANSWER_BYTES, ERROR_BODY_BYTES, REASON_CHARS
@@ -1092,10 +1094,10 @@ def test_an_endless_answer_is_not_read_whole(framing):
         def body():
             head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             head += b"content-length: %d\r\n\r\n" % size if framing == "sized" else b"transfer-encoding: chunked\r\n\r\n"
-            yield head
+            yield head + (b"%x\r\n" % (1 << 40) if framing == "one-chunk" else b"")
             piece, left = b"x" * (1 << 20), size
             while left:
-                yield piece if framing == "sized" else b"%x\r\n%s\r\n" % (len(piece), piece)
+                yield piece if framing != "chunked" else b"%x\r\n%s\r\n" % (len(piece), piece)
                 left -= len(piece)
                 unsent[:] = [left]
             if framing == "chunked":
