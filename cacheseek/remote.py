@@ -820,17 +820,21 @@ def _read_answer(response: httpx.Response, url: str) -> httpx.Response:
     cap = ANSWER_BYTES if response.is_success else ERROR_BODY_BYTES
     length = response.headers.get("content-length", "")
     declared = int(length) if length.isascii() and length.isdigit() else None
-    if declared is not None and declared <= cap:
-        response.read()
-        return response
-    body, too_long = bytearray(), declared is not None
+    body, too_long = bytearray(), declared is not None and declared > cap
     try:
+        if declared is not None and declared <= cap:
+            response.read()
+            return response
         if not (too_long and response.is_success):  # an error's reason is read, however long its body
             for chunk in response.iter_bytes():
                 body += chunk[: cap + 1 - len(body)]
                 if len(body) > cap:
                     too_long = True
                     break
+    except httpx.DecodingError as exc:
+        # The server never compresses: a front's doing, and what it sends cannot be read.
+        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (its body does not decode as its "
+                                f"Content-Encoding says: {exc})", status=response.status_code, url=url) from None
     finally:
         response.close()  # a body left unread: its connection is closed, not pooled
     if too_long and response.is_success:
@@ -848,7 +852,7 @@ def _read_small(response: httpx.Response) -> None:
     if length.isascii() and length.isdigit() and int(length) <= ERROR_BODY_BYTES:
         try:
             response.read()
-        except httpx.TransportError:
+        except (httpx.TransportError, httpx.DecodingError):
             pass  # the answer stands; only its connection is lost
 
 

@@ -973,6 +973,40 @@ def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(
                 assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
 
 
+@pytest.mark.parametrize("status", [b"200 OK", b"500 Internal Server Error", b"404 Not Found"])
+def test_an_answer_that_does_not_decode_as_its_content_encoding_says_is_no_service(status):
+    """The server never compresses; a front that answers ``Content-Encoding: gzip`` over a
+    body that is not gzip made httpx's ``DecodingError`` escape every call, past
+    ``on_unavailable="miss"`` (a worker's hot path with no ``try``) and the breaker. It is no
+    service (``RemoteUnavailable``), as an answer that is not JSON is; a prefix GET's 404 is
+    the eviction race whatever its body."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(39, 2 * BLOCK), make_kv(2 * BLOCK, 39)
+    garbage = _answers(b"HTTP/1.1 " + status, b"\x1f\x8b not gzip at all",
+                       headers=b"content-type: application/json\r\ncontent-encoding: gzip\r\n",
+                       lookups=b'{"matched": 2, "tiers": ["cpu", "cpu"]}' if status.startswith(b"404") else None)
+
+    def cache(front, mode):
+        return cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                              on_unavailable=mode, trust_env=False)
+
+    if status.startswith(b"404"):  # only the GET's answer is undecodable: the chain is gone, looked up again
+        with FakeServer(garbage) as front, cache(front, "raise") as remote:
+            assert remote.materialize(toks).num_tokens == 0
+            assert remote.client_stats()["outages"] == 0
+        return
+    with FakeServer(garbage) as front, cache(front, "miss") as remote:
+        assert remote.lookup(toks) == 0 and remote.materialize(toks).num_tokens == 0
+        assert remote.prefetch(toks) is None and remote.ingest(toks, kv).failed == 2
+        stats = remote.client_stats()
+        assert stats["outages"] == 1 and "Content-Encoding" in stats["last_error"], stats
+    with FakeServer(garbage) as front, cache(front, "raise") as remote:
+        for call in (lambda: remote.lookup(toks), remote.stats):
+            with pytest.raises(cs.RemoteUnavailable, match="Content-Encoding"):
+                call()
+
+
 @pytest.mark.parametrize("reply", [b"ICY 200 OK\r\n\r\n", None], ids=["not-http", "closed-unanswered"])
 def test_a_prefix_get_answered_with_no_valid_http_is_an_outage_like_a_lookup(reply):
     """A GET whose reply is not HTTP, or that the connection ends before any answer, got no
