@@ -792,7 +792,7 @@ class RemoteCache(PrefixCacheBase):
             return
         try:
             answer = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
             answer = None
         # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
         reason = ((answer.get("error") if isinstance(answer, dict) else None) or response.text[:REASON_CHARS]
@@ -807,7 +807,7 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     (a front's maintenance page, say): no service, as far as a caller can tell."""
     try:
         return json.loads(response.content)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
 

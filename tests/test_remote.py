@@ -973,6 +973,35 @@ def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(
                 assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
 
 
+@pytest.mark.parametrize("status", [b"200 OK", b"403 Forbidden"])
+def test_json_nested_too_deep_is_the_answer_of_no_server(status):
+    """A body of a thousand ``[`` (1 KB) is JSON that ``json.loads`` gives up on with
+    ``RecursionError``, not ``ValueError``: it escaped every call raw, past
+    ``on_unavailable="miss"`` and the breaker. A 2xx one is no service, as any answer that
+    is not the server's JSON; an error's reason is its text, as for any body not JSON."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(43, 2 * BLOCK), make_kv(2 * BLOCK, 43)
+    deep = b"[" * 5000
+    script = _answers(b"HTTP/1.1 " + status, deep, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, on_unavailable=mode,
+                                                         trust_env=False) as cache:
+            if status.startswith(b"403"):
+                with pytest.raises(cs.RemoteError) as info:
+                    cache.lookup(toks)
+                assert info.value.status == 403 and info.value.reason.startswith("[[[")
+            elif mode == "miss":
+                assert cache.lookup(toks) == 0 and cache.prefetch(toks) is None
+                assert cache.ingest(toks, kv).failed == 2
+                assert cache.client_stats()["outages"] == 1
+            else:
+                for call in (lambda: cache.lookup(toks), cache.stats):
+                    with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
+                        call()
+
+
 @pytest.mark.parametrize("status", [b"200 OK", b"500 Internal Server Error", b"404 Not Found"])
 def test_an_answer_that_does_not_decode_as_its_content_encoding_says_is_no_service(status):
     """The server never compresses; a front that answers ``Content-Encoding: gzip`` over a
