@@ -1339,7 +1339,10 @@ def test_every_call_after_close_raises_one_clear_error(srv):
                  "ingest_batch": lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages),
                  "materialize_into": lambda: cache.materialize_into(toks, pages.at([4, 5, 6, 7])),
                  "materialize_into_batch": lambda: cache.materialize_into_batch(
-                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages)}
+                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages),
+                 # (a writer was handed out, and raised only on finish, after the forward had put every layer)
+                 "ingest_layerwise": lambda: cache.ingest_layerwise(toks),
+                 "materialize layer-wise": lambda: cache.materialize(toks, layerwise=True)}
         for name, call in calls.items():
             with pytest.raises(RuntimeError, match=r"^RemoteCache: closed") as info:
                 call()
