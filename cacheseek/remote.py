@@ -64,6 +64,8 @@ MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
 CONTINUES_HEADER = "X-CacheSeek-Continues"  # a lookup piece's first position, after the chain's first piece
+# A lookup sent again for a query the server counted already (after a prefix GET's 404): not counted again.
+AGAIN_HEADER = "X-CacheSeek-Again"
 START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
@@ -567,17 +569,20 @@ class RemoteCache(PrefixCacheBase):
         self._outages.answered()
         return out
 
-    def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None) -> dict[str, Any]:
+    def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None,
+                again: bool = False) -> dict[str, Any]:
         """``POST /v1/lookup``; a chain longer than ``max_lookup_hashes`` in pieces, in order:
         the next only while the prefix matched so far is whole, unless ``each`` asks about
-        every block. The server counts each piece as a lookup of its own."""
+        every block. The server counts the pieces as one query; ``again``: a query it
+        counted already, not counted again."""
         limit = self.max_lookup_hashes
         if len(hashes) <= limit:
-            return self._lookup_piece(hashes, each=each, tokens=tokens)
+            return self._lookup_piece(hashes, each=each, tokens=tokens, again=again)
         found: dict[str, Any] = {"matched": 0, "tiers": []}
         for start in range(0, len(hashes), limit):
             piece = hashes[start : start + limit]
-            part = self._lookup_piece(piece, each=each, tokens=tokens if start == 0 else None, continues=start)
+            part = self._lookup_piece(piece, each=each, tokens=tokens if start == 0 else None, continues=start,
+                                      again=again)
             if found["matched"] == start:  # the prefix is whole so far: this piece extends it
                 found["matched"] += part["matched"]
                 found["tiers"] += part["tiers"]
@@ -589,7 +594,7 @@ class RemoteCache(PrefixCacheBase):
         return found
 
     def _lookup_piece(self, hashes: list[BlockHash], *, each: bool, tokens: int | None,
-                      continues: int = 0) -> dict[str, Any]:
+                      continues: int = 0, again: bool = False) -> dict[str, Any]:
         """One ``POST /v1/lookup``, sent to the transport directly: a lookup comes before every
         request a worker serves, and httpx.Client's own request path (URL merging, auth
         and redirect flows, text decoding) cost ~0.3 ms of a ~1 ms lookup."""
@@ -598,6 +603,8 @@ class RemoteCache(PrefixCacheBase):
             headers[TOKENS_HEADER] = str(tokens)
         if continues:  # a piece after the chain's first: the server counts the query once
             headers[CONTINUES_HEADER] = str(continues)
+        if again:
+            headers[AGAIN_HEADER] = "1"
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
 
@@ -713,7 +720,7 @@ class RemoteCache(PrefixCacheBase):
             frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes, start))
             if frames is not None:
                 return frames
-            matched = self._lookup(hashes)["matched"]
+            matched = self._lookup(hashes, again=True)["matched"]
             if not start < matched < len(hashes):
                 return []  # nothing stored past start, or the whole chain again: another writer races this read
             hashes = hashes[:matched]

@@ -728,6 +728,43 @@ def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(s
         assert_prefix_equal(got, kv, 5 * BLOCK)
 
 
+def test_a_look_again_after_the_eviction_race_is_not_counted_as_a_query_of_its_own(srv, monkeypatch):
+    """The lookup a materialize sends again after its GET met the eviction race (a 404) was
+    counted by the server as a query of its own: two lookups and two hits for one
+    materialize, the chain's tokens requested and matched twice. The query counts once, as
+    its lookup answered."""
+    toks, kv = tokens_for(44, 6 * BLOCK), make_kv(6 * BLOCK, 44)
+
+    def traffic() -> dict[str, int]:
+        stats = httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()
+        mine = next(o for o in stats["traffic"]["by_owner"] if o["namespace"] == "again")
+        return {k: mine[k] for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                     "lookup_tokens_requested", "lookup_tokens_matched")}
+
+    with _remote(srv, cs.Raw(), namespace="again") as cache:
+        assert cache.ingest(toks, kv).stored == 6
+        hashes = cache.block_hashes(toks)
+        stream = cache._stream_chain
+        gets = []
+
+        def evicted_first(chain, start=0):
+            if not gets:  # after the lookup, before the GET: the last block goes
+                r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}",
+                                 headers={"authorization": "Bearer w", "x-cacheseek-namespace": "again"})
+                assert r.status_code == 204
+            gets.append(len(chain))
+            return stream(chain, start)
+
+        monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+        before = traffic()
+        assert_prefix_equal(cache.materialize(toks), kv, 5 * BLOCK)
+        assert gets == [6, 5]
+        after = traffic()
+    assert {k: after[k] - before[k] for k in after} == {
+        "lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 6, "lookup_blocks_matched": 6,
+        "lookup_tokens_requested": 6 * BLOCK, "lookup_tokens_matched": 6 * BLOCK}
+
+
 def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, headers: bytes = b""):
     """A fake front: lookups answered ``lookups`` (JSON) when given, every other request
     ``status_line`` with ``body``."""
