@@ -876,13 +876,16 @@ def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:
     """Whether ``found`` answers a lookup of ``asked`` hashes. Its count slices the chain that
     is fetched and names the pages that are written, so one past the hashes asked about (or
     an answer of another shape: a front's JSON, a server out of step) is no service, as an
-    answer that is not JSON is."""
+    answer that is not JSON is. So is a presence that is not one boolean per block: it
+    decides which blocks are sent (a truthy ``"no"`` or ``1`` was a block never sent,
+    reported present)."""
     if not isinstance(found, dict):
         return False
     matched, tiers = found.get("matched"), found.get("tiers")
     if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched):
         return False
-    return not each or (isinstance(found.get("present"), list) and len(found["present"]) == asked)
+    present = found.get("present")
+    return not each or (isinstance(present, list) and len(present) == asked and set(map(type, present)) <= {bool})
 
 
 def _is_prefetch_answer(found: Any) -> bool:

@@ -967,6 +967,37 @@ def test_a_lookup_answer_that_is_not_the_servers_is_an_outage_and_writes_no_page
     assert unchanged(before, tensors)
 
 
+@pytest.mark.parametrize("present", [b'["no", "no"]', b"[null, null]", b"[1, 0]"])
+def test_a_write_lookup_whose_presence_is_not_booleans_is_an_outage(present):
+    """What a write's lookup says of each block decides what is sent; its list was checked
+    for its length only: strings or nulls raised TypeError from ``ingest``, and made
+    ``ingest_batch`` report blocks present that it never sent (``"no"`` is truthy)."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, write_tokens
+
+    toks, kv = tokens_for(45, 2 * BLOCK), make_kv(2 * BLOCK, 45)
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 4, 16, LAYOUT.torch_dtype)
+    write_tokens(pages, kv, [0, 1, 2, 3])
+    script = _answers(b"HTTP/1.1 200 OK", b'[{"status": "stored"}, {"status": "stored"}]',
+                      lookups=b'{"matched": 0, "tiers": [], "durability": "durable", "present": ' + present + b"}",
+                      headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, on_unavailable=mode,
+                                                         trust_env=False) as cache:
+            calls = (lambda: cache.ingest(toks, kv),
+                     lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages)[0])
+            for call in calls:
+                if mode == "raise":
+                    with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                        call()
+                    continue
+                got = call()
+                assert (got.stored, got.present, got.failed) == (0, 0, 2), got
+            assert not [r for r in front.requests if b" /v1/blocks" in r.split(b"\r\n", 1)[0]]
+
+
 @pytest.mark.parametrize("answer", [b'[{"status": "stored"}]', b'[{"status": "stored"}, {"status": "stored"}, '
                                     b'{"status": "stored"}]', b'[]', b'{}', b'["stored", "stored"]'],
                          ids=["one-for-two", "three-for-two", "none", "an-object", "not-reports"])
