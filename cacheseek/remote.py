@@ -485,9 +485,11 @@ class RemoteCache(PrefixCacheBase):
         # (a hint: the first max_lookup_hashes blocks, those a read needs first, are enough)
         path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
+            # (idempotent: a second one joins the first's promotions, so the transport may send
+            # it again on a new connection when a kept-alive one turns out closed, as a lookup)
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
                                   headers=headers, json_answer=True, check=_is_prefetch_answer,
-                                  what="a prefetch's answer")
+                                  what="a prefetch's answer", extensions={IDEMPOTENT_EXTENSION: True})
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise

@@ -1192,6 +1192,32 @@ def test_a_prefetch_answer_that_is_not_the_servers_is_an_outage(answer):
         assert (got.matched, got.blocks, got.joined, got.on_server) == (2, 1, 0, True)
 
 
+def test_a_prefetch_meeting_a_connection_closed_while_idle_is_sent_again_as_a_lookup_is():
+    """The stale-connection race (the server gives up on a kept-alive connection just as the
+    next request arrives) is answered by sending the request again on a new connection when
+    it is idempotent. A prefetch is (a hint: a second one joins the first's promotions), but
+    it was a POST not marked so: the race was an outage, counted and told to the breaker."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(46, 2 * BLOCK)
+    answer = b'{"started": true, "matched": 2, "blocks": 2, "joined": 0, "reason": null}'
+
+    def script(n: int, head: bytes):
+        if n % 2 == 1:  # every second request on a connection: closed unanswered
+            return None, True
+        return (b"HTTP/1.1 202 Accepted\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(answer)).encode() + b"\r\n\r\n" + answer), False
+
+    with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                     block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        for _ in range(4):
+            got = cache.prefetch(toks)
+            assert got is not None and got.blocks == 2
+        stats = cache.client_stats()
+        assert stats["unavailable_calls"] == 0 and stats["outages"] == 0, stats
+        assert front.connections > 1
+
+
 def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_calls():
     """``stats()`` parsed its answer outside the breaker, with httpx: a front's page raised
     JSONDecodeError, where every other call's is ``RemoteUnavailable``."""
