@@ -136,6 +136,7 @@ class PrefixCacheBase:
         """A writer that takes the KV of ``keys`` one layer at a time (``put_layer(i, k, v)``,
         as a forward produces them) and stores the full blocks on ``finish()``, once every
         layer is there: nothing of a block is stored before, and ``abort()`` stores nothing."""
+        self._check_open()  # (else a writer, refused only at finish, once the forward had put every layer)
         self._num_keys(keys)
         return LayerwiseIngest(self.ingest, keys, self.layout)
 

@@ -67,6 +67,8 @@ MODEL_HEADER = "X-CacheSeek-Model"
 BLOCK_TOKENS_HEADER = "X-CacheSeek-Block-Tokens"
 TOKENS_HEADER = "X-CacheSeek-Tokens"
 CONTINUES_HEADER = "X-CacheSeek-Continues"  # a lookup piece's first position, after the chain's first piece
+# A lookup sent again for a query the server counted already (after a prefix GET's 404): not counted again.
+AGAIN_HEADER = "X-CacheSeek-Again"
 START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
@@ -608,9 +610,11 @@ class RemoteCache(PrefixCacheBase):
         # (a hint: the first max_lookup_hashes blocks, those a read needs first, are enough)
         path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
+            # (idempotent: a second one joins the first's promotions, so the transport may send
+            # it again on a new connection when a kept-alive one turns out closed, as a lookup)
             found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
                                   headers=headers, json_answer=True, check=_is_prefetch_answer,
-                                  what="a prefetch's answer")
+                                  what="a prefetch's answer", extensions={IDEMPOTENT_EXTENSION: True})
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -696,17 +700,20 @@ class RemoteCache(PrefixCacheBase):
         self._outages.answered()
         return out
 
-    def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None) -> dict[str, Any]:
+    def _lookup(self, hashes: list[BlockHash], *, each: bool = False, tokens: int | None = None,
+                again: bool = False) -> dict[str, Any]:
         """``POST /v1/lookup``; a chain longer than ``max_lookup_hashes`` in pieces, in order:
         the next only while the prefix matched so far is whole, unless ``each`` asks about
-        every block. The server counts each piece as a lookup of its own."""
+        every block. The server counts the pieces as one query; ``again``: a query it
+        counted already, not counted again."""
         limit = self.max_lookup_hashes
         if len(hashes) <= limit:
-            return self._lookup_piece(hashes, each=each, tokens=tokens)
+            return self._lookup_piece(hashes, each=each, tokens=tokens, again=again)
         found: dict[str, Any] = {"matched": 0, "tiers": []}
         for start in range(0, len(hashes), limit):
             piece = hashes[start : start + limit]
-            part = self._lookup_piece(piece, each=each, tokens=tokens if start == 0 else None, continues=start)
+            part = self._lookup_piece(piece, each=each, tokens=tokens if start == 0 else None, continues=start,
+                                      again=again)
             if found["matched"] == start:  # the prefix is whole so far: this piece extends it
                 found["matched"] += part["matched"]
                 found["tiers"] += part["tiers"]
@@ -718,7 +725,7 @@ class RemoteCache(PrefixCacheBase):
         return found
 
     def _lookup_piece(self, hashes: list[BlockHash], *, each: bool, tokens: int | None,
-                      continues: int = 0) -> dict[str, Any]:
+                      continues: int = 0, again: bool = False) -> dict[str, Any]:
         """One ``POST /v1/lookup``, sent to the transport directly: a lookup comes before every
         request a worker serves, and httpx.Client's own request path (URL merging, auth
         and redirect flows, text decoding) cost ~0.3 ms of a ~1 ms lookup."""
@@ -727,6 +734,8 @@ class RemoteCache(PrefixCacheBase):
             headers[TOKENS_HEADER] = str(tokens)
         if continues:  # a piece after the chain's first: the server counts the query once
             headers[CONTINUES_HEADER] = str(continues)
+        if again:
+            headers[AGAIN_HEADER] = "1"
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
 
@@ -842,7 +851,7 @@ class RemoteCache(PrefixCacheBase):
             frames = self._guarded(f"/v1/prefixes/{to_hex(hashes[-1])}", lambda: self._stream_chain(hashes, start))
             if frames is not None:
                 return frames
-            matched = self._lookup(hashes)["matched"]
+            matched = self._lookup(hashes, again=True)["matched"]
             if not start < matched < len(hashes):
                 return []  # nothing stored past start, or the whole chain again: another writer races this read
             hashes = hashes[:matched]
@@ -921,7 +930,7 @@ class RemoteCache(PrefixCacheBase):
             return
         try:
             answer = response.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
             answer = None
         # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
         reason = ((answer.get("error") if isinstance(answer, dict) else None) or response.text[:REASON_CHARS]
@@ -942,7 +951,7 @@ def _json_answer(response: httpx.Response, url: str) -> Any:
     (a front's maintenance page, say): no service, as far as a caller can tell."""
     try:
         return json.loads(response.content)
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
         raise RemoteUnavailable(f"the answer is not the CacheSeek server's (not JSON: {response.content[:60]!r})",
                                 status=response.status_code, url=url) from None
 
@@ -955,17 +964,21 @@ def _read_answer(response: httpx.Response, url: str) -> httpx.Response:
     cap = ANSWER_BYTES if response.is_success else ERROR_BODY_BYTES
     length = response.headers.get("content-length", "")
     declared = int(length) if length.isascii() and length.isdigit() else None
-    if declared is not None and declared <= cap:
-        response.read()
-        return response
-    body, too_long = bytearray(), declared is not None
+    body, too_long = bytearray(), declared is not None and declared > cap
     try:
+        if declared is not None and declared <= cap:
+            response.read()
+            return response
         if not (too_long and response.is_success):  # an error's reason is read, however long its body
             for chunk in response.iter_bytes():
                 body += chunk[: cap + 1 - len(body)]
                 if len(body) > cap:
                     too_long = True
                     break
+    except httpx.DecodingError as exc:
+        # The server never compresses: a front's doing, and what it sends cannot be read.
+        raise RemoteUnavailable(f"the answer is not the CacheSeek server's (its body does not decode as its "
+                                f"Content-Encoding says: {exc})", status=response.status_code, url=url) from None
     finally:
         response.close()  # a body left unread: its connection is closed, not pooled
     if too_long and response.is_success:
@@ -983,7 +996,7 @@ def _read_small(response: httpx.Response) -> None:
     if length.isascii() and length.isdigit() and int(length) <= ERROR_BODY_BYTES:
         try:
             response.read()
-        except httpx.TransportError:
+        except (httpx.TransportError, httpx.DecodingError):
             pass  # the answer stands; only its connection is lost
 
 
@@ -1000,13 +1013,16 @@ def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:
     """Whether ``found`` answers a lookup of ``asked`` hashes. Its count slices the chain that
     is fetched and names the pages that are written, so one past the hashes asked about (or
     an answer of another shape: a front's JSON, a server out of step) is no service, as an
-    answer that is not JSON is."""
+    answer that is not JSON is. So is a presence that is not one boolean per block: it
+    decides which blocks are sent (a truthy ``"no"`` or ``1`` was a block never sent,
+    reported present)."""
     if not isinstance(found, dict):
         return False
     matched, tiers = found.get("matched"), found.get("tiers")
     if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched):
         return False
-    return not each or (isinstance(found.get("present"), list) and len(found["present"]) == asked)
+    present = found.get("present")
+    return not each or (isinstance(present, list) and len(present) == asked and set(map(type, present)) <= {bool})
 
 
 def _is_prefetch_answer(found: Any) -> bool:

@@ -431,7 +431,12 @@ class _Body(httpx.SyncByteStream):
                     pass
                 self._rest = bytes(reader.buf)  # anything past the body: the connection is not reused
                 return
-            yield reader.exactly(size)
+            # Handed on as it arrives, not whole: the size is the peer's word (up to 2**64
+            # bytes), and a reader that stops at a limit of its own must not hold it all first.
+            while size:
+                piece = reader.some(min(size, self._lease.transport.chunk_bytes))
+                size -= len(piece)
+                yield piece
             if reader.line():
                 raise ValueError("chunk data longer than its size")
 
@@ -464,8 +469,9 @@ class _LineReader:
         del self.buf[: i + 2]
         return out
 
-    def exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
+    def some(self, n: int) -> bytes:
+        """Up to ``n`` bytes: those buffered, else what one read brings."""
+        if not self.buf:
             self._fill()
         out = bytes(self.buf[:n])
         del self.buf[:n]

@@ -17,7 +17,8 @@ a ``Collector`` over ``Metrics.figures()``: the figures a scrape shows are exact
   matched at least one block, blocks and tokens requested and matched. Tokens come from
   ``X-CacheSeek-Block-Tokens`` (and ``X-CacheSeek-Tokens``, the query's length, when the
   client sends it; else the whole blocks asked for). Ingest checks (``each=true``: which
-  blocks are new) are counted apart, so writes do not dilute the hit rate.
+  blocks are new) are counted apart, so writes do not dilute the hit rate. A lookup sent
+  again for a query counted already (``X-CacheSeek-Again``) counts nothing.
 - The store: per tier as stored and as unique blocks, pins, admissions, evictions,
   demotions, promotions, corrupt frames, the Redis breaker; per-owner usage.
 
@@ -50,6 +51,9 @@ TOKENS_HEADER = "X-CacheSeek-Tokens"
 # On a lookup piece after a chain's first (RemoteCache splits chains past max_lookup_hashes):
 # the position of its first block. The query is counted once, by its first piece.
 CONTINUES_HEADER = "X-CacheSeek-Continues"
+# On a lookup sent again for a query counted already (RemoteCache, after a prefix GET met a
+# block evicted since its lookup): counted nothing, else one materialize counted as two queries.
+AGAIN_HEADER = "X-CacheSeek-Again"
 MAX_LABEL = 128
 
 
@@ -125,19 +129,20 @@ def _positive(value: bytes | None) -> int | None:
     return int(value) or None
 
 
-_MODEL, _BLOCK_TOKENS, _TOKENS, _CONTINUES = (h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER,
-                                                                           TOKENS_HEADER, CONTINUES_HEADER))
+_MODEL, _BLOCK_TOKENS, _TOKENS, _CONTINUES, _AGAIN = (
+    h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER, TOKENS_HEADER, CONTINUES_HEADER, AGAIN_HEADER))
 
 
-def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bool]:
-    """(model, block tokens, query tokens, whether a lookup continues a query) as the client
-    named them, in one pass over the raw headers (a ``Headers.get`` scans them all once per
-    name), cached on the request's ``Headers`` object."""
+def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bool, bool]:
+    """(model, block tokens, query tokens, whether a lookup continues a query, whether it
+    is sent again for a query counted already) as the client named them, in one pass over
+    the raw headers (a ``Headers.get`` scans them all once per name), cached on the
+    request's ``Headers`` object."""
     cached = getattr(headers, "_cacheseek", None)
     if cached is not None:
         return cached
     model = block_tokens = tokens = None
-    continues = False
+    continues = again = False
     for name, value in headers.raw:
         if name[:12] != b"x-cacheseek-":
             continue
@@ -149,7 +154,9 @@ def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bo
             tokens = _positive(value)
         elif name == _CONTINUES:
             continues = _positive(value) is not None
-    out = (model, block_tokens, tokens, continues)
+        elif name == _AGAIN:
+            again = _positive(value) is not None
+    out = (model, block_tokens, tokens, continues, again)
     try:
         headers._cacheseek = out
     except AttributeError:  # a Headers class with slots: no cache, one more pass next time
@@ -248,12 +255,15 @@ class Metrics:
         """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``.
         A piece that continues a query (``X-CacheSeek-Continues``) adds its blocks to the
         query its first piece counted: no lookup, hit or requested tokens of its own (the
-        first piece counted the query's tokens; counted again, the token hit rate fell)."""
+        first piece counted the query's tokens; counted again, the token hit rate fell).
+        A lookup sent again for a query counted already (``X-CacheSeek-Again``) counts nothing."""
         if traffic is None:
             return
-        _, block_tokens, tokens, continues = client_headers(headers)
+        _, block_tokens, tokens, continues, again = client_headers(headers)
         if each:
             traffic.ingest_checks += not continues
+            return
+        if again:
             return
         if not continues:
             traffic.lookups += 1

@@ -728,6 +728,43 @@ def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(s
         assert_prefix_equal(got, kv, 5 * BLOCK)
 
 
+def test_a_look_again_after_the_eviction_race_is_not_counted_as_a_query_of_its_own(srv, monkeypatch):
+    """The lookup a materialize sends again after its GET met the eviction race (a 404) was
+    counted by the server as a query of its own: two lookups and two hits for one
+    materialize, the chain's tokens requested and matched twice. The query counts once, as
+    its lookup answered."""
+    toks, kv = tokens_for(44, 6 * BLOCK), make_kv(6 * BLOCK, 44)
+
+    def traffic() -> dict[str, int]:
+        stats = httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()
+        mine = next(o for o in stats["traffic"]["by_owner"] if o["namespace"] == "again")
+        return {k: mine[k] for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                     "lookup_tokens_requested", "lookup_tokens_matched")}
+
+    with _remote(srv, cs.Raw(), namespace="again") as cache:
+        assert cache.ingest(toks, kv).stored == 6
+        hashes = cache.block_hashes(toks)
+        stream = cache._stream_chain
+        gets = []
+
+        def evicted_first(chain, start=0):
+            if not gets:  # after the lookup, before the GET: the last block goes
+                r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}",
+                                 headers={"authorization": "Bearer w", "x-cacheseek-namespace": "again"})
+                assert r.status_code == 204
+            gets.append(len(chain))
+            return stream(chain, start)
+
+        monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+        before = traffic()
+        assert_prefix_equal(cache.materialize(toks), kv, 5 * BLOCK)
+        assert gets == [6, 5]
+        after = traffic()
+    assert {k: after[k] - before[k] for k in after} == {
+        "lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 6, "lookup_blocks_matched": 6,
+        "lookup_tokens_requested": 6 * BLOCK, "lookup_tokens_matched": 6 * BLOCK}
+
+
 def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, headers: bytes = b""):
     """A fake front: lookups answered ``lookups`` (JSON) when given, every other request
     ``status_line`` with ``body``."""
@@ -930,6 +967,37 @@ def test_a_lookup_answer_that_is_not_the_servers_is_an_outage_and_writes_no_page
     assert unchanged(before, tensors)
 
 
+@pytest.mark.parametrize("present", [b'["no", "no"]', b"[null, null]", b"[1, 0]"])
+def test_a_write_lookup_whose_presence_is_not_booleans_is_an_outage(present):
+    """What a write's lookup says of each block decides what is sent; its list was checked
+    for its length only: strings or nulls raised TypeError from ``ingest``, and made
+    ``ingest_batch`` report blocks present that it never sent (``"no"`` is truthy)."""
+    from fake_http import FakeServer
+    from paged_helpers import engine_pages, write_tokens
+
+    toks, kv = tokens_for(45, 2 * BLOCK), make_kv(2 * BLOCK, 45)
+    L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+    pages, _ = engine_pages("nhd", L, H, D, 4, 16, LAYOUT.torch_dtype)
+    write_tokens(pages, kv, [0, 1, 2, 3])
+    script = _answers(b"HTTP/1.1 200 OK", b'[{"status": "stored"}, {"status": "stored"}]',
+                      lookups=b'{"matched": 0, "tiers": [], "durability": "durable", "present": ' + present + b"}",
+                      headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, on_unavailable=mode,
+                                                         trust_env=False) as cache:
+            calls = (lambda: cache.ingest(toks, kv),
+                     lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages)[0])
+            for call in calls:
+                if mode == "raise":
+                    with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                        call()
+                    continue
+                got = call()
+                assert (got.stored, got.present, got.failed) == (0, 0, 2), got
+            assert not [r for r in front.requests if b" /v1/blocks" in r.split(b"\r\n", 1)[0]]
+
+
 @pytest.mark.parametrize("answer", [b'[{"status": "stored"}]', b'[{"status": "stored"}, {"status": "stored"}, '
                                     b'{"status": "stored"}]', b'[]', b'{}', b'["stored", "stored"]'],
                          ids=["one-for-two", "three-for-two", "none", "an-object", "not-reports"])
@@ -971,6 +1039,69 @@ def test_an_error_answer_whose_json_is_not_an_object_is_still_the_error_it_says(
                 with pytest.raises(error) as info:
                     cache.materialize(toks)
                 assert info.value.status == int(status[:3]) and info.value.reason == body.decode()
+
+
+@pytest.mark.parametrize("status", [b"200 OK", b"403 Forbidden"])
+def test_json_nested_too_deep_is_the_answer_of_no_server(status):
+    """A body of a thousand ``[`` (1 KB) is JSON that ``json.loads`` gives up on with
+    ``RecursionError``, not ``ValueError``: it escaped every call raw, past
+    ``on_unavailable="miss"`` and the breaker. A 2xx one is no service, as any answer that
+    is not the server's JSON; an error's reason is its text, as for any body not JSON."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(43, 2 * BLOCK), make_kv(2 * BLOCK, 43)
+    deep = b"[" * 5000
+    script = _answers(b"HTTP/1.1 " + status, deep, headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, on_unavailable=mode,
+                                                         trust_env=False) as cache:
+            if status.startswith(b"403"):
+                with pytest.raises(cs.RemoteError) as info:
+                    cache.lookup(toks)
+                assert info.value.status == 403 and info.value.reason.startswith("[[[")
+            elif mode == "miss":
+                assert cache.lookup(toks) == 0 and cache.prefetch(toks) is None
+                assert cache.ingest(toks, kv).failed == 2
+                assert cache.client_stats()["outages"] == 1
+            else:
+                for call in (lambda: cache.lookup(toks), cache.stats):
+                    with pytest.raises(cs.RemoteUnavailable, match="not JSON"):
+                        call()
+
+
+@pytest.mark.parametrize("status", [b"200 OK", b"500 Internal Server Error", b"404 Not Found"])
+def test_an_answer_that_does_not_decode_as_its_content_encoding_says_is_no_service(status):
+    """The server never compresses; a front that answers ``Content-Encoding: gzip`` over a
+    body that is not gzip made httpx's ``DecodingError`` escape every call, past
+    ``on_unavailable="miss"`` (a worker's hot path with no ``try``) and the breaker. It is no
+    service (``RemoteUnavailable``), as an answer that is not JSON is; a prefix GET's 404 is
+    the eviction race whatever its body."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(39, 2 * BLOCK), make_kv(2 * BLOCK, 39)
+    garbage = _answers(b"HTTP/1.1 " + status, b"\x1f\x8b not gzip at all",
+                       headers=b"content-type: application/json\r\ncontent-encoding: gzip\r\n",
+                       lookups=b'{"matched": 2, "tiers": ["cpu", "cpu"]}' if status.startswith(b"404") else None)
+
+    def cache(front, mode):
+        return cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                              on_unavailable=mode, trust_env=False)
+
+    if status.startswith(b"404"):  # only the GET's answer is undecodable: the chain is gone, looked up again
+        with FakeServer(garbage) as front, cache(front, "raise") as remote:
+            assert remote.materialize(toks).num_tokens == 0
+            assert remote.client_stats()["outages"] == 0
+        return
+    with FakeServer(garbage) as front, cache(front, "miss") as remote:
+        assert remote.lookup(toks) == 0 and remote.materialize(toks).num_tokens == 0
+        assert remote.prefetch(toks) is None and remote.ingest(toks, kv).failed == 2
+        stats = remote.client_stats()
+        assert stats["outages"] == 1 and "Content-Encoding" in stats["last_error"], stats
+    with FakeServer(garbage) as front, cache(front, "raise") as remote:
+        for call in (lambda: remote.lookup(toks), remote.stats):
+            with pytest.raises(cs.RemoteUnavailable, match="Content-Encoding"):
+                call()
 
 
 @pytest.mark.parametrize("reply", [b"ICY 200 OK\r\n\r\n", None], ids=["not-http", "closed-unanswered"])
@@ -1061,6 +1192,32 @@ def test_a_prefetch_answer_that_is_not_the_servers_is_an_outage(answer):
         assert (got.matched, got.blocks, got.joined, got.on_server) == (2, 1, 0, True)
 
 
+def test_a_prefetch_meeting_a_connection_closed_while_idle_is_sent_again_as_a_lookup_is():
+    """The stale-connection race (the server gives up on a kept-alive connection just as the
+    next request arrives) is answered by sending the request again on a new connection when
+    it is idempotent. A prefetch is (a hint: a second one joins the first's promotions), but
+    it was a POST not marked so: the race was an outage, counted and told to the breaker."""
+    from fake_http import FakeServer
+
+    toks = tokens_for(46, 2 * BLOCK)
+    answer = b'{"started": true, "matched": 2, "blocks": 2, "joined": 0, "reason": null}'
+
+    def script(n: int, head: bytes):
+        if n % 2 == 1:  # every second request on a connection: closed unanswered
+            return None, True
+        return (b"HTTP/1.1 202 Accepted\r\ncontent-type: application/json\r\ncontent-length: "
+                + str(len(answer)).encode() + b"\r\n\r\n" + answer), False
+
+    with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                     block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        for _ in range(4):
+            got = cache.prefetch(toks)
+            assert got is not None and got.blocks == 2
+        stats = cache.client_stats()
+        assert stats["unavailable_calls"] == 0 and stats["outages"] == 0, stats
+        assert front.connections > 1
+
+
 def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_calls():
     """``stats()`` parsed its answer outside the breaker, with httpx: a front's page raised
     JSONDecodeError, where every other call's is ``RemoteUnavailable``."""
@@ -1074,12 +1231,14 @@ def test_stats_from_a_front_that_is_not_the_server_is_an_outage_like_the_other_c
         assert cache.client_stats()["unavailable_calls"] == 1
 
 
-@pytest.mark.parametrize("framing", ["sized", "chunked"])
+@pytest.mark.parametrize("framing", ["sized", "chunked", "one-chunk"])
 def test_an_endless_answer_is_not_read_whole(framing):
     """Every answer but a prefix's frames was read whole before its status was looked at: a
     peer that sends without end (a URL that names a file server, a broken front) took the
     worker's memory. A 2xx answer past ``ANSWER_BYTES`` is no server's (an outage); an
-    error is read for its reason only, its connection dropped."""
+    error is read for its reason only, its connection dropped. ``one-chunk``: a chunked
+    body of one chunk that declares more than is ever sent was read into memory whole
+    before any of it was handed on, however far past the limit."""
     from fake_http import FakeServer
 
     from cacheseek.remote import ANSWER_BYTES, ERROR_BODY_BYTES, REASON_CHARS
@@ -1092,10 +1251,10 @@ def test_an_endless_answer_is_not_read_whole(framing):
         def body():
             head = b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             head += b"content-length: %d\r\n\r\n" % size if framing == "sized" else b"transfer-encoding: chunked\r\n\r\n"
-            yield head
+            yield head + (b"%x\r\n" % (1 << 40) if framing == "one-chunk" else b"")
             piece, left = b"x" * (1 << 20), size
             while left:
-                yield piece if framing == "sized" else b"%x\r\n%s\r\n" % (len(piece), piece)
+                yield piece if framing != "chunked" else b"%x\r\n%s\r\n" % (len(piece), piece)
                 left -= len(piece)
                 unsent[:] = [left]
             if framing == "chunked":
@@ -1274,7 +1433,10 @@ def test_every_call_after_close_raises_one_clear_error(srv):
                  "ingest_batch": lambda: cache.ingest_batch([cs.PagedRequest(toks, [0, 1, 2, 3])], pages),
                  "materialize_into": lambda: cache.materialize_into(toks, pages.at([4, 5, 6, 7])),
                  "materialize_into_batch": lambda: cache.materialize_into_batch(
-                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages)}
+                     [cs.PagedRequest(toks, [4, 5, 6, 7])], pages),
+                 # (a writer was handed out, and raised only on finish, after the forward had put every layer)
+                 "ingest_layerwise": lambda: cache.ingest_layerwise(toks),
+                 "materialize layer-wise": lambda: cache.materialize(toks, layerwise=True)}
         for name, call in calls.items():
             with pytest.raises(RuntimeError, match=r"^RemoteCache: closed") as info:
                 call()

@@ -159,6 +159,27 @@ def test_chunked_and_close_delimited_bodies():
         assert c.get("/c").content == b"ok!!!"
 
 
+def test_a_chunk_is_handed_on_as_it_arrives_not_held_whole():
+    """A chunk's size is the peer's word (up to 2**64 bytes): its data was read into memory
+    whole before any of it was handed on, so a reader that stops after a limit of its own
+    (RemoteCache's ``ANSWER_BYTES``) held everything a peer sent in one endless chunk, and
+    here waited for bytes that never come."""
+    def script(n: int, head: bytes):
+        def body():
+            yield b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n" % (1 << 40) + b"x" * (1 << 20)
+            time.sleep(3)  # the rest of the chunk: not yet
+        return body(), True
+
+    with FakeServer(script) as srv, _client(srv, chunk_bytes=1 << 20) as c:
+        with c.stream("GET", "/big", timeout=httpx.Timeout(1, pool=1)) as r:
+            got = 0
+            for piece in r.iter_raw():
+                assert 0 < len(piece) <= 1 << 20
+                got += len(piece)
+                if got == 1 << 20:
+                    break
+
+
 def test_other_schemes_are_refused_and_proxies_are_honoured(monkeypatch):
     with pytest.raises(httpx.UnsupportedProtocol, match="ftp"):
         BulkTransport().handle_request(httpx.Request("GET", "ftp://example.invalid/x"))
