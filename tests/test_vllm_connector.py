@@ -33,7 +33,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
-  request complete with the same output.
+  request complete with the same output. Their saves go in the background, and every
+  lookup is first answered "not yet" (a lookup wait of a microsecond): vLLM asks again
+  and gets the hit.
 """
 
 from __future__ import annotations
@@ -107,7 +109,10 @@ def engines(model, tmp_path_factory):
     def remote(srv: Server) -> dict:
         # A killed server refuses at once; the timeout only bounds a request to a live one,
         # which a loaded 2-core machine (other suites' engines beside it) can slow past 5 s.
-        return {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30}
+        # A lookup wait no loopback answer meets: every first ask is answered "not yet", so
+        # vLLM's path for a deferred hit (skip the request, ask again next step) runs.
+        return {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30,
+                "lookup_wait_seconds": 1e-6}
 
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
@@ -322,6 +327,8 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     assert first["after_store"]["worker"]["save_failures"] == 0
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
+    # vLLM was told "not yet" and asked again: the hit came all the same
+    assert second["after_load"]["scheduler"]["lookups_deferred"] >= 1
 
 
 def test_real_lora_adapters_key_their_kv_apart(engines):

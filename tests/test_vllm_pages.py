@@ -93,6 +93,8 @@ def test_config_remote_and_embedded_tiers():
     ({"max_pending_bytes": "1GiB"}, "max_pending_bytes: only a remote cache"),
     ({"url": "http://h:1", "max_pending_bytes": "lots"}, "max_pending_bytes: cannot read 'lots'"),
     ({"url": "http://h:1", "max_pending_bytes": 0}, "max_pending_bytes: must be > 0"),
+    ({"lookup_wait_seconds": 0.1}, "lookup_wait_seconds: only a remote cache"),
+    ({"url": "http://h:1", "lookup_wait_seconds": 0}, "lookup_wait_seconds: must be a positive number"),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -577,6 +579,55 @@ def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests(
     assert side.stats.save_failures == 1 and side.stats.saves == 0
     assert not side.guard.allow()  # resting: the next saves make no call
     close_cache(config, cache)
+
+
+def test_a_remote_lookup_never_holds_the_scheduler_longer_than_its_wait(tmp_path):
+    """vLLM's scheduler asks for a request's hit; with the server stopped (SIGSTOP: it
+    accepts, never answers) the ask returns None ("not yet": vLLM asks again at its next
+    step) after lookup_wait_seconds, not after the client's timeout. Once the server runs
+    again, the next ask gets the hit. vLLM's Request is read through its attributes only."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(3000, 3097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 0.2})
+        caches = [open_cache(config, layout, "m", cs.Shard(rank, 2)) for rank in range(2)]
+        for cache in caches:
+            k = [torch.randn(1, H, 96, D) for _ in range(L)]
+            cache.ingest(tokens[:96], [(x, x + 1) for x in k])
+        sched = SchedulerSide(caches, block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: [], lookup_wait_seconds=config.lookup_wait_seconds)
+
+        def request(req_id):
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        assert sched.matched_tokens(request("answered"), 0) == 96  # both ranks, at once, within the wait
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert sched.matched_tokens(request("stalled"), 0) is None
+            assert sched.matched_tokens(request("stalled"), 0) is None  # asked again: still running, not sent twice
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        assert 0.4 <= waited < 5, waited
+        deadline = time.monotonic() + 30
+        while (hit := sched.matched_tokens(request("stalled"), 0)) is None and time.monotonic() < deadline:
+            pass
+        assert hit == 96
+        assert sched.stats.lookups == 2 and sched.stats.lookups_deferred >= 2 and sched.stats.lookup_errors == 0
+        sched.close()
+        for cache in caches:
+            close_cache(config, cache)
 
 
 def test_a_server_that_is_down_fails_no_request_and_rests():

@@ -40,9 +40,9 @@ DEFAULT_GROUP_SIZE = 32
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
-    "layerwise_save", "background_saves", "max_pending_bytes",
+    "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds",
 })
-_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes")
+_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 _TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -88,6 +88,9 @@ class ConnectorConfig:
     # network. At most max_pending_bytes of frames wait; a save past it is dropped.
     background_saves: bool = True
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    # A remote lookup runs on a thread of its own; vLLM's scheduler waits this long for it at
+    # most, then is told "not yet" and asks again at its next step (docs/vllm.md).
+    lookup_wait_seconds: float = 0.01
 
     @property
     def remote(self) -> bool:
@@ -137,7 +140,7 @@ class ConnectorConfig:
         for key in ("model_id", "namespace", "hash_algo", "url", "token"):
             if key in extra:
                 kw[key] = _string(key, extra[key])
-        for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds"):
+        for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
         for key in ("layerwise_load", "layerwise_save"):

@@ -119,7 +119,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, r)) for r in range(tp_size)]
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
-                                            block_ids=self._block_ids)
+                                            block_ids=self._block_ids,
+                                            lookup_wait_seconds=self.config.lookup_wait_seconds if self.config.remote
+                                            else None)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
@@ -217,6 +219,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.end_load()
             self._worker.end_save()
+        if self._scheduler is not None:
+            self._scheduler.close()
         for cache in self._caches:
             close_cache(self.config, cache)  # (a remote cache sends its queued saves first)
         if self._worker is not None:

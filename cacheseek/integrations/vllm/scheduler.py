@@ -22,12 +22,18 @@ objects, read through the few attributes named here.
 - A prompt's full blocks are saved as soon as the step that computes them has run (chunked
   prefill saves chunk by chunk). A request whose load failed is rolled back by vLLM; its
   blocks are saved again once recomputed.
+- With a server (``lookup_wait_seconds`` set), a lookup runs on a thread of its own, every
+  rank's at once, and ``matched_tokens`` waits for it that long at most: unanswered, it
+  answers None, which vLLM takes as "ask again later" (it schedules other requests and
+  asks at its next step). vLLM's scheduler, which every running request waits on, so
+  never waits on the network for more than that, whatever the server does.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,7 @@ from .plan import LoadSpec, SaveSpec, StepPlan, request_keys
 from .stats import ConnectorStats
 
 MAX_PENDING_LOOKUPS = 4096  # lookups remembered for requests vLLM has not admitted yet
+LOOKUP_THREADS = 8  # per rank: lookups of requests vLLM asks about in one step, in flight at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +106,14 @@ class SchedulerSide:
         save: bool,
         guard: StoreGuard,
         block_ids: Callable[[str], list[int]],
+        lookup_wait_seconds: float | None = None,
     ) -> None:
         self.caches = caches  # one per tensor-parallel rank (their keys differ)
+        # None: each lookup in the call (an embedded cache answers from memory); else the
+        # most the call waits for a lookup running on its own thread (see the module doc).
+        self.lookup_wait = lookup_wait_seconds
+        self._running: OrderedDict[str, list[Future]] = OrderedDict()  # req_id -> its ranks' lookups
+        self._pool: ThreadPoolExecutor | None = None
         self.block_tokens = block_tokens
         self.load = load
         self.save = save
@@ -113,8 +126,9 @@ class SchedulerSide:
 
     # -- admission ---------------------------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that can be loaded."""
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that can be loaded; None
+        while the store's answer is awaited (``lookup_wait_seconds``)."""
         if not self.load or getattr(request, "skip_reading_prefix_cache", False):
             return 0
         if unsupported_reason(request) is not None:
@@ -131,7 +145,10 @@ class SchedulerSide:
             return 0  # a load would rewrite vLLM's own pages in the block its hit ends in
         hit = self._lookups.get(request.request_id)
         if hit is None:
-            hit = self._lookup(request_keys(list(prompt[:limit]), extra_keys(request)))
+            keys = lambda: request_keys(list(prompt[:limit]), extra_keys(request))  # noqa: E731
+            hit = self._lookup(keys()) if self.lookup_wait is None else self._awaited(request.request_id, keys)
+            if hit is None:
+                return None
             _remember(self._lookups, request.request_id, hit)
         return max(0, min(hit.tokens, limit) - num_computed_tokens)
 
@@ -147,12 +164,47 @@ class SchedulerSide:
         try:
             found = [cache.locate(keys) for cache in self.caches]
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
-            self.stats.lookup_errors += 1
-            self.guard.failure("lookup", exc)
-            return NO_HIT
+            return self._failed(exc)
+        return self._found(found)
+
+    def _awaited(self, req_id: str, keys: Callable[[], Any]) -> Hit | None:
+        """The request's lookup, started on the pool if it is not running yet (every rank's
+        at once), waited for ``lookup_wait`` seconds at most: None if unanswered by then.
+        The counts and the guard are kept here, in vLLM's scheduler thread."""
+        running = self._running.get(req_id)
+        if running is None:
+            if not self.guard.allow():
+                self.stats.lookup_skipped += 1
+                return NO_HIT
+            self.stats.lookups += 1
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
+            asked = keys()
+            running = [self._pool.submit(cache.locate, asked) for cache in self.caches]
+            _remember(self._running, req_id, running)
+        if wait(running, timeout=self.lookup_wait).not_done:
+            self.stats.lookups_deferred += 1
+            return None
+        del self._running[req_id]
+        try:
+            return self._found([f.result() for f in running])
+        except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
+            return self._failed(exc)
+
+    def _found(self, found: list[Any]) -> Hit:
         self.guard.success()
         shortest = min(found, key=lambda f: f.num_tokens)
         return Hit(shortest.num_tokens, tuple(shortest.tiers))
+
+    def _failed(self, exc: BaseException) -> Hit:
+        self.stats.lookup_errors += 1
+        self.guard.failure("lookup", exc)
+        return NO_HIT
+
+    def close(self) -> None:
+        """Stop the lookup threads (those running finish on their own, unawaited)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
@@ -186,6 +238,7 @@ class SchedulerSide:
         return counts
 
     def finished(self, request: Any) -> None:
+        self._running.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)

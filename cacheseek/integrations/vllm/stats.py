@@ -18,6 +18,7 @@ class ConnectorStats:
     lookup_hit_tokens: int = 0  # tokens offered to vLLM as external hits
     lookup_errors: int = 0  # the store could not answer (server down, timed out): counted as a miss
     lookup_skipped: int = 0  # not asked: the server failed recently (breaker open)
+    lookups_deferred: int = 0  # asks answered "not yet": the server's answer took longer than lookup_wait_seconds
     lookup_unaligned: int = 0  # vLLM's own hit ends inside a store block: nothing offered (see docs/vllm.md)
     requests_unsupported: int = 0  # prompt embeddings, extra keys that cannot be keyed: neither loaded nor saved
     requests_keyed: int = 0  # requests keyed by more than their tokens (LoRA, multimodal, cache salt)
