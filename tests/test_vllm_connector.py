@@ -33,9 +33,10 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``;
   then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
-  request complete with the same output. Their saves go in the background, and every
-  lookup is first answered "not yet" (a lookup wait of a microsecond): vLLM asks again
-  and gets the hit.
+  request complete with the same output. Their saves go in the background, every lookup
+  is first answered "not yet" (a lookup wait of a microsecond): vLLM asks again and gets
+  the hit, and loads run between steps (vLLM's asynchronous loads), a failed one reported
+  with its blocks as a failed load in the step is.
 """
 
 from __future__ import annotations
@@ -327,8 +328,10 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     assert first["after_store"]["worker"]["save_failures"] == 0
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
-    # vLLM was told "not yet" and asked again: the hit came all the same
+    # vLLM was told "not yet" and asked again: the hit came all the same, loaded between
+    # steps (vLLM's asynchronous load), the request held back until it was in its pages
     assert second["after_load"]["scheduler"]["lookups_deferred"] >= 1
+    assert second["after_load"]["worker"]["load_background_calls"] == second["after_load"]["worker"]["load_calls"] >= 1
 
 
 def test_real_lora_adapters_key_their_kv_apart(engines):

@@ -94,6 +94,8 @@ def test_config_remote_and_embedded_tiers():
     ({"url": "http://h:1", "max_pending_bytes": "lots"}, "max_pending_bytes: cannot read 'lots'"),
     ({"url": "http://h:1", "max_pending_bytes": 0}, "max_pending_bytes: must be > 0"),
     ({"lookup_wait_seconds": 0.1}, "lookup_wait_seconds: only a remote cache"),
+    ({"background_loads": False}, "background_loads: only a remote cache"),
+    ({"url": "http://h:1", "background_loads": 1}, "background_loads: must be true or false"),
     ({"url": "http://h:1", "lookup_wait_seconds": 0}, "lookup_wait_seconds: must be a positive number"),
 ])
 def test_config_errors_name_the_key(extra, names):
@@ -557,6 +559,64 @@ def test_a_background_save_stores_the_pages_as_they_were_and_is_counted_later(tm
         for (k, v), (wk, wv) in zip(tokens_of(side.pages, [9, 10, 11, 12, 13, 14], 0, 96), want):
             assert torch.equal(k, wk) and torch.equal(v, wv)
         close_cache(config, cache)
+
+
+def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are_written(tmp_path):
+    """A remote worker's loads between steps (vLLM's asynchronous loads): the step's call
+    returns while the server is stopped (SIGSTOP); the load is reported done only once its
+    pages hold the stored KV, bit for bit; a load against a dead server is reported done
+    too, with every block of it failed, in the same pass."""
+    import os
+    import signal
+    import time
+
+    from server_helpers import Server
+
+    fmt = PageFormat("channel", D, 16, 16)
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(4000, 4096))
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30})
+        assert config.loads_in_background
+        cache = open_cache(config, layout, "m", cs.Shard())
+        side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_loads=True)
+        side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
+        want = [(k.clone(), v.clone()) for k, v in tokens_of(side.pages, [0, 1, 2, 3, 4, 5], 0, 96)]
+        side.finish_step(StepPlan(saves=[SaveSpec("s", tokens, [0, 1, 2, 3, 4, 5])]))
+        side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], fmt))
+        plan = StepPlan(background_loads=[LoadSpec("l", tokens, [9, 10, 11, 12, 13, 14], start=32)])
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            side.start_step(plan)
+            assert time.monotonic() - t0 < 1 and side.take_loaded() == set()  # the step did not wait
+            side.finish_step(plan)
+            assert side.take_loaded() == set()
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not (done := side.take_loaded()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"l"} and side.take_failed_blocks() == set()
+        assert side.stats.loads == 1 and side.stats.load_tokens == 64 and side.stats.load_background_calls == 1
+        got = tokens_of(side.pages, [9, 10, 11, 12, 13, 14], 0, 96)
+        for layer, ((k, v), (wk, wv)) in enumerate(zip(got, want)):
+            assert torch.equal(k[:, 32:], wk[:, 32:]) and torch.equal(v[:, 32:], wv[:, 32:]), layer
+            assert not k[:, :32].any()  # before `start`: vLLM's own, not written
+        close_cache(config, cache)
+        side.close()
+    # The server gone: reported done, every block of the load failed, in the same pass.
+    side = WorkerSide(open_cache(config, layout, "m", cs.Shard()), guard=StoreGuard(config, "worker"),
+                      background_loads=True)
+    side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], fmt))
+    side.start_step(StepPlan(background_loads=[LoadSpec("gone", tokens, [1, 2, 3, 4, 5, 6], start=0)]))
+    deadline = time.monotonic() + 30
+    while not (done := side.take_loaded()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done == {"gone"} and side.take_failed_blocks() == {1, 2, 3, 4, 5, 6}
+    assert side.stats.load_failures == 1 and side.stats.load_failed_tokens == 96
+    close_cache(config, side.cache)
+    side.close()
 
 
 def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():

@@ -40,9 +40,9 @@ DEFAULT_GROUP_SIZE = 32
 _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
-    "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds",
+    "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
 })
-_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds")
+_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 _TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -87,6 +87,9 @@ class ConnectorConfig:
     # thread (RemoteCache.ingest_batch(wait=False)), so the step never waits for the
     # network. At most max_pending_bytes of frames wait; a save past it is dropped.
     background_saves: bool = True
+    # A remote cache's loads between steps (vLLM's asynchronous loads: the request waits,
+    # the others run), not inside the step that first computes the request.
+    background_loads: bool = True
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     # A remote lookup runs on a thread of its own; vLLM's scheduler waits this long for it at
     # most, then is told "not yet" and asks again at its next step (docs/vllm.md).
@@ -112,6 +115,10 @@ class ConnectorConfig:
     @property
     def saves_in_background(self) -> bool:
         return self.remote and self.background_saves
+
+    @property
+    def loads_in_background(self) -> bool:
+        return self.remote and self.background_loads
 
     @property
     def may_load_layerwise(self) -> bool:
@@ -146,11 +153,11 @@ class ConnectorConfig:
         for key in ("layerwise_load", "layerwise_save"):
             if key in extra:
                 kw[key] = _auto_bool(key, extra[key])
-        if "background_saves" in extra:
-            if not isinstance(extra["background_saves"], bool):
-                raise ConfigError(f"kv_connector_extra_config.background_saves: must be true or false, "
-                                  f"got {extra['background_saves']!r}")
-            kw["background_saves"] = extra["background_saves"]
+        for key in ("background_saves", "background_loads"):
+            if key in extra:
+                if not isinstance(extra[key], bool):
+                    raise ConfigError(f"kv_connector_extra_config.{key}: must be true or false, got {extra[key]!r}")
+                kw[key] = extra[key]
         if "max_pending_bytes" in extra:
             try:
                 kw["max_pending_bytes"] = parse_size(extra["max_pending_bytes"], name="max_pending_bytes")

@@ -121,7 +121,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
                                             lookup_wait_seconds=self.config.lookup_wait_seconds if self.config.remote
-                                            else None)
+                                            else None, background_loads=self.config.loads_in_background)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
@@ -129,7 +129,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
             # previous one ended: a load's failure must also drop the next step's saves.
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
                                       planned_ahead=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
-                                      background_saves=self.config.saves_in_background)
+                                      background_saves=self.config.saves_in_background,
+                                      background_loads=self.config.loads_in_background)
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
@@ -192,6 +193,11 @@ class CacheSeekConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._worker_side().finish_step(self._plan())
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Loads between steps that are done; their missing blocks go out in
+        # get_block_ids_with_load_errors, which vLLM asks next, in the same pass.
+        return None, self._worker_side().take_loaded() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()
 
@@ -219,6 +225,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.end_load()
             self._worker.end_save()
+            self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
         for cache in self._caches:
@@ -246,7 +253,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
         return False  # a best-effort cache: a save lost to a preemption is a future miss
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._scheduler_side().matched_tokens(request, num_computed_tokens), False
+        side = self._scheduler_side()
+        n = side.matched_tokens(request, num_computed_tokens)
+        return n, bool(n) and side.background_loads  # (vLLM's asynchronous load: see scheduler.py)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         counts: dict[CacheHitSource, int] = {}

@@ -57,6 +57,9 @@ class SaveSpec:
 class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # Loads of requests vLLM holds back until they are done (WAITING_FOR_REMOTE_KVS): run
+    # between steps, reported finished through get_finished.
+    background_loads: list[LoadSpec] = field(default_factory=list)
 
 
 __all__ = ["LoadSpec", "SaveSpec", "StepPlan", "request_keys"]

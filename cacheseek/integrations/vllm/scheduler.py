@@ -27,6 +27,11 @@ objects, read through the few attributes named here.
   answers None, which vLLM takes as "ask again later" (it schedules other requests and
   asks at its next step). vLLM's scheduler, which every running request waits on, so
   never waits on the network for more than that, whatever the server does.
+- With ``background_loads`` (a server), a hit is offered as vLLM's asynchronous load: vLLM
+  allocates the request's blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the
+  workers load between steps (``StepPlan.background_loads``), the other requests running
+  on; the workers report it finished (``get_finished``), with any blocks that did not
+  arrive, and vLLM schedules it from there.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class SchedulerSide:
         guard: StoreGuard,
         block_ids: Callable[[str], list[int]],
         lookup_wait_seconds: float | None = None,
+        background_loads: bool = False,
     ) -> None:
         self.caches = caches  # one per tensor-parallel rank (their keys differ)
         # None: each lookup in the call (an embedded cache answers from memory); else the
@@ -114,6 +120,10 @@ class SchedulerSide:
         self.lookup_wait = lookup_wait_seconds
         self._running: OrderedDict[str, list[Future]] = OrderedDict()  # req_id -> its ranks' lookups
         self._pool: ThreadPoolExecutor | None = None
+        # A hit is loaded between steps (vLLM's asynchronous load: the request waits, the
+        # others run), not inside the step that first computes the request.
+        self.background_loads = background_loads
+        self._to_load: list[tuple[str, int, int]] = []  # (req_id, start, end) admitted since the last plan
         self.block_tokens = block_tokens
         self.load = load
         self.save = save
@@ -219,9 +229,13 @@ class SchedulerSide:
                 self.stats.requests_keyed += 1
         prompt = list(request.prompt_token_ids) if supported else []
         # A request admitted again after a preemption starts over.
-        self._requests[request.request_id] = _Request(prompt, supported, extra, load_tokens=num_external_tokens,
-                                                      hit=hit)
+        state = self._requests[request.request_id] = _Request(prompt, supported, extra,
+                                                              load_tokens=num_external_tokens, hit=hit)
         self.stats.lookup_hit_tokens += num_external_tokens
+        if self.background_loads and num_external_tokens and supported:
+            end = min(hit.tokens, self._limit(prompt))  # where the offered hit, so the load, ends
+            self._to_load.append((request.request_id, end - num_external_tokens, end))
+            state.load_tokens, state.saved = 0, end
 
     def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Of the last ``num_external_tokens`` of the request's hit, how many each tier holds."""
@@ -249,6 +263,12 @@ class SchedulerSide:
         """Loads for requests scheduled with an external hit, saves for prompts whose full
         blocks this step completes."""
         plan = StepPlan()
+        for req_id, start, end in self._to_load:
+            state = self._requests.get(req_id)
+            if state is not None:  # (not finished meanwhile)
+                plan.background_loads.append(LoadSpec(req_id, state.prompt[:end], self.block_ids(req_id), start=start,
+                                                      extra=state.extra))
+        self._to_load.clear()
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))

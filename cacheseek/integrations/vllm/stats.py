@@ -30,6 +30,7 @@ class ConnectorStats:
     load_failed_tokens: int = 0  # tokens vLLM was told to recompute
     load_failed_blocks: int = 0  # vLLM blocks reported back to the scheduler
     load_seconds: float = 0.0  # host time in the loads' calls (layer-wise: start, the forward's waits, close)
+    load_background_calls: int = 0  # of load_calls, those run between steps (vLLM's asynchronous loads)
     load_layerwise_calls: int = 0  # of load_calls, those run layer by layer (waited for per layer in the forward)
     load_late_failures: int = 0  # of load_failures, layer-wise ones that failed after the forward read some layers
     # worker side: saves

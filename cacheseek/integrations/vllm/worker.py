@@ -28,6 +28,13 @@ into the slots, and ``wait_for_save`` checks and commits; or **whole** (the defa
 layer never fed, a load of one of its requests failed, the writer raised) is dropped for a
 whole save of the same requests in ``wait_for_save``: the pages still hold their KV then.
 
+With a remote cache (``background_loads``, the default) a step's hits are loaded between
+steps instead: ``start_load_kv`` hands them to a loader thread (one
+``materialize_into_batch``, decoded on a stream of its own and waited for there) and
+returns; ``get_finished`` reports each request once its load is done, whatever it wrote,
+its missing blocks in ``get_block_ids_with_load_errors`` in the same pass; vLLM holds the
+request back meanwhile and runs the others.
+
 With a remote cache (``background_saves``, the default) a whole save returns once the
 step's new blocks are encoded and their frames are in host memory: the pages are vLLM's
 again, and the server's lookup and the upload follow on the client's sender thread
@@ -51,11 +58,12 @@ blocks being loaded).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...pages import PagedRequest
+from ...store.streams import on_stream, work_stream
 from .guard import StoreGuard, log
 from .pages import VllmPages
 from .plan import LoadSpec, SaveSpec, StepPlan
@@ -87,11 +95,15 @@ class RunningSave:
 
 class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
-                 layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False) -> None:
+                 layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False,
+                 background_loads: bool = False) -> None:
         self.cache = cache
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
         self._sending: list[tuple[list[SaveSpec], Future]] = []  # those saves, until their answer is counted
+        self.background_loads = background_loads
+        self._loading: list[tuple[list[LoadSpec], Future]] = []  # loads between steps, until reported
+        self._loader: ThreadPoolExecutor | None = None
         self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
         self.layerwise_save = layerwise_save  # a step's saves fed layer by layer (save_kv_layer)
         self._saving: RunningSave | None = None
@@ -127,6 +139,8 @@ class WorkerSide:
                 self.start_load(plan.loads)
             else:
                 self.load(plan.loads)
+        if plan.background_loads:
+            self._load_in_background(plan.background_loads)
 
     def finish_step(self, plan: StepPlan) -> None:
         self.end_load()  # before the saves: a load that failed drops its request's save
@@ -248,6 +262,63 @@ class WorkerSide:
                 handle.close()
             except Exception as exc:  # noqa: BLE001 - (a device error: vLLM's own next call meets it)
                 self.guard.failure("closing a layer-wise load", exc)
+
+    # -- loads between steps -------------------------------------------------------------
+
+    def _load_in_background(self, specs: list[LoadSpec]) -> None:
+        """Start loading ``specs`` on the loader thread (the forward runs on meanwhile)."""
+        pages = self._pages()
+        if not self.guard.allow():
+            self._loading.append((specs, _done(([spec.start for spec in specs], None, 0.0))))
+            return
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-load")
+        requests = self._requests(specs, pages)
+        self._loading.append((specs, self._loader.submit(self._load_between_steps, specs, requests, pages)))
+
+    def _load_between_steps(self, specs: list[LoadSpec], requests: list[PagedRequest], pages: VllmPages
+                            ) -> tuple[list[int], BaseException | None, float]:
+        """On the loader thread: the loads' ends (as ``load``'s), the error, if any, and
+        the seconds. On a GPU the decodes run on a stream of this thread's, waited for here:
+        what is reported finished is in its pages."""
+        t0 = time.perf_counter()
+        try:
+            if pages.device.type == "cuda":
+                stream = work_stream("load_between_steps", pages.device)
+                with on_stream(stream):
+                    got = self.cache.materialize_into_batch(requests, pages.engine)
+                stream.synchronize()
+            else:
+                got = self.cache.materialize_into_batch(requests, pages.engine)
+            written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
+            return written, None, time.perf_counter() - t0
+        except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
+            return [spec.start for spec in specs], exc, time.perf_counter() - t0
+
+    def take_loaded(self) -> set[str]:
+        """The requests whose loads between steps are done, counted (a load that fell short
+        reports its blocks in ``take_failed_blocks``, which vLLM asks next, in the same pass)."""
+        done: set[str] = set()
+        waiting = []
+        for specs, future in self._loading:
+            if not future.done():
+                waiting.append((specs, future))
+                continue
+            written, error, seconds = future.result()
+            if error is not None:
+                self.guard.failure("load", error)
+            elif any(w > spec.start for w, spec in zip(written, specs)):
+                self.guard.success()
+            self._account(specs, written, seconds)
+            self.stats.load_background_calls += 1
+            done.update(spec.req_id for spec in specs)
+        self._loading = waiting
+        return done
+
+    def close(self) -> None:
+        """Wait for the loads between steps still running (their pages are being written)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
 
     # -- one step's calls --------------------------------------------------------------
 
@@ -437,6 +508,12 @@ class WorkerSide:
         if self.pages is None:
             raise RuntimeError("cacheseek connector: vLLM ran a step before registering its KV caches")
         return self.pages
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 __all__ = ["RunningLoad", "RunningSave", "WorkerSide"]
