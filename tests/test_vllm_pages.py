@@ -561,7 +561,9 @@ def test_a_background_save_stores_the_pages_as_they_were_and_is_counted_later(tm
         close_cache(config, cache)
 
 
-def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are_written(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-behind)"))])
+def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are_written(tmp_path, device):
     """A remote worker's loads between steps (vLLM's asynchronous loads): the step's call
     returns while the server is stopped (SIGSTOP); the load is reported done only once its
     pages hold the stored KV, bit for bit; a load against a dead server is reported done
@@ -580,10 +582,12 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
         assert config.loads_in_background
         cache = open_cache(config, layout, "m", cs.Shard())
         side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_loads=True)
-        side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], fmt))
-        want = [(k.clone(), v.clone()) for k, v in tokens_of(side.pages, [0, 1, 2, 3, 4, 5], 0, 96)]
+        src = [layer_tensor(16, 16, seed=i) for i in range(L)]
+        want = [(k.clone(), v.clone()) for k, v in tokens_of(VllmPages(src, fmt), [0, 1, 2, 3, 4, 5], 0, 96)]
+        side.register(VllmPages([t.to(device) for t in src], fmt))
         side.finish_step(StepPlan(saves=[SaveSpec("s", tokens, [0, 1, 2, 3, 4, 5])]))
-        side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], fmt))
+        dest = [torch.zeros(16, H, 16, 2 * D, device=device) for _ in range(L)]
+        side.register(VllmPages(dest, fmt))
         plan = StepPlan(background_loads=[LoadSpec("l", tokens, [9, 10, 11, 12, 13, 14], start=32)])
         os.kill(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -599,7 +603,7 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
             time.sleep(0.01)
         assert done == {"l"} and side.take_failed_blocks() == set()
         assert side.stats.loads == 1 and side.stats.load_tokens == 64 and side.stats.load_background_calls == 1
-        got = tokens_of(side.pages, [9, 10, 11, 12, 13, 14], 0, 96)
+        got = tokens_of(VllmPages([t.cpu() for t in dest], fmt), [9, 10, 11, 12, 13, 14], 0, 96)
         for layer, ((k, v), (wk, wv)) in enumerate(zip(got, want)):
             assert torch.equal(k[:, 32:], wk[:, 32:]) and torch.equal(v[:, 32:], wv[:, 32:]), layer
             assert not k[:, :32].any()  # before `start`: vLLM's own, not written
