@@ -935,8 +935,10 @@ class RemoteCache(PrefixCacheBase):
         # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
         reason = ((answer.get("error") if isinstance(answer, dict) else None) or response.text[:REASON_CHARS]
                   or response.reason_phrase)
-        if response.status_code == 503 and BUSY_HEADER in response.headers:
-            raise RemoteBusy(str(reason), status=503, url=self.url + path)
+        # A busy server's 503, or a front's 429 (a rate limit before the server): both say
+        # "later", about this request, not that the service is gone.
+        if response.status_code == 429 or response.status_code == 503 and BUSY_HEADER in response.headers:
+            raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
 
 

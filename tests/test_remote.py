@@ -777,7 +777,7 @@ def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, h
     return script
 
 
-def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_is_not(caplog):
+def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_or_a_429_is_not(caplog):
     from fake_http import FakeServer
 
     toks, kv = tokens_for(32, 2 * BLOCK), make_kv(2 * BLOCK, 32)
@@ -800,25 +800,29 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_is_not(caplog):
                                                    trust_env=False) as cache:
         assert cache.lookup(toks) == 0 and cache.prefetch(toks) is None and cache.ingest(toks, kv).failed == 2
         assert cache.client_stats()["outages"] == 1  # a front's page is not the service
-    busy = _answers(b"HTTP/1.1 503 Service Unavailable", b'{"error": "retry later"}',
-                    lookups=b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}',
-                    headers=b"retry-after: 1\r\nx-cacheseek-busy: max_inflight_body_bytes\r\n")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="cacheseek.remote"), FakeServer(busy) as front, \
-            cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
-                           on_unavailable="miss", trust_env=False) as cache:
-        for _ in range(5):
-            res = cache.ingest(toks, kv)
-            assert res.failed == 2 and "retry later" in res.errors["server"]
-        assert cache.lookup(toks) == 0  # reads still go: the breaker stayed closed
-        stats = cache.client_stats()
-    assert stats["busy_refusals"] == 5 and stats["dropped_blocks"] == 10
-    assert stats["outages"] == 0 and stats["unavailable_calls"] == 0 and stats["breaker"]["state"] == "closed"
-    assert not [r for r in caplog.records if r.name == "cacheseek.remote"]  # no outage logged
-    with FakeServer(busy) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
-                                                   block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
-        with pytest.raises(cs.RemoteBusy, match="retry later"):  # the default raises it (a RemoteUnavailable)
-            cache.ingest(toks, kv)
+    # The server's own back-pressure, and a rate-limiting front's (a 429 was a RemoteError
+    # even under "miss": a failed call where a miss was promised).
+    lookup = b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}'
+    for busy in (_answers(b"HTTP/1.1 503 Service Unavailable", b'{"error": "retry later"}',
+                          lookups=lookup, headers=b"retry-after: 1\r\nx-cacheseek-busy: max_inflight_body_bytes\r\n"),
+                 _answers(b"HTTP/1.1 429 Too Many Requests", b"retry later: 100 requests per second", lookups=lookup,
+                          headers=b"retry-after: 1\r\ncontent-type: text/plain\r\n")):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="cacheseek.remote"), FakeServer(busy) as front, \
+                cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                               on_unavailable="miss", trust_env=False) as cache:
+            for _ in range(5):
+                res = cache.ingest(toks, kv)
+                assert res.failed == 2 and "retry later" in res.errors["server"]
+            assert cache.lookup(toks) == 0  # reads still go: the breaker stayed closed
+            stats = cache.client_stats()
+        assert stats["busy_refusals"] == 5 and stats["dropped_blocks"] == 10
+        assert stats["outages"] == 0 and stats["unavailable_calls"] == 0 and stats["breaker"]["state"] == "closed"
+        assert not [r for r in caplog.records if r.name == "cacheseek.remote"]  # no outage logged
+        with FakeServer(busy) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                       block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+            with pytest.raises(cs.RemoteBusy, match="retry later"):  # the default raises it (a RemoteUnavailable)
+                cache.ingest(toks, kv)
 
 
 def test_a_server_that_dribbles_its_answer_is_an_outage_at_the_exchange_timeout():
