@@ -113,7 +113,7 @@ def engines(model, tmp_path_factory):
         # A lookup wait no loopback answer meets: every first ask is answered "not yet", so
         # vLLM's path for a deferred hit (skip the request, ask again next step) runs.
         return {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30,
-                "lookup_wait_seconds": 1e-6}
+                "lookup_wait_seconds": 1e-6, "background_loads": True}
 
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:

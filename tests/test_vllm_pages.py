@@ -579,7 +579,7 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
     tokens = list(range(4000, 4096))
     with Server(tmp_path) as srv:
         config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30})
-        assert config.loads_in_background
+        assert not config.loads_in_background  # (off by default)
         cache = open_cache(config, layout, "m", cs.Shard())
         side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_loads=True)
         src = [layer_tensor(16, 16, seed=i) for i in range(L)]

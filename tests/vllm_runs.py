@@ -538,6 +538,42 @@ def ttft(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def steps(job: dict[str, Any]) -> dict[str, Any]:
+    """For benchmarks/vllm_remote_load.py: a request decoding while another's prefix is
+    loaded from the server. Prompt 0 stores the prefix; vLLM's cache is emptied; request
+    "decoding" (a short prompt, ``decode_tokens`` tokens) runs a few steps, then request
+    "loading" (prompt 1: the prefix and a question) arrives. Per step of the engine: its
+    seconds and which requests got a token. Returns the steps and when "loading" got its
+    token."""
+    from vllm import SamplingParams
+
+    eng = Engine(build_llm(job["extra"], max_model_len=job.get("max_model_len", 4096)), 1)
+    _, ps = prompts(eng.llm, job["prefix_tokens"])
+    eng.run(ps[0], read=False)
+    eng.stats()  # (the save answered)
+    eng.reset()
+    engine = eng.llm.llm_engine
+    engine.add_request("decoding", {"prompt_token_ids": list(range(200, 232))},
+                       SamplingParams(max_tokens=job.get("decode_tokens", 64), temperature=0.0, ignore_eos=True))
+    rows: list[dict[str, Any]] = []
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        outs = engine.step()
+        rows.append({"seconds": time.perf_counter() - t0,
+                     "tokens": sorted(o.request_id for o in outs if o.outputs and o.outputs[0].token_ids)})
+
+    for _ in range(job.get("steps_before", 6)):
+        step()
+    arrived = len(rows)
+    engine.add_request("loading", {"prompt_token_ids": ps[1]}, SamplingParams(max_tokens=1, temperature=0.0))
+    while engine.has_unfinished_requests():
+        step()
+    first = next(i for i, r in enumerate(rows) if "loading" in r["tokens"])
+    return {"steps": rows, "arrived": arrived, "loading_token_step": first,
+            "loading_seconds": sum(r["seconds"] for r in rows[arrived : first + 1]), "stats": eng.stats()}
+
+
 def keys(job: dict[str, Any]) -> dict[str, Any]:
     """The connector's scheduler and worker sides driven with vLLM's own ``Request``,
     ``LoRARequest``, ``MultiModalFeatureSpec`` and ``SchedulerOutput`` objects (no model):
@@ -731,7 +767,7 @@ def admission(job: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
-                                               admission)}
+                                               admission, steps)}
 
 
 def main() -> None:

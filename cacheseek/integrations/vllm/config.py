@@ -88,8 +88,11 @@ class ConnectorConfig:
     # network. At most max_pending_bytes of frames wait; a save past it is dropped.
     background_saves: bool = True
     # A remote cache's loads between steps (vLLM's asynchronous loads: the request waits,
-    # the others run), not inside the step that first computes the request.
-    background_loads: bool = True
+    # the others run), not inside the step that first computes the request. Off by default:
+    # in vLLM's CPU build on two cores the loader thread competed with the forward for the
+    # cores and the GIL, so the running requests gained nothing and the loading one waited
+    # 2.5x longer (docs/performance.md, "vLLM connector"); not measured on a GPU host.
+    background_loads: bool = False
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     # A remote lookup runs on a thread of its own; vLLM's scheduler waits this long for it at
     # most, then is told "not yet" and asks again at its next step (docs/vllm.md).

@@ -28,8 +28,8 @@ into the slots, and ``wait_for_save`` checks and commits; or **whole** (the defa
 layer never fed, a load of one of its requests failed, the writer raised) is dropped for a
 whole save of the same requests in ``wait_for_save``: the pages still hold their KV then.
 
-With a remote cache (``background_loads``, the default) a step's hits are loaded between
-steps instead: ``start_load_kv`` hands them to a loader thread (one
+With a remote cache and ``background_loads`` a step's hits are loaded between steps
+instead: ``start_load_kv`` hands them to a loader thread (one
 ``materialize_into_batch``, decoded on a stream of its own and waited for there) and
 returns; ``get_finished`` reports each request once its load is done, whatever it wrote,
 its missing blocks in ``get_block_ids_with_load_errors`` in the same pass; vLLM holds the
