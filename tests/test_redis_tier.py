@@ -1528,6 +1528,76 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
         tier.close()
 
 
+def test_a_dead_owners_many_pins_go_a_bounded_number_a_call(redis_url):
+    """The pins of an owner whose lease ran out all went in the next script call, each
+    listed in its reply, kept a minute for the call sent again: a dead owner's 100k pins
+    blocked Redis for 0.7 s in that one call and kept a 7 MB reply. They go RELEASE_LIMIT a
+    call now, the owner lapsed in ``pinners`` until its set is empty; meanwhile the pinned
+    set stays the union of the owners' sets, a block another owner pins stays pinned, and
+    a call sent again answers the same."""
+    from cacheseek.store.redis_index import RELEASE_LIMIT, SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20)
+    r = tier._connection()
+    keys = RedisKeys("cacheseek", "lapsed")
+    index = SharedIndex(keys, 1 << 40, 0, pin_lease_us=300_000)
+    members = [f"{i:064x}" for i in range(2 * RELEASE_LIMIT + 500)]
+    held = set(members[::7])  # also pinned by an owner that lives on
+    try:
+        index.queue(r, add=[(m, 10, 10) for m in members])
+        index.queue(r, pin=members, owner="dead")
+        SharedIndex(keys, 1 << 40, 0).queue(r, pin=sorted(held), owner="alive")
+        time.sleep(0.5)
+        released: list[str] = []
+        for _ in range(3):
+            call = SharedIndex.new_call()
+            update = SharedIndex.parse(index.queue(r, call=call))
+            assert 0 < len(update.released) <= RELEASE_LIMIT
+            assert r.memory_usage(keys.call(call)) < 100 * RELEASE_LIMIT  # (64-hex members)
+            assert SharedIndex.parse(index.queue(r, call=call)).released == update.released  # sent again
+            released += update.released
+            owned = {m.decode() for m in r.smembers(keys.owner_pins("dead"))}
+            pinned = {m.decode() for m in r.smembers(keys.pinned)}
+            assert pinned == owned | held and not pinned & set(released)
+            assert update.totals.pinned_blocks == len(pinned)
+            assert r.zcard(keys.lru) == len(released)
+            if owned:
+                assert r.zscore(keys.pinners, "dead") is not None  # lapsed, still part of the union
+        assert sorted(released) == sorted(set(members) - held)
+        assert r.zscore(keys.pinners, "dead") is None and not r.exists(keys.owner_pins("dead"))
+        assert {m.decode() for m in r.smembers(keys.pinned)} == held
+    finally:
+        tier.close()
+
+
+def test_an_owner_back_while_its_lapsed_pins_go_learns_its_lease_was_lost(redis_url):
+    """A lapsed owner's pins go a bounded number a call (RELEASE_LIMIT), so an owner back
+    from a long cut-off may find part of them gone: its renewal says the lease was lost (and
+    renews nothing) until a pin takes it again, then the pins it makes again hold."""
+    from cacheseek.store.redis_index import RELEASE_LIMIT, SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20)
+    r = tier._connection()
+    keys = RedisKeys("cacheseek", "back")
+    index = SharedIndex(keys, 1 << 40, 0, pin_lease_us=300_000)
+    members = [f"{i:064x}" for i in range(3 * RELEASE_LIMIT)]
+    try:
+        index.queue(r, add=[(m, 10, 10) for m in members])
+        index.queue(r, pin=members, owner="back")
+        time.sleep(0.5)
+        first = SharedIndex.parse(index.queue(r))  # another process's call: some go
+        assert 0 < len(first.released) < len(members)
+        renewal = SharedIndex.parse(index.queue(r, owner="back"))
+        assert renewal.lease_lost and len(first.released) + len(renewal.released) < len(members)
+        assert SharedIndex.parse(index.queue(r, owner="back")).lease_lost  # (still: renewed nothing)
+        again = SharedIndex.parse(index.queue(r, pin=members, owner="back"))
+        assert again.lease_lost
+        assert r.scard(keys.pinned) == len(members) and r.zcard(keys.lru) == 0
+        assert not SharedIndex.parse(index.queue(r, owner="back")).lease_lost  # held again
+    finally:
+        tier.close()
+
+
 def test_a_hung_redis_gets_one_probe_at_a_time(tmp_path):
     """docs/redis.md: only one probe is in flight at a time. The probe was replaced once it
     had been out for the backoff, so with a backoff shorter than the socket timeout (the
