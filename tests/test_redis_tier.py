@@ -1752,6 +1752,35 @@ def test_every_call_that_meets_a_lapsed_lease_gives_its_frames_their_expiry_back
         tier.close()
 
 
+def test_a_put_that_fails_after_its_script_still_gives_what_a_lapsed_lease_let_go_its_expiry(redis_url, server):
+    """A put's script call drops the pins of owners whose lease ran out and lists the blocks
+    no owner pins any more; their frames got their expiry back only after the put's SETs.
+    With those failing (the connection lost), nothing else listed them: their frames kept
+    no expiry, unpinned, until the TTL prune dropped their entries. They are settled before
+    the SETs now."""
+    proxy = ReplyLosingProxy(server.port)
+    # (a namespace of its own: no other test's tier renewing a lease lets go of the pin first)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace="settle")
+    other = RedisTier(redis_url, 64 << 20)
+    (held, fh), (new, fn) = _frame(170), _frame(171)
+    r = other._connection()
+    try:
+        tier.put(held, fh)
+        _pin_as(tier, [held], "gone", 0.3)
+        assert int(r.pttl(tier.keys_of.frame(held))) == -1
+        time.sleep(0.6)
+        name = tier.keys_of.frame(new).encode()
+        proxy.arm(b"SET\r\n$%d\r\n%s" % (len(name), name))  # (the SETs' round trip: its reply lost)
+        assert tier.put_many([(new, fn)])[0].error is not None
+        assert proxy.lost == 1 and not tier._owed_replies  # (the script's reply came back)
+        assert not r.sismember(tier.keys_of.pinned, RedisKeys.member(held))
+        assert int(r.pttl(tier.keys_of.frame(held))) > 50_000
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()
+
+
 def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):
     """Each call evicts down to its caller's budget, so the smallest in use wins; a touch,
     a pin, an unpin or a lease renewal that evicted dropped the victims' entries and left
