@@ -1528,6 +1528,76 @@ def test_an_unpin_beside_many_owners_costs_redis_no_lookup_per_block_and_owner(r
         tier.close()
 
 
+def test_a_dead_owners_many_pins_go_a_bounded_number_a_call(redis_url):
+    """The pins of an owner whose lease ran out all went in the next script call, each
+    listed in its reply, kept a minute for the call sent again: a dead owner's 100k pins
+    blocked Redis for 0.7 s in that one call and kept a 7 MB reply. They go RELEASE_LIMIT a
+    call now, the owner lapsed in ``pinners`` until its set is empty; meanwhile the pinned
+    set stays the union of the owners' sets, a block another owner pins stays pinned, and
+    a call sent again answers the same."""
+    from cacheseek.store.redis_index import RELEASE_LIMIT, SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20)
+    r = tier._connection()
+    keys = RedisKeys("cacheseek", "lapsed")
+    index = SharedIndex(keys, 1 << 40, 0, pin_lease_us=300_000)
+    members = [f"{i:064x}" for i in range(2 * RELEASE_LIMIT + 500)]
+    held = set(members[::7])  # also pinned by an owner that lives on
+    try:
+        index.queue(r, add=[(m, 10, 10) for m in members])
+        index.queue(r, pin=members, owner="dead")
+        SharedIndex(keys, 1 << 40, 0).queue(r, pin=sorted(held), owner="alive")
+        time.sleep(0.5)
+        released: list[str] = []
+        for _ in range(3):
+            call = SharedIndex.new_call()
+            update = SharedIndex.parse(index.queue(r, call=call))
+            assert 0 < len(update.released) <= RELEASE_LIMIT
+            assert r.memory_usage(keys.call(call)) < 100 * RELEASE_LIMIT  # (64-hex members)
+            assert SharedIndex.parse(index.queue(r, call=call)).released == update.released  # sent again
+            released += update.released
+            owned = {m.decode() for m in r.smembers(keys.owner_pins("dead"))}
+            pinned = {m.decode() for m in r.smembers(keys.pinned)}
+            assert pinned == owned | held and not pinned & set(released)
+            assert update.totals.pinned_blocks == len(pinned)
+            assert r.zcard(keys.lru) == len(released)
+            if owned:
+                assert r.zscore(keys.pinners, "dead") is not None  # lapsed, still part of the union
+        assert sorted(released) == sorted(set(members) - held)
+        assert r.zscore(keys.pinners, "dead") is None and not r.exists(keys.owner_pins("dead"))
+        assert {m.decode() for m in r.smembers(keys.pinned)} == held
+    finally:
+        tier.close()
+
+
+def test_an_owner_back_while_its_lapsed_pins_go_learns_its_lease_was_lost(redis_url):
+    """A lapsed owner's pins go a bounded number a call (RELEASE_LIMIT), so an owner back
+    from a long cut-off may find part of them gone: its renewal says the lease was lost (and
+    renews nothing) until a pin takes it again, then the pins it makes again hold."""
+    from cacheseek.store.redis_index import RELEASE_LIMIT, SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20)
+    r = tier._connection()
+    keys = RedisKeys("cacheseek", "back")
+    index = SharedIndex(keys, 1 << 40, 0, pin_lease_us=300_000)
+    members = [f"{i:064x}" for i in range(3 * RELEASE_LIMIT)]
+    try:
+        index.queue(r, add=[(m, 10, 10) for m in members])
+        index.queue(r, pin=members, owner="back")
+        time.sleep(0.5)
+        first = SharedIndex.parse(index.queue(r))  # another process's call: some go
+        assert 0 < len(first.released) < len(members)
+        renewal = SharedIndex.parse(index.queue(r, owner="back"))
+        assert renewal.lease_lost and len(first.released) + len(renewal.released) < len(members)
+        assert SharedIndex.parse(index.queue(r, owner="back")).lease_lost  # (still: renewed nothing)
+        again = SharedIndex.parse(index.queue(r, pin=members, owner="back"))
+        assert again.lease_lost
+        assert r.scard(keys.pinned) == len(members) and r.zcard(keys.lru) == 0
+        assert not SharedIndex.parse(index.queue(r, owner="back")).lease_lost  # held again
+    finally:
+        tier.close()
+
+
 def test_a_hung_redis_gets_one_probe_at_a_time(tmp_path):
     """docs/redis.md: only one probe is in flight at a time. The probe was replaced once it
     had been out for the backoff, so with a backoff shorter than the socket timeout (the
@@ -1680,6 +1750,35 @@ def test_every_call_that_meets_a_lapsed_lease_gives_its_frames_their_expiry_back
         assert int(r.pttl(tier.keys_of.frame(released))) > 50_000
     finally:
         tier.close()
+
+
+def test_a_put_that_fails_after_its_script_still_gives_what_a_lapsed_lease_let_go_its_expiry(redis_url, server):
+    """A put's script call drops the pins of owners whose lease ran out and lists the blocks
+    no owner pins any more; their frames got their expiry back only after the put's SETs.
+    With those failing (the connection lost), nothing else listed them: their frames kept
+    no expiry, unpinned, until the TTL prune dropped their entries. They are settled before
+    the SETs now."""
+    proxy = ReplyLosingProxy(server.port)
+    # (a namespace of its own: no other test's tier renewing a lease lets go of the pin first)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace="settle")
+    other = RedisTier(redis_url, 64 << 20)
+    (held, fh), (new, fn) = _frame(170), _frame(171)
+    r = other._connection()
+    try:
+        tier.put(held, fh)
+        _pin_as(tier, [held], "gone", 0.3)
+        assert int(r.pttl(tier.keys_of.frame(held))) == -1
+        time.sleep(0.6)
+        name = tier.keys_of.frame(new).encode()
+        proxy.arm(b"SET\r\n$%d\r\n%s" % (len(name), name))  # (the SETs' round trip: its reply lost)
+        assert tier.put_many([(new, fn)])[0].error is not None
+        assert proxy.lost == 1 and not tier._owed_replies  # (the script's reply came back)
+        assert not r.sismember(tier.keys_of.pinned, RedisKeys.member(held))
+        assert int(r.pttl(tier.keys_of.frame(held))) > 50_000
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()
 
 
 def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):

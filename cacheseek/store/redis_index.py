@@ -30,7 +30,8 @@ Pins have owners: each process (``RedisTier.owner``) pins into a set of its own,
 lease (``pinners``: owner -> end of lease) that it renews while it holds pins, and the
 ``pinned`` set is the union of those sets. So a block two processes pin stays pinned until
 both have unpinned it, and the pins of a process that died without unpinning go when its
-lease runs out (any call drops lapsed owners first). An index written before pins had
+lease runs out (every call lets go ``RELEASE_LIMIT`` pins of lapsed owners at most, first;
+a lapsed owner stays in ``pinners`` until none is left). An index written before pins had
 owners (a plain pinned set, no ``pin_owners`` marker in the totals) is taken over on its
 first call as the pins of one owner, ``LEGACY_OWNER``, under one lease.
 
@@ -71,6 +72,7 @@ local keep_gens = ARGV[11] == '1'
 local reply_ms = tonumber(ARGV[12])
 local replay = ARGV[13] == '1'
 local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
+local release_limit = tonumber(ARGV[17])
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
@@ -198,18 +200,35 @@ if tot[7] ~= '1' and redis.call('SCARD', pinned) > 0 then
   changed = true
 end
 -- Owners whose lease ran out (a process that died, or one cut off from Redis for longer):
--- their pins go, a few owners a call.
+-- their pins go, release_limit a call at most, so that no call's work nor its kept reply
+-- grows with an owner's pins (a dead owner's 100k, let go in one call, blocked Redis for
+-- 0.7 s and kept a 7 MB reply). A lapsed owner stays in ``pinners`` until its set is
+-- empty, so its set stays part of the union meanwhile; its lease is lost all the same.
+local release_left = release_limit
 for _, o in ipairs(redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0, 8)) do
-  local members = redis.call('SMEMBERS', owned_prefix .. o)
-  redis.call('DEL', owned_prefix .. o)
-  redis.call('ZREM', pinners, o)
+  if release_left <= 0 then break end
+  local members = redis.call('SPOP', owned_prefix .. o, release_left)
+  release_left = release_left - #members
   changed = true
-  release_unheld(members, redis.call('ZRANGE', pinners, 0, -1), true)
+  if redis.call('EXISTS', owned_prefix .. o) == 0 then redis.call('ZREM', pinners, o) end
+  local others = {}
+  for _, p in ipairs(redis.call('ZRANGE', pinners, 0, -1)) do
+    if p ~= o then others[#others + 1] = p end
+  end
+  release_unheld(members, others, true)
 end
--- The caller's own lease, renewed; lost if it ran out (its pins went: it pins them again).
+-- A lease is held while it has not run out: a lapsed owner still in ``pinners`` has lost
+-- part of its pins already, or is about to.
+local function lease_held(o)
+  local ends = redis.call('ZSCORE', pinners, o)
+  return ends and tonumber(ends) > now
+end
+-- The caller's own lease, renewed; lost if it ran out (its pins go: it pins them again,
+-- which takes the lease anew. Not renewed here: with that pin failing, the next renewal
+-- would find it held, and the pins the lapse took would never be made again).
 local lease_lost = 0
 if owner ~= '' then
-  if redis.call('ZSCORE', pinners, owner) then
+  if lease_held(owner) then
     redis.call('ZADD', pinners, now + lease_us, owner)
   elseif n_pin == 0 then
     lease_lost = 1
@@ -226,7 +245,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 17
+local i = 18
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -272,7 +291,7 @@ end
 
 -- A pin or unpin is the caller's (owner): set operations, so one sent twice counts once.
 if n_pin > 0 then
-  if not redis.call('ZSCORE', pinners, owner) then lease_lost = 1 end
+  if not lease_held(owner) then lease_lost = 1 end
   redis.call('ZADD', pinners, now + lease_us, owner)
   changed = true
 end
@@ -455,6 +474,9 @@ PIN_LEASE_SECONDS = 300.0
 LEGACY_OWNER = "legacy"  # the owner of the pins of an index written before pins had owners
 
 PRUNE_LIMIT = 512  # expired entries dropped per call, so one call never runs long
+# Pins of lapsed owners let go per call (and listed in its reply, kept for a call sent
+# again): a dead owner's 100k pins go over many calls, each bounded.
+RELEASE_LIMIT = 1024
 # How long a script call's reply is kept for the same call sent again: redis-py sends a
 # pipeline again at once after a connection error, so a minute is far more than it needs.
 CALL_REPLY_SECONDS = 60
@@ -478,11 +500,12 @@ class IndexUpdate:
     whose frames the caller should delete. ``repaired``: (member, nbytes, raw_nbytes) of the
     ghosts forgotten (see ``SharedIndex.queue``'s ``repair``). ``uncounted``: touched
     blocks the index does not count (orphans, if their frames are there). ``pinned``: touched
-    blocks that are pinned. ``released``: blocks no owner pins any more since an owner's lease
-    ran out in this call, back in the LRU: their frames are to expire again (so are those of
+    blocks that are pinned. ``released``: blocks no owner pins any more since this call let
+    go of pins of owners whose lease ran out (``RELEASE_LIMIT`` at most), back in the LRU:
+    their frames are to expire again (so are those of
     the caller's own unpins, which it knows, not listed: a 100k-block unpin's reply would
     hold them all, kept a minute). ``lease_lost``: the caller's owner held no lease (it ran out, or Redis lost it):
-    its pins are gone, to be sent again. ``gens``: the
+    its pins are gone or going, to be sent again. ``gens``: the
     generation (see :data:`DROP_STALE_SCRIPT`) of every block added (its generation in the
     index now), evicted or expired (the one it had); empty unless ``SharedIndex.generations``."""
 
@@ -545,7 +568,7 @@ class SharedIndex:
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
                            CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
-                           self.keys.owner_pins_prefix]
+                           self.keys.owner_pins_prefix, RELEASE_LIMIT]
         args += forget
         args += repair
         args += touch

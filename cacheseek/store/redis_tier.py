@@ -285,6 +285,14 @@ class RedisTier(Tier):
         update = SharedIndex.parse(replies[-1])
         self._note_totals(update.totals)
         self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
+        # Blocks a lapsed lease let go get their frames' expiry back before the SETs: the call
+        # listed them once, and a fault in the round trips below would leave those frames
+        # without one for good. (Victims are dealt with below; a put renews no lease.)
+        try:
+            self._settle(client, update, victims=False)
+        except _redis_errors() as exc:
+            self._owe_drops(list(update.evicted) + list(update.expired), update.gens, exc)
+            raise
         evicted_now, expired_now = set(update.evicted), set(update.expired)
         # Round trip 2: the victims' frames read (if demotion wants them) and deleted, then the
         # SETs. Deletes first, so they land as soon after the script as they can: another
@@ -406,7 +414,6 @@ class RedisTier(Tier):
         ]
         with self._lock:
             self._faults.dropped_writes += len(refused)
-        self._settle(client, update, victims=False)  # (dealt with above)
         if refused:  # Redis refused those SETs (OOM): uncount them now rather than leave ghosts
             self._settle(client, SharedIndex.parse(self._index.queue(client, forget=refused)))
             # and drop what such a SET would have replaced (a block the index had let expire
