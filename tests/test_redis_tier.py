@@ -1799,13 +1799,16 @@ def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(
         small.close()
 
 
-def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(redis_url):
+def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(tmp_path):
     """``close`` stopped the lease keeper without waiting for it: a renewal in flight (here
     held up by a pause of Redis's writes) had its connection closed under it, redis-py sent
     it again on a new connection, and the renewal ran after ``close`` returned, leaving that
-    connection open for good."""
+    connection open for good. (A server of its own: the module's counts the commands of
+    tiers other tests leave to the garbage collector, their keepers still renewing.)"""
     import redis
 
+    own = RedisServer(tmp_path).start()
+    redis_url = own.url
     tier = RedisTier(redis_url, 64 << 20, pin_lease_seconds=0.5)  # renewed every 0.1 s
     key, frame = _frame(146)
     watcher = redis.Redis.from_url(redis_url)
@@ -1827,6 +1830,7 @@ def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(redis_ur
         watcher.execute_command("CLIENT", "UNPAUSE")
         watcher.close()
         tier.close()
+        own.stop()
 
 
 @pytest.mark.parametrize("client_retries", [1, 0])
