@@ -1889,3 +1889,40 @@ def test_a_pin_made_again_repairs_a_pinned_set_that_lost_the_block(redis_url):
         assert int(r.pttl(tier.keys_of.frame(key))) == -1
     finally:
         tier.close()
+
+
+def test_stats_reads_the_whole_pinned_set_only_now_and_then(tmp_path, monkeypatch):
+    """With a TTL, every ``stats()`` read the whole pinned set (``SMEMBERS``): 7 MB for 100k
+    pins, at every metrics scrape. It reads it every ``PIN_REFRESH_SECONDS`` at most; a
+    touch still leaves another process's pin without an expiry, checked against Redis."""
+    import redis
+
+    from cacheseek.store import redis_tier
+
+    own = RedisServer(tmp_path).start()
+    pinner = RedisTier(own.url, 64 << 20, ttl_seconds=60)
+    tier = RedisTier(own.url, 64 << 20, ttl_seconds=60)
+    watcher = redis.Redis.from_url(own.url)
+
+    def smembers() -> int:
+        return watcher.info("commandstats").get("cmdstat_smembers", {}).get("calls", 0)
+
+    try:
+        frames = [_frame(i) for i in range(160, 164)]
+        tier.put_many(frames)
+        before = smembers()
+        for _ in range(20):
+            tier.stats()
+        assert smembers() - before == 1
+        pinner.pin([frames[0][0]])  # another process's pin, which this one has not read
+        tier.touch([k for k, _ in frames])
+        assert watcher.pttl(tier.keys_of.frame(frames[0][0])) == -1  # the pin keeps no expiry
+        assert watcher.pttl(tier.keys_of.frame(frames[1][0])) > 0
+        monkeypatch.setattr(redis_tier, "PIN_REFRESH_SECONDS", 0.0)
+        tier.stats()
+        assert smembers() - before == 2 and frames[0][0] in tier._pinned
+    finally:
+        watcher.close()
+        pinner.close()
+        tier.close()
+        own.stop()

@@ -57,6 +57,11 @@ GHOST_GRACE_SECONDS = 60.0
 # 2^63 - 1: past that every write failed ("value is not an integer or out of range"), and
 # inf could not be made milliseconds at all. 2^62 ms is 146 million years.
 MAX_TTL_SECONDS = (1 << 62) / 1000
+# How often at most ``stats()`` reads the whole pinned set (this process's view of other
+# processes' pins, which spares touches a PEXPIRE they would take back): 100k pins are 7 MB
+# a read, and a metrics scrape calls stats() every few seconds. A stale view costs nothing
+# but that PEXPIRE: a touch checks every expiry it sets against the pinned set.
+PIN_REFRESH_SECONDS = 10.0
 
 
 class RedisUnavailable(StorageError):
@@ -159,6 +164,7 @@ class RedisTier(Tier):
         self._faults = _Faults()
         self._totals = IndexTotals()
         self._pinned: set[bytes] = set()  # pins known to this process (from Redis, with a TTL)
+        self._pins_read_at = -PIN_REFRESH_SECONDS  # when _refresh_pins last read them
         # Unpins that could not reach Redis, sent again with the next call that can: left
         # there, such pins would hold the shared budget for good (no process remembers them).
         self._owed_unpins: set[bytes] = set()
@@ -931,11 +937,14 @@ class RedisTier(Tier):
                     self.unpin(owed)
 
     def _refresh_pins(self, client: Any) -> None:
-        """Learn the pins other processes made, so that touches leave their frames' expiry alone."""
-        if self._ttl_ms is not None:
-            members = client.smembers(self.keys_of.pinned)
-            with self._lock:
-                self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
+        """Learn the pins other processes made, so that touches leave their frames' expiry
+        alone (every ``PIN_REFRESH_SECONDS`` at most)."""
+        if self._ttl_ms is None or time.monotonic() - self._pins_read_at < PIN_REFRESH_SECONDS:
+            return
+        members = client.smembers(self.keys_of.pinned)
+        with self._lock:
+            self._pinned = {key for m in members if (key := RedisKeys.key(m)) is not None}
+        self._pins_read_at = time.monotonic()
 
     def _settle(self, client: Any, update: IndexUpdate, *, victims: bool = True, pin_again: bool = True) -> None:
         """What any script call leaves to do beside the index, whatever the call was for
