@@ -623,6 +623,42 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
     side.close()
 
 
+def test_a_load_between_steps_that_finds_nothing_answers_the_resting_guards_probe(tmp_path):
+    """The worker's guard open (a save failed), then its wait over: the next call is its
+    probe. A load between steps whose prefix is gone from the server (evicted since the
+    lookup) is an answer: the guard closes, and the next steps call the server again. Only
+    a load the guard refused (no call made) tells it nothing. The probe's answer was
+    dropped when the load wrote nothing, and the guard refused every load and save for
+    its probe timeout (60 s) with the server up."""
+    import time
+
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "retry_after_seconds": 0.05, "retry_cap_seconds": 0.05})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_loads=True)
+        side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], PageFormat("channel", D, 16, 16)))
+        side.guard.failure("save", RuntimeError("the server restarted"))
+        assert not side.guard.allow()  # resting
+        time.sleep(0.1)
+        side.start_step(StepPlan(background_loads=[LoadSpec("gone", list(range(96)), [1, 2, 3, 4, 5, 6], start=0)]))
+        deadline = time.monotonic() + 30
+        while not (done := side.take_loaded()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"gone"} and side.take_failed_blocks() == {1, 2, 3, 4, 5, 6}
+        assert side.guard.breaker.state == "closed" and side.guard.allow()
+        # Refused (the guard open again): no call, no answer; reported failed all the same.
+        side.guard.failure("save", RuntimeError("down again"))
+        side.start_step(StepPlan(background_loads=[LoadSpec("refused", list(range(96)), [1, 2, 3, 4, 5, 6], start=0)]))
+        assert side.take_loaded() == {"refused"} and side.take_failed_blocks() == {1, 2, 3, 4, 5, 6}
+        assert side.guard.breaker.state == "open"
+        side.close()
+        close_cache(config, cache)
+
+
 def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
     import socket
 
