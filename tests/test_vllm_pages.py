@@ -730,6 +730,52 @@ def test_a_remote_lookup_never_holds_the_scheduler_longer_than_its_wait(tmp_path
             close_cache(config, cache)
 
 
+def test_a_lookup_whose_request_is_gone_before_its_answer_still_answers_the_guards_probe(tmp_path):
+    """The scheduler's guard resting after a failure, its wait over: the next lookup is its
+    probe. Its request is aborted while the lookup runs (the server slow: SIGSTOP), so vLLM
+    never asks for it again; its answer still reaches the guard, which closes, and the next
+    request gets its hit. Dropped with the request, the answer never came, and the guard
+    refused every lookup for its probe timeout (60 s): no hits, the server up."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(5000, 5097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 0.05, "retry_after_seconds": 0.05,
+                                             "retry_cap_seconds": 0.05})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: [], lookup_wait_seconds=config.lookup_wait_seconds)
+
+        def request(req_id):
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        sched.guard.failure("lookup", RuntimeError("the server restarted"))
+        time.sleep(0.1)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            assert sched.matched_tokens(request("aborted"), 0) is None  # the probe, unanswered yet
+            sched.finished(request("aborted"))
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while (hit := sched.matched_tokens(request("next"), 0)) != 96 and time.monotonic() < deadline:
+            sched.finished(request("next"))  # (a miss: forget it, ask afresh)
+            time.sleep(0.05)
+        assert hit == 96 and sched.guard.breaker.state == "closed"
+        sched.close()
+        close_cache(config, cache)
+
+
 def test_a_server_that_is_down_fails_no_request_and_rests():
     import socket
 

@@ -119,6 +119,7 @@ class SchedulerSide:
         # most the call waits for a lookup running on its own thread (see the module doc).
         self.lookup_wait = lookup_wait_seconds
         self._running: OrderedDict[str, list[Future]] = OrderedDict()  # req_id -> its ranks' lookups
+        self._abandoned: list[list[Future]] = []  # lookups of requests finished before their answer
         self._pool: ThreadPoolExecutor | None = None
         # A hit is loaded between steps (vLLM's asynchronous load: the request waits, the
         # others run), not inside the step that first computes the request.
@@ -181,6 +182,7 @@ class SchedulerSide:
         """The request's lookup, started on the pool if it is not running yet (every rank's
         at once), waited for ``lookup_wait`` seconds at most: None if unanswered by then.
         The counts and the guard are kept here, in vLLM's scheduler thread."""
+        self._hear_abandoned()
         running = self._running.get(req_id)
         if running is None:
             if not self.guard.allow():
@@ -191,7 +193,7 @@ class SchedulerSide:
                 self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
             asked = keys()
             running = [self._pool.submit(cache.locate, asked) for cache in self.caches]
-            _remember(self._running, req_id, running)
+            self._abandoned += _remember(self._running, req_id, running)
         if wait(running, timeout=self.lookup_wait).not_done:
             self.stats.lookups_deferred += 1
             return None
@@ -200,6 +202,20 @@ class SchedulerSide:
             return self._found([f.result() for f in running])
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
             return self._failed(exc)
+
+    def _hear_abandoned(self) -> None:
+        """Tell the guard how the lookups of requests finished before their answer ended:
+        one may be the resting guard's probe, which, unanswered, kept it refusing every
+        lookup for its probe timeout."""
+        left = []
+        for running in self._abandoned:
+            if not all(f.done() for f in running):
+                left.append(running)
+            elif (exc := next((f.exception() for f in running if f.exception() is not None), None)) is not None:
+                self.guard.failure("lookup", exc)
+            else:
+                self.guard.success()
+        self._abandoned = left
 
     def _found(self, found: list[Any]) -> Hit:
         self.guard.success()
@@ -252,7 +268,10 @@ class SchedulerSide:
         return counts
 
     def finished(self, request: Any) -> None:
-        self._running.pop(request.request_id, None)
+        running = self._running.pop(request.request_id, None)
+        if running is not None:
+            self._abandoned.append(running)  # (its answer still goes to the guard)
+            self._hear_abandoned()
         self._lookups.pop(request.request_id, None)
         self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
@@ -297,12 +316,14 @@ class SchedulerSide:
         return plan
 
 
-def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> None:
+def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> list[Any]:
     """Keep ``value`` for a request vLLM has not admitted yet, the oldest dropped past
-    ``MAX_PENDING_LOOKUPS`` (a request vLLM never admits nor finishes)."""
+    ``MAX_PENDING_LOOKUPS`` (a request vLLM never admits nor finishes); the values dropped."""
     pending[req_id] = value
+    dropped = []
     while len(pending) > MAX_PENDING_LOOKUPS:
-        pending.popitem(last=False)
+        dropped.append(pending.popitem(last=False)[1])
+    return dropped
 
 
 __all__ = ["SchedulerSide", "extra_keys", "unsupported_reason"]
