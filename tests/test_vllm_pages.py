@@ -776,6 +776,51 @@ def test_a_lookup_whose_request_is_gone_before_its_answer_still_answers_the_guar
         close_cache(config, cache)
 
 
+def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loading_again(tmp_path):
+    """vLLM's asynchronous load that failed from its first block (the worker's guard
+    resting, a chain the worker cannot read): vLLM frees the request's blocks and asks
+    for its hit again before ever running it (_update_waiting_for_remote_kv). Offered
+    again, the load failed again for as long as the cause lasted, the request never ran
+    (a livelock); it is offered nothing now and computes. A request vLLM ran and then
+    preempted is looked up afresh, as before."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(6000, 6097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 5})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
+                              background_loads=True)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                              mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        def step(scheduled=None):
+            new = [SimpleNamespace(req_id="r", num_computed_tokens=scheduled)] if scheduled is not None else []
+            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={"r": 97} if new else {},
+                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+        assert sched.matched_tokens(req, 0) == 96
+        sched.after_alloc(req, 96)
+        assert [spec.req_id for spec in step().background_loads] == ["r"]
+        # The load failed whole; vLLM freed the blocks and asks again.
+        assert sched.matched_tokens(req, 0) == 0
+        sched.after_alloc(req, 0)
+        plan = step(scheduled=0)
+        assert not plan.background_loads and [len(spec.token_ids) for spec in plan.saves] == [96]
+        assert sched.stats.lookups == 1
+        # Ran, then preempted: its hit is looked up again.
+        assert sched.matched_tokens(req, 0) == 96 and sched.stats.lookups == 2
+        sched.close()
+        close_cache(config, cache)
+
+
 def test_a_server_that_is_down_fails_no_request_and_rests():
     import socket
 

@@ -71,6 +71,7 @@ class _Request:
     load_tokens: int = 0  # external tokens vLLM took: loaded when the request is first scheduled
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
     hit: Hit = NO_HIT
+    loading: bool = False  # offered as a load between steps, not scheduled since
 
 
 def unsupported_reason(request: Any) -> str | None:
@@ -148,6 +149,14 @@ class SchedulerSide:
         limit = self._limit(prompt)
         if limit <= num_computed_tokens:
             return 0  # nothing the store could add: spare the lookup
+        state = self._requests.get(request.request_id)
+        if state is not None and state.loading:
+            # Asked again before vLLM ever ran it: its load between steps failed from the
+            # first block, and vLLM freed its blocks (_update_waiting_for_remote_kv).
+            # Offered again, the load fails again for as long as its cause lasts (the
+            # worker's guard resting, a chain the worker cannot read) and the request never
+            # runs: it computes instead, as after a failed load within a step.
+            return 0
         if num_computed_tokens % self.block_tokens:
             # (vLLM asks again each step it cannot admit the request: counted once)
             if request.request_id not in self._unaligned:
@@ -251,7 +260,7 @@ class SchedulerSide:
         if self.background_loads and num_external_tokens and supported:
             end = min(hit.tokens, self._limit(prompt))  # where the offered hit, so the load, ends
             self._to_load.append((request.request_id, end - num_external_tokens, end))
-            state.load_tokens, state.saved = 0, end
+            state.load_tokens, state.saved, state.loading = 0, end, True
 
     def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Of the last ``num_external_tokens`` of the request's hit, how many each tier holds."""
@@ -298,6 +307,7 @@ class SchedulerSide:
             before = computed.get(req_id)
             if before is None:
                 continue
+            state.loading = False
             if state.load_tokens:
                 # vLLM counts the loaded tokens as computed already: they end at `before`.
                 plan.loads.append(LoadSpec(req_id, state.prompt[:before], self.block_ids(req_id),
