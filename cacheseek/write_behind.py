@@ -50,13 +50,17 @@ class WriteBehind:
 
     def submit(self, nbytes: int, send: Callable[[], Any]) -> Future:
         """Queue ``send`` (room for ``nbytes`` reserved already); its answer, or what it
-        raised, in the returned future."""
+        raised, in the returned future. A queued write is sent: the future is running from
+        the start, so ``cancel()`` answers False (the executor's own future, cancelled,
+        skipped the write and with it the return of its room and its host buffers)."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the cache is closed")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
-            future = self._executor.submit(self._run, send, nbytes)
+            self._executor.submit(self._run, send, nbytes, future)
             self._futures.add(future)
             self.counts["writes_queued"] += 1
         future.add_done_callback(self._forget)
@@ -66,13 +70,21 @@ class WriteBehind:
         with self._lock:
             self._futures.discard(future)
 
-    def _run(self, send: Callable[[], Any], nbytes: int) -> Any:
+    def _run(self, send: Callable[[], Any], nbytes: int, future: Future) -> None:
         try:
-            return send()
-        finally:  # before the future is done: whoever waited for it sees the room given back
-            with self._lock:
-                self._pending_bytes -= nbytes
-                self.counts["writes_done"] += 1
+            result = send()
+        except BaseException as exc:  # (the future holds it, as the executor's would)
+            self._done(nbytes)
+            future.set_exception(exc)
+        else:
+            self._done(nbytes)
+            future.set_result(result)
+
+    def _done(self, nbytes: int) -> None:
+        """Before the future is done: whoever waited for it sees the room given back."""
+        with self._lock:
+            self._pending_bytes -= nbytes
+            self.counts["writes_done"] += 1
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every write queued before this call; False if ``timeout`` seconds

@@ -119,7 +119,7 @@ def engines(model, tmp_path_factory):
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
             extra = remote(srv)
             first = run_engine({"scenario": "store", "extra": extra})
-            second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid})
+            second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid, "fail_first_load": True})
             return {"first": first, "second": second}
 
     def tensor_parallel() -> dict:
@@ -363,10 +363,23 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     assert tier["raw_bytes"] == 12 * one_head
 
 
+def test_a_request_whose_load_between_steps_failed_whole_is_computed_not_offered_again(engines):
+    # Prompt 2's load between steps raised (the worker's first, of this round): vLLM freed
+    # its blocks and asked for its hit again before running it. The lookup still found the
+    # prefix; offered again, the load was refused while the worker's guard rested, again
+    # and again, the request held back (a load failing for good: never run). It computes.
+    second = result(engines, "two_engines")["second"]
+    failed = second["failed_load"]
+    worker = minus(second["after_failed_load"], second["after_load"])["worker"]
+    assert failed["got"]["tokens"] == failed["want"]["tokens"], failed["agreement"]
+    assert second["failed_load_calls"] == 1
+    assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 1024, worker
+
+
 def test_server_killed_mid_run_requests_complete_computed(engines):
     second = result(engines, "two_engines")["second"]
     assert second["killed_in_load"]
-    stats = minus(second["after_kill_stats"], second["after_load"])
+    stats = minus(second["after_kill_stats"], second["after_failed_load"])
     killed, after = second["after_kill"]
     # Prompt 2: its lookup found the prefix, then the server died before the load: the load
     # failed, vLLM was told its blocks, recomputed them, and the output is unchanged.

@@ -623,6 +623,42 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
     side.close()
 
 
+def test_a_load_between_steps_that_finds_nothing_answers_the_resting_guards_probe(tmp_path):
+    """The worker's guard open (a save failed), then its wait over: the next call is its
+    probe. A load between steps whose prefix is gone from the server (evicted since the
+    lookup) is an answer: the guard closes, and the next steps call the server again. Only
+    a load the guard refused (no call made) tells it nothing. The probe's answer was
+    dropped when the load wrote nothing, and the guard refused every load and save for
+    its probe timeout (60 s) with the server up."""
+    import time
+
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "retry_after_seconds": 0.05, "retry_cap_seconds": 0.05})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_loads=True)
+        side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], PageFormat("channel", D, 16, 16)))
+        side.guard.failure("save", RuntimeError("the server restarted"))
+        assert not side.guard.allow()  # resting
+        time.sleep(0.1)
+        side.start_step(StepPlan(background_loads=[LoadSpec("gone", list(range(96)), [1, 2, 3, 4, 5, 6], start=0)]))
+        deadline = time.monotonic() + 30
+        while not (done := side.take_loaded()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert done == {"gone"} and side.take_failed_blocks() == {1, 2, 3, 4, 5, 6}
+        assert side.guard.breaker.state == "closed" and side.guard.allow()
+        # Refused (the guard open again): no call, no answer; reported failed all the same.
+        side.guard.failure("save", RuntimeError("down again"))
+        side.start_step(StepPlan(background_loads=[LoadSpec("refused", list(range(96)), [1, 2, 3, 4, 5, 6], start=0)]))
+        assert side.take_loaded() == {"refused"} and side.take_failed_blocks() == {1, 2, 3, 4, 5, 6}
+        assert side.guard.breaker.state == "open"
+        side.close()
+        close_cache(config, cache)
+
+
 def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
     import socket
 
@@ -692,6 +728,97 @@ def test_a_remote_lookup_never_holds_the_scheduler_longer_than_its_wait(tmp_path
         sched.close()
         for cache in caches:
             close_cache(config, cache)
+
+
+def test_a_lookup_whose_request_is_gone_before_its_answer_still_answers_the_guards_probe(tmp_path):
+    """The scheduler's guard resting after a failure, its wait over: the next lookup is its
+    probe. Its request is aborted while the lookup runs (the server slow: SIGSTOP), so vLLM
+    never asks for it again; its answer still reaches the guard, which closes, and the next
+    request gets its hit. Dropped with the request, the answer never came, and the guard
+    refused every lookup for its probe timeout (60 s): no hits, the server up."""
+    import os
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(5000, 5097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 0.05, "retry_after_seconds": 0.05,
+                                             "retry_cap_seconds": 0.05})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: [], lookup_wait_seconds=config.lookup_wait_seconds)
+
+        def request(req_id):
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        sched.guard.failure("lookup", RuntimeError("the server restarted"))
+        time.sleep(0.1)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            assert sched.matched_tokens(request("aborted"), 0) is None  # the probe, unanswered yet
+            sched.finished(request("aborted"))
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while (hit := sched.matched_tokens(request("next"), 0)) != 96 and time.monotonic() < deadline:
+            sched.finished(request("next"))  # (a miss: forget it, ask afresh)
+            time.sleep(0.05)
+        assert hit == 96 and sched.guard.breaker.state == "closed"
+        sched.close()
+        close_cache(config, cache)
+
+
+def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loading_again(tmp_path):
+    """vLLM's asynchronous load that failed from its first block (the worker's guard
+    resting, a chain the worker cannot read): vLLM frees the request's blocks and asks
+    for its hit again before ever running it (_update_waiting_for_remote_kv). Offered
+    again, the load failed again for as long as the cause lasted, the request never ran
+    (a livelock); it is offered nothing now and computes. A request vLLM ran and then
+    preempted is looked up afresh, as before."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(6000, 6097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 5})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
+                              background_loads=True)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                              mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        def step(scheduled=None):
+            new = [SimpleNamespace(req_id="r", num_computed_tokens=scheduled)] if scheduled is not None else []
+            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={"r": 97} if new else {},
+                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+        assert sched.matched_tokens(req, 0) == 96
+        sched.after_alloc(req, 96)
+        assert [spec.req_id for spec in step().background_loads] == ["r"]
+        # The load failed whole; vLLM freed the blocks and asks again.
+        assert sched.matched_tokens(req, 0) == 0
+        sched.after_alloc(req, 0)
+        plan = step(scheduled=0)
+        assert not plan.background_loads and [len(spec.token_ids) for spec in plan.saves] == [96]
+        assert sched.stats.lookups == 1
+        # Ran, then preempted: its hit is looked up again.
+        assert sched.matched_tokens(req, 0) == 96 and sched.stats.lookups == 2
+        sched.close()
+        close_cache(config, cache)
 
 
 def test_a_server_that_is_down_fails_no_request_and_rests():

@@ -178,3 +178,25 @@ def test_an_outage_is_counted_as_for_a_waited_write(tmp_path):
                 assert cache.client_stats()["dropped_blocks"] == 2
             else:
                 assert isinstance(future.exception(timeout=60), cs.RemoteUnavailable)
+
+
+def test_a_queued_write_cannot_be_cancelled_and_leak_its_room(tmp_path):
+    """A write queued behind one in flight (the server stopped): ``cancel()`` on its future
+    cannot take it back, so it is sent, and its room and host buffers are given back. A
+    cancelled one was never run: its room stayed taken for good (every later write past
+    what was left refused), its buffers leased, ``flush``'s count of it pending forever."""
+    toks = [tokens_for(70 + i, 2 * BLOCK) for i in range(2)]
+    with Server(tmp_path) as server, _remote(server, codec=cs.Raw(), timeout=60) as cache:
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            first = cache.ingest(toks[0], make_kv(2 * BLOCK, 70), wait=False)
+            queued = cache.ingest(toks[1], make_kv(2 * BLOCK, 71), wait=False)
+            assert not queued.cancel()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert first.result(timeout=60).stored == 2 and queued.result(timeout=60).stored == 2
+        assert cache.flush(timeout=60)
+        stats = cache.client_stats()["write_behind"]
+        assert stats["pending_bytes"] == 0 and stats["writes_pending"] == 0
+        assert cache._host_buffers.stats()["leases_active"] == 0
+        assert [cache.lookup(t) for t in toks] == [2 * BLOCK] * 2

@@ -438,6 +438,15 @@ def load(job: dict[str, Any]) -> dict[str, Any]:
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = loaded_and_uncached(eng, ps[1])
     out["after_load"] = eng.stats()
+    if job.get("fail_first_load"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        side = get_kv_transfer_group()._worker
+        real, side.cache = side.cache, FailFirstLoad(side.cache)
+        out["failed_load"] = rounds(eng, ps, [2])[0]
+        out["failed_load_calls"] = side.cache.calls
+        side.cache = real
+        out["after_failed_load"] = eng.stats()
     if "kill_pid" in job:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -476,6 +485,23 @@ def stored_blocks(url: str, want: int) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server holds {held} blocks, not {want}, {RUN_FLUSH_SECONDS} s after the saves")
         time.sleep(0.1)
+
+
+class FailFirstLoad:
+    """The worker's ``RemoteCache``, its first load raising (the scheduler's lookups, in the
+    scheduler's own cache, go on finding the prefix)."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.calls = cache, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def materialize_into_batch(self, requests: Any, pages: Any) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected: the worker's first load failed")
+        return self.cache.materialize_into_batch(requests, pages)
 
 
 class KillBeforeLoad:

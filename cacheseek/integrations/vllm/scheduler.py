@@ -71,6 +71,7 @@ class _Request:
     load_tokens: int = 0  # external tokens vLLM took: loaded when the request is first scheduled
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
     hit: Hit = NO_HIT
+    loading: bool = False  # offered as a load between steps, not scheduled since
 
 
 def unsupported_reason(request: Any) -> str | None:
@@ -119,6 +120,7 @@ class SchedulerSide:
         # most the call waits for a lookup running on its own thread (see the module doc).
         self.lookup_wait = lookup_wait_seconds
         self._running: OrderedDict[str, list[Future]] = OrderedDict()  # req_id -> its ranks' lookups
+        self._abandoned: list[list[Future]] = []  # lookups of requests finished before their answer
         self._pool: ThreadPoolExecutor | None = None
         # A hit is loaded between steps (vLLM's asynchronous load: the request waits, the
         # others run), not inside the step that first computes the request.
@@ -147,6 +149,14 @@ class SchedulerSide:
         limit = self._limit(prompt)
         if limit <= num_computed_tokens:
             return 0  # nothing the store could add: spare the lookup
+        state = self._requests.get(request.request_id)
+        if state is not None and state.loading:
+            # Asked again before vLLM ever ran it: its load between steps failed from the
+            # first block, and vLLM freed its blocks (_update_waiting_for_remote_kv).
+            # Offered again, the load fails again for as long as its cause lasts (the
+            # worker's guard resting, a chain the worker cannot read) and the request never
+            # runs: it computes instead, as after a failed load within a step.
+            return 0
         if num_computed_tokens % self.block_tokens:
             # (vLLM asks again each step it cannot admit the request: counted once)
             if request.request_id not in self._unaligned:
@@ -181,6 +191,7 @@ class SchedulerSide:
         """The request's lookup, started on the pool if it is not running yet (every rank's
         at once), waited for ``lookup_wait`` seconds at most: None if unanswered by then.
         The counts and the guard are kept here, in vLLM's scheduler thread."""
+        self._hear_abandoned()
         running = self._running.get(req_id)
         if running is None:
             if not self.guard.allow():
@@ -191,7 +202,7 @@ class SchedulerSide:
                 self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
             asked = keys()
             running = [self._pool.submit(cache.locate, asked) for cache in self.caches]
-            _remember(self._running, req_id, running)
+            self._abandoned += _remember(self._running, req_id, running)
         if wait(running, timeout=self.lookup_wait).not_done:
             self.stats.lookups_deferred += 1
             return None
@@ -200,6 +211,20 @@ class SchedulerSide:
             return self._found([f.result() for f in running])
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
             return self._failed(exc)
+
+    def _hear_abandoned(self) -> None:
+        """Tell the guard how the lookups of requests finished before their answer ended:
+        one may be the resting guard's probe, which, unanswered, kept it refusing every
+        lookup for its probe timeout."""
+        left = []
+        for running in self._abandoned:
+            if not all(f.done() for f in running):
+                left.append(running)
+            elif (exc := next((f.exception() for f in running if f.exception() is not None), None)) is not None:
+                self.guard.failure("lookup", exc)
+            else:
+                self.guard.success()
+        self._abandoned = left
 
     def _found(self, found: list[Any]) -> Hit:
         self.guard.success()
@@ -235,7 +260,7 @@ class SchedulerSide:
         if self.background_loads and num_external_tokens and supported:
             end = min(hit.tokens, self._limit(prompt))  # where the offered hit, so the load, ends
             self._to_load.append((request.request_id, end - num_external_tokens, end))
-            state.load_tokens, state.saved = 0, end
+            state.load_tokens, state.saved, state.loading = 0, end, True
 
     def hit_tiers(self, request: Any, num_external_tokens: int) -> dict[str, int]:
         """Of the last ``num_external_tokens`` of the request's hit, how many each tier holds."""
@@ -252,7 +277,10 @@ class SchedulerSide:
         return counts
 
     def finished(self, request: Any) -> None:
-        self._running.pop(request.request_id, None)
+        running = self._running.pop(request.request_id, None)
+        if running is not None:
+            self._abandoned.append(running)  # (its answer still goes to the guard)
+            self._hear_abandoned()
         self._lookups.pop(request.request_id, None)
         self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
@@ -279,6 +307,7 @@ class SchedulerSide:
             before = computed.get(req_id)
             if before is None:
                 continue
+            state.loading = False
             if state.load_tokens:
                 # vLLM counts the loaded tokens as computed already: they end at `before`.
                 plan.loads.append(LoadSpec(req_id, state.prompt[:before], self.block_ids(req_id),
@@ -297,12 +326,14 @@ class SchedulerSide:
         return plan
 
 
-def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> None:
+def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> list[Any]:
     """Keep ``value`` for a request vLLM has not admitted yet, the oldest dropped past
-    ``MAX_PENDING_LOOKUPS`` (a request vLLM never admits nor finishes)."""
+    ``MAX_PENDING_LOOKUPS`` (a request vLLM never admits nor finishes); the values dropped."""
     pending[req_id] = value
+    dropped = []
     while len(pending) > MAX_PENDING_LOOKUPS:
-        pending.popitem(last=False)
+        dropped.append(pending.popitem(last=False)[1])
+    return dropped
 
 
 __all__ = ["SchedulerSide", "extra_keys", "unsupported_reason"]

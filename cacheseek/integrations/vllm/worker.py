@@ -268,8 +268,8 @@ class WorkerSide:
     def _load_in_background(self, specs: list[LoadSpec]) -> None:
         """Start loading ``specs`` on the loader thread (the forward runs on meanwhile)."""
         pages = self._pages()
-        if not self.guard.allow():
-            self._loading.append((specs, _done(([spec.start for spec in specs], None, 0.0))))
+        if not self.guard.allow():  # (no call made: the guard hears nothing of it)
+            self._loading.append((specs, _done(([spec.start for spec in specs], _REFUSED, 0.0))))
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-load")
@@ -305,10 +305,13 @@ class WorkerSide:
                 waiting.append((specs, future))
                 continue
             written, error, seconds = future.result()
-            if error is not None:
-                self.guard.failure("load", error)
-            elif any(w > spec.start for w, spec in zip(written, specs)):
+            # A call that wrote nothing (the prefix gone since the lookup) is an answer all
+            # the same: the resting guard's probe, if it was one, which unanswered kept the
+            # guard refusing every call for its probe timeout.
+            if error is None:
                 self.guard.success()
+            elif error is not _REFUSED:
+                self.guard.failure("load", error)
             self._account(specs, written, seconds)
             self.stats.load_background_calls += 1
             done.update(spec.req_id for spec in specs)
@@ -508,6 +511,9 @@ class WorkerSide:
         if self.pages is None:
             raise RuntimeError("cacheseek connector: vLLM ran a step before registering its KV caches")
         return self.pages
+
+
+_REFUSED = RuntimeError("not asked: the server failed recently")  # a load the guard refused
 
 
 def _done(value: Any) -> Future:
