@@ -30,6 +30,7 @@ class WriteBehind:
         self._futures: set[Future] = set()
         self._executor: ThreadPoolExecutor | None = None  # started by the first write
         self._closed = False
+        self._sent = threading.Event()  # close() has sent everything queued
         self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "pending_bytes_high": 0}
 
     def reserve(self, nbytes: int) -> bool:
@@ -94,16 +95,25 @@ class WriteBehind:
         return not wait(futures, timeout=timeout).not_done
 
     def close(self) -> None:
-        """Send everything queued, then stop the sender."""
+        """Send everything queued, then stop the sender. A second caller (another thread)
+        returns once the first has: returning at once, its caller closed the connections
+        under the writes still being sent."""
         with self._lock:
+            first = not self._closed
             executor, self._executor, self._closed = self._executor, None, True
-        if executor is not None:
-            executor.shutdown(wait=True)
+        if not first:
+            self._sent.wait()
+            return
+        try:
+            if executor is not None:
+                executor.shutdown(wait=True)
+        finally:
+            self._sent.set()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self.counts, "writes_pending": self.counts["writes_queued"] - self.counts["writes_done"], "pending_bytes": self._pending_bytes,
-                    "max_pending_bytes": self.max_bytes}
+            return {**self.counts, "writes_pending": self.counts["writes_queued"] - self.counts["writes_done"],
+                    "pending_bytes": self._pending_bytes, "max_pending_bytes": self.max_bytes}
 
 
 __all__ = ["WriteBehind"]

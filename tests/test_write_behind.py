@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -200,3 +201,28 @@ def test_a_queued_write_cannot_be_cancelled_and_leak_its_room(tmp_path):
         assert stats["pending_bytes"] == 0 and stats["writes_pending"] == 0
         assert cache._host_buffers.stats()["leases_active"] == 0
         assert [cache.lookup(t) for t in toks] == [2 * BLOCK] * 2
+
+
+def test_a_second_close_from_another_thread_waits_for_the_queue_to_be_sent(tmp_path):
+    """Two threads closing one cache: the second returned at once and closed the connections
+    while the first was still sending the queue, whose writes then failed ("closed")."""
+    toks = [tokens_for(70 + i, 2 * BLOCK) for i in range(2)]
+    with Server(tmp_path) as server:
+        cache = _remote(server, codec=cs.Raw(), timeout=60)
+        futures = [cache.ingest(t, make_kv(2 * BLOCK, 70 + i), wait=False) for i, t in enumerate(toks)]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            first = threading.Thread(target=cache.close)
+            first.start()
+            time.sleep(0.2)
+            second = threading.Thread(target=cache.close)
+            second.start()
+            second.join(0.5)
+            assert second.is_alive()  # waiting for the first, not closing under it
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        first.join(60)
+        second.join(60)
+        assert [f.result(timeout=1).stored for f in futures] == [2, 2]
+        with _remote(server, codec=cs.Raw()) as other:
+            assert [other.lookup(t) for t in toks] == [2 * BLOCK] * 2
