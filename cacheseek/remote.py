@@ -425,7 +425,8 @@ class RemoteCache(PrefixCacheBase):
                 result.failed = result.blocks
                 result.errors.setdefault("backlog", f"the writes not sent yet hold max_pending_bytes "
                                                     f"({self._behind.max_bytes}): dropped")
-            self._outages.count("dropped_blocks", len(hashes))
+            # (per request, a block two requests share counted for both, as an outage's drop is)
+            self._outages.count("dropped_blocks", sum(result.blocks for result in results))
             return _done(answer())
         leases: list[Any] = []
 

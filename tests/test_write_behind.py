@@ -226,3 +226,23 @@ def test_a_second_close_from_another_thread_waits_for_the_queue_to_be_sent(tmp_p
         assert [f.result(timeout=1).stored for f in futures] == [2, 2]
         with _remote(server, codec=cs.Raw()) as other:
             assert [other.lookup(t) for t in toks] == [2 * BLOCK] * 2
+
+
+def test_a_batch_dropped_for_the_backlog_counts_its_blocks_as_an_outage_does(srv):
+    """Every request's blocks failed, and ``dropped_blocks`` their sum, a block two requests
+    share counted for both, as a waited ingest's outage counts it (it counted distinct
+    blocks: the two figures disagreed)."""
+    from paged_helpers import page_tables, write_tokens
+
+    shared = tokens_for(80, BLOCK)
+    toks = [shared + tokens_for(81, 2 * BLOCK), shared + tokens_for(82, BLOCK)]
+    tables = page_tables([3 * BLOCK, 2 * BLOCK], 16, 24, seed=6)
+    pages, _ = _paged()
+    for kv, ids in zip([make_kv(3 * BLOCK, 80), make_kv(2 * BLOCK, 81)], tables):
+        write_tokens(pages, kv, ids)
+    with _remote(srv, namespace="backlog", max_pending_bytes=1) as cache:
+        results = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages,
+                                     wait=False).result(timeout=60)
+        assert [(r.stored, r.failed) for r in results] == [(0, 3), (0, 2)]
+        assert all("max_pending_bytes" in r.errors["backlog"] for r in results)
+        assert cache.client_stats()["dropped_blocks"] == 5
