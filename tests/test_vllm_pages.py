@@ -659,6 +659,22 @@ def test_a_load_between_steps_that_finds_nothing_answers_the_resting_guards_prob
         close_cache(config, cache)
 
 
+def test_a_load_between_steps_that_cannot_be_planned_is_a_failed_load_not_vllms_error():
+    """A load whose page table cannot be made (fewer blocks than its tokens need) raised out
+    of ``start_load_kv`` into vLLM, and was never reported finished (vLLM held the request
+    and its blocks for good). It is a failed load, reported with its blocks."""
+    config = ConnectorConfig.from_extra({"codec": "raw", "url": "http://127.0.0.1:9", "block_tokens": 32})
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    side = WorkerSide(open_cache(config, layout, "m", cs.Shard()), guard=StoreGuard(config, "worker"),
+                      background_loads=True)
+    side.register(VllmPages([torch.zeros(16, H, 16, 2 * D) for _ in range(L)], PageFormat("channel", D, 16, 16)))
+    side.start_step(StepPlan(background_loads=[LoadSpec("short", list(range(96)), [1, 2, 3], start=0)]))
+    side.close()  # (waits for the loader)
+    assert side.take_loaded() == {"short"} and side.take_failed_blocks() == {1, 2, 3}
+    assert side.stats.load_failures == 1
+    close_cache(config, side.cache)
+
+
 def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
     import socket
 

@@ -273,16 +273,16 @@ class WorkerSide:
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-load")
-        requests = self._requests(specs, pages)
-        self._loading.append((specs, self._loader.submit(self._load_between_steps, specs, requests, pages)))
+        self._loading.append((specs, self._loader.submit(self._load_between_steps, specs, pages)))
 
-    def _load_between_steps(self, specs: list[LoadSpec], requests: list[PagedRequest], pages: VllmPages
+    def _load_between_steps(self, specs: list[LoadSpec], pages: VllmPages
                             ) -> tuple[list[int], BaseException | None, float]:
         """On the loader thread: the loads' ends (as ``load``'s), the error, if any, and
         the seconds. On a GPU the decodes run on a stream of this thread's, waited for here:
         what is reported finished is in its pages."""
         t0 = time.perf_counter()
         try:
+            requests = self._requests(specs, pages)  # (raising here too is a failed load, never vLLM's error)
             if pages.device.type == "cuda":
                 stream = work_stream("load_between_steps", pages.device)
                 with on_stream(stream):
