@@ -607,8 +607,16 @@ def test_a_load_between_steps_returns_at_once_and_is_reported_when_its_pages_are
         for layer, ((k, v), (wk, wv)) in enumerate(zip(got, want)):
             assert torch.equal(k[:, 32:], wk[:, 32:]) and torch.equal(v[:, 32:], wv[:, 32:]), layer
             assert not k[:, :32].any()  # before `start`: vLLM's own, not written
+        # A load stuck on a stopped server: close waits its timeout, not the client's (30 s).
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            side.start_step(StepPlan(background_loads=[LoadSpec("stuck", tokens, [1, 2, 3, 4, 5, 6], start=0)]))
+            t0 = time.monotonic()
+            side.close(timeout=0.5)
+            assert time.monotonic() - t0 < 5
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
         close_cache(config, cache)
-        side.close()
     # The server gone: reported done, every block of the load failed, in the same pass.
     side = WorkerSide(open_cache(config, layout, "m", cs.Shard()), guard=StoreGuard(config, "worker"),
                       background_loads=True)

@@ -48,6 +48,8 @@ log = logging.getLogger("cacheseek.vllm")
 HIT_SOURCE_OF_TIER = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 # executors that run the worker in the scheduler's process, as an embedded cache needs
 SAME_PROCESS_EXECUTORS = (None, "uni", "external_launcher")
+# How long shutdown waits for loads between steps still running (pages being written) before it goes on.
+SHUTDOWN_LOAD_SECONDS = 10.0
 
 # attention backend -> how its pages hold K and V (see pages.py)
 KV_SPLIT_OF_BACKEND = {"CPU_ATTN": "token", "FLASH_ATTN": "channel", "TRITON_ATTN": "channel"}
@@ -225,7 +227,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.end_load()
             self._worker.end_save()
-            self._worker.close()
+            self._worker.close(timeout=SHUTDOWN_LOAD_SECONDS)
         if self._scheduler is not None:
             self._scheduler.close()
         for cache in self._caches:

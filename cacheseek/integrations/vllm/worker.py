@@ -58,7 +58,7 @@ blocks being loaded).
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,10 +318,15 @@ class WorkerSide:
         self._loading = waiting
         return done
 
-    def close(self) -> None:
-        """Wait for the loads between steps still running (their pages are being written)."""
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for the loads between steps still running (their pages are being written),
+        ``timeout`` seconds at most (None: for good): a load stuck on a hung server is bounded
+        only by the client's timeouts, up to its exchange timeout for one that trickles
+        bytes, and an engine shutting down should not wait that long."""
+        if self._loader is None:
+            return
+        wait([future for _, future in self._loading], timeout=timeout)
+        self._loader.shutdown(wait=False, cancel_futures=True)
 
     # -- one step's calls --------------------------------------------------------------
 
