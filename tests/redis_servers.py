@@ -169,12 +169,14 @@ class ReplyLosingProxy:
     """A loopback TCP proxy in front of a Redis. Once ``arm(marker)`` is called, the first
     request that carries ``marker`` is passed on, and its reply is lost: the client reads an
     end of stream once Redis has had time to run it, as after a connection lost once the
-    server acted. Every other byte is passed on as it comes."""
+    server acted (``deliver=False``: the request never reaches Redis, as after a connection
+    lost before it did). Every other byte is passed on as it comes."""
 
     def __init__(self, target_port: int, *, settle_seconds: float = 0.2):
         self.target_port = target_port
         self.settle_seconds = settle_seconds
         self.marker: bytes | None = None
+        self.deliver = True
         self.lost = 0
         self._listener = socket.socket()
         self._listener.bind(("127.0.0.1", 0))
@@ -189,9 +191,9 @@ class ReplyLosingProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}"
 
-    def arm(self, marker: bytes) -> None:
+    def arm(self, marker: bytes, *, deliver: bool = True) -> None:
         with self._lock:
-            self.marker = marker
+            self.marker, self.deliver = marker, deliver
 
     def _accept(self) -> None:
         while not self._closed:
@@ -224,6 +226,8 @@ class ReplyLosingProxy:
                         # still reaches Redis, which runs it; then the client reads an end
                         # of stream (a connection error).
                         state["deaf"] = True
+                        if not self.deliver:
+                            break  # (the connection closes: Redis never sees the request)
                         threading.Timer(self.settle_seconds, _end_stream, args=(src,)).start()
                 dst.sendall(data)
         except OSError:

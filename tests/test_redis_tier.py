@@ -1781,6 +1781,35 @@ def test_a_put_that_fails_after_its_script_still_gives_what_a_lapsed_lease_let_g
         proxy.close()
 
 
+def test_a_touch_that_loses_its_expiry_round_trip_owes_the_released_frames_their_expiry(redis_url, server):
+    """A touch's script let go of a lapsed owner's pin and listed the block; the round trip
+    that gives its frame its expiry back was lost on its way (the connection lost). Nothing else
+    listed the block: its frame kept no expiry, unpinned, until the TTL prune. It is owed
+    now, and given back by the next call that finds Redis answering."""
+    proxy = ReplyLosingProxy(server.port)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace="owed-expiry")
+    other = RedisTier(redis_url, 64 << 20)
+    (held, fh), (used, fu) = _frame(172), _frame(173)
+    r = other._connection()
+    try:
+        tier.put_many([(held, fh), (used, fu)])
+        _pin_as(tier, [held], "gone", 0.3)
+        assert int(r.pttl(tier.keys_of.frame(held))) == -1
+        time.sleep(0.6)
+        name = tier.keys_of.frame(held).encode()
+        # (the round trip giving the expiry back: lost on its way, never run)
+        proxy.arm(b"PEXPIRE\r\n$%d\r\n%s" % (len(name), name), deliver=False)
+        tier.touch([used])  # its script lets go of the lapsed pin
+        assert proxy.lost == 1 and not r.sismember(tier.keys_of.pinned, RedisKeys.member(held))
+        assert int(r.pttl(tier.keys_of.frame(held))) == -1
+        tier.stats()  # Redis answers again: what was owed is given back
+        assert int(r.pttl(tier.keys_of.frame(held))) > 50_000 and not tier._owed_expiries
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()
+
+
 def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):
     """Each call evicts down to its caller's budget, so the smallest in use wins; a touch,
     a pin, an unpin or a lease renewal that evicted dropped the victims' entries and left

@@ -173,6 +173,10 @@ class RedisTier(Tier):
         # connection lost between a script and its deletes): member -> (generation, when owed).
         # Left undone, such a frame stays stored and uncounted (an orphan, outside the budget).
         self._owed_drops: dict[str, tuple[int, float]] = {}
+        # Blocks a call released (a lapsed lease's, an unpin's) whose frames' expiry could not
+        # be given back then (the connection lost after the script ran): given back later, or
+        # they would keep none, unpinned, until the TTL prune.
+        self._owed_expiries: set[bytes] = set()
         # Puts' script calls whose reply a fault kept from us (Redis may have run them, and
         # evicted): call id -> when owed. Their replies are kept in Redis for a while; the
         # next call that reaches it asks for them, and deletes their victims.
@@ -261,6 +265,7 @@ class RedisTier(Tier):
                 self._pay_owed_unpins()  # (Redis answers again: what an outage left owed)
                 self._pay_owed_replies()
                 self._pay_owed_drops()
+                self._pay_owed_expiries()
         with self._lock:
             self._stats.write_errors += sum(1 for r in batch.results if r.error is not None)
         return batch.results
@@ -886,9 +891,28 @@ class RedisTier(Tier):
             with self._lock:
                 self._pinned.difference_update(released)
             if self._ttl_ms is not None:
-                held = [key for m in self._restart_expiry(client, released) if (key := RedisKeys.key(m)) is not None]
+                try:
+                    restarted = self._restart_expiry(client, released)
+                except Exception:
+                    with self._lock:
+                        self._owed_expiries.update(released)
+                    raise
+                held = [key for m in restarted if (key := RedisKeys.key(m)) is not None]
                 with self._lock:
                     self._pinned.update(held)
+
+    def _pay_owed_expiries(self) -> None:
+        """Give back the expiry owed to released blocks' frames (see ``_owed_expiries``)."""
+        if not self._owed_expiries:
+            return
+        with self._lock:
+            owed, self._owed_expiries = list(self._owed_expiries), set()
+        try:
+            self._run(lambda c: self._unpinned(c, [RedisKeys.member(k) for k in owed]))
+        except RedisUnavailable:
+            pass  # (still owed: _unpinned put them back)
+        except StorageError:
+            pass  # (Redis refused them: counted; sending them again would not help)
 
     def _pin_again(self, client: Any) -> None:
         """Send this process's pins again: its lease ran out (it was cut off from Redis for
@@ -978,6 +1002,7 @@ class RedisTier(Tier):
             self._pay_owed_unpins()  # (first, so the figures below count what it gives back)
             self._pay_owed_replies()
             self._pay_owed_drops()
+            self._pay_owed_expiries()
             self._run(refresh)
             stale = False
         except StorageError:
