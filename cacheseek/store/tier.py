@@ -269,6 +269,10 @@ class Tier(ABC):
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None
 
+    def charge(self, nbytes: int) -> int:
+        """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
+        return nbytes
+
     def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
         """Whether a chain's block whose parent is ``parent`` may be promoted into this tier
         (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
@@ -375,7 +379,7 @@ class IndexedTier(Tier):
         with self._lock:
             if parent not in self._index:
                 return False
-            return self._index.used_bytes + self._charge(nbytes) <= self.capacity_bytes or \
+            return self._index.used_bytes + self.charge(nbytes) <= self.capacity_bytes or \
                 self._index.victim() != parent
 
     def watch(self, observer: Any) -> None:
@@ -402,10 +406,6 @@ class IndexedTier(Tier):
         first = next(r for (key, _), r in zip(items, results) if key in new)
         while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
             first.evicted += self._evict_one()
-
-    def _charge(self, nbytes: int) -> int:
-        """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
-        return nbytes
 
     def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
         """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being
