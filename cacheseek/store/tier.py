@@ -131,7 +131,10 @@ class TierStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         extra = out.pop("extra")
-        out["compression_ratio"] = self.raw_bytes / self.used_bytes if self.used_bytes else None
+        # The codec's ratio, over encoded bytes: a tier whose budget counts more than its frames
+        # (the disk's whole file-system blocks) reports theirs as ``frame_bytes``.
+        encoded = self.extra.get("frame_bytes", self.used_bytes)
+        out["compression_ratio"] = self.raw_bytes / encoded if encoded else None
         out["read_gbps"] = self.bytes_out / self.read_seconds / 1e9 if self.read_seconds > 0 else None
         out.update(extra)
         return out
