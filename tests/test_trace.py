@@ -867,6 +867,21 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     assert "give a CPU or a disk budget" not in err and not (tmp_path / "rows.json").exists()
 
 
+def test_plan_says_what_a_disk_budget_needs_to_hold_a_block(tmp_path, capsys):
+    """A disk budget of one frame's bytes holds no block: the disk counts its sidecar and
+    whole file-system blocks. The message asked for the frame's bytes, which were given."""
+    from cacheseek.store.disk import DEFAULT_ALLOC_UNIT, block_charge
+    from cacheseek.trace.plan import codec_of, layout_of
+    from cacheseek.trace.replay import frame_nbytes
+
+    nbytes = frame_nbytes(layout_of("llama-3-8b"), codec_of("raw"), 512)
+    assert _plan_main(tmp_path, "--cpu-bytes", "0", "--disk-bytes", str(nbytes)) == 2
+    err = capsys.readouterr().err
+    assert f"disk_bytes {nbytes})" in err and "0 blocks of a" in err
+    assert f"disk_bytes at least {block_charge(nbytes, DEFAULT_ALLOC_UNIT)}" in err
+    assert not (tmp_path / "rows.json").exists()
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--codec", ""], "--codec: give at least one codec, got ''"),
     (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),
