@@ -508,6 +508,21 @@ def test_overlapping_pins_keep_their_shared_head(tmp_path):
         store.pin(head[-1][0], ttl_seconds=-1)
 
 
+def test_a_disk_tiers_compression_ratio_is_over_its_frames_bytes(tmp_path):
+    """The ratio is the codec's (raw over encoded bytes), the same for the same blocks in
+    every tier: over the disk tier's used_bytes (whole file-system blocks, sidecars too), it
+    read a quarter lower there for 32 KiB frames."""
+    store = TieredStore([CpuTier(4 * FRAME), DiskTier(tmp_path / "d", 20 * DISK_FRAME, fsync=False)],
+                        write_through=["disk"])
+    try:
+        store.put_many(frames(1, 3))
+        cpu, disk = store.stats()["tiers"]
+        assert disk["compression_ratio"] == pytest.approx(disk["raw_bytes"] / disk["frame_bytes"])
+        assert disk["compression_ratio"] == pytest.approx(cpu["compression_ratio"])
+    finally:
+        store.close()
+
+
 def test_store_wide_figures_count_a_block_held_twice_once(tmp_path):
     store = TieredStore([CpuTier(4 * FRAME), DiskTier(tmp_path / "d", 20 * DISK_FRAME, fsync=False)],
                         write_through=["disk"])

@@ -937,7 +937,7 @@ def test_puts_and_deletes_of_one_block_racing_never_hang_the_disk_tier(tmp_path)
     tier.put(key, BlockFrame(meta, host=memoryview(frame)))
     assert bytes(tier.get(key).to_bytes()) == bytes(frame)
     stats = tier.stats()
-    assert (stats.blocks, stats.to_dict()["frame_bytes"], stats.used_bytes) == (1, len(frame), tier._charge(len(frame)))
+    assert (stats.blocks, stats.to_dict()["frame_bytes"], stats.used_bytes) == (1, len(frame), tier.charge(len(frame)))
     tier.close()
 
 

@@ -627,6 +627,35 @@ def test_disk_admits_a_block_only_once_it_is_used_twice(tmp_path):
         store.close()
 
 
+def test_disk_admission_counts_fade_over_ten_times_the_blocks_the_disk_holds(tmp_path):
+    """TinyLFU's window is ten times the blocks the tier holds: counted by its budget over
+    frame bytes, a disk tier whose blocks are charged whole file-system blocks (the replay's
+    small stand-in frames: 384 bytes, 8 KiB on disk) had its counts halved 21 times too
+    seldom, and admitted blocks whose uses had long faded."""
+    frames = StandInFrames(512)
+    store = build_store(ReplaySpec(cpu_blocks=2, disk_blocks=10, disk_admit_after_uses=2, policy="lru"), frames.nbytes,
+                        str(tmp_path / "disk"))
+    try:
+        keys = [key_of(i) for i in range(5)]
+
+        def put(i):
+            store.put_many([(keys[i], frames.frame(keys[i], b"\xff" * 16, 0))])
+
+        disk = store.tier("disk")
+        put(0)
+        store.touch_chain([keys[0]])
+        put(1)
+        put(2)  # keys[0], used twice, handed down: admitted (the filter's window set)
+        assert disk.contains(keys[0])
+        store.touch_chain([keys[1]])  # used twice
+        store.touch_chain([key_of(100 + i) for i in range(150)])  # more than 10 x 10 uses: counts halved
+        put(3)
+        put(4)  # keys[1] handed down, its count faded to one use
+        assert not disk.contains(keys[1])
+    finally:
+        store.close()
+
+
 @needs_redis
 def test_disk_admission_holds_back_only_the_disks_writes(tmp_path):
     """A tier below the disk that is written through (Redis, the default write-through and
@@ -836,6 +865,21 @@ def test_plan_says_a_budget_smaller_than_one_frame_holds_no_block(tmp_path, caps
     err = capsys.readouterr().err
     assert "cpu_bytes 1048576" in err and "0 blocks of a" in err and "raw frame" in err
     assert "give a CPU or a disk budget" not in err and not (tmp_path / "rows.json").exists()
+
+
+def test_plan_says_what_a_disk_budget_needs_to_hold_a_block(tmp_path, capsys):
+    """A disk budget of one frame's bytes holds no block: the disk counts its sidecar and
+    whole file-system blocks. The message asked for the frame's bytes, which were given."""
+    from cacheseek.store.disk import DEFAULT_ALLOC_UNIT, block_charge
+    from cacheseek.trace.plan import codec_of, layout_of
+    from cacheseek.trace.replay import frame_nbytes
+
+    nbytes = frame_nbytes(layout_of("llama-3-8b"), codec_of("raw"), 512)
+    assert _plan_main(tmp_path, "--cpu-bytes", "0", "--disk-bytes", str(nbytes)) == 2
+    err = capsys.readouterr().err
+    assert f"disk_bytes {nbytes})" in err and "0 blocks of a" in err
+    assert f"disk_bytes at least {block_charge(nbytes, DEFAULT_ALLOC_UNIT)}" in err
+    assert not (tmp_path / "rows.json").exists()
 
 
 @pytest.mark.parametrize("flags, says", [

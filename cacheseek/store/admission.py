@@ -5,13 +5,15 @@ SSD writes on blocks that are never used again).
 Counts are kept TinyLFU-style (Einziger et al., 2017): every count is halved once
 ``window`` uses have been counted since the last halving, so old popularity fades and the
 table stays bounded (about ``window`` keys). ``window`` is ten times the number of blocks
-the filtered tier holds, TinyLFU's sample size; it is set from the first frame's size.
+the filtered tier holds, TinyLFU's sample size; it is set from the first frame's size, as
+the tier's budget counts it (``Tier.charge``: a disk tier's blocks take whole file-system
+blocks).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 SAMPLE_FACTOR = 10  # TinyLFU: sample size W = 10 x the cache's entries
 
@@ -19,9 +21,10 @@ SAMPLE_FACTOR = 10  # TinyLFU: sample size W = 10 x the cache's entries
 class UseFilter:
     """Counts uses per block hash; thread-safe (the store's callers may be many threads)."""
 
-    def __init__(self, threshold: int, capacity_bytes: int) -> None:
+    def __init__(self, threshold: int, capacity_bytes: int, charge: Callable[[int], int] = lambda n: n) -> None:
         self.threshold = threshold
         self.capacity_bytes = capacity_bytes
+        self.charge = charge  # the bytes the tier's budget counts for a frame of n bytes
         self.window = 0  # set by the first frame's size
         self._counts: dict[bytes, int] = {}
         self._since_halving = 0
@@ -31,7 +34,7 @@ class UseFilter:
 
     def size_from(self, frame_nbytes: int) -> None:
         if not self.window and frame_nbytes > 0:
-            self.window = SAMPLE_FACTOR * max(1, self.capacity_bytes // frame_nbytes)
+            self.window = SAMPLE_FACTOR * max(1, self.capacity_bytes // self.charge(frame_nbytes))
 
     def use(self, keys: Iterable[bytes]) -> None:
         with self._lock:

@@ -67,7 +67,7 @@ the headroom does not cover (the directories, other writers) a write finds out: 
 the budget comes down to what is held and the write goes again, evicting; a budget below
 ``disk_bytes`` is fitted to the filesystem again every ``REFIT_SECONDS``.
 
-The budget counts what a block takes on the filesystem (``_charge``): its frame and its
+The budget counts what a block takes on the filesystem (``charge``): its frame and its
 sidecar, each rounded up to the filesystem's allocation unit, not its frame bytes alone
 (a quarter more for 32 KiB frames). Writes, evictions, pins, the rebuild at start and the
 fit to the filesystem all count the same charge; ``frame_bytes`` in the stats is the
@@ -150,7 +150,7 @@ class _InFlight:
 
     done: threading.Event = field(default_factory=threading.Event)
     error: StorageError | None = None
-    nbytes: int = 0  # its charge (``DiskTier._charge``), counted as in flight
+    nbytes: int = 0  # its charge (``DiskTier.charge``), counted as in flight
     pinned_nbytes: int = 0  # its bytes, while the block is pinned (before it arrived, or since)
 
 
@@ -268,14 +268,14 @@ class DiskTier(IndexedTier):
         self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
         self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
 
-    def _charge(self, nbytes: int) -> int:
+    def charge(self, nbytes: int) -> int:
         """What the budget counts for a block of an ``nbytes`` frame (``block_charge``).
         Counted by frame bytes alone, a directory of 32 KiB frames held a quarter more than
         ``disk_bytes``."""
         return block_charge(nbytes, self.alloc_unit)
 
     def _too_large(self, nbytes: int) -> StorageError:
-        return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self._charge(nbytes)} bytes on disk, with its "
+        return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self.charge(nbytes)} bytes on disk, with its "
                             f"sidecar) exceeds the budget ({self.capacity_bytes})")
 
     def close(self) -> None:
@@ -294,7 +294,7 @@ class DiskTier(IndexedTier):
 
     def _refit(self, *, at_start: bool = False, full: bool = False) -> None:
         """The budget fitted to the filesystem: the bytes held (and in flight, both as charged:
-        ``_charge``) plus its free space less a headroom, at most ``disk_bytes``. ``full``: a
+        ``charge``) plus its free space less a headroom, at most ``disk_bytes``. ``full``: a
         write just found no room (other writers, the directories: what the headroom did not
         cover), so the budget is what is held now, and the write that goes again evicts for
         its room.
@@ -622,7 +622,7 @@ class DiskTier(IndexedTier):
             if frame_name not in names or names[frame_name].stat().st_size != side["nbytes"]:
                 return None
             info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"],
-                             charged_nbytes=self._charge(side["nbytes"]))
+                             charged_nbytes=self.charge(side["nbytes"]))
             return path.stat().st_mtime, key, info
         except Exception:  # whatever is wrong with one file, the tier starts without it
             return None
@@ -660,7 +660,7 @@ class DiskTier(IndexedTier):
         """``put``, once; victims go into ``evicted`` (also when it raises)."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
-        n = self._charge(meta.nbytes)
+        n = self.charge(meta.nbytes)
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)
@@ -785,7 +785,7 @@ class DiskTier(IndexedTier):
         committed (``held`` bytes) are in the way."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
-        n = self._charge(meta.nbytes)
+        n = self.charge(meta.nbytes)
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)

@@ -131,7 +131,10 @@ class TierStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         extra = out.pop("extra")
-        out["compression_ratio"] = self.raw_bytes / self.used_bytes if self.used_bytes else None
+        # The codec's ratio, over encoded bytes: a tier whose budget counts more than its frames
+        # (the disk's whole file-system blocks) reports theirs as ``frame_bytes``.
+        encoded = self.extra.get("frame_bytes", self.used_bytes)
+        out["compression_ratio"] = self.raw_bytes / encoded if encoded else None
         out["read_gbps"] = self.bytes_out / self.read_seconds / 1e9 if self.read_seconds > 0 else None
         out.update(extra)
         return out
@@ -269,6 +272,10 @@ class Tier(ABC):
     def contains(self, key: bytes) -> bool:
         return self.info(key) is not None
 
+    def charge(self, nbytes: int) -> int:
+        """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
+        return nbytes
+
     def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
         """Whether a chain's block whose parent is ``parent`` may be promoted into this tier
         (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
@@ -375,7 +382,7 @@ class IndexedTier(Tier):
         with self._lock:
             if parent not in self._index:
                 return False
-            return self._index.used_bytes + self._charge(nbytes) <= self.capacity_bytes or \
+            return self._index.used_bytes + self.charge(nbytes) <= self.capacity_bytes or \
                 self._index.victim() != parent
 
     def watch(self, observer: Any) -> None:
@@ -402,10 +409,6 @@ class IndexedTier(Tier):
         first = next(r for (key, _), r in zip(items, results) if key in new)
         while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
             first.evicted += self._evict_one()
-
-    def _charge(self, nbytes: int) -> int:
-        """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
-        return nbytes
 
     def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
         """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being

@@ -114,7 +114,8 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_through = write_through
         self.promote_on_hit = promote_on_hit
-        self.filters = {t.name: UseFilter(admit_after[t.name], t.capacity_bytes) for t in self.tiers if t.name in admit_after}
+        self.filters = {t.name: UseFilter(admit_after[t.name], t.capacity_bytes, t.charge)
+                        for t in self.tiers if t.name in admit_after}
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
             tier.demote_evicted = below is not None and (below.name not in write_through or below.name in self.filters)

@@ -109,11 +109,13 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     # Every budget is checked before the first replay, so a bad one costs no replay time.
     nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
     for codec_name, nbytes in nbytes_of.items():
+        charge = block_charge(nbytes, DEFAULT_ALLOC_UNIT)
         for cpu in cpu_bytes:
-            if cpu // nbytes + disk_bytes // block_charge(nbytes, DEFAULT_ALLOC_UNIT) == 0:
+            if cpu // nbytes + disk_bytes // charge == 0:
                 raise ConfigError(
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
-                    f"({block_tokens} tokens a block); give at least {nbytes} bytes")
+                    f"({block_tokens} tokens a block); give cpu_bytes at least {nbytes} or disk_bytes at least "
+                    f"{charge} (the frame and its sidecar in whole 4 KiB file-system blocks)")
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
     stand_in = StandInFrames(block_tokens).nbytes
