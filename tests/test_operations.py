@@ -592,14 +592,19 @@ def test_the_recovery_time_reported_is_the_disk_index_rebuild(tmp_path):
             batch.append((meta.block_hash, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes(512)] * 2)))))
         tier.put_many(batch)
     tier.close()
-    start = time.perf_counter()
-    DiskTier(disk, 1 << 30).close()
-    rebuild = time.perf_counter() - start
+    rebuilds = []
+    for _ in range(2):  # (the faster of two: the server's own open finds the directory cached)
+        start = time.perf_counter()
+        DiskTier(disk, 1 << 30).close()
+        rebuilds.append(time.perf_counter() - start)
+    rebuild = min(rebuilds)
     with Server(tmp_path) as s, httpx.Client(base_url=s.url) as c:
         m = samples(c)
         assert value(m, "cacheseek_tier_recovered_blocks", tier="disk") == 3000
         reported = value(m, "cacheseek_recovery_duration_seconds")
-        assert reported >= rebuild / 4, (reported, rebuild)
+        # The rebuild's time, not the app's hand-over (~0): within a wide margin, as both
+        # run on cores other tests share (a cold first open measured 0.64 s beside 0.15 s).
+        assert reported >= rebuild / 10, (reported, rebuilds)
         said = float(re.search(r"store open in ([0-9.]+) s", s.output()).group(1))
         assert abs(said - reported) < 0.01, (said, reported)
 
