@@ -194,7 +194,8 @@ class RemoteCache(PrefixCacheBase):
         blocks of 16) is looked up in pieces, in order, each only if the one before it
         matched whole (a write's lookup asks every piece). ``max_pending_bytes``: the most
         bytes of frames that ``wait=False`` ingests hold in host memory, queued or being
-        sent (``cacheseek.write_behind``); a write that would pass it is dropped."""
+        sent (``cacheseek.write_behind``); a write that would pass it is dropped. Their
+        buffers are kept for reuse up to that size (page-locked where CUDA is present)."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -653,6 +654,9 @@ class RemoteCache(PrefixCacheBase):
         """Send the ``wait=False`` ingests still queued, then close the connections. Every
         call but ``client_stats`` then raises ``RuntimeError``."""
         self._behind.close()
+        # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
+        # write comes after close, and the process may hold this object long after.
+        self._host_buffers = BufferPool(keep_bytes=0)
         self._closed = True
         self._http.close()
 
