@@ -368,7 +368,6 @@ class RemoteCache(PrefixCacheBase):
         hashes, parents, positions = call.flat()
         if not hashes:
             return
-        every = [(r, b) for r, h in enumerate(call.hashes) for b in range(len(h))]
         found = self._write_lookup(hashes)
         for result in results:
             result.durability = found.get("durability", result.durability)
@@ -376,24 +375,24 @@ class RemoteCache(PrefixCacheBase):
         keep = [i for i, p in enumerate(present) if not p]
         if not keep:
             return
-        hashes, frames = self._encode_rows(call, [every[i] for i in keep], hashes, parents, positions)
+        hashes, frames = self._encode_rows(call, keep, hashes, parents, positions)
         frames.reverse()  # tail first, as ingest sends them
         rows = range(len(frames) - 1, -1, -1)
         for row, report in zip(rows, self._post_frames(frames)):
             _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
 
-    def _encode_rows(self, call: paged_io.PagedCall, rows: list[tuple[int, int]], hashes: list[BlockHash],
+    def _encode_rows(self, call: paged_io.PagedCall, keep: list[int], hashes: list[BlockHash],
                      parents: list[bytes], positions: list[int]) -> tuple[list[BlockHash], list[BlockFrame]]:
-        """The frames of ``rows`` (request, block) of the call, encoded from its pages, and
-        their hashes; every block is encoded before any is returned, so a bad one (NaN, Inf)
-        sends nothing. The call's rows become ``rows``."""
-        index = {row: i for i, row in enumerate(call.every_row())}
-        picked = [index[row] for row in rows]
-        call.use_rows(rows)
-        hashes, parents, positions = ([x[i] for i in picked] for x in (hashes, parents, positions))
+        """The frames of the blocks ``keep`` names (indices in ``call.flat()`` order, whose
+        ``hashes``, ``parents`` and ``positions`` are given), encoded from the call's pages,
+        and their hashes; every block is encoded before any is returned, so a bad one (NaN,
+        Inf) sends nothing. The call's rows become those blocks."""
+        every = call.every_row()
+        call.use_rows([every[i] for i in keep])
+        hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
         frames: list[BlockFrame] = []
         for _, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
-                                                 [True] * len(rows), self._batch_blocks):
+                                                 [True] * len(keep), self._batch_blocks):
             frames += batch
         return hashes, frames
 
@@ -403,12 +402,12 @@ class RemoteCache(PrefixCacheBase):
         """``ingest_batch(wait=False)``: a block twice in the call is encoded once (its later
         requests count the one write's outcome), every other encoded, none looked up first."""
         results = self._results(call)
+        hashes, parents, positions = call.flat()
+        again, copies = paged_io.count_found(call, [False] * len(hashes), results)
+        keep = [i for i, seen in enumerate(again) if not seen]
         every = call.every_row()
-        again, copies = paged_io.count_found(call, [False] * len(every), results)
-        rows = [row for row, seen in zip(every, again) if not seen]
-        flat = call.flat()
-        return self._write_behind(results, [call.hashes[r][b] for r, b in rows], [r for r, _ in rows], copies,
-                                  lambda: self._encode_rows(call, rows, *flat)[1], single=single)
+        return self._write_behind(results, [hashes[i] for i in keep], [every[i][0] for i in keep], copies,
+                                  lambda: self._encode_rows(call, keep, hashes, parents, positions)[1], single=single)
 
     def _write_behind(self, results: list[IngestResult], hashes: list[BlockHash], owners: list[int],
                       copies: dict[bytes, list[IngestResult]], encode: Callable[[], list[BlockFrame]], *,

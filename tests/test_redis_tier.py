@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -1752,33 +1753,42 @@ def test_every_call_that_meets_a_lapsed_lease_gives_its_frames_their_expiry_back
         tier.close()
 
 
+@contextlib.contextmanager
+def _held_by_a_lapsed_pin(server, redis_url, namespace, frames):
+    """A tier behind a ``ReplyLosingProxy`` (TTL 60 s, no client retry) holding ``frames``,
+    the first of them pinned by another owner whose lease has just run out: the next script
+    call lets go of that pin. Yields (the proxy, the tier, a direct connection). A namespace
+    of its own, so that no other test's tier renewing a lease lets go of the pin first."""
+    proxy = ReplyLosingProxy(server.port)
+    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace=namespace)
+    other = RedisTier(redis_url, 64 << 20)
+    r = other._connection()
+    try:
+        tier.put_many(frames)
+        _pin_as(tier, [frames[0][0]], "gone", 0.3)
+        assert int(r.pttl(tier.keys_of.frame(frames[0][0]))) == -1
+        time.sleep(0.6)
+        yield proxy, tier, r
+    finally:
+        tier.close()
+        other.close()
+        proxy.close()
+
+
 def test_a_put_that_fails_after_its_script_still_gives_what_a_lapsed_lease_let_go_its_expiry(redis_url, server):
     """A put's script call drops the pins of owners whose lease ran out and lists the blocks
     no owner pins any more; their frames got their expiry back only after the put's SETs.
     With those failing (the connection lost), nothing else listed them: their frames kept
     no expiry, unpinned, until the TTL prune dropped their entries. They are settled before
     the SETs now."""
-    proxy = ReplyLosingProxy(server.port)
-    # (a namespace of its own: no other test's tier renewing a lease lets go of the pin first)
-    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace="settle")
-    other = RedisTier(redis_url, 64 << 20)
     (held, fh), (new, fn) = _frame(170), _frame(171)
-    r = other._connection()
-    try:
-        tier.put(held, fh)
-        _pin_as(tier, [held], "gone", 0.3)
-        assert int(r.pttl(tier.keys_of.frame(held))) == -1
-        time.sleep(0.6)
+    with _held_by_a_lapsed_pin(server, redis_url, "settle", [(held, fh)]) as (proxy, tier, r):
         name = tier.keys_of.frame(new).encode()
         proxy.arm(b"SET\r\n$%d\r\n%s" % (len(name), name))  # (the SETs' round trip: its reply lost)
         assert tier.put_many([(new, fn)])[0].error is not None
         assert proxy.lost == 1 and not tier._owed_replies  # (the script's reply came back)
         assert not r.sismember(tier.keys_of.pinned, RedisKeys.member(held))
         assert int(r.pttl(tier.keys_of.frame(held))) > 50_000
-    finally:
-        tier.close()
-        other.close()
-        proxy.close()
 
 
 def test_a_touch_that_loses_its_expiry_round_trip_owes_the_released_frames_their_expiry(redis_url, server):
@@ -1786,16 +1796,8 @@ def test_a_touch_that_loses_its_expiry_round_trip_owes_the_released_frames_their
     that gives its frame its expiry back was lost on its way (the connection lost). Nothing else
     listed the block: its frame kept no expiry, unpinned, until the TTL prune. It is owed
     now, and given back by the next call that finds Redis answering."""
-    proxy = ReplyLosingProxy(server.port)
-    tier = RedisTier(proxy.url, 64 << 20, ttl_seconds=60, client_retries=0, namespace="owed-expiry")
-    other = RedisTier(redis_url, 64 << 20)
     (held, fh), (used, fu) = _frame(172), _frame(173)
-    r = other._connection()
-    try:
-        tier.put_many([(held, fh), (used, fu)])
-        _pin_as(tier, [held], "gone", 0.3)
-        assert int(r.pttl(tier.keys_of.frame(held))) == -1
-        time.sleep(0.6)
+    with _held_by_a_lapsed_pin(server, redis_url, "owed-expiry", [(held, fh), (used, fu)]) as (proxy, tier, r):
         name = tier.keys_of.frame(held).encode()
         # (the round trip giving the expiry back: lost on its way, never run)
         proxy.arm(b"PEXPIRE\r\n$%d\r\n%s" % (len(name), name), deliver=False)
@@ -1804,10 +1806,6 @@ def test_a_touch_that_loses_its_expiry_round_trip_owes_the_released_frames_their
         assert int(r.pttl(tier.keys_of.frame(held))) == -1
         tier.stats()  # Redis answers again: what was owed is given back
         assert int(r.pttl(tier.keys_of.frame(held))) > 50_000 and not tier._owed_expiries
-    finally:
-        tier.close()
-        other.close()
-        proxy.close()
 
 
 def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(redis_url):

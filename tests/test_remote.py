@@ -705,24 +705,32 @@ def test_the_paged_layerwise_writer_refuses_bad_requests_when_it_is_made_as_embe
 # -- answers that are not the server's, and blocks gone mid-call ---------------------------------
 
 
+def _evict_the_last_block_before_the_first_get(cache, srv, toks, monkeypatch, namespace=""):
+    """Make the chain of ``toks`` lose its last block (a DELETE) after the lookup, before
+    the first GET of its prefix: the eviction race. Returns the chain length each GET asked."""
+    hashes = cache.block_hashes(toks)
+    stream = cache._stream_chain
+    gets: list[int] = []
+    headers = {"authorization": "Bearer w", **({"x-cacheseek-namespace": namespace} if namespace else {})}
+
+    def evicted_first(chain, start=0):
+        if not gets:
+            r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers=headers)
+            assert r.status_code == 204
+        gets.append(len(chain))
+        return stream(chain, start)
+
+    monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+    return gets
+
+
 def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(srv, monkeypatch):
     """The server answers 404 for a chain missing any block: the client looks the chain up
     again and fetches what is left, as the embedded cache would return it."""
     toks, kv = tokens_for(31, 6 * BLOCK), make_kv(6 * BLOCK, 31)
     with _remote(srv, cs.Raw()) as cache:
         assert cache.ingest(toks, kv).stored == 6
-        hashes = cache.block_hashes(toks)
-        stream = cache._stream_chain
-        gets = []
-
-        def evicted_first(chain, start=0):
-            if not gets:  # after the lookup, before the GET: the last block goes
-                r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}", headers={"authorization": "Bearer w"})
-                assert r.status_code == 204
-            gets.append(len(chain))
-            return stream(chain, start)
-
-        monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+        gets = _evict_the_last_block_before_the_first_get(cache, srv, toks, monkeypatch)
         got = cache.materialize(toks)
         assert gets == [6, 5]
         assert_prefix_equal(got, kv, 5 * BLOCK)
@@ -743,19 +751,7 @@ def test_a_look_again_after_the_eviction_race_is_not_counted_as_a_query_of_its_o
 
     with _remote(srv, cs.Raw(), namespace="again") as cache:
         assert cache.ingest(toks, kv).stored == 6
-        hashes = cache.block_hashes(toks)
-        stream = cache._stream_chain
-        gets = []
-
-        def evicted_first(chain, start=0):
-            if not gets:  # after the lookup, before the GET: the last block goes
-                r = httpx.delete(f"{srv.url}/v1/blocks/{hashes[-1].hex()}",
-                                 headers={"authorization": "Bearer w", "x-cacheseek-namespace": "again"})
-                assert r.status_code == 204
-            gets.append(len(chain))
-            return stream(chain, start)
-
-        monkeypatch.setattr(cache, "_stream_chain", evicted_first)
+        gets = _evict_the_last_block_before_the_first_get(cache, srv, toks, monkeypatch, namespace="again")
         before = traffic()
         assert_prefix_equal(cache.materialize(toks), kv, 5 * BLOCK)
         assert gets == [6, 5]

@@ -683,18 +683,25 @@ def test_a_load_between_steps_that_cannot_be_planned_is_a_failed_load_not_vllms_
     close_cache(config, side.cache)
 
 
-def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
+def worker_of_a_dead_server(**side: bool) -> tuple[ConnectorConfig, object, WorkerSide]:
+    """A remote worker whose server is down (a loopback port nobody listens on), its guard
+    resting a minute after a failure; pages registered."""
     import socket
 
-    with socket.socket() as sock:  # a loopback port nobody listens on
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = ConnectorConfig.from_extra({"codec": "raw", "url": f"http://127.0.0.1:{port}", "block_tokens": 32,
                                          "timeout_seconds": 1, "retry_after_seconds": 60, "retry_cap_seconds": 60})
     layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
     cache = open_cache(config, layout, "m", cs.Shard())
-    side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=True)
-    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16)))
+    worker = WorkerSide(cache, guard=StoreGuard(config, "worker"), **side)
+    worker.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16)))
+    return config, cache, worker
+
+
+def test_a_background_save_to_a_server_that_is_down_is_counted_failed_and_rests():
+    config, cache, side = worker_of_a_dead_server(background_saves=True)
     plan = StepPlan(saves=[SaveSpec("s", list(range(64)), [4, 5, 6, 7])])
     side.start_step(plan)
     side.finish_step(plan)
@@ -846,17 +853,7 @@ def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loa
 
 
 def test_a_server_that_is_down_fails_no_request_and_rests():
-    import socket
-
-    with socket.socket() as sock:  # a loopback port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = ConnectorConfig.from_extra({"codec": "raw", "url": f"http://127.0.0.1:{port}", "block_tokens": 32,
-                                         "timeout_seconds": 1, "retry_after_seconds": 60, "retry_cap_seconds": 60})
-    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
-    cache = open_cache(config, layout, "m", cs.Shard())
-    side = WorkerSide(cache, guard=StoreGuard(config, "worker"))
-    side.register(VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16)))
+    config, cache, side = worker_of_a_dead_server()
     tokens = list(range(64))
     for step in range(2):
         plan = StepPlan(loads=[LoadSpec(f"r{step}", tokens, [0, 1, 2, 3], start=0)],
