@@ -436,6 +436,12 @@ def load(job: dict[str, Any]) -> dict[str, Any]:
     worker's load: the load fails, vLLM is told its blocks and recomputes them."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    if "url" in job["extra"]:
+        # Each lookup answered 50 ms late: on a loaded machine one could finish within the
+        # scheduler's wait (1 us in the tests) before the wait began, and the deferral path
+        # vLLM takes ("not yet", asked again) would not run.
+        sched = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+        sched.caches = [SlowLocate(c) for c in sched.caches]
     out: dict[str, Any] = loaded_and_uncached(eng, ps[1])
     out["after_load"] = eng.stats()
     if job.get("fail_first_load"):
@@ -502,6 +508,20 @@ class FailFirstLoad:
         if self.calls == 1:
             raise RuntimeError("injected: the worker's first load failed")
         return self.cache.materialize_into_batch(requests, pages)
+
+
+class SlowLocate:
+    """A cache whose ``locate`` answers 50 ms late."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def locate(self, keys: Any) -> Any:
+        time.sleep(0.05)
+        return self.cache.locate(keys)
 
 
 class KillBeforeLoad:
