@@ -157,19 +157,28 @@ class BlockService:
                    for inc in frames]
         outcomes: dict[int, StorePutResult] = {}
         group: list[tuple[int, bytes, BlockFrame]] = []
+        # One question per tier for the whole batch (one round trip to Redis, not one per frame):
+        # which blocks are committed where an acknowledgement needs them (a block only in
+        # memory, its disk write in flight, is not: it is put again, and that put waits).
+        stored = self.store.present_many(keys)
+        # The bytes of the batch's new frames after each one. The batch is stored in pieces
+        # (groups, frames received in place), and each piece evicts for the rest of the batch
+        # too: evicting for itself alone, it evicted the pieces before it (a fresh chain is
+        # the only once-used data in a tier whose blocks were all read again: ARC's first
+        # victims), and the batch answered "stored" for blocks already gone.
+        after = [0] * len(frames)
+        for i in range(len(frames) - 2, -1, -1):
+            after[i] = after[i + 1] + (0 if stored[i + 1] else frames[i + 1].meta.nbytes)
 
         def flush() -> None:
             # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
             for start in range(0, len(group), PUT_GROUP):
                 part = group[start : start + PUT_GROUP]
-                for (i, _, _), outcome in zip(part, self.store.put_many([(k, f) for _, k, f in part])):
+                put = self.store.put_many([(k, f) for _, k, f in part], room_for=after[part[-1][0]])
+                for (i, _, _), outcome in zip(part, put):
                     outcomes[i] = outcome
             group.clear()
 
-        # One question per tier for the whole batch (one round trip to Redis, not one per frame):
-        # which blocks are committed where an acknowledgement needs them (a block only in
-        # memory, its disk write in flight, is not: it is put again, and that put waits).
-        stored = self.store.present_many(keys)
         for i, (inc, key, here) in enumerate(zip(frames, keys, stored)):
             reservation = inc.reservation
             if here:
@@ -180,7 +189,7 @@ class BlockService:
             if reservation is not None:
                 if self._rekey_in_place(reservation, inc.meta, meta):
                     flush()  # in order: a chain that overflows the budget keeps its head
-                    outcomes[i] = self.store.commit(key, reservation, meta)
+                    outcomes[i] = self.store.commit_many([(key, reservation, meta)], room_for=after[i])[0]
                     continue
                 # A client's header packed longer or shorter than ours: move the frame to a buffer.
                 buf = bytearray(reservation.view())

@@ -64,7 +64,8 @@ class CpuTier(IndexedTier):
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
+                 room_for: int = 0) -> list[TierPutResult]:
         """Store several frames. Host bytes are copied before this returns; device
         payloads are copied on their device's to-host stream, and this returns once the
         copies are issued. A frame that cannot be stored gets ``error`` set; the others
@@ -73,7 +74,7 @@ class CpuTier(IndexedTier):
         dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
         with self._lock:
             self._forget_landed()
-            self._make_room([(key, frame.nbytes) for key, frame in items], results)
+            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for)
             copies = None  # device copies of this call, issued together
             try:
                 for (key, frame), result in zip(items, results):

@@ -704,7 +704,8 @@ class DiskTier(IndexedTier):
         mine.done.set()  # committed: the puts waiting for this write answer "present"
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
+                 room_for: int = 0) -> list[TierPutResult]:
         """Store several frames, committed together (see the module's docstring); a failure
         is reported in its result, not raised. Every block is durable, or failed, on return."""
         if not self.group_commit or len(items) < 2:

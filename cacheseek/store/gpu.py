@@ -42,12 +42,14 @@ class GpuTier(IndexedTier):
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
-        """As ``Tier.put_many``, with room made for all of the call's new frames before the
-        first is added (``_make_room``), so that none of them is a victim of the next."""
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
+                 room_for: int = 0) -> list[TierPutResult]:
+        """As ``Tier.put_many``, with room made for all of the call's new frames (and
+        ``room_for`` bytes more) before the first is added (``_make_room``), so that none of
+        them is a victim of the next."""
         results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
-            self._make_room([(key, frame.nbytes) for key, frame in items], results)
+            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for)
         for (key, frame), result in zip(items, results):
             with self._lock:
                 self._put(key, frame, result)

@@ -242,7 +242,8 @@ class RedisTier(Tier):
             raise result.error
         return result
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
+                 room_for: int = 0) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
         stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
         batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])

@@ -211,11 +211,14 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[bytes]: ...
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False) -> list[TierPutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
+                 room_for: int = 0) -> list[TierPutResult]:
         """Store several frames; a failure is reported in its result, not raised.
         ``lease_stored``: a ``stored`` frame that lies in this tier's memory carries a lease
         on it (the caller reads it, and releases it); else it may be read only until this
-        tier can evict it (no other thread uses the tier meanwhile)."""
+        tier can evict it (no other thread uses the tier meanwhile). ``room_for``: bytes of
+        the caller's later writes of the same call, evicted for now by the memory tiers
+        (``_make_room``); the disk and Redis tiers evict for each frame as it comes."""
         out = []
         for key, frame in items:
             try:

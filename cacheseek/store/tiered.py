@@ -171,21 +171,23 @@ class TieredStore:
     def put(self, key: bytes, frame: BlockFrame) -> StorePutResult:
         return self.put_many([(key, frame)])[0]
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]]) -> list[StorePutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, room_for: int = 0) -> list[StorePutResult]:
         """Store blocks in the top tier (or, what it cannot take, in the next one) and every
-        write-through tier; each outcome at the store's acknowledgement level."""
+        write-through tier; each outcome at the store's acknowledgement level. ``room_for``:
+        bytes of the caller's later writes of the same call (a server's batch put in
+        groups), evicted for in a memory top tier now, so that they do not evict these."""
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         with self._moving():
-            return self._put_many(items, self._deletes_done())
+            return self._put_many(items, self._deletes_done(), room_for)
 
     def _moving(self) -> AbstractContextManager[None]:
         """Around a write whose evictions may be demoted (see ``store.moves``)."""
         return nullcontext() if self.moves is None else self.moves.moving()
 
-    def _put_many(self, items: list[tuple[bytes, BlockFrame]], since: int) -> list[StorePutResult]:
+    def _put_many(self, items: list[tuple[bytes, BlockFrame]], since: int, room_for: int = 0) -> list[StorePutResult]:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
@@ -193,7 +195,7 @@ class TieredStore:
         held: list[Lease | None] = []  # leases on the stored copies, released once written through
         try:
             # A write-through reads the top tier's stored copies: leased until it is done.
-            results = top.put_many(current, lease_stored=bool(self.write_through))
+            results = top.put_many(current, lease_stored=bool(self.write_through), room_for=room_for)
             for (key, frame), result, outcome in zip(current, results, outcomes):
                 _hold(result, held)
                 outcome.note(result, top.name, top.name in self._acknowledging)
