@@ -5,11 +5,20 @@ the maintained baseline), over loopback to one ``cacheseek serve`` (a CPU tier o
 
 Ingest: one streamed ``POST /v1/blocks`` of ``--frames`` 10.5 MB int4 KIVI frames (as
 RemoteCache sends them); materialize: one ``GET /v1/prefixes/{hash}`` of the same chain, each
-frame read into a buffer of its own (``iter_frames``); lookup: p50/p99 of ``POST /v1/lookup``
-with 512 hashes as raw bytes, straight to the transport (as RemoteCache sends it). Throughput
-is frame GB/s, the median of ``--reps``. The transports take turns in rounds, so load from
-elsewhere on the host falls on each alike. ``--also old=path/to/transport.py`` adds the
-``BulkTransport`` of another source file (an earlier version, say) as a column.
+frame read into a buffer of its own (``iter_frames``): a new one, or for ``bulk, reused
+buffers`` one of a ``BufferPool`` that every rep gives back (as ``RemoteCache`` reads);
+lookup: p50/p99 of ``POST /v1/lookup`` with 512 hashes as raw bytes, straight to the
+transport (as RemoteCache sends it). Throughput is frame GB/s, the median of ``--reps``. The
+transports take turns in rounds, so load from elsewhere on the host falls on each alike.
+``--also old=path/to/transport.py`` adds the ``BulkTransport`` of another source file (an
+earlier version, say) as a column.
+
+Then ``RemoteCache`` itself, end to end from and to CPU tensors: a waited ``ingest`` of a
+fresh prompt of ``--frames`` Raw blocks (Llama-3-8B's per-token KV, 64 tokens a block: 8.4 MB
+frames; lookup, encode, each frame moved to host memory and sent) and a ``materialize`` of
+it (lookup, GET, checks, decode), by a cache that keeps its host buffers between calls (the
+default) and one that takes fresh memory for every frame (``read_buffer_bytes=0``, and a
+write pool that keeps nothing), taking turns.
 """
 
 from __future__ import annotations
@@ -21,14 +30,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+import torch
+
+import cacheseek as cs
+from cacheseek.batch_body import iter_frames
 from cacheseek.layout import KVLayout
 from cacheseek.quant import Raw
 from cacheseek.remote import lookup_request
+from cacheseek.store.direct_io import BufferPool
 from cacheseek.transport import IDEMPOTENT_EXTENSION, BulkTransport
-from cacheseek.batch_body import iter_frames
 
 from .report import table, write_json
 from .server import BATCH_TYPE, Proc, chain_frames, make_frame, start_cacheseek
@@ -58,13 +72,72 @@ def _ingest(c: httpx.Client, frames: list[tuple[bytes, bytes]]) -> float:
     return (total - 8 * len(frames)) / (time.perf_counter() - t) / 1e9
 
 
-def _materialize(c: httpx.Client, frames: list[tuple[bytes, bytes]]) -> float:
+def _materialize(c: httpx.Client, frames: list[tuple[bytes, bytes]], pool: BufferPool | None = None) -> float:
+    leases = []
+
+    def take(n: int) -> memoryview:
+        leases.append(pool.take(n))
+        return leases[-1].buffer.view(n)
+
     t = time.perf_counter()
     with c.stream("GET", f"/v1/prefixes/{frames[-1][0].hex()}") as r:
-        got = list(iter_frames(r, max_frame_bytes=1 << 40))
+        got = list(iter_frames(r, max_frame_bytes=1 << 40, take=take if pool is not None else None))
     elapsed = time.perf_counter() - t
     assert r.status_code == 200 and len(got) == len(frames)
+    for lease in leases:
+        lease.release()
     return sum(len(f) for _, f in frames) / elapsed / 1e9
+
+
+REMOTE_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16")
+REMOTE_BLOCK = 64
+
+
+def _remote_cache(url: str, *, fresh: bool) -> cs.RemoteCache:
+    cache = cs.RemoteCache(url, model_id="client-bench", layout=REMOTE_LAYOUT, codec=cs.Raw(),
+                           block_tokens=REMOTE_BLOCK, read_buffer_bytes=0 if fresh else "1GiB", trust_env=False)
+    if fresh:
+        cache._host_buffers = BufferPool(pin=True, keep_bytes=0)  # (no setting: max_pending_bytes is > 0)
+    return cache
+
+
+def _remote_calls(url: str, blocks: int, reps: int) -> list[dict]:
+    """A waited ``ingest`` of a fresh prompt, then its ``materialize``, by a cache that keeps
+    its host buffers and one that does not, in turns."""
+    caches = {"kept (default)": _remote_cache(url, fresh=False), "fresh": _remote_cache(url, fresh=True)}
+    gen = torch.Generator().manual_seed(3)
+    shape = (REMOTE_LAYOUT.num_kv_heads, blocks * REMOTE_BLOCK, REMOTE_LAYOUT.head_dim)
+    kv = [(torch.randn(shape, generator=gen).half(), torch.randn(shape, generator=gen).half())
+          for _ in range(REMOTE_LAYOUT.num_layers)]
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in kv)
+    times: dict[str, dict[str, list[float]]] = {name: {"ingest": [], "materialize": []} for name in caches}
+    try:
+        for rep in range(reps + 1):  # the first a warm-up: connections made, the server's pages touched
+            for name, cache in caches.items():
+                tokens = torch.randint(0, 50_000, (blocks * REMOTE_BLOCK,), generator=gen).tolist()  # a fresh prompt
+                t = time.perf_counter()
+                assert cache.ingest(tokens, kv).stored == blocks
+                t1 = time.perf_counter()
+                got = cache.materialize(tokens, "cpu")
+                t2 = time.perf_counter()
+                assert got.num_tokens == len(tokens)
+                if rep:
+                    times[name]["ingest"].append(t1 - t)
+                    times[name]["materialize"].append(t2 - t1)
+    finally:
+        for cache in caches.values():
+            cache.close()
+    rows = []
+    for name, ts in times.items():
+        row: dict[str, Any] = {"host_buffers": name}
+        for call in ("ingest", "materialize"):
+            row[f"{call}_ms"] = statistics.median(ts[call]) * 1e3
+            row[f"{call}_kv_gbps"] = kv_bytes / statistics.median(ts[call]) / 1e9
+        rows.append(row)
+    for row in rows:
+        for call in ("ingest", "materialize"):
+            row[f"{call}_vs_fresh"] = rows[-1][f"{call}_ms"] / row[f"{call}_ms"]
+    return rows
 
 
 def _lookup_chain(c: httpx.Client, blocks: int) -> list[bytes]:
@@ -107,7 +180,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="folder for client.json (default benchmarks/results)")
     args = ap.parse_args()
     makers: dict[str, Callable[[], httpx.BaseTransport]] = {
-        "httpx": lambda: httpx.HTTPTransport(), "bulk": lambda: BulkTransport(trust_env=False)}
+        "httpx": lambda: httpx.HTTPTransport(), "bulk": lambda: BulkTransport(trust_env=False),
+        "bulk, reused buffers": lambda: BulkTransport(trust_env=False)}
     for spec in args.also:
         name, _, path = spec.partition("=")
         makers[name] = (lambda cls: (lambda: cls()))(_load_transport(path))
@@ -116,20 +190,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         procs: list[Proc] = []
         try:
-            budget = str(int(1.5 * sum(len(f) for _, f in frames)) + (256 << 20))
+            budget = str(int(1.5 * sum(len(f) for _, f in frames)) + (256 << 20) + args.frames * (18 << 20))
             proc, url = start_cacheseek(Path(tmp), "client", "--cpu-bytes", budget, "--disk-bytes", "0")
             procs.append(proc)
             clients = {n: httpx.Client(base_url=url, timeout=300, transport=make()) for n, make in makers.items()}
             keys = _lookup_chain(clients["bulk"], args.lookup_blocks)
+            pool = BufferPool(keep_bytes=1 << 40)
             for _ in range(args.reps):
                 for name, c in clients.items():
                     rates[name]["ingest"].append(_ingest(c, frames))
-                    rates[name]["materialize"].append(_materialize(c, frames))
+                    rates[name]["materialize"].append(_materialize(c, frames, pool if "reused" in name else None))
             for _ in range(8):  # rounds
                 for name, c in clients.items():
                     rates[name]["lookup"] += _lookups(c._transport, url, keys, args.lookups // 8)
             for c in clients.values():
                 c.close()
+            remote = _remote_calls(url, args.frames, args.reps)
         finally:
             for p in procs:
                 p.stop()
@@ -146,8 +222,12 @@ def main() -> None:
         rows.append(row)
     print(table(rows, ["client", "ingest_gbps", "materialize_gbps", "lookup_p50_ms", "lookup_p99_ms",
                        "ingest_vs_httpx", "materialize_vs_httpx", "lookup_p99_vs_httpx"]))
+    print(table(remote, ["host_buffers", "ingest_ms", "ingest_kv_gbps", "ingest_vs_fresh", "materialize_ms",
+                         "materialize_kv_gbps", "materialize_vs_fresh"],
+                f"RemoteCache, a fresh prompt of {args.frames} Raw blocks of {REMOTE_BLOCK} tokens, from and to CPU tensors"))
     write_json("client", {"frames": args.frames, "frame_bytes": len(frames[0][1]), "reps": args.reps,
-                     "lookups": args.lookups, "lookup_blocks": args.lookup_blocks, "rows": rows}, args.out)
+                     "lookups": args.lookups, "lookup_blocks": args.lookup_blocks, "rows": rows,
+                     "remote_cache": remote}, args.out)
 
 
 if __name__ == "__main__":

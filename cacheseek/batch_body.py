@@ -11,7 +11,7 @@ declared length before checking it against the frame and body limits.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 FRAME_CONTENT_TYPE = "application/octet-stream"
@@ -93,12 +93,14 @@ class BatchReader:
             raise BatchFormatError(f"frame {self.frames}: body ended inside a length prefix")
 
 
-def iter_frames(response: Any, *, max_frame_bytes: int) -> Iterator[bytearray | memoryview]:
+def iter_frames(response: Any, *, max_frame_bytes: int,
+                take: Callable[[int], memoryview] | None = None) -> Iterator[bytearray | memoryview]:
     """The frames of a streamed batch response (an ``httpx.Response`` opened with ``stream``).
 
     With ``BulkTransport`` and a body of known length, each frame is read straight into a
-    buffer of its own (one copy, exactly sized); otherwise (another transport, a chunked
-    body) the chunks go through a ``BatchReader``."""
+    buffer of its own (one copy, exactly sized): ``take(length)``'s writable memory where
+    given (the caller's reused buffers; the frame is its first ``length`` bytes), else a new
+    one. Otherwise (another transport, a chunked body) the chunks go through a ``BatchReader``."""
     body = getattr(response, "extensions", {}).get("cacheseek_body")  # BulkTransport's (see there)
     read_exactly = getattr(body, "read_exactly", None) if getattr(body, "sized", False) else None
     if read_exactly is None:
@@ -114,7 +116,7 @@ def iter_frames(response: Any, *, max_frame_bytes: int) -> Iterator[bytearray | 
             raise BatchTooLarge(f"frame {index}: declared length {length} exceeds {max_frame_bytes}")
         if length < MIN_FRAME_BYTES:
             raise BatchFormatError(f"frame {index}: declared length {length} is shorter than a frame preamble")
-        frame = read_exactly(length)
+        frame = read_exactly(length) if take is None else read_exactly(length, take(length))
         if frame is None:
             raise BatchFormatError(f"frame {index}: body ended before it")
         yield frame

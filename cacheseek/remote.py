@@ -51,7 +51,7 @@ from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy
 from .results import IngestResult, Loaded, Located
 from .store.breaker import CircuitBreaker, ExponentialBackoff
-from .store.device import frame_to_host, frames_to_host
+from .store.device import frames_to_host
 from .store.device_staging import staging_stats
 from .store.direct_io import BufferPool
 from .store.frame import parse_frame
@@ -129,21 +129,29 @@ class _Outages:
 
 
 class _FrameStream(httpx.SyncByteStream):
-    """A batch body of frames, each moved to the host just before it is sent. Replayable, so
-    the transport may send it again on a new connection when a kept-alive one turns out
-    closed before any answer (the blocks are content-addressed: a resend stores nothing twice)."""
+    """A batch body of frames, each moved to the host just before it is sent, into a buffer
+    of ``buffers`` given back once the transport asks for the next frame (every transport
+    has sent, or copied, a chunk by then: ``cacheseek.transport``). Replayable, so the
+    transport may send it again on a new connection when a kept-alive one turns out closed
+    before any answer (the blocks are content-addressed: a resend stores nothing twice)."""
 
     replayable = True
 
-    def __init__(self, frames: list[BlockFrame]) -> None:
+    def __init__(self, frames: list[BlockFrame], buffers: BufferPool) -> None:
         self._frames = frames
+        self._buffers = buffers
 
     def __iter__(self) -> Iterator[bytes | memoryview]:
         for frame in self._frames:
-            host = frame_to_host(frame)
-            yield LENGTH.pack(host.meta.nbytes)
-            yield from host.wire_segments()
-            del host  # one frame on the host at a time
+            if frame.host is not None:
+                yield LENGTH.pack(frame.meta.nbytes)
+                yield from frame.wire_segments()
+                continue
+            with self._buffers.take(frame.meta.nbytes) as lease:
+                host = frames_to_host([frame], take=lambda n: lease.buffer.view(n))[0]
+                yield LENGTH.pack(host.meta.nbytes)
+                yield from host.wire_segments()
+                del host  # (its view of the buffer)
 
 
 class RemoteCache(PrefixCacheBase):
@@ -173,6 +181,7 @@ class RemoteCache(PrefixCacheBase):
         shard: Shard = SINGLE,
         max_lookup_hashes: int = 1 << 16,
         max_pending_bytes: int | str = "2GiB",
+        read_buffer_bytes: int | str = "1GiB",
     ) -> None:
         """``timeout``: seconds for each connect, read and write. ``exchange_timeout``: seconds
         for one whole request and its answer (None: no bound), which cuts off a server or
@@ -195,7 +204,11 @@ class RemoteCache(PrefixCacheBase):
         matched whole (a write's lookup asks every piece). ``max_pending_bytes``: the most
         bytes of frames that ``wait=False`` ingests hold in host memory, queued or being
         sent (``cacheseek.write_behind``); a write that would pass it is dropped. Their
-        buffers are kept for reuse up to that size (page-locked where CUDA is present)."""
+        buffers, and the one frame at a time a waited ingest moves to the host, are kept for
+        reuse up to that size (page-locked where CUDA is present).
+        ``read_buffer_bytes``: the host memory that materializes keep between calls for the
+        frames they read (page-locked where CUDA is present), so that the next read lands in
+        memory already mapped (0: fresh memory for every read)."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -212,10 +225,15 @@ class RemoteCache(PrefixCacheBase):
         if pending <= 0:
             raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
         self._behind = WriteBehind(pending)
-        # The frames' host memory, reused from one write to the next (page-locked beside a
-        # GPU): fresh memory cost a 4K-token int4 save 87 ms of page faults on the H200, the
-        # copy itself 15 ms.
+        # The frames' host memory, reused from one write to the next, waited or not
+        # (page-locked beside a GPU): fresh memory cost a 4K-token int4 save 87 ms of page
+        # faults on the H200, the copy itself 15 ms.
         self._host_buffers = BufferPool(pin=True, keep_bytes=pending)
+        read_keep = parse_size(read_buffer_bytes, name="read_buffer_bytes")
+        # The frames a materialize reads, reused by the next: into fresh memory, half the
+        # client's time on a loopback read went to page faults; page-locked, a frame's copy
+        # to the GPU runs at the link's speed and off the host's way.
+        self._read_buffers = BufferPool(pin=True, keep_bytes=read_keep)
         self.max_body_bytes = parse_size(max_body_bytes, name="max_body_bytes")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes: must be > 0 bytes, got {max_body_bytes!r}")
@@ -516,6 +534,16 @@ class RemoteCache(PrefixCacheBase):
         paged_io.hash_requests(call, self.keys, requests)
         starts = paged_io.load_starts(call, batch, self.block_tokens)
         limits = paged_io.load_limits(call, requests, self.block_tokens)
+        chains: list[list[BlockFrame]] = []
+        try:
+            return self._load_fetched(call, requests, starts, limits, chains)
+        finally:
+            _release(chains)
+
+    def _load_fetched(self, call: paged_io.PagedCall, requests: list[tuple[Any, Any, Any]], starts: list[int],
+                      limits: list[int], chains: list[list[BlockFrame]]) -> list[Loaded]:
+        """``_load_paged``'s fetch and decode; ``chains`` gets the frames fetched (the
+        caller releases them)."""
         results = [Loaded() for _ in requests]
         # Everything is fetched before any page is written: an outage (or a bad chain) in a
         # later request leaves the pages as they were.
@@ -525,7 +553,8 @@ class RemoteCache(PrefixCacheBase):
             counts = [f["matched"] for f in found]
             paged_io.plan_load(call, counts, self.block_tokens, starts)
             # The blocks before a request's start are in its pages already: not fetched.
-            chains = [self._fetch_chain(h[:n], s) if n > s else [] for h, n, s in zip(call.hashes, counts, starts)]
+            for h, n, s in zip(call.hashes, counts, starts):
+                chains.append(self._fetch_chain(h[:n], s) if n > s else [])
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -593,7 +622,10 @@ class RemoteCache(PrefixCacheBase):
             return self._nothing(device)
         if not frames:
             return self._nothing(device)
-        k, v = decode_frames(self.block_format, frames, device)
+        try:
+            k, v = decode_frames(self.block_format, frames, device)  # (its copies off the frames have landed)
+        finally:
+            _release([frames])
         return self._materialized(k, v, list(found["tiers"][: len(frames)]), device)
 
     def prefetch(self, keys: Any) -> Prefetch | None:
@@ -645,9 +677,11 @@ class RemoteCache(PrefixCacheBase):
         waited past their timeout for a connection of this client's pool, not sent),
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
         ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, pending
-        now, and their bytes)."""
+        now, and their bytes); ``write_buffers`` and ``read_buffers``: the host buffers that
+        frames are sent from and read into, kept for reuse (made, free, lent now)."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
-                "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats()}
+                "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats(),
+                "write_buffers": self._host_buffers.stats(), "read_buffers": self._read_buffers.stats()}
 
     def close(self) -> None:
         """Send the ``wait=False`` ingests still queued, then close the connections. Every
@@ -656,6 +690,7 @@ class RemoteCache(PrefixCacheBase):
         # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
         # write comes after close, and the process may hold this object long after.
         self._host_buffers = BufferPool(keep_bytes=0)
+        self._read_buffers = BufferPool(keep_bytes=0)
         self._closed = True
         self._http.close()
 
@@ -827,7 +862,7 @@ class RemoteCache(PrefixCacheBase):
         connection if a kept-alive one turns out closed)."""
         path, sent = "/v1/blocks", len(frames)
         request = httpx.Request(
-            "POST", self.url + path, stream=_FrameStream(frames),
+            "POST", self.url + path, stream=_FrameStream(frames, self._host_buffers),
             headers={**self._headers, "Content-Type": BATCH_CONTENT_TYPE, "Content-Length": str(total)},
             extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
         del frames  # the request's alone, let go below (a traceback would keep this frame's locals)
@@ -869,7 +904,29 @@ class RemoteCache(PrefixCacheBase):
 
     def _stream_chain(self, hashes: list[BlockHash], start: int = 0) -> list[BlockFrame] | None:
         """The frames from position ``start`` on; None: the server has not every block of
-        ``hashes`` (a 404)."""
+        ``hashes`` (a 404). Each frame lies in a buffer leased from ``_read_buffers``: the
+        caller releases it (``_release``) once done with its bytes."""
+        leases: list[Any] = []  # every buffer taken; those of no frame handed out go back here
+
+        def take(n: int) -> memoryview:
+            lease = self._read_buffers.take(n)
+            leases.append(lease)
+            return lease.buffer.view(n)
+
+        try:
+            frames = self._read_chain(hashes, start, take, leases)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        kept = {id(f.lease) for f in frames or ()}
+        for lease in leases:
+            if id(lease) not in kept:  # a frame dropped: before start, past the chain, or bad
+                lease.release()
+        return frames
+
+    def _read_chain(self, hashes: list[BlockHash], start: int, take: Callable[[int], memoryview],
+                    leases: list[Any]) -> list[BlockFrame] | None:
         frames: list[BlockFrame] = []
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
@@ -885,13 +942,14 @@ class RemoteCache(PrefixCacheBase):
                 if i is None:
                     return []  # a start this client did not ask for: no frame's place is known
                 try:
-                    for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes):
+                    for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes, take=take):
                         if i >= len(hashes):
                             break
                         meta = parse_frame(buf, verify=True)
                         self.block_format.check_fetched(meta, hashes[i], i)
                         if i >= start:
-                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True))
+                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True,
+                                                     lease=leases[-1]))
                         i += 1
                 except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
                     pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
@@ -944,6 +1002,13 @@ class RemoteCache(PrefixCacheBase):
         if response.status_code == 429 or response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+
+
+def _release(chains: list[list[BlockFrame]]) -> None:
+    """Give back the read buffers of fetched frames (``RemoteCache._stream_chain``)."""
+    for frames in chains:
+        for frame in frames:
+            frame.release()
 
 
 def _done(value: Any) -> Future:

@@ -7,7 +7,11 @@ Python work per 64 KiB. For 10 MB frames that costs more than the network, and h
 (``httpx.Client(transport=BulkTransport())``: the same requests, responses, timeouts and
 errors) and moves bodies with plain sockets instead:
 
-- request bodies are sent chunk by chunk with scatter-gather ``sendmsg`` (no joins);
+- request bodies are sent chunk by chunk with scatter-gather ``sendmsg`` (no joins of large
+  chunks). Each chunk is sent, or copied, before the body's stream is asked for the next:
+  a stream may reuse a chunk's memory as soon as it is resumed (``RemoteCache`` sends each
+  frame from a reused buffer). httpx's own transport, which takes proxied requests, also
+  writes each chunk before it asks for the next;
 - response bodies are read with ``recv_into`` straight into fresh buffers of up to
   ``chunk_bytes`` that are handed out as they fill (one copy, from the kernel), so a
   consumer may keep views of them.
@@ -250,7 +254,9 @@ class BulkTransport(httpx.BaseTransport):
                 continue
             if chunked:
                 pending.append(b"%x\r\n" % view.nbytes)
-            pending.append(view)
+            # A small chunk waits for more before the send: held as a copy, since the stream
+            # may reuse its memory once asked for the next. A large one goes out below, now.
+            pending.append(view if view.nbytes >= _SMALL else bytes(view))
             if chunked:
                 pending.append(b"\r\n")
             pending_bytes += view.nbytes
@@ -348,9 +354,11 @@ class _Body(httpx.SyncByteStream):
         """Whether the body's length is known (Content-Length): ``read_exactly`` works."""
         return not self._chunked and self._length is not None
 
-    def read_exactly(self, n: int) -> bytearray | None:
+    def read_exactly(self, n: int, into: memoryview | None = None) -> bytearray | memoryview | None:
         """The next ``n`` bytes of a body of known length (``sized``), read straight into one
-        new buffer; None at the end of the body. For readers that know their record sizes (frames)."""
+        new buffer, or into the first ``n`` bytes of ``into`` (writable memory of the caller's:
+        a reused buffer, which spares fresh memory's page faults); None at the end of the
+        body. For readers that know their record sizes (frames)."""
         if not self.sized:
             raise RuntimeError("read_exactly needs a body of known length")
         if self._length == 0:
@@ -364,8 +372,13 @@ class _Body(httpx.SyncByteStream):
             self.close()
             raise httpx.RemoteProtocolError(f"{n} bytes wanted, {self._length} left in the body",
                                             request=self._request)
-        buf = bytearray(n)
-        view = memoryview(buf)
+        if into is None:
+            buf: bytearray | memoryview = bytearray(n)
+            view = memoryview(buf)
+        else:
+            if len(into) < n:
+                raise ValueError(f"into: {len(into)} bytes, {n} wanted")
+            buf = view = into[:n]
         got = min(len(self._rest), n)
         view[:got] = self._rest[:got]
         self._rest = self._rest[got:]

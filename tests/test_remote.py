@@ -736,6 +736,116 @@ def test_a_block_gone_between_the_lookup_and_the_get_ends_the_prefix_before_it(s
         assert_prefix_equal(got, kv, 5 * BLOCK)
 
 
+def _read_buffers(cache) -> dict:
+    return cache.client_stats()["read_buffers"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200: scripts/h200.sh tests-store)"))])
+def test_a_materialize_reads_into_the_buffers_of_the_last_and_gives_every_one_back(srv, monkeypatch, device):
+    """The frames a materialize reads land in host buffers the next one reuses (into fresh
+    memory, half a loopback read's time went to page faults; page-locked beside a GPU, so
+    their copies run at the link's speed), and every buffer comes back: after a whole read,
+    a read cut short by a bad frame, and the eviction race. On a GPU a buffer is reused only
+    after its copy has landed: the KV read back is the stored KV, bit for bit."""
+    from cacheseek import remote as remote_module
+
+    toks, kv = tokens_for(91, 4 * BLOCK), make_kv(4 * BLOCK, 91)
+    with _remote(srv, cs.Raw(), namespace=f"reuse-{device}") as cache:
+        assert cache.ingest(toks, kv).stored == 4
+        assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
+        first = _read_buffers(cache)
+        assert first["buffers_made"] == 4 and first["leases_active"] == 0 and first["buffers_free"] == 4
+        for _ in range(2):
+            assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
+        again = _read_buffers(cache)
+        assert again["buffers_made"] == 4 and again["leases_active"] == 0 and again["leases_granted"] == 12
+
+        parse = remote_module.parse_frame
+        parsed: list[int] = []
+
+        def third_is_bad(buf, **kw):
+            parsed.append(1)
+            if len(parsed) == 3:
+                raise cs.FrameError("injected: a frame that fails its checksum")
+            return parse(buf, **kw)
+
+        monkeypatch.setattr(remote_module, "parse_frame", third_is_bad)
+        assert_prefix_equal(cache.materialize(toks, device), kv, 2 * BLOCK)
+        monkeypatch.setattr(remote_module, "parse_frame", parse)
+        assert _read_buffers(cache)["leases_active"] == 0
+
+        gets = _evict_the_last_block_before_the_first_get(cache, srv, toks, monkeypatch, namespace=f"reuse-{device}")
+        assert_prefix_equal(cache.materialize(toks, device), kv, 3 * BLOCK)
+        assert gets == [4, 3]
+        last = _read_buffers(cache)
+        assert last["leases_active"] == 0 and last["buffers_made"] == 4 and last["lease_double_releases"] == 0
+
+
+def test_waited_ingests_send_every_frame_from_one_reused_buffer(srv):
+    """A waited ingest moves one frame at a time to the host just before it is sent, into a
+    buffer that the next frame, and the next ingest, reuses: the stored bytes are each
+    frame's own (the transport sent or copied a frame before it asked for the next)."""
+    chains = [(tokens_for(96 + i, 4 * BLOCK), make_kv(4 * BLOCK, 96 + i)) for i in range(2)]
+    with _remote(srv, cs.Raw(), namespace="reuse-writes") as cache:
+        for toks, kv in chains:
+            assert cache.ingest(toks, kv).stored == 4
+        writes = cache.client_stats()["write_buffers"]
+        assert writes["buffers_made"] == 1 and writes["leases_granted"] == 8 and writes["leases_active"] == 0
+        for toks, kv in chains:
+            assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+
+
+def test_a_paged_batch_gives_back_the_buffers_of_the_chains_it_fetched_before_an_outage(srv, monkeypatch):
+    """A batch load fetches every chain before it writes a page; an outage in a later chain
+    leaves the pages as they were and gives back the buffers of the chains read before it."""
+    from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [2 * BLOCK, 3 * BLOCK]
+    toks = [tokens_for(95 + r, n) for r, n in enumerate(sizes)]
+    pages, _ = engine_pages("flash", L, H, D, 24, 16, dtype)
+    tables = page_tables(sizes, 16, 24, seed=3)
+    for r, (n, ids) in enumerate(zip(sizes, tables)):
+        write_tokens(pages, make_kv(n, 95 + r), ids)
+    with _remote(srv, cs.Raw(), namespace="reuse-paged", on_unavailable="miss") as cache:
+        assert [r.stored for r in cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)],
+                                                     pages)] == [2, 3]
+        dest, dest_tensors = engine_pages("flash", L, H, D, 24, 16, dtype, seed=5)
+        dest_tables = page_tables(sizes, 16, 24, seed=4)
+        requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)]
+        read = cache._read_chain
+        calls: list[int] = []
+
+        def second_is_an_outage(*args, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise cs.RemoteUnavailable("injected: the server went away")
+            return read(*args, **kw)
+
+        monkeypatch.setattr(cache, "_read_chain", second_is_an_outage)
+        before = snapshot(dest_tensors)
+        assert [r.num_tokens for r in cache.materialize_into_batch(requests, dest)] == [0, 0]
+        assert unchanged(before, dest_tensors)
+        took = _read_buffers(cache)
+        assert took["leases_granted"] == 2 and took["leases_active"] == 0
+        monkeypatch.setattr(cache, "_read_chain", read)
+        assert [r.num_tokens for r in cache.materialize_into_batch(requests, dest)] == [2 * BLOCK, 3 * BLOCK]
+        assert _read_buffers(cache)["leases_active"] == 0
+
+
+def test_read_buffer_bytes_zero_reads_into_fresh_memory_every_time(srv):
+    toks, kv = tokens_for(93, 2 * BLOCK), make_kv(2 * BLOCK, 93)
+    with _remote(srv, cs.Raw(), namespace="reuse", read_buffer_bytes=0) as cache:
+        cache.ingest(toks, kv)
+        for _ in range(2):
+            assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+        got = _read_buffers(cache)
+        assert got["buffers_made"] == 4 and got["buffers_free"] == 0 and got["leases_active"] == 0
+    with pytest.raises(cs.ConfigError, match="read_buffer_bytes"):
+        _remote(srv, cs.Raw(), read_buffer_bytes=-1)
+
+
 def test_a_look_again_after_the_eviction_race_is_not_counted_as_a_query_of_its_own(srv, monkeypatch):
     """The lookup a materialize sends again after its GET met the eviction race (a 404) was
     counted by the server as a query of its own: two lookups and two hits for one

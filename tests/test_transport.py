@@ -260,3 +260,46 @@ def test_a_request_body_a_server_never_reads_is_cut_off_at_the_exchange_timeout(
             with pytest.raises(httpx.TimeoutException, match="exchange_timeout"):
                 c.post("/upload", content=bytes(64 << 20))
             assert time.monotonic() - start < 2.5
+
+
+def _one_body(listener: socket.socket, got: list[bytes]) -> None:
+    """Read one request of known length on ``listener``, keep its body, answer OK."""
+    conn, _ = listener.accept()
+    with conn:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
+        got.append(body)
+        conn.sendall(OK)
+
+
+def test_a_body_streamed_from_one_reused_buffer_arrives_as_each_chunk_was_when_yielded():
+    """A request's stream may reuse a chunk's memory once it is asked for the next
+    (RemoteCache sends each frame from a reused buffer): the small chunks held back to go
+    out with later ones are held as copies, and the large ones are sent at once."""
+    import threading
+
+    sizes = [8, 100, 3000, 70_000, 5, 64 * 1024, 1, 64 * 1024 - 1, 2]
+    buf = bytearray(max(sizes))
+    sent: list[bytes] = []
+
+    def stream():
+        for i, n in enumerate(sizes):
+            buf[:n] = bytes([i + 1]) * n
+            sent.append(bytes(buf[:n]))
+            yield memoryview(buf)[:n]
+            buf[:] = b"\xee" * len(buf)  # the memory reused: what the transport holds must not change
+
+    got: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = threading.Thread(target=_one_body, args=(listener, got), daemon=True)
+        server.start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with httpx.Client(base_url=url, transport=BulkTransport(trust_env=False), timeout=5) as c:
+            r = c.post("/x", content=stream(), headers={"content-length": str(sum(sizes))})
+        server.join(5)
+    assert r.status_code == 200 and got == [b"".join(sent)]
