@@ -141,25 +141,26 @@ def test_a_namespace_rewrites_the_header_in_place(srv):
         assert c.get(f"/v1/blocks/{chain[0][0].hex()}").status_code == 404
 
 
-@pytest.mark.parametrize("reserve", ["default", "0"], ids=["received-in-place", "buffered"])
-def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, reserve):
+@pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk"], ids=["received-in-place", "buffered", "disk-only"])
+def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, tier):
     """A batch's blocks never evict each other: the tier makes room for the whole batch
     before its first block lands. Committed one (or a few) at a time, each evicting for
     itself, a fresh chain's blocks were ARC's only once-used blocks once every older one had
     been read again, and each commit evicted the ones before it: of 8 blocks answered
-    "stored", 4 were left (Llama-3-8B frames on a full 400 MiB tier: 4 of 16)."""
+    "stored", 4 were left (Llama-3-8B frames on a full 400 MiB tier: 4 of 16). The disk tier,
+    alone, gave up a group's blocks to the next group's the same way."""
     import cacheseek as cs
     from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
-    args = () if reserve == "default" else ("--cpu-reserve-bytes", reserve)
-    with Server(tmp_path, *args, disk=False, cpu_bytes="1MiB") as srv, cs.RemoteCache(
+    args = {"cpu": (), "cpu-no-reserve": ("--cpu-reserve-bytes", "0"), "disk": ("--disk-bytes", "1MiB")}[tier]
+    with Server(tmp_path, *args, disk=tier == "disk", cpu_bytes="0" if tier == "disk" else "1MiB") as srv, cs.RemoteCache(
             srv.url, model_id="full", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, trust_env=False) as cache:
         older = [(tokens_for(200 + i, 4 * BLOCK), make_kv(4 * BLOCK, 200 + i)) for i in range(6)]
         for toks, kv in older:  # the tier fills, and every block in it is read again
             assert cache.ingest(toks, kv).stored == 4
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
-        cpu = next(t for t in cache.stats()["tiers"] if t["name"] == "cpu")
-        assert cpu["evictions"] > 0, "the tier is not full: the test proves nothing"
+        top = next(t for t in cache.stats()["tiers"] if t["name"] == ("disk" if tier == "disk" else "cpu"))
+        assert top["evictions"] > 0, "the tier is not full: the test proves nothing"
         toks, kv = tokens_for(300, 8 * BLOCK), make_kv(8 * BLOCK, 300)
         assert cache.ingest(toks, kv).stored == 8
         assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)

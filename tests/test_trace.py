@@ -565,16 +565,25 @@ def test_an_ingest_keeps_every_block_it_stores_once_older_blocks_were_reused(pol
         store.close()
 
 
-@pytest.mark.parametrize("kind", ["cpu", "gpu"])
-def test_a_tier_makes_room_for_all_of_a_put_many_before_the_first_frame(kind):
+@pytest.mark.parametrize("kind", ["cpu", "gpu", "disk", "disk-one-by-one"])
+def test_a_tier_makes_room_for_all_of_a_put_many_before_the_first_frame(kind, tmp_path):
     """The same on the tiers themselves (the GPU tier's code on CPU tensors): a batch of new
-    frames never evicts its own frames, whatever the policy last reused."""
+    frames never evicts its own frames, whatever the policy last reused. The disk tier's
+    frames written one by one (no group commit) each evicted for itself: of 8 new blocks of
+    an embedded disk-only cache, 1 was left."""
     from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.disk import DiskTier
     from cacheseek.store.gpu import GpuTier
 
     frames, n = StandInFrames(512), 8
-    tier = CpuTier(4 * n * frames.nbytes, policy="arc") if kind == "cpu" else \
-        GpuTier(4 * n * frames.nbytes, device="cpu", policy="arc")
+    if kind.startswith("disk"):
+        probe = DiskTier(tmp_path / "probe", 1 << 20, fsync=False)
+        charge = probe.charge(frames.nbytes)
+        probe.close()
+        tier = DiskTier(tmp_path / "disk", 4 * n * charge, fsync=False, policy="arc", group_commit=kind == "disk")
+    else:
+        tier = CpuTier(4 * n * frames.nbytes, policy="arc") if kind == "cpu" else \
+            GpuTier(4 * n * frames.nbytes, device="cpu", policy="arc")
     for i in range(6):
         chain = [key_of(i * 1000 + j) for j in range(n)]
         items = [(k, frames.frame(k, chain[j - 1] if j else b"\xff" * 16, j)) for j, k in enumerate(chain)][::-1]
@@ -584,6 +593,7 @@ def test_a_tier_makes_room_for_all_of_a_put_many_before_the_first_frame(kind):
         evicted = [k for r in results for k, _ in r.evicted]
         assert not set(evicted) & set(chain) and len(evicted) == (n if i >= 4 else 0)
         tier.touch(chain)  # used again: ARC's T2
+    tier.close()
 
 
 def test_unknown_policy_is_a_config_error():

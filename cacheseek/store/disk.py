@@ -707,7 +707,40 @@ class DiskTier(IndexedTier):
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
                  room_for: int = 0) -> list[TierPutResult]:
         """Store several frames, committed together (see the module's docstring); a failure
-        is reported in its result, not raised. Every block is durable, or failed, on return."""
+        is reported in its result, not raised. Every block is durable, or failed, on return.
+        Room is made for all the new frames (and ``room_for`` bytes more: the caller's later
+        writes of the same call) before the first is claimed (``_make_room_for_call``)."""
+        room = self._make_room_for_call(items, room_for)
+        results = self._put_group(items)
+        if room and results:
+            results[0].evicted[:0] = room
+        return results
+
+    def _make_room_for_call(self, items: list[tuple[bytes, BlockFrame]], room_for: int) -> list[
+            tuple[bytes, BlockFrame | None]]:
+        """Evict for the charges of every new frame of a call and ``room_for`` bytes more, at
+        once. Each frame evicting for itself as it came, a call's first frames were the next
+        ones' victims once every older block had been read again (ARC's only once-used
+        blocks: a server's batch, put in groups, answered "stored" for blocks already gone).
+        A call that cannot fit whole leaves each frame to evict for itself, as does a victim
+        that cannot be read (its error is the frame's own then, not the call's)."""
+        evicted: list[tuple[bytes, BlockFrame | None]] = []
+        with self._lock:
+            new = {key: self.charge(frame.meta.nbytes) for key, frame in items
+                   if key not in self._index and key not in self._writing}
+            need = sum(new.values()) + room_for
+            if not new or len(new) == 1 and not room_for:
+                return evicted  # (one frame: its own claim makes the same room)
+            if need > self.capacity_bytes or not self._fits_beside_pins(need):
+                return evicted
+            while self._index.used_bytes + self._reserved + need > self.capacity_bytes and self._index.evictable:
+                try:
+                    self._evict_one(evicted)
+                except _Unreadable:
+                    break
+        return evicted
+
+    def _put_group(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
         if not self.group_commit or len(items) < 2:
             return [self._put_result(key, frame) for key, frame in items]
         self._refit_if_due()

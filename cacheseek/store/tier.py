@@ -217,8 +217,8 @@ class Tier(ABC):
         ``lease_stored``: a ``stored`` frame that lies in this tier's memory carries a lease
         on it (the caller reads it, and releases it); else it may be read only until this
         tier can evict it (no other thread uses the tier meanwhile). ``room_for``: bytes of
-        the caller's later writes of the same call, evicted for now by the memory tiers
-        (``_make_room``); the disk and Redis tiers evict for each frame as it comes."""
+        the caller's later writes of the same call, evicted for now by the memory and disk
+        tiers (``_make_room``); Redis evicts for each frame as it comes."""
         out = []
         for key, frame in items:
             try:
