@@ -928,6 +928,7 @@ class RemoteCache(PrefixCacheBase):
     def _read_chain(self, hashes: list[BlockHash], start: int, take: Callable[[int], memoryview],
                     leases: list[Any]) -> list[BlockFrame] | None:
         frames: list[BlockFrame] = []
+        seen = 0  # leases taken so far: a frame read through ``take`` (not a chunked body's) added one
         path = f"/v1/prefixes/{to_hex(hashes[-1])}"
         try:
             with self._http.stream("GET", path, params={"start": start} if start else None) as response:
@@ -947,9 +948,10 @@ class RemoteCache(PrefixCacheBase):
                             break
                         meta = parse_frame(buf, verify=True)
                         self.block_format.check_fetched(meta, hashes[i], i)
+                        lease = leases[-1] if len(leases) > seen else None
+                        seen = len(leases)
                         if i >= start:
-                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True,
-                                                     lease=leases[-1]))
+                            frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True, lease=lease))
                         i += 1
                 except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
                     pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand

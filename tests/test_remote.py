@@ -753,13 +753,15 @@ def test_a_materialize_reads_into_the_buffers_of_the_last_and_gives_every_one_ba
     toks, kv = tokens_for(91, 4 * BLOCK), make_kv(4 * BLOCK, 91)
     with _remote(srv, cs.Raw(), namespace=f"reuse-{device}") as cache:
         assert cache.ingest(toks, kv).stored == 4
-        assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
+        kept = cache.materialize(toks, device)
+        assert_prefix_equal(kept, kv, 4 * BLOCK)
         first = _read_buffers(cache)
         assert first["buffers_made"] == 4 and first["leases_active"] == 0 and first["buffers_free"] == 4
         for _ in range(2):
             assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
         again = _read_buffers(cache)
         assert again["buffers_made"] == 4 and again["leases_active"] == 0 and again["leases_granted"] == 12
+        assert_prefix_equal(kept, kv, 4 * BLOCK)  # the KV returned is its own, not a view of a buffer read into again
 
         parse = remote_module.parse_frame
         parsed: list[int] = []
@@ -1002,10 +1004,12 @@ def test_a_prefix_answer_that_is_not_frames_is_a_miss_and_allocates_nothing(answ
 
 
 
-def _forwarding_front(srv, lookup: bytes, *, compress: bool = False, strip_query: bool = False):
+def _forwarding_front(srv, lookup: bytes, *, compress: bool = False, strip_query: bool = False,
+                      chunked: bool = False):
     """A fake front: lookups answered ``lookup`` (JSON), other requests forwarded to ``srv``
     (their bodies are not; their query too unless ``strip_query``: a server that knows no
-    parameter), the answer gzipped when ``compress`` and the request accepts it."""
+    parameter), the answer gzipped when ``compress`` and the request accepts it, sent in
+    chunks of 1,000 bytes when ``chunked``."""
     import gzip
 
     def script(n: int, head: bytes):
@@ -1022,10 +1026,30 @@ def _forwarding_front(srv, lookup: bytes, *, compress: bool = False, strip_query
         body, extra = upstream.content, b""
         if compress and "gzip" in headers.get("accept-encoding", ""):
             body, extra = gzip.compress(body), b"content-encoding: gzip\r\n"
-        return (b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code,
-                                                           upstream.headers["content-type"].encode())
-                + extra + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body), False
+        head = b"HTTP/1.1 %d OK\r\ncontent-type: %s\r\n" % (upstream.status_code,
+                                                             upstream.headers["content-type"].encode()) + extra
+        if chunked:
+            pieces = [body[i : i + 1000] for i in range(0, len(body), 1000)]
+            return head + b"transfer-encoding: chunked\r\n\r\n" + b"".join(
+                b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n", False
+        return head + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body, False
     return script
+
+
+def test_a_prefix_a_front_sends_in_chunks_is_read_whole_into_memory_of_its_own(srv):
+    """A front that re-chunks the prefix stream (no length known): its frames come through
+    a ``BatchReader``, not the reused read buffers, and the materialize is whole."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(37, 3 * BLOCK), make_kv(3 * BLOCK, 37)
+    with _remote(srv, cs.Raw(), namespace="chunked") as cache:
+        assert cache.ingest(toks, kv).stored == 3
+    lookup = b'{"matched": 3, "tiers": ["cpu", "cpu", "cpu"]}'
+    with FakeServer(_forwarding_front(srv, lookup, chunked=True)) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+            namespace="chunked", trust_env=False) as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        assert _read_buffers(cache)["leases_granted"] == 0
 
 
 def test_a_front_that_compresses_what_the_client_accepts_leaves_materialize_whole(srv):
