@@ -81,6 +81,9 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
                 extra = " (removed at start: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()) + ")"
             if tier.get("other_version_at_start"):
                 extra += f" ({tier['other_version_at_start']:,} blocks of another format version left alone)"
+            on_disk = found.get("charged_bytes", found["bytes"])
+            if on_disk != found["bytes"]:  # whole file-system blocks, and each block's sidecar
+                extra = f" ({gib(on_disk)} on disk)" + extra
             out.append(f"        {held} {found['blocks']:,} blocks, {gib(found['bytes'])}{extra}")
     out.append(f"  write-through: {', '.join(stats['write_through']) or 'none'}; "
                f"promote on hit: {'on' if stats['promote_on_hit'] else 'off'}")
@@ -101,5 +104,8 @@ def recovery_figures(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
     for tier in stats["tiers"]:
         if tier["name"] == "cpu" or tier["name"] == "gpu":
             continue
-        tiers[tier["name"]] = {"blocks": tier["blocks"], "bytes": tier["used_bytes"]}
+        # Frame bytes, as ``stored_bytes`` counts them; a disk tier's budget counts more
+        # (``charged_bytes``: its files' whole file-system blocks and sidecars).
+        tiers[tier["name"]] = {"blocks": tier["blocks"], "bytes": tier.get("frame_bytes", tier["used_bytes"]),
+                               "charged_bytes": tier["used_bytes"]}
     return {"seconds": seconds, "tiers": tiers}

@@ -494,7 +494,9 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
     with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
         assert not any(path.exists() for path in stale)
         out = s.output().split("cacheseek serve 0")[-1]
-        assert f"recovered 4 blocks, {4 * FRAME / (1 << 30):.3f} GiB" in out, out
+        assert f"recovered 4 blocks, {4 * FRAME / (1 << 30):.3f} GiB (" in out, out  # frame bytes, then the charge
+        recovered = c.get("/v1/stats", headers={"Authorization": f"Bearer {WRITE}"}).json()["recovery"]["tiers"]["disk"]
+        assert recovered["blocks"] == 4 and recovered["bytes"] == 4 * FRAME < recovered["charged_bytes"]
         pins = c.get("/v1/admin/pins", headers=admin()).json()
         assert [(p["namespace"], p["hash"]) for p in pins] == [("a", chain[-1][0].hex())]
         usage = c.get("/v1/admin/namespaces", headers=admin()).json()
