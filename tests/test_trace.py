@@ -666,6 +666,32 @@ def test_disk_admission_counts_fade_over_ten_times_the_blocks_the_disk_holds(tmp
         store.close()
 
 
+def test_disk_admission_counts_fade_over_the_blocks_the_disk_holds_after_a_refit(tmp_path):
+    """A full filesystem lowers the disk tier's budget (a refit): the filter's window, ten
+    times the blocks the tier holds, follows it, where it kept the window of the budget it
+    read at start and let counts fade too seldom for the tier it had become."""
+    frames = StandInFrames(512)
+    store = build_store(ReplaySpec(cpu_blocks=2, disk_blocks=10, disk_admit_after_uses=2, policy="lru"), frames.nbytes,
+                        str(tmp_path / "disk"))
+    try:
+        keys = [key_of(i) for i in range(4)]
+        for i, key in enumerate(keys):
+            store.put_many([(key, frames.frame(key, b"\xff" * 16, 0))])
+            store.touch_chain([key])  # used twice: admitted once handed down
+        disk = store.tier("disk")
+        assert [disk.contains(k) for k in keys] == [True, True, False, False]
+
+        def window() -> int:
+            return next(t for t in store.stats()["tiers"] if t["name"] == "disk")["admission"]["window"]
+
+        assert window() == 10 * 10
+        disk._refit(full=True)  # what a write that met ENOSPC does: the budget is what is held
+        assert disk.capacity_bytes == 2 * disk.charge(frames.nbytes)
+        assert window() == 10 * 2
+    finally:
+        store.close()
+
+
 @needs_redis
 def test_disk_admission_holds_back_only_the_disks_writes(tmp_path):
     """A tier below the disk that is written through (Redis, the default write-through and

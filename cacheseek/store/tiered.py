@@ -114,7 +114,7 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_through = write_through
         self.promote_on_hit = promote_on_hit
-        self.filters = {t.name: UseFilter(admit_after[t.name], t.capacity_bytes, t.charge)
+        self.filters = {t.name: UseFilter(admit_after[t.name], (lambda t=t: t.capacity_bytes), t.charge)
                         for t in self.tiers if t.name in admit_after}
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
