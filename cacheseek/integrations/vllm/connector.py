@@ -317,7 +317,7 @@ def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str) -> No
 
     n, d, heads = fmt.page_tokens, fmt.head_dim, 2
     try:
-        isa = _get_attn_isa(dtype, n, d, cache_dtype)
+        isa = _get_attn_isa(dtype, fmt.block_size, d, cache_dtype)  # (as vLLM picks it: by its block size)
         layer = torch.zeros(2, heads, n, 2 * d, dtype=dtype)
         slots = torch.tensor([0, 1, n - 1, n + n // 2 + 1], dtype=torch.int64)
         kv = torch.randn(2, len(slots), heads, d, generator=torch.Generator().manual_seed(0)).to(dtype)
