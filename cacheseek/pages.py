@@ -35,6 +35,7 @@ import torch
 
 from .errors import InputError
 from .layout import KVLayout
+from .quant.backend import forced_triton
 from .quant.tensors import dtype_str, within
 
 PAGE_LAYOUTS = ("NHD", "HND")
@@ -88,6 +89,26 @@ def _reaches(d: int, dims: list[tuple[int, int]]) -> bool:
     return any(_reaches(d - c * st, rest) for c in range(lo, hi + 1))  # (at most two c: st > below)
 
 
+def _beside(a: list[tuple[int, int]], b: list[tuple[int, int]], d: int) -> bool:
+    """Whether views of ``a`` and ``b`` (as ``_dims``), ``b`` starting ``d > 0`` elements
+    after ``a``, interleave without sharing an element, in the one way engines interleave
+    K and V of other strides (vLLM's CPU pages: K column-major, V row-major, per page and
+    head): the same outer dims, nested without gaps (offsets every ``S`` elements), and
+    within each step of ``S`` all of ``a``'s inner elements before all of ``b``'s."""
+    outer = []
+    while a and b and a[0] == b[0]:
+        outer.append(a[0])
+        a, b = a[1:], b[1:]
+    if not outer:
+        return False
+    step = outer[-1][0]
+    for (st, _), (inner_st, inner_n) in zip(outer, outer[1:]):
+        if st != inner_st * inner_n:
+            return False
+    span_a, span_b = (sum((n - 1) * st for st, n in dims) for dims in (a, b))
+    return span_a < d and d + span_b < step
+
+
 def _check_disjoint(views: list[tuple[str, torch.Tensor]]) -> None:
     """``InputError`` naming the first view that shares an element with itself or another."""
     spans = []
@@ -108,8 +129,13 @@ def _check_disjoint(views: list[tuple[str, torch.Tensor]]) -> None:
             d, size = start - a_start, t.element_size()
             # Address ranges that meet hold disjoint elements only where the views interleave
             # (FlashInfer's K and V): the same strides, and no offset of one on the other's.
-            if not d or a.stride() != t.stride() or a.element_size() != size or d % size or \
-                    _reaches(d // size, _dims(t)):
+            if not d or a.element_size() != size or d % size:
+                clashes.append((max(i, j), min(i, j), not d))
+            elif a.stride() == t.stride() and not _reaches(d // size, _dims(t)):
+                continue
+            elif a.stride() != t.stride() and _beside(_dims(a), _dims(t), d // size):
+                continue
+            else:
                 clashes.append((max(i, j), min(i, j), not d))
         active.append((start, end, j, t))
     if clashes:  # named in the views' order, whatever order the allocator put them in
@@ -144,7 +170,10 @@ class KVPages:
                     raise InputError(f"pages layer {i} {name}: dtype {t.dtype}, layer 0 K has {dtype}")
                 if t.device != device:
                     raise InputError(f"pages layer {i} {name}: on {t.device}, layer 0 K is on {device}")
-                if t.stride(3) != 1 and t.shape[3] != 1:
+                # The kernels read a token's channels as one run; the torch path (pages in host
+                # memory, unless the kernels are forced) indexes any strides: vLLM's CPU pages
+                # keep K column-major.
+                if t.stride(3) != 1 and t.shape[3] != 1 and (device.type != "cpu" or forced_triton()):
                     raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, strides {t.stride()}")
             if len({t.stride() for t in views}) != 1:
                 raise InputError(f"pages {name}: every layer must have the same strides")

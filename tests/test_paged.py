@@ -298,8 +298,14 @@ def test_bad_pages_are_refused_when_built():
         cs.KVPages([t[0][0], t[1][0], t[2][0]], [x[1] for x in t][:2] + [t[2][1][:3]])
     with pytest.raises(cs.InputError, match=r"layout"):
         cs.KVPages([x[0] for x in t], [x[1] for x in t], layout="NDH")
-    with pytest.raises(cs.InputError, match=r"head dim must be contiguous"):
-        cs.KVPages([x[0].transpose(2, 3) for x in t], [x[1].transpose(2, 3) for x in t], layout="NHD")
+    # The kernels need a token's channels in one run: refused where they read the pages;
+    # the torch path (host pages) indexes any strides (vLLM's CPU pages: K column-major).
+    strided = ([x[0].transpose(2, 3) for x in t], [x[1].transpose(2, 3) for x in t])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CACHESEEK_KIVI_BACKEND", "triton")
+        with pytest.raises(cs.InputError, match=r"head dim must be contiguous"):
+            cs.KVPages(*strided, layout="NHD")
+    assert cs.KVPages(*strided, layout="NHD").head_dim == H
     with pytest.raises(cs.InputError, match=r"token pool"):
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
     # (a TypeError from iterating them, naming nothing, before)

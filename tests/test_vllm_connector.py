@@ -13,7 +13,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
   external hit tokens, and the greedy output equals that prompt computed without any cache,
   token for token. KIVI int8 and int4: the same, with the agreement reported. vLLM's
-  cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones.
+  cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones. With
+  store blocks of 32 tokens, the load ends inside one of vLLM's 128-token CPU pages, and
+  vLLM's own CPU kernel writes K and V where the connector's views read them.
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged. Again with a
   second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
@@ -99,10 +101,11 @@ def engines(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     pool = ThreadPoolExecutor(max_workers=2)
 
-    def embedded(codec: str, layerwise: bool | None = None, disk: str | None = None, **job) -> dict:
+    def embedded(codec: str, layerwise: bool | None = None, disk: str | None = None, block_tokens: int = 256,
+                 **job) -> dict:
         tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{disk or codec}"), "disk_bytes": "1GiB",
                  "disk_fsync": False}
-        extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers}
+        extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers, "block_tokens": block_tokens}
         if layerwise is not None:  # (default: whole-step loads)
             extra["layerwise_load"] = layerwise
         return run_engine({"scenario": "share", "extra": extra, **job})
@@ -135,6 +138,8 @@ def engines(model, tmp_path_factory):
         "two_engines": pool.submit(two_engines),
         "tensor_parallel": pool.submit(tensor_parallel),
         "int8": pool.submit(embedded, "int8"),
+        # store blocks of 32 tokens inside vLLM's CPU pages of 128: loads end inside a page
+        "raw_small_blocks": pool.submit(embedded, "raw", disk="small-blocks", block_tokens=32),
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
@@ -175,6 +180,25 @@ def test_raw_prefix_loaded_from_cacheseek_gives_the_uncached_output(engines):
     # vLLM's reset_prefix_cache(reset_connector=True) between the two: the base class's
     # None read as done while the store kept serving the blocks; now it says it did not.
     assert res["connector_reset"] is False
+
+
+def test_vllms_cpu_pages_are_read_and_written_where_its_kernel_keeps_each_token():
+    """vLLM's CPU attention keeps a page's K column-major ([head_dim, page_tokens] per
+    head) and its V row-major: the connector's views read each token's K and V where
+    vLLM's own kernel wrote them, and write them there. Read as rows, the K of a token was
+    other tokens' channels: whole pages went out and came back bit for bit, but a load
+    that ended inside a page scrambled the page's K, and KIVI grouped K by the wrong axes."""
+    res = run_engine({"scenario": "cpu_pages", "extra": {}})
+    assert res["k_read"] and res["v_read"] and res["written_as_vllm"], res
+    assert res["other_layout_refused"], res
+
+
+def test_a_load_that_ends_inside_vllms_page_gives_the_uncached_output(engines):
+    res = result(engines, "raw_small_blocks")
+    # blocks of 32: 34 of the 1100 shared tokens, loaded into vLLM's CPU pages of 128 tokens:
+    # the hit ends 64 tokens into its ninth page, which vLLM fills from there
+    assert res["loaded"]["external"] == 1088 and res["loaded"]["cached"] == 1088
+    assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
 
 
 def test_a_cache_salt_is_part_of_the_key(engines):

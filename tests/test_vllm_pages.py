@@ -141,11 +141,29 @@ def test_channel_split_is_flash_attention_view():
 def test_token_split_is_cpu_attention_view():
     t = layer_tensor(5, 32)
     k, v = kv_views(t, PageFormat("token", D, 32, 32))
-    # vLLM's CPU_ATTN: kv_cache.view(P, H, 2N, D).chunk(2, dim=2)
+    # vLLM's CPU_ATTN: kv_cache.view(P, H, 2N, D).chunk(2, dim=2), into which its kernels
+    # write K column-major ([D, N] per page and head: cpu_attn_vec.hpp) and V row-major
     ck, cv = t.view(5, H, 64, D).chunk(2, dim=2)
-    assert torch.equal(k, ck) and torch.equal(v, cv)
+    assert torch.equal(k, ck.reshape(5, H, D, 32).transpose(2, 3)) and torch.equal(v, cv)
     k[1, 0, 3] = 7.0
-    assert t.view(5, H, 64, D)[1, 0, 3].eq(7.0).all()  # writes land in the pages
+    assert ck[1, 0].reshape(D, 32)[:, 3].eq(7.0).all()  # writes land in the pages, channel by channel
+    assert k.data_ptr() == t.data_ptr()  # a view, not a copy
+    # The engine surface takes them on a CPU: K and V interleave per page and head
+    pages = VllmPages([t, layer_tensor(5, 32, seed=1)], PageFormat("token", D, 32, 32))
+    assert pages.engine.page_size == 32
+
+
+def test_cpu_pages_whose_k_and_v_share_memory_are_refused():
+    """K and V views of other strides (vLLM's CPU pages) are taken where each page and
+    head holds all of K, then all of V; overlapping ones are refused, not written twice."""
+    t = layer_tensor(5, 32)
+    n = 32
+    k = t.as_strided((5, H, n, D), (t.stride(0), t.stride(1), 1, n))
+    v = t.as_strided((5, H, n, D), (t.stride(0), t.stride(1), D, 1), n * D - D)  # V one row into K
+    with pytest.raises(InputError, match="shares memory"):
+        cs.KVPages([k], [v], layout="HND")
+    v = t.as_strided((5, H, n, D), (t.stride(0), t.stride(1), D, 1), n * D)
+    cs.KVPages([k], [v], layout="HND")
 
 
 def test_page_format_checks():

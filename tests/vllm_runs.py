@@ -812,8 +812,53 @@ def admission(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's CPU attention kernel (``cpu_attn_reshape_and_cache``, with the ISA vLLM picks
+    for SmolLM2's pages) writes known K and V for tokens across two pages, some inside a
+    page; the connector's K and V views of that layer tensor, made as it makes them for
+    CPU_ATTN, read back each token's K and V, and a token written through the views is
+    where vLLM's kernel would have put it. Returns, per check, whether it held."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from cacheseek.integrations.vllm.connector import KV_SPLIT_OF_BACKEND
+    from cacheseek.integrations.vllm.pages import PageFormat, kv_views
+
+    P, H, N, D = 4, 3, 128, 64  # SmolLM2-135M: 3 KV heads of 64; vLLM's CPU pages of 128 tokens
+    isa = _get_attn_isa(torch.float32, N, D, "auto")
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([0, 1, 37, 127, 128, 200, 255, 300], dtype=torch.int64)
+    key = torch.randn(len(slots), H, D, generator=g)
+    value = torch.randn(len(slots), H, D, generator=g)
+    layer = torch.zeros(P, H, N, 2 * D)
+    kc, vc = layer.view(P, H, 2 * N, D).chunk(2, dim=2)  # as CPUAttentionBackendImpl hands them over
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa)
+    fmt = PageFormat(KV_SPLIT_OF_BACKEND["CPU_ATTN"], D, N, N)
+    k, v = kv_views(layer, fmt)
+    page, slot = slots // N, slots % N
+    out = {"isa": isa, "k_read": torch.equal(k[page, :, slot], key), "v_read": torch.equal(v[page, :, slot], value)}
+    # And the other way: a token written through the views, as vLLM's kernel writes it.
+    mine = torch.zeros_like(layer)
+    mk, mv = kv_views(mine, fmt)
+    mk[page, :, slot], mv[page, :, slot] = key, value
+    out["written_as_vllm"] = torch.equal(mine, layer)
+    # The connector checks the layout against vLLM's kernel at start: the views it takes,
+    # and refuses others (as it refuses AMX's tiles, which no view describes).
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.connector import check_cpu_pages
+
+    check_cpu_pages(fmt, torch.float32, "auto")
+    try:
+        check_cpu_pages(PageFormat("channel", D, N, N), torch.float32, "auto")
+        out["other_layout_refused"] = False
+    except ConfigError as exc:
+        out["other_layout_refused"] = "lays out K and V" in str(exc)
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
-                                               admission, steps)}
+                                               admission, steps, cpu_pages)}
 
 
 def main() -> None:

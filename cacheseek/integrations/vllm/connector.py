@@ -28,7 +28,7 @@ from ...hashing import Shard
 from ...layout import KV_DTYPES, KVLayout, dtype_name
 from .config import ConnectorConfig
 from .guard import StoreGuard
-from .pages import PageFormat, VllmPages
+from .pages import PageFormat, VllmPages, kv_views
 from .plan import StepPlan
 from .scheduler import SchedulerSide
 from .stores import close_cache, open_cache
@@ -157,6 +157,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
+        if fmt.kv_split == "token":
+            check_cpu_pages(fmt, layers[0].dtype, self._vllm_config.cache_config.cache_dtype)
         side = self._worker_side()
         side.register(VllmPages(layers, fmt))
         side.layerwise = self.config.loads_layerwise(layers[0].device.type)
@@ -304,6 +306,34 @@ class CacheSeekConnector(KVConnectorBase_V1):
         return self._worker
 
 
+def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str) -> None:
+    """``ConfigError`` unless vLLM's CPU attention kernel, with the ISA it picks for these
+    pages, keeps each token's K and V where the connector's views (pages.py) read and
+    write them. Its layout is the ISA's (AMX packs K and V in tiles) and has changed
+    between releases; read wrong, whole pages still went out and came back bit for bit,
+    but a load ending inside a page scrambled it."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    n, d, heads = fmt.page_tokens, fmt.head_dim, 2
+    try:
+        isa = _get_attn_isa(dtype, fmt.block_size, d, cache_dtype)  # (as vLLM picks it: by its block size)
+        layer = torch.zeros(2, heads, n, 2 * d, dtype=dtype)
+        slots = torch.tensor([0, 1, n - 1, n + n // 2 + 1], dtype=torch.int64)
+        kv = torch.randn(2, len(slots), heads, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+        key_cache, value_cache = layer.view(2, heads, 2 * n, d).chunk(2, dim=2)  # (as CPUAttentionBackendImpl)
+        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, isa)
+    except Exception as exc:  # noqa: BLE001 - a vLLM without this kernel: its layout cannot be checked
+        raise ConfigError(f"CacheSeekConnector: vLLM's CPU attention pages could not be checked "
+                          f"({type(exc).__name__}: {exc})") from None
+    k, v = kv_views(layer, fmt)
+    page, slot = slots // n, slots % n
+    if not (torch.equal(k[page, :, slot], kv[0]) and torch.equal(v[page, :, slot], kv[1])):
+        raise ConfigError(f"CacheSeekConnector: vLLM's CPU attention ISA {isa!r} lays out K and V in pages of "
+                          f"{n} tokens otherwise than the connector reads them (the vec ISAs: K column-major, "
+                          "V row-major); not supported")
+
+
 def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
     """The ``KVLayout`` of the model's one group of full-attention layers."""
     groups = kv_cache_config.kv_cache_groups
@@ -343,4 +373,4 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-__all__ = ["CacheSeekConnector", "CacheSeekMetadata", "CacheSeekStats"]
+__all__ = ["CacheSeekConnector", "CacheSeekMetadata", "CacheSeekStats", "check_cpu_pages"]

@@ -8,8 +8,13 @@ backend's choice, and the connector has to know it:
 - ``"channel"`` (FLASH_ATTN, TRITON_ATTN): per token and head, K in ``[..., :D]`` and V in
   ``[..., D:]``. With vLLM's default LBNHC layout a page is ``[N, H, 2D]`` in memory
   (the old flash layout's ``[2, P, N, H, D]`` with K and V interleaved per token).
-- ``"token"`` (CPU_ATTN): each (page, head) row of ``N * 2D`` elements holds the page's N
-  K rows, then its N V rows: the backend views it as ``[P, H, 2N, D]`` and splits at N.
+- ``"token"`` (CPU_ATTN): each (page, head) row of ``N * 2D`` elements holds the page's K
+  in its first ``N * D`` and its V in the rest (the backend views it as ``[P, H, 2N, D]``
+  and splits at N). vLLM's CPU kernels (its "vec" ISAs) keep V row-major, ``[N, D]``, and
+  K column-major, ``[D, N]``: channel ``d`` of token ``t`` at ``d * N + t``. So a token's
+  K is strided by N, not contiguous (read as rows, a row held other tokens' channels). The
+  AMX ISA packs K and V in tiles that no view describes: the connector refuses it at start
+  (connector.py checks the layout against vLLM's own kernel).
 
 Either way the views below are ``[P, H, N, D]`` with strides into the one tensor: nothing
 is copied, and they are handed to the engine surface as ``cs.KVPages(k, v, layout="HND")``
@@ -67,8 +72,10 @@ def kv_views(layer: torch.Tensor, fmt: PageFormat) -> tuple[torch.Tensor, torch.
         return layer[..., :d], layer[..., d:]
     if layer.stride(3) != 1 or layer.stride(2) != 2 * d:
         raise InputError(f"kv cache layer: a token-split page needs contiguous [N, 2D] rows, strides {layer.stride()}")
-    rows = layer.as_strided((*layer.shape[:2], 2 * n, d), (layer.stride(0), layer.stride(1), d, 1))
-    return rows[:, :, :n], rows[:, :, n:]
+    page, head = layer.stride(0), layer.stride(1)
+    k = layer.as_strided((*layer.shape[:2], n, d), (page, head, 1, n))
+    v = layer.as_strided((*layer.shape[:2], n, d), (page, head, d, 1), layer.storage_offset() + n * d)
+    return k, v
 
 
 class VllmPages:
