@@ -85,7 +85,9 @@ async def flush(ops: Admin,
     return await run_in_threadpool(lambda: ops.flush(namespace=namespace, model=model))
 
 
-@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR}})
+@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR},
+                                           503: {"description": "a tier that may hold it (Redis) could not be "
+                                                                "reached: retry", **ERROR}})
 async def delete_chain(ops: Admin, hash: Hash, namespace: NamespaceHeader = None) -> dict:
     """Delete the chain ending at ``hash``: the block, every block extending it, and the
     ancestors no other stored chain goes through."""
