@@ -165,6 +165,30 @@ def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(tmp_path
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_content_length_with_whitespace_after_it_is_its_number(tmp_path):
+    """A field value's trailing whitespace is not part of it (RFC 9112, 5): the parser reads
+    ``Content-Length: 33152 \t`` as 33152 (and the body as that long), but the routes read the
+    header again as it came and answered 400 "not a number" to a well-formed request."""
+    h, frame = raw_frame(5)
+    lookup = json.dumps({"hashes": [h.hex()]}).encode()
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for method, path, body, statuses in (("PUT", f"/v1/blocks/{h.hex()}", frame, (201, 200)),
+                                                 ("POST", "/v1/blocks", batch_body([frame]), (200, 200)),
+                                                 ("POST", "/v1/lookup", lookup, (200, 200))):
+                for pad, status in zip((" ", "  \t"), statuses):
+                    s.sendall(head(method, path, extra=f"content-length: {len(body)}{pad}\r\n") + body)
+                    got, _, text = read_response(s, rest)
+                    assert got == status, (method, path, repr(pad), got, text)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {2 * MiB} \r\n"))
+            got, _, text = read_response(s, rest)
+            assert got == 413 and "max_frame_bytes" in json.loads(text)["error"], text
+        assert httpx.post(srv.url + "/v1/lookup", content=lookup).json()["matched"] == 1
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_block_deleted_while_its_prefix_streams_cuts_the_answer_short_and_logs_no_bug(tmp_path):
     with Server(tmp_path, "--cpu-bytes", "256MiB", disk=False) as srv:
         chain = raw_chain(3, 16, layout=BIG_LAYOUT)
