@@ -275,6 +275,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                     and (cycle is None or cycle.response_complete))
 
         def on_headers_complete(self) -> None:
+            if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
+                # httptools skips the body of a request asking for an upgrade (its bytes are the
+                # new protocol's), and this server upgrades to none: the route would read no
+                # body, and the body's bytes would be parsed as the next request (one smuggled
+                # past a front that forwards the header). Refused before any of them is read.
+                self.send_error_and_close(b"400 Bad Request", "a request asking for an upgrade (Connection: upgrade) "
+                                          "cannot have a body: this server upgrades to no other protocol")
+                return
             super().on_headers_complete()
             self.in_head = self.in_trailers = False
             self.head_epoch += 1
