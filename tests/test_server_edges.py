@@ -195,8 +195,9 @@ def test_a_body_of_a_request_asking_for_an_upgrade_is_never_read_as_a_request(tm
     the body ended after 0 bytes) and the body's bytes, when they came in a read of their own,
     were parsed as the next request. A front that forwards the header (a proxy set up for
     WebSockets) passed a request smuggled inside a body, past whatever it checks: here a
-    DELETE that no token of the client's allowed. Such a request is refused, naming the
-    upgrade, and its connection closed before a byte after its head is read."""
+    DELETE inside the body of a lookup (the lookup itself refused, 401; the DELETE served).
+    Such a request is refused, naming the upgrade, and its connection closed before a byte
+    after its head is read."""
     h, frame = raw_frame(6)
     token = "w" * 20
     auth = f"authorization: Bearer {token}\r\n"
