@@ -56,7 +56,8 @@ def _namespace(header: str | None) -> str:
 
 
 class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON true or "5" is no number of seconds (taken for 1 s and 5 s, a pin lapsed at once)
+    model_config = ConfigDict(extra="forbid", strict=True)
     ttl_seconds: float | None = Field(None, gt=0, description="unpinned after this long; null: until unpinned")
 
 
