@@ -249,6 +249,14 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
             body = {"content": bad} if isinstance(bad, str) else {"json": bad}
             r = c.put(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin(), **body)
             assert r.status_code == 400 and "error" in r.json(), (bad, r.status_code)  # not 422: bad input
+        # A body that is not JSON, or not sent as JSON, is named as such (curl -d sends a form).
+        for content, ctype, says in (('{"ttl_seconds": }', "application/json", "not valid JSON at character 16"),
+                                     ('{"ttl_seconds": 5}', "application/x-www-form-urlencoded", "application/json"),
+                                     ('{"ttl_seconds": 5}', "text/plain", "application/json")):
+            r = c.put(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin() | {"content-type": ctype},
+                      content=content)
+            assert r.status_code == 400 and r.json()["error"].startswith("body: ") and says in r.json()["error"], \
+                (ctype, r.text)
         assert c.get("/v1/admin/pins", headers=admin()).json() == []
         assert all(held(c, chain, "a"))
 
