@@ -44,6 +44,7 @@ log = logging.getLogger("cacheseek.server")
 OWNERS_FILE = ".cacheseek-owners.json"
 FILE_VERSION = 1
 UNATTRIBUTED = 0  # owner id of blocks whose chain cannot be traced
+OTHER_MODEL = "_other"  # a namespace's models past ``max_models``, counted as one
 
 
 @dataclass(slots=True)
@@ -54,10 +55,12 @@ class Usage:
 
 
 class Owners:
-    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_roots: int = 4096,
-                 max_left: int = 1 << 16) -> None:
+    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_models: int = 64,
+                 max_roots: int = 4096, max_left: int = 1 << 16) -> None:
         self._lock = threading.Lock()
         self.max_owners = max_owners
+        self.max_models = max_models
+        self._models: dict[str | None, int] = {}  # namespace -> models told apart in it
         self.max_roots = max_roots
         self._names: list[tuple[str | None, str]] = [(None, "")]  # id -> (namespace, model)
         self._ids: dict[tuple[str | None, str], int] = {}
@@ -81,13 +84,20 @@ class Owners:
 
     def owner_id(self, namespace: str, model: str) -> int:
         """The id of (namespace, model), made on first use; ``UNATTRIBUTED`` once
-        ``max_owners`` exist (a bound on what a client can make the server remember)."""
+        ``max_owners`` exist (a bound on what a client can make the server remember). A
+        namespace's models past ``max_models`` are one owner, ``OTHER_MODEL``: a client names
+        its model freely, and one naming thousands used up every id, after which the blocks
+        of every namespace and model first seen were nobody's (a flush of that namespace
+        found none of them)."""
         key = (namespace, model)
         got = self._ids.get(key)
         if got is not None:
             return got
         with self._lock:
             got = self._ids.get(key)
+            if got is None and model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
+                key = (namespace, OTHER_MODEL)
+                got = self._ids.get(key)
             if got is None:
                 if len(self._names) > self.max_owners:
                     return UNATTRIBUTED
@@ -95,6 +105,8 @@ class Owners:
                 self._names.append(key)
                 self._usage.append(Usage())
                 self._ids[key] = got
+                if key[1] != OTHER_MODEL:
+                    self._models[namespace] = self._models.get(namespace, 0) + 1
             return got
 
     def expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> None:
@@ -246,4 +258,4 @@ def _matches(name: tuple[str | None, str], namespace: str | None, model: str | N
     return (namespace is None or name[0] == namespace) and (model is None or name[1] == model)
 
 
-__all__ = ["OWNERS_FILE", "Owners", "UNATTRIBUTED"]
+__all__ = ["OTHER_MODEL", "OWNERS_FILE", "Owners", "UNATTRIBUTED"]

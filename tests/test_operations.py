@@ -261,6 +261,31 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
         assert all(held(c, chain, "a"))
 
 
+def test_a_tenant_naming_thousands_of_models_leaves_the_other_namespaces_attributed(tmp_path):
+    """The server remembers at most 4096 (namespace, model) owners, and a client names its
+    model freely: one tenant that named 4096 models (an empty batch each is enough) used them
+    all up, and every (namespace, model) first seen after that was nobody's. Another tenant's
+    new blocks were then unattributed: missing from its usage, and a flush of its namespace
+    answered 404 "no blocks were ever stored" and deleted none of them. A namespace's models
+    past 64 count as one, ``_other``: it keeps its blocks, and the others theirs."""
+    tenants = '{"a": {"write_token": "tenant-a-token-0123"}, "b": {"write_token": "tenant-b-token-0123"}}'
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants},
+                disk=False) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        a = {"Authorization": "Bearer tenant-a-token-0123"}
+        for i in range(4200):
+            assert c.post("/v1/blocks", content=b"", headers=a | {"X-CacheSeek-Model": f"m{i}"}).status_code == 200
+        chain = raw_chain(9, 3)
+        post_chain(c, chain, **{"Authorization": "Bearer tenant-b-token-0123", "X-CacheSeek-Model": "llama"})
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        b = [u for u in usage if u["namespace"] == "b"]
+        assert b and b[0]["blocks"] == 3 and [m["model"] for m in b[0]["models"]] == ["llama"], usage
+        a_models = {m["model"] for u in usage if u["namespace"] == "a" for m in u["models"]}
+        assert len(a_models) <= 65 and "_other" in a_models, len(a_models)
+        r = c.post("/v1/admin/flush", params={"namespace": "b"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+
+
 def test_flush_and_delete_touch_nothing_but_what_they_name(srv):
     a1, a2, b = raw_chain(10, 3), raw_chain(11, 2), raw_chain(12, 3)
     shared = raw_chain(13, 2)  # a head with two tails
