@@ -4,6 +4,7 @@ start-up summary, ``cacheseek top`` and ``cacheseek admin``."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tempfile
@@ -261,6 +262,19 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
         assert all(held(c, chain, "a"))
 
 
+def test_the_roots_kept_are_bounded_per_namespace_and_in_all(tmp_path):
+    from cacheseek.server.owners import OWNERS_FILE, Owners
+
+    owners = Owners(tmp_path, max_roots=10, max_namespace_roots=4)
+    for ns in ("a", "b", "c", "d"):
+        owner = owners.owner_id(ns, "m")
+        owners.expect(owner, [(bytes([i]) * 16, ns.encode() * 16 + bytes([i]), 0) for i in range(6)])
+    roots = json.loads((tmp_path / OWNERS_FILE).read_text())["roots"]
+    assert [sum(r["namespace"] == ns for r in roots) for ns in "abcd"] == [4, 4, 2, 0]
+    again = Owners(tmp_path, max_roots=10, max_namespace_roots=4)  # the same bounds when read back
+    assert len(again._roots) == 10
+
+
 def test_a_tenant_naming_thousands_of_models_leaves_the_other_namespaces_attributed(tmp_path):
     """The server remembers at most 4096 (namespace, model) owners, and a client names its
     model freely: one tenant that named 4096 models (an empty batch each is enough) used them
@@ -284,6 +298,36 @@ def test_a_tenant_naming_thousands_of_models_leaves_the_other_namespaces_attribu
         assert len(a_models) <= 65 and "_other" in a_models, len(a_models)
         r = c.post("/v1/admin/flush", params={"namespace": "b"}, headers=admin())
         assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+
+
+def test_a_tenant_naming_thousands_of_roots_leaves_the_other_namespaces_roots_remembered(tmp_path):
+    """The server keeps at most 4096 chain roots (the parent hash a position-0 frame names,
+    which the client chooses) to attribute blocks recovered from disk after a restart. One
+    tenant that named 4096 roots used them all up: another tenant's root was not kept, so
+    after a restart its blocks were nobody's and a flush of its namespace answered 404 and
+    deleted none of them. A namespace keeps at most 256 roots; the others keep theirs."""
+    from cacheseek.layout import KVLayout
+
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    tenants = '{"a": {"write_token": "tenant-a-token-0123"}, "b": {"write_token": "tenant-b-token-0123"}}'
+    args = ("--admin-token", ADMIN, "--write-token", WRITE)
+    env = {"CACHESEEK_TENANTS": tenants}
+    b = {"Authorization": "Bearer tenant-b-token-0123"}
+    chain = raw_chain(9, 3)
+    with Server(tmp_path, *args, env=env) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        a = {"Authorization": "Bearer tenant-a-token-0123"}
+        for start in range(0, 4200, 600):
+            heads = [raw_frame(i, parent=i.to_bytes(16, "little"), layout=tiny, block=1)[1]
+                     for i in range(start, start + 600)]
+            r = c.post("/v1/blocks", content=batch_body(heads), headers=a)
+            assert r.status_code == 200, r.text
+        post_chain(c, chain, **b)
+    with Server(tmp_path, *args, env=env) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        assert [u["blocks"] for u in usage if u["namespace"] == "b"] == [3], usage
+        r = c.post("/v1/admin/flush", params={"namespace": "b"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+        assert held(c, chain, "b") == [None] * 3
 
 
 def test_flush_and_delete_touch_nothing_but_what_they_name(srv):
