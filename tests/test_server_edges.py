@@ -222,10 +222,15 @@ def test_a_body_of_a_request_asking_for_an_upgrade_is_never_read_as_a_request(tm
                 assert not rest and closed_within(s, 10) < 10, split  # nothing more: no second answer
         r = httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers={"authorization": f"Bearer {token}"})
         assert r.status_code == 200 and r.content == frame
-        # A request asking for an upgrade with no body is served as usual.
+        # A request asking for an upgrade with no body is served as usual, and so is one sent
+        # right behind it (uvicorn dropped the bytes after such a head: unanswered, the client
+        # waited for the keep-alive timeout).
         with socket.create_connection(("127.0.0.1", srv.port)) as s:
-            s.sendall(head("GET", "/healthz", None, upgrade))
-            assert read_response(s, bytearray())[0] == 200
+            s.settimeout(10)
+            s.sendall(head("GET", "/healthz", None, upgrade) + head("GET", "/readyz"))
+            rest = bytearray()
+            assert read_response(s, rest)[0] == 200
+            assert read_response(s, rest)[0] == 200
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
