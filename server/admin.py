@@ -34,7 +34,7 @@ from typing import Any
 from cacheseek.errors import StorageError
 from cacheseek.hashing import to_hex
 
-from .errors import NotFound
+from .errors import NotFound, TierUnreachable
 from .service import BlockService
 
 log = logging.getLogger("cacheseek.server")
@@ -78,7 +78,9 @@ class AdminOps:
             # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
             self.store.settle_moves()
             keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
-            blocks, nbytes = self._delete(keys)
+            # (A flush deletes from Redis only what it finds here: one Redis could not
+            # confirm is counted with the blocks deleted here, as before, not refused.)
+            blocks, nbytes, _ = self._delete(keys, count_unknown=True)
             self._forget_pins_of(set(keys))
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
@@ -100,9 +102,20 @@ class AdminOps:
                 if same:
                     break
             if doomed is None:
+                # Not found where asked: a tier that could not be asked (Redis) may hold it,
+                # and a 404 would tell the admin it is gone. Its delete says which it is.
+                if store.delete(key) is None:
+                    raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may "
+                                          "hold its chain could not be reached; retry")
                 raise NotFound(f"block {to_hex(h)} is not stored")
-            blocks, nbytes = self._delete(doomed)
+            blocks, nbytes, unknown = self._delete(doomed)
             self._forget_pins_of(set(doomed))
+        if unknown:
+            # The tiers that answered forgot them; the one that did not may serve them again.
+            # A retry walks the chain again (there too, once it answers) and deletes the rest.
+            raise TierUnreachable(f"chain ending at {to_hex(h)}: a tier that may hold {unknown} of its {len(doomed)} "
+                                  "blocks could not be reached, so they may still be stored there (deleted from the "
+                                  "other tiers); retry")
         return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
     def _doomed(self, key: bytes) -> list[bytes] | None:
@@ -130,17 +143,20 @@ class AdminOps:
             child = parent
         return doomed
 
-    def _delete(self, keys: list[bytes]) -> tuple[int, int]:
-        """Delete ``keys``, highest position first; returns blocks and bytes deleted."""
+    def _delete(self, keys: list[bytes], *, count_unknown: bool = False) -> tuple[int, int, int]:
+        """Delete ``keys``, highest position first; returns blocks and bytes deleted (with
+        ``count_unknown``, also those below), and how many of them a tier that may hold them
+        (Redis) could not be asked to delete."""
         store = self.store
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
-        blocks = nbytes = 0
+        blocks = nbytes = unknown = 0
         for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos])):
-            if deleted:
+            if deleted or deleted is None and count_unknown:
                 blocks += 1
                 nbytes += info.nbytes if info is not None else 0
-        return blocks, nbytes
+            unknown += deleted is None
+        return blocks, nbytes, unknown
 
     # -- pins ----------------------------------------------------------------------------
 

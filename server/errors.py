@@ -119,7 +119,19 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, RequestValidationError):
         parts = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            where, kind = tuple(err.get("loc", ())), err.get("type")
+            if kind == "json_invalid":  # FastAPI's loc names the character; pydantic's message, the line
+                at = f" at character {where[1]}" if where[:1] == ("body",) and len(where) > 1 else ""
+                why = (err.get("ctx") or {}).get("error")
+                parts.append(f"body: not valid JSON{at}" + (f": {why}" if why else ""))
+                continue
+            loc = ".".join(str(p) for p in where if p != "body")
+            if not loc and where[:1] == ("body",):
+                # The body as a whole: not a JSON object, or not sent as JSON (curl -d sends a form)
+                hint = " (a JSON object, sent as Content-Type: application/json)" \
+                    if kind in ("model_attributes_type", "dict_type") else ""
+                parts.append(f"body: {err.get('msg')}{hint}")
+                continue
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         return "; ".join(parts) or "invalid request body"
     if isinstance(exc, ClientDisconnect):

@@ -44,6 +44,7 @@ log = logging.getLogger("cacheseek.server")
 OWNERS_FILE = ".cacheseek-owners.json"
 FILE_VERSION = 1
 UNATTRIBUTED = 0  # owner id of blocks whose chain cannot be traced
+OTHER_MODEL = "_other"  # a namespace's models past ``max_models``, counted as one
 
 
 @dataclass(slots=True)
@@ -54,11 +55,15 @@ class Usage:
 
 
 class Owners:
-    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_roots: int = 4096,
-                 max_left: int = 1 << 16) -> None:
+    def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_models: int = 64,
+                 max_roots: int = 4096, max_namespace_roots: int = 256, max_left: int = 1 << 16) -> None:
         self._lock = threading.Lock()
         self.max_owners = max_owners
+        self.max_models = max_models
+        self._models: dict[str | None, int] = {}  # namespace -> models told apart in it
         self.max_roots = max_roots
+        self.max_namespace_roots = max_namespace_roots
+        self._namespace_roots: dict[str | None, int] = {}  # namespace -> roots kept for its owners
         self._names: list[tuple[str | None, str]] = [(None, "")]  # id -> (namespace, model)
         self._ids: dict[tuple[str | None, str], int] = {}
         self._usage: list[Usage] = [Usage()]
@@ -81,13 +86,20 @@ class Owners:
 
     def owner_id(self, namespace: str, model: str) -> int:
         """The id of (namespace, model), made on first use; ``UNATTRIBUTED`` once
-        ``max_owners`` exist (a bound on what a client can make the server remember)."""
+        ``max_owners`` exist (a bound on what a client can make the server remember). A
+        namespace's models past ``max_models`` are one owner, ``OTHER_MODEL``: a client names
+        its model freely, and one naming thousands used up every id, after which the blocks
+        of every namespace and model first seen were nobody's (a flush of that namespace
+        found none of them)."""
         key = (namespace, model)
         got = self._ids.get(key)
         if got is not None:
             return got
         with self._lock:
             got = self._ids.get(key)
+            if got is None and model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
+                key = (namespace, OTHER_MODEL)
+                got = self._ids.get(key)
             if got is None:
                 if len(self._names) > self.max_owners:
                     return UNATTRIBUTED
@@ -95,6 +107,8 @@ class Owners:
                 self._names.append(key)
                 self._usage.append(Usage())
                 self._ids[key] = got
+                if key[1] != OTHER_MODEL:
+                    self._models[namespace] = self._models.get(namespace, 0) + 1
             return got
 
     def expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> None:
@@ -106,13 +120,29 @@ class Owners:
                 self._expected.setdefault(key, []).append(owner)
                 if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
                     # Each new root rewrites the whole file: without a bound, a writer naming a
-                    # fresh parent in every frame grew it (and each write's cost) for good.
-                    if parent not in self._roots and len(self._roots) >= self.max_roots:
+                    # fresh parent in every frame grew it (and each write's cost) for good. And
+                    # a bound per namespace: one writer naming thousands used up the file's, and
+                    # every other namespace's new roots went unkept (after a restart, their
+                    # blocks were nobody's).
+                    if parent not in self._roots and not self._room_for_root(owner):
                         continue
-                    self._roots[parent] = owner
+                    self._keep_root(parent, owner)
                     new_root = True
         if new_root:
             self._save()
+
+    def _room_for_root(self, owner: int) -> bool:
+        return len(self._roots) < self.max_roots \
+            and self._namespace_roots.get(self._names[owner][0], 0) < self.max_namespace_roots
+
+    def _keep_root(self, root: bytes, owner: int) -> None:
+        """(Under the lock.) ``root`` is ``owner``'s, counted in its namespace's roots."""
+        before = self._roots.get(root)
+        if before is not None:
+            self._namespace_roots[self._names[before][0]] -= 1
+        self._roots[root] = owner
+        namespace = self._names[owner][0]
+        self._namespace_roots[namespace] = self._namespace_roots.get(namespace, 0) + 1
 
     def settle(self, owner: int, keys: Iterable[bytes]) -> None:
         """``owner``'s writes announced for ``keys`` are done (stored, found present, or
@@ -208,8 +238,8 @@ class Owners:
             except (KeyError, TypeError, ValueError):
                 continue
             owner = self.owner_id(namespace, model)
-            if owner != UNATTRIBUTED and len(self._roots) < self.max_roots:
-                self._roots[root] = owner
+            if owner != UNATTRIBUTED and (root in self._roots or self._room_for_root(owner)):
+                self._keep_root(root, owner)
 
     def _save(self) -> None:
         """Write the roots table: temp file, fsync, rename (a crash leaves the old or the new)."""
@@ -246,4 +276,4 @@ def _matches(name: tuple[str | None, str], namespace: str | None, model: str | N
     return (namespace is None or name[0] == namespace) and (model is None or name[1] == model)
 
 
-__all__ = ["OWNERS_FILE", "Owners", "UNATTRIBUTED"]
+__all__ = ["OTHER_MODEL", "OWNERS_FILE", "Owners", "UNATTRIBUTED"]

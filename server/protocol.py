@@ -50,6 +50,7 @@ import inspect
 import json
 import logging
 import struct
+import sys
 import termios
 from collections import deque
 from collections.abc import Callable
@@ -203,6 +204,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.watch = Watchdog(self, limits)
             self.watch.expect_headers()
             self.open_cycles: list[Any] = []  # requests whose responses are not complete yet
+            self.fed = b""  # the bytes data_received is parsing
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
@@ -248,7 +250,11 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
         def data_received(self, data: bytes) -> None:
             epoch, chunk_epoch, in_trailers = self.head_epoch, self.chunk_epoch, self.in_trailers
-            super().data_received(data)
+            self.fed = data  # (for _unsupported_upgrade_warning; not kept: a read is up to 256 KiB)
+            try:
+                super().data_received(data)
+            finally:
+                self.fed = b""
             # Bytes of one head (or of trailers) and nothing else (no head or chunk began or
             # ended within them): counted. A read in which one began is not, so no body byte
             # is, and a head may pass the bound by one read.
@@ -269,12 +275,33 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             if not self.in_message and self.timeout_keep_alive_task is None and self._between_requests():
                 self.watch.expect_headers()
 
+        def _unsupported_upgrade_warning(self) -> None:
+            # Called where uvicorn catches the parser's HttpParserUpgrade for an upgrade it does
+            # not make, and drops the bytes after that request's head: a request pipelined
+            # behind it was never answered (its client waited for the keep-alive timeout). The
+            # request was served as any other; the bytes after it are parsed as the next one.
+            # (One with a body never gets here: on_headers_complete refused it.)
+            super()._unsupported_upgrade_warning()
+            upgrade = sys.exc_info()[1]
+            if isinstance(upgrade, httptools.HttpParserUpgrade) and upgrade.args and not self.transport.is_closing():
+                rest = self.fed[upgrade.args[0] :]
+                if rest:
+                    self.data_received(rest)
+
         def _between_requests(self) -> bool:
             cycle = getattr(self, "cycle", None)
             return (not self.transport.is_closing() and not self.pipeline
                     and (cycle is None or cycle.response_complete))
 
         def on_headers_complete(self) -> None:
+            if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
+                # httptools skips the body of a request asking for an upgrade (its bytes are the
+                # new protocol's), and this server upgrades to none: the route would read no
+                # body, and the body's bytes would be parsed as the next request (one smuggled
+                # past a front that forwards the header). Refused before any of them is read.
+                self.send_error_and_close(b"400 Bad Request", "a request asking for an upgrade (Connection: upgrade) "
+                                          "cannot have a body: this server upgrades to no other protocol")
+                return
             super().on_headers_complete()
             self.in_head = self.in_trailers = False
             self.head_epoch += 1
@@ -654,7 +681,9 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "on_body"): ("self.cycle.body += body", "pause_reading", "self._should_upgrade()"),
         (proto, "on_message_complete"): ("self.cycle.more_body = False",),
         (proto, "eof_received"): (),
-        (proto, "data_received"): ("self._unset_keepalive_if_required()", "self.parser.feed_data(data)"),
+        (proto, "data_received"): ("self._unset_keepalive_if_required()", "self.parser.feed_data(data)",
+                                   "except httptools.HttpParserUpgrade:", "self._unsupported_upgrade_warning()"),
+        (proto, "_unsupported_upgrade_warning"): (),
         (proto, "_unset_keepalive_if_required"): ("self.timeout_keep_alive_task.cancel()",),
         (proto, "on_response_complete"): ("if self.pipeline:", "self.timeout_keep_alive_task = self.loop.call_later(",
                                           "self.timeout_keep_alive_handler"),

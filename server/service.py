@@ -291,9 +291,9 @@ class BlockService:
 
     def delete(self, namespace: str, h: bytes) -> None:
         deleted = self.store.delete(self.namespaces.stored_key(namespace, h))
-        if deleted is None:  # a 404 would tell the client it is gone
-            raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may hold it "
-                                  "could not be reached; retry")
+        if deleted is None:  # a 404 or a 204 would tell the client it is gone
+            raise TierUnreachable(f"block {to_hex(h)}: a tier that may hold it could not be reached, so it may still "
+                                  "be stored there (the other tiers' copies are deleted); retry")
         if not deleted:
             raise NotFound(f"block {to_hex(h)} is not stored")
 

@@ -4,6 +4,7 @@ start-up summary, ``cacheseek top`` and ``cacheseek admin``."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import tempfile
@@ -242,12 +243,91 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
         assert c.delete(f"/v1/admin/chains/{'77' * 16}", headers=admin()).status_code == 404
         assert c.put(f"/v1/admin/pins/{'77' * 16}", headers=admin()).status_code == 404
         assert c.delete(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin()).status_code == 404
-        for bad in ({"ttl_seconds": -1}, {"ttl": 5}, {"ttl_seconds": "soon"}, "not json"):
+        # (A JSON true or "5" is no number of seconds: taken for 1 s and 5 s, a pin meant to hold
+        # lapsed at once.)
+        for bad in ({"ttl_seconds": -1}, {"ttl": 5}, {"ttl_seconds": "soon"}, {"ttl_seconds": True},
+                    {"ttl_seconds": "5"}, "not json"):
             body = {"content": bad} if isinstance(bad, str) else {"json": bad}
             r = c.put(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin(), **body)
             assert r.status_code == 400 and "error" in r.json(), (bad, r.status_code)  # not 422: bad input
+        # A body that is not JSON, or not sent as JSON, is named as such (curl -d sends a form).
+        for content, ctype, says in (('{"ttl_seconds": }', "application/json", "not valid JSON at character 16"),
+                                     ('{"ttl_seconds": 5}', "application/x-www-form-urlencoded", "application/json"),
+                                     ('{"ttl_seconds": 5}', "text/plain", "application/json")):
+            r = c.put(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin() | {"content-type": ctype},
+                      content=content)
+            assert r.status_code == 400 and r.json()["error"].startswith("body: ") and says in r.json()["error"], \
+                (ctype, r.text)
         assert c.get("/v1/admin/pins", headers=admin()).json() == []
         assert all(held(c, chain, "a"))
+
+
+def test_the_roots_kept_are_bounded_per_namespace_and_in_all(tmp_path):
+    from cacheseek.server.owners import OWNERS_FILE, Owners
+
+    owners = Owners(tmp_path, max_roots=10, max_namespace_roots=4)
+    for ns in ("a", "b", "c", "d"):
+        owner = owners.owner_id(ns, "m")
+        owners.expect(owner, [(bytes([i]) * 16, ns.encode() * 16 + bytes([i]), 0) for i in range(6)])
+    roots = json.loads((tmp_path / OWNERS_FILE).read_text())["roots"]
+    assert [sum(r["namespace"] == ns for r in roots) for ns in "abcd"] == [4, 4, 2, 0]
+    again = Owners(tmp_path, max_roots=10, max_namespace_roots=4)  # the same bounds when read back
+    assert len(again._roots) == 10
+
+
+def test_a_tenant_naming_thousands_of_models_leaves_the_other_namespaces_attributed(tmp_path):
+    """The server remembers at most 4096 (namespace, model) owners, and a client names its
+    model freely: one tenant that named 4096 models (an empty batch each is enough) used them
+    all up, and every (namespace, model) first seen after that was nobody's. Another tenant's
+    new blocks were then unattributed: missing from its usage, and a flush of its namespace
+    answered 404 "no blocks were ever stored" and deleted none of them. A namespace's models
+    past 64 count as one, ``_other``: it keeps its blocks, and the others theirs."""
+    tenants = '{"a": {"write_token": "tenant-a-token-0123"}, "b": {"write_token": "tenant-b-token-0123"}}'
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants},
+                disk=False) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        a = {"Authorization": "Bearer tenant-a-token-0123"}
+        for i in range(4200):
+            assert c.post("/v1/blocks", content=b"", headers=a | {"X-CacheSeek-Model": f"m{i}"}).status_code == 200
+        chain = raw_chain(9, 3)
+        post_chain(c, chain, **{"Authorization": "Bearer tenant-b-token-0123", "X-CacheSeek-Model": "llama"})
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        b = [u for u in usage if u["namespace"] == "b"]
+        assert b and b[0]["blocks"] == 3 and [m["model"] for m in b[0]["models"]] == ["llama"], usage
+        a_models = {m["model"] for u in usage if u["namespace"] == "a" for m in u["models"]}
+        assert len(a_models) <= 65 and "_other" in a_models, len(a_models)
+        r = c.post("/v1/admin/flush", params={"namespace": "b"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+
+
+def test_a_tenant_naming_thousands_of_roots_leaves_the_other_namespaces_roots_remembered(tmp_path):
+    """The server keeps at most 4096 chain roots (the parent hash a position-0 frame names,
+    which the client chooses) to attribute blocks recovered from disk after a restart. One
+    tenant that named 4096 roots used them all up: another tenant's root was not kept, so
+    after a restart its blocks were nobody's and a flush of its namespace answered 404 and
+    deleted none of them. A namespace keeps at most 256 roots; the others keep theirs."""
+    from cacheseek.layout import KVLayout
+
+    tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+    tenants = '{"a": {"write_token": "tenant-a-token-0123"}, "b": {"write_token": "tenant-b-token-0123"}}'
+    args = ("--admin-token", ADMIN, "--write-token", WRITE)
+    env = {"CACHESEEK_TENANTS": tenants}
+    b = {"Authorization": "Bearer tenant-b-token-0123"}
+    chain = raw_chain(9, 3)
+    with Server(tmp_path, *args, env=env) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        a = {"Authorization": "Bearer tenant-a-token-0123"}
+        for start in range(0, 4200, 600):
+            heads = [raw_frame(i, parent=i.to_bytes(16, "little"), layout=tiny, block=1)[1]
+                     for i in range(start, start + 600)]
+            r = c.post("/v1/blocks", content=batch_body(heads), headers=a)
+            assert r.status_code == 200, r.text
+        post_chain(c, chain, **b)
+    with Server(tmp_path, *args, env=env) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        assert [u["blocks"] for u in usage if u["namespace"] == "b"] == [3], usage
+        r = c.post("/v1/admin/flush", params={"namespace": "b"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+        assert held(c, chain, "b") == [None] * 3
 
 
 def test_flush_and_delete_touch_nothing_but_what_they_name(srv):

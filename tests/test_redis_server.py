@@ -203,3 +203,76 @@ def test_a_delete_while_redis_is_unreachable_is_a_503_not_a_404(tmp_path):
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def test_a_delete_that_cannot_reach_redis_is_a_503_even_when_the_cpu_tier_held_the_block(tmp_path):
+    """A block in the CPU tier and in Redis, deleted while Redis cannot be reached (its
+    breaker open: the DEL is never sent). The CPU tier's copy went, so the server answered
+    204; Redis still held the block, and once it answered again a GET served the block the
+    client had been told was deleted. A delete is done only once every tier that may hold
+    the block has answered: until then it is a 503 (retry), whatever the other tiers held."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "s", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, frame = raw_frame(71)
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            redis.pause()
+            try:
+                while _redis_stats(srv)["breaker"]["state"] == "closed":  # misses that time out open it
+                    assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
+                r = c.delete(f"/v1/blocks/{h.hex()}")
+                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+                assert r.headers["retry-after"] == "1"
+            finally:
+                redis.resume()
+            deadline = time.monotonic() + 10  # the breaker lets calls through again
+            while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.status_code in (204, 404), r.text
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served again from Redis
+            assert c.post("/v1/lookup", json={"hashes": [h.hex()]}).json()["matched"] == 0
+            _no_500(srv)
+    finally:
+        redis.kill()
+
+
+@pytest.mark.parametrize("cpu_bytes", ["0", "1MiB"])
+def test_an_admin_chain_delete_that_cannot_reach_redis_is_a_503(tmp_path, cpu_bytes):
+    """A chain in Redis (and, with a CPU tier, there too), deleted by an admin while Redis
+    cannot be reached (its breaker open). Only in Redis, the walk found nothing and the answer
+    was 404 "not stored"; in both tiers, 200 with the CPU tier's blocks counted deleted. Either
+    way Redis kept the chain, and served it again once it answered. A chain delete that could
+    not ask Redis is a 503 (retry); the retry, once Redis answers, deletes what is left."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes=cpu_bytes, env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            chain = raw_chain(72, 3)
+            for h, frame in chain:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            last = chain[-1][0].hex()
+            redis.pause()
+            try:
+                while _redis_stats(srv)["breaker"]["state"] == "closed":  # misses that time out open it
+                    assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
+                r = c.delete(f"/v1/admin/chains/{last}", headers=admin)
+                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+                assert r.headers["retry-after"] == "1"
+            finally:
+                redis.resume()
+            deadline = time.monotonic() + 10  # the breaker lets calls through again
+            while (r := c.delete(f"/v1/admin/chains/{last}", headers=admin)).status_code == 503 \
+                    and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] >= 1, r.text
+            for h, _ in chain:
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            _no_500(srv)
+    finally:
+        redis.kill()

@@ -776,7 +776,7 @@ def test_the_owners_file_keeps_a_bounded_number_of_roots(tmp_path):
     from cacheseek.layout import KVLayout
     from cacheseek.server.owners import OWNERS_FILE
 
-    cap = 4096  # Owners.max_roots
+    cap = 256  # Owners.max_namespace_roots: one writer's namespace (the file's own bound, 4096, is tested beside Owners)
     tiny = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
     frames = [raw_frame(i, parent=i.to_bytes(16, "little"), layout=tiny)[1] for i in range(1, cap + 905)]
     with Server(tmp_path) as s, httpx.Client(base_url=s.url, timeout=120) as c:

@@ -566,9 +566,10 @@ class TieredStore:
             tier.touch(rev)
 
     def delete(self, key: bytes) -> bool | None:
-        """Delete ``key`` from every tier: True if one held it; None if none did that could
-        be asked, but one could not be (its copy, if any, is still there); else False. A block
-        on its way down a tier (write-back) is deleted where it lands, and counts as held."""
+        """Delete ``key`` from every tier: True if one held it; None if a tier could not be
+        asked (its copy, if any, is still there, and comes back once that tier answers: the
+        others' copies are gone, but the block is not), whatever the others held; else False.
+        A block on its way down a tier (write-back) is deleted where it lands, and counts as held."""
         mark = self.mark_moves()
         with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
             self._deletes += 1
@@ -592,7 +593,7 @@ class TieredStore:
             if mark is not None:
                 with self._delete_lock:
                     del self._in_transit[number]
-        return True if deleted else None if unknown else False
+        return None if unknown else deleted
 
     def _landed_after_delete(self, key: bytes, since: int) -> None:
         """A demotion deleted ``key`` where it landed, for a delete after ``since`` that had

@@ -41,6 +41,9 @@ def declared_length(request: Request, limit: int, what: str) -> int | None:
     header = request.headers.get("content-length")
     if header is None:
         return None
+    # The whitespace after a field value is not part of it (RFC 9112, 5): the parser read
+    # the number past it, and so does this.
+    header = header.rstrip(" \t")
     if not header.isascii() or not header.isdigit():
         raise BadRequest(f"Content-Length {header!r:.40} is not a number")
     # Any number of zeros may lead (the parser reads the number past them), and int() refuses

@@ -56,7 +56,8 @@ def _namespace(header: str | None) -> str:
 
 
 class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON true or "5" is no number of seconds (taken for 1 s and 5 s, a pin lapsed at once)
+    model_config = ConfigDict(extra="forbid", strict=True)
     ttl_seconds: float | None = Field(None, gt=0, description="unpinned after this long; null: until unpinned")
 
 
@@ -85,7 +86,9 @@ async def flush(ops: Admin,
     return await run_in_threadpool(lambda: ops.flush(namespace=namespace, model=model))
 
 
-@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR}})
+@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR},
+                                           503: {"description": "a tier that may hold it (Redis) could not be "
+                                                                "reached: retry", **ERROR}})
 async def delete_chain(ops: Admin, hash: Hash, namespace: NamespaceHeader = None) -> dict:
     """Delete the chain ending at ``hash``: the block, every block extending it, and the
     ancestors no other stored chain goes through."""
