@@ -621,6 +621,13 @@ def _on_disk_only(cache, toks) -> None:
     assert set(cache.locate(toks).tiers) == {"disk"}
 
 
+def _no_prefetch_in_flight(prefetcher) -> None:
+    deadline = time.monotonic() + 30
+    while prefetcher.stats()["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert prefetcher.stats()["in_flight"] == 0
+
+
 def test_prefetch_promotes_a_chain_into_memory_and_returns_at_once(tmp_path):
     toks, kv = tokens_for(6, 8 * BLOCK), make_kv(8 * BLOCK, 6)
     with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
@@ -704,19 +711,27 @@ def test_a_prefetch_joining_a_chains_head_promotes_its_own_tail(tmp_path, monkey
     with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
         cache.ingest(toks, kv)
         _on_disk_only(cache, toks)
-        held, release = cache.block_hashes(toks)[3].hex(), threading.Event()
+        hashes = [h.hex() for h in cache.block_hashes(toks)]
+        held, release = hashes[3], threading.Event()
+        tail, tail_read, lock = set(hashes[4:]), threading.Event(), threading.Lock()
+        read: set[str] = set()
         real = ReadPool._read
 
         def gated(pool, path, *args):  # the head's last block lands only once the tail is read
             if held in path.name:
                 release.wait(30)
-            return real(pool, path, *args)
+            out = real(pool, path, *args)
+            with lock:
+                read.update(h for h in tail if h in path.name)
+                if read == tail:
+                    tail_read.set()
+            return out
 
         monkeypatch.setattr(ReadPool, "_read", gated)
         head = cache.prefetch(toks[: 4 * BLOCK])
         whole = cache.prefetch(toks)
         assert head is not None and whole is not None and (whole.blocks, whole.joined) == (8, 4)
-        time.sleep(0.3)
+        assert tail_read.wait(30)  # the whole chain's own reads are done while its head is held
         release.set()
         assert whole.wait(30) and whole.promoted == 8
         assert set(cache.locate(toks).tiers) == {"cpu"}
@@ -738,7 +753,7 @@ def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
         assert cache.stats()["prefetch"]["refused_busy"] == 1
         gate.open.set()
         assert first.wait(30)
-        time.sleep(0.05)
+        _no_prefetch_in_flight(cache.store.prefetcher)  # (its slot is given back after its blocks land)
         second = cache.prefetch(chains[1][0])
         assert second is not None and second.wait(30)
 
@@ -769,7 +784,7 @@ def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
                 out = real(self, keys)
                 gate.open.set()
                 assert first.wait(30)
-                time.sleep(0.05)  # (its slot is given back after its blocks land)
+                _no_prefetch_in_flight(self)  # (its slot is given back after its blocks land)
                 return out
 
             monkeypatch.setattr(Prefetcher, name, then_the_first_ends)
