@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import cacheseek as cs
+from cacheseek.store.lease import finalizer
 from paged_helpers import engine_tensors, kv_pages, read_tokens, write_tokens
 from redis_servers import RedisServer, needs_redis
 from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
@@ -204,6 +205,7 @@ PAGE = 16
 
 def _check_invariants(cache, disk: Path | None) -> None:
     gc.collect()  # abandoned loads and saves: what they held goes with them
+    assert finalizer.settle(30)  # (given back on its thread, where the collector found them)
     store = cache.store
     store.settle_moves()
     deadline = time.monotonic() + 30  # (a prefetch gives its slot back just after its blocks land)
