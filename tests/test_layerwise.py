@@ -199,7 +199,7 @@ def _dropped_in_a_cycle(make) -> None:
     exception it kept in a local, whose traceback holds the frame that holds both)."""
 
     def forward():
-        handle = make()
+        handle = make()  # noqa: F841 - held by the frame alone
         try:
             raise RuntimeError("forward failed")
         except RuntimeError as exc:

@@ -5,7 +5,11 @@ unpin, and abandon layer-wise saves and loads half-way, on chains that share hea
 tiers small enough to evict and demote all along (CPU -> disk, and CPU -> disk -> Redis).
 Every hit must decode to exactly what was ingested for those tokens; once the threads are
 done, nothing is lent or pinned, each tier's used bytes and block counts are what its blocks
-add up to, and a disk directory reopened holds only whole blocks that decode."""
+add up to, and a disk directory reopened holds only whole blocks that decode. The same with
+a disk failing one write in ten, through a Redis restart, with the cache closed while the
+threads work, and with chains deleted while reads promote them.
+``CACHESEEK_STRESS_SEED`` and ``CACHESEEK_STRESS_ROUNDS`` vary the runs; the ``slow`` ones
+run longer, with other seeds."""
 
 from __future__ import annotations
 
@@ -267,6 +271,57 @@ CONFIGS = {
 }
 
 
+def _failing_disk(monkeypatch, disk: Path, seed: int, rate: float = 0.1) -> None:
+    """One in ``1 / rate`` of the disk tier's new files (temp data files and sidecars) fails
+    to be made, as a failing disk's EIO."""
+    import errno
+
+    rng, lock, real = random.Random(seed), threading.Lock(), os.open
+    root = str(disk)
+
+    def failing(path, flags, *args, **kw):
+        if flags & os.O_CREAT and str(path).startswith(root) and "/.tmp-" in str(path):
+            with lock:
+                fail = rng.random() < rate
+            if fail:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", failing)
+
+
+@pytest.mark.parametrize("write_through", [None, []], ids=["write-through", "write-back"])
+def test_random_operations_on_a_failing_disk_keep_the_books_true(tmp_path, monkeypatch, write_through):
+    """As above, with one disk write in ten failing: the failed blocks are failed, not
+    half-there; the tiers' used bytes and blocks stay what their blocks add up to."""
+    chains = _chains()
+    disk = tmp_path / "d"
+    kw = dict(cpu="160KiB", disk_bytes="320KiB", write_through=write_through)
+    cache = make_cache(disk=disk, **kw)
+    _failing_disk(monkeypatch, disk, SEED)
+    pages = kv_pages("nhd", engine_tensors("nhd", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim,
+                                           THREADS * (HEAD + OWN) * BLOCK // PAGE, PAGE, LAYOUT.torch_dtype,
+                                           device="cpu"))
+    per = (HEAD + OWN) * BLOCK // PAGE
+
+    def worker(i: int) -> None:
+        _Ops(cache, chains, random.Random(SEED * 1000 + 100 + i), pages,
+             list(range(i * per, (i + 1) * per))).run(ROUNDS)
+
+    try:
+        _run_threads(worker, THREADS)
+        assert cache.stats()["tiers"][1]["write_errors"] > 0  # (the faults did happen)
+        _check_invariants(cache, disk)
+        _decode_all(cache, chains)
+        assert not [p for p in disk.rglob(".tmp-*")]
+    finally:
+        cache.close()
+    monkeypatch.undo()
+    with make_cache(disk=disk, **kw) as reopened:
+        _check_invariants(reopened, disk)
+        _decode_all(reopened, chains)
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
     srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
@@ -277,6 +332,18 @@ def redis_server(tmp_path_factory):
 @pytest.mark.parametrize("config", [*(c for c in CONFIGS if "redis" not in c),
                                     *(pytest.param(c, marks=needs_redis) for c in CONFIGS if "redis" in c)])
 def test_random_operations_from_threads_keep_every_hit_exact_and_the_books_true(tmp_path, config, request):
+    _random_operations(tmp_path, request, config, SEED, ROUNDS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 5))
+@pytest.mark.parametrize("config", [*(c for c in CONFIGS if "redis" not in c),
+                                    *(pytest.param(c, marks=needs_redis) for c in CONFIGS if "redis" in c)])
+def test_random_operations_longer_and_with_other_seeds(tmp_path, config, seed, request):
+    _random_operations(tmp_path, request, config, SEED * 100 + seed, 5 * ROUNDS)
+
+
+def _random_operations(tmp_path, request, config: str, seed: int, rounds: int) -> None:
     chains = _chains()
     disk = tmp_path / "d"
     kw = dict(CONFIGS[config])
@@ -291,8 +358,8 @@ def test_random_operations_from_threads_keep_every_hit_exact_and_the_books_true(
     per = (HEAD + OWN) * BLOCK // PAGE
 
     def worker(i: int) -> None:
-        ops = _Ops(cache, chains, random.Random(SEED * 1000 + i), pages, list(range(i * per, (i + 1) * per)))
-        ops.run(ROUNDS)
+        ops = _Ops(cache, chains, random.Random(seed * 1000 + i), pages, list(range(i * per, (i + 1) * per)))
+        ops.run(rounds)
 
     try:
         _run_threads(worker, THREADS)
@@ -397,3 +464,98 @@ def test_closing_waits_for_a_disk_write_in_flight_before_giving_the_directory_up
         assert reopened.locate(toks).tiers == ["disk", "disk"]
         _exact(reopened.materialize(toks).layers, kv, 2 * BLOCK)
         _check_invariants(reopened, disk)
+
+
+@pytest.mark.parametrize("write_through", [None, []], ids=["write-through", "write-back"])
+def test_a_deleted_chain_does_not_come_back_through_reads_promoting_it(tmp_path, write_through):
+    """Threads materialize and prefetch chains held on disk only (each read promotes them
+    into the CPU tier, which evicts and demotes) while another deletes them, block by block:
+    once the deletes and reads are over, no tier holds any of those blocks (a promotion that
+    read a block before its delete must not store it again after)."""
+    chains = _chains()
+    disk = tmp_path / "d"
+    cache = make_cache(disk=disk, cpu="160KiB", disk_bytes="2MiB", write_through=write_through)
+    try:
+        for round_ in range(4):
+            for toks, kv in chains:
+                cache.ingest(toks, kv)
+            cpu = cache.store.tier("cpu")
+            for key in cpu.keys():
+                if not cache.store.tier("disk").contains(key):
+                    continue
+                cpu.delete(key)
+            doomed = [toks for toks, _ in chains[round_ % 3 :: 3]]
+            keys = {k for toks in doomed for k in cache.block_hashes(toks)}
+            stop = threading.Event()
+
+            def reader(i: int) -> None:
+                rng = random.Random(SEED * 1000 + 200 + round_ * 10 + i)
+                while not stop.is_set():
+                    toks, kv = rng.choice(chains)
+                    if rng.random() < 0.5:
+                        handle = cache.prefetch(toks)
+                        if handle is not None:
+                            assert handle.wait(30)
+                    else:
+                        got = cache.materialize(toks)
+                        _exact(got.layers, kv, got.num_tokens)
+
+            def deleter() -> None:
+                try:
+                    for key in sorted(keys):
+                        assert cache.store.delete(key) is not None
+                finally:
+                    stop.set()
+
+            _run_threads(lambda i: deleter() if i == 0 else reader(i), THREADS)
+            cache.store.settle_moves()
+            back = {t.name: [k.hex()[:8] for k in keys if t.contains(k)] for t in cache.store.tiers}
+            assert not any(back.values()), f"round {round_}: deleted blocks came back: {back}"
+            for toks in doomed:
+                assert cache.locate(toks).num_blocks == 0
+            _check_invariants(cache, disk)
+    finally:
+        cache.close()
+
+
+@needs_redis
+def test_random_operations_through_a_redis_restart_keep_every_hit_exact_and_the_books_true(tmp_path, redis_server):
+    """The write-back CPU -> disk -> Redis store of the first test, its Redis killed while the
+    threads work and started again (empty) half-way: no call fails for it, every hit stays
+    exact, and once Redis answers again its index and its frames agree."""
+    redis_server.cli("FLUSHALL")
+    chains = _chains()
+    disk = tmp_path / "d"
+    kw = dict(CONFIGS["write-back+redis"], redis_url=redis_server.url)
+    cache = make_cache(disk=disk, **kw)
+    done = [0] * THREADS
+
+    def worker(i: int) -> None:
+        ops = _Ops(cache, chains, random.Random(SEED * 1000 + 300 + i))
+        for n in range(ROUNDS):
+            getattr(ops, ops.rng.choice(ops.OPS))()
+            done[i] = n + 1
+        ops.run(0)
+
+    def outage() -> None:
+        deadline = time.monotonic() + 60
+        while sum(done) < THREADS * ROUNDS // 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        redis_server.kill()
+        while sum(done) < THREADS * ROUNDS // 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        redis_server.start()
+
+    try:
+        _run_threads(lambda i: outage() if i == THREADS else worker(i), THREADS + 1)
+        tier = cache.store.tier("redis")
+        deadline = time.monotonic() + 30
+        while tier.stats().to_dict()["breaker"]["state"] != "closed" and time.monotonic() < deadline:
+            cache.locate(chains[0][0])
+            time.sleep(0.05)
+        figures = tier.stats().to_dict()
+        assert figures["admissions"] > 0 and figures["unavailable_errors"] + figures["refused_by_breaker"] > 0
+        _check_invariants(cache, disk)
+        _decode_all(cache, chains)
+    finally:
+        cache.close()
