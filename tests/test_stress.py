@@ -51,6 +51,9 @@ def _chains() -> list[tuple[list[int], list]]:
     return out
 
 
+BAD = [(tokens_for(900 + i, (HEAD + OWN) * BLOCK), make_kv((HEAD + OWN) * BLOCK, 900 + i)) for i in range(2)]
+
+
 def _exact(layers, kv, tokens: int) -> None:
     """``layers`` (per layer, (k, v) of [heads, tokens, dim] or with a leading batch of 1)
     are ``kv``'s first ``tokens``."""
@@ -162,6 +165,22 @@ class _Ops:
         write_tokens(self.pages, kv, ids)
         self.cache.ingest_batch([cs.PagedRequest(toks, ids)], self.pages)
 
+    def bad_ingest(self) -> None:
+        """KV with a NaN in one block, of tokens no good ingest stores: refused, nothing stored
+        (``BAD``'s chains are checked absent at the end)."""
+        toks, kv = self.rng.choice(BAD)
+        n = self.rng.randint(1, HEAD + OWN) * BLOCK
+        at = self.rng.randrange(n)
+        bad = [(k[:, :n].clone(), v[:, :n]) for k, v in kv]
+        bad[self.rng.randrange(len(bad))][0][0, at, 0] = float("nan")
+        with pytest.raises(cs.InputError):
+            if self.pages is not None and self.rng.random() < 0.5:
+                ids = self.page_ids[: n // PAGE]
+                write_tokens(self.pages, bad, ids)
+                self.cache.ingest_batch([cs.PagedRequest(toks[:n], ids)], self.pages)
+            else:
+                self.cache.ingest(toks[:n], bad)
+
     def prefetch(self) -> None:
         toks, _, _ = self.pick()
         handle = self.cache.prefetch(toks)
@@ -192,7 +211,7 @@ class _Ops:
         assert self.cache.locate(toks).num_tokens <= n
 
     OPS = ["ingest", "ingest", "materialize", "materialize", "materialize_layerwise", "save_layerwise",
-           "into_pages", "ingest_pages", "prefetch", "delete", "pin", "locate"]
+           "into_pages", "ingest_pages", "prefetch", "delete", "pin", "locate", "bad_ingest"]
 
     def run(self, rounds: int) -> None:
         for _ in range(rounds):
@@ -257,10 +276,13 @@ def _check_invariants(cache, disk: Path | None) -> None:
 
 
 def _decode_all(cache, chains) -> None:
-    """Every chain's stored prefix decodes to what was ingested."""
+    """Every chain's stored prefix decodes to what was ingested; nothing of a refused
+    ingest's is stored."""
     for toks, kv in chains:
         got = cache.materialize(toks)
         _exact(got.layers, kv, got.num_tokens)
+    for toks, _ in BAD:
+        assert cache.locate(toks).num_blocks == 0, "a refused ingest left blocks stored"
 
 
 CONFIGS = {
