@@ -199,11 +199,12 @@ class _Ops:
             self.cache.store.unpin(self.pinned.pop())
             return
         toks, _, _ = self.pick()
+        ttl = 0.05 if self.rng.random() < 0.3 else None  # (left to expire, racing the others' pins)
         try:
-            pin = self.cache.store.pin(self.cache.block_hashes(toks)[-1])
+            pin = self.cache.store.pin(self.cache.block_hashes(toks)[-1], ttl_seconds=ttl)
         except cs.StorageError:
             return
-        if pin is not None:
+        if pin is not None and ttl is None:
             self.pinned.append(pin.key)
 
     def locate(self) -> None:
@@ -234,6 +235,9 @@ def _check_invariants(cache, disk: Path | None) -> None:
     deadline = time.monotonic() + 30  # (a prefetch gives its slot back just after its blocks land)
     while store.prefetcher.stats()["in_flight"] and time.monotonic() < deadline:
         time.sleep(0.005)
+    deadline = time.monotonic() + 30  # (pins with a TTL expire on their own)
+    while store.pins() and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = cache.stats()
     assert stats["pins"] == 0
     assert stats["prefetch"]["in_flight"] == 0 and stats["prefetch"]["blocks_in_flight"] == 0
