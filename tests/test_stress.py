@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import cacheseek as cs
+from cacheseek import layerwise_save
 from cacheseek.store.lease import finalizer
 from paged_helpers import engine_tensors, kv_pages, read_tokens, write_tokens
 from redis_servers import RedisServer, needs_redis
@@ -62,6 +63,13 @@ def _exact(layers, kv, tokens: int) -> None:
         k, v = (k[0], v[0]) if k.dim() == 4 else (k, v)
         assert torch.equal(k[:, :tokens].cpu(), k0[:, :tokens]), "a hit decoded to other bytes"
         assert torch.equal(v[:, :tokens].cpu(), v0[:, :tokens]), "a hit decoded to other bytes"
+
+
+@pytest.fixture(autouse=True)
+def saves_in_slots(monkeypatch):
+    """Layer-wise saves of these small chains write into reserved CPU-tier slots, as a long
+    prompt's do (else they keep the layers and ingest them whole on ``finish``)."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
 
 
 def _run_threads(worker, n: int) -> None:
