@@ -593,3 +593,19 @@ def test_random_operations_through_a_redis_restart_keep_every_hit_exact_and_the_
         _decode_all(cache, chains)
     finally:
         cache.close()
+
+
+def test_the_stores_reads_after_close_say_the_disk_tier_is_closed(tmp_path):
+    """The store's own reads (the server's path: a ``PrefixCache`` refuses them before) of a
+    closed disk tier raised a bare "cannot schedule new futures after shutdown"."""
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    toks, kv = tokens_for(1, 2 * BLOCK), make_kv(2 * BLOCK, 1)
+    cache.ingest(toks, kv)
+    keys = cache.block_hashes(toks)
+    cache.close()
+    with pytest.raises(cs.StorageError, match="disk tier: closed"):
+        cache.store.get(keys[0])
+    with pytest.raises(cs.StorageError, match="disk tier: closed"):
+        cache.store.stream(keys)
+    with pytest.raises(cs.StorageError, match="disk tier: closed"):
+        cache.store.delete(keys[0])

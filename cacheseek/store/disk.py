@@ -213,7 +213,7 @@ def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
 
 
 class _Closed(StorageError):
-    """A call that would change the directory, made after ``close``."""
+    """A call on the tier after ``close``."""
 
 
 class DiskInUse(ConfigError):
@@ -290,7 +290,7 @@ class DiskTier(IndexedTier):
         """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``."""
         with self._calls:
             if self._closed:
-                raise _Closed(f"{self.name} tier: closed ({self.root})")
+                raise self._closed_error()
             self._active += 1
         try:
             yield
@@ -299,6 +299,9 @@ class DiskTier(IndexedTier):
                 self._active -= 1
                 if not self._active:
                     self._calls.notify_all()
+
+    def _closed_error(self) -> _Closed:
+        return _Closed(f"{self.name} tier: closed ({self.root})")
 
     def _too_large(self, nbytes: int) -> StorageError:
         return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self.charge(nbytes)} bytes on disk, with its "
@@ -993,6 +996,9 @@ class DiskTier(IndexedTier):
         with ``pin``), each with a ``lease`` the caller releases once done with its bytes;
         else each frame owns its buffer. A consumer that stops early should ``close()`` the
         iterator: reads not handed out are then cancelled or given back."""
+        with self._calls:  # (else the closed read pool's "cannot schedule new futures after shutdown")
+            if self._closed:
+                raise self._closed_error()
         with self._lock:
             infos = [self._index.get(k) for k in keys]
         items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
