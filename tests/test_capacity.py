@@ -621,13 +621,6 @@ def _on_disk_only(cache, toks) -> None:
     assert set(cache.locate(toks).tiers) == {"disk"}
 
 
-def _no_prefetch_in_flight(prefetcher) -> None:
-    deadline = time.monotonic() + 30
-    while prefetcher.stats()["in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert prefetcher.stats()["in_flight"] == 0
-
-
 def test_prefetch_promotes_a_chain_into_memory_and_returns_at_once(tmp_path):
     toks, kv = tokens_for(6, 8 * BLOCK), make_kv(8 * BLOCK, 6)
     with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
@@ -752,10 +745,39 @@ def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
         assert cache.prefetch(chains[1][0]) is None  # the limit: refused, not queued
         assert cache.stats()["prefetch"]["refused_busy"] == 1
         gate.open.set()
-        assert first.wait(30)
-        _no_prefetch_in_flight(cache.store.prefetcher)  # (its slot is given back after its blocks land)
+        assert first.wait(30)  # (its slot given back as its last block landed)
         second = cache.prefetch(chains[1][0])
         assert second is not None and second.wait(30)
+
+
+def test_a_prefetch_waited_for_has_given_its_slot_back(tmp_path, monkeypatch):
+    """A prefetch's last block landed (``wait()`` returned) before its slot was given back:
+    a caller that waited for one and started the next was refused as busy
+    (``max_prefetches`` 1), depending on which thread ran first."""
+    from cacheseek.store.prefetch import Prefetcher
+
+    chains = [(tokens_for(40 + i, 2 * BLOCK), make_kv(2 * BLOCK, 40 + i)) for i in range(2)]
+    with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:
+        for toks, kv in chains:
+            cache.ingest(toks, kv)
+            _on_disk_only(cache, toks)
+        tried = threading.Event()
+        real = Prefetcher._settle
+
+        def slow_to_give_back(self, mine, futures, results, *, last=False):
+            if last and all(f.done() for f in futures):  # (the waiter may run now, before this)
+                tried.wait(30)
+            return real(self, mine, futures, results, last=last)
+
+        monkeypatch.setattr(Prefetcher, "_settle", slow_to_give_back)
+        first = cache.prefetch(chains[0][0])
+        try:
+            assert first is not None and first.wait(30)
+            second = cache.prefetch(chains[1][0])
+        finally:
+            tried.set()
+        assert second is not None and second.wait(30)
+        assert cache.stats()["prefetch"]["refused_busy"] == 0
 
 
 def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
@@ -783,8 +805,7 @@ def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
             def then_the_first_ends(self, keys, real=real):
                 out = real(self, keys)
                 gate.open.set()
-                assert first.wait(30)
-                _no_prefetch_in_flight(self)  # (its slot is given back after its blocks land)
+                assert first.wait(30)  # (its slot given back as its last block landed)
                 return out
 
             monkeypatch.setattr(Prefetcher, name, then_the_first_ends)

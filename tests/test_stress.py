@@ -240,9 +240,6 @@ def _check_invariants(cache, disk: Path | None) -> None:
     assert finalizer.settle(30)  # (given back on its thread, where the collector found them)
     store = cache.store
     store.settle_moves()
-    deadline = time.monotonic() + 30  # (a prefetch gives its slot back just after its blocks land)
-    while store.prefetcher.stats()["in_flight"] and time.monotonic() < deadline:
-        time.sleep(0.005)
     deadline = time.monotonic() + 30  # (pins with a TTL expire on their own)
     while store.pins() and time.monotonic() < deadline:
         time.sleep(0.01)
