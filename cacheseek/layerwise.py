@@ -47,6 +47,7 @@ from .decode import BatchDecoder
 from .errors import ConfigError, FrameError, InputError, LoadError
 from .quant.backend import kernels_available
 from .store.device import as_host_tensor
+from .store.lease import finalizer
 from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import BlockFrame
 
@@ -427,6 +428,8 @@ class LayerwiseLoad:
         self._needed: list[Any] = [None] * num_layers  # per layer: when first waited for
         self._layers = list(layers) if layers is not None else None
         self._closed = False
+        if decoder is not None:
+            finalizer.ready()  # (a finalizer cannot start the thread its release may need)
         self._t0 = decoder.started if decoder is not None else time.perf_counter()
         self._start = decoder.start_event if decoder is not None else None
         if self._cuda and self._start is None:
@@ -575,6 +578,9 @@ class LayerwiseLoad:
         # A consumer whose forward raised drops the handle unclosed: the frames it holds are
         # CPU-tier slots leased for good otherwise (LayerwiseSave gives its slots back alike).
         if getattr(self, "_closed", True) or getattr(self, "_decoder", None) is None:
+            return
+        if finalizer.in_collection():  # (maybe in a thread holding the tier's lock: see ``Finalizer``)
+            finalizer.submit(self._abandon)
             return
         with contextlib.suppress(Exception):
             self._abandon()

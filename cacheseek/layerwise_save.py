@@ -54,6 +54,7 @@ from .store.arena import slot_stride
 from .store.device import reservation_span
 from .store.device_staging import staging_pool
 from .store.frame import FrameMeta, TensorEntry, header_prefix
+from .store.lease import finalizer
 from .store.streams import current_stream, on_stream, work_stream
 from .store.tier import Reservation
 
@@ -97,6 +98,7 @@ class _SlotWriter(LayerWriter):
         self._flags: list[tuple[Any, Any]] = []  # (codec, validity flags) of every launch
         self._last: torch.cuda.Event | None = None  # the last layer's work on the save stream
         self._layers_put: list[bool] = [False] * self.layout.num_layers
+        finalizer.ready()  # (a finalizer cannot start the thread its ``abort`` may need)
 
     @property
     def mode(self) -> str | None:
@@ -123,6 +125,9 @@ class _SlotWriter(LayerWriter):
     def __del__(self) -> None:
         # A writer dropped unfinished (its forward raised) must not keep tier memory reserved.
         if getattr(self, "_runs", None) and self._state == "open":
+            if finalizer.in_collection():  # (maybe in a thread holding the tier's lock: see ``Finalizer``)
+                finalizer.submit(self.abort)
+                return
             with contextlib.suppress(Exception):
                 self.abort()
 

@@ -704,19 +704,27 @@ def test_a_prefetch_joining_a_chains_head_promotes_its_own_tail(tmp_path, monkey
     with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
         cache.ingest(toks, kv)
         _on_disk_only(cache, toks)
-        held, release = cache.block_hashes(toks)[3].hex(), threading.Event()
+        hashes = [h.hex() for h in cache.block_hashes(toks)]
+        held, release = hashes[3], threading.Event()
+        tail, tail_read, lock = set(hashes[4:]), threading.Event(), threading.Lock()
+        read: set[str] = set()
         real = ReadPool._read
 
         def gated(pool, path, *args):  # the head's last block lands only once the tail is read
             if held in path.name:
                 release.wait(30)
-            return real(pool, path, *args)
+            out = real(pool, path, *args)
+            with lock:
+                read.update(h for h in tail if h in path.name)
+                if read == tail:
+                    tail_read.set()
+            return out
 
         monkeypatch.setattr(ReadPool, "_read", gated)
         head = cache.prefetch(toks[: 4 * BLOCK])
         whole = cache.prefetch(toks)
         assert head is not None and whole is not None and (whole.blocks, whole.joined) == (8, 4)
-        time.sleep(0.3)
+        assert tail_read.wait(30)  # the whole chain's own reads are done while its head is held
         release.set()
         assert whole.wait(30) and whole.promoted == 8
         assert set(cache.locate(toks).tiers) == {"cpu"}
@@ -737,10 +745,39 @@ def test_prefetches_in_flight_are_bounded(tmp_path, monkeypatch):
         assert cache.prefetch(chains[1][0]) is None  # the limit: refused, not queued
         assert cache.stats()["prefetch"]["refused_busy"] == 1
         gate.open.set()
-        assert first.wait(30)
-        time.sleep(0.05)
+        assert first.wait(30)  # (its slot given back as its last block landed)
         second = cache.prefetch(chains[1][0])
         assert second is not None and second.wait(30)
+
+
+def test_a_prefetch_waited_for_has_given_its_slot_back(tmp_path, monkeypatch):
+    """A prefetch's last block landed (``wait()`` returned) before its slot was given back:
+    a caller that waited for one and started the next was refused as busy
+    (``max_prefetches`` 1), depending on which thread ran first."""
+    from cacheseek.store.prefetch import Prefetcher
+
+    chains = [(tokens_for(40 + i, 2 * BLOCK), make_kv(2 * BLOCK, 40 + i)) for i in range(2)]
+    with make_cache(cpu="64MiB", disk=tmp_path / "d", max_prefetches=1) as cache:
+        for toks, kv in chains:
+            cache.ingest(toks, kv)
+            _on_disk_only(cache, toks)
+        tried = threading.Event()
+        real = Prefetcher._settle
+
+        def slow_to_give_back(self, mine, futures, results, *, last=False):
+            if last and all(f.done() for f in futures):  # (the waiter may run now, before this)
+                tried.wait(30)
+            return real(self, mine, futures, results, last=last)
+
+        monkeypatch.setattr(Prefetcher, "_settle", slow_to_give_back)
+        first = cache.prefetch(chains[0][0])
+        try:
+            assert first is not None and first.wait(30)
+            second = cache.prefetch(chains[1][0])
+        finally:
+            tried.set()
+        assert second is not None and second.wait(30)
+        assert cache.stats()["prefetch"]["refused_busy"] == 0
 
 
 def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
@@ -768,8 +805,7 @@ def test_a_refused_prefetch_says_why_as_it_was_decided(tmp_path, monkeypatch):
             def then_the_first_ends(self, keys, real=real):
                 out = real(self, keys)
                 gate.open.set()
-                assert first.wait(30)
-                time.sleep(0.05)  # (its slot is given back after its blocks land)
+                assert first.wait(30)  # (its slot given back as its last block landed)
                 return out
 
             monkeypatch.setattr(Prefetcher, name, then_the_first_ends)

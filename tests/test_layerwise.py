@@ -11,6 +11,7 @@ Every load is compared byte for byte with the normal path.
 from __future__ import annotations
 
 import gc
+import threading
 import types
 
 import pytest
@@ -191,6 +192,68 @@ def test_a_load_dropped_unclosed_gives_its_frames_back_and_decodes_no_more(into,
         with cache.materialize(toks, DEVICE, layerwise=True) as again:
             assert torch.equal(again.layer(L - 1)[1], want.layers[L - 1][1])
         assert leases() == 0
+
+
+def _dropped_in_a_cycle(make) -> None:
+    """What a consumer whose forward raised leaves: its handle held only by a cycle (the
+    exception it kept in a local, whose traceback holds the frame that holds both)."""
+
+    def forward():
+        handle = make()  # noqa: F841 - held by the frame alone
+        try:
+            raise RuntimeError("forward failed")
+        except RuntimeError as exc:
+            error = exc  # noqa: F841 - the cycle: frame -> error -> traceback -> frame
+        return None
+
+    forward()
+
+
+@pytest.mark.parametrize("handle", ["load", "save"])
+def test_a_handle_the_garbage_collector_finalizes_inside_a_tier_call_does_not_deadlock(handle, monkeypatch):
+    """A load or save dropped in a reference cycle is finalized by the cyclic collector, in
+    whichever thread allocates when it runs: one inside a CPU-tier call, holding the tier's
+    lock, which the handle's ``__del__`` took again to give its frames or slots back. That
+    thread hung, and every call on the tier after it. The release is handed to a thread of
+    its own there; the memory still comes back."""
+    from cacheseek.store.lease import finalizer
+
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    with make_cache(INT4) as cache:
+        toks, kv = stored(cache, INT4)
+        cpu = cache.store.tier("cpu")
+
+        def load():
+            got = cache.materialize(toks, "cpu", layerwise=True)
+            got.wait(0)
+            assert cpu.lease_stats()["leases_active"] > 0
+            return got
+
+        def save():
+            writer = cache.ingest_layerwise(tokens_for(9, 4 * BLOCK))
+            writer.put_layer(0, *make_kv(4 * BLOCK, 9, LAYOUT)[0])
+            assert writer.mode == "slots" and reservation_bytes(cache) > 0
+            return writer
+
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            _dropped_in_a_cycle(load if handle == "load" else save)
+
+            def collect_inside_a_tier_call():  # as a collection an allocation there triggers
+                with cpu._lock:
+                    gc.collect()
+
+            collector = threading.Thread(target=collect_inside_a_tier_call, daemon=True)
+            collector.start()
+            collector.join(10)
+            assert not collector.is_alive(), "the collector's thread deadlocked on the tier's lock"
+        finally:
+            if enabled:
+                gc.enable()
+        assert finalizer.settle(30)
+        assert cpu.lease_stats()["leases_active"] == 0 and reservation_bytes(cache) == 0
+        assert cache.materialize(toks).num_tokens == 3 * BLOCK  # (the tier answers)
 
 
 @pytest.mark.parametrize("into", ["tensors", "pages"])

@@ -212,6 +212,10 @@ def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
     return kind(f"{tier} tier: writing {path.name} failed: {exc}")
 
 
+class _Closed(StorageError):
+    """A call on the tier after ``close``."""
+
+
 class DiskInUse(ConfigError):
     """The disk tier's directory is owned (locked) by another process or tier."""
 
@@ -223,6 +227,13 @@ class DiskTier(IndexedTier):
                  policy: str = DEFAULT_POLICY, group_commit: bool = True, read_depth: int = READ_DEPTH,
                  pin: bool = False, trim_at_open: bool = True):
         super().__init__(name, capacity_bytes, policy=policy)
+        # The calls changing the directory now (writes, deletes, trims: on their callers'
+        # threads): ``close`` waits for them before it gives the directory up, else another
+        # opener scans it mid-write (and removes a block being written as an orphan), and
+        # refuses the ones that come after.
+        self._calls = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closed = False
         self.root = Path(root).expanduser()
         self.fsync = fsync
         self.group_commit = group_commit
@@ -274,12 +285,35 @@ class DiskTier(IndexedTier):
         ``disk_bytes``."""
         return block_charge(nbytes, self.alloc_unit)
 
+    @contextmanager
+    def _open_call(self) -> Iterator[None]:
+        """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``."""
+        with self._calls:
+            if self._closed:
+                raise self._closed_error()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._active -= 1
+                if not self._active:
+                    self._calls.notify_all()
+
+    def _closed_error(self) -> _Closed:
+        return _Closed(f"{self.name} tier: closed ({self.root})")
+
     def _too_large(self, nbytes: int) -> StorageError:
         return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self.charge(nbytes)} bytes on disk, with its "
                             f"sidecar) exceeds the budget ({self.capacity_bytes})")
 
     def close(self) -> None:
-        """Give the directory up (another process may then open it)."""
+        """Give the directory up (another process may then open it), once the writes,
+        deletes and trims in flight on other threads are done; later ones are refused."""
+        with self._calls:
+            self._closed = True
+            while self._active:
+                self._calls.wait()
         if hasattr(self, "_reads"):
             self._reads.close()
             self._writers.shutdown(wait=True)
@@ -589,7 +623,7 @@ class DiskTier(IndexedTier):
         are in place (trimmed before, a pinned chain the restart found was evicted first
         when it was the oldest, and its pin was lost) and the tiers below are there."""
         evicted: list[tuple[bytes, BlockFrame | None]] = []
-        with self._lock:
+        with self._open_call(), self._lock:
             self._trim(evicted)
             self._sync_counts()
         return evicted
@@ -630,7 +664,8 @@ class DiskTier(IndexedTier):
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
-        result = self._put_result(key, frame)
+        with self._open_call():
+            result = self._put_result(key, frame)
         if result.error is not None:
             raise result.error
         return result
@@ -710,8 +745,12 @@ class DiskTier(IndexedTier):
         is reported in its result, not raised. Every block is durable, or failed, on return.
         Room is made for all the new frames (and ``room_for`` bytes more: the caller's later
         writes of the same call) before the first is claimed (``_make_room_for_call``)."""
-        room = self._make_room_for_call(items, room_for)
-        results = self._put_group(items)
+        try:
+            with self._open_call():
+                room = self._make_room_for_call(items, room_for)
+                results = self._put_group(items)
+        except _Closed as exc:
+            return [TierPutResult(stored=None, error=exc) for _ in items]
         if room and results:
             results[0].evicted[:0] = room
         return results
@@ -988,6 +1027,9 @@ class DiskTier(IndexedTier):
         with ``pin``), each with a ``lease`` the caller releases once done with its bytes;
         else each frame owns its buffer. A consumer that stops early should ``close()`` the
         iterator: reads not handed out are then cancelled or given back."""
+        with self._calls:  # (else the closed read pool's "cannot schedule new futures after shutdown")
+            if self._closed:
+                raise self._closed_error()
         with self._lock:
             infos = [self._index.get(k) for k in keys]
         items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
@@ -1027,12 +1069,17 @@ class DiskTier(IndexedTier):
         when the read itself could not be made (no descriptor or memory left, an I/O error):
         a moment's shortage must not delete acknowledged blocks."""
         if isinstance(done, ReadFailed):
-            with self._lock:
-                if not done.damaged:
+            if done.damaged:
+                try:
+                    with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
+                        if self._drop_if_unchanged(key, info):
+                            self._stats.corrupt += 1
+                            self._sync_counts()
+                except _Closed:
+                    pass
+            else:
+                with self._lock:
                     self._stats.read_errors += 1
-                elif self._drop_if_unchanged(key, info):
-                    self._stats.corrupt += 1
-                    self._sync_counts()
             if not done.damaged:
                 log.warning("%s tier: reading block %s failed (%s); the block is kept", self.name, key.hex(), done)
             return None
@@ -1074,13 +1121,14 @@ class DiskTier(IndexedTier):
         whole ``batched_deletes``), else a power cut could bring the block back. A block not
         held here syncs its shard too when unlinks there are not yet durable: it may be one
         evicted (handed down, not synced) that would come back the same way."""
-        with self._lock:
-            deleted = self._index.remove(key) is not None
-            if deleted:
-                self._remove_files(key)
-                self._sync_counts()
-            owed = {key[0]: self._unlinks[key[0]]}
-        self._sync_unlinks(owed)
+        with self._open_call():
+            with self._lock:
+                deleted = self._index.remove(key) is not None
+                if deleted:
+                    self._remove_files(key)
+                    self._sync_counts()
+                owed = {key[0]: self._unlinks[key[0]]}
+            self._sync_unlinks(owed)
         return deleted
 
     @contextmanager

@@ -22,6 +22,8 @@ Torch-free, thread-safe: a lease may be released from any thread.
 
 from __future__ import annotations
 
+import gc
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -142,4 +144,61 @@ def release_all(leases: list[Lease | None]) -> None:
         raise error
 
 
-__all__ = ["Lease", "LeaseError", "LeaseLedger", "Lender", "release_all"]
+class Finalizer:
+    """Where a handle's ``__del__`` gives its leases back when the cyclic garbage collector
+    runs it. The collector runs in whichever thread allocated when it triggered, possibly
+    one inside a tier call, holding that tier's lock, which a release takes again: released
+    there, the thread deadlocked (and every call on the tier after it). ``__del__`` asks
+    :meth:`in_collection` and then hands the release to a thread of this one's (``submit``:
+    a ``SimpleQueue``'s put is safe in a finalizer); a handle dropped by its last reference
+    (no cycle) still gives its memory back at once, in the thread that dropped it.
+    ``ready()``: from ordinary code (a handle's constructor), since a finalizer cannot start
+    a thread (that takes locks of ``threading``'s own)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._start = threading.Lock()
+        self._collecting = threading.local()
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        self._collecting.on = phase == "start"
+
+    def in_collection(self) -> bool:
+        """Whether the cyclic collector is running in this thread (its finalizers, now)."""
+        return getattr(self._collecting, "on", False)
+
+    def ready(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return
+        with self._start:
+            if self._thread is None or not self._thread.is_alive():  # (none yet, or a forked child's)
+                self._thread = threading.Thread(target=self._run, name="cacheseek-finalizer", daemon=True)
+                self._thread.start()
+
+    def submit(self, release: Callable[[], None]) -> None:
+        self._queue.put(release)  # (no lock here: the collector may run in a thread holding any)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until what was submitted before has run (stats read then count it given
+        back); False if it has not within ``timeout``."""
+        self.ready()
+        done = threading.Event()
+        self._queue.put(done.set)  # (one thread, first in first out: run after the rest)
+        return done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            release = self._queue.get()
+            try:
+                release()
+            except Exception:  # noqa: BLE001 - a finalizer's failure has nobody to go to
+                pass
+
+
+finalizer = Finalizer()
+
+
+__all__ = ["Finalizer", "Lease", "LeaseError", "LeaseLedger", "Lender", "finalizer", "release_all"]

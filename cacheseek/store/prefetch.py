@@ -203,7 +203,8 @@ class Prefetcher:
                         # (full of pinned blocks, the parent not there): it counts only if memory
                         # holds it now.
                         results[i] = store.contains_many([keys[i]], memory)[0]
-                    self._settle([mine[i]], [futures[i]], [results[i]])
+                    if i < len(mine) - 1:  # (the last lands with the slot given back: ``finally``)
+                        self._settle([mine[i]], [futures[i]], [results[i]])
             finally:
                 stream.close()
         except Exception:  # a prefetch fails nothing: what was not promoted stays where it was
@@ -213,6 +214,9 @@ class Prefetcher:
 
     def _settle(self, mine: list[tuple[bytes, str]], futures: list[Future], results: list[bool], *,
                 last: bool = False) -> None:
+        """Land ``futures``; ``last``: the run is over, its slot given back in the same hold
+        of the lock (a waiter woken by a block landing then finds the slot free: a caller that
+        waited for a prefetch and started the next was refused as busy otherwise)."""
         with self._lock:
             for (key, _), fut, ok in zip(mine, futures, results):
                 if fut.done():
