@@ -332,3 +332,60 @@ def test_the_settings_table_is_the_server_settings():
         if not ok:
             problems.append(f"{where}: the docs say the default is {default_cell!r}, server/config.py {actual!r}")
     assert not problems, "\n".join(problems)
+
+
+SIGNATURE_CELL = re.compile(r"^\| `cs\.(\w+)\((.*?)\)`")
+
+
+def documented_signatures() -> list[tuple[int, str, str]]:
+    """(line, name, parameters) of each row of design.md's "Python names" table that opens
+    with a constructor's signature."""
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Python names")
+    out = []
+    for number, line in enumerate(lines[start:], start + 1):
+        if line.startswith("## ") and number > start + 1:
+            break
+        if m := SIGNATURE_CELL.match(line):
+            out.append((number, m.group(1), m.group(2)))
+    return out
+
+
+def test_the_python_names_table_shows_the_signatures():
+    import ast
+    import inspect
+
+    import cacheseek as cs
+
+    rows = documented_signatures()
+    assert {"PrefixCache", "RemoteCache", "TierConfig", "KVLayout"} <= {name for _, name, _ in rows}
+    problems = []
+    for number, name, params in rows:
+        where = f"docs/design.md:{number}: cs.{name}"
+        # "*" (keyword-only from here) and a closing "..." (more follow) are no call syntax
+        elided = params.endswith("...")
+        params = re.sub(r"(^|, )\*(, |$)", r"\1", params.removesuffix("...").rstrip(", "))
+        try:
+            call = ast.parse(f"f({params})", mode="eval").body
+        except SyntaxError as e:  # a parameter shown without its default after ones with theirs
+            problems.append(f"{where}: not a signature ({e.msg})")
+            continue
+        shown = [a.id for a in call.args if isinstance(a, ast.Name)] + [k.arg for k in call.keywords]
+        actual = [p for p in inspect.signature(getattr(cs, name)).parameters.values()
+                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        names = [p.name for p in actual]
+        if elided:
+            it = iter(names)
+            if not all(n in it for n in shown):
+                problems.append(f"{where}: shows {shown}, which are not parameters in the order {names}")
+        elif shown != names:
+            problems.append(f"{where}: shows {shown}, the parameters are {names}")
+        defaults = {p.name: p.default for p in actual}
+        for k in call.keywords:
+            try:
+                stated = ast.literal_eval(k.value)
+            except ValueError:
+                continue  # a constructor call (KIVI(4, 32), cs.Shard()): said in words
+            if k.arg in defaults and defaults[k.arg] != stated:
+                problems.append(f"{where}: {k.arg}={stated!r} shown, the default is {defaults[k.arg]!r}")
+    assert not problems, "\n".join(problems)
