@@ -389,3 +389,24 @@ def test_the_python_names_table_shows_the_signatures():
             if k.arg in defaults and defaults[k.arg] != stated:
                 problems.append(f"{where}: {k.arg}={stated!r} shown, the default is {defaults[k.arg]!r}")
     assert not problems, "\n".join(problems)
+
+
+ENV_VAR = re.compile(r"\bCACHESEEK_[A-Z0-9_]*[A-Z0-9]\b")
+
+
+def test_every_environment_variable_in_the_docs_is_read_somewhere():
+    pytest.importorskip("pydantic_settings")
+    from cacheseek.server.config import DEPRECATED_NAMES, ENV_PREFIX, ServerSettings
+
+    settings = {ENV_PREFIX + name.upper() for name in [*ServerSettings.model_fields, *DEPRECATED_NAMES, "config"]}
+    code = "\n".join(p.read_text(encoding="utf-8", errors="replace")
+                     for folder in ("cacheseek", "server", "scripts", "benchmarks", "tests", "deploy")
+                     for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh", ".yaml", ".yml")
+                     and p.name != "test_docs.py")
+    problems = []
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in ENV_VAR.findall(line):
+                if name not in settings and name not in code:
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: nothing reads {name}")
+    assert not problems, "\n".join(problems)
