@@ -3,8 +3,10 @@ README.md, CHANGELOG.md and docs/*.md names a file in the repository (and an anc
 heading of that file), every plot in docs/ is shown by some doc, README.md stays a front
 door (at most 200 lines); every flag shown with a ``cacheseek`` command or a
 ``python -m benchmarks.X`` command is one that command takes, every ``cs.Name`` exists,
-every repository path in a code span exists, and the settings table of docs/http-api.md is
-``server/config.py``'s settings, with their flags, variables and defaults."""
+every repository path in a code span exists, every ``CACHESEEK_*`` variable is read, the
+settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
+defaults), design.md's constructor signatures are cacheseek's, and the default columns of
+redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses'."""
 
 from __future__ import annotations
 
@@ -409,4 +411,58 @@ def test_every_environment_variable_in_the_docs_is_read_somewhere():
             for name in ENV_VAR.findall(line):
                 if name not in settings and name not in code:
                     problems.append(f"{path.relative_to(ROOT)}:{number}: nothing reads {name}")
+    assert not problems, "\n".join(problems)
+
+
+def table_defaults(path: Path, header: str) -> list[tuple[int, str, str]]:
+    """(line, name, default cell) of the rows of the table under ``header`` whose first cell
+    is one backquoted name."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = lines.index(header)
+    out = []
+    for number, line in enumerate(lines[start + 2 :], start + 3):
+        if not line.startswith("|"):
+            break
+        if m := re.match(r"^\| `(\w+)` \| (.*?) \|", line):
+            out.append((number, m.group(1), m.group(2)))
+    return out
+
+
+def test_default_tables_match_the_dataclasses():
+    """docs/redis.md's TierConfig fields and docs/vllm.md's connector keys, with defaults."""
+    import ast
+    import dataclasses
+
+    import cacheseek as cs
+    from cacheseek.integrations.vllm import config as vllm_config
+
+    tables = [(ROOT / "docs" / "redis.md", "| `TierConfig` field | default | meaning |", cs.TierConfig, set()),
+              # group_size is a key the codec takes, not a field of its own
+              (ROOT / "docs" / "vllm.md", "| key | default | meaning |", vllm_config.ConnectorConfig,
+               set(vllm_config._KEYS))]
+    problems = []
+    for path, header, cls, keys in tables:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        rows = table_defaults(path, header)
+        assert len(rows) >= 5, (path, header)
+        for number, name, cell in rows:
+            where = f"{path.relative_to(ROOT)}:{number}: {name}"
+            if name not in fields:
+                if name not in keys:
+                    problems.append(f"{where}: no such field of {cls.__name__}")
+                continue
+            field = fields[name]
+            if field.default is dataclasses.MISSING or not (m := re.fullmatch(r"`([^`]*)`", cell.strip())):
+                continue  # a computed default, said in words
+            try:
+                stated = ast.literal_eval(m.group(1).replace("true", "True").replace("false", "False")
+                                          .replace("null", "None"))
+            except (ValueError, SyntaxError):
+                stated = m.group(1)
+            actual = field.default
+            if isinstance(stated, str) and isinstance(actual, int) and not isinstance(actual, bool):
+                from cacheseek.units import parse_size
+                stated = parse_size(stated, name=name)
+            if stated != actual:
+                problems.append(f"{where}: the docs say {cell}, {cls.__name__} says {actual!r}")
     assert not problems, "\n".join(problems)
