@@ -148,16 +148,23 @@ FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 
 
 def doc_lines(path: Path) -> list[tuple[int, str]]:
-    """(line number, line) of ``path``, a shell line continued by a trailing backslash joined
-    to the next."""
+    """(line number, line) of ``path``, a shell line continued by a trailing backslash, or a
+    line whose code span goes on to the next (an odd number of backquotes), joined to the
+    next."""
     out: list[tuple[int, str]] = []
     pending = None
+    fenced = False
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if FENCE.match(line.strip()):
+            fenced = not fenced
         if pending is not None:
             line = pending[1] + " " + line.strip()
             number = pending[0]
         if line.rstrip().endswith("\\"):
             pending = (number, line.rstrip()[:-1])
+            continue
+        if not fenced and line.count("`") % 2 and not FENCE.match(line.strip()):
+            pending = (number, line.rstrip())
             continue
         pending = None
         out.append((number, line))
@@ -231,6 +238,49 @@ def test_every_flag_shown_with_a_command_is_one_it_takes():
 
 
 CS_NAME = re.compile(r"(?<![\w.])cs\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?")
+
+
+class _Parsed(Exception):
+    """Raised by parse_args once the arguments parsed: the command is not run."""
+
+
+def test_every_benchmark_command_shown_parses(monkeypatch):
+    """The arguments of each ``python -m benchmarks.X ...`` the docs show are ones it takes
+    (values too: choices, types), checked by its own parser, which then stops it."""
+    import argparse
+
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise _Parsed(parse(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    shown: dict[tuple[str, str], str] = {}
+    for path in CURRENT:
+        for number, line in doc_lines(path):
+            for m in re.finditer(r"python -m (benchmarks\.\w+)([^`|\n]*)", line):
+                rest = m.group(2).split("#")[0].strip()
+                # placeholders ($R/..., [--paged], FILE, N, ...) are not runnable as written
+                if re.search(r"[$\[\]<>]|\.\.\.|\b(FILE|N)\b", rest):
+                    continue
+                shown.setdefault((m.group(1), rest), f"{path.relative_to(ROOT)}:{number}")
+    assert len(shown) > 30
+    problems = []
+    for (module_name, rest), where in sorted(shown.items()):
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(sys, "argv", [module_name, *rest.split()])
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                module.main()
+        except _Parsed:
+            continue
+        except SystemExit as e:
+            problems.append(f"{where}: python -m {module_name} {rest}: exit {e.code}: "
+                            f"{out.getvalue().strip().splitlines()[-1:]}")
+            continue
+        problems.append(f"{where}: python -m {module_name} {rest}: ran without parsing its arguments")
+    assert not problems, "\n".join(problems)
 
 
 def test_every_cs_name_in_the_docs_exists():
