@@ -244,9 +244,10 @@ class _Parsed(Exception):
     """Raised by parse_args once the arguments parsed: the command is not run."""
 
 
-def test_every_benchmark_command_shown_parses(monkeypatch):
-    """The arguments of each ``python -m benchmarks.X ...`` the docs show are ones it takes
-    (values too: choices, types), checked by its own parser, which then stops it."""
+def test_every_command_shown_parses(monkeypatch):
+    """The arguments of each ``python -m benchmarks.X ...`` and ``cacheseek ...`` command the
+    docs show are ones it takes (values too: choices, types), checked by its own parser,
+    which then stops it."""
     import argparse
 
     parse = argparse.ArgumentParser.parse_args
@@ -257,18 +258,27 @@ def test_every_benchmark_command_shown_parses(monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
     shown: dict[tuple[str, str], str] = {}
     for path in CURRENT:
+        fenced = {number for number, _ in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)} - {
+            number for number, _ in prose_lines(path.read_text(encoding="utf-8"))}
         for number, line in doc_lines(path):
-            for m in re.finditer(r"python -m (benchmarks\.\w+)([^`|\n]*)", line):
+            for m in re.finditer(r"(python -m benchmarks\.\w+|cacheseek (?:serve|top|admin|plan|redis-check|demo))"
+                                 r"([^`|\n]*)", line):
                 rest = m.group(2).split("#")[0].strip()
-                # placeholders ($R/..., [--paged], FILE, N, ...) are not runnable as written
-                if re.search(r"[$\[\]<>]|\.\.\.|\b(FILE|N)\b", rest):
+                if m.group(1).startswith("cacheseek") and (number not in fenced or not re.match(r"\s*(\w+=\S+\s+)*cacheseek ", line)):
+                    continue  # prose names cacheseek's commands without their required arguments; blocks show runs
+                if re.match(r"[^\s]*:(\s|$)", rest):
+                    continue  # a line of its output ("cacheseek serve: store open in ...")
+                # placeholders ($R/..., [--paged], FILE, N, HASH, ...) are not runnable as written
+                if re.search(r"[$\[\]<>]|\.\.\.|\b(FILE|N|HASH|NS|M)\b", rest):
                     continue
                 shown.setdefault((m.group(1), rest), f"{path.relative_to(ROOT)}:{number}")
     assert len(shown) > 30
     problems = []
-    for (module_name, rest), where in sorted(shown.items()):
+    for (command, rest), where in sorted(shown.items()):
+        module_name = command.split()[-1] if command.startswith("python") else "cacheseek.server.cli"
         module = importlib.import_module(module_name)
-        monkeypatch.setattr(sys, "argv", [module_name, *rest.split()])
+        argv = [*command.split()[1:], *rest.split()] if command.startswith("cacheseek") else rest.split()
+        monkeypatch.setattr(sys, "argv", [module_name, *argv])
         out = io.StringIO()
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -276,10 +286,9 @@ def test_every_benchmark_command_shown_parses(monkeypatch):
         except _Parsed:
             continue
         except SystemExit as e:
-            problems.append(f"{where}: python -m {module_name} {rest}: exit {e.code}: "
-                            f"{out.getvalue().strip().splitlines()[-1:]}")
+            problems.append(f"{where}: {command} {rest}: exit {e.code}: {out.getvalue().strip().splitlines()[-1:]}")
             continue
-        problems.append(f"{where}: python -m {module_name} {rest}: ran without parsing its arguments")
+        problems.append(f"{where}: {command} {rest}: ran without parsing its arguments")
     assert not problems, "\n".join(problems)
 
 
