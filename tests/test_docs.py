@@ -5,8 +5,9 @@ door (at most 200 lines); every flag shown with a ``cacheseek`` command or a
 ``python -m benchmarks.X`` command is one that command takes, every ``cs.Name`` exists,
 every repository path in a code span exists, every ``CACHESEEK_*`` variable is read, the
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
-defaults), design.md's constructor signatures are cacheseek's, and the default columns of
-redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses'."""
+defaults), design.md's constructor signatures are cacheseek's, the default columns of
+redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
+operations.md names every series a real server's ``/metrics`` shows, and no other."""
 
 from __future__ import annotations
 
@@ -525,3 +526,46 @@ def test_default_tables_match_the_dataclasses():
             if stated != actual:
                 problems.append(f"{where}: the docs say {cell}, {cls.__name__} says {actual!r}")
     assert not problems, "\n".join(problems)
+
+
+SERIES = re.compile(r"`(cacheseek_[a-z_{},]+?)(?:\{[a-z_,]+\})?`")
+
+
+def documented_series() -> set[str]:
+    """Every series docs/operations.md names, ``cacheseek_tier_{hits,misses}_total`` spelled out."""
+    def expand(name: str) -> list[str]:
+        m = re.search(r"\{([a-z_,]+)\}", name)
+        if not m:
+            return [name]
+        return [e for alt in m.group(1).split(",") for e in expand(name[: m.start()] + alt + name[m.end():])]
+
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    return {e for m in SERIES.finditer(text) for e in expand(m.group(1))}
+
+
+def test_operations_names_every_series_of_metrics_and_no_other(tmp_path):
+    pytest.importorskip("fastapi")
+    import httpx
+    from redis_servers import RedisServer, needs_redis
+    from server_helpers import Server, batch_body, raw_chain
+
+    if needs_redis.args[0]:
+        pytest.skip(needs_redis.kwargs["reason"])
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        # a Redis tier and a disk admission threshold: the series only they have are shown too
+        with Server(tmp_path, "--redis-url", redis.url, "--redis-bytes", "64MiB", "--disk-admit-after-uses", "2") as srv, \
+                httpx.Client(base_url=srv.url) as c:
+            chain = raw_chain(1, 3)
+            head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+            c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=head)
+            c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
+            c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
+            c.put(f"/v1/blocks/{chain[0][0].hex()}", content=b"not a frame")  # frames_rejected
+            text = c.get("/metrics").text
+    finally:
+        redis.stop()
+    exposed = {re.sub(r"_(bucket|count|sum)$", "", name) for name in re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M)}
+    shown = documented_series()
+    assert exposed - shown == set(), "in /metrics, not in docs/operations.md"
+    assert shown - exposed == set(), "in docs/operations.md, not in /metrics"
