@@ -13,6 +13,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 DEMO_MODULE = "cacheseek.integrations.demo"
@@ -206,7 +207,9 @@ def _tls_problem(cert: Any, key: Any) -> str | None:
     try:
         context.load_cert_chain(str(cert), str(key))
     except FileNotFoundError as exc:
-        return f"tls_cert/tls_key: {exc.filename} does not exist"
+        # ssl's error names no file: say which of the two is missing
+        missing = exc.filename or next((f for f in (cert, key) if not Path(f).exists()), f"{cert} or {key}")
+        return f"tls_cert/tls_key: {missing} does not exist"
     except (ssl.SSLError, OSError) as exc:
         return f"tls_cert/tls_key: cannot load {cert} with {key}: {exc}"
     return None

@@ -664,6 +664,17 @@ def test_bad_settings_and_unusable_resources_exit_2_with_a_message(tmp_path):
             assert "startup complete" not in done.stderr + done.stdout, args
 
 
+def test_a_missing_tls_file_is_named(tmp_path, tls_files):
+    # ssl's FileNotFoundError carries no file name: the message said "None does not exist"
+    missing = tmp_path / "missing.pem"
+    for cert, key in [(missing, tls_files / "key.pem"), (tls_files / "cert.pem", missing)]:
+        done = _serve(tmp_path, "--port", str(free_port()), "--disk-bytes", "0",
+                      "--tls-cert", str(cert), "--tls-key", str(key))
+        assert done.returncode == 2, done.stderr
+        assert f"{missing} does not exist" in done.stderr, done.stderr
+        assert "None" not in done.stderr, done.stderr
+
+
 # -- TLS ----------------------------------------------------------------------------------------
 
 
