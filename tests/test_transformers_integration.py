@@ -480,6 +480,55 @@ def test_a_sliding_window_model_stores_whole_kv_and_says_when_it_cannot():
         assert again.reused_tokens == 128 and again.stored_blocks == 0 and "sliding-window" in again.ingest_skipped_reason
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}],
+                         ids=["dynamic", "longrope"])
+def test_a_rope_that_rescales_by_the_forwards_length_is_refused_before_anything_runs(rope):
+    """Dynamic NTK and LongRoPE rotate every key by a frequency chosen from the length of the
+    forward that computes it, so a stored prefix's K depend on that forward, not on the
+    prefix: a prompt reusing it got logits 5e-4 to 1e-3 off a plain prefill's, silently."""
+    model = tiny_llama(rope_scaling=rope, max_position_embeddings=96, original_max_position_embeddings=96)
+    ids = list(range(3, 3 + 150))  # past the 96 positions the frequencies were trained for
+    # The premise: the same 64 tokens' K, from a forward of 64 and one of 150, differ.
+    short = dynamic_cache_layers(forward(model, torch.tensor([ids[:64]]))[1])[0][0]
+    long = dynamic_cache_layers(forward(model, torch.tensor([ids]))[1])[0][0][:, :64]
+    assert not torch.allclose(short, long)
+    with _cache(model) as cache:
+        cache.ingest(ids[:64], [(k[None], v[None]) for k, v in
+                                dynamic_cache_layers(forward(model, torch.tensor([ids[:64]]))[1])])
+        for reuse, ingest in (("auto", True), ("always", False), ("never", True)):
+            with pytest.raises(ConfigError, match=rf"RoPE type '{rope['rope_type']}' .* not on the prefix alone"):
+                prefill_with_reuse(model, cache, ids, reuse=reuse, ingest=ingest)
+        assert cache.stats()["blocks"] == 1
+
+
+def test_a_static_rope_scaling_reuses_as_a_plain_prefill_computes():
+    model = tiny_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=96)
+    ids = list(range(3, 3 + 150))
+    with _cache(model) as cache:
+        prefill_with_reuse(model, cache, ids[:70])
+        again = prefill_with_reuse(model, cache, ids, reuse="always")
+        plain = prefill_with_reuse(model, cache, ids, reuse="never", ingest=False)
+    assert again.reused_tokens == BLOCK
+    torch.testing.assert_close(again.logits, plain.logits, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_recurrent_layers_is_refused_before_anything_runs():
+    """Jamba's Mamba layers keep a recurrent state, no per-token KV: its prompt was run
+    through the model, then the save failed with "layers 0, 2 were never put"."""
+    torch.manual_seed(0)
+    model = transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, num_experts=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)).eval()
+    ran = []
+    model.register_forward_hook(lambda *args: ran.append(1))
+    with _cache(model) as cache:
+        with pytest.raises(ConfigError, match=r"^JambaForCausalLM(: layer 0)? keeps .*recurrent"):
+            prefill_with_reuse(model, cache, list(range(3, 103)))
+        assert ran == [] and cache.stats()["blocks"] == 0
+
+
 def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     """Caches made for a full-attention config skip transformers' reading of the config's
     layer types (asked once per config); a sliding-window config still gets its own

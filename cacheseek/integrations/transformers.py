@@ -15,7 +15,10 @@ Limits, stated plainly:
   after RoPE (Llama, Mistral, Qwen2, SmolLM2 ...). A sliding-window layer keeps only its
   window of the materialized prefix, and its prompt's KV is stored as the forward makes it
   (after a reused prefix longer than the window, not at all: ``ingest_skipped_reason``);
-  encoder-decoder, linear-attention/recurrent (Mamba) and multimodal caches are not handled.
+  encoder-decoder, linear-attention/recurrent (Mamba) and multimodal caches are not handled
+  (recurrent, linear-attention, shared and indexed layers are refused before anything runs).
+- A RoPE that rescales by each forward's length (``dynamic``, ``longrope``) is refused: the
+  K it caches depend on that length, not on the prefix alone.
 - The stored layout's dtype must be the model's KV dtype: nothing is cast silently.
 - Token ids only: the prompt must be tokenized identically for a hit (exact-prefix reuse).
 """
@@ -119,27 +122,38 @@ def _new_dynamic_cache(config: Any = None) -> Any:
 
 
 # Per config (by identity): whether DynamicCache(config=...) makes full-attention
-# DynamicLayers only. Reading the layer types from a config costs transformers ~0.4 ms of
-# attribute lookups per cache, on the path to the first token for every reused prompt; for
-# such a config a DynamicCache() that appends a DynamicLayer per layer is the same cache.
-_FULL_ATTENTION: dict[int, tuple[Any, bool]] = {}
+# DynamicLayers only, and the first of its layers that is neither full attention nor a
+# sliding window (index, class), if any. Reading the layer types from a config costs
+# transformers ~0.4 ms of attribute lookups per cache, on the path to the first token for
+# every reused prompt; for such a config a DynamicCache() that appends a DynamicLayer per
+# layer is the same cache.
+_FULL_ATTENTION: dict[int, tuple[Any, bool, tuple[int, str] | None]] = {}
+
+
+def _config_layers(config: Any) -> tuple[bool, tuple[int, str] | None]:
+    """(all full attention, the first layer of another kind than full attention or a
+    sliding window) of ``config``'s ``DynamicCache``; asked once per config."""
+    if config is None or not _dynamic_cache_takes_config():
+        return True, None
+    known = _FULL_ATTENTION.get(id(config))
+    if known is not None and known[0]() is config:
+        return known[1], known[2]
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(DynamicCache(config=config), "layers", None)
+    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
+    other = next(((i, type(layer).__name__) for i, layer in enumerate(layers or ())
+                  if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
+    key = id(config)
+    _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full, other)
+    return full, other
 
 
 def _dynamic_cache_kwargs(config: Any) -> dict[str, Any]:
     """What ``DynamicCache(...)`` needs for ``config``: nothing where the config's layers are
     all full attention (asked once per config), else the config."""
-    if config is None or not _dynamic_cache_takes_config():
-        return {}
-    known = _FULL_ATTENTION.get(id(config))
-    if known is not None and known[0]() is config:
-        return {} if known[1] else {"config": config}
-    from transformers import DynamicCache
-
-    layers = getattr(DynamicCache(config=config), "layers", None)
-    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
-    key = id(config)
-    _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full)
-    return {} if full else {"config": config}
+    return {} if _config_layers(config)[0] else {"config": config}
 
 
 def _windowed(config: Any) -> bool:
@@ -421,6 +435,7 @@ def prefill_with_reuse(
     device = model_device(model)
     ids, packed = _token_ids(input_ids)
     _check_vocabulary(model, packed)
+    _check_model(model)
     _check_layout(model, cache)
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
@@ -614,6 +629,53 @@ def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:
 
 def _prefix(keys: Any, num_tokens: int) -> Any:
     return keys.prefix(num_tokens) if isinstance(keys, HashedKeys) else keys[:num_tokens]
+
+
+# Per model: the RoPE type of its first rotary embedding whose frequencies follow the
+# length of each forward, or None (read once: a walk over every module).
+_LENGTH_ROPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _length_dependent_rope(model: Any) -> str | None:
+    """The RoPE type of ``model`` that rescales its frequencies by each forward's length
+    (transformers' ``dynamic_rope_update``: a type naming "dynamic", and "longrope"), or None."""
+    try:
+        return _LENGTH_ROPE[model]
+    except KeyError:
+        pass
+    except TypeError:  # (not weakly referable: read every time)
+        return _read_length_rope(model)
+    found = _LENGTH_ROPE[model] = _read_length_rope(model)
+    return found
+
+
+def _read_length_rope(model: Any) -> str | None:
+    for module in model.modules() if hasattr(model, "modules") else ():
+        kinds = getattr(module, "rope_type", None)
+        for kind in kinds.values() if isinstance(kinds, dict) else (kinds,):
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return kind
+    return None
+
+
+def _check_model(model: Any) -> None:
+    """``ConfigError`` for a model whose prompt's KV the store cannot hold as the forward
+    made it, before anything is looked up or run."""
+    name = type(model).__name__
+    if getattr(model, "_is_stateful", False):  # transformers 4's mark of a recurrent state
+        raise ConfigError(f"{name} keeps a recurrent state beside its KV (Mamba-like layers): prefill_with_reuse "
+                          "handles caches of full-attention and sliding-window layers only")
+    other = _config_layers(getattr(model, "config", None))[1]
+    if other is not None:
+        i, kind = other
+        raise ConfigError(f"{name}: layer {i} keeps a {kind}, not per-token KV of full or sliding-window attention "
+                          "(linear attention, a recurrent state, shared or indexed KV): prefill_with_reuse handles "
+                          "caches of full-attention and sliding-window layers only")
+    rope = _length_dependent_rope(model)
+    if rope is not None:
+        raise ConfigError(f"{name}: RoPE type {rope!r} rescales its frequencies by the length of each forward, so "
+                          "a stored prefix's K depend on the forward that computed them, not on the prefix alone: "
+                          "reusing them would not give a plain prefill's logits")
 
 
 def _check_layout(model: Any, cache: Any) -> None:
