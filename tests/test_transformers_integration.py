@@ -529,6 +529,31 @@ def test_a_model_with_recurrent_layers_is_refused_before_anything_runs():
         assert ran == [] and cache.stats()["blocks"] == 0
 
 
+@pytest.mark.parametrize("given, says", [
+    ({"input_ids": [1, 2, 3]}, r"^input_ids: a dict \(a tokenizer's output\?\); pass its \['input_ids'\]"),
+    ("Hello", r"^input_ids: a str, not token ids \(tokenize it first\)"),
+    (b"\x01\x02\x03", r"^input_ids: a bytes, not token ids \(tokenize it first\)"),
+    ([[1, 2, 3], [4, 5, 6]], r"^input_ids: batch size 2; only batch size 1 is supported"),
+])
+def test_prefill_says_what_is_wrong_with_input_ids_that_are_no_prompt(tiny_model, given, says):
+    """A tokenizer's output (or a batch of rows as lists) was iterated as ids and refused with
+    "every id must be an int"; bytes were taken as the ids of their byte values."""
+    with _cache(tiny_model) as cache:
+        with pytest.raises(InputError, match=says):
+            prefill_with_reuse(tiny_model, cache, given)
+        assert cache.stats()["blocks"] == 0
+
+
+def test_prefill_takes_a_batch_of_one_row_as_lists_as_it_takes_the_tensor(tiny_model):
+    ids = list(range(3, 3 + 2 * BLOCK + 1))
+    with _cache(tiny_model) as cache:
+        as_tensor = prefill_with_reuse(tiny_model, cache, torch.tensor([ids]), ingest=False, reuse="never")
+        as_rows = prefill_with_reuse(tiny_model, cache, [ids])
+        assert torch.equal(as_tensor.logits, as_rows.logits) and as_rows.stored_blocks == 2
+        with pytest.raises(InputError, match="^input_ids: a BatchEncoding"):
+            prefill_with_reuse(tiny_model, cache, transformers.BatchEncoding({"input_ids": torch.tensor([ids])}))
+
+
 def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
     """Caches made for a full-attention config skip transformers' reading of the config's
     layer types (asked once per config); a sliding-window config still gets its own

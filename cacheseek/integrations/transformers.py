@@ -29,7 +29,7 @@ import functools
 import inspect
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -574,6 +574,13 @@ def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
 def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
     """The prompt's ids as this module's own list, and packed (``token_block_bytes``: the
     pack that checks them is the one hashing needs)."""
+    if isinstance(input_ids, Mapping):
+        # (iterated, a tokenizer's output gave its key names as the ids)
+        raise InputError(f"input_ids: a {type(input_ids).__name__} (a tokenizer's output?); pass its ['input_ids'] "
+                         "(batch size 1, no padding: prefill_with_reuse takes no attention mask)")
+    if isinstance(input_ids, (str, bytes, bytearray, memoryview)):
+        # (iterated, bytes gave their byte values as the ids)
+        raise InputError(f"input_ids: a {type(input_ids).__name__}, not token ids (tokenize it first)")
     if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "shape") and hasattr(input_ids, "tolist"):
         # A numpy array: read as a tensor is (its list() of a [1, T] array is one row).
         try:
@@ -596,6 +603,10 @@ def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
         except TypeError:
             raise InputError(f"input_ids: expected token ids (a list or a tensor), got {type(input_ids).__name__}") \
                 from None
+    if ids and not from_tensor and isinstance(ids[0], (list, tuple)):  # rows, as a tokenizer gives a batch
+        if len(ids) != 1:
+            raise InputError(f"input_ids: batch size {len(ids)}; only batch size 1 is supported")
+        ids = list(ids[0])
     if not ids:
         raise InputError("input_ids: empty prompt")
     # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
