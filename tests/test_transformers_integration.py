@@ -250,9 +250,9 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         # reuse="always": the planner's timing-based choice is tested on its own below, and on
         # a loaded machine it may rightly predict this tiny model's recompute to be faster
         again = prefill_with_reuse(tiny_model, cache, ids, reuse="always")
-        # the last token must be computed, so only the first block can be reused
-        assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (BLOCK, BLOCK, 0)
-        assert again.tiers == ["cpu"] and again.skipped_reason is None
+        # the last token must be computed: the second block is reused but for its last token
+        assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (2 * BLOCK - 1, 1, 0)
+        assert again.tiers == ["cpu", "cpu"] and again.skipped_reason is None
         longer = prefill_with_reuse(tiny_model, cache, ids + [7] * 10, reuse="always")
         assert (longer.reused_tokens, longer.computed_tokens) == (2 * BLOCK, 10)
         assert cache_length(longer.cache) == 2 * BLOCK + 10
@@ -263,6 +263,28 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         assert isinstance(rebuilt, transformers.DynamicCache) and cache_length(rebuilt) == 2 * BLOCK
         for (k, v), (k2, v2) in zip(dynamic_cache_layers(first.cache), dynamic_cache_layers(rebuilt), strict=True):
             assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_prompt_stored_whole_computes_only_its_last_token(tiny_model, layerwise):
+    """A prompt of whole blocks, all stored, reused every block but its last and computed
+    that block again (64 tokens for the logits of one). Its last block is read and cut one
+    token short: the logits are those of the model's own cache cut the same way."""
+    ids = list(range(3, 3 + 2 * BLOCK))
+    x = torch.tensor([ids])
+    _, whole = forward(tiny_model, x)
+    own = to_dynamic_cache([(k[:, :-1], v[:, :-1]) for k, v in dynamic_cache_layers(whole)])
+    want, _ = forward(tiny_model, x[:, -1:], own)
+    with _cache(tiny_model) as cache:
+        assert prefill_with_reuse(tiny_model, cache, ids).stored_blocks == 2
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        assert (res.reused_tokens, res.computed_tokens, res.stored_blocks) == (2 * BLOCK - 1, 1, 0)
+        assert res.tiers == ["cpu", "cpu"] and cache_length(res.cache) == 2 * BLOCK
+        assert torch.equal(res.logits, want[0, -1])
+        # the cache goes on as the model's own: the next token on it, the same logits
+        nxt = torch.tensor([[res.next_token]])
+        assert torch.equal(forward(tiny_model, nxt, res.cache)[0], forward(tiny_model, nxt, own)[0])
+        assert cache.stats()["tiers"][0]["leases_active"] == 0
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -372,7 +394,7 @@ def test_prefill_takes_token_ids_in_a_numpy_array_as_a_tensor_of_them(tiny_model
         first = prefill_with_reuse(tiny_model, cache, np.array([ids]))
         assert (first.computed_tokens, first.stored_blocks) == (2 * BLOCK, 2)
         again = prefill_with_reuse(tiny_model, cache, np.array(ids, dtype=np.int32), reuse="always")
-        assert (again.reused_tokens, again.computed_tokens) == (BLOCK, BLOCK)
+        assert (again.reused_tokens, again.computed_tokens) == (2 * BLOCK - 1, 1)
         for bad, why in ((np.array([ids, ids]), "batch size 2"), (np.array([["a"]]), "an array torch cannot read"),
                          (np.ones((1, 4), dtype=bool), "a tensor of bools")):
             with pytest.raises(InputError, match=f"^input_ids: .*{why}"):

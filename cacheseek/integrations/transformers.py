@@ -39,7 +39,6 @@ from ..errors import ConfigError, InputError, LoadError
 from ..hashing import token_block_bytes
 from ..kv_input import kv_layers
 from ..layout import KVLayout
-from ..prefix_keys import HashedKeys
 from .planner import ReuseDecision, ReusePlanner
 
 # -- the model's cache keyword, found from its signature ---------------------------------
@@ -214,18 +213,19 @@ def to_dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config
 _LAYERWISE_CLASS: Any = None
 
 
-def layerwise_cache(load: Any = None, config: Any = None, writer: Any = None) -> Any:
+def layerwise_cache(load: Any = None, config: Any = None, writer: Any = None, *, num_tokens: int | None = None) -> Any:
     """A ``DynamicCache`` over a ``LayerwiseLoad``: layer ``i`` holds the loaded prefix, and
     the forward's first ``update`` of layer ``i`` makes the current stream wait for that
     layer first (``load.wait(i)``; on a GPU the host does not wait), so the load of later
     layers overlaps the compute of earlier ones. The prefix tensors are taken as they are
     (no copy); the forward's ``update`` concatenates onto them as usual. ``writer``: a
     ``LayerwiseIngest`` that is given each layer (prefix and new tokens) as the forward
-    produces it. ``load=None``: an empty cache (only the writer)."""
+    produces it. ``load=None``: an empty cache (only the writer). ``num_tokens``: the
+    prefix's first tokens only (views), where fewer than the load's."""
     global _LAYERWISE_CLASS
     if _LAYERWISE_CLASS is None:
         _LAYERWISE_CLASS = _make_layerwise_class()
-    return _LAYERWISE_CLASS(load, config, writer)
+    return _LAYERWISE_CLASS(load, config, writer, num_tokens)
 
 
 def _make_layerwise_class() -> Any:
@@ -234,12 +234,14 @@ def _make_layerwise_class() -> Any:
     class LayerwiseDynamicCache(DynamicCache):
         """See ``layerwise_cache``."""
 
-        def __init__(self, load: Any, config: Any, writer: Any) -> None:
+        def __init__(self, load: Any, config: Any, writer: Any, num_tokens: int | None = None) -> None:
             super().__init__(**_dynamic_cache_kwargs(config))
             self._cs_load, self._cs_writer = load, writer
             self._cs_pending: set[int] = set()
-            if load is not None and load.num_tokens:
-                _fill_without_copy(self, load.num_layers, lambda i: load.layer(i, wait=False), load.num_tokens)
+            n = load.num_tokens if load is not None else 0
+            n = n if num_tokens is None else min(n, num_tokens)
+            if n:
+                _fill_without_copy(self, load.num_layers, lambda i: _first(load.layer(i, wait=False), n), n)
                 self._cs_pending = set(range(load.num_layers))
 
         def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -292,17 +294,24 @@ def _fill_without_copy(cache: Any, num_layers: int, get: Any, num_tokens: int) -
         cache._seen_tokens = num_tokens
 
 
-def _cache_over(got: Any, config: Any) -> Any:
+def _first(kv: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` tokens of a layer's (K, V) [1, H, T, D]: views, or the tensors themselves."""
+    k, v = kv
+    return (k, v) if k.shape[-2] == n else (k[..., :n, :], v[..., :n, :])
+
+
+def _cache_over(got: Any, config: Any, num_tokens: int | None = None) -> Any:
     """A ``DynamicCache`` over a ``Materialized`` prefix's own tensors, for one forward on top
     of it (``prefill_with_reuse``): not copied first as ``to_dynamic_cache`` does (a copy of
     the whole prefix on the device, and a cache update a layer on the host), since that
     forward replaces every layer's tensors with its own. Models whose cache has other than
-    full-attention layers get the copy."""
+    full-attention layers get the copy. ``num_tokens``: the prefix's first tokens only."""
+    n = got.num_tokens if num_tokens is None else min(got.num_tokens, num_tokens)
     cache = _new_dynamic_cache(config)
     try:
-        _fill_without_copy(cache, len(got.layers), got.layers.__getitem__, got.num_tokens)
+        _fill_without_copy(cache, len(got.layers), lambda i: _first(got.layers[i], n), n)
     except ConfigError:
-        return to_dynamic_cache(got.layers, config)
+        return to_dynamic_cache([_first(layer, n) for layer in got.layers], config)
     return cache
 
 
@@ -441,6 +450,10 @@ def prefill_with_reuse(
     timings = PrefillTimings()
 
     reused, tiers, past, decision, skipped, load, writer = 0, [], None, None, None, None, None
+    # A prompt stored whole (its length a multiple of the block) is read whole and cut one
+    # token short: its last token is computed, for the logits, and not a whole block of it.
+    # `have`: the tokens read (whole blocks).
+    most, have = len(ids) - 1, 0
     # The ids after the located prefix on the device (from token `past_start` on), made
     # before a layer-wise load starts; only those: a tensor of 16K ids costs the host ~1 ms.
     prompt, past_start = None, 0
@@ -448,7 +461,7 @@ def prefill_with_reuse(
     # again: ~0.4 ms of host time per 16K tokens, before the first token).
     keys = _hashed(cache, ids, packed) if ingest or (reuse != "never" and len(ids) > 1) else ids
     if reuse != "never" and len(ids) > 1:
-        located = cache.locate(_prefix(keys, len(ids) - 1))
+        located = cache.locate(keys)
         timings.locate_s = time.perf_counter() - t0
         if reuse == "auto":
             if located.num_tokens and planner.unmeasured(located.tiers):
@@ -463,25 +476,27 @@ def prefill_with_reuse(
             # Everything the forward needs but the load is made first: from the load's start
             # on, the host's time is on the path to layer 0 (the forward starts on the handle).
             writer = cache.ingest_layerwise(keys) if ingest else None
-            past_start = located.num_tokens
+            past_start = min(located.num_tokens, most)
             prompt = torch.tensor([ids[past_start:]], dtype=torch.long, device=device)
-            load = cache.materialize(keys, device=device, max_tokens=len(ids) - 1, layerwise=True)
+            load = cache.materialize(keys, device=device, layerwise=True)
             if load.num_tokens:
-                reused, tiers = load.num_tokens, list(load.tiers)
+                have, tiers = load.num_tokens, list(load.tiers)
+                reused = min(have, most)
             else:
                 load.close()
                 load = None
             timings.materialize_s = time.perf_counter() - t
         elif located.num_tokens:
             t = time.perf_counter()
-            got = cache.materialize(keys, device=device, max_tokens=len(ids) - 1)
+            got = cache.materialize(keys, device=device)
             if got.num_tokens:
-                past = _cache_over(got, model.config)
-                reused, tiers = got.num_tokens, list(got.tiers)
+                have, tiers = got.num_tokens, list(got.tiers)
+                reused = min(have, most)
+                past = _cache_over(got, model.config, reused)
             del got
             _sync(device)
             timings.materialize_s = time.perf_counter() - t
-            planner.observe_read(tiers, reused, timings.materialize_s)
+            planner.observe_read(tiers, have, timings.materialize_s)
     elif reuse == "never":
         skipped = "reuse disabled by the caller"
 
@@ -493,7 +508,7 @@ def prefill_with_reuse(
     if capture and reused and reused >= _window(model.config):
         capture = False
         block = getattr(cache, "block_tokens", 0) or 1
-        ingest_skipped = "nothing new to store" if len(ids) // block <= reused // block else (
+        ingest_skipped = "nothing new to store" if len(ids) // block <= have // block else (
             "not stored: the model has sliding-window layers, which hold only their window of the "
             f"{reused} reused tokens, so the blocks after them have no whole KV to store")
 
@@ -508,7 +523,7 @@ def prefill_with_reuse(
             if capture and past is not None:  # the reused prefix, within every window: copied in
                 past = _windowed_cache_over(past, model.config, writer)
             else:
-                past = layerwise_cache(load, model.config, writer)
+                past = layerwise_cache(load, model.config, writer, num_tokens=reused)
         if prompt is not None and reused >= past_start:  # (a load may end short of the lookup)
             suffix = prompt[:, reused - past_start:]
         else:
@@ -636,10 +651,6 @@ def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:
     ``packed``: the ids packed by ``_token_ids``, hashed without packing them again."""
     hashed = getattr(getattr(cache, "keys", None), "hashed", None)
     return hashed(ids, packed=packed) if hashed is not None else ids
-
-
-def _prefix(keys: Any, num_tokens: int) -> Any:
-    return keys.prefix(num_tokens) if isinstance(keys, HashedKeys) else keys[:num_tokens]
 
 
 # Per model: the RoPE type of its first rotary embedding whose frequencies follow the
