@@ -760,6 +760,9 @@ def test_returned_cache_continues_with_generate(smol):
         out = model.generate(x, **{cache_kwarg(model): again.cache}, attention_mask=torch.ones_like(x),
                              max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert [again.next_token] + out[0, len(ids) + 1:].tolist() == mine.tokens
+    # ... on that cache, not one of its own over the whole prompt again (which would give the
+    # same tokens): the given cache grew by what generate() ran, the given token and 4 more
+    assert cache_length(again.cache) == len(ids) + 5
 
 
 @pytest.mark.parametrize("argv, says", [
