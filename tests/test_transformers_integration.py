@@ -359,6 +359,31 @@ def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
             prefill_with_reuse(tiny_model, cache, [1, 2, 3])
 
 
+def test_prefill_under_autocast_to_another_dtype_is_refused_before_anything_runs(tiny_model):
+    """Under autocast a float32 model's KV come out in bfloat16 (V) and float32 (K, rotated by
+    float32 tables): a fresh prompt ran, then its save failed on V's dtype; after a reused
+    float32 prefix the forward's bfloat16 KV were promoted onto it, and the blocks computed
+    so were stored as float32, silently."""
+    ids = list(range(3, 3 + 2 * BLOCK + 5))
+    with _cache(tiny_model) as cache:
+        assert prefill_with_reuse(tiny_model, cache, ids).stored_blocks == 2
+        ran = []
+        hook = tiny_model.register_forward_hook(lambda *args: ran.append(1))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                for ingest in (True, False):
+                    with pytest.raises(ConfigError, match=r"autocast to bfloat16: the model's KV are not the "
+                                                          r"layout's float32"):
+                        prefill_with_reuse(tiny_model, cache, ids + [9] * BLOCK, reuse="always", ingest=ingest)
+        finally:
+            hook.remove()
+        assert ran == [] and cache.stats()["blocks"] == 2
+    half = tiny_llama().to(torch.bfloat16)  # autocast to the layout's own dtype casts nothing
+    with _cache(half) as cache, torch.autocast("cpu", dtype=torch.bfloat16):
+        prefill_with_reuse(half, cache, ids)
+        assert prefill_with_reuse(half, cache, ids, reuse="always").reused_tokens == 2 * BLOCK
+
+
 
 @pytest.mark.parametrize("bad", [2.5, "7", 2**31, -(2**31) - 1, None])
 def test_prefill_rejects_a_token_id_that_is_not_an_int32_before_anything_runs(tiny_model, bad):

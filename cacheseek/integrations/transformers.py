@@ -707,6 +707,16 @@ def _check_layout(model: Any, cache: Any) -> None:
     want = kv_layout(model)
     if layout != want:
         raise ConfigError(f"cache layout {layout} does not match the model's KV layout {want}")
+    # Under autocast the projections' outputs take its dtype while RoPE's tables keep the
+    # model's (K and V of two dtypes): KV no layout describes, and a stored prefix would be
+    # concatenated with them (promoted) instead of the KV a prefill makes there.
+    device_type = model_device(model).type
+    if torch.is_autocast_enabled(device_type):
+        cast = torch.get_autocast_dtype(device_type)
+        if kv_layout(model, cast) != layout:
+            raise ConfigError(f"autocast to {str(cast).removeprefix('torch.')}: the model's KV are not the layout's "
+                              f"{layout.dtype} (leave autocast, or load the model in {str(cast).removeprefix('torch.')} "
+                              "with a layout of that dtype)")
 
 
 def _sync(device: torch.device) -> None:
