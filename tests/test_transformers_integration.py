@@ -822,6 +822,25 @@ def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkey
     assert says in out and "Traceback" not in out
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--device", "gpu"], "error: --device: 'gpu' is not a torch device"),
+    (["--gpu-bytes", "1GiB"], "error: --gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"),
+    pytest.param(["--device", "cuda"], "error: --device: 'cuda', but torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")),
+])
+def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, monkeypatch, argv, says):
+    """Each ended in a traceback once the model had loaded (torch's "not compiled with CUDA
+    enabled", or its list of device types)."""
+    from cacheseek.integrations import demo
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.run(parser.parse_args(argv)) == 2
+    out = capsys.readouterr().out
+    assert says in out and "Traceback" not in out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["embedded", "server"])
 def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):
