@@ -325,6 +325,23 @@ def test_prefill_with_reuse_under_a_precision_policy(tiny_model):
             assert torch.equal(k[:, BLOCK:3 * BLOCK], dk) and torch.equal(v[:, BLOCK:3 * BLOCK], dv)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_inside_then_outside_inference_mode(tiny_model, layerwise):
+    """The staging buffers a load copies frames into are pooled for the process: one made
+    inside torch.inference_mode() was an inference tensor, and the next load outside it
+    failed on its copy ("Inplace update to inference tensor outside InferenceMode")."""
+    ids = list(range(3, 3 + 3 * BLOCK + 5))
+    with _cache(tiny_model) as cache:
+        with torch.inference_mode():
+            prefill_with_reuse(tiny_model, cache, ids)
+            inside = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        outside = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        with torch.inference_mode():
+            again = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+    assert inside.reused_tokens == outside.reused_tokens == again.reused_tokens == 3 * BLOCK
+    assert torch.equal(inside.logits, outside.logits) and torch.equal(outside.logits, again.logits)
+
+
 def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
     ids = list(range(5, 5 + 3 * BLOCK))
     with _cache(tiny_model) as cache:
