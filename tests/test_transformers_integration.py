@@ -250,9 +250,9 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         # reuse="always": the planner's timing-based choice is tested on its own below, and on
         # a loaded machine it may rightly predict this tiny model's recompute to be faster
         again = prefill_with_reuse(tiny_model, cache, ids, reuse="always")
-        # the last token must be computed, so only the first block can be reused
-        assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (BLOCK, BLOCK, 0)
-        assert again.tiers == ["cpu"] and again.skipped_reason is None
+        # the last token must be computed: the second block is reused but for its last token
+        assert (again.reused_tokens, again.computed_tokens, again.stored_blocks) == (2 * BLOCK - 1, 1, 0)
+        assert again.tiers == ["cpu", "cpu"] and again.skipped_reason is None
         longer = prefill_with_reuse(tiny_model, cache, ids + [7] * 10, reuse="always")
         assert (longer.reused_tokens, longer.computed_tokens) == (2 * BLOCK, 10)
         assert cache_length(longer.cache) == 2 * BLOCK + 10
@@ -263,6 +263,28 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         assert isinstance(rebuilt, transformers.DynamicCache) and cache_length(rebuilt) == 2 * BLOCK
         for (k, v), (k2, v2) in zip(dynamic_cache_layers(first.cache), dynamic_cache_layers(rebuilt), strict=True):
             assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_prompt_stored_whole_computes_only_its_last_token(tiny_model, layerwise):
+    """A prompt of whole blocks, all stored, reused every block but its last and computed
+    that block again (64 tokens for the logits of one). Its last block is read and cut one
+    token short: the logits are those of the model's own cache cut the same way."""
+    ids = list(range(3, 3 + 2 * BLOCK))
+    x = torch.tensor([ids])
+    _, whole = forward(tiny_model, x)
+    own = to_dynamic_cache([(k[:, :-1], v[:, :-1]) for k, v in dynamic_cache_layers(whole)])
+    want, _ = forward(tiny_model, x[:, -1:], own)
+    with _cache(tiny_model) as cache:
+        assert prefill_with_reuse(tiny_model, cache, ids).stored_blocks == 2
+        res = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        assert (res.reused_tokens, res.computed_tokens, res.stored_blocks) == (2 * BLOCK - 1, 1, 0)
+        assert res.tiers == ["cpu", "cpu"] and cache_length(res.cache) == 2 * BLOCK
+        assert torch.equal(res.logits, want[0, -1])
+        # the cache goes on as the model's own: the next token on it, the same logits
+        nxt = torch.tensor([[res.next_token]])
+        assert torch.equal(forward(tiny_model, nxt, res.cache)[0], forward(tiny_model, nxt, own)[0])
+        assert cache.stats()["tiers"][0]["leases_active"] == 0
 
 
 @pytest.mark.parametrize("layerwise", [False, True])
@@ -303,6 +325,23 @@ def test_prefill_with_reuse_under_a_precision_policy(tiny_model):
             assert torch.equal(k[:, BLOCK:3 * BLOCK], dk) and torch.equal(v[:, BLOCK:3 * BLOCK], dv)
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_prefill_inside_then_outside_inference_mode(tiny_model, layerwise):
+    """The staging buffers a load copies frames into are pooled for the process: one made
+    inside torch.inference_mode() was an inference tensor, and the next load outside it
+    failed on its copy ("Inplace update to inference tensor outside InferenceMode")."""
+    ids = list(range(3, 3 + 3 * BLOCK + 5))
+    with _cache(tiny_model) as cache:
+        with torch.inference_mode():
+            prefill_with_reuse(tiny_model, cache, ids)
+            inside = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        outside = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+        with torch.inference_mode():
+            again = prefill_with_reuse(tiny_model, cache, ids, reuse="always", layerwise=layerwise)
+    assert inside.reused_tokens == outside.reused_tokens == again.reused_tokens == 3 * BLOCK
+    assert torch.equal(inside.logits, outside.logits) and torch.equal(outside.logits, again.logits)
+
+
 def test_prefill_skips_reuse_when_the_planner_predicts_it_slower(tiny_model):
     ids = list(range(5, 5 + 3 * BLOCK))
     with _cache(tiny_model) as cache:
@@ -335,6 +374,31 @@ def test_prefill_rejects_a_cache_of_another_layout(tiny_model):
                         tiers=cs.TierConfig(cpu_bytes="1MiB", pin_memory=False)) as cache:
         with pytest.raises(ConfigError, match="does not match"):
             prefill_with_reuse(tiny_model, cache, [1, 2, 3])
+
+
+def test_prefill_under_autocast_to_another_dtype_is_refused_before_anything_runs(tiny_model):
+    """Under autocast a float32 model's KV come out in bfloat16 (V) and float32 (K, rotated by
+    float32 tables): a fresh prompt ran, then its save failed on V's dtype; after a reused
+    float32 prefix the forward's bfloat16 KV were promoted onto it, and the blocks computed
+    so were stored as float32, silently."""
+    ids = list(range(3, 3 + 2 * BLOCK + 5))
+    with _cache(tiny_model) as cache:
+        assert prefill_with_reuse(tiny_model, cache, ids).stored_blocks == 2
+        ran = []
+        hook = tiny_model.register_forward_hook(lambda *args: ran.append(1))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                for ingest in (True, False):
+                    with pytest.raises(ConfigError, match=r"autocast to bfloat16: the model's KV are not the "
+                                                          r"layout's float32"):
+                        prefill_with_reuse(tiny_model, cache, ids + [9] * BLOCK, reuse="always", ingest=ingest)
+        finally:
+            hook.remove()
+        assert ran == [] and cache.stats()["blocks"] == 2
+    half = tiny_llama().to(torch.bfloat16)  # autocast to the layout's own dtype casts nothing
+    with _cache(half) as cache, torch.autocast("cpu", dtype=torch.bfloat16):
+        prefill_with_reuse(half, cache, ids)
+        assert prefill_with_reuse(half, cache, ids, reuse="always").reused_tokens == 2 * BLOCK
 
 
 
@@ -372,7 +436,7 @@ def test_prefill_takes_token_ids_in_a_numpy_array_as_a_tensor_of_them(tiny_model
         first = prefill_with_reuse(tiny_model, cache, np.array([ids]))
         assert (first.computed_tokens, first.stored_blocks) == (2 * BLOCK, 2)
         again = prefill_with_reuse(tiny_model, cache, np.array(ids, dtype=np.int32), reuse="always")
-        assert (again.reused_tokens, again.computed_tokens) == (BLOCK, BLOCK)
+        assert (again.reused_tokens, again.computed_tokens) == (2 * BLOCK - 1, 1)
         for bad, why in ((np.array([ids, ids]), "batch size 2"), (np.array([["a"]]), "an array torch cannot read"),
                          (np.ones((1, 4), dtype=bool), "a tensor of bools")):
             with pytest.raises(InputError, match=f"^input_ids: .*{why}"):
@@ -478,6 +542,80 @@ def test_a_sliding_window_model_stores_whole_kv_and_says_when_it_cannot():
         assert_stored_as_computed(unnamed, ids)
         again = prefill_with_reuse(model, unnamed, longer)
         assert again.reused_tokens == 128 and again.stored_blocks == 0 and "sliding-window" in again.ingest_skipped_reason
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}],
+                         ids=["dynamic", "longrope"])
+def test_a_rope_that_rescales_by_the_forwards_length_is_refused_before_anything_runs(rope):
+    """Dynamic NTK and LongRoPE rotate every key by a frequency chosen from the length of the
+    forward that computes it, so a stored prefix's K depend on that forward, not on the
+    prefix: a prompt reusing it got logits 5e-4 to 1e-3 off a plain prefill's, silently."""
+    model = tiny_llama(rope_scaling=rope, max_position_embeddings=96, original_max_position_embeddings=96)
+    ids = list(range(3, 3 + 150))  # past the 96 positions the frequencies were trained for
+    # The premise: the same 64 tokens' K, from a forward of 64 and one of 150, differ.
+    short = dynamic_cache_layers(forward(model, torch.tensor([ids[:64]]))[1])[0][0]
+    long = dynamic_cache_layers(forward(model, torch.tensor([ids]))[1])[0][0][:, :64]
+    assert not torch.allclose(short, long)
+    with _cache(model) as cache:
+        cache.ingest(ids[:64], [(k[None], v[None]) for k, v in
+                                dynamic_cache_layers(forward(model, torch.tensor([ids[:64]]))[1])])
+        for reuse, ingest in (("auto", True), ("always", False), ("never", True)):
+            with pytest.raises(ConfigError, match=rf"RoPE type '{rope['rope_type']}' .* not on the prefix alone"):
+                prefill_with_reuse(model, cache, ids, reuse=reuse, ingest=ingest)
+        assert cache.stats()["blocks"] == 1
+
+
+def test_a_static_rope_scaling_reuses_as_a_plain_prefill_computes():
+    model = tiny_llama(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=96)
+    ids = list(range(3, 3 + 150))
+    with _cache(model) as cache:
+        prefill_with_reuse(model, cache, ids[:70])
+        again = prefill_with_reuse(model, cache, ids, reuse="always")
+        plain = prefill_with_reuse(model, cache, ids, reuse="never", ingest=False)
+    assert again.reused_tokens == BLOCK
+    torch.testing.assert_close(again.logits, plain.logits, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_recurrent_layers_is_refused_before_anything_runs():
+    """Jamba's Mamba layers keep a recurrent state, no per-token KV: its prompt was run
+    through the model, then the save failed with "layers 0, 2 were never put"."""
+    torch.manual_seed(0)
+    model = transformers.JambaForCausalLM(transformers.JambaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=100, num_experts=1,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2)).eval()
+    ran = []
+    model.register_forward_hook(lambda *args: ran.append(1))
+    with _cache(model) as cache:
+        with pytest.raises(ConfigError, match=r"^JambaForCausalLM(: layer 0)? keeps .*recurrent"):
+            prefill_with_reuse(model, cache, list(range(3, 103)))
+        assert ran == [] and cache.stats()["blocks"] == 0
+
+
+@pytest.mark.parametrize("given, says", [
+    ({"input_ids": [1, 2, 3]}, r"^input_ids: a dict \(a tokenizer's output\?\); pass its \['input_ids'\]"),
+    ("Hello", r"^input_ids: a str, not token ids \(tokenize it first\)"),
+    (b"\x01\x02\x03", r"^input_ids: a bytes, not token ids \(tokenize it first\)"),
+    ([[1, 2, 3], [4, 5, 6]], r"^input_ids: batch size 2; only batch size 1 is supported"),
+])
+def test_prefill_says_what_is_wrong_with_input_ids_that_are_no_prompt(tiny_model, given, says):
+    """A tokenizer's output (or a batch of rows as lists) was iterated as ids and refused with
+    "every id must be an int"; bytes were taken as the ids of their byte values."""
+    with _cache(tiny_model) as cache:
+        with pytest.raises(InputError, match=says):
+            prefill_with_reuse(tiny_model, cache, given)
+        assert cache.stats()["blocks"] == 0
+
+
+def test_prefill_takes_a_batch_of_one_row_as_lists_as_it_takes_the_tensor(tiny_model):
+    ids = list(range(3, 3 + 2 * BLOCK + 1))
+    with _cache(tiny_model) as cache:
+        as_tensor = prefill_with_reuse(tiny_model, cache, torch.tensor([ids]), ingest=False, reuse="never")
+        as_rows = prefill_with_reuse(tiny_model, cache, [ids])
+        assert torch.equal(as_tensor.logits, as_rows.logits) and as_rows.stored_blocks == 2
+        with pytest.raises(InputError, match="^input_ids: a BatchEncoding"):
+            prefill_with_reuse(tiny_model, cache, transformers.BatchEncoding({"input_ids": torch.tensor([ids])}))
 
 
 def test_a_cache_for_a_model_config_keeps_the_models_layer_types():
@@ -664,6 +802,9 @@ def test_returned_cache_continues_with_generate(smol):
         out = model.generate(x, **{cache_kwarg(model): again.cache}, attention_mask=torch.ones_like(x),
                              max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert [again.next_token] + out[0, len(ids) + 1:].tolist() == mine.tokens
+    # ... on that cache, not one of its own over the whole prompt again (which would give the
+    # same tokens): the given cache grew by what generate() ran, the given token and 4 more
+    assert cache_length(again.cache) == len(ids) + 5
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -691,6 +832,25 @@ def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkey
     from cacheseek.integrations import demo
 
     monkeypatch.setattr(smollm2, "load", lambda *a, **k: (tiny_model, None))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    assert demo.run(parser.parse_args(argv)) == 2
+    out = capsys.readouterr().out
+    assert says in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--device", "gpu"], "error: --device: 'gpu' is not a torch device"),
+    (["--gpu-bytes", "1GiB"], "error: --gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"),
+    pytest.param(["--device", "cuda"], "error: --device: 'cuda', but torch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")),
+])
+def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, monkeypatch, argv, says):
+    """Each ended in a traceback once the model had loaded (torch's "not compiled with CUDA
+    enabled", or its list of device types)."""
+    from cacheseek.integrations import demo
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     assert demo.run(parser.parse_args(argv)) == 2

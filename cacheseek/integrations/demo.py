@@ -108,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         _say(f"error: --document: no module {args.document!r} to read docstrings from")
         return 2
+    refused = _device_error(args)
+    if refused:
+        _say(f"error: {refused}")
+        return 2
     t = time.perf_counter()
     _say(f"[1/3] loading SmolLM2-135M-Instruct on {args.device} (first run: download + one-time conversion) ...")
     try:
@@ -130,6 +134,29 @@ def run(args: argparse.Namespace) -> int:
     except CacheSeekError as exc:  # a setting the cache refuses (--block-tokens, a size), a server that is down
         _say(f"error: {exc}")
         return 2
+
+
+def _device_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``--device`` and ``--gpu-bytes``, found before the model loads
+    (after it, torch's own error ends the demo in a traceback)."""
+    import torch
+
+    from ..errors import CacheSeekError
+    from ..units import parse_size
+
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        return f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device: {args.device!r}, but torch sees no CUDA device (a CPU build of torch, or no driver)"
+    try:
+        gpu_bytes = parse_size(args.gpu_bytes, name="gpu_bytes")
+    except CacheSeekError:
+        return None  # (the cache refuses it, naming it)
+    if gpu_bytes and device.type != "cuda":
+        return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
+    return None
 
 
 def _questions(args: argparse.Namespace, model: Any, tokenizer: Any, cache: Any, document: str) -> int:

@@ -15,7 +15,10 @@ Limits, stated plainly:
   after RoPE (Llama, Mistral, Qwen2, SmolLM2 ...). A sliding-window layer keeps only its
   window of the materialized prefix, and its prompt's KV is stored as the forward makes it
   (after a reused prefix longer than the window, not at all: ``ingest_skipped_reason``);
-  encoder-decoder, linear-attention/recurrent (Mamba) and multimodal caches are not handled.
+  encoder-decoder, linear-attention/recurrent (Mamba) and multimodal caches are not handled
+  (recurrent, linear-attention, shared and indexed layers are refused before anything runs).
+- A RoPE that rescales by each forward's length (``dynamic``, ``longrope``) is refused: the
+  K it caches depend on that length, not on the prefix alone.
 - The stored layout's dtype must be the model's KV dtype: nothing is cast silently.
 - Token ids only: the prompt must be tokenized identically for a hit (exact-prefix reuse).
 """
@@ -26,7 +29,7 @@ import functools
 import inspect
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +39,6 @@ from ..errors import ConfigError, InputError, LoadError
 from ..hashing import token_block_bytes
 from ..kv_input import kv_layers
 from ..layout import KVLayout
-from ..prefix_keys import HashedKeys
 from .planner import ReuseDecision, ReusePlanner
 
 # -- the model's cache keyword, found from its signature ---------------------------------
@@ -119,27 +121,38 @@ def _new_dynamic_cache(config: Any = None) -> Any:
 
 
 # Per config (by identity): whether DynamicCache(config=...) makes full-attention
-# DynamicLayers only. Reading the layer types from a config costs transformers ~0.4 ms of
-# attribute lookups per cache, on the path to the first token for every reused prompt; for
-# such a config a DynamicCache() that appends a DynamicLayer per layer is the same cache.
-_FULL_ATTENTION: dict[int, tuple[Any, bool]] = {}
+# DynamicLayers only, and the first of its layers that is neither full attention nor a
+# sliding window (index, class), if any. Reading the layer types from a config costs
+# transformers ~0.4 ms of attribute lookups per cache, on the path to the first token for
+# every reused prompt; for such a config a DynamicCache() that appends a DynamicLayer per
+# layer is the same cache.
+_FULL_ATTENTION: dict[int, tuple[Any, bool, tuple[int, str] | None]] = {}
+
+
+def _config_layers(config: Any) -> tuple[bool, tuple[int, str] | None]:
+    """(all full attention, the first layer of another kind than full attention or a
+    sliding window) of ``config``'s ``DynamicCache``; asked once per config."""
+    if config is None or not _dynamic_cache_takes_config():
+        return True, None
+    known = _FULL_ATTENTION.get(id(config))
+    if known is not None and known[0]() is config:
+        return known[1], known[2]
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    layers = getattr(DynamicCache(config=config), "layers", None)
+    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
+    other = next(((i, type(layer).__name__) for i, layer in enumerate(layers or ())
+                  if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
+    key = id(config)
+    _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full, other)
+    return full, other
 
 
 def _dynamic_cache_kwargs(config: Any) -> dict[str, Any]:
     """What ``DynamicCache(...)`` needs for ``config``: nothing where the config's layers are
     all full attention (asked once per config), else the config."""
-    if config is None or not _dynamic_cache_takes_config():
-        return {}
-    known = _FULL_ATTENTION.get(id(config))
-    if known is not None and known[0]() is config:
-        return {} if known[1] else {"config": config}
-    from transformers import DynamicCache
-
-    layers = getattr(DynamicCache(config=config), "layers", None)
-    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
-    key = id(config)
-    _FULL_ATTENTION[key] = (weakref.ref(config, lambda _: _FULL_ATTENTION.pop(key, None)), full)
-    return {} if full else {"config": config}
+    return {} if _config_layers(config)[0] else {"config": config}
 
 
 def _windowed(config: Any) -> bool:
@@ -200,18 +213,19 @@ def to_dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], config
 _LAYERWISE_CLASS: Any = None
 
 
-def layerwise_cache(load: Any = None, config: Any = None, writer: Any = None) -> Any:
+def layerwise_cache(load: Any = None, config: Any = None, writer: Any = None, *, num_tokens: int | None = None) -> Any:
     """A ``DynamicCache`` over a ``LayerwiseLoad``: layer ``i`` holds the loaded prefix, and
     the forward's first ``update`` of layer ``i`` makes the current stream wait for that
     layer first (``load.wait(i)``; on a GPU the host does not wait), so the load of later
     layers overlaps the compute of earlier ones. The prefix tensors are taken as they are
     (no copy); the forward's ``update`` concatenates onto them as usual. ``writer``: a
     ``LayerwiseIngest`` that is given each layer (prefix and new tokens) as the forward
-    produces it. ``load=None``: an empty cache (only the writer)."""
+    produces it. ``load=None``: an empty cache (only the writer). ``num_tokens``: the
+    prefix's first tokens only (views), where fewer than the load's."""
     global _LAYERWISE_CLASS
     if _LAYERWISE_CLASS is None:
         _LAYERWISE_CLASS = _make_layerwise_class()
-    return _LAYERWISE_CLASS(load, config, writer)
+    return _LAYERWISE_CLASS(load, config, writer, num_tokens)
 
 
 def _make_layerwise_class() -> Any:
@@ -220,12 +234,14 @@ def _make_layerwise_class() -> Any:
     class LayerwiseDynamicCache(DynamicCache):
         """See ``layerwise_cache``."""
 
-        def __init__(self, load: Any, config: Any, writer: Any) -> None:
+        def __init__(self, load: Any, config: Any, writer: Any, num_tokens: int | None = None) -> None:
             super().__init__(**_dynamic_cache_kwargs(config))
             self._cs_load, self._cs_writer = load, writer
             self._cs_pending: set[int] = set()
-            if load is not None and load.num_tokens:
-                _fill_without_copy(self, load.num_layers, lambda i: load.layer(i, wait=False), load.num_tokens)
+            n = load.num_tokens if load is not None else 0
+            n = n if num_tokens is None else min(n, num_tokens)
+            if n:
+                _fill_without_copy(self, load.num_layers, lambda i: _first(load.layer(i, wait=False), n), n)
                 self._cs_pending = set(range(load.num_layers))
 
         def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -278,17 +294,24 @@ def _fill_without_copy(cache: Any, num_layers: int, get: Any, num_tokens: int) -
         cache._seen_tokens = num_tokens
 
 
-def _cache_over(got: Any, config: Any) -> Any:
+def _first(kv: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``n`` tokens of a layer's (K, V) [1, H, T, D]: views, or the tensors themselves."""
+    k, v = kv
+    return (k, v) if k.shape[-2] == n else (k[..., :n, :], v[..., :n, :])
+
+
+def _cache_over(got: Any, config: Any, num_tokens: int | None = None) -> Any:
     """A ``DynamicCache`` over a ``Materialized`` prefix's own tensors, for one forward on top
     of it (``prefill_with_reuse``): not copied first as ``to_dynamic_cache`` does (a copy of
     the whole prefix on the device, and a cache update a layer on the host), since that
     forward replaces every layer's tensors with its own. Models whose cache has other than
-    full-attention layers get the copy."""
+    full-attention layers get the copy. ``num_tokens``: the prefix's first tokens only."""
+    n = got.num_tokens if num_tokens is None else min(got.num_tokens, num_tokens)
     cache = _new_dynamic_cache(config)
     try:
-        _fill_without_copy(cache, len(got.layers), got.layers.__getitem__, got.num_tokens)
+        _fill_without_copy(cache, len(got.layers), lambda i: _first(got.layers[i], n), n)
     except ConfigError:
-        return to_dynamic_cache(got.layers, config)
+        return to_dynamic_cache([_first(layer, n) for layer in got.layers], config)
     return cache
 
 
@@ -421,11 +444,16 @@ def prefill_with_reuse(
     device = model_device(model)
     ids, packed = _token_ids(input_ids)
     _check_vocabulary(model, packed)
+    _check_model(model)
     _check_layout(model, cache)
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
 
     reused, tiers, past, decision, skipped, load, writer = 0, [], None, None, None, None, None
+    # A prompt stored whole (its length a multiple of the block) is read whole and cut one
+    # token short: its last token is computed, for the logits, and not a whole block of it.
+    # `have`: the tokens read (whole blocks).
+    most, have = len(ids) - 1, 0
     # The ids after the located prefix on the device (from token `past_start` on), made
     # before a layer-wise load starts; only those: a tensor of 16K ids costs the host ~1 ms.
     prompt, past_start = None, 0
@@ -433,7 +461,7 @@ def prefill_with_reuse(
     # again: ~0.4 ms of host time per 16K tokens, before the first token).
     keys = _hashed(cache, ids, packed) if ingest or (reuse != "never" and len(ids) > 1) else ids
     if reuse != "never" and len(ids) > 1:
-        located = cache.locate(_prefix(keys, len(ids) - 1))
+        located = cache.locate(keys)
         timings.locate_s = time.perf_counter() - t0
         if reuse == "auto":
             if located.num_tokens and planner.unmeasured(located.tiers):
@@ -448,25 +476,27 @@ def prefill_with_reuse(
             # Everything the forward needs but the load is made first: from the load's start
             # on, the host's time is on the path to layer 0 (the forward starts on the handle).
             writer = cache.ingest_layerwise(keys) if ingest else None
-            past_start = located.num_tokens
+            past_start = min(located.num_tokens, most)
             prompt = torch.tensor([ids[past_start:]], dtype=torch.long, device=device)
-            load = cache.materialize(keys, device=device, max_tokens=len(ids) - 1, layerwise=True)
+            load = cache.materialize(keys, device=device, layerwise=True)
             if load.num_tokens:
-                reused, tiers = load.num_tokens, list(load.tiers)
+                have, tiers = load.num_tokens, list(load.tiers)
+                reused = min(have, most)
             else:
                 load.close()
                 load = None
             timings.materialize_s = time.perf_counter() - t
         elif located.num_tokens:
             t = time.perf_counter()
-            got = cache.materialize(keys, device=device, max_tokens=len(ids) - 1)
+            got = cache.materialize(keys, device=device)
             if got.num_tokens:
-                past = _cache_over(got, model.config)
-                reused, tiers = got.num_tokens, list(got.tiers)
+                have, tiers = got.num_tokens, list(got.tiers)
+                reused = min(have, most)
+                past = _cache_over(got, model.config, reused)
             del got
             _sync(device)
             timings.materialize_s = time.perf_counter() - t
-            planner.observe_read(tiers, reused, timings.materialize_s)
+            planner.observe_read(tiers, have, timings.materialize_s)
     elif reuse == "never":
         skipped = "reuse disabled by the caller"
 
@@ -478,7 +508,7 @@ def prefill_with_reuse(
     if capture and reused and reused >= _window(model.config):
         capture = False
         block = getattr(cache, "block_tokens", 0) or 1
-        ingest_skipped = "nothing new to store" if len(ids) // block <= reused // block else (
+        ingest_skipped = "nothing new to store" if len(ids) // block <= have // block else (
             "not stored: the model has sliding-window layers, which hold only their window of the "
             f"{reused} reused tokens, so the blocks after them have no whole KV to store")
 
@@ -493,7 +523,7 @@ def prefill_with_reuse(
             if capture and past is not None:  # the reused prefix, within every window: copied in
                 past = _windowed_cache_over(past, model.config, writer)
             else:
-                past = layerwise_cache(load, model.config, writer)
+                past = layerwise_cache(load, model.config, writer, num_tokens=reused)
         if prompt is not None and reused >= past_start:  # (a load may end short of the lookup)
             suffix = prompt[:, reused - past_start:]
         else:
@@ -559,6 +589,13 @@ def _seed_from_stats(planner: ReusePlanner, cache: Any) -> None:
 def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
     """The prompt's ids as this module's own list, and packed (``token_block_bytes``: the
     pack that checks them is the one hashing needs)."""
+    if isinstance(input_ids, Mapping):
+        # (iterated, a tokenizer's output gave its key names as the ids)
+        raise InputError(f"input_ids: a {type(input_ids).__name__} (a tokenizer's output?); pass its ['input_ids'] "
+                         "(batch size 1, no padding: prefill_with_reuse takes no attention mask)")
+    if isinstance(input_ids, (str, bytes, bytearray, memoryview)):
+        # (iterated, bytes gave their byte values as the ids)
+        raise InputError(f"input_ids: a {type(input_ids).__name__}, not token ids (tokenize it first)")
     if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "shape") and hasattr(input_ids, "tolist"):
         # A numpy array: read as a tensor is (its list() of a [1, T] array is one row).
         try:
@@ -581,6 +618,10 @@ def _token_ids(input_ids: Any) -> tuple[list[int], bytes]:
         except TypeError:
             raise InputError(f"input_ids: expected token ids (a list or a tensor), got {type(input_ids).__name__}") \
                 from None
+    if ids and not from_tensor and isinstance(ids[0], (list, tuple)):  # rows, as a tokenizer gives a batch
+        if len(ids) != 1:
+            raise InputError(f"input_ids: batch size {len(ids)}; only batch size 1 is supported")
+        ids = list(ids[0])
     if not ids:
         raise InputError("input_ids: empty prompt")
     # Every id an int in the int32 range (InputError otherwise), in one pack: an int() per
@@ -612,8 +653,51 @@ def _hashed(cache: Any, ids: list[int], packed: bytes) -> Any:
     return hashed(ids, packed=packed) if hashed is not None else ids
 
 
-def _prefix(keys: Any, num_tokens: int) -> Any:
-    return keys.prefix(num_tokens) if isinstance(keys, HashedKeys) else keys[:num_tokens]
+# Per model: the RoPE type of its first rotary embedding whose frequencies follow the
+# length of each forward, or None (read once: a walk over every module).
+_LENGTH_ROPE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _length_dependent_rope(model: Any) -> str | None:
+    """The RoPE type of ``model`` that rescales its frequencies by each forward's length
+    (transformers' ``dynamic_rope_update``: a type naming "dynamic", and "longrope"), or None."""
+    try:
+        return _LENGTH_ROPE[model]
+    except KeyError:
+        pass
+    except TypeError:  # (not weakly referable: read every time)
+        return _read_length_rope(model)
+    found = _LENGTH_ROPE[model] = _read_length_rope(model)
+    return found
+
+
+def _read_length_rope(model: Any) -> str | None:
+    for module in model.modules() if hasattr(model, "modules") else ():
+        kinds = getattr(module, "rope_type", None)
+        for kind in kinds.values() if isinstance(kinds, dict) else (kinds,):
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope"):
+                return kind
+    return None
+
+
+def _check_model(model: Any) -> None:
+    """``ConfigError`` for a model whose prompt's KV the store cannot hold as the forward
+    made it, before anything is looked up or run."""
+    name = type(model).__name__
+    if getattr(model, "_is_stateful", False):  # transformers 4's mark of a recurrent state
+        raise ConfigError(f"{name} keeps a recurrent state beside its KV (Mamba-like layers): prefill_with_reuse "
+                          "handles caches of full-attention and sliding-window layers only")
+    other = _config_layers(getattr(model, "config", None))[1]
+    if other is not None:
+        i, kind = other
+        raise ConfigError(f"{name}: layer {i} keeps a {kind}, not per-token KV of full or sliding-window attention "
+                          "(linear attention, a recurrent state, shared or indexed KV): prefill_with_reuse handles "
+                          "caches of full-attention and sliding-window layers only")
+    rope = _length_dependent_rope(model)
+    if rope is not None:
+        raise ConfigError(f"{name}: RoPE type {rope!r} rescales its frequencies by the length of each forward, so "
+                          "a stored prefix's K depend on the forward that computed them, not on the prefix alone: "
+                          "reusing them would not give a plain prefill's logits")
 
 
 def _check_layout(model: Any, cache: Any) -> None:
@@ -623,6 +707,16 @@ def _check_layout(model: Any, cache: Any) -> None:
     want = kv_layout(model)
     if layout != want:
         raise ConfigError(f"cache layout {layout} does not match the model's KV layout {want}")
+    # Under autocast the projections' outputs take its dtype while RoPE's tables keep the
+    # model's (K and V of two dtypes): KV no layout describes, and a stored prefix would be
+    # concatenated with them (promoted) instead of the KV a prefill makes there.
+    device_type = model_device(model).type
+    if torch.is_autocast_enabled(device_type):
+        cast = torch.get_autocast_dtype(device_type)
+        if kv_layout(model, cast) != layout:
+            raise ConfigError(f"autocast to {str(cast).removeprefix('torch.')}: the model's KV are not the layout's "
+                              f"{layout.dtype} (leave autocast, or load the model in {str(cast).removeprefix('torch.')} "
+                              "with a layout of that dtype)")
 
 
 def _sync(device: torch.device) -> None:

@@ -255,10 +255,13 @@ class DeviceStagingPool:
         return freed
 
     def _empty(self, nbytes: int, stream: Any) -> torch.Tensor:
-        if stream is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        with on_stream(stream):  # the caching allocator ties the block to the taker's stream
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        # A normal tensor even under torch.inference_mode(): the buffer is pooled for the
+        # process, and an inference tensor could not be written by a later call outside it.
+        with torch.inference_mode(False):
+            if stream is None:
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with on_stream(stream):  # the caching allocator ties the block to the taker's stream
+                return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def lease_released(self, buf: _Buffer, nbytes: int) -> None:
         """(``Lease.release``.) Marks every stream that used the buffer, then gives it back:
