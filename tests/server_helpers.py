@@ -158,3 +158,24 @@ def split_batch(body: bytes) -> list[bytes]:
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def metrics_after_traffic(root: Path, *args: str) -> str:
+    """``/metrics`` of a server over a real Redis tier (``args``: more of its settings) after
+    one of each kind of call: a batch ingest, a lookup, a prefix read and a rejected frame,
+    so that every series the server can show has been made."""
+    from redis_servers import RedisServer
+
+    redis = RedisServer(root / "redis").start()
+    try:
+        with Server(root, "--redis-url", redis.url, "--redis-bytes", "64MiB", *args) as srv, \
+                httpx.Client(base_url=srv.url) as c:
+            chain = raw_chain(1, 3)
+            head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+            c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=head)
+            c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
+            c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
+            c.put(f"/v1/blocks/{chain[0][0].hex()}", content=b"not a frame")  # frames_rejected
+            return c.get("/metrics").text
+    finally:
+        redis.stop()

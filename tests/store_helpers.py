@@ -6,6 +6,8 @@ import contextlib
 import os
 import resource
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -121,3 +123,30 @@ def out_of_descriptors():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def run_threads(worker, n: int, timeout: float = 120) -> list:
+    """``worker(i)`` for i < n, each in a thread of its own, all started together; their
+    results, or the first error raised. Daemon threads joined with a deadline: a deadlock
+    fails the test, not hangs it."""
+    start = threading.Barrier(n)
+    errors: list[BaseException] = []
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = worker(i)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s: a deadlock?"
+    if errors:
+        raise errors[0]
+    return results

@@ -9,7 +9,6 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -17,8 +16,8 @@ import yaml
 
 from cacheseek.server.config import ServerSettings
 from cacheseek.units import parse_size
-from redis_servers import RedisServer, needs_redis
-from server_helpers import Server, batch_body, raw_chain
+from redis_servers import needs_redis
+from server_helpers import metrics_after_traffic
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S_VERSION = "1.30.0"
@@ -163,17 +162,6 @@ def test_every_series_the_dashboard_queries_exists(tmp_path):
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "cacheseek.json").read_text())
     wanted = {name for p in dashboard["panels"] for t in p["targets"]
               for name in re.findall(r"\b(cacheseek_[a-z_]+)\{", t["expr"])}
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        with Server(tmp_path, "--redis-url", redis.url, "--redis-bytes", "64MiB") as srv, \
-                httpx.Client(base_url=srv.url) as c:
-            chain = raw_chain(1, 3)
-            head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
-            c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=head)
-            c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
-            c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
-            text = c.get("/metrics").text
-    finally:
-        redis.stop()
+    text = metrics_after_traffic(tmp_path)
     exposed = set(re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M))
     assert wanted <= exposed, wanted - exposed

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from redis_servers import needs_redis
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", ROOT / "CHANGELOG.md", *(ROOT / "docs").glob("*.md")])
@@ -543,28 +544,13 @@ def documented_series() -> set[str]:
     return {e for m in SERIES.finditer(text) for e in expand(m.group(1))}
 
 
+@needs_redis
 def test_operations_names_every_series_of_metrics_and_no_other(tmp_path):
     pytest.importorskip("fastapi")
-    import httpx
-    from redis_servers import RedisServer, needs_redis
-    from server_helpers import Server, batch_body, raw_chain
+    from server_helpers import metrics_after_traffic
 
-    if needs_redis.args[0]:
-        pytest.skip(needs_redis.kwargs["reason"])
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        # a Redis tier and a disk admission threshold: the series only they have are shown too
-        with Server(tmp_path, "--redis-url", redis.url, "--redis-bytes", "64MiB", "--disk-admit-after-uses", "2") as srv, \
-                httpx.Client(base_url=srv.url) as c:
-            chain = raw_chain(1, 3)
-            head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
-            c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=head)
-            c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
-            c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
-            c.put(f"/v1/blocks/{chain[0][0].hex()}", content=b"not a frame")  # frames_rejected
-            text = c.get("/metrics").text
-    finally:
-        redis.stop()
+    # a Redis tier and a disk admission threshold: the series only they have are shown too
+    text = metrics_after_traffic(tmp_path, "--disk-admit-after-uses", "2")
     exposed = {re.sub(r"_(bucket|count|sum)$", "", name) for name in re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M)}
     shown = documented_series()
     assert exposed - shown == set(), "in /metrics, not in docs/operations.md"

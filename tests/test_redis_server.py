@@ -175,6 +175,21 @@ def test_an_admin_chain_delete_ends_on_links_that_skip_positions(tmp_path):
         redis.kill()
 
 
+def _refused_until_redis_answers(r: httpx.Response) -> None:
+    assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+    assert r.headers["retry-after"] == "1"
+
+
+def _deleted_once_redis_answers(c: httpx.Client, h: bytes) -> None:
+    """The DELETE of ``h`` sent again until the breaker lets calls through: then it is done
+    (404: the DEL sent while Redis hung landed after all), and ``h`` is served by no tier."""
+    deadline = time.monotonic() + 10
+    while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert r.status_code in (204, 404), r.text
+    assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+
+
 def test_a_delete_while_redis_is_unreachable_is_a_503_not_a_404(tmp_path):
     """A block only Redis holds, deleted while Redis hangs: the server cannot say whether it
     is gone, so it answers 503 (retry), not 404 (which told the client it was not stored).
@@ -189,16 +204,10 @@ def test_a_delete_while_redis_is_unreachable_is_a_503_not_a_404(tmp_path):
             assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
             redis.pause()
             try:
-                r = c.delete(f"/v1/blocks/{h.hex()}")
-                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
-                assert r.headers["retry-after"] == "1"
+                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
             finally:
                 redis.resume()
-            deadline = time.monotonic() + 10  # the breaker lets calls through again
-            while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert r.status_code in (204, 404), r.text  # (404: the first DEL landed after all)
-            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            _deleted_once_redis_answers(c, h)
             assert c.delete(f"/v1/blocks/{h.hex()}").status_code == 404
             _no_500(srv)
     finally:
@@ -223,16 +232,10 @@ def test_a_delete_that_cannot_reach_redis_is_a_503_even_when_the_cpu_tier_held_t
             try:
                 while _redis_stats(srv)["breaker"]["state"] == "closed":  # misses that time out open it
                     assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
-                r = c.delete(f"/v1/blocks/{h.hex()}")
-                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
-                assert r.headers["retry-after"] == "1"
+                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
             finally:
                 redis.resume()
-            deadline = time.monotonic() + 10  # the breaker lets calls through again
-            while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert r.status_code in (204, 404), r.text
-            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served again from Redis
+            _deleted_once_redis_answers(c, h)  # (not served again from Redis)
             assert c.post("/v1/lookup", json={"hashes": [h.hex()]}).json()["matched"] == 0
             _no_500(srv)
     finally:

@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -142,51 +143,41 @@ def test_every_client_error_is_a_4xx_with_a_reason_on_a_connection_that_lives_on
                 assert "malformed HTTP request" in json.loads(text)["error"]
 
 
-def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(tmp_path):
-    """The parser reads a Content-Length past any number of leading zeros; the routes read it
-    again, and int() refused its 4,300 digits: a 500, logged as a bug."""
-    h, frame = raw_frame(4)
-    zeros = "0" * 5000
+def _content_lengths_spelled(tmp_path, seed: int, spellings: list[Callable[[int], str]]) -> None:
+    """PUT, batch POST and lookup with their Content-Length written each way of
+    ``spellings`` in turn on one connection (a PUT again: 200, present), and a frame over
+    max_frame_bytes so spelled: each read as the number it is."""
+    h, frame = raw_frame(seed)
     lookup = json.dumps({"hashes": [h.hex()]}).encode()
     with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
         with socket.create_connection(("127.0.0.1", srv.port)) as s:
             rest = bytearray()
-            for method, path, body, status in (("PUT", f"/v1/blocks/{h.hex()}", frame, 201),
-                                               ("POST", "/v1/blocks", batch_body([frame]), 200),
-                                               ("POST", "/v1/lookup", lookup, 200)):
-                s.sendall(head(method, path, extra=f"content-length: {zeros}{len(body)}\r\n") + body)
-                got, _, text = read_response(s, rest)
-                assert got == status, (method, path, got, text)
-            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {zeros}{2 * MiB}\r\n"))
+            for method, path, body, first in (("PUT", f"/v1/blocks/{h.hex()}", frame, 201),
+                                              ("POST", "/v1/blocks", batch_body([frame]), 200),
+                                              ("POST", "/v1/lookup", lookup, 200)):
+                for n, spell in enumerate(spellings):
+                    s.sendall(head(method, path, extra=f"content-length: {spell(len(body))}\r\n") + body)
+                    got, _, text = read_response(s, rest)
+                    assert got == (first if n == 0 else 200), (method, path, spell(0), got, text)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {spellings[0](2 * MiB)}\r\n"))
             got, _, text = read_response(s, rest)
             assert got == 413 and "max_frame_bytes" in json.loads(text)["error"], text
         assert httpx.post(srv.url + "/v1/lookup", content=lookup).json()["matched"] == 1
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(tmp_path):
+    """The parser reads a Content-Length past any number of leading zeros; the routes read it
+    again, and int() refused its 4,300 digits: a 500, logged as a bug."""
+    _content_lengths_spelled(tmp_path, 4, [lambda n: "0" * 5000 + str(n)])
 
 
 def test_a_content_length_with_whitespace_after_it_is_its_number(tmp_path):
     """A field value's trailing whitespace is not part of it (RFC 9112, 5): the parser reads
     ``Content-Length: 33152 \t`` as 33152 (and the body as that long), but the routes read the
     header again as it came and answered 400 "not a number" to a well-formed request."""
-    h, frame = raw_frame(5)
-    lookup = json.dumps({"hashes": [h.hex()]}).encode()
-    with Server(tmp_path, "--max-frame-bytes", "1MiB", disk=False) as srv:
-        with socket.create_connection(("127.0.0.1", srv.port)) as s:
-            rest = bytearray()
-            for method, path, body, statuses in (("PUT", f"/v1/blocks/{h.hex()}", frame, (201, 200)),
-                                                 ("POST", "/v1/blocks", batch_body([frame]), (200, 200)),
-                                                 ("POST", "/v1/lookup", lookup, (200, 200))):
-                for pad, status in zip((" ", "  \t"), statuses):
-                    s.sendall(head(method, path, extra=f"content-length: {len(body)}{pad}\r\n") + body)
-                    got, _, text = read_response(s, rest)
-                    assert got == status, (method, path, repr(pad), got, text)
-            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", extra=f"content-length: {2 * MiB} \r\n"))
-            got, _, text = read_response(s, rest)
-            assert got == 413 and "max_frame_bytes" in json.loads(text)["error"], text
-        assert httpx.post(srv.url + "/v1/lookup", content=lookup).json()["matched"] == 1
-        log = srv.output()
-    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+    _content_lengths_spelled(tmp_path, 5, [lambda n: f"{n} ", lambda n: f"{n}  \t"])
 
 
 def test_a_body_of_a_request_asking_for_an_upgrade_is_never_read_as_a_request(tmp_path):

@@ -28,7 +28,7 @@ from cacheseek import layerwise_save
 from cacheseek.store.lease import finalizer
 from paged_helpers import engine_tensors, kv_pages, read_tokens, write_tokens
 from redis_servers import RedisServer, needs_redis
-from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, run_threads, tokens_for
 
 THREADS = 6
 TIMEOUT_S = 120
@@ -70,28 +70,6 @@ def saves_in_slots(monkeypatch):
     """Layer-wise saves of these small chains write into reserved CPU-tier slots, as a long
     prompt's do (else they keep the layers and ingest them whole on ``finish``)."""
     monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
-
-
-def _run_threads(worker, n: int) -> None:
-    start = threading.Barrier(n)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            start.wait()
-            worker(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
-    if errors:
-        raise errors[0]
 
 
 class _Ops:
@@ -340,7 +318,7 @@ def test_random_operations_on_a_failing_disk_keep_the_books_true(tmp_path, monke
              list(range(i * per, (i + 1) * per))).run(ROUNDS)
 
     try:
-        _run_threads(worker, THREADS)
+        run_threads(worker, THREADS)
         assert cache.stats()["tiers"][1]["write_errors"] > 0  # (the faults did happen)
         _check_invariants(cache, disk)
         _decode_all(cache, chains)
@@ -393,7 +371,7 @@ def _random_operations(tmp_path, request, config: str, seed: int, rounds: int) -
         ops.run(rounds)
 
     try:
-        _run_threads(worker, THREADS)
+        run_threads(worker, THREADS)
         _check_invariants(cache, disk)
         _decode_all(cache, chains)
     finally:
@@ -538,7 +516,7 @@ def test_a_deleted_chain_does_not_come_back_through_reads_promoting_it(tmp_path,
                 finally:
                     stop.set()
 
-            _run_threads(lambda i: deleter() if i == 0 else reader(i), THREADS)
+            run_threads(lambda i: deleter() if i == 0 else reader(i), THREADS)
             cache.store.settle_moves()
             back = {t.name: [k.hex()[:8] for k in keys if t.contains(k)] for t in cache.store.tiers}
             assert not any(back.values()), f"round {round_}: deleted blocks came back: {back}"
@@ -578,7 +556,7 @@ def test_random_operations_through_a_redis_restart_keep_every_hit_exact_and_the_
         redis_server.start()
 
     try:
-        _run_threads(lambda i: outage() if i == THREADS else worker(i), THREADS + 1)
+        run_threads(lambda i: outage() if i == THREADS else worker(i), THREADS + 1)
         tier = cache.store.tier("redis")
         deadline = time.monotonic() + 30
         while tier.stats().to_dict()["breaker"]["state"] != "closed" and time.monotonic() < deadline:

@@ -11,8 +11,6 @@ cache at once, sharing the store's streams."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
@@ -21,11 +19,10 @@ import cacheseek as cs
 from cacheseek import layerwise_save
 from cacheseek.store.device_staging import staging_pool
 from paged_helpers import engine_tensors, kv_pages, read_tokens, write_tokens
-from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, run_threads, tokens_for
 
 THREADS = 8
 ROUNDS = 6
-TIMEOUT_S = 120
 
 
 def _work(seed: int) -> tuple[list[int], list]:
@@ -43,31 +40,6 @@ def _run_one(cache, toks, kv, device=None) -> tuple[int, int, list[torch.Tensor]
     located = cache.locate(toks).num_tokens
     got = cache.materialize(toks, device)
     return located, got.num_tokens, [t.clone() for k, v in got.layers for t in (k, v)]
-
-
-def _run_threads(worker, n: int) -> list:
-    """``worker(i)`` for i < n, each in a thread of its own, all started together; their
-    results. Daemon threads joined with a deadline: a deadlock fails the test, not hangs it."""
-    start = threading.Barrier(n)
-    errors: list[BaseException] = []
-    results: list = [None] * n
-
-    def run(i: int) -> None:
-        try:
-            start.wait()
-            results[i] = worker(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {TIMEOUT_S}s: a deadlock?"
-    assert not errors, errors
-    return results
 
 
 CONFIGS = {
@@ -105,7 +77,7 @@ def test_threads_get_what_one_thread_gets(tmp_path, config):
             out.append((j, _run_one(cache, toks, kv)))
         return out
 
-    results = _run_threads(worker, THREADS)
+    results = run_threads(worker, THREADS)
 
     for per_thread in results:
         for j, (located, tokens, tensors) in per_thread:
@@ -236,7 +208,7 @@ def test_threads_saving_and_loading_layer_by_layer_and_through_pages_get_what_on
             torch.cuda.current_stream().synchronize()
         return out
 
-    for per_thread in _run_threads(worker, THREADS):
+    for per_thread in run_threads(worker, THREADS):
         for j, got in per_thread:
             want = expected[j]
             assert (got["saved"], got["loaded"], got["ingested"], got["paged"]) == \
@@ -286,7 +258,7 @@ def test_threads_on_a_gpu_share_the_streams_and_get_bit_exact_kv(config, codec):
         torch.cuda.current_stream(dev).synchronize()
         return out
 
-    results = _run_threads(worker, THREADS)
+    results = run_threads(worker, THREADS)
     torch.cuda.synchronize(dev)
     for per_thread in results:
         for j, (located, tokens, tensors) in per_thread:
