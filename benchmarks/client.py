@@ -1,7 +1,7 @@
 """RemoteCache's HTTP client: ``BulkTransport`` against httpx's own transport (httpcore + h11,
 the maintained baseline), over loopback to one ``cacheseek serve`` (a CPU tier only).
 
-    python -m benchmarks.client [--frames 16] [--reps 5] [--lookups 2000] [--also NAME=FILE ...]
+    python -m benchmarks.client [--frames 16] [--reps 5] [--lookups 2000] [--device cpu] [--also NAME=FILE ...]
 
 Ingest: one streamed ``POST /v1/blocks`` of ``--frames`` 10.5 MB int4 KIVI frames (as
 RemoteCache sends them); materialize: one ``GET /v1/prefixes/{hash}`` of the same chain, each
@@ -13,7 +13,8 @@ transports take turns in rounds, so load from elsewhere on the host falls on eac
 ``--also old=path/to/transport.py`` adds the ``BulkTransport`` of another source file (an
 earlier version, say) as a column.
 
-Then ``RemoteCache`` itself, end to end from and to CPU tensors: a waited ``ingest`` of a
+Then ``RemoteCache`` itself, end to end from and to tensors on ``--device`` (``cuda``: the KV
+on the GPU, each frame copied to and from page-locked host memory): a waited ``ingest`` of a
 fresh prompt of ``--frames`` Raw blocks (Llama-3-8B's per-token KV, 64 tokens a block: 8.4 MB
 frames; lookup, encode, each frame moved to host memory and sent) and a ``materialize`` of
 it (lookup, GET, checks, decode), by a cache that keeps its host buffers between calls (the
@@ -101,13 +102,13 @@ def _remote_cache(url: str, *, fresh: bool) -> cs.RemoteCache:
     return cache
 
 
-def _remote_calls(url: str, blocks: int, reps: int) -> list[dict]:
+def _remote_calls(url: str, blocks: int, reps: int, device: str = "cpu") -> list[dict]:
     """A waited ``ingest`` of a fresh prompt, then its ``materialize``, by a cache that keeps
     its host buffers and one that does not, in turns."""
     caches = {"kept (default)": _remote_cache(url, fresh=False), "fresh": _remote_cache(url, fresh=True)}
     gen = torch.Generator().manual_seed(3)
     shape = (REMOTE_LAYOUT.num_kv_heads, blocks * REMOTE_BLOCK, REMOTE_LAYOUT.head_dim)
-    kv = [(torch.randn(shape, generator=gen).half(), torch.randn(shape, generator=gen).half())
+    kv = [(torch.randn(shape, generator=gen).half().to(device), torch.randn(shape, generator=gen).half().to(device))
           for _ in range(REMOTE_LAYOUT.num_layers)]
     kv_bytes = sum(k.nbytes + v.nbytes for k, v in kv)
     times: dict[str, dict[str, list[float]]] = {name: {"ingest": [], "materialize": []} for name in caches}
@@ -118,7 +119,9 @@ def _remote_calls(url: str, blocks: int, reps: int) -> list[dict]:
                 t = time.perf_counter()
                 assert cache.ingest(tokens, kv).stored == blocks
                 t1 = time.perf_counter()
-                got = cache.materialize(tokens, "cpu")
+                got = cache.materialize(tokens, device)
+                if device != "cpu":
+                    torch.cuda.synchronize()
                 t2 = time.perf_counter()
                 assert got.num_tokens == len(tokens)
                 if rep:
@@ -177,6 +180,7 @@ def main() -> None:
     ap.add_argument("--lookup-blocks", type=int, default=512)
     ap.add_argument("--also", action="append", default=[], metavar="NAME=FILE",
                     help="another BulkTransport, from a source file, as a further column")
+    ap.add_argument("--device", default="cpu", help="where RemoteCache's KV lives and is materialized (cpu, cuda)")
     ap.add_argument("--out", type=Path, default=None, help="folder for client.json (default benchmarks/results)")
     args = ap.parse_args()
     makers: dict[str, Callable[[], httpx.BaseTransport]] = {
@@ -205,7 +209,7 @@ def main() -> None:
                     rates[name]["lookup"] += _lookups(c._transport, url, keys, args.lookups // 8)
             for c in clients.values():
                 c.close()
-            remote = _remote_calls(url, args.frames, args.reps)
+            remote = _remote_calls(url, args.frames, args.reps, args.device)
         finally:
             for p in procs:
                 p.stop()
@@ -224,8 +228,8 @@ def main() -> None:
                        "ingest_vs_httpx", "materialize_vs_httpx", "lookup_p99_vs_httpx"]))
     print(table(remote, ["host_buffers", "ingest_ms", "ingest_kv_gbps", "ingest_vs_fresh", "materialize_ms",
                          "materialize_kv_gbps", "materialize_vs_fresh"],
-                f"RemoteCache, a fresh prompt of {args.frames} Raw blocks of {REMOTE_BLOCK} tokens, from and to CPU tensors"))
-    write_json("client", {"frames": args.frames, "frame_bytes": len(frames[0][1]), "reps": args.reps,
+                f"RemoteCache, a fresh prompt of {args.frames} Raw blocks of {REMOTE_BLOCK} tokens, from and to {args.device} tensors"))
+    write_json("client", {"device": args.device, "frames": args.frames, "frame_bytes": len(frames[0][1]), "reps": args.reps,
                      "lookups": args.lookups, "lookup_blocks": args.lookup_blocks, "rows": rows,
                      "remote_cache": remote}, args.out)
 

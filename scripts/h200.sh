@@ -94,8 +94,9 @@ for s in "$@"; do
                  cp /tmp/m64/store_mixed.json "$OUT/store_mixed_64.json" ;;
     store)       step store 240 python3 -m benchmarks.store --codecs raw,int8,int4,int2 --reps 4 --disk-dir /tmp --out "$OUT" ;;
     tests-gpu)   step tests-gpu 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_paged_kernels.py tests/test_paged.py tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_streams.py ;;
-    # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded.
-    tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
+    # Every test that has CUDA-only cases, without -x (all failures at once), each test bounded; not the
+    # slow model tests (the H200 machine has no network to fetch SmolLM2; CI runs them).
+    tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
     tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_kivi_clip.py tests/test_device_staging.py ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
@@ -111,6 +112,9 @@ for s in "$@"; do
     tests-fast)  step tests-fast 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_ingest_in_place.py tests/test_store.py tests/test_encode_decode.py tests/test_kernels.py -k "not test_matches_reference and not sm90 and not fp32_stats" ;;
     tests-store) step tests-store 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_store.py tests/test_encode_decode.py tests/test_ingest_in_place.py tests/test_remote.py ;;
     tests-all)   step tests-all 420 python3 -m pytest -q -p no:cacheprovider -m "not slow" ;;
+    # RemoteCache with the KV on the GPU: host buffers kept (page-locked) against fresh ones per frame,
+    # and the HTTP transports on loopback (needs the server wheels).
+    client)      step client 240 python3 -m benchmarks.client --device cuda --frames 16 --reps 5 --out "$OUT" ;;
     ttft)        step ttft 420 python3 -m benchmarks.ttft --out "$OUT" ;;
     # Layer-wise reuse from the CPU tier against the plain one, int4, 16K and 32K, with the
     # per-layer timeline (load ready vs compute); goal 12x at 16K, 16x at 32K.
