@@ -99,6 +99,9 @@ for s in "$@"; do
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" tests/test_paged_kernels.py tests/test_paged.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
     tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_kivi_clip.py tests/test_device_staging.py ;;
+    # prefill_with_reuse on a tiny Llama spread over the GPU and the CPU by accelerate (needs
+    # accelerate and psutil wheels in .whl).
+    tests-device-map) step tests-device-map 150 python3 -m pytest -q -ra -p no:cacheprovider tests/test_transformers_integration.py -k "spread_over_devices or device_map" ;;
     tests-paged) step tests-paged 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_kernels.py tests/test_paged.py ;;
     streams)     step streams 60 python3 -m benchmarks.streams --out "$OUT" ;;
     # A remote save from vLLM's pages: the caller's wait with wait=True against wait=False (loopback server).

@@ -28,6 +28,7 @@ import cacheseek as cs
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.integrations import smollm2, texts
 from cacheseek.integrations.planner import ReusePlanner
+from cacheseek.kv_input import kv_layers
 from cacheseek.integrations.transformers import (
     cache_kwarg,
     cache_length,
@@ -35,6 +36,7 @@ from cacheseek.integrations.transformers import (
     forward,
     greedy_continue,
     kv_layout,
+    layer_devices,
     output_cache,
     prefill_with_reuse,
     to_dynamic_cache,
@@ -263,6 +265,68 @@ def test_prefill_with_reuse_stores_then_reuses_and_always_computes_a_token(tiny_
         assert isinstance(rebuilt, transformers.DynamicCache) and cache_length(rebuilt) == 2 * BLOCK
         for (k, v), (k2, v2) in zip(dynamic_cache_layers(first.cache), dynamic_cache_layers(rebuilt), strict=True):
             assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+# -- a model spread over devices (device_map) ---------------------------------------------
+
+
+def _split_device_map(first, then):
+    """A 4-layer tiny Llama's device map: embedding and layers 0-1 on ``first``, the rest on ``then``."""
+    return {"model.embed_tokens": first, "model.rotary_emb": first, "model.layers.0": first,
+            "model.layers.1": first, "model.layers.2": then, "model.layers.3": then,
+            "model.norm": then, "lm_head": then}
+
+
+def test_a_device_map_of_one_device_is_one_device():
+    model = tiny_llama(4)
+    assert layer_devices(model) is None  # no map
+    model.hf_device_map = _split_device_map("cpu", "cpu")
+    assert layer_devices(model) is None
+    model.hf_device_map = _split_device_map("cpu", "disk")  # a map of two, every layer still on the CPU
+    assert layer_devices(model) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a model spread over the GPU and the CPU needs a GPU")
+@pytest.mark.parametrize("first", ["cuda", "cpu"], ids=["layer0-on-gpu", "layer0-on-cpu"])
+def test_a_model_spread_over_devices_reuses_its_prefix_with_each_layer_on_its_device(first):
+    """accelerate's dispatch (main device the CPU, so its layers run there, not offloaded):
+    each layer's reused prefix lies on that layer's device, the logits and the continuation
+    are the unsplit model's, and what was stored is the prompt's KV."""
+    from accelerate import dispatch_model
+
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    where = {"cuda": gpu.index, "cpu": "cpu"}
+    then = "cpu" if first == "cuda" else "cuda"
+    model = dispatch_model(tiny_llama(4), device_map=_split_device_map(where[first], where[then]), main_device="cpu")
+    devices = [torch.device(first if first == "cpu" else gpu)] * 2 + [torch.device(then if then == "cpu" else gpu)] * 2
+    assert layer_devices(model) == devices
+    ref = tiny_llama(4)  # the same seeded weights, whole on the CPU
+    ids = list(range(3, 3 + 2 * BLOCK))
+    prompt = ids + [7] * 10
+    with _cache(ref) as cache:
+        stored = prefill_with_reuse(model, cache, ids)
+        assert (stored.reused_tokens, stored.stored_blocks) == (0, 2)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids]), use_cache=True)
+        for (k, v), (wk, wv) in zip(cache.materialize(ids, device="cpu").layers, kv_layers(output_cache(want)),
+                                    strict=True):
+            torch.testing.assert_close(k[0], wk, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(v[0], wv, rtol=1e-4, atol=1e-4)
+
+        got = prefill_with_reuse(model, cache, prompt, reuse="always")
+        assert (got.reused_tokens, got.computed_tokens) == (2 * BLOCK, 10)
+        assert [k.device for k, _ in dynamic_cache_layers(got.cache)] == devices
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt]), use_cache=True)
+        torch.testing.assert_close(got.logits.cpu(), want.logits[0, -1], rtol=1e-4, atol=1e-4)
+        more = greedy_continue(model, got.cache, got.logits, 4, keep_logits=True)
+        ref_more = greedy_continue(ref, output_cache(want), want.logits[0, -1], 4, keep_logits=True)
+        assert more.tokens == ref_more.tokens
+        for a, b in zip(more.logits, ref_more.logits, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-4)
+
+        with pytest.raises(ConfigError, match="layer-wise load goes to one device"):
+            prefill_with_reuse(model, cache, prompt, layerwise=True)
 
 
 @pytest.mark.parametrize("layerwise", [False, True])

@@ -21,6 +21,9 @@ Limits, stated plainly:
   K it caches depend on that length, not on the prefix alone.
 - The stored layout's dtype must be the model's KV dtype: nothing is cast silently.
 - Token ids only: the prompt must be tokenized identically for a hit (exact-prefix reuse).
+- A model spread over devices (``device_map``) gets each layer's prefix on that layer's
+  device (read to layer 0's device, then copied), and its prompt's KV copied to layer 0's
+  device to be stored; it loads whole, not layer-wise.
 """
 
 from __future__ import annotations
@@ -300,18 +303,23 @@ def _first(kv: tuple[torch.Tensor, torch.Tensor], n: int) -> tuple[torch.Tensor,
     return (k, v) if k.shape[-2] == n else (k[..., :n, :], v[..., :n, :])
 
 
-def _cache_over(got: Any, config: Any, num_tokens: int | None = None) -> Any:
+def _cache_over(got: Any, config: Any, num_tokens: int | None = None,
+                devices: list[torch.device] | None = None) -> Any:
     """A ``DynamicCache`` over a ``Materialized`` prefix's own tensors, for one forward on top
     of it (``prefill_with_reuse``): not copied first as ``to_dynamic_cache`` does (a copy of
     the whole prefix on the device, and a cache update a layer on the host), since that
     forward replaces every layer's tensors with its own. Models whose cache has other than
-    full-attention layers get the copy. ``num_tokens``: the prefix's first tokens only."""
+    full-attention layers get the copy. ``num_tokens``: the prefix's first tokens only.
+    ``devices``: each layer's device (``layer_devices``), where the prefix is copied to."""
     n = got.num_tokens if num_tokens is None else min(got.num_tokens, num_tokens)
+    layers = got.layers
+    if devices is not None:
+        layers = [(k.to(d), v.to(d)) for (k, v), d in zip(layers, devices, strict=True)]
     cache = _new_dynamic_cache(config)
     try:
-        _fill_without_copy(cache, len(got.layers), lambda i: _first(got.layers[i], n), n)
+        _fill_without_copy(cache, len(layers), lambda i: _first(layers[i], n), n)
     except ConfigError:
-        return to_dynamic_cache([_first(layer, n) for layer in got.layers], config)
+        return to_dynamic_cache([_first(layer, n) for layer in layers], config)
     return cache
 
 
@@ -338,6 +346,48 @@ def model_device(model: Any) -> torch.device:
 
 def model_dtype(model: Any) -> torch.dtype:
     return next(model.parameters()).dtype
+
+
+def layer_devices(model: Any) -> list[torch.device] | None:
+    """The device each decoder layer runs on, and so holds its KV on, for a model spread over
+    several devices (loaded with a ``device_map``: accelerate's hooks, ``hf_device_map``);
+    None for a model on one device (the usual case, answered from the map alone)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not isinstance(device_map, Mapping) or len({str(d) for d in device_map.values()}) < 2:
+        return None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
+                   and len(m) == text.num_hidden_layers), None)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__} is spread over devices ({sorted({str(d) for d in device_map.values()})}) "
+                          f"and has no list of its {text.num_hidden_layers} decoder layers to tell where each runs")
+    devices = []
+    for i, layer in enumerate(layers):
+        # accelerate's hook runs the layer on its execution device, which for a layer whose
+        # weights are offloaded is not where its parameters lie.
+        where = getattr(getattr(layer, "_hf_hook", None), "execution_device", None)
+        if where is None:
+            param = next(layer.parameters(), None)
+            where = param.device if param is not None else None
+        if where is None or torch.device(where).type == "meta":
+            raise ConfigError(f"{type(model).__name__}: cannot tell which device decoder layer {i} runs on "
+                              "(no execution device, no parameters on a device)")
+        devices.append(torch.device("cuda", where) if isinstance(where, int) else torch.device(where))
+    return devices if len(set(devices)) > 1 else None
+
+
+class _WriterOn:
+    """A layer-wise writer handed every layer on one device: the layers of a model spread over
+    devices are copied there first (the store takes one device's KV per call)."""
+
+    def __init__(self, writer: Any, device: torch.device) -> None:
+        self._writer, self._device = writer, device
+
+    def put_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Any:
+        return self._writer.put_layer(layer, keys.to(self._device), values.to(self._device))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._writer, name)
 
 
 # -- prefill with reuse ------------------------------------------------------------------
@@ -437,11 +487,20 @@ def prefill_with_reuse(
     (``LoadError``) is recomputed: the whole prompt runs through the model, and
     ``skipped_reason`` says why. ``timings.materialize_s`` is then the time to start the
     load (the rest overlaps the forward), and the planner learns no read speed from it.
+
+    A model spread over devices (a ``device_map``) reads the prefix to its layer 0's device
+    and copies each layer to its own; its prompt's KV is copied to layer 0's device to be
+    stored. ``layerwise=True`` is refused for it (``ConfigError``).
     """
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
     t0 = time.perf_counter()
     device = model_device(model)
+    devices = layer_devices(model)
+    if devices is not None and layerwise:
+        raise ConfigError(f"layerwise=True: {type(model).__name__} is spread over {sorted({str(d) for d in devices})}, "
+                          "and a layer-wise load goes to one device; load it whole (layerwise=False)")
+    kv_device = devices[0] if devices is not None else device
     ids, packed = _token_ids(input_ids)
     _check_vocabulary(model, packed)
     _check_model(model)
@@ -488,13 +547,13 @@ def prefill_with_reuse(
             timings.materialize_s = time.perf_counter() - t
         elif located.num_tokens:
             t = time.perf_counter()
-            got = cache.materialize(keys, device=device)
+            got = cache.materialize(keys, device=kv_device)
             if got.num_tokens:
                 have, tiers = got.num_tokens, list(got.tiers)
                 reused = min(have, most)
-                past = _cache_over(got, model.config, reused)
+                past = _cache_over(got, model.config, reused, devices)
             del got
-            _sync(device)
+            _sync(device, devices)
             timings.materialize_s = time.perf_counter() - t
             planner.observe_read(tiers, have, timings.materialize_s)
     elif reuse == "never":
@@ -520,6 +579,8 @@ def prefill_with_reuse(
         if layerwise or capture:
             if writer is None and ingest:
                 writer = cache.ingest_layerwise(keys)
+                if devices is not None:
+                    writer = _WriterOn(writer, kv_device)
             if capture and past is not None:  # the reused prefix, within every window: copied in
                 past = _windowed_cache_over(past, model.config, writer)
             else:
@@ -553,7 +614,7 @@ def prefill_with_reuse(
     if layerwise or capture:
         past.detach_layerwise()  # a plain DynamicCache from here on (generation goes on with it)
     last = logits[0, -1]
-    _sync(device)
+    _sync(device, devices)
     timings.forward_s = time.perf_counter() - t
     timings.ttft_s = time.perf_counter() - t0
     planner.observe_prefill(len(ids) - reused, timings.forward_s)
@@ -561,7 +622,12 @@ def prefill_with_reuse(
     stored, errors = 0, {}
     if ingest and ingest_skipped is None:
         t = time.perf_counter()
-        result = writer.finish() if writer is not None else cache.ingest(keys, past)
+        if writer is not None:
+            result = writer.finish()
+        elif devices is not None:  # (the store takes one device's KV per call)
+            result = cache.ingest(keys, [(k.to(kv_device), v.to(kv_device)) for k, v in kv_layers(past)])
+        else:
+            result = cache.ingest(keys, past)
         stored, errors = result.stored, dict(getattr(result, "errors", {}) or {})
         timings.ingest_s = time.perf_counter() - t
     timings.total_s = time.perf_counter() - t0
@@ -719,9 +785,10 @@ def _check_layout(model: Any, cache: Any) -> None:
                               "with a layout of that dtype)")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(device: torch.device, devices: list[torch.device] | None = None) -> None:
+    for d in {device, *(devices or ())}:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
 
 
 # -- greedy continuation -----------------------------------------------------------------
