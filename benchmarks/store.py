@@ -2,7 +2,7 @@
 
     python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
     python -m benchmarks.store --plot-only benchmarks/results/h200/store.json --out docs
-    python -m benchmarks.store --paged | --batches | --fresh [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
+    python -m benchmarks.store --paged | --batches | --fresh [--policy arc,lru] [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
     python -m benchmarks.store --mixed [--blocks 16] [--reps 8] [--tiers gpu,cpu]
 
 ``--mixed``: a chain stored under a precision policy (its first block int8, the rest int2 or
@@ -332,6 +332,14 @@ def engine_modes(args, cuda: bool) -> None:
         out["batches"] = se.run_batches(shape, 8, request_tokens, codecs, args.reps, device)
         print(table(out["batches"], cols + ["batch_vs_calls"], "\nOne batched call vs one call per request"))
         name = "store_batches"
+    elif len(args.policy.split(",")) > 1:
+        policies = args.policy.split(",")
+        for n in blocks:
+            print(f"policies {policies}: {n} blocks of {shape.block} tokens, fresh prompts", flush=True)
+            out[f"policies_{n}"] = se.run_policies(shape, n, codecs, args.reps, device, policies)
+            print(table(out[f"policies_{n}"], cols + ["policy", f"vs_{policies[-1]}", "evictions"],
+                        f"\nEviction policies, fresh prompts, {n} blocks"))
+        name = "store_policies"
     else:
         for n in blocks:
             print(f"fresh: {n} blocks of {shape.block} tokens", flush=True)

@@ -14,6 +14,10 @@ call with a fresh prompt. Each mode measures its baseline in the same run.
                                                        the pinned device-to-host copy of the same KV, and
                                                        beside the tier benchmark's own protocol (one KV,
                                                        the previous call's blocks deleted)
+    python -m benchmarks.store --fresh --policy arc,lru   the eviction policies' cost on that path: a cache
+                                                       per policy, full, taking turns call by call (each
+                                                       ingest evicts a call's blocks, then its prompt is
+                                                       materialized); the ratio to the last policy
 
 Shapes are Llama-3-8B's (32 layers, 8 KV heads, head dim 128, fp16, blocks of 256 tokens)
 unless ``--tiny`` (2 layers, 2 heads, 64, blocks of 32: a smoke test on a CPU). Every call
@@ -77,7 +81,8 @@ class Prompts:
         return [(base + j * 31) % 120_000 for j in range(self.tokens)]
 
 
-def make_cache(shape: Shape, codec: Any, call_blocks: int, *, calls_held: int = 4) -> cs.PrefixCache:
+def make_cache(shape: Shape, codec: Any, call_blocks: int, *, calls_held: int = 4,
+               eviction: str = "lru") -> cs.PrefixCache:
     """A CPU tier that holds ``calls_held`` calls' blocks: from then on every ingest evicts,
     as in a server's steady state. Its reserve (host memory lent to blocks being written)
     holds one call, as the default reserve of a 4 GiB tier (512 MiB) holds a 4K-token int4
@@ -86,7 +91,7 @@ def make_cache(shape: Shape, codec: Any, call_blocks: int, *, calls_held: int = 
     written, so which call goes would depend on the reads."""
     frame = CODECS[codec].encoded_nbytes(shape.layout, shape.block) + 4096
     tiers = cs.TierConfig(cpu_bytes=frame * call_blocks * calls_held, cpu_reserve_bytes=frame * call_blocks,
-                          eviction="lru")
+                          eviction=eviction)
     return cs.PrefixCache(model_id="bench", layout=shape.layout, codec=CODECS[codec], block_tokens=shape.block,
                           tiers=tiers)
 
@@ -266,4 +271,52 @@ def run_fresh(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
             rows.append(row)
             print(f"  {codec:4s} {tokens:6d} tokens {op:11s} {name:34s} {row['gbps']:7.1f} GB/s "
                   f"({row['vs_pinned_copy']:.2f}x the copy)  ms each: {row['ms_each']}", flush=True)
+    return rows
+
+
+def run_policies(shape: Shape, blocks: int, codecs: list[str], reps: int, device: torch.device,
+                 policies: list[str]) -> list[dict]:
+    """What an eviction policy costs on the hot path: a cache per policy, each full, taking
+    turns call by call (the order alternating): a fresh prompt and fresh KV ingested (every
+    ingest evicts a call's blocks: the policy picks victims, adds a call's blocks), then
+    materialized (the policy marks them used). Every policy evicts the oldest call here (each
+    call is read back once), so they do the same work but for their bookkeeping. Ratios:
+    each policy's time against the last one's."""
+    tokens = blocks * shape.block
+    raw = shape.layout.raw_nbytes(tokens)
+    template = shape.kv(tokens, device)
+    rows = []
+    for codec in codecs:
+        caches = {p: make_cache(shape, codec, blocks, eviction=p) for p in policies}
+        prompts = Prompts(tokens)
+        for cache in caches.values():
+            for _ in range(4):  # fill the tier: every measured call evicts
+                p = prompts()
+                cache.ingest(p, template)
+                cache.materialize(p, device=device)
+        times: dict[str, tuple[list[float], list[float]]] = {p: ([], []) for p in policies}
+        for i in range(reps + 1):
+            for policy in policies if i % 2 else policies[::-1]:
+                cache = caches[policy]
+                kv = [(k.clone(), v.clone()) for k, v in template]
+                p = prompts()
+                a = timed(lambda: cache.ingest(p, kv), device)
+                b = timed(lambda: cache.materialize(p, device=device), device)
+                if cache.lookup(p) != tokens:
+                    raise RuntimeError(f"{codec} {policy}: a fresh call's blocks were evicted before it was read back")
+                kv = None  # (its memory back before the next call's clone)
+                if i:
+                    times[policy][0].append(a), times[policy][1].append(b)
+        evictions = {p: c.stats()["tiers"][0]["evictions"] for p, c in caches.items()}
+        for cache in caches.values():
+            cache.close()
+        ref = policies[-1]
+        for policy in policies:
+            for j, op in enumerate(("ingest", "materialize")):
+                row = _row(f"{codec} {op}: {policy}", times[policy][j], raw, codec=codec, op=op, tokens=tokens,
+                           policy=policy, evictions=evictions[policy])
+                row[f"vs_{ref}"] = statistics.median(times[ref][j]) / statistics.median(times[policy][j])
+                rows.append(row)
+                print(f"  {codec:4s} {tokens:6d} tokens {op:11s} {policy:4s} {row['gbps']:7.1f} GB/s "
+                      f"({row[f'vs_{ref}']:.3f}x {ref})  ms each: {row['ms_each']}", flush=True)
     return rows

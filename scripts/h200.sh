@@ -73,6 +73,9 @@ for s in "$@"; do
                  done ;;
     paged)       step paged 240 python3 -m benchmarks.store --paged --blocks 16,64 --codecs raw,int4 --reps 6 --out "$OUT" ;;
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
+    # The eviction policies' cost on the hot path (issue 19: ARC within 2% of LRU): a full CPU tier per
+    # policy, fresh prompts, calls taking turns.
+    policies)    step policies 200 python3 -m benchmarks.store --fresh --policy arc,lru --blocks 16,64 --codecs raw,int4 --reps 10 --out "$OUT" ;;
     fresh)       step fresh 240 python3 -m benchmarks.store --fresh --blocks 16,64 --codecs raw,int4 --reps 8 --out "$OUT" ;;
     # Layer-wise saves (each layer into reserved CPU-tier slots through kernels.store_ranges) against a whole
     # ingest after a stand-in forward of GEMMs; and their tests natively.
