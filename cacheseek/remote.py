@@ -688,9 +688,11 @@ class RemoteCache(PrefixCacheBase):
         call but ``client_stats`` then raises ``RuntimeError``."""
         self._behind.close()
         # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
-        # write comes after close, and the process may hold this object long after.
-        self._host_buffers = BufferPool(keep_bytes=0)
-        self._read_buffers = BufferPool(keep_bytes=0)
+        # write comes after close, and the process may hold this object long after. The
+        # pools stay, emptied: a call still in flight gives its buffers back to them, and
+        # client_stats() goes on counting its leases.
+        self._host_buffers.keep_at_most(0)
+        self._read_buffers.keep_at_most(0)
         self._closed = True
         self._http.close()
 

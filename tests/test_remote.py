@@ -1584,3 +1584,110 @@ def test_every_call_after_close_raises_one_clear_error(srv):
         cache.close()  # again: nothing to do
     with _remote(srv, cs.Raw(), namespace="closed") as cache:
         assert cache.lookup(toks) == 0  # nothing was sent
+
+
+# -- faults mid-call: a front that stops forwarding, then cuts the connection ---------------
+
+
+class _StallingFront:
+    """A relay on loopback in front of a real server that forwards every byte until a
+    request holding ``marker`` has gone through it; from then on it stops forwarding one
+    direction (``"down"``: the answer, ``"up"``: the request's body) after ``after`` bytes
+    counted from that request on, sets ``stalled``, and, once ``cut()`` is called, closes both sides. One thread
+    per connection (select), so a stall holds only that connection."""
+
+    def __init__(self, upstream_port: int, marker: bytes, *, after: int, direction: str = "down") -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.upstream_port, self.marker, self.after, self.direction = upstream_port, marker, after, direction
+        self.stalled, self._cut = threading.Event(), threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        import selectors
+
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        sel = selectors.DefaultSelector()
+        sel.register(client, selectors.EVENT_READ, ("up", upstream))
+        sel.register(upstream, selectors.EVENT_READ, ("down", client))
+        armed, counted = False, 0
+        try:
+            while True:
+                for key, _ in sel.select():
+                    direction, dst = key.data
+                    data = key.fileobj.recv(1 << 16)
+                    if not data:
+                        return
+                    if direction == "up" and self.marker in data:
+                        armed, counted = True, 0  # (counted from the last such request on the connection)
+                    if armed and direction == self.direction:
+                        if counted + len(data) > self.after:
+                            dst.sendall(data[: self.after - counted])
+                            self.stalled.set()
+                            self._cut.wait(30)
+                            return
+                        counted += len(data)
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                s.close()
+
+    def cut(self) -> None:
+        self._cut.set()
+
+    def __enter__(self) -> _StallingFront:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def _until(check, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.005)
+
+
+def test_close_while_a_read_is_in_flight_keeps_counting_its_buffers(srv):
+    """``close()`` swapped both buffer pools for new, empty ones: a read still in flight
+    went on holding buffers of the old pool, which ``client_stats()`` no longer showed (0
+    leases active while it held some, every count back at 0), so a lease a call failed to
+    give back after a close could not be seen. The counts go on through the close; the
+    buffers kept for reuse are let go, and those still lent are dropped when given back."""
+    toks, kv = tokens_for(130, 8 * BLOCK), make_kv(8 * BLOCK, 130)
+    with _remote(srv, cs.Raw(), namespace="close-in-flight") as writer:
+        assert writer.ingest(toks, kv).stored == 8
+    payload = max(part.planned_payload().nbytes for part in writer.block_format.parts())
+    # Two frames whole (each a header longer than its payload), the third begun.
+    with _StallingFront(srv.port, b"GET /v1/prefixes", after=3 * payload) as front:
+        cache = cs.RemoteCache(front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                               namespace="close-in-flight", token="w", timeout=10, trust_env=False)
+        assert_prefix_equal(cache.materialize(toks[: 2 * BLOCK]), kv, 2 * BLOCK)  # two buffers kept for reuse
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(cache.materialize(toks)))
+        reader.start()
+        front.stalled.wait(10)
+        _until(lambda: cache.client_stats()["read_buffers"]["leases_active"] >= 3)
+        before = cache.client_stats()["read_buffers"]
+        cache.close()
+        during = cache.client_stats()["read_buffers"]
+        assert during["leases_active"] == before["leases_active"], during
+        assert during["leases_granted"] == before["leases_granted"] and during["buffers_free"] == 0, during
+        front.cut()  # the read ends where the connection did: the frames whole before it
+        reader.join(10)
+    assert got and got[0].num_tokens == 2 * BLOCK
+    assert_prefix_equal(got[0], kv, 2 * BLOCK)
+    after = cache.client_stats()["read_buffers"]
+    assert after["leases_active"] == 0 and after["buffers_free"] == 0 and after["lease_double_releases"] == 0, after

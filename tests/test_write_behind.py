@@ -140,10 +140,10 @@ def test_close_sends_what_is_queued_and_later_calls_raise(srv):
     toks = [tokens_for(40 + i, 3 * BLOCK) for i in range(4)]
     cache = _remote(srv, namespace="close")
     futures = [cache.ingest(t, make_kv(3 * BLOCK, 40 + i), wait=False) for i, t in enumerate(toks)]
-    kept = cache._host_buffers
     cache.close()
     assert all(f.done() and f.result().stored == 3 for f in futures)
-    assert kept.stats()["free_bytes"] > 0 and cache._host_buffers.stats()["free_bytes"] == 0  # let go at close
+    buffers = cache.client_stats()["write_buffers"]  # let go at close, still counted
+    assert buffers["free_bytes"] == 0 and buffers["leases_granted"] >= 4 and buffers["leases_active"] == 0
     with pytest.raises(RuntimeError):
         cache.ingest(toks[0], make_kv(3 * BLOCK, 40), wait=False)
     with _remote(srv, namespace="close") as other:
