@@ -466,6 +466,7 @@ class RemoteCache(PrefixCacheBase):
                     self._send_behind(results, hashes, owners, copies, frames)
                 finally:
                     give_back()
+                self._behind.count_failed_blocks(sum(result.failed for result in results))
                 return answer()
 
             return self._behind.submit(nbytes, send)
@@ -676,8 +677,9 @@ class RemoteCache(PrefixCacheBase):
         request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
         waited past their timeout for a connection of this client's pool, not sent),
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
-        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, pending
-        now, and their bytes); ``write_buffers`` and ``read_buffers``: the host buffers that
+        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, failed:
+        their futures hold an error, the last one's in its ``last_error``, pending now, and
+        their bytes; ``blocks_failed``: their blocks answered failed); ``write_buffers`` and ``read_buffers``: the host buffers that
         frames are sent from and read into, kept for reuse (made, free, lent now)."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats(),
