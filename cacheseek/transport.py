@@ -134,6 +134,8 @@ class BulkTransport(httpx.BaseTransport):
                 self._send(lease, request)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 send_error = exc  # the server may have answered early (413, 401): read that answer
+            except TimeoutError as exc:  # (a body the server stopped reading: not a read that timed out)
+                raise _as_httpx(lease.explain(exc), request, reading=False) from None
             lease.sock.settimeout(timeouts.get("read"))
             try:
                 status, headers, rest, keep_alive = _read_head(lease, request)
