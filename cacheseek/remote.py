@@ -224,7 +224,7 @@ class RemoteCache(PrefixCacheBase):
         pending = parse_size(max_pending_bytes, name="max_pending_bytes")
         if pending <= 0:
             raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
-        self._behind = WriteBehind(pending)
+        self._behind = WriteBehind(pending, owner=type(self).__name__)
         # The frames' host memory, reused from one write to the next, waited or not
         # (page-locked beside a GPU): fresh memory cost a 4K-token int4 save 87 ms of page
         # faults on the H200, the copy itself 15 ms.

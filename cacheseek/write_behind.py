@@ -30,8 +30,10 @@ log = logging.getLogger("cacheseek.remote")  # (the cache's logger: the writes a
 
 
 class WriteBehind:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, owner: str = "WriteBehind") -> None:
+        """``owner``: the cache's name, for the error of a write queued after ``close``."""
         self.max_bytes = max_bytes
+        self.owner = owner
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._futures: set[Future] = set()
@@ -68,7 +70,10 @@ class WriteBehind:
         future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
-                raise RuntimeError("the cache is closed")
+                # (a write under way in one thread while another closed the cache: the error
+                # of any call after close)
+                raise RuntimeError(f"{self.owner}: closed (close() was called, or its with block ended); "
+                                   "make a new one")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
             self._executor.submit(self._run, send, nbytes, future)

@@ -277,3 +277,28 @@ def test_writes_that_fail_behind_the_call_are_counted_and_logged_once_per_run(sr
         assert cache.ingest(toks[0], kvs[0], wait=False).result(timeout=60).failed == 2
         stats = cache.client_stats()["write_behind"]
         assert stats["blocks_failed"] == 2 and stats["writes_failed"] == 0, stats
+
+
+def test_a_write_that_meets_a_close_from_another_thread_raises_the_caches_closed_error(srv, monkeypatch):
+    """An ``ingest(wait=False)`` under way while another thread closes the cache (past its
+    check that the cache is open, before its write is queued) raised ``RuntimeError("the
+    cache is closed")``, not the error every call after ``close()`` raises; its buffers and
+    room are given back either way."""
+    from cacheseek import remote as remote_module
+
+    toks, kv = tokens_for(110, 2 * BLOCK), make_kv(2 * BLOCK, 110)
+    cache = _remote(srv, codec=cs.Raw(), namespace="close-race")
+    copy = remote_module.frames_to_host
+
+    def closed_meanwhile(*args, **kw):
+        out = copy(*args, **kw)
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join(10)
+        return out
+
+    monkeypatch.setattr(remote_module, "frames_to_host", closed_meanwhile)
+    with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+        cache.ingest(toks, kv, wait=False)
+    stats = cache.client_stats()
+    assert stats["write_buffers"]["leases_active"] == 0 and stats["write_behind"]["pending_bytes"] == 0
