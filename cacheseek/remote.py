@@ -712,6 +712,10 @@ class RemoteCache(PrefixCacheBase):
             raise exc
         try:
             out = call()
+        except RuntimeError:
+            if self._closed:  # by another thread, after this call's check: its httpx client or transport refused
+                raise self._closed_error() from None
+            raise
         except PoolExhausted:
             self.breaker.record_unsent()  # this client's own limit: the server was not asked
             self._outages.count("pool_timeouts")

@@ -88,6 +88,8 @@ class BulkTransport(httpx.BaseTransport):
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:  # (else a new connection would be made, used once and closed)
+            raise RuntimeError("this BulkTransport is closed")
         scheme = request.url.scheme
         if scheme not in ("http", "https"):
             raise httpx.UnsupportedProtocol(f"BulkTransport carries http and https, not {scheme!r}", request=request)

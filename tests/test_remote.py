@@ -1691,3 +1691,36 @@ def test_close_while_a_read_is_in_flight_keeps_counting_its_buffers(srv):
     assert_prefix_equal(got[0], kv, 2 * BLOCK)
     after = cache.client_stats()["read_buffers"]
     assert after["leases_active"] == 0 and after["buffers_free"] == 0 and after["lease_double_releases"] == 0, after
+
+
+def test_a_call_that_meets_a_close_from_another_thread_raises_the_closed_error(srv):
+    """A call past its check that the cache is open when another thread closed it (here,
+    while the breaker let it through) went on into the closed httpx client and raised its
+    RuntimeError ("Cannot send a request, as the client has been closed"), or, for a
+    lookup, was sent anyway on a connection made after the close. It raises the error every
+    call after ``close()`` raises, and sends nothing."""
+    toks, kv = tokens_for(131, 2 * BLOCK), make_kv(2 * BLOCK, 131)
+    with _remote(srv, cs.Raw(), namespace="close-race") as writer:
+        assert writer.ingest(toks, kv).stored == 2
+
+    class ClosingBreaker(CircuitBreaker):
+        """Closes the cache from another thread the first time a call is let through."""
+
+        cache = None
+
+        def allow(self) -> bool:
+            cache, type(self).cache = type(self).cache, None
+            if cache is not None:
+                closer = threading.Thread(target=cache.close)
+                closer.start()
+                closer.join(10)
+            return super().allow()
+
+    calls = {"stats": lambda c: c.stats(), "prefetch": lambda c: c.prefetch(toks),
+             "lookup": lambda c: c.lookup(toks), "materialize": lambda c: c.materialize(toks)}
+    for name, call in calls.items():
+        cache = _remote(srv, cs.Raw(), namespace="close-race", breaker=ClosingBreaker())
+        ClosingBreaker.cache = cache
+        with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+            call(cache)
+        assert cache.client_stats()["unavailable_calls"] == 0, name
