@@ -15,7 +15,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
-from server_helpers import Server
+from server_helpers import Server, split_batch
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
 
@@ -1596,10 +1596,14 @@ class _StallingFront:
     counted from that request on, sets ``stalled``, and, once ``cut()`` is called, closes both sides. One thread
     per connection (select), so a stall holds only that connection."""
 
-    def __init__(self, upstream_port: int, marker: bytes, *, after: int, direction: str = "down") -> None:
+    def __init__(self, upstream_port: int, marker: bytes, *, after: int, direction: str = "down",
+                 hold: bool = True) -> None:
+        """``hold=False``: cut at once, without a stall. ``head_bytes``: the length of the
+        last answer's head after the marked request (``direction="down"``)."""
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.upstream_port, self.marker, self.after, self.direction = upstream_port, marker, after, direction
+        self.hold, self.head_bytes = hold, 0
         self.stalled, self._cut = threading.Event(), threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -1629,10 +1633,13 @@ class _StallingFront:
                     if direction == "up" and self.marker in data:
                         armed, counted = True, 0  # (counted from the last such request on the connection)
                     if armed and direction == self.direction:
+                        if counted == 0 and direction == "down":
+                            self.head_bytes = data.find(b"\r\n\r\n") + 4  # (uvicorn sends a head whole)
                         if counted + len(data) > self.after:
                             dst.sendall(data[: self.after - counted])
                             self.stalled.set()
-                            self._cut.wait(30)
+                            if self.hold:
+                                self._cut.wait(30)
                             return
                         counted += len(data)
                     dst.sendall(data)
@@ -1724,3 +1731,36 @@ def test_a_call_that_meets_a_close_from_another_thread_raises_the_closed_error(s
         with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
             call(cache)
         assert cache.client_stats()["unavailable_calls"] == 0, name
+
+
+def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_every_buffer_back(srv):
+    """A prefix answer whose connection ends (a server killed, a front gone) in its head,
+    at each frame boundary, inside each length prefix and inside each frame: a head cut
+    short is an outage (a miss here); otherwise the prefix is the frames whole before the
+    cut, their KV exact, and every read buffer comes back."""
+    toks, kv = tokens_for(132, 3 * BLOCK), make_kv(3 * BLOCK, 132)
+    with _remote(srv, cs.Raw(), namespace="cuts") as writer:
+        assert writer.ingest(toks, kv).stored == 3
+    breaker = CircuitBreaker(failure_threshold=1000, backoff=ConstantBackoff(0.01))
+    with _StallingFront(srv.port, b"GET /v1/prefixes", after=1 << 30, hold=False) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, namespace="cuts",
+            token="w", timeout=5, trust_env=False, on_unavailable="miss", breaker=breaker) as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        head = front.head_bytes
+        answer = httpx.get(f"{srv.url}/v1/prefixes/{cs.hashing.to_hex(cache.block_hashes(toks)[-1])}",
+                           headers={"Authorization": "Bearer r", "X-CacheSeek-Namespace": "cuts"})
+        frames = split_batch(answer.content)
+        assert answer.status_code == 200 and len(frames) == 3
+        cuts = {0: 0, head // 2: 0, head - 1: 0, head: 0, head + 3: 0}
+        end = head
+        for k, frame in enumerate(frames):  # (inside the length prefix, inside the frame, at its end)
+            cuts.update({end + 4: k, end + 8 + len(frame) // 2: k, end + 8 + len(frame) - 1: k})
+            end += 8 + len(frame)
+            cuts[end] = k + 1
+        for after, blocks in sorted(cuts.items()):
+            front.after = after
+            got = cache.materialize(toks)
+            assert got.num_blocks == blocks, (after, got.num_blocks)
+            assert_prefix_equal(got, kv, blocks * BLOCK)
+            assert cache.client_stats()["read_buffers"]["leases_active"] == 0, after
+        assert cache.client_stats()["read_buffers"]["lease_double_releases"] == 0
