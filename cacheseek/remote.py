@@ -679,7 +679,7 @@ class RemoteCache(PrefixCacheBase):
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
         ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, failed:
         their futures hold an error, the last one's in its ``last_error``, pending now, and
-        their bytes; ``blocks_failed``: their blocks answered failed); ``write_buffers`` and ``read_buffers``: the host buffers that
+        their bytes; ``blocks_failed``: blocks of those sent answered failed); ``write_buffers`` and ``read_buffers``: the host buffers that
         frames are sent from and read into, kept for reuse (made, free, lent now)."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats(),
