@@ -712,10 +712,6 @@ class RemoteCache(PrefixCacheBase):
             raise exc
         try:
             out = call()
-        except RuntimeError:
-            if self._closed:  # by another thread, after this call's check: its httpx client or transport refused
-                raise self._closed_error() from None
-            raise
         except PoolExhausted:
             self.breaker.record_unsent()  # this client's own limit: the server was not asked
             self._outages.count("pool_timeouts")
@@ -739,7 +735,10 @@ class RemoteCache(PrefixCacheBase):
             self.breaker.record_success()
             self._outages.answered()
             raise
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and self._closed:
+                # Closed by another thread after this call's check: its httpx client or transport refused.
+                raise self._closed_error() from None
             self.breaker.record_success()  # an answer came (a bad frame in it is not an outage)
             self._outages.answered()
             raise
