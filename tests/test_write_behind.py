@@ -272,8 +272,8 @@ def test_writes_that_fail_behind_the_call_are_counted_and_logged_once_per_run(sr
     # An outage under "miss": no error, the blocks answered failed, and counted.
     from server_helpers import free_port
 
-    with cs.RemoteCache(f"http://127.0.0.1:{free_port()}", model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
-                        on_unavailable="miss") as cache:
+    with cs.RemoteCache(f"http://127.0.0.1:{free_port()}", model_id="behind", layout=LAYOUT, codec=cs.Raw(),
+                        block_tokens=BLOCK, timeout=5, on_unavailable="miss") as cache:
         assert cache.ingest(toks[0], kvs[0], wait=False).result(timeout=60).failed == 2
         stats = cache.client_stats()["write_behind"]
         assert stats["blocks_failed"] == 2 and stats["writes_failed"] == 0, stats
