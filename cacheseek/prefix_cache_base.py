@@ -155,8 +155,11 @@ class PrefixCacheBase:
         figures then raises it, before it touches anything (a closed store's tiers, or
         connections, would fail half-way, each in its own way)."""
         if self._closed:
-            raise RuntimeError(f"{type(self).__name__}: closed (close() was called, or its with block ended); "
-                               "make a new one")
+            raise self._closed_error()
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"{type(self).__name__}: closed (close() was called, or its with block ended); "
+                            "make a new one")
 
     def __enter__(self):
         return self

@@ -224,7 +224,7 @@ class RemoteCache(PrefixCacheBase):
         pending = parse_size(max_pending_bytes, name="max_pending_bytes")
         if pending <= 0:
             raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
-        self._behind = WriteBehind(pending)
+        self._behind = WriteBehind(pending, owner=type(self).__name__)
         # The frames' host memory, reused from one write to the next, waited or not
         # (page-locked beside a GPU): fresh memory cost a 4K-token int4 save 87 ms of page
         # faults on the H200, the copy itself 15 ms.
@@ -466,6 +466,7 @@ class RemoteCache(PrefixCacheBase):
                     self._send_behind(results, hashes, owners, copies, frames)
                 finally:
                     give_back()
+                self._behind.count_failed_blocks(sum(result.failed for result in results))
                 return answer()
 
             return self._behind.submit(nbytes, send)
@@ -676,8 +677,9 @@ class RemoteCache(PrefixCacheBase):
         request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
         waited past their timeout for a connection of this client's pool, not sent),
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
-        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, pending
-        now, and their bytes); ``write_buffers`` and ``read_buffers``: the host buffers that
+        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, failed:
+        their futures hold an error, the last one's in its ``last_error``, pending now, and
+        their bytes; ``blocks_failed``: blocks of those sent answered failed); ``write_buffers`` and ``read_buffers``: the host buffers that
         frames are sent from and read into, kept for reuse (made, free, lent now)."""
         return {**self._outages.snapshot(), "on_unavailable": self.on_unavailable,
                 "breaker": self.breaker.stats().to_dict(), "write_behind": self._behind.stats(),
@@ -688,9 +690,11 @@ class RemoteCache(PrefixCacheBase):
         call but ``client_stats`` then raises ``RuntimeError``."""
         self._behind.close()
         # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
-        # write comes after close, and the process may hold this object long after.
-        self._host_buffers = BufferPool(keep_bytes=0)
-        self._read_buffers = BufferPool(keep_bytes=0)
+        # write comes after close, and the process may hold this object long after. The
+        # pools stay, emptied: a call still in flight gives its buffers back to them, and
+        # client_stats() goes on counting its leases.
+        self._host_buffers.keep_at_most(0)
+        self._read_buffers.keep_at_most(0)
         self._closed = True
         self._http.close()
 
@@ -731,7 +735,10 @@ class RemoteCache(PrefixCacheBase):
             self.breaker.record_success()
             self._outages.answered()
             raise
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, RuntimeError) and self._closed:
+                # Closed by another thread after this call's check: its httpx client or transport refused.
+                raise self._closed_error() from None
             self.breaker.record_success()  # an answer came (a bad frame in it is not an outage)
             self._outages.answered()
             raise

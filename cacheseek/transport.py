@@ -88,6 +88,8 @@ class BulkTransport(httpx.BaseTransport):
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:  # (else a new connection would be made, used once and closed)
+            raise RuntimeError("this BulkTransport is closed")
         scheme = request.url.scheme
         if scheme not in ("http", "https"):
             raise httpx.UnsupportedProtocol(f"BulkTransport carries http and https, not {scheme!r}", request=request)
@@ -134,6 +136,8 @@ class BulkTransport(httpx.BaseTransport):
                 self._send(lease, request)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 send_error = exc  # the server may have answered early (413, 401): read that answer
+            except TimeoutError as exc:  # (a body the server stopped reading: not a read that timed out)
+                raise _as_httpx(lease.explain(exc), request, reading=False) from None
             lease.sock.settimeout(timeouts.get("read"))
             try:
                 status, headers, rest, keep_alive = _read_head(lease, request)

@@ -12,26 +12,38 @@ would pass the bound is not queued (the caller answers it at once, its blocks fa
 cache that cannot keep up with the server drops writes rather than stall its caller or
 grow without limit. ``flush`` waits for the writes queued so far; ``close`` for all of
 them, then stops the thread (at interpreter exit the thread finishes its queue too).
+
+A write that fails (its sender raised: the future holds the error) is counted
+(``writes_failed``, ``last_error``), and the first of a run of failures is logged, so a
+caller that drops its futures still learns that its writes are not being stored.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+log = logging.getLogger("cacheseek.remote")  # (the cache's logger: the writes are RemoteCache's)
+
 
 class WriteBehind:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, *, owner: str = "WriteBehind") -> None:
+        """``owner``: the cache's name, for the error of a write queued after ``close``."""
         self.max_bytes = max_bytes
+        self.owner = owner
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._futures: set[Future] = set()
         self._executor: ThreadPoolExecutor | None = None  # started by the first write
         self._closed = False
         self._sent = threading.Event()  # close() has sent everything queued
-        self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "pending_bytes_high": 0}
+        self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "writes_failed": 0,
+                       "blocks_failed": 0, "pending_bytes_high": 0}
+        self.last_error = ""
+        self._failing = False  # the last write done failed: the next failure is not logged again
 
     def reserve(self, nbytes: int) -> bool:
         """Room for a write of ``nbytes`` of frames, taken now (False: the bound would be
@@ -58,7 +70,10 @@ class WriteBehind:
         future.set_running_or_notify_cancel()
         with self._lock:
             if self._closed:
-                raise RuntimeError("the cache is closed")
+                # (a write under way in one thread while another closed the cache: the error
+                # of any call after close)
+                raise RuntimeError(f"{self.owner}: closed (close() was called, or its with block ended); "
+                                   "make a new one")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
             self._executor.submit(self._run, send, nbytes, future)
@@ -75,17 +90,32 @@ class WriteBehind:
         try:
             result = send()
         except BaseException as exc:  # (the future holds it, as the executor's would)
-            self._done(nbytes)
+            self._done(nbytes, exc)
             future.set_exception(exc)
         else:
             self._done(nbytes)
             future.set_result(result)
 
-    def _done(self, nbytes: int) -> None:
-        """Before the future is done: whoever waited for it sees the room given back."""
+    def _done(self, nbytes: int, error: BaseException | None = None) -> None:
+        """Before the future is done: whoever waited for it sees the room given back, and
+        the write counted."""
         with self._lock:
             self._pending_bytes -= nbytes
             self.counts["writes_done"] += 1
+            first = error is not None and not self._failing
+            self._failing = error is not None
+            if error is not None:
+                self.counts["writes_failed"] += 1
+                self.last_error = f"{type(error).__name__}: {error}"
+        if first:
+            log.warning("a write in the background (ingest wait=False) failed, %s; its future holds the error, and "
+                        "the failures that follow are counted in client_stats()['write_behind'] until one succeeds",
+                        self.last_error)
+
+    def count_failed_blocks(self, n: int) -> None:
+        """Blocks a write answered failed (the server's reports, or an outage's drop)."""
+        with self._lock:
+            self.counts["blocks_failed"] += n
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every write queued before this call; False if ``timeout`` seconds
@@ -110,10 +140,11 @@ class WriteBehind:
         finally:
             self._sent.set()
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         with self._lock:
             return {**self.counts, "writes_pending": self.counts["writes_queued"] - self.counts["writes_done"],
-                    "pending_bytes": self._pending_bytes, "max_pending_bytes": self.max_bytes}
+                    "pending_bytes": self._pending_bytes, "max_pending_bytes": self.max_bytes,
+                    "last_error": self.last_error}
 
 
 __all__ = ["WriteBehind"]

@@ -15,7 +15,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
-from server_helpers import Server
+from server_helpers import Server, split_batch
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
 
@@ -1584,3 +1584,183 @@ def test_every_call_after_close_raises_one_clear_error(srv):
         cache.close()  # again: nothing to do
     with _remote(srv, cs.Raw(), namespace="closed") as cache:
         assert cache.lookup(toks) == 0  # nothing was sent
+
+
+# -- faults mid-call: a front that stops forwarding, then cuts the connection ---------------
+
+
+class _StallingFront:
+    """A relay on loopback in front of a real server that forwards every byte until a
+    request holding ``marker`` has gone through it; from then on it stops forwarding one
+    direction (``"down"``: the answer, ``"up"``: the request's body) after ``after`` bytes
+    counted from that request on, sets ``stalled``, and, once ``cut()`` is called, closes both sides. One thread
+    per connection (select), so a stall holds only that connection."""
+
+    def __init__(self, upstream_port: int, marker: bytes, *, after: int, direction: str = "down",
+                 hold: bool = True) -> None:
+        """``hold=False``: cut at once, without a stall. ``head_bytes``: the length of the
+        last answer's head after the marked request (``direction="down"``)."""
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.upstream_port, self.marker, self.after, self.direction = upstream_port, marker, after, direction
+        self.hold, self.head_bytes = hold, 0
+        self.stalled, self._cut = threading.Event(), threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        import selectors
+
+        upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+        sel = selectors.DefaultSelector()
+        sel.register(client, selectors.EVENT_READ, ("up", upstream))
+        sel.register(upstream, selectors.EVENT_READ, ("down", client))
+        armed, counted = False, 0
+        try:
+            while True:
+                for key, _ in sel.select():
+                    direction, dst = key.data
+                    data = key.fileobj.recv(1 << 16)
+                    if not data:
+                        return
+                    if direction == "up" and self.marker in data:
+                        armed, counted = True, 0  # (counted from the last such request on the connection)
+                    if armed and direction == self.direction:
+                        if counted == 0 and direction == "down":
+                            self.head_bytes = data.find(b"\r\n\r\n") + 4  # (uvicorn sends a head whole)
+                        if counted + len(data) > self.after:
+                            dst.sendall(data[: self.after - counted])
+                            self.stalled.set()
+                            if self.hold:
+                                self._cut.wait(30)
+                            return
+                        counted += len(data)
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                s.close()
+
+    def cut(self) -> None:
+        self._cut.set()
+
+    def __enter__(self) -> _StallingFront:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def _until(check, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.005)
+
+
+def test_close_while_a_read_is_in_flight_keeps_counting_its_buffers(srv):
+    """``close()`` swapped both buffer pools for new, empty ones: a read still in flight
+    went on holding buffers of the old pool, which ``client_stats()`` no longer showed (0
+    leases active while it held some, every count back at 0), so a lease a call failed to
+    give back after a close could not be seen. The counts go on through the close; the
+    buffers kept for reuse are let go, and those still lent are dropped when given back."""
+    toks, kv = tokens_for(130, 8 * BLOCK), make_kv(8 * BLOCK, 130)
+    with _remote(srv, cs.Raw(), namespace="close-in-flight") as writer:
+        assert writer.ingest(toks, kv).stored == 8
+    payload = max(part.planned_payload().nbytes for part in writer.block_format.parts())
+    # Two frames whole (each a header longer than its payload), the third begun.
+    with _StallingFront(srv.port, b"GET /v1/prefixes", after=3 * payload) as front:
+        cache = cs.RemoteCache(front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                               namespace="close-in-flight", token="w", timeout=10, trust_env=False)
+        assert_prefix_equal(cache.materialize(toks[: 2 * BLOCK]), kv, 2 * BLOCK)  # two buffers kept for reuse
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(cache.materialize(toks)))
+        reader.start()
+        front.stalled.wait(10)
+        _until(lambda: cache.client_stats()["read_buffers"]["leases_active"] >= 3)
+        before = cache.client_stats()["read_buffers"]
+        cache.close()
+        during = cache.client_stats()["read_buffers"]
+        assert during["leases_active"] == before["leases_active"], during
+        assert during["leases_granted"] == before["leases_granted"] and during["buffers_free"] == 0, during
+        front.cut()  # the read ends where the connection did: the frames whole before it
+        reader.join(10)
+    assert got and got[0].num_tokens == 2 * BLOCK
+    assert_prefix_equal(got[0], kv, 2 * BLOCK)
+    after = cache.client_stats()["read_buffers"]
+    assert after["leases_active"] == 0 and after["buffers_free"] == 0 and after["lease_double_releases"] == 0, after
+
+
+def test_a_call_that_meets_a_close_from_another_thread_raises_the_closed_error(srv):
+    """A call past its check that the cache is open when another thread closed it (here,
+    while the breaker let it through) went on into the closed httpx client and raised its
+    RuntimeError ("Cannot send a request, as the client has been closed"), or, for a
+    lookup, was sent anyway on a connection made after the close. It raises the error every
+    call after ``close()`` raises, and sends nothing."""
+    toks, kv = tokens_for(131, 2 * BLOCK), make_kv(2 * BLOCK, 131)
+    with _remote(srv, cs.Raw(), namespace="close-race") as writer:
+        assert writer.ingest(toks, kv).stored == 2
+
+    class ClosingBreaker(CircuitBreaker):
+        """Closes the cache from another thread the first time a call is let through."""
+
+        cache = None
+
+        def allow(self) -> bool:
+            cache, type(self).cache = type(self).cache, None
+            if cache is not None:
+                closer = threading.Thread(target=cache.close)
+                closer.start()
+                closer.join(10)
+            return super().allow()
+
+    calls = {"stats": lambda c: c.stats(), "prefetch": lambda c: c.prefetch(toks),
+             "lookup": lambda c: c.lookup(toks), "materialize": lambda c: c.materialize(toks)}
+    for name, call in calls.items():
+        cache = _remote(srv, cs.Raw(), namespace="close-race", breaker=ClosingBreaker())
+        ClosingBreaker.cache = cache
+        with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+            call(cache)
+        assert cache.client_stats()["unavailable_calls"] == 0, name
+
+
+def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_every_buffer_back(srv):
+    """A prefix answer whose connection ends (a server killed, a front gone) in its head,
+    at each frame boundary, inside each length prefix and inside each frame: a head cut
+    short is an outage (a miss here); otherwise the prefix is the frames whole before the
+    cut, their KV exact, and every read buffer comes back."""
+    toks, kv = tokens_for(132, 3 * BLOCK), make_kv(3 * BLOCK, 132)
+    with _remote(srv, cs.Raw(), namespace="cuts") as writer:
+        assert writer.ingest(toks, kv).stored == 3
+    breaker = CircuitBreaker(failure_threshold=1000, backoff=ConstantBackoff(0.01))
+    with _StallingFront(srv.port, b"GET /v1/prefixes", after=1 << 30, hold=False) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, namespace="cuts",
+            token="w", timeout=5, trust_env=False, on_unavailable="miss", breaker=breaker) as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        head = front.head_bytes
+        answer = httpx.get(f"{srv.url}/v1/prefixes/{cs.hashing.to_hex(cache.block_hashes(toks)[-1])}",
+                           headers={"Authorization": "Bearer r", "X-CacheSeek-Namespace": "cuts"})
+        frames = split_batch(answer.content)
+        assert answer.status_code == 200 and len(frames) == 3
+        cuts = {0: 0, head // 2: 0, head - 1: 0, head: 0, head + 3: 0}
+        end = head
+        for k, frame in enumerate(frames):  # (inside the length prefix, inside the frame, at its end)
+            cuts.update({end + 4: k, end + 8 + len(frame) // 2: k, end + 8 + len(frame) - 1: k})
+            end += 8 + len(frame)
+            cuts[end] = k + 1
+        for after, blocks in sorted(cuts.items()):
+            front.after = after
+            got = cache.materialize(toks)
+            assert got.num_blocks == blocks, (after, got.num_blocks)
+            assert_prefix_equal(got, kv, blocks * BLOCK)
+            assert cache.client_stats()["read_buffers"]["leases_active"] == 0, after
+        assert cache.client_stats()["read_buffers"]["lease_double_releases"] == 0

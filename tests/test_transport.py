@@ -303,3 +303,17 @@ def test_a_body_streamed_from_one_reused_buffer_arrives_as_each_chunk_was_when_y
             r = c.post("/x", content=stream(), headers={"content-length": str(sum(sizes))})
         server.join(5)
     assert r.status_code == 200 and got == [b"".join(sent)]
+
+
+def test_a_body_the_server_stops_reading_is_a_write_timeout_not_a_read_one():
+    """A request body the server stopped reading (a stalled server or front) ran past the
+    write timeout, and was reported as ``ReadTimeout``: ``RemoteCache`` then said a read had
+    timed out for an upload that never finished. It is a ``WriteTimeout``, as httpx's own."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # its backlog takes the connection; nothing reads
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with httpx.Client(base_url=url, transport=BulkTransport(max_connections=1, trust_env=False),
+                          timeout=httpx.Timeout(0.3, pool=1)) as c:
+            start = time.monotonic()
+            with pytest.raises(httpx.WriteTimeout):
+                c.post("/upload", content=bytes(64 << 20))
+            assert time.monotonic() - start < 2.5

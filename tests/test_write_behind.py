@@ -140,10 +140,10 @@ def test_close_sends_what_is_queued_and_later_calls_raise(srv):
     toks = [tokens_for(40 + i, 3 * BLOCK) for i in range(4)]
     cache = _remote(srv, namespace="close")
     futures = [cache.ingest(t, make_kv(3 * BLOCK, 40 + i), wait=False) for i, t in enumerate(toks)]
-    kept = cache._host_buffers
     cache.close()
     assert all(f.done() and f.result().stored == 3 for f in futures)
-    assert kept.stats()["free_bytes"] > 0 and cache._host_buffers.stats()["free_bytes"] == 0  # let go at close
+    buffers = cache.client_stats()["write_buffers"]  # let go at close, still counted
+    assert buffers["free_bytes"] == 0 and buffers["leases_granted"] >= 4 and buffers["leases_active"] == 0
     with pytest.raises(RuntimeError):
         cache.ingest(toks[0], make_kv(3 * BLOCK, 40), wait=False)
     with _remote(srv, namespace="close") as other:
@@ -248,3 +248,57 @@ def test_a_batch_dropped_for_the_backlog_counts_its_blocks_as_an_outage_does(srv
         assert [(r.stored, r.failed) for r in results] == [(0, 3), (0, 2)]
         assert all("max_pending_bytes" in r.errors["backlog"] for r in results)
         assert cache.client_stats()["dropped_blocks"] == 5
+
+
+def test_writes_that_fail_behind_the_call_are_counted_and_logged_once_per_run(srv, caplog):
+    """A write whose sender raised (its future holds the error) was counted done like any
+    other and logged nowhere, and a write whose blocks failed was counted nowhere: a caller
+    that drops its futures (the point of wait=False) could not tell its writes were not
+    stored. Both are counted now (``writes_failed`` with ``last_error``, ``blocks_failed``),
+    and the first failure of a run is logged once."""
+    toks = [tokens_for(100 + i, 2 * BLOCK) for i in range(3)]
+    kvs = [make_kv(2 * BLOCK, 100 + i) for i in range(3)]
+    # A frame no body of this client can hold: each write raises ConfigError on the sender.
+    with caplog.at_level("WARNING", logger="cacheseek.remote"), \
+            _remote(srv, codec=cs.Raw(), namespace="failing", max_body_bytes=1000) as cache:
+        futures = [cache.ingest(t, kv, wait=False) for t, kv in zip(toks, kvs)]
+        assert cache.flush(timeout=60)
+        assert all(isinstance(f.exception(), cs.ConfigError) for f in futures)
+        stats = cache.client_stats()["write_behind"]
+        assert stats["writes_failed"] == 3 and stats["writes_done"] == 3, stats
+        assert "ConfigError" in stats["last_error"] and "max_body_bytes" in stats["last_error"]
+    logged = [r.getMessage() for r in caplog.records if "in the background" in r.getMessage()]
+    assert len(logged) == 1 and "max_body_bytes" in logged[0]
+    # An outage under "miss": no error, the blocks answered failed, and counted.
+    from server_helpers import free_port
+
+    with cs.RemoteCache(f"http://127.0.0.1:{free_port()}", model_id="behind", layout=LAYOUT, codec=cs.Raw(),
+                        block_tokens=BLOCK, timeout=5, on_unavailable="miss") as cache:
+        assert cache.ingest(toks[0], kvs[0], wait=False).result(timeout=60).failed == 2
+        stats = cache.client_stats()["write_behind"]
+        assert stats["blocks_failed"] == 2 and stats["writes_failed"] == 0, stats
+
+
+def test_a_write_that_meets_a_close_from_another_thread_raises_the_caches_closed_error(srv, monkeypatch):
+    """An ``ingest(wait=False)`` under way while another thread closes the cache (past its
+    check that the cache is open, before its write is queued) raised ``RuntimeError("the
+    cache is closed")``, not the error every call after ``close()`` raises; its buffers and
+    room are given back either way."""
+    from cacheseek import remote as remote_module
+
+    toks, kv = tokens_for(110, 2 * BLOCK), make_kv(2 * BLOCK, 110)
+    cache = _remote(srv, codec=cs.Raw(), namespace="close-race")
+    copy = remote_module.frames_to_host
+
+    def closed_meanwhile(*args, **kw):
+        out = copy(*args, **kw)
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join(10)
+        return out
+
+    monkeypatch.setattr(remote_module, "frames_to_host", closed_meanwhile)
+    with pytest.raises(RuntimeError, match=r"^RemoteCache: closed"):
+        cache.ingest(toks, kv, wait=False)
+    stats = cache.client_stats()
+    assert stats["write_buffers"]["leases_active"] == 0 and stats["write_behind"]["pending_bytes"] == 0

@@ -199,6 +199,14 @@ class BufferPool:
                 self._free.append(buf)
                 self._free_bytes += buf.nbytes
 
+    def keep_at_most(self, nbytes: int) -> None:
+        """Keep no more than ``nbytes`` for reuse from now on: free buffers past it go now,
+        lent ones as they come back. The counts go on (leases lent stay counted)."""
+        with self._lock:
+            self.keep_bytes = nbytes
+            while self._free and self._free_bytes > nbytes:
+                self._free_bytes -= self._free.pop().nbytes
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
