@@ -138,6 +138,8 @@ INGEST = [
      r"^pages: 1 KV heads of dim 64, the cache's layout has 2 of dim 64$"),
     ("pages of fewer layers", lambda w: w.cache.ingest_batch([R(w.toks[2], w.tables[2])], _other(w.pages, layers=2)),
      r"^pages: 2 layers, the cache's layout has 3$"),
+    ("pages the kernels cannot read", lambda w: w.cache.ingest(w.toks[2], w.strided.at(w.tables[2])),
+     r"^pages layer 0 K: the head dim must be contiguous for the Triton kernels"),
     ("not a request", lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]), (w.toks[2], w.tables[2])], w.pages),
      r"^requests\[1\]: expected a cacheseek.PagedRequest, got tuple$"),
     ("layer-wise writer, page twice",
@@ -178,6 +180,8 @@ LOAD = [
     ("pages of more layers, layer-wise",
      lambda w: w.cache.materialize_into(w.toks[0], _other(w.pages, layers=4).at([0, 1, 2, 3]), layerwise=True),
      r"^pages: 4 layers, the cache's layout has 3$"),
+    ("pages the kernels cannot write", lambda w: w.cache.materialize_into(w.toks[0], w.strided.at([0, 1, 2, 3])),
+     r"^pages layer 0 K: the head dim must be contiguous for the Triton kernels"),
     ("a start of no whole block", lambda w: w.cache.materialize_into_batch([R(w.toks[0], [0, 1, 2, 3], start=5)], w.dest),
      r"^requests\[0\]\.start: expected a multiple of the block size 32 >= 0, got 5$"),
 ]
