@@ -274,7 +274,9 @@ def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world):
 
 def test_a_layerwise_load_waited_out_of_order_or_after_close(world):
     """Layers waited for in any order are the plain load's; after ``close`` every layer
-    answers as loaded; a layer outside the load is an ``InputError``."""
+    answers as loaded; after ``abandon`` a layer loaded before does, and one never loaded
+    raises ``LoadError`` (a ``RuntimeError`` before, for loaded layers too); a layer outside
+    the load is an ``InputError``."""
     want, _ = engine_pages("nhd", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=2)
     world.cache.materialize_into(world.toks[0], want.at([0, 1, 2, 3]))
     got, got_tensors = engine_pages("nhd", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=2)
@@ -290,3 +292,13 @@ def test_a_layerwise_load_waited_out_of_order_or_after_close(world):
     for layer in range(L):
         load.wait(layer)
         assert load.ready(layer)
+    load = world.cache.materialize_into(world.toks[0], got.at([0, 1, 2, 3]), layerwise=True)
+    load.wait(0)
+    load.abandon()
+    load.wait(0)
+    if world.kind == "embedded":  # (over HTTP every layer is ready when the handle is returned)
+        with pytest.raises(cs.LoadError, match=r"^layer 2 of the prefix was not loaded \(the load was abandoned\)"):
+            load.wait(2)
+        assert not load.ready(2)
+    else:
+        load.wait(2)
