@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import cacheseek as cs
+from cacheseek import layerwise_save
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import engine_pages, engine_tensors, kv_pages, page_tables, snapshot, unchanged, write_tokens
 from server_helpers import Server
@@ -28,8 +29,8 @@ CODEC = cs.KIVI(bits=4, group_size=32)
 
 @dataclass
 class World:
-    """A cache holding prompts 0 and 1 (prompts 2 and 3 are not stored; their KV is in the
-    pages too: 2 for every refused call, 3 for the one writer that stores),
+    """A cache holding prompts 0 and 1 (prompts 2 to 4 are not stored; their KV is in the
+    pages too: 2 for every refused call, 3 and 4 for the writers that store),
     the engine's pages they were read from, and pages to load into."""
 
     kind: str
@@ -44,7 +45,8 @@ class World:
     strided_tensors: list[torch.Tensor]
 
     def state(self):
-        blocks = self.cache.stats()["tiers"][0]["blocks"] if self.kind == "embedded" else None
+        tier = self.cache.stats()["tiers"][0] if self.kind == "embedded" else {}
+        blocks = [tier.get(k) for k in ("blocks", "used_bytes", "reservation_bytes", "held_slots", "evictions")]
         return ([self.cache.lookup(t) for t in self.toks], blocks,
                 [snapshot(t) for t in (self.tensors, self.dest_tensors, self.strided_tensors)])
 
@@ -65,7 +67,7 @@ def backend_torch():
 
 @pytest.fixture(scope="module", params=["embedded", "remote"])
 def world(request, tmp_path_factory, backend_torch):
-    sizes = [2 * BLOCK] * 4
+    sizes = [2 * BLOCK] * 5
     toks = [tokens_for(300 + r, n) for r, n in enumerate(sizes)]
     pages, tensors = engine_pages("flash", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=1)
     tables = page_tables(sizes, PAGE, NUM_PAGES, seed=7)
@@ -241,12 +243,21 @@ def test_a_start_inside_the_page_table_and_the_keys_still_loads(world):
     assert unchanged(before, world.dest_tensors)
 
 
-def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world):
+@pytest.mark.parametrize("mode", ["reference", "slots"])
+def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world, monkeypatch, mode):
     """Layers in any order are taken; a layer twice, outside the layout or not an int is an
-    ``InputError`` and the writer stays usable; ``finish`` with a layer missing stores nothing;
-    a finished or aborted writer refuses more with a ``RuntimeError``."""
+    ``InputError`` and the writer stays usable; ``finish`` with a layer missing stores nothing
+    (and gives the reserved slots back); a finished or aborted writer refuses more with a
+    ``RuntimeError``."""
+    if mode == "slots":
+        if world.kind == "remote":
+            pytest.skip("RemoteCache's paged writer is the reference one")
+        monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
     before = world.state()
     writer = world.cache.ingest_batch([R(world.toks[2], world.tables[2])], world.pages, layerwise=True)
+    assert writer.mode == mode
+    if mode == "slots":
+        assert world.state()[1] != before[1]  # (slots held while the writer is open)
     writer.put_layer(2)
     writer.put_layer(0)
     for bad, match in ((2, r"^layer 2: put twice$"), (3, r"^layer: 3 is outside the layout's 3 layers \(0 to 2\)$"),
@@ -263,13 +274,14 @@ def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world):
     with world.cache.ingest_batch([R(world.toks[2], world.tables[2])], world.pages, layerwise=True) as writer:
         writer.put_layer(0)
     assert world.same_as(before)  # left without finish: aborted
-    writer = world.cache.ingest_batch([R(world.toks[3], world.tables[3])], world.pages, layerwise=True)
+    r = 3 if mode == "reference" else 4
+    writer = world.cache.ingest_batch([R(world.toks[r], world.tables[r])], world.pages, layerwise=True)
     for i in (1, 2, 0):
         writer.put_layer(i)
-    assert [r.stored for r in writer.finish()] == [2]
+    assert [x.stored for x in writer.finish()] == [2]
     with pytest.raises(RuntimeError, match=r"finish: the writer is finished"):
         writer.finish()
-    assert world.cache.lookup(world.toks[3]) == 2 * BLOCK
+    assert world.cache.lookup(world.toks[r]) == 2 * BLOCK
 
 
 def test_a_layerwise_load_waited_out_of_order_or_after_close(world):
