@@ -409,11 +409,18 @@ class PagedLayerwiseSave(_SlotWriter):
             paged_io.raise_bad_input(self._call, exc)
         self._state = "finished"
         if self._mode == "reference":
-            return self.cache.ingest_batch(self.requests, self.pages)
+            return self._ingest()
         try:
             return self._commit()
         finally:
             self._give_back()
+
+    def _ingest(self) -> list[IngestResult]:
+        """One ``ingest_batch`` of the requests as they were when the writer was made (their
+        checked page tables and hashes), not as the caller's list holds them now: an engine
+        may reuse the list, or a page table in it, during the forward."""
+        self.cache._check_open()
+        return self.cache._ingest_paged([], self.pages, single=False, planned=self._call)
 
     def _commit(self) -> list[IngestResult]:
         call, results, hashes = self._call, self._results, self._hashes
@@ -433,7 +440,7 @@ class PagedLayerwiseSave(_SlotWriter):
             # present, and stores the rest).
             gone = [_published_gone(self.cache.store, keys) for keys in published]
             with _undone_on_bad_input(self.cache.store, stored):
-                rests = self.cache.ingest_batch(self.requests, self.pages)
+                rests = self._ingest()
             for result, rest, n in zip(results, rests, gone):
                 _add_rest(result, rest, n)
         return results

@@ -314,3 +314,33 @@ def test_a_layerwise_load_waited_out_of_order_or_after_close(world):
         assert not load.ready(2)
     else:
         load.wait(2)
+
+
+def test_a_layerwise_writer_stores_the_requests_it_was_made_with(world):
+    """The requests are checked and hashed when the writer is made; an engine may reuse the
+    list it gave (or a page table in it) during the forward. The embedded writer (in
+    reference mode, and for the blocks that got no slot) read them again on ``finish``: it
+    stored a request it was never made with, from page ids it never checked, where
+    ``RemoteCache`` (and the slots) kept to the plan."""
+    fresh = tokens_for(403, 2 * BLOCK)  # keys never stored, the KV of prompt 3
+    table = list(world.tables[3])
+    requests = [R(fresh, table)]
+    writer = world.cache.ingest_batch(requests, world.pages, layerwise=True)
+    assert writer.mode == "reference"
+    other = tokens_for(503, 2 * BLOCK)
+    requests.append(R(other, world.tables[2]))  # the engine's list, reused
+    table[0] = NUM_PAGES - 1  # (page 23: holds no prompt's KV)
+    for i in range(L):
+        writer.put_layer(i)
+    assert [x.stored for x in writer.finish()] == [2]
+    assert world.cache.lookup(other) == 0
+    # what was stored is the KV of the pages the writer was made with
+    got, _ = engine_pages("nhd", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=9)
+    want, _ = engine_pages("nhd", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=9)
+    assert world.cache.materialize_into(fresh, got.at([0, 1, 2, 3])).num_tokens == 2 * BLOCK
+    reference = cs.PrefixCache(model_id="ref", layout=LAYOUT, codec=CODEC, block_tokens=BLOCK,
+                               tiers=cs.TierConfig(cpu_bytes="16MiB", pin_memory=False))
+    with reference:
+        reference.ingest(fresh, world.pages.at(world.tables[3]))
+        reference.materialize_into(fresh, want.at([0, 1, 2, 3]))
+    assert unchanged(want.k + want.v, got.k + got.v)
