@@ -344,3 +344,33 @@ def test_a_layerwise_writer_stores_the_requests_it_was_made_with(world):
         reference.ingest(fresh, world.pages.at(world.tables[3]))
         reference.materialize_into(fresh, want.at([0, 1, 2, 3]))
     assert unchanged(want.k + want.v, got.k + got.v)
+
+
+@pytest.mark.parametrize("mode", ["reference", "slots"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_a_layerwise_writer_of_a_closed_cache_refuses_and_gives_its_slots_back(backend_torch, monkeypatch, mode, paged):
+    """A cache closed while its writer was open (the engine shutting down mid-forward): every
+    call of a closed cache raises, but the writer's slots went on being written, and
+    ``finish`` committed them and reported the blocks stored."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0 if mode == "slots" else 1 << 62)
+    pages, _ = engine_pages("flash", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=1)
+    kv = make_kv(2 * BLOCK, 300)
+    write_tokens(pages, kv, [0, 1, 2, 3])
+    toks = tokens_for(300, 2 * BLOCK)
+    cache = cs.PrefixCache(model_id="closed", layout=LAYOUT, codec=CODEC, block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="16MiB", pin_memory=False))
+    if paged:
+        writer = cache.ingest_batch([R(toks, [0, 1, 2, 3])], pages, layerwise=True)
+        put = writer.put_layer
+    else:
+        writer = cache.ingest_layerwise(toks)
+        put = lambda i: writer.put_layer(i, *kv[i])  # noqa: E731
+    put(0)
+    assert writer.mode == mode
+    cache.close()
+    with pytest.raises(RuntimeError, match=r"^PrefixCache: closed"):
+        put(1)
+    with pytest.raises(RuntimeError, match=r"the writer is aborted"):
+        writer.finish()
+    tier = cache.stats()["tiers"][0]
+    assert (tier["blocks"], tier["reservation_bytes"], tier["used_bytes"]) == (0, 0, 0)
