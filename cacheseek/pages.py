@@ -176,7 +176,8 @@ class KVPages:
                 # keep K column-major.
                 if t.stride(3) != 1 and t.shape[3] != 1:
                     if device.type != "cpu" or forced_triton():
-                        raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, strides {t.stride()}")
+                        raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, "
+                                         f"strides {t.stride()}")
                     if self._strided is None:
                         self._strided = (f"pages layer {i} {name}: the head dim must be contiguous for the Triton "
                                          f"kernels, strides {t.stride()}")
