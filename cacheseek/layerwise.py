@@ -479,8 +479,9 @@ class LayerwiseLoad:
         self._layer_index(layer)
         g = self._group_of[layer]
         if self._closed and self._decoder is not None and g >= self._issued:
-            # Abandoned (or closed after a failure) before this layer: a layer loaded before
-            # stays valid (a RuntimeError named no layer, and was raised for those too).
+            # Abandoned (or closed after a failure) before this layer's group was issued: it
+            # will never be loaded, which is what LoadError tells a caller (recompute it);
+            # the layers loaded before stay valid and are waited for as usual.
             cause = self.error
             why = f"{type(cause).__name__}: {cause}" if cause is not None else "the load was abandoned"
             raise LoadError(f"layer {layer} of the prefix was not loaded ({why}); recompute it") from cause
