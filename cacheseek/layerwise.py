@@ -482,9 +482,7 @@ class LayerwiseLoad:
             # Abandoned (or closed after a failure) before this layer's group was issued: it
             # will never be loaded, which is what LoadError tells a caller (recompute it);
             # the layers loaded before stay valid and are waited for as usual.
-            cause = self.error
-            why = f"{type(cause).__name__}: {cause}" if cause is not None else "the load was abandoned"
-            raise LoadError(f"layer {layer} of the prefix was not loaded ({why}); recompute it") from cause
+            self._not_loaded(layer)
         if self._cuda:
             stream = stream if stream is not None else current_stream(self.device)
             if self._needed[layer] is None and self._timing:
@@ -712,9 +710,14 @@ class LayerwiseLoad:
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:
-            cause = self.error
-            raise LoadError(f"layer {layer} of the prefix was not loaded "
-                            f"({type(cause).__name__}: {cause}); recompute it") from cause
+            self._not_loaded(layer)
+
+    def _not_loaded(self, layer: int) -> None:
+        cause = self.error
+        # (no cause: abandoned before the layer's group was issued; synchronize() and
+        # timeline() said "NoneType: None" then)
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "the load was abandoned"
+        raise LoadError(f"layer {layer} of the prefix was not loaded ({why}); recompute it") from cause
 
 
 def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], Sequence[str]]],

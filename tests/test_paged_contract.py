@@ -319,6 +319,8 @@ def test_a_layerwise_load_waited_out_of_order_or_after_close(world):
     if not load.ready(2):
         with pytest.raises(cs.LoadError, match=r"^layer 2 of the prefix was not loaded \(the load was abandoned\)"):
             load.wait(2)
+        with pytest.raises(cs.LoadError, match=r"^layer 2 of the prefix was not loaded \(the load was abandoned\)"):
+            load.synchronize()  # ("(NoneType: None)" before)
     else:
         load.wait(2)
 
