@@ -714,8 +714,7 @@ class LayerwiseLoad:
 
     def _not_loaded(self, layer: int) -> None:
         cause = self.error
-        # (no cause: abandoned before the layer's group was issued; synchronize() and
-        # timeline() said "NoneType: None" then)
+        # No cause: the load was abandoned before the layer's group was issued.
         why = f"{type(cause).__name__}: {cause}" if cause is not None else "the load was abandoned"
         raise LoadError(f"layer {layer} of the prefix was not loaded ({why}); recompute it") from cause
 
