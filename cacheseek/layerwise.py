@@ -477,9 +477,12 @@ class LayerwiseLoad:
         does not wait; without one, the layer is decoded now if it is not yet. Raises
         ``LoadError`` if the load failed before this layer."""
         self._layer_index(layer)
-        if self._closed and self._decoder is not None and self._issued < len(self._groups):
-            raise RuntimeError("LayerwiseLoad: closed before every layer was loaded")
         g = self._group_of[layer]
+        if self._closed and self._decoder is not None and g >= self._issued:
+            # Abandoned (or closed after a failure) before this layer's group was issued: it
+            # will never be loaded, which is what LoadError tells a caller (recompute it);
+            # the layers loaded before stay valid and are waited for as usual.
+            self._not_loaded(layer)
         if self._cuda:
             stream = stream if stream is not None else current_stream(self.device)
             if self._needed[layer] is None and self._timing:
@@ -566,7 +569,8 @@ class LayerwiseLoad:
         """``close`` for a consumer that will read no more of the load (its forward raised):
         the store's memory is given back once the copies and decodes already issued are
         done, and the layer groups not issued yet are never decoded. Idempotent; ``close``
-        after it does nothing, and ``wait`` on a layer never loaded raises."""
+        after it does nothing, and ``wait`` on a layer never loaded raises ``LoadError`` (on
+        one loaded before, it answers as before)."""
         if self._closed:
             return
         if self._decoder is None:
@@ -706,9 +710,13 @@ class LayerwiseLoad:
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:
-            cause = self.error
-            raise LoadError(f"layer {layer} of the prefix was not loaded "
-                            f"({type(cause).__name__}: {cause}); recompute it") from cause
+            self._not_loaded(layer)
+
+    def _not_loaded(self, layer: int) -> None:
+        cause = self.error
+        # No cause: the load was abandoned before the layer's group was issued.
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "the load was abandoned"
+        raise LoadError(f"layer {layer} of the prefix was not loaded ({why}); recompute it") from cause
 
 
 def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], Sequence[str]]],

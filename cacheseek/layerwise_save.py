@@ -122,6 +122,16 @@ class _SlotWriter(LayerWriter):
     def _dropped(self) -> None:
         """Let go of the layers kept (the contiguous writer's)."""
 
+    def _open_in_cache(self, what: str) -> None:
+        """``_open``, and the cache not closed since the writer was made: a closed cache
+        raises for every call, and its writers' slots then went on being written and
+        committed (``finish`` reported blocks stored in a cache that was closed). The
+        slots are given back first."""
+        self._open(what)
+        if self.cache._closed:
+            self.abort()
+            self.cache._check_open()
+
     def __del__(self) -> None:
         # A writer dropped unfinished (its forward raised) must not keep tier memory reserved.
         if getattr(self, "_runs", None) and self._state == "open":
@@ -296,7 +306,7 @@ class LayerwiseSave(_SlotWriter):
         """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens,
         the same for every layer). Bad input raises ``InputError``; the writer stays usable
         (nothing of it was taken)."""
-        self._open("put_layer")
+        self._open_in_cache("put_layer")
         k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
         if self._mode is None:
             self._start(k.device, k.shape[-2])
@@ -313,7 +323,7 @@ class LayerwiseSave(_SlotWriter):
     def finish(self) -> IngestResult:
         """Publish the blocks and return the ``IngestResult``. A layer missing, or a NaN/Inf
         in any layer: ``InputError``, and nothing is stored."""
-        self._open("finish")
+        self._open_in_cache("finish")
         self._check()
         self._state = "finished"
         if self._mode == "reference":
@@ -386,7 +396,7 @@ class PagedLayerwiseSave(_SlotWriter):
     def put_layer(self, i: int) -> None:
         """Layer ``i`` of the requests' pages is written (by work queued on the current
         stream): encode and store it. Any order; each layer once."""
-        self._open("put_layer")
+        self._open_in_cache("put_layer")
         check_layer_index(i, self._layers_put)
         self._layers_put[i] = True
         if self._mode == "slots":
@@ -402,18 +412,25 @@ class PagedLayerwiseSave(_SlotWriter):
     def finish(self) -> list[IngestResult]:
         """Publish the blocks; one ``IngestResult`` per request. A layer missing, or a NaN/Inf
         in any block: ``InputError`` naming the request, and nothing of the call is stored."""
-        self._open("finish")
+        self._open_in_cache("finish")
         try:
             self._check()
         except InputError as exc:
             paged_io.raise_bad_input(self._call, exc)
         self._state = "finished"
         if self._mode == "reference":
-            return self.cache.ingest_batch(self.requests, self.pages)
+            return self._ingest()
         try:
             return self._commit()
         finally:
             self._give_back()
+
+    def _ingest(self) -> list[IngestResult]:
+        """One ``ingest_batch`` of the requests as they were when the writer was made (their
+        checked page tables and hashes), not as the caller's list holds them now: an engine
+        may reuse the list, or a page table in it, during the forward."""
+        self.cache._check_open()
+        return self.cache._ingest_paged([], self.pages, single=False, planned=self._call)
 
     def _commit(self) -> list[IngestResult]:
         call, results, hashes = self._call, self._results, self._hashes
@@ -433,7 +450,7 @@ class PagedLayerwiseSave(_SlotWriter):
             # present, and stores the rest).
             gone = [_published_gone(self.cache.store, keys) for keys in published]
             with _undone_on_bad_input(self.cache.store, stored):
-                rests = self.cache.ingest_batch(self.requests, self.pages)
+                rests = self._ingest()
             for result, rest, n in zip(results, rests, gone):
                 _add_rest(result, rest, n)
         return results

@@ -55,6 +55,7 @@ class PagedCall:
     rows: list[tuple[int, int]] = field(default_factory=list)
     source: PagedSource | None = None
     sizes: list[int] = field(default_factory=list)  # full blocks each request's keys name
+    tokens: list[int] = field(default_factory=list)  # tokens each request's keys name
     block_tokens: int = 0
     single: bool = False  # one request (``ingest`` / ``materialize_into``): parameters named bare
 
@@ -135,6 +136,7 @@ def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[
             raise _bad_keys(call, i, request_keys, exc) from None
         call.tables.append(page_table(page_ids, pages, call.param(i, "page_ids")))
         call.sizes.append(tokens // keys.block_tokens)
+        call.tokens.append(tokens)
     return call
 
 
@@ -209,15 +211,24 @@ def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
 
 def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
     """Each request's first block to write (``PagedRequest.start`` in blocks); ``InputError``
-    naming the request for a start that is not a whole number of blocks."""
+    naming the request for a start that is not a whole number of blocks, or that says more
+    tokens are in its pages than its page table or its keys hold."""
     if not isinstance(requests, (list, tuple)):
         return [0]
+    P = call.pages.page_size
     out = []
-    for name, r in zip(call.names, requests):
+    for name, r, table, tokens in zip(call.names, requests, call.tables, call.tokens):
         start = as_index(r.start)
         if start is None or start < 0 or start % block_tokens:
             raise InputError(f"{name}.start: expected a multiple of the block size {block_tokens} >= 0, "
                              f"got {r.start!r:.40}")
+        # A start past them was taken: its blocks were counted loaded (as far as they were
+        # stored), tokens the engine then read from pages the request does not have.
+        if start > table.numel() * P:
+            raise InputError(f"{name}.start: {start} tokens are in its pages, but its page table holds "
+                             f"{table.numel()} pages of {P} tokens ({table.numel() * P} tokens)")
+        if start > tokens:
+            raise InputError(f"{name}.start: {start} tokens are in its pages, but its keys name {tokens}")
         out.append(start // block_tokens)
     return out
 

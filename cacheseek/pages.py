@@ -35,7 +35,7 @@ import torch
 
 from .errors import InputError
 from .layout import KVLayout
-from .quant.backend import forced_triton
+from .quant.backend import backend_for, forced_triton
 from .quant.tensors import dtype_str, within
 
 PAGE_LAYOUTS = ("NHD", "HND")
@@ -150,8 +150,8 @@ class KVPages:
     H, D]`` views of the engine's own tensors. Build it once (the engine's cache lives on)
     and hand out ``at(page_ids)`` per request."""
 
-    __slots__ = ("_kernel_pages", "device", "dtype", "head_dim", "k", "num_kv_heads", "num_layers", "num_pages",
-                 "page_size", "v")
+    __slots__ = ("_kernel_pages", "_strided", "device", "dtype", "head_dim", "k", "num_kv_heads", "num_layers",
+                 "num_pages", "page_size", "v")
 
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *, layout: str = "NHD") -> None:
         if layout not in PAGE_LAYOUTS:
@@ -162,6 +162,7 @@ class KVPages:
         self.v = [_as_pages(t, layout, f"pages layer {i} V") for i, t in enumerate(v)]
         first = self.k[0]
         shape, dtype, device = tuple(first.shape), first.dtype, first.device
+        self._strided: str | None = None  # the first view whose head dim is not contiguous
         for name, views in (("K", self.k), ("V", self.v)):
             for i, t in enumerate(views):
                 if tuple(t.shape) != shape:
@@ -173,8 +174,13 @@ class KVPages:
                 # The kernels read a token's channels as one run; the torch path (pages in host
                 # memory, unless the kernels are forced) indexes any strides: vLLM's CPU pages
                 # keep K column-major.
-                if t.stride(3) != 1 and t.shape[3] != 1 and (device.type != "cpu" or forced_triton()):
-                    raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, strides {t.stride()}")
+                if t.stride(3) != 1 and t.shape[3] != 1:
+                    if device.type != "cpu" or forced_triton():
+                        raise InputError(f"pages layer {i} {name}: the head dim must be contiguous, "
+                                         f"strides {t.stride()}")
+                    if self._strided is None:
+                        self._strided = (f"pages layer {i} {name}: the head dim must be contiguous for the Triton "
+                                         f"kernels, strides {t.stride()}")
             if len({t.stride() for t in views}) != 1:
                 raise InputError(f"pages {name}: every layer must have the same strides")
         if device.type not in PAGE_DEVICES:
@@ -236,6 +242,10 @@ class KVPages:
                              f"{layout.num_kv_heads} of dim {layout.head_dim}")
         if self.dtype != layout.torch_dtype:
             raise InputError(f"pages: dtype {self.dtype}, the cache's layout says {layout.dtype}")
+        if self._strided is not None and backend_for(self.k[0]) == "triton":
+            # Host pages built while the torch path was in use, the kernels asked for since
+            # (CACHESEEK_KIVI_BACKEND=triton): they failed in the launch with a ValueError.
+            raise InputError(self._strided)
 
     def kernel_pages(self, layers: tuple[int, int] | None = None):
         """(K, V) as ``cacheseek.kernels.PagedLayers`` (made once: their layer tables are

@@ -142,20 +142,24 @@ class PrefixCache(PrefixCacheBase):
             return PagedLayerwiseSave(self, requests, pages)
         return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
 
-    def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
-                      ) -> list[IngestResult]:
+    def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                      planned: paged_io.PagedCall | None = None) -> list[IngestResult]:
+        """``planned``: the call checked and hashed already (a layer-wise writer's, made
+        before the forward), whose requests are then not read again."""
         self._check_paged()
-        call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
+        call = planned if planned is not None else paged_io.plan_ingest(self.keys, self.layout, pages, requests,
+                                                                        single=single)
         every = call.every_row()
         in_place = None
-        if single and every and ingest_in_place.applies(self.store, pages.device):
+        if planned is None and single and every and ingest_in_place.applies(self.store, pages.device):
             # One request: the chain's tail is on its way before the prompt is hashed (as
             # ``ingest``), so the rows are all its blocks.
             call.use_rows(every)
             in_place = ingest_in_place.InPlaceIngest(self.store, self.block_format, None, source=call.source)
             in_place.guess_tail(len(every), digest_size(self.hash_algo))
         try:
-            paged_io.hash_requests(call, self.keys, requests)
+            if planned is None:
+                paged_io.hash_requests(call, self.keys, requests)
             hashes, parents, positions = call.flat()
             found = self.store.present_many(hashes) if hashes else []
         except BaseException:

@@ -496,11 +496,12 @@ def test_layerwise_batch_from_start_equals_the_whole_load_from_start(codec, page
         sizes = [4 * BLOCK, 3 * BLOCK + 1, 2 * BLOCK, 2 * BLOCK]
         tables = page_tables(sizes, page, num_pages, seed=page)
         # a from block 2, b from block 1 (ending at block 3: max_tokens), c all of it from
-        # block 0, and one whose start is past what is stored (nothing to write).
+        # block 0, and one whose start is past what is stored (nothing to write): c's first
+        # block and one never stored (keys shorter than the start are refused).
         reqs = [cs.PagedRequest(a, tables[0], start=2 * BLOCK),
                 cs.PagedRequest(b, tables[1], max_tokens=3 * BLOCK, start=BLOCK),
                 cs.PagedRequest(c, tables[2]),
-                cs.PagedRequest(c[:BLOCK], tables[3], start=2 * BLOCK)]
+                cs.PagedRequest(c[:BLOCK] + tokens_for(99, BLOCK), tables[3], start=2 * BLOCK)]
         normal, normal_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=5)
         lw, lw_t = engine_pages("flash", L, H, D, num_pages, page, DTYPE, seed=5)
         before = snapshot(lw_t)
