@@ -19,6 +19,7 @@ from . import errors, openapi
 from .admin import PINS_FILE, AdminOps
 from .auth import Authenticator
 from .config import ServerSettings
+from .head import HeadAsGet
 from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import KEY_FILE, Namespaces, load_secret
@@ -112,6 +113,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)
+    app.add_middleware(HeadAsGet)  # (inside the metrics', which count HEAD as HEAD)
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)

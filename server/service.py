@@ -309,6 +309,21 @@ class BlockService:
         frame, tier = got
         return self.wire_segments(namespace, frame), tier
 
+    def head(self, namespace: str, h: bytes) -> tuple[int, str]:
+        """What ``get`` would answer without its bytes: the frame's length and the fastest
+        tier holding it (from the indexes: no frame is read, leased or touched)."""
+        key = self.namespaces.stored_key(namespace, h)
+
+        def find() -> tuple[int, str] | None:
+            info = self.store.info(key)
+            tiers = self.store.locate([key]) if info is not None else []
+            return (info.nbytes, tiers[0]) if info is not None and tiers else None
+
+        found = self.store.walk_past_moves(find)  # (a block on its way down a tier is waited for, as get does)
+        if found is None:
+            raise NotFound(f"block {to_hex(h)} is not stored")
+        return found
+
     def get_nowait(self, namespace: str, h: bytes, leases: list[Lease | None]) -> tuple[list[Any], str] | None:
         """``get`` when the block is in host memory (no I/O), else None."""
         frame = self.get_in_memory(self.namespaces.stored_key(namespace, h), leases)

@@ -735,3 +735,60 @@ def test_remote_cache_round_trips_with_a_tls_server(tmp_path, tls_files):
         with cs.RemoteCache(srv.url, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                             trust_env=False) as untrusting, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
             untrusting.lookup(toks)
+
+
+# -- HEAD, pipelining, keep-alive after errors ---------------------------------------------------
+
+
+def test_head_answers_as_get_would_with_no_body_and_fetches_no_frame(tmp_path):
+    chain = raw_chain(7, 3)
+    with Server(tmp_path) as srv:
+        with httpx.Client(base_url=srv.url) as c:
+            assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+            paths = ["/healthz", "/readyz", "/v1/stats", "/metrics", "/dashboard", "/openapi.json",
+                     f"/v1/blocks/{chain[1][0].hex()}", f"/v1/prefixes/{chain[-1][0].hex()}",
+                     f"/v1/prefixes/{chain[-1][0].hex()}?start=1", f"/v1/blocks/{'cd' * 16}",
+                     f"/v1/prefixes/{'cd' * 16}", "/v1/blocks/XYZ", "/no/such/path"]
+            gets = {p: c.get(p) for p in paths}
+            before = c.get("/v1/stats").json()
+        # One keep-alive connection: a body sent after a HEAD's headers would be read here as
+        # the next response's start.
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for p in paths:
+                s.sendall(head("HEAD", p))
+                status, headers = _read_head_response(s, rest)
+                want = gets[p]
+                assert status == want.status_code, (p, status)
+                if p in ("/v1/stats", "/metrics"):  # (figures that change between the two)
+                    assert int(headers[b"content-length"]) > 0
+                else:
+                    assert int(headers[b"content-length"]) == len(want.content), p
+                for name in (b"content-type", b"x-cacheseek-blocks", b"x-cacheseek-start", b"x-cacheseek-tier"):
+                    assert headers.get(name) == (want.headers.get(name.decode()) or "").encode() or \
+                        (name not in headers and name.decode() not in want.headers), (p, name)
+            # Routes without GET: 405 as before, naming the methods they take.
+            s.sendall(head("HEAD", "/v1/lookup"))
+            status, headers = _read_head_response(s, rest)
+            assert status == 405 and b"POST" in headers[b"allow"]
+            s.sendall(head("GET", "/healthz"))
+            assert read_response(s, rest)[:1] == (200,) and not rest
+        after = httpx.get(srv.url + "/v1/stats").json()
+        # No frame was fetched, sent or counted for the HEADs, and no block touched.
+        assert after["frame_bytes_sent"] == before["frame_bytes_sent"]
+        assert after["traffic"]["materialize_requests"] == before["traffic"]["materialize_requests"]
+        routes = {(r["route"], r["method"]): r["statuses"] for r in after["requests"]}
+        assert routes[("/v1/prefixes/{hash}", "HEAD")] == {"200": 2, "404": 1}
+        assert "Traceback" not in srv.output(), srv.output()
+
+
+def _read_head_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict]:
+    """A response to HEAD: its head only (its Content-Length announces a body that never comes)."""
+    while b"\r\n\r\n" not in rest:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        rest += data
+    top, _, tail = bytes(rest).partition(b"\r\n\r\n")
+    rest[:] = tail
+    lines = top.split(b"\r\n")
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
