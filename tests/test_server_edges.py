@@ -23,7 +23,7 @@ import xxhash
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI
 from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
-from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame
+from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch
 
 MiB = 1 << 20
 BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
@@ -792,3 +792,77 @@ def _read_head_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict
     rest[:] = tail
     lines = top.split(b"\r\n")
     return int(lines[0].split()[1]), {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+
+
+def _chunked(body: bytes, size: int = 10000) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n" % len(p) + p + b"\r\n" for p in pieces) + b"0\r\n\r\n"
+
+
+def test_pipelined_requests_with_errors_between_them_are_answered_in_order_and_whole(tmp_path):
+    h, good = raw_frame(1)
+    bad = bytearray(good)
+    bad[200] ^= 0xFF  # the second frame of a batch: its header checksum fails mid-body
+    batch = batch_body([good, bytes(bad), good])
+    chunked = "transfer-encoding: chunked\r\n"
+    cases = [
+        ("bad JSON", head("POST", "/v1/lookup", 5) + b"{bad}", 422),
+        ("not stored", head("GET", f"/v1/blocks/{'cd' * 16}"), 404),
+        ("over max_frame_bytes", head("PUT", f"/v1/blocks/{h.hex()}", 2 * MiB) + bytes(2 * MiB), 413),
+        ("bad frame mid-body", head("POST", "/v1/blocks", len(batch)) + batch, 400),
+        ("length prefix too big", head("POST", "/v1/blocks", 108) + (10**12).to_bytes(8, "little") + bytes(100), 413),
+        ("lookup too long", head("POST", "/v1/lookup", 4 * MiB) + bytes(4 * MiB), 413),
+        ("chunked bad JSON", head("POST", "/v1/lookup", None, chunked) + _chunked(b"{bad}"), 422),
+        ("chunked over max_frame_bytes", head("PUT", f"/v1/blocks/{h.hex()}", None, chunked) + _chunked(bytes(2 * MiB)),
+         413),
+        ("chunked bad frame mid-body", head("POST", "/v1/blocks", None, chunked) + _chunked(batch), 400),
+        ("stored", head("PUT", f"/v1/blocks/{h.hex()}", len(good)) + good, 201),
+        ("health", head("GET", "/healthz"), 200),
+    ]
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", "--max-lookup-hashes", "1000", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.settimeout(30)
+            sender = threading.Thread(target=s.sendall, args=(b"".join(c for _, c, _ in cases),))
+            sender.start()
+            rest = bytearray()
+            for name, _, status in cases:
+                got, headers, text = read_response(s, rest)
+                assert got == status, (name, got, text)
+                assert b"connection" not in headers, name
+            sender.join()
+        assert "Traceback" not in srv.output(), srv.output()
+
+
+def test_a_malformed_request_pipelined_behind_a_response_is_answered_after_it_not_inside_it(tmp_path):
+    chain = raw_chain(3, 8, layout=BIG_LAYOUT)
+    h, good = raw_frame(2)
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--max-frame-bytes", "16MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        for garbage in (b"\x00\x01 not http\r\n\r\n",
+                        b"GET /healthz HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+                        head("POST", "/v1/lookup", 5, "connection: upgrade\r\nupgrade: x\r\n") + b"{bad}"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.settimeout(30)
+                # One send: the parser meets the garbage before the first response has begun.
+                s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + head("GET", "/healthz") + garbage)
+                rest = bytearray()
+                status, _, body = read_response(s, rest)
+                assert status == 200 and split_batch(body) == [f for _, f in chain], garbage[:20]
+                assert read_response(s, rest)[0] == 200
+                status, headers, text = read_response(s, rest)
+                assert status == 400 and headers[b"connection"] == b"close", text
+                assert "error" in json.loads(text)
+                assert closed_within(s, 10) < 10 and not rest
+        # A chunked body malformed after its route answered: one answer, then the connection
+        # ends (a second answer would be read as the next request's).
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.settimeout(30)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", None, "transfer-encoding: chunked\r\n")
+                      + b"1100000\r\n" + bytes(0x1100000))
+            rest = bytearray()
+            assert read_response(s, rest)[0] == 413
+            s.sendall(b"\r\nzz\r\n" + head("GET", "/healthz"))
+            closed_within(s, 10)
+            assert not rest
+        assert "Traceback" not in srv.output(), srv.output()
+
