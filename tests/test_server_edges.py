@@ -866,3 +866,45 @@ def test_a_malformed_request_pipelined_behind_a_response_is_answered_after_it_no
             assert not rest
         assert "Traceback" not in srv.output(), srv.output()
 
+
+def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledged(tmp_path):
+    chain = raw_chain(4, 16, layout=BIG_LAYOUT)
+    h, frame = raw_frame(9, layout=BIG_LAYOUT)
+    small, small_frame = raw_frame(11)
+    acked, acked_frame = raw_frame(10)
+    srv = Server(tmp_path, "--cpu-bytes", "256MiB", "--graceful-timeout-seconds", "0.5").start()
+    try:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        assert httpx.put(f"{srv.url}/v1/blocks/{acked.hex()}", content=acked_frame).status_code == 201
+        # A download its client does not read, and an upload that stops halfway: both still
+        # running when the graceful timeout (0.5 s) runs out, well before their idle cut (10 s).
+        down = socket.create_connection(("127.0.0.1", srv.port))
+        down.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        down.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}"))
+        top = b""
+        while b"\r\n\r\n" not in top:
+            top += down.recv(1024)
+        # (A batch: its first frame, whole, shows in the bytes in flight once the route has it.)
+        upload = batch_body([small_frame, frame])
+        up = socket.create_connection(("127.0.0.1", srv.port))
+        up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(frame) // 2])
+        deadline = time.monotonic() + 10
+        while bodies(srv.url)["in_flight_bytes"] < len(small_frame):
+            assert time.monotonic() < deadline, "the upload's bytes never arrived"
+            time.sleep(0.01)
+        assert srv.stop() == 0
+        output = srv.output()
+        assert "Traceback" not in output and "Exception in ASGI application" not in output, output
+        cuts = [line for line in output.splitlines() if "shutdown: cut" in line]
+        assert len(cuts) == 2, output
+        assert any("GET /v1/prefixes/" in c and "response cut short" in c for c in cuts), cuts
+        assert any("POST /v1/blocks" in c and "not answered" in c for c in cuts), cuts
+        up.close()
+        down.close()
+        # What was answered is there after a restart; the upload cut short is not.
+        with Server(tmp_path, "--cpu-bytes", "256MiB") as again, httpx.Client(base_url=again.url) as c:
+            assert c.get(f"/v1/blocks/{acked.hex()}").content == acked_frame
+            assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == c.get(f"/v1/blocks/{small.hex()}").status_code == 404
+    finally:
+        srv.kill()
