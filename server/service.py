@@ -390,6 +390,11 @@ class BlockService:
         out.reverse()
         return out
 
+    def position(self, namespace: str, h: bytes) -> int | None:
+        """The position block ``h`` is stored at, or None if it is not."""
+        info = self.store.info(self.namespaces.stored_key(namespace, h))
+        return None if info is None else info.position
+
     def stream_nbytes(self, chain: list[tuple[bytes, BlockInfo]]) -> int:
         return sum(LENGTH.size + info.nbytes for _, info in chain)
 

@@ -908,3 +908,44 @@ def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledge
             assert c.get(f"/v1/blocks/{h.hex()}").status_code == c.get(f"/v1/blocks/{small.hex()}").status_code == 404
     finally:
         srv.kill()
+
+
+def test_a_false_continues_header_cannot_skew_the_lookup_figures(tmp_path):
+    chain = raw_chain(12, 6)
+    hashes = [h.hex() for h, _ in chain]
+    owner = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+    with Server(tmp_path, disk=False) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+
+        def lookup(piece: list[str], **headers: str) -> dict:
+            before = _lookup_traffic(c)
+            assert c.post("/v1/lookup", json={"hashes": piece}, headers={**owner, **headers}).status_code == 200
+            after = _lookup_traffic(c)
+            return {k: after[k] - before[k] for k in after}
+
+        own_query = {"lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 2, "lookup_blocks_matched": 2,
+                     "lookup_tokens_requested": 64, "lookup_tokens_matched": 64}
+        # Taken as continuing a query, each of these counted 64 tokens matched and none asked
+        # for (a token hit rate over 1), and no lookup: each counts now as a query of its own.
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"}) == own_query  # no query open
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "5"}) == own_query  # its first block is at 2
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "1"}) == own_query  # before its own length
+        # A real query in three pieces still counts as one.
+        first = lookup(hashes[0:2], **{"X-CacheSeek-Tokens": str(6 * 32 + 5)})
+        rest = [lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"}),
+                lookup(hashes[4:6], **{"X-CacheSeek-Continues": "4"})]
+        total = {k: first[k] + sum(r[k] for r in rest) for k in first}
+        assert total == {"lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 6, "lookup_blocks_matched": 6,
+                         "lookup_tokens_requested": 6 * 32 + 5, "lookup_tokens_matched": 6 * 32}
+        # The query's 5 tokens left unmatched are all a false piece can still count.
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"})["lookup_tokens_matched"] == 5
+        for _ in range(3):
+            lookup(hashes[4:6], **{"X-CacheSeek-Continues": "4"})
+        figures = _lookup_traffic(c)
+        assert figures["lookup_tokens_matched"] <= figures["lookup_tokens_requested"]
+
+
+def _lookup_traffic(c: httpx.Client) -> dict[str, int]:
+    mine = next((o for o in c.get("/v1/stats").json()["traffic"]["by_owner"] if o["model"] == "m"), {})
+    return {k: mine.get(k, 0) for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                 "lookup_tokens_requested", "lookup_tokens_matched")}
