@@ -242,6 +242,9 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             then cut short."""
             self.refused = True
             self.flow.pause_reading()
+            # (No head or body comes any more: the send limits alone stay, for the responses
+            # still to go.)
+            self.watch.refused()
             cycle = getattr(self, "cycle", None)
             refused_cycle = None if self.in_head else cycle  # inside a body: that request's; else a new one's
             if refused_cycle is not None and refused_cycle.response_started:
@@ -310,6 +313,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 super().data_received(data)
             finally:
                 self.fed = b""
+            if self.refused:
+                return
             # Bytes of one head (or of trailers) and nothing else (no head or chunk began or
             # ended within them): counted. A read in which one began is not, so no body byte
             # is, and a head may pass the bound by one read.
@@ -622,6 +627,12 @@ class Watchdog:
         if self.tick_timer is not None:
             self.tick_timer.cancel()
             self.tick_timer = None
+
+    def refused(self) -> None:
+        self.body_done()
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
 
     def stop(self) -> None:
         self.body_done()

@@ -949,3 +949,25 @@ def _lookup_traffic(c: httpx.Client) -> dict[str, int]:
     mine = next((o for o in c.get("/v1/stats").json()["traffic"]["by_owner"] if o["model"] == "m"), {})
     return {k: mine.get(k, 0) for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
                                  "lookup_tokens_requested", "lookup_tokens_matched")}
+
+
+def test_a_refused_request_waiting_its_turn_is_not_cut_off_as_a_slow_head(tmp_path):
+    chain = raw_chain(13, 8, layout=BIG_LAYOUT)
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--header-timeout-seconds", "0.5", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            s.settimeout(30)
+            s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + b"\x00 not http\r\n\r\n")
+            data = bytearray()
+            start = time.monotonic()
+            # A client reading at a few MiB/s: the 8 MiB answer takes seconds, many times the
+            # header timeout, which the malformed head behind it must not be held to.
+            while chunk := s.recv(65536):
+                data += chunk
+                time.sleep(0.01)
+            assert time.monotonic() - start > 1.0
+        top, _, rest = bytes(data).partition(b"\r\n\r\n")
+        n = int(next(l for l in top.split(b"\r\n") if l.startswith(b"content-length")).split(b": ")[1])
+        assert split_batch(rest[:n]) == [f for _, f in chain]
+        assert rest[n:].startswith(b"HTTP/1.1 400 ")
