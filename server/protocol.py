@@ -356,6 +356,13 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def on_headers_complete(self) -> None:
             if self.refused:
                 return
+            refused = _unsupported_coding(self.headers)
+            if refused is not None:
+                # uvicorn decodes no coding but chunked framing, and passed the body on as it
+                # came: bytes the client said were gzip went to the route (and to the store)
+                # as if they were the frame.
+                self.send_error_and_close(*refused)
+                return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the
                 # new protocol's), and this server upgrades to none: the route would read no
@@ -721,6 +728,24 @@ def _release(version: str) -> tuple[int, int] | None:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         return None
+
+
+def _unsupported_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, str] | None:
+    """(status, reason) for a request whose body has a coding this server does not decode: a
+    transfer coding other than chunked (501, RFC 9112 6.1), or, with a body, a content coding
+    other than identity (415, RFC 9110 15.5.16); else None. Names lowercased."""
+    has_body = _body_length(headers) != 0
+    for name, value in headers:
+        if name not in (b"transfer-encoding", b"content-encoding"):
+            continue
+        codings = [c.strip().lower() for c in value.split(b",")]
+        if name == b"transfer-encoding" and any(c != b"chunked" for c in codings):
+            return (b"501 Not Implemented", f"Transfer-Encoding {value.decode('latin-1')!r:.80}: this server decodes "
+                                            "no transfer coding but chunked")
+        if name == b"content-encoding" and has_body and any(c not in (b"identity", b"") for c in codings):
+            return (b"415 Unsupported Media Type", f"Content-Encoding {value.decode('latin-1')!r:.80}: bodies are "
+                                                   "taken as they come; send them unencoded")
+    return None
 
 
 def _body_length(headers: list[tuple[bytes, bytes]]) -> int | None:

@@ -971,3 +971,24 @@ def test_a_refused_request_waiting_its_turn_is_not_cut_off_as_a_slow_head(tmp_pa
         n = int(next(l for l in top.split(b"\r\n") if l.startswith(b"content-length")).split(b": ")[1])
         assert split_batch(rest[:n]) == [f for _, f in chain]
         assert rest[n:].startswith(b"HTTP/1.1 400 ")
+
+
+def test_a_body_in_a_coding_the_server_does_not_decode_is_refused_and_nothing_stored(tmp_path):
+    h, good = raw_frame(14)
+    te, chunked = "transfer-encoding: gzip, chunked\r\n", b"%x\r\n" % len(good) + good + b"\r\n0\r\n\r\n"
+    with Server(tmp_path, disk=False) as srv:
+        for extra, body, status in ((te, chunked, 501), ("content-encoding: gzip\r\n", good, 415),
+                                    ("content-encoding: br\r\ntransfer-encoding: chunked\r\n", chunked, 415)):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                length = None if "transfer-encoding" in extra else len(good)
+                s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", length, extra) + body + head("GET", "/healthz"))
+                rest = bytearray()
+                got, headers, text = read_response(s, rest)
+                assert got == status and headers[b"connection"] == b"close", (extra, got, text)
+                assert "encoding" in json.loads(text)["error"].lower()
+                closed_within(s, 10)
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
+        # Identity, and a coding named on a request without a body, are served as before.
+        assert httpx.get(srv.url + "/healthz", headers={"content-encoding": "gzip"}).status_code == 200
+        r = httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=good, headers={"content-encoding": "identity"})
+        assert r.status_code == 201
