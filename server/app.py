@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -19,10 +21,12 @@ from . import errors, openapi
 from .admin import PINS_FILE, AdminOps
 from .auth import Authenticator
 from .config import ServerSettings
+from .head import HeadAsGet
 from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import KEY_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
+from .protocol import CUT_SHORT
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
@@ -48,6 +52,41 @@ def _remove_stale_temp_files(disk: Path) -> None:
                 stale.unlink()
             except OSError as exc:
                 log.warning("cannot remove %s: %s", stale, exc)
+
+
+class CutAtShutdown:
+    """A request still running when uvicorn's graceful shutdown runs out
+    (``graceful_timeout_seconds``) is cancelled: uvicorn logged a traceback for each, which an
+    operator reads as a crash. Here each is one line, and its connection is closed: the client
+    sees it end (no answer, or an answer cut short), so nothing it was not answered is taken
+    as stored. Uvicorn cancels request tasks only then (and asyncio.run, after it): a
+    cancellation out of the app is a cut, never a bug."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except asyncio.CancelledError:
+            cut = (scope.get("extensions") or {}).get(CUT_SHORT)
+            if cut is None:
+                raise  # uvicorn's own protocol (the fast path is off): nothing to close it with
+            client = scope.get("client")
+            log.warning("shutdown: cut %s %s from %s, still running past graceful_timeout_seconds: %s",
+                        scope.get("method"), scope.get("path"), f"{client[0]}:{client[1]}" if client else "a client",
+                        "its response cut short" if started else "not answered (nothing of it acknowledged)")
+            cut(abort=True)
 
 
 def create_app(settings: ServerSettings | None = None, *, store: TieredStore | None = None,
@@ -112,7 +151,9 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         app.include_router(module.router)
     lookup.install(app)
     errors.install(app)
+    app.add_middleware(HeadAsGet)  # (inside the metrics', which count HEAD as HEAD)
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
+    app.add_middleware(CutAtShutdown)  # (outermost: a cut anywhere below is caught)
     return app

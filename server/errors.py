@@ -164,8 +164,11 @@ _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 def _allowed(request: Request) -> list[str]:
     """The methods some route takes at the request's path."""
     routes = request.app.router.routes
-    return [method for method in _METHODS
-            if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
+    allowed = [method for method in _METHODS
+               if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)]
+    if "GET" in allowed and "HEAD" not in allowed:  # every GET route answers HEAD (server.head)
+        allowed.insert(allowed.index("GET") + 1, "HEAD")
+    return allowed
 
 
 async def _handle_bug(request: Request, exc: Exception) -> JSONResponse:

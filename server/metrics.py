@@ -133,16 +133,17 @@ _MODEL, _BLOCK_TOKENS, _TOKENS, _CONTINUES, _AGAIN = (
     h.lower().encode() for h in (MODEL_HEADER, BLOCK_TOKENS_HEADER, TOKENS_HEADER, CONTINUES_HEADER, AGAIN_HEADER))
 
 
-def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bool, bool]:
-    """(model, block tokens, query tokens, whether a lookup continues a query, whether it
-    is sent again for a query counted already) as the client named them, in one pass over
+def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, int | None, bool]:
+    """(model, block tokens, query tokens, the position a lookup piece continues a query at
+    (None: it begins one), whether it is sent again for a query counted already) as the client
+    named them, in one pass over
     the raw headers (a ``Headers.get`` scans them all once per name), cached on the
     request's ``Headers`` object."""
     cached = getattr(headers, "_cacheseek", None)
     if cached is not None:
         return cached
-    model = block_tokens = tokens = None
-    continues = again = False
+    model = block_tokens = tokens = continues = None
+    again = False
     for name, value in headers.raw:
         if name[:12] != b"x-cacheseek-":
             continue
@@ -153,7 +154,7 @@ def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bo
         elif name == _TOKENS:
             tokens = _positive(value)
         elif name == _CONTINUES:
-            continues = _positive(value) is not None
+            continues = _positive(value)
         elif name == _AGAIN:
             again = _positive(value) is not None
     out = (model, block_tokens, tokens, continues, again)
@@ -162,6 +163,20 @@ def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, bo
     except AttributeError:  # a Headers class with slots: no cache, one more pass next time
         pass
     return out
+
+
+def continues_query(position: int | None, requested: int, first_position: int | None,
+                    open_tokens: int | None) -> bool:
+    """Whether a lookup piece that says it continues a query at ``position`` is taken as
+    one. A client's pieces start at multiples of its piece size, so never before the piece's
+    own length; the first block, where stored (``first_position``), is at ``position``; and
+    (``open_tokens``, with token figures counted) a query of the same owner is still open,
+    its tokens not all matched. Else the piece counts as a query of its own."""
+    if position is None or position < requested:
+        return False
+    if first_position is not None and first_position != position:
+        return False
+    return open_tokens is None or open_tokens > 0
 
 
 def hit_rates(t: Traffic) -> dict[str, float | None]:
@@ -192,6 +207,10 @@ class Metrics:
         self.frame_bytes_sent = 0
         self._figures: Callable[[], dict[str, Any]] | None = None
         self._lock = threading.Lock()  # for the few counts made in worker threads
+        # Per owner (by its Traffic's id: they live as long as this), the tokens its queries
+        # asked for that their first pieces did not cover: what their continuing pieces may
+        # still count as matched (``looked_up``).
+        self._open_tokens: dict[int, int] = {}
         self.registry.register(_Collector(self))
 
     # -- counting (event loop) ---------------------------------------------------------
@@ -251,15 +270,26 @@ class Metrics:
                 traffic.ingest_blocks_failed += 1
         traffic.ingest_bytes += stored
 
-    def looked_up(self, traffic: Traffic | None, headers: Any, requested: int, matched: int, each: bool) -> None:
+    def looked_up(self, traffic: Traffic | None, headers: Any, requested: int, matched: int, each: bool,
+                  first_position: int | None = None) -> None:
         """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``.
         A piece that continues a query (``X-CacheSeek-Continues``) adds its blocks to the
         query its first piece counted: no lookup, hit or requested tokens of its own (the
         first piece counted the query's tokens; counted again, the token hit rate fell).
-        A lookup sent again for a query counted already (``X-CacheSeek-Again``) counts nothing."""
+        A lookup sent again for a query counted already (``X-CacheSeek-Again``) counts nothing.
+
+        The header is the client's word, so it is held to what can be checked
+        (``continues_query``; ``first_position``: where the piece's first block is stored,
+        when it is), and a piece's matched tokens count only up to the tokens its owner's
+        queries asked for and have not matched yet: a false header can hide its own lookup,
+        never make the token hit rate pass 1 or count a token no query asked for."""
         if traffic is None:
             return
         _, block_tokens, tokens, continues, again = client_headers(headers)
+        open_tokens = self._open_tokens.get(id(traffic), 0)
+        # (An ingest check counts no tokens: only the checks that need none apply to its pieces.)
+        continues = continues_query(continues, requested, first_position,
+                                    open_tokens if block_tokens and not each else None)
         if each:
             traffic.ingest_checks += not continues
             return
@@ -271,10 +301,18 @@ class Metrics:
         traffic.lookup_blocks_requested += requested
         traffic.lookup_blocks_matched += matched
         if block_tokens:
+            matched_tokens = matched * block_tokens
             if not continues:
                 # The query's tokens (the partial tail included) when the client says; at least the blocks asked.
-                traffic.lookup_tokens_requested += max(tokens or 0, requested * block_tokens)
-            traffic.lookup_tokens_matched += matched * block_tokens
+                asked = max(tokens or 0, requested * block_tokens)
+                traffic.lookup_tokens_requested += asked
+                if matched == requested:  # whole: the client may go on with the query's next piece
+                    open_tokens += asked - matched_tokens
+            else:
+                matched_tokens = min(matched_tokens, open_tokens)
+                open_tokens -= matched_tokens
+            traffic.lookup_tokens_matched += matched_tokens
+            self._open_tokens[id(traffic)] = open_tokens
 
     # -- reading ---------------------------------------------------------------------------
 

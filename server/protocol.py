@@ -205,6 +205,10 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.watch.expect_headers()
             self.open_cycles: list[Any] = []  # requests whose responses are not complete yet
             self.fed = b""  # the bytes data_received is parsing
+            # After a request the parser refused: nothing more is read, and its error response
+            # (None: none, the request was answered already) waits for the responses before it.
+            self.refused = False
+            self.deferred: bytes | None = None
 
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
@@ -232,14 +236,66 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.send_error_and_close(b"400 Bad Request", f"malformed HTTP request: {msg}")
 
         def send_error_and_close(self, status: bytes, error: str) -> None:
+            """Answer the request the parser refused and close the connection, in its turn: a
+            response still being sent for a request before it (pipelined) is sent whole first.
+            Written at once, the error went into the middle of that response's body, which was
+            then cut short."""
+            self.refused = True
+            self.flow.pause_reading()
+            # (No head or body comes any more: the send limits alone stay, for the responses
+            # still to go.)
+            self.watch.refused()
+            cycle = getattr(self, "cycle", None)
+            refused_cycle = None if self.in_head else cycle  # inside a body: that request's; else a new one's
+            if refused_cycle is not None and refused_cycle.response_started:
+                # Its body is malformed past the point the route answered: a second response
+                # would be read as the next request's. The connection ends after the first.
+                refused_cycle.keep_alive = False
+                self.deferred = None
+                if refused_cycle.response_complete:
+                    self.transport.close()
+                return
             body = json.dumps({"error": error}).encode()
             content = [b"HTTP/1.1 " + status + b"\r\n"]
             for name, value in self.server_state.default_headers:
                 content += [name, b": ", value, b"\r\n"]
             content += [b"content-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
                         b"\r\nconnection: close\r\n\r\n", body]
-            self.transport.write(b"".join(content))
+            self.deferred = b"".join(content)
+            if refused_cycle is not None:  # (queued behind another's response, it must never start)
+                self.pipeline = type(self.pipeline)(p for p in self.pipeline if p[0] is not refused_cycle)
+            if not self._answers_before(refused_cycle):
+                self._send_deferred()
+
+        def _answers_before(self, refused_cycle: Any) -> bool:
+            """Whether a request before the refused one still has a response to send."""
+            return any(c is not refused_cycle and not c.response_complete and not c.disconnected
+                       for c in self.open_cycles)
+
+        def _send_deferred(self) -> None:
+            content, self.deferred = self.deferred, None
+            for cycle in self.open_cycles:  # the refused request's route, if it runs, is told its client is gone
+                if not cycle.response_complete and not cycle.disconnected:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            if content is not None and not self.transport.is_closing():
+                self.transport.write(content)
             self.transport.close()
+
+        def on_response_complete(self) -> None:
+            if not self.refused:
+                super().on_response_complete()
+                return
+            # Nothing more is read; the requests queued before the refused one are answered in
+            # turn (it left the queue when refused), then its error.
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            elif not self._answers_before(None if self.in_head else getattr(self, "cycle", None)):
+                self._send_deferred()
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -249,12 +305,16 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.watch.expect_headers()
 
         def data_received(self, data: bytes) -> None:
+            if self.refused:  # (the parser is past a request it could not parse)
+                return
             epoch, chunk_epoch, in_trailers = self.head_epoch, self.chunk_epoch, self.in_trailers
             self.fed = data  # (for _unsupported_upgrade_warning; not kept: a read is up to 256 KiB)
             try:
                 super().data_received(data)
             finally:
                 self.fed = b""
+            if self.refused:
+                return
             # Bytes of one head (or of trailers) and nothing else (no head or chunk began or
             # ended within them): counted. A read in which one began is not, so no body byte
             # is, and a head may pass the bound by one read.
@@ -294,6 +354,15 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                     and (cycle is None or cycle.response_complete))
 
         def on_headers_complete(self) -> None:
+            if self.refused:
+                return
+            refused = _unsupported_coding(self.headers)
+            if refused is not None:
+                # uvicorn decodes no coding but chunked framing, and passed the body on as it
+                # came: bytes the client said were gzip went to the route (and to the store)
+                # as if they were the frame.
+                self.send_error_and_close(*refused)
+                return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the
                 # new protocol's), and this server upgrades to none: the route would read no
@@ -335,6 +404,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 self.transport.close()
 
         def on_message_complete(self) -> None:
+            if self.refused:
+                return
             super().on_message_complete()
             self.watch.body_done()
             self.message_done()
@@ -355,6 +426,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.chunk_epoch += 1
 
         def on_body(self, body: bytes) -> None:
+            if self.refused:  # (a refused request's body is never a route's)
+                return
             self.watch.received(len(body))
             self.in_trailers = False
             self.chunk_epoch += 1
@@ -562,6 +635,12 @@ class Watchdog:
             self.tick_timer.cancel()
             self.tick_timer = None
 
+    def refused(self) -> None:
+        self.body_done()
+        if self.header_timer is not None:
+            self.header_timer.cancel()
+            self.header_timer = None
+
     def stop(self) -> None:
         self.body_done()
         self.send_resumed()
@@ -651,6 +730,24 @@ def _release(version: str) -> tuple[int, int] | None:
         return None
 
 
+def _unsupported_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, str] | None:
+    """(status, reason) for a request whose body has a coding this server does not decode: a
+    transfer coding other than chunked (501, RFC 9112 6.1), or, with a body, a content coding
+    other than identity (415, RFC 9110 15.5.16); else None. Names lowercased."""
+    has_body = _body_length(headers) != 0
+    for name, value in headers:
+        if name not in (b"transfer-encoding", b"content-encoding"):
+            continue
+        codings = [c.strip().lower() for c in value.split(b",")]
+        if name == b"transfer-encoding" and any(c != b"chunked" for c in codings):
+            return (b"501 Not Implemented", f"Transfer-Encoding {value.decode('latin-1')!r:.80}: this server decodes "
+                                            "no transfer coding but chunked")
+        if name == b"content-encoding" and has_body and any(c not in (b"identity", b"") for c in codings):
+            return (b"415 Unsupported Media Type", f"Content-Encoding {value.decode('latin-1')!r:.80}: bodies are "
+                                                   "taken as they come; send them unencoded")
+    return None
+
+
 def _body_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The Content-Length of a request (names lowercased), or None when it is chunked or unreadable."""
     length = None
@@ -686,11 +783,13 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "_unsupported_upgrade_warning"): (),
         (proto, "_unset_keepalive_if_required"): ("self.timeout_keep_alive_task.cancel()",),
         (proto, "on_response_complete"): ("if self.pipeline:", "self.timeout_keep_alive_task = self.loop.call_later(",
-                                          "self.timeout_keep_alive_handler"),
+                                          "self.timeout_keep_alive_handler", "self.server_state.total_requests += 1",
+                                          "cycle, app = self.pipeline.pop()", "self._start_asgi_task(cycle, app)"),
         (proto, "pause_writing"): (),
         (proto, "resume_writing"): (),
         (cycle, "__init__"): ("self.disconnected", "self.response_complete", "self.more_body", "self.message_event",
-                              "self.waiting_for_100_continue", "self.transport", "self.flow", "self.scope"),
+                              "self.waiting_for_100_continue", "self.transport", "self.flow", "self.scope",
+                              "self.response_started", "self.keep_alive"),
         (cycle, "receive"): ("bytes(self.body)", "resume_reading", "waiting_for_100_continue"),
         (cycle, "send"): ("self.waiting_for_100_continue = False", "if not self.keep_alive:"),
     }

@@ -309,6 +309,21 @@ class BlockService:
         frame, tier = got
         return self.wire_segments(namespace, frame), tier
 
+    def head(self, namespace: str, h: bytes) -> tuple[int, str]:
+        """What ``get`` would answer without its bytes: the frame's length and the fastest
+        tier holding it (from the indexes: no frame is read, leased or touched)."""
+        key = self.namespaces.stored_key(namespace, h)
+
+        def find() -> tuple[int, str] | None:
+            info = self.store.info(key)
+            tiers = self.store.locate([key]) if info is not None else []
+            return (info.nbytes, tiers[0]) if info is not None and tiers else None
+
+        found = self.store.walk_past_moves(find)  # (a block on its way down a tier is waited for, as get does)
+        if found is None:
+            raise NotFound(f"block {to_hex(h)} is not stored")
+        return found
+
     def get_nowait(self, namespace: str, h: bytes, leases: list[Lease | None]) -> tuple[list[Any], str] | None:
         """``get`` when the block is in host memory (no I/O), else None."""
         frame = self.get_in_memory(self.namespaces.stored_key(namespace, h), leases)
@@ -374,6 +389,11 @@ class BlockService:
             info = pinfo
         out.reverse()
         return out
+
+    def position(self, namespace: str, h: bytes) -> int | None:
+        """The position block ``h`` is stored at, or None if it is not."""
+        info = self.store.info(self.namespaces.stored_key(namespace, h))
+        return None if info is None else info.position
 
     def stream_nbytes(self, chain: list[tuple[bytes, BlockInfo]]) -> int:
         return sum(LENGTH.size + info.nbytes for _, info in chain)

@@ -239,8 +239,8 @@ def test_a_method_a_path_does_not_take_names_every_method_it_does(client):
     """RFC 9110: a 405's Allow lists the resource's methods. Starlette named those of the
     first route on the path only: PUT for a block, which GET and DELETE serve too."""
     h = bytes([0xE1]) * 16
-    for method, path, allowed in (("PATCH", f"/v1/blocks/{h.hex()}", "GET, PUT, DELETE"),
-                                  ("HEAD", f"/v1/blocks/{h.hex()}", "GET, PUT, DELETE"),
+    for method, path, allowed in (("PATCH", f"/v1/blocks/{h.hex()}", "GET, HEAD, PUT, DELETE"),
+                                  ("POST", "/healthz", "GET, HEAD"), ("HEAD", "/v1/lookup", "POST"),
                                   ("GET", "/v1/blocks", "POST"), ("PUT", "/v1/lookup", "POST")):
         r = client.request(method, path)
         assert (r.status_code, r.headers["allow"]) == (405, allowed), (method, path, r.headers)

@@ -23,7 +23,7 @@ import xxhash
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI
 from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
-from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame
+from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch
 
 MiB = 1 << 20
 BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
@@ -735,3 +735,260 @@ def test_remote_cache_round_trips_with_a_tls_server(tmp_path, tls_files):
         with cs.RemoteCache(srv.url, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                             trust_env=False) as untrusting, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
             untrusting.lookup(toks)
+
+
+# -- HEAD, pipelining, keep-alive after errors ---------------------------------------------------
+
+
+def test_head_answers_as_get_would_with_no_body_and_fetches_no_frame(tmp_path):
+    chain = raw_chain(7, 3)
+    with Server(tmp_path) as srv:
+        with httpx.Client(base_url=srv.url) as c:
+            assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+            paths = ["/healthz", "/readyz", "/v1/stats", "/metrics", "/dashboard", "/openapi.json",
+                     f"/v1/blocks/{chain[1][0].hex()}", f"/v1/prefixes/{chain[-1][0].hex()}",
+                     f"/v1/prefixes/{chain[-1][0].hex()}?start=1", f"/v1/blocks/{'cd' * 16}",
+                     f"/v1/prefixes/{'cd' * 16}", "/v1/blocks/XYZ", "/no/such/path"]
+            gets = {p: c.get(p) for p in paths}
+            before = c.get("/v1/stats").json()
+        # One keep-alive connection: a body sent after a HEAD's headers would be read here as
+        # the next response's start.
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            rest = bytearray()
+            for p in paths:
+                s.sendall(head("HEAD", p))
+                status, headers = _read_head_response(s, rest)
+                want = gets[p]
+                assert status == want.status_code, (p, status)
+                if p in ("/v1/stats", "/metrics"):  # (figures that change between the two)
+                    assert int(headers[b"content-length"]) > 0
+                else:
+                    assert int(headers[b"content-length"]) == len(want.content), p
+                for name in (b"content-type", b"x-cacheseek-blocks", b"x-cacheseek-start", b"x-cacheseek-tier"):
+                    assert headers.get(name) == (want.headers.get(name.decode()) or "").encode() or \
+                        (name not in headers and name.decode() not in want.headers), (p, name)
+            # Routes without GET: 405 as before, naming the methods they take.
+            s.sendall(head("HEAD", "/v1/lookup"))
+            status, headers = _read_head_response(s, rest)
+            assert status == 405 and b"POST" in headers[b"allow"]
+            s.sendall(head("GET", "/healthz"))
+            assert read_response(s, rest)[:1] == (200,) and not rest
+        after = httpx.get(srv.url + "/v1/stats").json()
+        # No frame was fetched, sent or counted for the HEADs, and no block touched.
+        assert after["frame_bytes_sent"] == before["frame_bytes_sent"]
+        assert after["traffic"]["materialize_requests"] == before["traffic"]["materialize_requests"]
+        routes = {(r["route"], r["method"]): r["statuses"] for r in after["requests"]}
+        assert routes[("/v1/prefixes/{hash}", "HEAD")] == {"200": 2, "404": 1}
+        assert "Traceback" not in srv.output(), srv.output()
+
+
+def _read_head_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict]:
+    """A response to HEAD: its head only (its Content-Length announces a body that never comes)."""
+    while b"\r\n\r\n" not in rest:
+        data = sock.recv(65536)
+        assert data, "connection closed"
+        rest += data
+    top, _, tail = bytes(rest).partition(b"\r\n\r\n")
+    rest[:] = tail
+    lines = top.split(b"\r\n")
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+
+
+def _chunked(body: bytes, size: int = 10000) -> bytes:
+    pieces = [body[i : i + size] for i in range(0, len(body), size)]
+    return b"".join(b"%x\r\n" % len(p) + p + b"\r\n" for p in pieces) + b"0\r\n\r\n"
+
+
+def test_pipelined_requests_with_errors_between_them_are_answered_in_order_and_whole(tmp_path):
+    h, good = raw_frame(1)
+    bad = bytearray(good)
+    bad[200] ^= 0xFF  # the second frame of a batch: its header checksum fails mid-body
+    batch = batch_body([good, bytes(bad), good])
+    chunked = "transfer-encoding: chunked\r\n"
+    cases = [
+        ("bad JSON", head("POST", "/v1/lookup", 5) + b"{bad}", 422),
+        ("not stored", head("GET", f"/v1/blocks/{'cd' * 16}"), 404),
+        ("over max_frame_bytes", head("PUT", f"/v1/blocks/{h.hex()}", 2 * MiB) + bytes(2 * MiB), 413),
+        ("bad frame mid-body", head("POST", "/v1/blocks", len(batch)) + batch, 400),
+        ("length prefix too big", head("POST", "/v1/blocks", 108) + (10**12).to_bytes(8, "little") + bytes(100), 413),
+        ("lookup too long", head("POST", "/v1/lookup", 4 * MiB) + bytes(4 * MiB), 413),
+        ("chunked bad JSON", head("POST", "/v1/lookup", None, chunked) + _chunked(b"{bad}"), 422),
+        ("chunked over max_frame_bytes", head("PUT", f"/v1/blocks/{h.hex()}", None, chunked) + _chunked(bytes(2 * MiB)),
+         413),
+        ("chunked bad frame mid-body", head("POST", "/v1/blocks", None, chunked) + _chunked(batch), 400),
+        ("stored", head("PUT", f"/v1/blocks/{h.hex()}", len(good)) + good, 201),
+        ("health", head("GET", "/healthz"), 200),
+    ]
+    with Server(tmp_path, "--max-frame-bytes", "1MiB", "--max-lookup-hashes", "1000", disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.settimeout(30)
+            sender = threading.Thread(target=s.sendall, args=(b"".join(c for _, c, _ in cases),))
+            sender.start()
+            rest = bytearray()
+            for name, _, status in cases:
+                got, headers, text = read_response(s, rest)
+                assert got == status, (name, got, text)
+                assert b"connection" not in headers, name
+            sender.join()
+        assert "Traceback" not in srv.output(), srv.output()
+
+
+def test_a_malformed_request_pipelined_behind_a_response_is_answered_after_it_not_inside_it(tmp_path):
+    chain = raw_chain(3, 8, layout=BIG_LAYOUT)
+    h, good = raw_frame(2)
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--max-frame-bytes", "16MiB", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        for garbage in (b"\x00\x01 not http\r\n\r\n",
+                        b"GET /healthz HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+                        head("POST", "/v1/lookup", 5, "connection: upgrade\r\nupgrade: x\r\n") + b"{bad}"):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.settimeout(30)
+                # One send: the parser meets the garbage before the first response has begun.
+                s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + head("GET", "/healthz") + garbage)
+                rest = bytearray()
+                status, _, body = read_response(s, rest)
+                assert status == 200 and split_batch(body) == [f for _, f in chain], garbage[:20]
+                assert read_response(s, rest)[0] == 200
+                status, headers, text = read_response(s, rest)
+                assert status == 400 and headers[b"connection"] == b"close", text
+                assert "error" in json.loads(text)
+                assert closed_within(s, 10) < 10 and not rest
+        # A chunked body malformed after its route answered: one answer, then the connection
+        # ends (a second answer would be read as the next request's).
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.settimeout(30)
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", None, "transfer-encoding: chunked\r\n")
+                      + b"1100000\r\n" + bytes(0x1100000))
+            rest = bytearray()
+            assert read_response(s, rest)[0] == 413
+            s.sendall(b"\r\nzz\r\n" + head("GET", "/healthz"))
+            closed_within(s, 10)
+            assert not rest
+        assert "Traceback" not in srv.output(), srv.output()
+
+
+def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledged(tmp_path):
+    chain = raw_chain(4, 16, layout=BIG_LAYOUT)
+    h, frame = raw_frame(9, layout=BIG_LAYOUT)
+    small, small_frame = raw_frame(11)
+    acked, acked_frame = raw_frame(10)
+    srv = Server(tmp_path, "--cpu-bytes", "256MiB", "--graceful-timeout-seconds", "0.5").start()
+    try:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        assert httpx.put(f"{srv.url}/v1/blocks/{acked.hex()}", content=acked_frame).status_code == 201
+        # A download its client does not read, and an upload that stops halfway: both still
+        # running when the graceful timeout (0.5 s) runs out, well before their idle cut (10 s).
+        down = socket.create_connection(("127.0.0.1", srv.port))
+        down.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        down.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}"))
+        top = b""
+        while b"\r\n\r\n" not in top:
+            top += down.recv(1024)
+        # (A batch: its first frame, whole, shows in the bytes in flight once the route has it.)
+        upload = batch_body([small_frame, frame])
+        up = socket.create_connection(("127.0.0.1", srv.port))
+        up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(frame) // 2])
+        deadline = time.monotonic() + 10
+        while bodies(srv.url)["in_flight_bytes"] < len(small_frame):
+            assert time.monotonic() < deadline, "the upload's bytes never arrived"
+            time.sleep(0.01)
+        assert srv.stop() == 0
+        output = srv.output()
+        assert "Traceback" not in output and "Exception in ASGI application" not in output, output
+        cuts = [line for line in output.splitlines() if "shutdown: cut" in line]
+        assert len(cuts) == 2, output
+        assert any("GET /v1/prefixes/" in c and "response cut short" in c for c in cuts), cuts
+        assert any("POST /v1/blocks" in c and "not answered" in c for c in cuts), cuts
+        up.close()
+        down.close()
+        # What was answered is there after a restart; the upload cut short is not.
+        with Server(tmp_path, "--cpu-bytes", "256MiB") as again, httpx.Client(base_url=again.url) as c:
+            assert c.get(f"/v1/blocks/{acked.hex()}").content == acked_frame
+            assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == c.get(f"/v1/blocks/{small.hex()}").status_code == 404
+    finally:
+        srv.kill()
+
+
+def test_a_false_continues_header_cannot_skew_the_lookup_figures(tmp_path):
+    chain = raw_chain(12, 6)
+    hashes = [h.hex() for h, _ in chain]
+    owner = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+    with Server(tmp_path, disk=False) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+
+        def lookup(piece: list[str], **headers: str) -> dict:
+            before = _lookup_traffic(c)
+            assert c.post("/v1/lookup", json={"hashes": piece}, headers={**owner, **headers}).status_code == 200
+            after = _lookup_traffic(c)
+            return {k: after[k] - before[k] for k in after}
+
+        own_query = {"lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 2, "lookup_blocks_matched": 2,
+                     "lookup_tokens_requested": 64, "lookup_tokens_matched": 64}
+        # Taken as continuing a query, each of these counted 64 tokens matched and none asked
+        # for (a token hit rate over 1), and no lookup: each counts now as a query of its own.
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"}) == own_query  # no query open
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "5"}) == own_query  # its first block is at 2
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "1"}) == own_query  # before its own length
+        # A real query in three pieces still counts as one.
+        first = lookup(hashes[0:2], **{"X-CacheSeek-Tokens": str(6 * 32 + 5)})
+        rest = [lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"}),
+                lookup(hashes[4:6], **{"X-CacheSeek-Continues": "4"})]
+        total = {k: first[k] + sum(r[k] for r in rest) for k in first}
+        assert total == {"lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 6, "lookup_blocks_matched": 6,
+                         "lookup_tokens_requested": 6 * 32 + 5, "lookup_tokens_matched": 6 * 32}
+        # The query's 5 tokens left unmatched are all a false piece can still count.
+        assert lookup(hashes[2:4], **{"X-CacheSeek-Continues": "2"})["lookup_tokens_matched"] == 5
+        for _ in range(3):
+            lookup(hashes[4:6], **{"X-CacheSeek-Continues": "4"})
+        figures = _lookup_traffic(c)
+        assert figures["lookup_tokens_matched"] <= figures["lookup_tokens_requested"]
+
+
+def _lookup_traffic(c: httpx.Client) -> dict[str, int]:
+    mine = next((o for o in c.get("/v1/stats").json()["traffic"]["by_owner"] if o["model"] == "m"), {})
+    return {k: mine.get(k, 0) for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                 "lookup_tokens_requested", "lookup_tokens_matched")}
+
+
+def test_a_refused_request_waiting_its_turn_is_not_cut_off_as_a_slow_head(tmp_path):
+    chain = raw_chain(13, 8, layout=BIG_LAYOUT)
+    with Server(tmp_path, "--cpu-bytes", "128MiB", "--header-timeout-seconds", "0.5", disk=False) as srv:
+        assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+            s.settimeout(30)
+            s.sendall(head("GET", f"/v1/prefixes/{chain[-1][0].hex()}") + b"\x00 not http\r\n\r\n")
+            data = bytearray()
+            start = time.monotonic()
+            # A client reading at a few MiB/s: the 8 MiB answer takes seconds, many times the
+            # header timeout, which the malformed head behind it must not be held to.
+            while chunk := s.recv(65536):
+                data += chunk
+                time.sleep(0.01)
+            assert time.monotonic() - start > 1.0
+        top, _, rest = bytes(data).partition(b"\r\n\r\n")
+        n = int(next(l for l in top.split(b"\r\n") if l.startswith(b"content-length")).split(b": ")[1])
+        assert split_batch(rest[:n]) == [f for _, f in chain]
+        assert rest[n:].startswith(b"HTTP/1.1 400 ")
+
+
+def test_a_body_in_a_coding_the_server_does_not_decode_is_refused_and_nothing_stored(tmp_path):
+    h, good = raw_frame(14)
+    te, chunked = "transfer-encoding: gzip, chunked\r\n", b"%x\r\n" % len(good) + good + b"\r\n0\r\n\r\n"
+    with Server(tmp_path, disk=False) as srv:
+        for extra, body, status in ((te, chunked, 501), ("content-encoding: gzip\r\n", good, 415),
+                                    ("content-encoding: br\r\ntransfer-encoding: chunked\r\n", chunked, 415)):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                length = None if "transfer-encoding" in extra else len(good)
+                s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", length, extra) + body + head("GET", "/healthz"))
+                rest = bytearray()
+                got, headers, text = read_response(s, rest)
+                assert got == status and headers[b"connection"] == b"close", (extra, got, text)
+                assert "encoding" in json.loads(text)["error"].lower()
+                closed_within(s, 10)
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
+        # Identity, and a coding named on a request without a body, are served as before.
+        assert httpx.get(srv.url + "/healthz", headers={"content-encoding": "gzip"}).status_code == 200
+        r = httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=good, headers={"content-encoding": "identity"})
+        assert r.status_code == 201

@@ -17,6 +17,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, c
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
 from ..errors import BadRequest, ClientGone
+from ..head import is_head
 from ..leased_response import LeasedStreamingResponse, copied_tail
 from ..limits import FRAME_MIN_BYTES, BodyBudget, BodyBytes
 from ..metrics import clean_label, client_headers
@@ -146,9 +147,15 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
     responses={200: {"description": "the frame", "content": {FRAME_CONTENT_TYPE: BINARY}},
                404: {"description": "not stored", **ERROR}},
 )
-async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> LeasedStreamingResponse:
+async def get_block(caller: Reader, hash: Hash, request: Request, service: Service) -> Response:
     """The frame of one block, from the fastest tier holding it (the payload is not copied,
     but for its last ``TAIL_COPY`` bytes; its slot is leased until the response is over)."""
+    if is_head(request):  # the frame's length and tier, from the index: no frame fetched, leased or counted
+        if service.store.indexes_in_memory:
+            nbytes, tier = service.head(caller.namespace, hash)
+        else:
+            nbytes, tier = await run_in_threadpool(service.head, caller.namespace, hash)
+        return Response(media_type=FRAME_CONTENT_TYPE, headers={"content-length": str(nbytes), "x-cacheseek-tier": tier})
     leases: list[Lease | None] = []  # released by the response, or here if there is none
     try:
         got = service.get_nowait(caller.namespace, hash, leases)  # in host memory: no I/O, no thread hand-off

@@ -31,6 +31,7 @@ from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of
 from ..errors import BadLookup, TooLarge
 from ..limits import BodyBytes
+from ..metrics import client_headers
 from ._body import BINARY, ERROR, declared_length
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
@@ -106,8 +107,16 @@ async def lookup(request: Request) -> JSONResponse:
         found["max_body_bytes"] = request.app.state.settings.max_body_bytes
     metrics = service.metrics
     if metrics.detail:
+        first_position = None
+        if found["matched"] and client_headers(request.headers)[3] is not None:
+            # A piece that says it continues a query: where its first block is stored is checked
+            # against where it says it starts (docs/operations.md).
+            if service.store.indexes_in_memory:
+                first_position = service.position(caller.namespace, hashes[0])
+            else:
+                first_position = await run_in_threadpool(service.position, caller.namespace, hashes[0])
         metrics.looked_up(metrics.for_request(caller.namespace, request.headers), request.headers, len(hashes),
-                          found["matched"], each)
+                          found["matched"], each, first_position)
     return JSONResponse(found)
 
 

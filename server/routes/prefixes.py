@@ -15,6 +15,7 @@ from cacheseek.store.lease import Lease
 
 from ..deps import Hash, Reader, Service
 from ..errors import BadRequest
+from ..head import is_head
 from ..leased_response import LeasedStreamingResponse, ResponseCut, SentLeases, copied_tail
 from ..protocol import BODY_GONE
 from ._body import BINARY, ERROR
@@ -40,7 +41,7 @@ class ChainBroken(ResponseCut):
                404: {"description": "the chain ending at hash is not complete", **ERROR}},
 )
 async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Service,
-                     start: Start = None) -> LeasedStreamingResponse:
+                     start: Start = None) -> Response:
     """Walk the chain ending at ``hash`` back through the stored parent hashes to position 0,
     then stream its frames from position ``start`` on, head first. A frame is read (from
     disk, say) while the one before it is being sent. A frame's lease is held until the
@@ -53,6 +54,9 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         raise BadRequest(f"start: {start:.40} is past the chain's last block (position {len(whole) - 1})")
     chain = whole[first:]
     total = service.stream_nbytes(chain)
+    headers = {"content-length": str(total), "x-cacheseek-blocks": str(len(chain)), START_HEADER: str(first)}
+    if is_head(request):  # the answer's headers, from the index: no frame fetched, counted or touched
+        return Response(media_type=BATCH_CONTENT_TYPE, headers=headers)
     namespace = caller.namespace
     metrics = service.metrics
     traffic = metrics.for_request(namespace, request.headers)
@@ -127,9 +131,7 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         else:
             await run_in_threadpool(service.touch_chain, keys)  # a Redis round trip
 
-    return LeasedStreamingResponse(body(), leases=leases, media_type=BATCH_CONTENT_TYPE,
-                                   headers={"content-length": str(total), "x-cacheseek-blocks": str(len(chain)),
-                                            START_HEADER: str(first)})
+    return LeasedStreamingResponse(body(), leases=leases, media_type=BATCH_CONTENT_TYPE, headers=headers)
 
 
 def _position(start: str | None) -> int:
