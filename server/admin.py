@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cacheseek.errors import StorageError
+from cacheseek.errors import StorageError, TierUnavailable
 from cacheseek.hashing import to_hex
 
 from .errors import NotFound, TierUnreachable
@@ -78,10 +78,15 @@ class AdminOps:
             # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
             self.store.settle_moves()
             keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
-            # (A flush deletes from Redis only what it finds here: one Redis could not
-            # confirm is counted with the blocks deleted here, as before, not refused.)
-            blocks, nbytes, _ = self._delete(keys, count_unknown=True)
-            self._forget_pins_of(set(keys))
+            # A block whose Redis copy could not be deleted is kept in every tier: the flush
+            # finds what to delete here, so a retry finds it again and deletes it there too
+            # (deleted here alone, its Redis copy was named by nothing and served again).
+            blocks, nbytes, unknown, gone = self._delete(keys)
+            self._forget_pins_of(gone)
+        if unknown:
+            what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
+            raise TierUnreachable(f"flush of {what}: a tier that may hold {unknown} of its {len(keys)} blocks could "
+                                  f"not be reached, so those are kept (in every tier; {blocks} others deleted); retry")
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
     def delete_chain(self, namespace: str, h: bytes) -> dict[str, Any]:
@@ -108,14 +113,14 @@ class AdminOps:
                     raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may "
                                           "hold its chain could not be reached; retry")
                 raise NotFound(f"block {to_hex(h)} is not stored")
-            blocks, nbytes, unknown = self._delete(doomed)
-            self._forget_pins_of(set(doomed))
+            blocks, nbytes, unknown, gone = self._delete(doomed)
+            self._forget_pins_of(gone)
         if unknown:
-            # The tiers that answered forgot them; the one that did not may serve them again.
-            # A retry walks the chain again (there too, once it answers) and deletes the rest.
+            # Those are kept in every tier: a retry walks the chain again and finds them, its
+            # descendants too (Redis keeps no index of children: deleted here alone, a
+            # descendant's Redis copy was named by nothing and served again).
             raise TierUnreachable(f"chain ending at {to_hex(h)}: a tier that may hold {unknown} of its {len(doomed)} "
-                                  "blocks could not be reached, so they may still be stored there (deleted from the "
-                                  "other tiers); retry")
+                                  "blocks could not be reached, so those are kept (in every tier); retry")
         return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
     def _doomed(self, key: bytes) -> list[bytes] | None:
@@ -143,20 +148,24 @@ class AdminOps:
             child = parent
         return doomed
 
-    def _delete(self, keys: list[bytes], *, count_unknown: bool = False) -> tuple[int, int, int]:
-        """Delete ``keys``, highest position first; returns blocks and bytes deleted (with
-        ``count_unknown``, also those below), and how many of them a tier that may hold them
-        (Redis) could not be asked to delete."""
+    def _delete(self, keys: list[bytes]) -> tuple[int, int, int, set[bytes]]:
+        """Delete ``keys``, highest position first; returns blocks and bytes deleted, how many
+        of them a tier that may hold them (Redis) could not be asked to delete (those are kept
+        in every tier: ``TieredStore.delete``'s ``all_or_nothing``), and the keys gone."""
         store = self.store
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
         blocks = nbytes = unknown = 0
-        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos])):
-            if deleted or deleted is None and count_unknown:
+        gone: set[bytes] = set()
+        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos], all_or_nothing=True)):
+            if deleted:
                 blocks += 1
                 nbytes += info.nbytes if info is not None else 0
-            unknown += deleted is None
-        return blocks, nbytes, unknown
+            if deleted is None:
+                unknown += 1
+            else:
+                gone.add(key)
+        return blocks, nbytes, unknown, gone
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -164,7 +173,12 @@ class AdminOps:
             expires_at: float | None = None) -> dict[str, Any]:
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
-            pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            try:
+                pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
+            except TierUnavailable as exc:
+                # Not a 404 ("not stored") nor a 507 (a full store): an outage, nothing pinned.
+                raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
+                                      f"could not be reached ({exc}), so nothing is pinned; retry") from None
             if pin is None:
                 raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
             self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
@@ -231,7 +245,7 @@ class AdminOps:
                 restored += 1
             except NotFound:
                 continue
-            except StorageError as exc:  # (Redis unreachable at start): the server starts all the same
+            except (StorageError, TierUnreachable) as exc:  # (Redis unreachable at start): the server starts all the same
                 log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, exc)
         return restored
 
