@@ -44,6 +44,9 @@ FILE_VERSION = 1
 # Walks of a chain to delete, each after the demotions then in flight: two that agree end it
 # (a chain's blocks move down a few times at most, each move changing the walk once).
 WALKS = 8
+# How often the pins a start could not make again (Redis unreachable then) are tried again.
+# Each try costs nothing while Redis's breaker is open, and one timeout when it probes.
+RESTORE_RETRY_SECONDS = 1.0
 
 
 class AdminOps:
@@ -53,6 +56,13 @@ class AdminOps:
         self._lock = threading.Lock()  # one admin change at a time
         self._pins: dict[bytes, dict[str, Any]] = {}  # stored key of the chain's last block -> how it was pinned
         self._path = Path(state_dir) / PINS_FILE if state_dir is not None else None
+        # Pins of the file that a start could not make again because a tier could not be asked
+        # (Redis down): stored key -> its entry. Kept in the file and tried again until made
+        # (or their chain is gone, or they expire): dropped, the next save lost them for good
+        # and the chain stayed unpinned once Redis was back.
+        self._unrestored: dict[bytes, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._retrying: threading.Thread | None = None
 
     # -- usage ---------------------------------------------------------------------------
 
@@ -173,16 +183,21 @@ class AdminOps:
             expires_at: float | None = None) -> dict[str, Any]:
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
-            try:
-                pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
-            except TierUnavailable as exc:
-                # Not a 404 ("not stored") nor a 507 (a full store): an outage, nothing pinned.
-                raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
-                                      f"could not be reached ({exc}), so nothing is pinned; retry") from None
-            if pin is None:
-                raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
-            self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
-            saved = self._save()
+            return self._pin(namespace, h, key, ttl_seconds, expires_at)
+
+    def _pin(self, namespace: str, h: bytes, key: bytes, ttl_seconds: float | None,
+             expires_at: float | None) -> dict[str, Any]:
+        try:
+            pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
+        except TierUnavailable as exc:
+            # Not a 404 ("not stored") nor a 507 (a full store): an outage, nothing pinned.
+            raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
+                                  f"could not be reached ({exc}), so nothing is pinned; retry") from None
+        if pin is None:
+            raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
+        self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
+        self._unrestored.pop(key, None)
+        saved = self._save()
         return {**self._describe(key, pin), "saved": saved}
 
     def unpin(self, namespace: str, h: bytes) -> dict[str, Any]:
@@ -191,6 +206,11 @@ class AdminOps:
             pin = self.store.unpin(key)
             if pin is None:
                 self._pins.pop(key, None)
+                waiting = self._unrestored.pop(key, None)
+                if waiting is not None:  # (not made again yet: it no longer will be)
+                    saved = self._save()
+                    return {"namespace": namespace, "hash": to_hex(h), "blocks": 0, "pinned_at": None,
+                            "expires_at": waiting["expires_at"], "bytes": 0, "saved": saved}
                 raise NotFound(f"no pin on {to_hex(h)}")
             # Described before its name is forgotten: the answer names the chain it unpinned.
             described = self._describe(key, pin)
@@ -216,7 +236,10 @@ class AdminOps:
         for key in gone:
             self.store.unpin(key)
             self._pins.pop(key)
-        if gone:
+        waiting = [key for key in self._unrestored if key in deleted]
+        for key in waiting:
+            self._unrestored.pop(key)
+        if gone or waiting:
             self._save()
 
     def restore_pins(self) -> int:
@@ -227,12 +250,12 @@ class AdminOps:
             data = json.loads(self._path.read_text())
         except (OSError, ValueError):
             return 0
-        restored = 0
         now = time.time()
         entries = data.get("pins") if isinstance(data, dict) else None
         for entry in entries if isinstance(entries, list) else []:
             try:
                 namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")
+                key = self.service.namespaces.stored_key(namespace, h)
             except (KeyError, TypeError, ValueError):
                 continue
             # An expiry that is not a finite number is skipped as any unreadable entry (compared
@@ -240,14 +263,59 @@ class AdminOps:
             if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
                                         or not math.isfinite(expires) or expires <= now):
                 continue
-            try:
-                self.pin(namespace, h, expires_at=expires)
-                restored += 1
-            except NotFound:
-                continue
-            except (StorageError, TierUnreachable) as exc:  # (Redis unreachable at start): the server starts all the same
-                log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, exc)
-        return restored
+            # Every entry waits until made: a save while the first are made keeps the rest.
+            self._unrestored[key] = {"namespace": namespace, "hash": to_hex(h), "expires_at": expires}
+        made, _ = self._pin_unrestored(at_start=True)
+        if self._unrestored:
+            self._retrying = threading.Thread(target=self._retry_unrestored, name="cacheseek-pins-restore", daemon=True)
+            self._retrying.start()
+        return made
+
+    def _pin_unrestored(self, *, at_start: bool = False) -> tuple[int, bool]:
+        """Make again the pins of the file not made yet: how many were made, and whether
+        none is left. One that a tier could not be asked for (Redis unreachable) is kept,
+        for the next try."""
+        with self._lock:
+            todo = list(self._unrestored.items())
+        made = 0
+        for key, entry in todo:
+            namespace, h, expires = entry["namespace"], bytes.fromhex(entry["hash"]), entry["expires_at"]
+            with self._lock:
+                if self._unrestored.get(key) is not entry:
+                    continue  # pinned or unpinned by an admin meanwhile: theirs stands
+                why: BaseException | None = None
+                try:
+                    if expires is None or expires > time.time():
+                        self._pin(namespace, h, key, None, expires)
+                        made += 1
+                        continue
+                except NotFound:
+                    pass  # (its chain is gone: not made again, as at any start)
+                except TierUnreachable as exc:
+                    if at_start:
+                        log.warning("pin of %s in namespace %r not restored yet: %s (kept in the pins file, and "
+                                    "made again once it can be)", entry["hash"], namespace, exc)
+                        continue
+                    return made, False  # (still unreachable: the rest would be too)
+                except StorageError as exc:  # (a tier full of pins): not made again, as before
+                    why = exc
+                if why is not None:
+                    log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, why)
+                del self._unrestored[key]
+                self._save()
+        with self._lock:
+            return made, not self._unrestored
+
+    def _retry_unrestored(self) -> None:
+        while not self._stop.wait(RESTORE_RETRY_SECONDS):
+            if self._pin_unrestored()[1]:
+                return
+
+    def close(self) -> None:
+        """Stop trying again the pins a start could not make (they stay in the pins file)."""
+        self._stop.set()
+        if self._retrying is not None:
+            self._retrying.join()
 
     def _save(self) -> bool | None:
         """Write the pins file: whether it was written (None: no disk tier, no file). A pin
@@ -260,6 +328,7 @@ class AdminOps:
             pin = self.store.pin_table.get(key)
             if pin is not None:
                 entries.append({**named, "expires_at": pin.expires_at})
+        entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
         tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
             with open(tmp, "w") as f:

@@ -397,3 +397,47 @@ def test_a_chain_delete_retried_after_an_outage_deletes_the_descendants_redis_ho
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(tmp_path):
+    """A server restarted while Redis hung could not make its pins again (the Redis pin
+    failed): it logged so and dropped them. The chain stayed unpinned once Redis answered,
+    and the next pin's save left them out of the pins file, so no later start made them
+    either. Now they are kept in the file, and made again as soon as Redis answers."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    args = ("--admin-token", "adm")
+    chain, other = raw_chain(76, 3), raw_chain(77, 2)
+
+    def pinned(c: httpx.Client) -> set[str]:
+        return {p["hash"] for p in c.get("/v1/admin/pins", headers=admin).json()}
+
+    try:
+        with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+            for h, frame in chain + other:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin)
+            assert r.status_code == 200 and r.json()["saved"] is True, r.text
+        srv = Server(tmp_path / "s", *args, env=_env(redis))
+        redis.pause()
+        try:
+            srv.start()
+        finally:
+            redis.resume()
+        try:
+            with httpx.Client(base_url=srv.url, timeout=10) as c:
+                deadline = time.monotonic() + 10
+                while not pinned(c) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert pinned(c) == {chain[-1][0].hex()}, srv.output()
+                assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=admin).status_code == 200
+                assert _redis_stats(srv)["pinned_blocks"] == 5
+        finally:
+            srv.stop()
+        with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+            assert pinned(c) == {chain[-1][0].hex(), other[-1][0].hex()}  # both in the pins file
+            _no_500(srv)
+    finally:
+        redis.kill()
