@@ -441,3 +441,34 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def test_a_block_whose_delete_got_a_503_is_still_found_by_a_flush(tmp_path):
+    """A block deleted while Redis could not be reached: the answer was a 503, as it should
+    be, but the CPU tier's copy was gone, and with it the server's record of the block's
+    owner. A client that did not retry and flushed its model once Redis answered got a 200,
+    and Redis went on serving the block. Now a delete that cannot ask Redis deletes from no
+    tier, so the block is still the model's, and the flush deletes it everywhere."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, frame = raw_frame(78)
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"}).status_code == 201
+            redis.pause()
+            try:
+                _open_breaker(c, srv)
+                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # kept: nothing was deleted
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=admin))
+            assert r.status_code == 200, r.text
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served from Redis
+            assert r.json()["deleted_blocks"] == 1
+            _no_500(srv)
+    finally:
+        redis.kill()
