@@ -219,11 +219,17 @@ class AdminOps:
         return {**described, "saved": saved}
 
     def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every pin; ``waiting``: one of the pins file that a start could not make again
+        (Redis unreachable), not in effect yet (no block pinned)."""
         out = []
         for pin in self.store.pins():
-            desc = self._describe(pin.key, pin)
+            desc = {**self._describe(pin.key, pin), "waiting": False}
             if namespace is None or desc["namespace"] == namespace:
                 out.append(desc)
+        with self._lock:
+            waiting = [entry for key, entry in self._unrestored.items() if key not in self._pins]
+        out += [{**entry, "blocks": 0, "pinned_at": None, "bytes": 0, "waiting": True} for entry in waiting
+                if namespace is None or entry["namespace"] == namespace]
         return out
 
     def _describe(self, key: bytes, pin: Any) -> dict[str, Any]:

@@ -411,8 +411,8 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
     args = ("--admin-token", "adm")
     chain, other = raw_chain(76, 3), raw_chain(77, 2)
 
-    def pinned(c: httpx.Client) -> set[str]:
-        return {p["hash"] for p in c.get("/v1/admin/pins", headers=admin).json()}
+    def pinned(c: httpx.Client, *, waiting: bool = False) -> set[str]:
+        return {p["hash"] for p in c.get("/v1/admin/pins", headers=admin).json() if p["waiting"] is waiting}
 
     try:
         with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
@@ -424,6 +424,8 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
         redis.pause()
         try:
             srv.start()
+            with httpx.Client(base_url=srv.url, timeout=10) as c:  # listed, as not made yet
+                assert pinned(c, waiting=True) == {chain[-1][0].hex()} and pinned(c) == set()
         finally:
             redis.resume()
         try:
@@ -431,7 +433,7 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
                 deadline = time.monotonic() + 10
                 while not pinned(c) and time.monotonic() < deadline:
                     time.sleep(0.1)
-                assert pinned(c) == {chain[-1][0].hex()}, srv.output()
+                assert pinned(c) == {chain[-1][0].hex()} and pinned(c, waiting=True) == set(), srv.output()
                 assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=admin).status_code == 200
                 assert _redis_stats(srv)["pinned_blocks"] == 5
         finally:
