@@ -701,6 +701,42 @@ def test_a_pin_or_a_whole_delete_that_cannot_ask_redis_says_so_and_changes_nothi
         srv.stop()
 
 
+@needs_redis
+def test_an_unpin_owed_through_an_outage_is_sent_by_the_lease_keeper(tmp_path):
+    """An unpin that could not reach Redis is owed; only a put or ``stats()`` sent it. A
+    process that went on pinning other blocks but only read (an embedded cache serving
+    hits) renewed its lease every fifth of it, and so kept the unpinned blocks pinned in
+    Redis, out of every process's LRU, for as long as it lived. The keeper sends it."""
+    from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
+    from cacheseek.store.redis_client import RedisTimeouts
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 16 * FRAME, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3),
+                          breaker=CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(0.1)),
+                          pin_lease_seconds=1.0)  # (renewed every 0.2 s)
+        store = TieredStore([CpuTier(8 * FRAME), redis], write_through=["redis"])
+        (x, fx), (y, fy) = frames(22, 1)[0], frames(23, 1)[0]
+        for key, frame in ((x, fx), (y, fy)):
+            store.put(key, frame)
+            store.pin(key)
+        srv.pause()
+        try:
+            assert redis.contains_many([x]) == [False]  # (timed out: the breaker opens, so the unpin is not sent)
+            store.unpin(x)
+        finally:
+            srv.resume()
+        assert redis._owed_unpins == {x}
+        pinned = "{cacheseek:default}:pinned"
+        deadline = time.monotonic() + 5
+        while srv.cli("SISMEMBER", pinned, x.hex()).strip() != "0" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.cli("SISMEMBER", pinned, x.hex()).strip() == "0"  # no put, no stats() meanwhile
+        assert srv.cli("SISMEMBER", pinned, y.hex()).strip() == "1" and not redis._owed_unpins
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA (scripts/h200.sh pins-gpu)")
 def test_a_gpu_tier_keeps_pinned_chains_and_refuses_when_full_of_them():
     from cacheseek.store.gpu import GpuTier

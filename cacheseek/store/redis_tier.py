@@ -954,12 +954,14 @@ class RedisTier(Tier):
         self._lease_keeper.start()
 
     def _renew_lease(self) -> None:
-        if not self._own:
-            return
-        try:
-            self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
-        except StorageError:
-            pass  # counted; the next renewal tries again (and pins again what a lapse took)
+        if self._own:
+            try:
+                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+            except StorageError:
+                return  # counted; the next renewal tries again (and pins again what a lapse took)
+        # Unpins an outage left owed go now, not only with the next put or stats(): a process
+        # that only reads renewed its lease, and so kept those blocks pinned, for good.
+        self._pay_owed_unpins()
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
