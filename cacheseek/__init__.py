@@ -27,6 +27,7 @@ from .errors import (
     RemoteError,
     RemoteUnavailable,
     StorageError,
+    TierUnavailable,
 )
 from .hashing import BlockHash, ExtraKeys, MMInput, Shard
 from .layout import KVLayout
@@ -109,5 +110,6 @@ __all__ = [
     "Shard",
     "StorageError",
     "TierConfig",
+    "TierUnavailable",
     "__version__",
 ]

@@ -37,6 +37,11 @@ class StorageError(CacheSeekError):
     """A tier could not complete a write (disk full, unwritable directory, backend down)."""
 
 
+class TierUnavailable(StorageError):
+    """A tier could not be asked (a Redis down, hung or behind an open circuit breaker), so
+    what it holds is not known: an outage to retry, not an answer that the block is absent."""
+
+
 class RemoteError(CacheSeekError):
     """The CacheSeek server answered a request with an error.
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cacheseek.errors import StorageError
+from cacheseek.errors import StorageError, TierUnavailable
 from cacheseek.hashing import to_hex
 
 from .errors import NotFound, TierUnreachable
@@ -44,6 +44,9 @@ FILE_VERSION = 1
 # Walks of a chain to delete, each after the demotions then in flight: two that agree end it
 # (a chain's blocks move down a few times at most, each move changing the walk once).
 WALKS = 8
+# How often the pins a start could not make again (Redis unreachable then) are tried again.
+# Each try costs nothing while Redis's breaker is open, and one timeout when it probes.
+RESTORE_RETRY_SECONDS = 1.0
 
 
 class AdminOps:
@@ -53,6 +56,13 @@ class AdminOps:
         self._lock = threading.Lock()  # one admin change at a time
         self._pins: dict[bytes, dict[str, Any]] = {}  # stored key of the chain's last block -> how it was pinned
         self._path = Path(state_dir) / PINS_FILE if state_dir is not None else None
+        # Pins of the file that a start could not make again because a tier could not be asked
+        # (Redis down): stored key -> its entry. Kept in the file and tried again until made
+        # (or their chain is gone, or they expire): dropped, the next save lost them for good
+        # and the chain stayed unpinned once Redis was back.
+        self._unrestored: dict[bytes, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._retrying: threading.Thread | None = None
 
     # -- usage ---------------------------------------------------------------------------
 
@@ -78,10 +88,15 @@ class AdminOps:
             # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
             self.store.settle_moves()
             keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
-            # (A flush deletes from Redis only what it finds here: one Redis could not
-            # confirm is counted with the blocks deleted here, as before, not refused.)
-            blocks, nbytes, _ = self._delete(keys, count_unknown=True)
-            self._forget_pins_of(set(keys))
+            # A block whose Redis copy could not be deleted is kept in every tier: the flush
+            # finds what to delete here, so a retry finds it again and deletes it there too
+            # (deleted here alone, its Redis copy was named by nothing and served again).
+            blocks, nbytes, unknown, gone = self._delete(keys)
+            self._forget_pins_of(gone)
+        if unknown:
+            what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
+            raise TierUnreachable(f"flush of {what}: a tier that may hold {unknown} of its {len(keys)} blocks could "
+                                  f"not be reached, so those are kept (in every tier; {blocks} others deleted); retry")
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
     def delete_chain(self, namespace: str, h: bytes) -> dict[str, Any]:
@@ -108,14 +123,14 @@ class AdminOps:
                     raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may "
                                           "hold its chain could not be reached; retry")
                 raise NotFound(f"block {to_hex(h)} is not stored")
-            blocks, nbytes, unknown = self._delete(doomed)
-            self._forget_pins_of(set(doomed))
+            blocks, nbytes, unknown, gone = self._delete(doomed)
+            self._forget_pins_of(gone)
         if unknown:
-            # The tiers that answered forgot them; the one that did not may serve them again.
-            # A retry walks the chain again (there too, once it answers) and deletes the rest.
+            # Those are kept in every tier: a retry walks the chain again and finds them, its
+            # descendants too (Redis keeps no index of children: deleted here alone, a
+            # descendant's Redis copy was named by nothing and served again).
             raise TierUnreachable(f"chain ending at {to_hex(h)}: a tier that may hold {unknown} of its {len(doomed)} "
-                                  "blocks could not be reached, so they may still be stored there (deleted from the "
-                                  "other tiers); retry")
+                                  "blocks could not be reached, so those are kept (in every tier); retry")
         return {"hash": to_hex(h), "deleted_blocks": blocks, "deleted_bytes": nbytes}
 
     def _doomed(self, key: bytes) -> list[bytes] | None:
@@ -143,20 +158,24 @@ class AdminOps:
             child = parent
         return doomed
 
-    def _delete(self, keys: list[bytes], *, count_unknown: bool = False) -> tuple[int, int, int]:
-        """Delete ``keys``, highest position first; returns blocks and bytes deleted (with
-        ``count_unknown``, also those below), and how many of them a tier that may hold them
-        (Redis) could not be asked to delete."""
+    def _delete(self, keys: list[bytes]) -> tuple[int, int, int, set[bytes]]:
+        """Delete ``keys``, highest position first; returns blocks and bytes deleted, how many
+        of them a tier that may hold them (Redis) could not be asked to delete (those are kept
+        in every tier: ``TieredStore.delete``'s ``all_or_nothing``), and the keys gone."""
         store = self.store
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
         blocks = nbytes = unknown = 0
-        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos])):
-            if deleted or deleted is None and count_unknown:
+        gone: set[bytes] = set()
+        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos], all_or_nothing=True)):
+            if deleted:
                 blocks += 1
                 nbytes += info.nbytes if info is not None else 0
-            unknown += deleted is None
-        return blocks, nbytes, unknown
+            if deleted is None:
+                unknown += 1
+            else:
+                gone.add(key)
+        return blocks, nbytes, unknown, gone
 
     # -- pins ----------------------------------------------------------------------------
 
@@ -164,11 +183,21 @@ class AdminOps:
             expires_at: float | None = None) -> dict[str, Any]:
         key = self.service.namespaces.stored_key(namespace, h)
         with self._lock:
+            return self._pin(namespace, h, key, ttl_seconds, expires_at)
+
+    def _pin(self, namespace: str, h: bytes, key: bytes, ttl_seconds: float | None,
+             expires_at: float | None) -> dict[str, Any]:
+        try:
             pin = self.store.pin(key, ttl_seconds=ttl_seconds, expires_at=expires_at)
-            if pin is None:
-                raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
-            self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
-            saved = self._save()
+        except TierUnavailable as exc:
+            # Not a 404 ("not stored") nor a 507 (a full store): an outage, nothing pinned.
+            raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
+                                  f"could not be reached ({exc}), so nothing is pinned; retry") from None
+        if pin is None:
+            raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
+        self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
+        self._unrestored.pop(key, None)
+        saved = self._save()
         return {**self._describe(key, pin), "saved": saved}
 
     def unpin(self, namespace: str, h: bytes) -> dict[str, Any]:
@@ -177,6 +206,11 @@ class AdminOps:
             pin = self.store.unpin(key)
             if pin is None:
                 self._pins.pop(key, None)
+                waiting = self._unrestored.pop(key, None)
+                if waiting is not None:  # (not made again yet: it no longer will be)
+                    saved = self._save()
+                    return {"namespace": namespace, "hash": to_hex(h), "blocks": 0, "pinned_at": None,
+                            "expires_at": waiting["expires_at"], "bytes": 0, "saved": saved}
                 raise NotFound(f"no pin on {to_hex(h)}")
             # Described before its name is forgotten: the answer names the chain it unpinned.
             described = self._describe(key, pin)
@@ -185,11 +219,17 @@ class AdminOps:
         return {**described, "saved": saved}
 
     def pins(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        """Every pin; ``waiting``: one of the pins file that a start could not make again
+        (Redis unreachable), not in effect yet (no block pinned)."""
         out = []
         for pin in self.store.pins():
-            desc = self._describe(pin.key, pin)
+            desc = {**self._describe(pin.key, pin), "waiting": False}
             if namespace is None or desc["namespace"] == namespace:
                 out.append(desc)
+        with self._lock:
+            waiting = [entry for key, entry in self._unrestored.items() if key not in self._pins]
+        out += [{**entry, "blocks": 0, "pinned_at": None, "bytes": 0, "waiting": True} for entry in waiting
+                if namespace is None or entry["namespace"] == namespace]
         return out
 
     def _describe(self, key: bytes, pin: Any) -> dict[str, Any]:
@@ -202,7 +242,10 @@ class AdminOps:
         for key in gone:
             self.store.unpin(key)
             self._pins.pop(key)
-        if gone:
+        waiting = [key for key in self._unrestored if key in deleted]
+        for key in waiting:
+            self._unrestored.pop(key)
+        if gone or waiting:
             self._save()
 
     def restore_pins(self) -> int:
@@ -213,12 +256,12 @@ class AdminOps:
             data = json.loads(self._path.read_text())
         except (OSError, ValueError):
             return 0
-        restored = 0
         now = time.time()
         entries = data.get("pins") if isinstance(data, dict) else None
         for entry in entries if isinstance(entries, list) else []:
             try:
                 namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")
+                key = self.service.namespaces.stored_key(namespace, h)
             except (KeyError, TypeError, ValueError):
                 continue
             # An expiry that is not a finite number is skipped as any unreadable entry (compared
@@ -226,14 +269,59 @@ class AdminOps:
             if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
                                         or not math.isfinite(expires) or expires <= now):
                 continue
-            try:
-                self.pin(namespace, h, expires_at=expires)
-                restored += 1
-            except NotFound:
-                continue
-            except StorageError as exc:  # (Redis unreachable at start): the server starts all the same
-                log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, exc)
-        return restored
+            # Every entry waits until made: a save while the first are made keeps the rest.
+            self._unrestored[key] = {"namespace": namespace, "hash": to_hex(h), "expires_at": expires}
+        made, _ = self._pin_unrestored(at_start=True)
+        if self._unrestored:
+            self._retrying = threading.Thread(target=self._retry_unrestored, name="cacheseek-pins-restore", daemon=True)
+            self._retrying.start()
+        return made
+
+    def _pin_unrestored(self, *, at_start: bool = False) -> tuple[int, bool]:
+        """Make again the pins of the file not made yet: how many were made, and whether
+        none is left. One that a tier could not be asked for (Redis unreachable) is kept,
+        for the next try."""
+        with self._lock:
+            todo = list(self._unrestored.items())
+        made = 0
+        for key, entry in todo:
+            namespace, h, expires = entry["namespace"], bytes.fromhex(entry["hash"]), entry["expires_at"]
+            with self._lock:
+                if self._unrestored.get(key) is not entry:
+                    continue  # pinned or unpinned by an admin meanwhile: theirs stands
+                why: BaseException | None = None
+                try:
+                    if expires is None or expires > time.time():
+                        self._pin(namespace, h, key, None, expires)
+                        made += 1
+                        continue
+                except NotFound:
+                    pass  # (its chain is gone: not made again, as at any start)
+                except TierUnreachable as exc:
+                    if at_start:
+                        log.warning("pin of %s in namespace %r not restored yet: %s (kept in the pins file, and "
+                                    "made again once it can be)", entry["hash"], namespace, exc)
+                        continue
+                    return made, False  # (still unreachable: the rest would be too)
+                except StorageError as exc:  # (a tier full of pins): not made again, as before
+                    why = exc
+                if why is not None:
+                    log.warning("pin of %s in namespace %r not restored: %s", entry["hash"], namespace, why)
+                del self._unrestored[key]
+                self._save()
+        with self._lock:
+            return made, not self._unrestored
+
+    def _retry_unrestored(self) -> None:
+        while not self._stop.wait(RESTORE_RETRY_SECONDS):
+            if self._pin_unrestored()[1]:
+                return
+
+    def close(self) -> None:
+        """Stop trying again the pins a start could not make (they stay in the pins file)."""
+        self._stop.set()
+        if self._retrying is not None:
+            self._retrying.join()
 
     def _save(self) -> bool | None:
         """Write the pins file: whether it was written (None: no disk tier, no file). A pin
@@ -246,6 +334,7 @@ class AdminOps:
             pin = self.store.pin_table.get(key)
             if pin is not None:
                 entries.append({**named, "expires_at": pin.expires_at})
+        entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
         tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
             with open(tmp, "w") as f:

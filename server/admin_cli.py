@@ -195,6 +195,8 @@ def _table(cmd: str, body: Any) -> str:
         lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'bytes':>14}  expires"]
         for pin in body:
             expires = "never" if pin["expires_at"] is None else f"{pin['expires_at']:.0f} (unix)"
+            if pin.get("waiting"):
+                expires += " (not made yet: Redis unreachable at the server's start)"
             lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
                          f"{_size(pin['bytes']):>14}  {expires}")
         return "\n".join(lines)

@@ -126,6 +126,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         finally:
             # uvicorn has stopped accepting and let in-flight requests finish (SIGTERM).
             app.state.closing = True
+            await run_in_threadpool(app.state.admin.close)
             if owned:
                 await run_in_threadpool(the_store.close)
                 log.info("store closed")

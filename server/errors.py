@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from cacheseek.batch_body import BatchFormatError, BatchTooLarge
-from cacheseek.errors import FrameError, InputError, StorageError
+from cacheseek.errors import FrameError, InputError, StorageError, TierUnavailable
 
 from .openapi import ANSWERS_422
 
@@ -97,6 +97,7 @@ STATUS: dict[type[BaseException], int] = {
     NotReady: 503,
     Busy: 503,
     TierUnreachable: 503,
+    TierUnavailable: 503,  # a tier (Redis) could not be asked: an outage to retry, not a full store
     StorageError: 507,  # no tier could take the block: the store is full or its disk fails
 }
 

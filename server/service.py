@@ -290,10 +290,13 @@ class BlockService:
                                f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
 
     def delete(self, namespace: str, h: bytes) -> None:
-        deleted = self.store.delete(self.namespaces.stored_key(namespace, h))
+        # All or nothing: deleted from the local tiers alone, its Redis copy would be named by
+        # no local index (no owner: a flush of its namespace or model could not find it) and
+        # served again once Redis answered, unless the client retried.
+        deleted = self.store.delete(self.namespaces.stored_key(namespace, h), all_or_nothing=True)
         if deleted is None:  # a 404 or a 204 would tell the client it is gone
-            raise TierUnreachable(f"block {to_hex(h)}: a tier that may hold it could not be reached, so it may still "
-                                  "be stored there (the other tiers' copies are deleted); retry")
+            raise TierUnreachable(f"block {to_hex(h)}: a tier that may hold it could not be reached, so it is kept "
+                                  "(in every tier); retry")
         if not deleted:
             raise NotFound(f"block {to_hex(h)} is not stored")
 

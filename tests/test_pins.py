@@ -663,6 +663,80 @@ def test_a_pin_or_unpin_redis_misses_is_sent_again_and_never_leaks(tmp_path):
         srv.stop()
 
 
+@needs_redis
+def test_a_pin_or_a_whole_delete_that_cannot_ask_redis_says_so_and_changes_nothing(tmp_path):
+    """With Redis killed, a pin of a chain only Redis held answered None, "not stored whole"
+    (the walk took the outage for missing links), which a server turned into a 404: it
+    raises ``TierUnavailable``, as a pin of a chain the CPU tier holds does (its Redis pin
+    fails). A delete with ``all_or_nothing`` that cannot ask Redis deletes from no tier, so
+    that a caller finding blocks in the local indexes finds them again when it retries."""
+    from cacheseek.errors import TierUnavailable
+    from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
+    from cacheseek.store.redis_client import RedisTimeouts
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 16 * FRAME, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3),
+                          breaker=CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(0.2)))
+        store = TieredStore([CpuTier(8 * FRAME), redis], write_through=["redis"])
+        local, remote = frames(20, 2), frames(21, 2)
+        for key, frame in local + remote:
+            assert store.put(key, frame).stored
+        for key, _ in remote:  # (only Redis holds this chain now)
+            store.tier("cpu").delete(key)
+        srv.kill()
+        for chain in (remote, local):
+            with pytest.raises(TierUnavailable):
+                store.pin(chain[-1][0])
+        assert store.pins() == [] and not any(store.tier("cpu")._index.is_pinned(k) for k, _ in local)
+        assert store.delete(local[-1][0], all_or_nothing=True) is None
+        assert store.tier("cpu").contains_many([k for k, _ in local]) == [True, True]  # kept, for the retry
+        srv.start()  # (empty: no persistence)
+        while redis.breaker.stats().retry_in_seconds > 0:  # (its backoff: then a probe goes through)
+            time.sleep(0.02)
+        assert store.delete(local[-1][0], all_or_nothing=True) is True
+        assert store.contains_many([local[-1][0]]) == [False]
+        assert store.pin(remote[-1][0]) is None  # gone with Redis's restart: now truly not stored
+    finally:
+        srv.stop()
+
+
+@needs_redis
+def test_an_unpin_owed_through_an_outage_is_sent_by_the_lease_keeper(tmp_path):
+    """An unpin that could not reach Redis is owed; only a put or ``stats()`` sent it. A
+    process that went on pinning other blocks but only read (an embedded cache serving
+    hits) renewed its lease every fifth of it, and so kept the unpinned blocks pinned in
+    Redis, out of every process's LRU, for as long as it lived. The keeper sends it."""
+    from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
+    from cacheseek.store.redis_client import RedisTimeouts
+
+    srv = RedisServer(tmp_path / "redis").start()
+    try:
+        redis = RedisTier(srv.url, 16 * FRAME, timeouts=RedisTimeouts(connect_seconds=0.3, socket_seconds=0.3),
+                          breaker=CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(0.1)),
+                          pin_lease_seconds=1.0)  # (renewed every 0.2 s)
+        store = TieredStore([CpuTier(8 * FRAME), redis], write_through=["redis"])
+        (x, fx), (y, fy) = frames(22, 1)[0], frames(23, 1)[0]
+        for key, frame in ((x, fx), (y, fy)):
+            store.put(key, frame)
+            store.pin(key)
+        srv.pause()
+        try:
+            assert redis.contains_many([x]) == [False]  # (timed out: the breaker opens, so the unpin is not sent)
+            store.unpin(x)
+        finally:
+            srv.resume()
+        assert redis._owed_unpins == {x}
+        pinned = "{cacheseek:default}:pinned"
+        deadline = time.monotonic() + 5
+        while srv.cli("SISMEMBER", pinned, x.hex()).strip() != "0" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.cli("SISMEMBER", pinned, x.hex()).strip() == "0"  # no put, no stats() meanwhile
+        assert srv.cli("SISMEMBER", pinned, y.hex()).strip() == "1" and not redis._owed_unpins
+    finally:
+        srv.stop()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA (scripts/h200.sh pins-gpu)")
 def test_a_gpu_tier_keeps_pinned_chains_and_refuses_when_full_of_them():
     from cacheseek.store.gpu import GpuTier

@@ -279,3 +279,198 @@ def test_an_admin_chain_delete_that_cannot_reach_redis_is_a_503(tmp_path, cpu_by
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def _open_breaker(c: httpx.Client, srv: Server) -> None:
+    """With Redis paused: misses that time out open the server's breaker (then nothing is sent)."""
+    while _redis_stats(srv)["breaker"]["state"] == "closed":
+        assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
+
+
+def _until_redis_answers(send, deadline_seconds: float = 10.0) -> httpx.Response:
+    """``send()`` again while it answers 503 (the breaker lets calls through once it probes)."""
+    deadline = time.monotonic() + deadline_seconds
+    while (r := send()).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return r
+
+
+@pytest.mark.parametrize("cpu_bytes", ["0", "1MiB"])
+def test_a_pin_that_cannot_reach_redis_is_a_503_and_pins_nothing(tmp_path, cpu_bytes):
+    """A chain pinned while Redis cannot be reached. Only in Redis, the walk of the chain
+    missed every link and the answer was 404 "not stored whole"; in the CPU tier too, the
+    Redis pin failed and the answer was 507, a full store. Either way the client was told
+    something other than the truth, an outage: both are a 503 (retry), nothing pinned."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes=cpu_bytes, env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            chain = raw_chain(73, 3)
+            for h, frame in chain:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            last = chain[-1][0].hex()
+            redis.pause()
+            try:
+                _open_breaker(c, srv)
+                _refused_until_redis_answers(c.put(f"/v1/admin/pins/{last}", headers=admin))
+                assert c.get("/v1/admin/pins", headers=admin).json() == []
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: c.put(f"/v1/admin/pins/{last}", headers=admin))
+            assert r.status_code == 200 and r.json()["blocks"] == 3, r.text
+            assert _redis_stats(srv)["pinned_blocks"] == 3
+            _no_500(srv)
+    finally:
+        redis.kill()
+
+
+def test_a_flush_that_cannot_reach_redis_is_a_503_and_its_retry_deletes_the_redis_copies(tmp_path):
+    """A model flushed while Redis cannot be reached (its breaker open: no DEL is sent). The
+    flush deleted the CPU tier's copies and answered 200 with every block counted deleted;
+    Redis kept them, and served them again once it answered, though nothing named them any
+    more: no later flush could find them. Now such blocks are kept in every tier and the
+    answer is a 503; the retry, once Redis answers, deletes them everywhere."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            chain = raw_chain(74, 3)
+            for h, frame in chain:
+                r = c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"})
+                assert r.status_code == 201
+            redis.pause()
+            try:
+                _open_breaker(c, srv)
+                r = c.post("/v1/admin/flush", params={"model": "m"}, headers=admin)
+                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+                assert r.headers["retry-after"] == "1"
+                for h, _ in chain:  # kept where they were, for the retry to find
+                    assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=admin))
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+            for h, _ in chain:  # from Redis too
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            assert _redis_stats(srv)["blocks"] == 0
+            _no_500(srv)
+    finally:
+        redis.kill()
+
+
+def test_a_chain_delete_retried_after_an_outage_deletes_the_descendants_redis_holds(tmp_path):
+    """A chain deleted at its middle block while Redis cannot be reached: the first answer
+    is a 503, as it should be, but the CPU tier's copies were gone; the retry walked the
+    chain again and found its descendants only in the local indexes (Redis keeps no index
+    of children), so it deleted the block and its ancestors and answered 200, while the
+    tail stayed in Redis and was served. Now nothing is deleted where Redis could not be
+    asked, and the retry finds the whole chain."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            chain = raw_chain(75, 3)
+            for h, frame in chain:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            middle = chain[1][0].hex()
+            redis.pause()
+            try:
+                _open_breaker(c, srv)
+                _refused_until_redis_answers(c.delete(f"/v1/admin/chains/{middle}", headers=admin))
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{middle}", headers=admin))
+            assert r.status_code == 200, r.text
+            for h, _ in chain:  # the tail too: not served from Redis
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            assert r.json()["deleted_blocks"] == 3
+            assert _redis_stats(srv)["blocks"] == 0
+            _no_500(srv)
+    finally:
+        redis.kill()
+
+
+def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(tmp_path):
+    """A server restarted while Redis hung could not make its pins again (the Redis pin
+    failed): it logged so and dropped them. The chain stayed unpinned once Redis answered,
+    and the next pin's save left them out of the pins file, so no later start made them
+    either. Now they are kept in the file, and made again as soon as Redis answers."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    args = ("--admin-token", "adm")
+    chain, other = raw_chain(76, 3), raw_chain(77, 2)
+
+    def pinned(c: httpx.Client, *, waiting: bool = False) -> set[str]:
+        return {p["hash"] for p in c.get("/v1/admin/pins", headers=admin).json() if p["waiting"] is waiting}
+
+    try:
+        with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+            for h, frame in chain + other:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin)
+            assert r.status_code == 200 and r.json()["saved"] is True, r.text
+        srv = Server(tmp_path / "s", *args, env=_env(redis))
+        redis.pause()
+        try:
+            srv.start()
+            with httpx.Client(base_url=srv.url, timeout=10) as c:  # listed, as not made yet
+                assert pinned(c, waiting=True) == {chain[-1][0].hex()} and pinned(c) == set()
+        finally:
+            redis.resume()
+        try:
+            with httpx.Client(base_url=srv.url, timeout=10) as c:
+                deadline = time.monotonic() + 10
+                while not pinned(c) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert pinned(c) == {chain[-1][0].hex()} and pinned(c, waiting=True) == set(), srv.output()
+                assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=admin).status_code == 200
+                assert _redis_stats(srv)["pinned_blocks"] == 5
+        finally:
+            srv.stop()
+        with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
+            assert pinned(c) == {chain[-1][0].hex(), other[-1][0].hex()}  # both in the pins file
+            _no_500(srv)
+    finally:
+        redis.kill()
+
+
+def test_a_block_whose_delete_got_a_503_is_still_found_by_a_flush(tmp_path):
+    """A block deleted while Redis could not be reached: the answer was a 503, as it should
+    be, but the CPU tier's copy was gone, and with it the server's record of the block's
+    owner. A client that did not retry and flushed its model once Redis answered got a 200,
+    and Redis went on serving the block. Now a delete that cannot ask Redis deletes from no
+    tier, so the block is still the model's, and the flush deletes it everywhere."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, frame = raw_frame(78)
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"}).status_code == 201
+            redis.pause()
+            try:
+                _open_breaker(c, srv)
+                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # kept: nothing was deleted
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=admin))
+            assert r.status_code == 200, r.text
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served from Redis
+            assert r.json()["deleted_blocks"] == 1
+            _no_500(srv)
+    finally:
+        redis.kill()

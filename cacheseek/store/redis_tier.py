@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import ConfigError, FrameError, StorageError
+from ..errors import ConfigError, FrameError, StorageError, TierUnavailable
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
@@ -64,7 +64,7 @@ MAX_TTL_SECONDS = (1 << 62) / 1000
 PIN_REFRESH_SECONDS = 10.0
 
 
-class RedisUnavailable(StorageError):
+class RedisUnavailable(TierUnavailable):
     """Redis did not answer (down, timed out, restarting), or the circuit breaker is open."""
 
 
@@ -701,6 +701,12 @@ class RedisTier(Tier):
 
     def info(self, key: bytes) -> BlockInfo | None:
         """The block's sizes, parent and position, from its frame header (no payload read)."""
+        try:
+            return self.info_or_raise(key)
+        except RedisUnavailable:
+            return None
+
+    def info_or_raise(self, key: bytes) -> BlockInfo | None:
         name = self.keys_of.frame(key)
 
         def read(c: Any) -> tuple[int, bytes]:
@@ -716,10 +722,12 @@ class RedisTier(Tier):
 
         try:
             size, head = self._run(read)
-        except StorageError:
+        except StorageError as exc:
             with self._lock:
                 self._faults.read_errors += 1
-            return None
+            if isinstance(exc, RedisUnavailable):
+                raise
+            return None  # (Redis answered, with an error: no frame of this block there)
         if size == 0:
             return None
         try:
@@ -946,12 +954,14 @@ class RedisTier(Tier):
         self._lease_keeper.start()
 
     def _renew_lease(self) -> None:
-        if not self._own:
-            return
-        try:
-            self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
-        except StorageError:
-            pass  # counted; the next renewal tries again (and pins again what a lapse took)
+        if self._own:
+            try:
+                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+            except StorageError:
+                return  # counted; the next renewal tries again (and pins again what a lapse took)
+        # Unpins an outage left owed go now, not only with the next put or stats(): a process
+        # that only reads renewed its lease, and so kept those blocks pinned, for good.
+        self._pay_owed_unpins()
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:

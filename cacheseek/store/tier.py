@@ -208,6 +208,12 @@ class Tier(ABC):
     @abstractmethod
     def info(self, key: bytes) -> BlockInfo | None: ...
 
+    def info_or_raise(self, key: bytes) -> BlockInfo | None:
+        """``info``, but a tier that could not be asked raises ``TierUnavailable`` where
+        ``info`` answers None (a miss): for a caller that must not take an outage for an
+        absent block (a pin, which would answer "not stored")."""
+        return self.info(key)
+
     @abstractmethod
     def keys(self) -> list[bytes]: ...
 

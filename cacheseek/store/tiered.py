@@ -503,9 +503,12 @@ class TieredStore:
                 present[i] = hit
         return present
 
-    def info(self, key: bytes) -> BlockInfo | None:
+    def info(self, key: bytes, *, strict: bool = False) -> BlockInfo | None:
+        """The block's sizes, parent and position from the fastest tier holding it.
+        ``strict``: a tier that could not be asked (and no faster one holds the block)
+        raises ``TierUnavailable`` rather than answering None."""
         for tier in self.tiers:
-            info = tier.info(key)
+            info = tier.info_or_raise(key) if strict else tier.info(key)
             if info is not None:
                 return info
         return None
@@ -521,10 +524,11 @@ class TieredStore:
         if so, once those moves are over (``Moves.overlapped``): walk again."""
         return mark is not None and self.moves is not None and self.moves.overlapped(mark)
 
-    def chain(self, key: bytes, *, limit: int = 1 << 20) -> list[bytes] | None:
+    def chain(self, key: bytes, *, limit: int = 1 << 20, strict: bool = False) -> list[bytes] | None:
         """Every block of the chain ending at ``key``, head first; None if any link is missing
-        (a block on its way down a tier is not missing: see ``mark_moves``)."""
-        return self.walk_past_moves(lambda: self._chain(key, limit))
+        (a block on its way down a tier is not missing: see ``mark_moves``). ``strict``: a
+        link that only a tier that could not be asked may hold raises ``TierUnavailable``."""
+        return self.walk_past_moves(lambda: self._chain(key, limit, strict))
 
     def walk_past_moves(self, walk: Callable[[], T], missed: Callable[[T], bool] = lambda out: out is None) -> T:
         """``walk()`` of the tiers' indexes, again while it ``missed`` a block and a block may
@@ -537,15 +541,15 @@ class TieredStore:
                 return out
         return walk()
 
-    def _chain(self, key: bytes, limit: int) -> list[bytes] | None:
+    def _chain(self, key: bytes, limit: int, strict: bool = False) -> list[bytes] | None:
         out = []
-        info = self.info(key)
+        info = self.info(key, strict=strict)
         while info is not None and len(out) < limit:
             out.append(key)
             if info.position == 0:
                 return out[::-1]
             key, child = info.parent, info
-            info = self.info(key)
+            info = self.info(key, strict=strict)
             # A parent at another position is not this chain's: such links (refused where a tier
             # indexes children, possible in Redis) can close a cycle, walked until ``limit``.
             if info is not None and info.position != child.position - 1:
@@ -565,11 +569,18 @@ class TieredStore:
         for tier in self.tiers:
             tier.touch(rev)
 
-    def delete(self, key: bytes) -> bool | None:
+    def delete(self, key: bytes, *, all_or_nothing: bool = False) -> bool | None:
         """Delete ``key`` from every tier: True if one held it; None if a tier could not be
         asked (its copy, if any, is still there, and comes back once that tier answers: the
         others' copies are gone, but the block is not), whatever the others held; else False.
-        A block on its way down a tier (write-back) is deleted where it lands, and counts as held."""
+        A block on its way down a tier (write-back) is deleted where it lands, and counts as held.
+
+        ``all_or_nothing``: the tiers without a local index (Redis) are asked first, and if
+        one cannot be, no other tier's copy is deleted (None): a caller that finds what to
+        delete in the local indexes (a flush by owner, a chain's descendants) finds the block
+        there again when it retries, rather than a copy in Redis that no local index names
+        and that is served again once Redis answers. (A Redis that timed out may have run
+        the delete all the same: the retry deletes the rest.)"""
         mark = self.mark_moves()
         with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
             self._deletes += 1
@@ -581,9 +592,14 @@ class TieredStore:
         try:
             try:
                 deleted, unknown = False, False
-                for tier in self.tiers:
+                tiers = self.tiers
+                if all_or_nothing:
+                    tiers = sorted(tiers, key=lambda t: t.index_in_memory)  # (stable: top-down within each)
+                for tier in tiers:
                     done = tier.delete(key)
                     deleted, unknown = deleted or bool(done), unknown or done is None
+                    if unknown and all_or_nothing:
+                        break
             finally:
                 with self._delete_lock:
                     self._deleting.discard(number)
@@ -614,13 +630,13 @@ class TieredStore:
             for level, tier in enumerate(self.tiers):
                 self._demote(level, tier.trim(), self._deletes_done())
 
-    def delete_many(self, keys: Sequence[bytes]) -> list[bool | None]:
+    def delete_many(self, keys: Sequence[bytes], *, all_or_nothing: bool = False) -> list[bool | None]:
         """``delete`` of each of ``keys``, in their order, made durable together: each tier
         syncs the deletes once at the end (``Tier.batched_deletes``), not once per block."""
         with ExitStack() as stack:
             for tier in self.tiers:
                 stack.enter_context(tier.batched_deletes())
-            return [self.delete(key) for key in keys]
+            return [self.delete(key, all_or_nothing=all_or_nothing) for key in keys]
 
     def settle_moves(self) -> None:
         """Wait until the blocks on their way down now (evicted from one tier, not yet in the
@@ -676,8 +692,12 @@ class TieredStore:
     def pin(self, key: bytes, *, ttl_seconds: float | None = None, expires_at: float | None = None) -> Pin | None:
         """Keep the chain ending at ``key`` out of eviction in every tier (those holding it
         now, and any it reaches later) for ``ttl_seconds`` (None: until :meth:`unpin`), or
-        until ``expires_at`` (seconds since the epoch). None if the chain is not complete."""
-        keys = self.chain(key)
+        until ``expires_at`` (seconds since the epoch). None if the chain is not complete.
+        Raises ``TierUnavailable`` when a tier that may hold a link of it (or that must take
+        the pin: Redis) could not be asked; then nothing is pinned anywhere."""
+        # Strict: a link only Redis holds, asked while Redis is down, is not a chain "not
+        # stored" (a 404 to a server's client), but an outage to retry.
+        keys = self.chain(key, strict=True)
         if keys is None:
             return None
         with self._pin_lock:

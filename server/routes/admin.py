@@ -74,8 +74,12 @@ async def models(ops: Admin) -> list[dict]:
     return await run_in_threadpool(ops.models)
 
 
+UNREACHABLE = {503: {"description": "a tier that may hold its blocks (Redis) could not be reached: nothing done "
+                                   "for those; retry", **ERROR}}
+
+
 @router.post("/flush", responses={**REFUSED, 404: {"description": "no such namespace or model", **ERROR},
-                                  400: {"description": "neither namespace nor model given", **ERROR}})
+                                  400: {"description": "neither namespace nor model given", **ERROR}, **UNREACHABLE})
 async def flush(ops: Admin,
                 namespace: Annotated[str | None, Query(description="the namespace to flush ('' is the default one)")] = None,
                 model: Annotated[str | None, Query(description="the model to flush (with namespace: only there)")] = None,
@@ -86,9 +90,7 @@ async def flush(ops: Admin,
     return await run_in_threadpool(lambda: ops.flush(namespace=namespace, model=model))
 
 
-@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR},
-                                           503: {"description": "a tier that may hold it (Redis) could not be "
-                                                                "reached: retry", **ERROR}})
+@router.delete("/chains/{hash}", responses={**REFUSED, 404: {"description": "not stored", **ERROR}, **UNREACHABLE})
 async def delete_chain(ops: Admin, hash: Hash, namespace: NamespaceHeader = None) -> dict:
     """Delete the chain ending at ``hash``: the block, every block extending it, and the
     ancestors no other stored chain goes through."""
@@ -101,7 +103,10 @@ async def pins(ops: Admin) -> list[dict]:
     return await run_in_threadpool(ops.pins)
 
 
-@router.put("/pins/{hash}", responses={**REFUSED, 404: {"description": "the chain is not stored whole", **ERROR}})
+@router.put("/pins/{hash}", responses={**REFUSED, 404: {"description": "the chain is not stored whole", **ERROR},
+                                       503: {"description": "a tier that may hold the chain or must keep the pin "
+                                                            "(Redis) could not be reached: nothing pinned; retry",
+                                             **ERROR}})
 async def pin(ops: Admin, hash: Hash, body: PinRequest | None = None, namespace: NamespaceHeader = None) -> dict:
     """Never evict the chain ending at ``hash`` (every block of it, in every tier), until
     unpinned or for ``ttl_seconds``. Pinning a pinned chain again sets its new expiry."""
