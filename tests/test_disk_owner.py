@@ -53,19 +53,31 @@ def test_two_prefix_caches_in_two_processes_on_one_directory(tmp_path):
 
 FORK_THEN_HOLD = textwrap.dedent("""
     import os, sys, time
+    # A child the scheduler leaves waiting right after the fork (a loaded machine), before
+    # its at-fork hooks have run: first registered, this runs before the tier's, which
+    # closes the child's copy of the lock descriptor.
+    os.register_at_fork(after_in_child=lambda: time.sleep(0.3))
     sys.path.insert(0, {here!r})
     from store_helpers import make_cache
     cache = make_cache(cpu=0, disk={disk!r})
+    ready_r, ready_w = os.pipe()
     child = os.fork()  # a worker forked after the cache opened (multiprocessing's default)
     if child == 0:
+        os.write(ready_w, b"x")  # (Python runs in the child only once its at-fork hooks have)
         time.sleep(60)
         os._exit(0)
+    os.read(ready_r, 1)
     print(child, flush=True)
     time.sleep(60)
 """)
 
 
 def test_the_owners_kill_9_frees_the_directory_though_a_forked_child_lives(tmp_path):
+    """The child closes its copy of the lock descriptor in an at-fork hook, in the child,
+    some time after ``fork()`` returned in the owner. The test killed the owner as soon as
+    it had forked and failed with DiskInUse when the child had not run yet (CI once, on a
+    loaded machine): the owner now waits for the child to be running Python before it says
+    it has forked; the hook above makes that wait needed every time."""
     import signal
 
     disk = tmp_path / "d"
