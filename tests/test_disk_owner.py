@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import sys
 import textwrap
 from pathlib import Path
@@ -214,3 +215,67 @@ def test_the_disk_budget_bounds_what_the_files_take_on_the_filesystem(tmp_path, 
         assert again.stats().evictions == 0  # (the rebuild counts what the writes counted: nothing to trim)
     finally:
         again.close()
+
+
+def test_close_waits_for_a_check_with_fix_before_giving_the_directory_up(tmp_path, monkeypatch):
+    """``check(fix=True)`` ran outside the calls ``close()`` waits for: closed mid-check, the
+    tier gave its directory up while the check still held a bad read of a block, and went
+    on reading (and, with ``fix``, deleting) files that were the next owner's: a block that
+    owner wrote again, whole and acknowledged, lost its files to the old check. Now close
+    waits for the block being checked, and the check stops there, closed."""
+    from cacheseek.errors import StorageError
+    from cacheseek.store import disk as disk_mod
+    from store_helpers import raw_frame
+
+    root = tmp_path / "d"
+    first = DiskTier(root, 1 << 20)
+    frames = [raw_frame(i) for i in (1, 2)]
+    for key, frame in frames:
+        first.put(key, frame)
+        data = root / key.hex()[:2] / f"{key.hex()}.frame"
+        body = bytearray(data.read_bytes())
+        body[-1] ^= 0xFF  # a payload byte flipped on disk: the check finds it corrupt
+        data.write_bytes(body)
+    reading, go = threading.Event(), threading.Event()
+    real = disk_mod.parse_frame
+
+    def held(view, **kw):  # the check's first read waits for the test
+        reading.set()
+        assert go.wait(30)
+        return real(view, **kw)
+
+    monkeypatch.setattr(disk_mod, "parse_frame", held)
+    outcome: list = []
+
+    def check() -> None:
+        try:
+            outcome.append(first.check(fix=True))
+        except StorageError as exc:
+            outcome.append(exc)
+
+    checker = threading.Thread(target=check, daemon=True)
+    checker.start()
+    assert reading.wait(30)
+    closer = threading.Thread(target=first.close, daemon=True)
+    closer.start()
+    closer.join(1.0)
+    try:
+        assert closer.is_alive(), "close() returned while check(fix=True) was in flight"
+        with pytest.raises(DiskInUse):  # (the directory is still the checking tier's)
+            DiskTier(root, 1 << 20)
+    finally:
+        go.set()
+        closer.join(30)
+        checker.join(30)
+    assert not closer.is_alive() and not checker.is_alive()
+    # The block being checked when close came was judged (and dropped); the next is refused.
+    assert isinstance(outcome[0], StorageError) and "closed" in str(outcome[0]), outcome
+    monkeypatch.undo()
+    second = DiskTier(root, 1 << 20)
+    try:
+        assert second.check(fix=True) == {"ok": 0, "corrupt": 1, "unreadable": 0}  # the one left unchecked
+        for key, frame in frames:
+            assert second.put(key, frame).stored is not None  # (both dropped: written again)
+        assert second.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+    finally:
+        second.close()

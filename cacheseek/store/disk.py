@@ -1185,30 +1185,41 @@ class DiskTier(IndexedTier):
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones (corrupt,
         or the data file missing); a frame that could not be read (``unreadable``: no
-        descriptor or memory left, an I/O error) is kept."""
+        descriptor or memory left, an I/O error) is kept.
+
+        Each block is checked inside a call ``close`` waits for: closed meanwhile, the check
+        ends after the block in hand with ``_Closed`` (a report of part of the tier would
+        read as all of it), and never touches the files once the directory is another
+        owner's (its fix removed a block the next owner had written again)."""
         report = {"ok": 0, "corrupt": 0, "unreadable": 0}
-        for key in self.keys():
-            info = self.info(key)
-            if info is None:
-                continue  # evicted or deleted since the listing
-            data_path, _ = self._paths(key)
-            try:
-                meta = parse_frame(data_path.read_bytes(), verify=True)
-                ok = meta.block_hash == key
-            except (FileNotFoundError, FrameError):
-                ok = False
-            except (OSError, MemoryError):
-                report["unreadable"] += 1
-                continue
-            if not ok:
-                with self._lock:
-                    if self._index.get(key) is not info:
-                        continue  # evicted or deleted while it was read: not damage
-                    if fix:
-                        self._drop_if_unchanged(key, info)
-                        self._sync_counts()
-            report["ok" if ok else "corrupt"] += 1
+        with self._open_call():
+            keys = self.keys()
+        for key in keys:
+            with self._open_call():
+                self._check_one(key, fix, report)
         return report
+
+    def _check_one(self, key: bytes, fix: bool, report: dict[str, int]) -> None:
+        info = self.info(key)
+        if info is None:
+            return  # evicted or deleted since the listing
+        data_path, _ = self._paths(key)
+        try:
+            meta = parse_frame(data_path.read_bytes(), verify=True)
+            ok = meta.block_hash == key
+        except (FileNotFoundError, FrameError):
+            ok = False
+        except (OSError, MemoryError):
+            report["unreadable"] += 1
+            return
+        if not ok:
+            with self._lock:
+                if self._index.get(key) is not info:
+                    return  # evicted or deleted while it was read: not damage
+                if fix:
+                    self._drop_if_unchanged(key, info)
+                    self._sync_counts()
+        report["ok" if ok else "corrupt"] += 1
 
 
 def _oldest_first(found: list[tuple[float, bytes, BlockInfo]]) -> list[tuple[bytes, BlockInfo]]:
