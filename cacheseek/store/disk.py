@@ -107,6 +107,7 @@ SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
 LOCK_NAME = ".lock"
 READ_DEPTH = 16  # whole-file reads in flight
+LOGGED_AT_START = 32  # blocks named one by one among those recovery drops (then a count)
 WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
 STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for the shard directories and other writers when a
@@ -409,6 +410,7 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
+        orphans: list[str] = []
         foreign = other_version = 0
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
@@ -430,10 +432,13 @@ class DiskTier(IndexedTier):
                     entry = self._load_sidecar(path, names)
                     if entry is _OTHER_VERSION:
                         other_version += 1  # (its data file too is left, as handled)
-                    elif entry is None:
+                    elif isinstance(entry, str):
                         _unlink(path)
                         _unlink(path.with_suffix(".frame"))
                         removed["bad_sidecar"] += 1
+                        if removed["bad_sidecar"] <= LOGGED_AT_START:
+                            log.warning("%s tier: block %s dropped at start, its files removed: %s (%s)", self.name,
+                                        path.stem, entry, path)
                     else:
                         found.append(entry)
                     handled.add(path.with_suffix(".frame").name)
@@ -441,6 +446,18 @@ class DiskTier(IndexedTier):
                 if name.endswith(".frame") and name not in handled:
                     _unlink(path)
                     removed["orphan"] += 1
+                    orphans.append(path.stem)
+        if removed["bad_sidecar"] > LOGGED_AT_START:
+            log.warning("%s tier: %d blocks in all dropped at start for a bad sidecar (the first %d named above)",
+                        self.name, removed["bad_sidecar"], LOGGED_AT_START)
+        if removed["temp"] or orphans:
+            # What a crash leaves of the writes it interrupted (a temp file, a data file whose
+            # sidecar, the commit record, was never renamed in): never acknowledged.
+            named = ", ".join(orphans[:LOGGED_AT_START]) + (f" and {len(orphans) - LOGGED_AT_START} more"
+                                                              if len(orphans) > LOGGED_AT_START else "")
+            log.warning("%s tier: removed at start %d temp files and %d data files without a sidecar (writes "
+                        "interrupted before their commit: never acknowledged)%s", self.name, removed["temp"],
+                        len(orphans), f": blocks {named}" if orphans else "")
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
@@ -581,6 +598,8 @@ class DiskTier(IndexedTier):
                     self._remove_files(victim)
                     self._index.remove(victim)
                     self._stats.corrupt += 1
+                    log.warning("%s tier: block %s, the next to evict, is damaged on disk (%s): not handed down, "
+                                "its files removed", self.name, victim.hex(), exc)
                     return
                 self._stats.read_errors += 1
                 log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
@@ -629,37 +648,43 @@ class DiskTier(IndexedTier):
         return evicted
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]
-                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | None:
-        """The block a sidecar commits, or None when it is not one of this tier's: every field
-        of the type and range a write gives it, in the shard its hash names, beside a data
-        file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
+                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | str:
+        """The block a sidecar commits, or why it is not one of this tier's (a str): every
+        field of the type and range a write gives it, in the shard its hash names, beside a
+        data file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
         ``SIDECAR_VERSION`` (an older or newer release over the same directory, after a
         rollback): not this tier's to judge, and not to delete."""
         try:
-            if path.stat().st_size > 4096:
-                return None
-            side = msgpack.unpackb(path.read_bytes(), raw=False)
+            size = path.stat().st_size
+            if size > 4096:
+                return f"the sidecar is {size} bytes, more than any the tier writes"
+            try:
+                side = msgpack.unpackb(path.read_bytes(), raw=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                return f"the sidecar ({size} bytes) is not msgpack: {exc}"
             if isinstance(side, dict) and type(side.get("v")) is int and side["v"] != SIDECAR_VERSION:
                 return _OTHER_VERSION
             if not isinstance(side, dict) or set(side) != _SIDECAR_KEYS or side["v"] != SIDECAR_VERSION:
-                return None
+                return "the sidecar is not a map of the tier's fields"
             key, parent = side["hash"], side["parent"]
             if not (isinstance(key, bytes) and len(key) in HASH_SIZES and isinstance(parent, bytes)
                     and len(parent) == len(key)):
-                return None
+                return "the sidecar's hash or parent is not a block hash"
             if path.name != f"{key.hex()}.meta" or path.parent.name != key.hex()[:2]:
-                return None
+                return f"the sidecar names another block ({key.hex()})"
             numbers = [side["nbytes"], side["raw_nbytes"], side["pos"]]
             if not all(type(x) is int and 0 <= x < 1 << 62 for x in numbers):
-                return None
+                return "the sidecar's sizes or position are out of range"
             frame_name = f"{key.hex()}.frame"
-            if frame_name not in names or names[frame_name].stat().st_size != side["nbytes"]:
-                return None
+            if frame_name not in names:
+                return "its data file is missing"
+            if (actual := names[frame_name].stat().st_size) != side["nbytes"]:
+                return f"its data file is {actual} bytes, its sidecar says {side['nbytes']}"
             info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"],
                              charged_nbytes=self.charge(side["nbytes"]))
             return path.stat().st_mtime, key, info
-        except Exception:  # whatever is wrong with one file, the tier starts without it
-            return None
+        except Exception as exc:  # whatever is wrong with one file, the tier starts without it
+            return f"the sidecar cannot be read: {exc}"
 
     # -- writes --------------------------------------------------------------------------
 
@@ -1070,13 +1095,17 @@ class DiskTier(IndexedTier):
         a moment's shortage must not delete acknowledged blocks."""
         if isinstance(done, ReadFailed):
             if done.damaged:
+                dropped = False
                 try:
                     with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
-                        if self._drop_if_unchanged(key, info):
+                        if dropped := self._drop_if_unchanged(key, info):
                             self._stats.corrupt += 1
                             self._sync_counts()
                 except _Closed:
                     pass
+                if dropped:
+                    log.warning("%s tier: block %s is damaged on disk (%s): not served, its files removed", self.name,
+                                key.hex(), done)
             else:
                 with self._lock:
                     self._stats.read_errors += 1
