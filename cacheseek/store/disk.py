@@ -410,7 +410,7 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
-        orphans: list[str] = []
+        orphans: list[Path] = []
         foreign = other_version = 0
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
@@ -433,31 +433,31 @@ class DiskTier(IndexedTier):
                     if entry is _OTHER_VERSION:
                         other_version += 1  # (its data file too is left, as handled)
                     elif isinstance(entry, str):
-                        _unlink(path)
-                        _unlink(path.with_suffix(".frame"))
                         removed["bad_sidecar"] += 1
-                        if removed["bad_sidecar"] <= LOGGED_AT_START:
+                        if removed["bad_sidecar"] <= LOGGED_AT_START:  # (said first: a crash now loses no word)
                             log.warning("%s tier: block %s dropped at start, its files removed: %s (%s)", self.name,
                                         path.stem, entry, path)
+                        _unlink(path)
+                        _unlink(path.with_suffix(".frame"))
                     else:
                         found.append(entry)
                     handled.add(path.with_suffix(".frame").name)
-            for name, path in names.items():
-                if name.endswith(".frame") and name not in handled:
-                    _unlink(path)
-                    removed["orphan"] += 1
-                    orphans.append(path.stem)
+            orphans += [path for name, path in names.items() if name.endswith(".frame") and name not in handled]
         if removed["bad_sidecar"] > LOGGED_AT_START:
             log.warning("%s tier: %d blocks in all dropped at start for a bad sidecar (the first %d named above)",
                         self.name, removed["bad_sidecar"], LOGGED_AT_START)
         if removed["temp"] or orphans:
             # What a crash leaves of the writes it interrupted (a temp file, a data file whose
-            # sidecar, the commit record, was never renamed in): never acknowledged.
-            named = ", ".join(orphans[:LOGGED_AT_START]) + (f" and {len(orphans) - LOGGED_AT_START} more"
-                                                              if len(orphans) > LOGGED_AT_START else "")
+            # sidecar, the commit record, was never renamed in): never acknowledged. Said
+            # before the orphans go, so that a crash meanwhile loses no word of them.
+            named = ", ".join(p.stem for p in orphans[:LOGGED_AT_START]) + (
+                f" and {len(orphans) - LOGGED_AT_START} more" if len(orphans) > LOGGED_AT_START else "")
             log.warning("%s tier: removed at start %d temp files and %d data files without a sidecar (writes "
                         "interrupted before their commit: never acknowledged)%s", self.name, removed["temp"],
                         len(orphans), f": blocks {named}" if orphans else "")
+        for path in orphans:
+            _unlink(path)
+        removed["orphan"] = len(orphans)
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
