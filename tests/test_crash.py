@@ -340,7 +340,8 @@ class _ChainLoad:
         rng = random.Random(self.seeds[w])
         with httpx.Client(base_url=self.url, timeout=10) as c:
             for i in range(1 << 12):  # bounded; the server dies long before
-                chain = rng.choice(self.shared) if rng.random() < 0.25 else _chain(rng, (self.round << 16) + (w << 12) + i)
+                shared = rng.random() < 0.25
+                chain = rng.choice(self.shared) if shared else _chain(rng, (self.round << 16) + (w << 12) + i)
                 step = 1 if rng.random() < 0.4 else rng.choice((2, 3, 4))
                 for j in range(0, len(chain), step):
                     if not self._send(c, chain[j : j + step]):

@@ -279,3 +279,63 @@ def test_close_waits_for_a_check_with_fix_before_giving_the_directory_up(tmp_pat
         assert second.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
     finally:
         second.close()
+
+
+def test_a_fork_in_another_thread_while_the_lock_is_taken_leaves_the_child_without_it(tmp_path, monkeypatch):
+    """A child forked (by another thread) after the lock file was opened but before its
+    descriptor was registered for the at-fork hook kept a copy of it, and so the flock,
+    for its whole life: the owner's close (or kill -9) no longer freed the directory. A
+    fork now waits for a lock being taken or given back to be registered."""
+    import fcntl as real_fcntl
+    from types import SimpleNamespace
+
+    from cacheseek.store import disk as disk_mod
+
+    root = tmp_path / "d"
+    root.mkdir()
+    in_flock, go = threading.Event(), threading.Event()
+
+    def flock(fd, op):
+        in_flock.set()
+        assert go.wait(30)
+        return real_fcntl.flock(fd, op)
+
+    monkeypatch.setattr(disk_mod, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=real_fcntl.LOCK_EX,
+                                                           LOCK_NB=real_fcntl.LOCK_NB))
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    forked: list[int] = []
+
+    def fork() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: says it runs (its at-fork hooks done), lives until told
+            os.close(hold_w)
+            os.write(ready_w, b"x")
+            os.read(hold_r, 1)
+            os._exit(0)
+        forked.append(pid)
+
+    tiers: list[DiskTier] = []
+    opener = threading.Thread(target=lambda: tiers.append(DiskTier(root, 1 << 20)), daemon=True)
+    opener.start()
+    forker = None
+    try:
+        assert in_flock.wait(30)
+        forker = threading.Thread(target=fork, daemon=True)
+        forker.start()
+        forker.join(1.0)  # the fork, where nothing holds it back (the old code: at once)
+        go.set()
+        opener.join(30)
+        forker.join(30)
+        assert forked and tiers, (forked, tiers)
+        assert os.read(ready_r, 1) == b"x"  # the child runs: its at-fork hooks are done
+        tiers[0].close()
+        monkeypatch.undo()
+        DiskTier(root, 1 << 20).close()  # free, though the child lives
+    finally:
+        go.set()
+        os.close(hold_w)
+        for pid in forked:
+            os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, hold_r):
+            os.close(fd)

@@ -1277,6 +1277,11 @@ def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
 # descriptions, and so the locks: the owner's kill -9 would leave the directory locked
 # while any child lived. The child closes its copies at once (it must not use the tier).
 _held_locks: set[int] = set()
+# Held from a lock file's open until its descriptor is in ``_held_locks`` (and from its
+# removal there until it is closed); a fork, in whatever thread, waits for it. Else a
+# child forked in between kept a copy its at-fork hook did not know of, and with it the
+# flock for its whole life.
+_held_locks_change = threading.RLock()  # (re-entrant: a tier collected, its finalizer run, while a lock is taken)
 
 
 def _drop_locks_in_child() -> None:
@@ -1286,42 +1291,46 @@ def _drop_locks_in_child() -> None:
         except OSError:
             pass
     _held_locks.clear()
+    _held_locks_change.release()  # (taken by the fork's ``before`` hook, in the thread that forked)
 
 
-os.register_at_fork(after_in_child=_drop_locks_in_child)
+os.register_at_fork(before=_held_locks_change.acquire, after_in_parent=_held_locks_change.release,
+                    after_in_child=_drop_locks_in_child)
 
 
 def _unlock_directory(fd: int) -> None:
     """Close a lock's descriptor, once, and only in the process that took it (a forked
     child's copy was closed at the fork, and its number may name another file since)."""
-    if fd in _held_locks:
-        _held_locks.discard(fd)
-        os.close(fd)
+    with _held_locks_change:
+        if fd in _held_locks:
+            _held_locks.discard(fd)
+            os.close(fd)
 
 
 def _lock_directory(root: Path) -> int:
     """An exclusive ``flock`` on ``root/.lock``, with this process's pid written in it; the
     descriptor holds the lock until it is closed. Raises ``DiskInUse`` naming the holder."""
     path = root / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    with _held_locks_change:
         try:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
+                            "one process owns a disk tier's directory: give each server or cache its own") from None
+        except OSError as exc:
             os.close(fd)
-        raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
-                        "one process owns a disk tier's directory: give each server or cache its own") from None
-    except OSError as exc:
-        os.close(fd)
-        raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
+            raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
+        _held_locks.add(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held_locks.add(fd)
     return fd
 
 
