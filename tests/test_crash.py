@@ -258,11 +258,11 @@ def test_kill9_in_write_back_keeps_its_promise(tmp_path):
 #
 # Each round: damage a few committed blocks' files as a torn write or a bad disk would (server
 # down), start ``cacheseek serve`` (in turn disk only, a CPU tier over a write-through disk,
-# disk only without fsync), check what it serves, put chains of Raw and KIVI int4 frames on it from several
-# clients (PUTs and batch POSTs, some chains sent by two clients at once), and kill -9 it at a
-# random moment (and now and then a start, too, at times in its recovery). After each kill a
-# copy of the directory is opened in this process: ``check`` finds every block whole, and the
-# tier's counts are the files'.
+# disk only without fsync), check what it serves, put chains of Raw and KIVI int4 frames on
+# it from several clients (PUTs and batch POSTs, some chains sent by two clients at once),
+# and kill -9 it at a random moment (and now and then a start, too, at times in its
+# recovery). After each kill a copy of the directory is opened in this process: ``check``
+# finds every block whole, and the tier's counts are the files'.
 
 KIVI4 = cs.KIVI(bits=4, group_size=32)
 CHAIN_WORKERS = 4
