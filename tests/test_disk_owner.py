@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import sys
 import textwrap
 from pathlib import Path
@@ -53,19 +54,31 @@ def test_two_prefix_caches_in_two_processes_on_one_directory(tmp_path):
 
 FORK_THEN_HOLD = textwrap.dedent("""
     import os, sys, time
+    # A child the scheduler leaves waiting right after the fork (a loaded machine), before
+    # its at-fork hooks have run: first registered, this runs before the tier's, which
+    # closes the child's copy of the lock descriptor.
+    os.register_at_fork(after_in_child=lambda: time.sleep(0.3))
     sys.path.insert(0, {here!r})
     from store_helpers import make_cache
     cache = make_cache(cpu=0, disk={disk!r})
+    ready_r, ready_w = os.pipe()
     child = os.fork()  # a worker forked after the cache opened (multiprocessing's default)
     if child == 0:
+        os.write(ready_w, b"x")  # (Python runs in the child only once its at-fork hooks have)
         time.sleep(60)
         os._exit(0)
+    os.read(ready_r, 1)
     print(child, flush=True)
     time.sleep(60)
 """)
 
 
 def test_the_owners_kill_9_frees_the_directory_though_a_forked_child_lives(tmp_path):
+    """The child closes its copy of the lock descriptor in an at-fork hook, in the child,
+    some time after ``fork()`` returned in the owner. The test killed the owner as soon as
+    it had forked and failed with DiskInUse when the child had not run yet (CI once, on a
+    loaded machine): the owner now waits for the child to be running Python before it says
+    it has forked; the hook above makes that wait needed every time."""
     import signal
 
     disk = tmp_path / "d"
@@ -202,3 +215,127 @@ def test_the_disk_budget_bounds_what_the_files_take_on_the_filesystem(tmp_path, 
         assert again.stats().evictions == 0  # (the rebuild counts what the writes counted: nothing to trim)
     finally:
         again.close()
+
+
+def test_close_waits_for_a_check_with_fix_before_giving_the_directory_up(tmp_path, monkeypatch):
+    """``check(fix=True)`` ran outside the calls ``close()`` waits for: closed mid-check, the
+    tier gave its directory up while the check still held a bad read of a block, and went
+    on reading (and, with ``fix``, deleting) files that were the next owner's: a block that
+    owner wrote again, whole and acknowledged, lost its files to the old check. Now close
+    waits for the block being checked, and the check stops there, closed."""
+    from cacheseek.errors import StorageError
+    from cacheseek.store import disk as disk_mod
+    from store_helpers import raw_frame
+
+    root = tmp_path / "d"
+    first = DiskTier(root, 1 << 20)
+    frames = [raw_frame(i) for i in (1, 2)]
+    for key, frame in frames:
+        first.put(key, frame)
+        data = root / key.hex()[:2] / f"{key.hex()}.frame"
+        body = bytearray(data.read_bytes())
+        body[-1] ^= 0xFF  # a payload byte flipped on disk: the check finds it corrupt
+        data.write_bytes(body)
+    reading, go = threading.Event(), threading.Event()
+    real = disk_mod.parse_frame
+
+    def held(view, **kw):  # the check's first read waits for the test
+        reading.set()
+        assert go.wait(30)
+        return real(view, **kw)
+
+    monkeypatch.setattr(disk_mod, "parse_frame", held)
+    outcome: list = []
+
+    def check() -> None:
+        try:
+            outcome.append(first.check(fix=True))
+        except StorageError as exc:
+            outcome.append(exc)
+
+    checker = threading.Thread(target=check, daemon=True)
+    checker.start()
+    assert reading.wait(30)
+    closer = threading.Thread(target=first.close, daemon=True)
+    closer.start()
+    closer.join(1.0)
+    try:
+        assert closer.is_alive(), "close() returned while check(fix=True) was in flight"
+        with pytest.raises(DiskInUse):  # (the directory is still the checking tier's)
+            DiskTier(root, 1 << 20)
+    finally:
+        go.set()
+        closer.join(30)
+        checker.join(30)
+    assert not closer.is_alive() and not checker.is_alive()
+    # The block being checked when close came was judged (and dropped); the next is refused.
+    assert isinstance(outcome[0], StorageError) and "closed" in str(outcome[0]), outcome
+    monkeypatch.undo()
+    second = DiskTier(root, 1 << 20)
+    try:
+        assert second.check(fix=True) == {"ok": 0, "corrupt": 1, "unreadable": 0}  # the one left unchecked
+        for key, frame in frames:
+            assert second.put(key, frame).stored is not None  # (both dropped: written again)
+        assert second.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+    finally:
+        second.close()
+
+
+def test_a_fork_in_another_thread_while_the_lock_is_taken_leaves_the_child_without_it(tmp_path, monkeypatch):
+    """A child forked (by another thread) after the lock file was opened but before its
+    descriptor was registered for the at-fork hook kept a copy of it, and so the flock,
+    for its whole life: the owner's close (or kill -9) no longer freed the directory. A
+    fork now waits for a lock being taken or given back to be registered."""
+    import fcntl as real_fcntl
+    from types import SimpleNamespace
+
+    from cacheseek.store import disk as disk_mod
+
+    root = tmp_path / "d"
+    root.mkdir()
+    in_flock, go = threading.Event(), threading.Event()
+
+    def flock(fd, op):
+        in_flock.set()
+        assert go.wait(30)
+        return real_fcntl.flock(fd, op)
+
+    monkeypatch.setattr(disk_mod, "fcntl", SimpleNamespace(flock=flock, LOCK_EX=real_fcntl.LOCK_EX,
+                                                           LOCK_NB=real_fcntl.LOCK_NB))
+    ready_r, ready_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    forked: list[int] = []
+
+    def fork() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: says it runs (its at-fork hooks done), lives until told
+            os.close(hold_w)
+            os.write(ready_w, b"x")
+            os.read(hold_r, 1)
+            os._exit(0)
+        forked.append(pid)
+
+    tiers: list[DiskTier] = []
+    opener = threading.Thread(target=lambda: tiers.append(DiskTier(root, 1 << 20)), daemon=True)
+    opener.start()
+    forker = None
+    try:
+        assert in_flock.wait(30)
+        forker = threading.Thread(target=fork, daemon=True)
+        forker.start()
+        forker.join(1.0)  # the fork, where nothing holds it back (the old code: at once)
+        go.set()
+        opener.join(30)
+        forker.join(30)
+        assert forked and tiers, (forked, tiers)
+        assert os.read(ready_r, 1) == b"x"  # the child runs: its at-fork hooks are done
+        tiers[0].close()
+        monkeypatch.undo()
+        DiskTier(root, 1 << 20).close()  # free, though the child lives
+    finally:
+        go.set()
+        os.close(hold_w)
+        for pid in forked:
+            os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, hold_r):
+            os.close(fd)

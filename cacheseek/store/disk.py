@@ -107,6 +107,7 @@ SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
 LOCK_NAME = ".lock"
 READ_DEPTH = 16  # whole-file reads in flight
+LOGGED_AT_START = 32  # blocks named one by one among those recovery drops (then a count)
 WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
 STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for the shard directories and other writers when a
@@ -409,6 +410,7 @@ class DiskTier(IndexedTier):
     def _recover(self) -> None:
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
+        orphans: list[Path] = []
         foreign = other_version = 0
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
@@ -430,17 +432,32 @@ class DiskTier(IndexedTier):
                     entry = self._load_sidecar(path, names)
                     if entry is _OTHER_VERSION:
                         other_version += 1  # (its data file too is left, as handled)
-                    elif entry is None:
+                    elif isinstance(entry, str):
+                        removed["bad_sidecar"] += 1
+                        if removed["bad_sidecar"] <= LOGGED_AT_START:  # (said first: a crash now loses no word)
+                            log.warning("%s tier: block %s dropped at start, its files removed: %s (%s)", self.name,
+                                        path.stem, entry, path)
                         _unlink(path)
                         _unlink(path.with_suffix(".frame"))
-                        removed["bad_sidecar"] += 1
                     else:
                         found.append(entry)
                     handled.add(path.with_suffix(".frame").name)
-            for name, path in names.items():
-                if name.endswith(".frame") and name not in handled:
-                    _unlink(path)
-                    removed["orphan"] += 1
+            orphans += [path for name, path in names.items() if name.endswith(".frame") and name not in handled]
+        if removed["bad_sidecar"] > LOGGED_AT_START:
+            log.warning("%s tier: %d blocks in all dropped at start for a bad sidecar (the first %d named above)",
+                        self.name, removed["bad_sidecar"], LOGGED_AT_START)
+        if removed["temp"] or orphans:
+            # What a crash leaves of the writes it interrupted (a temp file, a data file whose
+            # sidecar, the commit record, was never renamed in): never acknowledged. Said
+            # before the orphans go, so that a crash meanwhile loses no word of them.
+            named = ", ".join(p.stem for p in orphans[:LOGGED_AT_START]) + (
+                f" and {len(orphans) - LOGGED_AT_START} more" if len(orphans) > LOGGED_AT_START else "")
+            log.warning("%s tier: removed at start %d temp files and %d data files without a sidecar (writes "
+                        "interrupted before their commit: never acknowledged)%s", self.name, removed["temp"],
+                        len(orphans), f": blocks {named}" if orphans else "")
+        for path in orphans:
+            _unlink(path)
+        removed["orphan"] = len(orphans)
         if foreign:
             log.warning("%s tier: %d entries in the shard directories of %s are not the tier's files: left alone",
                         self.name, foreign, self.root)
@@ -581,6 +598,8 @@ class DiskTier(IndexedTier):
                     self._remove_files(victim)
                     self._index.remove(victim)
                     self._stats.corrupt += 1
+                    log.warning("%s tier: block %s, the next to evict, is damaged on disk (%s): not handed down, "
+                                "its files removed", self.name, victim.hex(), exc)
                     return
                 self._stats.read_errors += 1
                 log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
@@ -629,37 +648,43 @@ class DiskTier(IndexedTier):
         return evicted
 
     def _load_sidecar(self, path: Path, names: dict[str, Path]
-                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | None:
-        """The block a sidecar commits, or None when it is not one of this tier's: every field
-        of the type and range a write gives it, in the shard its hash names, beside a data
-        file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
+                      ) -> tuple[float, bytes, BlockInfo] | _OtherVersion | str:
+        """The block a sidecar commits, or why it is not one of this tier's (a str): every
+        field of the type and range a write gives it, in the shard its hash names, beside a
+        data file of its size. ``_OTHER_VERSION``: a sidecar with a version field other than
         ``SIDECAR_VERSION`` (an older or newer release over the same directory, after a
         rollback): not this tier's to judge, and not to delete."""
         try:
-            if path.stat().st_size > 4096:
-                return None
-            side = msgpack.unpackb(path.read_bytes(), raw=False)
+            size = path.stat().st_size
+            if size > 4096:
+                return f"the sidecar is {size} bytes, more than any the tier writes"
+            try:
+                side = msgpack.unpackb(path.read_bytes(), raw=False)
+            except (ValueError, msgpack.UnpackException) as exc:
+                return f"the sidecar ({size} bytes) is not msgpack: {exc}"
             if isinstance(side, dict) and type(side.get("v")) is int and side["v"] != SIDECAR_VERSION:
                 return _OTHER_VERSION
             if not isinstance(side, dict) or set(side) != _SIDECAR_KEYS or side["v"] != SIDECAR_VERSION:
-                return None
+                return "the sidecar is not a map of the tier's fields"
             key, parent = side["hash"], side["parent"]
             if not (isinstance(key, bytes) and len(key) in HASH_SIZES and isinstance(parent, bytes)
                     and len(parent) == len(key)):
-                return None
+                return "the sidecar's hash or parent is not a block hash"
             if path.name != f"{key.hex()}.meta" or path.parent.name != key.hex()[:2]:
-                return None
+                return f"the sidecar names another block ({key.hex()})"
             numbers = [side["nbytes"], side["raw_nbytes"], side["pos"]]
             if not all(type(x) is int and 0 <= x < 1 << 62 for x in numbers):
-                return None
+                return "the sidecar's sizes or position are out of range"
             frame_name = f"{key.hex()}.frame"
-            if frame_name not in names or names[frame_name].stat().st_size != side["nbytes"]:
-                return None
+            if frame_name not in names:
+                return "its data file is missing"
+            if (actual := names[frame_name].stat().st_size) != side["nbytes"]:
+                return f"its data file is {actual} bytes, its sidecar says {side['nbytes']}"
             info = BlockInfo(nbytes=side["nbytes"], raw_nbytes=side["raw_nbytes"], parent=parent, position=side["pos"],
                              charged_nbytes=self.charge(side["nbytes"]))
             return path.stat().st_mtime, key, info
-        except Exception:  # whatever is wrong with one file, the tier starts without it
-            return None
+        except Exception as exc:  # whatever is wrong with one file, the tier starts without it
+            return f"the sidecar cannot be read: {exc}"
 
     # -- writes --------------------------------------------------------------------------
 
@@ -1070,13 +1095,17 @@ class DiskTier(IndexedTier):
         a moment's shortage must not delete acknowledged blocks."""
         if isinstance(done, ReadFailed):
             if done.damaged:
+                dropped = False
                 try:
                     with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
-                        if self._drop_if_unchanged(key, info):
+                        if dropped := self._drop_if_unchanged(key, info):
                             self._stats.corrupt += 1
                             self._sync_counts()
                 except _Closed:
                     pass
+                if dropped:
+                    log.warning("%s tier: block %s is damaged on disk (%s): not served, its files removed", self.name,
+                                key.hex(), done)
             else:
                 with self._lock:
                     self._stats.read_errors += 1
@@ -1185,30 +1214,41 @@ class DiskTier(IndexedTier):
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones (corrupt,
         or the data file missing); a frame that could not be read (``unreadable``: no
-        descriptor or memory left, an I/O error) is kept."""
+        descriptor or memory left, an I/O error) is kept.
+
+        Each block is checked inside a call ``close`` waits for: closed meanwhile, the check
+        ends after the block in hand with ``_Closed`` (a report of part of the tier would
+        read as all of it), and never touches the files once the directory is another
+        owner's (its fix removed a block the next owner had written again)."""
         report = {"ok": 0, "corrupt": 0, "unreadable": 0}
-        for key in self.keys():
-            info = self.info(key)
-            if info is None:
-                continue  # evicted or deleted since the listing
-            data_path, _ = self._paths(key)
-            try:
-                meta = parse_frame(data_path.read_bytes(), verify=True)
-                ok = meta.block_hash == key
-            except (FileNotFoundError, FrameError):
-                ok = False
-            except (OSError, MemoryError):
-                report["unreadable"] += 1
-                continue
-            if not ok:
-                with self._lock:
-                    if self._index.get(key) is not info:
-                        continue  # evicted or deleted while it was read: not damage
-                    if fix:
-                        self._drop_if_unchanged(key, info)
-                        self._sync_counts()
-            report["ok" if ok else "corrupt"] += 1
+        with self._open_call():
+            keys = self.keys()
+        for key in keys:
+            with self._open_call():
+                self._check_one(key, fix, report)
         return report
+
+    def _check_one(self, key: bytes, fix: bool, report: dict[str, int]) -> None:
+        info = self.info(key)
+        if info is None:
+            return  # evicted or deleted since the listing
+        data_path, _ = self._paths(key)
+        try:
+            meta = parse_frame(data_path.read_bytes(), verify=True)
+            ok = meta.block_hash == key
+        except (FileNotFoundError, FrameError):
+            ok = False
+        except (OSError, MemoryError):
+            report["unreadable"] += 1
+            return
+        if not ok:
+            with self._lock:
+                if self._index.get(key) is not info:
+                    return  # evicted or deleted while it was read: not damage
+                if fix:
+                    self._drop_if_unchanged(key, info)
+                    self._sync_counts()
+        report["ok" if ok else "corrupt"] += 1
 
 
 def _oldest_first(found: list[tuple[float, bytes, BlockInfo]]) -> list[tuple[bytes, BlockInfo]]:
@@ -1237,6 +1277,11 @@ def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
 # descriptions, and so the locks: the owner's kill -9 would leave the directory locked
 # while any child lived. The child closes its copies at once (it must not use the tier).
 _held_locks: set[int] = set()
+# Held from a lock file's open until its descriptor is in ``_held_locks`` (and from its
+# removal there until it is closed); a fork, in whatever thread, waits for it. Else a
+# child forked in between kept a copy its at-fork hook did not know of, and with it the
+# flock for its whole life.
+_held_locks_change = threading.RLock()  # (re-entrant: a tier collected, its finalizer run, while a lock is taken)
 
 
 def _drop_locks_in_child() -> None:
@@ -1246,42 +1291,46 @@ def _drop_locks_in_child() -> None:
         except OSError:
             pass
     _held_locks.clear()
+    _held_locks_change.release()  # (taken by the fork's ``before`` hook, in the thread that forked)
 
 
-os.register_at_fork(after_in_child=_drop_locks_in_child)
+os.register_at_fork(before=_held_locks_change.acquire, after_in_parent=_held_locks_change.release,
+                    after_in_child=_drop_locks_in_child)
 
 
 def _unlock_directory(fd: int) -> None:
     """Close a lock's descriptor, once, and only in the process that took it (a forked
     child's copy was closed at the fork, and its number may name another file since)."""
-    if fd in _held_locks:
-        _held_locks.discard(fd)
-        os.close(fd)
+    with _held_locks_change:
+        if fd in _held_locks:
+            _held_locks.discard(fd)
+            os.close(fd)
 
 
 def _lock_directory(root: Path) -> int:
     """An exclusive ``flock`` on ``root/.lock``, with this process's pid written in it; the
     descriptor holds the lock until it is closed. Raises ``DiskInUse`` naming the holder."""
     path = root / LOCK_NAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    with _held_locks_change:
         try:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-        finally:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
+                            "one process owns a disk tier's directory: give each server or cache its own") from None
+        except OSError as exc:
             os.close(fd)
-        raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
-                        "one process owns a disk tier's directory: give each server or cache its own") from None
-    except OSError as exc:
-        os.close(fd)
-        raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
+            raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
+        _held_locks.add(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held_locks.add(fd)
     return fd
 
 
