@@ -164,6 +164,12 @@ class _SlotWriter(LayerWriter):
         except BaseException:
             self._give_back()
             raise
+        if self._runs and device.type == "cuda" and not getattr(self.cache.store.tiers[0], "host_mapped", False):
+            # ``store_ranges`` writes the slots from the device, which reaches only page-locked
+            # host memory: into a tier of pageable memory (``pin_memory=False``) its stores
+            # were illegal addresses, which end the process's CUDA context. Such a tier is
+            # written by ``finish``'s ingest instead (copies, which take pageable memory).
+            self._give_back()
         self._mode = "slots" if self._runs else "reference"
         if self._runs and device.type == "cuda":
             self._stream = work_stream("save", device)

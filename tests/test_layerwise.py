@@ -1082,6 +1082,36 @@ def test_cuda_layer_groups_of_cpu_frames_are_copied_apart(issue, pinned, monkeyp
 
 
 @cuda
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cuda_a_layerwise_save_into_pageable_host_memory_makes_no_kernel_store(paged, monkeypatch):
+    """A CPU tier of pageable memory (``pin_memory=False``): ``store_ranges`` cannot store into
+    it from the device (illegal addresses: the process's CUDA context was lost), so the writer
+    takes the reference path, and the frames equal a plain ingest's."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 4 * BLOCK
+    toks, kv = tokens_for(13, T), make_kv(T, 13, LAYOUT, device="cuda")
+    with make_cache(INT4, pin_memory=False) as lw, make_cache(INT4, pin_memory=False) as normal:
+        if paged:
+            pages, _ = engine_pages("flash", L, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, 16, LAYOUT.torch_dtype)
+            ids = list(range(T // 16))
+            write_tokens(pages, kv, ids)
+            writer = lw.ingest_batch([cs.PagedRequest(toks, ids)], pages, layerwise=True)
+            for i in range(L):
+                writer.put_layer(i)
+            assert writer.mode == "reference"
+            assert [r.stored for r in writer.finish()] == [4]
+        else:
+            writer = lw.ingest_layerwise(toks)
+            for i in range(L):
+                writer.put_layer(i, *kv[i])
+            assert writer.mode == "reference"
+            assert writer.finish().stored == 4
+        torch.cuda.synchronize()  # (an illegal address would be raised here at the latest)
+        normal.ingest(toks, kv)
+        assert stored_payloads(lw, toks) == stored_payloads(normal, toks)
+
+
+@cuda
 @pytest.mark.parametrize("codec", [*CODECS, ROTATED, "policy"], ids=lambda c: c if isinstance(c, str) else c.name)
 def test_cuda_a_layerwise_save_stores_each_layer_through_the_store_kernel(codec, monkeypatch):
     """On a GPU each layer is encoded into staging and stored into the pinned slots by

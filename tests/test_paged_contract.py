@@ -80,7 +80,8 @@ def world(request, tmp_path_factory, backend_torch):
                        engine_tensors("nhd", L, H, D, NUM_PAGES, PAGE, DTYPE, seed=3, device="cpu")]
     strided = kv_pages("nhd", strided_tensors)
     if request.param == "embedded":
-        tiers = cs.TierConfig(cpu_bytes="16MiB", pin_memory=False)
+        # (pinned where CUDA is: the layer-wise writers' kernels store into the slots from the device)
+        tiers = cs.TierConfig(cpu_bytes="16MiB")
         cache = cs.PrefixCache(model_id="contract", layout=LAYOUT, codec=CODEC, block_tokens=BLOCK, tiers=tiers)
         server = None
     else:
@@ -367,7 +368,7 @@ def test_a_layerwise_writer_of_a_closed_cache_refuses_and_gives_its_slots_back(b
     write_tokens(pages, kv, [0, 1, 2, 3])
     toks = tokens_for(300, 2 * BLOCK)
     cache = cs.PrefixCache(model_id="closed", layout=LAYOUT, codec=CODEC, block_tokens=BLOCK,
-                           tiers=cs.TierConfig(cpu_bytes="16MiB", pin_memory=False))
+                           tiers=cs.TierConfig(cpu_bytes="16MiB"))
     if paged:
         writer = cache.ingest_batch([R(toks, [0, 1, 2, 3])], pages, layerwise=True)
         put = writer.put_layer
