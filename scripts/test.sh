@@ -6,6 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# Debian's and Ubuntu's own Python refuses pip installs (PEP 668) with a page of its own
+# that does not say this script takes a venv's python: say so, before anything runs.
+if "$PY" -c "import os, sys, sysconfig; sys.exit(0 if sys.prefix == sys.base_prefix and os.path.exists(
+    os.path.join(sysconfig.get_path('stdlib'), 'EXTERNALLY-MANAGED')) else 1)" 2>/dev/null; then
+  echo "scripts/test.sh: $PY is the system's Python, which refuses pip installs (PEP 668); use a venv:" >&2
+  echo "  python3 -m venv .venv && PYTHON=.venv/bin/python bash scripts/test.sh" >&2
+  exit 2
+fi
+
 # torch first, pinned: with no torch present, a bare `torch` requirement pulls a
 # multi-GB CUDA build. An existing torch (CPU or CUDA) is kept as it is.
 if ! "$PY" -c "import torch" 2>/dev/null; then

@@ -170,8 +170,15 @@ def main(args: Any) -> int:
     return worst
 
 
-def _size(n: int) -> str:
-    return f"{n / (1 << 30):.3f} GiB"
+def _size(n: float | None) -> str:
+    # In the unit that reads (a few KiB showed as "0.000 GiB"); `cacheseek top` uses it too.
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return "-"
 
 
 def _table(cmd: str, body: Any) -> str:
@@ -187,7 +194,9 @@ def _table(cmd: str, body: Any) -> str:
             name = "(unattributed)" if g[by] is None else (g[by] or "(default)")
             lines.append(f"{name:<28}{'*':<28}{g['blocks']:>10,}{_size(g['used_bytes']):>14}{_size(g['raw_bytes']):>14}")
             for sub in g[label]:
-                inner = "(unattributed)" if sub[within] is None else (sub[within] or "-")
+                # The default namespace is "" and reads the same at either level.
+                unnamed = "(default)" if within == "namespace" else "-"
+                inner = "(unattributed)" if sub[within] is None else (sub[within] or unnamed)
                 lines.append(f"{'':<28}{inner:<28}{sub['blocks']:>10,}{_size(sub['used_bytes']):>14}"
                              f"{_size(sub['raw_bytes']):>14}")
         return "\n".join(lines)

@@ -15,20 +15,10 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import reason, url_problem
+from .admin_cli import _size, reason, url_problem
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return "-"
 
 
 def _pct(x: float | None) -> str:

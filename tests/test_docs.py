@@ -7,7 +7,8 @@ every repository path in a code span exists, every ``CACHESEEK_*`` variable is r
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
 defaults), design.md's constructor signatures are cacheseek's, the default columns of
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
-operations.md names every series a real server's ``/metrics`` shows, and no other."""
+operations.md names every series a real server's ``/metrics`` shows, and no other, and
+models.md's demo output has the columns the demo prints."""
 
 from __future__ import annotations
 
@@ -555,3 +556,21 @@ def test_operations_names_every_series_of_metrics_and_no_other(tmp_path):
     shown = documented_series()
     assert exposed - shown == set(), "in /metrics, not in docs/operations.md"
     assert shown - exposed == set(), "in docs/operations.md, not in /metrics"
+
+
+def test_the_demo_output_shown_has_the_demos_columns():
+    """models.md shows `cacheseek demo`'s output; its tier table lost two columns the demo
+    prints (`compression_ratio`, `read_gbps`) and nothing said so."""
+    import torch
+
+    import cacheseek as cs
+    from cacheseek.integrations.demo import _tier_table
+
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    shown = re.search(r"\nTier stats\n(.*)\n", text)
+    assert shown, "docs/models.md no longer shows the demo's tier stats"
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, dtype=torch.float32)
+    with cs.PrefixCache(model_id="m", layout=layout, codec=cs.Raw(), block_tokens=16,
+                        tiers=cs.TierConfig(cpu_bytes="1MiB")) as cache:
+        printed = _tier_table(cache.stats()).splitlines()[0]
+    assert shown.group(1).split() == printed.split(), (shown.group(1), printed)

@@ -902,3 +902,18 @@ def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachabl
     for bad in ("0", "-1", "nan", "inf"):
         assert main(["admin", "--url", url, "--token", "x", "--timeout", bad, "namespaces"]) == 2
         assert "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
+
+
+def test_admin_tables_show_small_sizes_and_the_default_namespace_readably():
+    """A store of a few KiB read "0.000 GiB" in every size column, and the default namespace
+    was "(default)" in `namespaces` but "-" inside `models`."""
+    from cacheseek.server.admin_cli import _table
+
+    group = {"blocks": 5, "used_bytes": 54_400, "raw_bytes": 163_840}
+    namespaces = _table("namespaces", [{"namespace": "", **group, "models": [{"model": "llama", **group}]}])
+    models = _table("models", [{"model": "llama", **group, "namespaces": [{"namespace": "", **group}]}])
+    pins = _table("pins", [{"namespace": "", "hash": "ab" * 16, "blocks": 3, "bytes": 32_640, "expires_at": None}])
+    for table in (namespaces, models, pins):
+        assert "0.000 GiB" not in table, table
+    assert "53.12 KiB" in namespaces and "160.00 KiB" in models and "31.88 KiB" in pins
+    assert models.splitlines()[2].split()[0] == "(default)", models
