@@ -3,7 +3,8 @@
 Each operation changes what it names and nothing else:
 
 - ``flush(namespace, model)`` deletes the blocks the server attributes to them
-  (``owners.Owners``), tail first (highest position first), so that what a concurrent
+  (``owners.Owners``), and those a shared Redis tier holds under their owner tag
+  (``RedisKeys.owners``: whichever replica wrote them), tail first (highest position first), so that what a concurrent
   reader still finds is always a prefix. Blocks written while a flush runs are either
   deleted or stored whole: every tier stores and deletes a block in one step under its lock.
   Blocks a demotion has in flight (between two tiers, in neither) are waited for, and
@@ -15,8 +16,10 @@ Each operation changes what it names and nothing else:
   until unpinned or for ``ttl_seconds``. Pins are kept in a small JSON file beside the disk
   tier (``PINS_FILE``) and applied again when the server starts.
 
-With several replicas over one Redis, each replica's own tiers are its own: run a flush,
-delete or pin against every replica (``cacheseek admin --url A --url B ...``).
+With several replicas over one Redis, each replica's own tiers are its own: a flush through
+one deletes from Redis every block of what it names, but another replica's CPU tier keeps
+its copies; run a flush, delete or pin against every replica (``cacheseek admin --url A
+--url B ...``).
 """
 
 from __future__ import annotations
@@ -77,9 +80,8 @@ class AdminOps:
 
     def flush(self, *, namespace: str | None = None, model: str | None = None) -> dict[str, Any]:
         owners = self.service.owners
-        if not owners.known(namespace=namespace, model=model):
-            what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
-            raise NotFound(f"no blocks were ever stored for {what}")
+        what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
+        known = owners.known(namespace=namespace, model=model)
         with self._lock:
             keys = owners.keys_of(namespace=namespace, model=model)
             # A block a demotion has on its way down now is in no tier, so owned by nobody
@@ -87,17 +89,42 @@ class AdminOps:
             # Once those moves are over it is held, and owned, again. (A block they evict
             # meanwhile is one of ``keys``: its delete takes the copy it lands as.)
             self.store.settle_moves()
-            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model)]))
+            # Blocks a shared tier holds that no local index names (another replica's, or
+            # evicted from here), found by the owner tag they were written with. Listed before
+            # anything is deleted: a list cut short by an outage would delete part of a
+            # tenant's blocks and answer as if done.
+            shared = self._shared_keys(namespace, model, what)
+            if not known and not shared:
+                raise NotFound(f"no blocks were ever stored for {what}")
+            keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model), *shared]))
             # A block whose Redis copy could not be deleted is kept in every tier: the flush
             # finds what to delete here, so a retry finds it again and deletes it there too
             # (deleted here alone, its Redis copy was named by nothing and served again).
             blocks, nbytes, unknown, gone = self._delete(keys)
             self._forget_pins_of(gone)
         if unknown:
-            what = " and ".join(f"{k} {v!r}" for k, v in (("namespace", namespace), ("model", model)) if v is not None)
             raise TierUnreachable(f"flush of {what}: a tier that may hold {unknown} of its {len(keys)} blocks could "
                                   f"not be reached, so those are kept (in every tier; {blocks} others deleted); retry")
         return {"namespace": namespace, "model": model, "deleted_blocks": blocks, "deleted_bytes": nbytes}
+
+    def _shared_keys(self, namespace: str | None, model: str | None, what: str) -> list[bytes]:
+        names = self.service.namespaces
+        ns_tag = names.namespace_tag(namespace) if namespace is not None else None
+        model_tag = names.model_tag(model) if model is not None else None
+
+        def match(tag: str) -> bool:
+            ns, _, mo = tag.partition(".")
+            return (ns_tag is None or ns == ns_tag) and (model_tag is None or mo == model_tag)
+
+        found: list[bytes] = []
+        for tier in self.store.tiers:
+            if hasattr(tier, "owned"):
+                try:
+                    found += tier.owned(match)
+                except StorageError as exc:
+                    raise TierUnreachable(f"flush of {what}: the {tier.name} tier could not be reached to find "
+                                          f"its blocks there ({exc}), so none was deleted; retry") from None
+        return found
 
     def delete_chain(self, namespace: str, h: bytes) -> dict[str, Any]:
         store = self.store

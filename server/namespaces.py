@@ -116,6 +116,24 @@ class Namespaces:
 
     client_hash = stored_key  # XOR is an involution
 
+    def owner_tag(self, namespace: str, model: str) -> str:
+        """How a shared Redis names the owner of a block (``RedisKeys.owners``):
+        ``<namespace tag>.<model tag>``, keyed like the masks, so every replica sharing the
+        secret (as they must, to share blocks) names an owner alike, and Redis holds no
+        tenant's or model's name. Each part alone picks a flush's blocks: a namespace's (all
+        its models), a model's (in every namespace), or both."""
+        return f"{self.namespace_tag(namespace)}.{self.model_tag(model)}"
+
+    def namespace_tag(self, namespace: str) -> str:
+        return self._tag(b"ns", namespace)
+
+    def model_tag(self, model: str) -> str:
+        return self._tag(b"model", model)
+
+    def _tag(self, kind: bytes, name: str) -> str:
+        return hashlib.blake2b(kind + b":" + name.encode(), key=self._key, digest_size=8,
+                               person=b"cacheseek-owner").hexdigest()
+
     def stored_keys(self, namespace: str, hashes: list[bytes]) -> list[bytes]:
         """``stored_key`` of each hash (all of one size), in one XOR over them all."""
         if not namespace or not hashes:

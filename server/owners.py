@@ -19,8 +19,9 @@ nothing either; it keeps its own attribution, fed by the store's residency event
 
 A block whose chain cannot be traced (its head gone, or written before the root was
 known) is *unattributed* (namespace None). Blocks only a shared Redis tier holds are not
-seen here (Redis has no local index): usage counts the local tiers, and a flush deletes
-from Redis only the blocks it finds locally.
+seen here (Redis has no local index): usage counts the local tiers. A flush finds those
+through the owner tag each block is written to Redis with (``tag_of``, kept beside its
+entry in the shared index), whichever process wrote it.
 
 Events arrive under a tier's lock: every method they call is a few dict operations.
 """
@@ -78,6 +79,9 @@ class Owners:
         # keys being written -> the owner ids of the writes in flight, first announced first:
         # two writers of one block (clients sharing a prompt) each settle their own.
         self._expected: dict[bytes, list[int]] = {}
+        # (namespace, model) -> the tag a shared Redis keeps for the owner (set by the server)
+        self.tagger: Any = None
+        self._tags: list[str] = [""]  # id -> tag ("" for unattributed)
         self._path = Path(state_dir) / OWNERS_FILE if state_dir is not None else None
         self._save_lock = threading.Lock()  # one writer of the file at a time, newest last
         self._load()
@@ -214,6 +218,19 @@ class Owners:
         with self._lock:
             ids = {i for i, name in enumerate(self._names) if i != UNATTRIBUTED and _matches(name, namespace, model)}
             return [key for key, owner in self._of.items() if owner in ids]
+
+    def tag_of(self, key: bytes) -> str:
+        """The owner tag of a block about to be written to a shared tier ("" if nobody's):
+        the writer's announced, else its holder's (a demotion's copy, or its last one)."""
+        with self._lock:
+            writers = self._expected.get(key)
+            owner = writers[0] if writers else self._of.get(key, self._left.get(key, UNATTRIBUTED))
+            if owner == UNATTRIBUTED or self.tagger is None:
+                return ""
+            while len(self._tags) <= owner:  # (tags made once per owner: two keyed hashes)
+                namespace, model = self._names[len(self._tags)]
+                self._tags.append(self.tagger(namespace, model) if namespace is not None else "")
+            return self._tags[owner]
 
     def owner_of(self, key: bytes) -> tuple[str | None, str]:
         return self._names[self._of.get(key, UNATTRIBUTED)]

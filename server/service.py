@@ -74,6 +74,12 @@ class BlockService:
         self.owners = owners if owners is not None else Owners()
         self.claims = PositionClaims()
         self.owners.adopt(store.residency.listen(self.owners))
+        # A shared tier (Redis) keeps each block's owner beside it: an admin flush on any
+        # replica finds there what no local index names (written by another, or evicted here).
+        self.owners.tagger = namespaces.owner_tag
+        for tier in store.tiers:
+            if hasattr(tier, "owned"):
+                tier.owner_tag = self.owners.tag_of
 
     # -- writes --------------------------------------------------------------------------
 

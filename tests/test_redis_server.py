@@ -474,3 +474,94 @@ def test_a_block_whose_delete_got_a_503_is_still_found_by_a_flush(tmp_path):
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def _put_chain(c: httpx.Client, chain, namespace: str, model: str) -> None:
+    for h, frame in chain:
+        r = c.put(f"/v1/blocks/{h.hex()}", content=frame,
+                  headers={"X-CacheSeek-Namespace": namespace, "X-CacheSeek-Model": model})
+        assert r.status_code == 201, r.text
+
+
+def _served(c: httpx.Client, chain, namespace: str) -> list[int]:
+    return [c.get(f"/v1/blocks/{h.hex()}", headers={"X-CacheSeek-Namespace": namespace}).status_code
+            for h, _ in chain]
+
+
+def test_a_flush_on_one_replica_deletes_the_tenants_blocks_another_wrote_to_redis(tmp_path):
+    """Two servers over one Redis, neither with a CPU tier: A writes a tenant's chains, B
+    flushes the tenant. B's owners had never seen the tenant (no local index holds Redis's
+    blocks), so the flush answered 404, and with a CPU tier of its own 200 with 0 deleted,
+    while every block stayed in Redis, served by both. Now each block's owner is kept beside
+    it in the shared index, and a flush on any replica deletes it from Redis: one model's
+    leaves the tenant's other models and other tenants; during an outage it is a 503 and
+    deletes nothing."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=_env(redis)) as a, \
+                Server(tmp_path / "b", "--admin-token", "adm", disk=False, cpu_bytes="0", env=_env(redis)) as b, \
+                httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
+            t_m1, t_m2, u_m1 = raw_chain(81, 3), raw_chain(82, 2), raw_chain(83, 2)
+            _put_chain(ca, t_m1, "t", "m1")
+            _put_chain(ca, t_m2, "t", "m2")
+            _put_chain(ca, u_m1, "u", "m1")
+
+            redis.pause()
+            try:
+                _open_breaker(cb, b)
+                r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
+                assert r.status_code == 503 and "none was deleted" in r.json()["error"], r.text
+            finally:
+                redis.resume()
+            r = _until_redis_answers(lambda: cb.post("/v1/admin/flush", params={"namespace": "t", "model": "m1"},
+                                                     headers=admin))
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+            for c in (ca, cb):
+                assert _served(c, t_m1, "t") == [404] * 3
+                assert _served(c, t_m2, "t") == [200] * 2 and _served(c, u_m1, "u") == [200] * 2
+
+            r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 2, r.text
+            assert _served(ca, t_m2, "t") == [404] * 2 and _served(ca, u_m1, "u") == [200] * 2
+            assert cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin).status_code == 404
+            # A model across namespaces: u's m1 (t's is gone already).
+            r = cb.post("/v1/admin/flush", params={"model": "m1"}, headers=admin)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 2, r.text
+            assert _served(ca, u_m1, "u") == [404] * 2
+            assert _redis_stats(b)["blocks"] == 0
+            assert redis.cli("HLEN", "{cacheseek:default}:owner").strip() == "0"  # (gone with the entries)
+            _no_500(a)
+            _no_500(b)
+    finally:
+        redis.kill()
+
+
+def test_a_flush_takes_the_blocks_evicted_from_the_cpu_tier_into_redis_alone(tmp_path):
+    """A tenant's chain written through a small CPU tier, then pushed out of it by another
+    tenant's writes: Redis alone held it, no local index named it, and a flush of the
+    tenant deleted nothing and left it served. Now the flush finds it in Redis."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    admin = {"authorization": "Bearer adm"}
+    try:
+        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            mine = raw_chain(91, 3)
+            _put_chain(c, mine, "t", "m")
+            seed = 92
+            while any(n["namespace"] == "t" and n["blocks"] for n in
+                      c.get("/v1/admin/namespaces", headers=admin).json()):
+                _put_chain(c, raw_chain(seed, 4), "u", "m")  # (each write evicts t's oldest first)
+                seed += 1
+                assert seed < 200, "the CPU tier never let go of t's blocks"
+            # (Not read meanwhile: a read would promote them into the CPU tier, owned again.)
+            r = c.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
+            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+            assert _served(c, mine, "t") == [404] * 3
+            _no_500(srv)
+    finally:
+        redis.kill()

@@ -1955,3 +1955,27 @@ def test_stats_reads_the_whole_pinned_set_only_now_and_then(tmp_path, monkeypatc
         pinner.close()
         tier.close()
         own.stop()
+
+
+@pytest.mark.parametrize("where", ["standalone", "cluster"])
+def test_owner_tags_are_found_by_any_process_and_go_with_evictions_and_deletes(where, request):
+    """The owner tag a writer gives each block is kept beside its index entry, found by
+    another process (``owned``), and dropped when any process evicts or deletes the block:
+    an admin flush finds a tenant's blocks there whoever wrote them, and no stale ones."""
+    url = _emptied_url(where, request)
+    frame_nbytes = _frame(0)[1].nbytes
+    writer = RedisTier(url, 4 * frame_nbytes)
+    writer.owner_tag = lambda key: "t.m1" if key[-1] % 2 else "u.m1"
+    other = RedisTier(url, 4 * frame_nbytes)  # tags nothing
+    try:
+        assert all(r.error is None for r in writer.put_many([_frame(i) for i in range(1, 5)]))
+        assert sorted(other.owned(lambda tag: tag.startswith("t."))) == [_frame(1)[0], _frame(3)[0]]
+        assert sorted(other.owned(lambda tag: tag.endswith(".m1"))) == [_frame(i)[0] for i in range(1, 5)]
+        assert other.delete(_frame(3)[0])
+        # Another process's writes push out the two oldest (1 and 2): their tags go with them.
+        assert all(r.error is None for r in other.put_many([_frame(i) for i in range(5, 8)]))
+        assert other.owned(lambda tag: tag.startswith("t.")) == []
+        assert writer.owned(lambda tag: True) == [_frame(4)[0]]
+    finally:
+        writer.close()
+        other.close()

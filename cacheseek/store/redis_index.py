@@ -62,6 +62,7 @@ from .redis_keys import RedisKeys
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
 local lru, sizes, totals, pinned, gens, pinners, call = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local owners = KEYS[8]
 local budget = tonumber(ARGV[1])
 local ttl_us = tonumber(ARGV[2])
 local prune_limit = tonumber(ARGV[3])
@@ -134,6 +135,7 @@ local function drop(member)
   redis.call('ZREM', lru, member)
   local n, r = size_of(member)
   if keep_gens then redis.call('HDEL', gens, member) end
+  redis.call('HDEL', owners, member)
   if not n then return false end
   redis.call('HDEL', sizes, member)
   used = used - n
@@ -338,10 +340,12 @@ end
 local status = {}
 local counted_anew = false
 for _ = 1, n_add do
-  local m, n, r = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  i = i + 3
+  local m, n, r, tag = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
+  i = i + 4
   local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
   if redis.call('HEXISTS', sizes, m) == 1 then
+    -- (One a writer that tags nothing counted: the first tag it is put with stands.)
+    if tag ~= '' then redis.call('HSETNX', owners, m, tag) end
     note_gen(m)
     if is_pinned then
       status[#status + 1] = 3
@@ -358,6 +362,7 @@ for _ = 1, n_add do
   else
     changed = true
     redis.call('HSET', sizes, m, n .. ' ' .. r)
+    if tag ~= '' then redis.call('HSET', owners, m, tag) end
     clock = clock + 1
     if keep_gens then
       redis.call('HSET', gens, m, clock)
@@ -535,7 +540,7 @@ class SharedIndex:
         self,
         client: Any,
         *,
-        add: Sequence[tuple[str, int, int]] = (),
+        add: Sequence[tuple[str, int, int] | tuple[str, int, int, str]] = (),
         touch: Sequence[str] = (),
         forget: Sequence[str] = (),
         pin: Sequence[str] = (),
@@ -547,7 +552,7 @@ class SharedIndex:
         replay: bool = False,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
-        raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
+        raw_nbytes[, owner tag]); the tag is kept in ``keys.owners`` while the block is counted. ``repair``: blocks a read found without a value, forgotten if unpinned
         and idle at least ``repair_idle_us``. ``owner``: whose pins ``pin`` and ``unpin``
         change (required with them); given alone, it renews that owner's lease. EVAL rather than EVALSHA: the script text is
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
@@ -564,7 +569,7 @@ class SharedIndex:
         new one); ``replay``: only ask for the reply kept under it (see :meth:`replay`)."""
         if (pin or unpin) and not owner:
             raise ValueError("SharedIndex.queue: pins and unpins need an owner")
-        keys = (*self.keys.index, self.keys.call(call or self.new_call()))
+        keys = (*self.keys.index, self.keys.call(call or self.new_call()), self.keys.owners)
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
                            CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
@@ -574,8 +579,8 @@ class SharedIndex:
         args += touch
         args += pin
         args += unpin
-        for member, nbytes, raw_nbytes in add:
-            args += [member, int(nbytes), int(raw_nbytes)]
+        for entry in add:
+            args += [entry[0], int(entry[1]), int(entry[2]), entry[3] if len(entry) > 3 else ""]
         return client.execute_command("EVAL", INDEX_SCRIPT, len(keys), *keys, *args,
                                       **_routed(client, self.keys.lru))
 

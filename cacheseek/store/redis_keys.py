@@ -9,6 +9,7 @@
     {<prefix>:<namespace>}:pinners                zset: pin owner (one per process) -> end of its lease (µs)
     {<prefix>:<namespace>}:pins:<owner>           set: block hash hex of every block that owner pins
     {<prefix>:<namespace>}:gen                    in a cluster: hash: block hash hex -> generation (clock when counted anew)
+    {<prefix>:<namespace>}:owner                  hash: block hash hex -> owner tag (opaque; set by the writer, gone with the entry)
 
 Braces are Redis Cluster hash tags: only the text inside the first ``{...}`` picks the slot.
 A frame's tag is its block hash, so the frames of one chain spread over every master; the
@@ -102,6 +103,13 @@ class RedisKeys:
     @property
     def gens(self) -> str:
         return f"{self.index_tag}:gen"
+
+    @property
+    def owners(self) -> str:
+        """Who owns each counted block, as its writer tagged it (``RedisTier.owner_tag``):
+        kept and dropped by the index script with the block's entry in ``sizes``, so an admin
+        flush of any process finds the blocks every process wrote."""
+        return f"{self.index_tag}:owner"
 
     @property
     def pinners(self) -> str:

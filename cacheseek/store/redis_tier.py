@@ -181,6 +181,11 @@ class RedisTier(Tier):
         # evicted): call id -> when owed. Their replies are kept in Redis for a while; the
         # next call that reaches it asks for them, and deletes their victims.
         self._owed_replies: dict[str, float] = {}
+        # Who owns a block this process counts anew (an opaque tag; "" for none), kept beside
+        # its index entry (``RedisKeys.owners``) so that a flush by any process sharing this
+        # Redis finds it (see ``owned``). Set by whoever knows owners (the server); it is
+        # called with no lock of this tier held, and must be quick.
+        self.owner_tag: Callable[[bytes], str] | None = None
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -281,7 +286,9 @@ class RedisTier(Tier):
         for i in batch.todo:
             pipe.strlen(keys.frame(batch.items[i][0]))
         call = SharedIndex.new_call()
-        self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes)
+        tag = self.owner_tag
+        self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes,
+                                      tag(batch.items[i][0]) if tag is not None else "")
                                      for m, i in zip(members, batch.todo)], call=call)
         try:
             replies = pipe.execute(raise_on_error=False)
@@ -747,6 +754,21 @@ class RedisTier(Tier):
         except StorageError:
             return []
         return [key for m in members if (key := RedisKeys.key(m)) is not None]
+
+    def owned(self, match: Callable[[str], bool]) -> list[bytes]:
+        """Blocks the shared index counts whose owner tag ``match`` accepts, whichever
+        process wrote them (one ``HSCAN`` of the owners hash, in pages). Raises
+        ``StorageError`` when Redis cannot be read: a caller about to delete an owner's
+        blocks must not take a partial list for the whole."""
+        def scan(c: Any) -> list[bytes]:
+            found = []
+            for member, tag in c.hscan_iter(self.keys_of.owners, count=1000):
+                text = tag.decode() if isinstance(tag, bytes) else str(tag)
+                if match(text) and (key := RedisKeys.key(member)) is not None:
+                    found.append(key)
+            return found
+
+        return self._run(scan)
 
     # -- other changes -------------------------------------------------------------------
 
