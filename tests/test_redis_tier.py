@@ -362,7 +362,8 @@ def test_check_finds_ghosts_and_orphans_and_fixes_them(redis_url):
     tier = cache.store.tier("redis")
     c = tier._connection()
     keys = RedisKeys()
-    c.delete(keys.frame(h[2]))  # a ghost: an interrupted write
+    c.delete(keys.frame(h[2]))  # a ghost: an interrupted write (long ago: see the grace below)
+    c.zadd(keys.lru, {h[2].hex(): 1}, xx=True)
     tier._index.queue(c, forget=[h[1].hex()])  # an orphan: an eviction whose DEL was lost
     assert tier.check() == {"ok": 1, "ghosts": 1, "orphans": 1}
     tier.check(fix=True)
@@ -685,6 +686,52 @@ def test_a_read_forgets_a_ghost_idle_past_the_grace_and_no_other(redis_url):
         assert tier.stats().blocks == 3
     finally:
         tier.close()
+
+
+def test_redis_check_fix_while_a_put_is_in_flight_keeps_the_write(redis_url):
+    # A put counts its block, then SETs its frame a round trip later. ``check(fix=True)`` run
+    # between the two (redis-check --fix while servers write) saw a ghost, forgot it, and the
+    # put, finding its block no longer counted, deleted the frame it had just acknowledged.
+    writer, checker = RedisTier(redis_url, 64 << 20), RedisTier(redis_url, 64 << 20)
+    key, frame = _frame(50)
+    counted, go = threading.Event(), threading.Event()
+    real = writer._settle
+
+    def settle(client, update, **kw):
+        if kw.get("victims") is False and not counted.is_set():  # the put's, after its index add
+            counted.set()
+            assert go.wait(10)
+        return real(client, update, **kw)
+
+    writer._settle = settle
+    results = []
+    put = threading.Thread(target=lambda: results.append(writer.put_many([(key, frame)])[0]))
+    try:
+        put.start()
+        assert counted.wait(10)
+        assert checker.check() == {"ok": 0, "ghosts": 1, "orphans": 0}  # (a write in flight looks like one)
+        checker.check(fix=True)
+        go.set()
+        put.join(10)
+        assert results and results[0].error is None and results[0].stored is not None
+        got = checker.get(key)
+        assert got is not None and bytes(got.host) == frame.to_bytes()
+        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+        # An old ghost still goes (and a pinned one, which no write is filling: see below).
+        (old, old_frame), (pinned, pinned_frame) = _frame(51), _frame(52)
+        checker.put_many([(old, old_frame), (pinned, pinned_frame)])
+        checker.pin([pinned])
+        c = checker._connection()
+        for k in (old, pinned):
+            c.delete(checker.keys_of.frame(k))
+        c.zadd(checker.keys_of.lru, {RedisKeys.member(old): 1}, xx=True)  # idle past the grace
+        assert checker.check(fix=True) == {"ok": 1, "ghosts": 2, "orphans": 0}
+        assert checker.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+    finally:
+        go.set()
+        put.join(10)
+        writer.close()
+        checker.close()
 
 
 # -- faults --------------------------------------------------------------------------------

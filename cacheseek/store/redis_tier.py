@@ -1038,15 +1038,18 @@ class RedisTier(Tier):
             }
             return self._snapshot()
 
-    def check(self, *, fix: bool = False) -> dict[str, int]:
+    def check(self, *, fix: bool = False, ghost_grace_seconds: float = GHOST_GRACE_SECONDS) -> dict[str, int]:
         """Post-mortem: compare the shared index with the frames actually stored.
 
         ``ghosts``: indexed, not stored (an interrupted write, or a frame Redis evicted or
         expired); ``orphans``: stored, not indexed (a victim whose DEL never arrived).
-        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). Scans
-        every master: for maintenance, not for a request path."""
+        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). An unpinned
+        ghost used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a
+        put in flight (counted, its SET not landed yet), and forgotten, that put would delete
+        the frame it then wrote. Scans every master: for maintenance, not for a request path."""
 
-        def scan(c: Any) -> tuple[set[str], set[str]]:
+        def scan(c: Any) -> tuple[set[str], set[str], set[str]]:
+            pinned = {m.decode() for m in c.smembers(self.keys_of.pinned)}
             indexed = {m.decode() for m in c.hkeys(self.keys_of.sizes)}
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
@@ -1054,9 +1057,9 @@ class RedisTier(Tier):
                 member = text[text.index("{") + 1 : -1]
                 if RedisKeys.key(member) is not None:  # (another tool's key under the pattern: not ours)
                     stored.add(member)
-            return indexed, stored
+            return indexed, stored, pinned
 
-        indexed, stored = self._run(scan)
+        indexed, stored, pinned = self._run(scan)
         ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
         report = {"ok": len(indexed & stored), "ghosts": len(ghosts), "orphans": len(orphans)}
         if fix and (ghosts or orphans):
@@ -1067,9 +1070,19 @@ class RedisTier(Tier):
                     adopt.append((m, info.nbytes, info.raw_nbytes))
 
             def repair(c: Any) -> None:
-                update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
+                # A pinned ghost is forgotten at once: it has no LRU entry to age, and a pin is
+                # of a block stored already. Only the script can judge the others' idle time.
+                update = SharedIndex.parse(self._index.queue(
+                    c, forget=[m for m in ghosts if m in pinned], add=adopt,
+                    repair=[m for m in ghosts if m not in pinned],
+                    repair_idle_us=max(0, round(ghost_grace_seconds * 1e6))))
                 self._settle(c, update)
                 self._mark_adopted(c, [m for m, _, _ in adopt], update)
+                if update.repaired:  # (a write stalled past the grace may have landed since the scan)
+                    found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
+                    back = [entry for entry, n in zip(update.repaired, found) if n]
+                    if back:
+                        self._settle(c, SharedIndex.parse(self._index.queue(c, add=back)))
 
             self._run(repair)
         return report
