@@ -734,6 +734,36 @@ def test_redis_check_fix_while_a_put_is_in_flight_keeps_the_write(redis_url):
         checker.close()
 
 
+def test_two_frames_of_different_sizes_under_one_hash_are_counted_as_stored(redis_url):
+    # Two processes store different frames under one block hash (a writer with a bug, or a
+    # client that lies): the second, finding a value of another length, writes over it. The
+    # index kept the first one's size, so the shared budget counted bytes other than those
+    # stored (a larger frame overran it unseen), and no check saw it.
+    first, second = RedisTier(redis_url, 64 << 20), RedisTier(redis_url, 64 << 20)
+    key, small = _frame(53)
+    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=LAYOUT, block_tokens=BLOCK,
+                      codec=cs.Raw().spec(), buffers=[("k", "float16", (3, 2, BLOCK, 128)), ("v", "float16", (3, 2, BLOCK, 128))])
+    large = BlockFrame(meta, host=memoryview(build_frame(meta, [b"\x07" * meta.tensors[0].nbytes] * 2)))
+    assert large.nbytes > small.nbytes
+    c = first._connection()
+    try:
+        assert first.put(key, small).stored is not None
+        assert second.put(key, large).stored is not None  # (another length: written over)
+        assert bytes(first.get(key).host) == large.to_bytes()
+        stored = int(c.strlen(first.keys_of.frame(key)))
+        assert first.stats().used_bytes == second.stats().used_bytes == stored
+        assert first.put(key, small).stored is not None  # and back
+        stored = int(c.strlen(first.keys_of.frame(key)))
+        assert stored == small.nbytes and second.stats().used_bytes == stored
+        second.pin([key])
+        assert second.put(key, large).stored is not None  # a pinned block's size is counted as pinned
+        st = first.stats()
+        assert st.used_bytes == st.pinned_bytes == large.nbytes and st.blocks == 1
+    finally:
+        first.close()
+        second.close()
+
+
 # -- faults --------------------------------------------------------------------------------
 
 

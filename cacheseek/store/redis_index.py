@@ -341,8 +341,18 @@ for _ = 1, n_add do
   local m, n, r = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
   local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
-  if redis.call('HEXISTS', sizes, m) == 1 then
+  local old_n, old_r = size_of(m)
+  if old_n then
     note_gen(m)
+    -- Counted at another size: the caller found a value of another length under its name
+    -- (another frame claiming this hash, or a truncated one) and writes its own over it.
+    -- Counted at the size written, or the budget would count bytes other than those stored.
+    if old_n ~= n or old_r ~= r then
+      changed = true
+      redis.call('HSET', sizes, m, n .. ' ' .. r)
+      used, raw = used + n - old_n, raw + r - old_r
+      if is_pinned then pinned_bytes = pinned_bytes + n - old_n end
+    end
     if is_pinned then
       status[#status + 1] = 3
     else
