@@ -764,6 +764,34 @@ def test_two_frames_of_different_sizes_under_one_hash_are_counted_as_stored(redi
         second.close()
 
 
+def test_pins_redis_lost_to_a_restore_within_the_lease_are_made_again(tmp_path):
+    # Redis restarted from a snapshot taken within this process's lease: the lease is there,
+    # the pins made after the snapshot are not. Each renewal found its lease held, so the
+    # process went on believing it pinned blocks that nothing kept from eviction.
+    srv = RedisServer(tmp_path / "r").start()
+    tier = RedisTier(srv.url, 64 << 20, pin_lease_seconds=60)
+    frames = [_frame(i) for i in range(54, 58)]
+    keys = [k for k, _ in frames]
+    try:
+        tier.put_many(frames)
+        tier.pin(keys[:1])
+        srv.cli("SAVE")  # the snapshot: one pin, and the lease
+        tier.pin(keys[1:])
+        srv.kill()
+        srv.start()  # (loads the snapshot)
+        tier._renew_lease()  # what the lease keeper runs
+        st = tier.stats()
+        assert st.pinned_blocks == 4 and st.pinned_bytes == sum(f.nbytes for _, f in frames)
+        assert sorted(tier.keys()[:4]) == sorted(keys)  # (pinned first)
+        tier.unpin(keys)
+        assert tier.stats().pinned_blocks == 0  # and a count check does not pin again what is unpinned
+        tier._renew_lease()
+        assert tier.stats().pinned_blocks == 0
+    finally:
+        tier.close()
+        srv.stop()
+
+
 # -- faults --------------------------------------------------------------------------------
 
 

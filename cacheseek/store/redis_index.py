@@ -73,6 +73,7 @@ local reply_ms = tonumber(ARGV[12])
 local replay = ARGV[13] == '1'
 local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local release_limit = tonumber(ARGV[17])
+local own_count = tonumber(ARGV[18])
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
@@ -230,6 +231,12 @@ local lease_lost = 0
 if owner ~= '' then
   if lease_held(owner) then
     redis.call('ZADD', pinners, now + lease_us, owner)
+    -- Held, yet fewer pins than the caller holds (it counts only pins answered, less those it
+    -- is taking back): Redis lost some, restored from a snapshot taken within the lease. Lost
+    -- all the same: the caller pins them again.
+    if own_count > 0 and redis.call('SCARD', owned_prefix .. owner) < own_count then
+      lease_lost = 1
+    end
   elseif n_pin == 0 then
     lease_lost = 1
   end
@@ -245,7 +252,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 18
+local i = 19
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -553,13 +560,16 @@ class SharedIndex:
         repair: Sequence[str] = (),
         repair_idle_us: int = 0,
         owner: str = "",
+        own_count: int = 0,
         call: str | None = None,
         replay: bool = False,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes). ``repair``: blocks a read found without a value, forgotten if unpinned
         and idle at least ``repair_idle_us``. ``owner``: whose pins ``pin`` and ``unpin``
-        change (required with them); given alone, it renews that owner's lease. EVAL rather than EVALSHA: the script text is
+        change (required with them); given alone, it renews that owner's lease. ``own_count``: how many
+        blocks that owner pins, as it knows them (its pins answered, less its unpins sent):
+        its set holding fewer says Redis lost some (``lease_lost``). EVAL rather than EVALSHA: the script text is
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
         failover.
 
@@ -578,7 +588,7 @@ class SharedIndex:
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
                            CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
-                           self.keys.owner_pins_prefix, RELEASE_LIMIT]
+                           self.keys.owner_pins_prefix, RELEASE_LIMIT, int(own_count)]
         args += forget
         args += repair
         args += touch

@@ -956,12 +956,20 @@ class RedisTier(Tier):
     def _renew_lease(self) -> None:
         if self._own:
             try:
-                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(
+                    c, owner=self.owner, own_count=self._own_count()))))
             except StorageError:
                 return  # counted; the next renewal tries again (and pins again what a lapse took)
         # Unpins an outage left owed go now, not only with the next put or stats(): a process
         # that only reads renewed its lease, and so kept those blocks pinned, for good.
         self._pay_owed_unpins()
+
+    def _own_count(self) -> int:
+        """How many blocks this process pins in Redis, at most: a pin joins ``_own`` once
+        answered, an unpin leaves it before it is sent, so Redis's set of this owner holds
+        at least these, unless Redis lost some."""
+        with self._lock:
+            return len(self._own)
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
@@ -1006,7 +1014,8 @@ class RedisTier(Tier):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
         def refresh(c: Any) -> None:
-            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "",
+                                                                own_count=self._own_count())))
             self._refresh_pins(c)
 
         try:
