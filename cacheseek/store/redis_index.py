@@ -74,6 +74,7 @@ local reply_ms = tonumber(ARGV[12])
 local replay = ARGV[13] == '1'
 local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local release_limit = tonumber(ARGV[17])
+local own_count = tonumber(ARGV[18])
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
@@ -232,6 +233,12 @@ local lease_lost = 0
 if owner ~= '' then
   if lease_held(owner) then
     redis.call('ZADD', pinners, now + lease_us, owner)
+    -- Held, yet fewer pins than the caller holds (it counts only pins answered, less those it
+    -- is taking back): Redis lost some, restored from a snapshot taken within the lease. Lost
+    -- all the same: the caller pins them again.
+    if own_count > 0 and redis.call('SCARD', owned_prefix .. owner) < own_count then
+      lease_lost = 1
+    end
   elseif n_pin == 0 then
     lease_lost = 1
   end
@@ -247,7 +254,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 18
+local i = 19
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -343,10 +350,20 @@ for _ = 1, n_add do
   local m, n, r, tag = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), ARGV[i + 3]
   i = i + 4
   local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
-  if redis.call('HEXISTS', sizes, m) == 1 then
+  local old_n, old_r = size_of(m)
+  if old_n then
     -- (One a writer that tags nothing counted: the first tag it is put with stands.)
     if tag ~= '' then redis.call('HSETNX', owners, m, tag) end
     note_gen(m)
+    -- Counted at another size: the caller found a value of another length under its name
+    -- (another frame claiming this hash, or a truncated one) and writes its own over it.
+    -- Counted at the size written, or the budget would count bytes other than those stored.
+    if old_n ~= n or old_r ~= r then
+      changed = true
+      redis.call('HSET', sizes, m, n .. ' ' .. r)
+      used, raw = used + n - old_n, raw + r - old_r
+      if is_pinned then pinned_bytes = pinned_bytes + n - old_n end
+    end
     if is_pinned then
       status[#status + 1] = 3
     else
@@ -548,13 +565,16 @@ class SharedIndex:
         repair: Sequence[str] = (),
         repair_idle_us: int = 0,
         owner: str = "",
+        own_count: int = 0,
         call: str | None = None,
         replay: bool = False,
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes[, owner tag]); the tag is kept in ``keys.owners`` while the block is counted. ``repair``: blocks a read found without a value, forgotten if unpinned
         and idle at least ``repair_idle_us``. ``owner``: whose pins ``pin`` and ``unpin``
-        change (required with them); given alone, it renews that owner's lease. EVAL rather than EVALSHA: the script text is
+        change (required with them); given alone, it renews that owner's lease. ``own_count``: how many
+        blocks that owner pins, as it knows them (its pins answered, less its unpins sent):
+        its set holding fewer says Redis lost some (``lease_lost``). EVAL rather than EVALSHA: the script text is
         small next to a frame, and there is no NOSCRIPT to handle after a Redis restart or
         failover.
 
@@ -573,7 +593,7 @@ class SharedIndex:
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
                            CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
-                           self.keys.owner_pins_prefix, RELEASE_LIMIT]
+                           self.keys.owner_pins_prefix, RELEASE_LIMIT, int(own_count)]
         args += forget
         args += repair
         args += touch

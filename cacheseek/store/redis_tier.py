@@ -978,12 +978,20 @@ class RedisTier(Tier):
     def _renew_lease(self) -> None:
         if self._own:
             try:
-                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner))))
+                self._run(lambda c: self._settle(c, SharedIndex.parse(self._index.queue(
+                    c, owner=self.owner, own_count=self._own_count()))))
             except StorageError:
                 return  # counted; the next renewal tries again (and pins again what a lapse took)
         # Unpins an outage left owed go now, not only with the next put or stats(): a process
         # that only reads renewed its lease, and so kept those blocks pinned, for good.
         self._pay_owed_unpins()
+
+    def _own_count(self) -> int:
+        """How many blocks this process pins in Redis, at most: a pin joins ``_own`` once
+        answered, an unpin leaves it before it is sent, so Redis's set of this owner holds
+        at least these, unless Redis lost some."""
+        with self._lock:
+            return len(self._own)
 
     def _pay_owed_unpins(self) -> None:
         if self._owed_unpins:
@@ -1028,7 +1036,8 @@ class RedisTier(Tier):
         """Counters of this process; used bytes and blocks of the shared index (the last
         values seen, with ``index_stale`` true, when Redis cannot be asked)."""
         def refresh(c: Any) -> None:
-            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "")))
+            self._settle(c, SharedIndex.parse(self._index.queue(c, owner=self.owner if self._own else "",
+                                                                own_count=self._own_count())))
             self._refresh_pins(c)
 
         try:
@@ -1060,15 +1069,18 @@ class RedisTier(Tier):
             }
             return self._snapshot()
 
-    def check(self, *, fix: bool = False) -> dict[str, int]:
+    def check(self, *, fix: bool = False, ghost_grace_seconds: float = GHOST_GRACE_SECONDS) -> dict[str, int]:
         """Post-mortem: compare the shared index with the frames actually stored.
 
         ``ghosts``: indexed, not stored (an interrupted write, or a frame Redis evicted or
         expired); ``orphans``: stored, not indexed (a victim whose DEL never arrived).
-        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). Scans
-        every master: for maintenance, not for a request path."""
+        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). An unpinned
+        ghost used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a
+        put in flight (counted, its SET not landed yet), and forgotten, that put would delete
+        the frame it then wrote. Scans every master: for maintenance, not for a request path."""
 
-        def scan(c: Any) -> tuple[set[str], set[str]]:
+        def scan(c: Any) -> tuple[set[str], set[str], set[str]]:
+            pinned = {m.decode() for m in c.smembers(self.keys_of.pinned)}
             indexed = {m.decode() for m in c.hkeys(self.keys_of.sizes)}
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
@@ -1076,9 +1088,9 @@ class RedisTier(Tier):
                 member = text[text.index("{") + 1 : -1]
                 if RedisKeys.key(member) is not None:  # (another tool's key under the pattern: not ours)
                     stored.add(member)
-            return indexed, stored
+            return indexed, stored, pinned
 
-        indexed, stored = self._run(scan)
+        indexed, stored, pinned = self._run(scan)
         ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
         report = {"ok": len(indexed & stored), "ghosts": len(ghosts), "orphans": len(orphans)}
         if fix and (ghosts or orphans):
@@ -1089,9 +1101,19 @@ class RedisTier(Tier):
                     adopt.append((m, info.nbytes, info.raw_nbytes))
 
             def repair(c: Any) -> None:
-                update = SharedIndex.parse(self._index.queue(c, forget=ghosts, add=adopt))
+                # A pinned ghost is forgotten at once: it has no LRU entry to age, and a pin is
+                # of a block stored already. Only the script can judge the others' idle time.
+                update = SharedIndex.parse(self._index.queue(
+                    c, forget=[m for m in ghosts if m in pinned], add=adopt,
+                    repair=[m for m in ghosts if m not in pinned],
+                    repair_idle_us=max(0, round(ghost_grace_seconds * 1e6))))
                 self._settle(c, update)
                 self._mark_adopted(c, [m for m, _, _ in adopt], update)
+                if update.repaired:  # (a write stalled past the grace may have landed since the scan)
+                    found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
+                    back = [entry for entry, n in zip(update.repaired, found) if n]
+                    if back:
+                        self._settle(c, SharedIndex.parse(self._index.queue(c, add=back)))
 
             self._run(repair)
         return report
