@@ -305,8 +305,12 @@ class DiskTier(IndexedTier):
         return _Closed(f"{self.name} tier: closed ({self.root})")
 
     def _too_large(self, nbytes: int) -> StorageError:
+        # A budget fitted below disk_bytes is the filesystem's doing (full: other writers, or
+        # the headroom): said, else a 507 blamed the setting, or the frame.
+        why = "" if self.capacity_bytes >= self.requested_bytes else (
+            f", lowered from disk_bytes ({self.requested_bytes}) to what the filesystem has room for, full or smaller")
         return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self.charge(nbytes)} bytes on disk, with its "
-                            f"sidecar) exceeds the budget ({self.capacity_bytes})")
+                            f"sidecar) exceeds the budget ({self.capacity_bytes}{why})")
 
     def close(self) -> None:
         """Give the directory up (another process may then open it), once the writes,
