@@ -46,6 +46,45 @@ def test_probe_names_a_known_path_and_tmpfs_is_not_direct(tmp_path):
         assert probe_read_path(shm) != "o_direct"  # tmpfs has no page cache to bypass
 
 
+_PROBE_ON_A_FULL_FILESYSTEM = r"""
+import logging, os, sys
+sys.path[:0] = sys.argv[2:]
+from cacheseek.store.direct_io import probe_read_path
+
+logging.basicConfig(level=logging.WARNING)
+fd = os.open(sys.argv[1] + "/fill", os.O_WRONLY | os.O_CREAT)
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except OSError:
+    pass
+os.close(fd)
+print(probe_read_path(sys.argv[1]))
+"""
+
+
+def test_a_probe_that_cannot_be_written_says_why_reads_go_buffered(tmp_path):
+    """A disk tier opened on a full filesystem cannot write its probe file: its reads go
+    through the page cache for as long as it runs, whatever the device allows. That was
+    silent (``read_path`` "buffered", as if the filesystem refused O_DIRECT); the log says
+    so now, naming the error. On a real tmpfs filled to the last block, mounted in a mount
+    namespace of its own (as the full-filesystem test below)."""
+    import subprocess
+    import sys
+
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    script = tmp_path / "probe.py"
+    script.write_text(_PROBE_ON_A_FULL_FILESYSTEM)
+    root = Path(__file__).parent.parent
+    run = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"',
+                          str(mount), sys.executable, str(script), str(mount), str(root)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "buffered"
+    assert "could not write its probe file" in run.stderr and "No space left on device" in run.stderr, run.stderr
+
+
 @pytest.mark.parametrize("path", ["probed", "buffered"])
 def test_read_pool_reads_every_size_whole_and_in_order(tmp_path, path):
     files = _files(tmp_path)

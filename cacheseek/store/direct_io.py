@@ -63,10 +63,17 @@ def probe_read_path(folder: str | os.PathLike) -> str:
         return "buffered"
     path = Path(folder) / f"{PROBE_NAME}-{os.getpid()}-{threading.get_ident()}"
     try:
-        with open(path, "wb") as f:
-            f.write(b"\x5a" * (2 * DIRECT_ALIGN))
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\x5a" * (2 * DIRECT_ALIGN))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            # (a filesystem full at start, or read-only): the reads go buffered for the
+            # tier's life, and its stats could not tell this from a filesystem refusing O_DIRECT.
+            log.warning("%s: could not write its probe file (%s): reads go through the page cache (read_path "
+                        "\"buffered\") until the tier is opened again", folder, exc)
+            return "buffered"
         try:
             fd = os.open(path, os.O_RDONLY | O_DIRECT)
         except OSError:

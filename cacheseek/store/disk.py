@@ -236,6 +236,7 @@ class DiskTier(IndexedTier):
         self._active = 0
         self._closed = False
         self.root = Path(root).expanduser()
+        self._root_str = str(self.root)
         self.fsync = fsync
         self.group_commit = group_commit
         self.requested_bytes = capacity_bytes
@@ -305,8 +306,12 @@ class DiskTier(IndexedTier):
         return _Closed(f"{self.name} tier: closed ({self.root})")
 
     def _too_large(self, nbytes: int) -> StorageError:
+        # A budget fitted below disk_bytes is the filesystem's doing (full: other writers, or
+        # the headroom): said, else a 507 blamed the setting, or the frame.
+        why = "" if self.capacity_bytes >= self.requested_bytes else (
+            f", lowered from disk_bytes ({self.requested_bytes}) to what the filesystem has room for, full or smaller")
         return StorageError(f"{self.name} tier: a {nbytes}-byte frame ({self.charge(nbytes)} bytes on disk, with its "
-                            f"sidecar) exceeds the budget ({self.capacity_bytes})")
+                            f"sidecar) exceeds the budget ({self.capacity_bytes}{why})")
 
     def close(self) -> None:
         """Give the directory up (another process may then open it), once the writes,
@@ -725,7 +730,7 @@ class DiskTier(IndexedTier):
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)
         with self._lock:
-            if key in self._index:
+            if key in self._index and self._still_whole(key):
                 self._index.touch([key])
                 return TierPutResult(stored=None)
             pending = self._writing.get(key)
@@ -888,7 +893,7 @@ class DiskTier(IndexedTier):
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)
         with self._lock:
-            if key in self._index:
+            if key in self._index and self._still_whole(key):
                 self._index.touch([key])
                 return TierPutResult(stored=None)
             if (pending := self._writing.get(key)) is not None:
@@ -1144,6 +1149,57 @@ class DiskTier(IndexedTier):
         self._remove_files(key)
         self._index.remove(key)
         return True
+
+    def _files_whole(self, key: bytes, info: BlockInfo) -> str | None:
+        """None if ``key``'s files are there, the data file of its size; else what was
+        found ("gone", "cut short"). Same-size damage is left to the checksum on read; an
+        I/O error says nothing of the files (a read judges them, as it does)."""
+        hexkey = key.hex()
+        base = f"{self._root_str}/{hexkey[:2]}/{hexkey}"  # (not ``_paths``: Path objects cost more than the stats)
+        try:
+            if os.stat(base + ".frame").st_size == info.nbytes and os.stat(base + ".meta").st_size > 0:
+                return None
+            return "cut short"
+        except (FileNotFoundError, NotADirectoryError):
+            return "gone"
+        except OSError:
+            return None
+
+    def _dropped_for_files(self, key: bytes, info: BlockInfo, found: str) -> bool:
+        """Drop a held block whose files went behind the tier's back (``_files_whole``):
+        answered "present" (a put's acknowledgement) with nothing on disk, every put of it
+        was acknowledged while a restart, and every read, found nothing. Under the lock."""
+        if not self._drop_if_unchanged(key, info):
+            return False
+        self._stats.corrupt += 1
+        self._sync_counts()
+        log.warning("%s tier: block %s was asked for as stored, but its files were %s behind the tier's back: "
+                    "dropped, to be written again", self.name, key.hex(), found)
+        return True
+
+    def _still_whole(self, key: bytes) -> bool:
+        """A put's check of a held block before it answers "present". Under the lock (a
+        held block is never being written: its files cannot change here meanwhile)."""
+        info = self._index.get(key)
+        found = self._files_whole(key, info)
+        return found is None or not self._dropped_for_files(key, info, found)
+
+    def present_many(self, keys: list[bytes]) -> list[bool]:
+        """``contains_many``, each held block's files looked at (two stats, outside the lock:
+        a long chain's lookup must not hold it)."""
+        with self._lock:
+            infos = [self._index.get(k) for k in keys]
+        out = []
+        for key, info in zip(keys, infos):
+            found = self._files_whole(key, info) if info is not None else "gone"
+            if info is not None and found is not None:
+                try:
+                    with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
+                        self._dropped_for_files(key, info, found)
+                except _Closed:
+                    pass
+            out.append(found is None)
+        return out
 
     def delete(self, key: bytes) -> bool:
         """Durable on return: the shard directory is fsynced after the unlinks (once for a

@@ -293,6 +293,11 @@ class Tier(ABC):
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
+    def present_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key is held here in the sense of a put's "present" (its
+        acknowledgement): ``contains_many``, unless the tier can tell its copy is gone."""
+        return self.contains_many(keys)
+
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark blocks used again, in order (the last is the most recent use)."""
 

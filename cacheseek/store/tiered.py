@@ -490,16 +490,21 @@ class TieredStore:
         only in memory there is not: a put of it writes it through (or waits for its write)."""
         if self.durability == MEMORY:
             return self.contains_many(keys)
-        return self.contains_many(keys, [t for t in self.tiers if t.name in self._acknowledging])
+        # (``Tier.present_many``: a disk tier whose files went answers not present, so the
+        # block is sent and written again rather than acknowledged with nothing on disk.)
+        return self.contains_many(keys, [t for t in self.tiers if t.name in self._acknowledging], committed=True)
 
-    def contains_many(self, keys: Sequence[bytes], tiers: Sequence[Tier] | None = None) -> list[bool]:
-        """Whether any tier (of ``tiers``, default all) holds each key."""
+    def contains_many(self, keys: Sequence[bytes], tiers: Sequence[Tier] | None = None, *,
+                      committed: bool = False) -> list[bool]:
+        """Whether any tier (of ``tiers``, default all) holds each key (``committed``: in
+        the sense of a put's "present", ``Tier.present_many``)."""
         present = [False] * len(keys)
         for tier in self.tiers if tiers is None else tiers:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
-            for i, hit in zip(todo, tier.contains_many([keys[i] for i in todo])):
+            ask = tier.present_many if committed else tier.contains_many
+            for i, hit in zip(todo, ask([keys[i] for i in todo])):
                 present[i] = hit
         return present
 

@@ -96,12 +96,14 @@ async def lookup(request: Request) -> JSONResponse:
         hashes, each = _binary_hashes(body, request, limit)
     else:
         hashes, each = _json_hashes(body, limit)
-    if service.store.indexes_in_memory:
+    if service.store.indexes_in_memory and not each:
         # In the event loop, not a worker thread: a lookup reads only the tiers' in-memory indexes
         # (microseconds for hundreds of hashes), and a thread hand-off would cost more than that.
         found = service.lookup(caller.namespace, hashes, each)
     else:
         # A networked tier (Redis) answers in a round trip, or a timeout: never block the loop on it.
+        # Nor ``each`` (a writer's question before it sends): the disk tier looks at the files of
+        # the blocks it holds (``DiskTier.present_many``), and a failing disk's stat can hang.
         found = await run_in_threadpool(service.lookup, caller.namespace, hashes, each)
     if each:  # what a writer asks before it sends its new blocks
         found["max_body_bytes"] = request.app.state.settings.max_body_bytes
