@@ -227,9 +227,8 @@ def test_a_refused_load_names_the_request_and_writes_no_page(world, monkeypatch,
     _refused(world, monkeypatch, name, call, match)
 
 
+@pytest.mark.parametrize("world", ["remote"], indirect=True)  # (wait=False is RemoteCache's)
 def test_a_refused_write_behind_ingest_queues_nothing(world):
-    if world.kind != "remote":
-        pytest.skip("wait=False is RemoteCache's")
     before = world.state()
     with pytest.raises(cs.InputError, match=r"^requests\[0\]\.page_ids: page \d+ appears twice$"):
         world.cache.ingest_batch([R(world.toks[2], [*world.tables[2][:3], world.tables[2][2]])], world.pages,
@@ -248,15 +247,15 @@ def test_a_start_inside_the_page_table_and_the_keys_still_loads(world):
     assert unchanged(before, world.dest_tensors)
 
 
-@pytest.mark.parametrize("mode", ["reference", "slots"])
+# (RemoteCache's paged writer is the reference one: no slots mode there)
+@pytest.mark.parametrize("world, mode", [("embedded", "reference"), ("embedded", "slots"), ("remote", "reference")],
+                         indirect=["world"])
 def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world, monkeypatch, mode):
     """Layers in any order are taken; a layer twice, outside the layout or not an int is an
     ``InputError`` and the writer stays usable; ``finish`` with a layer missing stores nothing
     (and gives the reserved slots back); a finished or aborted writer refuses more with a
     ``RuntimeError``."""
     if mode == "slots":
-        if world.kind == "remote":
-            pytest.skip("RemoteCache's paged writer is the reference one")
         monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
     before = world.state()
     writer = world.cache.ingest_batch([R(world.toks[2], world.tables[2])], world.pages, layerwise=True)
