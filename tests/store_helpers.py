@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -150,3 +152,18 @@ def run_threads(worker, n: int, timeout: float = 120) -> list:
     if errors:
         raise errors[0]
     return results
+
+
+def run_on_a_tmpfs(tmp_path: Path, script: str, size: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run the Python ``script`` on a real tmpfs of ``size`` ("512k", "4m"), mounted in a mount
+    namespace of its own (unshare(1), util-linux: on every Debian; a machine that cannot make
+    one fails here, it does not skip). The script's arguments: the mount point, the
+    repository, the tests folder."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    here = Path(__file__).parent
+    return subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"',
+                           str(mount), sys.executable, str(path), str(mount), str(here.parent), str(here)],
+                          capture_output=True, text=True, timeout=timeout)

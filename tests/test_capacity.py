@@ -20,7 +20,8 @@ from cacheseek.store.disk import DiskTier
 from cacheseek.store.frame import parse_frame
 
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, out_of_descriptors, tokens_for
+from store_helpers import (BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, out_of_descriptors, run_on_a_tmpfs,
+                           tokens_for)
 
 SIZES = [1, 4095, 4096, 4097, 3 * 4096 + 5, 1 << 20, (1 << 20) + 17]
 
@@ -69,17 +70,7 @@ def test_a_probe_that_cannot_be_written_says_why_reads_go_buffered(tmp_path):
     silent (``read_path`` "buffered", as if the filesystem refused O_DIRECT); the log says
     so now, naming the error. On a real tmpfs filled to the last block, mounted in a mount
     namespace of its own (as the full-filesystem test below)."""
-    import subprocess
-    import sys
-
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    script = tmp_path / "probe.py"
-    script.write_text(_PROBE_ON_A_FULL_FILESYSTEM)
-    root = Path(__file__).parent.parent
-    run = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=256k tmpfs "$0" && exec "$@"',
-                          str(mount), sys.executable, str(script), str(mount), str(root)],
-                         capture_output=True, text=True, timeout=60)
+    run = run_on_a_tmpfs(tmp_path, _PROBE_ON_A_FULL_FILESYSTEM, "256k", timeout=60)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "buffered"
     assert "could not write its probe file" in run.stderr and "No space left on device" in run.stderr, run.stderr
@@ -464,17 +455,8 @@ def test_a_full_filesystem_lowers_the_budget_and_writes_go_on_evicting(tmp_path)
     real 4 MiB tmpfs, mounted in a mount namespace of its own (unshare(1), util-linux: on
     every Debian; a machine that cannot make one fails here, it does not skip)."""
     import json
-    import subprocess
-    import sys
 
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    script = tmp_path / "full.py"
-    script.write_text(_FULL_FILESYSTEM)
-    here = Path(__file__).parent
-    run = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=4m tmpfs "$0" && exec "$@"',
-                          str(mount), sys.executable, str(script), str(mount), str(here.parent), str(here)],
-                         capture_output=True, text=True, timeout=300)
+    run = run_on_a_tmpfs(tmp_path, _FULL_FILESYSTEM, "4m", timeout=300)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["failed"] == 0 and out["batch_failed"] == 0, out

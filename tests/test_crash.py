@@ -100,6 +100,16 @@ WORKERS = 4
 KILLS = 30
 
 
+def _send_frames(c: httpx.Client, frames: list[tuple[bytes, bytes]]) -> tuple[httpx.Response, list | None]:
+    """One frame by PUT, more by a batch POST: the response and the per-frame answers (None
+    unless the request succeeded)."""
+    if len(frames) == 1:
+        r = c.put(f"/v1/blocks/{frames[0][0].hex()}", content=frames[0][1])
+        return r, [r.json()] if r.status_code in (200, 201) else None
+    r = c.post("/v1/blocks", content=batch_body([f for _, f in frames]))
+    return r, r.json() if r.status_code == 200 else None
+
+
 class _Load:
     """Clients that ingest into one server (PUTs and batch POSTs, some of one block at once)
     until it dies, recording what it acknowledged."""
@@ -147,12 +157,7 @@ class _Load:
                     return
                 frames = self._frames(rng, rng.choice((1, 1, 2, 4)), w, i)
                 try:
-                    if len(frames) == 1:
-                        r = c.put(f"/v1/blocks/{frames[0][0].hex()}", content=frames[0][1])
-                        results = [r.json()] if r.status_code in (200, 201) else None
-                    else:
-                        r = c.post("/v1/blocks", content=batch_body([f for _, f in frames]))
-                        results = r.json() if r.status_code == 200 else None
+                    r, results = _send_frames(c, frames)
                 except (httpx.HTTPError, ValueError):
                     return  # killed mid-request: nothing of it was acknowledged
                 if results is None:
@@ -311,12 +316,7 @@ class _ChainLoad:
         with self.lock:
             self.sent.update(frames)
         try:
-            if len(frames) == 1:
-                r = c.put(f"/v1/blocks/{frames[0][0].hex()}", content=frames[0][1])
-                results = [r.json()] if r.status_code in (200, 201) else None
-            else:
-                r = c.post("/v1/blocks", content=batch_body([f for _, f in frames]))
-                results = r.json() if r.status_code == 200 else None
+            r, results = _send_frames(c, frames)
         except (httpx.HTTPError, ValueError):
             return False  # killed mid-request: nothing of it was acknowledged
         if results is None:

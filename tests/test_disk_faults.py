@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from server_helpers import Server, raw_chain
-from store_helpers import raw_frame
+from store_helpers import raw_frame, run_on_a_tmpfs
 from cacheseek.store.disk import DiskTier
 
 
@@ -90,18 +90,8 @@ def test_a_write_to_a_full_filesystem_holding_nothing_says_the_filesystem_is_ful
     filesystem. Nothing is left on disk, and once space comes back writes go on, no restart.
     On a real 512 KiB tmpfs in a mount namespace of its own (as test_capacity's)."""
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    script = tmp_path / "full.py"
-    script.write_text(_FULL_AND_EMPTY)
-    here = Path(__file__).parent
-    run = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=512k tmpfs "$0" && exec "$@"',
-                          str(mount), sys.executable, str(script), str(mount), str(here.parent), str(here)],
-                         capture_output=True, text=True, timeout=120)
+    run = run_on_a_tmpfs(tmp_path, _FULL_AND_EMPTY, "512k", timeout=120)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert all("to what the filesystem has room for" in e for e in out["errors"]), out

@@ -183,9 +183,7 @@ def _refused_until_redis_answers(r: httpx.Response) -> None:
 def _deleted_once_redis_answers(c: httpx.Client, h: bytes) -> None:
     """The DELETE of ``h`` sent again until the breaker lets calls through: then it is done
     (404: the DEL sent while Redis hung landed after all), and ``h`` is served by no tier."""
-    deadline = time.monotonic() + 10
-    while (r := c.delete(f"/v1/blocks/{h.hex()}")).status_code == 503 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    r = _until_redis_answers(lambda: c.delete(f"/v1/blocks/{h.hex()}"))
     assert r.status_code in (204, 404), r.text
     assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
 
@@ -230,8 +228,7 @@ def test_a_delete_that_cannot_reach_redis_is_a_503_even_when_the_cpu_tier_held_t
             assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
             redis.pause()
             try:
-                while _redis_stats(srv)["breaker"]["state"] == "closed":  # misses that time out open it
-                    assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
+                _open_breaker(c, srv)
                 _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
             finally:
                 redis.resume()
@@ -262,17 +259,13 @@ def test_an_admin_chain_delete_that_cannot_reach_redis_is_a_503(tmp_path, cpu_by
             last = chain[-1][0].hex()
             redis.pause()
             try:
-                while _redis_stats(srv)["breaker"]["state"] == "closed":  # misses that time out open it
-                    assert c.get(f"/v1/blocks/{'ab' * 16}").status_code == 404
+                _open_breaker(c, srv)
                 r = c.delete(f"/v1/admin/chains/{last}", headers=admin)
                 assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
                 assert r.headers["retry-after"] == "1"
             finally:
                 redis.resume()
-            deadline = time.monotonic() + 10  # the breaker lets calls through again
-            while (r := c.delete(f"/v1/admin/chains/{last}", headers=admin)).status_code == 503 \
-                    and time.monotonic() < deadline:
-                time.sleep(0.2)
+            r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{last}", headers=admin))
             assert r.status_code == 200 and r.json()["deleted_blocks"] >= 1, r.text
             for h, _ in chain:
                 assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404

@@ -37,22 +37,28 @@ def head(method: str, path: str, length: int | None = None, extra: str = "") -> 
     return f"{method} {path} HTTP/1.1\r\nhost: x\r\n{cl}{extra}\r\n".encode()
 
 
-def read_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict, bytes]:
+def read_head(sock: socket.socket, rest: bytearray) -> tuple[int, dict]:
+    """A response's status and headers (names lowercased); ``rest`` keeps what follows the head."""
     while b"\r\n\r\n" not in rest:
         data = sock.recv(65536)
         assert data, "connection closed"
         rest += data
     top, _, tail = bytes(rest).partition(b"\r\n\r\n")
+    rest[:] = tail
     lines = top.split(b"\r\n")
-    headers = {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
+
+
+def read_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict, bytes]:
+    status, headers = read_head(sock, rest)
     n = int(headers.get(b"content-length", b"0"))
-    body = bytearray(tail)
+    body = bytearray(rest)
     while len(body) < n:
         data = sock.recv(65536)
         assert data, "connection closed"
         body += data
     rest[:] = body[n:]
-    return int(lines[0].split()[1]), headers, bytes(body[:n])
+    return status, headers, bytes(body[:n])
 
 
 def closed_within(sock: socket.socket, seconds: float) -> float:
@@ -757,7 +763,7 @@ def test_head_answers_as_get_would_with_no_body_and_fetches_no_frame(tmp_path):
             rest = bytearray()
             for p in paths:
                 s.sendall(head("HEAD", p))
-                status, headers = _read_head_response(s, rest)
+                status, headers = read_head(s, rest)
                 want = gets[p]
                 assert status == want.status_code, (p, status)
                 if p in ("/v1/stats", "/metrics"):  # (figures that change between the two)
@@ -769,7 +775,7 @@ def test_head_answers_as_get_would_with_no_body_and_fetches_no_frame(tmp_path):
                         (name not in headers and name.decode() not in want.headers), (p, name)
             # Routes without GET: 405 as before, naming the methods they take.
             s.sendall(head("HEAD", "/v1/lookup"))
-            status, headers = _read_head_response(s, rest)
+            status, headers = read_head(s, rest)
             assert status == 405 and b"POST" in headers[b"allow"]
             s.sendall(head("GET", "/healthz"))
             assert read_response(s, rest)[:1] == (200,) and not rest
@@ -780,18 +786,6 @@ def test_head_answers_as_get_would_with_no_body_and_fetches_no_frame(tmp_path):
         routes = {(r["route"], r["method"]): r["statuses"] for r in after["requests"]}
         assert routes[("/v1/prefixes/{hash}", "HEAD")] == {"200": 2, "404": 1}
         assert "Traceback" not in srv.output(), srv.output()
-
-
-def _read_head_response(sock: socket.socket, rest: bytearray) -> tuple[int, dict]:
-    """A response to HEAD: its head only (its Content-Length announces a body that never comes)."""
-    while b"\r\n\r\n" not in rest:
-        data = sock.recv(65536)
-        assert data, "connection closed"
-        rest += data
-    top, _, tail = bytes(rest).partition(b"\r\n\r\n")
-    rest[:] = tail
-    lines = top.split(b"\r\n")
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in (line.split(b": ", 1) for line in lines[1:])}
 
 
 def _chunked(body: bytes, size: int = 10000) -> bytes:
