@@ -314,7 +314,8 @@ def _cache_over(got: Any, config: Any, num_tokens: int | None = None,
     n = got.num_tokens if num_tokens is None else min(got.num_tokens, num_tokens)
     layers = got.layers
     if devices is not None:
-        layers = [(k.to(d), v.to(d)) for (k, v), d in zip(layers, devices, strict=True)]
+        # Sliced first: a prefix cut to fewer tokens moves only those.
+        layers = [tuple(t.to(d) for t in _first(kv, n)) for kv, d in zip(layers, devices, strict=True)]
     cache = _new_dynamic_cache(config)
     try:
         _fill_without_copy(cache, len(layers), lambda i: _first(layers[i], n), n)
