@@ -156,18 +156,21 @@ class Prefetcher:
             for (k, _), fut in zip(mine, futures):
                 fut.set_running_or_notify_cancel()
                 self._waiting[k] = fut
-            self._running += 1
-            self.counts["started"] += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="cacheseek-prefetch")
-            executor = self._executor
-        handle = Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
-        try:
-            executor.submit(self._run, mine, futures, after)
-        except RuntimeError:  # shut down meanwhile
-            self._settle(mine, futures, [False] * len(mine), last=True)
-            return Refused("closed", len(where))
-        return handle
+            # Submitted under the lock that ``close`` takes first (the run settles nothing before
+            # this lock is let go): submitted outside it, past the check above, a prefetch could
+            # meet a close that had shut the executor down and settled these blocks and the
+            # slot, and then settle them again (``in_flight`` -1, blocks counted failed twice).
+            try:
+                self._executor.submit(self._run, mine, futures, after)
+            except RuntimeError:  # (the interpreter is exiting: no new thread runs now)
+                for k, _ in mine:  # (no reader has seen these futures: the lock is still held)
+                    del self._waiting[k]
+                return Refused("closed", len(where))
+            self._running += 1
+            self.counts["started"] += 1
+        return Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
 
     def waiting(self, keys: Sequence[bytes]) -> dict[bytes, Future]:
         """The promotions in flight among ``keys``: a reader waits for these instead of
