@@ -49,3 +49,41 @@ def test_a_prefetch_that_meets_a_close_before_its_submit_leaves_the_counts_whole
         assert stats["in_flight"] == 0 and stats["blocks_in_flight"] == 0, stats
         begun = 2 + (2 if hasattr(started, "blocks") else 0)
         assert stats["promoted_blocks"] + stats["failed_blocks"] == begun, (started, stats)
+
+
+def test_a_prefetch_that_raises_in_its_thread_is_counted_and_logged_once_per_run(tmp_path, monkeypatch, caplog):
+    """A prefetch fails nothing (what it could not promote stays below, and is read there),
+    but an error in its thread (a bug in a promotion, a tier raising what it should have
+    answered) was swallowed whole: counted as blocks not promoted, like a CPU tier that had
+    no room, and logged nowhere, so a prefetch that never worked looked like a full tier.
+    Now it is counted (``errors``) and the first of a run of them logged with its traceback."""
+    from cacheseek.store.tiered import TieredStore
+
+    chains = [(tokens_for(210 + i, 2 * BLOCK), make_kv(2 * BLOCK, 210 + i)) for i in range(3)]
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        for toks, kv in chains:
+            cache.ingest(toks, kv)
+            _on_disk_only(cache, toks)
+        real = TieredStore._promote_up
+        broken = threading.Event()
+        broken.set()
+
+        def promote(self, *args, **kw):
+            if broken.is_set():
+                raise AttributeError("a promotion's bug")
+            return real(self, *args, **kw)
+
+        monkeypatch.setattr(TieredStore, "_promote_up", promote)
+        with caplog.at_level("WARNING", logger="cacheseek.store"):
+            for toks, _ in chains[:2]:
+                handle = cache.prefetch(toks)
+                assert handle is not None and handle.wait(30) and handle.promoted == 0
+            broken.clear()
+            assert cache.prefetch(chains[2][0]).wait(30)
+        stats = cache.stats()["prefetch"]
+        assert stats["errors"] == 2 and stats["promoted_blocks"] == 2 and stats["failed_blocks"] == 4, stats
+        logged = [r for r in caplog.records if "prefetch" in r.getMessage()]
+        assert len(logged) == 1 and "a promotion's bug" in logged[0].getMessage(), [r.getMessage() for r in logged]
+        assert logged[0].exc_info is not None  # (where it was raised)
+        assert set(cache.locate(chains[2][0]).tiers) == {"cpu"}
+        assert set(cache.locate(chains[0][0]).tiers) == {"disk"}  # (read from disk, as before)

@@ -15,13 +15,17 @@ request is served from memory.
   (``TieredStore.stream``) waits for such a block instead of reading it again, so a
   materialize that comes while a prefetch runs waits only for what is still missing.
 - A prefetch never fails anything: a block that cannot be read or promoted is left where
-  it was (a later read reads it there).
+  it was (a later read reads it there). An error raised in its thread (not a miss or a
+  full tier, which tiers answer without raising) is counted (``errors``) and the first of a
+  run of them logged with its traceback: swallowed, a prefetch that never worked looked
+  like one that found no room.
 
 Torch-free.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -91,6 +95,8 @@ class Refused:
 
 _END = object()
 
+log = logging.getLogger("cacheseek.store")
+
 
 class Prefetcher:
     """Background promotions for one ``TieredStore``, at most ``max_in_flight`` at once."""
@@ -109,7 +115,8 @@ class Prefetcher:
         self._closed = False
         self._closing: Future = Future()  # set by close(): a run waiting for another's block gives up
         self.counts = {"started": 0, "joined": 0, "in_memory": 0, "nothing_stored": 0, "refused_busy": 0,
-                       "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0}
+                       "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0, "errors": 0}
+        self._failing = False  # the last run raised: the next error is counted, not logged again
 
     def start(self, keys: Sequence[bytes]) -> Prefetch | None:
         """Promote the stored prefix of ``keys`` into memory in the background (see the
@@ -210,8 +217,16 @@ class Prefetcher:
                         self._settle([mine[i]], [futures[i]], [results[i]])
             finally:
                 stream.close()
-        except Exception:  # a prefetch fails nothing: what was not promoted stays where it was
-            pass
+        except Exception as exc:  # a prefetch fails nothing: what was not promoted stays where it was
+            with self._lock:
+                self.counts["errors"] += 1
+                first, self._failing = not self._failing, True
+            if first:
+                log.warning("a prefetch raised in its thread (%s: %s): its blocks stay where they were; the errors "
+                            "that follow are counted in the prefetch stats (errors) until one runs through",
+                            type(exc).__name__, exc, exc_info=True)
+        else:
+            self._failing = False
         finally:
             self._settle(mine, futures, results, last=True)
 
