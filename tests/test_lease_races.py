@@ -87,3 +87,42 @@ def test_a_prefetch_that_raises_in_its_thread_is_counted_and_logged_once_per_run
         assert logged[0].exc_info is not None  # (where it was raised)
         assert set(cache.locate(chains[2][0]).tiers) == {"cpu"}
         assert set(cache.locate(chains[0][0]).tiers) == {"disk"}  # (read from disk, as before)
+
+
+def test_close_stops_a_prefetch_in_flight_after_the_block_it_is_on(tmp_path, monkeypatch):
+    """``close()`` (a server shutting down) waited for every prefetch in flight to promote its
+    whole chain, block after block, into a tier about to close: a few long chains on disk held
+    the shutdown for as long as reading them all took. A run now stops at the next block once
+    the prefetcher is closing; the blocks it did not reach count as not promoted."""
+    from cacheseek.store.tiered import TieredStore
+
+    n = 8
+    toks, kv = tokens_for(220, n * BLOCK), make_kv(n * BLOCK, 220)
+    cache = make_cache(cpu="64MiB", disk=tmp_path / "d")
+    try:
+        cache.ingest(toks, kv)
+        _on_disk_only(cache, toks)
+        prefetcher = cache.store.prefetcher
+        real = TieredStore._promote_up
+        promoting, promoted = threading.Event(), []
+
+        def promote(self, key, *args, **kw):
+            promoting.set()
+            closing = prefetcher._closing
+            assert closing.result(30) is None  # (the first block waits for the close to begin)
+            promoted.append(key)
+            return real(self, key, *args, **kw)
+
+        monkeypatch.setattr(TieredStore, "_promote_up", promote)
+        handle = cache.prefetch(toks)
+        assert handle is not None and handle.blocks == n
+        assert promoting.wait(30)
+        closer = threading.Thread(target=cache.close)
+        closer.start()
+        closer.join(30)
+        assert not closer.is_alive()
+        assert handle.done() and len(promoted) == 1, len(promoted)
+        stats = cache.store.prefetcher.stats()
+        assert stats["promoted_blocks"] + stats["failed_blocks"] == n and stats["in_flight"] == 0, stats
+    finally:
+        cache.close()

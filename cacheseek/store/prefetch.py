@@ -19,6 +19,8 @@ request is served from memory.
   full tier, which tiers answer without raising) is counted (``errors``) and the first of a
   run of them logged with its traceback: swallowed, a prefetch that never worked looked
   like one that found no room.
+- ``close()`` (the store's) stops each prefetch at the block it is on; the blocks it did not
+  reach count as not promoted, and a reader waiting for one reads it where it is.
 
 Torch-free.
 """
@@ -204,6 +206,10 @@ class Prefetcher:
                 for i in range(len(mine)):
                     if after[i] is not None:  # (its read is under way meanwhile: the stream's reads start at once)
                         wait_any((after[i], self._closing), return_when=FIRST_COMPLETED)
+                    # Closing (a server shutting down): the rest of a long chain is not promoted
+                    # into tiers about to close; ``close`` waits only for the block under way.
+                    if self._closing.done():
+                        break
                     got = next(stream, _END)
                     if got is _END:
                         break
