@@ -5,9 +5,17 @@ flight, every block a prefetch started counted once)."""
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 
-from store_helpers import BLOCK, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, raw_frame, run_threads, tokens_for
+
+from cacheseek.store.cpu import CpuTier
+from cacheseek.store.disk import DiskTier
+from cacheseek.store.tiered import TieredStore
+
+RUN_S = 2.0  # each stress test's threads run this long
 
 
 def _on_disk_only(cache, toks) -> None:
@@ -126,3 +134,140 @@ def test_close_stops_a_prefetch_in_flight_after_the_block_it_is_on(tmp_path, mon
         assert stats["promoted_blocks"] + stats["failed_blocks"] == n and stats["in_flight"] == 0, stats
     finally:
         cache.close()
+
+
+def test_readers_holding_frames_keep_their_bytes_while_other_threads_evict_delete_and_prefetch(tmp_path):
+    """Six threads over a CPU tier of five frames above a small disk tier: puts that evict
+    (and demote), deletes, prefetches, and reads that hold up to three frames at once while
+    the others run. A held frame's bytes are compared when it is released, after the tier has
+    evicted and reused slots under it (a slot reused while leased would read another
+    frame's bytes). Then the books: nothing lent, no slot held, no prefetch in flight, every
+    block a prefetch started counted once, and every block counted once store-wide."""
+    frames = [raw_frame(i) for i in range(1, 40)]
+    size = frames[0][1].nbytes
+    cpu = CpuTier(5 * size + 100, chunk_bytes=1 << 20)
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 12 * (size + 8192))])
+    started: list = []
+    deadline = time.monotonic() + RUN_S
+
+    def worker(i: int) -> int:
+        rnd = random.Random(i)
+        held: list = []  # (frame, the bytes it must still hold)
+        reads = 0
+        try:
+            while time.monotonic() < deadline:
+                key, frame = rnd.choice(frames)
+                op = rnd.random()
+                if op < 0.35:
+                    store.put(key, frame)
+                elif op < 0.45:
+                    store.delete(key)
+                elif op < 0.55:
+                    handle = store.prefetcher.attempt([key])
+                    if hasattr(handle, "blocks"):
+                        started.append(handle)
+                elif (got := store.get(key)) is not None:
+                    reads += 1
+                    held.append((got[0], bytes(frame.host)))
+                    if len(held) > 3:
+                        old, want = held.pop(0)
+                        assert bytes(old.host) == want, "a leased slot was reused under its reader"
+                        old.release()
+        finally:
+            for old, want in held:
+                assert bytes(old.host) == want, "a leased slot was reused under its reader"
+                old.release()
+        return reads
+
+    assert sum(run_threads(worker, 6, timeout=60)) > 0
+    assert all(h.wait(30) for h in started)
+    prefetch = store.prefetcher.stats()
+    assert prefetch["in_flight"] == 0 and prefetch["blocks_in_flight"] == 0 and prefetch["errors"] == 0, prefetch
+    begun = sum(h.blocks - h.joined for h in started)
+    assert prefetch["promoted_blocks"] + prefetch["failed_blocks"] == begun, (begun, prefetch)
+    stats = store.stats()
+    leases = cpu.lease_stats()
+    assert leases["leases_active"] == 0 and leases["held_slots"] == 0 and leases["lease_double_releases"] == 0, leases
+    assert stats["tiers"][1]["stream_buffers"]["leases_active"] == 0
+    keys = [key for key, _ in frames]
+    assert stats["blocks"] == sum(any(t.contains(k) for t in store.tiers) for k in keys)
+    for tier, figures in zip(store.tiers, stats["tiers"]):
+        assert figures["blocks"] == sum(tier.contains(k) for k in keys), tier.name
+    store.close()
+
+
+def test_prefetches_racing_deletes_and_ingests_bring_no_deleted_block_back(tmp_path):
+    """Prefetches of chains on disk while another thread deletes some of those chains,
+    ingests others (evicting through a CPU tier of six blocks) and two more materialize:
+    a prefetch whose read began before a delete must not promote the block it read (it
+    would come back after its delete). Once all is done, no deleted block is in any tier,
+    and nothing is lent or in flight."""
+    frame = LAYOUT.raw_nbytes(BLOCK) + 1024
+    with make_cache(cpu=6 * frame, disk=tmp_path / "d", max_prefetches=2) as cache:
+        live = [(tokens_for(230 + i, 4 * BLOCK), make_kv(4 * BLOCK, 230 + i)) for i in range(3)]
+        doomed = [tokens_for(240 + i, 3 * BLOCK) for i in range(5)]
+        for toks, kv in live:
+            cache.ingest(toks, kv)
+        for i, toks in enumerate(doomed):
+            cache.ingest(toks, make_kv(3 * BLOCK, 240 + i))
+        handles: list = []
+        deleted = threading.Event()
+        deadline = time.monotonic() + RUN_S
+
+        def worker(i: int) -> None:
+            rnd = random.Random(i)
+            while time.monotonic() < deadline:
+                if i == 0:
+                    if not deleted.is_set() and time.monotonic() > deadline - RUN_S / 2:
+                        for toks in doomed:
+                            for key in cache.block_hashes(toks):
+                                cache.store.delete(key)
+                        deleted.set()
+                    toks, kv = rnd.choice(live)
+                    cache.ingest(toks, kv)
+                elif i in (1, 2):
+                    toks = rnd.choice([t for t, _ in live] + ([] if deleted.is_set() else doomed))
+                    started = cache.store.prefetcher.attempt(cache.block_hashes(toks))
+                    if hasattr(started, "blocks"):
+                        handles.append(started)
+                else:
+                    toks, kv = rnd.choice(live)
+                    got = cache.materialize(toks)
+                    assert got.num_tokens % BLOCK == 0 and got.num_tokens <= 4 * BLOCK
+
+        run_threads(worker, 5, timeout=60)
+        assert deleted.is_set()
+        assert all(h.wait(30) for h in handles)
+        for toks in doomed:
+            assert not any(t.contains(k) for k in cache.block_hashes(toks) for t in cache.store.tiers)
+        stats = cache.stats()
+        prefetch = stats["prefetch"]
+        assert prefetch["in_flight"] == 0 and prefetch["blocks_in_flight"] == 0 and prefetch["errors"] == 0, prefetch
+        assert prefetch["promoted_blocks"] + prefetch["failed_blocks"] == sum(h.blocks - h.joined for h in handles)
+        cpu, disk = stats["tiers"]
+        assert cpu["leases_active"] == 0 and cpu["held_slots"] == 0
+        assert disk["stream_buffers"]["leases_active"] == 0
+
+
+def test_a_block_deleted_between_a_prefetchs_read_and_its_promotion_stays_deleted(tmp_path, monkeypatch):
+    """The delete goes by while the prefetch holds the block's bytes, read from disk and not
+    yet put into memory: the promotion must not bring it back (the delete answered for it)."""
+    toks, kv = tokens_for(250, 3 * BLOCK), make_kv(3 * BLOCK, 250)
+    with make_cache(cpu="64MiB", disk=tmp_path / "d") as cache:
+        cache.ingest(toks, kv)
+        _on_disk_only(cache, toks)
+        keys = cache.block_hashes(toks)
+        real = TieredStore._promote_up
+
+        def deleted_meanwhile(self, key, *args, **kw):
+            if key == keys[1]:
+                assert self.delete(key)
+            return real(self, key, *args, **kw)
+
+        monkeypatch.setattr(TieredStore, "_promote_up", deleted_meanwhile)
+        handle = cache.prefetch(toks)
+        assert handle is not None and handle.wait(30)
+        assert [any(t.contains(k) for t in cache.store.tiers) for k in keys] == [True, False, True]
+        assert cache.lookup(toks) == BLOCK
+        # (the third stays on disk: a block goes up only beside its parent)
+        assert cache.stats()["prefetch"]["promoted_blocks"] == 1
