@@ -271,3 +271,68 @@ def test_a_block_deleted_between_a_prefetchs_read_and_its_promotion_stays_delete
         assert cache.lookup(toks) == BLOCK
         # (the third stays on disk: a block goes up only beside its parent)
         assert cache.stats()["prefetch"]["promoted_blocks"] == 1
+
+
+def test_a_server_streaming_prefixes_while_it_evicts_prefetches_and_loses_clients_keeps_its_books(tmp_path):
+    """A real ``cacheseek serve`` with a CPU tier of ten frames over a disk tier: two clients
+    read whole chains (each byte compared with what was stored), one starts reads and resets
+    its connection after a few bytes, one sends prefetches, one stores new chains that evict
+    the others from memory. Every whole answer must be the stored bytes; once all is done,
+    no lease is active, no slot held, no prefetch in flight, and the log holds no traceback."""
+    import socket
+    import struct
+
+    import httpx
+
+    from server_helpers import LAYOUT as SERVER_LAYOUT
+    from server_helpers import Server, batch_body, raw_chain
+
+    chains = [raw_chain(300 + i, 12, layout=SERVER_LAYOUT, block=48) for i in range(6)]
+    nbytes = len(chains[0][0][1])
+    with Server(tmp_path, cpu_bytes=str(10 * nbytes)) as srv:
+        for chain in chains:
+            assert httpx.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in chain]),
+                              timeout=30).status_code == 200
+        deadline = time.monotonic() + RUN_S
+
+        def worker(i: int) -> int:
+            rnd = random.Random(i)
+            whole = 0
+            with httpx.Client(timeout=30) as client:
+                while time.monotonic() < deadline:
+                    chain = rnd.choice(chains)
+                    path = f"/v1/prefixes/{chain[-1][0].hex()}"
+                    if i < 2:
+                        answer = client.get(srv.url + path)
+                        assert answer.status_code == 200  # (every chain stays on disk)
+                        want = b"".join(struct.pack("<Q", len(f)) + f for _, f in chain)
+                        assert answer.content == want, "a streamed frame's bytes changed under it"
+                        whole += 1
+                    elif i == 2:
+                        with socket.socket() as sock:
+                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 10)
+                            sock.connect(("127.0.0.1", srv.port))
+                            sock.sendall(f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+                            sock.recv(rnd.randrange(1, 50_000))
+                            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    elif i == 3:
+                        client.post(srv.url + "/v1/prefetch", json={"hashes": [h.hex() for h, _ in chain]})
+                    else:
+                        other = raw_chain(rnd.randrange(1 << 30), 3, layout=SERVER_LAYOUT, block=48)
+                        client.post(srv.url + "/v1/blocks", content=batch_body([f for _, f in other]))
+            return whole
+
+        assert sum(run_threads(worker, 5, timeout=60)) > 0
+        settled = time.monotonic() + 10  # (a reset connection's response ends on the server's own time)
+        while True:
+            stats = httpx.get(srv.url + "/v1/stats").json()
+            cpu, disk = stats["tiers"]
+            done = cpu["leases_active"] == 0 and stats["prefetch"]["in_flight"] == 0
+            if done or time.monotonic() > settled:
+                break
+            time.sleep(0.05)
+        assert cpu["leases_active"] == 0 and cpu["held_slots"] == 0 and cpu["lease_double_releases"] == 0, cpu
+        assert disk["stream_buffers"]["leases_active"] == 0
+        assert stats["prefetch"]["in_flight"] == 0 and stats["prefetch"]["errors"] == 0, stats["prefetch"]
+        log = srv.output()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
