@@ -15,13 +15,19 @@ request is served from memory.
   (``TieredStore.stream``) waits for such a block instead of reading it again, so a
   materialize that comes while a prefetch runs waits only for what is still missing.
 - A prefetch never fails anything: a block that cannot be read or promoted is left where
-  it was (a later read reads it there).
+  it was (a later read reads it there). An error raised in its thread (not a miss or a
+  full tier, which tiers answer without raising) is counted (``errors``) and the first of a
+  run of them logged with its traceback: swallowed, a prefetch that never worked looked
+  like one that found no room.
+- ``close()`` (the store's) stops each prefetch at the block it is on; the blocks it did not
+  reach count as not promoted, and a reader waiting for one reads it where it is.
 
 Torch-free.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -91,6 +97,8 @@ class Refused:
 
 _END = object()
 
+log = logging.getLogger("cacheseek.store")
+
 
 class Prefetcher:
     """Background promotions for one ``TieredStore``, at most ``max_in_flight`` at once."""
@@ -109,7 +117,8 @@ class Prefetcher:
         self._closed = False
         self._closing: Future = Future()  # set by close(): a run waiting for another's block gives up
         self.counts = {"started": 0, "joined": 0, "in_memory": 0, "nothing_stored": 0, "refused_busy": 0,
-                       "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0}
+                       "no_memory_tier": 0, "promoted_blocks": 0, "failed_blocks": 0, "waited_for": 0, "errors": 0}
+        self._failing = False  # the last run raised: the next error is counted, not logged again
 
     def start(self, keys: Sequence[bytes]) -> Prefetch | None:
         """Promote the stored prefix of ``keys`` into memory in the background (see the
@@ -156,18 +165,21 @@ class Prefetcher:
             for (k, _), fut in zip(mine, futures):
                 fut.set_running_or_notify_cancel()
                 self._waiting[k] = fut
-            self._running += 1
-            self.counts["started"] += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="cacheseek-prefetch")
-            executor = self._executor
-        handle = Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
-        try:
-            executor.submit(self._run, mine, futures, after)
-        except RuntimeError:  # shut down meanwhile
-            self._settle(mine, futures, [False] * len(mine), last=True)
-            return Refused("closed", len(where))
-        return handle
+            # Submitted under the lock that ``close`` takes first (the run settles nothing before
+            # this lock is let go): submitted outside it, past the check above, a prefetch could
+            # meet a close that had shut the executor down and settled these blocks and the
+            # slot, and then settle them again (``in_flight`` -1, blocks counted failed twice).
+            try:
+                self._executor.submit(self._run, mine, futures, after)
+            except RuntimeError:  # (the interpreter is exiting: no new thread runs now)
+                for k, _ in mine:  # (no reader has seen these futures: the lock is still held)
+                    del self._waiting[k]
+                return Refused("closed", len(where))
+            self._running += 1
+            self.counts["started"] += 1
+        return Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
 
     def waiting(self, keys: Sequence[bytes]) -> dict[bytes, Future]:
         """The promotions in flight among ``keys``: a reader waits for these instead of
@@ -194,6 +206,10 @@ class Prefetcher:
                 for i in range(len(mine)):
                     if after[i] is not None:  # (its read is under way meanwhile: the stream's reads start at once)
                         wait_any((after[i], self._closing), return_when=FIRST_COMPLETED)
+                    # Closing (a server shutting down): the rest of a long chain is not promoted
+                    # into tiers about to close; ``close`` waits only for the block under way.
+                    if self._closing.done():
+                        break
                     got = next(stream, _END)
                     if got is _END:
                         break
@@ -207,8 +223,16 @@ class Prefetcher:
                         self._settle([mine[i]], [futures[i]], [results[i]])
             finally:
                 stream.close()
-        except Exception:  # a prefetch fails nothing: what was not promoted stays where it was
-            pass
+        except Exception as exc:  # a prefetch fails nothing: what was not promoted stays where it was
+            with self._lock:
+                self.counts["errors"] += 1
+                first, self._failing = not self._failing, True
+            if first:
+                log.warning("a prefetch raised in its thread (%s: %s): its blocks stay where they were; the errors "
+                            "that follow are counted in the prefetch stats (errors) until one runs through",
+                            type(exc).__name__, exc, exc_info=True)
+        else:
+            self._failing = False
         finally:
             self._settle(mine, futures, results, last=True)
 
