@@ -315,3 +315,31 @@ def test_bad_geometry_is_refused_before_any_launch():
     with pytest.raises(ValueError, match="ok_flags"):
         kernels.quantize_pages(PagedLayers(views), where, 0, 1, 32, bits=4, group=32, axis=AXIS_TOKENS,
                                out=staging(1, 2, 2, 32, 64, 4, 32, AXIS_TOKENS, F16), ok_flags=flags(0))
+
+
+def test_a_page_map_made_for_other_pages_is_refused_before_any_launch():
+    """``BlockPages`` built for another page size, more pages or another block size than the
+    launch's: the kernels would read and write other slots (pages of 16 addressed as pages
+    of 32 put a block's second half in the next page), or past the pages' end, with no
+    error. Refused, naming what differs, and nothing is written."""
+    L, H, D, block, page = 1, 2, 64, 32, 16
+    views = [torch.zeros(4, page, H, D, dtype=F16, device=DEVICE) for _ in range(L)]
+    pages = PagedLayers(views)
+    rows = staging(1, L, H, block, D, 4, 32, AXIS_TOKENS, F16)
+    raw = torch.zeros(1, L, H, block, D, dtype=F16, device=DEVICE)
+    for where, what in ((where_for([[0, 1]], [(0, 0)], 32, block, 4), "page size"),
+                        (where_for([[0, 1, 2, 5]], [(0, 0)], page, block, 8), "pages"),
+                        (where_for([[0, 1, 2, 3]], [(0, 0)], page, 2 * block, 4), "block")):
+        calls = [
+            lambda: kernels.quantize_pages(pages, where, 0, 1, block, bits=4, group=32, axis=AXIS_TOKENS,
+                                           out=staging(1, L, H, block, D, 4, 32, AXIS_TOKENS, F16), ok_flags=flags(1)),
+            lambda: kernels.dequantize_pages(*rows, bits=4, group=32, axis=AXIS_TOKENS, pages=pages, where=where,
+                                             first=0, n=1, block=block),
+            lambda: kernels.gather_pages(pages, where, 0, 1, block, out=raw, ok_flags=flags(1)),
+            lambda: kernels.scatter_pages(raw, pages, where, 0, 1, block),
+        ]
+        for call in calls:
+            with pytest.raises(ValueError, match=what):
+                call()
+    _sync()
+    assert all(not v.any() for v in views)

@@ -40,7 +40,7 @@ from . import configs
 from ._strides import Levels, collapse, contiguous_strides, unit_last
 from .launch import CachedLaunch, on_device
 from .layers import LayerTable, layer_row
-from .paged import BlockPages, PagedLayers, block_source, page_offsets
+from .paged import BlockPages, PagedLayers, block_source, check_flags, check_where, page_offsets
 
 AXIS_TOKENS = -2  # K
 AXIS_CHANNELS = -1  # V
@@ -999,9 +999,8 @@ def quantize_pages(pages: PagedLayers, where: BlockPages, first: int, n: int, bl
     ``ok_flags``: ``n`` bytes of host memory (pinned when the pages are on a GPU), one per
     block, that the kernel sets to 0 where a stored scale or min is NaN or Inf; the caller
     sets them to 1 before, and reads them once the launch is done."""
-    from .paged import check_flags
-
     check_flags(ok_flags, n)
+    check_where(pages, where, block)
     blk = where.rows(first, n)
     bufs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _pages_plan("quantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
@@ -1017,6 +1016,7 @@ def dequantize_pages(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, 
     staging rows their payloads landed in) straight into the pages of blocks ``[first,
     first + n)`` of ``where``, every layer of ``pages``, in one launch: the same values as
     ``dequantize`` into a contiguous tensor."""
+    check_where(pages, where, block)
     bufs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, scale, mn))
     blk = where.rows(first, n)
     launch = _pages_plan("dequantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
