@@ -343,3 +343,59 @@ def test_a_page_map_made_for_other_pages_is_refused_before_any_launch():
                 call()
     _sync()
     assert all(not v.any() for v in views)
+
+
+# Real models' geometries the cases above (D=64, H=2) do not reach: head dims 80 (Phi-2), 112,
+# 256 (Gemma) with their ragged or wide V groups, 1, 3 and 5 KV heads, fp32 KV, store blocks
+# of 96 and 192 tokens, blocks starting mid-page (pages of 24) and a token pool.
+GEOMETRIES = [
+    # (layout, page, H, D, block, bits, group, dtype, stats)
+    ("nhd", 24, 3, 80, 96, 2, 32, F16, torch.float32),
+    ("flash", 16, 5, 112, 128, 8, 128, BF16, F16),
+    ("pool", 1, 1, 256, 64, 4, 64, torch.float32, F16),
+]
+
+
+@pytest.mark.parametrize("kind, page, H, D, block, bits, group, dtype, stats", GEOMETRIES,
+                         ids=[f"{g[0]}-p{g[1]}-h{g[2]}-d{g[3]}-b{g[4]}-int{g[5]}-g{g[6]}-{str(g[7])[6:]}"
+                              for g in GEOMETRIES])
+def test_model_geometries_in_pages_equal_the_torch_reference(kind, page, H, D, block, bits, group, dtype, stats):
+    """Every kernel on pages against ``kivi_reference`` (the torch fallback) of the same
+    blocks, and Raw's gather and scatter against the tokens themselves, bit for bit."""
+    from cacheseek.quant import kivi_reference
+
+    L, n = 1, 2
+    T = n * block
+    num_pages = -(-T // page) + 2
+    k_views, v_views, _ = engine_pages(kind, L, H, D, num_pages, page, dtype)
+    (ids,) = page_tables(1, T, page, num_pages, seed=bits)
+    (kv,) = [request(7, L, H, T, D, dtype)]
+    write_tokens(k_views, [k for k, _ in kv], ids, page)
+    write_tokens(v_views, [v for _, v in kv], ids, page)
+    where = where_for([ids], [(0, 1), (0, 0)], page, block, num_pages)
+    g = torch.arange(T)
+    pg, sl = torch.tensor(ids)[g // page].to(DEVICE), (g % page).to(DEVICE)
+    for side, axis, views in (("k", AXIS_TOKENS, k_views), ("v", AXIS_CHANNELS, v_views)):
+        x = torch.stack([k if side == "k" else v for k, v in kv])  # [L, H, T, D]
+        blocks = torch.stack([x[:, :, block:], x[:, :, :block]])  # in launch order
+        got = staging(n, L, H, block, D, bits, group, axis, stats)
+        kernels.quantize_pages(PagedLayers(views), where, 0, n, block, bits=bits, group=group, axis=axis, out=got,
+                               ok_flags=flags(n))
+        want = kivi_reference.quantize(blocks, bits=bits, group=group, axis=axis, stats_dtype=stats)
+        _sync()
+        for name, a, b in zip(("q", "scale", "mn"), got, want):
+            assert torch.equal(a, b), f"{side} {name}"
+        dest, _, _ = engine_pages(kind, L, H, D, num_pages, page, dtype, seed=9)
+        kernels.dequantize_pages(*got, bits=bits, group=group, axis=axis, pages=PagedLayers(dest), where=where,
+                                 first=0, n=n, block=block)
+        decoded = kivi_reference.dequantize(*want, bits=bits, group=group, axis=axis, shape=blocks.shape, dtype=dtype)
+        _sync()
+        assert torch.equal(dest[0][pg, sl].transpose(0, 1), torch.cat([decoded[1][0], decoded[0][0]], dim=1))
+
+        rows = torch.full((n, L, H, block, D), 7.0, dtype=dtype, device=DEVICE)
+        kernels.gather_pages(PagedLayers(views), where, 0, n, block, out=rows, ok_flags=flags(n))
+        _sync()
+        assert torch.equal(rows, blocks)
+        kernels.scatter_pages(rows, PagedLayers(dest), where, 0, n, block)
+        _sync()
+        assert torch.equal(dest[0][pg, sl].transpose(0, 1), x[0])
