@@ -399,3 +399,66 @@ def test_model_geometries_in_pages_equal_the_torch_reference(kind, page, H, D, b
         kernels.scatter_pages(rows, PagedLayers(dest), where, 0, n, block)
         _sync()
         assert torch.equal(dest[0][pg, sl].transpose(0, 1), x[0])
+
+
+def test_offsets_past_2_to_the_31_elements():
+    """Pages and rows more than 2^31 elements from the tensor's start: every offset the
+    kernels compute is 64-bit (an int32 product of page id and page stride wraps there, and
+    reads or writes far outside the pages). The 4 GiB tensor is never touched but for the
+    pages used, so it costs no memory on a CPU (Linux maps untouched pages lazily)."""
+    from cacheseek.quant import kivi_reference
+
+    H, D, P, B = 8, 128, 16, 32
+    N = (1 << 31) // (P * H * D) + 8
+    try:
+        big = torch.empty((N, P, H, D), dtype=F16, device=DEVICE)
+    except (RuntimeError, MemoryError):
+        pytest.skip("4 GiB of address space is not to be had here")
+    ids = [N - 3, 5, N - 1]  # the block runs from the top pages to a low one and back
+    x = torch.randn(H, 3 * P, D, generator=torch.Generator().manual_seed(0)).to(F16).to(DEVICE)
+
+    def fill(src):
+        for i, pid in enumerate(ids):
+            big[pid] = src[:, i * P : (i + 1) * P].transpose(0, 1)
+
+    def read():
+        return torch.cat([big[i] for i in ids]).transpose(0, 1)[:, 8 : 8 + B]
+
+    fill(x)
+    block = x[:, 8 : 8 + B]  # slot 8 of the first page on
+    where = BlockPages.build(torch.tensor(ids, dtype=torch.int32), torch.tensor([[0, 8]], dtype=torch.int32),
+                             page_size=P, num_pages=N, block_tokens=B, device=torch.device(DEVICE))
+    pages = PagedLayers([big])
+    for axis in (AXIS_TOKENS, AXIS_CHANNELS):
+        want = kivi_reference.quantize(block[None, None], bits=4, group=32, axis=axis, stats_dtype=F16)
+        got = staging(1, 1, H, B, D, 4, 32, axis, F16)
+        kernels.quantize_pages(pages, where, 0, 1, B, bits=4, group=32, axis=axis, out=got, ok_flags=flags(1))
+        _sync()
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+        fill(torch.zeros_like(x))
+        kernels.dequantize_pages(*want, bits=4, group=32, axis=axis, pages=pages, where=where, first=0, n=1, block=B)
+        decoded = kivi_reference.dequantize(*want, bits=4, group=32, axis=axis, shape=(1, 1, H, B, D), dtype=F16)
+        _sync()
+        assert torch.equal(read(), decoded[0, 0])
+        fill(x)
+    rows = torch.empty(1, 1, H, B, D, dtype=F16, device=DEVICE)
+    kernels.gather_pages(pages, where, 0, 1, B, out=rows, ok_flags=flags(1))
+    fill(torch.zeros_like(x))
+    kernels.scatter_pages(rows, pages, where, 0, 1, B)
+    _sync()
+    assert torch.equal(rows[0, 0], block) and torch.equal(read(), block)
+
+    # Not in pages: rows of a strided view 2^30 + 2048 elements apart (a stride that fits in
+    # int32, the third row's offset does not), read and written in place.
+    view = big.view(-1).as_strided((3, 1, 2 * P, D), ((1 << 30) + 2048, 0, D, 1))
+    vals = torch.randn(3, 1, 2 * P, D, generator=torch.Generator().manual_seed(1)).to(F16).to(DEVICE)
+    view.copy_(vals)
+    for axis in (AXIS_TOKENS, AXIS_CHANNELS):
+        want = kivi_reference.quantize(vals, bits=4, group=32, axis=axis, stats_dtype=F16)
+        got = kernels.quantize(view, bits=4, group=32, axis=axis, stats_dtype=F16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        view.zero_()
+        kernels.dequantize(*want, bits=4, group=32, axis=axis, shape=vals.shape, dtype=F16, out=view)
+        assert torch.equal(view, kivi_reference.dequantize(*want, bits=4, group=32, axis=axis, shape=vals.shape,
+                                                           dtype=F16))
+        view.copy_(vals)
