@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._strides import Levels, collapse, contiguous_strides, unit_last
+from ._strides import Levels, collapse, contiguous_strides, may_overlap, unit_last
 from .launch import CachedLaunch, on_device
 from .layers import LayerTable, layer_row
 from .paged import BlockPages, PagedLayers, block_source, check_flags, check_where, page_offsets
@@ -864,8 +864,11 @@ def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], 
         raise ValueError(f"q: expected int32 code words, got {bufs[0][2]}")
     if bufs[1][2] not in STATS_DTYPES or bufs[2][2] not in STATS_DTYPES:
         raise ValueError(f"scale, mn: dtype must be one of {STATS_DTYPES}, got {bufs[1][2]}, {bufs[2][2]}")
-    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])):
-        return _DequantizePlan(None, via_temp=True)  # the reference's semantics: out.copy_ casts
+    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])
+                            or may_overlap(out[0], out[1])):
+        # The reference's semantics: out.copy_ casts, and refuses an out whose elements share
+        # memory (programs writing one address race: the last one's decode would be kept).
+        return _DequantizePlan(None, via_temp=True)
     if math.prod(shape) == 0:
         return _DequantizePlan(None)
     *lead, T, D = shape
