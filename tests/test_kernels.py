@@ -394,6 +394,21 @@ def test_three_strided_levels_fall_back_to_a_copy_and_stay_correct():
     assert bool(torch.isnan(out_base[:, 2:]).all())
 
 
+
+@pytest.mark.parametrize("axis", AXES)
+def test_an_out_whose_elements_overlap_is_refused_as_the_reference_refuses_it(axis):
+    """``out`` expanded from one row (stride 0): the reference's ``out.copy_`` refuses it;
+    the kernel wrote every row's decode into the one row, the last program's winning, and
+    returned it as the decode. Now the kernels refuse it the same way, through the copy."""
+    x = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(4)).to(F16).to(DEVICE)
+    q, s, m = ref.quantize(x, bits=4, group=32, axis=axis, stats_dtype=F16)
+    for out in (torch.zeros(1, 2, 64, 64, dtype=F16, device=DEVICE).expand(2, 2, 64, 64),
+                torch.zeros(2, 2, 1, 64, dtype=F16, device=DEVICE).expand(2, 2, 64, 64)):
+        with pytest.raises(RuntimeError, match="single memory location"):
+            ref.dequantize(q, s, m, bits=4, group=32, axis=axis, shape=x.shape, dtype=F16, out=out)
+        with pytest.raises(RuntimeError, match="single memory location"):
+            kernels.dequantize(q, s, m, bits=4, group=32, axis=axis, shape=x.shape, dtype=F16, out=out)
+
 def test_leading_dims_of_any_rank_and_empty_inputs():
     x = _data(F16, 32, 64, seed=5)
     for t in (x[0], x.reshape(1, 2, 1, 32, 64)):

@@ -315,3 +315,147 @@ def test_bad_geometry_is_refused_before_any_launch():
     with pytest.raises(ValueError, match="ok_flags"):
         kernels.quantize_pages(PagedLayers(views), where, 0, 1, 32, bits=4, group=32, axis=AXIS_TOKENS,
                                out=staging(1, 2, 2, 32, 64, 4, 32, AXIS_TOKENS, F16), ok_flags=flags(0))
+
+
+def test_a_page_map_made_for_other_pages_is_refused_before_any_launch():
+    """``BlockPages`` built for another page size, more pages or another block size than the
+    launch's: the kernels would read and write other slots (pages of 16 addressed as pages
+    of 32 put a block's second half in the next page), or past the pages' end, with no
+    error. Refused, naming what differs, and nothing is written."""
+    L, H, D, block, page = 1, 2, 64, 32, 16
+    views = [torch.zeros(4, page, H, D, dtype=F16, device=DEVICE) for _ in range(L)]
+    pages = PagedLayers(views)
+    rows = staging(1, L, H, block, D, 4, 32, AXIS_TOKENS, F16)
+    raw = torch.zeros(1, L, H, block, D, dtype=F16, device=DEVICE)
+    for where, what in ((where_for([[0, 1]], [(0, 0)], 32, block, 4), "page size"),
+                        (where_for([[0, 1, 2, 5]], [(0, 0)], page, block, 8), "pages"),
+                        (where_for([[0, 1, 2, 3]], [(0, 0)], page, 2 * block, 4), "block")):
+        calls = [
+            lambda: kernels.quantize_pages(pages, where, 0, 1, block, bits=4, group=32, axis=AXIS_TOKENS,
+                                           out=staging(1, L, H, block, D, 4, 32, AXIS_TOKENS, F16), ok_flags=flags(1)),
+            lambda: kernels.dequantize_pages(*rows, bits=4, group=32, axis=AXIS_TOKENS, pages=pages, where=where,
+                                             first=0, n=1, block=block),
+            lambda: kernels.gather_pages(pages, where, 0, 1, block, out=raw, ok_flags=flags(1)),
+            lambda: kernels.scatter_pages(raw, pages, where, 0, 1, block),
+        ]
+        for call in calls:
+            with pytest.raises(ValueError, match=what):
+                call()
+    _sync()
+    assert all(not v.any() for v in views)
+
+
+# Real models' geometries the cases above (D=64, H=2) do not reach: head dims 80 (Phi-2), 112,
+# 256 (Gemma) with their ragged or wide V groups, 1, 3 and 5 KV heads, fp32 KV, store blocks
+# of 96 and 192 tokens, blocks starting mid-page (pages of 24) and a token pool.
+GEOMETRIES = [
+    # (layout, page, H, D, block, bits, group, dtype, stats)
+    ("nhd", 24, 3, 80, 96, 2, 32, F16, torch.float32),
+    ("flash", 16, 5, 112, 128, 8, 128, BF16, F16),
+    ("pool", 1, 1, 256, 64, 4, 64, torch.float32, F16),
+]
+
+
+@pytest.mark.parametrize("kind, page, H, D, block, bits, group, dtype, stats", GEOMETRIES,
+                         ids=[f"{g[0]}-p{g[1]}-h{g[2]}-d{g[3]}-b{g[4]}-int{g[5]}-g{g[6]}-{str(g[7])[6:]}"
+                              for g in GEOMETRIES])
+def test_model_geometries_in_pages_equal_the_torch_reference(kind, page, H, D, block, bits, group, dtype, stats):
+    """Every kernel on pages against ``kivi_reference`` (the torch fallback) of the same
+    blocks, and Raw's gather and scatter against the tokens themselves, bit for bit."""
+    from cacheseek.quant import kivi_reference
+
+    L, n = 1, 2
+    T = n * block
+    num_pages = -(-T // page) + 2
+    k_views, v_views, _ = engine_pages(kind, L, H, D, num_pages, page, dtype)
+    (ids,) = page_tables(1, T, page, num_pages, seed=bits)
+    (kv,) = [request(7, L, H, T, D, dtype)]
+    write_tokens(k_views, [k for k, _ in kv], ids, page)
+    write_tokens(v_views, [v for _, v in kv], ids, page)
+    where = where_for([ids], [(0, 1), (0, 0)], page, block, num_pages)
+    g = torch.arange(T)
+    pg, sl = torch.tensor(ids)[g // page].to(DEVICE), (g % page).to(DEVICE)
+    for side, axis, views in (("k", AXIS_TOKENS, k_views), ("v", AXIS_CHANNELS, v_views)):
+        x = torch.stack([k if side == "k" else v for k, v in kv])  # [L, H, T, D]
+        blocks = torch.stack([x[:, :, block:], x[:, :, :block]])  # in launch order
+        got = staging(n, L, H, block, D, bits, group, axis, stats)
+        kernels.quantize_pages(PagedLayers(views), where, 0, n, block, bits=bits, group=group, axis=axis, out=got,
+                               ok_flags=flags(n))
+        want = kivi_reference.quantize(blocks, bits=bits, group=group, axis=axis, stats_dtype=stats)
+        _sync()
+        for name, a, b in zip(("q", "scale", "mn"), got, want):
+            assert torch.equal(a, b), f"{side} {name}"
+        dest, _, _ = engine_pages(kind, L, H, D, num_pages, page, dtype, seed=9)
+        kernels.dequantize_pages(*got, bits=bits, group=group, axis=axis, pages=PagedLayers(dest), where=where,
+                                 first=0, n=n, block=block)
+        decoded = kivi_reference.dequantize(*want, bits=bits, group=group, axis=axis, shape=blocks.shape, dtype=dtype)
+        _sync()
+        assert torch.equal(dest[0][pg, sl].transpose(0, 1), torch.cat([decoded[1][0], decoded[0][0]], dim=1))
+
+        rows = torch.full((n, L, H, block, D), 7.0, dtype=dtype, device=DEVICE)
+        kernels.gather_pages(PagedLayers(views), where, 0, n, block, out=rows, ok_flags=flags(n))
+        _sync()
+        assert torch.equal(rows, blocks)
+        kernels.scatter_pages(rows, PagedLayers(dest), where, 0, n, block)
+        _sync()
+        assert torch.equal(dest[0][pg, sl].transpose(0, 1), x[0])
+
+
+def test_offsets_past_2_to_the_31_elements():
+    """Pages and rows more than 2^31 elements from the tensor's start: every offset the
+    kernels compute is 64-bit (an int32 product of page id and page stride wraps there, and
+    reads or writes far outside the pages). The 4 GiB tensor is never touched but for the
+    pages used, so it costs no memory on a CPU (Linux maps untouched pages lazily)."""
+    from cacheseek.quant import kivi_reference
+
+    H, D, P, B = 8, 128, 16, 32
+    N = (1 << 31) // (P * H * D) + 8
+    big = torch.empty((N, P, H, D), dtype=F16, device=DEVICE)
+    ids = [N - 3, 5, N - 1]  # the block runs from the top pages to a low one and back
+    x = torch.randn(H, 3 * P, D, generator=torch.Generator().manual_seed(0)).to(F16).to(DEVICE)
+
+    def fill(src):
+        for i, pid in enumerate(ids):
+            big[pid] = src[:, i * P : (i + 1) * P].transpose(0, 1)
+
+    def read():
+        return torch.cat([big[i] for i in ids]).transpose(0, 1)[:, 8 : 8 + B]
+
+    fill(x)
+    block = x[:, 8 : 8 + B]  # slot 8 of the first page on
+    where = BlockPages.build(torch.tensor(ids, dtype=torch.int32), torch.tensor([[0, 8]], dtype=torch.int32),
+                             page_size=P, num_pages=N, block_tokens=B, device=torch.device(DEVICE))
+    pages = PagedLayers([big])
+    for axis in (AXIS_TOKENS, AXIS_CHANNELS):
+        want = kivi_reference.quantize(block[None, None], bits=4, group=32, axis=axis, stats_dtype=F16)
+        got = staging(1, 1, H, B, D, 4, 32, axis, F16)
+        kernels.quantize_pages(pages, where, 0, 1, B, bits=4, group=32, axis=axis, out=got, ok_flags=flags(1))
+        _sync()
+        assert all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
+        fill(torch.zeros_like(x))
+        kernels.dequantize_pages(*want, bits=4, group=32, axis=axis, pages=pages, where=where, first=0, n=1, block=B)
+        decoded = kivi_reference.dequantize(*want, bits=4, group=32, axis=axis, shape=(1, 1, H, B, D), dtype=F16)
+        _sync()
+        assert torch.equal(read(), decoded[0, 0])
+        fill(x)
+    rows = torch.empty(1, 1, H, B, D, dtype=F16, device=DEVICE)
+    kernels.gather_pages(pages, where, 0, 1, B, out=rows, ok_flags=flags(1))
+    fill(torch.zeros_like(x))
+    kernels.scatter_pages(rows, pages, where, 0, 1, B)
+    _sync()
+    assert torch.equal(rows[0, 0], block) and torch.equal(read(), block)
+
+    # Not in pages: rows of a strided view 2^30 + 2048 elements apart (a stride that fits in
+    # int32, the third row's offset does not), read and written in place.
+    view = big.view(-1).as_strided((3, 1, 2 * P, D), ((1 << 30) + 2048, 0, D, 1))
+    vals = torch.randn(3, 1, 2 * P, D, generator=torch.Generator().manual_seed(1)).to(F16).to(DEVICE)
+    view.copy_(vals)
+    for axis in (AXIS_TOKENS, AXIS_CHANNELS):
+        want = kivi_reference.quantize(vals, bits=4, group=32, axis=axis, stats_dtype=F16)
+        got = kernels.quantize(view, bits=4, group=32, axis=axis, stats_dtype=F16)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        view.zero_()
+        kernels.dequantize(*want, bits=4, group=32, axis=axis, shape=vals.shape, dtype=F16, out=view)
+        assert torch.equal(view, kivi_reference.dequantize(*want, bits=4, group=32, axis=axis, shape=vals.shape,
+                                                           dtype=F16))
+        view.copy_(vals)

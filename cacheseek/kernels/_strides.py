@@ -62,3 +62,15 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def unit_last(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """The last dim is addressable as stride 1 (a dim of size 1 has no meaningful stride)."""
     return shape[-1] == 1 or stride[-1] == 1
+
+
+def may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of a view of ``shape`` and ``stride`` may share an address (an
+    expanded dim, stride 0; or strides that interleave). False only where every stride,
+    smallest first, passes the span of those below it: then no two indices meet."""
+    span = 0
+    for st, n in sorted((abs(st), n) for st, n in zip(stride, shape) if n > 1):
+        if st <= span:
+            return True
+        span += (n - 1) * st
+    return False

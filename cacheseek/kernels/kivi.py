@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from . import configs
-from ._strides import Levels, collapse, contiguous_strides, unit_last
+from ._strides import Levels, collapse, contiguous_strides, may_overlap, unit_last
 from .launch import CachedLaunch, on_device
 from .layers import LayerTable, layer_row
-from .paged import BlockPages, PagedLayers, block_source, page_offsets
+from .paged import BlockPages, PagedLayers, block_source, check_flags, check_where, page_offsets
 
 AXIS_TOKENS = -2  # K
 AXIS_CHANNELS = -1  # V
@@ -864,8 +864,11 @@ def _dequantize_plan(shape: tuple[int, ...], bufs: tuple[tuple[tuple[int, ...], 
         raise ValueError(f"q: expected int32 code words, got {bufs[0][2]}")
     if bufs[1][2] not in STATS_DTYPES or bufs[2][2] not in STATS_DTYPES:
         raise ValueError(f"scale, mn: dtype must be one of {STATS_DTYPES}, got {bufs[1][2]}, {bufs[2][2]}")
-    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])):
-        return _DequantizePlan(None, via_temp=True)  # the reference's semantics: out.copy_ casts
+    if out is not None and (out[0] != shape or out[2] != dtype or not unit_last(out[0], out[1])
+                            or may_overlap(out[0], out[1])):
+        # The reference's semantics: out.copy_ casts, and refuses an out whose elements share
+        # memory (programs writing one address race: the last one's decode would be kept).
+        return _DequantizePlan(None, via_temp=True)
     if math.prod(shape) == 0:
         return _DequantizePlan(None)
     *lead, T, D = shape
@@ -999,9 +1002,8 @@ def quantize_pages(pages: PagedLayers, where: BlockPages, first: int, n: int, bl
     ``ok_flags``: ``n`` bytes of host memory (pinned when the pages are on a GPU), one per
     block, that the kernel sets to 0 where a stored scale or min is NaN or Inf; the caller
     sets them to 1 before, and reads them once the launch is done."""
-    from .paged import check_flags
-
     check_flags(ok_flags, n)
+    check_where(pages, where, block)
     blk = where.rows(first, n)
     bufs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _pages_plan("quantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,
@@ -1017,6 +1019,7 @@ def dequantize_pages(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, *, 
     staging rows their payloads landed in) straight into the pages of blocks ``[first,
     first + n)`` of ``where``, every layer of ``pages``, in one launch: the same values as
     ``dequantize`` into a contiguous tensor."""
+    check_where(pages, where, block)
     bufs = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, scale, mn))
     blk = where.rows(first, n)
     launch = _pages_plan("dequantize", _geometry(pages, where), n, block, bufs, bits, group, axis, None,

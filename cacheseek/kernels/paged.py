@@ -93,12 +93,16 @@ class BlockPages:
     is every request's page table end to end, and ``blocks`` (int32 ``[N, 2]``, on the
     device) gives block ``i``'s (index in ``page_ids`` of the page holding its first token,
     that token's slot). A launch covers rows ``[first, first + n)``. ``slot_align``: the
-    largest power of two (at most 32) dividing every block's first slot."""
+    largest power of two (at most 32) dividing every block's first slot. ``num_pages`` and
+    ``block_tokens``: the pages and the block size the map was checked for (a launch on
+    other pages, or of other blocks, is refused: :func:`check_where`)."""
 
-    __slots__ = ("blocks", "num_blocks", "page_ids", "page_size", "slot_align")
+    __slots__ = ("block_tokens", "blocks", "num_blocks", "num_pages", "page_ids", "page_size", "slot_align")
 
-    def __init__(self, page_ids: torch.Tensor, blocks: torch.Tensor, page_size: int, slot_align: int = 1) -> None:
+    def __init__(self, page_ids: torch.Tensor, blocks: torch.Tensor, page_size: int, slot_align: int = 1, *,
+                 num_pages: int, block_tokens: int) -> None:
         self.page_ids, self.blocks, self.page_size, self.slot_align = page_ids, blocks, page_size, slot_align
+        self.num_pages, self.block_tokens = num_pages, block_tokens
         self.num_blocks = blocks.shape[0]
 
     @classmethod
@@ -133,12 +137,29 @@ class BlockPages:
             packed = torch.empty(2 * n + page_ids.numel(), dtype=torch.int32, pin_memory=True)
             torch.cat([blocks.reshape(-1), page_ids], out=packed)
             on_device = packed.to(device, non_blocking=True)
-        return cls(on_device[2 * n :], on_device[: 2 * n].view(n, 2), page_size, align)
+        return cls(on_device[2 * n :], on_device[: 2 * n].view(n, 2), page_size, align, num_pages=num_pages,
+                   block_tokens=block_tokens)
 
     def rows(self, first: int, n: int) -> torch.Tensor:
         if first < 0 or n < 0 or first + n > self.num_blocks:
             raise ValueError(f"blocks [{first}, {first + n}) are outside the {self.num_blocks} mapped")
         return self.blocks[first : first + n]
+
+
+def check_where(pages: PagedLayers, where: BlockPages, block: int) -> None:
+    """``where`` maps blocks of ``block`` tokens into these pages: the same page size, no
+    page past the pages' end, on their device. The kernels trust the map (its page ids
+    and slots were checked against the pages and block size it was built for): pages of
+    16 addressed as pages of 32 read and write other requests' slots, and a page id past
+    the end, or a longer block, memory outside the pages."""
+    if where.page_size != pages.page_size:
+        raise ValueError(f"where: made for a page size of {where.page_size}, the pages have {pages.page_size}")
+    if where.num_pages > pages.num_pages:
+        raise ValueError(f"where: made for {where.num_pages} pages, there are {pages.num_pages}")
+    if block != where.block_tokens:
+        raise ValueError(f"where: made for blocks of {where.block_tokens} tokens, the launch has block={block}")
+    if where.blocks.device != pages.device:
+        raise ValueError(f"where: on {where.blocks.device}, the pages on {pages.device}")
 
 
 @triton.jit
@@ -226,6 +247,7 @@ def check_rows(rows: torch.Tensor, pages: PagedLayers, n: int, block: int, name:
 def _copy(pages: PagedLayers, where: BlockPages, first: int, n: int, block: int, rows: torch.Tensor,
           flags: torch.Tensor | None, to_pages: bool) -> None:
     check_rows(rows, pages, n, block, "rows")
+    check_where(pages, where, block)
     blk = where.rows(first, n)
     if n * len(pages) * pages.heads * block * pages.head_dim == 0:
         return
