@@ -1,0 +1,88 @@
+"""``/metrics`` of a real server read by a strict parser of the text format (``prom_strict``):
+after traffic of every kind (errors, 4xx, namespaces and models with the characters labels
+escape or clean), across a restart, and with the (namespace, model) label pairs that the
+server's own ``_other`` stands beside."""
+
+from __future__ import annotations
+
+import httpx
+
+import prom_strict
+from server_helpers import Server, batch_body, raw_chain, raw_frame
+
+ADMIN = "adm1n-token"
+ODD_NAMESPACES = ('q"uote', "back\\slash", "x{y}=,#", "_other", "UPPER", "upper", "%41")
+
+
+def post(c: httpx.Client, chain, ns: str = "", model: bytes | None = None) -> httpx.Response:
+    headers = [(b"X-CacheSeek-Block-Tokens", b"32")]
+    if ns:
+        headers.append((b"X-CacheSeek-Namespace", ns.encode()))
+    if model is not None:
+        headers.append((b"X-CacheSeek-Model", model))
+    return c.post("/v1/blocks", content=batch_body([f for _, f in chain]), headers=headers)
+
+
+def mixed_traffic(c: httpx.Client) -> None:
+    """One of each: stores, present blocks, lookups that hit and miss, reads, 4xx and 404s."""
+    for i, ns in enumerate(ODD_NAMESPACES):
+        chain = raw_chain(300 + i, 2)
+        # Models a label shows as given, escaped, or cleaned (non-ASCII, past 128 characters).
+        for model in (b'm"\\', b"mod\xe8le", b"mod\xe9le", b"x" * 129 + b"a", b"x" * 129 + b"b", b""):
+            assert post(c, chain, ns, model).status_code == 200
+        head = {"X-CacheSeek-Namespace": ns, "X-CacheSeek-Block-Tokens": "32"}
+        c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain] + ["ab" * 16]}, headers=head)
+        c.post("/v1/lookup", json={"hashes": ["cd" * 16]}, headers=head)
+        c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
+    h, frame = raw_frame(399)
+    assert c.put(f"/v1/blocks/{h.hex()}", content=frame[:-1]).status_code == 400  # a frame cut short
+    assert c.put(f"/v1/blocks/{'ab' * 16}", content=frame).status_code == 409  # another hash's frame
+    assert c.get("/v1/blocks/not-a-hash").status_code == 400
+    assert c.get(f"/v1/blocks/{'ef' * 16}").status_code == 404
+    assert c.get("/v1/stats", headers={"X-CacheSeek-Namespace": "a space"}).status_code == 400
+    assert c.get("/v1/admin/namespaces").status_code == 401
+    assert c.get("/no/such/route").status_code == 404
+    assert c.post("/v1/lookup", content=b"{not json").status_code == 422
+
+
+def test_the_exposition_is_valid_text_format_after_every_kind_of_traffic_and_a_restart(tmp_path):
+    srv = Server(tmp_path, "--admin-token", ADMIN)
+    with srv, httpx.Client(base_url=srv.url) as c:
+        before = prom_strict.parse(c.get("/metrics").text)
+        mixed_traffic(c)
+        after = prom_strict.parse(c.get("/metrics").text)
+        # Counters never go down between two scrapes of one process.
+        for name, fam in before.items():
+            if fam.type == "counter":
+                for sample, labels, v in fam.samples:
+                    assert prom_strict.value(after, sample, **labels) >= v, (sample, labels)
+        assert prom_strict.value(after, "cacheseek_namespace_blocks", namespace='q"uote', model='m"\\') == 2
+        assert prom_strict.value(after, "cacheseek_lookups_total", namespace="back\\slash", model="") == 2
+        assert prom_strict.value(after, "cacheseek_http_requests_total", route="unmatched", method="GET",
+                                 status="404") == 1
+        # Orphan a block of the default namespace: after the restart its chain cannot be traced
+        # (unattributed), as a real namespace "_other" (a valid name) holds blocks too.
+        chain = raw_chain(400, 2)
+        assert post(c, chain).status_code == 200
+        assert c.delete(f"/v1/blocks/{chain[0][0].hex()}").status_code == 204
+    with srv, httpx.Client(base_url=srv.url) as c:
+        usage = c.get("/v1/admin/namespaces", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        assert any(u["namespace"] is None for u in usage) and any(u["namespace"] == "_other" for u in usage)
+        mixed_traffic(c)
+        families = prom_strict.parse(c.get("/metrics").text)
+        stats = c.get("/v1/stats").json()
+        # Usage series add up to the store's distinct blocks whatever they were merged under.
+        blocks = sum(v for _, _, v in families["cacheseek_namespace_blocks"].samples)
+        assert blocks == stats["blocks"] == sum(u["blocks"] for u in stats["namespaces"])
+
+
+def test_the_usage_past_metrics_max_owners_is_one_series_beside_a_namespace_and_model_named_other(tmp_path):
+    """The overflow's ("_other", "_other") and a real namespace "_other" writing as model
+    "_other" were two series with one label set: a duplicate Prometheus refuses."""
+    with Server(tmp_path, env={"CACHESEEK_METRICS_MAX_OWNERS": "2"}) as s, httpx.Client(base_url=s.url) as c:
+        assert post(c, raw_chain(500, 3), "team-a", b"llama").status_code == 200
+        assert post(c, raw_chain(501, 2), "_other", b"_other").status_code == 200
+        assert post(c, raw_chain(502, 1), "team-b", b"llama").status_code == 200
+        families = prom_strict.parse(c.get("/metrics").text)
+        assert prom_strict.value(families, "cacheseek_namespace_blocks", namespace="_other", model="_other") == 3
+        assert prom_strict.value(families, "cacheseek_namespace_blocks", namespace="team-a", model="llama") == 3
