@@ -8,7 +8,8 @@ from __future__ import annotations
 import httpx
 
 import prom_strict
-from server_helpers import Server, batch_body, raw_chain, raw_frame
+from redis_servers import needs_redis
+from server_helpers import Server, batch_body, metrics_after_traffic, raw_chain, raw_frame
 
 ADMIN = "adm1n-token"
 ODD_NAMESPACES = ('q"uote', "back\\slash", "x{y}=,#", "_other", "UPPER", "upper", "%41")
@@ -74,6 +75,15 @@ def test_the_exposition_is_valid_text_format_after_every_kind_of_traffic_and_a_r
         # Usage series add up to the store's distinct blocks whatever they were merged under.
         blocks = sum(v for _, _, v in families["cacheseek_namespace_blocks"].samples)
         assert blocks == stats["blocks"] == sum(u["blocks"] for u in stats["namespaces"])
+
+
+@needs_redis
+def test_the_exposition_with_a_redis_tier_and_disk_admission_is_valid(tmp_path):
+    """The families only a Redis tier (its breaker, its faults) and an admission threshold make."""
+    families = prom_strict.parse(metrics_after_traffic(tmp_path, "--disk-admit-after-uses", "2"))
+    assert prom_strict.value(families, "cacheseek_redis_breaker_state", state="closed") == 1
+    assert families["cacheseek_tier_admission_refusals_total"].samples
+    assert prom_strict.value(families, "cacheseek_frames_rejected_total", reason="malformed") == 1
 
 
 def test_the_usage_past_metrics_max_owners_is_one_series_beside_a_namespace_and_model_named_other(tmp_path):
@@ -161,3 +171,27 @@ def test_tier_and_owner_figures_are_what_a_known_sequence_makes_across_a_restart
         assert (flushed["deleted_blocks"], flushed["deleted_bytes"]) == (8, 8 * frame)
         tiers, usage, _ = figures(c)
         assert tiers["disk"]["blocks"] == 3 and usage == {"ns1": 3}
+
+
+def test_the_strict_parser_refuses_what_the_format_does_not_allow():
+    """The reader the tests above rely on fails on each fault it is there to catch."""
+    import pytest
+
+    good = ('# HELP a_total A.\n# TYPE a_total counter\na_total{x="q\\"\\\\\\n"} 1.0\n'
+            '# HELP h H.\n# TYPE h histogram\nh_bucket{le="0.1"} 1.0\nh_bucket{le="+Inf"} 2.0\nh_sum 0.3\nh_count 2.0\n')
+    assert prom_strict.value(prom_strict.parse(good), "a_total", x='q"\\\n') == 1
+    for bad in (
+        good + 'a_total{x="q\\"\\\\\\n"} 2.0\n',  # a duplicate series
+        good + "# HELP a_total A.\n",  # a family's lines apart
+        good.replace('{x="q', '{x="1",x="q'),  # a label twice
+        good.replace('\\"', '\\t'),  # an escape the format has not
+        good.replace("a_total{x", "a{x").replace("TYPE a_total", "TYPE a").replace("HELP a_total", "HELP a"),
+        good.replace("1.0\n#", "NaN\n#", 1),  # a NaN counter
+        good.replace('h_bucket{le="0.1"} 1.0', 'h_bucket{le="0.1"} 3.0'),  # buckets not cumulative
+        good.replace('h_bucket{le="+Inf"} 2.0\n', ""),  # no +Inf bucket
+        good.replace("h_count 2.0", "h_count 3.0"),  # +Inf is not _count
+        "# HELP g G.\ng 1.0\n# TYPE g gauge\n",  # TYPE after a sample
+        good.rstrip("\n"),  # no final newline
+    ):
+        with pytest.raises(prom_strict.ExpositionError):
+            prom_strict.parse(bad)
