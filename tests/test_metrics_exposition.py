@@ -195,3 +195,51 @@ def test_the_strict_parser_refuses_what_the_format_does_not_allow():
     ):
         with pytest.raises(prom_strict.ExpositionError):
             prom_strict.parse(bad)
+
+
+def test_no_spelling_of_a_namespace_reaches_another_ones_blocks_or_figures(tmp_path):
+    """A tenant bound to "acme" tries the other namespaces' spellings: case, percent-encoding,
+    a non-ASCII look-alike, surrounding whitespace, an empty or over-long name, the header
+    twice. None reads "ACME"'s block or "%61cme"'s, or counts in their figures; the admin
+    flush of one spelling takes that namespace's blocks only."""
+    import socket
+
+    tenants = '{"acme": {"write_token": "acme-w"}}'
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", "wr1te", env={"CACHESEEK_TENANTS": tenants}) as s, \
+            httpx.Client(base_url=s.url) as c:
+        chains = {ns: raw_chain(700 + i, 2) for i, ns in enumerate(("acme", "ACME", "%61cme", "acme_"))}
+        for ns, chain in chains.items():
+            r = c.post("/v1/blocks", content=batch_body([f for _, f in chain]),
+                       headers={"Authorization": "Bearer wr1te", "X-CacheSeek-Namespace": ns})
+            assert r.status_code == 200
+        others = [chain[0][0].hex() for ns, chain in chains.items() if ns != "acme"]
+        mine = chains["acme"][0][0].hex()
+        spellings = [b"ACME", b"Acme", b"%61cme", b"%61%63%6d%65", b"acme_", b"\xef\xbd\x81cme", b"a\xcc\x8acme", b"",
+                     b"a" * 129]
+        for spelling in spellings:
+            for h in [mine, *others]:
+                r = c.get(f"/v1/blocks/{h}", headers=[(b"Authorization", b"Bearer acme-w"),
+                                                     (b"X-CacheSeek-Namespace", spelling)])
+                assert r.status_code in (400, 403), (spelling, h, r.status_code)
+        host, port = s.url.removeprefix("http://").split(":")
+        for raw in (b"ACME ", b" ACME", b"\tACME", b"acme\t", b"ACME\x0b"):
+            for h in others:
+                with socket.create_connection((host, int(port))) as so:
+                    so.sendall(f"GET /v1/blocks/{h} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer acme-w\r\n".encode()
+                               + b"X-CacheSeek-Namespace: " + raw + b"\r\nConnection: close\r\n\r\n")
+                    status = so.recv(64).split(b"\r\n")[0]
+                assert status.split(b" ")[1] in (b"400", b"403", b"404"), (raw, status)
+        # The header twice: the first is the caller's, both for access and for figures.
+        for h in others:
+            r = c.get(f"/v1/blocks/{h}", headers=[(b"Authorization", b"Bearer acme-w"),
+                                                 (b"X-CacheSeek-Namespace", b"acme"), (b"X-CacheSeek-Namespace", b"ACME")])
+            assert r.status_code == 404
+        assert c.get(f"/v1/blocks/{mine}", headers={"Authorization": "Bearer acme-w"}).status_code == 200
+        stats = c.get("/v1/stats", headers={"Authorization": "Bearer acme-w"}).json()
+        assert {o["namespace"] for o in stats["traffic"]["by_owner"]} == {"acme"}
+        assert {u["namespace"] for u in stats["namespaces"]} == {"acme"}
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        flushed = c.post("/v1/admin/flush", params={"namespace": "%61cme"}, headers=admin).json()
+        assert flushed["deleted_blocks"] == 2
+        left = {u["namespace"]: u["blocks"] for u in c.get("/v1/admin/namespaces", headers=admin).json()}
+        assert left == {"acme": 2, "ACME": 2, "%61cme": 0, "acme_": 2}, left
