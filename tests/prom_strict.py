@@ -25,6 +25,7 @@ class Family:
     name: str
     type: str = "untyped"
     help: str | None = None
+    typed: bool = False  # a TYPE line was read
     samples: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
 
 
@@ -146,10 +147,10 @@ def parse(text: str) -> dict[str, Family]:
                     kind = parts[3] if len(parts) > 3 else ""
                     if kind not in TYPES:
                         raise ExpositionError(f"{where}: unknown type {kind!r}")
-                    if fam.samples or getattr(fam, "_typed", False):
+                    if fam.samples or fam.typed:
                         raise ExpositionError(f"{where}: TYPE after samples, or twice, for {name!r}")
                     fam.type = kind
-                    fam._typed = True  # type: ignore[attr-defined]
+                    fam.typed = True
             continue
         m = NAME.match(line)
         if m is None:
@@ -181,7 +182,7 @@ def _check_family(fam: Family) -> None:
     where = f"family {fam.name!r}"
     if fam.help is None:
         raise ExpositionError(f"{where}: no HELP")
-    if not getattr(fam, "_typed", False):
+    if not fam.typed:
         raise ExpositionError(f"{where}: no TYPE")
     for sample, labels, value in fam.samples:
         if math.isnan(value):
