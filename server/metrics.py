@@ -351,6 +351,8 @@ class Metrics:
             out["frame_bytes_sent"] = self.frame_bytes_sent
         else:
             out["namespaces"] = [u for u in out.get("namespaces", []) if u["namespace"] == namespace]
+            # Every namespace's lookups, as the per-route figures: their count and timing.
+            out.pop("lookup_latency", None)
         return out
 
     def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:

@@ -243,3 +243,18 @@ def test_no_spelling_of_a_namespace_reaches_another_ones_blocks_or_figures(tmp_p
         assert flushed["deleted_blocks"] == 2
         left = {u["namespace"]: u["blocks"] for u in c.get("/v1/admin/namespaces", headers=admin).json()}
         assert left == {"acme": 2, "ACME": 2, "%61cme": 0, "acme_": 2}, left
+
+
+def test_a_tenant_does_not_see_the_lookups_of_every_namespace_in_its_stats(tmp_path):
+    """``lookup_latency`` is the histogram of every namespace's lookups: a tenant's
+    ``/v1/stats`` carried it, so the count (and timing) of the other tenants' lookups, though
+    a tenant sees "no per-route request figures" (docs/operations.md)."""
+    tenants = '{"team-a": {"write_token": "a-w"}, "team-b": {"write_token": "b-w"}}'
+    with Server(tmp_path, "--write-token", "wr1te", env={"CACHESEEK_TENANTS": tenants}) as s, \
+            httpx.Client(base_url=s.url) as c:
+        for _ in range(5):
+            c.post("/v1/lookup", json={"hashes": ["ab" * 16]}, headers={"Authorization": "Bearer b-w"})
+        mine = c.get("/v1/stats", headers={"Authorization": "Bearer a-w"}).json()
+        assert "lookup_latency" not in mine and "requests" not in mine, mine.get("lookup_latency")
+        every = c.get("/v1/stats", headers={"Authorization": "Bearer wr1te"}).json()
+        assert every["lookup_latency"]["count"] == 5
