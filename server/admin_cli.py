@@ -9,8 +9,8 @@
 The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
 than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
 Exit status: 0 done everywhere; 1 a server refused (its reason printed) or answered with
-something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` or HASH
-too); 3 a server could not be reached.
+something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` or HASH,
+a token that is not printable ASCII, a namespace out of the server's pattern too); 3 a server could not be reached.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any
 
 import httpx
 
 from cacheseek.errors import InputError
-from cacheseek.hashing import from_hex
+from cacheseek.hashing import NAMESPACE_PATTERN, from_hex
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 
@@ -38,6 +39,33 @@ def url_problem(url: str) -> str | None:
     if parsed.scheme not in ("http", "https") or not parsed.host:
         return f"{url!r} is not an http:// or https:// URL with a host"
     return None
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be sent as a bearer token, or None. A header carries printable
+    ASCII: anything else (a pasted ellipsis, a non-breaking space) failed in the HTTP library
+    with a traceback, and a newline was said as the server being unreachable."""
+    if token.isascii() and token.isprintable():
+        return None
+    bad = next(c for c in token if not (c.isascii() and c.isprintable()))
+    return f"holds {bad!r}, which no HTTP header carries (printable ASCII only)"
+
+
+def whole_answer(client: httpx.Client, method: str, url: str, seconds: float, **kw: Any) -> httpx.Response:
+    """The answer to ``method url``, its body read within about ``seconds`` of the request
+    (``httpx.ReadTimeout`` past them). httpx's timeout bounds each read: a server or proxy
+    sending a byte now and then held a command for as long as it liked. (The head is still
+    bounded per read, and by the parser's limit on its size.)"""
+    deadline = time.monotonic() + seconds
+    with client.stream(method, url, timeout=seconds, **kw) as r:
+        body = bytearray()
+        length = r.headers.get("content-length")
+        for chunk in r.iter_raw():
+            body += chunk
+            # (An answer that came whole just past the deadline, a long flush's, is taken.)
+            if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
+                raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=r.request)
+        return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
 
 
 def reason(response: httpx.Response) -> str:
@@ -116,6 +144,17 @@ def main(args: Any) -> int:
     if not args.token:
         print("cacheseek admin: an admin token is needed (--token or CACHESEEK_ADMIN_TOKEN)", file=sys.stderr)
         return 2
+    problem = token_problem(args.token)
+    if problem:
+        print(f"cacheseek admin: --token (or CACHESEEK_ADMIN_TOKEN) {problem}", file=sys.stderr)
+        return 2
+    namespace = getattr(args, "namespace", None)
+    if namespace is not None and not NAMESPACE_PATTERN.match(namespace):
+        # As the server's pattern: out of it, a header could not carry it (a traceback) or the
+        # server refused it, and a flush answered 404 for a namespace that cannot exist.
+        print(f"cacheseek admin {args.admin_command}: --namespace {namespace!r}: 0-128 printable ASCII characters, "
+              "no spaces", file=sys.stderr)
+        return 2
     urls = args.url or ["http://127.0.0.1:8080"]
     for url in urls:
         problem = url_problem(url)
@@ -128,8 +167,9 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=args.timeout,
-                              **{k: v for k, v in kw.items() if k != "headers"})
+            with httpx.Client() as client:
+                r = whole_answer(client, method, url.rstrip("/") + path, args.timeout, headers=headers,
+                                 **{k: v for k, v in kw.items() if k != "headers"})
         except httpx.ReadTimeout:
             # Reached, and busy: a flush or a delete goes on to its end on the server.
             print(f"cacheseek admin: {url}: no answer within {args.timeout:g} s (it may still be carrying it out: "

@@ -351,6 +351,8 @@ class Metrics:
             out["frame_bytes_sent"] = self.frame_bytes_sent
         else:
             out["namespaces"] = [u for u in out.get("namespaces", []) if u["namespace"] == namespace]
+            # Every namespace's lookups, as the per-route figures: their count and timing.
+            out.pop("lookup_latency", None)
         return out
 
     def watch_bodies(self, stats: Callable[[], dict[str, int]]) -> None:
@@ -556,19 +558,19 @@ class _Collector(Collector):
 def _bounded_usage(usage: list[dict[str, Any]], max_owners: int) -> list[tuple[tuple[str, str], dict[str, int]]]:
     """Usage per (namespace, model) label pair, at most ``max_owners`` pairs: the rest (the
     smallest, as ``Owners.usage`` sorts) summed under ``_other``, as traffic is, so that the
-    pairs still add up to the store's figures."""
-    out: list[tuple[tuple[str, str], dict[str, int]]] = []
-    rest = {"used_bytes": 0, "blocks": 0, "raw_bytes": 0}
-    for i, u in enumerate(usage):
-        if i < max_owners:
-            out.append(((clean_label(u["namespace"] if u["namespace"] is not None else OTHER),
-                         clean_label(u["model"])), u))
-        else:
-            for field in rest:
-                rest[field] += u[field]
-    if len(usage) > max_owners:
-        out.append(((OTHER, OTHER), rest))
-    return out
+    pairs still add up to the store's figures. Owners whose labels are one pair are summed
+    into one series: "_other" is a namespace a tenant may take (beside the unattributed
+    blocks' label, and the overflow's), and labels are cleaned; two series of one label set
+    are a duplicate a scrape refuses."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
+    for u in usage:
+        labels = (clean_label(u["namespace"] if u["namespace"] is not None else OTHER), clean_label(u["model"]))
+        if labels not in out and len(out) >= max_owners:
+            labels = (OTHER, OTHER)
+        got = out.setdefault(labels, {"used_bytes": 0, "blocks": 0, "raw_bytes": 0})
+        for field in got:
+            got[field] += u[field]
+    return list(out.items())
 
 
 class MetricsMiddleware:

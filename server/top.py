@@ -15,10 +15,11 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import _size, reason, url_problem
+from .admin_cli import _size, reason, token_problem, url_problem, whole_answer
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
+ANSWER_SECONDS = 10.0  # for each /v1/stats answer, whole
 
 
 def _pct(x: float | None) -> str:
@@ -86,15 +87,17 @@ def _num(x: float | None) -> str:
 
 
 def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations: int | None = None,
-        out: TextIO = sys.stdout) -> int:
+        out: TextIO | None = None) -> int:
+    # sys.stdout as it is now, not as it was at import (a test's capture, closed since)
+    out = out if out is not None else sys.stdout
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prev, prev_at, shown = None, 0.0, 0
     clear = CLEAR if out.isatty() else ""
-    with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=10.0) as client:
+    with httpx.Client(base_url=url.rstrip("/"), headers=headers) as client:
         while iterations is None or shown < iterations:
             started = time.monotonic()
             try:
-                response = client.get("/v1/stats")
+                response = whole_answer(client, "GET", "/v1/stats", ANSWER_SECONDS)
             except httpx.HTTPError as exc:
                 print(f"cacheseek top: cannot reach {url}: {exc}", file=sys.stderr)
                 return 3
@@ -146,6 +149,10 @@ def _main(args: Any) -> int:
     problem = url_problem(args.url)
     if problem:
         print(f"cacheseek top: --url: {problem}", file=sys.stderr)
+        return 2
+    problem = token_problem(args.token) if args.token else None
+    if problem:
+        print(f"cacheseek top: --token (or CACHESEEK_TOKEN) {problem}", file=sys.stderr)
         return 2
     try:
         return run(args.url, token=args.token, interval=args.interval, iterations=1 if args.once else args.iterations)

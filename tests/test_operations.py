@@ -917,3 +917,87 @@ def test_admin_tables_show_small_sizes_and_the_default_namespace_readably():
         assert "0.000 GiB" not in table, table
     assert "53.12 KiB" in namespaces and "160.00 KiB" in models and "31.88 KiB" in pins
     assert models.splitlines()[2].split()[0] == "(default)", models
+
+
+def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cacheseek, capsys):
+    """A token with a non-ASCII character (a pasted ellipsis, a non-breaking space) or a
+    namespace out of the server's pattern ended the command in a traceback from the HTTP
+    library (UnicodeEncodeError), or went out to be refused; a newline was said as the
+    server being unreachable. Now: exit 2, naming the argument, no request made."""
+    from cacheseek.server.cli import main
+
+    url, _ = not_cacheseek
+    chain_hash = "ab" * 16
+    for token in ("tok\u2026", "t\u00f6k", "tok\nen"):
+        for argv in (["admin", "--url", url, "--token", token, "namespaces"],
+                     ["top", "--url", url, "--token", token, "--once"]):
+            rc = main(argv)
+            err = capsys.readouterr().err
+            assert rc == 2 and "--token" in err and "Traceback" not in err, (argv, rc, err)
+    for namespace in ("\u00e9quipe", "a space", "x" * 129, "tab\there"):
+        for argv in (["delete-chain", chain_hash, "--namespace", namespace],
+                     ["pin", chain_hash, "--namespace", namespace], ["flush", "--namespace", namespace]):
+            rc = main(["admin", "--url", url, "--token", "t", *argv])
+            err = capsys.readouterr().err
+            assert rc == 2 and "--namespace" in err and "Traceback" not in err, (argv, rc, err)
+
+
+@pytest.fixture()
+def trickling():
+    """A server that answers at once, then sends its body a byte at a time, each well within
+    any read timeout: the whole answer takes about 40 s."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n")
+                for _ in range(200):
+                    if stop.wait(0.2):
+                        return
+                    conn.sendall(b" ")
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_admin_and_top_bound_the_whole_answer_not_each_read(trickling, capsys):
+    """``--timeout`` bounded each read, not the answer: a server (or a proxy) sending a byte
+    now and then held `cacheseek admin` (and `cacheseek top`'s refresh) for as long as it
+    liked. Now the whole answer is bounded: exit 3, said as no answer in time."""
+    from cacheseek.server.cli import main
+
+    start = time.monotonic()
+    rc = main(["admin", "--url", trickling, "--token", "x", "--timeout", "1", "namespaces"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no answer within 1 s" in err and "Traceback" not in err, (rc, err)
+    assert time.monotonic() - start < 10
+    from cacheseek.server import top
+
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(top, "ANSWER_SECONDS", 1.0)
+        rc = main(["top", "--url", trickling, "--once"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
+    assert time.monotonic() - start < 10
