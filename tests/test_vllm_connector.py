@@ -230,7 +230,8 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert res["save_calls"] == 1 and res["saves"] == 4  # four requests' saves: one ingest_batch
     # Prompt embeddings with token ids beside them share nothing with the ids' own prompt,
     # and were not saved under its keys.
-    assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "salt_a": 96, "salt_b": 0,
+    assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "lora_sql_repointed": 0,
+                            "salt_a": 96, "salt_b": 0,
                             "image_1": 96, "image_2": 32,  # image 2 differs from block 1 on
                             "embeds_mixed": 0, "embeds_with_ids": 0,
                             "lora_unnamed": 0}  # extra keys the store cannot take: not keyed, never raised
@@ -238,7 +239,7 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert res["load_calls"] == 1 and res["loads"] == 5 and res["failed_blocks"] == []
     assert all(res["own_kv"].values()), res["own_kv"]  # each loaded its own variant's KV
     assert res["sql_is_plain"] is False
-    assert res["scheduler"]["requests_keyed"] == 9
+    assert res["scheduler"]["requests_keyed"] == 10
 
 
 def test_only_full_attention_kv_caches_are_taken():

@@ -667,6 +667,8 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     variants = {
         "plain": {}, "lora_sql": {"lora_request": LoRARequest("sql", 1, "/adapters/sql")},
         "lora_chat": {"lora_request": LoRARequest("chat", 2, "/adapters/chat")},
+        # the name "sql" pointed at another adapter (vLLM keys its own blocks by name and path)
+        "lora_sql_repointed": {"lora_request": LoRARequest("sql", 4, "/adapters/sql-v2")},
         "salt_a": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"},
         "image_1": {"mm_features": [image("img-1")]}, "image_2": {"mm_features": [image("img-2")]},
         "embeds_mixed": embeds(True), "embeds_with_ids": embeds(False),
