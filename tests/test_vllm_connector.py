@@ -143,6 +143,7 @@ def engines(model, tmp_path_factory):
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
+        "preemption": pool.submit(embedded, "raw", disk="preemption", scenario="preemption", block_tokens=128),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -344,6 +345,21 @@ def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_
     assert worker["saves_skipped"] == 2  # the step of the load, and the one planned before vLLM knew
     assert res["blocks"] == [4, 4] and max(res["k_diff"]) < 1e-4, res["k_diff"]
     assert res["agreement"]["equal"], res["agreement"]
+
+
+def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):
+    """vLLM preempts decoding requests (12 pages for four prompts of 5 pages each) and, with
+    its own prefix cache off, a request admitted again finds its prompt only in CacheSeek:
+    each preempted request loads its 512 stored tokens, and every output
+    equals the same prompt's computed alone without any cache."""
+    res = result(engines, "preemption")
+    assert res["preemptions"] >= 1  # (3 in vLLM 0.32's CPU build)
+    assert all(a["equal"] for a in res["agreement"]), res["agreement"]
+    scheduler, worker = res["stats"]["scheduler"], res["stats"]["worker"]
+    # the prompts share no block: only a request admitted again hits, once per preemption
+    assert scheduler["lookup_hit_tokens"] == worker["load_tokens"] == 512 * res["preemptions"]
+    assert worker["loads"] == res["preemptions"] and worker["load_failures"] == 0
+    assert worker["save_failures"] == 0 and worker["saves_skipped"] == 0
 
 
 def test_two_engines_share_a_prefix_through_a_server(engines):

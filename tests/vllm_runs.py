@@ -187,6 +187,29 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def preemption(job: dict[str, Any]) -> dict[str, Any]:
+    """Four prompts at once (a question, then a 600-token prefix: they share no block) in 12
+    pages of 128 tokens, with vLLM's own prefix cache off: vLLM preempts requests as they
+    decode, and a preempted request, admitted again, finds its prompt only in CacheSeek
+    (saved as it was computed) and loads it. Then each prompt alone without any cache."""
+    from vllm import SamplingParams
+
+    llm = build_llm(job["extra"], max_model_len=1024, num_gpu_blocks_override=12, enable_prefix_caching=False,
+                    max_num_batched_tokens=512)
+    prefix, _ = prompts(llm, 600)
+    tok = llm.get_tokenizer()
+    ps = [list(tok(q, add_special_tokens=False).input_ids) + prefix for q in QUESTIONS]
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    cold = SamplingParams(max_tokens=60, temperature=0.0, skip_reading_prefix_cache=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                               use_tqdm=False)]
+    out: dict[str, Any] = {"preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
+                           "stats": Engine(llm, 1).stats()}
+    want = [list(llm.generate([{"prompt_token_ids": p}], cold, use_tqdm=False)[0].outputs[0].token_ids) for p in ps]
+    out["agreement"] = [agreement(a, b) for a, b in zip(got, want)]
+    return out
+
+
 def write_kv_adapter(path: Path, seed: int, rank: int = 8) -> None:
     """A LoRA adapter for SmolLM2 in PEFT's format, random, on k_proj and v_proj: its KV is
     not the base model's."""
@@ -859,7 +882,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
                                                admission, steps, cpu_pages)}
 
 
