@@ -334,6 +334,21 @@ def test_a_request_on_the_blocks_of_a_load_that_fell_short_saves_nothing_it_read
     assert shared["blocks"] == [4, 4] and max(shared["k_diff"]) < 1e-4, shared["k_diff"]
 
 
+def test_blocks_of_a_short_load_leave_vllms_prefix_cache_so_no_request_reads_or_stores_them(engines):
+    """Block 2 damaged; prompt 1's load stops there and vLLM ("recompute") rolled it back
+    but kept the blocks it was to load in its prefix cache, for it to recompute in place.
+    Aborted before that, the next prompt on the prefix took them as its own hit: its
+    output was wrong (0 of 16 tokens right) and its save stored the unwritten pages as
+    block 2, which a prompt served from the store alone then loaded (wrong too). The
+    connector evicts them from vLLM's cache when it reports them."""
+    aborted = result(engines, "raw")["aborted"]
+    assert aborted["worker"]["load_failures"] == 1
+    for name in ("after", "store_only"):
+        assert aborted[name]["agreement"]["equal"], (name, aborted[name]["agreement"])
+    assert aborted["after"]["cached"] == 512  # vLLM's own hit: the blocks before the bad one (was 1024)
+    assert aborted["store_only"]["external"] == 1024  # the prefix, block 2 stored again by the prompt after
+
+
 def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_it_read(engines):
     # Block 2 damaged; chunks of 256 tokens. vLLM plans the next chunk before it learns that
     # the load stopped at block 2: that chunk's save would store block 2 from the unwritten

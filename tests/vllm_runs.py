@@ -184,6 +184,7 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         out["after_partial"] = eng.stats()
         out["shared"] = shared_blocks_of_a_failed_load(eng, ps, prefix, damage, bad, job["corrupt_block"])
         out["after_shared"] = eng.stats()
+        out["aborted"] = aborted_after_a_failed_load(eng, ps, damage, bad)
     return out
 
 
@@ -336,6 +337,29 @@ def shared_blocks_of_a_failed_load(eng: Engine, ps: list[list[int]], prefix: lis
     diff = k_diff_per_block(want, got, cache.block_tokens)
     return {"blocks": [want.num_blocks, got.num_blocks], "k_diff": diff, "index": index,
             "worker": minus_worker(eng.stats(), before), "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def aborted_after_a_failed_load(eng: Engine, ps: list[list[int]], damage_block: Any, bad: bytes) -> dict[str, Any]:
+    """The block damaged again; prompt 1 runs one step: its load stops at the block, and
+    vLLM ("recompute") rolls it back, keeping the blocks it was to load in its own prefix
+    cache for the request to recompute in place. The request is aborted before its next
+    step. Prompt 2 then (vLLM's own hit on the prefix), and prompt 3 with vLLM's cache
+    reset (loaded from the store only): each compared with itself without any cache."""
+    damage_block(bad)
+    eng.reset()
+    fill_pages()
+    before = eng.stats()
+    engine = eng.llm.llm_engine
+    engine.add_request("aborted", {"prompt_token_ids": ps[1]}, eng.params)
+    engine.step()
+    engine.abort_request(["aborted"])
+    out: dict[str, Any] = {"after": eng.run(ps[2])}
+    eng.reset()
+    out["store_only"] = eng.run(ps[3])
+    out["worker"] = minus_worker(eng.stats(), before)
+    for name, i in (("after", 2), ("store_only", 3)):
+        out[name]["agreement"] = agreement(out[name]["tokens"], eng.run(ps[i], read=False)["tokens"])
+    return out
 
 
 def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:

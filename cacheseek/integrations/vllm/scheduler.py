@@ -294,6 +294,20 @@ class SchedulerSide:
         self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
 
+    def blocks_after(self, invalid: set[int]) -> set[int]:
+        """The vLLM blocks ``invalid`` and, for each request holding one, every block of its
+        after the first (computed over it)."""
+        out = set(invalid)
+        for req_id in self._requests:
+            try:
+                ids = self.block_ids(req_id)
+            except Exception:  # noqa: BLE001 - (a request vLLM no longer holds blocks for)
+                continue
+            first = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first is not None:
+                out.update(ids[first:])
+        return out
+
     # -- each step ---------------------------------------------------------------------
 
     def plan(self, scheduler_output: Any) -> StepPlan:
