@@ -143,6 +143,7 @@ def engines(model, tmp_path_factory):
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
+        "preemption": pool.submit(embedded, "raw", disk="preemption", scenario="preemption", block_tokens=128),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -230,7 +231,8 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert res["save_calls"] == 1 and res["saves"] == 4  # four requests' saves: one ingest_batch
     # Prompt embeddings with token ids beside them share nothing with the ids' own prompt,
     # and were not saved under its keys.
-    assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "salt_a": 96, "salt_b": 0,
+    assert res["found"] == {"plain": 96, "lora_sql": 96, "lora_chat": 0, "lora_sql_repointed": 0,
+                            "salt_a": 96, "salt_b": 0,
                             "image_1": 96, "image_2": 32,  # image 2 differs from block 1 on
                             "embeds_mixed": 0, "embeds_with_ids": 0,
                             "lora_unnamed": 0}  # extra keys the store cannot take: not keyed, never raised
@@ -238,7 +240,7 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert res["load_calls"] == 1 and res["loads"] == 5 and res["failed_blocks"] == []
     assert all(res["own_kv"].values()), res["own_kv"]  # each loaded its own variant's KV
     assert res["sql_is_plain"] is False
-    assert res["scheduler"]["requests_keyed"] == 9
+    assert res["scheduler"]["requests_keyed"] == 10
 
 
 def test_only_full_attention_kv_caches_are_taken():
@@ -332,6 +334,21 @@ def test_a_request_on_the_blocks_of_a_load_that_fell_short_saves_nothing_it_read
     assert shared["blocks"] == [4, 4] and max(shared["k_diff"]) < 1e-4, shared["k_diff"]
 
 
+def test_blocks_of_a_short_load_leave_vllms_prefix_cache_so_no_request_reads_or_stores_them(engines):
+    """Block 2 damaged; prompt 1's load stops there and vLLM ("recompute") rolled it back
+    but kept the blocks it was to load in its prefix cache, for it to recompute in place.
+    Aborted before that, the next prompt on the prefix took them as its own hit: its
+    output was wrong (0 of 16 tokens right) and its save stored the unwritten pages as
+    block 2, which a prompt served from the store alone then loaded (wrong too). The
+    connector evicts them from vLLM's cache when it reports them."""
+    aborted = result(engines, "raw")["aborted"]
+    assert aborted["worker"]["load_failures"] == 1
+    for name in ("after", "store_only"):
+        assert aborted[name]["agreement"]["equal"], (name, aborted[name]["agreement"])
+    assert aborted["after"]["cached"] == 512  # vLLM's own hit: the blocks before the bad one (was 1024)
+    assert aborted["store_only"]["external"] == 1024  # the prefix, block 2 stored again by the prompt after
+
+
 def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_it_read(engines):
     # Block 2 damaged; chunks of 256 tokens. vLLM plans the next chunk before it learns that
     # the load stopped at block 2: that chunk's save would store block 2 from the unwritten
@@ -343,6 +360,21 @@ def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_
     assert worker["saves_skipped"] == 2  # the step of the load, and the one planned before vLLM knew
     assert res["blocks"] == [4, 4] and max(res["k_diff"]) < 1e-4, res["k_diff"]
     assert res["agreement"]["equal"], res["agreement"]
+
+
+def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):
+    """vLLM preempts decoding requests (12 pages for four prompts of 5 pages each) and, with
+    its own prefix cache off, a request admitted again finds its prompt only in CacheSeek:
+    each preempted request loads its 512 stored tokens, and every output
+    equals the same prompt's computed alone without any cache."""
+    res = result(engines, "preemption")
+    assert res["preemptions"] >= 1  # (3 in vLLM 0.32's CPU build)
+    assert all(a["equal"] for a in res["agreement"]), res["agreement"]
+    scheduler, worker = res["stats"]["scheduler"], res["stats"]["worker"]
+    # the prompts share no block: only a request admitted again hits, once per preemption
+    assert scheduler["lookup_hit_tokens"] == worker["load_tokens"] == 512 * res["preemptions"]
+    assert worker["loads"] == res["preemptions"] and worker["load_failures"] == 0
+    assert worker["save_failures"] == 0 and worker["saves_skipped"] == 0
 
 
 def test_two_engines_share_a_prefix_through_a_server(engines):

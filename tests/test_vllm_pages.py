@@ -1027,3 +1027,28 @@ def test_a_step_plan_with_extra_keys_survives_pickling():
     back = pickle.loads(pickle.dumps(plan))
     assert back.loads[0].keys.extra == extra and back.loads[0].start == 32
     assert back.saves[0].keys == list(range(64))  # no extra keys: plain token ids
+
+
+def test_a_lora_name_pointed_at_another_adapter_keys_its_blocks_apart():
+    """vLLM keys a LoRA request's blocks by the adapter's name and path (kv_cache_utils:
+    "re-pointing a LoRA name at a different adapter does not reuse KV computed with the
+    previous one"). Keyed by the name alone, a request under "sql" loaded the KV that
+    another adapter, loaded earlier under that name, computed: another model's KV."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import extra_keys
+
+    def request(name: str, path: str) -> SimpleNamespace:
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=path),
+                               mm_features=None, cache_salt=None)
+
+    v1, v2 = extra_keys(request("sql", "/adapters/sql-v1")), extra_keys(request("sql", "/adapters/sql-v2"))
+    assert v1 != v2 and v1 == extra_keys(request("sql", "/adapters/sql-v1"))
+    assert extra_keys(request("chat", "/adapters/sql-v1")) != v1  # (the name still counts)
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=cs.Raw(), block_tokens=32,
+                           tiers=cs.TierConfig(cpu_bytes="16MiB"))
+    tokens = list(range(64))
+    assert cache.block_hashes(cs.Prompt(tokens, lora_id=v1.lora_id)) != cache.block_hashes(
+        cs.Prompt(tokens, lora_id=v2.lora_id))
+    cache.close()

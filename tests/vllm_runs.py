@@ -184,6 +184,30 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
         out["after_partial"] = eng.stats()
         out["shared"] = shared_blocks_of_a_failed_load(eng, ps, prefix, damage, bad, job["corrupt_block"])
         out["after_shared"] = eng.stats()
+        out["aborted"] = aborted_after_a_failed_load(eng, ps, damage, bad)
+    return out
+
+
+def preemption(job: dict[str, Any]) -> dict[str, Any]:
+    """Four prompts at once (a question, then a 600-token prefix: they share no block) in 12
+    pages of 128 tokens, with vLLM's own prefix cache off: vLLM preempts requests as they
+    decode, and a preempted request, admitted again, finds its prompt only in CacheSeek
+    (saved as it was computed) and loads it. Then each prompt alone without any cache."""
+    from vllm import SamplingParams
+
+    llm = build_llm(job["extra"], max_model_len=1024, num_gpu_blocks_override=12, enable_prefix_caching=False,
+                    max_num_batched_tokens=512)
+    prefix, _ = prompts(llm, 600)
+    tok = llm.get_tokenizer()
+    ps = [list(tok(q, add_special_tokens=False).input_ids) + prefix for q in QUESTIONS]
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    cold = SamplingParams(max_tokens=60, temperature=0.0, skip_reading_prefix_cache=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                               use_tqdm=False)]
+    out: dict[str, Any] = {"preemptions": sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"),
+                           "stats": Engine(llm, 1).stats()}
+    want = [list(llm.generate([{"prompt_token_ids": p}], cold, use_tqdm=False)[0].outputs[0].token_ids) for p in ps]
+    out["agreement"] = [agreement(a, b) for a, b in zip(got, want)]
     return out
 
 
@@ -313,6 +337,29 @@ def shared_blocks_of_a_failed_load(eng: Engine, ps: list[list[int]], prefix: lis
     diff = k_diff_per_block(want, got, cache.block_tokens)
     return {"blocks": [want.num_blocks, got.num_blocks], "k_diff": diff, "index": index,
             "worker": minus_worker(eng.stats(), before), "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+
+
+def aborted_after_a_failed_load(eng: Engine, ps: list[list[int]], damage_block: Any, bad: bytes) -> dict[str, Any]:
+    """The block damaged again; prompt 1 runs one step: its load stops at the block, and
+    vLLM ("recompute") rolls it back, keeping the blocks it was to load in its own prefix
+    cache for the request to recompute in place. The request is aborted before its next
+    step. Prompt 2 then (vLLM's own hit on the prefix), and prompt 3 with vLLM's cache
+    reset (loaded from the store only): each compared with itself without any cache."""
+    damage_block(bad)
+    eng.reset()
+    fill_pages()
+    before = eng.stats()
+    engine = eng.llm.llm_engine
+    engine.add_request("aborted", {"prompt_token_ids": ps[1]}, eng.params)
+    engine.step()
+    engine.abort_request(["aborted"])
+    out: dict[str, Any] = {"after": eng.run(ps[2])}
+    eng.reset()
+    out["store_only"] = eng.run(ps[3])
+    out["worker"] = minus_worker(eng.stats(), before)
+    for name, i in (("after", 2), ("store_only", 3)):
+        out[name]["agreement"] = agreement(out[name]["tokens"], eng.run(ps[i], read=False)["tokens"])
+    return out
 
 
 def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:
@@ -667,6 +714,8 @@ def keys(job: dict[str, Any]) -> dict[str, Any]:
     variants = {
         "plain": {}, "lora_sql": {"lora_request": LoRARequest("sql", 1, "/adapters/sql")},
         "lora_chat": {"lora_request": LoRARequest("chat", 2, "/adapters/chat")},
+        # the name "sql" pointed at another adapter (vLLM keys its own blocks by name and path)
+        "lora_sql_repointed": {"lora_request": LoRARequest("sql", 4, "/adapters/sql-v2")},
         "salt_a": {"cache_salt": "tenant-a"}, "salt_b": {"cache_salt": "tenant-b"},
         "image_1": {"mm_features": [image("img-1")]}, "image_2": {"mm_features": [image("img-2")]},
         "embeds_mixed": embeds(True), "embeds_with_ids": embeds(False),
@@ -857,7 +906,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, lora, store, load, tensor_parallel, ttft, keys, specs,
+SCENARIOS = {f.__name__: f for f in (share, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
                                                admission, steps, cpu_pages)}
 
 

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -274,6 +275,17 @@ class CacheSeekConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return CacheSeekMetadata(self._scheduler_side().plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # vLLM's "recompute" policy keeps the blocks of a load that fell short in its own
+        # prefix cache, for the request to recompute them in place; a request admitted before
+        # that (or at all, if the first one is aborted or preempted first) took them as its
+        # own hit and read pages the load never wrote, and its save stored them in CacheSeek
+        # under the prefix's keys. They leave vLLM's prefix cache now, with every block after
+        # them that a request computed over them.
+        invalid = connector_output.invalid_block_ids
+        if invalid and self._kv_cache_manager is not None:
+            self._kv_cache_manager.evict_blocks(self._scheduler_side().blocks_after(invalid))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler_side().finished(request)

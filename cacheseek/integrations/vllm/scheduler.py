@@ -11,7 +11,7 @@ objects, read through the few attributes named here.
 - With tensor parallelism each rank stores its own shard; a hit counts only the blocks
   every rank holds.
 - Requests whose KV depends on more than their tokens are keyed by it too (``cs.Prompt``):
-  the LoRA adapter's name, each multimodal input's content hash and placeholder range, the
+  the LoRA adapter's name and path, each multimodal input's content hash and placeholder range, the
   cache salt. Two requests that differ in any of these share no block. Requests with
   prompt embeddings (token ids beside them or not), or extra keys the store cannot take
   (an adapter with an empty name, an input with an empty hash or no tokens), are neither
@@ -36,6 +36,7 @@ objects, read through the few attributes named here.
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -90,16 +91,24 @@ def unsupported_reason(request: Any) -> str | None:
 
 def extra_keys(request: Any) -> ExtraKeys | None:
     """What decides a vLLM request's KV besides its tokens (as vLLM's own prefix cache keys
-    it): the LoRA adapter's name, multimodal inputs (content hash, placeholder range), the
-    cache salt; None when nothing does."""
+    it): the LoRA adapter's name and path, multimodal inputs (content hash, placeholder
+    range), the cache salt; None when nothing does."""
     lora = getattr(request, "lora_request", None)
     mm = []
     for feature in getattr(request, "mm_features", None) or ():
         pos = feature.mm_position
         mm.append(MMInput(hash=str(feature.identifier), offset=int(pos.offset), length=int(pos.length)))
-    extra = ExtraKeys(lora_id=lora.lora_name if lora is not None else None, mm_inputs=tuple(mm),
+    extra = ExtraKeys(lora_id=_lora_id(lora) if lora is not None else None, mm_inputs=tuple(mm),
                       cache_salt=getattr(request, "cache_salt", None) or None)
     return extra if extra else None
+
+
+def _lora_id(lora: Any) -> str:
+    """A LoRA adapter's name and path, as vLLM's own block hashes take them: a name pointed
+    at another adapter (unloaded and loaded again, or on another engine) must not find the
+    blocks the first one computed. An unnamed adapter stays unkeyable (``""``)."""
+    name = lora.lora_name
+    return json.dumps([name, getattr(lora, "lora_path", None) or ""]) if name else name
 
 
 class SchedulerSide:
@@ -284,6 +293,20 @@ class SchedulerSide:
         self._lookups.pop(request.request_id, None)
         self._unaligned.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
+
+    def blocks_after(self, invalid: set[int]) -> set[int]:
+        """The vLLM blocks ``invalid`` and, for each request holding one, every block of its
+        after the first (computed over it)."""
+        out = set(invalid)
+        for req_id in self._requests:
+            try:
+                ids = self.block_ids(req_id)
+            except Exception:  # noqa: BLE001 - (a request vLLM no longer holds blocks for)
+                continue
+            first = next((i for i, b in enumerate(ids) if b in invalid), None)
+            if first is not None:
+                out.update(ids[first:])
+        return out
 
     # -- each step ---------------------------------------------------------------------
 
