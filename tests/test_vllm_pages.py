@@ -1052,3 +1052,23 @@ def test_a_lora_name_pointed_at_another_adapter_keys_its_blocks_apart():
     assert cache.block_hashes(cs.Prompt(tokens, lora_id=v1.lora_id)) != cache.block_hashes(
         cs.Prompt(tokens, lora_id=v2.lora_id))
     cache.close()
+
+
+def test_the_default_model_id_keeps_engines_of_other_weights_apart():
+    """Without a configured ``model_id`` the key is vLLM's model: two engines serving one
+    repository at two revisions, or one with its weights quantized, computed other KV under
+    one model_id and found each other's blocks. The weights' revision and quantization are
+    part of the default now; an engine that sets neither keeps the plain model path."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.config import default_model_id
+
+    def model(revision=None, quantization=None) -> SimpleNamespace:
+        return SimpleNamespace(model="meta-llama/Llama-3.1-8B-Instruct", revision=revision, quantization=quantization)
+
+    plain = default_model_id(model())
+    assert plain == "meta-llama/Llama-3.1-8B-Instruct"  # (the keys of engines configured so before stay)
+    ids = {plain, default_model_id(model(revision="0e9e39f")), default_model_id(model(revision="main2")),
+           default_model_id(model(quantization="fp8")), default_model_id(model(revision="0e9e39f", quantization="fp8"))}
+    assert len(ids) == 5
+    assert default_model_id(model(revision="0e9e39f")) == default_model_id(model(revision="0e9e39f"))

@@ -53,8 +53,9 @@ class ConnectorConfig:
     serve``); otherwise embedded, with ``tiers`` in the worker process.
 
     ``model_id`` is part of every key: give the same value to every engine that should
-    share blocks (vLLM's model path is the default, which differs between hosts that keep
-    the weights in different folders)."""
+    share blocks (the default, ``default_model_id``, is vLLM's model path with the weights'
+    revision and quantization, and the path differs between hosts that keep the weights in
+    different folders)."""
 
     codec: KVLayerCodec
     block_tokens: int = 256
@@ -182,6 +183,21 @@ class ConnectorConfig:
         if kw.get("retry_cap_seconds", 30.0) < kw.get("retry_after_seconds", 1.0):
             raise ConfigError("kv_connector_extra_config.retry_cap_seconds: must be >= retry_after_seconds")
         return cls(**kw)
+
+
+def default_model_id(model_config: Any) -> str:
+    """The ``model_id`` an engine gets when none is configured: vLLM's model, with the
+    weights' revision and quantization where they are set. KV computed from other weights is
+    other KV: two engines serving one repository at two revisions, or one of them with its
+    weights quantized (fp8, AWQ, ...), must not find each other's blocks."""
+    model_id = str(model_config.model)
+    revision = getattr(model_config, "revision", None)
+    quantization = getattr(model_config, "quantization", None)
+    if revision:
+        model_id += f"@{revision}"
+    if quantization:
+        model_id += f"+{quantization}"
+    return model_id
 
 
 def _codec(name: Any, group_size: Any) -> KVLayerCodec:

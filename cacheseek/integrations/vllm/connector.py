@@ -26,7 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import ConfigError
 from ...hashing import Shard
 from ...layout import KV_DTYPES, KVLayout, dtype_name
-from .config import ConnectorConfig
+from .config import ConnectorConfig, default_model_id
 from .guard import StoreGuard
 from .pages import PageFormat, VllmPages, kv_views
 from .plan import StepPlan
@@ -110,7 +110,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
                 f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
                 "process than the scheduler, which an embedded cache cannot serve; give a server url"
             )
-        self.model_id = model_id = self.config.model_id or vllm_config.model_config.model
+        self.model_id = model_id = self.config.model_id or default_model_id(vllm_config.model_config)
         load = transfer.kv_role in ("kv_both", "kv_consumer")
         save = transfer.kv_role in ("kv_both", "kv_producer")
         self._caches: list[Any] = []
