@@ -586,8 +586,7 @@ class LayerwiseLoad:
         if finalizer.in_collection():  # (maybe in a thread holding the tier's lock: see ``Finalizer``)
             finalizer.submit(self._abandon)
             return
-        with contextlib.suppress(Exception):
-            self._abandon()
+        finalizer.run(self._abandon)
 
     def _abandon(self) -> None:
         """Give the store's memory back once nothing in flight reads or writes it, without

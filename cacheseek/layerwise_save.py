@@ -138,8 +138,7 @@ class _SlotWriter(LayerWriter):
             if finalizer.in_collection():  # (maybe in a thread holding the tier's lock: see ``Finalizer``)
                 finalizer.submit(self.abort)
                 return
-            with contextlib.suppress(Exception):
-                self.abort()
+            finalizer.run(self.abort)
 
     def _wants_slots(self, device: torch.device, new_blocks: int) -> bool:
         fmt = self.cache.block_format

@@ -217,3 +217,30 @@ def test_an_arena_held_by_readers_refuses_a_put_without_emptying_the_tier():
             frame.release()
     tier.put(*raw_frame(count))  # released: the room is there again
     assert tier.contains(raw_frame(count)[0])
+
+
+def test_a_dropped_handles_release_that_fails_is_logged_not_swallowed(caplog):
+    """A handle's ``__del__`` gives its memory back through the finalizer, which has nobody
+    to raise to: a release that failed was swallowed whole, and the memory it held stayed
+    lent with nothing to say why. It is logged with its traceback now, on the finalizer's
+    thread (a collection's) as in the thread that dropped the handle."""
+    import logging
+
+    from cacheseek.store.lease import Finalizer
+
+    def release_that_fails() -> None:
+        raise RuntimeError("the tier was closed under the handle")
+
+    fin = Finalizer()
+    with caplog.at_level(logging.ERROR, logger="cacheseek.store"):
+        fin.ready()
+        fin.submit(release_that_fails)
+        assert fin.settle(timeout=10)
+        fin.run(release_that_fails)
+    failed = [r for r in caplog.records if "dropped handle failed" in r.getMessage()]
+    assert len(failed) == 2
+    assert all(r.exc_info and "the tier was closed" in str(r.exc_info[1]) for r in failed)
+    assert "release_that_fails" in failed[0].getMessage()
+    ran = []
+    fin.submit(lambda: ran.append(1))  # (the thread goes on after a failure)
+    assert fin.settle(timeout=10) and ran == [1]

@@ -22,12 +22,15 @@ Torch-free, thread-safe: a lease may be released from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+log = logging.getLogger("cacheseek.store")
 
 class LeaseError(RuntimeError):
     """A lease was released twice."""
@@ -189,13 +192,20 @@ class Finalizer:
         self._queue.put(done.set)  # (one thread, first in first out: run after the rest)
         return done.wait(timeout)
 
+    def run(self, release: Callable[[], None]) -> None:
+        """Run a dropped handle's ``release`` here: a finalizer has no caller to raise to, so
+        a failure is logged with its traceback (the memory it held stays lent, and the
+        ledger's ``active`` counts alone would not say why)."""
+        try:
+            release()
+        except Exception:  # noqa: BLE001 - (logged: nobody to raise to)
+            with contextlib.suppress(Exception):  # (logging itself may be gone at interpreter exit)
+                log.exception("giving back the memory of a dropped handle failed (%s): its leases stay active",
+                              getattr(release, "__qualname__", release))
+
     def _run(self) -> None:
         while True:
-            release = self._queue.get()
-            try:
-                release()
-            except Exception:  # noqa: BLE001 - a finalizer's failure has nobody to go to
-                pass
+            self.run(self._queue.get())
 
 
 finalizer = Finalizer()
