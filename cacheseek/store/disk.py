@@ -40,8 +40,9 @@ stats says which path ran), the checksum computed in the reading thread as each 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
 orphans are removed (blocks of another sidecar version are another release's: left alone), and blocks are re-indexed in the order of the sidecars' modification
 times, each chain tail first (the eviction policy's history of uses does not survive a restart).
-Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
-is deleted and counted. A read that failed because its block was evicted or deleted after
+Every read verifies the payload checksum, and that the frame's header says what its
+sidecar told the index: a corrupt or truncated frame, or a sidecar that disagrees with it,
+is a miss, and it is deleted and counted. A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
 again, and acknowledged, since. A victim handed down to the tier below is read first;
 where no descriptor or memory is left for that read it stays, and the write that needed
@@ -1062,7 +1063,7 @@ class DiskTier(IndexedTier):
                 raise self._closed_error()
         with self._lock:
             infos = [self._index.get(k) for k in keys]
-        items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
+        items = [(self._paths(k)[0], info.nbytes, (k, info)) for k, info in zip(keys, infos) if info is not None]
         reads = self._reads.read_many(items, _check_frame, self._stream_buffers if leased else None)
         return _Stream(self._hand_out(keys, infos, reads, leased), reads)
 
@@ -1125,10 +1126,10 @@ class DiskTier(IndexedTier):
 
     def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame:
         """Read and verify one frame (a victim handed down); ``ReadFailed`` says why not."""
+        info = self._index.get(key)
         if expected is None:
-            info = self._index.get(key)
             expected = info.nbytes if info is not None else None
-        done = self._reads.submit(self._paths(key)[0], expected, _check_frame, key).result()
+        done = self._reads.submit(self._paths(key)[0], expected, _check_frame, (key, info)).result()
         if done.lease is not None:
             done.lease.release()
         return BlockFrame(done.checked, host=done.view, sealed=True)
@@ -1292,6 +1293,8 @@ class DiskTier(IndexedTier):
         try:
             meta = parse_frame(data_path.read_bytes(), verify=True)
             ok = meta.block_hash == key
+            if ok:
+                _check_sidecar_agrees(meta, info)
         except (FileNotFoundError, FrameError):
             ok = False
         except (OSError, MemoryError):
@@ -1321,12 +1324,24 @@ def _oldest_first(found: list[tuple[float, bytes, BlockInfo]]) -> list[tuple[byt
     return [(key, info) for _, key, info in order]
 
 
-def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
-    """Parse and verify a frame read from disk (in the thread that read it)."""
+def _check_frame(view: memoryview, context: tuple[bytes, BlockInfo | None]) -> FrameMeta:
+    """Parse and verify a frame read from disk (in the thread that read it), and check it
+    against what its sidecar told the index (``info``)."""
+    key, info = context
     meta = parse_frame(view, verify=True)
     if meta.block_hash != key:
         raise FrameError("frame header names another block")
+    if info is not None:
+        _check_sidecar_agrees(meta, info)
     return meta
+
+
+def _check_sidecar_agrees(meta: FrameMeta, info: BlockInfo) -> None:
+    """No checksum covers a sidecar: one damaged into another well-formed map was indexed as
+    it read (a parent or position that sent chain walks, deletes and pins elsewhere, raw
+    bytes that made the stats' compression ratio absurd). Its frame, checksummed, says."""
+    if (meta.parent_hash, meta.position, meta.raw_nbytes) != (info.parent, info.position, info.raw_nbytes):
+        raise FrameError("the sidecar disagrees with its frame (parent, position or raw size)")
 
 
 # Lock descriptors this process holds. A child made by fork() shares their open file
