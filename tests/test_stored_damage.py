@@ -8,6 +8,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 import xxhash
 
 import cacheseek as cs
@@ -48,6 +49,53 @@ def _reseal(data: bytes, mutate) -> bytes:
 
 def _disk(cache) -> dict:
     return next(t for t in cache.stats()["tiers"] if t["name"] == "disk")
+
+
+OTHER_CONFIG = {
+    "codec": lambda h: h.update(codec=cs.KIVI(bits=4, group_size=32).spec()),
+    "codec value type": lambda h: h["codec"].update(version=1.0),
+    "layout": lambda h: h["layout"].update(dtype="bfloat16"),
+    "block size": lambda h: h.update(block_tokens=2 * BLOCK),
+}
+
+
+def _materialized(cache, toks, kv, layerwise: bool, tokens: int) -> list[str]:
+    if not layerwise:
+        got = cache.materialize(toks)
+        assert_prefix_equal(got, kv, tokens)
+        return got.tiers
+    load = cache.materialize(toks, layerwise=True)
+    assert load.num_tokens == tokens
+    for i, (k0, v0) in enumerate(kv):
+        load.wait(i)
+        k, v = load.layer(i)
+        assert torch.equal(k[0].cpu(), k0[:, :tokens]) and torch.equal(v[0].cpu(), v0[:, :tokens])
+    return load.tiers
+
+
+@pytest.mark.parametrize("cpu, layerwise", [(0, False), ("4MiB", False), ("4MiB", True)])
+@pytest.mark.parametrize("other", list(OTHER_CONFIG))
+def test_a_whole_frame_of_another_configuration_under_a_blocks_name_is_a_counted_miss_and_goes(tmp_path, cpu,
+                                                                                              layerwise, other):
+    """Checksums good, the header naming the block, but another codec's (layout's, block
+    size's): every read ended the prefix there, and nothing counted it or took it out (with
+    a CPU tier, it was promoted first, and stayed there too), so ``lookup`` promised the
+    whole chain on every call."""
+    toks, kv, keys = _stored(tmp_path, 21)
+    frame, side = _files(tmp_path, keys[1])
+    frame.write_bytes(_reseal(frame.read_bytes(), OTHER_CONFIG[other]))
+    fields = msgpack.unpackb(side.read_bytes())
+    side.write_bytes(msgpack.packb({**fields, "checksum": parse_frame(frame.read_bytes()).checksum}))
+    cache = make_cache(cpu=cpu, disk=tmp_path / "d")
+    assert cache.lookup(toks) == 3 * BLOCK  # (only a read can tell)
+    assert _materialized(cache, toks, kv, layerwise, BLOCK) == ["disk"]
+    assert _disk(cache)["corrupt"] == 1
+    assert not frame.exists() and not side.exists()
+    assert cache.lookup(toks) == BLOCK
+    assert not any(cache.store.contains_many([keys[1]]))  # in no tier: the CPU copy went too
+    assert _materialized(cache, toks, kv, layerwise, BLOCK) in (["disk"], ["cpu"])
+    assert _disk(cache)["corrupt"] == 1
+    cache.close()
 
 
 @pytest.mark.parametrize("field, value", [
