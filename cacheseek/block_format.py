@@ -25,6 +25,7 @@ from .quant.codec import KVLayerCodec, same_spec
 from .quant.policy import PrecisionPolicy
 from .store.frame import FrameMeta, plan_frame, replan_frame
 
+MAX_POSITION = 1 << 62  # the largest ``pos`` a frame header may hold (``frame.parse_header``)
 MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or two
 
 
@@ -78,6 +79,13 @@ class BlockFormat:
         if self.policy is not None:
             raise RuntimeError("planned_payload: a policy's payload depends on the position; use at(position)")
         return self._template(0, 0)
+
+    def max_frame_nbytes(self) -> int:
+        """The largest frame of this format: any codec of it, 32-byte hashes, the largest
+        position a header may hold (its header is the longest). A stored file larger than
+        this is no block of this configuration."""
+        return max(part.plan(block_hash=bytes(32), parent_hash=bytes(32), position=MAX_POSITION).nbytes
+                   for part in self.parts())
 
     def plan(self, *, block_hash: bytes, parent_hash: bytes, position: int) -> FrameMeta:
         """The frame of one block as the codec encodes it (unsealed: no checksum yet)."""

@@ -46,7 +46,7 @@ class PrefixCache(PrefixCacheBase):
     ) -> None:
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes, shard=shard)
-        self.store = (tiers or TierConfig()).build()
+        self.store = (tiers or TierConfig()).build(max_frame_bytes=self.block_format.max_frame_nbytes())
 
     # -- the three calls -----------------------------------------------------------------
 

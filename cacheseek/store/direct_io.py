@@ -263,9 +263,12 @@ class ReadDone:
 
 class ReadPool:
     """Whole-file reads, ``depth`` at a time, each into an aligned buffer, each checked in
-    the thread that read it. ``read_path`` is the probed path (``probe_read_path``)."""
+    the thread that read it. ``read_path`` is the probed path (``probe_read_path``).
+    ``max_bytes``: a file larger than this is not read (``ReadFailed``, damaged) before any
+    buffer is taken: a file's size is no more to be trusted than its bytes."""
 
-    def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None) -> None:
+    def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None,
+                 max_bytes: int | None = None) -> None:
         if read_path not in READ_PATHS:
             raise ValueError(f"read_path: one of {READ_PATHS}, got {read_path!r}")
         if depth < 1:
@@ -273,6 +276,7 @@ class ReadPool:
         self.read_path = read_path
         self.depth = depth
         self.buffers = buffers or BufferPool()
+        self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
         self._counts_lock = threading.Lock()
         self.direct_reads = 0
@@ -315,6 +319,8 @@ class ReadPool:
             size = os.fstat(fd).st_size
             if expected is not None and size != expected:
                 raise ReadFailed(f"{path.name}: holds {size} bytes, {expected} expected")
+            if self.max_bytes is not None and size > self.max_bytes:
+                raise ReadFailed(f"{path.name}: holds {size} bytes, more than any frame read here ({self.max_bytes})")
             lease = buffers.take(size)
             try:
                 got = _read_whole(fd, path, lease.buffer, size, direct)

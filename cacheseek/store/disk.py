@@ -227,8 +227,13 @@ class DiskTier(IndexedTier):
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True,
                  policy: str = DEFAULT_POLICY, group_commit: bool = True, read_depth: int = READ_DEPTH,
-                 pin: bool = False, trim_at_open: bool = True):
+                 pin: bool = False, trim_at_open: bool = True, max_frame_bytes: int | None = None):
+        """``max_frame_bytes``: the largest frame the tier's owner writes or reads (a cache's
+        configuration makes frames of one size; a server takes none larger than its limit).
+        A data file larger than it is not read, whatever its sidecar says: a sidecar and a
+        sparse file agreeing on 64 GiB made every read of the block take 64 GiB of memory."""
         super().__init__(name, capacity_bytes, policy=policy)
+        self.max_frame_bytes = max_frame_bytes
         # The calls changing the directory now (writes, deletes, trims: on their callers'
         # threads): ``close`` waits for them before it gives the directory up, else another
         # opener scans it mid-write (and removes a block being written as an orphan), and
@@ -278,7 +283,8 @@ class DiskTier(IndexedTier):
         self.read_path = probe_read_path(self.root)
         # Plain reads hand their buffers over for good (the frames' views keep them); streams
         # lend pooled buffers, pinned when a GPU copies out of them, and get them back.
-        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0))
+        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0),
+                               max_bytes=max_frame_bytes)
         self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
         self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
 
@@ -1291,6 +1297,8 @@ class DiskTier(IndexedTier):
             return  # evicted or deleted since the listing
         data_path, _ = self._paths(key)
         try:
+            if self.max_frame_bytes is not None and data_path.stat().st_size > self.max_frame_bytes:
+                raise FrameError("larger than any frame read here")
             meta = parse_frame(data_path.read_bytes(), verify=True)
             ok = meta.block_hash == key
             if ok:
