@@ -4,12 +4,16 @@ ends before it), counted in ``corrupt``, and removed; never decoded, never an ex
 
 from __future__ import annotations
 
+import secrets
+import shutil
 from pathlib import Path
 
 import msgpack
 import pytest
 import torch
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import cacheseek as cs
 from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, parse_frame, payload_checksum
@@ -177,3 +181,73 @@ def test_the_server_reads_no_data_file_larger_than_its_largest_frame(tmp_path):
     assert not frame.exists() and not side.exists()
     assert "more than any frame read here" in srv.output()
 
+
+_DAMAGE = st.tuples(
+    st.sampled_from(["truncate", "extend", "flip", "zero", "swap", "empty", "delete", "stray temp"]),
+    st.integers(0, 1 << 30),  # which file
+    st.integers(0, 1 << 30),  # where in it
+    st.integers(0, 7),  # which bit
+)
+
+
+@pytest.fixture(scope="module")
+def stored_chain(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chain")
+    toks, kv, _ = _stored(root, 25, blocks=4)
+    return root / "d", toks, kv
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(damages=st.lists(_DAMAGE, min_size=1, max_size=3))
+def test_a_restart_over_any_damage_serves_a_true_prefix_or_less(stored_chain, tmp_path, damages):
+    """Frames and sidecars truncated, extended, bit-flipped, zeroed, swapped for another
+    block's, emptied, deleted; stray temp files: the cache opens, and what it serves is a
+    prefix of the chain, bit for bit, no longer than its lookup said; after that read, its
+    lookup agrees with what it served, and so does the next cache over the directory."""
+    source, toks, kv = stored_chain
+    root = tmp_path / f"d{secrets.token_hex(4)}"
+    shutil.copytree(source, root)
+    (root / ".lock").unlink(missing_ok=True)
+    names = sorted(p.relative_to(root) for p in root.glob("*/*") if p.suffix in (".frame", ".meta"))
+    for how, which, where, bit in damages:
+        path = root / names[which % len(names)]
+        if how == "stray temp":
+            (path.parent / f".tmp-{path.stem}{path.suffix}-0123abcd").write_bytes(b"interrupted")
+            continue
+        if not path.exists():
+            continue
+        data = bytearray(path.read_bytes())
+        if how == "delete":
+            path.unlink()
+            continue
+        if how == "truncate":
+            data = data[: where % (len(data) + 1)]
+        elif how == "extend":
+            data += bytes(1 + where % 100)
+        elif how == "flip" and data:
+            data[where % len(data)] ^= 1 << bit
+        elif how == "zero" and data:
+            at = where % len(data)
+            data[at : at + 64] = bytes(len(data[at : at + 64]))
+        elif how == "swap":
+            other = [n for n in names if n.suffix == path.suffix and (root / n).exists()]
+            data = bytearray((root / other[where % len(other)]).read_bytes())
+        elif how == "empty":
+            data = bytearray()
+        path.write_bytes(data)
+    cache = make_cache(cpu="1MiB", disk=root)
+    try:
+        promised = cache.lookup(toks)
+        got = cache.materialize(toks)
+        assert got.num_tokens <= promised
+        assert_prefix_equal(got, kv, got.num_tokens)
+        assert cache.lookup(toks) == got.num_tokens
+        assert cache.materialize(toks).num_tokens == got.num_tokens
+    finally:
+        cache.close()
+    again = make_cache(cpu=0, disk=root)
+    try:
+        assert again.lookup(toks) == got.num_tokens
+        assert_prefix_equal(again.materialize(toks), kv, got.num_tokens)
+    finally:
+        again.close()
