@@ -251,3 +251,39 @@ def test_a_restart_over_any_damage_serves_a_true_prefix_or_less(stored_chain, tm
         assert_prefix_equal(again.materialize(toks), kv, got.num_tokens)
     finally:
         again.close()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    from redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("damage", ["empty", "another configuration's"])
+def test_a_redis_value_emptied_or_of_another_configuration_is_a_counted_miss_and_goes(redis_server, damage):
+    from cacheseek.store.redis_keys import RedisKeys
+
+    redis_server.cli("FLUSHALL")
+    toks, kv = tokens_for(26, 3 * BLOCK), make_kv(3 * BLOCK, 26)
+    opts = dict(redis_url=redis_server.url, redis_bytes="64MiB")
+    writer = make_cache(cpu=0, **opts)
+    writer.ingest(toks, kv)
+    keys = writer.block_hashes(toks)
+    client = writer.store.tier("redis")._connection()
+    name = RedisKeys().frame(keys[1])
+    value = client.get(name)
+    client.set(name, b"" if damage == "empty" else _reseal(value, OTHER_CONFIG["layout"]))
+    writer.close()
+    cache = make_cache(cpu="4MiB", **opts)
+    assert cache.lookup(toks) == 3 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
+    redis = next(t for t in cache.stats()["tiers"] if t["name"] == "redis")
+    assert redis["corrupt"] == 1 and client.exists(name) == 0
+    assert cache.lookup(toks) == BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
+    cache.close()
