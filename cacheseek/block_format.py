@@ -160,6 +160,13 @@ class BlockFormat:
         codec_ok = meta.codec is self.codec_spec or same_spec(meta.codec, self.codec_spec)
         if not codec_ok or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
             raise FrameError("frame was written with another codec, layout or block size")
+        # The buffers too, as this codec lays them out: a parsed header is only checked to be
+        # self-consistent, and the decoder, which sizes its staging from them, raised
+        # FrameError out of materialize for one that was not the codec's (the block missed
+        # nothing: the prefix ends before it).
+        planned = self._template(0, 0).tensors
+        if meta.tensors is not planned and meta.tensors != planned:
+            raise FrameError("frame buffers are not laid out as this codec lays them out")
 
 
 __all__ = ["BlockFormat"]

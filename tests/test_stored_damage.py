@@ -102,6 +102,34 @@ def test_a_whole_frame_of_another_configuration_under_a_blocks_name_is_a_counted
     cache.close()
 
 
+def _swap_last_axes(header: dict) -> None:
+    shape = header["tensors"][0]["shape"]
+    shape[-1], shape[-2] = shape[-2], shape[-1]  # the same bytes, laid out otherwise
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+@pytest.mark.parametrize("position", [0, 1])
+def test_a_stored_frame_whose_buffers_are_not_the_codecs_ends_the_prefix_and_goes(tmp_path, layerwise, position):
+    """Checksums good, the header naming the block with this codec, layout and block size,
+    but a buffer's shape not the codec's: ``check_fetched`` let it by, and the decoder's own
+    check raised ``FrameError`` out of ``materialize`` (the first block's, or "frames of one
+    chain disagree" for a later one) instead of ending the prefix before it."""
+    toks, kv, keys = _stored(tmp_path, 27)
+    frame, side = _files(tmp_path, keys[position])
+    frame.write_bytes(_reseal(frame.read_bytes(), _swap_last_axes))
+    cache = make_cache(cpu="4MiB", disk=tmp_path / "d")
+    if position == 0 and layerwise:
+        assert cache.materialize(toks, layerwise=True).num_tokens == 0
+    elif position == 0:
+        assert cache.materialize(toks).num_tokens == 0
+    else:
+        assert _materialized(cache, toks, kv, layerwise, BLOCK) == ["disk"]
+    assert _disk(cache)["corrupt"] == 1
+    assert not frame.exists() and not side.exists()
+    assert cache.lookup(toks) == position * BLOCK
+    cache.close()
+
+
 @pytest.mark.parametrize("field, value", [
     ("parent", b"\x55" * 16),  # another chain's block: deletes and pins walk the wrong way
     ("pos", 7),
@@ -287,3 +315,24 @@ def test_a_redis_value_emptied_or_of_another_configuration_is_a_counted_miss_and
     assert cache.lookup(toks) == BLOCK
     assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
     cache.close()
+
+
+def test_a_remote_cache_ends_the_prefix_before_a_served_frame_whose_buffers_are_not_the_codecs(tmp_path):
+    """The same over the wire: a server's disk holds such a frame (checksums good: the server
+    took it, or it was forged there), the server serves it, and ``RemoteCache``'s decoder
+    raised ``FrameError`` out of ``materialize``; the prefix now ends before it."""
+    from server_helpers import Server
+
+    toks, kv = tokens_for(28, 3 * BLOCK), make_kv(3 * BLOCK, 28)
+    srv = Server(tmp_path, cpu_bytes="0")
+    opts = dict(model_id="m", layout=cs.KVLayout(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16"),
+                codec=cs.Raw(), block_tokens=BLOCK)
+    with srv, cs.RemoteCache(srv.url, **opts) as remote:
+        remote.ingest(toks, kv)
+        keys = remote.block_hashes(toks)
+    name = keys[1].hex()
+    frame = srv.disk_path / name[:2] / f"{name}.frame"
+    frame.write_bytes(_reseal(frame.read_bytes(), _swap_last_axes))
+    with srv, cs.RemoteCache(srv.url, **opts) as remote:
+        assert remote.lookup(toks) == 3 * BLOCK
+        assert_prefix_equal(remote.materialize(toks), kv, BLOCK)
