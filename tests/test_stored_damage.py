@@ -1,6 +1,8 @@
-"""Bytes at rest are untrusted: frames and sidecars damaged or forged on disk, read through
-the real embedded ``PrefixCache`` over real files. A damaged block is a miss (the prefix
-ends before it), counted in ``corrupt``, and removed; never decoded, never an exception."""
+"""Bytes at rest are untrusted: frames and sidecars damaged or forged on disk (and values in
+Redis), read through the real embedded ``PrefixCache`` over real files and a real
+redis-server, and through a real server and ``RemoteCache``. A damaged block is a miss
+(the prefix ends before it), counted in ``corrupt``, and removed; never decoded, never an
+exception, never read into a buffer its files' own say-so sized."""
 
 from __future__ import annotations
 
