@@ -338,3 +338,37 @@ def test_a_remote_cache_ends_the_prefix_before_a_served_frame_whose_buffers_are_
     with srv, cs.RemoteCache(srv.url, **opts) as remote:
         assert remote.lookup(toks) == 3 * BLOCK
         assert_prefix_equal(remote.materialize(toks), kv, BLOCK)
+
+
+def test_a_fifo_in_place_of_a_data_file_is_damage_not_a_read_that_never_ends(tmp_path):
+    """A named pipe where a block's data file was (put there after the start, so the start's
+    scan did not drop it): the read's open waited for a writer that never came, and
+    ``materialize`` with it, for good. It is now a counted miss, removed."""
+    import os
+    import threading
+
+    toks, kv, keys = _stored(tmp_path, 29)
+    cache = make_cache(cpu=0, disk=tmp_path / "d")
+    frame, side = _files(tmp_path, keys[1])
+    frame.unlink()
+    os.mkfifo(frame)
+    report = {}
+    checking = threading.Thread(target=lambda: report.update(cache.store.tier("disk").check()), daemon=True)
+    checking.start()
+    checking.join(20)
+    if checking.is_alive():
+        os.close(os.open(frame, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("check() waited on the pipe")
+    assert report == {"ok": 2, "corrupt": 1, "unreadable": 0}
+    done, got = threading.Event(), []
+    reader = threading.Thread(target=lambda: (got.append(cache.materialize(toks)), done.set()), daemon=True)
+    reader.start()
+    if not done.wait(20):
+        fd = os.open(frame, os.O_WRONLY | os.O_NONBLOCK)  # the waiting open returns, and reads nothing
+        os.close(fd)
+        reader.join(20)
+        pytest.fail("materialize waited on the pipe's open")
+    assert_prefix_equal(got[0], kv, BLOCK)
+    assert _disk(cache)["corrupt"] == 1
+    assert not frame.exists() and not side.exists()
+    cache.close()

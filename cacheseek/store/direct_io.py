@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -298,8 +300,10 @@ class ReadPool:
               buffers: BufferPool) -> ReadDone:
         start = time.perf_counter()
         direct = self.read_path != "buffered"
+        # O_NONBLOCK until the file is known to be a regular one: the open of a named pipe put
+        # where a file was waits for a writer, and held the read (and its caller) for good.
         try:
-            fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise ReadFailed(f"{path.name}: not found", missing=True) from None
         except OSError as exc:
@@ -309,14 +313,18 @@ class ReadPool:
                 self.direct_refused += 1
             direct = False
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise ReadFailed(f"{path.name}: not found", missing=True) from None
             except OSError as exc2:
                 raise ReadFailed.not_made(f"{path.name}: {exc2}", exc2) from None
         lease = None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ReadFailed(f"{path.name}: not a regular file")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            size = st.st_size
             if expected is not None and size != expected:
                 raise ReadFailed(f"{path.name}: holds {size} bytes, {expected} expected")
             if self.max_bytes is not None and size > self.max_bytes:

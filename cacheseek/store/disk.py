@@ -84,6 +84,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -1297,7 +1298,10 @@ class DiskTier(IndexedTier):
             return  # evicted or deleted since the listing
         data_path, _ = self._paths(key)
         try:
-            if self.max_frame_bytes is not None and data_path.stat().st_size > self.max_frame_bytes:
+            st = data_path.stat()
+            if not stat.S_ISREG(st.st_mode):  # (a named pipe's read waits for a writer)
+                raise FrameError("not a regular file")
+            if self.max_frame_bytes is not None and st.st_size > self.max_frame_bytes:
                 raise FrameError("larger than any frame read here")
             meta = parse_frame(data_path.read_bytes(), verify=True)
             ok = meta.block_hash == key
