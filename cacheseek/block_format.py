@@ -25,6 +25,7 @@ from .quant.codec import KVLayerCodec, same_spec
 from .quant.policy import PrecisionPolicy
 from .store.frame import FrameMeta, plan_frame, replan_frame
 
+MAX_POSITION = 1 << 62  # the largest ``pos`` a frame header may hold (``frame.parse_header``)
 MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or two
 
 
@@ -78,6 +79,13 @@ class BlockFormat:
         if self.policy is not None:
             raise RuntimeError("planned_payload: a policy's payload depends on the position; use at(position)")
         return self._template(0, 0)
+
+    def max_frame_nbytes(self) -> int:
+        """The largest frame of this format: any codec of it, 32-byte hashes, the largest
+        position a header may hold (its header is the longest). A stored file larger than
+        this is no block of this configuration."""
+        return max(part.plan(block_hash=bytes(32), parent_hash=bytes(32), position=MAX_POSITION).nbytes
+                   for part in self.parts())
 
     def plan(self, *, block_hash: bytes, parent_hash: bytes, position: int) -> FrameMeta:
         """The frame of one block as the codec encodes it (unsealed: no checksum yet)."""
@@ -152,6 +160,13 @@ class BlockFormat:
         codec_ok = meta.codec is self.codec_spec or same_spec(meta.codec, self.codec_spec)
         if not codec_ok or meta.layout != self.layout or meta.block_tokens != self.block_tokens:
             raise FrameError("frame was written with another codec, layout or block size")
+        # The buffers too, as this codec lays them out: a parsed header is only checked to be
+        # self-consistent, and the decoder, which sizes its staging from them, raised
+        # FrameError out of materialize for one that was not the codec's (the block missed
+        # nothing: the prefix ends before it).
+        planned = self._template(0, 0).tensors
+        if meta.tensors is not planned and meta.tensors != planned:
+            raise FrameError("frame buffers are not laid out as this codec lays them out")
 
 
 __all__ = ["BlockFormat"]

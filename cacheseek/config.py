@@ -78,11 +78,13 @@ class TierConfig:
     redis_breaker_base_seconds: float = 1.0
     redis_breaker_cap_seconds: float = 30.0
 
-    def build(self, *, trim_disk_at_open: bool = True) -> TieredStore:
+    def build(self, *, trim_disk_at_open: bool = True, max_frame_bytes: int | None = None) -> TieredStore:
         """The store. ``trim_disk_at_open=False``: a disk tier holding more than ``disk_bytes``
         at open is trimmed to it only by the store's ``trim()``, which its owner calls once the
         pins it keeps are made again (the server: ``.cacheseek-pins.json``); else it is
-        trimmed here, once the tiers below that take what it evicts are built."""
+        trimmed here, once the tiers below that take what it evicts are built.
+        ``max_frame_bytes``: the largest frame the owner writes or reads; the disk tier reads
+        no larger file (``DiskTier``)."""
         from .store.cpu import CpuTier
         from .store.disk import DiskTier
 
@@ -110,7 +112,7 @@ class TierConfig:
             tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync,
                                   policy=self.eviction, group_commit=self.disk_group_commit,
                                   read_depth=self.disk_read_depth, pin=self.pin_memory,
-                                  trim_at_open=False))
+                                  trim_at_open=False, max_frame_bytes=max_frame_bytes))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
         if self.redis_url is not None and redis_bytes:
             tiers.append(self.build_redis_tier(redis_bytes))

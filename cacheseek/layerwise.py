@@ -740,6 +740,7 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
             if not where:
                 continue
             frames = store.stream(list(hashes[: len(where)]), where=list(where), leased=True)
+            foreign = None
             try:
                 for position, (key, item) in enumerate(zip(hashes, frames), starts[r] if starts else 0):
                     if item is None:
@@ -747,8 +748,9 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
                     frame, tier = item
                     try:
                         fmt.check_fetched(frame.meta, key, position)
-                    except FrameError:
+                    except FrameError as exc:
                         frame.release()
+                        foreign = (key, tier, str(exc))
                         break
                     if sink is not None:
                         sink.rows.append(rows[r] + len(got[r]))
@@ -757,6 +759,8 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
                     decoder.release_copied()
             finally:
                 frames.close()
+                if foreign is not None:  # (once the reads are given back)
+                    store.drop_foreign(*foreign)
         decoder.seal()
     except BaseException:
         decoder.release_all()

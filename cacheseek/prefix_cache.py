@@ -46,7 +46,7 @@ class PrefixCache(PrefixCacheBase):
     ) -> None:
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes, shard=shard)
-        self.store = (tiers or TierConfig()).build()
+        self.store = (tiers or TierConfig()).build(max_frame_bytes=self.block_format.max_frame_nbytes())
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -364,6 +364,7 @@ class PrefixCache(PrefixCacheBase):
         at the first block evicted or found corrupt since ``locate`` (the prefix ends there).
         Closing it cancels or gives back the reads not handed out."""
         frames = self.store.stream(hashes, where=where, leased=True)
+        foreign = None
         try:
             for position, (key, got) in enumerate(zip(hashes, frames), first):
                 if got is None:
@@ -371,12 +372,15 @@ class PrefixCache(PrefixCacheBase):
                 frame, tier = got
                 try:
                     self.block_format.check_fetched(frame.meta, key, position)
-                except FrameError:
+                except FrameError as exc:
                     frame.release()
+                    foreign = (key, tier, str(exc))
                     return
                 yield frame, tier
         finally:
             frames.close()
+            if foreign is not None:  # (once the reads are given back)
+                self.store.drop_foreign(*foreign)
 
     def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
         self._check_layerwise()

@@ -46,4 +46,4 @@ def tier_config(settings: ServerSettings) -> TierConfig:
 def build_store(settings: ServerSettings) -> TieredStore:
     """The store, its disk tier not yet trimmed to ``disk_bytes``: ``store.trim()`` once the
     pins file's pins are made again, so that a smaller budget does not evict a pinned chain."""
-    return tier_config(settings).build(trim_disk_at_open=False)
+    return tier_config(settings).build(trim_disk_at_open=False, max_frame_bytes=settings.max_frame_bytes)

@@ -385,10 +385,10 @@ def test_a_read_that_failed_after_an_eviction_spares_the_block_written_again(tmp
         gate = threading.Event()
         real = disk_mod._check_frame
 
-        def check(view, key):
-            if key == k1:
+        def check(view, context):
+            if context[0] == k1:  # (key, its index entry)
                 gate.wait(10)
-            return real(view, key)
+            return real(view, context)
 
         monkeypatch.setattr(disk_mod, "_check_frame", check)
         first = tier.stream([k1])  # holds the read thread

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -263,9 +265,12 @@ class ReadDone:
 
 class ReadPool:
     """Whole-file reads, ``depth`` at a time, each into an aligned buffer, each checked in
-    the thread that read it. ``read_path`` is the probed path (``probe_read_path``)."""
+    the thread that read it. ``read_path`` is the probed path (``probe_read_path``).
+    ``max_bytes``: a file larger than this is not read (``ReadFailed``, damaged) before any
+    buffer is taken: a file's size is no more to be trusted than its bytes."""
 
-    def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None) -> None:
+    def __init__(self, read_path: str, *, depth: int = 16, buffers: BufferPool | None = None,
+                 max_bytes: int | None = None) -> None:
         if read_path not in READ_PATHS:
             raise ValueError(f"read_path: one of {READ_PATHS}, got {read_path!r}")
         if depth < 1:
@@ -273,6 +278,7 @@ class ReadPool:
         self.read_path = read_path
         self.depth = depth
         self.buffers = buffers or BufferPool()
+        self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
         self._counts_lock = threading.Lock()
         self.direct_reads = 0
@@ -294,8 +300,10 @@ class ReadPool:
               buffers: BufferPool) -> ReadDone:
         start = time.perf_counter()
         direct = self.read_path != "buffered"
+        # O_NONBLOCK until the file is known to be a regular one: the open of a named pipe put
+        # where a file was waits for a writer, and held the read (and its caller) for good.
         try:
-            fd = os.open(path, os.O_RDONLY | (O_DIRECT if direct else 0))
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (O_DIRECT if direct else 0))
         except FileNotFoundError:
             raise ReadFailed(f"{path.name}: not found", missing=True) from None
         except OSError as exc:
@@ -305,16 +313,22 @@ class ReadPool:
                 self.direct_refused += 1
             direct = False
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise ReadFailed(f"{path.name}: not found", missing=True) from None
             except OSError as exc2:
                 raise ReadFailed.not_made(f"{path.name}: {exc2}", exc2) from None
         lease = None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ReadFailed(f"{path.name}: not a regular file")
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+            size = st.st_size
             if expected is not None and size != expected:
                 raise ReadFailed(f"{path.name}: holds {size} bytes, {expected} expected")
+            if self.max_bytes is not None and size > self.max_bytes:
+                raise ReadFailed(f"{path.name}: holds {size} bytes, more than any frame read here ({self.max_bytes})")
             lease = buffers.take(size)
             try:
                 got = _read_whole(fd, path, lease.buffer, size, direct)

@@ -40,8 +40,9 @@ stats says which path ran), the checksum computed in the reading thread as each 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
 orphans are removed (blocks of another sidecar version are another release's: left alone), and blocks are re-indexed in the order of the sidecars' modification
 times, each chain tail first (the eviction policy's history of uses does not survive a restart).
-Every read verifies the payload checksum: a corrupt or truncated frame is a miss, and it
-is deleted and counted. A read that failed because its block was evicted or deleted after
+Every read verifies the payload checksum, and that the frame's header says what its
+sidecar told the index: a corrupt or truncated frame, or a sidecar that disagrees with it,
+is a miss, and it is deleted and counted. A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
 again, and acknowledged, since. A victim handed down to the tier below is read first;
 where no descriptor or memory is left for that read it stays, and the write that needed
@@ -83,6 +84,7 @@ import logging
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -226,8 +228,13 @@ class DiskTier(IndexedTier):
 
     def __init__(self, root: str | os.PathLike, capacity_bytes: int, *, name: str = "disk", fsync: bool = True,
                  policy: str = DEFAULT_POLICY, group_commit: bool = True, read_depth: int = READ_DEPTH,
-                 pin: bool = False, trim_at_open: bool = True):
+                 pin: bool = False, trim_at_open: bool = True, max_frame_bytes: int | None = None):
+        """``max_frame_bytes``: the largest frame the tier's owner writes or reads (a cache's
+        configuration makes frames of one size; a server takes none larger than its limit).
+        A data file larger than it is not read, whatever its sidecar says: a sidecar and a
+        sparse file agreeing on 64 GiB made every read of the block take 64 GiB of memory."""
         super().__init__(name, capacity_bytes, policy=policy)
+        self.max_frame_bytes = max_frame_bytes
         # The calls changing the directory now (writes, deletes, trims: on their callers'
         # threads): ``close`` waits for them before it gives the directory up, else another
         # opener scans it mid-write (and removes a block being written as an orphan), and
@@ -277,7 +284,8 @@ class DiskTier(IndexedTier):
         self.read_path = probe_read_path(self.root)
         # Plain reads hand their buffers over for good (the frames' views keep them); streams
         # lend pooled buffers, pinned when a GPU copies out of them, and get them back.
-        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0))
+        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0),
+                               max_bytes=max_frame_bytes)
         self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
         self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
 
@@ -1062,7 +1070,7 @@ class DiskTier(IndexedTier):
                 raise self._closed_error()
         with self._lock:
             infos = [self._index.get(k) for k in keys]
-        items = [(self._paths(k)[0], info.nbytes, k) for k, info in zip(keys, infos) if info is not None]
+        items = [(self._paths(k)[0], info.nbytes, (k, info)) for k, info in zip(keys, infos) if info is not None]
         reads = self._reads.read_many(items, _check_frame, self._stream_buffers if leased else None)
         return _Stream(self._hand_out(keys, infos, reads, leased), reads)
 
@@ -1125,10 +1133,10 @@ class DiskTier(IndexedTier):
 
     def _read_frame(self, key: bytes, expected: int | None = None) -> BlockFrame:
         """Read and verify one frame (a victim handed down); ``ReadFailed`` says why not."""
+        info = self._index.get(key)
         if expected is None:
-            info = self._index.get(key)
             expected = info.nbytes if info is not None else None
-        done = self._reads.submit(self._paths(key)[0], expected, _check_frame, key).result()
+        done = self._reads.submit(self._paths(key)[0], expected, _check_frame, (key, info)).result()
         if done.lease is not None:
             done.lease.release()
         return BlockFrame(done.checked, host=done.view, sealed=True)
@@ -1290,8 +1298,15 @@ class DiskTier(IndexedTier):
             return  # evicted or deleted since the listing
         data_path, _ = self._paths(key)
         try:
+            st = data_path.stat()
+            if not stat.S_ISREG(st.st_mode):  # (a named pipe's read waits for a writer)
+                raise FrameError("not a regular file")
+            if self.max_frame_bytes is not None and st.st_size > self.max_frame_bytes:
+                raise FrameError("larger than any frame read here")
             meta = parse_frame(data_path.read_bytes(), verify=True)
             ok = meta.block_hash == key
+            if ok:
+                _check_sidecar_agrees(meta, info)
         except (FileNotFoundError, FrameError):
             ok = False
         except (OSError, MemoryError):
@@ -1321,12 +1336,24 @@ def _oldest_first(found: list[tuple[float, bytes, BlockInfo]]) -> list[tuple[byt
     return [(key, info) for _, key, info in order]
 
 
-def _check_frame(view: memoryview, key: bytes) -> FrameMeta:
-    """Parse and verify a frame read from disk (in the thread that read it)."""
+def _check_frame(view: memoryview, context: tuple[bytes, BlockInfo | None]) -> FrameMeta:
+    """Parse and verify a frame read from disk (in the thread that read it), and check it
+    against what its sidecar told the index (``info``)."""
+    key, info = context
     meta = parse_frame(view, verify=True)
     if meta.block_hash != key:
         raise FrameError("frame header names another block")
+    if info is not None:
+        _check_sidecar_agrees(meta, info)
     return meta
+
+
+def _check_sidecar_agrees(meta: FrameMeta, info: BlockInfo) -> None:
+    """No checksum covers a sidecar: one damaged into another well-formed map was indexed as
+    it read (a parent or position that sent chain walks, deletes and pins elsewhere, raw
+    bytes that made the stats' compression ratio absurd). Its frame, checksummed, says."""
+    if (meta.parent_hash, meta.position, meta.raw_nbytes) != (info.parent, info.position, info.raw_nbytes):
+        raise FrameError("the sidecar disagrees with its frame (parent, position or raw size)")
 
 
 # Lock descriptors this process holds. A child made by fork() shares their open file

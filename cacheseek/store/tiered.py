@@ -35,6 +35,7 @@ Torch-free: frames whose bytes are still on a device are moved to the host (thro
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -63,6 +64,8 @@ MEMORY = "memory"
 RECENT_DELETES = 4096
 
 T = TypeVar("T")
+
+log = logging.getLogger("cacheseek.store")
 
 
 @dataclass(slots=True)
@@ -615,6 +618,18 @@ class TieredStore:
                 with self._delete_lock:
                     del self._in_transit[number]
         return None if unknown else deleted
+
+    def drop_foreign(self, key: bytes, tier: str, why: str) -> None:
+        """Count in ``tier``'s ``corrupt`` and delete from every tier a block read whole (its
+        checksums good, its header naming it) that its reader found to be no block of its
+        configuration (``BlockFormat.check_fetched``: another codec, layout or block size).
+        Keys are made from the configuration, so only damage or a forger puts one there:
+        left, every read ended the prefix at it (promoted first, into memory too), and every
+        lookup promised the blocks past it."""
+        self.tier(tier).count(corrupt=1)
+        log.warning("block %s from the %s tier is no block of this cache's configuration (%s): not served, deleted",
+                    key.hex(), tier, why)
+        self.delete(key)
 
     def _landed_after_delete(self, key: bytes, since: int) -> None:
         """A demotion deleted ``key`` where it landed, for a delete after ``since`` that had
