@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import cacheseek as cs
 from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, parse_frame, payload_checksum
 from store_helpers import BLOCK, assert_prefix_equal, make_cache, make_kv, tokens_for
+from redis_servers import needs_redis
 
 RAW = cs.Raw()
 
@@ -171,8 +172,7 @@ def test_a_block_whose_files_claim_an_absurd_size_is_not_read_into_memory(tmp_pa
     real_take = direct_io.BufferPool.take
     monkeypatch.setattr(direct_io.BufferPool, "take", lambda self, n: taken.append(n) or real_take(self, n))
     cache = make_cache(cpu=0, disk=tmp_path / "d", disk_bytes="2GiB")
-    if _disk(cache)["capacity_bytes"] < absurd + (1 << 20):
-        pytest.skip("the temp filesystem has under 512 MiB free: the budget, fitted to it, cannot hold the block")
+    assert _disk(cache)["capacity_bytes"] >= absurd + (1 << 20), "the test needs 512 MiB free where tmp_path lies"
     assert cache.lookup(toks) == 3 * BLOCK
     assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
     assert taken and max(taken) < 1 << 20
@@ -285,15 +285,14 @@ def test_a_restart_over_any_damage_serves_a_true_prefix_or_less(stored_chain, tm
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    from redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+    from redis_servers import RedisServer
 
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
     srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield srv
     srv.stop()
 
 
+@needs_redis
 @pytest.mark.parametrize("damage", ["empty", "another configuration's"])
 def test_a_redis_value_emptied_or_of_another_configuration_is_a_counted_miss_and_goes(redis_server, damage):
     from cacheseek.store.redis_keys import RedisKeys
