@@ -606,7 +606,6 @@ def test_the_readme_python_examples_run(tmp_path):
     (the embedded cache, then RemoteCache against a real server on loopback holding the
     README's write token), at a smaller size and on the CPU where no GPU is: every name,
     keyword and result field they show is the code's."""
-    pytest.importorskip("fastapi")
     import torch
 
     from server_helpers import Server
