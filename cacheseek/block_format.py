@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from .errors import FrameError
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec, same_spec
-from .quant.policy import PrecisionPolicy
+from .quant.policy import PrecisionPolicy, single_codec
 from .store.frame import FrameMeta, plan_frame, replan_frame
 
 MAX_POSITION = 1 << 62  # the largest ``pos`` a frame header may hold (``frame.parse_header``)
@@ -134,7 +134,7 @@ class BlockFormat:
         if template is not None:
             return template
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim
-        encoded = self.codec.template((L, H, self.block_tokens, D), self.layout.dtype)
+        encoded = single_codec(self.codec).template((L, H, self.block_tokens, D), self.layout.dtype)
         specs = [(name, spec.dtype, spec.shape) for name, spec, _ in encoded.named_buffers()]
         template = plan_frame(block_hash=bytes(hash_size), parent_hash=bytes(parent_size), position=0,
                               layout=self.layout, block_tokens=self.block_tokens, codec=self.codec_spec,

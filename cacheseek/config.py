@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .store.eviction import DEFAULT_POLICY, check_policy
+from .store.tier import Tier
 from .store.tiered import TieredStore
 from .units import parse_size
 
@@ -95,7 +96,7 @@ class TierConfig:
         if self.disk_path is not None and (not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path)):
             # (checked before any tier is built: a CPU tier's pinned memory is not made for nothing)
             raise ConfigError(f"disk_path: must be a directory path (str or Path), got {self.disk_path!r}")
-        tiers = []
+        tiers: list[Tier] = []
         gpu = parse_size(self.gpu_bytes, name="gpu_bytes")
         if gpu:
             from .store.gpu import GpuTier
@@ -148,6 +149,8 @@ class TierConfig:
             backoff=ExponentialBackoff(base_seconds=self.redis_breaker_base_seconds,
                                        cap_seconds=self.redis_breaker_cap_seconds),
         )
+        if self.redis_url is None:
+            raise ConfigError("build_redis_tier: redis_url is not set")
         timeouts = RedisTimeouts(connect_seconds=self.redis_connect_timeout_seconds,
                                  socket_seconds=self.redis_socket_timeout_seconds)
         return RedisTier(self.redis_url, capacity_bytes, prefix=self.redis_prefix, namespace=self.redis_namespace,

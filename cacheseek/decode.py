@@ -25,6 +25,7 @@ import torch
 
 from .block_format import BlockFormat
 from .errors import FrameError
+from .quant.policy import single_codec
 from .staging import payload_views, staging_stride
 from .store.device import as_host_tensor, copy_entry
 from .store.device_staging import StagingLease, staging_pool
@@ -96,7 +97,7 @@ class BatchDecoder:
         first frame's), and check the codec agrees."""
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
         first = self._runs[0]
-        template = first.fmt.codec.template((first.j1 - first.j0, L, H, B, D), self.layout.dtype)
+        template = single_codec(first.fmt.codec).template((first.j1 - first.j0, L, H, B, D), self.layout.dtype)
         for (name, spec, _), entry in zip(template.named_buffers(), meta.tensors, strict=True):
             if entry.name != name or entry.dtype != spec.dtype or (first.j1 - first.j0, *entry.shape) != spec.shape:
                 raise FrameError(f"frame buffer {entry.name} does not match the codec's {name}")
@@ -127,6 +128,7 @@ class BatchDecoder:
         run = self._runs[self._run_of[j]]
         if frame.meta.tensors != run.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
+        assert run.rows is not None  # laid out by _start, kept until the staging is released (checked above)
         dst = run.rows[j - run.j0]
         if self._copy_stream is None:
             self._copy(frame, dst)
@@ -176,6 +178,7 @@ class BatchDecoder:
             landed.record(self._copy_stream)
             current = current_stream(self.device)
             current.wait_event(landed)
+            assert self._lease is not None  # frames were added, and the staging is released only after them
             self._lease.used_on(current)  # (the stream it was taken for, unless the caller switched)
         if self._sink is not None:
             self._sink(j0, j1, [v[j0:j1] for v in self._views])
@@ -193,11 +196,11 @@ class BatchDecoder:
             if a >= b:
                 continue
             # (The views were checked against the codec's template at _start.)
-            run.fmt.codec.decode_buffers([v[a - run.j0 : b - run.j0] for v in run.views],
+            single_codec(run.fmt.codec).decode_buffers([v[a - run.j0 : b - run.j0] for v in run.views],
                                          (self._k_blocks[a:b], self._v_blocks[a:b]))
         self._decoded = j1
 
-    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused),
         decoded on the current stream. ``wait=False``: the caller calls :meth:`wait` before
         the frames added may be released (their copies may still be in flight)."""
@@ -210,10 +213,12 @@ class BatchDecoder:
             self.wait()
         if self._sink is not None:
             return None, None
+        k, v = self._k, self._v
+        assert k is not None and v is not None  # made by the first decode, which _decode_pending ran
         tokens = n * self.block_tokens
         if n == self.max_blocks:
-            return self._k, self._v
-        return self._k[:, :, :tokens], self._v[:, :, :tokens]
+            return k, v
+        return k[:, :, :tokens], v[:, :, :tokens]
 
     def wait(self) -> None:
         """Return once every copy out of the frames added is done: their leases may be released."""
@@ -252,7 +257,9 @@ def decode_frames(fmt: BlockFormat, frames: Sequence[BlockFrame],
     try:
         for frame in frames:
             decoder.add(frame)
-        return decoder.finish()
+        k, v = decoder.finish()
+        assert k is not None and v is not None  # (no sink: decoded into K and V)
+        return k, v
     finally:
         decoder.close()
 

@@ -25,6 +25,7 @@ from . import batching
 from .block_format import BlockFormat
 from .quant.backend import kernels_available
 from .quant.codec import KVLayerCodec
+from .quant.policy import single_codec
 from .errors import InputError
 from .layout import KVLayout
 from .quant.tensors import all_finite, within
@@ -69,7 +70,7 @@ def encode_blocks(
                                        parents[a - first_block : b - first_block], staging)
         if device.type == "cuda" and finite.device.type == "cpu":
             current_stream(device).synchronize()  # the kernels write the flags in host memory
-        part.codec.check_finite(finite)
+        single_codec(part.codec).check_finite(finite)
         frames += got
     return frames
 
@@ -95,7 +96,7 @@ def _encode_deferred(
     of a lease taken for several pieces)."""
     if not fmt.uniform:
         raise RuntimeError("_encode_deferred: a launch holds blocks of one codec; cut at fmt.segments")
-    codec, block_tokens = fmt.codec, fmt.block_tokens
+    codec, block_tokens = single_codec(fmt.codec), fmt.block_tokens
     n = len(hashes)
     t0 = first_block * block_tokens
     device = layers[0][0].device
@@ -195,7 +196,7 @@ def check_encodable(fmt: BlockFormat, layers: list[tuple[torch.Tensor, torch.Ten
     """``check_tokens`` for the blocks flagged in ``todo``, each with its position's codec."""
     for a, b in batching.runs(todo, len(todo)):
         for c, d in fmt.segments(a, b):
-            check_tokens(fmt.at(c).codec, layers, fmt.layout, c * fmt.block_tokens, d * fmt.block_tokens)
+            check_tokens(single_codec(fmt.at(c).codec), layers, fmt.layout, c * fmt.block_tokens, d * fmt.block_tokens)
 
 
 def iter_encoded(
@@ -253,9 +254,10 @@ def iter_encoded(
                 shares = _round_staging(fmt, pieces, device, held)
         for p, (start, stop) in enumerate(pieces):
             part = fmt.at(start)
-            key = part.codec.prepare_key()
+            codec = single_codec(part.codec)
+            key = codec.prepare_key()
             if key not in prepared:
-                prepared[key] = part.codec.prepare_layers(k_layers, v_layers)
+                prepared[key] = codec.prepare_layers(k_layers, v_layers)
             with on_stream(side) if side is not None else contextlib.nullcontext():
                 got, finite = _encode_deferred(part, layers, start, hashes[start:stop], parents[start:stop],
                                                prepared=prepared[key], leases=held if pooled else None,
@@ -263,7 +265,7 @@ def iter_encoded(
                 if side is not None:
                     finite = flags_to_host(finite)
             frames += got
-            checks.append((part.codec, finite))
+            checks.append((codec, finite))
         done = None
         if side is not None:
             done = torch.cuda.Event()

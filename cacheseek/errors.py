@@ -18,6 +18,8 @@ class ConfigError(CacheSeekError, ValueError):
 class InputError(CacheSeekError, ValueError):
     """KV or keys handed to the cache that do not fit its layout, or hold garbage."""
 
+    names_request = False  # the message names the request of a batch (``paged_io.raise_bad_input``)
+
 
 class FrameError(CacheSeekError, ValueError):
     """A frame that cannot be parsed: truncated, malformed, or from another version."""

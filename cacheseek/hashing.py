@@ -34,7 +34,7 @@ import re
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import xxhash
 
@@ -189,7 +189,7 @@ class ExtraKeys:
     block: prompts with different salts share nothing)."""
 
     lora_id: str | None = None
-    mm_inputs: tuple[MMInput, ...] = ()
+    mm_inputs: Sequence[MMInput] = ()  # (any sequence; stored as a tuple, sorted, by __post_init__)
     cache_salt: str | bytes | None = None
 
     def __post_init__(self) -> None:
@@ -408,7 +408,7 @@ def hash_token_blocks(
     for a in range(0, n_full * step, step):
         parent = fn(join((parent, TOKENS, data[a : a + step], _NO_EXTRA)))
         out.append(parent)
-    return out
+    return cast("list[BlockHash]", out)  # (BlockHash is bytes at run time: no wrapper call per block)
 
 
 def to_hex(h: bytes) -> str:

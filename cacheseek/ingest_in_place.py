@@ -46,6 +46,7 @@ from .block_format import BlockFormat
 from .encode import check_encodable, encode_into, flags_to_host
 from .errors import InputError
 from .quant.tensors import give_back_flags
+from .quant.policy import single_codec
 from .staging import payload_views
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -92,17 +93,22 @@ class InPlaceIngest:
                  *, source: Any = None) -> None:
         """The KV: per-layer ``layers``, or ``source`` (a ``pages.PagedSource``: the call's
         blocks in an engine's pages; block ``i`` of the chain is its row ``i``)."""
-        self.store, self.format, self.layers, self.source = store, fmt, layers, source
+        if source is None and layers is None:
+            raise TypeError("InPlaceIngest: the KV is per-layer layers or a paged source; got neither")
+        self.store, self.format, self.source = store, fmt, source
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = layers if layers is not None else []
         self.layout, self.block_tokens = fmt.layout, fmt.block_tokens
         # codec.prepare_key() -> its prepare_layers, once per key: a policy's parts may share
         # it (empty: paged KV, read through the pages instead)
         self.prepared: dict[Any, Any] = {}
-        self.device = source.device if source is not None else layers[0][0].device
+        self.device = source.device if source is not None else self.layers[0][0].device
         if source is None:
             for part in fmt.parts():
-                key = part.codec.prepare_key()
+                codec = single_codec(part.codec)
+                key = codec.prepare_key()
                 if key not in self.prepared:
-                    self.prepared[key] = part.codec.prepare_layers([k for k, _ in layers], [v for _, v in layers])
+                    self.prepared[key] = codec.prepare_layers([k for k, _ in self.layers],
+                                                              [v for _, v in self.layers])
         if self.device.type == "cuda":
             self.encode_stream = work_stream("encode", self.device)
             self.copy_stream = work_stream("to_host", self.device)
@@ -230,7 +236,7 @@ class InPlaceIngest:
             self.pending.append(_Run(first, metas, reservations, flags, self.format.at(first).codec,
                                      [(a, b, None) for a, b in split]))
             return
-        pieces = []
+        pieces: list[tuple[int, int, torch.cuda.Event | None]] = []
         # The staging is leased for the encode stream and used by the copy stream after it;
         # given back as soon as the copies are queued (reused only after them, on the device).
         with staging_pool(self.device).take(start + span, stream=self.encode_stream) as lease:
@@ -261,10 +267,10 @@ class InPlaceIngest:
 
     def _encode(self, first: int, count: int, views: list[torch.Tensor]) -> Any:
         """Blocks ``first..first+count`` (of one codec) into ``views``; the codec's flags."""
-        part = self.format.at(first)
+        codec = single_codec(self.format.at(first).codec)
         if self.source is not None:
-            return self.source.encode(part.codec, first, count, views)
-        return encode_into(part.codec, self.layers, self.prepared[part.codec.prepare_key()], first * self.block_tokens, count,
+            return self.source.encode(codec, first, count, views)
+        return encode_into(codec, self.layers, self.prepared[codec.prepare_key()], first * self.block_tokens, count,
                            self.block_tokens, views)
 
     def commit_oldest(self, *, last: bool = False) -> None:

@@ -38,7 +38,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,6 +46,7 @@ from .block_format import BlockFormat
 from .decode import BatchDecoder
 from .errors import ConfigError, FrameError, InputError, LoadError
 from .quant.backend import kernels_available
+from .quant.policy import single_codec
 from .store.device import as_host_tensor
 from .store.lease import finalizer
 from .store.streams import current_stream, on_stream, work_stream
@@ -113,7 +114,7 @@ class LayerwiseDecoder(BatchDecoder):
         # (staging row, payload) of the frames copied group by group: the payload as a host
         # tensor, or (read in place by one kernel a group) its address
         self._rows: list[tuple[int, Any]] = []
-        self._pending: deque[tuple[int, BlockFrame]] = deque()  # copied whole, copy maybe in flight
+        self._pending: deque[tuple[torch.cuda.Event, BlockFrame]] = deque()  # copied whole, copy maybe in flight
         self._split_frames: list[BlockFrame] = []  # given back after the last group's copies
         self._last_copy: Any = None  # event after the last copy out of the frames
         self._sealed = False
@@ -149,6 +150,7 @@ class LayerwiseDecoder(BatchDecoder):
             self._plan_pieces(frame.meta)
         elif frame.meta.tensors != self._meta0.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
+        assert self._meta0 is not None and self._staging is not None  # (made by _start, at the first frame)
         j = len(self._frames)
         host = frame.device_payload is None and frame.device_entries is None
         self._frames.append(frame)
@@ -209,6 +211,7 @@ class LayerwiseDecoder(BatchDecoder):
         pieces = self._group_dst[g]
         if pieces is None:
             cuts, idx = self._plans[g]
+            assert self._staging is not None  # (made by _start; given back only after the last group)
             cols = self._staging.tensor_split(cuts, dim=1)
             pieces = self._group_dst[g] = [cols[i].unbind(0) for i in idx]
         return pieces
@@ -224,7 +227,8 @@ class LayerwiseDecoder(BatchDecoder):
             return
         cuts, idx = self._plans[g]
         cols = self._staging_pieces(g)
-        dst, src = [], []
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
         for j, payload in self._rows if rows is None else rows:
             parts = payload.tensor_split(cuts)
             dst.extend(col[j] for col in cols)
@@ -241,6 +245,7 @@ class LayerwiseDecoder(BatchDecoder):
             table = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
             self._gather_tables = (table.to(self.device, non_blocking=True), table)  # (keep the source alive)
         addrs, _ = self._gather_tables
+        assert self._staging is not None  # (made by _start; given back only after the last group)
         kernels.copy_ranges(addrs, self._staging, self._ranges[g])
 
     @staticmethod
@@ -320,6 +325,7 @@ class LayerwiseDecoder(BatchDecoder):
             if last:
                 self._release_staging()
             return None
+        assert self._copy_stream is not None  # (a decode stream only on a GPU, where both are made)
         if g >= first and self._rows:
             with on_stream(self._copy_stream):
                 self._copy_group(g)
@@ -345,7 +351,7 @@ class LayerwiseDecoder(BatchDecoder):
         if self._sink is not None:
             self._sink(0, n, list(views), layers=(l0, l1))
             return
-        self.codec.decode_buffers(list(views), self._group_outputs[l0])
+        single_codec(self.codec).decode_buffers(list(views), self._group_outputs[l0])
 
     def release_all(self) -> None:
         """Wait for every copy out of the frames (host-side), then give them all back, and the
@@ -505,7 +511,8 @@ class LayerwiseLoad:
         ``wait=False``: the tensors now, not yet holding the layer (for a consumer that
         waits later, before it reads them: shapes and devices are final)."""
         self._layer_index(i)
-        if self._layers is None and (self._decoder is None or self._decoder.outputs[0] is None):
+        decoder = self._decoder
+        if self._layers is None and (decoder is None or decoder.outputs[0] is None):
             if self.num_tokens == 0:
                 raise RuntimeError("LayerwiseLoad.layer: nothing was loaded (num_tokens is 0)")
             raise RuntimeError("LayerwiseLoad.layer: this load wrote into an engine's pages; read them there")
@@ -514,7 +521,9 @@ class LayerwiseLoad:
         if self._layers is None:
             # Every layer's views in one call each side (two views per layer, per call, cost
             # a consumer that takes all 32 layers ~0.25 ms of host time on the H200's host).
-            k, v = self._decoder.outputs
+            assert decoder is not None  # (else raised above)
+            k, v = decoder.outputs
+            assert k is not None and v is not None  # (else raised above: both are made together)
             self._layers = list(zip(k.unsqueeze(1).unbind(0), v.unsqueeze(1).unbind(0), strict=True))
         return self._layers[i]
 
@@ -601,7 +610,8 @@ class LayerwiseLoad:
                 with contextlib.suppress(Exception):  # (a device error: that work failed, writes no more)
                     issued[-1].synchronize()
         finally:
-            self._decoder.release_all()
+            if self._decoder is not None:  # (none: nothing held; its callers skip it then)
+                self._decoder.release_all()
 
     def __enter__(self) -> LayerwiseLoad:
         return self
@@ -620,13 +630,16 @@ class LayerwiseLoad:
                 if not self._timing:
                     raise RuntimeError("LayerwiseLoad.timeline: this GPU load kept no timeline; set "
                                        "cacheseek.layerwise.TIMELINE = True before making the load")
-                ready = self._start.elapsed_time(self._events[i])
+                start, event = self._start, self._events[i]
+                assert start is not None and event is not None  # (on a GPU: made at __init__; synchronized above)
+                ready = start.elapsed_time(event)
                 needed = self._needed[i]
                 if needed is not None:
                     needed.synchronize()
-                needed_ms = self._start.elapsed_time(needed) if needed is not None else None
+                needed_ms = start.elapsed_time(needed) if needed is not None else None
             else:
-                ready = (self._ready_t[i] - self._t0) * 1e3 if self._ready_t[i] else 0.0
+                ready_t = self._ready_t[i]
+                ready = (ready_t - self._t0) * 1e3 if ready_t else 0.0
                 needed_ms = (self._needed[i] - self._t0) * 1e3 if self._needed[i] is not None else None
             out.append(LayerTiming(i, ready, needed_ms))
         return out
@@ -637,6 +650,7 @@ class LayerwiseLoad:
         consumer's work ended, on the same clock as ``timeline()``."""
         if self._cuda:
             mark.synchronize()
+            assert self._start is not None  # (made at __init__ on a GPU)
             return self._start.elapsed_time(mark)
         return (mark - self._t0) * 1e3
 
@@ -652,6 +666,7 @@ class LayerwiseLoad:
         upto = min(upto, len(self._groups) - 1)
         while self._issued <= upto and self.error is None and not self._closed:
             g = self._issued
+            assert decoder is not None  # (without one, every group counts as issued at __init__)
             try:
                 event = decoder.run_group(g, timing=self._timing)
             except BaseException as exc:  # marks the load; ``wait`` raises for what is missing
@@ -688,6 +703,7 @@ class LayerwiseLoad:
         """Block until the issuer has issued group ``upto`` (or failed, or ended)."""
         upto = min(upto, len(self._groups) - 1)
         worker = self._worker
+        assert worker is not None  # (called only with a background issuer)
         with self._issue_lock:
             while self._issued <= upto and self.error is None and worker.is_alive():
                 self._issue_lock.wait(0.05)
@@ -727,6 +743,8 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
     the first block gone or bad since the lookup). ``rows``: with a page ``sink``, the
     call's row of each chain's first block, appended to ``sink.rows`` per block added.
     ``starts``: the position in its chain of each chain's first block (0 when not given)."""
+    if sink is not None and rows is None:
+        raise TypeError("layerwise.load: a page sink needs the rows of its chains")
     total = sum(len(where) for _, where in chains)
     got: list[list[str]] = [[] for _ in chains]
     if not total:
@@ -753,6 +771,7 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
                         foreign = (key, tier, str(exc))
                         break
                     if sink is not None:
+                        assert rows is not None  # (checked above)
                         sink.rows.append(rows[r] + len(got[r]))
                     decoder.add(frame, split=tier == "cpu")
                     got[r].append(tier)
@@ -769,6 +788,21 @@ def load(fmt: BlockFormat, store: Any, chains: Sequence[tuple[Sequence[bytes], S
 
 
 # -- ingest, layer by layer ----------------------------------------------------------------
+
+
+class LayerwiseWriter(Protocol):
+    """What ``ingest_layerwise`` answers (``LayerwiseIngest``, or a ``PrefixCache``'s
+    ``LayerwiseSave``): KV put layer by layer, stored on ``finish``."""
+
+    def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def finish(self) -> Any: ...
+
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None: ...
 
 
 class LayerWriter:

@@ -36,7 +36,7 @@ they move out of ``finish``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,7 +147,7 @@ class _SlotWriter(LayerWriter):
                 and (device.type != "cuda" or kernels_available())
                 and all(_layer_sliceable(part.planned_payload(), self.layout.num_layers) for part in fmt.parts()))
 
-    def _reserve_all(self, device: torch.device, hashes: list[bytes], parents: list[bytes],
+    def _reserve_all(self, device: torch.device, hashes: Sequence[bytes], parents: Sequence[bytes],
                      new: list[bool], positions: list[int] | None) -> None:
         """Reserve slots for the ``new`` blocks, tail first (where the tier runs out of
         room, the head is left to ``finish``); the mode is "slots" if any were reserved."""
@@ -206,20 +206,24 @@ class _SlotWriter(LayerWriter):
         run = _Run(first, codec, metas, reservations, host, stride, entries, staging_stride(offset))
         run.moves = tuple((part.offset, whole.offset, part.nbytes, part.nbytes)
                           for part, whole in zip(entries, meta.tensors, strict=True))
-        if self._device.type == "cuda":
+        device = self._device
+        assert device is not None  # (set by _reserve_all, which makes the runs)
+        if device.type == "cuda":
             from .kernels.layers import offsets_table
 
             base = host.data_ptr() + meta.payload_offset
             pairs = tuple(x for j in range(len(metas)) for x in (base + j * stride, j))
-            run.table = offsets_table(self._device, pairs).view(-1, 2)
+            run.table = offsets_table(device, pairs).view(-1, 2)
         return run
 
     def _save_layer(self, i: int, encode: Callable[[_Run, list[torch.Tensor]], Any]) -> None:
         """Layer ``i`` of every reserved block into its slots; ``encode(run, views)`` encodes
         the run's blocks of that layer into ``views`` (``[n, 1, H, ...]``) and returns the
         codec's flags. A launch that fails aborts the writer (its slots hold no whole layer)."""
+        device = self._device
+        assert device is not None  # (set by _reserve_all: a layer is saved only into reserved slots)
         try:
-            if self._device.type != "cuda":
+            if device.type != "cuda":
                 # KV in host memory: the slots themselves are encoded into.
                 for run in self._runs:
                     views = [view[:, i : i + 1] for view in payload_views(
@@ -229,13 +233,13 @@ class _SlotWriter(LayerWriter):
             from . import kernels
 
             stream = self._stream
-            stream.wait_stream(current_stream(self._device))  # the forward made the layer there
+            stream.wait_stream(current_stream(device))  # the forward made the layer there
             with on_stream(stream):
                 for run in self._runs:
                     n = len(run.metas)
                     # Given back once the launches are queued: the next layer's take on this
                     # stream reuses it after them, on the device.
-                    with staging_pool(self._device).take(n * run.layer_row, stream=stream) as lease:
+                    with staging_pool(device).take(n * run.layer_row, stream=stream) as lease:
                         rows = lease.rows(n, run.layer_row)
                         flags = encode(run, payload_views(rows, run.layer_entries, n, run.layer_row))
                         self._flags.append((run.codec, flags_to_host(flags)))
@@ -268,11 +272,11 @@ class _SlotWriter(LayerWriter):
             for _, flags in self._flags:
                 give_back_flags(flags)  # pinned, written by kernels that have run
 
-    def _publish(self, count: Callable[[int, Any], None]) -> list[bool]:
+    def _publish(self, count: Callable[[int, Any], None]) -> list[int]:
         """Commit every run (tail first), ``count(row, outcome)`` for each block; which rows
         were in a run."""
         store = self.cache.store
-        saved = []
+        saved: list[int] = []
         # Each commit evicts for the runs after it too: they must not evict this one's blocks.
         later = sum(r.nbytes for run in self._runs for r in run.reservations)
         for run in self._runs:  # tail first (reserved in that order)
@@ -405,7 +409,7 @@ class PagedLayerwiseSave(_SlotWriter):
         check_layer_index(i, self._layers_put)
         self._layers_put[i] = True
         if self._mode == "slots":
-            source, B = self._call.source, self.cache.block_tokens
+            source, B = self._call.rows_source(), self.cache.block_tokens
 
             def encode(run: _Run, views: list[torch.Tensor]) -> Any:
                 flags = run.codec.encode_pages_into(source, run.first, len(run.metas), B, views, layers=(i, i + 1))
@@ -474,7 +478,7 @@ def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
         raise
 
 
-def _still_stored(store: Any, hashes: list[bytes], found: list[bool]) -> list[bool]:
+def _still_stored(store: Any, hashes: Sequence[bytes], found: list[bool]) -> list[bool]:
     """Of the blocks ``found`` stored when the save started, those stored still: the forward
     ran meanwhile, and one evicted or deleted since is the save's to store again (counted
     present, it was left a gap before the blocks published after it)."""

@@ -34,6 +34,7 @@ from .layout import KVLayout
 from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
 from .prefix_keys import PrefixKeys, as_index
 from .quant.codec import KVLayerCodec
+from .quant.policy import single_codec
 from .results import IngestResult
 from .staging import payload_views, staging_stride
 from .encode import give_back
@@ -66,7 +67,9 @@ class PagedCall:
 
     def flat(self) -> tuple[list[BlockHash], list[bytes], list[int]]:
         """Every request's hashes, parents and block positions, end to end (row order)."""
-        hashes, parents, positions = [], [], []
+        hashes: list[BlockHash] = []
+        parents: list[bytes] = []
+        positions: list[int] = []
         for h, p in zip(self.hashes, self.parents):
             hashes += h
             parents += p
@@ -84,6 +87,12 @@ class PagedCall:
         """Make ``rows`` ((request, block) each) the call's rows, with their source."""
         self.rows = rows
         self.source = PagedSource(self.pages, self.tables, rows, self.block_tokens)
+
+    def rows_source(self) -> PagedSource:
+        """The source of the call's rows (made by ``use_rows``)."""
+        if self.source is None:
+            raise RuntimeError("PagedCall: its rows are not chosen yet (use_rows)")
+        return self.source
 
 
 def _name(index: int | None) -> str:
@@ -184,7 +193,9 @@ def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[Ingest
     results of the later requests holding it. They count the outcome of its one write
     (``count_outcome``'s ``copies``), not present before it runs: a write that fails must
     not leave them saying the block is stored."""
-    present, copies, seen, i = list(found), {}, set(), 0
+    present, i = list(found), 0
+    copies: dict[bytes, list[IngestResult]] = {}
+    seen: set[bytes] = set()
     for result, hashes in zip(results, call.hashes):
         for key in hashes:
             if present[i]:
@@ -274,7 +285,7 @@ def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]]
 def raise_bad_input(call: PagedCall, exc: InputError) -> None:
     """Re-raise ``exc`` (NaN or Inf found by a paged encode) naming its request and block."""
     bad = call.source.bad_blocks() if call.source is not None else []
-    if not bad or getattr(exc, "names_request", False):  # named already (an encode, then its caller)
+    if not bad or exc.names_request:  # named already (an encode, then its caller)
         raise exc
     r, b = call.rows[bad[0]]
     named = InputError(f"{call.names[r]}: {exc} (block {b}; nothing of this call is stored)")
@@ -318,22 +329,23 @@ def encoded_batches(fmt: BlockFormat, call: PagedCall, hashes: Sequence[bytes], 
     runs = list(batching.runs(missing, batch_blocks))
     if tail_first:
         runs.reverse()
+    source, codec = call.rows_source(), single_codec(fmt.codec)
     if check_first and len(runs) > 1:
         try:
             for start, stop in runs:
-                call.source.check_values(fmt.codec, start, stop - start)
+                source.check_values(codec, start, stop - start)
         except InputError as exc:
             raise_bad_input(call, exc)
     held: list[StagingLease] = []
-    device = call.source.device
+    device = source.device
     try:
         for start, stop in runs:
-            frames, flags = encode_frames(fmt, call.source, start, stop, hashes, parents, positions,
+            frames, flags = encode_frames(fmt, source, start, stop, hashes, parents, positions,
                                           held if pooled else None)
             if device.type == "cuda":
                 current_stream(device).synchronize()  # flags are written in host memory
             try:
-                fmt.codec.check_finite(flags)
+                codec.check_finite(flags)
             except InputError as exc:
                 raise_bad_input(call, exc)
             yield start, frames
@@ -373,7 +385,7 @@ class PageSink:
 
 
 def decoder(fmt: BlockFormat, call: PagedCall) -> tuple[BatchDecoder, PageSink]:
-    sink = PageSink(fmt.codec, call.source)
+    sink = PageSink(single_codec(fmt.codec), call.rows_source())
     return BatchDecoder(fmt, max(1, len(call.rows)), call.pages.device, sink=sink), sink
 
 

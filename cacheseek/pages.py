@@ -29,7 +29,7 @@ import array
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,10 @@ from .errors import InputError
 from .layout import KVLayout
 from .quant.backend import backend_for, forced_triton
 from .quant.tensors import dtype_str, within
+
+if TYPE_CHECKING:  # (the kernels import triton: loaded only where they run)
+    from .kernels import BlockPages
+
 
 PAGE_LAYOUTS = ("NHD", "HND")
 PAGE_DEVICES = ("cpu", "cuda")
@@ -359,7 +363,7 @@ class PagedSource:
             flat.append(tok % P)
         self.rows = torch.frombuffer(flat, dtype=torch.int32).view(-1, 2) if rows else \
             torch.zeros((0, 2), dtype=torch.int32)
-        self._where = None
+        self._where: BlockPages | None = None
         self.launched: list[tuple[int, int, torch.Tensor]] = []  # (first, n, flags) of each encode
         self.checked: list[tuple[int, int, torch.Tensor]] = []  # (first, n, flags) of check_finite
 

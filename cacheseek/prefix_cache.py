@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Sequence
 from contextlib import closing
 from typing import Any
 
@@ -17,12 +17,13 @@ from .layerwise import LayerwiseLoad
 from .layerwise_save import LayerwiseSave, PagedLayerwiseSave
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
-from .quant.policy import PrecisionPolicy
+from .quant.policy import PrecisionPolicy, single_codec
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized, count_outcome
 from .store.device_staging import staging_stats
 from .store.prefetch import Prefetch
+from .store.tier import BlockFrame
 
 __all__ = ["IngestResult", "Loaded", "Located", "Materialized", "Prefetch", "PrefixCache"]
 
@@ -108,11 +109,11 @@ class PrefixCache(PrefixCacheBase):
                                       tail_first=True, pooled=True,
                                       check_first=not self.store.tiers[0].accepts_device_frames):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
-                for (key, _), outcome in zip(items, self.store.put_many(items)):
-                    count_outcome(result, key, outcome, stored)
+                for (block_key, _), outcome in zip(items, self.store.put_many(items)):
+                    count_outcome(result, block_key, outcome, stored)
         except InputError:
-            for key in stored:
-                self.store.delete(key)
+            for block_key in stored:
+                self.store.delete(block_key)
             raise
         return result
 
@@ -173,7 +174,9 @@ class PrefixCache(PrefixCacheBase):
             # per side each) are not cut where one request ends and the next begins.
             keep = [i for i, p in enumerate(present) if not p]
             call.use_rows([every[i] for i in keep])
-            hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
+            hashes = [hashes[i] for i in keep]
+            parents = [parents[i] for i in keep]
+            positions = [positions[i] for i in keep]
             present = [False] * len(keep)
         if not hashes:
             if in_place is not None:
@@ -198,7 +201,7 @@ class PrefixCache(PrefixCacheBase):
                                                          tail_first=True, pooled=True,
                                                          check_first=not self.store.tiers[0].accepts_device_frames):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
-                items = [(hashes[i], batch[i - start]) for i in order]
+                items: list[tuple[bytes, BlockFrame]] = [(hashes[i], batch[i - start]) for i in order]
                 for i, outcome in zip(order, self.store.put_many(items)):
                     count_outcome(results[call.request_of(i)], hashes[i], outcome, stored, copies.get(hashes[i], ()))
         except InputError as exc:
@@ -256,7 +259,7 @@ class PrefixCache(PrefixCacheBase):
         # blocks [start, count) of each request, in order, so a request's first fetched block
         # is the row after the previous requests' written ones.
         skip = [min(s, n) for s, n in zip(starts, counts)]
-        sink = paged_io.PageSink(self.block_format.codec, call.source) if call.rows else None
+        sink = paged_io.PageSink(single_codec(self.block_format.codec), call.source) if call.rows else None
         firsts, row = [], 0
         for s, n in zip(skip, counts):
             firsts.append(row)
@@ -353,12 +356,13 @@ class PrefixCache(PrefixCacheBase):
             if not tiers:
                 return self._nothing(device)
             k, v = decoder.finish(wait=False)
+            assert k is not None and v is not None  # (no sink: decoded into K and V)
             self.store.touch_chain(hashes[: len(tiers)])
             return self._materialized(k, v, tiers, device)  # while the last copies land
         finally:
             feed.close()
 
-    def _fetch(self, hashes: list[bytes], where: list[str], first: int = 0) -> Iterator[tuple[Any, str]]:
+    def _fetch(self, hashes: Sequence[bytes], where: Sequence[str], first: int = 0) -> Generator[tuple[Any, str], None, None]:
         """(frame, tier) of each block of a located chain in order (``hashes``: its blocks from
         position ``first`` on), leased and checked; ends
         at the first block evicted or found corrupt since ``locate`` (the prefix ends there).
@@ -382,7 +386,7 @@ class PrefixCache(PrefixCacheBase):
             if foreign is not None:  # (once the reads are given back)
                 self.store.drop_foreign(*foreign)
 
-    def _materialize_layerwise(self, hashes: list[bytes], located: list[str], device: Any) -> LayerwiseLoad:
+    def _materialize_layerwise(self, hashes: Sequence[bytes], located: list[str], device: Any) -> LayerwiseLoad:
         self._check_layerwise()
         L = self.layout.num_layers
         decoder, got = layerwise.load(self.block_format, self.store, [(hashes, located)], device)

@@ -10,7 +10,7 @@ import torch
 
 from .block_format import BlockFormat
 from .hashing import SINGLE, BlockHash, Shard
-from .layerwise import LayerwiseIngest
+from .layerwise import LayerwiseIngest, LayerwiseWriter
 from .layout import KVLayout
 from .prefix_keys import PrefixKeys, as_index
 from .quant import backend
@@ -132,13 +132,16 @@ class PrefixCacheBase:
     def _nothing(device: torch.device) -> Materialized:
         return Materialized(0, 0, [], [], device)
 
-    def ingest_layerwise(self, keys: Any) -> LayerwiseIngest:
+    def ingest_layerwise(self, keys: Any) -> LayerwiseWriter:
         """A writer that takes the KV of ``keys`` one layer at a time (``put_layer(i, k, v)``,
         as a forward produces them) and stores the full blocks on ``finish()``, once every
         layer is there: nothing of a block is stored before, and ``abort()`` stores nothing."""
         self._check_open()  # (else a writer, refused only at finish, once the forward had put every layer)
         self._num_keys(keys)
         return LayerwiseIngest(self.ingest, keys, self.layout)
+
+    def ingest(self, keys: Any, kv: Any) -> Any:  # pragma: no cover - each cache implements it
+        raise NotImplementedError
 
     def locate(self, keys: Any) -> Located:  # pragma: no cover - each cache implements it
         raise NotImplementedError

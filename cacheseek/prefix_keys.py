@@ -27,6 +27,7 @@ from .hashing import (
 )
 from .layout import KVLayout
 from .quant.codec import KVLayerCodec
+from .quant.policy import PrecisionPolicy
 
 
 def is_block_keys(keys: Any) -> bool:
@@ -109,7 +110,7 @@ class PrefixKeys:
         namespace: str,
         model_id: str,
         layout: KVLayout,
-        codec: KVLayerCodec,
+        codec: KVLayerCodec | PrecisionPolicy,
         block_tokens: int,
         hash_algo: str = DEFAULT_ALGO,
         shard: Shard = SINGLE,

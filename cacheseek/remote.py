@@ -141,7 +141,9 @@ class _FrameStream(httpx.SyncByteStream):
         self._frames = frames
         self._buffers = buffers
 
-    def __iter__(self) -> Iterator[bytes | memoryview]:
+    # httpx's stubs say bytes; each chunk goes to the socket as it is, so a memoryview of the
+    # frame's memory sends without a copy.
+    def __iter__(self) -> Iterator[bytes | memoryview]:  # type: ignore[override]
         for frame in self._frames:
             if frame.host is not None:
                 yield LENGTH.pack(frame.meta.nbytes)
@@ -246,11 +248,11 @@ class RemoteCache(PrefixCacheBase):
             # Not every request would send them (lookups go straight to the transport), and
             # the URL is in every outage's log line and error.
             raise ConfigError(f"url: {parsed.copy_with(userinfo=b'')} holds credentials; give them as token=")
-        for name, value in (("timeout", timeout), ("exchange_timeout", exchange_timeout)):
-            if value is None and name == "exchange_timeout":
+        for name, seconds in (("timeout", timeout), ("exchange_timeout", exchange_timeout)):
+            if seconds is None and name == "exchange_timeout":
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e9:
-                raise ConfigError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
+                raise ConfigError(f"{name}: must be a finite number of seconds > 0, got {seconds!r}")
         self.on_unavailable = on_unavailable
         self.breaker = breaker if breaker is not None else CircuitBreaker(
             failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))
@@ -407,7 +409,9 @@ class RemoteCache(PrefixCacheBase):
         Inf) sends nothing. The call's rows become those blocks."""
         every = call.every_row()
         call.use_rows([every[i] for i in keep])
-        hashes, parents, positions = ([x[i] for i in keep] for x in (hashes, parents, positions))
+        hashes = [hashes[i] for i in keep]
+        parents = [parents[i] for i in keep]
+        positions = [positions[i] for i in keep]
         frames: list[BlockFrame] = []
         for _, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                  [True] * len(keep), self._batch_blocks):
@@ -549,8 +553,9 @@ class RemoteCache(PrefixCacheBase):
         # Everything is fetched before any page is written: an outage (or a bad chain) in a
         # later request leaves the pages as they were.
         try:
-            found = [self._lookup(h[:n], tokens=n * self.block_tokens) if n else {"matched": 0, "tiers": []}
-                     for h, n in zip(call.hashes, limits)]
+            found: list[dict[str, Any]] = [
+                self._lookup(h[:n], tokens=n * self.block_tokens) if n else {"matched": 0, "tiers": []}
+                for h, n in zip(call.hashes, limits)]
             counts = [f["matched"] for f in found]
             paged_io.plan_load(call, counts, self.block_tokens, starts)
             # The blocks before a request's start are in its pages already: not fetched.
@@ -614,7 +619,7 @@ class RemoteCache(PrefixCacheBase):
         if max_tokens is not None:
             tokens = min(tokens, max(0, max_tokens))
         try:
-            found = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
+            found: dict[str, Any] = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
             frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         except RemoteUnavailable:
             if self.on_unavailable == "raise":

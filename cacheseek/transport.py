@@ -252,6 +252,7 @@ class BulkTransport(httpx.BaseTransport):
         pending: list[Any] = [b"\r\n".join(lines) + b"\r\n\r\n"]
         pending_bytes = len(pending[0])
         send = _sendall_each if isinstance(sock, ssl.SSLSocket) else _sendmsg_all  # no sendmsg over TLS
+        assert isinstance(request.stream, httpx.SyncByteStream)  # (a sync request: as httpx's transport asserts)
         for chunk in request.stream:
             view = memoryview(chunk).cast("B")
             if not view.nbytes:
@@ -363,7 +364,7 @@ class _Body(httpx.SyncByteStream):
         new buffer, or into the first ``n`` bytes of ``into`` (writable memory of the caller's:
         a reused buffer, which spares fresh memory's page faults); None at the end of the
         body. For readers that know their record sizes (frames)."""
-        if not self.sized:
+        if self._chunked or self._length is None:  # (not ``sized``)
             raise RuntimeError("read_exactly needs a body of known length")
         if self._length == 0:
             self._done = True
@@ -412,6 +413,8 @@ class _Body(httpx.SyncByteStream):
                 remaining -= len(head)
             yield head
         sock = self._sock
+        if sock is None:
+            raise httpx.StreamClosed()
         chunk_bytes = self._lease.transport.chunk_bytes
         while remaining is None or remaining > 0:
             size = chunk_bytes if remaining is None else min(remaining, chunk_bytes)
@@ -436,6 +439,8 @@ class _Body(httpx.SyncByteStream):
             yield view
 
     def _iter_chunked(self) -> Iterator[bytes]:
+        if self._sock is None:
+            raise httpx.StreamClosed()
         reader = _LineReader(self._sock, self._rest, self._lease.pace)
         while True:
             line = reader.line()

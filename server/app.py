@@ -102,7 +102,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = store is None
         start = time.perf_counter()
-        the_store = await run_in_threadpool(build_store, settings) if owned else store
+        the_store = store if store is not None else await run_in_threadpool(build_store, settings)
         opened = time.perf_counter() - start if opened_seconds is None else opened_seconds
         disk = settings.disk_path if settings.disk_bytes > 0 else None
         if disk is not None:

@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .summary import settings_lines
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    settings: ServerSettings | ValidationError | ConfigError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
         try:

@@ -80,7 +80,7 @@ class ClientGone(BadRequest):
 
 
 # error class -> HTTP status; the most specific class in an exception's MRO wins.
-STATUS: dict[type[BaseException], int] = {
+STATUS: dict[type[Exception], int] = {
     BadRequest: 400,
     FrameError: 400,
     InputError: 400,
@@ -181,5 +181,6 @@ def install(app: FastAPI) -> None:
     for cls in STATUS:
         app.add_exception_handler(cls, _handle)
     app.add_exception_handler(ServiceError, _handle)
-    app.add_exception_handler(StarletteHTTPException, _handle_http)
+    # (Starlette calls a handler only with the class it is registered for; its stubs take any Exception)
+    app.add_exception_handler(StarletteHTTPException, _handle_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _handle_bug)

@@ -200,7 +200,7 @@ class Metrics:
         self.started_at = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
         self.latency: dict[tuple[str, str], Latency] = {}
-        self.statuses: dict[tuple[str, str, str], int] = {}
+        self.statuses: dict[tuple[str, str, int], int] = {}  # (route, method, status code)
         self.traffic: dict[tuple[str, str], Traffic] = {}
         self.frames_rejected: dict[str, int] = {}
         self.frame_bytes_received = 0
@@ -629,7 +629,7 @@ class _BodiesCollector(Collector):
             family = GaugeMetricFamily(name, help_)
             family.add_metric([], float(s[key]))
             yield family
-        family = CounterMetricFamily("cacheseek_http_bodies_refused",
-                                     "Requests answered 503: bodies in flight at max_inflight_body_bytes")
-        family.add_metric([], float(s["refused"]))
-        yield family
+        refused = CounterMetricFamily("cacheseek_http_bodies_refused",
+                                      "Requests answered 503: bodies in flight at max_inflight_body_bytes")
+        refused.add_metric([], float(s["refused"]))
+        yield refused

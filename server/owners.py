@@ -201,7 +201,7 @@ class Owners:
     def usage(self) -> list[dict[str, Any]]:
         """Per owner holding blocks (or known): namespace (None: unattributed), model, figures."""
         with self._lock:
-            out = []
+            out: list[dict[str, Any]] = []
             for (namespace, model), u in zip(self._names, self._usage):
                 if u.blocks or (namespace is not None and (namespace, model) in self._ids):
                     out.append({"namespace": namespace, "model": model, "blocks": u.blocks,

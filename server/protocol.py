@@ -55,7 +55,7 @@ import termios
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 HIGH_WATER = 1 << 20
 MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, or its trailers (httptools and uvicorn keep them whole)
@@ -117,6 +117,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         body_length: int | None  # from Content-Length; None when chunked or unreadable
         seen: int  # body bytes the parser has given
         reader: BodyTakeover | None
+        waiting_for_100_continue: bool  # (uvicorn's, declared: the base is dynamic)
 
         async def receive(self) -> Any:
             self._continue()
@@ -192,6 +193,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
     class PiecesProtocol(proto_cls):  # type: ignore[misc, valid-type]
         watch: Watchdog
+        pipeline: deque[Any]  # (uvicorn's, declared: the base is dynamic)
+        timeout_keep_alive_task: asyncio.TimerHandle | None  # (uvicorn's)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -381,14 +384,16 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 self.open_cycles = [c for c in self.open_cycles if not c.response_complete]
                 self.open_cycles.append(cycle)
                 cycle.__class__ = PiecesCycle
-                cycle.pieces = deque()
-                cycle.waiting = 0
-                cycle.protocol = self
-                cycle.body_length = body_length
-                cycle.seen = 0
-                cycle.reader = None
-                extensions = cycle.scope.setdefault("extensions", {})
-                extensions[BODY_INTO] = cycle.receive_into
+                pieces_cycle = cast("PiecesCycle", cycle)  # (the same object, its class swapped)
+                pieces_cycle.pieces = deque()
+                pieces_cycle.waiting = 0
+                pieces_cycle.protocol = self
+                pieces_cycle.body_length = body_length
+                pieces_cycle.seen = 0
+                pieces_cycle.reader = None
+                # (ASGI's typing has an extension's value a dict; these are the server's callables)
+                extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+                extensions[BODY_INTO] = pieces_cycle.receive_into
                 extensions[BODY_GONE] = lambda: cycle.disconnected
                 extensions[CUT_SHORT] = lambda abort=False: self.cut_short(cycle, abort)
                 extensions[UNSENT] = self.transport.get_write_buffer_size
@@ -513,6 +518,7 @@ class BodyTakeover(asyncio.BufferedProtocol):
                     self.protocol.flow.pause_reading()  # until the app asks for more
                 cycle.message_event.set()
         elif not cycle.response_complete:  # else the answer is out: the rest is skipped
+            assert self.scratch is not None  # (made by get_buffer, which asyncio calls before this)
             piece = bytes(memoryview(self.scratch)[:nbytes])
             cycle.pieces.append(piece)
             cycle.waiting += nbytes

@@ -78,7 +78,7 @@ class BlockService:
         # replica finds there what no local index names (written by another, or evicted here).
         self.owners.tagger = namespaces.owner_tag
         for tier in store.tiers:
-            if hasattr(tier, "owned"):
+            if hasattr(tier, "owner_tag"):  # (a shared tier: Redis's, which lists blocks by owner)
                 tier.owner_tag = self.owners.tag_of
 
     # -- writes --------------------------------------------------------------------------
@@ -201,6 +201,7 @@ class BlockService:
                 buf = bytearray(reservation.view())
                 self.store.abort(reservation)
             else:
+                assert inc.buf is not None  # (no reservation: the frame is in a buffer of its own)
                 buf = inc.buf
             if namespace:
                 buf = rewrite_prefix(meta, buf, inc.meta.payload_offset)

@@ -44,6 +44,8 @@ def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
     assert "cacheseek/server/__init__.py" in names
     for asset in ("index.html", "dashboard.js", "dashboard.css"):  # the dashboard is served from the package
         assert f"cacheseek/server/dashboard/{asset}" in names
+    # PEP 561: without the marker, a user's type checker ignores the package's annotations
+    assert "cacheseek/py.typed" in names and "cacheseek/server/py.typed" in names
     # every subpackage of the source tree ships (pyproject lists them by hand)
     for init in (ROOT / "cacheseek").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, init

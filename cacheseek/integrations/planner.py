@@ -39,7 +39,8 @@ class Rate:
         if units <= 0 or seconds <= 0:
             return
         rate = units / seconds
-        self.per_s = rate if self.samples == 0 else (1 - weight) * self.per_s + weight * rate
+        per_s = self.per_s
+        self.per_s = rate if self.samples == 0 or per_s is None else (1 - weight) * per_s + weight * rate
         self.samples += 1
 
 
@@ -100,7 +101,11 @@ class ReusePlanner:
         if unmeasured:
             return ReuseDecision(True, f"read speed of tier {', '.join(unmeasured)} not measured yet: reusing measures it")
         per_block = tokens / len(tiers)
-        read_s = sum(per_block / self.reads[t].per_s for t in tiers)
+        read_s = 0.0
+        for t in tiers:
+            rate = self.reads[t].per_s
+            assert rate is not None  # (unmeasured: answered above)
+            read_s += per_block / rate
         if self.prefill.per_s is None:
             return ReuseDecision(True, "prefill speed not measured yet: reusing", read_s, None)
         recompute_s = tokens / self.prefill.per_s

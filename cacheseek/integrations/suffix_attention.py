@@ -101,9 +101,9 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
     else:
         from torch.nn.attention.bias import causal_lower_right
 
-        mask = causal_lower_right(q_len, kv_len)
-        if query.device.type != "cuda":  # no flash kernel to dispatch to: the same mask, built (and no warning)
-            mask = mask._materialize(query.device)
+        bias = causal_lower_right(q_len, kv_len)
+        # No flash kernel to dispatch to off CUDA: the same mask, built (and no warning).
+        mask = bias if query.device.type == "cuda" else bias._materialize(query.device)
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, mask, dropout_p=p, scale=scaling,
                                                                enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None

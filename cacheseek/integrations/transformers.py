@@ -41,6 +41,7 @@ import torch
 from ..errors import ConfigError, InputError, LoadError
 from ..hashing import token_block_bytes
 from ..kv_input import kv_layers
+from ..layerwise import LayerwiseLoad
 from ..layout import KVLayout
 from .planner import ReuseDecision, ReusePlanner
 
@@ -144,7 +145,7 @@ def _config_layers(config: Any) -> tuple[bool, tuple[int, str] | None]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     layers = getattr(DynamicCache(config=config), "layers", None)
-    full = bool(layers) and all(_is_full_attention(layer) for layer in layers)
+    full = bool(layers) and all(_is_full_attention(layer) for layer in layers or ())
     other = next(((i, type(layer).__name__) for i, layer in enumerate(layers or ())
                   if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)), None)
     key = id(config)
@@ -283,7 +284,8 @@ def _fill_without_copy(cache: Any, num_layers: int, get: Any, num_tokens: int) -
                 raise ConfigError(f"layer {i} is a {type(layer).__name__}: layer-wise reuse takes full-attention "
                                   "DynamicLayer caches only")
             k, v = get(i)
-            layer.dtype, layer.device = k.dtype, k.device
+            # (DynamicLayer sets these in lazy_initialization; transformers' class declares no dtype)
+            layer.dtype, layer.device = k.dtype, k.device  # type: ignore[attr-defined]
             layer.keys, layer.values = k, v
             layer.is_initialized = True
         return
@@ -509,7 +511,9 @@ def prefill_with_reuse(
     planner = planner if planner is not None else default_planner(cache)
     timings = PrefillTimings()
 
-    reused, tiers, past, decision, skipped, load, writer = 0, [], None, None, None, None, None
+    reused, tiers, past, decision, skipped = 0, [], None, None, None
+    load: LayerwiseLoad | None = None
+    writer: Any = None  # the cache's layer-wise writer (or a _WriterOn over it)
     # A prompt stored whole (its length a multiple of the block) is read whole and cut one
     # token short: its last token is computed, for the logits, and not a whole block of it.
     # `have`: the tokens read (whole blocks).
@@ -606,7 +610,7 @@ def prefill_with_reuse(
         if load is not None:
             # Nobody reads the layers the forward did not reach: not decoded (``close`` would
             # decode them all first, on a CPU in this thread), and the error raised as it is.
-            load, abandoned = None, load
+            abandoned, load = load, None
             abandoned.abandon()
         raise
     finally:

@@ -613,7 +613,9 @@ class _Launch:
 
     cached: CachedLaunch | None = None  # a plain JIT kernel's later launches, past Triton's binding
 
-    def __call__(self, *tensors: torch.Tensor) -> None:
+    def __call__(self, *tensors: Any) -> None:
+        """``tensors``: the kernel's arguments, a tensor first; ints where it takes a host
+        pointer (a flag's ``data_ptr``) or a scalar."""
         device = tensors[0].device
         if device.type == "cpu" and not _interpreted():
             raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
@@ -921,6 +923,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, bits: in
         q, scale, mn = q.contiguous(), scale.contiguous(), mn.contiguous()
         plan = plan_for(q, scale, mn)
     if plan.via_temp or (out is not None and out.device != q.device):
+        assert out is not None  # (via_temp: planned only for an out that cannot be written directly)
         out.copy_(_dequantize(q, scale, mn, bits, group, axis, shape, dtype, config=config))
         return out
     target = out if out is not None else torch.empty(shape, dtype=dtype, device=q.device)

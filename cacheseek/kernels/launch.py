@@ -110,9 +110,11 @@ class CachedLaunch:
                 self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
             return
         run, function, metadata = hit
+        tail = self._tail
+        assert tail is not None  # (set before the first kernel is remembered)
         stream = driver.get_current_stream(driver.get_current_device())
         g0, g1, g2 = self.grid
-        run(g0, g1, g2, stream, function, metadata, None, None, None, *args, *self.scalars, *self._tail)
+        run(g0, g1, g2, stream, function, metadata, None, None, None, *args, *self.scalars, *tail)
         self.direct_launches += 1
 
 

@@ -124,3 +124,12 @@ def setting_from_spec(spec: Any) -> KVLayerCodec | PrecisionPolicy:
 
 
 __all__ = ["PrecisionPolicy", "codec_at", "setting_from_spec"]
+
+
+def single_codec(setting: KVLayerCodec | PrecisionPolicy) -> KVLayerCodec:
+    """``setting`` when it is one codec: what a uniform ``BlockFormat`` (a policy's
+    ``at(position)``) holds. A policy here is a caller's bug: one launch encodes or decodes
+    with one codec."""
+    if isinstance(setting, PrecisionPolicy):
+        raise RuntimeError(f"one codec expected, got a precision policy ({setting!r}); cut at fmt.segments")
+    return setting

@@ -141,7 +141,8 @@ class Slot:
         if stop == start:
             return torch.empty(0, dtype=torch.uint8)
         buf = (ctypes.c_ubyte * (stop - start)).from_address(self.chunk.base + self.offset + start)
-        buf._chunk = self.chunk  # the tensor keeps the chunk's memory alive
+        # the tensor keeps the chunk's memory alive (a ctypes array takes attributes; its stubs say none)
+        buf._chunk = self.chunk  # type: ignore[attr-defined]
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 

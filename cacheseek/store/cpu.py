@@ -12,7 +12,7 @@ from .lease import release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult, Reservation
+from .tier import BlockFrame, BlockInfo, MemoryTier, TierPutResult, Reservation
 
 
 @dataclass(slots=True)
@@ -24,7 +24,7 @@ class _Record:
     landing: Any = None
 
 
-class CpuTier(IndexedTier):
+class CpuTier(MemoryTier):
     """Host-memory tier. Frames fresh from a device encoder are copied straight from the
     device into their slot (one copy, no staging) and stay unsealed: their checksum is
     computed only when they leave memory (disk, Redis, HTTP).

@@ -226,7 +226,7 @@ class DeviceStagingPool:
         if not dropping or cls > self.cap_bytes:
             return False
         for other, free in self._free.items():
-            keep = deque()
+            keep: deque[_Buffer] = deque()
             while free and self.pooled_bytes + cls > self.cap_bytes:
                 buf = free.popleft()
                 if all(e.query() for e in buf.events):  # nothing queued on it: freed as it is

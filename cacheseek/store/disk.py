@@ -88,7 +88,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -101,7 +101,7 @@ from ..units import format_size
 from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up
 from .frame import HASH_SIZES, FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
+from .tier import BlockFrame, BlockInfo, ClosingIterator, IndexedTier, TierPutResult
 
 log = logging.getLogger("cacheseek.store")
 
@@ -443,7 +443,7 @@ class DiskTier(IndexedTier):
                     removed["temp"] += 1
                 elif name.endswith(".meta"):
                     entry = self._load_sidecar(path, names)
-                    if entry is _OTHER_VERSION:
+                    if isinstance(entry, _OtherVersion):  # (_OTHER_VERSION: its one instance)
                         other_version += 1  # (its data file too is left, as handled)
                     elif isinstance(entry, str):
                         removed["bad_sidecar"] += 1
@@ -596,6 +596,7 @@ class DiskTier(IndexedTier):
         I/O error) is evicted without its bytes, counted in ``read_errors``: kept, it
         would hold the tier full for good, since no read of it succeeds either."""
         victim = self._index.victim()
+        assert victim is not None  # (called only while the index holds an evictable block, under the lock)
         frame_v = None
         if self.demote_evicted:
             try:
@@ -759,6 +760,7 @@ class DiskTier(IndexedTier):
         except BaseException as exc:
             self._undo_write(key, mine, n, (side_path, data_path), _write_error(self.name, data_path, exc))
             if isinstance(exc, OSError):
+                assert mine.error is not None  # (set by _undo_write)
                 raise mine.error from None
             raise
         with self._lock:
@@ -837,6 +839,7 @@ class DiskTier(IndexedTier):
                         part, group, held = group, [], 0
                         self._commit_part(part, results)
                         claimed = self._claim(key, frame, evicted)
+                        assert claimed is not None  # (None only where held > 0)
                 except StorageError as exc:
                     results[i] = TierPutResult(stored=None, evicted=evicted, error=exc)
                     continue
@@ -874,7 +877,7 @@ class DiskTier(IndexedTier):
         if any(isinstance(p.error, _NoSpace) for p in group):
             self._refit(full=True)
         for p in group:
-            stored = p.frame
+            stored: BlockFrame | None = p.frame
             if isinstance(p.error, _NoSpace):
                 try:
                     p.error = None
@@ -936,8 +939,9 @@ class DiskTier(IndexedTier):
                     shards.setdefault(p.data_path.parent, []).append(p)
                 failed = dict(zip(shards, self._writers.map(_try_fsync_dir, shards)))
                 for shard, error in failed.items():
-                    for p in shards[shard] if error is not None else ():
-                        p.fail(self.name, error)
+                    if error is not None:
+                        for p in shards[shard]:
+                            p.fail(self.name, error)
                 self._group["dir_fsyncs"] += len(shards)
         except BaseException as exc:  # an interrupt: nothing of this group may be left half done
             for p in group:
@@ -1020,6 +1024,7 @@ class DiskTier(IndexedTier):
             self._group["frames"] += committed
             self._sync_counts()
         for p in refused:
+            assert p.error is not None  # (refused: set at the commit, above)
             self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
         for p in group:
             p.flight.error = p.error
@@ -1058,7 +1063,7 @@ class DiskTier(IndexedTier):
         """Every frame read at once (``READ_DEPTH`` in flight), each verified as it lands."""
         return list(self.stream(keys, leased=False))
 
-    def stream(self, keys: list[bytes], *, leased: bool = True) -> Iterator[BlockFrame | None]:
+    def stream(self, keys: list[bytes], *, leased: bool = True) -> ClosingIterator[BlockFrame | None]:
         """The frames of ``keys`` in order (None for each miss), each handed out as soon as it
         and the ones before it have landed and been verified; the reads of all of them start
         now. ``leased``: frames lie in pooled buffers (page-locked where the tier was made
@@ -1075,7 +1080,7 @@ class DiskTier(IndexedTier):
         return _Stream(self._hand_out(keys, infos, reads, leased), reads)
 
     def _hand_out(self, keys: list[bytes], infos: list[BlockInfo | None], reads, leased: bool
-                  ) -> Iterator[BlockFrame | None]:
+                  ) -> Generator[BlockFrame | None, None, None]:
         hits = misses = nbytes = 0
         try:
             with reads:
@@ -1189,6 +1194,7 @@ class DiskTier(IndexedTier):
         """A put's check of a held block before it answers "present". Under the lock (a
         held block is never being written: its files cannot change here meanwhile)."""
         info = self._index.get(key)
+        assert info is not None  # (held: indexed, under the lock)
         found = self._files_whole(key, info)
         return found is None or not self._dropped_for_files(key, info, found)
 
@@ -1457,7 +1463,7 @@ class _Stream:
 
     __slots__ = ("_frames", "_reads")
 
-    def __init__(self, frames: Iterator[BlockFrame | None], reads: ReadStream) -> None:
+    def __init__(self, frames: Generator[BlockFrame | None, None, None], reads: ReadStream) -> None:
         self._frames, self._reads = frames, reads
 
     def __iter__(self) -> _Stream:

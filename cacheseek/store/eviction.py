@@ -186,7 +186,7 @@ class EvictionIndex(ABC):
             if key not in kids:
                 break
             below = kids[key]
-            nxt = next(iter(below))
+            nxt: bytes | None = next(iter(below))
             if pinned and nxt in pinned:  # never, for pins of whole chains; kept safe all the same
                 nxt = next((k for k in below if k not in pinned), None)
                 if nxt is None:

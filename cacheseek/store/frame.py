@@ -176,7 +176,7 @@ def plan_frame(
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, nbytes))
         offset = _align(offset + nbytes)
     payload_nbytes = entries[-1].offset + entries[-1].nbytes if entries else 0
-    fields = dict(
+    fields: dict[str, Any] = dict(
         block_hash=bytes(block_hash), parent_hash=bytes(parent_hash), position=position, layout=layout,
         block_tokens=block_tokens, codec=codec, tensors=tuple(entries), payload_nbytes=payload_nbytes,
         checksum=bytes(8),

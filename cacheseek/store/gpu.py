@@ -13,7 +13,7 @@ from ..errors import StorageError
 from .device import payload_on_device
 from .frame import FrameMeta
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, IndexedTier, TierPutResult
+from .tier import BlockFrame, BlockInfo, MemoryTier, TierPutResult
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class _Record:
     sealed: bool
 
 
-class GpuTier(IndexedTier):
+class GpuTier(MemoryTier):
     accepts_device_frames = True
 
     def __init__(self, capacity_bytes: int, *, device: str | torch.device = "cuda", name: str = "gpu",

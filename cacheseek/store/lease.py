@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 log = logging.getLogger("cacheseek.store")
 
@@ -39,7 +39,8 @@ class LeaseError(RuntimeError):
 class Lender(Protocol):
     """What lends memory with leases: ``ledger`` counts them, ``lease_released`` takes one back."""
 
-    ledger: LeaseLedger
+    @property
+    def ledger(self) -> LeaseLedger: ...
 
     def lease_released(self, token: Any, nbytes: int) -> None:
         """A lease on ``token`` (the lender's handle: a slot, a buffer) was released."""
@@ -95,6 +96,9 @@ class LeaseLedger:
                 "leases_granted": self.granted, "lease_double_releases": self.double_releases}
 
 
+_Self = TypeVar("_Self", bound="Lease")  # (typing.Self: Python 3.11; the package runs on 3.10)
+
+
 class Lease:
     """``nbytes`` of a lender's memory (``token``: the lender's handle on it), lent until
     :meth:`release`, exactly once."""
@@ -120,7 +124,7 @@ class Lease:
         token, self._token = self._token, None
         self._lender.lease_released(token, self.nbytes)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -131,7 +135,10 @@ class Lease:
         return f"Lease({self.nbytes} bytes, {'released' if self._released else 'held'})"
 
 
-def release_all(leases: list[Lease | None]) -> None:
+_L = TypeVar("_L", bound="Lease | None")  # a list of StagingLease is not a list[Lease | None]
+
+
+def release_all(leases: list[_L]) -> None:
     """Release every lease of ``leases`` not released yet (None entries skipped), even if one
     release raises; the first error is raised after all were tried. Empties the list."""
     error: BaseException | None = None

@@ -95,7 +95,6 @@ class Refused:
     reason: str
     matched: int = 0
 
-_END = object()
 
 log = logging.getLogger("cacheseek.store")
 
@@ -160,8 +159,8 @@ class Prefetcher:
             # (read then, it found no parent in memory and stayed below: a prefetch joining a
             # chain's head left its own tail on disk).
             parent_of = dict(zip(keys[1:], keys))
-            after = [self._waiting.get(parent_of.get(k)) for k, _ in mine]
-            futures = [Future() for _ in mine]
+            after = [self._waiting.get(p) if (p := parent_of.get(k)) is not None else None for k, _ in mine]
+            futures: list[Future] = [Future() for _ in mine]
             for (k, _), fut in zip(mine, futures):
                 fut.set_running_or_notify_cancel()
                 self._waiting[k] = fut
@@ -204,14 +203,16 @@ class Prefetcher:
                                        join_prefetches=False)
             try:
                 for i in range(len(mine)):
-                    if after[i] is not None:  # (its read is under way meanwhile: the stream's reads start at once)
-                        wait_any((after[i], self._closing), return_when=FIRST_COMPLETED)
+                    before = after[i]
+                    if before is not None:  # (its read is under way meanwhile: the stream's reads start at once)
+                        wait_any((before, self._closing), return_when=FIRST_COMPLETED)
                     # Closing (a server shutting down): the rest of a long chain is not promoted
                     # into tiers about to close; ``close`` waits only for the block under way.
                     if self._closing.done():
                         break
-                    got = next(stream, _END)
-                    if got is _END:
+                    try:
+                        got = next(stream)
+                    except StopIteration:
                         break
                     if got is not None:
                         got[0].release()  # promoted by the stream: the bytes are not read here

@@ -147,7 +147,7 @@ def connect(target: RedisTarget, timeouts: RedisTimeouts, *, retries: int = 1) -
     from redis.retry import Retry
 
     retry = Retry(NoBackoff(), retries, supported_errors=(redis.exceptions.ConnectionError,))
-    common = dict(
+    common: dict[str, Any] = dict(
         # Frames are megabytes: read them in 1 MiB recv() calls rather than redis-py's 64 KiB.
         socket_read_size=SOCKET_READ_NBYTES,
         socket_connect_timeout=timeouts.connect_seconds,

@@ -428,8 +428,8 @@ class RedisTier(Tier):
                 self._persist_pinned(client, expiring, pins)
         # Victims go with the first frame's result; their frames only if demotion wants them.
         batch.results[batch.todo[0]].evicted += [
-            (key, self._decode(key, data, drop_corrupt=False))
-            for m, data in zip(victims, datas) if (key := RedisKeys.key(m)) is not None
+            (victim, self._decode(victim, data, drop_corrupt=False))
+            for m, data in zip(victims, datas) if (victim := RedisKeys.key(m)) is not None
         ]
         with self._lock:
             self._faults.dropped_writes += len(refused)
@@ -694,7 +694,7 @@ class RedisTier(Tier):
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """One pipelined ``EXISTS`` per key, in one round trip (per master, in a cluster)."""
         if not keys:
             return []
@@ -795,7 +795,7 @@ class RedisTier(Tier):
         if not keys:
             return
 
-        def send(c: Any) -> None:
+        def send(c: Any) -> list[str]:
             pipe = c.pipeline(transaction=False)
             self._index.queue(pipe, touch=[RedisKeys.member(k) for k in keys])
             expiring, skipped = [], []
@@ -1096,7 +1096,9 @@ class RedisTier(Tier):
         if fix and (ghosts or orphans):
             adopt = []
             for m in orphans:
-                info = self.info(RedisKeys.key(m))
+                orphan = RedisKeys.key(m)
+                assert orphan is not None  # (scan stores only members that name a key)
+                info = self.info(orphan)
                 if info is not None:
                     adopt.append((m, info.nbytes, info.raw_nbytes))
 

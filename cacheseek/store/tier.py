@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ..errors import StorageError
 from .eviction import DEFAULT_POLICY, EvictionIndex, make_index
 from .frame import FrameMeta, header_prefix, payload_checksum
 
 STREAM_CHUNK = 16  # keys asked of a tier at once by the default stream
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class ClosingIterator(Iterator[_T_co], Protocol[_T_co]):
+    """An iterator its consumer closes when it stops early (a tier's ``stream``): reads
+    not handed out are cancelled or given back."""
+
+    def close(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -259,7 +268,7 @@ class Tier(ABC):
         one round trip for the lot."""
         return [self.get(k) for k in keys]
 
-    def stream(self, keys: list[bytes], *, leased: bool = True) -> Iterator[BlockFrame | None]:
+    def stream(self, keys: list[bytes], *, leased: bool = True) -> ClosingIterator[BlockFrame | None]:
         """Frames for ``keys`` in order, each handed out as soon as it is in hand (None for a
         miss). This default asks ``get_many`` for ``STREAM_CHUNK`` keys at a time (one round
         trip each for a networked tier), so the caller starts on the first frames before the
@@ -290,7 +299,7 @@ class Tier(ABC):
         (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
         return self.contains(parent)
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
     def present_many(self, keys: list[bytes]) -> list[bool]:
@@ -364,7 +373,7 @@ class IndexedTier(Tier):
         with self._lock:
             return self._index.get(key)
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:  # once for all keys: a lookup of a long chain takes one lock
             return self._index.contains_many(keys)
 
@@ -406,24 +415,6 @@ class IndexedTier(Tier):
                 for key in self._index.keys():
                     observer.added(key, self._index.get(key))
 
-    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
-        """Evict for every new frame of a call, ``items`` (key, bytes), and ``extra`` bytes more
-        (the rest of the caller's own writes, still on their way), before the first is added,
-        so that none of them is a victim of the next. Added one by one, each evicting for
-        itself, a call's frames would be ARC's only T1 blocks once every older block has
-        been used again (T2), and give up each other: the call would answer "stored" for
-        blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
-        go in the first new frame's result; a call that cannot fit whole (larger than the
-        budget, or than the room beside the pins) leaves each frame to evict for itself.
-        Under the lock, in tiers whose ``_evict_one()`` returns its victims."""
-        new = {key: n for key, n in items if key not in self._index}
-        need = sum(new.values()) + extra
-        if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
-            return
-        first = next(r for (key, _), r in zip(items, results) if key in new)
-        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
-            first.evicted += self._evict_one()
-
     def _fits_beside_pins(self, nbytes: int, *, in_flight: int = 0) -> bool:
         """Whether ``nbytes`` can fit beside the pinned blocks (``in_flight``: pinned ones being
         written), which are never evicted. Asked before evicting anything for a frame: one
@@ -455,3 +446,31 @@ class IndexedTier(Tier):
         with self._lock:
             self._sync_counts()
             return self._snapshot()
+
+
+class MemoryTier(IndexedTier):
+    """An indexed tier in memory (CPU, GPU): a call's frames make their room together
+    (``_make_room``), each victim given up by ``_evict_one``."""
+
+    @abstractmethod
+    def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """Evict the index's victim (under the lock); the evicted (key, frame) pairs."""
+
+    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
+        """Evict for every new frame of a call, ``items`` (key, bytes), and ``extra`` bytes more
+        (the rest of the caller's own writes, still on their way), before the first is added,
+        so that none of them is a victim of the next. Added one by one, each evicting for
+        itself, a call's frames would be ARC's only T1 blocks once every older block has
+        been used again (T2), and give up each other: the call would answer "stored" for
+        blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
+        go in the first new frame's result; a call that cannot fit whole (larger than the
+        budget, or than the room beside the pins) leaves each frame to evict for itself.
+        Under the lock, in tiers whose ``_evict_one()`` returns its victims."""
+        new = {key: n for key, n in items if key not in self._index}
+        need = sum(new.values()) + extra
+        if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
+            return
+        first = next(r for (key, _), r in zip(items, results) if key in new)
+        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
+            first.evicted += self._evict_one()
+

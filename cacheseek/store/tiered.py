@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
@@ -54,7 +54,7 @@ from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
-from .tier import BlockFrame, BlockInfo, TierPutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, ClosingIterator, TierPutResult, Reservation, Tier
 
 
 DURABLE = "durable"
@@ -90,6 +90,11 @@ class StorePutResult:
                 self.present = True
 
 
+def _budget_of(tier: Tier) -> Callable[[], int]:
+    """The tier's budget, read when asked (it may be resized)."""
+    return lambda: tier.capacity_bytes
+
+
 class TieredStore:
     def __init__(
         self,
@@ -117,7 +122,7 @@ class TieredStore:
         self.tiers = list(tiers)
         self.write_through = write_through
         self.promote_on_hit = promote_on_hit
-        self.filters = {t.name: UseFilter(admit_after[t.name], (lambda t=t: t.capacity_bytes), t.charge)
+        self.filters = {t.name: UseFilter(admit_after[t.name], _budget_of(t), t.charge)
                         for t in self.tiers if t.name in admit_after}
         for i, tier in enumerate(self.tiers):
             below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
@@ -334,7 +339,7 @@ class TieredStore:
         since = self._deletes_done()
         mark = None if self.moves is None else self.moves.mark()
         got = self._get_one(key, promote, since)
-        if got is None and mark is not None and self.moves.overlapped(mark):
+        if got is None and mark is not None and self.moves is not None and self.moves.overlapped(mark):
             got = self._get_one(key, promote, since)
         return got
 
@@ -355,7 +360,7 @@ class TieredStore:
         since = self._deletes_done()
         mark = None if self.moves is None else self.moves.mark()
         missing = self._get_missing(keys, list(range(len(keys))), out, promote, since)
-        if missing and mark is not None and self.moves.overlapped(mark):
+        if missing and mark is not None and self.moves is not None and self.moves.overlapped(mark):
             self._get_missing(keys, missing, out, promote, since)
         return out
 
@@ -376,7 +381,7 @@ class TieredStore:
         return missing
 
     def stream(self, keys: Sequence[bytes], *, where: Sequence[str] | None = None, promote: bool | None = None,
-               leased: bool = True, join_prefetches: bool = True) -> Iterator[tuple[BlockFrame, str] | None]:
+               leased: bool = True, join_prefetches: bool = True) -> ClosingIterator[tuple[BlockFrame, str] | None]:
         """Like :meth:`get_many`, but each frame is handed out, in order, as soon as it and the
         ones before it are in hand: every tier's reads start now (the disk tier keeps many in
         flight), and the caller works on the first frames while the later ones land.
@@ -394,7 +399,7 @@ class TieredStore:
         keys = list(keys[: len(names)])
         waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
         level_of = {t.name: i for i, t in enumerate(self.tiers)}
-        streams: dict[str, Iterator[BlockFrame | None]] = {}
+        streams: dict[str, ClosingIterator[BlockFrame | None]] = {}
         for tier in self.tiers:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
@@ -402,9 +407,9 @@ class TieredStore:
         return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches, since),
                        streams)
 
-    def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, Iterator[BlockFrame | None]],
+    def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, ClosingIterator[BlockFrame | None]],
                waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool, since: int
-               ) -> Iterator[tuple[BlockFrame, str] | None]:
+               ) -> Generator[tuple[BlockFrame, str] | None, None, None]:
         try:
             for key, name in zip(keys, names):
                 fut = waiting.get(key)
@@ -550,7 +555,7 @@ class TieredStore:
         return walk()
 
     def _chain(self, key: bytes, limit: int, strict: bool = False) -> list[bytes] | None:
-        out = []
+        out: list[bytes] = []
         info = self.info(key, strict=strict)
         while info is not None and len(out) < limit:
             out.append(key)
@@ -873,8 +878,8 @@ class _Merged:
 
     __slots__ = ("_frames", "_streams")
 
-    def __init__(self, frames: Iterator[tuple[BlockFrame, str] | None],
-                 streams: dict[str, Iterator[BlockFrame | None]]) -> None:
+    def __init__(self, frames: Generator[tuple[BlockFrame, str] | None, None, None],
+                 streams: dict[str, ClosingIterator[BlockFrame | None]]) -> None:
         self._frames, self._streams = frames, streams
 
     def __iter__(self) -> _Merged:

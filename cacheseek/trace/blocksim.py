@@ -16,6 +16,7 @@ are left out.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..store.eviction import EvictionIndex, make_index
 from ..store.tier import BlockInfo
@@ -29,7 +30,9 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
              block_tokens: int = 512, full_blocks_only: bool = False) -> RefResult:
     """Hits of ``policy`` (a name in ``POLICIES``, or a factory of an index from a
     capacity) on ``trace`` with room for ``budget_blocks`` blocks."""
-    index = make_index(policy, budget_blocks) if isinstance(policy, str) else policy(budget_blocks)
+    # Keyed by the trace's int ids, not bytes: an index only hashes and compares its keys,
+    # though its annotations name the stores' keys (bytes).
+    index: Any = make_index(policy, budget_blocks) if isinstance(policy, str) else policy(budget_blocks)
     hits = []
     for req in trace:
         keys = req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]
@@ -52,7 +55,7 @@ def simulate(trace: Sequence[Request], policy: str | Callable[[int], EvictionInd
                 continue
             _evict_until(index, 1)
             if index.used_bytes + 1 <= index.capacity_bytes:
-                index.add(key, BlockInfo(1, 1, keys[i - 1] if i else ROOT, i))
+                index.add(key, BlockInfo(1, 1, keys[i - 1] if i else ROOT, i))  # type: ignore[arg-type]  # (int ids)
     name = policy if isinstance(policy, str) else getattr(index, "name", "custom")
     return totals(name, budget_blocks, trace, hits, block_tokens)
 

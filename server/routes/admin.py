@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,7 +25,7 @@ from ._body import ERROR
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
-REFUSED = {401: {"description": "no bearer token", **ERROR},
+REFUSED: dict[int | str, dict[str, Any]] = {401: {"description": "no bearer token", **ERROR},
            403: {"description": "not the admin token, or admin routes are off (no admin_token)", **ERROR}}
 
 
@@ -74,7 +74,7 @@ async def models(ops: Admin) -> list[dict]:
     return await run_in_threadpool(ops.models)
 
 
-UNREACHABLE = {503: {"description": "a tier that may hold its blocks (Redis) could not be reached: nothing done "
+UNREACHABLE: dict[int | str, dict[str, Any]] = {503: {"description": "a tier that may hold its blocks (Redis) could not be reached: nothing done "
                                    "for those; retry", **ERROR}}
 
 

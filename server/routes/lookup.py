@@ -16,6 +16,7 @@ For 512 hashes this cut the app's time per lookup from about 760 to 160 µs (in 
 from __future__ import annotations
 
 import struct
+from collections.abc import MutableMapping
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -59,7 +60,7 @@ class LookupResponse(BaseModel):
                           "writer splits its frames under it from its first body on")
 
 
-LOOKUP_DOC = {
+LOOKUP_DOC: dict[str, Any] = {
     "requestBody": {"required": True, "content": {
         "application/json": {"schema": LookupRequest.model_json_schema()},
         FRAME_CONTENT_TYPE: BINARY,
@@ -126,7 +127,7 @@ class _LabelledRoute(Route):
     """A plain Starlette route that names itself in the scope, as FastAPI's routes do, so
     that metrics label it by its path rather than as unmatched."""
 
-    def matches(self, scope: Any) -> tuple[Match, dict]:
+    def matches(self, scope: Any) -> tuple[Match, MutableMapping[str, Any]]:
         match, child = super().matches(scope)
         if match != Match.NONE:
             child["route"] = self

@@ -14,6 +14,7 @@ before anything is built, and the parsing is tested without an engine.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from ...quant.registry import codec_from_spec
 from ...units import parse_size
 
 # codec name -> how it is built from the group size
-CODECS = {
+CODECS: dict[str, Callable[[int], KVLayerCodec]] = {
     "raw": lambda g: Raw(),
     "int8": lambda g: KIVI(bits=8, group_size=g),
     "int4": lambda g: KIVI(bits=4, group_size=g),
@@ -34,7 +35,7 @@ CODECS = {
     "k2v4": lambda g: KIVI(k_bits=2, v_bits=4, group_size=g),
 }
 
-DEFAULT_TIERS = {"cpu_bytes": "4GiB"}
+DEFAULT_TIERS: dict[str, Any] = {"cpu_bytes": "4GiB"}
 DEFAULT_GROUP_SIZE = 32
 
 _KEYS = frozenset({

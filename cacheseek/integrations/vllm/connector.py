@@ -65,7 +65,7 @@ class CacheSeekStats(KVConnectorStats):
     """Counter deltas of one interval (``ConnectorStats`` fields), summed across workers."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for name, value in other.data.items():
@@ -169,10 +169,11 @@ class CacheSeekConnector(KVConnectorBase_V1):
         layers = get_layers_from_vllm_config(self._vllm_config, AttentionLayerBase, names)
         backends = {layer.get_attn_backend().get_name() for layer in layers.values()}
         splits = {KV_SPLIT_OF_BACKEND.get(b) for b in backends}
-        if len(splits) != 1 or None in splits:
+        split = splits.pop() if len(splits) == 1 else None
+        if split is None:
             raise ConfigError(f"CacheSeekConnector: attention backend(s) {sorted(backends)}: pages are understood "
                               f"for {sorted(KV_SPLIT_OF_BACKEND)} only")
-        return splits.pop()
+        return split
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_side().start_step(self._plan())

@@ -53,9 +53,9 @@ def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: 
     """A ``RemoteCache`` (``config.url`` set) or the process's shared ``PrefixCache``, for
     ``shard``'s blocks (``cs.Shard`` is part of the root hash: two ranks never share a
     block; a single worker's ``Shard()`` keys as any other front of the model does)."""
-    common = {"layout": layout, "codec": config.codec, "block_tokens": config.block_tokens,
+    common: dict[str, Any] = {"layout": layout, "codec": config.codec, "block_tokens": config.block_tokens,
               "namespace": config.namespace, "hash_algo": config.hash_algo, "model_id": model_id, "shard": shard}
-    if config.remote:
+    if config.url is not None:  # (config.remote)
         from ...remote import RemoteCache
 
         return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds,

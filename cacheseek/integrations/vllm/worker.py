@@ -399,8 +399,8 @@ class WorkerSide:
         for specs, future in self._sending:
             if not future.done():
                 waiting.append((specs, future))
-            elif future.exception() is not None:
-                self._save_failed(specs, future.exception())
+            elif (error := future.exception()) is not None:
+                self._save_failed(specs, error)
             else:
                 self._saved(specs, future.result())
         self._sending = waiting
