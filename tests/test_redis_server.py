@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -154,25 +155,48 @@ def test_an_admin_chain_delete_ends_on_links_that_skip_positions(tmp_path):
     for a million steps; both climb only to a parent one position down, as a chain read does."""
     from server_helpers import raw_frame
 
+    with _server_over_redis(tmp_path, cpu_bytes="0", admin=True) as (redis, srv, c):
+        h, k = bytes([0xE1]) * 16, bytes([0xF1]) * 16
+        _, child = raw_frame(60, block_hash=k, parent=h, position=1)
+        _, parent = raw_frame(61, block_hash=h, parent=k, position=2)
+        assert c.put(f"/v1/blocks/{k.hex()}", content=child).status_code == 201
+        assert c.put(f"/v1/blocks/{h.hex()}", content=parent).status_code == 201
+        # A pin reads the chain as a read does: not whole (a million Redis round trips before).
+        r = c.put(f"/v1/admin/pins/{k.hex()}", headers={"authorization": "Bearer adm"})
+        assert r.status_code == 404 and "not stored whole" in r.json()["error"], r.text
+        r = c.delete(f"/v1/admin/chains/{k.hex()}", headers={"authorization": "Bearer adm"})
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 1, r.text
+        assert c.get(f"/v1/blocks/{k.hex()}").status_code == 404
+        assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # not an ancestor of k: kept
+        _no_500(srv)
+
+
+ADMIN = {"authorization": "Bearer adm"}
+
+
+@contextlib.contextmanager
+def _server_over_redis(tmp_path, *, cpu_bytes: str, admin: bool = False):
+    """A real redis-server and one server over it (no disk tier; the admin token "adm" with
+    ``admin``): yields (redis, server, client); the Redis is killed after."""
     redis = RedisServer(tmp_path / "redis").start()
+    token = ("--admin-token", "adm") if admin else ()
     try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="0", env=_env(redis)) as srv, \
+        with Server(tmp_path / "s", *token, disk=False, cpu_bytes=cpu_bytes, env=_env(redis)) as srv, \
                 httpx.Client(base_url=srv.url, timeout=10) as c:
-            h, k = bytes([0xE1]) * 16, bytes([0xF1]) * 16
-            _, child = raw_frame(60, block_hash=k, parent=h, position=1)
-            _, parent = raw_frame(61, block_hash=h, parent=k, position=2)
-            assert c.put(f"/v1/blocks/{k.hex()}", content=child).status_code == 201
-            assert c.put(f"/v1/blocks/{h.hex()}", content=parent).status_code == 201
-            # A pin reads the chain as a read does: not whole (a million Redis round trips before).
-            r = c.put(f"/v1/admin/pins/{k.hex()}", headers={"authorization": "Bearer adm"})
-            assert r.status_code == 404 and "not stored whole" in r.json()["error"], r.text
-            r = c.delete(f"/v1/admin/chains/{k.hex()}", headers={"authorization": "Bearer adm"})
-            assert r.status_code == 200 and r.json()["deleted_blocks"] == 1, r.text
-            assert c.get(f"/v1/blocks/{k.hex()}").status_code == 404
-            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # not an ancestor of k: kept
-            _no_500(srv)
+            yield redis, srv, c
     finally:
         redis.kill()
+
+
+@contextlib.contextmanager
+def _redis_unreachable(redis: RedisServer, c: httpx.Client, srv: Server):
+    """Redis paused and the server's breaker open (nothing is sent to Redis) for the block."""
+    redis.pause()
+    try:
+        _open_breaker(c, srv)
+        yield
+    finally:
+        redis.resume()
 
 
 def _refused_until_redis_answers(r: httpx.Response) -> None:
@@ -194,22 +218,17 @@ def test_a_delete_while_redis_is_unreachable_is_a_503_not_a_404(tmp_path):
     The hung Redis runs the DEL it was sent once it wakes: the retry finds nothing."""
     from server_helpers import raw_frame
 
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        with Server(tmp_path / "s", disk=False, cpu_bytes="0", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            h, frame = raw_frame(70)
-            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            redis.pause()
-            try:
-                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
-            finally:
-                redis.resume()
-            _deleted_once_redis_answers(c, h)
-            assert c.delete(f"/v1/blocks/{h.hex()}").status_code == 404
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="0") as (redis, srv, c):
+        h, frame = raw_frame(70)
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        redis.pause()
+        try:
+            _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
+        finally:
+            redis.resume()
+        _deleted_once_redis_answers(c, h)
+        assert c.delete(f"/v1/blocks/{h.hex()}").status_code == 404
+        _no_500(srv)
 
 
 def test_a_delete_that_cannot_reach_redis_is_a_503_even_when_the_cpu_tier_held_the_block(tmp_path):
@@ -220,23 +239,14 @@ def test_a_delete_that_cannot_reach_redis_is_a_503_even_when_the_cpu_tier_held_t
     the block has answered: until then it is a 503 (retry), whatever the other tiers held."""
     from server_helpers import raw_frame
 
-    redis = RedisServer(tmp_path / "redis").start()
-    try:
-        with Server(tmp_path / "s", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            h, frame = raw_frame(71)
-            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
-            finally:
-                redis.resume()
-            _deleted_once_redis_answers(c, h)  # (not served again from Redis)
-            assert c.post("/v1/lookup", json={"hashes": [h.hex()]}).json()["matched"] == 0
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="1MiB") as (redis, srv, c):
+        h, frame = raw_frame(71)
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        with _redis_unreachable(redis, c, srv):
+            _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
+        _deleted_once_redis_answers(c, h)  # (not served again from Redis)
+        assert c.post("/v1/lookup", json={"hashes": [h.hex()]}).json()["matched"] == 0
+        _no_500(srv)
 
 
 @pytest.mark.parametrize("cpu_bytes", ["0", "1MiB"])
@@ -248,30 +258,20 @@ def test_an_admin_chain_delete_that_cannot_reach_redis_is_a_503(tmp_path, cpu_by
     not ask Redis is a 503 (retry); the retry, once Redis answers, deletes what is left."""
     from server_helpers import raw_chain
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes=cpu_bytes, env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            chain = raw_chain(72, 3)
-            for h, frame in chain:
-                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            last = chain[-1][0].hex()
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                r = c.delete(f"/v1/admin/chains/{last}", headers=admin)
-                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
-                assert r.headers["retry-after"] == "1"
-            finally:
-                redis.resume()
-            r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{last}", headers=admin))
-            assert r.status_code == 200 and r.json()["deleted_blocks"] >= 1, r.text
-            for h, _ in chain:
-                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes=cpu_bytes, admin=True) as (redis, srv, c):
+        chain = raw_chain(72, 3)
+        for h, frame in chain:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        last = chain[-1][0].hex()
+        with _redis_unreachable(redis, c, srv):
+            r = c.delete(f"/v1/admin/chains/{last}", headers=ADMIN)
+            assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+            assert r.headers["retry-after"] == "1"
+        r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{last}", headers=ADMIN))
+        assert r.status_code == 200 and r.json()["deleted_blocks"] >= 1, r.text
+        for h, _ in chain:
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+        _no_500(srv)
 
 
 def _open_breaker(c: httpx.Client, srv: Server) -> None:
@@ -296,28 +296,18 @@ def test_a_pin_that_cannot_reach_redis_is_a_503_and_pins_nothing(tmp_path, cpu_b
     something other than the truth, an outage: both are a 503 (retry), nothing pinned."""
     from server_helpers import raw_chain
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes=cpu_bytes, env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            chain = raw_chain(73, 3)
-            for h, frame in chain:
-                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            last = chain[-1][0].hex()
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                _refused_until_redis_answers(c.put(f"/v1/admin/pins/{last}", headers=admin))
-                assert c.get("/v1/admin/pins", headers=admin).json() == []
-            finally:
-                redis.resume()
-            r = _until_redis_answers(lambda: c.put(f"/v1/admin/pins/{last}", headers=admin))
-            assert r.status_code == 200 and r.json()["blocks"] == 3, r.text
-            assert _redis_stats(srv)["pinned_blocks"] == 3
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes=cpu_bytes, admin=True) as (redis, srv, c):
+        chain = raw_chain(73, 3)
+        for h, frame in chain:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        last = chain[-1][0].hex()
+        with _redis_unreachable(redis, c, srv):
+            _refused_until_redis_answers(c.put(f"/v1/admin/pins/{last}", headers=ADMIN))
+            assert c.get("/v1/admin/pins", headers=ADMIN).json() == []
+        r = _until_redis_answers(lambda: c.put(f"/v1/admin/pins/{last}", headers=ADMIN))
+        assert r.status_code == 200 and r.json()["blocks"] == 3, r.text
+        assert _redis_stats(srv)["pinned_blocks"] == 3
+        _no_500(srv)
 
 
 def test_a_flush_that_cannot_reach_redis_is_a_503_and_its_retry_deletes_the_redis_copies(tmp_path):
@@ -328,33 +318,23 @@ def test_a_flush_that_cannot_reach_redis_is_a_503_and_its_retry_deletes_the_redi
     answer is a 503; the retry, once Redis answers, deletes them everywhere."""
     from server_helpers import raw_chain
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            chain = raw_chain(74, 3)
-            for h, frame in chain:
-                r = c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"})
-                assert r.status_code == 201
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                r = c.post("/v1/admin/flush", params={"model": "m"}, headers=admin)
-                assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
-                assert r.headers["retry-after"] == "1"
-                for h, _ in chain:  # kept where they were, for the retry to find
-                    assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200
-            finally:
-                redis.resume()
-            r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=admin))
-            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
-            for h, _ in chain:  # from Redis too
-                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
-            assert _redis_stats(srv)["blocks"] == 0
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="1MiB", admin=True) as (redis, srv, c):
+        chain = raw_chain(74, 3)
+        for h, frame in chain:
+            r = c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"})
+            assert r.status_code == 201
+        with _redis_unreachable(redis, c, srv):
+            r = c.post("/v1/admin/flush", params={"model": "m"}, headers=ADMIN)
+            assert r.status_code == 503 and "could not be reached" in r.json()["error"], r.text
+            assert r.headers["retry-after"] == "1"
+            for h, _ in chain:  # kept where they were, for the retry to find
+                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200
+        r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=ADMIN))
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+        for h, _ in chain:  # from Redis too
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+        assert _redis_stats(srv)["blocks"] == 0
+        _no_500(srv)
 
 
 def test_a_chain_delete_retried_after_an_outage_deletes_the_descendants_redis_holds(tmp_path):
@@ -366,30 +346,20 @@ def test_a_chain_delete_retried_after_an_outage_deletes_the_descendants_redis_ho
     asked, and the retry finds the whole chain."""
     from server_helpers import raw_chain
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            chain = raw_chain(75, 3)
-            for h, frame in chain:
-                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            middle = chain[1][0].hex()
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                _refused_until_redis_answers(c.delete(f"/v1/admin/chains/{middle}", headers=admin))
-            finally:
-                redis.resume()
-            r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{middle}", headers=admin))
-            assert r.status_code == 200, r.text
-            for h, _ in chain:  # the tail too: not served from Redis
-                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
-            assert r.json()["deleted_blocks"] == 3
-            assert _redis_stats(srv)["blocks"] == 0
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="1MiB", admin=True) as (redis, srv, c):
+        chain = raw_chain(75, 3)
+        for h, frame in chain:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        middle = chain[1][0].hex()
+        with _redis_unreachable(redis, c, srv):
+            _refused_until_redis_answers(c.delete(f"/v1/admin/chains/{middle}", headers=ADMIN))
+        r = _until_redis_answers(lambda: c.delete(f"/v1/admin/chains/{middle}", headers=ADMIN))
+        assert r.status_code == 200, r.text
+        for h, _ in chain:  # the tail too: not served from Redis
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+        assert r.json()["deleted_blocks"] == 3
+        assert _redis_stats(srv)["blocks"] == 0
+        _no_500(srv)
 
 
 def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(tmp_path):
@@ -400,18 +370,17 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
     from server_helpers import raw_chain
 
     redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
     args = ("--admin-token", "adm")
     chain, other = raw_chain(76, 3), raw_chain(77, 2)
 
     def pinned(c: httpx.Client, *, waiting: bool = False) -> set[str]:
-        return {p["hash"] for p in c.get("/v1/admin/pins", headers=admin).json() if p["waiting"] is waiting}
+        return {p["hash"] for p in c.get("/v1/admin/pins", headers=ADMIN).json() if p["waiting"] is waiting}
 
     try:
         with Server(tmp_path / "s", *args, env=_env(redis)) as srv, httpx.Client(base_url=srv.url, timeout=10) as c:
             for h, frame in chain + other:
                 assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
-            r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin)
+            r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=ADMIN)
             assert r.status_code == 200 and r.json()["saved"] is True, r.text
         srv = Server(tmp_path / "s", *args, env=_env(redis))
         redis.pause()
@@ -427,7 +396,7 @@ def test_pins_a_start_could_not_make_again_are_kept_and_made_once_redis_answers(
                 while not pinned(c) and time.monotonic() < deadline:
                     time.sleep(0.1)
                 assert pinned(c) == {chain[-1][0].hex()} and pinned(c, waiting=True) == set(), srv.output()
-                assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=admin).status_code == 200
+                assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=ADMIN).status_code == 200
                 assert _redis_stats(srv)["pinned_blocks"] == 5
         finally:
             srv.stop()
@@ -446,27 +415,17 @@ def test_a_block_whose_delete_got_a_503_is_still_found_by_a_flush(tmp_path):
     tier, so the block is still the model's, and the flush deletes it everywhere."""
     from server_helpers import raw_frame
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            h, frame = raw_frame(78)
-            assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"}).status_code == 201
-            redis.pause()
-            try:
-                _open_breaker(c, srv)
-                _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
-                assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # kept: nothing was deleted
-            finally:
-                redis.resume()
-            r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=admin))
-            assert r.status_code == 200, r.text
-            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served from Redis
-            assert r.json()["deleted_blocks"] == 1
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="1MiB", admin=True) as (redis, srv, c):
+        h, frame = raw_frame(78)
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"X-CacheSeek-Model": "m"}).status_code == 201
+        with _redis_unreachable(redis, c, srv):
+            _refused_until_redis_answers(c.delete(f"/v1/blocks/{h.hex()}"))
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200  # kept: nothing was deleted
+        r = _until_redis_answers(lambda: c.post("/v1/admin/flush", params={"model": "m"}, headers=ADMIN))
+        assert r.status_code == 200, r.text
+        assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404  # not served from Redis
+        assert r.json()["deleted_blocks"] == 1
+        _no_500(srv)
 
 
 def _put_chain(c: httpx.Client, chain, namespace: str, model: str) -> None:
@@ -492,7 +451,6 @@ def test_a_flush_on_one_replica_deletes_the_tenants_blocks_another_wrote_to_redi
     from server_helpers import raw_chain
 
     redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
     try:
         with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=_env(redis)) as a, \
                 Server(tmp_path / "b", "--admin-token", "adm", disk=False, cpu_bytes="0", env=_env(redis)) as b, \
@@ -505,23 +463,23 @@ def test_a_flush_on_one_replica_deletes_the_tenants_blocks_another_wrote_to_redi
             redis.pause()
             try:
                 _open_breaker(cb, b)
-                r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
+                r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=ADMIN)
                 assert r.status_code == 503 and "none was deleted" in r.json()["error"], r.text
             finally:
                 redis.resume()
             r = _until_redis_answers(lambda: cb.post("/v1/admin/flush", params={"namespace": "t", "model": "m1"},
-                                                     headers=admin))
+                                                     headers=ADMIN))
             assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
             for c in (ca, cb):
                 assert _served(c, t_m1, "t") == [404] * 3
                 assert _served(c, t_m2, "t") == [200] * 2 and _served(c, u_m1, "u") == [200] * 2
 
-            r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
+            r = cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=ADMIN)
             assert r.status_code == 200 and r.json()["deleted_blocks"] == 2, r.text
             assert _served(ca, t_m2, "t") == [404] * 2 and _served(ca, u_m1, "u") == [200] * 2
-            assert cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin).status_code == 404
+            assert cb.post("/v1/admin/flush", params={"namespace": "t"}, headers=ADMIN).status_code == 404
             # A model across namespaces: u's m1 (t's is gone already).
-            r = cb.post("/v1/admin/flush", params={"model": "m1"}, headers=admin)
+            r = cb.post("/v1/admin/flush", params={"model": "m1"}, headers=ADMIN)
             assert r.status_code == 200 and r.json()["deleted_blocks"] == 2, r.text
             assert _served(ca, u_m1, "u") == [404] * 2
             assert _redis_stats(b)["blocks"] == 0
@@ -538,23 +496,17 @@ def test_a_flush_takes_the_blocks_evicted_from_the_cpu_tier_into_redis_alone(tmp
     tenant deleted nothing and left it served. Now the flush finds it in Redis."""
     from server_helpers import raw_chain
 
-    redis = RedisServer(tmp_path / "redis").start()
-    admin = {"authorization": "Bearer adm"}
-    try:
-        with Server(tmp_path / "s", "--admin-token", "adm", disk=False, cpu_bytes="1MiB", env=_env(redis)) as srv, \
-                httpx.Client(base_url=srv.url, timeout=10) as c:
-            mine = raw_chain(91, 3)
-            _put_chain(c, mine, "t", "m")
-            seed = 92
-            while any(n["namespace"] == "t" and n["blocks"] for n in
-                      c.get("/v1/admin/namespaces", headers=admin).json()):
-                _put_chain(c, raw_chain(seed, 4), "u", "m")  # (each write evicts t's oldest first)
-                seed += 1
-                assert seed < 200, "the CPU tier never let go of t's blocks"
-            # (Not read meanwhile: a read would promote them into the CPU tier, owned again.)
-            r = c.post("/v1/admin/flush", params={"namespace": "t"}, headers=admin)
-            assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
-            assert _served(c, mine, "t") == [404] * 3
-            _no_500(srv)
-    finally:
-        redis.kill()
+    with _server_over_redis(tmp_path, cpu_bytes="1MiB", admin=True) as (redis, srv, c):
+        mine = raw_chain(91, 3)
+        _put_chain(c, mine, "t", "m")
+        seed = 92
+        while any(n["namespace"] == "t" and n["blocks"] for n in
+                  c.get("/v1/admin/namespaces", headers=ADMIN).json()):
+            _put_chain(c, raw_chain(seed, 4), "u", "m")  # (each write evicts t's oldest first)
+            seed += 1
+            assert seed < 200, "the CPU tier never let go of t's blocks"
+        # (Not read meanwhile: a read would promote them into the CPU tier, owned again.)
+        r = c.post("/v1/admin/flush", params={"namespace": "t"}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+        assert _served(c, mine, "t") == [404] * 3
+        _no_500(srv)
