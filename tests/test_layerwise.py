@@ -753,6 +753,45 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
             cache.ingest_layerwise([])
 
 
+def test_an_abort_from_another_thread_waits_for_the_layer_being_written_into_the_slots(monkeypatch):
+    """``abort()`` from another thread (a shutdown) while ``put_layer`` encoded a layer into
+    the reserved slots gave the slots back under it: the encode went on writing into memory
+    the tier could lend the next writer (a block stored by it then holds this layer's
+    bytes). Now the abort waits for the layer in flight, then gives the slots back, and the
+    writer takes no more layers."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 2 * BLOCK
+    toks, kv = tokens_for(6, T), make_kv(T, 6, LAYOUT)
+    real = layerwise_save.encode_into
+    aborted, holding = threading.Event(), threading.Event()
+    held_while_written: list[int] = []
+
+    with make_cache(INT4) as cache:
+        def encode(*args, **kw):
+            if not holding.is_set():
+                holding.set()
+                aborted.wait(0.5)  # bounded, not a synchronization: the abort ran (the race) or waits
+            held_while_written.append(reservation_bytes(cache))
+            return real(*args, **kw)
+
+        writer = cache.ingest_layerwise(toks)
+        writer.put_layer(0, *kv[0])
+        assert writer.mode == "slots" and reservation_bytes(cache) > 0
+        monkeypatch.setattr(layerwise_save, "encode_into", encode)
+        putter = threading.Thread(target=writer.put_layer, args=(1, *kv[1]))
+        putter.start()
+        assert holding.wait(30)
+        aborter = threading.Thread(target=lambda: (writer.abort(), aborted.set()))
+        aborter.start()
+        putter.join(30)
+        aborter.join(30)
+        assert not putter.is_alive() and not aborter.is_alive()
+        assert held_while_written and all(n > 0 for n in held_while_written), held_while_written
+        assert reservation_bytes(cache) == 0 and cache.locate(toks).num_blocks == 0
+        with pytest.raises(RuntimeError, match="aborted"):
+            writer.put_layer(2, *kv[2])
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_a_layerwise_save_takes_kv_that_requires_grad_as_ingest_does(codec, save_mode):
     """KV from a forward run without ``no_grad`` requires grad: ``ingest`` stores it, and a
