@@ -330,6 +330,44 @@ def test_quantize_layers_refuses_outputs_or_a_flag_it_cannot_write_before_the_la
     assert bool((rows == -1).all())
 
 
+def test_offset_tables_made_by_threads_at_once_past_the_cache_limit_never_raise():
+    """``offsets_table`` keeps the last 64 device tables, dropping the oldest as it adds one,
+    with no lock: two threads adding at once (a server's ingests) each checked the size and
+    then added, so the cache grew past its bound (device memory kept for good), or both took
+    the same oldest key and the second pop raised ``KeyError`` out of its ingest. Now the
+    drop and the add are one step."""
+    import threading
+
+    from cacheseek.kernels import layers as layer_tables
+    from store_helpers import switching_at_lines
+
+    layer_tables._OFFSET_TABLES.clear()
+    for i in range(64):  # full: every new table drops one
+        layer_tables.offsets_table(torch.device("cpu"), (-1, -i - 1))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def make(t: int) -> None:
+        barrier.wait()
+        try:
+            for i in range(200):
+                offsets = (t, i)
+                got = layer_tables.offsets_table(torch.device("cpu"), offsets)
+                assert got.tolist() == list(offsets)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    with switching_at_lines(layer_tables):
+        threads = [threading.Thread(target=make, args=(t,), daemon=True) for t in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == [], errors
+    assert len(layer_tables._OFFSET_TABLES) == 64
+
+
 # -- gather_layers: the Raw codec's read of the layers in place ----------------------------
 
 

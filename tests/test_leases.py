@@ -7,7 +7,6 @@ away in the middle of a streamed response from a real server); the counts are in
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 
@@ -21,7 +20,7 @@ from cacheseek.errors import StorageError
 from cacheseek.store.direct_io import BufferPool
 from cacheseek.store.lease import LeaseError, LeaseLedger, release_all
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, make_cache, make_kv, raw_frame, tokens_for
+from store_helpers import BLOCK, make_cache, make_kv, raw_frame, switching_at_lines, tokens_for
 
 
 
@@ -271,26 +270,11 @@ def _race(n: int, work) -> list:
 
 @pytest.fixture
 def tight_switching():
-    """Threads switched at every line of ``store/lease.py``'s code (a tracer that gives up
-    the GIL there), so a check-then-act in a release meets a release in another thread."""
+    """Threads switched at every line of ``store/lease.py``'s code."""
     import cacheseek.store.lease as lease_module
 
-    def yield_at_lines(frame, event, arg):
-        if event == "line":
-            time.sleep(0)  # (releases the GIL: the other thread runs its next line)
-        return yield_at_lines
-
-    def tracer(frame, event, arg):
-        return yield_at_lines if frame.f_code.co_filename == lease_module.__file__ else None
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    threading.settrace(tracer)
-    try:
+    with switching_at_lines(lease_module):
         yield
-    finally:
-        threading.settrace(None)
-        sys.setswitchinterval(old)
 
 
 def test_a_lease_released_by_two_threads_at_once_is_given_back_once(tight_switching):

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 _OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
+_OFFSET_TABLES_LOCK = threading.Lock()  # held to drop and add (reads go without)
 RING_UPLOADS = True  # new tables go up from the pinned ring below (False: a pinned tensor each)
 
 
@@ -66,9 +67,12 @@ def offsets_table(device: torch.device, offsets: tuple[int, ...]) -> torch.Tenso
         else:
             host = torch.tensor(offsets, dtype=torch.int64, pin_memory=device.type == "cuda")
             table = host.to(device, non_blocking=True)
-        if len(_OFFSET_TABLES) >= 64:
-            _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
-        _OFFSET_TABLES[key] = table
+        # One step: threads adding at once (a server's ingests) each found room, or both
+        # took the same oldest key and the second pop raised KeyError out of its ingest.
+        with _OFFSET_TABLES_LOCK:
+            while len(_OFFSET_TABLES) >= 64:
+                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
+            _OFFSET_TABLES[key] = table
     return table
 
 
