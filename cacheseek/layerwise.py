@@ -428,6 +428,12 @@ class LayerwiseLoad:
         self._background = decoder is not None and issue == "background"
         self._eager = decoder is not None and issue == "eager"
         self._issue_lock = threading.Condition()  # guards _issued/_events with a background issuer
+        # Held while a thread runs groups (no background issuer: a consumer's wait on a CPU, a
+        # close) and while the decoder's memory is given back: a close from another thread
+        # waits for a decode in flight instead of running the groups beside it and giving
+        # the staging and frames back under it.
+        self._run_lock = threading.RLock()
+        self._closing = threading.Lock()  # one close or abandon at a time: the second finds it done
         self._worker: threading.Thread | None = None
         self._events: list[Any] = [None] * num_layers  # per layer: its group's ready event (GPU)
         self._ready_t: list[float | None] = [None] * num_layers  # per layer, host clock (CPU)
@@ -546,7 +552,9 @@ class LayerwiseLoad:
             return False
         ok = self.ready(self.num_layers - 1) if self.num_layers else True
         if ok and self._decoder is not None:
-            self._decoder.release_copied()
+            with self._run_lock:
+                if not self._closed:  # (closed: given back already)
+                    self._decoder.release_copied()
         return ok
 
     def synchronize(self) -> None:
@@ -558,21 +566,25 @@ class LayerwiseLoad:
 
     def close(self) -> None:
         """Finish: every layer loaded (so nothing is left writing into memory the caller may
-        reuse), and the store's memory given back. Idempotent."""
-        if self._closed:
-            return
-        try:
-            if self.error is None:
-                self._advance(len(self._groups) - 1)
-            self._join()
-            if self._cuda:
-                done = [e for e in self._events if e is not None]
-                if done:
-                    done[-1].synchronize()
-        finally:
-            self._closed = True
-            if self._decoder is not None:
-                self._decoder.release_all()
+        reuse), and the store's memory given back. Idempotent, and safe from any thread: a
+        close while another runs waits for it, and a group a consumer is decoding (on a CPU)
+        is finished before the memory goes back."""
+        with self._closing:
+            if self._closed:
+                return
+            try:
+                if self.error is None:
+                    self._advance(len(self._groups) - 1)
+                self._join()
+                if self._cuda:
+                    done = [e for e in self._events if e is not None]
+                    if done:
+                        done[-1].synchronize()
+            finally:
+                with self._run_lock:
+                    self._closed = True
+                    if self._decoder is not None:
+                        self._decoder.release_all()
 
     def abandon(self) -> None:
         """``close`` for a consumer that will read no more of the load (its forward raised):
@@ -580,12 +592,13 @@ class LayerwiseLoad:
         done, and the layer groups not issued yet are never decoded. Idempotent; ``close``
         after it does nothing, and ``wait`` on a layer never loaded raises ``LoadError`` (on
         one loaded before, it answers as before)."""
-        if self._closed:
-            return
-        if self._decoder is None:
-            self._closed = True
-            return
-        self._abandon()
+        with self._closing:
+            if self._closed:
+                return
+            if self._decoder is None:
+                self._closed = True
+                return
+            self._abandon()
 
     def __del__(self) -> None:
         # A consumer whose forward raised drops the handle unclosed: the frames it holds are
@@ -593,9 +606,9 @@ class LayerwiseLoad:
         if getattr(self, "_closed", True) or getattr(self, "_decoder", None) is None:
             return
         if finalizer.in_collection():  # (maybe in a thread holding the tier's lock: see ``Finalizer``)
-            finalizer.submit(self._abandon)
+            finalizer.submit(self.abandon)
             return
-        finalizer.run(self._abandon)
+        finalizer.run(self.abandon)
 
     def _abandon(self) -> None:
         """Give the store's memory back once nothing in flight reads or writes it, without
@@ -611,7 +624,8 @@ class LayerwiseLoad:
                     issued[-1].synchronize()
         finally:
             if self._decoder is not None:  # (none: nothing held; its callers skip it then)
-                self._decoder.release_all()
+                with self._run_lock:  # (a consumer's decode in flight ends first)
+                    self._decoder.release_all()
 
     def __enter__(self) -> LayerwiseLoad:
         return self
@@ -659,9 +673,17 @@ class LayerwiseLoad:
     def _advance(self, upto: int) -> None:
         """Issue (GPU) or run (CPU) the layer groups up to ``upto``, in order. With a
         background issuer, the caller's thread only waits until they have been issued."""
-        if self._worker is not None and threading.current_thread() is not self._worker:
-            self._await_issued(upto)
+        if self._worker is not None:
+            if threading.current_thread() is not self._worker:
+                self._await_issued(upto)
+                return
+            self._issue(upto)  # (the only thread that issues: it needs no lock, and close joins it)
             return
+        with self._run_lock:
+            self._issue(upto)
+
+    def _issue(self, upto: int) -> None:
+        """``_advance``'s work, in the one thread that may run groups now."""
         decoder = self._decoder
         upto = min(upto, len(self._groups) - 1)
         while self._issued <= upto and self.error is None and not self._closed:

@@ -36,9 +36,11 @@ they move out of ``finish``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -68,6 +70,23 @@ LAYER_ALIGN = 16  # bytes: each buffer's slice starts aligned in a layer's stagi
 STORE_PROGRAMS = 4
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_at_a_time(method: Callable[Concatenate[Any, _P], _R]) -> Callable[Concatenate[Any, _P], _R]:
+    """A writer's call under its lock: an ``abort()`` from another thread (a shutdown) gave
+    the slots back while a ``put_layer`` was encoding into them, which then wrote into
+    memory the tier could lend the next writer; now it waits for that layer."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: _P.args, **kw: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kw)
+
+    return locked
+
+
 @dataclass(slots=True)
 class _Run:
     """New blocks of one frame size and codec, in reserved slots laid end to end."""
@@ -91,6 +110,7 @@ class _SlotWriter(LayerWriter):
     store into them, the check and the commit."""
 
     def __init__(self, cache: Any) -> None:
+        self._lock = threading.RLock()  # (``_one_at_a_time``)
         self.cache, self.layout = cache, cache.layout
         self._mode: str | None = None  # "slots" or "reference"
         self._device: torch.device | None = None
@@ -110,8 +130,10 @@ class _SlotWriter(LayerWriter):
     def missing(self) -> list[int]:
         return [i for i, put in enumerate(self._layers_put) if not put]
 
+    @_one_at_a_time
     def abort(self) -> None:
-        """Drop what was put and give the reserved slots back: nothing is stored. Idempotent."""
+        """Drop what was put and give the reserved slots back: nothing is stored. Idempotent;
+        from another thread, it waits for a layer being written."""
         if self._state == "open":
             self._state = "aborted"
         with contextlib.suppress(Exception):  # a failed launch writes nothing more either
@@ -311,6 +333,7 @@ class LayerwiseSave(_SlotWriter):
         self._hashes: list[bytes] = []
         self._found: list[bool] = []  # stored already when the save started
 
+    @_one_at_a_time
     def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``i``'s K and V, ``[1, H, T, D]`` or ``[H, T, D]`` (T: the prompt's tokens,
         the same for every layer). Bad input raises ``InputError``; the writer stays usable
@@ -329,6 +352,7 @@ class LayerwiseSave(_SlotWriter):
             self._save_layer(i, lambda run, views: encode_into(
                 run.codec, [(k3, v3)], run.codec.prepare_layers([k3], [v3]), run.first * B, len(run.metas), B, views))
 
+    @_one_at_a_time
     def finish(self) -> IngestResult:
         """Publish the blocks and return the ``IngestResult``. A layer missing, or a NaN/Inf
         in any layer: ``InputError``, and nothing is stored."""
@@ -402,6 +426,7 @@ class PagedLayerwiseSave(_SlotWriter):
             self._reserve_all(pages.device, self._hashes, [parents[i] for i in keep], [True] * len(keep),
                               [positions[i] for i in keep])
 
+    @_one_at_a_time
     def put_layer(self, i: int) -> None:
         """Layer ``i`` of the requests' pages is written (by work queued on the current
         stream): encode and store it. Any order; each layer once."""
@@ -418,6 +443,7 @@ class PagedLayerwiseSave(_SlotWriter):
 
             self._save_layer(i, encode)
 
+    @_one_at_a_time
     def finish(self) -> list[IngestResult]:
         """Publish the blocks; one ``IngestResult`` per request. A layer missing, or a NaN/Inf
         in any block: ``InputError`` naming the request, and nothing of the call is stored."""

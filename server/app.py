@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
 from cacheseek import __version__
 from cacheseek.store.tiered import TieredStore
@@ -65,7 +66,7 @@ class CutAtShutdown:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

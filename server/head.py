@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
 
 HEAD_REQUEST = "cacheseek.head"  # in scope["extensions"]: the request came as HEAD
 
@@ -24,7 +25,7 @@ class HeadAsGet:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "HEAD":
             await self.app(scope, receive, send)
             return

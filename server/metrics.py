@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import Receive, Scope, Send
 
 from cacheseek import __version__
 
@@ -582,7 +583,7 @@ class MetricsMiddleware:
         self.metrics = metrics
         self._paths: dict[Any, str] | None = None  # endpoint -> path, for Starlette's plain routes
 
-    def _label(self, scope: dict) -> str:
+    def _label(self, scope: Scope) -> str:
         route = scope.get("route")  # FastAPI's routes (and the lookup route) name themselves
         if route is not None:
             return route.path
@@ -595,7 +596,7 @@ class MetricsMiddleware:
             self._paths = {r.endpoint: r.path for r in routes if hasattr(r, "endpoint") and hasattr(r, "path")}
         return self._paths.get(endpoint, UNMATCHED)
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

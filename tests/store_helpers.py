@@ -167,3 +167,28 @@ def run_on_a_tmpfs(tmp_path: Path, script: str, size: str, timeout: float) -> su
     return subprocess.run(["unshare", "-rm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "$0" && exec "$@"',
                            str(mount), sys.executable, str(path), str(mount), str(here.parent), str(here)],
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def switching_at_lines(*modules):
+    """Threads switched at every line of ``modules``' code (a tracer that gives up the GIL
+    there, in threads started inside the block), so that a check-then-act in that code
+    meets the same code in another thread nearly every time, not once in a million."""
+    files = {m.__file__ for m in modules}
+
+    def yield_at_lines(frame, event, arg):
+        if event == "line":
+            time.sleep(0)  # (releases the GIL: another thread runs its next line)
+        return yield_at_lines
+
+    def tracer(frame, event, arg):
+        return yield_at_lines if frame.f_code.co_filename in files else None
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threading.settrace(tracer)
+    try:
+        yield
+    finally:
+        threading.settrace(None)
+        sys.setswitchinterval(old)

@@ -130,3 +130,21 @@ def test_bad_store_tables_and_ranges_are_refused():
             kernels.store_ranges(src, table, bad)
     with pytest.raises(ValueError, match="step"):
         kernels.store_ranges(src, table, one, step=-1)
+
+
+OTHER = "cpu" if DEVICE == "cuda" else "meta"  # a device the rows are not on
+
+
+def test_a_table_on_another_device_than_the_rows_is_refused_before_the_launch():
+    """The table was not checked against the rows' device: the kernel read a host table
+    through a device pointer (on a GPU an illegal address, which ends the process's CUDA
+    context), or, interpreted, failed deep in Triton ("Cannot copy out of meta tensor").
+    Now a ``ValueError`` names both devices, and nothing is written."""
+    src = torch.arange(64, dtype=torch.uint8)
+    rows = torch.full((2, 64), 7, dtype=torch.uint8, device=DEVICE)
+    table = torch.tensor([[src.data_ptr(), 0]], dtype=torch.int64, device=OTHER)
+    with pytest.raises(ValueError, match=f"copy_ranges: table on {OTHER}.*dst on {DEVICE}"):
+        kernels.copy_ranges(table, rows, [(0, 8)])
+    with pytest.raises(ValueError, match=f"store_ranges: table on {OTHER}.*src on {DEVICE}"):
+        kernels.store_ranges(rows, table, [(0, 0, 8, 0)])
+    assert bool((rows == 7).all()) and torch.equal(src, torch.arange(64, dtype=torch.uint8))

@@ -304,6 +304,70 @@ def test_quantize_layers_rejects_mismatched_layers_and_outputs():
                                 ok_flag=_ok_flag())
 
 
+OTHER = "cpu" if DEVICE == "cuda" else "meta"  # a device the layers are not on
+
+
+def test_quantize_layers_refuses_outputs_or_a_flag_it_cannot_write_before_the_launch():
+    """``out`` was checked for its shapes and dtypes, not its device: outputs on another
+    device than the layers were written through pointers the kernel cannot use (on a GPU
+    into host memory: an illegal address that ends the process's CUDA context), or,
+    interpreted, failed deep in Triton. A flag of a dtype wider than a byte had its first
+    byte cleared, which a float 1.0 reads as still set (a NaN found and not reported). Now
+    each is a ``ValueError`` naming it, before the launch: nothing is written."""
+    layers = [torch.zeros(H, 2 * B, D, dtype=F16, device=DEVICE) for _ in range(L)]
+    q, s, m = (torch.full_like(t, -1) for t in ref.quantize(
+        torch.zeros(1, L, H, B, D, dtype=F16, device=DEVICE), bits=4, group=32, axis=AXIS_TOKENS, stats_dtype=F16))
+    for out in ((q.to(OTHER), s.to(OTHER), m.to(OTHER)), (q, s.to(OTHER), m)):
+        with pytest.raises(ValueError, match=f"out: .*on the layers' device {DEVICE}"):
+            kernels.quantize_layers(layers, 0, 1, B, bits=4, group=32, axis=AXIS_TOKENS, out=out, ok_flag=_ok_flag())
+    with pytest.raises(ValueError, match="ok_flag"):
+        kernels.quantize_layers(layers, 0, 1, B, bits=4, group=32, axis=AXIS_TOKENS, out=(q, s, m),
+                                ok_flag=torch.ones(1, dtype=torch.float32, pin_memory=DEVICE == "cuda"))
+    assert all(bool((t == -1).all()) for t in (q, s, m))  # nothing written
+    rows = torch.full((1, L, H, B, D), -1.0, dtype=F16, device=DEVICE)
+    with pytest.raises(ValueError, match="ok_flag"):  # (the Raw codec's gather: the same flag)
+        kernels.gather_layers(layers, 0, 1, B, out=rows, ok_flag=torch.ones(1, dtype=torch.float32))
+    assert bool((rows == -1).all())
+
+
+def test_offset_tables_made_by_threads_at_once_past_the_cache_limit_never_raise():
+    """``offsets_table`` keeps the last 64 device tables, dropping the oldest as it adds one,
+    with no lock: two threads adding at once (a server's ingests) each checked the size and
+    then added, so the cache grew past its bound (device memory kept for good), or both took
+    the same oldest key and the second pop raised ``KeyError`` out of its ingest. Now the
+    drop and the add are one step."""
+    import threading
+
+    from cacheseek.kernels import layers as layer_tables
+    from store_helpers import switching_at_lines
+
+    layer_tables._OFFSET_TABLES.clear()
+    for i in range(64):  # full: every new table drops one
+        layer_tables.offsets_table(torch.device("cpu"), (-1, -i - 1))
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def make(t: int) -> None:
+        barrier.wait()
+        try:
+            for i in range(200):
+                offsets = (t, i)
+                got = layer_tables.offsets_table(torch.device("cpu"), offsets)
+                assert got.tolist() == list(offsets)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    with switching_at_lines(layer_tables):
+        threads = [threading.Thread(target=make, args=(t,), daemon=True) for t in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == [], errors
+    assert len(layer_tables._OFFSET_TABLES) == 64
+
+
 # -- gather_layers: the Raw codec's read of the layers in place ----------------------------
 
 

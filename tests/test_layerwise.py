@@ -313,6 +313,95 @@ def test_a_load_that_fails_part_way_raises_on_wait_for_what_is_missing(monkeypat
             assert torch.equal(again.layer(5)[1], want.layers[5][1])
 
 
+def _decodes_held(monkeypatch, hold_group: int, *, until: threading.Event):
+    """``_decode_layers`` that records (l0, staging still lent) per decode, and holds the
+    first decode of ``hold_group`` (after setting ``holding``) until ``until`` is set or
+    0.5 s passed: bounded, not a synchronization (a close in another thread either ran
+    meanwhile, the race, or waits for this decode to end)."""
+    real = LayerwiseDecoder._decode_layers
+    decoded: list[tuple[int, bool]] = []
+    holding = threading.Event()
+
+    def decode(self, views, l0, l1, n):
+        if l0 == LAYOUT_GROUPS[hold_group][0] and not holding.is_set():
+            holding.set()
+            until.wait(0.5)
+        decoded.append((l0, self._lease is not None))
+        return real(self, views, l0, l1, n)
+
+    monkeypatch.setattr(LayerwiseDecoder, "_decode_layers", decode)
+    return decoded, holding
+
+
+LAYOUT_GROUPS = layer_groups(L)  # (0, 1) (1, 3) (3, 6)
+
+
+def test_a_close_from_another_thread_while_the_consumer_waits_lets_the_decode_finish(monkeypatch):
+    """On a CPU a consumer's ``wait`` decodes the group in its own thread. A ``close()`` from
+    another thread meanwhile (a server shutting a request down) ran the same groups again
+    beside it and gave the staging buffer and the frames back while the consumer's decode
+    still read them: the buffer went back to the pool (the next load's, reused under the
+    decode). Now the close waits for the decode in flight; every group is decoded once,
+    with its staging still lent, and the consumer's layers are whole."""
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        closed = threading.Event()
+        decoded, holding = _decodes_held(monkeypatch, 1, until=closed)
+        load = cache.materialize(toks, layerwise=True)
+        load.wait(0)
+        consumer = threading.Thread(target=load.wait, args=(2,))
+        consumer.start()
+        assert holding.wait(30)
+        closer = threading.Thread(target=lambda: (load.close(), closed.set()))
+        closer.start()
+        consumer.join(30)
+        closer.join(30)
+        assert not consumer.is_alive() and not closer.is_alive()
+        assert decoded == [(0, True), (1, True), (3, True)], decoded  # once each, staging lent
+        k, v = load.layer(2)
+        assert torch.equal(k, want.layers[2][0]) and torch.equal(v, want.layers[2][1])
+        assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0
+        assert cache.store.tier("cpu").lease_stats()["lease_double_releases"] == 0
+        assert staging_pool(torch.device("cpu")).stats()["leases_active"] == 0
+
+
+def test_two_closes_at_once_finish_the_load_once_and_neither_raises(monkeypatch):
+    """``close()`` checked ``_closed`` and set it only at its end: two threads closing one
+    load (a consumer's ``with`` and a shutdown) both ran the groups left, and both gave the
+    frames and the staging back, the second raising ``LeaseError`` (or releasing a lease
+    the first had given back). Now one close finishes the load; the other waits for it."""
+    with make_cache(INT4) as cache:
+        toks, _ = stored(cache, INT4)
+        want = cache.materialize(toks)
+        first_done = threading.Event()
+        decoded, holding = _decodes_held(monkeypatch, 1, until=first_done)
+        load = cache.materialize(toks, layerwise=True)
+        errors: list[BaseException] = []
+
+        def close() -> None:
+            try:
+                load.close()
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+            first_done.set()
+
+        first = threading.Thread(target=close)
+        first.start()
+        assert holding.wait(30)
+        second = threading.Thread(target=close)
+        second.start()
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive()
+        assert errors == [], errors
+        assert [l0 for l0, _ in decoded] == [0, 1, 3] and all(lent for _, lent in decoded), decoded
+        assert torch.equal(load.layer(5)[1], want.layers[5][1])
+        stats = cache.store.tier("cpu").lease_stats()
+        assert stats["leases_active"] == 0 and stats["lease_double_releases"] == 0, stats
+        assert staging_pool(torch.device("cpu")).stats()["leases_active"] == 0
+
+
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
 def test_an_eager_load_has_every_layer_issued_before_the_handle_returns(codec, monkeypatch):
     """The GPU default: every group queued at once (here: decoded at once, on the CPU)."""
@@ -662,6 +751,45 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
         assert writer.finish().stored == 2
         with pytest.raises(cs.InputError, match="empty"):
             cache.ingest_layerwise([])
+
+
+def test_an_abort_from_another_thread_waits_for_the_layer_being_written_into_the_slots(monkeypatch):
+    """``abort()`` from another thread (a shutdown) while ``put_layer`` encoded a layer into
+    the reserved slots gave the slots back under it: the encode went on writing into memory
+    the tier could lend the next writer (a block stored by it then holds this layer's
+    bytes). Now the abort waits for the layer in flight, then gives the slots back, and the
+    writer takes no more layers."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 2 * BLOCK
+    toks, kv = tokens_for(6, T), make_kv(T, 6, LAYOUT)
+    real = layerwise_save.encode_into
+    aborted, holding = threading.Event(), threading.Event()
+    held_while_written: list[int] = []
+
+    with make_cache(INT4) as cache:
+        def encode(*args, **kw):
+            if not holding.is_set():
+                holding.set()
+                aborted.wait(0.5)  # bounded, not a synchronization: the abort ran (the race) or waits
+            held_while_written.append(reservation_bytes(cache))
+            return real(*args, **kw)
+
+        writer = cache.ingest_layerwise(toks)
+        writer.put_layer(0, *kv[0])
+        assert writer.mode == "slots" and reservation_bytes(cache) > 0
+        monkeypatch.setattr(layerwise_save, "encode_into", encode)
+        putter = threading.Thread(target=writer.put_layer, args=(1, *kv[1]))
+        putter.start()
+        assert holding.wait(30)
+        aborter = threading.Thread(target=lambda: (writer.abort(), aborted.set()))
+        aborter.start()
+        putter.join(30)
+        aborter.join(30)
+        assert not putter.is_alive() and not aborter.is_alive()
+        assert held_while_written and all(n > 0 for n in held_while_written), held_while_written
+        assert reservation_bytes(cache) == 0 and cache.locate(toks).num_blocks == 0
+        with pytest.raises(RuntimeError, match="aborted"):
+            writer.put_layer(2, *kv[2])
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)

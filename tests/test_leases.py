@@ -7,6 +7,7 @@ away in the middle of a streamed response from a real server); the counts are in
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import httpx
@@ -17,9 +18,9 @@ from cacheseek.store.arena import HostArena
 from cacheseek.store.cpu import CpuTier
 from cacheseek.errors import StorageError
 from cacheseek.store.direct_io import BufferPool
-from cacheseek.store.lease import LeaseError, LeaseLedger
+from cacheseek.store.lease import LeaseError, LeaseLedger, release_all
 from server_helpers import Server, raw_chain
-from store_helpers import BLOCK, make_cache, make_kv, raw_frame, tokens_for
+from store_helpers import BLOCK, make_cache, make_kv, raw_frame, switching_at_lines, tokens_for
 
 
 
@@ -244,3 +245,77 @@ def test_a_dropped_handles_release_that_fails_is_logged_not_swallowed(caplog):
     ran = []
     fin.submit(lambda: ran.append(1))  # (the thread goes on after a failure)
     assert fin.settle(timeout=10) and ran == [1]
+
+
+def _race(n: int, work) -> list:
+    """``work()`` in ``n`` threads lined up on a barrier; what each returned or raised."""
+    barrier = threading.Barrier(n)
+    out: list = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = work()
+        except BaseException as exc:  # noqa: BLE001 - compared by the caller
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a release deadlocked"
+    return out
+
+
+@pytest.fixture
+def tight_switching():
+    """Threads switched at every line of ``store/lease.py``'s code."""
+    import cacheseek.store.lease as lease_module
+
+    with switching_at_lines(lease_module):
+        yield
+
+
+def test_a_lease_released_by_two_threads_at_once_is_given_back_once(tight_switching):
+    """``Lease.release`` checked its flag and set it without a lock: two threads releasing
+    one lease at once could both pass the check and both give the slot's lease back, so the
+    slot went back to the arena while another reader's lease still held it (its bytes
+    reused under the reader), the ledger's counts went below the truth, or one thread got
+    an AttributeError from the lender (the token already cleared). Now exactly one release
+    gives it back; the other raises ``LeaseError`` and is counted, every time."""
+    arena = HostArena(1 << 20)
+    for _ in range(1500):
+        slot = arena.allocate(4096)
+        other = arena.lease(slot)  # another reader of the same slot
+        lease = arena.lease(slot)
+        arena.free(slot)  # evicted while leased: held until the last lease goes
+        before = arena.ledger.double_releases
+        out = _race(2, lease.release)
+        assert sorted(type(o).__name__ for o in out) == ["LeaseError", "NoneType"], out
+        assert arena.ledger.double_releases == before + 1
+        assert arena.held == 1 and slot.leases == 1, "the slot went back while another reader held it"
+        assert arena.ledger.active == 1 and arena.ledger.active_bytes == slot.nbytes
+        with pytest.raises(LeaseError):
+            lease.release()
+        other.release()
+        assert arena.held == 0 and arena.ledger.active == 0 and arena.ledger.active_bytes == 0
+
+
+def test_with_blocks_and_release_all_on_a_lease_another_thread_releases_do_not_raise(tight_switching):
+    """``with lease:`` and ``release_all`` skip a lease released already, but read the flag
+    and released apart: with another thread releasing the same lease meanwhile, they raised
+    ``LeaseError`` (or released it twice). Now the skip and the release are one step."""
+    ledger = LeaseLedger()
+    given: list[int] = []
+    for i in range(1500):
+        lease = ledger.grant(10, lambda i=i: given.append(i))
+
+        def exit_block(lease=lease) -> None:
+            with lease:
+                pass
+
+        out = _race(2, exit_block if i % 2 else (lambda lease=lease: release_all([lease])))
+        assert out == [None, None], out
+        assert given[-1] == i and len(given) == i + 1
+    assert ledger.stats() == {"leases_active": 0, "leased_bytes": 0, "leases_granted": 1500, "lease_double_releases": 0}

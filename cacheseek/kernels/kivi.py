@@ -39,7 +39,7 @@ import triton.language as tl
 from . import configs
 from ._strides import Levels, collapse, contiguous_strides, may_overlap, unit_last
 from .launch import CachedLaunch, on_device
-from .layers import LayerTable, layer_row
+from .layers import LayerTable, check_flag, layer_row
 from .paged import BlockPages, PagedLayers, block_source, check_flags, check_where, page_offsets
 
 AXIS_TOKENS = -2  # K
@@ -984,9 +984,10 @@ def quantize_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, 
     table.check_blocks(t0, n, block)
     if len(out) != 3 or out[0].dim() != 5 or out[0].shape[1] != len(table):
         raise ValueError(f"out: expected (q, scale, min) of [n, L, H, ...] with L = {len(table)}")
-    # (Pinning is not checked here: is_pinned() can stall for milliseconds.)
-    if ok_flag.device.type != "cpu" or ok_flag.numel() * ok_flag.element_size() < 1:
-        raise ValueError("ok_flag: one byte of host memory, pinned when the layers are on a GPU")
+    if any(o.device != table.device for o in out):  # (the kernel writes them through its pointers)
+        raise ValueError(f"out: expected (q, scale, min) on the layers' device {table.device}, "
+                         f"got {', '.join(str(o.device) for o in out)}")
+    check_flag(ok_flag)
     outs = tuple((tuple(o.shape), o.stride(), o.dtype) for o in out)
     launch = _layers_plan(table.shape, table.stride, table.dtype, n, block, outs, bits, group, axis, None,
                           configs.autotune_enabled(), clip)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 _OFFSET_TABLES: dict[tuple, torch.Tensor] = {}  # device tables by their offsets: a worker's KV lives on
+_OFFSET_TABLES_LOCK = threading.Lock()  # held to drop and add (reads go without)
 RING_UPLOADS = True  # new tables go up from the pinned ring below (False: a pinned tensor each)
 
 
@@ -66,9 +67,12 @@ def offsets_table(device: torch.device, offsets: tuple[int, ...]) -> torch.Tenso
         else:
             host = torch.tensor(offsets, dtype=torch.int64, pin_memory=device.type == "cuda")
             table = host.to(device, non_blocking=True)
-        if len(_OFFSET_TABLES) >= 64:
-            _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
-        _OFFSET_TABLES[key] = table
+        # One step: threads adding at once (a server's ingests) each found room, or both
+        # took the same oldest key and the second pop raised KeyError out of its ingest.
+        with _OFFSET_TABLES_LOCK:
+            while len(_OFFSET_TABLES) >= 64:
+                _OFFSET_TABLES.pop(next(iter(_OFFSET_TABLES)))
+            _OFFSET_TABLES[key] = table
     return table
 
 
@@ -158,6 +162,18 @@ def _gather_kernel(
         tl.store(bad_addr.to(tl.pointer_type(tl.int8)), 0)
 
 
+FLAG_DTYPES = (torch.bool, torch.uint8, torch.int8)  # host flags: a kernel clears one byte per flag
+
+
+def check_flag(ok_flag: torch.Tensor) -> None:
+    """``ValueError`` unless ``ok_flag`` is a one-byte flag in host memory. (Pinning is not
+    checked: is_pinned() can stall for milliseconds.) A wider flag kept its other bytes when
+    the kernel cleared its first: a float 1.0 still read set, a NaN found and not reported."""
+    if ok_flag.device.type != "cpu" or ok_flag.dtype not in FLAG_DTYPES or ok_flag.numel() < 1:
+        raise ValueError(f"ok_flag: one byte of host memory ({', '.join(map(str, FLAG_DTYPES))}), pinned when the "
+                         f"layers are on a GPU; got {ok_flag.dtype} on {ok_flag.device}")
+
+
 def gather_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, block: int, *,
                   out: torch.Tensor, ok_flag: torch.Tensor) -> None:
     """Copy tokens ``[t0, t0 + n * block)`` of every layer, as ``n`` blocks, into ``out`` of
@@ -175,8 +191,7 @@ def gather_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, bl
     so = out.stride()
     if so[4] != 1 or (L > 1 and H > 1 and so[1] != so[2] * H) or (L > 1 and H == 1 and so[1] != so[2]):
         raise ValueError(f"out: strides {so} cannot be indexed as [block, layer x head] rows")
-    if ok_flag.device.type != "cpu" or ok_flag.numel() * ok_flag.element_size() < 1:
-        raise ValueError("ok_flag: one byte of host memory, pinned when the layers are on a GPU")
+    check_flag(ok_flag)
     if n * L * H * block * D == 0:
         return
     sx_h, sx_t, _ = table.stride

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layers import offsets_table
+from .layers import FLAG_DTYPES, offsets_table
 
 
 
@@ -272,7 +272,7 @@ def _copy(pages: PagedLayers, where: BlockPages, first: int, n: int, block: int,
 
 
 def check_flags(flags: torch.Tensor, n: int) -> None:
-    if flags.device.type != "cpu" or flags.dtype not in (torch.bool, torch.uint8, torch.int8) or flags.numel() < n \
+    if flags.device.type != "cpu" or flags.dtype not in FLAG_DTYPES or flags.numel() < n \
             or not flags.is_contiguous():
         raise ValueError(f"ok_flags: {n} contiguous bytes of host memory (pinned when the pages are on a GPU)")
 

@@ -60,6 +60,8 @@ def _check_launch(fn: str, table: torch.Tensor, rows: torch.Tensor, name: str, p
         raise ValueError(f"programs: must be >= 1, got {programs}")
     if rows.dim() != 2 or rows.shape[1] % WORD or not rows.is_contiguous() or rows.data_ptr() % WORD:
         raise ValueError(f"{fn}: {name} must be contiguous [rows, row_bytes] with 4-byte aligned rows")
+    if table.device != rows.device:  # (the kernel reads the table through a pointer on the rows' device)
+        raise ValueError(f"{fn}: table on {table.device}, {name} on {rows.device}: must be one device")
     return rows.shape[1]
 
 

@@ -102,6 +102,11 @@ class StagingLease(Lease):
         super().release()
         self.tensor = None
 
+    def release_if_held(self) -> bool:
+        released = super().release_if_held()
+        self.tensor = None
+        return released
+
     def memo(self, key: Any, make: Any) -> Any:
         """``make()`` (views of this buffer), kept with the buffer under ``key`` for its next
         holders: cutting a batch's views costs the host more than finding them."""

@@ -17,7 +17,9 @@ Rules:
 - A lease dropped without a release keeps its memory lent for good; the ledger shows it
   (``active``, ``active_bytes``). Nothing is inferred from reference counts.
 
-Torch-free, thread-safe: a lease may be released from any thread.
+Torch-free, thread-safe: a lease may be released from any thread, and from two at once
+(one gives it back; the other raises ``LeaseError``, or with ``with``/``release_all``
+finds it released and does nothing).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class LeaseLedger:
     __slots__ = ("_lock", "active", "active_bytes", "granted", "double_releases")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # for double releases, and for leases granted by ``grant``
+        # Taken by each release's claim on its lease (``Lease._take``: held for a swap, never
+        # around the lender's call), by double releases, and for leases granted by ``grant``.
+        self._lock = threading.Lock()
         self.active = 0  # leases granted and not released
         self.active_bytes = 0  # bytes they cover
         self.granted = 0  # leases granted, ever
@@ -96,6 +100,8 @@ class LeaseLedger:
                 "leases_granted": self.granted, "lease_double_releases": self.double_releases}
 
 
+_GONE = object()  # ``Lease._take``'s answer once the token was taken
+
 _Self = TypeVar("_Self", bound="Lease")  # (typing.Self: Python 3.11; the package runs on 3.10)
 
 
@@ -117,19 +123,39 @@ class Lease:
 
     def release(self) -> None:
         """Give the memory back. Raises ``LeaseError`` if it was given back already."""
-        if self._released:
+        token = self._take()
+        if token is _GONE:
             self._lender.ledger.on_double_release()
             raise LeaseError(f"a lease on {self.nbytes} bytes was released twice (a lease is released exactly once)")
-        self._released = True
-        token, self._token = self._token, None
         self._lender.lease_released(token, self.nbytes)
+
+    def release_if_held(self) -> bool:
+        """Give the memory back unless it was given back already (by this thread or another);
+        whether this call gave it back. For ``with`` and ``release_all``: a release that
+        reads ``released`` and then releases raises when another thread releases between."""
+        token = self._take()
+        if token is _GONE:
+            return False
+        self._lender.lease_released(token, self.nbytes)
+        return True
+
+    def _take(self) -> Any:
+        """The token, once: ``_GONE`` to every later caller, in whichever thread. Under the
+        ledger's lock: two threads both past an unlocked check both gave the token back
+        (a slot's lease count dropped for a lease another reader holds, freeing its bytes
+        under it), or one gave back the None the other had left."""
+        with self._lender.ledger._lock:
+            if self._released:
+                return _GONE
+            self._released = True
+            token, self._token = self._token, None
+        return token
 
     def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if not self._released:
-            self.release()
+        self.release_if_held()
 
     def __repr__(self) -> str:
         return f"Lease({self.nbytes} bytes, {'released' if self._released else 'held'})"
@@ -143,10 +169,10 @@ def release_all(leases: list[_L]) -> None:
     release raises; the first error is raised after all were tried. Empties the list."""
     error: BaseException | None = None
     for lease in leases:
-        if lease is None or lease.released:
+        if lease is None:
             continue
         try:
-            lease.release()
+            lease.release_if_held()
         except BaseException as exc:  # noqa: BLE001 - the others must still be released
             error = error or exc
     leases.clear()

@@ -66,8 +66,8 @@ class BlockFrame:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.lease is not None and not self.lease.released:
-            self.lease.release()
+        if self.lease is not None:
+            self.lease.release_if_held()
 
     @property
     def nbytes(self) -> int:
