@@ -102,6 +102,23 @@ def test_new_layer_tables_go_up_through_the_pinned_ring_in_order():
     assert layers.offsets_table(device, want[5]) is layers.offsets_table(device, want[5])  # cached
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+def test_a_table_cached_on_one_stream_is_not_read_on_another_before_its_upload():
+    from cacheseek.kernels import layers
+
+    device = torch.device("cuda")
+    busy, other = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    values = tuple(range(10_000_019, 10_000_019 + 97 * 301, 301))  # (no table holds these yet)
+    with torch.cuda.stream(busy):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of cycles: the upload queued behind it waits
+        layers.offsets_table(device, values)
+    with torch.cuda.stream(other):
+        table = layers.offsets_table(device, values)
+        seen = table.clone()  # on `other`, which nothing orders after `busy`
+    torch.cuda.synchronize()
+    assert tuple(seen.tolist()) == values
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned flags need a GPU")
 def test_flags_given_back_are_handed_out_again_all_true():
     from cacheseek.quant import tensors

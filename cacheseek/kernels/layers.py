@@ -55,11 +55,29 @@ class _UploadRing:
 _RING = _UploadRing()
 
 
+def _stream_id(device: torch.device) -> int:
+    """The id of ``device``'s current stream, through torch's C binding (the Python call
+    costs 3-30 µs on a busy host; this path runs several times a call). 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    try:
+        c = torch._C
+        return c._cuda_getCurrentStream(device.index if device.index is not None else c._cuda_getDevice())[0]
+    except AttributeError:  # a torch that renamed the bindings
+        return torch.cuda.current_stream(device).stream_id
+
+
 def offsets_table(device: torch.device, offsets: tuple[int, ...]) -> torch.Tensor:
-    """The device table of ``offsets`` (int64), cached by its values. Uploaded from pinned
-    memory when it is new: a pageable copy would wait for everything queued on the caller's
-    stream (in a server, the forward that has just made fresh KV at new addresses)."""
-    key = (device, offsets)
+    """The device table of ``offsets`` (int64), cached by its values and by the stream
+    current on ``device``: uploaded on that stream, so a kernel queued there after this
+    call reads it whole. (One table shared across streams could be read by a kernel on
+    another stream before its copy ran, and, once dropped from the cache, handed by the
+    allocator to new work on its own stream while the other stream still read it.)
+    Uploaded from pinned memory when it is new: a pageable copy would wait for everything
+    queued on the caller's stream (in a server, the forward that has just made fresh KV at
+    new addresses). A caller that keeps a table reads it on streams that wait for this one.
+    """
+    key = (device, _stream_id(device), offsets)
     table = _OFFSET_TABLES.get(key)
     if table is None:
         if device.type == "cuda" and RING_UPLOADS and len(offsets) <= _UploadRing.WIDTH:
