@@ -462,6 +462,30 @@ def test_a_disk_frame_of_another_format_version_is_a_counted_miss_kept_until_wri
     assert parse_frame(frame_path.read_bytes()).block_hash == hashes[1]
 
 
+def test_a_disk_check_reports_a_frame_of_another_format_version_and_its_fix_keeps_it(tmp_path):
+    """``check(fix=True)`` dropped another release's frame as corrupt, as reads did: it is
+    reported apart now (``other_version``) and kept; the fix only sets it aside."""
+    import msgpack
+
+    root = tmp_path / "d"
+    toks, kv = tokens_for(26, 2 * BLOCK), make_kv(2 * BLOCK, 26)
+    first = make_cache(cpu=0, disk=root)
+    first.ingest(toks, kv)
+    hashes = first.block_hashes(toks)
+    first.close()
+    frame_path = next(p for p in _frame_files(root) if p.stem == hashes[1].hex())
+    side_path = frame_path.with_suffix(".meta")
+    theirs = as_other_version(frame_path.read_bytes())
+    frame_path.write_bytes(theirs)
+    side_path.write_bytes(msgpack.packb({**msgpack.unpackb(side_path.read_bytes()), "nbytes": len(theirs)}))
+    cache = make_cache(cpu=0, disk=root)
+    tier = cache.store.tier("disk")
+    assert tier.check(fix=True) == {"ok": 1, "corrupt": 0, "unreadable": 0, "other_version": 1}
+    assert frame_path.read_bytes() == theirs and side_path.exists()
+    assert cache.lookup(toks) == BLOCK and cache.stats()["tiers"][0]["other_version_blocks"] == 1
+    assert tier.check() == {"ok": 1, "corrupt": 0, "unreadable": 0, "other_version": 0}
+
+
 def test_blocks_of_another_format_version_are_charged_and_evicted_first(tmp_path):
     """Blocks another release left in the directory (sidecars of another version) are left
     alone, but no longer outside the budget for good: they count in it, and are the first
