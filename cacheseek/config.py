@@ -85,7 +85,8 @@ class TierConfig:
         pins it keeps are made again (the server: ``.cacheseek-pins.json``); else it is
         trimmed here, once the tiers below that take what it evicts are built.
         ``max_frame_bytes``: the largest frame the owner writes or reads; the disk tier reads
-        no larger file (``DiskTier``)."""
+        no larger file (``DiskTier``), the Redis tier no more of a value than one byte past it
+        (``RedisTier``): either is a corrupt frame, deleted."""
         from .store.cpu import CpuTier
         from .store.disk import DiskTier
 
@@ -116,7 +117,7 @@ class TierConfig:
                                   trim_at_open=False, max_frame_bytes=max_frame_bytes))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
         if self.redis_url is not None and redis_bytes:
-            tiers.append(self.build_redis_tier(redis_bytes))
+            tiers.append(self.build_redis_tier(redis_bytes, max_frame_bytes=max_frame_bytes))
         if not tiers:
             raise ConfigError("TierConfig: no tier is on; give gpu_bytes, cpu_bytes, disk_path or redis_url")
         persistent = [t.name for t in tiers[1:] if t.persistent]
@@ -138,8 +139,9 @@ class TierConfig:
             return default_cpu_reserve(parse_size(self.cpu_bytes, name="cpu_bytes"))
         return parse_size(self.cpu_reserve_bytes, name="cpu_reserve_bytes")
 
-    def build_redis_tier(self, capacity_bytes: int):
-        """The redis tier alone (it connects lazily: building never fails for a Redis that is down)."""
+    def build_redis_tier(self, capacity_bytes: int, *, max_frame_bytes: int | None = None):
+        """The redis tier alone (it connects lazily: building never fails for a Redis that is
+        down). ``max_frame_bytes``: as ``build``'s."""
         from .store.breaker import CircuitBreaker, ExponentialBackoff
         from .store.redis_client import RedisTimeouts
         from .store.redis_tier import RedisTier
@@ -154,4 +156,5 @@ class TierConfig:
         timeouts = RedisTimeouts(connect_seconds=self.redis_connect_timeout_seconds,
                                  socket_seconds=self.redis_socket_timeout_seconds)
         return RedisTier(self.redis_url, capacity_bytes, prefix=self.redis_prefix, namespace=self.redis_namespace,
-                         ttl_seconds=self.redis_ttl_seconds, timeouts=timeouts, breaker=breaker)
+                         ttl_seconds=self.redis_ttl_seconds, timeouts=timeouts, breaker=breaker,
+                         max_frame_bytes=max_frame_bytes)

@@ -25,6 +25,13 @@ class FrameError(CacheSeekError, ValueError):
     """A frame that cannot be parsed: truncated, malformed, or from another version."""
 
 
+class FrameVersionError(FrameError):
+    """A frame of another format version: whole as far as this release can tell (its magic,
+    its header's length and checksum, a msgpack map whose ``v`` is another integer), written
+    by an older or newer release. Not this release's to read, nor damage to delete: a tier
+    keeps it (a counted ``foreign_version`` miss) for the release that reads it."""
+
+
 class ChecksumError(FrameError):
     """A frame whose payload does not match the checksum in its header."""
 

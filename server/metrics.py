@@ -377,6 +377,8 @@ _TIER_SERIES = {
     "demotions": ("demotions_total", "Blocks moved down into the tier on eviction above", "counter"),
     "corrupt": ("corrupt_frames_total", "Stored frames found corrupt (checksum, length, header): a miss, deleted",
                 "counter"),
+    "foreign_version": ("foreign_version_frames_total", "Stored frames of another format version (another "
+                        "release's, sharing the storage): a miss, kept", "counter"),
     "read_errors": ("read_errors_total", "Reads that failed for want of a descriptor or memory, or an I/O error: "
                     "a miss, nothing removed", "counter"),
     "write_errors": ("write_errors_total", "Frames the tier failed to store", "counter"),

@@ -39,6 +39,21 @@ def raw_frame(i: int) -> tuple[bytes, BlockFrame]:
     return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
 
 
+def as_other_version(frame: bytes, version: int = 2) -> bytes:
+    """``frame`` as another release might write it: its header with another format version
+    and a field this release does not know, under a valid header checksum (whole, not damaged)."""
+    import msgpack
+    import xxhash
+
+    from cacheseek.store.frame import ALIGN, PREAMBLE, parse_frame
+
+    meta = parse_frame(frame)
+    header = msgpack.packb({**meta.header_dict(), "v": version, "added_later": [1, 2]}, use_bin_type=True)
+    head = PREAMBLE.pack(b"CSKF", len(header), xxhash.xxh3_64_intdigest(header)) + header
+    head += bytes(-len(head) % ALIGN)
+    return head + bytes(frame[meta.payload_offset:])
+
+
 def make_kv(tokens: int, seed: int, layout: cs.KVLayout = LAYOUT, device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     shape = (layout.num_kv_heads, tokens, layout.head_dim)

@@ -600,7 +600,7 @@ def test_a_read_that_cannot_be_made_keeps_the_block(tmp_path):
         with out_of_descriptors():
             assert tier.get(k1) is None
             report = tier.check(fix=True)
-        assert report == {"ok": 0, "corrupt": 0, "unreadable": 1}
+        assert report == {"ok": 0, "corrupt": 0, "unreadable": 1, "other_version": 0}
         stats = tier.stats()
         assert stats.read_errors == 1 and stats.corrupt == 0 and stats.blocks == 1
         got = tier.get(k1)
@@ -625,9 +625,9 @@ def test_check_fix_spares_a_block_evicted_and_written_again_while_it_read_it(tmp
             return meta
 
         monkeypatch.setattr(disk_mod, "parse_frame", raced)
-        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0, "unreadable": 0}
+        assert tier.check(fix=True) == {"ok": 1, "corrupt": 0, "unreadable": 0, "other_version": 0}
         monkeypatch.undo()
-        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+        assert tier.get(k2) is not None and tier.check() == {"ok": 2, "corrupt": 0, "unreadable": 0, "other_version": 0}
     finally:
         tier.close()
 

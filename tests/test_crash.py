@@ -82,7 +82,7 @@ def test_sigkill_at_random_moments_never_loses_an_ack_or_serves_a_torn_block(tmp
         cache = _cache(disk)
         assert not list(disk.glob("*/.tmp-*")), "temp files survived the restart scan"
         blocks = cache.stats()["tiers"][0]["blocks"]
-        assert cache.store.tier("disk").check() == {"ok": blocks, "corrupt": 0, "unreadable": 0}
+        assert cache.store.tier("disk").check() == {"ok": blocks, "corrupt": 0, "unreadable": 0, "other_version": 0}
         for s in sorted(begun):
             toks, kv = tokens_for(s, 6 * BLOCK), make_kv(6 * BLOCK, s, LAYOUT)
             got = cache.materialize(toks)
@@ -481,7 +481,7 @@ def _kill_rounds(root: Path, seed: int, rounds: int) -> dict:
         tier = DiskTier(copy, 1 << 30)
         try:
             blocks = tier.stats().to_dict()
-            assert tier.check() == {"ok": blocks["blocks"], "corrupt": 0, "unreadable": 0}
+            assert tier.check() == {"ok": blocks["blocks"], "corrupt": 0, "unreadable": 0, "other_version": 0}
             _assert_counts_are_the_files(copy, blocks)
             assert set(acked) <= set(tier.keys())
             assert set(tier.keys()) <= set(sent)

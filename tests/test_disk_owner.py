@@ -273,10 +273,11 @@ def test_close_waits_for_a_check_with_fix_before_giving_the_directory_up(tmp_pat
     monkeypatch.undo()
     second = DiskTier(root, 1 << 20)
     try:
-        assert second.check(fix=True) == {"ok": 0, "corrupt": 1, "unreadable": 0}  # the one left unchecked
+        # the one left unchecked
+        assert second.check(fix=True) == {"ok": 0, "corrupt": 1, "unreadable": 0, "other_version": 0}
         for key, frame in frames:
             assert second.put(key, frame).stored is not None  # (both dropped: written again)
-        assert second.check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+        assert second.check() == {"ok": 2, "corrupt": 0, "unreadable": 0, "other_version": 0}
     finally:
         second.close()
 

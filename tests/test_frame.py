@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cacheseek as cs
-from cacheseek.errors import ChecksumError, FrameError
+from cacheseek.errors import ChecksumError, FrameError, FrameVersionError
 from cacheseek.store.frame import (
     ALIGN,
     MAGIC,
@@ -138,6 +138,27 @@ def test_hostile_headers_are_rejected_before_any_payload_access(mutate, match):
     mutate(header)
     with pytest.raises(FrameError, match=match):
         parse_frame(_forge(header, payload))
+
+
+@pytest.mark.parametrize("version, extra", [(2, {}), (0, {}), (2, {"added_later": [1, 2]}), (7, {"checksum": None})])
+def test_a_whole_frame_of_another_format_version_is_told_from_damage(version, extra):
+    """Another release's frame (whole under its header checksum, its header with fields this
+    release does not know) raises FrameVersionError: the tiers keep it, where damage goes."""
+    header, payload = _good_header()
+    header.update(v=version, **extra)
+    with pytest.raises(FrameVersionError, match=f"version {version} is not 1"):
+        parse_frame(_forge(header, payload))
+    with pytest.raises(FrameVersionError):
+        parse_header(_forge(header, payload))
+
+
+@pytest.mark.parametrize("v", [1.0, True, "2", None])
+def test_a_version_that_is_no_integer_is_damage(v):
+    header, payload = _good_header()
+    header.update(v=v)
+    with pytest.raises(FrameError, match="version") as got:
+        parse_frame(_forge(header, payload))
+    assert not isinstance(got.value, FrameVersionError)
 
 
 def test_huge_declared_header_length_is_rejected_without_allocating():

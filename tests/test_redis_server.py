@@ -510,3 +510,58 @@ def test_a_flush_takes_the_blocks_evicted_from_the_cpu_tier_into_redis_alone(tmp
         assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
         assert _served(c, mine, "t") == [404] * 3
         _no_500(srv)
+
+
+def test_a_frame_another_release_wrote_to_the_shared_redis_is_a_counted_miss_and_stays(tmp_path):
+    """A rolling upgrade: this server shares its Redis with another release that writes frames
+    of another format version. Each is a miss here, counted in ``foreign_version`` (stats and
+    /metrics), never a 500 and never deleted: deleting them, each release emptied the shared
+    tier of the other's frames."""
+    import prom_strict
+    import redis as redis_py
+    from server_helpers import raw_frame
+    from store_helpers import as_other_version
+
+    with _server_over_redis(tmp_path, cpu_bytes="0") as (redis, srv, c):
+        h, frame = raw_frame(71)
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        client = redis_py.Redis.from_url(redis.url)
+        (name,) = [k for k in client.keys("*") if h.hex().encode() in k and b":gen:" not in k]
+        theirs = as_other_version(client.get(name))
+        client.set(name, theirs)
+        for _ in range(2):
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+        stats = _redis_stats(srv)
+        assert stats["foreign_version"] >= 2 and stats["corrupt"] == 0
+        families = prom_strict.parse(c.get("/metrics").text)
+        assert prom_strict.value(families, "cacheseek_tier_foreign_version_frames_total", tier="redis") \
+            == stats["foreign_version"]
+        assert client.get(name) == theirs
+        _no_500(srv)
+
+
+def test_a_redis_value_over_the_servers_max_frame_bytes_is_a_corrupt_miss_never_read_whole(tmp_path):
+    """The server hands max_frame_bytes to its Redis tier as to its disk tier: a value under a
+    frame's name larger than it (damaged, or put there by hand) is a counted corrupt miss,
+    deleted, not a value every read of the block takes whole (up to Redis's 512 MB)."""
+    import redis as redis_py
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        env = _env(redis, CACHESEEK_MAX_FRAME_BYTES="1MiB")
+        with Server(tmp_path / "s", disk=False, cpu_bytes="0", env=env) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            h, frame = raw_frame(72)
+            assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            client = redis_py.Redis.from_url(redis.url)
+            (name,) = [k for k in client.keys("*") if h.hex().encode() in k and b":gen:" not in k]
+            client.set(name, frame + bytes(4 << 20))
+            sent = client.info("stats")["total_net_output_bytes"]
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+            # (what Redis sent the server for that read: at most 1 MiB and a byte of the value)
+            assert client.info("stats")["total_net_output_bytes"] - sent < (1 << 20) + (256 << 10)
+            assert _redis_stats(srv)["corrupt"] == 1 and client.exists(name) == 0
+            _no_500(srv)
+    finally:
+        redis.stop()

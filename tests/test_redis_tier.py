@@ -23,7 +23,7 @@ from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame
 from redis_servers import RedisCluster3, RedisServer, ReplyLosingProxy, free_port, needs_redis
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, as_other_version, assert_prefix_equal, make_cache, make_kv, tokens_for
 
 pytestmark = needs_redis
 
@@ -336,6 +336,68 @@ def test_a_corrupt_value_is_a_counted_miss_and_is_deleted(redis_url, server, dam
     redis = redis_stats(cache)
     assert redis["corrupt"] == 1 and redis["blocks"] == 2
     assert client.exists(name) == 0
+    assert cache.lookup(toks) == BLOCK
+
+
+def test_a_frame_of_another_format_version_is_a_counted_miss_and_stays(redis_url):
+    """A rolling upgrade: two releases share one Redis. A frame the other one wrote, whole,
+    is a miss here (counted ``foreign_version``, not ``corrupt``) and stays where it is for
+    that release: deleted, each release emptied the shared tier of the other's frames.
+    Neither served, nor promoted, nor read again and again within a materialize."""
+    toks, kv = tokens_for(21, 3 * BLOCK), make_kv(3 * BLOCK, 21)
+    writer = rcache(redis_url)
+    writer.ingest(toks, kv)
+    hashes = writer.block_hashes(toks)
+    client = writer.store.tier("redis")._connection()
+    name = RedisKeys().frame(hashes[1])
+    theirs = as_other_version(client.get(name))
+    client.set(name, theirs)
+    cache = rcache(redis_url, cpu="4MiB")  # (a CPU tier above: a hit below is promoted into it)
+    tier = cache.store.tier("redis")
+    counted = []
+    for _ in range(3):
+        assert_prefix_equal(cache.materialize(toks), kv, BLOCK)  # the prefix ends before it
+        redis = redis_stats(cache)
+        counted.append(redis["foreign_version"])
+        assert redis["corrupt"] == 0
+        assert client.get(name) == theirs and redis["blocks"] == 3  # kept, and counted in the shared budget
+    # (each materialize reads it the same few times: once, and once more from any tier, as any
+    # block found missing where it was located)
+    assert 1 <= counted[0] <= 2 and counted == [counted[0] * i for i in (1, 2, 3)]
+    assert not cache.store.tier("cpu").contains(hashes[1])
+    assert tier.info(hashes[1]) is None and client.get(name) == theirs
+    assert redis_stats(cache)["corrupt"] == 0
+
+
+def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_url):
+    """A value under a frame's name larger than the largest frame the reader makes (the
+    cache's configuration; a server's max_frame_bytes) is damage: each read took it whole
+    (up to Redis's 512 MB) before parsing it. Now at most one byte past the bound is read,
+    and the value is counted corrupt and deleted, as the disk tier does with such a file."""
+    toks, kv = tokens_for(22, 3 * BLOCK), make_kv(3 * BLOCK, 22)
+    cache = rcache(redis_url)
+    cache.ingest(toks, kv)
+    hashes = cache.block_hashes(toks)
+    bound = cache.block_format.max_frame_nbytes()
+    counting = count_round_trips(cache)
+    replies: list[int] = []
+    execute = _CountingPipeline.execute
+
+    def measuring(self, *args, **kwargs):
+        out = execute(self, *args, **kwargs)
+        replies.extend(len(r) for r in out if isinstance(r, bytes))
+        return out
+
+    client = counting.inner
+    name = RedisKeys().frame(hashes[1])
+    client.set(name, client.get(name) + bytes(4 << 20))
+    try:
+        _CountingPipeline.execute = measuring
+        assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
+    finally:
+        _CountingPipeline.execute = execute
+    assert replies and max(replies) <= bound + 1
+    assert redis_stats(cache)["corrupt"] == 1 and client.exists(name) == 0
     assert cache.lookup(toks) == BLOCK
 
 

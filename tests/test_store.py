@@ -16,7 +16,8 @@ from cacheseek.store.cpu import CpuTier
 from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
 from kivi_bounds import error_bound
-from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, disk_charge, make_cache, make_kv, tokens_for
+from store_helpers import (BLOCK, LAYOUT, as_other_version, assert_prefix_equal, disk_charge, make_cache, make_kv,
+                           tokens_for)
 
 FRAME = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
 TIER_SETUPS = {
@@ -298,7 +299,7 @@ def test_restart_removes_temp_files_orphans_and_bad_sidecars(tmp_path):
     removed = cache.stats()["tiers"][0]["removed_at_start"]
     assert removed == {"temp": 1, "orphan": 1, "bad_sidecar": 1}
     assert not orphan.exists() and not frames[1].exists()
-    assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 0, "unreadable": 0}
+    assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 0, "unreadable": 0, "other_version": 0}
 
 
 def test_restart_touches_nothing_the_tier_did_not_write(tmp_path):
@@ -423,6 +424,98 @@ def test_a_restart_leaves_another_format_versions_blocks_alone(tmp_path, caplog)
     assert stats["removed_at_start"] == {"temp": 0, "orphan": 0, "bad_sidecar": 0}
     warned = [r.getMessage() for r in caplog.records if "another format version" in r.getMessage()]
     assert len(warned) == 1 and str(tmp_path / "d") in warned[0] and "2 blocks" in warned[0]
+
+
+def test_a_disk_frame_of_another_format_version_is_a_counted_miss_kept_until_written_again(tmp_path):
+    """A downgrade over one directory: a newer release wrote a frame of its own format version
+    (its sidecar still of this one). Read here, it was damage: both files deleted, and the
+    newer release, back, had lost them. Now it is a counted miss (``foreign_version``), its
+    files kept and charged to the budget, out of the index (read once, not again at every
+    request: lookups stop at it), and written over when this release stores the block."""
+    import msgpack
+
+    root = tmp_path / "d"
+    toks, kv = tokens_for(23, 3 * BLOCK), make_kv(3 * BLOCK, 23)
+    first = make_cache(cpu=0, disk=root)
+    first.ingest(toks, kv)
+    hashes = first.block_hashes(toks)
+    first.close()
+    frame_path = next(p for p in _frame_files(root) if p.stem == hashes[1].hex())
+    side_path = frame_path.with_suffix(".meta")
+    theirs = as_other_version(frame_path.read_bytes())
+    frame_path.write_bytes(theirs)
+    side_path.write_bytes(msgpack.packb({**msgpack.unpackb(side_path.read_bytes()), "nbytes": len(theirs)}))
+    cache = make_cache(cpu=0, disk=root)
+    assert cache.lookup(toks) == 3 * BLOCK  # (a sidecar of this version: indexed at start)
+    assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
+    stats = cache.stats()["tiers"][0]
+    assert (stats["foreign_version"], stats["corrupt"]) == (1, 0)
+    assert frame_path.read_bytes() == theirs and side_path.exists()
+    assert stats["other_version_blocks"] == 1 and stats["other_version_bytes"] == disk_charge(len(theirs))
+    assert stats["blocks"] == 2 and cache.lookup(toks) == BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
+    assert cache.stats()["tiers"][0]["foreign_version"] == 1  # not read again
+    cache.ingest(toks, kv)  # this release's frame of the block, over the other one's
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+    stats = cache.stats()["tiers"][0]
+    assert stats["other_version_blocks"] == stats["other_version_bytes"] == 0 and stats["blocks"] == 3
+    assert parse_frame(frame_path.read_bytes()).block_hash == hashes[1]
+
+
+def test_a_disk_check_reports_a_frame_of_another_format_version_and_its_fix_keeps_it(tmp_path):
+    """``check(fix=True)`` dropped another release's frame as corrupt, as reads did: it is
+    reported apart now (``other_version``) and kept; the fix only sets it aside."""
+    import msgpack
+
+    root = tmp_path / "d"
+    toks, kv = tokens_for(26, 2 * BLOCK), make_kv(2 * BLOCK, 26)
+    first = make_cache(cpu=0, disk=root)
+    first.ingest(toks, kv)
+    hashes = first.block_hashes(toks)
+    first.close()
+    frame_path = next(p for p in _frame_files(root) if p.stem == hashes[1].hex())
+    side_path = frame_path.with_suffix(".meta")
+    theirs = as_other_version(frame_path.read_bytes())
+    frame_path.write_bytes(theirs)
+    side_path.write_bytes(msgpack.packb({**msgpack.unpackb(side_path.read_bytes()), "nbytes": len(theirs)}))
+    cache = make_cache(cpu=0, disk=root)
+    tier = cache.store.tier("disk")
+    assert tier.check(fix=True) == {"ok": 1, "corrupt": 0, "unreadable": 0, "other_version": 1}
+    assert frame_path.read_bytes() == theirs and side_path.exists()
+    assert cache.lookup(toks) == BLOCK and cache.stats()["tiers"][0]["other_version_blocks"] == 1
+    assert tier.check() == {"ok": 1, "corrupt": 0, "unreadable": 0, "other_version": 0}
+
+
+def test_blocks_of_another_format_version_are_charged_and_evicted_first(tmp_path):
+    """Blocks another release left in the directory (sidecars of another version) are left
+    alone, but no longer outside the budget for good: they count in it, and are the first
+    to go when room is needed, before any block this release reads. Uncounted, the
+    directory held them on top of disk_bytes until someone removed them by hand."""
+    import msgpack
+
+    root = tmp_path / "d"
+    toks, kv = tokens_for(24, 3 * BLOCK), make_kv(3 * BLOCK, 24)
+    first = make_cache(cpu=0, disk=root)
+    first.ingest(toks, kv)
+    held = first.stats()["tiers"][0]["used_bytes"]
+    first.close()
+    sidecars = sorted(p.with_suffix(".meta") for p in _frame_files(root))
+    for path in sidecars[:2]:
+        path.write_bytes(msgpack.packb({**msgpack.unpackb(path.read_bytes()), "v": 2}))
+    kept = sidecars[2]
+    cache = make_cache(cpu=0, disk=root, disk_bytes=held)  # room for the three, no more
+    assert cache.stats()["tiers"][0]["blocks"] == 1
+    assert all(p.exists() and p.with_suffix(".frame").exists() for p in sidecars)
+    before = cache.stats()["tiers"][0]
+    other, other_kv = tokens_for(25, 2 * BLOCK), make_kv(2 * BLOCK, 25)
+    cache.ingest(other, other_kv)
+    assert_prefix_equal(cache.materialize(other), other_kv, 2 * BLOCK)
+    assert not any(p.exists() or p.with_suffix(".frame").exists() for p in sidecars[:2])
+    assert kept.exists() and bytes.fromhex(kept.stem) in cache.store.tier("disk").keys()
+    assert before["other_version_blocks"] == 2 and before["used_bytes"] + before["other_version_bytes"] == held
+    stats = cache.stats()["tiers"][0]
+    assert stats["other_version_blocks"] == 0 and stats["other_version_evicted"] == 2
+    assert stats["used_bytes"] <= held
 
 
 @pytest.mark.parametrize(

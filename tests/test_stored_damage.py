@@ -145,7 +145,7 @@ def test_a_sidecar_that_disagrees_with_its_frame_is_damage_found_on_read(tmp_pat
     frame, side = _files(tmp_path, keys[1])
     side.write_bytes(msgpack.packb({**msgpack.unpackb(side.read_bytes()), field: value}))
     cache = make_cache(cpu=0, disk=tmp_path / "d")
-    assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 1, "unreadable": 0}
+    assert cache.store.tier("disk").check() == {"ok": 2, "corrupt": 1, "unreadable": 0, "other_version": 0}
     assert_prefix_equal(cache.materialize(toks), kv, BLOCK)  # the prefix ends before it
     disk = _disk(cache)
     assert disk["corrupt"] == 1 and disk["blocks"] == 2
@@ -358,7 +358,7 @@ def test_a_fifo_in_place_of_a_data_file_is_damage_not_a_read_that_never_ends(tmp
     if checking.is_alive():
         os.close(os.open(frame, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("check() waited on the pipe")
-    assert report == {"ok": 2, "corrupt": 1, "unreadable": 0}
+    assert report == {"ok": 2, "corrupt": 1, "unreadable": 0, "other_version": 0}
     done, got = threading.Event(), []
     reader = threading.Thread(target=lambda: (got.append(cache.materialize(toks)), done.set()), daemon=True)
     reader.start()

@@ -235,13 +235,17 @@ class ReadFailed(Exception):
     another size than expected, short, or refused by its ``check``); else the read could
     not be made (no descriptor or memory left, an I/O error), which says nothing of the
     file. ``missing``: the file was not there. ``shortage``: not made for want of a
-    descriptor or memory (``SHORTAGES``), which a moment later may be there again."""
+    descriptor or memory (``SHORTAGES``), which a moment later may be there again.
+    ``cause``: what the read's ``check`` raised, where it refused the file (the caller may
+    tell one kind of refusal from another: a frame of another format version is no damage)."""
 
-    def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True, shortage: bool = False) -> None:
+    def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True, shortage: bool = False,
+                 cause: BaseException | None = None) -> None:
         super().__init__(reason)
         self.missing = missing
         self.damaged = damaged
         self.shortage = shortage
+        self.cause = cause
 
     @classmethod
     def not_made(cls, reason: str, exc: BaseException) -> ReadFailed:
@@ -350,7 +354,7 @@ class ReadPool:
             except ReadFailed:
                 raise
             except Exception as exc:
-                raise ReadFailed(f"{path.name}: {exc}") from None
+                raise ReadFailed(f"{path.name}: {exc}", cause=exc) from None
         except BaseException as exc:
             if lease is not None:
                 lease.release()

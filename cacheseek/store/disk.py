@@ -38,11 +38,15 @@ stats says which path ran), the checksum computed in the reading thread as each 
 ``pin=True``) lent with a lease the caller releases once its copy to the device is done.
 
 At start the index is rebuilt from the sidecars alone (no payload is read), temp files and
-orphans are removed (blocks of another sidecar version are another release's: left alone), and blocks are re-indexed in the order of the sidecars' modification
-times, each chain tail first (the eviction policy's history of uses does not survive a restart).
+orphans are removed (blocks of another sidecar version are another release's: left alone,
+not indexed, but charged to the budget and the first evicted), and blocks are re-indexed in
+the order of the sidecars' modification times, each chain tail first (the eviction policy's
+history of uses does not survive a restart).
 Every read verifies the payload checksum, and that the frame's header says what its
 sidecar told the index: a corrupt or truncated frame, or a sidecar that disagrees with it,
-is a miss, and it is deleted and counted. A read that failed because its block was evicted or deleted after
+is a miss, and it is deleted and counted; a frame of another format version is a miss that
+sets the block aside as one of another sidecar version (counted in ``foreign_version``).
+A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
 again, and acknowledged, since. A victim handed down to the tier below is read first;
 where no descriptor or memory is left for that read it stays, and the write that needed
@@ -96,7 +100,7 @@ from pathlib import Path
 
 import msgpack
 
-from ..errors import ConfigError, FrameError, StorageError
+from ..errors import ConfigError, FrameError, FrameVersionError, StorageError
 from ..units import format_size
 from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up
 from .frame import HASH_SIZES, FrameMeta, parse_frame
@@ -259,6 +263,12 @@ class DiskTier(IndexedTier):
         self._unlinks = [0] * 256
         self._synced = [0] * 256
         self._batch = threading.local()  # ``batched_deletes``: the shards owed a sync at its end
+        # Blocks of another format version (another release's, over the same directory): key ->
+        # what their files take, oldest first. Left alone, not read, not in the index, but
+        # charged to the budget, and the first to go when room is needed (``_shed_others``).
+        self._others: dict[bytes, int] = {}
+        self._others_bytes = 0
+        self._others_evicted = 0
         try:
             created = not self.root.is_dir()
             self.root.mkdir(parents=True, exist_ok=True)
@@ -358,7 +368,7 @@ class DiskTier(IndexedTier):
         free = 0 if full else st.f_bavail * st.f_frsize
         with self._lock:
             self._fitted_at = time.monotonic()
-            held = self._index.used_bytes + (0 if at_start else self._reserved)
+            held = self._index.used_bytes + self._others_bytes + (0 if at_start else self._reserved)
             room = min(self.requested_bytes, held + int(free * (1 - FREE_SPACE_HEADROOM)))
             before = self.capacity_bytes
             if room == before or (at_start and room > before):
@@ -425,6 +435,7 @@ class DiskTier(IndexedTier):
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
         orphans: list[Path] = []
         foreign = other_version = 0
+        others: list[tuple[float, bytes, int]] = []
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
                             if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
@@ -445,6 +456,7 @@ class DiskTier(IndexedTier):
                     entry = self._load_sidecar(path, names)
                     if isinstance(entry, _OtherVersion):  # (_OTHER_VERSION: its one instance)
                         other_version += 1  # (its data file too is left, as handled)
+                        others.append(self._other_files(path))
                     elif isinstance(entry, str):
                         removed["bad_sidecar"] += 1
                         if removed["bad_sidecar"] <= LOGGED_AT_START:  # (said first: a crash now loses no word)
@@ -476,11 +488,13 @@ class DiskTier(IndexedTier):
                         self.name, foreign, self.root)
         if other_version:
             log.warning("%s tier: %d blocks in %s were written by another format version of the tier (sidecar "
-                        "version other than %d): left alone, neither read nor counted in the budget; remove them "
-                        "once no version that reads them runs here", self.name, other_version, self.root,
-                        SIDECAR_VERSION)
+                        "version other than %d): left alone and not read, but counted in the budget, and the first "
+                        "evicted when room is needed", self.name, other_version, self.root, SIDECAR_VERSION)
         for key, info in _oldest_first(found):
             self._index.add(key, info)
+        for _, key, charge in sorted(others):
+            self._others[key] = charge
+            self._others_bytes += charge
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed,
                           "other_version_at_start": other_version}
         if self._trim_at_open:
@@ -608,16 +622,19 @@ class DiskTier(IndexedTier):
                                 "it is kept", self.name, victim.hex(), exc)
                     raise _Unreadable(f"block {victim.hex()}, the next to evict, could not be read to hand it "
                                       f"down to the tier below ({exc}); it is kept") from None
-                if exc.damaged:
+                if isinstance(exc.cause, FrameVersionError):
+                    self._stats.foreign_version += 1  # (another release's: evicted, not handed down)
+                elif exc.damaged:
                     self._remove_files(victim)
                     self._index.remove(victim)
                     self._stats.corrupt += 1
                     log.warning("%s tier: block %s, the next to evict, is damaged on disk (%s): not handed down, "
                                 "its files removed", self.name, victim.hex(), exc)
                     return
-                self._stats.read_errors += 1
-                log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
-                            victim.hex(), exc)
+                else:
+                    self._stats.read_errors += 1
+                    log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
+                                victim.hex(), exc)
         self._remove_files(victim)
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
@@ -627,6 +644,7 @@ class DiskTier(IndexedTier):
         """Evict (into ``evicted``) until ``n`` bytes more fit or nothing is left to evict.
         Under the lock. A victim kept for a shortage (``_evict_one``) refuses the write that
         needed its room: ``StorageError``, counted in ``write_errors``."""
+        self._shed_others(self._index.used_bytes + self._reserved + n)
         while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
             try:
                 self._evict_one(evicted)
@@ -640,6 +658,7 @@ class DiskTier(IndexedTier):
         may together overshoot it; the last of them to be indexed evicts the excess. A
         victim kept for a shortage ends the trim: the tier stays over its budget until the
         next write trims, rather than lose a block (the write is committed: it stands)."""
+        self._shed_others(self._index.used_bytes)
         while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
             try:
                 self._evict_one(evicted)
@@ -700,6 +719,50 @@ class DiskTier(IndexedTier):
         except Exception as exc:  # whatever is wrong with one file, the tier starts without it
             return f"the sidecar cannot be read: {exc}"
 
+    def _other_files(self, side_path: Path) -> tuple[float, bytes, int]:
+        """(mtime, key, charge) of a block of another format version, from its files as they
+        are (its sidecar's fields are another release's: not read)."""
+        charge = 0
+        mtime = 0.0
+        for path in (side_path, side_path.with_suffix(".frame")):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            charge += round_up(max(st.st_size, 1), self.alloc_unit)
+            mtime = max(mtime, st.st_mtime)
+        return mtime, bytes.fromhex(side_path.stem), charge
+
+    def _set_aside(self, key: bytes, info: BlockInfo) -> bool:
+        """A block whose frame a read found of another format version (a sidecar of this one
+        beside it: a release that changed the frame alone): out of the index, its files kept
+        and still charged, as a block of another sidecar version is at start. Only if the
+        index still holds the entry read (see ``_drop_if_unchanged``). Under the lock."""
+        if self._index.get(key) is not info:
+            return False
+        self._index.remove(key)
+        self._others[key] = info.charge
+        self._others_bytes += info.charge
+        return True
+
+    def _forget_other(self, key: bytes) -> None:
+        """``key``'s block of another version leaves the budget: written over (this release
+        stores the block), or deleted. Under the lock."""
+        charge = self._others.pop(key, None)
+        if charge is not None:
+            self._others_bytes -= charge
+
+    def _shed_others(self, need: int) -> None:
+        """Remove blocks of another format version, oldest first, until ``need`` (the bytes
+        the caller counts: held, in flight and coming) fits beside those left. Under the lock.
+        They go first: no read here can use them, and another release may never come back for
+        them; left out of the budget, the directory held them on top of ``disk_bytes``."""
+        while self._others and need + self._others_bytes > self.capacity_bytes:
+            key = next(iter(self._others))
+            self._forget_other(key)
+            self._remove_files(key)
+            self._others_evicted += 1
+
     # -- writes --------------------------------------------------------------------------
 
     def put(self, key: bytes, frame: BlockFrame) -> TierPutResult:
@@ -745,6 +808,7 @@ class DiskTier(IndexedTier):
             pending = self._writing.get(key)
             if pending is None:
                 self._refuse_beside_pins(key, n)
+                self._forget_other(key)  # (its files are about to be written over)
                 self._make_room(n, evicted)
                 mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
@@ -812,6 +876,7 @@ class DiskTier(IndexedTier):
                 return evicted  # (one frame: its own claim makes the same room)
             if need > self.capacity_bytes or not self._fits_beside_pins(need):
                 return evicted
+            self._shed_others(self._index.used_bytes + self._reserved + need)
             while self._index.used_bytes + self._reserved + need > self.capacity_bytes and self._index.evictable:
                 try:
                     self._evict_one(evicted)
@@ -910,6 +975,7 @@ class DiskTier(IndexedTier):
             if (pending := self._writing.get(key)) is not None:
                 return pending
             self._refuse_beside_pins(key, n)
+            self._forget_other(key)  # (its files are about to be written over)
             self._make_room(n, evicted)
             if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
                 return None
@@ -1111,6 +1177,15 @@ class DiskTier(IndexedTier):
         cut short, the data file gone while its sidecar stayed); kept, and the read counted,
         when the read itself could not be made (no descriptor or memory left, an I/O error):
         a moment's shortage must not delete acknowledged blocks."""
+        if isinstance(done, ReadFailed) and isinstance(done.cause, FrameVersionError):
+            with self._lock:
+                self._stats.foreign_version += 1
+                aside = self._set_aside(key, info)
+                self._sync_counts()
+            if aside:
+                log.warning("%s tier: block %s was written by another format version (%s): not read, its files "
+                            "kept (counted in the budget, the first evicted)", self.name, key.hex(), done)
+            return None
         if isinstance(done, ReadFailed):
             if done.damaged:
                 dropped = False
@@ -1223,6 +1298,9 @@ class DiskTier(IndexedTier):
         with self._open_call():
             with self._lock:
                 deleted = self._index.remove(key) is not None
+                if not deleted and key in self._others:  # (another release's copy of the block: it goes too)
+                    self._forget_other(key)
+                    deleted = True
                 if deleted:
                     self._remove_files(key)
                     self._sync_counts()
@@ -1275,7 +1353,8 @@ class DiskTier(IndexedTier):
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, "frame_bytes": self._index.frame_bytes,
-               "alloc_unit": self.alloc_unit, **self._recovery,
+               "alloc_unit": self.alloc_unit, **self._recovery, "other_version_blocks": len(self._others),
+               "other_version_bytes": self._others_bytes, "other_version_evicted": self._others_evicted,
                "group_commit": self.group_commit, "group_commits": dict(self._group)}
         if hasattr(self, "_reads"):  # (not yet while recovering)
             out |= {**self._reads.stats(), "stream_buffers": self._stream_buffers.stats()}
@@ -1284,13 +1363,14 @@ class DiskTier(IndexedTier):
     def check(self, *, fix: bool = False) -> dict[str, int]:
         """Post-mortem: read and verify every frame. With ``fix``, drop the bad ones (corrupt,
         or the data file missing); a frame that could not be read (``unreadable``: no
-        descriptor or memory left, an I/O error) is kept.
+        descriptor or memory left, an I/O error) is kept, and so is one of another format
+        version (``other_version``: with ``fix``, out of the index, its files charged).
 
         Each block is checked inside a call ``close`` waits for: closed meanwhile, the check
         ends after the block in hand with ``_Closed`` (a report of part of the tier would
         read as all of it), and never touches the files once the directory is another
         owner's (its fix removed a block the next owner had written again)."""
-        report = {"ok": 0, "corrupt": 0, "unreadable": 0}
+        report = {"ok": 0, "corrupt": 0, "unreadable": 0, "other_version": 0}
         with self._open_call():
             keys = self.keys()
         for key in keys:
@@ -1313,6 +1393,13 @@ class DiskTier(IndexedTier):
             ok = meta.block_hash == key
             if ok:
                 _check_sidecar_agrees(meta, info)
+        except FrameVersionError:  # another release's: no damage; with ``fix``, set aside as a read does
+            if fix:
+                with self._lock:
+                    self._set_aside(key, info)
+                    self._sync_counts()
+            report["other_version"] += 1
+            return
         except (FileNotFoundError, FrameError):
             ok = False
         except (OSError, MemoryError):

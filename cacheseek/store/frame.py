@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 import xxhash
 
-from ..errors import ChecksumError, ConfigError, FrameError
+from ..errors import ChecksumError, ConfigError, FrameError, FrameVersionError
 from ..layout import KVLayout
 from ..quant.payload import BUFFER_DTYPES
 from ..quant.registry import codec_from_spec
@@ -312,10 +312,15 @@ def _parse_header(data: Any) -> FrameMeta:
         h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise FrameError(f"header is not valid msgpack: {exc}") from None
+    # The version before the keys: another release's header may hold other fields, and a
+    # frame of it, whole under its checksum, is not damage (a tier keeps it, uncounted as
+    # corrupt). ``type(...) is int``: msgpack's 1.0 and true compare equal to 1, and are not
+    # versions.
+    if isinstance(h, dict) and type(h.get("v")) is int and h["v"] != FORMAT_VERSION:
+        raise FrameVersionError(f"frame format version {h['v']} is not {FORMAT_VERSION}: written by another "
+                                "release")
     _expect(isinstance(h, dict) and h.keys() == _HEADER_KEYS, "header keys must be {}", _HEADER_KEYS_TEXT)
-    # ``type(...) is int``: msgpack's 1.0 and true compare equal to 1, and are not versions.
-    _expect(type(h["v"]) is int and h["v"] == FORMAT_VERSION, "frame format version {!r:.20} is not {}", h["v"],
-            FORMAT_VERSION)
+    _expect(type(h["v"]) is int, "frame format version {!r:.20} is not {}", h["v"], FORMAT_VERSION)
     for key in ("hash", "parent"):
         _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, "{}: not a 16- or 32-byte hash", key)
     _expect(len(h["hash"]) == len(h["parent"]), "hash and parent differ in size")

@@ -475,14 +475,19 @@ GEN_FENCE_SECONDS = 600
 # a frame's read, the header for ``info``'s). Its generation key, in a cluster, is left to
 # expire: a write in flight may have just stored its own.
 # KEYS[1]: the frame; ARGV[1]: its length as read (-1: a key of another type); ARGV[2]: its
-# first bytes as read.
+# first bytes as read; ARGV[3]: '1' where the read took only the first ARGV[1] bytes of a
+# longer value (one larger than any frame the reader reads): its length is at least that.
 DROP_FOUND_SCRIPT = """
 local kind = redis.call('TYPE', KEYS[1])['ok']
 if kind == 'none' then return 0 end
 local n = tonumber(ARGV[1])
 if n < 0 then
   if kind == 'string' then return 0 end
-elseif kind ~= 'string' or redis.call('STRLEN', KEYS[1]) ~= n then
+elseif kind ~= 'string' then
+  return 0
+elseif ARGV[3] == '1' and redis.call('STRLEN', KEYS[1]) < n then
+  return 0
+elseif ARGV[3] ~= '1' and redis.call('STRLEN', KEYS[1]) ~= n then
   return 0
 elseif #ARGV[2] > 0 and redis.call('GETRANGE', KEYS[1], 0, #ARGV[2] - 1) ~= ARGV[2] then
   return 0
@@ -628,12 +633,14 @@ class SharedIndex:
         frames = [self.keys.frame_of_member(m) for m in members]
         return client.execute_command("EVAL", DROP_UNCOUNTED_SCRIPT, 1 + len(frames), self.keys.sizes, *frames, *members)
 
-    def drop_found(self, client: Any, member: str, length: int, head: bytes) -> bool:
+    def drop_found(self, client: Any, member: str, length: int, head: bytes, *, at_least: bool = False) -> bool:
         """Delete the frame of ``member`` only if it is still the value a read found bad
-        (see :data:`DROP_FOUND_SCRIPT`): ``length`` (-1: a key of another type) and its first
-        bytes ``head``. Whether it went."""
+        (see :data:`DROP_FOUND_SCRIPT`): ``length`` (-1: a key of another type; with
+        ``at_least``, its least length: a value read only in part) and its first bytes
+        ``head``. Whether it went."""
         frame = self.keys.frame_of_member(member)
-        return bool(client.execute_command("EVAL", DROP_FOUND_SCRIPT, 1, frame, int(length), head))
+        return bool(client.execute_command("EVAL", DROP_FOUND_SCRIPT, 1, frame, int(length), head,
+                                           "1" if at_least else "0"))
 
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:

@@ -12,15 +12,18 @@ redis-py in a cluster); a batch put is three (STRLEN + index script; the SETs an
 victims' DELs; a check that the index still counts what was written); a touch is one
 (index script, plus ``PEXPIRE`` and a look at the pinned set when a TTL is set: a pin
 another process made meanwhile must not be left to expire), two with a TTL in a cluster
-(the look waits for the expiries there); a read is one
-pipelined ``GET``, plus an index call when a key is missing (to forget a ghost).
+(the look waits for the expiries there); a read is one pipelined ``GET`` (``GETRANGE``
+under ``max_frame_bytes``), plus an index call when a key is missing (to forget a ghost).
 
 Faults: every redis-py error is caught here. A read that fails is a miss, a write that
 fails raises ``StorageError`` (one result per frame in ``put_many``) and is counted as a
 dropped write. A circuit breaker stops calls after repeated connection failures or
 timeouts and lets a probe through after a backoff, so a Redis that is down costs each
 request nothing, and service resumes on its own once a probe succeeds. A frame that
-fails its checksum (or names another block) is a miss, and it is deleted and counted.
+fails its checksum (or names another block, or is larger than ``max_frame_bytes``: a read
+takes no more than one byte past it) is a miss, and it is deleted and counted. One of
+another format version is a counted miss that stays (another release sharing this Redis
+reads it).
 
 TTL: a block expires ``ttl_seconds`` after its last use (write or hit), not after its
 write: a touch refreshes it, so a chain in use keeps its head.
@@ -38,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..errors import ConfigError, FrameError, StorageError, TierUnavailable
+from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, TierUnavailable
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
@@ -127,9 +130,20 @@ class RedisTier(Tier):
         breaker: CircuitBreaker | None = None,
         client_retries: int = 1,
         pin_lease_seconds: float = PIN_LEASE_SECONDS,
+        max_frame_bytes: int | None = None,
         name: str = "redis",
     ) -> None:
+        """``max_frame_bytes``: the largest frame the tier's owner writes or reads (a cache's
+        configuration makes frames of one size; a server takes none larger than its limit).
+        A read takes at most one byte more of a value (``GETRANGE``): a larger one is damage,
+        counted and deleted, found without taking it whole (up to Redis's 512 MB, each read).
+        None: values are read whole (``GET``)."""
         super().__init__(name, capacity_bytes)
+        if max_frame_bytes is not None and (isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int)
+                                            or max_frame_bytes < PREAMBLE.size):
+            raise ConfigError(f"redis max_frame_bytes: must be an int >= {PREAMBLE.size}, or None, "
+                              f"got {max_frame_bytes!r}")
+        self.max_frame_bytes = max_frame_bytes
         if not (isinstance(capacity_bytes, int) and capacity_bytes > 0):
             raise ConfigError(f"redis_bytes: must be > 0 bytes, got {capacity_bytes!r}")
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not 0 < ttl_seconds <= MAX_TTL_SECONDS):
@@ -321,7 +335,7 @@ class RedisTier(Tier):
         victims = [m for m in update.evicted if m not in own]  # other blocks this batch pushed out
         n_get = len(victims) if self.demote_evicted else 0
         for m in victims[:n_get]:
-            pipe.get(keys.frame_of_member(m))
+            self._queue_read(pipe, keys.frame_of_member(m))
         sets: list[int] = []
         sent: set[str] = set()
         refresh: list[str] = []  # present, unpinned: a write restarts their expiry
@@ -368,7 +382,7 @@ class RedisTier(Tier):
         except _redis_errors() as exc:
             self._owe_drops(dels, update.gens, exc)
             raise
-        datas = replies[:n_get] if n_get else [None] * len(victims)
+        datas = [self._value(r) for r in replies[:n_get]] if n_get else [None] * len(victims)
         replies = replies[n_get + n_del + n_gen :]
         refused = []
         for i, reply in zip(sets, replies):
@@ -567,8 +581,7 @@ class RedisTier(Tier):
             return []
         start = time.perf_counter()
         try:
-            datas = self._run(lambda c: self._pipelined(c, "get", [self.keys_of.frame(k) for k in keys],
-                                                        per_key_errors=True))
+            datas = self._run(lambda c: self._read_values(c, [self.keys_of.frame(k) for k in keys]))
         except StorageError:
             with self._lock:
                 self._faults.read_errors += 1
@@ -588,6 +601,31 @@ class RedisTier(Tier):
         if absent:
             self._repair_ghosts(absent)
         return out
+
+    def _queue_read(self, pipe: Any, name: str) -> None:
+        """Queue the read of a frame's value: whole (``GET``), or, under ``max_frame_bytes``,
+        its first ``max_frame_bytes + 1`` bytes (``GETRANGE``: as cheap as a ``GET`` on
+        loopback, one command a key still), so that a larger value is known for what it is
+        without being taken whole. ``_value`` reads the reply."""
+        if self.max_frame_bytes is None:
+            pipe.get(name)
+        else:
+            pipe.getrange(name, 0, self.max_frame_bytes)
+
+    def _value(self, reply: Any) -> Any:
+        """A ``_queue_read`` reply as a ``GET``'s: ``GETRANGE`` answers an empty string for a
+        key that is not there (no frame is empty)."""
+        return None if self.max_frame_bytes is not None and reply == b"" else reply
+
+    def _read_values(self, client: Any, names: Sequence[str]) -> list[Any]:
+        """The values of frames ``names`` (``_queue_read``), one round trip; an error Redis
+        answers for one key comes back in its place (a connection error still raises)."""
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            self._queue_read(pipe, name)
+        replies = pipe.execute(raise_on_error=False)
+        self._raise_unavailable(replies)
+        return [self._value(r) for r in replies]
 
     def _repair_ghosts(self, keys: Sequence[bytes]) -> None:
         """Forget the index entries of blocks a read found without a value (expired, or
@@ -615,7 +653,8 @@ class RedisTier(Tier):
 
     def _decode(self, key: bytes, data: Any, *, drop_corrupt: bool = True) -> BlockFrame | None:
         """Parse and verify a frame read from Redis; a bad one (or an error reply in its
-        place) is counted (and deleted)."""
+        place) is counted (and deleted). One of another format version is counted
+        (``foreign_version``) and kept: another release sharing this Redis reads it."""
         if data is None:
             return None
         if isinstance(data, BaseException) and not str(data).startswith("WRONGTYPE"):
@@ -627,29 +666,41 @@ class RedisTier(Tier):
         try:
             if isinstance(data, BaseException):  # a key of another type under the frame's name
                 raise FrameError(f"Redis answered {type(data).__name__}: {str(data)[:80]}")
+            if self.max_frame_bytes is not None and len(data) > self.max_frame_bytes:
+                raise FrameError(f"the value is larger than any frame read here ({self.max_frame_bytes} bytes)")
             meta = parse_frame(data, verify=True)
             if meta.block_hash != key:
                 raise FrameError("frame header names another block")
+        except FrameVersionError:
+            # Not this release's to judge: neither served, nor deleted (its writer counted it
+            # in the shared index, whose LRU evicts it as any block).
+            self.count(foreign_version=1)
+            return None
         except FrameError:
-            if drop_corrupt:
-                found = (-1, b"") if isinstance(data, BaseException) else (len(data), data)
-                self._drop_corrupt(key, *found)
-            else:
+            if not drop_corrupt:
                 self.count(corrupt=1)
+            elif isinstance(data, BaseException):
+                self._drop_corrupt(key, -1, b"")
+            elif self.max_frame_bytes is not None and len(data) > self.max_frame_bytes:
+                # (read in part: fenced by its least length and its first bytes, not sent back whole)
+                self._drop_corrupt(key, len(data), bytes(data[:HEADER_PROBE_NBYTES]), at_least=True)
+            else:
+                self._drop_corrupt(key, len(data), data)
             return None
         return BlockFrame(meta, host=memoryview(data), sealed=True)
 
-    def _drop_corrupt(self, key: bytes, length: int, head: bytes) -> None:
+    def _drop_corrupt(self, key: bytes, length: int, head: bytes, *, at_least: bool = False) -> None:
         """Count a value a read found bad, delete it and forget its block. Fenced: another
         process may have put the block since the read (written over, acknowledged), so only
-        the value found bad goes (``length``, -1 for a key of another type, and its first
-        bytes ``head`` as read), and the index forgets the block only if that value went."""
+        the value found bad goes (``length``, -1 for a key of another type, or with
+        ``at_least`` the least length of one read in part, and its first bytes ``head`` as
+        read), and the index forgets the block only if that value went."""
         with self._lock:
             self._stats.corrupt += 1
         member = RedisKeys.member(key)
 
         def drop(c: Any) -> None:
-            if self._index.drop_found(c, member, length, head):
+            if self._index.drop_found(c, member, length, head, at_least=at_least):
                 self._settle(c, SharedIndex.parse(self._index.queue(c, forget=[member])))
 
         try:
@@ -738,9 +789,14 @@ class RedisTier(Tier):
         if size == 0:
             return None
         try:
+            if self.max_frame_bytes is not None and size > self.max_frame_bytes:
+                raise FrameError(f"the value is larger than any frame read here ({self.max_frame_bytes} bytes)")
             meta = parse_header(head)
             if meta.block_hash != key or meta.nbytes != size:
                 raise FrameError("frame header disagrees with its key or its length")
+        except FrameVersionError:
+            self.count(foreign_version=1)  # (another release's: kept, see ``_decode``)
+            return None
         except FrameError:
             self._drop_corrupt(key, size, head)
             return None

@@ -128,6 +128,9 @@ class TierStats:
     bytes_in: int = 0
     bytes_out: int = 0
     corrupt: int = 0
+    # Frames of another format version found (another release's, sharing the storage): a
+    # miss that keeps them (``FrameVersionError``), where a corrupt frame is deleted.
+    foreign_version: int = 0
     # Reads that failed for want of a descriptor, memory, or an I/O error: nothing removed (but a
     # victim read to hand it down after an I/O error: ``DiskTier._evict_one``).
     read_errors: int = 0
