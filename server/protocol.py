@@ -366,6 +366,13 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 # as if they were the frame.
                 self.send_error_and_close(*refused)
                 return
+            hosts = sum(1 for name, _ in self.headers if name == b"host")
+            if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
+                # RFC 9112 3.2. Neither was refused: a request without Host was served, and
+                # one with two, which a front before this server may have read as the other.
+                self.send_error_and_close(b"400 Bad Request", "an HTTP/1.1 request needs exactly one Host header, "
+                                          f"this one has {hosts}")
+                return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the
                 # new protocol's), and this server upgrades to none: the route would read no
