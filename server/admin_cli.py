@@ -68,10 +68,20 @@ def whole_answer(client: httpx.Client, method: str, url: str, seconds: float, **
         return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
 
 
+def parse_json(response: httpx.Response) -> Any:
+    """The answer's body as JSON; ``ValueError`` where it is not. JSON nested past Python's
+    recursion limit (100 KB of ``[``) raised ``RecursionError`` out of the parser, which
+    ended a command in a traceback."""
+    try:
+        return response.json()
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def reason(response: httpx.Response) -> str:
     """A server's reason for an answer, short: its JSON ``error``, else the start of the body."""
     try:
-        body = response.json()
+        body = parse_json(response)
     except ValueError:
         body = None
     if isinstance(body, dict) and "error" in body:
@@ -185,9 +195,10 @@ def main(args: Any) -> int:
             worst = max(worst, 1)
             continue
         try:
-            body = r.json()
-            table = None if args.json else _table(args.admin_command, body)
-        except (ValueError, KeyError, TypeError, AttributeError):
+            body = parse_json(r)
+            # (printed once every server is asked, made now: dumping JSON nests as deep as parsing it)
+            table = json.dumps({"url": url, "answer": body}) if args.json else _table(args.admin_command, body)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             # A wrong port or a proxy's page: said as such, not a traceback from the table.
             print(f"cacheseek admin: {url}: {r.status_code} with an answer that is not CacheSeek's "
                   f"({reason(r)}): is this a CacheSeek server?", file=sys.stderr)
@@ -200,13 +211,10 @@ def main(args: Any) -> int:
                    else "its pins file could not be written: see its log")
             print(f"cacheseek admin: {url}: {args.admin_command}ned until the server restarts only ({why})",
                   file=sys.stderr)
-    for url, (body, table) in answers.items():
-        if args.json:
-            print(json.dumps({"url": url, "answer": body}))
-        else:
-            if len(answers) > 1:
-                print(f"# {url}")
-            print(table)
+    for url, (_, table) in answers.items():
+        if len(answers) > 1 and not args.json:
+            print(f"# {url}")
+        print(table)
     return worst
 
 

@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import _size, reason, token_problem, url_problem, whole_answer
+from .admin_cli import _size, parse_json, reason, token_problem, url_problem, whole_answer
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -108,10 +108,10 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
             try:
                 if not response.is_success:
                     raise ValueError(response.status_code)
-                stats = response.json()
+                stats = parse_json(response)
                 now = time.monotonic()
                 frame = render(stats, prev, now - prev_at, url)
-            except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+            except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError, RecursionError):
                 # A wrong port or a proxy's page: said as such, not a traceback.
                 print(f"cacheseek top: {url}/v1/stats answered {response.status_code} with no CacheSeek stats "
                       f"({reason(response)}): is this a CacheSeek server?", file=sys.stderr)

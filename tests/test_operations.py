@@ -816,7 +816,7 @@ def test_the_start_up_summary_says_the_url_a_client_uses():
 @pytest.fixture()
 def not_cacheseek():
     """A plain HTTP server, as a wrong port or a proxy's error page looks: /v1/stats a 404
-    until ``pages`` names a body for it."""
+    until ``pages`` names a body for it (or a status and a body)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     pages: dict[str, bytes] = {}
@@ -824,7 +824,8 @@ def not_cacheseek():
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             body = pages.get(self.path)
-            self.send_response(200 if body is not None else 404)
+            status, body = body if isinstance(body, tuple) else (200 if body is not None else 404, body)
+            self.send_response(status)
             body = body if body is not None else b"<html>not found</html>"
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -876,6 +877,27 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
         rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
         assert rc == 2 and "--interval must be a finite number of seconds > 0" in err, (interval, rc, err)
+
+
+def test_top_and_admin_say_deeply_nested_json_is_not_cacheseeks_answer(not_cacheseek, capsys):
+    """JSON nested past Python's recursion limit (100,000 ``[``, 100 KB) from a server, or
+    anything at its URL, ended `cacheseek admin` and `cacheseek top` in a RecursionError
+    traceback: on a 2xx from its parse, on an error status from the reason read out of it.
+    It is an answer that is not CacheSeek's: exit 1, one line."""
+    from cacheseek.server.cli import main
+
+    url, pages = not_cacheseek
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for status in (200, 500, 403):
+        pages["/v1/stats"] = pages["/v1/admin/pins"] = (status, deep)
+        pages["/v1/admin/models"] = (status, b'{"error": ' + deep + b"}")
+        for argv in (["top", "--url", url, "--once"], ["admin", "--url", url, "--token", "x", "pins"],
+                     ["admin", "--url", url, "--token", "x", "--json", "pins"],
+                     ["admin", "--url", url, "--token", "x", "models"]):
+            rc = main(argv)
+            err = capsys.readouterr().err
+            assert rc == 1 and "Traceback" not in err and "Recursion" not in err, (status, argv, rc, err)
+            assert err.count("\n") == 1 and len(err) < 400, err
 
 
 def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachable(capsys):
