@@ -69,7 +69,8 @@ class BulkTransport(httpx.BaseTransport):
                  verify: bool | str | os.PathLike | ssl.SSLContext = True, proxy: str | None = None,
                  trust_env: bool = True, exchange_timeout: float | None = None) -> None:
         """``exchange_timeout``: the longest one exchange may take, from its request's first
-        byte to its answer's last (None: no bound). httpx's timeouts bound each read and
+        byte to its answer's last (None: no bound); a new connection's connect and TLS
+        handshake are held to what is left of it too. httpx's timeouts bound each read and
         write alone, so a peer that sends a byte now and then within them would otherwise
         hold the caller for good. Not applied through a proxy (httpx's transport)."""
         self.chunk_bytes = chunk_bytes
@@ -129,7 +130,7 @@ class BulkTransport(httpx.BaseTransport):
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
         lease = _Lease(self, _pool_key(request.url), timeouts)
         try:
-            lease.sock, reused = self._connect(lease.key, timeouts, request, fresh=fresh)
+            lease.sock, reused = self._connect(lease.key, lease.connect_timeouts(timeouts), request, fresh=fresh)
             send_error: BaseException | None = None
             lease.sock.settimeout(timeouts.get("write"))
             try:
@@ -300,6 +301,15 @@ class _Lease:
         op = self.write_timeout if write else self.read_timeout
         assert self.sock is not None
         self.sock.settimeout(left if op is None else min(op, left))
+
+    def connect_timeouts(self, timeouts: dict) -> dict:
+        """``timeouts`` with the connect's (and a TLS handshake's) cut to the exchange's
+        deadline: a command with one deadline for its answer (``cacheseek admin``) keeps it."""
+        if self.deadline is None:
+            return timeouts
+        left = max(self.deadline - time.monotonic(), 1e-3)
+        connect = timeouts.get("connect")
+        return {**timeouts, "connect": left if connect is None else min(connect, left)}
 
     def pace_write(self) -> None:
         self.pace(write=True)

@@ -26,6 +26,7 @@ import httpx
 
 from cacheseek.errors import InputError
 from cacheseek.hashing import NAMESPACE_PATTERN, from_hex
+from cacheseek.transport import BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 
@@ -51,21 +52,33 @@ def token_problem(token: str) -> str | None:
     return f"holds {bad!r}, which no HTTP header carries (printable ASCII only)"
 
 
+def answer_client(seconds: float, **kw: Any) -> httpx.Client:
+    """A client whose every exchange, from connecting to the answer's last byte, is held to
+    ``seconds`` (``BulkTransport``'s ``exchange_timeout``). httpx's timeouts bound each read:
+    a server, or anything at its URL, sending the answer's head a byte now and then held a
+    command for as long as it liked. Through a proxy (httpx's own transport) the head is
+    bounded per read only; the body, by ``whole_answer``, either way."""
+    # httpx's trust store (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), as the commands had.
+    transport = BulkTransport(max_connections=4, verify=httpx.create_ssl_context(), exchange_timeout=seconds)
+    return httpx.Client(transport=transport, timeout=seconds, **kw)
+
+
 def whole_answer(client: httpx.Client, method: str, url: str, seconds: float, **kw: Any) -> httpx.Response:
-    """The answer to ``method url``, its body read within about ``seconds`` of the request
-    (``httpx.ReadTimeout`` past them). httpx's timeout bounds each read: a server or proxy
-    sending a byte now and then held a command for as long as it liked. (The head is still
-    bounded per read, and by the parser's limit on its size.)"""
+    """The answer to ``method url``, read whole within about ``seconds`` of the request
+    (``httpx.ReadTimeout`` past them; ``client``: an ``answer_client``)."""
     deadline = time.monotonic() + seconds
-    with client.stream(method, url, timeout=seconds, **kw) as r:
-        body = bytearray()
-        length = r.headers.get("content-length")
-        for chunk in r.iter_raw():
-            body += chunk
-            # (An answer that came whole just past the deadline, a long flush's, is taken.)
-            if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
-                raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=r.request)
-        return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
+    try:
+        with client.stream(method, url, timeout=seconds, **kw) as r:
+            body = bytearray()
+            length = r.headers.get("content-length")
+            for chunk in r.iter_raw():
+                body += chunk
+                # (An answer that came whole just past the deadline, a long flush's, is taken.)
+                if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
+                    raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=r.request)
+            return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
+    except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:  # (the transport's deadline, or a read's own)
+        raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=exc.request) from None
 
 
 def parse_json(response: httpx.Response) -> Any:
@@ -177,7 +190,7 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            with httpx.Client() as client:
+            with answer_client(args.timeout) as client:
                 r = whole_answer(client, method, url.rstrip("/") + path, args.timeout, headers=headers,
                                  **{k: v for k, v in kw.items() if k != "headers"})
         except httpx.ReadTimeout:

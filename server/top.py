@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import _size, parse_json, reason, token_problem, url_problem, whole_answer
+from .admin_cli import _size, answer_client, parse_json, reason, token_problem, url_problem, whole_answer
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -93,7 +93,7 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prev, prev_at, shown = None, 0.0, 0
     clear = CLEAR if out.isatty() else ""
-    with httpx.Client(base_url=url.rstrip("/"), headers=headers) as client:
+    with answer_client(ANSWER_SECONDS, base_url=url.rstrip("/"), headers=headers) as client:
         while iterations is None or shown < iterations:
             started = time.monotonic()
             try:

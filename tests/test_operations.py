@@ -968,6 +968,18 @@ def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cache
 def trickling():
     """A server that answers at once, then sends its body a byte at a time, each well within
     any read timeout: the whole answer takes about 40 s."""
+    yield from _trickler(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n",
+                         b" " * 200)
+
+
+@pytest.fixture()
+def trickling_head():
+    """A server that sends its answer's head a byte at a time, each well within any read
+    timeout: the head takes about 40 s."""
+    yield from _trickler(b"", b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 200 + b"\r\nContent-Length: 2\r\n\r\n[]")
+
+
+def _trickler(at_once: bytes, trickled: bytes):
     import socket
 
     listener = socket.socket()
@@ -979,11 +991,11 @@ def trickling():
         with conn:
             try:
                 conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n")
-                for _ in range(200):
+                conn.sendall(at_once)
+                for i in range(len(trickled)):
                     if stop.wait(0.2):
                         return
-                    conn.sendall(b" ")
+                    conn.sendall(trickled[i : i + 1])
             except OSError:
                 pass
 
@@ -1023,3 +1035,24 @@ def test_admin_and_top_bound_the_whole_answer_not_each_read(trickling, capsys):
     err = capsys.readouterr().err
     assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
     assert time.monotonic() - start < 10
+
+
+def test_admin_and_top_bound_the_answers_head_too(trickling_head, capsys):
+    """``--timeout`` (and top's 10 s) bounded the answer's body whole, but its head only per
+    read: a server (or anything at its URL) sending the head's bytes one by one held the
+    command for as long as it liked. The whole exchange is bounded now."""
+    from cacheseek.server import top
+    from cacheseek.server.cli import main
+
+    start = time.monotonic()
+    rc = main(["admin", "--url", trickling_head, "--token", "x", "--timeout", "1", "namespaces"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no answer within 1 s" in err and "Traceback" not in err, (rc, err)
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(top, "ANSWER_SECONDS", 1.0)
+        rc = main(["top", "--url", trickling_head, "--once"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
+    assert time.monotonic() - start < 5
