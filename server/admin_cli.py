@@ -29,6 +29,9 @@ from cacheseek.hashing import NAMESPACE_PATTERN, from_hex
 from cacheseek.transport import BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+# The longest answer read: a CacheSeek answer to these commands is a few KiB to a few MiB
+# (a usage table, every pin, /v1/stats with its owners).
+MAX_ANSWER_BYTES = 256 << 20
 
 
 def url_problem(url: str) -> str | None:
@@ -63,15 +66,26 @@ def answer_client(seconds: float, **kw: Any) -> httpx.Client:
     return httpx.Client(transport=transport, timeout=seconds, **kw)
 
 
+class AnswerTooLarge(ValueError):
+    """An answer longer than any of CacheSeek's (``MAX_ANSWER_BYTES``)."""
+
+
 def whole_answer(client: httpx.Client, method: str, url: str, seconds: float, **kw: Any) -> httpx.Response:
     """The answer to ``method url``, read whole within about ``seconds`` of the request
-    (``httpx.ReadTimeout`` past them; ``client``: an ``answer_client``)."""
+    (``httpx.ReadTimeout`` past them; ``client``: an ``answer_client``), and at most
+    ``MAX_ANSWER_BYTES`` long (``AnswerTooLarge``: a server, or anything at its URL, sending
+    without end filled the command's memory until the deadline, gigabytes on a fast link)."""
     deadline = time.monotonic() + seconds
+    too_large = f"an answer over {_size(MAX_ANSWER_BYTES)}, which no CacheSeek answer is"
     try:
         with client.stream(method, url, timeout=seconds, **kw) as r:
             body = bytearray()
             length = r.headers.get("content-length")
+            if length and length.isdigit() and int(length) > MAX_ANSWER_BYTES:
+                raise AnswerTooLarge(too_large)
             for chunk in r.iter_raw():
+                if len(body) + len(chunk) > MAX_ANSWER_BYTES:
+                    raise AnswerTooLarge(too_large)
                 body += chunk
                 # (An answer that came whole just past the deadline, a long flush's, is taken.)
                 if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
@@ -202,6 +216,10 @@ def main(args: Any) -> int:
         except httpx.HTTPError as exc:
             print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
             worst = max(worst, 3)
+            continue
+        except AnswerTooLarge as exc:
+            print(f"cacheseek admin: {url}: {exc}: is this a CacheSeek server?", file=sys.stderr)
+            worst = max(worst, 1)
             continue
         if not r.is_success:
             print(f"cacheseek admin: {url}: {r.status_code}: {reason(r)}", file=sys.stderr)

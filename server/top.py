@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import _size, answer_client, parse_json, reason, token_problem, url_problem, whole_answer
+from .admin_cli import AnswerTooLarge, _size, answer_client, parse_json, reason, token_problem, url_problem, whole_answer
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -101,6 +101,9 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
             except httpx.HTTPError as exc:
                 print(f"cacheseek top: cannot reach {url}: {exc}", file=sys.stderr)
                 return 3
+            except AnswerTooLarge as exc:
+                print(f"cacheseek top: {url}/v1/stats answered with {exc}: is this a CacheSeek server?", file=sys.stderr)
+                return 1
             if response.status_code in (401, 403):
                 print(f"cacheseek top: {response.status_code}: {reason(response)} "
                       "(give a read token: --token or CACHESEEK_TOKEN)", file=sys.stderr)

@@ -1056,3 +1056,69 @@ def test_admin_and_top_bound_the_answers_head_too(trickling_head, capsys):
     err = capsys.readouterr().err
     assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
     assert time.monotonic() - start < 5
+
+
+@pytest.fixture()
+def endless():
+    """A server whose answer never ends, sent as fast as loopback takes it: a declared
+    length of 1 TiB, or chunked."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+    heads = {"length": b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n",
+             "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"}
+    how = {"head": "length"}
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(heads[how["head"]])
+                piece = b"[" * (1 << 20)
+                chunk = b"%x\r\n" % len(piece) + piece + b"\r\n" if how["head"] == "chunked" else piece
+                while not stop.is_set():
+                    conn.sendall(chunk)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", how
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_admin_and_top_hold_no_more_of_an_answer_than_a_cacheseek_answer_can_be(endless, capsys):
+    """An answer was read into memory whole until ``--timeout``: a server (or anything at its
+    URL) sending without end at loopback speed made `cacheseek admin` hold gigabytes (and
+    `top`, 10 s of them every refresh). Past ``MAX_ANSWER_BYTES`` it is not CacheSeek's:
+    exit 1 at once, one line."""
+    from cacheseek.server import admin_cli
+    from cacheseek.server.cli import main
+
+    url, how = endless
+    from cacheseek.server import top
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admin_cli, "MAX_ANSWER_BYTES", 4 << 20)
+        mp.setattr(top, "ANSWER_SECONDS", 2.0)  # (and --timeout 2: the bound before, gigabytes read by then)
+        for head in ("length", "chunked"):
+            how["head"] = head
+            for argv in (["admin", "--url", url, "--token", "x", "--timeout", "2", "pins"], ["top", "--url", url, "--once"]):
+                start = time.monotonic()
+                rc = main(argv)
+                err = capsys.readouterr().err
+                assert rc == 1 and "over 4.00 MiB" in err and "Traceback" not in err, (head, argv, rc, err)
+                assert err.count("\n") == 1 and time.monotonic() - start < 5, (err, time.monotonic() - start)
