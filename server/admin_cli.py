@@ -105,6 +105,15 @@ def parse_json(response: httpx.Response) -> Any:
         raise ValueError("JSON nested too deeply") from None
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\x1b``). A server's
+    words (a reason, a name) went to the terminal as sent: escape sequences in them could
+    retitle the window, clear the screen or hide lines."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def reason(response: httpx.Response) -> str:
     """A server's reason for an answer, short: its JSON ``error``, else the start of the body."""
     try:
@@ -112,7 +121,7 @@ def reason(response: httpx.Response) -> str:
     except ValueError:
         body = None
     if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
+        return printable(str(body["error"]))
     text = " ".join(response.text.split())
     return repr(text[:80] + ("..." if len(text) > 80 else "")) if text else "(empty body)"
 
@@ -278,7 +287,7 @@ def _table(cmd: str, body: Any) -> str:
                 inner = "(unattributed)" if sub[within] is None else (sub[within] or unnamed)
                 lines.append(f"{'':<28}{inner:<28}{sub['blocks']:>10,}{_size(sub['used_bytes']):>14}"
                              f"{_size(sub['raw_bytes']):>14}")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
     if cmd == "pins":
         lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'bytes':>14}  expires"]
         for pin in body:
@@ -287,5 +296,5 @@ def _table(cmd: str, body: Any) -> str:
                 expires += " (not made yet: Redis unreachable at the server's start)"
             lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
                          f"{_size(pin['bytes']):>14}  {expires}")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
     return json.dumps(body)

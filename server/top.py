@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import AnswerTooLarge, _size, answer_client, parse_json, reason, token_problem, url_problem, whole_answer
+from .admin_cli import (AnswerTooLarge, _size, answer_client, parse_json, printable, reason, token_problem, url_problem,
+                        whole_answer)
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -79,7 +80,7 @@ def render(stats: dict[str, Any], prev: dict[str, Any] | None, dt: float, url: s
         for u in usage[:10]:
             ns = "(unattributed)" if u["namespace"] is None else (u["namespace"] or "(default)")
             lines.append(f"{ns[:23]:<24}{(u['model'] or '-')[:23]:<24}{u['blocks']:>9,}{_size(u['used_bytes']):>12}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)  # (names and the version are the server's words)
 
 
 def _num(x: float | None) -> str:

@@ -900,6 +900,35 @@ def test_top_and_admin_say_deeply_nested_json_is_not_cacheseeks_answer(not_cache
             assert err.count("\n") == 1 and len(err) < 400, err
 
 
+def test_top_and_admin_print_no_control_characters_a_server_sent(not_cacheseek, capsys):
+    """A server's words (an error's reason, a version, a tier's, namespace's or model's name)
+    went to the terminal as sent: a server, or anything at its URL, could write escape
+    sequences there (retitle the window, clear the screen, hide lines). They are printed
+    escaped (``\\x1b``)."""
+    import io
+
+    from cacheseek.server import top
+    from cacheseek.server.cli import main
+
+    url, pages = not_cacheseek
+    evil = "\x1b]0;owned\x07\x1b[2J\r"
+    pages["/v1/admin/pins"] = (403, json.dumps({"error": evil}).encode())
+    pages["/v1/admin/namespaces"] = json.dumps([{"namespace": evil, "blocks": 1, "used_bytes": 1, "raw_bytes": 1,
+                                                 "models": [{"model": evil, "blocks": 1, "used_bytes": 1,
+                                                             "raw_bytes": 1}]}]).encode()
+    tier = {"name": evil, "used_bytes": 1, "capacity_bytes": 2, "blocks": 1, "hits": 0, "misses": 0, "evictions": 0,
+            "corrupt": 0}
+    pages["/v1/stats"] = json.dumps({"version": evil, "tiers": [tier], "namespaces": [
+        {"namespace": evil, "model": evil, "blocks": 1, "used_bytes": 1}]}).encode()
+    assert main(["admin", "--url", url, "--token", "x", "pins"]) == 1
+    assert main(["admin", "--url", url, "--token", "x", "namespaces"]) == 0
+    out = io.StringIO()
+    assert top.run(url, iterations=1, out=out) == 0
+    captured = capsys.readouterr()
+    for text in (captured.err, captured.out, out.getvalue()):
+        assert "\\x1b]0;owned" in text and not any(c in text for c in "\x1b\x07\r"), repr(text)
+
+
 def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachable(capsys):
     """A flush of many blocks outlasts the 60 s every request was given, and the command said
     "unreachable" while the server went on flushing. A server reached but silent past
