@@ -692,7 +692,16 @@ class RemoteCache(PrefixCacheBase):
 
     def close(self) -> None:
         """Send the ``wait=False`` ingests still queued, then close the connections. Every
-        call but ``client_stats`` then raises ``RuntimeError``."""
+        call but ``client_stats`` then raises ``RuntimeError``. With ``exchange_timeout``
+        set, the queued writes get that long in all: those not answered by then are dropped,
+        as in an outage (``errors["server"]``), so ``close`` returns within about
+        ``exchange_timeout`` (not through a proxy)."""
+        exchange_timeout = self._transport.exchange_timeout
+        if exchange_timeout is not None:
+            # Each write's exchanges were bounded alone: against a server (or a front)
+            # dribbling its answers, close() took failure_threshold times exchange_timeout,
+            # until the breaker opened, and a lenient breaker's more.
+            self._transport.cut_off_at(time.monotonic() + exchange_timeout)
         self._behind.close()
         # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
         # write comes after close, and the process may hold this object long after. The

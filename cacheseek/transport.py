@@ -69,7 +69,8 @@ class BulkTransport(httpx.BaseTransport):
                  verify: bool | str | os.PathLike | ssl.SSLContext = True, proxy: str | None = None,
                  trust_env: bool = True, exchange_timeout: float | None = None) -> None:
         """``exchange_timeout``: the longest one exchange may take, from its request's first
-        byte to its answer's last (None: no bound). httpx's timeouts bound each read and
+        byte to its answer's last (None: no bound); a new connection's connect and TLS
+        handshake are held to what is left of it too. httpx's timeouts bound each read and
         write alone, so a peer that sends a byte now and then within them would otherwise
         hold the caller for good. Not applied through a proxy (httpx's transport)."""
         self.chunk_bytes = chunk_bytes
@@ -84,6 +85,7 @@ class BulkTransport(httpx.BaseTransport):
         self._proxied: dict[str, httpx.HTTPTransport] = {}
         self._env_proxies: dict[tuple[str, str], str | None] = {}
         self._closed = False
+        self._cutoff: float | None = None  # (time.monotonic()) no exchange runs past it: ``cut_off_at``
 
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
@@ -108,6 +110,13 @@ class BulkTransport(httpx.BaseTransport):
                 raise stale.error from None
         return self._exchange(request, fresh=True)
 
+    def cut_off_at(self, when: float) -> None:
+        """No exchange runs past ``when`` (``time.monotonic()``): one under way is held to
+        it at its next read or write, and one begun after it fails at once
+        (``httpx.ReadTimeout``), unsent. ``RemoteCache.close()`` bounds the sending of its
+        queued writes so. Not applied through a proxy."""
+        self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -125,11 +134,18 @@ class BulkTransport(httpx.BaseTransport):
         """Send ``request`` and read the head of its answer. Raises ``_Stale`` when a reused
         connection turned out closed before any byte of an answer (the caller may resend)."""
         timeouts = request.extensions.get("timeout", {})
-        if not self._slots.acquire(timeout=timeouts.get("pool")):
+        pool = timeouts.get("pool")
+        if self._cutoff is not None:
+            left = max(self._cutoff - time.monotonic(), 0.0)
+            pool = left if pool is None else min(pool, left)
+        if not self._slots.acquire(timeout=pool):
+            if self._cutoff is not None and time.monotonic() >= self._cutoff:
+                raise httpx.ReadTimeout(_Lease.cut_off_error(), request=request)
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
         lease = _Lease(self, _pool_key(request.url), timeouts)
         try:
-            lease.sock, reused = self._connect(lease.key, timeouts, request, fresh=fresh)
+            lease.pace()  # (past the cutoff: nothing is sent, and no connection made for it)
+            lease.sock, reused = self._connect(lease.key, lease.connect_timeouts(timeouts), request, fresh=fresh)
             send_error: BaseException | None = None
             lease.sock.settimeout(timeouts.get("write"))
             try:
@@ -289,30 +305,57 @@ class _Lease:
         self.read_timeout = timeouts.get("read")
         self.write_timeout = timeouts.get("write")
 
+    def _due(self) -> float | None:
+        """When this exchange must be over: its own deadline, or the transport's cutoff
+        (``cut_off_at``, which may come while it runs) where that is sooner."""
+        cutoff = self.transport._cutoff
+        if cutoff is None or (self.deadline is not None and self.deadline <= cutoff):
+            return self.deadline
+        return cutoff
+
     def pace(self, write: bool = False) -> None:
         """Before each blocking call on the socket: its timeout becomes the operation's own,
         cut to what is left of the exchange's deadline (``TimeoutError`` once that passed)."""
-        if self.deadline is None:
+        due = self._due()
+        if due is None:
             return
-        left = self.deadline - time.monotonic()
+        left = due - time.monotonic()
         if left <= 0:
             raise self._past()
+        if self.sock is None:  # (before the connection is made)
+            return
         op = self.write_timeout if write else self.read_timeout
-        assert self.sock is not None
         self.sock.settimeout(left if op is None else min(op, left))
+
+    def connect_timeouts(self, timeouts: dict) -> dict:
+        """``timeouts`` with the connect's (and a TLS handshake's) cut to the exchange's
+        deadline: a command with one deadline for its answer (``cacheseek admin``) keeps it."""
+        due = self._due()
+        if due is None:
+            return timeouts
+        left = max(due - time.monotonic(), 1e-3)
+        connect = timeouts.get("connect")
+        return {**timeouts, "connect": left if connect is None else min(connect, left)}
 
     def pace_write(self) -> None:
         self.pace(write=True)
 
     def explain(self, exc: BaseException) -> BaseException:
         """``exc``, or for a socket timeout that the deadline cut short, an error that says so."""
-        if isinstance(exc, TimeoutError) and self.deadline is not None and time.monotonic() >= self.deadline - 1e-3:
+        due = self._due()
+        if isinstance(exc, TimeoutError) and due is not None and time.monotonic() >= due - 1e-3:
             return self._past()
         return exc
 
     def _past(self) -> TimeoutError:
+        if self._due() != self.deadline:
+            return TimeoutError(self.cut_off_error())
         return TimeoutError(f"the exchange took longer than its limit of {self.transport.exchange_timeout} s "
                             "(exchange_timeout)")
+
+    @staticmethod
+    def cut_off_error() -> str:
+        return "cut off: the transport's time for exchanges is over (cut_off_at: a close() that waited its limit)"
 
     def release(self, *, reusable: bool) -> None:
         if self.released:

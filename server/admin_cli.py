@@ -26,8 +26,12 @@ import httpx
 
 from cacheseek.errors import InputError
 from cacheseek.hashing import NAMESPACE_PATTERN, from_hex
+from cacheseek.transport import BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
+# The longest answer read: a CacheSeek answer to these commands is a few KiB to a few MiB
+# (a usage table, every pin, /v1/stats with its owners).
+MAX_ANSWER_BYTES = 256 << 20
 
 
 def url_problem(url: str) -> str | None:
@@ -51,31 +55,73 @@ def token_problem(token: str) -> str | None:
     return f"holds {bad!r}, which no HTTP header carries (printable ASCII only)"
 
 
+def answer_client(seconds: float, **kw: Any) -> httpx.Client:
+    """A client whose every exchange, from connecting to the answer's last byte, is held to
+    ``seconds`` (``BulkTransport``'s ``exchange_timeout``). httpx's timeouts bound each read:
+    a server, or anything at its URL, sending the answer's head a byte now and then held a
+    command for as long as it liked. Through a proxy (httpx's own transport) the head is
+    bounded per read only; the body, by ``whole_answer``, either way."""
+    # httpx's trust store (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), as the commands had.
+    transport = BulkTransport(max_connections=4, verify=httpx.create_ssl_context(), exchange_timeout=seconds)
+    return httpx.Client(transport=transport, timeout=seconds, **kw)
+
+
+class AnswerTooLarge(ValueError):
+    """An answer longer than any of CacheSeek's (``MAX_ANSWER_BYTES``)."""
+
+
 def whole_answer(client: httpx.Client, method: str, url: str, seconds: float, **kw: Any) -> httpx.Response:
-    """The answer to ``method url``, its body read within about ``seconds`` of the request
-    (``httpx.ReadTimeout`` past them). httpx's timeout bounds each read: a server or proxy
-    sending a byte now and then held a command for as long as it liked. (The head is still
-    bounded per read, and by the parser's limit on its size.)"""
+    """The answer to ``method url``, read whole within about ``seconds`` of the request
+    (``httpx.ReadTimeout`` past them; ``client``: an ``answer_client``), and at most
+    ``MAX_ANSWER_BYTES`` long (``AnswerTooLarge``: a server, or anything at its URL, sending
+    without end filled the command's memory until the deadline, gigabytes on a fast link)."""
     deadline = time.monotonic() + seconds
-    with client.stream(method, url, timeout=seconds, **kw) as r:
-        body = bytearray()
-        length = r.headers.get("content-length")
-        for chunk in r.iter_raw():
-            body += chunk
-            # (An answer that came whole just past the deadline, a long flush's, is taken.)
-            if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
-                raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=r.request)
-        return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
+    too_large = f"an answer over {_size(MAX_ANSWER_BYTES)}, which no CacheSeek answer is"
+    try:
+        with client.stream(method, url, timeout=seconds, **kw) as r:
+            body = bytearray()
+            length = r.headers.get("content-length")
+            if length and length.isdigit() and int(length) > MAX_ANSWER_BYTES:
+                raise AnswerTooLarge(too_large)
+            for chunk in r.iter_raw():
+                if len(body) + len(chunk) > MAX_ANSWER_BYTES:
+                    raise AnswerTooLarge(too_large)
+                body += chunk
+                # (An answer that came whole just past the deadline, a long flush's, is taken.)
+                if time.monotonic() > deadline and not (length and length.isdigit() and len(body) >= int(length)):
+                    raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=r.request)
+            return httpx.Response(r.status_code, headers=r.headers, content=bytes(body), request=r.request)
+    except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:  # (the transport's deadline, or a read's own)
+        raise httpx.ReadTimeout(f"no whole answer within {seconds:g} s", request=exc.request) from None
+
+
+def parse_json(response: httpx.Response) -> Any:
+    """The answer's body as JSON; ``ValueError`` where it is not. JSON nested past Python's
+    recursion limit (100 KB of ``[``) raised ``RecursionError`` out of the parser, which
+    ended a command in a traceback."""
+    try:
+        return response.json()
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable escaped (``\\x1b``). A server's
+    words (a reason, a name) went to the terminal as sent: escape sequences in them could
+    retitle the window, clear the screen or hide lines."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 def reason(response: httpx.Response) -> str:
     """A server's reason for an answer, short: its JSON ``error``, else the start of the body."""
     try:
-        body = response.json()
+        body = parse_json(response)
     except ValueError:
         body = None
     if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
+        return printable(str(body["error"]))
     text = " ".join(response.text.split())
     return repr(text[:80] + ("..." if len(text) > 80 else "")) if text else "(empty body)"
 
@@ -167,7 +213,7 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            with httpx.Client() as client:
+            with answer_client(args.timeout) as client:
                 r = whole_answer(client, method, url.rstrip("/") + path, args.timeout, headers=headers,
                                  **{k: v for k, v in kw.items() if k != "headers"})
         except httpx.ReadTimeout:
@@ -180,14 +226,19 @@ def main(args: Any) -> int:
             print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
             worst = max(worst, 3)
             continue
+        except AnswerTooLarge as exc:
+            print(f"cacheseek admin: {url}: {exc}: is this a CacheSeek server?", file=sys.stderr)
+            worst = max(worst, 1)
+            continue
         if not r.is_success:
             print(f"cacheseek admin: {url}: {r.status_code}: {reason(r)}", file=sys.stderr)
             worst = max(worst, 1)
             continue
         try:
-            body = r.json()
-            table = None if args.json else _table(args.admin_command, body)
-        except (ValueError, KeyError, TypeError, AttributeError):
+            body = parse_json(r)
+            # (printed once every server is asked, made now: dumping JSON nests as deep as parsing it)
+            table = json.dumps({"url": url, "answer": body}) if args.json else _table(args.admin_command, body)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             # A wrong port or a proxy's page: said as such, not a traceback from the table.
             print(f"cacheseek admin: {url}: {r.status_code} with an answer that is not CacheSeek's "
                   f"({reason(r)}): is this a CacheSeek server?", file=sys.stderr)
@@ -200,13 +251,10 @@ def main(args: Any) -> int:
                    else "its pins file could not be written: see its log")
             print(f"cacheseek admin: {url}: {args.admin_command}ned until the server restarts only ({why})",
                   file=sys.stderr)
-    for url, (body, table) in answers.items():
-        if args.json:
-            print(json.dumps({"url": url, "answer": body}))
-        else:
-            if len(answers) > 1:
-                print(f"# {url}")
-            print(table)
+    for url, (_, table) in answers.items():
+        if len(answers) > 1 and not args.json:
+            print(f"# {url}")
+        print(table)
     return worst
 
 
@@ -239,7 +287,7 @@ def _table(cmd: str, body: Any) -> str:
                 inner = "(unattributed)" if sub[within] is None else (sub[within] or unnamed)
                 lines.append(f"{'':<28}{inner:<28}{sub['blocks']:>10,}{_size(sub['used_bytes']):>14}"
                              f"{_size(sub['raw_bytes']):>14}")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
     if cmd == "pins":
         lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'bytes':>14}  expires"]
         for pin in body:
@@ -248,5 +296,5 @@ def _table(cmd: str, body: Any) -> str:
                 expires += " (not made yet: Redis unreachable at the server's start)"
             lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
                          f"{_size(pin['bytes']):>14}  {expires}")
-        return "\n".join(lines)
+        return "\n".join(printable(line) for line in lines)
     return json.dumps(body)

@@ -24,7 +24,9 @@ is replaced by a fresh one for the next request. This needs the body's length up
 
 A request's line and headers may take at most ``MAX_HEAD_BYTES`` (64 KiB), and so may the
 trailers of a chunked body: longer ones are answered 431 and the connection closed
-(httptools and uvicorn buffer them whole, with no bound of their own). The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
+(httptools and uvicorn buffer them whole, with no bound of their own). At most ``MAX_PIPELINED``
+requests of a connection wait behind the one being answered: the next is answered 429, after
+those, and the connection closed; so is an HTTP/1.1 request without one Host header (400). The protocol also holds each connection to time limits (``ConnectionLimits``): a request's
 headers must arrive within ``header_timeout_seconds`` of its first byte (or of the connection's
 opening), and while the server is reading a body, the body must not go ``body_idle_timeout_seconds``
 without a byte nor average less than ``body_min_bytes_per_second`` bytes a second (slowloris); and
@@ -59,6 +61,7 @@ from typing import Any, cast
 
 HIGH_WATER = 1 << 20
 MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, or its trailers (httptools and uvicorn keep them whole)
+MAX_PIPELINED = 128  # requests of one connection waiting behind the one being answered
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
@@ -365,6 +368,22 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 # came: bytes the client said were gzip went to the route (and to the store)
                 # as if they were the frame.
                 self.send_error_and_close(*refused)
+                return
+            if len(self.pipeline) >= MAX_PIPELINED:
+                # uvicorn queues every request pipelined behind the one being answered, and
+                # parses a whole read past the first (thousands of tiny GETs) whenever a
+                # response resumes reading: a client sending without reading its answers
+                # queued without end, each queued request a pass over those before it on the
+                # event loop (open_cycles), which held every client and SIGTERM.
+                self.send_error_and_close(b"429 Too Many Requests", f"over {MAX_PIPELINED} requests pipelined on "
+                                          "one connection, waiting for their answers: the connection ends after those")
+                return
+            hosts = sum(1 for name, _ in self.headers if name == b"host")
+            if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
+                # RFC 9112 3.2. Neither was refused: a request without Host was served, and
+                # one with two, which a front before this server may have read as the other.
+                self.send_error_and_close(b"400 Bad Request", "an HTTP/1.1 request needs exactly one Host header, "
+                                          f"this one has {hosts}")
                 return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the

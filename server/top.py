@@ -15,7 +15,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import _size, reason, token_problem, url_problem, whole_answer
+from .admin_cli import (AnswerTooLarge, _size, answer_client, parse_json, printable, reason, token_problem, url_problem,
+                        whole_answer)
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -79,7 +80,7 @@ def render(stats: dict[str, Any], prev: dict[str, Any] | None, dt: float, url: s
         for u in usage[:10]:
             ns = "(unattributed)" if u["namespace"] is None else (u["namespace"] or "(default)")
             lines.append(f"{ns[:23]:<24}{(u['model'] or '-')[:23]:<24}{u['blocks']:>9,}{_size(u['used_bytes']):>12}")
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)  # (names and the version are the server's words)
 
 
 def _num(x: float | None) -> str:
@@ -93,7 +94,7 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prev, prev_at, shown = None, 0.0, 0
     clear = CLEAR if out.isatty() else ""
-    with httpx.Client(base_url=url.rstrip("/"), headers=headers) as client:
+    with answer_client(ANSWER_SECONDS, base_url=url.rstrip("/"), headers=headers) as client:
         while iterations is None or shown < iterations:
             started = time.monotonic()
             try:
@@ -101,6 +102,9 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
             except httpx.HTTPError as exc:
                 print(f"cacheseek top: cannot reach {url}: {exc}", file=sys.stderr)
                 return 3
+            except AnswerTooLarge as exc:
+                print(f"cacheseek top: {url}/v1/stats answered with {exc}: is this a CacheSeek server?", file=sys.stderr)
+                return 1
             if response.status_code in (401, 403):
                 print(f"cacheseek top: {response.status_code}: {reason(response)} "
                       "(give a read token: --token or CACHESEEK_TOKEN)", file=sys.stderr)
@@ -108,10 +112,10 @@ def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations
             try:
                 if not response.is_success:
                     raise ValueError(response.status_code)
-                stats = response.json()
+                stats = parse_json(response)
                 now = time.monotonic()
                 frame = render(stats, prev, now - prev_at, url)
-            except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError):
+            except (ValueError, KeyError, TypeError, AttributeError, ZeroDivisionError, RecursionError):
                 # A wrong port or a proxy's page: said as such, not a traceback.
                 print(f"cacheseek top: {url}/v1/stats answered {response.status_code} with no CacheSeek stats "
                       f"({reason(response)}): is this a CacheSeek server?", file=sys.stderr)

@@ -816,7 +816,7 @@ def test_the_start_up_summary_says_the_url_a_client_uses():
 @pytest.fixture()
 def not_cacheseek():
     """A plain HTTP server, as a wrong port or a proxy's error page looks: /v1/stats a 404
-    until ``pages`` names a body for it."""
+    until ``pages`` names a body for it (or a status and a body)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     pages: dict[str, bytes] = {}
@@ -824,7 +824,8 @@ def not_cacheseek():
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             body = pages.get(self.path)
-            self.send_response(200 if body is not None else 404)
+            status, body = body if isinstance(body, tuple) else (200 if body is not None else 404, body)
+            self.send_response(status)
             body = body if body is not None else b"<html>not found</html>"
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -876,6 +877,56 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
         rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
         assert rc == 2 and "--interval must be a finite number of seconds > 0" in err, (interval, rc, err)
+
+
+def test_top_and_admin_say_deeply_nested_json_is_not_cacheseeks_answer(not_cacheseek, capsys):
+    """JSON nested past Python's recursion limit (100,000 ``[``, 100 KB) from a server, or
+    anything at its URL, ended `cacheseek admin` and `cacheseek top` in a RecursionError
+    traceback: on a 2xx from its parse, on an error status from the reason read out of it.
+    It is an answer that is not CacheSeek's: exit 1, one line."""
+    from cacheseek.server.cli import main
+
+    url, pages = not_cacheseek
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for status in (200, 500, 403):
+        pages["/v1/stats"] = pages["/v1/admin/pins"] = (status, deep)
+        pages["/v1/admin/models"] = (status, b'{"error": ' + deep + b"}")
+        for argv in (["top", "--url", url, "--once"], ["admin", "--url", url, "--token", "x", "pins"],
+                     ["admin", "--url", url, "--token", "x", "--json", "pins"],
+                     ["admin", "--url", url, "--token", "x", "models"]):
+            rc = main(argv)
+            err = capsys.readouterr().err
+            assert rc == 1 and "Traceback" not in err and "Recursion" not in err, (status, argv, rc, err)
+            assert err.count("\n") == 1 and len(err) < 400, err
+
+
+def test_top_and_admin_print_no_control_characters_a_server_sent(not_cacheseek, capsys):
+    """A server's words (an error's reason, a version, a tier's, namespace's or model's name)
+    went to the terminal as sent: a server, or anything at its URL, could write escape
+    sequences there (retitle the window, clear the screen, hide lines). They are printed
+    escaped (``\\x1b``)."""
+    import io
+
+    from cacheseek.server import top
+    from cacheseek.server.cli import main
+
+    url, pages = not_cacheseek
+    evil = "\x1b]0;owned\x07\x1b[2J\r"
+    pages["/v1/admin/pins"] = (403, json.dumps({"error": evil}).encode())
+    pages["/v1/admin/namespaces"] = json.dumps([{"namespace": evil, "blocks": 1, "used_bytes": 1, "raw_bytes": 1,
+                                                 "models": [{"model": evil, "blocks": 1, "used_bytes": 1,
+                                                             "raw_bytes": 1}]}]).encode()
+    tier = {"name": evil, "used_bytes": 1, "capacity_bytes": 2, "blocks": 1, "hits": 0, "misses": 0, "evictions": 0,
+            "corrupt": 0}
+    pages["/v1/stats"] = json.dumps({"version": evil, "tiers": [tier], "namespaces": [
+        {"namespace": evil, "model": evil, "blocks": 1, "used_bytes": 1}]}).encode()
+    assert main(["admin", "--url", url, "--token", "x", "pins"]) == 1
+    assert main(["admin", "--url", url, "--token", "x", "namespaces"]) == 0
+    out = io.StringIO()
+    assert top.run(url, iterations=1, out=out) == 0
+    captured = capsys.readouterr()
+    for text in (captured.err, captured.out, out.getvalue()):
+        assert "\\x1b]0;owned" in text and not any(c in text for c in "\x1b\x07\r"), repr(text)
 
 
 def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachable(capsys):
@@ -946,6 +997,18 @@ def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cache
 def trickling():
     """A server that answers at once, then sends its body a byte at a time, each well within
     any read timeout: the whole answer takes about 40 s."""
+    yield from _trickler(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n",
+                         b" " * 200)
+
+
+@pytest.fixture()
+def trickling_head():
+    """A server that sends its answer's head a byte at a time, each well within any read
+    timeout: the head takes about 40 s."""
+    yield from _trickler(b"", b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 200 + b"\r\nContent-Length: 2\r\n\r\n[]")
+
+
+def _trickler(at_once: bytes, trickled: bytes):
     import socket
 
     listener = socket.socket()
@@ -957,11 +1020,11 @@ def trickling():
         with conn:
             try:
                 conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n")
-                for _ in range(200):
+                conn.sendall(at_once)
+                for i in range(len(trickled)):
                     if stop.wait(0.2):
                         return
-                    conn.sendall(b" ")
+                    conn.sendall(trickled[i : i + 1])
             except OSError:
                 pass
 
@@ -1001,3 +1064,90 @@ def test_admin_and_top_bound_the_whole_answer_not_each_read(trickling, capsys):
     err = capsys.readouterr().err
     assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
     assert time.monotonic() - start < 10
+
+
+def test_admin_and_top_bound_the_answers_head_too(trickling_head, capsys):
+    """``--timeout`` (and top's 10 s) bounded the answer's body whole, but its head only per
+    read: a server (or anything at its URL) sending the head's bytes one by one held the
+    command for as long as it liked. The whole exchange is bounded now."""
+    from cacheseek.server import top
+    from cacheseek.server.cli import main
+
+    start = time.monotonic()
+    rc = main(["admin", "--url", trickling_head, "--token", "x", "--timeout", "1", "namespaces"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no answer within 1 s" in err and "Traceback" not in err, (rc, err)
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(top, "ANSWER_SECONDS", 1.0)
+        rc = main(["top", "--url", trickling_head, "--once"])
+    err = capsys.readouterr().err
+    assert rc == 3 and "no whole answer within 1 s" in err, (rc, err)
+    assert time.monotonic() - start < 5
+
+
+@pytest.fixture()
+def endless():
+    """A server whose answer never ends, sent as fast as loopback takes it: a declared
+    length of 1 TiB, or chunked."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    stop = threading.Event()
+    heads = {"length": b"HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n",
+             "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"}
+    how = {"head": "length"}
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.recv(65536)
+                conn.sendall(heads[how["head"]])
+                piece = b"[" * (1 << 20)
+                chunk = b"%x\r\n" % len(piece) + piece + b"\r\n" if how["head"] == "chunked" else piece
+                while not stop.is_set():
+                    conn.sendall(chunk)
+            except OSError:
+                pass
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", how
+    finally:
+        stop.set()
+        listener.close()
+
+
+def test_admin_and_top_hold_no_more_of_an_answer_than_a_cacheseek_answer_can_be(endless, capsys):
+    """An answer was read into memory whole until ``--timeout``: a server (or anything at its
+    URL) sending without end at loopback speed made `cacheseek admin` hold gigabytes (and
+    `top`, 10 s of them every refresh). Past ``MAX_ANSWER_BYTES`` it is not CacheSeek's:
+    exit 1 at once, one line."""
+    from cacheseek.server import admin_cli
+    from cacheseek.server.cli import main
+
+    url, how = endless
+    from cacheseek.server import top
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(admin_cli, "MAX_ANSWER_BYTES", 4 << 20)
+        mp.setattr(top, "ANSWER_SECONDS", 2.0)  # (and --timeout 2: the bound before, gigabytes read by then)
+        for head in ("length", "chunked"):
+            how["head"] = head
+            for argv in (["admin", "--url", url, "--token", "x", "--timeout", "2", "pins"], ["top", "--url", url, "--once"]):
+                start = time.monotonic()
+                rc = main(argv)
+                err = capsys.readouterr().err
+                assert rc == 1 and "over 4.00 MiB" in err and "Traceback" not in err, (head, argv, rc, err)
+                assert err.count("\n") == 1 and time.monotonic() - start < 5, (err, time.monotonic() - start)

@@ -262,6 +262,24 @@ def test_a_request_body_a_server_never_reads_is_cut_off_at_the_exchange_timeout(
             assert time.monotonic() - start < 2.5
 
 
+def test_cut_off_at_holds_an_exchange_under_way_and_refuses_one_begun_after_it_unsent():
+    """``cut_off_at`` (``RemoteCache.close()``'s bound on its queued writes): a dribbled answer
+    under way ends at the cutoff, sooner than its own ``exchange_timeout``; an exchange begun
+    after it fails at once, and no connection is made for it. The pool slot comes back."""
+    with FakeServer(_dribbled("body")) as srv, _client(srv, exchange_timeout=30) as c:
+        transport = c._transport
+        start = time.monotonic()
+        transport.cut_off_at(start + 0.5)
+        with pytest.raises(httpx.ReadTimeout, match="cut off"):
+            c.get("/slow").read()
+        assert time.monotonic() - start < 2.5  # the dribble takes 10 s, the exchange_timeout 30
+        connections = srv.connections
+        with pytest.raises(httpx.ReadTimeout, match="cut off"):
+            c.get("/after")
+        assert srv.connections == connections and time.monotonic() - start < 2.5
+        assert transport._slots.acquire(timeout=0)  # (no slot leaked)
+
+
 def _one_body(listener: socket.socket, got: list[bytes]) -> None:
     """Read one request of known length on ``listener``, keep its body, answer OK."""
     conn, _ = listener.accept()

@@ -302,3 +302,37 @@ def test_a_write_that_meets_a_close_from_another_thread_raises_the_caches_closed
         cache.ingest(toks, kv, wait=False)
     stats = cache.client_stats()
     assert stats["write_buffers"]["leases_active"] == 0 and stats["write_behind"]["pending_bytes"] == 0
+
+
+def test_close_with_writes_queued_for_a_server_that_dribbles_takes_one_exchange_timeout():
+    """A server (or a front) that dribbles its answers, each read within ``timeout``: every
+    queued write's lookup ran to ``exchange_timeout`` until the breaker opened, so ``close()``
+    took ``failure_threshold`` (3) times ``exchange_timeout``, more with a lenient breaker.
+    The writes still unsent ``exchange_timeout`` after ``close()`` began are dropped as in an
+    outage, and it returns then."""
+    from fake_http import FakeServer
+
+    def dribble(n: int, head: bytes):
+        def pieces():  # a byte every 50 ms: each read well within the 5 s timeout
+            yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4000\r\n\r\n"
+            for _ in range(4000):
+                time.sleep(0.05)
+                yield b" "
+        return pieces(), True
+
+    from cacheseek.store.breaker import CircuitBreaker
+
+    lenient = CircuitBreaker(failure_threshold=100)
+    with FakeServer(dribble) as front:
+        cache = cs.RemoteCache(front.url, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                               timeout=5, exchange_timeout=1.0, on_unavailable="miss", trust_env=False, breaker=lenient)
+        futures = [cache.ingest(tokens_for(120 + i, 2 * BLOCK), make_kv(2 * BLOCK, 120 + i), wait=False)
+                   for i in range(4)]
+        start = time.monotonic()
+        cache.close()
+        took = time.monotonic() - start
+        assert took < 1.8, took
+        results = [f.result(timeout=1) for f in futures]
+        assert all((r.stored, r.failed) == (0, 2) and "server" in r.errors for r in results), results
+        stats = cache.client_stats()
+        assert stats["write_behind"]["pending_bytes"] == 0 and stats["write_buffers"]["leases_active"] == 0
