@@ -625,6 +625,18 @@ class RedisTier(Tier):
             self._queue_read(pipe, name)
         replies = pipe.execute(raise_on_error=False)
         self._raise_unavailable(replies)
+        empty = [i for i, r in enumerate(replies) if r == b""] if self.max_frame_bytes is not None else []
+        if empty:
+            # GETRANGE answers the same for a missing key and an empty value: ask which, on
+            # this miss path only. An empty value is damage (corrupt, removed, as a GET found
+            # it), not a ghost to leave in place.
+            pipe = client.pipeline(transaction=False)
+            for i in empty:
+                pipe.exists(names[i])
+            found = pipe.execute(raise_on_error=False)
+            self._raise_unavailable(found)
+            there = {i for i, n in zip(empty, found) if n == 1}
+            return [r if i in there else self._value(r) for i, r in enumerate(replies)]
         return [self._value(r) for r in replies]
 
     def _repair_ghosts(self, keys: Sequence[bytes]) -> None:
