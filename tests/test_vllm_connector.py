@@ -19,7 +19,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged. Again with a
   second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
-  neither saves what its forward read in the blocks the load left unwritten. With vLLM's
+  neither saves what its forward read in the blocks the load left unwritten, and both
+  outputs are right, also with the first prompt aborted after that step. With vLLM's
   asynchronous scheduling (turned on in the CPU build for this) and a chunked prefill, the
   step planned before vLLM learnt of the failure saves nothing it read either.
 - layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
@@ -347,6 +348,28 @@ def test_blocks_of_a_short_load_leave_vllms_prefix_cache_so_no_request_reads_or_
         assert aborted[name]["agreement"]["equal"], (name, aborted[name]["agreement"])
     assert aborted["after"]["cached"] == 512  # vLLM's own hit: the blocks before the bad one (was 1024)
     assert aborted["store_only"]["external"] == 1024  # the prefix, block 2 stored again by the prompt after
+
+
+def test_a_request_on_the_blocks_of_a_short_load_recomputes_them_when_the_loader_does_not(model, tmp_path):
+    """Prompts 1 and 2 in one step, block 2 damaged: vLLM gives prompt 2 the blocks prompt
+    1 is loading as its own prefix hit, and both forwards read the pages the load left
+    unwritten. vLLM ("recompute") rolls prompt 1 back to the bad block, and prompt 2 only
+    to where it stood before the step: it counts the shared blocks as computed, for prompt
+    1 to recompute them. Both running on, they do (one forward writes them before the
+    other reads them), and without the connector's report neither would be right. Prompt 1
+    aborted after that step (a client gone), nothing recomputed them: prompt 2 ran on the
+    unwritten pages (0 of 16 tokens right). Now every request holding a reported block
+    is rolled back to it."""
+    tiers = {"cpu_bytes": 0, "disk_path": str(tmp_path / "disk"), "disk_bytes": "1GiB", "disk_fsync": False}
+    res = run_engine({"scenario": "sharers", "corrupt_block": 2,
+                      "extra": {"codec": "raw", "model_id": MODEL_ID, "tiers": tiers, "block_tokens": 256}})
+    for case in ("together", "first_aborted"):
+        worker = res[case]["worker"]
+        assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 512, (case, worker)
+        assert res[case]["cached"][f"{case}-2"] == 1024  # prompt 2's own hit: the blocks being loaded
+        assert res[case]["second"]["equal"], (case, res[case]["second"])
+        assert res[case]["rollbacks"] == 1  # prompt 2 (vLLM rolled prompt 1 back itself)
+    assert res["together"]["first"]["equal"], res["together"]["first"]
 
 
 def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_it_read(engines):

@@ -362,6 +362,53 @@ def aborted_after_a_failed_load(eng: Engine, ps: list[list[int]], damage_block: 
     return out
 
 
+def sharers(job: dict[str, Any]) -> dict[str, Any]:
+    """Prompt 0 stored; block ``corrupt_block`` of the prefix damaged on disk. Prompts 1 and
+    2 added at once: prompt 1 loads the prefix (its load stops at the bad block), and vLLM
+    gives prompt 2 the blocks prompt 1 is loading as its own prefix hit in the same step,
+    so both forwards read pages the load never wrote (filled with a stand-in for other
+    requests' KV first). vLLM ("recompute") rolls prompt 1 back to the bad block and
+    prompt 2 to where it stood before the step, counting the shared blocks as computed:
+    prompt 1 is to recompute them. Per case, both outputs against each prompt computed
+    without any cache: ``together`` (both run on), ``first_aborted`` (prompt 1 aborted
+    after that step, so nothing recomputes the shared blocks before prompt 2 reads them)."""
+    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    eng.run(ps[0], read=False)
+    cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
+    bad = cache.block_hashes(prefix)[job["corrupt_block"]]
+    want = {i: eng.run(ps[i], read=False)["tokens"] for i in (1, 2)}
+    engine = eng.llm.llm_engine
+    out: dict[str, Any] = {}
+    for case in job.get("cases", ("together", "first_aborted")):
+        damage_frame(job["extra"]["tiers"]["disk_path"], bad)
+        eng.reset()
+        fill_pages()
+        before = eng.stats()
+        a, b = f"{case}-1", f"{case}-2"
+        engine.add_request(a, {"prompt_token_ids": ps[1]}, eng.params)
+        engine.add_request(b, {"prompt_token_ids": ps[2]}, eng.params)
+        tokens: dict[str, list[int]] = {a: [], b: []}
+        cached: dict[str, int] = {}
+        first = True
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.outputs:
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+                if o.finished:
+                    cached[o.request_id] = o.num_cached_tokens or 0
+            if first and case == "first_aborted":
+                engine.abort_request([a])
+            first = False
+        after = eng.stats()
+        res = {"worker": minus_worker(after, before), "cached": cached, "second": agreement(tokens[b], want[2]),
+               "rollbacks": after["scheduler"]["load_failure_rollbacks"] - before["scheduler"]["load_failure_rollbacks"]}
+        if case != "first_aborted":
+            res["first"] = agreement(tokens[a], want[1])
+        out[case] = res
+    return out
+
+
 def layerwise_checks(eng: Engine, ps: list[list[int]]) -> dict[str, Any]:
     """Prompt 1 loaded layer by layer (the forward waiting for each layer in
     ``wait_for_layer_load``) and whole (every layer before the forward), vLLM's cache reset
@@ -906,7 +953,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
+SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
                                                admission, steps, cpu_pages)}
 
 

@@ -284,9 +284,13 @@ class CacheSeekConnector(KVConnectorBase_V1):
         # own hit and read pages the load never wrote, and its save stored them in CacheSeek
         # under the prefix's keys. They leave vLLM's prefix cache now, with every block after
         # them that a request computed over them.
+        # vLLM rolled back only the first request holding each block; another that holds it
+        # (its prefix hit in the same step) recomputes it too (scheduler.py).
         invalid = connector_output.invalid_block_ids
         if invalid and self._kv_cache_manager is not None:
-            self._kv_cache_manager.evict_blocks(self._scheduler_side().blocks_after(invalid))
+            side = self._scheduler_side()
+            side.roll_back_sharers(invalid, self._block_size)
+            self._kv_cache_manager.evict_blocks(side.blocks_after(invalid))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler_side().finished(request)
