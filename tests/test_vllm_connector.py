@@ -21,8 +21,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
   neither saves what its forward read in the blocks the load left unwritten, and both
   outputs are right, also with the first prompt aborted after that step. With vLLM's
-  asynchronous scheduling (turned on in the CPU build for this) and a chunked prefill, the
-  step planned before vLLM learnt of the failure saves nothing it read either.
+  asynchronous scheduling (turned on in the CPU build for this) every load is vLLM's
+  asynchronous one: a load short in the step that ends the prompt stops no engine, and
+  with a chunked prefill nothing is computed or saved over the unwritten pages.
 - layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
   default, whole steps): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
   bit for bit; then a layer group's decode fails after the forward read the first layers:
@@ -373,16 +374,41 @@ def test_a_request_on_the_blocks_of_a_short_load_recomputes_them_when_the_loader
 
 
 def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_it_read(engines):
-    # Block 2 damaged; chunks of 256 tokens. vLLM plans the next chunk before it learns that
-    # the load stopped at block 2: that chunk's save would store block 2 from the unwritten
-    # pages (K off by 22.9), found present after vLLM's rollback and kept.
+    # Block 2 damaged; chunks of 256 tokens. Loaded inside the step that computes the
+    # request, vLLM planned the next chunk before it learnt that the load stopped at block
+    # 2: that chunk's save would store block 2 from the unwritten pages (K off by 22.9),
+    # found present after vLLM's rollback and kept (the worker skipped it). Now the load
+    # is vLLM's asynchronous one: the request runs from block 2 once it is known short.
     res = result(engines, "planned_ahead")
     worker = res["worker"]
     assert res["async_scheduling"] and res["got"]["external"] == 1024
     assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 512
-    assert worker["saves_skipped"] == 2  # the step of the load, and the one planned before vLLM knew
+    assert worker["load_background_calls"] == 1 and worker["saves_skipped"] == 0  # nothing read unwritten pages
     assert res["blocks"] == [4, 4] and max(res["k_diff"]) < 1e-4, res["k_diff"]
     assert res["agreement"]["equal"], res["agreement"]
+
+
+def test_with_asynchronous_scheduling_a_load_short_in_the_step_that_ends_the_prompt_stops_nothing(model, tmp_path):
+    """vLLM's asynchronous scheduling, prompts of one step, block 2 damaged. Loaded inside
+    that step, the load fell short in the step that sampled the request's first token, and
+    vLLM had planned the next one after it: vLLM 0.32 rolled the request back to block 2
+    and scheduled the recompute with the planned tokens' placeholders in it, and the model
+    raised (IndexError in the embedding): the engine stopped. Now every load under
+    asynchronous scheduling is vLLM's asynchronous load: the request is held back until it
+    is done, and runs from block 2. Alone, with a second prompt on the same prefix in the
+    same step (each loads its own: vLLM shares no block of an asynchronous load), and with
+    the first aborted: each output equal to the uncached one."""
+    tiers = {"cpu_bytes": 0, "disk_path": str(tmp_path / "disk"), "disk_bytes": "1GiB", "disk_fsync": False}
+    res = run_engine({"scenario": "sharers", "corrupt_block": 2, "async_scheduling": True,
+                      "cases": ["alone", "together", "first_aborted"],
+                      "extra": {"codec": "raw", "model_id": MODEL_ID, "tiers": tiers, "block_tokens": 256}})
+    for case, requests in (("alone", 1), ("together", 2), ("first_aborted", 2)):
+        worker = res[case]["worker"]
+        assert worker["load_failures"] == requests and worker["load_failed_tokens"] == 512 * requests, (case, worker)
+        assert worker["load_background_calls"] == 1 and worker["saves_skipped"] == 0, (case, worker)
+        for name in ("first", "second"):
+            if res[case].get(name) is not None:
+                assert res[case][name]["equal"], (case, name, res[case][name])
 
 
 def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):

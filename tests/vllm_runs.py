@@ -261,15 +261,8 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
     KV first). The largest difference of each stored block's K from what it held before the
     damage, after the request; and the output against the prompt computed without a cache."""
     import torch
-    from vllm.platforms import cpu
 
-    check = cpu.CpuPlatform.check_and_update_config.__func__
-
-    def with_async_scheduling(cls: Any, config: Any) -> None:
-        check(cls, config)
-        config.scheduler_config.async_scheduling = True
-
-    cpu.CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
+    turn_on_async_scheduling()
     eng = Engine(build_llm(job["extra"], enable_chunked_prefill=True, max_num_batched_tokens=256), 4)
     prefix, ps = prompts(eng.llm, 1800)
     head = prefix[:1024]
@@ -290,6 +283,20 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
     return {"async_scheduling": bool(eng.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "blocks": [want.num_blocks, now.num_blocks], "k_diff": diff, "worker": worker, "got": got,
             "agreement": agreement(got["tokens"], baseline["tokens"])}
+
+
+def turn_on_async_scheduling() -> None:
+    """vLLM's asynchronous scheduling for the engines built after this (the CPU build turns
+    it off)."""
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def with_async_scheduling(cls: Any, config: Any) -> None:
+        check(cls, config)
+        config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
 
 
 def fill_pages(value: float = 3.0) -> None:
@@ -372,7 +379,9 @@ def sharers(job: dict[str, Any]) -> dict[str, Any]:
     prompt 1 is to recompute them. Per case, both outputs against each prompt computed
     without any cache: ``together`` (both run on), ``first_aborted`` (prompt 1 aborted
     after that step, so nothing recomputes the shared blocks before prompt 2 reads them)."""
-    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    if job.get("async_scheduling"):
+        turn_on_async_scheduling()
+    eng = Engine(build_llm(job["extra"], **job.get("llm", {})), job.get("max_tokens", 16))
     prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     eng.run(ps[0], read=False)
     cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
@@ -387,7 +396,8 @@ def sharers(job: dict[str, Any]) -> dict[str, Any]:
         before = eng.stats()
         a, b = f"{case}-1", f"{case}-2"
         engine.add_request(a, {"prompt_token_ids": ps[1]}, eng.params)
-        engine.add_request(b, {"prompt_token_ids": ps[2]}, eng.params)
+        if case != "alone":
+            engine.add_request(b, {"prompt_token_ids": ps[2]}, eng.params)
         tokens: dict[str, list[int]] = {a: [], b: []}
         cached: dict[str, int] = {}
         first = True
@@ -401,7 +411,8 @@ def sharers(job: dict[str, Any]) -> dict[str, Any]:
                 engine.abort_request([a])
             first = False
         after = eng.stats()
-        res = {"worker": minus_worker(after, before), "cached": cached, "second": agreement(tokens[b], want[2]),
+        res = {"worker": minus_worker(after, before), "cached": cached,
+               "second": agreement(tokens[b], want[2]) if case != "alone" else None,
                "rollbacks": after["scheduler"]["load_failure_rollbacks"] - before["scheduler"]["load_failure_rollbacks"]}
         if case != "first_aborted":
             res["first"] = agreement(tokens[a], want[1])
