@@ -19,9 +19,11 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged. Again with a
   second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
-  neither saves what its forward read in the blocks the load left unwritten. With vLLM's
-  asynchronous scheduling (turned on in the CPU build for this) and a chunked prefill, the
-  step planned before vLLM learnt of the failure saves nothing it read either.
+  neither saves what its forward read in the blocks the load left unwritten, and both
+  outputs are right, also with the first prompt aborted after that step. With vLLM's
+  asynchronous scheduling (turned on in the CPU build for this) every load is vLLM's
+  asynchronous one: a load short in the step that ends the prompt stops no engine, and
+  with a chunked prefill nothing is computed or saved over the unwritten pages.
 - layer by layer (``layerwise_load`` true for the raw and int4 engines; int8 keeps the
   default, whole steps): the int4 engine loads a prompt layer by layer and whole, with the same tokens and the same pages
   bit for bit; then a layer group's decode fails after the forward read the first layers:
@@ -349,17 +351,64 @@ def test_blocks_of_a_short_load_leave_vllms_prefix_cache_so_no_request_reads_or_
     assert aborted["store_only"]["external"] == 1024  # the prefix, block 2 stored again by the prompt after
 
 
+def test_a_request_on_the_blocks_of_a_short_load_recomputes_them_when_the_loader_does_not(model, tmp_path):
+    """Prompts 1 and 2 in one step, block 2 damaged: vLLM gives prompt 2 the blocks prompt
+    1 is loading as its own prefix hit, and both forwards read the pages the load left
+    unwritten. vLLM ("recompute") rolls prompt 1 back to the bad block, and prompt 2 only
+    to where it stood before the step: it counts the shared blocks as computed, for prompt
+    1 to recompute them. Both running on, they do (one forward writes them before the
+    other reads them), and without the connector's report neither would be right. Prompt 1
+    aborted after that step (a client gone), nothing recomputed them: prompt 2 ran on the
+    unwritten pages (0 of 16 tokens right). Now every request holding a reported block
+    is rolled back to it."""
+    tiers = {"cpu_bytes": 0, "disk_path": str(tmp_path / "disk"), "disk_bytes": "1GiB", "disk_fsync": False}
+    res = run_engine({"scenario": "sharers", "corrupt_block": 2,
+                      "extra": {"codec": "raw", "model_id": MODEL_ID, "tiers": tiers, "block_tokens": 256}})
+    for case in ("together", "first_aborted"):
+        worker = res[case]["worker"]
+        assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 512, (case, worker)
+        assert res[case]["cached"][f"{case}-2"] == 1024  # prompt 2's own hit: the blocks being loaded
+        assert res[case]["second"]["equal"], (case, res[case]["second"])
+        assert res[case]["rollbacks"] == 1  # prompt 2 (vLLM rolled prompt 1 back itself)
+    assert res["together"]["first"]["equal"], res["together"]["first"]
+
+
 def test_with_asynchronous_scheduling_the_step_after_a_short_load_saves_nothing_it_read(engines):
-    # Block 2 damaged; chunks of 256 tokens. vLLM plans the next chunk before it learns that
-    # the load stopped at block 2: that chunk's save would store block 2 from the unwritten
-    # pages (K off by 22.9), found present after vLLM's rollback and kept.
+    # Block 2 damaged; chunks of 256 tokens. Loaded inside the step that computes the
+    # request, vLLM planned the next chunk before it learnt that the load stopped at block
+    # 2: that chunk's save would store block 2 from the unwritten pages (K off by 22.9),
+    # found present after vLLM's rollback and kept (the worker skipped it). Now the load
+    # is vLLM's asynchronous one: the request runs from block 2 once it is known short.
     res = result(engines, "planned_ahead")
     worker = res["worker"]
     assert res["async_scheduling"] and res["got"]["external"] == 1024
     assert worker["load_failures"] == 1 and worker["load_failed_tokens"] == 512
-    assert worker["saves_skipped"] == 2  # the step of the load, and the one planned before vLLM knew
+    assert worker["load_background_calls"] == 1 and worker["saves_skipped"] == 0  # nothing read unwritten pages
     assert res["blocks"] == [4, 4] and max(res["k_diff"]) < 1e-4, res["k_diff"]
     assert res["agreement"]["equal"], res["agreement"]
+
+
+def test_with_asynchronous_scheduling_a_load_short_in_the_step_that_ends_the_prompt_stops_nothing(model, tmp_path):
+    """vLLM's asynchronous scheduling, prompts of one step, block 2 damaged. Loaded inside
+    that step, the load fell short in the step that sampled the request's first token, and
+    vLLM had planned the next one after it: vLLM 0.32 rolled the request back to block 2
+    and scheduled the recompute with the planned tokens' placeholders in it, and the model
+    raised (IndexError in the embedding): the engine stopped. Now every load under
+    asynchronous scheduling is vLLM's asynchronous load: the request is held back until it
+    is done, and runs from block 2. Alone, with a second prompt on the same prefix in the
+    same step (each loads its own: vLLM shares no block of an asynchronous load), and with
+    the first aborted: each output equal to the uncached one."""
+    tiers = {"cpu_bytes": 0, "disk_path": str(tmp_path / "disk"), "disk_bytes": "1GiB", "disk_fsync": False}
+    res = run_engine({"scenario": "sharers", "corrupt_block": 2, "async_scheduling": True,
+                      "cases": ["alone", "together", "first_aborted"],
+                      "extra": {"codec": "raw", "model_id": MODEL_ID, "tiers": tiers, "block_tokens": 256}})
+    for case, requests in (("alone", 1), ("together", 2), ("first_aborted", 2)):
+        worker = res[case]["worker"]
+        assert worker["load_failures"] == requests and worker["load_failed_tokens"] == 512 * requests, (case, worker)
+        assert worker["load_background_calls"] == 1 and worker["saves_skipped"] == 0, (case, worker)
+        for name in ("first", "second"):
+            if res[case].get(name) is not None:
+                assert res[case][name]["equal"], (case, name, res[case][name])
 
 
 def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):

@@ -261,15 +261,8 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
     KV first). The largest difference of each stored block's K from what it held before the
     damage, after the request; and the output against the prompt computed without a cache."""
     import torch
-    from vllm.platforms import cpu
 
-    check = cpu.CpuPlatform.check_and_update_config.__func__
-
-    def with_async_scheduling(cls: Any, config: Any) -> None:
-        check(cls, config)
-        config.scheduler_config.async_scheduling = True
-
-    cpu.CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
+    turn_on_async_scheduling()
     eng = Engine(build_llm(job["extra"], enable_chunked_prefill=True, max_num_batched_tokens=256), 4)
     prefix, ps = prompts(eng.llm, 1800)
     head = prefix[:1024]
@@ -290,6 +283,20 @@ def planned_ahead(job: dict[str, Any]) -> dict[str, Any]:
     return {"async_scheduling": bool(eng.llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
             "blocks": [want.num_blocks, now.num_blocks], "k_diff": diff, "worker": worker, "got": got,
             "agreement": agreement(got["tokens"], baseline["tokens"])}
+
+
+def turn_on_async_scheduling() -> None:
+    """vLLM's asynchronous scheduling for the engines built after this (the CPU build turns
+    it off)."""
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config.__func__
+
+    def with_async_scheduling(cls: Any, config: Any) -> None:
+        check(cls, config)
+        config.scheduler_config.async_scheduling = True
+
+    cpu.CpuPlatform.check_and_update_config = classmethod(with_async_scheduling)
 
 
 def fill_pages(value: float = 3.0) -> None:
@@ -359,6 +366,57 @@ def aborted_after_a_failed_load(eng: Engine, ps: list[list[int]], damage_block: 
     out["worker"] = minus_worker(eng.stats(), before)
     for name, i in (("after", 2), ("store_only", 3)):
         out[name]["agreement"] = agreement(out[name]["tokens"], eng.run(ps[i], read=False)["tokens"])
+    return out
+
+
+def sharers(job: dict[str, Any]) -> dict[str, Any]:
+    """Prompt 0 stored; block ``corrupt_block`` of the prefix damaged on disk. Prompts 1 and
+    2 added at once: prompt 1 loads the prefix (its load stops at the bad block), and vLLM
+    gives prompt 2 the blocks prompt 1 is loading as its own prefix hit in the same step,
+    so both forwards read pages the load never wrote (filled with a stand-in for other
+    requests' KV first). vLLM ("recompute") rolls prompt 1 back to the bad block and
+    prompt 2 to where it stood before the step, counting the shared blocks as computed:
+    prompt 1 is to recompute them. Per case, both outputs against each prompt computed
+    without any cache: ``together`` (both run on), ``first_aborted`` (prompt 1 aborted
+    after that step, so nothing recomputes the shared blocks before prompt 2 reads them)."""
+    if job.get("async_scheduling"):
+        turn_on_async_scheduling()
+    eng = Engine(build_llm(job["extra"], **job.get("llm", {})), job.get("max_tokens", 16))
+    prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
+    eng.run(ps[0], read=False)
+    cache = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.cache
+    bad = cache.block_hashes(prefix)[job["corrupt_block"]]
+    want = {i: eng.run(ps[i], read=False)["tokens"] for i in (1, 2)}
+    engine = eng.llm.llm_engine
+    out: dict[str, Any] = {}
+    for case in job.get("cases", ("together", "first_aborted")):
+        damage_frame(job["extra"]["tiers"]["disk_path"], bad)
+        eng.reset()
+        fill_pages()
+        before = eng.stats()
+        a, b = f"{case}-1", f"{case}-2"
+        engine.add_request(a, {"prompt_token_ids": ps[1]}, eng.params)
+        if case != "alone":
+            engine.add_request(b, {"prompt_token_ids": ps[2]}, eng.params)
+        tokens: dict[str, list[int]] = {a: [], b: []}
+        cached: dict[str, int] = {}
+        first = True
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.outputs:
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+                if o.finished:
+                    cached[o.request_id] = o.num_cached_tokens or 0
+            if first and case == "first_aborted":
+                engine.abort_request([a])
+            first = False
+        after = eng.stats()
+        res = {"worker": minus_worker(after, before), "cached": cached,
+               "second": agreement(tokens[b], want[2]) if case != "alone" else None,
+               "rollbacks": after["scheduler"]["load_failure_rollbacks"] - before["scheduler"]["load_failure_rollbacks"]}
+        if case != "first_aborted":
+            res["first"] = agreement(tokens[a], want[1])
+        out[case] = res
     return out
 
 
@@ -906,7 +964,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (share, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
+SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
                                                admission, steps, cpu_pages)}
 
 

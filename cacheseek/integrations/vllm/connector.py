@@ -117,6 +117,14 @@ class CacheSeekConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._reported: dict[str, int | float] = {}
+        # With vLLM's asynchronous scheduling every load goes through vLLM's asynchronous
+        # loads (held back until done; an embedded cache's runs inside start_load_kv): vLLM
+        # 0.32 rolls a request whose load fell short in the step that finished its prompt
+        # back over the tokens it had already planned after it, and the next step fed their
+        # placeholders to the model (an IndexError that stopped the engine). A request held
+        # back has nothing planned: its failed blocks are settled before it first runs.
+        planned_ahead = bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))
+        background_loads = self.config.loads_in_background or (load and planned_ahead)
         if role == KVConnectorRole.SCHEDULER:
             # one cache per rank: a hit counts only the blocks every rank holds
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, r)) for r in range(tp_size)]
@@ -124,16 +132,16 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
                                             lookup_wait_seconds=self.config.lookup_wait_seconds if self.config.remote
-                                            else None, background_loads=self.config.loads_in_background)
+                                            else None, background_loads=background_loads)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
             # With asynchronous scheduling vLLM plans each step before it has seen how the
             # previous one ended: a load's failure must also drop the next step's saves.
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
-                                      planned_ahead=bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
-                                      background_saves=self.config.saves_in_background,
-                                      background_loads=self.config.loads_in_background)
+                                      planned_ahead=planned_ahead, background_saves=self.config.saves_in_background,
+                                      background_loads=background_loads,
+                                      loader_thread=self.config.loads_in_background)
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
@@ -284,9 +292,13 @@ class CacheSeekConnector(KVConnectorBase_V1):
         # own hit and read pages the load never wrote, and its save stored them in CacheSeek
         # under the prefix's keys. They leave vLLM's prefix cache now, with every block after
         # them that a request computed over them.
+        # vLLM rolled back only the first request holding each block; another that holds it
+        # (its prefix hit in the same step) recomputes it too (scheduler.py).
         invalid = connector_output.invalid_block_ids
         if invalid and self._kv_cache_manager is not None:
-            self._kv_cache_manager.evict_blocks(self._scheduler_side().blocks_after(invalid))
+            side = self._scheduler_side()
+            side.roll_back_sharers(invalid, self._block_size)
+            self._kv_cache_manager.evict_blocks(side.blocks_after(invalid))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._scheduler_side().finished(request)

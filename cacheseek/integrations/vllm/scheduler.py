@@ -73,6 +73,7 @@ class _Request:
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
     hit: Hit = NO_HIT
     loading: bool = False  # offered as a load between steps, not scheduled since
+    request: Any = None  # vLLM's Request (its num_computed_tokens is rolled back over a failed load's blocks)
 
 
 def unsupported_reason(request: Any) -> str | None:
@@ -264,7 +265,8 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids) if supported else []
         # A request admitted again after a preemption starts over.
         state = self._requests[request.request_id] = _Request(prompt, supported, extra,
-                                                              load_tokens=num_external_tokens, hit=hit)
+                                                              load_tokens=num_external_tokens, hit=hit,
+                                                              request=request)
         self.stats.lookup_hit_tokens += num_external_tokens
         if self.background_loads and num_external_tokens and supported:
             end = min(hit.tokens, self._limit(prompt))  # where the offered hit, so the load, ends
@@ -307,6 +309,35 @@ class SchedulerSide:
             if first is not None:
                 out.update(ids[first:])
         return out
+
+    def roll_back_sharers(self, invalid: set[int], block_size: int) -> int:
+        """Set every request that counts one of the ``invalid`` vLLM blocks (``block_size``
+        tokens each) as computed back to the first of them; how many were set back.
+
+        vLLM ("recompute", ``Scheduler._update_requests_with_invalid_blocks``) rolls back
+        only the first request holding a reported block; another that holds it (it took
+        the blocks a load was about to write as its own prefix hit, in the same step) is
+        set back to where it stood before the step, the block still counted as computed,
+        for the first to recompute. Aborted, preempted or outrun (a chunked recompute)
+        first, nothing writes it before the other reads it again. Each recomputes it now
+        (twice in one forward at worst, into the same pages); called after vLLM's own
+        rollback, the first request's count is already there."""
+        rolled = 0
+        for req_id, state in self._requests.items():
+            request = state.request
+            if request is None:
+                continue
+            try:
+                ids = self.block_ids(req_id)
+            except Exception:  # noqa: BLE001 - (a request vLLM no longer holds blocks for)
+                continue
+            computed = -(-request.num_computed_tokens // block_size)
+            first = next((i for i, b in enumerate(ids[:computed]) if b in invalid), None)
+            if first is not None and request.num_computed_tokens > first * block_size:
+                request.num_computed_tokens = first * block_size
+                rolled += 1
+        self.stats.load_failure_rollbacks += rolled
+        return rolled
 
     # -- each step ---------------------------------------------------------------------
 

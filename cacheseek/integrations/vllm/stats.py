@@ -22,6 +22,7 @@ class ConnectorStats:
     lookup_unaligned: int = 0  # vLLM's own hit ends inside a store block: nothing offered (see docs/vllm.md)
     requests_unsupported: int = 0  # prompt embeddings, extra keys that cannot be keyed: neither loaded nor saved
     requests_keyed: int = 0  # requests keyed by more than their tokens (LoRA, multimodal, cache salt)
+    load_failure_rollbacks: int = 0  # requests set back over blocks another's load failed to write (vLLM had not)
     # worker side: loads
     load_calls: int = 0  # materialize_into_batch calls: one per step with loads
     loads: int = 0  # requests whose prefix was loaded into pages

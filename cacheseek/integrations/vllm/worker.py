@@ -28,8 +28,9 @@ into the slots, and ``wait_for_save`` checks and commits; or **whole** (the defa
 layer never fed, a load of one of its requests failed, the writer raised) is dropped for a
 whole save of the same requests in ``wait_for_save``: the pages still hold their KV then.
 
-With a remote cache and ``background_loads`` a step's hits are loaded between steps
-instead: ``start_load_kv`` hands them to a loader thread (one
+With a remote cache and ``background_loads``, and with any cache under vLLM's
+asynchronous scheduling (connector.py), a step's hits are loaded between steps
+instead (an embedded cache's inside ``start_load_kv``, no thread): ``start_load_kv`` hands them to a loader thread (one
 ``materialize_into_batch``, decoded on a stream of its own and waited for there) and
 returns; ``get_finished`` reports each request once its load is done, whatever it wrote,
 its missing blocks in ``get_block_ids_with_load_errors`` in the same pass; vLLM holds the
@@ -96,7 +97,7 @@ class RunningSave:
 class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
                  layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False,
-                 background_loads: bool = False) -> None:
+                 background_loads: bool = False, loader_thread: bool = True) -> None:
         self.cache = cache
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
@@ -104,6 +105,9 @@ class WorkerSide:
         self.background_loads = background_loads
         self._loading: list[tuple[list[LoadSpec], Future]] = []  # loads between steps, until reported
         self._loader: ThreadPoolExecutor | None = None
+        # False: the loads between steps run inside start_load_kv (an embedded cache under
+        # vLLM's asynchronous scheduling, connector.py), reported done at the step's end.
+        self.loader_thread = loader_thread
         self.layerwise = layerwise  # a step's load as one LayerwiseLoad, waited for per layer
         self.layerwise_save = layerwise_save  # a step's saves fed layer by layer (save_kv_layer)
         self._saving: RunningSave | None = None
@@ -270,6 +274,9 @@ class WorkerSide:
         pages = self._pages()
         if not self.guard.allow():  # (no call made: the guard hears nothing of it)
             self._loading.append((specs, _done(([spec.start for spec in specs], _REFUSED, 0.0))))
+            return
+        if not self.loader_thread:
+            self._loading.append((specs, _done(self._load_between_steps(specs, pages))))
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-load")
