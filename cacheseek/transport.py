@@ -86,6 +86,7 @@ class BulkTransport(httpx.BaseTransport):
         self._env_proxies: dict[tuple[str, str], str | None] = {}
         self._closed = False
         self._cutoff: float | None = None  # (time.monotonic()) no exchange runs past it: ``cut_off_at``
+        self._leases: set[_Lease] = set()  # the exchanges under way, for a cutoff that is due now
 
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
@@ -114,8 +115,15 @@ class BulkTransport(httpx.BaseTransport):
         """No exchange runs past ``when`` (``time.monotonic()``): one under way is held to
         it at its next read or write, and one begun after it fails at once
         (``httpx.ReadTimeout``), unsent. ``RemoteCache.close()`` bounds the sending of its
-        queued writes so. Not applied through a proxy."""
-        self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
+        queued writes so. A ``when`` already past also cuts the exchanges under way now: their
+        sockets are shut down, so a read blocked for up to its ``timeout`` returns at once.
+        Not applied through a proxy."""
+        with self._lock:
+            self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
+            due = self._cutoff <= time.monotonic()
+            leases = list(self._leases) if due else []
+        for lease in leases:
+            lease.abort()
 
     def close(self) -> None:
         with self._lock:
@@ -143,6 +151,8 @@ class BulkTransport(httpx.BaseTransport):
                 raise httpx.ReadTimeout(_Lease.cut_off_error(), request=request)
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
         lease = _Lease(self, _pool_key(request.url), timeouts)
+        with self._lock:
+            self._leases.add(lease)
         try:
             lease.pace()  # (past the cutoff: nothing is sent, and no connection made for it)
             lease.sock, reused = self._connect(lease.key, lease.connect_timeouts(timeouts), request, fresh=fresh)
@@ -158,8 +168,8 @@ class BulkTransport(httpx.BaseTransport):
             try:
                 status, headers, rest, keep_alive = _read_head(lease, request)
             except _NoAnswer as exc:
-                error = _as_httpx(send_error or exc.cause, request, reading=send_error is None)
-                if reused:
+                error = _as_httpx(lease.explain(send_error or exc.cause), request, reading=send_error is None)
+                if reused and not lease.aborted:
                     raise _Stale(error) from None
                 raise error from None
             if send_error is not None:
@@ -293,13 +303,14 @@ class BulkTransport(httpx.BaseTransport):
 class _Lease:
     """One request's pool slot and socket, given back exactly once (``release``)."""
 
-    __slots__ = ("transport", "key", "sock", "released", "deadline", "read_timeout", "write_timeout")
+    __slots__ = ("transport", "key", "sock", "released", "aborted", "deadline", "read_timeout", "write_timeout")
 
     def __init__(self, transport: BulkTransport, key: tuple[str, str, int], timeouts: dict) -> None:
         self.transport = transport
         self.key = key
         self.sock: socket.socket | None = None
         self.released = False
+        self.aborted = False  # a cutoff that came due shut its socket down: what failed then, failed for it
         limit = transport.exchange_timeout
         self.deadline = None if limit is None else time.monotonic() + limit
         self.read_timeout = timeouts.get("read")
@@ -341,11 +352,27 @@ class _Lease:
         self.pace(write=True)
 
     def explain(self, exc: BaseException) -> BaseException:
-        """``exc``, or for a socket timeout that the deadline cut short, an error that says so."""
+        """``exc``, or for a socket timeout that the deadline cut short (or any error of a
+        socket that a cutoff shut down), an error that says so."""
+        if self.aborted:
+            return TimeoutError(self.cut_off_error())
         due = self._due()
         if isinstance(exc, TimeoutError) and due is not None and time.monotonic() >= due - 1e-3:
             return self._past()
         return exc
+
+    def abort(self) -> None:
+        """End the exchange now, from another thread: the thread blocked on its socket wakes
+        (end of stream, or an error), and sees the cutoff's error (``explain``)."""
+        self.aborted = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                # (socket.socket's own: SSLSocket.shutdown would drop the TLS object under
+                # the thread still reading through it)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _past(self) -> TimeoutError:
         if self._due() != self.deadline:
@@ -355,14 +382,17 @@ class _Lease:
 
     @staticmethod
     def cut_off_error() -> str:
-        return "cut off: the transport's time for exchanges is over (cut_off_at: a close() that waited its limit)"
+        return ("cut off: the transport's time for exchanges is over (cut_off_at: a close(), or the "
+                "interpreter's exit, that waited its limit)")
 
     def release(self, *, reusable: bool) -> None:
         if self.released:
             return
         self.released = True
+        with self.transport._lock:
+            self.transport._leases.discard(self)
         sock, self.sock = self.sock, None
-        if sock is not None and not reusable:
+        if sock is not None and (not reusable or self.aborted):
             _close(sock)
             sock = None
         self.transport._give_back(self.key, sock)
