@@ -82,6 +82,11 @@ UNSENT = "cacheseek.unsent"
 UVICORN_RANGE = ((0, 54), (0, 55))
 HTTPTOOLS_RANGE = ((0, 9), (0, 10))
 TICK_S = 1.0  # how often a body's progress is checked
+# After a refusal's answer, how long what the client still sends is read and dropped before
+# the connection is closed (the answer's end already signalled by a FIN): closed at once
+# with its bytes unread, the kernel answered them with a reset, which could destroy the
+# answer before the client read it (a pipelining client lost its 429 in 2 runs of 3).
+LINGER_S = 2.0
 
 log = logging.getLogger("cacheseek.server")
 
@@ -283,7 +288,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 refused_cycle.keep_alive = False
                 self.deferred = None
                 if refused_cycle.response_complete:
-                    self.transport.close()
+                    self._linger()
                 return
             body = json.dumps({"error": error}).encode()
             content = [b"HTTP/1.1 " + status + b"\r\n"]
@@ -310,7 +315,25 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                     cycle.message_event.set()
             if content is not None and not self.transport.is_closing():
                 self.transport.write(content)
-            self.transport.close()
+            self._linger()
+
+        def _linger(self) -> None:
+            """End the connection after what is written: a FIN once it is sent, then what the
+            client still sends is read and dropped (``data_received``: refused) until it closes
+            too or ``LINGER_S`` passed. (TLS has no half-close: closed at once, as before.)"""
+            transport = self.transport
+            if transport.is_closing():
+                return
+            try:
+                half_close = transport.can_write_eof()
+            except NotImplementedError:
+                half_close = False
+            if not half_close:
+                transport.close()
+                return
+            transport.write_eof()
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER_S, transport.close)
 
         def on_response_complete(self) -> None:
             if not self.refused:

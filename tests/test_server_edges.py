@@ -1028,6 +1028,37 @@ def test_an_http_1_1_request_without_one_host_header_is_a_400_and_nothing_stored
     assert http != "h11" or log.count("Invalid HTTP request received.") == 3, log[-3000:]
 
 
+def test_a_refusal_reaches_a_client_that_reads_it_late_not_reset_away(tmp_path):
+    """A refusal (here the 429 past ``MAX_PIPELINED`` requests waiting) closed the connection
+    at once, the client's later requests unread: the kernel answered them with a reset, which
+    dropped what it had not sent yet of the answers before it and the refusal itself (the
+    test below lost its 429 in 2 runs of 3). The server now sends a FIN after its answer and
+    reads and drops what comes, so a client that reads a moment later reads every answer."""
+    from cacheseek.server.protocol import LINGER_S, MAX_PIPELINED
+
+    with Server(tmp_path, disk=False) as srv:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answers wait in the server's kernel
+            s.connect(("127.0.0.1", srv.port))
+            try:  # more than one read: the server stops reading with requests of it unread
+                s.sendall(head("GET", "/healthz") * 30_000)
+            except OSError:
+                pass  # (reset under the rest: what the test asks the server not to do to its answers)
+            time.sleep(LINGER_S / 2)  # (the client reads late, on purpose: not a wait for an event)
+            answers = bytearray()
+            s.settimeout(10)
+            try:
+                while data := s.recv(1 << 16):
+                    answers.extend(data)
+            except ConnectionResetError:
+                pass
+        statuses = []
+        while answers:
+            status, headers, body = read_response_from(answers)
+            statuses.append(status)
+        assert statuses[-1:] == [429] and statuses[:-1] == [200] * (len(statuses) - 1), (len(statuses), statuses[-3:])
+
+
 def test_a_client_pipelining_without_end_neither_holds_the_server_nor_its_memory(tmp_path):
     """Requests pipelined on one connection were all parsed and queued, however many: each
     read the server resumed after a response parsed hundreds more (one read of tiny GETs
@@ -1035,7 +1066,7 @@ def test_a_client_pipelining_without_end_neither_holds_the_server_nor_its_memory
     on the event loop. 180,000 tiny GETs (6 MB) had the server answer 3 in 20 s, every
     other client too, and ignore SIGTERM. Past ``MAX_PIPELINED`` requests waiting, the
     ones before are answered in order, then a JSON 429, and the connection is closed."""
-    from cacheseek.server.protocol import MAX_PIPELINED
+    from cacheseek.server.protocol import LINGER_S, MAX_PIPELINED
 
     n = 30_000
     with Server(tmp_path, disk=False) as srv:
