@@ -740,6 +740,12 @@ class RemoteCache(PrefixCacheBase):
             self._outages.count("busy_refusals")
             raise
         except RemoteUnavailable as exc:
+            if self._behind.exiting_here():
+                # A write cut at interpreter exit: this client's own limit, not the server's
+                # failure. Counted, its queue's cut writes opened the breaker under the
+                # threads the program left running.
+                self.breaker.record_unsent()
+                raise
             self.breaker.record_failure()
             self._outages.failed(exc)
             raise

@@ -15,7 +15,9 @@ them, then stops the thread.
 
 At interpreter exit, the writes of a cache never closed get ``exit_timeout`` seconds in all,
 then the exchange under way is cut and those still queued fail unsent: they are best-effort,
-and a process on its way out must not wait out a server that answers a byte at a time.
+and a process on its way out must not wait out a server that answers a byte at a time. The
+cut is the sender thread's alone, and its failures are not the breaker's: the hooks run when
+the main thread ends, and threads the program left running may go on calling the cache.
 Python's own exit hook for executors (``concurrent.futures.thread``) runs every queued item
 to its end, each exchange up to ``exchange_timeout``: a process exiting without ``close()``
 hung for minutes. This module's hook runs before it (``threading._shutdown`` calls the hooks
@@ -50,10 +52,10 @@ def _at_exit() -> None:
         start = time.monotonic()
         behinds = [b for b in list(_open) if b.stats()["writes_pending"]]
         for b in behinds:
-            b._cut_off_at(start + b.exit_timeout)
+            b._cut_off_at(start + b.exit_timeout, sender_only=True)
         for b in behinds:
             if not b.flush(max(start + b.exit_timeout - time.monotonic(), 0.0)):
-                b._cut_off_at(time.monotonic())
+                b._cut_off_at(time.monotonic(), sender_only=True)
                 log.warning("%s never closed: at interpreter exit, %d writes in the background (ingest wait=False) "
                             "not answered within its exit_timeout (%s s) are dropped", b.owner,
                             b.stats()["writes_pending"], b.exit_timeout)
@@ -68,16 +70,19 @@ getattr(threading, "_register_atexit", lambda hook: None)(_at_exit)
 
 class WriteBehind:
     def __init__(self, max_bytes: int, *, owner: str = "WriteBehind", exit_timeout: float = 5.0,
-                 cut_off: Callable[[float], None] | None = None) -> None:
+                 cut_off: Callable[..., None] | None = None) -> None:
         """``owner``: the cache's name, for the error of a write queued after ``close``.
-        ``cut_off(when)``: no exchange of the writes runs past ``when`` (``time.monotonic()``),
-        those under way cut at once once it is past (``BulkTransport.cut_off_at``); at
-        interpreter exit, ``exit_timeout`` seconds from its start. None: exit waits for the
-        writes, as ``close`` does."""
+        ``cut_off(when, thread=None)``: no exchange (of ``thread``'s alone, an ident, where
+        given) runs past ``when`` (``time.monotonic()``), those under way cut at once once it
+        is past (``BulkTransport.cut_off_at``); at interpreter exit, the sender's,
+        ``exit_timeout`` seconds from its start (threads the program left running may go on
+        calling the cache). None: exit waits for the writes, as ``close`` does."""
         self.max_bytes = max_bytes
         self.owner = owner
         self.exit_timeout = exit_timeout
         self._cut_off = cut_off
+        self._sender: int | None = None  # the sender thread's ident, once it ran a write
+        self._exit_cut: float | None = None  # the sender's cutoff at interpreter exit, for writes it begins later
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._futures: set[Future] = set()
@@ -132,6 +137,11 @@ class WriteBehind:
             self._futures.discard(future)
 
     def _run(self, send: Callable[[], Any], nbytes: int, future: Future) -> None:
+        with self._lock:
+            self._sender = threading.get_ident()
+            exit_cut = self._exit_cut
+        if exit_cut is not None and self._cut_off is not None:  # (the exit hook came before this thread ran)
+            self._cut_off(exit_cut, thread=self._sender)
         try:
             result = send()
         except BaseException as exc:  # (the future holds it, as the executor's would)
@@ -193,9 +203,21 @@ class WriteBehind:
             _open.discard(self)
             self._sent.set()
 
-    def _cut_off_at(self, when: float) -> None:
-        if self._cut_off is not None:
+    def exiting_here(self) -> bool:
+        """Whether this is the sender, cut at interpreter exit (its failures are the cut's)."""
+        return self._exit_cut is not None and threading.get_ident() == self._sender
+
+    def _cut_off_at(self, when: float, *, sender_only: bool = False) -> None:
+        if self._cut_off is None:
+            return
+        if not sender_only:
             self._cut_off(when)
+            return
+        with self._lock:
+            self._exit_cut = when if self._exit_cut is None else min(self._exit_cut, when)
+            sender = self._sender
+        if sender is not None:  # (else the sender applies it as it begins its next write)
+            self._cut_off(when, thread=sender)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

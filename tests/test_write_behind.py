@@ -436,3 +436,34 @@ def test_a_process_that_never_closes_its_cache_still_sends_its_queued_writes_to_
     assert "dropped" not in err, err
     with _remote(srv, codec=cs.Raw(), namespace="exit") as cache:
         assert [cache.lookup(tokens_for(300 + i, 2 * BLOCK)) for i in range(4)] == [2 * BLOCK] * 4
+
+
+LEFT_RUNNING_CHILD = textwrap.dedent("""
+    import sys, threading, time
+    sys.path.insert(0, {here!r})
+    import cacheseek as cs
+    from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+    cache = cs.RemoteCache({url!r}, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                           namespace="left-running", trust_env=False, exit_timeout=0)
+
+    def worker():
+        while threading.main_thread().is_alive():  # (until the main thread has ended: the exit hooks ran)
+            time.sleep(0.01)
+        toks = tokens_for(400, 2 * BLOCK)
+        print("STORED", cache.ingest(toks, make_kv(2 * BLOCK, 400)).stored, cache.lookup(toks), flush=True)
+        cache.close()
+
+    threading.Thread(target=worker).start()
+    futures = [cache.ingest(tokens_for(410 + i, 2 * BLOCK), make_kv(2 * BLOCK, 410 + i), wait=False)
+               for i in range(4)]
+""")
+
+
+def test_exit_cuts_only_the_sender_and_a_thread_left_running_goes_on_using_the_cache(srv):
+    """The exit hooks run when the main thread ends, while threads the program left running
+    go on: the cut at exit is the sender's alone, so a waited call from such a thread, after
+    it, is sent and answered (``exit_timeout=0``: a cut of every exchange would fail it)."""
+    script = LEFT_RUNNING_CHILD.format(here=str(Path(__file__).resolve().parent), url=srv.url)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout == f"STORED 2 {2 * BLOCK}\n", (child.stdout, child.stderr[-2000:])
