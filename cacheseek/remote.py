@@ -172,6 +172,7 @@ class RemoteCache(PrefixCacheBase):
         token: str | None = None,
         timeout: float = 60.0,
         exchange_timeout: float | None = 600.0,
+        exit_timeout: float = 5.0,
         max_connections: int = 16,
         max_batch_bytes: int | str = "1GiB",
         max_body_bytes: int | str = "1GiB",
@@ -188,6 +189,9 @@ class RemoteCache(PrefixCacheBase):
         """``timeout``: seconds for each connect, read and write. ``exchange_timeout``: seconds
         for one whole request and its answer (None: no bound), which cuts off a server or
         proxy that sends a byte now and then, each within ``timeout``; a timeout is an outage.
+        ``exit_timeout``: at interpreter exit, a cache never closed gives its ``wait=False``
+        writes this long in all, then cuts them (best-effort: a process exiting does not wait
+        out a slow server; ``cacheseek.write_behind``).
         ``on_unavailable``: ``"raise"`` (``RemoteUnavailable``) or ``"miss"`` (an outage is
         a miss and a dropped write; see the module doc). ``verify``: TLS for an ``https``
         URL: True (the system's CAs), a CA bundle path, an ``ssl.SSLContext``, or False (no
@@ -226,7 +230,6 @@ class RemoteCache(PrefixCacheBase):
         pending = parse_size(max_pending_bytes, name="max_pending_bytes")
         if pending <= 0:
             raise ConfigError(f"max_pending_bytes: must be > 0 bytes, got {max_pending_bytes!r}")
-        self._behind = WriteBehind(pending, owner=type(self).__name__)
         # The frames' host memory, reused from one write to the next, waited or not
         # (page-locked beside a GPU): fresh memory cost a 4K-token int4 save 87 ms of page
         # faults on the H200, the copy itself 15 ms.
@@ -253,6 +256,8 @@ class RemoteCache(PrefixCacheBase):
                 continue
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
                 raise ConfigError(f"{name}: must be a finite number of seconds > 0, got {seconds!r}")
+        if isinstance(exit_timeout, bool) or not isinstance(exit_timeout, (int, float)) or not 0 <= exit_timeout < 1e9:
+            raise ConfigError(f"exit_timeout: must be a finite number of seconds >= 0, got {exit_timeout!r}")
         self.on_unavailable = on_unavailable
         self.breaker = breaker if breaker is not None else CircuitBreaker(
             failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))
@@ -276,6 +281,8 @@ class RemoteCache(PrefixCacheBase):
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
                                         trust_env=trust_env, exchange_timeout=exchange_timeout)
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
+        self._behind = WriteBehind(pending, owner=type(self).__name__, exit_timeout=exit_timeout,
+                                   cut_off=self._transport.cut_off_at)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
 
@@ -694,15 +701,12 @@ class RemoteCache(PrefixCacheBase):
         """Send the ``wait=False`` ingests still queued, then close the connections. Every
         call but ``client_stats`` then raises ``RuntimeError``. With ``exchange_timeout``
         set, the queued writes get that long in all: those not answered by then are dropped,
-        as in an outage (``errors["server"]``), so ``close`` returns within about
-        ``exchange_timeout`` (not through a proxy)."""
-        exchange_timeout = self._transport.exchange_timeout
-        if exchange_timeout is not None:
-            # Each write's exchanges were bounded alone: against a server (or a front)
-            # dribbling its answers, close() took failure_threshold times exchange_timeout,
-            # until the breaker opened, and a lenient breaker's more.
-            self._transport.cut_off_at(time.monotonic() + exchange_timeout)
-        self._behind.close()
+        as in an outage (``errors["server"]``), the exchange under way then cut, so ``close``
+        returns within about ``exchange_timeout`` (not through a proxy)."""
+        # Each write's exchanges were bounded alone: against a server (or a front) dribbling
+        # its answers, close() took failure_threshold times exchange_timeout, until the
+        # breaker opened, and a lenient breaker's more.
+        self._behind.close(timeout=self._transport.exchange_timeout)
         # The buffers kept for the next writes (page-locked, up to max_pending_bytes): no
         # write comes after close, and the process may hold this object long after. The
         # pools stay, emptied: a call still in flight gives its buffers back to them, and
@@ -736,6 +740,12 @@ class RemoteCache(PrefixCacheBase):
             self._outages.count("busy_refusals")
             raise
         except RemoteUnavailable as exc:
+            if self._behind.exiting_here():
+                # A write cut at interpreter exit: this client's own limit, not the server's
+                # failure. Counted, its queue's cut writes opened the breaker under the
+                # threads the program left running.
+                self.breaker.record_unsent()
+                raise
             self.breaker.record_failure()
             self._outages.failed(exc)
             raise

@@ -86,6 +86,8 @@ class BulkTransport(httpx.BaseTransport):
         self._env_proxies: dict[tuple[str, str], str | None] = {}
         self._closed = False
         self._cutoff: float | None = None  # (time.monotonic()) no exchange runs past it: ``cut_off_at``
+        self._thread_cutoffs: dict[int, float] = {}  # (thread ident) as ``_cutoff``, for that thread's exchanges
+        self._leases: set[_Lease] = set()  # the exchanges under way, for a cutoff that is due now
 
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
@@ -110,12 +112,32 @@ class BulkTransport(httpx.BaseTransport):
                 raise stale.error from None
         return self._exchange(request, fresh=True)
 
-    def cut_off_at(self, when: float) -> None:
+    def cut_off_at(self, when: float, *, thread: int | None = None) -> None:
         """No exchange runs past ``when`` (``time.monotonic()``): one under way is held to
         it at its next read or write, and one begun after it fails at once
         (``httpx.ReadTimeout``), unsent. ``RemoteCache.close()`` bounds the sending of its
-        queued writes so. Not applied through a proxy."""
-        self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
+        queued writes so. A ``when`` already past also cuts the exchanges under way now: their
+        sockets are shut down, so a read blocked for up to its ``timeout`` returns at once.
+        ``thread`` (an ident): only that thread's exchanges (interpreter exit cuts a cache's
+        sender so, while threads the program left running go on calling it). Not applied
+        through a proxy."""
+        with self._lock:
+            if thread is None:
+                self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
+            else:
+                self._thread_cutoffs[thread] = min(self._thread_cutoffs.get(thread, when), when)
+            now = time.monotonic()
+            leases = [lease for lease in self._leases
+                      if (cutoff := self._cutoff_for(lease.thread)) is not None and cutoff <= now]
+        for lease in leases:
+            lease.abort()
+
+    def _cutoff_for(self, thread: int) -> float | None:
+        """The cutoff over an exchange of ``thread``'s (None: none)."""
+        mine = self._thread_cutoffs.get(thread) if self._thread_cutoffs else None
+        if mine is None or (self._cutoff is not None and self._cutoff <= mine):
+            return self._cutoff
+        return mine
 
     def close(self) -> None:
         with self._lock:
@@ -135,14 +157,17 @@ class BulkTransport(httpx.BaseTransport):
         connection turned out closed before any byte of an answer (the caller may resend)."""
         timeouts = request.extensions.get("timeout", {})
         pool = timeouts.get("pool")
-        if self._cutoff is not None:
-            left = max(self._cutoff - time.monotonic(), 0.0)
+        cutoff = self._cutoff_for(threading.get_ident())
+        if cutoff is not None:
+            left = max(cutoff - time.monotonic(), 0.0)
             pool = left if pool is None else min(pool, left)
         if not self._slots.acquire(timeout=pool):
-            if self._cutoff is not None and time.monotonic() >= self._cutoff:
+            if cutoff is not None and time.monotonic() >= cutoff:
                 raise httpx.ReadTimeout(_Lease.cut_off_error(), request=request)
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
         lease = _Lease(self, _pool_key(request.url), timeouts)
+        with self._lock:
+            self._leases.add(lease)
         try:
             lease.pace()  # (past the cutoff: nothing is sent, and no connection made for it)
             lease.sock, reused = self._connect(lease.key, lease.connect_timeouts(timeouts), request, fresh=fresh)
@@ -158,8 +183,8 @@ class BulkTransport(httpx.BaseTransport):
             try:
                 status, headers, rest, keep_alive = _read_head(lease, request)
             except _NoAnswer as exc:
-                error = _as_httpx(send_error or exc.cause, request, reading=send_error is None)
-                if reused:
+                error = _as_httpx(lease.explain(send_error or exc.cause), request, reading=send_error is None)
+                if reused and not lease.aborted:
                     raise _Stale(error) from None
                 raise error from None
             if send_error is not None:
@@ -293,13 +318,16 @@ class BulkTransport(httpx.BaseTransport):
 class _Lease:
     """One request's pool slot and socket, given back exactly once (``release``)."""
 
-    __slots__ = ("transport", "key", "sock", "released", "deadline", "read_timeout", "write_timeout")
+    __slots__ = ("transport", "key", "sock", "released", "aborted", "thread", "deadline", "read_timeout",
+                 "write_timeout")
 
     def __init__(self, transport: BulkTransport, key: tuple[str, str, int], timeouts: dict) -> None:
         self.transport = transport
         self.key = key
         self.sock: socket.socket | None = None
         self.released = False
+        self.aborted = False  # a cutoff that came due shut its socket down: what failed then, failed for it
+        self.thread = threading.get_ident()  # (whose exchange: a cutoff may be one thread's)
         limit = transport.exchange_timeout
         self.deadline = None if limit is None else time.monotonic() + limit
         self.read_timeout = timeouts.get("read")
@@ -308,7 +336,7 @@ class _Lease:
     def _due(self) -> float | None:
         """When this exchange must be over: its own deadline, or the transport's cutoff
         (``cut_off_at``, which may come while it runs) where that is sooner."""
-        cutoff = self.transport._cutoff
+        cutoff = self.transport._cutoff_for(self.thread)
         if cutoff is None or (self.deadline is not None and self.deadline <= cutoff):
             return self.deadline
         return cutoff
@@ -341,11 +369,27 @@ class _Lease:
         self.pace(write=True)
 
     def explain(self, exc: BaseException) -> BaseException:
-        """``exc``, or for a socket timeout that the deadline cut short, an error that says so."""
+        """``exc``, or for a socket timeout that the deadline cut short (or any error of a
+        socket that a cutoff shut down), an error that says so."""
+        if self.aborted:
+            return TimeoutError(self.cut_off_error())
         due = self._due()
         if isinstance(exc, TimeoutError) and due is not None and time.monotonic() >= due - 1e-3:
             return self._past()
         return exc
+
+    def abort(self) -> None:
+        """End the exchange now, from another thread: the thread blocked on its socket wakes
+        (end of stream, or an error), and sees the cutoff's error (``explain``)."""
+        self.aborted = True
+        sock = self.sock
+        if sock is not None:
+            try:
+                # (socket.socket's own: SSLSocket.shutdown would drop the TLS object under
+                # the thread still reading through it)
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _past(self) -> TimeoutError:
         if self._due() != self.deadline:
@@ -355,14 +399,17 @@ class _Lease:
 
     @staticmethod
     def cut_off_error() -> str:
-        return "cut off: the transport's time for exchanges is over (cut_off_at: a close() that waited its limit)"
+        return ("cut off: the transport's time for exchanges is over (cut_off_at: a close(), or the "
+                "interpreter's exit, that waited its limit)")
 
     def release(self, *, reusable: bool) -> None:
         if self.released:
             return
         self.released = True
+        with self.transport._lock:
+            self.transport._leases.discard(self)
         sock, self.sock = self.sock, None
-        if sock is not None and not reusable:
+        if sock is not None and (not reusable or self.aborted):
             _close(sock)
             sock = None
         self.transport._give_back(self.key, sock)

@@ -11,7 +11,18 @@ What waits is bounded: at most ``max_bytes`` of frames queued or being sent. A w
 would pass the bound is not queued (the caller answers it at once, its blocks failed): a
 cache that cannot keep up with the server drops writes rather than stall its caller or
 grow without limit. ``flush`` waits for the writes queued so far; ``close`` for all of
-them, then stops the thread (at interpreter exit the thread finishes its queue too).
+them, then stops the thread.
+
+At interpreter exit, the writes of a cache never closed get ``exit_timeout`` seconds in all,
+then the exchange under way is cut and those still queued fail unsent: they are best-effort,
+and a process on its way out must not wait out a server that answers a byte at a time. The
+cut is the sender thread's alone, and its failures are not the breaker's: the hooks run when
+the main thread ends, and threads the program left running may go on calling the cache.
+Python's own exit hook for executors (``concurrent.futures.thread``) runs every queued item
+to its end, each exchange up to ``exchange_timeout``: a process exiting without ``close()``
+hung for minutes. This module's hook runs before it (``threading._shutdown`` calls the hooks
+of ``threading._register_atexit`` in reverse order of registration, and this module imports
+``concurrent.futures.thread``, whose hook registers at its import, before registering its own).
 
 A write that fails (its sender raised: the future holds the error) is counted
 (``writes_failed``, ``last_error``), and the first of a run of failures is logged, so a
@@ -20,20 +31,58 @@ caller that drops its futures still learns that its writes are not being stored.
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # (its exit hook registers now: before this module's, below)
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 log = logging.getLogger("cacheseek.remote")  # (the cache's logger: the writes are RemoteCache's)
 
+_open: weakref.WeakSet[WriteBehind] = weakref.WeakSet()  # those whose sender runs: the exit hook's
+
+
+def _at_exit() -> None:
+    """Before Python's own hook drains the senders' queues: give each one its ``exit_timeout``,
+    all at once, then cut what is left (that hook then runs the rest, each failing unsent)."""
+    try:
+        start = time.monotonic()
+        behinds = [b for b in list(_open) if b.stats()["writes_pending"]]
+        for b in behinds:
+            b._cut_off_at(start + b.exit_timeout, sender_only=True)
+        for b in behinds:
+            if not b.flush(max(start + b.exit_timeout - time.monotonic(), 0.0)):
+                b._cut_off_at(time.monotonic(), sender_only=True)
+                log.warning("%s never closed: at interpreter exit, %d writes in the background (ingest wait=False) "
+                            "not answered within its exit_timeout (%s s) are dropped", b.owner,
+                            b.stats()["writes_pending"], b.exit_timeout)
+    except Exception:  # (raised here, it would skip the hooks after this one: the threads' joins)
+        log.exception("the write-behind exit hook failed; queued writes are sent to their end")
+
+
+# (threading's hooks run in reverse order of registration: this one before concurrent.futures',
+# imported above. Private, as concurrent.futures' own use of it: absent, exit drains as before.)
+getattr(threading, "_register_atexit", lambda hook: None)(_at_exit)
+
 
 class WriteBehind:
-    def __init__(self, max_bytes: int, *, owner: str = "WriteBehind") -> None:
-        """``owner``: the cache's name, for the error of a write queued after ``close``."""
+    def __init__(self, max_bytes: int, *, owner: str = "WriteBehind", exit_timeout: float = 5.0,
+                 cut_off: Callable[..., None] | None = None) -> None:
+        """``owner``: the cache's name, for the error of a write queued after ``close``.
+        ``cut_off(when, thread=None)``: no exchange (of ``thread``'s alone, an ident, where
+        given) runs past ``when`` (``time.monotonic()``), those under way cut at once once it
+        is past (``BulkTransport.cut_off_at``); at interpreter exit, the sender's,
+        ``exit_timeout`` seconds from its start (threads the program left running may go on
+        calling the cache). None: exit waits for the writes, as ``close`` does."""
         self.max_bytes = max_bytes
         self.owner = owner
+        self.exit_timeout = exit_timeout
+        self._cut_off = cut_off
+        self._sender: int | None = None  # the sender thread's ident, once it ran a write
+        self._exit_cut: float | None = None  # the sender's cutoff at interpreter exit, for writes it begins later
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._futures: set[Future] = set()
@@ -76,6 +125,7 @@ class WriteBehind:
                                    "make a new one")
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
+                _open.add(self)
             self._executor.submit(self._run, send, nbytes, future)
             self._futures.add(future)
             self.counts["writes_queued"] += 1
@@ -87,6 +137,11 @@ class WriteBehind:
             self._futures.discard(future)
 
     def _run(self, send: Callable[[], Any], nbytes: int, future: Future) -> None:
+        with self._lock:
+            self._sender = threading.get_ident()
+            exit_cut = self._exit_cut
+        if exit_cut is not None and self._cut_off is not None:  # (the exit hook came before this thread ran)
+            self._cut_off(exit_cut, thread=self._sender)
         try:
             result = send()
         except BaseException as exc:  # (the future holds it, as the executor's would)
@@ -124,10 +179,11 @@ class WriteBehind:
             futures = list(self._futures)
         return not wait(futures, timeout=timeout).not_done
 
-    def close(self) -> None:
-        """Send everything queued, then stop the sender. A second caller (another thread)
-        returns once the first has: returning at once, its caller closed the connections
-        under the writes still being sent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Send everything queued, then stop the sender; with ``timeout`` (and ``cut_off``),
+        what is not answered ``timeout`` seconds from now is cut, and fails. A second caller
+        (another thread) returns once the first has: returning at once, its caller closed the
+        connections under the writes still being sent."""
         with self._lock:
             first = not self._closed
             executor, self._executor, self._closed = self._executor, None, True
@@ -136,9 +192,32 @@ class WriteBehind:
             return
         try:
             if executor is not None:
+                if timeout is not None:
+                    self._cut_off_at(time.monotonic() + timeout)
+                    if not self.flush(timeout):
+                        # (an exchange under way is held to the cutoff at its next read, which
+                        # a read blocked for up to the cache's timeout would not reach soon)
+                        self._cut_off_at(time.monotonic())
                 executor.shutdown(wait=True)
         finally:
+            _open.discard(self)
             self._sent.set()
+
+    def exiting_here(self) -> bool:
+        """Whether this is the sender, cut at interpreter exit (its failures are the cut's)."""
+        return self._exit_cut is not None and threading.get_ident() == self._sender
+
+    def _cut_off_at(self, when: float, *, sender_only: bool = False) -> None:
+        if self._cut_off is None:
+            return
+        if not sender_only:
+            self._cut_off(when)
+            return
+        with self._lock:
+            self._exit_cut = when if self._exit_cut is None else min(self._exit_cut, when)
+            sender = self._sender
+        if sender is not None:  # (else the sender applies it as it begins its next write)
+            self._cut_off(when, thread=sender)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

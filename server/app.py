@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -53,6 +54,30 @@ def _remove_stale_temp_files(disk: Path) -> None:
                 stale.unlink()
             except OSError as exc:
                 log.warning("cannot remove %s: %s", stale, exc)
+
+
+class OneHost:
+    """An HTTP/1.1 request without exactly one Host header is a JSON 400, the connection
+    closed, the route not run (RFC 9112 3.2). server.protocol refuses it before the body;
+    uvicorn's own httptools protocol (``--http httptools``, or the fast path off) let it
+    through, so a PUT without Host stored its frame there. (uvicorn's h11 refuses both itself,
+    with its plain-text 400, before any app runs.)"""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            hosts = sum(1 for name, _ in scope["headers"] if name == b"host")
+            if hosts > 1 or (hosts == 0 and scope.get("http_version") == "1.1"):
+                body = json.dumps({"error": "an HTTP/1.1 request needs exactly one Host header, "
+                                            f"this one has {hosts}"}).encode()
+                await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 class CutAtShutdown:
@@ -157,5 +182,6 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
+    app.add_middleware(OneHost)  # (outside the metrics': as server.protocol's refusals, not a route's answer)
     app.add_middleware(CutAtShutdown)  # (outermost: a cut anywhere below is caught)
     return app

@@ -5,8 +5,9 @@ copy), and stops reading once 64 KiB wait unread, resuming when the app asks for
 10 MB frames that is two extra passes over every byte and a pause and wake-up per 64 KiB,
 which on a busy host made a bare uvicorn app that discards bodies slower than
 ``redis-server`` taking the same bytes. Here the pieces are kept as they arrive and given to
-the app one by one as they are (never copied or joined), and reading pauses only past
-``high_water`` bytes waiting.
+the app one by one as they are (never copied or joined, but for pieces under ``SMALL_PIECE``,
+a chunked body's tiny chunks, gathered so that a queue of them costs about its bytes), and
+reading pauses only past ``high_water`` bytes waiting.
 
 Even so, each byte of a body is copied three times before the app sees it (the event loop's
 read buffer into a ``bytes``, httptools into another ``bytes``, the app into its buffer).
@@ -63,6 +64,11 @@ HIGH_WATER = 1 << 20
 MAX_HEAD_BYTES = 64 << 10  # a request's line and headers, or its trailers (httptools and uvicorn keep them whole)
 MAX_PIPELINED = 128  # requests of one connection waiting behind the one being answered
 SCRATCH = 256 << 10  # read size when the app wants pieces of a body the protocol has taken over
+# Body pieces below SMALL_PIECE are gathered into one of up to GATHER bytes: a chunked body of
+# 2-byte chunks, held as they came (a bytes object and a deque slot each) for a route not
+# reading yet, cost 28 MiB of a connection's memory for the 1 MiB of high_water.
+SMALL_PIECE = 4 << 10
+GATHER = 64 << 10
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
 # (abort=False) -> None: end a response begun, on purpose, by closing the connection (abort:
@@ -76,6 +82,11 @@ UNSENT = "cacheseek.unsent"
 UVICORN_RANGE = ((0, 54), (0, 55))
 HTTPTOOLS_RANGE = ((0, 9), (0, 10))
 TICK_S = 1.0  # how often a body's progress is checked
+# After a refusal's answer, how long what the client still sends is read and dropped before
+# the connection is closed (the answer's end already signalled by a FIN): closed at once
+# with its bytes unread, the kernel answered them with a reset, which could destroy the
+# answer before the client read it (a pipelining client lost its 429 in 2 runs of 3).
+LINGER_S = 2.0
 
 log = logging.getLogger("cacheseek.server")
 
@@ -131,6 +142,8 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             if self.disconnected or self.response_complete:
                 return {"type": "http.disconnect"}
             body = self.pieces.popleft() if self.pieces else b""
+            if type(body) is bytearray:  # (gathered small pieces: ASGI's body is bytes)
+                body = bytes(body)
             self.waiting -= len(body)
             if self.waiting <= high_water:
                 self.flow.resume_reading()
@@ -172,6 +185,22 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             if self.waiting_for_100_continue and not self.transport.is_closing():
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.waiting_for_100_continue = False
+
+        def add_piece(self, piece: bytes | memoryview) -> None:
+            """Queue body bytes for the app (``piece`` is not used after: a view's memory may be
+            reused). A small one joins the small ones before it, in one ``bytearray``, so what a
+            queue of them holds is about their bytes; a large one is kept as it is."""
+            pieces = self.pieces
+            if len(piece) < SMALL_PIECE:
+                last = pieces[-1] if pieces else None
+                # (a bytearray only while whole: one the app took part of is a memoryview now)
+                if type(last) is bytearray and len(last) < GATHER:
+                    last += piece
+                else:
+                    pieces.append(bytearray(piece))
+            else:
+                pieces.append(piece if type(piece) is bytes else bytes(piece))
+            self.waiting += len(piece)
 
         def _take_piece(self, view: memoryview) -> int:
             piece = self.pieces[0]
@@ -259,7 +288,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 refused_cycle.keep_alive = False
                 self.deferred = None
                 if refused_cycle.response_complete:
-                    self.transport.close()
+                    self._linger()
                 return
             body = json.dumps({"error": error}).encode()
             content = [b"HTTP/1.1 " + status + b"\r\n"]
@@ -286,7 +315,25 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                     cycle.message_event.set()
             if content is not None and not self.transport.is_closing():
                 self.transport.write(content)
-            self.transport.close()
+            self._linger()
+
+        def _linger(self) -> None:
+            """End the connection after what is written: a FIN once it is sent, then what the
+            client still sends is read and dropped (``data_received``: refused) until it closes
+            too or ``LINGER_S`` passed. (TLS has no half-close: closed at once, as before.)"""
+            transport = self.transport
+            if transport.is_closing():
+                return
+            try:
+                half_close = transport.can_write_eof()
+            except NotImplementedError:
+                half_close = False
+            if not half_close:
+                transport.close()
+                return
+            transport.write_eof()
+            self.flow.resume_reading()
+            self.loop.call_later(LINGER_S, transport.close)
 
         def on_response_complete(self) -> None:
             if not self.refused:
@@ -461,8 +508,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             cycle.seen += len(body)
             if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
                 return None
-            cycle.pieces.append(body)
-            cycle.waiting += len(body)
+            cycle.add_piece(body)
             if cycle.waiting > high_water:
                 self.flow.pause_reading()
             cycle.message_event.set()
@@ -538,9 +584,7 @@ class BodyTakeover(asyncio.BufferedProtocol):
                 cycle.message_event.set()
         elif not cycle.response_complete:  # else the answer is out: the rest is skipped
             assert self.scratch is not None  # (made by get_buffer, which asyncio calls before this)
-            piece = bytes(memoryview(self.scratch)[:nbytes])
-            cycle.pieces.append(piece)
-            cycle.waiting += nbytes
+            cycle.add_piece(memoryview(self.scratch)[:nbytes])
             if cycle.waiting > self.high_water:
                 self.protocol.flow.pause_reading()
             cycle.message_event.set()

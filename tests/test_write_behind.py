@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,3 +340,130 @@ def test_close_with_writes_queued_for_a_server_that_dribbles_takes_one_exchange_
         assert all((r.stored, r.failed) == (0, 2) and "server" in r.errors for r in results), results
         stats = cache.client_stats()
         assert stats["write_behind"]["pending_bytes"] == 0 and stats["write_buffers"]["leases_active"] == 0
+
+
+EXIT_CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    if {futures_first!r}:
+        import concurrent.futures.thread  # (its exit hook registered before cacheseek is imported)
+    import cacheseek as cs
+    from cacheseek.store.breaker import CircuitBreaker
+    from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+    cache = cs.RemoteCache({url!r}, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                           exchange_timeout={exchange_timeout!r}, on_unavailable="miss", trust_env=False,
+                           breaker=CircuitBreaker(failure_threshold=100), namespace="exit", **{extra!r})
+    futures = [cache.ingest(tokens_for(300 + i, 2 * BLOCK), make_kv(2 * BLOCK, 300 + i), wait=False)
+               for i in range(4)]
+    if not {futures_first!r}:
+        from concurrent.futures import ThreadPoolExecutor  # (another user of the executors, after the cache)
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(int).result()
+    print("QUEUED", flush=True)
+    sys.stdin.readline()  # (the test's word that the server holds an exchange under way)
+    # exits here, the cache never closed
+""")
+
+
+def _exit_child(url: str, *, futures_first: bool, exchange_timeout: float, **extra) -> subprocess.Popen:
+    extra.setdefault("timeout", 5)
+    script = EXIT_CHILD.format(here=str(Path(__file__).resolve().parent), url=url, futures_first=futures_first,
+                               exchange_timeout=exchange_timeout, extra=extra)
+    return subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize(("futures_first", "answer"), [(True, "dribbled"), (False, "silent")],
+                         ids=["futures-imported-first-dribbled", "futures-used-after-silent"])
+def test_a_process_that_never_closes_its_cache_exits_within_exit_timeout_against_a_slow_server(futures_first, answer):
+    """``wait=False`` writes queued for a server that dribbles its answers (or sends none,
+    its read timeout 5 s away), and the process exits without ``close()``: Python's own exit
+    drained the sender's queue, each write's exchange running to ``exchange_timeout`` (here
+    30 s, 600 by default) until the breaker opened (a lenient one here: never), so the
+    process hung for minutes. It exits once ``exit_timeout`` (5 s by default) has passed,
+    whether concurrent.futures was imported before cacheseek or used after the cache was made."""
+    stop, asked = threading.Event(), threading.Event()
+
+    def slow(n: int, head: bytes):
+        asked.set()
+        def pieces():  # a byte every 50 ms: each read well within the 5 s timeout
+            yield b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4000\r\n\r\n"
+            for _ in range(4000):
+                if stop.wait(0.05 if answer == "dribbled" else 4.0):
+                    return
+                if answer == "dribbled":
+                    yield b" "
+        return pieces(), True
+
+    from fake_http import FakeServer
+
+    with FakeServer(slow) as front:
+        child = _exit_child(front.url, futures_first=futures_first, exchange_timeout=30.0,
+                            timeout=30 if answer == "silent" else 5)
+        try:
+            assert child.stdout.readline() == "QUEUED\n", child.stderr.read()
+            assert asked.wait(10)  # an exchange under way at exit: its read is what must end
+            child.stdin.write("exit\n")
+            child.stdin.flush()
+            queued = time.monotonic()
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the process still ran 20 s after its last line, draining its queued writes")
+            took = time.monotonic() - queued
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        assert child.returncode == 0, child.stderr.read()
+        assert 4.5 < took < 10.0, took  # exit_timeout 5 s; the exchange under way cut at once then
+        assert front.requests, "the queued writes were never begun"
+        assert "dropped" in child.stderr.read()
+        stop.set()
+
+
+def test_a_process_that_never_closes_its_cache_still_sends_its_queued_writes_to_a_server_that_answers(srv):
+    """The exit bound drops only what a slow server leaves unanswered: against one that
+    answers, the writes queued at exit are stored, as before."""
+    child = _exit_child(srv.url, futures_first=False, exchange_timeout=30.0)
+    try:
+        out, err = child.communicate("exit\n", timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0 and out == "QUEUED\n", err
+    assert "dropped" not in err, err
+    with _remote(srv, codec=cs.Raw(), namespace="exit") as cache:
+        assert [cache.lookup(tokens_for(300 + i, 2 * BLOCK)) for i in range(4)] == [2 * BLOCK] * 4
+
+
+LEFT_RUNNING_CHILD = textwrap.dedent("""
+    import sys, threading, time
+    sys.path.insert(0, {here!r})
+    import cacheseek as cs
+    from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+    cache = cs.RemoteCache({url!r}, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                           namespace="left-running", trust_env=False, exit_timeout=0)
+
+    def worker():
+        while threading.main_thread().is_alive():  # (until the main thread has ended: the exit hooks ran)
+            time.sleep(0.01)
+        toks = tokens_for(400, 2 * BLOCK)
+        print("STORED", cache.ingest(toks, make_kv(2 * BLOCK, 400)).stored, cache.lookup(toks), flush=True)
+        cache.close()
+
+    threading.Thread(target=worker).start()
+    futures = [cache.ingest(tokens_for(410 + i, 2 * BLOCK), make_kv(2 * BLOCK, 410 + i), wait=False)
+               for i in range(4)]
+""")
+
+
+def test_exit_cuts_only_the_sender_and_a_thread_left_running_goes_on_using_the_cache(srv):
+    """The exit hooks run when the main thread ends, while threads the program left running
+    go on: the cut at exit is the sender's alone, so a waited call from such a thread, after
+    it, is sent and answered (``exit_timeout=0``: a cut of every exchange would fail it)."""
+    script = LEFT_RUNNING_CHILD.format(here=str(Path(__file__).resolve().parent), url=srv.url)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout == f"STORED 2 {2 * BLOCK}\n", (child.stdout, child.stderr[-2000:])
