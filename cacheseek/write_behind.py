@@ -56,9 +56,13 @@ def _at_exit() -> None:
         for b in behinds:
             if not b.flush(max(start + b.exit_timeout - time.monotonic(), 0.0)):
                 b._cut_off_at(time.monotonic(), sender_only=True)
+            # (counted, not the flush's answer: the cut comes due when the flush's wait ends, and
+            # writes it failed (answered as misses) often drained the queue just before it did)
+            dropped = b.dropped_at_exit()
+            if dropped:
                 log.warning("%s never closed: at interpreter exit, %d writes in the background (ingest wait=False) "
-                            "not answered within its exit_timeout (%s s) are dropped", b.owner,
-                            b.stats()["writes_pending"], b.exit_timeout)
+                            "not answered within its exit_timeout (%s s) are dropped", b.owner, dropped,
+                            b.exit_timeout)
     except Exception:  # (raised here, it would skip the hooks after this one: the threads' joins)
         log.exception("the write-behind exit hook failed; queued writes are sent to their end")
 
@@ -83,6 +87,7 @@ class WriteBehind:
         self._cut_off = cut_off
         self._sender: int | None = None  # the sender thread's ident, once it ran a write
         self._exit_cut: float | None = None  # the sender's cutoff at interpreter exit, for writes it begins later
+        self._cut_done = 0  # writes done once the cut at exit came due: dropped by it
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._futures: set[Future] = set()
@@ -157,6 +162,8 @@ class WriteBehind:
         with self._lock:
             self._pending_bytes -= nbytes
             self.counts["writes_done"] += 1
+            if self._exit_cut is not None and time.monotonic() >= self._exit_cut:
+                self._cut_done += 1  # (ended by the cut at exit: failed, or answered as a miss)
             first = error is not None and not self._failing
             self._failing = error is not None
             if error is not None:
@@ -202,6 +209,11 @@ class WriteBehind:
         finally:
             _open.discard(self)
             self._sent.set()
+
+    def dropped_at_exit(self) -> int:
+        """The writes the cut at interpreter exit drops: those it ended, and those still queued."""
+        with self._lock:
+            return self._cut_done + self.counts["writes_queued"] - self.counts["writes_done"]
 
     def exiting_here(self) -> bool:
         """Whether this is the sender, cut at interpreter exit (its failures are the cut's)."""

@@ -83,8 +83,18 @@ class FakeServer:
             conn.close()
 
     def close(self) -> None:
+        """Stop accepting, and wait for the connections' threads to end (their clients
+        closed first): a thread that closed its connection later, in a test after this one,
+        freed a descriptor under it (``high_fds``'s test then got one below 1024)."""
         self._stop = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # (wakes the accept: close alone leaves it blocked for good)
+        except OSError:
+            pass
+        self._accept.join(5)
         self.listener.close()
+        for t in self._threads:
+            t.join(5)
 
     def __enter__(self) -> FakeServer:
         return self
