@@ -28,7 +28,7 @@ from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import KEY_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
-from .protocol import CUT_SHORT
+from .protocol import CUT_SHORT, host_error
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
@@ -68,10 +68,9 @@ class OneHost:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            hosts = sum(1 for name, _ in scope["headers"] if name == b"host")
-            if hosts > 1 or (hosts == 0 and scope.get("http_version") == "1.1"):
-                body = json.dumps({"error": "an HTTP/1.1 request needs exactly one Host header, "
-                                            f"this one has {hosts}"}).encode()
+            wrong_host = host_error(scope["headers"], scope.get("http_version"))
+            if wrong_host:
+                body = json.dumps({"error": wrong_host}).encode()
                 await send({"type": "http.response.start", "status": 400,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})

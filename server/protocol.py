@@ -91,6 +91,15 @@ LINGER_S = 2.0
 log = logging.getLogger("cacheseek.server")
 
 
+def host_error(headers: Any, http_version: str | None) -> str | None:
+    """Why a request's Host headers are refused (RFC 9112 3.2: an HTTP/1.1 request carries
+    exactly one), or None. ``headers``: (name, value) pairs, names lower-case bytes."""
+    hosts = sum(1 for name, _ in headers if name == b"host")
+    if hosts > 1 or (hosts == 0 and http_version == "1.1"):
+        return f"an HTTP/1.1 request needs exactly one Host header, this one has {hosts}"
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     header_timeout_seconds: float = 10.0
@@ -425,12 +434,11 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 self.send_error_and_close(b"429 Too Many Requests", f"over {MAX_PIPELINED} requests pipelined on "
                                           "one connection, waiting for their answers: the connection ends after those")
                 return
-            hosts = sum(1 for name, _ in self.headers if name == b"host")
-            if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
-                # RFC 9112 3.2. Neither was refused: a request without Host was served, and
-                # one with two, which a front before this server may have read as the other.
-                self.send_error_and_close(b"400 Bad Request", "an HTTP/1.1 request needs exactly one Host header, "
-                                          f"this one has {hosts}")
+            wrong_host = host_error(self.headers, self.parser.get_http_version())
+            if wrong_host:
+                # Neither was refused: a request without Host was served, and one with two,
+                # which a front before this server may have read as the other.
+                self.send_error_and_close(b"400 Bad Request", wrong_host)
                 return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the
