@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import cacheseek as cs
 from cacheseek.errors import ConfigError, InputError
@@ -1072,3 +1074,45 @@ def test_the_default_model_id_keeps_engines_of_other_weights_apart():
            default_model_id(model(quantization="fp8")), default_model_id(model(revision="0e9e39f", quantization="fp8"))}
     assert len(ids) == 5
     assert default_model_id(model(revision="0e9e39f")) == default_model_id(model(revision="0e9e39f"))
+
+
+@given(model=st.text("ab@+", min_size=1, max_size=6), revision=st.one_of(st.none(), st.text("ab@+", max_size=4)),
+       quantization=st.one_of(st.none(), st.text("ab@+", max_size=4)))
+def test_the_default_model_id_names_each_model_revision_and_quantization_apart(model, revision, quantization):
+    """The default joined model, ``@revision`` and ``+quantization`` as they were: a model
+    path or revision holding "@" or "+" spelled another triple's id, so a folder
+    "/models/llama+fp8" of bf16 weights keyed as "/models/llama" quantized to fp8 online,
+    and revision "v1+fp8" as revision "v1" quantized to fp8: one engine found the other's KV.
+    Every other way to read the id back as model, revision and quantization gives another id
+    (None and "" both say none); names free of "@" and "+" keep the plain form (their
+    engines' stored blocks stay found)."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.config import default_model_id
+
+    def of(m, r, q) -> str:
+        return default_model_id(SimpleNamespace(model=m, revision=r, quantization=q))
+
+    ours, text = (model, revision or None, quantization or None), of(model, revision, quantization)
+    for at in [None, *(i for i, c in enumerate(text) if c == "@")]:
+        for plus in [None, *(i for i, c in enumerate(text) if c == "+" and (at is None or i > at))]:
+            end = len(text) if plus is None else plus
+            other = (text[: at if at is not None else end], text[at + 1 : end] if at is not None else None,
+                     text[plus + 1 :] if plus is not None else None)
+            other = (other[0], other[1] or None, other[2] or None)
+            if other != ours and other[0]:
+                assert of(*other) != text, f"{other} has the id of {ours}: {text!r}"
+
+
+def test_a_model_path_or_revision_holding_the_separators_is_not_another_models_id():
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.config import default_model_id
+
+    def model(path, revision=None, quantization=None) -> str:
+        return default_model_id(SimpleNamespace(model=path, revision=revision, quantization=quantization))
+
+    assert model("/models/llama+fp8") != model("/models/llama", quantization="fp8")
+    assert model("/models/llama@v2") != model("/models/llama", revision="v2")
+    assert model("m", revision="v1+fp8") != model("m", revision="v1", quantization="fp8")
+    assert model("m", revision="v1", quantization="fp8") == "m@v1+fp8"  # (the plain form, as before)
