@@ -328,11 +328,14 @@ def as_token_list(token_ids: Any) -> Sequence[int]:
         if str(getattr(token_ids, "dtype", "")) in ("torch.bool", "bool"):
             raise InputError("token_ids: a tensor of bools, not token ids")  # (read as 0 and 1)
         shape = tuple(token_ids.shape)
-        if len(shape) == 2 and shape[0] == 1:
-            token_ids = token_ids.reshape(-1)
-        elif len(shape) != 1:
-            raise InputError(f"token_ids: expected shape [T] or [1, T], got {list(shape)}")
-        token_ids = token_ids.tolist()
+        try:
+            if len(shape) == 2 and shape[0] == 1:
+                token_ids = token_ids.reshape(-1)
+            elif len(shape) != 1:
+                raise InputError(f"token_ids: expected shape [T] or [1, T], got {list(shape)}")
+            token_ids = token_ids.tolist()
+        except (RuntimeError, NotImplementedError) as exc:  # (a meta tensor holds no values; a sparse one)
+            raise InputError(f"token_ids: a tensor whose values cannot be read ({exc})") from None
     if not isinstance(token_ids, (list, tuple)):
         raise InputError(f"token_ids: expected a sequence of ints, got {type(token_ids).__name__}")
     return token_ids

@@ -486,3 +486,17 @@ def test_ranks_and_placeholder_offsets_take_any_integer_and_give_the_same_keys()
             Shard(tp_size=bad)
         with pytest.raises(InputError, match="MMInput.length"):
             MMInput("img", 0, bad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(64, device="meta"),
+    lambda: torch.arange(64).to_sparse(),
+    lambda: torch.arange(64).reshape(1, 64).to_sparse(),
+], ids=["meta", "sparse", "sparse-1xT"])
+def test_token_ids_in_a_tensor_without_readable_values_are_an_input_error(make):
+    # A meta tensor's tolist() raised NotImplementedError and a sparse one's RuntimeError,
+    # out of every call that takes keys: no ValueError naming the parameter.
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=32)
+    for call in (keys.block_hashes, keys.hashed, lambda ids: keys.block_hashes(Prompt(ids, lora_id="a"))):
+        with pytest.raises(InputError, match="^token_ids: "):
+            call(make())
