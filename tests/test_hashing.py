@@ -500,3 +500,25 @@ def test_token_ids_in_a_tensor_without_readable_values_are_an_input_error(make):
     for call in (keys.block_hashes, keys.hashed, lambda ids: keys.block_hashes(Prompt(ids, lora_id="a"))):
         with pytest.raises(InputError, match="^token_ids: "):
             call(make())
+
+
+def test_pipeline_stages_holding_other_layers_never_share_a_root():
+    """A stage's rank and the stage count do not say which layers it holds once the layers
+    are split unevenly (vLLM's VLLM_PP_LAYER_PARTITION): stage 1 of 32 layers split
+    [8, 8, 8, 8] holds layers 8-15, split [9, 8, 8, 7] layers 9-16, both 8 layers under one
+    KVLayout, so both had one root and each loaded the other's KV. ``first_layer`` names
+    the stage's first layer in the root; left out, the root is the one it always was."""
+    layout = KVLayout(8, 2, 64).fingerprint()
+    even, uneven = Shard(pp_rank=1, pp_size=4, first_layer=8), Shard(pp_rank=1, pp_size=4, first_layer=9)
+    assert _root(layout_fingerprint=layout, shard=even) != _root(layout_fingerprint=layout, shard=uneven)
+    assert _root(shard=Shard(first_layer=0)) != _root()  # (said or not: other roots, never the same by chance)
+    # The recipe: the shard's four u32, then b"F" and the first layer as u32 when given.
+    assert even.fingerprint() == struct.pack("<4I", 0, 1, 1, 4) + b"F" + struct.pack("<I", 8)
+    assert Shard(pp_rank=1, pp_size=4).fingerprint() == struct.pack("<4I", 0, 1, 1, 4)
+    assert Shard(1, 2, 0, 1, 5) == Shard(tp_rank=1, tp_size=2, first_layer=5)
+    for bad in (-1, 1 << 32, True, 1.0, "8"):
+        with pytest.raises(ConfigError, match=r"^Shard.first_layer: "):
+            Shard(first_layer=bad)
+    import numpy as np
+
+    assert Shard(first_layer=np.int64(8)).fingerprint() == Shard(first_layer=8).fingerprint()
