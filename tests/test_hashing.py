@@ -522,3 +522,51 @@ def test_pipeline_stages_holding_other_layers_never_share_a_root():
     import numpy as np
 
     assert Shard(first_layer=np.int64(8)).fingerprint() == Shard(first_layer=8).fingerprint()
+
+
+def _codec_bytes_kv(dtype):
+    # Integer arithmetic, not a random generator whose sequence may change between torch versions.
+    n = torch.arange(2 * 2 * 128 * 64, dtype=torch.int64)
+    k = ((((n * 7919) % 2003) - 1001).to(torch.float32) / 97).reshape(2, 2, 128, 64)
+    v = ((((n * 104729) % 1999) - 999).to(torch.float32) / 131).reshape(2, 2, 128, 64)
+    v[..., 5] *= 9  # an outlier channel: what v_clip and v_rotate are for
+    return k.to(dtype), v.to(dtype)
+
+
+# What each codec stores for _codec_bytes_kv: the xxh3-64 of its buffers end to end, per KV dtype.
+CODEC_BYTES = {
+    "raw": (Raw(), ("3548931d649e8a35", "e88bb60dff473ad0", "8131799b5ac5ae5e")),
+    "int4": (KIVI(bits=4, group_size=32), ("13421f90410b60e4", "37087c431d152d09", "d92799d2fccf5406")),
+    "int2": (KIVI(bits=2, group_size=32), ("0d0bbb960d153575", "4042bdce5969511d", "4e75f576f7d3e391")),
+    "int8-g64": (KIVI(bits=8, group_size=64), ("0618e63059491160", "b820a6009af6af07", "a23f2da92cd5f3d0")),
+    "k2v4-g128-fp32": (KIVI(k_bits=2, v_bits=4, group_size=128, stats_dtype="float32"),
+                       ("689fc4c59ae942a9", "04f8ffd6fa67b6ee", "5476ab3cab6d99a3")),
+    "k4v2-kg64": (KIVI(k_bits=4, v_bits=2, k_group_size=64, v_group_size=32),
+                  ("f69248302a2b0f3e", "6f0d9180edaa2932", "94ec7f2752c6e920")),
+    "v_clip": (KIVI(bits=4, group_size=32, v_clip=3), ("9aaa9243ae51f59b", "d9adb362b1105081", "25e552ed8c0e7420")),
+    "v_rotate": (KIVI(bits=4, group_size=32, v_rotate=True),
+                 ("d713e33e7b293916", "4eebd1b093a15076", "6d9f897f62d3e6a4")),
+    "k4v2-clip-rotate": (KIVI(k_bits=4, v_bits=2, group_size=32, v_clip=2, v_rotate=True),
+                         ("84d7f63e2a309b15", "6c1f8f81abd8ac1e", "b4f095988fef69f4")),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # (the kernels interpreted on a CPU: the same bytes)
+@pytest.mark.parametrize("name", sorted(CODEC_BYTES))
+def test_the_bytes_a_codec_stores_are_those_its_fingerprint_names(name, backend, monkeypatch):
+    """A key names its blocks' bytes through the codec's fingerprint (its spec, with the
+    codec's VERSION): a change to what a codec stores for the same KV under the same spec
+    would have the blocks stored before it decoded by the new code, silently, under the same
+    keys. These digests change only with that codec's VERSION (so its fingerprint, so every
+    key): a failure here is a format change that needs one. Every setting that changes the
+    bytes changes the fingerprint (the digests and the fingerprints are distinct alike)."""
+    codec, want = CODEC_BYTES[name]
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", backend)
+    for dtype, digest in zip((torch.float16, torch.bfloat16, torch.float32), want):
+        encoded = codec.encode(*_codec_bytes_kv(dtype))
+        h = xxhash.xxh3_64()
+        for _, _, buffer in encoded.named_buffers():
+            h.update(buffer.contiguous().view(torch.uint8).numpy().tobytes())
+        assert h.hexdigest() == digest, f"{name} ({dtype}) stores other bytes under its fingerprint {codec.fingerprint()}"
+    assert len({c.fingerprint() for c, _ in CODEC_BYTES.values()}) == len(CODEC_BYTES)
+    assert len({d for _, ds in CODEC_BYTES.values() for d in ds}) == 3 * len(CODEC_BYTES)
