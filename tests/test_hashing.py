@@ -333,8 +333,9 @@ def test_bad_input_names_the_parameter(call, match):
 
 # -- shards and extra keys ---------------------------------------------------------------
 
-shards = st.builds(lambda tp, tpr, pp, ppr: Shard(tpr % tp, tp, ppr % pp, pp),
-                   st.integers(1, 8), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3))
+shards = st.builds(lambda tp, tpr, pp, ppr, first: Shard(tpr % tp, tp, ppr % pp, pp, first),
+                   st.integers(1, 8), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3),
+                   st.one_of(st.none(), st.integers(0, 3)))
 
 
 @given(a=shards, b=shards, tokens=st.lists(st.integers(0, 50000), min_size=16, max_size=64))
@@ -570,3 +571,54 @@ def test_the_bytes_a_codec_stores_are_those_its_fingerprint_names(name, backend,
         assert h.hexdigest() == digest, f"{name} ({dtype}) stores other bytes under its fingerprint {codec.fingerprint()}"
     assert len({c.fingerprint() for c, _ in CODEC_BYTES.values()}) == len(CODEC_BYTES)
     assert len({d for _, ds in CODEC_BYTES.values() for d in ds}) == 3 * len(CODEC_BYTES)
+
+
+def _read_extra(data: bytes) -> tuple:
+    """``block_extra_keys``' bytes read back as design.md lays them out: each reads back as
+    exactly one (lora_id, inputs, salt), so no two of those share bytes."""
+    at, lora, inputs, salt = 0, None, [], None
+
+    def field() -> bytes:
+        nonlocal at
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4 + n
+        assert at <= len(data), "a length past the end"
+        return data[at - n : at]
+
+    def tag(t: bytes) -> bool:
+        nonlocal at
+        if data[at : at + 1] == t:
+            at += 1
+            return True
+        return False
+
+    if tag(b"L"):
+        lora = field().decode()
+    if tag(b"M"):
+        (count,) = struct.unpack_from("<I", data, at)
+        at += 4
+        for _ in range(count):
+            h = field()
+            inputs.append((h, *struct.unpack_from("<QQ", data, at)))
+            at += 16
+    if tag(b"S"):
+        salt = field()
+    assert at == len(data), "bytes left over"
+    return lora, inputs, salt
+
+
+mm_parts = st.tuples(st.binary(min_size=1, max_size=4), st.integers(0, 2**63 - 1), st.integers(1, 2**63 - 1))
+
+
+@given(lora=st.one_of(st.none(), st.text("LMS\x00\x01é", min_size=1, max_size=6)),
+       inputs=st.lists(mm_parts, max_size=3), salt=st.one_of(st.none(), st.binary(min_size=1, max_size=6)),
+       salt_as_text=st.booleans())
+def test_a_blocks_extra_keys_read_back_as_exactly_what_they_were_made_of(lora, inputs, salt, salt_as_text):
+    """Tags, lengths and counts keep an adapter, inputs and a salt apart whatever bytes they
+    hold (tag letters, NULs, lengths in their own bytes): the encoding reads back unambiguously."""
+    mm = [MMInput(h, o, n) for h, o, n in inputs]
+    given_salt = salt.decode("latin-1") if salt is not None and salt_as_text else salt
+    data = block_extra_keys(lora_id=lora, mm_inputs=mm, cache_salt=given_salt)
+    want_salt = given_salt.encode() if isinstance(given_salt, str) else given_salt
+    assert _read_extra(data) == (lora, [tuple(x) for x in inputs], want_salt)
+    assert (data == b"") == (lora is None and not inputs and salt is None)
