@@ -1116,3 +1116,37 @@ def test_a_model_path_or_revision_holding_the_separators_is_not_another_models_i
     assert model("/models/llama@v2") != model("/models/llama", revision="v2")
     assert model("m", revision="v1+fp8") != model("m", revision="v1", quantization="fp8")
     assert model("m", revision="v1", quantization="fp8") == "m@v1+fp8"  # (the plain form, as before)
+
+
+def test_a_vllm_request_has_the_keys_its_documented_prompt_has_in_every_cache():
+    """design.md spells how a vLLM request's adapter, salt and images become a ``cs.Prompt``,
+    so that an engine and a program using ``PrefixCache`` or ``RemoteCache`` share blocks:
+    the connector's keys are that prompt's keys, in both caches."""
+    import json
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.plan import request_keys
+    from cacheseek.integrations.vllm.scheduler import extra_keys
+
+    def feature(identifier: str, offset: int, length: int) -> SimpleNamespace:
+        return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+    tokens = list(range(1000, 1200))
+    request = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql-v1"),
+        mm_features=[feature("img-a", 10, 40), feature("img-b", 90, 50)], cache_salt="tenant-7")
+    documented = cs.Prompt(tokens, lora_id=json.dumps(["sql", "/adapters/sql-v1"]), cache_salt="tenant-7",
+                           mm_inputs=[cs.MMInput("img-b", 90, 50), cs.MMInput("img-a", 10, 40)])
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    config = {"model_id": "m", "layout": layout, "codec": cs.KIVI(bits=4, group_size=32), "block_tokens": 32}
+    embedded = cs.PrefixCache(tiers=cs.TierConfig(cpu_bytes="16MiB"), **config)
+    remote = cs.RemoteCache("http://127.0.0.1:9", **config)  # (hashing asks no server)
+    try:
+        want = embedded.block_hashes(documented)
+        assert len(want) == 6 and want != embedded.block_hashes(tokens)
+        for cache in (embedded, remote):
+            assert cache.block_hashes(request_keys(tokens, extra_keys(request))) == want
+            assert cache.block_hashes(documented) == want
+    finally:
+        embedded.close()
+        remote.close()
