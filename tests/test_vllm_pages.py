@@ -1150,3 +1150,20 @@ def test_a_vllm_request_has_the_keys_its_documented_prompt_has_in_every_cache():
     finally:
         embedded.close()
         remote.close()
+
+
+def test_a_lora_path_given_as_a_path_object_keys_as_its_text():
+    """vLLM takes a ``pathlib.Path`` as ``LoRARequest.lora_path`` (it only opens it), where the
+    connector's JSON of name and path raised TypeError, out of the scheduler's lookup into
+    vLLM's. A path keys as its text."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import extra_keys, unsupported_reason
+
+    def request(path) -> SimpleNamespace:
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=path),
+                               mm_features=None, cache_salt=None, prompt_token_ids=[1, 2, 3], prompt_embeds=None)
+
+    assert unsupported_reason(request(Path("/adapters/sql-v1"))) is None
+    assert extra_keys(request(Path("/adapters/sql-v1"))) == extra_keys(request("/adapters/sql-v1"))
