@@ -127,7 +127,7 @@ def test_keys_equal_across_processes_and_hash_seeds():
         "import cacheseek as cs;"
         "from cacheseek.prefix_keys import PrefixKeys;"
         "keys = PrefixKeys.create(namespace='t', model_id='m', layout=cs.KVLayout(2, 2, 64), codec=cs.KIVI(),"
-        " block_tokens=32, shard=cs.Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2));"
+        " block_tokens=32, shard=cs.Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2, first_layer=2));"
         "p = cs.Prompt(list(range(100)), lora_id='a', cache_salt='s',"
         " mm_inputs=[cs.MMInput('x', 40, 8), cs.MMInput(b'y', 2, 3)]);"
         "print(json.dumps([[c['root'], c['token_chain']] for c in map(compute, CASES)]"
