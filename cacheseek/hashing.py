@@ -7,7 +7,8 @@ tiers beyond the fingerprint bytes they hand in.
     h[i]  = H(h[i-1] or root | kind | content[i] | extra[i] | u32 len(extra[i]))
 
 The shard is the tensor- and pipeline-parallel rank and size that produced the KV (each
-u32 little-endian), so two ranks never share a block. ``extra[i]`` names what else
+u32 little-endian; then, where given, b"F" and the stage's first layer as u32), so two
+ranks never share a block. ``extra[i]`` names what else
 decides block i's KV besides its tokens, as vLLM's ``hash_block_tokens(hash_fn, parent,
 token_ids, extra_keys)`` does: a LoRA adapter (every block), the multimodal inputs whose
 placeholder tokens overlap the block (content hash, offset and length), and a cache salt
@@ -114,14 +115,26 @@ class Shard:
     """Which part of a model's KV a worker holds: its tensor-parallel rank among
     ``tp_size`` ranks (each holding some of the KV heads) and its pipeline-parallel rank
     among ``pp_size`` stages (each holding some of the layers). Part of the root hash, so
-    two ranks never share a block even when their per-rank layouts are the same."""
+    two ranks never share a block even when their per-rank layouts are the same.
+
+    ``first_layer``: the model layer a pipeline stage's layer 0 is. A stage's rank does not
+    say which layers it holds once the layers are split unevenly (vLLM's
+    ``VLLM_PP_LAYER_PARTITION``): stage 1 of 32 layers split 8/8/8/8 holds layers 8-15, split
+    9/8/8/7 layers 9-16, both 8 layers. Give it wherever engines sharing a store may split
+    a model otherwise; None (the default) keeps the root it always had."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    first_layer: int | None = None
 
     def __post_init__(self) -> None:
+        if self.first_layer is not None:
+            first = as_index(self.first_layer)
+            if first is None or not 0 <= first < 1 << 32:  # (the root holds it as u32)
+                raise ConfigError(f"Shard.first_layer: must be None or an int in [0, 2**32), got {self.first_layer!r}")
+            object.__setattr__(self, "first_layer", first)
         for rank, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
             r, n = getattr(self, rank), getattr(self, size)
             n_, r_ = as_index(n), as_index(r)  # (numpy ints, as engines hold ranks, kept as ints)
@@ -133,7 +146,10 @@ class Shard:
             object.__setattr__(self, rank, r_)
 
     def fingerprint(self) -> bytes:
-        return struct.pack("<4I", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+        ranks = struct.pack("<4I", self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+        # Last in the root and of fixed width, so what follows is told apart by its length:
+        # nothing for a shard without first_layer (every earlier root), or b"F" and a u32.
+        return ranks if self.first_layer is None else ranks + b"F" + struct.pack("<I", self.first_layer)
 
 
 SINGLE = Shard()
@@ -328,11 +344,14 @@ def as_token_list(token_ids: Any) -> Sequence[int]:
         if str(getattr(token_ids, "dtype", "")) in ("torch.bool", "bool"):
             raise InputError("token_ids: a tensor of bools, not token ids")  # (read as 0 and 1)
         shape = tuple(token_ids.shape)
-        if len(shape) == 2 and shape[0] == 1:
-            token_ids = token_ids.reshape(-1)
-        elif len(shape) != 1:
-            raise InputError(f"token_ids: expected shape [T] or [1, T], got {list(shape)}")
-        token_ids = token_ids.tolist()
+        try:
+            if len(shape) == 2 and shape[0] == 1:
+                token_ids = token_ids.reshape(-1)
+            elif len(shape) != 1:
+                raise InputError(f"token_ids: expected shape [T] or [1, T], got {list(shape)}")
+            token_ids = token_ids.tolist()
+        except (RuntimeError, NotImplementedError) as exc:  # (a meta tensor holds no values; a sparse one)
+            raise InputError(f"token_ids: a tensor whose values cannot be read ({exc})") from None
     if not isinstance(token_ids, (list, tuple)):
         raise InputError(f"token_ids: expected a sequence of ints, got {type(token_ids).__name__}")
     return token_ids

@@ -127,7 +127,7 @@ def test_keys_equal_across_processes_and_hash_seeds():
         "import cacheseek as cs;"
         "from cacheseek.prefix_keys import PrefixKeys;"
         "keys = PrefixKeys.create(namespace='t', model_id='m', layout=cs.KVLayout(2, 2, 64), codec=cs.KIVI(),"
-        " block_tokens=32, shard=cs.Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2));"
+        " block_tokens=32, shard=cs.Shard(tp_rank=3, tp_size=4, pp_rank=1, pp_size=2, first_layer=2));"
         "p = cs.Prompt(list(range(100)), lora_id='a', cache_salt='s',"
         " mm_inputs=[cs.MMInput('x', 40, 8), cs.MMInput(b'y', 2, 3)]);"
         "print(json.dumps([[c['root'], c['token_chain']] for c in map(compute, CASES)]"
@@ -333,8 +333,9 @@ def test_bad_input_names_the_parameter(call, match):
 
 # -- shards and extra keys ---------------------------------------------------------------
 
-shards = st.builds(lambda tp, tpr, pp, ppr: Shard(tpr % tp, tp, ppr % pp, pp),
-                   st.integers(1, 8), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3))
+shards = st.builds(lambda tp, tpr, pp, ppr, first: Shard(tpr % tp, tp, ppr % pp, pp, first),
+                   st.integers(1, 8), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3),
+                   st.one_of(st.none(), st.integers(0, 3)))
 
 
 @given(a=shards, b=shards, tokens=st.lists(st.integers(0, 50000), min_size=16, max_size=64))
@@ -486,3 +487,138 @@ def test_ranks_and_placeholder_offsets_take_any_integer_and_give_the_same_keys()
             Shard(tp_size=bad)
         with pytest.raises(InputError, match="MMInput.length"):
             MMInput("img", 0, bad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(64, device="meta"),
+    lambda: torch.arange(64).to_sparse(),
+    lambda: torch.arange(64).reshape(1, 64).to_sparse(),
+], ids=["meta", "sparse", "sparse-1xT"])
+def test_token_ids_in_a_tensor_without_readable_values_are_an_input_error(make):
+    # A meta tensor's tolist() raised NotImplementedError and a sparse one's RuntimeError,
+    # out of every call that takes keys: no ValueError naming the parameter.
+    keys = PrefixKeys.create(namespace="", model_id="m", layout=KVLayout(2, 2, 64), codec=Raw(), block_tokens=32)
+    for call in (keys.block_hashes, keys.hashed, lambda ids: keys.block_hashes(Prompt(ids, lora_id="a"))):
+        with pytest.raises(InputError, match="^token_ids: "):
+            call(make())
+
+
+def test_pipeline_stages_holding_other_layers_never_share_a_root():
+    """A stage's rank and the stage count do not say which layers it holds once the layers
+    are split unevenly (vLLM's VLLM_PP_LAYER_PARTITION): stage 1 of 32 layers split
+    [8, 8, 8, 8] holds layers 8-15, split [9, 8, 8, 7] layers 9-16, both 8 layers under one
+    KVLayout, so both had one root and each loaded the other's KV. ``first_layer`` names
+    the stage's first layer in the root; left out, the root is the one it always was."""
+    layout = KVLayout(8, 2, 64).fingerprint()
+    even, uneven = Shard(pp_rank=1, pp_size=4, first_layer=8), Shard(pp_rank=1, pp_size=4, first_layer=9)
+    assert _root(layout_fingerprint=layout, shard=even) != _root(layout_fingerprint=layout, shard=uneven)
+    assert _root(shard=Shard(first_layer=0)) != _root()  # (said or not: other roots, never the same by chance)
+    # The recipe: the shard's four u32, then b"F" and the first layer as u32 when given.
+    assert even.fingerprint() == struct.pack("<4I", 0, 1, 1, 4) + b"F" + struct.pack("<I", 8)
+    assert Shard(pp_rank=1, pp_size=4).fingerprint() == struct.pack("<4I", 0, 1, 1, 4)
+    assert Shard(1, 2, 0, 1, 5) == Shard(tp_rank=1, tp_size=2, first_layer=5)
+    for bad in (-1, 1 << 32, True, 1.0, "8"):
+        with pytest.raises(ConfigError, match=r"^Shard.first_layer: "):
+            Shard(first_layer=bad)
+    import numpy as np
+
+    assert Shard(first_layer=np.int64(8)).fingerprint() == Shard(first_layer=8).fingerprint()
+
+
+def _codec_bytes_kv(dtype):
+    # Integer arithmetic, not a random generator whose sequence may change between torch versions.
+    n = torch.arange(2 * 2 * 128 * 64, dtype=torch.int64)
+    k = ((((n * 7919) % 2003) - 1001).to(torch.float32) / 97).reshape(2, 2, 128, 64)
+    v = ((((n * 104729) % 1999) - 999).to(torch.float32) / 131).reshape(2, 2, 128, 64)
+    v[..., 5] *= 9  # an outlier channel: what v_clip and v_rotate are for
+    return k.to(dtype), v.to(dtype)
+
+
+# What each codec stores for _codec_bytes_kv: the xxh3-64 of its buffers end to end, per KV dtype.
+CODEC_BYTES = {
+    "raw": (Raw(), ("3548931d649e8a35", "e88bb60dff473ad0", "8131799b5ac5ae5e")),
+    "int4": (KIVI(bits=4, group_size=32), ("13421f90410b60e4", "37087c431d152d09", "d92799d2fccf5406")),
+    "int2": (KIVI(bits=2, group_size=32), ("0d0bbb960d153575", "4042bdce5969511d", "4e75f576f7d3e391")),
+    "int8-g64": (KIVI(bits=8, group_size=64), ("0618e63059491160", "b820a6009af6af07", "a23f2da92cd5f3d0")),
+    "k2v4-g128-fp32": (KIVI(k_bits=2, v_bits=4, group_size=128, stats_dtype="float32"),
+                       ("689fc4c59ae942a9", "04f8ffd6fa67b6ee", "5476ab3cab6d99a3")),
+    "k4v2-kg64": (KIVI(k_bits=4, v_bits=2, k_group_size=64, v_group_size=32),
+                  ("f69248302a2b0f3e", "6f0d9180edaa2932", "94ec7f2752c6e920")),
+    "v_clip": (KIVI(bits=4, group_size=32, v_clip=3), ("9aaa9243ae51f59b", "d9adb362b1105081", "25e552ed8c0e7420")),
+    "v_rotate": (KIVI(bits=4, group_size=32, v_rotate=True),
+                 ("d713e33e7b293916", "4eebd1b093a15076", "6d9f897f62d3e6a4")),
+    "k4v2-clip-rotate": (KIVI(k_bits=4, v_bits=2, group_size=32, v_clip=2, v_rotate=True),
+                         ("84d7f63e2a309b15", "6c1f8f81abd8ac1e", "b4f095988fef69f4")),
+}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # (the kernels interpreted on a CPU: the same bytes)
+@pytest.mark.parametrize("name", sorted(CODEC_BYTES))
+def test_the_bytes_a_codec_stores_are_those_its_fingerprint_names(name, backend, monkeypatch):
+    """A key names its blocks' bytes through the codec's fingerprint (its spec, with the
+    codec's VERSION): a change to what a codec stores for the same KV under the same spec
+    would have the blocks stored before it decoded by the new code, silently, under the same
+    keys. These digests change only with that codec's VERSION (so its fingerprint, so every
+    key): a failure here is a format change that needs one. Every setting that changes the
+    bytes changes the fingerprint (the digests and the fingerprints are distinct alike)."""
+    codec, want = CODEC_BYTES[name]
+    monkeypatch.setenv("CACHESEEK_KIVI_BACKEND", backend)
+    for dtype, digest in zip((torch.float16, torch.bfloat16, torch.float32), want):
+        encoded = codec.encode(*_codec_bytes_kv(dtype))
+        h = xxhash.xxh3_64()
+        for _, _, buffer in encoded.named_buffers():
+            h.update(buffer.contiguous().view(torch.uint8).numpy().tobytes())
+        assert h.hexdigest() == digest, f"{name} ({dtype}) stores other bytes under its fingerprint {codec.fingerprint()}"
+    assert len({c.fingerprint() for c, _ in CODEC_BYTES.values()}) == len(CODEC_BYTES)
+    assert len({d for _, ds in CODEC_BYTES.values() for d in ds}) == 3 * len(CODEC_BYTES)
+
+
+def _read_extra(data: bytes) -> tuple:
+    """``block_extra_keys``' bytes read back as design.md lays them out: each reads back as
+    exactly one (lora_id, inputs, salt), so no two of those share bytes."""
+    at, lora, inputs, salt = 0, None, [], None
+
+    def field() -> bytes:
+        nonlocal at
+        (n,) = struct.unpack_from("<I", data, at)
+        at += 4 + n
+        assert at <= len(data), "a length past the end"
+        return data[at - n : at]
+
+    def tag(t: bytes) -> bool:
+        nonlocal at
+        if data[at : at + 1] == t:
+            at += 1
+            return True
+        return False
+
+    if tag(b"L"):
+        lora = field().decode()
+    if tag(b"M"):
+        (count,) = struct.unpack_from("<I", data, at)
+        at += 4
+        for _ in range(count):
+            h = field()
+            inputs.append((h, *struct.unpack_from("<QQ", data, at)))
+            at += 16
+    if tag(b"S"):
+        salt = field()
+    assert at == len(data), "bytes left over"
+    return lora, inputs, salt
+
+
+mm_parts = st.tuples(st.binary(min_size=1, max_size=4), st.integers(0, 2**63 - 1), st.integers(1, 2**63 - 1))
+
+
+@given(lora=st.one_of(st.none(), st.text("LMS\x00\x01é", min_size=1, max_size=6)),
+       inputs=st.lists(mm_parts, max_size=3), salt=st.one_of(st.none(), st.binary(min_size=1, max_size=6)),
+       salt_as_text=st.booleans())
+def test_a_blocks_extra_keys_read_back_as_exactly_what_they_were_made_of(lora, inputs, salt, salt_as_text):
+    """Tags, lengths and counts keep an adapter, inputs and a salt apart whatever bytes they
+    hold (tag letters, NULs, lengths in their own bytes): the encoding reads back unambiguously."""
+    mm = [MMInput(h, o, n) for h, o, n in inputs]
+    given_salt = salt.decode("latin-1") if salt is not None and salt_as_text else salt
+    data = block_extra_keys(lora_id=lora, mm_inputs=mm, cache_salt=given_salt)
+    want_salt = given_salt.encode() if isinstance(given_salt, str) else given_salt
+    assert _read_extra(data) == (lora, [tuple(x) for x in inputs], want_salt)
+    assert (data == b"") == (lora is None and not inputs and salt is None)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import cacheseek as cs
 from cacheseek.errors import ConfigError, InputError
@@ -1072,3 +1074,96 @@ def test_the_default_model_id_keeps_engines_of_other_weights_apart():
            default_model_id(model(quantization="fp8")), default_model_id(model(revision="0e9e39f", quantization="fp8"))}
     assert len(ids) == 5
     assert default_model_id(model(revision="0e9e39f")) == default_model_id(model(revision="0e9e39f"))
+
+
+@given(model=st.text("ab@+", min_size=1, max_size=6), revision=st.one_of(st.none(), st.text("ab@+", max_size=4)),
+       quantization=st.one_of(st.none(), st.text("ab@+", max_size=4)))
+def test_the_default_model_id_names_each_model_revision_and_quantization_apart(model, revision, quantization):
+    """The default joined model, ``@revision`` and ``+quantization`` as they were: a model
+    path or revision holding "@" or "+" spelled another triple's id, so a folder
+    "/models/llama+fp8" of bf16 weights keyed as "/models/llama" quantized to fp8 online,
+    and revision "v1+fp8" as revision "v1" quantized to fp8: one engine found the other's KV.
+    Every other way to read the id back as model, revision and quantization gives another id
+    (None and "" both say none); names free of "@" and "+" keep the plain form (their
+    engines' stored blocks stay found)."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.config import default_model_id
+
+    def of(m, r, q) -> str:
+        return default_model_id(SimpleNamespace(model=m, revision=r, quantization=q))
+
+    ours, text = (model, revision or None, quantization or None), of(model, revision, quantization)
+    for at in [None, *(i for i, c in enumerate(text) if c == "@")]:
+        for plus in [None, *(i for i, c in enumerate(text) if c == "+" and (at is None or i > at))]:
+            end = len(text) if plus is None else plus
+            other = (text[: at if at is not None else end], text[at + 1 : end] if at is not None else None,
+                     text[plus + 1 :] if plus is not None else None)
+            other = (other[0], other[1] or None, other[2] or None)
+            if other != ours and other[0]:
+                assert of(*other) != text, f"{other} has the id of {ours}: {text!r}"
+
+
+def test_a_model_path_or_revision_holding_the_separators_is_not_another_models_id():
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.config import default_model_id
+
+    def model(path, revision=None, quantization=None) -> str:
+        return default_model_id(SimpleNamespace(model=path, revision=revision, quantization=quantization))
+
+    assert model("/models/llama+fp8") != model("/models/llama", quantization="fp8")
+    assert model("/models/llama@v2") != model("/models/llama", revision="v2")
+    assert model("m", revision="v1+fp8") != model("m", revision="v1", quantization="fp8")
+    assert model("m", revision="v1", quantization="fp8") == "m@v1+fp8"  # (the plain form, as before)
+
+
+def test_a_vllm_request_has_the_keys_its_documented_prompt_has_in_every_cache():
+    """design.md spells how a vLLM request's adapter, salt and images become a ``cs.Prompt``,
+    so that an engine and a program using ``PrefixCache`` or ``RemoteCache`` share blocks:
+    the connector's keys are that prompt's keys, in both caches."""
+    import json
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.plan import request_keys
+    from cacheseek.integrations.vllm.scheduler import extra_keys
+
+    def feature(identifier: str, offset: int, length: int) -> SimpleNamespace:
+        return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+    tokens = list(range(1000, 1200))
+    request = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql", lora_int_id=3, lora_path="/adapters/sql-v1"),
+        mm_features=[feature("img-a", 10, 40), feature("img-b", 90, 50)], cache_salt="tenant-7")
+    documented = cs.Prompt(tokens, lora_id=json.dumps(["sql", "/adapters/sql-v1"]), cache_salt="tenant-7",
+                           mm_inputs=[cs.MMInput("img-b", 90, 50), cs.MMInput("img-a", 10, 40)])
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    config = {"model_id": "m", "layout": layout, "codec": cs.KIVI(bits=4, group_size=32), "block_tokens": 32}
+    embedded = cs.PrefixCache(tiers=cs.TierConfig(cpu_bytes="16MiB"), **config)
+    remote = cs.RemoteCache("http://127.0.0.1:9", **config)  # (hashing asks no server)
+    try:
+        want = embedded.block_hashes(documented)
+        assert len(want) == 6 and want != embedded.block_hashes(tokens)
+        for cache in (embedded, remote):
+            assert cache.block_hashes(request_keys(tokens, extra_keys(request))) == want
+            assert cache.block_hashes(documented) == want
+    finally:
+        embedded.close()
+        remote.close()
+
+
+def test_a_lora_path_given_as_a_path_object_keys_as_its_text():
+    """vLLM takes a ``pathlib.Path`` as ``LoRARequest.lora_path`` (it only opens it), where the
+    connector's JSON of name and path raised TypeError, out of the scheduler's lookup into
+    vLLM's. A path keys as its text."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import extra_keys, unsupported_reason
+
+    def request(path) -> SimpleNamespace:
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_name="sql", lora_int_id=1, lora_path=path),
+                               mm_features=None, cache_salt=None, prompt_token_ids=[1, 2, 3], prompt_embeds=None)
+
+    assert unsupported_reason(request(Path("/adapters/sql-v1"))) is None
+    assert extra_keys(request(Path("/adapters/sql-v1"))) == extra_keys(request("/adapters/sql-v1"))

@@ -14,6 +14,7 @@ before anything is built, and the parsing is tested without an engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -191,14 +192,15 @@ def default_model_id(model_config: Any) -> str:
     weights' revision and quantization where they are set. KV computed from other weights is
     other KV: two engines serving one repository at two revisions, or one of them with its
     weights quantized (fp8, AWQ, ...), must not find each other's blocks."""
-    model_id = str(model_config.model)
-    revision = getattr(model_config, "revision", None)
-    quantization = getattr(model_config, "quantization", None)
-    if revision:
-        model_id += f"@{revision}"
-    if quantization:
-        model_id += f"+{quantization}"
-    return model_id
+    model = str(model_config.model)
+    revision = str(getattr(model_config, "revision", None) or "")
+    quantization = str(getattr(model_config, "quantization", None) or "")
+    if any(sep in part for part in (model, revision, quantization) for sep in "@+"):
+        # Joined plainly, "m+fp8" would be model "m" quantized to fp8 and "m@v1+fp8" revision
+        # "v1+fp8" too. "@@" begins no plain id (a revision never begins with "@"), and JSON
+        # reads back as one triple only.
+        return "@@" + json.dumps([model, revision, quantization])
+    return model + (f"@{revision}" if revision else "") + (f"+{quantization}" if quantization else "")
 
 
 def _codec(name: Any, group_size: Any) -> KVLayerCodec:

@@ -108,8 +108,9 @@ def _lora_id(lora: Any) -> str:
     """A LoRA adapter's name and path, as vLLM's own block hashes take them: a name pointed
     at another adapter (unloaded and loaded again, or on another engine) must not find the
     blocks the first one computed. An unnamed adapter stays unkeyable (``""``)."""
-    name = lora.lora_name
-    return json.dumps([name, getattr(lora, "lora_path", None) or ""]) if name else name
+    name, path = lora.lora_name, getattr(lora, "lora_path", None)
+    # (str: vLLM takes a pathlib.Path too, which JSON refuses; it keys as its text)
+    return json.dumps([name, str(path) if path else ""]) if name else name
 
 
 class SchedulerSide:
