@@ -376,10 +376,15 @@ def test_a_buffer_is_reused_only_after_the_work_its_holder_queued():
     n = 8 << 20
     pool = DeviceStagingPool(dev, cap_bytes=size_class(n))  # room for one buffer
     s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+    # The kernels used below, loaded first: CUDA loads a kernel's module at its first launch
+    # and may wait for the device to do so, which ran the sleep out before the release.
+    torch.cuda._sleep(1)
+    torch.empty(1, dtype=torch.uint8, device=dev).fill_(1)
+    torch.cuda.synchronize(dev)
     first = pool.take(n, stream=s1)
     ptr = first.tensor.data_ptr()
     with torch.cuda.stream(s1):
-        torch.cuda._sleep(200_000_000)  # the first holder's work is still queued at its release
+        torch.cuda._sleep(1_000_000_000)  # the first holder's work is still queued at its release
         first.tensor.fill_(1)
     first.release()
     second = pool.take(n, stream=s2)  # at the cap: the same buffer, s2 made to wait (no host wait)

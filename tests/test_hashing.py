@@ -552,7 +552,10 @@ CODEC_BYTES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])  # (the kernels interpreted on a CPU: the same bytes)
+# The kernels where they run interpreted (on a CPU: the same bytes as the reference). Compiled
+# for a GPU they round exact ties as the device does, and test_kernels compares them with the
+# reference there (codes equal but at ties); their bytes are not pinned.
+@pytest.mark.parametrize("backend", ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" else ["torch"])
 @pytest.mark.parametrize("name", sorted(CODEC_BYTES))
 def test_the_bytes_a_codec_stores_are_those_its_fingerprint_names(name, backend, monkeypatch):
     """A key names its blocks' bytes through the codec's fingerprint (its spec, with the
