@@ -1764,3 +1764,41 @@ def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_ev
             assert_prefix_equal(got, kv, blocks * BLOCK)
             assert cache.client_stats()["read_buffers"]["leases_active"] == 0, after
         assert cache.client_stats()["read_buffers"]["lease_double_releases"] == 0
+
+
+_GOOD_LOOKUP = {"matched": 0, "tiers": [], "present": [False, False], "durability": "durable"}
+
+
+@pytest.mark.parametrize("lookup, reports", [
+    (_GOOD_LOOKUP, [{"status": "stored", "errors": ["disk"]}] * 2),
+    (_GOOD_LOOKUP, [{"status": "stored", "errors": -1}] * 2),
+    (_GOOD_LOOKUP, [{"status": "failed", "errors": {"disk": {"why": 1}}}] * 2),
+    (_GOOD_LOOKUP, [{"status": ["stored"]}] * 2),
+    (_GOOD_LOOKUP, [{"status": "stored", "durability": {"level": "durable"}}] * 2),
+    ({**_GOOD_LOOKUP, "durability": ["durable"]}, [{"status": "stored"}] * 2),
+    ({"matched": 2, "tiers": [{"name": "cpu"}, None], "present": [True, True]}, [{"status": "stored"}] * 2),
+], ids=["errors-a-list", "errors-a-number", "errors-reason-a-map", "status-a-list", "durability-a-map",
+        "lookup-durability-a-list", "tiers-not-names"])
+def test_a_write_answer_of_the_right_length_but_another_shape_is_an_outage(lookup, reports):
+    """A POST's reports were checked to be one map per frame, not what the maps hold: errors
+    as a list (or a number) raised AttributeError out of ``ingest``, past
+    ``on_unavailable="miss"``; a durability or a tier that is no name was handed to the
+    caller as the server's word. Each is an answer of no CacheSeek server."""
+    import json
+
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(46, 2 * BLOCK), make_kv(2 * BLOCK, 46)
+    script = _answers(b"HTTP/1.1 200 OK", json.dumps(reports).encode(), lookups=json.dumps(lookup).encode(),
+                      headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.ingest(toks, kv)
+                continue
+            res = cache.ingest(toks, kv)
+            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors, res
+            assert res.durability == "durable"
