@@ -2238,3 +2238,28 @@ def test_owner_tags_are_found_by_any_process_and_go_with_evictions_and_deletes(w
     finally:
         writer.close()
         other.close()
+
+
+def test_index_members_and_owner_tags_that_are_not_utf8_are_skipped(redis_url):
+    """The shared index is bytes any tool may write. A member of the LRU zset or the pinned
+    set, or an owner tag, that is not UTF-8 names no block of this tier; it was decoded
+    strictly, so the put whose eviction passed it raised UnicodeDecodeError (after its
+    script had counted the block: a ghost), as did an admin flush's ``owned``, ``keys``
+    and ``check``."""
+    from store_helpers import raw_frame
+
+    frames = [raw_frame(i + 1) for i in range(4)]
+    n = frames[0][1].nbytes
+    tier = RedisTier(redis_url, 2 * n + n // 2)
+    keys = RedisKeys()
+    c = tier._connection()
+    c.zadd(keys.lru, {b"\xff\xfe": 0})  # the least recently used "block": the first victim
+    c.sadd(keys.pinned, b"\xc3\x28")
+    c.hset(keys.sizes, b"\xc3\x28", "10 10")
+    c.hset(keys.owners, "ab" * 16, b"\xff")
+    for key, frame in frames:
+        assert tier.put(key, frame).stored is not None
+    assert tier.keys() == [key for key, _ in frames[2:]]
+    assert tier.owned(lambda tag: True) == []
+    assert tier.check()["ghosts"] == 0
+    assert [tier.get(key) is not None for key, _ in frames] == [False, False, True, True]
