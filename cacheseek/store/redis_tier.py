@@ -785,6 +785,10 @@ class RedisTier(Tier):
             pipe.strlen(name)
             pipe.getrange(name, 0, HEADER_PROBE_NBYTES - 1)
             size, head = pipe.execute()
+            if len(head) < min(size, HEADER_PROBE_NBYTES):
+                # Its length and its head are two commands, and the value may expire (or be
+                # evicted) between them: gone, not damaged.
+                return 0, b""
             if size >= PREAMBLE.size:
                 need = PREAMBLE.size + min(PREAMBLE.unpack_from(head)[1], MAX_HEADER_NBYTES)
                 if len(head) < need <= size:
