@@ -880,7 +880,10 @@ class RemoteCache(PrefixCacheBase):
         if exc.status != 413 or "max_frame_bytes" in exc.reason:
             return False
         named = _BODY_LIMIT.search(exc.reason)
-        self._take_body_limit(min(int(named[1]) if named else total // 2, total - 1))
+        # (a limit of no server's, 0 or past 19 digits, names none: int() refuses 4,300 digits,
+        # and 0 would make every later call a ConfigError)
+        limit = int(named[1]) if named and len(named[1]) <= 19 else 0
+        self._take_body_limit(min(limit if limit > 0 else total // 2, total - 1))
         return True
 
     def _take_body_limit(self, limit: int) -> None:
