@@ -89,15 +89,23 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinned_bytes', 'pinned_blocks', 'pin_owners')
-local used = tonumber(tot[1] or 0)
-local raw = tonumber(tot[2] or 0)
-local blocks = tonumber(tot[3] or 0)
-local clock = math.max(tonumber(tot[4] or 0) or 0, now)
-local pinned_bytes = tonumber(tot[5] or 0)
-local pinned_blocks = tonumber(tot[6] or 0)
+-- A total as this script writes it: digits (0 where none is written yet), else nil.
+-- tonumber alone also takes "nan", "-inf", "inf", "-5" and "0x10": a used of NaN left the
+-- budget unenforced for good, one of inf evicted every block not pinned on every call.
+local function count(s)
+  if not s then return 0 end
+  if not string.match(s, '^%d+$') then return nil end
+  return tonumber(s)
+end
+local used = count(tot[1])
+local raw = count(tot[2])
+local blocks = count(tot[3])
+local clock = math.max(count(tot[4]) or 0, now)
+local pinned_bytes = count(tot[5])
+local pinned_blocks = count(tot[6])
 local changed = false
 if not (used and raw and blocks and pinned_bytes and pinned_blocks) then
-  -- Totals that are not numbers (another tool wrote them): counted again from the sizes
+  -- Totals that are not counts (another tool wrote them): counted again from the sizes
   -- hash, once, rather than failing every call of every process for good.
   used, raw, blocks, pinned_bytes, pinned_blocks = 0, 0, 0, 0, 0
   local all = redis.call('HGETALL', sizes)
