@@ -12,6 +12,7 @@ stored by a refused request, and nothing but a true prefix served.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -285,3 +286,90 @@ def test_remote_cache_serves_only_a_true_prefix_of_a_damaged_prefix_stream(true_
         got = cache.materialize(toks)
     # Whatever the damage, what is served is the chain's own KV, as far as it goes.
     assert_prefix_equal(got, kv, got.num_tokens)
+
+
+# -- stored records: the disk tier's sidecars, the Redis index ------------------------------
+
+
+@fuzz(60)
+@given(which=st.integers(0, 100), value=VALUES, blob=st.binary(max_size=80), how=st.sampled_from(["field", "bytes", "flip"]))
+def test_a_damaged_sidecar_costs_its_block_at_most(tmp_path_factory, which, value, blob, how):
+    """A sidecar set to anything (a field of any type, other bytes, a bit flipped): the tier
+    starts, and serves the block's own frame or nothing."""
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame as stored_frame
+
+    root = tmp_path_factory.mktemp("sidecar")
+    key, frame = stored_frame(3)
+    with contextlib.closing(DiskTier(root, 1 << 26, fsync=False)) as tier:
+        tier.put(key, frame)
+    side = next(root.rglob("*.meta"))
+    if how == "field":
+        side.write_bytes(msgpack.packb(set_field(msgpack.unpackb(side.read_bytes()), which, value), use_bin_type=True))
+    elif how == "bytes":
+        side.write_bytes(blob)
+    else:
+        flipped = bytearray(side.read_bytes())
+        flipped[which % len(flipped)] ^= 1 << (which % 8)
+        side.write_bytes(bytes(flipped))
+    with contextlib.closing(DiskTier(root, 1 << 26, fsync=False)) as tier:
+        got = tier.get(key)
+        assert got is None or bytes(got.host) == bytes(frame.host)
+        tier.check()
+        assert tier.stats().blocks in (0, 1)
+
+
+MEMBERS = st.binary(min_size=1, max_size=34) | st.sampled_from([b"\xff\xfe", b"not-a-hash", b"ab" * 16])
+RECORDS = st.binary(max_size=24) | st.sampled_from([b"nan", b"inf", b"-inf", b"-5", b"0x10", b"1e30", b"1 1", b"7 x"])
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    from redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server.url
+    server.stop()
+
+
+@fuzz(40)
+@given(lru=st.lists(st.tuples(MEMBERS, st.floats(0, 1e6)), max_size=3), pinned=st.lists(MEMBERS, max_size=2),
+       sizes=st.lists(st.tuples(MEMBERS, RECORDS), max_size=3), owners=st.lists(st.tuples(MEMBERS, MEMBERS), max_size=2),
+       totals=st.lists(st.tuples(st.sampled_from(["used", "raw", "blocks", "clock", "pinned_bytes", "pinned_blocks"]),
+                                 RECORDS), max_size=3))
+def test_a_redis_index_another_tool_wrote_into_keeps_the_budget_and_raises_nothing(redis_url, lru, pinned, sizes,
+                                                                                   owners, totals):
+    """Members, sizes, owner tags and totals of any bytes in the shared index: puts, reads,
+    stats, ``keys``, ``owned`` and ``check`` raise nothing, and the budget holds."""
+    from cacheseek.store.redis_tier import RedisTier
+    from store_helpers import raw_frame as stored_frame
+
+    frames = [stored_frame(i + 1) for i in range(5)]
+    n = frames[0][1].nbytes
+    tier = RedisTier(redis_url, 3 * n)
+    c = tier._connection()
+    try:
+        c.flushall()
+        tier.put(*frames[0])
+        keys = tier.keys_of
+        for member, score in lru:
+            c.zadd(keys.lru, {member: score})
+        for member in pinned:
+            c.sadd(keys.pinned, member)
+        for member, record in sizes:
+            c.hset(keys.sizes, member, record)
+        for member, tag in owners:
+            c.hset(keys.owners, member, tag)
+        for name, record in totals:
+            c.hset(keys.totals, name, record)
+        for key, frame in frames[1:]:
+            tier.put(key, frame)
+        assert all(tier.get(key) is None or bytes(tier.get(key).host) == bytes(frame.host) for key, frame in frames)
+        tier.keys(), tier.owned(lambda tag: True), tier.check()
+        used = tier.stats().used_bytes
+        assert 0 <= used <= 3 * n + sum(int(r.split()[0]) for _, r in sizes if r.split()[:1] and r.split()[0].isdigit()
+                                        and len(r.split()) == 2 and r.split()[1].isdigit()), used
+    finally:
+        tier.close()
