@@ -880,7 +880,10 @@ class RemoteCache(PrefixCacheBase):
         if exc.status != 413 or "max_frame_bytes" in exc.reason:
             return False
         named = _BODY_LIMIT.search(exc.reason)
-        self._take_body_limit(min(int(named[1]) if named else total // 2, total - 1))
+        # (a limit of no server's, 0 or past 19 digits, names none: int() refuses 4,300 digits,
+        # and 0 would make every later call a ConfigError)
+        limit = int(named[1]) if named and len(named[1]) <= 19 else 0
+        self._take_body_limit(min(limit if limit > 0 else total // 2, total - 1))
         return True
 
     def _take_body_limit(self, limit: int) -> None:
@@ -903,7 +906,7 @@ class RemoteCache(PrefixCacheBase):
             reports = _json_answer(response, self.url + path)
             # Counted frame by frame, each given to its request by its place: a list of
             # another length would count blocks never sent, or give reports to the wrong requests.
-            if not (isinstance(reports, list) and len(reports) == sent and all(isinstance(r, dict) for r in reports)):
+            if not (isinstance(reports, list) and len(reports) == sent and all(map(_is_put_report, reports))):
                 raise _foreign(reports, f"{sent} reports", response.status_code, self.url + path)
             return reports
 
@@ -1123,10 +1126,26 @@ def _is_lookup_answer(found: Any, asked: int, each: bool) -> bool:
     if not isinstance(found, dict):
         return False
     matched, tiers = found.get("matched"), found.get("tiers")
-    if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched):
+    if not (type(matched) is int and 0 <= matched <= asked and isinstance(tiers, list) and len(tiers) == matched
+            and all(isinstance(t, str) for t in tiers)):
+        return False
+    if not isinstance(found.get("durability", ""), str):  # (handed to the caller in IngestResult.durability)
         return False
     present = found.get("present")
     return not each or (isinstance(present, list) and len(present) == asked and set(map(type, present)) <= {bool})
+
+
+def _is_put_report(report: Any) -> bool:
+    """Whether ``report`` is one frame's entry in ``POST /v1/blocks``'s answer, as
+    ``_count_report`` reads it: a status, and where given a durability and errors (tier ->
+    reason) that are text, as the server writes them. Errors as a list raised AttributeError
+    out of an ingest, past ``on_unavailable="miss"``."""
+    if not isinstance(report, dict) or not isinstance(report.get("status"), str):
+        return False
+    errors = report.get("errors")
+    if errors is not None and not (isinstance(errors, dict) and all(isinstance(r, str) for r in errors.values())):
+        return False
+    return isinstance(report.get("durability", ""), str)
 
 
 def _is_prefetch_answer(found: Any) -> bool:

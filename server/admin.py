@@ -281,7 +281,7 @@ class AdminOps:
             return 0
         try:
             data = json.loads(self._path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
             return 0
         now = time.time()
         entries = data.get("pins") if isinstance(data, dict) else None

@@ -244,7 +244,7 @@ class Owners:
             data = json.loads(self._path.read_text())
         except FileNotFoundError:
             return
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
             return  # unreadable: attribution starts afresh (usage of old blocks shows unattributed)
         if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
             return

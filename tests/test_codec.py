@@ -509,3 +509,18 @@ def test_decode_into_out_takes_only_the_layers_own_shape_and_dtype(codec):
     wide = torch.zeros(2, 2, 64, 64), torch.zeros(2, 2, 64, 64)
     codec.decode(encoded, out=(wide[0][:, 1], wide[1][:, 1]))
     assert torch.equal(wide[0][:, 1], want_k) and torch.equal(wide[1][:, 1], want_v)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(k_bits=4, v_bits=2)], ids=["raw", "kivi"])
+@pytest.mark.parametrize("shape", [[1 << 62, 1 << 62, 0, 32], [1 << 40, 1 << 40, 1 << 40, 0], [1, 0, 1 << 62, 32],
+                                   [(1 << 63) - 1, 2, 0, 32]])
+def test_an_encoded_layer_of_no_elements_and_huge_dimensions_is_a_frame_error(codec, shape):
+    """A shape with a zero among dimensions of 2**40 to 2**63 holds no element, so buffers of
+    no byte agree with it; torch then raised RuntimeError (its strides overflow) or
+    "numel: integer multiplication overflow" out of ``decode``."""
+    template = codec.template(tuple(shape), "float16")
+    wire = {"codec": template.codec,
+            **{side: {**t.meta(), "buffers": [b""] * len(t.buffer_specs())}
+               for side, t in (("k", template.k), ("v", template.v))}}
+    with pytest.raises(FrameError, match="shape"):
+        codec.decode(EncodedLayer.unpackb(msgpack.packb(wire, use_bin_type=True)))

@@ -1151,3 +1151,17 @@ def test_admin_and_top_hold_no_more_of_an_answer_than_a_cacheseek_answer_can_be(
                 err = capsys.readouterr().err
                 assert rc == 1 and "over 4.00 MiB" in err and "Traceback" not in err, (head, argv, rc, err)
                 assert err.count("\n") == 1 and time.monotonic() - start < 5, (err, time.monotonic() - start)
+
+
+@pytest.mark.parametrize("name", [".cacheseek-owners.json", ".cacheseek-pins.json"])
+def test_a_state_file_nested_too_deep_is_unreadable_not_a_failed_start(tmp_path, name):
+    """The pins and owners files are read at start, and one that does not parse starts the
+    server without it. A file of a thousand ``[`` (damage, or another tool's) is JSON that
+    ``json.loads`` gives up on with RecursionError, not ValueError: the server did not start."""
+    srv = Server(tmp_path)
+    srv.disk_path.mkdir(parents=True)
+    (srv.disk_path / name).write_text("[" * 100_000)
+    chain = raw_chain(63, 2)
+    with srv as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain)
+        assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200

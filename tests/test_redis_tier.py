@@ -2238,3 +2238,106 @@ def test_owner_tags_are_found_by_any_process_and_go_with_evictions_and_deletes(w
     finally:
         writer.close()
         other.close()
+
+
+def test_index_members_and_owner_tags_that_are_not_utf8_are_skipped(redis_url):
+    """The shared index is bytes any tool may write. A member of the LRU zset or the pinned
+    set, or an owner tag, that is not UTF-8 names no block of this tier; it was decoded
+    strictly, so the put whose eviction passed it raised UnicodeDecodeError (after its
+    script had counted the block: a ghost), as did an admin flush's ``owned``, ``keys``
+    and ``check``."""
+    from store_helpers import raw_frame
+
+    frames = [raw_frame(i + 1) for i in range(4)]
+    n = frames[0][1].nbytes
+    tier = RedisTier(redis_url, 2 * n + n // 2)
+    keys = RedisKeys()
+    c = tier._connection()
+    c.zadd(keys.lru, {b"\xff\xfe": 0})  # the least recently used "block": the first victim
+    c.sadd(keys.pinned, b"\xc3\x28")
+    c.hset(keys.sizes, b"\xc3\x28", "10 10")
+    c.hset(keys.owners, "ab" * 16, b"\xff")
+    for key, frame in frames:
+        assert tier.put(key, frame).stored is not None
+    assert tier.keys() == [key for key, _ in frames[2:]]
+    assert tier.owned(lambda tag: True) == []
+    assert tier.check()["ghosts"] == 0
+    assert [tier.get(key) is not None for key, _ in frames] == [False, False, True, True]
+
+
+class _ExpiringBetween:
+    """A client whose pipelines run command by command on the real Redis, the frame ``name``
+    deleted right after its STRLEN: as a TTL that runs out between a pipeline's commands."""
+
+    def __init__(self, inner, name: str):
+        self.inner, self.name = inner, name
+
+    def pipeline(self, *args, **kwargs):
+        return _StepPipeline(self)
+
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
+
+class _StepPipeline:
+    def __init__(self, owner):
+        self.owner, self.queued = owner, []
+
+    def __getattr__(self, command):
+        def queue(*args, **kwargs):
+            self.queued.append((command, args, kwargs))
+            return self
+        return queue
+
+    def execute(self, *args, **kwargs):
+        out = []
+        for command, a, kw in self.queued:
+            out.append(getattr(self.owner.inner, command)(*a, **kw))
+            if command == "strlen" and a[0] == self.owner.name:
+                self.owner.inner.delete(self.owner.name)
+        return out
+
+
+def test_a_frame_that_expires_between_its_length_and_its_header_is_a_miss(redis_url):
+    """``info`` asks a frame's length and its first bytes in one pipeline, and Redis may let
+    the value expire between the two: a length of a whole frame came with an empty head,
+    whose preamble raised struct.error out of ``info`` (a chain walk's: a 500 on the
+    server). It is a miss, not damage."""
+    from store_helpers import raw_frame
+
+    tier = RedisTier(redis_url, 64 << 20)
+    key, frame = raw_frame(9)
+    tier.put(key, frame)
+    tier._client = _ExpiringBetween(tier._connection(), RedisKeys().frame(key))
+    assert tier.info(key) is None
+    stats = tier.stats()
+    assert stats.corrupt == 0 and stats.extra["breaker"]["consecutive_failures"] == 0
+
+
+@pytest.mark.parametrize("field, written", [*(("used", w) for w in ("nan", "-inf", "inf", "1e30", "-5", "0x10")),
+                                            ("clock", "nan")])
+def test_totals_that_are_numbers_of_no_count_are_counted_again(redis_url, field, written):
+    """The shared totals are read with Lua's tonumber, which takes "nan", "inf", "-5" and
+    "0x10" as numbers: a used of NaN or -inf (another tool's, or damage) left the budget
+    unenforced for good (every block kept, the used bytes reported as -2**63), and inf or
+    1e30 evicted every block not pinned, each call, for as long as one was pinned; a clock
+    of NaN made Redis refuse every block's ZADD (no write landed). Only
+    digits are a total; anything else is counted again from the sizes, as a total that is
+    no number is."""
+    from store_helpers import raw_frame
+
+    frames = [raw_frame(i + 1) for i in range(6)]
+    n = frames[0][1].nbytes
+    tier = RedisTier(redis_url, 3 * n)
+    c = tier._connection()
+    try:
+        tier.put(*frames[0])
+        tier.pin([frames[0][0]])
+        c.hset(tier.keys_of.totals, field, written)
+        for key, frame in frames[1:]:
+            tier.put(key, frame)
+        stats = tier.stats()
+        assert (stats.used_bytes, stats.blocks) == (3 * n, 3), (written, stats.used_bytes, stats.blocks)
+        assert [tier.get(key) is not None for key, _ in frames] == [True] + [False] * 3 + [True] * 2
+    finally:
+        tier.close()

@@ -1764,3 +1764,78 @@ def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_ev
             assert_prefix_equal(got, kv, blocks * BLOCK)
             assert cache.client_stats()["read_buffers"]["leases_active"] == 0, after
         assert cache.client_stats()["read_buffers"]["lease_double_releases"] == 0
+
+
+_GOOD_LOOKUP = {"matched": 0, "tiers": [], "present": [False, False], "durability": "durable"}
+
+
+@pytest.mark.parametrize("lookup, reports", [
+    (_GOOD_LOOKUP, [{"status": "stored", "errors": ["disk"]}] * 2),
+    (_GOOD_LOOKUP, [{"status": "stored", "errors": -1}] * 2),
+    (_GOOD_LOOKUP, [{"status": "failed", "errors": {"disk": {"why": 1}}}] * 2),
+    (_GOOD_LOOKUP, [{"status": ["stored"]}] * 2),
+    (_GOOD_LOOKUP, [{"status": "stored", "durability": {"level": "durable"}}] * 2),
+    ({**_GOOD_LOOKUP, "durability": ["durable"]}, [{"status": "stored"}] * 2),
+    ({"matched": 2, "tiers": [{"name": "cpu"}, None], "present": [True, True]}, [{"status": "stored"}] * 2),
+], ids=["errors-a-list", "errors-a-number", "errors-reason-a-map", "status-a-list", "durability-a-map",
+        "lookup-durability-a-list", "tiers-not-names"])
+def test_a_write_answer_of_the_right_length_but_another_shape_is_an_outage(lookup, reports):
+    """A POST's reports were checked to be one map per frame, not what the maps hold: errors
+    as a list (or a number) raised AttributeError out of ``ingest``, past
+    ``on_unavailable="miss"``; a durability or a tier that is no name was handed to the
+    caller as the server's word. Each is an answer of no CacheSeek server."""
+    import json
+
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(46, 2 * BLOCK), make_kv(2 * BLOCK, 46)
+    script = _answers(b"HTTP/1.1 200 OK", json.dumps(reports).encode(), lookups=json.dumps(lookup).encode(),
+                      headers=b"content-type: application/json\r\n")
+    for mode in ("miss", "raise"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.ingest(toks, kv)
+                continue
+            res = cache.ingest(toks, kv)
+            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors, res
+            assert res.durability == "durable"
+
+
+@pytest.mark.parametrize("named", ["9" * 5000, "0"], ids=["5000-digits", "zero"])
+def test_a_413_naming_a_limit_no_server_has_is_taken_as_naming_none(named):
+    """A 413 for a body's size names the server's max_body_bytes, which the client takes as
+    its own. The number was read whole: 5000 digits raised ValueError out of ``ingest``
+    (int() refuses 4,300), and 0 made every later ingest a ConfigError. Such a 413 names no
+    limit: the body goes again halved, as after a proxy's 413."""
+    import json
+
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(49, 2 * BLOCK), make_kv(2 * BLOCK, 49)
+    lookups = b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}'
+    posts: list[int] = []
+
+    def script(n: int, head: bytes):
+        if b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            body = lookups
+        else:
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            posts.append(length)
+            if len(posts) == 1:
+                error = json.dumps({"error": f"body of {length} bytes exceeds max_body_bytes ({named})"}).encode()
+                return (b"HTTP/1.1 413 Content Too Large\r\ncontent-type: application/json\r\ncontent-length: "
+                        + str(len(error)).encode() + b"\r\n\r\n" + error), True
+            body = json.dumps([{"status": "stored"}] * (1 if length < posts[0] else 2)).encode()
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(body)).encode()
+                + b"\r\n\r\n" + body), False
+
+    with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                     block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        res = cache.ingest(toks, kv)
+        assert (res.stored, res.failed) == (2, 0), res
+        assert len(posts) == 3 and posts[1] + posts[2] == posts[0]  # the refused body, then one frame a body
+        assert 0 < cache.max_body_bytes < posts[0]
+        assert cache.ingest(toks, kv).stored == 2  # (the limit halved, not 0: later calls still send)

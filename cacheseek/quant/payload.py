@@ -24,6 +24,8 @@ BUFFER_DTYPES: dict[str, int] = {"int32": 4, "float16": 2, "bfloat16": 2, "float
 # What an encoded tensor may stand for (a layout's KV dtype).
 KV_DTYPES = ("float16", "bfloat16", "float32")
 
+MAX_ELEMENTS = 1 << 62  # the most elements (a zero dimension counted as one) of a tensor's shape
+
 # The grouped axis, as a negative index into [..., H, T, D].
 AXIS_TOKENS = -2  # K: per channel, groups of consecutive tokens
 AXIS_CHANNELS = -1  # V: per token, groups of consecutive channels
@@ -142,6 +144,11 @@ class EncodedTensor:
             )
             if any(x < 0 for x in shape) or len(shape) < 3 or t.axis not in (AXIS_TOKENS, AXIS_CHANNELS):
                 raise ValueError(f"bad shape {shape} or axis {t.axis}")
+            # A tensor's strides are products of the dimensions after each, a zero counted as
+            # one: past MAX_ELEMENTS they overflow in torch, though the tensor holds nothing
+            # (a zero among huge dimensions agrees with buffers of no byte).
+            if math.prod(max(x, 1) for x in shape) > MAX_ELEMENTS:
+                raise ValueError(f"shape {shape}: too large to lay out")
             # Every field as an encode writes it: a decoder sizes its work from them.
             if t.dtype not in KV_DTYPES:
                 raise ValueError(f"dtype {t.dtype!r} is not a KV dtype ({', '.join(KV_DTYPES)})")

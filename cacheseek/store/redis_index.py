@@ -89,15 +89,23 @@ end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinned_bytes', 'pinned_blocks', 'pin_owners')
-local used = tonumber(tot[1] or 0)
-local raw = tonumber(tot[2] or 0)
-local blocks = tonumber(tot[3] or 0)
-local clock = math.max(tonumber(tot[4] or 0) or 0, now)
-local pinned_bytes = tonumber(tot[5] or 0)
-local pinned_blocks = tonumber(tot[6] or 0)
+-- A total as this script writes it: digits (0 where none is written yet), else nil.
+-- tonumber alone also takes "nan", "-inf", "inf", "-5" and "0x10": a used of NaN left the
+-- budget unenforced for good, one of inf evicted every block not pinned on every call.
+local function count(s)
+  if not s then return 0 end
+  if not string.match(s, '^%d+$') then return nil end
+  return tonumber(s)
+end
+local used = count(tot[1])
+local raw = count(tot[2])
+local blocks = count(tot[3])
+local clock = math.max(count(tot[4]) or 0, now)
+local pinned_bytes = count(tot[5])
+local pinned_blocks = count(tot[6])
 local changed = false
 if not (used and raw and blocks and pinned_bytes and pinned_blocks) then
-  -- Totals that are not numbers (another tool wrote them): counted again from the sizes
+  -- Totals that are not counts (another tool wrote them): counted again from the sizes
   -- hash, once, rather than failing every call of every process for good.
   used, raw, blocks, pinned_bytes, pinned_blocks = 0, 0, 0, 0, 0
   local all = redis.call('HGETALL', sizes)
@@ -646,17 +654,18 @@ class SharedIndex:
     def parse(reply: Any) -> IndexUpdate:
         (status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held,
          released, lease_lost) = reply
-        pairs = [(_text(m), _text(s).split()) for m, s in zip(repaired[::2], repaired[1::2])]
+        pairs = [(member_text(m), (s.decode() if isinstance(s, bytes) else str(s)).split())  # (sizes: digits)
+                 for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
-            evicted=tuple(_text(m) for m in evicted),
-            expired=tuple(_text(m) for m in expired),
+            evicted=member_texts(evicted),
+            expired=member_texts(expired),
             totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
-            repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs),
-            uncounted=tuple(_text(m) for m in uncounted),
-            gens={_text(m): int(g) for m, g in zip(gens[::2], gens[1::2])},
-            pinned=tuple(_text(m) for m in held),
-            released=tuple(_text(m) for m in released),
+            repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs if m is not None),
+            uncounted=member_texts(uncounted),
+            gens={t: int(g) for m, g in zip(gens[::2], gens[1::2]) if (t := member_text(m)) is not None},
+            pinned=member_texts(held),
+            released=member_texts(released),
             lease_lost=bool(lease_lost),
         )
 
@@ -677,9 +686,22 @@ def _routed(client: Any, key: str) -> dict[str, Any]:
         return {}
 
 
-def _text(member: Any) -> str:
-    return member.decode() if isinstance(member, bytes) else str(member)
+def member_text(member: Any) -> str | None:
+    """A member as text; None for one that is not UTF-8. The index's keys are bytes any tool
+    may write, and such a member names no block this tier wrote: a victim or an expired
+    entry of that kind raised UnicodeDecodeError out of the put whose script had counted
+    its block already. (Such a member is dropped from the index by the script all the same.)"""
+    if not isinstance(member, bytes):
+        return str(member)
+    try:
+        return member.decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def member_texts(members: Any) -> tuple[str, ...]:
+    return tuple(t for t in map(member_text, members) if t is not None)
 
 
 __all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals",
-           "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex"]
+           "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex", "member_text", "member_texts"]

@@ -45,7 +45,8 @@ from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, T
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
-from .redis_index import CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, IndexTotals, IndexUpdate, SharedIndex
+from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, IndexTotals, IndexUpdate, SharedIndex,
+                          member_text, member_texts)
 from .redis_keys import RedisKeys
 from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
@@ -784,6 +785,10 @@ class RedisTier(Tier):
             pipe.strlen(name)
             pipe.getrange(name, 0, HEADER_PROBE_NBYTES - 1)
             size, head = pipe.execute()
+            if len(head) < min(size, HEADER_PROBE_NBYTES):
+                # Its length and its head are two commands, and the value may expire (or be
+                # evicted) between them: gone, not damaged.
+                return 0, b""
             if size >= PREAMBLE.size:
                 need = PREAMBLE.size + min(PREAMBLE.unpack_from(head)[1], MAX_HEADER_NBYTES)
                 if len(head) < need <= size:
@@ -831,8 +836,8 @@ class RedisTier(Tier):
         def scan(c: Any) -> list[bytes]:
             found = []
             for member, tag in c.hscan_iter(self.keys_of.owners, count=1000):
-                text = tag.decode() if isinstance(tag, bytes) else str(tag)
-                if match(text) and (key := RedisKeys.key(member)) is not None:
+                text = member_text(tag)  # (None: not UTF-8, no tag a writer of this tier makes)
+                if text is not None and match(text) and (key := RedisKeys.key(member)) is not None:
                     found.append(key)
             return found
 
@@ -1148,8 +1153,8 @@ class RedisTier(Tier):
         the frame it then wrote. Scans every master: for maintenance, not for a request path."""
 
         def scan(c: Any) -> tuple[set[str], set[str], set[str]]:
-            pinned = {m.decode() for m in c.smembers(self.keys_of.pinned)}
-            indexed = {m.decode() for m in c.hkeys(self.keys_of.sizes)}
+            pinned = set(member_texts(c.smembers(self.keys_of.pinned)))
+            indexed = set(member_texts(c.hkeys(self.keys_of.sizes)))
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
                 text = name.decode("utf-8", "replace")
@@ -1220,7 +1225,7 @@ def _renew_leases(tier_ref: Callable[[], RedisTier | None], stop: threading.Even
 
 def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
     """Pinned members that the index counts (stored, or ghosts)."""
-    pinned = [m.decode() if isinstance(m, bytes) else m for m in client.smembers(keys.pinned)]
+    pinned = list(member_texts(client.smembers(keys.pinned)))
     if not pinned:
         return []
     held = client.hmget(keys.sizes, pinned)
