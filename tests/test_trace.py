@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cacheseek.errors import ConfigError, InputError
 from cacheseek.store.eviction import POLICIES, make_index
@@ -505,6 +506,187 @@ def test_arc_ghosts_stay_within_2c_and_never_hold_a_deleted_block(ops):
         assert (t1, t2, b1, b2) == (index._t1_bytes, index._t2_bytes, index._b1_bytes, index._b2_bytes)
         assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c, (op, t1, t2, b1, b2)
         assert not deleted & (index._b1.keys() | index._b2.keys()), "a deleted block is a ghost"
+
+
+def test_an_arc_ghost_hit_moves_p_by_arcs_step_with_the_ghost_still_counted():
+    """ARC's step on a B1 ghost hit is |B2| / |B1| with the hit still in B1. Taken after it
+    left, the last ghost of B1 was divided by max(0, 1) byte: p went to the whole budget at
+    once (here 1,000 instead of 100), and a B2 ghost hit took it to 0 the same way."""
+    index = make_index("arc", 1000)
+    k1, k2 = _arc_key(0), _arc_key(1)
+    index.add(k1, BlockInfo(100, 100, bytes(16), 0))
+    index.touch([k1])  # T2
+    index.add(k2, BlockInfo(100, 100, bytes(16), 0))  # T1
+    assert index.victim() == k2
+    index.remove(k2, evicted=True)  # B1 = {k2}
+    assert index.victim() == k1
+    index.remove(k1, evicted=True)  # B2 = {k1}
+    index.add(k2, BlockInfo(100, 100, bytes(16), 0))  # the B1 ghost: |B2| / |B1| = 1
+    assert index.p == 100
+    index.remove(k2, evicted=True)  # B2 = {k1, k2}
+    index.add(k1, BlockInfo(100, 100, bytes(16), 0))  # a B2 ghost, B1 empty: one step down
+    assert index.p == 0 and index.ghost_hits == 2
+    index.add(_arc_key(2), BlockInfo(100, 100, bytes(16), 0))
+    index.remove(_arc_key(2), evicted=True)  # B1 = {k3}, B2 = {k2}
+    index.add(k2, BlockInfo(100, 100, bytes(16), 0))  # the last B2 ghost: p stays at 0, not below
+    index.add(_arc_key(2), BlockInfo(100, 100, bytes(16), 0))  # the last B1 ghost, B2 empty: + 1 step
+    assert index.p == 100
+
+
+class _ReferenceArc:
+    """ARC as its paper gives it (Megiddo and Modha, FAST'03, figure 4), in bytes, written
+    apart from ``ArcIndex``: what the tier does with it (evict until a block fits, then add
+    it, so without the paper's tie rule), pinned blocks out of the four lists, a delete that
+    forgets a stored block."""
+
+    def __init__(self, c: int) -> None:
+        from collections import OrderedDict
+
+        self.c, self.p = c, 0.0
+        self.t1, self.t2, self.b1, self.b2 = (OrderedDict() for _ in range(4))
+        self.stored: dict[bytes, int] = {}
+        self.pinned: set[bytes] = set()
+
+    @staticmethod
+    def _bytes(*lists) -> int:
+        return sum(sum(lst.values()) for lst in lists)
+
+    def victim(self) -> bytes | None:
+        if self.t1 and (self._bytes(self.t1) > self.p or not self.t2):
+            return next(iter(self.t1))
+        return next(iter(self.t2), None)
+
+    def _trim(self) -> None:
+        while self.b1 and self._bytes(self.t1, self.b1) > self.c:
+            self.b1.popitem(last=False)
+        while self.b2 and self._bytes(self.t1, self.t2, self.b1, self.b2) > 2 * self.c:
+            self.b2.popitem(last=False)
+
+    def _admit(self, key: bytes, n: int) -> None:
+        if key in self.b1:  # case II
+            self.p = min(self.c, self.p + n * max(self._bytes(self.b2) / self._bytes(self.b1), 1))
+            del self.b1[key]
+            self.t2[key] = n
+        elif key in self.b2:  # case III
+            self.p = max(0.0, self.p - n * max(self._bytes(self.b1) / self._bytes(self.b2), 1))
+            del self.b2[key]
+            self.t2[key] = n
+        else:  # case IV
+            self.t1[key] = n
+        self._trim()
+
+    def evict(self, key: bytes) -> None:
+        del self.stored[key]
+        for t, b in ((self.t1, self.b1), (self.t2, self.b2)):
+            if key in t:
+                b[key] = t.pop(key)
+        self._trim()
+
+    def delete(self, key: bytes) -> None:
+        if self.stored.pop(key, None) is not None:
+            for lst in (self.t1, self.t2, self.b1, self.b2):
+                lst.pop(key, None)
+
+    def add(self, key: bytes, n: int) -> None:
+        if key in self.stored:  # stored again (another size): a use
+            self.stored[key] = n
+            if key not in self.pinned:
+                (self.t1 if key in self.t1 else self.t2)[key] = n
+                self.touch(key)
+            return
+        self.stored[key] = n
+        if key in self.pinned:
+            self.b1.pop(key, None)
+            self.b2.pop(key, None)
+        else:
+            self._admit(key, n)
+
+    def touch(self, key: bytes) -> None:
+        if key in self.t1:
+            self.t2[key] = self.t1.pop(key)
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def pin(self, key: bytes) -> None:
+        if key not in self.pinned:
+            self.pinned.add(key)
+            self.t1.pop(key, None)
+            self.t2.pop(key, None)
+
+    def unpin(self, key: bytes) -> None:
+        if key in self.pinned:
+            self.pinned.discard(key)
+            if key in self.stored:
+                self._admit(key, self.stored[key])
+
+
+class ArcAgainstTheReference(RuleBasedStateMachine):
+    """``ArcIndex`` driven as a tier drives it (blocks of 1 to 12 bytes in a 40-byte budget,
+    overwrites at another size, evictions, touches, deletes, pins), and the reference ARC
+    beside it: the same victim every time, the same four lists in the same order, the same
+    p; p within [0, c] and the stored bytes within c."""
+
+    C = 40
+    KEYS = [_arc_key(i) for i in range(10)]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = make_index("arc", self.C)
+        self.ref = _ReferenceArc(self.C)
+
+    def _evict(self) -> bool:
+        victim = self.index.victim()
+        assert victim == self.ref.victim()
+        if victim is None:
+            return False
+        self.index.remove(victim, evicted=True)
+        self.ref.evict(victim)
+        return True
+
+    @rule(i=st.integers(0, 9), n=st.integers(1, 12))
+    def add(self, i, n):
+        key = self.KEYS[i]
+        while self.index.used_bytes - self.ref.stored.get(key, 0) + n > self.C and self._evict():
+            pass
+        if self.index.used_bytes - self.ref.stored.get(key, 0) + n <= self.C:
+            self.index.add(key, BlockInfo(n, n, bytes(16), 0))
+            self.ref.add(key, n)
+
+    @rule()
+    def evict(self):
+        self._evict()
+
+    @rule(i=st.integers(0, 9))
+    def touch(self, i):
+        self.index.touch([self.KEYS[i]])
+        self.ref.touch(self.KEYS[i])
+
+    @rule(i=st.integers(0, 9))
+    def delete(self, i):
+        self.index.remove(self.KEYS[i])
+        self.ref.delete(self.KEYS[i])
+
+    @rule(i=st.integers(0, 9))
+    def pin(self, i):
+        self.index.pin([self.KEYS[i]])
+        self.ref.pin(self.KEYS[i])
+
+    @rule(i=st.integers(0, 9))
+    def unpin(self, i):
+        self.index.unpin([self.KEYS[i]])
+        self.ref.unpin(self.KEYS[i])
+
+    @invariant()
+    def matches_the_reference(self):
+        index, ref = self.index, self.ref
+        assert [list(lst.items()) for lst in (index._t1, index._t2, index._b1, index._b2)] == \
+            [list(lst.items()) for lst in (ref.t1, ref.t2, ref.b1, ref.b2)]
+        assert index.p == pytest.approx(ref.p, abs=1e-9) and 0 <= index.p <= self.C
+        assert index._t1_bytes + index._t2_bytes + index.pinned_bytes == index.used_bytes <= self.C
+
+
+TestArcAgainstTheReference = ArcAgainstTheReference.TestCase
+TestArcAgainstTheReference.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)
 
 
 def test_arc_keeps_reused_blocks_through_a_scan():
