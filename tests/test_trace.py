@@ -895,6 +895,37 @@ def test_disk_admission_holds_back_only_the_disks_writes(tmp_path):
         server.stop()
 
 
+@needs_redis
+def test_a_block_the_disk_does_not_admit_is_still_handed_down_to_redis_under_write_back(tmp_path):
+    """Write-back (no write-through), CPU over a disk that admits after two uses over Redis:
+    a block used once, evicted from the CPU tier, was refused by the disk and dropped there,
+    though Redis below had room and would have had it from the disk. The filter holds
+    back only the disk's write: the block goes on to Redis."""
+    import cacheseek as cs
+    from store_helpers import raw_frame
+
+    server = RedisServer(tmp_path / "redis").start()
+    frame_bytes = raw_frame(1)[1].meta.nbytes
+    store = cs.TierConfig(cpu_bytes=2 * frame_bytes, cpu_reserve_bytes=0, pin_memory=False,
+                          disk_path=str(tmp_path / "d"), disk_bytes="64MiB", disk_admit_after_uses=2,
+                          redis_url=server.url, redis_bytes="64MiB", write_through=()).build()
+    try:
+        keys = []
+        for i in range(1, 5):
+            key, frame = raw_frame(i)
+            keys.append(key)
+            assert store.put(key, frame).stored
+        held = [[t.name for t in store.tiers if t.contains(k)] for k in keys]
+        assert held == [["redis"], ["redis"], ["cpu"], ["cpu"]]
+        assert store.tier("redis").get(keys[0]).to_bytes() == raw_frame(1)[1].to_bytes()
+        tiers = {t["name"]: t for t in store.stats()["tiers"]}
+        assert tiers["disk"]["blocks"] == 0 and tiers["disk"]["admission"]["not_admitted"] == 2
+        assert tiers["redis"]["demotions"] == 2
+    finally:
+        store.close()
+        server.stop()
+
+
 def test_plan_runs_without_torch(tmp_path):
     code = (
         "import sys\n"

@@ -304,6 +304,10 @@ class TieredStore:
                 use_filter.size_from(frame.nbytes)
                 if not use_filter.admits(key):
                     use_filter.refuse(frame.nbytes)
+                    # The filter holds back only this tier's write: a tier further down that
+                    # would have had the block from it (write-back) still gets it now.
+                    if below.demote_evicted:
+                        self._demote(level + 1, [(key, frame)], since)
                     continue
             if not below.accepts_device_frames:
                 frame = _on_host(frame)
