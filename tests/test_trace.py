@@ -1169,6 +1169,9 @@ def test_plan_says_what_a_disk_budget_needs_to_hold_a_block(tmp_path, capsys):
     (["--json", "."], "--json: .: is a directory"),
     (["--plot", "plan.xyz"], "--plot: plan.xyz: format 'xyz' is not one matplotlib writes"),
     (["--disk-admit-after-uses", "0"], "--disk-admit-after-uses: must be an integer >= 1, got 0"),
+    # the layout's own reason, where it only said the text was neither a name nor LAYERS,...
+    (["--layout", "32,8,0"], "layout: '32,8,0': KVLayout.head_dim: must be a positive int, got 0"),
+    (["--layout", "32,8,128,int8"], "layout: '32,8,128,int8': dtype: KV must be one of"),
 ])
 def test_plan_refuses_empty_lists_and_unwritable_outputs_before_replaying(tmp_path, capsys, monkeypatch, flags, says):
     if "xyz" in flags[-1]:

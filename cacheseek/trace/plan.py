@@ -42,10 +42,14 @@ def layout_of(text: str) -> KVLayout:
         return LAYOUTS[text]
     parts = text.split(",")
     try:
-        if len(parts) in (3, 4):
-            return KVLayout(int(parts[0]), int(parts[1]), int(parts[2]), *(parts[3:] or ["float16"]))
+        dims = [int(p) for p in parts[:3]] if len(parts) in (3, 4) else None
     except ValueError:
-        pass
+        dims = None
+    if dims is not None:
+        try:
+            return KVLayout(*dims, *(parts[3:] or ["float16"]))
+        except ConfigError as exc:  # a zero dimension, an unknown dtype: say which
+            raise ConfigError(f"layout: {text!r}: {exc}") from None
     raise ConfigError(f"layout: {text!r} is neither one of {sorted(LAYOUTS)} nor LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
 
 
