@@ -1158,6 +1158,38 @@ def test_plan_says_what_a_disk_budget_needs_to_hold_a_block(tmp_path, capsys):
     assert not (tmp_path / "rows.json").exists()
 
 
+def test_a_disk_budget_the_replays_filesystem_cannot_hold_is_refused_not_shrunk(tmp_path, capsys, monkeypatch):
+    """The replay's disk tier keeps stand-in files in a temporary directory, and a disk tier
+    clamps a budget its filesystem has no room for (a log line only): the replay held 820
+    blocks of a 2,000-block disk (56 hits instead of 314) and reported 2,000. It is refused,
+    and by ``cacheseek plan`` before any replay."""
+    import os
+
+    real = os.statvfs
+
+    class OneMiBFree:
+        def __init__(self, path):
+            self.st = real(path)
+
+        def __getattr__(self, name):
+            return getattr(self.st, name)
+
+        @property
+        def f_bavail(self):
+            return (1 << 20) // self.st.f_frsize
+
+    monkeypatch.setattr(os, "statvfs", OneMiBFree)
+    trace = load_trace(EXCERPT)
+    with pytest.raises(ConfigError, match=r"a disk tier of 2000 blocks takes 15\.62 MiB of stand-in files .* but "
+                                          r"that filesystem has room for .*: give the replay more room \(TMPDIR\)"):
+        replay(trace, ReplaySpec(cpu_blocks=100, disk_blocks=2000, policy="lru"))
+    assert replay(trace[:40], ReplaySpec(cpu_blocks=10, disk_blocks=100, policy="lru")).tiers[1]["blocks"] == 100
+    assert _plan_main(tmp_path, "--disk-bytes", "64GiB") == 2
+    err = capsys.readouterr().err
+    assert "cacheseek plan: replay: a disk tier of 1023 blocks" in err and "Traceback" not in err
+    assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--codec", ""], "--codec: give at least one codec, got ''"),
     (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),

@@ -19,7 +19,8 @@ from ..quant import KIVI, Raw
 from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from . import reference
 from .format import Request
-from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, frame_nbytes, replay
+from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, check_disk_room, frame_nbytes,
+                     replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -120,6 +121,7 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
                     f"({block_tokens} tokens a block); give cpu_bytes at least {nbytes} or disk_bytes at least "
                     f"{charge} (the frame and its sidecar in whole 4 KiB file-system blocks)")
+    check_disk_room(max(disk_bytes // block_charge(n, DEFAULT_ALLOC_UNIT) for n in nbytes_of.values()), block_tokens)
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
     stand_in = StandInFrames(block_tokens).nbytes

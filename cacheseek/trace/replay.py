@@ -36,6 +36,7 @@ from ..store.disk import allocation_unit, block_charge
 from ..store.frame import ALIGN, build_frame, plan_frame, replan_frame, seal_frame
 from ..store.tier import BlockFrame
 from ..store.tiered import TieredStore
+from ..units import format_size
 from .format import Request
 from .reference import cached_blocks, hit_tokens, requested_tokens
 
@@ -176,7 +177,28 @@ def build_store(spec: ReplaySpec, frame_nbytes_: int, disk_dir: str | None) -> T
         disk_fsync=False, eviction=spec.policy, disk_admit_after_uses=spec.disk_admit_after_uses,
         write_through=None if spec.write_through else (), promote_on_hit=spec.promote_on_hit,
     )
-    return config.build()
+    store = config.build()
+    if spec.disk_blocks > 0:
+        # A disk tier clamps a budget larger than its filesystem's free space (with a log
+        # line only): the replay would hold fewer blocks than the budget it reports.
+        disk = store.tier("disk")
+        if disk.capacity_bytes < config.disk_bytes:
+            store.close()
+            raise ConfigError(
+                f"replay: a disk tier of {spec.disk_blocks} blocks takes {format_size(config.disk_bytes)} of "
+                f"stand-in files ({disk_charge} bytes a block) under {Path(disk_dir).parent}, but that filesystem "
+                f"has room for {format_size(disk.capacity_bytes)}: give the replay more room (TMPDIR)")
+    return store
+
+
+def check_disk_room(disk_blocks: int, block_tokens: int) -> None:
+    """A ``ConfigError`` now, before any replay, if a disk tier of ``disk_blocks`` stand-in
+    blocks does not fit the temporary directory's filesystem (see ``build_store``)."""
+    if disk_blocks <= 0:
+        return
+    frames = StandInFrames(block_tokens)
+    with tempfile.TemporaryDirectory(prefix="cacheseek-replay-") as tmp:
+        build_store(ReplaySpec(cpu_blocks=0, disk_blocks=disk_blocks), frames.nbytes, str(Path(tmp) / "disk")).close()
 
 
 Progress = Callable[[int, int], None]
