@@ -1128,6 +1128,14 @@ def _plan_main(tmp_path, *flags):
                  "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "p.png"), *flags])
 
 
+def test_plan_replays_a_budget_codec_or_policy_given_twice_once(tmp_path):
+    """``--cpu-bytes 1GiB,1024MiB`` replayed the same budget twice (minutes on a real trace)
+    and printed the row twice."""
+    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB,1024MiB", "--codec", "raw,raw", "--policy", "lru,lru") == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [(r["codec"], r["cpu_bytes"], r["policy"]) for r in rows] == [("raw", 1 << 30, "lru")]
+
+
 @pytest.mark.parametrize("value", ["0", "-16", str(1 << 40)])
 def test_plan_refuses_a_block_size_a_frame_cannot_carry(tmp_path, capsys, value):
     assert _plan_main(tmp_path, "--block-tokens=" + value) == 2
