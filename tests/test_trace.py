@@ -56,6 +56,16 @@ def test_bad_line_is_named_by_number(tmp_path, line, says):
     assert f"{path}:3:" in str(err.value) and says in str(err.value)
 
 
+@pytest.mark.parametrize("field", ['"hash_ids": "%s"', '"hash_ids": [[%s]]', '"hash_ids": [1], "timestamp": "%s"'])
+def test_a_bad_field_megabytes_long_is_shown_cut_short(field):
+    """The error quoted the bad value whole: a field of a megabyte made a megabyte-long
+    message (a terminal flooded, the line number scrolled away)."""
+    filler = "x" * (1 << 20) if field.endswith('"%s"') else ",".join(["1"] * (1 << 18))
+    with pytest.raises(InputError) as err:
+        parse_lines(['{"hash_ids": [0]}', "{" + field % filler + "}"])
+    assert str(err.value).startswith("trace:2: ") and len(str(err.value)) < 200
+
+
 def test_a_line_whose_length_takes_other_blocks_than_its_ids_is_named(tmp_path, capsys):
     """Read at one block size, a trace of another counted every block as full, with no
     error (blocks of 16 tokens read at 512: 435 ids for 6,955 tokens)."""
