@@ -1138,6 +1138,20 @@ def _plan_main(tmp_path, *flags):
                  "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "p.png"), *flags])
 
 
+def test_plan_draws_a_disk_only_row_on_its_plot(tmp_path):
+    """A CPU budget of 0 over a disk tier (a disk-only store) sat on a log axis: matplotlib
+    warned that it had no positive value and the plot showed no line; beside other budgets,
+    the point was dropped."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _plan_main(tmp_path, "--cpu-bytes", "0,1GiB", "--disk-bytes", "1GiB") == 0
+        assert _plan_main(tmp_path, "--cpu-bytes", "0", "--disk-bytes", "1GiB") == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
 def test_plan_replays_a_budget_codec_or_policy_given_twice_once(tmp_path):
     """``--cpu-bytes 1GiB,1024MiB`` replayed the same budget twice (minutes on a real trace)
     and printed the row twice."""

@@ -228,7 +228,11 @@ def plot(rows: Sequence[PlanRow], path: str, title: str) -> bool:
         ys = [100 * next(r.belady.block_hit_rate for r in mine if r.cpu_bytes == x) for x in xs]
         ax.plot(gib, ys, "--", color=colors[codec], alpha=0.6, label=f"{codec} Belady")
     ax.axhline(100 * rows[0].infinite.block_hit_rate, color="black", linewidth=1, label="infinite cache")
-    ax.set_xscale("log", base=2)
+    positive = [r.cpu_bytes / (1 << 30) for r in rows if r.cpu_bytes > 0]
+    if len(positive) == len(rows):
+        ax.set_xscale("log", base=2)
+    else:  # a disk-only row (CPU budget 0): a log axis drops it, or has no point at all
+        ax.set_xscale("symlog", base=2, linthresh=min(positive, default=1.0))
     ax.set_xlabel("CPU tier budget (GiB)")
     ax.set_ylabel("hit rate (% of requested blocks)")
     ax.set_title(title)
