@@ -543,6 +543,29 @@ def test_an_arc_ghost_hit_moves_p_by_arcs_step_with_the_ghost_still_counted():
     assert index.p == 100
 
 
+def test_an_arc_block_stored_again_larger_keeps_the_ghosts_within_2c():
+    """A block stored again with a larger frame grew T1 or T2 without trimming the ghosts,
+    which then held more than ARC's 2c in all (21 of 20 bytes here) until the next add."""
+    index = make_index("arc", 10)
+    k = [_arc_key(i) for i in range(4)]
+
+    def add(i: int, n: int) -> None:
+        index.add(k[i], BlockInfo(n, n, bytes(16), 0))
+
+    add(1, 4)
+    add(2, 3)
+    index.remove(k[1], evicted=True)  # B1
+    add(1, 5)  # a B1 ghost: T2
+    index.remove(k[1], evicted=True)  # B2 = 5
+    add(0, 4)
+    add(2, 6)  # stored again larger: T2
+    index.remove(k[2], evicted=True)  # B2 = 11
+    add(3, 3)
+    add(3, 6)  # stored again larger: T1 4 + T2 6 + B2 11 was 21
+    assert index._t1_bytes + index._t2_bytes + index._b1_bytes + index._b2_bytes <= 20
+    assert index._t1_bytes + index._t2_bytes == index.used_bytes == 10
+
+
 class _ReferenceArc:
     """ARC as its paper gives it (Megiddo and Modha, FAST'03, figure 4), in bytes, written
     apart from ``ArcIndex``: what the tier does with it (evict until a block fits, then add
@@ -602,6 +625,7 @@ class _ReferenceArc:
             self.stored[key] = n
             if key not in self.pinned:
                 (self.t1 if key in self.t1 else self.t2)[key] = n
+                self._trim()
                 self.touch(key)
             return
         self.stored[key] = n
@@ -692,7 +716,9 @@ class ArcAgainstTheReference(RuleBasedStateMachine):
         assert [list(lst.items()) for lst in (index._t1, index._t2, index._b1, index._b2)] == \
             [list(lst.items()) for lst in (ref.t1, ref.t2, ref.b1, ref.b2)]
         assert index.p == pytest.approx(ref.p, abs=1e-9) and 0 <= index.p <= self.C
-        assert index._t1_bytes + index._t2_bytes + index.pinned_bytes == index.used_bytes <= self.C
+        t1, t2, b1, b2 = index._t1_bytes, index._t2_bytes, index._b1_bytes, index._b2_bytes
+        assert t1 + t2 + index.pinned_bytes == index.used_bytes <= self.C
+        assert (not b1 or t1 + b1 <= self.C) and (not b2 or t1 + t2 + b1 + b2 <= 2 * self.C)  # ARC's bounds
 
 
 TestArcAgainstTheReference = ArcAgainstTheReference.TestCase

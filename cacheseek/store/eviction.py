@@ -362,6 +362,7 @@ class ArcIndex(EvictionIndex):
             if old is not None:
                 lst[key] = info.charge
                 setattr(self, attr, getattr(self, attr) + info.charge - old)
+        self._trim_ghosts()  # a block stored again larger: the ghosts give up the room, as on an add
 
     def resize(self, capacity_bytes: int) -> None:
         super().resize(capacity_bytes)
