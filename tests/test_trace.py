@@ -1178,6 +1178,28 @@ def test_plan_draws_a_disk_only_row_on_its_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
+def test_the_progress_bar_redraws_on_a_terminal_only(tmp_path, capsys):
+    """Into a file (a log, CI), the bar's fifty redraws a replay were carriage returns on
+    one line: a replay now writes its last state, one line."""
+    import io
+
+    from cacheseek.trace.replay import ProgressBar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    trace = parse_lines(['{"hash_ids": [%d, %d]}' % (2 * i, 2 * i + 1) for i in range(200)])
+    for stream, redraws in ((io.StringIO(), False), (Terminal(), True)):
+        replay(trace, ReplaySpec(cpu_blocks=10, policy="lru"), progress=ProgressBar("lru", stream))
+        text = stream.getvalue()
+        assert "] 200/200 " in text.rsplit("\r", 1)[-1] and text.count("\n") == 1
+        assert ("\r" in text) == redraws and (text.count("lru [") > 1) == redraws
+    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB,2GiB") == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("[#") == 2
+
+
 def test_plan_replays_a_budget_codec_or_policy_given_twice_once(tmp_path):
     """``--cpu-bytes 1GiB,1024MiB`` replayed the same budget twice (minutes on a real trace)
     and printed the row twice."""

@@ -238,19 +238,26 @@ def replay(trace: Sequence[Request], spec: ReplaySpec, *, block_tokens: int = 51
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr (no dependency), redrawn in place."""
+    """A one-line progress bar on stderr (no dependency), redrawn in place on a terminal;
+    elsewhere (a log file, a CI job) only its last state, once: the redraws, carriage
+    returns on one line, made a log line of fifty bars a replay."""
 
     def __init__(self, label: str, stream: Any = None, width: int = 30) -> None:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.start = time.perf_counter()
+        isatty = getattr(self.stream, "isatty", None)
+        self.redraw = bool(isatty and isatty())
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.redraw and done < total:
+            return
         frac = done / total if total else 1.0
         bar = "#" * int(frac * self.width)
         elapsed = time.perf_counter() - self.start
-        self.stream.write(f"\r{self.label} [{bar:<{self.width}}] {done}/{total} {elapsed:5.1f}s")
+        start = "\r" if self.redraw else ""
+        self.stream.write(f"{start}{self.label} [{bar:<{self.width}}] {done}/{total} {elapsed:5.1f}s")
         if done >= total:
             self.stream.write("\n")
         self.stream.flush()
