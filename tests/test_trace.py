@@ -171,6 +171,17 @@ def test_every_stand_in_frame_takes_the_bytes_a_tier_is_given_per_block(block_to
         assert replay(trace, ReplaySpec(cpu_blocks=blocks, policy="lru"), block_tokens=block_tokens).tiers[0]["blocks"] == blocks
 
 
+@pytest.mark.parametrize("blocks", [5461, 10922])
+def test_a_replayed_cpu_tier_holds_its_whole_budget_of_blocks(blocks):
+    """The CPU tier's arena maps its budget in power-of-two chunks, each ending in a gap
+    smaller than a frame: at 5,461 and 10,922 stand-in blocks (int2 at 64 and 128 GiB) it
+    held one block fewer than the budget, and every put into the full tier scanned it for
+    room the arena could not give: the whole trace took 78 s at 10,922 blocks, not 3."""
+    trace = parse_lines(['{"hash_ids": [%d, %d]}' % (2 * i, 2 * i + 1) for i in range(blocks // 2 + 50)])
+    result = replay(trace, ReplaySpec(cpu_blocks=blocks, policy="lru"))
+    assert result.tiers[0]["blocks"] == blocks and result.tiers[0]["evictions"] == 2 * len(trace) - blocks
+
+
 def test_no_policy_beats_belady_and_belady_stays_below_the_ceiling(excerpt):
     shaped = synth.documents(requests=600, documents=40, seed=3)
     for trace in (excerpt, shaped):
