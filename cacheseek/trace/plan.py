@@ -48,7 +48,7 @@ def layout_of(text: str) -> KVLayout:
         dims = None
     if dims is not None:
         try:
-            return KVLayout(*dims, *(parts[3:] or ["float16"]))
+            return KVLayout(dims[0], dims[1], dims[2], *(parts[3:] or ["float16"]))
         except ConfigError as exc:  # a zero dimension, an unknown dtype: say which
             raise ConfigError(f"layout: {text!r}: {exc}") from None
     raise ConfigError(f"layout: {text!r} is neither one of {sorted(LAYOUTS)} nor LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")

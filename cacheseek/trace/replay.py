@@ -186,21 +186,22 @@ def build_store(spec: ReplaySpec, frame_nbytes_: int, disk_dir: str | None) -> T
     # ``disk_blocks`` stand-in blocks take that many charges.
     disk_charge = block_charge(frame_nbytes_, allocation_unit(Path(disk_dir).parent)) if disk_dir else 0
     cpu_bytes = max(spec.cpu_blocks, 0) * frame_nbytes_
+    disk_bytes = max(spec.disk_blocks, 0) * disk_charge
     config = TierConfig(
         cpu_bytes=cpu_bytes, cpu_reserve_bytes=arena_slack(cpu_bytes, frame_nbytes_), pin_memory=False,
-        disk_path=disk_dir if spec.disk_blocks > 0 else None, disk_bytes=max(spec.disk_blocks, 0) * disk_charge,
+        disk_path=disk_dir if spec.disk_blocks > 0 else None, disk_bytes=disk_bytes,
         disk_fsync=False, eviction=spec.policy, disk_admit_after_uses=spec.disk_admit_after_uses,
         write_through=None if spec.write_through else (), promote_on_hit=spec.promote_on_hit,
     )
     store = config.build()
-    if spec.disk_blocks > 0:
+    if disk_dir is not None and spec.disk_blocks > 0:
         # A disk tier clamps a budget larger than its filesystem's free space (with a log
         # line only): the replay would hold fewer blocks than the budget it reports.
         disk = store.tier("disk")
-        if disk.capacity_bytes < config.disk_bytes:
+        if disk.capacity_bytes < disk_bytes:
             store.close()
             raise ConfigError(
-                f"replay: a disk tier of {spec.disk_blocks} blocks takes {format_size(config.disk_bytes)} of "
+                f"replay: a disk tier of {spec.disk_blocks} blocks takes {format_size(disk_bytes)} of "
                 f"stand-in files ({disk_charge} bytes a block) under {Path(disk_dir).parent}, but that filesystem "
                 f"has room for {format_size(disk.capacity_bytes)}: give the replay more room (TMPDIR)")
     return store
