@@ -1211,6 +1211,16 @@ def test_the_progress_bar_redraws_on_a_terminal_only(tmp_path, capsys):
     assert "\r" not in err and err.count("[#") == 2
 
 
+def test_plan_table_shows_a_share_of_no_hits_as_a_dash(tmp_path, capsys):
+    """A trace without reuse: Belady hits nothing, and the table printed 'None' for the
+    share of it."""
+    (tmp_path / "t.jsonl").write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [3]}\n')
+    assert _plan_main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and " - |" in out
+    assert json.loads((tmp_path / "rows.json").read_text())[0]["of_belady"] is None
+
+
 def test_plan_replays_a_budget_codec_or_policy_given_twice_once(tmp_path):
     """``--cpu-bytes 1GiB,1024MiB`` replayed the same budget twice (minutes on a real trace)
     and printed the row twice."""

@@ -176,6 +176,8 @@ def table_rows(rows: Sequence[PlanRow]) -> list[dict[str, Any]]:
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
     def fmt(v: Any) -> str:
+        if v is None:  # a share of nothing (Belady hits nothing: a trace without reuse)
+            return "-"
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
         return str(v)
