@@ -351,6 +351,8 @@ def _plan(args: argparse.Namespace) -> int:
             codec_of(c)
         policies = [check_policy(p, what="--policy") for p in _listed(args.policy, "--policy", "policy")]
         cpu = [parse_size(b, name="--cpu-bytes") for b in _listed(args.cpu_bytes, "--cpu-bytes", "budget")]
+        # A budget given twice (64GiB,65536MiB), a codec or a policy: one replay, one row.
+        codecs, policies, cpu = list(dict.fromkeys(codecs)), list(dict.fromkeys(policies)), list(dict.fromkeys(cpu))
         disk = parse_size(args.disk_bytes, name="--disk-bytes")
         # The outputs are checked before the replays, which can run for minutes.
         for flag, path in (("--json", args.json), ("--plot", args.plot)):

@@ -308,18 +308,21 @@ class ArcIndex(EvictionIndex):
     def _admit(self, key: bytes, info: BlockInfo) -> None:
         n = info.charge
         c = self.capacity_bytes
+        # ARC's step is |B2| / |B1| (or the reverse) with the ghost hit still in its list: taken
+        # without it, the last ghost of a list divided by max(0, 1) byte and moved p a whole
+        # budget at once (to c, or to 0).
         ghost = self._b1.pop(key, None)
         if ghost is not None:  # would have been a hit with a larger T1: grow it
-            self._b1_bytes -= ghost
             self.p = min(c, self.p + n * max(self._b2_bytes / max(self._b1_bytes, 1), 1.0))
+            self._b1_bytes -= ghost
             self.ghost_hits += 1
             self._t2[key] = n
             self._t2_bytes += n
         else:
             ghost = self._b2.pop(key, None)
             if ghost is not None:  # would have been a hit with a larger T2: shrink T1
-                self._b2_bytes -= ghost
                 self.p = max(0.0, self.p - n * max(self._b1_bytes / max(self._b2_bytes, 1), 1.0))
+                self._b2_bytes -= ghost
                 self.ghost_hits += 1
                 self._t2[key] = n
                 self._t2_bytes += n
@@ -359,6 +362,7 @@ class ArcIndex(EvictionIndex):
             if old is not None:
                 lst[key] = info.charge
                 setattr(self, attr, getattr(self, attr) + info.charge - old)
+        self._trim_ghosts()  # a block stored again larger: the ghosts give up the room, as on an add
 
     def resize(self, capacity_bytes: int) -> None:
         super().resize(capacity_bytes)

@@ -246,7 +246,7 @@ class TieredStore:
                     items = self._without_failed(items, failed, source)
             sources = []
             use_filter = self.filters.get(tier.name)
-            chosen = list(range(len(items))) if use_filter is None else self._admitted(use_filter, items)
+            chosen = list(range(len(items))) if use_filter is None else self._admitted(use_filter, items, level)
             if not chosen:
                 continue
             frames = [(items[i][0], items[i][1] if tier.accepts_device_frames else _on_host(items[i][1]))
@@ -276,15 +276,19 @@ class TieredStore:
                 outcome.stored = outcome.present = False
         return kept
 
-    @staticmethod
-    def _admitted(use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]]) -> list[int]:
-        """The indexes of the ``items`` the filter admits."""
+    def _admitted(self, use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]],
+                  level: int) -> list[int]:
+        """The indexes of the ``items`` the filter of the tier at ``level`` admits. A refusal
+        is counted only where it is the block's last chance: one that a tier above holds is
+        handed down when evicted and decided again then (``_demote``), and counted twice it
+        made the refusals (and the bytes not written) about twice the blocks spared."""
         out = []
+        above = [t for t in self.tiers[:level] if t.index_in_memory]
         for i, (key, frame, _) in enumerate(items):
             use_filter.size_from(frame.nbytes)
             if use_filter.admits(key):
                 out.append(i)
-            else:
+            elif not any(t.contains(key) for t in above):
                 use_filter.refuse(frame.nbytes)
         return out
 
@@ -304,6 +308,10 @@ class TieredStore:
                 use_filter.size_from(frame.nbytes)
                 if not use_filter.admits(key):
                     use_filter.refuse(frame.nbytes)
+                    # The filter holds back only this tier's write: a tier further down that
+                    # would have had the block from it (write-back) still gets it now.
+                    if below.demote_evicted:
+                        self._demote(level + 1, [(key, frame)], since)
                     continue
             if not below.accepts_device_frames:
                 frame = _on_host(frame)

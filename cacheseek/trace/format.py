@@ -11,6 +11,7 @@ nothing ever runs on a half-read trace.
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,15 @@ def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 60
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message, cut short: a line's field may be megabytes long."""
+    return _SHOWN.repr(value)
+
+
 def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
     try:
         obj = json.loads(text)
@@ -54,7 +64,7 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
     ids = obj["hash_ids"]
     if not isinstance(ids, list) or not all(_int(i) and i >= 0 for i in ids):
         bad = ids if not isinstance(ids, list) else next(i for i in ids if not (_int(i) and i >= 0))
-        raise InputError(f"{where}:{lineno}: 'hash_ids' must be a list of non-negative integers, found {bad!r}")
+        raise InputError(f"{where}:{lineno}: 'hash_ids' must be a list of non-negative integers, found {_shown(bad)}")
     if ids and max(ids) >= ID_BOUND:
         raise InputError(f"{where}:{lineno}: 'hash_ids' must be below 2^128 - 1 (the replay's root key), "
                          f"found {max(ids)}")
@@ -62,7 +72,7 @@ def parse_line(text: str, lineno: int, where: str = "trace") -> Request:
     for name in ("timestamp", "input_length", "output_length"):
         value = obj.get(name, 0)
         if not _int(value) or value < 0:
-            raise InputError(f"{where}:{lineno}: {name!r} must be a non-negative integer, got {value!r}")
+            raise InputError(f"{where}:{lineno}: {name!r} must be a non-negative integer, got {_shown(value)}")
         fields[name] = value
     return Request(hash_ids=tuple(ids), **fields)
 

@@ -19,7 +19,8 @@ from ..quant import KIVI, Raw
 from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from . import reference
 from .format import Request
-from .replay import ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, frame_nbytes, replay
+from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, check_disk_room, frame_nbytes,
+                     replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -42,10 +43,14 @@ def layout_of(text: str) -> KVLayout:
         return LAYOUTS[text]
     parts = text.split(",")
     try:
-        if len(parts) in (3, 4):
-            return KVLayout(int(parts[0]), int(parts[1]), int(parts[2]), *(parts[3:] or ["float16"]))
+        dims = [int(p) for p in parts[:3]] if len(parts) in (3, 4) else None
     except ValueError:
-        pass
+        dims = None
+    if dims is not None:
+        try:
+            return KVLayout(dims[0], dims[1], dims[2], *(parts[3:] or ["float16"]))
+        except ConfigError as exc:  # a zero dimension, an unknown dtype: say which
+            raise ConfigError(f"layout: {text!r}: {exc}") from None
     raise ConfigError(f"layout: {text!r} is neither one of {sorted(LAYOUTS)} nor LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
 
 
@@ -116,6 +121,7 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
                     f"({block_tokens} tokens a block); give cpu_bytes at least {nbytes} or disk_bytes at least "
                     f"{charge} (the frame and its sidecar in whole 4 KiB file-system blocks)")
+    check_disk_room(max(disk_bytes // block_charge(n, DEFAULT_ALLOC_UNIT) for n in nbytes_of.values()), block_tokens)
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
     stand_in = StandInFrames(block_tokens).nbytes
@@ -170,6 +176,8 @@ def table_rows(rows: Sequence[PlanRow]) -> list[dict[str, Any]]:
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: str = "") -> str:
     def fmt(v: Any) -> str:
+        if v is None:  # a share of nothing (Belady hits nothing: a trace without reuse)
+            return "-"
         if isinstance(v, float):
             return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
         return str(v)
@@ -222,7 +230,11 @@ def plot(rows: Sequence[PlanRow], path: str, title: str) -> bool:
         ys = [100 * next(r.belady.block_hit_rate for r in mine if r.cpu_bytes == x) for x in xs]
         ax.plot(gib, ys, "--", color=colors[codec], alpha=0.6, label=f"{codec} Belady")
     ax.axhline(100 * rows[0].infinite.block_hit_rate, color="black", linewidth=1, label="infinite cache")
-    ax.set_xscale("log", base=2)
+    positive = [r.cpu_bytes / (1 << 30) for r in rows if r.cpu_bytes > 0]
+    if len(positive) == len(rows):
+        ax.set_xscale("log", base=2)
+    else:  # a disk-only row (CPU budget 0): a log axis drops it, or has no point at all
+        ax.set_xscale("symlog", base=2, linthresh=min(positive, default=1.0))
     ax.set_xlabel("CPU tier budget (GiB)")
     ax.set_ylabel("hit rate (% of requested blocks)")
     ax.set_title(title)
