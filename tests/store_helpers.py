@@ -31,12 +31,13 @@ def disk_charge(nbytes: int) -> int:
 
 
 def raw_frame(i: int) -> tuple[bytes, BlockFrame]:
-    """(key, frame) of a Raw root block of LAYOUT whose every byte is ``i``."""
-    key = bytes([i]) * 16
+    """(key, frame) of a Raw root block of LAYOUT whose every byte is ``i`` (``i % 256`` past 255,
+    whose keys are ``i`` in 16 bytes)."""
+    key = bytes([i]) * 16 if i < 256 else i.to_bytes(16, "big")
     meta = plan_frame(block_hash=key, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT, block_tokens=BLOCK,
                       codec=cs.Raw().spec(), buffers=RAW_BUFFERS)
     half = meta.tensors[0].nbytes
-    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i]) * half] * 2)))
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
 
 
 def as_other_version(frame: bytes, version: int = 2) -> bytes:

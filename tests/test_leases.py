@@ -220,6 +220,39 @@ def test_an_arena_held_by_readers_refuses_a_put_without_emptying_the_tier():
     assert tier.contains(raw_frame(count)[0])
 
 
+def test_a_full_tier_whose_chunks_end_in_a_gap_evicts_its_victim_without_walking_every_slot(monkeypatch):
+    """Frames that leave a gap at each chunk's end no frame fits (raw Llama-3-8B frames fit
+    15 to a 1 GiB chunk, not 16): a full tier's budget has room on every put while its arena
+    has none. The next victim, unleased and as large, makes the room; ``could_fit``'s walk
+    over every slot ran on each such put. A leased victim still takes the walk (its slot is
+    held, not freed), and the put evicts past it."""
+    _, f = raw_frame(0)
+    chunk = 1 << 20
+    stride = (f.nbytes + 63) // 64 * 64
+    per_chunk = chunk // stride
+    chunks = 16
+    assert chunks * (chunk - per_chunk * stride) > stride  # the gaps hold a frame's worth of the budget
+    tier = CpuTier(chunks * chunk, chunk_bytes=chunk)
+    held = chunks * per_chunk
+    for i in range(held):
+        tier.put(*raw_frame(i))
+    walks = []
+    could_fit = HostArena.could_fit
+    monkeypatch.setattr(HostArena, "could_fit", lambda self, *a: walks.append(1) or could_fit(self, *a))
+    for i in range(held, held + 10):
+        tier.put(*raw_frame(i))
+    assert walks == [] and tier.stats().blocks == held and tier.stats().evictions == 10
+    victim = tier._index.victim()  # (a read does not touch: it stays the victim)
+    (reader,) = tier.get_many([victim])
+    try:
+        tier.put(*raw_frame(held + 10))
+        assert walks == [1] and tier.stats().evictions == 12  # the leased victim, then the next
+        assert bytes(reader.host[-16:]) == bytes([victim[-1]]) * 16  # the reader's bytes, not reused
+        assert tier.contains(raw_frame(held + 10)[0]) and not tier.contains(victim)
+    finally:
+        reader.release()
+
+
 def test_a_dropped_handles_release_that_fails_is_logged_not_swallowed(caplog):
     """A handle's ``__del__`` gives its memory back through the finalizer, which has nobody
     to raise to: a release that failed was swallowed whole, and the memory it held stayed

@@ -184,7 +184,7 @@ class CpuTier(MemoryTier):
         if self._index.used_bytes + nbytes > self.capacity_bytes:
             raise self._no_room(nbytes)
         slot = self._arena.allocate(nbytes)
-        if slot is None and self._arena.could_fit(nbytes, self._evictable_slots()):
+        if slot is None and (self._victim_makes_room(nbytes) or self._arena.could_fit(nbytes, self._evictable_slots())):
             while slot is None and self._index.evictable:
                 evicted += self._evict_one()
                 slot = self._arena.allocate(nbytes)
@@ -195,6 +195,15 @@ class CpuTier(MemoryTier):
                 f"{self._reserved_bytes} bytes reserved for frames arriving)"
             )
         return slot
+
+    def _victim_makes_room(self, nbytes: int) -> bool:
+        """Whether evicting the next victim alone gives ``nbytes`` of room: its slot is as
+        large and no reader leases it. The common case of a full tier whose chunks end in a
+        gap no frame fits (the budget counts frames, the arena whole chunks), where
+        ``could_fit``'s walk over every slot cost each put time in proportion to the tier."""
+        victim = self._index.victim()
+        rec = self._records.get(victim) if victim is not None else None
+        return rec is not None and not rec.slot.leases and not rec.slot.freed and rec.slot.nbytes >= _aligned(nbytes)
 
     def _evictable_slots(self) -> list[Slot]:
         pinned = self._index.is_pinned
