@@ -661,6 +661,28 @@ def test_bad_settings_and_unusable_resources_exit_2_with_a_message(tmp_path):
             assert "startup complete" not in done.stderr + done.stdout, args
 
 
+def test_a_disk_path_whose_filesystem_takes_no_byte_exits_2_naming_it(tmp_path):
+    # The lock file is the first thing written: on a full filesystem its pid did not fit, and
+    # the message named no setting ("cannot open the store (tiers): [Errno 28] No space left
+    # on device"). A file-size limit of 0 makes that write fail as a full disk does, for any user.
+    import resource
+    import signal
+
+    def no_room() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (else the write kills the process)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+
+    disk = tmp_path / "d"
+    done = subprocess.run([*cacheseek_command(), "serve", "--cpu-bytes", "1MiB", "--log-level", "warning",
+                           "--port", str(free_port()), "--disk-path", str(disk)],
+                          capture_output=True, text=True, timeout=60, preexec_fn=no_room,
+                          env={"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PATH": "/usr/bin:/bin",
+                               "PYTHONDONTWRITEBYTECODE": "1"})
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"disk_path {disk}" in done.stderr and str(disk / ".lock") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+
+
 def test_a_missing_tls_file_is_named(tmp_path, tls_files):
     # ssl's FileNotFoundError carries no file name: the message said "None does not exist"
     missing = tmp_path / "missing.pem"

@@ -1505,8 +1505,15 @@ def _lock_directory(root: Path) -> int:
             os.close(fd)
             raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
         _held_locks.add(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    # Written over the last holder's pid, then cut to length: truncating first gave back the
+    # file's block, which a full filesystem may not give again.
+    pid = f"{os.getpid()}\n".encode()
+    try:
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))
+    except OSError as exc:  # (a full or read-only filesystem: said as the directory's, not as "tiers")
+        _unlock_directory(fd)
+        raise StorageError(f"disk tier: cannot write the lock file {path}: {exc.strerror or exc}") from None
     return fd
 
 
