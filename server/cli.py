@@ -190,8 +190,8 @@ def _listen(host: str, port: int) -> Any:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # IPV6_V6ONLY is left to the system (net.ipv6.bindv6only, 0 by default), as uvicorn
+        # leaves it: set to 1, a server on "::" refused every IPv4 client.
         sock.bind(address)
         sock.set_inheritable(True)
     except OSError:

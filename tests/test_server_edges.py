@@ -683,6 +683,25 @@ def test_a_disk_path_whose_filesystem_takes_no_byte_exits_2_naming_it(tmp_path):
     assert "Traceback" not in done.stderr + done.stdout, done.stderr
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 here")
+def test_host_all_ipv6_addresses_takes_ipv4_clients_too_as_uvicorn_does(tmp_path):
+    # The socket was bound IPv6-only: a server told --host :: refused every IPv4 client, where
+    # uvicorn (and the operator's habit) listen on both.
+    with Server(tmp_path, "--host", "::", disk=False) as srv:  # (srv.url is 127.0.0.1's)
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+        assert httpx.get(f"http://[::1]:{srv.port}/healthz").status_code == 200
+        assert f"on http://[::]:{srv.port}" in srv.output()
+
+
 def test_a_missing_tls_file_is_named(tmp_path, tls_files):
     # ssl's FileNotFoundError carries no file name: the message said "None does not exist"
     missing = tmp_path / "missing.pem"
