@@ -64,12 +64,16 @@ def _serve(args: argparse.Namespace) -> int:
     from cacheseek.errors import ConfigError, StorageError
 
     from .app import create_app
-    from .config import ServerSettings, renamed
+    from .config import ServerSettings, renamed, unknown_variables
     from .namespaces import check_key_file
     from .protocol import ConnectionLimits, fast_path_problem, protocol_class
     from .store import build_store
     from .summary import settings_lines
 
+    import os
+
+    for problem in unknown_variables(os.environ):
+        print(f"cacheseek serve: warning: {problem}", file=sys.stderr, flush=True)
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     settings: ServerSettings | ValidationError | ConfigError
     with warnings.catch_warnings(record=True) as caught:

@@ -12,10 +12,12 @@ lines there.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
 import warnings
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +46,26 @@ DEPRECATED_NAMES = {
     "redis_breaker_base_s": "redis_breaker_base_seconds",
     "redis_breaker_cap_s": "redis_breaker_cap_seconds",
 }
+
+
+# Variables of the prefix that are not serve's settings: the other commands' and the library's.
+OTHER_VARIABLES = frozenset({"CONFIG", "TOKEN", "KIVI_BACKEND", "KIVI_AUTOTUNE", "MODEL_DIR"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``CACHESEEK_*`` variable that names no setting: pydantic-settings
+    reads only the known ones, so a misspelt one (``CACHESEEK_DISK_BYTE``) left its default in
+    force without a word. (Not an error: other tools may use the prefix.)"""
+    known = {name.upper() for name in (*ServerSettings.model_fields, *DEPRECATED_NAMES)} | OTHER_VARIABLES
+    out = []
+    for variable in sorted(environ):
+        name = variable.upper().removeprefix(ENV_PREFIX)
+        if not variable.upper().startswith(ENV_PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known - OTHER_VARIABLES), n=1, cutoff=0.8)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+        out.append(f"{variable} is not a setting (ignored){hint}")
+    return out
 
 
 def default_disk_path() -> Path:

@@ -584,6 +584,21 @@ def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
     assert "graceful_timeout_seconds" in out.stderr
 
 
+def test_a_misspelt_variable_is_said_not_silently_ignored(tmp_path):
+    # pydantic-settings reads only the variables of known settings: CACHESEEK_DISK_BYTE=1GiB
+    # left the 64 GiB default in force without a word.
+    env = {**os.environ, "CACHESEEK_DISK_BYTE": "1GiB", "CACHESEEK_WRITE_TROUGH": "false",
+           "CACHESEEK_TOKEN": "t", "CACHESEEK_KIVI_BACKEND": "torch"}  # (two that other commands read)
+    out = subprocess.run([*cacheseek_command(), "serve", "--port", "70000"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2 and "port" in out.stderr, out.stderr  # (said before the settings are checked)
+    said = [line for line in out.stderr.splitlines() if "is not a setting" in line]
+    assert said == [
+        "cacheseek serve: warning: CACHESEEK_DISK_BYTE is not a setting (ignored); did you mean CACHESEEK_DISK_BYTES?",
+        "cacheseek serve: warning: CACHESEEK_WRITE_TROUGH is not a setting (ignored); did you mean "
+        "CACHESEEK_WRITE_THROUGH?"], out.stderr
+
+
 def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     base = [*cacheseek_command(), "serve", "--port", "1"]
     for args, name in ((["--cpu-bytes", "lots"], "cpu_bytes"), (["--read-token", "x"], "write_token"),
