@@ -139,7 +139,7 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config)
     # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
     # the default ones, that killed the process before the store below was closed (status
     # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
@@ -156,6 +156,32 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+def _uvicorn_server(config: Any) -> Any:
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a second SIGINT ("CTRL+C to force quit") cuts the requests
+        still running, as the graceful timeout running out does, and the shutdown goes on:
+        uvicorn's force exit skipped the app's shutdown (its lifespan then cancelled by
+        asyncio.run, a traceback in the log) and left the requests' tasks running."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            if not self.force_exit:
+                return
+            tasks = list(self.server_state.tasks)
+            for task in tasks:
+                task.cancel(msg="a second SIGINT")
+            # Each ends once its store call in a worker thread has (those are not cancelled):
+            # the store is closed after, never under one.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.lifespan.shutdown()
+
+    return Server(config)
 
 
 def _without_values(exc: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import select
+import signal
 import socket
 import ssl
 import subprocess
@@ -940,6 +941,44 @@ def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledge
         with Server(tmp_path, "--cpu-bytes", "256MiB") as again, httpx.Client(base_url=again.url) as c:
             assert c.get(f"/v1/blocks/{acked.hex()}").content == acked_frame
             assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == c.get(f"/v1/blocks/{small.hex()}").status_code == 404
+    finally:
+        srv.kill()
+
+
+def test_a_second_sigint_cuts_what_runs_and_still_shuts_the_app_down(tmp_path):
+    """Ctrl-C twice (uvicorn: "CTRL+C to force quit") skipped the app's shutdown: its lifespan
+    was cancelled by asyncio.run (a CancelledError traceback in the log) and the admin pins'
+    retries never stopped. Now a second SIGINT cuts the requests still running, as the
+    graceful timeout running out does, and the shutdown goes on as usual."""
+    acked, acked_frame = raw_frame(21)
+    h, frame = raw_frame(22, layout=BIG_LAYOUT)
+    srv = Server(tmp_path, "--log-level", "info", "--cpu-bytes", "256MiB").start()  # (graceful: 30 s)
+    try:
+        assert httpx.put(f"{srv.url}/v1/blocks/{acked.hex()}", content=acked_frame).status_code == 201
+        # (A batch: its first frame, whole, shows in the bytes in flight once the route has it.)
+        small, small_frame = raw_frame(23)
+        upload = batch_body([small_frame, frame])
+        up = socket.create_connection(("127.0.0.1", srv.port))
+        up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(frame) // 2])
+        deadline = time.monotonic() + 10
+        while bodies(srv.url)["in_flight_bytes"] < len(small_frame):
+            assert time.monotonic() < deadline, "the upload's bytes never arrived"
+            time.sleep(0.01)
+        srv.proc.send_signal(signal.SIGINT)
+        while "Waiting for connections to close" not in srv.output():
+            assert time.monotonic() < deadline, srv.output()
+            time.sleep(0.01)
+        started = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(20) == 0, srv.output()
+        assert time.monotonic() - started < 10  # (not the 30 s graceful timeout)
+        output = srv.output()
+        assert "Traceback" not in output and "Application shutdown complete" in output, output
+        assert any("shutdown: cut POST /v1/blocks" in line for line in output.splitlines()), output
+        up.close()
+        with Server(tmp_path) as again, httpx.Client(base_url=again.url) as c:
+            assert c.get(f"/v1/blocks/{acked.hex()}").content == acked_frame
             assert c.get(f"/v1/blocks/{h.hex()}").status_code == c.get(f"/v1/blocks/{small.hex()}").status_code == 404
     finally:
         srv.kill()
