@@ -703,6 +703,26 @@ def test_host_all_ipv6_addresses_takes_ipv4_clients_too_as_uvicorn_does(tmp_path
         assert f"on http://[::]:{srv.port}" in srv.output()
 
 
+def test_a_cpu_budget_over_the_memory_the_process_may_use_exits_2(tmp_path):
+    # The CPU tier's memory is mapped lazily: --cpu-bytes 100TiB (a typo for GiB) started, and
+    # the process would have been killed for memory once traffic filled what the host has.
+    proc = subprocess.Popen([*cacheseek_command(), "serve", "--port", str(free_port()), "--disk-bytes", "0",
+                             "--cpu-bytes", "100TiB", "--log-level", "info"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={"XDG_CACHE_HOME": str(tmp_path / "xdg"),
+                                                                    "PATH": "/usr/bin:/bin"})
+    try:
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, (proc.returncode, err)
+    assert "cpu_bytes: 100.00 TiB and its reserve (cpu_reserve_bytes 1.00 GiB) are more than" in err, err
+    assert "startup complete" not in err and "Traceback" not in err, err
+    from cacheseek.server.cli import memory_limit
+
+    limit, where = memory_limit()
+    assert 0 < limit < 100 << 40 and where in err, (limit, where, err)
+
+
 def test_a_missing_tls_file_is_named(tmp_path, tls_files):
     # ssl's FileNotFoundError carries no file name: the message said "None does not exist"
     missing = tmp_path / "missing.pem"
