@@ -31,12 +31,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         description="Run the CacheSeek HTTP service. Every setting is also read from CACHESEEK_<NAME> "
                     "environment variables and from an optional TOML or YAML file (--config); flags win.",
     )
-    p.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml)")
+    p.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml) [env CACHESEEK_CONFIG]")
     for name, field in ServerSettings.model_fields.items():
         if name == "tenants":  # a table: from the config file or CACHESEEK_TENANTS (JSON) only
             continue
         flag = _flag(name)
-        help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}]"
+        default = field.get_default(call_default_factory=True)
+        shown = "" if default is None else f"; default {_default_text(name, default)}"
+        help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}{shown}]"
         if field.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
@@ -47,6 +49,19 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         p.add_argument(_flag(old), dest=old, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=_serve)
     return p
+
+
+def _default_text(name: str, value: Any) -> str:
+    """A default as --help shows it (argparse's %(default)s would show 4294967296 and True)."""
+    from cacheseek.units import format_size
+
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name.endswith("_bytes") or name.endswith("_bytes_per_second"):
+        return format_size(value) + ("/s" if name.endswith("_per_second") else "")
+    if name.endswith("_seconds"):
+        return f"{value:g} s"
+    return str(value)
 
 
 EXIT_BAD_SETTING = 2  # a setting is invalid, or the resource it names cannot be used (port, disk_path, TLS files)

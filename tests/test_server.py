@@ -584,6 +584,28 @@ def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
     assert "graceful_timeout_seconds" in out.stderr
 
 
+def test_serve_help_gives_each_settings_variable_and_default():
+    # --help named each variable but no default (the docs' table had them), and --config
+    # did not say that CACHESEEK_CONFIG names the file too.
+    out = subprocess.run([*cacheseek_command(), "serve", "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 0, out.stderr
+    lines: dict[str, str] = {}  # each option's help, its lines joined
+    flag = None
+    for line in out.stdout.split("options:")[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            lines[flag] = line
+        elif flag is not None:
+            lines[flag] += " " + line.strip()
+    assert "CACHESEEK_CONFIG" in lines["--config"]
+    assert "[env CACHESEEK_CPU_BYTES; default 4.00 GiB]" in lines["--cpu-bytes"]
+    assert "[env CACHESEEK_GRACEFUL_TIMEOUT_SECONDS; default 30 s]" in lines["--graceful-timeout-seconds"]
+    assert "[env CACHESEEK_WRITE_THROUGH; default on]" in lines["--write-through"]
+    assert "[env CACHESEEK_HOST; default 127.0.0.1]" in lines["--host"]
+    assert "[env CACHESEEK_REDIS_URL]" in lines["--redis-url"]  # (unset by default: its text says so)
+
+
 def test_a_misspelt_variable_is_said_not_silently_ignored(tmp_path):
     # pydantic-settings reads only the variables of known settings: CACHESEEK_DISK_BYTE=1GiB
     # left the 64 GiB default in force without a word.
