@@ -121,6 +121,10 @@ def _serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
     started = time.perf_counter()
+    # Opening a large disk directory takes minutes: a signal then stops the start (the store
+    # is left as a kill would leave it, which recovery handles), rather than killing the
+    # process without a word (SIGTERM) or with a KeyboardInterrupt traceback (SIGINT).
+    previous = {sig: signal.signal(sig, _stop_opening) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not settings.namespace_secret and settings.disk_bytes > 0:
             check_key_file(settings.disk_path)
@@ -128,6 +132,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()
         return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
+    except _StoppedOpening as exc:
+        sock.close()
+        print(f"cacheseek serve: {exc} while the store was opening: stopped, nothing served", file=sys.stderr,
+              flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     http: Any = settings.http
     if http == "auto":
@@ -174,6 +186,16 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+class _StoppedOpening(BaseException):
+    """A signal while the store opens (a BaseException: no handler of an OSError takes it)."""
+
+
+def _stop_opening(signum: int, _frame: Any) -> None:
+    import signal
+
+    raise _StoppedOpening(signal.Signals(signum).name)
 
 
 def _uvicorn_server(config: Any) -> Any:

@@ -723,6 +723,45 @@ def test_a_cpu_budget_over_the_memory_the_process_may_use_exits_2(tmp_path):
     assert 0 < limit < 100 << 40 and where in err, (limit, where, err)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_store_opens_stops_the_start_with_one_line(tmp_path, sig):
+    """Opening a large disk directory takes minutes (every sidecar is read), and a signal then
+    came before any handler of the server's: SIGTERM killed it (status -15, not a word), Ctrl-C
+    printed a KeyboardInterrupt traceback. Now either stops the start, the store left as a
+    kill would, exit 0 (docs/http-api.md). Held in the opening here by a namespace key file
+    that is a FIFO (its read waits for a writer that never comes)."""
+    import os
+
+    disk = tmp_path / "d"
+    disk.mkdir()
+    os.mkfifo(disk / ".namespace-key")
+    port = free_port()
+    proc = subprocess.Popen([*cacheseek_command(), "serve", "--port", str(port), "--cpu-bytes", "1MiB",
+                             "--disk-path", str(disk)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"XDG_CACHE_HOME": str(tmp_path / "xdg"), "PATH": "/usr/bin:/bin"})
+    writer = None
+    try:
+        deadline = time.monotonic() + 30
+        while writer is None:  # a writer's open succeeds once the server has the FIFO open to read
+            try:
+                writer = os.open(disk / ".namespace-key", os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+                time.sleep(0.01)
+        proc.send_signal(sig)  # (its read now waits for bytes this writer never sends)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == 0, (proc.returncode, err)
+    name = signal.Signals(sig).name
+    assert f"cacheseek serve: {name} while the store was opening: stopped, nothing served" in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    with socket.socket() as again:  # (the port was let go)
+        again.bind(("127.0.0.1", port))
+
+
 def test_a_missing_tls_file_is_named(tmp_path, tls_files):
     # ssl's FileNotFoundError carries no file name: the message said "None does not exist"
     missing = tmp_path / "missing.pem"
