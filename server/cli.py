@@ -79,7 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cacheseek.errors import ConfigError, StorageError
 
     from .app import create_app
-    from .config import ServerSettings, renamed, unknown_variables
+    from .config import ServerSettings, exposed_secrets, renamed, unknown_variables
     from .namespaces import check_key_file
     from .protocol import ConnectionLimits, fast_path_problem, protocol_class
     from .store import build_store
@@ -87,7 +87,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import os
 
-    for problem in unknown_variables(os.environ):
+    for problem in [*unknown_variables(os.environ), *exposed_secrets(vars(args), args.config)]:
         print(f"cacheseek serve: warning: {problem}", file=sys.stderr, flush=True)
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     settings: ServerSettings | ValidationError | ConfigError

@@ -68,6 +68,31 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     return out
 
 
+SECRETS = ("read_token", "write_token", "admin_token", "namespace_secret", "tenants")
+
+
+def exposed_secrets(flags: Any, config_file: str | Path | None) -> list[str]:
+    """A warning for each secret other users of the host can read: one given as a flag (in
+    ``/proc/PID/cmdline``, which ``ps`` shows everyone), and a settings file holding one that
+    its group or others may read."""
+    out = [f"--{name.replace('_', '-')} on the command line can be read by other users of this host (ps, "
+           f"/proc/PID/cmdline); give it as {ENV_PREFIX}{name.upper()} or in a settings file only its owner reads"
+           for name in SECRETS if name in flags]
+    if config_file is None and os.environ.get(ENV_PREFIX + "CONFIG"):
+        config_file = os.environ[ENV_PREFIX + "CONFIG"]
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        try:
+            held = [name for name in SECRETS if load_config_file(path).get(name)]
+            mode = path.stat().st_mode & 0o777
+        except (ConfigError, OSError):
+            return out  # (said when the settings are read)
+        if held and mode & 0o077:
+            out.append(f"config {path} holds {', '.join(held)} and other users can read it (mode {mode:04o}): "
+                       f"chmod 600 {path}")
+    return out
+
+
 def default_disk_path() -> Path:
     """``$XDG_CACHE_HOME/cacheseek/store``, or ``~/.cache/cacheseek/store``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -621,6 +621,27 @@ def test_a_misspelt_variable_is_said_not_silently_ignored(tmp_path):
         "CACHESEEK_WRITE_THROUGH?"], out.stderr
 
 
+def test_a_secret_other_users_can_read_is_said_at_start(tmp_path):
+    # A token given as a flag is in /proc/PID/cmdline (ps shows it to every user of the host),
+    # and a settings file holding one was read whatever its mode: neither was said.
+    toml = tmp_path / "cs.toml"
+    toml.write_text('write_token = "s3cret-file"\nport = 70000\n')  # (a bad port: the start stops after)
+    toml.chmod(0o644)
+    out = subprocess.run([*cacheseek_command(), "serve", "--config", str(toml), "--admin-token", "s3cret-flag"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "s3cret" not in out.stderr + out.stdout, out.stderr
+    said = [line for line in out.stderr.splitlines() if "other users" in line]
+    assert said == [
+        "cacheseek serve: warning: --admin-token on the command line can be read by other users of this host "
+        "(ps, /proc/PID/cmdline); give it as CACHESEEK_ADMIN_TOKEN or in a settings file only its owner reads",
+        f"cacheseek serve: warning: config {toml} holds write_token and other users can read it (mode 0644): "
+        f"chmod 600 {toml}"], out.stderr
+    toml.chmod(0o600)
+    out = subprocess.run([*cacheseek_command(), "serve", "--config", str(toml)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "CACHESEEK_ADMIN_TOKEN": "s3cret-env"})
+    assert out.returncode == 2 and "other users" not in out.stderr, out.stderr
+
+
 def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     base = [*cacheseek_command(), "serve", "--port", "1"]
     for args, name in ((["--cpu-bytes", "lots"], "cpu_bytes"), (["--read-token", "x"], "write_token"),
