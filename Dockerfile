@@ -1,7 +1,11 @@
 # CacheSeek HTTP service: `cacheseek serve` on port 8080, a CPU tier plus a disk tier in /data.
 #
 #   docker build -t cacheseek .
-#   docker run -p 8080:8080 -v cacheseek-data:/data cacheseek
+#   docker run --stop-timeout 40 -p 8080:8080 -v cacheseek-data:/data cacheseek
+#
+# (docker stop sends SIGKILL 10 s after SIGTERM unless told otherwise: less than the server's
+# 30 s drain, CACHESEEK_GRACEFUL_TIMEOUT_SECONDS. What it acknowledged survives a kill, but
+# the requests still running are cut without a word.)
 #
 # The server never imports torch, but the package depends on it (the embedded cache and
 # RemoteCache use it), so the small CPU-only wheel is installed first.
