@@ -296,6 +296,13 @@ class ServerSettings(BaseSettings):
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
 
+    @field_validator("max_body_bytes", "max_frame_bytes", "max_inflight_body_bytes")
+    @classmethod
+    def _limit(cls, value: int, info: Any) -> int:
+        if value == 0:  # (0 turns a tier off; a limit of 0 made a server that refused every frame)
+            raise ValueError(f"{info.field_name}: must be more than 0 bytes")
+        return value
+
     @field_validator("cpu_reserve_bytes", mode="before")
     @classmethod
     def _optional_size(cls, value: Any, info: Any) -> int | None:

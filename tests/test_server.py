@@ -673,6 +673,17 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     assert "Traceback" not in out.stderr and (disk / ".namespace-key").read_bytes() == b"short"
 
 
+def test_a_frame_or_body_limit_of_0_is_refused_not_a_server_that_takes_nothing():
+    # 0 turns a tier off, but a limit of 0 bytes made a server that answered every PUT 413.
+    base = [*cacheseek_command(), "serve", "--port", "70000"]  # (a bad port too: said in the same message)
+    for args, name in ((["--max-frame-bytes", "0"], "max_frame_bytes"),
+                       (["--max-body-bytes", "0", "--max-frame-bytes", "0"], "max_frame_bytes"),
+                       (["--max-inflight-body-bytes", "0B", "--max-body-bytes", "0", "--max-frame-bytes", "0"],
+                        "max_frame_bytes")):
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"{name}: must be more than 0 bytes" in out.stderr, (args, out.stderr)
+
+
 def test_bad_settings_never_print_a_token(tmp_path):
     """pydantic's message for a bad setting repeats the values given (input_value=...), and a
     model-wide check's repeats them all: the tokens went to stderr, and so to the logs."""
