@@ -70,6 +70,7 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import os
     import signal
     import time
 
@@ -85,10 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .store import build_store
     from .summary import settings_lines
 
-    import os
-
-    for problem in [*unknown_variables(os.environ), *exposed_secrets(vars(args), args.config)]:
-        print(f"cacheseek serve: warning: {problem}", file=sys.stderr, flush=True)
+    for said in [*unknown_variables(os.environ), *exposed_secrets(vars(args), args.config)]:
+        print(f"cacheseek serve: warning: {said}", file=sys.stderr, flush=True)
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     settings: ServerSettings | ValidationError | ConfigError
     with warnings.catch_warnings(record=True) as caught:
@@ -211,8 +210,9 @@ def _uvicorn_server(config: Any) -> Any:
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)
-            if not self.force_exit:
-                return
+            done = getattr(self.lifespan, "shutdown_event", None)
+            if not self.force_exit or (done is not None and done.is_set()):
+                return  # (a second SIGINT during the app's shutdown: it has run)
             tasks = list(self.server_state.tasks)
             for task in tasks:
                 task.cancel(msg="a second SIGINT")
