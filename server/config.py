@@ -48,23 +48,21 @@ DEPRECATED_NAMES = {
 }
 
 
-# Variables of the prefix that are not serve's settings: the other commands' and the library's.
-OTHER_VARIABLES = frozenset({"CONFIG", "TOKEN", "KIVI_BACKEND", "KIVI_AUTOTUNE", "MODEL_DIR"})
-
-
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
-    """A warning for each ``CACHESEEK_*`` variable that names no setting: pydantic-settings
-    reads only the known ones, so a misspelt one (``CACHESEEK_DISK_BYTE``) left its default in
-    force without a word. (Not an error: other tools may use the prefix.)"""
-    known = {name.upper() for name in (*ServerSettings.model_fields, *DEPRECATED_NAMES)} | OTHER_VARIABLES
+    """A warning for each ``CACHESEEK_*`` variable that names no setting but is close to one's:
+    pydantic-settings reads only the known ones, so a misspelt one (``CACHESEEK_DISK_BYTE``)
+    left its default in force without a word. Names close to none are other tools' (the
+    library's ``CACHESEEK_KIVI_BACKEND``, ``cacheseek top``'s ``CACHESEEK_TOKEN``)."""
+    settings = {name.upper() for name in ServerSettings.model_fields}
+    known = settings | {name.upper() for name in DEPRECATED_NAMES} | {"CONFIG"}
     out = []
     for variable in sorted(environ):
         name = variable.upper().removeprefix(ENV_PREFIX)
         if not variable.upper().startswith(ENV_PREFIX) or name in known:
             continue
-        close = difflib.get_close_matches(name, sorted(known - OTHER_VARIABLES), n=1, cutoff=0.8)
-        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
-        out.append(f"{variable} is not a setting (ignored){hint}")
+        close = difflib.get_close_matches(name, sorted(settings), n=1, cutoff=0.75)
+        if close:
+            out.append(f"{variable} is not a setting (ignored); did you mean {ENV_PREFIX}{close[0]}?")
     return out
 
 

@@ -610,7 +610,8 @@ def test_a_misspelt_variable_is_said_not_silently_ignored(tmp_path):
     # pydantic-settings reads only the variables of known settings: CACHESEEK_DISK_BYTE=1GiB
     # left the 64 GiB default in force without a word.
     env = {**os.environ, "CACHESEEK_DISK_BYTE": "1GiB", "CACHESEEK_WRITE_TROUGH": "false",
-           "CACHESEEK_TOKEN": "t", "CACHESEEK_KIVI_BACKEND": "torch"}  # (two that other commands read)
+           "CACHESEEK_TOKEN": "t", "CACHESEEK_KIVI_BACKEND": "torch",  # (other tools': close to no setting)
+           "CACHESEEK_VLLM_PYTHON": "/usr/bin/python3"}
     out = subprocess.run([*cacheseek_command(), "serve", "--port", "70000"], capture_output=True, text=True,
                          timeout=60, env=env)
     assert out.returncode == 2 and "port" in out.stderr, out.stderr  # (said before the settings are checked)
