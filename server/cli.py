@@ -288,10 +288,13 @@ def _tls_problem(cert: Any, key: Any) -> str | None:
 
 def memory_limit() -> tuple[int, str]:
     """The memory this process may use, and what sets it: the machine's, or its cgroup's
-    limit (a container's) where lower."""
+    limit (a container's) where lower; 0 where neither can be read."""
     import os
 
-    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # (no sysconf, or no such name here)
+        limit = 0
     where = "the machine's memory"
     candidates = []
     try:
@@ -309,7 +312,7 @@ def memory_limit() -> tuple[int, str]:
             value = int(file.read_text().strip())  # ("max" where none: not a number)
         except (OSError, ValueError):
             continue
-        if 0 < value < limit:
+        if 0 < value < (limit or value + 1):
             limit, where = value, f"the limit of its cgroup, {file}"
     return limit, where
 
@@ -321,7 +324,7 @@ def _memory_problem(cpu_bytes: int, reserve_bytes: int) -> str | None:
     from cacheseek.units import format_size
 
     limit, where = memory_limit()
-    if cpu_bytes + reserve_bytes <= limit:
+    if not limit or cpu_bytes + reserve_bytes <= limit:
         return None
     return (f"cpu_bytes: {format_size(cpu_bytes)} and its reserve (cpu_reserve_bytes {format_size(reserve_bytes)}) "
             f"are more than the memory this process may use, {format_size(limit)} ({where}): it would be killed "
