@@ -108,7 +108,8 @@ class CutAtShutdown:
             if cut is None:
                 raise  # uvicorn's own protocol (the fast path is off): nothing to close it with
             client = scope.get("client")
-            log.warning("shutdown: cut %s %s from %s, still running past graceful_timeout_seconds: %s",
+            log.warning("shutdown: cut %s %s from %s, still running at the end of the shutdown's wait "
+                        "(graceful_timeout_seconds, or a second SIGINT): %s",
                         scope.get("method"), scope.get("path"), f"{client[0]}:{client[1]}" if client else "a client",
                         "its response cut short" if started else "not answered (nothing of it acknowledged)")
             cut(abort=True)

@@ -31,12 +31,14 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
         description="Run the CacheSeek HTTP service. Every setting is also read from CACHESEEK_<NAME> "
                     "environment variables and from an optional TOML or YAML file (--config); flags win.",
     )
-    p.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml)")
+    p.add_argument("--config", metavar="FILE", help="settings file (.toml, .yaml or .yml) [env CACHESEEK_CONFIG]")
     for name, field in ServerSettings.model_fields.items():
         if name == "tenants":  # a table: from the config file or CACHESEEK_TENANTS (JSON) only
             continue
         flag = _flag(name)
-        help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}]"
+        default = field.get_default(call_default_factory=True)
+        shown = "" if default is None else f"; default {_default_text(name, default)}"
+        help_ = (field.description or "") + f" [env {ServerSettings.model_config['env_prefix']}{name.upper()}{shown}]"
         if field.annotation is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
         else:
@@ -49,12 +51,26 @@ def _serve_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _default_text(name: str, value: Any) -> str:
+    """A default as --help shows it (argparse's %(default)s would show 4294967296 and True)."""
+    from cacheseek.units import format_size
+
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name.endswith("_bytes") or name.endswith("_bytes_per_second"):
+        return format_size(value) + ("/s" if name.endswith("_per_second") else "")
+    if name.endswith("_seconds"):
+        return f"{value:g} s"
+    return str(value)
+
+
 EXIT_BAD_SETTING = 2  # a setting is invalid, or the resource it names cannot be used (port, disk_path, TLS files)
 EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: the log has the traceback)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import logging
+    import os
     import signal
     import time
 
@@ -64,12 +80,14 @@ def _serve(args: argparse.Namespace) -> int:
     from cacheseek.errors import ConfigError, StorageError
 
     from .app import create_app
-    from .config import ServerSettings, renamed
+    from .config import ServerSettings, exposed_secrets, renamed, unknown_variables
     from .namespaces import check_key_file
     from .protocol import ConnectionLimits, fast_path_problem, protocol_class
     from .store import build_store
     from .summary import settings_lines
 
+    for said in [*unknown_variables(os.environ), *exposed_secrets(vars(args), args.config)]:
+        print(f"cacheseek serve: warning: {said}", file=sys.stderr, flush=True)
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
     settings: ServerSettings | ValidationError | ConfigError
     with warnings.catch_warnings(record=True) as caught:
@@ -93,12 +111,19 @@ def _serve(args: argparse.Namespace) -> int:
         problem = _tls_problem(settings.tls_cert, settings.tls_key)
         if problem:
             return _bad_setting(problem)
+    problem = _memory_problem(settings.cpu_bytes, settings.cpu_reserve_bytes or 0)
+    if problem:
+        return _bad_setting(problem)
     # The port is bound before anything else is opened: one in use stops the start at once.
     try:
         sock = _listen(settings.host, settings.port)
     except OSError as exc:
         return _bad_setting(f"host/port: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
     started = time.perf_counter()
+    # Opening a large disk directory takes minutes: a signal then stops the start (the store
+    # is left as a kill would leave it, which recovery handles), rather than killing the
+    # process without a word (SIGTERM) or with a KeyboardInterrupt traceback (SIGINT).
+    previous = {sig: signal.signal(sig, _stop_opening) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not settings.namespace_secret and settings.disk_bytes > 0:
             check_key_file(settings.disk_path)
@@ -106,6 +131,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()
         return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
+    except _StoppedOpening as exc:
+        sock.close()
+        print(f"cacheseek serve: {exc} while the store was opening: stopped, nothing served", file=sys.stderr,
+              flush=True)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     http: Any = settings.http
     if http == "auto":
@@ -135,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(config)
     # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
     # the default ones, that killed the process before the store below was closed (status
     # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
@@ -152,6 +185,43 @@ def _serve(args: argparse.Namespace) -> int:
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
+
+
+class _StoppedOpening(BaseException):
+    """A signal while the store opens (a BaseException: no handler of an OSError takes it)."""
+
+
+def _stop_opening(signum: int, _frame: Any) -> None:
+    import signal
+
+    raise _StoppedOpening(signal.Signals(signum).name)
+
+
+def _uvicorn_server(config: Any) -> Any:
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a second SIGINT ("CTRL+C to force quit") cuts the requests
+        still running, as the graceful timeout running out does, and the shutdown goes on:
+        uvicorn's force exit skipped the app's shutdown (its lifespan then cancelled by
+        asyncio.run, a traceback in the log) and left the requests' tasks running."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            await super().shutdown(sockets)
+            done = getattr(self.lifespan, "shutdown_event", None)
+            if not self.force_exit or (done is not None and done.is_set()):
+                return  # (a second SIGINT during the app's shutdown: it has run)
+            tasks = list(self.server_state.tasks)
+            for task in tasks:
+                task.cancel(msg="a second SIGINT")
+            # Each ends once its store call in a worker thread has (those are not cancelled):
+            # the store is closed after, never under one.
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.lifespan.shutdown()
+
+    return Server(config)
 
 
 def _without_values(exc: Any) -> str:
@@ -190,8 +260,8 @@ def _listen(host: str, port: int) -> Any:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # IPV6_V6ONLY is left to the system (net.ipv6.bindv6only, 0 by default), as uvicorn
+        # leaves it: set to 1, a server on "::" refused every IPv4 client.
         sock.bind(address)
         sock.set_inheritable(True)
     except OSError:
@@ -214,6 +284,51 @@ def _tls_problem(cert: Any, key: Any) -> str | None:
     except (ssl.SSLError, OSError) as exc:
         return f"tls_cert/tls_key: cannot load {cert} with {key}: {exc}"
     return None
+
+
+def memory_limit() -> tuple[int, str]:
+    """The memory this process may use, and what sets it: the machine's, or its cgroup's
+    limit (a container's) where lower; 0 where neither can be read."""
+    import os
+
+    try:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # (no sysconf, or no such name here)
+        limit = 0
+    where = "the machine's memory"
+    candidates = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":  # cgroup v2
+                candidates += [Path("/sys/fs/cgroup", path.lstrip("/"), "memory.max"), Path("/sys/fs/cgroup/memory.max")]
+            elif "memory" in controllers.split(","):  # cgroup v1
+                candidates += [Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.limit_in_bytes"),
+                               Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")]
+    except (OSError, ValueError):
+        pass
+    for file in candidates:
+        try:
+            value = int(file.read_text().strip())  # ("max" where none: not a number)
+        except (OSError, ValueError):
+            continue
+        if 0 < value < (limit or value + 1):
+            limit, where = value, f"the limit of its cgroup, {file}"
+    return limit, where
+
+
+def _memory_problem(cpu_bytes: int, reserve_bytes: int) -> str | None:
+    """Why a CPU tier of ``cpu_bytes`` (and its reserve) cannot work here, or None. Its memory
+    is mapped lazily, so an impossible budget (100TiB, a typo for GiB) started, and the
+    process was killed for memory only once traffic had filled what there is."""
+    from cacheseek.units import format_size
+
+    limit, where = memory_limit()
+    if not limit or cpu_bytes + reserve_bytes <= limit:
+        return None
+    return (f"cpu_bytes: {format_size(cpu_bytes)} and its reserve (cpu_reserve_bytes {format_size(reserve_bytes)}) "
+            f"are more than the memory this process may use, {format_size(limit)} ({where}): it would be killed "
+            "for memory before the CPU tier filled; give less")
 
 
 def _setting_of(exc: BaseException, settings: Any) -> str:

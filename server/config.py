@@ -12,10 +12,12 @@ lines there.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
 import warnings
+from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -44,6 +46,49 @@ DEPRECATED_NAMES = {
     "redis_breaker_base_s": "redis_breaker_base_seconds",
     "redis_breaker_cap_s": "redis_breaker_cap_seconds",
 }
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """A warning for each ``CACHESEEK_*`` variable that names no setting but is close to one's:
+    pydantic-settings reads only the known ones, so a misspelt one (``CACHESEEK_DISK_BYTE``)
+    left its default in force without a word. Names close to none are other tools' (the
+    library's ``CACHESEEK_KIVI_BACKEND``, ``cacheseek top``'s ``CACHESEEK_TOKEN``)."""
+    settings = {name.upper() for name in ServerSettings.model_fields}
+    known = settings | {name.upper() for name in DEPRECATED_NAMES} | {"CONFIG"}
+    out = []
+    for variable in sorted(environ):
+        name = variable.upper().removeprefix(ENV_PREFIX)
+        if not variable.upper().startswith(ENV_PREFIX) or name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(settings), n=1, cutoff=0.75)
+        if close:
+            out.append(f"{variable} is not a setting (ignored); did you mean {ENV_PREFIX}{close[0]}?")
+    return out
+
+
+SECRETS = ("read_token", "write_token", "admin_token", "namespace_secret", "tenants")
+
+
+def exposed_secrets(flags: Any, config_file: str | Path | None) -> list[str]:
+    """A warning for each secret other users of the host can read: one given as a flag (in
+    ``/proc/PID/cmdline``, which ``ps`` shows everyone), and a settings file holding one that
+    its group or others may read."""
+    out = [f"--{name.replace('_', '-')} on the command line can be read by other users of this host (ps, "
+           f"/proc/PID/cmdline); give it as {ENV_PREFIX}{name.upper()} or in a settings file only its owner reads"
+           for name in SECRETS if name in flags]
+    if config_file is None and os.environ.get(ENV_PREFIX + "CONFIG"):
+        config_file = os.environ[ENV_PREFIX + "CONFIG"]
+    if config_file is not None:
+        path = Path(config_file).expanduser()
+        try:
+            held = [name for name in SECRETS if load_config_file(path).get(name)]
+            mode = path.stat().st_mode & 0o777
+        except (ConfigError, OSError):
+            return out  # (said when the settings are read)
+        if held and mode & 0o077:
+            out.append(f"config {path} holds {', '.join(held)} and other users can read it (mode {mode:04o}): "
+                       f"chmod 600 {path}")
+    return out
 
 
 def default_disk_path() -> Path:
@@ -248,6 +293,13 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
+
+    @field_validator("max_body_bytes", "max_frame_bytes", "max_inflight_body_bytes")
+    @classmethod
+    def _limit(cls, value: int, info: Any) -> int:
+        if value == 0:  # (0 turns a tier off; a limit of 0 made a server that refused every frame)
+            raise ValueError(f"{info.field_name}: must be more than 0 bytes")
+        return value
 
     @field_validator("cpu_reserve_bytes", mode="before")
     @classmethod

@@ -165,3 +165,41 @@ def test_every_series_the_dashboard_queries_exists(tmp_path):
     text = metrics_after_traffic(tmp_path)
     exposed = set(re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M))
     assert wanted <= exposed, wanted - exposed
+
+
+def _healthcheck() -> list[str]:
+    """The Dockerfile's HEALTHCHECK command (exec form), with this interpreter for "python"."""
+    import sys
+
+    text = (DEPLOY.parent / "Dockerfile").read_text().replace("\\\n", " ")
+    cmd = json.loads(re.search(r"^HEALTHCHECK .*?CMD (\[.*\])\s*$", text, re.M).group(1))
+    assert cmd[0] == "python"
+    return [sys.executable, *cmd[1:]]
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_the_image_healthcheck_asks_the_port_and_scheme_the_server_was_given(tmp_path, tls):
+    """It asked http://127.0.0.1:8080 whatever the settings: a container given another port
+    (CACHESEEK_PORT) or TLS (CACHESEEK_TLS_CERT) was unhealthy for good."""
+    import os
+    import subprocess
+
+    from server_helpers import Server
+
+    args, env = [], {}
+    if tls:
+        trustme = pytest.importorskip("trustme")
+        cert = trustme.CA().issue_cert("127.0.0.1")
+        cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+        env = {"CACHESEEK_TLS_CERT": str(tmp_path / "cert.pem"), "CACHESEEK_TLS_KEY": str(tmp_path / "key.pem")}
+        args = ["--tls-cert", env["CACHESEEK_TLS_CERT"], "--tls-key", env["CACHESEEK_TLS_KEY"]]
+    srv = Server(tmp_path, *args, disk=False, verify=False).start()
+    check = {**os.environ, **env, "CACHESEEK_PORT": str(srv.port)}  # (the container's environment)
+    try:
+        done = subprocess.run(_healthcheck(), env=check, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+    finally:
+        srv.stop()
+    done = subprocess.run(_healthcheck(), env=check, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0  # (and a server that is gone is unhealthy)

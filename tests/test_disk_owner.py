@@ -340,3 +340,24 @@ def test_a_fork_in_another_thread_while_the_lock_is_taken_leaves_the_child_witho
             os.waitpid(pid, 0)
         for fd in (ready_r, ready_w, hold_r):
             os.close(fd)
+
+
+def test_opening_a_large_directory_says_how_far_it_has_read(tmp_path, monkeypatch, caplog):
+    """The index is rebuilt from every sidecar before the port opens: 40,000 blocks took 4 s
+    here with the page cache warm, so millions take minutes, and nothing was said between the
+    settings and "store open in". Every few seconds (here: every shard, the interval at 0)
+    the tier says how many of its 256 shard directories it has read and the blocks found."""
+    from cacheseek.store import disk as disk_module
+    from store_helpers import raw_frame
+
+    root = tmp_path / "d"
+    tier = DiskTier(root, 1 << 30, fsync=False)
+    tier.put_many([raw_frame(i) for i in range(1, 7)])
+    tier.close()
+    monkeypatch.setattr(disk_module, "RECOVERY_PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="cacheseek.store"):
+        DiskTier(root, 1 << 30).close()
+    said = [r.getMessage() for r in caplog.records if "shard directories read" in r.getMessage()]
+    assert len(said) == 256, said[:3]
+    assert said[0].startswith(f"disk tier: opening {root}: 1 of 256 shard directories read, ")
+    assert said[-1].startswith(f"disk tier: opening {root}: 256 of 256 shard directories read, 6 blocks found")

@@ -1171,6 +1171,20 @@ def test_urls_select_standalone_or_cluster():
             parse_redis_url(bad)
 
 
+def test_a_standalone_url_without_a_host_port_or_database_number_is_refused():
+    """redis-py fills an empty host with localhost and skips a database that is not a number:
+    a URL templated from an unset variable (redis://${REDIS_HOST}:6379) reached this host's
+    Redis, or none, and a cluster URL of the same shape was refused."""
+    for bad, match in [("redis://", "empty host"), ("redis://:6379", "empty host"),
+                       ("rediss://:pw@:6380/0", "empty host"), ("redis://h:0", "port 0 out of range"),
+                       ("redis://h:6379/cache", "database 'cache' is not a number")]:
+        with pytest.raises(cs.ConfigError, match=match):
+            parse_redis_url(bad)
+    for good in ("redis://h", "redis://h:6379/", "redis://h:6379/3", "redis://[::1]:6379", "unix:///tmp/r.sock",
+                 "unix:///tmp/r.sock?db=2"):
+        assert not parse_redis_url(good).cluster
+
+
 def test_a_standalone_url_redis_py_cannot_read_is_refused_up_front():
     """A port that is not one, or an option redis-py cannot read or does not take, was taken,
     and then every call raised ValueError or TypeError (a 500 from the server, and its stats

@@ -584,6 +584,65 @@ def test_the_old_seconds_spelling_still_works_and_warns(tmp_path, monkeypatch):
     assert "graceful_timeout_seconds" in out.stderr
 
 
+def test_serve_help_gives_each_settings_variable_and_default():
+    # --help named each variable but no default (the docs' table had them), and --config
+    # did not say that CACHESEEK_CONFIG names the file too.
+    out = subprocess.run([*cacheseek_command(), "serve", "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "1000"})
+    assert out.returncode == 0, out.stderr
+    lines: dict[str, str] = {}  # each option's help, its lines joined
+    flag = None
+    for line in out.stdout.split("options:")[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            lines[flag] = line
+        elif flag is not None:
+            lines[flag] += " " + line.strip()
+    assert "CACHESEEK_CONFIG" in lines["--config"]
+    assert "[env CACHESEEK_CPU_BYTES; default 4.00 GiB]" in lines["--cpu-bytes"]
+    assert "[env CACHESEEK_GRACEFUL_TIMEOUT_SECONDS; default 30 s]" in lines["--graceful-timeout-seconds"]
+    assert "[env CACHESEEK_WRITE_THROUGH; default on]" in lines["--write-through"]
+    assert "[env CACHESEEK_HOST; default 127.0.0.1]" in lines["--host"]
+    assert "[env CACHESEEK_REDIS_URL]" in lines["--redis-url"]  # (unset by default: its text says so)
+
+
+def test_a_misspelt_variable_is_said_not_silently_ignored(tmp_path):
+    # pydantic-settings reads only the variables of known settings: CACHESEEK_DISK_BYTE=1GiB
+    # left the 64 GiB default in force without a word.
+    env = {**os.environ, "CACHESEEK_DISK_BYTE": "1GiB", "CACHESEEK_WRITE_TROUGH": "false",
+           "CACHESEEK_TOKEN": "t", "CACHESEEK_KIVI_BACKEND": "torch",  # (other tools': close to no setting)
+           "CACHESEEK_VLLM_PYTHON": "/usr/bin/python3"}
+    out = subprocess.run([*cacheseek_command(), "serve", "--port", "70000"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 2 and "port" in out.stderr, out.stderr  # (said before the settings are checked)
+    said = [line for line in out.stderr.splitlines() if "is not a setting" in line]
+    assert said == [
+        "cacheseek serve: warning: CACHESEEK_DISK_BYTE is not a setting (ignored); did you mean CACHESEEK_DISK_BYTES?",
+        "cacheseek serve: warning: CACHESEEK_WRITE_TROUGH is not a setting (ignored); did you mean "
+        "CACHESEEK_WRITE_THROUGH?"], out.stderr
+
+
+def test_a_secret_other_users_can_read_is_said_at_start(tmp_path):
+    # A token given as a flag is in /proc/PID/cmdline (ps shows it to every user of the host),
+    # and a settings file holding one was read whatever its mode: neither was said.
+    toml = tmp_path / "cs.toml"
+    toml.write_text('write_token = "s3cret-file"\nport = 70000\n')  # (a bad port: the start stops after)
+    toml.chmod(0o644)
+    out = subprocess.run([*cacheseek_command(), "serve", "--config", str(toml), "--admin-token", "s3cret-flag"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "s3cret" not in out.stderr + out.stdout, out.stderr
+    said = [line for line in out.stderr.splitlines() if "other users" in line]
+    assert said == [
+        "cacheseek serve: warning: --admin-token on the command line can be read by other users of this host "
+        "(ps, /proc/PID/cmdline); give it as CACHESEEK_ADMIN_TOKEN or in a settings file only its owner reads",
+        f"cacheseek serve: warning: config {toml} holds write_token and other users can read it (mode 0644): "
+        f"chmod 600 {toml}"], out.stderr
+    toml.chmod(0o600)
+    out = subprocess.run([*cacheseek_command(), "serve", "--config", str(toml)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "CACHESEEK_ADMIN_TOKEN": "s3cret-env"})
+    assert out.returncode == 2 and "other users" not in out.stderr, out.stderr
+
+
 def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     base = [*cacheseek_command(), "serve", "--port", "1"]
     for args, name in ((["--cpu-bytes", "lots"], "cpu_bytes"), (["--read-token", "x"], "write_token"),
@@ -613,6 +672,17 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     out = subprocess.run([*base, "--disk-path", str(disk)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "namespace key:" in out.stderr and "holds 5 bytes" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and (disk / ".namespace-key").read_bytes() == b"short"
+
+
+def test_a_frame_or_body_limit_of_0_is_refused_not_a_server_that_takes_nothing():
+    # 0 turns a tier off, but a limit of 0 bytes made a server that answered every PUT 413.
+    base = [*cacheseek_command(), "serve", "--port", "70000"]  # (a bad port too: said in the same message)
+    for args, name in ((["--max-frame-bytes", "0"], "max_frame_bytes"),
+                       (["--max-body-bytes", "0", "--max-frame-bytes", "0"], "max_frame_bytes"),
+                       (["--max-inflight-body-bytes", "0B", "--max-body-bytes", "0", "--max-frame-bytes", "0"],
+                        "max_frame_bytes")):
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"{name}: must be more than 0 bytes" in out.stderr, (args, out.stderr)
 
 
 def test_bad_settings_never_print_a_token(tmp_path):

@@ -908,10 +908,14 @@ def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkey
     (["--gpu-bytes", "1GiB"], "error: --gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"),
     pytest.param(["--device", "cuda"], "error: --device: 'cuda', but torch sees no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")),
+    # Refused by the cache, but only once the model had loaded (a first run downloads it: minutes).
+    (["--cpu-bytes", "lots"], "error: cpu_bytes: cannot read 'lots' as a size"),
+    (["--gpu-bytes", "-1"], "error: gpu_bytes: cannot read '-1' as a size"),
+    (["--url", "cache.internal:8080"], "error: url: 'cache.internal:8080' is not an http:// or https:// URL"),
 ])
 def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, monkeypatch, argv, says):
     """Each ended in a traceback once the model had loaded (torch's "not compiled with CUDA
-    enabled", or its list of device types)."""
+    enabled", or its list of device types), or was said only then."""
     from cacheseek.integrations import demo
 
     monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))

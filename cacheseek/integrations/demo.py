@@ -137,8 +137,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _device_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with ``--device`` and ``--gpu-bytes``, found before the model loads
-    (after it, torch's own error ends the demo in a traceback)."""
+    """What is wrong with ``--device``, the tier budgets and ``--url``, found before the model
+    loads (after it, torch's own error ends the demo in a traceback, and a first run's
+    download has taken minutes before the cache refuses a budget or a URL)."""
+    import httpx
     import torch
 
     from ..errors import CacheSeekError
@@ -151,9 +153,17 @@ def _device_error(args: argparse.Namespace) -> str | None:
     if device.type == "cuda" and not torch.cuda.is_available():
         return f"--device: {args.device!r}, but torch sees no CUDA device (a CPU build of torch, or no driver)"
     try:
+        parse_size(args.cpu_bytes, name="cpu_bytes")
         gpu_bytes = parse_size(args.gpu_bytes, name="gpu_bytes")
-    except CacheSeekError:
-        return None  # (the cache refuses it, naming it)
+    except CacheSeekError as exc:
+        return str(exc)
+    if args.url:
+        try:
+            scheme = httpx.URL(args.url).scheme
+        except httpx.InvalidURL:
+            scheme = ""
+        if scheme not in ("http", "https"):  # (RemoteCache's own check, with its words)
+            return f"url: {args.url!r} is not an http:// or https:// URL"
     if gpu_bytes and device.type != "cuda":
         return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
     return None

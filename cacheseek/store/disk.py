@@ -114,6 +114,9 @@ _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum
 LOCK_NAME = ".lock"
 READ_DEPTH = 16  # whole-file reads in flight
 LOGGED_AT_START = 32  # blocks named one by one among those recovery drops (then a count)
+# Opening a directory of millions of blocks reads every sidecar (minutes, before the port
+# opens): how far it has got is logged this often.
+RECOVERY_PROGRESS_SECONDS = 5.0
 WRITE_DEPTH = 8  # files written (and fsynced) at once by a group commit
 STREAM_KEEP_BYTES = 1 << 30  # read buffers kept for reuse by streams
 # Of the free space, the part left for the shard directories and other writers when a
@@ -439,7 +442,8 @@ class DiskTier(IndexedTier):
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
                             if _SHARD_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False))
-        for shard in shards:
+        said_at = time.monotonic()
+        for done, shard in enumerate(shards, 1):
             names: dict[str, Path] = {}
             with os.scandir(shard) as entries:
                 for e in entries:
@@ -468,6 +472,10 @@ class DiskTier(IndexedTier):
                         found.append(entry)
                     handled.add(path.with_suffix(".frame").name)
             orphans += [path for name, path in names.items() if name.endswith(".frame") and name not in handled]
+            if time.monotonic() - said_at >= RECOVERY_PROGRESS_SECONDS:
+                said_at = time.monotonic()
+                log.info("%s tier: opening %s: %d of %d shard directories read, %s blocks found", self.name,
+                         self.root, done, len(shards), f"{len(found):,}")
         if removed["bad_sidecar"] > LOGGED_AT_START:
             log.warning("%s tier: %d blocks in all dropped at start for a bad sidecar (the first %d named above)",
                         self.name, removed["bad_sidecar"], LOGGED_AT_START)
@@ -1505,8 +1513,15 @@ def _lock_directory(root: Path) -> int:
             os.close(fd)
             raise StorageError(f"disk tier: cannot lock {path}: {exc}") from None
         _held_locks.add(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    # Written over the last holder's pid, then cut to length: truncating first gave back the
+    # file's block, which a full filesystem may not give again.
+    pid = f"{os.getpid()}\n".encode()
+    try:
+        os.pwrite(fd, pid, 0)
+        os.ftruncate(fd, len(pid))
+    except OSError as exc:  # (a full or read-only filesystem: said as the directory's, not as "tiers")
+        _unlock_directory(fd)
+        raise StorageError(f"disk tier: cannot write the lock file {path}: {exc.strerror or exc}") from None
     return fd
 
 

@@ -86,9 +86,19 @@ def parse_redis_url(url: str) -> RedisTarget:
             raise ConfigError(f"redis_url: several hosts need redis+cluster://, got {_masked(url)!r}")
         parsed = urlparse(url)
         try:
-            parsed.port  # (raises for a port that is not a number in range)
+            port = parsed.port  # (raises for a port that is not a number in range)
         except ValueError as exc:
             raise ConfigError(f"redis_url: {exc} in {_masked(url)!r}") from None
+        if scheme != "unix":
+            # redis-py takes no host for localhost and skips a database that is not a number:
+            # a URL made from an unset variable (redis://${HOST}:6379) reached another Redis.
+            if not parsed.hostname:
+                raise ConfigError(f"redis_url: empty host in {_masked(url)!r}")
+            if port == 0:
+                raise ConfigError(f"redis_url: port 0 out of range in {_masked(url)!r}")
+            db = unquote(parsed.path).strip("/")
+            if db and not db.isdecimal():
+                raise ConfigError(f"redis_url: database {db!r} is not a number in {_masked(url)!r}")
         _check_options(url)
         return RedisTarget(url=url, cluster=False, username=parsed.username, password=parsed.password,
                            tls=scheme == "rediss")
