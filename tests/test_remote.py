@@ -1132,6 +1132,24 @@ def test_a_write_lookup_whose_presence_is_not_booleans_is_an_outage(present):
             assert not [r for r in front.requests if b" /v1/blocks" in r.split(b"\r\n", 1)[0]]
 
 
+def _ingest_foreign_answer(script, toks, kv):
+    """``ingest`` against a front answering ``script``: under ``on_unavailable="raise"`` a
+    ``RemoteUnavailable`` naming an answer of no CacheSeek server; under ``"miss"`` its
+    result and the client's stats."""
+    from fake_http import FakeServer
+
+    for mode in ("raise", "miss"):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
+                                                         on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
+                    cache.ingest(toks, kv)
+            else:
+                return cache.ingest(toks, kv), cache.client_stats()
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.parametrize("answer", [b'[{"status": "stored"}]', b'[{"status": "stored"}, {"status": "stored"}, '
                                     b'{"status": "stored"}]', b'[]', b'{}', b'["stored", "stored"]'],
                          ids=["one-for-two", "three-for-two", "none", "an-object", "not-reports"])
@@ -1139,22 +1157,12 @@ def test_a_write_answer_that_is_not_one_report_per_frame_is_an_outage(answer):
     """The reports of a POST are counted frame by frame (``ingest_batch`` gives each to its
     request by its place): a list of another length counted blocks never sent, or left
     sent ones uncounted and the next body's reports given to the wrong requests."""
-    from fake_http import FakeServer
-
     toks, kv = tokens_for(37, 2 * BLOCK), make_kv(2 * BLOCK, 37)
     lookups = b'{"matched": 0, "tiers": [], "present": [false, false], "durability": "durable"}'
     script = _answers(b"HTTP/1.1 200 OK", answer, lookups=lookups, headers=b"content-type: application/json\r\n")
-    for mode in ("miss", "raise"):
-        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
-                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
-                                                         on_unavailable=mode) as cache:
-            if mode == "raise":
-                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
-                    cache.ingest(toks, kv)
-                continue
-            res = cache.ingest(toks, kv)
-            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors
-            assert cache.client_stats()["dropped_blocks"] == 2
+    res, stats = _ingest_foreign_answer(script, toks, kv)
+    assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors
+    assert stats["dropped_blocks"] == 2
 
 
 @pytest.mark.parametrize("body", [b'"upstream down"', b'["upstream down"]', b"null", b"42"])
@@ -1786,22 +1794,12 @@ def test_a_write_answer_of_the_right_length_but_another_shape_is_an_outage(looku
     caller as the server's word. Each is an answer of no CacheSeek server."""
     import json
 
-    from fake_http import FakeServer
-
     toks, kv = tokens_for(46, 2 * BLOCK), make_kv(2 * BLOCK, 46)
     script = _answers(b"HTTP/1.1 200 OK", json.dumps(reports).encode(), lookups=json.dumps(lookup).encode(),
                       headers=b"content-type: application/json\r\n")
-    for mode in ("miss", "raise"):
-        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
-                                                         block_tokens=BLOCK, timeout=5, trust_env=False,
-                                                         on_unavailable=mode) as cache:
-            if mode == "raise":
-                with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's"):
-                    cache.ingest(toks, kv)
-                continue
-            res = cache.ingest(toks, kv)
-            assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors, res
-            assert res.durability == "durable"
+    res, _ = _ingest_foreign_answer(script, toks, kv)
+    assert (res.stored, res.present, res.failed) == (0, 0, 2) and "server" in res.errors, res
+    assert res.durability == "durable"
 
 
 @pytest.mark.parametrize("named", ["9" * 5000, "0"], ids=["5000-digits", "zero"])

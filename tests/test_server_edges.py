@@ -967,6 +967,19 @@ def test_a_malformed_request_pipelined_behind_a_response_is_answered_after_it_no
         assert "Traceback" not in srv.output(), srv.output()
 
 
+def _half_a_batch_in_flight(srv, first: bytes, second: bytes) -> socket.socket:
+    """A connection that has sent a batch of ``first`` and half of ``second``, once the
+    server shows ``first`` (whole: the route has it) in its bytes in flight."""
+    upload = batch_body([first, second])
+    up = socket.create_connection(("127.0.0.1", srv.port))
+    up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(second) // 2])
+    deadline = time.monotonic() + 10
+    while bodies(srv.url)["in_flight_bytes"] < len(first):
+        assert time.monotonic() < deadline, "the upload's bytes never arrived"
+        time.sleep(0.01)
+    return up
+
+
 def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledged(tmp_path):
     chain = raw_chain(4, 16, layout=BIG_LAYOUT)
     h, frame = raw_frame(9, layout=BIG_LAYOUT)
@@ -984,14 +997,7 @@ def test_requests_cut_at_shutdown_log_one_line_each_and_lose_nothing_acknowledge
         top = b""
         while b"\r\n\r\n" not in top:
             top += down.recv(1024)
-        # (A batch: its first frame, whole, shows in the bytes in flight once the route has it.)
-        upload = batch_body([small_frame, frame])
-        up = socket.create_connection(("127.0.0.1", srv.port))
-        up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(frame) // 2])
-        deadline = time.monotonic() + 10
-        while bodies(srv.url)["in_flight_bytes"] < len(small_frame):
-            assert time.monotonic() < deadline, "the upload's bytes never arrived"
-            time.sleep(0.01)
+        up = _half_a_batch_in_flight(srv, small_frame, frame)
         assert srv.stop() == 0
         output = srv.output()
         assert "Traceback" not in output and "Exception in ASGI application" not in output, output
@@ -1020,15 +1026,9 @@ def test_a_second_sigint_cuts_what_runs_and_still_shuts_the_app_down(tmp_path):
     srv = Server(tmp_path, "--log-level", "info", "--cpu-bytes", "256MiB").start()  # (graceful: 30 s)
     try:
         assert httpx.put(f"{srv.url}/v1/blocks/{acked.hex()}", content=acked_frame).status_code == 201
-        # (A batch: its first frame, whole, shows in the bytes in flight once the route has it.)
         small, small_frame = raw_frame(23)
-        upload = batch_body([small_frame, frame])
-        up = socket.create_connection(("127.0.0.1", srv.port))
-        up.sendall(head("POST", "/v1/blocks", len(upload)) + upload[: len(upload) - len(frame) // 2])
+        up = _half_a_batch_in_flight(srv, small_frame, frame)
         deadline = time.monotonic() + 10
-        while bodies(srv.url)["in_flight_bytes"] < len(small_frame):
-            assert time.monotonic() < deadline, "the upload's bytes never arrived"
-            time.sleep(0.01)
         srv.proc.send_signal(signal.SIGINT)
         while "Waiting for connections to close" not in srv.output():
             assert time.monotonic() < deadline, srv.output()
@@ -1178,7 +1178,7 @@ def test_a_refusal_reaches_a_client_that_reads_it_late_not_reset_away(tmp_path):
     dropped what it had not sent yet of the answers before it and the refusal itself (the
     test below lost its 429 in 2 runs of 3). The server now sends a FIN after its answer and
     reads and drops what comes, so a client that reads a moment later reads every answer."""
-    from cacheseek.server.protocol import LINGER_S, MAX_PIPELINED
+    from cacheseek.server.protocol import LINGER_S
 
     with Server(tmp_path, disk=False) as srv:
         with socket.socket() as s:
@@ -1210,7 +1210,7 @@ def test_a_client_pipelining_without_end_neither_holds_the_server_nor_its_memory
     on the event loop. 180,000 tiny GETs (6 MB) had the server answer 3 in 20 s, every
     other client too, and ignore SIGTERM. Past ``MAX_PIPELINED`` requests waiting, the
     ones before are answered in order, then a JSON 429, and the connection is closed."""
-    from cacheseek.server.protocol import LINGER_S, MAX_PIPELINED
+    from cacheseek.server.protocol import MAX_PIPELINED
 
     n = 30_000
     with Server(tmp_path, disk=False) as srv:
