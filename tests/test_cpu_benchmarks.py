@@ -41,3 +41,29 @@ def test_layerwise_save_tiny_runs_on_a_cpu(paged, tmp_path):
         assert r["save_ms"] == pytest.approx(r["total_ms"] - forward["total_ms"])
         if r["case"].startswith("layerwise"):
             assert r["mode"] and r["put_ms"] > 0  # the writer ran, one put_layer per layer
+
+
+def test_trace_replay_quick_runs_sections_1_and_2_and_plots_beside_its_json(tmp_path, capsys):
+    """``--quick`` is "sections 1 and 2 only": the goal's twelve store replays (section 5)
+    made it take minutes. A run with ``--out`` draws its plot there, not over the committed
+    docs/hit-rate.png."""
+    from benchmarks import trace_replay
+
+    trace = tmp_path / "trace.jsonl"  # the default trace's first requests: seconds, not minutes
+    with (ROOT / "benchmarks" / "traces" / "mooncake_synthetic.jsonl").open() as f:
+        trace.write_text("".join(line for _, line in zip(range(150), f)))
+    docs_plot = ROOT / "docs" / "hit-rate.png"
+    before = docs_plot.read_bytes()
+    out = tmp_path / "out"
+    assert trace_replay.main(["--trace", str(trace), "--quick", "--cpu-gib", "0.2", "--out", str(out)]) == 0
+    doc = json.loads((out / "trace_replay.json").read_text())
+    assert doc["anchor"] and doc["anchor_store_counting"] and doc["plan"]
+    assert "goal" not in doc and "admission" not in doc and "shapes" not in doc
+    assert {r["codec"] for r in doc["plan"]} == {"int4"}
+    assert doc["vs_lru"] == [round(a["block_hit_rate"] / b["block_hit_rate"], 3) if b["block_hit_rate"] else None
+                             for a, b in zip([r for r in doc["plan"] if r["policy"] == "arc"],
+                                             [r for r in doc["plan"] if r["policy"] == "lru"])]
+    if trace_replay.pyplot() is not None:
+        assert (out / "hit-rate.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"plot: {out / 'hit-rate.png'}" in capsys.readouterr().out
+    assert docs_plot.read_bytes() == before
