@@ -67,3 +67,23 @@ def test_trace_replay_quick_runs_sections_1_and_2_and_plots_beside_its_json(tmp_
         assert (out / "hit-rate.png").read_bytes()[:4] == b"\x89PNG"
         assert f"plot: {out / 'hit-rate.png'}" in capsys.readouterr().out
     assert docs_plot.read_bytes() == before
+
+
+def test_server_baseline_serves_an_exported_tree_of_this_layout(tmp_path):
+    """``benchmarks.server --baseline REF`` runs ``cacheseek serve`` from ``git archive REF``.
+    Its launcher loaded cacheseek.kernels from a top-level kernels/, which no tree has since
+    the kernels moved into cacheseek/kernels/, so the baseline server never came up (60 s,
+    then "did not come up")."""
+    import httpx
+
+    from benchmarks import server
+
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    tree = server.export_tree("HEAD", tmp_path / "tree")
+    proc, url = server.start_cacheseek(tmp_path, "baseline", "--cpu-bytes", "64MiB", "--disk-bytes", "0", tree=tree)
+    try:
+        assert httpx.get(url + "/readyz").status_code == 200
+    finally:
+        proc.stop()
+    assert proc.proc.returncode == 0, (tmp_path / "baseline.log").read_text()[-2000:]
