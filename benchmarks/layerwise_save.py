@@ -46,22 +46,22 @@ from .report import table, write_json
 
 LAYER_MS = {4096: 3.8, 16384: 18.5}  # a Llama-3-8B layer's prefill on the H200 (ttft.json / 32 layers)
 GEMM = 8192
+TINY_GEMM = 128  # the stand-in's GEMMs on a CPU (--tiny): 8192 squared would take seconds each
 
 
 class StandIn:
-    """A forward of ``layers`` layers, each ``reps`` bf16 GEMMs, on the current stream."""
+    """A forward of ``layers`` layers, each ``reps`` GEMMs (bf16 of ``size`` squared), on
+    the current stream."""
 
-    def __init__(self, device: torch.device, layer_ms: float) -> None:
-        self.a = torch.randn(GEMM, GEMM, device=device, dtype=torch.bfloat16)
+    def __init__(self, device: torch.device, layer_ms: float, size: int = GEMM) -> None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.a = torch.randn(size, size, device=device, dtype=dtype)
         self.out = torch.empty_like(self.a)
         torch.matmul(self.a, self.a, out=self.out)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            torch.matmul(self.a, self.a, out=self.out)
-        end.record()
-        end.synchronize()
-        self.gemm_ms = start.elapsed_time(end) / 10
+        with Span(device) as span:
+            for _ in range(10):
+                torch.matmul(self.a, self.a, out=self.out)
+        self.gemm_ms = span.ms() / 10
         self.reps = max(1, round(layer_ms / self.gemm_ms))
 
     def layer(self) -> None:
@@ -69,51 +69,84 @@ class StandIn:
             torch.matmul(self.a, self.a, out=self.out)
 
 
+class Span:
+    """The device time between entering and leaving (CUDA events on a GPU; on a CPU, where
+    the work is done when its call returns, the host's clock)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def __enter__(self) -> "Span":
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (self.t1 - self.t0) * 1e3
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_case(case: str, cache, prompt, kv, forward: StandIn, pages=None) -> dict:
     """One call: ``kv`` per layer, or with ``pages`` = (KVPages, page ids) the same KV in
     an engine's pages."""
     if case.startswith("layerwise"):
         layerwise_save.STORE_PROGRAMS = int(case.partition("p=")[2] or layerwise_save.STORE_PROGRAMS)
-    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    device = forward.a.device
     requests = None if pages is None else [cs.PagedRequest(prompt, pages[1])]
-    torch.cuda.synchronize()
+    sync(device)
     t = time.perf_counter()
-    start.record()
     writer, result = None, None
-    if case.startswith("layerwise"):
-        writer = cache.ingest_layerwise(prompt) if pages is None else \
-            cache.ingest_batch(requests, pages[0], layerwise=True)
     put_s = 0.0
-    for i, (k, v) in enumerate(kv):
-        forward.layer()
-        if writer is not None:
-            p = time.perf_counter()
-            if pages is None:
-                writer.put_layer(i, k, v)
-            else:
-                writer.put_layer(i)  # the layer is in the pages already (the forward wrote it)
-            put_s += time.perf_counter() - p
-    done.record()
+    with Span(device) as span:
+        if case.startswith("layerwise"):
+            writer = cache.ingest_layerwise(prompt) if pages is None else \
+                cache.ingest_batch(requests, pages[0], layerwise=True)
+        for i, (k, v) in enumerate(kv):
+            forward.layer()
+            if writer is not None:
+                p = time.perf_counter()
+                if pages is None:
+                    writer.put_layer(i, k, v)
+                else:
+                    writer.put_layer(i)  # the layer is in the pages already (the forward wrote it)
+                put_s += time.perf_counter() - p
     mode = None
     if writer is not None:
         mode = writer.mode
         result = writer.finish()
     elif case == "whole":
         result = cache.ingest(prompt, kv) if pages is None else cache.ingest_batch(requests, pages[0])
-    torch.cuda.synchronize()
+    sync(device)
     total = time.perf_counter() - t
     if isinstance(result, list):  # ingest_batch's, of its one request
         result = result[0]
     if result is not None and result.stored != len(kv[0][0][0]) // cache.block_tokens:
         raise RuntimeError(f"{case}: stored {result.stored} blocks: {result}")
-    return {"total_ms": total * 1e3, "forward_ms": start.elapsed_time(done), "put_ms": put_s * 1e3, "mode": mode}
+    return {"total_ms": total * 1e3, "forward_ms": span.ms(), "put_ms": put_s * 1e3, "mode": mode}
 
 
 def measure(shape: se.Shape, tokens: int, codec: str, reps: int, layer_ms: float, device: torch.device,
             programs: list[int], paged: bool = False) -> list[dict]:
     blocks = tokens // shape.block
     template = shape.kv(tokens, device)
-    forward = StandIn(device, layer_ms)
+    forward = StandIn(device, layer_ms, GEMM if device.type == "cuda" else TINY_GEMM)
     pages = None
     if paged:
         num_pages = tokens // shape.page
@@ -162,9 +195,10 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a smoke run: a 2-layer shape, short layers")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device: the stand-in forward and the save's overlap are GPU work")
-    device = torch.device("cuda")
+    if not torch.cuda.is_available() and not args.tiny:
+        raise SystemExit("needs a CUDA device: the stand-in forward and the save's overlap are GPU work "
+                         "(--tiny runs on a CPU)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shape, token_list = se.LLAMA, [int(t) for t in args.tokens.split(",")]
     if args.tiny:
         shape, token_list, args.reps = se.TINY, [4 * se.TINY.block], 2

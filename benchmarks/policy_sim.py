@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
           f"come to blocks idle for at least {budgets[0]} requested blocks; hits per quarter "
           f"{prof['belady_hits_per_quarter']} (LRU {prof['lru_hits_per_quarter']}); kept until the next use, "
           f"by uses so far: {prof['kept_until_next_use_by_prior_uses']}")
-    doc["reuse_bit_bound"] = [reuse_bit_bound(first, b) for b in (budgets[0], budgets[-1])]
+    # the smallest and largest budget: one, when --blocks names one
+    doc["reuse_bit_bound"] = [reuse_bit_bound(first, b) for b in dict.fromkeys((budgets[0], budgets[-1]))]
     for bound in doc["reuse_bit_bound"]:
         print(f"LRU told whether each access is reused within h x {bound['budget_blocks']} blocks, share of Belady: "
               f"true bit {bound['oracle_bit']}; guessed from use count and idle time {bound['guessed_bit']}")

@@ -121,20 +121,25 @@ class Proc:
                 self.proc.wait()
 
 
-# Runs ``cacheseek serve`` from another checkout's tree (argv[1]), with this Python.
+# Runs ``cacheseek serve`` from another checkout's tree (argv[1]), with this Python. The
+# package maps top-level folders into cacheseek: server/ always, kernels/ in trees from before
+# the kernels moved into cacheseek/kernels/ (f4b93e3); a tree without one imports its own.
 BASELINE_LAUNCHER = """
-import importlib.util, sys
+import importlib.util, os, sys
 root = sys.argv.pop(1)
 sys.path.insert(0, root)
 import cacheseek
 for name, folder in (("cacheseek.server", "server"), ("cacheseek.kernels", "kernels")):
+    if not os.path.isfile(f"{root}/{folder}/__init__.py"):
+        continue
     spec = importlib.util.spec_from_file_location(name, f"{root}/{folder}/__init__.py",
                                                   submodule_search_locations=[f"{root}/{folder}"])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
-assert cacheseek.__file__.startswith(root), cacheseek.__file__
 from cacheseek.server.cli import main
+for module in (cacheseek, sys.modules["cacheseek.server"], sys.modules["cacheseek.server.cli"]):
+    assert module.__file__.startswith(root), module.__file__
 sys.exit(main())
 """
 

@@ -7,7 +7,8 @@ infinite cache, per codec and CPU budget; the disk tier's admission; other trace
 
 The default trace is benchmarks/traces/mooncake_synthetic.jsonl: the synthetic trace of the
 Mooncake FAST'25 release (kvcache-ai/Mooncake on GitHub, FAST25-release/traces/, Apache-2.0;
-see benchmarks/traces/NOTICE.md), 3,993 requests. Any trace in that format goes with --trace. Writes benchmarks/results/trace_replay.json and docs/hit-rate.png.
+see benchmarks/traces/NOTICE.md), 3,993 requests. Any trace in that format goes with --trace. Writes benchmarks/results/trace_replay.json and docs/hit-rate.png
+(with ``--out DIR``: DIR/trace_replay.json and DIR/hit-rate.png; ``--plot`` names the plot).
 
 Sections:
 1. the anchor: block-level LRU and MIN at 1,024 / 3,277 / 4,096 blocks (issue 19's figures),
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-gib", default="16,32,64,128", help="CPU tier budgets in GiB")
     ap.add_argument("--policies", default="arc,lru")
     ap.add_argument("--quick", action="store_true", help="sections 1 and 2 only, one codec (int4)")
-    ap.add_argument("--plot", default=str(ROOT / "docs" / "hit-rate.png"))
+    ap.add_argument("--plot", default=None, help="where the plot goes (default: docs/hit-rate.png; with --out, "
+                                                 "hit-rate.png beside the JSON)")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     add_plot_only(ap)
     args = ap.parse_args(argv)
@@ -201,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             doc["shapes"][name] = policies_at_blocks(shaped, policies, ANCHOR_BLOCKS)
             print(format_table(doc["shapes"][name], list(doc["shapes"][name][0]), f"4. synthetic shape: {name} (seed 1)"))
 
-    doc["goal"] = goal(trace, policies)
-    print(format_table(doc["goal"], list(doc["goal"][0]), "5. issue 19's goal: share of Belady through the store, both countings"))
+        doc["goal"] = goal(trace, policies)
+        print(format_table(doc["goal"], list(doc["goal"][0]),
+                           "5. issue 19's goal: share of Belady through the store, both countings"))
 
     path = write_json("trace_replay", doc, Path(args.out) if args.out else None)
     print(f"wrote {path}")
-    png = plot([load(path)], Path(args.plot).parent, Path(args.plot).stem)
+    # A run into a folder of its own (a --quick one, another trace) must not redraw the
+    # committed docs/hit-rate.png from its rows.
+    where = Path(args.plot) if args.plot else path.parent / "hit-rate.png" if args.out else ROOT / "docs" / "hit-rate.png"
+    png = plot([load(path)], where.parent, where.stem)
     if png:
         print(f"plot: {png}")
     return 0

@@ -1134,7 +1134,7 @@ def test_policy_candidates_stay_below_belady_and_the_sim_writes_its_table(tmp_pa
     prof = doc["belady_profile"]
     assert prof["belady_hits"] == best == sum(prof["belady_hits_per_quarter"])
     assert sum(prof["lru_hits_per_quarter"]) == reference.lru(trace, 300).hit_blocks
-    bound = doc["reuse_bit_bound"][0]
+    (bound,) = doc["reuse_bit_bound"]  # one budget: computed and written once, not twice
     assert bound["budget_blocks"] == 300 and 0 < bound["oracle_bit"]["4x"] <= 1
     assert all(0 <= v <= 1 for v in bound["guessed_bit"]["4x"].values())
     assert 0 < doc["static_oracle"]["300"]["of belady"] <= 1
