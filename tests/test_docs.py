@@ -9,7 +9,7 @@ defaults), design.md's constructor signatures are cacheseek's, the default colum
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
 operations.md names every series a real server's ``/metrics`` shows, and no other,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
-code pins, the README's Python examples run (against a real server on loopback), and
+code pins, every install of the project shown is of the checkout, with extras it has, the README's Python examples run (against a real server on loopback), and
 every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
@@ -668,3 +668,42 @@ def test_every_header_the_docs_name_is_one_the_code_sends_or_reads():
     named = {(path.relative_to(ROOT).as_posix(), h) for path in CURRENT
              for h in re.findall(r"X-CacheSeek-[A-Za-z-]*[A-Za-z]", path.read_text(encoding="utf-8"))}
     assert {(doc, h) for doc, h in named if h.lower() not in code} == set()
+
+
+PIP_INSTALL = re.compile(r"pip3? install ([^`|#\n&;]*)")
+
+
+def project_installs(text: str) -> list[str]:
+    """Each argument of a ``pip install`` in ``text`` that installs this project: a path
+    (``.``, ``.[server]``) or a requirement named cacheseek."""
+    out = []
+    for m in PIP_INSTALL.finditer(text):
+        for arg in m.group(1).split():
+            arg = arg.strip("'\"")
+            if not arg.startswith("-") and re.match(r"(\.|cacheseek)(\[|$)", arg, re.I):
+                out.append(arg)
+    return out
+
+
+def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extras():
+    """cacheseek is not on PyPI: models.md's ``pip install 'cacheseek[demo]'`` found no
+    distribution (or, were the name taken, someone else's). Every install of the project a
+    doc or script shows is from the checkout, with extras pyproject.toml defines."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
+    sources = [*CURRENT, ROOT / "Dockerfile", *sorted((ROOT / "scripts").glob("*.sh"))]
+    problems, seen = [], 0
+    for path in sources:
+        for arg in project_installs(path.read_text(encoding="utf-8")):
+            seen += 1
+            where = f"{path.relative_to(ROOT)}: pip install {arg}"
+            if not arg.startswith("."):
+                problems.append(f"{where}: not published; install the checkout (pip install -e '.[...]')")
+            named = re.search(r"\[([^\]]*)\]", arg)
+            unknown = sorted(set(named.group(1).split(",")) - extras) if named else []
+            if unknown:
+                problems.append(f"{where}: pyproject.toml has no extra {unknown}")
+    assert seen >= 4, "the installs of scripts/serve.sh, scripts/test.sh, the Dockerfile and models.md"
+    assert not problems, "\n".join(problems)
+    assert project_installs("pip install 'cacheseek[demo]' && pip install -e \".[x]\" torch") == ["cacheseek[demo]", ".[x]"]
