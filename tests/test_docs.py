@@ -692,7 +692,9 @@ def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extra
     import tomllib
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
-    sources = [*CURRENT, ROOT / "Dockerfile", *sorted((ROOT / "scripts").glob("*.sh"))]
+    # (the code's messages too: each missing extra's error says how to install it)
+    sources = [*CURRENT, ROOT / "Dockerfile", *sorted((ROOT / "scripts").glob("*.sh")),
+               *sorted((ROOT / "cacheseek").rglob("*.py")), *sorted((ROOT / "server").rglob("*.py"))]
     problems, seen = [], 0
     for path in sources:
         for arg in project_installs(path.read_text(encoding="utf-8")):
@@ -704,6 +706,6 @@ def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extra
             unknown = sorted(set(named.group(1).split(",")) - extras) if named else []
             if unknown:
                 problems.append(f"{where}: pyproject.toml has no extra {unknown}")
-    assert seen >= 4, "the installs of scripts/serve.sh, scripts/test.sh, the Dockerfile and models.md"
+    assert seen >= 9, "the installs of scripts/serve.sh, scripts/test.sh, the Dockerfile, models.md and the code's messages"
     assert not problems, "\n".join(problems)
     assert project_installs("pip install 'cacheseek[demo]' && pip install -e \".[x]\" torch") == ["cacheseek[demo]", ".[x]"]
