@@ -9,7 +9,9 @@ defaults), design.md's constructor signatures are cacheseek's, the default colum
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
 operations.md names every series a real server's ``/metrics`` shows, and no other,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
-code pins, every install of the project shown is of the checkout, with extras it has, the README's Python examples run (against a real server on loopback), and
+code pins, every install of the project shown (docs, scripts, the code's messages) is of the
+checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
+the test one, the README's Python examples run (against a real server on loopback), and
 every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
@@ -709,3 +711,25 @@ def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extra
     assert seen >= 9, "the installs of scripts/serve.sh, scripts/test.sh, the Dockerfile, models.md and the code's messages"
     assert not problems, "\n".join(problems)
     assert project_installs("pip install 'cacheseek[demo]' && pip install -e \".[x]\" torch") == ["cacheseek[demo]", ".[x]"]
+
+
+def test_the_readmes_two_commands_are_the_scripts_and_ci_runs_the_test_one():
+    """The front door's commands: the README's "Fresh machine" section shows the serve and
+    test scripts as commands of their own, says what ``.ci/run`` runs and which extras the
+    test command installs; each is what the files do."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Fresh machine", 1)[1].split("\n## ", 1)[0]
+    shown = [line.strip() for line in section.splitlines() if line.startswith("    ") and line.strip()]
+    assert shown == ["bash scripts/serve.sh", "bash scripts/test.sh"], shown
+    said = re.search(r"`\.ci/run` is exactly `([^`]+)`", section)
+    assert said, "the README no longer says what .ci/run runs"
+    ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+          if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    assert ci == [f"exec {said.group(1)}"], ci
+    assert said.group(1).startswith("bash scripts/test.sh")
+    installs = {path.name: project_installs(path.read_text(encoding="utf-8"))
+                for path in (ROOT / "scripts" / "serve.sh", ROOT / "scripts" / "test.sh")}
+    named = set(re.findall(r"`(\w+)`", re.search(r"the (`\w+`(?:,\s+`\w+`)*\s+and\s+`\w+`)\s+extras", section).group(1)))
+    assert len(installs["test.sh"]) == 1, installs
+    assert set(installs["test.sh"][0].strip(".[]").split(",")) == named, (installs, named)
+    assert installs["serve.sh"] == [".[server,redis]"], installs
