@@ -11,7 +11,7 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, the README's Python examples run (against a real server on loopback), and
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and
 every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
@@ -733,3 +733,36 @@ def test_the_readmes_two_commands_are_the_scripts_and_ci_runs_the_test_one():
     assert len(installs["test.sh"]) == 1, installs
     assert set(installs["test.sh"][0].strip(".[]").split(",")) == named, (installs, named)
     assert installs["serve.sh"] == [".[server,redis]"], installs
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_test_command_installs_what_the_suite_skips_without():
+    """The README's test command runs every test only if it installs what they skip without:
+    a module a test file ``importorskip``s comes from a requirement of the extras
+    scripts/test.sh installs (or the base ones), and a Python a test reads from a
+    ``CACHESEEK_*_PYTHON`` variable is one scripts/test.sh builds and exports. Else the test
+    command passes with those tests skipped, and only ``-ra``'s list says so."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    [install] = project_installs(script)
+    extras = install.strip(".[]").split(",")
+    requirements = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    required = {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+    tests = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py"))}
+    modules = {m for text in tests.values() for m in re.findall(r"importorskip\(\"([\w.]+)\"", text)}
+    assert {"triton", "transformers", "trustme", "schemathesis", "matplotlib"} <= modules
+    providers = packages_distributions()
+    problems = [f"importorskip({m!r}): no requirement of {['base', *extras]} provides it"
+                for m in sorted(modules)
+                if not {_dist(d) for d in providers.get(m.split(".")[0], [m.split(".")[0]])} & required]
+    pythons = {v for text in tests.values() for v in re.findall(r"environ\.get\(\"(CACHESEEK_\w+_PYTHON)\"", text)}
+    assert pythons >= {"CACHESEEK_VLLM_PYTHON", "CACHESEEK_TRANSFORMERS4_PYTHON"}
+    problems += [f"{v}: scripts/test.sh does not export it" for v in sorted(pythons)
+                 if not re.search(rf"^export {v}=", script, re.M)]
+    assert not problems, "\n".join(problems)
