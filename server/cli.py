@@ -392,7 +392,7 @@ def _redis_check(args: argparse.Namespace) -> int:
     from cacheseek.units import parse_size
 
     if importlib.util.find_spec("redis") is None:
-        print("cacheseek redis-check: needs the 'redis' extra: pip install 'cacheseek[redis]'", file=sys.stderr)
+        print("cacheseek redis-check: needs the 'redis' extra: pip install -e '.[redis]' in the checkout", file=sys.stderr)
         return 2
     try:
         tier = RedisTier(args.redis_url, parse_size(args.redis_bytes, name="--redis-bytes"),
@@ -590,7 +590,7 @@ def _lazy_server_parser(sub: Any, name: str, wanted: bool) -> None:
 
 def _missing_extra(command: str, module: str | None) -> int:
     print(f"cacheseek {command}: needs the 'server' extra ({module} is not installed): "
-          "pip install 'cacheseek[server]'", file=sys.stderr)
+          "pip install -e '.[server]' in the checkout", file=sys.stderr)
     return 2
 
 

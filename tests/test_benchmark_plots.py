@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +27,9 @@ PLOTS = {
     "trace_replay": ["trace_replay.json"],
 }
 PNG_NAME = {"trace_replay": "hit-rate.png"}  # else the JSON's name
+# docs/precision.png: the quick set's table, then the later runs' rows (docs/precision.md)
+PRECISION = ["precision.json", "precision_near_miss.json", "precision_variants.json", "precision_clip.json",
+             "precision_rotate.json"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,7 +59,7 @@ def test_ttft_plot_fills_failed_cells_from_a_later_file():
 
 def test_plot_only_redraws_the_precision_plot_from_json(tmp_path, monkeypatch, capsys):
     module = importlib.import_module("benchmarks.quality")
-    monkeypatch.setattr(sys, "argv", ["quality.py", "--plot-only", str(RESULTS / "precision.json"),
+    monkeypatch.setattr(sys, "argv", ["quality.py", "--plot-only", *(str(RESULTS / f) for f in PRECISION),
                                       "--out", str(tmp_path)])
     module.main()
     png = tmp_path / "precision.png"
@@ -77,3 +81,23 @@ def test_precision_plot_adds_the_later_runs_rows_once(tmp_path, monkeypatch, cap
     assert png.read_bytes()[:8] == PNG_MAGIC
     assert f"wrote {png}" in capsys.readouterr().out
     assert [d["benchmark"] for d in drawn[0]] == ["precision", "precision_near_miss", "precision_variants"]
+
+
+def plot_commands(text: str) -> list[tuple[str, list[str]]]:
+    """(benchmark, the results files it is given) of each ``--plot-only ... --out docs`` command
+    in ``text``, paths relative to benchmarks/results/."""
+    text = text.replace("$R/", "benchmarks/results/").replace("\\\n", " ").replace("\n", " ")
+    return [(m.group(1), [f.removeprefix("benchmarks/results/") for f in m.group(2).split()])
+            for m in re.finditer(r"python -m benchmarks\.(\w+)\s+--plot-only\s+((?:benchmarks/results/\S+\s+)+)--out docs",
+                                 text)]
+
+
+def test_the_docs_redraw_commands_give_each_plot_the_files_the_tests_redraw_it_from():
+    """performance.md's block redraws every plot in docs/; its precision line gave only
+    precision.json, so running it as shown dropped the later runs' rows (16-32) from
+    docs/precision.png, which precision.md's own command draws from five files."""
+    block = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8").split("R=benchmarks/results", 1)[1]
+    shown = sorted(plot_commands(block.split("```", 1)[0]))
+    expected = sorted([(name, files) for name, files in PLOTS.items()] + [("quality", PRECISION)])
+    assert shown == expected
+    assert plot_commands((ROOT / "docs" / "precision.md").read_text(encoding="utf-8")) == [("quality", PRECISION)]

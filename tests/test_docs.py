@@ -9,7 +9,9 @@ defaults), design.md's constructor signatures are cacheseek's, the default colum
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
 operations.md names every series a real server's ``/metrics`` shows, and no other,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
-code pins, the README's Python examples run (against a real server on loopback), and
+code pins, every install of the project shown (docs, scripts, the code's messages) is of the
+checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and
 every series and ``X-CacheSeek-*`` header any doc names is real."""
 
 from __future__ import annotations
@@ -668,3 +670,99 @@ def test_every_header_the_docs_name_is_one_the_code_sends_or_reads():
     named = {(path.relative_to(ROOT).as_posix(), h) for path in CURRENT
              for h in re.findall(r"X-CacheSeek-[A-Za-z-]*[A-Za-z]", path.read_text(encoding="utf-8"))}
     assert {(doc, h) for doc, h in named if h.lower() not in code} == set()
+
+
+PIP_INSTALL = re.compile(r"pip3? install ([^`|#\n&;]*)")
+
+
+def project_installs(text: str) -> list[str]:
+    """Each argument of a ``pip install`` in ``text`` that installs this project: a path
+    (``.``, ``.[server]``) or a requirement named cacheseek."""
+    out = []
+    for m in PIP_INSTALL.finditer(text):
+        for arg in m.group(1).split():
+            arg = arg.strip("'\"")
+            if not arg.startswith("-") and re.match(r"(\.|cacheseek)(\[|$)", arg, re.I):
+                out.append(arg)
+    return out
+
+
+def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extras():
+    """cacheseek is not on PyPI: models.md's ``pip install 'cacheseek[demo]'`` found no
+    distribution (or, were the name taken, someone else's). Every install of the project a
+    doc or script shows is from the checkout, with extras pyproject.toml defines."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
+    # (the code's messages too: each missing extra's error says how to install it)
+    sources = [*CURRENT, ROOT / "Dockerfile", *sorted((ROOT / "scripts").glob("*.sh")),
+               *sorted((ROOT / "cacheseek").rglob("*.py")), *sorted((ROOT / "server").rglob("*.py"))]
+    problems, seen = [], 0
+    for path in sources:
+        for arg in project_installs(path.read_text(encoding="utf-8")):
+            seen += 1
+            where = f"{path.relative_to(ROOT)}: pip install {arg}"
+            if not arg.startswith("."):
+                problems.append(f"{where}: not published; install the checkout (pip install -e '.[...]')")
+            named = re.search(r"\[([^\]]*)\]", arg)
+            unknown = sorted(set(named.group(1).split(",")) - extras) if named else []
+            if unknown:
+                problems.append(f"{where}: pyproject.toml has no extra {unknown}")
+    assert seen >= 9, "the installs of scripts/serve.sh, scripts/test.sh, the Dockerfile, models.md and the code's messages"
+    assert not problems, "\n".join(problems)
+    assert project_installs("pip install 'cacheseek[demo]' && pip install -e \".[x]\" torch") == ["cacheseek[demo]", ".[x]"]
+
+
+def test_the_readmes_two_commands_are_the_scripts_and_ci_runs_the_test_one():
+    """The front door's commands: the README's "Fresh machine" section shows the serve and
+    test scripts as commands of their own, says what ``.ci/run`` runs and which extras the
+    test command installs; each is what the files do."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Fresh machine", 1)[1].split("\n## ", 1)[0]
+    shown = [line.strip() for line in section.splitlines() if line.startswith("    ") and line.strip()]
+    assert shown == ["bash scripts/serve.sh", "bash scripts/test.sh"], shown
+    said = re.search(r"`\.ci/run` is exactly `([^`]+)`", section)
+    assert said, "the README no longer says what .ci/run runs"
+    ci = [line for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+          if line.strip() and not line.startswith("#") and not line.startswith(("set ", "cd "))]
+    assert ci == [f"exec {said.group(1)}"], ci
+    assert said.group(1).startswith("bash scripts/test.sh")
+    installs = {path.name: project_installs(path.read_text(encoding="utf-8"))
+                for path in (ROOT / "scripts" / "serve.sh", ROOT / "scripts" / "test.sh")}
+    named = set(re.findall(r"`(\w+)`", re.search(r"the (`\w+`(?:,\s+`\w+`)*\s+and\s+`\w+`)\s+extras", section).group(1)))
+    assert len(installs["test.sh"]) == 1, installs
+    assert set(installs["test.sh"][0].strip(".[]").split(",")) == named, (installs, named)
+    assert installs["serve.sh"] == [".[server,redis]"], installs
+
+
+def _dist(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_test_command_installs_what_the_suite_skips_without():
+    """The README's test command runs every test only if it installs what they skip without:
+    a module a test file ``importorskip``s comes from a requirement of the extras
+    scripts/test.sh installs (or the base ones), and a Python a test reads from a
+    ``CACHESEEK_*_PYTHON`` variable is one scripts/test.sh builds and exports. Else the test
+    command passes with those tests skipped, and only ``-ra``'s list says so."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    [install] = project_installs(script)
+    extras = install.strip(".[]").split(",")
+    requirements = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    required = {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+    tests = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py"))}
+    modules = {m for text in tests.values() for m in re.findall(r"importorskip\(\"([\w.]+)\"", text)}
+    assert {"triton", "transformers", "trustme", "schemathesis", "matplotlib"} <= modules
+    providers = packages_distributions()
+    problems = [f"importorskip({m!r}): no requirement of {['base', *extras]} provides it"
+                for m in sorted(modules)
+                if not {_dist(d) for d in providers.get(m.split(".")[0], [m.split(".")[0]])} & required]
+    pythons = {v for text in tests.values() for v in re.findall(r"environ\.get\(\"(CACHESEEK_\w+_PYTHON)\"", text)}
+    assert pythons >= {"CACHESEEK_VLLM_PYTHON", "CACHESEEK_TRANSFORMERS4_PYTHON"}
+    problems += [f"{v}: scripts/test.sh does not export it" for v in sorted(pythons)
+                 if not re.search(rf"^export {v}=", script, re.M)]
+    assert not problems, "\n".join(problems)

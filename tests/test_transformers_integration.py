@@ -941,3 +941,25 @@ def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):
     out = capsys.readouterr().out
     assert "TTFT reuse" in out and "Tier stats" in out and "A3:" in out
     assert re.search(r"reused [1-9]\d* tokens from cpu", out.split("Q2:")[1]), out
+
+
+def test_demo_output_holds_no_progress_bars_of_transformers(tiny_model, tmp_path, capfd, monkeypatch):
+    """The demo says what it does on its own lines (docs/models.md shows them); transformers'
+    "Loading weights" bar came between them on every run, on stderr."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from cacheseek.integrations import demo
+
+    tiny_model.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: (AutoModelForCausalLM.from_pretrained(tmp_path / "model"), None))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    capfd.readouterr()
+    try:
+        assert demo.run(parser.parse_args(["--block-tokens", "48"])) == 2  # refused once the model loaded
+    finally:
+        hf_logging.enable_progress_bar()
+    out, err = capfd.readouterr()
+    assert "48 is not a multiple of k_group_size=32" in out
+    assert "Loading weights" not in err and "%|" not in err, err

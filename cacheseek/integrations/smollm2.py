@@ -47,7 +47,7 @@ CHECKPOINT = "hf-float32"
 Progress = Callable[[str], None]
 
 
-_NEEDS = "SmolLM2 needs transformers, gguf and accelerate: pip install 'cacheseek[demo]'"
+_NEEDS = "SmolLM2 needs transformers, gguf and accelerate: pip install -e '.[demo]' in the checkout"
 
 
 class ModelUnavailable(CacheSeekError):

@@ -25,8 +25,8 @@ BACKEND_ENV = "CACHESEEK_KIVI_BACKEND"
 MODES = ("auto", "torch", "triton")
 TRITON = "triton"
 REFERENCE = "torch-reference"
-FIX = ("install Triton (pip install 'cacheseek[kernels]') and import cacheseek from an installed package "
-       "(pip install -e . in a checkout), so that cacheseek.kernels imports")
+FIX = ("install Triton and import cacheseek from an installed package (pip install -e '.[kernels]' in "
+       "the checkout), so that cacheseek.kernels imports")
 
 
 class KernelFallbackWarning(RuntimeWarning):

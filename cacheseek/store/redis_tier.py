@@ -156,7 +156,7 @@ class RedisTier(Tier):
             raise ConfigError(f"redis client_retries: must be an int >= 0, got {client_retries!r}")
         self.target: RedisTarget = parse_redis_url(url)
         if importlib.util.find_spec("redis") is None:  # (else every call would raise ImportError)
-            raise ConfigError("redis_url: the redis tier needs redis-py: pip install 'cacheseek[redis]'")
+            raise ConfigError("redis_url: the redis tier needs redis-py: pip install -e '.[redis]' in the checkout")
         self.keys_of = RedisKeys(prefix, namespace)
         self.ttl_seconds = ttl_seconds
         self._ttl_ms = None if ttl_seconds is None else max(1, round(ttl_seconds * 1000))
