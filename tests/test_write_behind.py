@@ -416,7 +416,10 @@ def test_a_process_that_never_closes_its_cache_exits_within_exit_timeout_against
                 child.kill()
                 child.wait()
         assert child.returncode == 0, child.stderr.read()
-        assert 4.5 < took < 10.0, took  # exit_timeout 5 s; the exchange under way cut at once then
+        # exit_timeout 5 s; the exchange under way cut at once then, and the interpreter's own
+        # teardown (torch loaded) after it: up to 5.6 s more on a 2-core box under a full
+        # suite's load. Draining instead takes exchange_timeout (30 s) a write: past the 20 s wait.
+        assert 4.5 < took < 15.0, took
         assert front.requests, "the queued writes were never begun"
         assert "dropped" in child.stderr.read()
         stop.set()
