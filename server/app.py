@@ -79,6 +79,81 @@ class OneHost:
         await self.app(scope, receive, send)
 
 
+# Methods a page of any origin may send (with a body a form or fetch(no-cors) can make) and
+# whose effects the browser does not hold back: it only hides the answer from the page.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _authority(authority: str, scheme: str) -> tuple[str, int] | None:
+    """(host, port) of a ``Host`` header or an origin's authority, the scheme's port when it
+    names none; None when it cannot be read."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):  # an IPv6 literal: its colons are inside the brackets
+        end = authority.find("]")
+        if end < 0:
+            return None
+        name, rest = authority[: end + 1], authority[end + 1:]
+    else:
+        name, colon, port = authority.partition(":")
+        rest = colon + port
+    if not rest:
+        default = DEFAULT_PORTS.get(scheme)
+        return (name, default) if default is not None else None
+    return (name, int(rest[1:])) if rest[0] == ":" and rest[1:].isdigit() else None
+
+
+def cross_origin(headers: Any, scheme: str) -> str | None:
+    """The ``Origin`` a browser sent with a request from a page of another origin (or an
+    opaque one, ``null``), or None: no Origin (not a browser's cross-origin request) or the
+    page's own server."""
+    origin = host = None
+    for name, value in headers:
+        if name == b"origin":
+            origin = value.decode("latin-1")
+        elif name == b"host":
+            host = value.decode("latin-1")
+    if origin is None:
+        return None
+    o_scheme, sep, o_authority = origin.partition("://")
+    o_scheme = o_scheme.lower()
+    if sep and host is not None and "/" not in o_authority and o_scheme == scheme:
+        theirs = _authority(o_authority, o_scheme)
+        if theirs is not None and theirs == _authority(host, scheme):
+            return None
+    return origin
+
+
+class SameOrigin:
+    """A request that changes something (any method but GET, HEAD, OPTIONS) sent by a page of
+    another origin is a JSON 403, the connection closed, the route not run. A browser sends
+    such a request without asking first (no CORS preflight) when it is a POST with a body
+    typed as text, a form or nothing (``fetch(url, {method: "POST", mode: "no-cors", body})``),
+    and the server read any body as frames: any web page a user on the server's network (or
+    its host, for the default loopback address) opened could store blocks in a server
+    without tokens, their KV served to inference as a cached prefix's, or start prefetches.
+    It cannot read the answer, and never needed to. Browsers name the page's origin in
+    ``Origin`` on every cross-origin request but GET and HEAD; clients that are not browsers
+    (RemoteCache, curl) send none and are let through, as is a page of the server itself (the
+    dashboard, /docs)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS:
+            origin = cross_origin(scope["headers"], scope.get("scheme", "http"))
+            if origin is not None:
+                body = json.dumps({"error": f"a request from a page of another origin ({origin[:100]!r}) "
+                                            "may not change anything"}).encode()
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 class CutAtShutdown:
     """A request still running when uvicorn's graceful shutdown runs out
     (``graceful_timeout_seconds``) is cancelled: uvicorn logged a traceback for each, which an
@@ -182,6 +257,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
+    app.add_middleware(SameOrigin)  # (outside the metrics' too, and before any body is read)
     app.add_middleware(OneHost)  # (outside the metrics': as server.protocol's refusals, not a route's answer)
     app.add_middleware(CutAtShutdown)  # (outermost: a cut anywhere below is caught)
     return app

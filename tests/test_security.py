@@ -1,0 +1,73 @@
+"""The HTTP service as a client on the network (or a web page in a browser) would probe it:
+who may change what, and what a refused request leaves behind. Real ``cacheseek serve``
+processes on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_helpers import Server, batch_body, raw_frame
+
+
+@pytest.fixture(scope="module")
+def open_server(tmp_path_factory):
+    """No tokens: the default, on loopback."""
+    with Server(tmp_path_factory.mktemp("open")) as srv:
+        yield srv
+
+
+def _stored(url: str, h: bytes) -> bool:
+    got = httpx.post(url + "/v1/lookup", json={"hashes": [h.hex()]})
+    assert got.status_code == 200, got.text
+    return got.json()["matched"] == 1
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_page_of_another_origin_cannot_store_blocks_with_a_simple_request(open_server, content_type):
+    """A browser sends a POST whose body is typed as text or a form (or not typed) to any
+    origin without a CORS preflight: fetch(url, {method: "POST", mode: "no-cors", body}).
+    Every web page a user of the server's host opened could store KV in a server without
+    tokens (served to inference as a cached prefix's). The browser names the page in Origin."""
+    h, frame = raw_frame(1)
+    headers = {"Origin": "http://attacker.example"}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]), headers=headers)
+    assert got.status_code == 403, got.text
+    assert "another origin" in got.json()["error"]
+    assert not _stored(open_server.url, h)
+    # An opaque origin (a sandboxed frame, a file:// page) is another origin too.
+    got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]), headers={"Origin": "null"})
+    assert got.status_code == 403, got.text
+    assert not _stored(open_server.url, h)
+
+
+def test_a_page_of_another_origin_cannot_delete_prefetch_or_use_another_port(open_server):
+    h, frame = raw_frame(2)
+    assert httpx.put(f"{open_server.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
+    host = open_server.url.removeprefix("http://")
+    # Another port of the same host is another origin (a page of another local service).
+    for origin in ("http://attacker.example", f"http://127.0.0.1:{open_server.port + 1}", f"https://{host}"):
+        got = httpx.delete(f"{open_server.url}/v1/blocks/{h.hex()}", headers={"Origin": origin})
+        assert got.status_code == 403, (origin, got.text)
+        got = httpx.post(open_server.url + "/v1/prefetch", content=f'{{"hashes": ["{h.hex()}"]}}',
+                         headers={"Origin": origin, "Content-Type": "text/plain"})
+        assert got.status_code == 403, (origin, got.text)
+    assert _stored(open_server.url, h)
+
+
+def test_the_servers_own_pages_and_clients_without_origin_still_write(open_server):
+    """The dashboard's and /docs' requests carry the server's own origin; RemoteCache, curl
+    and every client that is not a browser send no Origin: both are let through. A GET from
+    another origin too: the browser hides its answer from the page, and it changes nothing."""
+    host = open_server.url.removeprefix("http://")
+    for i, origin in enumerate((None, f"http://{host}", f"HTTP://{host.upper()}")):
+        h, frame = raw_frame(10 + i)
+        headers = {"Origin": origin} if origin is not None else {}
+        got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]), headers=headers)
+        assert got.status_code == 200 and got.json()[0]["status"] == "stored", (origin, got.text)
+        assert _stored(open_server.url, h)
+    got = httpx.get(f"{open_server.url}/v1/blocks/{h.hex()}", headers={"Origin": "http://attacker.example"})
+    assert got.status_code == 200
+
