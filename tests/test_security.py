@@ -71,3 +71,30 @@ def test_the_servers_own_pages_and_clients_without_origin_still_write(open_serve
     got = httpx.get(f"{open_server.url}/v1/blocks/{h.hex()}", headers={"Origin": "http://attacker.example"})
     assert got.status_code == 200
 
+
+@pytest.mark.parametrize("name, args, env", [
+    ("write_token", ["--write-token", "s3cret-w "], {}),  # a secret file's line, its newline cut, a space left
+    ("admin_token", ["--write-token", "s3cret-w"], {"CACHESEEK_ADMIN_TOKEN": "s3cret-caf\u00e9"}),
+    ("read_token", ["--write-token", "s3cret-w", "--read-token", "\u00a0s3cret-r"], {}),
+    ("tenants['team-a'].write_token", ["--write-token", "s3cret-w"],
+     {"CACHESEEK_TENANTS": '{"team-a": {"write_token": "s3cret-t\\n"}}'}),
+])
+def test_a_token_no_header_can_carry_stops_the_start_without_printing_it(tmp_path, name, args, env):
+    """A token with a space at either end, or a character outside printable ASCII, was taken:
+    the server started, and every request holding it was a 403 (a header's value is ASCII and
+    its edge spaces are not part of it). The start stops, naming the setting, not the token."""
+    srv = Server(tmp_path, *args, env=env)
+    with pytest.raises(RuntimeError, match="exited with 2") as refused:
+        srv.start()
+    out = str(refused.value)
+    assert name in out and "printable ASCII" in out, out
+    assert "s3cret" not in out, out
+
+
+def test_tokens_with_spaces_inside_are_accepted_and_work(tmp_path):
+    with Server(tmp_path, "--write-token", "s3cret with spaces") as srv:
+        h, frame = raw_frame(20)
+        got = httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame,
+                        headers={"Authorization": "Bearer s3cret with spaces"})
+        assert got.status_code == 201, got.text
+        assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 401
