@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import ipaddress
 import json
 import logging
 import time
@@ -103,10 +104,24 @@ def _authority(authority: str, scheme: str) -> tuple[str, int] | None:
     return (name, int(rest[1:])) if rest[0] == ":" and rest[1:].isdigit() else None
 
 
-def cross_origin(headers: Any, scheme: str) -> str | None:
+def _loopback(name: str) -> bool:
+    name = name.removeprefix("[").removesuffix("]")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def cross_origin(headers: Any, scheme: str, server: Any = None) -> str | None:
     """The ``Origin`` a browser sent with a request from a page of another origin (or an
     opaque one, ``null``), or None: no Origin (not a browser's cross-origin request) or the
-    page's own server."""
+    page's own server. ``server``: the (address, port) the request came in on; on a loopback
+    address the page must be of a loopback name too. A page whose name its owner made resolve
+    to 127.0.0.1 (DNS rebinding) is of the server's origin for the browser, Host and Origin
+    alike, and no browser reaches a loopback address but from its own host, where the
+    server's own pages are localhost's."""
     origin = host = None
     for name, value in headers:
         if name == b"origin":
@@ -120,7 +135,8 @@ def cross_origin(headers: Any, scheme: str) -> str | None:
     if sep and host is not None and "/" not in o_authority and o_scheme == scheme:
         theirs = _authority(o_authority, o_scheme)
         if theirs is not None and theirs == _authority(host, scheme):
-            return None
+            if not (server and _loopback(str(server[0]))) or _loopback(theirs[0]):
+                return None
     return origin
 
 
@@ -142,7 +158,7 @@ class SameOrigin:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS:
-            origin = cross_origin(scope["headers"], scope.get("scheme", "http"))
+            origin = cross_origin(scope["headers"], scope.get("scheme", "http"), scope.get("server"))
             if origin is not None:
                 body = json.dumps({"error": f"a request from a page of another origin ({origin[:100]!r}) "
                                             "may not change anything"}).encode()

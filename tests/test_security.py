@@ -72,6 +72,26 @@ def test_the_servers_own_pages_and_clients_without_origin_still_write(open_serve
     assert got.status_code == 200
 
 
+
+def test_a_rebound_name_cannot_write_to_a_server_on_loopback(open_server):
+    """DNS rebinding: a page at http://rebound.example:PORT whose name is made to resolve to
+    127.0.0.1 after it loaded is, for the browser, of the server's origin: its requests carry
+    Host and Origin both naming rebound.example, and passed the same-origin check. On a
+    loopback address, the page must be of a loopback name (localhost, 127.0.0.0/8, [::1])."""
+    h, frame = raw_frame(30)
+    port = open_server.port
+    for name in ("rebound.example", "10.1.2.3", "[2001:db8::1]"):
+        got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]),
+                         headers={"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}", "Content-Type": "text/plain"})
+        assert got.status_code == 403, (name, got.text)
+        assert not _stored(open_server.url, h)
+    for i, name in enumerate(("localhost", "127.0.0.2", "app.localhost")):
+        h, frame = raw_frame(31 + i)
+        got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]),
+                         headers={"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}"})
+        assert got.status_code == 200 and got.json()[0]["status"] == "stored", (name, got.text)
+
+
 @pytest.mark.parametrize("name, args, env", [
     ("write_token", ["--write-token", "s3cret-w "], {}),  # a secret file's line, its newline cut, a space left
     ("admin_token", ["--write-token", "s3cret-w"], {"CACHESEEK_ADMIN_TOKEN": "s3cret-caf\u00e9"}),
