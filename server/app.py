@@ -101,7 +101,9 @@ def _authority(authority: str, scheme: str) -> tuple[str, int] | None:
     if not rest:
         default = DEFAULT_PORTS.get(scheme)
         return (name, default) if default is not None else None
-    return (name, int(rest[1:])) if rest[0] == ":" and rest[1:].isdigit() else None
+    port = rest[1:]
+    # (isdigit() alone takes a latin-1 '\xb2', and int() refuses 4,300 digits and more)
+    return (name, int(port)) if rest[0] == ":" and port.isascii() and port.isdigit() and len(port) <= 5 else None
 
 
 def _loopback(name: str) -> bool:
@@ -149,9 +151,9 @@ class SameOrigin:
     its host, for the default loopback address) opened could store blocks in a server
     without tokens, their KV served to inference as a cached prefix's, or start prefetches.
     It cannot read the answer, and never needed to. Browsers name the page's origin in
-    ``Origin`` on every cross-origin request but GET and HEAD; clients that are not browsers
-    (RemoteCache, curl) send none and are let through, as is a page of the server itself (the
-    dashboard, /docs)."""
+    ``Origin`` on every request but GET and HEAD; clients that are not browsers (RemoteCache,
+    curl) send none and are let through, as is a page of the server itself (the dashboard,
+    /docs). On a loopback address, a page must be of a loopback name (``cross_origin``)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -118,3 +118,14 @@ def test_tokens_with_spaces_inside_are_accepted_and_work(tmp_path):
                         headers={"Authorization": "Bearer s3cret with spaces"})
         assert got.status_code == 201, got.text
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 401
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:\u00b2", "127.0.0.1:" + "1" * 5000, "[::1", "127.0.0.1:", "127.0.0.1:-1"])
+def test_a_host_header_of_no_port_is_another_origin_never_a_500(open_server, host):
+    """The same-origin check reads the Host header's port: one that is not a number (a
+    latin-1 superscript digit, thousands of digits int() refuses) is refused, not a crash."""
+    h, frame = raw_frame(40)
+    got = httpx.post(open_server.url + "/v1/blocks", content=batch_body([frame]),
+                     headers={"Host": host.encode("latin-1"), "Origin": f"http://{host}".encode("latin-1")})
+    assert got.status_code in (400, 403), got.text
+    assert not _stored(open_server.url, h)
