@@ -4,6 +4,8 @@ processes on loopback."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
@@ -129,3 +131,22 @@ def test_a_host_header_of_no_port_is_another_origin_never_a_500(open_server, hos
                      headers={"Host": host.encode("latin-1"), "Origin": f"http://{host}".encode("latin-1")})
     assert got.status_code in (400, 403), got.text
     assert not _stored(open_server.url, h)
+
+
+def test_request_methods_of_no_standard_make_no_label_sets(tmp_path):
+    """h11 answers any token as a method (a 404 or 405), and each one was a label of
+    /metrics' request series, with a histogram kept for the life of the process: a client
+    without a token grew /metrics and the server's memory without bound."""
+    with Server(tmp_path, "--http", "h11", disk=False) as srv:
+        for i in range(40):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(f"XMETHOD{i} /v1/stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                answer = b""
+                while chunk := s.recv(65536):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 4"), answer[:100]
+        text = httpx.get(srv.url + "/metrics").text
+        assert "XMETHOD" not in text
+        others = [line for line in text.splitlines() if line.startswith("cacheseek_http_requests_total{")
+                  and 'method="_other"' in line]
+        assert sum(float(line.rpartition(" ")[2]) for line in others) == 40, others
