@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import ipaddress
 import json
 import logging
 import time
@@ -72,6 +73,98 @@ class OneHost:
             if wrong_host:
                 body = json.dumps({"error": wrong_host}).encode()
                 await send({"type": "http.response.start", "status": 400,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+# Methods a page of any origin may send (with a body a form or fetch(no-cors) can make) and
+# whose effects the browser does not hold back: it only hides the answer from the page.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def _authority(authority: str, scheme: str) -> tuple[str, int] | None:
+    """(host, port) of a ``Host`` header or an origin's authority, the scheme's port when it
+    names none; None when it cannot be read."""
+    authority = authority.strip().lower()
+    if authority.startswith("["):  # an IPv6 literal: its colons are inside the brackets
+        end = authority.find("]")
+        if end < 0:
+            return None
+        name, rest = authority[: end + 1], authority[end + 1:]
+    else:
+        name, colon, port = authority.partition(":")
+        rest = colon + port
+    if not rest:
+        default = DEFAULT_PORTS.get(scheme)
+        return (name, default) if default is not None else None
+    port = rest[1:]
+    # (isdigit() alone takes a latin-1 '\xb2', and int() refuses 4,300 digits and more)
+    return (name, int(port)) if rest[0] == ":" and port.isascii() and port.isdigit() and len(port) <= 5 else None
+
+
+def _loopback(name: str) -> bool:
+    name = name.removeprefix("[").removesuffix("]")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def cross_origin(headers: Any, scheme: str, server: Any = None) -> str | None:
+    """The ``Origin`` a browser sent with a request from a page of another origin (or an
+    opaque one, ``null``), or None: no Origin (not a browser's cross-origin request) or the
+    page's own server. ``server``: the (address, port) the request came in on; on a loopback
+    address the page must be of a loopback name too. A page whose name its owner made resolve
+    to 127.0.0.1 (DNS rebinding) is of the server's origin for the browser, Host and Origin
+    alike, and no browser reaches a loopback address but from its own host, where the
+    server's own pages are localhost's."""
+    origin = host = None
+    for name, value in headers:
+        if name == b"origin":
+            origin = value.decode("latin-1")
+        elif name == b"host":
+            host = value.decode("latin-1")
+    if origin is None:
+        return None
+    o_scheme, sep, o_authority = origin.partition("://")
+    o_scheme = o_scheme.lower()
+    if sep and host is not None and "/" not in o_authority and o_scheme == scheme:
+        theirs = _authority(o_authority, o_scheme)
+        if theirs is not None and theirs == _authority(host, scheme):
+            if not (server and _loopback(str(server[0]))) or _loopback(theirs[0]):
+                return None
+    return origin
+
+
+class SameOrigin:
+    """A request that changes something (any method but GET, HEAD, OPTIONS) sent by a page of
+    another origin is a JSON 403, the connection closed, the route not run. A browser sends
+    such a request without asking first (no CORS preflight) when it is a POST with a body
+    typed as text, a form or nothing (``fetch(url, {method: "POST", mode: "no-cors", body})``),
+    and the server read any body as frames: any web page a user on the server's network (or
+    its host, for the default loopback address) opened could store blocks in a server
+    without tokens, their KV served to inference as a cached prefix's, or start prefetches.
+    It cannot read the answer, and never needed to. Browsers name the page's origin in
+    ``Origin`` on every request but GET and HEAD; clients that are not browsers (RemoteCache,
+    curl) send none and are let through, as is a page of the server itself (the dashboard,
+    /docs). On a loopback address, a page must be of a loopback name (``cross_origin``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS:
+            origin = cross_origin(scope["headers"], scope.get("scheme", "http"), scope.get("server"))
+            if origin is not None:
+                body = json.dumps({"error": f"a request from a page of another origin ({origin[:100]!r}) "
+                                            "may not change anything"}).encode()
+                await send({"type": "http.response.start", "status": 403,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
                 await send({"type": "http.response.body", "body": body})
@@ -182,6 +275,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     if settings.metrics_detail:
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
+    app.add_middleware(SameOrigin)  # (outside the metrics' too, and before any body is read)
     app.add_middleware(OneHost)  # (outside the metrics': as server.protocol's refusals, not a route's answer)
     app.add_middleware(CutAtShutdown)  # (outermost: a cut anywhere below is caught)
     return app

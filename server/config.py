@@ -381,11 +381,23 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert and tls_key: set both (HTTPS) or neither (plain HTTP)")
         if self.read_token is not None and self.write_token is None:
             raise ValueError("read_token is set but write_token is not: writes would be open to anyone")
-        tokens = [t.get_secret_value() for t in (self.read_token, self.write_token, self.admin_token) if t is not None]
-        for tenant in self.tenants.values():
-            tokens += [t.get_secret_value() for t in (tenant.read_token, tenant.write_token) if t is not None]
+        named = [(name, t.get_secret_value()) for name, t in
+                 (("read_token", self.read_token), ("write_token", self.write_token), ("admin_token", self.admin_token))
+                 if t is not None]
+        for namespace, tenant in self.tenants.items():
+            named += [(f"tenants[{namespace!r}].{name}", t.get_secret_value())
+                      for name, t in (("read_token", tenant.read_token), ("write_token", tenant.write_token))
+                      if t is not None]
+        tokens = [t for _, t in named]
         if any(not t for t in tokens):
             raise ValueError("read_token/write_token/admin_token/tenants: a token may not be empty")
+        for name, t in named:
+            # A header carries printable ASCII, and its value's spaces at either end are not
+            # part of it: such a token (a pasted non-breaking space, a trailing newline of a
+            # secrets file) was taken, and no client could ever send it (every request 403).
+            if not (t.isascii() and t.isprintable()) or t != t.strip():
+                raise ValueError(f"{name}: a token is printable ASCII without spaces at either end (no HTTP "
+                                 "header carries anything else, so no client could send this one)")
         if len(set(tokens)) != len(tokens):
             raise ValueError("read_token/write_token/admin_token/tenants: every token must be different")
         if self.tenants and self.write_token is None:

@@ -22,7 +22,8 @@ _ERROR = {"content": {"application/json": {"schema": {"type": "object", "propert
 _COMMON = {
     "400": "a bad namespace header (or a bad hash in the path)",
     "401": "tokens are configured and the request has none",
-    "403": "a token that is not accepted, a read token on a write route, or another tenant's namespace",
+    "403": "a token that is not accepted, a read token on a write route, another tenant's namespace, or (any "
+           "method but GET and HEAD) a request from a web page of another origin",
     "503": "the store is starting or shutting down",
 }
 
