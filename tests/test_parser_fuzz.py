@@ -29,6 +29,7 @@ import cacheseek as cs
 from cacheseek.errors import FrameError
 from cacheseek.store.breaker import CircuitBreaker
 from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, check_codec_layout, parse_frame, payload_checksum
+from redis_servers import needs_redis
 from server_helpers import Server, batch_body, raw_frame
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_cache, make_kv, tokens_for
 
@@ -327,15 +328,14 @@ RECORDS = st.binary(max_size=24) | st.sampled_from([b"nan", b"inf", b"-inf", b"-
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from redis_servers import REDIS_CLI, REDIS_SERVER, RedisServer
+    from redis_servers import RedisServer
 
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not installed")
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server.url
     server.stop()
 
 
+@needs_redis
 @fuzz(40)
 @given(lru=st.lists(st.tuples(MEMBERS, st.floats(0, 1e6)), max_size=3), pinned=st.lists(MEMBERS, max_size=2),
        sizes=st.lists(st.tuples(MEMBERS, RECORDS), max_size=3), owners=st.lists(st.tuples(MEMBERS, MEMBERS), max_size=2),
