@@ -57,6 +57,15 @@ def _remove_stale_temp_files(disk: Path) -> None:
                 log.warning("cannot remove %s: %s", stale, exc)
 
 
+async def refuse(send: Send, status: int, error: str) -> None:
+    """A middleware's JSON refusal, the connection closed: the route never ran."""
+    body = json.dumps({"error": error}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class OneHost:
     """An HTTP/1.1 request without exactly one Host header is a JSON 400, the connection
     closed, the route not run (RFC 9112 3.2). server.protocol refuses it before the body;
@@ -71,11 +80,7 @@ class OneHost:
         if scope["type"] == "http":
             wrong_host = host_error(scope["headers"], scope.get("http_version"))
             if wrong_host:
-                body = json.dumps({"error": wrong_host}).encode()
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
+                await refuse(send, 400, wrong_host)
                 return
         await self.app(scope, receive, send)
 
@@ -162,12 +167,8 @@ class SameOrigin:
         if scope["type"] == "http" and scope.get("method") not in SAFE_METHODS:
             origin = cross_origin(scope["headers"], scope.get("scheme", "http"), scope.get("server"))
             if origin is not None:
-                body = json.dumps({"error": f"a request from a page of another origin ({origin[:100]!r}) "
-                                            "may not change anything"}).encode()
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-                await send({"type": "http.response.body", "body": body})
+                await refuse(send, 403, f"a request from a page of another origin ({origin[:100]!r}) "
+                                        "may not change anything")
                 return
         await self.app(scope, receive, send)
 
