@@ -766,3 +766,114 @@ def test_the_test_command_installs_what_the_suite_skips_without():
     problems += [f"{v}: scripts/test.sh does not export it" for v in sorted(pythons)
                  if not re.search(rf"^export {v}=", script, re.M)]
     assert not problems, "\n".join(problems)
+
+
+# -- design.md's module map: the imports column ----------------------------------------------
+
+MAP_SECTIONS = {"Foundations": "", "Codecs": "cacheseek", "Caches": "cacheseek", "Integrations": "cacheseek/integrations",
+                "Traces": "cacheseek", "Store": "cacheseek", "Server": "server"}
+
+
+def _module_name(path: Path) -> str:
+    """cacheseek's dotted name of ``path``: server/x.py is cacheseek.server.x."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "server":
+        parts = ["cacheseek", *parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _map_name(module: str) -> str | None:
+    """A module as the map names it: ``store.tier``, ``server.errors``, "the package"."""
+    if module == "cacheseek":
+        return "the package"
+    return module.removeprefix("cacheseek.") if module.startswith("cacheseek.") else None
+
+
+def _is_module(module: str) -> bool:
+    rel = Path(*module.split("."))
+    if module.startswith("cacheseek.server"):
+        rel = Path("server", *module.split(".")[2:])
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
+def module_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(CacheSeek modules ``path`` imports at module level, those it imports only inside
+    functions), in the map's names; imports under ``TYPE_CHECKING`` are not imports."""
+    import ast
+
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    top: set[str] = set()
+    lazy: set[str] = set()
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            found: list[str] = []
+            if isinstance(child, ast.Assign) and ast.unparse(child.targets[0]) == "_LAZY":
+                # the package's names imported on first use (its __getattr__): lazily
+                for value in ast.literal_eval(child.value).values():
+                    lazy.add(_map_name(f"{package}{value}") or value)
+            elif isinstance(child, ast.Import):
+                found = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(up + ([child.module] if child.module else []))
+                subs = [f"{base}.{a.name}" for a in child.names if _is_module(f"{base}.{a.name}")]
+                found = subs + ([base] if len(subs) < len(child.names) else [])
+            for module in found:
+                name = _map_name(module)
+                if name is not None and module != me:
+                    (lazy if inner else top).add(name)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return top, lazy - top
+
+
+def module_map_rows() -> list[tuple[int, Path, set[str], set[str]]]:
+    """(line, module, imports, lazy imports) of each row of design.md's module map that names
+    one module and lists its imports plainly (no ``*``, no per-module parts)."""
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:start"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:end"))
+    rows, base = [], None
+    for number in range(start + 1, end):
+        line = lines[number]
+        section = re.match(r"\*\*(\w+)", line)
+        if section:
+            base = MAP_SECTIONS[section.group(1)]
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        paths = re.findall(r"`([\w/]+\.py)`", cells[0]) if len(cells) == 3 else []
+        if len(paths) != 1 or re.search(r"[*:]|\(lazily\)", cells[2]):
+            continue
+        path = ROOT / paths[0] if paths[0].startswith("cacheseek/") else ROOT / base / paths[0]
+        eager, _, later = cells[2].partition("lazily")
+        names = lambda cell: {n.strip() for n in cell.strip(" ;").split(",")} - {"", "—", "(none)"}  # noqa: E731
+        rows.append((number + 1, path, names(eager), names(later)))
+    return rows
+
+
+def test_the_module_map_lists_each_modules_imports():
+    """design.md's module map says, row by row, which CacheSeek modules a module imports (at
+    module level, and lazily); rows drifted as modules took new imports (server/errors.py
+    the OpenAPI helpers, the CLI's `top`/`admin` dispatch, remote.py the breaker)."""
+    rows = module_map_rows()
+    assert len(rows) > 60
+    problems = []
+    for number, path, eager, lazy in rows:
+        where = f"docs/design.md:{number}: {path.relative_to(ROOT)}"
+        if not path.is_file():
+            problems.append(f"{where}: no such file")
+            continue
+        top, inner = module_imports(path)
+        if (top, inner) != (eager, lazy):
+            problems.append(f"{where}: imports {', '.join(sorted(top)) or '—'}"
+                            f"{'; lazily ' + ', '.join(sorted(inner)) if inner else ''} (the map: "
+                            f"+{sorted(eager - top)} -{sorted(top - eager)}, lazily +{sorted(lazy - inner)} -{sorted(inner - lazy)})")
+    assert not problems, "\n".join(problems)
