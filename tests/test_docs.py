@@ -12,7 +12,9 @@ models.md's demo output has the columns the demo prints and its pip command the 
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
 the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and
-every series and ``X-CacheSeek-*`` header any doc names is real."""
+every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
+in http-api.md (and every route a doc names is served), and design.md's module map lists the
+imports each module has."""
 
 from __future__ import annotations
 
@@ -877,3 +879,43 @@ def test_the_module_map_lists_each_modules_imports():
                             f"{'; lazily ' + ', '.join(sorted(inner)) if inner else ''} (the map: "
                             f"+{sorted(eager - top)} -{sorted(top - eager)}, lazily +{sorted(lazy - inner)} -{sorted(inner - lazy)})")
     assert not problems, "\n".join(problems)
+
+
+def app_routes() -> set[str]:
+    """``METHOD /path`` of every route the server's app serves (HEAD aside: every GET takes it)."""
+    from cacheseek.server.app import create_app
+
+    from cacheseek.server import routes
+
+    modules = [importlib.import_module(f"cacheseek.server.routes.{m.stem}")
+               for m in sorted(Path(routes.__file__).parent.glob("[!_]*.py"))]
+    assert create_app  # the app includes each of these routers (server/app.py)
+    served = {f"{method} {route.path}" for module in modules for route in module.router.routes
+              for method in route.methods if method != "HEAD"}
+    return served | {"GET /openapi.json"}  # FastAPI's own (server/openapi.py shapes it)
+
+
+def test_every_route_is_in_the_http_api_doc_and_every_route_named_is_served():
+    """http-api.md's routes table (its admin row pointing at operations.md's table) names every
+    route the app serves; and any ``METHOD /path`` a doc names is one of them."""
+    pytest.importorskip("fastapi")
+    served = app_routes()
+    assert len(served) > 20
+    documented = ""
+    for name in ("http-api.md", "operations.md"):
+        documented += (ROOT / "docs" / name).read_text(encoding="utf-8")
+    missing = sorted(r for r in served if f"`{r}" not in documented and f"`{r.split()[0]} {r.split()[1]}?" not in documented)
+    assert not missing, f"routes served that docs/http-api.md (or operations.md's admin table) does not name: {missing}"
+    unknown = []
+    pattern = re.compile(r"\b(GET|HEAD|POST|PUT|DELETE) (/[\w/{}.-]*\w[}]?)")
+    templates = [(r.split()[0], re.compile("^" + re.sub(r"\{\w+\}", r"[^/]+", r.split()[1]) + "$")) for r in served]
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "405" in line:
+                continue  # examples of what is refused with a 405
+            for method, url in pattern.findall(line):
+                method = "GET" if method == "HEAD" else method
+                if not any(m == method and t.match(url) for m, t in templates) and not any(
+                        m == method and t.match(url.rstrip("/") + "/x") for m, t in templates):
+                    unknown.append(f"{path.relative_to(ROOT)}:{number}: {method} {url}")
+    assert not unknown, "routes named that the app does not serve:\n" + "\n".join(unknown)
