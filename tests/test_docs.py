@@ -919,3 +919,17 @@ def test_every_route_is_in_the_http_api_doc_and_every_route_named_is_served():
                         m == method and t.match(url.rstrip("/") + "/x") for m, t in templates):
                     unknown.append(f"{path.relative_to(ROOT)}:{number}: {method} {url}")
     assert not unknown, "routes named that the app does not serve:\n" + "\n".join(unknown)
+
+
+def test_every_h200_step_a_doc_names_is_one_the_script_runs():
+    """``bash scripts/h200.sh STEP ...`` in the docs (how each GPU figure was made): a step the
+    script does not have only prints ``unknown step`` and runs nothing."""
+    script = (ROOT / "scripts" / "h200.sh").read_text(encoding="utf-8")
+    steps = set(re.findall(r"^ {4}([a-z0-9-]+)\)", script, flags=re.M))
+    assert len(steps) > 30
+    unknown = []
+    for path in CURRENT:
+        for number, line in doc_lines(path):
+            for m in re.finditer(r"scripts/h200\.sh((?: [a-z0-9][a-z0-9-]*)+)", line):
+                unknown += [f"{path.relative_to(ROOT)}:{number}: {s}" for s in m.group(1).split() if s not in steps]
+    assert not unknown, "steps scripts/h200.sh does not have:\n" + "\n".join(unknown)
