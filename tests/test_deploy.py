@@ -243,5 +243,6 @@ def test_redis_maxmemory_holds_the_redis_tier_budget_as_redis_md_asks():
         maxmemory = redis_size(command[command.index("--maxmemory") + 1])
         need = parse_size(budget) * 1.1 + (64 << 20)
         if maxmemory < need:
-            short.append(f"{where}: maxmemory {maxmemory / 2**30:.2f} GiB < {need / 2**30:.2f} GiB for redis_bytes {budget}")
+            short.append(f"{where}: maxmemory {maxmemory / 2**30:.2f} GiB < {need / 2**30:.2f} GiB "
+                         f"for redis_bytes {budget}")
     assert not short, "\n".join(short)
