@@ -11,7 +11,7 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU), and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
 in http-api.md (and every route a doc names is served), and design.md's module map lists the
 imports each module has."""
@@ -600,7 +600,7 @@ def shrunk(code: str, replacements: dict[str, str]) -> str:
     """``code`` with each key replaced by its value: sizes and hosts a test machine lacks. A
     key no longer in the example fails, so the example and its test change together."""
     for old, new in replacements.items():
-        assert old in code, f"the README's example no longer holds {old!r}: update the test with it"
+        assert old in code, f"the doc's example no longer holds {old!r}: update the test with it"
         code = code.replace(old, new)
     return code
 
@@ -640,6 +640,52 @@ def test_the_readme_python_examples_run(tmp_path):
         assert scope["got"].num_tokens == 512 and scope["got"].tiers == ["cpu", "cpu"]
         scope["remote"].close()
         assert srv.stop() == 0
+
+
+def test_the_engine_md_python_examples_run():
+    """engine.md's three Python blocks (the page layouts, the paged calls, the layer-wise
+    handles), run one after the other on the CPU with inputs they name defined first: every
+    name, keyword and attribute they show is the code's."""
+    import torch
+
+    import cacheseek as cs
+
+    pages_block, paged_block, layerwise_block = fenced_blocks(ROOT / "docs" / "engine.md", "python")
+    L, H, D, P, N = 2, 2, 64, 16, 64
+    f16 = torch.float16
+    scope = {
+        "cs": cs, "torch": torch, "device": "cpu", "layer": 0, "i": 0, "n": 64,
+        "kv_caches": [torch.randn(2, N, P, H, D, dtype=f16) for _ in range(L)],
+        "k_layers": [torch.randn(N, H, P, D, dtype=f16) for _ in range(L)],
+        "v_layers": [torch.randn(N, H, P, D, dtype=f16) for _ in range(L)],
+        "k_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
+        "v_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
+        "k": torch.randn(1, H, 64, D, dtype=f16), "v": torch.randn(H, 64, D, dtype=f16),
+    }
+    # the FlashInfer line's per-layer [num_pages, 2, H, page_size, D]
+    flashinfer = [torch.randn(N, 2, H, P, D, dtype=f16) for _ in range(L)]
+    exec(shrunk(pages_block, {"cs.KVPages.flashinfer(kv_caches,": "cs.KVPages.flashinfer(flashinfer,"}),
+         {**scope, "flashinfer": flashinfer}, scope)
+    scope["pages"] = cs.KVPages.vllm(scope["kv_caches"])
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16")
+    scope["cache"] = cs.PrefixCache(model_id="m", layout=layout, codec=cs.KIVI(bits=4, group_size=32), block_tokens=32,
+                                    tiers=cs.TierConfig(cpu_bytes="64MiB"))
+    scope.update(prompt=list(range(64)), page_ids=[0, 1, 2, 3], keys=list(range(100, 164)), max_tokens=None)
+    # "..." stands for more requests in the doc; one each here
+    exec(shrunk(paged_block, {", ...]": "]"}), scope)
+    assert scope["got"].num_tokens == 64
+    scope["requests"] = [cs.PagedRequest(scope["prompt"], [4, 5, 6, 7])]
+    # its first three lines are three ways to get a handle; the contiguous one, whose layers
+    # the next lines read, goes last (the paged ones are closed as they are replaced)
+    lines = layerwise_block.split("\n")
+    assert lines[0].startswith("load = cache.materialize(") and lines[2].startswith("load = cache.materialize_into_batch(")
+    lines[:3] = [lines[1], "load.close()", lines[2], "assert load.requests[0].num_tokens == 64", "load.close()", lines[0]]
+    exec(shrunk("\n".join(lines), {  # every layer put, as the comments say
+        "writer.put_layer(i, k, v)": "for i in range(2):\n    writer.put_layer(i, k, v)",
+        "writer.put_layer(i)  ": "for i in range(2):\n    writer.put_layer(i)  ",
+    }), scope)
+    assert [r.failed for r in scope["results"]] == [0] and scope["result"].failed == 0
+    scope["cache"].close()
 
 
 def test_models_md_fetches_the_wheel_the_code_pins():
