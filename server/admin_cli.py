@@ -9,7 +9,7 @@
 The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
 than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
 Exit status: 0 done everywhere; 1 a server refused (its reason printed) or answered with
-something that is not a CacheSeek answer; 2 bad arguments (a malformed ``--url`` or HASH,
+something that is not a CacheSeek answer; 2 bad arguments (no token, a malformed ``--url`` or HASH,
 a token that is not printable ASCII, a namespace out of the server's pattern too); 3 a server could not be reached.
 """
 

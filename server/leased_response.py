@@ -16,11 +16,11 @@ than the high-water mark leave views of the frames before the last): when the re
 no view of a leased slot is left with the transport.
 
 A response of many frames releases each frame's lease as soon as the transport has sent past
-its bytes (``SentLeases``), not when the response is over: a client reading a long prefix
-slowly (above ``body_min_bytes_per_second``, so never cut off) held every frame fetched so
-far, and the slots evicted under it could not be reused, shrinking the tier for everyone.
-Now it holds what the transport and the look-ahead hold: a frame or two, or its high-water
-mark's worth of small ones.
+its bytes (``SentLeases``), not when the response is over: held to the end, a client reading
+a long prefix slowly (above ``body_min_bytes_per_second``, so never cut off) would hold every
+frame fetched so far, and the slots evicted under it could not be reused, shrinking the tier
+for everyone. It holds what the transport and the look-ahead hold: a frame or two, or its
+high-water mark's worth of small ones.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The OpenAPI document as the routes answer: FastAPI's, corrected in one place.
 
-FastAPI lists a 422 on every route with a parameter, but only ``/v1/lookup`` answers 422
-(a body of the wrong shape); the others answer 400 for bad input (``server/errors.py``).
+FastAPI lists a 422 on every route with a parameter, but only ``/v1/lookup`` and
+``/v1/prefetch`` (which takes the lookup's body) answer 422 (a body of the wrong shape); the
+others answer 400 for bad input (``server/errors.py``).
 Block hashes are checked by the routes (a 400), so their pattern is stated here rather than
 in ``Path(pattern=...)``, which would answer 422.
 """

@@ -203,3 +203,46 @@ def test_the_image_healthcheck_asks_the_port_and_scheme_the_server_was_given(tmp
         srv.stop()
     done = subprocess.run(_healthcheck(), env=check, capture_output=True, text=True, timeout=30)
     assert done.returncode != 0  # (and a server that is gone is unhealthy)
+
+
+REDIS_UNITS = {"": 1, "k": 1000, "kb": 1 << 10, "m": 10**6, "mb": 1 << 20, "g": 10**9, "gb": 1 << 30}
+
+
+def redis_size(value: str) -> int:
+    """A redis-server size argument in bytes: its ``mb`` is 1024 * 1024, its ``m`` 10**6."""
+    m = re.fullmatch(r"(\d+)([a-z]*)", value.lower())
+    assert m and m.group(2) in REDIS_UNITS, value
+    return int(m.group(1)) * REDIS_UNITS[m.group(2)]
+
+
+def test_redis_maxmemory_holds_the_redis_tier_budget_as_redis_md_asks():
+    """docs/redis.md: ``maxmemory`` at least ``redis_bytes x 1.1 + 64 MiB`` (else Redis
+    answers OOM and writes are dropped). The Kubernetes Redis had 17700mb (17.3 GiB: Redis's
+    ``mb`` is a MiB) for replicas' 16 GiB, which need 17.7 GiB; compose's 8gb sat beside a
+    commented-out Redis URL that would run the default 16 GiB budget."""
+    default = ServerSettings.model_fields["redis_bytes"].default
+    pairs = []
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    env = compose["services"]["cacheseek"]["environment"]
+    budget = re.sub(r"^\$\{\w+:-(.*)\}$", r"\1", env.get("CACHESEEK_REDIS_BYTES", str(default)))
+    pairs.append(("docker-compose.yml", budget, compose["services"]["redis"]["command"]))
+    docs = manifests()
+    for path, doc in docs:
+        if doc["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for c in doc["spec"]["template"]["spec"]["containers"]:
+            if c.get("args") and c["args"][0] == "redis-server":
+                (replicas,) = [c for _, d in docs if d["kind"] in ("Deployment", "StatefulSet")
+                               for c in d["spec"]["template"]["spec"]["containers"]
+                               if any(e["name"] == "CACHESEEK_REDIS_URL" for e in c.get("env", []))]
+                env = {e["name"]: e.get("value") for e in replicas["env"]}
+                pairs.append((path.name, env.get("CACHESEEK_REDIS_BYTES", str(default)), c["args"]))
+    assert len(pairs) == 2
+    short = []
+    for where, budget, command in pairs:
+        maxmemory = redis_size(command[command.index("--maxmemory") + 1])
+        need = parse_size(budget) * 1.1 + (64 << 20)
+        if maxmemory < need:
+            short.append(f"{where}: maxmemory {maxmemory / 2**30:.2f} GiB < {need / 2**30:.2f} GiB "
+                         f"for redis_bytes {budget}")
+    assert not short, "\n".join(short)

@@ -11,8 +11,10 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and
-every series and ``X-CacheSeek-*`` header any doc names is real."""
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU), and
+every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
+in http-api.md (and every route a doc names is served), and design.md's module map lists the
+imports each module has."""
 
 from __future__ import annotations
 
@@ -598,7 +600,7 @@ def shrunk(code: str, replacements: dict[str, str]) -> str:
     """``code`` with each key replaced by its value: sizes and hosts a test machine lacks. A
     key no longer in the example fails, so the example and its test change together."""
     for old, new in replacements.items():
-        assert old in code, f"the README's example no longer holds {old!r}: update the test with it"
+        assert old in code, f"the doc's example no longer holds {old!r}: update the test with it"
         code = code.replace(old, new)
     return code
 
@@ -638,6 +640,52 @@ def test_the_readme_python_examples_run(tmp_path):
         assert scope["got"].num_tokens == 512 and scope["got"].tiers == ["cpu", "cpu"]
         scope["remote"].close()
         assert srv.stop() == 0
+
+
+def test_the_engine_md_python_examples_run():
+    """engine.md's three Python blocks (the page layouts, the paged calls, the layer-wise
+    handles), run one after the other on the CPU with inputs they name defined first: every
+    name, keyword and attribute they show is the code's."""
+    import torch
+
+    import cacheseek as cs
+
+    pages_block, paged_block, layerwise_block = fenced_blocks(ROOT / "docs" / "engine.md", "python")
+    L, H, D, P, N = 2, 2, 64, 16, 64
+    f16 = torch.float16
+    scope = {
+        "cs": cs, "torch": torch, "device": "cpu", "layer": 0, "i": 0, "n": 64,
+        "kv_caches": [torch.randn(2, N, P, H, D, dtype=f16) for _ in range(L)],
+        "k_layers": [torch.randn(N, H, P, D, dtype=f16) for _ in range(L)],
+        "v_layers": [torch.randn(N, H, P, D, dtype=f16) for _ in range(L)],
+        "k_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
+        "v_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
+        "k": torch.randn(1, H, 64, D, dtype=f16), "v": torch.randn(H, 64, D, dtype=f16),
+    }
+    # the FlashInfer line's per-layer [num_pages, 2, H, page_size, D]
+    flashinfer = [torch.randn(N, 2, H, P, D, dtype=f16) for _ in range(L)]
+    exec(shrunk(pages_block, {"cs.KVPages.flashinfer(kv_caches,": "cs.KVPages.flashinfer(flashinfer,"}),
+         {**scope, "flashinfer": flashinfer}, scope)
+    scope["pages"] = cs.KVPages.vllm(scope["kv_caches"])
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16")
+    scope["cache"] = cs.PrefixCache(model_id="m", layout=layout, codec=cs.KIVI(bits=4, group_size=32), block_tokens=32,
+                                    tiers=cs.TierConfig(cpu_bytes="64MiB"))
+    scope.update(prompt=list(range(64)), page_ids=[0, 1, 2, 3], keys=list(range(100, 164)), max_tokens=None)
+    # "..." stands for more requests in the doc; one each here
+    exec(shrunk(paged_block, {", ...]": "]"}), scope)
+    assert scope["got"].num_tokens == 64
+    scope["requests"] = [cs.PagedRequest(scope["prompt"], [4, 5, 6, 7])]
+    # its first three lines are three ways to get a handle; the contiguous one, whose layers
+    # the next lines read, goes last (the paged ones are closed as they are replaced)
+    lines = layerwise_block.split("\n")
+    assert lines[0].startswith("load = cache.materialize(") and lines[2].startswith("load = cache.materialize_into_batch(")
+    lines[:3] = [lines[1], "load.close()", lines[2], "assert load.requests[0].num_tokens == 64", "load.close()", lines[0]]
+    exec(shrunk("\n".join(lines), {  # every layer put, as the comments say
+        "writer.put_layer(i, k, v)": "for i in range(2):\n    writer.put_layer(i, k, v)",
+        "writer.put_layer(i)  ": "for i in range(2):\n    writer.put_layer(i)  ",
+    }), scope)
+    assert [r.failed for r in scope["results"]] == [0] and scope["result"].failed == 0
+    scope["cache"].close()
 
 
 def test_models_md_fetches_the_wheel_the_code_pins():
@@ -766,3 +814,169 @@ def test_the_test_command_installs_what_the_suite_skips_without():
     problems += [f"{v}: scripts/test.sh does not export it" for v in sorted(pythons)
                  if not re.search(rf"^export {v}=", script, re.M)]
     assert not problems, "\n".join(problems)
+
+
+# -- design.md's module map: the imports column ----------------------------------------------
+
+MAP_SECTIONS = {"Foundations": "", "Codecs": "cacheseek", "Caches": "cacheseek",
+                "Integrations": "cacheseek/integrations", "Traces": "cacheseek", "Store": "cacheseek", "Server": "server"}
+
+
+def _module_name(path: Path) -> str:
+    """cacheseek's dotted name of ``path``: server/x.py is cacheseek.server.x."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "server":
+        parts = ["cacheseek", *parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _map_name(module: str) -> str | None:
+    """A module as the map names it: ``store.tier``, ``server.errors``, "the package"."""
+    if module == "cacheseek":
+        return "the package"
+    return module.removeprefix("cacheseek.") if module.startswith("cacheseek.") else None
+
+
+def _is_module(module: str) -> bool:
+    rel = Path(*module.split("."))
+    if module.startswith("cacheseek.server"):
+        rel = Path("server", *module.split(".")[2:])
+    return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
+
+
+def module_imports(path: Path) -> tuple[set[str], set[str]]:
+    """(CacheSeek modules ``path`` imports at module level, those it imports only inside
+    functions), in the map's names; imports under ``TYPE_CHECKING`` are not imports."""
+    import ast
+
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    top: set[str] = set()
+    lazy: set[str] = set()
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            found: list[str] = []
+            if isinstance(child, ast.Assign) and ast.unparse(child.targets[0]) == "_LAZY":
+                # the package's names imported on first use (its __getattr__): lazily
+                for value in ast.literal_eval(child.value).values():
+                    lazy.add(_map_name(f"{package}{value}") or value)
+            elif isinstance(child, ast.Import):
+                found = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    up = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join(up + ([child.module] if child.module else []))
+                subs = [f"{base}.{a.name}" for a in child.names if _is_module(f"{base}.{a.name}")]
+                found = subs + ([base] if len(subs) < len(child.names) else [])
+            for module in found:
+                name = _map_name(module)
+                if name is not None and module != me:
+                    (lazy if inner else top).add(name)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return top, lazy - top
+
+
+def module_map_rows() -> list[tuple[int, Path, set[str], set[str]]]:
+    """(line, module, imports, lazy imports) of each row of design.md's module map that names
+    one module and lists its imports plainly (no ``*``, no per-module parts)."""
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:start"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:end"))
+    rows, base = [], None
+    for number in range(start + 1, end):
+        line = lines[number]
+        section = re.match(r"\*\*(\w+)", line)
+        if section:
+            base = MAP_SECTIONS[section.group(1)]
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        paths = re.findall(r"`([\w/]+\.py)`", cells[0]) if len(cells) == 3 else []
+        if len(paths) != 1 or re.search(r"[*:]|\(lazily\)", cells[2]):
+            continue
+        path = ROOT / paths[0] if paths[0].startswith("cacheseek/") else ROOT / base / paths[0]
+        eager, _, later = cells[2].partition("lazily")
+        names = lambda cell: {n.strip() for n in cell.strip(" ;").split(",")} - {"", "—", "(none)"}  # noqa: E731
+        rows.append((number + 1, path, names(eager), names(later)))
+    return rows
+
+
+def test_the_module_map_lists_each_modules_imports():
+    """design.md's module map says, row by row, which CacheSeek modules a module imports (at
+    module level, and lazily); rows drifted as modules took new imports (server/errors.py
+    the OpenAPI helpers, the CLI's `top`/`admin` dispatch, remote.py the breaker)."""
+    rows = module_map_rows()
+    assert len(rows) > 60
+    problems = []
+    for number, path, eager, lazy in rows:
+        where = f"docs/design.md:{number}: {path.relative_to(ROOT)}"
+        if not path.is_file():
+            problems.append(f"{where}: no such file")
+            continue
+        top, inner = module_imports(path)
+        if (top, inner) != (eager, lazy):
+            problems.append(f"{where}: imports {', '.join(sorted(top)) or '—'}"
+                            f"{'; lazily ' + ', '.join(sorted(inner)) if inner else ''} (the map: "
+                            f"+{sorted(eager - top)} -{sorted(top - eager)}, "
+                            f"lazily +{sorted(lazy - inner)} -{sorted(inner - lazy)})")
+    assert not problems, "\n".join(problems)
+
+
+def app_routes() -> set[str]:
+    """``METHOD /path`` of every route the server's app serves (HEAD aside: every GET takes it)."""
+    from cacheseek.server.app import create_app
+
+    from cacheseek.server import routes
+
+    modules = [importlib.import_module(f"cacheseek.server.routes.{m.stem}")
+               for m in sorted(Path(routes.__file__).parent.glob("[!_]*.py"))]
+    assert create_app  # the app includes each of these routers (server/app.py)
+    served = {f"{method} {route.path}" for module in modules for route in module.router.routes
+              for method in route.methods if method != "HEAD"}
+    return served | {"GET /openapi.json"}  # FastAPI's own (server/openapi.py shapes it)
+
+
+def test_every_route_is_in_the_http_api_doc_and_every_route_named_is_served():
+    """http-api.md's routes table (its admin row pointing at operations.md's table) names every
+    route the app serves; and any ``METHOD /path`` a doc names is one of them."""
+    pytest.importorskip("fastapi")
+    served = app_routes()
+    assert len(served) > 20
+    documented = ""
+    for name in ("http-api.md", "operations.md"):
+        documented += (ROOT / "docs" / name).read_text(encoding="utf-8")
+    missing = sorted(r for r in served if f"`{r}" not in documented and f"`{r}?" not in documented)
+    assert not missing, f"routes served that docs/http-api.md (or operations.md's admin table) does not name: {missing}"
+    unknown = []
+    pattern = re.compile(r"\b(GET|HEAD|POST|PUT|DELETE) (/[\w/{}.-]*\w[}]?)")
+    templates = [(r.split()[0], re.compile("^" + re.sub(r"\{\w+\}", r"[^/]+", r.split()[1]) + "$")) for r in served]
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if "405" in line:
+                continue  # examples of what is refused with a 405
+            for method, url in pattern.findall(line):
+                method = "GET" if method == "HEAD" else method
+                if not any(m == method and t.match(url) for m, t in templates) and not any(
+                        m == method and t.match(url.rstrip("/") + "/x") for m, t in templates):
+                    unknown.append(f"{path.relative_to(ROOT)}:{number}: {method} {url}")
+    assert not unknown, "routes named that the app does not serve:\n" + "\n".join(unknown)
+
+
+def test_every_h200_step_a_doc_names_is_one_the_script_runs():
+    """``bash scripts/h200.sh STEP ...`` in the docs (how each GPU figure was made): a step the
+    script does not have only prints ``unknown step`` and runs nothing."""
+    script = (ROOT / "scripts" / "h200.sh").read_text(encoding="utf-8")
+    steps = set(re.findall(r"^ {4}([a-z0-9-]+)\)", script, flags=re.M))
+    assert len(steps) > 30
+    unknown = []
+    for path in CURRENT:
+        for number, line in doc_lines(path):
+            for m in re.finditer(r"scripts/h200\.sh((?: [a-z0-9][a-z0-9-]*)+)", line):
+                unknown += [f"{path.relative_to(ROOT)}:{number}: {s}" for s in m.group(1).split() if s not in steps]
+    assert not unknown, "steps scripts/h200.sh does not have:\n" + "\n".join(unknown)

@@ -844,7 +844,7 @@ def not_cacheseek():
         httpd.server_close()
 
 
-def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, capsys):
+def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, capsys, monkeypatch):
     from cacheseek.server.cli import main
 
     url, pages = not_cacheseek
@@ -873,6 +873,11 @@ def test_top_and_admin_say_what_is_wrong_with_an_answer_or_a_url(not_cacheseek, 
     for n in ("0", "-1"):
         rc, err = said("top", "--url", url, "--iterations", n)
         assert rc == 2 and "--iterations must be >= 1" in err
+    # no admin token: bad arguments (docs/operations.md), exit 2; a server asked would answer
+    # this one's 200 page that is not CacheSeek's, exit 1
+    monkeypatch.delenv("CACHESEEK_ADMIN_TOKEN", raising=False)
+    rc, err = said("admin", "--url", url, "namespaces")
+    assert rc == 2 and "an admin token is needed" in err, err
     pages["/v1/stats"] = b"{}"
     for interval in ("nan", "inf", "0"):  # nan polled without a pause; inf drew once, then a traceback
         rc, err = said("top", "--url", url, "--interval", interval, "--iterations", "2")
