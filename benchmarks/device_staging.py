@@ -8,6 +8,11 @@ buffer per use (``torch.empty`` + ``record_stream``, what the data path did befo
 2. ``ingest`` (of new blocks) and ``materialize`` of ``--blocks`` blocks (a 28-layer, 8-head,
    128-dim fp16 layout, 256-token blocks; Raw and KIVI int4) through a CPU tier, median ms,
    with the pool and with a pool of cap 0 (every take a one-off buffer: the plain way).
+
+In-run baseline: the plain way, measured in the same process right after the pool. Each
+row's ratio is pooled over plain of the same row (the same bytes; the same codec):
+``vs_plain`` (host time per buffer), ``ingest_vs_plain`` and ``materialize_vs_plain``
+(median ms); above 1 the pool is slower. The plain rows are 1 by definition.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ def buffer_rows(device: torch.device, reps: int) -> list[dict]:
             us = min(timeit.repeat(fn, number=reps, repeat=5)) / reps * 1e6
             _sync(device)
             rows.append({"case": name, "bytes": nbytes, "us_per_buffer": us})
+        pool_row, plain_row = rows[-2:]
+        pool_row["vs_plain"] = pool_row["us_per_buffer"] / plain_row["us_per_buffer"]
+        plain_row["vs_plain"] = 1.0
     return rows
 
 
@@ -108,6 +116,10 @@ def path_rows(device: torch.device, blocks: int, reps: int) -> list[dict]:
                          "buffers_made": stats["buffers_made"], "one_off": stats["one_off"],
                          "leases_active": stats["leases_active"]})
             cache.close()
+        pool_row, plain_row = rows[-2:]
+        for key in ("ingest", "materialize"):
+            pool_row[f"{key}_vs_plain"] = pool_row[f"{key}_ms"] / plain_row[f"{key}_ms"]
+            plain_row[f"{key}_vs_plain"] = 1.0
     return rows
 
 
@@ -127,9 +139,12 @@ def main() -> None:
     path = write_json("device_staging", {"device": str(device), "blocks": args.blocks, "reps": args.reps,
                                          "buffers": buffers, "paths": paths}, args.out)
     print(f"wrote {path}")
-    print(table(buffers, ["case", "bytes", "us_per_buffer"], f"One staging buffer, host time ({device})"))
-    print(table(paths, ["codec", "staging", "ingest_ms", "materialize_ms", "buffers_made", "one_off", "leases_active"],
-                f"{args.blocks} blocks of {BLOCK} tokens through a CPU tier ({device}), median of {args.reps}"))
+    print(table(buffers, ["case", "bytes", "us_per_buffer", "vs_plain"],
+                f"One staging buffer, host time ({device}); vs_plain: pool / plain, same bytes"))
+    print(table(paths, ["codec", "staging", "ingest_ms", "ingest_vs_plain", "materialize_ms", "materialize_vs_plain",
+                        "buffers_made", "one_off", "leases_active"],
+                f"{args.blocks} blocks of {BLOCK} tokens through a CPU tier ({device}), median of {args.reps}; "
+                f"*_vs_plain: pool / plain (cap 0), same codec"))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,16 @@ bytes of group 0 moved; ``issue per group`` times what issuing one layer group c
 thread that issues it with the byte moves and decodes stubbed out (the cutting of views and
 building of the copy lists, the host work a GPU pays per group besides the copy launches).
 ``--decode`` also times layer 0 ready and the contiguous materialize (slow on a CPU).
+
+In-run baseline: a plain copy of the load's stored bytes (the int4 payloads of its frames,
+as one buffer) onto the device: from pinned memory on a GPU, a memcpy on a CPU. Every load
+of these frames moves at least those bytes before its consumer has all of its layers, and
+the copy is cheap on both (unlike the contiguous materialize on a CPU, which decodes on the
+calling thread), so every run has it. ``vs_copy`` is a row's ms over the copy's: the
+handle's row says what share of merely moving the load's bytes the consumer waits before it
+can start. With ``--decode``, ``vs_contiguous`` is a row's ms over the contiguous
+materialize's (all layers ready), measured in the same run. The table and JSON
+(``layerwise_host.json`` in ``--out``) hold the rows; the lines per group follow.
 """
 
 from __future__ import annotations
@@ -25,12 +35,15 @@ import pstats
 import statistics
 import time
 
+from pathlib import Path
 from unittest import mock
 
 import torch
 
 import cacheseek as cs
 from cacheseek import layerwise
+
+from .report import table, write_json
 
 LAYOUT = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
 BLOCK = 256
@@ -124,6 +137,26 @@ def cut_per_load(cache: cs.PrefixCache, toks: list[int], device: torch.device,
     return out
 
 
+def copy_ms(cache: cs.PrefixCache, toks: list[int], device: torch.device, repeats: int) -> tuple[float, int]:
+    """Median ms of one plain copy of the load's stored payload bytes onto ``device`` (pinned
+    on a GPU), and that byte count: the baseline."""
+    got = cache.store.get_many(cache.block_hashes(toks))
+    nbytes = sum(frame.meta.payload_nbytes for frame, _ in got)
+    for frame, _ in got:
+        frame.release()
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    src.fill_(1)  # touched: the copy must not meet pages mapped on first use
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    copy()  # warm-up
+    return time_ms(copy, repeats)[0], nbytes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=64)
@@ -131,6 +164,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--profile", action="store_true", help="cProfile of the call until the handle")
     ap.add_argument("--decode", action="store_true", help="also time layer 0 ready and the contiguous load")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default benchmarks/results)")
     args = ap.parse_args()
     device = torch.device(args.device)
     cache, toks = build(args.blocks, args.device)
@@ -179,21 +213,38 @@ def main() -> None:
     stubbed_ms = statistics.median(stubbed[1:])
     issue = issue_per_group(cache, toks[:n], device, args.repeats)
     cut_all, cut_first = cut_per_load(cache, toks[:n], device, args.repeats)
-    print(f"device {device}, {args.blocks} blocks of {BLOCK} tokens ({n} tokens), int4, CPU tier; "
-          f"median of {args.repeats} (ms)")
-    print(f"  block_hashes                         {hashes_ms:8.2f}")
-    print(f"  locate                               {locate_ms:8.2f}")
-    print(f"  materialize(layerwise) -> handle     {handle_ms:8.2f}   (runs: {', '.join(f'{x:.1f}' for x in handle_all)})")
-    print(f"  ... with the byte moves stubbed      {stubbed_ms:8.2f}")
-    print(f"  cut views of {args.blocks} frames: every group {cut_all:7.2f}, group 0 only {cut_first:7.2f}")
-    print("  issue per group, copies and decodes stubbed (group: layers, ms):")
-    for (l0, l1), ms in issue:
-        print(f"      [{l0:2d}, {l1:2d})  {ms:7.3f}")
+    base_ms, base_bytes = copy_ms(cache, toks[:n], device, args.repeats)
+    rows = [
+        {"step": "block_hashes", "ms": hashes_ms},
+        {"step": "locate", "ms": locate_ms},
+        {"step": "materialize(layerwise) -> handle", "ms": handle_ms, "runs_ms": handle_all},
+        {"step": "... with the byte moves stubbed", "ms": stubbed_ms},
+        {"step": f"cut views of {args.blocks} frames: every group", "ms": cut_all},
+        {"step": f"cut views of {args.blocks} frames: group 0 only", "ms": cut_first},
+    ]
     if args.decode:
         first_ms, _ = time_ms(first_layer, args.repeats)
         contiguous_ms, _ = time_ms(contiguous, max(1, args.repeats // 2))
-        print(f"  ... -> layer 0 ready (wait(0))       {first_ms:8.2f}")
-        print(f"  materialize (contiguous, all layers) {contiguous_ms:8.2f}")
+        rows += [{"step": "... -> layer 0 ready (wait(0))", "ms": first_ms},
+                 {"step": "materialize (contiguous, all layers)", "ms": contiguous_ms}]
+    rows.append({"step": f"baseline: plain copy of the load's {base_bytes / 1e6:.1f} MB", "ms": base_ms})
+    for row in rows:
+        row["vs_copy"] = row["ms"] / base_ms
+        if args.decode:
+            row["vs_contiguous"] = row["ms"] / contiguous_ms
+    path = write_json("layerwise_host", {
+        "device": str(device), "blocks": args.blocks, "tokens": n, "codec": "int4", "repeats": args.repeats,
+        "baseline": {"kind": "pinned copy" if device.type == "cuda" else "memcpy", "bytes": base_bytes,
+                     "ms": base_ms},
+        "rows": rows, "issue_per_group": [{"layers": list(g), "ms": ms} for g, ms in issue]}, args.out)
+    print(f"wrote {path}")
+    print(table(rows, ["step", "ms", "vs_copy"] + (["vs_contiguous"] if args.decode else []),
+                f"device {device}, {args.blocks} blocks of {BLOCK} tokens ({n} tokens), int4, CPU tier; "
+                f"median of {args.repeats} (ms); vs_copy: over the plain copy of the same bytes, same run"))
+    print(f"  handle runs: {', '.join(f'{x:.1f}' for x in handle_all)}")
+    print("  issue per group, copies and decodes stubbed (group: layers, ms):")
+    for (l0, l1), ms in issue:
+        print(f"      [{l0:2d}, {l1:2d})  {ms:7.3f}")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

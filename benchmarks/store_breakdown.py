@@ -1,6 +1,7 @@
 """Where ingest and materialize spend their time, stage by stage (a diagnostic for benchmarks/store.py).
 
     python -m benchmarks.store_breakdown [--codec int4] [--blocks 16] [--tier cpu] [--profile] [--trace DIR] [--host]
+                                         [--out DIR]
 
 Each stage is timed with a device synchronization on both sides, so stages that overlap
 in normal operation (host bookkeeping and device copies) are shown serialized here: the
@@ -12,6 +13,15 @@ of the path ran and for how long (timers around the functions in ``HOST_STEPS``,
 microsecond each; no profiler, whose overhead per op would distort exactly this).
 ``--fresh`` makes those calls as a server's are: a fresh prompt and freshly made KV each,
 into a CPU tier already full (it holds four calls; every ingest evicts).
+
+In-run baseline: a plain copy of the same raw KV to where the store puts it, as in
+benchmarks/store.py (``baseline``): with a GPU a pinned device-to-host copy for the ingest
+stages and a pinned host-to-device copy for the materialize stages, on a CPU a memcpy; both
+are rows of the table. ``vs_copy`` is a stage's raw GB/s over its side's copy (the copy's
+time over the stage's), so the whole calls' rows read as benchmarks/store.py's
+``ingest_vs_copy`` / ``materialize_vs_copy``, and a stage's row says how many times over
+the link's speed that stage alone would let the call run. JSON:
+``store_breakdown_CODEC_TIER.json`` (rows and baseline) in ``--out``.
 """
 
 from __future__ import annotations
@@ -29,8 +39,8 @@ import cacheseek as cs
 from cacheseek.decode import BatchDecoder
 from cacheseek.encode import encode_blocks
 
-from .report import table
-from .store import BLOCK, CODECS, LAYOUT
+from .report import table, write_json
+from .store import BLOCK, CODECS, LAYOUT, baseline
 
 
 def _timed(device, fn):
@@ -53,6 +63,7 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=None, help="folder for Chrome traces (CUDA only)")
     ap.add_argument("--host", action="store_true", help="print the host timeline of one ingest and one materialize")
     ap.add_argument("--fresh", action="store_true", help="--host with fresh KV per call into a full tier")
+    ap.add_argument("--out", type=Path, default=None, help="folder for the JSON (default benchmarks/results)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     codec = CODECS[args.codec]
@@ -102,6 +113,15 @@ def main() -> None:
     raw = LAYOUT.raw_nbytes(tokens)
     rows = [{"stage": k, "ms": statistics.median(v) * 1e3, "us_per_block": statistics.median(v) / n * 1e6,
              "raw_GBps": raw / statistics.median(v) / 1e9} for k, v in stages.items()]
+    base = baseline(device, raw, args.reps)
+    for side, label in (("ingest", "pinned D2H copy" if device.type == "cuda" else "memcpy"),
+                        ("materialize", "pinned H2D copy" if device.type == "cuda" else "memcpy")):
+        secs = raw / (base[f"{side}_gbps"] * 1e9)
+        rows.append({"stage": f"baseline ({side} side): {label} of the raw KV", "ms": secs * 1e3,
+                     "us_per_block": secs / n * 1e6, "raw_GBps": base[f"{side}_gbps"]})
+    for row in rows:
+        side = "ingest" if "ingest" in row["stage"] else "materialize"
+        row["vs_copy"] = row["raw_GBps"] / base[f"{side}_gbps"]
     if args.profile:
         toks = [(999 * 7919 + j) % 120_000 for j in range(tokens)]
         for name, fn in (("ingest", lambda: cache.ingest(toks, kv)), ("materialize", lambda: cache.materialize(toks, device=device))):
@@ -142,8 +162,13 @@ def main() -> None:
         for name, text in lines.items():
             print(f"--- host timeline: {name}")
             print(text)
-    print(table(rows, ["stage", "ms", "us_per_block", "raw_GBps"],
-                f"{args.codec} -> {args.tier} tier, {n} Llama-3-8B blocks, KV on {device}"))
+    path = write_json(f"store_breakdown_{args.codec}_{args.tier}",
+                      {"codec": args.codec, "tier": args.tier, "blocks": n, "reps": args.reps, "device": str(device),
+                       "baseline": base, "rows": rows}, args.out)
+    print(f"wrote {path}")
+    print(table(rows, ["stage", "ms", "us_per_block", "raw_GBps", "vs_copy"],
+                f"{args.codec} -> {args.tier} tier, {n} Llama-3-8B blocks, KV on {device}; "
+                f"vs_copy: GB/s over a plain {base['kind']} of the same KV, same run"))
 
 
 HOST_STEPS = [

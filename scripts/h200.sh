@@ -58,12 +58,12 @@ for s in "$@"; do
     kernels-rotate) step kernels-rotate 240 python3 -m benchmarks.kernels --rotate --out "$OUT" ;;
     # v_rotate's tests natively (kernels compiled): the codec, the layer-table, paged and layer-wise paths.
     tests-rotate) step tests-rotate 300 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_kivi_rotate.py tests/test_paged.py tests/test_layerwise.py -k "rot" ;;
-    breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile
-                 step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile ;;
-    host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host
-                 step host-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --host ;;
-    trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace
-                 step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace ;;
+    breakdown)   step breakdown-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --profile --out "$OUT/breakdown"
+                 step breakdown-raw 90 python3 -m benchmarks.store_breakdown --codec raw --profile --out "$OUT/breakdown" ;;
+    host)        step host-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --host --out "$OUT/host"
+                 step host-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --host --out "$OUT/host" ;;
+    trace)       step trace-int4 90 python3 -m benchmarks.store_breakdown --codec int4 --reps 2 --trace /tmp/trace --out "$OUT/trace"
+                 step trace-raw 90 python3 -m benchmarks.store_breakdown --codec raw --reps 2 --trace /tmp/trace --out "$OUT/trace" ;;
     store-quick) step store-quick 150 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 8 --out /tmp/sq
                  cp /tmp/sq/store.json "$OUT/store_16blocks_raw_int4.json" ;;
     store-64)    step store-64 150 python3 -m benchmarks.store --blocks 64 --codecs raw,int4 --tiers cpu --reps 6 --out /tmp/s64
@@ -84,7 +84,7 @@ for s in "$@"; do
     tests-save)  step tests-save 240 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_copy_ranges.py tests/test_layerwise.py -k "ranges or save or ingest_layerwise or prefill" ;;
     # Direct launches (cacheseek/kernels/launch.py): bit-exact against Triton's path and the reference, then the kernels and in-place ingest.
     tests-launch) step tests-launch 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernel_launch.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_paged_kernels.py ;;
-    fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh ;;
+    fresh-host)  step fresh-host 150 python3 -m benchmarks.store_breakdown --codec int4 --reps 3 --host --fresh --out "$OUT/fresh-host" ;;
     # A chain under a precision policy (first block int8) vs the uniform low-bit codec: ingest and materialize ratio.
     mixed)       step mixed 150 python3 -m benchmarks.store --mixed --blocks 16 --reps 8 --tiers gpu,cpu --out "$OUT" ;;
     # A precision policy's chain vs the uniform codec's: device time of encode and decode (16 and 64 blocks).
@@ -142,9 +142,9 @@ for s in "$@"; do
     host-access) step host-access 150 python3 -m benchmarks.host_access --ranges --mb 256 --blocks 4096 --out "$OUT" ;;
     # Host time of a layer-wise load until its handle (the gap before the forward's layer 0),
     # 16K and 32K tokens, int4 from the CPU tier; then the TTFT rows with the timeline again.
-    layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9
-                 step layerwise-host-32k 250 python3 -m benchmarks.layerwise_host --device cuda --blocks 128 --repeats 9 ;;
-    layerwise-profile) step layerwise-profile 150 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 5 --profile ;;
+    layerwise-host) step layerwise-host-16k 200 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 9 --out "$OUT/lwh16k"
+                 step layerwise-host-32k 250 python3 -m benchmarks.layerwise_host --device cuda --blocks 128 --repeats 9 --out "$OUT/lwh32k" ;;
+    layerwise-profile) step layerwise-profile 150 python3 -m benchmarks.layerwise_host --device cuda --blocks 64 --repeats 5 --profile --out "$OUT/lwh-profile" ;;
     suffix-attention) step suffix-attention 300 python3 -m benchmarks.suffix_attention --out "$OUT" ;;
     ttft-quick)  step ttft 300 python3 -m benchmarks.ttft --quick --out "$OUT" ;;
     server)      step server 240 python3 -m benchmarks.server --out "$OUT" ;;

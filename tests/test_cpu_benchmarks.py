@@ -21,6 +21,13 @@ def run_benchmark(module: str, *args: str, out: Path) -> subprocess.CompletedPro
     return proc
 
 
+def printed_columns(stdout: str) -> set[str]:
+    """The column names of every table ``benchmarks.report.table`` printed."""
+    lines = stdout.splitlines()
+    return {c.strip() for head, rule in zip(lines, lines[1:]) if head.startswith("| ") and rule.startswith("|-")
+            for c in head.strip("|").split("|")}
+
+
 @pytest.mark.slow  # ~12 s each on a quiet 2-core box, 40 s while other work runs (a subprocess importing torch)
 @pytest.mark.parametrize("paged", [False, True])
 def test_layerwise_save_tiny_runs_on_a_cpu(paged, tmp_path):
@@ -41,6 +48,76 @@ def test_layerwise_save_tiny_runs_on_a_cpu(paged, tmp_path):
         assert r["save_ms"] == pytest.approx(r["total_ms"] - forward["total_ms"])
         if r["case"].startswith("layerwise"):
             assert r["mode"] and r["put_ms"] > 0  # the writer ran, one put_layer per layer
+
+
+@pytest.mark.slow  # ~15 s on a quiet 2-core box (a 29 MB block through Raw and KIVI, twice each)
+def test_device_staging_runs_on_a_cpu_with_pooled_over_plain_per_row(tmp_path):
+    """The pool and the plain way (a pool of cap 0) in one run; each row carries pooled over
+    plain of the same bytes or codec, in the JSON and in the printed table."""
+    proc = run_benchmark("device_staging", "--device", "cpu", "--blocks", "1", "--reps", "1", "--buffer-reps", "10",
+                         out=tmp_path)
+    doc = json.loads((tmp_path / "device_staging.json").read_text())
+    buffers, paths = doc["buffers"], doc["paths"]
+    cases = ("pool take + release", "torch.empty + record_stream")
+    assert [(r["case"], r["bytes"]) for r in buffers] == [(c, nbytes) for nbytes in (1 << 20, 64 << 20) for c in cases]
+    for pooled, plain in zip(buffers[::2], buffers[1::2]):
+        assert pooled["vs_plain"] == pytest.approx(pooled["us_per_buffer"] / plain["us_per_buffer"])
+        assert plain["vs_plain"] == 1.0
+    assert [(r["codec"], r["staging"]) for r in paths] == [
+        (codec, mode) for codec in ("raw", "kivi") for mode in ("pool", "plain (cap 0)")]
+    for pooled, plain in zip(paths[::2], paths[1::2]):
+        assert plain["one_off"] > 0 and pooled["one_off"] == 0  # the baseline really is the plain way
+        for key in ("ingest", "materialize"):
+            assert pooled[f"{key}_vs_plain"] == pytest.approx(pooled[f"{key}_ms"] / plain[f"{key}_ms"])
+            assert plain[f"{key}_vs_plain"] == 1.0
+    assert {"vs_plain", "ingest_vs_plain", "materialize_vs_plain"} <= printed_columns(proc.stdout)
+
+
+@pytest.mark.slow  # ~10 s on a quiet 2-core box
+@pytest.mark.parametrize("decode", [False, True])
+def test_layerwise_host_runs_on_a_cpu_against_a_plain_copy_of_its_bytes(decode, tmp_path):
+    """Every row is against a plain copy of the load's stored bytes measured in the same run;
+    with ``--decode``, also against the contiguous materialize of the same run."""
+    proc = run_benchmark("layerwise_host", "--blocks", "2", "--repeats", "2", *(["--decode"] if decode else []),
+                         out=tmp_path)
+    doc = json.loads((tmp_path / "layerwise_host.json").read_text())
+    rows = {r["step"].split(":")[0]: r for r in doc["rows"]}
+    base = rows["baseline"]
+    assert doc["baseline"]["ms"] == base["ms"] > 0 and base["vs_copy"] == 1.0
+    assert doc["baseline"]["bytes"] > 0 and doc["blocks"] == 2 and len(doc["issue_per_group"]) > 1
+    handle = rows["materialize(layerwise) -> handle"]
+    assert len(handle["runs_ms"]) == 2
+    for r in doc["rows"]:
+        assert r["vs_copy"] == pytest.approx(r["ms"] / base["ms"])
+    if decode:
+        contiguous = rows["materialize (contiguous, all layers)"]
+        assert contiguous["vs_contiguous"] == 1.0 and "... -> layer 0 ready (wait(0))" in rows
+        assert all(r["vs_contiguous"] == pytest.approx(r["ms"] / contiguous["ms"]) for r in doc["rows"])
+        assert "vs_contiguous" in printed_columns(proc.stdout)
+    else:
+        assert all("vs_contiguous" not in r for r in doc["rows"])
+    assert "vs_copy" in printed_columns(proc.stdout)
+
+
+@pytest.mark.slow  # ~10 s on a quiet 2-core box
+def test_store_breakdown_runs_on_a_cpu_against_a_plain_copy_of_the_kv(tmp_path):
+    """Each stage against a plain copy of the same raw KV on its side (the copy's rows are in
+    the table), as benchmarks/store.py's ratios; the whole calls' rows read as its ones."""
+    proc = run_benchmark("store_breakdown", "--codec", "int4", "--blocks", "1", "--reps", "1", out=tmp_path)
+    doc = json.loads((tmp_path / "store_breakdown_int4_cpu.json").read_text())
+    base, rows = doc["baseline"], {r["stage"]: r for r in doc["rows"]}
+    assert base["kind"] == "memcpy" and doc["codec"] == "int4" and doc["blocks"] == 1
+    assert {"whole ingest (new blocks)", "whole materialize", "ingest: hash blocks",
+            "materialize: decoder.finish (decode)"} <= set(rows)
+    sides = {"ingest": 0, "materialize": 0}
+    for name, r in rows.items():
+        side = "ingest" if "ingest" in name else "materialize"
+        sides[side] += 1
+        assert r["vs_copy"] == pytest.approx(r["raw_GBps"] / base[f"{side}_gbps"])
+        if name.startswith("baseline"):
+            assert r["vs_copy"] == pytest.approx(1.0)
+    assert sides == {"ingest": 6, "materialize": 6}
+    assert "vs_copy" in printed_columns(proc.stdout)
 
 
 def test_trace_replay_quick_runs_sections_1_and_2_and_plots_beside_its_json(tmp_path, capsys):

@@ -19,6 +19,7 @@ from cacheseek.errors import StorageError
 from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.redis_client import RedisTimeouts, parse_redis_url
+from cacheseek.store.redis_index import DROP_STALE_SCRIPT
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.store.redis_tier import RedisTier
 from cacheseek.store.tier import BlockFrame
@@ -2353,5 +2354,69 @@ def test_totals_that_are_numbers_of_no_count_are_counted_again(redis_url, field,
         stats = tier.stats()
         assert (stats.used_bytes, stats.blocks) == (3 * n, 3), (written, stats.used_bytes, stats.blocks)
         assert [tier.get(key) is not None for key, _ in frames] == [True] + [False] * 3 + [True] * 2
+    finally:
+        tier.close()
+
+
+GEN_NOT_OURS = ["nan", "inf", "-5", "0x10", " 7", "1e3"]  # what tonumber takes and the script never writes
+
+
+@pytest.mark.parametrize("value", GEN_NOT_OURS)
+def test_in_a_cluster_a_frames_generation_not_written_by_a_tier_fences_a_victims_delete_off(cluster, value):
+    """A victim's delete in a cluster takes a frame only while the generation beside it is
+    no newer than the victim's. One another tool wrote ("nan", "-5", "0x10", read by plain
+    ``tonumber``) compared as no newer: the delete of an older eviction took a frame a
+    newer write had stored. Such a generation says nothing about the frame's age: the
+    delete leaves it (at worst an orphan, adopted or expired as any other)."""
+    cluster.flush()
+    key, frame = _frame(101)
+    tier = RedisTier(cluster.url, 64 << 20, namespace="genfence")
+    try:
+        c = tier._connection()
+        tier.put(key, frame)
+        gen_key = tier.keys_of.frame_gen(key)
+        written = int(c.get(gen_key))
+        older = written - 1  # the generation an earlier eviction of this block let go
+        assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, older) == 0
+        c.set(gen_key, value)
+        assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, older) == 0
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+        assert c.get(gen_key) == value.encode()  # the delete changed nothing
+        # The fence as the tier sends it, unchanged for a generation it wrote.
+        c.set(gen_key, written)
+        assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, written) == 2  # frame and generation
+        assert tier.get(key) is None and c.get(gen_key) is None
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("value", GEN_NOT_OURS)
+def test_in_a_cluster_a_generation_in_the_index_not_written_by_a_tier_gets_a_new_one(cluster, value):
+    """The index's generation of a counted block that another tool overwrote: the script
+    handed it back read by plain ``tonumber`` (-5, 16, and NaN or inf as Redis's integer
+    -2^63), and a writer storing the block again wrote that beside its frame, under which
+    the late delete of any earlier eviction took the frame the index counts. The script now
+    reads digits only: such a block gets a new generation, newer than any an eviction has
+    let go, and the writer's fence holds."""
+    cluster.flush()
+    key, frame = _frame(102)
+    tier = RedisTier(cluster.url, 64 << 20, namespace="genindex")
+    try:
+        c = tier._connection()
+        tier.put(key, frame)
+        member, gen_key = RedisKeys.member(key), tier.keys_of.frame_gen(key)
+        first = int(c.get(gen_key))
+        c.hset(tier.keys_of.gens, member, value)
+        c.delete(tier.keys_of.frame(key))  # its value lost (evicted by Redis, a failover): counted, absent
+        assert tier.put(key, frame).error is None  # written again under the index's entry
+        now = c.get(gen_key)
+        assert now is not None and now.isdigit() and int(now) > first
+        assert int(c.hget(tier.keys_of.gens, member)) == int(now)  # the index keeps what the writer wrote
+        # The late delete of an eviction before the first write: fenced off.
+        assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, first) == 0
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
     finally:
         tier.close()

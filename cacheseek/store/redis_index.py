@@ -131,11 +131,23 @@ end
 -- A block's generation (kept only where asked: a cluster's fence): the clock when it was
 -- last counted anew (0: counted before generations were kept). Returned with every block a
 -- call adds, evicts or lets expire.
+-- One that is not digits (another tool's: tonumber took "nan", "inf", "-5", "0x10", " 7"
+-- and "1e3") says nothing of when the block was counted: the block gets a new one, newer
+-- than any an eviction has let go. Handed back as read, such a value (-5, 16, or NaN and
+-- inf as Redis's integer -2^63) went beside a frame written again, under which the late
+-- delete of any earlier eviction took a frame the index counts.
 local gen_of = {}
 local function note_gen(member)
   if keep_gens then
+    local g = count(redis.call('HGET', gens, member))
+    if not g then
+      changed = true
+      clock = clock + 1
+      redis.call('HSET', gens, member, clock)
+      g = clock
+    end
     gen_of[#gen_of + 1] = member
-    gen_of[#gen_of + 1] = tonumber(redis.call('HGET', gens, member) or 0) or 0
+    gen_of[#gen_of + 1] = g
   end
 end
 
@@ -467,9 +479,18 @@ return n
 # first, so a DEL however late leaves its value. The generation key expires
 # ``GEN_FENCE_SECONDS`` after its write (no refresh, so none outlives it for long): a
 # victim's delete that lands later than that after its eviction is not fenced.
+# A generation key that is not digits (another tool's; plain tonumber took "nan", "-5" and
+# "0x10" as no newer, and the delete of an older eviction took a frame written since) says
+# nothing of the frame's age: the delete leaves the frame (at worst an orphan, which a
+# write counting it again, ``check(fix=True)`` or its expiry deals with).
 # KEYS[1]: the frame; KEYS[2]: its generation key; ARGV[1]: the victim's generation.
 DROP_STALE_SCRIPT = """
-local g = tonumber(redis.call('GET', KEYS[2]) or 0) or 0
+local s = redis.call('GET', KEYS[2])
+local g = 0
+if s then
+  if not string.match(s, '^%d+$') then return 0 end
+  g = tonumber(s)
+end
 if g > tonumber(ARGV[1]) then return 0 end
 return redis.call('DEL', KEYS[1], KEYS[2])
 """
