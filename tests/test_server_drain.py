@@ -80,25 +80,25 @@ def test_with_the_drain_off_the_memory_is_lost_as_before(tmp_path):
 
 
 def test_a_drain_out_of_time_leaves_whole_blocks_and_says_how_many_it_left(tmp_path):
-    chains = [raw_chain(seed, 8) for seed in range(100, 160)]  # 480 blocks, 16 MiB, fsynced in groups of 16
-    with Server(tmp_path, *WRITE_BACK, "--shutdown-drain-seconds", "0.05") as srv:
+    chains = [raw_chain(seed, 8) for seed in range(100, 220)]  # 960 blocks, 32 MiB, fsynced in groups of 16
+    with Server(tmp_path, *WRITE_BACK, "--shutdown-drain-seconds", "0.02") as srv:
         ingest(srv, chains)
     written, of, left = summary(srv.output())
-    assert of == 480 and left > 0 and written + left == 480
+    assert of == 960 and left > 0 and written + left == 960
     assert "WARNING" in next(line for line in srv.output().splitlines() if "shutdown: wrote" in line)
-    assert "the time limit ran out (shutdown_drain_seconds 0.05 s)" in srv.output()
+    assert "the time limit ran out (shutdown_drain_seconds 0.02 s)" in srv.output()
     with Server(tmp_path, *WRITE_BACK) as again:
         assert served(again, chains) == written
 
 
 def test_a_second_sigint_stops_the_drain_and_keeps_what_it_wrote(tmp_path):
-    chains = [raw_chain(seed, 8) for seed in range(200, 300)]  # 800 blocks, 27 MiB: seconds of fsyncs
+    chains = [raw_chain(seed, 8) for seed in range(300, 500)]  # 1600 blocks, 52 MiB: seconds of fsyncs
     srv = Server(tmp_path, *WRITE_BACK, "--shutdown-drain-seconds", "300").start()
     try:
         ingest(srv, chains)
         srv.proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 30
-        while "shutdown: writing 800 blocks" not in srv.output():
+        while "shutdown: writing 1,600 blocks" not in srv.output():
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()
             time.sleep(0.005)
         srv.proc.send_signal(signal.SIGINT)
@@ -107,7 +107,7 @@ def test_a_second_sigint_stops_the_drain_and_keeps_what_it_wrote(tmp_path):
         srv.kill()
     output = srv.output()
     written, of, left = summary(output)
-    assert "a second SIGINT stopped it" in output and left > 0 and written + left == of == 800, output
+    assert "a second SIGINT stopped it" in output and left > 0 and written + left == of == 1600, output
     assert "Traceback" not in output and "Application shutdown complete" in output
     with Server(tmp_path, *WRITE_BACK) as again:
         assert served(again, chains) == written
@@ -126,3 +126,16 @@ def test_a_write_back_server_over_redis_drains_into_redis(tmp_path):
         assert summary(srv.output()) == (12, 12, 0) and "to the redis tier" in srv.output()
     finally:
         redis.stop()
+
+
+def test_the_setting_takes_seconds_from_its_flag_and_variable_and_refuses_a_negative(monkeypatch):
+    from pydantic import ValidationError
+
+    from server.config import ServerSettings
+
+    assert ServerSettings().shutdown_drain_seconds == 30
+    monkeypatch.setenv("CACHESEEK_SHUTDOWN_DRAIN_SECONDS", "2.5")
+    assert ServerSettings.load().shutdown_drain_seconds == 2.5
+    assert ServerSettings.load(shutdown_drain_seconds=0).shutdown_drain_seconds == 0
+    with pytest.raises(ValidationError, match="shutdown_drain_seconds"):
+        ServerSettings.load(shutdown_drain_seconds=-1)
