@@ -18,14 +18,16 @@ from store_helpers import BLOCK, LAYOUT, RAW_BUFFERS, disk_charge
 FRAME_BYTES = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
 
 
-def chain(seed: int, blocks: int) -> list[tuple[bytes, bytes]]:
-    """``blocks`` linked Raw frames (key, frame bytes), head first, their bytes from ``seed``."""
+def chain(seed: int, blocks: int, tokens: int = BLOCK) -> list[tuple[bytes, bytes]]:
+    """``blocks`` linked Raw frames (key, frame bytes) of ``tokens`` each, head first, their
+    bytes from ``seed``."""
     out: list[tuple[bytes, bytes]] = []
     parent = bytes(16)
+    buffers = [(name, dtype, (*shape[:2], tokens, shape[3])) for name, dtype, shape in RAW_BUFFERS]
     for position in range(blocks):
         key = seed.to_bytes(8, "big") + position.to_bytes(8, "big")
         meta = plan_frame(block_hash=key, parent_hash=parent, position=position, layout=LAYOUT,
-                          block_tokens=BLOCK, codec=cs.Raw().spec(), buffers=RAW_BUFFERS)
+                          block_tokens=tokens, codec=cs.Raw().spec(), buffers=buffers)
         rng = random.Random(seed * 1000 + position)
         out.append((key, bytes(build_frame(meta, [rng.randbytes(t.nbytes) for t in meta.tensors]))))
         parent = key
@@ -159,6 +161,80 @@ def test_a_full_disk_gives_up_its_own_victims_never_a_block_the_drain_wrote(tmp_
     assert (report.blocks, report.written, report.left, report.stopped) == (8, 6, 2, "no room")
     assert not set(store.tier("disk").keys()) & {k for k, _ in old}
     assert found_after_reopen(store, tmp_path, old + x + y) == [k for k, _ in x[:2] + y]  # y (the most recent) whole, x's head
+
+
+def test_a_tail_whose_head_is_on_disk_already_is_written_and_one_whose_head_is_nowhere_is_not(tmp_path):
+    from cacheseek.store.frame import parse_frame
+
+    store = write_back(tmp_path)
+    (head, head_frame), (tail, tail_frame) = chain(14, 2)
+    (_, _), (orphan, orphan_frame) = chain(15, 2)
+    store.tier("disk").put(head, BlockFrame(parse_frame(head_frame), host=memoryview(head_frame)))
+    for key, frame in ((tail, tail_frame), (orphan, orphan_frame)):
+        store.tier("cpu").put(key, BlockFrame(parse_frame(frame), host=memoryview(frame)))
+    report = store.drain()
+    assert (report.blocks, report.written, report.skipped) == (2, 1, 1)
+    assert found_after_reopen(store, tmp_path, [(head, head_frame), (tail, tail_frame), (orphan, orphan_frame)]) \
+        == [head, tail]
+
+
+def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: int):
+    """A write-back store whose ARC disk of ``units`` small blocks' room holds two old ones, one
+    used twice (ARC's T2: it outranks any block seen once), and the disk's charge of a small block."""
+    from cacheseek.store.frame import parse_frame
+
+    store = write_back(tmp_path, eviction="arc", disk_bytes="1GiB")
+    unit = store.tier("disk").charge(len(chain(0, 1)[0][1]))
+    store.close()
+    store = write_back(tmp_path, eviction="arc", disk_bytes=units * unit)
+    once, twice = chain(16, 1), chain(17, 1)
+    for key, frame in once + twice:
+        store.tier("disk").put(key, BlockFrame(parse_frame(frame), host=memoryview(frame)))
+    store.tier("disk").touch([twice[0][0]])
+    return store, unit, once, twice
+
+
+def test_under_arc_the_drain_stops_before_a_write_that_would_give_up_its_own_block(tmp_path):
+    """The disk's policy may rank an old block above the drain's (ARC: used twice, against seen
+    once): the write whose victim would be the drain's best block is not made, rather than
+    trade it for a worse one."""
+    store, _, once, twice = _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, 3)
+    blocks = [chain(seed, 1)[0] for seed in (21, 22, 23)]
+    for block in reversed(blocks):  # the first one the CPU tier's most recent
+        put_chain(store, [block])
+    report = store.drain()
+    assert (report.blocks, report.written, report.left, report.stopped) == (3, 2, 1, "no room")
+    assert found_after_reopen(store, tmp_path, once + twice + blocks) == [twice[0][0], *(k for k, _ in blocks[:2])]
+
+
+def test_a_larger_frame_that_took_a_block_the_drain_wrote_stops_it_and_is_counted_so(tmp_path):
+    """Mixed sizes under ARC: the disk's next victim (the old block seen once) is not the
+    drain's, but a frame half as large again needs a second one, and ARC then gives up the
+    drain's first block (seen once too) before the old block used twice. That block is not
+    counted as written (it is left behind, in memory), and the drain stops there."""
+    store, unit, once, twice = _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, 3)
+    small, big = chain(18, 1), chain(19, 1, tokens=BLOCK + BLOCK // 2)
+    assert unit < store.tier("disk").charge(len(big[0][1])) <= 2 * unit
+    put_chain(store, big)
+    put_chain(store, small)  # the CPU tier's most recent: drained first
+    report = store.drain()
+    assert (report.blocks, report.written, report.left, report.stopped) == (2, 1, 1, "no room")
+    assert report.written_bytes == len(big[0][1]) and report.left_bytes == len(small[0][1])
+    assert found_after_reopen(store, tmp_path, once + twice + small + big) == [twice[0][0], big[0][0]]
+
+
+def test_a_drain_writes_no_more_than_the_disk_budget(tmp_path):
+    """LRU: the old block goes first, so the cap alone keeps the drain's blocks: a frame that
+    would take the drain past the budget is left (here the larger, less recent one)."""
+    old, small, big = chain(20, 1), chain(21, 1), chain(22, 1, tokens=BLOCK + BLOCK // 2)
+    store = write_back(tmp_path, cpu=len(big[0][1]) + len(small[0][1]) + len(old[0][1]) // 2,
+                       disk_bytes=2 * disk_charge(len(small[0][1])))
+    for blocks in (old, big, small):  # the small one evicts the old one down to disk
+        put_chain(store, blocks)
+    assert store.tier("disk").keys() == [old[0][0]] and len(store.tier("cpu").keys()) == 2
+    report = store.drain()
+    assert (report.blocks, report.written, report.left, report.stopped) == (2, 1, 1, "no room")
+    assert found_after_reopen(store, tmp_path, old + small + big) == [old[0][0], small[0][0]]
 
 
 def test_a_drain_respects_the_disk_admission_filter(tmp_path):
