@@ -28,7 +28,7 @@ from cacheseek.store.lease import Lease
 from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
-from cacheseek.store.tiered import DrainReport, StorePutResult, TieredStore
+from cacheseek.store.tiered import DURABLE, DrainReport, StorePutResult, TieredStore
 from cacheseek.units import format_size
 
 from .claims import Claimed, PositionClaims
@@ -447,8 +447,10 @@ class BlockService:
         """At a clean shutdown, once requests are done and before the store closes: write what
         only the memory tiers hold to the first persistent tier (``TieredStore.drain``) for at
         most ``seconds`` (0: not at all), logging how far it got; ``cut`` (a second SIGINT)
-        stops it. None where it did not run."""
-        if seconds <= 0:
+        stops it. None where it did not run: off, or a durable store (written through: its
+        persistent tier has every block already, and asking a shared Redis which it holds would
+        only cost the stop a round trip, or a timeout)."""
+        if seconds <= 0 or self.store.durability == DURABLE:
             return None
 
         planned = False
