@@ -13,7 +13,7 @@ from cacheseek.store.eviction import make_index
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from redis_servers import RedisServer, needs_redis
-from store_helpers import BLOCK, LAYOUT, RAW_BUFFERS, disk_charge
+from store_helpers import BLOCK, LAYOUT, RAW_BUFFERS, assert_prefix_equal, disk_charge, make_cache, make_kv, tokens_for
 
 FRAME_BYTES = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
 
@@ -92,6 +92,20 @@ def test_a_drain_reports_its_progress_batch_by_batch_when_asked_every_0_seconds(
     report = store.drain(progress=lambda r: seen.append(r.written), every_seconds=0)
     assert seen == [0, 16, 32, 40] and report.written == 40  # the plan, then each write of DRAIN_BATCH
     store.close()
+
+
+def test_an_embedded_write_back_cache_drained_before_close_is_found_by_the_next_one(tmp_path):
+    toks, kv = tokens_for(3, 4 * BLOCK), make_kv(4 * BLOCK, 3)
+    cache = make_cache(cpu="4MiB", disk=tmp_path / "disk", write_through=())
+    assert cache.ingest(toks, kv).stored == 4
+    assert cache.store.drain().written == 4
+    cache.close()
+    again = make_cache(cpu=0, disk=tmp_path / "disk")
+    try:
+        assert again.lookup(toks) == 4 * BLOCK
+        assert_prefix_equal(again.materialize(toks), kv, 4 * BLOCK)
+    finally:
+        again.close()
 
 
 def test_close_alone_does_not_drain(tmp_path):
