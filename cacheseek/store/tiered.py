@@ -727,9 +727,11 @@ class TieredStore:
         filter as they are: a block its filter does not admit is skipped, as is a tail whose
         head was not written (no prefix lookup would reach it). It makes room as it always
         does, giving up its own victims (handed further down, as any eviction's), but never a
-        block this drain wrote: a write whose first victim would be one (the tier full of
-        the drain's blocks and pinned ones, or a policy that ranks its own blocks above the
-        new ones) stops the drain ("no room"), and it writes at most the tier's budget less
+        block this drain wrote or a drained tail hangs from: a write whose first victim would
+        be one (the tier full of the drain's blocks and pinned ones, or a policy that ranks
+        its own blocks above the new ones) stops the drain ("no room"; one that took such a
+        block all the same, a larger frame needing several victims, stops it too, the block
+        counted as left), and it writes at most the tier's budget less
         its pinned bytes (a tier without a local index, Redis, cannot name its victim; its
         LRU gives up the drain's own blocks only past that). Blocks are written
         ``DRAIN_BATCH`` at a time where the tier has free room for them (one group commit on
@@ -738,8 +740,8 @@ class TieredStore:
         ``seconds``: how long it may run (None: to its end); ``stop``: asked between writes,
         True ends it ("cut"). Either way every block written is whole, and the rest is left
         (``DrainReport.left``). ``progress`` is called with the figures so far once the
-        blocks to write are known, then every ``every_seconds``. A store with no persistent tier below a memory one has nothing
-        to drain (``tier`` None)."""
+        blocks to write are known, then every ``every_seconds``. A store with no persistent
+        tier below a memory one has nothing to drain (``tier`` None)."""
         started = time.monotonic()
         report = DrainReport()
         level = next((i for i, t in enumerate(self.tiers) if t.persistent), 0)
