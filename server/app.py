@@ -7,6 +7,7 @@ import glob
 import ipaddress
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -247,6 +248,9 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
             # uvicorn has stopped accepting and let in-flight requests finish (SIGTERM).
             app.state.closing = True
             await run_in_threadpool(app.state.admin.close)
+            # Write-back: what only memory holds goes down to disk (or Redis) before the store closes.
+            await run_in_threadpool(service.drain_at_shutdown, settings.shutdown_drain_seconds,
+                                    app.state.shutdown_cut)
             if owned:
                 await run_in_threadpool(the_store.close)
                 log.info("store closed")
@@ -258,6 +262,8 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     app.state.auth = Authenticator(settings)
     app.state.service = None
     app.state.admin = None
+    # Set by a second SIGINT (``cacheseek serve``): the shutdown's drain stops there.
+    app.state.shutdown_cut = threading.Event()
 
     def release_memory() -> None:
         """After a burst of request bodies given back unstored: their memory back to the OS."""

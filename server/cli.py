@@ -168,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
-    server = _uvicorn_server(config)
+    server = _uvicorn_server(config, cut=app.state.shutdown_cut)
     # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
     # the default ones, that killed the process before the store below was closed (status
     # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
@@ -197,7 +197,7 @@ def _stop_opening(signum: int, _frame: Any) -> None:
     raise _StoppedOpening(signal.Signals(signum).name)
 
 
-def _uvicorn_server(config: Any) -> Any:
+def _uvicorn_server(config: Any, cut: Any) -> Any:
     import asyncio
 
     import uvicorn
@@ -206,7 +206,13 @@ def _uvicorn_server(config: Any) -> Any:
         """uvicorn's server, but a second SIGINT ("CTRL+C to force quit") cuts the requests
         still running, as the graceful timeout running out does, and the shutdown goes on:
         uvicorn's force exit skipped the app's shutdown (its lifespan then cancelled by
-        asyncio.run, a traceback in the log) and left the requests' tasks running."""
+        asyncio.run, a traceback in the log) and left the requests' tasks running. It sets
+        ``cut`` too (the app's ``shutdown_cut``): the shutdown's drain stops, whenever it came."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            if self.force_exit:
+                cut.set()
 
         async def shutdown(self, sockets: Any = None) -> None:
             await super().shutdown(sockets)

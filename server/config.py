@@ -235,6 +235,10 @@ class ServerSettings(BaseSettings):
     disk_bytes: int = Field(64 << 30, description="disk tier budget; 0 turns the tier off")
     write_through: bool = Field(
         True, description="every ingest is written to the persistent tiers (disk, Redis) before it is acknowledged")
+    shutdown_drain_seconds: float = Field(
+        30.0, ge=0, description="on SIGTERM/SIGINT, once in-flight requests are done: how long to spend writing the "
+                                "blocks only the memory tiers hold (write-back: not demoted yet) to disk, or Redis, "
+                                "so a restart finds them; a second SIGINT stops it; 0: off (they are lost)")
     disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
     disk_group_commit: bool = Field(
         True, description="commit the frames of one request together (data files, sidecars, one fsync per "

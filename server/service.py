@@ -15,6 +15,8 @@ whole frame (a buffer into the tier).
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +28,8 @@ from cacheseek.store.lease import Lease
 from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo, Reservation
-from cacheseek.store.tiered import StorePutResult, TieredStore
+from cacheseek.store.tiered import DURABLE, DrainReport, StorePutResult, TieredStore
+from cacheseek.units import format_size
 
 from .claims import Claimed, PositionClaims
 from .errors import BadFrame, HashMismatch, NotFound, TierUnreachable
@@ -35,6 +38,9 @@ from .namespaces import Namespaces, rewrite_prefix
 from .owners import Owners
 
 PUT_GROUP = 4  # frames per store call
+DRAIN_PROGRESS_SECONDS = 5.0  # between a shutdown drain's progress lines
+
+log = logging.getLogger("cacheseek.server")
 
 
 @dataclass(slots=True)
@@ -436,6 +442,47 @@ class BlockService:
             "closed": "the server is shutting down",
         }[started.reason]
         return {"started": False, "matched": started.matched, "blocks": 0, "joined": 0, "reason": reason}
+
+    def drain_at_shutdown(self, seconds: float, cut: threading.Event) -> DrainReport | None:
+        """At a clean shutdown, once requests are done and before the store closes: write what
+        only the memory tiers hold to the first persistent tier (``TieredStore.drain``) for at
+        most ``seconds`` (0: not at all), logging how far it got; ``cut`` (a second SIGINT)
+        stops it. None where it did not run: off, or a durable store (written through: its
+        persistent tier has every block already, and asking a shared Redis which it holds would
+        only cost the stop a round trip, or a timeout)."""
+        if seconds <= 0 or self.store.durability == DURABLE:
+            return None
+
+        planned = False
+
+        def progress(report: DrainReport) -> None:
+            nonlocal planned
+            if not planned:  # (its first call: the blocks to write are known, none written yet)
+                planned = True
+                if report.blocks:
+                    log.info("shutdown: writing %s blocks (%s) that only memory holds to the %s tier, for at most "
+                             "%g s (shutdown_drain_seconds; a second SIGINT stops it)", f"{report.blocks:,}",
+                             format_size(report.bytes), report.tier, seconds)
+                return
+            log.info("shutdown: wrote %s of %s blocks (%s of %s) to the %s tier", f"{report.written:,}",
+                     f"{report.blocks:,}", format_size(report.written_bytes), format_size(report.bytes), report.tier)
+
+        report = self.store.drain(seconds=seconds, stop=cut.is_set, progress=progress,
+                                  every_seconds=DRAIN_PROGRESS_SECONDS)
+        if report.tier is None or not report.blocks:
+            return report
+        why = {"time limit": f"the time limit ran out (shutdown_drain_seconds {seconds:g} s)",
+               "cut": "a second SIGINT stopped it",
+               "no room": f"the {report.tier} tier had no room left but that of blocks this drain wrote, or pinned"}
+        left = f"; {why[report.stopped]}" if report.stopped else ""
+        log.log(logging.WARNING if report.left or report.failed else logging.INFO,
+                "shutdown: wrote %s of %s blocks (%s of %s) that only memory held to the %s tier in %.1f s; skipped %s "
+                "(not admitted, a tail without its head, or gone), failed %s%s, left behind %s (%s)%s",
+                f"{report.written:,}", f"{report.blocks:,}", format_size(report.written_bytes),
+                format_size(report.bytes), report.tier, report.seconds, f"{report.skipped:,}", f"{report.failed:,}",
+                f" (the first: {report.first_error})" if report.first_error else "", f"{report.left:,}",
+                format_size(report.left_bytes), left)
+        return report
 
     def stats(self) -> dict[str, Any]:
         """The store's figures, with usage per owner (``namespaces``)."""

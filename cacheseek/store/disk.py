@@ -308,6 +308,9 @@ class DiskTier(IndexedTier):
         ``disk_bytes``."""
         return block_charge(nbytes, self.alloc_unit)
 
+    def _writing_bytes(self) -> int:
+        return self._reserved  # (counted as held, as ``_make_room`` counts them)
+
     @contextmanager
     def _open_call(self) -> Iterator[None]:
         """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``."""

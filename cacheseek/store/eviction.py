@@ -194,6 +194,14 @@ class EvictionIndex(ABC):
             key = nxt
         return key
 
+    def keep_order(self) -> list[bytes]:
+        """The blocks stored here, the ones this tier would keep longest first: the pinned
+        ones (never given up), then the others in the reverse of the order the policy picks
+        its victims in (a chain's head after its tail here: ``victim`` gives the leaf below
+        a pick up first, which the caller orders itself)."""
+        pinned = [key for key in self._entries if key in self._pinned]
+        return pinned + list(reversed(list(self._pick_order())))
+
     def children(self, key: bytes) -> list[bytes]:
         """Blocks stored here whose parent is ``key``."""
         return list(self._kids.get(key, ()))
@@ -249,6 +257,12 @@ class EvictionIndex(ABC):
     def _pick(self) -> bytes | None:
         """The policy's choice of victim (``victim`` may give up a leaf below it instead)."""
 
+    def _pick_order(self) -> Iterable[bytes]:
+        """Every unpinned block, in the order successive ``_pick`` calls would name them
+        (each taken out before the next), without changing anything. This default, for a
+        policy that does not say: the order they were stored in."""
+        return (key for key in self._entries if key not in self._pinned)
+
     def _resized(self, key: bytes, info: BlockInfo) -> None:
         """An indexed block was stored again with another size (rare: a replaced frame)."""
 
@@ -287,6 +301,9 @@ class LruIndex(EvictionIndex):
 
     def _pick(self) -> bytes | None:
         return next(iter(self._order), None)  # O(1): evicting n blocks must not cost n^2
+
+    def _pick_order(self) -> Iterable[bytes]:
+        return iter(self._order)
 
 
 class ArcIndex(EvictionIndex):
@@ -391,6 +408,19 @@ class ArcIndex(EvictionIndex):
         if self._t1 and (self._t1_bytes > self.p or not self._t2):
             return next(iter(self._t1))
         return next(iter(self._t2), None)
+
+    def _pick_order(self) -> Iterable[bytes]:
+        # ``_pick`` with T1 shrinking as its blocks go (p moves only on a ghost hit, at an add).
+        t1, t2 = iter(self._t1.items()), iter(self._t2)
+        t1_bytes, left1, left2 = self._t1_bytes, len(self._t1), len(self._t2)
+        while left1 or left2:
+            if left1 and (t1_bytes > self.p or not left2):
+                key, n = next(t1)
+                t1_bytes, left1 = t1_bytes - n, left1 - 1
+                yield key
+            else:
+                left2 -= 1
+                yield next(t2)
 
     def describe(self) -> dict:
         return {"policy": self.name, "t1_bytes": self._t1_bytes, "t2_bytes": self._t2_bytes,

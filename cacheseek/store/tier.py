@@ -302,6 +302,17 @@ class Tier(ABC):
         (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
         return self.contains(parent)
 
+    def victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
+        """Whether a frame of ``nbytes`` fits here without evicting anything, and if not, the
+        block the tier would give up first to make room (None: every block is pinned). A tier
+        without a local index (Redis) cannot tell: (True, None)."""
+        return True, None
+
+    def keep_order(self) -> list[bytes]:
+        """The blocks held here, those the tier would keep longest first (pinned ones first);
+        a tier without a local index: ``keys()``."""
+        return self.keys()
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         return [self.contains(k) for k in keys]
 
@@ -408,8 +419,25 @@ class IndexedTier(Tier):
         with self._lock:
             if parent not in self._index:
                 return False
-            return self._index.used_bytes + self.charge(nbytes) <= self.capacity_bytes or \
-                self._index.victim() != parent
+            fits, victim = self._victim_for(nbytes)
+            return fits or victim != parent
+
+    def victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
+        with self._lock:
+            return self._victim_for(nbytes)
+
+    def _victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
+        if self._index.used_bytes + self._writing_bytes() + self.charge(nbytes) <= self.capacity_bytes:
+            return True, None
+        return False, self._index.victim()
+
+    def _writing_bytes(self) -> int:
+        """Bytes of frames being written, not yet indexed, that hold room (under the lock)."""
+        return 0
+
+    def keep_order(self) -> list[bytes]:
+        with self._lock:
+            return self._index.keep_order()
 
     def watch(self, observer: Any) -> None:
         with self._lock:

@@ -62,6 +62,9 @@ MEMORY = "memory"
 # Deletes remembered for reads in flight (``TieredStore._deleted_since``); a read older than
 # these treats its blocks as possibly deleted, and does not promote them.
 RECENT_DELETES = 4096
+# Blocks a drain writes in one call where the tier below has room for them all (one group
+# commit on disk): the most a time limit or a second SIGINT waits for.
+DRAIN_BATCH = 16
 
 T = TypeVar("T")
 
@@ -88,6 +91,39 @@ class StorePutResult:
                 self.stored, self.present = True, False
             elif not self.stored:
                 self.present = True
+
+
+@dataclass(slots=True)
+class DrainReport:
+    """A drain's figures (``TieredStore.drain``), so far or at its end. ``tier``: where it
+    wrote (None: no persistent tier below a memory one, nothing to do); ``blocks``/``bytes``:
+    the blocks only the memory tiers held when it began. Each of them ends ``written`` (in
+    ``tier`` now), ``skipped`` (not admitted by the tier's filter, a tail whose head was not
+    written, or gone from memory meanwhile), ``failed`` (the tier refused it: the first
+    one's error in ``first_error``), or ``left``: not reached when the drain stopped (``stopped``: "time limit",
+    "cut", or "no room": the next write would have evicted a block the drain wrote, or gone
+    past the tier's budget). ``charged``: what the tier's budget counts for the written ones."""
+
+    tier: str | None = None
+    blocks: int = 0
+    bytes: int = 0
+    written: int = 0
+    written_bytes: int = 0
+    skipped: int = 0
+    skipped_bytes: int = 0
+    failed: int = 0
+    failed_bytes: int = 0
+    left: int = 0
+    left_bytes: int = 0
+    stopped: str | None = None
+    seconds: float = 0.0
+    charged: int = 0
+    first_error: str | None = None  # (of the failed ones: one line for them all, not one each)
+
+    def add(self, outcome: str, nbytes: int, n: int = 1) -> None:
+        """``n`` blocks of ``nbytes`` more ``written``, ``skipped`` or ``failed`` (-1: one less)."""
+        setattr(self, outcome, getattr(self, outcome) + n)
+        setattr(self, f"{outcome}_bytes", getattr(self, f"{outcome}_bytes") + n * nbytes)
 
 
 def _budget_of(tier: Tier) -> Callable[[], int]:
@@ -319,11 +355,7 @@ class TieredStore:
             # first: handed down all the same.
             result = below.put_many([(key, frame)])[0]
             if result.stored is not None:
-                if self._deleted_since(key, since):
-                    below.delete(key)
-                    self._landed_after_delete(key, since)
-                else:
-                    below.count(demotions=1)
+                self._landed(below, key, since)
             down = result.evicted
             if result.error is not None:
                 # Refused there (a failing disk, one full of pinned blocks): the block goes on
@@ -331,6 +363,17 @@ class TieredStore:
                 # its last tier, which may well have room.
                 down = [*down, (key, frame)]
             self._demote(level + 1, down, since)
+
+    def _landed(self, tier: Tier, key: bytes, since: int) -> bool:
+        """After a put from above stored ``key`` in ``tier`` (a demotion, a drain): counted as
+        a demotion, or deleted again if a delete after ``since`` may have missed it on its
+        way (False), else the block would come back after its delete."""
+        if self._deleted_since(key, since):
+            tier.delete(key)
+            self._landed_after_delete(key, since)
+            return False
+        tier.count(demotions=1)
+        return True
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -671,6 +714,174 @@ class TieredStore:
                 stack.enter_context(tier.batched_deletes())
             return [self.delete(key, all_or_nothing=all_or_nothing) for key in keys]
 
+    def drain(self, *, seconds: float | None = None, stop: Callable[[], bool] | None = None,
+              progress: Callable[[DrainReport], None] | None = None, every_seconds: float = 5.0) -> DrainReport:
+        """Write the blocks only the memory tiers hold (write-back: not demoted yet) down to the
+        first persistent tier (disk, else Redis), so that a store opened again over it finds
+        them: a clean shutdown's last step before ``close``. They are copied (the memory
+        tiers keep theirs), in the order that keeps the most if it is cut short: pinned
+        blocks first, then those the memory tiers would keep longest, the top tier's before
+        the next one's, each chain's head before its tails (``_drain_plan``).
+
+        The tier below is written as a demotion would write it, its budget and admission
+        filter as they are: a block its filter does not admit is skipped, as is a tail whose
+        head was not written (no prefix lookup would reach it). It makes room as it always
+        does, giving up its own victims (handed further down, as any eviction's), but never a
+        block this drain wrote or a drained tail hangs from: a write whose first victim would
+        be one (the tier full of the drain's blocks and pinned ones, or a policy that ranks
+        its own blocks above the new ones) stops the drain ("no room"; one that took such a
+        block all the same, a larger frame needing several victims, stops it too, the block
+        counted as left), and it writes at most the tier's budget less
+        its pinned bytes (a tier without a local index, Redis, cannot name its victim; its
+        LRU gives up the drain's own blocks only past that). Blocks are written
+        ``DRAIN_BATCH`` at a time where the tier has free room for them (one group commit on
+        disk), else one by one.
+
+        ``seconds``: how long it may run (None: to its end); ``stop``: asked between writes,
+        True ends it ("cut"). Either way every block written is whole, and the rest is left
+        (``DrainReport.left``). ``progress`` is called with the figures so far once the
+        blocks to write are known, then every ``every_seconds``. A store with no persistent
+        tier below a memory one has nothing to drain (``tier`` None)."""
+        started = time.monotonic()
+        report = DrainReport()
+        level = next((i for i, t in enumerate(self.tiers) if t.persistent), 0)
+        if level == 0:
+            return report
+        target = self.tiers[level]
+        report.tier = target.name
+        plan, heads_below = self._drain_plan(self.tiers[:level], self.tiers[level:])
+        report.blocks, report.bytes = len(plan), sum(info.nbytes for _, info in plan)
+        if progress is not None:
+            progress(report)
+        use_filter = self.filters.get(target.name)
+        budget = target.capacity_bytes - target.stats().pinned_bytes
+        # The blocks a tail may follow (written now, or below already: 0 bytes of the drain's).
+        written = dict.fromkeys(heads_below, 0)
+        shown = started
+        todo = deque(plan)
+        while todo:
+            if stop is not None and stop():
+                report.stopped = "cut"
+            elif seconds is not None and time.monotonic() - started >= seconds:
+                report.stopped = "time limit"
+            if report.stopped is not None:
+                break
+            batch: list[tuple[bytes, BlockInfo]] = []
+            coming = set()  # heads of this batch: written together with their tails
+            while todo and len(batch) < DRAIN_BATCH:
+                key, info = todo.popleft()
+                if info.position and info.parent not in written and info.parent not in coming or \
+                        use_filter is not None and not use_filter.admits(key):
+                    report.add("skipped", info.nbytes)
+                else:
+                    batch.append((key, info))
+                    coming.add(key)
+            if not self._drain_batch(level, batch, written, budget, report):
+                report.stopped = "no room"
+                break
+            if progress is not None and time.monotonic() - shown >= every_seconds:
+                shown = time.monotonic()
+                report.seconds = shown - started
+                progress(report)
+        report.left = report.blocks - report.written - report.skipped - report.failed
+        report.left_bytes = report.bytes - report.written_bytes - report.skipped_bytes - report.failed_bytes
+        report.seconds = time.monotonic() - started
+        return report
+
+    def _drain_plan(self, memory: list[Tier], below: list[Tier]) -> tuple[list[tuple[bytes, BlockInfo]], set[bytes]]:
+        """The blocks ``memory`` holds and no tier of ``below`` does, in the order a drain
+        writes them (``drain``), and the parents of those among them that ``below`` holds."""
+        pinned: list[bytes] = []
+        rest: list[bytes] = []
+        for tier in memory:
+            for key in tier.keep_order():
+                (pinned if self.pin_table.covered(key) else rest).append(key)
+        ranked = list(dict.fromkeys(pinned + rest))
+        infos: dict[bytes, BlockInfo] = {}
+        for key, held in zip(ranked, self.contains_many(ranked, below)):
+            info = None if held else self.info(key)
+            if info is not None:
+                infos[key] = info
+        order: list[bytes] = []
+        placed: set[bytes] = set()
+        for key in infos:  # each block after its ancestors, the chain ranked as its best block
+            path = []
+            while key in infos and key not in placed:
+                path.append(key)
+                placed.add(key)
+                if infos[key].position == 0:
+                    break
+                key = infos[key].parent
+            order += reversed(path)
+        parents = list({info.parent for info in infos.values() if info.position and info.parent not in infos})
+        heads_below = set(compress(parents, self.contains_many(parents, below)))
+        return [(key, infos[key]) for key in order], heads_below
+
+    def _drain_batch(self, level: int, batch: list[tuple[bytes, BlockInfo]], written: dict[bytes, int],
+                     budget: int, report: DrainReport) -> bool:
+        """Write ``batch`` (a drain's, in order) into the tier at ``level``: together where it
+        has free room for them all, else one by one, each only if it would not evict a block
+        the drain wrote or builds on (``written``) nor take the drain past ``budget`` bytes;
+        False when one could not be, or took one such block all the same (a frame that needed
+        several victims): the rest of the batch is not written."""
+        tier = self.tiers[level]
+        charges = [tier.charge(info.nbytes) for _, info in batch]
+        if report.charged + sum(charges) <= budget and tier.victim_for(sum(charges))[0]:
+            return self._drain_group(level, batch, written, report)
+        for item, charge in zip(batch, charges):
+            fits, victim = tier.victim_for(charge)
+            if report.charged + charge > budget or not fits and (victim is None or victim in written):
+                return False
+            if not self._drain_group(level, [item], written, report):
+                return False
+        return True
+
+    def _drain_group(self, level: int, group: list[tuple[bytes, BlockInfo]], written: dict[bytes, int],
+                     report: DrainReport) -> bool:
+        """Copy ``group`` from the memory tiers into the tier at ``level`` in one call; False if
+        that evicted a block of ``written`` there (taken off it, and off the figures)."""
+        tier = self.tiers[level]
+        infos = dict(group)
+        kept = True
+        with self._moving():
+            since = self._deletes_done()
+            frames = []
+            for key, info in group:
+                frame = next((f for t in self.tiers[:level] if (f := t.get(key)) is not None), None)
+                if frame is None:  # gone from memory since the plan: deleted, or evicted (demoted) meanwhile
+                    report.add("skipped", info.nbytes)
+                else:
+                    frames.append((key, frame))
+            try:
+                results = tier.put_many([(k, f if tier.accepts_device_frames else _on_host(f)) for k, f in frames])
+            finally:
+                for _, frame in frames:
+                    frame.release()
+            for (key, _), result in zip(frames, results):
+                info = infos[key]
+                for victim, _ in result.evicted:
+                    if victim in written:
+                        kept = False
+                        nbytes = written.pop(victim)
+                        if nbytes:
+                            report.add("written", nbytes, -1)
+                            report.charged -= tier.charge(nbytes)
+                self._demote(level, result.evicted, since)  # (its own victims, handed down as any eviction's)
+                if result.error is not None:
+                    report.add("failed", info.nbytes)
+                    report.first_error = report.first_error or f"block {key.hex()}: {result.error}"
+                    continue
+                orphan = info.position and info.parent not in written  # its head (of this group) was not
+                if orphan and result.stored is not None:
+                    tier.delete(key)  # (a tail no lookup reaches)
+                if orphan or result.stored is not None and not self._landed(tier, key, since):
+                    report.add("skipped", info.nbytes)  # (or deleted while on its way)
+                else:  # (stored None: the tier had it already)
+                    written[key] = info.nbytes
+                    report.add("written", info.nbytes)
+                    report.charged += tier.charge(info.nbytes)
+        return kept
+
     def settle_moves(self) -> None:
         """Wait until the blocks on their way down now (evicted from one tier, not yet in the
         next, so in none) are in a tier again or gone for good (see ``store.moves``): a caller
@@ -924,4 +1135,4 @@ def _on_host(frame: BlockFrame) -> BlockFrame:
     return frame_to_host(frame)
 
 
-__all__ = ["DURABLE", "MEMORY", "StorePutResult", "TierPutResult", "TieredStore"]
+__all__ = ["DURABLE", "MEMORY", "DrainReport", "StorePutResult", "TierPutResult", "TieredStore"]
