@@ -36,7 +36,7 @@ import torch
 from .errors import InputError
 from .layout import KVLayout
 from .quant.backend import backend_for, forced_triton
-from .quant.tensors import dtype_str, within
+from .quant.tensors import dtype_str, finite_per_block, within
 
 if TYPE_CHECKING:  # (the kernels import triton: loaded only where they run)
     from .kernels import BlockPages
@@ -388,30 +388,46 @@ class PagedSource:
         self.launched.append((first, n, flags))
         return flags
 
-    def check_values(self, codec: Any, first: int, n: int, *, chunk: int = 4) -> None:
+    def check_values(self, codec: Any, first: int, n: int, *, chunk_bytes: int = 64 << 20) -> None:
         """``InputError`` if the KV of blocks ``[first, first + n)`` is KV ``codec`` refuses:
         NaN or Inf in K or V of any layer, or (beyond the codec's ``safe_magnitudes``, where
-        its encode of the block decides) a range its stats cannot hold. Checked ``chunk``
-        blocks at a time, each gathered out of the pages: exactly the blocks' tokens, never
-        the rest of a page. Before an encode reaches them: see ``InPlaceIngest``. The
-        result is kept for :meth:`bad_blocks`."""
+        its encode of the block decides) a range its stats cannot hold. One layer and side
+        at a time, at most ``chunk_bytes`` of blocks gathered out of the pages at once:
+        exactly the blocks' tokens, never the rest of a page. The verdicts stay on the device
+        and are read once, at the end: a read per piece made the host wait for the device
+        at every piece, while an in-place ingest's copies waited for the host (raw 16K-token
+        paged ingests took 1.5x the contiguous ones on the H200). Before an encode reaches
+        them: see ``InPlaceIngest``. The result is kept for :meth:`bad_blocks`."""
+        if n <= 0:
+            return
         bounds = codec.safe_magnitudes(dtype_str(self.pages.dtype), self.pages.head_dim)
-        for a in range(first, first + n, chunk):
-            m = min(chunk, first + n - a)
-            k, v = self.gather("k", a, m), self.gather("v", a, m)  # [m, L, H, B, D]
-            ok = torch.isfinite(k).flatten(1).all(1) & torch.isfinite(v).flatten(1).all(1)
-            refused = None if bool(ok.all()) else InputError("k or v: holds NaN or Inf; input rejected")
-            if refused is None and bounds is not None:
-                beyond = ~(within(k, bounds[0], dim=0) & within(v, bounds[1], dim=0))
-                for j in beyond.nonzero().flatten().tolist():
-                    try:
-                        for layer in range(k.shape[1]):
-                            codec.encode(k[j, layer], v[j, layer])
-                    except InputError as e:
-                        ok[j], refused = False, e
-            self.checked.append((a, m, ok.view(1, m)))
-            if refused is not None:
-                raise refused
+        B, H, D = self.block_tokens, self.pages.num_kv_heads, self.pages.head_dim
+        page, slot = self._token_index(first, n)
+        step = max(1, chunk_bytes // (B * H * D * self.pages.dtype.itemsize))
+        finite = torch.ones(n, dtype=torch.bool, device=self.device)
+        inside = finite.clone() if bounds is not None else None
+        for side, views in (("k", self.pages.k), ("v", self.pages.v)):
+            for view in views:
+                for a in range(0, n, step):
+                    b = min(n, a + step)
+                    x = _tokens(view, page[a * B : b * B], slot[a * B : b * B]).view(b - a, B * H * D)
+                    finite[a:b] &= finite_per_block(x)
+                    if inside is not None:
+                        inside[a:b] &= within(x, bounds[0 if side == "k" else 1], dim=0)
+        verdict = torch.stack([finite.all(), inside.all() if inside is not None else finite.all()]).tolist()
+        refused = None if verdict[0] else InputError("k or v: holds NaN or Inf; input rejected")
+        if refused is None and not verdict[1]:
+            assert inside is not None
+            for j in (~inside).nonzero().flatten().tolist():
+                k, v = self.gather("k", first + j, 1)[0], self.gather("v", first + j, 1)[0]  # [L, H, B, D]
+                try:
+                    for layer in range(k.shape[0]):
+                        codec.encode(k[layer], v[layer])
+                except InputError as e:
+                    finite[j], refused = False, e
+        self.checked.append((first, n, finite.view(1, n)))
+        if refused is not None:
+            raise refused
 
     def bad_blocks(self) -> list[int]:
         """Rows whose flags say NaN or Inf, among the encodes whose work is done (call it

@@ -12,6 +12,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek import kernels
+from cacheseek.pages import PagedSource
 from cacheseek.quant.tensors import host_view
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import (
@@ -667,6 +668,22 @@ def test_nan_through_the_put_path_names_its_request_once():
     with pytest.raises(cs.InputError, match=once.format("kv")):
         cache.ingest(list(range(100, 164)), pages.at(list(range(8, 16))))
     assert cache.lookup(list(range(64))) == 0 and cache.lookup(list(range(1000, 1064))) == held > 0
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 64 << 20], ids=["a-block-a-piece", "one-piece"])
+@pytest.mark.parametrize("codec", [cs.Raw(), INT4], ids=["raw", "int4"])
+def test_a_check_of_blocks_in_pages_finds_the_bad_block_in_any_piece(codec, chunk_bytes):
+    """``PagedSource.check_values`` reads its verdicts once, after every piece of every
+    layer: a NaN in the last block of a later layer is found and named, and the blocks
+    before it pass."""
+    kv = [torch.randn(2, 16, 8, 2, 32).half() for _ in range(2)]  # vLLM's flash layout: 16 pages of 8 tokens
+    source = PagedSource(cs.KVPages.vllm(kv), [torch.arange(16, dtype=torch.int32)], [(0, b) for b in range(4)], 32)
+    source.check_values(codec, 0, 4, chunk_bytes=chunk_bytes)
+    kv[1][1, 13, 7, 1, 31] = float("nan")  # V of layer 1, page 13's last token: block 3's
+    with pytest.raises(cs.InputError, match="^k or v: holds NaN or Inf"):
+        source.check_values(codec, 0, 4, chunk_bytes=chunk_bytes)
+    assert source.bad_blocks() == [3]
+    source.check_values(codec, 0, 3, chunk_bytes=chunk_bytes)  # the blocks before it
 
 
 def test_a_refused_paged_ingest_of_several_batches_evicts_nothing(tmp_path):
