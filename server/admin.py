@@ -364,7 +364,7 @@ class AdminOps:
         entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
         tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
-            with open(tmp, "w") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 json.dump({"version": FILE_VERSION, "pins": entries}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())

@@ -48,7 +48,7 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         return _checked_key(path, path.read_bytes())
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f"{KEY_FILE}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:

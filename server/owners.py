@@ -273,8 +273,8 @@ class Owners:
         text = json.dumps({"version": FILE_VERSION, "roots": roots}, indent=1)
         tmp = self._path.with_name(f"{OWNERS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w") as f:
+            self._path.parent.mkdir(0o700, parents=True, exist_ok=True)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())

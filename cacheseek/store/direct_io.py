@@ -66,7 +66,7 @@ def probe_read_path(folder: str | os.PathLike) -> str:
     path = Path(folder) / f"{PROBE_NAME}-{os.getpid()}-{threading.get_ident()}"
     try:
         try:
-            with open(path, "wb") as f:
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 f.write(b"\x5a" * (2 * DIRECT_ALIGN))
                 f.flush()
                 os.fsync(f.fileno())

@@ -112,6 +112,10 @@ log = logging.getLogger("cacheseek.store")
 SIDECAR_VERSION = 1
 _SIDECAR_KEYS = {"v", "hash", "parent", "pos", "nbytes", "raw_nbytes", "checksum"}
 LOCK_NAME = ".lock"
+# What the tier (and the server beside it) creates is its owner's alone: a block's KV gives
+# back its prompt's text. Passed at creation, so no umask widens them (it only narrows).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
 READ_DEPTH = 16  # whole-file reads in flight
 LOGGED_AT_START = 32  # blocks named one by one among those recovery drops (then a count)
 # Opening a directory of millions of blocks reads every sidecar (minutes, before the port
@@ -274,9 +278,16 @@ class DiskTier(IndexedTier):
         self._others_evicted = 0
         try:
             created = not self.root.is_dir()
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(DIR_MODE, parents=True, exist_ok=True)  # (its missing parents as ``mkdir -p`` makes them)
             if created and fsync:
                 _fsync_dir(self.root.parent)  # a new directory's entry is its parent's to make durable
+            if not created and (mode := stat.S_IMODE(self.root.stat().st_mode)) & 0o002:
+                # Left as the operator made it. Read access alone shows others only fixed names
+                # (the tier's own entries are the owner's), but write access lets them swap a
+                # shard directory for their own: blocks planted, or written where they choose.
+                # A group's access is a choice (a team's directory, Kubernetes' fsGroup), not said.
+                log.warning("%s tier at %s: every local user may write in this directory (mode %o): they "
+                            "could replace what the tier stores; chmod o-w it", name, self.root, mode)
         except OSError as exc:
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
         # Released by close(); the finalizer only covers a tier dropped without one.
@@ -403,11 +414,11 @@ class DiskTier(IndexedTier):
     def _make_shards(self) -> None:
         """Every shard directory made now, their entries fsynced in the root once: a write
         then never makes one (``_shard_dir`` covers one removed meanwhile)."""
-        made = 0
+        made = loose = 0
         for i in range(256):
             shard = self.root / f"{i:02x}"
             try:
-                shard.mkdir()
+                shard.mkdir(DIR_MODE)
                 made += 1
             except FileExistsError:
                 if not shard.is_dir():  # (a symlink to a directory is the operator's choice: it works)
@@ -416,14 +427,21 @@ class DiskTier(IndexedTier):
                     raise StorageError(f"{self.name} tier: {shard} is in the way of a shard directory (blocks whose "
                                        "hashes begin with those two hex digits are kept there): move or remove "
                                        "it, then start again") from None
+                loose += bool(shard.stat().st_mode & 0o007)
         if made and self.fsync:
             _fsync_dir(self.root)
+        if loose:
+            # Said, not changed: a chmod of every file would hold the start for minutes on a
+            # large directory, and its modes are the operator's to decide.
+            log.warning("%s tier at %s: %d shard directories (an earlier release's, or made by hand) let every local "
+                        "user read the blocks in them, whose KV gives back prompts: chmod -R go= %s",
+                        self.name, self.root, loose, self.root)
 
     def _shard_dir(self, shard: Path) -> None:
         """Make a shard directory if it is not there; a new one's entry is fsynced in the
         root, since the shard's own fsync (after a write's renames) does not cover it."""
         try:
-            shard.mkdir()
+            shard.mkdir(DIR_MODE)
         except FileExistsError:
             return
         if self.fsync:
@@ -1050,10 +1068,10 @@ class DiskTier(IndexedTier):
         ``fsync``); its path."""
         tmp = final.parent / f".tmp-{final.name}-{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileNotFoundError:  # its shard removed behind the tier's back (all are made at open)
             self._shard_dir(final.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
                 for seg in segments:
@@ -1500,7 +1518,7 @@ def _lock_directory(root: Path) -> int:
     path = root / LOCK_NAME
     with _held_locks_change:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         except OSError as exc:
             raise StorageError(f"disk tier: cannot open the lock file {path}: {exc}") from None
         try:
