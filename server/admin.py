@@ -354,6 +354,11 @@ class AdminOps:
         """Write the pins file: whether it was written (None: no disk tier, no file). A pin
         or unpin answers it, so that one a restart will not keep is not acknowledged as if
         it would be."""
+        # The names of pins that expired go too: nothing else forgets them, and a pin made
+        # with a TTL each time a prefix ran hot grew this table (and each save) for good.
+        expired = [key for key in self._pins if self.store.pin_table.get(key) is None]
+        for key in expired:
+            del self._pins[key]
         if self._path is None:
             return None
         entries = []

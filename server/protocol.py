@@ -257,6 +257,10 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def connection_lost(self, exc: Exception | None) -> None:
             self.watch.stop()
             super().connection_lost(exc)
+            # uvicorn cancels the idle keep-alive timer only for a connection that ended
+            # cleanly: after a reset it held this protocol (its last request's scope and
+            # cycle) until it fired, keepalive_timeout_seconds on, one per reset connection.
+            self._unset_keepalive_if_required()
             # uvicorn tells only the newest request's cycle. A response still being sent when
             # a pipelined request's headers came in would write on into the closed transport
             # (uvloop raises: its route failed, logged as a bug) and fetch its frames to the end.

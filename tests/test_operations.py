@@ -1170,3 +1170,33 @@ def test_a_state_file_nested_too_deep_is_unreadable_not_a_failed_start(tmp_path,
     with srv as s, httpx.Client(base_url=s.url) as c:
         post_chain(c, chain)
         assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200
+
+
+def test_the_pins_that_expire_are_forgotten_by_the_admin_too(tmp_path):
+    """A pin made with a TTL and left to expire was still named in the admin's table of pins
+    (namespace and hash, for the pins file): an operator pinning each hot prefix for a while
+    grew it by one entry per pin for the life of the process, and each pin's save walked all
+    of them. Once expired, a pin is forgotten there as in the store."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.frame import parse_frame
+    from cacheseek.store.tier import BlockFrame
+    from cacheseek.store.tiered import TieredStore
+    from server.admin import AdminOps
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.service import BlockService
+
+    now = [1000.0]
+    store = TieredStore([CpuTier(8 << 20)], clock=lambda: now[0])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    ops = AdminOps(service, tmp_path)
+    try:
+        for i in range(50):
+            [(h, frame)] = raw_chain(i, 1)
+            store.put(h, BlockFrame(parse_frame(frame), host=memoryview(frame)))
+            ops.pin("", h, ttl_seconds=1.0)
+            now[0] += 2.0  # past its expiry: the next pin's call finds it expired
+        assert store.pins() == [] and len(ops._pins) <= 1  # (the last, until the next save)
+    finally:
+        ops.close()
+        store.close()

@@ -282,6 +282,33 @@ def test_a_client_gone_mid_body_ends_the_read_short(server):
         assert read_response(s, rest)[1]["sha256"] == hashlib.sha256(body).hexdigest()
 
 
+@pytest.mark.keep_alive_s(60)
+def test_a_connection_the_client_resets_is_let_go_at_once(server):
+    """uvicorn cancels a connection's idle keep-alive timer when it ends cleanly, not when the
+    client resets it (``connection_lost`` with an error): the timer held the protocol, its
+    last request's scope and cycle, until it fired, keepalive_timeout_seconds later. A client
+    answered and then resetting its connections, over and over, kept that many alive."""
+    import gc
+    import struct
+
+    port, _ = server
+    srv = RUNNING[-1]
+    for _ in range(40):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(request("/", b"x" * 100))
+            read_response(s, bytearray())  # answered: the idle keep-alive timer is armed
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
+    deadline = time.monotonic() + 10  # (the keep-alive timer: 60 s)
+    while True:
+        gc.collect()
+        left = [o for o in gc.get_objects() if isinstance(o, srv.config.http_protocol_class)]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"{len(left)} of the connections the client reset are still held"
+        del left
+        time.sleep(0.05)
+
+
 def test_the_fast_path_is_on_with_the_pinned_uvicorn_and_off_loudly_otherwise(monkeypatch):
     import uvicorn
     from uvicorn.protocols.http import httptools_impl

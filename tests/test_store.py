@@ -1443,6 +1443,28 @@ def test_a_hit_then_the_ingest_of_the_same_prompt_is_one_use_for_disk_admission(
     assert disk.contains(key) and cache.lookup(toks) == BLOCK
 
 
+def test_the_admission_counts_stay_bounded_before_any_block_reaches_the_filtered_tier(tmp_path):
+    """Disk admission's use counts are halved every ``window`` uses, a window sized from the
+    first frame the filter saw. It saw frames only when one went down to its tier: while the
+    CPU tier never filled (blocks deleted or flushed as they go), the window stayed 0 and
+    the counts kept every key ever ingested, one entry per block for the life of the process."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    disk = DiskTier(tmp_path / "d", 8 * disk_charge(raw_frame(0)[1].nbytes))
+    store = TieredStore([CpuTier(64 << 20), disk], admit_after={"disk": 2})
+    try:
+        for i in range(1000, 3000):
+            key, frame = raw_frame(i)
+            store.put(key, frame)
+            store.delete(key)
+        use_filter = store.filters["disk"]
+        assert use_filter.window == 80 and use_filter.describe()["tracked_keys"] <= use_filter.window
+    finally:
+        store.close()
+
+
 def test_a_delete_of_a_block_on_its_way_down_finds_it(tmp_path, monkeypatch):
     """Write-back: a block evicted from the CPU tier is in no tier until the disk has it. Its
     delete then was deleted where it landed, but answered "not held" (a DELETE's 404)."""

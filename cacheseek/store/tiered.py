@@ -223,6 +223,10 @@ class TieredStore:
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
+            if items:
+                # Sized now, not at the first frame that goes down to its tier: until then its
+                # window was 0, never halved, and kept a count for every key ever ingested.
+                use_filter.size_from(items[0][1].nbytes)
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         with self._moving():
             return self._put_many(items, self._deletes_done(), room_for)
@@ -1061,6 +1065,8 @@ class TieredStore:
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
+            if items:
+                use_filter.size_from(items[0][2].nbytes)  # (as put_many's)
             use_filter.use(key for key, _, _ in items)
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
