@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import cacheseek as cs
 from cacheseek.store.eviction import make_index
@@ -104,6 +105,28 @@ def test_an_embedded_write_back_cache_drained_before_close_is_found_by_the_next_
     try:
         assert again.lookup(toks) == 4 * BLOCK
         assert_prefix_equal(again.materialize(toks), kv, 4 * BLOCK)
+    finally:
+        again.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)], ids=["raw", "int4"])
+def test_a_drain_writes_what_a_gpu_tier_alone_holds_to_disk(tmp_path, codec):
+    """Blocks held in device memory only (a GPU tier over the CPU tier, write-back) are
+    copied to the host on their way to disk; the next store finds them bit-exact."""
+    toks, kv = tokens_for(5, 4 * BLOCK), make_kv(4 * BLOCK, 5)
+    kv = [(k.cuda(), v.cuda()) for k, v in kv]
+    cache = make_cache(codec=codec, gpu="64MiB", cpu="4MiB", disk=tmp_path / "disk", write_through=())
+    assert cache.ingest(toks, kv).stored == 4
+    assert [t.name for t in cache.store.tiers if t.stats().blocks] == ["gpu"]
+    assert cache.store.drain().written == 4
+    want = cache.materialize(toks, device="cpu")
+    cache.close()
+    again = make_cache(codec=codec, cpu=0, disk=tmp_path / "disk")
+    try:
+        assert again.lookup(toks) == 4 * BLOCK
+        got = again.materialize(toks, device="cpu")
+        assert all(torch.equal(a, b) for x, y in zip(got.layers, want.layers) for a, b in zip(x, y))
     finally:
         again.close()
 
