@@ -414,7 +414,7 @@ class PagedSource:
                     finite[a:b] &= finite_per_block(x)
                     if inside is not None:
                         inside[a:b] &= within(x, bounds[0 if side == "k" else 1], dim=0)
-        verdict = torch.stack([finite.all(), inside.all() if inside is not None else finite.all()]).tolist()
+        verdict = torch.stack([finite.all(), (finite if inside is None else inside).all()]).tolist()
         refused = None if verdict[0] else InputError("k or v: holds NaN or Inf; input rejected")
         if refused is None and not verdict[1]:
             assert inside is not None

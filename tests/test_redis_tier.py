@@ -2358,6 +2358,20 @@ def test_totals_that_are_numbers_of_no_count_are_counted_again(redis_url, field,
         tier.close()
 
 
+@contextlib.contextmanager
+def _one_block_in_a_cluster(cluster, seed: int, namespace: str):
+    """A tier over the flushed ``cluster`` holding one block (``_frame(seed)``); yields (the
+    tier, a connection, the block's key, its frame), and closes the tier."""
+    cluster.flush()
+    key, frame = _frame(seed)
+    tier = RedisTier(cluster.url, 64 << 20, namespace=namespace)
+    try:
+        tier.put(key, frame)
+        yield tier, tier._connection(), key, frame
+    finally:
+        tier.close()
+
+
 GEN_NOT_OURS = ["nan", "inf", "-5", "0x10", " 7", "1e3"]  # what tonumber takes and the script never writes
 
 
@@ -2368,12 +2382,7 @@ def test_in_a_cluster_a_frames_generation_not_written_by_a_tier_fences_a_victims
     ``tonumber``) compared as no newer: the delete of an older eviction took a frame a
     newer write had stored. Such a generation says nothing about the frame's age: the
     delete leaves it (at worst an orphan, adopted or expired as any other)."""
-    cluster.flush()
-    key, frame = _frame(101)
-    tier = RedisTier(cluster.url, 64 << 20, namespace="genfence")
-    try:
-        c = tier._connection()
-        tier.put(key, frame)
+    with _one_block_in_a_cluster(cluster, 101, "genfence") as (tier, c, key, frame):
         gen_key = tier.keys_of.frame_gen(key)
         written = int(c.get(gen_key))
         older = written - 1  # the generation an earlier eviction of this block let go
@@ -2387,8 +2396,6 @@ def test_in_a_cluster_a_frames_generation_not_written_by_a_tier_fences_a_victims
         c.set(gen_key, written)
         assert c.execute_command("EVAL", DROP_STALE_SCRIPT, 2, tier.keys_of.frame(key), gen_key, written) == 2  # frame and generation
         assert tier.get(key) is None and c.get(gen_key) is None
-    finally:
-        tier.close()
 
 
 @pytest.mark.parametrize("value", GEN_NOT_OURS)
@@ -2399,12 +2406,7 @@ def test_in_a_cluster_a_generation_in_the_index_not_written_by_a_tier_gets_a_new
     the late delete of any earlier eviction took the frame the index counts. The script now
     reads digits only: such a block gets a new generation, newer than any an eviction has
     let go, and the writer's fence holds."""
-    cluster.flush()
-    key, frame = _frame(102)
-    tier = RedisTier(cluster.url, 64 << 20, namespace="genindex")
-    try:
-        c = tier._connection()
-        tier.put(key, frame)
+    with _one_block_in_a_cluster(cluster, 102, "genindex") as (tier, c, key, frame):
         member, gen_key = RedisKeys.member(key), tier.keys_of.frame_gen(key)
         first = int(c.get(gen_key))
         c.hset(tier.keys_of.gens, member, value)
@@ -2418,5 +2420,3 @@ def test_in_a_cluster_a_generation_in_the_index_not_written_by_a_tier_gets_a_new
         got = tier.get(key)
         assert got is not None and bytes(got.host) == bytes(frame.host)
         assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
-    finally:
-        tier.close()
