@@ -723,9 +723,10 @@ class TieredStore:
         """Write the blocks only the memory tiers hold (write-back: not demoted yet) down to the
         first persistent tier (disk, else Redis), so that a store opened again over it finds
         them: a clean shutdown's last step before ``close``. They are copied (the memory
-        tiers keep theirs), in the order that keeps the most if it is cut short: pinned
-        blocks first, then those the memory tiers would keep longest, the top tier's before
-        the next one's, each chain's head before its tails (``_drain_plan``).
+        tiers keep theirs, and their reads count as no hit), in the order that keeps the most
+        if it is cut short: pinned blocks first, then those the memory tiers would keep
+        longest, the top tier's before the next one's, each chain's head before its tails
+        (``_drain_plan``).
 
         The tier below is written as a demotion would write it, its budget and admission
         filter as they are: a block its filter does not admit is skipped, as is a tail whose
@@ -851,7 +852,7 @@ class TieredStore:
             since = self._deletes_done()
             frames = []
             for key, info in group:
-                frame = next((f for t in self.tiers[:level] if (f := t.get(key)) is not None), None)
+                frame = next((f for t in self.tiers[:level] if (f := t.peek(key)) is not None), None)
                 if frame is None:  # gone from memory since the plan: deleted, or evicted (demoted) meanwhile
                     report.add("skipped", info.nbytes)
                 else:
