@@ -63,7 +63,7 @@ MEMORY = "memory"
 # these treats its blocks as possibly deleted, and does not promote them.
 RECENT_DELETES = 4096
 # Blocks a drain writes in one call where the tier below has room for them all (one group
-# commit on disk): the most a time limit or a second SIGINT waits for.
+# commit on disk): the most a second SIGINT waits for (a time limit: fewer, near its end).
 DRAIN_BATCH = 16
 
 T = TypeVar("T")
@@ -743,8 +743,10 @@ class TieredStore:
         disk), else one by one.
 
         ``seconds``: how long it may run (None: to its end); ``stop``: asked between writes,
-        True ends it ("cut"). Either way every block written is whole, and the rest is left
-        (``DrainReport.left``). ``progress`` is called with the figures so far once the
+        True ends it ("cut"). Near the time limit the writes shrink to the blocks the tier
+        has been writing in the time left (as slow as its slowest write so far), so the limit
+        is overrun by about one block's write at most. Either way every block written is
+        whole, and the rest is left (``DrainReport.left``). ``progress`` is called with the figures so far once the
         blocks to write are known, then every ``every_seconds``. A store with no persistent
         tier below a memory one has nothing to drain (``tier`` None)."""
         started = time.monotonic()
@@ -763,17 +765,25 @@ class TieredStore:
         # The blocks a tail may follow (written now, or below already: 0 bytes of the drain's).
         written = dict.fromkeys(heads_below, 0)
         shown = started
+        block_seconds = None  # the slowest write so far, a block
         todo = deque(plan)
         while todo:
+            size = DRAIN_BATCH
             if stop is not None and stop():
                 report.stopped = "cut"
-            elif seconds is not None and time.monotonic() - started >= seconds:
-                report.stopped = "time limit"
+            elif seconds is not None:
+                left = started + seconds - time.monotonic()
+                if left <= 0:
+                    report.stopped = "time limit"
+                else:
+                    # No more than the tier has been writing in the time left (one block while
+                    # that is not known yet): a slow disk's batch overran the limit by a batch.
+                    size = 1 if block_seconds is None else max(1, min(DRAIN_BATCH, int(left / block_seconds)))
             if report.stopped is not None:
                 break
             batch: list[tuple[bytes, BlockInfo]] = []
             coming = set()  # heads of this batch: written together with their tails
-            while todo and len(batch) < DRAIN_BATCH:
+            while todo and len(batch) < size:
                 key, info = todo.popleft()
                 if info.position and info.parent not in written and info.parent not in coming or \
                         use_filter is not None and not use_filter.admits(key):
@@ -781,7 +791,12 @@ class TieredStore:
                 else:
                     batch.append((key, info))
                     coming.add(key)
-            if not self._drain_batch(level, batch, written, budget, report):
+            began = time.monotonic()
+            room = self._drain_batch(level, batch, written, budget, report)
+            if batch:
+                took = (time.monotonic() - began) / len(batch)
+                block_seconds = took if block_seconds is None else max(block_seconds, took)
+            if not room:
                 report.stopped = "no room"
                 break
             if progress is not None and time.monotonic() - shown >= every_seconds:
