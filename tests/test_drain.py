@@ -373,7 +373,6 @@ def test_a_drains_copies_from_memory_count_as_no_hit(tmp_path):
     store.close()
 
 
-
 def test_a_drain_on_a_slow_disk_overruns_its_time_limit_by_about_one_block(tmp_path, monkeypatch):
     """A disk taking 0.1 s a block (a slow or busy device; the delay is added before each
     real write): the time limit was asked only between writes of DRAIN_BATCH (16) blocks,
@@ -396,3 +395,62 @@ def test_a_drain_on_a_slow_disk_overruns_its_time_limit_by_about_one_block(tmp_p
     assert report.stopped == "time limit" and 2 <= report.written < 40
     assert report.seconds < 0.35 + 0.25, report
     assert found_after_reopen(store, tmp_path, blocks) == [k for k, _ in blocks[: report.written]]
+
+
+@needs_redis
+def test_what_the_disk_refuses_in_a_drain_goes_on_to_redis_below_it(tmp_path, monkeypatch):
+    """Disk (admitting blocks used twice) over Redis, both write-back: the drain counted a
+    block the disk's filter held back skipped, and one whose write failed (EIO) failed, with
+    its tails; all were lost at the stop though Redis below had room, where an eviction
+    would have handed them on. They go on to Redis now, each chain whole."""
+    from store_helpers import fail_disk_writes
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(disk_path=tmp_path / "disk", disk_bytes="1GiB", redis_url=redis.url, redis_bytes="64MiB",
+                      redis_namespace="drainon")
+        store = cs.TierConfig(cpu_bytes=64 << 20, write_through=(), disk_admit_after_uses=2, **config).build()
+        admitted, held_back, failing = chain(26, 3), chain(27, 3), chain(28, 3)
+        for blocks in (admitted, held_back, failing):
+            put_chain(store, blocks)
+        store.touch_chain([k for k, _ in admitted])
+        store.touch_chain([k for k, _ in failing])
+        fail_disk_writes(monkeypatch, [failing[0][0]])  # the chain's head: its tails have nowhere to hang on disk
+        report = store.drain()
+        assert (report.written, report.skipped, report.failed, report.left) == (9, 0, 0, 0), report
+        assert (report.handed_on, report.handed_on_to, report.stopped) == (6, "redis", None)
+        assert set(store.tier("disk").keys()) == {k for k, _ in admitted}
+        store.close()
+        monkeypatch.undo()
+        again = cs.TierConfig(cpu_bytes=0, **config).build()
+        try:
+            assert found(again, admitted + held_back + failing) == [k for k, _ in admitted + held_back + failing]
+        finally:
+            again.close()
+    finally:
+        redis.stop()
+
+
+@needs_redis
+def test_once_the_disk_has_no_room_a_drain_writes_the_rest_to_redis_below_it(tmp_path):
+    """A disk with room for a block or two over Redis: the drain stopped ("no room") and the
+    rest of the chain, which an eviction from the disk would have handed to Redis, was lost."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(disk_path=tmp_path / "disk", disk_bytes=2 * disk_charge(FRAME_BYTES), redis_url=redis.url,
+                      redis_bytes="64MiB", redis_namespace="drainroom")
+        store = cs.TierConfig(cpu_bytes=64 << 20, write_through=(), **config).build()
+        blocks = chain(29, 5)
+        put_chain(store, blocks)
+        report = store.drain()
+        on_disk = len(store.tier("disk").keys())
+        assert set(store.tier("disk").keys()) == {k for k, _ in blocks[:on_disk]} and on_disk >= 1
+        assert (report.written, report.left, report.stopped, report.handed_on) == (5, 0, None, 5 - on_disk), report
+        store.close()
+        again = cs.TierConfig(cpu_bytes=0, **config).build()
+        try:
+            assert found(again, blocks) == [k for k, _ in blocks]
+        finally:
+            again.close()
+    finally:
+        redis.stop()
