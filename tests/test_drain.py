@@ -215,7 +215,7 @@ def test_a_tail_whose_head_is_on_disk_already_is_written_and_one_whose_head_is_n
         == [head, tail]
 
 
-def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: int):
+def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: int, **kw):
     """A write-back store whose ARC disk of ``units`` small blocks' room holds two old ones, one
     used twice (ARC's T2: it outranks any block seen once), and the disk's charge of a small block."""
     from cacheseek.store.frame import parse_frame
@@ -223,7 +223,7 @@ def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: in
     store = write_back(tmp_path, eviction="arc", disk_bytes="1GiB")
     unit = store.tier("disk").charge(len(chain(0, 1)[0][1]))
     store.close()
-    store = write_back(tmp_path, eviction="arc", disk_bytes=units * unit)
+    store = write_back(tmp_path, eviction="arc", disk_bytes=units * unit, **kw)
     once, twice = chain(16, 1), chain(17, 1)
     for key, frame in once + twice:
         store.tier("disk").put(key, BlockFrame(parse_frame(frame), host=memoryview(frame)))
@@ -450,6 +450,31 @@ def test_once_the_disk_has_no_room_a_drain_writes_the_rest_to_redis_below_it(tmp
         again = cs.TierConfig(cpu_bytes=0, **config).build()
         try:
             assert found(again, blocks) == [k for k, _ in blocks]
+        finally:
+            again.close()
+    finally:
+        redis.stop()
+
+
+@needs_redis
+def test_a_drained_block_the_disk_gave_up_for_a_larger_frame_is_counted_in_redis_below_it(tmp_path):
+    """The larger-frame case above over Redis: the small block the disk gave up went down to
+    Redis as its victim, and the rest of the drain with it; the small block is counted
+    written (handed on), not left behind."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(redis_url=redis.url, redis_bytes="64MiB", redis_namespace="drainbig")
+        store, _, once, twice = _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, 3, **config)
+        small, big = chain(30, 1), chain(31, 1, tokens=BLOCK + BLOCK // 2)
+        put_chain(store, big)
+        put_chain(store, small)
+        report = store.drain()
+        assert (report.written, report.left, report.stopped, report.handed_on) == (2, 0, None, 1), report
+        assert store.tier("disk").contains(big[0][0]) and not store.tier("disk").contains(small[0][0])
+        store.close()
+        again = cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "disk", **config).build()
+        try:
+            assert found(again, small + big) == [small[0][0], big[0][0]]
         finally:
             again.close()
     finally:

@@ -158,6 +158,7 @@ class _DrainRun:
     report: DrainReport
     memory: list[Tier]  # the tiers it copies from
     written: dict[bytes, int]  # blocks a tail may follow -> bytes of the drain's (0: below already)
+    plan: dict[bytes, BlockInfo]  # the blocks to write
     started: float
     shown: float  # the last progress call
     deadline: float | None
@@ -811,7 +812,7 @@ class TieredStore:
                         deadline=None if seconds is None else started + seconds,
                         progress=progress, every_seconds=every_seconds,
                         # The blocks a tail may follow (written now, or below already: 0 bytes of the drain's).
-                        written=dict.fromkeys(heads_below, 0))
+                        written=dict.fromkeys(heads_below, 0), plan=dict(plan))
         rank = {key: i for i, (key, _) in enumerate(plan)}
         todo = plan
         for n, level in enumerate(levels):
@@ -960,6 +961,8 @@ class TieredStore:
                         if nbytes:
                             report.add("written", nbytes, -1)
                             at.charged -= tier.charge(nbytes)
+                            if at.hand_on:  # (memory holds it still; handed down already, most likely)
+                                at.pass_on(victim, run.plan[victim])
                 self._demote(level, result.evicted, since)  # (its own victims, handed down as any eviction's)
                 if result.error is not None:
                     if at.hand_on:
