@@ -2430,19 +2430,17 @@ def test_in_a_cluster_a_victims_generation_key_of_another_type_leaves_its_frame_
     as Redis refusing it: here a pin that had landed (the rest of its settling skipped).
     Such a key says nothing of the frame's age, as one that is not digits: the delete
     leaves the frame (an orphan until adopted, fixed or expired) and the call succeeds."""
-    cluster.flush()
-    (key, frame), (other, other_frame) = _frame(103), _frame(104)
-    tier = RedisTier(cluster.url, 64 << 20, namespace="gentype")
-    small = RedisTier(cluster.url, frame.nbytes, namespace="gentype")  # room for one block
-    try:
-        tier.put_many([(key, frame), (other, other_frame)])
-        c, gen_key = tier._connection(), tier.keys_of.frame_gen(key)
+    with _one_block_in_a_cluster(cluster, 103, "gentype") as (tier, c, key, frame):
+        other = _frame(104)
+        tier.put(*other)
+        gen_key = tier.keys_of.frame_gen(key)
         c.delete(gen_key)
         c.hset(gen_key, "gen", 1)
-        small.pin([other])  # its call evicts down to its budget: the older block goes
-        assert small.stats().blocks == 1 and other in small.keys()
+        small = RedisTier(cluster.url, frame.nbytes, namespace="gentype")  # room for one block
+        try:
+            small.pin([other[0]])  # its call evicts down to its budget: the older block goes
+            assert small.stats().blocks == 1 and other[0] in small.keys()
+        finally:
+            small.close()
         assert tier.get(key) is not None and c.type(gen_key) == b"hash"
         assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 1}
-    finally:
-        small.close()
-        tier.close()
