@@ -777,7 +777,7 @@ class TieredStore:
         be one (the tier full of the drain's blocks and pinned ones, or a policy that ranks
         its own blocks above the new ones) stops the drain ("no room"; one that took such a
         block all the same, a larger frame needing several victims, stops it too, the block
-        counted as left), and it writes at most the tier's budget less
+        counted as left, or handed on: below), and it writes at most the tier's budget less
         its pinned bytes (a tier without a local index, Redis, cannot name its victim; its
         LRU gives up the drain's own blocks only past that). Blocks are written
         ``DRAIN_BATCH`` at a time where the tier has free room for them (one group commit on
