@@ -474,12 +474,16 @@ class BlockService:
         why = {"time limit": f"the time limit ran out (shutdown_drain_seconds {seconds:g} s)",
                "cut": "a second SIGINT stopped it",
                "no room": f"the {report.tier} tier had no room left but that of blocks this drain wrote, or pinned"}
+        if report.stopped == "no room" and report.handed_on_to:
+            why["no room"] = f"the {report.handed_on_to} tier had no room left for what the {report.tier} tier refused"
         left = f"; {why[report.stopped]}" if report.stopped else ""
+        on = (f" ({report.handed_on:,} of them, which it refused, to the {report.handed_on_to} tier below it)"
+              if report.handed_on_to else "")
         log.log(logging.WARNING if report.left or report.failed else logging.INFO,
-                "shutdown: wrote %s of %s blocks (%s of %s) that only memory held to the %s tier in %.1f s; skipped %s "
+                "shutdown: wrote %s of %s blocks (%s of %s) that only memory held to the %s tier%s in %.1f s; skipped %s "
                 "(not admitted, a tail without its head, or gone), failed %s%s, left behind %s (%s)%s",
                 f"{report.written:,}", f"{report.blocks:,}", format_size(report.written_bytes),
-                format_size(report.bytes), report.tier, report.seconds, f"{report.skipped:,}", f"{report.failed:,}",
+                format_size(report.bytes), report.tier, on, report.seconds, f"{report.skipped:,}", f"{report.failed:,}",
                 f" (the first: {report.first_error})" if report.first_error else "", f"{report.left:,}",
                 format_size(report.left_bytes), left)
         return report

@@ -215,7 +215,7 @@ def test_a_tail_whose_head_is_on_disk_already_is_written_and_one_whose_head_is_n
         == [head, tail]
 
 
-def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: int):
+def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: int, **kw):
     """A write-back store whose ARC disk of ``units`` small blocks' room holds two old ones, one
     used twice (ARC's T2: it outranks any block seen once), and the disk's charge of a small block."""
     from cacheseek.store.frame import parse_frame
@@ -223,7 +223,7 @@ def _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, units: in
     store = write_back(tmp_path, eviction="arc", disk_bytes="1GiB")
     unit = store.tier("disk").charge(len(chain(0, 1)[0][1]))
     store.close()
-    store = write_back(tmp_path, eviction="arc", disk_bytes=units * unit)
+    store = write_back(tmp_path, eviction="arc", disk_bytes=units * unit, **kw)
     once, twice = chain(16, 1), chain(17, 1)
     for key, frame in once + twice:
         store.tier("disk").put(key, BlockFrame(parse_frame(frame), host=memoryview(frame)))
@@ -359,3 +359,123 @@ def test_keep_order_is_the_reverse_of_the_victims_the_policy_gives_up(policy):
         victims.append(victim)
         index.remove(victim, evicted=True)
     assert victims == order[3:][::-1]
+
+
+def test_a_drains_copies_from_memory_count_as_no_hit(tmp_path):
+    """The drain reads every block it writes from the CPU tier: counted as its hits, they
+    showed an operator a burst of reads at shutdown that no client made."""
+    store = write_back(tmp_path)
+    put_chain(store, chain(24, 20))
+    before = store.tier("cpu").stats()
+    assert store.drain().written == 20
+    after = store.tier("cpu").stats()
+    assert (after.hits, after.misses, after.bytes_out) == (before.hits, before.misses, before.bytes_out)
+    store.close()
+
+
+def test_a_drain_on_a_slow_disk_overruns_its_time_limit_by_about_one_block(tmp_path, monkeypatch):
+    """A disk taking 0.1 s a block (a slow or busy device; the delay is added before each
+    real write): the time limit was asked only between writes of DRAIN_BATCH (16) blocks,
+    so a limit of 0.35 s ran 1.6 s. Near the limit the writes now shrink to what fits in
+    the time left, at the pace seen so far."""
+    import time
+
+    store = write_back(tmp_path)
+    blocks = chain(25, 40)
+    put_chain(store, blocks)
+    disk = store.tier("disk")
+    real = disk.put_many
+
+    def slow(items, **kw):
+        time.sleep(0.1 * len(items))
+        return real(items, **kw)
+
+    monkeypatch.setattr(disk, "put_many", slow)
+    report = store.drain(seconds=0.35)
+    assert report.stopped == "time limit" and 2 <= report.written < 40
+    assert report.seconds < 0.35 + 0.25, report
+    assert found_after_reopen(store, tmp_path, blocks) == [k for k, _ in blocks[: report.written]]
+
+
+@needs_redis
+def test_what_the_disk_refuses_in_a_drain_goes_on_to_redis_below_it(tmp_path, monkeypatch):
+    """Disk (admitting blocks used twice) over Redis, both write-back: the drain counted a
+    block the disk's filter held back skipped, and one whose write failed (EIO) failed, with
+    its tails; all were lost at the stop though Redis below had room, where an eviction
+    would have handed them on. They go on to Redis now, each chain whole."""
+    from store_helpers import fail_disk_writes
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(disk_path=tmp_path / "disk", disk_bytes="1GiB", redis_url=redis.url, redis_bytes="64MiB",
+                      redis_namespace="drainon")
+        store = cs.TierConfig(cpu_bytes=64 << 20, write_through=(), disk_admit_after_uses=2, **config).build()
+        admitted, held_back, failing = chain(26, 3), chain(27, 3), chain(28, 3)
+        for blocks in (admitted, held_back, failing):
+            put_chain(store, blocks)
+        store.touch_chain([k for k, _ in admitted])
+        store.touch_chain([k for k, _ in failing])
+        fail_disk_writes(monkeypatch, [failing[0][0]])  # the chain's head: its tails have nowhere to hang on disk
+        report = store.drain()
+        assert (report.written, report.skipped, report.failed, report.left) == (9, 0, 0, 0), report
+        assert (report.handed_on, report.handed_on_to, report.stopped) == (6, "redis", None)
+        assert set(store.tier("disk").keys()) == {k for k, _ in admitted}
+        store.close()
+        monkeypatch.undo()
+        again = cs.TierConfig(cpu_bytes=0, **config).build()
+        try:
+            assert found(again, admitted + held_back + failing) == [k for k, _ in admitted + held_back + failing]
+        finally:
+            again.close()
+    finally:
+        redis.stop()
+
+
+@needs_redis
+def test_once_the_disk_has_no_room_a_drain_writes_the_rest_to_redis_below_it(tmp_path):
+    """A disk with room for a block or two over Redis: the drain stopped ("no room") and the
+    rest of the chain, which an eviction from the disk would have handed to Redis, was lost."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(disk_path=tmp_path / "disk", disk_bytes=2 * disk_charge(FRAME_BYTES), redis_url=redis.url,
+                      redis_bytes="64MiB", redis_namespace="drainroom")
+        store = cs.TierConfig(cpu_bytes=64 << 20, write_through=(), **config).build()
+        blocks = chain(29, 5)
+        put_chain(store, blocks)
+        report = store.drain()
+        on_disk = len(store.tier("disk").keys())
+        assert set(store.tier("disk").keys()) == {k for k, _ in blocks[:on_disk]} and on_disk >= 1
+        assert (report.written, report.left, report.stopped, report.handed_on) == (5, 0, None, 5 - on_disk), report
+        store.close()
+        again = cs.TierConfig(cpu_bytes=0, **config).build()
+        try:
+            assert found(again, blocks) == [k for k, _ in blocks]
+        finally:
+            again.close()
+    finally:
+        redis.stop()
+
+
+@needs_redis
+def test_a_drained_block_the_disk_gave_up_for_a_larger_frame_is_counted_in_redis_below_it(tmp_path):
+    """The larger-frame case above over Redis: the small block the disk gave up went down to
+    Redis as its victim, and the rest of the drain with it; the small block is counted
+    written (handed on), not left behind."""
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        config = dict(redis_url=redis.url, redis_bytes="64MiB", redis_namespace="drainbig")
+        store, _, once, twice = _arc_disk_with_an_old_block_seen_once_and_one_used_twice(tmp_path, 3, **config)
+        small, big = chain(30, 1), chain(31, 1, tokens=BLOCK + BLOCK // 2)
+        put_chain(store, big)
+        put_chain(store, small)
+        report = store.drain()
+        assert (report.written, report.left, report.stopped, report.handed_on) == (2, 0, None, 1), report
+        assert store.tier("disk").contains(big[0][0]) and not store.tier("disk").contains(small[0][0])
+        store.close()
+        again = cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "disk", **config).build()
+        try:
+            assert found(again, small + big) == [small[0][0], big[0][0]]
+        finally:
+            again.close()
+    finally:
+        redis.stop()

@@ -2372,7 +2372,9 @@ def _one_block_in_a_cluster(cluster, seed: int, namespace: str):
         tier.close()
 
 
-GEN_NOT_OURS = ["nan", "inf", "-5", "0x10", " 7", "1e3"]  # what tonumber takes and the script never writes
+# What tonumber takes and the script never writes; and digits from 2^53 on, which a Lua
+# number holds inexactly (20 digits read as 1e20, handed back by Redis as -2^63).
+GEN_NOT_OURS = ["nan", "inf", "-5", "0x10", " 7", "1e3", "9007199254740993", "9" * 20]
 
 
 @pytest.mark.parametrize("value", GEN_NOT_OURS)
@@ -2420,3 +2422,25 @@ def test_in_a_cluster_a_generation_in_the_index_not_written_by_a_tier_gets_a_new
         got = tier.get(key)
         assert got is not None and bytes(got.host) == bytes(frame.host)
         assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 0}
+
+
+def test_in_a_cluster_a_victims_generation_key_of_another_type_leaves_its_frame_and_fails_nothing(cluster):
+    """A generation key that is not a string (another tool's hash under its name) made the
+    fenced delete's GET fail with WRONGTYPE, which the call that evicted the block raised
+    as Redis refusing it: here a pin that had landed (the rest of its settling skipped).
+    Such a key says nothing of the frame's age, as one that is not digits: the delete
+    leaves the frame (an orphan until adopted, fixed or expired) and the call succeeds."""
+    with _one_block_in_a_cluster(cluster, 103, "gentype") as (tier, c, key, frame):
+        other = _frame(104)
+        tier.put(*other)
+        gen_key = tier.keys_of.frame_gen(key)
+        c.delete(gen_key)
+        c.hset(gen_key, "gen", 1)
+        small = RedisTier(cluster.url, frame.nbytes, namespace="gentype")  # room for one block
+        try:
+            small.pin([other[0]])  # its call evicts down to its budget: the older block goes
+            assert small.stats().blocks == 1 and other[0] in small.keys()
+        finally:
+            small.close()
+        assert tier.get(key) is not None and c.type(gen_key) == b"hash"
+        assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 1}

@@ -128,6 +128,25 @@ def test_a_write_back_server_over_redis_drains_into_redis(tmp_path):
         redis.stop()
 
 
+@needs_redis
+def test_what_the_disk_refuses_at_a_clean_stop_goes_on_to_redis(tmp_path):
+    """A disk that admits blocks only after two uses, over Redis: each block used once was
+    counted skipped by the drain and lost at the stop, though an eviction would have handed
+    it to Redis. The drain hands it on, and a restart (another host's disk) serves it."""
+    redis = RedisServer(tmp_path / "redis").start()
+    args = (*WRITE_BACK, "--redis-url", redis.url, "--redis-bytes", "64MiB", "--disk-admit-after-uses", "2")
+    chains = [raw_chain(seed, 4) for seed in range(410, 413)]
+    try:
+        with Server(tmp_path / "a", *args) as srv:
+            ingest(srv, chains)
+        assert summary(srv.output()) == (12, 12, 0), srv.output()
+        assert "(12 of them, which it refused, to the redis tier below it)" in srv.output()
+        with Server(tmp_path / "b", *args) as again:
+            assert served(again, chains) == 12
+    finally:
+        redis.stop()
+
+
 def test_the_setting_takes_seconds_from_its_flag_and_variable_and_refuses_a_negative(monkeypatch):
     from pydantic import ValidationError
 

@@ -233,13 +233,20 @@ class CpuTier(MemoryTier):
         """The frame in its slot, with a ``lease`` on the slot: the caller releases it
         (``frame.release()``, or ``with frame:``) once done with the bytes. Until then the
         slot is not reused, even if the block is evicted or deleted meanwhile."""
+        return self._read(key, counted=True)
+
+    def peek(self, key: bytes) -> BlockFrame | None:
+        return self._read(key, counted=False)
+
+    def _read(self, key: bytes, *, counted: bool) -> BlockFrame | None:
         with self._lock:
             rec = self._records.get(key)
             if rec is None or not self._landed(key, rec):
-                self._stats.misses += 1
+                self._stats.misses += counted
                 return None
-            self._stats.hits += 1
-            self._stats.bytes_out += rec.meta.nbytes
+            if counted:
+                self._stats.hits += 1
+                self._stats.bytes_out += rec.meta.nbytes
             return BlockFrame(rec.meta, host=rec.slot.view(rec.meta.nbytes), sealed=rec.sealed,
                               lease=self._arena.lease(rec.slot, rec.meta.nbytes), host_address=rec.slot.address)
 

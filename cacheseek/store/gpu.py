@@ -102,13 +102,20 @@ class GpuTier(MemoryTier):
         return [(victim, frame)]
 
     def get(self, key: bytes) -> BlockFrame | None:
+        return self._read(key, counted=True)
+
+    def peek(self, key: bytes) -> BlockFrame | None:
+        return self._read(key, counted=False)
+
+    def _read(self, key: bytes, *, counted: bool) -> BlockFrame | None:
         with self._lock:
             rec = self._records.get(key)
             if rec is None:
-                self._stats.misses += 1
+                self._stats.misses += counted
                 return None
-            self._stats.hits += 1
-            self._stats.bytes_out += rec.meta.nbytes
+            if counted:
+                self._stats.hits += 1
+                self._stats.bytes_out += rec.meta.nbytes
             return BlockFrame(rec.meta, device_payload=rec.payload, sealed=rec.sealed)
 
     def delete(self, key: bytes) -> bool:

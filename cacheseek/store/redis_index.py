@@ -92,10 +92,15 @@ local tot = redis.call('HMGET', totals, 'used', 'raw', 'blocks', 'clock', 'pinne
 -- A total as this script writes it: digits (0 where none is written yet), else nil.
 -- tonumber alone also takes "nan", "-inf", "inf", "-5" and "0x10": a used of NaN left the
 -- budget unenforced for good, one of inf evicted every block not pinned on every call.
+-- Digits too are nil from 2^53 on, where a Lua number (a double) is no longer exact: 20
+-- digits read as 1e20, which clock + 1 left unchanged and Redis handed back as the integer
+-- -2^63 (a generation a writer then stored beside its frame, "not digits" to the fence).
 local function count(s)
   if not s then return 0 end
   if not string.match(s, '^%d+$') then return nil end
-  return tonumber(s)
+  local n = tonumber(s)
+  if n >= 9007199254740992 then return nil end
+  return n
 end
 local used = count(tot[1])
 local raw = count(tot[2])
@@ -480,16 +485,20 @@ return n
 # ``GEN_FENCE_SECONDS`` after its write (no refresh, so none outlives it for long): a
 # victim's delete that lands later than that after its eviction is not fenced.
 # A generation key that is not digits (another tool's; plain tonumber took "nan", "-5" and
-# "0x10" as no newer, and the delete of an older eviction took a frame written since) says
+# "0x10" as no newer, and the delete of an older eviction took a frame written since), or
+# digits from 2^53 on (no longer exact as a Lua number), or not a string at all (a GET of
+# it failed the script with WRONGTYPE, and the call that evicted the block with it), says
 # nothing of the frame's age: the delete leaves the frame (at worst an orphan, which a
 # write counting it again, ``check(fix=True)`` or its expiry deals with).
 # KEYS[1]: the frame; KEYS[2]: its generation key; ARGV[1]: the victim's generation.
 DROP_STALE_SCRIPT = """
-local s = redis.call('GET', KEYS[2])
+local s = redis.pcall('GET', KEYS[2])
+if type(s) == 'table' then return 0 end
 local g = 0
 if s then
   if not string.match(s, '^%d+$') then return 0 end
   g = tonumber(s)
+  if g >= 9007199254740992 then return 0 end
 end
 if g > tonumber(ARGV[1]) then return 0 end
 return redis.call('DEL', KEYS[1], KEYS[2])

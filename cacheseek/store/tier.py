@@ -212,6 +212,12 @@ class Tier(ABC):
         """The frame, or None on a miss. A corrupt frame is a miss: deleted and counted. The
         caller releases the frame's ``lease`` (``frame.release()``) once done with it."""
 
+    def peek(self, key: bytes) -> BlockFrame | None:
+        """``get`` for the store's own copies (a drain's), which no client asked for: the
+        memory tiers count them as neither hit nor miss. (Here, for a tier that does not
+        override it: ``get``.)"""
+        return self.get(key)
+
     @abstractmethod
     def delete(self, key: bytes) -> bool | None:
         """True: deleted; False: not held here; None: the tier could not be reached, so

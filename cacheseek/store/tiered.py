@@ -63,7 +63,7 @@ MEMORY = "memory"
 # these treats its blocks as possibly deleted, and does not promote them.
 RECENT_DELETES = 4096
 # Blocks a drain writes in one call where the tier below has room for them all (one group
-# commit on disk): the most a time limit or a second SIGINT waits for.
+# commit on disk): the most a second SIGINT waits for (a time limit: fewer, near its end).
 DRAIN_BATCH = 16
 
 T = TypeVar("T")
@@ -102,7 +102,9 @@ class DrainReport:
     written, or gone from memory meanwhile), ``failed`` (the tier refused it: the first
     one's error in ``first_error``), or ``left``: not reached when the drain stopped (``stopped``: "time limit",
     "cut", or "no room": the next write would have evicted a block the drain wrote, or gone
-    past the tier's budget). ``charged``: what the tier's budget counts for the written ones."""
+    past the tier's budget). ``charged``: what the tier's budget counts for the written ones.
+    ``handed_on``/``handed_on_bytes``: of the written ones, those ``tier`` refused (its filter,
+    a failed write, no room) that the persistent tier below it (``handed_on_to``) took."""
 
     tier: str | None = None
     blocks: int = 0
@@ -119,11 +121,50 @@ class DrainReport:
     seconds: float = 0.0
     charged: int = 0
     first_error: str | None = None  # (of the failed ones: one line for them all, not one each)
+    handed_on: int = 0
+    handed_on_bytes: int = 0
+    handed_on_to: str | None = None
 
     def add(self, outcome: str, nbytes: int, n: int = 1) -> None:
         """``n`` blocks of ``nbytes`` more ``written``, ``skipped`` or ``failed`` (-1: one less)."""
         setattr(self, outcome, getattr(self, outcome) + n)
         setattr(self, f"{outcome}_bytes", getattr(self, f"{outcome}_bytes") + n * nbytes)
+
+
+@dataclass(slots=True)
+class _DrainTarget:
+    """A persistent tier a drain writes into (``TieredStore._drain_into``): its level, the
+    bytes the drain may charge there (its budget less its pins) and has charged, how long
+    its slowest write so far took a block, and whether a persistent tier below takes what
+    it refuses (``hand_on``: then kept in ``passed``, for that tier)."""
+
+    level: int
+    budget: int
+    hand_on: bool
+    charged: int = 0
+    block_seconds: float | None = None
+    passed: list[tuple[bytes, BlockInfo]] = field(default_factory=list)
+    passed_keys: set[bytes] = field(default_factory=set)
+
+    def pass_on(self, key: bytes, info: BlockInfo) -> None:
+        self.passed.append((key, info))
+        self.passed_keys.add(key)
+
+
+@dataclass(slots=True)
+class _DrainRun:
+    """What a drain's writes into each tier share (``TieredStore.drain``)."""
+
+    report: DrainReport
+    memory: list[Tier]  # the tiers it copies from
+    written: dict[bytes, int]  # blocks a tail may follow -> bytes of the drain's (0: below already)
+    plan: dict[bytes, BlockInfo]  # the blocks to write
+    started: float
+    shown: float  # the last progress call
+    deadline: float | None
+    stop: Callable[[], bool] | None
+    progress: Callable[[DrainReport], None] | None
+    every_seconds: float
 
 
 def _budget_of(tier: Tier) -> Callable[[], int]:
@@ -723,9 +764,10 @@ class TieredStore:
         """Write the blocks only the memory tiers hold (write-back: not demoted yet) down to the
         first persistent tier (disk, else Redis), so that a store opened again over it finds
         them: a clean shutdown's last step before ``close``. They are copied (the memory
-        tiers keep theirs), in the order that keeps the most if it is cut short: pinned
-        blocks first, then those the memory tiers would keep longest, the top tier's before
-        the next one's, each chain's head before its tails (``_drain_plan``).
+        tiers keep theirs, and their reads count as no hit), in the order that keeps the most
+        if it is cut short: pinned blocks first, then those the memory tiers would keep
+        longest, the top tier's before the next one's, each chain's head before its tails
+        (``_drain_plan``).
 
         The tier below is written as a demotion would write it, its budget and admission
         filter as they are: a block its filter does not admit is skipped, as is a tail whose
@@ -735,62 +777,112 @@ class TieredStore:
         be one (the tier full of the drain's blocks and pinned ones, or a policy that ranks
         its own blocks above the new ones) stops the drain ("no room"; one that took such a
         block all the same, a larger frame needing several victims, stops it too, the block
-        counted as left), and it writes at most the tier's budget less
+        counted as left, or handed on: below), and it writes at most the tier's budget less
         its pinned bytes (a tier without a local index, Redis, cannot name its victim; its
         LRU gives up the drain's own blocks only past that). Blocks are written
         ``DRAIN_BATCH`` at a time where the tier has free room for them (one group commit on
         disk), else one by one.
 
+        Where a second persistent tier lies below the first (Redis under disk), what the
+        first refuses goes on to it, as a demotion's would, rather than stay behind: blocks
+        its filter does not admit, those it failed to write (a disk error, a disk full of
+        pinned blocks), the tails of such blocks, and, once it has no room, the rest. They
+        are written there after the first tier's, in the same order, under that tier's
+        budget and filter (``DrainReport.handed_on``).
+
         ``seconds``: how long it may run (None: to its end); ``stop``: asked between writes,
-        True ends it ("cut"). Either way every block written is whole, and the rest is left
-        (``DrainReport.left``). ``progress`` is called with the figures so far once the
-        blocks to write are known, then every ``every_seconds``. A store with no persistent
-        tier below a memory one has nothing to drain (``tier`` None)."""
+        True ends it ("cut"). Near the time limit the writes shrink to the blocks the tier
+        has been writing in the time left (as slow as its slowest write so far), so the limit
+        is overrun by about one block's write at most. Either way every block written is
+        whole, and the rest is left (``DrainReport.left``). ``progress`` is called with the
+        figures so far once the blocks to write are known, then every ``every_seconds``. A
+        store with no persistent tier below a memory one has nothing to drain (``tier`` None)."""
         started = time.monotonic()
         report = DrainReport()
-        level = next((i for i, t in enumerate(self.tiers) if t.persistent), 0)
-        if level == 0:
+        levels = [i for i, t in enumerate(self.tiers) if t.persistent]
+        if not levels or levels[0] == 0:
             return report
-        target = self.tiers[level]
-        report.tier = target.name
-        plan, heads_below = self._drain_plan(self.tiers[:level], self.tiers[level:])
+        memory = self.tiers[: levels[0]]
+        report.tier = self.tiers[levels[0]].name
+        plan, heads_below = self._drain_plan(memory, self.tiers[levels[0]:])
         report.blocks, report.bytes = len(plan), sum(info.nbytes for _, info in plan)
         if progress is not None:
             progress(report)
-        use_filter = self.filters.get(target.name)
-        budget = target.capacity_bytes - target.stats().pinned_bytes
-        # The blocks a tail may follow (written now, or below already: 0 bytes of the drain's).
-        written = dict.fromkeys(heads_below, 0)
-        shown = started
-        todo = deque(plan)
-        while todo:
-            if stop is not None and stop():
-                report.stopped = "cut"
-            elif seconds is not None and time.monotonic() - started >= seconds:
-                report.stopped = "time limit"
-            if report.stopped is not None:
+        run = _DrainRun(report=report, memory=memory, started=started, shown=started, stop=stop,
+                        deadline=None if seconds is None else started + seconds,
+                        progress=progress, every_seconds=every_seconds,
+                        # The blocks a tail may follow (written now, or below already: 0 bytes of the drain's).
+                        written=dict.fromkeys(heads_below, 0), plan=dict(plan))
+        rank = {key: i for i, (key, _) in enumerate(plan)}
+        todo = plan
+        for n, level in enumerate(levels):
+            target = self.tiers[level]
+            at = _DrainTarget(level, budget=target.capacity_bytes - target.stats().pinned_bytes,
+                              hand_on=n + 1 < len(levels))
+            before = report.written, report.written_bytes
+            self._drain_into(at, deque(todo), run)
+            if n == 0:
+                report.charged = at.charged
+            else:
+                report.handed_on += report.written - before[0]
+                report.handed_on_bytes += report.written_bytes - before[1]
+            if report.stopped is not None or not at.passed:
                 break
-            batch: list[tuple[bytes, BlockInfo]] = []
-            coming = set()  # heads of this batch: written together with their tails
-            while todo and len(batch) < DRAIN_BATCH:
-                key, info = todo.popleft()
-                if info.position and info.parent not in written and info.parent not in coming or \
-                        use_filter is not None and not use_filter.admits(key):
-                    report.add("skipped", info.nbytes)
-                else:
-                    batch.append((key, info))
-                    coming.add(key)
-            if not self._drain_batch(level, batch, written, budget, report):
-                report.stopped = "no room"
-                break
-            if progress is not None and time.monotonic() - shown >= every_seconds:
-                shown = time.monotonic()
-                report.seconds = shown - started
-                progress(report)
+            report.handed_on_to = self.tiers[levels[n + 1]].name
+            todo = sorted(at.passed, key=lambda item: rank[item[0]])  # (heads before their tails again)
         report.left = report.blocks - report.written - report.skipped - report.failed
         report.left_bytes = report.bytes - report.written_bytes - report.skipped_bytes - report.failed_bytes
         report.seconds = time.monotonic() - started
         return report
+
+    def _drain_into(self, at: _DrainTarget, todo: deque[tuple[bytes, BlockInfo]], run: _DrainRun) -> None:
+        """Write ``todo`` (a drain's, in order) into the tier at ``at.level`` until done, or
+        stopped (``run.report.stopped``); what the tier refuses goes to ``at.passed`` where a
+        tier below takes it (``at.hand_on``), else it is counted skipped or failed."""
+        report, written = run.report, run.written
+        use_filter = self.filters.get(self.tiers[at.level].name)
+        while todo:
+            if run.stop is not None and run.stop():
+                report.stopped = "cut"
+                return
+            size = DRAIN_BATCH
+            if run.deadline is not None:
+                left = run.deadline - time.monotonic()
+                if left <= 0:
+                    report.stopped = "time limit"
+                    return
+                # No more than the tier has been writing in the time left (one block while
+                # that is not known yet): a slow disk's batch overran the limit by a batch.
+                size = 1 if at.block_seconds is None else max(1, min(DRAIN_BATCH, int(left / at.block_seconds)))
+            batch: list[tuple[bytes, BlockInfo]] = []
+            coming = set()  # heads of this batch: written together with their tails
+            while todo and len(batch) < size:
+                key, info = todo.popleft()
+                follows = not info.position or info.parent in written or info.parent in coming
+                refused = use_filter is not None and not use_filter.admits(key)
+                if at.hand_on and (refused or not follows and info.parent in at.passed_keys):
+                    at.pass_on(key, info)
+                elif refused or not follows:
+                    report.add("skipped", info.nbytes)
+                else:
+                    batch.append((key, info))
+                    coming.add(key)
+            began = time.monotonic()
+            done, room = self._drain_batch(at, batch, run)
+            if batch:
+                took = (time.monotonic() - began) / len(batch)
+                at.block_seconds = took if at.block_seconds is None else max(at.block_seconds, took)
+            if not room:
+                if not at.hand_on:
+                    report.stopped = "no room"
+                    return
+                for key, info in [*batch[done:], *todo]:
+                    at.pass_on(key, info)
+                return
+            if run.progress is not None and time.monotonic() - run.shown >= run.every_seconds:
+                run.shown = time.monotonic()
+                report.seconds = run.shown - run.started
+                run.progress(report)
 
     def _drain_plan(self, memory: list[Tier], below: list[Tier]) -> tuple[list[tuple[bytes, BlockInfo]], set[bytes]]:
         """The blocks ``memory`` holds and no tier of ``below`` does, in the order a drain
@@ -821,29 +913,28 @@ class TieredStore:
         heads_below = set(compress(parents, self.contains_many(parents, below)))
         return [(key, infos[key]) for key in order], heads_below
 
-    def _drain_batch(self, level: int, batch: list[tuple[bytes, BlockInfo]], written: dict[bytes, int],
-                     budget: int, report: DrainReport) -> bool:
-        """Write ``batch`` (a drain's, in order) into the tier at ``level``: together where it
+    def _drain_batch(self, at: _DrainTarget, batch: list[tuple[bytes, BlockInfo]], run: _DrainRun) -> tuple[int, bool]:
+        """Write ``batch`` (a drain's, in order) into the tier at ``at.level``: together where it
         has free room for them all, else one by one, each only if it would not evict a block
-        the drain wrote or builds on (``written``) nor take the drain past ``budget`` bytes;
-        False when one could not be, or took one such block all the same (a frame that needed
-        several victims): the rest of the batch is not written."""
-        tier = self.tiers[level]
+        the drain wrote or builds on (``run.written``) nor take the drain past ``at.budget``
+        bytes. How many of the batch it dealt with, and False when the next could not be
+        written, or one took such a block all the same (a frame that needed several victims)."""
+        tier = self.tiers[at.level]
         charges = [tier.charge(info.nbytes) for _, info in batch]
-        if report.charged + sum(charges) <= budget and tier.victim_for(sum(charges))[0]:
-            return self._drain_group(level, batch, written, report)
-        for item, charge in zip(batch, charges):
+        if at.charged + sum(charges) <= at.budget and tier.victim_for(sum(charges))[0]:
+            return len(batch), self._drain_group(at, batch, run)
+        for i, (item, charge) in enumerate(zip(batch, charges)):
             fits, victim = tier.victim_for(charge)
-            if report.charged + charge > budget or not fits and (victim is None or victim in written):
-                return False
-            if not self._drain_group(level, [item], written, report):
-                return False
-        return True
+            if at.charged + charge > at.budget or not fits and (victim is None or victim in run.written):
+                return i, False
+            if not self._drain_group(at, [item], run):
+                return i + 1, False
+        return len(batch), True
 
-    def _drain_group(self, level: int, group: list[tuple[bytes, BlockInfo]], written: dict[bytes, int],
-                     report: DrainReport) -> bool:
-        """Copy ``group`` from the memory tiers into the tier at ``level`` in one call; False if
-        that evicted a block of ``written`` there (taken off it, and off the figures)."""
+    def _drain_group(self, at: _DrainTarget, group: list[tuple[bytes, BlockInfo]], run: _DrainRun) -> bool:
+        """Copy ``group`` from the memory tiers into the tier at ``at.level`` in one call; False
+        if that evicted a block of ``run.written`` there (taken off it, and off the figures)."""
+        level, report, written = at.level, run.report, run.written
         tier = self.tiers[level]
         infos = dict(group)
         kept = True
@@ -851,7 +942,7 @@ class TieredStore:
             since = self._deletes_done()
             frames = []
             for key, info in group:
-                frame = next((f for t in self.tiers[:level] if (f := t.get(key)) is not None), None)
+                frame = next((f for t in run.memory if (f := t.peek(key)) is not None), None)
                 if frame is None:  # gone from memory since the plan: deleted, or evicted (demoted) meanwhile
                     report.add("skipped", info.nbytes)
                 else:
@@ -869,21 +960,28 @@ class TieredStore:
                         nbytes = written.pop(victim)
                         if nbytes:
                             report.add("written", nbytes, -1)
-                            report.charged -= tier.charge(nbytes)
+                            at.charged -= tier.charge(nbytes)
+                            if at.hand_on:  # (memory holds it still; handed down already, most likely)
+                                at.pass_on(victim, run.plan[victim])
                 self._demote(level, result.evicted, since)  # (its own victims, handed down as any eviction's)
                 if result.error is not None:
+                    if at.hand_on:
+                        at.pass_on(key, info)
+                        continue
                     report.add("failed", info.nbytes)
                     report.first_error = report.first_error or f"block {key.hex()}: {result.error}"
                     continue
                 orphan = info.position and info.parent not in written  # its head (of this group) was not
                 if orphan and result.stored is not None:
                     tier.delete(key)  # (a tail no lookup reaches)
-                if orphan or result.stored is not None and not self._landed(tier, key, since):
+                if orphan and at.hand_on and info.parent in at.passed_keys:
+                    at.pass_on(key, info)  # (after its head, to the tier below)
+                elif orphan or result.stored is not None and not self._landed(tier, key, since):
                     report.add("skipped", info.nbytes)  # (or deleted while on its way)
                 else:  # (stored None: the tier had it already)
                     written[key] = info.nbytes
                     report.add("written", info.nbytes)
-                    report.charged += tier.charge(info.nbytes)
+                    at.charged += tier.charge(info.nbytes)
         return kept
 
     def settle_moves(self) -> None:
