@@ -132,6 +132,9 @@ INGEST = [
     ("table shorter than the keys", lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]),
                                                                    R(w.toks[2], w.tables[2][:3])], w.pages),
      r"^requests\[1\]\.page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys name 2 full blocks \(64 tokens\)$"),
+    # (one request names its parameters bare, as its other errors do: "kv.page_ids" before)
+    ("table shorter than the keys, one request", lambda w: w.cache.ingest(w.toks[2], w.pages.at(w.tables[2][:3])),
+     r"^page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys name 2 full blocks \(64 tokens\)$"),
     ("KV shorter than the keys", lambda w: w.cache.ingest(w.toks[2], make_kv(BLOCK, 1)),
      r"^token_ids: 64 tokens, but KV holds 32$"),
     ("KV of fewer layers", lambda w: w.cache.ingest(w.toks[2], make_kv(2 * BLOCK, 1)[:2]),
