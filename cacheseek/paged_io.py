@@ -170,8 +170,8 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
     B, P = keys.block_tokens, pages.page_size
     for r, (table, n) in enumerate(zip(call.tables, call.sizes)):
         if table.numel() * P < n * B:
-            raise InputError(f"{call.param(r, 'page_ids')}: {table.numel()} pages of {P} tokens hold {table.numel() * P} tokens, "
-                             f"but its keys name {n} full blocks ({n * B} tokens)")
+            raise InputError(f"{call.param(r, 'page_ids')}: {table.numel()} pages of {P} tokens hold "
+                             f"{table.numel() * P} tokens, but its keys name {n} full blocks ({n * B} tokens)")
     return call
 
 
