@@ -29,7 +29,8 @@ def _pairs(kv: Any) -> list[tuple[Any, Any]]:
             out.append((item[0], item[1]))
         return out
     raise InputError(
-        f"kv: expected an HF DynamicCache or a sequence of per-layer (K, V), got {type(kv).__name__}"
+        f"kv: expected an HF DynamicCache, a sequence of per-layer (K, V) or one request's pages "
+        f"(pages.at(page_ids)), got {type(kv).__name__}"
     )
 
 

@@ -816,6 +816,12 @@ class LayerwiseWriter(Protocol):
     """What ``ingest_layerwise`` answers (``LayerwiseIngest``, or a ``PrefixCache``'s
     ``LayerwiseSave``): KV put layer by layer, stored on ``finish``."""
 
+    @property
+    def mode(self) -> str | None: ...
+
+    @property
+    def missing(self) -> list[int]: ...
+
     def put_layer(self, i: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def finish(self) -> Any: ...
@@ -904,6 +910,10 @@ class LayerwiseIngest(LayerWriter):
     The layers are kept by reference until ``finish`` (a forward's cache makes new tensors
     as it grows, so the ones put stay as they were); ``finish`` is one ``ingest`` of them,
     with its checks (NaN/Inf: nothing stored) and its result."""
+
+    # (``LayerwiseSave.mode``'s value for the whole save on ``finish``: code written against
+    # either cache reads it, as docs/engine.md shows)
+    mode = "reference"
 
     def __init__(self, ingest: Callable[[Any, list], Any], keys: Any, layout: Any) -> None:
         self._ingest, self.keys, self.layout = ingest, keys, layout

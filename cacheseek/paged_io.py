@@ -168,10 +168,10 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
     encode (possibly before the hashing, so that a chain's tail can be launched first)."""
     call = plan(keys, layout, pages, requests, single=single)
     B, P = keys.block_tokens, pages.page_size
-    for name, table, n in zip(call.names, call.tables, call.sizes):
+    for r, (table, n) in enumerate(zip(call.tables, call.sizes)):
         if table.numel() * P < n * B:
-            raise InputError(f"{name}.page_ids: {table.numel()} pages of {P} tokens hold {table.numel() * P} tokens, "
-                             f"but its keys name {n} full blocks ({n * B} tokens)")
+            raise InputError(f"{call.param(r, 'page_ids')}: {table.numel()} pages of {P} tokens hold "
+                             f"{table.numel() * P} tokens, but its keys name {n} full blocks ({n * B} tokens)")
     return call
 
 

@@ -157,9 +157,15 @@ class KVPages:
     __slots__ = ("_kernel_pages", "_strided", "device", "dtype", "head_dim", "k", "num_kv_heads", "num_layers",
                  "num_pages", "page_size", "v")
 
-    def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], *, layout: str = "NHD") -> None:
+    def __init__(self, k: Sequence[torch.Tensor] | torch.Tensor, v: Sequence[torch.Tensor] | torch.Tensor, *,
+                 layout: str = "NHD") -> None:
+        """``k``, ``v``: per layer a ``[num_pages, page_size, H, D]`` (NHD) or ``[num_pages, H,
+        page_size, D]`` (HND) tensor: a list or tuple of them, or one tensor whose first dim is
+        the layers."""
         if layout not in PAGE_LAYOUTS:
             raise InputError(f"layout: expected one of {list(PAGE_LAYOUTS)}, got {layout!r}")
+        # A side's layers in one tensor (an engine's [L, num_pages, ...]), as the factories take them.
+        k, v = (list(t.unbind(0)) if isinstance(t, torch.Tensor) and t.dim() else t for t in (k, v))
         if not isinstance(k, (list, tuple)) or not isinstance(v, (list, tuple)) or len(k) != len(v) or not k:
             raise InputError("pages: expected K and V as two equally long, non-empty sequences of per-layer tensors")
         self.k = [_as_pages(t, layout, f"pages layer {i} K") for i, t in enumerate(k)]

@@ -12,6 +12,7 @@ from .block_format import BlockFormat
 from .hashing import SINGLE, BlockHash, Shard
 from .layerwise import LayerwiseIngest, LayerwiseWriter
 from .layout import KVLayout
+from .pages import KVPages, PagedKV
 from .prefix_keys import PrefixKeys, as_index
 from .quant import backend
 from .quant.codec import KVLayerCodec
@@ -106,6 +107,12 @@ class PrefixCacheBase:
 
     @staticmethod
     def _device(device: Any) -> torch.device:
+        if device is not None and not isinstance(device, (str, int, torch.device)):
+            # (torch's own error lists its constructor's overloads over several lines; a
+            # request's pages here are a paged load asked of the contiguous call)
+            hint = "; to write into an engine's pages: materialize_into(keys, pages.at(page_ids))" \
+                if isinstance(device, (PagedKV, KVPages)) else ""
+            raise InputError(f"device: expected a torch.device, a str or an int, got {type(device).__name__}{hint}")
         try:
             device = torch.device(device if device is not None else "cpu")
         except (RuntimeError, TypeError) as exc:

@@ -1122,9 +1122,10 @@ def test_remote_cache_returns_a_handle_with_every_layer_ready(server):
     toks, kv = tokens_for(5, T), make_kv(T, 5, LAYOUT)
     with cs.RemoteCache(server.url, model_id="lw", layout=LAYOUT, codec=INT4, block_tokens=BLOCK) as remote:
         writer = remote.ingest_layerwise(toks)
+        assert writer.mode == "reference"  # (docs/engine.md's ``writer.mode``: an AttributeError here)
         for i in range(L):
             writer.put_layer(i, *kv[i])
-        assert writer.finish().stored == 2
+        assert writer.finish().stored == 2 and writer.mode == "reference"
         want = remote.materialize(toks)
         with remote.materialize(toks, layerwise=True) as load:
             assert load.num_tokens == 2 * BLOCK and load.done() and all(load.ready(i) for i in range(L))

@@ -316,6 +316,24 @@ def test_bad_pages_are_refused_when_built():
             build()
 
 
+def test_k_and_v_each_one_tensor_of_every_layer_are_taken_as_the_factories_take_them():
+    """An engine that keeps each side's layers in one tensor (``[L, num_pages, ...]``): the
+    factories (``vllm``, ``flashinfer``, ``token_pool``) take a tensor whose first dim is the
+    layers, and ``KVPages(k, v)`` refused it, saying it wanted sequences of per-layer tensors."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = ((torch.randn(L, 8, H, 16, D, generator=gen) * 3).to(DTYPE) for _ in range(2))
+    pages, listed = cs.KVPages(k, v, layout="HND"), cs.KVPages(list(k), list(v), layout="HND")
+    assert [(a.data_ptr(), a.stride()) for a in pages.k + pages.v] == \
+        [(a.data_ptr(), a.stride()) for a in listed.k + listed.v]  # (the same views: no copy)
+    with make_cache(codec=cs.Raw()) as cache:
+        toks = tokens_for(1, 2 * BLOCK)
+        assert cache.ingest(toks, pages.at([0, 1, 2, 3])).stored == 2
+        assert cache.materialize_into(toks, pages.at([7, 6, 5, 4])).num_tokens == 2 * BLOCK
+    assert torch.equal(k[:, [7, 6, 5, 4]], k[:, :4]) and torch.equal(v[:, [7, 6, 5, 4]], v[:, :4])
+    with pytest.raises(cs.InputError, match=r"^pages: expected K and V as two equally long"):
+        cs.KVPages(k, v[:1], layout="HND")
+
+
 def test_pages_sharing_memory_are_refused_when_built():
     """K tensors given as V too, or one layer's tensor twice: a load wrote V over K (or a
     layer over another) and an ingest stored K as V, each reported done."""

@@ -132,6 +132,9 @@ INGEST = [
     ("table shorter than the keys", lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]),
                                                                    R(w.toks[2], w.tables[2][:3])], w.pages),
      r"^requests\[1\]\.page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys name 2 full blocks \(64 tokens\)$"),
+    # (one request names its parameters bare, as its other errors do: "kv.page_ids" before)
+    ("table shorter than the keys, one request", lambda w: w.cache.ingest(w.toks[2], w.pages.at(w.tables[2][:3])),
+     r"^page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys name 2 full blocks \(64 tokens\)$"),
     ("KV shorter than the keys", lambda w: w.cache.ingest(w.toks[2], make_kv(BLOCK, 1)),
      r"^token_ids: 64 tokens, but KV holds 32$"),
     ("KV of fewer layers", lambda w: w.cache.ingest(w.toks[2], make_kv(2 * BLOCK, 1)[:2]),
@@ -145,6 +148,10 @@ INGEST = [
      r"^pages: 2 layers, the cache's layout has 3$"),
     ("pages the kernels cannot read", lambda w: w.cache.ingest(w.toks[2], w.strided.at(w.tables[2])),
      r"^pages layer 0 K: the head dim must be contiguous for the Triton kernels"),
+    # (the engine's pages, where one request's are taken: "got KVPages", and no word of .at())
+    ("the pages, not a request's", lambda w: w.cache.ingest(w.toks[2], w.pages),
+     r"^kv: expected an HF DynamicCache, a sequence of per-layer \(K, V\) or one request's pages "
+     r"\(pages\.at\(page_ids\)\), got KVPages$"),
     ("not a request", lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]), (w.toks[2], w.tables[2])], w.pages),
      r"^requests\[1\]: expected a cacheseek.PagedRequest, got tuple$"),
     ("layer-wise writer, page twice",
@@ -175,6 +182,10 @@ LOAD = [
      lambda w: w.cache.materialize_into_batch([R(w.toks[0], [0, 1, 2, 3]), R(w.toks[1], [8, 9, 2, 10], start=BLOCK)],
                                               w.dest),
      r"^requests\[1\]\.page_ids: page 2 is also written by requests\[0\] in this call$"),
+    # (a contiguous load given a request's pages for its device: torch's dump of its overloads)
+    ("a request's pages as the device", lambda w: w.cache.materialize(w.toks[0], w.dest.at([0, 1, 2, 3])),
+     r"^device: expected a torch.device, a str or an int, got PagedKV; to write into an engine's pages: "
+     r"materialize_into\(keys, pages\.at\(page_ids\)\)$"),
     ("int table of floats", lambda w: w.cache.materialize_into(w.toks[0], w.dest.at(torch.tensor([0.0, 1.0]))),
      r"^page_ids: expected a 1-D integer tensor, got torch.float32"),
     ("pages of another dtype", lambda w: w.cache.materialize_into_batch([R(w.toks[0], [0, 1, 2, 3])],
