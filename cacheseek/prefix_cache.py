@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from contextlib import closing
 from typing import Any
 
@@ -51,15 +52,19 @@ class PrefixCache(PrefixCacheBase):
 
     # -- the three calls -----------------------------------------------------------------
 
-    def ingest(self, keys: Any, kv: Any) -> IngestResult:
+    def ingest(self, keys: Any, kv: Any, *, wait: bool = True) -> IngestResult | Future:
         """Store the full blocks of ``kv`` that are not stored yet. Nothing is stored if the
         input is bad (wrong layout, lengths that disagree, NaN/Inf). ``kv`` may also be one
         request's KV in an engine's pages (``pages.at(page_ids)``), read there in place.
+        ``wait=False`` is taken for code written against ``RemoteCache`` too: the call does
+        the same work and returns a ``Future`` already done (nothing is left to send).
 
         With a persistent tier written through (a ``disk_path``, the default write-through),
         a block counted stored or present is on disk (fsynced) when this returns; without
         one, in memory (the last device-to-host copy may still be in flight: every read
         waits for it). ``IngestResult.durability`` says which."""
+        if not wait:
+            return _done(self.ingest(keys, kv))
         self._check_open()
         if isinstance(kv, PagedKV):
             return self._ingest_paged([(keys, kv.page_ids, None)], kv.pages, single=True)[0]
@@ -127,21 +132,33 @@ class PrefixCache(PrefixCacheBase):
         self._num_keys(keys)
         return LayerwiseSave(self, keys)
 
-    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
+    def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
+                     wait: bool = True) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest(keys,
         page_ids)`` each), their new blocks encoded together: launches are cut by the data
         path's batching, never per request. Bad input in any request raises ``InputError``
-        naming it, and nothing of the call is stored.
+        naming it, and nothing of the call is stored. ``wait=False``: as ``ingest``'s (not
+        with ``layerwise``, as for ``RemoteCache``).
 
         ``layerwise=True``: a writer (``layerwise_save.PagedLayerwiseSave``) instead, made
         before the forward writes the pages: ``put_layer(i)`` once layer ``i``'s pages are
         written (encoded and stored into reserved CPU-tier slots while the forward goes
         on), then ``finish()`` -> the list of ``IngestResult``."""
         self._check_open()
+        if layerwise and not wait:
+            raise InputError("wait=False: not with layerwise=True (a layer-wise writer's finish() is the call "
+                             "that stores; call ingest_batch(requests, pages, wait=False) after the forward instead)")
         if layerwise:
             self._check_paged()
             return PagedLayerwiseSave(self, requests, pages)
-        return self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
+        results = self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
+        return results if wait else _done(results)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """True: an embedded ingest has stored what it stores when it returns, ``wait=False``
+        or not (``RemoteCache.flush`` waits for its queued writes; code written for both
+        may call it)."""
+        return True
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
                       planned: paged_io.PagedCall | None = None) -> list[IngestResult]:
@@ -422,6 +439,13 @@ class PrefixCache(PrefixCacheBase):
         ``RuntimeError``."""
         self._closed = True
         self.store.close()
+
+
+def _done(result: Any) -> Future:
+    """A ``Future`` that holds ``result`` already (an embedded ``wait=False`` call)."""
+    future: Future = Future()
+    future.set_result(result)
+    return future
 
 
 class _Feed:

@@ -238,14 +238,27 @@ def test_a_refused_load_names_the_request_and_writes_no_page(world, monkeypatch,
     _refused(world, monkeypatch, name, call, match)
 
 
-@pytest.mark.parametrize("world", ["remote"], indirect=True)  # (wait=False is RemoteCache's)
 def test_a_refused_write_behind_ingest_queues_nothing(world):
     before = world.state()
     with pytest.raises(cs.InputError, match=r"^requests\[0\]\.page_ids: page \d+ appears twice$"):
         world.cache.ingest_batch([R(world.toks[2], [*world.tables[2][:3], world.tables[2][2]])], world.pages,
                                  wait=False)
+    with pytest.raises(cs.InputError, match=r"^wait=False: not with layerwise=True"):
+        world.cache.ingest_batch([R(world.toks[2], world.tables[2])], world.pages, layerwise=True, wait=False)
     assert world.cache.flush(30)
     assert world.same_as(before)
+
+
+def test_an_ingest_not_waited_for_gives_a_future_of_what_a_waited_one_gives(world):
+    """Code written against either cache runs on both: ``wait=False`` and ``flush()`` on the
+    embedded one too (its future done when the call returns)."""
+    a, b = tokens_for(603, 2 * BLOCK), tokens_for(604, 2 * BLOCK)  # keys never stored (the KV of prompts 3, 4)
+    one = world.cache.ingest(a, world.pages.at(world.tables[3]), wait=False)
+    many = world.cache.ingest_batch([R(a, world.tables[3]), R(b, world.tables[4])], world.pages, wait=False)
+    assert world.cache.flush(30)
+    assert (one.result(30).stored, one.result(30).present) == (2, 0)
+    assert [(r.stored, r.present) for r in many.result(30)] == [(0, 2), (2, 0)]
+    assert [world.cache.lookup(k) for k in (a, b)] == [2 * BLOCK, 2 * BLOCK]
 
 
 def test_a_start_inside_the_page_table_and_the_keys_still_loads(world):
