@@ -31,7 +31,7 @@ from .decode import BatchDecoder
 from .errors import InputError
 from .hashing import BlockHash
 from .layout import KVLayout
-from .pages import KVPages, PagedKV, PagedRequest, PagedSource, page_table
+from .pages import KVPages, PagedKV, PagedRequest, PagedSource, host_page_tables, page_table
 from .prefix_keys import PrefixKeys, as_index
 from .quant.codec import KVLayerCodec
 from .quant.policy import single_codec
@@ -134,7 +134,8 @@ def plan(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[
     page table is one of ``pages``' (ids inside, none twice). Hashing is ``hash_requests``."""
     check_pages(pages, layout)
     call = PagedCall(pages, [], [], [], [], block_tokens=keys.block_tokens, single=single)
-    for i, (request_keys, page_ids, _) in enumerate(requests):
+    tables = host_page_tables([page_ids for _, page_ids, _ in requests])
+    for i, ((request_keys, _, _), page_ids) in enumerate(zip(requests, tables)):
         name = _name(None if single else i)
         call.names.append(name)
         try:

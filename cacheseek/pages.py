@@ -306,6 +306,25 @@ _ID_DTYPES = frozenset(d for d in (torch.int8, torch.int16, torch.int32, torch.i
                                    getattr(torch, "uint64", None)) if d is not None)
 
 
+def host_page_tables(tables: Sequence[Any]) -> list[Any]:
+    """``tables`` with those that are page-id tensors on a GPU copied to the host together, one
+    copy per device: each copy waits for the work queued before it (the engine's forward
+    too), so a call of N requests' tables on a GPU waited N times. Anything else as given
+    (``page_table`` checks and names it)."""
+    out = list(tables)
+    on_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tables):
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype in _ID_DTYPES and t.device.type == "cuda":
+            on_device.setdefault(t.device, []).append(i)
+    for idx in on_device.values():
+        if len(idx) < 2:
+            continue
+        flat = torch.cat([tables[i].to(torch.int64) for i in idx]).cpu()
+        for i, part in zip(idx, flat.split([tables[i].numel() for i in idx])):
+            out[i] = part
+    return out
+
+
 def page_table(page_ids: Any, pages: KVPages, where: str) -> torch.Tensor:
     """``page_ids`` (a sequence of ints, or a 1-D integer tensor on any device) as an int32
     host tensor, checked: every id a page of ``pages``, none twice."""
@@ -496,4 +515,4 @@ def _tokens(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor) -> torch
     return view[page, slot]
 
 
-__all__ = ["KVPages", "PagedKV", "PagedRequest", "PagedSource", "page_table"]
+__all__ = ["KVPages", "PagedKV", "PagedRequest", "PagedSource", "host_page_tables", "page_table"]

@@ -834,3 +834,25 @@ def test_a_block_two_requests_share_counts_its_one_writes_outcome_for_both(tmp_p
         # Written again, it is stored once, and counted present by the request that shares it.
         again = cache.ingest_batch(requests, pages)
         assert [(r.stored, r.present, r.failed) for r in again] == [(1, 1, 0), (0, 2, 0)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_page_tables_on_a_gpu_reach_the_host_in_one_copy_per_call():
+    """Each copy of a table to the host waits for the work queued on the device (the
+    engine's forward): a batch of 8 requests' tables waited 8 times."""
+    from cacheseek import paged_io
+
+    pages, _ = engine_pages("flash", L, H, D, 64, 16, DTYPE)
+    tables = page_tables([2 * BLOCK] * 8, 16, 64, seed=3)
+    with make_cache(cpu="16MiB") as cache:
+        requests = [(tokens_for(700 + r, 2 * BLOCK), torch.tensor(ids, device="cuda"), None)
+                    for r, ids in enumerate(tables)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with pytest.warns(UserWarning, match="synchroniz") as caught:
+                call = paged_io.plan(cache.keys, LAYOUT, pages, requests, single=False)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert sum("synchroniz" in str(w.message) for w in caught) == 1
+    assert [t.tolist() for t in call.tables] == tables
