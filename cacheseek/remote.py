@@ -626,14 +626,20 @@ class RemoteCache(PrefixCacheBase):
                 chains[i] = self._fetch_chain(hashes, start)
             return
         pool = self._fetch_pool()
-        futures = [(i, pool.submit(self._fetch_chain, hashes, start)) for i, (hashes, start) in todo]
+        futures: list[tuple[int, Future]] = []
         error: BaseException | None = None
+        try:
+            for i, (hashes, start) in todo:
+                futures.append((i, pool.submit(self._fetch_chain, hashes, start)))
+        except RuntimeError:  # the pool shut down by close() from another thread meanwhile
+            error = self._closed_error()
         for i, future in futures:
             while True:
                 try:
                     chains[i] = future.result()
                 except CancelledError:
-                    pass
+                    # Called off by an error here, or by close(): a chain missing is no prefix.
+                    error = error or self._closed_error()
                 except BaseException as exc:  # noqa: BLE001 - raised below, once every fetch has ended
                     if error is None:
                         error = exc

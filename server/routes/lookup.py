@@ -109,7 +109,8 @@ LOOKUP_DOC: dict[str, Any] = {
                         422: {"description": "a body that is not JSON of this shape, or not a whole number of hashes, "
                                              "a bad hash_bytes, each or chains, too many hashes", **ERROR}})
 async def lookup(request: Request) -> JSONResponse:
-    """The longest stored prefix of the chain ``hashes``, with the tier holding each block."""
+    """The longest stored prefix of the chain ``hashes`` (or of each of ``chains``), with the
+    tier holding each block."""
     caller = caller_of(request, write=False)
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
