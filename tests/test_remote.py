@@ -966,6 +966,54 @@ def test_a_paged_batch_load_looks_up_once_and_fetches_its_chains_at_once(srv, mo
         assert _read_buffers(cache)["leases_active"] == 0
 
 
+def test_a_paged_batch_met_by_close_raises_and_writes_nothing(srv, monkeypatch):
+    """close() from another thread while a batch fetches: the fetch it calls off (queued
+    behind two under way) makes the batch raise close()'s error once the two have ended,
+    with no page written and every buffer given back, not answer a load short of that chain."""
+    import threading
+
+    from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [BLOCK, BLOCK, BLOCK]
+    toks = [tokens_for(160 + r, n) for r, n in enumerate(sizes)]
+    src, _ = engine_pages("nhd", L, H, D, 12, 16, dtype)
+    tables = page_tables(sizes, 16, 12, seed=5)
+    for r, ids in enumerate(tables):
+        write_tokens(src, make_kv(BLOCK, 160 + r), ids)
+    cache = _remote(srv, cs.Raw(), namespace="batch-close", max_concurrent_fetches=2)
+    assert [r.stored for r in cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)],
+                                                 src)] == [1, 1, 1]
+    dest, dest_tensors = engine_pages("nhd", L, H, D, 12, 16, dtype, seed=6)
+    before = snapshot(dest_tensors)
+    read, reached, go = cache._read_chain, threading.Semaphore(0), threading.Event()
+
+    def read_then_hold(*args, **kw):
+        frames = read(*args, **kw)
+        reached.release()
+        go.wait(10)
+        return frames
+
+    monkeypatch.setattr(cache, "_read_chain", read_then_hold)
+    raised: list[BaseException] = []
+
+    def load():
+        try:
+            cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], dest)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert reached.acquire(timeout=10) and reached.acquire(timeout=10)  # two read, the third queued
+    cache.close()
+    go.set()
+    loader.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "closed" in str(raised[0]), raised
+    assert unchanged(before, dest_tensors)
+    assert _read_buffers(cache)["leases_active"] == 0
+
+
 def test_read_buffer_bytes_zero_reads_into_fresh_memory_every_time(srv):
     toks, kv = tokens_for(93, 2 * BLOCK), make_kv(2 * BLOCK, 93)
     with _remote(srv, cs.Raw(), namespace="reuse", read_buffer_bytes=0) as cache:
