@@ -498,6 +498,13 @@ def test_tokens_401_403_and_read_only(tmp_path):
             assert look(auth("r-token")).json()["matched"] == 1
             assert look(auth("a-read")).json()["matched"] == 1  # team-a's own block
             assert look(auth("r-token", "team-c")).json()["matched"] == 0
+        # A lookup of several chains: the same callers, the same namespaces.
+        def chains(more=None):
+            return c.post("/v1/lookup?chains=1,1", content=h + h, headers={**BINARY, **(more or {})})
+
+        assert chains().status_code == 401 and chains(auth("a-read", "team-b")).status_code == 403
+        assert [x["matched"] for x in chains(auth("a-read")).json()["chains"]] == [1, 1]
+        assert [x["matched"] for x in chains(auth("r-token", "team-c")).json()["chains"]] == [0, 0]
 
 
 def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):
