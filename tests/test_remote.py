@@ -453,8 +453,9 @@ def test_paged_calls_fail_open_like_the_others():
         loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
         assert [x.num_tokens for x in loaded] == [0, 0]
         assert cache.materialize_into(toks[0], pages.at(tables[0])).num_tokens == 0
+        assert cache.locate_batch(toks) == [cs.Located(0, 0, [])] * 2
         stats = cache.client_stats()
-    assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2
+    assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2 and stats["missed_lookups"] == 2
     assert unchanged(before, tensors)
 
 
