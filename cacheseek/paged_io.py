@@ -221,28 +221,33 @@ def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
                        for key, was in zip(hashes, found[end - len(hashes) : end]) if was], count_use=False)
 
 
-def load_starts(call: PagedCall, requests: Any, block_tokens: int) -> list[int]:
-    """Each request's first block to write (``PagedRequest.start`` in blocks); ``InputError``
+def load_starts(call: PagedCall, starts: Sequence[Any], block_tokens: int) -> list[int]:
+    """Each request's first block to write (``starts``: each one's ``start`` in tokens,
+    ``PagedRequest.start`` or ``materialize_into``'s, as given), in blocks; ``InputError``
     naming the request for a start that is not a whole number of blocks, or that says more
     tokens are in its pages than its page table or its keys hold."""
-    if not isinstance(requests, (list, tuple)):
-        return [0]
     P = call.pages.page_size
     out = []
-    for name, r, table, tokens in zip(call.names, requests, call.tables, call.tokens):
-        start = as_index(r.start)
+    for r, (given, table, tokens) in enumerate(zip(starts, call.tables, call.tokens, strict=True)):
+        name = call.param(r, "start")
+        start = as_index(given)
         if start is None or start < 0 or start % block_tokens:
-            raise InputError(f"{name}.start: expected a multiple of the block size {block_tokens} >= 0, "
-                             f"got {r.start!r:.40}")
+            raise InputError(f"{name}: expected a multiple of the block size {block_tokens} >= 0, "
+                             f"got {given!r:.40}")
         # A start past them was taken: its blocks were counted loaded (as far as they were
         # stored), tokens the engine then read from pages the request does not have.
         if start > table.numel() * P:
-            raise InputError(f"{name}.start: {start} tokens are in its pages, but its page table holds "
+            raise InputError(f"{name}: {start} tokens are in its pages, but its page table holds "
                              f"{table.numel()} pages of {P} tokens ({table.numel() * P} tokens)")
         if start > tokens:
-            raise InputError(f"{name}.start: {start} tokens are in its pages, but its keys name {tokens}")
+            raise InputError(f"{name}: {start} tokens are in its pages, but its keys name {tokens}")
         out.append(start // block_tokens)
     return out
+
+
+def starts_of(requests: Any) -> list[Any]:
+    """Each ``PagedRequest``'s ``start``, as given (``load_starts`` checks them)."""
+    return [r.start for r in as_requests(requests)]
 
 
 def plan_load(call: PagedCall, counts: Sequence[int], block_tokens: int, starts: Sequence[int] | None = None) -> None:
@@ -400,4 +405,4 @@ def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | 
 
 __all__ = ["PageSink", "PagedCall", "count_found", "decoder", "encode_frames", "encoded_batches", "hash_requests",
            "ingest_results", "plan", "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of",
-           "touch_found"]
+           "starts_of", "touch_found"]

@@ -227,12 +227,15 @@ class PrefixCache(PrefixCacheBase):
             paged_io.raise_bad_input(call, exc)
         return results
 
-    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None, start: int = 0,
                          layerwise: bool = False) -> Any:
         """Write the longest stored prefix of ``keys`` (at most ``max_tokens``, and at most
         what ``dest``'s page table holds) straight into the pages ``dest = pages.at(page_ids)``
         names, decoded there; pages of later tokens are untouched. The writes are queued on
-        the pages' device's current stream. Returns ``Loaded``; with ``layerwise``, a
+        the pages' device's current stream. ``start`` (a multiple of the block size): the
+        tokens before it are in the pages already (the engine's own prefix hit), counted in
+        the ``Loaded`` as far as they are stored, neither fetched nor written, as
+        ``PagedRequest.start``. Returns ``Loaded``; with ``layerwise``, a
         ``LayerwiseLoad`` whose layers are written into the pages in order (``wait(layer)``
         before the engine reads a layer's pages; ``requests[0]`` is the ``Loaded``)."""
         self._check_open()
@@ -240,8 +243,8 @@ class PrefixCache(PrefixCacheBase):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
         requests = [(keys, dest.page_ids, max_tokens)]
         if layerwise:
-            return self._load_paged_layerwise(requests, dest.pages, single=True)
-        return self._load_paged(requests, dest.pages, single=True)[0]
+            return self._load_paged_layerwise(requests, dest.pages, single=True, starts=[start])
+        return self._load_paged(requests, dest.pages, single=True, starts=[start])[0]
 
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
@@ -252,15 +255,16 @@ class PrefixCache(PrefixCacheBase):
         fetched nor written."""
         self._check_open()
         if layerwise:
-            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False, batch=requests)
-        return self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
+            return self._load_paged_layerwise(paged_io.requests_of(requests), pages, single=False,
+                                              starts=paged_io.starts_of(requests))
+        return self._load_paged(paged_io.requests_of(requests), pages, single=False, starts=paged_io.starts_of(requests))
 
-    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool, batch: Any = None):
+    def _plan_load(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool, starts: list[Any]):
         self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
         B = self.block_tokens
-        starts = paged_io.load_starts(call, batch, B)
+        starts = paged_io.load_starts(call, starts, B)
         limits = paged_io.load_limits(call, requests, B)
         located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
         counts = [len(where) for where in located]
@@ -268,8 +272,8 @@ class PrefixCache(PrefixCacheBase):
         return call, located, counts, starts
 
     def _load_paged_layerwise(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *,
-                              single: bool, batch: Any = None) -> LayerwiseLoad:
-        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
+                              single: bool, starts: list[Any]) -> LayerwiseLoad:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, starts=starts)
         B, L = self.block_tokens, self.layout.num_layers
         # Blocks before a request's start are in its pages already (the engine's own prefix
         # hit): counted, not fetched or written, as in ``_load_paged``. The call's rows are
@@ -300,8 +304,8 @@ class PrefixCache(PrefixCacheBase):
                              tiers=[t for r in results for t in r.tiers], decoder=decoder, requests=results)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
-                    batch: Any = None) -> list[Loaded]:
-        call, located, counts, starts = self._plan_load(requests, pages, single=single, batch=batch)
+                    starts: list[Any]) -> list[Loaded]:
+        call, located, counts, starts = self._plan_load(requests, pages, single=single, starts=starts)
         B = self.block_tokens
         # Blocks before a request's start are in its pages already: counted, not written.
         results = [Loaded(num_blocks=min(s, n), tiers=list(where[: min(s, n)]))
@@ -341,6 +345,17 @@ class PrefixCache(PrefixCacheBase):
         self._num_keys(keys)
         tiers = self.store.locate(self.block_hashes(keys))
         return Located(num_blocks=len(tiers), num_tokens=len(tiers) * self.block_tokens, tiers=tiers)
+
+    def locate_batch(self, keys: Any) -> list[Located]:
+        """``locate`` of each of ``keys`` (a list: token ids, a ``Prompt`` or bytes per block,
+        one per request), as many calls of it would answer: what an engine admitting a batch
+        asks of every request at once. Bad keys raise ``InputError`` naming their index
+        (``keys[2]: ...``) before any is looked up."""
+        self._check_open()
+        chains, _ = self._hash_batch(keys)
+        B = self.block_tokens
+        return [Located(num_blocks=len(tiers), num_tokens=len(tiers) * B, tiers=tiers)
+                for tiers in map(self.store.locate, chains)]
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
                     layerwise: bool = False) -> Any:

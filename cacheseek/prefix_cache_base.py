@@ -157,6 +157,28 @@ class PrefixCacheBase:
         """Tokens covered by stored full blocks, from the start."""
         return self.locate(keys).num_tokens
 
+    def locate_batch(self, keys: Any) -> list[Located]:  # pragma: no cover - each cache implements it
+        raise NotImplementedError
+
+    def _hash_batch(self, keys: Any) -> tuple[list[list[BlockHash]], list[int]]:
+        """Each keys' chained hashes and tokens, for ``locate_batch(keys)`` (a list of keys,
+        one per request); ``InputError`` naming the request (``keys[2]: ...``), before anything
+        is looked up."""
+        if not isinstance(keys, (list, tuple)):
+            raise InputError(f"keys: expected a list of keys (token ids, a Prompt or bytes per block, one per "
+                             f"request), got {type(keys).__name__}")
+        chains, tokens = [], []
+        for i, one in enumerate(keys):
+            try:
+                tokens.append(self._num_keys(one))
+                chains.append(self.block_hashes(one))
+            except InputError as exc:
+                raise InputError(f"keys[{i}]: {exc}") from None
+            except TypeError as exc:  # (keys of no type the hashing knows, past its own checks)
+                raise InputError(f"keys[{i}]: expected token ids, a Prompt or bytes per block, "
+                                 f"got {type(one).__name__} ({exc})") from None
+        return chains, tokens
+
     def close(self) -> None:  # pragma: no cover - each cache implements it
         raise NotImplementedError
 

@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import httpx
@@ -74,6 +74,9 @@ BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pres
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
+# Chains in one lookup of several: their lengths (the query) and tokens (a header) ride in the
+# request's head, which the server takes up to 64 KiB of; 1,024 chains take about 14 KiB.
+LOOKUP_CHAINS = 1024
 HEADER_SLACK = 64 << 10  # over a frame's planned size: its header's hashes and fields, with room to spare
 ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connection to stay open, up to this
 # The longest JSON answer read: a lookup of 65,536 hashes with every block's presence is ~1 MB.
@@ -185,6 +188,7 @@ class RemoteCache(PrefixCacheBase):
         max_lookup_hashes: int = 1 << 16,
         max_pending_bytes: int | str = "2GiB",
         read_buffer_bytes: int | str = "1GiB",
+        max_concurrent_fetches: int = 8,
     ) -> None:
         """``timeout``: seconds for each connect, read and write. ``exchange_timeout``: seconds
         for one whole request and its answer (None: no bound), which cuts off a server or
@@ -214,7 +218,10 @@ class RemoteCache(PrefixCacheBase):
         reuse up to that size (page-locked where CUDA is present).
         ``read_buffer_bytes``: the host memory that materializes keep between calls for the
         frames they read (page-locked where CUDA is present), so that the next read lands in
-        memory already mapped (0: fresh memory for every read)."""
+        memory already mapped (0: fresh memory for every read).
+        ``max_concurrent_fetches``: the most chains a ``materialize_into_batch`` fetches at
+        once, each over a connection of the pool (at most ``max_connections``; 1: one after
+        another)."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -223,7 +230,8 @@ class RemoteCache(PrefixCacheBase):
                               "spaces, as the server takes it")
         if on_unavailable not in ON_UNAVAILABLE:
             raise ConfigError(f"on_unavailable: {on_unavailable!r} is not one of {ON_UNAVAILABLE}")
-        for name, value in (("max_lookup_hashes", max_lookup_hashes), ("max_connections", max_connections)):
+        for name, value in (("max_lookup_hashes", max_lookup_hashes), ("max_connections", max_connections),
+                            ("max_concurrent_fetches", max_concurrent_fetches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: must be an int >= 1, got {value!r}")
         self.max_lookup_hashes = max_lookup_hashes
@@ -285,6 +293,12 @@ class RemoteCache(PrefixCacheBase):
                                    cut_off=self._transport.cut_off_at)
         self._headers = headers
         self._timeouts = timeouts.as_dict()
+        self.max_concurrent_fetches = min(max_concurrent_fetches, max_connections)
+        self._fetcher: ThreadPoolExecutor | None = None  # made by the first batch that fetches several chains
+        self._fetcher_lock = threading.Lock()
+        # Whether the server answers a lookup of several chains (?chains=); an older one reads
+        # them as one chain, which is seen in its answer, and is then asked chain by chain.
+        self._chain_lookups = True
 
     # -- the three calls -----------------------------------------------------------------
 
@@ -512,23 +526,27 @@ class RemoteCache(PrefixCacheBase):
         False if ``timeout`` seconds passed first."""
         return self._behind.flush(timeout)
 
-    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None,
+    def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None, start: int = 0,
                          layerwise: bool = False) -> Any:
         """Write the longest stored prefix (at most ``max_tokens``, and what ``dest``'s page
         table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
-        (``PrefixCache.materialize_into``). ``layerwise``: a ``LayerwiseLoad`` with every
-        layer ready at once (see ``materialize``)."""
+        (``PrefixCache.materialize_into``); the blocks before ``start`` are in the pages
+        already: counted, not fetched (the GET asks from ``start`` on) nor written.
+        ``layerwise``: a ``LayerwiseLoad`` with every layer ready at once (see ``materialize``)."""
         self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
-        loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True)
+        loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True, starts=[start])
         return self._all_ready(loaded, dest.pages.device) if layerwise else loaded[0]
 
     def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
-        """``materialize_into`` for many requests (``cs.PagedRequest`` each): a lookup and a
-        streamed fetch per request's chain, decoded together into their pages."""
+        """``materialize_into`` for many requests (``cs.PagedRequest`` each): one lookup of
+        every request's chain (``locate_batch``'s), their chains fetched at once (at most
+        ``max_concurrent_fetches``, over the pool's connections), then decoded together into
+        their pages. Every chain has arrived before any page is written."""
         self._check_open()
-        loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False, batch=requests)
+        loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False,
+                                  starts=paged_io.starts_of(requests))
         return self._all_ready(loaded, pages.device) if layerwise else loaded
 
     def _all_ready(self, loaded: list[Loaded], device: Any) -> LayerwiseLoad:
@@ -540,13 +558,13 @@ class RemoteCache(PrefixCacheBase):
                              num_blocks=n, tiers=[t for r in loaded for t in r.tiers], requests=loaded)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
-                    batch: Any = None) -> list[Loaded]:
+                    starts: list[Any]) -> list[Loaded]:
         self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
-        starts = paged_io.load_starts(call, batch, self.block_tokens)
+        starts = paged_io.load_starts(call, starts, self.block_tokens)
         limits = paged_io.load_limits(call, requests, self.block_tokens)
-        chains: list[list[BlockFrame]] = []
+        chains: list[list[BlockFrame]] = [[] for _ in requests]
         try:
             return self._load_fetched(call, requests, starts, limits, chains)
         finally:
@@ -557,17 +575,21 @@ class RemoteCache(PrefixCacheBase):
         """``_load_paged``'s fetch and decode; ``chains`` gets the frames fetched (the
         caller releases them)."""
         results = [Loaded() for _ in requests]
-        # Everything is fetched before any page is written: an outage (or a bad chain) in a
-        # later request leaves the pages as they were.
+        B = self.block_tokens
+        # Everything is fetched before any page is written: an outage (or a bad chain) in any
+        # request leaves the pages as they were.
         try:
-            found: list[dict[str, Any]] = [
-                self._lookup(h[:n], tokens=n * self.block_tokens) if n else {"matched": 0, "tiers": []}
-                for h, n in zip(call.hashes, limits)]
+            asked = [r for r, n in enumerate(limits) if n]
+            answers: list[dict[str, Any] | None] = [None] * len(asked)
+            self._lookup_chains([call.hashes[r][: limits[r]] for r in asked], [limits[r] * B for r in asked], answers)
+            found: list[dict[str, Any]] = [{"matched": 0, "tiers": []} for _ in requests]
+            for r, answer in zip(asked, answers):
+                assert answer is not None  # (each answered, or _lookup_chains raised)
+                found[r] = answer
             counts = [f["matched"] for f in found]
-            paged_io.plan_load(call, counts, self.block_tokens, starts)
+            paged_io.plan_load(call, counts, B, starts)
             # The blocks before a request's start are in its pages already: not fetched.
-            for h, n, s in zip(call.hashes, counts, starts):
-                chains.append(self._fetch_chain(h[:n], s) if n > s else [])
+            self._fetch_chains([(h[:n], s) if n > s else None for h, n, s in zip(call.hashes, counts, starts)], chains)
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -591,6 +613,131 @@ class RemoteCache(PrefixCacheBase):
         finally:
             decoder.close()  # the staging given back on every path
         return results
+
+    def _fetch_chains(self, jobs: list[tuple[list[BlockHash], int] | None], chains: list[list[BlockFrame]]) -> None:
+        """``chains[i]`` = the frames of ``jobs[i]`` (a chain and the position to fetch it
+        from; None: nothing to fetch), several at once (``max_concurrent_fetches``), each
+        over a connection of the pool. Returns once every fetch has ended, so that the
+        frames of every chain are in ``chains`` for the caller to release; the first error
+        is raised then, the fetches not yet begun called off."""
+        todo = [(i, job) for i, job in enumerate(jobs) if job is not None]
+        if len(todo) == 1 or self.max_concurrent_fetches == 1:
+            for i, (hashes, start) in todo:
+                chains[i] = self._fetch_chain(hashes, start)
+            return
+        pool = self._fetch_pool()
+        futures: list[tuple[int, Future]] = []
+        error: BaseException | None = None
+        try:
+            for i, (hashes, start) in todo:
+                futures.append((i, pool.submit(self._fetch_chain, hashes, start)))
+        except RuntimeError:  # the pool shut down by close() from another thread meanwhile
+            error = self._closed_error()
+        for i, future in futures:
+            while True:
+                try:
+                    chains[i] = future.result()
+                except CancelledError:
+                    # Called off by an error here, or by close(): a chain missing is no prefix.
+                    error = error or self._closed_error()
+                except BaseException as exc:  # noqa: BLE001 - raised below, once every fetch has ended
+                    if error is None:
+                        error = exc
+                        for _, later in futures:
+                            later.cancel()
+                    if not future.done():  # (an interrupt of this thread's wait: the fetch runs on)
+                        continue
+                break
+        if error is not None:
+            raise error
+
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        with self._fetcher_lock:
+            self._check_open()
+            if self._fetcher is None:
+                self._fetcher = ThreadPoolExecutor(self.max_concurrent_fetches, thread_name_prefix="cacheseek-fetch")
+            return self._fetcher
+
+    def locate_batch(self, keys: Any) -> list[Located]:
+        """``locate`` of each of ``keys`` (a list, one per request), as many calls of it would
+        answer and the server count (each a lookup, with its tokens), in one ``POST
+        /v1/lookup`` (several past ``max_lookup_hashes`` hashes in all, or 1,024 chains; a chain
+        longer than ``max_lookup_hashes`` goes alone, in pieces). Bad keys raise ``InputError``
+        naming their index before anything is sent. In an outage with
+        ``on_unavailable="miss"``, the requests not answered are misses (``missed_lookups``
+        counts each)."""
+        self._check_open()
+        chains, tokens = self._hash_batch(keys)
+        found: list[dict[str, Any] | None] = [None] * len(chains)
+        try:
+            self._lookup_chains(chains, tokens, found)
+        except RemoteUnavailable:
+            if self.on_unavailable == "raise":
+                raise
+            self._outages.count("missed_lookups", sum(f is None for f in found))
+        B = self.block_tokens
+        return [Located(num_blocks=f["matched"], num_tokens=f["matched"] * B, tiers=list(f["tiers"]))
+                if f is not None else Located(num_blocks=0, num_tokens=0, tiers=[]) for f in found]
+
+    def _lookup_chains(self, chains: list[list[BlockHash]], tokens: list[int],
+                       found: list[dict[str, Any] | None]) -> None:
+        """``found[i]`` = the lookup of ``chains[i]`` (a query of ``tokens[i]`` tokens), as
+        few round trips as the limits allow: chains packed into lookups of several, each of
+        at most ``max_lookup_hashes`` hashes and ``LOOKUP_CHAINS`` chains. Raises at the
+        first that fails; those answered before stay in ``found``."""
+        limit = self.max_lookup_hashes
+        group: list[int] = []
+        size = 0
+        for i, hashes in enumerate(chains):
+            if len(hashes) > limit:
+                found[i] = self._lookup(hashes, tokens=tokens[i])  # alone, in pieces
+                continue
+            if group and (size + len(hashes) > limit or len(group) == LOOKUP_CHAINS):
+                self._lookup_group(group, chains, tokens, found)
+                group, size = [], 0
+            group.append(i)
+            size += len(hashes)
+        if group:
+            self._lookup_group(group, chains, tokens, found)
+
+    def _lookup_group(self, group: list[int], chains: list[list[BlockHash]], tokens: list[int],
+                      found: list[dict[str, Any] | None]) -> None:
+        answers = self._lookup_several([chains[i] for i in group], [tokens[i] for i in group]) \
+            if len(group) > 1 and self._chain_lookups else None
+        if answers is None:  # one chain, or a server that answers one chain a lookup
+            for i in group:
+                found[i] = self._lookup_piece(chains[i], each=False, tokens=tokens[i])
+            return
+        for i, answer in zip(group, answers):
+            found[i] = answer
+
+    def _lookup_several(self, chains: list[list[BlockHash]], tokens: list[int]) -> list[dict[str, Any]] | None:
+        """One ``POST /v1/lookup?chains=...`` of several chains; None from a server that read
+        them as one chain (an older one, which knows no ``chains``): it is asked chain by
+        chain from then on."""
+        flat = [h for chain in chains for h in chain]
+        path, content, headers = lookup_request(flat, chains=[len(chain) for chain in chains])
+        headers[TOKENS_HEADER] = ",".join(map(str, tokens))
+        request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
+                                extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
+
+        def call() -> list[dict[str, Any]] | None:
+            response = self._send(request, path)
+            found = _json_answer(response, self.url + path)
+            answers = found.get("chains") if isinstance(found, dict) else None
+            if isinstance(answers, list) and len(answers) == len(chains) and all(
+                    _is_lookup_answer(a, len(chain), False) for a, chain in zip(answers, chains)):
+                return answers
+            if answers is None and _is_lookup_answer(found, len(flat), False):
+                return None
+            raise _foreign(found, f"a lookup of {len(chains)} chains", response.status_code, self.url + path)
+
+        answers = self._guarded(path, call)
+        if answers is None:
+            log.info("CacheSeek server %s answers no lookup of several chains (an older server): each request "
+                     "is looked up alone", self.url)
+            self._chain_lookups = False
+        return answers
 
     def locate(self, keys: Any) -> Located:
         self._check_open()
@@ -713,8 +860,12 @@ class RemoteCache(PrefixCacheBase):
         # client_stats() goes on counting its leases.
         self._host_buffers.keep_at_most(0)
         self._read_buffers.keep_at_most(0)
-        self._closed = True
+        with self._fetcher_lock:
+            self._closed = True
+            fetcher, self._fetcher = self._fetcher, None
         self._http.close()
+        if fetcher is not None:
+            fetcher.shutdown(wait=False, cancel_futures=True)  # (a fetch under way ends on the closed client)
 
     # -- HTTP ----------------------------------------------------------------------------
 
@@ -1188,14 +1339,18 @@ def _count_report(result: IngestResult, report: dict[str, Any], copies: Sequence
             res.errors.setdefault(tier, reason)
 
 
-def lookup_request(hashes: Sequence[bytes], *, each: bool = False) -> tuple[str, bytes, dict[str, str]]:
+def lookup_request(hashes: Sequence[bytes], *, each: bool = False,
+                   chains: Sequence[int] | None = None) -> tuple[str, bytes, dict[str, str]]:
     """``POST /v1/lookup`` as ``RemoteCache`` sends it (path, body, headers): the hashes as raw
-    bytes end to end, which the server splits without parsing JSON or hex."""
+    bytes end to end, which the server splits without parsing JSON or hex; ``chains``: they
+    are several chains of these lengths, end to end."""
     query = []
     if hashes and len(hashes[0]) != 16:
         query.append(f"hash_bytes={len(hashes[0])}")
     if each:
         query.append("each=true")
+    if chains is not None:
+        query.append("chains=" + ",".join(map(str, chains)))
     path = "/v1/lookup" + ("?" + "&".join(query) if query else "")
     return path, b"".join(hashes), {"Content-Type": FRAME_CONTENT_TYPE}
 

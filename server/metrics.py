@@ -277,7 +277,8 @@ class Metrics:
         traffic.ingest_bytes += stored
 
     def looked_up(self, traffic: Traffic | None, headers: Any, requested: int, matched: int, each: bool,
-                  first_position: int | None = None) -> None:
+                  first_position: int | None = None, *, one_of_chains: bool = False,
+                  chain_tokens: int | None = None) -> None:
         """Count a lookup of ``requested`` blocks whose longest stored prefix is ``matched``.
         A piece that continues a query (``X-CacheSeek-Continues``) adds its blocks to the
         query its first piece counted: no lookup, hit or requested tokens of its own (the
@@ -288,10 +289,15 @@ class Metrics:
         (``continues_query``; ``first_position``: where the piece's first block is stored,
         when it is), and a piece's matched tokens count only up to the tokens its owner's
         queries asked for and have not matched yet: a false header can hide its own lookup,
-        never make the token hit rate pass 1 or count a token no query asked for."""
+        never make the token hit rate pass 1 or count a token no query asked for.
+
+        ``one_of_chains``: one chain of a lookup of several, a query of its own (no piece of
+        another, nor sent again) of ``chain_tokens`` tokens where the client said."""
         if traffic is None:
             return
         _, block_tokens, tokens, continues, again = client_headers(headers)
+        if one_of_chains:
+            tokens, continues, again = chain_tokens, None, False
         open_tokens = self._open_tokens.get(id(traffic), 0)
         # (An ingest check counts no tokens: only the checks that need none apply to its pieces.)
         continues = continues_query(continues, requested, first_position,

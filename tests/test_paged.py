@@ -660,6 +660,25 @@ def check_start_skips_the_engines_own_blocks(cache, raw: bool) -> None:
             cache.materialize_into_batch([cs.PagedRequest(toks, tables[0]),
                                           cs.PagedRequest(toks, [12, 13, 14, 15, 16, 17], start=bad)], pages)
         assert unchanged(before, tensors)
+    # One request: the same start, the same pages written, its own pages (and no others) untouched.
+    for layerwise in (False, True):
+        one, one_tensors = engine_pages("flash", L, H, D, 24, page, DTYPE, seed=8)
+        got = cache.materialize_into(toks, one.at(tables[0]), start=np.int64(BLOCK), layerwise=layerwise)
+        if layerwise:
+            got.close()  # (every layer written into the pages)
+            got = got.requests[0]
+        assert (got.num_tokens, got.num_blocks, len(got.tiers)) == (T, 3, 3)
+        assert unchanged([t[:, shared] if t.dim() == 5 else t[shared] for t in before],
+                         [t[:, shared] if t.dim() == 5 else t[shared] for t in one_tensors])
+        for (k, v), (wk, wv) in zip(read_tokens(one, tables[0], T), read_tokens(pages, tables[0], T)):
+            assert torch.equal(k[:, BLOCK:], wk[:, BLOCK:]) and torch.equal(v[:, BLOCK:], wv[:, BLOCK:])
+    one_before = snapshot(one_tensors)
+    for bad, why in ((BLOCK + 1, r"^start: expected a multiple of the block size"),
+                     (4 * BLOCK, r"^start: 128 tokens are in its pages, but its page table holds 6 pages"),
+                     (True, r"^start: expected a multiple")):
+        with pytest.raises(cs.InputError, match=why):
+            cache.materialize_into(toks, one.at(tables[0]), start=bad)
+        assert unchanged(one_before, one_tensors)
 
 
 @pytest.mark.parametrize("codec", [cs.Raw(), INT4], ids=["raw", "int4"])

@@ -453,8 +453,9 @@ def test_paged_calls_fail_open_like_the_others():
         loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages)
         assert [x.num_tokens for x in loaded] == [0, 0]
         assert cache.materialize_into(toks[0], pages.at(tables[0])).num_tokens == 0
+        assert cache.locate_batch(toks) == [cs.Located(0, 0, [])] * 2
         stats = cache.client_stats()
-    assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2
+    assert stats["dropped_blocks"] == 3 and stats["missed_materializes"] == 2 and stats["missed_lookups"] == 2
     assert unchanged(before, tensors)
 
 
@@ -798,9 +799,11 @@ def test_waited_ingests_send_every_frame_from_one_reused_buffer(srv):
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
 
 
-def test_a_paged_batch_gives_back_the_buffers_of_the_chains_it_fetched_before_an_outage(srv, monkeypatch):
-    """A batch load fetches every chain before it writes a page; an outage in a later chain
-    leaves the pages as they were and gives back the buffers of the chains read before it."""
+@pytest.mark.parametrize("failing", [3, 2], ids=["later-chain", "first-chain"])
+def test_a_paged_batch_gives_back_the_buffers_of_the_chains_it_fetched_before_an_outage(srv, monkeypatch, failing):
+    """A batch load fetches every chain before it writes a page; an outage in one chain
+    (fetched at once with the other) leaves the pages as they were and gives back the
+    buffers of every chain read, once every fetch has ended."""
     from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
 
     L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
@@ -810,30 +813,206 @@ def test_a_paged_batch_gives_back_the_buffers_of_the_chains_it_fetched_before_an
     tables = page_tables(sizes, 16, 24, seed=3)
     for r, (n, ids) in enumerate(zip(sizes, tables)):
         write_tokens(pages, make_kv(n, 95 + r), ids)
-    with _remote(srv, cs.Raw(), namespace="reuse-paged", on_unavailable="miss") as cache:
+    with _remote(srv, cs.Raw(), namespace=f"reuse-paged-{failing}", on_unavailable="miss") as cache:
         assert [r.stored for r in cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)],
                                                      pages)] == [2, 3]
         dest, dest_tensors = engine_pages("flash", L, H, D, 24, 16, dtype, seed=5)
         dest_tables = page_tables(sizes, 16, 24, seed=4)
         requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)]
         read = cache._read_chain
-        calls: list[int] = []
 
-        def second_is_an_outage(*args, **kw):
-            calls.append(1)
-            if len(calls) == 2:
+        def one_is_an_outage(hashes, *args, **kw):
+            if len(hashes) == failing:  # (by chain, not by call: the two are fetched at once)
                 raise cs.RemoteUnavailable("injected: the server went away")
-            return read(*args, **kw)
+            return read(hashes, *args, **kw)
 
-        monkeypatch.setattr(cache, "_read_chain", second_is_an_outage)
+        monkeypatch.setattr(cache, "_read_chain", one_is_an_outage)
         before = snapshot(dest_tensors)
         assert [r.num_tokens for r in cache.materialize_into_batch(requests, dest)] == [0, 0]
         assert unchanged(before, dest_tensors)
         took = _read_buffers(cache)
-        assert took["leases_granted"] == 2 and took["leases_active"] == 0
+        # The first chain's fetch is waited for before the error is raised; the second's, when
+        # the first failed, is either called off before it began or waited for too.
+        assert took["leases_granted"] in ((2,) if failing == 3 else (0, 3)) and took["leases_active"] == 0
         monkeypatch.setattr(cache, "_read_chain", read)
         assert [r.num_tokens for r in cache.materialize_into_batch(requests, dest)] == [2 * BLOCK, 3 * BLOCK]
         assert _read_buffers(cache)["leases_active"] == 0
+
+
+def _count_requests(cache, monkeypatch) -> list[str]:
+    """The paths of the requests ``cache`` sends from now on (every one goes through its transport)."""
+    sent: list[str] = []
+    handle = cache._transport.handle_request
+
+    def counted(request):
+        sent.append(request.url.path)
+        return handle(request)
+
+    monkeypatch.setattr(cache._transport, "handle_request", counted)
+    return sent
+
+
+def _owner_traffic(srv, namespace: str) -> dict[str, int]:
+    stats = httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()
+    mine = next(o for o in stats["traffic"]["by_owner"] if o["namespace"] == namespace and o["model"] == "parity")
+    return {k: mine[k] for k in ("lookups", "lookup_hits", "lookup_blocks_requested", "lookup_blocks_matched",
+                                 "lookup_tokens_requested", "lookup_tokens_matched")}
+
+
+def test_locate_batch_answers_as_locate_calls_in_one_round_trip(srv, tmp_path, monkeypatch):
+    """An engine admitting N requests asks how much of each is stored in one ``POST
+    /v1/lookup``: the answers are N ``locate`` calls' (and the embedded cache's), and the
+    server counts N lookups with their tokens, as it counted the N calls. Chains past
+    ``max_lookup_hashes`` in all go in several lookups, a longer one alone in pieces."""
+    sizes = [3 * BLOCK + 5, 2 * BLOCK, 6 * BLOCK, BLOCK - 1, 4 * BLOCK]
+    toks = [tokens_for(120 + r, n) for r, n in enumerate(sizes)]
+    changed = list(toks[2])
+    changed[4 * BLOCK] += 1  # its first 4 blocks stored
+    unknown = tokens_for(130, 2 * BLOCK)
+    got = {}
+    for name, cache in (("remote", _remote(srv, cs.Raw(), namespace="batch-locate")),
+                        ("embedded", _embedded(tmp_path, cs.Raw()))):
+        with cache:
+            for t in toks[:3]:
+                cache.ingest(t, make_kv(len(t), 7))
+            keys = [toks[0], unknown, changed, toks[3], cache.keys.hashed(toks[1]), toks[4][: 2 * BLOCK + 1]]
+            if name == "remote":
+                sent = _count_requests(cache, monkeypatch)
+                before = _owner_traffic(srv, "batch-locate")
+            one_by_one = [cache.locate(k) for k in keys]
+            if name == "remote":
+                mid = _owner_traffic(srv, "batch-locate")
+                del sent[:]
+            together = cache.locate_batch(keys)
+            if name == "remote":
+                assert sent == ["/v1/lookup"]
+                after = _owner_traffic(srv, "batch-locate")
+                assert {k: after[k] - mid[k] for k in after} == {k: mid[k] - before[k] for k in mid}
+                assert after["lookups"] - mid["lookups"] == len(keys)
+            assert together == one_by_one
+            assert cache.locate_batch([]) == []
+            for bad, why in (([toks[0], [], toks[1]], r"^keys\[1\]: token_ids: empty input"),
+                             ([toks[0], None], r"^keys\[1\]: keys: expected token ids"),
+                             ([[0.5] * BLOCK], r"^keys\[0\]: token_ids"),
+                             (toks[0][0], r"^keys: expected a list of keys")):
+                with pytest.raises(cs.InputError, match=why):
+                    cache.locate_batch(bad)
+            if name == "remote":
+                assert sent == ["/v1/lookup"]  # bad input: nothing more sent
+            got[name] = together
+    assert got["remote"] == got["embedded"]
+    assert [x.num_blocks for x in got["remote"]] == [3, 0, 4, 0, 2, 0]
+    # A client of at most 4 hashes a lookup, chains of 3, 2, 6, 0, 2, 0, 3 blocks: [3] alone,
+    # [6] alone in pieces of 4 and 2, [2, 0, 2, 0] together, [3] alone: 5 lookups.
+    with _remote(srv, cs.Raw(), namespace="batch-locate", max_lookup_hashes=4) as small:
+        sent = _count_requests(small, monkeypatch)
+        keys = [toks[0], unknown, changed, toks[3], toks[1], toks[4][:5], toks[0]]
+        together = small.locate_batch(keys)
+        assert len(sent) == 5
+        assert together == [small.locate(k) for k in keys]
+
+
+def test_a_server_that_knows_no_lookup_of_several_chains_is_asked_chain_by_chain(srv):
+    """An older server ignores ``?chains=`` and answers one chain of all the hashes: seen in
+    its answer (no ``chains``), which is dropped; each chain is then asked alone, this call
+    and the next."""
+    from fake_http import FakeServer
+
+    toks = [tokens_for(150, 2 * BLOCK), tokens_for(151, 3 * BLOCK)]
+    with FakeServer(_forwarding_front(srv, b'{"matched": 0, "tiers": []}')) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+            trust_env=False) as older:
+        assert older.locate_batch(toks) == [cs.Located(0, 0, [])] * 2
+        assert older.locate_batch(toks) == [cs.Located(0, 0, [])] * 2
+        lines = [r.split(b"\r\n", 1)[0].decode() for r in front.requests]
+    assert len(lines) == 5 and "chains=2,3" in lines[0] and not any("chains" in line for line in lines[1:])
+
+
+def test_a_paged_batch_load_looks_up_once_and_fetches_its_chains_at_once(srv, monkeypatch):
+    """materialize_into_batch over HTTP: one lookup for all requests, and their chains
+    fetched at once (each fetch waits here until all four have begun: fetched one after
+    another, the first would wait alone), decoded into the pages once all have come."""
+    import threading
+
+    from paged_helpers import engine_pages, page_tables, read_tokens, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [2 * BLOCK, 3 * BLOCK, BLOCK + 7, 2 * BLOCK]
+    toks = [tokens_for(140 + r, n) for r, n in enumerate(sizes)]
+    kvs = [make_kv(n, 140 + r) for r, n in enumerate(sizes)]
+    src, _ = engine_pages("nhd", L, H, D, 40, 16, dtype)
+    tables = page_tables(sizes, 16, 40, seed=7)
+    for kv, ids in zip(kvs, tables):
+        write_tokens(src, kv, ids)
+    with _remote(srv, cs.Raw(), namespace="batch-load") as cache:
+        assert [r.stored for r in cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)],
+                                                     src)] == [2, 3, 1, 2]
+        dest, _ = engine_pages("nhd", L, H, D, 40, 16, dtype, seed=9)
+        dest_tables = page_tables(sizes, 16, 40, seed=8)
+        all_begun = threading.Barrier(4, timeout=5)
+        read = cache._read_chain
+
+        def fetch(*args, **kw):
+            all_begun.wait()
+            return read(*args, **kw)
+
+        monkeypatch.setattr(cache, "_read_chain", fetch)
+        sent = _count_requests(cache, monkeypatch)
+        loaded = cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, dest_tables)], dest)
+        assert [x.num_blocks for x in loaded] == [2, 3, 1, 2]
+        assert sent.count("/v1/lookup") == 1 and len(sent) == 5
+        for kv, ids, x in zip(kvs, dest_tables, loaded):
+            for (k, v), (k0, v0) in zip(read_tokens(dest, ids, x.num_tokens), kv):
+                assert torch.equal(k, k0[:, : x.num_tokens]) and torch.equal(v, v0[:, : x.num_tokens])
+        assert _read_buffers(cache)["leases_active"] == 0
+
+
+def test_a_paged_batch_met_by_close_raises_and_writes_nothing(srv, monkeypatch):
+    """close() from another thread while a batch fetches: the fetch it calls off (queued
+    behind two under way) makes the batch raise close()'s error once the two have ended,
+    with no page written and every buffer given back, not answer a load short of that chain."""
+    import threading
+
+    from paged_helpers import engine_pages, page_tables, snapshot, unchanged, write_tokens
+
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [BLOCK, BLOCK, BLOCK]
+    toks = [tokens_for(160 + r, n) for r, n in enumerate(sizes)]
+    src, _ = engine_pages("nhd", L, H, D, 12, 16, dtype)
+    tables = page_tables(sizes, 16, 12, seed=5)
+    for r, ids in enumerate(tables):
+        write_tokens(src, make_kv(BLOCK, 160 + r), ids)
+    cache = _remote(srv, cs.Raw(), namespace="batch-close", max_concurrent_fetches=2)
+    assert [r.stored for r in cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)],
+                                                 src)] == [1, 1, 1]
+    dest, dest_tensors = engine_pages("nhd", L, H, D, 12, 16, dtype, seed=6)
+    before = snapshot(dest_tensors)
+    read, reached, go = cache._read_chain, threading.Semaphore(0), threading.Event()
+
+    def read_then_hold(*args, **kw):
+        frames = read(*args, **kw)
+        reached.release()
+        go.wait(10)
+        return frames
+
+    monkeypatch.setattr(cache, "_read_chain", read_then_hold)
+    raised: list[BaseException] = []
+
+    def load():
+        try:
+            cache.materialize_into_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], dest)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            raised.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    assert reached.acquire(timeout=10) and reached.acquire(timeout=10)  # two read, the third queued
+    cache.close()
+    go.set()
+    loader.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "closed" in str(raised[0]), raised
+    assert unchanged(before, dest_tensors)
+    assert _read_buffers(cache)["leases_active"] == 0
 
 
 def test_read_buffer_bytes_zero_reads_into_fresh_memory_every_time(srv):

@@ -130,6 +130,24 @@ def test_a_binary_lookup_answers_as_the_json_one(client):
     assert client.post("/v1/lookup", content=b"".join(hashes), headers=BINARY).json()["matched"] == 0
 
 
+def test_a_lookup_of_several_chains_answers_each_as_a_lookup_of_it_alone(client):
+    """``?chains=`` (binary) or ``{"chains": [...]}``: one answer per chain, in order, each
+    what a lookup of that chain alone answers; chains of no hash too."""
+    for size in (16, 32):
+        chain = raw_chain(90 + size, 3, hash_size=size)
+        assert client.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        hashes = [h for h, _ in chain]
+        other = os.urandom(size)
+        asked = [hashes, [other, *hashes], [], hashes[:2], [hashes[0], other, hashes[2]]]
+        alone = [client.post("/v1/lookup", json={"hashes": [h.hex() for h in c]}).json() for c in asked]
+        assert [a["matched"] for a in alone] == [3, 0, 0, 2, 1]
+        query = f"?chains={','.join(str(len(c)) for c in asked)}" + ("&hash_bytes=32" if size == 32 else "")
+        binary = client.post(f"/v1/lookup{query}", content=b"".join(h for c in asked for h in c), headers=BINARY)
+        assert binary.status_code == 200 and binary.json() == {"chains": alone}
+        as_json = client.post("/v1/lookup", json={"chains": [[h.hex() for h in c] for c in asked]})
+        assert as_json.status_code == 200 and as_json.json() == {"chains": alone}
+
+
 def test_sha256_hashes_and_kivi_frames_are_accepted(client):
     import cacheseek as cs
 
@@ -212,6 +230,25 @@ def _bad_cases():
         ("binary lookup too many", "POST", "/v1/lookup", dict(content=bytes(16 * 1001), headers=BINARY), 422,
          "at most"),
         ("binary lookup as JSON", "POST", "/v1/lookup", dict(content=bytes(32)), 422, "JSON"),
+        ("chains not a number", "POST", "/v1/lookup?chains=1,x", dict(content=bytes(32), headers=BINARY), 422,
+         "chains[1]"),
+        ("chains not the body's", "POST", "/v1/lookup?chains=1,1", dict(content=bytes(48), headers=BINARY), 422,
+         "add up"),
+        ("chains too many hashes", "POST", "/v1/lookup?chains=600,401", dict(content=bytes(16 * 1001), headers=BINARY),
+         422, "at most"),
+        ("chains too many", "POST", "/v1/lookup?chains=" + ",".join(["0"] * 1001), dict(content=b"", headers=BINARY),
+         422, "at most"),
+        ("chains with each", "POST", "/v1/lookup?chains=2&each=true", dict(content=bytes(32), headers=BINARY), 422,
+         "each"),
+        ("JSON chains bad hex", "POST", "/v1/lookup", dict(json={"chains": [["00" * 16], ["00" * 16, "AB" * 16]]}),
+         422, "chains.1.1"),
+        ("JSON chains and hashes", "POST", "/v1/lookup", dict(json={"hashes": [], "chains": []}), 422, "not both"),
+        ("JSON neither", "POST", "/v1/lookup", dict(json={}), 422, "not both or neither"),
+        ("JSON chains too many hashes", "POST", "/v1/lookup",
+         dict(json={"chains": [["00" * 16] * 600, ["00" * 16] * 401]}), 422, "at most"),
+        ("JSON chains not lists", "POST", "/v1/lookup", dict(json={"chains": ["00" * 16]}), 422, "chains"),
+        ("prefetch of chains", "POST", "/v1/prefetch?chains=1", dict(content=bytes(16), headers=BINARY), 422,
+         "chains"),
         ("bad namespace", "GET", f"/v1/blocks/{h.hex()}", dict(headers={"X-CacheSeek-Namespace": "a b"}), 400,
          "Namespace"),
         ("missing block", "GET", f"/v1/blocks/{h2.hex()}", {}, 404, "not stored"),
@@ -461,6 +498,13 @@ def test_tokens_401_403_and_read_only(tmp_path):
             assert look(auth("r-token")).json()["matched"] == 1
             assert look(auth("a-read")).json()["matched"] == 1  # team-a's own block
             assert look(auth("r-token", "team-c")).json()["matched"] == 0
+        # A lookup of several chains: the same callers, the same namespaces.
+        def chains(more=None):
+            return c.post("/v1/lookup?chains=1,1", content=h + h, headers={**BINARY, **(more or {})})
+
+        assert chains().status_code == 401 and chains(auth("a-read", "team-b")).status_code == 403
+        assert [x["matched"] for x in chains(auth("a-read")).json()["chains"]] == [1, 1]
+        assert [x["matched"] for x in chains(auth("r-token", "team-c")).json()["chains"]] == [0, 0]
 
 
 def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):

@@ -4,6 +4,12 @@ The body is JSON ``{"hashes": [hex, ...], "each": false}``, or (``Content-Type:
 application/octet-stream``) the hashes as raw bytes end to end, which is what ``RemoteCache``
 sends: ``?hash_bytes=32`` for SHA-256 hashes (default 16), ``?each=true``.
 
+Several chains in one body (an engine admitting a batch of requests asks for all of them in
+one round trip): JSON ``{"chains": [[hex, ...], ...]}``, or the binary body with
+``?chains=3,5,2`` (each chain's length, in order; the hashes of all of them end to end).
+The answer is ``{"chains": [{"matched", "tiers"}, ...]}``, each chain answered as a lookup of
+it alone would be, and counted as one (its tokens: ``X-CacheSeek-Tokens: 300,512,...``).
+
 A worker looks up before every request it serves, so this route is kept lean: it takes no
 FastAPI dependencies and no request model, and does by hand what they would (the caller as
 ``deps.reader`` finds it, the body checked as ``LookupRequest`` checks it, with the same
@@ -32,7 +38,7 @@ from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of
 from ..errors import BadLookup, TooLarge
 from ..limits import BodyBytes
-from ..metrics import client_headers
+from ..metrics import TOKENS_HEADER, client_headers
 from ._body import BINARY, ERROR, declared_length
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
@@ -44,7 +50,11 @@ _TRUE, _FALSE = ("true", "1"), ("false", "0", "")
 
 class LookupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # strict: "yes" or 1 is not a bool
-    hashes: list[HexHash] = Field(description="block hashes in chain order, lowercase hex, all 32 or all 64 digits")
+    hashes: list[HexHash] | None = Field(
+        None, description="block hashes in chain order, lowercase hex, all 32 or all 64 digits (this or chains)")
+    chains: list[list[HexHash]] | None = Field(
+        None, description="several chains, each looked up as hashes is, in one round trip (this or hashes; not "
+                          "with each); all their hashes of one size, at most max_lookup_hashes in all")
     each: bool = Field(False, description="also answer, for every hash, whether it is stored at all")
 
 
@@ -60,6 +70,15 @@ class LookupResponse(BaseModel):
                           "writer splits its frames under it from its first body on")
 
 
+class ChainAnswer(BaseModel):
+    matched: int = Field(description="blocks of the chain's longest stored prefix")
+    tiers: list[str] = Field(description="the fastest tier holding each of those blocks")
+
+
+class ChainsResponse(BaseModel):
+    chains: list[ChainAnswer] = Field(description="for a lookup of several chains: each one's answer, in order")
+
+
 LOOKUP_DOC: dict[str, Any] = {
     "requestBody": {"required": True, "content": {
         "application/json": {"schema": LookupRequest.model_json_schema()},
@@ -72,6 +91,10 @@ LOOKUP_DOC: dict[str, Any] = {
         {"name": "each", "in": "query", "required": False,
          "description": "binary body only: also answer whether each hash is stored at all",
          "schema": {"type": "boolean", "default": False}},
+        {"name": "chains", "in": "query", "required": False,
+         "description": "binary body only: the body holds several chains end to end, of these lengths (in "
+                        "hashes, comma-separated, in order); answered {\"chains\": [...]}",
+         "schema": {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}},
         {"name": NAMESPACE_HEADER, "in": "header", "required": False,
          "description": "tenant namespace (default ''); fixed by tenant-bound tokens", "schema": {"type": "string"}},
     ],
@@ -80,13 +103,14 @@ LOOKUP_DOC: dict[str, Any] = {
 
 
 @router.post("/lookup", openapi_extra=LOOKUP_DOC, response_model=None,
-             responses={200: {"model": LookupResponse},
+             responses={200: {"model": LookupResponse | ChainsResponse},
                         400: {"description": "a bad namespace header", **ERROR},
                         413: {"description": "a body longer than max_lookup_hashes hashes can be", **ERROR},
                         422: {"description": "a body that is not JSON of this shape, or not a whole number of hashes, "
-                                             "a bad hash_bytes or each, too many hashes", **ERROR}})
+                                             "a bad hash_bytes, each or chains, too many hashes", **ERROR}})
 async def lookup(request: Request) -> JSONResponse:
-    """The longest stored prefix of the chain ``hashes``, with the tier holding each block."""
+    """The longest stored prefix of the chain ``hashes`` (or of each of ``chains``), with the
+    tier holding each block."""
     caller = caller_of(request, write=False)
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
@@ -94,9 +118,11 @@ async def lookup(request: Request) -> JSONResponse:
     body = await _small_body(request, 72 * limit + 1024)
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
-        hashes, each = _binary_hashes(body, request, limit)
+        hashes, each, lengths = _binary_hashes(body, request, limit)
     else:
-        hashes, each = _json_hashes(body, limit)
+        hashes, each, lengths = _json_hashes(body, limit)
+    if lengths is not None:
+        return await _lookup_chains(request, caller.namespace, hashes, lengths)
     if service.store.indexes_in_memory and not each:
         # In the event loop, not a worker thread: a lookup reads only the tiers' in-memory indexes
         # (microseconds for hundreds of hashes), and a thread hand-off would cost more than that.
@@ -121,6 +147,39 @@ async def lookup(request: Request) -> JSONResponse:
         metrics.looked_up(metrics.for_request(caller.namespace, request.headers), request.headers, len(hashes),
                           found["matched"], each, first_position)
     return JSONResponse(found)
+
+
+async def _lookup_chains(request: Request, namespace: str, hashes: list[bytes], lengths: list[int]) -> JSONResponse:
+    """Several chains (``hashes`` cut at ``lengths``), each answered and counted as a lookup of
+    it alone: what N lookups would answer, in one round trip."""
+    service = service_of(request)
+    chains, at = [], 0
+    for n in lengths:
+        chains.append(hashes[at : at + n])
+        at += n
+
+    def look() -> list[dict[str, Any]]:
+        return [service.lookup(namespace, chain, False) for chain in chains]
+
+    # (as a lookup of one chain: in the loop when the indexes are in memory, else a thread)
+    found = look() if service.store.indexes_in_memory else await run_in_threadpool(look)
+    metrics = service.metrics
+    if metrics.detail:
+        traffic = metrics.for_request(namespace, request.headers)
+        tokens = _chain_tokens(request.headers.get(TOKENS_HEADER), len(chains))
+        for chain, answer, asked in zip(chains, found, tokens):
+            metrics.looked_up(traffic, request.headers, len(chain), answer["matched"], False, one_of_chains=True,
+                              chain_tokens=asked)
+    return JSONResponse({"chains": found})
+
+
+def _chain_tokens(header: str | None, n: int) -> list[int | None]:
+    """Each chain's tokens from ``X-CacheSeek-Tokens: 300,512,...`` (the client's word, for the
+    figures only): one whole number per chain, or none known."""
+    parts = header.split(",") if header else []
+    if len(parts) != n or not all(p.isascii() and p.isdigit() and len(p) <= 12 for p in parts):
+        return [None] * n
+    return [int(p) or None for p in parts]
 
 
 class _LabelledRoute(Route):
@@ -165,7 +224,7 @@ def install(app: FastAPI) -> None:
 _SPLIT = ": look a longer chain up in pieces, as RemoteCache(max_lookup_hashes=) does"
 
 
-def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[bytes], bool]:
+def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[bytes], bool, list[int] | None]:
     query = request.query_params
     size = query.get("hash_bytes", "16")
     if size not in ("16", "32"):
@@ -176,15 +235,47 @@ def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[byte
     each = query.get("each", "false").lower()
     if each not in _TRUE + _FALSE:
         raise BadLookup(f"each: {each!r:.20} is not true or false")
-    return _split(body, size_n, limit), each in _TRUE
+    hashes = _split(body, size_n, limit)
+    given = query.get("chains")
+    return hashes, each in _TRUE, None if given is None else _chain_lengths(given, len(hashes), each in _TRUE, limit)
 
 
-def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool]:
+def _chain_lengths(given: str, total: int, each: bool, limit: int) -> list[int]:
+    """``?chains=3,5,2``: each chain's length, in hashes; they must add up to the body's."""
+    if each:
+        raise BadLookup("each: not with chains (a writer asks about one list of blocks)")
+    parts = given.split(",")
+    if len(parts) > limit:
+        raise BadLookup(f"chains: {len(parts)} given, at most {limit} (max_lookup_hashes)")
+    lengths = []
+    for i, part in enumerate(parts):
+        if not (part.isascii() and part.isdigit() and len(part) <= 12):
+            raise BadLookup(f"chains[{i}]: {part!r:.20} is not a whole number of hashes")
+        lengths.append(int(part))
+    if sum(lengths) != total:
+        raise BadLookup(f"chains: {len(lengths)} lengths add up to {sum(lengths)} hashes, but the body holds {total}")
+    return lengths
+
+
+def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool, list[int] | None]:
     try:
         parsed = LookupRequest.model_validate_json(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
-    hexes = parsed.hashes
+    if (parsed.hashes is None) == (parsed.chains is None):
+        raise BadLookup("body: give hashes (one chain) or chains (several), not both or neither")
+    lengths = None
+    if parsed.chains is not None:
+        if parsed.each:
+            raise BadLookup("each: not with chains (a writer asks about one list of blocks)")
+        if len(parsed.chains) > limit:
+            raise BadLookup(f"chains: {len(parsed.chains)} given, at most {limit} (max_lookup_hashes)")
+        lengths = [len(chain) for chain in parsed.chains]
+        if sum(lengths) > limit:
+            raise BadLookup(f"hashes: {sum(lengths)} given in all chains, at most {limit} (max_lookup_hashes){_SPLIT}")
+        hexes = [h for chain in parsed.chains for h in chain]
+    else:
+        hexes = parsed.hashes or []
     sizes = {len(h) for h in hexes}
     if not sizes <= {32, 64}:
         raise BadLookup("hashes: each is 32 or 64 hex digits")
@@ -199,8 +290,19 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool]:
         raw = b""
     if raw.hex() != joined:  # fromhex also takes upper case and spaces
         bad = next(i for i, h in enumerate(hexes) if h != h.lower() or not _is_hex(h))
-        raise BadLookup(f"hashes.{bad}: not lowercase hex")
-    return _split(raw, sizes.pop() // 2 if sizes else 16, limit), parsed.each
+        raise BadLookup(f"{_where(bad, lengths)}: not lowercase hex")
+    return _split(raw, sizes.pop() // 2 if sizes else 16, limit), parsed.each, lengths
+
+
+def _where(i: int, lengths: list[int] | None) -> str:
+    """How an error names hash ``i`` of the body: ``hashes.3``, or ``chains.1.0``."""
+    if lengths is None:
+        return f"hashes.{i}"
+    for c, n in enumerate(lengths):
+        if i < n:
+            return f"chains.{c}.{i}"
+        i -= n
+    return f"hashes.{i}"  # (not reached: i is one of the body's)
 
 
 def _split(raw: bytes, size: int, limit: int) -> list[bytes]:

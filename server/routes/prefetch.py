@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..deps import caller_of, service_of
+from ..errors import BadLookup
 from ._body import ERROR
 from .lookup import LOOKUP_DOC, _binary_hashes, _json_hashes, _small_body
 
@@ -36,7 +37,7 @@ class PrefetchResponse(BaseModel):
     reason: str | None = Field(None, description="why nothing was started")
 
 
-PREFETCH_DOC = {**LOOKUP_DOC, "parameters": [p for p in LOOKUP_DOC["parameters"] if p["name"] != "each"]}
+PREFETCH_DOC = {**LOOKUP_DOC, "parameters": [p for p in LOOKUP_DOC["parameters"] if p["name"] not in ("each", "chains")]}
 
 
 @router.post("/prefetch", openapi_extra=PREFETCH_DOC, response_model=None,
@@ -52,9 +53,11 @@ async def prefetch(request: Request) -> JSONResponse:
     body = await _small_body(request, 72 * limit + 1024)  # as the lookup: a body no larger than its hashes
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
-        hashes, _ = _binary_hashes(body, request, limit)
+        hashes, _, lengths = _binary_hashes(body, request, limit)
     else:
-        hashes, _ = _json_hashes(body, limit)
+        hashes, _, lengths = _json_hashes(body, limit)
+    if lengths is not None:
+        raise BadLookup("chains: a prefetch promotes one chain (hashes)")
     if service.store.indexes_in_memory:
         found = service.prefetch(caller.namespace, hashes)  # a lookup and a hand-off: no I/O here
     else:
