@@ -444,7 +444,7 @@ def _sizes(tmp_path: Path) -> tuple[int, int]:
     return frame, charge
 
 
-@pytest.mark.parametrize("split", ["in place, then put_many", "put_many in batches"])
+@pytest.mark.parametrize("split", ["in place, then put_many", "put_many in batches", "paged, put_many in batches"])
 def test_an_ingest_the_disk_can_hold_whole_keeps_every_block_it_acknowledges(tmp_path, split):
     """Found by ``StoreMachine``: an ingest written to the disk in pieces had its later pieces
     evict its earlier ones there (ARC's once-used blocks, the chain's tail, before blocks used
@@ -452,9 +452,10 @@ def test_an_ingest_the_disk_can_hold_whole_keeps_every_block_it_acknowledges(tmp
     durable, and the tail was on disk no more. The pieces: the tail committed into the CPU
     tier's slots in place (room to reserve for it only) and the rest put (the first shrunk
     example), or the put path's batches (a GPU tier on top; here the disk, with one-block
-    batches). Each piece now makes room for the rest of the call, in every tier it goes to."""
+    batches), of KV as layers or in an engine's pages. Each piece now makes room for the
+    rest of the call, in every tier it goes to."""
     frame, charge = _sizes(tmp_path)
-    if split == "in place, then put_many":
+    if split.startswith("in place"):
         tiers = cs.TierConfig(cpu_bytes=3 * frame, disk_path=tmp_path / "d", disk_bytes=6 * charge, pin_memory=False)
         batch = "1GiB"
     else:
@@ -466,7 +467,16 @@ def test_an_ingest_the_disk_can_hold_whole_keeps_every_block_it_acknowledges(tmp
     cache.ingest(used, prompt_kv(used))
     assert cache.materialize(used).num_tokens == 2 * BLOCK  # used twice: ARC keeps these over new blocks
     chain = list(range(2000, 2000 + 5 * BLOCK))
-    res = cache.ingest(chain, prompt_kv(chain))
+    kv = prompt_kv(chain)
+    if split.startswith("paged"):
+        from paged_helpers import engine_pages, write_tokens
+
+        pages, _ = engine_pages("nhd", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 16, 16,
+                                LAYOUT.torch_dtype)
+        ids = list(range(15, 5, -1))  # (10 pages of 16 tokens, out of order)
+        write_tokens(pages, kv, ids)
+        kv = pages.at(ids)
+    res = cache.ingest(chain, kv)
     assert (res.stored, res.failed, res.durability) == (5, 0, "durable")
     assert cache.store.tier("disk").contains_many(cache.block_hashes(chain)) == [True] * 5
     cache.close()
