@@ -71,7 +71,8 @@ def prompt_kv(tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 class StoreMachine(RuleBasedStateMachine):
     """One cache per example, its configuration drawn first (codec, write-through or
-    write-back, eviction policy, fsync); what it must serve is known from ``prompts``."""
+    write-back, eviction policy, fsync, disk admission); what it must serve is known from
+    ``prompts``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,10 +89,11 @@ class StoreMachine(RuleBasedStateMachine):
     # -- set-up ----------------------------------------------------------------------------
 
     @initialize(codec=st.sampled_from(sorted(CODECS)), write_back=st.booleans(), eviction=st.sampled_from(["arc", "lru"]),
-                fsync=st.booleans())
-    def open_store(self, codec, write_back, eviction, fsync):
+                fsync=st.booleans(), admit=st.sampled_from([1, 2]))
+    def open_store(self, codec, write_back, eviction, fsync, admit):
         # (fsync changes no answer here, only what a power cut would leave, and costs half the time)
         self.codec_name, self.write_back, self.eviction, self.fsync = codec, write_back, eviction, fsync
+        self.admit = 1
         self.codec = CODECS[codec]()
         probe = self._open(cpu="1MiB", disk_bytes="1GiB", path=self.tmp / "probe")
         probe.ingest(list(range(BLOCK)), prompt_kv(list(range(BLOCK))))
@@ -99,12 +101,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.cpu_bytes = CPU_FRAMES * self.frame
         self.disk_bytes = DISK_FRAMES * probe.store.tier("disk").charge(self.frame)
         probe.close()
+        self.admit = admit  # (the probe above admits every block: its sizes are wanted)
         self.cache = self._open()
 
     def _open(self, *, cpu=None, disk_bytes=None, path=None) -> cs.PrefixCache:
         tiers = cs.TierConfig(cpu_bytes=cpu or self.cpu_bytes, disk_path=path or self.tmp / "disk",
                               disk_bytes=disk_bytes or self.disk_bytes, pin_memory=False, disk_fsync=self.fsync,
-                              eviction=self.eviction,
+                              eviction=self.eviction, disk_admit_after_uses=self.admit,
                               write_through=() if self.write_back else None)
         return cs.PrefixCache(model_id="m", layout=LAYOUT, codec=self.codec, block_tokens=BLOCK, tiers=tiers)
 
@@ -153,7 +156,8 @@ class StoreMachine(RuleBasedStateMachine):
         res = self.cache.ingest(tokens, prompt_kv(tokens))
         assert (res.blocks, res.tokens) == (len(keys), len(keys) * BLOCK)
         assert res.present == sum(present) and res.stored + res.present + res.failed == res.blocks, res
-        assert res.durability == ("memory" if self.write_back else "durable")
+        # (A disk that admits a block only once used again acknowledges none of them.)
+        assert res.durability == ("memory" if self.write_back or self.admit > 1 else "durable")
         if not self.pins:
             # Nothing pinned: every tier has room for any one frame, so no block fails.
             assert res.failed == 0 and not res.errors, res
@@ -164,14 +168,14 @@ class StoreMachine(RuleBasedStateMachine):
             # it was put in keeps of it is a prefix (victims are leaves, blocks put tail
             # first), and so is what the store keeps. (A write-back disk gets the victims
             # of the tier above, the tail: design.md's "two cases".)
-            put_in = self.store.tiers[:1] if self.write_back else self.store.tiers
+            put_in = self.store.tiers[:1] if self.write_back or self.admit > 1 else self.store.tiers
             for held in [t.contains_many(keys) for t in put_in] + [self.store.contains_many(keys)]:
                 assert held == sorted(held, reverse=True), held
         if not self.pins and len(keys) <= CPU_FRAMES:
             # A chain the top tier can hold whole is served whole: the blocks the call found
             # stored were touched before its new ones made room, so they are not the victims.
             assert self.cache.lookup(tokens) == len(keys) * BLOCK, "the chain's own prefix was evicted"
-        if not self.pins and not self.write_back and len(keys) <= DISK_FRAMES:
+        if not self.pins and res.durability == "durable" and len(keys) <= DISK_FRAMES:
             # Acknowledged durable: on disk when the call returns.
             disk = self.store.tier("disk")
             assert all(disk.contains_many(keys)), "a block acknowledged durable is not on disk"
@@ -313,7 +317,7 @@ class StoreMachine(RuleBasedStateMachine):
         if drain:
             report = self.store.drain()
             assert report.failed == 0 and report.left == 0 or report.stopped == "no room", report
-            if report.stopped is None:
+            if report.stopped is None and self.admit == 1:  # (else: blocks not admitted are skipped)
                 disk = self.store.tier("disk")
                 for key in self.store.tier("cpu").keys():
                     info = self.store.info(key)
