@@ -109,18 +109,32 @@ class PrefixCache(PrefixCacheBase):
         # call stored before it, but not what their puts evicted. So the KV of every batch is
         # checked before the first (one pass over it), unless the top tier is a GPU tier: its
         # victims go down to memory, not out, and its puts run at device speed.
+        left = present.count(False)  # blocks of the batches not put yet
         try:
             for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
                                       tail_first=True, pooled=True,
                                       check_first=not self.store.tiers[0].accepts_device_frames):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
-                for (block_key, _), outcome in zip(items, self.store.put_many(items)):
+                left -= len(batch)
+                for (block_key, _), outcome in zip(items, self.store.put_many(items,
+                                                                              room_for=self._room_for(left, batch))):
                     count_outcome(result, block_key, outcome, stored)
         except InputError:
             for block_key in stored:
                 self.store.delete(block_key)
             raise
         return result
+
+    def _room_for(self, blocks: int, batch: Sequence[BlockFrame]) -> int:
+        """Bytes of ``blocks`` more frames of this call, put after ``batch``: made room for
+        with it (``put_many``'s ``room_for``), in the top tier and the tiers written through,
+        so that the later batches do not evict it. Each as large as the format's largest
+        payload, under the longest header of ``batch`` (batches go tail first: theirs are no
+        longer), as ``ingest_in_place`` counts its blocks not launched."""
+        if not blocks or not batch:
+            return 0
+        header = max(f.meta.nbytes - f.meta.payload_nbytes for f in batch)
+        return blocks * (max(p.planned_payload().payload_nbytes for p in self.block_format.parts()) + header)
 
     def ingest_layerwise(self, keys: Any) -> LayerwiseSave:
         """A writer that takes the KV of ``keys`` one layer at a time (``put_layer(i, k, v)``,
@@ -213,13 +227,15 @@ class PrefixCache(PrefixCacheBase):
                         handled[i] = True
             # The rest (a GPU tier on top, no room to reserve): frames through put_many,
             # batches tail first and checked first as in ``ingest``.
+            left = handled.count(False)
             for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                          [not h for h in handled], self._batch_blocks,
                                                          tail_first=True, pooled=True,
                                                          check_first=not self.store.tiers[0].accepts_device_frames):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items: list[tuple[bytes, BlockFrame]] = [(hashes[i], batch[i - start]) for i in order]
-                for i, outcome in zip(order, self.store.put_many(items)):
+                left -= len(batch)
+                for i, outcome in zip(order, self.store.put_many(items, room_for=self._room_for(left, batch))):
                     count_outcome(results[call.request_of(i)], hashes[i], outcome, stored, copies.get(hashes[i], ()))
         except InputError as exc:
             for key in stored:

@@ -259,8 +259,9 @@ class TieredStore:
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, room_for: int = 0) -> list[StorePutResult]:
         """Store blocks in the top tier (or, what it cannot take, in the next one) and every
         write-through tier; each outcome at the store's acknowledgement level. ``room_for``:
-        bytes of the caller's later writes of the same call (a server's batch put in
-        groups), evicted for in a memory top tier now, so that they do not evict these."""
+        frame bytes of the caller's later writes of the same call (a server's batch put in
+        groups, an ingest's later batches), evicted for now in the top tier and each
+        write-through tier (as each charges them), so that they do not evict these."""
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
@@ -284,7 +285,8 @@ class TieredStore:
         held: list[Lease | None] = []  # leases on the stored copies, released once written through
         try:
             # A write-through reads the top tier's stored copies: leased until it is done.
-            results = top.put_many(current, lease_stored=bool(self.write_through), room_for=room_for)
+            results = top.put_many(current, lease_stored=bool(self.write_through),
+                                   room_for=_room_in(top, room_for, current))
             for (key, frame), result, outcome in zip(current, results, outcomes):
                 _hold(result, held)
                 outcome.note(result, top.name, top.name in self._acknowledging)
@@ -293,7 +295,7 @@ class TieredStore:
                 if result.error is not None:
                     refused.append((key, frame, outcome))
             self._fall_through(refused, since)
-            self._write_through(written, held, since)
+            self._write_through(written, held, since, room_for)
         finally:
             release_all(held)
         return outcomes
@@ -310,12 +312,14 @@ class TieredStore:
             self._demote(1, result.evicted, since)
 
     def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
-                       held: list[Lease | None], since: int) -> None:
+                       held: list[Lease | None], since: int, room_for: int = 0) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
         before it stored (rather than from the device again). A tier's admission filter
         holds back only that tier's writes: a block it does not admit goes on to the tiers
         below from the copy it had. The leases on the stored copies go into ``held``: the
-        caller releases them once this returns."""
+        caller releases them once this returns. ``room_for``: as ``put_many``'s, made in
+        each of these tiers too: else a call written in pieces has its later pieces evict
+        its earlier ones there, acknowledged durable and gone."""
         items = list(items)
         sources = [self.tiers[0]]  # tiers whose stored copies ``items`` now point into
         for level, tier in enumerate(self.tiers[1:], start=1):
@@ -332,7 +336,7 @@ class TieredStore:
                 continue
             frames = [(items[i][0], items[i][1] if tier.accepts_device_frames else _on_host(items[i][1]))
                       for i in chosen]
-            results = tier.put_many(frames, lease_stored=True)
+            results = tier.put_many(frames, lease_stored=True, room_for=_room_in(tier, room_for, frames))
             for i, (key, frame), result in zip(chosen, frames, results):
                 outcome = items[i][2]
                 _hold(result, held)
@@ -1148,7 +1152,8 @@ class TieredStore:
         or waited for, so its outcome means what a put's does. ``landing``: device copies
         into the payloads still in flight (see ``CpuTier.commit_many``); with write-through
         tiers, waited for here, since they read the bytes now. ``room_for``: bytes of the
-        caller's later commits, evicted for in the top tier now (``CpuTier.commit_many``)."""
+        caller's later commits, evicted for now in the top tier (``CpuTier.commit_many``) and
+        each write-through tier, as ``put_many``'s."""
         if landing is not None and self.write_through:
             try:
                 landing.wait()
@@ -1175,7 +1180,8 @@ class TieredStore:
                 held: list[Lease | None] = []
                 try:
                     self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
-                                         for (key, reservation, meta), outcome in zip(items, outcomes)], held, since)
+                                         for (key, reservation, meta), outcome in zip(items, outcomes)], held, since,
+                                        room_for)
                 finally:
                     release_all(held)
             for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for),
@@ -1219,6 +1225,18 @@ class _Merged:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
+
+
+def _room_in(tier: Tier, room_for: int, frames: list[tuple[bytes, BlockFrame]]) -> int:
+    """``room_for`` (bytes of frames as the top tier counts them) as ``tier``'s budget counts
+    them: in frames the size of the largest of ``frames`` (a call's frames are of one size,
+    give or take a header byte), each charged as the tier charges one (the disk: its
+    file-system blocks, with its sidecar's)."""
+    if not room_for or not frames:
+        return room_for
+    size = max(frame.nbytes for _, frame in frames)
+    charge = tier.charge(size)
+    return room_for if charge == size else -(-room_for // size) * charge
 
 
 def _hold(result: TierPutResult, held: list[Lease | None]) -> None:
