@@ -47,10 +47,11 @@ def write_back(tmp_path, *, cpu=64 << 20, disk_bytes="1GiB", eviction="lru", **k
                          eviction=eviction, **kw).build()
 
 
-def found_after_reopen(store, tmp_path, blocks: list[tuple[bytes, bytes]]) -> list[bytes]:
-    """``found`` in the disk tier of ``store`` closed and opened again (alone)."""
+def found_after_reopen(store, tmp_path, blocks: list[tuple[bytes, bytes]], **config) -> list[bytes]:
+    """``found`` in the persistent tiers of ``store`` closed and opened again (alone): its
+    disk under ``tmp_path``, or those of ``config`` (``TierConfig``'s arguments)."""
     store.close()
-    again = cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "disk").build()
+    again = cs.TierConfig(cpu_bytes=0, **(config or {"disk_path": tmp_path / "disk"})).build()
     try:
         return found(again, blocks)
     finally:
@@ -307,12 +308,7 @@ def test_a_drain_writes_to_redis_where_no_disk_is_below(tmp_path):
         put_chain(store, blocks)
         report = store.drain()
         assert (report.tier, report.written, report.left) == ("redis", 5, 0)
-        store.close()
-        again = cs.TierConfig(cpu_bytes=0, **config).build()
-        try:
-            assert found(again, blocks) == [k for k, _ in blocks]
-        finally:
-            again.close()
+        assert found_after_reopen(store, tmp_path, blocks, **config) == [k for k, _ in blocks]
     finally:
         redis.stop()
 
@@ -446,12 +442,7 @@ def test_once_the_disk_has_no_room_a_drain_writes_the_rest_to_redis_below_it(tmp
         on_disk = len(store.tier("disk").keys())
         assert set(store.tier("disk").keys()) == {k for k, _ in blocks[:on_disk]} and on_disk >= 1
         assert (report.written, report.left, report.stopped, report.handed_on) == (5, 0, None, 5 - on_disk), report
-        store.close()
-        again = cs.TierConfig(cpu_bytes=0, **config).build()
-        try:
-            assert found(again, blocks) == [k for k, _ in blocks]
-        finally:
-            again.close()
+        assert found_after_reopen(store, tmp_path, blocks, **config) == [k for k, _ in blocks]
     finally:
         redis.stop()
 
@@ -471,11 +462,7 @@ def test_a_drained_block_the_disk_gave_up_for_a_larger_frame_is_counted_in_redis
         report = store.drain()
         assert (report.written, report.left, report.stopped, report.handed_on) == (2, 0, None, 1), report
         assert store.tier("disk").contains(big[0][0]) and not store.tier("disk").contains(small[0][0])
-        store.close()
-        again = cs.TierConfig(cpu_bytes=0, disk_path=tmp_path / "disk", **config).build()
-        try:
-            assert found(again, small + big) == [small[0][0], big[0][0]]
-        finally:
-            again.close()
+        assert found_after_reopen(store, tmp_path, small + big, disk_path=tmp_path / "disk", **config) == \
+            [small[0][0], big[0][0]]
     finally:
         redis.stop()
