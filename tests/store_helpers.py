@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import resource
 import subprocess
 import sys
@@ -38,6 +39,22 @@ def raw_frame(i: int) -> tuple[bytes, BlockFrame]:
                       codec=cs.Raw().spec(), buffers=RAW_BUFFERS)
     half = meta.tensors[0].nbytes
     return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+
+
+def chain(seed: int, blocks: int, tokens: int = BLOCK) -> list[tuple[bytes, bytes]]:
+    """``blocks`` linked Raw frames (key, frame bytes) of ``tokens`` each, head first, their
+    bytes from ``seed``."""
+    out: list[tuple[bytes, bytes]] = []
+    parent = bytes(16)
+    buffers = [(name, dtype, (*shape[:2], tokens, shape[3])) for name, dtype, shape in RAW_BUFFERS]
+    for position in range(blocks):
+        key = seed.to_bytes(8, "big") + position.to_bytes(8, "big")
+        meta = plan_frame(block_hash=key, parent_hash=parent, position=position, layout=LAYOUT,
+                          block_tokens=tokens, codec=cs.Raw().spec(), buffers=buffers)
+        rng = random.Random(seed * 1000 + position)
+        out.append((key, bytes(build_frame(meta, [rng.randbytes(t.nbytes) for t in meta.tensors]))))
+        parent = key
+    return out
 
 
 def as_other_version(frame: bytes, version: int = 2) -> bytes:

@@ -11,28 +11,11 @@ import torch
 
 import cacheseek as cs
 from cacheseek.store.eviction import make_index
-from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.tier import BlockFrame, BlockInfo
 from redis_servers import RedisServer, needs_redis
-from store_helpers import BLOCK, LAYOUT, RAW_BUFFERS, assert_prefix_equal, disk_charge, make_cache, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, chain, disk_charge, make_cache, make_kv, tokens_for
 
 FRAME_BYTES = LAYOUT.raw_nbytes(BLOCK) + 1024  # a Raw frame with its header, rounded up
-
-
-def chain(seed: int, blocks: int, tokens: int = BLOCK) -> list[tuple[bytes, bytes]]:
-    """``blocks`` linked Raw frames (key, frame bytes) of ``tokens`` each, head first, their
-    bytes from ``seed``."""
-    out: list[tuple[bytes, bytes]] = []
-    parent = bytes(16)
-    buffers = [(name, dtype, (*shape[:2], tokens, shape[3])) for name, dtype, shape in RAW_BUFFERS]
-    for position in range(blocks):
-        key = seed.to_bytes(8, "big") + position.to_bytes(8, "big")
-        meta = plan_frame(block_hash=key, parent_hash=parent, position=position, layout=LAYOUT,
-                          block_tokens=tokens, codec=cs.Raw().spec(), buffers=buffers)
-        rng = random.Random(seed * 1000 + position)
-        out.append((key, bytes(build_frame(meta, [rng.randbytes(t.nbytes) for t in meta.tensors]))))
-        parent = key
-    return out
 
 
 def put_chain(store, blocks: list[tuple[bytes, bytes]]) -> None:

@@ -1082,6 +1082,38 @@ def test_a_store_stream_closed_before_its_first_frame_gives_the_tiers_reads_back
 
 
 @pytest.mark.parametrize("eviction", ["arc", "lru"])
+def test_a_read_s_promotions_do_not_evict_the_blocks_of_its_chain_it_has_not_reached(tmp_path, eviction):
+    """A chain's head on disk, its tail in a full CPU tier and nowhere else (the disk's
+    admission kept it out, say): promoting the head made room in the CPU tier, its victim
+    the chain's own last block, before the read reached it: the read served 2 of the 3
+    blocks its lookup had found."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import chain
+
+    cpu, disk = CpuTier(3 * FRAME, policy=eviction), DiskTier(tmp_path / "d", 1 << 30, fsync=False)
+    store = TieredStore([cpu, disk], write_through=["disk"])
+    blocks, other = chain(1, 3), chain(2, 1)
+    as_frames = [(key, BlockFrame(parse_frame(f), host=memoryview(f))) for key, f in blocks + other]
+    disk.put_many(as_frames[:1])
+    cpu.put_many(as_frames[1:])  # the tail, then another chain: the tail the least recent
+    keys = [key for key, _ in blocks]
+    assert store.locate(keys) == ["disk", "cpu", "cpu"]
+    stream = store.stream(keys)
+    got = []
+    for item in stream:
+        assert item is not None, f"block {len(got)} of the chain: gone before the read reached it"
+        frame, tier = item
+        assert frame.to_bytes() == blocks[len(got)][1]
+        frame.release()
+        got.append(tier)
+    stream.close()
+    assert got == ["disk", "cpu", "cpu"]
+    assert cpu.lease_stats()["leases_active"] == 0
+    store.close()
+
+
+@pytest.mark.parametrize("eviction", ["arc", "lru"])
 def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head(tmp_path, eviction):
     """Promoted one by one, a chain's blocks read from disk evicted their own parents from the
     CPU tier: it held a middle and a tail with no head, and once the disk gave the head up

@@ -54,7 +54,7 @@ from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
-from .tier import BlockFrame, BlockInfo, ClosingIterator, TierPutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, ClosingIterator, MemoryTier, TierPutResult, Reservation, Tier
 
 
 DURABLE = "durable"
@@ -499,11 +499,18 @@ class TieredStore:
         keys = list(keys[: len(names)])
         waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
         level_of = {t.name: i for i, t in enumerate(self.tiers)}
+        lowest = max((level_of[name] for name in names), default=0)
         streams: dict[str, ClosingIterator[BlockFrame | None]] = {}
         for tier in self.tiers:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
                 streams[tier.name] = tier.stream(mine, leased=leased)
+                if promote and isinstance(tier, MemoryTier) and lowest > level_of[tier.name]:
+                    # Every frame in hand now, its slot leased: this read's promotions from
+                    # the tiers below make room here as any put does, and gave up blocks of
+                    # the chain before the read reached them (a block held only here: gone).
+                    # (A read from memory alone promotes nothing: streamed as it goes.)
+                    streams[tier.name] = _InHand(streams[tier.name])
         return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches, since),
                        streams)
 
@@ -1225,6 +1232,38 @@ class _Merged:
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
+
+
+class _InHand:
+    """A tier's stream read whole when made (``TieredStore.stream``): its frames handed out in
+    order; ``close()`` releases those not handed out."""
+
+    __slots__ = ("_frames",)
+
+    def __init__(self, stream: ClosingIterator[BlockFrame | None]) -> None:
+        self._frames: deque[BlockFrame | None] = deque()
+        try:
+            for frame in stream:
+                self._frames.append(frame)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            stream.close()
+
+    def __iter__(self) -> _InHand:
+        return self
+
+    def __next__(self) -> BlockFrame | None:
+        if not self._frames:
+            raise StopIteration
+        return self._frames.popleft()
+
+    def close(self) -> None:
+        while self._frames:
+            frame = self._frames.popleft()
+            if frame is not None:
+                frame.release()
 
 
 def _room_in(tier: Tier, room_for: int, frames: list[tuple[bytes, BlockFrame]]) -> int:
