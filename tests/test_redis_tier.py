@@ -181,6 +181,49 @@ def test_round_trips_do_not_grow_with_the_chain(redis_url):
     assert counter.round_trips == 3  # locate, every frame, touch
 
 
+@pytest.mark.parametrize("setup", ["redis", "cpu+redis write-back"])
+def test_a_batch_lookup_asks_redis_once_and_answers_as_one_lookup_per_chain(redis_url, setup):
+    """``locate_batch`` (and the server's lookup of several chains) asked Redis once per
+    chain. Chains of other lengths, one sharing another's head, one never stored, one with a
+    block gone from the middle, one held in part by the cpu tier (write-back): the same
+    answers as one ``locate`` each, from one round trip, each shared block asked once."""
+    import redis as redis_py
+
+    cache = rcache(redis_url, **SETUPS[setup])
+    long, gap = tokens_for(40, 6 * BLOCK + 7), tokens_for(41, 4 * BLOCK)
+    for toks in (long, gap):
+        cache.ingest(toks, make_kv(len(toks), 0))
+    forked = long[: 3 * BLOCK] + tokens_for(42, 2 * BLOCK)  # shares 3 blocks with ``long``; the rest not stored
+    assert cache.store.delete(cache.block_hashes(gap)[2])  # (as if evicted, or expired)
+    prompts = [long, forked, tokens_for(43, 3 * BLOCK), gap, tokens_for(44, BLOCK - 1), long[: 2 * BLOCK]]
+    r = redis_py.Redis.from_url(redis_url)
+    counter = count_round_trips(cache)
+
+    def exists_calls():
+        return r.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+
+    r.config_resetstat()
+    one_each = [cache.locate(p) for p in prompts]
+    each_trips, each_exists = counter.round_trips, exists_calls()
+    counter.round_trips = 0
+    r.config_resetstat()
+    batched = cache.locate_batch(prompts)
+    batch_exists = exists_calls()
+    assert batched == one_each
+    assert counter.round_trips == 1 < each_trips
+    assert batch_exists < each_exists
+    chains = [cache.block_hashes(p) for p in prompts]
+    assert cache.store.locate_many(chains) == [cache.store.locate(c) for c in chains]
+    assert [len(x.tiers) for x in one_each][1:] == [3, 0, 2, 0, 2]
+    if setup == "redis":
+        assert one_each[0].tiers == ["redis"] * 6
+        assert each_trips == 5 and each_exists == 6 + 5 + 3 + 4 + 2  # one round trip a chain, an EXISTS a block
+        assert batch_exists == 6 + 2 + 3 + 4  # each block once
+    else:
+        assert {t for x in one_each for t in x.tiers} == {"cpu", "redis"}  # (``gap``'s tail is in the cpu tier)
+    cache.close()
+
+
 def _frames(cache, toks, kv):
     from cacheseek.encode import encode_blocks
 

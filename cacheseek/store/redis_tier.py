@@ -8,7 +8,7 @@ Storage (key names in ``redis_keys``):
   only by one atomic script, so every process sharing a namespace keeps one budget.
 
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
-redis-py in a cluster); a batch put is three (STRLEN + index script; the SETs and the
+redis-py in a cluster), and so is a lookup of many (``TieredStore.locate_many``); a batch put is three (STRLEN + index script; the SETs and the
 victims' DELs; a check that the index still counts what was written); a touch is one
 (index script, plus ``PEXPIRE`` and a look at the pinned set when a TTL is set: a pin
 another process made meanwhile must not be left to expire), two with a TTL in a cluster
