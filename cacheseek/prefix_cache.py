@@ -282,7 +282,7 @@ class PrefixCache(PrefixCacheBase):
         B = self.block_tokens
         starts = paged_io.load_starts(call, starts, B)
         limits = paged_io.load_limits(call, requests, B)
-        located = [self.store.locate(h[:n]) if n else [] for h, n in zip(call.hashes, limits)]
+        located = self.store.locate_many([h[:n] for h, n in zip(call.hashes, limits)])
         counts = [len(where) for where in located]
         paged_io.plan_load(call, counts, B, starts)
         return call, located, counts, starts
@@ -370,8 +370,9 @@ class PrefixCache(PrefixCacheBase):
         self._check_open()
         chains, _ = self._hash_batch(keys)
         B = self.block_tokens
+        # One question to each tier for every chain (a networked tier's round trip, once).
         return [Located(num_blocks=len(tiers), num_tokens=len(tiers) * B, tiers=tiers)
-                for tiers in map(self.store.locate, chains)]
+                for tiers in self.store.locate_many(chains)]
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
                     layerwise: bool = False) -> Any:

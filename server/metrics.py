@@ -423,6 +423,8 @@ _REDIS_COUNTERS = {
     "unavailable_errors": ("unavailable_errors_total", "Redis calls that failed to connect or were cut off"),
     "rejected_errors": ("rejected_errors_total", "Redis commands Redis answered with an error (OOM, ...)"),
     "refused_by_breaker": ("refused_by_breaker_total", "Redis calls skipped while the circuit breaker was open"),
+    "foreign_index_errors": ("foreign_index_errors_total",
+                             "Redis calls refused: a key of the shared index holds another type (named in the log)"),
 }
 BREAKER_STATES = ("closed", "open", "half_open")
 

@@ -565,3 +565,32 @@ def test_a_redis_value_over_the_servers_max_frame_bytes_is_a_corrupt_miss_never_
             _no_500(srv)
     finally:
         redis.stop()
+
+
+def test_a_lookup_of_several_chains_asks_redis_for_each_block_once(tmp_path):
+    """``POST /v1/lookup`` with ``chains`` asked Redis once per chain (one round trip and an
+    ``EXISTS`` per block of each). Now one pipeline for all of them, each block once, with
+    the answers of one lookup per chain."""
+    from server_helpers import raw_chain
+
+    with _server_over_redis(tmp_path, cpu_bytes="0") as (redis, srv, c):
+        stored, other = raw_chain(95, 4), raw_chain(96, 3)
+        _put_chain(c, stored, "t", "m")
+        _put_chain(c, other, "t", "m")
+        hexes = [[h.hex() for h, _ in chain] for chain in (stored, other, raw_chain(97, 2))]
+        chains = [hexes[0], hexes[0][:2], hexes[2], hexes[1], hexes[1][:1] + hexes[2]]
+        ns = {"X-CacheSeek-Namespace": "t"}
+        one_each = [c.post("/v1/lookup", json={"hashes": chain}, headers=ns).json() for chain in chains]
+        assert [a["matched"] for a in one_each] == [4, 2, 0, 3, 1]
+
+        def exists_calls() -> int:
+            stats = redis.cli("INFO", "commandstats")
+            return sum(int(part.split("=")[1]) for line in stats.splitlines() if line.startswith("cmdstat_exists:")
+                       for part in line.split(":")[1].split(",") if part.startswith("calls="))
+
+        redis.cli("CONFIG", "RESETSTAT")
+        r = c.post("/v1/lookup", json={"chains": chains}, headers=ns)
+        assert r.status_code == 200, r.text
+        assert [{"matched": a["matched"], "tiers": a["tiers"]} for a in r.json()["chains"]] == one_each
+        assert exists_calls() == 4 + 2 + 3 < sum(map(len, chains))  # each block once
+        _no_500(srv)

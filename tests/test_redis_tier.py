@@ -181,6 +181,49 @@ def test_round_trips_do_not_grow_with_the_chain(redis_url):
     assert counter.round_trips == 3  # locate, every frame, touch
 
 
+@pytest.mark.parametrize("setup", ["redis", "cpu+redis write-back"])
+def test_a_batch_lookup_asks_redis_once_and_answers_as_one_lookup_per_chain(redis_url, setup):
+    """``locate_batch`` (and the server's lookup of several chains) asked Redis once per
+    chain. Chains of other lengths, one sharing another's head, one never stored, one with a
+    block gone from the middle, one held in part by the cpu tier (write-back): the same
+    answers as one ``locate`` each, from one round trip, each shared block asked once."""
+    import redis as redis_py
+
+    cache = rcache(redis_url, **SETUPS[setup])
+    long, gap = tokens_for(40, 6 * BLOCK + 7), tokens_for(41, 4 * BLOCK)
+    for toks in (long, gap):
+        cache.ingest(toks, make_kv(len(toks), 0))
+    forked = long[: 3 * BLOCK] + tokens_for(42, 2 * BLOCK)  # shares 3 blocks with ``long``; the rest not stored
+    assert cache.store.delete(cache.block_hashes(gap)[2])  # (as if evicted, or expired)
+    prompts = [long, forked, tokens_for(43, 3 * BLOCK), gap, tokens_for(44, BLOCK - 1), long[: 2 * BLOCK]]
+    r = redis_py.Redis.from_url(redis_url)
+    counter = count_round_trips(cache)
+
+    def exists_calls():
+        return r.info("commandstats").get("cmdstat_exists", {}).get("calls", 0)
+
+    r.config_resetstat()
+    one_each = [cache.locate(p) for p in prompts]
+    each_trips, each_exists = counter.round_trips, exists_calls()
+    counter.round_trips = 0
+    r.config_resetstat()
+    batched = cache.locate_batch(prompts)
+    batch_exists = exists_calls()
+    assert batched == one_each
+    assert counter.round_trips == 1 < each_trips
+    assert batch_exists < each_exists
+    chains = [cache.block_hashes(p) for p in prompts]
+    assert cache.store.locate_many(chains) == [cache.store.locate(c) for c in chains]
+    assert [len(x.tiers) for x in one_each][1:] == [3, 0, 2, 0, 2]
+    if setup == "redis":
+        assert one_each[0].tiers == ["redis"] * 6
+        assert each_trips == 5 and each_exists == 6 + 5 + 3 + 4 + 2  # one round trip a chain, an EXISTS a block
+        assert batch_exists == 6 + 2 + 3 + 4  # each block once
+    else:
+        assert {t for x in one_each for t in x.tiers} == {"cpu", "redis"}  # (``gap``'s tail is in the cpu tier)
+    cache.close()
+
+
 def _frames(cache, toks, kv):
     from cacheseek.encode import encode_blocks
 
@@ -2444,3 +2487,85 @@ def test_in_a_cluster_a_victims_generation_key_of_another_type_leaves_its_frame_
             small.close()
         assert tier.get(key) is not None and c.type(gen_key) == b"hash"
         assert tier.check() == {"ok": 1, "ghosts": 0, "orphans": 1}
+
+
+# -- a key of the index holding another type ---------------------------------------------
+
+def _dump_all(r) -> dict:
+    return {k: r.dump(k) for k in r.keys("*")}
+
+
+@pytest.mark.parametrize("which", ["sizes", "lru", "pinned", "owners"])
+def test_a_key_of_the_index_holding_another_type_is_named_and_left_alone_and_changes_nothing(
+        redis_url, which, caplog):
+    """Another app's value (or a SET by hand) under a key of the index failed every call of
+    every process with a bare WRONGTYPE, some after part of their writes. Now each call that
+    needs the index is refused before any write with an error naming the key and what to do,
+    logged once; the key and everything else stay as they were, stored blocks are still
+    served, and once the key is gone the tier works again."""
+    import logging
+
+    import redis as redis_py
+
+    from cacheseek.store.redis_tier import ForeignIndexKey
+
+    cache = rcache(redis_url)
+    toks, kv = tokens_for(50, 3 * BLOCK), make_kv(3 * BLOCK, 50)
+    assert cache.ingest(toks, kv).stored == 3
+    tier = cache.store.tier("redis")
+    key = getattr(tier.keys_of, which)
+    r = redis_py.Redis.from_url(redis_url)
+    r.delete(key)
+    r.set(key, b"another app's value")
+    before = _dump_all(r)
+    with caplog.at_level(logging.ERROR, logger="cacheseek.store.redis"):
+        res = cache.ingest(tokens_for(51, 2 * BLOCK), make_kv(2 * BLOCK, 51))
+        assert res.stored == 0 and key in res.errors["redis"] and "DEL" in res.errors["redis"], res
+        assert "WRONGTYPE" not in res.errors["redis"]
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)  # (its touch refused, quietly)
+        assert cache.locate_batch([toks]) == [cache.locate(toks)]
+        if which in ("sizes", "pinned"):  # (read by plain commands, not the script: found all the same)
+            with pytest.raises(ForeignIndexKey, match=key):
+                tier.check()
+        extra = redis_stats(cache)
+    assert _dump_all(r) == before
+    assert r.get(key) == b"another app's value"
+    logged = [rec for rec in caplog.records if key in rec.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.ERROR, [rec.getMessage() for rec in caplog.records]
+    assert extra["foreign_index_key"] == key and extra["foreign_index_errors"] >= 2
+    r.delete(key)
+    again = cache.ingest(tokens_for(51, 2 * BLOCK), make_kv(2 * BLOCK, 51))
+    assert (again.stored, again.errors) == (2, {})
+    cache.close()
+
+
+def test_the_index_script_refuses_a_foreign_key_before_any_write_of_an_unpin(redis_url):
+    """An unpin beside another owner whose pin set was another type: the script took the
+    block out of the caller's set, then failed at the other's (a script's writes stay), so
+    the pin was half undone. And a generations hash of another type (a cluster's fence)
+    failed every put. Both now refused first, the key named, nothing changed."""
+    import redis as redis_py
+    from redis.exceptions import ResponseError
+
+    from cacheseek.store.redis_index import ForeignKey, SharedIndex, foreign_key
+
+    r = redis_py.Redis.from_url(redis_url)
+    index = SharedIndex(RedisKeys("t", "foreign"), 1 << 20, generations=True)
+    m = "ab" * 16
+    index.queue(r, add=[(m, 10, 10)])
+    index.queue(r, pin=[m], owner="mine")
+    index.queue(r, pin=[m], owner="other")
+    r.delete(index.keys.owner_pins("other"))
+    r.set(index.keys.owner_pins("other"), b"x")
+    before = _dump_all(r)
+    with pytest.raises(ResponseError) as refused:
+        index.queue(r, unpin=[m], owner="mine")
+    assert foreign_key(refused.value) == ForeignKey(index.keys.owner_pins("other"), "string", "set")
+    assert _dump_all(r) == before
+    r.delete(index.keys.owner_pins("other"))
+    r.delete(index.keys.gens)
+    r.rpush(index.keys.gens, b"x")
+    with pytest.raises(ResponseError) as refused:
+        index.queue(r, add=[("cd" * 16, 10, 10)])
+    assert foreign_key(refused.value) == ForeignKey(index.keys.gens, "list", "hash")
+    assert not r.hexists(index.keys.sizes, "cd" * 16)

@@ -58,6 +58,11 @@ from typing import Any
 
 from .redis_keys import RedisKeys
 
+# The first word of the error a script answers for a key of the index that holds another
+# type than the one it keeps there (``foreign_key`` reads the rest: the key, its type, the
+# type wanted).
+FOREIGN_KEY = "CACHESEEK_FOREIGN_INDEX_KEY"
+
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
@@ -75,6 +80,24 @@ local replay = ARGV[13] == '1'
 local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local release_limit = tonumber(ARGV[17])
 local own_count = tonumber(ARGV[18])
+
+-- Every key this call may read or write holds the type the script keeps there, or nothing.
+-- One of another type (another app sharing the keyspace, or a SET by hand) failed the call
+-- with WRONGTYPE part way, after its earlier writes (a script's writes are not undone), and
+-- so every call of every process. Refused before any write instead, the key named (see
+-- ``FOREIGN_KEY``); the key is left alone: it may be another app's data.
+local function foreign(key, want)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind ~= 'none' and kind ~= want then
+    return redis.error_reply('@FOREIGN_KEY@ ' .. key .. ' ' .. kind .. ' ' .. want)
+  end
+  return nil
+end
+local refused = foreign(lru, 'zset') or foreign(sizes, 'hash') or foreign(totals, 'hash')
+  or foreign(pinned, 'set') or (keep_gens and foreign(gens, 'hash')) or foreign(pinners, 'zset')
+  or foreign(owners, 'hash') or foreign(call, 'string') or (owner ~= '' and foreign(owned_prefix .. owner, 'set'))
+  or nil
+if refused then return refused end
 
 -- This call sent again (redis-py sends a pipeline again after a connection error, and the
 -- first reply may have been lost after this ran): the first run's reply, not a second run.
@@ -218,11 +241,25 @@ local function release_unheld(members, owners, listed)
   end
 end
 
+-- The pin sets this call may read or write besides its caller's: the legacy owner's, and
+-- where pins may be let go (a lapsed owner's, or an unpin's), every owner's. Checked before
+-- the first write, as the index's own keys are.
+local legacy = tot[7] ~= '1' and redis.call('SCARD', pinned) > 0
+local lapsed = redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0, 8)
+refused = legacy and foreign(owned_prefix .. 'legacy', 'set') or nil
+if not refused and (#lapsed > 0 or n_unpin > 0) then
+  for _, o in ipairs(redis.call('ZRANGE', pinners, 0, -1)) do
+    refused = foreign(owned_prefix .. o, 'set')
+    if refused then break end
+  end
+end
+if refused then return refused end
+
 -- An index written before pins had owners: its pinned set becomes the pins of one owner
 -- (LEGACY_OWNER), under one lease from now, since no process renews it. The processes that
 -- made those pins pin them again when they start (the server's pins file), under owners of
 -- their own. The marker is written with the totals of this or any later call that pins.
-if tot[7] ~= '1' and redis.call('SCARD', pinned) > 0 then
+if legacy then
   redis.call('SUNIONSTORE', owned_prefix .. 'legacy', owned_prefix .. 'legacy', pinned)
   redis.call('ZADD', pinners, now + lease_us, 'legacy')
   changed = true
@@ -233,7 +270,7 @@ end
 -- 0.7 s and kept a 7 MB reply). A lapsed owner stays in ``pinners`` until its set is
 -- empty, so its set stays part of the union meanwhile; its lease is lost all the same.
 local release_left = release_limit
-for _, o in ipairs(redis.call('ZRANGEBYSCORE', pinners, '-inf', now, 'LIMIT', 0, 8)) do
+for _, o in ipairs(lapsed) do
   if release_left <= 0 then break end
   local members = redis.call('SPOP', owned_prefix .. o, release_left)
   release_left = release_left - #members
@@ -457,7 +494,7 @@ if #evicted > 0 or #expired > 0 or #repaired > 0 or #released > 0 or counted_ane
   redis.call('SET', call, cmsgpack.pack(reply), 'PX', reply_ms)
 end
 return reply
-"""
+""".replace("@FOREIGN_KEY@", FOREIGN_KEY)
 
 # The fence on a victim's DEL: delete a frame only while the index does not count its block.
 # A process that evicts a block deletes its frame a round trip after its script; meanwhile
@@ -466,7 +503,12 @@ return reply
 # cluster the frame and the index live on different masters, so no script holds both: there
 # the fence is the frame's generation (DROP_STALE_SCRIPT, below).
 # KEYS[1]: the sizes hash; KEYS[2..]: the frames; ARGV: their members, in the same order.
+# A sizes hash of another type is refused as the index script refuses it, before any DEL.
 DROP_UNCOUNTED_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind ~= 'none' and kind ~= 'hash' then
+  return redis.error_reply('@FOREIGN_KEY@ ' .. KEYS[1] .. ' ' .. kind .. ' hash')
+end
 local n = 0
 for i = 2, #KEYS do
   if redis.call('HEXISTS', KEYS[1], ARGV[i - 1]) == 0 then
@@ -474,7 +516,7 @@ for i = 2, #KEYS do
   end
 end
 return n
-"""
+""".replace("@FOREIGN_KEY@", FOREIGN_KEY)
 
 # The fence in a cluster. Each block counted anew gets a generation (the index's clock at
 # that moment), and a writer stores it beside the frame (``RedisKeys.frame_gen``, in the
@@ -716,6 +758,30 @@ def _routed(client: Any, key: str) -> dict[str, Any]:
         return {}
 
 
+@dataclass(frozen=True, slots=True)
+class ForeignKey:
+    """A key of the index holding a value of another type than the index keeps there."""
+
+    key: str
+    kind: str  # its type (Redis's TYPE)
+    want: str  # the type the index keeps there
+
+
+def foreign_key(exc: BaseException) -> ForeignKey | None:
+    """The key a script refused (its error reply, ``FOREIGN_KEY``), or None for another error."""
+    words = str(exc).split()
+    if FOREIGN_KEY not in words[:2]:  # (a client may prefix the reply's code)
+        return None
+    rest = words[words.index(FOREIGN_KEY) + 1 :]
+    return ForeignKey(rest[0], rest[1], rest[2]) if len(rest) == 3 else None
+
+
+def index_types(keys: RedisKeys) -> dict[str, str]:
+    """The index's keys of fixed names, and the type each holds (``TYPE``'s word)."""
+    return {keys.lru: "zset", keys.sizes: "hash", keys.totals: "hash", keys.pinned: "set", keys.gens: "hash",
+            keys.pinners: "zset", keys.owners: "hash"}
+
+
 def member_text(member: Any) -> str | None:
     """A member as text; None for one that is not UTF-8. The index's keys are bytes any tool
     may write, and such a member names no block this tier wrote: a victim or an expired
@@ -733,5 +799,6 @@ def member_texts(members: Any) -> tuple[str, ...]:
     return tuple(t for t in map(member_text, members) if t is not None)
 
 
-__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "GEN_FENCE_SECONDS", "INDEX_SCRIPT", "IndexTotals",
-           "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex", "member_text", "member_texts"]
+__all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "FOREIGN_KEY", "GEN_FENCE_SECONDS",
+           "INDEX_SCRIPT", "ForeignKey", "IndexTotals", "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex",
+           "foreign_key", "index_types", "member_text", "member_texts"]

@@ -8,7 +8,7 @@ Storage (key names in ``redis_keys``):
   only by one atomic script, so every process sharing a namespace keeps one budget.
 
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
-redis-py in a cluster); a batch put is three (STRLEN + index script; the SETs and the
+redis-py in a cluster), and so is a lookup of many (``TieredStore.locate_many``); a batch put is three (STRLEN + index script; the SETs and the
 victims' DELs; a check that the index still counts what was written); a touch is one
 (index script, plus ``PEXPIRE`` and a look at the pinned set when a TTL is set: a pin
 another process made meanwhile must not be left to expire), two with a TTL in a cluster
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
+import logging
 import os
 import threading
 import time
@@ -45,8 +46,8 @@ from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, T
 from .breaker import CircuitBreaker
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
-from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, IndexTotals, IndexUpdate, SharedIndex,
-                          member_text, member_texts)
+from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, ForeignKey, IndexTotals, IndexUpdate,
+                          SharedIndex, foreign_key, index_types, member_text, member_texts)
 from .redis_keys import RedisKeys
 from .tier import BlockFrame, BlockInfo, TierPutResult, Tier
 
@@ -66,10 +67,25 @@ MAX_TTL_SECONDS = (1 << 62) / 1000
 # a read, and a metrics scrape calls stats() every few seconds. A stale view costs nothing
 # but that PEXPIRE: a touch checks every expiry it sets against the pinned set.
 PIN_REFRESH_SECONDS = 10.0
+# How often at most a key of the index found holding another type is logged again: every
+# call that needs the index meets it (each put, touch and read's ghost check) until it goes.
+FOREIGN_LOG_SECONDS = 60.0
+
+log = logging.getLogger("cacheseek.store.redis")
 
 
 class RedisUnavailable(TierUnavailable):
     """Redis did not answer (down, timed out, restarting), or the circuit breaker is open."""
+
+
+class ForeignIndexKey(StorageError):
+    """A key of the shared index holds a value of another type than the index keeps there
+    (another app's, sharing the keyspace, or a SET by hand): every call that needs the index
+    is refused, changing nothing, until it is gone. The key is never deleted here."""
+
+    def __init__(self, message: str, found: ForeignKey) -> None:
+        super().__init__(message)
+        self.found = found
 
 
 def _fault_kind(exc: BaseException) -> str:
@@ -103,6 +119,9 @@ class _Faults:
     unavailable: int = 0
     rejected: int = 0
     refused_by_breaker: int = 0
+    foreign_index: int = 0  # calls refused for a key of the index holding another type
+    foreign_index_key: str = ""  # the last such key found ("": none)
+    foreign_logged: dict[str, float] = field(default_factory=dict)  # key -> when last logged
     last_error: str = ""
 
 
@@ -232,6 +251,11 @@ class RedisTier(Tier):
         return result
 
     def _failed(self, exc: BaseException) -> StorageError:
+        found = foreign_key(exc)
+        if found is None and "WRONGTYPE" in str(exc):
+            found = self._find_foreign_key()  # (a command of ours, not a script: which key, unsaid)
+        if found is not None:
+            return self._foreign(found)
         kind = _fault_kind(exc)
         text = f"{type(exc).__name__}: {exc}"[:300]
         with self._lock:
@@ -247,6 +271,49 @@ class RedisTier(Tier):
             return StorageError(f"{self.name} tier: Redis refused: {text}")
         self.breaker.record_failure()
         return RedisUnavailable(f"{self.name} tier: {text}")
+
+    def _find_foreign_key(self) -> ForeignKey | None:
+        """The first key of the index (of those with fixed names) holding another type than
+        it keeps there, asked after a plain command of ours met WRONGTYPE (a frame's name
+        under another type, which reads handle per key, can meet it too: then None)."""
+        wanted = index_types(self.keys_of)
+        try:
+            pipe = self._connection().pipeline(transaction=False)  # (one slot: the index's)
+            for key in wanted:
+                pipe.type(key)
+            kinds = pipe.execute()
+        except _redis_errors():
+            return None
+        for (key, want), kind in zip(wanted.items(), kinds):
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind not in ("none", want):
+                return ForeignKey(key, kind, want)
+        return None
+
+    def _foreign(self, found: ForeignKey) -> ForeignIndexKey:
+        """The error for a call refused for a key of the index holding another type: counted,
+        and logged once a ``FOREIGN_LOG_SECONDS`` per key (every call meets it)."""
+        message = (f"{self.name} tier: the Redis key {found.key} holds a {found.kind}, where this store keeps its "
+                   f"shared index (a {found.want}): another app or tool wrote it there. It is left alone, and "
+                   f"nothing is stored, evicted or marked used through the index until it is gone (stored blocks "
+                   f"are still served). If it is not another app's data, delete it (redis-cli DEL '{found.key}') "
+                   f"and run `cacheseek redis-check --fix`; if it is, give this store a redis_prefix or "
+                   f"redis_namespace of its own")
+        now = time.monotonic()
+        with self._lock:
+            faults = self._faults
+            faults.foreign_index += 1
+            faults.foreign_index_key = found.key
+            faults.rejected += 1
+            faults.last_error = message[:300]
+            last = faults.foreign_logged.get(found.key)
+            due = last is None or now - last >= FOREIGN_LOG_SECONDS
+            if due:
+                faults.foreign_logged[found.key] = now
+        self.breaker.record_success()  # Redis is there; it holds data of another kind
+        if due:
+            log.error("%s", message)
+        return ForeignIndexKey(message, found)
 
     def _raise_unavailable(self, replies: Sequence[Any]) -> None:
         """Cluster pipelines hand back connection errors in place: raise the first."""
@@ -1136,6 +1203,7 @@ class RedisTier(Tier):
                 "dropped_writes": faults.dropped_writes, "read_errors": faults.read_errors,
                 "timeouts": faults.timeouts, "unavailable_errors": faults.unavailable,
                 "rejected_errors": faults.rejected, "refused_by_breaker": faults.refused_by_breaker,
+                "foreign_index_errors": faults.foreign_index, "foreign_index_key": faults.foreign_index_key,
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
                 "owed_unpins": len(self._owed_unpins), "owed_drops": len(self._owed_drops),
                 "owed_replies": len(self._owed_replies),
@@ -1232,4 +1300,4 @@ def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
     return [m for m, size in zip(pinned, held) if size is not None]
 
 
-__all__ = ["RedisTier", "RedisUnavailable"]
+__all__ = ["ForeignIndexKey", "RedisTier", "RedisUnavailable"]

@@ -599,6 +599,30 @@ class TieredStore:
             missing = list(compress(missing, map(not_, found)))
         return where[: missing[0]] if missing else where  # type: ignore[return-value]
 
+    def locate_many(self, chains: Sequence[Sequence[bytes]]) -> list[list[str]]:
+        """``locate`` of each of ``chains``, as that many calls of it would answer, with each
+        tier asked once for the keys of all of them (a block shared by several chains once):
+        one round trip per networked tier (Redis) for a whole batch, not one per chain."""
+        where: list[list[str | None]] = [[None] * len(c) for c in chains]
+        missing = [(c, i) for c, chain in enumerate(chains) for i in range(len(chain))]
+        for tier in self.tiers:
+            if not missing:
+                break
+            asked = list(dict.fromkeys(chains[c][i] for c, i in missing))
+            held = {k for k, hit in zip(asked, tier.contains_many(asked)) if hit}
+            left = []
+            for c, i in missing:
+                if chains[c][i] in held:
+                    where[c][i] = tier.name
+                else:
+                    left.append((c, i))
+            missing = left
+        out = []
+        for found in where:  # each chain's longest prefix found in some tier
+            n = found.index(None) if None in found else len(found)
+            out.append(found[:n])
+        return out  # type: ignore[return-value]
+
     def present_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is "present" in the sense of a put's answer: whole and committed
         where an acknowledgement needs it (a persistent tier, in a ``DURABLE`` store). A block

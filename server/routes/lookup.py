@@ -159,7 +159,7 @@ async def _lookup_chains(request: Request, namespace: str, hashes: list[bytes], 
         at += n
 
     def look() -> list[dict[str, Any]]:
-        return [service.lookup(namespace, chain, False) for chain in chains]
+        return service.lookup_chains(namespace, chains)  # (one Redis round trip for all of them)
 
     # (as a lookup of one chain: in the loop when the indexes are in memory, else a thread)
     found = look() if service.store.indexes_in_memory else await run_in_threadpool(look)
