@@ -31,7 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from typing import Any, TypeVar
 
 import httpx
@@ -42,6 +42,7 @@ from .decode import decode_frames
 from .encode import encode_missing
 from .errors import ConfigError, FrameError, InputError, PoolExhausted, RemoteBusy, RemoteError, RemoteUnavailable
 from .hashing import DEFAULT_ALGO, NAMESPACE_PATTERN, SINGLE, BlockHash, Shard, to_hex
+from .idle_pool import IdlePool
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
 from .layout import KVLayout
@@ -69,6 +70,9 @@ TOKENS_HEADER = "X-CacheSeek-Tokens"
 CONTINUES_HEADER = "X-CacheSeek-Continues"  # a lookup piece's first position, after the chain's first piece
 # A lookup sent again for a query the server counted already (after a prefix GET's 404): not counted again.
 AGAIN_HEADER = "X-CacheSeek-Again"
+# A batch's fetch threads exit after this long without a fetch: far above the gap between
+# the batches of an engine's step loop (milliseconds), so those never start threads again.
+FETCH_IDLE_SECONDS = 5.0
 START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
@@ -221,7 +225,8 @@ class RemoteCache(PrefixCacheBase):
         memory already mapped (0: fresh memory for every read).
         ``max_concurrent_fetches``: the most chains a ``materialize_into_batch`` fetches at
         once, each over a connection of the pool (at most ``max_connections``; 1: one after
-        another)."""
+        another), on as many threads, each gone after ``FETCH_IDLE_SECONDS`` (5 s) without a
+        fetch."""
         super().__init__(model_id=model_id, layout=layout, codec=codec, block_tokens=block_tokens,
                          namespace=namespace, hash_algo=hash_algo, max_batch_bytes=max_batch_bytes,
                          shard=shard)
@@ -294,7 +299,7 @@ class RemoteCache(PrefixCacheBase):
         self._headers = headers
         self._timeouts = timeouts.as_dict()
         self.max_concurrent_fetches = min(max_concurrent_fetches, max_connections)
-        self._fetcher: ThreadPoolExecutor | None = None  # made by the first batch that fetches several chains
+        self._fetcher: IdlePool | None = None  # made by the first batch that fetches several chains
         self._fetcher_lock = threading.Lock()
         # Whether the server answers a lookup of several chains (?chains=); an older one reads
         # them as one chain, which is seen in its answer, and is then asked chain by chain.
@@ -651,11 +656,14 @@ class RemoteCache(PrefixCacheBase):
         if error is not None:
             raise error
 
-    def _fetch_pool(self) -> ThreadPoolExecutor:
+    def _fetch_pool(self) -> IdlePool:
         with self._fetcher_lock:
             self._check_open()
             if self._fetcher is None:
-                self._fetcher = ThreadPoolExecutor(self.max_concurrent_fetches, thread_name_prefix="cacheseek-fetch")
+                # Its threads exit once idle (FETCH_IDLE_SECONDS): a client that loads a batch
+                # and then idles holds none, a hot loop of batches keeps them.
+                self._fetcher = IdlePool(self.max_concurrent_fetches, idle_seconds=FETCH_IDLE_SECONDS,
+                                         thread_name_prefix="cacheseek-fetch")
             return self._fetcher
 
     def locate_batch(self, keys: Any) -> list[Located]:
@@ -865,7 +873,7 @@ class RemoteCache(PrefixCacheBase):
             fetcher, self._fetcher = self._fetcher, None
         self._http.close()
         if fetcher is not None:
-            fetcher.shutdown(wait=False, cancel_futures=True)  # (a fetch under way ends on the closed client)
+            fetcher.shutdown(cancel_futures=True)  # (no wait: a fetch under way ends on the closed client)
 
     # -- HTTP ----------------------------------------------------------------------------
 

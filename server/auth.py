@@ -6,6 +6,9 @@
   the write token. The caller picks the namespace with the header.
 - ``tenants``: tokens bound to one namespace each. A tenant's token works only in its own
   namespace: no header means that namespace, any other header is a 403.
+- ``/metrics`` names every namespace and model with their traffic: with tokens set it takes
+  ``metrics_token`` (a scraper's, good for nothing else) or the operator's read, write or
+  admin token, never a tenant's; ``metrics_open`` lets it take none.
 
 Tokens are compared in constant time (SHA-256 digests of equal length through
 ``hmac.compare_digest``, every configured token tried).
@@ -53,6 +56,10 @@ class Authenticator:
                 tokens.append(_Token(_digest(tenant.read_token.get_secret_value()), namespace, False))
             tokens.append(_Token(_digest(tenant.write_token.get_secret_value()), namespace, True))
         self._tokens = tokens
+        self._scrape_open = not settings.metrics_need_token
+        self._scrapers = [_digest(t.get_secret_value()) for t in
+                          (settings.metrics_token, settings.read_token, settings.write_token, settings.admin_token)
+                          if t is not None]
 
     @property
     def enabled(self) -> bool:
@@ -77,6 +84,21 @@ class Authenticator:
         if namespace is not None and namespace != found.namespace:
             raise Forbidden("this token is bound to another namespace")
         return Caller(found.namespace, found.can_write, bound=True)
+
+    def scraper(self, token: str | None) -> None:
+        """Raises unless ``token`` may read ``/metrics``. The refusal never holds the token."""
+        if self._scrape_open:
+            return
+        if not token:
+            raise Unauthenticated("a bearer token is required for /metrics (metrics_token, or the read, write or "
+                                  "admin token)")
+        digest = _digest(token)
+        found = False
+        for candidate in self._scrapers:  # no early exit, as in _match
+            found |= hmac.compare_digest(candidate, digest)
+        if not found:
+            raise Forbidden("token not accepted for /metrics (it shows every namespace: a tenant's token reads "
+                            "its own figures in /v1/stats)")
 
     def _match(self, token: str) -> _Token | None:
         digest = _digest(token)

@@ -66,7 +66,7 @@ def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     return out
 
 
-SECRETS = ("read_token", "write_token", "admin_token", "namespace_secret", "tenants")
+SECRETS = ("read_token", "write_token", "admin_token", "metrics_token", "namespace_secret", "tenants")
 
 
 def exposed_secrets(flags: Any, config_file: str | Path | None) -> list[str]:
@@ -284,6 +284,12 @@ class ServerSettings(BaseSettings):
         None, description="key that separates namespaces in storage (at least 16 bytes); default: a file in disk_path, or random")
     admin_token: SecretStr | None = Field(
         None, description="bearer token for /v1/admin (usage, flush, delete, pin); unset: admin routes are off")
+    metrics_token: SecretStr | None = Field(
+        None, description="bearer token that reads /metrics and nothing else (a scraper's); with tokens set, "
+                          "/metrics takes it or the read, write or admin token")
+    metrics_open: bool = Field(
+        False, description="/metrics takes no token even where the server has tokens (it names every namespace "
+                           "and model, with their traffic and usage); without tokens it takes none anyway")
 
     # -- observability ---------------------------------------------------------------------
     metrics_detail: bool = Field(
@@ -313,7 +319,7 @@ class ServerSettings(BaseSettings):
         return parse_size(value, name=info.field_name)
 
 
-    @field_validator("read_token", "write_token", "namespace_secret", "admin_token", mode="before")
+    @field_validator("read_token", "write_token", "namespace_secret", "admin_token", "metrics_token", mode="before")
     @classmethod
     def _unset_if_empty(cls, value: Any) -> Any:
         return None if value == "" else value  # CACHESEEK_WRITE_TOKEN= (empty) means no token
@@ -385,8 +391,14 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert and tls_key: set both (HTTPS) or neither (plain HTTP)")
         if self.read_token is not None and self.write_token is None:
             raise ValueError("read_token is set but write_token is not: writes would be open to anyone")
+        if self.metrics_token is not None and self.write_token is None:
+            raise ValueError("metrics_token is set but write_token is not: /metrics and /v1/stats, the same "
+                             "figures, are open to anyone without tokens")
+        if self.metrics_token is not None and self.metrics_open:
+            raise ValueError("metrics_token and metrics_open: /metrics takes a token or none; set one of them")
         named = [(name, t.get_secret_value()) for name, t in
-                 (("read_token", self.read_token), ("write_token", self.write_token), ("admin_token", self.admin_token))
+                 (("read_token", self.read_token), ("write_token", self.write_token), ("admin_token", self.admin_token),
+                  ("metrics_token", self.metrics_token))
                  if t is not None]
         for namespace, tenant in self.tenants.items():
             named += [(f"tenants[{namespace!r}].{name}", t.get_secret_value())
@@ -394,7 +406,7 @@ class ServerSettings(BaseSettings):
                       if t is not None]
         tokens = [t for _, t in named]
         if any(not t for t in tokens):
-            raise ValueError("read_token/write_token/admin_token/tenants: a token may not be empty")
+            raise ValueError("read_token/write_token/admin_token/metrics_token/tenants: a token may not be empty")
         for name, t in named:
             # A header carries printable ASCII, and its value's spaces at either end are not
             # part of it: such a token (a pasted non-breaking space, a trailing newline of a
@@ -403,7 +415,7 @@ class ServerSettings(BaseSettings):
                 raise ValueError(f"{name}: a token is printable ASCII without spaces at either end (no HTTP "
                                  "header carries anything else, so no client could send this one)")
         if len(set(tokens)) != len(tokens):
-            raise ValueError("read_token/write_token/admin_token/tenants: every token must be different")
+            raise ValueError("read_token/write_token/admin_token/metrics_token/tenants: every token must be different")
         if self.tenants and self.write_token is None:
             raise ValueError("tenants: set write_token too (the operator's token), or callers without tenant "
                              "tokens could write anywhere")
@@ -414,6 +426,13 @@ class ServerSettings(BaseSettings):
     @property
     def auth_enabled(self) -> bool:
         return self.write_token is not None
+
+    @property
+    def metrics_need_token(self) -> bool:
+        """``/metrics`` wants a token: the server has tokens and ``metrics_open`` is off. Its
+        labels name every namespace and model with their traffic and usage, what ``/v1/stats``
+        hides from a tenant's token and from callers without one."""
+        return self.auth_enabled and not self.metrics_open
 
     @classmethod
     def settings_customise_sources(

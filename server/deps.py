@@ -61,6 +61,10 @@ async def writer(
     return auth.caller(credentials.credentials if credentials else None, namespace, write=True)
 
 
+async def scraper(auth: Annotated[Authenticator, Depends(_authenticator)], credentials: Credentials) -> None:
+    auth.scraper(credentials.credentials if credentials else None)
+
+
 def caller_of(request: Request, *, write: bool) -> Caller:
     """What ``reader``/``writer`` give, read from the headers as ``HTTPBearer(auto_error=False)``
     and the namespace ``Header`` read them."""
@@ -82,3 +86,4 @@ Settings = Annotated[ServerSettings, Depends(get_settings)]
 Reader = Annotated[Caller, Depends(reader)]
 Writer = Annotated[Caller, Depends(writer)]
 Hash = Annotated[BlockHash, Depends(block_hash)]
+Scraper = Annotated[None, Depends(scraper)]

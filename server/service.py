@@ -485,6 +485,8 @@ class BlockService:
         left = f"; {why[report.stopped]}" if report.stopped else ""
         on = (f" ({report.handed_on:,} of them, which it refused, to the {report.handed_on_to} tier below it)"
               if report.handed_on_to else "")
+        if report.not_admitted:  # (skipped, or handed on: its filter's not_admitted counts them too)
+            on += f" ({report.not_admitted:,} not admitted by its filter, disk_admit_after_uses)"
         log.log(logging.WARNING if report.left or report.failed else logging.INFO,
                 "shutdown: wrote %s of %s blocks (%s of %s) that only memory held to the %s tier%s in %.1f s; skipped %s "
                 "(not admitted, a tail without its head, or gone), failed %s%s, left behind %s (%s)%s",

@@ -10,7 +10,7 @@ from cacheseek import __version__
 from .config import ServerSettings
 
 GIB = 1 << 30
-_SECRETS = {"read_token", "write_token", "admin_token", "namespace_secret"}
+_SECRETS = {"read_token", "write_token", "admin_token", "metrics_token", "namespace_secret"}
 # settings whose names end in these are shown with a unit
 _UNITS = (("_bytes", "bytes"), ("_seconds", "s"))
 
@@ -93,8 +93,9 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
     auth = "tokens" if settings.auth_enabled else "none (anyone who can connect may read and write)"
     out.append(f"  auth: {auth}; tenants: {len(settings.tenants)}; admin routes: "
                f"{'on' if settings.admin_token is not None else 'off (no admin_token)'}")
+    scrape = "token" if settings.metrics_need_token else "no token"
     out.append(f"  metrics: {'detailed' if settings.metrics_detail else 'store figures only'}; "
-               "dashboard at /dashboard, API docs at /docs, Prometheus at /metrics")
+               f"dashboard at /dashboard, API docs at /docs, Prometheus at /metrics ({scrape})")
     return out
 
 

@@ -258,14 +258,26 @@ def test_a_drain_writes_no_more_than_the_disk_budget(tmp_path):
     assert found_after_reopen(store, tmp_path, old + small + big) == [old[0][0], small[0][0]]
 
 
-def test_a_drain_respects_the_disk_admission_filter(tmp_path):
+def admission(store, tier: str = "disk") -> tuple[int, int]:
+    """The tier's filter's refusals: (not_admitted, not_admitted_bytes)."""
+    (entry,) = [t for t in store.stats()["tiers"] if t["name"] == tier]
+    return entry["admission"]["not_admitted"], entry["admission"]["not_admitted_bytes"]
+
+
+def test_a_drain_respects_the_disk_admission_filter_and_counts_its_refusals(tmp_path):
+    """The blocks the filter held back were skipped, and not counted in the disk's
+    not_admitted: the figure an operator reads for the writes it spared said none."""
     store = write_back(tmp_path, disk_admit_after_uses=2)
     used_twice, used_once = chain(6, 3), chain(7, 3)
     put_chain(store, used_twice)
     put_chain(store, used_once)
     store.touch_chain([k for k, _ in used_twice])
+    assert admission(store) == (0, 0)
     report = store.drain()
     assert (report.blocks, report.written, report.skipped) == (6, 3, 3)
+    refused = sum(len(f) for _, f in used_once)
+    assert admission(store) == (3, refused)
+    assert (report.not_admitted, report.not_admitted_bytes) == (3, refused)
     assert found_after_reopen(store, tmp_path, used_twice + used_once) == [k for k, _ in used_twice]
 
 
@@ -398,6 +410,11 @@ def test_what_the_disk_refuses_in_a_drain_goes_on_to_redis_below_it(tmp_path, mo
         report = store.drain()
         assert (report.written, report.skipped, report.failed, report.left) == (9, 0, 0, 0), report
         assert (report.handed_on, report.handed_on_to, report.stopped) == (6, "redis", None)
+        # The held-back chain counted once, where the disk's filter refused it (the failed
+        # writes are not its refusals), though Redis then took it.
+        refused = sum(len(f) for _, f in held_back)
+        assert admission(store) == (3, refused)
+        assert (report.not_admitted, report.not_admitted_bytes) == (3, refused)
         assert set(store.tier("disk").keys()) == {k for k, _ in admitted}
         store.close()
         monkeypatch.undo()

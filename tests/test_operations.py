@@ -47,7 +47,9 @@ def post_chain(c: httpx.Client, chain, **headers) -> None:
 
 def samples(c: httpx.Client) -> dict[str, list]:
     out: dict[str, list] = {}
-    for family in text_string_to_metric_families(c.get("/metrics").text):
+    got = c.get("/metrics", headers=writer())  # (the server has tokens: /metrics takes the operator's)
+    assert got.status_code == 200, got.text
+    for family in text_string_to_metric_families(got.text):
         for s in family.samples:
             out.setdefault(s.name, []).append(s)
     return out

@@ -1015,6 +1015,51 @@ def test_a_paged_batch_met_by_close_raises_and_writes_nothing(srv, monkeypatch):
     assert _read_buffers(cache)["leases_active"] == 0
 
 
+def test_a_batch_s_fetch_threads_exit_once_idle_stay_through_a_loop_and_end_at_close(srv, monkeypatch):
+    """The fetch pool kept its threads until close(): a client that loaded one batch and then
+    idled for hours held max_concurrent_fetches threads. They now exit once idle
+    (FETCH_IDLE_SECONDS, short here), a loop of batches keeps the same ones, and close()
+    ends them."""
+    import cacheseek.remote as remote_module
+    from paged_helpers import engine_pages, page_tables, write_tokens
+
+    monkeypatch.setattr(remote_module, "FETCH_IDLE_SECONDS", 0.3, raising=False)
+    L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
+    sizes = [BLOCK] * 4
+    toks = [tokens_for(180 + r, n) for r, n in enumerate(sizes)]
+    src, _ = engine_pages("nhd", L, H, D, 8, 16, dtype)
+    tables = page_tables(sizes, 16, 8, seed=3)
+    for r, ids in enumerate(tables):
+        write_tokens(src, make_kv(BLOCK, 180 + r), ids)
+    before = set(threading.enumerate())
+
+    def fetchers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("cacheseek-fetch") and t not in before}
+
+    def gone(threads: set[threading.Thread], within: float) -> bool:
+        for t in threads:
+            t.join(within)
+        return not any(t.is_alive() for t in threads)
+
+    cache = _remote(srv, cs.Raw(), namespace="fetch-threads", max_concurrent_fetches=4)
+    requests = [cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)]
+    assert [r.stored for r in cache.ingest_batch(requests, src)] == [1, 1, 1, 1]
+    dest, _ = engine_pages("nhd", L, H, D, 8, 16, dtype, seed=4)
+    assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4
+    first = fetchers()
+    assert 1 <= len(first) <= 4, first
+    for _ in range(3):  # a hot loop: the same threads, none started again
+        assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4
+        assert fetchers() == first
+    assert gone(first, within=5.0), "idle fetch threads still alive"
+    assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4  # started again
+    again = fetchers()
+    assert again and not again & first
+    cache.close()
+    assert gone(again, within=2.0), "fetch threads alive after close()"
+    assert _read_buffers(cache)["leases_active"] == 0
+
+
 def test_read_buffer_bytes_zero_reads_into_fresh_memory_every_time(srv):
     toks, kv = tokens_for(93, 2 * BLOCK), make_kv(2 * BLOCK, 93)
     with _remote(srv, cs.Raw(), namespace="reuse", read_buffer_bytes=0) as cache:

@@ -150,3 +150,38 @@ def test_request_methods_of_no_standard_make_no_label_sets(tmp_path):
         others = [line for line in text.splitlines() if line.startswith("cacheseek_http_requests_total{")
                   and 'method="_other"' in line]
         assert sum(float(line.rpartition(" ")[2]) for line in others) == 40, others
+
+
+def test_metrics_take_an_operator_or_metrics_token_where_the_server_has_tokens(tmp_path):
+    """/metrics names every namespace and model with its traffic and usage: open on a server
+    with tokens, it told anyone who reached the port the tenants' names and their load, what
+    /v1/stats hides from a tenant's token. With tokens it takes the metrics token or the
+    operator's; a refusal is the usual 401/403 and never holds the token."""
+    tenants = '{"team-secret": {"write_token": "tenant-w"}}'
+    wrong = "wrong-scrape-token-7f3a"
+    env = {"CACHESEEK_TENANTS": tenants, "CACHESEEK_METRICS_TOKEN": "scrape-me", "CACHESEEK_ADMIN_TOKEN": "adm"}
+    with Server(tmp_path / "tokens", "--read-token", "rd", "--write-token", "wr", "--access-log", "--log-level", "info",
+                disk=False, env=env) as srv, httpx.Client(base_url=srv.url) as c:
+        h, frame = raw_frame(7)
+        put = c.put(f"/v1/blocks/{h.hex()}", content=frame, headers={"Authorization": "Bearer tenant-w"})
+        assert put.status_code == 201, put.text
+        refused = c.get("/metrics")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer", refused.text
+        assert set(refused.json()) == {"error"} and "team-secret" not in refused.text
+        assert c.head("/metrics").status_code == 401
+        for token in (wrong, "tenant-w"):  # a tenant's token reads its own figures only (/v1/stats)
+            got = c.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+            assert got.status_code == 403 and set(got.json()) == {"error"}, got.text
+            assert token not in got.text and "team-secret" not in got.text
+        for token in ("scrape-me", "rd", "wr", "adm"):
+            got = c.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+            assert got.status_code == 200 and 'namespace="team-secret"' in got.text, token
+        # The metrics token reads nothing else.
+        assert c.get("/v1/stats", headers={"Authorization": "Bearer scrape-me"}).status_code == 403
+        assert c.get(f"/v1/blocks/{h.hex()}", headers={"Authorization": "Bearer scrape-me",
+                                                        "X-CacheSeek-Namespace": "team-secret"}).status_code == 403
+    log = srv.output()
+    assert "GET /metrics" in log and wrong not in log and "scrape-me" not in log
+    # metrics_open: today's scrapers, without a token, on a server with tokens.
+    with Server(tmp_path / "open", "--write-token", "wr", "--metrics-open", disk=False) as srv:
+        assert httpx.get(srv.url + "/metrics").status_code == 200

@@ -484,7 +484,9 @@ def test_tokens_401_403_and_read_only(tmp_path):
         assert c.put(path, content=frame, headers=auth("a-write")).status_code == 201
         assert c.get(path, headers=auth("a-read", "team-a")).content == frame
         assert c.get(path, headers=auth("w-token", "team-a")).content == frame
-        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 200
+        assert c.get("/healthz").status_code == 200 and c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers=auth("a-read")).status_code == 403  # (it shows every namespace)
+        assert c.get("/metrics", headers=auth("r-token")).status_code == 200
         # The lean lookup route checks callers as the other routes do, for either body.
         for kw in (dict(json={"hashes": [h.hex()]}), dict(content=h, headers=BINARY)):
             headers = kw.pop("headers", {})

@@ -70,6 +70,16 @@ def test_a_write_back_server_stopped_cleanly_keeps_its_memory_for_the_restart(tm
     assert summary(srv.output()) == (20, 20, 0)
 
 
+def test_the_shutdown_summary_says_how_many_blocks_the_disk_filter_held_back(tmp_path):
+    """A drain skipped the blocks the disk's filter did not admit without counting them as
+    refused anywhere: the summary's "skipped" mixed them with tails and blocks gone."""
+    chains = [raw_chain(8, 3)]  # ingested once: used once, under a filter admitting twice-used blocks
+    with Server(tmp_path, *WRITE_BACK, "--disk-admit-after-uses", "2") as srv:
+        ingest(srv, chains)
+    assert summary(srv.output()) == (0, 3, 0)
+    assert "(3 not admitted by its filter, disk_admit_after_uses)" in srv.output()
+
+
 def test_with_the_drain_off_the_memory_is_lost_as_before(tmp_path):
     chains = [raw_chain(7, 4)]
     with Server(tmp_path, *WRITE_BACK, "--shutdown-drain-seconds", "0") as srv:

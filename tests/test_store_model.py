@@ -309,14 +309,20 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.unpin(key) is not None
         del self.pins[key]
 
+    def _not_admitted(self) -> int:
+        """Blocks the disk's filter has refused so far (0 without one)."""
+        return sum(t.get("admission", {}).get("not_admitted", 0) for t in self.store.stats()["tiers"])
+
     @precondition(lambda self: self.prompts)
     @rule(drain=st.booleans())
     def restart(self, drain):
         """Close and open again over the same directory: the disk tier serves what it held
         (a write-back store's memory is lost, unless drained to disk first)."""
         if drain:
+            refused = self._not_admitted()
             report = self.store.drain()
             assert report.failed == 0 and report.left == 0 or report.stopped == "no room", report
+            assert self._not_admitted() - refused == report.not_admitted, report  # each refusal counted, once
             if report.stopped is None and self.admit == 1:  # (else: blocks not admitted are skipped)
                 disk = self.store.tier("disk")
                 for key in self.store.tier("cpu").keys():

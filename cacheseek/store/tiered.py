@@ -104,7 +104,9 @@ class DrainReport:
     "cut", or "no room": the next write would have evicted a block the drain wrote, or gone
     past the tier's budget). ``charged``: what the tier's budget counts for the written ones.
     ``handed_on``/``handed_on_bytes``: of the written ones, those ``tier`` refused (its filter,
-    a failed write, no room) that the persistent tier below it (``handed_on_to``) took."""
+    a failed write, no room) that the persistent tier below it (``handed_on_to``) took.
+    ``not_admitted``/``not_admitted_bytes``: the blocks a tier's admission filter did not
+    admit, skipped or handed on (each also in that filter's ``not_admitted``, once)."""
 
     tier: str | None = None
     blocks: int = 0
@@ -124,9 +126,12 @@ class DrainReport:
     handed_on: int = 0
     handed_on_bytes: int = 0
     handed_on_to: str | None = None
+    not_admitted: int = 0
+    not_admitted_bytes: int = 0
 
     def add(self, outcome: str, nbytes: int, n: int = 1) -> None:
-        """``n`` blocks of ``nbytes`` more ``written``, ``skipped`` or ``failed`` (-1: one less)."""
+        """``n`` blocks of ``nbytes`` more ``written``, ``skipped``, ``failed`` or
+        ``not_admitted`` (-1: one less)."""
         setattr(self, outcome, getattr(self, outcome) + n)
         setattr(self, f"{outcome}_bytes", getattr(self, f"{outcome}_bytes") + n * nbytes)
 
@@ -895,6 +900,12 @@ class TieredStore:
                 key, info = todo.popleft()
                 follows = not info.position or info.parent in written or info.parent in coming
                 refused = use_filter is not None and not use_filter.admits(key)
+                if use_filter is not None and refused:
+                    # Counted as a demotion's refusal is: the drain is the block's last chance
+                    # at this tier before the stop, whether it then goes on to the tier below
+                    # (counted there only if that tier's own filter refuses it too) or is skipped.
+                    use_filter.refuse(info.nbytes)
+                    report.add("not_admitted", info.nbytes)
                 if at.hand_on and (refused or not follows and info.parent in at.passed_keys):
                     at.pass_on(key, info)
                 elif refused or not follows:

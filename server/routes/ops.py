@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from ..deps import Reader, Service
+from ..deps import Reader, Scraper, Service
 from ..errors import NotReady
 from ..metrics import PROMETHEUS_CONTENT_TYPE
 from ..protocol import BODY_INTO
@@ -46,8 +46,13 @@ async def stats(caller: Reader, service: Service, request: Request) -> JSONRespo
 
 
 @router.get("/metrics", response_class=Response,
-            responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {"schema": {"type": "string"}}}}})
-async def metrics(request: Request) -> Response:
+            responses={200: {"content": {PROMETHEUS_CONTENT_TYPE: {"schema": {"type": "string"}}}},
+                       401: {"description": "a token is required (the server has tokens, metrics_open off)", **ERROR},
+                       403: {"description": "not metrics_token nor the read, write or admin token", **ERROR}})
+async def metrics(_: Scraper, request: Request) -> Response:
+    """Prometheus text: the figures of ``/v1/stats``, every namespace's and model's. Where the
+    server has tokens it takes ``metrics_token`` or the read, write or admin token (not a
+    tenant's), unless ``metrics_open``."""
     data = await run_in_threadpool(request.app.state.metrics.render)
     return Response(data, media_type=PROMETHEUS_CONTENT_TYPE)
 

@@ -1,0 +1,46 @@
+"""``IdlePool``: at most ``max_workers`` threads, each gone once idle, queued work cancelled at
+shutdown, errors through the futures."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from cacheseek.idle_pool import IdlePool
+
+
+def test_threads_stay_bounded_exit_when_idle_and_shutdown_cancels_the_queue():
+    pool = IdlePool(2, idle_seconds=0.2, thread_name_prefix="test-idle")
+    gate, running = threading.Event(), threading.Semaphore(0)
+
+    def held(x: int) -> int:
+        running.release()
+        assert gate.wait(5)
+        return x * 2
+
+    futures = [pool.submit(held, i) for i in range(4)]
+    assert running.acquire(timeout=5) and running.acquire(timeout=5)
+    assert pool.threads == 2 and not running.acquire(timeout=0.1)  # two run, two queued
+    gate.set()
+    assert [f.result(5) for f in futures] == [0, 2, 4, 6]
+    workers = [t for t in threading.enumerate() if t.name.startswith("test-idle")]
+    for t in workers:
+        t.join(5)
+    assert pool.threads == 0 and not any(t.is_alive() for t in workers)
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(5)  # (a thread started again)
+    gate.clear()
+    futures = [pool.submit(held, i) for i in range(3)]
+    assert running.acquire(timeout=5) and running.acquire(timeout=5)
+    pool.shutdown(cancel_futures=True)
+    gate.set()
+    assert [f.result(5) for f in futures[:2]] == [0, 2]
+    with pytest.raises(CancelledError):
+        futures[2].result(5)
+    with pytest.raises(RuntimeError, match="shutdown"):
+        pool.submit(held, 9)
+    for t in [t for t in threading.enumerate() if t.name.startswith("test-idle")]:
+        t.join(5)
+    assert pool.threads == 0
