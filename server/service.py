@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -347,10 +348,13 @@ class BlockService:
             return None
         return self.wire_segments(namespace, frame), self.store.tiers[0].name
 
-    def get_stored(self, key: bytes, leases: list[Lease | None]) -> tuple[BlockFrame, str] | None:
+    def get_stored(self, key: bytes, leases: list[Lease | None], *,
+                   spare: Container[bytes] = ()) -> tuple[BlockFrame, str] | None:
         """The frame from the fastest tier and that tier's name, or None; the frame's lease
-        appended to ``leases``, which the caller releases once the bytes are sent."""
-        got = self.store.get(key)
+        appended to ``leases``, which the caller releases once the bytes are sent. ``spare``:
+        the chain the caller is reading, which the block's promotion must not evict
+        (``TieredStore.get``)."""
+        got = self.store.get(key, spare=spare)
         if got is not None:
             leases.append(got[0].lease)
         return got

@@ -74,6 +74,29 @@ def test_an_index_never_names_a_pinned_victim(policy):
     assert index.evictable == 3 and index.victim() == chain[2]  # leaf first again
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_index_names_no_spared_victim_and_changes_nothing_for_it(policy):
+    """``victim(spare)``: a read's promotion spares the chain it reads. The policy's order is
+    walked past the spared blocks (as past pinned ones, for that call alone), a block above
+    a spared one is passed over too, and with only spared blocks left there is no victim."""
+    index = make_index(policy, 10_000)
+    chain = [bytes([i]) * 16 for i in range(3)]
+    parent = bytes(16)
+    for i, key in enumerate(chain):
+        index.add(key, BlockInfo(100, 200, parent, i))
+        parent = key
+    other = bytes([9]) * 16
+    index.add(other, BlockInfo(100, 200, bytes(16), 0))  # the most recent: the chain's tail goes first
+    order = index.keep_order()
+    assert index.victim() == chain[2]
+    assert index.victim(frozenset(chain)) == other
+    for tail in (chain[1:], chain[2:]):  # the blocks above a spared tail stay above it
+        assert index.victim(frozenset(tail)) == other
+    assert index.victim(frozenset([other])) == chain[2]
+    assert index.victim(frozenset([*chain, other])) is None
+    assert index.keep_order() == order and index.victim() == chain[2]  # nothing changed in the policy
+
+
 class IndexMachine(RuleBasedStateMachine):
     """An eviction index driven as a tier drives it (budgeted adds that evict leaf victims,
     touches, deletes, pins of whole chains through a ``PinTable``), checked after every step
@@ -117,6 +140,21 @@ class IndexMachine(RuleBasedStateMachine):
             assert self.index.evictable == 0
         else:
             self._evict()
+
+    @rule(mask=st.integers(0, (1 << 12) - 1))
+    def victim_sparing(self, mask):
+        """A victim that spares any set of blocks: an unpinned leaf outside it, none only where
+        there is no such leaf, the policy's own victim where the set holds none of the blocks,
+        and the index unchanged."""
+        index = self.index
+        spare = frozenset(k for i, k in enumerate(self.KEYS) if mask >> i & 1)
+        order = index.keep_order()
+        victim = index.victim(spare)
+        leaves = {k for k in self.held if not index.is_pinned(k) and k not in spare and not index.children(k)}
+        assert victim in leaves if leaves else victim is None
+        if not spare & set(self.held):
+            assert victim == index.victim()
+        assert index.keep_order() == order
 
     @rule(i=st.integers(0, 11))
     def delete(self, i):

@@ -109,6 +109,32 @@ def test_batch_ingest_lookup_and_prefix_stream(client):
     assert client.post("/v1/lookup", json={"hashes": hexes}).json()["matched"] == 1
 
 
+def test_a_prefix_read_s_promotion_of_its_head_does_not_evict_its_own_tail(tmp_path):
+    """A chain's head on disk, its tail only in a full CPU tier (the disk admits a block only
+    once used twice): the read promoted the head from disk into the CPU tier, whose victim
+    was the chain's own tail, before the read reached it: the answer was cut ("vanished
+    while streaming"). The promotion now gives up a block of no chain being read instead."""
+    a, c = raw_chain(31, 3), raw_chain(32, 3)
+    frame_bytes = len(a[0][1])
+    hexes = [h.hex() for h, _ in a]
+    with Server(tmp_path, "--disk-admit-after-uses", "2", cpu_bytes=str(3 * frame_bytes + frame_bytes // 2)) as srv, \
+            httpx.Client(base_url=srv.url, timeout=30) as client:
+        assert put(client, *a[0]).status_code == 201
+        assert client.get(f"/v1/prefixes/{hexes[0]}").status_code == 200  # its second use: the disk admits it
+        assert client.post("/v1/blocks", content=batch_body([f for _, f in c])).status_code == 200  # head: down
+        assert client.post("/v1/blocks", content=batch_body([f for _, f in a[1:]])).status_code == 200
+        assert client.get(f"/v1/prefixes/{c[0][0].hex()}").status_code == 200  # the tail the oldest in memory
+        assert client.post("/v1/lookup", json={"hashes": hexes}).json()["tiers"] == ["disk", "cpu", "cpu"]
+        try:
+            got = client.get(f"/v1/prefixes/{hexes[-1]}")
+        except httpx.RemoteProtocolError as exc:
+            pytest.fail(f"the answer was cut: {exc}")
+        assert got.status_code == 200 and split_batch(got.content) == [f for _, f in a]
+        assert client.post("/v1/lookup", json={"hashes": hexes}).json()["tiers"] == ["cpu"] * 3
+        cpu, disk = client.get("/v1/stats").json()["tiers"]
+        assert (cpu["promotions"], cpu["write_errors"], disk["hits"]) == (1, 0, 1)
+
+
 def test_a_binary_lookup_answers_as_the_json_one(client):
     for size in (16, 32):
         chain = raw_chain(7 + size, 3, hash_size=size)

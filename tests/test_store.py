@@ -1114,6 +1114,66 @@ def test_a_read_s_promotions_do_not_evict_the_blocks_of_its_chain_it_has_not_rea
 
 
 @pytest.mark.parametrize("eviction", ["arc", "lru"])
+def test_a_promotion_with_no_room_but_its_chain_s_is_skipped_and_the_block_served_from_below(tmp_path, eviction):
+    """A read a block at a time (the server's prefix stream) names its chain (``spare``): its
+    head's promotion into a CPU tier that holds nothing but the chain's tail does not evict
+    the tail; the head is served from disk, not promoted, and no write failed. Without the
+    chain named, the same read evicts the tail (a plain ``get``: its tier's policy as ever)."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import chain
+
+    for spared in (True, False):
+        cpu = CpuTier(2 * FRAME, policy=eviction)
+        disk = DiskTier(tmp_path / f"d{spared}", 1 << 30, fsync=False)
+        store = TieredStore([cpu, disk], write_through=["disk"])
+        blocks = [(key, BlockFrame(parse_frame(f), host=memoryview(f))) for key, f in chain(1, 3)]
+        keys = [key for key, _ in blocks]
+        disk.put_many(blocks[:1])
+        cpu.put_many(blocks[1:])
+        frame, tier = store.get(keys[0], spare=frozenset(keys) if spared else ())
+        frame.release()
+        assert tier == "disk"
+        stats = cpu.stats()
+        if spared:
+            assert cpu.keys() == keys[1:] and (stats.promotions, stats.write_errors, stats.evictions) == (0, 0, 0)
+            assert store.locate(keys) == ["disk", "cpu", "cpu"]
+        else:
+            assert keys[0] in cpu.keys() and keys[2] not in cpu.keys() and stats.promotions == 1
+        store.close()
+
+
+@pytest.mark.parametrize("eviction", ["arc", "lru"])
+def test_a_promotion_s_victims_on_their_way_down_spare_the_chain_being_read(tmp_path, eviction):
+    """Write-back: promoting a chain's head into the CPU tier handed its victim down to a full
+    disk, whose own victim was the chain's tail, held there alone: a read of the chain a
+    block at a time lost its tail to its own head's promotion. The disk now gives up a block
+    of no chain being read instead."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import chain
+
+    cpu = CpuTier(FRAME, policy=eviction)
+    disk = DiskTier(tmp_path / "d", 3 * disk_charge(FRAME), fsync=False, policy=eviction)
+    store = TieredStore([cpu, disk])  # write-back: what the CPU tier evicts goes down to the disk
+    frames = {key: BlockFrame(parse_frame(f), host=memoryview(f)) for key, f in chain(1, 2) + chain(2, 1) + chain(3, 1)}
+    (head, tail, other, in_memory) = frames
+    disk.put_many([(key, frames[key]) for key in (head, tail)])
+    disk.put_many([(other, frames[other])])  # the most recent on disk: the chain's tail the first to go
+    cpu.put_many([(in_memory, frames[in_memory])])
+    keys = [head, tail]
+    assert store.locate(keys) == ["disk", "disk"]
+    got = [store.get(key, spare=frozenset(keys)) for key in keys]
+    assert got[1] is not None, "the chain's tail was lost to its head's promotion"
+    assert [tier for _, tier in got] == ["disk", "disk"]
+    assert got[1][0].to_bytes() == bytes(frames[tail].host)
+    for frame, _ in got:
+        frame.release()
+    assert cpu.keys() == [head] and sorted(disk.keys()) == sorted([head, tail, in_memory])
+    store.close()
+
+
+@pytest.mark.parametrize("eviction", ["arc", "lru"])
 def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head(tmp_path, eviction):
     """Promoted one by one, a chain's blocks read from disk evicted their own parents from the
     CPU tier: it held a middle and a tail with no head, and once the disk gave the head up

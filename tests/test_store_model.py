@@ -198,13 +198,9 @@ class StoreMachine(RuleBasedStateMachine):
         located = self.cache.locate(tokens).tiers[:n]
         got = self.cache.materialize(tokens, max_tokens=limit)
         assert got.num_tokens == len(got.tiers) * BLOCK
-        if set(located) <= {"cpu"}:
-            assert len(got.tiers) == n, (got.tiers, located)  # nothing promoted, so nothing evicted
-        else:
-            # Not more. (Fewer where its own promotions made room by evicting blocks of the
-            # chain not read yet: dropped, or demoted and then evicted off the disk, before
-            # or after their read in flight landed. No contract says a read keeps them.)
-            assert len(got.tiers) <= n, (got.tiers, located)
+        # All of it: a read's promotions (and their victims on the way down) evict no block of
+        # the chain it reads, so every block its lookup found is still there when it is reached.
+        assert len(got.tiers) == n, (got.tiers, located)
         n = len(got.tiers)
         for i in range(n):
             want = self._served(keys[i], tokens[: (i + 1) * BLOCK])

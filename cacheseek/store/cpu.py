@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from .lease import release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
-from .tier import BlockFrame, BlockInfo, MemoryTier, TierPutResult, Reservation
+from .tier import BlockFrame, BlockInfo, MemoryTier, Spared, TierPutResult, Reservation
 
 
 @dataclass(slots=True)
@@ -65,16 +66,17 @@ class CpuTier(MemoryTier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
-                 room_for: int = 0) -> list[TierPutResult]:
+                 room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """Store several frames. Host bytes are copied before this returns; device
         payloads are copied on their device's to-host stream, and this returns once the
         copies are issued. A frame that cannot be stored gets ``error`` set; the others
-        proceed. ``lease_stored``: each ``stored`` frame carries a lease on its slot."""
+        proceed. ``lease_stored``: each ``stored`` frame carries a lease on its slot.
+        ``spare``: blocks not to evict (``Tier.put_many``)."""
         results = [TierPutResult(stored=None) for _ in items]
         dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
         with self._lock:
             self._forget_landed()
-            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for)
+            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for, spare)
             copies = None  # device copies of this call, issued together
             try:
                 for (key, frame), result in zip(items, results):
@@ -82,9 +84,9 @@ class CpuTier(MemoryTier):
                         self._index.touch([key])
                         continue
                     try:
-                        slot = self._reserve(frame.nbytes, result.evicted)
+                        slot = self._reserve(frame.nbytes, result.evicted, spare)
                     except StorageError as exc:
-                        self._stats.write_errors += 1
+                        self._stats.write_errors += not isinstance(exc, Spared)
                         result.error = exc
                         continue
                     view = slot.view(frame.nbytes)
@@ -172,21 +174,23 @@ class CpuTier(MemoryTier):
                 rec.landing = None
                 del self._landing[key]
 
-    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> Slot:
-        """A slot for ``nbytes``, evicting blocks (into ``evicted``) until the budget
-        and the arena have room."""
+    def _reserve(self, nbytes: int, evicted: list[tuple[bytes, BlockFrame | None]],
+                 spare: Container[bytes] = ()) -> Slot:
+        """A slot for ``nbytes``, evicting blocks (into ``evicted``; none of ``spare``) until
+        the budget and the arena have room."""
         if nbytes > self.capacity_bytes:
             raise StorageError(f"{self.name} tier: a {nbytes}-byte frame exceeds the whole budget ({self.capacity_bytes})")
         if not self._fits_beside_pins(nbytes):
             raise self._no_room(nbytes)
-        while self._index.used_bytes + nbytes > self.capacity_bytes and self._index.evictable:
-            evicted += self._evict_one()
+        while self._index.used_bytes + nbytes > self.capacity_bytes and (gone := self._evict_one(spare)) is not None:
+            evicted += gone
         if self._index.used_bytes + nbytes > self.capacity_bytes:
-            raise self._no_room(nbytes)
+            raise self._spared(nbytes) if spare else self._no_room(nbytes)
         slot = self._arena.allocate(nbytes)
-        if slot is None and (self._victim_makes_room(nbytes) or self._arena.could_fit(nbytes, self._evictable_slots())):
-            while slot is None and self._index.evictable:
-                evicted += self._evict_one()
+        if slot is None and (self._victim_makes_room(nbytes, spare)
+                             or self._arena.could_fit(nbytes, self._evictable_slots(spare))):
+            while slot is None and (gone := self._evict_one(spare)) is not None:
+                evicted += gone
                 slot = self._arena.allocate(nbytes)
         if slot is None:
             raise StorageError(
@@ -196,23 +200,23 @@ class CpuTier(MemoryTier):
             )
         return slot
 
-    def _victim_makes_room(self, nbytes: int) -> bool:
+    def _victim_makes_room(self, nbytes: int, spare: Container[bytes] = ()) -> bool:
         """Whether evicting the next victim alone gives ``nbytes`` of room: its slot is as
         large and no reader leases it. The common case of a full tier whose chunks end in a
         gap no frame fits (the budget counts frames, the arena whole chunks), where
         ``could_fit``'s walk over every slot cost each put time in proportion to the tier."""
-        victim = self._index.victim()
+        victim = self._index.victim(spare)
         rec = self._records.get(victim) if victim is not None else None
         return rec is not None and not rec.slot.leases and not rec.slot.freed and rec.slot.nbytes >= _aligned(nbytes)
 
-    def _evictable_slots(self) -> list[Slot]:
+    def _evictable_slots(self, spare: Container[bytes] = ()) -> list[Slot]:
         pinned = self._index.is_pinned
-        return [rec.slot for key, rec in self._records.items() if not pinned(key)]
+        return [rec.slot for key, rec in self._records.items() if not pinned(key) and key not in spare]
 
-    def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = self._index.victim()
+    def _evict_one(self, spare: Container[bytes] = ()) -> list[tuple[bytes, BlockFrame | None]] | None:
+        victim = self._index.victim(spare)
         if victim is None:
-            return []
+            return None
         rec = self._records[victim]
         if not self._landed(victim, rec):
             return []  # dropped: its copy failed, so there is nothing to demote
@@ -365,8 +369,9 @@ class CpuTier(MemoryTier):
                     self._free_landed(slot, landing)
                     continue
                 if self._fits_beside_pins(meta.nbytes):
-                    while self._index.used_bytes + meta.nbytes > self.capacity_bytes and self._index.evictable:
-                        result.evicted += self._evict_one()
+                    while self._index.used_bytes + meta.nbytes > self.capacity_bytes and \
+                            (gone := self._evict_one()) is not None:
+                        result.evicted += gone
                 # Still past the budget with nothing left to evict: pinned blocks, or a frame
                 # larger than the whole budget (a reservation may hold one: it lends the reserve).
                 if self._index.used_bytes + meta.nbytes > self.capacity_bytes:

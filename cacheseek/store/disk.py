@@ -92,7 +92,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Container, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -628,9 +628,10 @@ class DiskTier(IndexedTier):
         self._reserved -= n
         self._reserved_pinned -= mine.pinned_nbytes
 
-    def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+    def _evict_one(self, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> bool:
         """Give up the policy's victim into ``evicted``, read first when the tier below takes
-        demotions. Under the lock, with something evictable.
+        demotions; False where only blocks ``spare`` names are left to give up. Under the
+        lock, with something evictable.
 
         A victim that cannot be read for want of a descriptor or memory is kept, and
         ``_Unreadable`` raised: it may be the only copy of an acknowledged block, and the
@@ -638,8 +639,10 @@ class DiskTier(IndexedTier):
         no block to hand down: dropped and counted corrupt. One the disk fails to read (an
         I/O error) is evicted without its bytes, counted in ``read_errors``: kept, it
         would hold the tier full for good, since no read of it succeeds either."""
-        victim = self._index.victim()
-        assert victim is not None  # (called only while the index holds an evictable block, under the lock)
+        victim = self._index.victim(spare)
+        if victim is None:
+            assert spare  # (called only while the index holds an evictable block, under the lock)
+            return False
         frame_v = None
         if self.demote_evicted:
             try:
@@ -659,7 +662,7 @@ class DiskTier(IndexedTier):
                     self._stats.corrupt += 1
                     log.warning("%s tier: block %s, the next to evict, is damaged on disk (%s): not handed down, "
                                 "its files removed", self.name, victim.hex(), exc)
-                    return
+                    return True
                 else:
                     self._stats.read_errors += 1
                     log.warning("%s tier: evicting block %s, whose read failed (%s): not handed down", self.name,
@@ -668,20 +671,24 @@ class DiskTier(IndexedTier):
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1
         evicted.append((victim, frame_v))
+        return True
 
-    def _make_room(self, n: int, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+    def _make_room(self, n: int, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> None:
         """Evict (into ``evicted``) until ``n`` bytes more fit or nothing is left to evict.
         Under the lock. A victim kept for a shortage (``_evict_one``) refuses the write that
-        needed its room: ``StorageError``, counted in ``write_errors``."""
+        needed its room: ``StorageError``, counted in ``write_errors``; so does a block of
+        ``spare`` (``Spared``, not counted)."""
         self._shed_others(self._index.used_bytes + self._reserved + n)
         while self._index.used_bytes + self._reserved + n > self.capacity_bytes and self._index.evictable:
             try:
-                self._evict_one(evicted)
+                gave_up = self._evict_one(evicted, spare)
             except _Unreadable as exc:
                 self._stats.write_errors += 1
                 raise StorageError(f"{self.name} tier: no room for a {n}-byte frame: {exc}") from None
+            if not gave_up:
+                raise self._spared(n)
 
-    def _trim(self, evicted: list[tuple[bytes, BlockFrame | None]]) -> None:
+    def _trim(self, evicted: list[tuple[bytes, BlockFrame | None]], spare: Container[bytes] = ()) -> None:
         """Evict until the budget holds again. Under the lock, after indexing a write: a
         claim cannot evict blocks still being written by other threads, so concurrent writes
         may together overshoot it; the last of them to be indexed evicts the excess. A
@@ -690,7 +697,8 @@ class DiskTier(IndexedTier):
         self._shed_others(self._index.used_bytes)
         while self._index.used_bytes > self.capacity_bytes and self._index.evictable:
             try:
-                self._evict_one(evicted)
+                if not self._evict_one(evicted, spare):
+                    return
             except _Unreadable:
                 return
 
@@ -801,19 +809,19 @@ class DiskTier(IndexedTier):
             raise result.error
         return result
 
-    def _put_result(self, key: bytes, frame: BlockFrame) -> TierPutResult:
+    def _put_result(self, key: bytes, frame: BlockFrame, spare: Container[bytes] = ()) -> TierPutResult:
         """One frame's put, its failure in the result with the blocks it evicted (handed
         down all the same: a put that fails after evicting must not lose its victims)."""
         self._refit_if_due()
         evicted: list[tuple[bytes, BlockFrame | None]] = []
         try:
             try:
-                result = self._put_one(key, frame, evicted)
+                result = self._put_one(key, frame, evicted, spare)
             except _NoSpace:
                 # The filesystem is fuller than the budget knew: the budget comes down to
                 # what it can hold, and the write goes again, evicting for its room.
                 self._refit(full=True)
-                result = self._put_one(key, frame, evicted)
+                result = self._put_one(key, frame, evicted, spare)
         except StorageError as exc:
             if isinstance(exc, _NoSpace):  # (its second try: the first is not counted)
                 self.count(write_errors=1)
@@ -821,9 +829,9 @@ class DiskTier(IndexedTier):
         result.evicted = evicted
         return result
 
-    def _put_one(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]]
-                 ) -> TierPutResult:
-        """``put``, once; victims go into ``evicted`` (also when it raises)."""
+    def _put_one(self, key: bytes, frame: BlockFrame, evicted: list[tuple[bytes, BlockFrame | None]],
+                 spare: Container[bytes] = ()) -> TierPutResult:
+        """``put``, once; victims go into ``evicted`` (also when it raises), none of ``spare``."""
         segments = frame.wire_segments()  # seals the frame if it is not yet
         meta = frame.meta
         n = self.charge(meta.nbytes)
@@ -838,12 +846,12 @@ class DiskTier(IndexedTier):
             if pending is None:
                 self._refuse_beside_pins(key, n)
                 self._forget_other(key)  # (its files are about to be written over)
-                self._make_room(n, evicted)
+                self._make_room(n, evicted, spare)
                 mine = self._writing[key] = self._hold_room(key, n)
         if pending is not None:
             # Waited for outside the lock: that write takes the lock to commit.
             answer = self._await(key, pending)
-            return answer if answer is not None else self._put_one(key, frame, evicted)
+            return answer if answer is not None else self._put_one(key, frame, evicted, spare)
         data_path, side_path = self._paths(key)
         try:
             self._write_atomic(data_path, segments)
@@ -864,7 +872,7 @@ class DiskTier(IndexedTier):
                 self._index.add(key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position, n))
                 self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1
-                self._trim(evicted)
+                self._trim(evicted, spare)
                 self._sync_counts()
         if refused is not None:
             self._undo_write(key, mine, n, (side_path, data_path), refused, renamed=True)
@@ -873,13 +881,17 @@ class DiskTier(IndexedTier):
         return TierPutResult(stored=frame, evicted=evicted)  # now sealed: later tiers reuse it as is
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
-                 room_for: int = 0) -> list[TierPutResult]:
+                 room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """Store several frames, committed together (see the module's docstring); a failure
         is reported in its result, not raised. Every block is durable, or failed, on return.
         Room is made for all the new frames (and ``room_for`` bytes more: the caller's later
-        writes of the same call) before the first is claimed (``_make_room_for_call``)."""
+        writes of the same call) before the first is claimed (``_make_room_for_call``).
+        ``spare``: blocks not to evict (``Tier.put_many``), for a promotion or its victims on
+        their way down: one frame at a time, each making its own room."""
         try:
             with self._open_call():
+                if spare:
+                    return [self._put_result(key, frame, spare) for key, frame in items]
                 room = self._make_room_for_call(items, room_for)
                 results = self._put_group(items)
         except _Closed as exc:

@@ -16,6 +16,11 @@ ancestors are pinned too, and the walk down to a leaf below an unpinned block ne
 a pinned one. With every block pinned there is no victim: the tier refuses the write
 (``StorageError``) rather than loop.
 
+Spared blocks: ``victim(spare)`` names no block of ``spare``, for one call of the tier
+(a read's promotions spare the chain it reads, which it has not all taken yet): the
+policy's order walked past them, nothing changed in it. Where only spared (or pinned)
+blocks are left to give up, there is no victim, and that call is refused.
+
 The chain invariant, for every policy: a chain loses its tail before its head. A block's
 uses are a subset of its parent's (a request that reaches a block passed through its whole
 prefix), so a descendant is never worth more than its ancestor. ``victim`` therefore
@@ -40,7 +45,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from ..errors import ConfigError
@@ -172,9 +177,14 @@ class EvictionIndex(ABC):
             if key in entries and key not in pinned:
                 self._used(key)
 
-    def victim(self) -> bytes | None:
+    def victim(self, spare: Container[bytes] = ()) -> bytes | None:
         """The block to evict next: a leaf at or below the policy's choice (see the module
-        doc); None when nothing may be evicted (empty, or every block pinned)."""
+        doc); None when nothing may be evicted (empty, or every block pinned). ``spare``:
+        blocks this call must not give up, as if pinned for it alone (the chain a read
+        promotes for): the policy's first choice of the others, and a leaf below it none of
+        them; None when every block is pinned or spared, or above one that is."""
+        if spare:
+            return self._victim_sparing(spare)
         key = self._pick()
         if key is None:
             return None
@@ -193,6 +203,25 @@ class EvictionIndex(ABC):
                     break
             key = nxt
         return key
+
+    def _victim_sparing(self, spare: Container[bytes]) -> bytes | None:
+        # The policy's order walked past the spared blocks (one step each: a read's chain is
+        # short beside a tier); a choice whose every way down meets one is passed over too,
+        # since giving it up would leave a spared block there with no parent.
+        kids = self._kids
+        pinned = self._pinned
+        for key in self._pick_order():
+            if key in spare:
+                continue
+            for _ in range(len(self._entries)):
+                below = kids.get(key)
+                if below is None:
+                    return key
+                nxt = next((k for k in below if k not in spare and k not in pinned), None)
+                if nxt is None:
+                    break
+                key = nxt
+        return None
 
     def keep_order(self) -> list[bytes]:
         """The blocks stored here, the ones this tier would keep longest first: the pinned

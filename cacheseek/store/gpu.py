@@ -5,6 +5,7 @@ A hit costs a decode and nothing else: no copy crosses PCIe.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 import torch
@@ -43,19 +44,19 @@ class GpuTier(MemoryTier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
-                 room_for: int = 0) -> list[TierPutResult]:
+                 room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """As ``Tier.put_many``, with room made for all of the call's new frames (and
         ``room_for`` bytes more) before the first is added (``_make_room``), so that none of
         them is a victim of the next."""
         results = [TierPutResult(stored=None) for _ in items]
         with self._lock:
-            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for)
+            self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for, spare)
         for (key, frame), result in zip(items, results):
             with self._lock:
-                self._put(key, frame, result)
+                self._put(key, frame, result, spare)
         return results
 
-    def _put(self, key: bytes, frame: BlockFrame, result: TierPutResult) -> None:
+    def _put(self, key: bytes, frame: BlockFrame, result: TierPutResult, spare: Container[bytes] = ()) -> None:
         """Store one frame into ``result`` (under the lock). A frame refused after blocks were
         evicted for it (the device out of memory) keeps them in ``result.evicted``: raised
         with them, they would be in no tier, never handed down."""
@@ -71,11 +72,13 @@ class GpuTier(MemoryTier):
             self._stats.write_errors += 1
             result.error = self._no_room(frame.nbytes)
             return
-        while self._index.used_bytes + frame.nbytes > self.capacity_bytes and self._index.evictable:
-            result.evicted += self._evict_one()
+        while self._index.used_bytes + frame.nbytes > self.capacity_bytes and \
+                (gone := self._evict_one(spare)) is not None:
+            result.evicted += gone
         if self._index.used_bytes + frame.nbytes > self.capacity_bytes:
-            self._stats.write_errors += 1
-            result.error = self._no_room(frame.nbytes)
+            if not spare:
+                self._stats.write_errors += 1
+            result.error = self._spared(frame.nbytes) if spare else self._no_room(frame.nbytes)
             return
         try:
             payload = payload_on_device(frame, self.device)
@@ -91,10 +94,10 @@ class GpuTier(MemoryTier):
         self._sync_counts()
         result.stored = BlockFrame(frame.meta, device_payload=payload, sealed=sealed)
 
-    def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        victim = self._index.victim()
+    def _evict_one(self, spare: Container[bytes] = ()) -> list[tuple[bytes, BlockFrame | None]] | None:
+        victim = self._index.victim(spare)
         if victim is None:
-            return []
+            return None
         rec = self._records.pop(victim)
         self._index.remove(victim, evicted=True)
         self._stats.evictions += 1

@@ -217,8 +217,8 @@ class Prefetcher:
                     if got is not None:
                         got[0].release()  # promoted by the stream: the bytes are not read here
                         # Read does not mean promoted: a memory tier may have refused the copy
-                        # (full of pinned blocks, the parent not there): it counts only if memory
-                        # holds it now.
+                        # (full of pinned blocks or of this chain's own, the parent not there):
+                        # it counts only if memory holds it now.
                         results[i] = store.contains_many([keys[i]], memory)[0]
                     if i < len(mine) - 1:  # (the last lands with the slot given back: ``finally``)
                         self._settle([mine[i]], [futures[i]], [results[i]])

@@ -38,7 +38,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -330,9 +330,10 @@ class RedisTier(Tier):
         return result
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
-                 room_for: int = 0) -> list[TierPutResult]:
+                 room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """Store several frames: three round trips for the batch. A frame that cannot be
-        stored gets ``error`` set; with Redis unreachable, every frame does, at once."""
+        stored gets ``error`` set; with Redis unreachable, every frame does, at once.
+        (``spare``: ignored; Redis chooses its own victims.)"""
         batch = _Batch(items=list(items), results=[TierPutResult(stored=None) for _ in items])
         for i, (key, frame) in enumerate(batch.items):
             if frame.nbytes > self.capacity_bytes:

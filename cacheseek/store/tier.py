@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol, TypeVar
@@ -152,6 +152,12 @@ class TierStats:
         return out
 
 
+class Spared(StorageError):
+    """A write refused because its room would have cost a block its call spares (``spare``:
+    the chain a read promotes for): an expected outcome, not a write error. The read serves
+    the block from the tier below it, where it still is."""
+
+
 @dataclass(slots=True)
 class TierPutResult:
     """``stored``: the frame as this tier now holds it (None if it was already there).
@@ -236,13 +242,16 @@ class Tier(ABC):
     def keys(self) -> list[bytes]: ...
 
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
-                 room_for: int = 0) -> list[TierPutResult]:
+                 room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """Store several frames; a failure is reported in its result, not raised.
         ``lease_stored``: a ``stored`` frame that lies in this tier's memory carries a lease
         on it (the caller reads it, and releases it); else it may be read only until this
         tier can evict it (no other thread uses the tier meanwhile). ``room_for``: bytes of
         the caller's later writes of the same call, evicted for now by the memory and disk
-        tiers (``_make_room``); Redis evicts for each frame as it comes."""
+        tiers (``_make_room``); Redis evicts for each frame as it comes. ``spare``: blocks
+        this call must not evict (``EvictionIndex.victim``); a frame with no room without
+        them fails with ``Spared``. A tier without a local index (Redis), which does not
+        choose its victims, ignores it."""
         out = []
         for key, frame in items:
             try:
@@ -303,9 +312,10 @@ class Tier(ABC):
         """The bytes the budget counts for a frame of ``nbytes`` (``BlockInfo.charge``)."""
         return nbytes
 
-    def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
+    def holds_with_room(self, parent: bytes, nbytes: int, spare: Container[bytes] = ()) -> bool:
         """Whether a chain's block whose parent is ``parent`` may be promoted into this tier
-        (``IndexedTier``: the parent stored here, and not the victim that would make room)."""
+        (``IndexedTier``: the parent stored here, and not the victim that would make room,
+        ``spare`` spared)."""
         return self.contains(parent)
 
     def victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
@@ -419,23 +429,24 @@ class IndexedTier(Tier):
         with self._lock:
             return self._index.children(key)
 
-    def holds_with_room(self, parent: bytes, nbytes: int) -> bool:
-        """Whether ``parent`` is stored here and a frame of ``nbytes`` would not evict it first:
-        where a chain's next block may go up without leaving a tail with no head."""
+    def holds_with_room(self, parent: bytes, nbytes: int, spare: Container[bytes] = ()) -> bool:
+        """Whether ``parent`` is stored here and a frame of ``nbytes`` would not evict it first
+        (``spare`` spared): where a chain's next block may go up without leaving a tail with
+        no head."""
         with self._lock:
             if parent not in self._index:
                 return False
-            fits, victim = self._victim_for(nbytes)
+            fits, victim = self._victim_for(nbytes, spare)
             return fits or victim != parent
 
     def victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
         with self._lock:
             return self._victim_for(nbytes)
 
-    def _victim_for(self, nbytes: int) -> tuple[bool, bytes | None]:
+    def _victim_for(self, nbytes: int, spare: Container[bytes] = ()) -> tuple[bool, bytes | None]:
         if self._index.used_bytes + self._writing_bytes() + self.charge(nbytes) <= self.capacity_bytes:
             return True, None
-        return False, self._index.victim()
+        return False, self._index.victim(spare)
 
     def _writing_bytes(self) -> int:
         """Bytes of frames being written, not yet indexed, that hold room (under the lock)."""
@@ -457,6 +468,12 @@ class IndexedTier(Tier):
         written), which are never evicted. Asked before evicting anything for a frame: one
         that cannot fit would otherwise cost the tier its evictable blocks for nothing."""
         return self._index.pinned_bytes + in_flight + nbytes <= self.capacity_bytes
+
+    def _spared(self, nbytes: int) -> Spared:
+        """Why a frame does not fit once nothing but the blocks its call spares (and pinned
+        ones) is left to evict."""
+        return Spared(f"{self.name} tier: no room for a {nbytes}-byte frame without evicting blocks this write "
+                      "spares (the chain being read)")
 
     def _no_room(self, nbytes: int, *, in_flight: int = 0) -> StorageError:
         """Why a frame does not fit once nothing more may be evicted (everything left is pinned;
@@ -490,10 +507,12 @@ class MemoryTier(IndexedTier):
     (``_make_room``), each victim given up by ``_evict_one``."""
 
     @abstractmethod
-    def _evict_one(self) -> list[tuple[bytes, BlockFrame | None]]:
-        """Evict the index's victim (under the lock); the evicted (key, frame) pairs."""
+    def _evict_one(self, spare: Container[bytes] = ()) -> list[tuple[bytes, BlockFrame | None]] | None:
+        """Evict the index's victim (under the lock; ``spare`` spared); the evicted (key, frame)
+        pairs. None: nothing left that may be evicted (every block pinned or spared)."""
 
-    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0) -> None:
+    def _make_room(self, items: list[tuple[bytes, int]], results: list[TierPutResult], extra: int = 0,
+                   spare: Container[bytes] = ()) -> None:
         """Evict for every new frame of a call, ``items`` (key, bytes), and ``extra`` bytes more
         (the rest of the caller's own writes, still on their way), before the first is added,
         so that none of them is a victim of the next. Added one by one, each evicting for
@@ -502,12 +521,13 @@ class MemoryTier(IndexedTier):
         blocks already gone (and, for frames whose copy is in flight, wait for it). Victims
         go in the first new frame's result; a call that cannot fit whole (larger than the
         budget, or than the room beside the pins) leaves each frame to evict for itself.
-        Under the lock, in tiers whose ``_evict_one()`` returns its victims."""
+        Under the lock, in tiers whose ``_evict_one()`` returns its victims. ``spare``: as
+        ``put_many``'s (a call that cannot fit beside them leaves each frame to its own try)."""
         new = {key: n for key, n in items if key not in self._index}
         need = sum(new.values()) + extra
         if not new or need > self.capacity_bytes or not self._fits_beside_pins(need):
             return
         first = next(r for (key, _), r in zip(items, results) if key in new)
-        while self._index.used_bytes + need > self.capacity_bytes and self._index.evictable:
-            first.evicted += self._evict_one()
+        while self._index.used_bytes + need > self.capacity_bytes and (gone := self._evict_one(spare)) is not None:
+            first.evicted += gone
 

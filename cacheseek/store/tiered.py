@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Container, Generator, Iterable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from itertools import compress
@@ -54,7 +54,7 @@ from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
-from .tier import BlockFrame, BlockInfo, ClosingIterator, MemoryTier, TierPutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, ClosingIterator, TierPutResult, Reservation, Tier
 
 
 DURABLE = "durable"
@@ -382,11 +382,14 @@ class TieredStore:
                 use_filter.refuse(frame.nbytes)
         return out
 
-    def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]], since: int) -> None:
+    def _demote(self, level: int, evicted: list[tuple[bytes, BlockFrame | None]], since: int,
+                spare: Container[bytes] = ()) -> None:
         """Hand ``evicted`` down to the tier below ``level``. ``since``: the deletes done
         before the write that evicted them began (``_deletes_done``). A victim is in no tier
         while it moves, so a delete meanwhile misses it: a copy below that such a delete may
-        have missed is deleted again, else the block would come back after its delete."""
+        have missed is deleted again, else the block would come back after its delete.
+        ``spare``: a read's promotion made the room (``_promote_up``): the room the victims
+        take below spares the same blocks."""
         if level + 1 >= len(self.tiers):
             return
         below = self.tiers[level + 1]
@@ -401,13 +404,13 @@ class TieredStore:
                     # The filter holds back only this tier's write: a tier further down that
                     # would have had the block from it (write-back) still gets it now.
                     if below.demote_evicted:
-                        self._demote(level + 1, [(key, frame)], since)
+                        self._demote(level + 1, [(key, frame)], since, spare)
                     continue
             if not below.accepts_device_frames:
                 frame = _on_host(frame)
             # A failure is in the result (counted by the tier), with whatever the put evicted
             # first: handed down all the same.
-            result = below.put_many([(key, frame)])[0]
+            result = _put_sparing(below, [(key, frame)], spare)[0]
             if result.stored is not None:
                 self._landed(below, key, since)
             down = result.evicted
@@ -416,7 +419,7 @@ class TieredStore:
                 # down too. Dropped here, an acknowledged block would leave the store before
                 # its last tier, which may well have room.
                 down = [*down, (key, frame)]
-            self._demote(level + 1, down, since)
+            self._demote(level + 1, down, since, spare)
 
     def _landed(self, tier: Tier, key: bytes, since: int) -> bool:
         """After a put from above stored ``key`` in ``tier`` (a demotion, a drain): counted as
@@ -431,11 +434,17 @@ class TieredStore:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def get(self, key: bytes, *, promote: bool | None = None,
-            join_prefetches: bool = True) -> tuple[BlockFrame, str] | None:
+    def get(self, key: bytes, *, promote: bool | None = None, join_prefetches: bool = True,
+            spare: Container[bytes] = ()) -> tuple[BlockFrame, str] | None:
         """The frame from the fastest tier holding it, and that tier's name. A block a
         prefetch is promoting is waited for, then read from memory (``join_prefetches``).
-        The caller releases the frame's lease (``frame.release()``, ``with frame:``)."""
+        The caller releases the frame's lease (``frame.release()``, ``with frame:``).
+
+        ``spare``: the chain this read is one block of (a caller that reads a chain a block
+        at a time: the server's prefix stream): the promotion evicts none of its blocks, in
+        the tiers it goes up into nor in those its victims go down into (else it could evict
+        the chain's next block, held in memory alone, before the caller reached it). Where
+        there is no room but theirs, the block is not promoted: served from where it is."""
         promote = self.promote_on_hit if promote is None else promote
         if join_prefetches:
             for fut in self.prefetcher.waiting([key]).values():
@@ -443,18 +452,19 @@ class TieredStore:
                 self.prefetcher.note_waited(1)
         since = self._deletes_done()
         mark = None if self.moves is None else self.moves.mark()
-        got = self._get_one(key, promote, since)
+        got = self._get_one(key, promote, since, spare)
         if got is None and mark is not None and self.moves is not None and self.moves.overlapped(mark):
-            got = self._get_one(key, promote, since)
+            got = self._get_one(key, promote, since, spare)
         return got
 
-    def _get_one(self, key: bytes, promote: bool, since: int) -> tuple[BlockFrame, str] | None:
+    def _get_one(self, key: bytes, promote: bool, since: int,
+                 spare: Container[bytes] = ()) -> tuple[BlockFrame, str] | None:
         for level, tier in enumerate(self.tiers):
             frame = tier.get(key)
             if frame is None:
                 continue
             if promote and level > 0:
-                self._promote_held(key, frame, level, since)
+                self._promote_held(key, frame, level, since, spare)
             return frame, tier.name
         return None
 
@@ -497,46 +507,47 @@ class TieredStore:
         gone from its tier since is looked for in the others. The caller releases each
         frame's ``lease`` (where it has one) once done with its bytes; ``leased=False``: disk
         frames get buffers of their own, not pooled ones. Close the iterator if you stop
-        early: reads not handed out are cancelled or given back."""
+        early: reads not handed out are cancelled or given back.
+
+        ``keys`` are read as one chain: the promotions evict none of them (as ``get``'s
+        ``spare``), so a block held only in memory is still there when the read reaches it."""
         promote = self.promote_on_hit if promote is None else promote
         since = self._deletes_done()
         names = list(self.locate(keys) if where is None else where)
         keys = list(keys[: len(names)])
         waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
         level_of = {t.name: i for i, t in enumerate(self.tiers)}
-        lowest = max((level_of[name] for name in names), default=0)
         streams: dict[str, ClosingIterator[BlockFrame | None]] = {}
         for tier in self.tiers:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
             if mine:
                 streams[tier.name] = tier.stream(mine, leased=leased)
-                if promote and isinstance(tier, MemoryTier) and lowest > level_of[tier.name]:
-                    # Every frame in hand now, its slot leased: this read's promotions from
-                    # the tiers below make room here as any put does, and gave up blocks of
-                    # the chain before the read reached them (a block held only here: gone).
-                    # (A read from memory alone promotes nothing: streamed as it goes.)
-                    streams[tier.name] = _InHand(streams[tier.name])
         return _Merged(self._merge(keys, names, streams, waiting, level_of, promote, join_prefetches, since),
                        streams)
 
     def _merge(self, keys: list[bytes], names: list[str], streams: dict[str, ClosingIterator[BlockFrame | None]],
                waiting: dict[bytes, Any], level_of: dict[str, int], promote: bool, join: bool, since: int
                ) -> Generator[tuple[BlockFrame, str] | None, None, None]:
+        # ``keys``, which this read's promotions spare: made at the first block that may be
+        # promoted (a read from the top tier alone makes none).
+        spare: frozenset[bytes] = frozenset()
         try:
             for key, name in zip(keys, names):
                 fut = waiting.get(key)
+                frame = next(streams[name], None) if fut is None else None
+                level = level_of[name]
+                if promote and not spare and (frame is None or level > 0):
+                    spare = frozenset(keys)
                 if fut is not None:
                     fut.result()  # the prefetch's read of it: landed (and promoted) or given up
                     self.prefetcher.note_waited(1)
-                    yield self.get(key, promote=promote, join_prefetches=False)
+                    yield self.get(key, promote=promote, join_prefetches=False, spare=spare)
                     continue
-                frame = next(streams[name], None)
                 if frame is None:  # gone from there since: any other tier
-                    yield self.get(key, promote=promote, join_prefetches=join)
+                    yield self.get(key, promote=promote, join_prefetches=join, spare=spare)
                     continue
-                level = level_of[name]
                 if promote and level > 0:
-                    self._promote_held(key, frame, level, since)
+                    self._promote_held(key, frame, level, since, spare)
                 yield frame, name
         finally:
             for it in streams.values():
@@ -550,32 +561,36 @@ class TieredStore:
         is nothing to do or too many prefetches are in flight)."""
         return self.prefetcher.start(keys)
 
-    def _promote_held(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
+    def _promote_held(self, key: bytes, frame: BlockFrame, level: int, since: int,
+                      spare: Container[bytes] = ()) -> None:
         """``_promote`` a frame the caller is about to get: released here if that fails."""
         try:
-            self._promote(key, frame, level, since)
+            self._promote(key, frame, level, since, spare)
         except BaseException:
             frame.release()
             raise
 
-    def _promote(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
+    def _promote(self, key: bytes, frame: BlockFrame, level: int, since: int, spare: Container[bytes] = ()) -> None:
         with self._moving():
-            self._promote_up(key, frame, level, since)
+            self._promote_up(key, frame, level, since, spare)
 
-    def _promote_up(self, key: bytes, frame: BlockFrame, level: int, since: int) -> None:
+    def _promote_up(self, key: bytes, frame: BlockFrame, level: int, since: int,
+                    spare: Container[bytes] = ()) -> None:
         # A block goes up only beside its parent, and stays only if its parent was not what
         # made room for it: else it would be a tail with no head there, and once the tiers
         # below gave the head up, a block stored that no lookup reaches (a chain longer than
         # a tier, read whole, promoted its tail over its own middle).
+        # ``spare`` (the chain being read): not evicted for the copy, nor for its victims on
+        # their way down; a tier with no room but theirs refuses it (``Spared``).
         parent, root = frame.meta.parent_hash, frame.meta.position == 0
         for upper in range(level):
             tier = self.tiers[upper]
-            if not root and not tier.holds_with_room(parent, frame.meta.nbytes):
+            if not root and not tier.holds_with_room(parent, frame.meta.nbytes, spare):
                 continue
             # put_many, not put: a put that fails after evicting (an arena whose slots readers
             # hold, a device out of memory) still hands back its victims, which go down below.
             try:
-                result = tier.put_many([(key, frame if tier.accepts_device_frames else _on_host(frame))])[0]
+                result = _put_sparing(tier, [(key, frame if tier.accepts_device_frames else _on_host(frame))], spare)[0]
             except StorageError:
                 continue
             if result.stored is not None:
@@ -586,7 +601,7 @@ class TieredStore:
                     tier.delete(key)
                 else:
                     tier.count(promotions=1)
-            self._demote(upper, result.evicted, since)
+            self._demote(upper, result.evicted, since, spare)
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         """The fastest tier holding each key of the longest stored prefix of ``keys``."""
@@ -1269,38 +1284,6 @@ class _Merged:
                     close()
 
 
-class _InHand:
-    """A tier's stream read whole when made (``TieredStore.stream``): its frames handed out in
-    order; ``close()`` releases those not handed out."""
-
-    __slots__ = ("_frames",)
-
-    def __init__(self, stream: ClosingIterator[BlockFrame | None]) -> None:
-        self._frames: deque[BlockFrame | None] = deque()
-        try:
-            for frame in stream:
-                self._frames.append(frame)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            stream.close()
-
-    def __iter__(self) -> _InHand:
-        return self
-
-    def __next__(self) -> BlockFrame | None:
-        if not self._frames:
-            raise StopIteration
-        return self._frames.popleft()
-
-    def close(self) -> None:
-        while self._frames:
-            frame = self._frames.popleft()
-            if frame is not None:
-                frame.release()
-
-
 def _room_in(tier: Tier, room_for: int, frames: list[tuple[bytes, BlockFrame]]) -> int:
     """``room_for`` (bytes of frames as the top tier counts them) as ``tier``'s budget counts
     them: in frames the size of the largest of ``frames`` (a call's frames are of one size,
@@ -1311,6 +1294,11 @@ def _room_in(tier: Tier, room_for: int, frames: list[tuple[bytes, BlockFrame]]) 
     size = max(frame.nbytes for _, frame in frames)
     charge = tier.charge(size)
     return room_for if charge == size else -(-room_for // size) * charge
+
+
+def _put_sparing(tier: Tier, items: list[tuple[bytes, BlockFrame]], spare: Container[bytes]) -> list[TierPutResult]:
+    """``tier.put_many(items)``, evicting none of ``spare`` (asked only where there is one)."""
+    return tier.put_many(items, spare=spare) if spare else tier.put_many(items)
 
 
 def _hold(result: TierPutResult, held: list[Lease | None]) -> None:

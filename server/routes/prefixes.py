@@ -64,9 +64,17 @@ async def get_prefix(caller: Reader, hash: Hash, request: Request, service: Serv
         traffic.materialize_requests += 1
 
     leases: list[Lease | None] = []  # every frame's fetched; those not released sooner, by the response when it is over
+    # The chain, which a frame's promotion from below (disk into memory) must not evict: the
+    # next frames are taken one by one, and one held in memory alone would be gone before
+    # this read reached it. Made at the first frame read below memory (one from memory alone
+    # promotes nothing).
+    spare: frozenset[bytes] | None = None
 
     def stored(key: bytes):
-        got = service.get_stored(key, leases)
+        nonlocal spare
+        if spare is None:
+            spare = frozenset(k for k, _ in whole)
+        got = service.get_stored(key, leases, spare=spare)
         return got[0] if got is not None else None
 
     def fetch(key: bytes) -> asyncio.Future:
