@@ -468,6 +468,8 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     # each rank loaded its own 4 blocks between steps, whole
     assert (workers["loads"], workers["load_tokens"], workers.get("load_failures", 0)) == (3, 3 * 1024, 0), why
     assert workers["load_background_calls"] == 3, why
+    # each rank saved prompt 0 and the uncached run, not the prefix it had just loaded
+    assert workers["save_calls"] == 6, workers
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
     tier = res["server"]["tiers"][0]
     assert tier["unique_blocks"] == tier["blocks"] == 12 and tier["hits"] == 12
