@@ -461,7 +461,8 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     res = result(engines, "tensor_parallel")
     workers = res["workers"]  # the three ranks' counters, summed
     # (the counters say why a load fell short: the scheduler's, a lookup failed, skipped or
-    # deferred; the workers', a rank's load failed or was refused, a save failed before it)
+    # deferred; the workers', a rank's load raised (load_errors), was not made (loads_refused:
+    # a call, a save's say, had failed just before) or came back short (the rest))
     why = (res["loaded"], res["scheduler"], workers)
     assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024, why
     assert res["scheduler"]["lookup_hit_tokens"] == 1024

@@ -941,6 +941,7 @@ def test_a_server_that_is_down_fails_no_request_and_rests():
         assert side.take_failed_blocks() == {0, 1, 2, 3}  # vLLM recomputes the whole load
     st = side.stats
     assert st.load_failures == 2 and st.load_failed_tokens == 128 and st.save_failures == 2
+    assert (st.load_errors, st.loads_refused) == (1, 1)  # step 1's call raised; step 2's was not made
     assert side.guard.breaker is not None and not side.guard.allow()  # resting: step 2 made no call
     close_cache(config, cache)
 
