@@ -459,9 +459,18 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     the prefix's 4 blocks under its own keys (12 distinct blocks of one head each), loads
     its own back, and the output equals the uncached one."""
     res = result(engines, "tensor_parallel")
-    # (the scheduler's counters say why a load fell short: a lookup failed, skipped, deferred)
-    assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024, (res["loaded"], res["scheduler"])
+    workers = res["workers"]  # the three ranks' counters, summed
+    # (the counters say why a load fell short: the scheduler's, a lookup failed, skipped or
+    # deferred; the workers', a rank's load raised (load_errors), was not made (loads_refused:
+    # a call, a save's say, had failed just before) or came back short (the rest))
+    why = (res["loaded"], res["scheduler"], workers)
+    assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024, why
     assert res["scheduler"]["lookup_hit_tokens"] == 1024
+    # each rank loaded its own 4 blocks between steps, whole
+    assert (workers["loads"], workers["load_tokens"], workers.get("load_failures", 0)) == (3, 3 * 1024, 0), why
+    assert workers["load_background_calls"] == 3, why
+    # each rank saved prompt 0 and the uncached run, not the prefix it had just loaded
+    assert workers["save_calls"] == 6, workers
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
     tier = res["server"]["tiers"][0]
     assert tier["unique_blocks"] == tier["blocks"] == 12 and tier["hits"] == 12

@@ -872,6 +872,64 @@ def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loa
         close_cache(config, cache)
 
 
+def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded(tmp_path):
+    """vLLM's asynchronous load done, vLLM admits the request again (update_state_after_alloc,
+    no external tokens this time) and runs it from the loaded tokens. That admission started
+    the request over: the step that ran it saved the loaded prefix again (every block
+    encoded again and looked up, to be found present: on every rank, after every such
+    load). A load that fell short is saved from where vLLM resumes it, as before."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(7000, 7097))  # 3 full blocks of 32, and a token
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 5})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
+                              background_loads=True)
+        nothing = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                  scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
+
+        def request(req_id):
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        def step(req_id, computed):
+            new = [SimpleNamespace(req_id=req_id, num_computed_tokens=computed)]
+            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={req_id: 97 - computed},
+                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+        # vLLM resumes the request where its load ended: all of it, or (the worker reported
+        # blocks 1 and 2) block 0
+        for req_id, resumed_at, saved in (("whole", 96, []), ("short", 32, [96])):
+            req = request(req_id)
+            assert sched.matched_tokens(req, 0) == 96
+            sched.after_alloc(req, 96)
+            assert [spec.req_id for spec in sched.plan(nothing).background_loads] == [req_id]
+            sched.after_alloc(req, 0)  # the load reported done: vLLM admits the request again
+            plan = step(req_id, resumed_at)
+            assert not plan.loads and not plan.background_loads
+            assert [len(spec.token_ids) for spec in plan.saves] == saved, req_id
+            sched.finished(req)
+        # A load that fell short from its first block: vLLM frees the blocks and asks again.
+        req = request("failed")
+        assert sched.matched_tokens(req, 0) == 96
+        sched.after_alloc(req, 96)
+        sched.plan(nothing)
+        assert sched.matched_tokens(req, 0) == 0
+        sched.after_alloc(req, 0)
+        assert [len(spec.token_ids) for spec in step("failed", 0).saves] == [96]
+        assert sched.stats.lookup_hit_tokens == 3 * 96 and sched.stats.lookups == 3
+        sched.close()
+        close_cache(config, cache)
+
+
 def test_a_server_that_is_down_fails_no_request_and_rests():
     config, cache, side = worker_of_a_dead_server()
     tokens = list(range(64))
@@ -883,6 +941,7 @@ def test_a_server_that_is_down_fails_no_request_and_rests():
         assert side.take_failed_blocks() == {0, 1, 2, 3}  # vLLM recomputes the whole load
     st = side.stats
     assert st.load_failures == 2 and st.load_failed_tokens == 128 and st.save_failures == 2
+    assert (st.load_errors, st.loads_refused) == (1, 1)  # step 1's call raised; step 2's was not made
     assert side.guard.breaker is not None and not side.guard.allow()  # resting: step 2 made no call
     close_cache(config, cache)
 

@@ -573,9 +573,11 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     """Tensor parallelism over three worker processes (vLLM's multiprocessing executor; one
     of SmolLM2's three KV heads each), through a server: prompt 0 computed and stored (each
     rank its own shard of the heads, under its own keys), vLLM's cache reset, prompt 1 loads
-    the prefix on every rank; compared with prompt 1 computed without any cache. Only the
-    scheduler side's counters are read: the workers live in their own processes."""
+    the prefix on every rank; compared with prompt 1 computed without any cache. The
+    workers live in their own processes: their counters are read as vLLM hands them to the
+    scheduler, summed over the ranks."""
     llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp")
+    workers = workers_counted(llm)
     eng = Engine(llm, job.get("max_tokens", 8))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"stored": eng.run(ps[0], read=False)}
@@ -585,7 +587,28 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     eng.reset()
     out.update(loaded_and_uncached(eng, ps[1]))
     out["scheduler"] = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector.stats()
+    out["workers"] = dict(workers)
     return out
+
+
+def workers_counted(llm: Any) -> dict[str, float]:
+    """The workers' connector counters (``ConnectorStats`` fields), summed over the ranks,
+    kept up to date: each step's output carries every worker's changes since the last
+    (``get_kv_connector_stats``), which vLLM adds up across the ranks before its scheduler
+    reads them. Counted here as the scheduler takes the step's output."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    totals: dict[str, float] = {}
+    take = scheduler.update_from_output
+
+    def counted(scheduler_output: Any, model_output: Any) -> Any:
+        connector_output = getattr(model_output, "kv_connector_output", None)
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        for name, value in (stats.data if stats is not None else {}).items():
+            totals[name] = totals.get(name, 0) + value
+        return take(scheduler_output, model_output)
+
+    scheduler.update_from_output = counted
+    return totals
 
 
 def stored_blocks(url: str, want: int) -> None:

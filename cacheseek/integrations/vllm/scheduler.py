@@ -254,6 +254,15 @@ class SchedulerSide:
 
     def after_alloc(self, request: Any, num_external_tokens: int) -> None:
         """vLLM admitted ``request`` and took ``num_external_tokens`` of the offered hit."""
+        state = self._requests.get(request.request_id)
+        if state is not None and state.loading and not num_external_tokens:
+            # Admitted again once its load between steps has ended (whole, short, or failed
+            # from the first block and asked again): it goes on from what the load wrote,
+            # which the store holds. Started over, its first step saved the loaded prefix
+            # again (encoded and looked up on every rank, to be found present); plan()
+            # sets ``saved`` back to where vLLM resumes it.
+            self._unaligned.pop(request.request_id, None)
+            return
         hit = self._lookups.pop(request.request_id, NO_HIT)
         self._unaligned.pop(request.request_id, None)
         supported = unsupported_reason(request) is None

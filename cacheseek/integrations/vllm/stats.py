@@ -28,6 +28,8 @@ class ConnectorStats:
     loads: int = 0  # requests whose prefix was loaded into pages
     load_tokens: int = 0  # tokens written into pages
     load_failures: int = 0  # requests whose load fell short (error, or blocks gone since the lookup)
+    load_errors: int = 0  # of load_failures, those whose call raised (server down or timed out, a decode failed)
+    loads_refused: int = 0  # of load_failures, those not asked: the server failed recently (breaker open)
     load_failed_tokens: int = 0  # tokens vLLM was told to recompute
     load_failed_blocks: int = 0  # vLLM blocks reported back to the scheduler
     load_seconds: float = 0.0  # host time in the loads' calls (layer-wise: start, the forward's waits, close)

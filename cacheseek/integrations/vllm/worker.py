@@ -189,6 +189,7 @@ class WorkerSide:
         self.stats.load_layerwise_calls += 1
         nothing = [spec.start for spec in specs]
         if not self.guard.allow():
+            self.stats.loads_refused += len(specs)
             self._account(specs, nothing, time.perf_counter() - t0)
             return
         try:
@@ -196,6 +197,7 @@ class WorkerSide:
             written = [max(spec.start, min(got.num_tokens, spec.end)) for spec, got in zip(specs, handle.requests)]
             self.guard.success()
         except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
+            self.stats.load_errors += len(specs)
             self.guard.failure("load", exc)
             self._account(specs, nothing, time.perf_counter() - t0)
             return
@@ -253,6 +255,7 @@ class WorkerSide:
             run.error = run.error or run.handle.error
         written = run.written
         if run.error is not None:
+            self.stats.load_errors += len(run.specs)
             self.guard.failure("layer-wise load", run.error)
             written = [spec.start for spec in run.specs]
             if run.read_before_error:
@@ -317,7 +320,10 @@ class WorkerSide:
             # guard refusing every call for its probe timeout.
             if error is None:
                 self.guard.success()
-            elif error is not _REFUSED:
+            elif error is _REFUSED:
+                self.stats.loads_refused += len(specs)
+            else:
+                self.stats.load_errors += len(specs)
                 self.guard.failure("load", error)
             self._account(specs, written, seconds)
             self.stats.load_background_calls += 1
@@ -344,13 +350,16 @@ class WorkerSide:
         pages = self._pages()
         t0 = time.perf_counter()
         written = [spec.start for spec in specs]
-        if self.guard.allow():
+        if not self.guard.allow():
+            self.stats.loads_refused += len(specs)
+        else:
             try:
                 got = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine)
                 written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
                 self.guard.success()
             except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
                 written = [spec.start for spec in specs]
+                self.stats.load_errors += len(specs)
                 self.guard.failure("load", exc)
         self._account(specs, written, time.perf_counter() - t0)
         return written
