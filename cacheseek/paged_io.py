@@ -224,12 +224,11 @@ def ingest_results(call: PagedCall, found: Sequence[bool], durability: str
     return (results, *count_found(call, found, results))
 
 
-def new_results(call: PagedCall, durability: str | None = None) -> list[IngestResult]:
+def new_results(call: PagedCall, durability: str = "durable") -> list[IngestResult]:
     """One empty ``IngestResult`` per request of a hashed call: its blocks (and tokens)
     from its start on, those before it being an earlier call's."""
     B, starts = call.block_tokens, call.starts or [0] * len(call.hashes)
-    extra = {} if durability is None else {"durability": durability}
-    return [IngestResult(blocks=len(h) - s, stored=0, present=0, tokens=(len(h) - s) * B, **extra)
+    return [IngestResult(blocks=len(h) - s, stored=0, present=0, tokens=(len(h) - s) * B, durability=durability)
             for h, s in zip(call.hashes, starts)]
 
 
