@@ -50,10 +50,12 @@ computes the rest. A layer-wise load that fails part way (a layer group's decode
 has written some layers of its blocks and not others: every block of every load of the
 step is reported, from each load's start, even if the forward has read some layers of
 them by then (the step's output for those requests is then discarded by vLLM, as for any
-failed load; see docs/vllm.md). A save that fails is dropped; so is the save of a request
-whose load failed in the same step, because its new KV was computed over the missing
-blocks, and of any request whose blocks include those (a prefix hit vLLM gave it on the
-blocks being loaded).
+failed load; see docs/vllm.md). A save starts where the request's earlier saves ended
+(``SaveSpec.start``: chunked prefill stores each chunk's blocks once). A save that fails
+is dropped (its blocks go again with the request's next save, ``_resave_from``; a last
+save's are lost); so is the save of a request whose load failed in the same step, because
+its new KV was computed over the missing blocks, and of any request whose blocks include
+those (a prefix hit vLLM gave it on the blocks being loaded).
 """
 
 from __future__ import annotations
