@@ -152,7 +152,8 @@ class PrefixCache(PrefixCacheBase):
         page_ids)`` each), their new blocks encoded together: launches are cut by the data
         path's batching, never per request. Bad input in any request raises ``InputError``
         naming it, and nothing of the call is stored. ``wait=False``: as ``ingest``'s (not
-        with ``layerwise``, as for ``RemoteCache``).
+        with ``layerwise``, as for ``RemoteCache``). A request's ``start``: the blocks
+        before it, an earlier call's, are hashed only (``PagedRequest``).
 
         ``layerwise=True``: a writer (``layerwise_save.PagedLayerwiseSave``) instead, made
         before the forward writes the pages: ``put_layer(i)`` once layer ``i``'s pages are

@@ -367,7 +367,8 @@ class RemoteCache(PrefixCacheBase):
         before the forward runs rather than after it.
         ``wait=False`` (not with ``layerwise``): as ``ingest``'s, a ``Future`` of the
         results, returned once the pages are read; every block is encoded, the server's
-        lookup comes after."""
+        lookup comes after. A request's ``start``: the blocks before it, an earlier call's,
+        are hashed only (neither looked up, encoded nor sent; ``PagedRequest``)."""
         self._check_open()
         if layerwise and not wait:
             raise InputError("wait=False: not with layerwise=True (a layer-wise writer's finish() is the call "
