@@ -411,10 +411,11 @@ class PagedLayerwiseSave(_SlotWriter):
         super().__init__(cache)
         self.requests, self.pages = requests, pages  # the caller's PagedRequests
         planned = paged_io.requests_of(requests)
-        call = paged_io.plan_ingest(cache.keys, self.layout, pages, planned, single=False)
+        call = paged_io.plan_ingest(cache.keys, self.layout, pages, planned, single=False,
+                                    starts=paged_io.starts_of(requests))
         paged_io.hash_requests(call, cache.keys, planned)
         hashes, parents, positions = call.flat()
-        self._found = cache.store.present_many(hashes) if hashes else []
+        self._found = paged_io.look_up_from_starts(call, hashes, cache.store.present_many)
         self._results, present, self._copies = paged_io.ingest_results(call, self._found, cache.store.durability)
         keep = [i for i, p in enumerate(present) if not p]
         every = call.every_row()

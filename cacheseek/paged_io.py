@@ -59,6 +59,10 @@ class PagedCall:
     tokens: list[int] = field(default_factory=list)  # tokens each request's keys name
     block_tokens: int = 0
     single: bool = False  # one request (``ingest`` / ``materialize_into``): parameters named bare
+    # An ingest's: per request its first block to store (``PagedRequest.start``); those
+    # before it an earlier call of the caller's stored: hashed (the chain's keys need
+    # them), never looked up, encoded nor sent. Empty: every request from block 0.
+    starts: list[int] = field(default_factory=list)
 
     def param(self, r: int, name: str) -> str:
         """How errors name parameter ``name`` of request ``r``: ``requests[1].max_tokens``
@@ -75,6 +79,12 @@ class PagedCall:
             parents += p
             positions += range(len(h))
         return hashes, parents, positions
+
+    def stored_before(self) -> list[bool]:
+        """Per block (``flat()`` order) whether it lies before its request's ``starts``."""
+        if not self.starts:
+            return [False] * sum(len(h) for h in self.hashes)
+        return [b < s for h, s in zip(self.hashes, self.starts) for b in range(len(h))]
 
     def request_of(self, row: int) -> int:
         return self.rows[row][0]
@@ -163,27 +173,63 @@ def hash_requests(call: PagedCall, keys: PrefixKeys, requests: Sequence[tuple[An
 
 
 def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Sequence[tuple[Any, Any, int | None]],
-                *, single: bool) -> PagedCall:
+                *, single: bool, starts: Sequence[Any] | None = None) -> PagedCall:
     """Plan an ingest: every full block of every request is read from its pages, so each
     page table must cover them. ``hash_requests`` hashes; ``use_rows`` picks the blocks to
-    encode (possibly before the hashing, so that a chain's tail can be launched first)."""
+    encode (possibly before the hashing, so that a chain's tail can be launched first).
+    ``starts``: each request's ``PagedRequest.start`` as given (``call.starts``)."""
     call = plan(keys, layout, pages, requests, single=single)
     B, P = keys.block_tokens, pages.page_size
     for r, (table, n) in enumerate(zip(call.tables, call.sizes)):
         if table.numel() * P < n * B:
             raise InputError(f"{call.param(r, 'page_ids')}: {table.numel()} pages of {P} tokens hold "
                              f"{table.numel() * P} tokens, but its keys name {n} full blocks ({n * B} tokens)")
+    if starts is not None and any(s != 0 for s in starts):
+        call.starts = ingest_starts(call, starts)
     return call
+
+
+def ingest_starts(call: PagedCall, starts: Sequence[Any]) -> list[int]:
+    """Each request's first block to store (``starts``: each one's ``start`` in tokens, as
+    given), in blocks; ``InputError`` naming the request for a start that is not a whole
+    number of blocks, or past the full blocks its keys name."""
+    B, out = call.block_tokens, []
+    for r, (given, n) in enumerate(zip(starts, call.sizes, strict=True)):
+        name = call.param(r, "start")
+        start = as_index(given)
+        if start is None or start < 0 or start % B:
+            raise InputError(f"{name}: expected a multiple of the block size {B} >= 0, got {given!r:.40}")
+        if start > n * B:
+            raise InputError(f"{name}: {start} tokens stored by an earlier call, but its keys name "
+                             f"{n} full blocks ({n * B} tokens)")
+        out.append(start // B)
+    return out
+
+
+def look_up_from_starts(call: PagedCall, hashes: Sequence[BlockHash], look_up: Any) -> list[bool]:
+    """``look_up`` (hashes -> a bool each) of the blocks from each request's start on;
+    per block (``flat()`` order) whether it was found, False for those before a start
+    (not asked)."""
+    before = call.stored_before()
+    asked = [key for key, b in zip(hashes, before) if not b]
+    got = iter(look_up(asked) if asked else [])
+    return [False if b else bool(next(got)) for b in before]
 
 
 def ingest_results(call: PagedCall, found: Sequence[bool], durability: str
                    ) -> tuple[list[IngestResult], list[bool], dict[bytes, list[IngestResult]]]:
     """Before a hashed call's ingest: one ``IngestResult`` per request, and what
     ``count_found`` gives for them."""
-    B = call.block_tokens
-    results = [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * B, durability=durability)
-               for h in call.hashes]
+    results = new_results(call, durability)
     return (results, *count_found(call, found, results))
+
+
+def new_results(call: PagedCall, durability: str = "durable") -> list[IngestResult]:
+    """One empty ``IngestResult`` per request of a hashed call: its blocks (and tokens)
+    from its start on, those before it being an earlier call's."""
+    B, starts = call.block_tokens, call.starts or [0] * len(call.hashes)
+    return [IngestResult(blocks=len(h) - s, stored=0, present=0, tokens=(len(h) - s) * B, durability=durability)
+            for h, s in zip(call.hashes, starts)]
 
 
 def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[IngestResult]
@@ -193,12 +239,19 @@ def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[Ingest
     requests with one prefix encode and write it once); and for each block met again, the
     results of the later requests holding it. They count the outcome of its one write
     (``count_outcome``'s ``copies``), not present before it runs: a write that fails must
-    not leave them saying the block is stored."""
+    not leave them saying the block is stored. A block before its request's start needs
+    none either, and counts nowhere (an earlier call stored it)."""
     present, i = list(found), 0
     copies: dict[bytes, list[IngestResult]] = {}
     seen: set[bytes] = set()
-    for result, hashes in zip(results, call.hashes):
-        for key in hashes:
+    starts = call.starts or [0] * len(call.hashes)
+    for result, hashes, start in zip(results, call.hashes, starts):
+        for b, key in enumerate(hashes):
+            if b < start:
+                # (not in ``seen``: another request holding it past its own start stores it)
+                present[i] = True
+                i += 1
+                continue
             if present[i]:
                 result.present += 1
             elif key in seen:
@@ -246,7 +299,8 @@ def load_starts(call: PagedCall, starts: Sequence[Any], block_tokens: int) -> li
 
 
 def starts_of(requests: Any) -> list[Any]:
-    """Each ``PagedRequest``'s ``start``, as given (``load_starts`` checks them)."""
+    """Each ``PagedRequest``'s ``start``, as given (``load_starts`` checks a load's,
+    ``ingest_starts`` an ingest's)."""
     return [r.start for r in as_requests(requests)]
 
 
@@ -404,5 +458,5 @@ def requests_of(kv_or_requests: Any, single_keys: Any = None, max_tokens: int | 
 
 
 __all__ = ["PageSink", "PagedCall", "count_found", "decoder", "encode_frames", "encoded_batches", "hash_requests",
-           "ingest_results", "plan", "load_starts", "plan_ingest", "plan_load", "raise_bad_input", "requests_of",
-           "starts_of", "touch_found"]
+           "ingest_results", "ingest_starts", "look_up_from_starts", "new_results", "plan", "load_starts",
+           "plan_ingest", "plan_load", "raise_bad_input", "requests_of", "starts_of", "touch_found"]

@@ -291,7 +291,10 @@ class PagedRequest:
     which token on to write them: the blocks before ``start`` (a multiple of the block
     size) are in the pages already (an engine's own prefix hit, pages it may share with
     other requests), so they are neither fetched nor written, but must be stored for the
-    blocks after them to load."""
+    blocks after them to load. To ``ingest_batch``, ``start`` says the blocks before it
+    were stored by an earlier call of the caller's (a prompt saved chunk by chunk): they
+    are hashed, as the chain's keys need them, but neither looked up, encoded nor sent,
+    and the ``IngestResult`` counts the blocks from ``start`` on."""
 
     keys: Any
     page_ids: Any

@@ -152,7 +152,8 @@ class PrefixCache(PrefixCacheBase):
         page_ids)`` each), their new blocks encoded together: launches are cut by the data
         path's batching, never per request. Bad input in any request raises ``InputError``
         naming it, and nothing of the call is stored. ``wait=False``: as ``ingest``'s (not
-        with ``layerwise``, as for ``RemoteCache``).
+        with ``layerwise``, as for ``RemoteCache``). A request's ``start``: the blocks
+        before it, an earlier call's, are hashed only (``PagedRequest``).
 
         ``layerwise=True``: a writer (``layerwise_save.PagedLayerwiseSave``) instead, made
         before the forward writes the pages: ``put_layer(i)`` once layer ``i``'s pages are
@@ -165,7 +166,8 @@ class PrefixCache(PrefixCacheBase):
         if layerwise:
             self._check_paged()
             return PagedLayerwiseSave(self, requests, pages)
-        results = self._ingest_paged(paged_io.requests_of(requests), pages, single=False)
+        results = self._ingest_paged(paged_io.requests_of(requests), pages, single=False,
+                                     starts=paged_io.starts_of(requests))
         return results if wait else _done(results)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -175,12 +177,14 @@ class PrefixCache(PrefixCacheBase):
         return True
 
     def _ingest_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
-                      planned: paged_io.PagedCall | None = None) -> list[IngestResult]:
+                      planned: paged_io.PagedCall | None = None, starts: list[Any] | None = None
+                      ) -> list[IngestResult]:
         """``planned``: the call checked and hashed already (a layer-wise writer's, made
-        before the forward), whose requests are then not read again."""
+        before the forward), whose requests are then not read again. ``starts``: each
+        request's ``PagedRequest.start`` (``paged_io.ingest_starts``)."""
         self._check_paged()
         call = planned if planned is not None else paged_io.plan_ingest(self.keys, self.layout, pages, requests,
-                                                                        single=single)
+                                                                        single=single, starts=starts)
         every = call.every_row()
         in_place = None
         if planned is None and single and every and ingest_in_place.applies(self.store, pages.device):
@@ -193,7 +197,7 @@ class PrefixCache(PrefixCacheBase):
             if planned is None:
                 paged_io.hash_requests(call, self.keys, requests)
             hashes, parents, positions = call.flat()
-            found = self.store.present_many(hashes) if hashes else []
+            found = paged_io.look_up_from_starts(call, hashes, self.store.present_many)
         except BaseException:
             if in_place is not None:
                 in_place.abandon()

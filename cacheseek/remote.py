@@ -367,22 +367,24 @@ class RemoteCache(PrefixCacheBase):
         before the forward runs rather than after it.
         ``wait=False`` (not with ``layerwise``): as ``ingest``'s, a ``Future`` of the
         results, returned once the pages are read; every block is encoded, the server's
-        lookup comes after."""
+        lookup comes after. A request's ``start``: the blocks before it, an earlier call's,
+        are hashed only (neither looked up, encoded nor sent; ``PagedRequest``)."""
         self._check_open()
         if layerwise and not wait:
             raise InputError("wait=False: not with layerwise=True (a layer-wise writer's finish() is the call "
                              "that sends; call ingest_batch(requests, pages, wait=False) after the forward instead)")
-        call = self._plan_paged(paged_io.requests_of(requests), pages, single=False)
+        call = self._plan_paged(paged_io.requests_of(requests), pages, single=False,
+                                starts=paged_io.starts_of(requests))
         if layerwise:
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
                                         self.layout.num_layers)
         return self._ingest_planned(call) if wait else self._write_behind_paged(call)
 
-    def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool
-                    ) -> paged_io.PagedCall:
+    def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
+                    starts: list[Any] | None = None) -> paged_io.PagedCall:
         """Every request checked and hashed (``InputError`` naming the request); nothing sent."""
         self._check_paged()
-        call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single)
+        call = paged_io.plan_ingest(self.keys, self.layout, pages, requests, single=single, starts=starts)
         paged_io.hash_requests(call, self.keys, requests)
         return call
 
@@ -395,8 +397,7 @@ class RemoteCache(PrefixCacheBase):
         return results
 
     def _results(self, call: paged_io.PagedCall) -> list[IngestResult]:
-        return [IngestResult(blocks=len(h), stored=0, present=0, tokens=len(h) * self.block_tokens)
-                for h in call.hashes]
+        return paged_io.new_results(call)
 
     def _dropped(self, results: list[IngestResult], exc: RemoteUnavailable) -> None:
         """An outage met by a write: raised, or (``on_unavailable="miss"``) every block not
@@ -412,12 +413,19 @@ class RemoteCache(PrefixCacheBase):
 
     def _send_paged(self, call: paged_io.PagedCall, results: list[IngestResult]) -> None:
         hashes, parents, positions = call.flat()
-        if not hashes:
+        before = call.stored_before()
+        if all(before):  # (no block, or none past its request's start)
             return
-        found = self._write_lookup(hashes)
+        answer: dict[str, Any] = {}
+
+        def look_up(asked: list[BlockHash]) -> list[bool]:
+            answer.update(self._write_lookup(asked))
+            return answer["present"]
+
+        found = paged_io.look_up_from_starts(call, hashes, look_up)
         for result in results:
-            result.durability = found.get("durability", result.durability)
-        present, copies = paged_io.count_found(call, found["present"], results)  # twice in this call: sent once
+            result.durability = answer.get("durability", result.durability)
+        present, copies = paged_io.count_found(call, found, results)  # twice in this call: sent once
         keep = [i for i, p in enumerate(present) if not p]
         if not keep:
             return

@@ -875,3 +875,68 @@ def test_page_tables_on_a_gpu_reach_the_host_in_one_copy_per_call():
             torch.cuda.set_sync_debug_mode(0)
     assert sum("synchroniz" in str(w.message) for w in caught) == 1
     assert [t.tolist() for t in call.tables] == tables
+
+
+def check_ingest_from_start(cache, monkeypatch, *, wait: bool = True, layerwise: bool = False) -> None:
+    """``PagedRequest.start`` in an ingest: the blocks before it (an earlier call's) are
+    hashed, never looked up, encoded nor sent; the result counts the blocks from it on;
+    the chain is found whole; a head not stored leaves the tail stored past a gap; a bad
+    start names the request and stores nothing. (tests/test_remote.py runs it over HTTP.)"""
+    from cacheseek.pages import PagedSource
+
+    layout = cache.layout
+    L_, H_, D_ = layout.num_layers, layout.num_kv_heads, layout.head_dim
+    page, num_pages = 16, 40
+    sizes = [4 * BLOCK, 2 * BLOCK, 4 * BLOCK]
+    toks = [tokens_for(300 + r, n) for r, n in enumerate(sizes)]
+    pages, _ = engine_pages("flash", L_, H_, D_, num_pages, page, layout.torch_dtype)
+    tables = page_tables(sizes, page, num_pages, seed=11)
+    for r, (n, ids) in enumerate(zip(sizes, tables)):
+        write_tokens(pages, store_helpers.make_kv(n, 300 + r, layout, device=DEVICE), ids)
+    encoded = []
+    encode = PagedSource.encode
+    monkeypatch.setattr(PagedSource, "encode", lambda self, codec, first, n, views, *a, **kw:
+                        encoded.append(n) or encode(self, codec, first, n, views, *a, **kw))
+
+    def ingest(requests):
+        if layerwise:
+            writer = cache.ingest_batch(requests, pages, layerwise=True)
+            for i in range(L_):
+                writer.put_layer(i)
+            return writer.finish()
+        got = cache.ingest_batch(requests, pages, wait=wait)
+        return got if wait else got.result(timeout=60)
+
+    def counts(results):
+        return [(r.blocks, r.stored, r.present, r.failed, r.tokens) for r in results]
+
+    ingest([cs.PagedRequest(toks[0][: 2 * BLOCK], tables[0])])  # the earlier call: the head
+    assert cache.lookup(toks[0]) == 2 * BLOCK
+    encoded.clear()
+    results = ingest([cs.PagedRequest(toks[0], tables[0], start=2 * BLOCK), cs.PagedRequest(toks[1], tables[1])])
+    assert counts(results) == [(2, 2, 0, 0, 2 * BLOCK), (2, 2, 0, 0, 2 * BLOCK)]
+    if not layerwise:  # (a layer-wise writer encodes through its own slots)
+        assert sum(encoded) == 4  # the 2 new blocks of each: the head is not encoded again
+    assert cache.lookup(toks[0]) == 4 * BLOCK  # the chain, whole
+    # A start past every full block: nothing to store.
+    assert counts(ingest([cs.PagedRequest(toks[0], tables[0], start=4 * BLOCK)])) == [(0, 0, 0, 0, 0)]
+    # A head not stored (evicted since): the tail is stored past the gap, found once the head is.
+    results = ingest([cs.PagedRequest(toks[2], tables[2], start=2 * BLOCK)])
+    assert counts(results) == [(2, 2, 0, 0, 2 * BLOCK)] and cache.lookup(toks[2]) == 0
+    assert counts(ingest([cs.PagedRequest(toks[2], tables[2])])) == [(4, 2, 2, 0, 4 * BLOCK)]
+    assert cache.lookup(toks[2]) == 4 * BLOCK
+    other = tokens_for(400, 2 * BLOCK)
+    for bad, why in ((BLOCK + 1, r"^requests\[1\]\.start: expected a multiple of the block size 32 >= 0, got 33"),
+                     (True, r"^requests\[1\]\.start: expected a multiple of the block size"),
+                     (3 * BLOCK, r"^requests\[1\]\.start: 96 tokens stored by an earlier call, but its keys name "
+                                 r"2 full blocks \(64 tokens\)")):
+        with pytest.raises(cs.InputError, match=why):
+            ingest([cs.PagedRequest(other, tables[1]), cs.PagedRequest(toks[1], tables[1], start=bad)])
+        assert cache.lookup(other) == 0
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_an_ingest_from_start_stores_only_the_blocks_after_it(monkeypatch, layerwise):
+    monkeypatch.setattr("cacheseek.layerwise_save.MIN_SAVE_BYTES", 0)  # (the writer's slots, however small)
+    with make_cache(codec=cs.Raw(), cpu="8MiB") as cache:
+        check_ingest_from_start(cache, monkeypatch, layerwise=layerwise)

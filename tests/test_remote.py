@@ -434,6 +434,18 @@ def test_paged_load_from_start_through_a_server(srv, codec):
         check_start_skips_the_engines_own_blocks(cache, isinstance(codec, cs.Raw))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "behind"])
+def test_paged_ingest_from_start_through_a_server(srv, wait, monkeypatch):
+    """As embedded: the blocks before a start are neither looked up, encoded nor sent (with
+    ``wait=False`` too, which encodes before its lookup), and the server takes a tail whose
+    head it does not hold."""
+    from test_paged import check_ingest_from_start
+
+    with _remote(srv, cs.Raw(), namespace=f"ingest-start-{wait}") as cache:
+        check_ingest_from_start(cache, monkeypatch, wait=wait)
+
+
 def test_paged_calls_fail_open_like_the_others():
     """With ``on_unavailable="miss"`` a dead server makes the paged calls a miss and a dropped
     write (counted), and writes no page."""

@@ -424,6 +424,10 @@ def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):
     assert scheduler["lookup_hit_tokens"] == worker["load_tokens"] == 512 * res["preemptions"]
     assert worker["loads"] == res["preemptions"] and worker["load_failures"] == 0
     assert worker["save_failures"] == 0 and worker["saves_skipped"] == 0
+    # Prefilled in chunks of 512 tokens across the four prompts, each prompt's 4 full blocks
+    # are looked up and stored once: no save takes a block an earlier one of its request
+    # took (each chunk's save took the prefix from token 0 again: 7 blocks found present).
+    assert worker["save_blocks_stored"] == 16 and worker["save_blocks_present"] == 0
 
 
 def test_two_engines_share_a_prefix_through_a_server(engines):

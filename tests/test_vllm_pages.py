@@ -1226,3 +1226,101 @@ def test_a_lora_path_given_as_a_path_object_keys_as_its_text():
 
     assert unsupported_reason(request(Path("/adapters/sql-v1"))) is None
     assert extra_keys(request(Path("/adapters/sql-v1"))) == extra_keys(request("/adapters/sql-v1"))
+
+
+def chunked_steps(sched, req_id: str, prompt_len: int, chunk: int):
+    """vLLM's scheduler outputs for one request whose prompt runs in chunks of ``chunk``."""
+    from types import SimpleNamespace
+
+    for before in range(0, prompt_len, chunk):
+        first = before == 0
+        yield sched.plan(SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=req_id, num_computed_tokens=0)] if first else [],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[] if first else [req_id],
+                                                  num_computed_tokens=[] if first else [before]),
+            num_scheduled_tokens={req_id: min(chunk, prompt_len - before)}))
+
+
+def test_a_chunked_prompt_saves_each_block_once():
+    """Chunked prefill saves chunk by chunk, each save from where the last one ended: the
+    prompt's blocks are hashed whole, but each is looked up and encoded once (it was the
+    whole prefix again every chunk: 1 + 2 + ... + n blocks' worth for n chunks)."""
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+
+    side, cache = worker()
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], PageFormat("token", D, 32, 32)))
+    sched = SchedulerSide([cache], block_tokens=32, load=True, save=True,
+                          guard=StoreGuard(ConnectorConfig.from_extra({"codec": "raw"}), "scheduler"),
+                          block_ids=lambda req_id: [2, 7, 4, 1, 5])
+    tokens = list(range(3000, 3133))  # 4 full blocks of 32, and 5 tokens
+    req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                          mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+    assert sched.matched_tokens(req, 0) == 0
+    sched.after_alloc(req, 0)
+    saves = []
+    for plan in chunked_steps(sched, "r", len(tokens), 40):
+        saves += [(spec.start, len(spec.token_ids)) for spec in plan.saves]
+        side.start_step(plan)
+        side.finish_step(plan)
+    assert saves == [(0, 32), (32, 64), (64, 96), (96, 128)]
+    st = side.stats
+    assert (st.saves, st.save_blocks_stored, st.save_blocks_present, st.save_failures) == (4, 4, 0, 0)
+    assert cache.lookup(tokens) == 128  # the chain, whole
+    cache.close()
+
+
+class HeldSaves:
+    """A real PrefixCache whose ``ingest_batch(wait=False)`` answers when the test says
+    (``answer``), as a server's sender thread would; the starts of every call recorded."""
+
+    def __init__(self, cache: cs.PrefixCache) -> None:
+        self.cache, self.starts, self.held = cache, [], []
+
+    def ingest_batch(self, requests, pages, *, wait=True):
+        from concurrent.futures import Future
+
+        self.starts.append([r.start for r in requests])
+        future = Future()
+        self.held.append((requests, pages, future))
+        return future
+
+    def answer(self, i: int, ok: bool) -> None:
+        requests, pages, future = self.held[i]
+        if ok:
+            future.set_result(self.cache.ingest_batch(requests, pages))
+        else:
+            future.set_exception(RuntimeError("the server went away"))
+
+
+def test_the_blocks_of_a_lost_save_are_sent_again_by_the_requests_next_save():
+    """A save from where the last one ended must not leave a lost save's blocks unsent: the
+    worker sends them again with the request's next save (here background saves, one
+    answered after the next was made), until one that covers them is stored."""
+    inner, cache = worker()
+    held = HeldSaves(cache)
+    side = WorkerSide(held, guard=inner.guard, background_saves=True)
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], PageFormat("token", D, 32, 32)))
+    tokens = list(range(5000, 5160))
+    blocks = [2, 7, 4, 1, 5]
+
+    def step(start, end):
+        plan = StepPlan(saves=[SaveSpec("r", tokens[:end], blocks, start=start)])
+        side.start_step(plan)
+        side.finish_step(plan)
+
+    step(0, 32)
+    step(32, 64)  # made before the first is answered
+    held.answer(0, ok=False)
+    held.answer(1, ok=True)
+    step(64, 96)  # the first save's block goes again
+    held.answer(2, ok=True)
+    step(96, 128)
+    held.answer(3, ok=True)
+    side.start_step(StepPlan())
+    assert held.starts == [[0], [32], [0], [96]]
+    assert cache.lookup(tokens) == 128
+    st = side.stats
+    assert (st.save_failures, st.saves, st.save_blocks_stored, st.save_blocks_present) == (1, 3, 4, 1)
+    cache.close()

@@ -210,7 +210,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Loads between steps that are done; their missing blocks go out in
         # get_block_ids_with_load_errors, which vLLM asks next, in the same pass.
-        return None, self._worker_side().take_loaded() or None
+        worker = self._worker_side()
+        worker.forget(finished_req_ids)
+        return None, worker.take_loaded() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()

@@ -41,12 +41,15 @@ class LoadSpec:
 
 @dataclass(slots=True)
 class SaveSpec:
-    """Store the full blocks of ``token_ids`` (a prompt prefix) from the request's pages."""
+    """Store the full blocks of ``token_ids`` (a prompt prefix) from the request's pages,
+    from token ``start`` on (a whole number of store blocks): those before it an earlier
+    step's save stored (chunked prefill saves chunk by chunk), so they are hashed only."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     extra: ExtraKeys | None = None
+    start: int = 0
 
     @property
     def keys(self) -> Any:

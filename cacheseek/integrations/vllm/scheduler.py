@@ -20,8 +20,9 @@ objects, read through the few attributes named here.
   vLLM's own hit ends inside a store block, nothing is offered (``lookup_unaligned``), as
   writing that block would overwrite vLLM's own pages, which other requests share.
 - A prompt's full blocks are saved as soon as the step that computes them has run (chunked
-  prefill saves chunk by chunk). A request whose load failed is rolled back by vLLM; its
-  blocks are saved again once recomputed.
+  prefill saves chunk by chunk, each save from where the last one ended: ``SaveSpec.start``).
+  A request whose load failed is rolled back by vLLM; its blocks are saved again once
+  recomputed.
 - With a server (``lookup_wait_seconds`` set), a lookup runs on a thread of its own, every
   rank's at once, and ``matched_tokens`` waits for it that long at most: unanswered, it
   answers None, which vLLM takes as "ask again later" (it schedules other requests and
@@ -385,7 +386,12 @@ class SchedulerSide:
                 continue
             full = min(before + scheduled, len(state.prompt)) // self.block_tokens * self.block_tokens
             if full > state.saved:
-                plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra))
+                # From where the earlier steps' saves ended: each chunk's blocks are encoded
+                # and sent once, not the whole prefix again (a save that failed is the
+                # worker's to send again: WorkerSide.save).
+                start = state.saved // self.block_tokens * self.block_tokens
+                plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra,
+                                           start=start))
                 state.saved = full
         return plan
 

@@ -50,14 +50,17 @@ computes the rest. A layer-wise load that fails part way (a layer group's decode
 has written some layers of its blocks and not others: every block of every load of the
 step is reported, from each load's start, even if the forward has read some layers of
 them by then (the step's output for those requests is then discarded by vLLM, as for any
-failed load; see docs/vllm.md). A save that fails is dropped; so is the save of a request
-whose load failed in the same step, because its new KV was computed over the missing
-blocks, and of any request whose blocks include those (a prefix hit vLLM gave it on the
-blocks being loaded).
+failed load; see docs/vllm.md). A save starts where the request's earlier saves ended
+(``SaveSpec.start``: chunked prefill stores each chunk's blocks once). A save that fails
+is dropped (its blocks go again with the request's next save, ``_resave_from``; a last
+save's are lost); so is the save of a request whose load failed in the same step, because
+its new KV was computed over the missing blocks, and of any request whose blocks include
+those (a prefix hit vLLM gave it on the blocks being loaded).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -90,6 +93,7 @@ class RunningSave:
 
     plan: StepPlan  # the step's (the connector metadata bound for it)
     writer: Any  # a PagedLayerwiseSave over every save of the step; None: the step saves whole
+    specs: list[SaveSpec] = field(default_factory=list)  # the plan's saves, from where each must start
     seconds: float = 0.0  # host time in the save's calls (start, the layers, finish)
     error: BaseException | None = None
 
@@ -102,6 +106,10 @@ class WorkerSide:
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
         self._sending: list[tuple[list[SaveSpec], Future]] = []  # those saves, until their answer is counted
+        # Per request, the first token of a save that failed (or was dropped) and that no
+        # save since has covered: a save starts at the scheduler's SaveSpec.start (where its
+        # earlier saves ended), so what they lost is sent again from here by its next one.
+        self._resave_from: dict[str, int] = {}
         self.background_loads = background_loads
         self._loading: list[tuple[list[LoadSpec], Future]] = []  # loads between steps, until reported
         self._loader: ThreadPoolExecutor | None = None
@@ -153,6 +161,7 @@ class WorkerSide:
         for spec in plan.saves:
             if self._reads_unwritten(spec):
                 self.stats.saves_skipped += 1
+                self._lost([spec])
             else:
                 saves.append(spec)
         if self._finish_save(plan):
@@ -390,11 +399,14 @@ class WorkerSide:
             self.stats.load_failed_blocks += len(failed)
 
     def save(self, specs: list[SaveSpec]) -> None:
-        """Store the full blocks of every save from its pages, in one ``ingest_batch``
-        (blocks already stored are not encoded again)."""
+        """Store the full blocks of every save from its pages, from its start on (or from
+        where an earlier save of its request was lost), in one ``ingest_batch`` (blocks
+        already stored are not encoded again)."""
         pages = self._pages()
+        specs = self._resaved(specs)
         if not self.guard.allow():
             self.stats.save_failures += len(specs)
+            self._lost(specs)
             return
         t0 = time.perf_counter()
         try:
@@ -427,7 +439,37 @@ class WorkerSide:
 
     def _save_failed(self, specs: list[SaveSpec], exc: BaseException) -> None:
         self.stats.save_failures += len(specs)
+        self._lost(specs)
         self.guard.failure("save", exc)
+
+    def _resaved(self, specs: list[SaveSpec]) -> list[SaveSpec]:
+        """``specs``, each starting where an earlier save of its request was lost, if that
+        is before its own start."""
+        out = []
+        for spec in specs:
+            lost = self._resave_from.get(spec.req_id)
+            out.append(dataclasses.replace(spec, start=lost) if lost is not None and lost < spec.start else spec)
+        return out
+
+    def _lost(self, specs: list[SaveSpec]) -> None:
+        """The blocks of ``specs`` are not stored (a save failed, or was dropped): the next
+        save of each request sends them again."""
+        for spec in specs:
+            self._resave_from[spec.req_id] = min(spec.start, self._resave_from.get(spec.req_id, spec.start))
+        while len(self._resave_from) > MAX_RESAVES:  # (requests never reported finished)
+            del self._resave_from[next(iter(self._resave_from))]
+
+    def _stored(self, spec: SaveSpec) -> None:
+        """``spec`` was stored whole: a loss of its request's from ``spec.start`` on is made
+        good (later tokens are the scheduler's next saves'); one from before it, which a
+        save made before that loss was known did not cover, is not."""
+        if self._resave_from.get(spec.req_id, -1) >= spec.start:
+            del self._resave_from[spec.req_id]
+
+    def forget(self, req_ids: set[str]) -> None:
+        """vLLM finished ``req_ids``: no save of theirs comes again."""
+        for req_id in req_ids:
+            self._resave_from.pop(req_id, None)
 
     # -- a step's saves, layer by layer --------------------------------------------------
 
@@ -457,13 +499,13 @@ class WorkerSide:
     def _start_save(self, plan: StepPlan) -> RunningSave:
         """The step's writer; where it would not write into slots (nothing new worth them),
         or cannot be made, none: the step saves whole in ``wait_for_save``."""
-        running = RunningSave(plan, None)
+        running = RunningSave(plan, None, self._resaved(plan.saves))
         pages = self._pages()
         if not self.guard.allow():
             return running  # (wait_for_save's whole save counts it)
         t0 = time.perf_counter()
         try:
-            running.writer = self.cache.ingest_batch(self._save_requests(plan.saves, pages), pages.engine,
+            running.writer = self.cache.ingest_batch(self._save_requests(running.specs, pages), pages.engine,
                                                      layerwise=True)
         except Exception as exc:  # noqa: BLE001 - the whole save in wait_for_save reports what is wrong
             self._fell_back(f"the writer could not be made: {type(exc).__name__}: {exc}")
@@ -492,7 +534,7 @@ class WorkerSide:
                 running.error = exc
             else:
                 self.guard.success()
-                self._account_save(running.plan.saves, results)
+                self._account_save(running.specs, results)
                 self.stats.save_calls += 1
                 self.stats.save_layerwise_calls += 1
                 self.stats.save_seconds += running.seconds + time.perf_counter() - t0
@@ -518,15 +560,19 @@ class WorkerSide:
 
     def _account_save(self, specs: list[SaveSpec], results: list[Any]) -> None:
         self.stats.saves += len(specs)
-        for result in results:
+        for spec, result in zip(specs, results, strict=True):
             self.stats.save_blocks_stored += result.stored
             self.stats.save_blocks_present += result.present
             if result.failed:
                 self.stats.save_failures += 1
+                self._lost([spec])
+            else:
+                self._stored(spec)
 
     @staticmethod
     def _save_requests(specs: list[SaveSpec], pages: VllmPages) -> list[PagedRequest]:
-        return [PagedRequest(spec.keys, pages.page_table(spec.block_ids, len(spec.token_ids))) for spec in specs]
+        return [PagedRequest(spec.keys, pages.page_table(spec.block_ids, len(spec.token_ids)), start=spec.start)
+                for spec in specs]
 
     def _pages(self) -> VllmPages:
         if self.pages is None:
@@ -534,6 +580,7 @@ class WorkerSide:
         return self.pages
 
 
+MAX_RESAVES = 4096  # requests with a lost save remembered (vLLM reports each finished: forget)
 _REFUSED = RuntimeError("not asked: the server failed recently")  # a load the guard refused
 
 
