@@ -1035,7 +1035,8 @@ def test_a_batch_s_fetch_threads_exit_once_idle_stay_through_a_loop_and_end_at_c
     import cacheseek.remote as remote_module
     from paged_helpers import engine_pages, page_tables, write_tokens
 
-    monkeypatch.setattr(remote_module, "FETCH_IDLE_SECONDS", 0.3, raising=False)
+    # Idle long enough that a loaded machine's next batch comes first; short for a test.
+    monkeypatch.setattr(remote_module, "FETCH_IDLE_SECONDS", 2.0, raising=False)
     L, H, D, dtype = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, LAYOUT.torch_dtype
     sizes = [BLOCK] * 4
     toks = [tokens_for(180 + r, n) for r, n in enumerate(sizes)]
@@ -1060,10 +1061,12 @@ def test_a_batch_s_fetch_threads_exit_once_idle_stay_through_a_loop_and_end_at_c
     assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4
     first = fetchers()
     assert 1 <= len(first) <= 4, first
-    for _ in range(3):  # a hot loop: the same threads, none started again
+    for _ in range(3):  # a hot loop: the threads kept (more started only while all are busy)
         assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4
-        assert fetchers() == first
-    assert gone(first, within=5.0), "idle fetch threads still alive"
+        now = fetchers()
+        assert first <= now and len(now) <= 4, (first, now)
+    first = fetchers()
+    assert gone(first, within=15.0), "idle fetch threads still alive"
     assert [x.num_blocks for x in cache.materialize_into_batch(requests, dest)] == [1] * 4  # started again
     again = fetchers()
     assert again and not again & first
