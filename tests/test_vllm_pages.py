@@ -4,6 +4,8 @@ and the worker side's loads and saves between pages and a real ``PrefixCache``.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from hypothesis import given
@@ -827,6 +829,29 @@ def test_a_lookup_whose_request_is_gone_before_its_answer_still_answers_the_guar
         close_cache(config, cache)
 
 
+@contextmanager
+def _scheduler_over_a_server(tmp_path, tokens):
+    """A scheduler side over a real server that holds the first 96 ``tokens`` (3 blocks of
+    32), its loads between steps, each request given pages 0-6."""
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
+                                             "lookup_wait_seconds": 5})
+        cache = open_cache(config, layout, "m", cs.Shard())
+        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
+        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
+                              background_loads=True)
+        try:
+            yield sched
+        finally:
+            sched.close()
+            close_cache(config, cache)
+
+
 def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loading_again(tmp_path):
     """vLLM's asynchronous load that failed from its first block (the worker's guard
     resting, a chain the worker cannot read): vLLM frees the request's blocks and asks
@@ -836,19 +861,8 @@ def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loa
     preempted is looked up afresh, as before."""
     from types import SimpleNamespace
 
-    from cacheseek.integrations.vllm.scheduler import SchedulerSide
-    from server_helpers import Server
-
-    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
     tokens = list(range(6000, 6097))  # 3 full blocks of 32, and a token
-    with Server(tmp_path) as srv:
-        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
-                                             "lookup_wait_seconds": 5})
-        cache = open_cache(config, layout, "m", cs.Shard())
-        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
-        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
-                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
-                              background_loads=True)
+    with _scheduler_over_a_server(tmp_path, tokens) as sched:
         req = SimpleNamespace(request_id="r", prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
                               mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
 
@@ -868,8 +882,6 @@ def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loa
         assert sched.stats.lookups == 1
         # Ran, then preempted: its hit is looked up again.
         assert sched.matched_tokens(req, 0) == 96 and sched.stats.lookups == 2
-        sched.close()
-        close_cache(config, cache)
 
 
 def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded(tmp_path):
@@ -880,19 +892,8 @@ def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded
     load). A load that fell short is saved from where vLLM resumes it, as before."""
     from types import SimpleNamespace
 
-    from cacheseek.integrations.vllm.scheduler import SchedulerSide
-    from server_helpers import Server
-
-    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
     tokens = list(range(7000, 7097))  # 3 full blocks of 32, and a token
-    with Server(tmp_path) as srv:
-        config = ConnectorConfig.from_extra({"codec": "raw", "url": srv.url, "block_tokens": 32, "timeout_seconds": 30,
-                                             "lookup_wait_seconds": 5})
-        cache = open_cache(config, layout, "m", cs.Shard())
-        cache.ingest(tokens[:96], [(x, x + 1) for x in (torch.randn(1, H, 96, D) for _ in range(L))])
-        sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
-                              block_ids=lambda req_id: list(range(7)), lookup_wait_seconds=config.lookup_wait_seconds,
-                              background_loads=True)
+    with _scheduler_over_a_server(tmp_path, tokens) as sched:
         nothing = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
                                   scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
 
@@ -926,8 +927,6 @@ def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded
         sched.after_alloc(req, 0)
         assert [len(spec.token_ids) for spec in step("failed", 0).saves] == [96]
         assert sched.stats.lookup_hit_tokens == 3 * 96 and sched.stats.lookups == 3
-        sched.close()
-        close_cache(config, cache)
 
 
 def test_a_server_that_is_down_fails_no_request_and_rests():
