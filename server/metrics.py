@@ -385,6 +385,8 @@ _TIER_SERIES = {
     "admissions": ("admissions_total", "Blocks newly stored in the tier (ingest, write-through, promotion, demotion)",
                    "counter"),
     "promotions": ("promotions_total", "Blocks copied up into the tier on a hit below", "counter"),
+    "promotions_spared": ("promotions_spared_total", "Promotions into the tier not made: its only room was the "
+                          "chain being read (served from below)", "counter"),
     "demotions": ("demotions_total", "Blocks moved down into the tier on eviction above", "counter"),
     "corrupt": ("corrupt_frames_total", "Stored frames found corrupt (checksum, length, header): a miss, deleted",
                 "counter"),

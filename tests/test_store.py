@@ -1137,9 +1137,11 @@ def test_a_promotion_with_no_room_but_its_chain_s_is_skipped_and_the_block_serve
         stats = cpu.stats()
         if spared:
             assert cpu.keys() == keys[1:] and (stats.promotions, stats.write_errors, stats.evictions) == (0, 0, 0)
+            assert stats.promotions_spared == 1  # (an operator's one sign of it)
             assert store.locate(keys) == ["disk", "cpu", "cpu"]
         else:
             assert keys[0] in cpu.keys() and keys[2] not in cpu.keys() and stats.promotions == 1
+            assert stats.promotions_spared == 0
         store.close()
 
 

@@ -124,6 +124,9 @@ class TierStats:
     evictions: int = 0
     admissions: int = 0  # blocks newly stored here (ingest, write-through, promotion, demotion)
     promotions: int = 0
+    # Promotions into this tier not made: its only room was the chain being read (``spare``),
+    # the block served from the tier below instead.
+    promotions_spared: int = 0
     demotions: int = 0
     bytes_in: int = 0
     bytes_out: int = 0

@@ -54,7 +54,7 @@ from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
-from .tier import BlockFrame, BlockInfo, ClosingIterator, TierPutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, ClosingIterator, Spared, TierPutResult, Reservation, Tier
 
 
 DURABLE = "durable"
@@ -593,6 +593,8 @@ class TieredStore:
                 result = _put_sparing(tier, [(key, frame if tier.accepts_device_frames else _on_host(frame))], spare)[0]
             except StorageError:
                 continue
+            if isinstance(result.error, Spared):
+                tier.count(promotions_spared=1)
             if result.stored is not None:
                 # A delete since the read began (``since``) went by this tier before the put: the
                 # copy would bring back a block the delete answered for.
