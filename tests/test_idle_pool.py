@@ -25,6 +25,9 @@ def test_threads_stay_bounded_exit_when_idle_and_shutdown_cancels_the_queue():
     assert pool.threads == 2 and not running.acquire(timeout=0.1)  # two run, two queued
     gate.set()
     assert [f.result(5) for f in futures] == [0, 2, 4, 6]
+    # The two queued calls' starts, taken now: left counted, they would pass for the starts
+    # awaited below before those calls began (and the shutdown would cancel them).
+    assert running.acquire(timeout=5) and running.acquire(timeout=5) and not running.acquire(timeout=0)
     workers = [t for t in threading.enumerate() if t.name.startswith("test-idle")]
     for t in workers:
         t.join(5)
