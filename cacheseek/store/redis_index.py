@@ -800,5 +800,5 @@ def member_texts(members: Any) -> tuple[str, ...]:
 
 
 __all__ = ["DROP_FOUND_SCRIPT", "DROP_STALE_SCRIPT", "DROP_UNCOUNTED_SCRIPT", "FOREIGN_KEY", "GEN_FENCE_SECONDS",
-           "INDEX_SCRIPT", "ForeignKey", "IndexTotals", "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS", "SharedIndex",
-           "foreign_key", "index_types", "member_text", "member_texts"]
+           "INDEX_SCRIPT", "ForeignKey", "IndexTotals", "IndexUpdate", "LEGACY_OWNER", "PIN_LEASE_SECONDS",
+           "SharedIndex", "foreign_key", "index_types", "member_text", "member_texts"]

@@ -8,12 +8,13 @@ Storage (key names in ``redis_keys``):
   only by one atomic script, so every process sharing a namespace keeps one budget.
 
 Round trips: a lookup of a whole chain is one pipelined ``EXISTS`` (grouped per master by
-redis-py in a cluster), and so is a lookup of many (``TieredStore.locate_many``); a batch put is three (STRLEN + index script; the SETs and the
-victims' DELs; a check that the index still counts what was written); a touch is one
-(index script, plus ``PEXPIRE`` and a look at the pinned set when a TTL is set: a pin
-another process made meanwhile must not be left to expire), two with a TTL in a cluster
-(the look waits for the expiries there); a read is one pipelined ``GET`` (``GETRANGE``
-under ``max_frame_bytes``), plus an index call when a key is missing (to forget a ghost).
+redis-py in a cluster), and so is a lookup of many (``TieredStore.locate_many``); a batch
+put is three (STRLEN + index script; the SETs and the victims' DELs; a check that the index
+still counts what was written); a touch is one (index script, plus ``PEXPIRE`` and a look
+at the pinned set when a TTL is set: a pin another process made meanwhile must not be left
+to expire), two with a TTL in a cluster (the look waits for the expiries there); a read is
+one pipelined ``GET`` (``GETRANGE`` under ``max_frame_bytes``), plus an index call when a
+key is missing (to forget a ghost).
 
 Faults: every redis-py error is caught here. A read that fails is a miss, a write that
 fails raises ``StorageError`` (one result per frame in ``put_many``) and is counted as a
