@@ -51,14 +51,20 @@ def stored(store: TieredStore, keys) -> list[bool]:
     return store.contains_many(list(keys))
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-def test_an_index_never_names_a_pinned_victim(policy):
-    index = make_index(policy, 10_000)
-    chain = [bytes([i]) * 16 for i in range(5)]
+def indexed_chain(index, n: int) -> list[bytes]:
+    """A chain of ``n`` blocks of 100 bytes added to an eviction index, head first; its keys."""
+    chain = [bytes([i]) * 16 for i in range(n)]
     parent = bytes(16)
     for i, key in enumerate(chain):
         index.add(key, BlockInfo(100, 200, parent, i))
         parent = key
+    return chain
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_an_index_never_names_a_pinned_victim(policy):
+    index = make_index(policy, 10_000)
+    chain = indexed_chain(index, 5)
     other = bytes([9]) * 16
     index.add(other, BlockInfo(100, 200, bytes(16), 0))
     index.pin(chain[:3])  # a whole chain from its head, as the store pins
@@ -80,11 +86,7 @@ def test_an_index_names_no_spared_victim_and_changes_nothing_for_it(policy):
     walked past the spared blocks (as past pinned ones, for that call alone), a block above
     a spared one is passed over too, and with only spared blocks left there is no victim."""
     index = make_index(policy, 10_000)
-    chain = [bytes([i]) * 16 for i in range(3)]
-    parent = bytes(16)
-    for i, key in enumerate(chain):
-        index.add(key, BlockInfo(100, 200, parent, i))
-        parent = key
+    chain = indexed_chain(index, 3)
     other = bytes([9]) * 16
     index.add(other, BlockInfo(100, 200, bytes(16), 0))  # the most recent: the chain's tail goes first
     order = index.keep_order()
