@@ -60,10 +60,9 @@ those (a prefix hit vLLM gave it on the blocks being loaded).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...pages import PagedRequest
@@ -448,7 +447,7 @@ class WorkerSide:
         out = []
         for spec in specs:
             lost = self._resave_from.get(spec.req_id)
-            out.append(dataclasses.replace(spec, start=lost) if lost is not None and lost < spec.start else spec)
+            out.append(replace(spec, start=lost) if lost is not None and lost < spec.start else spec)
         return out
 
     def _lost(self, specs: list[SaveSpec]) -> None:
