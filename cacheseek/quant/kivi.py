@@ -156,6 +156,12 @@ class KIVI:
     # -- sizes --------------------------------------------------------------------------
 
     def check_layout(self, layout: KVLayout, block_tokens: int) -> None:
+        if layout.fp8:
+            # Quantizing fp8 means upcasting each group before its min and max (the kernels
+            # and the reference compute in the KV's own dtype, which has no arithmetic), and
+            # saves at most half of what int4 saves on 16-bit KV: not done.
+            raise ConfigError(f"codec: KIVI ({self.spec()}) does not encode {layout.dtype} KV; "
+                              "store an fp8 KV cache with the raw codec")
         if block_tokens % self.k_group:
             raise ConfigError(
                 f"block_tokens: {block_tokens} is not a multiple of k_group_size={self.k_group} "
@@ -243,6 +249,8 @@ class KIVI:
         from .tensors import all_finite, check_kv, dtype_str
 
         check_kv(k, v)
+        if k.dtype.itemsize == 1:
+            raise InputError(f"k, v: KIVI does not encode {dtype_str(k.dtype)} KV; use the raw codec")
         self._check_shape(tuple(k.shape))
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
