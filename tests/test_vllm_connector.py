@@ -290,6 +290,8 @@ def test_fp8_kv_caches_are_read_as_the_fp8_dtype_their_cache_dtype_names(specs):
     assert "KV cache dtype torch.uint8" in res["auto_uint8"]
     assert "spec says torch.float16" in res["fp8_spec_float16"]
     assert "kv_cache_dtype_skip_layers" in res["skip_layers"]
+    assert res["has_calculate_kv_scales"] is False  # (0.32: scales from the checkpoint, or 1.0)
+    assert "calculate_kv_scales is on" in res["calculate_kv_scales"]
     codecs = res["codecs"]
     assert codecs["none"] == codecs["raw"] == {"name": "raw", "version": 1}
     assert codecs["auto_none"]["name"] == "kivi"  # (16-bit KV keeps the default, int4)

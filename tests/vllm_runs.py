@@ -908,6 +908,8 @@ def fp8_specs() -> dict[str, Any]:
     uint8): the KV dtype the connector reads the pages as, or the ConfigError it refuses
     with; the codec it stores them with, given none, raw or int4; and its check of vLLM's
     CPU kernel writing fp8 pages (the bytes and where they are)."""
+    import types
+
     import torch
     from vllm.config import CacheConfig
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
@@ -915,7 +917,7 @@ def fp8_specs() -> dict[str, Any]:
 
     from cacheseek.errors import ConfigError
     from cacheseek.integrations.vllm.config import ConnectorConfig
-    from cacheseek.integrations.vllm.connector import _codec_for, _layout, check_cpu_pages
+    from cacheseek.integrations.vllm.connector import _codec_for, _kv_dtype, _layout, check_cpu_pages
     from cacheseek.integrations.vllm.pages import PageFormat
 
     def attempt(f: Any) -> Any:
@@ -937,6 +939,11 @@ def fp8_specs() -> dict[str, Any]:
     out["auto_uint8"] = attempt(lambda: layout_of("auto", torch.uint8).dtype)
     out["fp8_spec_float16"] = attempt(lambda: layout_of("fp8", torch.float16).dtype)
     out["skip_layers"] = attempt(lambda: layout_of("fp8", kv_cache_dtype_skip_layers=["0"]).dtype)
+    # vLLM 0.32 fixes the scales at weight loading (no per-run calculation); a vLLM whose
+    # cache config calculates them per run is refused
+    out["has_calculate_kv_scales"] = any(f == "calculate_kv_scales" for f in vars(CacheConfig()))
+    scales = types.SimpleNamespace(cache_dtype="fp8", calculate_kv_scales=True, kv_cache_dtype_skip_layers=[])
+    out["calculate_kv_scales"] = attempt(lambda: _kv_dtype(torch.uint8, "fp8", scales))
     fp8 = layout_of("fp8_e5m2")
     codecs = {}
     for name, extra in (("none", {}), ("raw", {"codec": "raw"}), ("int4", {"codec": "int4"}),

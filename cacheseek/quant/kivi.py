@@ -246,10 +246,10 @@ class KIVI:
         before the encoding is used."""
         import torch
 
-        from .tensors import all_finite, check_kv, dtype_str
+        from .tensors import FP8_TORCH_DTYPES, all_finite, check_kv, dtype_str
 
         check_kv(k, v)
-        if k.dtype.itemsize == 1:
+        if k.dtype in FP8_TORCH_DTYPES:
             raise InputError(f"k, v: KIVI does not encode {dtype_str(k.dtype)} KV; use the raw codec")
         self._check_shape(tuple(k.shape))
         ops = ops_for(k)
