@@ -933,7 +933,8 @@ def fp8_specs() -> dict[str, Any]:
                                kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
         return _layout(config, CacheConfig(cache_dtype=cache_dtype, **cache))[0]
 
-    out: dict[str, Any] = {"spec_dtypes": {d: str(STR_DTYPE_TO_TORCH_DTYPE[d]) for d in ("fp8", "fp8_e4m3", "fp8_e5m2")}}
+    fp8_names = ("fp8", "fp8_e4m3", "fp8_e5m2")
+    out: dict[str, Any] = {"spec_dtypes": {d: str(STR_DTYPE_TO_TORCH_DTYPE[d]) for d in fp8_names}}
     for cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "int8_per_token_head"):
         out[cache_dtype] = attempt(lambda: layout_of(cache_dtype).dtype)
     out["auto_uint8"] = attempt(lambda: layout_of("auto", torch.uint8).dtype)

@@ -345,7 +345,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
         return self._worker
 
 
-def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str, *, kv_dtype: torch.dtype | None = None) -> None:
+def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str, *,
+                    kv_dtype: torch.dtype | None = None) -> None:
     """``ConfigError`` unless vLLM's CPU attention kernel, with the ISA it picks for these
     pages, keeps each token's K and V where the connector's views (pages.py) read and
     write them. Its layout is the ISA's (AMX packs K and V in tiles) and has changed
