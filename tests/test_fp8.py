@@ -121,6 +121,22 @@ def test_kivi_on_an_fp8_layout_is_refused_when_the_cache_is_built(dtype, codec):
         cs.KIVI(bits=4, group_size=32).encode(*kv)  # (a codec used on its own)
 
 
+def test_a_frame_saying_kivi_encoded_fp8_is_refused_as_a_frame_error():
+    """A frame from elsewhere (a server's upload, a file) naming KIVI over an fp8 layout is
+    malformed, as a codec that cannot encode its layout is: a FrameError (a 400, a miss),
+    never a decode with fp8 outputs."""
+    from cacheseek.store.frame import build_frame, check_codec_layout, parse_frame, plan_frame
+
+    lay, kivi = layout("float8_e4m3fn"), cs.KIVI(bits=4, group_size=32)
+    template = kivi.template((L, H, BLOCK, D), lay.dtype)  # (what KIVI would write, were fp8 its input)
+    buffers = [(name, spec.dtype, spec.shape) for name, spec, _ in template.named_buffers()]
+    meta = plan_frame(block_hash=bytes(16), parent_hash=bytes(16), position=0, layout=lay, block_tokens=BLOCK,
+                      codec=kivi.spec(), buffers=buffers)
+    frame = build_frame(meta, [bytes(e.nbytes) for e in meta.tensors])
+    with pytest.raises(cs.FrameError, match="cannot encode this layout .*raw codec"):
+        check_codec_layout(parse_frame(frame))
+
+
 # -- round trips -----------------------------------------------------------------------------
 
 
