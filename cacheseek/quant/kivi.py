@@ -157,9 +157,9 @@ class KIVI:
 
     def check_layout(self, layout: KVLayout, block_tokens: int) -> None:
         if layout.fp8:
-            # Quantizing fp8 means upcasting each group before its min and max (the kernels
-            # and the reference compute in the KV's own dtype, which has no arithmetic), and
-            # saves at most half of what int4 saves on 16-bit KV: not done.
+            # The kernels and the reference take each group's min and max in the KV's own
+            # dtype, which for fp8 has no arithmetic (on the CPU, nor in the interpreter);
+            # and int4 would only halve fp8's bytes, where it quarters 16-bit KV's. Not done.
             raise ConfigError(f"codec: KIVI ({self.spec()}) does not encode {layout.dtype} KV; "
                               "store an fp8 KV cache with the raw codec")
         if block_tokens % self.k_group:
