@@ -167,10 +167,13 @@ class CacheSeekConnector(KVConnectorBase_V1):
             raise ConfigError(f"CacheSeekConnector: vLLM registered {len(names)} of the model's "
                               f"{self.layout.num_layers} attention layers' KV caches")
         layers = [kv_caches[n] for n in names]
-        if self.layout.fp8 and layers[0].dtype == torch.uint8:
+        if self.layout.fp8 and layers[0].dtype in (torch.uint8, self.layout.torch_dtype):
             # vLLM allocates fp8 pages as uint8 (its STR_DTYPE_TO_TORCH_DTYPE): the same
             # bytes, seen as the fp8 dtype its cache dtype names (_layout).
             layers = [t.view(self.layout.torch_dtype) for t in layers]
+        elif self.layout.fp8:
+            raise ConfigError(f"CacheSeekConnector: an {self.layout.dtype} KV cache, but vLLM registered "
+                              f"{layers[0].dtype} pages")
         self._layer_index = {n: i for i, n in enumerate(names)}
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
