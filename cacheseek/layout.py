@@ -12,12 +12,20 @@ from typing import Any
 from .errors import ConfigError
 
 # dtype name -> bytes per element, for every dtype a KV tensor may have.
-KV_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+KV_DTYPES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# The 8-bit floats: an engine's fp8 KV cache (vLLM ``--kv-cache-dtype fp8*``), stored byte
+# for byte (only the Raw codec takes them: KIVI's kernels and reference compute in the KV's
+# own dtype, which has no arithmetic on these).
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 _ALIASES = {
     "fp16": "float16", "half": "float16", "f16": "float16",
     "bf16": "bfloat16",
     "fp32": "float32", "float": "float32", "f32": "float32",
+    # No bare "fp8": vLLM's means e4m3 on CUDA and e4m3fnuz on ROCm, two encodings.
+    "fp8_e4m3": "float8_e4m3fn", "float8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
 }
 
 
@@ -45,6 +53,10 @@ class KVLayout:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"KVLayout.{field}: must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
 
     @property
     def itemsize(self) -> int:

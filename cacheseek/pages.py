@@ -36,7 +36,7 @@ import torch
 from .errors import InputError
 from .layout import KVLayout
 from .quant.backend import backend_for, forced_triton
-from .quant.tensors import dtype_str, finite_per_block, within
+from .quant.tensors import FP8_TORCH_DTYPES, dtype_str, finite_per_block, within
 
 if TYPE_CHECKING:  # (the kernels import triton: loaded only where they run)
     from .kernels import BlockPages
@@ -496,6 +496,8 @@ class PagedSource:
         for layer, view in enumerate(self._views(side, layers)):
             x = rows[:, layer]  # [n, H, B, D]
             x = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+            if view.dtype in FP8_TORCH_DTYPES:  # (torch's CPU index_copy_ has no fp8: move the bytes)
+                view, x = view.view(torch.uint8), x.view(torch.uint8)
             # An engine's cache allocated under inference mode takes in-place writes only
             # inside it (the kernels write by address, whatever the mode).
             with torch.inference_mode() if view.is_inference() else contextlib.nullcontext():

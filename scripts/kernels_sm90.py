@@ -82,12 +82,13 @@ def compile_kernel(side, op, *, bits, group, head_dim, x_dtype="fp16", stats_dty
     return triton.compile(src, target=TARGET, options=options), cfg
 
 
-def compile_pages_copy(*, to_pages: bool, page: int, head_dim: int = 128, x_dtype: str = "fp16"):
-    """Raw's gather from pages (``to_pages`` false) or scatter into them."""
+def compile_pages_copy(*, to_pages: bool, page: int, head_dim: int = 128, x_dtype: str = "fp16", nan_bits: int = 0):
+    """Raw's gather from pages (``to_pages`` false) or scatter into them; fp8 as the kernels
+    take it: ``x_dtype="u8"`` and its ``nan_bits`` (kernels.layers.byte_view)."""
     fn = P._pages_copy_kernel
     d_pad = configs.padded_head_dim(head_dim)
-    consts = {"BLOCK_T": 8192 // d_pad, "D_PAD": d_pad, "ALIGN": 8, "PAGE": page, "TO_PAGES": to_pages,
-              "MASKED": False}
+    consts = {"BLOCK_T": 8192 // d_pad, "D_PAD": d_pad, "ALIGN": 16 * 8 // int(x_dtype.lstrip("fpu")), "PAGE": page,
+              "TO_PAGES": to_pages, "MASKED": False, "NAN_BITS": nan_bits}
     ptrs = {**_PTRS, "pg_ptr": f"*{x_dtype}", "r_ptr": f"*{x_dtype}"}
     signature = {n: "constexpr" if n in consts else ptrs.get(n, "i64" if n == "bad_addr" else "i32")
                  for n in fn.arg_names}
@@ -174,11 +175,14 @@ def main() -> int:
         print(f"ok   {name} {cfg.kwargs} warps={cfg.num_warps} regs={st['regs']} instr/elem<={per:.1f} "
               f"bar={st['bar']} shfl={st['shfl']}{spill}", flush=True)
     if args.quick or args.paged:
-        for to_pages, page in itertools.product((False, True), (16, 1)):
+        copies = [(to_pages, page, "fp16", 0) for to_pages, page in itertools.product((False, True), (16, 1))]
+        copies += [(False, 16, "u8", 0x7F), (False, 16, "u8", 0x7C)]  # fp8 KV: e4m3fn's and e5m2's NaN/Inf bits
+        for to_pages, page, xd, nan_bits in copies:
             name = f"raw {'scatter' if to_pages else 'gather '} page={page}"
+            name += f" u8 nan_bits={nan_bits:#x}" if nan_bits else ""
             cases.append(name)
             try:
-                st = cubin_stats(compile_pages_copy(to_pages=to_pages, page=page))
+                st = cubin_stats(compile_pages_copy(to_pages=to_pages, page=page, x_dtype=xd, nan_bits=nan_bits))
             except Exception as e:
                 failures += 1
                 print(f"FAIL {name}: {str(e)[-400:]}", flush=True)

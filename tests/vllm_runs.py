@@ -138,9 +138,13 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     on disk, and prompt 2 is looked up (all blocks are still indexed), loaded up to the bad
     block, and the rest recomputed by vLLM. Then again, with prompts 1 and 2 in one step
     (``shared_blocks_of_a_failed_load``)."""
-    eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
+    more = {"kv_cache_dtype": job["kv_cache_dtype"]} if "kv_cache_dtype" in job else {}
+    eng = Engine(build_llm(job["extra"], **more), job.get("max_tokens", 16))
     prefix, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
     out: dict[str, Any] = {"prefix_tokens": len(prefix), "prompt_tokens": len(ps[1])}
+    connector = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector
+    out["layout"] = connector.layout.to_dict()
+    out["codec"] = connector.config.codec.spec()
     out["stored"] = eng.run(ps[0], read=False)
     out["after_store"] = eng.stats()
     # A reset of the connector's cache too (vLLM's, after a weight update say): the store
@@ -871,6 +875,7 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
     blocks only within the window: it hands the null block in place of the others, both
     as a request's own prefix hit and for external tokens."""
     import torch
+    from vllm.config import CacheConfig
     from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
                                             KVCacheGroupSpec, MLAAttentionSpec, SlidingWindowSpec)
 
@@ -890,10 +895,71 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
         config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                                kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
         try:
-            layout, _ = _layout(config)
+            layout, _ = _layout(config, CacheConfig())
             out[name] = layout.num_layers
         except ConfigError as exc:
             out[name] = str(exc)
+    out["fp8"] = fp8_specs()
+    return out
+
+
+def fp8_specs() -> dict[str, Any]:
+    """vLLM's KV cache specs and cache configs of each --kv-cache-dtype (its fp8 pages are
+    uint8): the KV dtype the connector reads the pages as, or the ConfigError it refuses
+    with; the codec it stores them with, given none, raw or int4; and its check of vLLM's
+    CPU kernel writing fp8 pages (the bytes and where they are)."""
+    import types
+
+    import torch
+    from vllm.config import CacheConfig
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+    from cacheseek.integrations.vllm.connector import _codec_for, _kv_dtype, _layout, check_cpu_pages
+    from cacheseek.integrations.vllm.pages import PageFormat
+
+    def attempt(f: Any) -> Any:
+        try:
+            return f()
+        except ConfigError as exc:
+            return "ConfigError: " + str(exc)
+
+    def layout_of(cache_dtype: str, spec_dtype: Any = None, **cache: Any) -> Any:
+        spec = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=64,
+                                 dtype=spec_dtype or STR_DTYPE_TO_TORCH_DTYPE.get(cache_dtype, torch.float32))
+        config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
+        return _layout(config, CacheConfig(cache_dtype=cache_dtype, **cache))[0]
+
+    fp8_names = ("fp8", "fp8_e4m3", "fp8_e5m2")
+    out: dict[str, Any] = {"spec_dtypes": {d: str(STR_DTYPE_TO_TORCH_DTYPE[d]) for d in fp8_names}}
+    for cache_dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "int8_per_token_head"):
+        out[cache_dtype] = attempt(lambda: layout_of(cache_dtype).dtype)
+    out["auto_uint8"] = attempt(lambda: layout_of("auto", torch.uint8).dtype)
+    out["fp8_spec_float16"] = attempt(lambda: layout_of("fp8", torch.float16).dtype)
+    out["skip_layers"] = attempt(lambda: layout_of("fp8", kv_cache_dtype_skip_layers=["0"]).dtype)
+    # vLLM 0.32 fixes the scales at weight loading (no per-run calculation); a vLLM whose
+    # cache config calculates them per run is refused
+    out["has_calculate_kv_scales"] = any(f == "calculate_kv_scales" for f in vars(CacheConfig()))
+    scales = types.SimpleNamespace(cache_dtype="fp8", calculate_kv_scales=True, kv_cache_dtype_skip_layers=[])
+    out["calculate_kv_scales"] = attempt(lambda: _kv_dtype(torch.uint8, "fp8", scales))
+    fp8 = layout_of("fp8_e5m2")
+    codecs = {}
+    for name, extra in (("none", {}), ("raw", {"codec": "raw"}), ("int4", {"codec": "int4"}),
+                        ("group_size", {"group_size": 32})):
+        codecs[name] = attempt(lambda: _codec_for(ConnectorConfig.from_extra(extra), fp8, extra).codec.spec())
+    codecs["auto_none"] = _codec_for(ConnectorConfig.from_extra({}), layout_of("auto"), {}).codec.spec()
+    out["codecs"] = codecs
+    fmt = PageFormat("token", 64, 128, 128)
+    out["cpu_pages"] = {
+        cache_dtype: attempt(lambda: check_cpu_pages(fmt, torch.float32, cache_dtype, kv_dtype=kv) or "ok")
+        for cache_dtype, kv in (("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2))}
+    # the kernel's e5m2 bytes read as e4m3: refused
+    out["cpu_pages"]["wrong_encoding"] = attempt(
+        lambda: check_cpu_pages(fmt, torch.float32, "fp8_e5m2", kv_dtype=torch.float8_e4m3fn) or "ok")
+    out["fp8_supported_here"] = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
     return out
 
 

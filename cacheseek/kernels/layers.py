@@ -154,9 +154,11 @@ def _gather_kernel(
     sx_a, sx_c, sx_t,
     so_a, so_c, so_t,
     BLOCK_T: tl.constexpr, D_PAD: tl.constexpr, X_ALIGN: tl.constexpr, MASKED: tl.constexpr,
+    NAN_BITS: tl.constexpr,
 ):
     # A program copies BLOCK_T tokens of one (block, layer x head) row, and clears the host
-    # byte at bad_addr if any of them is NaN or Inf (x - x is NaN exactly for those).
+    # byte at bad_addr if any of them is NaN or Inf (x - x is NaN exactly for those; fp8,
+    # moved as bytes, is NaN or Inf where its bits under NAN_BITS are all set).
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BLOCK_T)
     t_tile = pid % n_t
@@ -174,10 +176,34 @@ def _gather_kernel(
     else:
         x = tl.load(x_ptrs)
         tl.store(o_ptrs, x)
-    xf = x.to(tl.float32)
-    bad = ((xf - xf) != 0.0).to(tl.int32)
+    bad = nonfinite(x, NAN_BITS)
     if tl.max(tl.max(bad, axis=1), axis=0) > 0:
         tl.store(bad_addr.to(tl.pointer_type(tl.int8)), 0)
+
+
+@triton.jit
+def nonfinite(x, NAN_BITS: tl.constexpr):
+    """1 (int32) where ``x`` is NaN or Inf. ``NAN_BITS`` 0: ``x`` is a float; else ``x`` is
+    fp8 moved as uint8 (see :func:`byte_view`), non-finite where those bits are all set."""
+    if NAN_BITS:
+        bad = ((x & NAN_BITS) == NAN_BITS).to(tl.int32)
+    else:
+        xf = x.to(tl.float32)
+        bad = ((xf - xf) != 0.0).to(tl.int32)
+    return bad
+
+
+# fp8 dtype -> the bits that are all set exactly in its NaN and Inf (quant/tensors.py's
+# exponent masks: e4m3fn has no Inf, and NaN is S.1111.111).
+_FP8_NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0x7C}
+
+
+def byte_view(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` as the copy kernels take it, and their ``NAN_BITS``: fp8 as a uint8 view (same
+    strides; the kernels only move it, and the interpreter and pre-Ada GPUs have no fp8
+    conversions), everything else as it is."""
+    bits = _FP8_NAN_BITS.get(t.dtype, 0)
+    return (t.view(torch.uint8), bits) if bits else (t, 0)
 
 
 FLAG_DTYPES = (torch.bool, torch.uint8, torch.int8)  # host flags: a kernel clears one byte per flag
@@ -221,12 +247,13 @@ def gather_layers(layers: "LayerTable | list[torch.Tensor]", t0: int, n: int, bl
         raise RuntimeError("cacheseek.kernels: CPU tensors need TRITON_INTERPRET=1 set before triton is imported")
     # Triton launches on the current CUDA device, which need not be the tensors' one.
     with torch.cuda.device(table.device) if on_gpu else contextlib.nullcontext():
+        x, nan_bits = byte_view(table.layers[0][:, t0:])
         _gather_kernel[grid](
-            table.layers[0][:, t0:], table.offsets, out, ok_flag.data_ptr(),
+            x, table.offsets, byte_view(out)[0], ok_flag.data_ptr(),
             L * H, block, D, H,
             block * sx_t, sx_h, sx_t,
             so[0], so[2], so[3],
             BLOCK_T=block_t, D_PAD=d_pad, X_ALIGN=16 // table.layers[0].element_size(),
-            MASKED=d_pad != D or block % block_t != 0, num_warps=4,
+            MASKED=d_pad != D or block % block_t != 0, NAN_BITS=nan_bits, num_warps=4,
         )
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .layers import FLAG_DTYPES, offsets_table
+from .layers import FLAG_DTYPES, byte_view, nonfinite, offsets_table
 
 
 
@@ -195,11 +195,11 @@ def _pages_copy_kernel(
     s_h, s_t, s_p,
     sr_a, sr_c, sr_t,
     BLOCK_T: tl.constexpr, D_PAD: tl.constexpr, ALIGN: tl.constexpr, PAGE: tl.constexpr,
-    TO_PAGES: tl.constexpr, MASKED: tl.constexpr,
+    TO_PAGES: tl.constexpr, MASKED: tl.constexpr, NAN_BITS: tl.constexpr,
 ):
     # A program copies BLOCK_T tokens of one (block, layer x head) row between the pages and
     # the staging rows. Gathering (TO_PAGES false), it clears the block's host flag byte if
-    # any value is NaN or Inf (x - x is NaN exactly for those).
+    # any value is NaN or Inf (layers.nonfinite).
     pid = tl.program_id(0)
     n_t = tl.cdiv(T, BLOCK_T)
     t_tile = pid % n_t
@@ -226,8 +226,7 @@ def _pages_copy_kernel(
         else:
             x = tl.load(pg_ptrs)
             tl.store(r_ptrs, x)
-        xf = x.to(tl.float32)
-        bad = ((xf - xf) != 0.0).to(tl.int32)
+        bad = nonfinite(x, NAN_BITS)
         if tl.max(tl.max(bad, axis=1), axis=0) > 0:
             tl.store(flag.to(tl.pointer_type(tl.int8)), 0)
 
@@ -261,13 +260,14 @@ def _copy(pages: PagedLayers, where: BlockPages, first: int, n: int, block: int,
     so = rows.stride()
     s_p, s_t, s_h = pages.strides
     with torch.cuda.device(pages.device) if on_gpu else contextlib.nullcontext():
+        base, nan_bits = byte_view(pages.base)
         _pages_copy_kernel[(grid)](
-            pages.base, pages.offsets, rows, flags.data_ptr() if flags is not None else 0, where.page_ids, blk,
+            base, pages.offsets, byte_view(rows)[0], flags.data_ptr() if flags is not None else 0, where.page_ids, blk,
             L * H, block, D, H,
             s_h, s_t, s_p,
             so[0], so[2], so[3],
             BLOCK_T=block_t, D_PAD=d_pad, ALIGN=pages.align, PAGE=where.page_size, TO_PAGES=to_pages,
-            MASKED=d_pad != D or block % block_t != 0, num_warps=4,
+            MASKED=d_pad != D or block % block_t != 0, NAN_BITS=nan_bits, num_warps=4,
         )
 
 

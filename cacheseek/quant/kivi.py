@@ -156,6 +156,12 @@ class KIVI:
     # -- sizes --------------------------------------------------------------------------
 
     def check_layout(self, layout: KVLayout, block_tokens: int) -> None:
+        if layout.fp8:
+            # The kernels and the reference take each group's min and max in the KV's own
+            # dtype, which for fp8 has no arithmetic (on the CPU, nor in the interpreter);
+            # and int4 would only halve fp8's bytes, where it quarters 16-bit KV's. Not done.
+            raise ConfigError(f"codec: KIVI ({self.spec()}) does not encode {layout.dtype} KV; "
+                              "store an fp8 KV cache with the raw codec")
         if block_tokens % self.k_group:
             raise ConfigError(
                 f"block_tokens: {block_tokens} is not a multiple of k_group_size={self.k_group} "
@@ -240,9 +246,11 @@ class KIVI:
         before the encoding is used."""
         import torch
 
-        from .tensors import all_finite, check_kv, dtype_str
+        from .tensors import FP8_TORCH_DTYPES, all_finite, check_kv, dtype_str
 
         check_kv(k, v)
+        if k.dtype in FP8_TORCH_DTYPES:
+            raise InputError(f"k, v: KIVI does not encode {dtype_str(k.dtype)} KV; use the raw codec")
         self._check_shape(tuple(k.shape))
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)

@@ -19,10 +19,11 @@ import msgpack
 from ..errors import FrameError
 
 # Element dtypes a payload buffer may have, with their sizes.
-BUFFER_DTYPES: dict[str, int] = {"int32": 4, "float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1}
+BUFFER_DTYPES: dict[str, int] = {"int32": 4, "float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1,
+                                  "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 # What an encoded tensor may stand for (a layout's KV dtype).
-KV_DTYPES = ("float16", "bfloat16", "float32")
+KV_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2")
 
 MAX_ELEMENTS = 1 << 62  # the most elements (a zero dimension counted as one) of a tensor's shape
 

@@ -22,7 +22,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
     "uint8": torch.uint8,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
+
+KV_TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_TORCH_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 POOL_FLAGS = True  # validity flags come from the pool below (False: a new tensor each)
@@ -132,8 +137,9 @@ def check_kv(k: Any, v: Any, *, min_rank: int = 3) -> None:
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() < min_rank:
             raise InputError(f"{name}: expected rank >= {min_rank} ([..., H, T, D]), got shape {list(t.shape)}")
-        if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise InputError(f"{name}: dtype must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.dtype not in KV_TORCH_DTYPES:
+            raise InputError(f"{name}: dtype must be float16, bfloat16, float32, float8_e4m3fn or float8_e5m2, "
+                             f"got {t.dtype}")
     if k.shape != v.shape:
         raise InputError(f"k and v: shapes differ, {list(k.shape)} vs {list(v.shape)}")
     if k.dtype != v.dtype:
@@ -161,11 +167,16 @@ def dtype_str(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Exponent bits of each float dtype, seen as an integer: all ones means Inf or NaN.
+# Exponent bits of each float dtype, seen as an integer: all ones means Inf or NaN, so a
+# value is finite exactly when its bits masked stay below the mask. e4m3fn has no Inf and
+# one NaN per sign, S.1111.111: its mask is every bit but the sign. torch has no arithmetic
+# on the fp8 dtypes on the CPU (isfinite, equal, ...), so they always take the bit test.
 _EXPONENT_MASKS = {
     torch.float16: (torch.int16, 0x7C00),
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float32: (torch.int32, 0x7F800000),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7C),
 }
 
 
@@ -173,7 +184,8 @@ def finite_per_block(t: torch.Tensor) -> torch.Tensor:
     """``[n]`` bools for ``t`` of shape ``[n, ...]`` (any strides): no NaN and no Inf in block
     ``i`` (the exponent-bit test of :func:`all_finite` on the CPU)."""
     dims = tuple(range(1, t.dim()))
-    if t.device.type != "cpu" or t.dtype not in _EXPONENT_MASKS or not t.numel():
+    if (t.device.type != "cpu" and t.dtype not in FP8_TORCH_DTYPES) or t.dtype not in _EXPONENT_MASKS \
+            or not t.numel():
         return torch.isfinite(t).flatten(1).all(1) if t.numel() else torch.ones(t.shape[0], dtype=torch.bool)
     int_dtype, mask = _EXPONENT_MASKS[t.dtype]
     return t.view(int_dtype).bitwise_and(mask).amax(dim=dims) < mask
@@ -193,7 +205,7 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     ``isfinite`` on half types, which go through a slow scalar path there (a view of
     another dtype of the same size keeps any strides, so a slice takes it too).
     """
-    if t.device.type != "cpu":
+    if t.device.type != "cpu" and t.dtype not in FP8_TORCH_DTYPES:
         return torch.isfinite(t).all()
     int_dtype, mask = _EXPONENT_MASKS[t.dtype]
     return t.view(int_dtype).bitwise_and(mask).max() < mask if t.numel() else torch.tensor(True)

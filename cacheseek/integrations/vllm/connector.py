@@ -7,6 +7,7 @@ class is only the adapter between vLLM's calls and those two.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...errors import ConfigError
 from ...hashing import Shard
 from ...layout import KV_DTYPES, KVLayout, dtype_name
+from ...quant import Raw
 from .config import ConnectorConfig, default_model_id
 from .guard import StoreGuard
 from .pages import PageFormat, VllmPages, kv_views
@@ -86,13 +88,15 @@ class CacheSeekConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        extra = transfer.kv_connector_extra_config
+        self.config = ConnectorConfig.from_extra(extra)
         if transfer.kv_load_failure_policy != "recompute":
             raise ConfigError(
                 'kv_transfer_config.kv_load_failure_policy: CacheSeekConnector needs "recompute" (vLLM\'s '
                 f'default "fail" would fail a request whose load falls short), got {transfer.kv_load_failure_policy!r}'
             )
-        self.layout, self._layer_names = _layout(kv_cache_config)
+        self.layout, self._layer_names = _layout(kv_cache_config, vllm_config.cache_config)
+        self.config = _codec_for(self.config, self.layout, extra or {})
         self._block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -163,11 +167,22 @@ class CacheSeekConnector(KVConnectorBase_V1):
             raise ConfigError(f"CacheSeekConnector: vLLM registered {len(names)} of the model's "
                               f"{self.layout.num_layers} attention layers' KV caches")
         layers = [kv_caches[n] for n in names]
+        if self.layout.fp8 and layers[0].dtype in (torch.uint8, self.layout.torch_dtype):
+            # vLLM allocates fp8 pages as uint8 (its STR_DTYPE_TO_TORCH_DTYPE): the same
+            # bytes, seen as the fp8 dtype its cache dtype names (_layout).
+            layers = [t.view(self.layout.torch_dtype) for t in layers]
+        elif self.layout.fp8:
+            raise ConfigError(f"CacheSeekConnector: an {self.layout.dtype} KV cache, but vLLM registered "
+                              f"{layers[0].dtype} pages")
         self._layer_index = {n: i for i, n in enumerate(names)}
         fmt = PageFormat(kv_split=self._kv_split(names), head_dim=self.layout.head_dim,
                          block_size=self._block_size, page_tokens=layers[0].shape[2])
         if fmt.kv_split == "token":
-            check_cpu_pages(fmt, layers[0].dtype, self._vllm_config.cache_config.cache_dtype)
+            cache_dtype = self._vllm_config.cache_config.cache_dtype
+            if self.layout.fp8:
+                check_cpu_pages(fmt, self._vllm_config.model_config.dtype, cache_dtype, kv_dtype=layers[0].dtype)
+            else:
+                check_cpu_pages(fmt, layers[0].dtype, cache_dtype)
         side = self._worker_side()
         side.register(VllmPages(layers, fmt))
         side.layerwise = self.config.loads_layerwise(layers[0].device.type)
@@ -333,35 +348,109 @@ class CacheSeekConnector(KVConnectorBase_V1):
         return self._worker
 
 
-def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str) -> None:
+def check_cpu_pages(fmt: PageFormat, dtype: torch.dtype, cache_dtype: str, *,
+                    kv_dtype: torch.dtype | None = None) -> None:
     """``ConfigError`` unless vLLM's CPU attention kernel, with the ISA it picks for these
     pages, keeps each token's K and V where the connector's views (pages.py) read and
     write them. Its layout is the ISA's (AMX packs K and V in tiles) and has changed
     between releases; read wrong, whole pages still went out and came back bit for bit,
-    but a load ending inside a page scrambled it."""
+    but a load ending inside a page scrambled it. ``dtype``: the model's; ``kv_dtype``: the
+    fp8 dtype of an fp8 cache, whose encoding the kernel must write too (values it holds
+    exactly, under scales of 1: the bytes are the kernel's, not a rounding's)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     n, d, heads = fmt.page_tokens, fmt.head_dim, 2
     try:
         isa = _get_attn_isa(dtype, fmt.block_size, d, cache_dtype)  # (as vLLM picks it: by its block size)
-        layer = torch.zeros(2, heads, n, 2 * d, dtype=dtype)
+        layer = torch.zeros(2, heads, n, 2 * d, dtype=dtype if kv_dtype is None else torch.uint8)  # (vLLM's fp8 pages)
         slots = torch.tensor([0, 1, n - 1, n + n // 2 + 1], dtype=torch.int64)
-        kv = torch.randn(2, len(slots), heads, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+        gen = torch.Generator().manual_seed(0)
+        if kv_dtype is None:
+            kv = want = torch.randn(2, len(slots), heads, d, generator=gen).to(dtype)
+            quant: dict[str, Any] = {}
+        else:
+            bits = torch.randint(0, 256, (2, len(slots), heads, d), dtype=torch.uint8, generator=gen)
+            nan_bits = 0x7F if kv_dtype == torch.float8_e4m3fn else 0x7C
+            bits = torch.where((bits & nan_bits == nan_bits) | (bits == 0x80), bits ^ 0x04, bits)  # finite, no -0
+            want = bits.view(kv_dtype)
+            kv = want.float().to(dtype)  # (exact: the model's dtypes hold every finite fp8 value)
+            quant = {"k_scale": 1.0, "v_scale": 1.0, "kv_cache_dtype": cache_dtype}
         key_cache, value_cache = layer.view(2, heads, 2 * n, d).chunk(2, dim=2)  # (as CPUAttentionBackendImpl)
-        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, isa)
+        ops.cpu_attn_reshape_and_cache(kv[0], kv[1], key_cache, value_cache, slots, isa, **quant)
     except Exception as exc:  # noqa: BLE001 - a vLLM without this kernel: its layout cannot be checked
         raise ConfigError(f"CacheSeekConnector: vLLM's CPU attention pages could not be checked "
                           f"({type(exc).__name__}: {exc})") from None
     k, v = kv_views(layer, fmt)
     page, slot = slots // n, slots % n
-    if not (torch.equal(k[page, :, slot], kv[0]) and torch.equal(v[page, :, slot], kv[1])):
+    same = (lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))) if kv_dtype else torch.equal
+    if not (same(k[page, :, slot], want[0]) and same(v[page, :, slot], want[1])):
+        encoding = f", or its {cache_dtype} bytes are not {kv_dtype}" if kv_dtype is not None else ""
         raise ConfigError(f"CacheSeekConnector: vLLM's CPU attention ISA {isa!r} lays out K and V in pages of "
                           f"{n} tokens otherwise than the connector reads them (the vec ISAs: K column-major, "
-                          "V row-major); not supported")
+                          f"V row-major){encoding}; not supported")
 
 
-def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
+# vLLM's --kv-cache-dtype of an fp8 cache -> the fp8 dtype its pages hold. vLLM allocates
+# them as uint8 (vllm/utils/torch_utils.py, STR_DTYPE_TO_TORCH_DTYPE), so the spec's dtype
+# does not say which. "fp8" is e4m3 (vllm/config/cache.py), of the platform's encoding:
+# e4m3fn on CUDA and the CPU, e4m3fnuz on some ROCm GPUs (refused: not a KV dtype here).
+FP8_CACHE_DTYPES = {"fp8": None, "fp8_e4m3": None, "fp8_e5m2": "float8_e5m2"}  # None: the platform's e4m3
+# Cache dtypes whose pages hold the model's own dtype.
+PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "half", "float")
+
+
+def _kv_dtype(spec_dtype: Any, cache_dtype: str, cache_config: Any) -> str:
+    """The KV dtype of vLLM's pages, from its KV cache spec and ``--kv-cache-dtype``."""
+    if cache_dtype in PLAIN_CACHE_DTYPES:
+        try:
+            return dtype_name(spec_dtype)
+        except ConfigError:
+            raise ConfigError(f"CacheSeekConnector: KV cache dtype {spec_dtype}; CacheSeek stores "
+                              f"{sorted(KV_DTYPES)}") from None
+    if cache_dtype not in FP8_CACHE_DTYPES:
+        raise ConfigError(f"CacheSeekConnector: --kv-cache-dtype {cache_dtype} is not supported (its pages hold "
+                          f"codes or scales CacheSeek does not read); use auto or one of {sorted(FP8_CACHE_DTYPES)}")
+    if getattr(cache_config, "calculate_kv_scales", False):
+        # Scales computed from each run's first batch: the same bytes would mean other KV
+        # in another engine, or after a restart.
+        raise ConfigError("CacheSeekConnector: calculate_kv_scales is on; an fp8 KV cache is stored only under "
+                          "scales fixed by the model's checkpoint (or vLLM's default of 1.0)")
+    if getattr(cache_config, "kv_cache_dtype_skip_layers", None):
+        raise ConfigError("CacheSeekConnector: kv_cache_dtype_skip_layers leaves some layers unquantized; "
+                          "one KV dtype for every layer is supported")
+    name = FP8_CACHE_DTYPES[cache_dtype]
+    if name is None:
+        from vllm.platforms import current_platform
+
+        name = str(current_platform.fp8_dtype()).removeprefix("torch.")
+        if name != "float8_e4m3fn":
+            raise ConfigError(f"CacheSeekConnector: --kv-cache-dtype {cache_dtype} is {name} on this platform; "
+                              "CacheSeek stores fp8 as float8_e4m3fn or float8_e5m2")
+    if str(spec_dtype).removeprefix("torch.") not in ("uint8", name):
+        raise ConfigError(f"CacheSeekConnector: --kv-cache-dtype {cache_dtype}, but vLLM's KV cache spec says "
+                          f"{spec_dtype}")
+    return name
+
+
+def _codec_for(config: ConnectorConfig, layout: KVLayout, extra: Any) -> ConnectorConfig:
+    """``config`` with a codec that stores ``layout``'s KV: an fp8 cache given no codec (the
+    default, int4, quantizes 16-bit KV only) gets raw; one given KIVI is refused, naming
+    the setting."""
+    if not layout.fp8:
+        return config
+    if isinstance(extra, dict) and "codec" not in extra and "group_size" not in extra:
+        log.info("CacheSeekConnector: %s KV cache: stored with the raw codec (no codec was set, and KIVI "
+                 "does not encode fp8)", layout.dtype)
+        return dataclasses.replace(config, codec=Raw())
+    try:
+        config.codec.check_layout(layout, config.block_tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config.codec: {exc} (set \"codec\": \"raw\")") from None
+    return config
+
+
+def _layout(kv_cache_config: KVCacheConfig, cache_config: Any) -> tuple[KVLayout, set[str]]:
     """The ``KVLayout`` of the model's one group of full-attention layers."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -377,11 +466,7 @@ def _layout(kv_cache_config: KVCacheConfig) -> tuple[KVLayout, set[str]]:
                           "is supported (no sliding-window or chunked-local groups, no MLA)")
     if spec.head_size_v != spec.head_size:
         raise ConfigError(f"CacheSeekConnector: K head size {spec.head_size} != V head size {spec.head_size_v}")
-    try:
-        dtype = dtype_name(spec.dtype)
-    except ConfigError:
-        raise ConfigError(f"CacheSeekConnector: KV cache dtype {spec.dtype}; CacheSeek stores {sorted(KV_DTYPES)} "
-                          "(leave --kv-cache-dtype at auto)") from None
+    dtype = _kv_dtype(spec.dtype, str(getattr(cache_config, "cache_dtype", "auto")), cache_config)
     layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
                       head_dim=spec.head_size, dtype=dtype)
     return layout, set(groups[0].layer_names)
