@@ -770,6 +770,7 @@ def test_a_materialize_reads_into_the_buffers_of_the_last_and_gives_every_one_ba
         assert_prefix_equal(kept, kv, 4 * BLOCK)
         first = _read_buffers(cache)
         assert first["buffers_made"] == 4 and first["leases_active"] == 0 and first["buffers_free"] == 4
+        assert first["pinned"] is torch.cuda.is_available()  # (said True on a CPU-only host, pinning nothing)
         for _ in range(2):
             assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
         again = _read_buffers(cache)
@@ -807,6 +808,7 @@ def test_waited_ingests_send_every_frame_from_one_reused_buffer(srv):
             assert cache.ingest(toks, kv).stored == 4
         writes = cache.client_stats()["write_buffers"]
         assert writes["buffers_made"] == 1 and writes["leases_granted"] == 8 and writes["leases_active"] == 0
+        assert writes["pinned"] is torch.cuda.is_available()
         for toks, kv in chains:
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
 
