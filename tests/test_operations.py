@@ -801,6 +801,10 @@ def test_top_across_a_server_restart_shows_no_negative_rates(tmp_path):
             seen.append(c.get("/v1/stats", headers=writer()).json())
     frame = render(seen[1], seen[0], 1.0, "http://x")
     assert not re.search(r"-\d", frame), frame
+    assert re.search(r"compression \d+\.\d\dx", frame), frame
+    with Server(tmp_path / "empty", "--write-token", WRITE) as s:  # no block: no ratio (it read "0.00x")
+        empty = httpx.get(s.url + "/v1/stats", headers=writer()).json()
+    assert "compression -   pins 0" in render(empty, None, 1.0, "http://x")
     assert re.search(r"lookups +1 +-/s", frame) and re.search(r"% all +- now", frame), frame
 
 
