@@ -656,7 +656,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # serve's handlers go in before its parser is built (pydantic's import takes a while), so
     # that no signal of its start is a traceback, or lost (_Interrupts).
     interrupts = _Interrupts()
-    previous = {}
+    previous: dict[int, Any] = {}
     unraisable = sys.unraisablehook
     if argv[:1] == ["serve"] and threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
