@@ -346,8 +346,11 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
             assert cache.lookup(toks) == 3 * BLOCK
             assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
         with cs.RemoteCache(url, model_id="tls", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
-                            trust_env=False) as unverified, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
+                            trust_env=False) as unverified, \
+                pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE") as refused:
             unverified.lookup(toks)  # the system's CAs do not know the test's CA: refused, never sent in clear
+        # said with what to do (it was only "cannot reach the CacheSeek server", an outage's words)
+        assert "TLS certificate is not trusted: give verify= the CA bundle" in str(refused.value), refused.value
         with pytest.raises(cs.ConfigError, match="verify"):
             cs.RemoteCache(url, model_id="tls", layout=LAYOUT, block_tokens=BLOCK, verify=str(tmp_path / "none.pem"))
     finally:
