@@ -10,7 +10,7 @@ from .errors import ConfigError
 from .store.eviction import DEFAULT_POLICY, check_policy
 from .store.tier import Tier
 from .store.tiered import TieredStore
-from .units import parse_size
+from .units import format_size, parse_size
 
 TIER_ORDER = ("gpu", "cpu", "disk", "redis")
 
@@ -18,6 +18,26 @@ TIER_ORDER = ("gpu", "cpu", "disk", "redis")
 def default_cpu_reserve(cpu_bytes: int) -> int:
     """The CPU tier's reserve unless one is given: an eighth of its budget, at most 1 GiB."""
     return min(cpu_bytes // 8, 1 << 30)
+
+
+def _check_gpu_device(gpu_bytes: int, device: str) -> None:
+    """A GPU tier's device is one torch sees (else torch's own error came from deep inside
+    it: ``AssertionError: Torch not compiled with CUDA enabled`` on a CPU build)."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"gpu_device: {device!r} is not a torch device ({exc})") from None
+    if where.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"gpu_bytes: {format_size(gpu_bytes)} asks for a GPU tier, but torch sees no CUDA device "
+                          f"(torch {torch.__version__}); give gpu_bytes=0 on a machine without a GPU")
+    count = torch.cuda.device_count()
+    if where.index is not None and where.index >= count:
+        raise ConfigError(f"gpu_device: {device!r} is not one of the {count} CUDA device{'s' if count != 1 else ''} "
+                          "torch sees")
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,7 @@ class TierConfig:
         if gpu:
             from .store.gpu import GpuTier
 
+            _check_gpu_device(gpu, self.gpu_device)
             tiers.append(GpuTier(gpu, device=self.gpu_device, policy=self.eviction))
         cpu = parse_size(self.cpu_bytes, name="cpu_bytes")
         if cpu:

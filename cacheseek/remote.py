@@ -1188,6 +1188,11 @@ class RemoteCache(PrefixCacheBase):
         if isinstance(exc, httpx.PoolTimeout):
             return PoolExhausted(f"no connection of this client's pool came free in time: more calls at once than "
                                  f"max_connections ({self.max_connections}); not sent", url=self.url + path)
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            # (OpenSSL's reason, through this client's transport and httpx's alike) Not an
+            # outage that passes: said with what to do, beside the reason.
+            return RemoteUnavailable(f"the CacheSeek server's TLS certificate is not trusted: give verify= the CA "
+                                     f"bundle that signed it (or an ssl.SSLContext): {exc!r}", url=self.url + path)
         return RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path)
 
     def _raise_for_status(self, response: httpx.Response, path: str) -> None:

@@ -6,6 +6,9 @@
     cacheseek admin pin HASH [--namespace NS] [--ttl SECONDS]
     cacheseek admin unpin HASH [--namespace NS]
 
+The options before the command may come after it too (those after it win: ``--url`` given
+on both sides is the ones after it).
+
 The token comes from ``--token`` or ``CACHESEEK_ADMIN_TOKEN``. ``--url`` may be given more
 than once: each replica's own tiers are its own, so a flush, delete or pin goes to each.
 Exit status: 0 done everywhere; 1 a server refused (its reason printed) or answered with
@@ -15,6 +18,7 @@ a token that is not printable ASCII, a namespace out of the server's pattern too
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -126,26 +130,39 @@ def reason(response: httpx.Response) -> str:
     return repr(text[:80] + ("..." if len(text) > 80 else "")) if text else "(empty body)"
 
 
+def _common_options(p: Any, *, defaults: bool) -> None:
+    """The options of every admin command. They are taken after the command too (where an
+    operator types them, beside a flush's ``--namespace``), with no default there: one given
+    before the command is kept."""
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--url", action="append", default=default(None),
+                   help="a server; repeat for every replica (default http://127.0.0.1:8080)")
+    p.add_argument("--token", default=default(os.environ.get("CACHESEEK_ADMIN_TOKEN")),
+                   help="the admin token [env CACHESEEK_ADMIN_TOKEN]")
+    p.add_argument("--json", action="store_true", default=default(False), help="print the servers' answers as JSON")
+    p.add_argument("--timeout", type=float, default=default(60.0),
+                   help="seconds to wait for each server's answer (default 60; a flush of many blocks takes long)")
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("admin", help="usage, flush, delete and pin on a running server (admin token)",
                        description="Admin operations over /v1/admin (docs/operations.md).")
-    p.add_argument("--url", action="append", default=None,
-                   help="a server; repeat for every replica (default http://127.0.0.1:8080)")
-    p.add_argument("--token", default=os.environ.get("CACHESEEK_ADMIN_TOKEN"),
-                   help="the admin token [env CACHESEEK_ADMIN_TOKEN]")
-    p.add_argument("--json", action="store_true", help="print the servers' answers as JSON")
-    p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds to wait for each server's answer (default 60; a flush of many blocks takes long)")
+    _common_options(p, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _common_options(common, defaults=False)
     cmds = p.add_subparsers(dest="admin_command", required=True, metavar="COMMAND")
-    cmds.add_parser("namespaces", help="usage per namespace (and per model within it)")
-    cmds.add_parser("models", help="usage per model (and per namespace)")
-    cmds.add_parser("pins", help="every pinned prefix")
-    f = cmds.add_parser("flush", help="delete every block of a namespace, a model, or a model in a namespace")
+    cmds.add_parser("namespaces", help="usage per namespace (and per model within it)", parents=[common])
+    cmds.add_parser("models", help="usage per model (and per namespace)", parents=[common])
+    cmds.add_parser("pins", help="every pinned prefix", parents=[common])
+    f = cmds.add_parser("flush", help="delete every block of a namespace, a model, or a model in a namespace",
+                        parents=[common])
     f.add_argument("--namespace", help="the namespace ('' is the default one)")
     f.add_argument("--model", help="the model")
     for name, help_ in (("delete-chain", "delete the chain ending at HASH (and what extends it)"),
                         ("pin", "never evict the chain ending at HASH"), ("unpin", "give a pinned chain back")):
-        c = cmds.add_parser(name, help=help_)
+        c = cmds.add_parser(name, help=help_, parents=[common])
         c.add_argument("hash", help="the chain's last block hash (hex)")
         c.add_argument("--namespace", default="", help="its namespace (default '')")
         if name == "pin":

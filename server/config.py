@@ -146,6 +146,13 @@ class _FileSource(PydanticBaseSettingsSource):
         super().__init__(settings_cls)
         path = _config_file.get() or (Path(os.environ[ENV_PREFIX + "CONFIG"]) if os.environ.get(ENV_PREFIX + "CONFIG") else None)
         self.data = renamed(load_config_file(path), f"config {path}") if path is not None else {}
+        for key in self.data:
+            if key not in settings_cls.model_fields:
+                # pydantic's "Extra inputs are not permitted" said neither whose key it was nor
+                # what it may have meant
+                close = difflib.get_close_matches(key, sorted(settings_cls.model_fields), n=1, cutoff=0.75)
+                meant = f"; did you mean {close[0]}?" if close else " (cacheseek serve --help lists them)"
+                raise ConfigError(f"config {path}: {key} is not a setting{meant}")
 
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover - unused
         return self.data.get(field_name), field_name, False

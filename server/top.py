@@ -27,6 +27,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _ratio(x: float | None) -> str:
+    # None: no block stored, nothing to compare (it read "0.00x", as if blocks grew to nothing)
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.2f} ms"
 
@@ -63,7 +68,7 @@ def render(stats: dict[str, Any], prev: dict[str, Any] | None, dt: float, url: s
         f"ingest              {_size(t.get('ingest_bytes', 0)):>12}   {_size(rate('ingest_bytes'))}/s",
         f"materialize         {_size(t.get('materialize_bytes', 0)):>12}   {_size(rate('materialize_bytes'))}/s",
         f"stored (distinct)   {_size(stats.get('used_bytes')):>12}   {stats.get('blocks', 0):,} blocks   "
-        f"compression {stats.get('compression_ratio') or 0:.2f}x   pins {stats.get('pins', 0)}",
+        f"compression {_ratio(stats.get('compression_ratio'))}   pins {stats.get('pins', 0)}",
         "",
         f"{'tier':<6}{'fill':>7}{'used':>12}{'budget':>12}{'unique':>12}{'blocks':>9}{'pinned':>8}"
         f"{'hits':>9}{'misses':>9}{'evicted':>9}{'corrupt':>8}",

@@ -81,6 +81,7 @@ def test_the_dashboard_shows_the_stats_and_loads_nothing_from_elsewhere(tmp_path
         assert sorted((ns, m, int(v)) for ns, m, v in usage) == sorted(
             (u["namespace"], u["model"], u["used_bytes"]) for u in stats["namespaces"])
         assert {ns for ns, _, _ in usage} == {"team-a", "team-b"} and health == "healthy"
+        assert browser.js("document.getElementById('links-need-token').hidden") is True  # (no tokens here)
         # Four charts drawn, none still waiting for data.
         assert browser.js("[...document.querySelectorAll('canvas')].length") == 4
 
@@ -130,6 +131,9 @@ def test_the_dashboard_asks_once_for_a_read_token(tmp_path):
         browser.goto(srv.url + "/dashboard")
         browser.wait_for("!document.getElementById('login').hidden", timeout=60)
         assert browser.js("document.body.dataset.refreshes") == "0"
+        # The footer's links to /v1/stats and /metrics send no token: said, not a bare 401
+        assert browser.js("document.getElementById('links-need-token').hidden") is False
+        assert httpx.get(srv.url + "/metrics").status_code == 401
         submit = "document.getElementById('token').value = {!r}; document.getElementById('login').requestSubmit(); 1"
         browser.js(submit.format("wr0ng"))
         browser.wait_for("document.getElementById('login-error').textContent === 'token not accepted'")

@@ -11,7 +11,8 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU), and
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU),
+http-api.md's and precision.md's (against a server) and redis.md's `TierConfig` lines, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
 in http-api.md (and every route a doc names is served), and design.md's module map lists the
 imports each module has."""
@@ -639,6 +640,41 @@ def test_the_readme_python_examples_run(tmp_path):
         exec(shrunk(remote, {'"http://10.0.0.5:8080"': repr(srv.url), 'device="cuda"': f"device={device!r}"}), scope)
         assert scope["got"].num_tokens == 512 and scope["got"].tiers == ["cpu", "cpu"]
         scope["remote"].close()
+        assert srv.stop() == 0
+
+
+def test_the_client_precision_and_redis_md_python_examples_run(tmp_path):
+    """http-api.md's client block and precision.md's block, run as a reader runs them against
+    a real server on loopback (its `url`, on the CPU where no GPU is, KV of 600 tokens), and
+    redis.md's `TierConfig` lines (made, not built: no Redis is reached): every name, keyword
+    and result they show is the code's."""
+    import torch
+
+    import cacheseek as cs
+    from server_helpers import Server
+
+    (client,) = fenced_blocks(ROOT / "docs" / "http-api.md", "python")
+    (precision,) = fenced_blocks(ROOT / "docs" / "precision.md", "python")
+    (redis_lines,) = fenced_blocks(ROOT / "docs" / "redis.md", "python")
+    scope = {"cs": cs}
+    exec(redis_lines, scope)
+    assert scope["tiers"].write_through == () and scope["tiers"].cpu_bytes == "4GiB"
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    layout = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    ids = list(range(600))
+    kv = [(torch.randn(2, 600, 64, dtype=torch.float16), torch.randn(2, 600, 64, dtype=torch.float16))
+          for _ in range(2)]
+    with Server(tmp_path / "srv") as srv:
+        scope = {"layout": layout, "token_ids": ids, "kv": kv, "ids_a": ids, "ids_b": ids[:300], "ids_c": ids[300:]}
+        exec(shrunk(client, {'"http://10.0.0.5:8080"': repr(srv.url), 'device="cuda:0"': f"device={device!r}"}),
+             scope)
+        with scope["remote"] as remote:  # its lines bind no result: what they stored is read back
+            assert [located.num_tokens for located in remote.locate_batch([ids, ids[:300], ids[300:]])] == [512, 256, 0]
+        scope = {"layout": layout, "url": srv.url}
+        exec(precision, scope)
+        with scope["cache"] as cache, scope["remote"] as remote:
+            assert cache.ingest(ids, kv).stored == remote.ingest(ids, kv).stored == 9  # blocks of 64
+            assert cache.materialize(ids).num_tokens == remote.materialize(ids).num_tokens == 576
         assert srv.stop() == 0
 
 

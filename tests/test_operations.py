@@ -801,6 +801,10 @@ def test_top_across_a_server_restart_shows_no_negative_rates(tmp_path):
             seen.append(c.get("/v1/stats", headers=writer()).json())
     frame = render(seen[1], seen[0], 1.0, "http://x")
     assert not re.search(r"-\d", frame), frame
+    assert re.search(r"compression \d+\.\d\dx", frame), frame
+    with Server(tmp_path / "empty", "--write-token", WRITE) as s:  # no block: no ratio (it read "0.00x")
+        empty = httpx.get(s.url + "/v1/stats", headers=writer()).json()
+    assert "compression -   pins 0" in render(empty, None, 1.0, "http://x")
     assert re.search(r"lookups +1 +-/s", frame) and re.search(r"% all +- now", frame), frame
 
 
@@ -934,6 +938,27 @@ def test_top_and_admin_print_no_control_characters_a_server_sent(not_cacheseek, 
     captured = capsys.readouterr()
     for text in (captured.err, captured.out, out.getvalue()):
         assert "\\x1b]0;owned" in text and not any(c in text for c in "\x1b\x07\r"), repr(text)
+
+
+def test_admin_takes_its_options_after_the_command_too(not_cacheseek, capsys, monkeypatch):
+    """`cacheseek admin namespaces --url URL --token T`, the options typed after the command
+    (as a flush's `--namespace` is), was the top-level usage and "cacheseek: error:
+    unrecognized arguments: --url ...": they are taken after it as before it."""
+    from cacheseek.server.cli import main
+
+    monkeypatch.delenv("CACHESEEK_ADMIN_TOKEN", raising=False)
+    url, pages = not_cacheseek
+    pages["/v1/admin/namespaces"] = json.dumps([{"namespace": "team-a", "blocks": 1, "used_bytes": 1,
+                                                 "raw_bytes": 1, "models": []}]).encode()
+    assert main(["admin", "namespaces", "--url", url, "--token", "x", "--timeout", "5", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out) == {"url": url, "answer": json.loads(pages["/v1/admin/namespaces"])}, out
+    assert main(["admin", "--url", url, "namespaces", "--token", "x"]) == 0  # split either side
+    assert "team-a" in capsys.readouterr().out
+    # before the command, as before: and an option given on neither side keeps its default
+    assert main(["admin", "--url", url, "--token", "x", "namespaces"]) == 0
+    assert main(["admin", "namespaces", "--url", url]) == 2
+    assert "an admin token is needed" in capsys.readouterr().err
 
 
 def test_admin_says_a_server_that_does_not_answer_in_time_is_busy_not_unreachable(capsys):

@@ -346,8 +346,11 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
             assert cache.lookup(toks) == 3 * BLOCK
             assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
         with cs.RemoteCache(url, model_id="tls", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
-                            trust_env=False) as unverified, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
+                            trust_env=False) as unverified, \
+                pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE") as refused:
             unverified.lookup(toks)  # the system's CAs do not know the test's CA: refused, never sent in clear
+        # said with what to do (it was only "cannot reach the CacheSeek server", an outage's words)
+        assert "TLS certificate is not trusted: give verify= the CA bundle" in str(refused.value), refused.value
         with pytest.raises(cs.ConfigError, match="verify"):
             cs.RemoteCache(url, model_id="tls", layout=LAYOUT, block_tokens=BLOCK, verify=str(tmp_path / "none.pem"))
     finally:
@@ -770,6 +773,7 @@ def test_a_materialize_reads_into_the_buffers_of_the_last_and_gives_every_one_ba
         assert_prefix_equal(kept, kv, 4 * BLOCK)
         first = _read_buffers(cache)
         assert first["buffers_made"] == 4 and first["leases_active"] == 0 and first["buffers_free"] == 4
+        assert first["pinned"] is torch.cuda.is_available()  # (said True on a CPU-only host, pinning nothing)
         for _ in range(2):
             assert_prefix_equal(cache.materialize(toks, device), kv, 4 * BLOCK)
         again = _read_buffers(cache)
@@ -807,6 +811,7 @@ def test_waited_ingests_send_every_frame_from_one_reused_buffer(srv):
             assert cache.ingest(toks, kv).stored == 4
         writes = cache.client_stats()["write_buffers"]
         assert writes["buffers_made"] == 1 and writes["leases_granted"] == 8 and writes["leases_active"] == 0
+        assert writes["pinned"] is torch.cuda.is_available()
         for toks, kv in chains:
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
 

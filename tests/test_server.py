@@ -596,6 +596,26 @@ def test_settings_come_from_flags_env_and_a_file(tmp_path):
     assert ServerSettings.load(toml, cpu_reserve_bytes="0").cpu_reserve_bytes == 0
 
 
+def test_a_key_of_the_settings_file_that_names_no_setting_is_named_with_the_one_meant(tmp_path):
+    """A misspelt key in the settings file (``cpu_bytez``) was pydantic's "cpu_bytez: Extra
+    inputs are not permitted", which says neither that it is the file's key nor what it
+    may have meant; a misspelt variable is said with the setting it is close to."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+
+    toml = tmp_path / "cs.toml"
+    toml.write_text('cpu_bytez = "1GiB"\nport = 9000\n')
+    with pytest.raises(ConfigError, match=rf"config {re.escape(str(toml))}: cpu_bytez is not a setting; did you "
+                                          r"mean cpu_bytes\?"):
+        ServerSettings.load(toml)
+    yaml = tmp_path / "cs.yaml"
+    yaml.write_text("cacheseek:\n  colour: blue\n")  # close to none: the file's key, and where to look
+    with pytest.raises(ConfigError, match=r"colour is not a setting \(cacheseek serve --help lists them\)"):
+        ServerSettings.load(yaml)
+    toml.write_text("redis_ttl_s = 5\n")  # an old spelling still works
+    assert ServerSettings.load(toml).redis_ttl_seconds == 5
+
+
 def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     from cacheseek.server.config import ServerSettings, default_disk_path
 

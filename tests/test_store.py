@@ -900,6 +900,24 @@ def test_tier_config_errors_name_the_setting(tmp_path):
         make_cache(disk=blocker / "sub")
 
 
+def test_a_gpu_tier_where_torch_sees_no_such_cuda_device_is_a_config_error(tmp_path, monkeypatch):
+    """The README's example run as shown on a machine without a GPU (``gpu_bytes="8GiB"``,
+    torch's CPU build) raised ``AssertionError: Torch not compiled with CUDA enabled`` from
+    inside torch: a ``ConfigError`` naming ``gpu_bytes`` and what to do, before any tier is
+    made; so is a ``gpu_device`` past the devices torch sees."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(cs.ConfigError, match="gpu_bytes: .* no CUDA device .* gpu_bytes=0"):
+        make_cache(gpu="64MiB", cpu="1MiB", disk=tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(cs.ConfigError, match="gpu_device: 'cuda:1' .* 1 CUDA device"):
+        make_cache(gpu="64MiB", gpu_device="cuda:1")
+    with pytest.raises(cs.ConfigError, match="gpu_device"):
+        make_cache(gpu="64MiB", gpu_device="not-a-device")
+
+
 def test_environment_has_no_stray_tmp_files(tmp_path):
     cache = make_cache(cpu=0, disk=tmp_path / "d")
     cache.ingest(tokens_for(18, 2 * BLOCK), make_kv(2 * BLOCK, 18))

@@ -128,12 +128,10 @@ class AlignedBuffer:
             self._base = ctypes.addressof(ctypes.c_ubyte.from_buffer(self._mem))
 
     def _pin(self) -> None:
-        try:
-            import torch
-        except ImportError:
+        if not _cuda_present():
             return
-        if not torch.cuda.is_available():
-            return
+        import torch
+
         try:
             keep = torch.empty(self.nbytes + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:
@@ -179,6 +177,7 @@ class BufferPool:
         self._free_bytes = 0
         self._lock = threading.Lock()
         self.made = 0
+        self.pin_refused = False  # a buffer asked to be page-locked, with CUDA present, was not
         self.ledger = LeaseLedger()
 
     def take(self, nbytes: int) -> BufferLease:
@@ -197,6 +196,7 @@ class BufferPool:
             self.made += 1
         buf = AlignedBuffer(need, pin=self.pin)
         with self._lock:
+            self.pin_refused |= self.pin and not buf.pinned and _cuda_present()
             self.ledger.on_grant(buf.nbytes)
         return BufferLease(self, buf)
 
@@ -217,9 +217,13 @@ class BufferPool:
                 self._free_bytes -= self._free.pop().nbytes
 
     def stats(self) -> dict[str, Any]:
+        """``pinned``: whether its buffers are page-locked (asked for, CUDA present, and none
+        refused). It said ``pin``, what was asked for: True on a host without CUDA, where
+        nothing is page-locked."""
         with self._lock:
+            pinned = self.pin and not self.pin_refused and _cuda_present()
             return {"buffers_made": self.made, "buffers_free": len(self._free), "free_bytes": self._free_bytes,
-                    "pinned": self.pin, **self.ledger.stats()}
+                    "pinned": pinned, **self.ledger.stats()}
 
 
 # -- reads in flight -----------------------------------------------------------------------
@@ -454,6 +458,15 @@ class ReadStream:
 
 
 _warned_unpinned = False
+
+
+def _cuda_present() -> bool:
+    """Whether page-locked memory can be had: torch imports and sees a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _warn_unpinned(exc: BaseException) -> None:

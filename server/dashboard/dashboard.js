@@ -39,6 +39,7 @@ async function poll() {
   try {
     const r = await fetch("v1/stats", { headers: headers(), cache: "no-store" });
     if (r.status === 401 || r.status === 403) {
+      document.getElementById("links-need-token").hidden = false;  // (the footer's links send no token)
       document.getElementById("login").hidden = false;
       document.getElementById("login-error").textContent = r.status === 403 ? "token not accepted" : "";
       setHealth("needs a token", "warn");
