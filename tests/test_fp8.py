@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import cacheseek as cs
 from cacheseek.hashing import root_hash
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import engine_pages, page_tables, read_tokens, snapshot, unchanged, write_tokens
+from paged_helpers import DEVICE, engine_pages, page_tables, read_tokens, snapshot, unchanged, write_tokens
 from redis_servers import RedisServer, needs_redis
 from server_helpers import Server
 from store_helpers import BLOCK, tokens_for
@@ -54,6 +54,7 @@ def make_kv(dtype: str, tokens: int, seed: int) -> list[tuple[torch.Tensor, torc
     flat = finite_bytes(dtype, 2 * L * H * tokens * D, seed).view(L, 2, *shape)
     flat = flat[torch.randperm(L, generator=torch.Generator().manual_seed(seed))]  # patterns spread over layers
     fp8 = getattr(torch, dtype)
+    flat = flat.to(DEVICE)  # (on a GPU the compiled kernels take no CPU tensors)
     return [(flat[i, 0].view(fp8), flat[i, 1].view(fp8)) for i in range(L)]
 
 

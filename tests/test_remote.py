@@ -980,7 +980,7 @@ def test_a_paged_batch_load_looks_up_once_and_fetches_its_chains_at_once(srv, mo
         assert sent.count("/v1/lookup") == 1 and len(sent) == 5
         for kv, ids, x in zip(kvs, dest_tables, loaded):
             for (k, v), (k0, v0) in zip(read_tokens(dest, ids, x.num_tokens), kv):
-                assert torch.equal(k, k0[:, : x.num_tokens]) and torch.equal(v, v0[:, : x.num_tokens])
+                assert torch.equal(k.cpu(), k0[:, : x.num_tokens]) and torch.equal(v.cpu(), v0[:, : x.num_tokens])
         assert _read_buffers(cache)["leases_active"] == 0
 
 
