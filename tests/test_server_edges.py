@@ -719,7 +719,7 @@ def test_a_cpu_budget_over_the_memory_the_process_may_use_exits_2(tmp_path):
     assert proc.returncode == 2, (proc.returncode, err)
     assert "cpu_bytes: 100.00 TiB and its reserve (cpu_reserve_bytes 1.00 GiB) are more than" in err, err
     assert "startup complete" not in err and "Traceback" not in err, err
-    from cacheseek.server.cli import memory_limit
+    from cacheseek.host_memory import memory_limit
 
     limit, where = memory_limit()
     assert 0 < limit < 100 << 40 and where in err, (limit, where, err)
