@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .host_memory import cpu_budget_problem
 from .store.eviction import DEFAULT_POLICY, check_policy
 from .store.tier import Tier
 from .store.tiered import TieredStore
@@ -117,6 +118,13 @@ class TierConfig:
         if self.disk_path is not None and (not isinstance(self.disk_path, (str, os.PathLike)) or not str(self.disk_path)):
             # (checked before any tier is built: a CPU tier's pinned memory is not made for nothing)
             raise ConfigError(f"disk_path: must be a directory path (str or Path), got {self.disk_path!r}")
+        cpu = parse_size(self.cpu_bytes, name="cpu_bytes")
+        if cpu:
+            # (before any tier is made) The tier's memory is mapped lazily: a budget past what
+            # there is would build, and the process be killed for memory once traffic filled it.
+            problem = cpu_budget_problem(cpu, self.resolved_cpu_reserve_bytes())
+            if problem:
+                raise ConfigError(problem)
         tiers: list[Tier] = []
         gpu = parse_size(self.gpu_bytes, name="gpu_bytes")
         if gpu:
@@ -124,7 +132,6 @@ class TierConfig:
 
             _check_gpu_device(gpu, self.gpu_device)
             tiers.append(GpuTier(gpu, device=self.gpu_device, policy=self.eviction))
-        cpu = parse_size(self.cpu_bytes, name="cpu_bytes")
         if cpu:
             tiers.append(CpuTier(cpu, pin=self.pin_memory, reserve_bytes=self.resolved_cpu_reserve_bytes(),
                                  policy=self.eviction, map_at_start=self.cpu_map_at_start))

@@ -1193,6 +1193,10 @@ class RemoteCache(PrefixCacheBase):
             # outage that passes: said with what to do, beside the reason.
             return RemoteUnavailable(f"the CacheSeek server's TLS certificate is not trusted: give verify= the CA "
                                      f"bundle that signed it (or an ssl.SSLContext): {exc!r}", url=self.url + path)
+        if "use an https:// URL" in str(exc) or "use an http:// URL" in str(exc):
+            # (this client's transport says so: a TLS server asked in plain http, or the reverse)
+            # Not an outage that passes either: the URL is wrong.
+            return RemoteUnavailable(f"the CacheSeek server's URL has the wrong scheme: {exc!r}", url=self.url + path)
         return RemoteUnavailable(f"cannot reach the CacheSeek server: {exc!r}", url=self.url + path)
 
     def _raise_for_status(self, response: httpx.Response, path: str) -> None:

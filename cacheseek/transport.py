@@ -37,6 +37,10 @@ What it holds to, since it is hand-written (each case is tested against a fake s
   from the environment unless ``NO_PROXY`` covers the host, with ``trust_env``) sends the
   request through httpx's own transport with the same TLS settings: honoured, at httpx's
   speed. Any other scheme is refused (``httpx.UnsupportedProtocol``).
+- A URL of the wrong scheme is said so, in the error's message (its type unchanged): an
+  ``http`` answer that is a TLS record, or a fresh ``http`` connection closed before any
+  answer by a server that a TLS handshake then reaches (asked on that error path only),
+  says to use ``https://``; a handshake answered by no TLS record, to use ``http://``.
 """
 
 from __future__ import annotations
@@ -62,6 +66,10 @@ _SMALL = 64 * 1024  # request chunks below this are gathered into one send
 _TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _DIGITS = re.compile(rb"^[0-9]+$")
 _STATUS = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: .*)?$")
+_TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake: what a TLS server may answer a plain request with
+_PROBE_SECONDS = 1.0  # the most a handshake asking whether a server speaks TLS may take (error path only)
+_SPEAKS_HTTPS = "speaks https, not http: use an https:// URL"
+_SPEAKS_HTTP = "does not speak TLS (plain http, most likely): use an http:// URL"
 
 
 class BulkTransport(httpx.BaseTransport):
@@ -183,7 +191,10 @@ class BulkTransport(httpx.BaseTransport):
             try:
                 status, headers, rest, keep_alive = _read_head(lease, request)
             except _NoAnswer as exc:
-                error = _as_httpx(lease.explain(send_error or exc.cause), request, reading=send_error is None)
+                cause = send_error or exc.cause
+                if not reused and not lease.aborted and lease.key[0] == "http":
+                    cause = _if_tls(cause, lease, timeouts)
+                error = _as_httpx(lease.explain(cause), request, reading=send_error is None)
                 if reused and not lease.aborted:
                     raise _Stale(error) from None
                 raise error from None
@@ -229,7 +240,13 @@ class BulkTransport(httpx.BaseTransport):
                 sock = self.ssl_context.wrap_socket(sock, server_hostname=host)
             except ssl.SSLError as exc:
                 _close(sock)
-                raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {exc}", request=request) from None
+                # (OpenSSL's reason where the answer to its hello was no TLS record, the server's
+                # plain HTTP "400 Bad Request" most likely: "wrong version number", from 3.2
+                # "record layer failure", as urllib3 reads them)
+                plain = any(r in str(exc) for r in ("WRONG_VERSION_NUMBER", "record layer failure"))
+                hint = f": {host}:{port} {_SPEAKS_HTTP}" if plain else ""
+                raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {exc}{hint}",
+                                         request=request) from None
             except TimeoutError as exc:
                 _close(sock)
                 raise httpx.ConnectTimeout(str(exc), request=request) from None
@@ -625,6 +642,10 @@ def _read_head(lease: _Lease, request: httpx.Request) -> tuple[int, list[tuple[b
                 if not buf:
                     raise _NoAnswer(ConnectionResetError("connection closed before a response"))
                 raise ConnectionResetError("connection closed inside a response head")
+            if not buf and data[0] in _TLS_RECORD_TYPES and not isinstance(sock, ssl.SSLSocket):
+                # (no HTTP answer starts so) else the head was read on to the close
+                raise httpx.RemoteProtocolError(f"the answer is a TLS record (byte 0x{data[0]:02x}), not HTTP: "
+                                                f"{lease.key[1]}:{lease.key[2]} {_SPEAKS_HTTPS}", request=request)
             buf += data
         status, headers, keep_alive = _parse_head(buf[:end], request)
         buf = buf[end + 4 :]
@@ -633,6 +654,27 @@ def _read_head(lease: _Lease, request: httpx.Request) -> tuple[int, list[tuple[b
         if status == 101:
             raise httpx.RemoteProtocolError("101 Switching Protocols, but no upgrade was asked for", request=request)
         # 100 Continue, 102 Processing, 103 Early Hints: the final answer follows.
+
+
+def _if_tls(cause: BaseException, lease: _Lease, timeouts: dict) -> BaseException:
+    """``cause`` (a plain connection closed before any answer), said with what to do where the
+    server speaks TLS: one that does closes on a plain request's first bytes without a word.
+    Asked with a handshake of its own on this error path only (nothing is sent over it), so a
+    plain server that closed (a crash, a restart) is not said to be one."""
+    _, host, port = lease.key
+    probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE  # (whether it speaks TLS, not whom)
+    connect = lease.connect_timeouts(timeouts).get("connect")
+    try:
+        with socket.create_connection((host, port), timeout=min(connect or _PROBE_SECONDS, _PROBE_SECONDS)) as raw, \
+                probe.wrap_socket(raw, server_hostname=host):
+            pass
+    except ssl.SSLError as exc:
+        if "ALERT" not in (exc.reason or ""):  # (an alert is TLS too: a client certificate asked for, say)
+            return cause
+    except OSError:
+        return cause
+    return type(cause)(f"{cause}: {host}:{port} {_SPEAKS_HTTPS}")
 
 
 def _parse_head(head: bytes, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bool]:

@@ -77,6 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from cacheseek.errors import ConfigError, StorageError
+    from cacheseek.host_memory import cpu_budget_problem
 
     from .app import create_app
     from .config import ServerSettings, exposed_secrets, renamed, unknown_variables
@@ -112,7 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
         problem = _tls_problem(settings.tls_cert, settings.tls_key)
         if problem:
             return _bad_setting(problem)
-    problem = _memory_problem(settings.cpu_bytes, settings.cpu_reserve_bytes or 0)
+    problem = cpu_budget_problem(settings.cpu_bytes, settings.cpu_reserve_bytes or 0)
     if problem:
         return _bad_setting(problem)
     interrupts.check()
@@ -321,51 +322,6 @@ def _tls_problem(cert: Any, key: Any) -> str | None:
     except (ssl.SSLError, OSError) as exc:
         return f"tls_cert/tls_key: cannot load {cert} with {key}: {exc}"
     return None
-
-
-def memory_limit() -> tuple[int, str]:
-    """The memory this process may use, and what sets it: the machine's, or its cgroup's
-    limit (a container's) where lower; 0 where neither can be read."""
-    import os
-
-    try:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, OSError, ValueError):  # (no sysconf, or no such name here)
-        limit = 0
-    where = "the machine's memory"
-    candidates = []
-    try:
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if controllers == "":  # cgroup v2
-                candidates += [Path("/sys/fs/cgroup", path.lstrip("/"), "memory.max"), Path("/sys/fs/cgroup/memory.max")]
-            elif "memory" in controllers.split(","):  # cgroup v1
-                candidates += [Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.limit_in_bytes"),
-                               Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")]
-    except (OSError, ValueError):
-        pass
-    for file in candidates:
-        try:
-            value = int(file.read_text().strip())  # ("max" where none: not a number)
-        except (OSError, ValueError):
-            continue
-        if 0 < value < (limit or value + 1):
-            limit, where = value, f"the limit of its cgroup, {file}"
-    return limit, where
-
-
-def _memory_problem(cpu_bytes: int, reserve_bytes: int) -> str | None:
-    """Why a CPU tier of ``cpu_bytes`` (and its reserve) cannot work here, or None. Its memory
-    is mapped lazily, so an impossible budget (100TiB, a typo for GiB) started, and the
-    process was killed for memory only once traffic had filled what there is."""
-    from cacheseek.units import format_size
-
-    limit, where = memory_limit()
-    if not limit or cpu_bytes + reserve_bytes <= limit:
-        return None
-    return (f"cpu_bytes: {format_size(cpu_bytes)} and its reserve (cpu_reserve_bytes {format_size(reserve_bytes)}) "
-            f"are more than the memory this process may use, {format_size(limit)} ({where}): it would be killed "
-            "for memory before the CPU tier filled; give less")
 
 
 def _setting_of(exc: BaseException, settings: Any) -> str:

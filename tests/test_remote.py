@@ -357,6 +357,17 @@ def test_remote_cache_over_https_verifies_the_server(srv, tmp_path):
         front.close()
 
 
+def test_an_https_url_to_a_plain_http_server_says_to_use_http(srv):
+    # OpenSSL's "wrong version number" ("record layer failure" from 3.2: the server answered the
+    # handshake in plain HTTP) read as "cannot reach the CacheSeek server", an outage's words.
+    url = srv.url.replace("http://", "https://")
+    with cs.RemoteCache(url, model_id="tls", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, token="w",
+                        trust_env=False) as wrong, pytest.raises(cs.RemoteUnavailable) as refused:
+        wrong.lookup(tokens_for(12, BLOCK))
+    said = str(refused.value)
+    assert "does not speak TLS (plain http, most likely): use an http:// URL" in said and "TLS handshake" in said, said
+
+
 def test_tensor_parallel_ranks_and_extra_keys_share_nothing_on_one_server(srv):
     """Two TP ranks with the same per-rank layout and model write to one server: neither
     finds the other's blocks; nor does a prompt with another adapter, salt or image."""

@@ -719,7 +719,7 @@ def test_a_cpu_budget_over_the_memory_the_process_may_use_exits_2(tmp_path):
     assert proc.returncode == 2, (proc.returncode, err)
     assert "cpu_bytes: 100.00 TiB and its reserve (cpu_reserve_bytes 1.00 GiB) are more than" in err, err
     assert "startup complete" not in err and "Traceback" not in err, err
-    from cacheseek.server.cli import memory_limit
+    from cacheseek.host_memory import memory_limit
 
     limit, where = memory_limit()
     assert 0 < limit < 100 << 40 and where in err, (limit, where, err)
@@ -904,6 +904,14 @@ def test_remote_cache_round_trips_with_a_tls_server(tmp_path, tls_files):
         with cs.RemoteCache(srv.url, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
                             trust_env=False) as untrusting, pytest.raises(cs.RemoteUnavailable, match="CERTIFICATE"):
             untrusting.lookup(toks)
+        # An http:// URL to it: the server closes the connection on the request's first bytes
+        # (not a TLS record), which read as any outage ("connection closed before a response").
+        plain = srv.url.replace("https://", "http://")
+        with cs.RemoteCache(plain, model_id="tls-raw", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                            trust_env=False) as wrong, pytest.raises(cs.RemoteUnavailable) as refused:
+            wrong.lookup(toks)
+        said = str(refused.value)
+        assert "speaks https, not http: use an https:// URL" in said and "closed before a response" in said, said
 
 
 # -- HEAD, pipelining, keep-alive after errors ---------------------------------------------------

@@ -15,6 +15,7 @@ from cacheseek.errors import InputError
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.frame import build_frame, parse_frame, plan_frame
 from cacheseek.store.tier import BlockFrame
+from cacheseek.units import format_size
 from kivi_bounds import error_bound
 from store_helpers import (BLOCK, LAYOUT, as_other_version, assert_prefix_equal, disk_charge, make_cache, make_kv,
                            tokens_for)
@@ -916,6 +917,41 @@ def test_a_gpu_tier_where_torch_sees_no_such_cuda_device_is_a_config_error(tmp_p
         make_cache(gpu="64MiB", gpu_device="cuda:1")
     with pytest.raises(cs.ConfigError, match="gpu_device"):
         make_cache(gpu="64MiB", gpu_device="not-a-device")
+
+
+def test_a_cpu_tier_over_the_memory_the_process_may_use_is_a_config_error(tmp_path, monkeypatch):
+    """The server refused such a budget, the library took it: the tier's memory is mapped
+    lazily, so ``cpu_bytes="64GiB"`` on a 24 GiB host built, and the process was killed for
+    memory once traffic filled it. Refused now, in the server's words, before any tier is
+    made; a budget that fits (with its reserve) exactly is built and stores."""
+    from cacheseek.host_memory import memory_limit
+    from cacheseek.store import cpu as cpu_module
+
+    limit, where = memory_limit()
+    assert limit > 0, where  # (Linux: the machine's memory, or its cgroup's limit)
+    made = []
+
+    class Recorded(cpu_module.CpuTier):
+        def __init__(self, capacity_bytes, **kw):
+            made.append(capacity_bytes)
+            super().__init__(capacity_bytes, **kw)
+
+    monkeypatch.setattr(cpu_module, "CpuTier", Recorded)
+    reserve = 1 << 20
+    with pytest.raises(cs.ConfigError) as refused:
+        make_cache(cpu=limit - reserve + 1, cpu_reserve_bytes=reserve, disk=tmp_path / "d", pin_memory=False)
+    said = str(refused.value)
+    assert said.startswith("cpu_bytes: ") and "(cpu_reserve_bytes 1.00 MiB) are more than the memory this process " \
+        f"may use, {format_size(limit)} ({where}): it would be killed for memory" in said, said
+    assert made == [] and not (tmp_path / "d").exists()  # nothing made, nothing written
+    cache = make_cache(cpu=limit - reserve, cpu_reserve_bytes=reserve, pin_memory=False)
+    try:
+        assert made == [limit - reserve]
+        toks = tokens_for(23, 2 * BLOCK)
+        assert cache.ingest(toks, make_kv(2 * BLOCK, 23)).stored == 2
+        assert cache.lookup(toks) == 2 * BLOCK
+    finally:
+        cache.close()
 
 
 def test_environment_has_no_stray_tmp_files(tmp_path):

@@ -104,6 +104,32 @@ def test_a_kept_alive_connection_closed_by_the_server_is_resent_once_when_idempo
         _usable(c)
 
 
+@pytest.mark.parametrize("record", [b"\x15\x03\x01\x00\x02\x02\x46", b"\x16\x03\x03\x00\x00"])
+def test_an_answer_that_is_a_tls_record_says_to_use_https(record):
+    # A TLS server that answers plain HTTP with an alert (0x15) or a handshake record (0x16)
+    # rather than closing: the head read on to the close ("closed inside a response head").
+    with FakeServer(lambda n, head: (record, False)) as srv, _client(srv) as c:
+        with pytest.raises(httpx.RemoteProtocolError, match=r"a TLS record .* use an https:// URL"):
+            c.get("/x")
+
+
+def test_a_fresh_connection_closed_before_an_answer_names_https_only_if_the_server_speaks_tls(tls):
+    # A TLS server closes a plain request's connection without a byte: the error says so only
+    # once a TLS handshake with it succeeded (a plain server that closed says nothing of TLS).
+    _, server = tls
+    closed = lambda n, head: (None, True)  # noqa: E731
+    with FakeServer(closed) as plain, _client(plain) as c:
+        started = time.monotonic()
+        with pytest.raises(httpx.RemoteProtocolError, match="closed before a response") as said:
+            c.get("/x")  # (the fake waits on the hello for a head: the handshake gives up at its 1 s)
+        assert "https" not in str(said.value) and time.monotonic() - started < 2.5
+        assert plain.connections == 2  # the request's, and the handshake's
+    with FakeServer(closed, tls=server) as tls_only:  # (the fake's TLS handshake fails on plain bytes)
+        with _client(tls_only) as c, pytest.raises(httpx.RemoteProtocolError) as said:
+            c.get(f"http://127.0.0.1:{tls_only.port}/x")
+        assert "speaks https, not http: use an https:// URL" in str(said.value), said.value
+
+
 def test_a_connection_the_server_closed_while_idle_is_replaced_before_use():
     with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
         assert c.get("/x").content == b"ok"
