@@ -79,6 +79,16 @@ def page_tables(sizes: list[int], page: int, num_pages: int, seed: int) -> list[
     return out
 
 
+def ingest_pages(cache, requests: list[cs.PagedRequest], pages: cs.KVPages, layerwise: bool):
+    """``cache.ingest_batch(requests, pages)``, whole or (``layerwise``) layer by layer."""
+    if not layerwise:
+        return cache.ingest_batch(requests, pages)
+    with cache.ingest_batch(requests, pages, layerwise=True) as writer:
+        for layer in range(cache.layout.num_layers):
+            writer.put_layer(layer)
+        return writer.finish()
+
+
 def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 

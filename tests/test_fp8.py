@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import cacheseek as cs
 from cacheseek.hashing import root_hash
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import DEVICE, engine_pages, page_tables, read_tokens, snapshot, unchanged, write_tokens
+from paged_helpers import DEVICE, engine_pages, ingest_pages, page_tables, read_tokens, snapshot, unchanged, write_tokens
 from redis_servers import RedisServer, needs_redis
 from server_helpers import Server
 from store_helpers import BLOCK, tokens_for
@@ -206,13 +206,7 @@ def test_random_bit_patterns_round_trip_through_an_engines_pages(backend, dtype,
         write_tokens(pages, kv, ids)
     with make_cache(dtype) as cache, make_cache(dtype) as contiguous:
         requests = [cs.PagedRequest(k, ids) for k, ids in zip(toks, tables)]
-        if layerwise:
-            with cache.ingest_batch(requests, pages, layerwise=True) as writer:
-                for layer in range(L):
-                    writer.put_layer(layer)
-                got = writer.finish()
-        else:
-            got = cache.ingest_batch(requests, pages)
+        got = ingest_pages(cache, requests, pages, layerwise)
         assert [r.stored for r in got] == [2, 1]
         for k, kv in zip(toks, kvs):
             contiguous.ingest(k, kv)

@@ -19,6 +19,7 @@ from paged_helpers import (
     DEVICE,
     engine_pages,
     engine_tensors,
+    ingest_pages,
     kv_pages,
     page_tables,
     read_tokens,
@@ -813,13 +814,7 @@ def test_a_batch_never_evicts_a_requests_own_stored_prefix(eviction, layerwise):
     with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, tiers=tiers) as cache:
         cache.ingest_batch([cs.PagedRequest(y[:BLOCK], [4, 5])], pages)
         cache.ingest_batch(requests[:1], pages)  # the tier is full: x, and y's first block
-        if layerwise:
-            with cache.ingest_batch(requests, pages, layerwise=True) as writer:
-                for layer in range(L):
-                    writer.put_layer(layer)
-                got = writer.finish()
-        else:
-            got = cache.ingest_batch(requests, pages)
+        got = ingest_pages(cache, requests, pages, layerwise)
         assert [(r.present, r.stored) for r in got] == [(2, 0), (1, 2)]
         assert (cache.lookup(x), cache.lookup(y)) == (0, 3 * BLOCK)  # the other chain made the room
         store_helpers.assert_prefix_equal(cache.materialize(y), kv_y, 3 * BLOCK)
