@@ -418,7 +418,8 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--trace", required=True, metavar="FILE", help="the trace (.jsonl)")
     p.add_argument("--layout", default="llama-3-8b",
                    help="a model name (llama-3-8b, llama-3-70b, qwen2.5-7b, smollm2-135m) or LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
-    p.add_argument("--codec", default="raw,int8,int4,int2", help="codecs, comma-separated (raw, int8, int4, int2)")
+    p.add_argument("--codec", default=None,
+                   help="codecs, comma-separated (raw, int8, int4, int2; default all four, raw alone for an fp8 layout)")
     p.add_argument("--cpu-bytes", default="16GiB,32GiB,64GiB,128GiB", help="CPU tier budgets, comma-separated")
     p.add_argument("--disk-bytes", default="0", help="disk tier budget (0: no disk tier)")
     p.add_argument("--disk-admit-after-uses", type=int, default=1, help="disk admission threshold (1: every block)")
@@ -438,6 +439,7 @@ def _plan(args: argparse.Namespace) -> int:
     from cacheseek.trace.plan import (
         TABLE_COLUMNS,
         codec_of,
+        default_codecs,
         format_table,
         layout_of,
         plan,
@@ -454,9 +456,12 @@ def _plan(args: argparse.Namespace) -> int:
         if args.disk_admit_after_uses < 1:
             raise ConfigError(f"--disk-admit-after-uses: must be an integer >= 1, got {args.disk_admit_after_uses}")
         layout = layout_of(args.layout)
-        codecs = _listed(args.codec, "--codec", "codec")
+        codecs = default_codecs(layout) if args.codec is None else _listed(args.codec, "--codec", "codec")
         for c in codecs:
-            codec_of(c)
+            try:  # (plan would refuse it too, but after reading the trace and not by the flag: KIVI on fp8)
+                codec_of(c).check_layout(layout, args.block_tokens)
+            except ConfigError as exc:
+                raise ConfigError(f"--codec {c}: {str(exc).removeprefix('codec: ')}") from None
         policies = [check_policy(p, what="--policy") for p in _listed(args.policy, "--policy", "policy")]
         cpu = [parse_size(b, name="--cpu-bytes") for b in _listed(args.cpu_bytes, "--cpu-bytes", "budget")]
         # A budget given twice (64GiB,65536MiB), a codec or a policy: one replay, one row.

@@ -250,6 +250,48 @@ def nonfinite_patterns(dtype: str) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", FP8)
+def test_the_bit_tests_agree_with_torchs_own_conversion_on_all_256_patterns(dtype):
+    """The masks against an oracle they do not share (the tests above take NAN_BITS, the
+    same constants): a pattern is refused exactly where torch's conversion to float32 is
+    not finite, by the torch path's tests and by both copy kernels (fp8 moved as bytes)."""
+    from cacheseek import kernels
+    from cacheseek.quant.tensors import all_finite, finite_per_block
+
+    fp8, dev = getattr(torch, dtype), torch.device(DEVICE)
+    bits = torch.arange(256, dtype=torch.uint8)
+    want = bits.view(fp8).float().isfinite()
+    assert int((~want).sum()) == (2 if dtype == "float8_e4m3fn" else 8)
+    x = bits.to(dev).view(fp8)
+    assert torch.equal(finite_per_block(x.view(256, 1)).cpu(), want)
+    assert [bool(all_finite(x[i : i + 1])) for i in range(256)] == want.tolist()
+    # One block a pattern, each in its own page: one flag a pattern.
+    ids = torch.arange(256, dtype=torch.int32)
+    where = kernels.BlockPages.build(ids, torch.stack([ids, torch.zeros_like(ids)], 1), page_size=1, num_pages=256,
+                                     block_tokens=1, device=dev)
+    out = torch.empty(256, 1, 1, 1, 1, dtype=fp8, device=dev)
+    ok = torch.ones(256, dtype=torch.bool, pin_memory=dev.type == "cuda")
+    kernels.gather_pages(kernels.PagedLayers([x.view(256, 1, 1, 1)]), where, 0, 256, 1, out=out, ok_flags=ok)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    assert torch.equal(ok, want) and torch.equal(out.view(torch.uint8).flatten().cpu(), bits)
+    # The layers' gather has one flag a launch: every finite pattern in one, each other alone.
+    layer = torch.zeros(1, 256 + 16, 16, dtype=torch.uint8)  # [H, T, D]; 16-byte token rows
+    bad = int((~want).sum())
+    layer[0, : 256 - bad, 0] = bits[want]
+    layer[0, 256 : 256 + bad, 0] = bits[~want]
+    layer = layer.to(dev).view(fp8)
+    got = []
+    for t0, block in [(0, 256), *((256 + j, 1) for j in range(bad))]:
+        flag = torch.ones(1, dtype=torch.bool, pin_memory=dev.type == "cuda")
+        rows = torch.empty(1, 1, 1, block, 16, dtype=fp8, device=dev)
+        kernels.gather_layers([layer], t0, 1, block, out=rows, ok_flag=flag)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        got.append(bool(flag))
+    assert got == [True] + [False] * bad
+
+
+@pytest.mark.parametrize("dtype", FP8)
 def test_nan_and_inf_are_refused_and_nothing_is_stored(dtype, backend):
     """Every non-finite pattern, in K or in V, contiguous or in pages: refused as for 16-bit KV."""
     patterns = nonfinite_patterns(dtype)

@@ -1175,6 +1175,28 @@ def _plan_main(tmp_path, *flags):
                  "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "p.png"), *flags])
 
 
+def test_plan_of_an_fp8_layout_replays_raw_by_default_and_names_codec_for_kivi(tmp_path, capsys):
+    """An fp8 layout under the default --codec (raw,int8,int4,int2) failed with exit 2 on
+    KIVI's refusal, which named no flag: the default is raw there, and a KIVI codec asked
+    for is refused by --codec, before the trace is read."""
+    from cacheseek.server.cli import main
+
+    (tmp_path / "t.jsonl").write_text('{"hash_ids": [1, 2]}\n{"hash_ids": [1, 2, 3]}\n')
+    flags = ["--trace", str(tmp_path / "t.jsonl"), "--cpu-bytes", "1GiB", "--policy", "lru",
+             "--json", str(tmp_path / "rows.json"), "--plot", str(tmp_path / "p.png")]
+    assert main(["plan", "--layout", "32,8,128,fp8_e4m3", *flags]) == 0
+    assert [r["codec"] for r in json.loads((tmp_path / "rows.json").read_text())] == ["raw"]
+    assert main(["plan", "--layout", "32,8,128", *flags]) == 0  # (16-bit: every codec, as before)
+    assert [r["codec"] for r in json.loads((tmp_path / "rows.json").read_text())] == ["raw", "int8", "int4", "int2"]
+    (tmp_path / "rows.json").unlink()
+    capsys.readouterr()
+    (tmp_path / "t.jsonl").write_text("BROKEN\n")  # (not read: the codec is refused first)
+    assert main(["plan", "--layout", "32,8,128,e5m2", "--codec", "raw,int4", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--codec int4: KIVI" in err and "does not encode float8_e5m2 KV" in err and "Traceback" not in err
+    assert not (tmp_path / "rows.json").exists()
+
+
 def test_plan_draws_a_disk_only_row_on_its_plot(tmp_path):
     """A CPU budget of 0 over a disk tier (a disk-only store) sat on a log axis: matplotlib
     warned that it had no positive value and the plot showed no line; beside other budgets,

@@ -54,6 +54,12 @@ def layout_of(text: str) -> KVLayout:
     raise ConfigError(f"layout: {text!r} is neither one of {sorted(LAYOUTS)} nor LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
 
 
+def default_codecs(layout: KVLayout) -> list[str]:
+    """The codecs ``cacheseek plan`` replays unless told: raw alone for fp8 KV, which KIVI
+    does not encode."""
+    return ["raw"] if layout.fp8 else list(CODECS)
+
+
 def codec_of(name: str) -> Any:
     if name not in CODECS:
         raise ConfigError(f"codec: {name!r} is not one of {sorted(CODECS)}")
