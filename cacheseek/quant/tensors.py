@@ -208,4 +208,4 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" and t.dtype not in FP8_TORCH_DTYPES:
         return torch.isfinite(t).all()
     int_dtype, mask = _EXPONENT_MASKS[t.dtype]
-    return t.view(int_dtype).bitwise_and(mask).max() < mask if t.numel() else torch.tensor(True)
+    return t.view(int_dtype).bitwise_and(mask).max() < mask if t.numel() else torch.tensor(True, device=t.device)
