@@ -150,7 +150,10 @@ class _FileSource(PydanticBaseSettingsSource):
             if key not in settings_cls.model_fields:
                 # pydantic's "Extra inputs are not permitted" said neither whose key it was nor
                 # what it may have meant
-                close = difflib.get_close_matches(key, sorted(settings_cls.model_fields), n=1, cutoff=0.75)
+                # (the variables' spelling, CPU_BYTES or CACHESEEK_CPU_BYTES, read in any case
+                # there, is close to no setting as written)
+                plain = key.lower().removeprefix(ENV_PREFIX.lower())
+                close = difflib.get_close_matches(plain, sorted(settings_cls.model_fields), n=1, cutoff=0.75)
                 meant = f"; did you mean {close[0]}?" if close else " (cacheseek serve --help lists them)"
                 raise ConfigError(f"config {path}: {key} is not a setting{meant}")
 
