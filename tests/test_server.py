@@ -632,6 +632,22 @@ def test_a_settings_file_key_spelt_as_its_variable_is_named_with_the_setting(tmp
             ServerSettings.load(toml)
 
 
+def test_settings_beside_a_cacheseek_table_are_refused_not_dropped(tmp_path):
+    """A file with a ``[cacheseek]`` table (its settings in a file shared with other tools)
+    is read from that table alone: a setting left beside it (``port = 9000`` above it) was
+    dropped without a word, and the server started on the default port."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+
+    toml = tmp_path / "cacheseek.toml"
+    toml.write_text('port = 9000\n\n[cacheseek]\ncpu_bytes = "1GiB"\n')
+    with pytest.raises(ConfigError, match=rf"config {re.escape(str(toml))}: port is beside the \[cacheseek\] "
+                                          r"table, whose settings alone are read: put it in the table"):
+        ServerSettings.load(toml)
+    toml.write_text('[cacheseek]\ncpu_bytes = "1GiB"\nport = 9000\n')
+    assert ServerSettings.load(toml).port == 9000
+
+
 def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     from cacheseek.server.config import ServerSettings, default_disk_path
 
