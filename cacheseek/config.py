@@ -108,9 +108,6 @@ class TierConfig:
         ``max_frame_bytes``: the largest frame the owner writes or reads; the disk tier reads
         no larger file (``DiskTier``), the Redis tier no more of a value than one byte past it
         (``RedisTier``): either is a corrupt frame, deleted."""
-        from .store.cpu import CpuTier
-        from .store.disk import DiskTier
-
         check_policy(self.eviction, what="eviction")
         if isinstance(self.disk_admit_after_uses, bool) or not isinstance(self.disk_admit_after_uses, int) \
                 or self.disk_admit_after_uses < 1:
@@ -126,6 +123,29 @@ class TierConfig:
             if problem:
                 raise ConfigError(problem)
         tiers: list[Tier] = []
+        try:
+            store = self._build_tiers(tiers, cpu, max_frame_bytes)
+        except BaseException:
+            # (a bad redis_url, write_through, or a signal, found once the tiers above are
+            # made) Given back: held by the error's traceback, the disk directory stayed
+            # locked to this process, and a build with the setting fixed was refused it.
+            for tier in tiers:
+                tier.close()
+            raise
+        if trim_disk_at_open:
+            try:
+                store.trim()  # (once the tiers below are there: what the disk trims is handed down)
+            except BaseException:
+                store.close()  # (the disk's lock given back)
+                raise
+        return store
+
+    def _build_tiers(self, tiers: list[Tier], cpu: int, max_frame_bytes: int | None) -> TieredStore:
+        """The store over the tiers asked for, each appended to ``tiers`` once made (for
+        ``build`` to close, should a later one fail)."""
+        from .store.cpu import CpuTier
+        from .store.disk import DiskTier
+
         gpu = parse_size(self.gpu_bytes, name="gpu_bytes")
         if gpu:
             from .store.gpu import GpuTier
@@ -139,8 +159,8 @@ class TierConfig:
             if isinstance(self.disk_read_depth, bool) or not isinstance(self.disk_read_depth, int) \
                     or not 1 <= self.disk_read_depth <= 256:
                 raise ConfigError(f"disk_read_depth: must be an int in [1, 256], got {self.disk_read_depth!r}")
-            tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"), fsync=self.disk_fsync,
-                                  policy=self.eviction, group_commit=self.disk_group_commit,
+            tiers.append(DiskTier(self.disk_path, parse_size(self.disk_bytes, name="disk_bytes"),
+                                  fsync=self.disk_fsync, policy=self.eviction, group_commit=self.disk_group_commit,
                                   read_depth=self.disk_read_depth, pin=self.pin_memory,
                                   trim_at_open=False, max_frame_bytes=max_frame_bytes))
         redis_bytes = parse_size(self.redis_bytes, name="redis_bytes")
@@ -152,15 +172,8 @@ class TierConfig:
         write_through = persistent if self.write_through is None else list(self.write_through)
         admit = {"disk": self.disk_admit_after_uses} if self.disk_path is not None and len(tiers) > 1 else {}
         admit = {k: v for k, v in admit.items() if k in [t.name for t in tiers[1:]]}
-        store = TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit,
-                            admit_after=admit, max_prefetches=self.max_prefetches)
-        if trim_disk_at_open:
-            try:
-                store.trim()  # (once the tiers below are there: what the disk trims is handed down)
-            except BaseException:
-                store.close()  # (the disk's lock given back)
-                raise
-        return store
+        return TieredStore(tiers, write_through=write_through, promote_on_hit=self.promote_on_hit,
+                           admit_after=admit, max_prefetches=self.max_prefetches)
 
     def resolved_cpu_reserve_bytes(self) -> int:
         if self.cpu_reserve_bytes is None:

@@ -244,8 +244,8 @@ class BulkTransport(httpx.BaseTransport):
                 # plain HTTP "400 Bad Request" most likely: "wrong version number", from 3.2
                 # "record layer failure", as urllib3 reads them)
                 plain = any(r in str(exc) for r in ("WRONG_VERSION_NUMBER", "record layer failure"))
-                hint = f": {host}:{port} {_SPEAKS_HTTP}" if plain else ""
-                raise httpx.ConnectError(f"TLS handshake with {host}:{port} failed: {exc}{hint}",
+                hint = f": {_authority(host, port)} {_SPEAKS_HTTP}" if plain else ""
+                raise httpx.ConnectError(f"TLS handshake with {_authority(host, port)} failed: {exc}{hint}",
                                          request=request) from None
             except TimeoutError as exc:
                 _close(sock)
@@ -645,7 +645,8 @@ def _read_head(lease: _Lease, request: httpx.Request) -> tuple[int, list[tuple[b
             if not buf and data[0] in _TLS_RECORD_TYPES and not isinstance(sock, ssl.SSLSocket):
                 # (no HTTP answer starts so) else the head was read on to the close
                 raise httpx.RemoteProtocolError(f"the answer is a TLS record (byte 0x{data[0]:02x}), not HTTP: "
-                                                f"{lease.key[1]}:{lease.key[2]} {_SPEAKS_HTTPS}", request=request)
+                                                f"{_authority(lease.key[1], lease.key[2])} {_SPEAKS_HTTPS}",
+                                                request=request)
             buf += data
         status, headers, keep_alive = _parse_head(buf[:end], request)
         buf = buf[end + 4 :]
@@ -674,7 +675,13 @@ def _if_tls(cause: BaseException, lease: _Lease, timeouts: dict) -> BaseExceptio
             return cause
     except OSError:
         return cause
-    return type(cause)(f"{cause}: {host}:{port} {_SPEAKS_HTTPS}")
+    return type(cause)(f"{cause}: {_authority(host, port)} {_SPEAKS_HTTPS}")
+
+
+def _authority(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets ("::1:8080" read as an
+    address of more groups)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _parse_head(head: bytes, request: httpx.Request) -> tuple[int, list[tuple[bytes, bytes]], bool]:

@@ -150,7 +150,10 @@ class _FileSource(PydanticBaseSettingsSource):
             if key not in settings_cls.model_fields:
                 # pydantic's "Extra inputs are not permitted" said neither whose key it was nor
                 # what it may have meant
-                close = difflib.get_close_matches(key, sorted(settings_cls.model_fields), n=1, cutoff=0.75)
+                # (the variables' spelling, CPU_BYTES or CACHESEEK_CPU_BYTES, read in any case
+                # there, is close to no setting as written)
+                plain = key.lower().removeprefix(ENV_PREFIX.lower())
+                close = difflib.get_close_matches(plain, sorted(settings_cls.model_fields), n=1, cutoff=0.75)
                 meant = f"; did you mean {close[0]}?" if close else " (cacheseek serve --help lists them)"
                 raise ConfigError(f"config {path}: {key} is not a setting{meant}")
 
@@ -185,6 +188,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config: {path} must hold a table of settings")
     if isinstance(data.get("cacheseek"), dict):
+        # (a file shared with other tools: their keys beside the table are theirs) A setting
+        # beside it was dropped without a word: the server started on its default.
+        names = {*ServerSettings.model_fields, *DEPRECATED_NAMES}
+        beside = sorted(str(k) for k in data if str(k).replace("-", "_") in names)
+        if beside:
+            raise ConfigError(f"config {path}: {', '.join(beside)} {'is' if len(beside) == 1 else 'are'} beside the "
+                              "[cacheseek] table, whose settings alone are read: put "
+                              f"{'it' if len(beside) == 1 else 'them'} in the table")
         data = data["cacheseek"]
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 

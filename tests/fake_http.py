@@ -17,10 +17,10 @@ Script = Callable[[int, bytes], tuple[bytes | Iterable[bytes] | None, bool]]
 class FakeServer:
     """A raw socket server on loopback; every connection follows ``script``."""
 
-    def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> None:
         self.script = script
         self.tls = tls
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self.listener.getsockname()[1]
         self.connections = 0
         self.requests: list[bytes] = []

@@ -616,6 +616,38 @@ def test_a_key_of_the_settings_file_that_names_no_setting_is_named_with_the_one_
     assert ServerSettings.load(toml).redis_ttl_seconds == 5
 
 
+def test_a_settings_file_key_spelt_as_its_variable_is_named_with_the_setting(tmp_path):
+    """A key copied from the environment's spelling (``CPU_BYTES``, ``CACHESEEK_DISK_BYTES``:
+    the variables' names are read in any case) is close to no setting as written: it was
+    said with no setting meant, only "--help lists them"."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+
+    toml = tmp_path / "cacheseek.toml"
+    for key, meant in (("CPU_BYTES", "cpu_bytes"), ("CACHESEEK_DISK_BYTES", "disk_bytes"),
+                       ("Redis_URL", "redis_url")):
+        toml.write_text(f'{key} = "1GiB"\n')
+        with pytest.raises(ConfigError, match=rf"config {re.escape(str(toml))}: {key} is not a setting; did you "
+                                              rf"mean {meant}\?"):
+            ServerSettings.load(toml)
+
+
+def test_settings_beside_a_cacheseek_table_are_refused_not_dropped(tmp_path):
+    """A file with a ``[cacheseek]`` table (its settings in a file shared with other tools)
+    is read from that table alone: a setting left beside it (``port = 9000`` above it) was
+    dropped without a word, and the server started on the default port."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+
+    toml = tmp_path / "cacheseek.toml"
+    toml.write_text('port = 9000\n\n[cacheseek]\ncpu_bytes = "1GiB"\n')
+    with pytest.raises(ConfigError, match=rf"config {re.escape(str(toml))}: port is beside the \[cacheseek\] "
+                                          r"table, whose settings alone are read: put it in the table"):
+        ServerSettings.load(toml)
+    toml.write_text('[cacheseek]\ncpu_bytes = "1GiB"\nport = 9000\n')
+    assert ServerSettings.load(toml).port == 9000
+
+
 def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     from cacheseek.server.config import ServerSettings, default_disk_path
 

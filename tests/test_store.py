@@ -954,6 +954,33 @@ def test_a_cpu_tier_over_the_memory_the_process_may_use_is_a_config_error(tmp_pa
         cache.close()
 
 
+@pytest.mark.parametrize("bad", [{"redis_url": "bogus://x"}, {"write_through": ["nope"]}])
+def test_a_build_that_fails_at_a_later_tier_gives_back_the_tiers_made(tmp_path, monkeypatch, bad):
+    """A bad ``redis_url`` (or ``write_through``) is found once the CPU and disk tiers are
+    made: the error left them open, held by its traceback (a notebook keeps the last one),
+    so the same cache built again with the setting fixed was refused its own directory
+    ("in use by another process", this process's pid), and the CPU tier's memory kept."""
+    from cacheseek.store import cpu as cpu_module
+
+    closed = []
+
+    class Recorded(cpu_module.CpuTier):
+        def close(self):
+            closed.append(self.name)
+            super().close()
+
+    monkeypatch.setattr(cpu_module, "CpuTier", Recorded)
+    with pytest.raises(cs.ConfigError) as refused:
+        make_cache(disk=tmp_path / "d", pin_memory=False, **bad)
+    assert closed == ["cpu"], refused.value  # (refused.value, its traceback with it, still held)
+    cache = make_cache(disk=tmp_path / "d", pin_memory=False)
+    try:
+        toks = tokens_for(29, BLOCK)
+        assert cache.ingest(toks, make_kv(BLOCK, 29)).stored == 1
+    finally:
+        cache.close()
+
+
 def test_environment_has_no_stray_tmp_files(tmp_path):
     cache = make_cache(cpu=0, disk=tmp_path / "d")
     cache.ingest(tokens_for(18, 2 * BLOCK), make_kv(2 * BLOCK, 18))

@@ -130,6 +130,32 @@ def test_a_fresh_connection_closed_before_an_answer_names_https_only_if_the_serv
         assert "speaks https, not http: use an https:// URL" in str(said.value), said.value
 
 
+def test_an_ipv6_server_is_named_in_brackets_where_the_scheme_is_wrong(tls):
+    # "::1:8080 speaks https" read as an address of more groups (or port 1:8080): the
+    # address is said as its URL writes it, [::1]:8080.
+    _, server = tls
+    record = b"\x15\x03\x01\x00\x02\x02\x46"
+    for script, tls_server in (((lambda n, head: (record, False)), None), ((lambda n, head: (None, True)), server)):
+        with FakeServer(script, tls=tls_server, host="::1") as srv, _client(srv) as c:
+            with pytest.raises(httpx.RemoteProtocolError, match=rf": \[::1\]:{srv.port} speaks https"):
+                c.get(f"http://[::1]:{srv.port}/x")
+    # A plain server answers a TLS hello with its 400 at once (as uvicorn's parsers do).
+    plain = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    port = plain.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = plain.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    with plain, httpx.Client(transport=BulkTransport(trust_env=False), timeout=5) as c:
+        with pytest.raises(httpx.ConnectError, match=rf"TLS handshake with \[::1\]:{port} failed: .*: "
+                                                     rf"\[::1\]:{port} does not speak TLS"):
+            c.get(f"https://[::1]:{port}/x")
+
+
 def test_a_connection_the_server_closed_while_idle_is_replaced_before_use():
     with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
         assert c.get("/x").content == b"ok"

@@ -107,6 +107,31 @@ def test_config_errors_name_the_key(extra, names):
         ConnectorConfig.from_extra(extra)
 
 
+def test_tiers_over_the_memory_of_a_small_host_are_named_as_the_connectors(monkeypatch):
+    """On a host (or in a container) with less than 4.5 GiB, the connector's default tiers
+    (``{"cpu_bytes": "4GiB"}`` and its 512 MiB reserve) are refused as the cache is built
+    inside vLLM's engine start: the error said "cpu_bytes: ... give less" to a user who
+    never wrote cpu_bytes, nor where it is given. Said now as the connector's key, and,
+    where none was given, as its default."""
+    from cacheseek import host_memory
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    monkeypatch.setattr(host_memory, "memory_limit", lambda: (3 << 30, "the limit of its cgroup, memory.max"))
+    with pytest.raises(ConfigError) as refused:
+        open_cache(ConnectorConfig.from_extra({}), layout, "m", cs.Shard())
+    said = str(refused.value)
+    assert said.startswith("kv_connector_extra_config.tiers.cpu_bytes: 4.00 GiB and its reserve"), said
+    assert "3.00 GiB (the limit of its cgroup, memory.max)" in said
+    assert said.endswith('(the default tiers, {"cpu_bytes": "4GiB"}: give tiers a smaller cpu_bytes)'), said
+    with pytest.raises(ConfigError) as refused:
+        open_cache(ConnectorConfig.from_extra({"tiers": {"cpu_bytes": "8GiB"}}), layout, "m", cs.Shard())
+    said = str(refused.value)
+    assert said.startswith("kv_connector_extra_config.tiers.cpu_bytes: 8.00 GiB") and "default" not in said, said
+    config = ConnectorConfig.from_extra({"codec": "raw", "tiers": {"cpu_bytes": "1GiB"}})
+    cache = open_cache(config, layout, "m", cs.Shard())  # (1 GiB and its 128 MiB fit in 3 GiB)
+    close_cache(config, cache)
+
+
 def test_two_ranks_never_share_a_block_and_one_worker_keys_as_any_front():
     layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
     config = ConnectorConfig.from_extra({"codec": "raw", "tiers": {"cpu_bytes": "1MiB"}})

@@ -46,7 +46,7 @@ _KEYS = frozenset({
 })
 _REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
-_TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
+TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
 
 @dataclass(frozen=True)
@@ -223,9 +223,9 @@ def _codec(name: Any, group_size: Any) -> KVLayerCodec:
 def _tiers(value: Any) -> TierConfig:
     if not isinstance(value, dict):
         raise ConfigError(f"kv_connector_extra_config.tiers: expected an object of TierConfig fields, got {value!r}")
-    unknown = sorted(set(value) - _TIER_KEYS)
+    unknown = sorted(set(value) - TIER_KEYS)
     if unknown:
-        raise ConfigError(f"kv_connector_extra_config.tiers: unknown keys {unknown}; known: {sorted(_TIER_KEYS)}")
+        raise ConfigError(f"kv_connector_extra_config.tiers: unknown keys {unknown}; known: {sorted(TIER_KEYS)}")
     names = value.get("write_through")
     if names is not None:
         # (a bare string would be read as a list of its letters)

@@ -14,9 +14,11 @@ import json
 import threading
 from typing import Any
 
+from ...config import TierConfig
+from ...errors import ConfigError
 from ...hashing import Shard
 from ...layout import KVLayout
-from .config import ConnectorConfig
+from .config import DEFAULT_TIERS, TIER_KEYS, ConnectorConfig
 
 
 class _Shared:
@@ -64,7 +66,22 @@ def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: 
 
     name = json.dumps({**common, "layout": layout.to_dict(), "codec": config.codec.spec(),
                        "shard": shard.fingerprint().hex(), "tiers": repr(config.tiers)}, sort_keys=True, default=repr)
-    return _SHARED.acquire(name, lambda: PrefixCache(tiers=config.tiers, **common))
+    try:
+        return _SHARED.acquire(name, lambda: PrefixCache(tiers=config.tiers, **common))
+    except ConfigError as exc:
+        raise _as_connectors(exc, config) from None
+
+
+def _as_connectors(exc: ConfigError, config: ConnectorConfig) -> ConfigError:
+    """A tier's setting refused as the cache is built (inside vLLM's engine start: a CPU tier
+    over the host's memory), named as the connector's key, and as its default where none was
+    given: "cpu_bytes: ... give less" told a user who never wrote cpu_bytes neither."""
+    key = str(exc).split(":", 1)[0]
+    if type(exc) is not ConfigError or key not in TIER_KEYS:
+        return exc
+    default = config.tiers == TierConfig(**DEFAULT_TIERS)
+    why = f" (the default tiers, {json.dumps(DEFAULT_TIERS)}: give tiers a smaller {key})" if default else ""
+    return ConfigError(f"kv_connector_extra_config.tiers.{exc}{why}")
 
 
 def close_cache(config: ConnectorConfig, cache: Any) -> None:
