@@ -251,7 +251,10 @@ class KVPages:
             raise InputError(f"pages: {self.num_kv_heads} KV heads of dim {self.head_dim}, the cache's layout has "
                              f"{layout.num_kv_heads} of dim {layout.head_dim}")
         if self.dtype != layout.torch_dtype:
-            raise InputError(f"pages: dtype {self.dtype}, the cache's layout says {layout.dtype}")
+            # (vLLM allocates an fp8 cache's pages as uint8: the same bytes, seen as fp8)
+            view = f" (fp8 pages held as uint8: make them of t.view(torch.{layout.dtype}))" \
+                if layout.fp8 and self.dtype == torch.uint8 else ""
+            raise InputError(f"pages: dtype {self.dtype}, the cache's layout says {layout.dtype}{view}")
         if self._strided is not None and backend_for(self.k[0]) == "triton":
             # Host pages built while the torch path was in use, the kernels asked for since
             # (CACHESEEK_KIVI_BACKEND=triton): they failed in the launch with a ValueError.

@@ -315,6 +315,20 @@ def test_nan_and_inf_are_refused_and_nothing_is_stored(dtype, backend):
         assert cache.stats()["tiers"][0]["blocks"] == 0
 
 
+def test_fp8_pages_held_as_uint8_are_refused_saying_how_to_view_them():
+    """vLLM allocates fp8 caches as uint8 pages: given as they are, the error says what to do."""
+    toks = tokens_for(9, 2 * BLOCK)
+    for dtype in FP8:
+        pages, tensors = engine_pages("flash", L, H, D, 8, 16, getattr(torch, dtype))
+        raw = cs.KVPages.vllm([t.view(torch.uint8) for t in tensors])
+        with make_cache(dtype) as cache:
+            with pytest.raises(cs.InputError, match=rf"^pages: dtype torch.uint8, the cache's layout says {dtype} "
+                                                    rf"\(fp8 pages held as uint8: make them of t.view\(torch.{dtype}\)\)$"):
+                cache.ingest(toks, raw.at(list(range(8))))
+            assert cache.lookup(toks) == 0
+        del pages
+
+
 # -- a server, Redis -------------------------------------------------------------------------
 
 
