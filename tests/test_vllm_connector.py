@@ -92,7 +92,11 @@ def run_engine(job: dict) -> dict:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-60:])
         raise AssertionError(f"{job['scenario']} exited {done.returncode}:\n{tail}")
     print(f"\n{job['scenario']} ({job['extra'].get('codec')}): {time.monotonic() - t0:.0f} s", flush=True)
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    res = json.loads(lines[-1].removeprefix("RESULT "))
+    # The connector's warnings (a load or save that failed, and why), for a failure's message.
+    res["warnings"] = [line[-400:] for line in (done.stdout + done.stderr).splitlines() if "cacheseek" in line
+                       and "failed" in line][-12:]
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +143,8 @@ def engines(model, tmp_path_factory):
             extra = remote(srv)
             res = run_engine({"scenario": "tensor_parallel", "extra": extra})
             res["server"] = httpx.get(srv.url + "/v1/stats", timeout=30).json()
+            res["server_log"] = [line[-400:] for line in srv.output().splitlines()
+                                 if "WARNING" in line or "ERROR" in line or "Traceback" in line][-12:]
             return res
 
     runs: dict[str, Future] = {
@@ -516,7 +522,7 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     # (the counters say why a load fell short: the scheduler's, a lookup failed, skipped or
     # deferred; the workers', a rank's load raised (load_errors), was not made (loads_refused:
     # a call, a save's say, had failed just before) or came back short (the rest))
-    why = (res["loaded"], res["scheduler"], workers)
+    why = (res["loaded"], res["scheduler"], workers, res["warnings"], res["server_log"])
     assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024, why
     assert res["scheduler"]["lookup_hit_tokens"] == 1024
     # each rank loaded its own 4 blocks between steps, whole
