@@ -345,7 +345,7 @@ def test_random_operations_from_threads_keep_every_hit_exact_and_the_books_true(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(1, 5))
+@pytest.mark.parametrize("seed", range(1, 3))
 @pytest.mark.parametrize("config", [*(c for c in CONFIGS if "redis" not in c),
                                     *(pytest.param(c, marks=needs_redis) for c in CONFIGS if "redis" in c)])
 def test_random_operations_longer_and_with_other_seeds(tmp_path, config, seed, request):
