@@ -899,8 +899,8 @@ def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkey
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     assert demo.run(parser.parse_args(argv)) == 2
-    out = capsys.readouterr().out
-    assert says in out and "Traceback" not in out
+    said = capsys.readouterr()
+    assert says in said.err and "Traceback" not in said.err and "error" not in said.out
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -922,8 +922,8 @@ def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, mo
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     assert demo.run(parser.parse_args(argv)) == 2
-    out = capsys.readouterr().out
-    assert says in out and "Traceback" not in out
+    said = capsys.readouterr()
+    assert says in said.err and "Traceback" not in said.err and "error" not in said.out
 
 
 @pytest.mark.slow

@@ -98,6 +98,12 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
+def _error(msg: str) -> None:
+    """An error, on stderr (a script reading the demo's output on stdout does not take it
+    for a step), after the steps said so far."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the process exit code."""
     from ..errors import CacheSeekError
@@ -107,11 +113,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         document = texts.stdlib_document(args.document)[: args.doc_chars]
     except ImportError:
-        _say(f"error: --document: no module {args.document!r} to read docstrings from")
+        _error(f"--document: no module {args.document!r} to read docstrings from")
         return 2
     refused = _device_error(args)
     if refused:
-        _say(f"error: {refused}")
+        _error(f"{refused}")
         return 2
     t = time.perf_counter()
     # The demo says each step on a line of its own; transformers' bars ("Loading weights",
@@ -124,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, tokenizer = smollm2.load(args.device, cache_dir=args.cache_dir, progress=lambda m: _say(f"      {m}"))
     except smollm2.ModelUnavailable as exc:
-        _say(f"error: {exc}")
+        _error(f"{exc}")
         return 2
     layout = kv_layout(model)
     import torch
@@ -139,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _questions(args, model, tokenizer, open_cache(args, layout, codec, smollm2.MODEL_ID), document)
     except CacheSeekError as exc:  # a setting the cache refuses (--block-tokens, a size), a server that is down
-        _say(f"error: {exc}")
+        _error(f"{exc}")
         return 2
 
 
