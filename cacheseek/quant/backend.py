@@ -106,11 +106,16 @@ def _warn_fallback_once() -> None:
 
 
 def ops_for(t: Any) -> Any:
-    """The module whose ``quantize``/``dequantize`` run on ``t``."""
+    """The module whose ``quantize``/``dequantize`` run on ``t``: on the host, ``kivi_host``
+    (the reference's bits in fewer passes over memory)."""
     if backend_for(t) == "triton":
         from cacheseek import kernels
 
         return kernels
+    if t.device.type == "cpu":
+        from . import kivi_host
+
+        return kivi_host
     from . import kivi_reference
 
     return kivi_reference
