@@ -1,7 +1,7 @@
 """Which implementation encodes and decodes a tensor: the Triton kernels or the torch reference.
 
-CUDA tensors use the Triton kernels (``cacheseek.kernels``) when they import, everything
-else the torch reference. The reference is 24-82x slower on a GPU, so losing the kernels
+CUDA tensors use the Triton kernels (``cacheseek.kernels``) when they import, CPU tensors
+``kivi_host`` (the reference's bits, arranged for a CPU), anything else the torch reference. The reference is 24-82x slower on a GPU, so losing the kernels
 there is never silent: the first CUDA tensor sent to the reference warns, once, with the
 ImportError and the fix, and ``kernel_backend()`` says which one runs and why (in
 ``PrefixCache.stats()``). ``CACHESEEK_KIVI_BACKEND=torch`` forces the reference (for
