@@ -7,10 +7,9 @@ and moves the axis back (another copy). On a CPU those passes over memory, not t
 arithmetic, are the cost. Here every value goes through the same operations, in the same
 dtypes and the same order, as in the reference:
 
-- encode: group min and max of the KV's own values (exact: widening to fp32 is monotone
-  and exact, and ``+ 0.0`` makes a zero's sign canonical as there); scale and min in fp32,
-  rounded to the stats dtype; ``(fp32(x) - m) / s`` (an IEEE fp32 division), rounded half
-  to even, clamped to the code range.
+- encode: group min and max of the KV widened to fp32 (``+ 0.0`` makes a zero's sign
+  canonical, as there); scale and min in fp32, rounded to the stats dtype; ``(fp32(x) -
+  m) / s`` (an IEEE fp32 division), rounded half to even, clamped to the code range.
 - decode: ``fp32(code) * s``, rounded, ``+ m``, rounded (two fp32 roundings, no FMA),
   capped at the dtype's max, rounded once to the dtype.
 
@@ -23,12 +22,14 @@ What differs is only where the values live:
 - Codes are packed and unpacked as bytes: an int32 word is four little-endian bytes, and
   element j of a word sits in bits ``[j * bits, (j + 1) * bits)``, so for int8 the bytes
   are the codes, and for int4/int2 each byte holds ``8 / bits`` codes, lowest first.
+- Codes are rounded by an fp32 addition that leaves them in the low byte of its bits
+  (see ``quantize``): torch's float-to-uint8 conversion is slow on a CPU.
 - The decode's cap at the dtype's max is skipped when no group can reach it (its top,
   ``qmax * s + m`` in fp32, is within it: ``code * s + m`` grows with the code when s >= 0).
 
 It hands a call to the reference where that is simpler than being fast: V's range search
-(``clip``), a ragged last group, a big-endian host, and an encode whose stats are not all
-finite (its input is rejected; the reference's codes make the result the same anyway).
+(``clip``), a ragged last group, a big-endian host, a tensor not on the CPU, and an encode
+whose stats are not all finite (its input is rejected; the reference's codes make the result the same anyway).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ import torch
 from . import kivi_reference as ref
 from .tensors import all_finite
 
-CHUNK_ELEMENTS = 1 << 18  # KV values per chunk: 1 MB of fp32 temporaries, half in each of 2 cores' L2 (1 MB each here); smaller chunks lose more to per-op overhead than they gain
+# KV values per chunk: 1 MB of fp32 temporaries, split over the threads' L2 caches. On the
+# 2-core VM (1 MB of L2 a core) 2^16 ran at half the speed and 2^17 at 0.7-0.8x (each op's
+# fixed cost), 2^18 to 2^22 alike (benchmarks.host_codec).
+CHUNK_ELEMENTS = 1 << 18
 _LITTLE_ENDIAN = sys.byteorder == "little"
 _ROUNDER = 1.5 * 2**23  # y + this, for 0 <= y < 2^22, is round_half_even(y) + this, exactly
 
@@ -96,7 +100,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As :func:`kivi_reference.quantize`, the same bits."""
     axis = axis % x.dim() if x.dim() else axis
-    if clip or not _fast(tuple(x.shape), bits, group, axis):
+    if clip or x.device.type != "cpu" or not _fast(tuple(x.shape), bits, group, axis):
         return ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype, clip=clip)
     tokens = axis == x.dim() - 2
     *lead, T, D = x.shape
