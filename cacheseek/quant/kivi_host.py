@@ -90,11 +90,6 @@ def _rows(t: torch.Tensor, idx: tuple) -> torch.Tensor:
     return piece if idx and isinstance(idx[-1], slice) else piece.unsqueeze(0)
 
 
-def _shifts(bits: int, device: torch.device) -> torch.Tensor:
-    """The bit offset of each code in a byte, lowest first (uint8)."""
-    return torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-
-
 def quantize(
     x: torch.Tensor, *, bits: int, group: int, axis: int, stats_dtype: torch.dtype, clip: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,8 +232,6 @@ def dequantize(
     work = torch.empty(n, dtype=torch.float32)
     bytes_buf = torch.empty(n * bits // 8, dtype=torch.uint8)
     codes_buf = torch.empty(n, dtype=torch.uint8)
-    shifts = _shifts(bits, q.device)
-    mask = (1 << bits) - 1
     for idx, t0, t1 in _chunks(shape, group):
         oc = _rows(result, idx)[:, t0:t1]
         r, t = oc.shape[0], t1 - t0
@@ -249,14 +242,14 @@ def dequantize(
             # A word's bytes [r, T/per_word, D, 4] put in token order [r, T/per_word, 4, D].
             packed = bytes_buf[: r * t * D * bits // 8].view(r, t // per_word, 4, D)
             packed.copy_(words.contiguous().view(torch.uint8).view(r, t // per_word, D, 4).transpose(2, 3))
-            codes = _codes_of(packed, 3, bits, shifts, mask, codes_buf)  # [r, T/per_byte, per_byte, D]
+            codes = _codes_of(packed, 3, bits, codes_buf)  # [r, T/per_byte, per_byte, D]
             codes = codes.reshape(r, t // group, group, D)
         else:
             words = _rows(q, idx)[:, t0:t1]
             s = _rows(s_all, idx)[:, t0:t1].unsqueeze(3)
             m = _rows(m_all, idx)[:, t0:t1].unsqueeze(3)
             packed = words.contiguous().view(torch.uint8).view(r, t, D * bits // 8)
-            codes = _codes_of(packed, 3, bits, shifts, mask, codes_buf)  # [r, T, D/per_byte, per_byte]
+            codes = _codes_of(packed, 3, bits, codes_buf)  # [r, T, D/per_byte, per_byte]
             codes = codes.reshape(r, t, D // group, group)
         y = torch.mul(codes, s, out=work[: codes.numel()].view(codes.shape))  # fp32(code) * s, rounded
         y.add_(m)
@@ -266,14 +259,18 @@ def dequantize(
     return result
 
 
-def _codes_of(packed: torch.Tensor, dim: int, bits: int, shifts: torch.Tensor, mask: int,
-              codes_buf: torch.Tensor) -> torch.Tensor:
+def _codes_of(packed: torch.Tensor, dim: int, bits: int, codes_buf: torch.Tensor) -> torch.Tensor:
     """Bytes ``packed`` unpacked into codes (uint8, contiguous) with a new dim of
-    ``8 / bits`` at ``dim``, lowest code first: one shift over a broadcast, one mask."""
+    ``8 / bits`` at ``dim``, lowest code first. One shift and mask per code written into its
+    slice: faster here than one shift over a broadcast of the shifts (and the top code
+    needs no mask)."""
     if bits == 8:
         return packed.unsqueeze(dim)
-    view_shape = [1] * (packed.dim() + 1)
-    view_shape[dim] = shifts.numel()
-    out = codes_buf[: packed.numel() * shifts.numel()].view(*packed.shape[:dim], shifts.numel(), *packed.shape[dim:])
-    torch.bitwise_right_shift(packed.unsqueeze(dim), shifts.view(view_shape), out=out)
-    return out.bitwise_and_(mask)
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    out = codes_buf[: packed.numel() * per_byte].view(*packed.shape[:dim], per_byte, *packed.shape[dim:])
+    torch.bitwise_and(packed, mask, out=out.select(dim, 0))
+    for k in range(1, per_byte):
+        code = torch.bitwise_right_shift(packed, k * bits, out=out.select(dim, k))
+        if k < per_byte - 1:  # (the top code has no bits above it)
+            code.bitwise_and_(mask)
+    return out
