@@ -139,7 +139,8 @@ def main() -> None:
     payload = {"shape": shape, "layout": layout.to_dict(), "tokens": tokens, "block_tokens": BLOCK,
                "raw_bytes": raw, "reps": reps, "threads": torch.get_num_threads(), "baseline": baseline, "rows": rows}
     if args.compare:
-        payload["compared_with"] = {"file": str(args.compare), "baseline": json.loads(args.compare.read_text())["baseline"]}
+        earlier = json.loads(args.compare.read_text())
+        payload["compared_with"] = {"file": str(args.compare), "baseline": earlier["baseline"]}
     path = write_json("host_codec", payload, args.out)
     print(f"KV on the CPU, {shape} ({raw / 1e6:.1f} MB raw, {torch.get_num_threads()} threads): "
           f"memcpy {baseline['memcpy_gbps']:.2f} GB/s, clone {baseline['clone_gbps']:.2f} GB/s")
