@@ -26,6 +26,7 @@ import torch
 from .block_format import BlockFormat
 from .errors import FrameError
 from .quant.policy import single_codec
+from .quant.tensors import TORCH_DTYPES
 from .staging import payload_views, staging_stride
 from .store.device import as_host_tensor, copy_entry
 from .store.device_staging import StagingLease, staging_pool
@@ -129,6 +130,9 @@ class BatchDecoder:
         if frame.meta.tensors != run.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
         assert run.rows is not None  # laid out by _start, kept until the staging is released (checked above)
+        if self._host_decode(j, run, frame):
+            self._frames.append(frame)
+            return
         dst = run.rows[j - run.j0]
         if self._copy_stream is None:
             self._copy(frame, dst)
@@ -143,6 +147,32 @@ class BatchDecoder:
         # Near the end, smaller chunks: the decode of the last one is not hidden behind copies.
         if pending >= self._chunk or pending >= self._chunk // 2 and left < self._chunk:
             self._decode_pending()
+
+    def _host_decode(self, j: int, run: _Run, frame: BlockFrame) -> bool:
+        """On the host (no sink), decode frame ``j`` from its own bytes into its block of
+        K and V now, and say so: copying it into staging first would be a second pass over
+        its bytes (for Raw, the whole KV once more) for nothing. False, staging it, where
+        earlier frames wait in staging, or its buffers are not aligned for their dtypes."""
+        if self._sink is not None or self._copy_stream is not None or self.device.type != "cpu" \
+                or self._decoded != j or frame.device_entries is not None:
+            return False
+        if frame.device_payload is not None:
+            payload = frame.device_payload
+            if payload.device.type != "cpu":
+                return False
+        else:
+            payload = as_host_tensor(frame.payload_view())
+        base = payload.data_ptr()
+        buffers = []
+        for e in run.tensors:
+            dtype = TORCH_DTYPES[e.dtype]
+            if (base + e.offset) % dtype.itemsize:
+                return False
+            buffers.append(payload[e.offset : e.offset + e.nbytes].view(dtype).view(1, *e.shape))
+        k_blocks, v_blocks = self._outputs()
+        single_codec(run.fmt.codec).decode_buffers(buffers, (k_blocks[j : j + 1], v_blocks[j : j + 1]))
+        self._decoded = j + 1
+        return True
 
     def copied(self) -> int:
         """How many of the frames added (in order) have been copied off their memory: a
@@ -184,21 +214,27 @@ class BatchDecoder:
             self._sink(j0, j1, [v[j0:j1] for v in self._views])
             self._decoded = j1
             return
-        L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
-        if self._k is None:
-            self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
-            self._v = torch.empty_like(self._k)
-            as_blocks = (L, H, self.max_blocks, B, D)
-            self._k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
-            self._v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
+        k_blocks, v_blocks = self._outputs()
         for run in self._runs:  # one for a codec; under a policy, the chunk is cut where it changes
             a, b = max(j0, run.j0), min(j1, run.j1)
             if a >= b:
                 continue
             # (The views were checked against the codec's template at _start.)
             single_codec(run.fmt.codec).decode_buffers([v[a - run.j0 : b - run.j0] for v in run.views],
-                                         (self._k_blocks[a:b], self._v_blocks[a:b]))
+                                         (k_blocks[a:b], v_blocks[a:b]))
         self._decoded = j1
+
+    def _outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V's blocks, [n, L, H, B, D] views of [L, H, n*B, D] made at the first decode
+        (so that the first copy starts sooner)."""
+        if self._k is None:
+            L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
+            self._k = torch.empty((L, H, self.max_blocks * B, D), dtype=self.layout.torch_dtype, device=self.device)
+            self._v = torch.empty_like(self._k)
+            as_blocks = (L, H, self.max_blocks, B, D)
+            self._k_blocks = self._k.view(as_blocks).permute(2, 0, 1, 3, 4)
+            self._v_blocks = self._v.view(as_blocks).permute(2, 0, 1, 3, 4)
+        return self._k_blocks, self._v_blocks
 
     def finish(self, *, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
         """K and V of the blocks added, [L, H, n*B, D] (views: the last blocks may be unused),

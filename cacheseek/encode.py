@@ -147,6 +147,17 @@ def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tens
             views[0][:, layer].copy_(k[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
             views[1][:, layer].copy_(v[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
         return _raw_finite(layers, t0, t1)
+    if layers[0][0].device.type == "cpu":
+        # On the host, each layer encoded where it lies into its place: stacking the layers
+        # first would be one more pass over the whole KV (the encoder reads any strides).
+        flags = []
+        for layer, (k, v) in enumerate(layers):
+            as_blocks = (lambda t: t[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))  # [n, H, B, D]
+            encoded, finite = codec.encode_deferred(as_blocks(k), as_blocks(v))
+            for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
+                view[:, layer].copy_(src)
+            flags.append(finite)
+        return torch.stack(flags).all(0)
     # Stacking first keeps this to a handful of launches (not two per layer).
     k5, v5 = _stack(layers, t0, n, block_tokens)
     if codec.name == "raw":

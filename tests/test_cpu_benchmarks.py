@@ -162,3 +162,27 @@ def test_server_baseline_serves_an_exported_tree_of_this_layout(tmp_path):
     finally:
         proc.stop()
     assert proc.proc.returncode == 0, (tmp_path / "baseline.log").read_text()[-2000:]
+
+
+def test_host_codec_tiny_runs_every_codec_against_a_memcpy_of_the_same_run(tmp_path):
+    """``benchmarks.host_codec --tiny`` (~2 s): every codec's encode, decode, ingest and
+    materialize of CPU KV, each against the run's own memcpy; ``--compare`` of the JSON it
+    wrote gives new / old per row (1 against itself), in the JSON and the printed tables."""
+    proc = run_benchmark("host_codec", "--tiny", out=tmp_path)
+    doc = json.loads((tmp_path / "host_codec.json").read_text())
+    assert doc["shape"] == "tiny" and doc["raw_bytes"] == 2 * 2 * 2 * 256 * 64 * 2
+    copy = doc["baseline"]["memcpy_gbps"]
+    assert copy > 0 and len(doc["baseline"]["memcpy_ms_each"]) == 2 * doc["reps"]
+    assert [r["codec"] for r in doc["rows"]] == ["raw", "int8", "int4", "int2"]
+    for r in doc["rows"]:
+        for op in ("encode", "decode", "ingest", "materialize"):
+            assert r[f"{op}_gbps"] > 0 and len(r[f"{op}_ms_each"]) == doc["reps"]
+            assert r[f"{op}_x_memcpy"] == pytest.approx(r[f"{op}_gbps"] / copy)
+    assert {"codec", "encode_gbps", "materialize_x_memcpy"} <= printed_columns(proc.stdout)
+    old = tmp_path / "old.json"
+    (tmp_path / "host_codec.json").rename(old)
+    proc = run_benchmark("host_codec", "--tiny", "--codecs", "int4", "--compare", str(old), out=tmp_path)
+    row = json.loads((tmp_path / "host_codec.json").read_text())["rows"][0]
+    assert row["encode_old_gbps"] == doc["rows"][2]["encode_gbps"]
+    assert row["decode_speedup"] == pytest.approx(row["decode_gbps"] / doc["rows"][2]["decode_gbps"])
+    assert "materialize_speedup" in printed_columns(proc.stdout)

@@ -265,16 +265,18 @@ def test_a_decode_that_fails_midway_gives_its_staging_back(monkeypatch):
     toks, _ = _stored(cache, INT4, blocks=12)
     want = cache.materialize(toks)
     before = _active()
-    real = decode.BatchDecoder._decode_pending
     calls = []
 
-    def failing(self):
-        calls.append(1)
-        if len(calls) == 2:  # the second chunk: after a first decode out of the staging
-            raise RuntimeError("decode failed")
-        return real(self)
+    def failing(real):
+        def decode_(self, *args):
+            calls.append(1)
+            if len(calls) == 2:  # the second decode: after a first one (out of staging, or on
+                raise RuntimeError("decode failed")  # the host out of the first frame's bytes)
+            return real(self, *args)
+        return decode_
 
-    monkeypatch.setattr(decode.BatchDecoder, "_decode_pending", failing)
+    for name in ("_decode_pending", "_host_decode"):
+        monkeypatch.setattr(decode.BatchDecoder, name, failing(getattr(decode.BatchDecoder, name)))
     with pytest.raises(RuntimeError, match="decode failed"):
         cache.materialize(toks)
     assert len(calls) == 2 and _active() == before

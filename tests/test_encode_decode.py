@@ -83,3 +83,33 @@ def test_nan_outside_the_blocks_encoded_is_not_theirs(codec, staging):
     with pytest.raises(cs.InputError, match="NaN or Inf"):
         encode_blocks(BlockFormat(codec, LAYOUT, BLOCK), kv, first_block=1, hashes=hashes,
                       parents=block_parents(b"\x00" * 16, hashes), staging=staging)
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32)])
+def test_on_the_host_frames_decode_from_their_own_bytes_and_misaligned_ones_through_staging(codec, monkeypatch):
+    """On the CPU each frame is decoded from its own bytes as it is added (no copy into
+    staging); a frame whose buffers are not aligned for their dtypes (its bytes at an odd
+    address) goes through staging, and both give the same KV."""
+    from cacheseek import decode
+
+    kv = make_kv(3 * BLOCK, 24)
+    hashes = [bytes([i]) * 16 for i in range(1, 4)]
+    fmt = BlockFormat(codec, LAYOUT, BLOCK)
+    frames = [frame_to_host(f) for f in encode_blocks(fmt, kv, first_block=0, hashes=hashes,
+                                                      parents=block_parents(b"\x00" * 16, hashes))]
+    odd = []
+    for f in frames:
+        buf = bytearray(1 + len(f.host))
+        buf[1:] = f.host
+        odd.append(decode.BlockFrame(f.meta, host=memoryview(buf)[1:]))
+    staged = []
+    real_copy = decode.BatchDecoder._copy
+    monkeypatch.setattr(decode.BatchDecoder, "_copy", lambda self, frame, dst: (staged.append(frame),
+                                                                                real_copy(self, frame, dst)))
+    k, v = decode_frames(fmt, frames, torch.device("cpu"))
+    assert staged == []
+    k_odd, v_odd = decode_frames(fmt, odd, torch.device("cpu"))
+    assert staged == odd
+    assert torch.equal(k, k_odd) and torch.equal(v, v_odd)
+    if codec.name == "raw":
+        assert all(torch.equal(k[i], kv[i][0]) and torch.equal(v[i], kv[i][1]) for i in range(LAYOUT.num_layers))

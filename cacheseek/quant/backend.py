@@ -1,7 +1,7 @@
 """Which implementation encodes and decodes a tensor: the Triton kernels or the torch reference.
 
-CUDA tensors use the Triton kernels (``cacheseek.kernels``) when they import, everything
-else the torch reference. The reference is 24-82x slower on a GPU, so losing the kernels
+CUDA tensors use the Triton kernels (``cacheseek.kernels``) when they import, CPU tensors
+``kivi_host`` (the reference's bits, arranged for a CPU), anything else the torch reference. The reference is 24-82x slower on a GPU, so losing the kernels
 there is never silent: the first CUDA tensor sent to the reference warns, once, with the
 ImportError and the fix, and ``kernel_backend()`` says which one runs and why (in
 ``PrefixCache.stats()``). ``CACHESEEK_KIVI_BACKEND=torch`` forces the reference (for
@@ -106,11 +106,16 @@ def _warn_fallback_once() -> None:
 
 
 def ops_for(t: Any) -> Any:
-    """The module whose ``quantize``/``dequantize`` run on ``t``."""
+    """The module whose ``quantize``/``dequantize`` run on ``t``: on the host, ``kivi_host``
+    (the reference's bits in fewer passes over memory)."""
     if backend_for(t) == "triton":
         from cacheseek import kernels
 
         return kernels
+    if t.device.type == "cpu":
+        from . import kivi_host
+
+        return kivi_host
     from . import kivi_reference
 
     return kivi_reference
