@@ -961,5 +961,5 @@ def test_demo_output_holds_no_progress_bars_of_transformers(tiny_model, tmp_path
     finally:
         hf_logging.enable_progress_bar()
     out, err = capfd.readouterr()
-    assert "48 is not a multiple of k_group_size=32" in out
+    assert "error: block_tokens: 48 is not a multiple of k_group_size=32" in err and "[2/3]" in out
     assert "Loading weights" not in err and "%|" not in err, err
