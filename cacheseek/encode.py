@@ -144,16 +144,16 @@ def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tens
     if codec.name == "raw" and layers[0][0].device.type == "cpu":
         # On the host, a copy per layer into place is one pass (stacking would be two).
         for layer, (k, v) in enumerate(layers):
-            views[0][:, layer].copy_(k[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
-            views[1][:, layer].copy_(v[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))
+            views[0][:, layer].copy_(_as_blocks(k, t0, n, block_tokens))
+            views[1][:, layer].copy_(_as_blocks(v, t0, n, block_tokens))
         return _raw_finite(layers, t0, t1)
     if layers[0][0].device.type == "cpu":
         # On the host, each layer encoded where it lies into its place: stacking the layers
         # first would be one more pass over the whole KV (the encoder reads any strides).
         flags = []
         for layer, (k, v) in enumerate(layers):
-            as_blocks = (lambda t: t[:, t0:t1].unflatten(1, (n, block_tokens)).transpose(0, 1))  # [n, H, B, D]
-            encoded, finite = codec.encode_deferred(as_blocks(k), as_blocks(v))
+            k_blocks, v_blocks = _as_blocks(k, t0, n, block_tokens), _as_blocks(v, t0, n, block_tokens)
+            encoded, finite = codec.encode_deferred(k_blocks, v_blocks)
             for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
                 view[:, layer].copy_(src)
             flags.append(finite)
@@ -169,6 +169,11 @@ def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tens
     for view, src in zip(views, sources, strict=True):
         view.copy_(src)
     return finite
+
+
+def _as_blocks(t: torch.Tensor, t0: int, n: int, block_tokens: int) -> torch.Tensor:
+    """Tokens ``[t0, t0 + n * block_tokens)`` of one layer's [H, T, D] as [n, H, B, D] (a view)."""
+    return t[:, t0 : t0 + n * block_tokens].unflatten(1, (n, block_tokens)).transpose(0, 1)
 
 
 def _raw_finite(layers, t0: int, t1: int) -> torch.Tensor:
