@@ -245,10 +245,18 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="a fresh prompt and fresh KV per call, a full tier")
     ap.add_argument("--tiny", action="store_true", help="engine modes: a tiny layout (a CPU smoke test)")
     ap.add_argument("--mixed", action="store_true", help="precision policy chains vs the uniform low-bit codec")
+    ap.add_argument("--staging-cap", type=int, default=None, metavar="MIB",
+                    help="the device staging pool's cap in MiB (default: store/device_staging.py's)")
     add_plot_only(ap)
     args = ap.parse_args()
     if plot_only(args, plot):
         return
+    if args.staging_cap is not None:
+        if args.staging_cap <= 0:
+            ap.error(f"--staging-cap: expected MiB > 0, got {args.staging_cap}")
+        from cacheseek.store import device_staging  # (set before any pool is made)
+
+        device_staging.DEFAULT_CAP_BYTES["cuda"] = args.staging_cap << 20
     if args.paged or args.batches or args.fresh:
         return engine_modes(args, cuda)
     args.blocks = int(args.blocks)
@@ -318,7 +326,7 @@ def engine_modes(args, cuda: bool) -> None:
     codecs = [c for c in args.codecs.split(",") if c in se.CODECS]
     blocks = [int(b) for b in str(args.blocks).split(",")]
     out: dict = {"layout": shape.layout.to_dict(), "block_tokens": shape.block, "page_size": shape.page,
-                 "kv_device": str(device), "reps": args.reps}
+                 "kv_device": str(device), "reps": args.reps, "staging_cap_mib": args.staging_cap}
     cols = ["case", "ms", "gbps"]
     if args.paged:
         for n in blocks:
