@@ -140,12 +140,13 @@ def engines(model, tmp_path_factory):
             return {"first": first, "second": second}
 
     def tensor_parallel() -> dict:
-        with Server(root / "server-tp", disk=False, cpu_bytes="1GiB") as srv:
+        # (at info: the connections the server closed, and why, for a failure's message)
+        with Server(root / "server-tp", "--log-level", "info", disk=False, cpu_bytes="1GiB") as srv:
             extra = remote(srv)
             res = run_engine({"scenario": "tensor_parallel", "extra": extra})
             res["server"] = httpx.get(srv.url + "/v1/stats", timeout=30).json()
             res["server_log"] = [line[-400:] for line in srv.output().splitlines()
-                                 if "WARNING" in line or "ERROR" in line or "Traceback" in line][-12:]
+                                 if any(w in line for w in ("WARNING", "ERROR", "Traceback", "closing the connection"))][-12:]
             return res
 
     runs: dict[str, Future] = {

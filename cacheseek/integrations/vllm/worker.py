@@ -361,8 +361,9 @@ class WorkerSide:
             elif error is _REFUSED:
                 self.stats.loads_refused += len(specs)
             else:
+                # (how long it ran: a timeout's, or at once, tells a slow server from a refusal)
                 self.stats.load_errors += len(specs)
-                self.guard.failure("load", error)
+                self.guard.failure(f"load between steps ({len(specs)} requests, {seconds:.1f} s)", error)
             self._account(specs, written, seconds)
             self.stats.load_background_calls += 1
             done.update(spec.req_id for spec in specs)
