@@ -602,7 +602,12 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     the prefix on every rank; compared with prompt 1 computed without any cache. The
     workers live in their own processes: their counters are read as vLLM hands them to the
     scheduler, summed over the ranks."""
-    llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp")
+    # Each rank's pages: 256 MiB, not VLLM_CPU_KVCACHE_SPACE's whole GiB (its least), which
+    # vLLM's CPU build takes over kv_cache_memory_bytes: 3 GiB of the engine's 6.5 GB (PSS),
+    # beside another engine on a CI runner. 16K tokens of one KV head: 4 prompts of 4,096.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp",
+                    kv_cache_memory_bytes=256 << 20)
     workers = workers_counted(llm)
     eng = Engine(llm, job.get("max_tokens", 8))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
