@@ -36,8 +36,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   only under it, and loads that adapter's KV.
 - tensor parallelism (3 ranks, vLLM's multiprocessing executor) through a server: each
   rank stores and loads its own shard of the heads under its own keys.
-- remote: two engines in two processes share the prefix through a ``cacheseek serve``;
-  then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
+- remote: two engines in two processes share the prefix through a ``cacheseek serve``,
+  the first one's save refused once (its only save, so its last: sent again from the
+  pages vLLM keeps for it once finished); then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
   prefix and its load): that load fails, vLLM recomputes its blocks, and this and the next
   request complete with the same output. Their saves go in the background, every lookup
   is first answered "not yet" (a lookup wait of a microsecond): vLLM asks again and gets
@@ -134,17 +135,18 @@ def engines(model, tmp_path_factory):
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
             extra = remote(srv)
-            first = run_engine({"scenario": "store", "extra": extra})
+            first = run_engine({"scenario": "store", "extra": extra, "fail_first_save": True})
             second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid, "fail_first_load": True})
             return {"first": first, "second": second}
 
     def tensor_parallel() -> dict:
-        with Server(root / "server-tp", disk=False, cpu_bytes="1GiB") as srv:
+        # (at info: the connections the server closed, and why, for a failure's message)
+        with Server(root / "server-tp", "--log-level", "info", disk=False, cpu_bytes="1GiB") as srv:
             extra = remote(srv)
             res = run_engine({"scenario": "tensor_parallel", "extra": extra})
             res["server"] = httpx.get(srv.url + "/v1/stats", timeout=30).json()
             res["server_log"] = [line[-400:] for line in srv.output().splitlines()
-                                 if "WARNING" in line or "ERROR" in line or "Traceback" in line][-12:]
+                                 if any(w in line for w in ("WARNING", "ERROR", "Traceback", "closing the connection"))][-12:]
             return res
 
     runs: dict[str, Future] = {
@@ -488,8 +490,13 @@ def test_a_request_preempted_and_admitted_again_loads_its_prompt_back(engines):
 def test_two_engines_share_a_prefix_through_a_server(engines):
     res = result(engines, "two_engines")
     first, second = res["first"], res["second"]
+    # The first engine's save of the prompt (its only one, so its last) was refused: vLLM
+    # kept the finished request's pages, and the worker sent the 4 blocks again from them
+    # once its guard let it (a lost last save was lost for good: the second engine found
+    # nothing).
+    assert first["after_store"]["worker"]["save_failures"] == 1
+    assert first["after_store"]["worker"]["save_resends"] == 1
     assert first["after_store"]["worker"]["save_blocks_stored"] == 4
-    assert first["after_store"]["worker"]["save_failures"] == 0
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
     # vLLM was told "not yet" and asked again: the hit came all the same, loaded between
@@ -521,7 +528,10 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     workers = res["workers"]  # the three ranks' counters, summed
     # (the counters say why a load fell short: the scheduler's, a lookup failed, skipped or
     # deferred; the workers', a rank's load raised (load_errors), was not made (loads_refused:
-    # a call, a save's say, had failed just before) or came back short (the rest))
+    # a call, a save's say, had failed just before) or came back short (the rest)). Every
+    # rank's raising at once (a CI flake, 1 run in 4) is what a server that answers no byte
+    # for timeout_seconds gives (SIGSTOPped during the loads: ReadTimeout on each GET): the
+    # warnings give each load's error and how long it ran, the server log its closed connections.
     why = (res["loaded"], res["scheduler"], workers, res["warnings"], res["server_log"])
     assert res["loaded"]["external"] == res["loaded"]["cached"] == 1024, why
     assert res["scheduler"]["lookup_hit_tokens"] == 1024

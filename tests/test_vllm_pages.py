@@ -4,6 +4,7 @@ and the worker side's loads and saves between pages and a real ``PrefixCache``.
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -101,6 +102,8 @@ def test_config_remote_and_embedded_tiers():
     ({"background_loads": False}, "background_loads: only a remote cache"),
     ({"url": "http://h:1", "background_loads": 1}, "background_loads: must be true or false"),
     ({"url": "http://h:1", "lookup_wait_seconds": 0}, "lookup_wait_seconds: must be a positive number"),
+    ({"resave_hold_seconds": 1}, "resave_hold_seconds: only a remote cache"),
+    ({"url": "http://h:1", "resave_hold_seconds": -1}, "resave_hold_seconds: must be a number of seconds >= 0"),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
@@ -1347,4 +1350,58 @@ def test_the_blocks_of_a_lost_save_are_sent_again_by_the_requests_next_save():
     assert cache.lookup(tokens) == 128
     st = side.stats
     assert (st.save_failures, st.saves, st.save_blocks_stored, st.save_blocks_present) == (1, 3, 4, 1)
+    cache.close()
+
+
+def test_a_finished_requests_lost_last_save_is_sent_again_from_the_pages_vllm_kept():
+    """A request's last save has no next one to carry a lost save's blocks. vLLM keeps a
+    finished request's pages for the workers (the scheduler names it in ``StepPlan.held``);
+    the worker reports it once its save's answer has come and, that save refused, once
+    it has sent the blocks again from those pages; one whose saves were stored, at once."""
+    inner, cache = worker()
+    held = HeldSaves(cache)
+    side = WorkerSide(held, guard=inner.guard, background_saves=True, resave_hold_seconds=60)
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], PageFormat("token", D, 32, 32)))
+    tokens, stored_tokens = list(range(6000, 6096)), list(range(7000, 7064))
+    plan = StepPlan(saves=[SaveSpec("r", tokens, [2, 7, 4]), SaveSpec("q", stored_tokens, [1, 5])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    held.answer(0, ok=False)  # (both in one call: refused together)
+    plan = StepPlan(saves=[SaveSpec("q", stored_tokens, [1, 5])])  # q's next save carries its loss
+    side.start_step(plan)
+    side.finish_step(plan)
+    held.answer(1, ok=True)
+    # both finished; vLLM keeps their pages until the workers report them
+    side.start_step(StepPlan(held=[("r", [2, 7, 4], 100), ("q", [1, 5], 64)]))
+    side.forget({"r", "q"})
+    assert side.take_released() == {"q"}  # stored: its pages go back at once
+    assert [r.start for r in held.held[2][0]] == [0] and cache.lookup(tokens) == 0  # r's blocks sent again
+    assert side.take_released() == set()  # until that answer comes
+    held.answer(2, ok=True)
+    assert side.take_released() == {"r"}
+    assert cache.lookup(tokens) == 96 and cache.lookup(stored_tokens) == 64
+    st = side.stats
+    assert (st.save_failures, st.save_resends, st.save_blocks_stored) == (2, 1, 5)
+    assert side.take_released() == set() and not side._resave_from
+    cache.close()
+
+
+def test_a_finished_request_is_released_after_its_hold_when_the_server_still_rests():
+    """The guard resting after the failure (a server down), the resend waits for it, and
+    vLLM gets the pages back after ``resave_hold_seconds`` all the same: nothing sent."""
+    _, cache = worker()
+    held = HeldSaves(cache)
+    guard = StoreGuard(ConnectorConfig.from_extra({"codec": "raw", "url": "http://127.0.0.1:1"}), "worker")
+    side = WorkerSide(held, guard=guard, background_saves=True, resave_hold_seconds=0.2)
+    side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], PageFormat("token", D, 32, 32)))
+    plan = StepPlan(saves=[SaveSpec("r", list(range(6000, 6064)), [2, 7])])
+    side.start_step(plan)
+    side.finish_step(plan)
+    held.answer(0, ok=False)
+    side.start_step(StepPlan(held=[("r", [2, 7], 64)]))
+    side.forget({"r"})
+    assert side.take_released() == set() and guard.resting()  # (retry_after_seconds: 1 s)
+    time.sleep(0.3)
+    assert side.take_released() == {"r"}
+    assert len(held.starts) == 1 and side.stats.save_resends == 0
     cache.close()

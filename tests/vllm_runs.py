@@ -100,7 +100,19 @@ class Engine:
         return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
                 "external": self.external_hits() - hits, "seconds": seconds}
 
+    def drain(self) -> None:
+        """Step the engine while it keeps finished requests' pages for the connector (a
+        server's: until a lost save of theirs is sent again, ``resave_hold_seconds``):
+        ``generate`` returns once its requests finish, a server's engine loop steps on."""
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        deadline = time.monotonic() + RUN_FLUSH_SECONDS
+        while scheduler.has_finished_requests():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM still holds finished requests' pages {RUN_FLUSH_SECONDS} s on")
+            self.llm.llm_engine.step()
+
     def reset(self) -> None:
+        self.drain()  # (pages in use stop vLLM's reset)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache")
 
@@ -530,10 +542,20 @@ def minus_worker(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any
 
 
 def store(job: dict[str, Any]) -> dict[str, Any]:
-    """Compute prompt 0 (its prefix is stored) and exit."""
+    """Compute prompt 0 (its prefix is stored) and exit. ``fail_first_save``: the worker's
+    first save is refused (the prompt's only one: its last); vLLM keeps the finished
+    request's pages, and the save goes again from them once the guard lets it."""
     eng = Engine(build_llm(job["extra"]), job.get("max_tokens", 16))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
-    return {"stored": eng.run(ps[0], read=False), "after_store": eng.stats()}
+    if job.get("fail_first_save"):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        side = get_kv_transfer_group()._worker
+        side.cache = FailFirstSave(side.cache)
+    out = {"stored": eng.run(ps[0], read=False)}
+    eng.drain()
+    out["after_store"] = eng.stats()
+    return out
 
 
 def load(job: dict[str, Any]) -> dict[str, Any]:
@@ -580,7 +602,12 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     the prefix on every rank; compared with prompt 1 computed without any cache. The
     workers live in their own processes: their counters are read as vLLM hands them to the
     scheduler, summed over the ranks."""
-    llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp")
+    # Each rank's pages: 256 MiB, not VLLM_CPU_KVCACHE_SPACE's whole GiB (its least), which
+    # vLLM's CPU build takes over kv_cache_memory_bytes: 3 GiB of the engine's 6.5 GB (PSS),
+    # beside another engine on a CI runner. 16K tokens of one KV head: 4 prompts of 4,096.
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    llm = build_llm(job["extra"], tensor_parallel_size=job.get("tp", 3), distributed_executor_backend="mp",
+                    kv_cache_memory_bytes=256 << 20)
     workers = workers_counted(llm)
     eng = Engine(llm, job.get("max_tokens", 8))
     _, ps = prompts(eng.llm, job.get("prefix_tokens", 1100))
@@ -640,6 +667,29 @@ class FailFirstLoad:
         if self.calls == 1:
             raise RuntimeError("injected: the worker's first load failed")
         return self.cache.materialize_into_batch(requests, pages)
+
+
+class FailFirstSave:
+    """The worker's ``RemoteCache``, its first save refused as a server that is down for a
+    moment refuses it (the sender's future fails), later ones sent."""
+
+    def __init__(self, cache: Any) -> None:
+        self.cache, self.calls = cache, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def ingest_batch(self, requests: Any, pages: Any, **kw: Any) -> Any:
+        from concurrent.futures import Future
+
+        from cacheseek.errors import RemoteUnavailable
+
+        self.calls += 1
+        if self.calls > 1:
+            return self.cache.ingest_batch(requests, pages, **kw)
+        refused: Future = Future()
+        refused.set_exception(RemoteUnavailable("injected: the server refused the first save", url="(test)"))
+        return refused
 
 
 class SlowLocate:

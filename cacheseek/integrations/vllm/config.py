@@ -43,8 +43,10 @@ _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
     "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
+    "resave_hold_seconds",
 })
-_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads")
+_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
+                "resave_hold_seconds")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -100,6 +102,12 @@ class ConnectorConfig:
     # A remote lookup runs on a thread of its own; vLLM's scheduler waits this long for it at
     # most, then is told "not yet" and asks again at its next step (docs/vllm.md).
     lookup_wait_seconds: float = 0.01
+    # A remote save that failed is sent again by the request's next save; its last save has
+    # none: vLLM keeps a finished request's pages until the workers report it, which they do
+    # at once where its saves were stored, else once the lost one was sent again (once, when
+    # the guard lets it), this long at most. Longer than retry_after_seconds, which a
+    # failure rests the guard for. 0: the pages are freed at once, and a last save's loss stands.
+    resave_hold_seconds: float = 2.0
 
     @property
     def remote(self) -> bool:
@@ -117,6 +125,11 @@ class ConnectorConfig:
         if self.remote:
             return False
         return device_type == "cuda" if setting is None else setting
+
+    @property
+    def resave_hold(self) -> float:
+        """Seconds vLLM keeps a finished request's pages for a lost save (0: it does not)."""
+        return self.resave_hold_seconds if self.remote else 0.0
 
     @property
     def saves_in_background(self) -> bool:
@@ -156,6 +169,12 @@ class ConnectorConfig:
         for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
+        if "resave_hold_seconds" in extra:
+            value = extra["resave_hold_seconds"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:
+                raise ConfigError(f"kv_connector_extra_config.resave_hold_seconds: must be a number of seconds "
+                                  f">= 0 (0: off), got {value!r}")
+            kw["resave_hold_seconds"] = float(value)
         for key in ("layerwise_load", "layerwise_save"):
             if key in extra:
                 kw[key] = _auto_bool(key, extra[key])

@@ -136,7 +136,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
                                             lookup_wait_seconds=self.config.lookup_wait_seconds if self.config.remote
-                                            else None, background_loads=background_loads)
+                                            else None, background_loads=background_loads,
+                                            hold_finished=save and self.config.resave_hold > 0)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
             self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
@@ -145,7 +146,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
                                       planned_ahead=planned_ahead, background_saves=self.config.saves_in_background,
                                       background_loads=background_loads,
-                                      loader_thread=self.config.loads_in_background)
+                                      loader_thread=self.config.loads_in_background,
+                                      resave_hold_seconds=self.config.resave_hold)
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     # -- what callers can read -------------------------------------------------------------
@@ -225,9 +227,11 @@ class CacheSeekConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Loads between steps that are done; their missing blocks go out in
         # get_block_ids_with_load_errors, which vLLM asks next, in the same pass.
+        # Finished requests whose pages vLLM held for this worker (request_finished): freed
+        # once a lost save of theirs has been sent again from them (worker.py).
         worker = self._worker_side()
         worker.forget(finished_req_ids)
-        return None, worker.take_loaded() or None
+        return worker.take_released() or None, worker.take_loaded() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_failed_blocks()
@@ -318,8 +322,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._kv_cache_manager.evict_blocks(side.blocks_after(invalid))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_side().finished(request)
-        return False, None
+        # True: vLLM keeps the pages until every worker reports the request (get_finished),
+        # for a save of it that failed to be sent again from them.
+        return self._scheduler_side().finished(request, block_ids), None
 
     def _block_ids(self, req_id: str) -> list[int]:
         assert self._kv_cache_manager is not None, "vLLM binds its KV cache manager before scheduling"

@@ -29,6 +29,10 @@ class StoreGuard:
         """Whether to call the store now (False while a failed server rests)."""
         return self.breaker is None or self.breaker.allow()
 
+    def resting(self) -> bool:
+        """Whether a failed server rests now (``allow`` would refuse); asks and counts nothing."""
+        return self.breaker is not None and self.breaker.stats().retry_in_seconds > 0
+
     def success(self) -> None:
         if self.breaker is not None:
             self.breaker.record_success()

@@ -63,6 +63,10 @@ class StepPlan:
     # Loads of requests vLLM holds back until they are done (WAITING_FOR_REMOTE_KVS): run
     # between steps, reported finished through get_finished.
     background_loads: list[LoadSpec] = field(default_factory=list)
+    # Requests vLLM finished and keeps the pages of until every worker reports them
+    # (``request_finished`` returned True): (req_id, their vLLM block ids, the tokens those
+    # hold). A save of theirs that failed is sent again from those pages, once.
+    held: list[tuple[str, list[int], int]] = field(default_factory=list)
 
 
 __all__ = ["LoadSpec", "SaveSpec", "StepPlan", "request_keys"]

@@ -33,6 +33,10 @@ objects, read through the few attributes named here.
   workers load between steps (``StepPlan.background_loads``), the other requests running
   on; the workers report it finished (``get_finished``), with any blocks that did not
   arrive, and vLLM schedules it from there.
+- With ``resave_hold_seconds`` (a server), a finished request that saved anything keeps
+  its pages (``request_finished`` returns True) until every worker reports it: at once
+  where its saves were stored, else once a save of it that failed has been sent again from
+  them (``StepPlan.held``; worker.py), at most that long.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class _Request:
     saved: int = 0  # tokens [0, saved) are stored, or being stored this step
     hit: Hit = NO_HIT
     loading: bool = False  # offered as a load between steps, not scheduled since
+    saving: bool = False  # a save of it was planned (since it was last admitted)
     request: Any = None  # vLLM's Request (its num_computed_tokens is rolled back over a failed load's blocks)
 
 
@@ -126,6 +131,7 @@ class SchedulerSide:
         block_ids: Callable[[str], list[int]],
         lookup_wait_seconds: float | None = None,
         background_loads: bool = False,
+        hold_finished: bool = False,
     ) -> None:
         self.caches = caches  # one per tensor-parallel rank (their keys differ)
         # None: each lookup in the call (an embedded cache answers from memory); else the
@@ -138,6 +144,10 @@ class SchedulerSide:
         # others run), not inside the step that first computes the request.
         self.background_loads = background_loads
         self._to_load: list[tuple[str, int, int]] = []  # (req_id, start, end) admitted since the last plan
+        # A finished request that saved keeps its pages until the workers report it (a failed
+        # save of it is sent again from them): those finished since the last plan.
+        self.hold_finished = hold_finished
+        self._held: list[tuple[str, list[int], int]] = []
         self.block_tokens = block_tokens
         self.load = load
         self.save = save
@@ -298,14 +308,22 @@ class SchedulerSide:
                 counts[tier] = counts.get(tier, 0) + b - a
         return counts
 
-    def finished(self, request: Any) -> None:
+    def finished(self, request: Any, block_ids: list[int] = ()) -> bool:
+        """vLLM finished ``request``, whose computed tokens ``block_ids`` hold; whether vLLM
+        is to keep those pages until the workers report it (``hold_finished``: it saved)."""
         running = self._running.pop(request.request_id, None)
         if running is not None:
             self._abandoned.append(running)  # (its answer still goes to the guard)
             self._hear_abandoned()
         self._lookups.pop(request.request_id, None)
         self._unaligned.pop(request.request_id, None)
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        # (no blocks: preempted, then finished before it ran again; its pages are gone)
+        hold = self.hold_finished and state is not None and state.saving and bool(block_ids)
+        if hold:
+            tokens = min(int(request.num_computed_tokens), len(state.prompt))
+            self._held.append((request.request_id, list(block_ids), tokens))
+        return hold
 
     def blocks_after(self, invalid: set[int]) -> set[int]:
         """The vLLM blocks ``invalid`` and, for each request holding one, every block of its
@@ -362,6 +380,7 @@ class SchedulerSide:
                 plan.background_loads.append(LoadSpec(req_id, state.prompt[:end], self.block_ids(req_id), start=start,
                                                       extra=state.extra))
         self._to_load.clear()
+        plan.held, self._held = self._held, []
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -393,6 +412,7 @@ class SchedulerSide:
                 plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra,
                                            start=start))
                 state.saved = full
+                state.saving = True
         return plan
 
 

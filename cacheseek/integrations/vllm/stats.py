@@ -44,6 +44,7 @@ class ConnectorStats:
     save_blocks_stored: int = 0
     save_blocks_present: int = 0
     save_failures: int = 0  # saves dropped (the call raised: server down, bad KV; or blocks not acknowledged)
+    save_resends: int = 0  # failed saves sent again from a finished request's pages, which vLLM held for it
     saves_skipped: int = 0  # saves dropped: their KV read blocks a load of the same step failed to write
     save_seconds: float = 0.0
 

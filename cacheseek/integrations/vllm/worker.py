@@ -53,9 +53,18 @@ them by then (the step's output for those requests is then discarded by vLLM, as
 failed load; see docs/vllm.md). A save starts where the request's earlier saves ended
 (``SaveSpec.start``: chunked prefill stores each chunk's blocks once). A save that fails
 is dropped (its blocks go again with the request's next save, ``_resave_from``; a last
-save's are lost); so is the save of a request whose load failed in the same step, because
-its new KV was computed over the missing blocks, and of any request whose blocks include
-those (a prefix hit vLLM gave it on the blocks being loaded).
+save's are sent again from its pages once it has finished, below); so is the save of a
+request whose load failed in the same step, because its new KV was computed over the
+missing blocks, and of any request whose blocks include those (a prefix hit vLLM gave it on
+the blocks being loaded).
+
+A request's last save has no next one. With a server (``resave_hold_seconds``), vLLM keeps
+a finished request's pages for the workers (``request_finished`` returned True; the
+scheduler names it in ``StepPlan.held``): each worker reports it (``get_finished``'s
+finished sending) at once where its saves were stored, else once its answers have come and
+a save of it that failed has been sent again from those pages, once, when the guard lets it
+(a failure rests the guard ``retry_after_seconds``); ``resave_hold_seconds`` after it
+finished at the latest, sent again or not.
 """
 
 from __future__ import annotations
@@ -87,6 +96,16 @@ class RunningLoad:
 
 
 @dataclass(slots=True)
+class HeldRequest:
+    """A finished request whose pages vLLM keeps until this worker reports it."""
+
+    block_ids: list[int]
+    tokens: int  # of its prompt, computed into those pages
+    deadline: float  # (time.monotonic()) reported by then, whatever is still unsaved
+    resent: bool = False
+
+
+@dataclass(slots=True)
 class RunningSave:
     """A step's layer-wise save while the forward runs: the writer each layer is fed to."""
 
@@ -100,7 +119,8 @@ class RunningSave:
 class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
                  layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False,
-                 background_loads: bool = False, loader_thread: bool = True) -> None:
+                 background_loads: bool = False, loader_thread: bool = True,
+                 resave_hold_seconds: float = 0.0) -> None:
         self.cache = cache
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
@@ -109,6 +129,11 @@ class WorkerSide:
         # save since has covered: a save starts at the scheduler's SaveSpec.start (where its
         # earlier saves ended), so what they lost is sent again from here by its next one.
         self._resave_from: dict[str, int] = {}
+        # A finished request's lost save is sent again from its pages, which vLLM keeps for
+        # this long at most (0: it frees them at once, and a last save's loss stands).
+        self.resave_hold_seconds = resave_hold_seconds
+        self._last_save: dict[str, SaveSpec] = {}  # per running request, its latest save (hold on)
+        self._held: dict[str, HeldRequest] = {}
         self.background_loads = background_loads
         self._loading: list[tuple[list[LoadSpec], Future]] = []  # loads between steps, until reported
         self._loader: ThreadPoolExecutor | None = None
@@ -152,12 +177,17 @@ class WorkerSide:
                 self.load(plan.loads)
         if plan.background_loads:
             self._load_in_background(plan.background_loads)
+        deadline = time.monotonic() + self.resave_hold_seconds
+        for req_id, block_ids, tokens in plan.held:
+            self._held[req_id] = HeldRequest(block_ids, tokens, deadline)
 
     def finish_step(self, plan: StepPlan) -> None:
         self.end_load()  # before the saves: a load that failed drops its request's save
         self.take_sent()
         saves = []
         for spec in plan.saves:
+            if self.resave_hold_seconds:
+                self._last_save[spec.req_id] = spec
             if self._reads_unwritten(spec):
                 self.stats.saves_skipped += 1
                 self._lost([spec])
@@ -331,8 +361,9 @@ class WorkerSide:
             elif error is _REFUSED:
                 self.stats.loads_refused += len(specs)
             else:
+                # (how long it ran: a timeout's, or at once, tells a slow server from a refusal)
                 self.stats.load_errors += len(specs)
-                self.guard.failure("load", error)
+                self.guard.failure(f"load between steps ({len(specs)} requests, {seconds:.1f} s)", error)
             self._account(specs, written, seconds)
             self.stats.load_background_calls += 1
             done.update(spec.req_id for spec in specs)
@@ -466,9 +497,49 @@ class WorkerSide:
             del self._resave_from[spec.req_id]
 
     def forget(self, req_ids: set[str]) -> None:
-        """vLLM finished ``req_ids``: no save of theirs comes again."""
+        """vLLM finished ``req_ids``: no save of theirs comes again (those whose pages it
+        holds for this worker: once they are released, ``take_released``)."""
         for req_id in req_ids:
+            if req_id not in self._held:
+                self._resave_from.pop(req_id, None)
+                self._last_save.pop(req_id, None)
+        while len(self._last_save) > MAX_RESAVES:  # (requests never reported finished)
+            del self._last_save[next(iter(self._last_save))]
+
+    def take_released(self) -> set[str]:
+        """The finished requests whose pages vLLM may free now: their saves' answers have
+        come and a lost one has been sent again (and answered), or their time is up."""
+        if not self._held:
+            return set()
+        self.take_sent()
+        now = time.monotonic()
+        released = set()
+        for req_id, held in list(self._held.items()):
+            if now < held.deadline and self._settling(req_id, held):
+                continue
+            del self._held[req_id]
             self._resave_from.pop(req_id, None)
+            self._last_save.pop(req_id, None)
+            released.add(req_id)
+        return released
+
+    def _settling(self, req_id: str, held: HeldRequest) -> bool:
+        """Whether ``req_id``'s pages are still wanted: a save of it awaits its answer, or
+        one that failed is to be sent again (once the guard lets it), or just was."""
+        if any(spec.req_id == req_id for specs, _ in self._sending for spec in specs):
+            return True
+        lost, spec = self._resave_from.get(req_id), self._last_save.get(req_id)
+        if lost is None or spec is None or held.resent:
+            return False
+        end = min(len(spec.token_ids), held.tokens)  # (the save stores its whole store blocks)
+        if end <= lost:
+            return False  # (nothing whole of what was lost is in the pages vLLM kept)
+        if self.guard.resting():
+            return True
+        held.resent = True
+        self.stats.save_resends += 1
+        self.save([SaveSpec(req_id, spec.token_ids[:end], held.block_ids, extra=spec.extra, start=lost)])
+        return True
 
     # -- a step's saves, layer by layer --------------------------------------------------
 
