@@ -1386,13 +1386,13 @@ def test_a_finished_requests_lost_last_save_is_sent_again_from_the_pages_vllm_ke
     cache.close()
 
 
-def test_a_finished_request_is_released_after_its_hold_when_the_server_still_rests():
-    """The guard resting after the failure (a server down), the resend waits for it, and
-    vLLM gets the pages back after ``resave_hold_seconds`` all the same: nothing sent."""
+def _failed_last_save(hold: float, retry_after: float):
+    """A worker whose request "r" saved once, refused; r finished, its pages held."""
     _, cache = worker()
     held = HeldSaves(cache)
-    guard = StoreGuard(ConnectorConfig.from_extra({"codec": "raw", "url": "http://127.0.0.1:1"}), "worker")
-    side = WorkerSide(held, guard=guard, background_saves=True, resave_hold_seconds=0.2)
+    guard = StoreGuard(ConnectorConfig.from_extra({"codec": "raw", "url": "http://127.0.0.1:1",
+                                                   "retry_after_seconds": retry_after}), "worker")
+    side = WorkerSide(held, guard=guard, background_saves=True, resave_hold_seconds=hold)
     side.register(VllmPages([layer_tensor(8, 32, seed=i) for i in range(L)], PageFormat("token", D, 32, 32)))
     plan = StepPlan(saves=[SaveSpec("r", list(range(6000, 6064)), [2, 7])])
     side.start_step(plan)
@@ -1400,8 +1400,28 @@ def test_a_finished_request_is_released_after_its_hold_when_the_server_still_res
     held.answer(0, ok=False)
     side.start_step(StepPlan(held=[("r", [2, 7], 64)]))
     side.forget({"r"})
-    assert side.take_released() == set() and guard.resting()  # (retry_after_seconds: 1 s)
+    return cache, held, guard, side
+
+
+def test_a_finished_request_waits_for_the_guard_within_its_hold_and_goes_after_it_unanswered():
+    """The guard resting after the failure, the resend waits for it (the pages kept), is
+    sent once it may be, and vLLM gets the pages back at the hold's end all the same if
+    its answer has not come."""
+    cache, held, guard, side = _failed_last_save(hold=0.8, retry_after=0.2)
+    assert side.take_released() == set() and guard.resting()
     time.sleep(0.3)
-    assert side.take_released() == {"r"}
+    assert side.take_released() == set() and held.starts == [[0], [0]]  # sent again, awaiting its answer
+    time.sleep(0.6)
+    assert side.take_released() == {"r"} and side.stats.save_resends == 1
+    held.answer(1, ok=True)
+    cache.close()
+
+
+def test_a_finished_request_is_released_at_once_when_the_server_rests_past_its_hold():
+    """A server down long enough that the guard's rest outlasts the hold: no resend could
+    go in time, so the pages go back at once (an outage must not hold every finished
+    request's pages for the whole hold)."""
+    cache, held, guard, side = _failed_last_save(hold=0.5, retry_after=1.0)
+    assert guard.resting() and side.take_released() == {"r"}
     assert len(held.starts) == 1 and side.stats.save_resends == 0
     cache.close()

@@ -31,7 +31,11 @@ class StoreGuard:
 
     def resting(self) -> bool:
         """Whether a failed server rests now (``allow`` would refuse); asks and counts nothing."""
-        return self.breaker is not None and self.breaker.stats().retry_in_seconds > 0
+        return self.rest_seconds() > 0
+
+    def rest_seconds(self) -> float:
+        """How long a failed server still rests (0: ``allow`` would let a call through)."""
+        return 0.0 if self.breaker is None else self.breaker.stats().retry_in_seconds
 
     def success(self) -> None:
         if self.breaker is not None:

@@ -525,7 +525,8 @@ class WorkerSide:
 
     def _settling(self, req_id: str, held: HeldRequest) -> bool:
         """Whether ``req_id``'s pages are still wanted: a save of it awaits its answer, or
-        one that failed is to be sent again (once the guard lets it), or just was."""
+        one that failed is to be sent again (once the guard lets it, if that is before the
+        hold ends), or just was."""
         if any(spec.req_id == req_id for specs, _ in self._sending for spec in specs):
             return True
         lost, spec = self._resave_from.get(req_id), self._last_save.get(req_id)
@@ -534,8 +535,12 @@ class WorkerSide:
         end = min(len(spec.token_ids), held.tokens)  # (the save stores its whole store blocks)
         if end <= lost:
             return False  # (nothing whole of what was lost is in the pages vLLM kept)
-        if self.guard.resting():
-            return True
+        rest = self.guard.rest_seconds()
+        if rest > 0:
+            # A server resting past the hold (down, its wait grown) gets no resend in time:
+            # the pages go back now, so that an outage does not hold every finished
+            # request's pages for the whole hold.
+            return time.monotonic() + rest < held.deadline
         held.resent = True
         self.stats.save_resends += 1
         self.save([SaveSpec(req_id, spec.token_ids[:end], held.block_ids, extra=spec.extra, start=lost)])
