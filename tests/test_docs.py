@@ -11,7 +11,7 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU),
+the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's and kernels.md's first (on the CPU),
 http-api.md's and precision.md's (against a server) and redis.md's `TierConfig` lines, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
 in http-api.md (and every route a doc names is served), and design.md's module map lists the
@@ -722,6 +722,25 @@ def test_the_engine_md_python_examples_run():
     }), scope)
     assert [r.failed for r in scope["results"]] == [0] and scope["result"].failed == 0
     scope["cache"].close()
+
+
+def test_the_kernels_md_first_example_runs():
+    """kernels.md's quantize / dequantize lines, run as written on a K tensor (on the CPU,
+    in Triton's interpreter, where no GPU is): its names and keywords are the kernels', and
+    what comes back is the input within int4's error."""
+    import torch
+
+    from kivi_bounds import error_bound
+
+    first = fenced_blocks(ROOT / "docs" / "kernels.md", "python")[0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(2, 64, 64, dtype=torch.float16, device=device)
+    scope = {"torch": torch, "x": x}
+    exec(first, scope)
+    x_hat = scope["x_hat"]
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    bound = error_bound(x, scope["scale"], scope["mn"], bits=4, group=32, axis=-2, out_dtype=x.dtype)
+    assert bool(((x_hat.double() - x.double()).abs() <= bound).all())
 
 
 def test_models_md_fetches_the_wheel_the_code_pins():
