@@ -89,6 +89,9 @@ def _pin_request(body: bytes, content_type: str | None) -> PinRequest | None:
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.start),
                                            "msg": "JSON decode error", "input": {},
                                            "ctx": {"error": "not UTF-8"}}]) from None
+        except RecursionError:  # ("[" * 1000: a 500 otherwise)
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": "nested too deeply"}}]) from None
     if value is None:
         return None
     if not isinstance(value, dict):  # (pydantic's own message would name the class)
