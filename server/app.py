@@ -256,7 +256,10 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
                 log.info("store closed")
 
     app = FastAPI(title="CacheSeek", version=__version__, description=DESCRIPTION, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)  # /docs is served from the package (routes.docs)
+                  docs_url=None, redoc_url=None,  # /docs is served from the package (routes.docs)
+                  # A path with a "/" after it is an unknown route (a JSON 404), not an empty 307
+                  # to the same path on whatever host the Host header names.
+                  redirect_slashes=False)
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.auth = Authenticator(settings)

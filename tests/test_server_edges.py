@@ -615,6 +615,45 @@ def test_lookup_and_prefetch_bodies_count_in_the_bytes_in_flight(tmp_path):
         assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
+def test_a_pin_body_is_read_after_the_admin_token_and_only_a_small_one(tmp_path):
+    """FastAPI read a pin's JSON body whole before any dependency ran: a client with no
+    token (admin routes on or off) made the server hold and parse whatever it sent (300 MiB
+    of spaces: +900 MiB of RSS and a loop busy for over 10 s). The token is checked first,
+    and a body past a few KiB is a 413, declared or arriving."""
+    path = f"/v1/admin/pins/{'77' * 16}"
+    json_type = "content-type: application/json\r\n"
+    with Server(tmp_path, "--admin-token", "adm", "--write-token", "wt") as srv:
+        for token, status in (("", 401), ("wt", 403), ("adm", 413)):
+            with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:
+                auth = f"authorization: Bearer {token}\r\n" if token else ""
+                s.sendall(head("PUT", path, 1 << 30, extra=json_type + auth))  # the head alone
+                assert read_response(s, bytearray())[0] == status, token
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=5) as s:  # no length declared
+            s.sendall(head("PUT", path, extra=json_type + "authorization: Bearer adm\r\ntransfer-encoding: chunked\r\n")
+                      + b"10000\r\n" + b" " * 0x10000 + b"\r\n")
+            status, _, text = read_response(s, bytearray())
+            assert status == 413 and b"body" in text, text
+        with httpx.Client(base_url=srv.url, headers={"authorization": "Bearer adm"}) as c:
+            assert bodies(c)["in_flight_bytes"] == 0
+            r = c.put(path, json={"ttl_seconds": 5})
+            assert r.status_code == 404, r.text  # a small body still reaches the route
+            r = c.put(path, content=b"[" * 2000 + b"]" * 2000, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"].startswith("body: not valid JSON"), r.text
+
+
+def test_no_route_lets_fastapi_read_its_body():
+    """A FastAPI body parameter is read whole, with no bound, before the route's token is
+    checked (the pin route's was): every route reads its own body, under a limit."""
+    from fastapi.routing import APIRoute
+
+    from cacheseek.server.routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
+
+    routes = [r for m in (admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes) for r in m.router.routes
+              if isinstance(r, APIRoute)]
+    assert len(routes) > 20
+    assert [f"{sorted(r.methods)} {r.path}" for r in routes if r.body_field is not None] == []
+
+
 # -- what tenants see ---------------------------------------------------------------------------
 
 

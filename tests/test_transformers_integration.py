@@ -926,6 +926,22 @@ def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, mo
     assert says in said.err and "Traceback" not in said.err and "error" not in said.out
 
 
+def test_demo_says_a_server_it_cannot_reach_before_loading_the_model(capsys, monkeypatch):
+    """--url naming no server was found by the first lookup: after the model loaded (a first
+    run downloads and converts it) and a whole prefill without reuse had run."""
+    from cacheseek.integrations import demo
+    from server_helpers import free_port
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    url = f"http://127.0.0.1:{free_port()}"
+    assert demo.run(parser.parse_args(["--url", url])) == 2
+    said = capsys.readouterr()
+    assert f"error: url: cannot reach {url} (ConnectError" in said.err and "Traceback" not in said.err
+    assert "error" not in said.out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["embedded", "server"])
 def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):

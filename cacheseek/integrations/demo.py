@@ -177,6 +177,10 @@ def _device_error(args: argparse.Namespace) -> str | None:
             scheme = ""
         if scheme not in ("http", "https"):  # (RemoteCache's own check, with its words)
             return f"url: {args.url!r} is not an http:// or https:// URL"
+        try:  # any answer will do (a 503 while it starts): a server that is not there at all is said now
+            httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0)
+        except httpx.HTTPError as exc:
+            return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc})"
     if gpu_bytes and device.type != "cuda":
         return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
     return None

@@ -55,6 +55,31 @@ def declared_length(request: Request, limit: int, what: str) -> int | None:
     return length
 
 
+async def small_body(request: Request, limit: int, what: str) -> bytes:
+    """A small body (a lookup's, a pin's), whole: refused (413) once it passes ``limit``
+    bytes, declared or as it arrives. Read by the route, after its caller was checked,
+    never by FastAPI before its dependencies (a body parameter is read whole, unbounded,
+    before the token is looked at)."""
+    length = declared_length(request, limit, what)
+    budget = request.app.state.body_budget
+    if length is not None:
+        budget.admit()
+    # Counted in the bytes in flight as it arrives, as a frame's body is: many slow small
+    # bodies would otherwise hold memory that max_inflight_body_bytes never sees.
+    held = BodyBytes(budget)
+    try:
+        chunks, total = [], 0
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise TooLarge(f"body exceeds {limit} bytes, {what}")
+            held.take(len(chunk))
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        held.settle(held.held, stored=True)  # read whole or refused: not an aborted upload to trim after
+
+
 class RequestBody:
     """A request body, read into buffers the caller names: straight from the socket where
     the server offers that (``server.protocol.BODY_INTO``: one copy, by the kernel), else

@@ -8,12 +8,15 @@ are off (403). A refused call changes nothing. Chain and pin routes take the nam
 
 from __future__ import annotations
 
+import email.message
 import hashlib
 import hmac
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..admin import AdminOps
@@ -21,7 +24,7 @@ from ..auth import NAMESPACE_HEADER
 from ..config import NAMESPACE_PATTERN
 from ..deps import Credentials, Hash, NamespaceHeader, service_of
 from ..errors import BadRequest, Forbidden, NotReady, Unauthenticated
-from ._body import ERROR
+from ._body import ERROR, small_body
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 
@@ -59,6 +62,45 @@ class PinRequest(BaseModel):
     # strict: a JSON true or "5" is no number of seconds (taken for 1 s and 5 s, a pin lapsed at once)
     model_config = ConfigDict(extra="forbid", strict=True)
     ttl_seconds: float | None = Field(None, gt=0, description="unpinned after this long; null: until unpinned")
+
+
+PIN_BODY_BYTES = 4096  # {"ttl_seconds": 3600} is 20 bytes
+PIN_BODY = {"requestBody": {"required": False, "content": {"application/json": {
+    "schema": {"anyOf": [PinRequest.model_json_schema(), {"type": "null"}]}}}}}
+
+
+def _pin_request(body: bytes, content_type: str | None) -> PinRequest | None:
+    """A pin's body as FastAPI would read it for a ``PinRequest | None`` parameter (none, or
+    JSON null: no expiry), with its errors. The route reads the body itself: FastAPI reads a
+    body parameter whole, unbounded, before the dependency that checks the token."""
+    if not body:
+        return None
+    value: Any = body
+    kind = email.message.Message()
+    kind["content-type"] = content_type or "application/json"
+    if kind.get_content_maintype() == "application" and (
+            kind.get_content_subtype() == "json" or kind.get_content_subtype().endswith("+json")):
+        try:
+            value = json.loads(body)
+        except json.JSONDecodeError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": exc.msg}}]) from None
+        except UnicodeDecodeError as exc:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", exc.start),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": "not UTF-8"}}]) from None
+        except RecursionError:  # ("[" * 1000: a 500 otherwise)
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": "nested too deeply"}}]) from None
+    if value is None:
+        return None
+    if not isinstance(value, dict):  # (pydantic's own message would name the class)
+        raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",), "input": None,
+                                       "msg": "Input should be a valid dictionary or object to extract fields from"}])
+    try:
+        return PinRequest.model_validate(value)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 @router.get("/namespaces", responses=REFUSED)
@@ -103,13 +145,16 @@ async def pins(ops: Admin) -> list[dict]:
     return await run_in_threadpool(ops.pins)
 
 
-@router.put("/pins/{hash}", responses={**REFUSED, 404: {"description": "the chain is not stored whole", **ERROR},
-                                       503: {"description": "a tier that may hold the chain or must keep the pin "
-                                                            "(Redis) could not be reached: nothing pinned; retry",
-                                             **ERROR}})
-async def pin(ops: Admin, hash: Hash, body: PinRequest | None = None, namespace: NamespaceHeader = None) -> dict:
+@router.put("/pins/{hash}", openapi_extra=PIN_BODY,
+            responses={**REFUSED, 404: {"description": "the chain is not stored whole", **ERROR},
+                       413: {"description": f"a body over {PIN_BODY_BYTES} bytes", **ERROR},
+                       503: {"description": "a tier that may hold the chain or must keep the pin "
+                                            "(Redis) could not be reached: nothing pinned; retry", **ERROR}})
+async def pin(ops: Admin, hash: Hash, request: Request, namespace: NamespaceHeader = None) -> dict:
     """Never evict the chain ending at ``hash`` (every block of it, in every tier), until
     unpinned or for ``ttl_seconds``. Pinning a pinned chain again sets its new expiry."""
+    body = _pin_request(await small_body(request, PIN_BODY_BYTES, "a pin's body"),
+                        request.headers.get("content-type"))
     ttl = body.ttl_seconds if body is not None else None
     return await run_in_threadpool(lambda: ops.pin(_namespace(namespace), hash, ttl))
 

@@ -36,16 +36,16 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 
 from ..auth import NAMESPACE_HEADER
 from ..deps import caller_of, service_of
-from ..errors import BadLookup, TooLarge
-from ..limits import BodyBytes
+from ..errors import BadLookup
 from ..metrics import TOKENS_HEADER, client_headers
-from ._body import BINARY, ERROR, declared_length
+from ._body import BINARY, ERROR, small_body
 
 router = APIRouter(prefix="/v1", tags=["lookup"])
 
 HexHash = Annotated[str, StringConstraints(min_length=32, max_length=64)]
 HASH_BYTES = (16, 32)
 _TRUE, _FALSE = ("true", "1"), ("false", "0", "")
+LOOKUP_BODY = "a lookup of max_lookup_hashes hashes"  # what a lookup's body is bounded by, as a 413 says
 
 
 class LookupRequest(BaseModel):
@@ -115,7 +115,7 @@ async def lookup(request: Request) -> JSONResponse:
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
     # A lookup body is small: at most max_lookup_hashes hashes of 64 hex digits, JSON-quoted.
-    body = await _small_body(request, 72 * limit + 1024)
+    body = await small_body(request, 72 * limit + 1024, LOOKUP_BODY)
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, each, lengths = _binary_hashes(body, request, limit)
@@ -191,28 +191,6 @@ class _LabelledRoute(Route):
         if match != Match.NONE:
             child["route"] = self
         return match, child
-
-
-async def _small_body(request: Request, limit: int) -> bytes:
-    """The body, refused (413) once it passes ``limit`` bytes, before or while it arrives."""
-    length = declared_length(request, limit, "a lookup of max_lookup_hashes hashes")
-    budget = request.app.state.body_budget
-    if length is not None:
-        budget.admit()
-    # Counted in the bytes in flight as it arrives, as a frame's body is: many slow lookup
-    # bodies would otherwise hold memory that max_inflight_body_bytes never sees.
-    held = BodyBytes(budget)
-    try:
-        chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise TooLarge(f"body exceeds {limit} bytes, a lookup of max_lookup_hashes hashes")
-            held.take(len(chunk))
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        held.settle(held.held, stored=True)  # read whole or refused: not an aborted upload to trim after
 
 
 def install(app: FastAPI) -> None:
