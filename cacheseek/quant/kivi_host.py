@@ -26,6 +26,8 @@ What differs is only where the values live:
   (see ``quantize``): torch's float-to-uint8 conversion is slow on a CPU.
 - The decode's cap at the dtype's max is skipped when no group can reach it (its top,
   ``qmax * s + m`` in fp32, is within it: ``code * s + m`` grows with the code when s >= 0).
+- The encode writes its codes and stats where the caller wants them (``out``: e.g. a
+  layer's place in the staging rows of a batch), not into fresh tensors copied there after.
 
 It hands a call to the reference where that is simpler than being fast: V's range search
 (``clip``), a ragged last group, a big-endian host, a tensor not on the CPU, and an encode
