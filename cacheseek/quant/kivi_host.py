@@ -173,12 +173,14 @@ def _check_out(out: tuple[torch.Tensor, ...], want: list[tuple[tuple[int, ...], 
                              f"got {t.dtype} {list(t.shape)} on {t.device}")
 
 
-def _copied(got: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def _copied(got: tuple[torch.Tensor, ...],
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference's ``got`` copied into ``out`` (checked first: ``copy_`` would broadcast)."""
     _check_out(out, [(tuple(t.shape), t.dtype) for t in got])
     for dst, src in zip(out, got):
         dst.copy_(src)
-    return tuple(out)
+    q, scale, mn = out
+    return q, scale, mn
 
 
 def _chunk_cap(shape: torch.Size, group: int) -> int:
