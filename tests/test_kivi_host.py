@@ -208,3 +208,21 @@ def test_a_scale_rounded_up_past_the_max_is_capped_as_the_reference_caps_it():
     got = host.dequantize(q, s, m, **args)
     assert same_bits(ref.dequantize(q, s, m, **args), got)
     assert got[0, 0] == top
+
+
+@pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=8, v_bits=2, v_clip=2),
+                                   cs.Raw()], ids=["int4", "int8-int2-clip", "raw"])
+def test_encode_deferred_into_buffers_holds_the_bytes_of_a_plain_encode(codec):
+    """``encode_deferred(out=)`` (the host ingest's way into staging rows) writes what a
+    plain encode returns into the caller's buffers, views with gaps between their rows here,
+    and the result holds those buffers; the wrong number of them is refused."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 3, 64, 32, generator=gen).half() for _ in "kv")
+    want = [b for _, _, b in codec.encode(k, v).named_buffers()]
+    outs = [destination(t, "rows")[1] for t in want]
+    layer, finite = codec.encode_deferred(k, v, out=outs)
+    assert bool(finite.all())
+    assert all(a is b for (_, _, a), b in zip(layer.named_buffers(), outs))
+    assert all(same_bits(a, b.contiguous()) for a, b in zip(want, outs))
+    with pytest.raises(ValueError, match="out"):
+        codec.encode_deferred(k, v, out=outs[:-1])
