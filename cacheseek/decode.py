@@ -5,9 +5,10 @@ The payloads of n blocks land in one device staging buffer at a fixed stride (on
 block, host-to-device when they come from host memory), are viewed as [n, L, H, ...] with
 ``as_strided``, and one codec call decodes them straight into the [L, H, n*B, D] outputs.
 Full-precision KV is only ever built on the target device. The staging buffer is leased
-from the device's pool (``store.device_staging``) at the first frame and given back once the
-last decode is queued (``finish``), or by ``close`` on any path: a decoder is closed in a
-``finally`` (``decode_frames`` does).
+from the device's pool (``store.device_staging``) at the first frame copied into it and given
+back once the last decode is queued (``finish``), or by ``close`` on any path: a decoder is
+closed in a ``finally`` (``decode_frames`` does). On the host, a frame whose buffers are
+aligned is decoded from its own bytes, so a materialize of such frames leases none.
 
 Under a precision policy (``BlockFormat.policy``) a chain mixes codecs by position: the
 decoder lays each codec's run of positions out in the same staging buffer (one lease, rows
@@ -78,7 +79,9 @@ class BatchDecoder:
         self._copy_stream = work_stream("to_device", device) if device.type == "cuda" else None
         self._chunk = chunk_blocks
         self._meta0: FrameMeta | None = None
-        self._lease: StagingLease | None = None  # the staging buffer's, from _start until finish or close
+        # The staging buffer's, from the first frame that needs it (_take_staging) until finish or close.
+        self._lease: StagingLease | None = None
+        self._released = False  # finish or close gave the staging back (or would have): no more adds
         self._staging: torch.Tensor | None = None  # (one codec: its rows [max_blocks, stride])
         self._views: list[torch.Tensor] = []  # (one codec: its buffers over every staging row)
         # The frames added, in order; their memory stays the caller's, who holds each
@@ -94,8 +97,13 @@ class BatchDecoder:
         return len(self._frames)
 
     def _start(self, meta: FrameMeta) -> None:
-        """Lay out the staging rows of every codec run (the first run's like ``meta``, the
-        first frame's), and check the codec agrees."""
+        """``_plan`` and ``_take_staging``: the first frame of a decoder that stages them all."""
+        self._plan(meta)
+        self._take_staging()
+
+    def _plan(self, meta: FrameMeta) -> None:
+        """The payload layout of every codec run (the first run's like ``meta``, the first
+        frame's), checked against the codec."""
         L, H, D, B = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.block_tokens
         first = self._runs[0]
         template = single_codec(first.fmt.codec).template((first.j1 - first.j0, L, H, B, D), self.layout.dtype)
@@ -106,14 +114,18 @@ class BatchDecoder:
         for run in self._runs[1:]:
             planned = run.fmt.planned_payload()
             run.tensors, run.payload_nbytes = planned.tensors, planned.payload_nbytes
+        self._meta0 = meta
+
+    def _take_staging(self) -> None:
+        """Lease the staging and lay every run's rows out in it (one lease, each run's rows at
+        its codec's stride): at the first frame that is copied into staging."""
         shapes = [(run.j1 - run.j0, staging_stride(run.payload_nbytes)) for run in self._runs]
         # Taken for the current stream (the decodes'); the copies run on the copy stream,
         # after it (the wait below).
         self._lease = staging_pool(self.device).take(sum(n * stride for n, stride in shapes))
         for run, rows, (n, stride) in zip(self._runs, self._lease.row_blocks(shapes), shapes):
             run.rows, run.views = rows, payload_views(rows, run.tensors, n, stride)
-        self._staging, self._views = first.rows, first.views
-        self._meta0 = meta
+        self._staging, self._views = self._runs[0].rows, self._runs[0].views
         if self._copy_stream is not None:
             self._lease.used_on(self._copy_stream)
             self._copy_stream.wait_stream(current_stream(self.device))
@@ -122,17 +134,21 @@ class BatchDecoder:
         j = len(self._frames)
         if j >= self.max_blocks:
             raise RuntimeError(f"BatchDecoder holds {self.max_blocks} blocks already")
-        if self._meta0 is None:
-            self._start(frame.meta)
-        elif self._lease is None:
+        if self._released:
             raise RuntimeError("BatchDecoder.add after finish or close (its staging was given back)")
+        if self._meta0 is None:
+            self._plan(frame.meta)
         run = self._runs[self._run_of[j]]
         if frame.meta.tensors != run.tensors:
             raise FrameError("frames of one chain disagree on their payload layout")
-        assert run.rows is not None  # laid out by _start, kept until the staging is released (checked above)
         if self._host_decode(j, run, frame):
             self._frames.append(frame)
             return
+        if self._lease is None:
+            # Taken here, not at the first frame: on the host, frames decoded from their own
+            # bytes never need it (a GPU's first frame is copied, so it is taken at once).
+            self._take_staging()
+        assert run.rows is not None  # laid out by _take_staging, kept until the staging is released
         dst = run.rows[j - run.j0]
         if self._copy_stream is None:
             self._copy(frame, dst)
@@ -276,6 +292,7 @@ class BatchDecoder:
             self._release_staging()
 
     def _release_staging(self) -> None:
+        self._released = True
         lease = self._lease
         if lease is not None:
             self._lease = None

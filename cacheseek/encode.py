@@ -148,14 +148,14 @@ def encode_into(codec: KVLayerCodec, layers: list[tuple[torch.Tensor, torch.Tens
             views[1][:, layer].copy_(_as_blocks(v, t0, n, block_tokens))
         return _raw_finite(layers, t0, t1)
     if layers[0][0].device.type == "cpu":
-        # On the host, each layer encoded where it lies into its place: stacking the layers
-        # first would be one more pass over the whole KV (the encoder reads any strides).
+        # On the host, each layer encoded where it lies straight into its place in the
+        # views: stacking the layers first, or copying the codes out of fresh buffers after,
+        # would be one more pass over the KV or its codes (the encoder reads and writes any
+        # strides).
         flags = []
         for layer, (k, v) in enumerate(layers):
-            k_blocks, v_blocks = _as_blocks(k, t0, n, block_tokens), _as_blocks(v, t0, n, block_tokens)
-            encoded, finite = codec.encode_deferred(k_blocks, v_blocks)
-            for view, (_, _, src) in zip(views, encoded.named_buffers(), strict=True):
-                view[:, layer].copy_(src)
+            _, finite = codec.encode_deferred(_as_blocks(k, t0, n, block_tokens), _as_blocks(v, t0, n, block_tokens),
+                                              out=[view[:, layer] for view in views])
             flags.append(finite)
         return torch.stack(flags).all(0)
     # Stacking first keeps this to a handful of launches (not two per layer).

@@ -66,7 +66,9 @@ def test_device_staging_runs_on_a_cpu_with_pooled_over_plain_per_row(tmp_path):
     assert [(r["codec"], r["staging"]) for r in paths] == [
         (codec, mode) for codec in ("raw", "kivi") for mode in ("pool", "plain (cap 0)")]
     for pooled, plain in zip(paths[::2], paths[1::2]):
-        assert plain["one_off"] > 0 and pooled["one_off"] == 0  # the baseline really is the plain way
+        # On the host nothing is staged: the ingest encodes into the tier's slots and the
+        # materialize decodes each frame from its own bytes (on a GPU both stage).
+        assert plain["one_off"] == pooled["one_off"] == 0
         for key in ("ingest", "materialize"):
             assert pooled[f"{key}_vs_plain"] == pytest.approx(pooled[f"{key}_ms"] / plain[f"{key}_ms"])
             assert plain[f"{key}_vs_plain"] == 1.0

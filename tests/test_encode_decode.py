@@ -113,3 +113,41 @@ def test_on_the_host_frames_decode_from_their_own_bytes_and_misaligned_ones_thro
     assert torch.equal(k, k_odd) and torch.equal(v, v_odd)
     if codec.name == "raw":
         assert all(torch.equal(k[i], kv[i][0]) and torch.equal(v[i], kv[i][1]) for i in range(LAYOUT.num_layers))
+
+
+@pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(bits=4, group_size=32),
+                                   cs.PrecisionPolicy(first=cs.KIVI(bits=8, group_size=32), first_blocks=1,
+                                                      rest=cs.KIVI(k_bits=4, v_bits=2, group_size=32))],
+                         ids=["raw", "int4", "policy"])
+def test_a_host_materialize_leases_staging_only_for_frames_it_copies_there(codec):
+    """On the CPU, frames decoded from their own bytes take no staging from the pool; a
+    misaligned one (copied into staging) takes one lease, shared by a precision policy's
+    runs, given back by the time the decode returns. The KV is the same every way."""
+    from cacheseek.store.device_staging import staging_pool
+    from cacheseek.store.tier import BlockFrame
+
+    kv = make_kv(3 * BLOCK, 25)
+    hashes = [bytes([i]) * 16 for i in range(1, 4)]
+    fmt = BlockFormat(codec, LAYOUT, BLOCK)
+    frames = [frame_to_host(f) for f in encode_blocks(fmt, kv, first_block=0, hashes=hashes,
+                                                      parents=block_parents(b"\x00" * 16, hashes))]
+
+    def misaligned(f: BlockFrame) -> BlockFrame:  # its bytes at an odd address
+        buf = bytearray(1 + len(f.host))
+        buf[1:] = f.host
+        return BlockFrame(f.meta, host=memoryview(buf)[1:])
+
+    pool = staging_pool(torch.device("cpu"))
+    granted, active = pool.stats()["leases_granted"], pool.stats()["leases_active"]
+    k, v = decode_frames(fmt, frames, torch.device("cpu"))
+    assert pool.stats()["leases_granted"] == granted
+    # Frame 1 through staging (under the policy, in the second codec's rows), frame 2 too
+    # (it waits behind frame 1 there), frame 0 from its own bytes.
+    for mixed in ([frames[0], misaligned(frames[1]), frames[2]], [misaligned(f) for f in frames]):
+        granted = pool.stats()["leases_granted"]
+        k_mixed, v_mixed = decode_frames(fmt, mixed, torch.device("cpu"))
+        assert pool.stats()["leases_granted"] == granted + 1
+        assert pool.stats()["leases_active"] == active
+        assert torch.equal(k, k_mixed) and torch.equal(v, v_mixed)
+    if codec.name == "raw":
+        assert all(torch.equal(k[i], kv[i][0]) and torch.equal(v[i], kv[i][1]) for i in range(LAYOUT.num_layers))

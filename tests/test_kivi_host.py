@@ -19,6 +19,9 @@ from cacheseek.quant.backend import ops_for
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 KINDS = ("normal", "constant", "tiny", "huge", "zeros")
+# Where ``quantize(..., out=)`` writes: rows with gaps between them (as a staging buffer's rows,
+# a layer of [n, L, H, ...] views), or views whose last dim is not unit-stride.
+INTO = ("rows", "transposed")
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -43,7 +46,7 @@ def cases(draw):
     return dict(bits=bits, group=group, axis=axis, shape=shape, dtype=draw(st.sampled_from(DTYPES)),
                 stats=draw(st.sampled_from([torch.float16, torch.float32])), kind=draw(st.sampled_from(KINDS)),
                 seed=draw(st.integers(0, 2**31 - 1)), chunk=draw(st.sampled_from([64, 1000, host.CHUNK_ELEMENTS])),
-                strided=draw(st.booleans()))
+                strided=draw(st.booleans()), into=draw(st.sampled_from(INTO)))
 
 
 def values(case) -> torch.Tensor:
@@ -90,6 +93,16 @@ def check_against_reference(case) -> None:
     for name, a, b in zip(("codes", "scale", "min"), want, got):
         assert same_bits(a, b), name
         assert b.is_contiguous()
+    # into the caller's buffers, in place, and nothing around them
+    bigs, outs = zip(*(destination(t, case["into"]) for t in want))
+    around = [big.clone() for big in bigs]
+    for big, t in zip(around, want):
+        select(big, t.shape, case["into"]).copy_(t)
+    got_into = host.quantize(x, **args, stats_dtype=case["stats"], out=outs)
+    for name, a, b, big, whole in zip(("codes", "scale", "min"), want, outs, bigs, around):
+        assert same_bits(a, b.contiguous()), name
+        assert same_bits(big, whole), name
+    assert all(a is b for a, b in zip(got_into, outs))
     if not all(bool(torch.isfinite(t).all()) for t in want[1:]):
         return  # a range beyond the stats: refused (test_nan_and_inf_are_refused_and_nothing_stored)
     decode = dict(**args, shape=x.shape, dtype=case["dtype"])
@@ -101,6 +114,37 @@ def check_against_reference(case) -> None:
     assert host.dequantize(*got, **decode, out=into) is into
     assert same_bits(expected, into)
     assert (big[..., :1, :] == 7).all() and (big[..., -2:, :] == 7).all()
+
+
+def destination(t: torch.Tensor, into: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor of ``t``'s shape and dtype inside a larger one, filled with a sentinel:
+    (the larger one, the view)."""
+    if into == "rows":  # gaps between the rows, and between the leading dims' entries
+        big = torch.empty((*t.shape[:-1], t.shape[-1] + 3), dtype=t.dtype)
+        if t.dim() >= 3:
+            big = torch.empty((2 * t.shape[0], *t.shape[1:-1], t.shape[-1] + 3), dtype=t.dtype)
+    else:  # the dims in reverse order in memory: no unit stride in the last one (when it is > 1)
+        big = torch.empty(t.shape[::-1], dtype=t.dtype)
+    big.view(torch.uint8).fill_(0x5A)
+    return big, select(big, t.shape, into)
+
+
+def select(big: torch.Tensor, shape: tuple[int, ...], into: str) -> torch.Tensor:
+    if into == "rows":
+        view = big[..., 1 : 1 + shape[-1]]
+        return view[::2] if len(shape) >= 3 else view
+    return big.permute(*reversed(range(big.dim())))
+
+
+def test_out_of_the_wrong_shape_or_dtype_is_refused():
+    x = torch.randn(2, 64, 32, dtype=torch.float16)
+    args = dict(bits=4, group=32, axis=-2, stats_dtype=torch.float16)
+    q, s, m = host.quantize(x, **args)
+    for bad in ([q[:1], s, m], [q, s.float(), m], [q, s, m[..., :-1]], [q, s]):
+        with pytest.raises(ValueError, match="out"):
+            host.quantize(x, **args, out=bad)
+    with pytest.raises(ValueError, match="out"):  # the reference's path (a range search) checks them too
+        host.quantize(x, **{**args, "axis": -1}, clip=1, out=[q, s, m])
 
 
 def test_cpu_kv_takes_the_host_codec():
@@ -164,3 +208,21 @@ def test_a_scale_rounded_up_past_the_max_is_capped_as_the_reference_caps_it():
     got = host.dequantize(q, s, m, **args)
     assert same_bits(ref.dequantize(q, s, m, **args), got)
     assert got[0, 0] == top
+
+
+@pytest.mark.parametrize("codec", [cs.KIVI(bits=4, group_size=32), cs.KIVI(k_bits=8, v_bits=2, v_clip=2),
+                                   cs.Raw()], ids=["int4", "int8-int2-clip", "raw"])
+def test_encode_deferred_into_buffers_holds_the_bytes_of_a_plain_encode(codec):
+    """``encode_deferred(out=)`` (the host ingest's way into staging rows) writes what a
+    plain encode returns into the caller's buffers, views with gaps between their rows here,
+    and the result holds those buffers; the wrong number of them is refused."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 3, 64, 32, generator=gen).half() for _ in "kv")
+    want = [b for _, _, b in codec.encode(k, v).named_buffers()]
+    outs = [destination(t, "rows")[1] for t in want]
+    layer, finite = codec.encode_deferred(k, v, out=outs)
+    assert bool(finite.all())
+    assert all(a is b for (_, _, a), b in zip(layer.named_buffers(), outs))
+    assert all(same_bits(a, b.contiguous()) for a, b in zip(want, outs))
+    with pytest.raises(ValueError, match="out"):
+        codec.encode_deferred(k, v, out=outs[:-1])

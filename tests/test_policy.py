@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 
 import cacheseek as cs
 from cacheseek.block_format import BlockFormat
-from cacheseek.decode import BatchDecoder
+from cacheseek.decode import BatchDecoder, decode_frames
 from cacheseek.errors import FrameError
 from cacheseek.hashing import hash_token_blocks
 from cacheseek.prefix_keys import PrefixKeys
 from cacheseek.quant import setting_from_spec
 from cacheseek.store.device_staging import staging_pool
+from cacheseek.store.tier import BlockFrame
 from server_helpers import Server
 from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
 
@@ -162,32 +163,48 @@ def test_mixed_chain_round_trip_equals_per_block_uniform_decode(policy, tiers, t
 
 
 def test_a_mixed_chain_is_decoded_out_of_one_staging_lease_given_back_after():
-    # The parts of a mixed chain share one staging buffer: one take per materialize, as
-    # for a uniform chain, and none left lent once it returns, or once a decode fails.
+    # The parts of a mixed chain share one staging buffer: one take per decode that stages
+    # its frames, as for a uniform chain, and none left lent once it returns, or once a
+    # decode fails. (On the host, frames whose buffers are aligned, as a tier's are, are
+    # decoded from their own bytes and take none; misaligned copies go through staging.)
     toks, kv = tokens_for(9, 5 * BLOCK), make_kv(5 * BLOCK, 9)
     pool = staging_pool(torch.device("cpu"))
+    fmt = BlockFormat(POLICY, LAYOUT, BLOCK)
 
     def takes() -> int:
         got = pool.stats()
         return got["buffers_made"] + got["reused"] + got["one_off"]
 
+    def misaligned(frame: BlockFrame) -> BlockFrame:  # its bytes at an odd address
+        buf = bytearray(1 + len(frame.host))
+        buf[1:] = frame.host
+        return BlockFrame(frame.meta, host=memoryview(buf)[1:])
+
     with _cache(POLICY, cpu_bytes="8MiB") as cache:
         cache.ingest(toks, kv)
         before = takes()
-        _assert_equal_to_uniform(cache.materialize(toks), POLICY, kv, 5)
+        got = cache.materialize(toks)
+        _assert_equal_to_uniform(got, POLICY, kv, 5)
+        assert takes() == before
+        hashes = cache.block_hashes(toks)
+        stored = [cache.store.get(h)[0] for h in hashes]
+        try:
+            odd = [misaligned(frame) for frame in stored]
+        finally:
+            for frame in stored:
+                frame.release()
+        k, v = decode_frames(fmt, odd, torch.device("cpu"))
+        assert all(torch.equal(k[i], got.layers[i][0][0]) and torch.equal(v[i], got.layers[i][1][0])
+                   for i in range(LAYOUT.num_layers))
         assert takes() == before + 1
         assert pool.stats()["leases_active"] == 0
-        decoder = BatchDecoder(BlockFormat(POLICY, LAYOUT, BLOCK), 5, torch.device("cpu"))
-        hashes = cache.block_hashes(toks)
-        frames = [cache.store.get(hashes[0])[0], cache.store.get(hashes[2])[0]]
+        decoder = BatchDecoder(fmt, 5, torch.device("cpu"))
         try:
-            decoder.add(frames[0])
+            decoder.add(odd[0])
             assert pool.stats()["leases_active"] == 1
             with pytest.raises(FrameError, match="disagree"):
-                decoder.add(frames[1])  # position 2's frame (the rest's codec) where int8's belongs
+                decoder.add(odd[2])  # position 2's frame (the rest's codec) where int8's belongs
         finally:
-            for frame in frames:
-                frame.release()
             decoder.close()
         assert pool.stats()["leases_active"] == 0
 

@@ -38,8 +38,10 @@ class KVLayerCodec(Protocol):
 
     def encode(self, k: Any, v: Any) -> EncodedLayer: ...
 
-    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
-        """``encode`` without the host wait: also returns device-side validity flags."""
+    def encode_deferred(self, k: Any, v: Any, *, out: list[Any] | None = None) -> tuple[EncodedLayer, Any]:
+        """``encode`` without the host wait: also returns device-side validity flags.
+        ``out``: the template's buffers (any strides, on the KV's device) to encode into;
+        the result holds them."""
         ...
 
     def prepare_key(self) -> Any:

@@ -240,10 +240,12 @@ class KIVI:
         self.check_finite(finite)
         return layer
 
-    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
+    def encode_deferred(self, k: Any, v: Any, *, out: list[Any] | None = None) -> tuple[EncodedLayer, Any]:
         """Like :meth:`encode`, without waiting for the device: also returns the validity
         flags (a small device tensor) for :meth:`check_finite`. The caller must check them
-        before the encoding is used."""
+        before the encoding is used. ``out``: the template's six buffers (any strides, on
+        the KV's device) to encode into, which the result then holds: the host codec writes
+        them in place, the others' results are copied there."""
         import torch
 
         from .tensors import FP8_TORCH_DTYPES, all_finite, check_kv, dtype_str
@@ -252,11 +254,14 @@ class KIVI:
         if k.dtype in FP8_TORCH_DTYPES:
             raise InputError(f"k, v: KIVI does not encode {dtype_str(k.dtype)} KV; use the raw codec")
         self._check_shape(tuple(k.shape))
+        if out is not None and len(out) != 6:
+            raise ValueError(f"out: expected KIVI's 6 buffers (K's and V's codes, scale, min), got {len(out)}")
         ops = ops_for(k)
         stats = getattr(torch, self.stats_dtype)
-        kq, ks, km = ops.quantize(k, bits=self.k_bits, group=self.k_group, axis=AXIS_TOKENS, stats_dtype=stats)
-        vq, vs, vm = ops.quantize(self._rotated(v), bits=self.v_bits, group=self.v_group, axis=AXIS_CHANNELS,
-                                  stats_dtype=stats, clip=self.v_clip)
+        kq, ks, km = _quantize(ops, k, None if out is None else out[:3], bits=self.k_bits, group=self.k_group,
+                               axis=AXIS_TOKENS, stats_dtype=stats)
+        vq, vs, vm = _quantize(ops, self._rotated(v), None if out is None else out[3:], bits=self.v_bits,
+                               group=self.v_group, axis=AXIS_CHANNELS, stats_dtype=stats, clip=self.v_clip)
         # A NaN or Inf anywhere in a group, or a group range beyond the stats dtype, leaves a
         # non-finite scale or min: one check over the small stats catches all of them.
         finite = torch.stack([all_finite(t) for t in (ks, km, vs, vm)])
@@ -320,13 +325,9 @@ class KIVI:
             return ok
         from .tensors import finite_per_block
 
-        encoded, _ = self.encode_deferred(source.gather("k", first, n, layers), source.gather("v", first, n, layers))
-        finite = []
-        for view, (_, _, buf) in zip(out, encoded.named_buffers(), strict=True):
-            view.copy_(buf)
-            if buf.is_floating_point():  # the stats: per block, as the kernels flag them
-                finite.append(finite_per_block(buf))
-        return torch.stack(finite)
+        self.encode_deferred(source.gather("k", first, n, layers), source.gather("v", first, n, layers), out=out)
+        # The stats, per block, as the kernels flag them.
+        return torch.stack([finite_per_block(view) for view in out if view.is_floating_point()])
 
     def decode_into_pages(self, buffers: list[Any], source: Any, first: int, n: int,
                           layers: tuple[int, int] | None = None) -> None:
@@ -414,6 +415,23 @@ class KIVI:
                            shape=shape, dtype=dtype, out=k_out)
         v = self._dequantize_v(ops, vq, vs, vm, shape, dtype, v_out)
         return k, v
+
+
+def _quantize(ops: Any, x: Any, out: Any, **args: Any) -> Any:
+    """``ops.quantize(x, **args)``, into ``out`` (q, scale, min) when given: the host codec
+    encodes into it; the kernels' and the reference's fresh results are copied there."""
+    if out is None:
+        return ops.quantize(x, **args)
+    from . import kivi_host
+
+    if ops is kivi_host:
+        return ops.quantize(x, **args, out=tuple(out))
+    got = ops.quantize(x, **args)
+    for dst, src in zip(out, got, strict=True):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"out: expected {src.dtype} {list(src.shape)}, got {dst.dtype} {list(dst.shape)}")
+        dst.copy_(src)
+    return tuple(out)
 
 
 def _device_of(encoded: EncodedLayer) -> Any:

@@ -26,6 +26,8 @@ What differs is only where the values live:
   (see ``quantize``): torch's float-to-uint8 conversion is slow on a CPU.
 - The decode's cap at the dtype's max is skipped when no group can reach it (its top,
   ``qmax * s + m`` in fp32, is within it: ``code * s + m`` grows with the code when s >= 0).
+- The encode writes its codes and stats where the caller wants them (``out``: e.g. a
+  layer's place in the staging rows of a batch), not into fresh tensors copied there after.
 
 It hands a call to the reference where that is simpler than being fast: V's range search
 (``clip``), a ragged last group, a big-endian host, a tensor not on the CPU, and an encode
@@ -91,22 +93,30 @@ def _rows(t: torch.Tensor, idx: tuple) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, *, bits: int, group: int, axis: int, stats_dtype: torch.dtype, clip: int = 0
+    x: torch.Tensor, *, bits: int, group: int, axis: int, stats_dtype: torch.dtype, clip: int = 0,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As :func:`kivi_reference.quantize`, the same bits."""
+    """As :func:`kivi_reference.quantize`, the same bits. ``out``: ``(q, scale, min)`` to
+    write them into, of the shapes and dtypes returned otherwise, any strides, not
+    overlapping ``x`` (e.g. views of a staging buffer's rows: no copy out of fresh tensors
+    afterwards); returned."""
     axis = axis % x.dim() if x.dim() else axis
     if clip or x.device.type != "cpu" or not _fast(tuple(x.shape), bits, group, axis):
-        return ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype, clip=clip)
+        got = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype, clip=clip)
+        return got if out is None else _copied(got, out)
     tokens = axis == x.dim() - 2
     *lead, T, D = x.shape
     per_word = 32 // bits
-    if tokens:
-        q = torch.empty((*lead, T // per_word, D), dtype=torch.int32)
-        scale = torch.empty((*lead, T // group, D), dtype=stats_dtype)
+    q_shape = (*lead, T // per_word, D) if tokens else (*lead, T, D // per_word)
+    stats_shape = (*lead, T // group, D) if tokens else (*lead, T, D // group)
+    if out is None:
+        q, scale = torch.empty(q_shape, dtype=torch.int32), torch.empty(stats_shape, dtype=stats_dtype)
+        mn_out = torch.empty_like(scale)
     else:
-        q = torch.empty((*lead, T, D // per_word), dtype=torch.int32)
-        scale = torch.empty((*lead, T, D // group), dtype=stats_dtype)
-    mn_out = torch.empty_like(scale)
+        _check_out(out, [(q_shape, torch.int32), (stats_shape, stats_dtype), (stats_shape, stats_dtype)])
+        q, scale, mn_out = out
+        if q.stride(-1) != 1:  # its words are written as bytes, through a view that needs it
+            q = torch.empty(q_shape, dtype=torch.int32)
     qmax = (1 << bits) - 1
     work = torch.empty(min(x.numel(), _chunk_cap(x.shape, group)), dtype=torch.float32)
     codes_buf = torch.empty(work.numel(), dtype=torch.uint8)
@@ -145,8 +155,32 @@ def quantize(
             _pack_channels(low_bytes, _rows(q, idx)[:, t0:t1], bits, codes_buf)
     if not bool(all_finite(scale) & all_finite(mn_out)):
         # Rejected input (NaN, Inf, a range beyond the stats): the reference's own output.
-        return ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype)
+        got = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype)
+        return got if out is None else _copied(got, out)
+    if out is not None and q is not out[0]:
+        out[0].copy_(q)
+        q = out[0]
     return q, scale, mn_out
+
+
+def _check_out(out: tuple[torch.Tensor, ...], want: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """``ValueError`` unless ``out`` are CPU tensors of ``want``'s shapes and dtypes."""
+    if len(out) != len(want):
+        raise ValueError(f"out: expected {len(want)} tensors (q, scale, min), got {len(out)}")
+    for name, t, (shape, dtype) in zip(("q", "scale", "min"), out, want):
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"out: {name} must be {dtype} {list(shape)} on the CPU, "
+                             f"got {t.dtype} {list(t.shape)} on {t.device}")
+
+
+def _copied(got: tuple[torch.Tensor, ...],
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's ``got`` copied into ``out`` (checked first: ``copy_`` would broadcast)."""
+    _check_out(out, [(tuple(t.shape), t.dtype) for t in got])
+    for dst, src in zip(out, got):
+        dst.copy_(src)
+    q, scale, mn = out
+    return q, scale, mn
 
 
 def _chunk_cap(shape: torch.Size, group: int) -> int:

@@ -54,16 +54,24 @@ class Raw:
         self.check_finite(finite)
         return layer
 
-    def encode_deferred(self, k: Any, v: Any) -> tuple[EncodedLayer, Any]:
+    def encode_deferred(self, k: Any, v: Any, *, out: list[Any] | None = None) -> tuple[EncodedLayer, Any]:
         """Like :meth:`encode`, returning the validity flags for :meth:`check_finite`
-        instead of waiting for them."""
+        instead of waiting for them. ``out``: K's and V's buffers to copy them into."""
         import torch
 
         from .tensors import all_finite, check_kv, dtype_str
 
         check_kv(k, v)
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
-        return layer.with_buffers([k.contiguous(), v.contiguous()]), torch.stack([all_finite(k), all_finite(v)])
+        if out is None:
+            buffers = [k.contiguous(), v.contiguous()]
+        else:
+            if len(out) != 2 or any(o.shape != k.shape or o.dtype != k.dtype for o in out):
+                raise ValueError(f"out: expected K's and V's buffers, {k.dtype} {list(k.shape)}")
+            out[0].copy_(k)
+            out[1].copy_(v)
+            buffers = list(out)
+        return layer.with_buffers(buffers), torch.stack([all_finite(k), all_finite(v)])
 
     def prepare_key(self) -> Any:
         return "layer-tables"  # KIVI's too, unless it rotates V
