@@ -248,7 +248,7 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
         # (A JSON true or "5" is no number of seconds: taken for 1 s and 5 s, a pin meant to hold
         # lapsed at once.)
         for bad in ({"ttl_seconds": -1}, {"ttl": 5}, {"ttl_seconds": "soon"}, {"ttl_seconds": True},
-                    {"ttl_seconds": "5"}, "not json"):
+                    {"ttl_seconds": "5"}, {"ttl_seconds": 1e308}, "not json"):
             body = {"content": bad} if isinstance(bad, str) else {"json": bad}
             r = c.put(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin(), **body)
             assert r.status_code == 400 and "error" in r.json(), (bad, r.status_code)  # not 422: bad input

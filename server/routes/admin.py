@@ -58,10 +58,14 @@ def _namespace(header: str | None) -> str:
     return header or ""
 
 
+PIN_TTL_MAX_SECONDS = 10 * 365 * 86400  # (1e308 was taken, and its expiry printed in 309 digits)
+
+
 class PinRequest(BaseModel):
     # strict: a JSON true or "5" is no number of seconds (taken for 1 s and 5 s, a pin lapsed at once)
     model_config = ConfigDict(extra="forbid", strict=True)
-    ttl_seconds: float | None = Field(None, gt=0, description="unpinned after this long; null: until unpinned")
+    ttl_seconds: float | None = Field(None, gt=0, le=PIN_TTL_MAX_SECONDS,
+                                      description="unpinned after this long (at most ten years); null: until unpinned")
 
 
 PIN_BODY_BYTES = 4096  # {"ttl_seconds": 3600} is 20 bytes
