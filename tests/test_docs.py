@@ -842,21 +842,28 @@ def _dist(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def test_the_test_command_installs_what_the_suite_skips_without():
-    """The README's test command runs every test only if it installs what they skip without:
-    a module a test file ``importorskip``s comes from a requirement of the extras
-    scripts/test.sh installs (or the base ones), and a Python a test reads from a
-    ``CACHESEEK_*_PYTHON`` variable is one scripts/test.sh builds and exports. Else the test
-    command passes with those tests skipped, and only ``-ra``'s list says so."""
+def _test_command_requirements() -> tuple[str, list[str], set[str]]:
+    """scripts/test.sh, the extras it installs, and the distributions those (and the base
+    requirements) name."""
     import tomllib
-    from importlib.metadata import packages_distributions
 
     script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     [install] = project_installs(script)
     extras = install.strip(".[]").split(",")
     requirements = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
-    required = {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+    return script, extras, {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+
+
+def test_the_test_command_installs_what_the_suite_skips_without():
+    """The README's test command runs every test only if it installs what they skip without:
+    a module a test file ``importorskip``s comes from a requirement of the extras
+    scripts/test.sh installs (or the base ones), and a Python a test reads from a
+    ``CACHESEEK_*_PYTHON`` variable is one scripts/test.sh builds and exports. Else the test
+    command passes with those tests skipped, and only ``-ra``'s list says so."""
+    from importlib.metadata import packages_distributions
+
+    script, extras, required = _test_command_requirements()
     tests = {p.name: p.read_text(encoding="utf-8") for p in sorted((ROOT / "tests").glob("*.py"))}
     modules = {m for text in tests.values() for m in re.findall(r"importorskip\(\"([\w.]+)\"", text)}
     assert {"triton", "transformers", "trustme", "schemathesis", "matplotlib"} <= modules
@@ -877,15 +884,9 @@ def test_every_module_the_tests_import_is_a_requirement_the_test_command_install
     (test_deploy imported jsonschema, there through kubernetes-validate alone). The stdlib,
     the repository's own modules, and vllm_runs.py (run by vLLM's own venv) aside."""
     import ast
-    import tomllib
     from importlib.metadata import packages_distributions
 
-    script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    [install] = project_installs(script)
-    extras = install.strip(".[]").split(",")
-    requirements = [*project["dependencies"], *(r for e in extras for r in project["optional-dependencies"][e])]
-    required = {_dist(re.match(r"[A-Za-z0-9_.-]+", r).group(0)) for r in requirements}
+    _, extras, required = _test_command_requirements()
     own = {p.stem for d in ("tests", "scripts") for p in (ROOT / d).glob("*.py")} | {"cacheseek", "server", "benchmarks"}
     imported: dict[str, str] = {}
     for path in sorted((ROOT / "tests").glob("*.py")):
