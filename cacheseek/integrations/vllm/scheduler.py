@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -308,7 +308,7 @@ class SchedulerSide:
                 counts[tier] = counts.get(tier, 0) + b - a
         return counts
 
-    def finished(self, request: Any, block_ids: list[int] = ()) -> bool:
+    def finished(self, request: Any, block_ids: Sequence[int] = ()) -> bool:
         """vLLM finished ``request``, whose computed tokens ``block_ids`` hold; whether vLLM
         is to keep those pages until the workers report it (``hold_finished``: it saved)."""
         running = self._running.pop(request.request_id, None)
@@ -319,11 +319,11 @@ class SchedulerSide:
         self._unaligned.pop(request.request_id, None)
         state = self._requests.pop(request.request_id, None)
         # (no blocks: preempted, then finished before it ran again; its pages are gone)
-        hold = self.hold_finished and state is not None and state.saving and bool(block_ids)
-        if hold:
-            tokens = min(int(request.num_computed_tokens), len(state.prompt))
-            self._held.append((request.request_id, list(block_ids), tokens))
-        return hold
+        if not (self.hold_finished and state is not None and state.saving and block_ids):
+            return False
+        tokens = min(int(request.num_computed_tokens), len(state.prompt))
+        self._held.append((request.request_id, list(block_ids), tokens))
+        return True
 
     def blocks_after(self, invalid: set[int]) -> set[int]:
         """The vLLM blocks ``invalid`` and, for each request holding one, every block of its
