@@ -423,15 +423,11 @@ def _quantize(ops: Any, x: Any, out: Any, **args: Any) -> Any:
     if out is None:
         return ops.quantize(x, **args)
     from . import kivi_host
+    from .tensors import copy_into
 
     if ops is kivi_host:
         return ops.quantize(x, **args, out=tuple(out))
-    got = ops.quantize(x, **args)
-    for dst, src in zip(out, got, strict=True):
-        if dst.shape != src.shape or dst.dtype != src.dtype:
-            raise ValueError(f"out: expected {src.dtype} {list(src.shape)}, got {dst.dtype} {list(dst.shape)}")
-        dst.copy_(src)
-    return tuple(out)
+    return copy_into(ops.quantize(x, **args), out)
 
 
 def _device_of(encoded: EncodedLayer) -> Any:

@@ -41,7 +41,7 @@ import sys
 import torch
 
 from . import kivi_reference as ref
-from .tensors import all_finite
+from .tensors import all_finite, copy_into
 
 # KV values per chunk: 1 MB of fp32 temporaries, split over the threads' L2 caches. On the
 # 2-core VM (1 MB of L2 a core) 2^16 ran at half the speed and 2^17 at 0.7-0.8x (each op's
@@ -103,7 +103,7 @@ def quantize(
     axis = axis % x.dim() if x.dim() else axis
     if clip or x.device.type != "cpu" or not _fast(tuple(x.shape), bits, group, axis):
         got = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype, clip=clip)
-        return got if out is None else _copied(got, out)
+        return got if out is None else _into(got, out)
     tokens = axis == x.dim() - 2
     *lead, T, D = x.shape
     per_word = 32 // bits
@@ -156,7 +156,7 @@ def quantize(
     if not bool(all_finite(scale) & all_finite(mn_out)):
         # Rejected input (NaN, Inf, a range beyond the stats): the reference's own output.
         got = ref.quantize(x, bits=bits, group=group, axis=axis, stats_dtype=stats_dtype)
-        return got if out is None else _copied(got, out)
+        return got if out is None else _into(got, out)
     if out is not None and q is not out[0]:
         out[0].copy_(q)
         q = out[0]
@@ -173,14 +173,11 @@ def _check_out(out: tuple[torch.Tensor, ...], want: list[tuple[tuple[int, ...], 
                              f"got {t.dtype} {list(t.shape)} on {t.device}")
 
 
-def _copied(got: tuple[torch.Tensor, ...],
-            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference's ``got`` copied into ``out`` (checked first: ``copy_`` would broadcast)."""
-    _check_out(out, [(tuple(t.shape), t.dtype) for t in got])
-    for dst, src in zip(out, got):
-        dst.copy_(src)
-    q, scale, mn = out
-    return q, scale, mn
+def _into(got: tuple[torch.Tensor, ...],
+          out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference's ``got`` copied into ``out``; ``out``."""
+    copy_into(got, out)
+    return out
 
 
 def _chunk_cap(shape: torch.Size, group: int) -> int:

@@ -59,18 +59,11 @@ class Raw:
         instead of waiting for them. ``out``: K's and V's buffers to copy them into."""
         import torch
 
-        from .tensors import all_finite, check_kv, dtype_str
+        from .tensors import all_finite, check_kv, copy_into, dtype_str
 
         check_kv(k, v)
         layer = self.template(tuple(k.shape), dtype_str(k.dtype))
-        if out is None:
-            buffers = [k.contiguous(), v.contiguous()]
-        else:
-            if len(out) != 2 or any(o.shape != k.shape or o.dtype != k.dtype for o in out):
-                raise ValueError(f"out: expected K's and V's buffers, {k.dtype} {list(k.shape)}")
-            out[0].copy_(k)
-            out[1].copy_(v)
-            buffers = list(out)
+        buffers = [k.contiguous(), v.contiguous()] if out is None else list(copy_into((k, v), out))
         return layer.with_buffers(buffers), torch.stack([all_finite(k), all_finite(v)])
 
     def prepare_key(self) -> Any:

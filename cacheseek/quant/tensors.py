@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -161,6 +162,20 @@ def check_out(out: Any, encoded: EncodedLayer, device: torch.device) -> tuple[to
             raise InputError(f"out[{name}]: expected {list(shape)} {dtype} on {device}, "
                              f"got {list(t.shape)} {t.dtype} on {t.device}")
     return out[0], out[1]
+
+
+def copy_into(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``srcs`` copied into ``dsts`` (any strides), each checked first to be of its source's
+    shape and dtype (``copy_`` would broadcast and cast); ``ValueError`` naming ``out``
+    otherwise. Returns ``dsts``: an encode's fresh buffers put where its caller wants them."""
+    if len(dsts) != len(srcs):
+        raise ValueError(f"out: expected {len(srcs)} buffers, got {len(dsts)}")
+    for i, (dst, src) in enumerate(zip(dsts, srcs)):
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"out[{i}]: expected {src.dtype} {list(src.shape)}, got {dst.dtype} {list(dst.shape)}")
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
+    return tuple(dsts)
 
 
 def dtype_str(dtype: torch.dtype) -> str:
