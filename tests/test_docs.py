@@ -2,12 +2,14 @@
 README.md, CHANGELOG.md and docs/*.md names a file in the repository (and an anchor, a
 heading of that file), every plot in docs/ is shown by some doc, README.md stays a front
 door (at most 200 lines); every flag shown with a ``cacheseek`` command or a
-``python -m benchmarks.X`` command is one that command takes, every ``cs.Name`` exists,
+``python -m benchmarks.X`` command is one that command takes (and every flag of a
+``cacheseek`` command is named in its doc), every ``cs.Name`` exists,
 every repository path in a code span exists, every ``CACHESEEK_*`` variable is read, the
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
 defaults), design.md's constructor signatures are cacheseek's, the default columns of
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
-operations.md names every series a real server's ``/metrics`` shows, and no other,
+operations.md names every series a real server's ``/metrics`` shows, and no other, and
+every field of its ``/v1/stats`` (and no other),
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
@@ -583,17 +585,99 @@ def documented_series() -> set[str]:
     return {e for m in SERIES.finditer(text) for e in expand(m.group(1))}
 
 
-@needs_redis
-def test_operations_names_every_series_of_metrics_and_no_other(tmp_path):
+@pytest.fixture(scope="module")
+def server_figures(tmp_path_factory) -> tuple[str, dict]:
+    """``/metrics`` and ``/v1/stats`` of a real server after traffic: a Redis tier and a disk
+    admission threshold, so that the figures only they have are shown too."""
     pytest.importorskip("fastapi")
-    from server_helpers import metrics_after_traffic
+    from server_helpers import figures_after_traffic
 
-    # a Redis tier and a disk admission threshold: the series only they have are shown too
-    text = metrics_after_traffic(tmp_path, "--disk-admit-after-uses", "2")
+    return figures_after_traffic(tmp_path_factory.mktemp("figures"), "--disk-admit-after-uses", "2")
+
+
+@needs_redis
+def test_operations_names_every_series_of_metrics_and_no_other(server_figures):
+    text, _ = server_figures
     exposed = {re.sub(r"_(bucket|count|sum)$", "", name) for name in re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M)}
     shown = documented_series()
     assert exposed - shown == set(), "in /metrics, not in docs/operations.md"
     assert shown - exposed == set(), "in docs/operations.md, not in /metrics"
+
+
+def stats_paths(stats: dict) -> set[str]:
+    """Every key of ``/v1/stats`` as a path: ``traffic.lookups``, ``tiers[].used_bytes``
+    (a list's dicts merged), ``tiers[].breaker.state``; data keys (status codes, tier names
+    under ``recovery.tiers``) as ``*``."""
+    out: set[str] = set()
+
+    def walk(value, path: str, data_keys: bool = False) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                name = "*" if data_keys or key.isdigit() else key
+                here = f"{path}.{name}" if path else name
+                out.add(here)
+                walk(inner, here, here == "recovery.tiers")
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict):
+                    out.add(path + "[]")
+                    walk(item, path + "[]")
+
+    walk(stats, "")
+    return out
+
+
+def documented_stats_paths() -> list[tuple[int, str]]:
+    """(line, path) of each ``/v1/stats`` path in operations.md's "Every figure" table: a name
+    after ``tiers[].`` in a cell is a tier's too, ``{a,b}`` stands for both, ``*`` for any."""
+    lines = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Every figure")
+    out = []
+    for number, line in enumerate(lines[start:], start + 1):
+        if line.startswith("## ") and number > start + 1:
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[1].startswith("`") or cells[1].startswith("`/v1"):
+            continue
+        parent = ""
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            if name.endswith("..."):
+                continue
+            if "." in name:
+                parent = name.rpartition(".")[0] + "."
+            elif name.endswith("[]"):
+                parent = name + "."
+            else:
+                name = parent + name
+            m = re.search(r"\{([a-z_,]+)\}", name)
+            for alt in (m.group(1).split(",") if m else [""]):
+                out.append((number, name[: m.start()] + alt + name[m.end():] if m else name))
+    return out
+
+
+@needs_redis
+def test_operations_names_every_field_of_stats_and_no_other(server_figures):
+    """operations.md's "Every figure" table and its list of the rest say what ``/v1/stats``
+    holds: every path the table names is one the server answers, and every key it answers
+    (at any depth) is a word of operations.md or http-api.md (redis.md for the Redis tier's).
+    Fields went in (`unique_raw_bytes`, the prefetch's counts, the disk tier's
+    `removed_at_start`) that no doc named."""
+    _, stats = server_figures
+    real = stats_paths(stats)
+    assert {"traffic.lookups", "tiers[].used_bytes", "tiers[].breaker.state", "prefetch.started",
+            "tiers[].admission.not_admitted"} <= real, sorted(real)
+    shown = documented_stats_paths()
+    assert len(shown) > 40
+    problems = [f"docs/operations.md:{number}: `{path}` is not in /v1/stats" for number, path in shown
+                if not any(re.fullmatch(re.escape(path).replace(r"\*", "[a-z_]*"), r) for r in real)]
+    docs = "\n".join((ROOT / "docs" / name).read_text(encoding="utf-8")
+                     for name in ("operations.md", "http-api.md", "redis.md"))
+    docs += " ".join(n for m in re.finditer(r"([a-z_]*)\{([a-z_,]+)\}([a-z_]*)", docs)
+                     for n in (m.group(1) + alt + m.group(3) for alt in m.group(2).split(",")))
+    keys = {p.rpartition(".")[2].removesuffix("[]") for p in real} - {"*"}
+    problems += [f"/v1/stats holds {key!r}, which no doc names"
+                 for key in sorted(keys) if not re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", docs)]
+    assert not problems, "\n".join(problems)
 
 
 def test_the_demo_output_shown_has_the_demos_columns():
