@@ -14,7 +14,9 @@ models.md's demo output has the columns the demo prints and its pip command the 
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
 the test one, which installs what the suite skips without and every module the tests import, the README's Python examples run (against a real server on loopback), and so do engine.md's and kernels.md's first (on the CPU),
-http-api.md's and precision.md's (against a server) and redis.md's `TierConfig` lines, and
+http-api.md's and precision.md's (against a server), models.md's (a tiny Llama) and
+redis.md's `TierConfig` lines, kernels.md's other calls bind to the kernels' signatures,
+every vLLM connector configuration shown parses, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
 in http-api.md (and every route a doc names is served), and design.md's module map lists the
 imports each module has."""
@@ -1186,3 +1188,97 @@ def test_every_h200_step_a_doc_names_is_one_the_script_runs():
             for m in re.finditer(r"scripts/h200\.sh((?: [a-z0-9][a-z0-9-]*)+)", line):
                 unknown += [f"{path.relative_to(ROOT)}:{number}: {s}" for s in m.group(1).split() if s not in steps]
     assert not unknown, "steps scripts/h200.sh does not have:\n" + "\n".join(unknown)
+
+
+def test_the_models_md_python_example_runs():
+    """models.md's block, run with a tiny random Llama in place of SmolLM2 (the rest as
+    written, on the CPU): every name, keyword and result field it shows is the code's; run
+    twice, the second call reuses the first's blocks."""
+    pytest.importorskip("transformers")
+    from model_helpers import tiny_llama
+
+    (block,) = fenced_blocks(ROOT / "docs" / "models.md", "python")
+    code = shrunk(block, {"model, tokenizer = smollm2.load()": "model = tiny_llama()"})
+    scope = {"input_ids": list(range(1, 150)), "tiny_llama": tiny_llama}
+    exec(code, scope)
+    res, out = scope["res"], scope["out"]
+    assert (res.reused_tokens, res.computed_tokens, res.skipped_reason) == (0, 149, None)
+    assert len(out.tokens) == 64 and isinstance(res.next_token, int)
+    again = scope["prefill_with_reuse"](scope["model"], scope["cache"], scope["input_ids"])
+    assert (again.reused_tokens, again.computed_tokens) == (128, 21)
+    scope["cache"].close()
+
+
+def connector_configs() -> list[tuple[str, dict]]:
+    """(where, kv_connector_extra_config) of every vLLM configuration a doc shows: the JSON of
+    a ``--kv-transfer-config '...'`` and the dict of an ``LLM(..., kv_transfer_config={...})``."""
+    import ast
+    import json
+
+    out = []
+    for path in CURRENT:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"--kv-transfer-config '([^']*)'", text):
+            out.append((f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}",
+                        json.loads(m.group(1))))
+        for block in fenced_blocks(path, "python"):
+            for node in ast.walk(ast.parse(block)):
+                if isinstance(node, ast.keyword) and node.arg == "kv_transfer_config":
+                    out.append((f"{path.relative_to(ROOT)}: LLM(kv_transfer_config=...)", ast.literal_eval(node.value)))
+    return out
+
+
+def test_every_connector_configuration_shown_is_one_the_connector_takes():
+    """The connector parses each ``kv_connector_extra_config`` the docs show (README's, and
+    vllm.md's commands and ``LLM(...)`` calls), as vLLM would hand it over: keys, values,
+    tiers; and each names the connector and its module as they are."""
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+
+    configs = connector_configs()
+    assert len(configs) >= 5, configs
+    problems = []
+    for where, config in configs:
+        if (config.get("kv_connector"), config.get("kv_connector_module_path")) != (
+                "CacheSeekConnector", "cacheseek.integrations.vllm"):
+            problems.append(f"{where}: names {config.get('kv_connector')} in {config.get('kv_connector_module_path')}")
+        try:
+            ConnectorConfig.from_extra(config.get("kv_connector_extra_config"))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kernels_md_calls_bind_to_the_kernels_signatures():
+    """kernels.md's blocks after the first (fragments of a store's calls, their tensors made
+    elsewhere): every ``kernels.X(...)`` call they show binds to X's signature, its
+    positional arguments and keywords; a ``(...)`` call shows the name only."""
+    import ast
+    import inspect
+
+    from cacheseek import kernels
+
+    calls = 0
+    problems = []
+    for block in fenced_blocks(ROOT / "docs" / "kernels.md", "python")[1:]:
+        for line in block.splitlines():
+            code = line.split("#")[0].strip()
+            if not code:
+                continue
+            for node in ast.walk(ast.parse(code.split(" / ")[0])):
+                if not (isinstance(node, ast.Call) and ast.unparse(node.func).startswith("kernels.")):
+                    continue
+                target = kernels
+                for part in ast.unparse(node.func).split(".")[1:]:
+                    target = getattr(target, part, None)
+                if target is None:
+                    problems.append(f"{ast.unparse(node.func)}: no such name")
+                    continue
+                if [ast.unparse(a) for a in node.args] == ["..."]:
+                    continue
+                calls += 1
+                try:
+                    inspect.signature(target).bind(*node.args, **{k.arg: k.value for k in node.keywords})
+                except TypeError as e:
+                    problems.append(f"{ast.unparse(node)[:80]}: {e}")
+    assert calls >= 6
+    assert not problems, "\n".join(problems)
