@@ -1282,3 +1282,33 @@ def test_the_kernels_md_calls_bind_to_the_kernels_signatures():
                     problems.append(f"{ast.unparse(node)[:80]}: {e}")
     assert calls >= 6
     assert not problems, "\n".join(problems)
+
+
+def test_the_error_hierarchy_in_design_md_is_the_packages():
+    """design.md's errors row (`cs.A` > `cs.B`, `cs.C` > `cs.D` and `cs.E`, ...: after a comma,
+    another child of the first) names every exception class the package exports, each under
+    the class it derives from; `FrameVersionError`, `LoadError` and `PoolExhausted` were
+    exported and in no such row."""
+    import cacheseek as cs
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    [row] = [line for line in lines if line.startswith("| `cs.CacheSeekError` >")]
+    cell = re.sub(r"\([^()]*\)", "", row.split("|")[1])  # the words in parentheses aside
+    root = None
+    problems, named = [], set()
+    for part in cell.split(","):
+        parent = root
+        for level in part.split(">"):
+            names = re.findall(r"`cs\.(\w+)`", level)
+            assert names, (part, level)
+            for name in names:
+                cls = getattr(cs, name)
+                named.add(name)
+                if parent is not None and cls.__bases__[0] is not parent:
+                    problems.append(f"cs.{name} derives from {cls.__bases__[0].__name__}, not {parent.__name__}")
+            if root is None:
+                root = getattr(cs, names[0])
+            parent = getattr(cs, names[0])
+    exported = {n for n in dir(cs) if isinstance(getattr(cs, n), type) and issubclass(getattr(cs, n), BaseException)}
+    problems += [f"cs.{n} is not in design.md's errors row" for n in sorted(exported - named)]
+    assert not problems, "\n".join(problems)
