@@ -1312,3 +1312,16 @@ def test_the_error_hierarchy_in_design_md_is_the_packages():
     exported = {n for n in dir(cs) if isinstance(getattr(cs, n), type) and issubclass(getattr(cs, n), BaseException)}
     problems += [f"cs.{n} is not in design.md's errors row" for n in sorted(exported - named)]
     assert not problems, "\n".join(problems)
+
+
+# Words that tell the docs' history rather than what is: it belongs in CHANGELOG.md. (A
+# comparison measured against another tree names that tree: "against b12b1ee".)
+HISTORY = re.compile(r"\b(as (it did )?before|used to (be|do|take|send)|previously|formerly|the first version"
+                     r"|before this (version|release|change|one)|every release before|(this|the older?) version"
+                     r"|the default changed|since then|the old (step|meaning|code|path))\b", re.I)
+
+
+def test_the_docs_say_what_is_not_how_it_came_to_be():
+    problems = [f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}"
+                for path in CURRENT for number, line in doc_lines(path) for m in HISTORY.finditer(line)]
+    assert not problems, "\n".join(problems)
