@@ -1325,3 +1325,57 @@ def test_the_docs_say_what_is_not_how_it_came_to_be():
     problems = [f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}"
                 for path in CURRENT for number, line in doc_lines(path) for m in HISTORY.finditer(line)]
     assert not problems, "\n".join(problems)
+
+
+def test_lower_layers_never_import_higher_ones():
+    """design.md's layer rule, checked: each module's imports (module level and lazy) are of
+    its own section of the module map or one above it in the map (the package counts with
+    the caches), and the sections the map calls torch-free import no torch at module level."""
+    import ast
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:start"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:end"))
+    rank = {"Foundations": 0, "Codecs": 1, "Store": 2, "Caches": 3, "Integrations": 4, "Traces": 4, "Server": 5}
+    section_of: dict[str, str] = {"the package": "Caches"}
+    section, torch_free = None, {}
+    for line in lines[start:end]:
+        if m := re.match(r"\*\*(\w+)[\w ]*\*\*(.*)", line):
+            section = m.group(1)
+            said = re.search(r"torch-free(?: except (.*?))?\)|never imports torch", m.group(2))
+            if said:
+                torch_free[section] = set(re.findall(r"`(\w+)`", said.group(1) or ""))
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if section and len(cells) == 3:
+            for path in re.findall(r"`([\w/]+\.py|[\w]+/)`", cells[0]):
+                base = "" if path.startswith("cacheseek/") else MAP_SECTIONS[section]
+                full = ROOT / base / path
+                for file in ([full] if full.suffix == ".py" else sorted(full.rglob("*.py"))):
+                    section_of[_map_name(_module_name(file))] = section
+    assert len(section_of) > 100 and set(torch_free) == {"Store", "Traces", "Server"}, torch_free
+    # the exception the rule's paragraph names: Materialized.to_dynamic_cache(), called
+    exceptions = {("results", "integrations.transformers")}
+    rule = " ".join(lines[start:start + 12])
+    assert "`Materialized.to_dynamic_cache()` (`results.py`)" in rule and "`integrations.transformers`" in rule
+    problems = []
+    for path in sorted(p for d in ("cacheseek", "server") for p in (ROOT / d).rglob("*.py")):
+        me = _map_name(_module_name(path))
+        if path.name == "__init__.py" and me != "the package":
+            continue  # a package's own re-exports
+        mine = section_of.get(me)
+        if mine is None:
+            problems.append(f"{path.relative_to(ROOT)}: in no section of the module map")
+            continue
+        top, lazy = module_imports(path)
+        for name in sorted(top | lazy):
+            theirs = section_of.get(name) or section_of.get(name.rpartition(".")[0])
+            if theirs and rank[theirs] > rank[mine] and (me, name) not in exceptions:
+                problems.append(f"{path.relative_to(ROOT)} ({mine}) imports {name} ({theirs})")
+        if mine in torch_free and path.stem not in torch_free[mine]:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in
+                   ([a.name.split(".")[0] for a in n.names] if isinstance(n, ast.Import) else [(n.module or "").split(".")[0]])
+                   for n in tree.body):
+                problems.append(f"{path.relative_to(ROOT)} ({mine}, torch-free) imports torch")
+    assert not problems, "\n".join(problems)
