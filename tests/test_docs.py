@@ -1379,3 +1379,26 @@ def test_lower_layers_never_import_higher_ones():
                    for n in tree.body):
                 problems.append(f"{path.relative_to(ROOT)} ({mine}, torch-free) imports torch")
     assert not problems, "\n".join(problems)
+
+
+def test_vllm_md_names_every_connector_counter():
+    """vllm.md's table of `CacheSeekConnector.stats()` names each counter of
+    ``ConnectorStats``, on the side that keeps it, and names no counter that is not one."""
+    import dataclasses
+
+    from cacheseek.integrations.vllm.stats import ConnectorStats
+
+    lines = (ROOT / "docs" / "vllm.md").read_text(encoding="utf-8").splitlines()
+    table = {m.group(1): m.group(2) for line in lines if (m := re.match(r"^\| (scheduler|worker) \| (.*) \|$", line))}
+    assert set(table) == {"scheduler", "worker"}, table
+    fields = [f.name for f in dataclasses.fields(ConnectorStats)]
+    # the scheduler's counters come first in the class, up to the first load_calls
+    sides = {name: "worker" if i >= fields.index("load_calls") else "scheduler" for i, name in enumerate(fields)}
+    problems = [f"{name} ({side}) is not in vllm.md's {side} row" for name, side in sides.items()
+                if f"`{name}`" not in table[side]]
+    # a counter named there: a backquoted word of the row before its parenthesis or comma
+    for side, row in table.items():
+        for name in re.findall(r"(?:^|, |; )`(\w+)`", re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "", row)):
+            if name not in sides:
+                problems.append(f"vllm.md's {side} row names {name}, which ConnectorStats does not count")
+    assert not problems, "\n".join(problems)
