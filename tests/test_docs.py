@@ -1402,3 +1402,19 @@ def test_vllm_md_names_every_connector_counter():
             if name not in sides:
                 problems.append(f"vllm.md's {side} row names {name}, which ConnectorStats does not count")
     assert not problems, "\n".join(problems)
+
+
+def test_every_client_stats_field_is_named():
+    """Each key of ``RemoteCache.client_stats()`` (at any depth) is a word of http-api.md or
+    engine.md, where the client's figures are told; the write-behind's queue counters
+    (`writes_queued`, `pending_bytes_high`, ...) were in neither."""
+    import cacheseek as cs
+
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, dtype="float16")
+    with cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=layout, codec=cs.Raw(), block_tokens=16) as remote:
+        keys = {p.rpartition(".")[2] for p in stats_paths(remote.client_stats())}
+    assert {"outages", "breaker", "write_behind", "writes_failed", "read_buffers", "buffers_made"} <= keys
+    docs = "\n".join((ROOT / "docs" / name).read_text(encoding="utf-8") for name in ("http-api.md", "engine.md",
+                                                                                      "operations.md"))
+    missing = sorted(k for k in keys if not re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", docs))
+    assert not missing, f"client_stats() keys no doc names: {missing}"
