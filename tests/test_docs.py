@@ -575,16 +575,18 @@ def test_default_tables_match_the_dataclasses():
 SERIES = re.compile(r"`(cacheseek_[a-z_{},]+?)(?:\{[a-z_,]+\})?`")
 
 
+def _expand(name: str) -> list[str]:
+    """``cacheseek_tier_{hits,misses}_total`` spelled out."""
+    m = re.search(r"\{([a-z_,]+)\}", name)
+    if not m:
+        return [name]
+    return [e for alt in m.group(1).split(",") for e in _expand(name[: m.start()] + alt + name[m.end():])]
+
+
 def documented_series() -> set[str]:
     """Every series docs/operations.md names, ``cacheseek_tier_{hits,misses}_total`` spelled out."""
-    def expand(name: str) -> list[str]:
-        m = re.search(r"\{([a-z_,]+)\}", name)
-        if not m:
-            return [name]
-        return [e for alt in m.group(1).split(",") for e in expand(name[: m.start()] + alt + name[m.end():])]
-
     text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
-    return {e for m in SERIES.finditer(text) for e in expand(m.group(1))}
+    return {e for m in SERIES.finditer(text) for e in _expand(m.group(1))}
 
 
 @pytest.fixture(scope="module")
@@ -604,6 +606,20 @@ def test_operations_names_every_series_of_metrics_and_no_other(server_figures):
     shown = documented_series()
     assert exposed - shown == set(), "in /metrics, not in docs/operations.md"
     assert shown - exposed == set(), "in docs/operations.md, not in /metrics"
+    # and each with the labels the table gives it
+    labels: dict[str, set[str]] = {}
+    for m in re.finditer(r"^(cacheseek_[a-z_]+)(?:\{([^}]*)\})? ", text, re.M):
+        found = {kv.split("=")[0] for kv in (m.group(2) or "").split(",") if kv} - {"le"}
+        labels.setdefault(re.sub(r"_(bucket|count|sum)$", "", m.group(1)), set()).update(found)
+    table = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    compared, wrong = 0, []
+    for m in re.finditer(r"`(cacheseek_[a-z_{},]+?)(\{[a-z_,]+\})?`", table):
+        said = set(m.group(2).strip("{}").split(",")) if m.group(2) else set()
+        for name in _expand(m.group(1)):
+            compared += 1
+            if labels.get(name) != said:
+                wrong.append(f"{name}: docs/operations.md says {sorted(said)}, /metrics has {sorted(labels.get(name, ()))}")
+    assert compared >= len(exposed) and not wrong, "\n".join(wrong)
 
 
 def stats_paths(stats: dict) -> set[str]:
