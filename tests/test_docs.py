@@ -1435,3 +1435,22 @@ def test_every_client_stats_field_is_named():
                                                                                       "operations.md"))
     missing = sorted(k for k in keys if not re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", docs))
     assert not missing, f"client_stats() keys no doc names: {missing}"
+
+
+def test_frame_format_md_is_the_frame_codes_format():
+    """frame-format.md's header table, entry fields, sidecar fields and limits are
+    ``store/frame.py``'s and ``store/disk.py``'s."""
+    from cacheseek.store import disk, frame
+
+    text = (ROOT / "docs" / "frame-format.md").read_text(encoding="utf-8")
+    header = text.split("Header (a msgpack map with exactly these keys):", 1)[1].split("\n\n", 2)[1]
+    keys = set(re.findall(r"^\| `(\w+)` \|", header, re.M))
+    assert keys == frame._HEADER_KEYS, keys ^ frame._HEADER_KEYS
+    [entry] = re.findall(r"`\{(name, [\w, ]+)\}` per buffer", text)
+    assert set(entry.split(", ")) == frame._ENTRY_KEYS
+    [sidecar] = re.findall(r"a msgpack map\n?`\{([\w, ]+)\}`", text)
+    assert set(sidecar.split(", ")) == disk._SIDECAR_KEYS
+    assert f'"{frame.MAGIC.decode()}"' in text and f"# Frame format (version {frame.FORMAT_VERSION})" in text
+    assert frame.PREAMBLE.format == "<4sIQ" and "N: u32 LE" in text and "u64 LE" in text
+    assert f"at most {frame.MAX_HEADER_NBYTES // 1024} KiB" in text and f"{frame.ALIGN}-byte" in text
+    assert f"at most {frame.MAX_TENSORS} entries of rank ≤ {frame.MAX_RANK}" in text
