@@ -1454,3 +1454,17 @@ def test_frame_format_md_is_the_frame_codes_format():
     assert frame.PREAMBLE.format == "<4sIQ" and "N: u32 LE" in text and "u64 LE" in text
     assert f"at most {frame.MAX_HEADER_NBYTES // 1024} KiB" in text and f"{frame.ALIGN}-byte" in text
     assert f"at most {frame.MAX_TENSORS} entries of rank ≤ {frame.MAX_RANK}" in text
+
+
+def test_redis_md_key_list_is_the_keys_the_tier_writes():
+    """redis.md's block of keys names each key ``RedisKeys`` makes, in its default prefix
+    and namespace, with the placeholders the block uses, and no other."""
+    from cacheseek.store.redis_keys import RedisKeys
+
+    text = (ROOT / "docs" / "redis.md").read_text(encoding="utf-8")
+    block = text.split("## Keys", 1)[1].split("```", 2)[1]
+    shown = {line.split()[0] for line in block.strip().splitlines()}
+    keys, h = RedisKeys(), bytes(range(16))
+    made = {keys.frame(h), keys.frame_gen(h), *keys.index, keys.owners, keys.owner_pins("<owner>"), keys.call("<id>")}
+    made = {k.replace(h.hex(), "<block hash hex>") for k in made}
+    assert shown == made, (sorted(shown - made), sorted(made - shown))
