@@ -1463,7 +1463,7 @@ def test_redis_md_key_list_is_the_keys_the_tier_writes():
 
     text = (ROOT / "docs" / "redis.md").read_text(encoding="utf-8")
     block = text.split("## Keys", 1)[1].split("```", 2)[1]
-    shown = {line.split()[0] for line in block.strip().splitlines()}
+    shown = {re.match(r"(?:<[^>]*>|\S)+", line.strip()).group(0) for line in block.strip().splitlines()}
     keys, h = RedisKeys(), bytes(range(16))
     made = {keys.frame(h), keys.frame_gen(h), *keys.index, keys.owners, keys.owner_pins("<owner>"), keys.call("<id>")}
     made = {k.replace(h.hex(), "<block hash hex>") for k in made}
