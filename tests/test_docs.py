@@ -1468,3 +1468,38 @@ def test_redis_md_key_list_is_the_keys_the_tier_writes():
     made = {keys.frame(h), keys.frame_gen(h), *keys.index, keys.owners, keys.owner_pins("<owner>"), keys.call("<id>")}
     made = {k.replace(h.hex(), "<block hash hex>") for k in made}
     assert shown == made, (sorted(shown - made), sorted(made - shown))
+
+
+def test_http_api_md_states_the_servers_constants():
+    """The limits http-api.md gives in figures are the constants the server runs with, and
+    the uvicorn and httptools ranges it says are pinned are pyproject.toml's and the ones
+    ``server/protocol.py`` checks at start."""
+    pytest.importorskip("fastapi")
+    from cacheseek.server import limits, protocol
+    from cacheseek.server.routes import _body
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "http-api.md").read_text(encoding="utf-8"))
+
+    def size(n: int) -> str:
+        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+    said = {
+        "request head": f"| request head | {size(protocol.MAX_HEAD_BYTES)} |",
+        "pipelined": f"| pipelined requests | {protocol.MAX_PIPELINED} waiting |",
+        "waiting": f"| body bytes waiting | {size(protocol.HIGH_WATER)} a connection |",
+        "chunks": f"(under {size(protocol.SMALL_PIECE)}) are gathered into pieces of up to {size(protocol.GATHER)}",
+        "linger": f"for up to {protocol.LINGER_S:g} s (`LINGER_S`)",
+        "frame floor": f"a frame of a batch counts at least {size(limits.FRAME_MIN_BYTES)}",
+        "step": f"{size(_body.STEP)} at a time",
+        "piece": f"grows by {size(_body.PIECE)} pieces",
+        "trim": f"after at least {size(limits.TRIM_AFTER_BYTES)} were given back unstored",
+    }
+    problems = [f"{what}: http-api.md does not say {phrase!r}" for what, phrase in said.items() if phrase not in text]
+    pins = {name: re.search(rf'"{name}(>=[\d.]+,<[\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+            for name in ("uvicorn", "httptools")}
+    if f"(`{pins['uvicorn']}` and `{pins['httptools']}`" not in text:
+        problems.append(f"the pins http-api.md gives are not pyproject.toml's {pins}")
+    for name, (low, high) in (("uvicorn", protocol.UVICORN_RANGE), ("httptools", protocol.HTTPTOOLS_RANGE)):
+        if pins[name] != ">={}.{},<{}.{}".format(*low, *high):
+            problems.append(f"{name}: pyproject.toml pins {pins[name]}, server/protocol.py checks {low}..{high}")
+    assert not problems, "\n".join(problems)
