@@ -1503,3 +1503,30 @@ def test_http_api_md_states_the_servers_constants():
         if pins[name] != ">={}.{},<{}.{}".format(*low, *high):
             problems.append(f"{name}: pyproject.toml pins {pins[name]}, server/protocol.py checks {low}..{high}")
     assert not problems, "\n".join(problems)
+
+
+# files a command writes where it is run, named as its output
+OUTPUT_NAMES = {"plan.json"}
+
+
+def test_every_result_file_named_is_kept():
+    """A ``*.json`` or ``*.log`` a doc names as the record of a figure is in
+    ``benchmarks/results`` (under any folder there; ``*`` as a glob, ``run1/2`` as both
+    runs); a repository path is checked by the path test above."""
+    results = ROOT / "benchmarks" / "results"
+    problems = []
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in re.findall(r"`([\w./*-]+\.(?:json|log))`", line):
+                if name.startswith(("/", "_")) or REPO_PATH.fullmatch(f"`{name}`") or name in OUTPUT_NAMES:
+                    continue  # a route; a suffix of the name before it; a path, checked above; an output
+                if name.startswith("benchmarks/"):
+                    if not any(ROOT.glob(name)):
+                        problems.append(f"{path.relative_to(ROOT)}:{number}: no {name}")
+                    continue
+                names = [name]
+                if m := re.match(r"(.*run)(\d)/(\d)(\.\w+)$", name):
+                    names = [f"{m.group(1)}{m.group(2)}{m.group(4)}", f"{m.group(1)}{m.group(3)}{m.group(4)}"]
+                problems += [f"{path.relative_to(ROOT)}:{number}: no {n} under benchmarks/results"
+                             for n in names if not any(results.glob(f"**/{n}"))]
+    assert not problems, "\n".join(problems)
