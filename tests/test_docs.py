@@ -1536,3 +1536,31 @@ def test_every_result_file_named_is_kept():
                 problems += [f"{path.relative_to(ROOT)}:{number}: no {n} under benchmarks/results"
                              for n in names if not any(results.glob(f"**/{n}"))]
     assert not problems, "\n".join(problems)
+
+
+def test_every_dotted_cacheseek_name_resolves():
+    """A ``cacheseek.a.b`` a doc names in code is a module or an attribute of one (vLLM's
+    modules aside, which need vLLM; the strings the server keys a request's scope with
+    aside, which are names of no module)."""
+    pytest.importorskip("fastapi")
+    from cacheseek.server import head, protocol
+
+    scope_keys = {protocol.BODY_INTO, protocol.BODY_GONE, protocol.CUT_SHORT, protocol.UNSENT, head.HEAD_REQUEST}
+    problems, seen = [], 0
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in re.findall(r"`(cacheseek(?:\.[A-Za-z_]\w*)+)", line):
+                if name in scope_keys or name.startswith("cacheseek.integrations.vllm"):
+                    continue
+                seen += 1
+                parts, obj = name.split("."), None
+                for i in range(len(parts), 0, -1):
+                    with contextlib.suppress(ImportError):
+                        obj, rest = importlib.import_module(".".join(parts[:i])), parts[i:]
+                        break
+                for attr in rest if obj is not None else []:
+                    obj = getattr(obj, attr, None)
+                if obj is None:
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: {name} does not resolve")
+    assert seen > 10
+    assert not problems, "\n".join(problems)
