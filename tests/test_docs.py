@@ -1565,3 +1565,61 @@ def test_every_dotted_cacheseek_name_resolves():
                     problems.append(f"{path.relative_to(ROOT)}:{number}: {name} does not resolve")
     assert seen > 10
     assert not problems, "\n".join(problems)
+
+
+def test_the_python_names_table_shows_the_methods_signatures():
+    """The rest of design.md's "Python names" table: each ``.method(...)`` (of `PrefixCache`
+    and `RemoteCache` alike), ``cs.X.y(...)``, ``PrefixCache.store.y(...)`` and
+    ``cacheseek.a.f(...)`` it shows takes those parameters, in that order, with those
+    defaults (an expression, ``pages.at(ids)``, stands for the parameter in its place);
+    `wait=` and `layerwise=` of the ingests were not shown."""
+    import ast
+    import inspect
+
+    import cacheseek as cs
+    from cacheseek.store.tiered import TieredStore
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Python names")
+    rows = [line.split(" | ")[0] for line in lines[start + 1:next(
+        i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))] if line.startswith("| `")]
+
+    def targets(name: str) -> list:
+        if name.startswith("."):
+            return [getattr(c, name[1:], None) for c in (cs.PrefixCache, cs.RemoteCache)]
+        if name.startswith("PrefixCache.store."):
+            return [getattr(TieredStore, name.rpartition(".")[2], None)]
+        obj = cs if name.startswith("cs.") else importlib.import_module(name.rpartition(".")[0])
+        for part in (name[3:] if name.startswith("cs.") else name.rpartition(".")[2]).split("."):
+            obj = getattr(obj, part, None)
+        return [obj]
+
+    checked, problems = 0, []
+    for row in rows:
+        for span in re.findall(r"`([^`]*)`", row):
+            m = re.match(r"^((?:cs\.\w+\.|\.|PrefixCache\.store\.|cacheseek\.)[\w.]*)\((.*?)\)(?: -> .*)?$", span)
+            if not m or m.group(2).strip() == "...":
+                continue
+            name, params = m.groups()
+            elided = params.strip().endswith("...")
+            params = re.sub(r"(^|, )\*(, |$)", r"\1", params.replace("...", "").strip().rstrip(","))
+            call = ast.parse(f"f({params})", mode="eval").body
+            shown = [a.id if isinstance(a, ast.Name) else None for a in call.args] + [k.arg for k in call.keywords]
+            for target in targets(name):
+                if target is None:
+                    problems.append(f"{span}: no such name")
+                    continue
+                checked += 1
+                actual = [p for p in inspect.signature(target).parameters.values()
+                          if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                names = [p.name for p in actual]
+                if len(shown) > len(names) or any(s not in (None, n) for s, n in zip(shown, names)) or (
+                        not elided and len(shown) != len(names)):
+                    problems.append(f"{span[:60]}: shows {shown}, {target.__qualname__} takes {names}")
+                defaults = {p.name: p.default for p in actual}
+                for k in call.keywords:
+                    with contextlib.suppress(ValueError):
+                        if k.arg in defaults and defaults[k.arg] != ast.literal_eval(k.value):
+                            problems.append(f"{span[:60]}: {k.arg}={ast.unparse(k.value)}, the default is {defaults[k.arg]!r}")
+    assert checked >= 20, checked
+    assert not problems, "\n".join(problems)
