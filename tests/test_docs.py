@@ -6,10 +6,13 @@ door (at most 200 lines); every flag shown with a ``cacheseek`` command or a
 ``cacheseek`` command is named in its doc), every ``cs.Name`` exists,
 every repository path in a code span exists, every ``CACHESEEK_*`` variable is read, the
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
-defaults), design.md's constructor signatures are cacheseek's, the default columns of
+defaults), design.md's constructor and method signatures and errors row are cacheseek's, the default columns of
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
-operations.md names every series a real server's ``/metrics`` shows, and no other, and
-every field of its ``/v1/stats`` (and no other),
+operations.md names every series a real server's ``/metrics`` shows (with its labels), and
+no other, and every field of its ``/v1/stats`` (and no other), as the client docs name every
+``client_stats()`` field and vllm.md every connector counter, frame-format.md and redis.md
+give the frame's and the keys' layout, http-api.md the server's limits, every dotted
+``cacheseek.*`` name resolves and every result file named is kept,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
@@ -18,8 +21,9 @@ http-api.md's and precision.md's (against a server), models.md's (a tiny Llama) 
 redis.md's `TierConfig` lines, kernels.md's other calls bind to the kernels' signatures,
 every vLLM connector configuration shown parses, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
-in http-api.md (and every route a doc names is served), and design.md's module map lists the
-imports each module has."""
+in http-api.md (and every route a doc names is served), design.md's module map lists the
+imports each module has and no module imports a higher layer's, and no doc tells its history
+("as before", "the first version": that is CHANGELOG.md's)."""
 
 from __future__ import annotations
 
