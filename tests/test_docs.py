@@ -28,6 +28,7 @@ imports each module has and no module imports a higher layer's, and no doc tells
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import re
@@ -1079,6 +1080,7 @@ def _is_module(module: str) -> bool:
     return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
 
 
+@functools.cache
 def module_imports(path: Path) -> tuple[set[str], set[str]]:
     """(CacheSeek modules ``path`` imports at module level, those it imports only inside
     functions), in the map's names; imports under ``TYPE_CHECKING`` are not imports."""
@@ -1225,12 +1227,13 @@ def test_the_models_md_python_example_runs():
     from model_helpers import tiny_llama
 
     (block,) = fenced_blocks(ROOT / "docs" / "models.md", "python")
-    code = shrunk(block, {"model, tokenizer = smollm2.load()": "model = tiny_llama()"})
+    code = shrunk(block, {"model, tokenizer = smollm2.load()": "model = tiny_llama()",
+                          "max_new_tokens=64": "max_new_tokens=8"})
     scope = {"input_ids": list(range(1, 150)), "tiny_llama": tiny_llama}
     exec(code, scope)
     res, out = scope["res"], scope["out"]
     assert (res.reused_tokens, res.computed_tokens, res.skipped_reason) == (0, 149, None)
-    assert len(out.tokens) == 64 and isinstance(res.next_token, int)
+    assert len(out.tokens) == 8 and isinstance(res.next_token, int)
     again = scope["prefill_with_reuse"](scope["model"], scope["cache"], scope["input_ids"])
     assert (again.reused_tokens, again.computed_tokens) == (128, 21)
     scope["cache"].close()
