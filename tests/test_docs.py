@@ -624,7 +624,8 @@ def test_operations_names_every_series_of_metrics_and_no_other(server_figures):
         for name in _expand(m.group(1)):
             compared += 1
             if labels.get(name) != said:
-                wrong.append(f"{name}: docs/operations.md says {sorted(said)}, /metrics has {sorted(labels.get(name, ()))}")
+                wrong.append(f"{name}: docs/operations.md says {sorted(said)}, "
+                             f"/metrics has {sorted(labels.get(name, ()))}")
     assert compared >= len(exposed) and not wrong, "\n".join(wrong)
 
 
