@@ -65,7 +65,7 @@ class World:
                                               "leases_active", "held_slots")])
             else:
                 behind = cache.client_stats()["write_behind"]
-                out.append({k: v for k, v in behind.items() if "pending" in k})
+                out.append((behind["writes_pending"], behind["pending_bytes"]))  # (not the high-water mark)
         if self.kind == "remote":
             tiers = self.caches["raw"].stats()["tiers"]
             out.append([(t["name"], t["blocks"], t["used_bytes"], t["bytes_in"]) for t in tiers])
