@@ -184,8 +184,11 @@ def plan_ingest(keys: PrefixKeys, layout: KVLayout, pages: KVPages, requests: Se
         if table.numel() * P < n * B:
             raise InputError(f"{call.param(r, 'page_ids')}: {table.numel()} pages of {P} tokens hold "
                              f"{table.numel() * P} tokens, but its keys name {n} full blocks ({n * B} tokens)")
-    if starts is not None and any(s != 0 for s in starts):
-        call.starts = ingest_starts(call, starts)
+    if starts is not None:
+        # (each checked, 0 too: a start of 0.0 or False, refused by a load, was taken here)
+        checked = ingest_starts(call, starts)
+        if any(checked):
+            call.starts = checked
     return call
 
 

@@ -193,6 +193,12 @@ class KVPages:
                                          f"kernels, strides {t.stride()}")
             if len({t.stride() for t in views}) != 1:
                 raise InputError(f"pages {name}: every layer must have the same strides")
+        if 0 in shape[1:]:
+            # (a load into pages of no token wrote nothing and answered a miss; an ingest named
+            # the page table; no page at all is a cache all the same, whose page ids are refused)
+            what = "0 tokens a page" if not shape[1] else "0 KV heads" if not shape[2] else "a head dim of 0"
+            raise InputError(f"pages: {what} (layer 0 K: [num_pages, page_size, H, D] = {list(shape)}); "
+                             "they hold no KV")
         if device.type not in PAGE_DEVICES:
             # Refused here, not at the first call: a meta tensor takes any write without
             # effect (a load would report tokens written nowhere) and fails any read deep in

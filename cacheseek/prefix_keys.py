@@ -85,6 +85,11 @@ class HashedKeys:
 def _token_count(tokens: Any) -> int:
     if isinstance(tokens, (list, tuple)):
         return len(tokens)
+    shape = getattr(tokens, "shape", None)
+    if isinstance(shape, tuple) and not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)):
+        # (as hashing refuses it: counted as rows x T tokens first, a [2, T] batch of ids failed
+        # the checks of the KV or page table given with it, which named those instead)
+        raise InputError(f"token_ids: expected shape [T] or [1, T], got {list(shape)}")
     numel = getattr(tokens, "numel", None)
     if numel is not None:
         return int(numel())

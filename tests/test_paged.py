@@ -310,6 +310,13 @@ def test_bad_pages_are_refused_when_built():
     assert cs.KVPages(*strided, layout="NHD").head_dim == H
     with pytest.raises(cs.InputError, match=r"token pool"):
         cs.KVPages.token_pool([x[0] for x in t], [x[1] for x in t])
+    # Pages of no token (or no head, no channel): a load into them wrote nothing and said a
+    # miss, an ingest named the page table; a cache of no pages at all is a cache, though.
+    for shape, what in (((4, 0, H, D), r"0 tokens a page"), ((4, 16, 0, D), r"0 KV heads"), ((4, 16, H, 0), r"a head dim of 0")):
+        with pytest.raises(cs.InputError, match=rf"^pages: {what}"):
+            cs.KVPages([torch.zeros(shape, dtype=DTYPE) for _ in range(3)],
+                       [torch.zeros(shape, dtype=DTYPE) for _ in range(3)])
+    assert cs.KVPages([torch.zeros(0, 16, H, D, dtype=DTYPE)], [torch.zeros(0, 16, H, D, dtype=DTYPE)]).num_pages == 0
     # (a TypeError from iterating them, naming nothing, before)
     for build in (lambda: cs.KVPages.vllm(None), lambda: cs.KVPages.flashinfer(7),
                   lambda: cs.KVPages.token_pool(None, [x[1] for x in t])):

@@ -135,6 +135,22 @@ INGEST = [
     # (one request names its parameters bare, as its other errors do: "kv.page_ids" before)
     ("table shorter than the keys, one request", lambda w: w.cache.ingest(w.toks[2], w.pages.at(w.tables[2][:3])),
      r"^page_ids: 3 pages of 16 tokens hold 48 tokens, but its keys name 2 full blocks \(64 tokens\)$"),
+    # (counted as 128 tokens, they failed the page table's check: the page table was named)
+    ("token ids of two rows", lambda w: w.cache.ingest(torch.tensor([w.toks[2]] * 2), w.pages.at(w.tables[2])),
+     r"^token_ids: expected shape \[T\] or \[1, T\], got \[2, 64\]$"),
+    ("token ids of two rows, in a batch",
+     lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]), R(torch.tensor([w.toks[2]] * 2), w.tables[2])],
+                                    w.pages),
+     r"^requests\[1\]: token_ids: expected shape \[T\] or \[1, T\], got \[2, 64\]$"),
+    ("token ids of two rows, contiguous KV", lambda w: w.cache.ingest(torch.tensor([w.toks[2]] * 2),
+                                                                      make_kv(2 * BLOCK, 1)),
+     r"^token_ids: expected shape \[T\] or \[1, T\], got \[2, 64\]$"),
+    # (a start of 0.0 or False was taken by an ingest, refused by a load)
+    ("a start of 0.0", lambda w: w.cache.ingest_batch([R(w.toks[2], w.tables[2], start=0.0)], w.pages),
+     r"^requests\[0\]\.start: expected a multiple of the block size 32 >= 0, got 0\.0$"),
+    ("a start of False", lambda w: w.cache.ingest_batch([R(w.toks[0], w.tables[0]), R(w.toks[2], w.tables[2],
+                                                                                       start=False)], w.pages),
+     r"^requests\[1\]\.start: expected a multiple of the block size 32 >= 0, got False$"),
     ("KV shorter than the keys", lambda w: w.cache.ingest(w.toks[2], make_kv(BLOCK, 1)),
      r"^token_ids: 64 tokens, but KV holds 32$"),
     ("KV of fewer layers", lambda w: w.cache.ingest(w.toks[2], make_kv(2 * BLOCK, 1)[:2]),
