@@ -40,6 +40,8 @@ from typing import Any
 
 from cacheseek.store.tier import BlockInfo
 
+from .state_files import replace_durably
+
 log = logging.getLogger("cacheseek.server")
 
 OWNERS_FILE = ".cacheseek-owners.json"
@@ -276,7 +278,8 @@ class Owners:
                 self._keep_root(root, owner)
 
     def _save(self) -> None:
-        """Write the roots table: temp file, fsync, rename (a crash leaves the old or the new)."""
+        """Write the roots table: temp file, fsync, rename, directory fsync (a crash or a power cut
+        leaves the old or the new)."""
         if self._path is None:
             return
         with self._save_lock:
@@ -295,7 +298,7 @@ class Owners:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path)
+            replace_durably(tmp, self._path)
         except OSError as exc:
             # Said, not raised: the write that named a new root is stored all the same. After a
             # restart, that root's blocks are counted as nobody's until it is written again.

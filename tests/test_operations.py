@@ -1250,3 +1250,48 @@ def test_the_pins_that_expire_are_forgotten_by_the_admin_too(tmp_path):
     finally:
         ops.close()
         store.close()
+
+
+def test_the_owners_and_pins_files_are_renamed_durably_before_their_save_returns(tmp_path, monkeypatch):
+    """A pin answered ``saved: true`` (and a root the owners file keeps, which a delete now
+    relies on) was written to a temp file, fsynced and renamed, but the rename itself was not
+    made durable: after a power cut the directory could still name the old file. Each save
+    now fsyncs the directory after its rename (a power cut cannot be made here: the spy checks
+    that a sync of the directory follows the rename, as the namespace key's does)."""
+    import os
+    import stat
+
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.frame import parse_frame
+    from cacheseek.store.tier import BlockFrame
+    from cacheseek.store.tiered import TieredStore
+    from server.admin import PINS_FILE, AdminOps
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.owners import OWNERS_FILE, Owners
+    from server.service import BlockService
+
+    synced: list[set[str]] = []  # for each fsync of a directory: the names it held then
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(set(os.listdir(fd)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    owners = Owners(tmp_path)
+    owners.expect(owners.owner_id("a", "m"), [(b"k" * 16, b"r" * 16, 0)])
+    assert any(OWNERS_FILE in names for names in synced), synced
+    synced.clear()
+    store = TieredStore([CpuTier(8 << 20)])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    ops = AdminOps(service, tmp_path)
+    try:
+        [(h, frame)] = raw_chain(1, 1)
+        store.put(h, BlockFrame(parse_frame(frame), host=memoryview(frame)))
+        assert ops.pin("", h)["saved"] is True
+        assert any(PINS_FILE in names for names in synced), synced
+    finally:
+        ops.close()
+        store.close()
