@@ -117,13 +117,13 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = root / f"{lane.name}-{n}.log"
         self.cmd = [*serve_command(), "serve", "--port", str(self.port), "--log-level", "info",
-                    "--disk-path", str(root / lane.name), "--admin-token", ADMIN, *lane.args]
+                    "--disk-path", str(root / lane.name), *lane.args]
         self.proc: subprocess.Popen | None = None
 
     def spawn(self) -> Server:
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(self.cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", "CACHESEEK_ADMIN_TOKEN": ADMIN})
         return self
 
     def ready(self, timeout: float = 120.0) -> bool:
