@@ -39,6 +39,7 @@ from cacheseek.hashing import to_hex
 
 from .errors import NotFound, TierUnreachable
 from .service import BlockService
+from .state_files import replace_durably
 
 log = logging.getLogger("cacheseek.server")
 
@@ -373,7 +374,7 @@ class AdminOps:
                 json.dump({"version": FILE_VERSION, "pins": entries}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path)
+            replace_durably(tmp, self._path)
         except OSError as exc:
             # Said, not raised: the pin holds in this process; a restart would not make it again.
             log.warning("pins not saved to %s: %s (a restart keeps only those of the last save)", self._path, exc)

@@ -40,6 +40,8 @@ from typing import Any
 
 from cacheseek.store.tier import BlockInfo
 
+from .state_files import replace_durably
+
 log = logging.getLogger("cacheseek.server")
 
 OWNERS_FILE = ".cacheseek-owners.json"
@@ -148,6 +150,22 @@ class Owners:
         namespace = self._names[owner][0]
         self._namespace_roots[namespace] = self._namespace_roots.get(namespace, 0) + 1
 
+    def keep_for_children(self, key: bytes) -> None:
+        """``key`` is about to be deleted while blocks that extend it stay: keep it as a root
+        of its owner (saved before the delete), so that after a restart they are still
+        attributed through it, as a chain's head is through its parent. Without it they were
+        nobody's, and a flush of their namespace passed them by while it still served them.
+        Kept within the same bounds as the roots (a namespace that deletes many parents uses
+        up its own roots only)."""
+        with self._lock:
+            owner = self._of.get(key, UNATTRIBUTED)
+            if owner == UNATTRIBUTED or self._roots.get(key) == owner:
+                return
+            if key not in self._roots and not self._room_for_root(owner):
+                return
+            self._keep_root(key, owner)
+        self._save()
+
     def settle(self, owner: int, keys: Iterable[bytes]) -> None:
         """``owner``'s writes announced for ``keys`` are done (stored, found present, or
         failed); another writer's announcement of the same key stands."""
@@ -172,7 +190,8 @@ class Owners:
             owner = writers[0] if writers else left
             if owner is None:
                 owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
-                    else self._of.get(info.parent, self._left.get(info.parent, UNATTRIBUTED))
+                    else self._of.get(info.parent, self._left.get(info.parent,
+                                                                  self._roots.get(info.parent, UNATTRIBUTED)))
             self._of[key] = owner
             u = self._usage[owner]
             u.blocks += 1
@@ -259,7 +278,8 @@ class Owners:
                 self._keep_root(root, owner)
 
     def _save(self) -> None:
-        """Write the roots table: temp file, fsync, rename (a crash leaves the old or the new)."""
+        """Write the roots table: temp file, fsync, rename, directory fsync (a crash or a power cut
+        leaves the old or the new)."""
         if self._path is None:
             return
         with self._save_lock:
@@ -278,7 +298,7 @@ class Owners:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self._path)
+            replace_durably(tmp, self._path)
         except OSError as exc:
             # Said, not raised: the write that named a new root is stored all the same. After a
             # restart, that root's blocks are counted as nobody's until it is written again.

@@ -307,7 +307,10 @@ class BlockService:
         # All or nothing: deleted from the local tiers alone, its Redis copy would be named by
         # no local index (no owner: a flush of its namespace or model could not find it) and
         # served again once Redis answered, unless the client retried.
-        deleted = self.store.delete(self.namespaces.stored_key(namespace, h), all_or_nothing=True)
+        key = self.namespaces.stored_key(namespace, h)
+        if self.store.children(key):
+            self.owners.keep_for_children(key)
+        deleted = self.store.delete(key, all_or_nothing=True)
         if deleted is None:  # a 404 or a 204 would tell the client it is gone
             raise TierUnreachable(f"block {to_hex(h)}: a tier that may hold it could not be reached, so it is kept "
                                   "(in every tier); retry")

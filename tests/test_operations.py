@@ -563,6 +563,29 @@ def test_flush_while_ingest_runs_leaves_no_torn_block(srv):
         assert "recovered" in again.output()
 
 
+def test_blocks_left_by_a_delete_of_their_parent_are_flushed_after_a_kill(tmp_path):
+    """A DELETE of a block leaves the blocks that extend it. After a restart they were
+    nobody's (a block is attributed through its parent, and its parent was gone), so a flush
+    of their namespace answered 200 having deleted none of them, and a GET in that namespace
+    still served them (found by ``python -m benchmarks.crash_soak``). The deleted block's key
+    is kept as a root of its owner now, as a chain head's parent is."""
+    chain = raw_chain(61, 3)
+    args = ("--admin-token", ADMIN, "--write-token", WRITE)
+    s = Server(tmp_path, *args).start()
+    try:
+        with httpx.Client(base_url=s.url) as c:
+            post_chain(c, chain, **writer("a", "m"))
+            assert c.delete(f"/v1/blocks/{chain[0][0].hex()}", headers=writer("a")).status_code == 204
+    finally:
+        s.kill()  # (kill -9: nothing is saved at a stop)
+    with Server(tmp_path, *args) as s, httpx.Client(base_url=s.url) as c:
+        usage = c.get("/v1/admin/namespaces", headers=admin()).json()
+        assert [(u["namespace"], u["blocks"]) for u in usage if u["blocks"]] == [("a", 2)], usage
+        r = c.post("/v1/admin/flush", params={"namespace": "a"}, headers=admin())
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 2, r.text
+        assert held(c, chain, "a") == [None] * 3
+
+
 def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
     chain = raw_chain(60, 4)
     with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
@@ -1224,6 +1247,51 @@ def test_the_pins_that_expire_are_forgotten_by_the_admin_too(tmp_path):
             ops.pin("", h, ttl_seconds=1.0)
             now[0] += 2.0  # past its expiry: the next pin's call finds it expired
         assert store.pins() == [] and len(ops._pins) <= 1  # (the last, until the next save)
+    finally:
+        ops.close()
+        store.close()
+
+
+def test_the_owners_and_pins_files_are_renamed_durably_before_their_save_returns(tmp_path, monkeypatch):
+    """A pin answered ``saved: true`` (and a root the owners file keeps, which a delete now
+    relies on) was written to a temp file, fsynced and renamed, but the rename itself was not
+    made durable: after a power cut the directory could still name the old file. Each save
+    now fsyncs the directory after its rename (a power cut cannot be made here: the spy checks
+    that a sync of the directory follows the rename, as the namespace key's does)."""
+    import os
+    import stat
+
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.frame import parse_frame
+    from cacheseek.store.tier import BlockFrame
+    from cacheseek.store.tiered import TieredStore
+    from server.admin import PINS_FILE, AdminOps
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.owners import OWNERS_FILE, Owners
+    from server.service import BlockService
+
+    synced: list[set[str]] = []  # for each fsync of a directory: the names it held then
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(set(os.listdir(fd)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    owners = Owners(tmp_path)
+    owners.expect(owners.owner_id("a", "m"), [(b"k" * 16, b"r" * 16, 0)])
+    assert any(OWNERS_FILE in names for names in synced), synced
+    synced.clear()
+    store = TieredStore([CpuTier(8 << 20)])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    ops = AdminOps(service, tmp_path)
+    try:
+        [(h, frame)] = raw_chain(1, 1)
+        store.put(h, BlockFrame(parse_frame(frame), host=memoryview(frame)))
+        assert ops.pin("", h)["saved"] is True
+        assert any(PINS_FILE in names for names in synced), synced
     finally:
         ops.close()
         store.close()
