@@ -164,6 +164,12 @@ def metrics_after_traffic(root: Path, *args: str) -> str:
     """``/metrics`` of a server over a real Redis tier (``args``: more of its settings) after
     one of each kind of call: a batch ingest, a lookup, a prefix read and a rejected frame,
     so that every series the server can show has been made."""
+    return figures_after_traffic(root, *args)[0]
+
+
+def figures_after_traffic(root: Path, *args: str) -> tuple[str, dict]:
+    """``/metrics`` and ``/v1/stats`` of the server of ``metrics_after_traffic``, read one
+    after the other after its traffic (a prefetch too)."""
     from redis_servers import RedisServer
 
     redis = RedisServer(root / "redis").start()
@@ -176,6 +182,7 @@ def metrics_after_traffic(root: Path, *args: str) -> str:
             c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
             c.get(f"/v1/prefixes/{chain[-1][0].hex()}", headers=head)
             c.put(f"/v1/blocks/{chain[0][0].hex()}", content=b"not a frame")  # frames_rejected
-            return c.get("/metrics").text
+            c.post("/v1/prefetch", json={"hashes": [h.hex() for h, _ in chain]}, headers=head)
+            return c.get("/metrics").text, c.get("/v1/stats").json()
     finally:
         redis.stop()

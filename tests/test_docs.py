@@ -2,24 +2,33 @@
 README.md, CHANGELOG.md and docs/*.md names a file in the repository (and an anchor, a
 heading of that file), every plot in docs/ is shown by some doc, README.md stays a front
 door (at most 200 lines); every flag shown with a ``cacheseek`` command or a
-``python -m benchmarks.X`` command is one that command takes, every ``cs.Name`` exists,
+``python -m benchmarks.X`` command is one that command takes (and every flag of a
+``cacheseek`` command is named in its doc), every ``cs.Name`` exists,
 every repository path in a code span exists, every ``CACHESEEK_*`` variable is read, the
 settings table of docs/http-api.md is ``server/config.py``'s settings (flags, variables,
-defaults), design.md's constructor signatures are cacheseek's, the default columns of
+defaults), design.md's constructor and method signatures and errors row are cacheseek's, the default columns of
 redis.md's ``TierConfig`` table and vllm.md's connector keys are the dataclasses', and
-operations.md names every series a real server's ``/metrics`` shows, and no other,
+operations.md names every series a real server's ``/metrics`` shows (with its labels), and
+no other, and every field of its ``/v1/stats`` (and no other), as the client docs name every
+``client_stats()`` field and vllm.md every connector counter, frame-format.md and redis.md
+give the frame's and the keys' layout, http-api.md the server's limits, every dotted
+``cacheseek.*`` name resolves and every result file named is kept,
 models.md's demo output has the columns the demo prints and its pip command the wheel the
 code pins, every install of the project shown (docs, scripts, the code's messages) is of the
 checkout with extras it has, the README's two commands are the scripts and ``.ci/run`` runs
 the test one, which installs what the suite skips without and every module the tests import, the README's Python examples run (against a real server on loopback), and so do engine.md's and kernels.md's first (on the CPU),
-http-api.md's and precision.md's (against a server) and redis.md's `TierConfig` lines, and
+http-api.md's and precision.md's (against a server), models.md's (a tiny Llama) and
+redis.md's `TierConfig` lines, kernels.md's other calls bind to the kernels' signatures,
+every vLLM connector configuration shown parses, and
 every series and ``X-CacheSeek-*`` header any doc names is real, every route the app serves is
-in http-api.md (and every route a doc names is served), and design.md's module map lists the
-imports each module has."""
+in http-api.md (and every route a doc names is served), design.md's module map lists the
+imports each module has and no module imports a higher layer's, and no doc tells its history
+("as before", "the first version": that is CHANGELOG.md's)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import re
@@ -244,6 +253,37 @@ def test_every_flag_shown_with_a_command_is_one_it_takes():
         for flag, where in flags:
             if not re.search(re.escape(flag) + r"(?![\w-])", text):
                 problems.append(f"{where}: {' '.join(command)} takes no {flag}")
+    assert not problems, "\n".join(problems)
+
+
+# The doc that says what each ``cacheseek`` command does: every flag the command takes is
+# named there (serve's settings are checked against http-api.md's table, below).
+COMMAND_DOCS = {("cacheseek",): "operations.md", ("cacheseek", "top"): "operations.md",
+                ("cacheseek", "admin"): "operations.md", ("cacheseek", "plan"): "hit-rate.md",
+                ("cacheseek", "redis-check"): "redis.md", ("cacheseek", "demo"): "models.md",
+                **{("cacheseek", "admin", c): "operations.md"
+                   for c in ("namespaces", "models", "pins", "flush", "delete-chain", "pin", "unpin")}}
+
+
+def test_every_flag_a_command_takes_is_in_its_doc():
+    """The other direction of the test above: a flag ``--help`` lists and no doc names (top's
+    ``--interval``, the demo's ``--cache-dir``) is one a reader cannot find."""
+    pytest.importorskip("fastapi")
+    problems = []
+    for command, doc in COMMAND_DOCS.items():
+        out = io.StringIO()
+        if len(command) == 1:
+            from cacheseek.server.cli import main as cli
+            with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+                cli(["--help"])
+            text = out.getvalue()
+        else:
+            text = help_text(command)
+        taken = set(FLAG.findall(text.split("options:", 1)[-1])) - {"--help"}
+        assert taken or command[-1] in ("namespaces", "models", "pins"), (command, text)
+        named = (ROOT / "docs" / doc).read_text(encoding="utf-8")
+        problems += [f"docs/{doc}: {' '.join(command)} {flag} is not named" for flag in sorted(taken)
+                     if not re.search(re.escape(flag) + r"(?![\w-])", named)]
     assert not problems, "\n".join(problems)
 
 
@@ -540,29 +580,135 @@ def test_default_tables_match_the_dataclasses():
 SERIES = re.compile(r"`(cacheseek_[a-z_{},]+?)(?:\{[a-z_,]+\})?`")
 
 
+def _expand(name: str) -> list[str]:
+    """``cacheseek_tier_{hits,misses}_total`` spelled out."""
+    m = re.search(r"\{([a-z_,]+)\}", name)
+    if not m:
+        return [name]
+    return [e for alt in m.group(1).split(",") for e in _expand(name[: m.start()] + alt + name[m.end():])]
+
+
 def documented_series() -> set[str]:
     """Every series docs/operations.md names, ``cacheseek_tier_{hits,misses}_total`` spelled out."""
-    def expand(name: str) -> list[str]:
-        m = re.search(r"\{([a-z_,]+)\}", name)
-        if not m:
-            return [name]
-        return [e for alt in m.group(1).split(",") for e in expand(name[: m.start()] + alt + name[m.end():])]
-
     text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
-    return {e for m in SERIES.finditer(text) for e in expand(m.group(1))}
+    return {e for m in SERIES.finditer(text) for e in _expand(m.group(1))}
+
+
+@pytest.fixture(scope="module")
+def server_figures(tmp_path_factory) -> tuple[str, dict]:
+    """``/metrics`` and ``/v1/stats`` of a real server after traffic: a Redis tier and a disk
+    admission threshold, so that the figures only they have are shown too."""
+    pytest.importorskip("fastapi")
+    from server_helpers import figures_after_traffic
+
+    return figures_after_traffic(tmp_path_factory.mktemp("figures"), "--disk-admit-after-uses", "2")
 
 
 @needs_redis
-def test_operations_names_every_series_of_metrics_and_no_other(tmp_path):
-    pytest.importorskip("fastapi")
-    from server_helpers import metrics_after_traffic
-
-    # a Redis tier and a disk admission threshold: the series only they have are shown too
-    text = metrics_after_traffic(tmp_path, "--disk-admit-after-uses", "2")
+def test_operations_names_every_series_of_metrics_and_no_other(server_figures):
+    text, _ = server_figures
     exposed = {re.sub(r"_(bucket|count|sum)$", "", name) for name in re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M)}
     shown = documented_series()
     assert exposed - shown == set(), "in /metrics, not in docs/operations.md"
     assert shown - exposed == set(), "in docs/operations.md, not in /metrics"
+    # and each with the labels the table gives it
+    labels: dict[str, set[str]] = {}
+    for m in re.finditer(r"^(cacheseek_[a-z_]+)(?:\{([^}]*)\})? ", text, re.M):
+        found = {kv.split("=")[0] for kv in (m.group(2) or "").split(",") if kv} - {"le"}
+        labels.setdefault(re.sub(r"_(bucket|count|sum)$", "", m.group(1)), set()).update(found)
+    table = "\n".join(line.split(" | ")[0] for line in (ROOT / "docs" / "operations.md").read_text(
+        encoding="utf-8").splitlines() if line.startswith("| `cacheseek_"))  # the table's first column
+    compared, wrong = 0, []
+    for m in re.finditer(r"`(cacheseek_[a-z_{},]+?)(\{[a-z_,]+\})?`", table):
+        said = set(m.group(2).strip("{}").split(",")) if m.group(2) else set()
+        for name in _expand(m.group(1)):
+            compared += 1
+            if labels.get(name) != said:
+                wrong.append(f"{name}: docs/operations.md says {sorted(said)}, "
+                             f"/metrics has {sorted(labels.get(name, ()))}")
+    assert compared >= len(exposed) and not wrong, "\n".join(wrong)
+
+
+def stats_paths(stats: dict) -> set[str]:
+    """Every key of ``/v1/stats`` as a path: ``traffic.lookups``, ``tiers[].used_bytes``
+    (a list's dicts merged), ``tiers[].breaker.state``; data keys (status codes, tier names
+    under ``recovery.tiers``) as ``*``."""
+    out: set[str] = set()
+
+    def walk(value, path: str, data_keys: bool = False) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                name = "*" if data_keys or key.isdigit() else key
+                here = f"{path}.{name}" if path else name
+                out.add(here)
+                walk(inner, here, here == "recovery.tiers")
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, dict):
+                    out.add(path + "[]")
+                    walk(item, path + "[]")
+
+    walk(stats, "")
+    return out
+
+
+def documented_stats_paths() -> list[tuple[int, str]]:
+    """(line, path) of each ``/v1/stats`` path in operations.md's "Every figure" table: a name
+    after ``tiers[].`` in a cell is a tier's too, ``{a,b}`` stands for both, ``*`` for any."""
+    lines = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Every figure")
+    out = []
+    for number, line in enumerate(lines[start:], start + 1):
+        if line.startswith("## ") and number > start + 1:
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[1].startswith("`") or cells[1].startswith("`/v1"):
+            continue
+        parent = ""
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            if name.endswith("..."):
+                continue
+            if "." in name:
+                parent = name.rpartition(".")[0] + "."
+            elif name.endswith("[]"):
+                parent = name + "."
+            else:
+                name = parent + name
+            m = re.search(r"\{([a-z_,]+)\}", name)
+            for alt in (m.group(1).split(",") if m else [""]):
+                out.append((number, name[: m.start()] + alt + name[m.end():] if m else name))
+    return out
+
+
+@needs_redis
+def test_operations_names_every_field_of_stats_and_no_other(server_figures):
+    """operations.md's "Every figure" table and its list of the rest say what ``/v1/stats``
+    holds: every path the table names is one the server answers, and every key it answers
+    (at any depth) is a word of operations.md or http-api.md (redis.md for the Redis tier's).
+    Fields went in (`unique_raw_bytes`, the prefetch's counts, the disk tier's
+    `removed_at_start`) that no doc named."""
+    _, stats = server_figures
+    real = stats_paths(stats)
+    assert {"traffic.lookups", "tiers[].used_bytes", "tiers[].breaker.state", "prefetch.started",
+            "tiers[].admission.not_admitted"} <= real, sorted(real)
+    shown = documented_stats_paths()
+    assert len(shown) > 40
+    problems = [f"docs/operations.md:{number}: `{path}` is not in /v1/stats" for number, path in shown
+                if not any(re.fullmatch(re.escape(path).replace(r"\*", "[a-z_]*"), r) for r in real)]
+    # http-api.md's row of the route names fields too (and the read paths the disk tier reports)
+    [row] = [line for line in (ROOT / "docs" / "http-api.md").read_text(encoding="utf-8").splitlines()
+             if line.startswith("| `GET /v1/stats`")]
+    keys = {p.rpartition(".")[2].removesuffix("[]") for p in real}
+    problems += [f"docs/http-api.md: the GET /v1/stats row names {name!r}, which /v1/stats does not hold"
+                 for name in sorted(set(re.findall(r"`([a-z_]+)`", row)) - keys - {"o_direct", "buffered"})]
+    docs = "\n".join((ROOT / "docs" / name).read_text(encoding="utf-8")
+                     for name in ("operations.md", "http-api.md", "redis.md"))
+    docs += " ".join(n for m in re.finditer(r"([a-z_]*)\{([a-z_,]+)\}([a-z_]*)", docs)
+                     for n in (m.group(1) + alt + m.group(3) for alt in m.group(2).split(",")))
+    keys -= {"*"}
+    problems += [f"/v1/stats holds {key!r}, which no doc names"
+                 for key in sorted(keys) if not re.search(rf"(?<![\w-]){re.escape(key)}(?![\w-])", docs)]
+    assert not problems, "\n".join(problems)
 
 
 def test_the_demo_output_shown_has_the_demos_columns():
@@ -935,6 +1081,7 @@ def _is_module(module: str) -> bool:
     return (ROOT / rel).with_suffix(".py").is_file() or (ROOT / rel / "__init__.py").is_file()
 
 
+@functools.cache
 def module_imports(path: Path) -> tuple[set[str], set[str]]:
     """(CacheSeek modules ``path`` imports at module level, those it imports only inside
     functions), in the map's names; imports under ``TYPE_CHECKING`` are not imports."""
@@ -1071,3 +1218,416 @@ def test_every_h200_step_a_doc_names_is_one_the_script_runs():
             for m in re.finditer(r"scripts/h200\.sh((?: [a-z0-9][a-z0-9-]*)+)", line):
                 unknown += [f"{path.relative_to(ROOT)}:{number}: {s}" for s in m.group(1).split() if s not in steps]
     assert not unknown, "steps scripts/h200.sh does not have:\n" + "\n".join(unknown)
+
+
+def test_the_models_md_python_example_runs():
+    """models.md's block, run with a tiny random Llama in place of SmolLM2 (the rest as
+    written, on the CPU): every name, keyword and result field it shows is the code's; run
+    twice, the second call reuses the first's blocks."""
+    pytest.importorskip("transformers")
+    from model_helpers import tiny_llama
+
+    (block,) = fenced_blocks(ROOT / "docs" / "models.md", "python")
+    code = shrunk(block, {"model, tokenizer = smollm2.load()": "model = tiny_llama()",
+                          "max_new_tokens=64": "max_new_tokens=8"})
+    scope = {"input_ids": list(range(1, 150)), "tiny_llama": tiny_llama}
+    exec(code, scope)
+    res, out = scope["res"], scope["out"]
+    assert (res.reused_tokens, res.computed_tokens, res.skipped_reason) == (0, 149, None)
+    assert len(out.tokens) == 8 and isinstance(res.next_token, int)
+    again = scope["prefill_with_reuse"](scope["model"], scope["cache"], scope["input_ids"])
+    assert (again.reused_tokens, again.computed_tokens) == (128, 21)
+    scope["cache"].close()
+
+
+def connector_configs() -> list[tuple[str, dict]]:
+    """(where, kv_connector_extra_config) of every vLLM configuration a doc shows: the JSON of
+    a ``--kv-transfer-config '...'`` and the dict of an ``LLM(..., kv_transfer_config={...})``."""
+    import ast
+    import json
+
+    out = []
+    for path in CURRENT:
+        text = path.read_text(encoding="utf-8")
+        for m in re.finditer(r"--kv-transfer-config '([^']*)'", text):
+            out.append((f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}",
+                        json.loads(m.group(1))))
+        for block in fenced_blocks(path, "python"):
+            for node in ast.walk(ast.parse(block)):
+                if isinstance(node, ast.keyword) and node.arg == "kv_transfer_config":
+                    out.append((f"{path.relative_to(ROOT)}: LLM(kv_transfer_config=...)", ast.literal_eval(node.value)))
+    return out
+
+
+def test_every_connector_configuration_shown_is_one_the_connector_takes():
+    """The connector parses each ``kv_connector_extra_config`` the docs show (README's, and
+    vllm.md's commands and ``LLM(...)`` calls), as vLLM would hand it over: keys, values,
+    tiers; and each names the connector and its module as they are."""
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+
+    configs = connector_configs()
+    assert len(configs) >= 5, configs
+    problems = []
+    for where, config in configs:
+        if (config.get("kv_connector"), config.get("kv_connector_module_path")) != (
+                "CacheSeekConnector", "cacheseek.integrations.vllm"):
+            problems.append(f"{where}: names {config.get('kv_connector')} in {config.get('kv_connector_module_path')}")
+        try:
+            ConnectorConfig.from_extra(config.get("kv_connector_extra_config"))
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_kernels_md_calls_bind_to_the_kernels_signatures():
+    """kernels.md's blocks after the first (fragments of a store's calls, their tensors made
+    elsewhere): every ``kernels.X(...)`` call they show binds to X's signature, its
+    positional arguments and keywords; a ``(...)`` call shows the name only."""
+    import ast
+    import inspect
+
+    from cacheseek import kernels
+
+    calls = 0
+    problems = []
+    for block in fenced_blocks(ROOT / "docs" / "kernels.md", "python")[1:]:
+        for line in block.splitlines():
+            code = line.split("#")[0].strip()
+            if not code:
+                continue
+            for node in ast.walk(ast.parse(code.split(" / ")[0])):
+                if not (isinstance(node, ast.Call) and ast.unparse(node.func).startswith("kernels.")):
+                    continue
+                target = kernels
+                for part in ast.unparse(node.func).split(".")[1:]:
+                    target = getattr(target, part, None)
+                if target is None:
+                    problems.append(f"{ast.unparse(node.func)}: no such name")
+                    continue
+                if [ast.unparse(a) for a in node.args] == ["..."]:
+                    continue
+                calls += 1
+                try:
+                    inspect.signature(target).bind(*node.args, **{k.arg: k.value for k in node.keywords})
+                except TypeError as e:
+                    problems.append(f"{ast.unparse(node)[:80]}: {e}")
+    assert calls >= 6
+    assert not problems, "\n".join(problems)
+
+
+def test_the_error_hierarchy_in_design_md_is_the_packages():
+    """design.md's errors row (`cs.A` > `cs.B`, `cs.C` > `cs.D` and `cs.E`, ...: after a comma,
+    another child of the first) names every exception class the package exports, each under
+    the class it derives from; `FrameVersionError`, `LoadError` and `PoolExhausted` were
+    exported and in no such row."""
+    import cacheseek as cs
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    [row] = [line for line in lines if line.startswith("| `cs.CacheSeekError` >")]
+    cell = re.sub(r"\([^()]*\)", "", row.split("|")[1])  # the words in parentheses aside
+    root = None
+    problems, named = [], set()
+    for part in cell.split(","):
+        parent = root
+        for level in part.split(">"):
+            names = re.findall(r"`cs\.(\w+)`", level)
+            assert names, (part, level)
+            for name in names:
+                cls = getattr(cs, name)
+                named.add(name)
+                if parent is not None and cls.__bases__[0] is not parent:
+                    problems.append(f"cs.{name} derives from {cls.__bases__[0].__name__}, not {parent.__name__}")
+            if root is None:
+                root = getattr(cs, names[0])
+            parent = getattr(cs, names[0])
+    exported = {n for n in dir(cs) if isinstance(getattr(cs, n), type) and issubclass(getattr(cs, n), BaseException)}
+    problems += [f"cs.{n} is not in design.md's errors row" for n in sorted(exported - named)]
+    assert not problems, "\n".join(problems)
+
+
+# Words that tell the docs' history rather than what is: it belongs in CHANGELOG.md. (A
+# comparison measured against another tree names that tree: "against b12b1ee".)
+HISTORY = re.compile(r"\b(as (it did )?before|used to (be|do|take|send)|previously|formerly|the first version"
+                     r"|before this (version|release|change|one)|every release before|(this|the older?) version"
+                     r"|the default changed|since then|the old (step|meaning|code|path))\b", re.I)
+
+
+def test_the_docs_say_what_is_not_how_it_came_to_be():
+    problems = [f"{path.relative_to(ROOT)}:{number}: {m.group(0)!r}"
+                for path in CURRENT for number, line in doc_lines(path) for m in HISTORY.finditer(line)]
+    assert not problems, "\n".join(problems)
+
+
+def test_lower_layers_never_import_higher_ones():
+    """design.md's layer rule, checked: each module's imports (module level and lazy) are of
+    its own section of the module map or one above it in the map (the package counts with
+    the caches), and the sections the map calls torch-free import no torch at module level."""
+    import ast
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:start"))
+    end = next(i for i, line in enumerate(lines) if line.startswith("<!-- module-map:end"))
+    rank = {"Foundations": 0, "Codecs": 1, "Store": 2, "Caches": 3, "Integrations": 4, "Traces": 4, "Server": 5}
+    section_of: dict[str, str] = {"the package": "Caches"}
+    section, torch_free = None, {}
+    for line in lines[start:end]:
+        if m := re.match(r"\*\*(\w+)[\w ]*\*\*(.*)", line):
+            section = m.group(1)
+            said = re.search(r"torch-free(?: except (.*?))?\)|never imports torch", m.group(2))
+            if said:
+                torch_free[section] = set(re.findall(r"`(\w+)`", said.group(1) or ""))
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if section and len(cells) == 3:
+            for path in re.findall(r"`([\w/]+\.py|[\w]+/)`", cells[0]):
+                base = "" if path.startswith("cacheseek/") else MAP_SECTIONS[section]
+                full = ROOT / base / path
+                for file in ([full] if full.suffix == ".py" else sorted(full.rglob("*.py"))):
+                    section_of[_map_name(_module_name(file))] = section
+    assert len(section_of) > 100 and set(torch_free) == {"Store", "Traces", "Server"}, torch_free
+    # the exception the rule's paragraph names: Materialized.to_dynamic_cache(), called
+    exceptions = {("results", "integrations.transformers")}
+    rule = " ".join(lines[start:start + 12])
+    assert "`Materialized.to_dynamic_cache()` (`results.py`)" in rule and "`integrations.transformers`" in rule
+    problems = []
+    for path in sorted(p for d in ("cacheseek", "server") for p in (ROOT / d).rglob("*.py")):
+        me = _map_name(_module_name(path))
+        if path.name == "__init__.py" and me != "the package":
+            continue  # a package's own re-exports
+        mine = section_of.get(me)
+        if mine is None:
+            problems.append(f"{path.relative_to(ROOT)}: in no section of the module map")
+            continue
+        top, lazy = module_imports(path)
+        for name in sorted(top | lazy):
+            theirs = section_of.get(name) or section_of.get(name.rpartition(".")[0])
+            if theirs and rank[theirs] > rank[mine] and (me, name) not in exceptions:
+                problems.append(f"{path.relative_to(ROOT)} ({mine}) imports {name} ({theirs})")
+        if mine in torch_free and path.stem not in torch_free[mine]:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in
+                   ([a.name.split(".")[0] for a in n.names] if isinstance(n, ast.Import) else [(n.module or "").split(".")[0]])
+                   for n in tree.body):
+                problems.append(f"{path.relative_to(ROOT)} ({mine}, torch-free) imports torch")
+    assert not problems, "\n".join(problems)
+
+
+def test_vllm_md_names_every_connector_counter():
+    """vllm.md's table of `CacheSeekConnector.stats()` names each counter of
+    ``ConnectorStats``, on the side that keeps it, and names no counter that is not one."""
+    import dataclasses
+
+    from cacheseek.integrations.vllm.stats import ConnectorStats
+
+    lines = (ROOT / "docs" / "vllm.md").read_text(encoding="utf-8").splitlines()
+    table = {m.group(1): m.group(2) for line in lines if (m := re.match(r"^\| (scheduler|worker) \| (.*) \|$", line))}
+    assert set(table) == {"scheduler", "worker"}, table
+    fields = [f.name for f in dataclasses.fields(ConnectorStats)]
+    # the scheduler's counters come first in the class, up to the first load_calls
+    sides = {name: "worker" if i >= fields.index("load_calls") else "scheduler" for i, name in enumerate(fields)}
+    problems = [f"{name} ({side}) is not in vllm.md's {side} row" for name, side in sides.items()
+                if f"`{name}`" not in table[side]]
+    # a counter named there: a backquoted word of the row before its parenthesis or comma
+    for side, row in table.items():
+        for name in re.findall(r"(?:^|, |; )`(\w+)`", re.sub(r"\([^()]*(\([^()]*\)[^()]*)*\)", "", row)):
+            if name not in sides:
+                problems.append(f"vllm.md's {side} row names {name}, which ConnectorStats does not count")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_client_stats_field_is_named():
+    """Each key of ``RemoteCache.client_stats()`` (at any depth) is a word of http-api.md or
+    engine.md, where the client's figures are told; the write-behind's queue counters
+    (`writes_queued`, `pending_bytes_high`, ...) were in neither."""
+    import cacheseek as cs
+
+    layout = cs.KVLayout(num_layers=1, num_kv_heads=1, head_dim=32, dtype="float16")
+    with cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=layout, codec=cs.Raw(), block_tokens=16) as remote:
+        keys = {p.rpartition(".")[2] for p in stats_paths(remote.client_stats())}
+    assert {"outages", "breaker", "write_behind", "writes_failed", "read_buffers", "buffers_made"} <= keys
+    docs = "\n".join((ROOT / "docs" / name).read_text(encoding="utf-8") for name in ("http-api.md", "engine.md",
+                                                                                      "operations.md"))
+    missing = sorted(k for k in keys if not re.search(rf"(?<![\w-]){re.escape(k)}(?![\w-])", docs))
+    assert not missing, f"client_stats() keys no doc names: {missing}"
+
+
+def test_frame_format_md_is_the_frame_codes_format():
+    """frame-format.md's header table, entry fields, sidecar fields and limits are
+    ``store/frame.py``'s and ``store/disk.py``'s."""
+    from cacheseek.store import disk, frame
+
+    text = (ROOT / "docs" / "frame-format.md").read_text(encoding="utf-8")
+    header = text.split("Header (a msgpack map with exactly these keys):", 1)[1].split("\n\n", 2)[1]
+    keys = set(re.findall(r"^\| `(\w+)` \|", header, re.M))
+    assert keys == frame._HEADER_KEYS, keys ^ frame._HEADER_KEYS
+    [entry] = re.findall(r"`\{(name, [\w, ]+)\}` per buffer", text)
+    assert set(entry.split(", ")) == frame._ENTRY_KEYS
+    [sidecar] = re.findall(r"a msgpack map\n?`\{([\w, ]+)\}`", text)
+    assert set(sidecar.split(", ")) == disk._SIDECAR_KEYS
+    assert f'"{frame.MAGIC.decode()}"' in text and f"# Frame format (version {frame.FORMAT_VERSION})" in text
+    assert frame.PREAMBLE.format == "<4sIQ" and "N: u32 LE" in text and "u64 LE" in text
+    assert f"at most {frame.MAX_HEADER_NBYTES // 1024} KiB" in text and f"{frame.ALIGN}-byte" in text
+    assert f"at most {frame.MAX_TENSORS} entries of rank ≤ {frame.MAX_RANK}" in text
+
+
+def test_redis_md_key_list_is_the_keys_the_tier_writes():
+    """redis.md's block of keys names each key ``RedisKeys`` makes, in its default prefix
+    and namespace, with the placeholders the block uses, and no other."""
+    from cacheseek.store.redis_keys import RedisKeys
+
+    text = (ROOT / "docs" / "redis.md").read_text(encoding="utf-8")
+    block = text.split("## Keys", 1)[1].split("```", 2)[1]
+    shown = {re.match(r"(?:<[^>]*>|\S)+", line.strip()).group(0) for line in block.strip().splitlines()}
+    keys, h = RedisKeys(), bytes(range(16))
+    made = {keys.frame(h), keys.frame_gen(h), *keys.index, keys.owners, keys.owner_pins("<owner>"), keys.call("<id>")}
+    made = {k.replace(h.hex(), "<block hash hex>") for k in made}
+    assert shown == made, (sorted(shown - made), sorted(made - shown))
+
+
+def test_http_api_md_states_the_servers_constants():
+    """The limits http-api.md gives in figures are the constants the server runs with, and
+    the uvicorn and httptools ranges it says are pinned are pyproject.toml's and the ones
+    ``server/protocol.py`` checks at start."""
+    pytest.importorskip("fastapi")
+    from cacheseek.server import limits, protocol
+    from cacheseek.server.routes import _body
+
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "http-api.md").read_text(encoding="utf-8"))
+
+    def size(n: int) -> str:
+        return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+    said = {
+        "request head": f"| request head | {size(protocol.MAX_HEAD_BYTES)} |",
+        "pipelined": f"| pipelined requests | {protocol.MAX_PIPELINED} waiting |",
+        "waiting": f"| body bytes waiting | {size(protocol.HIGH_WATER)} a connection |",
+        "chunks": f"(under {size(protocol.SMALL_PIECE)}) are gathered into pieces of up to {size(protocol.GATHER)}",
+        "linger": f"for up to {protocol.LINGER_S:g} s (`LINGER_S`)",
+        "frame floor": f"a frame of a batch counts at least {size(limits.FRAME_MIN_BYTES)}",
+        "step": f"{size(_body.STEP)} at a time",
+        "piece": f"grows by {size(_body.PIECE)} pieces",
+        "trim": f"after at least {size(limits.TRIM_AFTER_BYTES)} were given back unstored",
+    }
+    problems = [f"{what}: http-api.md does not say {phrase!r}" for what, phrase in said.items() if phrase not in text]
+    pins = {name: re.search(rf'"{name}(>=[\d.]+,<[\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+            for name in ("uvicorn", "httptools")}
+    if f"(`{pins['uvicorn']}` and `{pins['httptools']}`" not in text:
+        problems.append(f"the pins http-api.md gives are not pyproject.toml's {pins}")
+    for name, (low, high) in (("uvicorn", protocol.UVICORN_RANGE), ("httptools", protocol.HTTPTOOLS_RANGE)):
+        if pins[name] != ">={}.{},<{}.{}".format(*low, *high):
+            problems.append(f"{name}: pyproject.toml pins {pins[name]}, server/protocol.py checks {low}..{high}")
+    assert not problems, "\n".join(problems)
+
+
+# files a command writes where it is run, named as its output
+OUTPUT_NAMES = {"plan.json"}
+
+
+def test_every_result_file_named_is_kept():
+    """A ``*.json`` or ``*.log`` a doc names as the record of a figure is in
+    ``benchmarks/results`` (under any folder there; ``*`` as a glob, ``run1/2`` as both
+    runs); a repository path is checked by the path test above."""
+    results = ROOT / "benchmarks" / "results"
+    problems = []
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in re.findall(r"`([\w./*-]+\.(?:json|log))`", line):
+                if name.startswith(("/", "_")) or REPO_PATH.fullmatch(f"`{name}`") or name in OUTPUT_NAMES:
+                    continue  # a route; a suffix of the name before it; a path, checked above; an output
+                if name.startswith("benchmarks/"):
+                    if not any(ROOT.glob(name)):
+                        problems.append(f"{path.relative_to(ROOT)}:{number}: no {name}")
+                    continue
+                names = [name]
+                if m := re.match(r"(.*run)(\d)/(\d)(\.\w+)$", name):
+                    names = [f"{m.group(1)}{m.group(2)}{m.group(4)}", f"{m.group(1)}{m.group(3)}{m.group(4)}"]
+                problems += [f"{path.relative_to(ROOT)}:{number}: no {n} under benchmarks/results"
+                             for n in names if not any(results.glob(f"**/{n}"))]
+    assert not problems, "\n".join(problems)
+
+
+def test_every_dotted_cacheseek_name_resolves():
+    """A ``cacheseek.a.b`` a doc names in code is a module or an attribute of one (vLLM's
+    modules aside, which need vLLM; the strings the server keys a request's scope with
+    aside, which are names of no module)."""
+    pytest.importorskip("fastapi")
+    from cacheseek.server import head, protocol
+
+    scope_keys = {protocol.BODY_INTO, protocol.BODY_GONE, protocol.CUT_SHORT, protocol.UNSENT, head.HEAD_REQUEST}
+    problems, seen = [], 0
+    for path in CURRENT:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for name in re.findall(r"(?<![\w./-])(cacheseek(?:\.[A-Za-z_]\w*)+)", line):
+                if name in scope_keys or name.startswith("cacheseek.integrations.vllm") or re.search(
+                        r"\.(toml|ya?ml|json|py|png|frames)$", name):
+                    continue  # (a file's name; the batch body's media type)
+                seen += 1
+                parts, obj = name.split("."), None
+                for i in range(len(parts), 0, -1):
+                    with contextlib.suppress(ImportError):
+                        obj, rest = importlib.import_module(".".join(parts[:i])), parts[i:]
+                        break
+                for attr in rest if obj is not None else []:
+                    obj = getattr(obj, attr, None)
+                if obj is None:
+                    problems.append(f"{path.relative_to(ROOT)}:{number}: {name} does not resolve")
+    assert seen > 10
+    assert not problems, "\n".join(problems)
+
+
+def test_the_python_names_table_shows_the_methods_signatures():
+    """The rest of design.md's "Python names" table: each ``.method(...)`` (of `PrefixCache`
+    and `RemoteCache` alike), ``cs.X.y(...)``, ``PrefixCache.store.y(...)`` and
+    ``cacheseek.a.f(...)`` it shows takes those parameters, in that order, with those
+    defaults (an expression, ``pages.at(ids)``, stands for the parameter in its place);
+    `wait=` and `layerwise=` of the ingests were not shown."""
+    import ast
+    import inspect
+
+    import cacheseek as cs
+    from cacheseek.store.tiered import TieredStore
+
+    lines = (ROOT / "docs" / "design.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Python names")
+    rows = [line.split(" | ")[0] for line in lines[start + 1:next(
+        i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))] if line.startswith("| `")]
+
+    def targets(name: str) -> list:
+        if name.startswith("."):
+            return [getattr(c, name[1:], None) for c in (cs.PrefixCache, cs.RemoteCache)]
+        if name.startswith("PrefixCache.store."):
+            return [getattr(TieredStore, name.rpartition(".")[2], None)]
+        obj = cs if name.startswith("cs.") else importlib.import_module(name.rpartition(".")[0])
+        for part in (name[3:] if name.startswith("cs.") else name.rpartition(".")[2]).split("."):
+            obj = getattr(obj, part, None)
+        return [obj]
+
+    checked, problems = 0, []
+    for row in rows:
+        for span in re.findall(r"`([^`]*)`", row):
+            m = re.match(r"^((?:cs\.\w+\.|\.|PrefixCache\.store\.|cacheseek\.)[\w.]*)\((.*?)\)(?: -> .*)?$", span)
+            if not m or m.group(2).strip() == "...":
+                continue
+            name, params = m.groups()
+            elided = params.strip().endswith("...")
+            params = re.sub(r"(^|, )\*(, |$)", r"\1", params.replace("...", "").strip().rstrip(","))
+            call = ast.parse(f"f({params})", mode="eval").body
+            shown = [a.id if isinstance(a, ast.Name) else None for a in call.args] + [k.arg for k in call.keywords]
+            for target in targets(name):
+                if target is None:
+                    problems.append(f"{span}: no such name")
+                    continue
+                checked += 1
+                actual = [p for p in inspect.signature(target).parameters.values()
+                          if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+                names = [p.name for p in actual]
+                if len(shown) > len(names) or any(s not in (None, n) for s, n in zip(shown, names)) or (
+                        not elided and len(shown) != len(names)):
+                    problems.append(f"{span[:60]}: shows {shown}, {target.__qualname__} takes {names}")
+                defaults = {p.name: p.default for p in actual}
+                for k in call.keywords:
+                    with contextlib.suppress(ValueError):
+                        if k.arg in defaults and defaults[k.arg] != ast.literal_eval(k.value):
+                            problems.append(f"{span[:60]}: {k.arg}={ast.unparse(k.value)}, the default is {defaults[k.arg]!r}")
+    assert checked >= 20, checked
+    assert not problems, "\n".join(problems)
