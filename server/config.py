@@ -15,12 +15,17 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import tomllib
+import sys
 import warnings
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # tomllib is tomli, taken into the standard library in 3.11
+    import tomli as tomllib
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError

@@ -35,6 +35,11 @@ import re
 import sys
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # (the server extra installs tomli there)
+    import tomli as tomllib
+
 import pytest
 from redis_servers import needs_redis
 
@@ -940,7 +945,6 @@ def test_every_install_of_the_project_shown_is_from_the_checkout_with_real_extra
     """cacheseek is not on PyPI: models.md's ``pip install 'cacheseek[demo]'`` found no
     distribution (or, were the name taken, someone else's). Every install of the project a
     doc or script shows is from the checkout, with extras pyproject.toml defines."""
-    import tomllib
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"])
     # (the code's messages too: each missing extra's error says how to install it)
@@ -991,7 +995,6 @@ def _dist(name: str) -> str:
 def _test_command_requirements() -> tuple[str, list[str], set[str]]:
     """scripts/test.sh, the extras it installs, and the distributions those (and the base
     requirements) name."""
-    import tomllib
 
     script = (ROOT / "scripts" / "test.sh").read_text(encoding="utf-8")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
@@ -1043,7 +1046,8 @@ def test_every_module_the_tests_import_is_a_requirement_the_test_command_install
                      [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
             for name in names:
                 top = name.split(".")[0]
-                if top not in sys.stdlib_module_names and top not in own and top != "__future__":
+                # (tomllib: the stdlib's from 3.11, imported there only; 3.10 takes tomli)
+                if top not in sys.stdlib_module_names and top not in own and top not in ("__future__", "tomllib"):
                     imported.setdefault(top, path.name)
     assert {"torch", "httpx", "hypothesis", "yaml", "websocket"} <= set(imported)
     providers = packages_distributions()

@@ -11,6 +11,7 @@ from cacheseek.errors import ChecksumError, FrameError, FrameVersionError
 from cacheseek.store.frame import (
     ALIGN,
     MAGIC,
+    MAX_HEADER_NESTING,
     PREAMBLE,
     build_frame,
     check_codec_layout,
@@ -236,3 +237,40 @@ def test_a_checksum_fed_no_frame_has_no_digest():
         checksum = PayloadChecksum()
         checksum.feed(blob)
         assert checksum.digest() is None, blob[:8]
+
+
+def _nested(depth: int) -> list:
+    value: list = [1]
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("where", ["codec", "layout", "shape"])
+def test_a_value_nested_past_the_limit_is_refused_whatever_the_python_recursion_limit(where):
+    """Depth is checked, not left to a RecursionError, which a repr or == of a value ~1000
+    deep raises on Python 3.11 and not on 3.12: there the frame reached the codec check and
+    its error echoed the whole value."""
+    header, payload = _good_header()
+    deep = _nested(MAX_HEADER_NESTING - 1)  # under the header and its codec or layout: one level over
+    if where == "codec":
+        header["codec"] = {**header["codec"], "version": deep}
+    elif where == "layout":
+        header["layout"] = {**header["layout"], "num_layers": deep}
+    else:
+        header["tensors"][0]["shape"] = _nested(MAX_HEADER_NESTING - 2)  # header, tensors, entry
+    with pytest.raises(FrameError, match=f"nested too deep \\(over {MAX_HEADER_NESTING} levels\\)"):
+        parse_header(_forge(header, payload))
+    header, payload = _good_header()
+    header["codec"] = {**header["codec"], "version": _nested(MAX_HEADER_NESTING - 2)}  # at the limit
+    with pytest.raises(FrameError, match="codec") as got:
+        check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+    assert len(str(got.value)) < 300  # the spec's repr is cut, not echoed whole
+
+
+def test_a_codec_spec_in_an_error_is_cut_short():
+    header, payload = _good_header()
+    header["codec"] = {**header["codec"], "version": "x" * 60_000}
+    with pytest.raises(FrameError, match="codec") as got:
+        check_codec_layout(parse_frame(_forge(header, payload), verify=False))
+    assert len(str(got.value)) < 300

@@ -261,7 +261,7 @@ def _quantize_k_kernel(
     PER: tl.constexpr = 32 // BITS
     NW: tl.constexpr = G // PER
     QMAX: tl.constexpr = (1 << BITS) - 1
-    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16 if _FMA_ROUNDS_ONCE else False  # (_quotient)
     # Elementwise min/max in x's dtype (exact, packed for fp16); bf16 goes through fp32
     # (also exact) since the interpreter compares bf16 wrongly.
     MM_DTYPE: tl.constexpr = tl.float32 if x_ptr.dtype.element_ty == tl.bfloat16 else x_ptr.dtype.element_ty
@@ -448,7 +448,7 @@ def _quantize_v_kernel(
     WPG: tl.constexpr = GP // PER
     NGP: tl.constexpr = D_PAD // GP
     QMAX: tl.constexpr = (1 << BITS) - 1
-    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16
+    FP16_STATS: tl.constexpr = s_ptr.dtype.element_ty == tl.float16 if _FMA_ROUNDS_ONCE else False  # (_quotient)
     # As K's kernel: bf16 goes through fp32 (exact) for the min/max, since the interpreter
     # compares bf16 wrongly (NaN == NaN held there, so a NaN in bf16 V went unflagged).
     MM_DTYPE: tl.constexpr = tl.float32 if x_ptr.dtype.element_ty == tl.bfloat16 else x_ptr.dtype.element_ty
@@ -602,6 +602,17 @@ def _interpreted() -> bool:
     # Under TRITON_INTERPRET=1 (read when this module was imported) @triton.jit returns an
     # interpreter object instead of a JITFunction.
     return not isinstance(_decode, triton.runtime.JITFunction)
+
+
+def _triton_version() -> tuple[int, int]:
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# ``_quotient`` divides exactly by way of the reciprocal only with an fma that rounds once,
+# as GPUs' does. Triton's interpreter multiplied, then added (rounding twice) before 3.9;
+# under it the kernels divide with div_rn, as they do with fp32 stats: the same codes.
+_FMA_ROUNDS_ONCE = tl.constexpr(not _interpreted() or _triton_version() >= (3, 9))
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ _ROTATE_KEY = "v_rotate"  # likewise: in the spec (as true) only when on
 
 def _check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name}: must be True or False, got {value!r}")
+        raise ConfigError(f"{name}: must be True or False, got {value!r:.40}")
     return value
 
 
@@ -127,9 +127,9 @@ class KIVI:
     def from_spec(cls, spec: dict[str, Any]) -> KIVI:
         if not _SPEC_KEYS <= set(spec) <= _SPEC_KEYS | {_CLIP_KEY, _ROTATE_KEY}:
             raise ConfigError(f"kivi spec: expected keys {sorted(_SPEC_KEYS)} (and {_CLIP_KEY!r}, "
-                              f"{_ROTATE_KEY!r} when on), got {sorted(map(repr, spec))}")
+                              f"{_ROTATE_KEY!r} when on), got {sorted(map(repr, spec))!s:.200}")
         if type(spec["version"]) is not int or spec["version"] != VERSION:
-            raise ConfigError(f"kivi spec: version {spec['version']!r} is not {VERSION}")
+            raise ConfigError(f"kivi spec: version {spec['version']!r:.40} is not {VERSION}")
         for key in ("k_bits", "v_bits", "k_group", "v_group"):
             # (the constructor takes None for "as bits or group_size": a spec holds the value itself)
             if spec[key] is None:
@@ -140,10 +140,10 @@ class KIVI:
                               f"got {spec['stats_dtype']!r:.40}")
         if _CLIP_KEY in spec and (type(spec[_CLIP_KEY]) is not int or spec[_CLIP_KEY] not in CLIP_STEPS[1:]):
             raise ConfigError(f"kivi spec: {_CLIP_KEY} must be one of {list(CLIP_STEPS[1:])} "
-                              f"(left out when off), got {spec[_CLIP_KEY]!r}")
+                              f"(left out when off), got {spec[_CLIP_KEY]!r:.40}")
         if _ROTATE_KEY in spec and spec[_ROTATE_KEY] is not True:
             raise ConfigError(f"kivi spec: {_ROTATE_KEY} must be true (left out when off), "
-                              f"got {spec[_ROTATE_KEY]!r}")
+                              f"got {spec[_ROTATE_KEY]!r:.40}")
         return cls(
             k_bits=spec["k_bits"], v_bits=spec["v_bits"], k_group_size=spec["k_group"],
             v_group_size=spec["v_group"], stats_dtype=spec["stats_dtype"], v_clip=spec.get(_CLIP_KEY, 0),

@@ -26,7 +26,7 @@ class Raw:
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> Raw:
         if spec != {"name": "raw", "version": VERSION} or type(spec["version"]) is not int:
-            raise ConfigError(f"raw spec: expected {{'name': 'raw', 'version': {VERSION}}}, got {spec!r}")
+            raise ConfigError(f"raw spec: expected {{'name': 'raw', 'version': {VERSION}}}, got {spec!r:.200}")
         return cls()
 
     def fingerprint(self) -> bytes:

@@ -37,6 +37,10 @@ PREAMBLE = struct.Struct("<4sIQ")
 MAX_HEADER_NBYTES = 64 * 1024
 MAX_TENSORS = 16
 MAX_RANK = 8
+# A header nests four deep (header, tensors, an entry, its shape); the rest is room for a
+# codec spec of another release. Checked, not left to RecursionError: whether a repr or an
+# == of a value ~1000 deep raises depends on the Python version (3.11 does, 3.12 does not).
+MAX_HEADER_NESTING = 16
 HASH_SIZES = (16, 32)
 _HEADER_KEYS = {"v", "hash", "parent", "pos", "layout", "block_tokens", "codec", "tensors", "payload_nbytes", "checksum"}
 _ENTRY_KEYS = {"name", "dtype", "shape", "offset", "nbytes"}
@@ -293,10 +297,21 @@ _ENTRY_KEYS_TEXT = str(sorted(_ENTRY_KEYS))
 
 def parse_header(data: Any) -> FrameMeta:
     """Parse and check the preamble and header of ``data``; the payload is not read."""
-    try:
-        return _parse_header(data)
-    except RecursionError:  # a value nested ~1000 deep (msgpack unpacks it) met a repr or ==
-        raise FrameError("header: a value is nested too deep") from None
+    return _parse_header(data)
+
+
+def _nested_within(value: Any, limit: int) -> bool:
+    """Whether no list or map in ``value`` lies more than ``limit`` levels down (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
 
 
 def _parse_header(data: Any) -> FrameMeta:
@@ -320,6 +335,8 @@ def _parse_header(data: Any) -> FrameMeta:
         raise FrameVersionError(f"frame format version {h['v']} is not {FORMAT_VERSION}: written by another "
                                 "release")
     _expect(isinstance(h, dict) and h.keys() == _HEADER_KEYS, "header keys must be {}", _HEADER_KEYS_TEXT)
+    _expect(_nested_within(h, MAX_HEADER_NESTING), "header: a value is nested too deep (over {} levels)",
+            MAX_HEADER_NESTING)
     _expect(type(h["v"]) is int, "frame format version {!r:.20} is not {}", h["v"], FORMAT_VERSION)
     for key in ("hash", "parent"):
         _expect(isinstance(h[key], bytes) and len(h[key]) in HASH_SIZES, "{}: not a 16- or 32-byte hash", key)
@@ -383,13 +400,6 @@ def parse_frame(data: Any, *, verify: bool = True, payload_digest: bytes | None 
 
 def check_codec_layout(meta: FrameMeta) -> None:
     """The tensor entries are exactly what the header's codec makes for its layout and block size."""
-    try:
-        _check_codec_layout(meta)
-    except RecursionError:  # a codec spec nested ~1000 deep (see parse_header)
-        raise FrameError("codec: a value is nested too deep") from None
-
-
-def _check_codec_layout(meta: FrameMeta) -> None:
     try:
         codec = codec_from_spec(meta.codec)
     except (ConfigError, TypeError, ValueError) as exc:  # (a spec from outside: any of its values may be odd)
