@@ -289,7 +289,7 @@ def expected_load(world: World, call: Call) -> tuple[list[int], list[torch.Tenso
         s = r.start // B
         if n <= s:
             continue
-        got = cache.materialize(r.keys, "cpu", max_tokens=n * B)
+        got = cache.materialize(r.keys, want_tensors[0].device, max_tokens=n * B)
         t = torch.arange(s * B, n * B)
         page = torch.tensor(r.ids, dtype=torch.long)[t // P]
         slot = t % P

@@ -637,8 +637,10 @@ def test_a_pin_body_is_read_after_the_admin_token_and_only_a_small_one(tmp_path)
             assert bodies(c)["in_flight_bytes"] == 0
             r = c.put(path, json={"ttl_seconds": 5})
             assert r.status_code == 404, r.text  # a small body still reaches the route
+            # (Python 3.11's parser gives up on it, a 500 once; 3.12's reads it: a list, not an object)
             r = c.put(path, content=b"[" * 2000 + b"]" * 2000, headers={"content-type": "application/json"})
-            assert r.status_code == 400 and r.json()["error"].startswith("body: not valid JSON"), r.text
+            said = ("body: not valid JSON", "body: Input should be a valid dictionary")
+            assert r.status_code == 400 and r.json()["error"].startswith(said), r.text
 
 
 def test_no_route_lets_fastapi_read_its_body():
