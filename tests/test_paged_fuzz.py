@@ -81,7 +81,8 @@ class World:
 def backend_torch():
     # The refusals come before any encode or decode; the torch path runs the valid calls
     # quickly (the kernels' paged forms are tested against it in test_paged.py).
-    # CACHESEEK_FUZZ_BACKEND=triton runs them on the kernels (interpreted on a CPU: slow).
+    # CACHESEEK_FUZZ_BACKEND=triton runs them on the kernels (interpreted on a CPU: slow; on a
+    # GPU, =auto: the kernels for CUDA tensors, torch for the CPU's).
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(kivi_codec.BACKEND_ENV, os.environ.get("CACHESEEK_FUZZ_BACKEND", "torch"))
         yield
@@ -527,7 +528,7 @@ def test_a_broken_call_names_its_request_and_changes_nothing_then_the_valid_one_
             run_call(world, bad.call)
         assert re.search(expected_message(bad), str(refused.value)), (expected_message(bad), str(refused.value))
         assert unchanged(before_pages, world.tensors(valid.page_kind)), "a refused call changed a page"
-        assert world.state() == before, "a refused call changed the store"
+        assert world.state() == before, ("a refused call changed the store", before, world.state())
     finally:
         if restore is not None:
             view, page, slot, value = restore
