@@ -105,6 +105,13 @@ for s in "$@"; do
     tests-fp8)   step tests-fp8 200 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 tests/test_fp8.py tests/test_kernels.py -k "fp8 or sm90" ;;
     tests-native) step tests-native 480 python3 -m pytest -q -ra -p no:cacheprovider --timeout 120 -m "not slow" tests/test_paged_kernels.py tests/test_paged.py tests/test_paged_contract.py tests/test_kernels.py tests/test_ingest_in_place.py tests/test_streams.py tests/test_capacity.py tests/test_pins.py tests/test_vllm_pages.py tests/test_encode_decode.py tests/test_store.py tests/test_kernel_backend.py tests/test_layerwise.py tests/test_policy.py ;;
     # Not the slow model tests: the H200 machine has no network to fetch SmolLM2 (CI runs them).
+    # The whole suite but its slow files, 8 workers. Its servers run `cacheseek serve` in
+    # subprocesses that see the interpreter's own site-packages only, so the wheels in .whl go
+    # there (the server extra's, with httptools and uvicorn 0.54 for Python 3.12, and
+    # pytest-xdist, trustme, jsonschema, websocket-client). Without redis-server,
+    # kubernetes-validate or chromium on the image, their tests skip or fail to import.
+    tests-all)   python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl >"$OUT/whl-install.log" 2>&1
+                 step tests-all 560 python3 -m pytest -q -ra -p no:cacheprovider --timeout 300 -m "not slow" -n 8 tests/ ;;
     tests-new)   step tests-new 180 python3 -m pytest -q -ra -p no:cacheprovider --timeout 60 -m "not slow" tests/test_layerwise.py tests/test_policy.py tests/test_leases.py tests/test_threads.py tests/test_suffix_attention.py tests/test_copy_ranges.py tests/test_kivi_clip.py tests/test_device_staging.py ;;
     # prefill_with_reuse on a tiny Llama spread over the GPU and the CPU by accelerate (needs
     # accelerate and psutil wheels in .whl).
