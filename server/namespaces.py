@@ -33,6 +33,7 @@ import msgpack
 
 from cacheseek.errors import ConfigError
 from cacheseek.store.frame import FrameMeta, header_prefix
+from .state_files import fsync_dir
 
 KEY_FILE = ".namespace-key"
 MIN_SECRET_BYTES = 16  # of namespace_secret (UTF-8): a shorter key is guessable
@@ -63,11 +64,7 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         os.unlink(tmp)
     # The key's entry durable before any block masked with it is acknowledged: without it,
     # every namespaced block on disk would be unreachable after a power cut.
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
     return _checked_key(path, path.read_bytes())
 
 

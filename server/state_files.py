@@ -12,7 +12,12 @@ def replace_durably(tmp: Path, path: Path) -> None:
     """Rename the synced ``tmp`` over ``path`` and make the rename durable: without the
     directory's fsync, a power cut could leave the directory naming the old file."""
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the entries made or renamed in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
