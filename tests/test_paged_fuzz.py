@@ -69,7 +69,9 @@ class World:
         if self.kind == "remote":
             tiers = self.caches["raw"].stats()["tiers"]
             out.append([(t["name"], t["blocks"], t["used_bytes"], t["bytes_in"]) for t in tiers])
-        out.append([p.get("leases_active") for p in staging_stats()])
+        # (by device, the idle ones aside: a device's pool is made at its first use, which a
+        # call refused after its encode, for a NaN, may be on a GPU)
+        out.append(sorted((p["device"], p["leases_active"]) for p in staging_stats() if p.get("leases_active")))
         return tuple(map(repr, out))
 
     def tensors(self, kind: str) -> list[torch.Tensor]:
