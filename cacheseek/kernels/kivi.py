@@ -29,6 +29,7 @@ Layers per op: private ``@triton.jit`` kernels, host launchers (``_quantize``,
 # (No `from __future__ import annotations` here: @triton.jit reads parameter annotations.)
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -605,8 +606,8 @@ def _interpreted() -> bool:
 
 
 def _triton_version() -> tuple[int, int]:
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
+    got = re.match(r"(\d+)\.(\d+)", triton.__version__)  # ("3.9.0+git...", "3.10rc1": the first two numbers)
+    return (int(got[1]), int(got[2])) if got else (0, 0)
 
 
 # ``_quotient`` divides exactly by way of the reciprocal only with an fma that rounds once,
