@@ -81,4 +81,5 @@ export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 # and sockets, so a lone worker left a 2-core machine half idle (18 min against 13).
 # CACHESEEK_TEST_WORKERS=0 runs everything in this process.
 WORKERS=${CACHESEEK_TEST_WORKERS:-$("$PY" -c "import os; print(min(4, len(os.sched_getaffinity(0))))")}
-exec "$PY" -m pytest -n "$WORKERS" --dist loadfile "$@"
+# --durations: a run near its time budget (20 minutes on 2 cores) says where the time went.
+exec "$PY" -m pytest -n "$WORKERS" --dist loadfile --durations=25 "$@"
