@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cacheseek.store.disk import fsync_dir
+
+__all__ = ["fsync_dir", "replace_durably"]
+
 
 def replace_durably(tmp: Path, path: Path) -> None:
     """Rename the synced ``tmp`` over ``path`` and make the rename durable: without the
@@ -14,11 +18,3 @@ def replace_durably(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
-
-def fsync_dir(directory: Path) -> None:
-    """Make the entries made or renamed in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

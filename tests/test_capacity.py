@@ -468,8 +468,8 @@ def test_every_new_directory_is_fsynced_in_its_parent_and_stale_probes_go(tmp_pa
     """A new directory's entry lives in its parent: fsyncing the directory itself (as a
     write's last step does for its shard) does not make it survive a power cut."""
     synced: list[Path] = []
-    real = disk_mod._fsync_dir
-    monkeypatch.setattr(disk_mod, "_fsync_dir", lambda path: (synced.append(Path(path)), real(path)))
+    real = disk_mod.fsync_dir
+    monkeypatch.setattr(disk_mod, "fsync_dir", lambda path: (synced.append(Path(path)), real(path)))
     root = tmp_path / "new" / "d"
     root.mkdir(parents=True)
     (root / ".probe-direct-io-4242-1").write_bytes(b"left by a kill -9")
@@ -501,8 +501,8 @@ def test_deletes_fsync_each_shard_once_after_their_unlinks(tmp_path, monkeypatch
     from cacheseek.store.tiered import TieredStore
 
     synced: list[tuple[Path, set[str]]] = []
-    real = disk_mod._fsync_dir
-    monkeypatch.setattr(disk_mod, "_fsync_dir",
+    real = disk_mod.fsync_dir
+    monkeypatch.setattr(disk_mod, "fsync_dir",
                         lambda path: (synced.append((Path(path), {p.name for p in Path(path).iterdir()})), real(path)))
     frames = _frames(15, 100)
     one = _charged(tmp_path, frames[0][1])

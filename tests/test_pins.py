@@ -412,7 +412,7 @@ def test_disk_syncs_the_shard_after_removing_a_write_refused_at_commit(tmp_path,
     disk.pin([a[0]])
     shard_of = {k: disk._paths(k)[0].parent for k, _ in batch}
     seen: list[tuple[bytes, bool]] = []  # (key, its files there) at each fsync of its shard
-    real = disk_mod._fsync_dir
+    real = disk_mod.fsync_dir
 
     def spy(path):
         real(path)
@@ -420,7 +420,7 @@ def test_disk_syncs_the_shard_after_removing_a_write_refused_at_commit(tmp_path,
             if path == shard_of[k]:
                 seen.append((k, any(p.exists() for p in disk._paths(k))))
 
-    monkeypatch.setattr(disk_mod, "_fsync_dir", spy)
+    monkeypatch.setattr(disk_mod, "fsync_dir", spy)
     started, release = _hold_disk_writes(disk, monkeypatch, [x[0]])
     outcome = {}
     writer = threading.Thread(target=lambda: outcome.__setitem__("r", disk.put_many(batch)))

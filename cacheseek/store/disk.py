@@ -206,7 +206,7 @@ def _fsync_file(path: Path) -> None:
 
 def _try_fsync_dir(path: Path) -> BaseException | None:
     try:
-        _fsync_dir(path)
+        fsync_dir(path)
     except OSError as exc:
         return exc
     return None
@@ -280,7 +280,7 @@ class DiskTier(IndexedTier):
             created = not self.root.is_dir()
             self.root.mkdir(DIR_MODE, parents=True, exist_ok=True)  # (its missing parents as ``mkdir -p`` makes them)
             if created and fsync:
-                _fsync_dir(self.root.parent)  # a new directory's entry is its parent's to make durable
+                fsync_dir(self.root.parent)  # a new directory's entry is its parent's to make durable
             if not created and (mode := stat.S_IMODE(self.root.stat().st_mode)) & 0o002:
                 # Left as the operator made it. Read access alone shows others only fixed names
                 # (the tier's own entries are the owner's), but write access lets them swap a
@@ -429,7 +429,7 @@ class DiskTier(IndexedTier):
                                        "it, then start again") from None
                 loose += bool(shard.stat().st_mode & 0o007)
         if made and self.fsync:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         if loose:
             # Said, not changed: a chmod of every file would hold the start for minutes on a
             # large directory, and its modes are the operator's to decide.
@@ -445,7 +445,7 @@ class DiskTier(IndexedTier):
         except FileExistsError:
             return
         if self.fsync:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
     def _paths(self, key: bytes) -> tuple[Path, Path]:
         hexkey = key.hex()
@@ -857,7 +857,7 @@ class DiskTier(IndexedTier):
             self._write_atomic(data_path, segments)
             self._write_atomic(side_path, [_sidecar(key, meta)])
             if self.fsync:
-                _fsync_dir(data_path.parent)
+                fsync_dir(data_path.parent)
         except BaseException as exc:
             self._undo_write(key, mine, n, (side_path, data_path), _write_error(self.name, data_path, exc))
             if isinstance(exc, OSError):
@@ -1377,7 +1377,7 @@ class DiskTier(IndexedTier):
                 continue  # (none owed, or another thread's fsync covered them)
             path = self.root / f"{shard:02x}"
             try:
-                _fsync_dir(path)
+                fsync_dir(path)
             except OSError as exc:
                 log.warning("%s tier: cannot fsync %s after deleting from it: %s", self.name, path, exc)
                 continue
@@ -1611,7 +1611,10 @@ class _Stream:
         self._frames.close()
         self._reads.close()  # idempotent: done already where the frames' own ``with`` ran
 
-def _fsync_dir(path: Path) -> None:
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries made, renamed or removed in the directory ``path`` durable (the
+    server's state files use it too)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
