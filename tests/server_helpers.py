@@ -48,7 +48,9 @@ class Server:
         self.url = f"{'https' if '--tls-cert' in args else 'http'}://127.0.0.1:{self.port}"
         self.args = ["--port", str(self.port), "--cpu-bytes", cpu_bytes, "--log-level", "warning",
                      "--disk-path", str(self.disk_path), "--disk-bytes", "1GiB" if disk else "0", *args]
-        self.env = {**os.environ, "XDG_CACHE_HOME": str(self.root / "xdg"), **(env or {})}
+        # PYTHONFAULTHANDLER: a server that hangs on SIGTERM is sent SIGABRT (stop()), and its
+        # log then holds every thread's stack, for the failure's message.
+        self.env = {**os.environ, "XDG_CACHE_HOME": str(self.root / "xdg"), "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.log = self.root / f"server-{self.port}.log"
 
@@ -75,15 +77,22 @@ class Server:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     def stop(self, timeout: float = 20.0) -> int:
-        """SIGTERM (graceful), then SIGKILL if it hangs. Returns the exit code."""
+        """SIGTERM (graceful), then, if it hangs, SIGABRT (its threads' stacks into the log)
+        and SIGKILL. Returns the exit code."""
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
             self.kill()
-            raise RuntimeError(f"cacheseek serve ignored SIGTERM for {timeout}s:\n{self.output()}") from None
+            raise RuntimeError(f"cacheseek serve ignored SIGTERM for {timeout}s (its stacks at the end):\n"
+                               f"{self.output()}") from None
 
     def rss_bytes(self) -> int:
         """The server process's resident memory (VmRSS)."""
