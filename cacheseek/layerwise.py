@@ -45,6 +45,7 @@ import torch
 from .block_format import BlockFormat
 from .decode import BatchDecoder
 from .errors import ConfigError, FrameError, InputError, LoadError
+from .hashing import as_index
 from .quant.backend import kernels_available
 from .quant.policy import single_codec
 from .store.device import as_host_tensor
@@ -488,7 +489,7 @@ class LayerwiseLoad:
         ``layer`` is loaded: work queued on it afterwards sees the layer. On a GPU the host
         does not wait; without one, the layer is decoded now if it is not yet. Raises
         ``LoadError`` if the load failed before this layer."""
-        self._layer_index(layer)
+        layer = self._layer_index(layer)
         g = self._group_of[layer]
         if self._closed and self._decoder is not None and g >= self._issued:
             # Abandoned (or closed after a failure) before this layer's group was issued: it
@@ -516,7 +517,7 @@ class LayerwiseLoad:
         """(K, V) of layer ``i``, ``[1, H, num_tokens, D]`` each, after ``wait(i)``.
         ``wait=False``: the tensors now, not yet holding the layer (for a consumer that
         waits later, before it reads them: shapes and devices are final)."""
-        self._layer_index(i)
+        i = self._layer_index(i)
         decoder = self._decoder
         if self._layers is None and (decoder is None or decoder.outputs[0] is None):
             if self.num_tokens == 0:
@@ -535,7 +536,7 @@ class LayerwiseLoad:
 
     def ready(self, layer: int) -> bool:
         """Whether ``layer`` is loaded (asks the device; never waits, never issues work)."""
-        self._layer_index(layer)
+        layer = self._layer_index(layer)
         if self.error is not None and self._events[layer] is None and self._ready_t[layer] is None:
             return False
         if self._cuda:
@@ -735,15 +736,18 @@ class LayerwiseLoad:
         if self._worker is not None and threading.current_thread() is not self._worker:
             self._worker.join()
 
-    def _layer_index(self, layer: Any) -> None:
-        """``InputError`` unless ``layer`` is a layer of this load: an int (a bool or a float
-        is a caller's mistake, and a negative index would silently name another layer)."""
+    def _layer_index(self, layer: Any) -> int:
+        """``layer`` as the int index of a layer of this load, else ``InputError``: an integer
+        of any kind page ids are taken as (an int, a numpy integer, a 0-d tensor); a bool or a
+        float is a caller's mistake, and a negative index would silently name another layer."""
         n = self.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, int):
+        index = as_index(layer)
+        if index is None:
             raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
-                             f"got {type(layer).__name__} {layer!r}")
-        if not 0 <= layer < n:
-            raise InputError(f"layer: {layer} is outside the {n} layers (0 to {n - 1})")
+                             f"got {type(layer).__name__} {layer!r:.40}")
+        if not 0 <= index < n:
+            raise InputError(f"layer: {index} is outside the {n} layers (0 to {n - 1})")
+        return index
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:
@@ -854,17 +858,19 @@ class LayerWriter:
             self.abort()  # an exception, or left without finish(): nothing is stored
 
 
-def check_layer_index(i: Any, put: Sequence[Any]) -> None:
-    """``InputError`` unless ``i`` is a layer, one per entry of ``put``, whose entry is not
-    set yet (None or False: not put)."""
+def check_layer_index(layer: Any, put: Sequence[Any]) -> int:
+    """``layer`` as the int index of a layer, one per entry of ``put``, whose entry is not
+    set yet (None or False: not put), else ``InputError``; integers taken as a load's are."""
     n = len(put)
-    if isinstance(i, bool) or not isinstance(i, int):  # as a load's layers are named (``_layer_index``)
+    i = as_index(layer)
+    if i is None:
         raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
-                         f"got {type(i).__name__} {i!r:.40}")
+                         f"got {type(layer).__name__} {layer!r:.40}")
     if not 0 <= i < n:
         raise InputError(f"layer: {i} is outside the layout's {n} layers (0 to {n - 1})")
     if put[i] is not None and put[i] is not False:
         raise InputError(f"layer {i}: put twice")
+    return i
 
 
 def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int | None
@@ -872,7 +878,7 @@ def check_layer(i: Any, k: Any, v: Any, layout: Any, layers: list, tokens: int |
     """A layer-wise writer's check of layer ``i`` (``layers``: what was put so far, ``tokens``:
     the earlier layers' length): ``InputError`` naming what is wrong, else K and V as
     ``[1, H, T, D]``."""
-    check_layer_index(i, layers)
+    i = check_layer_index(i, layers)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() not in (3, 4) or (t.dim() == 4 and t.shape[0] != 1):
             raise InputError(f"layer {i} {name}: expected a [1, H, T, D] or [H, T, D] tensor")
@@ -966,7 +972,7 @@ class PagedLayerwiseIngest(LayerWriter):
 
     def put_layer(self, i: int) -> None:
         self._open("put_layer")
-        check_layer_index(i, self._put)
+        i = check_layer_index(i, self._put)
         self._put[i] = True
 
     @property

@@ -432,7 +432,7 @@ class PagedLayerwiseSave(_SlotWriter):
         """Layer ``i`` of the requests' pages is written (by work queued on the current
         stream): encode and store it. Any order; each layer once."""
         self._open_in_cache("put_layer")
-        check_layer_index(i, self._layers_put)
+        i = check_layer_index(i, self._layers_put)
         self._layers_put[i] = True
         if self._mode == "slots":
             source, B = self._call.rows_source(), self.cache.block_tokens

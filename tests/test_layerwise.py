@@ -14,6 +14,7 @@ import gc
 import threading
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,6 +156,10 @@ def test_a_bad_layer_index_is_an_input_error_naming_it():
                 with pytest.raises(cs.InputError, match="got float"):
                     handle.layer(2.0, wait=False)
             assert load.ready(5) and load.layer(5, wait=False)[0].shape == (1, H, 3 * BLOCK, D)
+            # integers of the kinds page ids are taken as name their layer (a numpy int was refused)
+            for index in (np.int64(2), torch.tensor(2), np.uint8(2)):
+                load.wait(index)
+                assert load.ready(index) and load.layer(index)[0] is load.layer(2)[0]
 
 
 @pytest.mark.parametrize("into", ["tensors", "pages"])
@@ -734,7 +739,8 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
             with pytest.raises(cs.InputError, match=rf"^layer: {bad} is outside the layout's 6 layers \(0 to 5\)"):
                 writer.put_layer(bad, *kv[0])
         # named as a load's layers are (a numpy int was called "outside" the layers)
-        for bad, shown in ((True, "bool True"), (1.0, "float 1.0"), (torch.tensor(1), "Tensor"), ("1", "str '1'")):
+        for bad, shown in ((True, "bool True"), (1.0, "float 1.0"), (torch.tensor(1.0), "Tensor"),
+                           (torch.tensor(True), "Tensor"), (np.float32(1), "float32"), ("1", "str '1'")):
             with pytest.raises(cs.InputError, match=rf"^layer: expected an int index of one of the 6 layers .*got {shown}"):
                 writer.put_layer(bad, *kv[0])
         with pytest.raises(cs.InputError, match="heads"):
@@ -746,8 +752,8 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
             writer.put_layer(0, *kv[0])
         with pytest.raises(cs.InputError, match="tokens"):
             writer.put_layer(1, kv[1][0][:, :BLOCK], kv[1][1][:, :BLOCK])
-        for i in range(1, L):
-            writer.put_layer(i, *kv[i])
+        for i in range(1, L):  # (any integer kind a page id may be: a numpy int, a 0-d tensor)
+            writer.put_layer((int, np.int64, torch.tensor)[i % 3](i), *kv[i])
         assert writer.finish().stored == 2
         with pytest.raises(cs.InputError, match="empty"):
             cache.ingest_layerwise([])
