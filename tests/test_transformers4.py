@@ -31,6 +31,10 @@ TESTS = [
     "tests/test_layerwise.py::test_smollm2_layerwise_reuse_equals_the_normal_path",
     "tests/test_layerwise.py::test_layerwise_prefill_through_a_server_equals_the_normal_one",
 ]
+# The int8 codec's greedy agreement over 3 prompts of SmolLM2 (the slowest test of the file):
+# the codec's quality, not transformers'; the returned cache continuing a generation under
+# transformers 4 is test_returned_cache_continues_with_generate's, which runs.
+DESELECT = ["tests/test_transformers_integration.py::test_int8_reuse_keeps_greedy_continuations"]
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,7 +48,8 @@ def test_the_transformers_tests_pass_under_transformers_4():
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert version.returncode == 0, version.stderr[-2000:]
     assert version.stdout.strip().startswith("4."), version.stdout
-    done = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", *TESTS],
+    done = subprocess.run([PYTHON, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", *TESTS,
+                           *(arg for test in DESELECT for arg in ("--deselect", test))],
                           capture_output=True, text=True, timeout=1200, cwd=ROOT)
     tail = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0, tail
