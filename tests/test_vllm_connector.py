@@ -86,8 +86,14 @@ def run_engine(job: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("TRITON_INTERPRET", None)  # vLLM's CPU build has no use for it
     t0 = time.monotonic()
-    done = subprocess.run([VLLM_PYTHON, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
-                          timeout=RUN_SECONDS, env=env, cwd=ROOT)
+    job = {"stacks_after": RUN_SECONDS - 30, **job}  # (the runner's threads' stacks, should it hang)
+    try:
+        done = subprocess.run([VLLM_PYTHON, str(RUNNER), json.dumps(job)], capture_output=True, text=True,
+                              timeout=RUN_SECONDS, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        out = "".join(b.decode(errors="replace") if isinstance(b, bytes) else (b or "") for b in (exc.stdout, exc.stderr))
+        raise AssertionError(f"{job['scenario']} still running after {RUN_SECONDS} s (killed); its last lines, "
+                             f"its stacks among them:\n" + "\n".join(out.splitlines()[-120:])) from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-60:])

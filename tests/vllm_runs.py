@@ -1109,6 +1109,10 @@ SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, 
 
 def main() -> None:
     job = json.loads(sys.argv[1])
+    if job.get("stacks_after"):  # a run that hangs says where before its caller kills it
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(job["stacks_after"]), exit=False)
     result = SCENARIOS[job["scenario"]](job)
     sys.stdout.flush()
     print("RESULT " + json.dumps(result), flush=True)
