@@ -57,7 +57,7 @@ def test_sigkill_at_random_moments_never_loses_an_ack_or_serves_a_torn_block(tmp
     acked: set[int] = set()
     begun: set[int] = set()
     seed = 0
-    for round_ in range(12):
+    for round_ in range(8):  # (python -m benchmarks.crash_soak kills a server for longer)
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD.format(here=str(HERE), block=BLOCK, disk=str(disk), first_seed=seed)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -97,7 +97,7 @@ def test_sigkill_at_random_moments_never_loses_an_ack_or_serves_a_torn_block(tmp
 # -- the server under kill -9: acknowledgements mean what the docs say ------------------------
 
 WORKERS = 4
-KILLS = 30
+KILLS = 20  # a round per kill, per tier setting; benchmarks/crash_soak.py runs the long soak
 
 
 def _send_frames(c: httpx.Client, frames: list[tuple[bytes, bytes]]) -> tuple[httpx.Response, list | None]:
@@ -241,7 +241,7 @@ def _kill_loop(root: Path, args: tuple[str, ...], *, durable: bool, seed: int, m
 @pytest.mark.slow
 @pytest.mark.parametrize("tiers", ["disk", "cpu+disk"])
 def test_kill9_loses_no_acknowledged_block(tmp_path, tiers):
-    """Write-through (the default): a 2xx means on disk. 30 kills; 0 acknowledged blocks lost."""
+    """Write-through (the default): a 2xx means on disk. 20 kills; 0 acknowledged blocks lost."""
     args = ("--cpu-bytes", "0") if tiers == "disk" else ("--cpu-bytes", "8MiB")
     got = _kill_loop(tmp_path, args, durable=True, seed=len(tiers))
     assert got["acked"] >= 2 * KILLS, got  # enough acknowledgements to mean something
@@ -505,8 +505,8 @@ def test_kill9_rounds_with_torn_files_between_them(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(3))
 def test_kill9_rounds_with_torn_files_between_them_many_seeds(tmp_path, seed):
-    got = _kill_rounds(tmp_path, seed=100 + seed, rounds=10)
-    assert got["kills"] == 10 and got["acks"] >= 40 and got["damaged"] == 30, got
+    got = _kill_rounds(tmp_path, seed=100 + seed, rounds=7)
+    assert got["kills"] == 7 and got["acks"] >= 28 and got["damaged"] == 21, got
 
 
 def test_recovery_names_every_block_it_drops_and_why(tmp_path, caplog):
