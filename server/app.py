@@ -30,7 +30,7 @@ from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import KEY_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
-from .protocol import CUT_SHORT, host_error
+from .protocol import CUT_SHORT, header_error
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
@@ -67,21 +67,22 @@ async def refuse(send: Send, status: int, error: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class OneHost:
-    """An HTTP/1.1 request without exactly one Host header is a JSON 400, the connection
-    closed, the route not run (RFC 9112 3.2). server.protocol refuses it before the body;
-    uvicorn's own httptools protocol (``--http httptools``, or the fast path off) let it
-    through, so a PUT without Host stored its frame there. (uvicorn's h11 refuses both itself,
-    with its plain-text 400, before any app runs.)"""
+class SingleHeaders:
+    """An HTTP/1.1 request without exactly one Host header, or any request with a second
+    Authorization, Content-Type or ``X-CacheSeek-*`` header (``header_error``), is a JSON
+    400, the connection closed, the route not run (RFC 9112 3.2 for Host). server.protocol
+    refuses it before the body; uvicorn's own httptools protocol (``--http httptools``, or
+    the fast path off) let it through, so a PUT without Host stored its frame there. (uvicorn's
+    h11 refuses a wrong Host itself, with its plain-text 400, before any app runs.)"""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            wrong_host = host_error(scope["headers"], scope.get("http_version"))
-            if wrong_host:
-                await refuse(send, 400, wrong_host)
+            wrong_headers = header_error(scope["headers"], scope.get("http_version"))
+            if wrong_headers:
+                await refuse(send, 400, wrong_headers)
                 return
         await self.app(scope, receive, send)
 
@@ -286,6 +287,6 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         app.add_middleware(MetricsMiddleware, metrics=metrics)
     openapi.install(app)
     app.add_middleware(SameOrigin)  # (outside the metrics' too, and before any body is read)
-    app.add_middleware(OneHost)  # (outside the metrics': as server.protocol's refusals, not a route's answer)
+    app.add_middleware(SingleHeaders)  # (outside the metrics': as server.protocol's refusals, not a route's answer)
     app.add_middleware(CutAtShutdown)  # (outermost: a cut anywhere below is caught)
     return app

@@ -91,12 +91,27 @@ LINGER_S = 2.0
 log = logging.getLogger("cacheseek.server")
 
 
-def host_error(headers: Any, http_version: str | None) -> str | None:
-    """Why a request's Host headers are refused (RFC 9112 3.2: an HTTP/1.1 request carries
-    exactly one), or None. ``headers``: (name, value) pairs, names lower-case bytes."""
-    hosts = sum(1 for name, _ in headers if name == b"host")
+def header_error(headers: Any, http_version: str | None) -> str | None:
+    """Why a request's headers are refused, or None: an HTTP/1.1 request carries exactly one
+    Host (RFC 9112 3.2), and any request at most one Authorization, Content-Type and each
+    ``X-CacheSeek-*`` header. Twice, a front before this server (a gateway that adds a
+    tenant's namespace beside the client's own, say) may have read the other one.
+    ``headers``: (name, value) pairs, names lower-case bytes."""
+    hosts = 0
+    seen: set[bytes] = set()
+    twice: bytes | None = None
+    for name, _ in headers:
+        if name == b"host":
+            hosts += 1
+        elif name == b"authorization" or name == b"content-type" or name.startswith(b"x-cacheseek-"):
+            if name in seen and twice is None:
+                twice = name
+            seen.add(name)
     if hosts > 1 or (hosts == 0 and http_version == "1.1"):
         return f"an HTTP/1.1 request needs exactly one Host header, this one has {hosts}"
+    if twice is not None:
+        return (f"the {twice[:64].decode('latin-1')} header appears more than once; a request carries it at most "
+                "once")
     return None
 
 
@@ -438,11 +453,11 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 self.send_error_and_close(b"429 Too Many Requests", f"over {MAX_PIPELINED} requests pipelined on "
                                           "one connection, waiting for their answers: the connection ends after those")
                 return
-            wrong_host = host_error(self.headers, self.parser.get_http_version())
-            if wrong_host:
+            wrong_headers = header_error(self.headers, self.parser.get_http_version())
+            if wrong_headers:
                 # Neither was refused: a request without Host was served, and one with two,
                 # which a front before this server may have read as the other.
-                self.send_error_and_close(b"400 Bad Request", wrong_host)
+                self.send_error_and_close(b"400 Bad Request", wrong_headers)
                 return
             if self.parser.should_upgrade() and not self._should_upgrade() and _body_length(self.headers) != 0:
                 # httptools skips the body of a request asking for an upgrade (its bytes are the

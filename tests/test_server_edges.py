@@ -1278,6 +1278,36 @@ def test_an_http_1_1_request_without_one_host_header_is_a_400_and_nothing_stored
     assert http != "h11" or log.count("Invalid HTTP request received.") == 3, log[-3000:]
 
 
+@pytest.mark.parametrize("http", ["auto", "httptools", "h11"])
+def test_a_request_with_a_header_twice_that_says_who_or_what_is_a_400_and_nothing_stored(tmp_path, http):
+    """Two X-CacheSeek-Namespace headers (a gateway adding a tenant's beside the client's own)
+    were served under the first, which the gateway may not have read: each of Authorization,
+    Content-Type and the X-CacheSeek-* headers twice is now a JSON 400 naming it, on every
+    HTTP implementation, the route not run; once each, the request is served."""
+    h, good = raw_frame(16)
+    with Server(tmp_path, "--http", http, disk=False) as srv:
+        for twice in ("X-CacheSeek-Namespace: a\r\nX-CacheSeek-Namespace: b",
+                      "x-cacheseek-model: m\r\nX-CacheSeek-Model: m",  # (the same value too; any case)
+                      "Authorization: Bearer a\r\nAuthorization: Bearer b",
+                      "Content-Type: application/octet-stream\r\ncontent-type: application/json"):
+            raw = (f"PUT /v1/blocks/{h.hex()} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(good)}\r\n{twice}\r\n\r\n"
+                   ).encode() + good
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(raw)
+                got, headers, text = read_response(s, bytearray())
+                name = twice.split(":")[0].lower()
+                assert got == 400 and headers[b"connection"] == b"close", (twice, got, text)
+                assert json.loads(text)["error"] == f"the {name} header appears more than once; a request carries it " \
+                                                    "at most once", text
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").status_code == 404
+        r = httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=good,
+                      headers={"x-cacheseek-namespace": "a", "x-cacheseek-model": "m", "content-type": "application/octet-stream"})
+        assert r.status_code == 201, r.text
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers={"x-cacheseek-namespace": "a"}).content == good
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_refusal_reaches_a_client_that_reads_it_late_not_reset_away(tmp_path):
     """A refusal (here the 429 past ``MAX_PIPELINED`` requests waiting) closed the connection
     at once, the client's later requests unread: the kernel answered them with a reset, which
