@@ -740,14 +740,7 @@ class LayerwiseLoad:
         """``layer`` as the int index of a layer of this load, else ``InputError``: an integer
         of any kind page ids are taken as (an int, a numpy integer, a 0-d tensor); a bool or a
         float is a caller's mistake, and a negative index would silently name another layer."""
-        n = self.num_layers
-        index = as_index(layer)
-        if index is None:
-            raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
-                             f"got {type(layer).__name__} {layer!r:.40}")
-        if not 0 <= index < n:
-            raise InputError(f"layer: {index} is outside the {n} layers (0 to {n - 1})")
-        return index
+        return _layer_of(layer, self.num_layers, "the")
 
     def _check(self, layer: int) -> None:
         if self._events[layer] is None and self._ready_t[layer] is None:
@@ -858,16 +851,21 @@ class LayerWriter:
             self.abort()  # an exception, or left without finish(): nothing is stored
 
 
-def check_layer_index(layer: Any, put: Sequence[Any]) -> int:
-    """``layer`` as the int index of a layer, one per entry of ``put``, whose entry is not
-    set yet (None or False: not put), else ``InputError``; integers taken as a load's are."""
-    n = len(put)
+def _layer_of(layer: Any, n: int, whose: str) -> int:
+    """``layer`` as an int in ``[0, n)``, else ``InputError`` naming it and the range."""
     i = as_index(layer)
     if i is None:
         raise InputError(f"layer: expected an int index of one of the {n} layers (0 to {n - 1}), "
                          f"got {type(layer).__name__} {layer!r:.40}")
     if not 0 <= i < n:
-        raise InputError(f"layer: {i} is outside the layout's {n} layers (0 to {n - 1})")
+        raise InputError(f"layer: {i} is outside {whose} {n} layers (0 to {n - 1})")
+    return i
+
+
+def check_layer_index(layer: Any, put: Sequence[Any]) -> int:
+    """``layer`` as the int index of a layer, one per entry of ``put``, whose entry is not
+    set yet (None or False: not put), else ``InputError``; integers taken as a load's are."""
+    i = _layer_of(layer, len(put), "the layout's")
     if put[i] is not None and put[i] is not False:
         raise InputError(f"layer {i}: put twice")
     return i
