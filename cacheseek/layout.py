@@ -54,6 +54,17 @@ class KVLayout:
                 raise ConfigError(f"KVLayout.{field}: must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int, dtype: Any = "float16") -> KVLayout:
+        """An MLA model's cache (DeepSeek-V2/V3: per token and layer one latent of
+        ``latent_dim`` = kv_lora_rank + rope dim elements, shared by every head): one "head"
+        whose K is the latent's first half and V the rest (``KVPages.mla`` makes those views),
+        so every codec, kernel and tier stores it as it stores K and V."""
+        if isinstance(latent_dim, bool) or not isinstance(latent_dim, int) or latent_dim <= 0 or latent_dim % 2:
+            raise ConfigError(f"KVLayout.mla latent_dim: must be a positive even int (kv_lora_rank + rope dim), "
+                              f"got {latent_dim!r}")
+        return cls(num_layers=num_layers, num_kv_heads=1, head_dim=latent_dim // 2, dtype=dtype)
+
     @property
     def fp8(self) -> bool:
         return self.dtype in FP8_DTYPES

@@ -11,6 +11,7 @@ slot ``t % page_size``). ``KVPages`` takes the layouts engines use:
     K and V apart            per layer [num_pages, page_size, H, D]      KVPages(k, v, layout="NHD")
                              per layer [num_pages, H, page_size, D]      KVPages(k, v, layout="HND")
     SGLang token pool        per layer [slots, H, D] (pages of 1 token)  KVPages.token_pool(k, v)
+    MLA latents              per layer [num_pages, page_size, C]         KVPages.mla(latent_caches)
 
 and holds every layer's K and V as ``[num_pages, page_size, H, D]`` views (any strides):
 no copy is made, the kernels address the engine's own memory. A store block of ``B``
@@ -244,6 +245,23 @@ class KVPages:
                     got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                     raise InputError(f"pages layer {i} {name}: expected a [slots, H, D] token pool, got {got}")
         return cls([t.unsqueeze(1) for t in k], [t.unsqueeze(1) for t in v])
+
+    @classmethod
+    def mla(cls, latent_caches: Sequence[torch.Tensor] | torch.Tensor) -> KVPages:
+        """An MLA model's paged latent cache (vLLM's MLA backends, SGLang's
+        ``MLATokenToKVPool`` with pages of 1): per layer ``[num_pages, page_size, C]``, one
+        latent of C elements per token (``KVLayout.mla``). Its halves are the K and V views:
+        the store keeps the latent byte for byte under Raw, and loads write it back whole."""
+        ks, vs = [], []
+        for i, t in enumerate(_per_layer(latent_caches, "pages")):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[2] % 2:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise InputError(f"pages layer {i}: expected an MLA latent cache [num_pages, page_size, C] "
+                                 f"with C even, got {got}")
+            half = t.shape[2] // 2
+            ks.append(t[:, :, None, :half])
+            vs.append(t[:, :, None, half:])
+        return cls(ks, vs)
 
     def at(self, page_ids: Any) -> PagedKV:
         """The KV of one request: the tokens held by ``page_ids`` (its page table, in order)."""

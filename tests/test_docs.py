@@ -847,6 +847,7 @@ def test_the_engine_md_python_examples_run():
         "v_layers": [torch.randn(N, H, P, D, dtype=f16) for _ in range(L)],
         "k_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
         "v_buffers": [torch.randn(N * P, H, D, dtype=f16) for _ in range(L)],
+        "latent_caches": [torch.randn(N, P, 2 * D, dtype=f16) for _ in range(L)],
         "k": torch.randn(1, H, 64, D, dtype=f16), "v": torch.randn(H, 64, D, dtype=f16),
     }
     # the FlashInfer line's per-layer [num_pages, 2, H, page_size, D]
