@@ -36,6 +36,9 @@ it has vLLM. Independent engines run two at a time. What is checked:
   only under it, and loads that adapter's KV.
 - tensor parallelism (3 ranks, vLLM's multiprocessing executor) through a server: each
   rank stores and loads its own shard of the heads under its own keys.
+- an MLA model (a DeepSeek-V2 of random weights, vLLM's CPU_MLA): its latent stored raw and
+  loaded for the uncached output, embedded; at TP=2 through a server, stored once (rank 0)
+  and loaded by both ranks, then found by a TP=1 engine.
 - remote: two engines in two processes share the prefix through a ``cacheseek serve``,
   the first one's save refused once (its only save, so its last: sent again from the
   pages vLLM keeps for it once finished); then the server is SIGKILLed mid-run (inside a step, between the lookup that found a
@@ -120,10 +123,10 @@ def engines(model, tmp_path_factory):
     pool = ThreadPoolExecutor(max_workers=2)
 
     def embedded(codec: str | None, layerwise: bool | None = None, disk: str | None = None, block_tokens: int = 256,
-                 **job) -> dict:
+                 model_id: str = MODEL_ID, **job) -> dict:
         tiers = {"cpu_bytes": 0, "disk_path": str(root / f"disk-{disk or codec}"), "disk_bytes": "1GiB",
                  "disk_fsync": False}
-        extra = {"model_id": MODEL_ID, "tiers": tiers, "block_tokens": block_tokens}
+        extra = {"model_id": model_id, "tiers": tiers, "block_tokens": block_tokens}
         if codec is not None:  # (None: the connector's default for the KV cache's dtype)
             extra["codec"] = codec
         if layerwise is not None:  # (default: whole-step loads)
@@ -155,6 +158,16 @@ def engines(model, tmp_path_factory):
                                  if any(w in line for w in ("WARNING", "ERROR", "Traceback", "closing the connection"))][-12:]
             return res
 
+    def mla_tensor_parallel() -> dict:
+        # TP=2 stores the latent (rank 0) and loads it on both ranks; then a TP=1 engine
+        # finds the same blocks: no rank and no TP size in an MLA latent's keys.
+        with Server(root / "server-mla", "--log-level", "info", disk=False, cpu_bytes="1GiB") as srv:
+            extra = {**remote(srv), "model_id": "tiny-mla", "block_tokens": 64}
+            tp2 = run_engine({"scenario": "mla", "extra": extra, "model_dir": str(root / "mla-model"), "tp": 2})
+            server = httpx.get(srv.url + "/v1/stats", timeout=30).json()
+            tp1 = run_engine({"scenario": "mla", "extra": extra, "model_dir": str(root / "mla-model"), "store": False})
+            return {"tp2": tp2, "tp1": tp1, "server": server}
+
     runs: dict[str, Future] = {
         "keys": pool.submit(run_engine, {"scenario": "keys", "extra": {}}),
         "raw": pool.submit(embedded, "raw", layerwise=True, corrupt_block=2, salts=True),
@@ -169,6 +182,10 @@ def engines(model, tmp_path_factory):
         "planned_ahead": pool.submit(embedded, "raw", scenario="planned_ahead", corrupt_block=2),
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
         "preemption": pool.submit(embedded, "raw", disk="preemption", scenario="preemption", block_tokens=128),
+        # (no codec: an MLA latent's default is raw)
+        "mla": pool.submit(embedded, None, disk="mla", scenario="mla", block_tokens=64, model_id="tiny-mla",
+                           model_dir=str(root / "mla-model")),
+        "mla_tensor_parallel": pool.submit(mla_tensor_parallel),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -282,11 +299,14 @@ def test_only_full_attention_kv_caches_are_taken(specs):
     """A sliding-window or chunked-local group (every layer of the model windowed) holds
     only the window's blocks: vLLM puts its null block in place of the others, so a save
     would store the null block's page as a prefix block and a load would write into it.
-    Refused at start, as MLA is; sliding-window layers vLLM keeps in full are taken."""
+    Refused at start; sliding-window layers vLLM keeps in full are taken, and so is an MLA
+    model's latent cache (one head of half the latent's width, ``cs.KVLayout.mla``)."""
     res = specs
     assert res["full"] == res["full_computed_as_sliding"] == 2
-    for name in ("sliding_window", "chunked_local", "mla"):
-        assert "only full K/V attention is supported" in res[name], res
+    for name in ("sliding_window", "chunked_local"):
+        assert "only full attention is supported" in res[name], res
+    assert res["mla"] == {"num_layers": 2, "num_kv_heads": 1, "head_dim": 288, "dtype": "float32"}
+    assert "an MLA cache of 1 heads of 575; one latent of an even size per token is supported" in res["mla_odd"]
 
 
 def test_fp8_kv_caches_are_read_as_the_fp8_dtype_their_cache_dtype_names(specs):
@@ -551,6 +571,41 @@ def test_with_tensor_parallelism_each_rank_stores_and_loads_its_own_shard(engine
     assert tier["unique_blocks"] == tier["blocks"] == 12 and tier["hits"] == 12
     one_head = 30 * 2 * 256 * 64 * 4  # layers x (K, V) x tokens x head dim x fp32
     assert tier["raw_bytes"] == 12 * one_head
+
+
+def test_an_mla_models_latent_is_stored_raw_and_loaded_for_the_uncached_output(engines):
+    """A DeepSeek-V2 (random weights, an MLA latent of 576 per token; vLLM's CPU_MLA
+    backend), embedded, no codec set: its pages are taken as one head of 288 (the latent's
+    halves as K and V), stored raw (KIVI refused, naming the setting); a prompt on the
+    stored prefix loads it whole and decodes what it decodes with no cache."""
+    res = result(engines, "mla")
+    assert res["layout"] == {"num_layers": 3, "num_kv_heads": 1, "head_dim": 288, "dtype": "float32"}
+    assert res["codec"]["name"] == "raw" and res["scheduler_caches"] == 1
+    assert "an MLA latent cache is stored raw" in res["int4"] and '"codec": "raw"' in res["int4"]
+    assert res["loaded"]["external"] == res["loaded"]["cached"] == 640, res
+    assert res["loaded"]["tokens"] == res["baseline"]["tokens"] and len(res["baseline"]["tokens"]) == 16, res
+    worker = res["after_load"]["worker"]
+    assert (worker["loads"], worker["load_tokens"], worker["load_failures"]) == (1, 640, 0)
+    assert worker["save_blocks_stored"] == 10  # the prompt's 10 blocks of 64, once
+
+
+def test_with_tensor_parallelism_an_mla_latent_is_stored_once_for_every_rank_and_tp_size(engines):
+    """TP=2 through a server: every rank holds the whole latent, so rank 0 alone saves it
+    (10 blocks on the server, not 20), both ranks load it, and the output equals the
+    uncached one. A TP=1 engine then finds those blocks and loads them."""
+    res = result(engines, "mla_tensor_parallel")
+    tp2, tp1 = res["tp2"], res["tp1"]
+    why = (tp2["loaded"], tp2["scheduler"], tp2["workers"], tp2["warnings"])
+    assert tp2["loaded"]["external"] == tp2["loaded"]["cached"] == 640, why
+    assert tp2["loaded"]["tokens"] == tp2["baseline"]["tokens"], tp2["agreement"]
+    workers = tp2["workers"]  # both ranks' counters, summed
+    assert (workers["loads"], workers["load_tokens"], workers.get("load_failures", 0)) == (2, 2 * 640, 0), why
+    assert workers["save_calls"] == 2, workers  # rank 0's: prompt 0, and the uncached run
+    tier = res["server"]["tiers"][0]
+    assert tier["unique_blocks"] == tier["blocks"] == 10, tier
+    assert tier["raw_bytes"] == 10 * 3 * 64 * 576 * 4  # blocks x layers x tokens x latent x fp32: once
+    assert tp1["loaded"]["external"] == tp1["loaded"]["cached"] == 640, tp1
+    assert tp1["scheduler"]["lookup_hit_tokens"] == 640
 
 
 def test_a_request_whose_load_between_steps_failed_whole_is_computed_not_offered_again(engines):

@@ -622,6 +622,79 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def tiny_mla_model(path: Path) -> None:
+    """A DeepSeek-V2 of random weights (3 dense layers, an MLA latent of 512 + 64 per token,
+    the width of DeepSeek-V2/V3's) written to ``path`` once, with no tokenizer: prompts go in
+    as token ids. The same seed, the same weights: every engine of a test computes one KV."""
+    if (path / "config.json").exists():
+        return
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
+                              qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=3,
+                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                              moe_intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    tmp = path.with_name(path.name + f".{os.getpid()}")
+    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+    try:
+        tmp.rename(path)
+    except OSError:  # (another engine wrote it first: the same weights)
+        pass
+
+
+def mla(job: dict[str, Any]) -> dict[str, Any]:
+    """An MLA model (``tiny_mla_model``), raw: prompt 0 computed and stored, vLLM's cache
+    reset, prompt 1 loads the shared prefix; compared with prompt 1 computed without any
+    cache. ``tp``: that many worker processes (a server's url in the extra); ``store``
+    false: prompt 1 only, its prefix stored by another engine before. Also what the
+    connector makes of its settings: the layout and codec, and int4 refused."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.config import ConnectorConfig
+    from cacheseek.integrations.vllm.connector import _codec_for
+
+    path = Path(job["model_dir"])
+    tiny_mla_model(path)
+    tp = job.get("tp", 1)
+    more: dict[str, Any] = {}
+    if tp > 1:
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        more = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 128 << 20}
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
+              skip_tokenizer_init=True, disable_log_stats=False,
+              kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": job["extra"]}, **more)
+    workers = workers_counted(llm)
+    eng = Engine(llm, job.get("max_tokens", 16))
+    # (random weights: an end-of-text token may come at any step; every run decodes its 16)
+    eng.params = SamplingParams(max_tokens=eng.params.max_tokens, temperature=0.0, ignore_eos=True)
+    eng.cold = SamplingParams(max_tokens=eng.params.max_tokens, temperature=0.0, ignore_eos=True,
+                              skip_reading_prefix_cache=True)
+    prefix = [3 + (i * 37) % 500 for i in range(job.get("prefix_tokens", 640))]
+    ps = [prefix + [3 + (q * 101 + i * 13) % 500 for i in range(24)] for q in range(2)]
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    out: dict[str, Any] = {"layout": connector.layout.to_dict(), "codec": connector.config.codec.spec(),
+                           "scheduler_caches": len(connector._caches)}
+    try:
+        _codec_for(ConnectorConfig.from_extra({"codec": "int4"}), connector.layout, {"codec": "int4"}, mla=True)
+    except ConfigError as exc:
+        out["int4"] = str(exc)
+    if job.get("store", True):
+        out["stored"] = eng.run(ps[0], read=False)
+        if "url" in job["extra"]:
+            stored_blocks(job["extra"]["url"], len(prefix) // job["extra"]["block_tokens"])
+        eng.reset()
+    out.update(loaded_and_uncached(eng, ps[1]))
+    if tp == 1:
+        out["after_load"] = eng.stats()
+    out["scheduler"] = connector.stats()
+    out["workers"] = dict(workers)
+    return out
+
+
 def workers_counted(llm: Any) -> dict[str, float]:
     """The workers' connector counters (``ConnectorStats`` fields), summed over the ranks,
     kept up to date: each step's output carries every worker's changes since the last
@@ -938,7 +1011,8 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
         "full_computed_as_sliding": FullAttentionSpec(**common, sliding_window=128),  # (vLLM's promoted SWA)
         "sliding_window": SlidingWindowSpec(**common, sliding_window=128),
         "chunked_local": ChunkedLocalAttentionSpec(**common, attention_chunk_size=128),
-        "mla": MLAAttentionSpec(**{**common, "num_kv_heads": 1}),
+        "mla": MLAAttentionSpec(**{**common, "num_kv_heads": 1, "head_size": 576}),
+        "mla_odd": MLAAttentionSpec(**{**common, "num_kv_heads": 1, "head_size": 575}),
     }
     out: dict[str, Any] = {}
     for name, spec in kinds.items():
@@ -946,7 +1020,7 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
                                kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
         try:
             layout, _ = _layout(config, CacheConfig())
-            out[name] = layout.num_layers
+            out[name] = layout.to_dict() if name.startswith("mla") else layout.num_layers
         except ConfigError as exc:
             out[name] = str(exc)
     out["fp8"] = fp8_specs()
@@ -1104,7 +1178,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
-                                               admission, steps, cpu_pages)}
+                                               admission, steps, cpu_pages, mla)}
 
 
 def main() -> None:

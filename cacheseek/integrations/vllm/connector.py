@@ -54,8 +54,12 @@ SAME_PROCESS_EXECUTORS = (None, "uni", "external_launcher")
 # How long shutdown waits for loads between steps still running (pages being written) before it goes on.
 SHUTDOWN_LOAD_SECONDS = 10.0
 
-# attention backend -> how its pages hold K and V (see pages.py)
+# attention backend -> how its pages hold K and V (see pages.py). An MLA backend's pages hold
+# one latent per token, row after row: its halves are read as K and V ("channel", H = 1).
+# (AMX_MLA packs its weights for AMX, not its cache: amx_mla.py views it as [tokens, 1, C].)
 KV_SPLIT_OF_BACKEND = {"CPU_ATTN": "token", "FLASH_ATTN": "channel", "TRITON_ATTN": "channel"}
+MLA_BACKENDS = ("CPU_MLA", "AMX_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA")
+KV_SPLIT_OF_BACKEND.update(dict.fromkeys(MLA_BACKENDS, "channel"))
 
 
 class CacheSeekMetadata(KVConnectorMetadata):
@@ -96,7 +100,10 @@ class CacheSeekConnector(KVConnectorBase_V1):
                 f'default "fail" would fail a request whose load falls short), got {transfer.kv_load_failure_policy!r}'
             )
         self.layout, self._layer_names = _layout(kv_cache_config, vllm_config.cache_config)
-        self.config = _codec_for(self.config, self.layout, extra or {})
+        # An MLA model's latent is the same on every tensor-parallel rank (not split by
+        # heads): one copy is stored, under keys of no rank, and only rank 0 saves it.
+        self.mla = _is_mla(kv_cache_config)
+        self.config = _codec_for(self.config, self.layout, extra or {}, mla=self.mla)
         self._block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
@@ -131,7 +138,9 @@ class CacheSeekConnector(KVConnectorBase_V1):
         background_loads = self.config.loads_in_background or (load and planned_ahead)
         if role == KVConnectorRole.SCHEDULER:
             # one cache per rank: a hit counts only the blocks every rank holds
-            self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, r)) for r in range(tp_size)]
+            ranks = 1 if self.mla else tp_size
+            self._caches = [open_cache(self.config, self.layout, model_id, self._shard(parallel, r))
+                            for r in range(ranks)]
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
@@ -140,15 +149,25 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                             hold_finished=save and self.config.resave_hold > 0)
         else:
             rank = _tp_rank() if tp_size > 1 else 0
-            self._caches = [open_cache(self.config, self.layout, model_id, _shard(parallel, rank))]
+            self._caches = [open_cache(self.config, self.layout, model_id, self._shard(parallel, rank))]
             # With asynchronous scheduling vLLM plans each step before it has seen how the
             # previous one ended: a load's failure must also drop the next step's saves.
             self._worker = WorkerSide(self._caches[0], guard=StoreGuard(self.config, "worker"),
                                       planned_ahead=planned_ahead, background_saves=self.config.saves_in_background,
                                       background_loads=background_loads,
                                       loader_thread=self.config.loads_in_background,
-                                      resave_hold_seconds=self.config.resave_hold)
+                                      resave_hold_seconds=self.config.resave_hold,
+                                      saves=save and not (self.mla and rank > 0))
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
+
+    def _shard(self, parallel: Any, tp_rank: int) -> Shard:
+        """The ``cs.Shard`` in a rank's keys: its own (pipeline parallelism is refused at
+        start, so its stage is always 0 of 1), or for an MLA model's latent, which every rank
+        holds whole, none: every rank and every tensor-parallel size share its blocks."""
+        if self.mla:
+            return Shard()
+        return Shard(tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
+                     pp_rank=0, pp_size=getattr(parallel, "pipeline_parallel_size", 1))
 
     # -- what callers can read -------------------------------------------------------------
 
@@ -438,16 +457,20 @@ def _kv_dtype(spec_dtype: Any, cache_dtype: str, cache_config: Any) -> str:
     return name
 
 
-def _codec_for(config: ConnectorConfig, layout: KVLayout, extra: Any) -> ConnectorConfig:
-    """``config`` with a codec that stores ``layout``'s KV: an fp8 cache given no codec (the
-    default, int4, quantizes 16-bit KV only) gets raw; one given KIVI is refused, naming
-    the setting."""
-    if not layout.fp8:
+def _codec_for(config: ConnectorConfig, layout: KVLayout, extra: Any, *, mla: bool = False) -> ConnectorConfig:
+    """``config`` with a codec that stores ``layout``'s KV: an fp8 cache, or an MLA model's
+    latent, given no codec (the default, int4) gets raw; one given KIVI is refused, naming
+    the setting. (KIVI encodes no fp8; on a latent, whose halves it would take for K and V,
+    its quality is not measured.)"""
+    if not (layout.fp8 or mla):
         return config
+    what = "an MLA latent cache" if mla else f"a {layout.dtype} KV cache"
     if isinstance(extra, dict) and "codec" not in extra and "group_size" not in extra:
-        log.info("CacheSeekConnector: %s KV cache: stored with the raw codec (no codec was set, and KIVI "
-                 "does not encode fp8)", layout.dtype)
+        log.info("CacheSeekConnector: %s: stored with the raw codec (no codec was set)", what)
         return dataclasses.replace(config, codec=Raw())
+    if mla and not isinstance(config.codec, Raw):
+        raise ConfigError(f"kv_connector_extra_config.codec: {what} is stored raw; KIVI's quality on a latent "
+                          "is not measured (set \"codec\": \"raw\")")
     try:
         config.codec.check_layout(layout, config.block_tokens)
     except ConfigError as exc:
@@ -466,22 +489,26 @@ def _layout(kv_cache_config: KVCacheConfig, cache_config: Any) -> tuple[KVLayout
     # own prefix hit and for external tokens, so a save would store the null block's page
     # under a prefix block's key and a load would write into it. (Windowed layers beside
     # full ones vLLM allocates in full, without its hybrid allocator: a FullAttentionSpec.)
-    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
-        raise ConfigError(f"CacheSeekConnector: KV cache spec {type(spec).__name__}; only full K/V attention "
-                          "is supported (no sliding-window or chunked-local groups, no MLA)")
+    if not isinstance(spec, FullAttentionSpec):
+        raise ConfigError(f"CacheSeekConnector: KV cache spec {type(spec).__name__}; only full attention "
+                          "is supported (no sliding-window or chunked-local groups)")
+    dtype = _kv_dtype(spec.dtype, str(getattr(cache_config, "cache_dtype", "auto")), cache_config)
+    num_layers = len(groups[0].layer_names)
+    if isinstance(spec, MLAAttentionSpec):
+        # one latent of head_size elements per token (kv_lora_rank + rope dim), no V of its own
+        if spec.num_kv_heads != 1 or spec.head_size % 2:
+            raise ConfigError(f"CacheSeekConnector: an MLA cache of {spec.num_kv_heads} heads of {spec.head_size}; "
+                              "one latent of an even size per token is supported")
+        return KVLayout.mla(num_layers, spec.head_size, dtype), set(groups[0].layer_names)
     if spec.head_size_v != spec.head_size:
         raise ConfigError(f"CacheSeekConnector: K head size {spec.head_size} != V head size {spec.head_size_v}")
-    dtype = _kv_dtype(spec.dtype, str(getattr(cache_config, "cache_dtype", "auto")), cache_config)
-    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
-                      head_dim=spec.head_size, dtype=dtype)
+    layout = KVLayout(num_layers=num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_size, dtype=dtype)
     return layout, set(groups[0].layer_names)
 
 
-def _shard(parallel: Any, tp_rank: int) -> Shard:
-    """The ``cs.Shard`` of a tensor-parallel rank, from vLLM's parallel config (pipeline
-    parallelism is refused at start, so its stage is always 0 of 1)."""
-    return Shard(tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
-                 pp_rank=0, pp_size=getattr(parallel, "pipeline_parallel_size", 1))
+def _is_mla(kv_cache_config: KVCacheConfig) -> bool:
+    """Whether the model's one group is an MLA latent cache (``_layout`` checked the rest)."""
+    return isinstance(kv_cache_config.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec)
 
 
 def _tp_rank() -> int:

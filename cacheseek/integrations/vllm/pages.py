@@ -8,6 +8,8 @@ backend's choice, and the connector has to know it:
 - ``"channel"`` (FLASH_ATTN, TRITON_ATTN): per token and head, K in ``[..., :D]`` and V in
   ``[..., D:]``. With vLLM's default LBNHC layout a page is ``[N, H, 2D]`` in memory
   (the old flash layout's ``[2, P, N, H, D]`` with K and V interleaved per token).
+  An MLA backend's pages are ``[P, 1, N, C]``, one latent per token: the same split reads its
+  halves as K and V (H = 1, D = C / 2; ``cs.KVLayout.mla``).
 - ``"token"`` (CPU_ATTN): each (page, head) row of ``N * 2D`` elements holds the page's K
   in its first ``N * D`` and its V in the rest (the backend views it as ``[P, H, 2N, D]``
   and splits at N). vLLM's CPU kernels (its "vec" ISAs) keep V row-major, ``[N, D]``, and

@@ -120,8 +120,11 @@ class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
                  layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False,
                  background_loads: bool = False, loader_thread: bool = True,
-                 resave_hold_seconds: float = 0.0) -> None:
+                 resave_hold_seconds: float = 0.0, saves: bool = True) -> None:
         self.cache = cache
+        # False: this worker stores nothing (an MLA model's ranks past 0: rank 0 stores the
+        # latent they all hold); its loads run as any worker's.
+        self.saves = saves
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
         self._sending: list[tuple[list[SaveSpec], Future]] = []  # those saves, until their answer is counted
@@ -184,6 +187,8 @@ class WorkerSide:
     def finish_step(self, plan: StepPlan) -> None:
         self.end_load()  # before the saves: a load that failed drops its request's save
         self.take_sent()
+        if not self.saves:
+            return
         saves = []
         for spec in plan.saves:
             if self.resave_hold_seconds:
@@ -553,7 +558,7 @@ class WorkerSide:
         The step's first call makes the writer (the requests hashed, slots reserved for
         their new blocks). Never raises: a save that goes wrong is saved whole in
         ``wait_for_save``."""
-        if not (self.layerwise_save and plan.saves):
+        if not (self.layerwise_save and self.saves and plan.saves):
             return
         running = self._saving
         if running is not None and running.plan is not plan:
