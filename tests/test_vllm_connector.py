@@ -183,8 +183,8 @@ def engines(model, tmp_path_factory):
         "lora": pool.submit(embedded, "raw", disk="lora", scenario="lora", workdir=str(root / "adapters")),
         "preemption": pool.submit(embedded, "raw", disk="preemption", scenario="preemption", block_tokens=128),
         # (no codec: an MLA latent's default is raw)
-        "mla": pool.submit(embedded, None, disk="mla", scenario="mla", block_tokens=64, model_id="tiny-mla",
-                           model_dir=str(root / "mla-model")),
+        "mla": pool.submit(embedded, None, layerwise=True, disk="mla", scenario="mla", block_tokens=64,
+                           model_id="tiny-mla", model_dir=str(root / "mla-model")),
         "mla_tensor_parallel": pool.submit(mla_tensor_parallel),
     }
     yield runs
@@ -577,7 +577,8 @@ def test_an_mla_models_latent_is_stored_raw_and_loaded_for_the_uncached_output(e
     """A DeepSeek-V2 (random weights, an MLA latent of 576 per token; vLLM's CPU_MLA
     backend), embedded, no codec set: its pages are taken as one head of 288 (the latent's
     halves as K and V), stored raw (KIVI refused, naming the setting); a prompt on the
-    stored prefix loads it whole and decodes what it decodes with no cache."""
+    stored prefix loads it layer by layer (each MLA layer waiting for its own) and decodes
+    what it decodes with no cache."""
     res = result(engines, "mla")
     assert res["layout"] == {"num_layers": 3, "num_kv_heads": 1, "head_dim": 288, "dtype": "float32"}
     assert res["codec"]["name"] == "raw" and res["scheduler_caches"] == 1
@@ -586,6 +587,7 @@ def test_an_mla_models_latent_is_stored_raw_and_loaded_for_the_uncached_output(e
     assert res["loaded"]["tokens"] == res["baseline"]["tokens"] and len(res["baseline"]["tokens"]) == 16, res
     worker = res["after_load"]["worker"]
     assert (worker["loads"], worker["load_tokens"], worker["load_failures"]) == (1, 640, 0)
+    assert worker["load_layerwise_calls"] == 1 and worker["load_late_failures"] == 0
     assert worker["save_blocks_stored"] == 10  # the prompt's 10 blocks of 64, once
 
 
