@@ -2,7 +2,7 @@
 
     python -m benchmarks.store [--blocks 16] [--reps 5] [--codecs raw,int8,int4,int2] [--tiers gpu,cpu,disk]
     python -m benchmarks.store --plot-only benchmarks/results/h200/store.json --out docs
-    python -m benchmarks.store --paged | --batches | --fresh [--policy arc,lru] [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
+    python -m benchmarks.store --paged [--mla] | --batches | --fresh [--policy arc,lru] [--blocks 16,64] [--tiny]   (benchmarks/store_engine.py)
     python -m benchmarks.store --mixed [--blocks 16] [--reps 8] [--tiers gpu,cpu]
 
 ``--mixed``: a chain stored under a precision policy (its first block int8, the rest int2 or
@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--policy", default="arc", help="eviction policies, comma-separated (arc,lru: both, "
                                                     "interleaved per case; the ratio to the last is printed)")
     ap.add_argument("--paged", action="store_true", help="contiguous vs vLLM-paged KV (store_engine.py)")
+    ap.add_argument("--mla", action="store_true", help="--paged: DeepSeek-V3's MLA latent pages, not Llama's")
     ap.add_argument("--batches", action="store_true", help="8 requests of 2K tokens: one batched call vs 8")
     ap.add_argument("--fresh", action="store_true", help="a fresh prompt and fresh KV per call, a full tier")
     ap.add_argument("--tiny", action="store_true", help="engine modes: a tiny layout (a CPU smoke test)")
@@ -322,7 +323,12 @@ def engine_modes(args, cuda: bool) -> None:
     from . import store_engine as se
 
     device = torch.device("cuda" if cuda else "cpu")
-    shape = se.TINY if args.tiny or not cuda else se.LLAMA
+    if args.mla and not args.paged:
+        raise SystemExit("--mla: with --paged")
+    if args.mla:
+        shape = se.TINY_MLA if args.tiny or not cuda else se.DEEPSEEK
+    else:
+        shape = se.TINY if args.tiny or not cuda else se.LLAMA
     codecs = [c for c in args.codecs.split(",") if c in se.CODECS]
     blocks = [int(b) for b in str(args.blocks).split(",")]
     out: dict = {"layout": shape.layout.to_dict(), "block_tokens": shape.block, "page_size": shape.page,
@@ -330,10 +336,11 @@ def engine_modes(args, cuda: bool) -> None:
     cols = ["case", "ms", "gbps"]
     if args.paged:
         for n in blocks:
-            print(f"paged: {n} blocks of {shape.block} tokens, vLLM pages of {shape.page}", flush=True)
+            print(f"paged: {n} blocks of {shape.block} tokens, {'MLA latent' if shape.mla else 'vLLM'} pages of "
+                  f"{shape.page}", flush=True)
             out[f"paged_{n}"] = se.run_paged(shape, n, codecs, args.reps, device)
             print(table(out[f"paged_{n}"], cols + ["paged_vs_contiguous"], f"\nPaged vs contiguous, {n} blocks"))
-        name = "store_paged"
+        name = "store_paged_mla" if shape.mla else "store_paged"
     elif args.batches:
         request_tokens = 8 * shape.block  # 2K tokens of Llama blocks
         print(f"batches: 8 requests of {request_tokens} tokens", flush=True)

@@ -5,6 +5,8 @@ call with a fresh prompt. Each mode measures its baseline in the same run.
                                                        KV in vLLM's flash layout (page size 16, pages scattered
                                                        by a random page table): ingest from pages and
                                                        materialize_into pages; the ratio paged / contiguous
+    python -m benchmarks.store --paged --mla           the same for DeepSeek-V3's MLA latent cache (61 layers,
+                                                       576 bf16 per token, pages of 64: cs.KVPages.mla)
     python -m benchmarks.store --batches               8 requests of 2K tokens in pages: one ingest_batch
                                                        against 8 ingest calls; materialize_into_batch against
                                                        8 materialize_into; the ratio
@@ -41,6 +43,7 @@ class Shape:
     layout: cs.KVLayout
     block: int
     page: int
+    mla: bool = False  # pages of latents (KVPages.mla), the layout one head of half the latent
 
     def kv(self, tokens: int, device: torch.device, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -52,6 +55,9 @@ class Shape:
 
 LLAMA = Shape(cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"), 256, 16)
 TINY = Shape(cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16"), 32, 16)
+# DeepSeek-V3's MLA cache: 61 layers, a latent of 512 + 64 per token, bf16, FlashMLA's pages of 64
+DEEPSEEK = Shape(cs.KVLayout.mla(num_layers=61, latent_dim=576, dtype="bfloat16"), 256, 64, mla=True)
+TINY_MLA = Shape(cs.KVLayout.mla(num_layers=2, latent_dim=128, dtype="bfloat16"), 32, 16, mla=True)
 CODECS = {"raw": cs.Raw(), "int4": cs.KIVI(bits=4, group_size=32), "int2": cs.KIVI(bits=2, group_size=32),
           "int8": cs.KIVI(bits=8, group_size=32)}
 
@@ -97,7 +103,12 @@ def make_cache(shape: Shape, codec: Any, call_blocks: int, *, calls_held: int = 
 
 
 def vllm_pages(shape: Shape, num_pages: int, device: torch.device) -> tuple[cs.KVPages, list[torch.Tensor]]:
+    """vLLM's flash layout, or for an MLA layout (one head) its latent pages, [pages, page, C]."""
     L, H, D = shape.layout.num_layers, shape.layout.num_kv_heads, shape.layout.head_dim
+    if shape.mla:
+        tensors = [torch.zeros(num_pages, shape.page, 2 * D, dtype=shape.layout.torch_dtype, device=device)
+                   for _ in range(L)]
+        return cs.KVPages.mla(tensors), tensors
     tensors = [torch.zeros(2, num_pages, shape.page, H, D, dtype=shape.layout.torch_dtype, device=device)
                for _ in range(L)]
     return cs.KVPages.vllm(tensors), tensors
@@ -156,7 +167,8 @@ def run_paged(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
         contiguous.close(), paged.close()
         for op, cont, pag in (("ingest", t_c, t_p), ("materialize", m_c, m_p)):
             row_c = _row(f"{codec} {op} contiguous", cont, raw, codec=codec, op=op, kv="contiguous")
-            row_p = _row(f"{codec} {op} paged", pag, raw, codec=codec, op=op, kv=f"vLLM pages of {shape.page}")
+            where = f"{'MLA latent' if shape.mla else 'vLLM'} pages of {shape.page}"
+            row_p = _row(f"{codec} {op} paged", pag, raw, codec=codec, op=op, kv=where)
             row_p["paged_vs_contiguous"] = row_p["gbps"] / row_c["gbps"]
             rows += [row_c, row_p]
             print(f"  {codec:4s} {op:11s} contiguous {row_c['gbps']:7.1f} GB/s  paged {row_p['gbps']:7.1f} GB/s  "

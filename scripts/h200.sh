@@ -72,6 +72,8 @@ for s in "$@"; do
                    step batch-$b 80 python3 -m benchmarks.store --codecs raw,int4 --tiers gpu,cpu --reps 4 --batch-bytes $b --out /tmp/b$b
                  done ;;
     paged)       step paged 240 python3 -m benchmarks.store --paged --blocks 16,64 --codecs raw,int4 --reps 6 --out "$OUT" ;;
+    # DeepSeek-V3's MLA latent pages (cs.KVPages.mla, pages of 64) against the same latents contiguous.
+    paged-mla)   step paged-mla 240 python3 -m benchmarks.store --paged --mla --blocks 16,64 --codecs raw,int8 --reps 6 --out "$OUT" ;;
     batches)     step batches 200 python3 -m benchmarks.store --batches --codecs raw,int4 --reps 6 --out "$OUT" ;;
     # The eviction policies' cost on the hot path (issue 19: ARC within 2% of LRU): a full CPU tier per
     # policy, fresh prompts, calls taking turns.

@@ -1,5 +1,5 @@
-"""The store benchmark's engine modes (``--paged``, ``--batches``, ``--fresh``, ``--fresh --policy
-arc,lru``; run for real
+"""The store benchmark's engine modes (``--paged``, ``--paged --mla``, ``--batches``, ``--fresh``,
+``--fresh --policy arc,lru``; run for real
 on an H200 by ``scripts/h200.sh``) run end to end on a CPU with tiny shapes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["--paged", "--batches", "--fresh", "--fresh --policy arc,lru"])
+@pytest.mark.parametrize("mode", ["--paged", "--paged --mla", "--batches", "--fresh", "--fresh --policy arc,lru"])
 def test_store_engine_modes_run_on_a_cpu(mode, tmp_path):
     """The store benchmark's engine modes (run for real on an H200) with tiny shapes."""
     root = Path(__file__).resolve().parents[1]
@@ -25,6 +25,9 @@ def test_store_engine_modes_run_on_a_cpu(mode, tmp_path):
     doc = json.loads(out.read_text())
     rows = [r for key, value in doc.items() if isinstance(value, list) for r in value if isinstance(r, dict)]
     assert rows and all(r["gbps"] > 0 for r in rows)
+    if "--mla" in mode:  # the latent's layout, in MLA latent pages
+        assert doc["layout"]["num_kv_heads"] == 1 and out.name == "store_paged_mla.json"
+        assert {r["kv"] for r in rows} == {"contiguous", "MLA latent pages of 16"}
     if "--policy" in mode:  # every policy, both calls, each with its ratio to LRU and the same evictions
         assert sorted((r["policy"], r["op"]) for r in rows if r["codec"] == "int4") == [
             ("arc", "ingest"), ("arc", "materialize"), ("lru", "ingest"), ("lru", "materialize")]
