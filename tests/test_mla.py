@@ -141,3 +141,20 @@ def test_latents_saved_and_loaded_layer_by_layer_equal_the_whole_calls(backend):
                 load.wait(i)
                 assert torch.equal(gather(dst[i], ids, 2 * BLOCK), gather(src[i], ids, 2 * BLOCK))
         assert load.requests[0].num_tokens == 2 * BLOCK
+
+
+def test_a_token_pool_of_latents_is_pages_of_one_token(backend):
+    """SGLang's MLA token pool, per layer ``[slots, 1, C]``: pages of one token, a request's
+    page table its slots."""
+    src = latents(10, num_pages=4 * BLOCK, page=1)
+    toks = tokens_for(11, 2 * BLOCK)
+    slots = torch.randperm(4 * BLOCK, generator=torch.Generator().manual_seed(12))[: 2 * BLOCK].tolist()
+    with make_cache() as cache:
+        pool = cs.KVPages.mla(src)
+        assert pool.page_size == 1
+        assert cache.ingest(toks, pool.at(slots)).stored == 2
+        dst = latents(13, num_pages=4 * BLOCK, page=1)
+        out = slots[::-1]
+        assert cache.materialize_into(toks, cs.KVPages.mla(dst).at(out)).num_tokens == 2 * BLOCK
+        for layer in range(LAYOUT.num_layers):
+            assert torch.equal(dst[layer][out, 0], src[layer][slots, 0])
