@@ -12,7 +12,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
 - embedded, Raw: an engine stores a prompt's prefix, forgets it (vLLM's prefix cache
   reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
   external hit tokens, and the greedy output equals that prompt computed without any cache,
-  token for token. KIVI int8 and int4: the same, with the agreement reported. vLLM's
+  token for token; vLLM's Prometheus registry holds the connector's counters. KIVI int8
+  and int4: the same, with the agreement reported. vLLM's
   cache_salt: a salted prompt shares nothing with unsalted or otherwise salted ones. With
   store blocks of 32 tokens, the load ends inside one of vLLM's 128-token CPU pages, and
   vLLM's own CPU kernel writes K and V where the connector's views read them; that engine
@@ -223,6 +224,14 @@ def test_raw_prefix_loaded_from_cacheseek_gives_the_uncached_output(engines):
     # vLLM's reset_prefix_cache(reset_connector=True) between the two: the base class's
     # None read as done while the store kept serving the blocks; now it says it did not.
     assert res["connector_reset"] is False
+    # vLLM's Prometheus registry holds both sides' counters as vllm:cacheseek_<name> (read
+    # through LLM.get_metrics, which gives counters as ints: the seconds are there, not compared)
+    totals = {name: res["after_load"]["scheduler"][name] + res["after_load"]["worker"][name]
+              for name in res["after_load"]["worker"]}
+    want = {f"vllm:cacheseek_{name}": value for name, value in totals.items() if value and "seconds" not in name}
+    got = {name: value for name, value in res["prometheus"].items() if "seconds" not in name}
+    assert got == want and want["vllm:cacheseek_load_tokens"] == 1024, (got, want)
+    assert {"vllm:cacheseek_load_seconds", "vllm:cacheseek_save_seconds"} <= set(res["prometheus"])
 
 
 def test_vllms_cpu_pages_are_read_and_written_where_its_kernel_keeps_each_token():

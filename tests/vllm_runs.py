@@ -165,6 +165,7 @@ def share(job: dict[str, Any]) -> dict[str, Any]:
     eng.reset()
     out.update(loaded_and_uncached(eng, ps[1]))
     out["after_load"] = eng.stats()
+    out["prometheus"] = {m.name: m.value for m in eng.llm.get_metrics() if m.name.startswith("vllm:cacheseek_")}
     if job.get("layerwise_checks"):
         out["layerwise"] = layerwise_checks(eng, ps)
     if job.get("layerwise_save_checks"):

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
@@ -33,6 +33,7 @@ from .guard import StoreGuard
 from .pages import PageFormat, VllmPages, kv_views
 from .plan import StepPlan
 from .scheduler import SchedulerSide
+from .stats import ConnectorStats
 from .stores import close_cache, open_cache
 from .worker import WorkerSide
 
@@ -84,6 +85,26 @@ class CacheSeekStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class CacheSeekPromMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's Prometheus registry, beside vLLM's own: a counter
+    ``vllm:cacheseek_<name>`` per ``ConnectorStats`` field (``..._total`` in the exposition),
+    labelled as vLLM labels its engine's metrics, fed each interval's deltas of both sides."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {name: self._counter_cls(name=f"vllm:cacheseek_{name}", documentation=f"CacheSeek: {doc}",
+                                                  labelnames=labelnames)
+                          for name, doc in ConnectorStats.docs().items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for name, value in (transfer_stats_data or {}).items():
+            counter = self._counters.get(name)
+            if counter is not None and value > 0:  # (deltas: a counter never goes down)
+                counter.labels(*labels).inc(value)
 
 
 class CacheSeekConnector(KVConnectorBase_V1):
@@ -265,6 +286,11 @@ class CacheSeekConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return CacheSeekStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return CacheSeekPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
