@@ -37,6 +37,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
   only under it, and loads that adapter's KV.
 - tensor parallelism (3 ranks, vLLM's multiprocessing executor) through a server: each
   rank stores and loads its own shard of the heads under its own keys.
+- disaggregated prefill: a ``kv_producer`` engine's answer comes back with its prompt's
+  blocks on the server; a ``kv_consumer`` engine loads them and saves nothing.
 - an MLA model (a DeepSeek-V2 of random weights, vLLM's CPU_MLA): its latent stored raw and
   loaded for the uncached output, embedded; at TP=2 through a server, stored once (rank 0)
   and loaded by both ranks, then found by a TP=1 engine.
@@ -169,6 +171,14 @@ def engines(model, tmp_path_factory):
             tp1 = run_engine({"scenario": "mla", "extra": extra, "model_dir": str(root / "mla-model"), "store": False})
             return {"tp2": tp2, "tp1": tp1, "server": server}
 
+    def prefill_decode() -> dict:
+        # a producer, then a consumer, each its own engine, through one server
+        with Server(root / "server-pd", disk=False, cpu_bytes="1GiB") as srv:
+            extra = {"codec": "raw", "model_id": "tiny-llama", "url": srv.url, "timeout_seconds": 30,
+                     "block_tokens": 64}
+            job = {"scenario": "prefill_decode", "extra": extra, "model_dir": str(root / "llama-model")}
+            return {role: run_engine({**job, "kv_role": role}) for role in ("kv_producer", "kv_consumer")}
+
     runs: dict[str, Future] = {
         "keys": pool.submit(run_engine, {"scenario": "keys", "extra": {}}),
         "raw": pool.submit(embedded, "raw", layerwise=True, corrupt_block=2, salts=True),
@@ -187,6 +197,7 @@ def engines(model, tmp_path_factory):
         "mla": pool.submit(embedded, None, layerwise=True, disk="mla", scenario="mla", block_tokens=64,
                            model_id="tiny-mla", model_dir=str(root / "mla-model")),
         "mla_tensor_parallel": pool.submit(mla_tensor_parallel),
+        "prefill_decode": pool.submit(prefill_decode),
     }
     yield runs
     pool.shutdown(wait=True, cancel_futures=True)
@@ -617,6 +628,22 @@ def test_with_tensor_parallelism_an_mla_latent_is_stored_once_for_every_rank_and
     assert tier["raw_bytes"] == 10 * 3 * 64 * 576 * 4  # blocks x layers x tokens x latent x fp32: once
     assert tp1["loaded"]["external"] == tp1["loaded"]["cached"] == 640, tp1
     assert tp1["scheduler"]["lookup_hit_tokens"] == 640
+
+
+def test_disaggregated_prefill_a_producers_answer_comes_after_its_blocks_are_stored(engines):
+    """kv_producer and kv_consumer, two engines through a server: the producer saves within
+    the step by default (no background saves), so when its one-token answer is back the
+    server holds the prompt's 10 full blocks; the consumer, a fresh engine, loads them,
+    saves nothing, and decodes what it decodes with no cache, starting with the producer's token."""
+    producer, consumer = (result(engines, "prefill_decode")[role] for role in ("kv_producer", "kv_consumer"))
+    assert producer["background_saves"] is False and producer["blocks_on_answer"] == 10, producer
+    assert producer["stats"]["worker"]["save_blocks_stored"] == 10 and producer["stats"]["worker"]["loads"] == 0
+    assert consumer["background_saves"] is True  # (nothing to save: the default stands)
+    assert consumer["loaded"]["external"] == consumer["loaded"]["cached"] == 640, consumer
+    assert consumer["loaded"]["tokens"] == consumer["baseline"]["tokens"], consumer["agreement"]
+    assert consumer["loaded"]["tokens"][0] == producer["first"]["tokens"][0]
+    worker = consumer["stats"]["worker"]
+    assert worker["loads"] == 1 and worker["save_calls"] == 0 and consumer["stats"]["scheduler"]["lookups"] >= 1
 
 
 def test_a_request_whose_load_between_steps_failed_whole_is_computed_not_offered_again(engines):

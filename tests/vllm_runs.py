@@ -623,23 +623,28 @@ def tensor_parallel(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tiny_mla_model(path: Path) -> None:
-    """A DeepSeek-V2 of random weights (3 dense layers, an MLA latent of 512 + 64 per token,
-    the width of DeepSeek-V2/V3's) written to ``path`` once, with no tokenizer: prompts go in
-    as token ids. The same seed, the same weights: every engine of a test computes one KV."""
+def tiny_model(path: Path, arch: str = "deepseek_v2") -> None:
+    """A model of random weights written to ``path`` once, with no tokenizer (prompts go in
+    as token ids): ``deepseek_v2``, 3 dense layers with an MLA latent of 512 + 64 per token
+    (the width of DeepSeek-V2/V3's), or ``llama``, 4 layers of 2 KV heads of 64. The same
+    seed, the same weights: every engine of a test computes one KV."""
     if (path / "config.json").exists():
         return
     import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    config = DeepseekV2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512,
-                              qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=3,
-                              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                              moe_intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    if arch == "llama":
+        model_cls, config = LlamaForCausalLM, LlamaConfig(num_hidden_layers=4, num_key_value_heads=2, **common)
+    else:
+        model_cls, config = DeepseekV2ForCausalLM, DeepseekV2Config(
+            num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
+            qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=128, **common)
     torch.manual_seed(0)
     tmp = path.with_name(path.name + f".{os.getpid()}")
-    DeepseekV2ForCausalLM(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
+    model_cls(config).to(torch.float32).save_pretrained(tmp, safe_serialization=True)
     try:
         tmp.rename(path)
     except OSError:  # (another engine wrote it first: the same weights)
@@ -647,7 +652,7 @@ def tiny_mla_model(path: Path) -> None:
 
 
 def mla(job: dict[str, Any]) -> dict[str, Any]:
-    """An MLA model (``tiny_mla_model``), raw: prompt 0 computed and stored, vLLM's cache
+    """An MLA model (``tiny_model``), raw: prompt 0 computed and stored, vLLM's cache
     reset, prompt 1 loads the shared prefix; compared with prompt 1 computed without any
     cache. ``tp``: that many worker processes (a server's url in the extra); ``store``
     false: prompt 1 only, its prefix stored by another engine before. Also what the
@@ -657,7 +662,7 @@ def mla(job: dict[str, Any]) -> dict[str, Any]:
     from cacheseek.integrations.vllm.connector import _codec_for
 
     path = Path(job["model_dir"])
-    tiny_mla_model(path)
+    tiny_model(path)
     tp = job.get("tp", 1)
     more: dict[str, Any] = {}
     if tp > 1:
@@ -693,6 +698,37 @@ def mla(job: dict[str, Any]) -> dict[str, Any]:
         out["after_load"] = eng.stats()
     out["scheduler"] = connector.stats()
     out["workers"] = dict(workers)
+    return out
+
+
+def prefill_decode(job: dict[str, Any]) -> dict[str, Any]:
+    """Disaggregated prefill through a server, one side per process (``tiny_model`` llama):
+    ``kv_producer`` computes a prompt for one token, and the server's blocks are counted the
+    moment that answer is back; ``kv_consumer`` (a fresh engine) then serves the same prompt
+    for 16 tokens, its prefix loaded, and again with no cache."""
+    path = Path(job["model_dir"])
+    tiny_model(path, "llama")
+    from vllm import LLM, SamplingParams
+
+    role = job["kv_role"]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
+              skip_tokenizer_init=True, disable_log_stats=False,
+              kv_transfer_config={**CONNECTOR, "kv_role": role, "kv_connector_extra_config": job["extra"]})
+    tokens = 1 if role == "kv_producer" else 16
+    eng = Engine(llm, tokens)
+    eng.params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    eng.cold = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, skip_reading_prefix_cache=True)
+    prompt = [3 + (i * 37) % 500 for i in range(job.get("prompt_tokens", 660))]
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    out: dict[str, Any] = {"background_saves": connector.config.background_saves}
+    if role == "kv_producer":
+        import httpx
+
+        out["first"] = eng.run(prompt)
+        out["blocks_on_answer"] = httpx.get(job["extra"]["url"] + "/v1/stats", timeout=30).json()["tiers"][0]["blocks"]
+    else:
+        out.update(loaded_and_uncached(eng, prompt))
+    out["stats"] = eng.stats()
     return out
 
 
@@ -1179,7 +1215,8 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
-                                               admission, steps, cpu_pages, mla)}
+                                               admission, steps, cpu_pages, mla,
+                                               prefill_decode)}
 
 
 def main() -> None:

@@ -125,6 +125,11 @@ class CacheSeekConnector(KVConnectorBase_V1):
         # heads): one copy is stored, under keys of no rank, and only rank 0 saves it.
         self.mla = _is_mla(kv_cache_config)
         self.config = _codec_for(self.config, self.layout, extra or {}, mla=self.mla)
+        if transfer.kv_role == "kv_producer" and self.config.remote and "background_saves" not in (extra or {}):
+            # A producer (disaggregated prefill) computes prompts for consumers: its saves
+            # are stored before the step's tokens go back, so a consumer asked next finds them.
+            log.info("CacheSeekConnector: kv_producer: saves stored within the step (background_saves false)")
+            self.config = dataclasses.replace(self.config, background_saves=False)
         self._block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
