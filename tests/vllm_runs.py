@@ -651,6 +651,20 @@ def tiny_model(path: Path, arch: str = "deepseek_v2") -> None:
         pass
 
 
+def tiny_engine(path: Path, extra: dict[str, Any], max_tokens: int, kv_role: str = "kv_both", **more: Any) -> Engine:
+    """An ``Engine`` on a ``tiny_model``: prompts of token ids, every run decoding
+    ``max_tokens`` (random weights give an end-of-text token at any step)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
+              skip_tokenizer_init=True, disable_log_stats=False,
+              kv_transfer_config={**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}, **more)
+    eng = Engine(llm, max_tokens)
+    eng.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    eng.cold = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, skip_reading_prefix_cache=True)
+    return eng
+
+
 def mla(job: dict[str, Any]) -> dict[str, Any]:
     """An MLA model (``tiny_model``), raw: prompt 0 computed and stored, vLLM's cache
     reset, prompt 1 loads the shared prefix; compared with prompt 1 computed without any
@@ -668,17 +682,9 @@ def mla(job: dict[str, Any]) -> dict[str, Any]:
     if tp > 1:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         more = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 128 << 20}
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
-              skip_tokenizer_init=True, disable_log_stats=False,
-              kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": job["extra"]}, **more)
+    eng = tiny_engine(path, job["extra"], job.get("max_tokens", 16), **more)
+    llm = eng.llm
     workers = workers_counted(llm)
-    eng = Engine(llm, job.get("max_tokens", 16))
-    # (random weights: an end-of-text token may come at any step; every run decodes its 16)
-    eng.params = SamplingParams(max_tokens=eng.params.max_tokens, temperature=0.0, ignore_eos=True)
-    eng.cold = SamplingParams(max_tokens=eng.params.max_tokens, temperature=0.0, ignore_eos=True,
-                              skip_reading_prefix_cache=True)
     prefix = [3 + (i * 37) % 500 for i in range(job.get("prefix_tokens", 640))]
     ps = [prefix + [3 + (q * 101 + i * 13) % 500 for i in range(24)] for q in range(2)]
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
@@ -708,18 +714,10 @@ def prefill_decode(job: dict[str, Any]) -> dict[str, Any]:
     for 16 tokens, its prefix loaded, and again with no cache."""
     path = Path(job["model_dir"])
     tiny_model(path, "llama")
-    from vllm import LLM, SamplingParams
-
     role = job["kv_role"]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
-              skip_tokenizer_init=True, disable_log_stats=False,
-              kv_transfer_config={**CONNECTOR, "kv_role": role, "kv_connector_extra_config": job["extra"]})
-    tokens = 1 if role == "kv_producer" else 16
-    eng = Engine(llm, tokens)
-    eng.params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    eng.cold = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, skip_reading_prefix_cache=True)
+    eng = tiny_engine(path, job["extra"], 1 if role == "kv_producer" else 16, kv_role=role)
     prompt = [3 + (i * 37) % 500 for i in range(job.get("prompt_tokens", 660))]
-    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    connector = eng.llm.llm_engine.engine_core.engine_core.scheduler.connector
     out: dict[str, Any] = {"background_saves": connector.config.background_saves}
     if role == "kv_producer":
         import httpx
