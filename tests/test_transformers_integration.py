@@ -657,6 +657,26 @@ def test_a_model_with_recurrent_layers_is_refused_before_anything_runs():
         assert ran == [] and cache.stats()["blocks"] == 0
 
 
+def test_an_mla_model_is_refused_before_anything_runs():
+    """DeepSeek-V2's cache holds a latent per token and its rope part, of two widths: the
+    prompt ran, then the save failed on the first layer's "K" shape, after a layout error
+    that named a head dim of its config's rope part."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, first_k_dense_replace=2, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+        moe_intermediate_size=32)).eval()
+    ran = []
+    model.register_forward_hook(lambda *args: ran.append(1))
+    layout = cs.KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, dtype="float32")
+    with cs.PrefixCache(model_id="mla", layout=layout, codec=cs.Raw(), block_tokens=BLOCK,
+                        tiers=cs.TierConfig(cpu_bytes="16MiB")) as cache:
+        with pytest.raises(ConfigError, match=r"^DeepseekV2ForCausalLM: an MLA model \(kv_lora_rank 32\).*KVPages.mla"):
+            prefill_with_reuse(model, cache, list(range(3, 103)))
+        assert ran == [] and cache.stats()["blocks"] == 0
+
+
 @pytest.mark.parametrize("given, says", [
     ({"input_ids": [1, 2, 3]}, r"^input_ids: a dict \(a tokenizer's output\?\); pass its \['input_ids'\]"),
     ("Hello", r"^input_ids: a str, not token ids \(tokenize it first\)"),

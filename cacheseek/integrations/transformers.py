@@ -758,7 +758,15 @@ def _check_model(model: Any) -> None:
     if getattr(model, "_is_stateful", False):  # transformers 4's mark of a recurrent state
         raise ConfigError(f"{name} keeps a recurrent state beside its KV (Mamba-like layers): prefill_with_reuse "
                           "handles caches of full-attention and sliding-window layers only")
-    other = _config_layers(getattr(model, "config", None))[1]
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "kv_lora_rank", None):
+        # (transformers' cache of an MLA layer holds its latent and its rope part, of two
+        # widths, no per-head K and V: none of it is a layout's, and the prompt would have run)
+        raise ConfigError(f"{name}: an MLA model (kv_lora_rank {text.kv_lora_rank}): its cache holds a latent per "
+                          "token, not per-head K and V; prefill_with_reuse handles K/V caches only (MLA latents are "
+                          "stored through cs.KVPages.mla, as the vLLM connector does)")
+    other = _config_layers(config)[1]
     if other is not None:
         i, kind = other
         raise ConfigError(f"{name}: layer {i} keeps a {kind}, not per-token KV of full or sliding-window attention "
