@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 import cacheseek as cs
+from cacheseek.quant.tensors import host_view
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["flash", "nhd", "hnd", "pool"]
@@ -97,3 +98,14 @@ def unchanged(before: list[torch.Tensor], tensors: list[torch.Tensor]) -> bool:
     """Byte for byte (NaN included) what ``snapshot`` saw."""
     return all(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
                for a, b in zip(before, tensors))
+
+
+def stored_bytes(cache, keys) -> list[bytes]:
+    """Each block's frame payload as stored (a GPU tier's copied to the host), in chain order."""
+    out = []
+    for got in cache.store.get_many(cache.block_hashes(keys)):
+        assert got is not None
+        frame, _ = got
+        payload = frame.payload_view() if frame.host is not None else host_view(frame.device_payload.cpu())
+        out.append(bytes(payload))
+    return out

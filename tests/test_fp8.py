@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import cacheseek as cs
 from cacheseek.hashing import root_hash
 from cacheseek.quant import backend as kivi_codec
-from paged_helpers import DEVICE, engine_pages, ingest_pages, page_tables, read_tokens, snapshot, unchanged, write_tokens
+from paged_helpers import (DEVICE, engine_pages, ingest_pages, page_tables, read_tokens, snapshot, stored_bytes,
+                           unchanged, write_tokens)
 from redis_servers import RedisServer, needs_redis
 from server_helpers import Server
 from store_helpers import BLOCK, tokens_for
@@ -231,14 +232,6 @@ def test_random_bit_patterns_round_trip_through_an_engines_pages(backend, dtype,
         for (k, v), (k0, v0) in zip(read_tokens(dest, dest_tables[1] + dest_tables[0][:2], 2 * BLOCK), kvs[0]):
             assert same_bytes(k, k0[:, : 2 * BLOCK]) and same_bytes(v, v0[:, : 2 * BLOCK])
         del dest_tensors
-
-
-def stored_bytes(cache, keys) -> list[bytes]:
-    out = []
-    for got in cache.store.get_many(cache.block_hashes(keys)):
-        assert got is not None
-        out.append(bytes(got[0].payload_view()))
-    return out
 
 
 # -- NaN and Inf -----------------------------------------------------------------------------

@@ -10,8 +10,7 @@ import torch
 
 import cacheseek as cs
 from cacheseek.quant import backend as kivi_codec
-from cacheseek.quant.tensors import host_view
-from paged_helpers import DEVICE, snapshot, unchanged
+from paged_helpers import DEVICE, snapshot, stored_bytes, unchanged
 from store_helpers import tokens_for
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's padding lanes)
@@ -36,16 +35,6 @@ def latents(seed: int, num_pages: int = PAGES, page: int = PAGE) -> list[torch.T
 def gather(layer: torch.Tensor, ids: list[int], tokens: int) -> torch.Tensor:
     """[tokens, C]: the latents a page table holds, in order."""
     return layer[ids].reshape(-1, layer.shape[-1])[:tokens]
-
-
-def stored_bytes(cache, keys) -> list[bytes]:
-    """Each block's frame payload, as stored."""
-    out = []
-    for got in cache.store.get_many(cache.block_hashes(keys)):
-        frame, _ = got
-        payload = frame.payload_view() if frame.host is not None else host_view(frame.device_payload.cpu())
-        out.append(bytes(payload))
-    return out
 
 
 def make_cache(codec=None):

@@ -13,7 +13,6 @@ import torch
 import cacheseek as cs
 from cacheseek import kernels
 from cacheseek.pages import PagedSource
-from cacheseek.quant.tensors import host_view
 from cacheseek.quant import backend as kivi_codec
 from paged_helpers import (
     DEVICE,
@@ -24,6 +23,7 @@ from paged_helpers import (
     page_tables,
     read_tokens,
     snapshot,
+    stored_bytes,
     unchanged,
     write_tokens,
 )
@@ -53,17 +53,6 @@ def backend(request, monkeypatch):
     """The kernels (interpreted on a CPU) or the torch fallback: the same bytes."""
     monkeypatch.setenv(kivi_codec.BACKEND_ENV, request.param)
     return request.param
-
-
-def stored_bytes(cache, keys) -> list[bytes]:
-    hashes = cache.block_hashes(keys)
-    out = []
-    for got in cache.store.get_many(hashes):
-        assert got is not None
-        frame, _ = got
-        payload = frame.payload_view() if frame.host is not None else host_view(frame.device_payload.cpu())
-        out.append(bytes(payload))
-    return out
 
 
 def expected_after_load(kind: str, before: list[torch.Tensor], layers, ids: list[int]) -> list[torch.Tensor]:

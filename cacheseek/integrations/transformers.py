@@ -165,10 +165,15 @@ def _windowed(config: Any) -> bool:
     return bool(_dynamic_cache_kwargs(config))
 
 
+def _text_config(config: Any) -> Any:
+    """A model config's decoder part (a multimodal config's text config; else the config)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _window(config: Any) -> int:
     """Tokens a windowed layer keeps after a forward (its window less one; 0 where the
     config names no window, so nothing reused is taken to be whole)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     window = getattr(text, "sliding_window", None)
     return max(int(window) - 1, 0) if isinstance(window, int) else 0
 
@@ -334,7 +339,7 @@ def cache_length(cache: Any) -> int:
 def kv_layout(model_or_config: Any, dtype: Any = None) -> KVLayout:
     """The ``KVLayout`` of a decoder's cache, from its config (dtype: the model's unless given)."""
     config = getattr(model_or_config, "config", model_or_config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = _text_config(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
@@ -358,7 +363,7 @@ def layer_devices(model: Any) -> list[torch.device] | None:
     device_map = getattr(model, "hf_device_map", None)
     if not isinstance(device_map, Mapping) or len({str(d) for d in device_map.values()}) < 2:
         return None
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = _text_config(model.config)
     layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)
                    and len(m) == text.num_hidden_layers), None)
     if layers is None:
@@ -758,8 +763,8 @@ def _check_model(model: Any) -> None:
     if getattr(model, "_is_stateful", False):  # transformers 4's mark of a recurrent state
         raise ConfigError(f"{name} keeps a recurrent state beside its KV (Mamba-like layers): prefill_with_reuse "
                           "handles caches of full-attention and sliding-window layers only")
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = getattr(model, "config", None)
+    text = _text_config(config)
     if getattr(text, "kv_lora_rank", None):
         # (transformers' cache of an MLA layer holds its latent and its rope part, of two
         # widths, no per-head K and V: none of it is a layout's, and the prompt would have run)
