@@ -332,20 +332,18 @@ class InPlaceIngest:
                 give_back_flags(run.flags)
 
     def reserve(self, nbytes: int, count: int) -> list[Reservation] | None:
-        """A run of ``count`` slots, committing landed batches to make room; fewer slots
-        if the tier's memory is fragmented; None when not even one slot is free."""
+        """A run of up to ``count`` slots: as many as the tier lends now (its memory
+        fragmented, or its reserve short of the whole call), committing landed batches
+        only when it lends none, since waiting for a copy to land stalls the encodes and
+        copies behind it and a shorter run does not; None when nothing is in flight and not
+        even one slot is free."""
         while True:
-            got = self.store.reserve_run(nbytes, count, grow=True)
-            if got is not None:
+            got = self.store.reserve_run(nbytes, count, grow=True, partial=True)
+            if got is not None or not self.pending:
                 return got
-            if self.pending:
-                if self.unlaunched and not self.rest_checked:
-                    self._check_rest()  # a commit evicts: not for a call a later block rejects
-                self.commit_oldest()  # frees reservation room (and evicts, at commit)
-            elif count > 1:
-                count = (count + 1) // 2
-            else:
-                return None
+            if self.unlaunched and not self.rest_checked:
+                self._check_rest()  # a commit evicts: not for a call a later block rejects
+            self.commit_oldest()  # frees reservation room (and evicts, at commit)
 
     def _check_rest(self) -> None:
         """``InputError`` if the KV of a block to be stored and not launched yet is KV its

@@ -204,10 +204,8 @@ class _SlotWriter(LayerWriter):
             lo = stop - 1
             while lo > 0 and metas[lo - 1].nbytes == size and metas[lo - 1].codec is codec:
                 lo -= 1
-            count, got = stop - lo, None
-            while got is None and count:
-                got = self.cache.store.reserve_run(size, count, grow=True)
-                count //= 2
+            # (A fragmented tier lends the longest run it has: the rest goes in other runs.)
+            got = self.cache.store.reserve_run(size, stop - lo, grow=True, partial=True)
             if got is None:
                 raise _NoRoom
             lo = stop - len(got)

@@ -199,6 +199,13 @@ for s in "$@"; do
                    step before-kernels-$r 120 /tmp/base.sh python3 -m benchmarks.kernels --out "$OUT/before-kernels-$r"
                    step after-kernels-$r 120 python3 -m benchmarks.kernels --out "$OUT/after-kernels-$r"
                  done ;;
+    # MLA latent pages (16 blocks: a full tier whose reserve holds one call) under the package in
+    # .base and under this tree, alternating; both run this tree's benchmark.
+    paged-mla-ab) use_base benchmarks
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
+                   step before-paged-mla-$r 120 /tmp/base.sh python3 -m benchmarks.store --paged --mla --blocks 16 --codecs raw,int8 --reps 8 --out "$OUT/before-paged-mla-$r"
+                   step after-paged-mla-$r 120 python3 -m benchmarks.store --paged --mla --blocks 16 --codecs raw,int8 --reps 8 --out "$OUT/after-paged-mla-$r"
+                 done ;;
     # A mixed chain vs its uniform codec (64 blocks, GPU and CPU tiers) under the package in .base
     # and under this tree, alternating; both run this tree's benchmark (interleaved calls).
     mixed-ab)    use_base benchmarks

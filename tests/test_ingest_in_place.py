@@ -504,9 +504,58 @@ def test_a_fragmented_tier_gets_shorter_runs(monkeypatch):
     runs = _Spy(monkeypatch, cache.store, "reserve_run")
     toks, kv = tokens_for(46, 10 * BLOCK), make_kv(10 * BLOCK, 46)
     assert cache.ingest(toks, kv).stored == 10
-    lent = [args[1] for args, got in runs.calls if got is not None]
+    lent = [len(got) for _, got in runs.calls if got is not None]
     assert runs.calls[0][0][1] == 10 and sum(lent) == 10 and max(lent) <= 4
     assert_prefix_equal(cache.materialize(toks), kv, 10 * BLOCK)
+
+
+def test_a_partial_run_is_the_largest_free_extent():
+    arena = HostArena(1 << 20)
+    stride = slot_stride(1000)
+    run = arena.allocate_run(1000, (1 << 20) // stride)  # the whole chunk
+    for slot in run[3:5] + run[10:17]:
+        arena.free(slot)  # holes of 2 and 7 slots
+    assert arena.allocate_run(1000, 9, grow=False) is None
+    got = arena.allocate_run(1000, 9, grow=False, partial=True)
+    assert [s.offset for s in got] == [run[10].offset + i * stride for i in range(7)]
+    assert len(arena.allocate_run(1000, 9, partial=True)) == 2  # then the other hole
+    assert arena.allocate_run(1000, 9, partial=True) is None  # nothing left at all
+
+
+def test_a_partial_reservation_stops_at_the_budget_and_the_reserve():
+    tier = CpuTier(8 * RAW_FRAME, reserve_bytes=2 * RAW_FRAME)
+    assert tier.reserve_run(RAW_FRAME, 12) is None  # the whole run: past the budget and the reserve
+    got = tier.reserve_run(RAW_FRAME, 12, grow=True, partial=True)
+    assert len(got) == 10
+    assert tier.reserve_run(RAW_FRAME, 1, grow=True, partial=True) is None
+    for reservation in got:
+        tier.abort(reservation)
+    # Without ``grow`` a reservation may take only the arena's room past the budget.
+    assert len(tier.reserve_run(RAW_FRAME, 12, partial=True)) <= 2 + (tier._arena.limit_bytes - 10 * RAW_FRAME) // RAW_FRAME
+
+
+def test_a_full_tier_lends_what_its_fragmented_reserve_holds_and_no_call_waits(monkeypatch):
+    # The steady state of a tier that holds two calls, with a reserve of one call (fresh prompts,
+    # every call evicts the oldest): the reserve's room lies in pieces where evicted calls were.
+    # Each call takes its slots in those pieces rather than waiting for a commit to free a
+    # whole run (on a GPU, a commit waits for a copy to land: the pipeline stalls).
+    layout, blocks = cs.KVLayout(num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16"), 16
+    frame = cs.Raw().encoded_nbytes(layout, BLOCK) + 4096  # a header's worth over: 3 frames of slack in the chunk
+    cache = make_cache(cpu=2 * blocks * frame, cpu_reserve_bytes=blocks * frame, eviction="lru", layout=layout)
+    runs = _Spy(monkeypatch, cache.store, "reserve_run")
+    fragmented = 0
+    for call in range(8):
+        toks, kv = tokens_for(60 + call, blocks * BLOCK), make_kv(blocks * BLOCK, 60 + call, layout)
+        runs.calls.clear()
+        assert cache.ingest(toks, kv).stored == blocks
+        assert all(got is not None for _, got in runs.calls), call
+        assert sum(len(got) for _, got in runs.calls) == blocks
+        fragmented += len(runs.calls) > 1
+    assert fragmented >= 4  # (the case this test is about: runs in pieces)
+    tier = cache.stats()["tiers"][0]
+    assert tier["evictions"] >= 5 * blocks and tier["blocks"] + tier["evictions"] == 8 * blocks
+    assert tier["reservation_bytes"] == 0
+    assert_prefix_equal(cache.materialize(toks), kv, blocks * BLOCK)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import cacheseek as cs
 from cacheseek import layerwise, layerwise_save, paged_io
 from cacheseek.layerwise import LayerwiseDecoder, layer_groups
 from cacheseek.quant import backend as kivi_codec
+from cacheseek.store.arena import slot_stride
 from cacheseek.store.device_staging import staging_pool
 from model_helpers import tiny_llama
 from paged_helpers import DEVICE, engine_pages, page_tables, snapshot, unchanged, write_tokens
@@ -896,6 +897,24 @@ def test_a_layerwise_save_into_a_full_tier_stores_what_did_not_fit_on_finish(mon
         got = writer.finish()
         assert (got.stored, got.present, got.failed) == (8, 0, 0)
         assert cache.locate(toks).num_blocks == 8 and reservation_bytes(cache) == 0
+        normal.ingest(toks, kv)
+        assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
+
+
+def test_a_layerwise_save_into_a_fragmented_tier_takes_its_longest_runs(monkeypatch):
+    """Memory in pieces (no run of more than four slots here): the save takes the longest run
+    each time, so its ten blocks go in three runs, not in runs halved until one fits."""
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    T = 10 * BLOCK
+    toks, kv = tokens_for(9, T), make_kv(T, 9, LAYOUT)
+    with make_cache(INT4) as cache, make_cache(INT4) as normal:
+        frame = cache.block_format.plan_run(0, cache.block_hashes(toks), [b""] * 10)[-1].nbytes
+        cache.store.tiers[0]._arena.chunk_bytes = 4 * slot_stride(frame)
+        writer = cache.ingest_layerwise(toks)
+        for i in range(L):
+            writer.put_layer(i, *kv[i])
+        assert writer.mode == "slots" and [len(r.metas) for r in writer._runs] == [4, 4, 2]
+        assert writer.finish().stored == 10 and reservation_bytes(cache) == 0
         normal.ingest(toks, kv)
         assert stored_payloads(cache, toks) == stored_payloads(normal, toks)
 

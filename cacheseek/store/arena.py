@@ -219,11 +219,16 @@ class HostArena:
         run = self.allocate_run(nbytes, 1, grow=grow)
         return run[0] if run is not None else None
 
-    def allocate_run(self, nbytes: int, count: int, *, grow: bool = True) -> list[Slot] | None:
+    def allocate_run(self, nbytes: int, count: int, *, grow: bool = True,
+                     partial: bool = False) -> list[Slot] | None:
         """``count`` slots of at least ``nbytes`` each, laid end to end at a stride of
         ``slot_stride(nbytes)`` (one device copy can fill them all), or None when no
-        contiguous room for all of them is left. Each slot is freed on its own."""
+        contiguous room for all of them is left. Each slot is freed on its own.
+        ``partial``: when there is not, as many as the largest free extent holds (None only
+        when not even one fits)."""
         need = _align(nbytes)
+        if partial:
+            count = min(count, self.chunk_bytes // need)
         if count < 1 or need * count > self.chunk_bytes:
             return None
         for chunk in self._chunks:
@@ -238,6 +243,10 @@ class HostArena:
             offset = chunk.allocate(need * count)
             assert offset is not None
             return [self._slot(chunk, offset + i * need, need) for i in range(count)]
+        if partial:
+            fits = max((size // need for chunk in self._chunks for size in chunk.free_sizes), default=0)
+            if 0 < fits < count:
+                return self.allocate_run(nbytes, fits, grow=False)
         return None
 
     def could_fit(self, nbytes: int, slots: list[Slot]) -> bool:

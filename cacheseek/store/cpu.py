@@ -314,25 +314,31 @@ class CpuTier(MemoryTier):
         run = self.reserve_run(nbytes, 1)
         return run[0] if run is not None else None
 
-    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False,
+                    partial: bool = False) -> list[Reservation] | None:
         """Like :meth:`reserve`, for ``count`` frames of ``nbytes`` in slots laid end to end
         at ``arena.slot_stride(nbytes)`` (one device copy fills them all), or None. ``grow``
         lets the arena map memory for them, up to the budget and the reserve together (for
         a caller whose frames are good unless its own device says otherwise: nothing else
-        is lost if they are not)."""
+        is lost if they are not). ``partial``: fewer than ``count`` when that is all the
+        budget or the arena's contiguous room lends now (None only for none at all)."""
         with self._lock:
             limit = self.capacity_bytes + self.reserve_bytes
-            if self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
+            if partial:
+                count = min(count, (limit - self._index.used_bytes - self._reserved_bytes) // max(nbytes, 1))
+            if count < 1 or self._index.used_bytes + self._reserved_bytes + nbytes * count > limit:
                 return None
             # Frames that may be held for long (a server receiving from a slow client) get only
             # the arena's room beyond the budget (the reserve, and whatever a chunk rounded past
             # it): a whole budget of stored blocks always fits beside them, so a put never evicts
             # for a reservation while the budget has room.
             lendable = self._arena.limit_bytes - self.capacity_bytes
-            if not grow and self._reserved_bytes + _aligned(nbytes) * count > lendable:
+            if not grow and partial:
+                count = min(count, (lendable - self._reserved_bytes) // _aligned(nbytes))
+            if count < 1 or not grow and self._reserved_bytes + _aligned(nbytes) * count > lendable:
                 return None
             grow = grow or self.reserve_bytes > 0 and self._arena.reserved_bytes >= self.capacity_bytes
-            slots = self._arena.allocate_run(nbytes, count, grow=grow)
+            slots = self._arena.allocate_run(nbytes, count, grow=grow, partial=partial)
             if slots is None:
                 return None
             self._reserved_bytes += sum(slot.nbytes for slot in slots)

@@ -269,9 +269,11 @@ class Tier(ABC):
         no room without evicting (the caller then uses ``put``)."""
         return None
 
-    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False,
+                    partial: bool = False) -> list[Reservation] | None:
         """Room for ``count`` frames of ``nbytes`` laid end to end in this tier's memory (a
-        run one device copy fills), or None, as :meth:`reserve`."""
+        run one device copy fills), or None, as :meth:`reserve`. ``partial``: a shorter run
+        when that is all there is room for now."""
         return None
 
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> TierPutResult:

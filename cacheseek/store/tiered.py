@@ -1193,9 +1193,10 @@ class TieredStore:
         ``commit`` or ``abort`` (see ``Tier.reserve``); None: use ``put_many``."""
         return self.tiers[0].reserve(nbytes)
 
-    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False) -> list[Reservation] | None:
+    def reserve_run(self, nbytes: int, count: int, *, grow: bool = False,
+                    partial: bool = False) -> list[Reservation] | None:
         """``count`` reservations laid end to end in the top tier (see ``Tier.reserve_run``)."""
-        return self.tiers[0].reserve_run(nbytes, count, grow=grow)
+        return self.tiers[0].reserve_run(nbytes, count, grow=grow, partial=partial)
 
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> StorePutResult:
         """Publish a filled reservation in the top tier, then write it through as ``put_many``
