@@ -83,6 +83,8 @@ pytestmark = [
 # vLLM's CPU build keeps an fp8 KV cache only on x86 with AVX-512 or AMX (cpu_attn.py, _get_attn_isa)
 FP8_ON_THIS_CPU = Path("/proc/cpuinfo").exists() and bool(
     {"avx512f", "amx_tile"} & set(Path("/proc/cpuinfo").read_text().split()))
+# and picks its AMX_MLA backend for an MLA model where the CPU has AMX (platforms/cpu.py)
+AMX_ON_THIS_CPU = Path("/proc/cpuinfo").exists() and "amx_tile" in Path("/proc/cpuinfo").read_text().split()
 RUN_SECONDS = 900  # one engine process; ~40 s on an idle two-core machine, 5x that on a loaded one
 MODEL_ID = "smollm2-135m"
 
@@ -197,6 +199,9 @@ def engines(model, tmp_path_factory):
         "mla": pool.submit(embedded, None, layerwise=True, disk="mla", scenario="mla", block_tokens=64,
                            model_id="tiny-mla", model_dir=str(root / "mla-model")),
         "mla_tensor_parallel": pool.submit(mla_tensor_parallel),
+        **({"mla_amx": pool.submit(embedded, None, layerwise=True, disk="mla-amx", scenario="mla", block_tokens=64,
+                                   model_id="tiny-mla", model_dir=str(root / "mla-model-amx"), dtype="bfloat16",
+                                   backend="AMX_MLA")} if AMX_ON_THIS_CPU else {}),
         "prefill_decode": pool.submit(prefill_decode),
     }
     yield runs
@@ -600,6 +605,7 @@ def test_an_mla_models_latent_is_stored_raw_and_loaded_for_the_uncached_output(e
     stored prefix loads it layer by layer (each MLA layer waiting for its own) and decodes
     what it decodes with no cache."""
     res = result(engines, "mla")
+    assert res["backend"] == ["CPU_MLA"]
     assert res["layout"] == {"num_layers": 3, "num_kv_heads": 1, "head_dim": 288, "dtype": "float32"}
     assert res["codec"]["name"] == "raw" and res["scheduler_caches"] == 1
     assert "an MLA latent cache is stored raw" in res["int4"] and '"codec": "raw"' in res["int4"]
@@ -609,6 +615,22 @@ def test_an_mla_models_latent_is_stored_raw_and_loaded_for_the_uncached_output(e
     assert (worker["loads"], worker["load_tokens"], worker["load_failures"]) == (1, 640, 0)
     assert worker["load_layerwise_calls"] == 1 and worker["load_late_failures"] == 0
     assert worker["save_blocks_stored"] == 10  # the prompt's 10 blocks of 64, once
+
+
+@pytest.mark.skipif(not AMX_ON_THIS_CPU, reason="vLLM's AMX_MLA backend runs only on a CPU with AMX")
+def test_amx_mla_pages_in_bf16_are_stored_and_loaded_for_the_uncached_output(engines):
+    """vLLM's AMX_MLA backend, its choice for an MLA model where the CPU has AMX (bf16 or
+    fp16 weights only): the same DeepSeek-V2 in bf16, its latent pages read and written
+    with CPU_MLA's split; the prefix loaded layer by layer, the output the uncached one."""
+    res = result(engines, "mla_amx")
+    assert res["backend"] == ["AMX_MLA"]
+    assert res["layout"] == {"num_layers": 3, "num_kv_heads": 1, "head_dim": 288, "dtype": "bfloat16"}
+    assert res["codec"]["name"] == "raw"
+    assert res["loaded"]["external"] == res["loaded"]["cached"] == 640, res
+    assert res["loaded"]["tokens"] == res["baseline"]["tokens"] and len(res["baseline"]["tokens"]) == 16, res
+    worker = res["after_load"]["worker"]
+    assert (worker["loads"], worker["load_tokens"], worker["load_failures"]) == (1, 640, 0)
+    assert worker["load_layerwise_calls"] == 1 and worker["save_blocks_stored"] == 10
 
 
 def test_with_tensor_parallelism_an_mla_latent_is_stored_once_for_every_rank_and_tp_size(engines):

@@ -651,12 +651,13 @@ def tiny_model(path: Path, arch: str = "deepseek_v2") -> None:
         pass
 
 
-def tiny_engine(path: Path, extra: dict[str, Any], max_tokens: int, kv_role: str = "kv_both", **more: Any) -> Engine:
+def tiny_engine(path: Path, extra: dict[str, Any], max_tokens: int, kv_role: str = "kv_both", dtype: str = "float32",
+                **more: Any) -> Engine:
     """An ``Engine`` on a ``tiny_model``: prompts of token ids, every run decoding
     ``max_tokens`` (random weights give an end-of-text token at any step)."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype="float32", max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
+    llm = LLM(model=str(path), dtype=dtype, max_model_len=2048, enforce_eager=True, max_num_seqs=4, seed=0,
               skip_tokenizer_init=True, disable_log_stats=False,
               kv_transfer_config={**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}, **more)
     eng = Engine(llm, max_tokens)
@@ -670,7 +671,9 @@ def mla(job: dict[str, Any]) -> dict[str, Any]:
     reset, prompt 1 loads the shared prefix; compared with prompt 1 computed without any
     cache. ``tp``: that many worker processes (a server's url in the extra); ``store``
     false: prompt 1 only, its prefix stored by another engine before. Also what the
-    connector makes of its settings: the layout and codec, and int4 refused."""
+    connector makes of its settings: the layout and codec, and int4 refused. ``backend``: vLLM's
+    MLA attention backend (default CPU_MLA: vLLM would pick AMX_MLA where the CPU has AMX,
+    which takes bf16 weights only), in ``dtype`` (default float32)."""
     from cacheseek.errors import ConfigError
     from cacheseek.integrations.vllm.config import ConnectorConfig
     from cacheseek.integrations.vllm.connector import _codec_for
@@ -682,14 +685,15 @@ def mla(job: dict[str, Any]) -> dict[str, Any]:
     if tp > 1:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         more = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp", "kv_cache_memory_bytes": 128 << 20}
-    eng = tiny_engine(path, job["extra"], job.get("max_tokens", 16), **more)
+    eng = tiny_engine(path, job["extra"], job.get("max_tokens", 16), dtype=job.get("dtype", "float32"),
+                      attention_backend=job.get("backend", "CPU_MLA"), **more)
     llm = eng.llm
     workers = workers_counted(llm)
     prefix = [3 + (i * 37) % 500 for i in range(job.get("prefix_tokens", 640))]
     ps = [prefix + [3 + (q * 101 + i * 13) % 500 for i in range(24)] for q in range(2)]
     connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
     out: dict[str, Any] = {"layout": connector.layout.to_dict(), "codec": connector.config.codec.spec(),
-                           "scheduler_caches": len(connector._caches)}
+                           "scheduler_caches": len(connector._caches), "backend": attention_backends(llm)}
     try:
         _codec_for(ConnectorConfig.from_extra({"codec": "int4"}), connector.layout, {"codec": "int4"}, mla=True)
     except ConfigError as exc:
@@ -728,6 +732,19 @@ def prefill_decode(job: dict[str, Any]) -> dict[str, Any]:
         out.update(loaded_and_uncached(eng, prompt))
     out["stats"] = eng.stats()
     return out
+
+
+def attention_backends(llm: Any) -> list[str] | None:
+    """The attention backends of the model's layers, where its worker runs in this process
+    (None where the workers are processes of their own)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    if not has_kv_transfer_group():
+        return None
+    layers = get_layers_from_vllm_config(llm.llm_engine.vllm_config, AttentionLayerBase)
+    return sorted({layer.get_attn_backend().get_name() for layer in layers.values()})
 
 
 def workers_counted(llm: Any) -> dict[str, float]:
