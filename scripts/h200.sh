@@ -206,6 +206,13 @@ for s in "$@"; do
                    step before-paged-mla-$r 120 /tmp/base.sh python3 -m benchmarks.store --paged --mla --blocks 16 --codecs raw,int8 --reps 8 --out "$OUT/before-paged-mla-$r"
                    step after-paged-mla-$r 120 python3 -m benchmarks.store --paged --mla --blocks 16 --codecs raw,int8 --reps 8 --out "$OUT/after-paged-mla-$r"
                  done ;;
+    # Layer-wise saves of 16K tokens (4 store programs) under the package in .base and under this
+    # tree, alternating; both run this tree's benchmark: the host's time in put_layer, a full tier.
+    layerwise-save-ab) use_base benchmarks
+                 for r in $(seq 1 "${BA_ROUNDS:-2}"); do
+                   step before-layerwise-save-$r 150 /tmp/base.sh python3 -m benchmarks.layerwise_save --programs 4 --tokens 16384 --out "$OUT/before-layerwise-save-$r"
+                   step after-layerwise-save-$r 150 python3 -m benchmarks.layerwise_save --programs 4 --tokens 16384 --out "$OUT/after-layerwise-save-$r"
+                 done ;;
     # A mixed chain vs its uniform codec (64 blocks, GPU and CPU tiers) under the package in .base
     # and under this tree, alternating; both run this tree's benchmark (interleaved calls).
     mixed-ab)    use_base benchmarks
