@@ -640,5 +640,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.unraisablehook = unraisable
 
 
+def run() -> None:
+    """The ``cacheseek`` command: ``main``, then the process's exit. ``serve`` ends without
+    the interpreter's finalization once its store is closed (every write flushed, its
+    threads joined) and its output flushed: that last garbage collection, over uvloop's and
+    the app's objects, had nothing left to do, and once held a stopped server past the 20 s
+    a supervisor gave it (its stacks: the main thread collecting, no Python frame, every
+    other thread gone)."""
+    code = main()
+    if sys.argv[1:2] == ["serve"]:
+        import logging
+        import os
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # (a closed or broken stream: nothing more to say on it)
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

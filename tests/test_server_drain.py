@@ -4,15 +4,17 @@ real servers on loopback, signalled as an operator would, restarted over the sam
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
 import time
 
 import httpx
 import pytest
 
 from redis_servers import RedisServer, needs_redis
-from server_helpers import Server, batch_body, raw_chain
+from server_helpers import Server, batch_body, cacheseek_command, raw_chain
 
 SUMMARY = re.compile(r"shutdown: wrote ([\d,]+) of ([\d,]+) blocks .* left behind ([\d,]+) ")
 
@@ -68,6 +70,36 @@ def test_a_write_back_server_stopped_cleanly_keeps_its_memory_for_the_restart(tm
     with Server(tmp_path, *WRITE_BACK) as again:
         assert served(again, chains) == 20
     assert summary(srv.output()) == (20, 20, 0)
+
+
+def test_a_stopped_server_ends_without_the_interpreters_finalization_and_loses_nothing(tmp_path):
+    """Once its store is closed and its log flushed, ``cacheseek serve`` ends at once
+    (``cli.run``): an exit hook of this interpreter (a sitecustomize's) never runs, the
+    shutdown's summary is in the log, exit code 0, and a restart serves every block."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        "if sys.argv[1:2] == ['serve']:\n"
+        "    atexit.register(lambda: open(os.environ['EXIT_HOOK_FILE'], 'w').close())\n")
+    hook = tmp_path / "finalized"
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    # (the hook works: ``serve --help`` exits from its parser, through the finalization)
+    subprocess.run([*cacheseek_command(), "serve", "--help"], env={**os.environ, "PYTHONPATH": pythonpath,
+                   "EXIT_HOOK_FILE": str(hook)}, capture_output=True, check=True)
+    assert hook.exists()
+    hook.unlink()
+    chains = [raw_chain(seed, 4) for seed in range(7, 9)]
+    srv = Server(tmp_path, *WRITE_BACK, env={"PYTHONPATH": pythonpath, "EXIT_HOOK_FILE": str(hook)}).start()
+    try:
+        ingest(srv, chains)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0, srv.output()
+    finally:
+        srv.kill()
+    assert summary(srv.output()) == (8, 8, 0) and not hook.exists()
+    with Server(tmp_path, *WRITE_BACK) as again:
+        assert served(again, chains) == 8
 
 
 def test_the_shutdown_summary_says_how_many_blocks_the_disk_filter_held_back(tmp_path):
