@@ -738,7 +738,7 @@ def attention_backends(llm: Any) -> list[str] | None:
     """The attention backends of the model's layers, where its worker runs in this process
     (None where the workers are processes of their own)."""
     from vllm.config import get_layers_from_vllm_config
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
     if not has_kv_transfer_group():
