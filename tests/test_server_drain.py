@@ -83,14 +83,15 @@ def test_a_stopped_server_ends_without_the_interpreters_finalization_and_loses_n
         "if sys.argv[1:2] == ['serve']:\n"
         "    atexit.register(lambda: open(os.environ['EXIT_HOOK_FILE'], 'w').close())\n")
     hook = tmp_path / "finalized"
-    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    hooked = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+              "EXIT_HOOK_FILE": str(hook)}
     # (the hook works: ``serve --help`` exits from its parser, through the finalization)
-    subprocess.run([*cacheseek_command(), "serve", "--help"], env={**os.environ, "PYTHONPATH": pythonpath,
-                   "EXIT_HOOK_FILE": str(hook)}, capture_output=True, check=True)
+    subprocess.run([*cacheseek_command(), "serve", "--help"], env={**os.environ, **hooked}, capture_output=True,
+                   check=True)
     assert hook.exists()
     hook.unlink()
     chains = [raw_chain(seed, 4) for seed in range(7, 9)]
-    srv = Server(tmp_path, *WRITE_BACK, env={"PYTHONPATH": pythonpath, "EXIT_HOOK_FILE": str(hook)}).start()
+    srv = Server(tmp_path, *WRITE_BACK, env=hooked).start()
     try:
         ingest(srv, chains)
         srv.proc.send_signal(signal.SIGTERM)
