@@ -140,10 +140,12 @@ class InPlaceIngest:
         metas = self.format.placeholder_run(start, count, hash_size)
         if len({m.nbytes for m in metas}) != 1 or any(m.codec is not metas[0].codec for m in metas):
             return  # a header grows a byte (or the codec changes) within these blocks: not worth a second run
-        reservations = self.store.reserve_run(metas[0].nbytes, count, grow=True)
+        # A tier whose free room lies in pieces lends a shorter run: the chain's last blocks.
+        reservations = self.store.reserve_run(metas[0].nbytes, count, grow=True, partial=True)
         if reservations is None:
             return
-        self.launch(start, metas, reservations)
+        start = num_blocks - len(reservations)
+        self.launch(start, metas[count - len(reservations):], reservations)
         self.guessed = (start, num_blocks)
 
     # -- the call ---------------------------------------------------------------------------

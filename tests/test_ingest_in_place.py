@@ -609,6 +609,20 @@ def test_a_long_chain_guesses_an_eighth_of_it_and_stores_it_once(guessing):
     assert (again.stored, again.present) == (0, 24) and _tier_state(cache)["reservation_bytes"] == 0
 
 
+def test_a_fragmented_tier_lends_the_guess_a_shorter_tail(guessing, monkeypatch):
+    cache = make_cache(cpu=30 * RAW_FRAME)
+    cache.store.tiers[0]._arena.chunk_bytes = 2 * slot_stride(RAW_FRAME)  # no run of more than 2 slots
+    runs = _Spy(monkeypatch, cache.store, "reserve_run")
+    toks, kv = tokens_for(53, 24 * BLOCK), make_kv(24 * BLOCK, 53)
+    assert cache.ingest(toks, kv).stored == 24
+    (args, guessed), *rest = runs.calls
+    assert args[1] == batching.guessed_tail_blocks(24, LAYOUT.raw_nbytes(BLOCK)) == 3
+    assert len(guessed) == 2  # blocks 22 and 23, launched before the keys were known
+    assert sum(len(got) for _, got in rest) == 22
+    assert_prefix_equal(cache.materialize(toks), kv, 24 * BLOCK)
+    assert _tier_state(cache)["reservation_bytes"] == 0
+
+
 def test_bad_tokens_after_a_guessed_launch_leave_nothing_reserved(guessing):
     cache = make_cache(cpu="4MiB")
     toks, kv = tokens_for(51, 6 * BLOCK), make_kv(6 * BLOCK, 51)
