@@ -23,6 +23,7 @@ from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .results import IngestResult, Loaded, Located, Materialized, count_outcome
 from .store.device_staging import staging_stats
+from .store.gpu import GpuTier
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 
@@ -113,7 +114,7 @@ class PrefixCache(PrefixCacheBase):
         try:
             for batch in iter_encoded(self.block_format, layers, hashes, parents, present, self._batch_blocks,
                                       tail_first=True, pooled=True,
-                                      check_first=not self.store.tiers[0].accepts_device_frames):
+                                      check_first=not isinstance(self.store.tiers[0], GpuTier)):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 left -= len(batch)
                 for (block_key, _), outcome in zip(items, self.store.put_many(items,
@@ -235,7 +236,7 @@ class PrefixCache(PrefixCacheBase):
             for start, batch in paged_io.encoded_batches(self.block_format, call, hashes, parents, positions,
                                                          [not h for h in handled], self._batch_blocks,
                                                          tail_first=True, pooled=True,
-                                                         check_first=not self.store.tiers[0].accepts_device_frames):
+                                                         check_first=not isinstance(self.store.tiers[0], GpuTier)):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items: list[tuple[bytes, BlockFrame]] = [(hashes[i], batch[i - start]) for i in order]
                 left -= len(batch)

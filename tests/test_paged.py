@@ -704,6 +704,35 @@ def test_nan_through_the_put_path_names_its_request_once():
     assert cache.lookup(list(range(64))) == 0 and cache.lookup(list(range(1000, 1064))) == held > 0
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_nan_in_a_later_put_batch_evicts_nothing_from_a_full_cpu_tier(paged):
+    """A full CPU tier with no room to reserve takes a call through put_many in several
+    batches, tail first. A bad block in the head's batch undoes the tail's puts but could not
+    undo what they evicted (other prompts, gone from memory): the KV of every batch is
+    checked before the first put, on any top tier but a GPU tier's."""
+    layout = cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16")
+    cache = cs.PrefixCache(model_id="m", layout=layout, codec=cs.Raw(), block_tokens=32, max_batch_bytes="32KiB",
+                           tiers=cs.TierConfig(cpu_bytes="200KiB", cpu_reserve_bytes=0, pin_memory=False))
+    kv = [torch.randn(2, 32, 8, 2, 32).half() for _ in range(2)]  # vLLM's flash layout: 32 pages of 8 tokens
+    pages = cs.KVPages.vllm(kv)
+    others = [list(range(1000 * i, 1000 * i + 64)) for i in range(1, 7)]
+    for i, toks in enumerate(others):
+        cache.ingest(toks, pages.at(list(range(8 * (i % 4), 8 * (i % 4) + 8))))
+    before = ([cache.lookup(t) for t in others], cache.stats()["tiers"][0])
+    assert before[0] == [64] * 6 and before[1]["evictions"] == 0
+    kv[1][1, 4, 0, 1, 5] = float("nan")  # V of layer 1 in block 1 of the request (pages 0-31): a head block
+    toks = list(range(8 * 32))
+    with pytest.raises(cs.InputError, match="NaN or Inf"):
+        if paged:
+            cache.ingest_batch([cs.PagedRequest(toks, list(range(32)))], pages)
+        else:
+            cache.ingest(toks, pages.at(list(range(32))))
+    assert ([cache.lookup(t) for t in others], cache.stats()["tiers"][0]) == before
+    kv[1][1, 4, 0, 1, 5] = 0.5
+    assert cache.ingest(toks, pages.at(list(range(32)))).stored == 8  # good KV: stored, evicting others
+    assert cache.stats()["tiers"][0]["evictions"] > 0
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 64 << 20], ids=["a-block-a-piece", "one-piece"])
 @pytest.mark.parametrize("codec", [cs.Raw(), INT4], ids=["raw", "int4"])
 def test_a_check_of_blocks_in_pages_finds_the_bad_block_in_any_piece(codec, chunk_bytes):
