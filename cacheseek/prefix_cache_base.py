@@ -38,6 +38,12 @@ class PrefixCacheBase:
         max_batch_bytes: int | str,
         shard: Shard = SINGLE,
     ) -> None:
+        if not isinstance(layout, KVLayout):
+            raise ConfigError(f"layout: expected a cs.KVLayout, got {layout!r}")
+        if codec is not None and (isinstance(codec, type)
+                                  or not isinstance(codec, (KVLayerCodec, PrecisionPolicy))):
+            raise ConfigError(f"codec: expected a codec such as cs.Raw() or cs.KIVI(bits=4), or a "
+                              f"cs.PrecisionPolicy, got {codec!r}")
         self.model_id = model_id
         self.shard = shard
         self.layout = layout

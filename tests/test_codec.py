@@ -364,6 +364,11 @@ def test_kv_within_the_safe_magnitudes_always_encodes(bits, stats, rotate, clip,
         (lambda: cs.KVLayout(1, 1, 64, "int8"), "dtype"),
         (lambda: cs.KIVI(group_size=64).check_layout(cs.KVLayout(1, 1, 64), 96), "block_tokens"),
         (lambda: cs.KIVI(bits=2).check_layout(cs.KVLayout(1, 1, 40), 64), "head_dim"),
+        # A cache given a codec's name, a codec class or a layout's tuple (not an AttributeError)
+        (lambda: cs.PrefixCache(model_id="m", layout=cs.KVLayout(1, 1, 64), codec="int4"), "^codec: .*'int4'"),
+        (lambda: cs.PrefixCache(model_id="m", layout=cs.KVLayout(1, 1, 64), codec=cs.KIVI), "^codec: "),
+        (lambda: cs.PrefixCache(model_id="m", layout=(1, 1, 64)), r"^layout: .*\(1, 1, 64\)"),
+        (lambda: cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=None), "^layout: "),
     ],
 )
 def test_bad_config_names_the_parameter(make, match):
