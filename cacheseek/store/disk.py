@@ -892,6 +892,9 @@ class DiskTier(IndexedTier):
             with self._open_call():
                 if spare:
                     return [self._put_result(key, frame, spare) for key, frame in items]
+                # A budget lowered for a full filesystem grows back before this call's room
+                # is made: made against the old budget, it evicts what the filesystem has room for.
+                self._refit_if_due()
                 room = self._make_room_for_call(items, room_for)
                 results = self._put_group(items)
         except _Closed as exc:
@@ -928,7 +931,6 @@ class DiskTier(IndexedTier):
     def _put_group(self, items: list[tuple[bytes, BlockFrame]]) -> list[TierPutResult]:
         if not self.group_commit or len(items) < 2:
             return [self._put_result(key, frame) for key, frame in items]
-        self._refit_if_due()
         results: list[TierPutResult | None] = [None] * len(items)
         group: list[_Pending] = []
         held = 0  # bytes of ``group``, claimed but not yet committed
@@ -1286,7 +1288,10 @@ class DiskTier(IndexedTier):
         hexkey = key.hex()
         base = f"{self._root_str}/{hexkey[:2]}/{hexkey}"  # (not ``_paths``: Path objects cost more than the stats)
         try:
-            if os.stat(base + ".frame").st_size == info.nbytes and os.stat(base + ".meta").st_size > 0:
+            data, side = os.stat(base + ".frame"), os.stat(base + ".meta")
+            if not (stat.S_ISREG(data.st_mode) and stat.S_ISREG(side.st_mode)):
+                return "gone"  # (a directory in a file's place: a restart takes nothing of it)
+            if data.st_size == info.nbytes and side.st_size > 0:
                 return None
             return "cut short"
         except (FileNotFoundError, NotADirectoryError):
