@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
@@ -67,13 +68,26 @@ async def refuse(send: Send, status: int, error: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def query_error(query: bytes) -> str | None:
+    """Why a query string is refused, or None: a parameter given twice. Each route reads one
+    value of each (the last), where a front before this server may have checked the other
+    (a flush's ``namespace``, say)."""
+    seen: set[str] = set()
+    for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+        if name in seen:
+            return f"the query parameter {name[:64]!r} appears more than once; a request gives it at most once"
+        seen.add(name)
+    return None
+
+
 class SingleHeaders:
     """An HTTP/1.1 request without exactly one Host header, or any request with a second
-    Authorization, Content-Type or ``X-CacheSeek-*`` header (``header_error``), is a JSON
-    400, the connection closed, the route not run (RFC 9112 3.2 for Host). server.protocol
-    refuses it before the body; uvicorn's own httptools protocol (``--http httptools``, or
-    the fast path off) let it through, so a PUT without Host stored its frame there. (uvicorn's
-    h11 refuses a wrong Host itself, with its plain-text 400, before any app runs.)"""
+    Authorization, Content-Type or ``X-CacheSeek-*`` header (``header_error``) or a query
+    parameter twice (``query_error``), is a JSON 400, the connection closed, the route not
+    run (RFC 9112 3.2 for Host). server.protocol refuses headers before the body; uvicorn's
+    own httptools protocol (``--http httptools``, or the fast path off) let them through, so a
+    PUT without Host stored its frame there. (uvicorn's h11 refuses a wrong Host itself, with
+    its plain-text 400, before any app runs.)"""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -81,6 +95,8 @@ class SingleHeaders:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             wrong_headers = header_error(scope["headers"], scope.get("http_version"))
+            if not wrong_headers and scope.get("query_string"):
+                wrong_headers = query_error(scope["query_string"])
             if wrong_headers:
                 await refuse(send, 400, wrong_headers)
                 return

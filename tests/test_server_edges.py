@@ -1308,6 +1308,30 @@ def test_a_request_with_a_header_twice_that_says_who_or_what_is_a_400_and_nothin
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_query_parameter_twice_is_a_400_naming_it_and_the_route_not_run(tmp_path):
+    """Each route reads one value of each query parameter (Starlette's last), where a front
+    before the server may have checked the other (an admin flush's namespace, a lookup's
+    hash size): a parameter given twice is a JSON 400 naming it, whatever its values."""
+    BINARY = {"content-type": "application/octet-stream"}
+    (h, good), = raw_chain(17, 1)
+    with Server(tmp_path, disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.put(f"/v1/blocks/{h.hex()}", content=good).status_code == 201
+        for path, name in ((f"/v1/prefixes/{h.hex()}?start=0&start=1", "start"),
+                           (f"/v1/prefixes/{h.hex()}?start=0&start=0", "start"),
+                           ("/v1/lookup?hash_bytes=16&each=true&hash_bytes=32", "hash_bytes")):
+            r = c.post(path, content=h, headers=BINARY) if "lookup" in path else c.get(path)
+            assert r.status_code == 400 and r.headers["connection"] == "close", (path, r.text)
+            assert r.json()["error"] == f"the query parameter '{name}' appears more than once; a request gives it " \
+                                        "at most once", r.text
+        r = c.post("/v1/lookup?hash_bytes=16&each=true", content=h, headers=BINARY)
+        assert r.status_code == 200 and r.json()["present"] == [True], r.text
+        r = c.get(f"/v1/prefixes/{h.hex()}?start=0")
+        assert r.status_code == 200 and good in r.content
+        # A value cut in an error keeps its closing quote.
+        r = c.post("/v1/lookup?chains=" + "9" * 30, content=h, headers=BINARY)
+        assert r.status_code == 422 and "chains[0]: '99999999999999999999...' is not a whole number" in r.text, r.text
+
+
 def test_a_refusal_reaches_a_client_that_reads_it_late_not_reset_away(tmp_path):
     """A refusal (here the 429 past ``MAX_PIPELINED`` requests waiting) closed the connection
     at once, the client's later requests unread: the kernel answered them with a reset, which

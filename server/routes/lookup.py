@@ -202,17 +202,22 @@ def install(app: FastAPI) -> None:
 _SPLIT = ": look a longer chain up in pieces, as RemoteCache(max_lookup_hashes=) does"
 
 
+def _shown(value: str) -> str:
+    """A query value in an error, quoted whole, cut to 20 characters."""
+    return repr(value if len(value) <= 20 else value[:20] + "...")
+
+
 def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[bytes], bool, list[int] | None]:
     query = request.query_params
     size = query.get("hash_bytes", "16")
     if size not in ("16", "32"):
-        raise BadLookup(f"hash_bytes: {size!r:.20} is not 16 or 32")
+        raise BadLookup(f"hash_bytes: {_shown(size)} is not 16 or 32")
     size_n = int(size)
     if len(body) % size_n:
         raise BadLookup(f"body: {len(body)} bytes are not a whole number of {size_n}-byte hashes")
     each = query.get("each", "false").lower()
     if each not in _TRUE + _FALSE:
-        raise BadLookup(f"each: {each!r:.20} is not true or false")
+        raise BadLookup(f"each: {_shown(each)} is not true or false")
     hashes = _split(body, size_n, limit)
     given = query.get("chains")
     return hashes, each in _TRUE, None if given is None else _chain_lengths(given, len(hashes), each in _TRUE, limit)
@@ -228,7 +233,7 @@ def _chain_lengths(given: str, total: int, each: bool, limit: int) -> list[int]:
     lengths = []
     for i, part in enumerate(parts):
         if not (part.isascii() and part.isdigit() and len(part) <= 12):
-            raise BadLookup(f"chains[{i}]: {part!r:.20} is not a whole number of hashes")
+            raise BadLookup(f"chains[{i}]: {_shown(part)} is not a whole number of hashes")
         lengths.append(int(part))
     if sum(lengths) != total:
         raise BadLookup(f"chains: {len(lengths)} lengths add up to {sum(lengths)} hashes, but the body holds {total}")
