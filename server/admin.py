@@ -238,7 +238,7 @@ class AdminOps:
                 if waiting is not None:  # (not made again yet: it no longer will be)
                     saved = self._save()
                     return {"namespace": namespace, "hash": to_hex(h), "blocks": 0, "pinned_at": None,
-                            "expires_at": waiting["expires_at"], "bytes": 0, "saved": saved}
+                            "expires_at": waiting["expires_at"], "stored_blocks": 0, "bytes": 0, "saved": saved}
                 raise NotFound(f"no pin on {to_hex(h)}")
             # Described before its name is forgotten: the answer names the chain it unpinned.
             described = self._describe(key, pin)
@@ -256,14 +256,17 @@ class AdminOps:
                 out.append(desc)
         with self._lock:
             waiting = [entry for key, entry in self._unrestored.items() if key not in self._pins]
-        out += [{**entry, "blocks": 0, "pinned_at": None, "bytes": 0, "waiting": True} for entry in waiting
+        out += [{**entry, "blocks": 0, "pinned_at": None, "stored_blocks": 0, "bytes": 0, "waiting": True}
+                for entry in waiting
                 if namespace is None or entry["namespace"] == namespace]
         return out
 
     def _describe(self, key: bytes, pin: Any) -> dict[str, Any]:
         named = self._pins.get(key, {"namespace": None, "hash": None})
-        held = (self.store.residency.info(k) for k in pin.keys)
-        return {**named, **pin.to_dict(), "bytes": sum(info.nbytes for info in held if info is not None)}
+        held = [info for info in (self.store.residency.info(k) for k in pin.keys) if info is not None]
+        # ``stored_blocks`` < ``blocks``: a block of the chain was deleted (a block DELETE); the
+        # pin still covers it, and it is pinned again once stored again.
+        return {**named, **pin.to_dict(), "stored_blocks": len(held), "bytes": sum(info.nbytes for info in held)}
 
     def _forget_pins_of(self, deleted: set[bytes]) -> None:
         gone = [key for key in self._pins if key in deleted]

@@ -394,6 +394,26 @@ def test_a_pinned_chain_survives_pressure_and_a_full_tier_refuses_writes(tmp_pat
 
 
 
+def test_a_pin_says_how_many_of_its_blocks_a_delete_left_and_pins_the_block_stored_again(tmp_path):
+    """A block DELETE of a pinned chain's middle block deletes it; the pin stays (it covers the
+    block still), and its listing said 3 blocks beside the bytes of 2. ``stored_blocks`` says
+    how many are stored, and the block stored again is pinned again."""
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE, disk=False) as s, \
+            httpx.Client(base_url=s.url) as c:
+        keep = raw_chain(60, 3)
+        post_chain(c, keep, **writer("a"))
+        pin = c.put(f"/v1/admin/pins/{keep[-1][0].hex()}", headers=admin() | {"X-CacheSeek-Namespace": "a"}).json()
+        assert (pin["blocks"], pin["stored_blocks"], pin["bytes"]) == (3, 3, 3 * FRAME)
+        assert c.delete(f"/v1/blocks/{keep[1][0].hex()}", headers=writer("a")).status_code == 204
+        [pin] = c.get("/v1/admin/pins", headers=admin()).json()
+        assert (pin["blocks"], pin["stored_blocks"], pin["bytes"]) == (3, 2, 2 * FRAME)
+        assert c.get("/v1/stats", headers=writer()).json()["tiers"][0]["pinned_blocks"] == 2
+        post_chain(c, keep[1:2], **writer("a"))
+        [pin] = c.get("/v1/admin/pins", headers=admin()).json()
+        assert (pin["blocks"], pin["stored_blocks"], pin["bytes"]) == (3, 3, 3 * FRAME)
+        assert c.get("/v1/stats", headers=writer()).json()["tiers"][0]["pinned_blocks"] == 3
+
+
 def test_blocks_demoted_to_disk_keep_their_owner_and_a_flush_takes_them(tmp_path):
     """Write-back: an evicted chain is handed down tail first, each victim in no tier while it
     moves, so a block reached the disk while its parent was still on its way. It was counted
@@ -1023,6 +1043,9 @@ def test_admin_tables_show_small_sizes_and_the_default_namespace_readably():
         assert "0.000 GiB" not in table, table
     assert "53.12 KiB" in namespaces and "160.00 KiB" in models and "31.88 KiB" in pins
     assert models.splitlines()[2].split()[0] == "(default)", models
+    cut = _table("pins", [{"namespace": "", "hash": "ab" * 16, "blocks": 3, "stored_blocks": 2, "bytes": 21_760,
+                           "expires_at": None}])
+    assert "never (2 of its blocks stored: the others were deleted)" in cut, cut
 
 
 def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cacheseek, capsys):
