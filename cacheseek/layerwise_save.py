@@ -339,7 +339,10 @@ class LayerwiseSave(_SlotWriter):
         self._open_in_cache("put_layer")
         k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
         if self._mode is None:
-            self._start(k.device, k.shape[-2])
+            try:
+                self._start(k.device, k.shape[-2])
+            except InputError as exc:  # (the prompt against this layer's tokens: name the layer)
+                raise InputError(f"layer {i}: {exc}") from None
         elif k.device != self._device:
             raise InputError(f"layer {i}: on {k.device}, earlier layers are on {self._device}")
         self._tokens = k.shape[-2]

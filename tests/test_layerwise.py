@@ -729,8 +729,8 @@ def test_ingest_layerwise_stores_nothing_on_abort_a_missing_layer_or_bad_kv(save
 
         # keys for more tokens than the KV has: refused on the first layer, nothing taken
         writer = cache.ingest_layerwise(tokens_for(4, T + BLOCK))
-        with pytest.raises(cs.InputError):
-            writer.put_layer(0, *kv[0])
+        with pytest.raises(cs.InputError, match=rf"^layer 2: token_ids: {T + BLOCK} tokens, but KV holds {T}$"):
+            writer.put_layer(2, *kv[2])
         assert writer.mode is None and writer.missing == list(range(L))
         writer.abort()
 
