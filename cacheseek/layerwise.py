@@ -919,8 +919,12 @@ class LayerwiseIngest(LayerWriter):
     # either cache reads it, as docs/engine.md shows)
     mode = "reference"
 
-    def __init__(self, ingest: Callable[[Any, list], Any], keys: Any, layout: Any) -> None:
+    def __init__(self, ingest: Callable[[Any, list], Any], keys: Any, layout: Any,
+                 check_tokens: Callable[[int], None] | None = None) -> None:
+        """``check_tokens(T)``: raises ``InputError`` when the keys do not fit T tokens of KV
+        (``PrefixKeys.check_ingest``), asked on the first layer put, as ``LayerwiseSave`` asks."""
         self._ingest, self.keys, self.layout = ingest, keys, layout
+        self._check_tokens = check_tokens
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * layout.num_layers
         self._tokens: int | None = None
 
@@ -930,6 +934,11 @@ class LayerwiseIngest(LayerWriter):
         usable (nothing of it was taken)."""
         self._open("put_layer")
         k, v = check_layer(i, k, v, self.layout, self._layers, self._tokens)
+        if self._tokens is None and self._check_tokens is not None:
+            try:
+                self._check_tokens(k.shape[-2])
+            except InputError as exc:
+                raise InputError(f"layer {i}: {exc}") from None
         self._tokens = k.shape[-2]
         self._layers[i] = (k, v)
 

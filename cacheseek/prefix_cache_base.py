@@ -151,7 +151,7 @@ class PrefixCacheBase:
         layer is there: nothing of a block is stored before, and ``abort()`` stores nothing."""
         self._check_open()  # (else a writer, refused only at finish, once the forward had put every layer)
         self._num_keys(keys)
-        return LayerwiseIngest(self.ingest, keys, self.layout)
+        return LayerwiseIngest(self.ingest, keys, self.layout, lambda tokens: self.keys.check_ingest(keys, tokens))
 
     def ingest(self, keys: Any, kv: Any) -> Any:  # pragma: no cover - each cache implements it
         raise NotImplementedError

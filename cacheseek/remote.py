@@ -264,6 +264,10 @@ class RemoteCache(PrefixCacheBase):
             # Not every request would send them (lookups go straight to the transport), and
             # the URL is in every outage's log line and error.
             raise ConfigError(f"url: {parsed.copy_with(userinfo=b'')} holds credentials; give them as token=")
+        if "?" in self.url or "#" in self.url:
+            # Every route's path is appended to the URL: after a query or a fragment it names none.
+            raise ConfigError(f"url: {self.url} has a query or a fragment; give the server's address "
+                              "(http://host:port, and a path prefix if a proxy serves it under one)")
         for name, seconds in (("timeout", timeout), ("exchange_timeout", exchange_timeout)):
             if seconds is None and name == "exchange_timeout":
                 continue
@@ -781,6 +785,7 @@ class RemoteCache(PrefixCacheBase):
         ``on_unavailable="miss"``, nothing."""
         self._check_open()
         if layerwise:
+            self._check_layerwise()
             return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
         tokens = self._num_keys(keys)
         device = self._device(device)

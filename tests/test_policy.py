@@ -283,6 +283,9 @@ def test_layerwise_loads_of_a_policy_chain_are_refused_clearly():
         with pytest.raises(cs.ConfigError, match="layer-wise loads: not supported with a precision policy"):
             cache.materialize(toks, layerwise=True)
         assert cache.materialize(toks).num_tokens == 2 * BLOCK  # the whole-chain load still works
+    remote = cs.RemoteCache("http://127.0.0.1:9", model_id="m", layout=LAYOUT, codec=POLICY, block_tokens=BLOCK)
+    with remote, pytest.raises(cs.ConfigError, match="layer-wise loads: not supported with a precision policy"):
+        remote.materialize(toks, layerwise=True)  # (refused before anything is sent)
 
 
 def test_the_triton_kernels_decode_a_mixed_chain_bit_for_bit(monkeypatch):

@@ -157,6 +157,22 @@ def _parity_traffic(server) -> dict[str, int]:
                                  "lookup_tokens_requested", "lookup_tokens_matched")}
 
 
+def test_a_layerwise_writer_refuses_a_first_layer_of_another_length_as_the_embedded_one_does(srv, tmp_path):
+    """RemoteCache's writer took a first layer shorter than its keys, then refused every
+    right layer after it (\"put twice\", \"earlier layers have ...\"), and its finish named
+    layers \"never put\": usable only through abort(). It is refused at once, as the embedded
+    writer refuses it, and the writer stays usable."""
+    toks, kv, short = tokens_for(43, 2 * BLOCK), make_kv(2 * BLOCK, 43), make_kv(BLOCK, 43)
+    with _embedded(tmp_path, cs.Raw()) as embedded, _remote(srv, cs.Raw(), namespace="lw-check") as remote:
+        for cache in (embedded, remote):
+            writer = cache.ingest_layerwise(toks)
+            with pytest.raises(cs.InputError, match=rf"^layer 1: token_ids: {2 * BLOCK} tokens, but KV holds {BLOCK}$"):
+                writer.put_layer(1, *short[1])
+            for i in range(LAYOUT.num_layers):
+                writer.put_layer(i, *kv[i])
+            assert writer.finish().stored == 2, cache
+
+
 def test_remote_errors_are_clear(srv):
     toks = tokens_for(6, 2 * BLOCK)
     kv = make_kv(2 * BLOCK, 6)
@@ -176,6 +192,11 @@ def test_remote_errors_are_clear(srv):
     assert "s3cret" not in str(refused.value)
     with pytest.raises(cs.ConfigError, match=r"^url: 'ftp://host' is not an http:// or https:// URL$"):
         cs.RemoteCache("ftp://me:pw@host", model_id="m", layout=LAYOUT, block_tokens=BLOCK)
+    # Every route's path is appended to the URL: after a query or a fragment, 404s (or a
+    # stats() that worked, through httpx's merge, beside lookups that did not).
+    for url in (f"{srv.url}#frag", f"{srv.url}/#frag", f"{srv.url}?x=1"):
+        with pytest.raises(cs.ConfigError, match=r"^url: .* has a query or a fragment; give the server's address"):
+            cs.RemoteCache(url, model_id="m", layout=LAYOUT, block_tokens=BLOCK)
     down = cs.RemoteCache(f"http://127.0.0.1:{_closed_port()}", model_id="m", layout=LAYOUT, codec=cs.Raw(),
                           block_tokens=BLOCK, timeout=5)
     with pytest.raises(cs.RemoteUnavailable, match="cannot reach") as info:
