@@ -479,12 +479,13 @@ class RemoteCache(PrefixCacheBase):
         answer = (lambda: results[0]) if single else (lambda: results)
         if not hashes:
             return _done(answer())
-        nbytes = len(hashes) * self._max_frame_bytes
+        nbytes = len(hashes) * self._pending_frame_bytes
         if not self._behind.reserve(nbytes):
+            why = (f"this write's {len(hashes)} frames ({nbytes} bytes at most) would pass max_pending_bytes "
+                   f"({self._behind.max_bytes}) beside the {self._behind.pending_bytes} bytes waiting to be sent: dropped")
             for result in results:
                 result.failed = result.blocks
-                result.errors.setdefault("backlog", f"the writes not sent yet hold max_pending_bytes "
-                                                    f"({self._behind.max_bytes}): dropped")
+                result.errors.setdefault("backlog", why)
             # (per request, a block two requests share counted for both, as an outage's drop is)
             self._outages.count("dropped_blocks", sum(result.blocks for result in results))
             return _done(answer())
@@ -1101,6 +1102,12 @@ class RemoteCache(PrefixCacheBase):
                 return []  # nothing stored past start, or the whole chain again: another writer races this read
             hashes = hashes[:matched]
         return []
+
+    @functools.cached_property
+    def _pending_frame_bytes(self) -> int:
+        """What a frame waiting to be sent counts against ``max_pending_bytes``: the format's
+        largest frame (its longest header), a few bytes over any real one."""
+        return self.block_format.max_frame_nbytes()
 
     @functools.cached_property
     def _max_frame_bytes(self) -> int:

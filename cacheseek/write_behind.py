@@ -111,6 +111,10 @@ class WriteBehind:
             self.counts["pending_bytes_high"] = max(self.counts["pending_bytes_high"], self._pending_bytes)
             return True
 
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
     def release(self, nbytes: int) -> None:
         with self._lock:
             self._pending_bytes -= nbytes

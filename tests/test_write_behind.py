@@ -120,7 +120,8 @@ def test_past_max_pending_bytes_a_write_is_dropped_not_queued(tmp_path):
     toks = [tokens_for(30 + i, 2 * BLOCK) for i in range(3)]
     with Server(tmp_path) as server:
         with _remote(server, codec=cs.Raw(), timeout=60) as probe:
-            frame = probe._max_frame_bytes
+            frame = probe._pending_frame_bytes
+            assert frame < probe.block_format.planned_payload().nbytes + 1024  # (it counted 64 KiB a frame more)
         with _remote(server, codec=cs.Raw(), timeout=60, max_pending_bytes=3 * frame) as cache:
             os.kill(server.proc.pid, signal.SIGSTOP)
             try:
@@ -128,7 +129,10 @@ def test_past_max_pending_bytes_a_write_is_dropped_not_queued(tmp_path):
                 refused = cache.ingest(toks[1], make_kv(2 * BLOCK, 31), wait=False)
                 assert refused.done() and not first.done()
                 r = refused.result()
-                assert (r.stored, r.failed) == (0, 2) and "max_pending_bytes" in r.errors["backlog"]
+                assert (r.stored, r.failed) == (0, 2)
+                assert r.errors["backlog"] == (f"this write's 2 frames ({2 * frame} bytes at most) would pass "
+                                               f"max_pending_bytes ({3 * frame}) beside the {2 * frame} bytes "
+                                               "waiting to be sent: dropped")
             finally:
                 os.kill(server.proc.pid, signal.SIGCONT)
             assert first.result(timeout=60).stored == 2
