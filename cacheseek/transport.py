@@ -229,7 +229,7 @@ class BulkTransport(httpx.BaseTransport):
                     _close(sock)
         scheme, host, port = key
         try:
-            sock = socket.create_connection((host, port), timeout=timeouts.get("connect"))
+            sock = _open_socket(host, port, timeouts.get("connect"))
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(str(exc), request=request) from None
         except OSError as exc:
@@ -793,6 +793,31 @@ def _sendall_each(sock: socket.socket, buffers: list[Any], pace: Callable[[], No
     for b in buffers:
         pace()  # (sendall's timeout bounds the whole call)
         sock.sendall(b)
+
+
+def _open_socket(host: str, port: int, timeout: float | None) -> socket.socket:
+    """A TCP connection to ``host``, its addresses tried in turn within ``timeout`` in all
+    (``socket.create_connection`` gives each address the whole timeout: a name with two
+    addresses that drop packets, a dual-stack host whose IPv6 route is dead, took twice
+    the bound). The name's lookup itself is not bounded here."""
+    due = None if timeout is None else time.monotonic() + timeout
+    error: OSError | None = None
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        left = None if due is None else due - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+            sock.settimeout(timeout)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+    if due is not None and time.monotonic() >= due:
+        raise TimeoutError(f"timed out connecting to {host}:{port} (every address, within {timeout} s)")
+    raise error if error is not None else OSError(f"{host}:{port}: no address to connect to")
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -310,6 +310,56 @@ def test_an_answer_dribbled_within_the_read_timeout_is_cut_off_at_the_exchange_t
         _usable(c)  # within the limit: answered as ever, and the connection reused
 
 
+def _unanswered(address: str, port: int = 0) -> tuple[socket.socket, list[socket.socket]]:
+    """A listener whose accept queue is full: connects to it hang (their SYNs dropped)."""
+    listener = socket.socket()
+    listener.bind((address, port))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    queued = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect((address, port))
+        except BlockingIOError:
+            pass
+        queued.append(c)
+    time.sleep(0.2)
+    return listener, queued
+
+
+@pytest.mark.parametrize("bound", ["timeout", "exchange_timeout"])
+def test_a_name_of_two_unanswering_addresses_is_given_up_within_the_bound_not_twice_it(monkeypatch, bound):
+    """socket.create_connection gives each address the whole connect timeout: a name with two
+    addresses that drop packets (a dual-stack host whose IPv6 route is dead) took twice the
+    bound, past ``exchange_timeout`` too. The addresses share the bound now."""
+    first, held1 = _unanswered("127.0.0.1")
+    port = first.getsockname()[1]
+    second, held2 = _unanswered("127.0.0.2", port)
+    real = socket.getaddrinfo
+
+    def two_addresses(host, *args, **kw):
+        if host == "two.invalid":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+                    (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", port))]
+        return real(host, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", two_addresses)
+    kw, timeout = ({"exchange_timeout": 1.0}, 30) if bound == "exchange_timeout" else ({}, 1.0)
+    transport = BulkTransport(max_connections=1, trust_env=False, **kw)
+    try:
+        with httpx.Client(base_url=f"http://two.invalid:{port}", transport=transport,
+                          timeout=httpx.Timeout(timeout, pool=1)) as c:
+            start = time.monotonic()
+            with pytest.raises(httpx.TimeoutException):
+                c.get("/stats")
+            assert 0.9 < time.monotonic() - start < 1.8  # (2 s: each address given the whole bound)
+    finally:
+        for sock in [first, second, *held1, *held2]:
+            sock.close()
+
+
 def test_a_request_body_a_server_never_reads_is_cut_off_at_the_exchange_timeout():
     with socket.create_server(("127.0.0.1", 0)) as listener:  # accepts, never reads
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
