@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,6 +121,7 @@ class InPlaceIngest:
         self.missing: list[bool] = []  # per block of the call: to be stored (not present)
         self.launched: list[tuple[int, int]] = []  # blocks [a, b) of each run launched
         self.rest_checked = False  # the blocks not launched were checked, before a commit for room
+        self.spare: Container[bytes] = ()  # the blocks found stored (``run``)
 
     # -- before the keys are known ----------------------------------------------------------
 
@@ -151,12 +152,16 @@ class InPlaceIngest:
     # -- the call ---------------------------------------------------------------------------
 
     def run(self, hashes: Sequence[bytes], parents: Sequence[bytes], present: Sequence[bool],
-            batch_blocks: int, positions: Sequence[int] | None = None) -> list[StorePutResult | None]:
+            batch_blocks: int, positions: Sequence[int] | None = None, *,
+            spare: Container[bytes] = ()) -> list[StorePutResult | None]:
         """Store every block not ``present`` (see the module doc); the outcome of each block,
         None for those not handled here: already present, or no room could be reserved for
         them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
         Inf, having published nothing of this call. ``positions``: each block's position in
-        its own chain, when the blocks are several requests' (default: its index)."""
+        its own chain, when the blocks are several requests' (default: its index).
+        ``spare``: the blocks found stored, which the commits must not evict
+        (``TieredStore.put_many``)."""
+        self.spare = spare
         self.outcomes = [None] * len(hashes)
         missing = [not p for p in present]
         self.missing = list(missing)
@@ -313,7 +318,8 @@ class InPlaceIngest:
         if self.unlaunched:
             header = max(m.nbytes - m.payload_nbytes for m in run.metas)
             later += self.unlaunched * (max(f.planned_payload().payload_nbytes for f in self.format.parts()) + header)
-        for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing, room_for=later)):
+        for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing, room_for=later,
+                                                            spare=self.spare)):
             self.outcomes[run.first + i] = outcome
             if outcome.stored:
                 self.committed.append(run.metas[i].block_hash)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -50,7 +50,7 @@ from .errors import InputError
 from .layerwise import LayerWriter, check_layer, check_layer_index, missing_layers_error
 from .quant.backend import kernels_available
 from .quant.tensors import give_back_flags
-from .results import IngestResult, count_outcome
+from .results import IngestResult, count_outcome, stored_prefix
 from .staging import payload_views, staging_stride
 from .store.arena import slot_stride
 from .store.device import reservation_span
@@ -292,9 +292,9 @@ class _SlotWriter(LayerWriter):
             for _, flags in self._flags:
                 give_back_flags(flags)  # pinned, written by kernels that have run
 
-    def _publish(self, count: Callable[[int, Any], None]) -> list[int]:
+    def _publish(self, count: Callable[[int, Any], None], spare: Container[bytes]) -> list[int]:
         """Commit every run (tail first), ``count(row, outcome)`` for each block; which rows
-        were in a run."""
+        were in a run. ``spare``: the blocks found stored, never the commits' victims."""
         store = self.cache.store
         saved: list[int] = []
         # Each commit evicts for the runs after it too: they must not evict this one's blocks.
@@ -306,7 +306,7 @@ class _SlotWriter(LayerWriter):
             rows = range(run.first + len(run.metas) - 1, run.first - 1, -1)
             items = [(meta.block_hash, reservation, meta) for reservation, meta in zip(reversed(run.reservations),
                                                                                         reversed(run.metas))]
-            for row, outcome in zip(rows, store.commit_many(items, sealed=False, room_for=later)):
+            for row, outcome in zip(rows, store.commit_many(items, sealed=False, room_for=later, spare=spare)):
                 count(row, outcome)
             saved += rows
         return saved
@@ -387,10 +387,12 @@ class LayerwiseSave(_SlotWriter):
         store, hashes = self.cache.store, self._hashes
         result = IngestResult(blocks=len(hashes), stored=0, present=sum(self._found),
                               tokens=len(hashes) * self.cache.block_tokens, durability=store.durability)
-        # A use of the blocks stored already, before the commits make room (as in ``ingest``).
+        # A use of the blocks stored already, before the commits make room, which spare them
+        # (as in ``ingest``).
         store.touch_chain([key for key, was in zip(hashes, self._found) if was], count_use=False)
         stored: list[bytes] = []
-        saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored)))
+        saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored),
+                                  frozenset(hashes[: stored_prefix(self._found)])))
         if not all(row in saved or f for row, f in enumerate(_still_stored(store, hashes, self._found))):
             # Blocks no slot was reserved for, or stored when the save started and gone since:
             # one ingest of the layers (it finds the blocks just published present, and stores
@@ -471,7 +473,7 @@ class PagedLayerwiseSave(_SlotWriter):
 
     def _commit(self) -> list[IngestResult]:
         call, results, hashes = self._call, self._results, self._hashes
-        paged_io.touch_found(self.cache.store, call, self._found)
+        spare = paged_io.touch_found(self.cache.store, call, self._found)
         stored: list[bytes] = []
         published: list[list[bytes]] = [[] for _ in results]  # per request, the blocks its rows stored
 
@@ -480,7 +482,7 @@ class PagedLayerwiseSave(_SlotWriter):
             if outcome.stored:
                 published[call.request_of(row)].append(hashes[row])
 
-        saved = set(self._publish(count))
+        saved = set(self._publish(count, spare))
         if len(saved) < len(hashes) or _still_stored(self.cache.store, self._all_hashes, self._found) != self._found:
             # Blocks no slot was reserved for, or stored when the save was planned and gone
             # since: one ingest_batch of the requests (it finds the blocks just published

@@ -35,7 +35,7 @@ from .pages import KVPages, PagedKV, PagedRequest, PagedSource, host_page_tables
 from .prefix_keys import PrefixKeys, as_index
 from .quant.codec import KVLayerCodec
 from .quant.policy import single_codec
-from .results import IngestResult
+from .results import IngestResult, stored_prefix
 from .staging import payload_views, staging_stride
 from .encode import give_back
 from .store.device_staging import StagingLease, staging_pool
@@ -265,16 +265,21 @@ def count_found(call: PagedCall, found: Sequence[bool], results: Sequence[Ingest
     return present, copies
 
 
-def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> None:
+def touch_found(store: Any, call: PagedCall, found: Sequence[bool]) -> frozenset[bytes]:
     """Mark each request's blocks stored already (``found``, in ``flat()`` order) used, as
     ``ingest`` does before its puts make room: request by request, each its own chain, as
     ingests of them one after another would. (As one chain of them all, the last
     request's stored prefix was the least recently used, and its own new blocks, put
     first, evicted it: they were stored below a gap.) One call all the same, one round trip
-    to a shared index: ``touch_chain`` uses a chain tail first, so the last request goes first."""
+    to a shared index: ``touch_chain`` uses a chain tail first, so the last request goes first.
+    Returns what the call's puts spare (``TieredStore.put_many``): one request's stored
+    prefix; none for several, whose other chains are what may make the room."""
     ends = list(itertools.accumulate(len(hashes) for hashes in call.hashes))
     store.touch_chain([key for hashes, end in zip(reversed(call.hashes), reversed(ends))
                        for key, was in zip(hashes, found[end - len(hashes) : end]) if was], count_use=False)
+    if len(call.hashes) != 1:
+        return frozenset()
+    return frozenset(call.hashes[0][: stored_prefix(found)])
 
 
 def load_starts(call: PagedCall, starts: Sequence[Any], block_tokens: int) -> list[int]:

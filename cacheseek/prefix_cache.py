@@ -21,7 +21,7 @@ from .quant.codec import KVLayerCodec
 from .quant.policy import PrecisionPolicy, single_codec
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
-from .results import IngestResult, Loaded, Located, Materialized, count_outcome
+from .results import IngestResult, Loaded, Located, Materialized, count_outcome, stored_prefix
 from .store.device_staging import staging_stats
 from .store.gpu import GpuTier
 from .store.prefetch import Prefetch
@@ -94,11 +94,14 @@ class PrefixCache(PrefixCacheBase):
         parents = self.keys.parents(hashes)
         # A use of the blocks stored already, before this call's puts make room: else the
         # chain's own prefix, if least recently used, is what they evict (the new tail then
-        # stored below a gap). Recency only: a hit's read counted the use.
+        # stored below a gap). Recency only: a hit's read counted the use. And its stored
+        # prefix spared: a chain longer than the tier evicts as it goes, and that prefix is
+        # older than its puts.
+        spare = frozenset(hashes[: stored_prefix(found)])
         self.store.touch_chain([key for key, was in zip(hashes, found) if was], count_use=False)
         stored: list[bytes] = []
         if in_place is not None:
-            outcomes = in_place.run(hashes, parents, present, self._batch_blocks)
+            outcomes = in_place.run(hashes, parents, present, self._batch_blocks, spare=spare)
             for key, outcome in zip(hashes, outcomes):
                 if outcome is not None:
                     count_outcome(result, key, outcome, stored)
@@ -117,8 +120,8 @@ class PrefixCache(PrefixCacheBase):
                                       check_first=not isinstance(self.store.tiers[0], GpuTier)):
                 items = [(frame.meta.block_hash, frame) for frame in reversed(batch)]
                 left -= len(batch)
-                for (block_key, _), outcome in zip(items, self.store.put_many(items,
-                                                                              room_for=self._room_for(left, batch))):
+                for (block_key, _), outcome in zip(items, self.store.put_many(
+                        items, room_for=self._room_for(left, batch), spare=spare)):
                     count_outcome(result, block_key, outcome, stored)
         except InputError:
             for block_key in stored:
@@ -204,7 +207,7 @@ class PrefixCache(PrefixCacheBase):
                 in_place.abandon()
             raise
         results, present, copies = paged_io.ingest_results(call, found, self.store.durability)
-        paged_io.touch_found(self.store, call, found)
+        spare = paged_io.touch_found(self.store, call, found)
         if in_place is None:
             # The rows are the blocks to store, whoever's they are: runs of them (one launch
             # per side each) are not cut where one request ends and the next begins.
@@ -224,7 +227,7 @@ class PrefixCache(PrefixCacheBase):
             if ingest_in_place.applies(self.store, pages.device):
                 if in_place is None:
                     in_place = ingest_in_place.InPlaceIngest(self.store, self.block_format, None, source=call.source)
-                outcomes = in_place.run(hashes, parents, present, self._batch_blocks, positions)
+                outcomes = in_place.run(hashes, parents, present, self._batch_blocks, positions, spare=spare)
                 for i, outcome in enumerate(outcomes):
                     if outcome is not None:
                         count_outcome(results[call.request_of(i)], hashes[i], outcome, stored,
@@ -240,7 +243,8 @@ class PrefixCache(PrefixCacheBase):
                 order = list(range(start + len(batch) - 1, start - 1, -1))
                 items: list[tuple[bytes, BlockFrame]] = [(hashes[i], batch[i - start]) for i in order]
                 left -= len(batch)
-                for i, outcome in zip(order, self.store.put_many(items, room_for=self._room_for(left, batch))):
+                for i, outcome in zip(order, self.store.put_many(items, room_for=self._room_for(left, batch),
+                                                                 spare=spare)):
                     count_outcome(results[call.request_of(i)], hashes[i], outcome, stored, copies.get(hashes[i], ()))
         except InputError as exc:
             for key in stored:

@@ -29,6 +29,11 @@ class IngestResult:
     durability: str = "durable"
 
 
+def stored_prefix(found: Sequence[bool]) -> int:
+    """How many blocks of a chain are stored from its head on (``found``: each block's)."""
+    return next((i for i, was in enumerate(found) if not was), len(found))
+
+
 def count_outcome(result: IngestResult, key: bytes, outcome: Any, stored: list[bytes],
                   copies: Sequence[IngestResult] = ()) -> None:
     """Count one block's ``StorePutResult`` into ``result``; ``stored`` collects the keys

@@ -509,6 +509,44 @@ def test_a_fragmented_tier_gets_shorter_runs(monkeypatch):
     assert_prefix_equal(cache.materialize(toks), kv, 10 * BLOCK)
 
 
+@pytest.mark.parametrize("how", ["in-place", "put", "paged", "layerwise"])
+def test_a_chain_longer_than_the_tier_keeps_its_stored_head(how, monkeypatch):
+    """A tier of 3 blocks holds a chain's head; the chain comes again 4 blocks long. Its new
+    blocks evict as they go, tail first, and the stored head (touched before them, yet older
+    than each) went first: the tier was left holding blocks 1-3, a tail no lookup reaches,
+    and a prompt sharing blocks 0 and 1 found nothing. The found blocks are spared now, so
+    the chain's own tail goes: blocks 0-2 stay. In place, through put_many, from pages and
+    from a layer-wise save alike."""
+    from cacheseek import layerwise_save
+    from paged_helpers import engine_pages, write_tokens
+
+    if how == "put":
+        monkeypatch.setattr(ingest_in_place, "applies", lambda *args: False)
+    monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)  # (slots, not one ingest at finish)
+    cache = make_cache(cpu=3 * RAW_FRAME, cpu_reserve_bytes=3 * RAW_FRAME, eviction="lru")  # (room to reserve)
+    toks, kv = tokens_for(70, 4 * BLOCK), make_kv(4 * BLOCK, 70)
+    assert cache.ingest(toks[:BLOCK], [(k[:, :BLOCK], v[:, :BLOCK]) for k, v in kv]).stored == 1
+    for seed in (71, 72):  # others, older than the head's touch
+        cache.ingest(tokens_for(seed, BLOCK), make_kv(BLOCK, seed))
+    if how == "paged":
+        L, H, D = LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim
+        pages, _ = engine_pages("flash", L, H, D, 4 * BLOCK // 16, 16, LAYOUT.torch_dtype)
+        write_tokens(pages, kv, list(range(4 * BLOCK // 16)))
+        [got] = cache.ingest_batch([cs.PagedRequest(toks, list(range(4 * BLOCK // 16)))], pages)
+    elif how == "layerwise":
+        with cache.ingest_layerwise(toks) as writer:
+            for i, (k, v) in enumerate(kv):
+                writer.put_layer(i, k, v)
+            got = writer.finish()
+        assert writer.mode == "slots"
+    else:
+        got = cache.ingest(toks, kv)
+    assert (got.present, got.stored) == (1, 3)
+    assert cache.lookup(toks) == 3 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+    assert cache.lookup(toks[: 2 * BLOCK] + tokens_for(73, BLOCK)) == 2 * BLOCK
+
+
 def test_a_partial_run_is_the_largest_free_extent():
     arena = HostArena(1 << 20)
     stride = slot_stride(1000)

@@ -351,15 +351,16 @@ class CpuTier(MemoryTier):
         frame, and the reservation is given back."""
         return self.commit_many([(key, reservation, meta)])[0]
 
-    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[TierPutResult]:
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True,
+                    landing: Any = None, room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """:meth:`commit` for several frames, in order, under one lock. ``sealed=False``:
         the frames' checksums are still zero (computed when they leave memory).
         ``landing``: device copies into the frames' payloads still in flight (``wait()``,
         ``done()``, as ``device.HostCopies``); reads, evictions and deletes of these frames
         wait for it first, as for frames put from a device. ``room_for``: bytes of the
         caller's later commits (the rest of one ingest), evicted for now as well, so that
-        they do not evict these (see ``_make_room``)."""
+        they do not evict these (see ``_make_room``). ``spare``: blocks not to evict (a frame
+        that does not fit without them is given back, its error ``Spared``)."""
         for _, reservation, meta in items:
             if meta.nbytes != reservation.nbytes:
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
@@ -367,7 +368,7 @@ class CpuTier(MemoryTier):
         with self._lock:
             if landing is not None:
                 self._forget_landed()  # (the earlier calls' last pieces: their records stay few)
-            self._make_room([(key, meta.nbytes) for key, _, meta in items], results, room_for)
+            self._make_room([(key, meta.nbytes) for key, _, meta in items], results, room_for, spare)
             for (key, reservation, meta), result in zip(items, results):
                 slot = self._take_back(reservation)
                 if key in self._records:
@@ -376,16 +377,20 @@ class CpuTier(MemoryTier):
                     continue
                 if self._fits_beside_pins(meta.nbytes):
                     while self._index.used_bytes + meta.nbytes > self.capacity_bytes and \
-                            (gone := self._evict_one()) is not None:
+                            (gone := self._evict_one(spare)) is not None:
                         result.evicted += gone
-                # Still past the budget with nothing left to evict: pinned blocks, or a frame
-                # larger than the whole budget (a reservation may hold one: it lends the reserve).
+                # Still past the budget with nothing left to evict: pinned or spared blocks, or
+                # a frame larger than the whole budget (a reservation may hold one: it lends the reserve).
                 if self._index.used_bytes + meta.nbytes > self.capacity_bytes:
                     self._free_landed(slot, landing)
-                    self._stats.write_errors += 1
-                    result.error = self._no_room(meta.nbytes) if meta.nbytes <= self.capacity_bytes else \
-                        StorageError(f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the whole budget "
-                                     f"({self.capacity_bytes})")
+                    if meta.nbytes > self.capacity_bytes:
+                        result.error = StorageError(f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the "
+                                                    f"whole budget ({self.capacity_bytes})")
+                    elif spare and self._fits_beside_pins(meta.nbytes):
+                        result.error = self._spared(meta.nbytes)
+                    else:
+                        result.error = self._no_room(meta.nbytes)
+                    self._stats.write_errors += not isinstance(result.error, Spared)
                     continue
                 self._records[key] = rec = _Record(slot, meta, sealed, landing)
                 if landing is not None:

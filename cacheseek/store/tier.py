@@ -279,8 +279,8 @@ class Tier(ABC):
     def commit(self, key: bytes, reservation: Reservation, meta: FrameMeta) -> TierPutResult:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
-    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[TierPutResult]:
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True,
+                    landing: Any = None, room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         raise RuntimeError(f"{self.name} tier: lends no reservations")
 
     def abort(self, reservation: Reservation) -> None:
@@ -478,7 +478,7 @@ class IndexedTier(Tier):
         """Why a frame does not fit once nothing but the blocks its call spares (and pinned
         ones) is left to evict."""
         return Spared(f"{self.name} tier: no room for a {nbytes}-byte frame without evicting blocks this write "
-                      "spares (the chain being read)")
+                      "spares (the chain it reads, or the stored head of the chain it extends)")
 
     def _no_room(self, nbytes: int, *, in_flight: int = 0) -> StorageError:
         """Why a frame does not fit once nothing more may be evicted (everything left is pinned;

@@ -54,7 +54,7 @@ from .moves import MAX_WALKS, Moves
 from .pins import Pin, PinTable
 from .prefetch import Prefetch, Prefetcher
 from .residency import Residency
-from .tier import BlockFrame, BlockInfo, ClosingIterator, Spared, TierPutResult, Reservation, Tier
+from .tier import BlockFrame, BlockInfo, ClosingIterator, MemoryTier, Spared, TierPutResult, Reservation, Tier
 
 
 DURABLE = "durable"
@@ -261,12 +261,15 @@ class TieredStore:
     def put(self, key: bytes, frame: BlockFrame) -> StorePutResult:
         return self.put_many([(key, frame)])[0]
 
-    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, room_for: int = 0) -> list[StorePutResult]:
+    def put_many(self, items: list[tuple[bytes, BlockFrame]], *, room_for: int = 0,
+                 spare: Container[bytes] = ()) -> list[StorePutResult]:
         """Store blocks in the top tier (or, what it cannot take, in the next one) and every
         write-through tier; each outcome at the store's acknowledgement level. ``room_for``:
         frame bytes of the caller's later writes of the same call (a server's batch put in
         groups, an ingest's later batches), evicted for now in the top tier and each
-        write-through tier (as each charges them), so that they do not evict these."""
+        write-through tier (as each charges them), so that they do not evict these.
+        ``spare``: the stored blocks of the chain these extend (an ingest's found prefix),
+        never their victims in a memory top tier (``_top_spare``)."""
         if self.pin_table.due():
             self.expire_pins()
         for use_filter in self.filters.values():
@@ -276,13 +279,23 @@ class TieredStore:
                 use_filter.size_from(items[0][1].nbytes)
             use_filter.use(key for key, _ in items)  # an ingest is a block's first use
         with self._moving():
-            return self._put_many(items, self._deletes_done(), room_for)
+            return self._put_many(items, self._deletes_done(), room_for, self._top_spare(spare))
+
+    def _top_spare(self, spare: Container[bytes]) -> Container[bytes]:
+        """What a write spares in the top tier. A chain longer than that tier evicts as it goes
+        (its puts come tail first, so its head stays); its stored prefix, touched before the
+        puts but older than each of them, went first, and the tier was left holding a tail
+        no lookup can reach. Spared, the chain's own new tail goes instead. Only in a memory
+        tier: a disk top tier sparing a write's blocks stores it frame by frame, each making
+        its own room, where its call's frames must not evict each other (``put_many``)."""
+        return spare if isinstance(self.tiers[0], MemoryTier) else ()
 
     def _moving(self) -> AbstractContextManager[None]:
         """Around a write whose evictions may be demoted (see ``store.moves``)."""
         return nullcontext() if self.moves is None else self.moves.moving()
 
-    def _put_many(self, items: list[tuple[bytes, BlockFrame]], since: int, room_for: int = 0) -> list[StorePutResult]:
+    def _put_many(self, items: list[tuple[bytes, BlockFrame]], since: int, room_for: int = 0,
+                  spare: Container[bytes] = ()) -> list[StorePutResult]:
         outcomes = [StorePutResult() for _ in items]
         top = self.tiers[0]
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
@@ -291,7 +304,7 @@ class TieredStore:
         try:
             # A write-through reads the top tier's stored copies: leased until it is done.
             results = top.put_many(current, lease_stored=bool(self.write_through),
-                                   room_for=_room_in(top, room_for, current))
+                                   room_for=_room_in(top, room_for, current), spare=spare)
             for (key, frame), result, outcome in zip(current, results, outcomes):
                 _hold(result, held)
                 outcome.note(result, top.name, top.name in self._acknowledging)
@@ -1203,8 +1216,8 @@ class TieredStore:
         does. If the top tier got the key meanwhile, its writer wrote it through."""
         return self.commit_many([(key, reservation, meta)])[0]
 
-    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *,
-                    sealed: bool = True, landing: Any = None, room_for: int = 0) -> list[StorePutResult]:
+    def commit_many(self, items: list[tuple[bytes, Reservation, FrameMeta]], *, sealed: bool = True,
+                    landing: Any = None, room_for: int = 0, spare: Container[bytes] = ()) -> list[StorePutResult]:
         """:meth:`commit` for several reservations, in order (``sealed=False``: checksums
         not computed yet). The write-through tiers are written from the reserved bytes first,
         then the top tier publishes them: a block the top tier holds already (a concurrent
@@ -1213,7 +1226,7 @@ class TieredStore:
         into the payloads still in flight (see ``CpuTier.commit_many``); with write-through
         tiers, waited for here, since they read the bytes now. ``room_for``: bytes of the
         caller's later commits, evicted for now in the top tier (``CpuTier.commit_many``) and
-        each write-through tier, as ``put_many``'s."""
+        each write-through tier, as ``put_many``'s; ``spare`` as ``put_many``'s."""
         if landing is not None and self.write_through:
             try:
                 landing.wait()
@@ -1244,8 +1257,8 @@ class TieredStore:
                                         room_for)
                 finally:
                     release_all(held)
-            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for),
-                                       outcomes):
+            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for,
+                                                       spare=self._top_spare(spare)), outcomes):
                 outcome.note(result, top.name, top.name in self._acknowledging)
                 self._demote(0, result.evicted, since)
         return outcomes

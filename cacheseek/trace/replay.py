@@ -156,11 +156,14 @@ class StoreClient:
             store.touch_chain(keys[: len(tiers)])
         present = store.contains_many(keys)  # ingest
         missing = [i for i in range(len(keys) - 1, -1, -1) if not present[i]]
-        if len(missing) < len(keys):  # before the puts, as PrefixCache.ingest: else they may evict these
-            store.touch_chain([k for k, p in zip(keys, present) if p], count_use=False)
+        found = [k for k, p in zip(keys, present) if p]
+        if found:  # before the puts, as PrefixCache.ingest: else they may evict these
+            store.touch_chain(found, count_use=False)
         if missing:
             frames = self.frames
-            store.put_many([(keys[i], frames.frame(keys[i], keys[i - 1] if i else ROOT, i)) for i in missing])
+            head = next((i for i, p in enumerate(present) if not p), len(keys))  # its stored prefix
+            store.put_many([(keys[i], frames.frame(keys[i], keys[i - 1] if i else ROOT, i)) for i in missing],
+                           spare=frozenset(keys[:head]))
         return tiers
 
 
