@@ -428,7 +428,8 @@ def _plan_parser(sub: Any) -> None:
     p.add_argument("--full-blocks-only", action="store_true",
                    help="never store a request's partial last block, as PrefixCache does (default: store every block)")
     p.add_argument("--json", default="plan.json", metavar="FILE", help="where to write the rows")
-    p.add_argument("--plot", default="plan.png", metavar="FILE", help="where to draw hit rate against budget")
+    p.add_argument("--plot", default="plan.png", metavar="FILE",
+                   help="where to draw hit rate against budget (its suffix names the format: .png, .svg, .pdf, ...)")
     p.set_defaults(func=_plan)
 
 

@@ -1312,6 +1312,24 @@ def test_a_disk_budget_the_replays_filesystem_cannot_hold_is_refused_not_shrunk(
     assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
 
 
+@pytest.mark.parametrize("name", ["myplot", "myplot.", ".myplot"])
+def test_plan_refuses_a_plot_name_without_a_format_suffix(tmp_path, capsys, name):
+    """matplotlib gives a name without a suffix its default format's: ``--plot myplot``
+    wrote over ``myplot.png`` and the run said ``plot: myplot``, a file it never wrote."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "myplot.png").write_bytes(b"keep")
+    path = f"{tmp_path}/{name}"
+    assert _plan_main(tmp_path, "--plot", path) == 2
+    err = capsys.readouterr().err
+    assert f"--plot: {path}: no suffix names the format; give one matplotlib writes (" in err and "png" in err
+    assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
+    assert (tmp_path / "myplot.png").read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["myplot.png", "t.jsonl"]
+    assert _plan_main(tmp_path, "--plot", f"{tmp_path}/myplot.svg") == 0  # the path given, written as given
+    assert capsys.readouterr().out.endswith(f"plot: {tmp_path}/myplot.svg\n")
+    assert (tmp_path / "myplot.svg").read_bytes().lstrip().startswith(b"<?xml")
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--codec", ""], "--codec: give at least one codec, got ''"),
     (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),

@@ -198,16 +198,21 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
 
 
 def plot_format_problem(path: str) -> str | None:
-    """Why :func:`plot` could not draw into ``path`` (its suffix names a format matplotlib
-    does not write), or None; None as well without matplotlib, as the plot is then skipped."""
+    """Why :func:`plot` could not draw into ``path`` (its suffix names no format, or one
+    matplotlib does not write), or None; None as well without matplotlib, as the plot is
+    then skipped."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         return None
     suffix = Path(path).suffix.lstrip(".").lower()
-    formats = FigureCanvasAgg.get_supported_filetypes()
-    if suffix and suffix not in formats:
-        return f"format {suffix!r} is not one matplotlib writes ({', '.join(sorted(formats))})"
+    formats = ", ".join(sorted(FigureCanvasAgg.get_supported_filetypes()))
+    if not suffix:
+        # matplotlib would pick its default format and add that suffix: another file than
+        # the one named, written over if it exists.
+        return f"no suffix names the format; give one matplotlib writes ({formats})"
+    if suffix not in FigureCanvasAgg.get_supported_filetypes():
+        return f"format {suffix!r} is not one matplotlib writes ({formats})"
     return None
 
 
