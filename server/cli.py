@@ -473,6 +473,12 @@ def _plan(args: argparse.Namespace) -> int:
             problem = _output_problem(path) or (plot_format_problem(path) if flag == "--plot" else None)
             if problem:
                 raise ConfigError(f"{flag}: {path}: {problem}")
+        # The rows written over the trace, or the plot over the rows, would be lost.
+        named = (("--trace", args.trace), ("--json", args.json), ("--plot", args.plot))
+        for i, (flag, path) in enumerate(named):
+            for other, other_path in named[i + 1:]:
+                if _same_file(path, other_path):
+                    raise ConfigError(f"{other}: {other_path}: the same file as {flag} {path}; give another")
         trace = load_trace(args.trace, args.block_tokens)  # the whole file is checked before anything runs
         rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
                     disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens,
@@ -502,6 +508,18 @@ def _listed(text: str, flag: str, what: str) -> list[str]:
 
         raise ConfigError(f"{flag}: give at least one {what}, got {text!r}")
     return items
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: through links and hard links where both
+    exist, else once resolved."""
+    import os
+    from pathlib import Path
+
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one does not exist yet)
+        return Path(a).resolve() == Path(b).resolve()
 
 
 def _output_problem(path: str) -> str | None:

@@ -1330,6 +1330,35 @@ def test_plan_refuses_a_plot_name_without_a_format_suffix(tmp_path, capsys, name
     assert (tmp_path / "myplot.svg").read_bytes().lstrip().startswith(b"<?xml")
 
 
+@pytest.mark.parametrize("json_as, plot_as, says", [
+    ("{d}/t.jsonl", "{d}/p.png", "--json: {d}/t.jsonl: the same file as --trace {d}/t.jsonl"),
+    ("t.jsonl", "{d}/p.png", "--json: t.jsonl: the same file as --trace {d}/t.jsonl"),  # (relative, from the cwd)
+    ("{d}/link.jsonl", "{d}/p.png", "--json: {d}/link.jsonl: the same file as --trace {d}/t.jsonl"),
+    ("{d}/hard.jsonl", "{d}/p.png", "--json: {d}/hard.jsonl: the same file as --trace {d}/t.jsonl"),
+    ("{d}/same.png", "{d}/sub/../same.png", "--plot: {d}/sub/../same.png: the same file as --json {d}/same.png"),
+    ("{d}/rows.json", "{d}/t.png", "--plot: {d}/t.png: the same file as --trace {d}/t.png"),
+])
+def test_plan_refuses_outputs_naming_the_trace_or_each_other(tmp_path, capsys, monkeypatch, json_as, plot_as, says):
+    """``--json`` naming the trace wrote the rows over it, and ``--json`` naming ``--plot``'s
+    file had the plot written over the rows, each with exit 0."""
+    d = str(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    trace = tmp_path / ("t.png" if plot_as.endswith("t.png") else "t.jsonl")
+    text = '{"timestamp": 0, "input_length": 1000, "hash_ids": [1, 2]}\n{"timestamp": 5, "hash_ids": [1, 2, 3]}\n'
+    trace.write_text(text)
+    (tmp_path / "link.jsonl").symlink_to(trace)
+    (tmp_path / "hard.jsonl").hardlink_to(trace)
+    (tmp_path / "sub").mkdir()
+    from cacheseek.server.cli import main
+
+    assert main(["plan", "--trace", str(trace), "--codec", "raw", "--cpu-bytes", "1GiB", "--policy", "lru",
+                 "--json", json_as.format(d=d), "--plot", plot_as.format(d=d)]) == 2
+    err = capsys.readouterr().err
+    assert f"cacheseek plan: {says.format(d=d)}; give another" in err and "Traceback" not in err
+    assert "[#" not in err and trace.read_text() == text  # no replay ran, the trace untouched
+    assert not (tmp_path / "same.png").exists() and not (tmp_path / "rows.json").exists()
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--codec", ""], "--codec: give at least one codec, got ''"),
     (["--cpu-bytes", ","], "--cpu-bytes: give at least one budget, got ','"),
