@@ -1330,6 +1330,31 @@ def test_plan_refuses_a_plot_name_without_a_format_suffix(tmp_path, capsys, name
     assert (tmp_path / "myplot.svg").read_bytes().lstrip().startswith(b"<?xml")
 
 
+def test_plan_refuses_a_cpu_budget_past_the_replays_memory_before_replaying(tmp_path, capsys, monkeypatch):
+    """A CPU budget whose stand-in blocks take more memory than this process may use was
+    refused by the replay's store only once the budgets before it had replayed (their rows
+    thrown away), and in stand-in bytes: ``--cpu-bytes 64GiB,5000TiB`` said "cpu_bytes:
+    93.75 GiB"."""
+    import os
+
+    from cacheseek.trace.plan import codec_of, layout_of
+    from cacheseek.trace.replay import frame_nbytes
+    from cacheseek.units import format_size
+
+    real = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 256 if name == "SC_PHYS_PAGES" else real(name))
+    limit = 256 * real("SC_PAGE_SIZE")  # (1 MiB of 4 KiB pages: 1 GiB of raw frames fits, 1 TiB does not)
+    nbytes, stand_in = frame_nbytes(layout_of("llama-3-8b"), codec_of("raw"), 512), StandInFrames(512).nbytes
+    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB,1TiB") == 2
+    err = capsys.readouterr().err
+    assert (f"cacheseek plan: cpu_bytes {1 << 40} (1.00 TiB) holds {(1 << 40) // nbytes:,} blocks of a {nbytes}-byte "
+            f"raw frame, more than the replay can hold: it keeps a {stand_in}-byte stand-in in memory for each block, "
+            ) in err
+    assert f"this process may use {format_size(limit)} (the machine's memory); give a smaller cpu_bytes" in err
+    assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
+    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB") == 0
+
+
 @pytest.mark.parametrize("json_as, plot_as, says", [
     ("{d}/t.jsonl", "{d}/p.png", "--json: {d}/t.jsonl: the same file as --trace {d}/t.jsonl"),
     ("t.jsonl", "{d}/p.png", "--json: t.jsonl: the same file as --trace {d}/t.jsonl"),  # (relative, from the cwd)

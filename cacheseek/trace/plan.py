@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..host_memory import cpu_budget_problem, memory_limit
 from ..layout import KVLayout
 from ..quant import KIVI, Raw
 from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
+from ..units import format_size
 from . import reference
 from .format import Request
-from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, check_block_tokens, check_disk_room, frame_nbytes,
-                     replay)
+from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, arena_slack, check_block_tokens, check_disk_room,
+                     frame_nbytes, replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -119,6 +121,7 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     check_block_tokens(block_tokens)
     # Every budget is checked before the first replay, so a bad one costs no replay time.
     nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
+    stand_in = StandInFrames(block_tokens).nbytes
     for codec_name, nbytes in nbytes_of.items():
         charge = block_charge(nbytes, DEFAULT_ALLOC_UNIT)
         for cpu in cpu_bytes:
@@ -127,10 +130,19 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
                     f"({block_tokens} tokens a block); give cpu_bytes at least {nbytes} or disk_bytes at least "
                     f"{charge} (the frame and its sidecar in whole 4 KiB file-system blocks)")
+            # The replay's CPU tier (``build_store``) is refused by ``TierConfig.build`` past
+            # the memory this process may use, in its stand-in bytes: said here in the budget's.
+            held = cpu // nbytes * stand_in
+            if cpu_budget_problem(held, arena_slack(held, stand_in)):
+                limit, where = memory_limit()
+                raise ConfigError(
+                    f"cpu_bytes {cpu} ({format_size(cpu)}) holds {cpu // nbytes:,} blocks of a {nbytes}-byte "
+                    f"{codec_name} frame, more than the replay can hold: it keeps a {stand_in}-byte stand-in in memory "
+                    f"for each block, {format_size(held + arena_slack(held, stand_in))} with its arena's slack, and "
+                    f"this process may use {format_size(limit)} ({where}); give a smaller cpu_bytes")
     check_disk_room(max(disk_bytes // block_charge(n, DEFAULT_ALLOC_UNIT) for n in nbytes_of.values()), block_tokens)
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
-    stand_in = StandInFrames(block_tokens).nbytes
     rows = []
     belady_cache: dict[int, reference.RefResult] = {}
     for codec_name in codecs:
