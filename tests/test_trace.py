@@ -1053,6 +1053,67 @@ def test_plan_full_blocks_only_matches_the_store_counting(tmp_path, excerpt):
     assert row["belady_block_hit_rate"] == reference.belady_prefix(excerpt, blocks, full_blocks_only=True).block_hit_rate
 
 
+def test_plan_references_take_the_blocks_the_tiers_hold_together(tmp_path, capsys):
+    """Written through, the disk holds every block the CPU tier holds: two raw blocks of CPU
+    over two of disk hold two distinct blocks. The references (and the table's "blocks")
+    took the sum, four, where Belady hits every reuse of a cycle over three prompts, and
+    the policy's share of it read low. With a disk admission threshold the CPU tier hands
+    the disk its victims, each block in one tier: the sum."""
+    from cacheseek.store.disk import DEFAULT_ALLOC_UNIT, block_charge
+    from cacheseek.trace.plan import codec_of, layout_of
+    from cacheseek.trace.replay import frame_nbytes
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 512, "hash_ids": [i % 3]}) + "\n"
+                             for i in range(30)))
+    nbytes = frame_nbytes(layout_of("llama-3-8b"), codec_of("raw"), 512)
+    cpu, disk = 2 * nbytes, 2 * block_charge(nbytes, DEFAULT_ALLOC_UNIT)
+    for admit, ref in ((1, 2), (2, 4)):
+        assert _plan_main(tmp_path, "--cpu-bytes", str(cpu), "--disk-bytes", str(disk), "--policy", "lru,arc",
+                          "--disk-admit-after-uses", str(admit)) == 0
+        best = reference.belady_prefix(load_trace(trace), ref)
+        for row in json.loads((tmp_path / "rows.json").read_text()):
+            assert (row["cpu_blocks"], row["disk_blocks"], row["reference_blocks"]) == (2, 2, ref)
+            assert row["belady_block_hit_rate"] == best.block_hit_rate and row["hit_blocks"] <= best.hit_blocks
+        header, _, *lines = capsys.readouterr().out.splitlines()[1:]
+        assert header.startswith("| codec | cpu ") and "| ref blocks | policy |" in header
+        assert [line.split("|")[3].strip() for line in lines[:2]] == [str(ref), str(ref)]
+    assert reference.belady_prefix(load_trace(trace), 2).hit_blocks < reference.belady_prefix(load_trace(trace), 4).hit_blocks
+
+
+def test_lru_tiers_hold_together_the_blocks_plan_gives_the_references(excerpt):
+    """``reference_blocks``' count, checked on the store: under LRU, a disk written through
+    holds every block of the smaller tier, and the tiers never hold more distinct blocks
+    than the larger one (and fill it); with an admission threshold they hold more than
+    the larger one (here), never more than both together."""
+    from cacheseek.trace.plan import reference_blocks
+    from cacheseek.trace.replay import StoreClient
+
+    peak = 0
+
+    class Counting(StoreClient):
+        def request(self, ids):
+            nonlocal peak
+            tiers = super().request(ids)
+            peak = max(peak, len(self.store.residency))  # distinct blocks, store-wide
+            return tiers
+
+    trace = excerpt[:300]
+    beyond_the_larger = []
+    for cpu, disk in ((60, 60), (40, 100), (100, 40)):
+        for admit in (1, 2):
+            spec = ReplaySpec(cpu_blocks=cpu, disk_blocks=disk, policy="lru", disk_admit_after_uses=admit)
+            peak = 0
+            replay(trace, spec, client_factory=Counting)
+            if admit == 1:
+                assert peak == reference_blocks(spec) == max(cpu, disk)
+            else:
+                assert peak <= reference_blocks(spec) == cpu + disk
+                beyond_the_larger.append(peak > max(cpu, disk))
+    assert any(beyond_the_larger)
+    assert reference_blocks(ReplaySpec(cpu_blocks=40, disk_blocks=100, write_through=False)) == 140
+
+
 # -- the block-level simulator and the policy candidates -----------------------------------
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

@@ -2,8 +2,8 @@
 
 Shared by ``benchmarks/trace_replay.py`` and ``cacheseek plan``. One row per (codec, CPU
 budget, policy): hit rates (blocks and tokens), hits per tier, real bytes written and read
-per tier, evictions, and the references at the same budget in blocks (Belady's optimum,
-the infinite cache).
+per tier, evictions, and the references (Belady's optimum, the infinite cache) at the most
+distinct blocks the tiers hold together (:func:`reference_blocks`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from ..units import format_size
 from . import reference
 from .format import Request
-from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, arena_slack, check_block_tokens, check_disk_room,
-                     frame_nbytes, replay)
+from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, arena_slack, check_block_tokens,
+                     check_disk_room, frame_nbytes, replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -76,6 +76,7 @@ class PlanRow:
     frame_nbytes: int
     cpu_blocks: int
     disk_blocks: int
+    reference_blocks: int
     policy: str
     result: ReplayResult
     belady: reference.RefResult
@@ -100,6 +101,7 @@ class PlanRow:
         return {
             "codec": self.codec, "policy": self.policy, "cpu_bytes": self.cpu_bytes, "disk_bytes": self.disk_bytes,
             "frame_nbytes": self.frame_nbytes, "cpu_blocks": self.cpu_blocks, "disk_blocks": self.disk_blocks,
+            "reference_blocks": self.reference_blocks,
             "disk_admit_after_uses": r.spec.disk_admit_after_uses, "full_blocks_only": r.spec.full_blocks_only,
             "block_hit_rate": r.block_hit_rate, "token_hit_rate": r.token_hit_rate,
             "hit_blocks": r.hit_blocks, "requested_blocks": r.requested_blocks,
@@ -110,6 +112,20 @@ class PlanRow:
             "of_belady": r.block_hit_rate / self.belady.block_hit_rate if self.belady.block_hit_rate else None,
             "tiers": tiers, "replay_seconds": round(r.seconds, 2),
         }
+
+
+def reference_blocks(spec: ReplaySpec) -> int:
+    """The most distinct blocks the tiers of ``spec`` hold together: the references' budget.
+    Written through and admitting every block (the store's default, and the plan's), the
+    disk takes every block the CPU tier takes and sees every use, so the smaller tier holds
+    blocks the larger one holds too: the larger tier's count. Exactly so under LRU (the
+    smaller tier holds the most recently used of the larger one's); ARC's tiers, each
+    adapting to its own size, part a little (docs/hit-rate.md). Written back, or holding new
+    blocks back from the disk until used again (``disk_admit_after_uses`` > 1), the CPU
+    tier hands the disk its victims, each block in one tier: both tiers' counts together."""
+    if spec.write_through and spec.disk_admit_after_uses <= 1:
+        return max(spec.cpu_blocks, spec.disk_blocks)
+    return spec.cpu_blocks + spec.disk_blocks
 
 
 def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], cpu_bytes: Sequence[int],
@@ -151,18 +167,18 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
             # A disk tier charges a block its frame and sidecar in whole allocation units
             # (4 KiB, ext4's and XFS's), as its budget counts them.
             cpu_blocks, disk_blocks = cpu // nbytes, disk_bytes // block_charge(nbytes, DEFAULT_ALLOC_UNIT)
-            total = cpu_blocks + disk_blocks  # Belady over the tiers' room together
-            if total not in belady_cache:
-                belady_cache[total] = reference.belady_prefix(trace, max(total, 1), block_tokens, nxt=nxt,
-                                                              full_blocks_only=full_blocks_only)
             for policy in policies:
                 spec = ReplaySpec(cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, policy=policy,
                                   disk_admit_after_uses=disk_admit_after_uses, full_blocks_only=full_blocks_only)
+                ref = reference_blocks(spec)
+                if ref not in belady_cache:
+                    belady_cache[ref] = reference.belady_prefix(trace, max(ref, 1), block_tokens, nxt=nxt,
+                                                                full_blocks_only=full_blocks_only)
                 label = f"{codec_name} cpu={_gib(cpu)} {policy}"
                 bar = ProgressBar(f"{label:<28}") if progress else None
                 result = replay(trace, spec, block_tokens=block_tokens, progress=bar)
-                rows.append(PlanRow(codec_name, cpu, disk_bytes, nbytes, cpu_blocks, disk_blocks, policy, result,
-                                    belady_cache[total], inf, stand_in))
+                rows.append(PlanRow(codec_name, cpu, disk_bytes, nbytes, cpu_blocks, disk_blocks, ref, policy, result,
+                                    belady_cache[ref], inf, stand_in))
     return rows
 
 
@@ -170,7 +186,7 @@ def _gib(n: int) -> str:
     return f"{n / (1 << 30):g}GiB"
 
 
-TABLE_COLUMNS = ("codec", "cpu", "blocks", "policy", "hit % (blocks)", "hit % (tokens)", "belady %", "of belady",
+TABLE_COLUMNS = ("codec", "cpu", "ref blocks", "policy", "hit % (blocks)", "hit % (tokens)", "belady %", "of belady",
                  "infinite %", "cpu hits", "disk hits", "written GiB", "read GiB", "evictions")
 
 
@@ -180,7 +196,7 @@ def table_rows(rows: Sequence[PlanRow]) -> list[dict[str, Any]]:
         d = row.to_dict()
         tiers = d["tiers"]
         out.append({
-            "codec": row.codec, "cpu": _gib(row.cpu_bytes), "blocks": row.cpu_blocks + row.disk_blocks,
+            "codec": row.codec, "cpu": _gib(row.cpu_bytes), "ref blocks": row.reference_blocks,
             "policy": row.policy, "hit % (blocks)": 100 * d["block_hit_rate"],
             "hit % (tokens)": 100 * d["token_hit_rate"], "belady %": 100 * d["belady_block_hit_rate"],
             "of belady": d["of_belady"], "infinite %": 100 * d["infinite_block_hit_rate"],
