@@ -80,19 +80,27 @@ def test_a_server_rewrites_a_block_whose_files_were_removed_behind_its_back(tmp_
         assert "its files were gone behind the tier's back" in srv.output()
 
 
-_FULL_AND_EMPTY = r"""
+# The scripts' start: a disk tier on the tmpfs, and ``fill()``, another writer filling the
+# filesystem (its file descriptor returned).
+_ON_A_TMPFS = r"""
 import json, os, sys
 sys.path[:0] = sys.argv[2:]
 from cacheseek.store.disk import DiskTier
 from store_helpers import raw_frame
 
 tier = DiskTier(sys.argv[1] + "/d", 1 << 30)
-fd = os.open(sys.argv[1] + "/other", os.O_WRONLY | os.O_CREAT)  # another writer fills the filesystem
-try:
-    while True:
-        os.write(fd, b"x" * 4096)
-except OSError:
-    pass
+
+def fill():
+    fd = os.open(sys.argv[1] + "/other", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        return fd
+"""
+
+_FULL_AND_EMPTY = _ON_A_TMPFS + r"""
+fd = fill()
 errors = [str(tier.put_many([raw_frame(1)])[0].error), str(tier.put_many([raw_frame(2), raw_frame(3)])[0].error)]
 left = sorted(os.listdir(sys.argv[1] + "/d/01")) + sorted(os.listdir(sys.argv[1] + "/d/02"))
 os.close(fd)
@@ -104,20 +112,9 @@ tier.close()
 """
 
 
-_FULL_THEN_FREED = r"""
-import json, os, sys
-sys.path[:0] = sys.argv[2:]
-from cacheseek.store.disk import DiskTier
-from store_helpers import raw_frame
-
-tier = DiskTier(sys.argv[1] + "/d", 1 << 30)
+_FULL_THEN_FREED = _ON_A_TMPFS + r"""
 tier.put_many([raw_frame(i) for i in range(1, 7)])
-fd = os.open(sys.argv[1] + "/other", os.O_WRONLY | os.O_CREAT)  # another writer fills the filesystem
-try:
-    while True:
-        os.write(fd, b"x" * 4096)
-except OSError:
-    pass
+fd = fill()
 full = tier.put_many([raw_frame(10), raw_frame(11)])  # the budget lowered to what is held: evicts
 os.close(fd)
 os.unlink(sys.argv[1] + "/other")  # the other writer's space comes free
