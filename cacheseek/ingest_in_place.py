@@ -121,7 +121,7 @@ class InPlaceIngest:
         self.missing: list[bool] = []  # per block of the call: to be stored (not present)
         self.launched: list[tuple[int, int]] = []  # blocks [a, b) of each run launched
         self.rest_checked = False  # the blocks not launched were checked, before a commit for room
-        self.spare: Container[bytes] = ()  # the blocks found stored (``run``)
+        self.spare: Container[bytes] = ()  # the chain's stored prefix (``run``)
 
     # -- before the keys are known ----------------------------------------------------------
 
@@ -159,7 +159,7 @@ class InPlaceIngest:
         them (the caller stores those through ``put_many``). Raises ``InputError`` on NaN or
         Inf, having published nothing of this call. ``positions``: each block's position in
         its own chain, when the blocks are several requests' (default: its index).
-        ``spare``: the blocks found stored, which the commits must not evict
+        ``spare``: the chain's stored prefix, which the commits must not evict
         (``TieredStore.put_many``)."""
         self.spare = spare
         self.outcomes = [None] * len(hashes)

@@ -294,7 +294,7 @@ class _SlotWriter(LayerWriter):
 
     def _publish(self, count: Callable[[int, Any], None], spare: Container[bytes]) -> list[int]:
         """Commit every run (tail first), ``count(row, outcome)`` for each block; which rows
-        were in a run. ``spare``: the blocks found stored, never the commits' victims."""
+        were in a run. ``spare``: the chain's stored prefix, never the commits' victims."""
         store = self.cache.store
         saved: list[int] = []
         # Each commit evicts for the runs after it too: they must not evict this one's blocks.
@@ -387,8 +387,8 @@ class LayerwiseSave(_SlotWriter):
         store, hashes = self.cache.store, self._hashes
         result = IngestResult(blocks=len(hashes), stored=0, present=sum(self._found),
                               tokens=len(hashes) * self.cache.block_tokens, durability=store.durability)
-        # A use of the blocks stored already, before the commits make room, which spare them
-        # (as in ``ingest``).
+        # A use of the blocks stored already, before the commits make room, which spare the
+        # chain's stored prefix (as in ``ingest``).
         store.touch_chain([key for key, was in zip(hashes, self._found) if was], count_use=False)
         stored: list[bytes] = []
         saved = set(self._publish(lambda row, outcome: count_outcome(result, hashes[row], outcome, stored),
