@@ -547,6 +547,26 @@ def test_a_chain_longer_than_the_tier_keeps_its_stored_head(how, monkeypatch):
     assert cache.lookup(toks[: 2 * BLOCK] + tokens_for(73, BLOCK)) == 2 * BLOCK
 
 
+@pytest.mark.parametrize("disk", [True, False], ids=["disk-below", "cpu-only"])
+def test_a_tier_full_of_a_chains_own_prefix_spares_it_only_where_nothing_below_keeps_it(tmp_path, disk):
+    """A chain's stored prefix fills the CPU tier and the chain comes again one block longer.
+    Alone, the tier spares the prefix: the new block fails, and the error says why. With a
+    disk below (written through), the head the tier evicts is on disk already: the block is
+    stored, and the whole chain is served across the two tiers."""
+    cache = make_cache(cpu=3 * RAW_FRAME, cpu_reserve_bytes=3 * RAW_FRAME, disk=tmp_path / "d" if disk else None)
+    toks, kv = tokens_for(74, 4 * BLOCK), make_kv(4 * BLOCK, 74)
+    assert cache.ingest(toks[: 3 * BLOCK], [(k[:, : 3 * BLOCK], v[:, : 3 * BLOCK]) for k, v in kv]).stored == 3
+    got = cache.ingest(toks, kv)
+    if disk:
+        assert (got.present, got.stored, got.failed, got.errors) == (3, 1, 0, {})
+        assert cache.lookup(toks) == 4 * BLOCK and "disk" in cache.locate(toks).tiers  # (what the CPU tier gave up)
+    else:
+        assert (got.present, got.stored, got.failed) == (3, 0, 1)
+        assert "without evicting blocks this write spares" in got.errors["cpu"]
+        assert cache.lookup(toks) == 3 * BLOCK
+    assert_prefix_equal(cache.materialize(toks), kv, cache.lookup(toks))
+
+
 def test_a_partial_run_is_the_largest_free_extent():
     arena = HostArena(1 << 20)
     stride = slot_stride(1000)

@@ -285,10 +285,12 @@ class TieredStore:
         """What a write spares in the top tier. A chain longer than that tier evicts as it goes
         (its puts come tail first, so its head stays); its stored prefix, touched before the
         puts but older than each of them, went first, and the tier was left holding a tail
-        no lookup can reach. Spared, the chain's own new tail goes instead. Only in a memory
-        tier: a disk top tier sparing a write's blocks stores it frame by frame, each making
-        its own room, where its call's frames must not evict each other (``put_many``)."""
-        return spare if isinstance(self.tiers[0], MemoryTier) else ()
+        no lookup can reach. Spared, the chain's own new tail goes instead. Only where the top
+        tier is the store's one tier, and a memory tier: below it, its victims are kept
+        (demoted, or written through already), so the chain stays whole across the tiers; and
+        a disk top tier sparing a write's blocks stores it frame by frame, each making its own
+        room, where its call's frames must not evict each other (``put_many``)."""
+        return spare if len(self.tiers) == 1 and isinstance(self.tiers[0], MemoryTier) else ()
 
     def _moving(self) -> AbstractContextManager[None]:
         """Around a write whose evictions may be demoted (see ``store.moves``)."""
