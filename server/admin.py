@@ -150,7 +150,8 @@ class AdminOps:
                 if store.delete(key) is None:
                     raise TierUnreachable(f"block {to_hex(h)}: not in the tiers that answered, but a tier that may "
                                           "hold its chain could not be reached; retry")
-                raise NotFound(f"block {to_hex(h)} is not stored")
+                raise NotFound(f"block {to_hex(h)} is not stored in namespace {namespace!r} (X-CacheSeek-Namespace; "
+                               "cacheseek admin --namespace)")
             blocks, nbytes, unknown, gone = self._delete(doomed)
             self._forget_pins_of(gone)
         if unknown:
@@ -222,7 +223,8 @@ class AdminOps:
             raise TierUnreachable(f"the chain ending at {to_hex(h)}: a tier that may hold it or must keep its pin "
                                   f"could not be reached ({exc}), so nothing is pinned; retry") from None
         if pin is None:
-            raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole")
+            raise NotFound(f"the chain ending at {to_hex(h)} is not stored whole in namespace {namespace!r} "
+                           "(X-CacheSeek-Namespace; cacheseek admin --namespace)")
         self._pins[key] = {"namespace": namespace, "hash": to_hex(h)}
         self._unrestored.pop(key, None)
         saved = self._save()

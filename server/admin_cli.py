@@ -306,14 +306,13 @@ def _table(cmd: str, body: Any) -> str:
                              f"{_size(sub['raw_bytes']):>14}")
         return "\n".join(printable(line) for line in lines)
     if cmd == "pins":
-        lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'bytes':>14}  expires"]
+        # ``stored`` below ``blocks``: blocks of the chain deleted since (a block DELETE)
+        lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'stored':>8}{'bytes':>14}  expires"]
         for pin in body:
             expires = "never" if pin["expires_at"] is None else f"{pin['expires_at']:.0f} (unix)"
             if pin.get("waiting"):
                 expires += " (not made yet: Redis unreachable at the server's start)"
-            elif pin.get("stored_blocks", pin["blocks"]) < pin["blocks"]:
-                expires += f" ({pin['stored_blocks']} of its blocks stored: the others were deleted)"
             lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
-                         f"{_size(pin['bytes']):>14}  {expires}")
+                         f"{pin.get('stored_blocks', pin['blocks']):>8}{_size(pin['bytes']):>14}  {expires}")
         return "\n".join(printable(line) for line in lines)
     return json.dumps(body)

@@ -242,8 +242,11 @@ def test_admin_routes_refuse_without_the_admin_token_and_change_nothing(tmp_path
             r = c.post("/v1/admin/flush", params=params, headers=admin())
             assert r.status_code == 404 and r.json()["error"]
         assert c.post("/v1/admin/flush", headers=admin()).status_code == 400
-        assert c.delete(f"/v1/admin/chains/{'77' * 16}", headers=admin()).status_code == 404
-        assert c.put(f"/v1/admin/pins/{'77' * 16}", headers=admin()).status_code == 404
+        # (A 404 names the namespace asked: the block may well be stored under another.)
+        for r in (c.delete(f"/v1/admin/chains/{chain[-1][0].hex()}", headers=admin()),
+                  c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin())):
+            assert r.status_code == 404 and "in namespace '' (X-CacheSeek-Namespace" in r.json()["error"], r.text
+        assert all(held(c, chain, "a"))
         assert c.delete(f"/v1/admin/pins/{chain[0][0].hex()}", headers=admin()).status_code == 404
         # (A JSON true or "5" is no number of seconds: taken for 1 s and 5 s, a pin meant to hold
         # lapsed at once.)
@@ -1045,7 +1048,7 @@ def test_admin_tables_show_small_sizes_and_the_default_namespace_readably():
     assert models.splitlines()[2].split()[0] == "(default)", models
     cut = _table("pins", [{"namespace": "", "hash": "ab" * 16, "blocks": 3, "stored_blocks": 2, "bytes": 21_760,
                            "expires_at": None}])
-    assert "never (2 of its blocks stored: the others were deleted)" in cut, cut
+    assert cut.splitlines()[0].split()[2:4] == ["blocks", "stored"] and cut.splitlines()[1].split()[2:4] == ["3", "2"]
 
 
 def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cacheseek, capsys):

@@ -1391,6 +1391,18 @@ def test_plan_refuses_a_plot_name_without_a_format_suffix(tmp_path, capsys, name
     assert (tmp_path / "myplot.svg").read_bytes().lstrip().startswith(b"<?xml")
 
 
+def test_a_plot_name_without_a_suffix_is_refused_without_matplotlib_too(monkeypatch):
+    """Without matplotlib the plot is skipped, and ``--plot plan`` passed: the same command
+    then failed where matplotlib is installed."""
+    import sys
+
+    from cacheseek.trace.plan import plot_format_problem
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # (its import fails)
+    assert plot_format_problem("out/plan") == "no suffix names the format; give one (png, svg, pdf, ...)"
+    assert plot_format_problem("out/plan.png") is None and plot_format_problem("out/plan.webp") is None
+
+
 def test_plan_refuses_a_cpu_budget_past_the_replays_memory_before_replaying(tmp_path, capsys, monkeypatch):
     """A CPU budget whose stand-in blocks take more memory than this process may use was
     refused by the replay's store only once the budgets before it had replayed (their rows

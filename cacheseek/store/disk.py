@@ -395,8 +395,9 @@ class DiskTier(IndexedTier):
             self._index.resize(room)
         if at_start:
             log.warning("disk_bytes: %s asked for the %s tier at %s, but its filesystem has %s free (%s already "
-                        "stored here): the budget is clamped to %s", format_size(before), self.name, self.root,
-                        format_size(free), format_size(held), format_size(room))
+                        "stored here), less a headroom of %d%% of the free space kept for other writers: the budget "
+                        "is clamped to %s", format_size(before), self.name, self.root, format_size(free),
+                        format_size(held), round(FREE_SPACE_HEADROOM * 100), format_size(room))
         elif full:
             log.warning("%s tier at %s: the filesystem is full (%s held here, %s free): the budget is lowered "
                         "from %s to %s; disk_bytes asked for %s", self.name, self.root, format_size(held),

@@ -227,13 +227,14 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str], title: 
 
 def plot_format_problem(path: str) -> str | None:
     """Why :func:`plot` could not draw into ``path`` (its suffix names no format, or one
-    matplotlib does not write), or None; None as well without matplotlib, as the plot is
-    then skipped."""
+    matplotlib does not write), or None. Without matplotlib (the plot is then skipped) a
+    name without a suffix is refused all the same: the same command must not pass here
+    and fail where matplotlib is installed."""
+    suffix = Path(path).suffix.lstrip(".").lower()
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
-        return None
-    suffix = Path(path).suffix.lstrip(".").lower()
+        return None if suffix else "no suffix names the format; give one (png, svg, pdf, ...)"
     formats = ", ".join(sorted(FigureCanvasAgg.get_supported_filetypes()))
     if not suffix:
         # matplotlib would pick its default format and add that suffix: another file than
