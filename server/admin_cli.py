@@ -227,6 +227,7 @@ def main(args: Any) -> int:
     method, path, kw = _request(args)
     worst = 0
     answers = {}
+    never_written = []  # replicas a flush found nothing of the namespace or model on (a 404)
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
@@ -246,6 +247,11 @@ def main(args: Any) -> int:
         except AnswerTooLarge as exc:
             print(f"cacheseek admin: {url}: {exc}: is this a CacheSeek server?", file=sys.stderr)
             worst = max(worst, 1)
+            continue
+        if args.admin_command == "flush" and r.status_code == 404 and len(urls) > 1:
+            # A replica that never held it has nothing to flush: done there, unless none held it.
+            print(f"cacheseek admin: {url}: nothing to flush ({reason(r)})", file=sys.stderr)
+            never_written.append(url)
             continue
         if not r.is_success:
             print(f"cacheseek admin: {url}: {r.status_code}: {reason(r)}", file=sys.stderr)
@@ -268,8 +274,10 @@ def main(args: Any) -> int:
                    else "its pins file could not be written: see its log")
             print(f"cacheseek admin: {url}: {args.admin_command}ned until the server restarts only ({why})",
                   file=sys.stderr)
+    if never_written and len(never_written) == len(urls):
+        worst = max(worst, 1)  # no replica held it: a 404, as from one server
     for url, (_, table) in answers.items():
-        if len(answers) > 1 and not args.json:
+        if len(urls) > 1 and not args.json:
             print(f"# {url}")
         print(table)
     return worst

@@ -781,7 +781,7 @@ def test_a_refused_batch_leaves_the_owners_of_stored_chains_as_they_were(tmp_pat
             [("a", 4, ["llama"])]
 
 
-def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
+def test_cacheseek_top_and_admin_commands_against_a_real_server(srv, tmp_path):
     chain = raw_chain(70, 3)
     with httpx.Client(base_url=srv.url) as c:
         post_chain(c, chain, **writer("a", "llama"))
@@ -822,8 +822,18 @@ def test_cacheseek_top_and_admin_commands_against_a_real_server(srv):
         assert refused.returncode == 2 and "HASH" in refused.stderr, (cmd, refused.stderr)
     with httpx.Client(base_url=srv.url) as c:
         assert held(c, chain, "a") == [f for _, f in chain]
-    flushed = admin_cmd("--json", "flush", "--namespace", "a")
-    assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout
+    # Two replicas, the other never written in "a": the flush is done there (said on stderr),
+    # exit 0 (its 404 exited 1); a namespace neither held: 1.
+    with Server(tmp_path / "replica", "--admin-token", ADMIN, disk=False) as replica:
+        def flush_both(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run([*cacheseek_command(), "admin", "--url", srv.url, "--url", replica.url,
+                                   "--token", ADMIN, *args], capture_output=True, text=True, timeout=60)
+
+        flushed = flush_both("--json", "flush", "--namespace", "a")
+        assert flushed.returncode == 0 and '"deleted_blocks": 3' in flushed.stdout, flushed
+        assert flushed.stderr.count("nothing to flush") == 1, flushed.stderr
+        nobody = flush_both("flush", "--namespace", "nobody")
+        assert nobody.returncode == 1 and nobody.stderr.count("nothing to flush") == 2, nobody
     gone = subprocess.run([*cacheseek_command(), "admin", "--url", "http://127.0.0.1:1", "--token", ADMIN, "pins"],
                           capture_output=True, text=True, timeout=60)
     assert gone.returncode == 3
