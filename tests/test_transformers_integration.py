@@ -962,6 +962,28 @@ def test_demo_says_a_server_it_cannot_reach_before_loading_the_model(capsys, mon
     assert "error" not in said.out
 
 
+def test_demo_says_a_token_the_server_refuses_before_loading_the_model(tmp_path, capsys, monkeypatch):
+    """A server with tokens could not be used at all (no --token), and its 401 came after the
+    model had loaded and a whole prefill without reuse had run."""
+    from cacheseek.integrations import demo
+    from server_helpers import Server
+
+    monkeypatch.setattr(smollm2, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.delenv("CACHESEEK_TOKEN", raising=False)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    with Server(tmp_path, "--write-token", "w", disk=False) as srv:
+        for argv in (["--url", srv.url], ["--url", srv.url, "--token", "wrong"]):
+            assert demo.run(parser.parse_args(argv)) == 2
+            said = capsys.readouterr()
+            assert f"error: --token: {srv.url} answered 40" in said.err and "CACHESEEK_TOKEN" in said.err, said.err
+            assert "Traceback" not in said.err
+        args = parser.parse_args(["--url", srv.url, "--token", "w"])
+        assert demo._device_error(args) is None
+        with demo.open_cache(args, cs.KVLayout(2, 1, 64), cs.Raw(), "m") as cache:
+            assert cache.lookup(list(range(64))) == 0  # (the token taken: no 401)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["embedded", "server"])
 def test_demo_runs_end_to_end(smol, capsys, monkeypatch, request, where):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from typing import Any
@@ -39,6 +40,8 @@ QUESTIONS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``cacheseek demo`` (the CLI owns the parser)."""
     parser.add_argument("--url", default=None, help="use a running cacheseek server instead of an embedded cache")
+    parser.add_argument("--token", default=os.environ.get("CACHESEEK_TOKEN"),
+                        help="the server's write token, where it has one (--url) [env CACHESEEK_TOKEN]")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="how blocks are stored (default int4)")
     parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="KIVI group size")
     parser.add_argument("--block-tokens", type=_positive_int, default=64, help="tokens per stored block (default 64)")
@@ -89,7 +92,7 @@ def open_cache(args: argparse.Namespace, layout: Any, codec: Any, model_id: str)
     if args.url:
         if not hasattr(cs, "RemoteCache"):
             raise SystemExit("this build of cacheseek has no RemoteCache")
-        return cs.RemoteCache(args.url, **common)
+        return cs.RemoteCache(args.url, token=getattr(args, "token", None), **common)
     tiers = cs.TierConfig(gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes, disk_path=args.disk_path)
     return cs.PrefixCache(tiers=tiers, **common)
 
@@ -179,8 +182,15 @@ def _device_error(args: argparse.Namespace) -> str | None:
             return f"url: {args.url!r} is not an http:// or https:// URL"
         try:  # any answer will do (a 503 while it starts): a server that is not there at all is said now
             httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0)
+            # A token the server refuses is said now too, not after the first prefill.
+            token = getattr(args, "token", None)
+            stats = httpx.get(args.url.rstrip("/") + "/v1/stats", timeout=5.0,
+                              headers={"Authorization": f"Bearer {token}"} if token else {})
         except httpx.HTTPError as exc:
             return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc})"
+        if stats.status_code in (401, 403):
+            return (f"--token: {args.url} answered {stats.status_code} ({stats.text[:200]}): give its write token "
+                    "(--token or CACHESEEK_TOKEN)")
     if gpu_bytes and device.type != "cuda":
         return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
     return None
