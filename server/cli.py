@@ -14,7 +14,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, NoReturn, get_args, get_origin
 
 DEMO_MODULE = "cacheseek.integrations.demo"
 
@@ -614,10 +614,27 @@ def _missing_extra(command: str, module: str | None) -> int:
     return 2
 
 
+class _TopParser(argparse.ArgumentParser):
+    """The top level's parser: arguments a command does not take are said by the command's
+    own parser (``_refuse_unknown``), once ``parse_args`` has found them."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = super().parse_known_args(args, namespace)
+        self._parsed = parsed
+        return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        parsed = getattr(self, "_parsed", None)
+        if parsed is not None and message.startswith(prefix) and getattr(parsed, "command", None):
+            _refuse_unknown(self, parsed, message[len(prefix):].split(" "))
+        super().error(message)
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from cacheseek import __version__
 
-    parser = argparse.ArgumentParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
+    parser = _TopParser(prog="cacheseek", description="CacheSeek: a tiered KV-cache store.")
     parser.add_argument("--version", action="version", version=f"cacheseek {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,top,admin,plan,redis-check,demo}")
     for name in _SERVER_COMMANDS:
@@ -626,6 +643,27 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     _redis_check_parser(sub)
     _demo_parser(sub, wanted=bool(argv) and argv[0] == "demo")
     return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> NoReturn:
+    """Arguments the command does not take, said by the command's own parser (its usage, not
+    the top level's list of commands; ``admin flush``'s for ``admin flush``), with the closest
+    option it takes for each mistyped one."""
+    import difflib
+
+    sub = parser
+    options: list[str] = []
+    while True:
+        options += [s for action in sub._actions for s in action.option_strings if s.startswith("--")]
+        nested = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if nested is None or getattr(args, nested.dest, None) not in nested.choices:
+            break
+        sub = nested.choices[getattr(args, nested.dest)]
+    said = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], options, n=1) if arg.startswith("--") else []
+        said.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    sub.error(f"unrecognized arguments: {' '.join(said)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

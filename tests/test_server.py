@@ -1035,3 +1035,16 @@ def test_16_concurrent_clients_lose_nothing(tmp_path):
     with Server(tmp_path, disk=True) as again, httpx.Client(base_url=again.url) as c:
         for h, f in expected.items():
             assert c.get(f"/v1/blocks/{h.hex()}").content == f
+
+
+@pytest.mark.parametrize("argv, usage, said", [
+    (["serve", "--cpu-bites", "1GiB"], "usage: cacheseek serve ", "--cpu-bites (did you mean --cpu-bytes?) 1GiB"),
+    (["admin", "flush", "--namespce", "x"], "usage: cacheseek admin flush ", "--namespce (did you mean --namespace?) x"),
+    (["plan", "--trace", "t", "--polcy=lru"], "usage: cacheseek plan ", "--polcy=lru (did you mean --policy?)"),
+])
+def test_a_mistyped_option_is_said_by_its_command_with_the_one_meant(argv, usage, said):
+    """A flag a command does not take printed the top level's usage (its list of commands),
+    with no hint of the command's own flags."""
+    r = subprocess.run([*cacheseek_command(), *argv], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(usage), r.stderr
+    assert r.stderr.rstrip().endswith(f"error: unrecognized arguments: {said}"), r.stderr
