@@ -616,7 +616,14 @@ def _missing_extra(command: str, module: str | None) -> int:
 
 class _TopParser(argparse.ArgumentParser):
     """The top level's parser: arguments a command does not take are said by the command's
-    own parser (``_refuse_unknown``), once ``parse_args`` has found them."""
+    own parser (``_refuse_unknown``), once ``parse_args`` has found them. A flag is taken
+    only as spelled whole (argparse's default takes any unambiguous prefix): a deployment's
+    ``--cpu`` would otherwise change meaning, or stop parsing, once a second flag began so;
+    the refusal names the closest flag. Subcommands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = super().parse_known_args(args, namespace)

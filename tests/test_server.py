@@ -1041,6 +1041,10 @@ def test_16_concurrent_clients_lose_nothing(tmp_path):
     (["serve", "--cpu-bites", "1GiB"], "usage: cacheseek serve ", "--cpu-bites (did you mean --cpu-bytes?) 1GiB"),
     (["admin", "flush", "--namespce", "x"], "usage: cacheseek admin flush ", "--namespce (did you mean --namespace?) x"),
     (["plan", "--trace", "t", "--polcy=lru"], "usage: cacheseek plan ", "--polcy=lru (did you mean --policy?)"),
+    # a prefix of a flag is not the flag: argparse's default took it (and would have taken
+    # another flag, or refused it as ambiguous, once a second flag began so)
+    (["serve", "--cpu-byte", "1GiB"], "usage: cacheseek serve ", "--cpu-byte (did you mean --cpu-bytes?) 1GiB"),
+    (["admin", "flush", "--names", "x"], "usage: cacheseek admin flush ", "--names (did you mean --namespace?) x"),
 ])
 def test_a_mistyped_option_is_said_by_its_command_with_the_one_meant(argv, usage, said):
     """A flag a command does not take printed the top level's usage (its list of commands),
