@@ -627,3 +627,38 @@ def test_a_blocks_extra_keys_read_back_as_exactly_what_they_were_made_of(lora, i
     want_salt = given_salt.encode() if isinstance(given_salt, str) else given_salt
     assert _read_extra(data) == (lora, [tuple(x) for x in inputs], want_salt)
     assert (data == b"") == (lora is None and not inputs and salt is None)
+
+
+@given(st.lists(st.sampled_from([0, 1, 2, 255, 256, 257, 1 << 16, 1 << 24, -1, -2, -256, 2**31 - 1, -(2**31)])
+                | st.integers(-(2**31), 2**31 - 1), min_size=0, max_size=400))
+def test_the_scan_for_ids_a_bool_could_be_agrees_with_and_without_torch(ids):
+    from cacheseek import hashing
+
+    data = struct.pack(f"<{len(ids)}i", *ids)
+    want = [j for j, t in enumerate(ids) if t in (0, 1)]
+    assert hashing._zero_or_one(data) == want  # torch is loaded here
+    real = sys.modules.pop("torch")
+    try:
+        assert hashing._zero_or_one(data) == want  # the scan a process without torch takes
+    finally:
+        sys.modules["torch"] = real
+
+
+def test_keys_of_a_long_prompt_import_no_torch():
+    """Keys are pure functions, and a router's process has no torch: hashing a prompt of more
+    than 64 ids imported it (and failed where it was not installed), with the same keys."""
+    ids = [j % 5 for j in range(16 * 1024)]  # many 0s and 1s
+    root = _root()
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # an import of torch fails, as where it is not installed
+        "from cacheseek.prefix_keys import PrefixKeys\n"
+        f"keys = PrefixKeys(bytes.fromhex({root.hex()!r}), 256).block_hashes({ids!r})\n"
+        "print(','.join(k.hex() for k in keys))\n"
+        f"try:\n    PrefixKeys(bytes.fromhex({root.hex()!r}), 256).block_hashes([5] * 100 + [True])\n"
+        "except Exception as exc: print(type(exc).__name__, exc)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    keys, refused = r.stdout.splitlines()
+    assert keys.split(",") == [k.hex() for k in hash_token_blocks(root, ids, 256)]
+    assert refused == "InputError token_ids[100]: a bool, not a token id"
