@@ -895,7 +895,8 @@ class RemoteCache(PrefixCacheBase):
         """Run one exchange with the server under the breaker: refused at once while it is
         open; a failure to get an answer (or a 503) counts against it, any other answer for it."""
         self._check_open()  # (a layer-wise writer made before close() sends on finish())
-        if not self.breaker.allow():
+        ticket = self.breaker.allow_call()
+        if ticket is None:
             retry = self.breaker.stats().retry_in_seconds
             exc = RemoteUnavailable(f"the CacheSeek server failed {self.breaker.failure_threshold} or more calls in a "
                                     f"row; not asked again for {retry:.1f} s (circuit breaker open)", url=self.url + path)
@@ -904,11 +905,11 @@ class RemoteCache(PrefixCacheBase):
         try:
             out = call()
         except PoolExhausted:
-            self.breaker.record_unsent()  # this client's own limit: the server was not asked
+            self.breaker.record_unsent(ticket)  # this client's own limit: the server was not asked
             self._outages.count("pool_timeouts")
             raise
         except RemoteBusy:
-            self.breaker.record_success()  # an answer: the server is up, its bodies in flight at their cap
+            self.breaker.record_success(ticket)  # an answer: the server is up, its bodies in flight at their cap
             self._outages.answered()
             self._outages.count("busy_refusals")
             raise
@@ -917,29 +918,29 @@ class RemoteCache(PrefixCacheBase):
                 # A write cut at interpreter exit: this client's own limit, not the server's
                 # failure. Counted, its queue's cut writes opened the breaker under the
                 # threads the program left running.
-                self.breaker.record_unsent()
+                self.breaker.record_unsent(ticket)
                 raise
-            self.breaker.record_failure()
+            self.breaker.record_failure(ticket)
             self._outages.failed(exc)
             raise
         except RemoteError as exc:
             # 503: starting or shutting down; 502, 504: a proxy that cannot reach it. No
             # service, as far as a caller can tell.
             if exc.status in OUTAGE_STATUSES:
-                self.breaker.record_failure()
+                self.breaker.record_failure(ticket)
                 self._outages.failed(exc)
                 raise RemoteUnavailable(exc.reason, status=exc.status, url=exc.url) from None
-            self.breaker.record_success()
+            self.breaker.record_success(ticket)
             self._outages.answered()
             raise
         except Exception as exc:
             if isinstance(exc, RuntimeError) and self._closed:
                 # Closed by another thread after this call's check: its httpx client or transport refused.
                 raise self._closed_error() from None
-            self.breaker.record_success()  # an answer came (a bad frame in it is not an outage)
+            self.breaker.record_success(ticket)  # an answer came (a bad frame in it is not an outage)
             self._outages.answered()
             raise
-        self.breaker.record_success()
+        self.breaker.record_success(ticket)
         self._outages.answered()
         return out
 

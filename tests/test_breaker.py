@@ -159,3 +159,51 @@ def test_bad_threshold_is_a_config_error():
     for bad in (0, -1.0, True, "5"):
         with pytest.raises(ConfigError, match="probe_timeout_seconds"):
             CircuitBreaker(probe_timeout_seconds=bad)
+
+
+def test_a_call_allowed_before_the_breaker_opened_is_not_taken_for_the_probe():
+    """A hung backend: calls allowed while closed each time out late. Taken as the half-open
+    probe's outcome, each late failure re-opened the breaker (one more trip, a doubled
+    backoff) while the probe was in flight, and a late success closed an open breaker."""
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=3, backoff=ExponentialBackoff(base_seconds=1, cap_seconds=30), clock=clock)
+    early = [br.allow_call() for _ in range(8)]
+    assert all(early)
+    clock.advance(10)
+    for t in early[:3]:
+        br.record_failure(t)
+    assert br.state == OPEN and br.stats().trips == 1
+    clock.advance(1)
+    probe = br.allow_call()
+    assert probe is not None and br.state == HALF_OPEN
+    for t in early[3:7]:
+        br.record_failure(t)  # late, from before the open
+    assert br.state == HALF_OPEN and br.stats().trips == 1 and br.stats().opened_total == 1
+    assert br.allow_call() is None  # still one probe at a time
+    br.record_unsent(early[7])  # a stale unsent hands no probe's turn on
+    assert br.state == HALF_OPEN
+    br.record_success(probe)
+    assert br.state == CLOSED and br.stats().trips == 0
+    # the probe fails instead: one more trip, and a stale success does not close it
+    for t in [br.allow_call() for _ in range(3)]:
+        br.record_failure(t)
+    stale = [br.allow_call()]  # refused (open): None
+    assert stale == [None]
+    clock.advance(1)
+    probe = br.allow_call()
+    br.record_failure(probe)
+    assert br.state == OPEN and br.stats().trips == 2
+    older = early[0]
+    br.record_success(older)
+    assert br.state == OPEN and br.stats().trips == 2
+
+
+def test_reports_without_a_ticket_keep_the_old_rules():
+    clock = FakeClock()
+    br = CircuitBreaker(failure_threshold=1, backoff=ConstantBackoff(1), clock=clock)
+    assert br.allow() and br.allow()
+    br.record_failure()
+    clock.advance(1)
+    assert br.allow() and br.state == HALF_OPEN
+    br.record_failure()  # no ticket: as the probe's
+    assert br.state == OPEN and br.stats().opened_total == 2

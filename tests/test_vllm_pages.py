@@ -1408,7 +1408,7 @@ def test_a_finished_request_waits_for_the_guard_within_its_hold_and_goes_after_i
     sent once it may be, and vLLM gets the pages back at the hold's end all the same if
     its answer has not come."""
     cache, held, guard, side = _failed_last_save(hold=0.8, retry_after=0.2)
-    assert side.take_released() == set() and guard.resting()
+    assert side.take_released() == set() and guard.rest_seconds() > 0
     time.sleep(0.3)
     assert side.take_released() == set() and held.starts == [[0], [0]]  # sent again, awaiting its answer
     time.sleep(0.6)
@@ -1422,6 +1422,62 @@ def test_a_finished_request_is_released_at_once_when_the_server_rests_past_its_h
     go in time, so the pages go back at once (an outage must not hold every finished
     request's pages for the whole hold)."""
     cache, held, guard, side = _failed_last_save(hold=0.5, retry_after=1.0)
-    assert guard.resting() and side.take_released() == {"r"}
+    assert guard.rest_seconds() > 0 and side.take_released() == {"r"}
     assert len(held.starts) == 1 and side.stats.save_resends == 0
     cache.close()
+
+
+def test_a_lookup_from_before_the_guard_opened_that_fails_late_is_not_its_probe():
+    """A hung server: a lookup allowed before the guard opened fails long after, while the
+    guard's probe runs. Taken as the probe's failure, it opened the guard again (its rest
+    doubled) and the probe's own success came to a guard that had moved on."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.vllm.scheduler import SchedulerSide
+
+    class Cache:  # each locate waits for its turn, then answers as told
+        def __init__(self):
+            self.turns = []
+
+        def locate(self, keys):
+            gate, outcome = self.turns.pop(0)
+            gate.wait(10)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return SimpleNamespace(num_tokens=outcome, tiers=["cpu"] * (outcome // 32))
+
+    config = ConnectorConfig.from_extra({"codec": "raw", "url": "http://127.0.0.1:9", "block_tokens": 32,
+                                         "lookup_wait_seconds": 0.01, "retry_after_seconds": 0.2,
+                                         "retry_cap_seconds": 10})
+    cache = Cache()
+    sched = SchedulerSide([cache], block_tokens=32, load=True, save=True, guard=StoreGuard(config, "scheduler"),
+                          block_ids=lambda req_id: [], lookup_wait_seconds=config.lookup_wait_seconds)
+    tokens = list(range(100, 197))
+
+    def request(req_id):
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                               mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+    def matched(req_id):
+        deadline = time.monotonic() + 10
+        while (hit := sched.matched_tokens(request(req_id), 0)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return hit
+
+    slow, fast, probe = threading.Event(), threading.Event(), threading.Event()
+    cache.turns += [(slow, TimeoutError("slow: timed out")), (fast, TimeoutError("timed out")),
+                    (probe, 96)]
+    assert sched.matched_tokens(request("early"), 0) is None  # allowed, hangs
+    fast.set()
+    assert matched("fails") == 0 and sched.guard.breaker.state == "open"
+    time.sleep(0.25)
+    assert sched.matched_tokens(request("probe"), 0) is None  # the probe, running
+    slow.set()  # the early lookup fails now, late
+    assert matched("early") == 0 and sched.stats.lookup_errors == 2
+    breaker = sched.guard.breaker.stats()
+    assert breaker.state == "half_open" and breaker.trips == 1 and breaker.opened_total == 1
+    probe.set()
+    assert matched("probe") == 96 and sched.guard.breaker.state == "closed"
+    sched.close()

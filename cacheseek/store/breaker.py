@@ -14,6 +14,12 @@ than the backoff). A probe that never reports back (its caller died) is replaced
 one after ``probe_timeout_seconds`` (longer than any call should take), so the breaker
 cannot wedge half-open.
 
+A call allowed before the breaker last opened may report long after (a hung backend: each
+call waits out its own timeout). Its outcome says nothing of the backend now, and taken as
+the probe's it re-opened a half-open breaker (one more trip: a doubled backoff) while the
+probe was still in flight, once per such call. Callers that hold the :class:`Ticket`
+``allow_call`` gives and hand it back to ``record_*`` have such late reports ignored.
+
 Backoffs are value objects with one method, ``compute(failures) -> seconds`` (the
 redis-py shape); the clock is injected, so tests drive time by hand.
 """
@@ -78,6 +84,14 @@ class ExponentialBackoff:
         return min(self.cap_seconds, self.base_seconds * self.factor**exponent)
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class Ticket:
+    """An allowed call, for its report: how many times the breaker had opened when it was
+    allowed (a report of a call allowed before the last open is stale)."""
+
+    opened: int
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerStats:
     state: str
@@ -96,8 +110,9 @@ class BreakerStats:
 
 
 class CircuitBreaker:
-    """Thread-safe. Callers ask :meth:`allow` before a call, then report exactly one of
-    :meth:`record_success`, :meth:`record_failure` or :meth:`record_unsent` for every allowed call."""
+    """Thread-safe. Callers ask :meth:`allow_call` (or :meth:`allow`) before a call, then
+    report exactly one of :meth:`record_success`, :meth:`record_failure` or
+    :meth:`record_unsent` for every allowed call, with its ticket where they have it."""
 
     def __init__(
         self,
@@ -130,43 +145,57 @@ class CircuitBreaker:
         with self._lock:
             return self._state
 
-    def allow(self) -> bool:
-        """Whether a call may go to the backend now. A refused call is counted."""
+    def allow_call(self) -> Ticket | None:
+        """A ticket if a call may go to the backend now (hand it to its ``record_*``), else
+        None. A refused call is counted."""
         with self._lock:
+            ticket = Ticket(self._opened_total)
             if self._state == CLOSED:
-                return True
+                return ticket
             now = self._clock()
             wait = self.backoff.compute(self._trips)
             if self._state == OPEN and now - self._opened_at >= wait:
                 self._state = HALF_OPEN
                 self._probe_at = now
-                return True
+                return ticket
             if self._state == HALF_OPEN and now - self._probe_at >= max(wait, self.probe_timeout_seconds):
                 self._probe_at = now  # the last probe never reported: let another through
-                return True
+                return ticket
             self._rejected_total += 1
-            return False
+            return None
 
-    def record_success(self) -> None:
+    def allow(self) -> bool:
+        """Whether a call may go to the backend now (``allow_call`` without its ticket)."""
+        return self.allow_call() is not None
+
+    def _stale(self, ticket: Ticket | None) -> bool:
+        # (under the lock) allowed before the last open: its outcome is no news of the backend now
+        return ticket is not None and ticket.opened != self._opened_total
+
+    def record_success(self, ticket: Ticket | None = None) -> None:
         with self._lock:
+            if self._stale(ticket):
+                return
             self._state = CLOSED
             self._failures = 0
             self._trips = 0
 
-    def record_unsent(self) -> None:
+    def record_unsent(self, ticket: Ticket | None = None) -> None:
         """An allowed call that never reached the backend (the caller's own limit: a full
         connection pool): neither a success nor a failure. A probe's turn goes to the next call."""
         with self._lock:
-            if self._state == HALF_OPEN:
+            if self._state == HALF_OPEN and not self._stale(ticket):
                 self._state = OPEN  # opened at least a backoff ago: the next allow() probes
 
-    def record_failure(self) -> None:
+    def record_failure(self, ticket: Ticket | None = None) -> None:
         with self._lock:
+            if self._stale(ticket):
+                return
             self._failures += 1
             if self._state == HALF_OPEN or (self._state == CLOSED and self._failures >= self.failure_threshold):
                 self._open()
-            # Already open: a call allowed before the breaker opened failed late; the
-            # open period is not extended for it.
+            # Already open (a call reported without its ticket, allowed before the breaker
+            # opened, failed late): the open period is not extended for it.
 
     def _open(self) -> None:
         self._state = OPEN
@@ -186,4 +215,4 @@ class CircuitBreaker:
 
 
 __all__ = ["CLOSED", "HALF_OPEN", "OPEN", "Backoff", "BreakerStats", "CircuitBreaker", "ConstantBackoff",
-           "ExponentialBackoff"]
+           "ExponentialBackoff", "Ticket"]

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, TierUnavailable
-from .breaker import CircuitBreaker
+from .breaker import CircuitBreaker, Ticket
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, ForeignKey, IndexTotals, IndexUpdate,
@@ -236,7 +236,8 @@ class RedisTier(Tier):
     def _run(self, op: Callable[[Any], T]) -> T:
         """Run ``op(client)`` behind the breaker. Raises ``RedisUnavailable`` (breaker open,
         connection failure, timeout) or ``StorageError`` (Redis answered with an error)."""
-        if not self.breaker.allow():
+        ticket = self.breaker.allow_call()
+        if ticket is None:
             with self._lock:
                 self._faults.refused_by_breaker += 1
             raise RedisUnavailable(f"{self.name} tier: circuit open after repeated failures "
@@ -244,19 +245,19 @@ class RedisTier(Tier):
         try:
             result = op(self._connection())
         except _redis_errors() as exc:
-            raise self._failed(exc) from None
+            raise self._failed(exc, ticket) from None
         except BaseException:
-            self.breaker.record_failure()  # never leave an allowed call unreported
+            self.breaker.record_failure(ticket)  # never leave an allowed call unreported
             raise
-        self.breaker.record_success()
+        self.breaker.record_success(ticket)
         return result
 
-    def _failed(self, exc: BaseException) -> StorageError:
+    def _failed(self, exc: BaseException, ticket: Ticket | None = None) -> StorageError:
         found = foreign_key(exc)
         if found is None and "WRONGTYPE" in str(exc):
             found = self._find_foreign_key()  # (a command of ours, not a script: which key, unsaid)
         if found is not None:
-            return self._foreign(found)
+            return self._foreign(found, ticket)
         kind = _fault_kind(exc)
         text = f"{type(exc).__name__}: {exc}"[:300]
         with self._lock:
@@ -268,9 +269,9 @@ class RedisTier(Tier):
             else:
                 self._faults.rejected += 1
         if kind == "rejected":
-            self.breaker.record_success()  # Redis is there; it refused this one command
+            self.breaker.record_success(ticket)  # Redis is there; it refused this one command
             return StorageError(f"{self.name} tier: Redis refused: {text}")
-        self.breaker.record_failure()
+        self.breaker.record_failure(ticket)
         return RedisUnavailable(f"{self.name} tier: {text}")
 
     def _find_foreign_key(self) -> ForeignKey | None:
@@ -291,7 +292,7 @@ class RedisTier(Tier):
                 return ForeignKey(key, kind, want)
         return None
 
-    def _foreign(self, found: ForeignKey) -> ForeignIndexKey:
+    def _foreign(self, found: ForeignKey, ticket: Ticket | None = None) -> ForeignIndexKey:
         """The error for a call refused for a key of the index holding another type: counted,
         and logged once a ``FOREIGN_LOG_SECONDS`` per key (every call meets it)."""
         message = (f"{self.name} tier: the Redis key {found.key} holds a {found.kind}, where this store keeps its "
@@ -311,7 +312,7 @@ class RedisTier(Tier):
             due = last is None or now - last >= FOREIGN_LOG_SECONDS
             if due:
                 faults.foreign_logged[found.key] = now
-        self.breaker.record_success()  # Redis is there; it holds data of another kind
+        self.breaker.record_success(ticket)  # Redis is there; it holds data of another kind
         if due:
             log.error("%s", message)
         return ForeignIndexKey(message, found)

@@ -4,14 +4,17 @@ An error (server down, timed out, a tier that failed) is logged and counted, and
 caller treats it as a miss: the scheduler offers no tokens, the worker reports the blocks
 it could not load so vLLM recomputes them, a save is dropped. After a remote failure the
 server is not asked again for a while (a circuit breaker, doubling its wait up to a cap),
-so a server that is down or hangs costs one timeout, not one per request.
+so a server that is down or hangs costs one timeout, not one per request. ``allow`` gives
+a ticket to hand back with the call's outcome: a call allowed before the server last failed
+that fails late (each waits out its timeout) is no news of the server now, and, taken as
+the resting guard's probe, doubled its rest while the probe ran.
 """
 
 from __future__ import annotations
 
 import logging
 
-from ...store.breaker import CircuitBreaker, ExponentialBackoff
+from ...store.breaker import CircuitBreaker, ExponentialBackoff, Ticket
 from .config import ConnectorConfig
 
 log = logging.getLogger("cacheseek.integrations.vllm")
@@ -25,27 +28,26 @@ class StoreGuard:
             backoff = ExponentialBackoff(base_seconds=config.retry_after_seconds, cap_seconds=config.retry_cap_seconds)
             self.breaker = CircuitBreaker(failure_threshold=1, backoff=backoff)
 
-    def allow(self) -> bool:
-        """Whether to call the store now (False while a failed server rests)."""
-        return self.breaker is None or self.breaker.allow()
-
-    def resting(self) -> bool:
-        """Whether a failed server rests now (``allow`` would refuse); asks and counts nothing."""
-        return self.rest_seconds() > 0
+    def allow(self) -> Ticket | None:
+        """A ticket if the store may be called now (hand it to ``success`` or ``failure``),
+        None while a failed server rests."""
+        return _EMBEDDED if self.breaker is None else self.breaker.allow_call()
 
     def rest_seconds(self) -> float:
         """How long a failed server still rests (0: ``allow`` would let a call through)."""
         return 0.0 if self.breaker is None else self.breaker.stats().retry_in_seconds
 
-    def success(self) -> None:
+    def success(self, ticket: Ticket | None = None) -> None:
         if self.breaker is not None:
-            self.breaker.record_success()
+            self.breaker.record_success(ticket)
 
-    def failure(self, what: str, exc: BaseException) -> None:
+    def failure(self, what: str, exc: BaseException, ticket: Ticket | None = None) -> None:
         if self.breaker is not None:
-            self.breaker.record_failure()
+            self.breaker.record_failure(ticket)
         log.warning("cacheseek %s: %s failed (%s: %s); vLLM computes instead", self.side, what,
                     type(exc).__name__, exc)
 
+
+_EMBEDDED = Ticket(0)  # (an embedded cache has no breaker: every call allowed)
 
 __all__ = ["StoreGuard"]

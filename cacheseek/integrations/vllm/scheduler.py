@@ -50,6 +50,7 @@ from typing import Any
 
 from ...errors import InputError
 from ...hashing import ExtraKeys, MMInput
+from ...store.breaker import Ticket
 from .guard import StoreGuard
 from .plan import LoadSpec, SaveSpec, StepPlan, request_keys
 from .stats import ConnectorStats
@@ -137,8 +138,9 @@ class SchedulerSide:
         # None: each lookup in the call (an embedded cache answers from memory); else the
         # most the call waits for a lookup running on its own thread (see the module doc).
         self.lookup_wait = lookup_wait_seconds
-        self._running: OrderedDict[str, list[Future]] = OrderedDict()  # req_id -> its ranks' lookups
-        self._abandoned: list[list[Future]] = []  # lookups of requests finished before their answer
+        # req_id -> its ranks' lookups, and the guard's ticket for their outcome
+        self._running: OrderedDict[str, tuple[Ticket, list[Future]]] = OrderedDict()
+        self._abandoned: list[tuple[Ticket, list[Future]]] = []  # lookups of requests finished before their answer
         self._pool: ThreadPoolExecutor | None = None
         # A hit is loaded between steps (vLLM's asynchronous load: the request waits, the
         # others run), not inside the step that first computes the request.
@@ -199,63 +201,66 @@ class SchedulerSide:
         return (len(prompt) - 1) // self.block_tokens * self.block_tokens
 
     def _lookup(self, keys: Any) -> Hit:
-        if not self.guard.allow():
+        ticket = self.guard.allow()
+        if ticket is None:
             self.stats.lookup_skipped += 1
             return NO_HIT
         self.stats.lookups += 1
         try:
             found = [cache.locate(keys) for cache in self.caches]
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
-            return self._failed(exc)
-        return self._found(found)
+            return self._failed(exc, ticket)
+        return self._found(found, ticket)
 
     def _awaited(self, req_id: str, keys: Callable[[], Any]) -> Hit | None:
         """The request's lookup, started on the pool if it is not running yet (every rank's
         at once), waited for ``lookup_wait`` seconds at most: None if unanswered by then.
         The counts and the guard are kept here, in vLLM's scheduler thread."""
         self._hear_abandoned()
-        running = self._running.get(req_id)
-        if running is None:
-            if not self.guard.allow():
+        lookups = self._running.get(req_id)
+        if lookups is None:
+            ticket = self.guard.allow()
+            if ticket is None:
                 self.stats.lookup_skipped += 1
                 return NO_HIT
             self.stats.lookups += 1
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
             asked = keys()
-            running = [self._pool.submit(cache.locate, asked) for cache in self.caches]
-            self._abandoned += _remember(self._running, req_id, running)
+            lookups = ticket, [self._pool.submit(cache.locate, asked) for cache in self.caches]
+            self._abandoned += _remember(self._running, req_id, lookups)
+        ticket, running = lookups
         if wait(running, timeout=self.lookup_wait).not_done:
             self.stats.lookups_deferred += 1
             return None
         del self._running[req_id]
         try:
-            return self._found([f.result() for f in running])
+            return self._found([f.result() for f in running], ticket)
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
-            return self._failed(exc)
+            return self._failed(exc, ticket)
 
     def _hear_abandoned(self) -> None:
         """Tell the guard how the lookups of requests finished before their answer ended:
         one may be the resting guard's probe, which, unanswered, kept it refusing every
         lookup for its probe timeout."""
         left = []
-        for running in self._abandoned:
+        for ticket, running in self._abandoned:
             if not all(f.done() for f in running):
-                left.append(running)
+                left.append((ticket, running))
             elif (exc := next((f.exception() for f in running if f.exception() is not None), None)) is not None:
-                self.guard.failure("lookup", exc)
+                self.guard.failure("lookup", exc, ticket)
             else:
-                self.guard.success()
+                self.guard.success(ticket)
         self._abandoned = left
 
-    def _found(self, found: list[Any]) -> Hit:
-        self.guard.success()
+    def _found(self, found: list[Any], ticket: Ticket) -> Hit:
+        self.guard.success(ticket)
         shortest = min(found, key=lambda f: f.num_tokens)
         return Hit(shortest.num_tokens, tuple(shortest.tiers))
 
-    def _failed(self, exc: BaseException) -> Hit:
+    def _failed(self, exc: BaseException, ticket: Ticket) -> Hit:
         self.stats.lookup_errors += 1
-        self.guard.failure("lookup", exc)
+        self.guard.failure("lookup", exc, ticket)
         return NO_HIT
 
     def close(self) -> None:

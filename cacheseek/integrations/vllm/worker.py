@@ -75,6 +75,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...pages import PagedRequest
+from ...store.breaker import Ticket
 from ...store.streams import on_stream, work_stream
 from .guard import StoreGuard, log
 from .pages import VllmPages
@@ -112,6 +113,7 @@ class RunningSave:
     plan: StepPlan  # the step's (the connector metadata bound for it)
     writer: Any  # a PagedLayerwiseSave over every save of the step; None: the step saves whole
     specs: list[SaveSpec] = field(default_factory=list)  # the plan's saves, from where each must start
+    ticket: Ticket | None = None  # the guard's, for the writer's outcome
     seconds: float = 0.0  # host time in the save's calls (start, the layers, finish)
     error: BaseException | None = None
 
@@ -127,7 +129,7 @@ class WorkerSide:
         self.saves = saves
         self.guard = guard
         self.background_saves = background_saves  # a whole save's upload left to the cache's sender
-        self._sending: list[tuple[list[SaveSpec], Future]] = []  # those saves, until their answer is counted
+        self._sending: list[tuple[list[SaveSpec], Ticket, Future]] = []  # those saves, until their answer is counted
         # Per request, the first token of a save that failed (or was dropped) and that no
         # save since has covered: a save starts at the scheduler's SaveSpec.start (where its
         # earlier saves ended), so what they lost is sent again from here by its next one.
@@ -138,7 +140,7 @@ class WorkerSide:
         self._last_save: dict[str, SaveSpec] = {}  # per running request, its latest save (hold on)
         self._held: dict[str, HeldRequest] = {}
         self.background_loads = background_loads
-        self._loading: list[tuple[list[LoadSpec], Future]] = []  # loads between steps, until reported
+        self._loading: list[tuple[list[LoadSpec], Ticket | None, Future]] = []  # loads between steps, until reported
         self._loader: ThreadPoolExecutor | None = None
         # False: the loads between steps run inside start_load_kv (an embedded cache under
         # vLLM's asynchronous scheduling, connector.py), reported done at the step's end.
@@ -231,17 +233,18 @@ class WorkerSide:
         t0 = time.perf_counter()
         self.stats.load_layerwise_calls += 1
         nothing = [spec.start for spec in specs]
-        if not self.guard.allow():
+        ticket = self.guard.allow()
+        if ticket is None:
             self.stats.loads_refused += len(specs)
             self._account(specs, nothing, time.perf_counter() - t0)
             return
         try:
             handle = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine, layerwise=True)
             written = [max(spec.start, min(got.num_tokens, spec.end)) for spec, got in zip(specs, handle.requests)]
-            self.guard.success()
+            self.guard.success(ticket)
         except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
             self.stats.load_errors += len(specs)
-            self.guard.failure("load", exc)
+            self.guard.failure("load", exc, ticket)
             self._account(specs, nothing, time.perf_counter() - t0)
             return
         if written == nothing:  # nothing to write (every prefix gone since the lookup)
@@ -318,15 +321,16 @@ class WorkerSide:
     def _load_in_background(self, specs: list[LoadSpec]) -> None:
         """Start loading ``specs`` on the loader thread (the forward runs on meanwhile)."""
         pages = self._pages()
-        if not self.guard.allow():  # (no call made: the guard hears nothing of it)
-            self._loading.append((specs, _done(([spec.start for spec in specs], _REFUSED, 0.0))))
+        ticket = self.guard.allow()
+        if ticket is None:  # (no call made: the guard hears nothing of it)
+            self._loading.append((specs, None, _done(([spec.start for spec in specs], _REFUSED, 0.0))))
             return
         if not self.loader_thread:
-            self._loading.append((specs, _done(self._load_between_steps(specs, pages))))
+            self._loading.append((specs, ticket, _done(self._load_between_steps(specs, pages))))
             return
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-load")
-        self._loading.append((specs, self._loader.submit(self._load_between_steps, specs, pages)))
+        self._loading.append((specs, ticket, self._loader.submit(self._load_between_steps, specs, pages)))
 
     def _load_between_steps(self, specs: list[LoadSpec], pages: VllmPages
                             ) -> tuple[list[int], BaseException | None, float]:
@@ -353,22 +357,22 @@ class WorkerSide:
         reports its blocks in ``take_failed_blocks``, which vLLM asks next, in the same pass)."""
         done: set[str] = set()
         waiting = []
-        for specs, future in self._loading:
+        for specs, ticket, future in self._loading:
             if not future.done():
-                waiting.append((specs, future))
+                waiting.append((specs, ticket, future))
                 continue
             written, error, seconds = future.result()
             # A call that wrote nothing (the prefix gone since the lookup) is an answer all
             # the same: the resting guard's probe, if it was one, which unanswered kept the
             # guard refusing every call for its probe timeout.
             if error is None:
-                self.guard.success()
+                self.guard.success(ticket)
             elif error is _REFUSED:
                 self.stats.loads_refused += len(specs)
             else:
                 # (how long it ran: a timeout's, or at once, tells a slow server from a refusal)
                 self.stats.load_errors += len(specs)
-                self.guard.failure(f"load between steps ({len(specs)} requests, {seconds:.1f} s)", error)
+                self.guard.failure(f"load between steps ({len(specs)} requests, {seconds:.1f} s)", error, ticket)
             self._account(specs, written, seconds)
             self.stats.load_background_calls += 1
             done.update(spec.req_id for spec in specs)
@@ -382,7 +386,7 @@ class WorkerSide:
         bytes, and an engine shutting down should not wait that long."""
         if self._loader is None:
             return
-        wait([future for _, future in self._loading], timeout=timeout)
+        wait([future for _, _, future in self._loading], timeout=timeout)
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     # -- one step's calls --------------------------------------------------------------
@@ -394,17 +398,18 @@ class WorkerSide:
         pages = self._pages()
         t0 = time.perf_counter()
         written = [spec.start for spec in specs]
-        if not self.guard.allow():
+        ticket = self.guard.allow()
+        if ticket is None:
             self.stats.loads_refused += len(specs)
         else:
             try:
                 got = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine)
                 written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
-                self.guard.success()
+                self.guard.success(ticket)
             except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
                 written = [spec.start for spec in specs]
                 self.stats.load_errors += len(specs)
-                self.guard.failure("load", exc)
+                self.guard.failure("load", exc, ticket)
         self._account(specs, written, time.perf_counter() - t0)
         return written
 
@@ -439,19 +444,20 @@ class WorkerSide:
         already stored are not encoded again)."""
         pages = self._pages()
         specs = self._resaved(specs)
-        if not self.guard.allow():
+        ticket = self.guard.allow()
+        if ticket is None:
             self.stats.save_failures += len(specs)
             self._lost(specs)
             return
         t0 = time.perf_counter()
         try:
             if self.background_saves:
-                self._sending.append((specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine,
-                                                                     wait=False)))
+                self._sending.append((specs, ticket, self.cache.ingest_batch(
+                    self._save_requests(specs, pages), pages.engine, wait=False)))
             else:
-                self._saved(specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine))
+                self._saved(specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine), ticket)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
-            self._save_failed(specs, exc)
+            self._save_failed(specs, exc, ticket)
         self.stats.save_calls += 1
         self.stats.save_seconds += time.perf_counter() - t0
 
@@ -459,23 +465,23 @@ class WorkerSide:
         """Count the background saves whose answer has come (in the worker's thread, as
         every other count)."""
         waiting = []
-        for specs, future in self._sending:
+        for specs, ticket, future in self._sending:
             if not future.done():
-                waiting.append((specs, future))
+                waiting.append((specs, ticket, future))
             elif (error := future.exception()) is not None:
-                self._save_failed(specs, error)
+                self._save_failed(specs, error, ticket)
             else:
-                self._saved(specs, future.result())
+                self._saved(specs, future.result(), ticket)
         self._sending = waiting
 
-    def _saved(self, specs: list[SaveSpec], results: list[Any]) -> None:
-        self.guard.success()
+    def _saved(self, specs: list[SaveSpec], results: list[Any], ticket: Ticket) -> None:
+        self.guard.success(ticket)
         self._account_save(specs, results)
 
-    def _save_failed(self, specs: list[SaveSpec], exc: BaseException) -> None:
+    def _save_failed(self, specs: list[SaveSpec], exc: BaseException, ticket: Ticket | None) -> None:
         self.stats.save_failures += len(specs)
         self._lost(specs)
-        self.guard.failure("save", exc)
+        self.guard.failure("save", exc, ticket)
 
     def _resaved(self, specs: list[SaveSpec]) -> list[SaveSpec]:
         """``specs``, each starting where an earlier save of its request was lost, if that
@@ -532,7 +538,7 @@ class WorkerSide:
         """Whether ``req_id``'s pages are still wanted: a save of it awaits its answer, or
         one that failed is to be sent again (once the guard lets it, if that is before the
         hold ends), or just was."""
-        if any(spec.req_id == req_id for specs, _ in self._sending for spec in specs):
+        if any(spec.req_id == req_id for specs, _, _ in self._sending for spec in specs):
             return True
         lost, spec = self._resave_from.get(req_id), self._last_save.get(req_id)
         if lost is None or spec is None or held.resent:
@@ -581,7 +587,8 @@ class WorkerSide:
         or cannot be made, none: the step saves whole in ``wait_for_save``."""
         running = RunningSave(plan, None, self._resaved(plan.saves))
         pages = self._pages()
-        if not self.guard.allow():
+        running.ticket = self.guard.allow()
+        if running.ticket is None:
             return running  # (wait_for_save's whole save counts it)
         t0 = time.perf_counter()
         try:
@@ -613,7 +620,7 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - a layer never fed, NaN: the whole save decides
                 running.error = exc
             else:
-                self.guard.success()
+                self.guard.success(running.ticket)
                 self._account_save(running.specs, results)
                 self.stats.save_calls += 1
                 self.stats.save_layerwise_calls += 1
