@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from urllib.parse import unquote
 from pathlib import Path
 
 import pytest
@@ -1681,6 +1682,26 @@ def test_index_entries_this_tier_did_not_write_neither_fail_a_call_nor_stop_writ
 def test_a_password_in_the_url_query_is_masked():
     for url in ("redis://127.0.0.1:6379/0?password=s3cret&db=1", "redis://u:s3cret@127.0.0.1:6379/0"):
         assert "s3cret" not in parse_redis_url(url).redacted()
+
+
+@pytest.mark.parametrize("char", ["?", "#", "/", "@", ":", "%3F"])
+def test_a_password_with_url_characters_is_never_shown(char):
+    """A cluster URL takes a password with ``?`` in it, and its redaction split the query
+    off first, so stats and the start banner showed it whole; a standalone URL with one
+    unencoded was refused with urllib's message, which quotes the password."""
+    password = f"Hunter2{char}Secret"
+    cluster = parse_redis_url(f"redis+cluster://:{password}@10.0.0.1:7000,10.0.0.2:7001")
+    assert cluster.password == unquote(password)
+    assert cluster.redacted() == "redis+cluster://:***@10.0.0.1:7000,10.0.0.2:7001"
+    assert parse_redis_url(f"redis+cluster://admin:{password}@h:1").redacted() == "redis+cluster://admin:***@h:1"
+    url = f"redis://:{password}@127.0.0.1:6379/0"
+    try:
+        target = parse_redis_url(url)
+    except cs.ConfigError as exc:
+        assert char in "?#/" and "Secret" not in str(exc) and "Hunter2" not in str(exc), exc
+        assert str(exc).endswith("must be percent-encoded in the URL (%2F, %3F, %23, %40)"), exc
+    else:
+        assert char not in "?#/" and target.redacted() == "redis://:***@127.0.0.1:6379/0"
 
 
 def test_in_a_cluster_a_hung_master_is_not_retried(cluster):

@@ -42,15 +42,7 @@ class RedisTarget:
     def redacted(self) -> str:
         """The URL with any password replaced (in its userinfo or its query: redis-py reads
         ``?password=`` too), for stats and logs."""
-        scheme, _, rest = self.url.partition("://")
-        rest, question, query = rest.partition("?")
-        userinfo, at, hosts = rest.rpartition("@")
-        if at and ":" in userinfo:
-            rest = f"{userinfo.partition(':')[0]}:***@{hosts}"
-        if query:
-            query = "&".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
-                             for p in query.split("&"))
-        return f"{scheme}://{rest}{question}{query}"
+        return _hide_secrets(self.url, keep_user=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +58,44 @@ class RedisTimeouts:
                                   f"{MAX_TIMEOUT_SECONDS:,}, got {value!r}")
 
 
+def _hide_secrets(url: str, *, keep_user: bool) -> str:
+    """``url`` with its password hidden: all before the *last* ``@`` is userinfo, whatever
+    it holds (a cluster URL takes a password with ``?``, ``/`` or ``#`` in it, and one split
+    at the first ``?`` first was shown whole), and a ``password=`` in the query after it.
+    ``keep_user``: a ``user:`` before the password stays readable."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, after = rest.rpartition("@")
+    shown = ""
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        shown = f"{user}:***@" if keep_user and colon and not any(c in user for c in "/?#") else "***@"
+    hosts, question, query = after.partition("?")
+    if query:
+        query = "&".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
+                         for p in query.split("&"))
+    return f"{scheme}{sep}{shown}{hosts}{question}{query}"
+
+
 def _masked(url: str) -> str:
-    """``url`` with any user:password part hidden, for error messages."""
+    """``url`` with any user:password part and its whole query hidden, for error messages."""
     if not isinstance(url, str):
         return url
-    scheme, sep, rest = url.partition("://")
-    rest, question, query = rest.partition("?")
-    userinfo, at, hosts = rest.rpartition("@")
-    return f"{scheme}{sep}{'***@' if at else ''}{hosts}{question}{'***' if query else ''}"
+    hidden = _hide_secrets(url, keep_user=False)
+    head, question, query = hidden.partition("?")
+    return f"{head}{question}{'***' if query else ''}"
+
+
+_ENCODE_HINT = ("; a password holding '/', '?', '#' or '@' must be percent-encoded in the URL "
+                "(%2F, %3F, %23, %40)")
+
+
+def _hint(url: str) -> str:
+    """The percent-encoding hint, where an unencoded character cut the userinfo short (the
+    URL's ``@`` after its first ``/``, ``?`` or ``#``: a standalone URL is read as the
+    standard reads it, and the password's tail became its host, port or query)."""
+    rest = url.partition("://")[2]
+    cut = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    return _ENCODE_HINT if "@" in rest[cut:] else ""
 
 
 def parse_redis_url(url: str) -> RedisTarget:
@@ -87,18 +109,22 @@ def parse_redis_url(url: str) -> RedisTarget:
         parsed = urlparse(url)
         try:
             port = parsed.port  # (raises for a port that is not a number in range)
-        except ValueError as exc:
-            raise ConfigError(f"redis_url: {exc} in {_masked(url)!r}") from None
+        except ValueError:
+            # (its text quotes the URL's netloc: a password's, where one cut it short)
+            raise ConfigError(f"redis_url: the port is not a number in range (1-65535) in {_masked(url)!r}"
+                              f"{_hint(url)}") from None
         if scheme != "unix":
             # redis-py takes no host for localhost and skips a database that is not a number:
             # a URL made from an unset variable (redis://${HOST}:6379) reached another Redis.
             if not parsed.hostname:
-                raise ConfigError(f"redis_url: empty host in {_masked(url)!r}")
+                raise ConfigError(f"redis_url: empty host in {_masked(url)!r}{_hint(url)}")
             if port == 0:
                 raise ConfigError(f"redis_url: port 0 out of range in {_masked(url)!r}")
             db = unquote(parsed.path).strip("/")
             if db and not db.isdecimal():
-                raise ConfigError(f"redis_url: database {db!r} is not a number in {_masked(url)!r}")
+                hint = _hint(url)  # (then the "database" is a password's tail: not shown)
+                raise ConfigError(f"redis_url: database {'' if hint else repr(db) + ' '}is not a number in "
+                                  f"{_masked(url)!r}{hint}")
         _check_options(url)
         return RedisTarget(url=url, cluster=False, username=parsed.username, password=parsed.password,
                            tls=scheme == "rediss")
