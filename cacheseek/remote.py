@@ -297,6 +297,11 @@ class RemoteCache(PrefixCacheBase):
         self.max_connections = max_connections
         self._transport = BulkTransport(max_connections=max_connections, verify=verify, proxy=proxy,
                                         trust_env=trust_env, exchange_timeout=exchange_timeout)
+        try:
+            self._transport.check_proxy(self.url)
+        except ValueError as exc:
+            self._transport.close()
+            raise ConfigError(str(exc)) from None
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeouts, transport=self._transport)
         self._behind = WriteBehind(pending, owner=type(self).__name__, exit_timeout=exit_timeout,
                                    cut_off=self._transport.cut_off_at)

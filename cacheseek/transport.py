@@ -67,6 +67,13 @@ _TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _DIGITS = re.compile(rb"^[0-9]+$")
 _STATUS = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: .*)?$")
 _TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake: what a TLS server may answer a plain request with
+def _redacted_proxy(proxy: str) -> str:
+    """A proxy URL with its password hidden (``http://user:***@host:port``)."""
+    scheme, sep, rest = proxy.partition("://")
+    userinfo, at, hosts = rest.rpartition("@")
+    return f"{scheme}{sep}{userinfo.partition(':')[0] + ':***@' if at else ''}{hosts}"
+
+
 _PROBE_SECONDS = 1.0  # the most a handshake asking whether a server speaks TLS may take (error path only)
 _SPEAKS_HTTPS = "speaks https, not http: use an https:// URL"
 _SPEAKS_HTTP = "does not speak TLS (plain http, most likely): use an http:// URL"
@@ -279,13 +286,33 @@ class BulkTransport(httpx.BaseTransport):
         except KeyError:
             pass
         proxy = None
-        if not urllib.request.proxy_bypass(url.host):  # NO_PROXY (and the platform's own list)
+        host = url.host
+        # NO_PROXY (and the platform's own list); an entry with a port matches that port only
+        bypass = urllib.request.proxy_bypass(host) or (
+            url.port is not None and ":" not in host and urllib.request.proxy_bypass(f"{host}:{url.port}"))
+        if not bypass:
             proxies = urllib.request.getproxies()
             proxy = proxies.get(url.scheme) or proxies.get("all")
+            if proxy and "://" not in proxy:
+                proxy = f"http://{proxy}"  # (HTTP_PROXY=host:port, as httpx and curl read it)
         self._env_proxies[key] = proxy
         return proxy
 
-    def _through_proxy(self, proxy: str, request: httpx.Request) -> httpx.Response:
+    def check_proxy(self, url: str) -> None:
+        """Make now the proxy transport a request to ``url`` would go through, if any: a
+        proxy URL httpx cannot use (an unknown scheme; socks5 without httpx's socks extra)
+        is a ``ValueError`` naming it and where it came from, not an error of every call."""
+        target = httpx.URL(url)
+        proxy = self._proxy_for(target)
+        if proxy is None:
+            return
+        source = "proxy" if self._proxy is not None else f"the environment's {target.scheme.upper()}_PROXY or ALL_PROXY"
+        try:
+            self._proxy_transport(proxy)
+        except (ValueError, ImportError, httpx.InvalidURL) as exc:
+            raise ValueError(f"{source}: {_redacted_proxy(proxy)!r} cannot carry a request ({exc})") from None
+
+    def _proxy_transport(self, proxy: str) -> httpx.HTTPTransport:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this BulkTransport is closed")
@@ -293,7 +320,10 @@ class BulkTransport(httpx.BaseTransport):
             if transport is None:
                 transport = self._proxied[proxy] = httpx.HTTPTransport(
                     verify=self.ssl_context, proxy=proxy, limits=httpx.Limits(max_connections=self._max_connections))
-        return transport.handle_request(request)
+        return transport
+
+    def _through_proxy(self, proxy: str, request: httpx.Request) -> httpx.Response:
+        return self._proxy_transport(proxy).handle_request(request)
 
     # -- the request -----------------------------------------------------------------------
 

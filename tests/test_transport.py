@@ -255,6 +255,36 @@ def test_other_schemes_are_refused_and_proxies_are_honoured(monkeypatch):
             c.get("http://cacheseek.invalid:8080/v1/stats")
 
 
+def test_a_proxy_without_a_scheme_is_http_and_one_that_cannot_carry_is_refused_up_front(monkeypatch):
+    """HTTP_PROXY=host:port (a common form, which httpx and curl read as http://) failed
+    every call with httpx's ValueError, and a bad ``proxy=`` was taken at construction; a
+    NO_PROXY entry with a port was never matched."""
+    import cacheseek as cs
+    from store_helpers import BLOCK, LAYOUT
+
+    with FakeServer(lambda n, head: (OK, False)) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("NO_PROXY", "")
+        with httpx.Client(transport=BulkTransport()) as c:
+            assert c.get("http://cacheseek.invalid:8080/v1/stats").content == b"ok"
+        assert proxy.requests[-1].startswith(b"GET http://cacheseek.invalid:8080/v1/stats HTTP/1.1")
+        monkeypatch.setenv("NO_PROXY", "cacheseek.invalid:8080")
+        with httpx.Client(transport=BulkTransport()) as c, pytest.raises(httpx.ConnectError):
+            c.get("http://cacheseek.invalid:8080/v1/stats")
+        with httpx.Client(transport=BulkTransport()) as c:  # another port: through the proxy
+            assert c.get("http://cacheseek.invalid:8081/v1/stats").content == b"ok"
+    monkeypatch.delenv("NO_PROXY")
+    made = dict(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, on_unavailable="miss")
+    for given, said in ((dict(proxy="ftp://u:pw@127.0.0.1:1"), r"^proxy: 'ftp://u:\*\*\*@127.0.0.1:1' cannot carry"),
+                        (dict(proxy="127.0.0.1:3128"), r"^proxy: '127.0.0.1:3128' cannot carry")):
+        with pytest.raises(cs.ConfigError, match=said):
+            cs.RemoteCache("http://127.0.0.1:9", **made, **given)
+    monkeypatch.setenv("HTTP_PROXY", "gopher://127.0.0.1:70")
+    with pytest.raises(cs.ConfigError, match=r"^the environment's HTTP_PROXY or ALL_PROXY: 'gopher://"):
+        cs.RemoteCache("http://127.0.0.1:9", **made)
+    cs.RemoteCache("http://127.0.0.1:9", **made, trust_env=False).close()  # (the environment not read)
+
+
 @pytest.fixture(scope="module")
 def tls():
     trustme = pytest.importorskip("trustme")
