@@ -84,6 +84,11 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
             on_disk = found.get("charged_bytes", found["bytes"])
             if on_disk != found["bytes"]:  # whole file-system blocks, and each block's sidecar
                 extra = f" ({gib(on_disk)} on disk)" + extra
+            if name == "redis" and tier.get("index_stale"):
+                # (its index could not be read: "holds 0 blocks" said as fact was a guess)
+                out.append(f"        holds ? blocks: Redis could not be asked at start "
+                           f"({tier.get('last_error') or 'no answer'}); it is asked again on each call")
+                continue
             out.append(f"        {held} {found['blocks']:,} blocks, {gib(found['bytes'])}{extra}")
     out.append(f"  write-through: {', '.join(stats['write_through']) or 'none'}; "
                f"promote on hit: {'on' if stats['promote_on_hit'] else 'off'}")

@@ -594,3 +594,28 @@ def test_a_lookup_of_several_chains_asks_redis_for_each_block_once(tmp_path):
         assert [{"matched": a["matched"], "tiers": a["tiers"]} for a in r.json()["chains"]] == one_each
         assert exists_calls() == 4 + 2 + 3 < sum(map(len, chains))  # each block once
         _no_500(srv)
+
+
+def test_the_start_banner_says_when_redis_could_not_be_asked_what_it_holds(tmp_path):
+    """Redis down at start: the banner said "holds 0 blocks" as fact (it held 3 here)."""
+    from server_helpers import raw_frame
+
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=_env(redis)) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            for i in range(3):
+                h, frame = raw_frame(90 + i)
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        with Server(tmp_path / "b", disk=False, cpu_bytes="0", env=_env(redis)) as srv:
+            assert "        holds 3 blocks, " in srv.output(), srv.output()
+        redis.pause()
+        try:
+            with Server(tmp_path / "c", disk=False, cpu_bytes="0", env=_env(redis)) as srv:
+                out = srv.output()
+        finally:
+            redis.resume()
+        assert "holds 0 blocks" not in out, out
+        assert "        holds ? blocks: Redis could not be asked at start (" in out, out
+    finally:
+        redis.kill()
