@@ -1643,6 +1643,31 @@ def test_the_admission_counts_stay_bounded_before_any_block_reaches_the_filtered
         store.close()
 
 
+def test_the_admission_counts_stay_bounded_on_a_store_that_only_serves_reads(tmp_path):
+    """A store reopened over a disk tier that serves its blocks and takes no put: hits count
+    uses, and the filter's window was sized only by a put, so it stayed 0 and the counts
+    were never halved, one entry per block read for the life of the process."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    nbytes = raw_frame(0)[1].nbytes
+    frames = [raw_frame(i) for i in range(4000, 4008)]
+    store = TieredStore([DiskTier(tmp_path / "d", 8 * disk_charge(nbytes))])
+    store.put_many(frames)
+    store.close()
+    store = TieredStore([CpuTier(64 << 20), DiskTier(tmp_path / "d", 8 * disk_charge(nbytes))], admit_after={"disk": 2})
+    try:
+        use_filter = store.filters["disk"]
+        for _ in range(50):
+            for key, _ in frames:
+                store.touch_chain([key])  # a hit, as a materialize's
+        assert use_filter.window == 80 and use_filter.describe()["tracked_keys"] <= len(frames)
+        assert use_filter._since_halving < use_filter.window  # halved on the way: 400 uses
+    finally:
+        store.close()
+
+
 def test_a_delete_of_a_block_on_its_way_down_finds_it(tmp_path, monkeypatch):
     """Write-back: a block evicted from the CPU tier is in no tier until the disk has it. Its
     delete then was deleted where it landed, but answered "not held" (a DELETE's 404)."""

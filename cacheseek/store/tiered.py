@@ -744,8 +744,13 @@ class TieredStore:
         that read them and then stores its prompt touches them twice; it used them once, and
         a block the ingest computed again was not reused at all)."""
         rev = list(reversed(keys))
-        if count_use:
+        if count_use and self.filters:
+            # Sized here too: a store reopened over a disk tier that serves only reads made
+            # no put to size them, and kept a count of every block read, never halved.
+            info = self.residency.info(rev[0]) if rev else None
             for use_filter in self.filters.values():
+                if info is not None:
+                    use_filter.size_from(info.nbytes)
                 use_filter.use(rev)
         for tier in self.tiers:
             tier.touch(rev)
