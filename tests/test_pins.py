@@ -903,3 +903,17 @@ def test_an_index_pinned_before_pins_had_owners_is_taken_over_not_misread(tmp_pa
         assert _pttl(srv, new, keys[0]) == -1 and _pttl(srv, new, keys[1]) > 0
     finally:
         srv.stop()
+
+
+def test_a_pin_takes_one_expiry_and_a_finite_one():
+    """Given both, ``expires_at`` won without a word; and it was never checked: a NaN expiry
+    never came due (and made ``next_expiry`` depend on the pins' order)."""
+    table = PinTable(lambda: 100.0)
+    for kw, said in ((dict(ttl_seconds=10, expires_at=200.0), "^pin: ttl_seconds or expires_at, not both$"),
+                     (dict(expires_at=float("nan")), "^expires_at: must be a time in seconds since the epoch"),
+                     (dict(expires_at=True), "^expires_at: "), (dict(expires_at="soon"), "^expires_at: ")):
+        with pytest.raises(InputError, match=said):
+            table.add([b"k" * 16], **kw)
+    assert table.pins() == []
+    pin, newly = table.add([b"k" * 16], expires_at=150)
+    assert pin.expires_at == 150 and newly == [b"k" * 16] and table.next_expiry == 150

@@ -49,6 +49,12 @@ class PinTable:
         if ttl_seconds is not None and (isinstance(ttl_seconds, bool) or not math.isfinite(ttl_seconds)
                                         or ttl_seconds <= 0):
             raise InputError(f"ttl_seconds: must be a number of seconds > 0, got {ttl_seconds!r}")
+        if expires_at is not None:
+            if ttl_seconds is not None:
+                raise InputError("pin: ttl_seconds or expires_at, not both")
+            # (a NaN expiry never came due, and made next_expiry depend on the pins' order)
+            if isinstance(expires_at, bool) or not isinstance(expires_at, (int, float)) or not math.isfinite(expires_at):
+                raise InputError(f"expires_at: must be a time in seconds since the epoch, got {expires_at!r}")
         now = self.clock()
         if expires_at is None and ttl_seconds is not None:
             expires_at = now + ttl_seconds
