@@ -39,7 +39,7 @@ from cacheseek.hashing import to_hex
 
 from .errors import NotFound, TierUnreachable
 from .service import BlockService
-from .state_files import replace_durably
+from .state_files import read_state, replace_durably
 
 log = logging.getLogger("cacheseek.server")
 
@@ -285,12 +285,11 @@ class AdminOps:
         """Pin again what the pins file names (those not expired, whose chains are stored)."""
         if self._path is None:
             return 0
-        try:
-            data = json.loads(self._path.read_text())
-        except (OSError, ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
+        data = read_state(self._path, FILE_VERSION, "pins")
+        if data is None:
             return 0
         now = time.time()
-        entries = data.get("pins") if isinstance(data, dict) else None
+        entries = data.get("pins")
         for entry in entries if isinstance(entries, list) else []:
             try:
                 namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")

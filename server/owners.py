@@ -40,7 +40,7 @@ from typing import Any
 
 from cacheseek.store.tier import BlockInfo
 
-from .state_files import replace_durably
+from .state_files import read_state, replace_durably
 
 log = logging.getLogger("cacheseek.server")
 
@@ -259,14 +259,9 @@ class Owners:
     def _load(self) -> None:
         if self._path is None:
             return
-        try:
-            data = json.loads(self._path.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
-            return  # unreadable: attribution starts afresh (usage of old blocks shows unattributed)
-        if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
-            return
+        data = read_state(self._path, FILE_VERSION, "owners")
+        if data is None:
+            return  # attribution starts afresh (usage of old blocks shows unattributed)
         roots = data.get("roots")
         for entry in roots if isinstance(roots, list) else []:  # (anything else raised: no start)
             try:

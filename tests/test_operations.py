@@ -1258,6 +1258,33 @@ def test_a_state_file_nested_too_deep_is_unreadable_not_a_failed_start(tmp_path,
         assert c.get(f"/v1/prefixes/{chain[-1][0].hex()}").status_code == 200
 
 
+@pytest.mark.parametrize("damage", ["torn", "newer"])
+def test_a_pins_file_the_server_cannot_use_is_said_and_kept_aside_not_overwritten(tmp_path, damage):
+    """A pins file that did not parse was dropped without a word, and the next pin's save
+    replaced it: every operator pin gone for good. One of a newer release's version was read
+    as this one's. Either is said at start, naming the file, and moved to NAME.unreadable."""
+    import json
+
+    chain, other = raw_chain(66, 2), raw_chain(67, 2)
+    with Server(tmp_path, "--admin-token", ADMIN) as s, httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain)
+        post_chain(c, other)
+        assert c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", headers=admin(), json={}).status_code == 200
+    pins = next(tmp_path.rglob(".cacheseek-pins.json"))
+    text = pins.read_text()
+    text = text[: len(text) // 2] if damage == "torn" else text.replace('"version": 1', '"version": 99')
+    pins.write_text(text)
+    with Server(tmp_path, "--admin-token", ADMIN) as s, httpx.Client(base_url=s.url) as c:
+        assert c.get("/v1/admin/pins", headers=admin()).json() == []
+        assert c.put(f"/v1/admin/pins/{other[-1][0].hex()}", headers=admin(), json={}).status_code == 200
+        out = s.output()
+    aside = pins.with_name(".cacheseek-pins.json.unreadable")
+    assert aside.read_text() == text  # what it named, for the operator
+    said = "unreadable (JSONDecodeError" if damage == "torn" else "of version 99, where this release reads version 1"
+    assert f"the pins file {pins} is {said}" in out and f"moved to {aside}" in out, out
+    assert [p["hash"] for p in json.loads(pins.read_text())["pins"]] == [other[-1][0].hex()]
+
+
 def test_the_pins_that_expire_are_forgotten_by_the_admin_too(tmp_path):
     """A pin made with a TTL and left to expire was still named in the admin's table of pins
     (namespace and hash, for the pins file): an operator pinning each hot prefix for a while
