@@ -312,6 +312,11 @@ def hash_block_tokens(parent: bytes, content: bytes | memoryview, extra_keys: by
         raise InputError(f"parent: a {algo} hash is {digest_size(algo)} bytes, got {len(parent)}")
     if kind not in (TOKENS, BYTES):
         raise InputError(f"kind: expected {TOKENS!r} or {BYTES!r}, got {kind!r}")
+    if not isinstance(content, (bytes, bytearray, memoryview)):
+        # (vLLM's function of this name takes the ids: bytes() of small ints made one byte
+        # each, another key without a word)
+        raise InputError(f"content: expected bytes (token ids packed by token_block_bytes), got "
+                         f"{type(content).__name__}")
     return BlockHash(_digest_fn(algo)(b"".join((bytes(parent), kind, bytes(content), extra_keys,
                                                 _U32.pack(len(extra_keys))))))
 

@@ -289,6 +289,8 @@ def test_bytes_blocks_chain():
         (lambda: _root(model_id=""), "model_id"),
         (lambda: hash_block_tokens(b"short", b"x"), "parent"),
         (lambda: hash_block_tokens(_root(), b"x", kind=b"X"), "kind"),
+        # vLLM's function of this name takes the ids: bytes([1, 2]) was another key, unsaid
+        (lambda: hash_block_tokens(_root(), [1, 2, 3]), r"^content: expected bytes .*got list"),
         (lambda: chain_hashes(_root(), [b"x"], kind="B"), "kind"),
         (lambda: Shard(tp_rank=2, tp_size=2), "tp_rank"),
         (lambda: Shard(tp_size=0), "tp_size"),

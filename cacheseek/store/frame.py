@@ -205,7 +205,8 @@ def replan_frame(meta: FrameMeta, *, block_hash: bytes, parent_hash: bytes, posi
         head = len(_varying_head(meta.version, meta.block_hash, meta.parent_hash, meta.position))
         middle = header[head : len(header) - len(_CHECKSUM_FIELD) - len(_pack_small(meta.checksum))]
         if len(_MIDDLES) >= 256:
-            _MIDDLES.pop(next(iter(_MIDDLES)))
+            # (no lock: two threads may take the same oldest one; the second finds it gone)
+            _MIDDLES.pop(next(iter(_MIDDLES), b""), None)
         _MIDDLES[header] = middle
     header = b"".join((_varying_head(meta.version, block_hash, parent_hash, position), middle, _UNSEALED_TAIL))
     return FrameMeta(block_hash=block_hash, parent_hash=parent_hash, position=position,

@@ -233,7 +233,8 @@ class Prefetcher:
                             "that follow are counted in the prefetch stats (errors) until one runs through",
                             type(exc).__name__, exc, exc_info=True)
         else:
-            self._failing = False
+            with self._lock:  # (runs on several threads: a failure's read-and-set is under it)
+                self._failing = False
         finally:
             self._settle(mine, futures, results, last=True)
 

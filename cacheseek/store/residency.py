@@ -82,11 +82,6 @@ class Residency:
         held.sort(key=lambda item: item[1].position)
         return held
 
-    def unlisten(self, listener: ResidencyListener) -> None:
-        with self._lock:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
     def added(self, level: int, key: bytes, info: BlockInfo) -> None:
         bit = 1 << level
         with self._lock:

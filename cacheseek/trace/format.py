@@ -30,10 +30,6 @@ class Request:
     output_length: int
     hash_ids: tuple[int, ...]
 
-    def to_json(self) -> str:
-        return json.dumps({"timestamp": self.timestamp, "input_length": self.input_length,
-                           "output_length": self.output_length, "hash_ids": list(self.hash_ids)})
-
 
 def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -160,6 +156,3 @@ def _decoded(lines: Iterable[bytes], where: str) -> Iterable[str]:
         except UnicodeDecodeError as exc:
             raise InputError(f"{where}:{lineno}: not UTF-8 text ({exc.reason} at byte {exc.start + 1})") from None
 
-
-def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
-    Path(path).write_text("".join(r.to_json() + "\n" for r in requests))
