@@ -299,30 +299,39 @@ class InPlaceIngest:
         run.pieces.pop(0)
         if not run.pieces:
             self.pending.popleft()
-        skip = run.skip or [False] * len(run.metas)
-        for i in range(a, b):
-            if skip[i]:
+        # Out of ``pending`` now, so the call's ``abandon`` no longer sees this piece: a
+        # commit that raises (an interrupt in a write-through's fsync) gives back here what
+        # it did not publish, or the tier kept those bytes reserved for good. (An abort of a
+        # reservation committed or aborted already does nothing.)
+        try:
+            skip = run.skip or [False] * len(run.metas)
+            for i in range(a, b):
+                if skip[i]:
+                    self.store.abort(run.reservations[i])
+                else:
+                    run.reservations[i].view()[: run.metas[i].payload_offset] = header_prefix(run.metas[i])
+            # Tail first within the batch (as the chain's batches go): a chain that overflows
+            # the tier loses its tail, not its head.
+            order = [i for i in range(b - 1, a - 1, -1) if not skip[i]]
+            items = [(run.metas[i].block_hash, run.reservations[i], run.metas[i]) for i in order]
+            # Room is made for the rest of the call as well (pieces in flight, and batches not
+            # launched yet, each block as large as the largest payload the format makes under
+            # this run's largest header: batches go tail first, so theirs are no larger), so
+            # that it does not evict these.
+            later = sum(r.reservations[i].nbytes for r in self.pending for c, d, _ in r.pieces for i in range(c, d)
+                        if not (r.skip and r.skip[i]))
+            if self.unlaunched:
+                header = max(m.nbytes - m.payload_nbytes for m in run.metas)
+                later += self.unlaunched * (max(f.planned_payload().payload_nbytes for f in self.format.parts()) + header)
+            for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing, room_for=later,
+                                                                spare=self.spare)):
+                self.outcomes[run.first + i] = outcome
+                if outcome.stored:
+                    self.committed.append(run.metas[i].block_hash)
+        except BaseException:
+            for i in range(a, b):
                 self.store.abort(run.reservations[i])
-            else:
-                run.reservations[i].view()[: run.metas[i].payload_offset] = header_prefix(run.metas[i])
-        # Tail first within the batch (as the chain's batches go): a chain that overflows
-        # the tier loses its tail, not its head.
-        order = [i for i in range(b - 1, a - 1, -1) if not skip[i]]
-        items = [(run.metas[i].block_hash, run.reservations[i], run.metas[i]) for i in order]
-        # Room is made for the rest of the call as well (pieces in flight, and batches not
-        # launched yet, each block as large as the largest payload the format makes under
-        # this run's largest header: batches go tail first, so theirs are no larger), so
-        # that it does not evict these.
-        later = sum(r.reservations[i].nbytes for r in self.pending for c, d, _ in r.pieces for i in range(c, d)
-                    if not (r.skip and r.skip[i]))
-        if self.unlaunched:
-            header = max(m.nbytes - m.payload_nbytes for m in run.metas)
-            later += self.unlaunched * (max(f.planned_payload().payload_nbytes for f in self.format.parts()) + header)
-        for i, outcome in zip(order, self.store.commit_many(items, sealed=False, landing=landing, room_for=later,
-                                                            spare=self.spare)):
-            self.outcomes[run.first + i] = outcome
-            if outcome.stored:
-                self.committed.append(run.metas[i].block_hash)
+            raise
 
     def _check_launched(self) -> None:
         """Check the NaN/Inf flags of every run launched so far, before the first of them

@@ -352,3 +352,111 @@ def test_with_blocks_and_release_all_on_a_lease_another_thread_releases_do_not_r
         assert out == [None, None], out
         assert given[-1] == i and len(given) == i + 1
     assert ledger.stats() == {"leases_active": 0, "leased_bytes": 0, "leases_granted": 1500, "lease_double_releases": 0}
+
+
+# -- an interrupt (Ctrl-C) in the middle of a call -------------------------------------------
+
+
+def _cpu_and_disk(tmp_path, cpu_bytes="1MiB"):
+    from store_helpers import LAYOUT
+
+    return cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                          tiers=cs.TierConfig(cpu_bytes=cpu_bytes, disk_path=tmp_path / "d", disk_bytes="4MiB",
+                                              promote_on_hit=False))
+
+
+def test_an_ingest_interrupted_in_its_write_through_gives_its_reservations_back(tmp_path, monkeypatch):
+    """Ctrl-C during the disk write-through of an in-place ingest: the piece being committed
+    was out of the call's pending work already, so nothing aborted its CPU-tier reservations,
+    held against the budget for the life of the cache (10 interrupts: 1.1 MB of a 1 MiB tier)."""
+    from cacheseek.store.disk import DiskTier
+
+    cache = _cpu_and_disk(tmp_path)
+    real = DiskTier.put_many
+    calls = []
+
+    def put_many(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(DiskTier, "put_many", put_many)
+    toks, kv = tokens_for(301, 4 * BLOCK), make_kv(4 * BLOCK, 301)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cache.ingest(toks, kv)
+        assert cache.stats()["tiers"][0]["reservation_bytes"] == 0
+        got = cache.ingest(toks, kv)
+        assert got.stored + got.present == 4 and got.failed == 0
+        cpu = cache.stats()["tiers"][0]
+        assert cpu["reservation_bytes"] == 0 and cpu["blocks"] == 4
+    finally:
+        cache.close()
+
+
+def test_a_load_interrupted_while_it_waits_for_a_disk_read_gives_the_read_buffer_back(tmp_path, monkeypatch):
+    """Ctrl-C while a materialize waits for a disk read: the read was marked handed out
+    before its result came, so the stream's close skipped it and its pooled buffer (page-
+    locked memory beside a GPU) stayed lent for good."""
+    import cacheseek.store.direct_io as dio
+
+    cache = _cpu_and_disk(tmp_path, cpu_bytes="60KiB")  # the chain is read from disk
+    toks, kv = tokens_for(302, 4 * BLOCK), make_kv(4 * BLOCK, 302)
+    cache.ingest(toks, kv)
+    armed = [True]
+
+    class Interrupted:
+        def __init__(self, fut):
+            self.fut = fut
+
+        def cancel(self):
+            return self.fut.cancel()
+
+        def result(self, timeout=None):
+            got = self.fut.result(timeout)  # the read lands, then the wait is interrupted
+            if armed.pop() if armed else False:
+                raise KeyboardInterrupt
+            return got
+
+    real = dio.ReadPool.submit
+    monkeypatch.setattr(dio.ReadPool, "submit", lambda self, *a, **kw: Interrupted(real(self, *a, **kw)))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cache.materialize(toks)
+        assert cache.stats()["tiers"][1]["stream_buffers"]["leases_active"] == 0
+        assert cache.materialize(toks).num_tokens == 4 * BLOCK
+        assert cache.stats()["tiers"][1]["stream_buffers"]["leases_active"] == 0
+    finally:
+        cache.close()
+
+
+def test_a_cpu_put_interrupted_midway_keeps_no_lease_nor_slot(monkeypatch):
+    """Ctrl-C while the second of three frames is copied into the CPU tier: the first's
+    lease (a write-through put leases what it stores) went with the results the caller never
+    got, and the second's slot was neither recorded nor freed (only an Exception freed it)."""
+    import cacheseek.store.cpu as cpu
+    from cacheseek.store.frame import parse_frame
+    from cacheseek.store.tier import BlockFrame
+    from store_helpers import chain
+
+    tier = CpuTier(1 << 20)
+    items = [(key, BlockFrame(parse_frame(raw), host=memoryview(raw))) for key, raw in chain(303, 3)]
+    real, n = cpu._start_fill, []
+
+    def start_fill(*a, **kw):
+        n.append(1)
+        if len(n) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu, "_start_fill", start_fill)
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(items, lease_stored=True)
+    stats = tier.stats().extra
+    assert _leases(tier)["leases_active"] == 0 and stats["held_slots"] == 0
+    assert tier.stats().blocks == 1  # stored, unacknowledged: the caller never heard of it
+    for key, _ in items:
+        tier.delete(key)
+    assert tier.stats().blocks == 0 and tier.stats().extra["held_bytes"] == 0
+    tier.close()

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import StorageError
 from .arena import HostArena, Slot
-from .lease import release_all
+from .lease import Lease, release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
 from .eviction import DEFAULT_POLICY
@@ -73,7 +73,20 @@ class CpuTier(MemoryTier):
         proceed. ``lease_stored``: each ``stored`` frame carries a lease on its slot.
         ``spare``: blocks not to evict (``Tier.put_many``)."""
         results = [TierPutResult(stored=None) for _ in items]
-        dropped_leases = []  # leases of frames whose copies failed: released once the lock is dropped
+        dropped_leases: list[Lease | None] = []  # of frames whose copies failed: released once the lock is dropped
+        try:
+            self._put_many_locked(items, results, dropped_leases, lease_stored, room_for, spare)
+        except BaseException:
+            # An interrupt: the caller gets no results, so the leases on what this call
+            # stored so far are given back here (they were held for good); the frames stay
+            # stored, unacknowledged.
+            release_all([r.stored.lease for r in results if r.stored is not None])
+            raise
+        release_all(dropped_leases)  # (a release takes this tier's lock)
+        return results
+
+    def _put_many_locked(self, items: list[tuple[bytes, BlockFrame]], results: list[TierPutResult],
+                         dropped_leases: list[Lease | None], lease_stored: bool, room_for: int, spare: Container[bytes]) -> None:
         with self._lock:
             self._forget_landed()
             self._make_room([(key, frame.nbytes) for key, frame in items], results, room_for, spare)
@@ -97,6 +110,9 @@ class CpuTier(MemoryTier):
                         self._stats.write_errors += 1
                         result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
                         continue
+                    except BaseException:  # (an interrupt: the call ends, its slot with it)
+                        self._arena.free(slot)
+                        raise
                     sealed = frame.sealed and frame.host is not None
                     self._records[key] = rec = _Record(slot, frame.meta, sealed, landing)
                     if landing is not None:
@@ -120,8 +136,6 @@ class CpuTier(MemoryTier):
                                 result.stored = None
                                 result.error = StorageError(f"{self.name} tier: copy into host memory failed: {exc}")
             self._sync_counts()
-        release_all(dropped_leases)  # (a release takes this tier's lock)
-        return results
 
     def settle(self) -> set[bytes]:
         """Wait until every frame put so far is in host memory; the keys of those whose

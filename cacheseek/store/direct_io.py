@@ -427,14 +427,18 @@ class ReadStream:
         if self._next >= len(self._futures):
             raise StopIteration
         fut = self._futures[self._next]
+        # The result taken before the read counts as handed out: an interrupt while it is
+        # awaited leaves it to ``close``, which gives its buffer back (it was marked handed
+        # out first, and its buffer stayed lent for good).
+        try:
+            done: ReadDone | ReadFailed = fut.result()
+        except ReadFailed as exc:
+            done = exc
         self._futures[self._next] = None  # type: ignore[call-overload]  # handed out: no longer ours
         self._next += 1
         self._submit_one()
-        try:
-            done = fut.result()
-        except ReadFailed as exc:
-            return exc
-        self.last_landed = max(self.last_landed, done.finished)
+        if isinstance(done, ReadDone):
+            self.last_landed = max(self.last_landed, done.finished)
         return done
 
     def close(self) -> None:
