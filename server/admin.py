@@ -96,7 +96,12 @@ class AdminOps:
             # tenant's blocks and answer as if done.
             shared = self._shared_keys(namespace, model, what)
             if not known and not shared:
-                raise NotFound(f"no blocks were ever stored for {what}")
+                hint = ""
+                if any(hasattr(tier, "owned") for tier in self.store.tiers):
+                    # (owner tags are keyed with the secret: another replica's are found only with its)
+                    hint = ("; blocks other replicas wrote to Redis are found only where every replica has "
+                            "the same namespace_secret")
+                raise NotFound(f"no blocks were ever stored for {what} through this server{hint}")
             keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model), *shared]))
             # A block whose Redis copy could not be deleted is kept in every tier: the flush
             # finds what to delete here, so a retry finds it again and deletes it there too

@@ -490,6 +490,30 @@ def test_a_flush_on_one_replica_deletes_the_tenants_blocks_another_wrote_to_redi
         redis.kill()
 
 
+def test_a_flush_through_a_replica_of_another_namespace_secret_says_it_needs_the_same(tmp_path):
+    """Owner tags are keyed with namespace_secret, in the default namespace too: replicas
+    without a shared one find nothing the other wrote, and the 404 said "no blocks were ever
+    stored", which the docs (shared secret "if clients use tenant namespaces") did not explain."""
+    from server_helpers import raw_chain
+
+    redis = RedisServer(tmp_path / "redis").start()
+    env = {k: v for k, v in _env(redis).items() if k != "CACHESEEK_NAMESPACE_SECRET"}
+    try:
+        with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=env) as a, \
+                Server(tmp_path / "b", "--admin-token", "adm", disk=False, cpu_bytes="0", env=env) as b, \
+                httpx.Client(base_url=a.url, timeout=10) as ca, httpx.Client(base_url=b.url, timeout=10) as cb:
+            chain = raw_chain(84, 2)
+            _put_chain(ca, chain, "", "m1")
+            r = cb.post("/v1/admin/flush", params={"namespace": ""}, headers=ADMIN)
+            assert r.status_code == 404, r.text
+            assert r.json()["error"] == ("no blocks were ever stored for namespace '' through this server; blocks "
+                                         "other replicas wrote to Redis are found only where every replica has the "
+                                         "same namespace_secret"), r.text
+            assert _served(cb, chain, "") == [200] * 2
+    finally:
+        redis.kill()
+
+
 def test_a_flush_takes_the_blocks_evicted_from_the_cpu_tier_into_redis_alone(tmp_path):
     """A tenant's chain written through a small CPU tier, then pushed out of it by another
     tenant's writes: Redis alone held it, no local index named it, and a flush of the
