@@ -972,8 +972,9 @@ def test_demo_says_a_token_the_server_refuses_before_loading_the_model(tmp_path,
     monkeypatch.delenv("CACHESEEK_TOKEN", raising=False)
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
-    with Server(tmp_path, "--write-token", "w", disk=False) as srv:
-        for argv in (["--url", srv.url], ["--url", srv.url, "--token", "wrong"]):
+    with Server(tmp_path, "--write-token", "w", "--read-token", "r", disk=False) as srv:
+        # (a read token passed a GET of /v1/stats, and was refused after the first prefill)
+        for argv in (["--url", srv.url], ["--url", srv.url, "--token", "wrong"], ["--url", srv.url, "--token", "r"]):
             assert demo.run(parser.parse_args(argv)) == 2
             said = capsys.readouterr()
             assert f"error: --token: {srv.url} answered 40" in said.err and "CACHESEEK_TOKEN" in said.err, said.err

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -182,14 +183,16 @@ def _device_error(args: argparse.Namespace) -> str | None:
             return f"url: {args.url!r} is not an http:// or https:// URL"
         try:  # any answer will do (a 503 while it starts): a server that is not there at all is said now
             httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0)
-            # A token the server refuses is said now too, not after the first prefill.
+            # A token the server refuses to write with is said now too, not after the first
+            # prefill: a delete of a block no one stored is a write that changes nothing (404
+            # where the token may write; a read token passed a GET of /v1/stats).
             token = getattr(args, "token", None)
-            stats = httpx.get(args.url.rstrip("/") + "/v1/stats", timeout=5.0,
-                              headers={"Authorization": f"Bearer {token}"} if token else {})
+            probe = httpx.delete(f"{args.url.rstrip('/')}/v1/blocks/{secrets.token_hex(16)}", timeout=5.0,
+                                 headers={"Authorization": f"Bearer {token}"} if token else {})
         except httpx.HTTPError as exc:
             return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc})"
-        if stats.status_code in (401, 403):
-            return (f"--token: {args.url} answered {stats.status_code} ({stats.text[:200]}): give its write token "
+        if probe.status_code in (401, 403):
+            return (f"--token: {args.url} answered {probe.status_code} ({probe.text[:200]}): give its write token "
                     "(--token or CACHESEEK_TOKEN)")
     if gpu_bytes and device.type != "cuda":
         return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
