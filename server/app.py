@@ -31,7 +31,7 @@ from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
 from .namespaces import KEY_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
-from .protocol import CUT_SHORT, header_error
+from .protocol import CUT_SHORT, coding_error, header_error
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
@@ -84,7 +84,8 @@ class SingleHeaders:
     """An HTTP/1.1 request without exactly one Host header, or any request with a second
     Authorization, Content-Type or ``X-CacheSeek-*`` header (``header_error``) or a query
     parameter twice (``query_error``), is a JSON 400, the connection closed, the route not
-    run (RFC 9112 3.2 for Host). server.protocol refuses headers before the body; uvicorn's
+    run (RFC 9112 3.2 for Host); a body coding the server does not decode, its 415 or 501
+    (``coding_error``). server.protocol refuses headers before the body; uvicorn's
     own httptools protocol (``--http httptools``, or the fast path off) let them through, so a
     PUT without Host stored its frame there. (uvicorn's h11 refuses a wrong Host itself, with
     its plain-text 400, before any app runs.)"""
@@ -99,6 +100,12 @@ class SingleHeaders:
                 wrong_headers = query_error(scope["query_string"])
             if wrong_headers:
                 await refuse(send, 400, wrong_headers)
+                return
+            # (server.protocol refuses these before the body; uvicorn's httptools took
+            # "gzip, chunked" as chunked, and a gzip body as it came)
+            coding = coding_error(scope["headers"])
+            if coding is not None:
+                await refuse(send, int(coding[0].split()[0]), coding[1])
                 return
         await self.app(scope, receive, send)
 

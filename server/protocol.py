@@ -437,7 +437,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
         def on_headers_complete(self) -> None:
             if self.refused:
                 return
-            refused = _unsupported_coding(self.headers)
+            refused = coding_error(self.headers)
             if refused is not None:
                 # uvicorn decodes no coding but chunked framing, and passed the body on as it
                 # came: bytes the client said were gzip went to the route (and to the store)
@@ -826,7 +826,7 @@ def _release(version: str) -> tuple[int, int] | None:
         return None
 
 
-def _unsupported_coding(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, str] | None:
+def coding_error(headers: list[tuple[bytes, bytes]]) -> tuple[bytes, str] | None:
     """(status, reason) for a request whose body has a coding this server does not decode: a
     transfer coding other than chunked (501, RFC 9112 6.1), or, with a body, a content coding
     other than identity (415, RFC 9110 15.5.16); else None. Names lowercased."""

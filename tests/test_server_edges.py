@@ -1217,10 +1217,13 @@ def test_a_refused_request_waiting_its_turn_is_not_cut_off_as_a_slow_head(tmp_pa
         assert rest[n:].startswith(b"HTTP/1.1 400 ")
 
 
-def test_a_body_in_a_coding_the_server_does_not_decode_is_refused_and_nothing_stored(tmp_path):
+@pytest.mark.parametrize("http", ["auto", "httptools", "h11"])
+def test_a_body_in_a_coding_the_server_does_not_decode_is_refused_and_nothing_stored(tmp_path, http):
+    """Off the fast path (uvicorn's own protocols) the 415 and 501 were not made: a gzip
+    body was stored as it came (200), and httptools took "gzip, chunked" as chunked."""
     h, good = raw_frame(14)
     te, chunked = "transfer-encoding: gzip, chunked\r\n", b"%x\r\n" % len(good) + good + b"\r\n0\r\n\r\n"
-    with Server(tmp_path, disk=False) as srv:
+    with Server(tmp_path, "--http", http, disk=False) as srv:
         for extra, body, status in ((te, chunked, 501), ("content-encoding: gzip\r\n", good, 415),
                                     ("content-encoding: br\r\ntransfer-encoding: chunked\r\n", chunked, 415)):
             with socket.create_connection(("127.0.0.1", srv.port)) as s:
@@ -1228,6 +1231,9 @@ def test_a_body_in_a_coding_the_server_does_not_decode_is_refused_and_nothing_st
                 s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", length, extra) + body + head("GET", "/healthz"))
                 rest = bytearray()
                 got, headers, text = read_response(s, rest)
+                if http == "h11" and status == 501:  # (h11 refuses the coding itself: its plain-text 400)
+                    assert got == 400, (extra, got, text)
+                    continue
                 assert got == status and headers[b"connection"] == b"close", (extra, got, text)
                 assert "encoding" in json.loads(text)["error"].lower()
                 closed_within(s, 10)
