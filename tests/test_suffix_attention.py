@@ -161,3 +161,26 @@ def test_cuda_suffix_calls_flash_directly_with_the_bias_paths_bytes(monkeypatch,
         got, _ = suffix_attention._attention(Module(), q, k, v, None)
     assert made == ([] if flash else [(48, 1000)])
     assert got.is_contiguous() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("extra", [{"softcap": 50.0}, {"sliding_window": 4096}], ids=["softcap", "window"])
+def test_a_suffix_handed_to_transformers_sdpa_keeps_the_bottom_right_causal_mask(extra):
+    """A model that passes softcap= (Gemma2 under transformers 4) or a window went to
+    transformers' sdpa with no mask, which passes is_causal=True: SDPA aligns that top-left,
+    so a suffix of 20 queries after 70 cached keys attended to the wrong keys (logits off by
+    0.36 on a small Gemma2; greedy tokens changed)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    import transformers
+
+    if "softcap" in extra and int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip("transformers 5 refuses softcap under sdpa (Gemma2 takes eager there); runs under transformers 4")
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 90, 16), torch.randn(1, 2, 90, 16)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    got, _ = suffix_attention._attention(module, q, k, v, None, scaling=0.25, **extra)
+    mask = causal_lower_right(20, 90)._materialize(q.device)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                            mask, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(got, want)

@@ -88,6 +88,14 @@ def _attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch
             or kwargs.get("sliding_window") is not None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+        if attention_mask is None and causal and 1 < q_len < kv_len:
+            # ``_mask``'s None means bottom-right; transformers' sdpa, given none, passes
+            # is_causal=True, which SDPA aligns top-left: a suffix after a past saw the wrong
+            # keys (Gemma2's softcap under transformers 4 came here). The mask, built.
+            from torch.nn.attention.bias import causal_lower_right
+
+            attention_mask = causal_lower_right(q_len, kv_len)._materialize(query.device)[None, None]
+            is_causal = False
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     gqa = query.shape[1] != key.shape[1]
