@@ -1416,9 +1416,13 @@ def test_a_layerwise_prefill_that_raises_gives_back_the_loads_frames_and_the_wri
         kv = [tuple(torch.randn(layout.num_kv_heads, len(ids), layout.head_dim) for _ in "kv")
               for _ in range(layout.num_layers)]
         assert cache.ingest(ids, kv).stored == 2
-        with pytest.raises(cs.ConfigError, match="full-attention DynamicLayer caches only") as refused:
+        with pytest.raises(cs.ConfigError, match="has sliding-window layers") as refused:
             prefill_with_reuse(sliding, cache, ids, reuse="always", layerwise=True)
         assert cache.store.tier("cpu").lease_stats()["leases_active"] == 0 and refused.value is not None
+        # A miss too, before anything runs: it ran and stored, and the hit after it was refused.
+        with pytest.raises(cs.ConfigError, match=r"^layerwise=True: MistralForCausalLM has sliding-window layers"):
+            prefill_with_reuse(sliding, cache, list(range(500, 500 + 2 * TF_BLOCK)), layerwise=True)
+        assert cache.locate(list(range(500, 500 + 2 * TF_BLOCK))).num_tokens == 0
 
     monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)  # the writer reserves slots
     with model_cache(tiny_model, cs.Raw()) as cache:

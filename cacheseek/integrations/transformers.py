@@ -498,7 +498,8 @@ def prefill_with_reuse(
 
     A model spread over devices (a ``device_map``) reads the prefix to its layer 0's device
     and copies each layer to its own; its prompt's KV is copied to layer 0's device to be
-    stored. ``layerwise=True`` is refused for it (``ConfigError``).
+    stored. ``layerwise=True`` is refused for it (``ConfigError``), and for a model with
+    sliding-window layers.
     """
     if reuse not in REUSE_MODES:
         raise ConfigError(f"reuse: must be one of {REUSE_MODES}, got {reuse!r}")
@@ -508,6 +509,12 @@ def prefill_with_reuse(
     if devices is not None and layerwise:
         raise ConfigError(f"layerwise=True: {type(model).__name__} is spread over {sorted({str(d) for d in devices})}, "
                           "and a layer-wise load goes to one device; load it whole (layerwise=False)")
+    if layerwise and _windowed(model.config):
+        # (refused here, before anything runs: a miss ran, and the hit that followed it
+        # was refused, so a server failed every repeat of a prompt it had served once)
+        raise ConfigError(f"layerwise=True: {type(model).__name__} has sliding-window layers, which keep only their "
+                          "window, where a layer-wise load hands each layer's whole prefix to the forward; "
+                          "load it whole (layerwise=False), which takes the window it needs")
     kv_device = devices[0] if devices is not None else device
     ids, packed = _token_ids(input_ids)
     _check_vocabulary(model, packed)
