@@ -16,6 +16,15 @@ from .layout import KVLayout
 
 
 def _pairs(kv: Any) -> list[tuple[Any, Any]]:
+    inner = getattr(kv, "self_attention_cache", None)
+    if inner is not None:
+        # An EncoderDecoderCache, which transformers 4 hands a decoder-only model too
+        # (GPTBigCode's): its self-attention part, where the cross-attention part is empty.
+        cross = getattr(kv, "cross_attention_cache", None)
+        if cross is not None and cross.get_seq_length() > 0:
+            raise InputError("kv: an encoder-decoder cache with cross-attention KV; only a decoder-only model's KV "
+                             "is stored (the prefix does not determine the cross-attention's)")
+        kv = inner
     layers = getattr(kv, "layers", None)
     if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
         return [(layer.keys, layer.values) for layer in layers]

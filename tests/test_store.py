@@ -576,6 +576,23 @@ def test_ingest_takes_an_hf_dynamic_cache():
     assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
 
 
+def test_ingest_takes_the_self_attention_part_of_an_encoder_decoder_cache():
+    """transformers 4 hands GPTBigCode (a decoder-only model) an EncoderDecoderCache: every
+    prefill_with_reuse of it ran the whole forward, then ingest refused the cache."""
+    transformers = pytest.importorskip("transformers")
+    toks, kv = tokens_for(16, 2 * BLOCK), make_kv(2 * BLOCK, 16)
+    self_part, cross = transformers.DynamicCache(), transformers.DynamicCache()
+    for i, (k, v) in enumerate(kv):
+        self_part.update(k.unsqueeze(0), v.unsqueeze(0), i)
+    cache = make_cache()
+    assert cache.ingest(toks, transformers.EncoderDecoderCache(self_part, cross)).stored == 2
+    assert_prefix_equal(cache.materialize(toks), kv, 2 * BLOCK)
+    for i, (k, v) in enumerate(kv):  # cross-attention KV (an encoder-decoder model's): not a prefix's
+        cross.update(k.unsqueeze(0), v.unsqueeze(0), i)
+    with pytest.raises(cs.InputError, match="^kv: an encoder-decoder cache with cross-attention KV"):
+        cache.ingest(tokens_for(17, 2 * BLOCK), transformers.EncoderDecoderCache(self_part, cross))
+
+
 def test_cpu_slots_being_read_are_never_reused():
     tier = CpuTier(2 * FRAME)
     meta = plan_frame(block_hash=b"\x01" * 16, parent_hash=b"\x00" * 16, position=0, layout=LAYOUT,

@@ -23,6 +23,7 @@ TESTS = [
     "tests/test_suffix_attention.py",
     "tests/test_model_benchmarks.py",
     "tests/test_store.py::test_ingest_takes_an_hf_dynamic_cache",
+    "tests/test_store.py::test_ingest_takes_the_self_attention_part_of_an_encoder_decoder_cache",
     "tests/test_layerwise.py::test_layerwise_prefill_equals_the_normal_one_and_stores_the_same_blocks",
     "tests/test_layerwise.py::test_layerwise_prefill_with_a_background_issuer_equals_the_normal_one",
     "tests/test_layerwise.py::test_each_layer_waits_inside_the_forward_in_order",
