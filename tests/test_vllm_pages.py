@@ -102,6 +102,12 @@ def test_config_remote_and_embedded_tiers():
     ({"background_loads": False}, "background_loads: only a remote cache"),
     ({"url": "http://h:1", "background_loads": 1}, "background_loads: must be true or false"),
     ({"url": "http://h:1", "lookup_wait_seconds": 0}, "lookup_wait_seconds: must be a positive number"),
+    # JSON's Infinity (and 1e10) passed, and the first lookup raised OverflowError in vLLM's scheduler
+    ({"url": "http://h:1", "lookup_wait_seconds": float("inf")}, "lookup_wait_seconds: must be a positive number "
+                                                                 "of seconds, at most 1,000,000, got inf"),
+    ({"url": "http://h:1", "lookup_wait_seconds": 1e10}, "lookup_wait_seconds: must be a positive number"),
+    ({"retry_after_seconds": float("inf")}, "retry_after_seconds: must be a positive number"),
+    ({"timeout_seconds": float("nan")}, "timeout_seconds: must be a positive number"),
     ({"resave_hold_seconds": 1}, "resave_hold_seconds: only a remote cache"),
     ({"url": "http://h:1", "resave_hold_seconds": -1}, "resave_hold_seconds: must be a number of seconds >= 0"),
 ])

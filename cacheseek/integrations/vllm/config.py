@@ -264,9 +264,15 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+MAX_SECONDS = 1e6  # (11.6 days) a wait past threading's TIMEOUT_MAX (9.2e9 s) raised at the first request
+
+
 def _positive_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"kv_connector_extra_config.{name}: must be a positive number, got {value!r}")
+    # Finite and bounded: JSON's Infinity passed, the engine started, and its first lookup
+    # raised OverflowError out of vLLM's scheduler (or another key's check blamed the wrong key).
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SECONDS:
+        raise ConfigError(f"kv_connector_extra_config.{name}: must be a positive number of seconds, at most "
+                          f"{MAX_SECONDS:,.0f}, got {value!r}")
     return float(value)
 
 
