@@ -31,7 +31,7 @@ FRAME_MIN_BYTES = 4096
 class BodyBudget:
     """Request-body bytes received and not yet stored, over every request, under ``limit``.
 
-    ``release_memory`` (called with no lock held, in the event loop) runs once the bytes in
+    ``release_memory`` (called with no lock held, on the caller's thread) runs once the bytes in
     flight fall to zero after at least ``TRIM_AFTER_BYTES`` were given back unstored (aborted
     uploads, rejected frames): it hands freed memory back to the OS."""
 
@@ -42,12 +42,15 @@ class BodyBudget:
         self.refused = 0
         self._dropped = 0  # bytes given back unstored since memory was last released
         self._release_memory = release_memory
-        self._lock = threading.Lock()  # the batch route gives back from a worker thread
+        # The routes call in from the event loop, between awaits; the lock keeps the
+        # counts whole for a caller on a worker thread all the same (cheap, uncontended).
+        self._lock = threading.Lock()
 
     def admit(self) -> None:
         """Refuse a new body at once when the cap is already reached (no byte of it read)."""
         if self.in_flight >= self.limit:
-            self.refused += 1
+            with self._lock:
+                self.refused += 1
             raise Busy(f"{self.in_flight} bytes of request bodies are in flight "
                        f"(max_inflight_body_bytes {self.limit}); retry later")
 
