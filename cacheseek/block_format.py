@@ -45,7 +45,7 @@ class BlockFormat:
         if self.policy is not None:
             self._parts = tuple(BlockFormat(part, layout, block_tokens) for part in self.policy.codecs())
         self._templates: OrderedDict[tuple[int, int], FrameMeta] = OrderedDict()
-        self._placeholders: dict[tuple[int, int, int], tuple[FrameMeta, ...]] = {}
+        self._placeholders: dict[int, tuple[FrameMeta, ...]] = {}  # hash size -> positions 0, 1, ...
         self._lock = threading.Lock()  # taken only to add a template
 
     @property
@@ -115,18 +115,20 @@ class BlockFormat:
     def placeholder_run(self, first: int, count: int, hash_size: int) -> list[FrameMeta]:
         """``plan_run`` of blocks ``first..first + count`` under all-zero keys of ``hash_size``
         bytes: the sizes and payload layout of frames whose keys are not known yet (the
-        in-place ingest's guessed tail). Kept per (first, count, hash_size): the same few
-        recur call after call, and planning costs the host ~10 us a frame."""
-        key = (first, count, hash_size)
-        run = self._placeholders.get(key)
-        if run is None:
-            unknown = [bytes(hash_size)] * count
-            run = tuple(self.plan_run(first, unknown, unknown))
+        in-place ingest's guessed tail). Each position's frame depends on nothing else, so
+        they are kept per hash size, from position 0 to the furthest asked (planning costs
+        the host ~10 us a frame; kept per (first, count), prompts of many lengths missed)."""
+        end = first + count
+        run = self._placeholders.get(hash_size, ())
+        if len(run) < end:
+            have = len(run)
+            grown = max(end, 2 * have)  # (doubling: a prompt a block longer plans one run, not each)
+            unknown = [bytes(hash_size)] * (grown - have)
+            run = run + tuple(self.plan_run(have, unknown, unknown))  # (planned unlocked: it takes the lock)
             with self._lock:
-                if len(self._placeholders) >= MAX_TEMPLATES:
-                    self._placeholders.clear()
-                self._placeholders[key] = run
-        return list(run)
+                if len(self._placeholders.get(hash_size, ())) < len(run):
+                    self._placeholders[hash_size] = run
+        return list(run[first:end])
 
     def _template(self, hash_size: int, parent_size: int) -> FrameMeta:
         key = (hash_size, parent_size)

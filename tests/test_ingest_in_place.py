@@ -883,11 +883,17 @@ def test_a_failed_launch_gives_its_reservations_back(monkeypatch):
                                             "reservation_bytes": 0}
 
 
-def test_placeholder_runs_are_the_plans_of_all_zero_keys_kept_per_run():
-    fmt = BlockFormat(KIVI4, LAYOUT, BLOCK)
-    unknown = [bytes(16)] * 3
-    assert fmt.placeholder_run(5, 3, 16) == fmt.plan_run(5, unknown, unknown)
+@pytest.mark.parametrize("codec", [KIVI4, cs.PrecisionPolicy(first_blocks=2, first=cs.Raw(), rest=KIVI4)],
+                         ids=["uniform", "policy"])
+def test_placeholder_runs_are_the_plans_of_all_zero_keys_kept_per_position(codec):
+    """Kept per (first, count), a server's prompts of many lengths missed the cache, and each
+    miss planned its whole tail again (~10 us a frame); kept per position, any run of
+    positions planned before is a slice."""
+    fmt = BlockFormat(codec, LAYOUT, BLOCK)
+    for first, count in ((5, 3), (0, 1), (3, 9), (130, 4), (250, 10), (7, 2)):  # (headers grow past 127, 255)
+        unknown = [bytes(16)] * count
+        assert fmt.placeholder_run(first, count, 16) == fmt.plan_run(first, unknown, unknown), (first, count)
     first = fmt.placeholder_run(5, 3, 16)
-    again = fmt.placeholder_run(5, 3, 16)
-    assert again == first and again is not first and all(a is b for a, b in zip(again, first))  # kept, a fresh list
+    again = fmt.placeholder_run(4, 4, 16)[1:]
+    assert again == first and all(a is b for a, b in zip(again, first))  # kept, sliced
     assert [m.position for m in fmt.placeholder_run(200, 2, 32)] == [200, 201]
