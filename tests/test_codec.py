@@ -514,6 +514,12 @@ def test_decode_into_out_takes_only_the_layers_own_shape_and_dtype(codec):
     wide = torch.zeros(2, 2, 64, 64), torch.zeros(2, 2, 64, 64)
     codec.decode(encoded, out=(wide[0][:, 1], wide[1][:, 1]))
     assert torch.equal(wide[0][:, 1], want_k) and torch.equal(wide[1][:, 1], want_v)
+    # An expanded out (its rows one memory): the host decode wrote its chunks over each other,
+    # and out[0] held row 1's decode; the reference and the kernels refuse it, as now here.
+    expanded = torch.zeros(1, 64, 64).expand(2, 64, 64)
+    with pytest.raises(InputError, match=r"^out\[k\]: more than one element refers to a single memory location"):
+        codec.decode(encoded, out=(expanded, torch.empty(2, 64, 64)))
+    assert (expanded == 0).all()
 
 
 @pytest.mark.parametrize("codec", [cs.Raw(), cs.KIVI(k_bits=4, v_bits=2)], ids=["raw", "kivi"])

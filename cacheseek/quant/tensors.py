@@ -161,6 +161,11 @@ def check_out(out: Any, encoded: EncodedLayer, device: torch.device) -> tuple[to
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
             raise InputError(f"out[{name}]: expected {list(shape)} {dtype} on {device}, "
                              f"got {list(t.shape)} {t.dtype} on {t.device}")
+        # torch's own test, which its copies refuse on (the reference's and the kernels' way
+        # to say it); the host decode writes in chunks, and each wrote over the one before.
+        if torch._debug_has_internal_overlap(t) == 1:
+            raise InputError(f"out[{name}]: more than one element refers to a single memory location "
+                             f"(strides {list(t.stride())}: an expanded tensor?); give one of its own")
     return out[0], out[1]
 
 
