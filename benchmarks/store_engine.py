@@ -232,10 +232,13 @@ def run_batches(shape: Shape, requests: int, request_tokens: int, codecs: list[s
 # -- fresh prompts --------------------------------------------------------------------------
 
 
-def pinned_copy_seconds(nbytes: int, reps: int, device: torch.device) -> float:
-    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+def pinned_copy_seconds(nbytes: int, reps: int, device: torch.device, *, to_host: bool = True) -> float:
+    """A pinned copy of ``nbytes``: device to host (an ingest's direction), or host to
+    device (a materialize's)."""
+    dev = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
     host = torch.empty(nbytes // 2, dtype=torch.float16, pin_memory=device.type == "cuda")
-    times = [timed(lambda: host.copy_(src, non_blocking=True), device) for _ in range(reps + 1)][1:]
+    dst, src = (host, dev) if to_host else (dev, host)
+    times = [timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(reps + 1)][1:]
     return statistics.median(times)
 
 
@@ -246,7 +249,11 @@ def run_fresh(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
     raw = shape.layout.raw_nbytes(tokens)
     template = shape.kv(tokens, device)
     copy = pinned_copy_seconds(raw, reps, device)
-    print(f"  pinned device-to-host copy of {raw / 1e9:.2f} GB: {raw / copy / 1e9:.1f} GB/s", flush=True)
+    # A materialize moves the other way: its baseline is the host-to-device copy (the tier
+    # benchmark's too), measured in the same run.
+    copy_in = pinned_copy_seconds(raw, reps, device, to_host=False)
+    print(f"  pinned copies of {raw / 1e9:.2f} GB: device to host {raw / copy / 1e9:.1f} GB/s, "
+          f"host to device {raw / copy_in / 1e9:.1f} GB/s", flush=True)
     rows = []
     for codec in codecs:
         fresh, reused = make_cache(shape, codec, blocks), make_cache(shape, codec, blocks, calls_held=2)
@@ -278,7 +285,7 @@ def run_fresh(shape: Shape, blocks: int, codecs: list[str], reps: int, device: t
                                 ("same KV, previous blocks deleted", t_reused, "ingest"),
                                 ("fresh prompt, just stored", m_fresh, "materialize")):
             row = _row(f"{codec} {op}: {name}", times, raw, codec=codec, op=op, tokens=tokens)
-            row["vs_pinned_copy"] = copy / statistics.median(times)
+            row["vs_pinned_copy"] = (copy_in if op == "materialize" else copy) / statistics.median(times)
             row["evictions"] = evictions if "full" in name else 0
             rows.append(row)
             print(f"  {codec:4s} {tokens:6d} tokens {op:11s} {name:34s} {row['gbps']:7.1f} GB/s "
