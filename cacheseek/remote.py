@@ -41,7 +41,7 @@ from .batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE, LENGTH, BatchFor
 from .decode import decode_frames
 from .encode import encode_missing
 from .errors import ConfigError, FrameError, InputError, PoolExhausted, RemoteBusy, RemoteError, RemoteUnavailable
-from .hashing import DEFAULT_ALGO, NAMESPACE_PATTERN, SINGLE, BlockHash, Shard, to_hex
+from .hashing import DEFAULT_ALGO, NAMESPACE_PATTERN, SINGLE, BlockHash, Shard, digest_size, to_hex
 from .idle_pool import IdlePool
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
@@ -853,6 +853,29 @@ class RemoteCache(PrefixCacheBase):
         server = self._request("GET", "/v1/stats", json_answer=True, check=lambda found: isinstance(found, dict),
                                what="the server's figures")
         return {**self._config_stats(), **server, "device_staging": staging_stats()}
+
+    def check_token(self, *, write: bool = True) -> None:
+        """Whether the server takes this client's token to write (``write``) or to read,
+        asked by a delete (or a read) of a block no one stored, which changes nothing. A token
+        it refuses (``401``, ``403``) is a ``ConfigError``, said now rather than by every call
+        after; a server that cannot be reached, or any other answer, raises nothing here (an
+        outage is said by the calls that meet it), and the breaker hears nothing of it."""
+        import secrets
+
+        self._check_open()
+        path = f"/v1/blocks/{secrets.token_hex(digest_size(self.hash_algo))}"
+        try:
+            response = self._http.request("DELETE" if write else "GET", path)
+        except (httpx.HTTPError, RemoteError):
+            return
+        if response.status_code in (401, 403):
+            try:
+                reason = response.json().get("error") or response.text[:REASON_CHARS]
+            except (ValueError, AttributeError, RecursionError):
+                reason = response.text[:REASON_CHARS]
+            raise ConfigError(f"token: {self.url} refused it to {'write' if write else 'read'} "
+                              f"(HTTP {response.status_code}: {reason})"
+                              + ("" if self._headers.get("Authorization") else "; it needs one"))
 
     def client_stats(self) -> dict[str, Any]:
         """This client's view of the server's availability: ``outages`` (each logged once),

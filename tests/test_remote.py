@@ -2115,3 +2115,34 @@ def test_a_413_naming_a_limit_no_server_has_is_taken_as_naming_none(named):
         assert len(posts) == 3 and posts[1] + posts[2] == posts[0]  # the refused body, then one frame a body
         assert 0 < cache.max_body_bytes < posts[0]
         assert cache.ingest(toks, kv).stored == 2  # (the limit halved, not 0: later calls still send)
+
+
+def test_check_token_says_a_token_the_server_refuses_and_changes_nothing(tmp_path):
+    """A token the server refused failed every call after it, each an outage to the caller
+    (the vLLM connector logged each, and computed everything): ``check_token`` asks once, by
+    a delete (or a read) of a block no one stored."""
+    with Server(tmp_path, "--write-token", "w", "--read-token", "r", disk=False) as srv:
+        def remote(token):
+            return cs.RemoteCache(srv.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                                  token=token)
+
+        with remote("w") as c:
+            c.check_token(write=True)
+            c.check_token(write=False)
+            assert c.client_stats()["breaker"]["consecutive_failures"] == 0
+        with remote("r") as c:
+            c.check_token(write=False)
+            with pytest.raises(cs.ConfigError, match=rf"^token: {srv.url} refused it to write \(HTTP 403: "):
+                c.check_token(write=True)
+        with remote(None) as c, pytest.raises(cs.ConfigError, match=r"refused it to read \(HTTP 401: .*; it needs one$"):
+            c.check_token(write=False)
+        with remote("wrong") as c, pytest.raises(cs.ConfigError, match=r"refused it to write \(HTTP 40[13]"):
+            c.check_token()
+        assert httpx.get(srv.url + "/v1/stats", headers={"Authorization": "Bearer r"}).json()["blocks"] == 0
+    with socket.socket() as s:  # nothing listening: no error here (the calls say an outage)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with cs.RemoteCache(f"http://127.0.0.1:{port}", model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        token="w", timeout=2) as c:
+        c.check_token()
+        assert c.client_stats()["breaker"]["consecutive_failures"] == 0

@@ -167,6 +167,14 @@ class CacheSeekConnector(KVConnectorBase_V1):
             ranks = 1 if self.mla else tp_size
             self._caches = [open_cache(self.config, self.layout, model_id, self._shard(parallel, r))
                             for r in range(ranks)]
+            if self.config.remote:
+                # A token the server refuses failed every call after, each logged as an
+                # outage, and vLLM computed everything: said at start instead (a server not
+                # up yet is no error here: the guard handles outages).
+                try:
+                    self._caches[0].check_token(write=save)
+                except ConfigError as exc:
+                    raise ConfigError(f"kv_connector_extra_config.{exc}") from None
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
