@@ -908,7 +908,7 @@ def test_demo_refuses_a_bad_count_before_loading_the_model(capsys, monkeypatch, 
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--block-tokens", "48"], "error: block_tokens: 48 is not a multiple of k_group_size=32"),
+    (["--cpu-bytes", "100TiB"], "error: cpu_bytes: "),
     (["--cpu-bytes", "lots"], "error: cpu_bytes: cannot read 'lots' as a size"),
     (["--document", "no_such_module_here"], "error: --document: no module 'no_such_module_here'"),
 ])
@@ -932,6 +932,8 @@ def test_demo_says_what_the_cache_refuses_and_exits_2(tiny_model, capsys, monkey
     (["--cpu-bytes", "lots"], "error: cpu_bytes: cannot read 'lots' as a size"),
     (["--gpu-bytes", "-1"], "error: gpu_bytes: cannot read '-1' as a size"),
     (["--url", "cache.internal:8080"], "error: url: 'cache.internal:8080' is not an http:// or https:// URL"),
+    (["--block-tokens", "48"], "error: --block-tokens: 48 is not a multiple of --group-size 32"),
+    (["--block-tokens", "64", "--group-size", "128", "--codec", "k2v4"], "is not a multiple of --group-size 128"),
 ])
 def test_demo_refuses_a_device_it_cannot_use_before_loading_the_model(capsys, monkeypatch, argv, says):
     """Each ended in a traceback once the model had loaded (torch's "not compiled with CUDA
@@ -1016,9 +1018,9 @@ def test_demo_output_holds_no_progress_bars_of_transformers(tiny_model, tmp_path
     demo.add_arguments(parser)
     capfd.readouterr()
     try:
-        assert demo.run(parser.parse_args(["--block-tokens", "48"])) == 2  # refused once the model loaded
+        assert demo.run(parser.parse_args(["--cpu-bytes", "100TiB"])) == 2  # refused once the model loaded
     finally:
         hf_logging.enable_progress_bar()
     out, err = capfd.readouterr()
-    assert "error: block_tokens: 48 is not a multiple of k_group_size=32" in err and "[2/3]" in out
+    assert "error: cpu_bytes: " in err and "[2/3]" in out
     assert "Loading weights" not in err and "%|" not in err, err

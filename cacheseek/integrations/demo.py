@@ -169,6 +169,10 @@ def _device_error(args: argparse.Namespace) -> str | None:
         return f"--device: {args.device!r} is not a torch device (cpu, cuda, cuda:1, ...)"
     if device.type == "cuda" and not torch.cuda.is_available():
         return f"--device: {args.device!r}, but torch sees no CUDA device (a CPU build of torch, or no driver)"
+    if args.codec != "raw" and args.block_tokens % args.group_size:
+        # (the cache refuses it too, once the model has loaded)
+        return (f"--block-tokens: {args.block_tokens} is not a multiple of --group-size {args.group_size} "
+                "(KIVI groups K along tokens, and only whole blocks are stored)")
     try:
         parse_size(args.cpu_bytes, name="cpu_bytes")
         gpu_bytes = parse_size(args.gpu_bytes, name="gpu_bytes")
