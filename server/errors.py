@@ -8,6 +8,7 @@ Routes and the service raise these (or the library's own ``FrameError``/``InputE
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -116,6 +117,17 @@ def error_response(status: int, reason: str, *, busy: bool = False) -> JSONRespo
     return JSONResponse({"error": reason}, status_code=status, headers=headers)
 
 
+# A stored key is a namespace's mask XOR the client's hash: a tier's reason that names one
+# (a disk file's name in an OSError, a Redis key) gives a tenant its mask, and with it every
+# block of the default namespace (whose mask is zero). None reaches a client; the log keeps them.
+_STORED_KEYS = re.compile(r"[0-9a-fA-F]{32,}")
+
+
+def without_keys(text: str) -> str:
+    """A tier's reason as a client may read it: every run of 32 or more hex digits hidden."""
+    return _STORED_KEYS.sub("<key>", text)
+
+
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, RequestValidationError):
         parts = []
@@ -137,6 +149,8 @@ def _reason(exc: BaseException) -> str:
         return "; ".join(parts) or "invalid request body"
     if isinstance(exc, ClientDisconnect):
         return "the client went away before its body ended"
+    if isinstance(exc, (StorageError, TierUnavailable)) and not isinstance(exc, ServiceError):
+        return without_keys(str(exc)) or type(exc).__name__  # (a tier's own: see without_keys)
     return str(exc) or type(exc).__name__
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from cacheseek.store.tiered import DURABLE, DrainReport, StorePutResult, TieredS
 from cacheseek.units import format_size
 
 from .claims import Claimed, PositionClaims
-from .errors import BadFrame, HashMismatch, NotFound, TierUnreachable
+from .errors import BadFrame, HashMismatch, NotFound, TierUnreachable, without_keys
 from .metrics import Metrics
 from .namespaces import Namespaces, rewrite_prefix
 from .owners import Owners
@@ -42,6 +43,29 @@ PUT_GROUP = 4  # frames per store call
 DRAIN_PROGRESS_SECONDS = 5.0  # between a shutdown drain's progress lines
 
 log = logging.getLogger("cacheseek.server")
+
+WRITE_ERROR_LOG_SECONDS = 10.0  # a failing tier fails every write: its reason logged this often at most
+
+
+class _WriteErrors:
+    """Tier write failures, for the log: the first at once, then one line per
+    ``WRITE_ERROR_LOG_SECONDS`` with how many there were (a full disk fails every write).
+    Whole: a client's answer hides the keys in them (``without_keys``), the log does not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = float("-inf")
+        self._since = 0
+
+    def said(self, errors: dict[str, str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._since += 1
+            if now - self._last < WRITE_ERROR_LOG_SECONDS:
+                return
+            count, self._since, self._last = self._since, 0, now
+        more = f" ({count} writes failed since the last such line)" if count > 1 else ""
+        log.warning("a block could not be stored: %s%s", "; ".join(f"{t}: {r}" for t, r in errors.items()), more)
 
 
 @dataclass(slots=True)
@@ -80,6 +104,7 @@ class BlockService:
         self.max_chain_blocks = max_chain_blocks
         self.owners = owners if owners is not None else Owners()
         self.claims = PositionClaims()
+        self._write_errors = _WriteErrors()
         self.owners.adopt(store.residency.listen(self.owners))
         # A shared tier (Redis) keeps each block's owner beside it: an admin flush on any
         # replica finds there what no local index names (written by another, or evicted here).
@@ -217,7 +242,11 @@ class BlockService:
         for i, outcome in outcomes.items():
             report = reports[i]
             report.status = "stored" if outcome.stored else "present" if outcome.present else "failed"
-            report.errors = dict(outcome.errors)
+            # (each a tier's reason, read by the client: no stored key in it, see without_keys;
+            # the log, the operator's, keeps them whole)
+            report.errors = {tier: without_keys(reason) for tier, reason in outcome.errors.items()}
+            if outcome.errors:
+                self._write_errors.said(outcome.errors)
         return reports
 
     @staticmethod

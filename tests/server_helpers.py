@@ -40,8 +40,11 @@ class Server:
     """One ``cacheseek serve`` process. ``with Server(tmp_path) as srv: srv.url``."""
 
     def __init__(self, root: Path, *args: str, env: dict[str, str] | None = None, disk: bool = True,
-                 cpu_bytes: str = "64MiB", verify: ssl.SSLContext | bool = True) -> None:
+                 cpu_bytes: str = "64MiB", verify: ssl.SSLContext | bool = True,
+                 max_file_bytes: int | None = None) -> None:
         self.root = Path(root)
+        # RLIMIT_FSIZE on the server: a file write past it fails (EFBIG), as on a full disk
+        self.max_file_bytes = max_file_bytes
         self.disk_path = self.root / "disk"
         self.port = free_port()
         self.verify = verify  # for https: the CA bundle that signed the server's certificate
@@ -58,7 +61,7 @@ class Server:
         self.root.mkdir(parents=True, exist_ok=True)
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen([*cacheseek_command(), "serve", *self.args], stdout=logf, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=self._limits)
         logf.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -72,6 +75,14 @@ class Server:
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"cacheseek serve not ready after {timeout}s:\n{self.output()}")
+
+    def _limits(self) -> None:
+        if self.max_file_bytes is not None:
+            import resource
+            import signal
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (else the write kills the process)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.max_file_bytes, self.max_file_bytes))
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""

@@ -185,3 +185,30 @@ def test_metrics_take_an_operator_or_metrics_token_where_the_server_has_tokens(t
     # metrics_open: today's scrapers, without a token, on a server with tokens.
     with Server(tmp_path / "open", "--write-token", "wr", "--metrics-open", disk=False) as srv:
         assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
+def test_a_tier_error_a_tenant_reads_names_no_stored_key(tmp_path):
+    """A stored key is a namespace's mask XOR the client's hash. A disk write that failed
+    answered "disk tier: writing <stored key>.frame failed": the tenant XORed it with its hash
+    to get its mask, and with it read, deleted and overwrote the default namespace's blocks
+    (whose mask is zero). Tier reasons reach clients with every key hidden (the log keeps them)."""
+    import json
+    import re
+
+    tenants = json.dumps({"a": {"write_token": "tenant-a-secret-token"}})
+    tenant = {"Authorization": "Bearer tenant-a-secret-token"}
+    # Frames of the test layout (32 KiB) cannot be written past 20,000 bytes a file: a disk that fails.
+    with Server(tmp_path, "--write-token", "operator-token", env={"CACHESEEK_TENANTS": tenants},
+                max_file_bytes=20_000) as srv, httpx.Client(base_url=srv.url) as c:
+        h, frame = raw_frame(2)
+        r = c.put(f"/v1/blocks/{h.hex()}", content=frame, headers=tenant)
+        assert r.status_code == 507 and "writing <key>.frame failed" in r.json()["error"], r.text
+        h2, frame2 = raw_frame(3)
+        r = c.post("/v1/blocks", content=batch_body([frame2]), headers=tenant)
+        errors = r.json()[0]["errors"] if r.status_code == 200 else r.json()
+        said = json.dumps(errors)
+        assert "<key>" in said, r.text
+        for text in (said, c.put(f"/v1/blocks/{h.hex()}", content=frame, headers=tenant).text):
+            assert not [k for k in re.findall(r"[0-9a-f]{32,}", text) if k not in (h.hex(), h2.hex())], text
+        assert re.search(r"WARNING.*a block could not be stored: disk: disk tier: writing [0-9a-f]{32}\.frame failed",
+                         srv.output()), srv.output()  # (the operator's log keeps the key)

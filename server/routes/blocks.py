@@ -70,7 +70,7 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
         held.close()
     service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), [report])
     if report.status == "failed":
-        raise StorageError(f"no tier could store block {report.hash}: {report.errors}")
+        raise StorageError(f"no tier could store the block: {report.errors}")  # (the URL names it)
     return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
 
 
