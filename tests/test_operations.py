@@ -1358,3 +1358,37 @@ def test_the_owners_and_pins_files_are_renamed_durably_before_their_save_returns
     finally:
         ops.close()
         store.close()
+
+
+def test_a_put_of_a_stored_block_walks_none_of_its_children(tmp_path, monkeypatch):
+    """A tenant's block with 100k stored children made each put of it (answered "present")
+    walk every child in the event loop: 89 ms a 400-byte PUT, and every other client waited.
+    Stored at its position already, its children were checked against it (or it against them)
+    as each arrived; at another position it is refused, as a batch's copy is."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.frame import parse_frame
+    from cacheseek.store.tiered import TieredStore
+    from server.errors import BadFrame
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.service import BlockService
+
+    store = TieredStore([CpuTier(64 << 20)])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    try:
+        parent, frame = raw_chain(70, 1)[0]
+        assert service.check_and_put("", bytearray(frame), parent).status == "stored"
+        for i in range(3):
+            _, child = raw_frame(71 + i, parent=parent, position=1)
+            h = parse_frame(child).block_hash
+            assert service.check_and_put("", bytearray(child), h).status == "stored"
+        walked = []
+        real = TieredStore.children
+        monkeypatch.setattr(TieredStore, "children", lambda self, key: walked.append(key) or real(self, key))
+        assert service.check_and_put("", bytearray(frame), parent).status == "present"
+        assert walked == []
+        _, moved = raw_frame(76, block_hash=parent, parent=bytes([9]) * 16, position=3)
+        with pytest.raises(BadFrame, match="is stored at position 0"):
+            service.check_and_put("", bytearray(moved), parent)
+    finally:
+        store.close()
