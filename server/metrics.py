@@ -208,6 +208,11 @@ class Metrics:
         self.latency: dict[tuple[str, str], Latency] = {}
         self.statuses: dict[tuple[str, str, int], int] = {}  # (route, method, status code)
         self.traffic: dict[tuple[str, str], Traffic] = {}
+        # A namespace's own model labels, at most a quarter of the pairs: past them its models
+        # count under (namespace, "_other"), so one tenant naming many models (a header is the
+        # client's word) cannot push every other tenant's traffic into ("_other", "_other").
+        self.models_per_namespace = max(1, max_owners // 4)
+        self._models: dict[str, int] = {}
         self.frames_rejected: dict[str, int] = {}
         self.frame_bytes_received = 0
         self.frame_bytes_sent = 0
@@ -231,15 +236,24 @@ class Metrics:
         self.statuses[skey] = self.statuses.get(skey, 0) + 1
 
     def owner(self, namespace: str, model: str | None) -> Traffic:
-        """The counters of (namespace, model); ``_other`` once ``max_owners`` pairs exist."""
+        """The counters of (namespace, model): a namespace's models past
+        ``models_per_namespace``, or once ``max_owners`` pairs exist, count under its
+        ``_other`` model; a namespace new once they exist, under ``_other`` in both."""
         # Looked up under the cleaned labels it is stored under: a model name that cleaning
         # changes (non-ASCII, over 128 characters) would otherwise start over every request.
-        key = (clean_label(namespace), clean_label(model or ""))
+        ns = clean_label(namespace)
+        key = (ns, clean_label(model or ""))
         t = self.traffic.get(key)
         if t is None:
-            if len(self.traffic) >= self.max_owners:
+            full = len(self.traffic) >= self.max_owners
+            models = self._models.get(ns, 0)
+            if full and not models:
                 key = (OTHER, OTHER)
-                t = self.traffic.get(key)
+            elif full or models >= self.models_per_namespace:
+                key = (ns, OTHER)
+            else:
+                self._models[ns] = models + 1
+            t = self.traffic.get(key)
             if t is None:
                 t = self.traffic[key] = Traffic()
         return t

@@ -1392,3 +1392,28 @@ def test_a_put_of_a_stored_block_walks_none_of_its_children(tmp_path, monkeypatc
             service.check_and_put("", bytearray(moved), parent)
     finally:
         store.close()
+
+
+def test_a_tenant_naming_many_models_keeps_another_tenants_traffic_in_its_own_labels(tmp_path):
+    """The 64 (namespace, model) pairs of the traffic figures went to whoever came first: a
+    tenant naming 64 models (a header, the client's word) left another tenant's lookups
+    counted under ("_other", "_other") for the life of the process, gone from its own stats.
+    A namespace's models past 16 count under its own "_other"."""
+    tenants = '{"a": {"write_token": "a-w"}, "b": {"write_token": "b-w"}}'
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        def lookup(token: str, model: str) -> None:
+            r = c.post("/v1/lookup", json={"hashes": ["11" * 16]},
+                       headers={"Authorization": f"Bearer {token}", "X-CacheSeek-Model": model})
+            assert r.status_code == 200, r.text
+
+        for i in range(64):
+            lookup("a-w", f"m{i}")
+        lookup("b-w", "mine")
+        assert c.get("/v1/stats", headers={"Authorization": "Bearer b-w"}).json()["traffic"]["lookups"] == 1
+        assert c.get("/v1/stats", headers={"Authorization": "Bearer a-w"}).json()["traffic"]["lookups"] == 64
+        text = c.get("/metrics", headers=writer()).text
+        assert 'cacheseek_lookups_total{model="mine",namespace="b"} 1.0' in text
+        assert 'cacheseek_lookups_total{model="_other",namespace="a"} 48.0' in text
+        assert sum(line.startswith("cacheseek_lookups_total{") and 'namespace="a"' in line
+                   for line in text.splitlines()) == 17
