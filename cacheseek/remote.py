@@ -485,14 +485,15 @@ class RemoteCache(PrefixCacheBase):
         if not hashes:
             return _done(answer())
         nbytes = len(hashes) * self._pending_frame_bytes
-        if not self._behind.reserve(nbytes):
+        # (per request, a block two requests share counted for both)
+        if not self._behind.reserve(nbytes, sum(result.blocks for result in results)):
             why = (f"this write's {len(hashes)} frames ({nbytes} bytes at most) would pass max_pending_bytes "
                    f"({self._behind.max_bytes}) beside the {self._behind.pending_bytes} bytes waiting to be sent: dropped")
             for result in results:
                 result.failed = result.blocks
                 result.errors.setdefault("backlog", why)
-            # (per request, a block two requests share counted for both, as an outage's drop is)
-            self._outages.count("dropped_blocks", sum(result.blocks for result in results))
+            # (this client's own bound, the server not asked: write_behind's blocks_refused, not
+            # an outage's dropped_blocks, which counted them in either on_unavailable mode)
             return _done(answer())
         leases: list[Any] = []
 
@@ -886,7 +887,8 @@ class RemoteCache(PrefixCacheBase):
         request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
         waited past their timeout for a connection of this client's pool, not sent),
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
-        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes``, failed:
+        ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes`` and the
+        blocks of those, ``blocks_refused``, failed:
         their futures hold an error, the last one's in its ``last_error``, pending now, and
         their bytes; ``blocks_failed``: blocks of those sent answered failed); ``write_buffers`` and ``read_buffers``: the host buffers that
         frames are sent from and read into, kept for reuse (made, free, lent now)."""

@@ -94,18 +94,19 @@ class WriteBehind:
         self._executor: ThreadPoolExecutor | None = None  # started by the first write
         self._closed = False
         self._sent = threading.Event()  # close() has sent everything queued
-        self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "writes_failed": 0,
-                       "blocks_failed": 0, "pending_bytes_high": 0}
+        self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "blocks_refused": 0,
+                       "writes_failed": 0, "blocks_failed": 0, "pending_bytes_high": 0}
         self.last_error = ""
         self._failing = False  # the last write done failed: the next failure is not logged again
 
-    def reserve(self, nbytes: int) -> bool:
-        """Room for a write of ``nbytes`` of frames, taken now (False: the bound would be
-        passed; the write is not to be queued). Given back by ``release`` or, once
-        submitted, when the write is done."""
+    def reserve(self, nbytes: int, blocks: int = 0) -> bool:
+        """Room for a write of ``nbytes`` of frames (``blocks`` of them), taken now (False:
+        the bound would be passed; the write is not to be queued, and counted refused). Given
+        back by ``release`` or, once submitted, when the write is done."""
         with self._lock:
             if self._pending_bytes + nbytes > self.max_bytes:
                 self.counts["writes_refused"] += 1
+                self.counts["blocks_refused"] += blocks
                 return False
             self._pending_bytes += nbytes
             self.counts["pending_bytes_high"] = max(self.counts["pending_bytes_high"], self._pending_bytes)
