@@ -684,7 +684,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous: dict[int, Any] = {}
     unraisable = sys.unraisablehook
     if argv[:1] == ["serve"] and threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, interrupts) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too (a closed terminal, an ssh session dropped): uvicorn takes only SIGINT and
+        # SIGTERM, and its default killed the process, a write-back server's acknowledged
+        # blocks with it, undrained and unsaid. It stops the server as SIGTERM does.
+        stops = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+        previous = {sig: signal.signal(sig, interrupts) for sig in stops}
         # A stop raised where Python drops it (a gc callback) is not a traceback to print:
         # the start stops at its next step all the same (_Interrupts.check).
         sys.unraisablehook = lambda u: None if isinstance(u.exc_value, _StoppedOpening) else unraisable(u)

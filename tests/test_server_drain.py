@@ -55,10 +55,11 @@ def served(srv: Server, chains: list[list[tuple[bytes, bytes]]]) -> int:
 WRITE_BACK = ("--no-write-through", "--log-level", "info", "--cpu-bytes", "128MiB")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_write_back_server_stopped_cleanly_keeps_its_memory_for_the_restart(tmp_path, sig):
     """Without the drain, a SIGTERM lost every block the CPU tier had not demoted yet (here all
-    of them: a restart answered 404 for each)."""
+    of them: a restart answered 404 for each). A SIGHUP (a closed terminal) killed the process
+    the same way, undrained and unsaid: it stops it as SIGTERM does."""
     chains = [raw_chain(seed, 4) for seed in range(1, 6)]
     srv = Server(tmp_path, *WRITE_BACK).start()
     try:
