@@ -174,9 +174,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     a ``[cacheseek]`` table (or top-level ``cacheseek:`` map), if present, is used instead."""
     path = Path(path).expanduser()
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")  # (TOML is UTF-8; so is the YAML this reads)
     except OSError as exc:
         raise ConfigError(f"config: cannot read {path}: {exc}") from None
+    except UnicodeDecodeError as exc:  # (a traceback and exit 1 before)
+        raise ConfigError(f"config: {path} is not UTF-8 text (byte {exc.start + 1}: {exc.reason})") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

@@ -859,6 +859,12 @@ def test_bad_settings_never_print_a_token(tmp_path):
     out = subprocess.run([*base, "--config", str(config)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "is not valid: while scanning a quoted scalar" in out.stderr, out.stderr
     assert "line 1, column 14" in out.stderr and "s3cret" not in out.stderr, out.stderr
+    # A file that is not UTF-8 (saved as Latin-1): a UnicodeDecodeError traceback and exit 1
+    latin = tmp_path / "cs.toml"
+    latin.write_bytes('write_token = "s3cret-\xe9"\n'.encode("latin-1"))
+    out = subprocess.run([*base, "--config", str(latin)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"config: {latin} is not UTF-8 text (byte 23: " in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "s3cret" not in out.stderr, out.stderr
 
 
 def test_serve_prints_settings_and_sigterm_finishes_inflight_requests(tmp_path):
