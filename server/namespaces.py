@@ -23,6 +23,7 @@ persistent tier) it is random for the life of the process.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import secrets
 import struct
@@ -33,6 +34,7 @@ import msgpack
 
 from cacheseek.errors import ConfigError
 from cacheseek.store.frame import FrameMeta, header_prefix
+from .owners import OWNERS_FILE
 from .state_files import fsync_dir
 
 KEY_FILE = ".namespace-key"
@@ -49,6 +51,14 @@ def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
         return _checked_key(path, path.read_bytes())
     except FileNotFoundError:
         pass
+    if (path.parent / OWNERS_FILE).exists():
+        # (an earlier start stored blocks here: those of named namespaces were masked with the
+        # key now missing, and a new one silently made them unreachable)
+        logging.getLogger("cacheseek.server").warning(
+            "cacheseek serve: %s is missing from a disk directory an earlier start stored blocks in: a new "
+            "namespace key is made, and the blocks stored in named namespaces under the old one cannot be "
+            "found (they age out of the tier). Restore the file, or give namespace_secret to keep a key "
+            "across starts", path)
     path.parent.mkdir(0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f"{KEY_FILE}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

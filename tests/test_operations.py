@@ -1417,3 +1417,20 @@ def test_a_tenant_naming_many_models_keeps_another_tenants_traffic_in_its_own_la
         assert 'cacheseek_lookups_total{model="_other",namespace="a"} 48.0' in text
         assert sum(line.startswith("cacheseek_lookups_total{") and 'namespace="a"' in line
                    for line in text.splitlines()) == 17
+
+
+def test_a_namespace_key_missing_from_a_directory_with_blocks_is_said(tmp_path):
+    """The disk directory's .namespace-key deleted (or lost in a copy): a new one was made
+    without a word, and every block of a named namespace became unreachable (404s, its bytes
+    still charged). The start says so, naming the file."""
+    tenants = '{"a": {"write_token": "a-w"}}'
+    chain = raw_chain(91, 2)
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s, \
+            httpx.Client(base_url=s.url) as c:
+        post_chain(c, chain, Authorization="Bearer a-w")
+    key = next(tmp_path.rglob(".namespace-key"))
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s:
+        assert "is missing" not in s.output()
+    key.unlink()
+    with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s:
+        assert f"{key} is missing from a disk directory an earlier start stored blocks in" in s.output(), s.output()
