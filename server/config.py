@@ -236,14 +236,17 @@ class ServerSettings(BaseSettings):
         "auto", description="uvicorn HTTP implementation; auto: httptools with a leaner body path (server.protocol)")
     loop: Literal["auto", "asyncio", "uvloop"] = Field("auto", description="uvicorn event loop")
     graceful_timeout_seconds: float = Field(
-        30.0, gt=0, description="on SIGTERM, how long in-flight requests may finish")
-    keepalive_timeout_seconds: float = Field(30.0, gt=0, description="idle keep-alive connections close after this")
+        30.0, gt=0, allow_inf_nan=False, description="on SIGTERM, how long in-flight requests may finish")
+    keepalive_timeout_seconds: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="idle keep-alive connections close after this")
     header_timeout_seconds: float = Field(
-        10.0, gt=0, description="a request's headers must all arrive within this of its first byte (or of the "
-                                "connection's opening); else the connection is closed")
+        10.0, gt=0, allow_inf_nan=False,
+        description="a request's headers must all arrive within this of its first byte (or of the connection's "
+                    "opening); else the connection is closed")
     body_idle_timeout_seconds: float = Field(
-        10.0, gt=0, description="a request body that gets no byte for this long (while the server reads), or a "
-                                "response whose client takes no byte of it for this long, is cut off")
+        10.0, gt=0, allow_inf_nan=False,
+        description="a request body that gets no byte for this long (while the server reads), or a response whose "
+                    "client takes no byte of it for this long, is cut off")
     body_min_bytes_per_second: int = Field(
         64 << 10, description="bytes per second a request body must average once it has run body_idle_timeout_seconds "
                               "(time the server is not reading excluded), and a response its client must take once "
@@ -261,9 +264,10 @@ class ServerSettings(BaseSettings):
     write_through: bool = Field(
         True, description="every ingest is written to the persistent tiers (disk, Redis) before it is acknowledged")
     shutdown_drain_seconds: float = Field(
-        30.0, ge=0, description="on SIGTERM/SIGINT, once in-flight requests are done: how long to spend writing the "
-                                "blocks only the memory tiers hold (write-back: not demoted yet) to disk, or Redis, "
-                                "so a restart finds them; a second SIGINT stops it; 0: off (they are lost)")
+        30.0, ge=0, allow_inf_nan=False,
+        description="on SIGTERM/SIGINT, once in-flight requests are done: how long to spend writing the blocks "
+                    "only the memory tiers hold (write-back: not demoted yet) to disk, or Redis, so a restart finds "
+                    "them; a second SIGINT stops it; 0: off (they are lost)")
     disk_fsync: bool = Field(True, description="fsync frames, sidecars and directories on disk")
     disk_group_commit: bool = Field(
         True, description="commit the frames of one request together (data files, sidecars, one fsync per "
@@ -284,8 +288,8 @@ class ServerSettings(BaseSettings):
         None, gt=0, description="a block unused this long expires from Redis; unset: never")
     redis_prefix: str = Field("cacheseek", description="first part of every Redis key")
     redis_namespace: str = Field("default", description="second part of every Redis key: separate budgets on one Redis")
-    redis_connect_timeout_seconds: float = Field(1.0, gt=0, description="Redis connect timeout")
-    redis_socket_timeout_seconds: float = Field(2.0, gt=0, description="Redis read/write timeout")
+    redis_connect_timeout_seconds: float = Field(1.0, gt=0, allow_inf_nan=False, description="Redis connect timeout")
+    redis_socket_timeout_seconds: float = Field(2.0, gt=0, allow_inf_nan=False, description="Redis read/write timeout")
     redis_breaker_failures: int = Field(3, ge=1, description="consecutive Redis failures that open the circuit breaker")
     redis_breaker_base_seconds: float = Field(
         1.0, gt=0, description="first open period of the breaker; doubles per failed probe")

@@ -809,11 +809,17 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     out = subprocess.run([*base, "--disk-bytes", "0", "--redis-url", "redis://127.0.0.1:1", "--redis-ttl-seconds", "inf"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "redis_ttl_seconds: must be > 0 and at most" in out.stderr, out.stderr
-    for args, name in ((["--redis-connect-timeout-seconds", "inf"], "connect_seconds"),
+    for args, name in ((["--redis-connect-timeout-seconds", "inf"], "redis_connect_timeout_seconds"),
                        (["--redis-breaker-base-seconds", "inf", "--redis-breaker-cap-seconds", "inf"], "cap_seconds")):
         out = subprocess.run([*base, "--disk-bytes", "0", "--redis-url", "redis://127.0.0.1:1", *args],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and name in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+    # An infinite time limit turned the slow-client protection off unsaid: refused, named.
+    for flag in ("--header-timeout-seconds", "--body-idle-timeout-seconds", "--graceful-timeout-seconds",
+                 "--shutdown-drain-seconds", "--keepalive-timeout-seconds"):
+        out = subprocess.run([*base, flag, "inf"], capture_output=True, text=True, timeout=60)
+        name = flag.removeprefix("--").replace("-", "_")
+        assert out.returncode == 2 and name in out.stderr and "finite number" in out.stderr, (flag, out.stderr)
     # A namespace secret too short to key anything: said as a setting, before the store is
     # opened (it was refused only as the app started: exit 3, a traceback, the disk created).
     disk = tmp_path / "never"
