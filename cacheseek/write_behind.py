@@ -98,19 +98,28 @@ class WriteBehind:
                        "writes_failed": 0, "blocks_failed": 0, "pending_bytes_high": 0}
         self.last_error = ""
         self._failing = False  # the last write done failed: the next failure is not logged again
+        self._refusing = False  # the last write offered was refused for the bound: said once a run
 
     def reserve(self, nbytes: int, blocks: int = 0) -> bool:
         """Room for a write of ``nbytes`` of frames (``blocks`` of them), taken now (False:
         the bound would be passed; the write is not to be queued, and counted refused). Given
         back by ``release`` or, once submitted, when the write is done."""
         with self._lock:
-            if self._pending_bytes + nbytes > self.max_bytes:
-                self.counts["writes_refused"] += 1
-                self.counts["blocks_refused"] += blocks
-                return False
-            self._pending_bytes += nbytes
-            self.counts["pending_bytes_high"] = max(self.counts["pending_bytes_high"], self._pending_bytes)
-            return True
+            if self._pending_bytes + nbytes <= self.max_bytes:
+                self._pending_bytes += nbytes
+                self.counts["pending_bytes_high"] = max(self.counts["pending_bytes_high"], self._pending_bytes)
+                self._refusing = False
+                return True
+            self.counts["writes_refused"] += 1
+            self.counts["blocks_refused"] += blocks
+            first, self._refusing = not self._refusing, True
+            pending = self._pending_bytes
+        if first:  # (a bound below one write's frames refused every write, counted and never said)
+            log.warning("%s: a write in the background (ingest wait=False) of %d bytes of frames was refused: it "
+                        "would pass max_pending_bytes (%d) beside the %d bytes waiting to be sent; its blocks are "
+                        "answered failed (client_stats()['write_behind']['blocks_refused']; said once a run)",
+                        self.owner, nbytes, self.max_bytes, pending)
+        return False
 
     @property
     def pending_bytes(self) -> int:

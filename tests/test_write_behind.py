@@ -240,9 +240,11 @@ def test_a_second_close_from_another_thread_waits_for_the_queue_to_be_sent(tmp_p
             assert [other.lookup(t) for t in toks] == [2 * BLOCK] * 2
 
 
-def test_a_batch_dropped_for_the_backlog_counts_its_blocks_per_request(srv):
+def test_a_batch_dropped_for_the_backlog_counts_its_blocks_per_request(srv, caplog):
     """Every request's blocks failed, and ``write_behind.blocks_refused`` their sum, a block two
-    requests share counted for both, as a waited ingest's outage counts its dropped blocks."""
+    requests share counted for both, as a waited ingest's outage counts its dropped blocks. A
+    bound below one write refused every write, counted and never said: the first of a run is
+    logged."""
     from paged_helpers import page_tables, write_tokens
 
     shared = tokens_for(80, BLOCK)
@@ -258,6 +260,10 @@ def test_a_batch_dropped_for_the_backlog_counts_its_blocks_per_request(srv):
         assert all("max_pending_bytes" in r.errors["backlog"] for r in results)
         assert cache.client_stats()["write_behind"]["blocks_refused"] == 5
         assert cache.client_stats()["dropped_blocks"] == 0
+        again = cache.ingest_batch([cs.PagedRequest(t, ids) for t, ids in zip(toks, tables)], pages, wait=False)
+        assert [r.failed for r in again.result(timeout=60)] == [3, 2]
+    said = [r.getMessage() for r in caplog.records if "was refused: it would pass max_pending_bytes (1)" in r.getMessage()]
+    assert len(said) == 1, said  # (once a run: the second refusal in a row is counted, not said again)
 
 
 def test_writes_that_fail_behind_the_call_are_counted_and_logged_once_per_run(srv, caplog):
