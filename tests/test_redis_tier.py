@@ -1682,6 +1682,11 @@ def test_index_entries_this_tier_did_not_write_neither_fail_a_call_nor_stop_writ
 def test_a_password_in_the_url_query_is_masked():
     for url in ("redis://127.0.0.1:6379/0?password=s3cret&db=1", "redis://u:s3cret@127.0.0.1:6379/0"):
         assert "s3cret" not in parse_redis_url(url).redacted()
+    # an "@" in the query's password read as the userinfo's end: its tail was shown
+    assert parse_redis_url("redis://myhost:6379/0?password=p@ssw0rd").redacted() == \
+        "redis://myhost:6379/0?password=***"
+    assert parse_redis_url("redis://u:pw@h:6379/0?password=top@secret&db=1").redacted() == \
+        "redis://u:***@h:6379/0?password=***&db=1"
 
 
 @pytest.mark.parametrize("char", ["?", "#", "/", "@", ":", "%3F"])

@@ -15,6 +15,7 @@ standalone URL's options.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -63,17 +64,16 @@ def _hide_secrets(url: str, *, keep_user: bool) -> str:
     it holds (a cluster URL takes a password with ``?``, ``/`` or ``#`` in it, and one split
     at the first ``?`` first was shown whole), and a ``password=`` in the query after it.
     ``keep_user``: a ``user:`` before the password stays readable."""
+    # A query's password first, whatever it holds (an "@" in it read as the userinfo's end
+    # showed the rest of it): then every "@" left is the userinfo's, or a harmless option's.
+    url = re.sub(r"(?i)([?&]password=)[^&#]*", r"\1***", url)
     scheme, sep, rest = url.partition("://")
     userinfo, at, after = rest.rpartition("@")
     shown = ""
     if at:
         user, colon, _ = userinfo.partition(":")
         shown = f"{user}:***@" if keep_user and colon and not any(c in user for c in "/?#") else "***@"
-    hosts, question, query = after.partition("?")
-    if query:
-        query = "&".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() == "password" else p
-                         for p in query.split("&"))
-    return f"{scheme}{sep}{shown}{hosts}{question}{query}"
+    return f"{scheme}{sep}{shown}{after}"
 
 
 def _masked(url: str) -> str:
