@@ -687,7 +687,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGHUP too (a closed terminal, an ssh session dropped): uvicorn takes only SIGINT and
         # SIGTERM, and its default killed the process, a write-back server's acknowledged
         # blocks with it, undrained and unsaid. It stops the server as SIGTERM does.
-        stops = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
+        # Not where it is ignored (nohup): the server outlives the terminal there, as before.
+        hup = getattr(signal, "SIGHUP", None)
+        stops = (signal.SIGINT, signal.SIGTERM,
+                 *((hup,) if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN else ()))
         previous = {sig: signal.signal(sig, interrupts) for sig in stops}
         # A stop raised where Python drops it (a gc callback) is not a traceback to print:
         # the start stops at its next step all the same (_Interrupts.check).

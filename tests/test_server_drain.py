@@ -202,3 +202,17 @@ def test_the_setting_takes_seconds_from_its_flag_and_variable_and_refuses_a_nega
     assert ServerSettings.load(shutdown_drain_seconds=0).shutdown_drain_seconds == 0
     with pytest.raises(ValidationError, match="shutdown_drain_seconds"):
         ServerSettings.load(shutdown_drain_seconds=-1)
+
+
+def test_a_server_started_under_nohup_outlives_its_terminal(tmp_path):
+    """SIGHUP stops the server as SIGTERM does, but not where it was ignored when the server
+    started (nohup): the handler took it over, and a logout stopped a server run to outlive it."""
+    srv = Server(tmp_path, *WRITE_BACK)
+    srv._limits = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (as nohup leaves it: inherited)
+    srv.start()
+    try:
+        srv.proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert srv.proc.poll() is None and httpx.get(srv.url + "/readyz", timeout=5).status_code == 200
+    finally:
+        srv.stop()
