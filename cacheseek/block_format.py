@@ -27,6 +27,8 @@ from .store.frame import FrameMeta, plan_frame, replan_frame
 
 MAX_POSITION = 1 << 62  # the largest ``pos`` a frame header may hold (``frame.parse_header``)
 MAX_TEMPLATES = 8  # one per (hash size, parent hash size): a cache uses one or two
+PLACEHOLDER_CHUNK = 64  # positions planned together for the guessed tail (``placeholder_run``)
+PLACEHOLDER_CHUNKS = 256  # chunks kept at most (16K positions: blocks of a 4M-token prompt at 256)
 
 
 class BlockFormat:
@@ -45,7 +47,8 @@ class BlockFormat:
         if self.policy is not None:
             self._parts = tuple(BlockFormat(part, layout, block_tokens) for part in self.policy.codecs())
         self._templates: OrderedDict[tuple[int, int], FrameMeta] = OrderedDict()
-        self._placeholders: dict[int, tuple[FrameMeta, ...]] = {}  # hash size -> positions 0, 1, ...
+        # (hash size, chunk) -> the placeholder frames of that chunk's positions
+        self._placeholders: dict[tuple[int, int], tuple[FrameMeta, ...]] = {}
         self._lock = threading.Lock()  # taken only to add a template
 
     @property
@@ -116,19 +119,26 @@ class BlockFormat:
         """``plan_run`` of blocks ``first..first + count`` under all-zero keys of ``hash_size``
         bytes: the sizes and payload layout of frames whose keys are not known yet (the
         in-place ingest's guessed tail). Each position's frame depends on nothing else, so
-        they are kept per hash size, from position 0 to the furthest asked (planning costs
-        the host ~10 us a frame; kept per (first, count), prompts of many lengths missed)."""
-        end = first + count
-        run = self._placeholders.get(hash_size, ())
-        if len(run) < end:
-            have = len(run)
-            grown = max(end, 2 * have)  # (doubling: a prompt a block longer plans one run, not each)
-            unknown = [bytes(hash_size)] * (grown - have)
-            run = run + tuple(self.plan_run(have, unknown, unknown))  # (planned unlocked: it takes the lock)
-            with self._lock:
-                if len(self._placeholders.get(hash_size, ())) < len(run):
-                    self._placeholders[hash_size] = run
-        return list(run[first:end])
+        they are planned and kept in chunks of ``PLACEHOLDER_CHUNK`` positions, the chunks a
+        run touches only (planning costs the host ~5-10 us a frame: kept per (first, count),
+        prompts of many lengths missed; planned from position 0, a long prompt's first call
+        took 100 ms)."""
+        out: list[FrameMeta] = []
+        pos, end = first, first + count
+        while pos < end:
+            c = pos // PLACEHOLDER_CHUNK
+            base = c * PLACEHOLDER_CHUNK
+            chunk = self._placeholders.get((hash_size, c))
+            if chunk is None:
+                unknown = [bytes(hash_size)] * PLACEHOLDER_CHUNK
+                chunk = tuple(self.plan_run(base, unknown, unknown))  # (unlocked: planning takes the lock)
+                with self._lock:
+                    while len(self._placeholders) >= PLACEHOLDER_CHUNKS:
+                        self._placeholders.pop(next(iter(self._placeholders)))  # the oldest
+                    self._placeholders[(hash_size, c)] = chunk
+            out += chunk[pos - base : min(end, base + PLACEHOLDER_CHUNK) - base]
+            pos = base + PLACEHOLDER_CHUNK
+        return out
 
     def _template(self, hash_size: int, parent_size: int) -> FrameMeta:
         key = (hash_size, parent_size)

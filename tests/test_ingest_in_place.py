@@ -890,10 +890,13 @@ def test_placeholder_runs_are_the_plans_of_all_zero_keys_kept_per_position(codec
     miss planned its whole tail again (~10 us a frame); kept per position, any run of
     positions planned before is a slice."""
     fmt = BlockFormat(codec, LAYOUT, BLOCK)
-    for first, count in ((5, 3), (0, 1), (3, 9), (130, 4), (250, 10), (7, 2)):  # (headers grow past 127, 255)
+    for first, count in ((5, 3), (0, 1), (3, 9), (130, 4), (250, 10), (7, 2), (60, 70), (8000, 64)):
+        # (headers grow past 127, 255; runs across chunks; a long prompt's tail, its chunks only)
         unknown = [bytes(16)] * count
         assert fmt.placeholder_run(first, count, 16) == fmt.plan_run(first, unknown, unknown), (first, count)
     first = fmt.placeholder_run(5, 3, 16)
     again = fmt.placeholder_run(4, 4, 16)[1:]
     assert again == first and all(a is b for a, b in zip(again, first))  # kept, sliced
     assert [m.position for m in fmt.placeholder_run(200, 2, 32)] == [200, 201]
+    # (8000, 64) planned the chunks of positions 7,936-8,063 only, not every position before them
+    assert len([k for k in fmt._placeholders if k[0] == 16]) <= 8
