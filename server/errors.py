@@ -120,7 +120,7 @@ def error_response(status: int, reason: str, *, busy: bool = False) -> JSONRespo
 # A stored key is a namespace's mask XOR the client's hash: a tier's reason that names one
 # (a disk file's name in an OSError, a Redis key) gives a tenant its mask, and with it every
 # block of the default namespace (whose mask is zero). None reaches a client; the log keeps them.
-_STORED_KEYS = re.compile(r"[0-9a-fA-F]{32,}")
+_STORED_KEYS = re.compile(r"[0-9a-fA-F]{32,}|[0-9a-fA-F]{8,}$")  # (and a key's head where a reason was cut)
 
 
 def without_keys(text: str) -> str:

@@ -247,7 +247,7 @@ class Metrics:
         if t is None:
             full = len(self.traffic) >= self.max_owners
             models = self._models.get(ns, 0)
-            if full and not models:
+            if full and (ns, OTHER) not in self.traffic:  # (no pair made past the bound)
                 key = (OTHER, OTHER)
             elif full or models >= self.models_per_namespace:
                 key = (ns, OTHER)

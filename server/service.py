@@ -313,7 +313,9 @@ class BlockService:
         for i, (inc, key) in enumerate(zip(frames, keys)):
             meta = inc.meta
             where = f"frame {i}" if len(frames) > 1 else "frame"
-            held = self.store.info(key)
+            # (a local tier's index, no tier asked: a shared tier's copy, another replica's, was
+            # checked against no local child, and a Redis round trip a frame cost a batch 64)
+            held = self.store.residency.info(key)
             if held is not None and held.position != meta.position:
                 self.metrics.rejected("inconsistent")
                 raise BadFrame(f"{where}: block {to_hex(meta.block_hash)} at position {meta.position} is "

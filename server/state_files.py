@@ -42,6 +42,10 @@ def read_state(path: Path, version: int, what: str) -> dict[str, Any] | None:
         found = data.get("version") if isinstance(data, dict) else None
         problem = f"of version {found!r}, where this release reads version {version}"
     aside = path.with_name(path.name + ".unreadable")
+    for n in range(1, 100):  # (one set aside before is kept: a second must not replace it)
+        if not aside.exists():
+            break
+        aside = path.with_name(f"{path.name}.unreadable.{n}")
     try:
         os.replace(path, aside)
         kept = f"moved to {aside} (the next save writes a new one)"

@@ -1283,6 +1283,10 @@ def test_a_pins_file_the_server_cannot_use_is_said_and_kept_aside_not_overwritte
     said = "unreadable (JSONDecodeError" if damage == "torn" else "of version 99, where this release reads version 1"
     assert f"the pins file {pins} is {said}" in out and f"moved to {aside}" in out, out
     assert [p["hash"] for p in json.loads(pins.read_text())["pins"]] == [other[-1][0].hex()]
+    pins.write_text("{torn")  # a second bad file: set aside beside the first, which is kept
+    with Server(tmp_path, "--admin-token", ADMIN) as s:
+        assert f"moved to {aside}.1" in s.output(), s.output()
+    assert aside.read_text() == text and pins.with_name(".cacheseek-pins.json.unreadable.1").read_text() == "{torn"
 
 
 def test_the_pins_that_expire_are_forgotten_by_the_admin_too(tmp_path):
@@ -1434,3 +1438,31 @@ def test_a_namespace_key_missing_from_a_directory_with_blocks_is_said(tmp_path):
     key.unlink()
     with Server(tmp_path, "--write-token", WRITE, env={"CACHESEEK_TENANTS": tenants}) as s:
         assert f"{key} is missing from a disk directory an earlier start stored blocks in" in s.output(), s.output()
+
+
+def test_the_traffic_label_pairs_stay_within_metrics_max_owners():
+    """Each namespace's "_other" model was made past the bound: 16 tenants naming a second
+    model each made 32 pairs of a bound of 16."""
+    from server.metrics import OTHER, Metrics
+
+    m = Metrics(max_owners=16)
+    for n in range(40):
+        for model in ("m1", "m2", "m3", "m4", "m5"):
+            m.owner(f"ns{n}", model)
+    assert len(m.traffic) <= 16 + 1 and (OTHER, OTHER) in m.traffic  # (+ the overflow pair itself, as ever)
+    m2 = Metrics(max_owners=64)
+    for i in range(64):
+        m2.owner("a", f"m{i}")
+    assert m2.owner("b", "mine") is m2.traffic[("b", "mine")] and ("a", OTHER) in m2.traffic
+
+
+def test_a_cut_key_in_a_tier_reason_is_hidden_too():
+    """Redis reasons are cut to 300 characters: a stored key at the cut kept under 32 hex
+    digits, and its head reached the client."""
+    from server.errors import without_keys
+
+    key = "0123456789abcdef" * 2
+    assert without_keys(f"redis tier: ... {key} and more") == "redis tier: ... <key> and more"
+    assert without_keys(f"redis tier: ... {key[:20]}") == "redis tier: ... <key>"
+    assert without_keys("writing a frame failed: [Errno 28] No space left on device") == \
+        "writing a frame failed: [Errno 28] No space left on device"

@@ -81,6 +81,7 @@ class CpuTier(MemoryTier):
             # stored so far are given back here (they were held for good); the frames stay
             # stored, unacknowledged.
             release_all([r.stored.lease for r in results if r.stored is not None])
+            release_all(dropped_leases)
             raise
         release_all(dropped_leases)  # (a release takes this tier's lock)
         return results

@@ -227,15 +227,19 @@ def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[byte
 # a lookup of its own in the event loop: 65,536 empty chains, a 262 KB body, held every other
 # client ~0.5 s.
 MAX_CHAINS = 1024
-_TOO_MANY_CHAINS = f"at most {MAX_CHAINS:,} in a body (look more up in several)"
+
+
+def _too_many_chains(given: str, limit: int) -> BadLookup:
+    return BadLookup(f"chains: {given} given, at most {min(MAX_CHAINS, limit):,} in a body (no more than "
+                     f"max_lookup_hashes, and {MAX_CHAINS:,} at most: look more up in several)")
 
 
 def _chain_lengths(given: str, total: int, each: bool, limit: int) -> list[int]:
     """``?chains=3,5,2``: each chain's length, in hashes; they must add up to the body's."""
     if each:
         raise BadLookup("each: not with chains (a writer asks about one list of blocks)")
-    if given.count(",") >= MAX_CHAINS:  # (counted before the split: a long query is not made a list)
-        raise BadLookup(f"chains: {given.count(',') + 1:,} given, {_TOO_MANY_CHAINS}")
+    if given.count(",") >= min(MAX_CHAINS, limit):  # (counted before the split: a long query is not made a list)
+        raise _too_many_chains(f"{given.count(',') + 1:,}", limit)
     parts = given.split(",")
     lengths = []
     for i, part in enumerate(parts):
@@ -251,8 +255,8 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool, list[int] 
     # Every chain opens a "[", and no hash holds one: more than MAX_CHAINS + 1 of them is too
     # many chains (or not a lookup at all), found before the body is parsed (700,000 empty
     # chains were parsed whole, ~0.6 s, to be refused).
-    if body.count(b"[") > MAX_CHAINS + 1:
-        raise BadLookup(f"chains: more than {MAX_CHAINS:,} given, {_TOO_MANY_CHAINS}")
+    if body.count(b"[") > min(MAX_CHAINS, limit) + 1:
+        raise _too_many_chains(f"more than {min(MAX_CHAINS, limit):,}", limit)
     try:
         parsed = LookupRequest.model_validate_json(body)
     except ValidationError as exc:
@@ -263,8 +267,8 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool, list[int] 
     if parsed.chains is not None:
         if parsed.each:
             raise BadLookup("each: not with chains (a writer asks about one list of blocks)")
-        if len(parsed.chains) > MAX_CHAINS:
-            raise BadLookup(f"chains: {len(parsed.chains):,} given, {_TOO_MANY_CHAINS}")
+        if len(parsed.chains) > min(MAX_CHAINS, limit):
+            raise _too_many_chains(f"{len(parsed.chains):,}", limit)
         lengths = [len(chain) for chain in parsed.chains]
         if sum(lengths) > limit:
             raise BadLookup(f"hashes: {sum(lengths)} given in all chains, at most {limit} (max_lookup_hashes){_SPLIT}")
