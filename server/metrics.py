@@ -555,6 +555,13 @@ class _Collector(Collector):
             recovered_bytes.add_metric([name], got["bytes"])
         yield recovered
         yield recovered_bytes
+        lost = GaugeMetricFamily("cacheseek_tier_lost", "1 once the tier gave up the storage under it (a disk "
+                                 "directory deleted or replaced while the server ran: restart it), else 0",
+                                 labels=["tier"])
+        for tier in tiers:
+            if "lost" in tier:
+                lost.add_metric([tier["name"]], 0.0 if tier["lost"] is None else 1.0)
+        yield lost
         usage = _bounded_usage(figures.get("namespaces") or [], self.metrics.max_owners)
         for field, name, help_ in (("used_bytes", "cacheseek_namespace_used_bytes", "Encoded bytes of the owner's distinct blocks"),
                                    ("blocks", "cacheseek_namespace_blocks", "The owner's distinct blocks"),

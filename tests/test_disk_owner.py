@@ -361,3 +361,101 @@ def test_opening_a_large_directory_says_how_far_it_has_read(tmp_path, monkeypatc
     assert len(said) == 256, said[:3]
     assert said[0].startswith(f"disk tier: opening {root}: 1 of 256 shard directories read, ")
     assert said[-1].startswith(f"disk tier: opening {root}: 256 of 256 shard directories read, 6 blocks found")
+
+
+def _disk_store(root: Path):
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    frames = [raw_frame(i) for i in range(1, 5)]
+    disk = DiskTier(root, 1 << 20, fsync=False)
+    store = TieredStore([disk])
+    for key, frame in frames:
+        store.put(key, frame)
+    return store, disk, frames
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced", "emptied"])
+def test_a_directory_deleted_or_replaced_under_the_tier_is_given_up(tmp_path, how, caplog):
+    import shutil
+
+    from cacheseek.errors import StorageError
+    from store_helpers import raw_frame
+
+    root = tmp_path / "d"
+    store, disk, frames = _disk_store(root)
+    assert disk.lost() is None and store.lost_tiers() == {}
+    if how == "deleted":
+        shutil.rmtree(root)
+    elif how == "replaced":
+        root.rename(tmp_path / "moved")
+        root.mkdir()  # (a second server's, say: it finds no lock here)
+    else:
+        for entry in root.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    key, frame = raw_frame(9)
+    # A write within the second (no check due yet) finds its shard gone and looks at once.
+    with caplog.at_level(logging.ERROR, "cacheseek.store.disk"), \
+            pytest.raises(StorageError, match=f"disk tier: its directory {root} was .* while open: nothing is written"):
+        disk.put(key, frame)
+    want = {"deleted": "deleted", "replaced": "replaced by another directory",
+            "emptied": "emptied (its lock file .lock was deleted)"}[how]
+    assert store.lost_tiers() == {"disk": want}
+    assert f"its 4 blocks" in caplog.text
+    if how != "deleted":
+        assert not any(root.rglob("*.frame")), "wrote into a directory it does not hold the lock of"
+    stats = disk.stats()
+    assert (stats.blocks, stats.used_bytes, stats.corrupt, stats.extra["lost"]) == (0, 0, 0, want)
+    # Its blocks are misses, no tier claims them, deletes find nothing, nothing more is written.
+    assert [store.get(k) for k, _ in frames] == [None] * 4
+    assert all(store.residency.info(k) is None for k, _ in frames)
+    assert disk.stats().corrupt == 0
+    assert disk.delete(frames[0][0]) is False
+    with pytest.raises(StorageError, match="nothing is written there"):
+        disk.put(*raw_frame(10))
+    if how != "deleted":
+        assert not any(root.rglob("*.frame"))
+    store.close()
+    # The directory there now is free for the next owner.
+    DiskTier(root, 1 << 20).close()
+
+
+def test_a_directory_deleted_under_an_idle_tier_is_found_by_the_next_check(tmp_path, monkeypatch):
+    import shutil
+
+    from cacheseek.store import disk as disk_module
+
+    store, disk, frames = _disk_store(tmp_path / "d")
+    shutil.rmtree(tmp_path / "d")
+    # A read inside the second: the file it does not find is looked at as the directory's.
+    assert store.get(frames[0][0]) is None
+    assert disk.stats().corrupt == 0 and store.lost_tiers() == {"disk": "deleted"}
+    store.close()
+    # A lookup alone (no read, no write) finds it once the check is due.
+    store, disk, frames = _disk_store(tmp_path / "e")
+    monkeypatch.setattr(disk_module, "ROOT_CHECK_SECONDS", 0.0)
+    shutil.rmtree(tmp_path / "e")
+    assert disk.present_many([frames[0][0]]) == [False]
+    assert disk.stats().corrupt == 0 and disk.stats().blocks == 0
+    store.close()
+
+
+def test_a_server_whose_disk_directory_is_deleted_is_not_ready(tmp_path):
+    import shutil
+
+    from server_helpers import raw_frame
+
+    with Server(tmp_path) as srv, httpx.Client(base_url=srv.url) as c:
+        h, frame = raw_frame(1)
+        head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers=head).status_code in (200, 201)
+        assert c.get("/readyz").status_code == 200
+        shutil.rmtree(srv.disk_path)
+        ready = c.get("/readyz")
+        assert ready.status_code == 503, ready.text
+        assert "disk tier: its storage was deleted under the running server: restart it" in ready.text
+        assert str(srv.disk_path) not in ready.text  # (an open route: no host details)
+        assert 'cacheseek_tier_lost{tier="disk"} 1.0' in c.get("/metrics").text
+        disk = next(t for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
+        assert (disk["lost"], disk["blocks"], disk["corrupt"]) == ("deleted", 0, 0)
+    assert "its directory" in srv.output() and "was deleted while the tier had it open" in srv.output()

@@ -134,6 +134,10 @@ DEFAULT_ALLOC_UNIT = 4096
 # How often, at most, a budget below ``disk_bytes`` is fitted to the filesystem again (one
 # statvfs: space another writer gave back, or the tier's own overhead, grows or shrinks it).
 REFIT_SECONDS = 1.0
+# How often, at most, a call looks whether the tier's directory is still the one it opened
+# (one stat of the root, one fstat of the lock file): deleted or replaced under a running
+# tier, its blocks were counted and its writes made without the lock (``DiskTier.lost``).
+ROOT_CHECK_SECONDS = 1.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # The only entries recovery touches: shard directories, and in them the tier's own files.
 # Anything else (a directory pointed at a folder already in use, a symlinked shard) is
@@ -230,6 +234,12 @@ class _Closed(StorageError):
     """A call on the tier after ``close``."""
 
 
+class _Lost(_Closed):
+    """A call on a tier whose directory was deleted or replaced while it had it open
+    (``DiskTier.lost``): refused as after ``close``, for the same reason (the directory is
+    not this tier's to write)."""
+
+
 class DiskInUse(ConfigError):
     """The disk tier's directory is owned (locked) by another process or tier."""
 
@@ -291,7 +301,12 @@ class DiskTier(IndexedTier):
         except OSError as exc:
             raise StorageError(f"{name} tier: cannot create {self.root}: {exc}") from None
         # Released by close(); the finalizer only covers a tier dropped without one.
-        self._unlock = weakref.finalize(self, _unlock_directory, _lock_directory(self.root))
+        self._lock_fd = _lock_directory(self.root)
+        self._unlock = weakref.finalize(self, _unlock_directory, self._lock_fd)
+        # The directory as opened, to tell it from one deleted or put in its place (``lost``).
+        self._root_id = _dir_id(self.root)
+        self._lost: str | None = None
+        self._root_checked = time.monotonic()
         self.alloc_unit = allocation_unit(self.root)
         try:
             self._recover()
@@ -324,10 +339,14 @@ class DiskTier(IndexedTier):
 
     @contextmanager
     def _open_call(self) -> Iterator[None]:
-        """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``."""
+        """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``,
+        ``_Lost`` once the directory is no longer the one opened (``lost``)."""
+        self._check_root_if_due()
         with self._calls:
             if self._closed:
                 raise self._closed_error()
+            if self._lost is not None:
+                raise self._lost_error()
             self._active += 1
         try:
             yield
@@ -339,6 +358,59 @@ class DiskTier(IndexedTier):
 
     def _closed_error(self) -> _Closed:
         return _Closed(f"{self.name} tier: closed ({self.root})")
+
+    # -- the directory under the tier ----------------------------------------------------
+
+    def lost(self) -> str | None:
+        """Why the tier gave its directory up, looked at now: it was deleted, another was put
+        in its place, or its lock file was removed (the contents deleted by hand), while
+        the tier had it open; else None.
+
+        Given up for good: every block it indexed is forgotten (a miss, not counted as
+        corrupt), writes and deletes are refused (``StorageError``). Going on, it counted
+        blocks that were gone, and wrote into a directory made again at the path without
+        holding its lock, beside a second process that found none. A restart opens the
+        directory there is then (``cacheseek serve``'s ``/readyz`` answers 503 meanwhile)."""
+        if self._lost is None and not self._closed:
+            self._root_checked = time.monotonic()
+            if (why := self._root_changed()) is not None:
+                self._give_up(why)
+        return self._lost
+
+    def _root_changed(self) -> str | None:
+        try:
+            if _dir_id(self.root) != self._root_id:
+                return "replaced by another directory"
+            if os.fstat(self._lock_fd).st_nlink == 0:
+                return f"emptied (its lock file {LOCK_NAME} was deleted)"
+        except FileNotFoundError:
+            return "deleted"
+        except OSError:
+            return None  # (no answer: an I/O error, a permission taken away, says nothing of which directory)
+        return None
+
+    def _check_root_if_due(self) -> None:
+        if self._lost is None and time.monotonic() - self._root_checked >= ROOT_CHECK_SECONDS:
+            self.lost()
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            if self._lost is not None:
+                return
+            self._lost = why
+            blocks, held = len(self._index), self._index.used_bytes
+            for key in self._index.keys():
+                self._index.remove(key)  # (the store's residency hears of each: not served from here)
+            self._others.clear()
+            self._others_bytes = 0
+            self._sync_counts()
+        log.error("%s tier: its directory %s was %s while the tier had it open: the tier gives it up, its %d blocks "
+                  "(%s) forgotten, nothing more read or written there; restart to open the directory that is there now",
+                  self.name, self.root, why, blocks, format_size(held))
+
+    def _lost_error(self) -> _Lost:
+        return _Lost(f"{self.name} tier: its directory {self.root} was {self._lost} while open: nothing is written "
+                     "there until a restart opens it again")
 
     def _too_large(self, nbytes: int) -> StorageError:
         # A budget fitted below disk_bytes is the filesystem's doing (full: other writers, or
@@ -594,7 +666,9 @@ class DiskTier(IndexedTier):
         """Why a written block cannot be indexed: it is pinned (maybe only since its write
         began) and does not fit beside the pinned blocks indexed meanwhile. Indexed, it
         would keep the tier over its budget for good (a trim evicts no pinned block). Under
-        the lock."""
+        the lock. Or the directory was given up while it was written (``lost``)."""
+        if self._lost is not None:
+            return self._lost_error()
         if self._index.is_pinned(key) and not self._fits_beside_pins(n):
             return self._no_room(n)
         return None
@@ -1085,6 +1159,8 @@ class DiskTier(IndexedTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileNotFoundError:  # its shard removed behind the tier's back (all are made at open)
+            if self.lost() is not None:  # (the whole directory: a shard made now would be in another's)
+                raise self._lost_error() from None
             self._shard_dir(final.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         try:
@@ -1180,6 +1256,7 @@ class DiskTier(IndexedTier):
         with ``pin``), each with a ``lease`` the caller releases once done with its bytes;
         else each frame owns its buffer. A consumer that stops early should ``close()`` the
         iterator: reads not handed out are then cancelled or given back."""
+        self._check_root_if_due()  # (given up: its index is empty, every key a miss)
         with self._calls:  # (else the closed read pool's "cannot schedule new futures after shutdown")
             if self._closed:
                 raise self._closed_error()
@@ -1231,6 +1308,8 @@ class DiskTier(IndexedTier):
                             "kept (counted in the budget, the first evicted)", self.name, key.hex(), done)
             return None
         if isinstance(done, ReadFailed):
+            if done.damaged and self.lost() is not None:
+                return None  # (the whole directory gone or replaced: not this block's damage)
             if done.damaged:
                 dropped = False
                 try:
@@ -1341,7 +1420,11 @@ class DiskTier(IndexedTier):
         """Durable on return: the shard directory is fsynced after the unlinks (once for a
         whole ``batched_deletes``), else a power cut could bring the block back. A block not
         held here syncs its shard too when unlinks there are not yet durable: it may be one
-        evicted (handed down, not synced) that would come back the same way."""
+        evicted (handed down, not synced) that would come back the same way. A tier that
+        gave its directory up (``lost``) holds nothing: False."""
+        self._check_root_if_due()
+        if self._lost is not None:
+            return False
         with self._open_call():
             with self._lock:
                 deleted = self._index.remove(key) is not None
@@ -1400,7 +1483,7 @@ class DiskTier(IndexedTier):
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, "frame_bytes": self._index.frame_bytes,
-               "alloc_unit": self.alloc_unit, **self._recovery, "other_version_blocks": len(self._others),
+               "alloc_unit": self.alloc_unit, "lost": self._lost, **self._recovery, "other_version_blocks": len(self._others),
                "other_version_bytes": self._others_bytes, "other_version_evicted": self._others_evicted,
                "group_commit": self.group_commit, "group_commits": dict(self._group)}
         if hasattr(self, "_reads"):  # (not yet while recovering)
@@ -1519,6 +1602,11 @@ def _drop_locks_in_child() -> None:
 
 os.register_at_fork(before=_held_locks_change.acquire, after_in_parent=_held_locks_change.release,
                     after_in_child=_drop_locks_in_child)
+
+
+def _dir_id(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def _unlock_directory(fd: int) -> None:

@@ -391,6 +391,12 @@ class Tier(ABC):
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
+    def lost(self) -> str | None:
+        """Why the tier gave up the storage under it for good (its directory deleted under
+        it: ``DiskTier.lost``), looked at now; None while it holds it. A tier whose backend
+        can come back (Redis) is never lost: its calls fail until it answers."""
+        return None
+
     def close(self) -> None:
         return None
 

@@ -1169,6 +1169,11 @@ class TieredStore:
 
     # -- stats ---------------------------------------------------------------------------
 
+    def lost_tiers(self) -> dict[str, str]:
+        """Tier name -> why it gave up the storage under it (``Tier.lost``), looked at now:
+        such a tier serves and stores nothing until the store is opened again."""
+        return {tier.name: why for tier in self.tiers if (why := tier.lost()) is not None}
+
     def stats(self) -> dict[str, Any]:
         """Per tier: its own figures, plus ``unique_*`` (blocks no faster tier holds; None
         for a tier without a local index, such as Redis). Store-wide: ``used_bytes``,

@@ -70,13 +70,18 @@ KERNELS = {"kernels": "not used",
                              "(RemoteCache.stats() says which kernels a client runs)"}
 
 
-@router.get("/readyz", responses={503: {"description": "starting or shutting down", **ERROR}})
+@router.get("/readyz", responses={503: {"description": "starting, shutting down, or a tier lost", **ERROR}})
 async def readyz(request: Request) -> dict[str, str]:
-    """Readiness: the store is open and the server is not shutting down. ``receive_path`` is
+    """Readiness: the store is open, every tier holds its storage (a disk tier whose directory
+    was deleted or replaced under it gave it up: the server needs a restart), and the server
+    is not shutting down. ``receive_path`` is
     ``in-place`` when request bodies are received by ``server.protocol`` (straight into the
     store's memory, with header and body timeouts), else ``plain`` (uvicorn's own protocol:
     the fast path is off)."""
     if getattr(request.app.state, "service", None) is None or getattr(request.app.state, "closing", False):
         raise NotReady("the store is not open")
+    if lost := request.app.state.service.store.lost_tiers():
+        raise NotReady("; ".join(f"{name} tier: its storage was {why} under the running server: restart it"
+                                 for name, why in lost.items()))
     in_place = BODY_INTO in (request.scope.get("extensions") or {})
     return {"status": "ready", "receive_path": "in-place" if in_place else "plain", **KERNELS}
