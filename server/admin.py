@@ -377,6 +377,11 @@ class AdminOps:
             if pin is not None:
                 entries.append({**named, "expires_at": pin.expires_at})
         entries += [entry for key, entry in self._unrestored.items() if key not in self._pins]
+        if lost := self.store.lost_tiers():  # (the directory there now is not this server's to write in)
+            log.warning("pins not saved to %s: %s (a restart keeps only those of the last save)", self._path,
+                        "; ".join(f"the {name} tier's directory was {why} under the running server"
+                                  for name, why in lost.items()))
+            return False
         tmp = self._path.with_name(f"{PINS_FILE}.{secrets.token_hex(4)}.tmp")
         try:
             with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:

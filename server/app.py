@@ -254,7 +254,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
             _remove_stale_temp_files(Path(disk))
         secret = settings.namespace_secret.get_secret_value().encode() if settings.namespace_secret else None
         namespaces = Namespaces(await run_in_threadpool(load_secret, secret, disk))
-        owners = Owners(disk)
+        owners = Owners(disk, directory_held=lambda: not the_store.lost_tiers())
         service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks, owners=owners)
         app.state.admin = AdminOps(service, disk)
         await run_in_threadpool(app.state.admin.restore_pins)

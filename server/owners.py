@@ -33,7 +33,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +59,11 @@ class Usage:
 
 class Owners:
     def __init__(self, state_dir: Path | None = None, *, max_owners: int = 4096, max_models: int = 64,
-                 max_roots: int = 4096, max_namespace_roots: int = 256, max_left: int = 1 << 16) -> None:
+                 max_roots: int = 4096, max_namespace_roots: int = 256, max_left: int = 1 << 16,
+                 directory_held: Callable[[], bool] = lambda: True) -> None:
+        """``directory_held``: whether ``state_dir`` is still the one the server opened (its
+        disk tier gave up a directory deleted or replaced under it: ``DiskTier.lost``); the
+        file is not written into another's."""
         self._lock = threading.Lock()
         self.max_owners = max_owners
         self.max_models = max_models
@@ -85,6 +89,7 @@ class Owners:
         self.tagger: Any = None
         self._tags: list[str] = [""]  # id -> tag ("" for unattributed)
         self._path = Path(state_dir) / OWNERS_FILE if state_dir is not None else None
+        self._directory_held = directory_held
         self._save_lock = threading.Lock()  # one writer of the file at a time, newest last
         self._load()
 
@@ -275,7 +280,7 @@ class Owners:
     def _save(self) -> None:
         """Write the roots table: temp file, fsync, rename, directory fsync (a crash or a power cut
         leaves the old or the new)."""
-        if self._path is None:
+        if self._path is None or not self._directory_held():
             return
         with self._save_lock:
             self._write()

@@ -459,3 +459,24 @@ def test_a_server_whose_disk_directory_is_deleted_is_not_ready(tmp_path):
         disk = next(t for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
         assert (disk["lost"], disk["blocks"], disk["corrupt"]) == ("deleted", 0, 0)
     assert "its directory" in srv.output() and "was deleted while the tier had it open" in srv.output()
+
+
+def test_a_server_writes_no_state_file_into_a_directory_put_in_its_own_place(tmp_path):
+    from server_helpers import raw_frame
+
+    admin = "a" * 32
+    with Server(tmp_path, "--admin-token", admin) as srv, \
+            httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {admin}"}) as c:
+        head = {"X-CacheSeek-Model": "m", "X-CacheSeek-Block-Tokens": "32"}
+        h, frame = raw_frame(1)
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers=head).status_code in (200, 201)
+        srv.disk_path.rename(tmp_path / "moved")
+        srv.disk_path.mkdir()  # another server's, say
+        assert c.get("/readyz").status_code == 503
+        # A new root (the owners file) and a pin (the pins file): neither written in there.
+        h2, frame2 = raw_frame(2)
+        c.put(f"/v1/blocks/{h2.hex()}", content=frame2, headers={**head, "X-CacheSeek-Model": "other"})
+        pinned = c.put(f"/v1/admin/pins/{h.hex()}")  # (still held: in the CPU tier)
+        assert pinned.status_code == 200 and pinned.json()["saved"] is False, pinned.text
+        assert list(srv.disk_path.iterdir()) == []
+    assert "pins not saved to" in srv.output() and "directory was replaced by another directory" in srv.output()
