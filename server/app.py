@@ -35,7 +35,7 @@ from .protocol import CUT_SHORT, coding_error, header_error
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
 from .service import BlockService
 from .store import build_store
-from .summary import recovery_figures, store_lines
+from .summary import over_budget_lines, recovery_figures, store_lines
 
 log = logging.getLogger("cacheseek.server")
 
@@ -258,9 +258,12 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks, owners=owners)
         app.state.admin = AdminOps(service, disk)
         await run_in_threadpool(app.state.admin.restore_pins)
+        opened_over = await run_in_threadpool(service.stats)  # what the tiers held when opened, before the trim
         await run_in_threadpool(the_store.trim)  # (its victims handed down)
         first = await run_in_threadpool(service.stats)
-        recovery = recovery_figures(first, opened)
+        recovery = recovery_figures(opened_over, opened, first)
+        for line in over_budget_lines(opened_over, recovery):
+            log.warning("%s", line)
         metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency()})
         app.state.service = service
         app.state.closing = False

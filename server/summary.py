@@ -79,6 +79,8 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
             removed = tier.get("removed_at_start")
             if isinstance(removed, dict) and any(removed.values()):
                 extra = " (removed at start: " + ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in removed.items()) + ")"
+            if found.get("trimmed_blocks"):
+                extra += f" ({found['trimmed_blocks']:,} evicted to fit the budget)"
             if tier.get("other_version_at_start"):
                 extra += f" ({tier['other_version_at_start']:,} blocks of another format version left alone)"
             on_disk = found.get("charged_bytes", found["bytes"])
@@ -104,8 +106,12 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
     return out
 
 
-def recovery_figures(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """What each persistent tier held when the store opened, and how long opening took."""
+def recovery_figures(stats: dict[str, Any], seconds: float, trimmed: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """What each persistent tier held when the store opened (``stats``: before the start's
+    trim), how long opening took, and (given the figures after the trim, ``trimmed``) how
+    many blocks the trim took from each: a restart with a smaller budget."""
+    after = {t["name"]: t for t in (trimmed or {}).get("tiers", [])}
     tiers = {}
     for tier in stats["tiers"]:
         if tier["name"] == "cpu" or tier["name"] == "gpu":
@@ -114,4 +120,28 @@ def recovery_figures(stats: dict[str, Any], seconds: float) -> dict[str, Any]:
         # (``charged_bytes``: its files' whole file-system blocks and sidecars).
         tiers[tier["name"]] = {"blocks": tier["blocks"], "bytes": tier.get("frame_bytes", tier["used_bytes"]),
                                "charged_bytes": tier["used_bytes"]}
+        if tier["name"] in after:
+            tiers[tier["name"]]["trimmed_blocks"] = max(0, tier["blocks"] - after[tier["name"]]["blocks"])
     return {"seconds": seconds, "tiers": tiers}
+
+
+def over_budget_lines(stats: dict[str, Any], recovery: dict[str, Any]) -> list[str]:
+    """Warnings for tiers opened over more than their budget (``stats``: as opened): what the
+    start's trim evicted from each local one (a smaller ``disk_bytes`` than the last run's,
+    typed by mistake, cost most of the cache unsaid), and a shared Redis over this server's
+    ``redis_bytes``, which its first call trimmed for every server sharing it."""
+    out = []
+    for tier in stats["tiers"]:
+        name, used, budget = tier["name"], tier["used_bytes"], tier["capacity_bytes"]
+        trimmed = recovery["tiers"].get(name, {}).get("trimmed_blocks", 0)
+        if trimmed:
+            out.append(f"{name} tier: held {tier['blocks']:,} blocks ({gib(used)}) at start, more than its budget "
+                       f"({gib(budget)}): the {trimmed:,} least recently used were evicted to fit (handed to the "
+                       "tier below, where there is one)")
+        elif name == "redis" and tier.get("evictions"):
+            # (the shared index evicts down to the budget of whichever server calls it: the
+            # start's first read of it did, before anything was written)
+            out.append(f"redis tier: the shared index held more than this server's redis_bytes ({gib(budget)}): "
+                       f"its {tier['evictions']:,} least recently used blocks were evicted at start, for every "
+                       "server sharing it (the smallest redis_bytes in use wins)")
+    return out

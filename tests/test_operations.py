@@ -671,6 +671,13 @@ def test_a_restart_with_a_smaller_disk_budget_keeps_the_pinned_chains(tmp_path):
         disk = c.get("/v1/stats", headers=writer()).json()["tiers"][0]
         assert disk["used_bytes"] == 6 * DISK_FRAME <= disk["capacity_bytes"] and disk["pinned_blocks"] == 3
         assert disk["frame_bytes"] == 6 * FRAME
+        # Said, and counted: the directory held 9 blocks when it opened, 3 evicted to fit.
+        stats = c.get("/v1/stats", headers=writer()).json()
+        assert stats["recovery"]["tiers"]["disk"]["blocks"] == 9
+        assert stats["recovery"]["tiers"]["disk"]["trimmed_blocks"] == 3
+        assert "disk tier: held 9 blocks" in s.output() and "the 3 least recently used were evicted to fit" in \
+            s.output()
+        assert "recovered 9 blocks" in s.output() and "(3 evicted to fit the budget)" in s.output()
     with restart(2 * DISK_FRAME + FRAME // 2) as s, httpx.Client(base_url=s.url) as c:
         assert c.get("/v1/admin/pins", headers=admin()).json() == []
         assert "not restored" in s.output()

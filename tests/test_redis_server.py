@@ -643,3 +643,21 @@ def test_the_start_banner_says_when_redis_could_not_be_asked_what_it_holds(tmp_p
         assert "        holds ? blocks: Redis could not be asked at start (" in out, out
     finally:
         redis.kill()
+
+
+def test_a_server_whose_redis_bytes_is_below_what_the_shared_redis_holds_says_so_at_start(tmp_path):
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=_env(redis)) as a:
+            toks, kv = tokens_for(33, 4 * BLOCK), make_kv(4 * BLOCK, 33)
+            assert _remote(a).ingest(toks, kv).stored == 4
+            held = _redis_stats(a)["used_bytes"]
+        small = Server(tmp_path / "b", disk=False, cpu_bytes="0", env=_env(redis))
+        small.args += ["--redis-bytes", str(held // 2)]
+        with small as b:
+            evicted = _redis_stats(b)["evictions"]
+            assert 0 < evicted < 4 and _redis_stats(b)["blocks"] == 4 - evicted
+            assert f"its {evicted} least recently used blocks were evicted at start, for every server sharing it" \
+                   in b.output(), b.output()
+    finally:
+        redis.stop()
