@@ -83,6 +83,8 @@ def store_lines(settings: ServerSettings, stats: dict[str, Any], recovery: dict[
                 extra += f" ({found['trimmed_blocks']:,} evicted to fit the budget)"
             if tier.get("other_version_at_start"):
                 extra += f" ({tier['other_version_at_start']:,} blocks of another format version left alone)"
+            if tier.get("over_frame_limit_at_start"):
+                extra += f" ({tier['over_frame_limit_at_start']:,} blocks over max_frame_bytes left alone)"
             on_disk = found.get("charged_bytes", found["bytes"])
             if on_disk != found["bytes"]:  # whole file-system blocks, and each block's sidecar
                 extra = f" ({gib(on_disk)} on disk)" + extra

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -414,11 +416,13 @@ def test_a_frame_of_another_format_version_is_a_counted_miss_and_stays(redis_url
     assert redis_stats(cache)["corrupt"] == 0
 
 
-def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_url):
+def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_url, caplog):
     """A value under a frame's name larger than the largest frame the reader makes (the
     cache's configuration; a server's max_frame_bytes) is damage: each read took it whole
     (up to Redis's 512 MB) before parsing it. Now at most one byte past the bound is read,
-    and the value is counted corrupt and deleted, as the disk tier does with such a file."""
+    and the value is counted corrupt and deleted, and said in the log (a server sharing the
+    Redis with a larger ``max_frame_bytes`` may have written it)."""
+    caplog.set_level(logging.WARNING, "cacheseek.store.redis")
     toks, kv = tokens_for(22, 3 * BLOCK), make_kv(3 * BLOCK, 22)
     cache = rcache(redis_url)
     cache.ingest(toks, kv)
@@ -444,6 +448,9 @@ def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_
     assert replies and max(replies) <= bound + 1
     assert redis_stats(cache)["corrupt"] == 1 and client.exists(name) == 0
     assert cache.lookup(toks) == BLOCK
+    said = [r.getMessage() for r in caplog.records if "found bad and deleted" in r.getMessage()]
+    assert len(said) == 1 and f"block {hashes[1].hex()}, larger than the largest frame read here, {bound} bytes" \
+        in said[0]
 
 
 def test_info_reads_the_header_and_a_bad_header_is_dropped(redis_url):
@@ -1041,7 +1048,8 @@ def test_redis_down_from_the_start_costs_nothing_and_service_resumes(tmp_path):
         srv.stop()
 
 
-def test_a_hung_redis_times_out_then_the_breaker_answers_at_once(tmp_path):
+def test_a_hung_redis_times_out_then_the_breaker_answers_at_once(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, "cacheseek.store.redis")
     srv = RedisServer(tmp_path / "r").start()
     tier = _fault_tier(srv.url, backoff=0.5)
     key, frame = _frame(2)
@@ -1058,9 +1066,14 @@ def test_a_hung_redis_times_out_then_the_breaker_answers_at_once(tmp_path):
         assert time.perf_counter() - start < 0.25
         s = tier.stats()
         assert s.extra["timeouts"] == 2 and s.extra["breaker"]["state"] == "open"
+        # Said once as it began (not per call), and once as it ended.
+        began = [r.getMessage() for r in caplog.records if "cannot be reached" in r.getMessage()]
+        assert len(began) == 1 and f"Redis at {srv.url}" in began[0] and "circuit breaker is open" in began[0]
         srv.resume()
         time.sleep(0.55)
         assert tier.get(key) is not None
+        ended = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+        assert len(ended) == 1 and re.search(r"answers again, after \d+\.\d s", ended[0])
     finally:
         tier.close()
         srv.stop()

@@ -156,10 +156,11 @@ def test_a_sidecar_that_disagrees_with_its_frame_is_damage_found_on_read(tmp_pat
 
 def test_a_block_whose_files_claim_an_absurd_size_is_not_read_into_memory(tmp_path, monkeypatch):
     """A sidecar and a (sparse) data file that agree on 512 MiB, within the budget: the start
-    indexes it, and every read allocated and filled a buffer of that size (a sidecar of
+    indexed it, and every read allocated and filled a buffer of that size (a sidecar of
     2^36 bytes over a sparse file is 64 GiB of memory) before the frame's header could say
-    anything. No frame of the cache's configuration is that large: it is now refused before
-    any buffer is taken, a counted miss, removed."""
+    anything. No frame of the cache's configuration is that large: the start sets it aside
+    (not indexed, never read, its files kept and charged, the first evicted), and the
+    prefix ends before it."""
     from cacheseek.store import direct_io
 
     toks, kv, keys = _stored(tmp_path, 23)
@@ -173,43 +174,54 @@ def test_a_block_whose_files_claim_an_absurd_size_is_not_read_into_memory(tmp_pa
     monkeypatch.setattr(direct_io.BufferPool, "take", lambda self, n: taken.append(n) or real_take(self, n))
     cache = make_cache(cpu=0, disk=tmp_path / "d", disk_bytes="2GiB")
     assert _disk(cache)["capacity_bytes"] >= absurd + (1 << 20), "the test needs 512 MiB free where tmp_path lies"
-    assert cache.lookup(toks) == 3 * BLOCK
+    assert cache.lookup(toks) == BLOCK
     assert_prefix_equal(cache.materialize(toks), kv, BLOCK)
     assert taken and max(taken) < 1 << 20
     disk = _disk(cache)
-    assert disk["corrupt"] == 1 and disk["blocks"] == 2
-    assert not frame.exists() and not side.exists()
+    assert (disk["corrupt"], disk["blocks"], disk["over_frame_limit_at_start"], disk["other_version_blocks"]) == \
+        (0, 2, 1, 1)
+    assert frame.exists() and side.exists()
     cache.close()
 
 
 def test_the_server_reads_no_data_file_larger_than_its_largest_frame(tmp_path):
-    """The same over the wire: a restarted server whose disk holds a block whose sidecar and
-    sparse data file agree on more than ``--max-frame-bytes`` answers 404 for it (and ends
-    its prefix before it), counts it, and removes it, without reading it."""
+    """A restarted server whose disk holds blocks larger than its ``--max-frame-bytes`` (a
+    sidecar and a sparse data file agreeing on 64 MiB; or whole blocks, kept before the limit
+    was lowered) does not read them: they are set aside at start, kept and charged, not
+    served (the prefix ends before them), not counted damaged; opened again with a limit that
+    takes them, the whole ones are served again (a lower limit deleted them as damage)."""
     import httpx
 
     from server_helpers import Server, raw_chain
 
     chain = raw_chain(24, 3)
-    srv = Server(tmp_path, "--max-frame-bytes", "1MiB", cpu_bytes="0")
+    srv = Server(tmp_path, cpu_bytes="0")
     with srv:
         for h, body in chain:
             assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=body).status_code == 201
     name = chain[1][0].hex()
     frame = srv.disk_path / name[:2] / f"{name}.frame"
     side = frame.with_suffix(".meta")
-    with open(frame, "r+b") as f:
+    sparse = srv.disk_path / "ff" / ("ff" * 16 + ".frame")
+    with open(sparse, "wb") as f:
         f.truncate(64 << 20)
-    side.write_bytes(msgpack.packb({**msgpack.unpackb(side.read_bytes()), "nbytes": 64 << 20}))
+    sparse.with_suffix(".meta").write_bytes(msgpack.packb({**msgpack.unpackb(side.read_bytes()), "nbytes": 64 << 20,
+                                                           "hash": bytes.fromhex("ff" * 16)}))
+    small = Server(tmp_path, "--max-frame-bytes", str(len(chain[0][1]) - 1), cpu_bytes="0")
+    with small, httpx.Client(base_url=small.url, timeout=30) as client:
+        assert client.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}).json()["matched"] == 0
+        assert client.get(f"/v1/blocks/{name}").status_code == 404
+        disk = next(t for t in client.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
+        assert (disk["corrupt"], disk["blocks"], disk["over_frame_limit_at_start"]) == (0, 0, 4)
+        assert disk["other_version_blocks"] == 4  # (set aside: charged, the first evicted)
+    assert frame.exists() and side.exists() and sparse.exists()
+    assert "4 blocks in" in small.output() and "are larger than the largest frame read here" in small.output()
+    srv = Server(tmp_path, "--max-frame-bytes", "1MiB", cpu_bytes="0")
     with srv, httpx.Client(base_url=srv.url, timeout=30) as client:
         assert client.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}).json()["matched"] == 3
-        assert client.get(f"/v1/blocks/{name}").status_code == 404
-        assert client.get(f"/v1/prefixes/{chain[2][0].hex()}").status_code == 404
+        assert [client.get(f"/v1/blocks/{h.hex()}").content for h, _ in chain] == [b for _, b in chain]
         disk = next(t for t in client.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
-        assert disk["corrupt"] == 1 and disk["blocks"] == 2
-        assert client.get(f"/v1/blocks/{chain[0][0].hex()}").content == chain[0][1]
-    assert not frame.exists() and not side.exists()
-    assert "more than any frame read here" in srv.output()
+        assert (disk["corrupt"], disk["blocks"], disk["over_frame_limit_at_start"]) == (0, 3, 1)  # (the sparse one)
 
 
 _DAMAGE = st.tuples(

@@ -531,7 +531,7 @@ class DiskTier(IndexedTier):
         found: list[tuple[float, bytes, BlockInfo]] = []
         removed = {"temp": 0, "orphan": 0, "bad_sidecar": 0}
         orphans: list[Path] = []
-        foreign = other_version = 0
+        foreign = other_version = over_limit = largest = 0
         others: list[tuple[float, bytes, int]] = []
         with os.scandir(self.root) as entries:
             shards = sorted(Path(e.path) for e in entries
@@ -562,6 +562,13 @@ class DiskTier(IndexedTier):
                                         path.stem, entry, path)
                         _unlink(path)
                         _unlink(path.with_suffix(".frame"))
+                    elif self.max_frame_bytes is not None and entry[2].nbytes > self.max_frame_bytes:
+                        # Whole, but larger than the owner reads now (a restart with a lower
+                        # max_frame_bytes): set aside as another version's blocks are, not
+                        # read as damage and deleted.
+                        over_limit += 1
+                        largest = max(largest, entry[2].nbytes)
+                        others.append(self._other_files(path))
                     else:
                         found.append(entry)
                     handled.add(path.with_suffix(".frame").name)
@@ -592,13 +599,19 @@ class DiskTier(IndexedTier):
             log.warning("%s tier: %d blocks in %s were written by another format version of the tier (sidecar "
                         "version other than %d): left alone and not read, but counted in the budget, and the first "
                         "evicted when room is needed", self.name, other_version, self.root, SIDECAR_VERSION)
+        if over_limit:
+            log.warning("%s tier: %d blocks in %s are larger than the largest frame read here (%d bytes: a server's "
+                        "max_frame_bytes, a cache's frame size; the largest of them %d bytes): left alone and not "
+                        "served (opened with a limit that takes them, they are served again), but counted in the "
+                        "budget, and the first evicted when room is needed", self.name, over_limit, self.root,
+                        self.max_frame_bytes, largest)
         for key, info in _oldest_first(found):
             self._index.add(key, info)
         for _, key, charge in sorted(others):
             self._others[key] = charge
             self._others_bytes += charge
         self._recovery = {"recovered_blocks": len(self._index), "removed_at_start": removed,
-                          "other_version_at_start": other_version}
+                          "other_version_at_start": other_version, "over_frame_limit_at_start": over_limit}
         if self._trim_at_open:
             self.trim()
             self._recovery["recovered_blocks"] = len(self._index)

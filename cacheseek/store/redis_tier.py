@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, TierUnavailable
-from .breaker import CircuitBreaker, Ticket
+from .breaker import CLOSED, CircuitBreaker, Ticket
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, ForeignKey, IndexTotals, IndexUpdate,
@@ -73,6 +73,7 @@ PIN_REFRESH_SECONDS = 10.0
 FOREIGN_LOG_SECONDS = 60.0
 
 log = logging.getLogger("cacheseek.store.redis")
+CORRUPT_LOG_SECONDS = 60.0
 
 
 class RedisUnavailable(TierUnavailable):
@@ -198,6 +199,11 @@ class RedisTier(Tier):
         self._connect_lock = threading.Lock()
         self._faults = _Faults()
         self._totals = IndexTotals()
+        # Said in the log: an outage once as it starts and once as it ends (it was in the
+        # counters alone), and values a read found bad (deleted) once a minute at most.
+        self._outage_since: float | None = None
+        self._corrupt_said_at: float | None = None
+        self._corrupt_unsaid = 0
         self._pinned: set[bytes] = set()  # pins known to this process (from Redis, with a TTL)
         self._pins_read_at = -PIN_REFRESH_SECONDS  # when _refresh_pins last read them
         # Unpins that could not reach Redis, sent again with the next call that can: left
@@ -250,7 +256,25 @@ class RedisTier(Tier):
             self.breaker.record_failure(ticket)  # never leave an allowed call unreported
             raise
         self.breaker.record_success(ticket)
+        if self._outage_since is not None:
+            self._outage_ended()
         return result
+
+    def _outage_began(self, text: str) -> None:
+        with self._lock:
+            if self._outage_since is not None or self.breaker.state == CLOSED:
+                return
+            self._outage_since = time.monotonic()
+        log.warning("%s tier: Redis at %s cannot be reached (%s): its calls are refused at once while the circuit "
+                    "breaker is open, and tried again after a backoff; reads there miss, writes that need it fail",
+                    self.name, self.target.redacted(), text)
+
+    def _outage_ended(self) -> None:
+        with self._lock:
+            since, self._outage_since = self._outage_since, None
+        if since is not None:
+            log.warning("%s tier: Redis at %s answers again, after %.1f s", self.name, self.target.redacted(),
+                        time.monotonic() - since)
 
     def _failed(self, exc: BaseException, ticket: Ticket | None = None) -> StorageError:
         found = foreign_key(exc)
@@ -272,6 +296,7 @@ class RedisTier(Tier):
             self.breaker.record_success(ticket)  # Redis is there; it refused this one command
             return StorageError(f"{self.name} tier: Redis refused: {text}")
         self.breaker.record_failure(ticket)
+        self._outage_began(text)
         return RedisUnavailable(f"{self.name} tier: {text}")
 
     def _find_foreign_key(self) -> ForeignKey | None:
@@ -778,8 +803,20 @@ class RedisTier(Tier):
         the value found bad goes (``length``, -1 for a key of another type, or with
         ``at_least`` the least length of one read in part, and its first bytes ``head`` as
         read), and the index forgets the block only if that value went."""
+        now = time.monotonic()
         with self._lock:
             self._stats.corrupt += 1
+            self._corrupt_unsaid += 1
+            due = self._corrupt_said_at is None or now - self._corrupt_said_at >= CORRUPT_LOG_SECONDS
+            if due:
+                self._corrupt_said_at, count, self._corrupt_unsaid = now, self._corrupt_unsaid, 0
+        if due:
+            why = (f"larger than the largest frame read here, {self.max_frame_bytes} bytes: a server sharing this "
+                   "Redis with a larger max_frame_bytes may have written it; give every one the same"
+                   ) if at_least else "a checksum, length or header that does not check, or a key of another type"
+            log.warning("%s tier: %d value%s found bad and deleted (the last: block %s, %s); `corrupt` counts "
+                        "them, this line comes once a minute at most", self.name, count, "" if count == 1 else "s",
+                        key.hex(), why)
         member = RedisKeys.member(key)
 
         def drop(c: Any) -> None:
