@@ -185,9 +185,13 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         elif path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(text) or {}
+            # (yaml.safe_load keeps the last of a key given twice: a merged file's second
+            # write_token or disk_path was taken without a word)
+            data = yaml.load(text, Loader=_unique_key_loader()) or {}
         else:
             raise ConfigError(f"config: {path} must end in .toml, .yaml or .yml")
+    except _RepeatedKey as exc:
+        raise ConfigError(f"config {path}: {exc.key} is given twice{exc.where}") from None
     except (tomllib.TOMLDecodeError, ValueError) as exc:
         raise ConfigError(f"config: {path} is not valid: {exc}") from None
     except Exception as exc:  # yaml.YAMLError and friends
@@ -204,7 +208,56 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
                               "[cacheseek] table, whose settings alone are read: put "
                               f"{'it' if len(beside) == 1 else 'them'} in the table")
         data = data["cacheseek"]
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
+    # cpu-bytes and cpu_bytes name one setting: the last of them was taken without a word
+    out: dict[str, Any] = {}
+    spelt: dict[str, str] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in out:
+            raise ConfigError(f"config {path}: {spelt[name]} and {key} name one setting: give it once")
+        out[name], spelt[name] = value, str(key)
+    return out
+
+
+class _RepeatedKey(Exception):
+    """A YAML mapping that gives one key twice (``key``: its value as loaded; ``where``:
+    the repeat's line and column, never the line's text: it may hold a token)."""
+
+    def __init__(self, key: Any, mark: Any) -> None:
+        super().__init__(key)
+        self.key = key
+        self.where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+_LOADER: Any = None
+
+
+def _unique_key_loader() -> Any:
+    """A ``yaml.SafeLoader`` whose mappings, at every level, refuse a key given twice
+    (``<<`` merges still give way to the keys beside them, as YAML has them)."""
+    global _LOADER
+    if _LOADER is None:
+        import yaml
+
+        class UniqueKeyLoader(yaml.SafeLoader):
+            def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+                if isinstance(node, yaml.MappingNode):
+                    seen: set[Any] = set()
+                    for key_node, _ in node.value:
+                        if key_node.tag == "tag:yaml.org,2002:merge":
+                            continue
+                        key = self.construct_object(key_node, deep=True)
+                        try:
+                            repeated = key in seen
+                        except TypeError:  # (unhashable: the constructor below refuses it)
+                            continue
+                        if repeated:
+                            raise _RepeatedKey(key, key_node.start_mark)
+                        seen.add(key)
+                return super().construct_mapping(node, deep=deep)
+
+        _LOADER = UniqueKeyLoader
+    return _LOADER
 
 
 def _yaml_problem(exc: Exception) -> str:

@@ -682,6 +682,40 @@ def test_settings_beside_a_cacheseek_table_are_refused_not_dropped(tmp_path):
     assert ServerSettings.load(toml).port == 9000
 
 
+def test_a_setting_given_twice_in_a_settings_file_is_refused_not_last_wins(tmp_path):
+    """A key given twice in a YAML file (yaml.safe_load keeps the last), and one setting spelt
+    with "-" and with "_" (TOML, YAML, a [cacheseek] table: collapsed into one name), were
+    taken silently, the last one winning: a merged file's second write_token or disk_path was
+    used without a word. TOML itself refuses a repeated key; so does every file now."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+
+    toml, yaml = tmp_path / "cs.toml", tmp_path / "cs.yaml"
+    for path, text, said in (
+            (yaml, "cpu_bytes: 1GiB\nport: 9000\ncpu_bytes: 2GiB\n", "cpu_bytes is given twice (line 3, column 1)"),
+            (yaml, "cacheseek:\n  port: 9000\n  port: 9001\n", "port is given twice (line 3, column 3)"),
+            (yaml, "tenants:\n  team:\n    write_token: a-token-here\n    write_token: b-token-here\n",
+             "write_token is given twice (line 4, column 5)"),  # at every level
+            (yaml, "cpu_bytes: 1GiB\ncpu-bytes: 2GiB\n", "cpu_bytes and cpu-bytes name one setting: give it once"),
+            (toml, 'cpu_bytes = "1GiB"\ncpu-bytes = "2GiB"\n', "cpu_bytes and cpu-bytes name one setting: give it once"),
+            (toml, '[cacheseek]\ncpu-bytes = "1GiB"\ncpu_bytes = "2GiB"\n',
+             "cpu-bytes and cpu_bytes name one setting: give it once")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"^config {re.escape(str(path))}: {re.escape(said)}$"):
+            ServerSettings.load(path)
+    # A YAML merge (<<) still gives way to the keys beside it, as YAML has it.
+    yaml.write_text("base: &b {cpu_bytes: 1GiB, port: 9000}\ncacheseek:\n  <<: *b\n  cpu_bytes: 2GiB\n")
+    s = ServerSettings.load(yaml)
+    assert (s.cpu_bytes, s.port) == (2 << 30, 9000)
+    # cacheseek serve: exit 2 naming the file and the setting, never the values (a token here)
+    yaml.write_text('write_token: "s3cret-one"\nport: 1\nwrite_token: "s3cret-two"\n')
+    out = subprocess.run([*cacheseek_command(), "serve", "--config", str(yaml)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and f"config {yaml}: write_token is given twice (line 3, column 1)" in out.stderr, \
+        out.stderr
+    assert "s3cret" not in out.stderr + out.stdout and "Traceback" not in out.stderr, out.stderr
+
+
 def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     from cacheseek.server.config import ServerSettings, default_disk_path
 
