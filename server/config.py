@@ -33,7 +33,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from cacheseek.config import default_cpu_reserve
 from cacheseek.errors import ConfigError
 from cacheseek.hashing import NAMESPACE_PATTERN
-from cacheseek.store.redis_client import parse_redis_url
+from cacheseek.store.frame import PREAMBLE
+from cacheseek.store.redis_client import MAX_TIMEOUT_SECONDS, parse_redis_url
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.units import parse_size
 
@@ -341,19 +342,27 @@ class ServerSettings(BaseSettings):
         None, gt=0, description="a block unused this long expires from Redis; unset: never")
     redis_prefix: str = Field("cacheseek", description="first part of every Redis key")
     redis_namespace: str = Field("default", description="second part of every Redis key: separate budgets on one Redis")
-    redis_connect_timeout_seconds: float = Field(1.0, gt=0, allow_inf_nan=False, description="Redis connect timeout")
-    redis_socket_timeout_seconds: float = Field(2.0, gt=0, allow_inf_nan=False, description="Redis read/write timeout")
+    # (at most MAX_TIMEOUT_SECONDS: a socket holds its timeout in int64 nanoseconds, and a longer
+    # one was refused only as the store opened, blamed on redis_url)
+    redis_connect_timeout_seconds: float = Field(
+        1.0, gt=0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False, description="Redis connect timeout")
+    redis_socket_timeout_seconds: float = Field(
+        2.0, gt=0, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False, description="Redis read/write timeout")
     redis_breaker_failures: int = Field(3, ge=1, description="consecutive Redis failures that open the circuit breaker")
+    # (finite: an infinite one was refused only as the store opened, blamed on "tiers")
     redis_breaker_base_seconds: float = Field(
-        1.0, gt=0, description="first open period of the breaker; doubles per failed probe")
-    redis_breaker_cap_seconds: float = Field(30.0, gt=0, description="longest open period of the breaker")
+        1.0, gt=0, allow_inf_nan=False, description="first open period of the breaker; doubles per failed probe")
+    redis_breaker_cap_seconds: float = Field(
+        30.0, gt=0, allow_inf_nan=False, description="longest open period of the breaker")
 
     # -- limits ----------------------------------------------------------------------------
     max_body_bytes: int = Field(2 << 30, description="largest request body (a batch of frames)")
     max_inflight_body_bytes: int = Field(
         2 << 30, description="request-body bytes received and not yet stored, over all requests; a request that "
                              "would pass it is answered 503")
-    max_frame_bytes: int = Field(256 << 20, description="largest single frame")
+    # (no frame is smaller than its preamble: a smaller limit made a server that refused every
+    # frame, said only where a Redis tier was set, and blamed on redis_url)
+    max_frame_bytes: int = Field(256 << 20, ge=PREAMBLE.size, description="largest single frame")
     max_lookup_hashes: int = Field(1 << 16, ge=1, description="most hashes in one lookup")
     max_chain_blocks: int = Field(1 << 20, ge=1, description="longest chain a frame's position may claim")
 
@@ -386,7 +395,7 @@ class ServerSettings(BaseSettings):
     def _size(cls, value: Any, info: Any) -> int:
         return parse_size(value, name=info.field_name)
 
-    @field_validator("max_body_bytes", "max_frame_bytes", "max_inflight_body_bytes")
+    @field_validator("max_body_bytes", "max_inflight_body_bytes")  # (max_frame_bytes: its ge= above)
     @classmethod
     def _limit(cls, value: int, info: Any) -> int:
         if value == 0:  # (0 turns a tier off; a limit of 0 made a server that refused every frame)

@@ -874,14 +874,46 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
 
 
 def test_a_frame_or_body_limit_of_0_is_refused_not_a_server_that_takes_nothing():
-    # 0 turns a tier off, but a limit of 0 bytes made a server that answered every PUT 413.
+    # 0 turns a tier off, but a limit of 0 bytes made a server that answered every PUT 413; so
+    # did a frame limit under a frame's 16-byte preamble (1..15), refused only where a Redis
+    # tier was set (blamed on redis_url, as the store opened).
     base = [*cacheseek_command(), "serve", "--port", "70000"]  # (a bad port too: said in the same message)
-    for args, name in ((["--max-frame-bytes", "0"], "max_frame_bytes"),
-                       (["--max-body-bytes", "0", "--max-frame-bytes", "0"], "max_frame_bytes"),
+    frame = "max_frame_bytes\n  Input should be greater than or equal to 16"
+    for args, said in ((["--max-frame-bytes", "0"], [frame]), (["--max-frame-bytes", "1"], [frame]),
+                       (["--max-frame-bytes", "15B"], [frame]),
+                       (["--max-body-bytes", "0", "--max-frame-bytes", "0"],
+                        [frame, "max_body_bytes: must be more than 0 bytes"]),
                        (["--max-inflight-body-bytes", "0B", "--max-body-bytes", "0", "--max-frame-bytes", "0"],
-                        "max_frame_bytes")):
+                        [frame, "max_body_bytes: must be more than 0 bytes",
+                         "max_inflight_body_bytes: must be more than 0 bytes"])):
         out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 2 and f"{name}: must be more than 0 bytes" in out.stderr, (args, out.stderr)
+        assert out.returncode == 2 and all(text in out.stderr for text in said), (args, out.stderr)
+    out = subprocess.run([*base, "--max-frame-bytes", "16"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "max_frame_bytes" not in out.stderr and "port" in out.stderr, out.stderr
+
+
+def test_redis_timeouts_and_breaker_periods_out_of_range_are_named_as_themselves():
+    """Bounds checked only as the store opened were blamed on another setting, with the
+    library's names: "cannot open the store (redis_url): redis timeout connect_seconds ...",
+    "(tiers): backoff: need base_seconds > 0, a finite cap_seconds ...". Each is now refused
+    as its own setting, before anything is opened."""
+    from server_helpers import free_port
+
+    base = [*cacheseek_command(), "serve", "--port", str(free_port()), "--disk-bytes", "0",
+            "--redis-url", "redis://127.0.0.1:1"]
+    for args, said in (
+            (["--redis-connect-timeout-seconds", "1e300"],
+             ["redis_connect_timeout_seconds\n  Input should be less than or equal to 9223372036"]),
+            (["--redis-socket-timeout-seconds", "1e300"],
+             ["redis_socket_timeout_seconds\n  Input should be less than or equal to 9223372036"]),
+            (["--redis-breaker-base-seconds", "inf", "--redis-breaker-cap-seconds", "inf"],
+             ["redis_breaker_base_seconds\n  Input should be a finite number",
+              "redis_breaker_cap_seconds\n  Input should be a finite number"]),
+            (["--redis-breaker-base-seconds", "nan"], ["redis_breaker_base_seconds\n  Input should be a finite number"]),
+            (["--max-frame-bytes", "15"], ["max_frame_bytes\n  Input should be greater than or equal to 16"])):
+        out = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and all(text in out.stderr for text in said), (args, out.stderr)
+        assert "cannot open the store" not in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
 def test_bad_settings_never_print_a_token(tmp_path):
