@@ -253,7 +253,8 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         if disk is not None:
             _remove_stale_temp_files(Path(disk))
         secret = settings.namespace_secret.get_secret_value().encode() if settings.namespace_secret else None
-        namespaces = Namespaces(await run_in_threadpool(load_secret, secret, disk))
+        redis = settings.redis_url is not None and settings.redis_bytes > 0
+        namespaces = Namespaces(await run_in_threadpool(load_secret, secret, disk, shared_tier=redis))
         owners = Owners(disk, directory_held=lambda: not the_store.lost_tiers())
         service = BlockService(the_store, namespaces, metrics, max_chain_blocks=settings.max_chain_blocks, owners=owners)
         app.state.admin = AdminOps(service, disk)

@@ -16,8 +16,9 @@ Why XOR and not a one-way hash: frames must go back out under the client's hashe
 including the parent hash of each frame in a chain, which must be recoverable.
 
 The secret comes from ``namespace_secret``, else from ``<disk_path>/.namespace-key``
-(created on first start, mode 0600, so restarts keep finding their blocks), else (no
-persistent tier) it is random for the life of the process.
+(created on first start, mode 0600, so restarts keep finding their blocks), else (no disk
+tier) it is random for the life of the process: with a Redis tier, whose blocks outlive the
+process, the start says so at WARNING (named namespaces' blocks there are lost to the next start).
 """
 
 from __future__ import annotations
@@ -41,10 +42,20 @@ KEY_FILE = ".namespace-key"
 MIN_SECRET_BYTES = 16  # of namespace_secret (UTF-8): a shorter key is guessable
 
 
-def load_secret(explicit: bytes | None, disk_path: Path | None) -> bytes:
+def load_secret(explicit: bytes | None, disk_path: Path | None, *, shared_tier: bool = False) -> bytes:
+    """The namespace secret: ``explicit``, else the key file in ``disk_path``, else random.
+    ``shared_tier``: the store has a tier that outlives the process (Redis), whose blocks a
+    random secret leaves behind at the next start: said once, at WARNING."""
     if explicit:
         return explicit
     if disk_path is None:
+        if shared_tier:
+            logging.getLogger("cacheseek.server").warning(
+                "cacheseek serve: a Redis tier is set but no namespace_secret, and no disk tier keeps a namespace "
+                "key: this process uses a random one, so the blocks it stores in Redis in named namespaces "
+                "(any namespace but the default \"\") become unreachable at its next restart (they age out of "
+                "Redis, held in its budget until then), and other servers sharing the Redis never find them. Set "
+                "namespace_secret, the same on every server sharing the Redis")
         return secrets.token_bytes(32)
     path = Path(disk_path) / KEY_FILE
     try:

@@ -661,3 +661,23 @@ def test_a_server_whose_redis_bytes_is_below_what_the_shared_redis_holds_says_so
                    in b.output(), b.output()
     finally:
         redis.stop()
+
+
+def test_a_start_without_a_kept_namespace_secret_over_redis_warns_that_named_namespaces_are_lost_at_restart(tmp_path):
+    """No namespace_secret and no disk tier to keep a key: the process's random key masked its
+    named namespaces' blocks in Redis, unreachable from the next start on, and nothing said so.
+    A given secret, or a disk tier (its .namespace-key kept), says nothing."""
+    said = "named namespaces (any namespace but the default \"\") become unreachable at its next restart"
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        env = {k: v for k, v in _env(redis).items() if k != "CACHESEEK_NAMESPACE_SECRET"}
+        with Server(tmp_path / "a", disk=False, cpu_bytes="0", env=env) as srv:
+            out = srv.output()
+        assert out.count(said) == 1 and "Set namespace_secret, the same on every server sharing the Redis" in out, out
+        with Server(tmp_path / "b", disk=False, cpu_bytes="0", env=_env(redis)) as srv:
+            assert said not in srv.output(), srv.output()
+        with Server(tmp_path / "c", env=env) as srv:  # a disk tier: its key file keeps the key
+            assert said not in srv.output(), srv.output()
+            assert (srv.disk_path / ".namespace-key").exists()
+    finally:
+        redis.kill()
