@@ -340,12 +340,12 @@ def load_limits(call: PagedCall, requests: Sequence[tuple[Any, Any, int | None]]
     for r, ((_, _, given), table, hashes) in enumerate(zip(requests, call.tables, call.hashes)):
         # A float would slice the chain with a float, a str fail in max(): neither names the request.
         max_tokens = None if given is None else as_index(given)
-        if given is not None and max_tokens is None:
-            raise InputError(f"{call.param(r, 'max_tokens')}: expected an int number of tokens or None, "
-                             f"got {type(given).__name__} {given!r:.40}")
+        if given is not None and (max_tokens is None or max_tokens < 0):
+            raise InputError(f"{call.param(r, 'max_tokens')}: expected an int number of tokens >= 0, or None for no "
+                             f"limit, got {type(given).__name__} {given!r:.40}")
         n = min(len(hashes), table.numel() * P // block_tokens)
         if max_tokens is not None:
-            n = min(n, max(0, max_tokens) // block_tokens)
+            n = min(n, max_tokens // block_tokens)
         out.append(n)
     return out
 

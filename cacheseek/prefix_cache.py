@@ -253,7 +253,7 @@ class PrefixCache(PrefixCacheBase):
         return results
 
     def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None, start: int = 0,
-                         layerwise: bool = False) -> Any:
+                         layerwise: bool = False, located: bool = False) -> Any:
         """Write the longest stored prefix of ``keys`` (at most ``max_tokens``, and at most
         what ``dest``'s page table holds) straight into the pages ``dest = pages.at(page_ids)``
         names, decoded there; pages of later tokens are untouched. The writes are queued on
@@ -262,7 +262,8 @@ class PrefixCache(PrefixCacheBase):
         the ``Loaded`` as far as they are stored, neither fetched nor written, as
         ``PagedRequest.start``. Returns ``Loaded``; with ``layerwise``, a
         ``LayerwiseLoad`` whose layers are written into the pages in order (``wait(layer)``
-        before the engine reads a layer's pages; ``requests[0]`` is the ``Loaded``)."""
+        before the engine reads a layer's pages; ``requests[0]`` is the ``Loaded``).
+        ``located``: as ``materialize``'s."""
         self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
@@ -271,7 +272,8 @@ class PrefixCache(PrefixCacheBase):
             return self._load_paged_layerwise(requests, dest.pages, single=True, starts=[start])
         return self._load_paged(requests, dest.pages, single=True, starts=[start])[0]
 
-    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
+                               located: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest(keys, page_ids,
         max_tokens, start)`` each), decoded together into their pages; no page may be written
         by two requests. Returns ``[Loaded, ...]``; with ``layerwise``, one ``LayerwiseLoad``
@@ -384,10 +386,13 @@ class PrefixCache(PrefixCacheBase):
                 for tiers in self.store.locate_many(chains)]
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
-                    layerwise: bool = False) -> Any:
+                    layerwise: bool = False, located: bool = False) -> Any:
         """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``:
         a ``Materialized``; with ``layerwise``, a ``LayerwiseLoad`` whose layers become ready
         in order (``wait(layer)``, then ``layer(i)``), decoding while the caller computes.
+        ``located``: ``RemoteCache``'s (a load its server does not count again as a lookup,
+        after ``locate``); taken here for code written against both, and nothing to this
+        cache, which counts no lookups.
 
         Frames flow from the tiers into the decoder as each lands (``TieredStore.stream``):
         disk reads are many in flight, and each frame's copy to ``device`` starts as soon as
@@ -398,16 +403,16 @@ class PrefixCache(PrefixCacheBase):
         self._num_keys(keys)
         device = self._device(device)
         hashes = self.block_hashes(keys)
-        located = self.store.locate(self._limit(hashes, max_tokens))
+        where = self.store.locate(self._limit(hashes, max_tokens))
         if layerwise:
-            return self._materialize_layerwise(hashes, located, device)
-        if not located:
+            return self._materialize_layerwise(hashes, where, device)
+        if not where:
             return self._nothing(device)
-        decoder = BatchDecoder(self.block_format, len(located), device)
+        decoder = BatchDecoder(self.block_format, len(where), device)
         tiers: list[str] = []
         feed = _Feed(decoder)
         try:
-            with closing(self._fetch(hashes[: len(located)], located)) as frames:
+            with closing(self._fetch(hashes[: len(where)], where)) as frames:
                 for frame, tier in frames:
                     feed.add(frame)
                     tiers.append(tier)

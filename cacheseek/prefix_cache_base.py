@@ -100,8 +100,9 @@ class PrefixCacheBase:
         if max_tokens is None:
             return None
         n = as_index(max_tokens)
-        if n is None:
-            raise InputError(f"max_tokens: expected an int number of tokens or None, "
+        if n is None or n < 0:
+            # (a negative one, often meant as "no limit", loaded nothing without a word)
+            raise InputError(f"max_tokens: expected an int number of tokens >= 0, or None for no limit, "
                              f"got {type(max_tokens).__name__} {max_tokens!r:.40}")
         return n
 
@@ -109,7 +110,7 @@ class PrefixCacheBase:
         max_tokens = self._max_tokens(max_tokens)
         if max_tokens is None:
             return hashes
-        return hashes[: max(0, max_tokens) // self.block_tokens]
+        return hashes[: max_tokens // self.block_tokens]
 
     @staticmethod
     def _device(device: Any) -> torch.device:

@@ -70,6 +70,7 @@ TOKENS_HEADER = "X-CacheSeek-Tokens"
 CONTINUES_HEADER = "X-CacheSeek-Continues"  # a lookup piece's first position, after the chain's first piece
 # A lookup sent again for a query the server counted already (after a prefix GET's 404): not counted again.
 AGAIN_HEADER = "X-CacheSeek-Again"
+BAD_FRAME_LOG_SECONDS = 60.0  # a fetched frame that fails its check: said at most this often
 # A batch's fetch threads exit after this long without a fetch: far above the gap between
 # the batches of an engine's step loop (milliseconds), so those never start threads again.
 FETCH_IDLE_SECONDS = 5.0
@@ -103,8 +104,9 @@ class _Outages:
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
                        "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0,
-                       "pool_timeouts": 0}
+                       "pool_timeouts": 0, "bad_frames": 0}
         self.last_error = ""
+        self._bad_said_at = float("-inf")
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
         with self._lock:
@@ -125,6 +127,20 @@ class _Outages:
             since, self._since = self._since, None
         if since is not None:
             log.warning("CacheSeek server %s answers again, after an outage of %.1f s", self.url, time.monotonic() - since)
+
+    def bad_frame(self, key: bytes, exc: BaseException) -> None:
+        """A frame the server sent that failed its check (another configuration's under this
+        cache's key, or damaged): counted, and said once a minute at most."""
+        now = time.monotonic()
+        with self._lock:
+            self.counts["bad_frames"] += 1
+            due = now - self._bad_said_at >= BAD_FRAME_LOG_SECONDS
+            if due:
+                self._bad_said_at = now
+        if due:
+            log.warning("cacheseek server %s sent a frame for block %s that fails its check (%s): the prefix ends "
+                        "before it (client_stats()['bad_frames'] counts them; this line once a minute at most)",
+                        self.url, key.hex(), exc)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -279,7 +295,10 @@ class RemoteCache(PrefixCacheBase):
         self.breaker = breaker if breaker is not None else CircuitBreaker(
             failure_threshold=3, backoff=ExponentialBackoff(base_seconds=0.5, cap_seconds=10.0))
         self._outages = _Outages(self.url, on_unavailable)
-        headers = {NAMESPACE_HEADER: namespace} if namespace else {}
+        # Sent empty too: its keys are made with the namespace named here, and a token bound to
+        # a tenant's namespace with none named was taken as that namespace's, so two workers of
+        # one tenant (one naming it, one not) never shared a block; now the server refuses it.
+        headers = {NAMESPACE_HEADER: namespace}
         if model_id.isascii() and model_id.isprintable():
             headers[MODEL_HEADER] = model_id[:128]
         headers[BLOCK_TOKENS_HEADER] = str(block_tokens)
@@ -551,26 +570,30 @@ class RemoteCache(PrefixCacheBase):
         return self._behind.flush(timeout)
 
     def materialize_into(self, keys: Any, dest: PagedKV, *, max_tokens: int | None = None, start: int = 0,
-                         layerwise: bool = False) -> Any:
+                         layerwise: bool = False, located: bool = False) -> Any:
         """Write the longest stored prefix (at most ``max_tokens``, and what ``dest``'s page
         table holds) straight into the pages ``dest = pages.at(page_ids)`` names, decoded there
         (``PrefixCache.materialize_into``); the blocks before ``start`` are in the pages
         already: counted, not fetched (the GET asks from ``start`` on) nor written.
-        ``layerwise``: a ``LayerwiseLoad`` with every layer ready at once (see ``materialize``)."""
+        ``layerwise``: a ``LayerwiseLoad`` with every layer ready at once (see ``materialize``).
+        ``located``: as ``materialize``'s."""
         self._check_open()
         if not isinstance(dest, PagedKV):
             raise InputError(f"dest: expected an engine's pages, pages.at(page_ids), got {type(dest).__name__}")
-        loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True, starts=[start])
+        loaded = self._load_paged([(keys, dest.page_ids, max_tokens)], dest.pages, single=True, starts=[start],
+                                  located=located)
         return self._all_ready(loaded, dest.pages.device) if layerwise else loaded[0]
 
-    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False) -> Any:
+    def materialize_into_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
+                               located: bool = False) -> Any:
         """``materialize_into`` for many requests (``cs.PagedRequest`` each): one lookup of
         every request's chain (``locate_batch``'s), their chains fetched at once (at most
         ``max_concurrent_fetches``, over the pool's connections), then decoded together into
-        their pages. Every chain has arrived before any page is written."""
+        their pages. Every chain has arrived before any page is written. ``located``: as
+        ``materialize``'s, for every request."""
         self._check_open()
         loaded = self._load_paged(paged_io.requests_of(requests), pages, single=False,
-                                  starts=paged_io.starts_of(requests))
+                                  starts=paged_io.starts_of(requests), located=located)
         return self._all_ready(loaded, pages.device) if layerwise else loaded
 
     def _all_ready(self, loaded: list[Loaded], device: Any) -> LayerwiseLoad:
@@ -582,7 +605,7 @@ class RemoteCache(PrefixCacheBase):
                              num_blocks=n, tiers=[t for r in loaded for t in r.tiers], requests=loaded)
 
     def _load_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
-                    starts: list[Any]) -> list[Loaded]:
+                    starts: list[Any], located: bool) -> list[Loaded]:
         self._check_paged()
         call = paged_io.plan(self.keys, self.layout, pages, requests, single=single)
         paged_io.hash_requests(call, self.keys, requests)
@@ -590,22 +613,28 @@ class RemoteCache(PrefixCacheBase):
         limits = paged_io.load_limits(call, requests, self.block_tokens)
         chains: list[list[BlockFrame]] = [[] for _ in requests]
         try:
-            return self._load_fetched(call, requests, starts, limits, chains)
+            return self._load_fetched(call, requests, starts, limits, chains, located)
         finally:
             _release(chains)
 
     def _load_fetched(self, call: paged_io.PagedCall, requests: list[tuple[Any, Any, Any]], starts: list[int],
-                      limits: list[int], chains: list[list[BlockFrame]]) -> list[Loaded]:
+                      limits: list[int], chains: list[list[BlockFrame]], located: bool) -> list[Loaded]:
         """``_load_paged``'s fetch and decode; ``chains`` gets the frames fetched (the
         caller releases them)."""
         results = [Loaded() for _ in requests]
         B = self.block_tokens
+        tokens = [t if (n := self._max_tokens(given)) is None else min(t, n)
+                  for t, (_, _, given) in zip(call.tokens, requests)]
         # Everything is fetched before any page is written: an outage (or a bad chain) in any
         # request leaves the pages as they were.
         try:
             asked = [r for r, n in enumerate(limits) if n]
             answers: list[dict[str, Any] | None] = [None] * len(asked)
-            self._lookup_chains([call.hashes[r][: limits[r]] for r in asked], [limits[r] * B for r in asked], answers)
+            # The query's length, its partial last block included (as ``materialize`` says it),
+            # cut to ``max_tokens``: the hit rate's denominator. Whole blocks only, a paged
+            # load read as a hit rate of 1 where ``materialize`` of the prompt read 0.77.
+            self._lookup_chains([call.hashes[r][: limits[r]] for r in asked], [tokens[r] for r in asked], answers,
+                                again=located)
             found: list[dict[str, Any]] = [{"matched": 0, "tiers": []} for _ in requests]
             for r, answer in zip(asked, answers):
                 assert answer is not None  # (each answered, or _lookup_chains raised)
@@ -707,44 +736,48 @@ class RemoteCache(PrefixCacheBase):
                 if f is not None else Located(num_blocks=0, num_tokens=0, tiers=[]) for f in found]
 
     def _lookup_chains(self, chains: list[list[BlockHash]], tokens: list[int],
-                       found: list[dict[str, Any] | None]) -> None:
+                       found: list[dict[str, Any] | None], *, again: bool = False) -> None:
         """``found[i]`` = the lookup of ``chains[i]`` (a query of ``tokens[i]`` tokens), as
         few round trips as the limits allow: chains packed into lookups of several, each of
         at most ``max_lookup_hashes`` hashes and ``LOOKUP_CHAINS`` chains. Raises at the
-        first that fails; those answered before stay in ``found``."""
+        first that fails; those answered before stay in ``found``. ``again``: queries the
+        server counted already (``_lookup``)."""
         limit = self.max_lookup_hashes
         group: list[int] = []
         size = 0
         for i, hashes in enumerate(chains):
             if len(hashes) > limit:
-                found[i] = self._lookup(hashes, tokens=tokens[i])  # alone, in pieces
+                found[i] = self._lookup(hashes, tokens=tokens[i], again=again)  # alone, in pieces
                 continue
             if group and (size + len(hashes) > limit or len(group) == LOOKUP_CHAINS):
-                self._lookup_group(group, chains, tokens, found)
+                self._lookup_group(group, chains, tokens, found, again)
                 group, size = [], 0
             group.append(i)
             size += len(hashes)
         if group:
-            self._lookup_group(group, chains, tokens, found)
+            self._lookup_group(group, chains, tokens, found, again)
 
     def _lookup_group(self, group: list[int], chains: list[list[BlockHash]], tokens: list[int],
-                      found: list[dict[str, Any] | None]) -> None:
-        answers = self._lookup_several([chains[i] for i in group], [tokens[i] for i in group]) \
+                      found: list[dict[str, Any] | None], again: bool) -> None:
+        answers = self._lookup_several([chains[i] for i in group], [tokens[i] for i in group], again) \
             if len(group) > 1 and self._chain_lookups else None
         if answers is None:  # one chain, or a server that answers one chain a lookup
             for i in group:
-                found[i] = self._lookup_piece(chains[i], each=False, tokens=tokens[i])
+                found[i] = self._lookup_piece(chains[i], each=False, tokens=tokens[i], again=again)
             return
         for i, answer in zip(group, answers):
             found[i] = answer
 
-    def _lookup_several(self, chains: list[list[BlockHash]], tokens: list[int]) -> list[dict[str, Any]] | None:
+    def _lookup_several(self, chains: list[list[BlockHash]], tokens: list[int], again: bool = False
+                        ) -> list[dict[str, Any]] | None:
         """One ``POST /v1/lookup?chains=...`` of several chains; None from a server that read
         them as one chain (an older one, which knows no ``chains``): it is asked chain by
         chain from then on."""
         flat = [h for chain in chains for h in chain]
         path, content, headers = lookup_request(flat, chains=[len(chain) for chain in chains])
         headers[TOKENS_HEADER] = ",".join(map(str, tokens))
+        if again:
+            headers[AGAIN_HEADER] = "1"
         request = httpx.Request("POST", self.url + path, content=content, headers={**self._headers, **headers},
                                 extensions={"timeout": self._timeouts, IDEMPOTENT_EXTENSION: True})
 
@@ -781,11 +814,15 @@ class RemoteCache(PrefixCacheBase):
         return Located(num_blocks=n, num_tokens=n * self.block_tokens, tiers=list(found["tiers"]))
 
     def materialize(self, keys: Any, device: Any = None, *, max_tokens: int | None = None,
-                    layerwise: bool = False) -> Any:
+                    layerwise: bool = False, located: bool = False) -> Any:
         """KV of the longest stored prefix (at most ``max_tokens``), decoded on ``device``.
         ``layerwise``: the same KV behind a ``LayerwiseLoad`` with every layer ready at once
         (the API of ``PrefixCache``'s layer-wise load, so callers need no branch; over HTTP
         no layer is whole before the last frame has come, docs/engine.md).
+        ``located``: the caller asked ``locate`` (or ``locate_batch``) about these keys just
+        before, and that lookup is the one the server's hit rate counts: this load's lookup
+        is not counted again (an engine that locates every request and loads the hits
+        counted each hit twice, each miss once).
 
         If a block vanishes between the lookup and the transfer (evicted, or found corrupt),
         the prefix ends before it, as in ``PrefixCache``. In an outage with
@@ -793,15 +830,17 @@ class RemoteCache(PrefixCacheBase):
         self._check_open()
         if layerwise:
             self._check_layerwise()
-            return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens), self.layout.num_layers)
+            return LayerwiseLoad.loaded(self.materialize(keys, device, max_tokens=max_tokens, located=located),
+                                        self.layout.num_layers)
         tokens = self._num_keys(keys)
         device = self._device(device)
         max_tokens = self._max_tokens(max_tokens)
         hashes = self._limit(self.block_hashes(keys), max_tokens)
         if max_tokens is not None:
-            tokens = min(tokens, max(0, max_tokens))
+            tokens = min(tokens, max_tokens)
         try:
-            found: dict[str, Any] = self._lookup(hashes, tokens=tokens) if hashes else {"matched": 0, "tiers": []}
+            found: dict[str, Any] = self._lookup(hashes, tokens=tokens, again=located) if hashes else \
+                {"matched": 0, "tiers": []}
             frames = self._fetch_chain(hashes[: found["matched"]]) if found["matched"] else []
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
@@ -1190,8 +1229,16 @@ class RemoteCache(PrefixCacheBase):
                     for buf in iter_frames(response, max_frame_bytes=self._max_frame_bytes, take=take):
                         if i >= len(hashes):
                             break
-                        meta = parse_frame(buf, verify=True)
-                        self.block_format.check_fetched(meta, hashes[i], i)
+                        try:
+                            meta = parse_frame(buf, verify=True)
+                            self.block_format.check_fetched(meta, hashes[i], i)
+                        except FrameError as exc:
+                            # Not a cut connection: a frame that came whole and is not this
+                            # block in this configuration (a writer of other settings under
+                            # the same keys, damage). It ended the prefix unsaid, lookups
+                            # still counting it.
+                            self._outages.bad_frame(hashes[i], exc)
+                            raise
                         lease = leases[-1] if len(leases) > seen else None
                         seen = len(leases)
                         if i >= start:

@@ -82,7 +82,10 @@ class Authenticator:
         if found.namespace is None:
             return Caller(namespace or "", found.can_write)
         if namespace is not None and namespace != found.namespace:
-            raise Forbidden("this token is bound to another namespace")
+            # (the holder's own namespace, named: a client that named none, RemoteCache's
+            # default, makes its keys without it, so it must name it to share them)
+            raise Forbidden(f"this token is bound to namespace {found.namespace!r}, not {namespace!r}: name it "
+                            "(RemoteCache(namespace=...), X-CacheSeek-Namespace)")
         return Caller(found.namespace, found.can_write, bound=True)
 
     def scraper(self, token: str | None) -> None:

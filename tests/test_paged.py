@@ -519,7 +519,7 @@ def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(m
         def batch(call, bad, **kw):
             return lambda: getattr(cache, call)([cs.PagedRequest(toks[0], tables[0]), bad], pages, **kw)
 
-        expected = r"expected an int number of tokens or None, got "
+        expected = r"expected an int number of tokens >= 0, or None for no limit, got "
         not_keys = r": keys: expected token ids \(a list or a tensor\), block keys or a Prompt, got "
         cases = [
             (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=40.0)),
@@ -533,6 +533,11 @@ def test_request_parameters_of_a_wrong_type_name_the_request_and_touch_nothing(m
             (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=64.0), layerwise=True),
              rf"^requests\[1\]\.max_tokens: {expected}float"),
             (lambda: cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=64.0), rf"^max_tokens: {expected}float"),
+            # (-1, often meant as "no limit", loaded nothing without a word)
+            (batch("materialize_into_batch", cs.PagedRequest(toks[0], tables[1], max_tokens=-1)),
+             rf"^requests\[1\]\.max_tokens: {expected}int -1"),
+            (lambda: cache.materialize_into(toks[0], pages.at(tables[0]), max_tokens=-1), rf"^max_tokens: {expected}int -1"),
+            (lambda: cache.materialize(toks[0], max_tokens=-1), rf"^max_tokens: {expected}int -1"),
             (batch("ingest_batch", cs.PagedRequest(None, tables[1])), rf"^requests\[1\]{not_keys}NoneType"),
             (batch("ingest_batch", cs.PagedRequest(7, tables[1]), layerwise=True), rf"^requests\[1\]{not_keys}int"),
             (batch("materialize_into_batch", cs.PagedRequest(None, tables[1])), rf"^requests\[1\]{not_keys}NoneType"),

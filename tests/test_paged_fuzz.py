@@ -453,9 +453,9 @@ def broken_calls(draw, world: World) -> tuple[Call, Broken]:
         change(start=value)
         bad.param, bad.detail = "start", rf": {detail}"
     elif what == "max_tokens":
-        value = draw(st.sampled_from([float(B), "64", True, torch.tensor(True), torch.tensor([B])]))
+        value = draw(st.sampled_from([float(B), "64", True, torch.tensor(True), torch.tensor([B]), -1]))
         change(max_tokens=value)
-        bad.param, bad.detail = "max_tokens", r": expected an int number of tokens or None, got "
+        bad.param, bad.detail = "max_tokens", r": expected an int number of tokens >= 0, or None for no limit, got "
     elif what == "not_request":
         call.reqs[t] = (req.keys, req.ids)
         bad.param, bad.detail = "request", r": expected a cacheseek.PagedRequest, got tuple$"

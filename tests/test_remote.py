@@ -3,6 +3,7 @@ same results."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -1149,6 +1150,74 @@ def test_a_look_again_after_the_eviction_race_is_not_counted_as_a_query_of_its_o
     assert {k: after[k] - before[k] for k in after} == {
         "lookups": 1, "lookup_hits": 1, "lookup_blocks_requested": 6, "lookup_blocks_matched": 6,
         "lookup_tokens_requested": 6 * BLOCK, "lookup_tokens_matched": 6 * BLOCK}
+
+
+def test_a_request_located_then_loaded_counts_once_and_a_paged_load_its_whole_query(srv):
+    """The hit rate an operator reads: a paged load said its query was the whole blocks it
+    could load (a prompt of 4 blocks and 19 tokens, its 4 blocks stored: a hit rate of 1
+    where ``materialize`` of it read 0.87), and an engine that locates every request and
+    loads the hits (the vLLM connector, ``prefill_with_reuse``) counted each hit twice and
+    each miss once. A load after ``locate`` says ``located=True``: not counted again."""
+    from paged_helpers import engine_pages
+
+    def traffic() -> dict[str, int]:
+        stats = httpx.get(srv.url + "/v1/stats", headers={"authorization": "Bearer r"}).json()
+        mine = next(o for o in stats["traffic"]["by_owner"] if o["namespace"] == "counted")
+        return {k: mine[k] for k in ("lookups", "lookup_hits", "lookup_tokens_requested", "lookup_tokens_matched")}
+
+    def counted(call) -> dict[str, int]:
+        before = traffic()
+        call()
+        after = traffic()
+        return {k: after[k] - before[k] for k in after}
+
+    n = 4 * BLOCK + 19
+    toks, kv = tokens_for(45, n), make_kv(n, 45)
+    miss = tokens_for(46, n)
+    pages, _ = engine_pages("flash", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 24, 16,
+                            LAYOUT.torch_dtype)
+    ids = list(range(10))
+    whole = {"lookups": 1, "lookup_hits": 1, "lookup_tokens_requested": n, "lookup_tokens_matched": 4 * BLOCK}
+    with _remote(srv, cs.Raw(), namespace="counted") as cache:
+        assert cache.ingest(toks, kv).stored == 4
+        assert counted(lambda: cache.materialize(toks)) == whole
+        assert counted(lambda: cache.materialize_into(toks, pages.at(ids))) == whole
+        assert counted(lambda: cache.materialize_into_batch([cs.PagedRequest(toks, ids)], pages)) == whole
+        assert counted(lambda: cache.materialize_into(toks, pages.at(ids), max_tokens=3 * BLOCK + 5)) == {
+            "lookups": 1, "lookup_hits": 1, "lookup_tokens_requested": 3 * BLOCK + 5,
+            "lookup_tokens_matched": 3 * BLOCK}
+
+        def engine() -> None:  # locate both, load the hit
+            hit, missed = cache.locate_batch([toks, miss])
+            assert (hit.num_tokens, missed.num_tokens) == (4 * BLOCK, 0)
+            got = cache.materialize_into_batch([cs.PagedRequest(toks, ids)], pages, located=True)
+            assert got[0].num_tokens == 4 * BLOCK
+            assert cache.materialize(toks, located=True).num_tokens == 4 * BLOCK
+            assert cache.materialize_into(toks, pages.at(ids), located=True).num_tokens == 4 * BLOCK
+
+        assert counted(engine) == {"lookups": 2, "lookup_hits": 1, "lookup_tokens_requested": 2 * n,
+                                   "lookup_tokens_matched": 4 * BLOCK}
+
+
+def test_a_frame_of_another_configuration_under_the_caches_key_is_counted_and_said(srv, caplog):
+    """A frame the server sends for a block that fails its check (a writer of other settings
+    under the same keys; here a Raw frame under a KIVI cache's first key) ended the prefix
+    unsaid: never decoded (right), but not counted or logged, lookups still claiming it."""
+    from server_helpers import raw_frame
+
+    toks = tokens_for(47, 2 * BLOCK)
+    with _remote(srv, cs.KIVI(bits=4, group_size=32), namespace="forged") as cache, caplog.at_level(logging.WARNING):
+        first = cache.block_hashes(toks)[0]
+        _, frame = raw_frame(1, block_hash=bytes(first), parent=cache.keys.parents([first])[0], layout=LAYOUT)
+        put = httpx.put(f"{srv.url}/v1/blocks/{first.hex()}", content=frame,
+                        headers={"authorization": "Bearer w", "x-cacheseek-namespace": "forged"})
+        assert put.status_code == 201, put.text
+        assert cache.lookup(toks) == BLOCK
+        assert cache.materialize(toks).num_tokens == 0  # never decoded as this cache's
+        assert cache.materialize(toks).num_tokens == 0
+        assert cache.client_stats()["bad_frames"] == 2
+    said = [r.getMessage() for r in caplog.records if "fails its check" in r.getMessage()]
+    assert len(said) == 1 and first.hex() in said[0] and "another codec" in said[0], said
 
 
 def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, headers: bytes = b""):

@@ -20,6 +20,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import cacheseek as cs
 from cacheseek.store.frame import ALIGN, MAGIC, PREAMBLE, parse_frame
 from server_helpers import Server, batch_body, bodies, cacheseek_command, raw_chain, raw_frame, split_batch
 
@@ -568,6 +569,19 @@ def test_tokens_401_403_and_read_only(tmp_path):
         assert chains().status_code == 401 and chains(auth("a-read", "team-b")).status_code == 403
         assert [x["matched"] for x in chains(auth("a-read")).json()["chains"]] == [1, 1]
         assert [x["matched"] for x in chains(auth("r-token", "team-c")).json()["chains"]] == [0, 0]
+        # A RemoteCache of a tenant's token names the tenant's namespace: one that named none
+        # (its keys made without it) was taken as the tenant's, and never shared a block with
+        # one that named it. Refused, saying which to name.
+        refused = c.put(path, content=frame, headers=auth("a-write", ""))
+        assert refused.status_code == 403 and "bound to namespace 'team-a', not ''" in refused.text
+        layout = cs.KVLayout(2, 2, 64, "float16")
+        unnamed = cs.RemoteCache(srv.url, model_id="m", layout=layout, codec=cs.Raw(), block_tokens=32, token="a-write")
+        with unnamed, pytest.raises(cs.ConfigError, match="bound to namespace 'team-a'"):
+            unnamed.check_token(write=True)
+        named = cs.RemoteCache(srv.url, model_id="m", layout=layout, codec=cs.Raw(), block_tokens=32, token="a-write",
+                               namespace="team-a")
+        with named:
+            named.check_token(write=True)
 
 
 def test_namespaces_never_share_blocks_and_survive_a_restart(tmp_path):

@@ -267,11 +267,12 @@ class CountingCache:
     """A real PrefixCache, with the batched calls it receives counted."""
 
     def __init__(self, cache: cs.PrefixCache) -> None:
-        self.cache, self.calls = cache, []
+        self.cache, self.calls, self.located = cache, [], []
 
-    def materialize_into_batch(self, requests, pages):
+    def materialize_into_batch(self, requests, pages, **kw):
         self.calls.append(("load", len(requests)))
-        return self.cache.materialize_into_batch(requests, pages)
+        self.located.append(kw.get("located"))
+        return self.cache.materialize_into_batch(requests, pages, **kw)
 
     def ingest_batch(self, requests, pages):
         self.calls.append(("save", len(requests)))
@@ -300,6 +301,7 @@ def test_a_step_is_one_batched_call_each_way(codec):
              LoadSpec("z", b, [16, 17, 18, 19], start=0)]
     side.start_step(StepPlan(loads=loads))
     assert counted.calls[-1] == ("load", 3) and side.stats.load_calls == 1
+    assert counted.located == [True]  # (the scheduler's locate counted these requests)
     assert side.take_failed_blocks() == set() and side.stats.load_tokens == 32 + 32 + 64
     want = cache.materialize(a, device="cpu")
     for layer, ((k, v), (wk, wv)) in enumerate(zip(tokens_of(dst, [20, 21, 12, 13], 32, 64), want.layers)):

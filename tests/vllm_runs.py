@@ -787,11 +787,11 @@ class FailFirstLoad:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
 
-    def materialize_into_batch(self, requests: Any, pages: Any) -> Any:
+    def materialize_into_batch(self, requests: Any, pages: Any, **kw: Any) -> Any:
         self.calls += 1
         if self.calls == 1:
             raise RuntimeError("injected: the worker's first load failed")
-        return self.cache.materialize_into_batch(requests, pages)
+        return self.cache.materialize_into_batch(requests, pages, **kw)
 
 
 class FailFirstSave:
@@ -841,7 +841,7 @@ class KillBeforeLoad:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.cache, name)
 
-    def materialize_into_batch(self, requests: Any, pages: Any) -> Any:
+    def materialize_into_batch(self, requests: Any, pages: Any, **kw: Any) -> Any:
         if not self.killed:
             import socket
             from urllib.parse import urlsplit
@@ -856,7 +856,7 @@ class KillBeforeLoad:
                     break
                 time.sleep(0.05)
             self.killed = True
-        return self.cache.materialize_into_batch(requests, pages)
+        return self.cache.materialize_into_batch(requests, pages, **kw)
 
 
 def rounds(eng: Engine, ps: list[list[int]], which: list[int]) -> list[dict[str, Any]]:

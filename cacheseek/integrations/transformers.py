@@ -554,7 +554,7 @@ def prefill_with_reuse(
             writer = cache.ingest_layerwise(keys) if ingest else None
             past_start = min(located.num_tokens, most)
             prompt = torch.tensor([ids[past_start:]], dtype=torch.long, device=device)
-            load = cache.materialize(keys, device=device, layerwise=True)
+            load = cache.materialize(keys, device=device, layerwise=True, located=True)
             if load.num_tokens:
                 have, tiers = load.num_tokens, list(load.tiers)
                 reused = min(have, most)
@@ -564,7 +564,7 @@ def prefill_with_reuse(
             timings.materialize_s = time.perf_counter() - t
         elif located.num_tokens:
             t = time.perf_counter()
-            got = cache.materialize(keys, device=kv_device)
+            got = cache.materialize(keys, device=kv_device, located=True)
             if got.num_tokens:
                 have, tiers = got.num_tokens, list(got.tiers)
                 reused = min(have, most)

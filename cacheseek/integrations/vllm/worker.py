@@ -36,6 +36,9 @@ returns; ``get_finished`` reports each request once its load is done, whatever i
 its missing blocks in ``get_block_ids_with_load_errors`` in the same pass; vLLM holds the
 request back meanwhile and runs the others.
 
+Every load follows the scheduler's ``locate`` of its request, the lookup a server counts
+for its hit rate: loads say so (``located=True``), so a hit is counted once, as a miss is.
+
 With a remote cache (``background_saves``, the default) a whole save returns once the
 step's new blocks are encoded and their frames are in host memory: the pages are vLLM's
 again, and the server's lookup and the upload follow on the client's sender thread
@@ -239,7 +242,8 @@ class WorkerSide:
             self._account(specs, nothing, time.perf_counter() - t0)
             return
         try:
-            handle = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine, layerwise=True)
+            handle = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine, layerwise=True,
+                                                          located=True)
             written = [max(spec.start, min(got.num_tokens, spec.end)) for spec, got in zip(specs, handle.requests)]
             self.guard.success(ticket)
         except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
@@ -343,10 +347,10 @@ class WorkerSide:
             if pages.device.type == "cuda":
                 stream = work_stream("load_between_steps", pages.device)
                 with on_stream(stream):
-                    got = self.cache.materialize_into_batch(requests, pages.engine)
+                    got = self.cache.materialize_into_batch(requests, pages.engine, located=True)
                 stream.synchronize()
             else:
-                got = self.cache.materialize_into_batch(requests, pages.engine)
+                got = self.cache.materialize_into_batch(requests, pages.engine, located=True)
             written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
             return written, None, time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
@@ -403,7 +407,7 @@ class WorkerSide:
             self.stats.loads_refused += len(specs)
         else:
             try:
-                got = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine)
+                got = self.cache.materialize_into_batch(self._requests(specs, pages), pages.engine, located=True)
                 written = [max(spec.start, min(g.num_tokens, spec.end)) for spec, g in zip(specs, got)]
                 self.guard.success(ticket)
             except Exception as exc:  # noqa: BLE001 - vLLM recomputes what did not arrive
