@@ -1299,6 +1299,51 @@ def test_reading_a_chain_longer_than_the_cpu_tier_promotes_no_tail_over_its_head
     cache.close()
 
 
+@pytest.mark.parametrize("order", ["parent_between", "no_room_beside_parent"])
+def test_a_larger_promoted_block_evicts_neither_its_parent_nor_others_for_nothing(tmp_path, order):
+    """Frames of several sizes in one store (models or codecs side by side): a block read from
+    disk and promoted was checked against its first victim only. Larger than the blocks it
+    evicts, it took several, its parent among them, and was dropped after: the CPU tier
+    emptied of X, A and Y, nothing promoted. Its parent is spared now, and a copy that has no
+    room beside its parent evicts nothing."""
+    import hashlib
+
+    from cacheseek.store.frame import build_frame, plan_frame, seal_frame
+    from cacheseek.store.tiered import TieredStore
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tier import BlockFrame
+
+    def frame(name: str, parent: bytes | None, payload: int) -> tuple[bytes, BlockFrame]:
+        key = hashlib.blake2b(name.encode(), digest_size=16).digest()
+        meta = plan_frame(block_hash=key, parent_hash=parent or bytes(16), position=0 if parent is None else 1,
+                          layout=LAYOUT, block_tokens=16, codec={"name": "stand-in"},
+                          buffers=[("kv", "uint8", (payload,))])
+        buf = build_frame(meta, [bytes([len(name)]) * payload])
+        return key, BlockFrame(seal_frame(meta, buf), host=memoryview(buf), sealed=True)
+
+    a, x, y = frame("A", None, 64), frame("X", None, 64), frame("Y", None, 64)
+    b = frame("B", a[0], 700)
+    small = a[1].nbytes
+    # Its room: two of the three small blocks (X and Y, or X and its parent A, in LRU order);
+    # or more than there is beside its parent.
+    free = b[1].nbytes - small - small // 2 if order == "parent_between" else small // 2
+    cpu = CpuTier(3 * small + free, chunk_bytes=1 << 20, policy="lru")
+    store = TieredStore([cpu, DiskTier(tmp_path / "d", 1 << 20, fsync=False)], write_through=["disk"])
+    store.put_many([b])
+    for item in (x, a, y):
+        store.put_many([item])
+    assert cpu.contains_many([x[0], a[0], y[0], b[0]]) == [True, True, True, False]
+    got, tier = store.get(b[0], promote=True)
+    got.release()
+    assert tier == "disk"
+    if order == "parent_between":  # X and Y make its room, its parent stays: promoted beside it
+        assert cpu.contains_many([a[0], b[0]]) == [True, True] and cpu.stats().promotions == 1
+    else:  # no room beside its parent at all: nothing evicted for it
+        assert cpu.contains_many([x[0], a[0], y[0], b[0]]) == [True, True, True, False]
+        assert cpu.stats().promotions == 0
+    store.close()
+
+
 def test_a_promotion_that_finds_no_room_after_evicting_hands_its_victims_down(tmp_path):
     """A promotion into a CPU tier whose slots readers all hold evicted a block for budget
     room, then found no slot and failed: the victim, evicted, was never handed to the disk

@@ -1647,6 +1647,10 @@ def _lock_directory(root: Path) -> int:
                 holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             finally:
                 os.close(fd)
+            if holder == str(os.getpid()):  # (said as another process's, it named this one's pid)
+                raise DiskInUse(f"disk_path: {root} is in use by another cache (or tier) in this process, open on it "
+                                "now: one owns a disk tier's directory; close() that one first, or give each its "
+                                "own") from None
             raise DiskInUse(f"disk_path: {root} is in use by another process (pid {holder}, holding {path}); "
                             "one process owns a disk tier's directory: give each server or cache its own") from None
         except OSError as exc:

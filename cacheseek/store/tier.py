@@ -445,7 +445,14 @@ class IndexedTier(Tier):
         (``spare`` spared): where a chain's next block may go up without leaving a tail with
         no head."""
         with self._lock:
-            if parent not in self._index:
+            held = self._index.get(parent)
+            if held is None:
+                return False
+            # Room beside the parent and the pinned blocks at all: else the copy evicted
+            # others for nothing before it found the parent in its way (frames of several
+            # sizes, one larger than the blocks it evicts).
+            beside = self._index.pinned_bytes + (0 if self._index.is_pinned(parent) else held.charge)
+            if self.charge(nbytes) > self.capacity_bytes - beside:
                 return False
             fits, victim = self._victim_for(nbytes, spare)
             return fits or victim != parent

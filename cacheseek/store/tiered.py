@@ -604,8 +604,13 @@ class TieredStore:
                 continue
             # put_many, not put: a put that fails after evicting (an arena whose slots readers
             # hold, a device out of memory) still hands back its victims, which go down below.
+            # Its parent spared too: checked as the first victim only, a frame larger than
+            # the blocks it evicts took several, the parent among them (frames of several
+            # sizes: models or codecs beside each other), and the copy was dropped after.
+            sparing = spare if root else _SparedToo(parent, spare)
             try:
-                result = _put_sparing(tier, [(key, frame if tier.accepts_device_frames else _on_host(frame))], spare)[0]
+                result = _put_sparing(tier, [(key, frame if tier.accepts_device_frames else _on_host(frame))],
+                                      sparing)[0]
             except StorageError:
                 continue
             if isinstance(result.error, Spared):
@@ -1322,6 +1327,18 @@ def _room_in(tier: Tier, room_for: int, frames: list[tuple[bytes, BlockFrame]]) 
     size = max(frame.nbytes for _, frame in frames)
     charge = tier.charge(size)
     return room_for if charge == size else -(-room_for // size) * charge
+
+
+class _SparedToo:
+    """``spare`` and one more key (a promoted block's parent)."""
+
+    __slots__ = ("key", "spare")
+
+    def __init__(self, key: bytes, spare: Container[bytes]) -> None:
+        self.key, self.spare = key, spare
+
+    def __contains__(self, key: object) -> bool:
+        return key == self.key or key in self.spare
 
 
 def _put_sparing(tier: Tier, items: list[tuple[bytes, BlockFrame]], spare: Container[bytes]) -> list[TierPutResult]:
