@@ -347,9 +347,12 @@ def chain_hashes(root: bytes, blocks: Iterable[bytes | memoryview], algo: str = 
 def as_token_list(token_ids: Any) -> Sequence[int]:
     """Token ids as a flat sequence of ints: a list, a tuple, or a tensor/array of shape [T] or [1, T]."""
     if hasattr(token_ids, "tolist") and hasattr(token_ids, "shape"):
-        if str(getattr(token_ids, "dtype", "")) in ("torch.bool", "bool"):
+        dtype = str(getattr(token_ids, "dtype", ""))
+        if dtype in ("torch.bool", "bool"):
             raise InputError("token_ids: a tensor of bools, not token ids")  # (read as 0 and 1)
         shape = tuple(token_ids.shape)
+        if "float" in dtype or "complex" in dtype:  # (its tolist() gave floats, refused as "not in the int32 range")
+            raise InputError(f"token_ids: expected an integer tensor, got {dtype} {list(shape)}")
         try:
             if len(shape) == 2 and shape[0] == 1:
                 token_ids = token_ids.reshape(-1)
@@ -360,6 +363,12 @@ def as_token_list(token_ids: Any) -> Sequence[int]:
             raise InputError(f"token_ids: a tensor whose values cannot be read ({exc})") from None
     if not isinstance(token_ids, (list, tuple)):
         raise InputError(f"token_ids: expected a sequence of ints, got {type(token_ids).__name__}")
+    if token_ids and isinstance(token_ids[0], (list, tuple)):
+        # A batched tokenizer's ``input_ids`` ([[...]]): one row is taken, as a [1, T] tensor is.
+        if len(token_ids) == 1:
+            return as_token_list(token_ids[0])
+        raise InputError(f"token_ids: expected shape [T] or [1, T], got a list of {len(token_ids)} rows (one "
+                         "request's ids at a time; a batch: locate_batch, or one call a request)")
     return token_ids
 
 

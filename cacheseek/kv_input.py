@@ -27,6 +27,14 @@ def _pairs(kv: Any) -> list[tuple[Any, Any]]:
         kv = inner
     layers = getattr(kv, "layers", None)
     if layers is not None and all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in layers):
+        for i, layer in enumerate(layers):
+            # A sliding-window layer (Mistral, Gemma, Qwen2's) past its window keeps the last
+            # tokens only: refused as a length that disagreed with the ids, it said nothing of why.
+            seen, kept = getattr(layer, "cumulative_length", None), getattr(layer.keys, "shape", None)
+            if isinstance(seen, int) and kept is not None and len(kept) >= 2 and seen > kept[-2]:
+                raise InputError(f"kv: layer {i} is a sliding-window layer that keeps its last {kept[-2]} of {seen} "
+                                 "tokens; the store needs every token's KV (prefill_with_reuse stores such a model's "
+                                 "prompt as its forward makes it, before the window drops any)")
         return [(layer.keys, layer.values) for layer in layers]
     if hasattr(kv, "key_cache") and hasattr(kv, "value_cache"):
         return list(zip(kv.key_cache, kv.value_cache, strict=True))

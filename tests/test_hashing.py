@@ -257,6 +257,15 @@ def test_a_bool_among_token_ids_is_refused_naming_its_index(n):
     for bools in (torch.ones(n, dtype=torch.bool), np.ones(n, dtype=bool)):
         with pytest.raises(InputError, match="^token_ids: a tensor of bools"):
             hash_token_blocks(root, bools, 8)
+    # A batched tokenizer's ids: one row is a [1, T] (as a tensor of that shape is); two rows, or
+    # a float tensor, are named as what they are (both were "not an int in the int32 range")
+    assert hash_token_blocks(root, [list(ids)], 8) == keys
+    assert PrefixKeys(root, 8).block_hashes([list(ids)]) == keys
+    with pytest.raises(InputError, match=r"^token_ids: expected shape \[T\] or \[1, T\], got a list of 2 rows"):
+        PrefixKeys(root, 8).block_hashes([list(ids), list(ids)])
+    for floats in (torch.tensor(ids, dtype=torch.float32), np.array(ids, dtype=np.float64)):
+        with pytest.raises(InputError, match=rf"^token_ids: expected an integer tensor, got (torch\.)?float\w+ \[{n}\]$"):
+            PrefixKeys(root, 8).block_hashes(floats)
     # (numpy 2.4 refuses their __index__, and struct says so; 2.2 lets struct pack them, with
     # a warning, and they are then found as bools)
     for bad in (np.True_, np.array(False)):

@@ -1024,3 +1024,27 @@ def test_demo_output_holds_no_progress_bars_of_transformers(tiny_model, tmp_path
     out, err = capfd.readouterr()
     assert "error: cpu_bytes: " in err and "[2/3]" in out
     assert "Loading weights" not in err and "%|" not in err, err
+
+
+def test_ingest_of_a_sliding_window_cache_past_its_window_says_why():
+    """A transformers cache whose sliding-window layers dropped tokens was refused as a length
+    that disagreed with the ids ("100 tokens, but KV holds 31"), saying nothing of why."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=32)).eval()
+    cache = cs.PrefixCache(model_id="mistral", layout=kv_layout(model), codec=cs.Raw(), block_tokens=16,
+                           tiers=cs.TierConfig(cpu_bytes="8MiB", pin_memory=False))
+    for n, ok in ((24, True), (100, False)):
+        ids = list(range(3, 3 + n))
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), **{cache_kwarg(model): transformers.DynamicCache(config=model.config)})
+        kv = output_cache(out)
+        if ok:  # inside the window: every token's KV, stored
+            assert cache.ingest(ids, kv).stored == 1
+        elif any(getattr(layer, "cumulative_length", None) is not None for layer in kv.layers):
+            with pytest.raises(cs.InputError, match=r"^kv: layer 0 is a sliding-window layer that keeps its last \d+ "
+                                                     r"of 100 tokens"):
+                cache.ingest(ids, kv)
+        else:  # (a transformers whose cache layers keep every token: nothing dropped, stored)
+            assert cache.ingest(ids, kv).stored == 6
