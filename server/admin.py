@@ -38,6 +38,7 @@ from cacheseek.errors import StorageError, TierUnavailable
 from cacheseek.hashing import to_hex
 
 from .errors import NotFound, TierUnreachable
+from .owners import OTHER_MODEL
 from .service import BlockService
 from .state_files import read_state, replace_durably
 
@@ -97,6 +98,10 @@ class AdminOps:
             shared = self._shared_keys(namespace, model, what)
             if not known and not shared:
                 hint = ""
+                if model is not None and (full := owners.past_models(namespace, model)):
+                    hint = (f"; namespace {full[0]!r} has {owners.max_models} models told apart, each holding "
+                            f"blocks: a model past them is counted, and flushed, as {OTHER_MODEL!r} (flush --model "
+                            f"{OTHER_MODEL} deletes every such model's blocks)")
                 if any(hasattr(tier, "owned") for tier in self.store.tiers):
                     # (owner tags are keyed with the secret: another replica's are found only with its)
                     hint = ("; blocks other replicas wrote to Redis are found only where every replica has "
@@ -108,6 +113,9 @@ class AdminOps:
             # (deleted here alone, its Redis copy was named by nothing and served again).
             blocks, nbytes, unknown, gone = self._delete(keys)
             self._forget_pins_of(gone)
+        # (an operator's change to what is stored: said, as a start's removals are)
+        log.info("admin: flush of %s deleted %d blocks (%s bytes)%s", what, blocks, f"{nbytes:,}",
+                    f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")
         if unknown:
             raise TierUnreachable(f"flush of {what}: a tier that may hold {unknown} of its {len(keys)} blocks could "
                                   f"not be reached, so those are kept (in every tier; {blocks} others deleted); retry")
@@ -159,6 +167,9 @@ class AdminOps:
                                "cacheseek admin --namespace)")
             blocks, nbytes, unknown, gone = self._delete(doomed)
             self._forget_pins_of(gone)
+        log.info("admin: delete of the chain ending at %s (namespace %r) deleted %d blocks (%s bytes)%s", to_hex(h),
+                    namespace, blocks, f"{nbytes:,}",
+                    f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")
         if unknown:
             # Those are kept in every tier: a retry walks the chain again and finds them, its
             # descendants too (Redis keeps no index of children: deleted here alone, a

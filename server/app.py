@@ -29,7 +29,7 @@ from .config import ServerSettings
 from .head import HeadAsGet
 from .limits import BodyBudget, trim_heap
 from .metrics import Metrics, MetricsMiddleware
-from .namespaces import KEY_FILE, Namespaces, load_secret
+from .namespaces import KEY_FILE, SECRET_ID_FILE, Namespaces, load_secret
 from .owners import OWNERS_FILE, Owners
 from .protocol import CUT_SHORT, coding_error, header_error
 from .routes import admin, blocks, dashboard, docs, lookup, ops, prefetch, prefixes
@@ -51,7 +51,7 @@ def _remove_stale_temp_files(disk: Path) -> None:
     """Temp files of the state kept beside the disk tier (owners, pins, the namespace key)
     that a kill -9 left mid-write. The server owns the directory (the disk tier's lock,
     taken when the store opened), so none is another process's write in progress."""
-    for name in (OWNERS_FILE, PINS_FILE, KEY_FILE):
+    for name in (OWNERS_FILE, PINS_FILE, KEY_FILE, SECRET_ID_FILE):
         for stale in disk.glob(f"{glob.escape(name)}.*.tmp"):
             try:
                 stale.unlink()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import sys
 import warnings
 from collections.abc import Sequence
@@ -69,7 +70,6 @@ EXIT_STARTUP_FAILED = 3  # the app failed to start for another reason (a bug: th
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
     import os
     import time
 
@@ -147,6 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise _StoppedOpening(interrupts.received)
     interrupts.phase = "starting"
     opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
+    app = create_app(settings, store=store, opened_seconds=opened, announce=lambda text: print(text, flush=True))
     http: Any = settings.http
     if http == "auto":
         limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
@@ -154,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   body_min_bytes_per_second=settings.body_min_bytes_per_second)
         # Off the fast path, uvicorn chooses: httptools where it imports, else h11 (a server
         # without httptools must still start).
-        http = protocol_class(limits=limits) or "auto"
+        http = protocol_class(limits=limits, on_refused=app.state.metrics.refused) or "auto"
         problem = fast_path_problem()
         if problem is None:
             print("cacheseek serve: receive path: in place (server.protocol: bodies by recv_into into the store's "
@@ -163,7 +164,6 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"cacheseek serve: WARNING: receive path: uvicorn's own, the fast path is OFF ({problem}): every "
                   "body is copied twice more, and header/body timeouts are off", file=sys.stderr, flush=True)
     keep_freed_memory()
-    app = create_app(settings, store=store, opened_seconds=opened, announce=lambda text: print(text, flush=True))
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.access_log, http=http, loop=settings.loop, lifespan="on",
@@ -175,6 +175,10 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
+    if not isinstance(http, str):
+        # uvicorn's line for each malformed request (from anyone, unlimited, naming neither
+        # status nor peer): the fast path counts and says them itself (``Metrics.refused``).
+        logging.getLogger("uvicorn.error").addFilter(_NotInvalidRequest())
     server = _uvicorn_server(config, cut=app.state.shutdown_cut)
     # Once shut down, uvicorn puts back the handlers it found (main()'s) and raises the signal
     # again: with the default ones, that killed the process before the store below was closed
@@ -280,8 +284,6 @@ def _bad_setting(message: str) -> int:
 
 
 def _log_to_stderr(logger: Any, level: str) -> None:
-    import logging
-
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
@@ -322,6 +324,11 @@ def _tls_problem(cert: Any, key: Any) -> str | None:
     except (ssl.SSLError, OSError) as exc:
         return f"tls_cert/tls_key: cannot load {cert} with {key}: {exc}"
     return None
+
+
+class _NotInvalidRequest(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Invalid HTTP request received."
 
 
 def _setting_of(exc: BaseException, settings: Any) -> str:
@@ -720,7 +727,6 @@ def run() -> None:
     other thread gone)."""
     code = main()
     if sys.argv[1:2] == ["serve"]:
-        import logging
         import os
 
         logging.shutdown()

@@ -101,6 +101,11 @@ class BodyBytes:
         self.held -= nbytes
         self.budget.give(nbytes, stored=stored)
 
+    def unread(self, nbytes: int) -> None:
+        """Give back ``nbytes`` taken for a read that did not get them (a body that ended):
+        no memory held them, so nothing for ``release_memory`` to hand back."""
+        self.settle(nbytes, stored=True)
+
     def close(self) -> None:
         """Give back whatever is still held: the request ended without storing it."""
         self.settle(self.held, stored=False)

@@ -28,6 +28,7 @@ counters); the store figures, read at scrape time, stay.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from bisect import bisect_left
@@ -44,8 +45,12 @@ from cacheseek import __version__
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+log = logging.getLogger("cacheseek.server")
+
 OTHER = "_other"
 UNMATCHED = "unmatched"
+REFUSED = "refused"  # the route label of a request the protocol answered before any route
+REFUSALS_LOG_SECONDS = 60.0
 # Request methods labelled as they are; any other is OTHER. h11 (``--http h11``) takes any
 # token as a method and answers it (a 404 or 405), so each made a label set of its own and a
 # histogram that lived as long as the process: a client without a token grew /metrics and
@@ -222,9 +227,26 @@ class Metrics:
         # asked for that their first pieces did not cover: what their continuing pieces may
         # still count as matched (``looked_up``).
         self._open_tokens: dict[int, int] = {}
+        self._refusals_said_at = float("-inf")
+        self._refusals_unsaid: dict[int, int] = {}
         self.registry.register(_Collector(self))
 
     # -- counting (event loop) ---------------------------------------------------------
+
+    def refused(self, status: int, reason: str, peer: str) -> None:
+        """A request the protocol answered itself, before any route (``protocol_class``'s
+        ``on_refused``): counted as route ``refused``, and said in the log once a minute at
+        most, with how many of each status since the last such line (uvicorn's own line for
+        a malformed request, one a request from anyone, is dropped: ``cli``)."""
+        self.request(REFUSED, OTHER, status, 0.0)
+        self._refusals_unsaid[status] = self._refusals_unsaid.get(status, 0) + 1
+        now = time.monotonic()
+        if now - self._refusals_said_at < REFUSALS_LOG_SECONDS:
+            return
+        counts, self._refusals_unsaid, self._refusals_said_at = self._refusals_unsaid, {}, now
+        log.warning("requests refused before any route: %s since the last such line (one a minute at most); the "
+                    "last from %s: %s %s", ", ".join(f"{n} x {code}" for code, n in sorted(counts.items())), peer,
+                    status, reason)
 
     def request(self, route: str, method: str, status: int, seconds: float) -> None:
         key = (route, method)
@@ -664,7 +686,8 @@ class _BodiesCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self._stats()
         for name, key, help_ in (
-                ("cacheseek_http_body_bytes_in_flight", "in_flight_bytes", "Request-body bytes received, not yet stored"),
+                ("cacheseek_http_body_bytes_in_flight", "in_flight_bytes",
+                 "Request-body bytes being received (a step of up to 16 MiB each body reads) or received, not yet stored"),
                 ("cacheseek_http_body_bytes_in_flight_peak", "peak_bytes", "Most request-body bytes in flight at once"),
                 ("cacheseek_http_body_bytes_in_flight_limit", "limit_bytes", "max_inflight_body_bytes")):
             family = GaugeMetricFamily(name, help_)

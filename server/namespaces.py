@@ -36,18 +36,66 @@ import msgpack
 from cacheseek.errors import ConfigError
 from cacheseek.store.frame import FrameMeta, header_prefix
 from .owners import OWNERS_FILE
-from .state_files import fsync_dir
+from .state_files import fsync_dir, write_text_durably
 
 KEY_FILE = ".namespace-key"
+# A fingerprint of the secret the blocks beside it were stored under (BLAKE2b of it, which
+# gives nothing of it back): a start under another secret is said, its named namespaces'
+# blocks unreachable. It was not (key file to namespace_secret, one secret for another).
+SECRET_ID_FILE = ".namespace-secret-id"
 MIN_SECRET_BYTES = 16  # of namespace_secret (UTF-8): a shorter key is guessable
 
 
 def load_secret(explicit: bytes | None, disk_path: Path | None, *, shared_tier: bool = False) -> bytes:
     """The namespace secret: ``explicit``, else the key file in ``disk_path``, else random.
     ``shared_tier``: the store has a tier that outlives the process (Redis), whose blocks a
-    random secret leaves behind at the next start: said once, at WARNING."""
+    random secret leaves behind at the next start: said once, at WARNING. With a disk tier,
+    a secret other than the one its blocks were stored under is said (``SECRET_ID_FILE``)."""
+    secret, said = _load_secret(explicit, disk_path, shared_tier)
+    if disk_path is not None:
+        _check_secret_id(Path(disk_path), secret, explicit, said)
+    return secret
+
+
+def _check_secret_id(disk_path: Path, secret: bytes, explicit: bytes | None, said: bool) -> None:
+    """``said``: the change was told already (the key file missing, a new key made)."""
+    log = logging.getLogger("cacheseek.server")
+    path = disk_path / SECRET_ID_FILE
+    mine = hashlib.blake2b(secret, digest_size=16, person=b"cacheseek-ns-id").hexdigest()
+    try:
+        before: str | None = path.read_text("ascii").strip()
+    except FileNotFoundError:
+        before = None
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("cacheseek serve: %s cannot be read (%s): a namespace secret other than the last start's would "
+                    "go unsaid", path, exc)
+        return
+    if before is None and explicit:
+        # (a directory of a release before the file: its key file, if any, names its secret)
+        try:
+            if (kept := (disk_path / KEY_FILE).read_bytes()) != explicit and len(kept) >= MIN_SECRET_BYTES:
+                before = hashlib.blake2b(kept, digest_size=16, person=b"cacheseek-ns-id").hexdigest()
+        except OSError:
+            pass
+    if before == mine:
+        return
+    if before is not None and not said:
+        log.warning("cacheseek serve: the namespace secret is not the one the blocks in %s were stored under (%s "
+                    "holds the last one's fingerprint): the blocks of named namespaces (any but the default \"\") "
+                    "stored under it cannot be found, and age out of the tier. Give the earlier namespace_secret "
+                    "(or its key file) back to reach them", disk_path, SECRET_ID_FILE)
+    try:
+        write_text_durably(path, mine + "\n")
+    except OSError as exc:
+        log.warning("cacheseek serve: %s not written (%s): a later change of the namespace secret would go unsaid",
+                    path, exc)
+
+
+def _load_secret(explicit: bytes | None, disk_path: Path | None, shared_tier: bool) -> tuple[bytes, bool]:
+    """The secret, and whether a new key file was made where an earlier start stored blocks
+    (said here)."""
     if explicit:
-        return explicit
+        return explicit, False
     if disk_path is None:
         if shared_tier:
             logging.getLogger("cacheseek.server").warning(
@@ -56,13 +104,14 @@ def load_secret(explicit: bytes | None, disk_path: Path | None, *, shared_tier: 
                 "(any namespace but the default \"\") become unreachable at its next restart (they age out of "
                 "Redis, held in its budget until then), and other servers sharing the Redis never find them. Set "
                 "namespace_secret, the same on every server sharing the Redis")
-        return secrets.token_bytes(32)
+        return secrets.token_bytes(32), False
     path = Path(disk_path) / KEY_FILE
     try:
-        return _checked_key(path, path.read_bytes())
+        return _checked_key(path, path.read_bytes()), False
     except FileNotFoundError:
         pass
-    if (path.parent / OWNERS_FILE).exists():
+    said = (path.parent / OWNERS_FILE).exists() or (path.parent / SECRET_ID_FILE).exists()
+    if said:
         # (an earlier start stored blocks here: those of named namespaces were masked with the
         # key now missing, and a new one silently made them unreachable)
         logging.getLogger("cacheseek.server").warning(
@@ -86,7 +135,7 @@ def load_secret(explicit: bytes | None, disk_path: Path | None, *, shared_tier: 
     # The key's entry durable before any block masked with it is acknowledged: without it,
     # every namespaced block on disk would be unreachable after a power cut.
     fsync_dir(path.parent)
-    return _checked_key(path, path.read_bytes())
+    return _checked_key(path, path.read_bytes()), said
 
 
 def check_key_file(disk_path: Path | None) -> None:

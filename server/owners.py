@@ -68,6 +68,7 @@ class Owners:
         self.max_owners = max_owners
         self.max_models = max_models
         self._models: dict[str | None, int] = {}  # namespace -> models told apart in it
+        self._of_namespace: dict[str | None, list[int]] = {}  # namespace -> its owners' ids
         self.max_roots = max_roots
         self.max_namespace_roots = max_namespace_roots
         self._namespace_roots: dict[str | None, int] = {}  # namespace -> roots kept for its owners
@@ -101,16 +102,21 @@ class Owners:
         namespace's models past ``max_models`` are one owner, ``OTHER_MODEL``: a client names
         its model freely, and one naming thousands used up every id, after which the blocks
         of every namespace and model first seen were nobody's (a flush of that namespace
-        found none of them)."""
+        found none of them). A new model of a namespace at ``max_models`` takes the place of
+        one that holds nothing now (flushed, or evicted): models replaced over a server's
+        life (a new ``model_id`` per weight update) stay told apart, and flushed by name."""
         key = (namespace, model)
         got = self._ids.get(key)
         if got is not None:
             return got
+        new_root = False
         with self._lock:
             got = self._ids.get(key)
             if got is None and model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
-                key = (namespace, OTHER_MODEL)
-                got = self._ids.get(key)
+                got, new_root = self._take_place(key)
+                if got is None:
+                    key = (namespace, OTHER_MODEL)
+                    got = self._ids.get(key)
             if got is None:
                 if len(self._names) > self.max_owners:
                     return UNATTRIBUTED
@@ -118,9 +124,47 @@ class Owners:
                 self._names.append(key)
                 self._usage.append(Usage())
                 self._ids[key] = got
+                self._of_namespace.setdefault(namespace, []).append(got)
                 if key[1] != OTHER_MODEL:
                     self._models[namespace] = self._models.get(namespace, 0) + 1
-            return got
+        if new_root:
+            self._save()  # (the roots of the model it replaced are gone from the file)
+        return got
+
+    def _take_place(self, key: tuple[str | None, str]) -> tuple[int | None, bool]:
+        """(Under the lock.) The id of a model of ``key``'s namespace that holds no block and
+        has none being written, given to ``key``: its roots forgotten (blocks under them
+        would be the new model's), its tag made again; and whether it had roots (the file
+        is saved again). None if every model holds some."""
+        idle = [o for o in self._of_namespace.get(key[0], ())
+                if self._names[o][1] != OTHER_MODEL and not self._usage[o].blocks]
+        if not idle:
+            return None, False
+        busy = {o for writers in self._expected.values() for o in writers}
+        got = next((o for o in idle if o not in busy), None)
+        if got is None:
+            return None, False
+        roots = [r for r, o in self._roots.items() if o == got]
+        for root in roots:
+            del self._roots[root]
+            self._namespace_roots[key[0]] -= 1
+        for left in [k for k, o in self._left.items() if o == got]:
+            del self._left[left]
+        del self._ids[self._names[got]]
+        self._names[got] = key
+        self._usage[got] = Usage()
+        self._ids[key] = got
+        if got < len(self._tags):
+            self._tags[got] = self.tagger(*key) if self.tagger is not None and key[0] is not None else ""
+        return got, bool(roots)
+
+    def past_models(self, namespace: str | None, model: str) -> list[str]:
+        """The namespaces (``namespace``, or any) where ``model`` would be counted as
+        ``OTHER_MODEL`` now: their ``max_models`` told apart, each holding blocks."""
+        with self._lock:
+            return [ns for ns, n in self._models.items() if ns is not None and n >= self.max_models
+                    and (namespace is None or ns == namespace) and (ns, model) not in self._ids
+                    and model != OTHER_MODEL]
 
     def expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> None:
         """Announce blocks about to be written by ``owner``: (stored key, stored parent,

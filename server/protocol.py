@@ -139,7 +139,12 @@ def fast_path_problem() -> str | None:
     return _unexpected(impl)
 
 
-def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = ConnectionLimits()) -> type | None:
+def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = ConnectionLimits(),
+                   on_refused: Callable[[int, str, str], None] | None = None) -> type | None:
+    """The fast path's protocol class, or None where it cannot run (``fast_path_problem``).
+    ``on_refused(status, reason, peer)``: told of each request the protocol answers itself,
+    refused before any route (a malformed request, a head over its bound, a body coding not
+    decoded, too many pipelined): the app's middleware never sees those."""
     if fast_path_problem() is not None:
         return None
     import httptools
@@ -304,6 +309,12 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             Written at once, the error went into the middle of that response's body, which was
             then cut short."""
             self.refused = True
+            if on_refused is not None:
+                try:
+                    on_refused(int(status.split(b" ", 1)[0]), error,
+                               f"{self.client[0]}:{self.client[1]}" if self.client else "a client")
+                except Exception:  # noqa: BLE001 - counting must never cost the connection its answer
+                    log.exception("counting a refused request failed")
             self.flow.pause_reading()
             # (No head or body comes any more: the send limits alone stay, for the responses
             # still to go.)
@@ -404,8 +415,6 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             if counted:
                 self.head_bytes += len(data)
                 if self.head_bytes > MAX_HEAD_BYTES:
-                    log.info("closing the connection of %s: request head or trailers over %d bytes",
-                             f"{self.client[0]}:{self.client[1]}" if self.client else "a client", MAX_HEAD_BYTES)
                     self.send_error_and_close(b"431 Request Header Fields Too Large",
                                               f"request line and headers (or trailers) over {MAX_HEAD_BYTES} bytes")
                     return

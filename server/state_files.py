@@ -12,7 +12,7 @@ from typing import Any
 
 from cacheseek.store.disk import fsync_dir
 
-__all__ = ["fsync_dir", "read_state", "replace_durably"]
+__all__ = ["fsync_dir", "read_state", "replace_durably", "write_text_durably"]
 
 log = logging.getLogger("cacheseek.server")
 
@@ -22,6 +22,20 @@ def replace_durably(tmp: Path, path: Path) -> None:
     directory's fsync, a power cut could leave the directory naming the old file."""
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_text_durably(path: Path, text: str) -> None:
+    """``text`` as ``path`` (mode 0600): temp file, fsync, ``replace_durably``."""
+    tmp = path.with_name(f"{path.name}.{os.urandom(4).hex()}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 

@@ -334,7 +334,9 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         time.sleep(0.5)
         during = c.get("/v1/stats").json()
         assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
-        assert bodies(c)["in_flight_bytes"] <= 6 * 4  # what arrived (4 bytes each), not what was declared
+        # Each holds the step it reads (16 MiB) of the budget, counted before its bytes come (so
+        # the cap holds for bodies arriving), but not of memory: what arrived, 4 bytes each.
+        assert bodies(c)["in_flight_bytes"] == 6 * 16 * MiB
         assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
         # The budget still has room for 30 more blocks: none of the cached ones is evicted.
         more = raw_chain(5, 30, layout=BIG_LAYOUT)
@@ -571,6 +573,33 @@ def test_bodies_in_flight_over_the_cap_get_503_and_the_rest_proceeds(tmp_path):
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         figures = bodies(srv.url)
         assert figures["in_flight_bytes"] == 0 and figures["refused"] >= 1
+
+
+def test_frames_still_arriving_count_in_the_bytes_in_flight_and_the_cap_holds_for_them(tmp_path):
+    """A frame's bytes were counted once a whole 16 MiB step had arrived: any frame under
+    16 MiB (every real block) counted nothing until it was whole, the gauge read 0 under any
+    number of slow uploads, and 20 of them held 38 MiB under a 2 MiB cap. A step is counted
+    before it is read."""
+    args = ["--max-inflight-body-bytes", "5MiB", "--max-body-bytes", "5MiB", "--max-frame-bytes", "2MiB",
+            "--cpu-reserve-bytes", "0"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        holders = []
+        for i in range(3):  # each sends half of a declared 2 MiB frame and holds: the third passes 5 MiB
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 2 * MiB) + bytes(MiB))
+            holders.append(s)
+            time.sleep(0.3)
+            if i == 1:
+                assert bodies(srv.url)["in_flight_bytes"] == 4 * MiB
+        status, headers, text = read_response(holders[2], bytearray())
+        assert status == 503 and b"max_inflight_body_bytes" in text
+        for s in holders:
+            s.close()
+        time.sleep(0.3)
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+        h, frame = raw_frame(3)
+        assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
+        assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
 def test_a_batch_of_many_tiny_frames_counts_what_each_frame_costs(tmp_path):
@@ -1282,6 +1311,48 @@ def test_an_http_1_1_request_without_one_host_header_is_a_400_and_nothing_stored
         log = srv.output()
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
     assert http != "h11" or log.count("Invalid HTTP request received.") == 3, log[-3000:]
+
+
+def test_requests_refused_before_any_route_are_counted_and_said_once_a_minute(tmp_path):
+    """Requests the fast path answers itself (malformed, a head over its bound, a body coding
+    the server does not decode, a header twice) reached no route: no figure counted them, and
+    the log had uvicorn's "Invalid HTTP request received." once a request from anyone (no
+    status, no peer), or nothing. They count as route ``refused``, and one line a minute at
+    most says how many of each status, and the last one's reason and peer."""
+    from prom_strict import parse, value
+
+    with Server(tmp_path, disk=False) as srv:
+        refused = [b"BREW /healthz HTTP/1.1\r\nhost: x\r\n\r\n",
+                   b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-cacheseek-namespace: a\r\nx-cacheseek-namespace: b\r\n\r\n",
+                   b"PUT /v1/blocks/" + b"ab" * 16 + b" HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n"
+                   b"content-length: 4\r\n\r\nabcd"] + [b"NOT HTTP\r\n\r\n"] * 20
+        statuses = []
+        for raw in refused:
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(raw)
+                statuses.append(read_response(s, bytearray())[0])
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:  # a head past 64 KiB
+            s.sendall(b"GET /healthz HTTP/1.1\r\n")
+            try:
+                for _ in range(100):
+                    s.sendall(b"x-filler: " + b"a" * 4000 + b"\r\n")
+                    if select.select([s], [], [], 0)[0]:
+                        break
+            except ConnectionResetError:
+                pass
+            statuses.append(read_response(s, bytearray())[0])
+        assert sorted(set(statuses)) == [400, 415, 431], statuses
+        families = parse(httpx.get(f"{srv.url}/metrics").text)
+        for status in (400, 415, 431):
+            got = value(families, "cacheseek_http_requests_total", route="refused", method="_other",
+                        status=str(status))
+            assert got == statuses.count(status), (status, got)
+        log = srv.output()
+    uvicorns = [line for line in log.splitlines()
+                if "Invalid HTTP request received." in line and "refused before any route" not in line]
+    assert not uvicorns, uvicorns
+    said = [line for line in log.splitlines() if "requests refused before any route" in line]
+    assert len(said) == 1 and "the last from 127.0.0.1:" in said[0], said
 
 
 @pytest.mark.parametrize("http", ["auto", "httptools", "h11"])

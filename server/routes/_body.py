@@ -4,9 +4,11 @@ Memory follows the bytes that arrive, not the ``Content-Length`` a client declar
 is received into a CPU-tier reservation (room the tier lends beyond its budget; the pages
 are touched only as bytes land), or into an anonymous mapping of its own (committed page
 by page as bytes land, unmapped when dropped), or, without a length (chunked), into pieces
-of at most ``PIECE`` bytes allocated as the bytes come; every byte is counted in the
-server's ``BodyBudget`` as it arrives (a request holds at most one step of ``STEP`` bytes
-beyond it).
+of at most ``PIECE`` bytes allocated as the bytes come. Every byte is counted in the
+server's ``BodyBudget`` before it is read, a step (``STEP``, or a piece) at a time, and what a
+step did not get is given back: counted once a step had arrived whole, frames still arriving
+(every frame under 16 MiB: every real block) were not counted at all, and any number of slow
+uploads held memory past ``max_inflight_body_bytes``.
 """
 
 from __future__ import annotations
@@ -131,14 +133,16 @@ class RequestBody:
 
 async def _read_exactly(body: RequestBody, view: memoryview, length: int, held: BodyBytes,
                         on_data: Callable[[memoryview], None]) -> None:
-    """Fill ``view[:length]`` from the body a step at a time, counting each step in the budget."""
+    """Fill ``view[:length]`` from the body a step at a time, each step counted in the budget
+    before it is read."""
     filled = 0
     while filled < length:
         step = min(STEP, length - filled)
+        held.take(step)
         n = await body.read_into(view[filled : filled + step], on_data)
-        held.take(n)
         filled += n
         if n < step:
+            held.unread(step - n)
             raise _short(body, filled, length)
 
 
@@ -171,9 +175,11 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         want = PIECE if length is None else min(PIECE, length - total)
         if length is None and total + want > limit:
             want = limit - total + 1  # one byte past the limit tells an over-long body from one that ends there
+        held.take(want)
         piece = bytearray(want)
         n = await body.read_into(piece, on_data)
-        held.take(n)
+        if n < want:
+            held.unread(want - n)
         total += n
         if n < want:
             del piece[n:]
