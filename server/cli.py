@@ -441,6 +441,14 @@ def _plan_parser(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import signal
+
+    # SIGTERM (a job's timeout, a pod's stop) killed the replay where it stood, its temp disk
+    # directory left behind (two files a block): it ends as Ctrl-C does, the directory removed.
+    def _terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminated)
     from cacheseek.errors import CacheSeekError, ConfigError
     from cacheseek.store.eviction import check_policy
     from cacheseek.trace.format import load_trace

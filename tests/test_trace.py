@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,17 @@ def test_bad_line_is_named_by_number(tmp_path, line, says):
     with pytest.raises(InputError) as err:
         load_trace(path)
     assert f"{path}:3:" in str(err.value) and says in str(err.value)
+
+
+def test_a_line_without_a_timestamp_after_lines_with_one_is_named_as_such(tmp_path):
+    """It was "timestamp 0 is before the previous line's": a field it does not have."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"hash_ids": [0], "timestamp": 5}\n{"hash_ids": [0, 1]}\n')
+    with pytest.raises(InputError, match=rf"^{path}:2: no 'timestamp', after lines that have one"):
+        load_trace(path)
+    path.write_text('{"hash_ids": [0], "timestamp": 5}\n{"hash_ids": [0, 1], "timestamp": 0}\n')
+    with pytest.raises(InputError, match=rf"^{path}:2: timestamp 0 is before the previous line's \(5\)"):
+        load_trace(path)
 
 
 @pytest.mark.parametrize("field", ['"hash_ids": "%s"', '"hash_ids": [[%s]]', '"hash_ids": [1], "timestamp": "%s"'])
@@ -1480,3 +1493,32 @@ def test_plan_refuses_empty_lists_and_unwritable_outputs_before_replaying(tmp_pa
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
+
+
+def test_plan_stopped_by_sigterm_leaves_no_temp_directory(tmp_path):
+    """SIGTERM (a job's timeout) killed a replay where it stood: its temp disk directory, two
+    files a block, stayed in TMPDIR. It ends as Ctrl-C does, the directory removed."""
+    import signal
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = (
+        "from cacheseek.server.cli import main\n"
+        f"raise SystemExit(main(['plan', '--trace', {str(FULL)!r}, '--codec', 'raw,int8,int4,int2', "
+        "'--cpu-bytes', '8GiB,16GiB,32GiB,64GiB', '--disk-bytes', '1TiB', "
+        f"'--json', {str(tmp_path / 'r.json')!r}, '--plot', {str(tmp_path / 'p.png')!r}]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "TMPDIR": str(tmp)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(tmp.glob("cacheseek-replay-*")) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert any(tmp.glob("cacheseek-replay-*")), "no replay started"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert list(tmp.iterdir()) == [] and not (tmp_path / "r.json").exists()

@@ -92,6 +92,9 @@ def parse_lines(lines: Iterable[str], where: str = "trace", block_tokens: int | 
         if block_tokens is not None and req.input_length:
             _check_blocks(req, block_tokens, lineno, where)
         if req.timestamp < last:
+            if req.timestamp == 0 and '"timestamp"' not in text:  # (absent, taken as 0: not "before")
+                raise InputError(f"{where}:{lineno}: no 'timestamp', after lines that have one: give every line "
+                                 "one, or none")
             raise InputError(f"{where}:{lineno}: timestamp {req.timestamp} is before the previous line's ({last})")
         last = req.timestamp
         parent = _START
