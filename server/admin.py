@@ -99,13 +99,13 @@ class AdminOps:
             if not known and not shared:
                 hint = ""
                 if model is not None and (full := owners.past_models(namespace, model)):
-                    hint = (f"; namespace {full[0]!r} has {owners.max_models} models told apart, each holding "
-                            f"blocks: a model past them is counted, and flushed, as {OTHER_MODEL!r} (flush --model "
-                            f"{OTHER_MODEL} deletes every such model's blocks)")
+                    hint += (f"; namespace {full[0]!r} has {owners.max_models} models told apart, each holding "
+                             f"blocks: a model past them is counted, and flushed, as {OTHER_MODEL!r} (flush --model "
+                             f"{OTHER_MODEL} deletes every such model's blocks)")
                 if any(hasattr(tier, "owned") for tier in self.store.tiers):
                     # (owner tags are keyed with the secret: another replica's are found only with its)
-                    hint = ("; blocks other replicas wrote to Redis are found only where every replica has "
-                            "the same namespace_secret")
+                    hint += ("; blocks other replicas wrote to Redis are found only where every replica has "
+                             "the same namespace_secret")
                 raise NotFound(f"no blocks were ever stored for {what} through this server{hint}")
             keys = list(dict.fromkeys([*keys, *owners.keys_of(namespace=namespace, model=model), *shared]))
             # A block whose Redis copy could not be deleted is kept in every tier: the flush
@@ -113,6 +113,7 @@ class AdminOps:
             # (deleted here alone, its Redis copy was named by nothing and served again).
             blocks, nbytes, unknown, gone = self._delete(keys)
             self._forget_pins_of(gone)
+            self.service.owners.deleted(gone)
         # (an operator's change to what is stored: said, as a start's removals are)
         log.info("admin: flush of %s deleted %d blocks (%s bytes)%s", what, blocks, f"{nbytes:,}",
                     f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")
@@ -167,6 +168,7 @@ class AdminOps:
                                "cacheseek admin --namespace)")
             blocks, nbytes, unknown, gone = self._delete(doomed)
             self._forget_pins_of(gone)
+            self.service.owners.deleted(gone)
         log.info("admin: delete of the chain ending at %s (namespace %r) deleted %d blocks (%s bytes)%s", to_hex(h),
                     namespace, blocks, f"{nbytes:,}",
                     f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")

@@ -104,43 +104,61 @@ class Owners:
         of every namespace and model first seen were nobody's (a flush of that namespace
         found none of them). A new model of a namespace at ``max_models`` takes the place of
         one that holds nothing now (flushed, or evicted): models replaced over a server's
-        life (a new ``model_id`` per weight update) stay told apart, and flushed by name."""
-        key = (namespace, model)
-        got = self._ids.get(key)
-        if got is not None:
-            return got
-        new_root = False
+        life (a new ``model_id`` per weight update) stay told apart, and flushed by name.
+        A writer asks ``expect_as``, which announces its blocks in the same step."""
         with self._lock:
-            got = self._ids.get(key)
-            if got is None and model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
-                got, new_root = self._take_place(key)
-                if got is None:
-                    key = (namespace, OTHER_MODEL)
-                    got = self._ids.get(key)
-            if got is None:
-                if len(self._names) > self.max_owners:
-                    return UNATTRIBUTED
-                got = len(self._names)
-                self._names.append(key)
-                self._usage.append(Usage())
-                self._ids[key] = got
-                self._of_namespace.setdefault(namespace, []).append(got)
-                if key[1] != OTHER_MODEL:
-                    self._models[namespace] = self._models.get(namespace, 0) + 1
+            got, new_root = self._owner_id(namespace, model)
         if new_root:
             self._save()  # (the roots of the model it replaced are gone from the file)
         return got
+
+    def _owner_id(self, namespace: str, model: str) -> tuple[int, bool]:
+        """(Under the lock.) ``owner_id``, and whether roots were forgotten (a place taken)."""
+        key = (namespace, model)
+        got = self._ids.get(key)
+        if got is not None:
+            return got, False
+        new_root = False
+        if model != OTHER_MODEL and self._models.get(namespace, 0) >= self.max_models:
+            got, new_root = self._take_place(key)
+            if got is None:
+                key = (namespace, OTHER_MODEL)
+                got = self._ids.get(key)
+        if got is None:
+            if len(self._names) > self.max_owners:
+                return UNATTRIBUTED, False
+            got = len(self._names)
+            self._names.append(key)
+            self._usage.append(Usage())
+            self._ids[key] = got
+            self._of_namespace.setdefault(namespace, []).append(got)
+            if key[1] != OTHER_MODEL:
+                self._models[namespace] = self._models.get(namespace, 0) + 1
+        return got, new_root
+
+    def expect_as(self, namespace: str, model: str, blocks: Iterable[tuple[bytes, bytes, int]]) -> int:
+        """``owner_id`` of (namespace, model) and ``expect`` of its ``blocks``, in one step:
+        apart, an id just given was idle (no block, no write announced) until the announce,
+        and a new model of a full namespace could take its place meanwhile (two models'
+        writes counted, tagged and flushed as one)."""
+        with self._lock:
+            owner, replaced = self._owner_id(namespace, model)
+            new_root = self._expect(owner, blocks)
+        if replaced or new_root:
+            self._save()
+        return owner
 
     def _take_place(self, key: tuple[str | None, str]) -> tuple[int | None, bool]:
         """(Under the lock.) The id of a model of ``key``'s namespace that holds no block and
         has none being written, given to ``key``: its roots forgotten (blocks under them
         would be the new model's), its tag made again; and whether it had roots (the file
         is saved again). None if every model holds some."""
+        # (Blocks of it between tiers, gone from one and not yet in the next, are in ``_left``.)
         idle = [o for o in self._of_namespace.get(key[0], ())
                 if self._names[o][1] != OTHER_MODEL and not self._usage[o].blocks]
         if not idle:
             return None, False
-        busy = {o for writers in self._expected.values() for o in writers}
+        busy = {o for writers in self._expected.values() for o in writers} | set(self._left.values())
         got = next((o for o in idle if o not in busy), None)
         if got is None:
             return None, False
@@ -169,22 +187,27 @@ class Owners:
     def expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> None:
         """Announce blocks about to be written by ``owner``: (stored key, stored parent,
         position). A block at position 0 makes its parent (the masked root) this owner's."""
-        new_root = False
         with self._lock:
-            for key, parent, position in blocks:
-                self._expected.setdefault(key, []).append(owner)
-                if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
-                    # Each new root rewrites the whole file: without a bound, a writer naming a
-                    # fresh parent in every frame grew it (and each write's cost) for good. And
-                    # a bound per namespace: one writer naming thousands used up the file's, and
-                    # every other namespace's new roots went unkept (after a restart, their
-                    # blocks were nobody's).
-                    if parent not in self._roots and not self._room_for_root(owner):
-                        continue
-                    self._keep_root(parent, owner)
-                    new_root = True
+            new_root = self._expect(owner, blocks)
         if new_root:
             self._save()
+
+    def _expect(self, owner: int, blocks: Iterable[tuple[bytes, bytes, int]]) -> bool:
+        """(Under the lock.) ``expect``; whether a root was kept (the file is saved again)."""
+        new_root = False
+        for key, parent, position in blocks:
+            self._expected.setdefault(key, []).append(owner)
+            if position == 0 and owner != UNATTRIBUTED and self._roots.get(parent) != owner:
+                # Each new root rewrites the whole file: without a bound, a writer naming a
+                # fresh parent in every frame grew it (and each write's cost) for good. And
+                # a bound per namespace: one writer naming thousands used up the file's, and
+                # every other namespace's new roots went unkept (after a restart, their
+                # blocks were nobody's).
+                if parent not in self._roots and not self._room_for_root(owner):
+                    continue
+                self._keep_root(parent, owner)
+                new_root = True
+        return new_root
 
     def _room_for_root(self, owner: int) -> bool:
         return len(self._roots) < self.max_roots \
@@ -258,6 +281,13 @@ class Owners:
             u.blocks -= 1
             u.used_bytes -= info.nbytes
             u.raw_bytes -= info.raw_nbytes
+
+    def deleted(self, keys: Iterable[bytes]) -> None:
+        """``keys`` were deleted (not moved between tiers): not kept as blocks on their way
+        down (``_left``), which hold their model's place (``_take_place``)."""
+        with self._lock:
+            for key in keys:
+                self._left.pop(key, None)
 
     def adopt(self, held: list[tuple[bytes, BlockInfo]]) -> None:
         """Attribute blocks held before this listened (sorted by position: parents first)."""

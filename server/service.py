@@ -175,8 +175,7 @@ class BlockService:
         try:
             self._check_stored_positions(namespace, frames, keys)
             owners = self.owners
-            owner = owners.owner_id(namespace, model)
-            owners.expect(owner, [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
+            owner = owners.expect_as(namespace, model, [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
             try:
                 return self._put(namespace, frames, keys)
             finally:
@@ -356,6 +355,7 @@ class BlockService:
                                   "(in every tier); retry")
         if not deleted:
             raise NotFound(f"block {to_hex(h)} is not stored")
+        self.owners.deleted([key])
 
     # -- reads ---------------------------------------------------------------------------
 

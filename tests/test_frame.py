@@ -132,6 +132,8 @@ def _good_header():
         (lambda h: h.update(payload_nbytes=h["payload_nbytes"] + 64), "not where the last tensor ends"),
         (lambda h: h["tensors"][1].update(offset=h["tensors"][1]["offset"] + 64), "leaving a gap"),
         (lambda h: h.update(pos=-1), "pos"),
+        (lambda h: h.update(parent=bytes(32)), "hash and parent differ in size"),
+        (lambda h: h.update(block_tokens=0), "block_tokens: bad value 0"),
     ],
 )
 def test_hostile_headers_are_rejected_before_any_payload_access(mutate, match):
@@ -139,6 +141,15 @@ def test_hostile_headers_are_rejected_before_any_payload_access(mutate, match):
     mutate(header)
     with pytest.raises(FrameError, match=match):
         parse_frame(_forge(header, payload))
+
+
+def test_a_frame_with_bytes_after_its_payload_is_refused():
+    """Unchecked, a frame parsed without its checksum (``verify=False``: a header read, a
+    server's first look) took bytes past its payload as its own."""
+    _, _, data = _frame()
+    for verify in (False, True):
+        with pytest.raises(FrameError, match="frame has 1 trailing bytes"):
+            parse_frame(bytes(data) + b"\x00", verify=verify)
 
 
 @pytest.mark.parametrize("version, extra", [(2, {}), (0, {}), (2, {"added_later": [1, 2]}), (7, {"checksum": None})])

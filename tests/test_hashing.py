@@ -673,3 +673,15 @@ def test_keys_of_a_long_prompt_import_no_torch():
     keys, refused = r.stdout.splitlines()
     assert keys.split(",") == [k.hex() for k in hash_token_blocks(root, ids, 256)]
     assert refused == "InputError token_ids[100]: a bool, not a token id"
+
+
+def test_an_input_that_ends_at_a_blocks_start_is_not_in_that_blocks_keys():
+    """Overlap is half-open, as vLLM's: an input over tokens [10, 16) is block 0's alone, also
+    when it sorts after a longer one still open at block 1 (nothing else pins the boundary:
+    ``>=`` for ``>`` changed such prompts' keys, unversioned)."""
+    a, b = MMInput("a", 0, 100), MMInput("b", 10, 6)
+    blocks = ExtraKeys(mm_inputs=[a, b]).for_blocks(2, 16)
+    assert blocks[0] == block_extra_keys(mm_inputs=[a, b])
+    assert blocks[1] == block_extra_keys(mm_inputs=[a])
+    ends_inside = ExtraKeys(mm_inputs=[a, MMInput("b", 10, 7)]).for_blocks(2, 16)
+    assert ends_inside[1] == block_extra_keys(mm_inputs=[a, MMInput("b", 10, 7)])

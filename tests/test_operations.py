@@ -1534,3 +1534,28 @@ def test_a_start_under_another_namespace_secret_than_the_blocks_were_stored_unde
         assert held(c, chain, "a") == [f for _, f in chain]
     secret_id = next(tmp_path.rglob(".namespace-secret-id"))
     assert secret_id.stat().st_mode & 0o777 == 0o600 and len(secret_id.read_text().strip()) == 32
+
+
+def test_a_models_place_is_taken_only_when_it_holds_nothing_and_nothing_of_it_is_on_its_way():
+    """A new model of a full namespace takes the place of one that holds nothing. Given its id
+    and announcing its writes in two steps, a model's id just given looked idle in between,
+    and a second new model took the same place: two models' blocks counted, tagged and
+    flushed as one. Blocks of a model between tiers (gone from one, not in the next) keep
+    its place too."""
+    from cacheseek.store.tier import BlockInfo
+    from server.owners import OTHER_MODEL, Owners
+
+    owners = Owners(max_models=2)
+    info = BlockInfo(nbytes=100, raw_nbytes=400, parent=b"p" * 16, position=3)
+    a, b = owners.owner_id("ns", "a"), owners.owner_id("ns", "b")  # (both hold nothing yet)
+    c = owners.expect_as("ns", "c", [(b"c" * 16, b"", 3)])  # takes a place; its write announced
+    d = owners.expect_as("ns", "d", [(b"d" * 16, b"", 3)])  # the other place, not c's
+    assert {c, d} == {a, b}
+    e = owners.expect_as("ns", "e", [(b"e" * 16, b"", 3)])
+    assert owners._names[e] == ("ns", OTHER_MODEL)
+    owners.appeared(b"c" * 16, info)
+    owners.settle(c, [b"c" * 16])
+    owners.gone(b"c" * 16, info)  # demoted: between tiers, c holds nothing for a moment
+    assert owners._names[owners.expect_as("ns", "f", [])] == ("ns", OTHER_MODEL)
+    owners.appeared(b"c" * 16, info)  # landed below: still c's
+    assert owners.owner_of(b"c" * 16) == ("ns", "c")

@@ -1232,6 +1232,40 @@ def _answers(status_line: bytes, body: bytes, *, lookups: bytes | None = None, h
     return script
 
 
+def test_a_streamed_frame_of_another_block_ends_the_prefix_before_it():
+    """The frame a server streams at a chain's place is checked to be that block (its header
+    names it): the only check between a server's (or a proxy cache's) wrong body and another
+    prompt's KV in the engine. A chain whose second frame is a valid frame of a sibling block
+    (same parent and position, same configuration) loads its first block alone."""
+    import json as jsonlib
+
+    from fake_http import FakeServer
+    from server_helpers import batch_body, raw_frame
+
+    toks = tokens_for(48, 2 * BLOCK)
+    with cs.RemoteCache("http://127.0.0.1:1", model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        trust_env=False) as keys_of:
+        h0, h1 = keys_of.block_hashes(toks)
+        root = keys_of.keys.parents([h0])[0]
+    first = raw_frame(1, block_hash=bytes(h0), parent=root, layout=LAYOUT)[1]
+    sibling = raw_frame(2, block_hash=bytes(17 * [7])[:16], parent=bytes(h0), position=1, layout=LAYOUT)[1]
+    body = batch_body([first, sibling])
+    found = jsonlib.dumps({"matched": 2, "tiers": ["cpu", "cpu"]}).encode()
+
+    def script(n: int, head: bytes):
+        if b" /v1/lookup" in head.split(b"\r\n", 1)[0]:
+            return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                    + str(len(found)).encode() + b"\r\n\r\n" + found), False
+        return (b"HTTP/1.1 200 OK\r\ncontent-type: application/vnd.cacheseek.frames\r\ncontent-length: "
+                + str(len(body)).encode() + b"\r\n\r\n" + body), False
+
+    with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                     block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        got = cache.materialize(toks)
+        assert got.num_tokens == BLOCK  # the first block's; never the sibling's KV as block 1
+        assert cache.client_stats()["bad_frames"] == 1
+
+
 def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_or_a_429_is_not(caplog):
     from fake_http import FakeServer
 
@@ -1278,6 +1312,19 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_or_a_429_is_not(caplo
                                                        block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
             with pytest.raises(cs.RemoteBusy, match="retry later"):  # the default raises it (a RemoteUnavailable)
                 cache.ingest(toks, kv)
+    # Busy answers in a row, with no answered lookup between them to reset the breaker's count
+    # (above, each ingest's lookup was answered: a busy refusal counted as a failure would
+    # never have opened it there).
+    every = _answers(b"HTTP/1.1 503 Service Unavailable", b'{"error": "retry later"}',
+                     headers=b"retry-after: 1\r\nx-cacheseek-busy: max_inflight_body_bytes\r\n")
+    with FakeServer(every) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                    block_tokens=BLOCK, timeout=5, on_unavailable="miss",
+                                                    trust_env=False) as cache:
+        for _ in range(6):
+            assert cache.lookup(toks) == 0
+        stats = cache.client_stats()
+    assert stats["busy_refusals"] == 6 and stats["breaker"]["state"] == "closed" and stats["outages"] == 0
+    assert stats["refused_by_breaker"] == 0
 
 
 def test_a_server_that_dribbles_its_answer_is_an_outage_at_the_exchange_timeout():

@@ -261,6 +261,9 @@ def _bad_cases():
          400, "frame 1"),
         ("batch with a random frame", "POST", "/v1/blocks", dict(content=n + os.urandom(len(frame))), 400, "frame 0"),
         ("body over the limit", "POST", "/v1/blocks", dict(content=batch_body([frame2]) * 40), 413, "max_body_bytes"),
+        # (its bound exactly: a declared length one byte past max_body_bytes is refused unread; at it, read)
+        ("body one byte over the limit", "POST", "/v1/blocks", dict(content=bytes((1 << 20) + 1)), 413, "max_body_bytes"),
+        ("body at the limit", "POST", "/v1/blocks", dict(content=bytes(1 << 20)), 400, "preamble"),
         ("lookup not JSON", "POST", "/v1/lookup", dict(content=b"{not json"), 422, ""),
         ("lookup wrong type", "POST", "/v1/lookup", dict(json={"hashes": "abc"}), 422, "hashes"),
         ("lookup bad hex", "POST", "/v1/lookup", dict(json={"hashes": ["zz" * 16]}), 422, "hashes"),

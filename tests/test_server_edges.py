@@ -602,6 +602,19 @@ def test_frames_still_arriving_count_in_the_bytes_in_flight_and_the_cap_holds_fo
         assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
+def test_a_chunked_frame_is_stored_under_limits_all_of_one_size(tmp_path):
+    """A body without a length is read in pieces, each counted before it is read: the last
+    one's extra byte (the probe of a body past max_frame_bytes) was counted too, past an
+    in-flight cap of the same size, and every such PUT was a 503."""
+    args = ["--max-inflight-body-bytes", "512KiB", "--max-body-bytes", "512KiB", "--max-frame-bytes", "512KiB"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        h, frame = raw_frame(5)
+        r = httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=iter([frame[:1000], frame[1000:]]))
+        assert r.status_code == 201, r.text
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}").content == frame
+        assert bodies(srv.url)["in_flight_bytes"] == 0
+
+
 def test_a_batch_of_many_tiny_frames_counts_what_each_frame_costs(tmp_path):
     """Each frame of a batch costs the server its parsed header and bookkeeping until the
     batch is stored (a few KiB, far more than a tiny frame's bytes): a frame counts at least

@@ -383,3 +383,28 @@ def test_a_fifo_in_place_of_a_data_file_is_damage_not_a_read_that_never_ends(tmp
     assert _disk(cache)["corrupt"] == 1
     assert not frame.exists() and not side.exists()
     cache.close()
+
+
+def test_a_data_file_swapped_with_a_siblings_is_not_served(tmp_path):
+    """Two blocks of one parent and position (two continuations of a prefix) have sidecars
+    that agree with either's frame: only the frame's header, naming its block, tells them
+    apart. Swapped (a backup restored into the wrong place, a bad copy), each is a counted
+    miss, its files removed, never the other prompt's KV."""
+    from cacheseek.store.disk import DiskTier
+    from store_helpers import raw_frame
+
+    (a, fa), (b, fb) = raw_frame(1), raw_frame(2)
+    disk = DiskTier(tmp_path / "d", 1 << 20, fsync=False)
+    disk.put(a, fa)
+    disk.put(b, fb)
+    disk.close()
+    path_a = tmp_path / "d" / a.hex()[:2] / f"{a.hex()}.frame"
+    path_b = tmp_path / "d" / b.hex()[:2] / f"{b.hex()}.frame"
+    data_a, data_b = path_a.read_bytes(), path_b.read_bytes()
+    path_a.write_bytes(data_b)
+    path_b.write_bytes(data_a)
+    disk = DiskTier(tmp_path / "d", 1 << 20, fsync=False)
+    assert disk.stats().blocks == 2  # (the sidecars agree with either frame: both indexed)
+    assert disk.get(a) is None and disk.get(b) is None
+    assert disk.stats().corrupt == 2 and not path_a.exists() and not path_b.exists()
+    disk.close()

@@ -985,6 +985,16 @@ def test_demo_says_a_token_the_server_refuses_before_loading_the_model(tmp_path,
         assert demo._device_error(args) is None
         with demo.open_cache(args, cs.KVLayout(2, 1, 64), cs.Raw(), "m") as cache:
             assert cache.lookup(list(range(64))) == 0  # (the token taken: no 401)
+    # A tenant's token names its namespace (--namespace): without it, the namespace is what is said.
+    tenants = '{"team-a": {"write_token": "tenant-write-token"}}'
+    with Server(tmp_path / "t", "--write-token", "w", disk=False, env={"CACHESEEK_TENANTS": tenants}) as srv:
+        assert demo.run(parser.parse_args(["--url", srv.url, "--token", "tenant-write-token"])) == 2
+        said = capsys.readouterr().err
+        assert f"error: --namespace: {srv.url} answered 403" in said and "bound to namespace 'team-a'" in said, said
+        args = parser.parse_args(["--url", srv.url, "--token", "tenant-write-token", "--namespace", "team-a"])
+        assert demo._device_error(args) is None
+        with demo.open_cache(args, cs.KVLayout(2, 1, 64), cs.Raw(), "m") as cache:
+            assert cache.lookup(list(range(64))) == 0
 
 
 @pytest.mark.slow

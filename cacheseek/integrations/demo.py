@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=None, help="use a running cacheseek server instead of an embedded cache")
     parser.add_argument("--token", default=os.environ.get("CACHESEEK_TOKEN"),
                         help="the server's write token, where it has one (--url) [env CACHESEEK_TOKEN]")
+    parser.add_argument("--namespace", default="",
+                        help="the server's namespace to store in (--url; a tenant's token names its own) [default \"\"]")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="how blocks are stored (default int4)")
     parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="KIVI group size")
     parser.add_argument("--block-tokens", type=_positive_int, default=64, help="tokens per stored block (default 64)")
@@ -93,7 +95,8 @@ def open_cache(args: argparse.Namespace, layout: Any, codec: Any, model_id: str)
     if args.url:
         if not hasattr(cs, "RemoteCache"):
             raise SystemExit("this build of cacheseek has no RemoteCache")
-        return cs.RemoteCache(args.url, token=getattr(args, "token", None), **common)
+        return cs.RemoteCache(args.url, token=getattr(args, "token", None), namespace=getattr(args, "namespace", ""),
+                              **common)
     tiers = cs.TierConfig(gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes, disk_path=args.disk_path)
     return cs.PrefixCache(tiers=tiers, **common)
 
@@ -191,13 +194,18 @@ def _device_error(args: argparse.Namespace) -> str | None:
             # prefill: a delete of a block no one stored is a write that changes nothing (404
             # where the token may write; a read token passed a GET of /v1/stats).
             token = getattr(args, "token", None)
+            headers = {"X-CacheSeek-Namespace": getattr(args, "namespace", "")}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
             probe = httpx.delete(f"{args.url.rstrip('/')}/v1/blocks/{secrets.token_hex(16)}", timeout=5.0,
-                                 headers={"Authorization": f"Bearer {token}"} if token else {})
+                                 headers=headers)
         except httpx.HTTPError as exc:
             return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc})"
         if probe.status_code in (401, 403):
-            return (f"--token: {args.url} answered {probe.status_code} ({probe.text[:200]}): give its write token "
-                    "(--token or CACHESEEK_TOKEN)")
+            bound = "bound to namespace" in probe.text
+            return (f"--{'namespace' if bound else 'token'}: {args.url} answered {probe.status_code} "
+                    f"({probe.text[:200]}): " + ("give the namespace the token is bound to (--namespace)" if bound
+                                                 else "give its write token (--token or CACHESEEK_TOKEN)"))
     if gpu_bytes and device.type != "cuda":
         return "--gpu-bytes: a GPU tier needs the model on a CUDA device (--device cuda)"
     return None

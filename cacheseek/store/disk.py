@@ -1622,6 +1622,21 @@ def _dir_id(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _held_here(fd: int) -> bool:
+    """Whether this process holds the lock on the file ``fd`` opened (another of its tiers: a
+    pid in the file says less, another container's server may have the same one). Under
+    ``_held_locks_change``."""
+    mine = os.fstat(fd)
+    for held in _held_locks:
+        try:
+            st = os.fstat(held)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return True
+    return False
+
+
 def _unlock_directory(fd: int) -> None:
     """Close a lock's descriptor, once, and only in the process that took it (a forked
     child's copy was closed at the fork, and its number may name another file since)."""
@@ -1645,9 +1660,10 @@ def _lock_directory(root: Path) -> int:
         except BlockingIOError:
             try:
                 holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                here = _held_here(fd)
             finally:
                 os.close(fd)
-            if holder == str(os.getpid()):  # (said as another process's, it named this one's pid)
+            if here:  # (said as another process's, it named this one's pid)
                 raise DiskInUse(f"disk_path: {root} is in use by another cache (or tier) in this process, open on it "
                                 "now: one owns a disk tier's directory; close() that one first, or give each its "
                                 "own") from None

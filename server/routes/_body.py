@@ -175,11 +175,14 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         want = PIECE if length is None else min(PIECE, length - total)
         if length is None and total + want > limit:
             want = limit - total + 1  # one byte past the limit tells an over-long body from one that ends there
-        held.take(want)
+        # The byte past the limit (an over-long body's probe) is not taken: with limits that
+        # are all one size, it passed the in-flight cap, and every such body was a 503.
+        taken = want if length is not None or total + want <= limit else want - 1
+        held.take(taken)
         piece = bytearray(want)
         n = await body.read_into(piece, on_data)
-        if n < want:
-            held.unread(want - n)
+        if n < taken:
+            held.unread(taken - n)
         total += n
         if n < want:
             del piece[n:]

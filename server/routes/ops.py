@@ -80,7 +80,9 @@ async def readyz(request: Request) -> dict[str, str]:
     the fast path is off)."""
     if getattr(request.app.state, "service", None) is None or getattr(request.app.state, "closing", False):
         raise NotReady("the store is not open")
-    if lost := request.app.state.service.store.lost_tiers():
+    # (in a worker thread: it looks at the disk, and a tier giving its directory up forgets
+    # its blocks one by one, about a second for 300,000)
+    if lost := await run_in_threadpool(request.app.state.service.store.lost_tiers):
         raise NotReady("; ".join(f"{name} tier: its storage was {why} under the running server: restart it"
                                  for name, why in lost.items()))
     in_place = BODY_INTO in (request.scope.get("extensions") or {})
