@@ -480,3 +480,29 @@ def test_a_server_writes_no_state_file_into_a_directory_put_in_its_own_place(tmp
         assert pinned.status_code == 200 and pinned.json()["saved"] is False, pinned.text
         assert list(srv.disk_path.iterdir()) == []
     assert "pins not saved to" in srv.output() and "directory was replaced by another directory" in srv.output()
+
+
+def test_a_budget_other_writers_lower_is_said(tmp_path, monkeypatch, caplog):
+    """A budget clamped to the filesystem is fitted again every second: another program's
+    files lowered it (and evicted the blocks over it), unsaid; the log says it once a minute
+    at most."""
+    from types import SimpleNamespace
+
+    from cacheseek.store import disk as disk_module
+
+    free = [50 << 20]
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free[0], f_frsize=1))
+    monkeypatch.setattr(disk_module, "REFIT_SECONDS", 0.0)
+    tier = DiskTier(tmp_path, 1 << 40, fsync=False)
+    try:
+        before = tier.capacity_bytes
+        free[0] = 10 << 20  # another writer took 40 MiB
+        with caplog.at_level(logging.WARNING, "cacheseek.store.disk"):
+            tier._refit_if_due()
+            free[0] = 5 << 20
+            tier._refit_if_due()
+        assert tier.capacity_bytes < before
+        said = [r.getMessage() for r in caplog.records if "other writers are filling the filesystem" in r.getMessage()]
+        assert len(said) == 1 and "the budget is lowered from" in said[0], said
+    finally:
+        tier.close()

@@ -68,6 +68,11 @@ def test_raw_is_exact_through_demotion_and_promotion(tmp_path):
     stats = {t["name"]: t for t in cache.stats()["tiers"]}
     assert stats["disk"]["demotions"] == 5 and stats["cpu"]["evictions"] == 5
     assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+    # The CPU tier could not serve the 5 blocks the disk did: its misses, as a server's reads
+    # count them (a PrefixCache's left it at 0).
+    stats = {t["name"]: t for t in cache.stats()["tiers"]}
+    assert (stats["cpu"]["hits"], stats["cpu"]["misses"]) == (3, 5)
+    assert (stats["disk"]["hits"], stats["disk"]["misses"]) == (5, 0)
     # Its tail is not promoted over its own head (a tail with no head in the CPU tier).
     assert cache.locate(toks).tiers == ["cpu"] * 3 + ["disk"] * 5
     other, kv_other = tokens_for(2, 3 * BLOCK), make_kv(3 * BLOCK, 2)

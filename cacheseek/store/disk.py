@@ -134,6 +134,7 @@ DEFAULT_ALLOC_UNIT = 4096
 # How often, at most, a budget below ``disk_bytes`` is fitted to the filesystem again (one
 # statvfs: space another writer gave back, or the tier's own overhead, grows or shrinks it).
 REFIT_SECONDS = 1.0
+LOWERED_LOG_SECONDS = 60.0  # a budget lowered by other writers' files: said at most this often
 # How often, at most, a call looks whether the tier's directory is still the one it opened
 # (one stat of the root, one fstat of the lock file): deleted or replaced under a running
 # tier, its blocks were counted and its writes made without the lock (``DiskTier.lost``).
@@ -269,6 +270,7 @@ class DiskTier(IndexedTier):
         self.group_commit = group_commit
         self.requested_bytes = capacity_bytes
         self._fitted_at = 0.0  # when the budget was last fitted to the filesystem
+        self._lowered_said_at = float("-inf")
         self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
@@ -477,6 +479,14 @@ class DiskTier(IndexedTier):
                         format_size(self.requested_bytes))
         elif room == self.requested_bytes:
             log.info("%s tier at %s: the budget is disk_bytes (%s) again", self.name, self.root, format_size(room))
+        elif room < before and time.monotonic() - self._lowered_said_at >= LOWERED_LOG_SECONDS:
+            # (other writers filling the filesystem: each refit may lower it, and the blocks
+            # over it are evicted; said once a minute at most)
+            self._lowered_said_at = time.monotonic()
+            log.warning("%s tier at %s: other writers are filling the filesystem (%s free): the budget is lowered "
+                        "from %s to %s, and blocks over it evicted; disk_bytes asked for %s", self.name, self.root,
+                        format_size(st.f_bavail * st.f_frsize), format_size(before), format_size(room),
+                        format_size(self.requested_bytes))
 
     def _refit_if_due(self) -> None:
         if self.capacity_bytes < self.requested_bytes and time.monotonic() - self._fitted_at > REFIT_SECONDS:

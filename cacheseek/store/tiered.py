@@ -532,6 +532,12 @@ class TieredStore:
         keys = list(keys[: len(names)])
         waiting = self.prefetcher.waiting(keys) if join_prefetches else {}
         level_of = {t.name: i for i, t in enumerate(self.tiers)}
+        # The tiers above the one holding a block could not serve it: a miss there, as a get
+        # counts it (a PrefixCache's reads left a CPU tier at 0 misses while the disk served all).
+        levels = [level_of[name] for name in names]
+        for i, tier in enumerate(self.tiers):
+            if above := sum(level > i for level in levels):
+                tier.count(misses=above)
         streams: dict[str, ClosingIterator[BlockFrame | None]] = {}
         for tier in self.tiers:
             mine = [k for k, name in zip(keys, names) if name == tier.name and k not in waiting]
