@@ -1559,3 +1559,19 @@ def test_a_models_place_is_taken_only_when_it_holds_nothing_and_nothing_of_it_is
     assert owners._names[owners.expect_as("ns", "f", [])] == ("ns", OTHER_MODEL)
     owners.appeared(b"c" * 16, info)  # landed below: still c's
     assert owners.owner_of(b"c" * 16) == ("ns", "c")
+
+
+def test_a_block_the_disk_does_not_admit_is_counted_once(tmp_path):
+    """Frames received in place are written through before the CPU tier commits them: the
+    disk's filter counted a refusal then (no tier above held the block yet), and again when
+    the CPU tier evicted it (45 refusals for 32 blocks)."""
+    frame = len(raw_chain(93, 1)[0][1])
+    with Server(tmp_path, "--disk-admit-after-uses", "2", "--write-token", WRITE, cpu_bytes=str(6 * frame)) as s, \
+            httpx.Client(base_url=s.url, timeout=30) as c:
+        for n in range(8):
+            post_chain(c, raw_chain(200 + n, 4), **writer(""))
+        tiers = {t["name"]: t for t in c.get("/v1/stats", headers=writer()).json()["tiers"]}
+    refused = tiers["disk"]["admission"]["not_admitted"]
+    assert tiers["cpu"]["evictions"] >= 20 and tiers["disk"]["blocks"] == 0
+    # Each block once, as it left the CPU tier (those it still holds may yet be admitted).
+    assert refused == tiers["cpu"]["evictions"] == 32 - tiers["cpu"]["blocks"], (refused, tiers["cpu"])

@@ -332,14 +332,15 @@ class TieredStore:
             self._demote(1, result.evicted, since)
 
     def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
-                       held: list[Lease | None], since: int, room_for: int = 0) -> None:
+                       held: list[Lease | None], since: int, room_for: int = 0, *, top_next: bool = False) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
         before it stored (rather than from the device again). A tier's admission filter
         holds back only that tier's writes: a block it does not admit goes on to the tiers
         below from the copy it had. The leases on the stored copies go into ``held``: the
         caller releases them once this returns. ``room_for``: as ``put_many``'s, made in
         each of these tiers too: else a call written in pieces has its later pieces evict
-        its earlier ones there, acknowledged durable and gone."""
+        its earlier ones there, acknowledged durable and gone. ``top_next``: the top tier
+        takes ``items`` after this (frames received in place: ``commit_many``)."""
         items = list(items)
         sources = [self.tiers[0]]  # tiers whose stored copies ``items`` now point into
         for level, tier in enumerate(self.tiers[1:], start=1):
@@ -351,7 +352,8 @@ class TieredStore:
                     items = self._without_failed(items, failed, source)
             sources = []
             use_filter = self.filters.get(tier.name)
-            chosen = list(range(len(items))) if use_filter is None else self._admitted(use_filter, items, level)
+            chosen = list(range(len(items))) if use_filter is None else \
+                self._admitted(use_filter, items, level, top_next=top_next)
             if not chosen:
                 continue
             frames = [(items[i][0], items[i][1] if tier.accepts_device_frames else _on_host(items[i][1]))
@@ -382,18 +384,19 @@ class TieredStore:
         return kept
 
     def _admitted(self, use_filter: UseFilter, items: list[tuple[bytes, BlockFrame, StorePutResult]],
-                  level: int) -> list[int]:
+                  level: int, *, top_next: bool = False) -> list[int]:
         """The indexes of the ``items`` the filter of the tier at ``level`` admits. A refusal
         is counted only where it is the block's last chance: one that a tier above holds is
         handed down when evicted and decided again then (``_demote``), and counted twice it
-        made the refusals (and the bytes not written) about twice the blocks spared."""
+        made the refusals (and the bytes not written) about twice the blocks spared. So is
+        one the top tier takes right after (``top_next``), as yet in none."""
         out = []
         above = [t for t in self.tiers[:level] if t.index_in_memory]
         for i, (key, frame, _) in enumerate(items):
             use_filter.size_from(frame.nbytes)
             if use_filter.admits(key):
                 out.append(i)
-            elif not any(t.contains(key) for t in above):
+            elif not top_next and not any(t.contains(key) for t in above):
                 use_filter.refuse(frame.nbytes)
         return out
 
@@ -1277,7 +1280,7 @@ class TieredStore:
                 try:
                     self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
                                          for (key, reservation, meta), outcome in zip(items, outcomes)], held, since,
-                                        room_for)
+                                        room_for, top_next=True)
                 finally:
                     release_all(held)
             for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for,
