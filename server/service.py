@@ -534,13 +534,15 @@ class BlockService:
               if report.handed_on_to else "")
         if report.not_admitted:  # (skipped, or handed on: its filter's not_admitted counts them too)
             on += f" ({report.not_admitted:,} not admitted by its filter, disk_admit_after_uses)"
+        evicted = (f"; to make room it evicted {report.evicted:,} blocks the {report.tier} tier held before"
+                   if report.evicted else "")
         log.log(logging.WARNING if report.left or report.failed else logging.INFO,
                 "shutdown: wrote %s of %s blocks (%s of %s) that only memory held to the %s tier%s in %.1f s; skipped %s "
-                "(not admitted, a tail without its head, or gone), failed %s%s, left behind %s (%s)%s",
+                "(not admitted, a tail without its head, or gone), failed %s%s, left behind %s (%s)%s%s",
                 f"{report.written:,}", f"{report.blocks:,}", format_size(report.written_bytes),
                 format_size(report.bytes), report.tier, on, report.seconds, f"{report.skipped:,}", f"{report.failed:,}",
                 f" (the first: {report.first_error})" if report.first_error else "", f"{report.left:,}",
-                format_size(report.left_bytes), left)
+                format_size(report.left_bytes), evicted, left)
         return report
 
     def stats(self) -> dict[str, Any]:

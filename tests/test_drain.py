@@ -180,6 +180,7 @@ def test_a_full_disk_gives_up_its_own_victims_never_a_block_the_drain_wrote(tmp_
     assert set(store.tier("disk").keys()) == {k for k, _ in old}
     report = store.drain()
     assert (report.blocks, report.written, report.left, report.stopped) == (8, 6, 2, "no room")
+    assert report.evicted == 4  # the old blocks, evicted for the drain's room (its summary said nothing of them)
     assert not set(store.tier("disk").keys()) & {k for k, _ in old}
     assert found_after_reopen(store, tmp_path, old + x + y) == [k for k, _ in x[:2] + y]  # y (the most recent) whole, x's head
 

@@ -106,7 +106,9 @@ class DrainReport:
     ``handed_on``/``handed_on_bytes``: of the written ones, those ``tier`` refused (its filter,
     a failed write, no room) that the persistent tier below it (``handed_on_to``) took.
     ``not_admitted``/``not_admitted_bytes``: the blocks a tier's admission filter did not
-    admit, skipped or handed on (each also in that filter's ``not_admitted``, once)."""
+    admit, skipped or handed on (each also in that filter's ``not_admitted``, once).
+    ``evicted``: blocks ``tier`` held before the drain that its writes evicted to make room
+    (handed down as any eviction's, where a tier below takes them)."""
 
     tier: str | None = None
     blocks: int = 0
@@ -128,6 +130,7 @@ class DrainReport:
     handed_on_to: str | None = None
     not_admitted: int = 0
     not_admitted_bytes: int = 0
+    evicted: int = 0
 
     def add(self, outcome: str, nbytes: int, n: int = 1) -> None:
         """``n`` blocks of ``nbytes`` more ``written``, ``skipped``, ``failed`` or
@@ -1052,6 +1055,8 @@ class TieredStore:
             for (key, _), result in zip(frames, results):
                 info = infos[key]
                 for victim, _ in result.evicted:
+                    if victim not in written:
+                        report.evicted += 1  # (a block the tier held before: the drain's room)
                     if victim in written:
                         kept = False
                         nbytes = written.pop(victim)
