@@ -241,7 +241,7 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
     ``opened_seconds``: how long building ``store`` took, for the recovery figures.
     ``announce``: where the start-up summary goes (``cacheseek serve`` prints it)."""
     settings = settings if settings is not None else ServerSettings.load()
-    metrics = Metrics(detail=settings.metrics_detail, max_owners=settings.metrics_max_owners)
+    metrics = Metrics(detail=settings.metrics_detail, max_owners=settings.metrics_max_owners, tenants=settings.tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -205,9 +205,14 @@ def clean_label(value: str | None) -> str:
 
 
 class Metrics:
-    def __init__(self, *, detail: bool = True, max_owners: int = 64) -> None:
+    def __init__(self, *, detail: bool = True, max_owners: int = 64, tenants: Iterable[str] = ()) -> None:
+        """``tenants``: the configured tenants' namespaces, whose traffic is counted as theirs
+        past ``max_owners`` too (under their ``_other`` model at worst): a tenant reads only
+        its own figures, and one first seen past the bound read zeros for the life of the
+        process. Bounded by the settings, not by clients."""
         self.detail = detail
         self.max_owners = max_owners
+        self._tenants = frozenset(clean_label(t) for t in tenants)
         self.started_at = time.time()
         self.registry = CollectorRegistry(auto_describe=False)
         self.latency: dict[tuple[str, str], Latency] = {}
@@ -269,6 +274,8 @@ class Metrics:
         if t is None:
             full = len(self.traffic) >= self.max_owners
             models = self._models.get(ns, 0)
+            if full and ns in self._tenants:
+                full = False  # (a tenant's own pairs: a bound of their own, models_per_namespace each)
             if full and (ns, OTHER) not in self.traffic:  # (no pair made past the bound)
                 key = (OTHER, OTHER)
             elif full or models >= self.models_per_namespace:

@@ -166,8 +166,8 @@ def test_two_writers_of_one_block_each_settle_their_own_announcement():
 
 
 def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path):
-    """Past ``metrics_max_owners`` every other owner counts under ("_other", "_other"), which a
-    tenant named "_other" must not see; and a tier's last error (redis-py names the host and
+    """Past ``metrics_max_owners`` every other owner (but a configured tenant) counts under
+    ("_other", "_other"), which a tenant named "_other" must not see; and a tier's last error (redis-py names the host and
     port it could not reach) is a host detail, hidden from tenants as the URL is."""
     from server_helpers import free_port
 
@@ -177,20 +177,24 @@ def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path
            "CACHESEEK_REDIS_CONNECT_TIMEOUT_SECONDS": "0.2", "CACHESEEK_REDIS_SOCKET_TIMEOUT_SECONDS": "0.2"}
     with Server(tmp_path, "--write-token", WRITE, "--redis-url", f"redis://127.0.0.1:{port}", env=env) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c:
-        def lookup(token: str, model: str) -> None:
+        def lookup(token: str, model: str, namespace: str | None = None) -> None:
             r = c.post("/v1/lookup", json={"hashes": ["11" * 16]},
-                       headers={"Authorization": f"Bearer {token}", "X-CacheSeek-Model": model})
+                       headers={"Authorization": f"Bearer {token}", "X-CacheSeek-Model": model,
+                                **({"X-CacheSeek-Namespace": namespace} if namespace is not None else {})})
             assert r.status_code == 200, r.text
 
         lookup("a-w", "m")
         for _ in range(5):
-            lookup("b-w", "b-model")  # past the one owner: counted as ("_other", "_other")
+            lookup(WRITE, "z-model", "z")  # past the one owner: counted as ("_other", "_other")
+        for _ in range(3):
+            # A configured tenant past the bound is counted as itself (it read zeros, for good).
+            lookup("b-w", "b-model")
         c.get("/v1/stats", headers=writer())  # the Redis tier's figures: its error is in
         everything = c.get("/v1/stats", headers=writer())
         assert f":{port}" in everything.text  # the operator sees where the server could not reach
-        for token in ("o-w", "a-w"):
+        for token, lookups in (("o-w", 0), ("a-w", 1), ("b-w", 3)):
             mine = c.get("/v1/stats", headers={"Authorization": f"Bearer {token}"})
-            assert mine.json()["traffic"]["lookups"] == (0 if token == "o-w" else 1)
+            assert mine.json()["traffic"]["lookups"] == lookups, token
             assert f":{port}" not in mine.text and "127.0.0.1" not in mine.text
 
 
