@@ -334,6 +334,9 @@ class _NotInvalidRequest(logging.Filter):
 def _setting_of(exc: BaseException, settings: Any) -> str:
     """The setting an error opening the store is about, for the message."""
     text = str(exc)
+    named = text.split(":", 1)[0]
+    if named in type(settings).model_fields:  # (a message that names its setting first: that one)
+        return named
     if str(settings.disk_path) in text or "disk" in text:
         return f"disk_path {settings.disk_path}, disk_bytes {settings.disk_bytes}"
     if "redis" in text.lower():

@@ -862,6 +862,8 @@ def test_bad_settings_exit_2_naming_the_setting(tmp_path):
     out = subprocess.run([*base, "--disk-bytes", "0", "--redis-url", "redis://127.0.0.1:1", "--redis-ttl-seconds", "inf"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "redis_ttl_seconds: must be > 0 and at most" in out.stderr, out.stderr
+    # (named as itself: "cannot open the store (redis_url): redis_ttl_seconds: ..." blamed the URL)
+    assert "cannot open the store (redis_ttl_seconds): redis_ttl_seconds" in out.stderr, out.stderr
     for args, name in ((["--redis-connect-timeout-seconds", "inf"], "redis_connect_timeout_seconds"),
                        (["--redis-breaker-base-seconds", "inf", "--redis-breaker-cap-seconds", "inf"], "cap_seconds")):
         out = subprocess.run([*base, "--disk-bytes", "0", "--redis-url", "redis://127.0.0.1:1", *args],
