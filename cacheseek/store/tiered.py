@@ -1055,8 +1055,8 @@ class TieredStore:
             for (key, _), result in zip(frames, results):
                 info = infos[key]
                 for victim, _ in result.evicted:
-                    if victim not in written:
-                        report.evicted += 1  # (a block the tier held before: the drain's room)
+                    if not written.get(victim):
+                        report.evicted += 1  # (a block the tier held before the drain: its room)
                     if victim in written:
                         kept = False
                         nbytes = written.pop(victim)
