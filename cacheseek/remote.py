@@ -46,6 +46,7 @@ from .idle_pool import IdlePool
 from .kv_input import check_layers, kv_layers
 from .layerwise import LayerwiseLoad, PagedLayerwiseIngest
 from .layout import KVLayout
+from .log_throttle import LogThrottle
 from .pages import KVPages, PagedKV
 from .prefix_cache_base import PrefixCacheBase
 from .quant.codec import KVLayerCodec
@@ -106,7 +107,7 @@ class _Outages:
                        "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0,
                        "pool_timeouts": 0, "bad_frames": 0}
         self.last_error = ""
-        self._bad_said_at = float("-inf")
+        self._bad_said = LogThrottle(BAD_FRAME_LOG_SECONDS)
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
         with self._lock:
@@ -131,13 +132,9 @@ class _Outages:
     def bad_frame(self, key: bytes, exc: BaseException) -> None:
         """A frame the server sent that failed its check (another configuration's under this
         cache's key, or damaged): counted, and said once a minute at most."""
-        now = time.monotonic()
         with self._lock:
             self.counts["bad_frames"] += 1
-            due = now - self._bad_said_at >= BAD_FRAME_LOG_SECONDS
-            if due:
-                self._bad_said_at = now
-        if due:
+        if self._bad_said.due():
             log.warning("cacheseek server %s sent a frame for block %s that fails its check (%s): the prefix ends "
                         "before it (client_stats()['bad_frames'] counts them; this line once a minute at most)",
                         self.url, key.hex(), exc)

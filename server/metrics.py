@@ -42,6 +42,7 @@ from prometheus_client.registry import Collector
 from starlette.types import Receive, Scope, Send
 
 from cacheseek import __version__
+from cacheseek.log_throttle import LogThrottle
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -232,7 +233,7 @@ class Metrics:
         # asked for that their first pieces did not cover: what their continuing pieces may
         # still count as matched (``looked_up``).
         self._open_tokens: dict[int, int] = {}
-        self._refusals_said_at = float("-inf")
+        self._refusals_said = LogThrottle(REFUSALS_LOG_SECONDS)
         self._refusals_unsaid: dict[int, int] = {}
         self.registry.register(_Collector(self))
 
@@ -245,10 +246,9 @@ class Metrics:
         a malformed request, one a request from anyone, is dropped: ``cli``)."""
         self.request(REFUSED, OTHER, status, 0.0)
         self._refusals_unsaid[status] = self._refusals_unsaid.get(status, 0) + 1
-        now = time.monotonic()
-        if now - self._refusals_said_at < REFUSALS_LOG_SECONDS:
+        if not self._refusals_said.due():
             return
-        counts, self._refusals_unsaid, self._refusals_said_at = self._refusals_unsaid, {}, now
+        counts, self._refusals_unsaid = self._refusals_unsaid, {}
         log.warning("requests refused before any route: %s since the last such line (one a minute at most); the "
                     "last from %s: %s %s", ", ".join(f"{n} x {code}" for code, n in sorted(counts.items())), peer,
                     status, reason)

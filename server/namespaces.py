@@ -61,7 +61,7 @@ def _check_secret_id(disk_path: Path, secret: bytes, explicit: bytes | None, sai
     """``said``: the change was told already (the key file missing, a new key made)."""
     log = logging.getLogger("cacheseek.server")
     path = disk_path / SECRET_ID_FILE
-    mine = hashlib.blake2b(secret, digest_size=16, person=b"cacheseek-ns-id").hexdigest()
+    mine = _secret_id(secret)
     try:
         before: str | None = path.read_text("ascii").strip()
     except FileNotFoundError:
@@ -74,7 +74,7 @@ def _check_secret_id(disk_path: Path, secret: bytes, explicit: bytes | None, sai
         # (a directory of a release before the file: its key file, if any, names its secret)
         try:
             if (kept := (disk_path / KEY_FILE).read_bytes()) != explicit and len(kept) >= MIN_SECRET_BYTES:
-                before = hashlib.blake2b(kept, digest_size=16, person=b"cacheseek-ns-id").hexdigest()
+                before = _secret_id(kept)
         except OSError:
             pass
     if before == mine:
@@ -89,6 +89,10 @@ def _check_secret_id(disk_path: Path, secret: bytes, explicit: bytes | None, sai
     except OSError as exc:
         log.warning("cacheseek serve: %s not written (%s): a later change of the namespace secret would go unsaid",
                     path, exc)
+
+
+def _secret_id(secret: bytes) -> str:
+    return hashlib.blake2b(secret, digest_size=16, person=b"cacheseek-ns-id").hexdigest()
 
 
 def _load_secret(explicit: bytes | None, disk_path: Path | None, shared_tier: bool) -> tuple[bytes, bool]:

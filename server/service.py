@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from cacheseek.batch_body import LENGTH
 from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
+from cacheseek.log_throttle import LogThrottle
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.lease import Lease
 from cacheseek.store.prefetch import Prefetch
@@ -45,27 +45,6 @@ DRAIN_PROGRESS_SECONDS = 5.0  # between a shutdown drain's progress lines
 log = logging.getLogger("cacheseek.server")
 
 WRITE_ERROR_LOG_SECONDS = 10.0  # a failing tier fails every write: its reason logged this often at most
-
-
-class _WriteErrors:
-    """Tier write failures, for the log: the first at once, then one line per
-    ``WRITE_ERROR_LOG_SECONDS`` with how many there were (a full disk fails every write).
-    Whole: a client's answer hides the keys in them (``without_keys``), the log does not."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._last = float("-inf")
-        self._since = 0
-
-    def said(self, errors: dict[str, str]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._since += 1
-            if now - self._last < WRITE_ERROR_LOG_SECONDS:
-                return
-            count, self._since, self._last = self._since, 0, now
-        more = f" ({count} writes failed since the last such line)" if count > 1 else ""
-        log.warning("a block could not be stored: %s%s", "; ".join(f"{t}: {r}" for t, r in errors.items()), more)
 
 
 @dataclass(slots=True)
@@ -104,7 +83,9 @@ class BlockService:
         self.max_chain_blocks = max_chain_blocks
         self.owners = owners if owners is not None else Owners()
         self.claims = PositionClaims()
-        self._write_errors = _WriteErrors()
+        # Tier write failures, whole in the log (a client's answer hides the keys in them:
+        # ``without_keys``), one line a period at most (a full disk fails every write).
+        self._write_errors = LogThrottle(WRITE_ERROR_LOG_SECONDS)
         self.owners.adopt(store.residency.listen(self.owners))
         # A shared tier (Redis) keeps each block's owner beside it: an admin flush on any
         # replica finds there what no local index names (written by another, or evicted here).
@@ -245,7 +226,10 @@ class BlockService:
             # the log, the operator's, keeps them whole)
             report.errors = {tier: without_keys(reason) for tier, reason in outcome.errors.items()}
             if outcome.errors:
-                self._write_errors.said(outcome.errors)
+                if count := self._write_errors.due():
+                    more = f" ({count} writes failed since the last such line)" if count > 1 else ""
+                    log.warning("a block could not be stored: %s%s",
+                                "; ".join(f"{t}: {r}" for t, r in outcome.errors.items()), more)
         return reports
 
     @staticmethod

@@ -101,6 +101,7 @@ from pathlib import Path
 import msgpack
 
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError
+from ..log_throttle import LogThrottle
 from ..units import format_size
 from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up
 from .frame import HASH_SIZES, FrameMeta, parse_frame
@@ -270,7 +271,7 @@ class DiskTier(IndexedTier):
         self.group_commit = group_commit
         self.requested_bytes = capacity_bytes
         self._fitted_at = 0.0  # when the budget was last fitted to the filesystem
-        self._lowered_said_at = float("-inf")
+        self._lowered_said = LogThrottle(LOWERED_LOG_SECONDS)
         self._writing: dict[bytes, _InFlight] = {}
         self._reserved = 0
         self._reserved_pinned = 0  # of ``_reserved``: blocks pinned before they arrived
@@ -479,10 +480,9 @@ class DiskTier(IndexedTier):
                         format_size(self.requested_bytes))
         elif room == self.requested_bytes:
             log.info("%s tier at %s: the budget is disk_bytes (%s) again", self.name, self.root, format_size(room))
-        elif room < before and time.monotonic() - self._lowered_said_at >= LOWERED_LOG_SECONDS:
+        elif room < before and self._lowered_said.due():
             # (other writers filling the filesystem: each refit may lower it, and the blocks
             # over it are evicted; said once a minute at most)
-            self._lowered_said_at = time.monotonic()
             log.warning("%s tier at %s: other writers are filling the filesystem (%s free): the budget is lowered "
                         "from %s to %s, and blocks over it evicted; disk_bytes asked for %s", self.name, self.root,
                         format_size(st.f_bavail * st.f_frsize), format_size(before), format_size(room),

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, TierUnavailable
+from ..log_throttle import LogThrottle
 from .breaker import CLOSED, CircuitBreaker, Ticket
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
@@ -202,8 +203,7 @@ class RedisTier(Tier):
         # Said in the log: an outage once as it starts and once as it ends (it was in the
         # counters alone), and values a read found bad (deleted) once a minute at most.
         self._outage_since: float | None = None
-        self._corrupt_said_at: float | None = None
-        self._corrupt_unsaid = 0
+        self._corrupt_said = LogThrottle(CORRUPT_LOG_SECONDS)
         self._pinned: set[bytes] = set()  # pins known to this process (from Redis, with a TTL)
         self._pins_read_at = -PIN_REFRESH_SECONDS  # when _refresh_pins last read them
         # Unpins that could not reach Redis, sent again with the next call that can: left
@@ -803,14 +803,9 @@ class RedisTier(Tier):
         the value found bad goes (``length``, -1 for a key of another type, or with
         ``at_least`` the least length of one read in part, and its first bytes ``head`` as
         read), and the index forgets the block only if that value went."""
-        now = time.monotonic()
         with self._lock:
             self._stats.corrupt += 1
-            self._corrupt_unsaid += 1
-            due = self._corrupt_said_at is None or now - self._corrupt_said_at >= CORRUPT_LOG_SECONDS
-            if due:
-                self._corrupt_said_at, count, self._corrupt_unsaid = now, self._corrupt_unsaid, 0
-        if due:
+        if count := self._corrupt_said.due():
             why = (f"larger than the largest frame read here, {self.max_frame_bytes} bytes: a server sharing this "
                    "Redis with a larger max_frame_bytes may have written it; give every one the same"
                    ) if at_least else "a checksum, length or header that does not check, or a key of another type"
