@@ -9,6 +9,7 @@ import random
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -1517,8 +1518,32 @@ def test_plan_stopped_by_sigterm_leaves_no_temp_directory(tmp_path):
         assert any(tmp.glob("cacheseek-replay-*")), "no replay started"
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 128 + signal.SIGTERM
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
     finally:
         proc.kill()
         proc.wait()
+    assert "cacheseek plan: stopped by SIGTERM; nothing written" in err.decode() and b"Traceback" not in err
     assert list(tmp.iterdir()) == [] and not (tmp_path / "r.json").exists()
+
+
+def test_a_replay_asked_to_stop_ends_between_two_requests_its_directory_removed(tmp_path, monkeypatch):
+    """The plan's SIGTERM sets a flag that the replay reads before each request: raised from
+    the signal handler instead, the exit could land in a garbage-collector callback, which
+    swallows it, or inside a disk call before its guard, and the store's close waited for it
+    for ever (a CI job saw no exit in 60 s)."""
+    from cacheseek.trace.replay import ReplayStopped
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # (it caches TMPDIR on first use)
+    trace = load_trace(FULL)
+    asked = []
+
+    def stop() -> bool:
+        asked.append(any(tmp_path.glob("cacheseek-replay-*")))
+        return len(asked) > 25
+
+    with pytest.raises(ReplayStopped, match="after 25 of"):
+        replay(trace, ReplaySpec(cpu_blocks=64, disk_blocks=64), stop=stop)
+    assert all(asked) and len(asked) == 26  # asked inside the replay, once a request
+    assert list(tmp_path.iterdir()) == []

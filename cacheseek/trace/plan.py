@@ -21,8 +21,8 @@ from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from ..units import format_size
 from . import reference
 from .format import Request
-from .replay import (ProgressBar, ReplayResult, ReplaySpec, StandInFrames, arena_slack, check_block_tokens,
-                     check_disk_room, frame_nbytes, replay)
+from .replay import (ProgressBar, ReplayResult, ReplaySpec, ReplayStopped, StandInFrames, arena_slack,
+                     check_block_tokens, check_disk_room, frame_nbytes, replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -130,10 +130,17 @@ def reference_blocks(spec: ReplaySpec) -> int:
 
 def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], cpu_bytes: Sequence[int],
          disk_bytes: int = 0, policies: Sequence[str] = ("arc", "lru"), disk_admit_after_uses: int = 1,
-         block_tokens: int = 512, progress: bool = True, full_blocks_only: bool = False) -> list[PlanRow]:
+         block_tokens: int = 512, progress: bool = True, full_blocks_only: bool = False,
+         stop: Callable[[], bool] | None = None) -> list[PlanRow]:
     """Replay ``trace`` for every codec x CPU budget x policy (the disk budget fixed).
     ``full_blocks_only``: the store's counting, a request's partial last block never stored
-    (``cacheseek.trace.replay``), in the replay and the references alike."""
+    (``cacheseek.trace.replay``), in the replay and the references alike. ``stop()``, asked
+    before each reference and each replay's request, ends the plan with ``ReplayStopped``."""
+
+    def check_stop() -> None:
+        if stop is not None and stop():
+            raise ReplayStopped("stopped before the replays were done")
+
     check_block_tokens(block_tokens)
     # Every budget is checked before the first replay, so a bad one costs no replay time.
     nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
@@ -156,7 +163,9 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                     f"{codec_name} frame, more than the replay can hold: it keeps a {stand_in}-byte stand-in in memory "
                     f"for each block, {format_size(held + arena_slack(held, stand_in))} with its arena's slack, and "
                     f"this process may use {format_size(limit)} ({where}); give a smaller cpu_bytes")
+    check_stop()
     check_disk_room(max(disk_bytes // block_charge(n, DEFAULT_ALLOC_UNIT) for n in nbytes_of.values()), block_tokens)
+    check_stop()
     nxt = reference.next_uses(trace, block_tokens, full_blocks_only)
     inf = reference.infinite(trace, block_tokens, full_blocks_only)
     rows = []
@@ -171,12 +180,13 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                 spec = ReplaySpec(cpu_blocks=cpu_blocks, disk_blocks=disk_blocks, policy=policy,
                                   disk_admit_after_uses=disk_admit_after_uses, full_blocks_only=full_blocks_only)
                 ref = reference_blocks(spec)
+                check_stop()
                 if ref not in belady_cache:
                     belady_cache[ref] = reference.belady_prefix(trace, max(ref, 1), block_tokens, nxt=nxt,
                                                                 full_blocks_only=full_blocks_only)
                 label = f"{codec_name} cpu={_gib(cpu)} {policy}"
                 bar = ProgressBar(f"{label:<28}") if progress else None
-                result = replay(trace, spec, block_tokens=block_tokens, progress=bar)
+                result = replay(trace, spec, block_tokens=block_tokens, progress=bar, stop=stop)
                 rows.append(PlanRow(codec_name, cpu, disk_bytes, nbytes, cpu_blocks, disk_blocks, ref, policy, result,
                                     belady_cache[ref], inf, stand_in))
     return rows

@@ -223,10 +223,19 @@ def check_disk_room(disk_blocks: int, block_tokens: int) -> None:
 Progress = Callable[[int, int], None]
 
 
+class ReplayStopped(Exception):
+    """A replay given ``stop`` found it true: it ended between two requests, its store closed
+    and its temporary directory removed."""
+
+
 def replay(trace: Sequence[Request], spec: ReplaySpec, *, block_tokens: int = 512,
-           progress: Progress | None = None, client_factory: Callable[..., Any] | None = None) -> ReplayResult:
+           progress: Progress | None = None, client_factory: Callable[..., Any] | None = None,
+           stop: Callable[[], bool] | None = None) -> ReplayResult:
     """Replay ``trace`` through a fresh store built for ``spec``; ``progress(done, total)``
-    is called now and then."""
+    is called now and then. ``stop()`` is asked before every request: true, the replay ends
+    with ``ReplayStopped`` (how a signal stops it: an exception raised by a signal handler
+    can land in a garbage-collector callback, which swallows it, or inside a disk call before
+    its guard, and the store's close then waits for that call for ever)."""
     frames = StandInFrames(block_tokens)
     result = ReplayResult(spec=spec)
     start = time.perf_counter()
@@ -237,6 +246,8 @@ def replay(trace: Sequence[Request], spec: ReplaySpec, *, block_tokens: int = 51
             total = len(trace)
             step = max(1, total // 50)
             for t, req in enumerate(trace):
+                if stop is not None and stop():
+                    raise ReplayStopped(f"stopped after {t} of {total} requests")
                 ids = req.hash_ids
                 tiers = client.request(ids[: cached_blocks(req, block_tokens, True)] if spec.full_blocks_only else ids)
                 n = len(tiers)
