@@ -345,19 +345,24 @@ class DiskTier(IndexedTier):
         """Around a call that changes the directory (see ``_calls``); ``_Closed`` after ``close``,
         ``_Lost`` once the directory is no longer the one opened (``lost``)."""
         self._check_root_if_due()
-        with self._calls:
-            if self._closed:
-                raise self._closed_error()
-            if self._lost is not None:
-                raise self._lost_error()
-            self._active += 1
+        counted = False
         try:
+            # (counted inside the ``try``: an interrupt raised as the lock is let go, past the
+            # count, left the call counted for good, and ``close`` waited for it for ever)
+            with self._calls:
+                if self._closed:
+                    raise self._closed_error()
+                if self._lost is not None:
+                    raise self._lost_error()
+                self._active += 1
+                counted = True
             yield
         finally:
-            with self._calls:
-                self._active -= 1
-                if not self._active:
-                    self._calls.notify_all()
+            if counted:
+                with self._calls:
+                    self._active -= 1
+                    if not self._active:
+                        self._calls.notify_all()
 
     def _closed_error(self) -> _Closed:
         return _Closed(f"{self.name} tier: closed ({self.root})")

@@ -37,16 +37,18 @@ class Moves:
     @contextmanager
     def moving(self) -> Iterator[None]:
         """Around a write that may evict from one tier and put the victims into the next."""
-        with self._cond:
-            ticket = self._started
-            self._started += 1
-            self._active.add(ticket)
-        try:
+        ticket = None
+        try:  # (entered inside the ``try``: an interrupt as the lock is let go leaves no write running)
+            with self._cond:
+                ticket = self._started
+                self._started += 1
+                self._active.add(ticket)
             yield
         finally:
-            with self._cond:
-                self._active.discard(ticket)
-                self._cond.notify_all()
+            if ticket is not None:
+                with self._cond:
+                    self._active.discard(ticket)
+                    self._cond.notify_all()
 
     def mark(self) -> tuple[int, int]:
         """Taken before a read looks at the tiers: (writes started, writes running)."""
