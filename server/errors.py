@@ -76,8 +76,14 @@ class TierUnreachable(ServiceError):
 
 
 class ClientGone(BadRequest):
-    """The client closed the connection (or was cut off as too slow) before its body ended.
-    The answer reaches no one; it is not an error of the server, and it is not logged as one."""
+    """The client closed the connection before its body ended. The answer reaches no one; it
+    is not an error of the server, and it is not logged as one. Counted as 499 (nginx's
+    "client closed request"): a 400 told operators of a malformed request that never was."""
+
+
+class BodyTooSlow(ClientGone):
+    """The server cut the client off before its body ended: no byte for
+    ``body_idle_timeout_seconds``, or under ``body_min_bytes_per_second``. Counted as 408."""
 
 
 # error class -> HTTP status; the most specific class in an exception's MRO wins.
@@ -94,7 +100,9 @@ STATUS: dict[type[Exception], int] = {
     BatchTooLarge: 413,
     RequestValidationError: 422,
     BadLookup: 422,
-    ClientDisconnect: 400,  # the client went away mid-body (starlette's own reading of a body)
+    ClientGone: 499,
+    BodyTooSlow: 408,
+    ClientDisconnect: 499,  # the client went away mid-body (starlette's own reading of a body)
     NotReady: 503,
     Busy: 503,
     TierUnreachable: 503,

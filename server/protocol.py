@@ -71,6 +71,7 @@ SMALL_PIECE = 4 << 10
 GATHER = 64 << 10
 BODY_INTO = "cacheseek.body_into"  # key in scope["extensions"]
 BODY_GONE = "cacheseek.body_gone"  # () -> bool: the client went away (or was cut off) mid-request
+BODY_CUT = "cacheseek.body_cut"  # () -> str | None: why the server cut the client off mid-body (too slow)
 # (abort=False) -> None: end a response begun, on purpose, by closing the connection (abort:
 # dropping what the transport still holds, unsent).
 CUT_SHORT = "cacheseek.cut_short"
@@ -497,6 +498,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
                 extensions[BODY_INTO] = pieces_cycle.receive_into
                 extensions[BODY_GONE] = lambda: cycle.disconnected
+                extensions[BODY_CUT] = lambda: self.watch.body_cut
                 extensions[CUT_SHORT] = lambda abort=False: self.cut_short(cycle, abort)
                 extensions[UNSENT] = self.transport.get_write_buffer_size
 
@@ -681,7 +683,7 @@ class Watchdog:
 
     __slots__ = ("protocol", "limits", "loop", "header_timer", "tick_timer", "bytes", "seen", "active_s",
                  "last_tick", "progress_at", "reading_body", "send_timer", "send_left", "send_progress_at",
-                 "send_since", "send_taken")
+                 "send_since", "send_taken", "body_cut")
 
     def __init__(self, protocol: Any, limits: ConnectionLimits) -> None:
         self.protocol = protocol
@@ -696,6 +698,7 @@ class Watchdog:
         self.send_left = 0
         self.send_progress_at = self.send_since = 0.0
         self.send_taken = 0
+        self.body_cut: str | None = None  # (the connection ends with the cut: one per connection)
 
     def expect_headers(self) -> None:
         if self.header_timer is None:
@@ -808,14 +811,18 @@ class Watchdog:
             self.progress_at = now  # the server not reading is no fault of the client's
         else:
             if now - self.progress_at >= limits.body_idle_timeout_seconds:
-                return self._cut(f"no body byte for {limits.body_idle_timeout_seconds:g} s")
+                return self._cut_body(f"no body byte for {limits.body_idle_timeout_seconds:g} s")
         if not self.protocol.flow.read_paused:
             self.active_s += elapsed
         if limits.body_min_bytes_per_second and self.active_s >= limits.body_idle_timeout_seconds \
                 and self.bytes < limits.body_min_bytes_per_second * self.active_s:
-            return self._cut(f"body arriving at {self.bytes / self.active_s:.0f} B/s, under body_min_bytes_per_second "
+            return self._cut_body(f"body arriving at {self.bytes / self.active_s:.0f} B/s, under body_min_bytes_per_second "
                              f"({limits.body_min_bytes_per_second})")
         self.tick_timer = self.loop.call_later(TICK_S, self._tick)
+
+    def _cut_body(self, why: str) -> None:
+        self.body_cut = why  # (its route answers 408, not the 499 of a client that went away)
+        self._cut(why)
 
     def _cut(self, why: str) -> None:
         self.header_timer = None

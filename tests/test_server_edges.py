@@ -421,6 +421,17 @@ def test_aborted_uploads_give_their_memory_back(tmp_path):
         assert grew > 96, f"the burst should have used memory: +{grew:.0f} MiB"
         assert left < 48, f"+{grew:.0f} MiB in the burst, +{left:.0f} MiB left after it"
         assert bodies(srv.url)["in_flight_bytes"] == 0 and stats["tiers"][0]["blocks"] == 0
+        # Counted as clients that went away (499), not as malformed requests (400): an
+        # operator's alert on 400s was told of bad clients that were only cancelled ones.
+        assert _statuses(srv.url, "/v1/blocks/{hash}", "PUT") == {499: 8}
+
+
+def _statuses(url: str, route: str, method: str) -> dict[int, int]:
+    from prom_strict import parse
+
+    families = parse(httpx.get(f"{url}/metrics").text)
+    return {int(labels["status"]): int(v) for name, labels, v in families["cacheseek_http_requests_total"].samples
+            if name == "cacheseek_http_requests_total" and labels["route"] == route and labels["method"] == method}
 
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
@@ -455,6 +466,9 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         # a fast client on the same server is unaffected
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         assert bodies(srv.url)["in_flight_bytes"] == 0
+        # The body the server cut off is counted as a timeout (408), apart from a client that
+        # went away (499) and from a malformed request (400).
+        assert _statuses(srv.url, "/v1/blocks/{hash}", "PUT") == {408: 1, 201: 1}
 
 
 def test_a_pipelined_head_the_server_stopped_reading_is_not_cut_off_as_slow(tmp_path):

@@ -22,9 +22,9 @@ from fastapi import Request
 from cacheseek.batch_body import BATCH_CONTENT_TYPE, FRAME_CONTENT_TYPE
 from cacheseek.store.tier import Reservation
 
-from ..errors import BadRequest, ClientGone, TooLarge
+from ..errors import BadRequest, BodyTooSlow, ClientGone, TooLarge
 from ..limits import BodyBytes
-from ..protocol import BODY_GONE, BODY_INTO
+from ..protocol import BODY_CUT, BODY_GONE, BODY_INTO
 
 PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
 STEP = 16 << 20  # bytes received into a frame's memory per budget check (one read for most frames)
@@ -91,6 +91,7 @@ class RequestBody:
         extensions = request.scope.get("extensions") or {}
         self._into = extensions.get(BODY_INTO)
         self._gone_check = extensions.get(BODY_GONE)
+        self._cut_check = extensions.get(BODY_CUT)
         self._receive = request.receive
         self._rest = memoryview(b"")
         self._more = True
@@ -101,6 +102,14 @@ class RequestBody:
     def gone(self) -> bool:
         """The client went away (or was cut off) before the body ended."""
         return self._gone or (self._gone_check is not None and self._gone_check())
+
+    def gone_error(self, what: str) -> ClientGone:
+        """The error for a body that ended at ``what`` because the client went (499), or
+        because the server cut it off as too slow (408, with the reason)."""
+        why = self._cut_check() if self._cut_check is not None else None
+        if why:
+            return BodyTooSlow(f"the server cut the client off {what}: {why}")
+        return ClientGone(f"the client went away {what}")
 
     async def read_into(self, buf: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
         """Fill ``buf`` with the next body bytes; fewer only where the body ends (or the client
@@ -202,5 +211,5 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
 def _short(body: RequestBody, filled: int, length: int | None) -> BadRequest:
     of = f" of {length}" if length is not None else ""
     if body.gone:
-        return ClientGone(f"the client went away after {filled}{of} bytes of its body")
+        return body.gone_error(f"after {filled}{of} bytes of its body")
     return BadRequest(f"body ended after {filled}{of} bytes")

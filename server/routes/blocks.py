@@ -134,7 +134,7 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
         return None
     if filled < LENGTH.size:
         if body.gone:
-            raise ClientGone(f"the client went away inside the length prefix of frame {index}")
+            raise body.gone_error(f"inside the length prefix of frame {index}")
         raise BatchFormatError(f"frame {index}: body ended inside a length prefix")
     (length,) = LENGTH.unpack(head)
     check_frame_length(index, length, body.received, max_frame_bytes=settings.max_frame_bytes,
