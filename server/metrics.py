@@ -621,6 +621,14 @@ class _Collector(Collector):
                 state.add_metric([tier["name"], s], 1.0 if now == s else 0.0)
         yield open_
         yield state
+        # The tier's blocks and bytes (cacheseek_tier_*) are the shared index's last values
+        # while Redis cannot be asked: a flat line on a dashboard, told from a real one here.
+        stale = GaugeMetricFamily("cacheseek_redis_index_stale",
+                                  "1 while the tier's block and byte figures are the last ones read (Redis could "
+                                  "not be asked), else 0", labels=["tier"])
+        for tier in redis:
+            stale.add_metric([tier["name"]], 1.0 if tier.get("index_stale") else 0.0)
+        yield stale
 
 
 def _bounded_usage(usage: list[dict[str, Any]], max_owners: int) -> list[tuple[tuple[str, str], dict[str, int]]]:

@@ -126,6 +126,8 @@ def test_redis_killed_during_ingest_through_a_server_never_gives_a_500(tmp_path)
             assert stats["dropped_writes"] >= 2 and stats["breaker"]["state"] in ("open", "half_open")
             metrics = httpx.get(a.url + "/metrics", timeout=10).text
             assert "cacheseek_redis_dropped_writes_total" in metrics and "cacheseek_redis_breaker_open" in metrics
+            # The Redis tier's figures are the last ones read, and say so.
+            assert 'cacheseek_redis_index_stale{tier="redis"} 1.0' in metrics
             # Reads keep working from the cpu tier; with the breaker open they pay no timeout.
             start = time.perf_counter()
             for seed, _ in results:
@@ -142,6 +144,7 @@ def test_redis_killed_during_ingest_through_a_server_never_gives_a_500(tmp_path)
             assert res.stored == 2 and res.errors == {}, res
             assert _redis_stats(a)["breaker"]["state"] == "closed"
             assert _redis_stats(a)["blocks"] == 2  # the new blocks landed in the restarted Redis
+            assert 'cacheseek_redis_index_stale{tier="redis"} 0.0' in httpx.get(a.url + "/metrics", timeout=10).text
             _no_500(a)
     finally:
         redis.stop()
