@@ -1417,29 +1417,89 @@ def test_a_plot_name_without_a_suffix_is_refused_without_matplotlib_too(monkeypa
     assert plot_format_problem("out/plan.png") is None and plot_format_problem("out/plan.webp") is None
 
 
-def test_plan_refuses_a_cpu_budget_past_the_replays_memory_before_replaying(tmp_path, capsys, monkeypatch):
-    """A CPU budget whose stand-in blocks take more memory than this process may use was
-    refused by the replay's store only once the budgets before it had replayed (their rows
-    thrown away), and in stand-in bytes: ``--cpu-bytes 64GiB,5000TiB`` said "cpu_bytes:
-    93.75 GiB"."""
+def test_plan_refuses_a_budget_past_the_replays_memory_before_replaying(tmp_path, capsys, monkeypatch):
+    """A budget whose blocks take more memory than this process may use was refused by the
+    replay's store only once the budgets before it had replayed (their rows thrown away), and
+    in stand-in bytes (``--cpu-bytes 64GiB,5000TiB`` said "cpu_bytes: 93.75 GiB"). The count
+    then took 384 bytes a block where the replay keeps about 2.5 KiB (the tier's bookkeeping
+    beside the stand-in) and nothing for the disk tier's index, so a plan it let through could
+    be killed for memory; and it refused a budget past the machine's memory on a trace that
+    could never fill it."""
     import os
 
     from cacheseek.trace.plan import codec_of, layout_of
-    from cacheseek.trace.replay import frame_nbytes
+    from cacheseek.trace.replay import CPU_BLOCK_BOOKKEEPING, DISK_BLOCK_BOOKKEEPING, frame_nbytes
     from cacheseek.units import format_size
 
     real = os.sysconf
     monkeypatch.setattr(os, "sysconf", lambda name: 256 if name == "SC_PHYS_PAGES" else real(name))
-    limit = 256 * real("SC_PAGE_SIZE")  # (1 MiB of 4 KiB pages: 1 GiB of raw frames fits, 1 TiB does not)
+    limit = 256 * real("SC_PAGE_SIZE")  # (1 MiB of 4 KiB pages)
     nbytes, stand_in = frame_nbytes(layout_of("llama-3-8b"), codec_of("raw"), 512), StandInFrames(512).nbytes
-    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB,1TiB") == 2
+    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB,1TiB") == 0  # 3 distinct blocks: 1 TiB holds them all
+    (tmp_path / "rows.json").unlink()
+    many = tmp_path / "many.jsonl"  # 2,000 distinct blocks: 6 MiB of the replay's memory
+    many.write_text("".join(f'{{"timestamp": {t}, "input_length": 512, "hash_ids": [{t}]}}\n' for t in range(2000)))
+    capsys.readouterr()
+    assert _plan_main(tmp_path, "--trace", str(many), "--cpu-bytes", f"{100 * nbytes},1TiB") == 2
     err = capsys.readouterr().err
     assert (f"cacheseek plan: cpu_bytes {1 << 40} (1.00 TiB) holds {(1 << 40) // nbytes:,} blocks of a {nbytes}-byte "
-            f"raw frame, more than the replay can hold: it keeps a {stand_in}-byte stand-in in memory for each block, "
-            ) in err
-    assert f"this process may use {format_size(limit)} (the machine's memory); give a smaller cpu_bytes" in err
+            f"raw frame; of the trace's 2,000 distinct blocks the replay would hold 2,000 in the CPU tier, more than "
+            f"it can: it keeps {stand_in + CPU_BLOCK_BOOKKEEPING} bytes in memory for a CPU-tier block (a "
+            f"{stand_in}-byte stand-in and the tier's bookkeeping), ") in err
+    assert f"this process may use {format_size(limit)} (the machine's memory); give a smaller cpu_bytes\n" in err
     assert "[#" not in err and not (tmp_path / "rows.json").exists()  # no replay ran
-    assert _plan_main(tmp_path, "--cpu-bytes", "1GiB") == 0
+    # The disk tier's index counts too: 2,000 blocks of it are past 1 MiB.
+    assert _plan_main(tmp_path, "--trace", str(many), "--cpu-bytes", f"{100 * nbytes}", "--disk-bytes", "1TiB") == 2
+    err = capsys.readouterr().err
+    assert f"and 2,000 on disk, more than it can" in err and f"and {DISK_BLOCK_BOOKKEEPING} for a disk-tier block" in err
+    assert err.endswith("give a smaller cpu_bytes or disk_bytes\n") and not (tmp_path / "rows.json").exists()
+    assert _plan_main(tmp_path, "--trace", str(many), "--cpu-bytes", f"{100 * nbytes}") == 0
+
+
+def test_the_replays_memory_a_block_is_within_what_the_plan_counts(tmp_path):
+    """The plan's memory check counts ``CPU_BLOCK_BOOKKEEPING`` and ``DISK_BLOCK_BOOKKEEPING``
+    bytes a block beside the stand-in: measured here, so that a store that keeps more for a
+    block is not let through to be killed for memory."""
+    import gc
+    import tracemalloc
+
+    from cacheseek.trace.replay import CPU_BLOCK_BOOKKEEPING, DISK_BLOCK_BOOKKEEPING, StoreClient
+
+    trace = load_trace(FULL)[:800]
+    distinct = reference.distinct_blocks(trace)
+    frames = StandInFrames(512)
+    for spec, bound in ((ReplaySpec(cpu_blocks=distinct), CPU_BLOCK_BOOKKEEPING),
+                        (ReplaySpec(cpu_blocks=0, disk_blocks=distinct), DISK_BLOCK_BOOKKEEPING)):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            store = build_store(spec, frames.nbytes, str(tmp_path / f"d{spec.cpu_blocks}"))
+            before = tracemalloc.get_traced_memory()[0]  # (the CPU tier's arena is a mapping: not counted)
+            client = StoreClient(store, frames)
+            for req in trace:
+                client.request(req.hash_ids)
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert sum(t["blocks"] for t in store.stats()["tiers"]) == distinct
+        store.close()
+        assert held / distinct <= bound, (spec, held / distinct)
+
+
+def test_a_cpu_tier_past_the_traces_blocks_replays_as_one_of_their_number():
+    """The replay builds a CPU tier at most the trace's distinct blocks: one that large never
+    evicts, so every figure is the same as the budget's, and a budget past the machine's memory
+    replays a trace that fits in it."""
+    trace = load_trace(FULL)[:600]
+    distinct = reference.distinct_blocks(trace)
+    for disk, admit in ((0, 1), (distinct // 4, 2)):
+        exact = replay(trace, ReplaySpec(cpu_blocks=distinct, disk_blocks=disk, disk_admit_after_uses=admit))
+        huge = replay(trace, ReplaySpec(cpu_blocks=1 << 40, disk_blocks=disk, disk_admit_after_uses=admit))
+        assert huge.spec.cpu_blocks == 1 << 40 and huge.hit_blocks == exact.hit_blocks > 0
+        assert huge.hits_by_tier == exact.hits_by_tier
+        keep = ("blocks", "bytes_in", "bytes_out", "evictions", "hits", "misses")
+        assert [{k: t.get(k) for k in keep} for t in huge.tiers] == [{k: t.get(k) for k in keep} for t in exact.tiers]
 
 
 @pytest.mark.parametrize("json_as, plot_as, says", [

@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..host_memory import cpu_budget_problem, memory_limit
+from ..host_memory import memory_limit
 from ..layout import KVLayout
 from ..quant import KIVI, Raw
 from ..store.disk import DEFAULT_ALLOC_UNIT, block_charge
 from ..units import format_size
 from . import reference
 from .format import Request
-from .replay import (ProgressBar, ReplayResult, ReplaySpec, ReplayStopped, StandInFrames, arena_slack,
-                     check_block_tokens, check_disk_room, frame_nbytes, replay)
+from .replay import (CPU_BLOCK_BOOKKEEPING, DISK_BLOCK_BOOKKEEPING, ProgressBar, ReplayResult, ReplaySpec,
+                     ReplayStopped, StandInFrames, arena_slack, check_block_tokens, check_disk_room, frame_nbytes,
+                     replay)
 
 LAYOUTS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16"),
@@ -145,6 +146,7 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
     # Every budget is checked before the first replay, so a bad one costs no replay time.
     nbytes_of = {name: frame_nbytes(layout, codec_of(name), block_tokens) for name in codecs}
     stand_in = StandInFrames(block_tokens).nbytes
+    distinct = reference.distinct_blocks(trace, block_tokens, full_blocks_only)
     for codec_name, nbytes in nbytes_of.items():
         charge = block_charge(nbytes, DEFAULT_ALLOC_UNIT)
         for cpu in cpu_bytes:
@@ -153,16 +155,27 @@ def plan(trace: Sequence[Request], *, layout: KVLayout, codecs: Sequence[str], c
                     f"cpu_bytes {cpu} (disk_bytes {disk_bytes}) holds 0 blocks of a {nbytes}-byte {codec_name} frame "
                     f"({block_tokens} tokens a block); give cpu_bytes at least {nbytes} or disk_bytes at least "
                     f"{charge} (the frame and its sidecar in whole 4 KiB file-system blocks)")
-            # The replay's CPU tier (``build_store``) is refused by ``TierConfig.build`` past
-            # the memory this process may use, in its stand-in bytes: said here in the budget's.
-            held = cpu // nbytes * stand_in
-            if cpu_budget_problem(held, arena_slack(held, stand_in)):
-                limit, where = memory_limit()
+            # The replay keeps each block it holds in memory: a stand-in frame and the tiers'
+            # bookkeeping (a disk tier's too), for at most the trace's distinct blocks. Past
+            # the memory this process may use it would be killed; said here, before any replay.
+            cpu_held = min(cpu // nbytes, distinct)
+            disk_held = min(disk_bytes // charge, distinct)
+            held = cpu_held * stand_in
+            need = held + arena_slack(held, stand_in) + cpu_held * CPU_BLOCK_BOOKKEEPING \
+                + disk_held * DISK_BLOCK_BOOKKEEPING
+            limit, where = memory_limit()
+            if limit and need > limit:
+                disk = (f" and disk_bytes {disk_bytes} ({format_size(disk_bytes)}) {disk_bytes // charge:,}"
+                        if disk_bytes else "")
                 raise ConfigError(
                     f"cpu_bytes {cpu} ({format_size(cpu)}) holds {cpu // nbytes:,} blocks of a {nbytes}-byte "
-                    f"{codec_name} frame, more than the replay can hold: it keeps a {stand_in}-byte stand-in in memory "
-                    f"for each block, {format_size(held + arena_slack(held, stand_in))} with its arena's slack, and "
-                    f"this process may use {format_size(limit)} ({where}); give a smaller cpu_bytes")
+                    f"{codec_name} frame{disk}; of the trace's {distinct:,} distinct blocks the replay would hold "
+                    f"{cpu_held:,} in the CPU tier" + (f" and {disk_held:,} on disk" if disk_bytes else "") +
+                    f", more than it can: it keeps {stand_in + CPU_BLOCK_BOOKKEEPING} bytes in memory for a CPU-tier "
+                    f"block (a {stand_in}-byte stand-in and the tier's bookkeeping)"
+                    + (f" and {DISK_BLOCK_BOOKKEEPING} for a disk-tier block" if disk_bytes else "") +
+                    f", {format_size(need)} in all, and this process may use {format_size(limit)} ({where}); "
+                    "give a smaller cpu_bytes" + (" or disk_bytes" if disk_bytes else ""))
     check_stop()
     check_disk_room(max(disk_bytes // block_charge(n, DEFAULT_ALLOC_UNIT) for n in nbytes_of.values()), block_tokens)
     check_stop()

@@ -77,6 +77,11 @@ def block_tokens_of(req: Request, block_tokens: int) -> list[int]:
     return [block_tokens] * (n - 1) + [last]
 
 
+def distinct_blocks(trace: Sequence[Request], block_tokens: int = 512, full_blocks_only: bool = False) -> int:
+    """How many blocks a cache of ``trace`` can hold at most: its distinct stored ids."""
+    return len({x for req in trace for x in req.hash_ids[: cached_blocks(req, block_tokens, full_blocks_only)]})
+
+
 def cached_blocks(req: Request, block_tokens: int, full_blocks_only: bool) -> int:
     """How many leading blocks of ``req`` a cache may hold: all of them, or, with
     ``full_blocks_only``, all but a partial last block (a trace without ``input_length``
