@@ -62,12 +62,12 @@ HASH_ALGOS: dict[str, tuple[Callable[[bytes | memoryview], bytes], int]] = {
     "sha256": (_sha256, 32),
 }
 
-_HEX = re.compile(r"^[0-9a-f]+$")
+_HEX = re.compile(r"\A[0-9a-f]+\Z")
 # A block hash in a URL: xxh3-128 (32 digits) or sha256 (64), lowercase (the OpenAPI document states it).
 HASH_HEX_PATTERN = "^([0-9a-f]{32}|[0-9a-f]{64})$"
 # The namespaces the server takes (its X-CacheSeek-Namespace header): printable ASCII, no
 # spaces, at most 128. A client checks a namespace against it when it is made.
-NAMESPACE_PATTERN = re.compile(r"^[\x21-\x7e]{0,128}$")
+NAMESPACE_PATTERN = re.compile(r"\A[\x21-\x7e]{0,128}\Z")
 
 
 def _digest_fn(algo: str) -> Callable[[bytes | memoryview], bytes]:

@@ -63,9 +63,9 @@ IDEMPOTENT_EXTENSION = "cacheseek_idempotent"
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS", "TRACE"})
 _HEAD_LIMIT = 64 * 1024
 _SMALL = 64 * 1024  # request chunks below this are gathered into one send
-_TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
-_DIGITS = re.compile(rb"^[0-9]+$")
-_STATUS = re.compile(rb"^HTTP/1\.([01]) ([0-9]{3})(?: .*)?$")
+_TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_DIGITS = re.compile(rb"\A[0-9]+\Z")
+_STATUS = re.compile(rb"\AHTTP/1\.([01]) ([0-9]{3})(?: .*)?\Z")
 _TLS_RECORD_TYPES = (0x15, 0x16)  # alert, handshake: what a TLS server may answer a plain request with
 def _redacted_proxy(proxy: str) -> str:
     """A proxy URL with its password hidden (``http://user:***@host:port``)."""

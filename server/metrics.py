@@ -44,6 +44,8 @@ from starlette.types import Receive, Scope, Send
 from cacheseek import __version__
 from cacheseek.log_throttle import LogThrottle
 
+from .auth import header_value
+
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 log = logging.getLogger("cacheseek.server")
@@ -160,7 +162,7 @@ def client_headers(headers: Any) -> tuple[str | None, int | None, int | None, in
         if name[:12] != b"x-cacheseek-":
             continue
         if name == _MODEL:
-            model = value.decode("latin-1")
+            model = header_value(value.decode("latin-1"))
         elif name == _BLOCK_TOKENS:
             block_tokens = _positive(value)
         elif name == _TOKENS:

@@ -1669,7 +1669,7 @@ def test_a_prefix_get_answered_with_no_valid_http_is_an_outage_like_a_lookup(rep
             assert stats["unavailable_calls"] == 1 and stats["breaker"]["consecutive_failures"] == 1
 
 
-@pytest.mark.parametrize("namespace", ["é", "a b", "x" * 129, "a\r\nX-CacheSeek-Model: other", "tab\there"])
+@pytest.mark.parametrize("namespace", ["é", "a b", "x" * 129, "a\r\nX-CacheSeek-Model: other", "tab\there", "team-a\n"])
 def test_a_namespace_the_server_refuses_is_a_config_error_before_anything_is_sent(srv, namespace):
     """The namespace travels in a header that the server takes as 0-128 printable ASCII
     characters without spaces: any other raised UnicodeEncodeError, or went out as it was

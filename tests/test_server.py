@@ -749,6 +749,22 @@ def test_an_empty_disk_path_or_reserve_means_the_default(tmp_path, monkeypatch):
     assert ServerSettings.load(disk_path="").disk_path == default_disk_path()
 
 
+def test_a_namespace_with_a_newline_at_its_end_is_refused_where_it_is_named():
+    """The namespace pattern ended in ``$``, which matches before a final newline: a tenant
+    named "team-c\\n" started, and its clients could never reach it (403 naming "team-c", 400
+    naming "team-c\\n"); a Redis prefix took one too."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.server.config import ServerSettings
+    from cacheseek.store.redis_keys import RedisKeys
+
+    with pytest.raises(ValueError, match="tenants: namespace 'team-c\\\\n' must be"):
+        ServerSettings.load(tenants={"team-c\n": {"write_token": "w"}}, write_token="op")
+    assert list(ServerSettings.load(tenants={"team-c": {"write_token": "w"}}, write_token="op").tenants) == ["team-c"]
+    for bad in ({"prefix": "cacheseek\n"}, {"namespace": "default\n"}):
+        with pytest.raises(ConfigError):
+            RedisKeys(**bad)
+
+
 def test_a_tenants_variable_that_is_not_json_exits_2_naming_it():
     env = {**os.environ, "CACHESEEK_TENANTS": "not json"}
     out = subprocess.run([*cacheseek_command(), "serve", "--port", "1"], capture_output=True, text=True, timeout=60,

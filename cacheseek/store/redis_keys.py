@@ -31,8 +31,8 @@ from typing import Any
 from ..errors import ConfigError
 from .frame import HASH_SIZES
 
-_PREFIX = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
-_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{0,64}$")
+_PREFIX = re.compile(r"\A[A-Za-z0-9_.\-]{1,64}\Z")
+_NAMESPACE = re.compile(r"\A[A-Za-z0-9_.\-]{0,64}\Z")
 
 
 @dataclass(frozen=True, slots=True)

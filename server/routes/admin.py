@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..admin import AdminOps
-from ..auth import NAMESPACE_HEADER
+from ..auth import NAMESPACE_HEADER, header_value
 from ..config import NAMESPACE_PATTERN
 from ..deps import Credentials, Hash, NamespaceHeader, service_of
 from ..errors import BadRequest, Forbidden, NotReady, Unauthenticated
@@ -53,6 +53,7 @@ Admin = Annotated[AdminOps, Depends(admin_ops)]
 
 
 def _namespace(header: str | None) -> str:
+    header = header_value(header)
     if header is not None and not NAMESPACE_PATTERN.match(header):
         raise BadRequest(f"{NAMESPACE_HEADER}: 0-128 printable ASCII characters, no spaces")
     return header or ""
