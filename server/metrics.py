@@ -704,7 +704,7 @@ class _BodiesCollector(Collector):
         s = self._stats()
         for name, key, help_ in (
                 ("cacheseek_http_body_bytes_in_flight", "in_flight_bytes",
-                 "Request-body bytes being received (a step of up to 16 MiB each body reads) or received, not yet stored"),
+                 "Request-body bytes being received (the step each body reads: 64 KiB to 16 MiB) or received, not yet stored"),
                 ("cacheseek_http_body_bytes_in_flight_peak", "peak_bytes", "Most request-body bytes in flight at once"),
                 ("cacheseek_http_body_bytes_in_flight_limit", "limit_bytes", "max_inflight_body_bytes")):
             family = GaugeMetricFamily(name, help_)

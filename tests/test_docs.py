@@ -1511,7 +1511,9 @@ def test_http_api_md_states_the_servers_constants():
         "chunks": f"(under {size(protocol.SMALL_PIECE)}) are gathered into pieces of up to {size(protocol.GATHER)}",
         "linger": f"for up to {protocol.LINGER_S:g} s (`LINGER_S`)",
         "frame floor": f"a frame of a batch counts at least {size(limits.FRAME_MIN_BYTES)}",
-        "step": f"{size(_body.STEP)} at a time",
+        "step": f"A body's step begins at {size(_body.FIRST_STEP)}, doubles up to {size(_body.STEP)} while the body "
+                f"fills each within {'a second' if _body.FAST_STEP_S == 1 else f'{_body.FAST_STEP_S:g} s'}",
+        "stalled": f"stalls at once holds {size(_body.FIRST_STEP)})",
         "piece": f"grows by {size(_body.PIECE)} pieces",
         "trim": f"after at least {size(limits.TRIM_AFTER_BYTES)} were given back unstored",
     }

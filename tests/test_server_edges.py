@@ -471,6 +471,42 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         assert _statuses(srv.url, "/v1/blocks/{hash}", "PUT") == {408: 1, 201: 1}
 
 
+def test_slow_uploads_that_keep_the_minimum_rate_do_not_hold_the_body_budget_from_others(tmp_path):
+    """Each body's step of the in-flight budget was 16 MiB, counted before its bytes came: four
+    uploads at 80 KiB/s (above body_min_bytes_per_second, never cut off) held a 64 MiB budget
+    whole, and every other client's write was a 503 for as long as they went on (128 of them
+    held the default 2 GiB). A body's step now follows what it delivers: about a second of
+    its bytes for a slow one."""
+    args = ["--max-inflight-body-bytes", "64MiB", "--max-body-bytes", "64MiB", "--max-frame-bytes", "32MiB"]
+    with Server(tmp_path, *args, disk=False) as srv:
+        stop = threading.Event()
+        sent = [0] * 4
+
+        def trickle(i: int) -> None:
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(head("PUT", f"/v1/blocks/{i:032x}", 32 * MiB))
+                chunk = bytes(8 << 10)
+                while not stop.is_set():  # 80 KiB/s
+                    s.sendall(chunk)
+                    sent[i] += len(chunk)
+                    time.sleep(0.1)
+
+        threads = [threading.Thread(target=trickle, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(4)  # past the first steps' fill time at this rate
+            held, received = bodies(srv.url)["in_flight_bytes"], sum(sent)
+            h, frame = raw_frame(3)
+            assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            # What they sent (received, not yet stored) and about a second's more each, not 16 MiB.
+            assert held <= received + 4 * (256 << 10), (held, received)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+
+
 def test_a_pipelined_head_the_server_stopped_reading_is_not_cut_off_as_slow(tmp_path):
     """Behind a response still streaming, a pipelined request waits its turn with reading
     paused (uvicorn's back-pressure on pipelining): a head begun in the bytes already read
@@ -604,7 +640,9 @@ def test_frames_still_arriving_count_in_the_bytes_in_flight_and_the_cap_holds_fo
             holders.append(s)
             time.sleep(0.3)
             if i == 1:
-                assert bodies(srv.url)["in_flight_bytes"] == 4 * MiB
+                # Each: the steps it filled (64 KiB doubling to 512 KiB: 960 KiB) and the 1 MiB
+                # step it is reading, counted before the bytes come.
+                assert bodies(srv.url)["in_flight_bytes"] == 2 * (960 * 1024 + MiB)
         status, headers, text = read_response(holders[2], bytearray())
         assert status == 503 and b"max_inflight_body_bytes" in text
         for s in holders:

@@ -14,6 +14,7 @@ uploads held memory past ``max_inflight_body_bytes``.
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,17 @@ from ..limits import BodyBytes
 from ..protocol import BODY_CUT, BODY_GONE, BODY_INTO
 
 PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
-STEP = 16 << 20  # bytes received into a frame's memory per budget check (one read for most frames)
+# Bytes received into a frame's memory per budget check. Each step is counted before it is
+# read, so a body holds its step of the budget while its bytes come: it begins at FIRST_STEP,
+# doubles up to STEP while the body fills a step within FAST_STEP_S, and halves down to
+# MIN_STEP while it takes longer. A fast client reaches 16 MiB steps within its first 16 MiB;
+# a slow one that keeps above body_min_bytes_per_second holds about a second of its bytes,
+# and one that stalls 64 KiB until it is cut off. At 16 MiB a body from the first byte, 128
+# slow uploads held the default 2 GiB and every other write was refused.
+STEP = 16 << 20
+FIRST_STEP = 64 << 10
+MIN_STEP = 64 << 10
+FAST_STEP_S = 1.0
 
 BINARY = {"schema": {"type": "string", "format": "binary"}}
 FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: BINARY},
@@ -97,6 +108,7 @@ class RequestBody:
         self._more = True
         self._gone = False
         self.received = 0
+        self.step = FIRST_STEP  # (see STEP)
 
     @property
     def gone(self) -> bool:
@@ -146,13 +158,17 @@ async def _read_exactly(body: RequestBody, view: memoryview, length: int, held: 
     before it is read."""
     filled = 0
     while filled < length:
-        step = min(STEP, length - filled)
+        step = min(body.step, length - filled)
         held.take(step)
+        began = time.monotonic()
         n = await body.read_into(view[filled : filled + step], on_data)
         filled += n
         if n < step:
             held.unread(step - n)
             raise _short(body, filled, length)
+        if step == body.step:  # (a frame's short last step tells nothing of the rate)
+            fast = time.monotonic() - began < FAST_STEP_S
+            body.step = min(body.step * 2, STEP) if fast else max(body.step // 2, MIN_STEP)
 
 
 async def receive_frame(body: RequestBody, length: int | None, limit: int, held: BodyBytes,
