@@ -35,8 +35,8 @@ async def stats(caller: Reader, service: Service, request: Request) -> JSONRespo
     """The figures ``/metrics`` shows, as JSON (docs/operations.md): per tier as stored and as
     unique blocks, store-wide distinct bytes and compression, traffic (lookups, hit rate,
     ingest, materialize) per namespace and model, usage per namespace and model, request
-    latencies. A tenant's token sees only its own namespace's traffic and usage, and no host
-    details (the disk tier's path)."""
+    latencies. A tenant's token sees only its own namespace's traffic and usage (the tiers' and
+    the store's figures are the whole store's), and no host details (the disk tier's path)."""
     metrics = request.app.state.metrics
     out = await run_in_threadpool(metrics.figures, caller.namespace if caller.bound else None)
     if caller.bound:
