@@ -513,30 +513,10 @@ def test_an_interrupt_as_a_call_is_counted_does_not_leave_close_waiting(tmp_path
     the count's lock was let go (Ctrl-C, or a signal handler's exit, lands there in about one
     stop in five under load) escaped before the count's ``try``: the call stayed counted for
     good, and ``close`` waited for it for ever."""
-    from store_helpers import raw_frame
+    from store_helpers import InterruptedAtRelease, raw_frame
 
     tier = DiskTier(tmp_path / "d", 1 << 20)
-    real = tier._calls
-
-    class InterruptedOnce:
-        """The tier's condition, but its first let-go raises as a Ctrl-C would there."""
-
-        def __init__(self) -> None:
-            self.raised = False
-
-        def __enter__(self):
-            return real.__enter__()
-
-        def __exit__(self, *exc):
-            real.__exit__(*exc)
-            if not self.raised and exc == (None, None, None):
-                self.raised = True
-                raise KeyboardInterrupt
-
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-    tier._calls = InterruptedOnce()
+    tier._calls = InterruptedAtRelease(tier._calls)
     key, frame = raw_frame(1)
     with pytest.raises(KeyboardInterrupt):
         tier.put(key, frame)
@@ -546,3 +526,29 @@ def test_an_interrupt_as_a_call_is_counted_does_not_leave_close_waiting(tmp_path
     closer.start()
     closer.join(10)
     assert not closer.is_alive(), "close waits for a call that ended by an interrupt"
+
+
+@pytest.mark.parametrize("frames", [1, 2])  # one put; a group commit's claims
+def test_an_interrupt_as_a_write_is_marked_in_flight_leaves_nothing_in_flight(tmp_path, frames):
+    """A write is marked in flight (its room held; a second put of the block waits for it)
+    under the tier's lock, and undone by a ``try`` that began after the lock was let go: an
+    interrupt there left the mark for good. The room stayed held, the next put of the block
+    waited for ever with no timeout, and ``close`` behind it."""
+    from store_helpers import InterruptedAtRelease, raw_frame
+
+    tier = DiskTier(tmp_path / "d", 1 << 24)
+    tier._lock = InterruptedAtRelease(tier._lock, when=lambda: bool(tier._writing))
+    items = [raw_frame(i) for i in range(1, frames + 1)]
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(items)
+    assert tier._lock.raised
+    assert tier._writing == {} and tier._reserved == 0
+    putter = threading.Thread(target=tier.put_many, args=(items,), daemon=True)
+    putter.start()
+    putter.join(10)
+    assert not putter.is_alive(), "a put waits for a write an interrupt ended"
+    assert all(tier.contains(key) for key, _ in items)
+    closer = threading.Thread(target=tier.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()

@@ -1549,6 +1549,41 @@ def test_a_read_in_flight_does_not_bring_back_a_block_deleted_before_its_promoti
     store.close()
 
 
+def test_an_interrupted_delete_leaves_no_delete_in_progress_to_undo_later_demotions(tmp_path):
+    """A delete is numbered under the store's lock, so that a block on its way down is not
+    stored below once deleted; the ``try`` that ended it began after the lock was let go. An
+    interrupt there left the delete in progress for good: a block deleted and stored again
+    was deleted where its demotion landed, and once 4,096 more deletes had gone by, every
+    block the CPU tier evicted was lost on its way to the disk, without a word."""
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import RECENT_DELETES, TieredStore
+    from store_helpers import InterruptedAtRelease, raw_frame
+
+    size = raw_frame(1)[1].nbytes
+    cpu, disk = CpuTier(4 * size), DiskTier(tmp_path / "d", 1 << 30, fsync=False)
+    store = TieredStore([cpu, disk])  # write-back: the CPU tier's victims go down to the disk
+    real = store._delete_lock
+    store._delete_lock = InterruptedAtRelease(real)
+    with pytest.raises(KeyboardInterrupt):
+        store.delete(raw_frame(200)[0])
+    store._delete_lock = real
+    assert store._deleting == set() and store._in_transit == {}
+    again = raw_frame(7)
+    store.put(*again)
+    store.delete(again[0])
+    store.put(*again)
+    for i in range(20, 30):  # evicts it from the CPU tier: handed down to the disk
+        store.put(*raw_frame(i))
+    assert not cpu.contains(again[0]) and disk.contains(again[0])
+    for i in range(RECENT_DELETES + 1):
+        store.delete(i.to_bytes(16, "big"))
+    blocks = [raw_frame(i) for i in range(300, 320)]
+    for key, frame in blocks:
+        store.put(key, frame)
+    assert all(store.get(key) is not None for key, _ in blocks)
+    store.close()
+
+
 @pytest.mark.parametrize("write", ["put_many", "commit_many"])
 def test_a_block_deleted_while_it_moves_down_a_tier_is_not_stored_below(tmp_path, write):
     """A put evicted X from the CPU tier and was handing it down to the disk when a delete

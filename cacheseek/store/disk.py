@@ -941,27 +941,33 @@ class DiskTier(IndexedTier):
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)
-        with self._lock:
-            if key in self._index and self._still_whole(key):
-                self._index.touch([key])
-                return TierPutResult(stored=None)
-            pending = self._writing.get(key)
-            if pending is None:
-                self._refuse_beside_pins(key, n)
-                self._forget_other(key)  # (its files are about to be written over)
-                self._make_room(n, evicted, spare)
-                mine = self._writing[key] = self._hold_room(key, n)
-        if pending is not None:
-            # Waited for outside the lock: that write takes the lock to commit.
-            answer = self._await(key, pending)
-            return answer if answer is not None else self._put_one(key, frame, evicted, spare)
         data_path, side_path = self._paths(key)
+        mine: _InFlight | None = None
         try:
+            # (marked inside the ``try``: an interrupt as the lock was let go left the block in
+            # flight for good, its room held, and the next put of it, and close, waiting for ever)
+            with self._lock:
+                if key in self._index and self._still_whole(key):
+                    self._index.touch([key])
+                    return TierPutResult(stored=None)
+                pending = self._writing.get(key)
+                if pending is None:
+                    self._refuse_beside_pins(key, n)
+                    self._forget_other(key)  # (its files are about to be written over)
+                    self._make_room(n, evicted, spare)
+                    mine = self._writing[key] = self._hold_room(key, n)
+            if pending is not None:
+                # Waited for outside the lock: that write takes the lock to commit.
+                answer = self._await(key, pending)
+                return answer if answer is not None else self._put_one(key, frame, evicted, spare)
+            assert mine is not None
             self._write_atomic(data_path, segments)
             self._write_atomic(side_path, [_sidecar(key, meta)])
             if self.fsync:
                 fsync_dir(data_path.parent)
         except BaseException as exc:
+            if mine is None:  # (refused, or waited for another write: nothing of this one to undo)
+                raise
             self._undo_write(key, mine, n, (side_path, data_path), _write_error(self.name, data_path, exc))
             if isinstance(exc, OSError):
                 assert mine.error is not None  # (set by _undo_write)
@@ -1038,9 +1044,11 @@ class DiskTier(IndexedTier):
         group: list[_Pending] = []
         held = 0  # bytes of ``group``, claimed but not yet committed
         waits: list[tuple[int, bytes, _InFlight]] = []
+        claimed: _Pending | _InFlight | TierPutResult | None = None
         try:
             for i, (key, frame) in enumerate(items):
                 evicted: list[tuple[bytes, BlockFrame | None]] = []
+                claimed = None
                 try:
                     claimed = self._claim(key, frame, evicted, held=held)
                     if claimed is None:
@@ -1064,7 +1072,10 @@ class DiskTier(IndexedTier):
                     held += claimed.flight.nbytes
         except BaseException as exc:
             # A frame that could not even be claimed (no host bytes, an interrupt): the ones
-            # claimed before it give their room back and wake their waiters, unwritten.
+            # claimed before it give their room back and wake their waiters, unwritten; so
+            # does one claimed but not yet in the group (an interrupt between the two).
+            if isinstance(claimed, _Pending) and all(p is not claimed for p in group):
+                group.append(claimed)
             for p in group:
                 p.fail(self.name, exc)
             self._finish(group)
@@ -1114,20 +1125,27 @@ class DiskTier(IndexedTier):
         if n > self.capacity_bytes:
             self.count(write_errors=1)
             raise self._too_large(meta.nbytes)
-        with self._lock:
-            if key in self._index and self._still_whole(key):
-                self._index.touch([key])
-                return TierPutResult(stored=None)
-            if (pending := self._writing.get(key)) is not None:
-                return pending
-            self._refuse_beside_pins(key, n)
-            self._forget_other(key)  # (its files are about to be written over)
-            self._make_room(n, evicted)
-            if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
-                return None
-            mine = self._writing[key] = self._hold_room(key, n)
         data_path, side_path = self._paths(key)
-        return _Pending(key, frame, segments, _sidecar(key, meta), data_path, side_path, mine, evicted)
+        sidecar = _sidecar(key, meta)
+        mine: _InFlight | None = None
+        try:  # (marked inside it: see ``_put_one``)
+            with self._lock:
+                if key in self._index and self._still_whole(key):
+                    self._index.touch([key])
+                    return TierPutResult(stored=None)
+                if (pending := self._writing.get(key)) is not None:
+                    return pending
+                self._refuse_beside_pins(key, n)
+                self._forget_other(key)  # (its files are about to be written over)
+                self._make_room(n, evicted)
+                if held and self._index.used_bytes + self._reserved + n > self.capacity_bytes:
+                    return None
+                mine = self._writing[key] = self._hold_room(key, n)
+            return _Pending(key, frame, segments, sidecar, data_path, side_path, mine, evicted)
+        except BaseException as exc:
+            if mine is not None:  # (nothing written yet: no file to remove)
+                self._undo_write(key, mine, n, (), _write_error(self.name, data_path, exc))
+            raise
 
     def _commit_group(self, group: list[_Pending]) -> None:
         """Write and commit ``group`` stage by stage (data, sidecars, directories), then index

@@ -785,14 +785,18 @@ class TieredStore:
         and that is served again once Redis answers. (A Redis that timed out may have run
         the delete all the same: the retry deletes the rest.)"""
         mark = self.mark_moves()
-        with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
-            self._deletes += 1
-            number = self._deletes
-            self._deleting.add(number)
-            self._recent_deletes.append((number, key))
-            if mark is not None:
-                self._in_transit[number] = False
+        number = None
         try:
+            # (numbered inside the ``try``: an interrupt as the lock was let go left the delete
+            # in progress for good, every later write's ``since`` frozen before it, and every
+            # block demoted since deleted where it landed)
+            with self._delete_lock:  # numbered before any tier forgets it (see ``_deleted_since``)
+                self._deletes += 1
+                number = self._deletes
+                self._deleting.add(number)
+                self._recent_deletes.append((number, key))
+                if mark is not None:
+                    self._in_transit[number] = False
             try:
                 deleted, unknown = False, False
                 tiers = self.tiers
@@ -809,9 +813,10 @@ class TieredStore:
             if not deleted and self.moved_since(mark):  # (waits for the moves that overlapped)
                 deleted = self._in_transit[number]
         finally:
-            if mark is not None:
+            if number is not None:
                 with self._delete_lock:
-                    del self._in_transit[number]
+                    self._deleting.discard(number)
+                    self._in_transit.pop(number, None)
         return None if unknown else deleted
 
     def drop_foreign(self, key: bytes, tier: str, why: str) -> None:
