@@ -61,7 +61,7 @@ from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 from .units import parse_size
-from .write_behind import WriteBehind
+from .write_behind import Handover, WriteBehind
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 # For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.
@@ -522,6 +522,7 @@ class RemoteCache(PrefixCacheBase):
             for lease in leases:
                 lease.release()
 
+        handover = Handover()
         try:
             # Checksummed on the sender thread, as each frame is sent (BlockFrame.wire_segments).
             frames = frames_to_host(encode(), take=take, seal=False)
@@ -534,10 +535,11 @@ class RemoteCache(PrefixCacheBase):
                 self._behind.count_failed_blocks(sum(result.failed for result in results))
                 return answer()
 
-            return self._behind.submit(nbytes, send)
+            return self._behind.submit(nbytes, send, handover)
         except BaseException:
-            give_back()
-            self._behind.release(nbytes)
+            if handover.claim():  # (else the sender has the write, its buffers and its room)
+                give_back()
+                self._behind.release(nbytes)
             raise
 
     def _send_behind(self, results: list[IngestResult], hashes: list[BlockHash], owners: list[int],

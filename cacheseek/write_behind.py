@@ -45,6 +45,28 @@ log = logging.getLogger("cacheseek.remote")  # (the cache's logger: the writes a
 _open: weakref.WeakSet[WriteBehind] = weakref.WeakSet()  # those whose sender runs: the exit hook's
 
 
+class Handover:
+    """Which side gives a write's room and host buffers back, decided once: the caller, if the
+    call that queues the write raises before the sender begins it, else the sender. An
+    interrupt can land after the executor has taken the write (in its ``submit``'s tail): the
+    caller then gave the buffers back while the queued send still read them, and the next
+    write's KV went out under this write's hashes. ``list.pop`` is one step under the GIL:
+    whichever side takes the token first owns them, and the other leaves them be."""
+
+    __slots__ = ("_token", "counted")
+
+    def __init__(self) -> None:
+        self._token = [True]
+        self.counted = False  # (the write counted as queued: an abandoned one is counted done)
+
+    def claim(self) -> bool:
+        try:
+            self._token.pop()
+        except IndexError:
+            return False
+        return True
+
+
 def _at_exit() -> None:
     """Before Python's own hook drains the senders' queues: give each one its ``exit_timeout``,
     all at once, then cut what is left (that hook then runs the rest, each failing unsent)."""
@@ -129,11 +151,13 @@ class WriteBehind:
         with self._lock:
             self._pending_bytes -= nbytes
 
-    def submit(self, nbytes: int, send: Callable[[], Any]) -> Future:
+    def submit(self, nbytes: int, send: Callable[[], Any], handover: Handover | None = None) -> Future:
         """Queue ``send`` (room for ``nbytes`` reserved already); its answer, or what it
         raised, in the returned future. A queued write is sent: the future is running from
         the start, so ``cancel()`` answers False (the executor's own future, cancelled,
-        skipped the write and with it the return of its room and its host buffers)."""
+        skipped the write and with it the return of its room and its host buffers). A caller
+        that gives the room back when this raises claims ``handover`` first (see ``Handover``)."""
+        handover = handover if handover is not None else Handover()
         future: Future = Future()
         future.set_running_or_notify_cancel()
         with self._lock:
@@ -145,9 +169,10 @@ class WriteBehind:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-write-behind")
                 _open.add(self)
-            self._executor.submit(self._run, send, nbytes, future)
+            self._executor.submit(self._run, send, nbytes, future, handover)
             self._futures.add(future)
             self.counts["writes_queued"] += 1
+            handover.counted = True
         future.add_done_callback(self._forget)
         return future
 
@@ -155,7 +180,14 @@ class WriteBehind:
         with self._lock:
             self._futures.discard(future)
 
-    def _run(self, send: Callable[[], Any], nbytes: int, future: Future) -> None:
+    def _run(self, send: Callable[[], Any], nbytes: int, future: Future, handover: Handover) -> None:
+        if not handover.claim():  # taken back by its caller, interrupted as it queued it: not sent
+            with self._lock:
+                if handover.counted:
+                    self.counts["writes_done"] += 1
+            future.set_exception(RuntimeError("not sent: the call that queued this write was interrupted, "
+                                              "and took it back"))
+            return
         with self._lock:
             self._sender = threading.get_ident()
             exit_cut = self._exit_cut
@@ -252,4 +284,4 @@ class WriteBehind:
                     "last_error": self.last_error}
 
 
-__all__ = ["WriteBehind"]
+__all__ = ["Handover", "WriteBehind"]

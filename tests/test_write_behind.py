@@ -19,7 +19,7 @@ import torch
 
 import cacheseek as cs
 from server_helpers import Server
-from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
 
 def _remote(srv, codec=None, **kw):
@@ -213,6 +213,61 @@ def test_a_queued_write_cannot_be_cancelled_and_leak_its_room(tmp_path):
         assert stats["pending_bytes"] == 0 and stats["writes_pending"] == 0
         assert cache._host_buffers.stats()["leases_active"] == 0
         assert [cache.lookup(t) for t in toks] == [2 * BLOCK] * 2
+
+
+@pytest.mark.parametrize("lands", ["before", "after"])  # the executor's submit: before or after it took the write
+def test_an_interrupt_as_a_write_is_queued_never_sends_another_writes_kv(srv, lands):
+    """An interrupt (Ctrl-C) landing in the executor's ``submit`` after it had queued the
+    write: the call gave the write's host buffers back, the queued send still read them, and
+    the next ``wait=False`` ingest wrote its frames there, so the server stored that request's
+    KV under this one's hashes and served it to every client. The write is now the caller's to
+    take back, or the sender's to send, never both."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cacheseek import write_behind
+
+    class Interrupting(ThreadPoolExecutor):
+        armed = False
+
+        def submit(self, *args, **kwargs):
+            if Interrupting.armed and lands == "before":
+                Interrupting.armed = False
+                raise KeyboardInterrupt
+            future = super().submit(*args, **kwargs)
+            if Interrupting.armed:
+                Interrupting.armed = False
+                raise KeyboardInterrupt  # as the submit returns: the send is queued
+            return future
+
+    seed = {"before": 300, "after": 310}[lands]
+    toks = [tokens_for(seed + i, 4 * BLOCK) for i in range(3)]
+    kvs = [make_kv(4 * BLOCK, seed + i) for i in range(3)]
+    with _remote(srv, codec=cs.Raw()) as cache:
+        gate = threading.Event()
+        real_send = cache._send_behind
+
+        def held_send(*args):
+            assert gate.wait(30)  # a slow upload: the caller goes on meanwhile
+            return real_send(*args)
+
+        cache._send_behind = held_send
+        behind = cache._behind
+        with behind._lock:
+            behind._executor = Interrupting(max_workers=1, thread_name_prefix="cacheseek-write-behind")
+            write_behind._open.add(behind)
+        first = cache.ingest(toks[0], kvs[0], wait=False)
+        Interrupting.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            cache.ingest(toks[1], kvs[1], wait=False)
+        third = cache.ingest(toks[2], kvs[2], wait=False)  # (reused the buffers the queued send read)
+        gate.set()
+        assert cache.flush(timeout=60)
+        assert first.result().stored == 4 and third.result().stored == 4
+        stats = cache.client_stats()["write_behind"]
+        assert stats["pending_bytes"] == 0 and stats["writes_pending"] == 0, stats
+        assert cache._host_buffers.stats()["leases_active"] == 0
+        assert cache.lookup(toks[1]) == 0  # taken back: not sent
+        assert_prefix_equal(cache.materialize(toks[2]), kvs[2], 4 * BLOCK)
 
 
 def test_a_second_close_from_another_thread_waits_for_the_queue_to_be_sent(tmp_path):
