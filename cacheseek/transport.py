@@ -180,9 +180,20 @@ class BulkTransport(httpx.BaseTransport):
             if cutoff is not None and time.monotonic() >= cutoff:
                 raise httpx.ReadTimeout(_Lease.cut_off_error(), request=request)
             raise httpx.PoolTimeout("no free connection in the pool", request=request)
-        lease = _Lease(self, _pool_key(request.url), timeouts)
-        with self._lock:
-            self._leases.add(lease)
+        # (the slot given back by one ``try`` from here: an interrupt as the lease was made,
+        # or as the lock was let go, kept the slot for good, and after max_connections of
+        # them every call waited out the pool timeout)
+        lease: _Lease | None = None
+        try:
+            lease = _Lease(self, _pool_key(request.url), timeouts)
+            with self._lock:
+                self._leases.add(lease)
+        except BaseException:
+            if lease is None:
+                self._slots.release()
+            else:
+                lease.release(reusable=False)
+            raise
         try:
             lease.pace()  # (past the cutoff: nothing is sent, and no connection made for it)
             lease.sock, reused = self._connect(lease.key, lease.connect_timeouts(timeouts), request, fresh=fresh)

@@ -516,11 +516,11 @@ def test_an_interrupt_as_a_call_is_counted_does_not_leave_close_waiting(tmp_path
     from store_helpers import InterruptedAtRelease, raw_frame
 
     tier = DiskTier(tmp_path / "d", 1 << 20)
-    tier._calls = InterruptedAtRelease(tier._calls)
+    tier._calls_lock = InterruptedAtRelease(tier._calls_lock)
     key, frame = raw_frame(1)
     with pytest.raises(KeyboardInterrupt):
         tier.put(key, frame)
-    assert tier._calls.raised
+    assert tier._calls_lock.raised
     tier.put(key, frame)  # the tier goes on, its next call counted and let go
     closer = threading.Thread(target=tier.close, daemon=True)
     closer.start()

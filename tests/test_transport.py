@@ -57,6 +57,37 @@ def test_a_malformed_answer_is_a_clear_error_and_leaks_nothing(bad, match):
         _usable(c)
 
 
+@pytest.mark.parametrize("where", ["lease", "lock"])
+def test_an_interrupt_as_a_connection_slot_is_taken_gives_the_slot_back(monkeypatch, where):
+    """A slot was taken, then its lease made and listed before the ``try`` that gives it
+    back: an interrupt there (Ctrl-C) kept the slot for good, and after max_connections of
+    them every call waited out the pool timeout and failed as "more calls at once"."""
+    from cacheseek import transport
+    from store_helpers import InterruptedAtRelease
+
+    with FakeServer(lambda n, head: (OK, False)) as srv, _client(srv) as c:
+        bulk = c._transport
+        for _ in range(2):  # (one slot: a slot kept by the first would time the second out)
+            if where == "lease":
+                real = transport._Lease.__init__
+
+                def interrupted(self, *args):
+                    raise KeyboardInterrupt
+
+                monkeypatch.setattr(transport._Lease, "__init__", interrupted)
+                with pytest.raises(KeyboardInterrupt):
+                    c.get("/fine")
+                monkeypatch.setattr(transport._Lease, "__init__", real)
+            else:
+                real_lock = bulk._lock
+                bulk._lock = InterruptedAtRelease(real_lock, when=lambda: bool(bulk._leases))
+                with pytest.raises(KeyboardInterrupt):
+                    c.get("/fine")
+                bulk._lock = real_lock
+        assert not bulk._leases
+        _usable(c)
+
+
 def test_interim_answers_are_skipped_and_the_connection_stays_in_step():
     interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
     with FakeServer(lambda n, head: (interim + OK, False)) as srv, _client(srv) as c:

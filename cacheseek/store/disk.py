@@ -262,7 +262,10 @@ class DiskTier(IndexedTier):
         # threads): ``close`` waits for them before it gives the directory up, else another
         # opener scans it mid-write (and removes a block being written as an orphan), and
         # refuses the ones that come after.
-        self._calls = threading.Condition(threading.Lock())
+        # Taken through the plain lock (``with self._calls_lock``), whose let-go is one C call:
+        # ``Condition.__exit__`` is Python, and an interrupt at its start left the lock held.
+        self._calls_lock = threading.Lock()
+        self._calls = threading.Condition(self._calls_lock)
         self._active = 0
         self._closed = False
         self.root = Path(root).expanduser()
@@ -349,7 +352,7 @@ class DiskTier(IndexedTier):
         try:
             # (counted inside the ``try``: an interrupt raised as the lock is let go, past the
             # count, left the call counted for good, and ``close`` waited for it for ever)
-            with self._calls:
+            with self._calls_lock:
                 if self._closed:
                     raise self._closed_error()
                 if self._lost is not None:
@@ -359,7 +362,7 @@ class DiskTier(IndexedTier):
             yield
         finally:
             if counted:
-                with self._calls:
+                with self._calls_lock:
                     self._active -= 1
                     if not self._active:
                         self._calls.notify_all()
@@ -431,7 +434,7 @@ class DiskTier(IndexedTier):
     def close(self) -> None:
         """Give the directory up (another process may then open it), once the writes,
         deletes and trims in flight on other threads are done; later ones are refused."""
-        with self._calls:
+        with self._calls_lock:
             self._closed = True
             while self._active:
                 self._calls.wait()
@@ -1303,7 +1306,7 @@ class DiskTier(IndexedTier):
         else each frame owns its buffer. A consumer that stops early should ``close()`` the
         iterator: reads not handed out are then cancelled or given back."""
         self._check_root_if_due()  # (given up: its index is empty, every key a miss)
-        with self._calls:  # (else the closed read pool's "cannot schedule new futures after shutdown")
+        with self._calls_lock:  # (else the closed read pool's "cannot schedule new futures after shutdown")
             if self._closed:
                 raise self._closed_error()
         with self._lock:

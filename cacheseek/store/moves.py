@@ -30,7 +30,10 @@ class Moves:
     overlapped it (``mark``, then ``overlapped``)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        # Taken through the plain lock: ``Condition.__exit__`` is Python, and an interrupt at
+        # its start left the lock held (every other thread's write blocked).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._started = 0
         self._active: set[int] = set()
 
@@ -39,20 +42,20 @@ class Moves:
         """Around a write that may evict from one tier and put the victims into the next."""
         ticket = None
         try:  # (entered inside the ``try``: an interrupt as the lock is let go leaves no write running)
-            with self._cond:
+            with self._lock:
                 ticket = self._started
                 self._started += 1
                 self._active.add(ticket)
             yield
         finally:
             if ticket is not None:
-                with self._cond:
+                with self._lock:
                     self._active.discard(ticket)
                     self._cond.notify_all()
 
     def mark(self) -> tuple[int, int]:
         """Taken before a read looks at the tiers: (writes started, writes running)."""
-        with self._cond:
+        with self._lock:
             return self._started, len(self._active)
 
     def overlapped(self, mark: tuple[int, int], timeout: float = WAIT_S) -> bool:
@@ -60,7 +63,7 @@ class Moves:
         ``mark`` (already running then, or started since); if so, wait until every write
         started before now has ended (or ``timeout``), and the read should look again."""
         started, running = mark
-        with self._cond:
+        with self._lock:
             upto = self._started
             if not running and upto == started:
                 return False
@@ -70,7 +73,7 @@ class Moves:
     def settle(self, timeout: float = WAIT_S) -> None:
         """Wait until every write started before now has ended (or ``timeout``): the blocks
         they had on their way down are in the next tier, or gone for good."""
-        with self._cond:
+        with self._lock:
             self._wait_before(self._started, timeout)
 
     def _wait_before(self, upto: int, timeout: float) -> None:
