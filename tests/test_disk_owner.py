@@ -552,3 +552,45 @@ def test_an_interrupt_as_a_write_is_marked_in_flight_leaves_nothing_in_flight(tm
     closer.start()
     closer.join(10)
     assert not closer.is_alive()
+
+
+def test_close_while_another_thread_reads_a_chain_from_disk_ends_the_read_in_misses(tmp_path, monkeypatch):
+    """The disk tier's ``close`` shut its read pool under a stream in flight: the reader got
+    ``RuntimeError("cannot schedule new futures after shutdown")``, and a pooled read
+    buffer stayed lent for good. The reads not made are misses now, and nothing is lent."""
+    import time
+
+    from store_helpers import BLOCK, make_cache, make_kv
+
+    cache = make_cache(cpu=str(2 * 50_000), disk=str(tmp_path / "d"), write_through=("disk",), promote_on_hit=False)
+    tokens = 64 * BLOCK
+    keys = list(range(tokens))
+    cache.ingest(keys, make_kv(tokens, seed=1))
+    real = DiskTier._landed
+
+    def slow(self, *args):  # (a consumer a little slower than the reads: the close overtakes it)
+        time.sleep(0.02)
+        return real(self, *args)
+
+    monkeypatch.setattr(DiskTier, "_landed", slow)
+    out: dict = {}
+
+    def reader() -> None:
+        try:
+            out["tokens"] = cache.materialize(keys).num_tokens
+        except BaseException as exc:  # noqa: BLE001 - what it raised is the finding
+            out["error"] = exc
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    time.sleep(0.3)
+    cache.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    if "error" in out:  # a read begun after the close: the tier's closed error
+        from cacheseek.errors import StorageError
+
+        assert isinstance(out["error"], StorageError) and "disk tier: closed" in str(out["error"]), repr(out["error"])
+    else:
+        assert 0 < out["tokens"] < tokens  # what landed before the close, then misses
+    assert cache.store.tier("disk")._stream_buffers.ledger.stats()["leases_active"] == 0

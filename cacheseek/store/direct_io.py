@@ -35,7 +35,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,6 +288,7 @@ class ReadPool:
         self.buffers = buffers or BufferPool()
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
+        self.closed = False
         self._counts_lock = threading.Lock()
         self.direct_reads = 0
         self.buffered_reads = 0
@@ -296,8 +297,17 @@ class ReadPool:
     def submit(self, path: Path, expected: int | None, check: Callable[[memoryview, Any], Any], context: Any = None,
                buffers: BufferPool | None = None) -> Future:
         """Start reading ``path`` whole (``expected`` bytes, if known), then ``check(view,
-        context)`` in the same thread; the future gives a ``ReadDone`` or raises ``ReadFailed``."""
-        return self._pool.submit(self._read, path, expected, check, context, buffers or self.buffers)
+        context)`` in the same thread; the future gives a ``ReadDone`` or raises ``ReadFailed``
+        (one not made, once the pool is closed: a stream its tier's ``close`` overtook ends in
+        misses, rather than in the executor's "cannot schedule new futures after shutdown")."""
+        try:
+            return self._pool.submit(self._read, path, expected, check, context, buffers or self.buffers)
+        except RuntimeError:
+            if not self.closed:
+                raise
+            closed: Future = Future()
+            closed.set_exception(ReadFailed(f"{path.name}: not read, the read pool is closed", damaged=False))
+            return closed
 
     def read_many(self, items: Sequence[tuple[Path, int | None, Any]], check: Callable[[memoryview, Any], Any],
                   buffers: BufferPool | None = None) -> ReadStream:
@@ -385,6 +395,7 @@ class ReadPool:
                     "read_buffers": self.buffers.stats()}
 
     def close(self) -> None:
+        self.closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -434,9 +445,16 @@ class ReadStream:
             done: ReadDone | ReadFailed = fut.result()
         except ReadFailed as exc:
             done = exc
+        except CancelledError:  # (queued when the pool closed: its close cancels what has not begun)
+            done = ReadFailed("not read, the read pool is closed", damaged=False)
         self._futures[self._next] = None  # type: ignore[call-overload]  # handed out: no longer ours
         self._next += 1
-        self._submit_one()
+        try:
+            self._submit_one()
+        except BaseException:  # (an interrupt: the read handed out is given back, not lost)
+            if isinstance(done, ReadDone) and done.lease is not None:
+                done.lease.release()
+            raise
         if isinstance(done, ReadDone):
             self.last_landed = max(self.last_landed, done.finished)
         return done
