@@ -61,7 +61,8 @@ from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 from .units import parse_size
-from .write_behind import Handover, WriteBehind
+from .store.lease import Handover
+from .write_behind import WriteBehind
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
 # For the server's figures only (hit rate per model, in tokens): it sees hashes, not models.

@@ -40,31 +40,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from .store.lease import Handover
+
 log = logging.getLogger("cacheseek.remote")  # (the cache's logger: the writes are RemoteCache's)
 
 _open: weakref.WeakSet[WriteBehind] = weakref.WeakSet()  # those whose sender runs: the exit hook's
-
-
-class Handover:
-    """Which side gives a write's room and host buffers back, decided once: the caller, if the
-    call that queues the write raises before the sender begins it, else the sender. An
-    interrupt can land after the executor has taken the write (in its ``submit``'s tail): the
-    caller then gave the buffers back while the queued send still read them, and the next
-    write's KV went out under this write's hashes. ``list.pop`` is one step under the GIL:
-    whichever side takes the token first owns them, and the other leaves them be."""
-
-    __slots__ = ("_token", "counted")
-
-    def __init__(self) -> None:
-        self._token = [True]
-        self.counted = False  # (the write counted as queued: an abandoned one is counted done)
-
-    def claim(self) -> bool:
-        try:
-            self._token.pop()
-        except IndexError:
-            return False
-        return True
 
 
 def _at_exit() -> None:
@@ -284,4 +264,4 @@ class WriteBehind:
                     "last_error": self.last_error}
 
 
-__all__ = ["Handover", "WriteBehind"]
+__all__ = ["WriteBehind"]

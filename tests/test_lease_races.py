@@ -9,6 +9,8 @@ import random
 import threading
 import time
 
+import pytest
+
 from store_helpers import BLOCK, LAYOUT, make_cache, make_kv, raw_frame, run_threads, tokens_for
 
 from cacheseek.store.cpu import CpuTier
@@ -57,6 +59,50 @@ def test_a_prefetch_that_meets_a_close_before_its_submit_leaves_the_counts_whole
         assert stats["in_flight"] == 0 and stats["blocks_in_flight"] == 0, stats
         begun = 2 + (2 if hasattr(started, "blocks") else 0)
         assert stats["promoted_blocks"] + stats["failed_blocks"] == begun, (started, stats)
+
+
+@pytest.mark.parametrize("lands", ["before", "after"])  # the executor's submit: before or after it queued the run
+def test_a_prefetch_interrupted_as_it_is_queued_leaves_no_block_in_flight_and_counts_whole(tmp_path, lands):
+    """The blocks were put in flight, then the run queued by the executor's ``submit`` (Python:
+    its own locks, a thread started): an interrupt there left the blocks in flight for good,
+    and every later ``get`` of them waited for ever; landing after the run was queued, it left
+    ``in_flight`` at -1, one prefetch past ``max_prefetches`` for good."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = raw_frame(1)[1].nbytes
+    store = TieredStore([CpuTier(2 * size), DiskTier(tmp_path / "d", 1 << 26, fsync=False)])
+    for i in range(1, 6):
+        store.put(*raw_frame(i))
+    key = raw_frame(1)[0]
+    assert store.locate([key]) == ["disk"]
+    prefetcher = store.prefetcher
+
+    class Interrupting(ThreadPoolExecutor):
+        armed = True
+
+        def submit(self, *args, **kwargs):
+            if Interrupting.armed and lands == "before":
+                Interrupting.armed = False
+                raise KeyboardInterrupt
+            future = super().submit(*args, **kwargs)
+            if Interrupting.armed:
+                Interrupting.armed = False
+                raise KeyboardInterrupt  # as it returns: the run is queued
+            return future
+
+    prefetcher._executor = Interrupting(prefetcher.max_in_flight, thread_name_prefix="cacheseek-prefetch")
+    with pytest.raises(KeyboardInterrupt):
+        store.prefetch([key])
+    deadline = time.monotonic() + 10
+    while prefetcher.stats()["in_flight"] and time.monotonic() < deadline:  # (a run that began goes on)
+        time.sleep(0.01)
+    stats = prefetcher.stats()
+    assert stats["in_flight"] == 0 and stats["blocks_in_flight"] == 0, stats
+    reader = threading.Thread(target=lambda: store.get(key)[0].release(), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "a read waits for a prefetch that never ran"
+    store.close()
 
 
 def test_a_prefetch_that_raises_in_its_thread_is_counted_and_logged_once_per_run(tmp_path, monkeypatch, caplog):

@@ -244,4 +244,26 @@ class Finalizer:
 finalizer = Finalizer()
 
 
-__all__ = ["Finalizer", "Lease", "LeaseError", "LeaseLedger", "Lender", "finalizer", "release_all"]
+class Handover:
+    """Which side undoes work handed to another thread, decided once: the caller, if the call
+    that queues the work raises before the worker begins it, else the worker. An interrupt
+    can land after an executor has taken the work (in its ``submit``'s tail): a caller that
+    then undid it (a write's host buffers given back, a prefetch's blocks no longer in
+    flight) raced a worker that went on with it. ``list.pop`` is one step under the GIL:
+    whichever side takes the token first owns the work, and the other leaves it be."""
+
+    __slots__ = ("_token", "counted")
+
+    def __init__(self) -> None:
+        self._token = [True]
+        self.counted = False  # (the work counted as queued: where abandoned, counted as done)
+
+    def claim(self) -> bool:
+        try:
+            self._token.pop()
+        except IndexError:
+            return False
+        return True
+
+
+__all__ = ["Finalizer", "Handover", "Lease", "LeaseError", "LeaseLedger", "Lender", "finalizer", "release_all"]

@@ -38,6 +38,8 @@ from concurrent.futures import TimeoutError as FutureTimeout  # (not the built-i
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .lease import Handover
+
 if TYPE_CHECKING:
     from .tiered import TieredStore
 
@@ -170,13 +172,24 @@ class Prefetcher:
             # this lock is let go): submitted outside it, past the check above, a prefetch could
             # meet a close that had shut the executor down and settled these blocks and the
             # slot, and then settle them again (``in_flight`` -1, blocks counted failed twice).
-            try:
-                self._executor.submit(self._run, mine, futures, after)
-            except RuntimeError:  # (the interpreter is exiting: no new thread runs now)
-                for k, _ in mine:  # (no reader has seen these futures: the lock is still held)
-                    del self._waiting[k]
-                return Refused("closed", len(where))
+            # Counted before it is queued, and undone by whichever side claims ``handover``
+            # first: an interrupt in the executor's ``submit`` (Python, taking its own locks,
+            # starting a thread) left these blocks in flight for good, every reader of them
+            # waiting for ever; landing after the run was queued, it left ``in_flight`` at -1.
+            handover = Handover()
             self._running += 1
+            try:
+                self._executor.submit(self._run, mine, futures, after, handover)
+            except BaseException as exc:
+                if handover.claim():  # (no reader has seen these futures: the lock is still held)
+                    for (k, _), fut in zip(mine, futures):
+                        if self._waiting.get(k) is fut:
+                            del self._waiting[k]
+                        fut.set_result(False)
+                    self._running -= 1
+                if isinstance(exc, RuntimeError):  # (the interpreter is exiting: no new thread runs now)
+                    return Refused("closed", len(where))
+                raise
             self.counts["started"] += 1
         return Prefetch(matched=len(where), blocks=len(todo), joined=len(joined), _futures=joined + futures)
 
@@ -191,7 +204,10 @@ class Prefetcher:
     def note_waited(self, n: int) -> None:
         self._count("waited_for", n)
 
-    def _run(self, mine: list[tuple[bytes, str]], futures: list[Future], after: list[Future | None]) -> None:
+    def _run(self, mine: list[tuple[bytes, str]], futures: list[Future], after: list[Future | None],
+             handover: Handover) -> None:
+        if not handover.claim():
+            return  # (taken back by the call that queued it, interrupted as it did)
         keys = [k for k, _ in mine]
         results = [False] * len(mine)
         try:
