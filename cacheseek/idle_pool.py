@@ -55,7 +55,14 @@ class IdlePool:
             if len(self._queue) > self._idle and self._threads < self.max_workers:
                 self._threads += 1
                 self._started += 1
-                threading.Thread(target=self._work, name=f"{self._prefix}_{self._started}", daemon=True).start()
+                try:
+                    threading.Thread(target=self._work, name=f"{self._prefix}_{self._started}", daemon=True).start()
+                except BaseException:
+                    # (an interrupt, or "can't start new thread": counted, a thread that never
+                    # ran kept the pool full, and every later call waited for ever)
+                    self._threads -= 1
+                    self._queue.remove((future, fn, args))
+                    raise
             else:
                 self._cond.notify()
         return future

@@ -594,3 +594,36 @@ def test_close_while_another_thread_reads_a_chain_from_disk_ends_the_read_in_mis
     else:
         assert 0 < out["tokens"] < tokens  # what landed before the close, then misses
     assert cache.store.tier("disk")._stream_buffers.ledger.stats()["leases_active"] == 0
+
+
+def test_an_interrupt_half_way_through_a_group_commit_leaves_nothing_in_flight(tmp_path):
+    """A group commit indexes its writes one by one under the lock and wakes their waiters
+    after: an interrupt half way (at the first block's indexing) left the rest in flight for
+    good, the next put of one waiting for ever, and close behind it."""
+    from store_helpers import raw_frame
+
+    tier = DiskTier(tmp_path / "d", 1 << 24)
+    items = [raw_frame(i) for i in (1, 2, 3)]
+    real_add = tier._index.add
+    armed = [True]
+
+    def interrupted_add(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real_add(*args, **kwargs)
+
+    tier._index.add = interrupted_add
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(items)
+    tier._index.add = real_add
+    assert tier._writing == {} and tier._reserved == 0
+    putter = threading.Thread(target=tier.put_many, args=(items,), daemon=True)
+    putter.start()
+    putter.join(10)
+    assert not putter.is_alive(), "a put waits for a write an interrupted commit left in flight"
+    assert all(tier.contains(key) for key, _ in items)
+    closer = threading.Thread(target=tier.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()

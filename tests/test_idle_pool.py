@@ -47,3 +47,25 @@ def test_threads_stay_bounded_exit_when_idle_and_shutdown_cancels_the_queue():
     for t in [t for t in threading.enumerate() if t.name.startswith("test-idle")]:
         t.join(5)
     assert pool.threads == 0
+
+
+def test_a_thread_that_could_not_be_started_is_not_counted(monkeypatch):
+    """A thread was counted before it was started: an interrupt there (or "can't start new
+    thread") kept a thread that never ran in the count, and with the pool at its bound every
+    later call waited for ever."""
+    pool = IdlePool(max_workers=1, idle_seconds=5, thread_name_prefix="t")
+    real = threading.Thread.start
+    armed = [True]
+
+    def interrupted(self):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.submit(lambda: 1)
+    assert pool.threads == 0
+    assert pool.submit(lambda: 2).result(timeout=10) == 2
+    pool.shutdown()

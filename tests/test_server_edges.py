@@ -334,9 +334,10 @@ def test_stalled_uploads_hold_no_memory_evict_nothing_and_are_cut_off(tmp_path):
         time.sleep(0.5)
         during = c.get("/v1/stats").json()
         assert during["tiers"][0]["reservation_bytes"] <= 32 * MiB
-        # Each holds the step it reads (16 MiB) of the budget, counted before its bytes come (so
-        # the cap holds for bodies arriving), but not of memory: what arrived, 4 bytes each.
-        assert bodies(c)["in_flight_bytes"] == 6 * 16 * MiB
+        # Each holds the step it reads (its first: 64 KiB) of the budget, counted before its
+        # bytes come (so the cap holds for bodies arriving), but not of memory: what arrived,
+        # 4 bytes each.
+        assert bodies(c)["in_flight_bytes"] == 6 * 64 * 1024
         assert srv.rss_bytes() - rss0 < 24 * MiB, (srv.rss_bytes() - rss0) / MiB
         # The budget still has room for 30 more blocks: none of the cached ones is evicted.
         more = raw_chain(5, 30, layout=BIG_LAYOUT)

@@ -1233,37 +1233,54 @@ class DiskTier(IndexedTier):
                     if path is not None:
                         _unlink(path)
         refused: list[_Pending] = []
-        with self._lock:
-            committed = 0
+        settled: set[int] = set()  # (ids of the writes no longer in flight here)
+        try:
+            with self._lock:
+                committed = 0
+                for p in group:
+                    if p.error is None and (error := self._refused_at_commit(p.key, p.flight.nbytes)) is not None:
+                        p.error = error
+                        refused.append(p)  # still in flight until its files are gone
+                        continue
+                    del self._writing[p.key]
+                    self._release(p.flight, p.flight.nbytes)
+                    settled.add(id(p))
+                    if p.error is not None:
+                        if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
+                            self._stats.write_errors += 1
+                        continue
+                    meta = p.frame.meta
+                    self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
+                                                     p.flight.nbytes))
+                    self._stats.bytes_in += meta.nbytes
+                    self._stats.admissions += 1
+                    committed += 1
+                    last = p
+                if committed:
+                    self._trim(last.evicted)
+                self._group["batches"] += 1
+                self._group["frames"] += committed
+                self._sync_counts()
+            for p in refused:
+                assert p.error is not None  # (refused: set at the commit, above)
+                self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
+                settled.add(id(p))
+        except BaseException as exc:
+            # (an interrupt half way: the writes not reached are undone as failed, else they
+            # stayed in flight for good, and the next put of one, and close, waited for ever)
             for p in group:
-                if p.error is None and (error := self._refused_at_commit(p.key, p.flight.nbytes)) is not None:
-                    p.error = error
-                    refused.append(p)  # still in flight until its files are gone
+                if id(p) in settled:
                     continue
-                del self._writing[p.key]
-                self._release(p.flight, p.flight.nbytes)
-                if p.error is not None:
-                    if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
-                        self._stats.write_errors += 1
-                    continue
-                meta = p.frame.meta
-                self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
-                                                 p.flight.nbytes))
-                self._stats.bytes_in += meta.nbytes
-                self._stats.admissions += 1
-                committed += 1
-                last = p
-            if committed:
-                self._trim(last.evicted)
-            self._group["batches"] += 1
-            self._group["frames"] += committed
-            self._sync_counts()
-        for p in refused:
-            assert p.error is not None  # (refused: set at the commit, above)
-            self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error, renamed=True)
-        for p in group:
-            p.flight.error = p.error
-            p.flight.done.set()
+                p.error = p.error or _write_error(self.name, p.data_path, exc)
+                with self._lock:
+                    ours = self._writing.get(p.key) is p.flight
+                if ours:
+                    self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error)
+            raise
+        finally:
+            for p in group:
+                p.flight.error = p.error
+                p.flight.done.set()
 
     def _await(self, key: bytes, pending: _InFlight) -> TierPutResult | None:
         """Wait for another thread's write of ``key`` and answer as it ended: present once
