@@ -1584,6 +1584,41 @@ def test_an_interrupted_delete_leaves_no_delete_in_progress_to_undo_later_demoti
     store.close()
 
 
+def test_a_write_interrupted_after_it_evicted_hands_its_victims_down(tmp_path, monkeypatch):
+    """A write-back store hands the CPU tier's victims down to the disk. A write interrupted
+    (Ctrl-C) after the CPU tier had evicted for it, at its second frame's copy, lost them: the
+    tier could not return them, and acknowledged blocks were in no tier."""
+    from cacheseek.store import cpu as cpu_mod
+    from cacheseek.store.disk import DiskTier
+    from cacheseek.store.tiered import TieredStore
+    from store_helpers import raw_frame
+
+    size = raw_frame(1)[1].nbytes
+    store = TieredStore([CpuTier(4 * size), DiskTier(tmp_path / "d", 1 << 26, fsync=False)])
+    old = [raw_frame(i) for i in range(1, 5)]
+    for key, frame in old:
+        store.put(key, frame)
+    real = cpu_mod._start_fill
+    calls = [0]
+
+    def fill(*args):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt  # the call's victims are already evicted
+        return real(*args)
+
+    monkeypatch.setattr(cpu_mod, "_start_fill", fill)
+    with pytest.raises(KeyboardInterrupt):
+        store.put_many([raw_frame(10), raw_frame(11)])
+    monkeypatch.setattr(cpu_mod, "_start_fill", real)
+    for key, _ in old:
+        got = store.get(key)
+        assert got is not None, store.locate([key])
+        got[0].release()
+    assert store.tiers[0].take_orphans() == []
+    store.close()
+
+
 @pytest.mark.parametrize("write", ["put_many", "commit_many"])
 def test_a_block_deleted_while_it_moves_down_a_tier_is_not_stored_below(tmp_path, write):
     """A put evicted X from the CPU tier and was handing it down to the disk when a delete

@@ -55,6 +55,7 @@ class CpuTier(MemoryTier):
                                 map_at_start=map_at_start)
         self._records: dict[bytes, _Record] = {}
         self._landing: dict[bytes, _Record] = {}  # records whose copies may be in flight
+        self._orphans: list[tuple[bytes, BlockFrame | None]] = []  # (see ``take_orphans``)
         self._reserved_bytes = 0  # slots lent out by reserve(), not yet committed or aborted
 
     # -- writes ------------------------------------------------------------------------
@@ -79,7 +80,8 @@ class CpuTier(MemoryTier):
         except BaseException:
             # An interrupt: the caller gets no results, so the leases on what this call
             # stored so far are given back here (they were held for good); the frames stay
-            # stored, unacknowledged.
+            # stored, unacknowledged. Its victims are kept for the store to hand down.
+            self._keep_orphans(results)
             release_all([r.stored.lease for r in results if r.stored is not None])
             release_all(dropped_leases)
             raise
@@ -380,6 +382,23 @@ class CpuTier(MemoryTier):
             if meta.nbytes != reservation.nbytes:
                 raise RuntimeError(f"{self.name} tier: a {meta.nbytes}-byte frame in a {reservation.nbytes}-byte reservation")
         results = [TierPutResult(stored=None) for _ in items]
+        try:
+            return self._commit_many_locked(items, results, sealed, landing, room_for, spare)
+        except BaseException:
+            self._keep_orphans(results)  # (an interrupt: see ``put_many``)
+            raise
+
+    def _keep_orphans(self, results: list[TierPutResult]) -> None:
+        with self._lock:
+            self._orphans.extend(victim for result in results for victim in result.evicted)
+
+    def take_orphans(self) -> list[tuple[bytes, BlockFrame | None]]:
+        with self._lock:
+            orphans, self._orphans = self._orphans, []
+        return orphans
+
+    def _commit_many_locked(self, items: list[tuple[bytes, Reservation, FrameMeta]], results: list[TierPutResult],
+                            sealed: bool, landing: Any, room_for: int, spare: Container[bytes]) -> list[TierPutResult]:
         with self._lock:
             if landing is not None:
                 self._forget_landed()  # (the earlier calls' last pieces: their records stay few)

@@ -244,6 +244,12 @@ class Tier(ABC):
     @abstractmethod
     def keys(self) -> list[bytes]: ...
 
+    def take_orphans(self) -> list[tuple[bytes, BlockFrame | None]]:
+        """The victims of writes that were interrupted after they evicted them (they could not
+        return them): the store hands them down as it would have, else a write-back store lost
+        acknowledged blocks to a Ctrl-C. Given once."""
+        return []
+
     def put_many(self, items: list[tuple[bytes, BlockFrame]], *, lease_stored: bool = False,
                  room_for: int = 0, spare: Container[bytes] = ()) -> list[TierPutResult]:
         """Store several frames; a failure is reported in its result, not raised.

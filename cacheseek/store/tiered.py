@@ -306,17 +306,24 @@ class TieredStore:
         current = items if top.accepts_device_frames else [(k, _on_host(f)) for k, f in items]
         written, refused = [], []
         held: list[Lease | None] = []  # leases on the stored copies, released once written through
+        results: list[TierPutResult] = []
+        demoted = 0
         try:
-            # A write-through reads the top tier's stored copies: leased until it is done.
-            results = top.put_many(current, lease_stored=bool(self.write_through),
-                                   room_for=_room_in(top, room_for, current), spare=spare)
-            for (key, frame), result, outcome in zip(current, results, outcomes):
-                _hold(result, held)
-                outcome.note(result, top.name, top.name in self._acknowledging)
-                self._demote(0, result.evicted, since)
-                written.append((key, _host_copy(result.stored, frame), outcome))
-                if result.error is not None:
-                    refused.append((key, frame, outcome))
+            try:
+                # A write-through reads the top tier's stored copies: leased until it is done.
+                results = top.put_many(current, lease_stored=bool(self.write_through),
+                                       room_for=_room_in(top, room_for, current), spare=spare)
+                for (key, frame), result, outcome in zip(current, results, outcomes):
+                    _hold(result, held)
+                    outcome.note(result, top.name, top.name in self._acknowledging)
+                    self._demote(0, result.evicted, since)
+                    demoted += 1
+                    written.append((key, _host_copy(result.stored, frame), outcome))
+                    if result.error is not None:
+                        refused.append((key, frame, outcome))
+            except BaseException:
+                self._demote_orphans(top, results[demoted:], since)
+                raise
             self._fall_through(refused, since)
             self._write_through(written, held, since, room_for)
         finally:
@@ -1293,11 +1300,28 @@ class TieredStore:
                                         room_for, top_next=True)
                 finally:
                     release_all(held)
-            for result, outcome in zip(top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for,
-                                                       spare=self._top_spare(spare)), outcomes):
-                outcome.note(result, top.name, top.name in self._acknowledging)
-                self._demote(0, result.evicted, since)
+            results: list[TierPutResult] = []
+            demoted = 0
+            try:
+                results = top.commit_many(items, sealed=sealed, landing=landing, room_for=room_for,
+                                          spare=self._top_spare(spare))
+                for result, outcome in zip(results, outcomes):
+                    outcome.note(result, top.name, top.name in self._acknowledging)
+                    self._demote(0, result.evicted, since)
+                    demoted += 1
+            except BaseException:
+                self._demote_orphans(top, results[demoted:], since)
+                raise
         return outcomes
+
+    def _demote_orphans(self, top: Tier, results: list[TierPutResult], since: int) -> None:
+        """After an interrupted write: the victims it evicted from ``top`` and did not hand down
+        (those ``top`` kept, its call cut short, and those of ``results`` not yet handed down)
+        go down now. Else a write-back store lost acknowledged blocks to a Ctrl-C: they were
+        in no tier."""
+        orphans = top.take_orphans() + [victim for result in results for victim in result.evicted]
+        if orphans:
+            self._demote(0, orphans, since)
 
     def abort(self, reservation: Reservation) -> None:
         self.tiers[0].abort(reservation)
