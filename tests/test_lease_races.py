@@ -105,6 +105,34 @@ def test_a_prefetch_interrupted_as_it_is_queued_leaves_no_block_in_flight_and_co
     store.close()
 
 
+def test_a_lease_interrupted_as_it_is_made_is_not_counted(tmp_path, monkeypatch):
+    """A lease on a CPU-tier slot was counted, then made: an interrupt as it was made left
+    ``leases_active`` above 0 for good (the sign of a holder that dropped a lease unreleased,
+    where no holder ever had it) and the slot held after its eviction."""
+    from cacheseek.store import arena as arena_mod
+
+    tier = CpuTier(4 * raw_frame(1)[1].nbytes)
+    key, frame = raw_frame(1)
+    tier.put(key, frame)
+    real = arena_mod.Lease.__init__
+    armed = [True]
+
+    def interrupted(self, *args):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        real(self, *args)
+
+    monkeypatch.setattr(arena_mod.Lease, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tier.get(key)
+    monkeypatch.setattr(arena_mod.Lease, "__init__", real)
+    assert tier.lease_stats()["leases_active"] == 0
+    got = tier.get(key)
+    got.lease.release()
+    assert tier.lease_stats()["leases_active"] == 0
+
+
 def test_a_prefetch_that_raises_in_its_thread_is_counted_and_logged_once_per_run(tmp_path, monkeypatch, caplog):
     """A prefetch fails nothing (what it could not promote stays below, and is read there),
     but an error in its thread (a bug in a promotion, a tier raising what it should have

@@ -194,12 +194,13 @@ class HostArena:
         nbytes = slot.nbytes if nbytes is None else nbytes
         if slot.freed:
             raise RuntimeError("arena: a lease on a slot that was freed")
+        lease = Lease(self, nbytes, slot)  # (made before it is counted: an interrupt in it counts nothing)
         slot.leases += 1
         ledger = self.ledger
         ledger.active += 1  # ledger.on_grant, inlined: this is every read's cost
         ledger.active_bytes += nbytes
         ledger.granted += 1
-        return Lease(self, nbytes, slot)
+        return lease
 
     def lease_released(self, slot: Slot, nbytes: int) -> None:
         """(``Lease.release``: takes the owner's lock.)"""
