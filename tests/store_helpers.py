@@ -247,3 +247,25 @@ class InterruptedAtRelease:
 
     def __getattr__(self, name):
         return getattr(self.real, name)
+
+
+def interrupting_executor(lands: str):
+    """A ``ThreadPoolExecutor`` class whose first ``submit`` raises ``KeyboardInterrupt``, as a
+    Ctrl-C landing in it would: ``lands`` "before" the work is queued, or "after" (as the
+    ``submit`` returns, the work queued)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Interrupting(ThreadPoolExecutor):
+        armed = True
+
+        def submit(self, *args, **kwargs):
+            if Interrupting.armed and lands == "before":
+                Interrupting.armed = False
+                raise KeyboardInterrupt
+            future = super().submit(*args, **kwargs)
+            if Interrupting.armed:
+                Interrupting.armed = False
+                raise KeyboardInterrupt
+            return future
+
+    return Interrupting

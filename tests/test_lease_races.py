@@ -67,7 +67,7 @@ def test_a_prefetch_interrupted_as_it_is_queued_leaves_no_block_in_flight_and_co
     its own locks, a thread started): an interrupt there left the blocks in flight for good,
     and every later ``get`` of them waited for ever; landing after the run was queued, it left
     ``in_flight`` at -1, one prefetch past ``max_prefetches`` for good."""
-    from concurrent.futures import ThreadPoolExecutor
+    from store_helpers import interrupting_executor
 
     size = raw_frame(1)[1].nbytes
     store = TieredStore([CpuTier(2 * size), DiskTier(tmp_path / "d", 1 << 26, fsync=False)])
@@ -76,21 +76,7 @@ def test_a_prefetch_interrupted_as_it_is_queued_leaves_no_block_in_flight_and_co
     key = raw_frame(1)[0]
     assert store.locate([key]) == ["disk"]
     prefetcher = store.prefetcher
-
-    class Interrupting(ThreadPoolExecutor):
-        armed = True
-
-        def submit(self, *args, **kwargs):
-            if Interrupting.armed and lands == "before":
-                Interrupting.armed = False
-                raise KeyboardInterrupt
-            future = super().submit(*args, **kwargs)
-            if Interrupting.armed:
-                Interrupting.armed = False
-                raise KeyboardInterrupt  # as it returns: the run is queued
-            return future
-
-    prefetcher._executor = Interrupting(prefetcher.max_in_flight, thread_name_prefix="cacheseek-prefetch")
+    prefetcher._executor = interrupting_executor(lands)(prefetcher.max_in_flight, thread_name_prefix="cacheseek-prefetch")
     with pytest.raises(KeyboardInterrupt):
         store.prefetch([key])
     deadline = time.monotonic() + 10

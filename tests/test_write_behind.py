@@ -222,22 +222,8 @@ def test_an_interrupt_as_a_write_is_queued_never_sends_another_writes_kv(srv, la
     the next ``wait=False`` ingest wrote its frames there, so the server stored that request's
     KV under this one's hashes and served it to every client. The write is now the caller's to
     take back, or the sender's to send, never both."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from cacheseek import write_behind
-
-    class Interrupting(ThreadPoolExecutor):
-        armed = False
-
-        def submit(self, *args, **kwargs):
-            if Interrupting.armed and lands == "before":
-                Interrupting.armed = False
-                raise KeyboardInterrupt
-            future = super().submit(*args, **kwargs)
-            if Interrupting.armed:
-                Interrupting.armed = False
-                raise KeyboardInterrupt  # as the submit returns: the send is queued
-            return future
+    from store_helpers import interrupting_executor
 
     seed = {"before": 300, "after": 310}[lands]
     toks = [tokens_for(seed + i, 4 * BLOCK) for i in range(3)]
@@ -252,11 +238,13 @@ def test_an_interrupt_as_a_write_is_queued_never_sends_another_writes_kv(srv, la
 
         cache._send_behind = held_send
         behind = cache._behind
+        interrupting = interrupting_executor(lands)
+        interrupting.armed = False  # (the first write goes; the second is queued behind it)
         with behind._lock:
-            behind._executor = Interrupting(max_workers=1, thread_name_prefix="cacheseek-write-behind")
+            behind._executor = interrupting(max_workers=1, thread_name_prefix="cacheseek-write-behind")
             write_behind._open.add(behind)
         first = cache.ingest(toks[0], kvs[0], wait=False)
-        Interrupting.armed = True
+        interrupting.armed = True
         with pytest.raises(KeyboardInterrupt):
             cache.ingest(toks[1], kvs[1], wait=False)
         third = cache.ingest(toks[2], kvs[2], wait=False)  # (reused the buffers the queued send read)
