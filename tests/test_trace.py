@@ -1451,7 +1451,7 @@ def test_plan_refuses_a_budget_past_the_replays_memory_before_replaying(tmp_path
     # The disk tier's index counts too: 2,000 blocks of it are past 1 MiB.
     assert _plan_main(tmp_path, "--trace", str(many), "--cpu-bytes", f"{100 * nbytes}", "--disk-bytes", "1TiB") == 2
     err = capsys.readouterr().err
-    assert f"and 2,000 on disk, more than it can" in err and f"and {DISK_BLOCK_BOOKKEEPING} for a disk-tier block" in err
+    assert "and 2,000 on disk, more than it can" in err and f"and {DISK_BLOCK_BOOKKEEPING} for a disk-tier block" in err
     assert err.endswith("give a smaller cpu_bytes or disk_bytes\n") and not (tmp_path / "rows.json").exists()
     assert _plan_main(tmp_path, "--trace", str(many), "--cpu-bytes", f"{100 * nbytes}") == 0
 
