@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from .store.lease import Handover
+
 T = TypeVar("T")
 
 
@@ -30,7 +32,10 @@ class IdlePool:
         self.max_workers = max_workers
         self.idle_seconds = idle_seconds
         self._prefix = thread_name_prefix
-        self._cond = threading.Condition()
+        # Taken through the plain lock: ``Condition.__exit__`` is Python, and an interrupt at
+        # its start left the lock held (every later fetch waited for ever).
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[tuple[Future, Callable[..., Any], tuple[Any, ...]]] = deque()
         self._threads = 0  # alive (guarded by _cond)
         self._idle = 0  # alive and waiting for work
@@ -39,13 +44,13 @@ class IdlePool:
 
     @property
     def threads(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._threads
 
     def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
         """``fn(*args)`` on a thread of the pool. ``RuntimeError`` once shut down."""
         future: Future[T] = Future()
-        with self._cond:
+        with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.append((future, fn, args))
@@ -55,13 +60,17 @@ class IdlePool:
             if len(self._queue) > self._idle and self._threads < self.max_workers:
                 self._threads += 1
                 self._started += 1
+                handover = Handover()
                 try:
-                    threading.Thread(target=self._work, name=f"{self._prefix}_{self._started}", daemon=True).start()
+                    threading.Thread(target=self._work, args=(handover,), name=f"{self._prefix}_{self._started}",
+                                     daemon=True).start()
                 except BaseException:
                     # (an interrupt, or "can't start new thread": counted, a thread that never
-                    # ran kept the pool full, and every later call waited for ever)
-                    self._threads -= 1
-                    self._queue.remove((future, fn, args))
+                    # ran kept the pool full, and every later call waited for ever. One that
+                    # began all the same, the interrupt in ``start``'s wait, keeps its count.)
+                    if handover.claim():
+                        self._threads -= 1
+                        self._queue.remove((future, fn, args))
                     raise
             else:
                 self._cond.notify()
@@ -70,16 +79,18 @@ class IdlePool:
     def shutdown(self, *, cancel_futures: bool = False) -> None:
         """No more work taken; with ``cancel_futures`` the queued work is cancelled. Waiting
         threads exit at once; one running a call exits once it returns. Does not wait."""
-        with self._cond:
+        with self._lock:
             self._shutdown = True
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft()[0].cancel()
             self._cond.notify_all()
 
-    def _work(self) -> None:
+    def _work(self, handover: Handover) -> None:
+        if not handover.claim():
+            return  # (its ``submit`` was interrupted, and took its count back)
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._queue and not self._shutdown:
                     self._idle += 1
                     woken = self._cond.wait(self.idle_seconds)

@@ -428,7 +428,10 @@ class LayerwiseLoad:
             raise ConfigError(f"issue: {issue!r} is not one of {', '.join(ISSUE_MODES)}")
         self._background = decoder is not None and issue == "background"
         self._eager = decoder is not None and issue == "eager"
-        self._issue_lock = threading.Condition()  # guards _issued/_events with a background issuer
+        # Guards _issued/_events with a background issuer; taken through the (C) lock itself:
+        # ``Condition.__exit__`` is Python, and an interrupt at its start left it held.
+        self._issue_mutex = threading.RLock()
+        self._issue_lock = threading.Condition(self._issue_mutex)
         # Held while a thread runs groups (no background issuer: a consumer's wait on a CPU, a
         # close) and while the decoder's memory is given back: a close from another thread
         # waits for a decode in flight instead of running the groups beside it and giving
@@ -693,7 +696,7 @@ class LayerwiseLoad:
             try:
                 event = decoder.run_group(g, timing=self._timing)
             except BaseException as exc:  # marks the load; ``wait`` raises for what is missing
-                with self._issue_lock:
+                with self._issue_mutex:
                     self.error = exc
                     self._issue_lock.notify_all()
                 if self._worker is None:
@@ -701,7 +704,7 @@ class LayerwiseLoad:
                 return
             l0, l1 = self._groups[g]
             now = time.perf_counter()
-            with self._issue_lock:
+            with self._issue_mutex:
                 for i in range(l0, l1):
                     self._events[i] = event
                     self._ready_t[i] = now
@@ -718,7 +721,7 @@ class LayerwiseLoad:
                     torch.cuda.set_device(self.device)
                 self._advance(len(self._groups) - 1)
         except BaseException as exc:  # e.g. set_device failing: the load is marked, never hangs
-            with self._issue_lock:
+            with self._issue_mutex:
                 self.error = self.error or exc
                 self._issue_lock.notify_all()
 
@@ -727,7 +730,7 @@ class LayerwiseLoad:
         upto = min(upto, len(self._groups) - 1)
         worker = self._worker
         assert worker is not None  # (called only with a background issuer)
-        with self._issue_lock:
+        with self._issue_mutex:
             while self._issued <= upto and self.error is None and worker.is_alive():
                 self._issue_lock.wait(0.05)
 

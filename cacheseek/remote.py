@@ -501,6 +501,7 @@ class RemoteCache(PrefixCacheBase):
         answer = (lambda: results[0]) if single else (lambda: results)
         if not hashes:
             return _done(answer())
+        handover = Handover()  # (made before the room is taken: see the ``try`` below)
         nbytes = len(hashes) * self._pending_frame_bytes
         # (per request, a block two requests share counted for both)
         if not self._behind.reserve(nbytes, sum(result.blocks for result in results)):
@@ -523,7 +524,6 @@ class RemoteCache(PrefixCacheBase):
             for lease in leases:
                 lease.release()
 
-        handover = Handover()
         try:
             # Checksummed on the sender thread, as each frame is sent (BlockFrame.wire_segments).
             frames = frames_to_host(encode(), take=take, seal=False)

@@ -452,10 +452,13 @@ def _plan(args: argparse.Namespace) -> int:
     # not end the plan (seen, under load, about one stop in five): in the garbage collector's
     # callback, which swallows it (the plan ran on), or inside a disk call before its guard (the
     # store's close then waited for that call for ever). A second SIGTERM still exits at once.
+    # Before the replays (reading the trace: seconds for a large one), no store is open: it
+    # exits at once.
     terminated: list[int] = []
+    replaying = [False]
 
     def _terminated(signum: int, frame: Any) -> None:
-        if terminated:
+        if terminated or not replaying[0]:
             raise SystemExit(128 + signum)
         terminated.append(signum)
 
@@ -506,6 +509,7 @@ def _plan(args: argparse.Namespace) -> int:
                 if _same_file(path, other_path):
                     raise ConfigError(f"{other}: {other_path}: the same file as {flag} {path}; give another")
         trace = load_trace(args.trace, args.block_tokens)  # the whole file is checked before anything runs
+        replaying[0] = True
         rows = plan(trace, layout=layout, codecs=codecs, cpu_bytes=cpu, disk_bytes=disk, policies=policies,
                     disk_admit_after_uses=args.disk_admit_after_uses, block_tokens=args.block_tokens,
                     full_blocks_only=args.full_blocks_only, stop=lambda: bool(terminated))

@@ -21,6 +21,7 @@ from cacheseek.batch_body import BatchFormatError, BatchTooLarge
 from cacheseek.errors import FrameError, InputError, StorageError, TierUnavailable
 
 from .openapi import ANSWERS_422
+from .protocol import BODY_CUT
 
 log = logging.getLogger("cacheseek.server")
 
@@ -168,6 +169,10 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
         return await _handle_bug(request, exc)
     if status == 422 and (request.url.path, request.method.lower()) not in ANSWERS_422:
         status = 400  # FastAPI's validation of a body or parameter: bad input, as every other route says it
+    if isinstance(exc, ClientDisconnect):  # (a body Starlette read: cut off as too slow, or abandoned)
+        cut = (request.scope.get("extensions") or {}).get(BODY_CUT)
+        if cut is not None and cut():
+            return error_response(408, f"the server cut the client off before its body ended: {cut()}")
     return error_response(status, _reason(exc), busy=isinstance(exc, Busy))
 
 

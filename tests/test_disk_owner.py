@@ -624,3 +624,55 @@ def _nothing_in_flight_and_the_tier_goes_on(tier: DiskTier, items: list) -> None
     closer.start()
     closer.join(10)
     assert not closer.is_alive()
+
+
+def test_an_interrupt_as_a_group_commit_gives_a_writes_room_back_keeps_no_room_held(tmp_path):
+    """A group commit takes a write out of flight, then gives its room back: an interrupt as
+    the room was given back (``_release``'s entry) left the room held for good, the tier a
+    block smaller until a restart."""
+    from store_helpers import raw_frame
+
+    tier = DiskTier(tmp_path / "d", 1 << 24)
+    items = [raw_frame(i) for i in (1, 2)]
+    real_release = tier._release
+    armed = [True]
+
+    def interrupted_release(*args):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real_release(*args)
+
+    tier._release = interrupted_release
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(items)
+    tier._release = real_release
+    _nothing_in_flight_and_the_tier_goes_on(tier, items)
+
+
+def test_an_interrupt_as_a_split_batch_commits_its_first_part_leaves_nothing_in_flight(tmp_path):
+    """A batch that does not fit at once commits what it has claimed before it claims the
+    rest. Those writes were handed to the commit before it began: an interrupt as it began
+    left them in neither, in flight for good (the next put of one, and close, waited for ever)."""
+    from store_helpers import raw_frame
+
+    probe = DiskTier(tmp_path / "p", 1 << 24)
+    probe.put(*raw_frame(99))
+    room = probe._index.used_bytes
+    probe.close()
+    tier = DiskTier(tmp_path / "d", 2 * room, fsync=False)  # (room for two: the third splits the batch)
+    real = tier._commit_part
+    armed = [True]
+
+    def interrupted(group, results):
+        if armed[0] and group:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(group, results)
+
+    tier._commit_part = interrupted
+    items = [raw_frame(i) for i in (1, 2, 3)]
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(items)
+    tier._commit_part = real
+    _nothing_in_flight_and_the_tier_goes_on(tier, items[:2])

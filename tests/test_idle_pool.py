@@ -69,3 +69,31 @@ def test_a_thread_that_could_not_be_started_is_not_counted(monkeypatch):
     assert pool.threads == 0
     assert pool.submit(lambda: 2).result(timeout=10) == 2
     pool.shutdown()
+
+
+def test_a_thread_interrupted_in_its_start_after_it_began_keeps_its_count(monkeypatch):
+    """``Thread.start`` waits for the thread to begin: an interrupt in that wait, the thread
+    running, was taken as "never started" and its count given back, and the thread gave it
+    back again when it ended: the count went to -1, one thread past ``max_workers`` for good."""
+    import time
+
+    pool = IdlePool(max_workers=1, idle_seconds=0.2, thread_name_prefix="t")
+    real = threading.Thread.start
+    armed = [True]
+
+    def begun_then_interrupted(self):
+        real(self)
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", begun_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pool.submit(lambda: 1)
+    assert pool.threads == 1  # (it runs: its count is its own to give back)
+    deadline = time.monotonic() + 10
+    while pool.threads and time.monotonic() < deadline:  # idles out
+        time.sleep(0.05)
+    assert pool.threads == 0
+    assert pool.submit(lambda: 2).result(timeout=10) == 2
+    pool.shutdown()

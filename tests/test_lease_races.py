@@ -91,6 +91,30 @@ def test_a_prefetch_interrupted_as_it_is_queued_leaves_no_block_in_flight_and_co
     store.close()
 
 
+def test_a_prefetch_interrupted_before_its_handover_is_made_publishes_nothing(tmp_path, monkeypatch):
+    """The blocks were published as in flight before the hand-over token was made (a Python
+    call, where an interrupt can land) and outside the ``try`` that undoes them."""
+    from cacheseek.store import prefetch as prefetch_mod
+
+    size = raw_frame(1)[1].nbytes
+    store = TieredStore([CpuTier(2 * size), DiskTier(tmp_path / "d", 1 << 26, fsync=False)])
+    for i in range(1, 6):
+        store.put(*raw_frame(i))
+    key = raw_frame(1)[0]
+
+    class Interrupted:
+        def __init__(self) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prefetch_mod, "Handover", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.prefetch([key])
+    stats = store.prefetcher.stats()
+    assert stats["in_flight"] == 0 and stats["blocks_in_flight"] == 0, stats
+    store.get(key)[0].release()
+    store.close()
+
+
 def test_a_lease_interrupted_as_it_is_made_is_not_counted(tmp_path, monkeypatch):
     """A lease on a CPU-tier slot was counted, then made: an interrupt as it was made left
     ``leases_active`` above 0 for good (the sign of a holder that dropped a lease unreleased,

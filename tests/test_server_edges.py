@@ -468,8 +468,24 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         assert bodies(srv.url)["in_flight_bytes"] == 0
         # The body the server cut off is counted as a timeout (408), apart from a client that
-        # went away (499) and from a malformed request (400).
+        # went away (499) and from a malformed request (400); a JSON body too (Starlette reads it).
         assert _statuses(srv.url, "/v1/blocks/{hash}", "PUT") == {408: 1, 201: 1}
+        lookup = b'{"hashes": [' + b",".join([b'"' + b"ab" * 16 + b'"'] * 2000) + b"]}"
+        slow = socket.create_connection(("127.0.0.1", srv.port))
+        slow.sendall(head("POST", "/v1/lookup", len(lookup), extra="content-type: application/json\r\n"))
+        start, sent = time.monotonic(), 0
+        try:
+            while time.monotonic() - start < 10:  # 4 KiB/s
+                slow.sendall(lookup[sent : sent + 512])
+                sent += 512
+                time.sleep(0.125)
+            raise AssertionError("a lookup body at 4 KiB/s was never cut off")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        deadline = time.monotonic() + 5
+        while not _statuses(srv.url, "/v1/lookup", "POST") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _statuses(srv.url, "/v1/lookup", "POST") == {408: 1}
 
 
 def test_slow_uploads_that_keep_the_minimum_rate_do_not_hold_the_body_budget_from_others(tmp_path):

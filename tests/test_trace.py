@@ -1487,19 +1487,29 @@ def test_the_replays_memory_a_block_is_within_what_the_plan_counts(tmp_path):
         assert held / distinct <= bound, (spec, held / distinct)
 
 
-def test_a_cpu_tier_past_the_traces_blocks_replays_as_one_of_their_number():
+def test_a_cpu_tier_past_the_traces_blocks_replays_as_one_of_their_number(tmp_path):
     """The replay builds a CPU tier at most the trace's distinct blocks: one that large never
-    evicts, so every figure is the same as the budget's, and a budget past the machine's memory
-    replays a trace that fits in it."""
+    evicts, so every figure is what a tier built at the whole budget gives (run by hand here),
+    and a budget past the machine's memory replays a trace that fits in it."""
+    from cacheseek.trace.replay import StoreClient
+
     trace = load_trace(FULL)[:600]
     distinct = reference.distinct_blocks(trace)
+    frames = StandInFrames(512)
+    keep = ("blocks", "bytes_in", "bytes_out", "evictions", "hits", "misses")
     for disk, admit in ((0, 1), (distinct // 4, 2)):
-        exact = replay(trace, ReplaySpec(cpu_blocks=distinct, disk_blocks=disk, disk_admit_after_uses=admit))
-        huge = replay(trace, ReplaySpec(cpu_blocks=1 << 40, disk_blocks=disk, disk_admit_after_uses=admit))
-        assert huge.spec.cpu_blocks == 1 << 40 and huge.hit_blocks == exact.hit_blocks > 0
-        assert huge.hits_by_tier == exact.hits_by_tier
-        keep = ("blocks", "bytes_in", "bytes_out", "evictions", "hits", "misses")
-        assert [{k: t.get(k) for k in keep} for t in huge.tiers] == [{k: t.get(k) for k in keep} for t in exact.tiers]
+        spec = ReplaySpec(cpu_blocks=4 * distinct, disk_blocks=disk, disk_admit_after_uses=admit)
+        capped = replay(trace, spec)
+        whole = build_store(spec, frames.nbytes, str(tmp_path / f"d{disk}") if disk else None)
+        assert whole.tier("cpu").capacity_bytes == 4 * distinct * frames.nbytes  # (built at the whole budget)
+        client = StoreClient(whole, frames)
+        hits = sum(len(client.request(req.hash_ids)) for req in trace)
+        tiers = whole.stats()["tiers"]
+        whole.close()
+        assert capped.spec.cpu_blocks == 4 * distinct and capped.hit_blocks == hits > 0
+        assert [{k: t.get(k) for k in keep} for t in capped.tiers] == [{k: t.get(k) for k in keep} for t in tiers]
+    huge = replay(trace, ReplaySpec(cpu_blocks=1 << 40))  # (1 << 40 blocks of stand-ins: past any memory)
+    assert huge.hit_blocks == replay(trace, ReplaySpec(cpu_blocks=distinct)).hit_blocks
 
 
 @pytest.mark.parametrize("json_as, plot_as, says", [

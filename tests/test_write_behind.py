@@ -258,6 +258,23 @@ def test_an_interrupt_as_a_write_is_queued_never_sends_another_writes_kv(srv, la
         assert_prefix_equal(cache.materialize(toks[2]), kvs[2], 4 * BLOCK)
 
 
+def test_a_write_interrupted_before_its_handover_is_made_keeps_no_room(srv, monkeypatch):
+    """The hand-over token was made after the write's room was taken and before the ``try``
+    that gives it back: an interrupt there (a Python call) kept the room for good."""
+    from cacheseek import remote as remote_mod
+
+    class Interrupted:
+        def __init__(self) -> None:
+            raise KeyboardInterrupt
+
+    with _remote(srv, codec=cs.Raw()) as cache:
+        monkeypatch.setattr(remote_mod, "Handover", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            cache.ingest(tokens_for(320, 2 * BLOCK), make_kv(2 * BLOCK, 320), wait=False)
+        monkeypatch.undo()
+        assert cache.client_stats()["write_behind"]["pending_bytes"] == 0
+
+
 def test_a_second_close_from_another_thread_waits_for_the_queue_to_be_sent(tmp_path):
     """Two threads closing one cache: the second returned at once and closed the connections
     while the first was still sending the queue, whose writes then failed ("closed")."""

@@ -1057,9 +1057,10 @@ class DiskTier(IndexedTier):
                     if claimed is None:
                         # Frames in flight cannot be evicted: what this batch holds must be
                         # committed (and so become evictable) before the rest can have room.
-                        # (Handed over first: an interrupt in the commit finishes them there.)
-                        part, group, held = group, [], 0
-                        self._commit_part(part, results)
+                        # (Kept in ``group`` until it returns: an interrupt as the commit began
+                        # is then undone below, and ``_finish`` passes over what it finished.)
+                        self._commit_part(group, results)
+                        group, held = [], 0
                         claimed = self._claim(key, frame, evicted)
                         assert claimed is not None  # (None only where held > 0)
                 except StorageError as exc:
@@ -1079,6 +1080,7 @@ class DiskTier(IndexedTier):
             # does one claimed but not yet in the group (an interrupt between the two).
             if isinstance(claimed, _Pending) and all(p is not claimed for p in group):
                 group.append(claimed)
+            group = [p for p in group if not p.flight.done.is_set()]  # (those a commit finished: answered)
             for p in group:
                 p.fail(self.name, exc)
             self._finish(group)
@@ -1227,14 +1229,15 @@ class DiskTier(IndexedTier):
 
     def _finish(self, group: list[_Pending]) -> None:
         """Index the committed writes, undo the failed ones, and wake whoever waits on them."""
-        for p in group:
-            if p.error is not None:
-                for path in (p.side_path, p.side_tmp, p.data_path, p.data_tmp):  # commit record first
-                    if path is not None:
-                        _unlink(path)
         refused: list[_Pending] = []
         settled: set[int] = set()  # (ids of the writes no longer in flight here)
+        released: set[int] = set()  # (ids of those whose room is given back)
         try:
+            for p in group:
+                if p.error is not None:
+                    for path in (p.side_path, p.side_tmp, p.data_path, p.data_tmp):  # commit record first
+                        if path is not None:
+                            _unlink(path)
             with self._lock:
                 committed = 0
                 for p in group:
@@ -1244,6 +1247,7 @@ class DiskTier(IndexedTier):
                         continue
                     del self._writing[p.key]
                     self._release(p.flight, p.flight.nbytes)
+                    released.add(id(p))
                     settled.add(id(p))
                     if p.error is not None:
                         if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
@@ -1274,6 +1278,8 @@ class DiskTier(IndexedTier):
                 p.error = p.error or _write_error(self.name, p.data_path, exc)
                 with self._lock:
                     ours = self._writing.get(p.key) is p.flight
+                    if not ours and id(p) not in released:  # (out of flight, its room not yet given back)
+                        self._release(p.flight, p.flight.nbytes)
                 if ours:
                     self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error)
             raise

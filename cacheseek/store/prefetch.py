@@ -163,22 +163,25 @@ class Prefetcher:
             parent_of = dict(zip(keys[1:], keys))
             after = [self._waiting.get(p) if (p := parent_of.get(k)) is not None else None for k, _ in mine]
             futures: list[Future] = [Future() for _ in mine]
-            for (k, _), fut in zip(mine, futures):
+            for fut in futures:
                 fut.set_running_or_notify_cancel()
-                self._waiting[k] = fut
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix="cacheseek-prefetch")
             # Submitted under the lock that ``close`` takes first (the run settles nothing before
             # this lock is let go): submitted outside it, past the check above, a prefetch could
             # meet a close that had shut the executor down and settled these blocks and the
             # slot, and then settle them again (``in_flight`` -1, blocks counted failed twice).
-            # Counted before it is queued, and undone by whichever side claims ``handover``
-            # first: an interrupt in the executor's ``submit`` (Python, taking its own locks,
-            # starting a thread) left these blocks in flight for good, every reader of them
-            # waiting for ever; landing after the run was queued, it left ``in_flight`` at -1.
+            # Published and counted inside the ``try``, and undone by whichever side claims
+            # ``handover`` first: an interrupt in the executor's ``submit`` (Python, taking its
+            # own locks, starting a thread) left these blocks in flight for good, every reader
+            # of them waiting for ever; landing after the run was queued, ``in_flight`` at -1.
             handover = Handover()
-            self._running += 1
+            counted = False
             try:
+                for (k, _), fut in zip(mine, futures):
+                    self._waiting[k] = fut
+                self._running += 1
+                counted = True
                 self._executor.submit(self._run, mine, futures, after, handover)
             except BaseException as exc:
                 if handover.claim():  # (no reader has seen these futures: the lock is still held)
@@ -186,7 +189,8 @@ class Prefetcher:
                         if self._waiting.get(k) is fut:
                             del self._waiting[k]
                         fut.set_result(False)
-                    self._running -= 1
+                    if counted:
+                        self._running -= 1
                 if isinstance(exc, RuntimeError):  # (the interpreter is exiting: no new thread runs now)
                     return Refused("closed", len(where))
                 raise
