@@ -1248,14 +1248,15 @@ class DiskTier(IndexedTier):
                     del self._writing[p.key]
                     self._release(p.flight, p.flight.nbytes)
                     released.add(id(p))
-                    settled.add(id(p))
                     if p.error is not None:
+                        settled.add(id(p))
                         if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
                             self._stats.write_errors += 1
                         continue
                     meta = p.frame.meta
                     self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
                                                      p.flight.nbytes))
+                    settled.add(id(p))  # (after it is indexed: one interrupted before is answered failed)
                     self._stats.bytes_in += meta.nbytes
                     self._stats.admissions += 1
                     committed += 1
@@ -1280,6 +1281,8 @@ class DiskTier(IndexedTier):
                     ours = self._writing.get(p.key) is p.flight
                     if not ours and id(p) not in released:  # (out of flight, its room not yet given back)
                         self._release(p.flight, p.flight.nbytes)
+                # (one out of flight keeps its files: another write of the block may own those
+                # paths now; whole and committed, a restart's scan indexes them)
                 if ours:
                     self._undo_write(p.key, p.flight, p.flight.nbytes, (p.side_path, p.data_path), p.error)
             raise
