@@ -1317,7 +1317,15 @@ TF_BLOCK = 64
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    return tiny_llama(num_hidden_layers=4)
+    # One torch thread while these tests run: they compare two forwards bit for bit, and a
+    # multi-threaded matmul's blocking may follow the threads it gets on a loaded machine (a CI
+    # run once stored a raw block one rounding apart from the normal prefill's).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield tiny_llama(num_hidden_layers=4)
+    finally:
+        torch.set_num_threads(before)
 
 
 def model_cache(model, codec):
