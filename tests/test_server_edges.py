@@ -454,16 +454,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         h, frame = raw_frame(2, layout=BIG_LAYOUT)
         trickle = socket.create_connection(("127.0.0.1", srv.port))
         trickle.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(frame)))
-        start, sent = time.monotonic(), 0
-        try:
-            while time.monotonic() - start < 10:  # 8 KiB/s: bytes keep coming, far under the minimum rate
-                trickle.sendall(frame[sent : sent + 1024])
-                sent += 1024
-                time.sleep(0.125)
-            raise AssertionError("a body at 8 KiB/s was never cut off")
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        assert time.monotonic() - start < 6
+        assert _cut_off_after(trickle, frame, 1024) < 6  # 8 KiB/s: bytes keep coming, far under the minimum rate
         # a fast client on the same server is unaffected
         assert httpx.put(f"{srv.url}/v1/blocks/{h.hex()}", content=frame).status_code == 201
         assert bodies(srv.url)["in_flight_bytes"] == 0
@@ -473,15 +464,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path):
         lookup = b'{"hashes": [' + b",".join([b'"' + b"ab" * 16 + b'"'] * 2000) + b"]}"
         slow = socket.create_connection(("127.0.0.1", srv.port))
         slow.sendall(head("POST", "/v1/lookup", len(lookup), extra="content-type: application/json\r\n"))
-        start, sent = time.monotonic(), 0
-        try:
-            while time.monotonic() - start < 10:  # 4 KiB/s
-                slow.sendall(lookup[sent : sent + 512])
-                sent += 512
-                time.sleep(0.125)
-            raise AssertionError("a lookup body at 4 KiB/s was never cut off")
-        except (BrokenPipeError, ConnectionResetError):
-            pass
+        _cut_off_after(slow, lookup, 512)  # 4 KiB/s
         deadline = time.monotonic() + 5
         while not _statuses(srv.url, "/v1/lookup", "POST") and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -522,6 +505,20 @@ def test_slow_uploads_that_keep_the_minimum_rate_do_not_hold_the_body_budget_fro
             stop.set()
             for t in threads:
                 t.join(10)
+
+
+def _cut_off_after(sock: socket.socket, body: bytes, piece: int) -> float:
+    """Send ``body`` ``piece`` bytes every 1/8 s until the server cuts the connection; the
+    seconds that took (an ``AssertionError`` if it never did within 10 s)."""
+    start, sent = time.monotonic(), 0
+    try:
+        while time.monotonic() - start < 10:
+            sock.sendall(body[sent : sent + piece])
+            sent += piece
+            time.sleep(0.125)
+    except (BrokenPipeError, ConnectionResetError):
+        return time.monotonic() - start
+    raise AssertionError(f"a body at {piece * 8 // 1024} KiB/s was never cut off")
 
 
 def test_a_pipelined_head_the_server_stopped_reading_is_not_cut_off_as_slow(tmp_path):
