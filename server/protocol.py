@@ -12,9 +12,9 @@ reading pauses only past ``high_water`` bytes waiting.
 Even so, each byte of a body is copied three times before the app sees it (the event loop's
 read buffer into a ``bytes``, httptools into another ``bytes``, the app into its buffer).
 So the app may also ask for the body to be written straight into memory it names: the
-ASGI scope's extension ``BODY_INTO`` is ``async receive_into(view, on_data=None) -> int``,
-which fills ``view`` with the next body bytes (fewer only where the body ends or the client
-goes), calling ``on_data(piece)`` with each piece of ``view`` as soon as it is filled (to
+ASGI scope's extension ``BODY_INTO`` is ``async receive_into(view, on_data=None, deadline=None) -> int``,
+which fills ``view`` with the next body bytes (fewer only where the body ends, the client
+goes, or the event loop's clock passes ``deadline``), calling ``on_data(piece)`` with each piece of ``view`` as soon as it is filled (to
 hash it while it is in cache, say).
 Once the bytes already parsed are used up, the connection is switched to a buffered protocol
 (``asyncio.BufferedProtocol``, which uvloop and asyncio both serve with ``recv_into``) that
@@ -179,12 +179,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 self.flow.resume_reading()
             return {"type": "http.request", "body": body, "more_body": bool(self.pieces) or self.more_body}
 
-        async def receive_into(self, view: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
-            """Fill ``view`` with the next body bytes; fewer only where the body ends or the
-            client goes. The ``BODY_INTO`` extension."""
+        async def receive_into(self, view: Any, on_data: Callable[[memoryview], None] | None = None,
+                               deadline: float | None = None) -> int:
+            """Fill ``view`` with the next body bytes; fewer only where the body ends, the
+            client goes, or the event loop's clock passes ``deadline``. The ``BODY_INTO`` extension."""
             self._continue()
             view = memoryview(view).cast("B")
             total, filled = view.nbytes, 0
+            loop = self.protocol.loop
             while filled < total:
                 if self.pieces:
                     n = self._take_piece(view[filled:])
@@ -194,13 +196,21 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                     continue
                 if self.disconnected or self.response_complete or not self.more_body:
                     break
+                if deadline is not None and loop.time() >= deadline:
+                    break
                 reader = self.reader or self._take_over()
                 if reader is None:  # length unknown: wait for pieces
                     self.flow.resume_reading()
+                    # (the deadline only wakes the wait: a cancelled wait would do as well here,
+                    # but a timer is what BodyTakeover needs, and one way is easier to follow)
+                    timer = loop.call_at(deadline, self.message_event.set) if deadline is not None else None
                     await self.message_event.wait()
                     self.message_event.clear()
+                    if timer is not None:
+                        timer.cancel()
                     continue
-                filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)], on_data)
+                filled += await reader.read_into(view[filled : filled + min(total - filled, reader.left)], on_data,
+                                                 deadline)
             return filled
 
         async def send(self, message: Any) -> None:
@@ -581,18 +591,31 @@ class BodyTakeover(asyncio.BufferedProtocol):
         self.filled = 0
         self.scratch: bytearray | None = None
 
-    async def read_into(self, target: memoryview, on_data: Callable[[memoryview], None] | None = None) -> int:
+    async def read_into(self, target: memoryview, on_data: Callable[[memoryview], None] | None = None,
+                        deadline: float | None = None) -> int:
         """Fill ``target`` (at most ``left`` bytes) from the socket, calling ``on_data`` with
-        each piece received; fewer bytes if the client goes."""
+        each piece received; fewer bytes if the client goes, or once the event loop's clock
+        passes ``deadline`` (reading is then paused until the next call)."""
         cycle = self.cycle
         self.target, self.on_data, self.filled = target, on_data, 0
         self.protocol.flow.resume_reading()
+        loop = self.protocol.loop
+        # A timer, not a cancelled wait: the bytes the kernel wrote into the target before a
+        # cancellation would be lost from the count.
+        timer = loop.call_at(deadline, cycle.message_event.set) if deadline is not None else None
         try:
             while self.target is not None and not cycle.disconnected and not cycle.response_complete:
+                if deadline is not None and loop.time() >= deadline:
+                    # Nothing more is read until asked: what arrives meanwhile waits in the
+                    # socket, not in a buffer no budget counts.
+                    self.protocol.flow.pause_reading()
+                    break
                 await cycle.message_event.wait()
                 cycle.message_event.clear()
         finally:
             self.target = self.on_data = None  # never written into after this returns
+            if timer is not None:
+                timer.cancel()
         return self.filled
 
     # -- asyncio.BufferedProtocol ----------------------------------------------------------

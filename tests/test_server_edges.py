@@ -26,7 +26,7 @@ import xxhash
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI
 from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
-from server_helpers import Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch
+from server_helpers import BLOCK, Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch
 
 MiB = 1 << 20
 BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
@@ -505,6 +505,34 @@ def test_slow_uploads_that_keep_the_minimum_rate_do_not_hold_the_body_budget_fro
             stop.set()
             for t in threads:
                 t.join(10)
+
+
+@pytest.mark.parametrize("http", ["auto", "h11"])  # (h11: uvicorn's own receive path, no BODY_INTO)
+def test_an_upload_that_slows_after_a_fast_start_gives_back_its_large_step(tmp_path, http):
+    """A body's rate was judged only at a step's end: a client that sent 16 MiB fast (its step
+    grown to 16 MiB) and then kept just above body_min_bytes_per_second held a whole 16 MiB
+    step of the budget, beyond what it had sent, for as long as that step took to fill (about
+    three minutes at 80 KiB/s). A step not filled within a second now ends there."""
+    h, frame = raw_frame(5, layout=BIG_LAYOUT, block=BLOCK * 40)  # 40 MiB
+    args = ["--max-inflight-body-bytes", "256MiB", "--max-body-bytes", "64MiB", "--max-frame-bytes", "64MiB",
+            "--cpu-bytes", "128MiB", "--http", http]
+    with Server(tmp_path, *args, disk=False) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(head("PUT", f"/v1/blocks/{h.hex()}", len(frame)))
+            sent = 20 * MiB  # past the 16 MiB the doubling steps take to reach 16 MiB
+            s.sendall(frame[:sent])
+            for _ in range(30):  # 3 s at 80 KiB/s: above the minimum rate, never cut off
+                s.sendall(frame[sent : sent + (8 << 10)])
+                sent += 8 << 10
+                time.sleep(0.1)
+            held = bodies(srv.url)["in_flight_bytes"]
+            assert sent - MiB <= held <= sent + (512 << 10), (held, sent)  # not sent + 16 MiB
+            s.sendall(frame[sent:])
+            status, _ = read_head(s, bytearray())
+            assert status == 201
+        # Steps that ended at their second lost no byte they had received.
+        assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", timeout=30).content == frame
+        assert bodies(srv.url)["in_flight_bytes"] == 0
 
 
 def _cut_off_after(sock: socket.socket, body: bytes, piece: int) -> float:

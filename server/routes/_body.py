@@ -13,8 +13,8 @@ uploads held memory past ``max_inflight_body_bytes``.
 
 from __future__ import annotations
 
+import asyncio
 import mmap
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +29,15 @@ from ..protocol import BODY_CUT, BODY_GONE, BODY_INTO
 
 PIECE = 1 << 20  # a buffered body grows by pieces of this size, each allocated once its bytes are due
 # Bytes received into a frame's memory per budget check. Each step is counted before it is
-# read, so a body holds its step of the budget while its bytes come: it begins at FIRST_STEP,
-# doubles up to STEP while the body fills a step within FAST_STEP_S, and halves down to
-# MIN_STEP while it takes longer. A fast client reaches 16 MiB steps within its first 16 MiB;
-# a slow one that keeps above body_min_bytes_per_second holds about a second of its bytes,
-# and one that stalls 64 KiB until it is cut off. At 16 MiB a body from the first byte, 128
-# slow uploads held the default 2 GiB and every other write was refused.
+# read, so a body holds its step of the budget while its bytes come: it begins at FIRST_STEP
+# and doubles up to STEP while the body fills each step within FAST_STEP_S. A step not
+# filled by then ends there (what it did not get is given back), and the next is the size of
+# what came in that second, at least MIN_STEP. A fast client reaches 16 MiB steps within its
+# first 16 MiB; a slow one that keeps above body_min_bytes_per_second holds about a second
+# of its bytes, a fast one that slows down the same within a second, and one that stalls
+# 64 KiB until it is cut off. At 16 MiB a body from the first byte, 128 slow uploads held the
+# default 2 GiB and every other write was refused; judged only at a step's end, a client that
+# slowed after a fast start held 16 MiB for as long as it kept above the minimum rate.
 STEP = 16 << 20
 FIRST_STEP = 64 << 10
 MIN_STEP = 64 << 10
@@ -107,6 +110,7 @@ class RequestBody:
         self._rest = memoryview(b"")
         self._more = True
         self._gone = False
+        self._next: asyncio.Future[Any] | None = None  # a message asked for and not yet taken
         self.received = 0
         self.step = FIRST_STEP  # (see STEP)
 
@@ -123,19 +127,29 @@ class RequestBody:
             return BodyTooSlow(f"the server cut the client off {what}: {why}")
         return ClientGone(f"the client went away {what}")
 
-    async def read_into(self, buf: Any, on_data: Callable[[memoryview], None] | None = None) -> int:
+    async def read_into(self, buf: Any, on_data: Callable[[memoryview], None] | None = None,
+                        deadline: float | None = None) -> int:
         """Fill ``buf`` with the next body bytes; fewer only where the body ends (or the client
-        goes). ``on_data`` gets each piece of ``buf`` as soon as it is filled."""
+        goes), or once the event loop's clock passes ``deadline`` with the body still coming.
+        ``on_data`` gets each piece of ``buf`` as soon as it is filled."""
         view = memoryview(buf).cast("B")
         if self._into is not None:
-            n = await self._into(view, on_data)
+            n = await self._into(view, on_data, deadline)
         else:
             n = 0
             while n < view.nbytes:
                 if not self._rest.nbytes:
                     if not self._more:
                         break
-                    message = await self._receive()
+                    if self._next is None:
+                        self._next = asyncio.ensure_future(self._receive())
+                    if deadline is not None and not self._next.done():
+                        # Waited for, never cancelled: a message cancelled on its way is lost.
+                        await asyncio.wait((self._next,), timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+                        if not self._next.done():
+                            break
+                    message = await self._next
+                    self._next = None
                     if message["type"] == "http.disconnect":
                         self._gone, self._more = True, False
                         break
@@ -156,19 +170,23 @@ async def _read_exactly(body: RequestBody, view: memoryview, length: int, held: 
                         on_data: Callable[[memoryview], None]) -> None:
     """Fill ``view[:length]`` from the body a step at a time, each step counted in the budget
     before it is read."""
+    loop = asyncio.get_running_loop()
     filled = 0
     while filled < length:
         step = min(body.step, length - filled)
         held.take(step)
-        began = time.monotonic()
-        n = await body.read_into(view[filled : filled + step], on_data)
+        deadline = loop.time() + FAST_STEP_S
+        n = await body.read_into(view[filled : filled + step], on_data, deadline)
         filled += n
-        if n < step:
-            held.unread(step - n)
+        if n == step:
+            if step == body.step:  # (a frame's short last step tells nothing of the rate)
+                body.step = min(step * 2, STEP)
+            continue
+        held.unread(step - n)
+        if body.gone or loop.time() < deadline:
             raise _short(body, filled, length)
-        if step == body.step:  # (a frame's short last step tells nothing of the rate)
-            fast = time.monotonic() - began < FAST_STEP_S
-            body.step = min(body.step * 2, STEP) if fast else max(body.step // 2, MIN_STEP)
+        # Not filled within its second: the next step is what came in it (the client's rate).
+        body.step = max(MIN_STEP, min(body.step // 2, -(-n // MIN_STEP) * MIN_STEP))
 
 
 async def receive_frame(body: RequestBody, length: int | None, limit: int, held: BodyBytes,
@@ -194,6 +212,7 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         finally:
             view.release()
         return buf
+    loop = asyncio.get_running_loop()
     pieces: list[bytearray] = []
     total = 0
     while length is None or total < length:
@@ -205,7 +224,8 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         taken = want if length is not None or total + want <= limit else want - 1
         held.take(taken)
         piece = bytearray(want)
-        n = await body.read_into(piece, on_data)
+        deadline = loop.time() + FAST_STEP_S
+        n = await body.read_into(piece, on_data, deadline)
         if n < taken:
             held.unread(taken - n)
         total += n
@@ -216,6 +236,8 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         if length is None and total > limit:
             raise TooLarge(f"body exceeds max_frame_bytes ({limit})")
         if n < want:
+            if not body.gone and loop.time() >= deadline:
+                continue  # a slow body holds the piece's count for a second at most
             if length is not None or body.gone:
                 raise _short(body, total, length)
             break
