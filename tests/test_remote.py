@@ -655,6 +655,34 @@ def test_split_posts_keep_the_chains_head_when_the_servers_tier_overflows(tmp_pa
             assert _block_posts(remote) == {"200": 5}  # split under the published limit at once
 
 
+def test_extending_a_stored_chain_under_a_full_tier_keeps_its_head_as_the_embedded_cache_does(tmp_path):
+    """A writer asks which blocks are stored (a lookup with ``each``) and sends only the new
+    ones. Nothing marked the stored prefix used, so under a full tier the new blocks evicted
+    their own chain's head (the least recent: the chain below another one), and the longer
+    chain matched nothing while its new blocks held half the tier."""
+    a, kv_a = tokens_for(31, 6 * BLOCK), make_kv(6 * BLOCK, 31)
+    b, kv_b = tokens_for(32, 3 * BLOCK), make_kv(3 * BLOCK, 32)
+
+    def steps(cache) -> tuple[int, int]:
+        cache.ingest(a[: 3 * BLOCK], [(k[:, : 3 * BLOCK], v[:, : 3 * BLOCK]) for k, v in kv_a])
+        cache.ingest(b, kv_b)
+        assert cache.ingest(a, kv_a).stored == 3
+        return cache.lookup(a) // BLOCK, cache.lookup(b) // BLOCK
+
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        tiers=cs.TierConfig(cpu_bytes="1MiB", pin_memory=False)) as probe:
+        probe.ingest(b[:BLOCK], [(k[:, :BLOCK], v[:, :BLOCK]) for k, v in kv_b])
+        frame = probe.stats()["tiers"][0]["used_bytes"]  # what one block takes of the tier
+    budget = str(6 * frame + frame // 2)  # room for 6 blocks: the longer chain, or its head and the other
+    with cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                        tiers=cs.TierConfig(cpu_bytes=budget, pin_memory=False)) as embedded:
+        assert steps(embedded) == (6, 0)
+    with Server(tmp_path, "--cpu-reserve-bytes", "0", cpu_bytes=budget, disk=False) as server:
+        with cs.RemoteCache(server.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK) as remote:
+            assert steps(remote) == (6, 0)
+            assert_prefix_equal(remote.materialize(a), kv_a, 6 * BLOCK)
+
+
 def test_a_client_body_limit_splits_posts_and_a_frame_it_cannot_hold_is_refused(srv, tmp_path):
     toks, kv = tokens_for(23, 6 * BLOCK), make_kv(6 * BLOCK, 23)
     with pytest.raises(cs.ConfigError, match="max_body_bytes"):

@@ -108,6 +108,14 @@ def _fault_kind(exc: BaseException) -> str:
     return "unavailable" if isinstance(exc, unavailable) else "rejected"
 
 
+def _answered_unavailable(exc: BaseException) -> bool:
+    """Whether Redis answered that it cannot serve this connection's calls now (a replica
+    refusing writes, a server loading its data or without its master, a slot migrating)."""
+    from redis.exceptions import BusyLoadingError, MasterDownError, ReadOnlyError, TryAgainError
+
+    return isinstance(exc, (ReadOnlyError, BusyLoadingError, MasterDownError, TryAgainError))
+
+
 def _redis_errors() -> tuple[type[BaseException], ...]:
     from redis.exceptions import RedisClusterException, RedisError
 
@@ -295,9 +303,25 @@ class RedisTier(Tier):
         if kind == "rejected":
             self.breaker.record_success(ticket)  # Redis is there; it refused this one command
             return StorageError(f"{self.name} tier: Redis refused: {text}")
+        if _answered_unavailable(exc):
+            self._drop_idle_connections()
         self.breaker.record_failure(ticket)
         self._outage_began(text)
         return RedisUnavailable(f"{self.name} tier: {text}")
+
+    def _drop_idle_connections(self) -> None:
+        """Close the pooled connections no call is using, so that the next call (a breaker
+        probe) opens a new one, and resolves the URL's host again. A Redis that answers
+        READONLY, LOADING, MASTERDOWN or TRYAGAIN keeps the connection open: after a failover
+        behind one name (DNS, a Kubernetes Service) every pooled connection still led to the
+        demoted master, each probe reused one, and the tier never wrote again. Connections in
+        use are left to their calls (a read there still works); one that fails so drops the rest."""
+        pool = getattr(self._client, "connection_pool", None)  # (a cluster client keeps none: it reroutes itself)
+        if pool is not None:
+            try:
+                pool.disconnect(inuse_connections=False)
+            except Exception:  # (closing a socket whose peer is gone must not hide the fault)
+                pass
 
     def _find_foreign_key(self) -> ForeignKey | None:
         """The first key of the index (of those with fixed names) holding another type than
