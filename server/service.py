@@ -448,6 +448,10 @@ class BlockService:
     def touch_chain(self, keys: list[bytes]) -> None:
         self.store.touch_chain(keys)
 
+    def touch_block(self, namespace: str, h: bytes) -> None:
+        """Mark block ``h`` used in every tier, as a hit (a read of one block)."""
+        self.store.touch_chain([self.namespaces.stored_key(namespace, h)])
+
     def lookup(self, namespace: str, hashes: list[bytes], each: bool) -> dict[str, Any]:
         """The longest stored prefix of ``hashes`` (all of one size) and its tiers; with
         ``each``, also whether each hash is stored at all."""

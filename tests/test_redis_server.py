@@ -12,7 +12,7 @@ import torch
 
 import cacheseek as cs
 from redis_servers import RedisServer, needs_redis
-from server_helpers import Server
+from server_helpers import Server, raw_frame
 from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
 pytestmark = [needs_redis, pytest.mark.slow]
@@ -682,5 +682,32 @@ def test_a_start_without_a_kept_namespace_secret_over_redis_warns_that_named_nam
         with Server(tmp_path / "c", env=env) as srv:  # a disk tier: its key file keeps the key
             assert said not in srv.output(), srv.output()
             assert (srv.disk_path / ".namespace-key").exists()
+    finally:
+        redis.kill()
+
+
+def test_a_block_read_one_by_one_restarts_its_redis_expiry_and_is_not_the_lru_victim(tmp_path):
+    """``GET /v1/blocks/{hash}`` marked nothing used in Redis: a block read every half second
+    expired at its TTL, and one read ten times was the shared LRU's first victim."""
+    blocks = [raw_frame(60 + i) for i in range(5)]
+    budget = 4 * len(blocks[0][1]) + 100
+    redis = RedisServer(tmp_path / "redis").start()
+    try:
+        env = _env(redis, CACHESEEK_REDIS_BYTES=str(budget), CACHESEEK_REDIS_TTL_SECONDS="2")
+        with Server(tmp_path / "s", disk=False, cpu_bytes="0", env=env) as srv, \
+                httpx.Client(base_url=srv.url, timeout=10) as c:
+            for h, frame in blocks[:4]:
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            for _ in range(8):  # 4 s: twice the TTL
+                assert c.get(f"/v1/blocks/{blocks[0][0].hex()}").content == blocks[0][1]
+                time.sleep(0.5)
+            assert [c.head(f"/v1/blocks/{h.hex()}").status_code for h, _ in blocks[:4]] == [200, 404, 404, 404]
+            for h, frame in blocks[1:4]:  # the budget full again
+                assert c.put(f"/v1/blocks/{h.hex()}", content=frame).status_code == 201
+            assert c.get(f"/v1/blocks/{blocks[0][0].hex()}").status_code == 200
+            assert c.put(f"/v1/blocks/{blocks[4][0].hex()}", content=blocks[4][1]).status_code == 201
+            held = [c.head(f"/v1/blocks/{h.hex()}").status_code for h, _ in blocks]
+            assert held == [200, 404, 200, 200, 200], held  # the least recently used went: the second
+            _no_500(srv)
     finally:
         redis.kill()

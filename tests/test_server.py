@@ -110,6 +110,23 @@ def test_batch_ingest_lookup_and_prefix_stream(client):
     assert client.post("/v1/lookup", json={"hashes": hexes}).json()["matched"] == 1
 
 
+@pytest.mark.parametrize("eviction", ["arc", "lru"])
+def test_a_block_read_one_by_one_is_used_and_not_the_first_victim(tmp_path, eviction):
+    """``GET /v1/blocks/{hash}`` marked nothing used (no tier's read does: a prefix's reads are
+    marked together, by the route): a block read ten times was the first one evicted."""
+    blocks = [raw_frame(40 + i) for i in range(5)]
+    frame_bytes = len(blocks[0][1])
+    with Server(tmp_path, "--eviction", eviction, cpu_bytes=str(4 * frame_bytes + frame_bytes // 2),
+                disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
+        for h, frame in blocks[:4]:
+            assert put(client, h, frame).status_code == 201
+        for _ in range(3):
+            assert client.get(f"/v1/blocks/{blocks[0][0].hex()}").content == blocks[0][1]
+        assert put(client, *blocks[4]).status_code == 201
+        held = [client.head(f"/v1/blocks/{h.hex()}").status_code for h, _ in blocks]
+        assert held == [200, 404, 200, 200, 200], held  # the least recently used went: the second
+
+
 def test_a_prefix_read_s_promotion_of_its_head_does_not_evict_its_own_tail(tmp_path):
     """A chain's head on disk, its tail only in a full CPU tier (the disk admits a block only
     once used twice): the read promoted the head from disk into the CPU tier, whose victim

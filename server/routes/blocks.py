@@ -178,6 +178,13 @@ async def get_block(caller: Reader, hash: Hash, request: Request, service: Servi
     async def body():
         for segment in segments:
             yield segment
+        # A read is a use, as a prefix's is: no tier's read marks it (the reads of a chain are
+        # marked together, head last), so a block read one by one, however often, was its
+        # tier's first victim, and its Redis copy expired at its TTL.
+        if service.store.indexes_in_memory:
+            service.touch_block(caller.namespace, hash)
+        else:
+            await run_in_threadpool(service.touch_block, caller.namespace, hash)  # a Redis round trip
 
     return LeasedStreamingResponse(body(), leases=leases, media_type=FRAME_CONTENT_TYPE,
                                    headers={"content-length": str(nbytes), "x-cacheseek-tier": tier})
