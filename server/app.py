@@ -265,6 +265,13 @@ def create_app(settings: ServerSettings | None = None, *, store: TieredStore | N
         recovery = recovery_figures(opened_over, opened, first)
         for line in over_budget_lines(opened_over, recovery):
             log.warning("%s", line)
+        if redis:
+            from cacheseek.store.redis_tier import RedisTier
+
+            for tier in the_store.tiers:
+                if isinstance(tier, RedisTier):
+                    for line in await run_in_threadpool(tier.sizing_problems) or ():
+                        log.warning("redis tier: %s", line)
         metrics.watch(lambda: {**service.stats(), "recovery": recovery, "lookup_latency": metrics.lookup_latency()})
         app.state.service = service
         app.state.closing = False

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from cacheseek.server.config import ServerSettings
+from cacheseek.store.redis_memory import maxmemory_needed
 from cacheseek.units import parse_size
 from redis_servers import needs_redis
 from server_helpers import metrics_after_traffic
@@ -216,8 +217,9 @@ def redis_size(value: str) -> int:
 
 
 def test_redis_maxmemory_holds_the_redis_tier_budget_as_redis_md_asks():
-    """docs/redis.md: ``maxmemory`` at least ``redis_bytes x 1.1 + 64 MiB`` (else Redis
-    answers OOM and writes are dropped). The Kubernetes Redis had 17700mb (17.3 GiB: Redis's
+    """docs/redis.md: ``maxmemory`` at least ``redis_bytes x 1.3 + 64 MiB`` (``maxmemory_needed``:
+    a frame takes up to a quarter more in Redis's allocator; else Redis answers OOM and writes
+    are dropped, for good). The Kubernetes Redis had 17700mb (17.3 GiB: Redis's
     ``mb`` is a MiB) for replicas' 16 GiB, which need 17.7 GiB; compose's 8gb sat beside a
     commented-out Redis URL that would run the default 16 GiB budget."""
     default = ServerSettings.model_fields["redis_bytes"].default
@@ -241,7 +243,7 @@ def test_redis_maxmemory_holds_the_redis_tier_budget_as_redis_md_asks():
     short = []
     for where, budget, command in pairs:
         maxmemory = redis_size(command[command.index("--maxmemory") + 1])
-        need = parse_size(budget) * 1.1 + (64 << 20)
+        need = maxmemory_needed(parse_size(budget))
         if maxmemory < need:
             short.append(f"{where}: maxmemory {maxmemory / 2**30:.2f} GiB < {need / 2**30:.2f} GiB "
                          f"for redis_bytes {budget}")

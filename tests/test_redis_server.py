@@ -711,3 +711,18 @@ def test_a_block_read_one_by_one_restarts_its_redis_expiry_and_is_not_the_lru_vi
             _no_500(srv)
     finally:
         redis.kill()
+
+
+def test_a_start_says_when_redis_maxmemory_is_too_small_for_redis_bytes(tmp_path):
+    """Redis filled before the budget (each frame takes up to a quarter more in its allocator)
+    and refused every write from then on; nothing read maxmemory to say so."""
+    redis = RedisServer(tmp_path / "redis", extra=("--maxmemory", "300mb", "--maxmemory-policy", "noeviction")).start()
+    try:
+        with Server(tmp_path / "s", disk=False, cpu_bytes="0", env=_env(redis)) as srv:  # redis_bytes 256 MiB
+            assert "redis tier: Redis's maxmemory (300 MiB) is below what redis_bytes (256 MiB) takes there" \
+                   in srv.output(), srv.output()
+        redis.cli("CONFIG", "SET", "maxmemory", "400mb")
+        with Server(tmp_path / "t", disk=False, cpu_bytes="0", env=_env(redis)) as srv:
+            assert "maxmemory" not in srv.output(), srv.output()
+    finally:
+        redis.kill()

@@ -22,6 +22,7 @@ from cacheseek.errors import StorageError
 from cacheseek.store.breaker import CircuitBreaker, ConstantBackoff
 from cacheseek.store.frame import build_frame, plan_frame
 from cacheseek.store.redis_client import RedisTimeouts, parse_redis_url
+from cacheseek.store import redis_memory
 from cacheseek.store.redis_index import DROP_STALE_SCRIPT
 from cacheseek.store.redis_keys import RedisKeys
 from cacheseek.store.redis_tier import RedisTier
@@ -2608,3 +2609,71 @@ def test_the_index_script_refuses_a_foreign_key_before_any_write_of_an_unpin(red
         index.queue(r, add=[("cd" * 16, 10, 10)])
     assert foreign_key(refused.value) == ForeignKey(index.keys.gens, "list", "hash")
     assert not r.hexists(index.keys.sizes, "cd" * 16)
+
+
+# -- Redis's own memory settings ------------------------------------------------------------------
+
+
+def _mib_frame(i: int) -> tuple[bytes, BlockFrame]:
+    """1 MiB of payload and a header: just past a power of two, as every real block's frame."""
+    key = (1 << 100 | i).to_bytes(16, "big")
+    lay = cs.KVLayout(num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16")
+    shape = (8, 8, 64, 64)
+    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=lay, block_tokens=64,
+                      codec=cs.Raw().spec(), buffers=[("k", "float16", shape), ("v", "float16", shape)])
+    half = meta.tensors[0].nbytes
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+
+
+def _used_memory(srv: RedisServer) -> int:
+    return int(re.search(r"^used_memory:(\d+)", srv.cli("INFO", "memory"), re.M).group(1))
+
+
+@pytest.mark.parametrize("factor", [1.1, redis_memory.JEMALLOC_FACTOR])
+def test_a_namespace_at_its_budget_fits_the_documented_maxmemory_and_not_the_old_one(tmp_path, factor):
+    """The budget counts frame bytes; Redis's allocator rounds each frame, just past a power of
+    two, up by a quarter. At the old rule (maxmemory = budget x 1.1, less the fixed pad that hid
+    it at small budgets) Redis filled before the budget, and under noeviction every write was
+    refused from then on, the budget never reached; at the documented one it holds."""
+    budget = 64 << 20
+    srv = RedisServer(tmp_path / "r").start()
+    try:
+        srv.cli("CONFIG", "SET", "maxmemory", str(_used_memory(srv) + int(budget * factor) + (2 << 20)))
+        srv.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        tier = RedisTier(srv.url, budget)
+        try:
+            refused = sum(r.error is not None for i in range(3 * 64) for r in tier.put_many([_mib_frame(i)]))
+            stats = tier.stats()
+        finally:
+            tier.close()
+        if factor == 1.1:
+            assert refused > 64, refused  # every write once Redis was full: about two thirds
+            assert stats.evictions == 0
+        else:
+            assert refused == 0 and stats.evictions > 64 and stats.used_bytes <= budget
+    finally:
+        srv.kill()
+
+
+def test_a_maxmemory_below_the_budgets_need_or_an_allkeys_policy_is_reported(tmp_path, caplog):
+    budget = 256 << 20
+    srv = RedisServer(tmp_path / "r").start()
+    tier = RedisTier(srv.url, budget)
+    try:
+        needed = redis_memory.maxmemory_needed(budget)
+        srv.cli("CONFIG", "SET", "maxmemory", str(needed))
+        srv.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        assert tier.sizing_problems() == []
+        srv.cli("CONFIG", "SET", "maxmemory", str(int(budget * 1.1) + (64 << 20)))  # the old rule
+        (line,) = tier.sizing_problems()
+        assert "maxmemory (346 MiB) is below what redis_bytes (256 MiB) takes there (397 MiB with jemalloc" in line
+        assert "every write is refused once it is full" in line
+        srv.cli("CONFIG", "SET", "maxmemory", "0")  # no limit: nothing to say of it
+        srv.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        (line,) = tier.sizing_problems()
+        assert "maxmemory-policy is allkeys-lru: Redis may evict the shared index itself" in line
+        srv.kill()
+        assert tier.sizing_problems() is None  # not asked: nothing said
+    finally:
+        tier.close()
+        srv.kill()

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, TierUnavailable
 from ..log_throttle import LogThrottle
+from . import redis_memory
 from .breaker import CLOSED, CircuitBreaker, Ticket
 from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
@@ -1230,6 +1231,22 @@ class RedisTier(Tier):
             self._totals = totals
 
     # -- operations ----------------------------------------------------------------------
+
+    def sizing_problems(self) -> list[str] | None:
+        """What is wrong with each master's memory settings for this tier's budget
+        (``redis_memory.sizing_problems``); None where Redis could not be asked (or refuses
+        ``INFO``)."""
+        try:
+            info = self._run(lambda c: c.info("memory"))
+        except StorageError:
+            return None
+        if not isinstance(info, dict):
+            return None
+        # A cluster answers for each node, by name (replicas too: their maxmemory matters
+        # once they are promoted).
+        nodes = info if info and all(isinstance(v, dict) for v in info.values()) else {"Redis": info}
+        return [line for where, memory in nodes.items()
+                for line in redis_memory.sizing_problems(memory, self.capacity_bytes, where if len(nodes) > 1 else "Redis")]
 
     def stats(self):
         """Counters of this process; used bytes and blocks of the shared index (the last
