@@ -46,15 +46,19 @@ def test_wheel_ships_kernels_and_server_under_cacheseek(tmp_path):
         assert f"cacheseek/server/dashboard/{asset}" in names
     # PEP 561: without the marker, a user's type checker ignores the package's annotations
     assert "cacheseek/py.typed" in names and "cacheseek/server/py.typed" in names
-    # every subpackage of the source tree ships (pyproject lists them by hand)
+    # every subpackage of the source tree ships (pyproject lists them by hand): server/routes
+    # did not, and an installed server (the wheel, the Docker image) failed at start
     for init in (ROOT / "cacheseek").rglob("__init__.py"):
         assert init.relative_to(ROOT).as_posix() in names, init
+    for init in (ROOT / "server").rglob("__init__.py"):
+        assert "cacheseek/" + init.relative_to(ROOT).as_posix() in names, init
     tops = {n.split("/")[0] for n in names}
     assert not tops & {"kernels", "server", "tests", "benchmarks"}, tops
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run([sys.executable, "-c", PROBE + "; import cacheseek.server.app"], cwd=tmp_path,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
     for line in out.stdout.split():
         assert Path(line).is_relative_to(target), line
