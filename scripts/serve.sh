@@ -16,10 +16,8 @@ if "$PY" -c "import os, sys, sysconfig; sys.exit(0 if sys.prefix == sys.base_pre
   exit 2
 fi
 
-# torch first, pinned: with no torch present, a bare `torch` requirement pulls a
-# multi-GB CUDA build. An existing torch (CPU or CUDA) is kept as it is.
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install "torch==2.13.0"
-fi
+# torch first, pinned (install-torch.sh: the CPU build where no NVIDIA driver answers): with
+# no torch present, a bare `torch` requirement pulls a multi-GB CUDA build.
+bash scripts/install-torch.sh "$PY"
 "$PY" -m pip install -e ".[server,redis]"
 exec "$PY" -m cacheseek.server.cli serve "$@"

