@@ -920,6 +920,35 @@ def test_a_request_whose_load_between_steps_failed_whole_computes_instead_of_loa
         assert sched.matched_tokens(req, 0) == 96 and sched.stats.lookups == 2
 
 
+def test_blocks_vllms_own_prefix_cache_served_are_not_saved_again(tmp_path):
+    """A request whose prefix vLLM's own cache held (no lookup: the store could add nothing)
+    started its saves at token 0: a repeated prompt was encoded whole on every request,
+    only for the store to answer that every block was present. Saves now begin where
+    vLLM's own hit ends: blocks this request computes."""
+    from types import SimpleNamespace
+
+    tokens = list(range(8000, 8097))  # 3 full blocks of 32, and a token
+    with _scheduler_over_a_server(tmp_path, tokens) as sched:
+        def request(req_id):
+            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+        def step(req_id, computed):
+            new = [SimpleNamespace(req_id=req_id, num_computed_tokens=computed)]
+            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={req_id: 97 - computed},
+                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+        for req_id, local_hit, saved in (("all", 96, []), ("part", 64, [(64, 96)]), ("none", 0, [(0, 96)])):
+            req = request(req_id)
+            if local_hit == 96:  # nothing the store could add: not asked
+                lookups = sched.stats.lookups
+                assert sched.matched_tokens(req, local_hit) == 0 and sched.stats.lookups == lookups
+            sched.after_alloc(req, 0)  # (no external tokens taken: vLLM's own hit only)
+            plan = step(req_id, local_hit)
+            assert [(spec.start, len(spec.token_ids)) for spec in plan.saves] == saved, req_id
+            sched.finished(req)
+
+
 def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded(tmp_path):
     """vLLM's asynchronous load done, vLLM admits the request again (update_state_after_alloc,
     no external tokens this time) and runs it from the loaded tokens. That admission started
