@@ -461,6 +461,12 @@ class BlockService:
         if each:  # present as a put would answer it: committed at the acknowledgement level
             out["present"] = self.store.present_many(keys)
             out["durability"] = self.store.durability
+            if tiers:
+                # A writer's question before it extends a chain, as the embedded ingest's: its
+                # stored prefix is marked used (recency, not a use), or the new blocks it then
+                # sends, under a full tier, evicted that chain's own head, a leaf until they land,
+                # and nothing of the longer chain was reachable.
+                self.store.touch_chain(keys[: len(tiers)], count_use=False)
         return out
 
     def lookup_chains(self, namespace: str, chains: list[list[bytes]]) -> list[dict[str, Any]]:
