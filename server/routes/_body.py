@@ -230,7 +230,10 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
             held.unread(taken - n)
         total += n
         if n < want:
-            del piece[n:]
+            # A copy, not a resize in place: a resize raises BufferError while anything still
+            # holds a view of the buffer (a profiler walking objects, a frame kept by a
+            # traceback), and a client that went away was answered 500.
+            piece = piece[:n]
         if n:
             pieces.append(piece)
         if length is None and total > limit:
