@@ -1803,6 +1803,37 @@ def test_a_read_answered_busy_keeps_the_block(redis_url, server):
         tier.close()
 
 
+def test_after_a_failover_behind_one_name_the_tier_writes_to_the_new_master(tmp_path):
+    """The master behind the URL's name is demoted to a replica (REPLICAOF, as a failover
+    does without killing clients) and the name now leads to the new one. Redis answers
+    READONLY on the pooled connections, which stayed open: every breaker probe reused one,
+    and the tier never wrote again until its process restarted. Such an answer drops the
+    idle connections, so the next call opens a new one, to the new master."""
+    old, new = RedisServer(tmp_path / "old").start(), RedisServer(tmp_path / "new").start()
+    name = ReplyLosingProxy(old.port)  # (never armed: a name whose new connections can be sent elsewhere)
+    tier = RedisTier(name.url, 64 << 20,
+                     breaker=CircuitBreaker(failure_threshold=3, backoff=ConstantBackoff(0.2)))
+    try:
+        assert tier.put(*_frame(120)).error is None
+        old.cli("REPLICAOF", "127.0.0.1", str(new.port))
+        name.target_port = new.port
+        results = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(r.error is None for r in results):
+            results.append(tier.put_many([_frame(121 + len(results))])[0])
+            time.sleep(0.05)
+        assert any(r.error is None for r in results), [str(r.error) for r in results[-3:]]
+        assert "READONLY" in str(results[0].error) or "read only" in str(results[0].error)
+        assert len(results) <= 2  # (the call after the first refusal reached the new master)
+        assert tier.stats().extra["breaker"]["state"] == "closed"
+        assert int(new.cli("DBSIZE").strip()) > 0
+    finally:
+        tier.close()
+        name.close()
+        old.stop()
+        new.stop()
+
+
 def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_first_runs_victims(redis_url, server):
     """redis-py sends a pipeline again, once, after a connection error. When the reply was
     lost after Redis had run the index script, the script ran twice: the second run evicted
