@@ -1834,6 +1834,106 @@ def test_after_a_failover_behind_one_name_the_tier_writes_to_the_new_master(tmp_
         new.stop()
 
 
+class _InterruptingClient(CountingClient):
+    """Raises KeyboardInterrupt (Ctrl-C landing in a round trip) in the n-th pipeline
+    round trip: before it is sent (``sent=False``) or once Redis has answered it."""
+
+    def __init__(self, inner, n, *, sent):
+        super().__init__(inner)
+        self.n, self.sent = n, sent
+
+    def pipeline(self, *args, **kwargs):
+        return _InterruptingPipeline(self, self.inner.pipeline(*args, **kwargs))
+
+
+class _InterruptingPipeline(_CountingPipeline):
+    def execute(self, *args, **kwargs):
+        self.owner.round_trips += 1
+        hit = self.owner.round_trips == self.owner.n
+        if hit and not self.owner.sent:
+            raise KeyboardInterrupt
+        replies = self.inner.execute(*args, **kwargs)
+        if hit:
+            raise KeyboardInterrupt
+        return replies
+
+
+def test_interrupts_during_redis_calls_are_no_failures_of_redis(redis_url):
+    """A KeyboardInterrupt in a Redis round trip counted as a Redis failure: three opened
+    the breaker on a healthy Redis (no fault counted, nothing logged), and the next read
+    missed. An interrupt says nothing of Redis: the breaker stays closed."""
+    tier = RedisTier(redis_url, 64 << 20)
+    key, frame = _frame(130)
+    try:
+        tier.put(key, frame)
+        inner = tier._connection()
+        for _ in range(4):
+            tier._client = _InterruptingClient(inner, 1, sent=False)
+            with pytest.raises(KeyboardInterrupt):
+                tier.get(key)
+        tier._client = inner
+        breaker = tier.breaker.stats()
+        assert breaker.state == "closed" and breaker.consecutive_failures == 0
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("trip, sent", [(1, True), (2, False)], ids=["script-answered", "deletes-unsent"])
+def test_a_put_interrupted_after_its_script_evicted_owes_the_victims_deletes(redis_url, trip, sent):
+    """Ctrl-C in a put after the index script evicted (its reply read, or before the
+    victims' deletes were sent) left the victims stored and counted nowhere (orphans,
+    outside the budget, reclaimed by nothing but redis-check --fix), where a lost
+    connection at the same point leaves them owed. Now an interrupt does too."""
+    frames = [_frame(i) for i in range(131, 139)]
+    tier = RedisTier(redis_url, 4 * frames[0][1].nbytes)
+    try:
+        tier.put_many(frames[:4])
+        inner = tier._connection()
+        tier._client = _InterruptingClient(inner, trip, sent=sent)
+        with pytest.raises(KeyboardInterrupt):
+            tier.put_many(frames[4:])
+        tier._client = inner
+        assert tier.breaker.stats().consecutive_failures == 0
+        stats = tier.stats()  # (pays what is owed)
+        assert stats.extra["owed_drops"] == 0 and stats.extra["owed_replies"] == 0
+        assert tier.check(ghost_grace_seconds=0)["orphans"] == 0
+    finally:
+        tier.close()
+
+
+def test_an_unpin_interrupted_is_owed(redis_url, monkeypatch):
+    """An unpin cut short by Ctrl-C took the block out of this process's pins, and left the
+    pin in Redis under its owner, whose lease the keeper renews: the block stayed pinned in
+    the shared budget for as long as the process lived. It is owed now, as after a fault."""
+    from cacheseek.store.redis_index import SharedIndex
+
+    tier = RedisTier(redis_url, 64 << 20)
+    (a, fa), (b, fb) = _frame(140), _frame(141)
+    try:
+        tier.put(a, fa)
+        tier.put(b, fb)
+        tier.pin([a, b])
+        real = SharedIndex.queue
+
+        def interrupted(self, client, **kw):
+            if kw.get("unpin"):
+                raise KeyboardInterrupt
+            return real(self, client, **kw)
+
+        monkeypatch.setattr(SharedIndex, "queue", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            tier.unpin([a])
+        monkeypatch.setattr(SharedIndex, "queue", real)
+        assert tier.breaker.stats().consecutive_failures == 0
+        stats = tier.stats()  # (pays the owed unpin)
+        assert stats.extra["owed_unpins"] == 0 and stats.pinned_blocks == 1
+        assert not tier._connection().sismember(tier.keys_of.pinned, RedisKeys.member(a))
+    finally:
+        tier.close()
+
+
 def test_a_script_whose_reply_is_lost_and_that_redis_py_sends_again_deletes_the_first_runs_victims(redis_url, server):
     """redis-py sends a pipeline again, once, after a connection error. When the reply was
     lost after Redis had run the index script, the script ran twice: the second run evicted

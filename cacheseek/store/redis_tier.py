@@ -123,6 +123,13 @@ def _redis_errors() -> tuple[type[BaseException], ...]:
     return (RedisError, RedisClusterException, OSError)
 
 
+def _may_have_run(exc: BaseException) -> bool:
+    """Whether a call cut short by ``exc`` may have run in Redis, or part of it: anything but
+    an error Redis answered. An interrupt (KeyboardInterrupt) lands anywhere, as a lost
+    connection does, so what such a fault would leave owed, it leaves owed too."""
+    return not isinstance(exc, _redis_errors()) or _fault_kind(exc) != "rejected"
+
+
 @dataclass(slots=True)
 class _Faults:
     dropped_writes: int = 0
@@ -262,7 +269,10 @@ class RedisTier(Tier):
         except _redis_errors() as exc:
             raise self._failed(exc, ticket) from None
         except BaseException:
-            self.breaker.record_failure(ticket)  # never leave an allowed call unreported
+            # Not Redis's error (an interrupt, or a bug here): no news of its health. Counted
+            # as a failure, three KeyboardInterrupts opened the breaker on a healthy Redis,
+            # with no fault counted or logged. (A probe's turn goes to the next call.)
+            self.breaker.record_unsent(ticket)
             raise
         self.breaker.record_success(ticket)
         if self._outage_since is not None:
@@ -428,8 +438,8 @@ class RedisTier(Tier):
         try:
             replies = pipe.execute(raise_on_error=False)
             self._raise_unavailable(replies)
-        except _redis_errors() as exc:
-            if _fault_kind(exc) != "rejected":  # (it may have run, and evicted)
+        except BaseException as exc:
+            if _may_have_run(exc):  # (it may have run, and evicted)
                 with self._lock:
                     self._owed_replies[call] = time.monotonic()
             raise
@@ -444,7 +454,7 @@ class RedisTier(Tier):
         # without one for good. (Victims are dealt with below; a put renews no lease.)
         try:
             self._settle(client, update, victims=False)
-        except _redis_errors() as exc:
+        except BaseException as exc:
             self._owe_drops(list(update.evicted) + list(update.expired), update.gens, exc)
             raise
         evicted_now, expired_now = set(update.evicted), set(update.expired)
@@ -500,7 +510,7 @@ class RedisTier(Tier):
         try:
             replies = pipe.execute(raise_on_error=False) if len(pipe) else []
             self._raise_unavailable(replies)
-        except _redis_errors() as exc:
+        except BaseException as exc:
             self._owe_drops(dels, update.gens, exc)
             raise
         datas = [self._value(r) for r in replies[:n_get]] if n_get else [None] * len(victims)
@@ -598,14 +608,14 @@ class RedisTier(Tier):
             self._queue_drop(pipe, members, gens)
             try:
                 pipe.execute()
-            except _redis_errors() as exc:
+            except BaseException as exc:
                 self._owe_drops(members, gens, exc)
                 raise
 
     def _owe_drops(self, members: Sequence[str], gens: Mapping[str, int], exc: BaseException) -> None:
-        """Remember the deletes of ``members`` that a connection failure or a timeout may have
-        kept from Redis (landed or not: a fenced delete sent twice takes nothing)."""
-        if members and _fault_kind(exc) != "rejected":
+        """Remember the deletes of ``members`` that a connection failure, a timeout or an
+        interrupt may have kept from Redis (landed or not: a fenced delete sent twice takes nothing)."""
+        if members and _may_have_run(exc):
             now = time.monotonic()
             with self._lock:
                 for m in members:
@@ -1102,6 +1112,13 @@ class RedisTier(Tier):
                 with self._lock:  # counted; sent again by the next call that reaches Redis
                     self._owed_unpins.update(keys)
                 return
+            except BaseException:
+                # Interrupted, sent or not: forgotten here, the pin stayed in Redis under this
+                # process's lease, which the keeper renews, so the block held the shared budget
+                # for as long as the process lived. Sent again, an unpin is harmless.
+                with self._lock:
+                    self._owed_unpins.update(keys)
+                raise
             with self._lock:
                 self._owed_unpins.difference_update(keys)
 
@@ -1124,7 +1141,7 @@ class RedisTier(Tier):
             if self._ttl_ms is not None:
                 try:
                     restarted = self._restart_expiry(client, released)
-                except Exception:
+                except BaseException:
                     with self._lock:
                         self._owed_expiries.update(released)
                     raise
