@@ -1261,6 +1261,27 @@ def test_a_standalone_url_redis_py_cannot_read_is_refused_up_front():
         tier.close()
 
 
+@pytest.mark.parametrize("option", ["decode_responses=True", "encoding=latin-1", "encoding_errors=replace",
+                                    "decode_responses=False"])
+def test_a_url_option_that_changes_what_replies_are_is_refused_up_front(redis_url, option):
+    """redis-py lets a URL's options win over the client's own: with ?decode_responses=True
+    (common in other apps' Redis URLs) the tier was built, and every read of a frame raised
+    UnicodeDecodeError out of it (a server's 500). Such an option is refused, named."""
+    name = option.partition("=")[0]
+    with pytest.raises(cs.ConfigError, match=f"option '{name}' is not taken"):
+        RedisTier(f"{redis_url}/0?{option}", 64 << 20)
+    with pytest.raises(cs.ConfigError, match=f"option '{name}' is not taken"):
+        rcache(f"{redis_url}/0?socket_timeout=1&{option}")
+    tier = RedisTier(f"{redis_url}/0?protocol=3", 64 << 20)  # (an option that keeps replies bytes: taken)
+    try:
+        key, frame = _frame(150)
+        assert tier.put(key, frame).error is None
+        got = tier.get(key)
+        assert got is not None and bytes(got.host) == bytes(frame.host)
+    finally:
+        tier.close()
+
+
 def test_a_redis_tier_without_redis_py_is_refused_up_front(monkeypatch):
     """Without the redis extra, the tier was built, and every call (stats() too) raised
     ImportError: a server answered 500s."""

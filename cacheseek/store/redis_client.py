@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 from ..errors import ConfigError
 
@@ -29,6 +29,11 @@ SOCKET_READ_NBYTES = 1 << 20
 MAX_TIMEOUT_SECONDS = ((1 << 63) - 1) // 10**9
 _STANDALONE = ("redis", "rediss", "unix")
 _CLUSTER = ("redis+cluster", "rediss+cluster")
+# Options of a standalone URL that change what a reply is (str instead of bytes) or how a
+# key name is encoded: redis-py lets a URL's options win over the client's own settings, and
+# with ``decode_responses=True`` every read of a frame raised UnicodeDecodeError out of the
+# tier (a server's 500).
+_REFUSED_OPTIONS = ("decode_responses", "encoding", "encoding_errors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +152,11 @@ def _check_options(url: str) -> None:
     makes a connection, and raises for one it cannot read (``ValueError``) or does not take
     (``TypeError``): that would fail every call of the tier, so it is refused here, by
     building (not connecting) one connection. Without redis-py, ``connect`` says what is missing."""
+    for name in parse_qs(urlparse(url).query, keep_blank_values=True):
+        if name.lower() in _REFUSED_OPTIONS:
+            raise ConfigError(f"redis_url: the option {name!r} is not taken: the tier reads and writes values as "
+                              f"bytes, and this option changes what Redis's replies become; remove it from the URL "
+                              f"({_masked(url)!r})")
     try:
         import redis
     except ImportError:
