@@ -384,7 +384,8 @@ def _redis_check_parser(sub: Any) -> None:
     p.add_argument("--redis-bytes", default=env("CACHESEEK_REDIS_BYTES", "16GiB"),
                    help="the namespace's budget, as the servers using it have it (an adoption over it evicts)")
     p.add_argument("--redis-prefix", default=env("CACHESEEK_REDIS_PREFIX", "cacheseek"))
-    p.add_argument("--redis-namespace", default=env("CACHESEEK_REDIS_NAMESPACE", "default"))
+    p.add_argument("--redis-namespace", default=env("CACHESEEK_REDIS_NAMESPACE", ""),
+                   help="empty: the default namespace, as the servers take an empty CACHESEEK_REDIS_NAMESPACE")
     p.add_argument("--fix", action="store_true", help="forget the ghosts and adopt the orphans, then check again")
     p.set_defaults(func=_redis_check)
 
@@ -397,6 +398,7 @@ def _redis_check(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("redis") is None:
         print("cacheseek redis-check: needs the 'redis' extra: pip install -e '.[redis]' in the checkout", file=sys.stderr)
         return 2
+    args.redis_namespace = args.redis_namespace or "default"
     try:
         tier = RedisTier(args.redis_url, parse_size(args.redis_bytes, name="--redis-bytes"),
                          prefix=args.redis_prefix, namespace=args.redis_namespace)

@@ -436,6 +436,14 @@ class ServerSettings(BaseSettings):
             parse_redis_url(value)  # a ConfigError (a ValueError) names what is wrong
         return value
 
+    @field_validator("redis_namespace", mode="before")
+    @classmethod
+    def _default_namespace(cls, value: Any) -> Any:
+        # CACHESEEK_REDIS_NAMESPACE= (empty, as a manifest rendering an unset variable writes
+        # it) means the default, as every other empty setting: taken as the namespace "", it
+        # gave that server data and a budget of its own, shared with none of its peers.
+        return "default" if value == "" else value
+
     @field_validator("redis_prefix", "redis_namespace")
     @classmethod
     def _redis_key_part(cls, value: str, info: Any) -> str:

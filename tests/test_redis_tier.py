@@ -1614,6 +1614,38 @@ def test_redis_check_refuses_an_unreachable_redis_and_bad_settings():
         assert done.returncode == 2 and match in done.stderr.lower() and not done.stdout, (args, done.stderr)
 
 
+def test_an_empty_redis_namespace_setting_means_the_default(redis_url, monkeypatch):
+    """CACHESEEK_REDIS_NAMESPACE= (empty, as a manifest rendering an unset variable writes it)
+    selected the namespace "": that server's data and budget were shared with none of its
+    peers on "default". It means the default now, as every other empty setting, for a
+    server and for redis-check."""
+    import os
+
+    from cacheseek.server.config import ServerSettings
+    from cacheseek.server.store import build_store
+    from server_helpers import cacheseek_command
+
+    key, frame = _frame(160)
+    peer = RedisTier(redis_url, 64 << 20)  # a peer on the default namespace
+    try:
+        peer.put(key, frame)
+    finally:
+        peer.close()
+    monkeypatch.setenv("CACHESEEK_REDIS_URL", redis_url)
+    monkeypatch.setenv("CACHESEEK_REDIS_NAMESPACE", "")
+    settings = ServerSettings(cpu_bytes=0, disk_bytes=0)
+    assert settings.redis_namespace == "default"
+    store = build_store(settings)
+    try:
+        assert store.tier("redis").contains_many([key]) == [True]
+    finally:
+        store.close()
+    env = {**os.environ, "CACHESEEK_REDIS_URL": redis_url, "CACHESEEK_REDIS_NAMESPACE": ""}
+    done = subprocess.run([*cacheseek_command(), "redis-check"], capture_output=True, text=True, timeout=60, env=env)
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["namespace"] == "default" and report["found"]["ok"] == 1, done.stderr
+
+
 def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
     """A DEL of another process's landing right after this process's SET (the window round
     trip 3 closes): the value is found gone while the index counts it, and written again."""
