@@ -374,42 +374,59 @@ def _redis_check_parser(sub: Any) -> None:
         description="Scan every master of a Redis tier's namespace and compare the shared index with the frames "
                     "stored: ghosts (counted, not stored: a write cut short, or frames lost with a master) and "
                     "orphans (stored, not counted: a victim's DEL that never arrived, or the index lost with its "
-                    "master). --fix forgets the ghosts and counts the orphans again from their headers (over the "
-                    "budget, the least recently used are evicted). Defaults come from the server's CACHESEEK_REDIS_* "
-                    "variables. Exit status: 0 consistent (or repaired), 1 inconsistent (without --fix), "
-                    "2 Redis unreachable or a bad setting. See docs/redis.md.",
+                    "master). --fix forgets the ghosts and counts the orphans again from their headers; where the "
+                    "namespace holds more than --redis-bytes it refuses, unless --evict is given too (then the least "
+                    "recently used are evicted down to it, and counted in the output's \"evicted\"). Defaults come "
+                    "from the server's CACHESEEK_REDIS_* variables. Exit status: 0 consistent (or repaired), "
+                    "1 inconsistent (without --fix), 2 Redis unreachable, a bad setting, or a repair refused as it "
+                    "would evict. See docs/redis.md.",
     )
     p.add_argument("--redis-url", default=env("CACHESEEK_REDIS_URL"), required=env("CACHESEEK_REDIS_URL") is None,
                    help="redis://host:port or redis+cluster://host:port[,host:port...]")
-    p.add_argument("--redis-bytes", default=env("CACHESEEK_REDIS_BYTES", "16GiB"),
-                   help="the namespace's budget, as the servers using it have it (an adoption over it evicts)")
+    p.add_argument("--redis-bytes", default=env("CACHESEEK_REDIS_BYTES"),
+                   help="the namespace's budget, as the servers using it have it (default 16GiB)")
     p.add_argument("--redis-prefix", default=env("CACHESEEK_REDIS_PREFIX", "cacheseek"))
     p.add_argument("--redis-namespace", default=env("CACHESEEK_REDIS_NAMESPACE", ""),
                    help="empty: the default namespace, as the servers take an empty CACHESEEK_REDIS_NAMESPACE")
     p.add_argument("--fix", action="store_true", help="forget the ghosts and adopt the orphans, then check again")
+    p.add_argument("--evict", action="store_true",
+                   help="with --fix, where the namespace holds more than --redis-bytes (given, or from "
+                        "CACHESEEK_REDIS_BYTES), evict the least recently used down to it")
     p.set_defaults(func=_redis_check)
 
 
 def _redis_check(args: argparse.Namespace) -> int:
     from cacheseek.errors import CacheSeekError
-    from cacheseek.store.redis_tier import RedisTier
+    from cacheseek.store.redis_tier import RedisTier, RepairWouldEvict
     from cacheseek.units import parse_size
 
     if importlib.util.find_spec("redis") is None:
         print("cacheseek redis-check: needs the 'redis' extra: pip install -e '.[redis]' in the checkout", file=sys.stderr)
         return 2
     args.redis_namespace = args.redis_namespace or "default"
+    if args.evict and (not args.fix or not args.redis_bytes):
+        # The budget to evict down to must be the operator's, never the default: 16 GiB against
+        # servers at 200 GiB emptied most of the namespace.
+        print("cacheseek redis-check: --evict goes with --fix and a budget given (--redis-bytes, or "
+              "CACHESEEK_REDIS_BYTES): the servers' own", file=sys.stderr)
+        return 2
     try:
-        tier = RedisTier(args.redis_url, parse_size(args.redis_bytes, name="--redis-bytes"),
+        tier = RedisTier(args.redis_url, parse_size(args.redis_bytes or "16GiB", name="--redis-bytes"),
                          prefix=args.redis_prefix, namespace=args.redis_namespace)
     except (CacheSeekError, ValueError) as exc:
         print(f"cacheseek redis-check: {exc}", file=sys.stderr)
         return 2
     try:
         report: dict[str, Any] = {"url": tier.target.redacted(), "namespace": args.redis_namespace,
-                                  "found": tier.check(fix=args.fix)}
+                                  "found": tier.check(fix=args.fix, evict=args.evict)}
         if args.fix:
+            report["evicted"] = tier.repair_evictions
             report["after_fix"] = tier.check()
+    except RepairWouldEvict as exc:
+        print(f"cacheseek redis-check: {exc}. Give the budget the servers sharing it use as --redis-bytes "
+              f"(their CACHESEEK_REDIS_BYTES), or add --evict to evict down to {exc.budget_bytes:,} bytes",
+              file=sys.stderr)
+        return 2
     except CacheSeekError as exc:
         print(f"cacheseek redis-check: {exc}", file=sys.stderr)
         return 2

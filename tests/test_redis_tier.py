@@ -1646,6 +1646,49 @@ def test_an_empty_redis_namespace_setting_means_the_default(redis_url, monkeypat
     assert done.returncode == 0 and report["namespace"] == "default" and report["found"]["ok"] == 1, done.stderr
 
 
+def test_redis_check_fix_refuses_to_evict_a_namespace_down_to_a_smaller_budget(redis_url):
+    """`redis-check --fix` run with a budget below what the namespace holds (its default
+    16 GiB against servers at 200 GiB: CACHESEEK_REDIS_BYTES not set in the operator's
+    shell) evicted the namespace down to it to adopt one orphan, and said "repaired" (exit 0)
+    with no word of the evictions. It refuses now, changing nothing, unless --evict is given
+    with the budget; and what a repair evicts is in its JSON."""
+    import os
+
+    from server_helpers import cacheseek_command
+
+    frames = [_frame(i) for i in range(170, 182)]
+    size = frames[0][1].nbytes
+    tier = RedisTier(redis_url, 100 * size)  # the servers' budget
+    try:
+        tier.put_many(frames[:-1])
+        tier._connection().set(tier.keys_of.frame(frames[-1][0]), bytes(frames[-1][1].host))  # an orphan
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CACHESEEK_")}
+
+        def redis_check(*args):
+            return subprocess.run([*cacheseek_command(), "redis-check", "--redis-url", redis_url, *args],
+                                  capture_output=True, text=True, timeout=60, env=env)
+
+        done = redis_check("--redis-bytes", str(4 * size), "--fix")
+        assert done.returncode == 2 and not done.stdout, done.stdout
+        assert "holds" in done.stderr and "--evict" in done.stderr and f"{12 * size:,} bytes" in done.stderr
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1}  # (nothing changed)
+        done = redis_check("--fix", "--evict")  # (the default budget: never one to evict down to)
+        assert done.returncode == 2 and "--redis-bytes" in done.stderr
+        assert tier.check() == {"ok": 11, "ghosts": 0, "orphans": 1}
+
+        done = redis_check("--redis-bytes", str(100 * size), "--fix")  # the servers' budget: adopts
+        report = json.loads(done.stdout)
+        assert done.returncode == 0 and report["evicted"] == 0 and report["after_fix"]["orphans"] == 0, done.stderr
+        tier._index.queue(tier._connection(), forget=[RedisKeys.member(frames[0][0])])  # an orphan again
+        done = redis_check("--redis-bytes", str(4 * size), "--fix", "--evict")  # asked for: evicts, and says so
+        report = json.loads(done.stdout)
+        assert done.returncode == 0 and report["evicted"] == 8, done.stdout
+        assert report["after_fix"] == {"ok": 4, "ghosts": 0, "orphans": 0}
+    finally:
+        tier.close()
+
+
 def test_a_write_whose_value_is_deleted_after_its_set_is_written_again(redis_url):
     """A DEL of another process's landing right after this process's SET (the window round
     trip 3 closes): the value is found gone while the index counts it, and written again."""

@@ -36,6 +36,7 @@ import builtins
 import importlib.util
 import logging
 import os
+import re
 import threading
 import time
 import weakref
@@ -90,6 +91,16 @@ class ForeignIndexKey(StorageError):
     def __init__(self, message: str, found: ForeignKey) -> None:
         super().__init__(message)
         self.found = found
+
+
+class RepairWouldEvict(StorageError):
+    """``check(fix=True, evict=False)`` found the namespace holding more than this tier's
+    budget: its repair (a call of the index script) would evict down to that budget."""
+
+    def __init__(self, message: str, held_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.held_bytes = held_bytes
+        self.budget_bytes = budget_bytes
 
 
 def _fault_kind(exc: BaseException) -> str:
@@ -243,6 +254,7 @@ class RedisTier(Tier):
         # Redis finds it (see ``owned``). Set by whoever knows owners (the server); it is
         # called with no lock of this tier held, and must be quick.
         self.owner_tag: Callable[[bytes], str] | None = None
+        self.repair_evictions = 0  # blocks the last check(fix=True) evicted
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -1303,7 +1315,8 @@ class RedisTier(Tier):
             }
             return self._snapshot()
 
-    def check(self, *, fix: bool = False, ghost_grace_seconds: float = GHOST_GRACE_SECONDS) -> dict[str, int]:
+    def check(self, *, fix: bool = False, ghost_grace_seconds: float = GHOST_GRACE_SECONDS,
+              evict: bool = True) -> dict[str, int]:
         """Post-mortem: compare the shared index with the frames actually stored.
 
         ``ghosts``: indexed, not stored (an interrupted write, or a frame Redis evicted or
@@ -1311,11 +1324,25 @@ class RedisTier(Tier):
         ``fix`` forgets the ghosts and adopts the orphans (reading their headers). An unpinned
         ghost used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a
         put in flight (counted, its SET not landed yet), and forgotten, that put would delete
-        the frame it then wrote. Scans every master: for maintenance, not for a request path."""
+        the frame it then wrote. Scans every master: for maintenance, not for a request path.
+
+        The repair evicts down to this tier's budget what the namespace holds beyond it (the
+        blocks stored, orphans adopted included). ``evict=False`` refuses such a repair
+        (``RepairWouldEvict``, nothing changed): a budget smaller than the one the processes
+        sharing the namespace use would empty most of it. ``repair_evictions``: how many
+        blocks the last repair evicted."""
+        if fix:
+            self.repair_evictions = 0
 
         def scan(c: Any) -> tuple[set[str], set[str], set[str]]:
             pinned = set(member_texts(c.smembers(self.keys_of.pinned)))
-            indexed = set(member_texts(c.hkeys(self.keys_of.sizes)))
+            entries = c.hgetall(self.keys_of.sizes)
+            indexed = set(member_texts(entries))
+            for name, value in entries.items():
+                text = member_text(name)
+                size = re.match(rb"(\d+) \d+$", value) if isinstance(value, bytes) else None
+                if text is not None and size is not None:
+                    sizes[text] = int(size.group(1))
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
                 text = name.decode("utf-8", "replace")
@@ -1324,6 +1351,7 @@ class RedisTier(Tier):
                     stored.add(member)
             return indexed, stored, pinned
 
+        sizes: dict[str, int] = {}
         indexed, stored, pinned = self._run(scan)
         ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
         report = {"ok": len(indexed & stored), "ghosts": len(ghosts), "orphans": len(orphans)}
@@ -1335,6 +1363,12 @@ class RedisTier(Tier):
                 info = self.info(orphan)
                 if info is not None:
                     adopt.append((m, info.nbytes, info.raw_nbytes))
+            held = sum(sizes.get(m, 0) for m in indexed & stored) + sum(n for _, n, _ in adopt)
+            if not evict and held > self.capacity_bytes:
+                raise RepairWouldEvict(
+                    f"{self.name} tier: the namespace holds {held:,} bytes ({len(indexed & stored) + len(adopt)} blocks, "
+                    f"orphans included), more than this budget of {self.capacity_bytes:,}: a repair would evict the "
+                    f"least recently used down to it. Nothing was changed", held, self.capacity_bytes)
 
             def repair(c: Any) -> None:
                 # A pinned ghost is forgotten at once: it has no LRU entry to age, and a pin is
@@ -1343,13 +1377,16 @@ class RedisTier(Tier):
                     c, forget=[m for m in ghosts if m in pinned], add=adopt,
                     repair=[m for m in ghosts if m not in pinned],
                     repair_idle_us=max(0, round(ghost_grace_seconds * 1e6))))
+                self.repair_evictions += len(update.evicted)
                 self._settle(c, update)
                 self._mark_adopted(c, [m for m, _, _ in adopt], update)
                 if update.repaired:  # (a write stalled past the grace may have landed since the scan)
                     found = self._pipelined(c, "exists", [self.keys_of.frame_of_member(m) for m, _, _ in update.repaired])
                     back = [entry for entry, n in zip(update.repaired, found) if n]
                     if back:
-                        self._settle(c, SharedIndex.parse(self._index.queue(c, add=back)))
+                        again = SharedIndex.parse(self._index.queue(c, add=back))
+                        self.repair_evictions += len(again.evicted)
+                        self._settle(c, again)
 
             self._run(repair)
         return report
@@ -1393,4 +1430,4 @@ def _pinned_stored(client: Any, keys: RedisKeys) -> list[str]:
     return [m for m, size in zip(pinned, held) if size is not None]
 
 
-__all__ = ["ForeignIndexKey", "RedisTier", "RedisUnavailable"]
+__all__ = ["ForeignIndexKey", "RedisTier", "RedisUnavailable", "RepairWouldEvict"]
