@@ -631,6 +631,14 @@ class _Collector(Collector):
         for tier in redis:
             stale.add_metric([tier["name"]], 1.0 if tier.get("index_stale") else 0.0)
         yield stale
+        # A fill panel over this server's capacity_bytes showed a tier far from full while a
+        # process of a smaller budget on the namespace emptied it down to that one.
+        budget = GaugeMetricFamily("cacheseek_redis_budget_in_effect_bytes",
+                                   "The smallest budget in use on the tier's namespace (this server's, or another "
+                                   "process's below it): evictions keep the namespace to it", labels=["tier"])
+        for tier in redis:
+            budget.add_metric([tier["name"]], float(tier.get("budget_in_effect_bytes") or tier.get("capacity_bytes") or 0))
+        yield budget
 
 
 def _bounded_usage(usage: list[dict[str, Any]], max_owners: int) -> list[tuple[tuple[str, str], dict[str, int]]]:

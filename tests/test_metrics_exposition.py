@@ -82,6 +82,9 @@ def test_the_exposition_with_a_redis_tier_and_disk_admission_is_valid(tmp_path):
     """The families only a Redis tier (its breaker, its faults) and an admission threshold make."""
     families = prom_strict.parse(metrics_after_traffic(tmp_path, "--disk-admit-after-uses", "2"))
     assert prom_strict.value(families, "cacheseek_redis_breaker_state", state="closed") == 1
+    # (no other process on the namespace: the server's own budget is the one in effect)
+    assert prom_strict.value(families, "cacheseek_redis_budget_in_effect_bytes", tier="redis") == \
+        prom_strict.value(families, "cacheseek_tier_capacity_bytes", tier="redis")
     assert families["cacheseek_tier_admission_refusals_total"].samples
     assert prom_strict.value(families, "cacheseek_frames_rejected_total", reason="malformed") == 1
 

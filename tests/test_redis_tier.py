@@ -2412,6 +2412,33 @@ def test_a_call_from_the_process_with_the_smaller_budget_deletes_what_it_evicts(
         small.close()
 
 
+def test_a_process_of_a_larger_budget_learns_the_smaller_one_in_effect_and_says_so_once(redis_url, caplog):
+    """Two deployments on one namespace with different budgets: the larger one's blocks were
+    evicted down to the smaller budget (by the other's calls: a metrics scrape's stats()
+    is enough) while its own figures said it was a fifth full with no eviction, and nobody
+    was told. The smallest budget in use is kept in Redis: each process reports it as the
+    budget in effect, and the larger one logs it, once."""
+    frames = [_frame(i) for i in range(190, 220)]
+    size = frames[0][1].nbytes
+    big, small = RedisTier(redis_url, 100 * size), RedisTier(redis_url, 10 * size)
+    try:
+        assert big.stats().extra["budget_in_effect_bytes"] == 100 * size
+        big.put_many(frames[:20])
+        small.stats()  # (evicts down to its budget)
+        with caplog.at_level(logging.WARNING, logger="cacheseek.store.redis"):
+            big.put_many(frames[20:25])
+            stats = big.stats()
+            big.put_many(frames[25:])
+            big.stats()
+        assert stats.extra["budget_in_effect_bytes"] == 10 * size
+        assert small.stats().extra["budget_in_effect_bytes"] == 10 * size
+        said = [r.getMessage() for r in caplog.records if "uses a budget of" in r.getMessage()]
+        assert len(said) == 1 and f"{10 * size:,}" in said[0] and f"{100 * size:,}" in said[0], said
+    finally:
+        big.close()
+        small.close()
+
+
 def test_close_during_a_lease_renewal_leaves_no_command_to_run_after_it(tmp_path):
     """``close`` stopped the lease keeper without waiting for it: a renewal in flight (here
     held up by a pause of Redis's writes) had its connection closed under it, redis-py sent

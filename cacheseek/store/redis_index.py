@@ -63,6 +63,10 @@ from .redis_keys import RedisKeys
 # type wanted).
 FOREIGN_KEY = "CACHESEEK_FOREIGN_INDEX_KEY"
 
+# How long the smallest budget a call gave is kept as the one in effect without a call giving
+# it again (see ``IndexTotals.budget_bytes``).
+BUDGET_SEEN_SECONDS = 600
+
 # Numbers are handed to redis.call() as Lua numbers, never concatenated into strings: Lua's
 # tostring() keeps 14 significant digits, and a microsecond clock needs 16.
 INDEX_SCRIPT = """
@@ -147,6 +151,22 @@ if not (used and raw and blocks and pinned_bytes and pinned_blocks) then
     end
   end
   changed = true
+end
+
+-- The smallest budget in use on this namespace, and when a call last gave it: every call
+-- evicts down to its own caller's budget, so a process of a larger one is emptied down to
+-- the smallest while its own figures said it was far from full. Kept so that each process
+-- can say so. One not given again for @BUDGET_SEEN_US@ us gives way (its process may be
+-- gone). Written with a call that writes anyway, but for a budget smaller than the one
+-- kept: a read that writes fails under maxmemory OOM.
+local seen = redis.call('HMGET', totals, 'budget_min', 'budget_min_at')
+local budget_min, budget_min_at = count(seen[1]), count(seen[2])
+local lapsed = not (budget_min and budget_min_at and budget_min > 0) or now - budget_min_at > @BUDGET_SEEN_US@
+if not lapsed and budget < budget_min then
+  changed = true
+end
+if lapsed or budget <= budget_min then
+  budget_min, budget_min_at = budget, now
 end
 
 local function size_of(member)
@@ -482,10 +502,11 @@ end
 -- A call that changed nothing writes nothing: reading totals works under maxmemory OOM.
 if changed then
   redis.call('HSET', totals, 'used', used, 'raw', raw, 'blocks', blocks, 'clock', clock,
-             'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks, 'pin_owners', 1)
+             'pinned_bytes', pinned_bytes, 'pinned_blocks', pinned_blocks, 'pin_owners', 1,
+             'budget_min', budget_min, 'budget_min_at', budget_min_at)
 end
 local reply = {status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gen_of,
-               held_now, released, lease_lost}
+               held_now, released, lease_lost, budget_min}
 -- Kept only where a second run would answer otherwise (it would evict, expire and repair
 -- nothing, and count nothing anew): those victims and entries are the caller's to delete.
 -- A lost lease too: a pin takes the lease again, so a second run would find it held, and
@@ -494,7 +515,7 @@ if #evicted > 0 or #expired > 0 or #repaired > 0 or #released > 0 or counted_ane
   redis.call('SET', call, cmsgpack.pack(reply), 'PX', reply_ms)
 end
 return reply
-""".replace("@FOREIGN_KEY@", FOREIGN_KEY)
+""".replace("@FOREIGN_KEY@", FOREIGN_KEY).replace("@BUDGET_SEEN_US@", str(BUDGET_SEEN_SECONDS * 1_000_000))
 
 # The fence on a victim's DEL: delete a frame only while the index does not count its block.
 # A process that evicts a block deletes its frame a round trip after its script; meanwhile
@@ -596,6 +617,9 @@ class IndexTotals:
     blocks: int = 0
     pinned_bytes: int = 0
     pinned_blocks: int = 0
+    # The smallest budget a process sharing the namespace gave within BUDGET_SEEN_SECONDS:
+    # the one every call evicts down to, in effect (0: not known, a reply of an older script).
+    budget_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -725,14 +749,15 @@ class SharedIndex:
     @staticmethod
     def parse(reply: Any) -> IndexUpdate:
         (status, evicted, expired, used, raw, blocks, pinned_bytes, pinned_blocks, repaired, uncounted, gens, held,
-         released, lease_lost) = reply
+         released, lease_lost) = reply[:14]
+        budget = reply[14] if len(reply) > 14 else 0  # (a reply kept by an older release's script has none)
         pairs = [(member_text(m), (s.decode() if isinstance(s, bytes) else str(s)).split())  # (sizes: digits)
                  for m, s in zip(repaired[::2], repaired[1::2])]
         return IndexUpdate(
             added=tuple(int(s) for s in status),
             evicted=member_texts(evicted),
             expired=member_texts(expired),
-            totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks)),
+            totals=IndexTotals(int(used), int(raw), int(blocks), int(pinned_bytes), int(pinned_blocks), int(budget)),
             repaired=tuple((m, int(n), int(r)) for m, (n, r) in pairs if m is not None),
             uncounted=member_texts(uncounted),
             gens={t: int(g) for m, g in zip(gens[::2], gens[1::2]) if (t := member_text(m)) is not None},

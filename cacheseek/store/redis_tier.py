@@ -255,6 +255,7 @@ class RedisTier(Tier):
         # called with no lock of this tier held, and must be quick.
         self.owner_tag: Callable[[bytes], str] | None = None
         self.repair_evictions = 0  # blocks the last check(fix=True) evicted
+        self._smaller_budget_said = 0  # the last smaller budget of another process logged
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -1258,6 +1259,18 @@ class RedisTier(Tier):
     def _note_totals(self, totals: IndexTotals) -> None:
         with self._lock:
             self._totals = totals
+            smaller = 0 < totals.budget_bytes < self.capacity_bytes and totals.budget_bytes != self._smaller_budget_said
+            if smaller:
+                self._smaller_budget_said = totals.budget_bytes
+        if smaller:
+            # Said once per budget: this process's own figures (fill against its budget, its
+            # evictions) showed a tier far from full while another's calls emptied it.
+            log.warning("%s tier: another process sharing the Redis namespace %s:%s uses a budget of %s bytes, "
+                        "below this one's %s: every call evicts down to its caller's budget, so the namespace "
+                        "holds at most that much, and that process's evictions are not counted here. Give every "
+                        "process sharing a namespace the same redis_bytes, or each its own redis_namespace",
+                        self.name, self.keys_of.prefix, self.keys_of.namespace, f"{totals.budget_bytes:,}",
+                        f"{self.capacity_bytes:,}")
 
     # -- operations ----------------------------------------------------------------------
 
@@ -1312,6 +1325,9 @@ class RedisTier(Tier):
                 "last_error": faults.last_error, "breaker": self.breaker.stats().to_dict(),
                 "owed_unpins": len(self._owed_unpins), "owed_drops": len(self._owed_drops),
                 "owed_replies": len(self._owed_replies),
+                # The smallest budget in use on the namespace (this one's, or another process's
+                # below it): the one evictions keep it to.
+                "budget_in_effect_bytes": min(self.capacity_bytes, self._totals.budget_bytes or self.capacity_bytes),
             }
             return self._snapshot()
 
