@@ -1932,11 +1932,12 @@ def test_after_a_failover_behind_one_name_the_tier_writes_to_the_new_master(tmp_
 
 class _InterruptingClient(CountingClient):
     """Raises KeyboardInterrupt (Ctrl-C landing in a round trip) in the n-th pipeline
-    round trip: before it is sent (``sent=False``) or once Redis has answered it."""
+    (direct calls not counted): before it is sent (``sent=False``) or once Redis has answered it."""
 
     def __init__(self, inner, n, *, sent):
         super().__init__(inner)
         self.n, self.sent = n, sent
+        self.pipelines = 0
 
     def pipeline(self, *args, **kwargs):
         return _InterruptingPipeline(self, self.inner.pipeline(*args, **kwargs))
@@ -1944,8 +1945,8 @@ class _InterruptingClient(CountingClient):
 
 class _InterruptingPipeline(_CountingPipeline):
     def execute(self, *args, **kwargs):
-        self.owner.round_trips += 1
-        hit = self.owner.round_trips == self.owner.n
+        self.owner.pipelines += 1
+        hit = self.owner.pipelines == self.owner.n
         if hit and not self.owner.sent:
             raise KeyboardInterrupt
         replies = self.inner.execute(*args, **kwargs)
@@ -1993,6 +1994,30 @@ def test_a_put_interrupted_after_its_script_evicted_owes_the_victims_deletes(red
         tier._client = inner
         assert tier.breaker.stats().consecutive_failures == 0
         stats = tier.stats()  # (pays what is owed)
+        assert stats.extra["owed_drops"] == 0 and stats.extra["owed_replies"] == 0
+        assert tier.check(ghost_grace_seconds=0)["orphans"] == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("trip, sent", [(1, True), (2, False)], ids=["script-answered", "deletes-unsent"])
+def test_owed_deletes_whose_sending_is_interrupted_stay_owed(redis_url, trip, sent):
+    """What a put's interrupt left owed (its script's reply, or its victims' deletes) was taken
+    out of what is owed as the next call sent it: a second interrupt there forgot it, and the
+    victims stayed stored, counted nowhere. They stay owed until sent."""
+    frames = [_frame(i) for i in range(225, 233)]
+    tier = RedisTier(redis_url, 4 * frames[0][1].nbytes)
+    try:
+        tier.put_many(frames[:4])
+        inner = tier._connection()
+        tier._client = _InterruptingClient(inner, trip, sent=sent)
+        with pytest.raises(KeyboardInterrupt):
+            tier.put_many(frames[4:])
+        tier._client = _InterruptingClient(inner, 1, sent=False)  # (the stats' first payment)
+        with pytest.raises(KeyboardInterrupt):
+            tier.stats()
+        tier._client = inner
+        stats = tier.stats()
         assert stats.extra["owed_drops"] == 0 and stats.extra["owed_replies"] == 0
         assert tier.check(ghost_grace_seconds=0)["orphans"] == 0
     finally:

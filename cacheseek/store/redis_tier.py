@@ -655,11 +655,19 @@ class RedisTier(Tier):
         try:
             self._run(send)
         except RedisUnavailable:
-            with self._lock:
-                for call in todo:
-                    self._owed_replies.setdefault(call, owed[call])
+            self._owe_replies_again(todo, owed)
         except StorageError:
             pass  # (Redis refused: counted; asking again would not help)
+        except BaseException:
+            # Interrupted (KeyboardInterrupt): taken out of what is owed above, the calls not
+            # yet asked for were forgotten, and their victims left stored, counted nowhere.
+            self._owe_replies_again(todo, owed)
+            raise
+
+    def _owe_replies_again(self, calls: Sequence[str], owed: Mapping[str, float]) -> None:
+        with self._lock:
+            for call in calls:
+                self._owed_replies.setdefault(call, owed[call])
 
     def _pay_owed_drops(self) -> None:
         if not self._owed_drops:
@@ -682,11 +690,17 @@ class RedisTier(Tier):
         try:
             self._run(send)
         except RedisUnavailable:
-            with self._lock:
-                for m, entry in owed.items():
-                    self._owed_drops.setdefault(m, entry)
+            self._owe_drops_again(owed)
         except StorageError:
             pass  # (Redis refused them: counted; sending them again would not help)
+        except BaseException:
+            self._owe_drops_again(owed)  # (interrupted: sent or not, a fenced delete sent twice takes nothing)
+            raise
+
+    def _owe_drops_again(self, owed: Mapping[str, tuple[int, float]]) -> None:
+        with self._lock:
+            for m, entry in owed.items():
+                self._owed_drops.setdefault(m, entry)
 
     def _mark_adopted(self, client: Any, members: Sequence[str], update: IndexUpdate) -> None:
         """In a cluster, give orphans the index just counted again their new generation, so
