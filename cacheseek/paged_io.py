@@ -110,8 +110,10 @@ def _name(index: int | None) -> str:
 
 
 def as_requests(requests: Any) -> list[PagedRequest]:
-    if not isinstance(requests, (list, tuple)) or not requests:
-        raise InputError("requests: expected a non-empty list of cacheseek.PagedRequest")
+    # An empty list is a step with nothing to load or save (as ``locate_batch([])``): its
+    # call answers nothing, so an engine calling once per step needs no guard of its own.
+    if not isinstance(requests, (list, tuple)):
+        raise InputError("requests: expected a list of cacheseek.PagedRequest")
     for i, r in enumerate(requests):
         if not isinstance(r, PagedRequest):
             raise InputError(f"requests[{i}]: expected a cacheseek.PagedRequest, got {type(r).__name__}")

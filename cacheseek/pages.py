@@ -409,7 +409,11 @@ class PagedSource:
         for table in tables:
             starts.append(total)
             total += table.numel()
-        self.page_ids = torch.cat(list(tables)) if len(tables) != 1 else tables[0]
+        if len(tables) == 1:
+            self.page_ids = tables[0]
+        else:
+            # (no tables: an empty batch, whose call has no rows)
+            self.page_ids = torch.cat(list(tables)) if tables else torch.zeros(0, dtype=torch.int32)
         self.owner = [r for r, _ in rows]
         flat = array.array("i")
         for r, b in rows:  # (a plain loop: torch ops on a few dozen numbers cost more)

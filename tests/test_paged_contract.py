@@ -290,6 +290,46 @@ def test_a_start_inside_the_page_table_and_the_keys_still_loads(world):
 # (RemoteCache's paged writer is the reference one: no slots mode there)
 @pytest.mark.parametrize("world, mode", [("embedded", "reference"), ("embedded", "slots"), ("remote", "reference")],
                          indirect=["world"])
+def test_an_empty_batch_is_a_step_with_nothing_to_do(world, monkeypatch, mode):
+    """A step with no loads or saves: every batch call answers nothing, as ``locate_batch([])``
+    does (each raised "expected a non-empty list" before), and its layer-wise handle and
+    writer are used as any other's. Pages of another layout are still refused."""
+    if mode == "slots":
+        monkeypatch.setattr(layerwise_save, "MIN_SAVE_BYTES", 0)
+    before = world.state()
+    assert world.cache.locate_batch([]) == []
+    assert world.cache.materialize_into_batch([], world.dest) == []
+    assert world.cache.ingest_batch([], world.pages) == []
+    assert world.cache.ingest_batch((), world.pages, wait=False).result(30) == []
+    load = world.cache.materialize_into_batch([], world.dest, layerwise=True)
+    assert (load.requests, load.num_blocks, load.num_tokens, load.tiers) == ([], 0, 0, [])
+    for layer in (2, 0, 1):
+        load.wait(layer)
+        assert load.ready(layer)
+    load.synchronize()
+    load.close()
+    writer = world.cache.ingest_batch([], world.pages, layerwise=True)
+    for layer in (1, 0, 2):
+        writer.put_layer(layer)
+    assert writer.finish() == []
+    with world.cache.ingest_batch([], world.pages, layerwise=True) as writer:
+        writer.put_layer(0)  # left without finish: aborted, as any writer
+    with pytest.raises(RuntimeError, match=r"put_layer: the writer is aborted"):
+        writer.put_layer(1)
+    for call in (lambda: world.cache.ingest_batch([], _other(world.pages, layers=2)),
+                 lambda: world.cache.materialize_into_batch([], _other(world.pages, layers=2), layerwise=True),
+                 lambda: world.cache.ingest_batch([], _other(world.pages, layers=2), layerwise=True)):
+        with pytest.raises(cs.InputError, match=r"^pages: 2 layers, the cache's layout has 3$"):
+            call()
+    with pytest.raises(cs.InputError, match=r"^requests: expected a list of cacheseek.PagedRequest"):
+        world.cache.materialize_into_batch(None, world.dest)
+    assert world.cache.flush(30)
+    assert world.same_as(before)
+
+
+# (RemoteCache's paged writer is the reference one: no slots mode there)
+@pytest.mark.parametrize("world, mode", [("embedded", "reference"), ("embedded", "slots"), ("remote", "reference")],
+                         indirect=["world"])
 def test_a_layerwise_writer_used_out_of_turn_stores_nothing(world, monkeypatch, mode):
     """Layers in any order are taken; a layer twice, outside the layout or not an int is an
     ``InputError`` and the writer stays usable; ``finish`` with a layer missing stores nothing
