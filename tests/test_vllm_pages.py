@@ -91,6 +91,9 @@ def test_config_remote_and_embedded_tiers():
     ({"timeout_seconds": 0}, "timeout_seconds: must be a positive number"),
     ({"retry_after_seconds": 10, "retry_cap_seconds": 5}, "retry_cap_seconds"),
     ({"model_id": 7}, "model_id: must be a string"),
+    # (a templated "${MODEL_ID}" left empty was taken, and each engine keyed under its own
+    # weights path: engines with other folders stopped sharing, silently)
+    ({"model_id": ""}, "kv_connector_extra_config.model_id: must be a non-empty string"),
     ({"layerwise_load": "no"}, 'layerwise_load: must be true, false or "auto"'),
     ({"layerwise_save": 2}, 'layerwise_save: must be true, false or "auto"'),
     ({"url": "http://h:1", "background_saves": "yes"}, "background_saves: must be true or false"),

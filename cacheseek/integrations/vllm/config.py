@@ -166,6 +166,12 @@ class ConnectorConfig:
         for key in ("model_id", "namespace", "hash_algo", "url", "token"):
             if key in extra:
                 kw[key] = _string(key, extra[key])
+        # Refused as PrefixCache(model_id="") is: an empty one (a template left unfilled) was
+        # replaced by vLLM's model path, and engines whose weights lie in other folders
+        # silently stopped sharing blocks.
+        if kw.get("model_id") == "":
+            raise ConfigError("kv_connector_extra_config.model_id: must be a non-empty string (the same on every "
+                              "engine that should share blocks; leave the key out for vLLM's model path), got ''")
         for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
