@@ -9,6 +9,8 @@ it has vLLM. Independent engines run two at a time. What is checked:
   key blocks apart; a step's saves and loads are one batched call each. Only full
   attention's KV cache specs are taken (a sliding window's null blocks would be saved
   and loaded into).
+- an embedded cache under the CPU build's default V1 multiprocessing (which makes the
+  executor of one worker "mp"): refused at start, naming VLLM_ENABLE_V1_MULTIPROCESSING=0.
 - embedded, Raw: an engine stores a prompt's prefix, forgets it (vLLM's prefix cache
   reset), and loads it for a second prompt from CacheSeek: vLLM's own counter shows the
   external hit tokens, and the greedy output equals that prompt computed without any cache,
@@ -362,6 +364,23 @@ def test_fp8_kv_caches_are_read_as_the_fp8_dtype_their_cache_dtype_names(specs):
         assert "or its fp8_e5m2 bytes are not torch.float8_e4m3fn" in res["cpu_pages"]["wrong_encoding"]
     else:
         assert "FP8 KV cache on CPU requires" in res["cpu_pages"]["fp8"], res
+
+
+def test_an_embedded_cache_under_the_cpu_builds_multiprocessing_is_told_to_turn_it_off():
+    """vLLM's CPU build makes the executor of one worker "mp" while V1 multiprocessing is on
+    (its default), so ``vllm serve`` and ``LLM(...)`` with ``tiers`` refused to start, told
+    only to give a server url: the refusal now names VLLM_ENABLE_V1_MULTIPROCESSING=0, which
+    keeps the worker with the scheduler (the connector made on the config vLLM makes, no model
+    loaded)."""
+    res = run_engine({"scenario": "executor", "extra": {}})
+    default = res["default"]
+    assert default["backend"] == "mp" and default["remote"] == "ok", res
+    assert "set VLLM_ENABLE_V1_MULTIPROCESSING=0 in the engine's environment" in default["embedded"], res
+    assert default["embedded"].endswith("or give a server url"), res
+    assert res["off"] == {"backend": "uni", "embedded": "ok", "remote": "ok"}, res
+    # "mp" asked for: the variable would not help, and is not named
+    asked = res["off_mp_asked"]
+    assert asked["embedded"].endswith("which an embedded cache cannot serve; give a server url"), res
 
 
 def test_a_request_vllm_asks_about_again_before_admitting_it_is_counted_once():

@@ -1079,6 +1079,40 @@ def specs(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def executor(job: dict[str, Any]) -> dict[str, Any]:
+    """The connector (scheduler side) made on the config vLLM makes for one worker (its
+    platform's changes applied; no model loaded), with V1 multiprocessing on (vLLM's
+    default) and off, embedded and remote: each ConfigError, or "ok"."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from cacheseek.errors import ConfigError
+    from cacheseek.integrations.vllm.connector import CacheSeekConnector
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=64, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                                    kv_cache_groups=[KVCacheGroupSpec(["l.0.attn", "l.1.attn"], spec)])
+    out: dict[str, Any] = {}
+    for name, multiprocessing, more in (("default", "1", {}), ("off", "0", {}),
+                                        ("off_mp_asked", "0", {"distributed_executor_backend": "mp"})):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
+        for kind, extra in (("embedded", {"codec": "raw", "tiers": {"cpu_bytes": "64MiB"}}),
+                            ("remote", {"codec": "raw", "url": "http://127.0.0.1:1"})):
+            config = EngineArgs(model=model_path(), dtype="float32", max_model_len=1024,
+                                kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": extra},
+                                **more).create_engine_config()
+            out.setdefault(name, {"backend": config.parallel_config.distributed_executor_backend})
+            try:
+                connector = CacheSeekConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+                out[name][kind] = "ok"
+                connector.shutdown()
+            except ConfigError as exc:
+                out[name][kind] = str(exc)
+    return out
+
+
 def fp8_specs() -> dict[str, Any]:
     """vLLM's KV cache specs and cache configs of each --kv-cache-dtype (its fp8 pages are
     uint8): the KV dtype the connector reads the pages as, or the ConfigError it refuses
@@ -1230,7 +1264,7 @@ def cpu_pages(job: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {f.__name__: f for f in (share, sharers, planned_ahead, preemption, lora, store, load, tensor_parallel, ttft, keys, specs,
-                                               admission, steps, cpu_pages, mla,
+                                               executor, admission, steps, cpu_pages, mla,
                                                prefill_decode)}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,6 +53,7 @@ log = logging.getLogger("cacheseek.vllm")
 HIT_SOURCE_OF_TIER = {"gpu": CacheHitSource.DEVICE, "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 # executors that run the worker in the scheduler's process, as an embedded cache needs
 SAME_PROCESS_EXECUTORS = (None, "uni", "external_launcher")
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # How long shutdown waits for loads between steps still running (pages being written) before it goes on.
 SHUTDOWN_LOAD_SECONDS = 10.0
 
@@ -136,17 +138,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
             if getattr(parallel, name, 1) > 1:
                 raise ConfigError(f"CacheSeekConnector: {name}={getattr(parallel, name)} is not supported yet")
         tp_size = parallel.tensor_parallel_size
-        if tp_size > 1 and not self.config.remote:
-            raise ConfigError(
-                f"kv_connector_extra_config: tensor_parallel_size={tp_size} runs workers in other processes than "
-                "the scheduler, which an embedded cache cannot serve; give a server url"
-            )
-        backend = parallel.distributed_executor_backend
-        if not self.config.remote and tp_size == 1 and backend not in SAME_PROCESS_EXECUTORS:
-            raise ConfigError(
-                f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
-                "process than the scheduler, which an embedded cache cannot serve; give a server url"
-            )
+        check_one_process(self.config, parallel)
         self.model_id = model_id = self.config.model_id or default_model_id(vllm_config.model_config)
         load = transfer.kv_role in ("kv_both", "kv_consumer")
         save = transfer.kv_role in ("kv_both", "kv_producer")
@@ -463,6 +455,38 @@ FP8_CACHE_DTYPES = {"fp8": None, "fp8_e4m3": None, "fp8_e5m2": "float8_e5m2"}  #
 PLAIN_CACHE_DTYPES = ("auto", "float16", "bfloat16", "float32", "half", "float")
 
 
+def check_one_process(config: ConnectorConfig, parallel: Any) -> None:
+    """``ConfigError`` for an embedded cache (no ``url``) whose scheduler and worker vLLM
+    runs in different processes (``parallel``: vLLM's ``ParallelConfig``, as its platform
+    left it), saying what to change."""
+    if config.remote:
+        return
+    tp_size = parallel.tensor_parallel_size
+    if tp_size > 1:
+        raise ConfigError(
+            f"kv_connector_extra_config: tensor_parallel_size={tp_size} runs workers in other processes than "
+            "the scheduler, which an embedded cache cannot serve; give a server url"
+        )
+    backend = parallel.distributed_executor_backend
+    if backend in SAME_PROCESS_EXECUTORS:
+        return
+    why = (f"kv_connector_extra_config: distributed_executor_backend={backend!r} runs the worker in another "
+           "process than the scheduler, which an embedded cache cannot serve")
+    from vllm.platforms import current_platform
+
+    # vLLM's CPU build makes its uniprocess executor "mp" while V1 multiprocessing is on,
+    # its default (vllm/platforms/cpu.py, whose test of the variable this is): a user who
+    # asked for no executor got this refusal, told only to give a url, though setting the
+    # variable keeps the worker with the scheduler.
+    if backend == "mp" and current_platform.is_cpu() and os.environ.get(MULTIPROCESSING_ENV, "1") == "1":
+        raise ConfigError(
+            f"{why}: vLLM's CPU build runs even one worker under 'mp' while V1 multiprocessing is on (its "
+            f"default); set {MULTIPROCESSING_ENV}=0 in the engine's environment (for vllm serve too), with no "
+            "distributed_executor_backend, or give a server url"
+        )
+    raise ConfigError(f"{why}; give a server url")
+
+
 def _kv_dtype(spec_dtype: Any, cache_dtype: str, cache_config: Any) -> str:
     """The KV dtype of vLLM's pages, from its KV cache spec and ``--kv-cache-dtype``."""
     if cache_dtype in PLAIN_CACHE_DTYPES:
@@ -556,4 +580,4 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
-__all__ = ["CacheSeekConnector", "CacheSeekMetadata", "CacheSeekStats", "check_cpu_pages"]
+__all__ = ["CacheSeekConnector", "CacheSeekMetadata", "CacheSeekStats", "check_cpu_pages", "check_one_process"]
