@@ -66,6 +66,7 @@ class AdminOps:
         # (or their chain is gone, or they expire): dropped, the next save lost them for good
         # and the chain stayed unpinned once Redis was back.
         self._unrestored: dict[bytes, dict[str, Any]] = {}
+        self._chains_gone = 0  # pins of the file whose chains were no longer stored
         self._stop = threading.Event()
         self._retrying: threading.Thread | None = None
 
@@ -308,6 +309,7 @@ class AdminOps:
             return 0
         now = time.time()
         entries = data.get("pins")
+        expired = 0
         for entry in entries if isinstance(entries, list) else []:
             try:
                 namespace, h, expires = str(entry["namespace"]), bytes.fromhex(entry["hash"]), entry.get("expires_at")
@@ -318,10 +320,20 @@ class AdminOps:
             # with the clock, a string stopped the server's start).
             if expires is not None and (isinstance(expires, bool) or not isinstance(expires, (int, float))
                                         or not math.isfinite(expires) or expires <= now):
+                expired += isinstance(expires, (int, float)) and not isinstance(expires, bool)
                 continue
             # Every entry waits until made: a save while the first are made keeps the rest.
             self._unrestored[key] = {"namespace": namespace, "hash": to_hex(h), "expires_at": expires}
+        self._chains_gone = 0
         made, _ = self._pin_unrestored(at_start=True)
+        # Said once, counted: the pins a start drops (expired while the server was down, or
+        # their chains no longer stored) went without a word, and an operator found fewer
+        # pins than before the restart.
+        if self._chains_gone:
+            log.warning("pins file: %d pins made again; %d dropped whose chains are no longer stored whole, "
+                        "%d expired while the server was down", made, self._chains_gone, expired)
+        elif made or expired:
+            log.info("pins file: %d pins made again; %d expired while the server was down", made, expired)
         if self._unrestored:
             self._retrying = threading.Thread(target=self._retry_unrestored, name="cacheseek-pins-restore", daemon=True)
             self._retrying.start()
@@ -346,7 +358,7 @@ class AdminOps:
                         made += 1
                         continue
                 except NotFound:
-                    pass  # (its chain is gone: not made again, as at any start)
+                    self._chains_gone += 1  # (its chain is gone: not made again, as at any start)
                 except TierUnreachable as exc:
                     if at_start:
                         log.warning("pin of %s in namespace %r not restored yet: %s (kept in the pins file, and "

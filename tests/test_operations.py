@@ -682,6 +682,27 @@ def test_start_up_summary_recovery_pins_and_owners_survive_a_restart(tmp_path):
         assert "not restored yet" in s.output()
 
 
+def test_a_start_says_how_many_pins_it_dropped_and_why(tmp_path):
+    """Pins whose chains lost a block, or that expired while the server was down, are not
+    made again at start, as documented; they went without a word, and an operator found
+    fewer pins after a restart than before."""
+    kept, cut, expiring = raw_chain(61, 3), raw_chain(62, 3), raw_chain(63, 3)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        for chain in (kept, cut, expiring):
+            post_chain(c, chain, **writer("a", "llama"))
+        for chain, body in ((kept, None), (cut, None), (expiring, {"ttl_seconds": 1})):
+            r = c.put(f"/v1/admin/pins/{chain[-1][0].hex()}", json=body,
+                      headers=admin() | {"X-CacheSeek-Namespace": "a"})
+            assert r.status_code in (200, 201), r.text
+        assert c.delete(f"/v1/blocks/{cut[1][0].hex()}",
+                        headers={"Authorization": f"Bearer {WRITE}", "X-CacheSeek-Namespace": "a"}).status_code == 204
+        time.sleep(1.2)
+    with Server(tmp_path, "--admin-token", ADMIN, "--write-token", WRITE) as s, httpx.Client(base_url=s.url) as c:
+        out = s.output().split("cacheseek serve 0")[-1]
+        assert "pins file: 1 pins made again; 1 dropped whose chains are no longer stored whole, 1 expired" in out, out
+        assert [p["hash"] for p in c.get("/v1/admin/pins", headers=admin()).json()] == [kept[-1][0].hex()]
+
+
 def test_a_restart_with_a_smaller_disk_budget_keeps_the_pinned_chains(tmp_path):
     """The disk tier trimmed a directory fuller than a new ``disk_bytes`` when it opened, before
     the pins file's pins were made again: a pinned chain, the oldest, was evicted first and
