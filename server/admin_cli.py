@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import ssl
 import sys
 import time
 from typing import Any
@@ -59,14 +60,37 @@ def token_problem(token: str) -> str | None:
     return f"holds {bad!r}, which no HTTP header carries (printable ASCII only)"
 
 
-def answer_client(seconds: float, **kw: Any) -> httpx.Client:
+def cacert_context(path: str | None) -> ssl.SSLContext:
+    """The TLS settings of ``--cacert``: the CA bundle ``path`` (a file of PEM certificates)
+    trusts the server's certificate, or, without one, httpx's trust store (certifi, or
+    SSL_CERT_FILE/SSL_CERT_DIR). ``ValueError`` saying why where the bundle is unusable."""
+    if path is None:
+        return httpx.create_ssl_context()
+    try:
+        return ssl.create_default_context(cafile=path)
+    except FileNotFoundError:
+        raise ValueError(f"no file at {path!r}") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"{path!r} is not a readable PEM bundle of CA certificates ({exc})") from None
+
+
+def tls_hint(exc: BaseException) -> str:
+    """What to do about ``exc`` where it is a certificate the client does not trust (a
+    server's self-signed or private-CA certificate), else ''. "certificate verify failed"
+    alone left a user with no way out: SSL_CERT_FILE worked, and no document said so."""
+    if "CERTIFICATE_VERIFY_FAILED" not in str(exc):
+        return ""
+    return (" (the server's TLS certificate is not trusted: give --cacert FILE, the CA bundle that signed it, "
+            "or set SSL_CERT_FILE=FILE)")
+
+
+def answer_client(seconds: float, cacert: str | None = None, **kw: Any) -> httpx.Client:
     """A client whose every exchange, from connecting to the answer's last byte, is held to
     ``seconds`` (``BulkTransport``'s ``exchange_timeout``). httpx's timeouts bound each read:
     a server, or anything at its URL, sending the answer's head a byte now and then held a
     command for as long as it liked. Through a proxy (httpx's own transport) the head is
     bounded per read only; the body, by ``whole_answer``, either way."""
-    # httpx's trust store (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), as the commands had.
-    transport = BulkTransport(max_connections=4, verify=httpx.create_ssl_context(), exchange_timeout=seconds)
+    transport = BulkTransport(max_connections=4, verify=cacert_context(cacert), exchange_timeout=seconds)
     return httpx.Client(transport=transport, timeout=seconds, **kw)
 
 
@@ -142,6 +166,9 @@ def _common_options(p: Any, *, defaults: bool) -> None:
     p.add_argument("--token", default=default(os.environ.get("CACHESEEK_ADMIN_TOKEN")),
                    help="the admin token [env CACHESEEK_ADMIN_TOKEN]")
     p.add_argument("--json", action="store_true", default=default(False), help="print the servers' answers as JSON")
+    p.add_argument("--cacert", metavar="FILE", default=default(None),
+                   help="CA bundle (PEM) that signed an https server's certificate, a self-signed one too "
+                        "(default: the system's CAs, or SSL_CERT_FILE)")
     p.add_argument("--timeout", type=float, default=default(60.0),
                    help="seconds to wait for each server's answer (default 60; a flush of many blocks takes long)")
 
@@ -224,6 +251,11 @@ def main(args: Any) -> int:
         if problem:
             print(f"cacheseek admin: --url: {problem}", file=sys.stderr)
             return 2
+    try:
+        cacert_context(args.cacert)  # (said once, before any server is asked)
+    except ValueError as exc:
+        print(f"cacheseek admin: --cacert: {exc}", file=sys.stderr)
+        return 2
     method, path, kw = _request(args)
     worst = 0
     answers = {}
@@ -231,7 +263,7 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            with answer_client(args.timeout) as client:
+            with answer_client(args.timeout, args.cacert) as client:
                 r = whole_answer(client, method, url.rstrip("/") + path, args.timeout, headers=headers,
                                  **{k: v for k, v in kw.items() if k != "headers"})
         except httpx.ReadTimeout:
@@ -241,7 +273,7 @@ def main(args: Any) -> int:
             worst = max(worst, 3)
             continue
         except httpx.HTTPError as exc:
-            print(f"cacheseek admin: {url}: unreachable: {exc}", file=sys.stderr)
+            print(f"cacheseek admin: {url}: unreachable: {exc}{tls_hint(exc)}", file=sys.stderr)
             worst = max(worst, 3)
             continue
         except AnswerTooLarge as exc:

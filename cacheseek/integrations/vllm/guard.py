@@ -44,8 +44,11 @@ class StoreGuard:
     def failure(self, what: str, exc: BaseException, ticket: Ticket | None = None) -> None:
         if self.breaker is not None:
             self.breaker.record_failure(ticket)
-        log.warning("cacheseek %s: %s failed (%s: %s); vLLM computes instead", self.side, what,
-                    type(exc).__name__, exc)
+        # RemoteCache's own advice names its verify=, which a vLLM user never calls
+        hint = ("; the server's TLS certificate is not trusted: give kv_connector_extra_config.ca_bundle the CA "
+                "bundle (PEM) that signed it, or set SSL_CERT_FILE" if "CERTIFICATE_VERIFY_FAILED" in str(exc) else "")
+        log.warning("cacheseek %s: %s failed (%s: %s)%s; vLLM computes instead", self.side, what,
+                    type(exc).__name__, exc, hint)
 
 
 _EMBEDDED = Ticket(0)  # (an embedded cache has no breaker: every call allowed)

@@ -61,7 +61,8 @@ def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: 
         from ...remote import RemoteCache
 
         return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds,
-                           max_pending_bytes=config.max_pending_bytes, **common)
+                           max_pending_bytes=config.max_pending_bytes,
+                           verify=config.ca_bundle if config.ca_bundle is not None else True, **common)
     from ...prefix_cache import PrefixCache
 
     name = json.dumps({**common, "layout": layout.to_dict(), "codec": config.codec.spec(),
