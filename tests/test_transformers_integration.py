@@ -1058,3 +1058,36 @@ def test_ingest_of_a_sliding_window_cache_past_its_window_says_why():
                 cache.ingest(ids, kv)
         else:  # (a transformers whose cache layers keep every token: nothing dropped, stored)
             assert cache.ingest(ids, kv).stored == 6
+
+
+def test_to_dynamic_cache_without_transformers_names_the_extra_to_install(tmp_path):
+    """In an install without the demo extra, ``got.to_dynamic_cache()`` (the README's Python
+    API) raised a bare "No module named 'transformers'"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys\n"
+        "sys.modules['transformers'] = None  # as if it were not installed\n"
+        "import torch\n"
+        "import cacheseek as cs\n"
+        "cache = cs.PrefixCache(model_id='m', layout=cs.KVLayout(num_layers=2, num_kv_heads=2, head_dim=8,\n"
+        "                       dtype=torch.float16), codec=cs.Raw(), block_tokens=4,\n"
+        "                       tiers=cs.TierConfig(gpu_bytes=0, cpu_bytes='1MiB'))\n"
+        "kv = [(torch.randn(1, 2, 8, 8, dtype=torch.float16), torch.randn(1, 2, 8, 8, dtype=torch.float16))] * 2\n"
+        "cache.ingest(list(range(8)), kv)\n"
+        "got = cache.materialize(list(range(8)))\n"
+        "try:\n"
+        "    got.to_dynamic_cache()\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(type(exc).__name__, exc.name, exc)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout
+    assert said.startswith("ModuleNotFoundError transformers "), said
+    assert "pip install -e '.[demo]'" in said and "'demo' extra" in said, said

@@ -116,9 +116,23 @@ def _logits_kwarg(model: Any) -> str | None:
 # -- DynamicCache in and out -------------------------------------------------------------
 
 
+def _require_transformers() -> None:
+    """``ModuleNotFoundError`` naming the extra to install where transformers is missing: the
+    bare "No module named 'transformers'" out of ``got.to_dynamic_cache()`` (the README's
+    Python API, in an install without the extra) did not say where it comes from."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ModuleNotFoundError(
+            f"a DynamicCache (to_dynamic_cache) needs transformers, which the 'demo' extra installs: "
+            f"pip install -e '.[demo]' in the checkout, or pip install 'transformers>=4.57' ({exc})",
+            name="transformers") from None
+
+
 def _new_dynamic_cache(config: Any = None) -> Any:
     """An empty ``DynamicCache`` for a model ``config`` (its layer types: sliding window and
     so on, on 5.x), or of plain full-attention layers without one."""
+    _require_transformers()
     from transformers import DynamicCache
 
     return DynamicCache(**_dynamic_cache_kwargs(config))
