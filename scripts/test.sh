@@ -70,7 +70,13 @@ assert torch.__file__.startswith('$PARENT_SITE')" 2>/dev/null; then
   "$PY" -m venv --clear "$TF4_VENV"
   TF4_SITE=$("$TF4_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   echo "import site; site.addsitedir('$PARENT_SITE')" > "$TF4_SITE/_cacheseek_parent_site.pth"
-  "$TF4_VENV/bin/python" -m pip install -q "transformers==$TRANSFORMERS4"
+  # --no-warn-conflicts: pip checks every package it can see, the parent's too, and one its
+  # transformers 5 pulled in (kernels: huggingface-hub>=1.x) conflicts with the
+  # huggingface-hub 0.x that transformers 4 pins here. Harmless: the parent's transformers 5
+  # is shadowed by this venv's 4, and transformers 4's optional `import kernels` fails here
+  # and is done without (its hub kernels are off; tests/test_transformers4.py passes). The
+  # "ERROR: ... incompatible" pip printed read as a failed install.
+  "$TF4_VENV/bin/python" -m pip install -q --no-warn-conflicts "transformers==$TRANSFORMERS4"
 fi
 export CACHESEEK_TRANSFORMERS4_PYTHON="$TF4_VENV/bin/python"
 
