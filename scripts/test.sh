@@ -60,10 +60,14 @@ export CACHESEEK_VLLM_PYTHON="$VLLM_VENV/bin/python"
 # integration supports both): a venv with transformers 4 and what it pins, over this
 # Python's own packages (torch, gguf, accelerate, pytest, this checkout's editable install),
 # added after the venv's by a .pth (venv --system-site-packages would reach the base
-# interpreter's, not those of a venv named by $PYTHON). Built once per machine (~30 s).
+# interpreter's, not those of a venv named by $PYTHON). Built once per parent venv (~30 s).
 TRANSFORMERS4=4.57.6
-TF4_VENV=${CACHESEEK_TRANSFORMERS4_VENV:-$HOME/.cache/cacheseek/venv-transformers-$TRANSFORMERS4}
 PARENT_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+# Its default path is keyed by the parent's site-packages: it was one per machine, rebuilt
+# (--clear, below) whenever its .pth named another parent, so two checkouts with venvs of
+# their own wiped it in turn, under a suite running in the other.
+PARENT_KEY=$("$PY" -c "import hashlib, sys; print(hashlib.sha256(sys.argv[1].encode()).hexdigest()[:10])" "$PARENT_SITE")
+TF4_VENV=${CACHESEEK_TRANSFORMERS4_VENV:-$HOME/.cache/cacheseek/venv-transformers-$TRANSFORMERS4-$PARENT_KEY}
 if ! "$TF4_VENV/bin/python" -c "import transformers, torch, pytest, gguf, cacheseek.kernels, sysconfig
 assert transformers.__version__ == '$TRANSFORMERS4' and sysconfig.get_paths()['purelib'] != '$PARENT_SITE'
 assert torch.__file__.startswith('$PARENT_SITE')" 2>/dev/null; then
