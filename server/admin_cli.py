@@ -19,6 +19,7 @@ a token that is not printable ASCII, a namespace out of the server's pattern too
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -326,7 +327,24 @@ def _size(n: float | None) -> str:
     return "-"
 
 
-def _table(cmd: str, body: Any) -> str:
+def _span(seconds: float) -> str:
+    seconds = abs(seconds)
+    for unit, size, up_to in (("s", 1, 120), ("min", 60, 120), ("h", 3600, 48)):
+        if seconds < size * up_to:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds / 86400:.0f} days"
+
+
+def _when(at: Any, now: float) -> str:
+    """A Unix time as a UTC time and how long ago or from now: the raw number (``1796628249
+    (unix)``) read as nothing to an operator."""
+    if at is None:
+        return "-"
+    stamp = datetime.datetime.fromtimestamp(float(at), datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"{stamp} ({_span(now - at)} ago)" if at <= now else f"{stamp} (in {_span(at - now)})"
+
+
+def _table(cmd: str, body: Any, now: float | None = None) -> str:
     if cmd in ("namespaces", "models", "pins") and not isinstance(body, list):
         raise TypeError(f"{cmd}: expected a list, got {type(body).__name__}")
     if cmd not in ("namespaces", "models", "pins") and not isinstance(body, dict):
@@ -347,12 +365,14 @@ def _table(cmd: str, body: Any) -> str:
         return "\n".join(printable(line) for line in lines)
     if cmd == "pins":
         # ``stored`` below ``blocks``: blocks of the chain deleted since (a block DELETE)
-        lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'stored':>8}{'bytes':>14}  expires"]
+        now = time.time() if now is None else now
+        lines = [f"{'namespace':<20}{'hash':<34}{'blocks':>8}{'stored':>8}{'bytes':>14}  {'since':<38}expires"]
         for pin in body:
-            expires = "never" if pin["expires_at"] is None else f"{pin['expires_at']:.0f} (unix)"
+            expires = "never" if pin["expires_at"] is None else _when(pin["expires_at"], now)
             if pin.get("waiting"):
                 expires += " (not made yet: Redis unreachable at the server's start)"
             lines.append(f"{(pin['namespace'] or '(default)'):<20}{pin['hash'] or '?':<34}{pin['blocks']:>8}"
-                         f"{pin.get('stored_blocks', pin['blocks']):>8}{_size(pin['bytes']):>14}  {expires}")
+                         f"{pin.get('stored_blocks', pin['blocks']):>8}{_size(pin['bytes']):>14}  "
+                         f"{_when(pin.get('pinned_at'), now):<38}{expires}")
         return "\n".join(printable(line) for line in lines)
     return json.dumps(body)

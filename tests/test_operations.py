@@ -1127,6 +1127,24 @@ def test_admin_tables_show_small_sizes_and_the_default_namespace_readably():
     assert cut.splitlines()[0].split()[2:4] == ["blocks", "stored"] and cut.splitlines()[1].split()[2:4] == ["3", "2"]
 
 
+def test_admin_pins_says_since_and_until_when_as_utc_times_and_how_long():
+    """`cacheseek admin pins` printed the expiry as a raw Unix time ("1796628249 (unix)") and
+    no "since", where docs/operations.md promised "since and until when"."""
+    from cacheseek.server.admin_cli import _table
+
+    now = 1_796_628_249.0  # 2026-12-07 07:24:09 UTC
+    pins = [{"namespace": "", "hash": "ab" * 16, "blocks": 3, "bytes": 32_640, "pinned_at": now - 300,
+             "expires_at": now + 3 * 3600},
+            {"namespace": "a", "hash": "cd" * 16, "blocks": 1, "bytes": 10, "pinned_at": now - 3 * 86400,
+             "expires_at": None}]
+    table = _table("pins", pins, now=now)
+    header, first, second = table.splitlines()
+    assert "since" in header and "expires" in header, table
+    assert "unix" not in table, table
+    assert "2026-12-07 07:19:09 UTC (5 min ago)" in first and "2026-12-07 10:24:09 UTC (in 3 h)" in first, table
+    assert "2026-12-04 07:24:09 UTC (3 days ago)" in second and second.endswith("never"), table
+
+
 def test_admin_and_top_refuse_a_token_or_namespace_no_header_can_carry(not_cacheseek, capsys):
     """A token with a non-ASCII character (a pasted ellipsis, a non-breaking space) or a
     namespace out of the server's pattern ended the command in a traceback from the HTTP
