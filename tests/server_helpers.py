@@ -206,3 +206,17 @@ def figures_after_traffic(root: Path, *args: str) -> tuple[str, dict]:
             return c.get("/metrics").text, c.get("/v1/stats").json()
     finally:
         redis.stop()
+
+
+def write_tls_files(root: Path) -> Path:
+    """A test CA and a certificate for 127.0.0.1 and localhost signed by it, as PEM files in
+    ``root``: ca.pem, cert.pem (the chain) and key.pem. Skips the test without trustme."""
+    import pytest
+
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    ca.cert_pem.write_to_path(str(root / "ca.pem"))
+    cert.private_key_pem.write_to_path(str(root / "key.pem"))
+    (root / "cert.pem").write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+    return root

@@ -26,7 +26,8 @@ import xxhash
 from cacheseek.layout import KVLayout
 from cacheseek.quant import KIVI
 from cacheseek.store.frame import PREAMBLE, build_frame, parse_frame, plan_frame
-from server_helpers import BLOCK, Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch
+from server_helpers import (BLOCK, Server, batch_body, bodies, cacheseek_command, free_port, raw_chain, raw_frame, split_batch,
+                            write_tls_files)
 
 MiB = 1 << 20
 BIG_LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, dtype="float16")  # 1 MiB Raw frames
@@ -1017,17 +1018,7 @@ def test_a_missing_tls_file_is_named(tmp_path, tls_files):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    trustme = pytest.importorskip("trustme")
-    root = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(root / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(root / "key.pem"))
-    cert.cert_chain_pems[0].write_to_path(str(root / "cert.pem"))
-    for pem in cert.cert_chain_pems[1:]:
-        with open(root / "cert.pem", "ab") as f:
-            f.write(pem.bytes())
-    return root
+    return write_tls_files(tmp_path_factory.mktemp("tls"))
 
 
 def test_tls_round_trips_with_the_fast_receive_path(tmp_path, tls_files):

@@ -12,24 +12,16 @@ import subprocess
 
 import pytest
 
-from server_helpers import Server, cacheseek_command
+from server_helpers import Server, cacheseek_command, write_tls_files
 
 ADMIN = "adm1n-token"
 
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
-    trustme = pytest.importorskip("trustme")
     import ssl
 
-    root = tmp_path_factory.mktemp("tls")
-    ca = trustme.CA()
-    cert = ca.issue_cert("127.0.0.1", "localhost")
-    ca.cert_pem.write_to_path(str(root / "ca.pem"))
-    cert.private_key_pem.write_to_path(str(root / "key.pem"))
-    for i, pem in enumerate(cert.cert_chain_pems):
-        with open(root / "cert.pem", "ab" if i else "wb") as f:
-            f.write(pem.bytes())
+    root = write_tls_files(tmp_path_factory.mktemp("tls"))
     (root / "junk.pem").write_text("not a certificate\n")
     verify = ssl.create_default_context(cafile=str(root / "ca.pem"))
     with Server(root / "srv", "--tls-cert", str(root / "cert.pem"), "--tls-key", str(root / "key.pem"),

@@ -868,6 +868,24 @@ def test_a_lookup_whose_request_is_gone_before_its_answer_still_answers_the_guar
         close_cache(config, cache)
 
 
+def _fake_request(req_id: str, tokens: list[int]):
+    """What the scheduler side reads of a vLLM Request."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
+                           mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+
+
+def _first_step(sched, req_id: str, computed: int, total: int):
+    """The plan of a step that schedules ``req_id`` for the first time, ``computed`` tokens
+    in (vLLM's hit), to the end of its ``total`` tokens."""
+    from types import SimpleNamespace
+
+    new = [SimpleNamespace(req_id=req_id, num_computed_tokens=computed)]
+    return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={req_id: total - computed},
+                                      scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+
+
 @contextmanager
 def _scheduler_over_a_server(tmp_path, tokens):
     """A scheduler side over a real server that holds the first 96 ``tokens`` (3 blocks of
@@ -928,26 +946,15 @@ def test_blocks_vllms_own_prefix_cache_served_are_not_saved_again(tmp_path):
     started its saves at token 0: a repeated prompt was encoded whole on every request,
     only for the store to answer that every block was present. Saves now begin where
     vLLM's own hit ends: blocks this request computes."""
-    from types import SimpleNamespace
-
     tokens = list(range(8000, 8097))  # 3 full blocks of 32, and a token
     with _scheduler_over_a_server(tmp_path, tokens) as sched:
-        def request(req_id):
-            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
-                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
-
-        def step(req_id, computed):
-            new = [SimpleNamespace(req_id=req_id, num_computed_tokens=computed)]
-            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={req_id: 97 - computed},
-                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
-
         for req_id, local_hit, saved in (("all", 96, []), ("part", 64, [(64, 96)]), ("none", 0, [(0, 96)])):
-            req = request(req_id)
+            req = _fake_request(req_id, tokens)
             if local_hit == 96:  # nothing the store could add: not asked
                 lookups = sched.stats.lookups
                 assert sched.matched_tokens(req, local_hit) == 0 and sched.stats.lookups == lookups
             sched.after_alloc(req, 0)  # (no external tokens taken: vLLM's own hit only)
-            plan = step(req_id, local_hit)
+            plan = _first_step(sched, req_id, local_hit, len(tokens))
             assert [(spec.start, len(spec.token_ids)) for spec in plan.saves] == saved, req_id
             sched.finished(req)
 
@@ -966,13 +973,10 @@ def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded
                                   scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]))
 
         def request(req_id):
-            return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, prompt_embeds=None, lora_request=None,
-                                   mm_features=None, cache_salt=None, skip_reading_prefix_cache=False)
+            return _fake_request(req_id, tokens)
 
         def step(req_id, computed):
-            new = [SimpleNamespace(req_id=req_id, num_computed_tokens=computed)]
-            return sched.plan(SimpleNamespace(scheduled_new_reqs=new, num_scheduled_tokens={req_id: 97 - computed},
-                                              scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[])))
+            return _first_step(sched, req_id, computed, len(tokens))
 
         # vLLM resumes the request where its load ended: all of it, or (the worker reported
         # blocks 1 and 2) block 0
