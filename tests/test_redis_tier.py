@@ -1977,6 +1977,17 @@ def test_interrupts_during_redis_calls_are_no_failures_of_redis(redis_url):
         tier.close()
 
 
+def _fill_then_interrupt_a_put(tier: RedisTier, frames, trip: int, sent: bool):
+    """Fill the tier with ``frames[:4]``, then put the rest with a KeyboardInterrupt at
+    round trip ``trip`` (``_InterruptingClient``): the tier's own client, to put back."""
+    tier.put_many(frames[:4])
+    inner = tier._connection()
+    tier._client = _InterruptingClient(inner, trip, sent=sent)
+    with pytest.raises(KeyboardInterrupt):
+        tier.put_many(frames[4:])
+    return inner
+
+
 @pytest.mark.parametrize("trip, sent", [(1, True), (2, False)], ids=["script-answered", "deletes-unsent"])
 def test_a_put_interrupted_after_its_script_evicted_owes_the_victims_deletes(redis_url, trip, sent):
     """Ctrl-C in a put after the index script evicted (its reply read, or before the
@@ -1986,11 +1997,7 @@ def test_a_put_interrupted_after_its_script_evicted_owes_the_victims_deletes(red
     frames = [_frame(i) for i in range(131, 139)]
     tier = RedisTier(redis_url, 4 * frames[0][1].nbytes)
     try:
-        tier.put_many(frames[:4])
-        inner = tier._connection()
-        tier._client = _InterruptingClient(inner, trip, sent=sent)
-        with pytest.raises(KeyboardInterrupt):
-            tier.put_many(frames[4:])
+        inner = _fill_then_interrupt_a_put(tier, frames, trip, sent)
         tier._client = inner
         assert tier.breaker.stats().consecutive_failures == 0
         stats = tier.stats()  # (pays what is owed)
@@ -2008,11 +2015,7 @@ def test_owed_deletes_whose_sending_is_interrupted_stay_owed(redis_url, trip, se
     frames = [_frame(i) for i in range(225, 233)]
     tier = RedisTier(redis_url, 4 * frames[0][1].nbytes)
     try:
-        tier.put_many(frames[:4])
-        inner = tier._connection()
-        tier._client = _InterruptingClient(inner, trip, sent=sent)
-        with pytest.raises(KeyboardInterrupt):
-            tier.put_many(frames[4:])
+        inner = _fill_then_interrupt_a_put(tier, frames, trip, sent)
         tier._client = _InterruptingClient(inner, 1, sent=False)  # (the stats' first payment)
         with pytest.raises(KeyboardInterrupt):
             tier.stats()
