@@ -1367,15 +1367,19 @@ def test_every_redis_error_is_a_miss_or_a_counted_dropped_write(error, kind):
 # -- values and index entries this tier did not write, and another process's late DELs ------
 
 
-def _big_frame(i: int) -> tuple[bytes, BlockFrame]:
-    """~16 MB: a batch holding it takes a while to send, so its round trip 2 is slow."""
-    key = i.to_bytes(16, "big")
-    lay = cs.KVLayout(num_layers=32, num_kv_heads=8, head_dim=64, dtype="float16")
-    shape = (32, 8, 256, 64)
-    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=lay, block_tokens=256,
+def _raw_frame_of(key: bytes, fill: int, layers: int, tokens: int) -> tuple[bytes, BlockFrame]:
+    """A Raw frame of ``layers`` x 8 heads x ``tokens`` x 64 fp16, every payload byte ``fill``."""
+    lay = cs.KVLayout(num_layers=layers, num_kv_heads=8, head_dim=64, dtype="float16")
+    shape = (layers, 8, tokens, 64)
+    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=lay, block_tokens=tokens,
                       codec=cs.Raw().spec(), buffers=[("k", "float16", shape), ("v", "float16", shape)])
     half = meta.tensors[0].nbytes
-    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([fill % 256]) * half] * 2)))
+
+
+def _big_frame(i: int) -> tuple[bytes, BlockFrame]:
+    """~16 MB: a batch holding it takes a while to send, so its round trip 2 is slow."""
+    return _raw_frame_of(i.to_bytes(16, "big"), i, 32, 256)
 
 
 def test_a_block_another_process_evicts_while_this_one_puts_it_stays_stored(redis_url, server):
@@ -2898,13 +2902,7 @@ def test_the_index_script_refuses_a_foreign_key_before_any_write_of_an_unpin(red
 
 def _mib_frame(i: int) -> tuple[bytes, BlockFrame]:
     """1 MiB of payload and a header: just past a power of two, as every real block's frame."""
-    key = (1 << 100 | i).to_bytes(16, "big")
-    lay = cs.KVLayout(num_layers=8, num_kv_heads=8, head_dim=64, dtype="float16")
-    shape = (8, 8, 64, 64)
-    meta = plan_frame(block_hash=key, parent_hash=bytes(16), position=0, layout=lay, block_tokens=64,
-                      codec=cs.Raw().spec(), buffers=[("k", "float16", shape), ("v", "float16", shape)])
-    half = meta.tensors[0].nbytes
-    return key, BlockFrame(meta, host=memoryview(build_frame(meta, [bytes([i % 256]) * half] * 2)))
+    return _raw_frame_of((1 << 100 | i).to_bytes(16, "big"), i, 8, 64)
 
 
 def _used_memory(srv: RedisServer) -> int:
