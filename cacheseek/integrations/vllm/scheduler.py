@@ -80,7 +80,6 @@ class _Request:
     hit: Hit = NO_HIT
     loading: bool = False  # offered as a load between steps, not scheduled since
     saving: bool = False  # a save of it was planned (since it was last admitted)
-    fresh: bool = True  # admitted, not yet scheduled
     request: Any = None  # vLLM's Request (its num_computed_tokens is rolled back over a failed load's blocks)
 
 
@@ -407,12 +406,6 @@ class SchedulerSide:
             elif before < state.saved:
                 # vLLM rolled the request back (a load failed): save what it recomputes.
                 state.saved = before // self.block_tokens * self.block_tokens
-            elif state.fresh:
-                # vLLM's own prefix cache served [0, before): an earlier request computed
-                # those blocks and saved them. Saved from 0, a prompt repeated while vLLM
-                # held it was encoded whole again on every request, to be answered present.
-                state.saved = max(state.saved, before // self.block_tokens * self.block_tokens)
-            state.fresh = False
             if not self.save:
                 continue
             full = min(before + scheduled, len(state.prompt)) // self.block_tokens * self.block_tokens
