@@ -33,7 +33,6 @@ _CLUSTER = ("redis+cluster", "rediss+cluster")
 # key name is encoded: redis-py lets a URL's options win over the client's own settings, and
 # with ``decode_responses=True`` every read of a frame raised UnicodeDecodeError out of the
 # tier (a server's 500).
-_REFUSED_OPTIONS = ("decode_responses", "encoding", "encoding_errors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,11 +151,15 @@ def _check_options(url: str) -> None:
     makes a connection, and raises for one it cannot read (``ValueError``) or does not take
     (``TypeError``): that would fail every call of the tier, so it is refused here, by
     building (not connecting) one connection. Without redis-py, ``connect`` says what is missing."""
+    # decode_responses makes every reply a str (redis-py lets a URL's options win over the
+    # client's own, and takes this one's value as a string: "false" is as true as "True"):
+    # every read of a frame would fail. The encoding options alone apply only to decoding,
+    # and to str arguments (the tier's key names are ASCII): taken.
     for name in parse_qs(urlparse(url).query, keep_blank_values=True):
-        if name.lower() in _REFUSED_OPTIONS:
-            raise ConfigError(f"redis_url: the option {name!r} is not taken: the tier reads and writes values as "
-                              f"bytes, and this option changes what Redis's replies become; remove it from the URL "
-                              f"({_masked(url)!r})")
+        if name.lower() == "decode_responses":
+            raise ConfigError(f"redis_url: the option {name!r} is not taken, whatever its value: the tier reads "
+                              f"values as bytes, and redis-py decodes every reply to str with it in the URL; remove "
+                              f"it ({_masked(url)!r})")
     try:
         import redis
     except ImportError:
