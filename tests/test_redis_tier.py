@@ -2954,6 +2954,15 @@ def test_a_maxmemory_below_the_budgets_need_or_an_allkeys_policy_is_reported(tmp
         srv.cli("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
         (line,) = tier.sizing_problems()
         assert "maxmemory-policy is allkeys-lru: Redis may evict the shared index itself" in line
+        # A user whose ACL denies INFO: not asked, and no fault counted (a healthy setup)
+        srv.cli("ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "&*", "+@all", "-info")
+        limited = RedisTier(srv.url.replace("redis://", "redis://noinfo:pw@"), budget)
+        try:
+            assert limited.sizing_problems() is None
+            faults = limited.stats().extra
+            assert faults["rejected_errors"] == 0 and not faults["last_error"], faults
+        finally:
+            limited.close()
         srv.kill()
         assert tier.sizing_problems() is None  # not asked: nothing said
     finally:
