@@ -169,7 +169,7 @@ def _common_options(p: Any, *, defaults: bool) -> None:
     p.add_argument("--json", action="store_true", default=default(False), help="print the servers' answers as JSON")
     p.add_argument("--cacert", metavar="FILE", default=default(None),
                    help="CA bundle (PEM) that signed an https server's certificate, a self-signed one too "
-                        "(default: the system's CAs, or SSL_CERT_FILE)")
+                        "(default: certifi's CA bundle, as httpx's, or SSL_CERT_FILE)")
     p.add_argument("--timeout", type=float, default=default(60.0),
                    help="seconds to wait for each server's answer (default 60; a flush of many blocks takes long)")
 

@@ -143,7 +143,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--token", default=os.environ.get("CACHESEEK_TOKEN"), help="a read token [env CACHESEEK_TOKEN]")
     p.add_argument("--cacert", metavar="FILE", default=None,
                    help="CA bundle (PEM) that signed an https server's certificate, a self-signed one too "
-                        "(default: the system's CAs, or SSL_CERT_FILE)")
+                        "(default: certifi's CA bundle, as httpx's, or SSL_CERT_FILE)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     p.add_argument("--iterations", type=int, default=None, help="stop after this many refreshes (default: never)")
     p.add_argument("--once", action="store_true", help="one refresh, then exit (--iterations 1)")
