@@ -2466,7 +2466,7 @@ def test_a_process_of_a_larger_budget_learns_the_smaller_one_in_effect_and_says_
             big.stats()
         assert stats.extra["budget_in_effect_bytes"] == 10 * size
         assert small.stats().extra["budget_in_effect_bytes"] == 10 * size
-        said = [r.getMessage() for r in caplog.records if "uses a budget of" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records if "used a budget of" in r.getMessage()]
         assert len(said) == 1 and f"{10 * size:,}" in said[0] and f"{100 * size:,}" in said[0], said
     finally:
         big.close()

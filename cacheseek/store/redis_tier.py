@@ -1279,10 +1279,14 @@ class RedisTier(Tier):
         if smaller:
             # Said once per budget: this process's own figures (fill against its budget, its
             # evictions) showed a tier far from full while another's calls emptied it.
-            log.warning("%s tier: another process sharing the Redis namespace %s:%s uses a budget of %s bytes, "
-                        "below this one's %s: every call evicts down to its caller's budget, so the namespace "
-                        "holds at most that much, and that process's evictions are not counted here. Give every "
-                        "process sharing a namespace the same redis_bytes, or each its own redis_namespace",
+            # (The record lasts BUDGET_SEEN_SECONDS: a restart with a larger budget hears of its own
+            # last run's until then, which the message allows for.)
+            log.warning("%s tier: a process sharing the Redis namespace %s:%s used a budget of %s bytes within the "
+                        "last 10 minutes, below this one's %s (another process, or this server's own run before a "
+                        "restart with a larger redis_bytes): every call evicts down to its caller's budget, so the "
+                        "namespace holds at most that much while it runs, and its evictions are not counted here. "
+                        "Give every process sharing a namespace the same redis_bytes, or each its own "
+                        "redis_namespace",
                         self.name, self.keys_of.prefix, self.keys_of.namespace, f"{totals.budget_bytes:,}",
                         f"{self.capacity_bytes:,}")
 
