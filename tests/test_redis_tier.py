@@ -2013,6 +2013,29 @@ def test_a_put_interrupted_after_its_script_evicted_owes_the_victims_deletes(red
         tier.close()
 
 
+def test_a_put_interrupted_as_it_reads_its_scripts_answer_owes_that_answer(redis_url):
+    """An interrupt after the index script answered (it evicted) and before its victims were
+    settled (as the answer was parsed, or its totals noted) left them stored and counted
+    nowhere: orphans. The answer is owed now, as a lost one is, and read again by the next call."""
+    tier = RedisTier(redis_url, int(_frame(1)[1].nbytes * 2.5))
+    try:
+        for i in (1, 2):
+            assert tier.put(*_frame(i)).error is None
+        noted = tier._note_totals
+
+        def interrupted(totals):
+            tier._note_totals = noted
+            raise KeyboardInterrupt
+
+        tier._note_totals = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            tier.put(*_frame(3))  # its script evicts frame 1
+        assert tier.stats().extra["owed_replies"] == 0  # (paid)
+        assert tier.check(ghost_grace_seconds=0)["orphans"] == 0
+    finally:
+        tier.close()
+
+
 @pytest.mark.parametrize("trip, sent", [(1, True), (2, False)], ids=["script-answered", "deletes-unsent"])
 def test_owed_deletes_whose_sending_is_interrupted_stay_owed(redis_url, trip, sent):
     """What a put's interrupt left owed (its script's reply, or its victims' deletes) was taken

@@ -451,17 +451,20 @@ class RedisTier(Tier):
         try:
             replies = pipe.execute(raise_on_error=False)
             self._raise_unavailable(replies)
+            if isinstance(replies[-1], BaseException):
+                raise replies[-1]
+            # (Within the try: an interrupt once the script has answered, before its victims
+            # are settled below, owes its reply, which Redis keeps, as a lost one does; it
+            # left them stored and counted nowhere.)
+            exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
+            update = SharedIndex.parse(replies[-1])
+            self._note_totals(update.totals)
+            self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
         except BaseException as exc:
             if _may_have_run(exc):  # (it may have run, and evicted)
                 with self._lock:
                     self._owed_replies[call] = time.monotonic()
             raise
-        if isinstance(replies[-1], BaseException):
-            raise replies[-1]
-        exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
-        update = SharedIndex.parse(replies[-1])
-        self._note_totals(update.totals)
-        self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
         # Blocks a lapsed lease let go get their frames' expiry back before the SETs: the call
         # listed them once, and a fault in the round trips below would leave those frames
         # without one for good. (Victims are dealt with below; a put renews no lease.)
