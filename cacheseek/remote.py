@@ -897,16 +897,21 @@ class RemoteCache(PrefixCacheBase):
     def check_token(self, *, write: bool = True) -> None:
         """Whether the server takes this client's token to write (``write``) or to read,
         asked by a delete (or a read) of a block no one stored, which changes nothing. A token
-        it refuses (``401``, ``403``) is a ``ConfigError``, said now rather than by every call
-        after; a server that cannot be reached, or any other answer, raises nothing here (an
-        outage is said by the calls that meet it), and the breaker hears nothing of it."""
+        it refuses (``401``, ``403``), or a server certificate this client does not trust
+        (``verify``), is a ``ConfigError``, said now rather than by every call after; a server
+        that cannot be reached, or any other answer, raises nothing here (an outage is said by
+        the calls that meet it), and the breaker hears nothing of it."""
         import secrets
 
         self._check_open()
         path = f"/v1/blocks/{secrets.token_hex(digest_size(self.hash_algo))}"
         try:
             response = self._http.request("DELETE" if write else "GET", path)
-        except (httpx.HTTPError, RemoteError):
+        except (httpx.HTTPError, RemoteError) as exc:
+            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+                # Not an outage that passes: every call after failed alike, each a miss.
+                raise ConfigError(f"verify: the TLS certificate of {self.url} is not trusted by this client: give "
+                                  f"it the CA bundle that signed it ({exc})") from None
             return
         if response.status_code in (401, 403):
             try:

@@ -96,7 +96,7 @@ def test_the_vllm_connector_trusts_the_ca_bundle_its_config_names(tls, caplog):
     from cacheseek.errors import ConfigError
     from cacheseek.integrations.vllm.config import ConnectorConfig
     from cacheseek.integrations.vllm.guard import StoreGuard
-    from cacheseek.integrations.vllm.stores import close_cache, open_cache
+    from cacheseek.integrations.vllm.stores import check_at_start, close_cache, open_cache
     from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
 
     root, srv = tls
@@ -105,6 +105,7 @@ def test_the_vllm_connector_trusts_the_ca_bundle_its_config_names(tls, caplog):
     config = ConnectorConfig.from_extra({**extra, "ca_bundle": str(root / "ca.pem")})
     cache = open_cache(config, LAYOUT, "vllm-tls", cs.Shard())
     try:
+        check_at_start(cache, write=True)
         assert cache.ingest(toks, kv).stored == 2 and cache.lookup(toks) == 2 * BLOCK
     finally:
         close_cache(config, cache)
@@ -115,10 +116,14 @@ def test_the_vllm_connector_trusts_the_ca_bundle_its_config_names(tls, caplog):
         ConnectorConfig.from_extra({"ca_bundle": str(root / "ca.pem")})
     with pytest.raises(ConfigError, match="ca_bundle: must be a string"):
         ConnectorConfig.from_extra({**extra, "ca_bundle": 1})
-    # Without it the failure the connector logs says which key to give.
+    # Without it the engine's start says so, naming the key (it started, and every call after
+    # failed, each a miss); and a failure the connector logs says which key to give.
     config = ConnectorConfig.from_extra(extra)
     cache = open_cache(config, LAYOUT, "vllm-tls", cs.Shard())
     try:
+        with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.ca_bundle: the TLS certificate of "
+                                              r"https://127\.0\.0\.1:\d+ is not trusted by this client"):
+            check_at_start(cache, write=True)
         with pytest.raises(cs.RemoteUnavailable) as refused:
             cache.lookup(toks)
     finally:

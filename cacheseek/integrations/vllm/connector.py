@@ -35,7 +35,7 @@ from .pages import PageFormat, VllmPages, kv_views
 from .plan import StepPlan
 from .scheduler import SchedulerSide
 from .stats import ConnectorStats
-from .stores import close_cache, open_cache
+from .stores import check_at_start, close_cache, open_cache
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -160,13 +160,7 @@ class CacheSeekConnector(KVConnectorBase_V1):
             self._caches = [open_cache(self.config, self.layout, model_id, self._shard(parallel, r))
                             for r in range(ranks)]
             if self.config.remote:
-                # A token the server refuses failed every call after, each logged as an
-                # outage, and vLLM computed everything: said at start instead (a server not
-                # up yet is no error here: the guard handles outages).
-                try:
-                    self._caches[0].check_token(write=save)
-                except ConfigError as exc:
-                    raise ConfigError(f"kv_connector_extra_config.{exc}") from None
+                check_at_start(self._caches[0], write=save)
             self._scheduler = SchedulerSide(self._caches, block_tokens=self.config.block_tokens, load=load,
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,

@@ -92,4 +92,16 @@ def close_cache(config: ConnectorConfig, cache: Any) -> None:
         _SHARED.release(cache)
 
 
-__all__ = ["close_cache", "open_cache"]
+def check_at_start(cache: Any, *, write: bool) -> None:
+    """A token the server refuses, or a server certificate not trusted, failed every call
+    after, each logged as an outage, and vLLM computed everything: said at start instead,
+    naming the key to fix (a server not up yet is no error here: the guard handles outages)."""
+    try:
+        cache.check_token(write=write)
+    except ConfigError as exc:
+        key, _, why = str(exc).partition(": ")
+        # (RemoteCache's verify= is this config's ca_bundle)
+        raise ConfigError(f"kv_connector_extra_config.{'ca_bundle' if key == 'verify' else key}: {why}") from None
+
+
+__all__ = ["check_at_start", "close_cache", "open_cache"]
