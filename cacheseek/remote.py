@@ -59,6 +59,7 @@ from .store.direct_io import BufferPool
 from .store.frame import parse_frame
 from .store.prefetch import Prefetch
 from .store.tier import BlockFrame
+from .tls import untrusted_certificate
 from .transport import IDEMPOTENT_EXTENSION, BulkTransport
 from .units import parse_size
 from .store.lease import Handover
@@ -908,7 +909,7 @@ class RemoteCache(PrefixCacheBase):
         try:
             response = self._http.request("DELETE" if write else "GET", path)
         except (httpx.HTTPError, RemoteError) as exc:
-            if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            if untrusted_certificate(exc):
                 # Not an outage that passes: every call after failed alike, each a miss.
                 raise ConfigError(f"verify: the TLS certificate of {self.url} is not trusted by this client: give "
                                   f"it the CA bundle that signed it ({exc})") from None
@@ -1283,9 +1284,8 @@ class RemoteCache(PrefixCacheBase):
         if isinstance(exc, httpx.PoolTimeout):
             return PoolExhausted(f"no connection of this client's pool came free in time: more calls at once than "
                                  f"max_connections ({self.max_connections}); not sent", url=self.url + path)
-        if "CERTIFICATE_VERIFY_FAILED" in str(exc):
-            # (OpenSSL's reason, through this client's transport and httpx's alike) Not an
-            # outage that passes: said with what to do, beside the reason.
+        if untrusted_certificate(exc):
+            # Not an outage that passes: said with what to do, beside the reason.
             return RemoteUnavailable(f"the CacheSeek server's TLS certificate is not trusted: give verify= the CA "
                                      f"bundle that signed it (or an ssl.SSLContext): {exc!r}", url=self.url + path)
         if "use an https:// URL" in str(exc) or "use an http:// URL" in str(exc):

@@ -32,6 +32,7 @@ import httpx
 
 from cacheseek.errors import InputError
 from cacheseek.hashing import NAMESPACE_PATTERN, from_hex
+from cacheseek.tls import ca_bundle_context, untrusted_certificate
 from cacheseek.transport import BulkTransport
 
 NAMESPACE_HEADER = "X-CacheSeek-Namespace"
@@ -65,33 +66,27 @@ def cacert_context(path: str | None) -> ssl.SSLContext:
     """The TLS settings of ``--cacert``: the CA bundle ``path`` (a file of PEM certificates)
     trusts the server's certificate, or, without one, httpx's trust store (certifi, or
     SSL_CERT_FILE/SSL_CERT_DIR). ``ValueError`` saying why where the bundle is unusable."""
-    if path is None:
-        return httpx.create_ssl_context()
-    try:
-        return ssl.create_default_context(cafile=path)
-    except FileNotFoundError:
-        raise ValueError(f"no file at {path!r}") from None
-    except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"{path!r} is not a readable PEM bundle of CA certificates ({exc})") from None
+    return httpx.create_ssl_context() if path is None else ca_bundle_context(path)
 
 
 def tls_hint(exc: BaseException) -> str:
     """What to do about ``exc`` where it is a certificate the client does not trust (a
     server's self-signed or private-CA certificate), else ''. "certificate verify failed"
     alone left a user with no way out: SSL_CERT_FILE worked, and no document said so."""
-    if "CERTIFICATE_VERIFY_FAILED" not in str(exc):
+    if not untrusted_certificate(exc):
         return ""
     return (" (the server's TLS certificate is not trusted: give --cacert FILE, the CA bundle that signed it, "
             "or set SSL_CERT_FILE=FILE)")
 
 
-def answer_client(seconds: float, cacert: str | None = None, **kw: Any) -> httpx.Client:
+def answer_client(seconds: float, verify: ssl.SSLContext | None = None, **kw: Any) -> httpx.Client:
     """A client whose every exchange, from connecting to the answer's last byte, is held to
     ``seconds`` (``BulkTransport``'s ``exchange_timeout``). httpx's timeouts bound each read:
     a server, or anything at its URL, sending the answer's head a byte now and then held a
     command for as long as it liked. Through a proxy (httpx's own transport) the head is
-    bounded per read only; the body, by ``whole_answer``, either way."""
-    transport = BulkTransport(max_connections=4, verify=cacert_context(cacert), exchange_timeout=seconds)
+    bounded per read only; the body, by ``whole_answer``, either way. ``verify``: as
+    ``cacert_context`` makes it (default: without ``--cacert``)."""
+    transport = BulkTransport(max_connections=4, verify=verify or cacert_context(None), exchange_timeout=seconds)
     return httpx.Client(transport=transport, timeout=seconds, **kw)
 
 
@@ -253,7 +248,7 @@ def main(args: Any) -> int:
             print(f"cacheseek admin: --url: {problem}", file=sys.stderr)
             return 2
     try:
-        cacert_context(args.cacert)  # (said once, before any server is asked)
+        verify = cacert_context(args.cacert)  # (said once, before any server is asked)
     except ValueError as exc:
         print(f"cacheseek admin: --cacert: {exc}", file=sys.stderr)
         return 2
@@ -264,7 +259,7 @@ def main(args: Any) -> int:
     for url in urls:
         headers = {"Authorization": f"Bearer {args.token}", **kw.get("headers", {})}
         try:
-            with answer_client(args.timeout, args.cacert) as client:
+            with answer_client(args.timeout, verify) as client:
                 r = whole_answer(client, method, url.rstrip("/") + path, args.timeout, headers=headers,
                                  **{k: v for k, v in kw.items() if k != "headers"})
         except httpx.ReadTimeout:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import ssl
 import sys
 import time
 from typing import Any, TextIO
@@ -93,13 +94,13 @@ def _num(x: float | None) -> str:
 
 
 def run(url: str, *, token: str | None = None, interval: float = 1.0, iterations: int | None = None,
-        out: TextIO | None = None, cacert: str | None = None) -> int:
+        out: TextIO | None = None, verify: ssl.SSLContext | None = None) -> int:
     # sys.stdout as it is now, not as it was at import (a test's capture, closed since)
     out = out if out is not None else sys.stdout
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     prev, prev_at, shown = None, 0.0, 0
     clear = CLEAR if out.isatty() else ""
-    with answer_client(ANSWER_SECONDS, cacert, base_url=url.rstrip("/"), headers=headers) as client:
+    with answer_client(ANSWER_SECONDS, verify, base_url=url.rstrip("/"), headers=headers) as client:
         while iterations is None or shown < iterations:
             started = time.monotonic()
             try:
@@ -167,13 +168,13 @@ def _main(args: Any) -> int:
         print(f"cacheseek top: --token (or CACHESEEK_TOKEN) {problem}", file=sys.stderr)
         return 2
     try:
-        cacert_context(args.cacert)
+        verify = cacert_context(args.cacert)
     except ValueError as exc:
         print(f"cacheseek top: --cacert: {exc}", file=sys.stderr)
         return 2
     try:
         return run(args.url, token=args.token, interval=args.interval, iterations=1 if args.once else args.iterations,
-                   cacert=args.cacert)
+                   verify=verify)
     except KeyboardInterrupt:
         return 0
 

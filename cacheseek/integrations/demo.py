@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from ..tls import ca_bundle_context, untrusted_certificate
 from ..units import format_size
 
 CODECS = ("raw", "int8", "int4", "int2", "k2v4")
@@ -198,14 +199,10 @@ def _device_error(args: argparse.Namespace) -> str | None:
         if cacert:
             if scheme != "https":
                 return f"--cacert: only an https:// --url is checked against a CA bundle, not {args.url!r}"
-            import ssl
-
             try:
-                verify = ssl.create_default_context(cafile=cacert)
-            except FileNotFoundError:
-                return f"--cacert: no file at {cacert!r}"
-            except (OSError, ssl.SSLError) as exc:
-                return f"--cacert: {cacert!r} is not a readable PEM bundle of CA certificates ({exc})"
+                verify = ca_bundle_context(cacert)
+            except ValueError as exc:
+                return f"--cacert: {exc}"
         try:  # any answer will do (a 503 while it starts): a server that is not there at all is said now
             httpx.get(args.url.rstrip("/") + "/readyz", timeout=5.0, verify=verify)
             # A token the server refuses to write with is said now too, not after the first
@@ -220,7 +217,7 @@ def _device_error(args: argparse.Namespace) -> str | None:
         except httpx.HTTPError as exc:
             # "certificate verify failed" alone left no way out (SSL_CERT_FILE worked, undocumented)
             hint = ("; the server's TLS certificate is not trusted: give --cacert FILE, the CA bundle that "
-                    "signed it, or set SSL_CERT_FILE=FILE") if "CERTIFICATE_VERIFY_FAILED" in str(exc) else ""
+                    "signed it, or set SSL_CERT_FILE=FILE") if untrusted_certificate(exc) else ""
             return f"url: cannot reach {args.url} ({type(exc).__name__}: {exc}){hint}"
         if probe.status_code in (401, 403):
             bound = "bound to namespace" in probe.text

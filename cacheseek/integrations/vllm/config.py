@@ -26,6 +26,7 @@ from ...hashing import DEFAULT_ALGO
 from ...quant import KIVI, Raw
 from ...quant.codec import KVLayerCodec
 from ...quant.registry import codec_from_spec
+from ...tls import ca_bundle_context
 from ...units import parse_size
 
 # codec name -> how it is built from the group size
@@ -274,17 +275,12 @@ def _tiers(value: Any) -> TierConfig:
 def _ca_bundle(value: Any) -> str:
     # Checked here, where the key can be named: at the engine's first request (RemoteCache
     # reads it as it is built, inside vLLM's start) the error would name only "verify".
-    import ssl
-
     path = _string("ca_bundle", value)
     try:
-        ssl.create_default_context(cafile=path)
-    except FileNotFoundError:
-        raise ConfigError(f"kv_connector_extra_config.ca_bundle: no file at {path!r} (the CA bundle, PEM, that "
-                          "signed the server's certificate)") from None
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"kv_connector_extra_config.ca_bundle: {path!r} is not a readable PEM bundle of CA "
-                          f"certificates ({exc})") from None
+        ca_bundle_context(path)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config.ca_bundle: {exc} (the CA bundle, PEM, that signed the "
+                          "server's certificate)") from None
     return path
 
 

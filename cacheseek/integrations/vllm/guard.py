@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ...store.breaker import CircuitBreaker, ExponentialBackoff, Ticket
+from ...tls import untrusted_certificate
 from .config import ConnectorConfig
 
 log = logging.getLogger("cacheseek.integrations.vllm")
@@ -46,7 +47,7 @@ class StoreGuard:
             self.breaker.record_failure(ticket)
         # RemoteCache's own advice names its verify=, which a vLLM user never calls
         hint = ("; the server's TLS certificate is not trusted: give kv_connector_extra_config.ca_bundle the CA "
-                "bundle (PEM) that signed it, or set SSL_CERT_FILE" if "CERTIFICATE_VERIFY_FAILED" in str(exc) else "")
+                "bundle (PEM) that signed it, or set SSL_CERT_FILE" if untrusted_certificate(exc) else "")
         log.warning("cacheseek %s: %s failed (%s: %s)%s; vLLM computes instead", self.side, what,
                     type(exc).__name__, exc, hint)
 
