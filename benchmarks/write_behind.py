@@ -12,6 +12,12 @@ less the caller waits), and for the behind mode how long the save took to be ans
 (``future.result()``, measured from the call) with the sender idle before each call, so
 that a call never waits behind the one before. Shapes as ``benchmarks.store`` (Llama-3-8B
 unless ``--tiny``); KV on the GPU where there is one.
+
+The second table is a save of a prompt the server holds whole (an engine's own prefix
+cache served it, and an earlier request saved it: the vLLM connector's case for a repeated
+prompt), sent behind as before (every block encoded, then found stored by the sender's
+lookup) against ``look_up_first=True`` (one lookup in the call, nothing encoded), the two
+taking turns on the prompt the fresh behind save stored.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ def main() -> None:
             proc.stop()
     print(table(rows, ["codec", "tokens", "waited_ms", "behind_call_ms", "waited_vs_behind", "behind_answered_ms",
                        "payload_mb"], title=f"a save of a fresh prompt from pages, loopback server, KV on {device}"))
+    print(table(rows, ["codec", "tokens", "stored_behind_call_ms", "stored_first_call_ms", "behind_vs_first"],
+                title=f"a save of a prompt the server holds, sent behind: encoded first or looked up first, KV on {device}"))
     write_json("write_behind", {"shape": "tiny" if args.tiny else "llama-3-8b", "device": str(device),
                                 "reps": args.reps, "rows": rows}, args.out)
 
@@ -66,6 +74,7 @@ def _run(url: str, shape, codec: str, tokens: int, reps: int, device: torch.devi
     ids = scattered_ids(num_pages, 3)
     prompts = Prompts(tokens)
     waited, behind, answered = [], [], []
+    stored: dict[str, list[float]] = {"behind": [], "first": []}
     with cs.RemoteCache(url, model_id=f"behind-{codec}-{tokens}", layout=shape.layout, codec=CODECS[codec],
                         block_tokens=shape.block, timeout=600, max_pending_bytes="64GiB") as cache:
         for rep in range(reps + 1):  # the first round warms both up
@@ -88,14 +97,30 @@ def _run(url: str, shape, codec: str, tokens: int, reps: int, device: torch.devi
                     (waited if mode == "waited" else behind).append(t1 - t0)
                     if mode == "behind":
                         answered.append(t2 - t0)
+            for mode in ("behind", "first"):  # the behind save's prompt, whole on the server now
+                _sync(device)
+                t0 = time.perf_counter()
+                future = cache.ingest_batch(request, pages, wait=False, look_up_first=mode == "first")
+                t1 = time.perf_counter()
+                result = future.result()[0]
+                if result.present != tokens // shape.block:
+                    raise RuntimeError(f"stored, {mode}: {result.present} of {tokens // shape.block} blocks found")
+                if rep:
+                    stored[mode].append(t1 - t0)
     payload = CODECS[codec].encoded_nbytes(shape.layout, shape.block) * (tokens // shape.block)
     w, b = statistics.median(waited), statistics.median(behind)
     row = {"codec": codec, "tokens": tokens, "waited_ms": w * 1e3, "behind_call_ms": b * 1e3,
            "waited_vs_behind": w / b, "behind_answered_ms": statistics.median(answered) * 1e3,
-           "payload_mb": payload / 1e6, "waited_each_ms": [round(x * 1e3, 2) for x in waited],
+           "payload_mb": payload / 1e6,
+           "stored_behind_call_ms": statistics.median(stored["behind"]) * 1e3,
+           "stored_first_call_ms": statistics.median(stored["first"]) * 1e3,
+           "behind_vs_first": statistics.median(stored["behind"]) / statistics.median(stored["first"]),
+           "waited_each_ms": [round(x * 1e3, 2) for x in waited],
            "behind_each_ms": [round(x * 1e3, 2) for x in behind]}
     print(f"  {codec} {tokens}: waited {row['waited_ms']:.1f} ms, behind {row['behind_call_ms']:.1f} ms "
-          f"({row['waited_vs_behind']:.1f}x), answered after {row['behind_answered_ms']:.1f} ms", flush=True)
+          f"({row['waited_vs_behind']:.1f}x), answered after {row['behind_answered_ms']:.1f} ms; stored already: "
+          f"behind {row['stored_behind_call_ms']:.1f} ms, looked up first {row['stored_first_call_ms']:.1f} ms",
+          flush=True)
     return row
 
 

@@ -383,7 +383,7 @@ class RemoteCache(PrefixCacheBase):
             _count_report(result, report)
 
     def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
-                     wait: bool = True) -> Any:
+                     wait: bool = True, look_up_first: bool = False) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
         request), and one streamed POST (several past ``max_body_bytes``). Bad input in any
@@ -394,8 +394,13 @@ class RemoteCache(PrefixCacheBase):
         before the forward runs rather than after it.
         ``wait=False`` (not with ``layerwise``): as ``ingest``'s, a ``Future`` of the
         results, returned once the pages are read; every block is encoded, the server's
-        lookup comes after. A request's ``start``: the blocks before it, an earlier call's,
-        are hashed only (neither looked up, encoded nor sent; ``PagedRequest``)."""
+        lookup comes after. With ``look_up_first=True`` the lookup comes first, in the call
+        (one round trip), and only the blocks the server does not hold are encoded: for
+        blocks the caller expects stored (an engine's own prefix-cache hit, which an earlier
+        request saved), whose encoding costs more than the round trip; an outage met by that
+        lookup is met as ``wait=True``'s (raised, or the blocks counted failed). A request's
+        ``start``: the blocks before it, an earlier call's, are hashed only (neither looked
+        up, encoded nor sent; ``PagedRequest``)."""
         self._check_open()
         if layerwise and not wait:
             raise InputError("wait=False: not with layerwise=True (a layer-wise writer's finish() is the call "
@@ -405,7 +410,7 @@ class RemoteCache(PrefixCacheBase):
         if layerwise:
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
                                         self.layout.num_layers)
-        return self._ingest_planned(call) if wait else self._write_behind_paged(call)
+        return self._ingest_planned(call) if wait else self._write_behind_paged(call, look_up_first=look_up_first)
 
     def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
                     starts: list[Any] | None = None) -> paged_io.PagedCall:
@@ -440,9 +445,23 @@ class RemoteCache(PrefixCacheBase):
 
     def _send_paged(self, call: paged_io.PagedCall, results: list[IngestResult]) -> None:
         hashes, parents, positions = call.flat()
-        before = call.stored_before()
-        if all(before):  # (no block, or none past its request's start)
+        if all(call.stored_before()):  # (no block, or none past its request's start)
             return
+        present, copies = self._look_up_paged(call, hashes, results)
+        keep = [i for i, p in enumerate(present) if not p]
+        if not keep:
+            return
+        hashes, frames = self._encode_rows(call, keep, hashes, parents, positions)
+        frames.reverse()  # tail first, as ingest sends them
+        rows = range(len(frames) - 1, -1, -1)
+        for row, report in zip(rows, self._post_frames(frames)):
+            _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
+
+    def _look_up_paged(self, call: paged_io.PagedCall, hashes: list[BlockHash], results: list[IngestResult]
+                       ) -> tuple[list[bool], dict[bytes, list[IngestResult]]]:
+        """The write's lookup of a paged call's blocks (those from each request's start on;
+        ``hashes``: ``call.flat()``'s), counted in ``results``: ``count_found``'s answer (per
+        block whether it needs no encoding; the later requests of each block met twice)."""
         answer: dict[str, Any] = {}
 
         def look_up(asked: list[BlockHash]) -> list[bool]:
@@ -452,15 +471,7 @@ class RemoteCache(PrefixCacheBase):
         found = paged_io.look_up_from_starts(call, hashes, look_up)
         for result in results:
             result.durability = answer.get("durability", result.durability)
-        present, copies = paged_io.count_found(call, found, results)  # twice in this call: sent once
-        keep = [i for i, p in enumerate(present) if not p]
-        if not keep:
-            return
-        hashes, frames = self._encode_rows(call, keep, hashes, parents, positions)
-        frames.reverse()  # tail first, as ingest sends them
-        rows = range(len(frames) - 1, -1, -1)
-        for row, report in zip(rows, self._post_frames(frames)):
-            _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
+        return paged_io.count_found(call, found, results)  # twice in this call: sent once
 
     def _encode_rows(self, call: paged_io.PagedCall, keep: list[int], hashes: list[BlockHash],
                      parents: list[bytes], positions: list[int]) -> tuple[list[BlockHash], list[BlockFrame]]:
@@ -481,12 +492,21 @@ class RemoteCache(PrefixCacheBase):
 
     # -- writes sent after the call returns ------------------------------------------------
 
-    def _write_behind_paged(self, call: paged_io.PagedCall, *, single: bool = False) -> Future:
+    def _write_behind_paged(self, call: paged_io.PagedCall, *, single: bool = False,
+                            look_up_first: bool = False) -> Future:
         """``ingest_batch(wait=False)``: a block twice in the call is encoded once (its later
-        requests count the one write's outcome), every other encoded, none looked up first."""
+        requests count the one write's outcome), every other encoded; none looked up first,
+        unless ``look_up_first``: then those the server holds are counted present, not encoded."""
         results = self._results(call)
         hashes, parents, positions = call.flat()
-        again, copies = paged_io.count_found(call, [False] * len(hashes), results)
+        if look_up_first and not all(call.stored_before()):
+            try:
+                again, copies = self._look_up_paged(call, hashes, results)
+            except RemoteUnavailable as exc:
+                self._dropped(results, exc)
+                return _done(results[0] if single else results)
+        else:
+            again, copies = paged_io.count_found(call, [False] * len(hashes), results)
         keep = [i for i, seen in enumerate(again) if not seen]
         every = call.every_row()
         return self._write_behind(results, [hashes[i] for i in keep], [every[i][0] for i in keep], copies,
@@ -505,11 +525,11 @@ class RemoteCache(PrefixCacheBase):
         handover = Handover()  # (made before the room is taken: see the ``try`` below)
         nbytes = len(hashes) * self._pending_frame_bytes
         # (per request, a block two requests share counted for both)
-        if not self._behind.reserve(nbytes, sum(result.blocks for result in results)):
+        if not self._behind.reserve(nbytes, sum(result.blocks - result.present for result in results)):
             why = (f"this write's {len(hashes)} frames ({nbytes} bytes at most) would pass max_pending_bytes "
                    f"({self._behind.max_bytes}) beside the {self._behind.pending_bytes} bytes waiting to be sent: dropped")
             for result in results:
-                result.failed = result.blocks
+                result.failed = result.blocks - result.present  # (``look_up_first``'s found counted)
                 result.errors.setdefault("backlog", why)
             # (this client's own bound, the server not asked: write_behind's blocks_refused, not
             # an outage's dropped_blocks, which counted them in either on_unavailable mode)

@@ -567,6 +567,12 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     assert first["after_store"]["worker"]["save_failures"] == 1
     assert first["after_store"]["worker"]["save_resends"] == 1
     assert first["after_store"]["worker"]["save_blocks_stored"] == 4
+    # The prompt again, on the first engine: vLLM's own cache served it, nothing was offered,
+    # and the background save asked the server before encoding: the 4 blocks found stored,
+    # none encoded (each was encoded again on every such request, to be found present).
+    repeat = minus(first["after_repeat"], first["after_store"])["worker"]
+    assert first["repeat"]["cached"] >= 1024 and first["repeat"]["external"] == 0, first["repeat"]
+    assert (repeat["save_lookups_first"], repeat["save_blocks_present"], repeat["save_blocks_stored"]) == (1, 4, 0)
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
     # vLLM was told "not yet" and asked again: the hit came all the same, loaded between

@@ -954,7 +954,63 @@ def test_a_first_save_covers_the_blocks_vllms_own_cache_served(tmp_path):
             sched.after_alloc(req, 0)  # (no external tokens taken: vLLM's own hit only)
             plan = _first_step(sched, req_id, local_hit, len(tokens))
             assert [(spec.start, len(spec.token_ids)) for spec in plan.saves] == [(0, 96)], req_id
+            assert [spec.computed for spec in plan.saves] == [local_hit], req_id  # (looked up before encoding)
             sched.finished(req)
+
+
+def test_a_background_save_of_blocks_vllms_own_cache_served_encodes_only_those_the_server_lacks(tmp_path):
+    """A prompt vLLM's own prefix cache serves whole is saved from token 0 (the test above),
+    and a background save encoded every block before its lookup: a repeated prompt was
+    encoded whole on every request, to be found stored. A save holding blocks vLLM did not
+    compute in its step looks up first (one round trip in the step) and encodes only what
+    the server lacks: nothing at all for a prompt stored whole. A save of blocks all
+    computed in the step (a fresh prompt, the next chunk) looks up after, as before."""
+    from server_helpers import Server
+
+    layout = cs.KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32")
+    tokens = list(range(9000, 9097))  # 3 full blocks of 32, and a token
+    pages = VllmPages([layer_tensor(16, 16, seed=i) for i in range(L)], PageFormat("channel", D, 16, 16))
+    with Server(tmp_path) as srv:
+        config = ConnectorConfig.from_extra({"codec": "int4", "url": srv.url, "block_tokens": 32,
+                                             "timeout_seconds": 30})
+
+        def save(spec: SaveSpec) -> tuple[WorkerSide, dict]:
+            """``spec`` saved by a fresh worker (its client's figures its own); its stats and
+            its client's write-behind figures once answered."""
+            cache = open_cache(config, layout, "m", cs.Shard())
+            side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=True)
+            side.register(pages)
+            plan = StepPlan(saves=[spec])
+            side.start_step(plan)
+            side.finish_step(plan)
+            assert cache.flush(timeout=60)
+            side.start_step(StepPlan())  # (the answer counted)
+            behind = cache.client_stats()["write_behind"]
+            close_cache(config, cache)
+            return side, behind
+
+        # The first request computes its prompt: encoded, looked up after, stored.
+        side, behind = save(SaveSpec("first", tokens[:64], list(range(6)), computed=0))
+        assert (side.stats.save_lookups_first, side.stats.save_blocks_stored, behind["writes_queued"]) == (0, 2, 1)
+        two_blocks = behind["pending_bytes_high"]
+        # Served whole by vLLM's own cache: asked first, nothing encoded, nothing queued.
+        side, behind = save(SaveSpec("again", tokens[:64], list(range(6)), computed=96))
+        st = side.stats
+        assert (st.save_lookups_first, st.saves, st.save_blocks_present, st.save_blocks_stored) == (1, 1, 2, 0)
+        assert behind["writes_queued"] == 0 and behind["pending_bytes_high"] == 0
+        # A turn that extends it: its stored 2 blocks found, the third (an answer vLLM cached
+        # and no save stored) encoded alone and sent.
+        side, behind = save(SaveSpec("extends", tokens[:96], list(range(6)), computed=96))
+        st = side.stats
+        assert (st.save_lookups_first, st.save_blocks_present, st.save_blocks_stored) == (1, 2, 1)
+        one_block = behind["pending_bytes_high"]
+        assert behind["writes_queued"] == 1 and 0 < one_block and 2 * one_block == two_blocks
+        # The next chunk of a prompt (all of it computed in the step): no round trip first.
+        side, _ = save(SaveSpec("chunk", tokens[:96], list(range(6)), start=64, computed=64))
+        assert (side.stats.save_lookups_first, side.stats.save_blocks_present) == (0, 1)
+        cache = open_cache(config, layout, "m", cs.Shard())
+        assert cache.lookup(tokens) == 96
+        close_cache(config, cache)
 
 
 def test_a_request_admitted_after_its_load_between_steps_saves_nothing_it_loaded(tmp_path):
@@ -1346,8 +1402,9 @@ class HeldSaves:
 
     def __init__(self, cache: cs.PrefixCache) -> None:
         self.cache, self.starts, self.held = cache, [], []
+        self.block_tokens = cache.block_tokens
 
-    def ingest_batch(self, requests, pages, *, wait=True):
+    def ingest_batch(self, requests, pages, *, wait=True, look_up_first=False):
         from concurrent.futures import Future
 
         self.starts.append([r.start for r in requests])

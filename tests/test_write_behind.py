@@ -50,7 +50,7 @@ def test_a_batch_sent_behind_stores_and_counts_what_a_waited_one_does(srv):
     toks = [shared + tokens_for(2, 2 * BLOCK), shared + tokens_for(3, BLOCK)]
     tables = page_tables([3 * BLOCK, 2 * BLOCK], 16, 24, seed=5)
     got = {}
-    for name in ("waited", "behind"):
+    for name in ("waited", "behind", "first"):  # (first: look_up_first=True)
         pages, tensors = _paged()
         kvs = [make_kv(3 * BLOCK, 1), make_kv(2 * BLOCK, 2)]
         for (k0, v0), (k1, v1) in zip(*kvs):  # one prefix: the same KV
@@ -64,18 +64,57 @@ def test_a_batch_sent_behind_stores_and_counts_what_a_waited_one_does(srv):
             if name == "waited":
                 results = cache.ingest_batch(requests, pages)
             else:
-                future = cache.ingest_batch(requests, pages, wait=False)
+                future = cache.ingest_batch(requests, pages, wait=False, look_up_first=name == "first")
                 for t in tensors:  # the engine reuses its pages as soon as the call returns
                     t.fill_(7.0)
                 results = future.result(timeout=60)
-                assert cache.client_stats()["write_behind"]["writes_done"] == 2
+                behind = cache.client_stats()["write_behind"]
+                assert behind["writes_done"] == 2
+                if name == "first":  # the 2 new blocks' frames alone waited: the 3 stored, not encoded
+                    assert behind["pending_bytes_high"] == 2 * cache._pending_frame_bytes
             loaded = cache.materialize(toks[0])
             got[name] = ([(r.blocks, r.stored, r.present, r.failed, r.errors) for r in results],
                          [(k.clone(), v.clone()) for k, v in loaded.layers], loaded.num_tokens)
-    assert got["behind"][0] == got["waited"][0] == [(3, 1, 2, 0, {}), (2, 1, 1, 0, {})]
-    assert got["behind"][2] == got["waited"][2] == 3 * BLOCK
-    for (kb, vb), (kw, vw) in zip(got["behind"][1], got["waited"][1]):
-        assert kb.equal(kw) and vb.equal(vw)
+    assert got["behind"][0] == got["first"][0] == got["waited"][0] == [(3, 1, 2, 0, {}), (2, 1, 1, 0, {})]
+    assert got["behind"][2] == got["first"][2] == got["waited"][2] == 3 * BLOCK
+    for name in ("behind", "first"):
+        for (kb, vb), (kw, vw) in zip(got[name][1], got["waited"][1]):
+            assert kb.equal(kw) and vb.equal(vw)
+
+
+def test_a_write_that_looks_up_first_meets_an_outage_as_a_waited_write_does(tmp_path):
+    """``look_up_first``'s lookup is made in the call: the server gone, it raises there
+    (``on_unavailable="raise"``), or answers every block failed at once ("miss"), nothing
+    queued; and a write it leaves past ``max_pending_bytes`` counts failed only the blocks
+    not found stored."""
+    from paged_helpers import page_tables, write_tokens
+
+    toks = tokens_for(70, 3 * BLOCK)
+    [table] = page_tables([3 * BLOCK], 16, 24, seed=7)
+    pages, _ = _paged()
+    write_tokens(pages, make_kv(3 * BLOCK, 70), table)
+    request = [cs.PagedRequest(toks, table)]
+    with Server(tmp_path) as server:
+        url = server.url
+        with _remote(server, codec=cs.Raw()) as cache:
+            assert cache.ingest(toks[: 2 * BLOCK], pages.at(table)).stored == 2
+        with _remote(server, codec=cs.Raw(), max_pending_bytes=1) as cache:
+            [r] = cache.ingest_batch(request, pages, wait=False, look_up_first=True).result(timeout=60)
+            assert (r.blocks, r.present, r.stored, r.failed) == (3, 2, 0, 1) and "backlog" in r.errors
+            assert cache.client_stats()["write_behind"]["blocks_refused"] == 1
+    for mode in ("miss", "raise"):
+        with cs.RemoteCache(url, model_id="behind", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, timeout=5,
+                            on_unavailable=mode) as cache:
+            if mode == "raise":
+                with pytest.raises(cs.RemoteUnavailable):
+                    cache.ingest_batch(request, pages, wait=False, look_up_first=True)
+            else:
+                future = cache.ingest_batch(request, pages, wait=False, look_up_first=True)
+                assert future.done()
+                [r] = future.result()
+                assert (r.stored, r.failed) == (0, 3) and "server" in r.errors
+                assert cache.client_stats()["dropped_blocks"] == 3
+            assert cache.client_stats()["write_behind"]["writes_queued"] == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -556,6 +556,11 @@ def store(job: dict[str, Any]) -> dict[str, Any]:
     out = {"stored": eng.run(ps[0], read=False)}
     eng.drain()
     out["after_store"] = eng.stats()
+    # Prompt 0 again: vLLM's own prefix cache serves it whole, and its save (from token 0)
+    # asks the server first: every block found stored, none encoded.
+    out["repeat"] = eng.run(ps[0])
+    eng.drain()
+    out["after_repeat"] = eng.stats()
     return out
 
 

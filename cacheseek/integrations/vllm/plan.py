@@ -43,13 +43,17 @@ class LoadSpec:
 class SaveSpec:
     """Store the full blocks of ``token_ids`` (a prompt prefix) from the request's pages,
     from token ``start`` on (a whole number of store blocks): those before it an earlier
-    step's save stored (chunked prefill saves chunk by chunk), so they are hashed only."""
+    step's save stored (chunked prefill saves chunk by chunk), so they are hashed only.
+    ``computed``: the tokens vLLM had computed before the step (its own prefix-cache hit,
+    a load, earlier steps); the save's blocks below it were not computed now, so an
+    earlier request likely stored them: they are looked up before they are encoded."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     extra: ExtraKeys | None = None
     start: int = 0
+    computed: int = 0
 
     @property
     def keys(self) -> Any:

@@ -415,7 +415,7 @@ class SchedulerSide:
                 # worker's to send again: WorkerSide.save).
                 start = state.saved // self.block_tokens * self.block_tokens
                 plan.saves.append(SaveSpec(req_id, state.prompt[:full], self.block_ids(req_id), extra=state.extra,
-                                           start=start))
+                                           start=start, computed=before))
                 state.saved = full
                 state.saving = True
         return plan

@@ -456,8 +456,12 @@ class WorkerSide:
         t0 = time.perf_counter()
         try:
             if self.background_saves:
+                # A block vLLM did not compute in this step (its own prefix cache served it) an
+                # earlier request most likely stored: one round trip now spares encoding it.
+                first = any(spec.computed - spec.start >= self.cache.block_tokens for spec in specs)
+                self.stats.save_lookups_first += first
                 self._sending.append((specs, ticket, self.cache.ingest_batch(
-                    self._save_requests(specs, pages), pages.engine, wait=False)))
+                    self._save_requests(specs, pages), pages.engine, wait=False, look_up_first=first)))
             else:
                 self._saved(specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine), ticket)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
