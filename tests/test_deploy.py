@@ -166,6 +166,14 @@ def test_every_series_the_dashboard_queries_exists(tmp_path):
     text = metrics_after_traffic(tmp_path)
     exposed = set(re.findall(r"^(cacheseek_[a-z_]+)[{ ]", text, re.M))
     assert wanted <= exposed, wanted - exposed
+    # The fill panel divides Redis's used bytes by the budget in effect on its namespace (a
+    # process of a smaller budget sharing it keeps it there): one-to-one, so their labels
+    # must be the same.
+    [fill] = [p["targets"][0]["expr"] for p in dashboard["panels"] if p["title"] == "Tier fill"]
+    assert 'cacheseek_tier_used_bytes{job=~"$job",tier="redis"} / cacheseek_redis_budget_in_effect_bytes' in fill
+    used = re.findall(r'^cacheseek_tier_used_bytes(\{[^}]*tier="redis"[^}]*\})', text, re.M)
+    budget = re.findall(r"^cacheseek_redis_budget_in_effect_bytes(\{[^}]*\})", text, re.M)
+    assert used and used == budget, (used, budget)
 
 
 def _healthcheck() -> list[str]:
