@@ -235,6 +235,32 @@ def test_a_pinned_chain_outlives_pressure_in_every_tier_and_comes_back_after_unp
     assert not any(stored(store, pin.keys))  # given back to eviction: gone under pressure
 
 
+def test_a_chain_evicted_in_part_while_it_is_pinned_is_not_pinned(tmp_path):
+    """A put on another thread evicts a link of the chain between the pin's walk of it and
+    the tiers taking the pin: the pin was granted all the same (the docs: None, a 404 at
+    the server, when the chain is not stored whole), and held the blocks past the gap out
+    of eviction, unreachable. Now it is refused, and nothing of it stays pinned."""
+    store = TieredStore([CpuTier(8 * FRAME), DiskTier(tmp_path / "d", 8 * DISK_FRAME, fsync=False)])
+    chain = frames(1, 4)
+    store.put_many(chain)
+    keys = [k for k, _ in chain]
+    add = store.pin_table.add
+
+    def add_as_a_block_is_evicted(*args, **kw):
+        out = add(*args, **kw)
+        for tier in store.tiers:  # (the put's eviction, in every tier holding it)
+            tier.delete(keys[1])
+        return out
+
+    store.pin_table.add = add_as_a_block_is_evicted
+    assert store.pin(keys[-1], ttl_seconds=None) is None
+    store.pin_table.add = add
+    assert store.pins() == [] and all(t.stats().pinned_blocks == 0 for t in store.tiers)
+    for seed in range(2, 14):  # pressure: the blocks past the gap are evictable again
+        store.put_many(frames(seed, 2))
+    assert not any(stored(store, [keys[0], *keys[2:]]))
+
+
 def test_a_tier_full_of_pinned_blocks_refuses_writes_clearly():
     store = TieredStore([CpuTier(3 * FRAME)])
     chain = frames(1, 3)

@@ -1167,6 +1167,11 @@ class TieredStore:
                 for tier in self.tiers if newly else ():
                     tried.append(tier)  # (one that fails may have pinned part of it: undone too)
                     tier.pin(newly)
+                # A put on another thread may have evicted a link between the walk above and
+                # the tiers taking the pin. Pinned now, the blocks stored stay: a second walk is
+                # conclusive, and a chain no longer whole is not pinned (its blocks past the gap
+                # held out of eviction, unreachable).
+                whole = not newly or self.chain(key, strict=True) == keys
             except BaseException:
                 # A tier that could not pin (Redis unreachable): the pin is undone everywhere, so
                 # that pinning again sends it again, rather than finding it pinned already.
@@ -1174,6 +1179,10 @@ class TieredStore:
                 for tier in tried:
                     tier.unpin(freed)
                 raise
+            if not whole:
+                _, freed = self.pin_table.remove(pin.key)
+                self._unpin(freed)
+                return None
             return pin
 
     def unpin(self, key: bytes) -> Pin | None:
