@@ -114,7 +114,6 @@ class AdminOps:
             # (deleted here alone, its Redis copy was named by nothing and served again).
             blocks, nbytes, unknown, gone = self._delete(keys)
             self._forget_pins_of(gone)
-            self.service.owners.deleted(gone)
         # (an operator's change to what is stored: said, as a start's removals are)
         log.info("admin: flush of %s deleted %d blocks (%s bytes)%s", what, blocks, f"{nbytes:,}",
                     f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")
@@ -169,7 +168,6 @@ class AdminOps:
                                "cacheseek admin --namespace)")
             blocks, nbytes, unknown, gone = self._delete(doomed)
             self._forget_pins_of(gone)
-            self.service.owners.deleted(gone)
         log.info("admin: delete of the chain ending at %s (namespace %r) deleted %d blocks (%s bytes)%s", to_hex(h),
                     namespace, blocks, f"{nbytes:,}",
                     f"; {unknown} kept, a tier that may hold them not reached" if unknown else "")
@@ -215,14 +213,16 @@ class AdminOps:
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
         blocks = nbytes = unknown = 0
         gone: set[bytes] = set()
-        for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos], all_or_nothing=True)):
-            if deleted:
-                blocks += 1
-                nbytes += info.nbytes if info is not None else 0
-            if deleted is None:
-                unknown += 1
-            else:
-                gone.add(key)
+        with self.service.owners.deleting() as forgotten:
+            for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos], all_or_nothing=True)):
+                if deleted:
+                    blocks += 1
+                    nbytes += info.nbytes if info is not None else 0
+                if deleted is None:
+                    unknown += 1
+                else:
+                    gone.add(key)
+            forgotten += gone
         return blocks, nbytes, unknown, gone
 
     # -- pins ----------------------------------------------------------------------------

@@ -33,7 +33,8 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,12 @@ class Owners:
         # attributed through this. A key is one namespace's for good (keys are masked by it).
         self._left: dict[bytes, int] = {}
         self.max_left = max_left
+        # Per ``_left`` entry, the ``gone`` event that made it (``_gone_seq`` counts them): a
+        # delete drops only the entries made before it began (``deleting``).
+        self._gone_seq = 0
+        self._left_seq: dict[bytes, int] = {}
+        # .deleting: the blocks leaving the store on this thread are deleted, not moved down
+        self._thread = threading.local()
         # keys being written -> the owner ids of the writes in flight, first announced first:
         # two writers of one block (clients sharing a prompt) each settle their own.
         self._expected: dict[bytes, list[int]] = {}
@@ -259,6 +266,7 @@ class Owners:
         with self._lock:
             writers = self._expected.get(key)
             left = self._left.pop(key, None)
+            self._left_seq.pop(key, None)
             owner = writers[0] if writers else left
             if owner is None:
                 owner = self._roots.get(info.parent, UNATTRIBUTED) if info.position == 0 \
@@ -273,21 +281,40 @@ class Owners:
     def gone(self, key: bytes, info: BlockInfo) -> None:
         with self._lock:
             owner = self._of.pop(key, UNATTRIBUTED)
-            if owner != UNATTRIBUTED:
+            self._gone_seq += 1
+            if owner != UNATTRIBUTED and not getattr(self._thread, "deleting", False):
                 self._left[key] = owner
+                self._left_seq[key] = self._gone_seq
                 if len(self._left) > self.max_left:
-                    del self._left[next(iter(self._left))]
+                    oldest = next(iter(self._left))
+                    del self._left[oldest]
+                    self._left_seq.pop(oldest, None)
             u = self._usage[owner]
             u.blocks -= 1
             u.used_bytes -= info.nbytes
             u.raw_bytes -= info.raw_nbytes
 
-    def deleted(self, keys: Iterable[bytes]) -> None:
-        """``keys`` were deleted (not moved between tiers): not kept as blocks on their way
-        down (``_left``), which hold their model's place (``_take_place``)."""
+    @contextmanager
+    def deleting(self) -> Iterator[list[bytes]]:
+        """Around deletes made on this thread; the caller adds the keys deleted to the list
+        given. Those blocks leave for good, not on their way down (``_left``, which holds
+        their model's place: ``_take_place``), and an entry kept for one of them before the
+        delete began (a demotion under way) is dropped. A client may write one again
+        meanwhile, and a write-back move it down on another thread: that copy's entry is
+        kept, or it lands in the next tier as nobody's (a flush of its model then passed it
+        by). The delete's own events are this thread's, so they are told apart by thread."""
         with self._lock:
-            for key in keys:
-                self._left.pop(key, None)
+            since = self._gone_seq
+        self._thread.deleting = True
+        deleted: list[bytes] = []
+        try:
+            yield deleted
+        finally:
+            self._thread.deleting = False
+            with self._lock:
+                for key in deleted:
+                    if self._left_seq.get(key, since + 1) <= since:
+                        del self._left[key], self._left_seq[key]
 
     def adopt(self, held: list[tuple[bytes, BlockInfo]]) -> None:
         """Attribute blocks held before this listened (sorted by position: parents first)."""

@@ -333,13 +333,15 @@ class BlockService:
         key = self.namespaces.stored_key(namespace, h)
         if self.store.children(key):
             self.owners.keep_for_children(key)
-        deleted = self.store.delete(key, all_or_nothing=True)
+        with self.owners.deleting() as gone:
+            deleted = self.store.delete(key, all_or_nothing=True)
+            if deleted is not None:
+                gone.append(key)
         if deleted is None:  # a 404 or a 204 would tell the client it is gone
             raise TierUnreachable(f"block {to_hex(h)}: a tier that may hold it could not be reached, so it is kept "
                                   "(in every tier); retry")
         if not deleted:
             raise NotFound(f"block {to_hex(h)} is not stored")
-        self.owners.deleted([key])
 
     # -- reads ---------------------------------------------------------------------------
 

@@ -165,6 +165,49 @@ def test_two_writers_of_one_block_each_settle_their_own_announcement():
     assert [(u["model"], u["blocks"]) for u in owners.usage() if u["blocks"]] == [("model-b", 1)]
 
 
+def test_a_block_written_again_while_a_flush_deletes_it_keeps_its_owner_as_it_moves_down():
+    """A write-back server: an admin flush deletes a block, and before the flush has
+    settled its bookkeeping a client writes the block again and the write-back moves that
+    copy down (out of the CPU tier, then into the disk tier, on another thread). The flush
+    dropped that copy's record on its way down, and the block landed as nobody's: a later
+    flush of its model passed it by, and usage counted it under no one."""
+    import threading
+
+    from cacheseek.store.tier import BlockInfo
+    from server.owners import Owners
+
+    owners = Owners()
+    owner = owners.owner_id("team", "model-a")
+    key, parent = b"k" * 16, b"p" * 16  # (a parent this server never saw: no chain to inherit from)
+    info = BlockInfo(nbytes=100, raw_nbytes=400, parent=parent, position=3)
+    owners.expect(owner, [(key, b"", 3)])
+    owners.appeared(key, info)
+    owners.settle(owner, [key])
+
+    def written_again_and_moved_down() -> None:
+        owners.expect(owner, [(key, b"", 3)])
+        owners.appeared(key, info)
+        owners.settle(owner, [key])
+        owners.gone(key, info)  # out of the CPU tier, on its way to the disk tier
+
+    with owners.deleting() as deleted:
+        owners.gone(key, info)  # the flush's delete
+        deleted.append(key)
+        other = threading.Thread(target=written_again_and_moved_down)
+        other.start()
+        other.join()
+    owners.appeared(key, info)  # into the disk tier
+    assert owners.owner_of(key) == ("team", "model-a")
+    assert [(u["model"], u["blocks"]) for u in owners.usage() if u["blocks"]] == [("model-a", 1)]
+    # A block deleted while it was on its way down (its entry made before the delete) is
+    # forgotten: nothing of it is left to attribute a later block through.
+    owners.gone(key, info)  # a demotion under way ...
+    with owners.deleting() as deleted:
+        deleted.append(key)  # ... and the delete finds it in no tier
+    owners.appeared(key, BlockInfo(nbytes=100, raw_nbytes=400, parent=parent, position=3))
+    assert owners.owner_of(key) == (None, "")
+
+
 def test_a_tenant_never_sees_the_overflow_owners_nor_a_redis_hosts_name(tmp_path):
     """Past ``metrics_max_owners`` every other owner (but a configured tenant) counts under
     ("_other", "_other"), which a tenant named "_other" must not see; and a tier's last error (redis-py names the host and
