@@ -82,7 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from .app import create_app
     from .config import ServerSettings, exposed_secrets, renamed, unknown_variables
     from .namespaces import check_key_file
-    from .protocol import ConnectionLimits, fast_path_problem, protocol_class
+    from .protocol import ConnectionLimits, fast_path_problem, plain_protocol_class, protocol_class
     from .store import build_store
     from .summary import settings_lines
 
@@ -149,13 +149,17 @@ def _serve(args: argparse.Namespace) -> int:
     opened = time.perf_counter() - started  # the disk index rebuilt: the recovery figures' time
     app = create_app(settings, store=store, opened_seconds=opened, announce=lambda text: print(text, flush=True))
     http: Any = settings.http
-    if http == "auto":
+    fast = None
+    if http == "httptools":
+        http = plain_protocol_class() or http
+    elif http == "auto":
         limits = ConnectionLimits(header_timeout_seconds=settings.header_timeout_seconds,
                                   body_idle_timeout_seconds=settings.body_idle_timeout_seconds,
                                   body_min_bytes_per_second=settings.body_min_bytes_per_second)
-        # Off the fast path, uvicorn chooses: httptools where it imports, else h11 (a server
-        # without httptools must still start).
-        http = protocol_class(limits=limits, on_refused=app.state.metrics.refused) or "auto"
+        # Off the fast path: httptools where it imports, else uvicorn's h11 (a server without
+        # httptools must still start).
+        fast = protocol_class(limits=limits, on_refused=app.state.metrics.refused)
+        http = fast or plain_protocol_class() or "auto"
         problem = fast_path_problem()
         if problem is None:
             print("cacheseek serve: receive path: in place (server.protocol: bodies by recv_into into the store's "
@@ -175,7 +179,7 @@ def _serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
         ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )
-    if not isinstance(http, str):
+    if fast is not None:
         # uvicorn's line for each malformed request (from anyone, unlimited, naming neither
         # status nor peer): the fast path counts and says them itself (``Metrics.refused``).
         logging.getLogger("uvicorn.error").addFilter(_NotInvalidRequest())

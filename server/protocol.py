@@ -544,6 +544,14 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.in_trailers, self.head_bytes = True, 0
             self.chunk_epoch += 1
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            # httptools reports a chunked body's trailer fields through this callback too, and
+            # uvicorn appends them to the list that is the scope's headers: one that came in the
+            # same read as the head authorized the request or chose its namespace (RFC 9110
+            # 6.5.1 forbids it). Past the head, they are dropped (still bounded by MAX_HEAD_BYTES).
+            if self.in_head:
+                super().on_header(name, value)
+
         def on_body(self, body: bytes) -> None:
             if self.refused:  # (a refused request's body is never a route's)
                 return
@@ -571,6 +579,36 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
                 pass
 
     return PiecesProtocol
+
+
+def plain_protocol_class() -> type | None:
+    """uvicorn's own httptools protocol (``--http httptools``, or the fast path off), but for
+    a chunked body's trailer fields, which it made request headers (``on_header`` in
+    ``protocol_class``); None where httptools does not import (uvicorn then takes h11, which
+    keeps trailers apart)."""
+    try:
+        from uvicorn.protocols.http import httptools_impl as impl
+
+        base = impl.HttpToolsProtocol
+    except (ImportError, AttributeError):
+        return None
+
+    class NoTrailerFields(base):  # type: ignore[misc, valid-type]
+        head_done = False
+
+        def on_message_begin(self) -> None:
+            self.head_done = False
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self.head_done = True
+            super().on_headers_complete()
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self.head_done:
+                super().on_header(name, value)
+
+    return NoTrailerFields
 
 
 class BodyTakeover(asyncio.BufferedProtocol):
@@ -909,6 +947,7 @@ def _unexpected(impl: Any) -> str | None:
         (proto, "connection_made"): ("self.transport = transport", "self.flow = FlowControl(transport)"),
         (proto, "connection_lost"): ("self.cycle.disconnected = True", "self.cycle.message_event.set()"),
         (proto, "on_message_begin"): ("self.headers = []",),
+        (proto, "on_header"): ("self.headers.append(",),
         (proto, "on_headers_complete"): ("self.cycle = RequestResponseCycle(",),
         (proto, "on_body"): ("self.cycle.body += body", "pause_reading", "self._should_upgrade()"),
         (proto, "on_message_complete"): ("self.cycle.more_body = False",),

@@ -1483,6 +1483,59 @@ def test_a_request_with_a_header_twice_that_says_who_or_what_is_a_400_and_nothin
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
+def send_chunked(port: int, head_lines: str, path: str, body: bytes, trailer: str, pause: float) -> tuple[int, bytes]:
+    """A chunked request whose last chunk carries ``trailer``, sent in one write (``pause``
+    0) or with the last chunk ``pause`` seconds after the rest; its answer's status and body."""
+    first = (f"{'PUT' if path.startswith('/v1/blocks/') else 'POST'} {path} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n"
+             f"connection: close\r\n{head_lines}\r\n").encode() + b"%x\r\n" % len(body) + body + b"\r\n"
+    last = f"0\r\n{trailer}\r\n\r\n".encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        if pause:
+            s.sendall(first)
+            time.sleep(pause)
+            with contextlib.suppress(OSError):  # (the server may have answered, and closed, already)
+                s.sendall(last)
+        else:
+            s.sendall(first + last)
+        rest = bytearray()
+        got, _, text = read_response(s, rest)
+        return got, text
+
+
+@pytest.mark.parametrize("http", ["auto", "httptools", "h11"])
+def test_a_chunked_bodys_trailer_fields_are_never_request_headers(tmp_path, http):
+    """httptools reports trailer fields as it reports headers, and uvicorn appended them to
+    the scope's headers: a trailer Authorization wrote (201) when the whole request came in
+    one read and was a 401 when the last chunk came later, a trailer X-CacheSeek-Namespace
+    chose the namespace, and a trailer repeating a header was the 'appears more than once'
+    400. RFC 9110 6.5.1: trailers are not headers; they are dropped, on every HTTP implementation."""
+    token = "w" * 20
+    auth = f"authorization: Bearer {token}\r\n"
+    with Server(tmp_path, "--http", http, "--write-token", token, disk=False) as srv:
+        reads = {"authorization": f"Bearer {token}"}
+        for seed, pause in ((30, 0), (31, 0.3)):
+            h, good = raw_frame(seed)
+            for path, body in ((f"/v1/blocks/{h.hex()}", good), ("/v1/blocks", batch_body([good]))):
+                got, text = send_chunked(srv.port, "", path, body, f"Authorization: Bearer {token}", pause)
+                assert got == 401, (path, pause, got, text)
+            assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers=reads).status_code == 404
+            got, text = send_chunked(srv.port, "content-type: application/octet-stream\r\n", "/v1/lookup", h,
+                                     f"Authorization: Bearer {token}", pause)
+            assert got == 401, (pause, got, text)
+        for seed, pause in ((32, 0), (33, 0.3)):
+            h, good = raw_frame(seed)
+            got, text = send_chunked(srv.port, auth + "content-type: application/octet-stream\r\n",
+                                     f"/v1/blocks/{h.hex()}", good,
+                                     "X-CacheSeek-Namespace: ns1\r\nContent-Type: application/json\r\n"
+                                     "X-CacheSeek-Model: m", pause)
+            assert got == 201, (pause, got, text)
+            assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}", headers=reads).content == good
+            assert httpx.get(f"{srv.url}/v1/blocks/{h.hex()}",
+                             headers={**reads, "x-cacheseek-namespace": "ns1"}).status_code == 404
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_query_parameter_twice_is_a_400_naming_it_and_the_route_not_run(tmp_path):
     """Each route reads one value of each query parameter (Starlette's last), where a front
     before the server may have checked the other (an admin flush's namespace, a lookup's
