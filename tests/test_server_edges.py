@@ -1536,6 +1536,24 @@ def test_a_chunked_bodys_trailer_fields_are_never_request_headers(tmp_path, http
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_put_no_tier_could_store_answers_507_with_its_reasons_as_json(tmp_path):
+    """The per-tier reasons of a PUT's 507 were a Python dict's repr inside the error
+    sentence (single quotes: no JSON parser reads them), where a batch's result for the same
+    frame gives them as an object: the 507 now carries that result beside the sentence."""
+    h, good = raw_frame(34)
+    with Server(tmp_path, "--disk-bytes", "20000", cpu_bytes="0") as srv, httpx.Client(base_url=srv.url) as c:
+        r = c.put(f"/v1/blocks/{h.hex()}", content=good)
+        assert r.status_code == 507, r.text
+        answer = r.json()
+        batch = c.post("/v1/blocks", content=batch_body([good])).json()[0]
+        assert batch["status"] == "failed" and set(batch["errors"]) == {"disk"}, batch
+        assert {k: answer[k] for k in batch} == batch, (answer, batch)
+        reason = batch["errors"]["disk"]
+        assert "exceeds the budget (20000)" in reason, reason
+        assert answer["error"] == f"no tier could store the block: disk: {reason}", answer
+        assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
+
+
 def test_a_query_parameter_twice_is_a_400_naming_it_and_the_route_not_run(tmp_path):
     """Each route reads one value of each query parameter (Starlette's last), where a front
     before the server may have checked the other (an admin flush's namespace, a lookup's

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from cacheseek.errors import StorageError
 from cacheseek.store.frame import PayloadChecksum
 from cacheseek.store.lease import Lease, release_all
 from cacheseek.store.tier import Reservation
@@ -27,6 +27,15 @@ from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
 PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "status": "stored", "errors": {}}}}}
+RESULT_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["hash", "status", "durability", "errors"],
+    "properties": {"hash": {"type": "string"}, "status": {"type": "string", "enum": ["stored", "present", "failed"]},
+                   "durability": {"type": "string", "enum": ["durable", "memory"]},
+                   "errors": {"type": "object", "additionalProperties": {"type": "string"},
+                              "description": "tier -> why it did not store the block"}}}
+PUT_FAILED = {"content": {"application/json": {"schema": {
+    **RESULT_SCHEMA, "required": ["error"],
+    "properties": {"error": {"type": "string"}, **RESULT_SCHEMA["properties"]}}}}}
 
 
 @router.put(
@@ -36,7 +45,8 @@ PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "s
                409: {"description": "the frame's header hash is not the URL's", **ERROR},
                413: {"description": "over max_frame_bytes", **ERROR},
                503: {"description": "request bodies in flight are at max_inflight_body_bytes", **ERROR},
-               507: {"description": "no tier could store it", **ERROR}},
+               507: {"description": "no tier could store it: the error, and the result as for 200/201 "
+                                    "(status failed, errors per tier)", **PUT_FAILED}},
 )
 async def put_block(caller: Writer, hash: Hash, request: Request, service: Service, settings: Settings) -> JSONResponse:
     """Store one frame under its hash. Nothing is stored unless the frame is whole and valid."""
@@ -70,7 +80,11 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
         held.close()
     service.metrics.ingested(service.metrics.for_request(caller.namespace, request.headers), [report])
     if report.status == "failed":
-        raise StorageError(f"no tier could store the block: {report.errors}")  # (the URL names it)
+        # The batch's result for the frame, and the sentence: the reasons were a Python dict's
+        # repr inside the sentence, which a client in another language could not read.
+        said = "; ".join(f"{tier}: {reason}" for tier, reason in report.errors.items())
+        return JSONResponse({"error": "no tier could store the block" + (f": {said}" if said else ""),
+                             **report.to_dict()}, status_code=507)
     return JSONResponse(report.to_dict(), status_code=201 if report.status == "stored" else 200)
 
 
