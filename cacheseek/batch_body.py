@@ -20,23 +20,36 @@ LENGTH = struct.Struct("<Q")
 MIN_FRAME_BYTES = 16  # a frame's preamble
 
 
-class BatchFormatError(ValueError):
-    """The body is not a well-formed sequence of length-prefixed frames."""
+class _Refused(ValueError):
+    """``fields``: what the server's error answer carries beside the reason, for a client
+    to read rather than parse the sentence (docs/http-api.md, "Error answers")."""
+
+    def __init__(self, reason: str, **fields: Any) -> None:
+        super().__init__(reason)
+        self.fields = fields
 
 
-class BatchTooLarge(ValueError):
-    """A declared frame length, or the body, is over its limit."""
+class BatchFormatError(_Refused):
+    """The body is not a well-formed sequence of length-prefixed frames (``fields``:
+    ``frame``, the index of the frame it is about)."""
+
+
+class BatchTooLarge(_Refused):
+    """A declared frame length, or the body, is over its limit (``fields``: ``limit``, the
+    setting's name, ``limit_value``, and the ``frame`` that passed it, where one did)."""
 
 
 def check_frame_length(index: int, length: int, consumed: int, *, max_frame_bytes: int, max_body_bytes: int) -> None:
     """Frame ``index`` declares ``length`` bytes, starting at body offset ``consumed``."""
     where = f"frame {index}"
     if length > max_frame_bytes:
-        raise BatchTooLarge(f"{where}: declared length {length} exceeds max_frame_bytes ({max_frame_bytes})")
+        raise BatchTooLarge(f"{where}: declared length {length} exceeds max_frame_bytes ({max_frame_bytes})",
+                            frame=index, limit="max_frame_bytes", limit_value=max_frame_bytes)
     if consumed + length > max_body_bytes:
-        raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({max_body_bytes})")
+        raise BatchTooLarge(f"{where}: declared length {length} runs past max_body_bytes ({max_body_bytes})",
+                            frame=index, limit="max_body_bytes", limit_value=max_body_bytes)
     if length < MIN_FRAME_BYTES:
-        raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble")
+        raise BatchFormatError(f"{where}: declared length {length} is shorter than a frame preamble", frame=index)
 
 
 class BatchReader:
@@ -55,7 +68,8 @@ class BatchReader:
         view = memoryview(chunk).cast("B")
         self.received += view.nbytes
         if self.received > self.max_body_bytes:
-            raise BatchTooLarge(f"body exceeds max_body_bytes ({self.max_body_bytes})")
+            raise BatchTooLarge(f"body exceeds max_body_bytes ({self.max_body_bytes})", limit="max_body_bytes",
+                                limit_value=self.max_body_bytes)
         done: list[bytearray] = []
         while view.nbytes:
             if self._frame is None:

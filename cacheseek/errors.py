@@ -6,6 +6,8 @@ working); a broken invariant inside the library is a ``RuntimeError`` with the r
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CacheSeekError(Exception):
     """Root of all CacheSeek errors."""
@@ -55,12 +57,16 @@ class RemoteError(CacheSeekError):
     """The CacheSeek server answered a request with an error.
 
     ``status`` is the HTTP status (None when no answer came), ``reason`` the server's
-    reason, as in its JSON body ``{"error": reason}``."""
+    reason, as in its JSON body ``{"error": reason}``; ``fields`` the rest of that body (a
+    limit's ``limit`` and ``limit_value``, a batch's ``frame``: docs/http-api.md), empty
+    where it had none (an older server, a proxy's answer)."""
 
-    def __init__(self, reason: str, *, status: int | None = None, url: str = "") -> None:
+    def __init__(self, reason: str, *, status: int | None = None, url: str = "",
+                 fields: dict[str, Any] | None = None) -> None:
         self.status = status
         self.reason = reason
         self.url = url
+        self.fields = fields or {}
         where = f" ({url})" if url else ""
         super().__init__(f"HTTP {status}: {reason}{where}" if status is not None else f"{reason}{where}")
 

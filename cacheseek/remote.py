@@ -90,7 +90,7 @@ ERROR_BODY_BYTES = 64 << 10  # an error answer's body read whole, for its connec
 # The longest JSON answer read: a lookup of 65,536 hashes with every block's presence is ~1 MB.
 ANSWER_BYTES = 64 << 20
 REASON_CHARS = 500  # of an error answer that is not the server's JSON, kept as the error's reason
-# How the server names its body limit in a 413 (server/routes/_body.py, batch_body.py).
+# How a server before the error fields (docs/http-api.md) named its body limit in a 413: in the sentence.
 _BODY_LIMIT = re.compile(r"max_body_bytes \((\d+)\)")
 
 log = logging.getLogger("cacheseek.remote")
@@ -1024,7 +1024,7 @@ class RemoteCache(PrefixCacheBase):
             if exc.status in OUTAGE_STATUSES:
                 self.breaker.record_failure(ticket)
                 self._outages.failed(exc)
-                raise RemoteUnavailable(exc.reason, status=exc.status, url=exc.url) from None
+                raise RemoteUnavailable(exc.reason, status=exc.status, url=exc.url, fields=exc.fields) from None
             self.breaker.record_success(ticket)
             self._outages.answered()
             raise
@@ -1142,16 +1142,26 @@ class RemoteCache(PrefixCacheBase):
 
     def _lower_body_limit(self, exc: RemoteError, total: int) -> bool:
         """Whether a refused body of ``total`` bytes may go again, split: a 413 for the
-        body's size, not for one frame's. The limit the 413 names (the server's
-        ``max_body_bytes``) becomes this client's, so later calls are not refused first;
-        where none is named (a proxy's 413), half the refused body. The limit then is below
-        the refused body, so each retry sends fewer frames, and this ends."""
-        if exc.status != 413 or "max_frame_bytes" in exc.reason:
+        body's size, not for one frame's. The limit the 413 names (its ``limit_value``
+        where its ``limit`` is ``max_body_bytes``) becomes this client's, so later calls are
+        not refused first; where none is named (a proxy's 413), half the refused body. The
+        limit then is below the refused body, so each retry sends fewer frames, and this ends."""
+        if exc.status != 413:
             return False
-        named = _BODY_LIMIT.search(exc.reason)
-        # (a limit of no server's, 0 or past 19 digits, names none: int() refuses 4,300 digits,
-        # and 0 would make every later call a ConfigError)
-        limit = int(named[1]) if named and len(named[1]) <= 19 else 0
+        name, value = exc.fields.get("limit"), exc.fields.get("limit_value")
+        if isinstance(name, str):
+            if name != "max_body_bytes":
+                return False
+            # (a limit of no server's, 0, negative, past 2**63 or not a whole number, names none:
+            # 0 would make every later call a ConfigError)
+            limit = value if type(value) is int and 0 < value < 1 << 63 else 0
+        else:
+            # A server before the fields (or a proxy): the limit only in its sentence.
+            if "max_frame_bytes" in exc.reason:
+                return False
+            named = _BODY_LIMIT.search(exc.reason)
+            # (int() refuses 4,300 digits)
+            limit = int(named[1]) if named and len(named[1]) <= 19 else 0
         self._take_body_limit(min(limit if limit > 0 else total // 2, total - 1))
         return True
 
@@ -1321,14 +1331,15 @@ class RemoteCache(PrefixCacheBase):
             answer = response.json()
         except (ValueError, RecursionError):  # (JSON nested ~1000 deep: json gives up with RecursionError)
             answer = None
-        # The server's JSON is {"error": reason}; a front's may be anything (a string, a list).
+        # The server's JSON is {"error": reason, ...fields}; a front's may be anything (a string, a list).
         reason = ((answer.get("error") if isinstance(answer, dict) else None) or response.text[:REASON_CHARS]
                   or response.reason_phrase)
+        fields = {k: v for k, v in answer.items() if k != "error"} if isinstance(answer, dict) else None
         # A busy server's 503, or a front's 429 (a rate limit before the server): both say
         # "later", about this request, not that the service is gone.
         if response.status_code == 429 or response.status_code == 503 and BUSY_HEADER in response.headers:
-            raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path)
-        raise RemoteError(str(reason), status=response.status_code, url=self.url + path)
+            raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path, fields=fields)
+        raise RemoteError(str(reason), status=response.status_code, url=self.url + path, fields=fields)
 
 
 def _release(chains: list[list[BlockFrame]]) -> None:

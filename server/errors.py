@@ -2,13 +2,15 @@
 
 Routes and the service raise these (or the library's own ``FrameError``/``InputError``/
 ``StorageError``); nothing else builds an error status. Every error answer is JSON
-``{"error": reason}``. Anything not in the table is a bug: a 500, logged with its traceback.
+``{"error": reason}``, with the exception's ``fields`` beside it where it has them. Anything
+not in the table is a bug: a 500, logged with its traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,7 +31,13 @@ BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 that is back-pressure, not the serv
 
 
 class ServiceError(Exception):
-    """An expected failure of a request; ``str(exc)`` is the reason given to the client."""
+    """An expected failure of a request; ``str(exc)`` is the reason given to the client, and
+    ``fields`` (those not None) go beside it in the answer: what a client acts on (a limit's
+    name and value, a batch's frame index), so that it need not parse the sentence."""
+
+    def __init__(self, reason: str = "", **fields: Any) -> None:
+        super().__init__(reason)
+        self.fields = {name: value for name, value in fields.items() if value is not None}
 
 
 class BadRequest(ServiceError):
@@ -119,11 +127,13 @@ def status_of(exc: BaseException) -> int | None:
     return None
 
 
-def error_response(status: int, reason: str, *, busy: bool = False) -> JSONResponse:
+def error_response(status: int, reason: str, *, busy: bool = False,
+                   fields: dict[str, Any] | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {"Retry-After": "1"} if status == 503 else None
     if busy:  # a 503 from a server that is up: clients do not take it for an outage
         headers = {**(headers or {}), BUSY_HEADER: "max_inflight_body_bytes"}
-    return JSONResponse({"error": reason}, status_code=status, headers=headers)
+    extra = {name: value for name, value in (fields or {}).items() if name != "error"}
+    return JSONResponse({"error": reason, **extra}, status_code=status, headers=headers)
 
 
 # A stored key is a namespace's mask XOR the client's hash: a tier's reason that names one
@@ -173,7 +183,7 @@ async def _handle(request: Request, exc: Exception) -> JSONResponse:
         cut = (request.scope.get("extensions") or {}).get(BODY_CUT)
         if cut is not None and cut():
             return error_response(408, f"the server cut the client off before its body ended: {cut()}")
-    return error_response(status, _reason(exc), busy=isinstance(exc, Busy))
+    return error_response(status, _reason(exc), busy=isinstance(exc, Busy), fields=getattr(exc, "fields", None))
 
 
 async def _handle_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

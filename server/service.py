@@ -124,7 +124,8 @@ class BlockService:
             raise BadFrame(f"{where}: {exc}") from None
         if meta.position >= self.max_chain_blocks:
             self.metrics.rejected("malformed")
-            raise BadFrame(f"{where}: position {meta.position} exceeds max_chain_blocks ({self.max_chain_blocks})")
+            raise BadFrame(f"{where}: position {meta.position} exceeds max_chain_blocks ({self.max_chain_blocks})",
+                           limit="max_chain_blocks", limit_value=self.max_chain_blocks)
         if url_hash is not None and meta.block_hash != url_hash:
             self.metrics.rejected("hash_mismatch")
             raise HashMismatch(f"{where}: header hash {to_hex(meta.block_hash)} is not the URL's {to_hex(url_hash)}")
@@ -254,7 +255,7 @@ class BlockService:
             if first[1].position != inc.meta.position:
                 self.metrics.rejected("inconsistent")
                 raise BadFrame(f"frame {i}: block {to_hex(inc.meta.block_hash)} at position {inc.meta.position} "
-                               f"is also frame {first[0]}, at position {first[1].position}")
+                               f"is also frame {first[0]}, at position {first[1].position}", frame=i)
 
     def _claim(self, namespace: str, frames: list[Incoming], claimed: list[Claimed]) -> None:
         """Claim the frames' positions (``PositionClaims``); one that contradicts a write in
@@ -268,12 +269,12 @@ class BlockService:
         other = to_hex(self.namespaces.client_hash(namespace, conflict.other))
         if conflict.what == "self":
             raise BadFrame(f"{where}: block {other} at position {meta.position} is being written at position "
-                           f"{conflict.position} by another request")
+                           f"{conflict.position} by another request", frame=conflict.index)
         if conflict.what == "parent":
             raise BadFrame(f"{where}: position {meta.position}, but its parent {other} is being written at "
-                           f"position {conflict.position} by another request")
+                           f"position {conflict.position} by another request", frame=conflict.index)
         raise BadFrame(f"{where}: position {meta.position}, but block {other}, being written with it as its "
-                       f"parent by another request, is at position {conflict.position}")
+                       f"parent by another request, is at position {conflict.position}", frame=conflict.index)
 
     def _check_stored_positions(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> None:
         """Each frame's position against its parent's and its stored children's, whichever
@@ -292,7 +293,7 @@ class BlockService:
                 self.metrics.rejected("inconsistent")
                 where = f"frame {i}" if len(frames) > 1 else "frame"
                 raise BadFrame(f"{where}: block {to_hex(meta.block_hash)} at position {meta.position} is "
-                               f"stored at position {info.position}")
+                               f"stored at position {info.position}", frame=i)
         for i, (inc, key) in enumerate(zip(frames, keys)):
             meta = inc.meta
             where = f"frame {i}" if len(frames) > 1 else "frame"
@@ -302,7 +303,7 @@ class BlockService:
             if held is not None and held.position != meta.position:
                 self.metrics.rejected("inconsistent")
                 raise BadFrame(f"{where}: block {to_hex(meta.block_hash)} at position {meta.position} is "
-                               f"stored at position {held.position}")
+                               f"stored at position {held.position}", frame=i)
             # Stored at this position already (a local index's), its stored children were checked
             # against it, or it against them, as each arrived: a walk of them again on every put of
             # it cost ~0.9 us a child, in the event loop (a tenant's block of 100k children made
@@ -313,7 +314,7 @@ class BlockService:
                     self.metrics.rejected("inconsistent")
                     raise BadFrame(f"{where}: position {meta.position}, but block "
                                    f"{to_hex(self.namespaces.client_hash(namespace, child))}, stored with it "
-                                   f"as its parent, is at position {info.position}")
+                                   f"as its parent, is at position {info.position}", frame=i)
             if meta.position == 0:
                 continue  # its parent is the client's root, which the server never sees
             parent = batch.get(meta.parent_hash)
@@ -324,7 +325,7 @@ class BlockService:
             if parent_pos is not None and parent_pos != meta.position - 1:
                 self.metrics.rejected("inconsistent")
                 raise BadFrame(f"{where}: position {meta.position}, but its parent "
-                               f"{to_hex(meta.parent_hash)} is at position {parent_pos}")
+                               f"{to_hex(meta.parent_hash)} is at position {parent_pos}", frame=i)
 
     def delete(self, namespace: str, h: bytes) -> None:
         # All or nothing: deleted from the local tiers alone, its Redis copy would be named by

@@ -635,6 +635,29 @@ def test_an_ingest_past_the_servers_body_limit_is_split_as_the_embedded_cache_st
         assert posts == {"200": 1 + 2 + 2, "413": 1}, posts
 
 
+def test_the_body_limit_a_real_servers_413_names_is_read_from_its_fields_not_its_sentence(tmp_path, monkeypatch):
+    """The client took the server's max_body_bytes from the 413's English sentence (a regex),
+    tested only against a mock that wrote the sentence by hand: a rewording in server/ would
+    have made it halve its bodies, blind. The server names the limit in fields (``limit``,
+    ``limit_value``), which the client reads first; here the sentence says nothing the
+    regex finds, and the client still learns the exact limit from a real server's 413."""
+    import re
+
+    from cacheseek import remote as remote_module
+
+    monkeypatch.setattr(remote_module, "_BODY_LIMIT", re.compile(r"(?!)"))  # (a server's other wording)
+    n = 10 * BLOCK
+    toks, kv = tokens_for(26, n), make_kv(n, 26)
+    with Server(tmp_path, "--max-frame-bytes", "128KiB", "--max-body-bytes", "256KiB",
+                "--max-inflight-body-bytes", "256KiB", disk=False) as server:
+        with cs.RemoteCache(server.url, model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK) as remote:
+            _unpublished(remote, monkeypatch)
+            assert remote.ingest(toks, kv).stored == 10
+            assert remote.max_body_bytes == 256 << 10
+            assert _block_posts(remote) == {"200": 2, "413": 1}, _block_posts(remote)
+            assert_prefix_equal(remote.materialize(toks), kv, n)
+
+
 def test_split_posts_keep_the_chains_head_when_the_servers_tier_overflows(tmp_path):
     """Tail first across the POSTs, as in one: a chain longer than the server's CPU tier
     keeps its head (as the embedded cache does), not its tail, which no lookup reaches."""

@@ -1554,6 +1554,73 @@ def test_a_put_no_tier_could_store_answers_507_with_its_reasons_as_json(tmp_path
         assert c.get(f"/v1/blocks/{h.hex()}").status_code == 404
 
 
+def test_error_answers_name_the_limit_and_the_frame_in_fields_a_client_reads(tmp_path):
+    """A limit (its setting and value) and a batch's failed frame were only in the error's
+    English sentence, which a client (RemoteCache's regex too) had to parse: each is now a
+    field beside ``error`` (docs/http-api.md, "Error answers"), and nothing is stored."""
+    args = ["--max-body-bytes", "100000", "--max-inflight-body-bytes", "100000", "--max-frame-bytes", "40000",
+            "--max-lookup-hashes", "4", "--max-chain-blocks", "8"]
+    body_limit = {"limit": "max_body_bytes", "limit_value": 100000}
+    frame_limit = {"limit": "max_frame_bytes", "limit_value": 40000}
+    hashes_limit = {"limit": "max_lookup_hashes", "limit_value": 4}
+    chain = raw_chain(35, 4)
+    h, good = chain[0]
+    bad = bytearray(chain[1][1])
+    bad[-1] ^= 1  # (a payload byte: its checksum fails)
+    _, twice = raw_frame(36, position=1, block_hash=h)  # frame 0's hash at another position
+    h_far, far = raw_frame(37, position=8)
+    chunked = "transfer-encoding: chunked\r\n"
+
+    def chunks(body: bytes) -> bytes:
+        return b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+
+    def answer(raw: bytes) -> tuple[int, dict]:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(raw)
+            got, _, text = read_response(s, bytearray())
+            return got, json.loads(text)
+
+    def fields(answer: dict) -> dict:
+        assert isinstance(answer.pop("error"), str), answer
+        return answer
+
+    lookup = head("POST", "/v1/lookup", extra="content-type: application/octet-stream\r\n" + chunked)
+    with Server(tmp_path, *args, disk=False) as srv:
+        cases = [
+            ("declared body", head("POST", "/v1/blocks", 200000), 413, body_limit),
+            ("declared frame", head("PUT", f"/v1/blocks/{h.hex()}", 50000), 413, frame_limit),
+            ("chunked frame", head("PUT", f"/v1/blocks/{h.hex()}", extra=chunked) + chunks(bytes(50000)), 413,
+             frame_limit),
+            ("batch past the body", head("POST", "/v1/blocks", extra=chunked)
+             + chunks(batch_body([f for _, f in chain])), 413, {**body_limit, "frame": 3}),
+            ("batch frame declared", head("POST", "/v1/blocks", extra=chunked)
+             + chunks(batch_body([good]) + (50000).to_bytes(8, "little")), 413, {**frame_limit, "frame": 1}),
+            ("bad checksum", head("POST", "/v1/blocks", extra=chunked) + chunks(batch_body([good, bytes(bad)])),
+             400, {"frame": 1}),
+            ("one hash twice", head("POST", "/v1/blocks", extra=chunked) + chunks(batch_body([good, twice])),
+             400, {"frame": 1}),
+            ("past max_chain_blocks", head("POST", "/v1/blocks", extra=chunked) + chunks(batch_body([good, far])),
+             400, {"frame": 1, "limit": "max_chain_blocks", "limit_value": 8}),
+            ("lookup hashes", lookup + chunks(bytes(16 * 5)), 422, hashes_limit),
+            ("lookup JSON", head("POST", "/v1/lookup", extra=chunked) + chunks(json.dumps({"hashes": ["ab" * 16] * 5})
+                                                                                 .encode()), 422, hashes_limit),
+            ("lookup body", head("POST", "/v1/lookup", 72 * 4 + 1025), 413, hashes_limit),
+            ("prefetch body", head("POST", "/v1/prefetch", 72 * 4 + 1025), 413, hashes_limit),
+        ]
+        for name, raw, status, want in cases:
+            got, said = answer(raw)
+            assert (got, fields(said)) == (status, want), (name, got, said)
+        # A PUT's one frame is the URL's: no index.
+        got, said = answer(head("PUT", f"/v1/blocks/{chain[1][0].hex()}", len(bad)) + bytes(bad))
+        assert got == 400 and fields(said) == {}, said
+        got, said = answer(head("PUT", f"/v1/blocks/{h_far.hex()}", len(far)) + far)
+        assert got == 400 and fields(said) == {"limit": "max_chain_blocks", "limit_value": 8}, said
+        stats = httpx.get(srv.url + "/v1/stats").json()
+        assert stats["blocks"] == 0, stats
+        log = srv.output()
+    assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
+
+
 def test_a_query_parameter_twice_is_a_400_naming_it_and_the_route_not_run(tmp_path):
     """Each route reads one value of each query parameter (Starlette's last), where a front
     before the server may have checked the other (an admin flush's namespace, a lookup's

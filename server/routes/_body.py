@@ -48,12 +48,17 @@ FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME_CONTENT_TYPE: 
                               "description": "one block frame"}}
 BATCH_BODY = {"requestBody": {"required": True, "content": {BATCH_CONTENT_TYPE: BINARY, FRAME_CONTENT_TYPE: BINARY},
                               "description": "frames, each preceded by its length as a u64 little-endian"}}
-ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}},
-                                                     "required": ["error"]}}}}
+ERROR = {"content": {"application/json": {"schema": {"type": "object", "required": ["error"], "properties": {
+    "error": {"type": "string", "description": "why, for people (its wording may change)"},
+    "limit": {"type": "string", "description": "the setting the request passed: max_body_bytes, max_frame_bytes, "
+                                               "max_lookup_hashes or max_chain_blocks"},
+    "limit_value": {"type": "integer", "description": "that setting's value on this server"},
+    "frame": {"type": "integer", "description": "POST /v1/blocks: the index of the frame refused, from 0"}}}}}}
 
 
-def declared_length(request: Request, limit: int, what: str) -> int | None:
-    """The Content-Length, checked against ``limit`` before a byte of the body is read."""
+def declared_length(request: Request, limit: int, what: str, fields: dict[str, Any] | None = None) -> int | None:
+    """The Content-Length, checked against ``limit`` before a byte of the body is read.
+    ``fields``: those of the 413 (default: ``what`` is the setting ``limit`` is, named)."""
     header = request.headers.get("content-length")
     if header is None:
         return None
@@ -67,16 +72,17 @@ def declared_length(request: Request, limit: int, what: str) -> int | None:
     digits = header.lstrip("0")
     length = int(digits or "0") if len(digits) < 20 else 1 << 64
     if length > limit:
-        raise TooLarge(f"body of {length} bytes exceeds {what} ({limit})")
+        raise TooLarge(f"body of {length} bytes exceeds {what} ({limit})",
+                       **(fields if fields is not None else {"limit": what, "limit_value": limit}))
     return length
 
 
-async def small_body(request: Request, limit: int, what: str) -> bytes:
+async def small_body(request: Request, limit: int, what: str, fields: dict[str, Any] | None = None) -> bytes:
     """A small body (a lookup's, a pin's), whole: refused (413) once it passes ``limit``
     bytes, declared or as it arrives. Read by the route, after its caller was checked,
     never by FastAPI before its dependencies (a body parameter is read whole, unbounded,
-    before the token is looked at)."""
-    length = declared_length(request, limit, what)
+    before the token is looked at). ``fields``: those of its 413 (the setting it follows from)."""
+    length = declared_length(request, limit, what, fields or {})
     budget = request.app.state.body_budget
     if length is not None:
         budget.admit()
@@ -88,7 +94,7 @@ async def small_body(request: Request, limit: int, what: str) -> bytes:
         async for chunk in request.stream():
             total += len(chunk)
             if total > limit:
-                raise TooLarge(f"body exceeds {limit} bytes, {what}")
+                raise TooLarge(f"body exceeds {limit} bytes, {what}", **(fields or {}))
             held.take(len(chunk))
             chunks.append(chunk)
         return b"".join(chunks)
@@ -237,7 +243,7 @@ async def receive_frame(body: RequestBody, length: int | None, limit: int, held:
         if n:
             pieces.append(piece)
         if length is None and total > limit:
-            raise TooLarge(f"body exceeds max_frame_bytes ({limit})")
+            raise TooLarge(f"body exceeds max_frame_bytes ({limit})", limit="max_frame_bytes", limit_value=limit)
         if n < want:
             if not body.gone and loop.time() >= deadline:
                 continue  # a slow body holds the piece's count for a second at most

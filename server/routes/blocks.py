@@ -16,7 +16,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE, LENGTH, BatchFormatError, c
 
 from ..config import ServerSettings
 from ..deps import Hash, Reader, Service, Settings, Writer
-from ..errors import BadRequest, ClientGone
+from ..errors import BadFrame, BadRequest, ClientGone
 from ..head import is_head
 from ..leased_response import LeasedStreamingResponse, copied_tail
 from ..limits import FRAME_MIN_BYTES, BodyBudget, BodyBytes
@@ -74,6 +74,9 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
             # as much, unless storing does I/O (a disk or Redis tier).
             report = commit() if service.store.in_memory else await run_in_threadpool(commit)
         held.settle(held.held, stored=report.status == "stored")
+    except BadFrame as exc:
+        exc.fields.pop("frame", None)  # (a batch's index: a PUT's one frame is the URL's)
+        raise
     finally:
         if reservation is not None:
             service.store.abort(reservation)  # nothing, once committed
@@ -120,13 +123,18 @@ async def post_blocks(caller: Writer, request: Request, service: Service, settin
             except BadRequest as exc:
                 if isinstance(exc, ClientGone):
                     raise
-                raise BatchFormatError(f"{where}: {exc}") from None
+                raise BatchFormatError(f"{where}: {exc}", frame=len(frames)) from None
             # With the checksum computed as the frame arrived, what is left of the check
             # (~0.1 ms, no I/O) costs less here than a hand-off to a worker thread.
-            if reservation is not None:
-                frames.append(service.check_client_reserved(reservation, where=where, payload_digest=checksum.digest()))
-            else:
-                frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
+            try:
+                if reservation is not None:
+                    frames.append(service.check_client_reserved(reservation, where=where,
+                                                                payload_digest=checksum.digest()))
+                else:
+                    frames.append(service.check_client_frame(buf, where=where, payload_digest=checksum.digest()))
+            except BadFrame as exc:
+                exc.fields["frame"] = len(frames)
+                raise
             del buf
         model = clean_label(client_headers(request.headers)[0])
         reports = await run_in_threadpool(partial(service.put, caller.namespace, frames, model=model))
@@ -149,7 +157,7 @@ async def _next_length(body: RequestBody, index: int, settings: ServerSettings) 
     if filled < LENGTH.size:
         if body.gone:
             raise body.gone_error(f"inside the length prefix of frame {index}")
-        raise BatchFormatError(f"frame {index}: body ended inside a length prefix")
+        raise BatchFormatError(f"frame {index}: body ended inside a length prefix", frame=index)
     (length,) = LENGTH.unpack(head)
     check_frame_length(index, length, body.received, max_frame_bytes=settings.max_frame_bytes,
                        max_body_bytes=settings.max_body_bytes)

@@ -115,7 +115,7 @@ async def lookup(request: Request) -> JSONResponse:
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
     # A lookup body is small: at most max_lookup_hashes hashes of 64 hex digits, JSON-quoted.
-    body = await small_body(request, 72 * limit + 1024, LOOKUP_BODY)
+    body = await small_body(request, 72 * limit + 1024, LOOKUP_BODY, hashes_limit(limit))
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, each, lengths = _binary_hashes(body, request, limit)
@@ -229,6 +229,11 @@ def _binary_hashes(body: bytes, request: Request, limit: int) -> tuple[list[byte
 MAX_CHAINS = 1024
 
 
+def hashes_limit(limit: int) -> dict[str, Any]:
+    """The fields of an answer refused for ``max_lookup_hashes`` (a 413 for the body, a 422 for the hashes)."""
+    return {"limit": "max_lookup_hashes", "limit_value": limit}
+
+
 def _too_many_chains(given: str, limit: int) -> BadLookup:
     return BadLookup(f"chains: {given} given, at most {min(MAX_CHAINS, limit):,} in a body (no more than "
                      f"max_lookup_hashes, and {MAX_CHAINS:,} at most: look more up in several)")
@@ -271,7 +276,8 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool, list[int] 
             raise _too_many_chains(f"{len(parsed.chains):,}", limit)
         lengths = [len(chain) for chain in parsed.chains]
         if sum(lengths) > limit:
-            raise BadLookup(f"hashes: {sum(lengths)} given in all chains, at most {limit} (max_lookup_hashes){_SPLIT}")
+            raise BadLookup(f"hashes: {sum(lengths)} given in all chains, at most {limit} (max_lookup_hashes){_SPLIT}",
+                            **hashes_limit(limit))
         hexes = [h for chain in parsed.chains for h in chain]
     else:
         hexes = parsed.hashes or []
@@ -281,7 +287,8 @@ def _json_hashes(body: bytes, limit: int) -> tuple[list[bytes], bool, list[int] 
     if len(sizes) > 1:
         raise BadLookup("hashes: all of one size (32 or 64 hex digits)")
     if len(hexes) > limit:
-        raise BadLookup(f"hashes: {len(hexes)} given, at most {limit} (max_lookup_hashes){_SPLIT}")
+        raise BadLookup(f"hashes: {len(hexes)} given, at most {limit} (max_lookup_hashes){_SPLIT}",
+                        **hashes_limit(limit))
     joined = "".join(hexes)
     try:
         raw = bytes.fromhex(joined)
@@ -307,7 +314,7 @@ def _where(i: int, lengths: list[int] | None) -> str:
 def _split(raw: bytes, size: int, limit: int) -> list[bytes]:
     n = len(raw) // size
     if n > limit:
-        raise BadLookup(f"hashes: {n} given, at most {limit} (max_lookup_hashes){_SPLIT}")
+        raise BadLookup(f"hashes: {n} given, at most {limit} (max_lookup_hashes){_SPLIT}", **hashes_limit(limit))
     return list(struct.unpack(f"{size}s" * n, raw))
 
 

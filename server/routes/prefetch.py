@@ -24,7 +24,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 from ..deps import caller_of, service_of
 from ..errors import BadLookup
 from ._body import ERROR, small_body
-from .lookup import LOOKUP_BODY, LOOKUP_DOC, _binary_hashes, _json_hashes
+from .lookup import LOOKUP_BODY, LOOKUP_DOC, _binary_hashes, _json_hashes, hashes_limit
 
 router = APIRouter(prefix="/v1", tags=["prefetch"])
 
@@ -50,7 +50,7 @@ async def prefetch(request: Request) -> JSONResponse:
     caller = caller_of(request, write=False)
     service = service_of(request)
     limit = request.app.state.settings.max_lookup_hashes
-    body = await small_body(request, 72 * limit + 1024, LOOKUP_BODY)  # as the lookup: a body no larger than its hashes
+    body = await small_body(request, 72 * limit + 1024, LOOKUP_BODY, hashes_limit(limit))  # as the lookup: a body no larger than its hashes
     content_type = request.headers.get("content-type", "")
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, _, lengths = _binary_hashes(body, request, limit)
