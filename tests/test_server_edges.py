@@ -1621,6 +1621,29 @@ def test_error_answers_name_the_limit_and_the_frame_in_fields_a_client_reads(tmp
     assert "ERROR" not in log and "Traceback" not in log, log[-3000:]
 
 
+def test_a_json_lookup_with_a_binary_bodys_query_parameters_is_a_422(tmp_path):
+    """``hash_bytes``, ``each`` and ``chains`` are read from the query for a binary body only:
+    with a JSON body they were ignored, so ``?chains=1,2`` got one chain's answer (which a
+    client takes for an older server's), ``?each=true`` an answer without ``present``, and
+    ``?each=bogus`` (a 422 on a binary body) a 200. Each is a 422 naming it now."""
+    chain = raw_chain(38, 3)
+    hexes = [h.hex() for h, _ in chain]
+    with Server(tmp_path, disk=False) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/blocks", content=batch_body([f for _, f in chain])).status_code == 200
+        for route in ("/v1/lookup", "/v1/prefetch"):
+            for query in ("each=true", "each=bogus", "chains=1,2", "hash_bytes=32", "hash_bytes=16&each=false"):
+                r = c.post(f"{route}?{query}", json={"hashes": hexes})
+                name = query.split("=")[0]
+                assert r.status_code == 422, (route, query, r.text)
+                assert r.json()["error"].startswith(f"{name}: a query parameter of a binary body"), r.text
+        assert c.post("/v1/lookup", json={"hashes": hexes, "each": True}).json()["present"] == [True] * 3
+        answer = c.post("/v1/lookup", json={"chains": [hexes[:1], hexes[1:]]}).json()
+        assert [chain["matched"] for chain in answer["chains"]] == [1, 2], answer
+        r = c.post("/v1/lookup?each=true", content=b"".join(bytes.fromhex(h) for h in hexes),
+                   headers={"content-type": "application/octet-stream"})
+        assert r.json()["present"] == [True] * 3 and r.json()["matched"] == 3, r.text
+
+
 def test_a_query_parameter_twice_is_a_400_naming_it_and_the_route_not_run(tmp_path):
     """Each route reads one value of each query parameter (Starlette's last), where a front
     before the server may have checked the other (an admin flush's namespace, a lookup's

@@ -86,14 +86,16 @@ LOOKUP_DOC: dict[str, Any] = {
     }, "description": "block hashes in chain order: JSON, or raw bytes end to end (application/octet-stream)"},
     "parameters": [
         {"name": "hash_bytes", "in": "query", "required": False,
-         "description": "binary body only: the size of each hash (16: xxh3-128, 32: sha256)",
+         "description": "binary body only (with a JSON body, a 422): the size of each hash (16: xxh3-128, 32: "
+                        "sha256)",
          "schema": {"type": "integer", "enum": list(HASH_BYTES), "default": 16}},
         {"name": "each", "in": "query", "required": False,
-         "description": "binary body only: also answer whether each hash is stored at all",
+         "description": "binary body only (with a JSON body, a 422): also answer whether each hash is stored at "
+                        "all",
          "schema": {"type": "boolean", "default": False}},
         {"name": "chains", "in": "query", "required": False,
-         "description": "binary body only: the body holds several chains end to end, of these lengths (in "
-                        "hashes, comma-separated, in order); answered {\"chains\": [...]}",
+         "description": "binary body only (with a JSON body, a 422): the body holds several chains end to end, "
+                        "of these lengths (in hashes, comma-separated, in order); answered {\"chains\": [...]}",
          "schema": {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}},
         {"name": NAMESPACE_HEADER, "in": "header", "required": False,
          "description": "tenant namespace (default ''); fixed by tenant-bound tokens", "schema": {"type": "string"}},
@@ -120,6 +122,7 @@ async def lookup(request: Request) -> JSONResponse:
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, each, lengths = _binary_hashes(body, request, limit)
     else:
+        binary_only(request)
         hashes, each, lengths = _json_hashes(body, limit)
     if lengths is not None:
         return await _lookup_chains(request, caller.namespace, hashes, lengths)
@@ -200,6 +203,22 @@ def install(app: FastAPI) -> None:
 
 
 _SPLIT = ": look a longer chain up in pieces, as RemoteCache(max_lookup_hashes=) does"
+
+
+# What a binary body's query says, and where a JSON body says it instead.
+_IN_JSON = {"hash_bytes": "its hashes' size by their digits (32 or 64)", "each": 'each in the body ("each": true)',
+            "chains": 'several chains in the body ("chains": [[...], ...])'}
+
+
+def binary_only(request: Request) -> None:
+    """A JSON body's lookup refuses the query parameters that only a binary body reads: they
+    were ignored, so ``?chains=`` with a JSON body got one chain's answer (which a client takes
+    for an older server's, asking each chain alone from then on), and ``?each=bogus``, a 422 on
+    a binary body, was a 200."""
+    for name, instead in _IN_JSON.items():
+        if name in request.query_params:
+            raise BadLookup(f"{name}: a query parameter of a binary body (Content-Type: {FRAME_CONTENT_TYPE}) only; "
+                            f"a JSON body gives {instead}")
 
 
 def _shown(value: str) -> str:

@@ -24,7 +24,7 @@ from cacheseek.batch_body import FRAME_CONTENT_TYPE
 from ..deps import caller_of, service_of
 from ..errors import BadLookup
 from ._body import ERROR, small_body
-from .lookup import LOOKUP_BODY, LOOKUP_DOC, _binary_hashes, _json_hashes, hashes_limit
+from .lookup import LOOKUP_BODY, LOOKUP_DOC, _binary_hashes, _json_hashes, binary_only, hashes_limit
 
 router = APIRouter(prefix="/v1", tags=["prefetch"])
 
@@ -55,6 +55,7 @@ async def prefetch(request: Request) -> JSONResponse:
     if content_type.partition(";")[0].strip().lower() == FRAME_CONTENT_TYPE:
         hashes, _, lengths = _binary_hashes(body, request, limit)
     else:
+        binary_only(request)
         hashes, _, lengths = _json_hashes(body, limit)
     if lengths is not None:
         raise BadLookup("chains: a prefetch promotes one chain (hashes)")
