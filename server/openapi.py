@@ -19,6 +19,26 @@ from cacheseek.hashing import HASH_HEX_PATTERN
 ANSWERS_422 = {("/v1/lookup", "post"), ("/v1/prefetch", "post")}
 _ERROR = {"content": {"application/json": {"schema": {"type": "object", "properties": {"error": {"type": "string"}},
                                                       "required": ["error"]}}}}
+# Headers a client sends so that the server counts its traffic per model and in tokens
+# (docs/operations.md, "Models"): a client generated from the document without them shows
+# under the model "" with no token figures.
+_TRAFFIC_HEADERS = {
+    "X-CacheSeek-Model": ("the model this traffic is counted under (RemoteCache sends its model_id); absent: \"\"",
+                          {"type": "string"}),
+    "X-CacheSeek-Block-Tokens": ("tokens in a block, so that blocks are counted as tokens too",
+                                 {"type": "integer", "minimum": 1}),
+}
+_LOOKUP_HEADERS = {
+    "X-CacheSeek-Tokens": ("the query's length in tokens (its partial last block included), the token hit rate's "
+                           "denominator; for several chains, one number per chain, comma-separated",
+                           {"type": "string", "pattern": "^[0-9]+(,[0-9]+)*$"}),
+    "X-CacheSeek-Continues": ("on a piece of a chain looked up in pieces (past max_lookup_hashes): its first block's "
+                              "position; the query is counted once, by its first piece", {"type": "integer", "minimum": 1}),
+    "X-CacheSeek-Again": ("1: a lookup sent again for a query counted already (counted nothing)",
+                          {"type": "integer", "enum": [1]}),
+}
+_COUNTED = {("/v1/blocks/{hash}", "put"), ("/v1/blocks", "post"), ("/v1/blocks/{hash}", "get"),
+            ("/v1/prefixes/{hash}", "get"), ("/v1/lookup", "post")}
 # Answers every route under /v1 may give, whatever it does.
 _COMMON = {
     "400": "a bad namespace header (or a bad hash in the path)",
@@ -42,6 +62,12 @@ def document(app: FastAPI) -> dict[str, Any]:
             for param in op.get("parameters", []):
                 if param.get("in") == "path" and param.get("name") == "hash":
                     param.setdefault("schema", {})["pattern"] = HASH_HEX_PATTERN
+            if (path, method) in _COUNTED:
+                headers = {**_TRAFFIC_HEADERS, **(_LOOKUP_HEADERS if path == "/v1/lookup" else {})}
+                params = op.setdefault("parameters", [])
+                named = {p.get("name") for p in params}
+                params += [{"name": name, "in": "header", "required": False, "description": why, "schema": schema}
+                           for name, (why, schema) in headers.items() if name not in named]
     schemas = doc.get("components", {}).get("schemas", {})
     if not any("422" in op.get("responses", {}) for ops in doc.get("paths", {}).values() for op in ops.values()):
         schemas.pop("HTTPValidationError", None)

@@ -484,6 +484,38 @@ def test_metrics_are_prometheus_text_with_the_series(client):
     assert rejected.get("malformed", 0) >= 1
 
 
+def test_openapi_states_the_write_answers_and_the_traffic_headers(client):
+    """The PUT answers' example said "stored" for the 200 (a real one says "present") and had
+    no durability; the write answers' schemas were empty, so a generated client got untyped
+    results; and the headers that count a client's traffic per model and in tokens were
+    missing, so a client generated from the document showed under the model ""."""
+    paths = client.get("/openapi.json").json()["paths"]
+    put = paths["/v1/blocks/{hash}"]["put"]["responses"]
+    for status, word in (("200", "present"), ("201", "stored")):
+        answer = put[status]["content"]["application/json"]
+        assert answer["example"]["status"] == word and answer["example"]["durability"] == "durable", answer
+        schema = answer["schema"]
+        assert set(schema["required"]) == {"hash", "status", "durability", "errors"}, schema
+        assert schema["properties"]["status"]["enum"] == ["stored", "present", "failed"]
+        assert schema["properties"]["durability"]["enum"] == ["durable", "memory"]
+    failed = put["507"]["content"]["application/json"]["schema"]
+    assert {"error", "errors", "status"} <= set(failed["properties"]), failed
+    batch = paths["/v1/blocks"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert batch["type"] == "array" and "durability" in batch["items"]["required"], batch
+    counted = {"X-CacheSeek-Model", "X-CacheSeek-Block-Tokens"}
+    lookup = {"X-CacheSeek-Tokens", "X-CacheSeek-Continues", "X-CacheSeek-Again"}
+    for path, method in (("/v1/blocks/{hash}", "put"), ("/v1/blocks", "post"), ("/v1/blocks/{hash}", "get"),
+                         ("/v1/prefixes/{hash}", "get"), ("/v1/lookup", "post")):
+        headers = {p["name"] for p in paths[path][method]["parameters"] if p["in"] == "header"}
+        assert counted <= headers and (lookup <= headers) == (path == "/v1/lookup"), (path, method, headers)
+    # Real answers are what the schemas say (tests/test_fuzz.py checks every route's).
+    h, frame = raw_frame(90)
+    first, again = client.put(f"/v1/blocks/{h.hex()}", content=frame), client.put(f"/v1/blocks/{h.hex()}", content=frame)
+    assert (first.status_code, first.json()["status"]) == (201, "stored"), first.text
+    assert (again.status_code, again.json()["status"]) == (200, "present"), again.text
+    assert set(again.json()) == {"hash", "status", "durability", "errors"}
+
+
 def test_openapi_docs_health_and_stats(client):
     doc = client.get("/openapi.json").json()
     try:

@@ -26,13 +26,22 @@ from ._body import BATCH_BODY, BINARY, ERROR, FRAME_BODY, RequestBody, declared_
 
 router = APIRouter(prefix="/v1/blocks", tags=["blocks"])
 
-PUT_RESULT = {"content": {"application/json": {"example": {"hash": "00" * 16, "status": "stored", "errors": {}}}}}
 RESULT_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["hash", "status", "durability", "errors"],
     "properties": {"hash": {"type": "string"}, "status": {"type": "string", "enum": ["stored", "present", "failed"]},
                    "durability": {"type": "string", "enum": ["durable", "memory"]},
                    "errors": {"type": "object", "additionalProperties": {"type": "string"},
                               "description": "tier -> why it did not store the block"}}}
+
+
+def _put_result(status: str) -> dict[str, Any]:
+    example = {"hash": "00" * 16, "status": status, "durability": "durable", "errors": {}}
+    return {"content": {"application/json": {"schema": RESULT_SCHEMA, "example": example}}}
+
+
+BATCH_RESULT = {"content": {"application/json": {"schema": {"type": "array", "items": RESULT_SCHEMA}, "example": [
+    {"hash": "00" * 16, "status": "stored", "durability": "durable", "errors": {}},
+    {"hash": "11" * 16, "status": "present", "durability": "durable", "errors": {}}]}}}
 PUT_FAILED = {"content": {"application/json": {"schema": {
     **RESULT_SCHEMA, "required": ["error"],
     "properties": {"error": {"type": "string"}, **RESULT_SCHEMA["properties"]}}}}}
@@ -40,7 +49,8 @@ PUT_FAILED = {"content": {"application/json": {"schema": {
 
 @router.put(
     "/{hash}", status_code=201, openapi_extra=FRAME_BODY,
-    responses={200: {"description": "already stored", **PUT_RESULT}, 201: {"description": "stored", **PUT_RESULT},
+    responses={200: {"description": "already stored", **_put_result("present")},
+               201: {"description": "stored", **_put_result("stored")},
                400: {"description": "malformed or truncated frame, bad hash or header", **ERROR},
                409: {"description": "the frame's header hash is not the URL's", **ERROR},
                413: {"description": "over max_frame_bytes", **ERROR},
@@ -93,7 +103,8 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
 
 @router.post(
     "", openapi_extra=BATCH_BODY,
-    responses={200: {"description": "one result per frame, in order: status stored, present or failed"},
+    responses={200: {"description": "one result per frame, in order: status stored, present or failed",
+                     **BATCH_RESULT},
                400: {"description": "a malformed or truncated frame, or a body that ends mid-frame", **ERROR},
                413: {"description": "a frame over max_frame_bytes or a body over max_body_bytes", **ERROR},
                503: {"description": "request bodies in flight are at max_inflight_body_bytes", **ERROR}},
