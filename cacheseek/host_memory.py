@@ -1,4 +1,5 @@
-"""The memory this process may use, and whether a CPU tier's budget fits in it.
+"""The memory this process may use, and whether a CPU tier's budget fits in it: the
+machine's or its cgroup's memory, and the address space its RLIMIT_AS (``ulimit -v``) leaves.
 
 Shared by ``TierConfig.build`` (the embedded cache) and ``cacheseek serve`` (which says it
 before it binds its port), so both refuse one budget in the same words."""
@@ -6,6 +7,7 @@ before it binds its port), so both refuse one budget in the same words."""
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 from .units import format_size
@@ -85,13 +87,36 @@ def _stat_value(file: Path, key: str) -> int | None:
     return None
 
 
+def address_space_left(status: Path = Path("/proc/self/status")) -> tuple[int, int] | None:
+    """(bytes this process may still map under its RLIMIT_AS, the limit), or None where it
+    has none. What it maps now (``VmSize``) counts; 0 where that cannot be read."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    mapped = 0
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmSize:"):
+                mapped = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return max(0, soft - mapped), soft
+
+
 def cpu_budget_problem(cpu_bytes: int, reserve_bytes: int) -> str | None:
     """Why a CPU tier of ``cpu_bytes`` (and its reserve) cannot work here, or None. Its memory
     is mapped lazily, so an impossible budget (100TiB, a typo for GiB) started, and the
-    process was killed for memory only once traffic had filled what there is."""
+    process was killed for memory only once traffic had filled what there is (or, under
+    RLIMIT_AS, ran with a tier capped at the chunks it could map: ``HostArena.capped``)."""
+    asked = (f"cpu_bytes: {format_size(cpu_bytes)} and its reserve (cpu_reserve_bytes {format_size(reserve_bytes)}) "
+             "are more than")
     limit, where = memory_limit()
-    if not limit or cpu_bytes + reserve_bytes <= limit:
-        return None
-    return (f"cpu_bytes: {format_size(cpu_bytes)} and its reserve (cpu_reserve_bytes {format_size(reserve_bytes)}) "
-            f"are more than the memory this process may use, {format_size(limit)} ({where}): it would be killed "
-            "for memory before the CPU tier filled; give less")
+    if limit and cpu_bytes + reserve_bytes > limit:
+        return (f"{asked} the memory this process may use, {format_size(limit)} ({where}): it would be killed "
+                "for memory before the CPU tier filled; give less")
+    space = address_space_left()
+    if space is not None and cpu_bytes + reserve_bytes > space[0]:
+        return (f"{asked} the address space this process may still map, {format_size(space[0])} (its RLIMIT_AS, "
+                f"ulimit -v, is {format_size(space[1])}, less what it maps now): the CPU tier could not map its "
+                "memory; give less, or raise the limit")
+    return None

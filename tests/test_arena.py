@@ -1,15 +1,28 @@
 """The CPU tier's host arena mapping its memory: a chunk at a time as allocations need it
 (the default), or the whole capacity at construction (``map_at_start``, which a pinned
-tier's first fill wants: page-locking a chunk inside an ingest stalls it)."""
+tier's first fill wants: page-locking a chunk inside an ingest stalls it); and what it does
+when the OS maps (or pins) no more: a capped arena, the tier evicting within it, the frames
+it has no room for stored by the tier below."""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cacheseek as cs
+from cacheseek.store import arena as arena_module
 from cacheseek.store.arena import HostArena
-from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+from cacheseek.store.cpu import CpuTier
+from store_helpers import BLOCK, LAYOUT, make_kv, raw_frame, tokens_for
 
 MiB = 1 << 20
 
@@ -73,3 +86,126 @@ def test_could_fit_says_exactly_whether_freeing_the_unleased_slots_makes_the_roo
     for slot in live:
         arena.free(slot)
     assert answer == (arena.allocate(ask * 1024) is not None)
+
+
+def _mmap_failing_after(monkeypatch, maps: int) -> list[int]:
+    """The arena's mmap maps ``maps`` chunks, then fails as under RLIMIT_AS (ENOMEM) until
+    the list it returns is given an item (the OS has memory again)."""
+    real, calls, freed = arena_module.mmap.mmap, [0], []
+
+    def mmap(fileno: int, nbytes: int):
+        calls[0] += 1
+        if calls[0] > maps and not freed:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real(fileno, nbytes)
+
+    monkeypatch.setattr(arena_module, "mmap", types.SimpleNamespace(
+        mmap=mmap, PAGESIZE=arena_module.mmap.PAGESIZE, MADV_DONTNEED=arena_module.mmap.MADV_DONTNEED))
+    return freed
+
+
+def test_a_tier_whose_next_chunk_cannot_be_mapped_evicts_within_what_it_mapped(monkeypatch, caplog):
+    freed = _mmap_failing_after(monkeypatch, 1)
+    clock = [1000.0]
+    monkeypatch.setattr(arena_module.time, "monotonic", lambda: clock[0])
+    key, frame = raw_frame(0)
+    tier = CpuTier(4 << 20, chunk_bytes=1 << 20)  # room in the budget for 4 chunks
+    per_chunk = (1 << 20) // arena_module.slot_stride(frame.nbytes)
+    stored = []
+    with caplog.at_level("WARNING", logger="cacheseek.store"):
+        for i in range(3 * per_chunk):
+            key, frame = raw_frame(i + 1)
+            tier.put(key, frame)  # never raises: past the first chunk, each put evicts for its room
+            stored.append(key)
+    assert tier.stats().extra["arena_bytes"] == 1 << 20
+    capped = tier.stats().extra["arena_capped"]
+    assert capped is not None and "Cannot allocate memory" in capped
+    assert tier.stats().blocks == per_chunk and tier.stats().evictions == 2 * per_chunk
+    assert all(tier.contains(k) for k in stored[-per_chunk:])
+    warned = [r for r in caplog.records if "could not be mapped" in r.getMessage()]
+    assert len(warned) == 1 and "1.00 MiB" in warned[0].getMessage()  # once, with the size and the reason
+    # Mapping is tried again once the retry period passed, not at every put before it.
+    freed.append(True)
+    tier.put(*raw_frame(10_000))
+    assert tier.stats().extra["arena_capped"] is not None
+    clock[0] += arena_module.GROW_RETRY_SECONDS
+    tier.put(*raw_frame(10_001))
+    assert tier.stats().extra["arena_capped"] is None and tier.stats().extra["arena_bytes"] == 2 << 20
+
+
+def test_a_tier_that_cannot_map_any_chunk_refuses_frames_with_a_reason(monkeypatch):
+    _mmap_failing_after(monkeypatch, 0)
+    tier = CpuTier(8 << 20, chunk_bytes=1 << 20)
+    with pytest.raises(cs.StorageError, match="host memory short: the OS refused"):
+        tier.put(*raw_frame(1))
+    assert tier.reserve(1024) is None
+    assert tier.stats().blocks == 0 and tier.stats().write_errors == 1
+
+
+def test_a_chunk_that_cannot_be_pinned_is_mapped_unpinned(monkeypatch, caplog):
+    torch = pytest.importorskip("torch")
+    real_empty, tries = torch.empty, []
+
+    def empty(*args, pin_memory=False, **kw):
+        if pin_memory:
+            tries.append(1)
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    arena = HostArena(3 << 20, pin=True, chunk_bytes=1 << 20)
+    with caplog.at_level("WARNING", logger="cacheseek.store"):
+        slots = [arena.allocate(1 << 19) for _ in range(6)]
+    assert all(s is not None for s in slots) and arena.reserved_bytes == 3 << 20
+    assert not arena.pinned and arena.capped is None
+    assert len(tries) == 1  # a refused pin is not asked again for each later chunk
+    assert [r for r in caplog.records if "could not be pinned" in r.getMessage()]
+
+
+_UNDER_RLIMIT_AS = textwrap.dedent("""
+    import json, resource, sys, time
+    import cacheseek as cs
+    from cacheseek.store import arena
+    sys.path.insert(0, sys.argv[2])
+    from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+
+    arena.GROW_RETRY_SECONDS = 0.5
+    cache = cs.PrefixCache(model_id="m", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK,
+                           tiers=cs.TierConfig(cpu_bytes="2GiB", disk_path=sys.argv[1], disk_bytes="64MiB"))
+    vm = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1]) * 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), hard))  # room for threads, not for a 1 GiB chunk
+    out = {"results": []}
+    for i in range(6):
+        r = cache.ingest(tokens_for(i, 4 * BLOCK), make_kv(4 * BLOCK, i))
+        out["results"].append([r.stored, r.failed, {k: str(v) for k, v in r.errors.items()}])
+    tiers = {t["name"]: t for t in cache.stats()["tiers"]}
+    out["capped"] = tiers["cpu"]["arena_capped"]
+    out["cpu_blocks"], out["disk_blocks"] = tiers["cpu"]["blocks"], tiers["disk"]["blocks"]
+    out["read_back"] = cache.materialize(tokens_for(0, 4 * BLOCK)).num_tokens
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    time.sleep(0.6)
+    cache.ingest(tokens_for(99, 4 * BLOCK), make_kv(4 * BLOCK, 99))
+    tiers = {t["name"]: t for t in cache.stats()["tiers"]}
+    out["capped_after"], out["cpu_blocks_after"] = tiers["cpu"]["arena_capped"], tiers["cpu"]["blocks"]
+    cache.close()
+    print(json.dumps(out))
+""")
+
+
+def test_an_embedded_cache_under_rlimit_as_stores_on_disk_what_host_memory_cannot_hold(tmp_path):
+    """A real RLIMIT_AS: the CPU tier's 1 GiB chunk cannot be mapped (mmap ENOMEM). Every
+    ingest is stored, on disk, none raises; once the limit is lifted the tier maps again."""
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}  # (glibc's 64 MiB per-thread heaps count against RLIMIT_AS)
+    proc = subprocess.run([sys.executable, "-c", _UNDER_RLIMIT_AS, str(tmp_path / "disk"), os.path.dirname(__file__)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # stored (on disk), the CPU tier's refusal said in ``errors`` as a tier's
+    assert [(stored, failed, sorted(errors)) for stored, failed, errors in out["results"]] == [(4, 0, ["cpu"])] * 6
+    assert "host memory short" in out["results"][0][2]["cpu"]
+    assert out["capped"] is not None and "Cannot allocate memory" in out["capped"]
+    assert out["cpu_blocks"] == 0 and out["disk_blocks"] == 24 and out["read_back"] == 4 * BLOCK
+    assert out["capped_after"] is None and out["cpu_blocks_after"] == 4
+    assert proc.stderr.count("could not be mapped") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cacheseek import host_memory
 from cacheseek.host_memory import memory_limit
 
 V1_UNLIMITED = "9223372036854771712\n"  # (what cgroup v1 says of a group with no limit)
@@ -53,3 +54,22 @@ def test_a_v1_container_sees_its_pods_limit_in_its_groups_stat(tmp_path):
                      "fs/memory/memory.stat": f"cache 0\nrss 0\nhierarchical_memory_limit {3 << 30}\n"})
     assert memory_limit(proc_cgroup=tmp_path / "proc", cgroup_root=tmp_path / "fs") == (
         3 << 30, f"the limit of its cgroup, {tmp_path / 'fs' / 'memory' / 'memory.stat'}")
+
+
+def test_a_cpu_budget_over_the_address_space_rlimit_as_leaves_is_a_problem(monkeypatch):
+    # Under ``ulimit -v`` the CPU tier's chunks past the limit cannot be mapped (mmap ENOMEM):
+    # said at the start, where the machine's memory would have let it through.
+    import resource
+
+    GiB = 1 << 30
+    vm = int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                  if line.startswith("VmSize:")).split()[1]) * 1024
+    monkeypatch.setattr(host_memory, "memory_limit", lambda: (1 << 50, "the machine's memory"))
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda which: (vm + 2 * GiB, resource.RLIM_INFINITY))
+    space = host_memory.address_space_left()
+    assert space is not None and GiB < space[0] <= 2 * GiB and space[1] == vm + 2 * GiB  # less what is mapped now
+    problem = host_memory.cpu_budget_problem(4 * GiB, GiB // 2)
+    assert problem is not None and "RLIMIT_AS" in problem, problem
+    assert host_memory.cpu_budget_problem(GiB // 2, GiB // 16) is None
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda which: (resource.RLIM_INFINITY,) * 2)
+    assert host_memory.address_space_left() is None and host_memory.cpu_budget_problem(4 * GiB, GiB) is None

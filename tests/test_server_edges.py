@@ -1752,3 +1752,33 @@ def read_response_from(rest: bytearray) -> tuple[int, dict, bytes]:
     n = int(headers.get(b"content-length", b"0"))
     rest[:] = tail[n:]
     return int(lines[0].split()[1]), headers, tail[:n]
+
+
+@pytest.mark.parametrize("disk", [True, False])
+def test_a_cpu_tier_the_os_maps_no_more_host_memory_for_stores_to_disk_or_answers_507(tmp_path, disk):
+    """RLIMIT_AS lowered under a running server: the CPU tier's 1 GiB chunk cannot be mapped
+    (mmap ENOMEM). Writes are stored on disk (201), or, with no disk tier, refused with a 507
+    saying why: never a 500 ("a bug") and a reset connection, for good."""
+    import resource
+
+    with Server(tmp_path, cpu_bytes="2GiB", disk=disk, env={"MALLOC_ARENA_MAX": "2"}) as srv:
+        status = Path(f"/proc/{srv.proc.pid}/status").read_text()
+        vm = int(next(line for line in status.splitlines() if line.startswith("VmSize")).split()[1]) * 1024
+        resource.prlimit(srv.proc.pid, resource.RLIMIT_AS, (vm + 512 * MiB, resource.RLIM_INFINITY))
+        chain = raw_chain(3, 6)
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            singles = [c.put(f"/v1/blocks/{h.hex()}", content=f) for h, f in chain[:3]]
+            batch = c.post("/v1/blocks", content=batch_body([f for _, f in chain[3:]]))
+            cpu = c.get("/v1/stats").json()["tiers"][0]
+            if disk:
+                assert [r.status_code for r in singles] == [201] * 3 and batch.status_code == 200, batch.text
+                assert all(c.get(f"/v1/blocks/{h.hex()}").content == f for h, f in chain)
+            else:
+                assert {r.status_code for r in singles} == {507}
+                assert "host memory short" in singles[0].json()["error"], singles[0].text
+                # (a batch answers each frame: failed, the CPU tier's reason said)
+                assert batch.status_code == 200 and {r["status"] for r in batch.json()} == {"failed"}, batch.text
+                assert all("host memory short" in r["errors"]["cpu"] for r in batch.json())
+            assert cpu["name"] == "cpu" and cpu["blocks"] == 0
+            assert "Cannot allocate memory" in cpu["arena_capped"]
+    assert "bug" not in srv.output() and "Traceback" not in srv.output(), srv.output()

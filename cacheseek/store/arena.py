@@ -11,6 +11,13 @@ only once its last lease is released, so an eviction never overwrites bytes a re
 in-flight device copy, or a response being sent) is still using. Views taken without a lease
 are valid only while the caller otherwise owns the slot (a reservation, the tier's lock).
 
+Host memory the OS will not map (``ulimit -v``/RLIMIT_AS, ``vm.overcommit_memory=2``, a
+pinned allocation refused) is a shortage, not a bug: a chunk that cannot be pinned is mapped
+unpinned (and no later chunk is pinned), and one that cannot be mapped at all caps the
+arena at what it has mapped (``capped`` says why; one warning), so allocations answer None
+(the tier evicts within what is mapped, or refuses the frame, which falls through to the
+tier below). Growth is tried again once ``GROW_RETRY_SECONDS`` have passed, not sooner.
+
 Threads: the arena is guarded by its owner's lock (``lock``; the CPU tier passes its own),
 which the caller holds around every call, so a read's lease costs no lock of its own. A
 lease's release, which may come from any thread, takes that lock itself: never release a
@@ -21,14 +28,22 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import mmap
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..units import format_size
 from .lease import Lease, LeaseLedger
 
+log = logging.getLogger("cacheseek.store")
+
 ALIGN = 64
+# A capped arena tries to map again after this long: a failed mmap is cheap, but one per
+# write while the OS still refuses would be a storm of syscalls (and of pinning attempts).
+GROW_RETRY_SECONDS = 60.0
 
 
 def _align(n: int) -> int:
@@ -50,6 +65,7 @@ class _Chunk:
         self.pinned = False
         self._keep: Any = None
         self.base = 0
+        self.pin_error: str | None = None  # why a chunk asked to be pinned is not
         if pin:
             self._try_pin()
         if not self.base:
@@ -69,7 +85,11 @@ class _Chunk:
             return
         # A pinned torch allocation: the caching host allocator rounds to powers of two,
         # so chunks are sized as powers of two by the arena to waste nothing.
-        t = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        try:
+            t = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        except Exception as exc:  # (CUDA's out of memory is a RuntimeError): an unpinned chunk serves, slower
+            self.pin_error = f"{type(exc).__name__}: {exc}"
+            return
         self._keep = t
         self.base = t.data_ptr()
         self.pinned = True
@@ -164,8 +184,13 @@ class HostArena:
         self._held = 0  # slots freed while leased
         self._held_bytes = 0
         self.ledger = LeaseLedger()
+        # Why the arena maps no more than it has (the OS refused a chunk), or None.
+        self.capped: str | None = None
+        self._retry_at = 0.0
+        self._pin_failed = False
         while map_at_start and self.reserved_bytes < capacity_bytes:
-            self._chunks.append(_Chunk(self._next_chunk_bytes(0), self.pin))
+            if self._grow(self._next_chunk_bytes(0)) is None:
+                break
 
     @property
     def reserved_bytes(self) -> int:
@@ -173,8 +198,38 @@ class HostArena:
 
     @property
     def limit_bytes(self) -> int:
-        """The most this arena maps: its capacity, or more where a chunk rounded past it."""
-        return max(self.capacity_bytes, self.reserved_bytes)
+        """The most this arena maps: its capacity, or more where a chunk rounded past it
+        (what it has mapped while ``capped``)."""
+        return max(self.capacity_bytes if self.capped is None else 0, self.reserved_bytes)
+
+    def _may_grow(self) -> bool:
+        return self.reserved_bytes < self.capacity_bytes and (self.capped is None or time.monotonic() >= self._retry_at)
+
+    def _grow(self, nbytes: int) -> _Chunk | None:
+        """A new chunk of ``nbytes``, or None (the arena capped) when the OS will not map it."""
+        pin = self.pin and not self._pin_failed
+        try:
+            chunk = _Chunk(nbytes, pin)
+        except (OSError, MemoryError) as exc:
+            if self.capped is None:
+                log.warning("host memory: a %s chunk for the CPU tier could not be mapped (%s: %s): the tier keeps "
+                            "to the %s it has mapped of %s asked for (evicting within it; frames it has no room for "
+                            "go to the tier below); mapping more is tried again in %.0f s", format_size(nbytes),
+                            type(exc).__name__, exc, format_size(self.reserved_bytes),
+                            format_size(self.capacity_bytes), GROW_RETRY_SECONDS)
+            self.capped = (f"the OS refused to map a {format_size(nbytes)} chunk past {format_size(self.reserved_bytes)} "
+                           f"({type(exc).__name__}: {exc})")
+            self._retry_at = time.monotonic() + GROW_RETRY_SECONDS
+            return None
+        if chunk.pin_error is not None:
+            self._pin_failed = True
+            log.warning("host memory: a %s chunk for the CPU tier could not be pinned (%s): it and every later chunk "
+                        "are unpinned (device copies from them are slower)", format_size(nbytes), chunk.pin_error)
+        if self.capped is not None:
+            log.info("host memory: the CPU tier's arena maps again past %s", format_size(self.reserved_bytes))
+            self.capped = None
+        self._chunks.append(chunk)
+        return chunk
 
     @property
     def pinned(self) -> bool:
@@ -238,12 +293,11 @@ class HostArena:
                 return [self._slot(chunk, offset + i * need, need) for i in range(count)]
         # The byte budget is the tier's to enforce (it counts frames, not chunks); the arena
         # only needs room for it: chunks until they cover the budget, the last one partly.
-        if grow and self.reserved_bytes < self.capacity_bytes:
-            chunk = _Chunk(self._next_chunk_bytes(need * count), self.pin)
-            self._chunks.append(chunk)
-            offset = chunk.allocate(need * count)
+        # (None from ``_grow``: the OS maps no more, and the callers' "no room" path runs)
+        if grow and self._may_grow() and (new := self._grow(self._next_chunk_bytes(need * count))) is not None:
+            offset = new.allocate(need * count)
             assert offset is not None
-            return [self._slot(chunk, offset + i * need, need) for i in range(count)]
+            return [self._slot(new, offset + i * need, need) for i in range(count)]
         if partial:
             fits = max((size // need for chunk in self._chunks for size in chunk.free_sizes), default=0)
             if 0 < fits < count:
@@ -257,7 +311,7 @@ class HostArena:
         need = _align(nbytes)
         if need > self.chunk_bytes:
             return False
-        if self.reserved_bytes < self.capacity_bytes:
+        if self._may_grow():
             return True  # a new chunk
         freeable: dict[int, list[tuple[int, int]]] = {}
         for slot in slots:

@@ -210,10 +210,11 @@ class CpuTier(MemoryTier):
                 evicted += gone
                 slot = self._arena.allocate(nbytes)
         if slot is None:
+            capped = f"; host memory short: {self._arena.capped}" if self._arena.capped is not None else ""
             raise StorageError(
                 f"{self.name} tier: no contiguous room for a {nbytes}-byte frame "
                 f"(chunk {self._arena.chunk_bytes} bytes; {self._arena.held} evicted slots still leased, "
-                f"{self._reserved_bytes} bytes reserved for frames arriving)"
+                f"{self._reserved_bytes} bytes reserved for frames arriving{capped})"
             )
         return slot
 
@@ -304,7 +305,7 @@ class CpuTier(MemoryTier):
         self.settle()  # the arena's memory must outlive the copies into it
 
     def _extra(self) -> dict:
-        return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes,
+        return {"pinned": self._arena.pinned, "arena_bytes": self._arena.reserved_bytes, "arena_capped": self._arena.capped,
                 "reservation_bytes": self._reserved_bytes, **self._arena.lease_stats()}
 
     @property
