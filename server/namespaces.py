@@ -16,18 +16,23 @@ Why XOR and not a one-way hash: frames must go back out under the client's hashe
 including the parent hash of each frame in a chain, which must be recoverable.
 
 The secret comes from ``namespace_secret``, else from ``<disk_path>/.namespace-key``
-(created on first start, mode 0600, so restarts keep finding their blocks), else (no disk
+(created on first start, mode 0600, so restarts keep finding their blocks: by a hard link of
+a whole temporary file, or, on a filesystem without hard links, exclusively created and
+written in place), else (no disk
 tier) it is random for the life of the process: with a Redis tier, whose blocks outlive the
 process, the start says so at WARNING (named namespaces' blocks there are lost to the next start).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
 import secrets
 import struct
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +49,13 @@ KEY_FILE = ".namespace-key"
 # blocks unreachable. It was not (key file to namespace_secret, one secret for another).
 SECRET_ID_FILE = ".namespace-secret-id"
 MIN_SECRET_BYTES = 16  # of namespace_secret (UTF-8): a shorter key is guessable
+KEY_BYTES = 32  # of a key file this server makes
+# link(2) refused by a filesystem that has no hard links (exFAT and FAT: EPERM; FUSE mounts of
+# object stores: ENOSYS, EOPNOTSUPP, or EROFS from a FUSE layer that does not implement it).
+NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EROFS})
+# How long a start that lost the race to make the key file waits for the winner's key to be
+# written whole (where it is written in place: no hard links).
+KEY_WRITE_WAIT_SECONDS = 5.0
 
 
 def load_secret(explicit: bytes | None, disk_path: Path | None, *, shared_tier: bool = False) -> bytes:
@@ -124,22 +136,50 @@ def _load_secret(explicit: bytes | None, disk_path: Path | None, shared_tier: bo
             "found (they age out of the tier). Restore the file, or give namespace_secret to keep a key "
             "across starts", path)
     path.parent.mkdir(0o700, parents=True, exist_ok=True)
+    key = secrets.token_bytes(KEY_BYTES)
     tmp = path.with_name(f"{KEY_FILE}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(secrets.token_bytes(32))
+        f.write(key)
         f.flush()
         os.fsync(f.fileno())
     try:
         os.link(tmp, path)  # first writer wins; a concurrent start reads the winner's key
     except FileExistsError:
         pass
+    except OSError as exc:
+        if exc.errno not in NO_HARD_LINKS:
+            raise
+        _create_in_place(path, key)
     finally:
         os.unlink(tmp)
     # The key's entry durable before any block masked with it is acknowledged: without it,
     # every namespaced block on disk would be unreachable after a power cut.
     fsync_dir(path.parent)
     return _checked_key(path, path.read_bytes()), said
+
+
+def _create_in_place(path: Path, key: bytes) -> None:
+    """The key file made without a hard link: created exclusively, so one start's key wins as
+    with the link (a rename would replace a key another start may have used already), then
+    written and synced. A start that finds it made waits for the key to be written whole;
+    a failed write removes the file, which every later start would refuse as too short."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        deadline = time.monotonic() + KEY_WRITE_WAIT_SECONDS
+        while path.stat().st_size < KEY_BYTES and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
 
 
 def check_key_file(disk_path: Path | None) -> None:

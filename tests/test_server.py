@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -694,6 +696,55 @@ def test_settings_come_from_flags_env_and_a_file(tmp_path):
     assert s.cpu_reserve_bytes == 128 << 20
     assert ServerSettings.load(cpu_bytes="64GiB").cpu_reserve_bytes == 1 << 30
     assert ServerSettings.load(toml, cpu_reserve_bytes="0").cpu_reserve_bytes == 0
+
+
+def test_a_first_start_on_a_filesystem_without_hard_links_makes_its_namespace_key(tmp_path, monkeypatch):
+    """exFAT, FAT and FUSE mounts of object stores have no link(2): the namespace key, made by
+    a hard link, stopped the first start with a traceback (exit 3), the disk tier open. Here
+    ``os.link`` refuses as there (EPERM) in the server's process: the key is made in place,
+    and a restart keeps it (a namespace's block found again)."""
+    import server_helpers
+
+    script = tmp_path / "no_hard_links.py"
+    script.write_text("import errno, os\n"
+                      "def link(*args, **kwargs):\n"
+                      "    raise OSError(errno.EPERM, 'Operation not permitted')\n"
+                      "os.link = link\n"
+                      "from cacheseek.server.cli import run\n"
+                      "run()\n")
+    monkeypatch.setattr(server_helpers, "cacheseek_command", lambda: [sys.executable, str(script)])
+    [(h, frame)] = raw_chain(62, 1)
+    a = {"X-CacheSeek-Namespace": "tenant-a"}
+    with Server(tmp_path) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.put(f"/v1/blocks/{h.hex()}", content=frame, headers=a).status_code == 201
+    key_file = srv.disk_path / ".namespace-key"
+    key = key_file.read_bytes()
+    assert len(key) == 32 and key_file.stat().st_mode & 0o777 == 0o600
+    assert not list(srv.disk_path.glob(".namespace-key.*"))  # (its temporary file removed)
+    with Server(tmp_path) as srv, httpx.Client(base_url=srv.url) as c:
+        assert c.get(f"/v1/blocks/{h.hex()}", headers=a).content == frame
+    assert key_file.read_bytes() == key
+    assert "Traceback" not in srv.output()
+
+
+def test_without_hard_links_the_first_start_to_make_the_namespace_key_wins(tmp_path, monkeypatch):
+    # Another start made the key file between this one's link refused and its own create: this
+    # one takes that key (as a lost link race did), never writes its own over it.
+    from cacheseek.server import namespaces
+
+    theirs = b"k" * 32
+
+    def link(src, dst):
+        Path(dst).write_bytes(theirs)
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(namespaces.os, "link", link)
+    assert namespaces.load_secret(None, tmp_path / "d") == theirs
+    assert (tmp_path / "d" / ".namespace-key").read_bytes() == theirs
+    # A link refused for another reason is no missing feature: still an error.
+    monkeypatch.setattr(namespaces.os, "link", lambda src, dst: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    with pytest.raises(OSError, match="I/O error"):
+        namespaces.load_secret(None, tmp_path / "e")
 
 
 def test_a_key_of_the_settings_file_that_names_no_setting_is_named_with_the_one_meant(tmp_path):
