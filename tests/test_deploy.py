@@ -23,6 +23,10 @@ from server_helpers import metrics_after_traffic
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 K8S_VERSION = "1.30.0"
 SETTINGS = {f"CACHESEEK_{name.upper()}" for name in ServerSettings.model_fields}
+# The disk tier's index in memory: ~1.1 KiB a block, over frames of at least 64 KiB (the
+# sizes docs/operations.md's "Memory for the disk index" sizes the Kubernetes example for).
+DISK_INDEX_BYTES_PER_BLOCK = 1126
+DISK_INDEX_FRAME_BYTES = 64 << 10
 
 # The fields of a ServiceMonitor (monitoring.coreos.com/v1) these manifests use, as its CRD
 # defines them: no Kubernetes schema covers a custom resource.
@@ -102,8 +106,11 @@ def test_workloads_are_wired_and_sized_from_their_tier_settings():
         cpu = parse_size(env["CACHESEEK_CPU_BYTES"])
         reserve = min(cpu // 8, 1 << 30)
         request = parse_size(c["resources"]["requests"]["memory"].replace("Mi", "MiB").replace("Gi", "GiB"))
-        assert request >= cpu + reserve + (1 << 30), (request, cpu)  # the tier, its reserve, the process
         disk = parse_size(env.get("CACHESEEK_DISK_BYTES") or "0")
+        # the tier, its reserve, the process, and the disk tier's index (docs/operations.md,
+        # "Memory for the disk index": ~1.1 KiB a block, frames of 64 KiB or more assumed)
+        index = disk // DISK_INDEX_FRAME_BYTES * DISK_INDEX_BYTES_PER_BLOCK
+        assert request >= cpu + reserve + (1 << 30) + index, (request, cpu, index)
         if disk:
             (claim,) = w["spec"]["volumeClaimTemplates"]
             volume = parse_size(claim["spec"]["resources"]["requests"]["storage"].replace("Gi", "GiB"))
