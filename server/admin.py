@@ -36,6 +36,7 @@ from typing import Any
 
 from cacheseek.errors import StorageError, TierUnavailable
 from cacheseek.hashing import to_hex
+from cacheseek.store.tiered import DeleteFailed
 
 from .errors import NotFound, TierUnreachable
 from .owners import OTHER_MODEL
@@ -112,7 +113,7 @@ class AdminOps:
             # A block whose Redis copy could not be deleted is kept in every tier: the flush
             # finds what to delete here, so a retry finds it again and deletes it there too
             # (deleted here alone, its Redis copy was named by nothing and served again).
-            blocks, nbytes, unknown, gone = self._delete(keys)
+            blocks, nbytes, unknown, gone = self._delete(keys, f"flush of {what}")
             self._forget_pins_of(gone)
         # (an operator's change to what is stored: said, as a start's removals are)
         log.info("admin: flush of %s deleted %d blocks (%s bytes)%s", what, blocks, f"{nbytes:,}",
@@ -166,7 +167,7 @@ class AdminOps:
                                           "hold its chain could not be reached; retry")
                 raise NotFound(f"block {to_hex(h)} is not stored in namespace {namespace!r} (X-CacheSeek-Namespace; "
                                "cacheseek admin --namespace)")
-            blocks, nbytes, unknown, gone = self._delete(doomed)
+            blocks, nbytes, unknown, gone = self._delete(doomed, f"delete of the chain ending at {to_hex(h)}")
             self._forget_pins_of(gone)
         log.info("admin: delete of the chain ending at %s (namespace %r) deleted %d blocks (%s bytes)%s", to_hex(h),
                     namespace, blocks, f"{nbytes:,}",
@@ -204,17 +205,29 @@ class AdminOps:
             child = parent
         return doomed
 
-    def _delete(self, keys: list[bytes]) -> tuple[int, int, int, set[bytes]]:
+    def _delete(self, keys: list[bytes], what: str) -> tuple[int, int, int, set[bytes]]:
         """Delete ``keys``, highest position first; returns blocks and bytes deleted, how many
         of them a tier that may hold them (Redis) could not be asked to delete (those are kept
-        in every tier: ``TieredStore.delete``'s ``all_or_nothing``), and the keys gone."""
+        in every tier: ``TieredStore.delete``'s ``all_or_nothing``), and the keys gone.
+
+        A tier that fails a delete (the disk could not remove a block's files, or sync them
+        away) raises ``StorageError`` (507) naming ``what``: the blocks from that one on are
+        kept, and none is forgotten by the owners' and pins' records, so that a retry finds
+        them all again, deletes what is left, and syncs what was not made durable."""
         store = self.store
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
         blocks = nbytes = unknown = 0
         gone: set[bytes] = set()
         with self.service.owners.deleting() as forgotten:
-            for (key, info), deleted in zip(infos, store.delete_many([key for key, _ in infos], all_or_nothing=True)):
+            try:
+                answers = store.delete_many([key for key, _ in infos], all_or_nothing=True)
+            except DeleteFailed as exc:
+                done = sum(1 for deleted in exc.results if deleted)
+                log.error("admin: %s failed after %d of its %d blocks: %s", what, done, len(keys), exc)
+                raise StorageError(f"{what}: {exc} ({done} of its {len(keys)} blocks deleted before the failure, maybe "
+                                   "not durably; the rest kept); retry once the disk is writable") from None
+            for (key, info), deleted in zip(infos, answers):
                 if deleted:
                     blocks += 1
                     nbytes += info.nbytes if info is not None else 0

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import shutil
+import subprocess
+from pathlib import Path
+
 import httpx
+import pytest
 
 from server_helpers import Server, raw_chain
 from store_helpers import raw_frame, run_on_a_tmpfs
+from cacheseek.errors import StorageError
+from cacheseek.store import disk
 from cacheseek.store.disk import DiskTier
 
 
@@ -160,3 +169,117 @@ def test_a_write_to_a_full_filesystem_holding_nothing_says_the_filesystem_is_ful
     assert all("to what the filesystem has room for" in e for e in out["errors"]), out
     assert out["left"] == [] and out["after"] and out["write_errors"] == 3, out
     assert "the filesystem is full" in run.stderr
+
+
+@contextlib.contextmanager
+def _undeletable(shard: Path):
+    """Nothing in ``shard`` can be removed (EPERM), as on a filesystem that went read-only:
+    ``chattr +i`` on the directory (root, ext4/XFS/tmpfs)."""
+    if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", str(shard)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not available here (needs root on a filesystem with immutable files)")
+    try:
+        probe = shard / "probe"
+        try:
+            probe.touch()
+        except PermissionError:
+            pass
+        else:  # pragma: no cover - the flag took no effect
+            probe.unlink()
+            pytest.skip("chattr +i took no effect here")
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(shard)], check=True)
+
+
+def test_a_delete_whose_files_cannot_be_removed_fails_and_keeps_the_block(tmp_path):
+    """A delete whose unlinks failed (EPERM here; EROFS, EIO on a failing disk) was answered
+    True after a warning, the block forgotten: a restart found its files and served it
+    again, a tenant's delete undone. Now it raises, and the block stays held as it is."""
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    (k, f), (k2, f2) = raw_frame(7), raw_frame(8)
+    tier.put_many([(k, f), (k2, f2)])
+    shard = tier._paths(k)[0].parent
+    with _undeletable(shard):
+        with pytest.raises(StorageError, match="cannot delete block .*the block is kept"):
+            tier.delete(k)
+        assert tier.contains(k) and tier.get(k) is not None and tier.stats().blocks == 2
+    assert tier.delete(k) is True and not tier.contains(k)  # writable again: it goes
+    tier.close()
+    again = DiskTier(tmp_path / "d", 1 << 30)
+    assert again.keys() == [k2]
+    again.close()
+
+
+def test_a_delete_whose_directory_cannot_be_synced_fails(tmp_path, monkeypatch):
+    """The shard's fsync after the unlinks makes a delete durable; one that failed was only
+    logged, and the delete answered done while a power cut could bring the block back. Now
+    it raises, the shard stays owed, and the next delete (a retry) syncs it."""
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    k, f = raw_frame(7)
+    tier.put(k, f)
+    real = disk.fsync_dir
+
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "fsync_dir", failing)
+    with pytest.raises(StorageError, match="not durable"):
+        tier.delete(k)
+    monkeypatch.setattr(disk, "fsync_dir", real)
+    assert not tier.contains(k)
+    assert tier._synced[k[0]] < tier._unlinks[k[0]]
+    assert tier.delete(k) is False and tier._synced[k[0]] == tier._unlinks[k[0]]
+    tier.close()
+
+
+def test_a_batch_of_deletes_stops_at_the_block_the_disk_could_not_delete(tmp_path):
+    """``delete_many`` (a flush, a chain's delete) went on past a block whose files stayed,
+    and counted it deleted."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import DeleteFailed, TieredStore
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    store = TieredStore([CpuTier(1 << 20), tier], write_through=["disk"])
+    keys: list[bytes] = []
+    for i in range(1, 100):  # (three blocks in three shards: only the second's is made undeletable)
+        k, f = raw_frame(i)
+        if len(keys) < 3 and all(k[0] != x[0] for x in keys):
+            store.put(k, f)
+            keys.append(k)
+    shard = tier._paths(keys[1])[0].parent
+    with _undeletable(shard):
+        with pytest.raises(DeleteFailed) as failed:
+            store.delete_many(keys)
+        assert failed.value.results == [True]
+        assert [tier.contains(k) for k in keys] == [False, True, True]
+        assert store.get(keys[1]) is not None
+    assert store.delete_many(keys) == [False, True, True]
+    store.close()
+
+
+def test_a_server_answers_507_to_a_delete_or_flush_the_disk_could_not_carry_out(tmp_path):
+    """A DELETE or an admin flush whose files could not be removed was answered 204 / 200
+    "deleted_blocks": the blocks came back at the next restart."""
+    blocks = raw_chain(43, 3)
+    admin = {"Authorization": "Bearer adm"}
+    srv = Server(tmp_path, "--admin-token", "adm")
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        for h, body in blocks:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=body).status_code == 201
+        h = blocks[-1][0]
+        shards = sorted({srv.disk_path / x.hex()[:2] for x, _ in blocks})
+        with contextlib.ExitStack() as stack:
+            for shard in shards:
+                stack.enter_context(_undeletable(shard))
+            r = c.delete(f"/v1/blocks/{h.hex()}")
+            assert r.status_code == 507 and "cannot delete block" in r.json()["error"], r.text
+            assert h.hex() not in r.text  # (a stored key is never told)
+            assert c.get(f"/v1/blocks/{h.hex()}").status_code == 200
+            r = c.post("/v1/admin/flush", params={"namespace": ""}, headers=admin)
+            assert r.status_code == 507 and "flush of namespace ''" in r.json()["error"], r.text
+            assert c.post("/v1/lookup", json={"hashes": [x.hex() for x, _ in blocks]}).json()["matched"] == 3
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/lookup", json={"hashes": [x.hex() for x, _ in blocks]}).json()["matched"] == 3
+        r = c.post("/v1/admin/flush", params={"namespace": ""}, headers=admin)
+        assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        assert c.post("/v1/lookup", json={"hashes": [x.hex() for x, _ in blocks]}).json()["matched"] == 0

@@ -56,6 +56,10 @@ Deletes are durable when they return: the shard directory is fsynced after the u
 (once per shard for a ``batched_deletes``, a flush of many blocks); also for a block
 evicted from the shard before, which would otherwise come back as one. Evictions alone are
 not synced: a block one brings back after a power cut is whole and valid, a cached block.
+A delete that cannot remove the block's sidecar (a read-only or failing filesystem, EPERM)
+raises ``StorageError`` and keeps the block held, as it still is on disk; one whose shard
+cannot be synced after raises too (gone, not durably: the shard stays owed, and the next
+delete there, or a retry, syncs it). Evictions stay best effort, logged (``_remove_files``).
 
 A block is "present" (``contains``, a put that finds it) only once its sidecar is renamed
 into place: whole and committed. A put of a block whose write is in flight in another
@@ -1502,15 +1506,20 @@ class DiskTier(IndexedTier):
             return False
         with self._open_call():
             with self._lock:
-                deleted = self._index.remove(key) is not None
-                if not deleted and key in self._others:  # (another release's copy of the block: it goes too)
-                    self._forget_other(key)
-                    deleted = True
+                held = self._index.get(key) is not None
+                deleted = held or key in self._others  # (another release's copy of the block: it goes too)
                 if deleted:
-                    self._remove_files(key)
+                    # Files first, the entry after: a delete that could not remove them
+                    # raises with the block still held, as it is on disk (answered deleted,
+                    # a restart brought it back: a tenant's delete undone).
+                    self._remove_files(key, strict=True)
+                    if held:
+                        self._index.remove(key)
+                    else:
+                        self._forget_other(key)
                     self._sync_counts()
                 owed = {key[0]: self._unlinks[key[0]]}
-            self._sync_unlinks(owed)
+            self._sync_unlinks(owed, strict=True)
         return deleted
 
     @contextmanager
@@ -1519,16 +1528,27 @@ class DiskTier(IndexedTier):
             yield
             return
         self._batch.owed = {}
+        done = False
         try:
             yield
+            done = True
         finally:
             owed, self._batch.owed = self._batch.owed, None
-            self._sync_unlinks(owed)
+            try:
+                self._sync_unlinks(owed, strict=True)
+            except StorageError as exc:
+                if done:
+                    raise
+                # (the error in flight is the caller's answer; this one must not replace it)
+                log.warning("%s", exc)
 
-    def _sync_unlinks(self, owed: dict[int, int]) -> None:
+    def _sync_unlinks(self, owed: dict[int, int], *, strict: bool = False) -> None:
         """Make the unlinks counted in ``owed`` (shard: unlinks) durable: one fsync per shard
         not synced that far, or owed to the ``batched_deletes`` this thread is in. A shard
-        that cannot be synced is logged: its deletes are done, only not yet durable."""
+        that cannot be synced: ``strict`` (a delete), ``StorageError`` once every shard was
+        tried, since a delete answered done must not come back after a power cut; else (a
+        failed write's files removed) logged. Either way the shard stays owed, so the next
+        delete there, or a retry of this one (the block no longer held), syncs it again."""
         if not self.fsync:
             return
         batch = getattr(self._batch, "owed", None)
@@ -1536,6 +1556,7 @@ class DiskTier(IndexedTier):
             for shard, n in owed.items():
                 batch[shard] = max(batch.get(shard, 0), n)
             return
+        failed: list[str] = []
         for shard, n in owed.items():
             if self._synced[shard] >= n:
                 continue  # (none owed, or another thread's fsync covered them)
@@ -1544,15 +1565,37 @@ class DiskTier(IndexedTier):
                 fsync_dir(path)
             except OSError as exc:
                 log.warning("%s tier: cannot fsync %s after deleting from it: %s", self.name, path, exc)
+                failed.append(f"{path}: {exc.strerror or exc}")
                 continue
             with self._lock:
                 self._synced[shard] = max(self._synced[shard], n)
+        if failed and strict:
+            raise StorageError(f"{self.name} tier: a delete removed its files, but the directory could not be synced "
+                               f"({'; '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}): not durable, a power cut "
+                               "may bring the blocks back; retry the delete")
 
-    def _remove_files(self, key: bytes) -> None:
+    def _remove_files(self, key: bytes, *, strict: bool = False) -> None:
         """Under the lock. Not synced: an evicted block that comes back after a power cut is
-        a whole, valid block (recovery drops a half of one); deletes sync (``delete``)."""
+        a whole, valid block (recovery drops a half of one); deletes sync (``delete``).
+
+        ``strict`` (a delete): a sidecar that cannot be removed (a read-only or failing
+        filesystem, EPERM) raises ``StorageError``, nothing removed, so the caller keeps
+        the block held: it is still whole on disk, and a restart would serve it again. Once
+        the sidecar (the commit record) is gone the block is, whatever befalls its data
+        file (an orphan a restart removes). Evictions, and the removal of a damaged block,
+        stay best effort: they must finish (a write waits on their room), and what they
+        leave is a whole block a restart takes back, or damage a read drops again."""
         data_path, side_path = self._paths(key)
-        _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
+        if strict:
+            try:
+                side_path.unlink()
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+            except OSError as exc:
+                raise StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing {side_path} failed: "
+                                   f"{exc.strerror or exc}; the block is kept") from None
+        else:
+            _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
         _unlink(data_path)
         self._unlinks[key[0]] += 1
 

@@ -180,6 +180,27 @@ def _budget_of(tier: Tier) -> Callable[[], int]:
     return lambda: tier.capacity_bytes
 
 
+
+class DeleteFailed(StorageError):
+    """A ``delete_many`` that a tier failed part way (a disk that could not remove a block's
+    files, or sync its directory after): ``results`` holds the answers of the keys before
+    the failing one, whose deletes may not be durable yet; that key and the rest are kept
+    where they were. Retried, it deletes what is left and syncs what was not synced."""
+
+    def __init__(self, message: str, results: list[bool | None]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+def _delete_copy(tier: Tier, key: bytes) -> None:
+    """Delete a copy a move just made where a delete had been (or that nothing reaches): a
+    tier that cannot is logged, not raised, since the move must finish; the copy stays, as
+    a block a restart or a read finds."""
+    try:
+        tier.delete(key)
+    except StorageError as exc:
+        log.warning("block %s: its copy in the %s tier could not be deleted: %s", key.hex(), tier.name, exc)
+
 class TieredStore:
     def __init__(
         self,
@@ -454,7 +475,7 @@ class TieredStore:
         a demotion, or deleted again if a delete after ``since`` may have missed it on its
         way (False), else the block would come back after its delete."""
         if self._deleted_since(key, since):
-            tier.delete(key)
+            _delete_copy(tier, key)
             self._landed_after_delete(key, since)
             return False
         tier.count(demotions=1)
@@ -639,7 +660,7 @@ class TieredStore:
                 # copy would bring back a block the delete answered for.
                 if not root and any(victim == parent for victim, _ in result.evicted) \
                         or self._deleted_since(key, since):
-                    tier.delete(key)
+                    _delete_copy(tier, key)
                 else:
                     tier.count(promotions=1)
             self._demote(upper, result.evicted, since, spare)
@@ -859,11 +880,21 @@ class TieredStore:
 
     def delete_many(self, keys: Sequence[bytes], *, all_or_nothing: bool = False) -> list[bool | None]:
         """``delete`` of each of ``keys``, in their order, made durable together: each tier
-        syncs the deletes once at the end (``Tier.batched_deletes``), not once per block."""
-        with ExitStack() as stack:
-            for tier in self.tiers:
-                stack.enter_context(tier.batched_deletes())
-            return [self.delete(key, all_or_nothing=all_or_nothing) for key in keys]
+        syncs the deletes once at the end (``Tier.batched_deletes``), not once per block.
+        A tier that fails a delete (``StorageError``: a disk that could not remove or sync
+        a block's files) ends it there: ``DeleteFailed``, with the answers so far."""
+        results: list[bool | None] = []
+        try:
+            with ExitStack() as stack:
+                for tier in self.tiers:
+                    stack.enter_context(tier.batched_deletes())
+                for key in keys:
+                    results.append(self.delete(key, all_or_nothing=all_or_nothing))
+        except DeleteFailed:
+            raise
+        except StorageError as exc:
+            raise DeleteFailed(str(exc), results) from None
+        return results
 
     def drain(self, *, seconds: float | None = None, stop: Callable[[], bool] | None = None,
               progress: Callable[[DrainReport], None] | None = None, every_seconds: float = 5.0) -> DrainReport:
@@ -1087,7 +1118,7 @@ class TieredStore:
                     continue
                 orphan = info.position and info.parent not in written  # its head (of this group) was not
                 if orphan and result.stored is not None:
-                    tier.delete(key)  # (a tail no lookup reaches)
+                    _delete_copy(tier, key)  # (a tail no lookup reaches)
                 if orphan and at.hand_on and info.parent in at.passed_keys:
                     at.pass_on(key, info)  # (after its head, to the tier below)
                 elif orphan or result.stored is not None and not self._landed(tier, key, since):

@@ -122,7 +122,9 @@ async def models(ops: Admin) -> list[dict]:
 
 
 UNREACHABLE: dict[int | str, dict[str, Any]] = {503: {"description": "a tier that may hold its blocks (Redis) could not be reached: nothing done "
-                                   "for those; retry", **ERROR}}
+                                   "for those; retry", **ERROR},
+                                                507: {"description": "the disk could not remove (or sync away) a block's "
+                                                      "files: it and the rest kept; retry", **ERROR}}
 
 
 @router.post("/flush", responses={**REFUSED, 404: {"description": "no such namespace or model", **ERROR},

@@ -225,7 +225,9 @@ async def get_block(caller: Reader, hash: Hash, request: Request, service: Servi
 
 @router.delete("/{hash}", status_code=204, response_class=Response,
                responses={204: {"description": "deleted"}, 404: {"description": "not stored", **ERROR},
-                          503: {"description": "a tier that may hold it (Redis) could not be reached: retry", **ERROR}})
+                          503: {"description": "a tier that may hold it (Redis) could not be reached: retry", **ERROR},
+                          507: {"description": "the disk could not remove (or sync away) its files: kept, or not "
+                                "durably gone; retry", **ERROR}})
 async def delete_block(caller: Writer, hash: Hash, service: Service) -> Response:
     await run_in_threadpool(service.delete, caller.namespace, hash)
     return Response(status_code=204)
