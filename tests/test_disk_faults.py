@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from server_helpers import Server, raw_chain
 from store_helpers import raw_frame, run_on_a_tmpfs
 from cacheseek.errors import StorageError
-from cacheseek.store import disk
+from cacheseek.store import direct_io, disk
 from cacheseek.store.disk import DiskTier
 
 
@@ -283,3 +284,31 @@ def test_a_server_answers_507_to_a_delete_or_flush_the_disk_could_not_carry_out(
         assert r.status_code == 200 and r.json()["deleted_blocks"] == 3, r.text
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         assert c.post("/v1/lookup", json={"hashes": [x.hex() for x, _ in blocks]}).json()["matched"] == 0
+
+
+def test_a_block_the_device_fails_to_read_is_dropped_and_written_again(tmp_path, monkeypatch):
+    """A block whose file gave EIO on every read (a bad sector) was kept: every lookup
+    advertised it, every prefix read was cut there, and a put of it answered "present"
+    without writing it. The I/O error is the block's damage: dropped (counted in
+    ``corrupt``, the read in ``read_errors``), and the next put writes it again. A read
+    not made for want of descriptors keeps the block, as before."""
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    (k1, f1), (k2, f2) = raw_frame(1), raw_frame(2)
+    tier.put_many([(k1, f1), (k2, f2)])
+    bad = {str(tier._paths(k1)[0]): errno.EIO, str(tier._paths(k2)[0]): errno.EMFILE}
+    real = direct_io._read_whole
+
+    def failing(fd, path, *args):
+        if str(path) in bad:
+            raise OSError(bad[str(path)], os.strerror(bad[str(path)]))
+        return real(fd, path, *args)
+
+    monkeypatch.setattr(direct_io, "_read_whole", failing)
+    assert tier.get_many([k1, k2]) == [None, None]
+    stats = tier.stats()
+    assert not tier.contains(k1) and tier.contains(k2)  # the shortage's block kept
+    assert (stats.corrupt, stats.read_errors, stats.blocks) == (1, 2, 1)
+    bad.pop(str(tier._paths(k1)[0]))
+    assert tier.put(k1, f1).stored is not None  # written again, not answered "present"
+    assert tier.get(k1) is not None
+    tier.close()

@@ -232,6 +232,10 @@ class BufferPool:
 # What a read that could not be made ran short of (descriptors, memory, buffers): a state of
 # the process or the system that passes, not of the file.
 SHORTAGES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.ENOBUFS})
+# What the device says of the file's own blocks (a bad sector: EIO; a checksum the
+# filesystem keeps, failing: EBADMSG, EUCLEAN), not of a moment's shortage: read again, it
+# fails again.
+MEDIA_ERRORS = frozenset({errno.EIO, errno.EBADMSG, errno.EUCLEAN})
 
 
 class ReadFailed(Exception):
@@ -240,22 +244,26 @@ class ReadFailed(Exception):
     not be made (no descriptor or memory left, an I/O error), which says nothing of the
     file. ``missing``: the file was not there. ``shortage``: not made for want of a
     descriptor or memory (``SHORTAGES``), which a moment later may be there again.
+    ``io_error``: not made, the device failing the file (``MEDIA_ERRORS``: a bad sector),
+    which the next read meets again; the caller judges it (the disk tier drops the block).
     ``cause``: what the read's ``check`` raised, where it refused the file (the caller may
     tell one kind of refusal from another: a frame of another format version is no damage)."""
 
     def __init__(self, reason: str, *, missing: bool = False, damaged: bool = True, shortage: bool = False,
-                 cause: BaseException | None = None) -> None:
+                 cause: BaseException | None = None, io_error: bool = False) -> None:
         super().__init__(reason)
         self.missing = missing
         self.damaged = damaged
         self.shortage = shortage
         self.cause = cause
+        self.io_error = io_error
 
     @classmethod
     def not_made(cls, reason: str, exc: BaseException) -> ReadFailed:
         """A read that ``exc`` (an ``OSError`` or ``MemoryError``) kept from being made."""
         shortage = isinstance(exc, MemoryError) or isinstance(exc, OSError) and exc.errno in SHORTAGES
-        return cls(reason, damaged=False, shortage=shortage)
+        io_error = isinstance(exc, OSError) and exc.errno in MEDIA_ERRORS
+        return cls(reason, damaged=False, shortage=shortage, io_error=io_error)
 
 
 @dataclass(slots=True)

@@ -44,7 +44,9 @@ the order of the sidecars' modification times, each chain tail first (the evicti
 history of uses does not survive a restart).
 Every read verifies the payload checksum, and that the frame's header says what its
 sidecar told the index: a corrupt or truncated frame, or a sidecar that disagrees with it,
-is a miss, and it is deleted and counted; a frame of another format version is a miss that
+is a miss, and it is deleted and counted (``corrupt``), and so is a block whose file the
+device fails to read (EIO: a bad sector; counted in ``read_errors`` too), so that a put of
+it writes it again; one not read for want of a descriptor or memory is kept; a frame of another format version is a miss that
 sets the block aside as one of another sidecar version (counted in ``foreign_version``).
 A read that failed because its block was evicted or deleted after
 it was looked up is a plain miss that removes nothing: the block may have been written
@@ -1374,9 +1376,12 @@ class DiskTier(IndexedTier):
     def _landed(self, key: bytes, info: BlockInfo, done: ReadDone | ReadFailed, leased: bool
                 ) -> BlockFrame | None:
         """A read's frame, or None: its files dropped and counted when they are bad (corrupt,
-        cut short, the data file gone while its sidecar stayed); kept, and the read counted,
-        when the read itself could not be made (no descriptor or memory left, an I/O error):
-        a moment's shortage must not delete acknowledged blocks."""
+        cut short, the data file gone while its sidecar stayed, or the device failing them:
+        an I/O error, ``ReadFailed.io_error``); kept, and the read counted, when the read
+        itself could not be made for want of a descriptor or memory: a moment's shortage
+        must not delete acknowledged blocks. A block kept after an I/O error was advertised
+        by every lookup and cut every prefix read at it, and a put of it answered "present"
+        without writing it again: nothing but an eviction ended that."""
         if isinstance(done, ReadFailed) and isinstance(done.cause, FrameVersionError):
             with self._lock:
                 self._stats.foreign_version += 1
@@ -1387,9 +1392,13 @@ class DiskTier(IndexedTier):
                             "kept (counted in the budget, the first evicted)", self.name, key.hex(), done)
             return None
         if isinstance(done, ReadFailed):
-            if done.damaged and self.lost() is not None:
+            bad = done.damaged or done.io_error
+            if bad and self.lost() is not None:
                 return None  # (the whole directory gone or replaced: not this block's damage)
-            if done.damaged:
+            if done.io_error:
+                with self._lock:
+                    self._stats.read_errors += 1
+            if bad:
                 dropped = False
                 try:
                     with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
@@ -1399,12 +1408,12 @@ class DiskTier(IndexedTier):
                 except _Closed:
                     pass
                 if dropped:
-                    log.warning("%s tier: block %s is damaged on disk (%s): not served, its files removed", self.name,
-                                key.hex(), done)
+                    log.warning("%s tier: block %s is damaged on disk (%s): not served, its files removed%s", self.name,
+                                key.hex(), done, " (the device failed its read: written again by the next put of it)"
+                                if done.io_error else "")
             else:
                 with self._lock:
                     self._stats.read_errors += 1
-            if not done.damaged:
                 log.warning("%s tier: reading block %s failed (%s); the block is kept", self.name, key.hex(), done)
             return None
         lease = done.lease
