@@ -21,6 +21,7 @@ from starlette.routing import Match
 
 from cacheseek.batch_body import BatchFormatError, BatchTooLarge
 from cacheseek.errors import FrameError, InputError, StorageError, TierUnavailable
+from cacheseek.log_throttle import LogThrottle
 
 from .openapi import ANSWERS_422
 from .protocol import BODY_CUT
@@ -209,6 +210,27 @@ def _allowed(request: Request) -> list[str]:
     return allowed
 
 
+_thread_shortage_said = LogThrottle(60.0)
+
+
+def thread_shortage(exc: BaseException) -> bool:
+    """A thread that could not be started (``threading.Thread.start``: the process at its
+    limit of tasks, a container's ``pids.max`` or ``ulimit -u``), not a bug."""
+    return isinstance(exc, RuntimeError) and "can't start new thread" in str(exc)
+
+
+async def _handle_runtime(request: Request, exc: RuntimeError) -> JSONResponse:
+    # A shortage that passes, as a full body budget is: a 503 to retry. The server's own
+    # pools start their threads at open; this is a thread started as work comes (the
+    # routes' thread pool), which answered 500, a "bug", and cut the connection.
+    if not thread_shortage(exc):
+        raise exc  # (a bug: ``_handle_bug``, as before)
+    if _thread_shortage_said.due():
+        log.warning("%s %s: %s: the process is at its limit of tasks (a container's pids limit, ulimit -u); "
+                    "answered 503 (said at most once a minute)", request.method, request.url.path, exc)
+    return error_response(503, "the server could not start a thread (at its limit of processes and threads): retry")
+
+
 async def _handle_bug(request: Request, exc: Exception) -> JSONResponse:
     log.exception("bug: %s %s failed", request.method, request.url.path, exc_info=exc)
     return JSONResponse({"error": f"internal error: {type(exc).__name__}"}, status_code=500)
@@ -220,4 +242,5 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, _handle)
     # (Starlette calls a handler only with the class it is registered for; its stubs take any Exception)
     app.add_exception_handler(StarletteHTTPException, _handle_http)  # type: ignore[arg-type]
+    app.add_exception_handler(RuntimeError, _handle_runtime)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _handle_bug)

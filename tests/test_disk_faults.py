@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import httpx
@@ -312,3 +313,36 @@ def test_a_block_the_device_fails_to_read_is_dropped_and_written_again(tmp_path,
     assert tier.put(k1, f1).stored is not None  # written again, not answered "present"
     assert tier.get(k1) is not None
     tier.close()
+
+
+def _no_new_threads(monkeypatch) -> None:
+    """Every thread started from now on fails as at a container's pids limit."""
+    def refused(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+
+
+def test_the_disk_tier_starts_its_threads_at_open_not_under_load(tmp_path, monkeypatch):
+    """Its writer and reader pools started threads as work came: at a pids limit the one
+    that could not start raised ``RuntimeError: can't start new thread`` out of a put or a
+    read (a server's 500). They start at open now, and work goes on with no thread to
+    start; a limit that leaves no room for them fails the open, naming it."""
+    tier = DiskTier(tmp_path / "d", 1 << 30, read_depth=4)
+    _no_new_threads(monkeypatch)
+    blocks = [raw_frame(i) for i in range(1, 9)]
+    assert all(r.stored is not None for r in tier.put_many(blocks))
+    assert [f is not None for f in tier.get_many([k for k, _ in blocks])] == [True] * 8
+    frames = tier.stream([k for k, _ in blocks])
+    for frame in frames:
+        assert frame is not None and frame.lease is not None
+        frame.lease.release()
+    frames.close()
+    tier.close()
+    with pytest.raises(StorageError, match="cannot start the 8 threads of the disk tier's writes: can't start new "
+                                           "thread .*pids limit"):
+        DiskTier(tmp_path / "d", 1 << 30)
+    monkeypatch.undo()
+    again = DiskTier(tmp_path / "d", 1 << 30)  # (the failed open gave the directory back)
+    assert len(again.keys()) == 8
+    again.close()

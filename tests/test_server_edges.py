@@ -1754,6 +1754,33 @@ def read_response_from(rest: bytearray) -> tuple[int, dict, bytes]:
     return int(lines[0].split()[1]), headers, tail[:n]
 
 
+def test_a_thread_that_cannot_start_is_a_503_not_a_bug():
+    """At a container's pids limit, a thread the routes' pool had to start raised
+    ``RuntimeError: can't start new thread``, answered 500 "internal error: RuntimeError"
+    (a bug, the connection cut): a shortage that passes, answered 503 to retry. Any other
+    RuntimeError is still a bug."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from server import errors
+
+    app = FastAPI()
+    errors.install(app)
+
+    @app.get("/shortage")
+    async def shortage() -> None:
+        raise RuntimeError("can't start new thread")
+
+    @app.get("/bug")
+    async def bug() -> None:
+        raise RuntimeError("something else")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/shortage")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "could not start a thread" in r.json()["error"]
+        r = client.get("/bug")
+        assert r.status_code == 500 and r.json() == {"error": "internal error: RuntimeError"}
 @pytest.mark.parametrize("disk", [True, False])
 def test_a_cpu_tier_the_os_maps_no_more_host_memory_for_stores_to_disk_or_answers_507(tmp_path, disk):
     """RLIMIT_AS lowered under a running server: the CPU tier's 1 GiB chunk cannot be mapped

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import StorageError
 from .lease import Lease, LeaseLedger
 
 DIRECT_ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (a page; >= any logical block here)
@@ -279,6 +280,29 @@ class ReadDone:
     finished: float  # time.perf_counter() when it landed and was checked
 
 
+THREAD_START_SECONDS = 30.0  # (the pool's threads up at once: a start taking longer is a failure)
+
+
+def start_threads(pool: ThreadPoolExecutor, n: int, what: str) -> None:
+    """Start all ``n`` threads of ``pool`` now, or raise ``StorageError`` naming ``what``.
+
+    An executor starts a thread as work comes while it has none idle; under a limit of
+    tasks (a container's ``pids.max``, ``ulimit -u``) the one that could not start raised
+    ``RuntimeError: can't start new thread`` out of the call that needed it (a server's
+    500), and left that call's work queued for a later thread to run, unlooked for (a read
+    whose buffer nobody gave back). Started at open, the threads are there for good, and a
+    limit too low for them fails the open, where it is said."""
+    gate = threading.Barrier(n + 1)  # (each thread held until all are up: none idle to reuse)
+    try:
+        for _ in range(n):
+            pool.submit(gate.wait, THREAD_START_SECONDS)
+        gate.wait(THREAD_START_SECONDS)
+    except (RuntimeError, threading.BrokenBarrierError) as exc:
+        gate.abort()  # (those started go idle; ``shutdown`` ends them)
+        raise StorageError(f"cannot start the {n} threads of {what}: {exc or type(exc).__name__} (at the limit of "
+                           "processes and threads: a container's pids limit, ulimit -u)") from None
+
+
 class ReadPool:
     """Whole-file reads, ``depth`` at a time, each into an aligned buffer, each checked in
     the thread that read it. ``read_path`` is the probed path (``probe_read_path``).
@@ -296,6 +320,11 @@ class ReadPool:
         self.buffers = buffers or BufferPool()
         self.max_bytes = max_bytes
         self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="cacheseek-read")
+        try:
+            start_threads(self._pool, depth, "the disk reads")
+        except BaseException:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            raise
         self.closed = False
         self._counts_lock = threading.Lock()
         self.direct_reads = 0

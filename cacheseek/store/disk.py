@@ -109,7 +109,8 @@ import msgpack
 from ..errors import ConfigError, FrameError, FrameVersionError, StorageError
 from ..log_throttle import LogThrottle
 from ..units import format_size
-from .direct_io import PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up
+from .direct_io import (PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up,
+                        start_threads)
 from .frame import HASH_SIZES, FrameMeta, parse_frame
 from .eviction import DEFAULT_POLICY
 from .tier import BlockFrame, BlockInfo, ClosingIterator, IndexedTier, TierPutResult
@@ -333,12 +334,21 @@ class DiskTier(IndexedTier):
             self.close()
             raise
         self.read_path = probe_read_path(self.root)
-        # Plain reads hand their buffers over for good (the frames' views keep them); streams
-        # lend pooled buffers, pinned when a GPU copies out of them, and get them back.
-        self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0),
-                               max_bytes=max_frame_bytes)
-        self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
+        # Both pools' threads start now (``start_threads``): one started under load, at a
+        # limit of tasks, failed the call that needed it with a RuntimeError (a 500).
         self._writers = ThreadPoolExecutor(max_workers=WRITE_DEPTH, thread_name_prefix="cacheseek-write")
+        try:
+            start_threads(self._writers, WRITE_DEPTH, f"the {name} tier's writes")
+            # Plain reads hand their buffers over for good (the frames' views keep them); streams
+            # lend pooled buffers, pinned when a GPU copies out of them, and get them back.
+            self._reads = ReadPool(self.read_path, depth=read_depth, buffers=BufferPool(keep_bytes=0),
+                                   max_bytes=max_frame_bytes)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, StorageError):
+                raise StorageError(f"{name} tier: cannot open {self.root}: {exc}") from None
+            raise
+        self._stream_buffers = BufferPool(pin=pin, keep_bytes=STREAM_KEEP_BYTES)
 
     def charge(self, nbytes: int) -> int:
         """What the budget counts for a block of an ``nbytes`` frame (``block_charge``).
@@ -446,6 +456,7 @@ class DiskTier(IndexedTier):
                 self._calls.wait()
         if hasattr(self, "_reads"):
             self._reads.close()
+        if hasattr(self, "_writers"):
             self._writers.shutdown(wait=True)
         self._unlock()  # closes the lock file's descriptor (once), which releases the flock
 
