@@ -593,6 +593,12 @@ class _Collector(Collector):
             if "lost" in tier:
                 lost.add_metric([tier["name"]], 0.0 if tier["lost"] is None else 1.0)
         yield lost
+        read_only = GaugeMetricFamily("cacheseek_tier_read_only", "1 while the tier cannot write, its filesystem "
+                                      "read-only (its last write or delete refused so: EROFS), else 0", labels=["tier"])
+        for tier in tiers:
+            if "read_only" in tier:
+                read_only.add_metric([tier["name"]], 0.0 if tier["read_only"] is None else 1.0)
+        yield read_only
         usage = _bounded_usage(figures.get("namespaces") or [], self.metrics.max_owners)
         for field, name, help_ in (("used_bytes", "cacheseek_namespace_used_bytes", "Encoded bytes of the owner's distinct blocks"),
                                    ("blocks", "cacheseek_namespace_blocks", "The owner's distinct blocks"),

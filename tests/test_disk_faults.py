@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -346,3 +347,88 @@ def test_the_disk_tier_starts_its_threads_at_open_not_under_load(tmp_path, monke
     again = DiskTier(tmp_path / "d", 1 << 30)  # (the failed open gave the directory back)
     assert len(again.keys()) == 8
     again.close()
+
+
+# A shard directory made read-only under the tier, as a filesystem the kernel remounted so
+# after an error (ext4's errors=remount-ro): a read-only bind mount of it over itself, in
+# the script's own mount namespace (a tmpfs remounted read-only refuses while the tier
+# holds its lock file open for writing).
+_READ_ONLY = _ON_A_TMPFS + r"""
+import subprocess
+from cacheseek.errors import StorageError
+
+(k1, f1), (k2, f2) = raw_frame(1), raw_frame(2)
+tier.put(k1, f1)
+shard = str(tier._paths(k2)[0].parent)
+for cmd in (["mount", "--bind", shard, shard], ["mount", "-o", "remount,bind,ro", shard]):
+    subprocess.run(cmd, check=True)
+before = tier.read_only()
+failed = [str(tier.put_many([(k2, f2)])[0].error)]
+try:
+    tier.put(k2, f2)
+except StorageError as exc:
+    failed.append(str(exc))
+ro = tier.stats().to_dict()
+subprocess.run(["umount", shard], check=True)
+stored = tier.put(k2, f2).stored is not None
+print(json.dumps({"before": before, "failed": failed, "read_only": ro["read_only"], "write_errors": ro["write_errors"],
+                  "served": tier.get(k1) is not None, "stored": stored, "after": tier.stats().to_dict()["read_only"]}))
+tier.close()
+"""
+
+
+def test_a_filesystem_gone_read_only_marks_the_tier_read_only_until_a_write_commits(tmp_path):
+    """Every write refused with EROFS was one more write error and a warning, nothing in
+    the stats said the tier could not write any more (and ``/readyz`` stayed 200). Now
+    ``read_only`` says it (an error logged once) until a write commits again."""
+    out = run_on_a_tmpfs(tmp_path, _READ_ONLY, "16m", 60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["before"] is None and all("Read-only file system" in e for e in got["failed"]), got
+    assert got["read_only"] == disk.READ_ONLY and got["write_errors"] == 2
+    assert got["served"] and got["stored"] and got["after"] is None
+    assert out.stderr.count("its filesystem is read-only") == 1, out.stderr
+
+
+_SERVER_READ_ONLY = r"""
+import json, subprocess, sys
+from pathlib import Path
+sys.path[:0] = sys.argv[2:]
+import httpx
+from server_helpers import Server, raw_chain
+
+disk = Path(sys.argv[1]) / "disk"
+(h1, b1), (h2, b2) = raw_chain(51, 2)
+out = {}
+srv = Server(Path(sys.argv[1]).parent / "srv", "--disk-path", str(disk), "--disk-bytes", "8MiB")
+with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    out["put"] = c.put(f"/v1/blocks/{h1.hex()}", content=b1).status_code
+    shard = str(disk / h2.hex()[:2])
+    for cmd in (["mount", "--bind", shard, shard], ["mount", "-o", "remount,bind,ro", shard]):
+        subprocess.run(cmd, check=True)
+    out["put_ro"] = c.put(f"/v1/blocks/{h2.hex()}", content=b2).status_code
+    ready = c.get("/readyz")
+    out["readyz"] = [ready.status_code, ready.json()]
+    out["get"] = c.get(f"/v1/blocks/{h1.hex()}").status_code
+    out["metric"] = [line for line in c.get("/metrics").text.splitlines() if line.startswith("cacheseek_tier_read_only")]
+    out["stats"] = [t["read_only"] for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk"]
+    subprocess.run(["umount", shard], check=True)
+    out["put_rw"] = c.put(f"/v1/blocks/{h2.hex()}", content=b2).status_code
+    out["readyz_after"] = c.get("/readyz").status_code
+print(json.dumps(out))
+print(srv.output(), file=sys.stderr)
+"""
+
+
+def test_a_write_through_server_whose_disk_went_read_only_is_not_ready(tmp_path):
+    """Its disk refusing every write (EROFS), a write-through server answered every PUT 507
+    while ``/readyz`` said 200, so a load balancer kept sending it writes. Not ready now
+    (``cacheseek_tier_read_only`` 1, ``read_only`` in the stats), reads of what it holds
+    served, and ready again once a write commits."""
+    out = run_on_a_tmpfs(tmp_path, _SERVER_READ_ONLY, "16m", 120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["put"] == 201 and got["put_ro"] == 507 and got["get"] == 200, got
+    assert got["readyz"] == [503, {"error": f"disk tier (written through): {disk.READ_ONLY}"}], got
+    assert got["metric"] == ['cacheseek_tier_read_only{tier="disk"} 1.0'] and got["stats"] == [disk.READ_ONLY]
+    assert got["put_rw"] == 201 and got["readyz_after"] == 200, got

@@ -148,6 +148,8 @@ LOWERED_LOG_SECONDS = 60.0  # a budget lowered by other writers' files: said at 
 # tier, its blocks were counted and its writes made without the lock (``DiskTier.lost``).
 ROOT_CHECK_SECONDS = 1.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# ``read_only``'s answer (what ``/readyz`` and the stats say: no path, no key; the log has those)
+READ_ONLY = "its filesystem is read-only (EROFS): writes and deletes are refused"
 # The only entries recovery touches: shard directories, and in them the tier's own files.
 # Anything else (a directory pointed at a folder already in use, a symlinked shard) is
 # left alone: the tier deletes nothing it did not write.
@@ -234,8 +236,13 @@ class _Unreadable(StorageError):
     it stays, and so no room is made."""
 
 
+class _ReadOnlyFs(StorageError):
+    """A write the filesystem refused as read-only (EROFS: remounted so after an error)."""
+
+
 def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
-    kind = _NoSpace if isinstance(exc, OSError) and exc.errno in _NO_SPACE else StorageError
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    kind = _NoSpace if errno_ in _NO_SPACE else _ReadOnlyFs if errno_ == errno.EROFS else StorageError
     return kind(f"{tier} tier: writing {path.name} failed: {exc}")
 
 
@@ -320,6 +327,7 @@ class DiskTier(IndexedTier):
         self._root_id = _dir_id(self.root)
         self._lost: str | None = None
         self._root_checked = time.monotonic()
+        self._read_only: str | None = None  # (``read_only``)
         self.alloc_unit = allocation_unit(self.root)
         try:
             self._recover()
@@ -434,6 +442,37 @@ class DiskTier(IndexedTier):
         log.error("%s tier: its directory %s was %s while the tier had it open: the tier gives it up, its %d blocks "
                   "(%s) forgotten, nothing more read or written there; restart to open the directory that is there now",
                   self.name, self.root, why, blocks, format_size(held))
+
+    def read_only(self) -> str | None:
+        """Why the tier cannot write now, while it still serves what it holds: its last
+        write (or delete) was refused as on a read-only filesystem (EROFS: ext4's
+        ``errors=remount-ro`` after an I/O error). None once a write commits again (the
+        filesystem remounted read-write), and while none was refused."""
+        return self._read_only
+
+    def _write_failed(self, error: StorageError) -> None:
+        """Count a failed write (not one the filesystem had no room for: it goes again, and
+        counts if it fails again), and note a read-only filesystem. Under the lock."""
+        if isinstance(error, _NoSpace):
+            return
+        self._stats.write_errors += 1
+        if isinstance(error, _ReadOnlyFs) and self._read_only is None:
+            self._went_read_only(str(error))
+
+    def _went_read_only(self, why: str) -> None:
+        """Under the lock. Said once, as an error: every write from now on fails the same
+        way (a write-through server answers each 507, and ``/readyz`` 503), until the
+        filesystem is made writable again, which the next write that commits notices."""
+        self._read_only = READ_ONLY
+        log.error("%s tier at %s: its filesystem is read-only (%s): every write and delete is refused, reads go "
+                  "on; remount it read-write (after fsck, if the kernel remounted it read-only after an error)",
+                  self.name, self.root, why)
+
+    def _writable_again(self) -> None:
+        """Under the lock: a write committed."""
+        if self._read_only is not None:
+            self._read_only = None
+            log.info("%s tier at %s: writes commit again (the filesystem is writable)", self.name, self.root)
 
     def _lost_error(self) -> _Lost:
         return _Lost(f"{self.name} tier: its directory {self.root} was {self._lost} while open: nothing is written "
@@ -742,8 +781,7 @@ class DiskTier(IndexedTier):
             # A write the filesystem had no room for goes again (``_put_result``,
             # ``_commit_part``), which counts it only if it fails again: a frame stored on
             # its second try is no write error.
-            if not isinstance(error, _NoSpace):
-                self._stats.write_errors += 1
+            self._write_failed(error)
         mine.done.set()
 
     def _release(self, mine: _InFlight, n: int) -> None:
@@ -1001,6 +1039,7 @@ class DiskTier(IndexedTier):
                 self._index.add(key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position, n))
                 self._stats.bytes_in += meta.nbytes
                 self._stats.admissions += 1
+                self._writable_again()
                 self._trim(evicted, spare)
                 self._sync_counts()
         if refused is not None:
@@ -1267,8 +1306,7 @@ class DiskTier(IndexedTier):
                     released.add(id(p))
                     if p.error is not None:
                         settled.add(id(p))
-                        if not isinstance(p.error, _NoSpace):  # (goes again: counted if it fails again)
-                            self._stats.write_errors += 1
+                        self._write_failed(p.error)  # (one without room goes again: counted if it fails again)
                         continue
                     meta = p.frame.meta
                     self._index.add(p.key, BlockInfo(meta.nbytes, meta.raw_nbytes, meta.parent_hash, meta.position,
@@ -1279,6 +1317,7 @@ class DiskTier(IndexedTier):
                     committed += 1
                     last = p
                 if committed:
+                    self._writable_again()
                     self._trim(last.evicted)
                 self._group["batches"] += 1
                 self._group["frames"] += committed
@@ -1612,8 +1651,11 @@ class DiskTier(IndexedTier):
             except (FileNotFoundError, NotADirectoryError):
                 pass
             except OSError as exc:
-                raise StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing {side_path} failed: "
-                                   f"{exc.strerror or exc}; the block is kept") from None
+                error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing {side_path} failed: "
+                                     f"{exc.strerror or exc}; the block is kept")
+                if exc.errno == errno.EROFS and self._read_only is None:
+                    self._went_read_only(str(error))
+                raise error from None
         else:
             _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
         _unlink(data_path)
@@ -1621,7 +1663,7 @@ class DiskTier(IndexedTier):
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, "frame_bytes": self._index.frame_bytes,
-               "alloc_unit": self.alloc_unit, "lost": self._lost, **self._recovery, "other_version_blocks": len(self._others),
+               "alloc_unit": self.alloc_unit, "lost": self._lost, "read_only": self._read_only, **self._recovery, "other_version_blocks": len(self._others),
                "other_version_bytes": self._others_bytes, "other_version_evicted": self._others_evicted,
                "group_commit": self.group_commit, "group_commits": dict(self._group)}
         if hasattr(self, "_reads"):  # (not yet while recovering)

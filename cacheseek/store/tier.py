@@ -403,6 +403,11 @@ class Tier(ABC):
         can come back (Redis) is never lost: its calls fail until it answers."""
         return None
 
+    def read_only(self) -> str | None:
+        """Why the tier cannot write now while it still serves what it holds (a disk whose
+        filesystem went read-only: ``DiskTier.read_only``); None while it can."""
+        return None
+
     def close(self) -> None:
         return None
 

@@ -1245,6 +1245,12 @@ class TieredStore:
         such a tier serves and stores nothing until the store is opened again."""
         return {tier.name: why for tier in self.tiers if (why := tier.lost()) is not None}
 
+    def unwritable_tiers(self) -> dict[str, str]:
+        """Tier name -> why it cannot write now (``Tier.read_only``), of the tiers every write
+        goes through to (``write_through``): while one cannot, every write is refused."""
+        return {tier.name: why for tier in self.tiers
+                if tier.name in self.write_through and (why := tier.read_only()) is not None}
+
     def stats(self) -> dict[str, Any]:
         """Per tier: its own figures, plus ``unique_*`` (blocks no faster tier holds; None
         for a tier without a local index, such as Redis). Store-wide: ``used_bytes``,

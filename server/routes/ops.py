@@ -70,7 +70,8 @@ KERNELS = {"kernels": "not used",
                              "(RemoteCache.stats() says which kernels a client runs)"}
 
 
-@router.get("/readyz", responses={503: {"description": "starting, shutting down, or a tier lost", **ERROR}})
+@router.get("/readyz", responses={503: {"description": "starting, shutting down, a tier lost, or a written-through "
+                                                     "tier that cannot write", **ERROR}})
 async def readyz(request: Request) -> dict[str, str]:
     """Readiness: the store is open, every tier holds its storage (a disk tier whose directory
     was deleted or replaced under it gave it up: the server needs a restart), and the server
@@ -82,8 +83,15 @@ async def readyz(request: Request) -> dict[str, str]:
         raise NotReady("the store is not open")
     # (in a worker thread: it looks at the disk, and a tier giving its directory up forgets
     # its blocks one by one, about a second for 300,000)
-    if lost := await run_in_threadpool(request.app.state.service.store.lost_tiers):
+    store = request.app.state.service.store
+    if lost := await run_in_threadpool(store.lost_tiers):
         raise NotReady("; ".join(f"{name} tier: its storage was {why} under the running server: restart it"
                                  for name, why in lost.items()))
+    # A tier every write goes through that refuses writes (its filesystem read-only) fails
+    # every write (507) as surely as one that gave its directory up: out of rotation until
+    # a write commits there again. (Reads of what it holds go on.)
+    if unwritable := store.unwritable_tiers():
+        raise NotReady("; ".join(f"{name} tier (written through): {why}"
+                                 for name, why in unwritable.items()))
     in_place = BODY_INTO in (request.scope.get("extensions") or {})
     return {"status": "ready", "receive_path": "in-place" if in_place else "plain", **KERNELS}
