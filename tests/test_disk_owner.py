@@ -375,8 +375,11 @@ def _disk_store(root: Path):
     return store, disk, frames
 
 
-@pytest.mark.parametrize("how", ["deleted", "replaced", "emptied"])
+@pytest.mark.parametrize("how", ["deleted", "replaced", "emptied", "globbed"])
 def test_a_directory_deleted_or_replaced_under_the_tier_is_given_up(tmp_path, how, caplog):
+    """``globbed``: ``rm -rf DIR/*``, which leaves the dot-files (the lock among them): the
+    tier went on offering every block, each found missing only when read (counted as
+    damage). Its shard directories gone, it is emptied as when the lock goes."""
     import shutil
 
     from cacheseek.errors import StorageError
@@ -392,14 +395,16 @@ def test_a_directory_deleted_or_replaced_under_the_tier_is_given_up(tmp_path, ho
         root.mkdir()  # (a second server's, say: it finds no lock here)
     else:
         for entry in root.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if how == "emptied" or not entry.name.startswith("."):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     key, frame = raw_frame(9)
     # A write within the second (no check due yet) finds its shard gone and looks at once.
     with caplog.at_level(logging.ERROR, "cacheseek.store.disk"), \
             pytest.raises(StorageError, match=f"disk tier: its directory {root} was .* while open: nothing is written"):
         disk.put(key, frame)
     want = {"deleted": "deleted", "replaced": "replaced by another directory",
-            "emptied": "emptied (its lock file .lock was deleted)"}[how]
+            "emptied": "emptied (its lock file .lock was deleted)",
+            "globbed": "emptied (its shard directory 00 was deleted)"}[how]
     assert store.lost_tiers() == {"disk": want}
     assert "its 4 blocks" in caplog.text
     if how != "deleted":
@@ -438,6 +443,14 @@ def test_a_directory_deleted_under_an_idle_tier_is_found_by_the_next_check(tmp_p
     assert disk.present_many([frames[0][0]]) == [False]
     assert disk.stats().corrupt == 0 and disk.stats().blocks == 0
     store.close()
+    # A shard directory replaced (its blocks gone with the old one) is found the same way.
+    store, disk, frames = _disk_store(tmp_path / "f")
+    shard = tmp_path / "f" / frames[0][0].hex()[:2]
+    shard.rename(tmp_path / "aside")
+    shard.mkdir()
+    assert disk.present_many([frames[0][0]]) == [False]
+    assert disk.stats().corrupt == 0 and disk.lost() == f"emptied (its shard directory {shard.name} was replaced)"
+    store.close()
 
 
 def test_a_server_whose_disk_directory_is_deleted_is_not_ready(tmp_path):
@@ -459,6 +472,28 @@ def test_a_server_whose_disk_directory_is_deleted_is_not_ready(tmp_path):
         disk = next(t for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
         assert (disk["lost"], disk["blocks"], disk["corrupt"]) == ("deleted", 0, 0)
     assert "its directory" in srv.output() and "was deleted while the tier had it open" in srv.output()
+
+
+def test_a_server_whose_disk_directory_is_emptied_with_a_glob_is_not_ready(tmp_path):
+    """``rm -rf DIR/*`` (the dot-files, the lock among them, left): lookups went on matching
+    every block, a prefix GET was answered 200 and cut with no byte sent."""
+    import shutil
+
+    from server_helpers import raw_chain
+
+    chain = raw_chain(61, 4)
+    with Server(tmp_path) as srv, httpx.Client(base_url=srv.url) as c:
+        for h, body in chain:
+            assert c.put(f"/v1/blocks/{h.hex()}", content=body).status_code == 201
+        for entry in srv.disk_path.iterdir():
+            if not entry.name.startswith("."):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        ready = c.get("/readyz")
+        assert ready.status_code == 503 and "emptied (its shard directory 00 was deleted)" in ready.text, ready.text
+        look = c.post("/v1/lookup", json={"hashes": [h.hex() for h, _ in chain]}).json()
+        assert "disk" not in look["tiers"], look  # (its CPU-tier copies still serve)
+        disk = next(t for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk")
+        assert (disk["blocks"], disk["corrupt"]) == (0, 0), disk
 
 
 def test_a_server_writes_no_state_file_into_a_directory_put_in_its_own_place(tmp_path):

@@ -536,9 +536,9 @@ def test_a_block_two_requests_share_counts_the_servers_answer_for_both(tmp_path)
     with Server(tmp_path) as server, _remote(server, cs.Raw(), token=None) as cache:
         head, tails = cache.block_hashes(shared)[0], [cache.block_hashes(r.keys)[1] for r in requests]
         assert head[:1] not in {t[:1] for t in tails}
-        shard = server.disk_path / head[:1].hex()
-        shard.rmdir()
-        shard.write_text("not a directory: every write of a block of this shard fails")
+        # A directory where its data file goes: the write's rename onto it fails (EISDIR).
+        # (Not its shard replaced by a file: that is the directory emptied by hand, given up.)
+        (server.disk_path / head[:1].hex() / f"{head.hex()}.frame" / "in-the-way").mkdir(parents=True)
         got = cache.ingest_batch(requests, pages)
         assert [(r.stored, r.present, r.failed) for r in got] == [(1, 0, 1), (1, 0, 1)]
         assert all("disk" in r.errors for r in got)

@@ -144,7 +144,8 @@ DEFAULT_ALLOC_UNIT = 4096
 REFIT_SECONDS = 1.0
 LOWERED_LOG_SECONDS = 60.0  # a budget lowered by other writers' files: said at most this often
 # How often, at most, a call looks whether the tier's directory is still the one it opened
-# (one stat of the root, one fstat of the lock file): deleted or replaced under a running
+# (one stat of the root, one fstat of the lock file, one stat of each shard directory:
+# ``_shards_changed``): deleted, replaced or emptied under a running
 # tier, its blocks were counted and its writes made without the lock (``DiskTier.lost``).
 ROOT_CHECK_SECONDS = 1.0
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -328,6 +329,7 @@ class DiskTier(IndexedTier):
         self._lost: str | None = None
         self._root_checked = time.monotonic()
         self._read_only: str | None = None  # (``read_only``)
+        self._shard_ids: dict[str, tuple[int, int]] = {}  # (``_shards_changed``: filled once all are made)
         self.alloc_unit = allocation_unit(self.root)
         try:
             self._recover()
@@ -335,6 +337,8 @@ class DiskTier(IndexedTier):
             for stale in self.root.glob(f"{glob.escape(PROBE_NAME)}-*"):
                 _unlink(stale)  # a probe a kill -9 interrupted (this process owns the directory now)
             self._make_shards()
+            self._shard_ids = {f"{self._root_str}/{i:02x}": _dir_id(Path(f"{self._root_str}/{i:02x}"))
+                               for i in range(256)}
         except OSError as exc:  # (a directory that cannot be read or grown: full, read-only, no permission)
             self.close()
             raise StorageError(f"{name} tier: cannot open {self.root}: {exc}") from None
@@ -398,8 +402,9 @@ class DiskTier(IndexedTier):
 
     def lost(self) -> str | None:
         """Why the tier gave its directory up, looked at now: it was deleted, another was put
-        in its place, or its lock file was removed (the contents deleted by hand), while
-        the tier had it open; else None.
+        in its place, or its lock file or a shard directory was removed (the contents
+        deleted by hand: ``rm -rf DIR/*`` leaves the lock), while the tier had it open;
+        else None.
 
         Given up for good: every block it indexed is forgotten (a miss, not counted as
         corrupt), writes and deletes are refused (``StorageError``). Going on, it counted
@@ -422,6 +427,24 @@ class DiskTier(IndexedTier):
             return "deleted"
         except OSError:
             return None  # (no answer: an I/O error, a permission taken away, says nothing of which directory)
+        return self._shards_changed()
+
+    def _shards_changed(self) -> str | None:
+        """Why the directory counts as emptied by hand, if a shard directory is gone or
+        another: ``rm -rf DIR/*``, the usual way to clear a cache, leaves the dot-files, the
+        lock among them, so the lock's link count says nothing of it, and the tier went on
+        offering every block it had indexed (each found missing only when read, and counted
+        as damage). A stat of each of the 256, about a third of a millisecond, at most once a
+        second. A shard the tier makes again (a write finding its own gone) looks first."""
+        for path, ident in self._shard_ids.items():
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return f"emptied (its shard directory {path[-2:]} was deleted)"
+            except OSError:
+                return None  # (no answer: see ``_root_changed``)
+            if (st.st_dev, st.st_ino) != ident:
+                return f"emptied (its shard directory {path[-2:]} was replaced)"
         return None
 
     def _check_root_if_due(self) -> None:
@@ -1545,6 +1568,9 @@ class DiskTier(IndexedTier):
         out = []
         for key, info in zip(keys, infos):
             found = self._files_whole(key, info) if info is not None else "gone"
+            if info is not None and found == "gone" and self.lost() is not None:
+                out.append(False)  # (the directory emptied by hand: forgotten whole, not this block's damage)
+                continue
             if info is not None and found is not None:
                 try:
                     with self._open_call(), self._lock:  # (closed: the files are the next opener's to judge)
