@@ -1650,7 +1650,7 @@ class DiskTier(IndexedTier):
                 fsync_dir(path)
             except OSError as exc:
                 log.warning("%s tier: cannot fsync %s after deleting from it: %s", self.name, path, exc)
-                failed.append(f"{path}: {exc.strerror or exc}")
+                failed.append(f"shard {path.name}: {exc.strerror or exc}")  # (no path: see ``_remove_files``)
                 continue
             with self._lock:
                 self._synced[shard] = max(self._synced[shard], n)
@@ -1677,7 +1677,9 @@ class DiskTier(IndexedTier):
             except (FileNotFoundError, NotADirectoryError):
                 pass
             except OSError as exc:
-                error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing {side_path} failed: "
+                # (no path: the reason reaches clients, a tenant's too; the log names it)
+                log.warning("%s tier: cannot remove %s: %s", self.name, side_path, exc)
+                error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing its sidecar failed: "
                                      f"{exc.strerror or exc}; the block is kept")
                 if exc.errno == errno.EROFS and self._read_only is None:
                     self._went_read_only(str(error))
