@@ -583,7 +583,9 @@ class DiskTier(IndexedTier):
 
     def _make_shards(self) -> None:
         """Every shard directory made now, their entries fsynced in the root once: a write
-        then never makes one (``_shard_dir`` covers one removed meanwhile)."""
+        then never makes one: one removed meanwhile gives the directory up as emptied by
+        hand (``_shards_changed``), its blocks gone with it (``_shard_dir`` covers a check
+        that could not answer)."""
         made = loose = 0
         for i in range(256):
             shard = self.root / f"{i:02x}"
@@ -1289,7 +1291,9 @@ class DiskTier(IndexedTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileNotFoundError:  # its shard removed behind the tier's back (all are made at open)
-            if self.lost() is not None:  # (the whole directory: a shard made now would be in another's)
+            # (a shard gone is the directory emptied by hand, ``_shards_changed``; or the whole
+            # directory gone: a shard made now would be in another's)
+            if self.lost() is not None:
                 raise self._lost_error() from None
             self._shard_dir(final.parent)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
