@@ -26,6 +26,7 @@ from cacheseek.errors import ChecksumError, FrameError
 from cacheseek.hashing import to_hex
 from cacheseek.log_throttle import LogThrottle
 from cacheseek.store.cpu import CpuTier
+from cacheseek.store.eviction import SoftSpare
 from cacheseek.store.lease import Lease
 from cacheseek.store.prefetch import Prefetch
 from cacheseek.store.frame import FrameMeta, check_codec_layout, header_prefix, parse_frame
@@ -40,6 +41,16 @@ from .namespaces import Namespaces, rewrite_prefix
 from .owners import Owners
 
 PUT_GROUP = 4  # frames per store call
+# The most blocks a body's put spares below it (``_earlier_bodies``): the run a tail-first
+# write's earlier bodies stored. A walk step is a children lookup in each local tier, and
+# each eviction the body makes walks past the spared blocks the policy would give up first
+# (``EvictionIndex.victim``: ~0.16 us a block, 0.65 ms past 4,096), so the cap bounds a
+# body's extra work at its evictions times this: 32 evictions for a 1 GiB body of raw
+# Llama-3-8B frames (32 MiB), ~20 ms; 512 for one of 2 MiB frames, ~0.3 s. 4,096 blocks are
+# 4 bodies of 1 GiB (the client's max_body_bytes) at 1 MiB frames, 128 GiB at 32 MiB: a
+# longer run is spared for its 4,096 blocks next to this body, and its far tail, written
+# first, is given up first, as it was unspared.
+SPARE_RUN_BLOCKS = 4096
 DRAIN_PROGRESS_SECONDS = 5.0  # between a shutdown drain's progress lines
 
 log = logging.getLogger("cacheseek.server")
@@ -188,12 +199,13 @@ class BlockService:
         after = [0] * len(frames)
         for i in range(len(frames) - 2, -1, -1):
             after[i] = after[i + 1] + (0 if stored[i + 1] else frames[i + 1].meta.nbytes)
+        spare = self._earlier_bodies(frames, keys, stored)
 
         def flush() -> None:
             # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
             for start in range(0, len(group), PUT_GROUP):
                 part = group[start : start + PUT_GROUP]
-                put = self.store.put_many([(k, f) for _, k, f in part], room_for=after[part[-1][0]])
+                put = self.store.put_many([(k, f) for _, k, f in part], room_for=after[part[-1][0]], spare=spare)
                 for (i, _, _), outcome in zip(part, put):
                     outcomes[i] = outcome
             group.clear()
@@ -208,7 +220,7 @@ class BlockService:
             if reservation is not None:
                 if self._rekey_in_place(reservation, inc.meta, meta):
                     flush()  # in order: a chain that overflows the budget keeps its head
-                    outcomes[i] = self.store.commit_many([(key, reservation, meta)], room_for=after[i])[0]
+                    outcomes[i] = self.store.commit_many([(key, reservation, meta)], room_for=after[i], spare=spare)[0]
                     continue
                 # A client's header packed longer or shorter than ours: move the frame to a buffer.
                 buf = bytearray(reservation.view())
@@ -232,6 +244,36 @@ class BlockService:
                     log.warning("a block could not be stored: %s%s",
                                 "; ".join(f"{t}: {r}" for t, r in outcome.errors.items()), more)
         return reports
+
+    def _earlier_bodies(self, frames: list[Incoming], keys: list[bytes], stored: list[bool]) -> Container[bytes]:
+        """What this batch's room spares: the blocks the same write's earlier bodies stored.
+        A write past the client's max_body_bytes comes in several bodies, tail first (blocks
+        33..63 of a 64-block chain, then 2..32, then 0..1), and each body makes room for
+        itself: under ARC, in a tier whose older chains had all been read again (T2), the
+        earlier bodies were its only once-used blocks (T1), ARC's first victims, so each
+        later body evicted them, leaf first (the write kept 31 of the 64 blocks it was
+        answered "stored" for, and the older chains stayed). Those blocks are the stored
+        descendants of this body's last (highest) new block, a linear run: walked child by
+        child while exactly one is stored (a fork, or none, ends it), at most
+        ``SPARE_RUN_BLOCKS``. Found by the chain, no client's word: a writer spares only
+        blocks below its own, which no lookup reaches but through the blocks it writes now.
+        A ``SoftSpare``: given up last, not never, so a body with no other room still
+        stores, evicting them, leaf first (a chain longer than the tier keeps its head).
+        An embedded ingest needs none: one call makes room for all its batches at once."""
+        if not frames:
+            return ()
+        last = max(range(len(frames)), key=lambda i: frames[i].meta.position)
+        if stored[last]:
+            return ()  # (stored already: the blocks below it are not this write's to spare)
+        run: list[bytes] = []
+        key = keys[last]
+        for _ in range(min(SPARE_RUN_BLOCKS, self.max_chain_blocks)):
+            children = self.store.children(key)
+            if len(children) != 1:
+                break
+            key = children[0]
+            run.append(key)
+        return SoftSpare(run) if run else ()
 
     @staticmethod
     def _rekey_in_place(reservation: Reservation, sent: FrameMeta, meta: FrameMeta) -> bool:

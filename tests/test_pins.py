@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from cacheseek.errors import InputError, StorageError
 from cacheseek.store.cpu import CpuTier
 from cacheseek.store.disk import DiskTier, allocation_unit, block_charge
-from cacheseek.store.eviction import POLICIES, LruIndex, make_index
+from cacheseek.store.eviction import POLICIES, LruIndex, SoftSpare, make_index
 from cacheseek.store.frame import parse_frame
 from cacheseek.store.pins import PinTable
 from cacheseek.store.redis_tier import RedisTier
@@ -97,6 +97,53 @@ def test_an_index_names_no_spared_victim_and_changes_nothing_for_it(policy):
     assert index.victim(frozenset([other])) == chain[2]
     assert index.victim(frozenset([*chain, other])) is None
     assert index.keep_order() == order and index.victim() == chain[2]  # nothing changed in the policy
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_a_soft_spare_is_given_up_last_not_never(policy):
+    """``SoftSpare`` (a server's body sparing its write's earlier bodies): spared while any
+    other block may go, then the victim ``victim()`` names, so a call that spares one is
+    never left without room for it."""
+    index = make_index(policy, 10_000)
+    chain = indexed_chain(index, 3)
+    other = bytes([9]) * 16
+    index.add(other, BlockInfo(100, 200, bytes(16), 0))
+    assert index.victim(SoftSpare(chain)) == other
+    assert index.victim(SoftSpare(chain[1:])) == other  # (the block above a spared tail is passed over too)
+    assert index.victim(SoftSpare([*chain, other])) == index.victim() == chain[2]
+    index.pin([other])
+    assert index.victim(SoftSpare(chain)) == chain[2]  # only spared and pinned blocks left: the leaf, as before
+    index.pin(chain)
+    assert index.victim(SoftSpare(chain)) is None  # (pins still hold)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_tier_with_no_room_but_a_soft_spare_evicts_it_rather_than_refuse(tmp_path, tier):
+    """Where only the blocks a ``SoftSpare`` names are left to give up, a write evicts them
+    (leaf first) as it would have without it, in a put and in a commit; with a plain spare
+    a memory tier refuses it (``Spared``)."""
+    chain = frames(7, 4)
+    size = chain[0][1].nbytes
+    budget = 2 * block_charge(size, allocation_unit(tmp_path)) if tier == "disk" else 2 * size
+    t = DiskTier(tmp_path / "d", budget, fsync=False) if tier == "disk" else CpuTier(budget, reserve_bytes=size)
+    store = TieredStore([t])
+    try:
+        assert all(r.stored for r in store.put_many(chain[2:]))  # the tail, as a first body
+        if tier == "cpu":  # (a disk top tier is given no plain spare: ``_top_spare``)
+            assert [r.stored for r in store.put_many(chain[1:2], spare=frozenset(k for k, _ in chain[2:]))] == [False]
+        soft = SoftSpare(k for k, _ in chain[2:])
+        assert all(r.stored for r in store.put_many(chain[:2], spare=soft))
+        assert t.contains(chain[0][0]) and t.contains(chain[1][0]) and not t.contains(chain[3][0])
+        assert t.stats().write_errors == 0
+        if tier == "cpu":  # a frame received in place, committed
+            (key, frame), = frames(8, 1)
+            reservation = store.reserve(size)
+            assert reservation is not None
+            reservation.view()[:] = frame.host
+            assert store.commit_many([(key, reservation, frame.meta)], spare=SoftSpare([chain[0][0], chain[1][0]]))[0].stored
+            assert t.contains(key) and t.contains(chain[0][0]) and not t.contains(chain[1][0])
+    finally:
+        store.close()
 
 
 class IndexMachine(RuleBasedStateMachine):

@@ -131,6 +131,12 @@ def test_a_chunked_body_and_a_full_cpu_tier_take_the_buffered_path(tmp_path):
         assert split_batch(c.get(f"/v1/prefixes/{chain[-1][0].hex()}").content) == [f for _, f in chain]
 
 
+def _block_posts(cache) -> int:
+    """``POST /v1/blocks`` the server has answered 200."""
+    routes = cache.stats()["requests"]
+    return next((r["statuses"].get("200", 0) for r in routes if r["route"] == "/v1/blocks" and r["method"] == "POST"), 0)
+
+
 def test_a_namespace_rewrites_the_header_in_place(srv):
     chain = big_chain(7, 2)
     a = {"X-CacheSeek-Namespace": "tenant-a"}
@@ -141,26 +147,74 @@ def test_a_namespace_rewrites_the_header_in_place(srv):
         assert c.get(f"/v1/blocks/{chain[0][0].hex()}").status_code == 404
 
 
-@pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk"], ids=["received-in-place", "buffered", "disk-only"])
-def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, tier):
-    """A batch's blocks never evict each other: the tier makes room for the whole batch
+@pytest.mark.parametrize("bodies", [1, 3], ids=["one-body", "three-bodies"])
+@pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk", "written-through"],
+                         ids=["received-in-place", "buffered", "disk-only", "disk-written-through"])
+def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, tier, bodies):
+    """A write's blocks never evict each other: the tier makes room for the whole batch
     before its first block lands. Committed one (or a few) at a time, each evicting for
     itself, a fresh chain's blocks were ARC's only once-used blocks once every older one had
     been read again, and each commit evicted the ones before it: of 8 blocks answered
     "stored", 4 were left (Llama-3-8B frames on a full 400 MiB tier: 4 of 16). The disk tier,
-    alone, gave up a group's blocks to the next group's the same way."""
+    alone, gave up a group's blocks to the next group's the same way. So did a chain sent in
+    several bodies (past the client's max_body_bytes, tail first), each body evicting the
+    ones before it (of a raw Llama-3-8B prompt of 64 blocks in 3 bodies, 31 were left),
+    until a body's room spared the stored run below its last block: the client is the one
+    it was, and says nothing more."""
     import cacheseek as cs
     from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
-    args = {"cpu": (), "cpu-no-reserve": ("--cpu-reserve-bytes", "0"), "disk": ("--disk-bytes", "1MiB")}[tier]
-    with Server(tmp_path, *args, disk=tier == "disk", cpu_bytes="0" if tier == "disk" else "1MiB") as srv, cs.RemoteCache(
-            srv.url, model_id="full", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, trust_env=False) as cache:
+    args = {"cpu": (), "cpu-no-reserve": ("--cpu-reserve-bytes", "0"), "disk": ("--disk-bytes", "1MiB"),
+            "written-through": ("--disk-bytes", "1MiB")}[tier]
+    kw = {"model_id": "full", "layout": LAYOUT, "codec": cs.Raw(), "block_tokens": BLOCK, "trust_env": False}
+    with Server(tmp_path, *args, disk=tier in ("disk", "written-through"), cpu_bytes="0" if tier == "disk" else "1MiB") \
+            as srv, cs.RemoteCache(srv.url, **kw) as cache:
         older = [(tokens_for(200 + i, 4 * BLOCK), make_kv(4 * BLOCK, 200 + i)) for i in range(6)]
         for toks, kv in older:  # the tier fills, and every block in it is read again
             assert cache.ingest(toks, kv).stored == 4
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
-        top = next(t for t in cache.stats()["tiers"] if t["name"] == ("disk" if tier == "disk" else "cpu"))
-        assert top["evictions"] > 0, "the tier is not full: the test proves nothing"
+        for top in cache.stats()["tiers"]:  # (both, written through: the disk gave them up too)
+            assert top["evictions"] > 0, f"the {top['name']} tier is not full: the test proves nothing"
         toks, kv = tokens_for(300, 8 * BLOCK), make_kv(8 * BLOCK, 300)
-        assert cache.ingest(toks, kv).stored == 8
+        frame = cache.block_format.max_frame_nbytes() + 8  # (and its length prefix)
+        with cs.RemoteCache(srv.url, **kw, max_body_bytes=3 * frame if bodies > 1 else "1GiB") as writer:
+            posts = _block_posts(writer)
+            assert writer.ingest(toks, kv).stored == 8
+            assert _block_posts(writer) - posts == bodies
+        left = cache.lookup(toks) // BLOCK
+        assert left == 8, f"{left} of the 8 blocks answered stored are left"
         assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+
+
+@pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk"], ids=["received-in-place", "buffered", "disk-only"])
+def test_a_write_longer_than_the_tier_evicts_its_own_earlier_bodies_rather_than_fail(tmp_path, tier):
+    """A body's room spares the write's earlier bodies only while anything else may go: a
+    chain of 8 blocks sent in 3 bodies into a tier of 4 has nothing else to give up, and each
+    body is stored all the same, evicting the earlier ones leaf first, as it did before they
+    were spared (a chain longer than the tier keeps its head). Spared outright, the second
+    body was refused (``Spared``: "failed")."""
+    import cacheseek as cs
+    from cacheseek.store.disk import allocation_unit, block_charge
+    from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
+
+    nbytes = 50_000  # (a frame of these: ~49.6 kB) a tier of 4 of them, not 5
+    if tier == "disk":
+        (tmp_path / "disk").mkdir(parents=True, exist_ok=True)
+        args: tuple[str, ...] = ("--disk-bytes", str(4 * block_charge(nbytes, allocation_unit(tmp_path / "disk")) + 8192))
+    else:
+        args = ("--cpu-reserve-bytes", "0") if tier == "cpu-no-reserve" else ()
+    kw = {"model_id": "long", "layout": LAYOUT, "codec": cs.Raw(), "block_tokens": BLOCK, "trust_env": False}
+    with Server(tmp_path, *args, disk=tier == "disk", cpu_bytes="0" if tier == "disk" else str(4 * nbytes + 20_000)) as srv, \
+            cs.RemoteCache(srv.url, **kw) as cache:
+        frame = cache.block_format.max_frame_nbytes() + 8  # (and its length prefix)
+        assert 49_000 < frame < nbytes
+        toks, kv = tokens_for(400, 8 * BLOCK), make_kv(8 * BLOCK, 400)
+        with cs.RemoteCache(srv.url, **kw, max_body_bytes=3 * frame) as writer:
+            posts = _block_posts(writer)
+            report = writer.ingest(toks, kv)
+            assert (report.stored, report.failed) == (8, 0), report
+            assert _block_posts(writer) - posts == 3
+        top = next(t for t in cache.stats()["tiers"] if t["name"] == ("disk" if tier == "disk" else "cpu"))
+        assert (top["blocks"], top["write_errors"]) == (4, 0), top
+        assert cache.lookup(toks) == 4 * BLOCK  # the head
+        assert_prefix_equal(cache.materialize(toks[: 4 * BLOCK]), kv, 4 * BLOCK)

@@ -12,7 +12,7 @@ from .arena import HostArena, Slot
 from .lease import Lease, release_all
 from .arena import slot_stride as _aligned
 from .frame import FrameMeta, header_prefix
-from .eviction import DEFAULT_POLICY
+from .eviction import DEFAULT_POLICY, strict
 from .tier import BlockFrame, BlockInfo, MemoryTier, Spared, TierPutResult, Reservation
 
 
@@ -202,7 +202,7 @@ class CpuTier(MemoryTier):
         while self._index.used_bytes + nbytes > self.capacity_bytes and (gone := self._evict_one(spare)) is not None:
             evicted += gone
         if self._index.used_bytes + nbytes > self.capacity_bytes:
-            raise self._spared(nbytes) if spare else self._no_room(nbytes)
+            raise self._spared(nbytes) if strict(spare) else self._no_room(nbytes)
         slot = self._arena.allocate(nbytes)
         if slot is None and (self._victim_makes_room(nbytes, spare)
                              or self._arena.could_fit(nbytes, self._evictable_slots(spare))):
@@ -229,6 +229,7 @@ class CpuTier(MemoryTier):
 
     def _evictable_slots(self, spare: Container[bytes] = ()) -> list[Slot]:
         pinned = self._index.is_pinned
+        spare = strict(spare)  # (a soft spare's blocks are evicted too, once nothing else is left)
         return [rec.slot for key, rec in self._records.items() if not pinned(key) and key not in spare]
 
     def _evict_one(self, spare: Container[bytes] = ()) -> list[tuple[bytes, BlockFrame | None]] | None:
@@ -421,7 +422,7 @@ class CpuTier(MemoryTier):
                     if meta.nbytes > self.capacity_bytes:
                         result.error = StorageError(f"{self.name} tier: a {meta.nbytes}-byte frame exceeds the "
                                                     f"whole budget ({self.capacity_bytes})")
-                    elif spare and self._fits_beside_pins(meta.nbytes):
+                    elif strict(spare) and self._fits_beside_pins(meta.nbytes):
                         result.error = self._spared(meta.nbytes)
                     else:
                         result.error = self._no_room(meta.nbytes)

@@ -112,7 +112,7 @@ from ..units import format_size
 from .direct_io import (PROBE_NAME, BufferPool, ReadDone, ReadFailed, ReadPool, ReadStream, probe_read_path, round_up,
                         start_threads)
 from .frame import HASH_SIZES, FrameMeta, parse_frame
-from .eviction import DEFAULT_POLICY
+from .eviction import DEFAULT_POLICY, SoftSpare
 from .tier import BlockFrame, BlockInfo, ClosingIterator, IndexedTier, TierPutResult
 
 log = logging.getLogger("cacheseek.store")
@@ -1080,15 +1080,17 @@ class DiskTier(IndexedTier):
         Room is made for all the new frames (and ``room_for`` bytes more: the caller's later
         writes of the same call) before the first is claimed (``_make_room_for_call``).
         ``spare``: blocks not to evict (``Tier.put_many``), for a promotion or its victims on
-        their way down: one frame at a time, each making its own room."""
+        their way down: one frame at a time, each making its own room. A ``SoftSpare`` (a
+        server's body sparing its write's earlier bodies) is spared in the call's room
+        instead, which the frames then find made (evicted last, it fails no frame)."""
         try:
             with self._open_call():
-                if spare:
+                if spare and not isinstance(spare, SoftSpare):
                     return [self._put_result(key, frame, spare) for key, frame in items]
                 # A budget lowered for a full filesystem grows back before this call's room
                 # is made: made against the old budget, it evicts what the filesystem has room for.
                 self._refit_if_due()
-                room = self._make_room_for_call(items, room_for)
+                room = self._make_room_for_call(items, room_for, spare)
                 results = self._put_group(items)
         except _Closed as exc:
             return [TierPutResult(stored=None, error=exc) for _ in items]
@@ -1096,27 +1098,29 @@ class DiskTier(IndexedTier):
             results[0].evicted[:0] = room
         return results
 
-    def _make_room_for_call(self, items: list[tuple[bytes, BlockFrame]], room_for: int) -> list[
-            tuple[bytes, BlockFrame | None]]:
+    def _make_room_for_call(self, items: list[tuple[bytes, BlockFrame]], room_for: int,
+                            spare: Container[bytes] = ()) -> list[tuple[bytes, BlockFrame | None]]:
         """Evict for the charges of every new frame of a call and ``room_for`` bytes more, at
         once. Each frame evicting for itself as it came, a call's first frames were the next
         ones' victims once every older block had been read again (ARC's only once-used
         blocks: a server's batch, put in groups, answered "stored" for blocks already gone).
         A call that cannot fit whole leaves each frame to evict for itself, as does a victim
-        that cannot be read (its error is the frame's own then, not the call's)."""
+        that cannot be read (its error is the frame's own then, not the call's). ``spare``: a
+        ``SoftSpare``, given up last (made for one frame too: its claim would not spare it)."""
         evicted: list[tuple[bytes, BlockFrame | None]] = []
         with self._lock:
             new = {key: self.charge(frame.meta.nbytes) for key, frame in items
                    if key not in self._index and key not in self._writing}
             need = sum(new.values()) + room_for
-            if not new or len(new) == 1 and not room_for:
+            if not new or len(new) == 1 and not room_for and not spare:
                 return evicted  # (one frame: its own claim makes the same room)
             if need > self.capacity_bytes or not self._fits_beside_pins(need):
                 return evicted
             self._shed_others(self._index.used_bytes + self._reserved + need)
             while self._index.used_bytes + self._reserved + need > self.capacity_bytes and self._index.evictable:
                 try:
-                    self._evict_one(evicted)
+                    if not self._evict_one(evicted, spare):
+                        break  # (never, for a soft spare, while anything is evictable)
                 except _Unreadable:
                     break
         return evicted

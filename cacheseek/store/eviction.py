@@ -19,7 +19,10 @@ a pinned one. With every block pinned there is no victim: the tier refuses the w
 Spared blocks: ``victim(spare)`` names no block of ``spare``, for one call of the tier
 (a read's promotions spare the chain it reads, which it has not all taken yet): the
 policy's order walked past them, nothing changed in it. Where only spared (or pinned)
-blocks are left to give up, there is no victim, and that call is refused.
+blocks are left to give up, there is no victim, and that call is refused. A ``SoftSpare``
+yields instead: its blocks go last, not never (where only they, or blocks above them, are
+left, the victim is the one ``victim()`` names), so a call that spares one is never refused
+for it (a server's body sparing the write's earlier bodies: ``BlockService._put``).
 
 The chain invariant, for every policy: a chain loses its tail before its head. A block's
 uses are a subset of its parent's (a request that reaches a block passed through its whole
@@ -52,6 +55,19 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from .tier import BlockInfo
+
+
+class SoftSpare(frozenset[bytes]):
+    """A ``spare`` whose blocks are given up last rather than never: spared while the policy
+    has any other victim, then evicted as if not spared (see the module doc). A call that
+    spares one makes the room it would have made without it, so it fails no write."""
+
+    __slots__ = ()
+
+
+def strict(spare: Container[bytes]) -> Container[bytes]:
+    """The blocks ``spare`` keeps whatever it costs the write: none of a ``SoftSpare``."""
+    return () if isinstance(spare, SoftSpare) else spare
 
 
 class EvictionIndex(ABC):
@@ -184,7 +200,9 @@ class EvictionIndex(ABC):
         promotes for): the policy's first choice of the others, and a leaf below it none of
         them; None when every block is pinned or spared, or above one that is."""
         if spare:
-            return self._victim_sparing(spare)
+            key = self._victim_sparing(spare)
+            if key is not None or not isinstance(spare, SoftSpare):
+                return key
         key = self._pick()
         if key is None:
             return None
@@ -471,4 +489,5 @@ def make_index(policy: str, capacity_bytes: int) -> EvictionIndex:
     return POLICIES[check_policy(policy)](capacity_bytes)
 
 
-__all__ = ["DEFAULT_POLICY", "POLICIES", "ArcIndex", "EvictionIndex", "IndexObserver", "LruIndex", "check_policy", "make_index"]
+__all__ = ["DEFAULT_POLICY", "POLICIES", "ArcIndex", "EvictionIndex", "IndexObserver", "LruIndex", "SoftSpare", "check_policy",
+           "make_index", "strict"]

@@ -13,7 +13,7 @@ import torch
 from ..errors import StorageError
 from .device import payload_on_device
 from .frame import FrameMeta
-from .eviction import DEFAULT_POLICY
+from .eviction import DEFAULT_POLICY, strict
 from .tier import BlockFrame, BlockInfo, MemoryTier, TierPutResult
 
 
@@ -76,9 +76,9 @@ class GpuTier(MemoryTier):
                 (gone := self._evict_one(spare)) is not None:
             result.evicted += gone
         if self._index.used_bytes + frame.nbytes > self.capacity_bytes:
-            if not spare:
+            if not strict(spare):
                 self._stats.write_errors += 1
-            result.error = self._spared(frame.nbytes) if spare else self._no_room(frame.nbytes)
+            result.error = self._spared(frame.nbytes) if strict(spare) else self._no_room(frame.nbytes)
             return
         try:
             payload = payload_on_device(frame, self.device)

@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 
 from ..errors import ConfigError, StorageError
 from .admission import UseFilter
+from .eviction import SoftSpare
 from .frame import FrameMeta
 from .lease import Lease, release_all
 from .moves import MAX_WALKS, Moves
@@ -313,7 +314,13 @@ class TieredStore:
         tier is the store's one tier, and a memory tier: below it, its victims are kept
         (demoted, or written through already), so the chain stays whole across the tiers; and
         a disk top tier sparing a write's blocks stores it frame by frame, each making its own
-        room, where its call's frames must not evict each other (``put_many``)."""
+        room, where its call's frames must not evict each other (``put_many``). A ``SoftSpare``
+        goes to any top tier, and to the write-through tiers (``_write_through``): a server's
+        body sparing its write's earlier bodies, which its room would otherwise take first
+        (ARC's only once-used blocks) and which it still gives up where nothing else is left,
+        as ``room_for``'s room is made in each of those tiers."""
+        if isinstance(spare, SoftSpare):
+            return spare
         return spare if len(self.tiers) == 1 and isinstance(self.tiers[0], MemoryTier) else ()
 
     def _moving(self) -> AbstractContextManager[None]:
@@ -346,7 +353,7 @@ class TieredStore:
                 self._demote_orphans(top, results[demoted:], since)
                 raise
             self._fall_through(refused, since)
-            self._write_through(written, held, since, room_for)
+            self._write_through(written, held, since, room_for, spare)
         finally:
             release_all(held)
         return outcomes
@@ -362,8 +369,8 @@ class TieredStore:
             outcome.note(result, below.name, below.name in self._acknowledging)
             self._demote(1, result.evicted, since)
 
-    def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]],
-                       held: list[Lease | None], since: int, room_for: int = 0, *, top_next: bool = False) -> None:
+    def _write_through(self, items: list[tuple[bytes, BlockFrame, StorePutResult]], held: list[Lease | None],
+                       since: int, room_for: int = 0, spare: Container[bytes] = (), *, top_next: bool = False) -> None:
         """Put ``items`` into each write-through tier in turn, each from the host copy the tier
         before it stored (rather than from the device again). A tier's admission filter
         holds back only that tier's writes: a block it does not admit goes on to the tiers
@@ -371,8 +378,10 @@ class TieredStore:
         caller releases them once this returns. ``room_for``: as ``put_many``'s, made in
         each of these tiers too: else a call written in pieces has its later pieces evict
         its earlier ones there, acknowledged durable and gone. ``top_next``: the top tier
-        takes ``items`` after this (frames received in place: ``commit_many``)."""
+        takes ``items`` after this (frames received in place: ``commit_many``). ``spare``: a
+        ``SoftSpare`` is spared in each of these tiers too (``_top_spare``); no other is."""
         items = list(items)
+        soft = spare if isinstance(spare, SoftSpare) else ()
         sources = [self.tiers[0]]  # tiers whose stored copies ``items`` now point into
         for level, tier in enumerate(self.tiers[1:], start=1):
             if tier.name not in self.write_through or not items:
@@ -389,7 +398,7 @@ class TieredStore:
                 continue
             frames = [(items[i][0], items[i][1] if tier.accepts_device_frames else _on_host(items[i][1]))
                       for i in chosen]
-            results = tier.put_many(frames, lease_stored=True, room_for=_room_in(tier, room_for, frames))
+            results = tier.put_many(frames, lease_stored=True, room_for=_room_in(tier, room_for, frames), spare=soft)
             for i, (key, frame), result in zip(chosen, frames, results):
                 outcome = items[i][2]
                 _hold(result, held)
@@ -1343,7 +1352,7 @@ class TieredStore:
                 try:
                     self._write_through([(key, BlockFrame(meta, host=reservation.view(), sealed=sealed), outcome)
                                          for (key, reservation, meta), outcome in zip(items, outcomes)], held, since,
-                                        room_for, top_next=True)
+                                        room_for, spare, top_next=True)
                 finally:
                     release_all(held)
             results: list[TierPutResult] = []
