@@ -212,8 +212,10 @@ class AdminOps:
 
         A tier that fails a delete (the disk could not remove a block's files, or sync them
         away) raises ``StorageError`` (507) naming ``what``: the blocks from that one on are
-        kept, and none is forgotten by the owners' and pins' records, so that a retry finds
-        them all again, deletes what is left, and syncs what was not made durable."""
+        kept, for a retry to find and delete. The blocks deleted before it are forgotten by
+        the owners' and pins' records as a whole delete's are: a retry finds its keys through
+        those records and the indexes, which no longer hold them, so a pin of one was kept
+        for good and pinned the chain again when a client wrote it again."""
         store = self.store
         infos = [(k, store.residency.info(k) or store.info(k)) for k in keys]
         infos.sort(key=lambda item: -(item[1].position if item[1] is not None else 0))
@@ -224,6 +226,9 @@ class AdminOps:
                 answers = store.delete_many([key for key, _ in infos], all_or_nothing=True)
             except DeleteFailed as exc:
                 done = sum(1 for deleted in exc.results if deleted)
+                before = {key for (key, _), deleted in zip(infos, exc.results) if deleted is not None}
+                forgotten += before
+                self._forget_pins_of(before)
                 log.error("admin: %s failed after %d of its %d blocks: %s", what, done, len(keys), exc)
                 raise StorageError(f"{what}: {exc} ({done} of its {len(keys)} blocks deleted before the failure, maybe "
                                    "not durably; the rest kept); retry once the disk is writable") from None
