@@ -151,14 +151,14 @@ class PrefixCache(PrefixCacheBase):
         return LayerwiseSave(self, keys)
 
     def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
-                     wait: bool = True, look_up_first: bool = False) -> Any:
+                     wait: bool = True, look_up_first: bool = False, look_up_wait: float | None = None) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest(keys,
         page_ids)`` each), their new blocks encoded together: launches are cut by the data
         path's batching, never per request. Bad input in any request raises ``InputError``
         naming it, and nothing of the call is stored. ``wait=False``: as ``ingest``'s (not
-        with ``layerwise``, as for ``RemoteCache``). ``look_up_first``: taken for code
-        written for both caches, and changes nothing: here the blocks stored are always
-        found before any is encoded. A request's ``start``: the blocks
+        with ``layerwise``, as for ``RemoteCache``). ``look_up_first`` and
+        ``look_up_wait``: taken for code written for both caches, and change nothing: here
+        the blocks stored are always found (in memory) before any is encoded. A request's ``start``: the blocks
         before it, an earlier call's, are hashed only (``PagedRequest``).
 
         ``layerwise=True``: a writer (``layerwise_save.PagedLayerwiseSave``) instead, made

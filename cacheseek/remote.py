@@ -383,7 +383,7 @@ class RemoteCache(PrefixCacheBase):
             _count_report(result, report)
 
     def ingest_batch(self, requests: list[Any], pages: KVPages, *, layerwise: bool = False,
-                     wait: bool = True, look_up_first: bool = False) -> Any:
+                     wait: bool = True, look_up_first: bool = False, look_up_wait: float | None = None) -> Any:
         """``ingest`` of many requests whose KV lives in ``pages`` (``cs.PagedRequest`` each):
         one lookup for all of them, their new blocks encoded together (launches are not per
         request), and one streamed POST (several past ``max_body_bytes``). Bad input in any
@@ -398,7 +398,11 @@ class RemoteCache(PrefixCacheBase):
         (one round trip), and only the blocks the server does not hold are encoded: for
         blocks the caller expects stored (an engine's own prefix-cache hit, which an earlier
         request saved), whose encoding costs more than the round trip; an outage met by that
-        lookup is met as ``wait=True``'s (raised, or the blocks counted failed). A request's
+        lookup is met as ``wait=True``'s (raised, or the blocks counted failed).
+        ``look_up_wait``: the most seconds the call waits for that lookup (None: as long as
+        the client's ``timeout``); unanswered by then, every block is encoded, as without
+        ``look_up_first`` (``client_stats()["write_behind"]["lookups_first_late"]``), so a
+        slow server never holds the caller longer than that. A request's
         ``start``: the blocks before it, an earlier call's, are hashed only (neither looked
         up, encoded nor sent; ``PagedRequest``)."""
         self._check_open()
@@ -410,7 +414,9 @@ class RemoteCache(PrefixCacheBase):
         if layerwise:
             return PagedLayerwiseIngest(lambda _requests, _pages: self._ingest_planned(call), requests, pages,
                                         self.layout.num_layers)
-        return self._ingest_planned(call) if wait else self._write_behind_paged(call, look_up_first=look_up_first)
+        if wait:
+            return self._ingest_planned(call)
+        return self._write_behind_paged(call, look_up_first=look_up_first, look_up_wait=look_up_wait)
 
     def _plan_paged(self, requests: list[tuple[Any, Any, Any]], pages: KVPages, *, single: bool,
                     starts: list[Any] | None = None) -> paged_io.PagedCall:
@@ -457,15 +463,20 @@ class RemoteCache(PrefixCacheBase):
         for row, report in zip(rows, self._post_frames(frames)):
             _count_report(results[call.request_of(row)], report, copies.get(hashes[row], ()))
 
-    def _look_up_paged(self, call: paged_io.PagedCall, hashes: list[BlockHash], results: list[IngestResult]
-                       ) -> tuple[list[bool], dict[bytes, list[IngestResult]]]:
+    def _look_up_paged(self, call: paged_io.PagedCall, hashes: list[BlockHash], results: list[IngestResult],
+                       wait: float | None = None) -> tuple[list[bool], dict[bytes, list[IngestResult]]]:
         """The write's lookup of a paged call's blocks (those from each request's start on;
         ``hashes``: ``call.flat()``'s), counted in ``results``: ``count_found``'s answer (per
-        block whether it needs no encoding; the later requests of each block met twice)."""
+        block whether it needs no encoding; the later requests of each block met twice).
+        ``wait``: seconds to wait for the answer at most (on a fetch thread), else
+        ``TimeoutError`` and ``results`` untouched."""
         answer: dict[str, Any] = {}
 
         def look_up(asked: list[BlockHash]) -> list[bool]:
-            answer.update(self._write_lookup(asked))
+            if wait is None:
+                answer.update(self._write_lookup(asked))
+            else:  # (an answer that comes later is dropped with its future)
+                answer.update(self._fetch_pool().submit(self._write_lookup, asked).result(timeout=wait))
             return answer["present"]
 
         found = paged_io.look_up_from_starts(call, hashes, look_up)
@@ -493,20 +504,23 @@ class RemoteCache(PrefixCacheBase):
     # -- writes sent after the call returns ------------------------------------------------
 
     def _write_behind_paged(self, call: paged_io.PagedCall, *, single: bool = False,
-                            look_up_first: bool = False) -> Future:
+                            look_up_first: bool = False, look_up_wait: float | None = None) -> Future:
         """``ingest_batch(wait=False)``: a block twice in the call is encoded once (its later
         requests count the one write's outcome), every other encoded; none looked up first,
-        unless ``look_up_first``: then those the server holds are counted present, not encoded."""
+        unless ``look_up_first``: then those the server holds (answered within
+        ``look_up_wait``) are counted present, not encoded."""
         results = self._results(call)
         hashes, parents, positions = call.flat()
+        found = None
         if look_up_first and not all(call.stored_before()):
             try:
-                again, copies = self._look_up_paged(call, hashes, results)
+                found = self._look_up_paged(call, hashes, results, look_up_wait)
             except RemoteUnavailable as exc:
                 self._dropped(results, exc)
                 return _done(results[0] if single else results)
-        else:
-            again, copies = paged_io.count_found(call, [False] * len(hashes), results)
+            except TimeoutError:
+                self._behind.count_late_lookup()
+        again, copies = found or paged_io.count_found(call, [False] * len(hashes), results)
         keep = [i for i, seen in enumerate(again) if not seen]
         every = call.every_row()
         return self._write_behind(results, [hashes[i] for i in keep], [every[i][0] for i in keep], copies,

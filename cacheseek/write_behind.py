@@ -97,7 +97,7 @@ class WriteBehind:
         self._closed = False
         self._sent = threading.Event()  # close() has sent everything queued
         self.counts = {"writes_queued": 0, "writes_done": 0, "writes_refused": 0, "blocks_refused": 0,
-                       "writes_failed": 0, "blocks_failed": 0, "pending_bytes_high": 0}
+                       "writes_failed": 0, "blocks_failed": 0, "pending_bytes_high": 0, "lookups_first_late": 0}
         self.last_error = ""
         self._failing = False  # the last write done failed: the next failure is not logged again
         self._refusing = False  # the last write offered was refused for the bound: said once a run
@@ -199,6 +199,12 @@ class WriteBehind:
             log.warning("a write in the background (ingest wait=False) failed, %s; its future holds the error, and "
                         "the failures that follow are counted in client_stats()['write_behind'] until one succeeds",
                         self.last_error)
+
+    def count_late_lookup(self) -> None:
+        """A write's lookup made first (``look_up_first``) not answered within its wait: the
+        write encoded every block instead."""
+        with self._lock:
+            self.counts["lookups_first_late"] += 1
 
     def count_failed_blocks(self, n: int) -> None:
         """Blocks a write answered failed (the server's reports, or an outage's drop)."""

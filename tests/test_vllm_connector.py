@@ -151,7 +151,9 @@ def engines(model, tmp_path_factory):
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
             extra = remote(srv)
-            first = run_engine({"scenario": "store", "extra": extra, "fail_first_save": True})
+            # (a lookup wait a loopback answer meets: the repeat's save asks first, within it)
+            first = run_engine({"scenario": "store", "extra": {**extra, "lookup_wait_seconds": 5},
+                                "fail_first_save": True})
             second = run_engine({"scenario": "load", "extra": extra, "kill_pid": srv.proc.pid, "fail_first_load": True})
             return {"first": first, "second": second}
 
@@ -573,6 +575,7 @@ def test_two_engines_share_a_prefix_through_a_server(engines):
     repeat = minus(first["after_repeat"], first["after_store"])["worker"]
     assert first["repeat"]["cached"] >= 1024 and first["repeat"]["external"] == 0, first["repeat"]
     assert (repeat["save_lookups_first"], repeat["save_blocks_present"], repeat["save_blocks_stored"]) == (1, 4, 0)
+    assert first["repeat_write_behind"] == {"writes_queued": 0, "lookups_first_late": 0}  # nothing encoded, queued
     check_loaded(second, second["after_load"], hit_tokens=1024, layerwise=False)
     assert second["loaded"]["tokens"] == second["baseline"]["tokens"], second["agreement"]
     # vLLM was told "not yet" and asked again: the hit came all the same, loaded between

@@ -978,7 +978,9 @@ def test_a_background_save_of_blocks_vllms_own_cache_served_encodes_only_those_t
             """``spec`` saved by a fresh worker (its client's figures its own); its stats and
             its client's write-behind figures once answered."""
             cache = open_cache(config, layout, "m", cs.Shard())
-            side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=True)
+            # (a wait no loaded test machine outlasts: what is asked first is tested here, and
+            # test_write_behind.py tests the wait)
+            side = WorkerSide(cache, guard=StoreGuard(config, "worker"), background_saves=True, look_up_wait=30)
             side.register(pages)
             plan = StepPlan(saves=[spec])
             side.start_step(plan)
@@ -1008,6 +1010,10 @@ def test_a_background_save_of_blocks_vllms_own_cache_served_encodes_only_those_t
         # The next chunk of a prompt (all of it computed in the step): no round trip first.
         side, _ = save(SaveSpec("chunk", tokens[:96], list(range(6)), start=64, computed=64))
         assert (side.stats.save_lookups_first, side.stats.save_blocks_present) == (0, 1)
+        # A fresh prompt behind a shared block vLLM served (a system prompt): 1 block of 3 is
+        # not worth a round trip in the step.
+        side, _ = save(SaveSpec("shared head", tokens[:96], list(range(6)), computed=32))
+        assert (side.stats.save_lookups_first, side.stats.save_blocks_present) == (0, 3)
         cache = open_cache(config, layout, "m", cs.Shard())
         assert cache.lookup(tokens) == 96
         close_cache(config, cache)
@@ -1404,7 +1410,7 @@ class HeldSaves:
         self.cache, self.starts, self.held = cache, [], []
         self.block_tokens = cache.block_tokens
 
-    def ingest_batch(self, requests, pages, *, wait=True, look_up_first=False):
+    def ingest_batch(self, requests, pages, *, wait=True, look_up_first=False, look_up_wait=None):
         from concurrent.futures import Future
 
         self.starts.append([r.start for r in requests])

@@ -82,6 +82,34 @@ def test_a_batch_sent_behind_stores_and_counts_what_a_waited_one_does(srv):
             assert kb.equal(kw) and vb.equal(vw)
 
 
+def test_a_lookup_made_first_holds_the_call_no_longer_than_its_wait(tmp_path):
+    """The server accepts and never answers (SIGSTOP): the lookup made first held the call
+    for the client's whole timeout, inside an engine's step. Past ``look_up_wait`` the call
+    encodes every block, as without ``look_up_first``, and returns; the write is sent once
+    the server answers again."""
+    from paged_helpers import page_tables, write_tokens
+
+    toks = tokens_for(75, 3 * BLOCK)
+    [table] = page_tables([3 * BLOCK], 16, 24, seed=8)
+    pages, _ = _paged()
+    write_tokens(pages, make_kv(3 * BLOCK, 75), table)
+    with Server(tmp_path) as server, _remote(server, codec=cs.Raw(), timeout=30) as cache:
+        cache.lookup(toks)  # (the connection open, the server warm)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            future = cache.ingest_batch([cs.PagedRequest(toks, table)], pages, wait=False, look_up_first=True,
+                                        look_up_wait=0.2)
+            held = time.monotonic() - t0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert 0.2 <= held < 5, held
+        [r] = future.result(timeout=60)
+        assert (r.stored, r.present) == (3, 0)
+        behind = cache.client_stats()["write_behind"]
+        assert behind["lookups_first_late"] == 1 and behind["pending_bytes_high"] == 3 * cache._pending_frame_bytes
+
+
 def test_a_write_that_looks_up_first_meets_an_outage_as_a_waited_write_does(tmp_path):
     """``look_up_first``'s lookup is made in the call: the server gone, it raises there
     (``on_unavailable="raise"``), or answers every block failed at once ("miss"), nothing

@@ -558,9 +558,14 @@ def store(job: dict[str, Any]) -> dict[str, Any]:
     out["after_store"] = eng.stats()
     # Prompt 0 again: vLLM's own prefix cache serves it whole, and its save (from token 0)
     # asks the server first: every block found stored, none encoded.
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    before = get_kv_transfer_group()._worker.cache.client_stats()["write_behind"]
     out["repeat"] = eng.run(ps[0])
     eng.drain()
     out["after_repeat"] = eng.stats()
+    after = get_kv_transfer_group()._worker.cache.client_stats()["write_behind"]
+    out["repeat_write_behind"] = {k: after[k] - before[k] for k in ("writes_queued", "lookups_first_late")}
     return out
 
 

@@ -177,7 +177,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                       background_loads=background_loads,
                                       loader_thread=self.config.loads_in_background,
                                       resave_hold_seconds=self.config.resave_hold,
-                                      saves=save and not (self.mla and rank > 0))
+                                      saves=save and not (self.mla and rank > 0),
+                                      look_up_wait=self.config.lookup_wait_seconds)
         self._layer_index: dict[str, int] = {}  # attention layer name -> its index in the pages
 
     def _shard(self, parallel: Any, tp_rank: int) -> Shard:

@@ -61,8 +61,8 @@ class ConnectorStats:
         "blocks the saves found stored already (not encoded again, but for a background save's "
         "blocks computed in its step, which are encoded before the server's lookup)")
     save_lookups_first: int = _counter(
-        "of save_calls in the background, those that asked the server before encoding: a block of the "
-        "save was not computed in its step (vLLM's own prefix cache served it)")
+        "of save_calls in the background, those that asked the server before encoding: at least half the "
+        "save's blocks were not computed in its step (vLLM's own prefix cache served them)")
     save_failures: int = _counter("saves dropped (the call raised: server down, bad KV; or blocks not acknowledged)")
     save_resends: int = _counter("failed saves sent again from a finished request's pages, which vLLM held for it")
     saves_skipped: int = _counter("saves dropped: their KV read blocks a load of the same step failed to write")

@@ -125,8 +125,11 @@ class WorkerSide:
     def __init__(self, cache: Any, *, guard: StoreGuard, layerwise: bool = False,
                  layerwise_save: bool = False, planned_ahead: bool = False, background_saves: bool = False,
                  background_loads: bool = False, loader_thread: bool = True,
-                 resave_hold_seconds: float = 0.0, saves: bool = True) -> None:
+                 resave_hold_seconds: float = 0.0, saves: bool = True, look_up_wait: float = 0.01) -> None:
         self.cache = cache
+        # The most a background save's lookup made first holds the step (a server slower
+        # than this: every block encoded, as without it). vLLM's forward waits for it.
+        self.look_up_wait = look_up_wait
         # False: this worker stores nothing (an MLA model's ranks past 0: rank 0 stores the
         # latent they all hold); its loads run as any worker's.
         self.saves = saves
@@ -456,18 +459,30 @@ class WorkerSide:
         t0 = time.perf_counter()
         try:
             if self.background_saves:
-                # A block vLLM did not compute in this step (its own prefix cache served it) an
-                # earlier request most likely stored: one round trip now spares encoding it.
-                first = any(spec.computed - spec.start >= self.cache.block_tokens for spec in specs)
+                first = self._mostly_served(specs)
                 self.stats.save_lookups_first += first
                 self._sending.append((specs, ticket, self.cache.ingest_batch(
-                    self._save_requests(specs, pages), pages.engine, wait=False, look_up_first=first)))
+                    self._save_requests(specs, pages), pages.engine, wait=False, look_up_first=first,
+                    look_up_wait=self.look_up_wait)))
             else:
                 self._saved(specs, self.cache.ingest_batch(self._save_requests(specs, pages), pages.engine), ticket)
         except Exception as exc:  # noqa: BLE001 - a lost save is a future miss, not a failed request
             self._save_failed(specs, exc, ticket)
         self.stats.save_calls += 1
         self.stats.save_seconds += time.perf_counter() - t0
+
+    def _mostly_served(self, specs: list[SaveSpec]) -> bool:
+        """Whether at least half the blocks ``specs`` save were not computed in the step
+        (vLLM's own prefix cache served them): an earlier request most likely stored them,
+        and one round trip before encoding spares encoding them. A shared system prompt's
+        block or two before a fresh prompt is not worth the round trip in the step."""
+        B = self.cache.block_tokens
+        served = saved = 0
+        for spec in specs:
+            end, start = len(spec.token_ids) // B, spec.start // B
+            saved += max(0, end - start)
+            served += max(0, min(spec.computed // B, end) - start)
+        return served > 0 and 2 * served >= saved
 
     def take_sent(self) -> None:
         """Count the background saves whose answer has come (in the worker's thread, as
