@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,12 @@ PUT_GROUP = 4  # frames per store call
 # longer run is spared for its 4,096 blocks next to this body, and its far tail, written
 # first, is given up first, as it was unspared.
 SPARE_RUN_BLOCKS = 4096
+# Bodies whose write may go on (``_earlier_bodies``): what each stored and spared, kept until
+# the next body of its write comes, at most this many, holding this many keys in all (~6 MB;
+# the oldest forgotten first; each at most SPARE_RUN_BLOCKS keys). Most are a write's one
+# body that extends a stored prefix, never asked for, and small.
+SPARE_BODIES = 256
+SPARE_BODIES_KEYS = 1 << 16
 DRAIN_PROGRESS_SECONDS = 5.0  # between a shutdown drain's progress lines
 
 log = logging.getLogger("cacheseek.server")
@@ -94,6 +101,11 @@ class BlockService:
         self.max_chain_blocks = max_chain_blocks
         self.owners = owners if owners is not None else Owners()
         self.claims = PositionClaims()
+        # A multi-body write's bodies (``_earlier_bodies``): under each body's first new block
+        # of a chain that goes on below, the blocks it stored and spared.
+        self._bodies: OrderedDict[bytes, frozenset[bytes]] = OrderedDict()
+        self._bodies_keys = 0  # (their sizes added up)
+        self._bodies_lock = threading.Lock()
         # Tier write failures, whole in the log (a client's answer hides the keys in them:
         # ``without_keys``), one line a period at most (a full disk fails every write).
         self._write_errors = LogThrottle(WRITE_ERROR_LOG_SECONDS)
@@ -253,26 +265,55 @@ class BlockService:
         earlier bodies were its only once-used blocks (T1), ARC's first victims, so each
         later body evicted them, leaf first (the write kept 31 of the 64 blocks it was
         answered "stored" for, and the older chains stayed). Those blocks are the stored
-        descendants of this body's last (highest) new block, a linear run: walked child by
-        child while exactly one is stored (a fork, or none, ends it), at most
-        ``SPARE_RUN_BLOCKS``. Found by the chain, no client's word: a writer spares only
-        blocks below its own, which no lookup reaches but through the blocks it writes now.
-        A ``SoftSpare``: given up last, not never, so a body with no other room still
-        stores, evicting them, leaf first (a chain longer than the tier keeps its head).
-        An embedded ingest needs none: one call makes room for all its batches at once."""
-        if not frames:
-            return ()
-        last = max(range(len(frames)), key=lambda i: frames[i].meta.position)
-        if stored[last]:
-            return ()  # (stored already: the blocks below it are not this write's to spare)
-        run: list[bytes] = []
-        key = keys[last]
-        for _ in range(min(SPARE_RUN_BLOCKS, self.max_chain_blocks)):
-            children = self.store.children(key)
-            if len(children) != 1:
-                break
-            key = children[0]
-            run.append(key)
+        descendants of each chain's last new block in this body, a linear run: walked child
+        by child while exactly one is stored (a fork, or none, ends it). A body may hold
+        several chains (``ingest_batch`` of several requests is one stream, cut into bodies:
+        a body holds one request's head and the one before's tail), so every chain's run is
+        walked: a run ends at each new frame that is no other frame's parent in the body.
+        A request sent wholly in an earlier body is below none of this body's chains, so each
+        body leaves a record under its chains' first new blocks (those whose parent it does
+        not hold: the write's next body does): what it stored and spared. A walk that steps
+        on such a block takes that record in, and the write's later bodies spare all its
+        earlier ones. ``SPARE_RUN_BLOCKS`` bounds the children lookups of all the walks
+        together, and the spare (records too). Found by
+        the chain, no client's word: a writer spares only blocks below its own, which no
+        lookup reaches but through the blocks it writes now. A ``SoftSpare``: given up last,
+        not never, so a body with no other room still stores, evicting them, leaf first (a
+        chain longer than the tier keeps its head). An embedded ingest needs none: one call
+        makes room for all its batches at once."""
+        in_body = {inc.meta.block_hash for inc in frames}
+        named = {inc.meta.parent_hash for inc in frames if inc.meta.position > 0}
+        # (stored already: the blocks below it are not this write's to spare)
+        new = [i for i in range(len(frames)) if not stored[i]]
+        ends = dict.fromkeys(keys[i] for i in new if frames[i].meta.block_hash not in named)
+        limit = min(SPARE_RUN_BLOCKS, self.max_chain_blocks)
+        run: set[bytes] = set()
+        steps = limit
+        for key in ends:
+            while steps > 0 and len(run) < limit:
+                steps -= 1
+                children = self.store.children(key)
+                if len(children) != 1 or children[0] in run:
+                    break
+                key = children[0]
+                run.add(key)
+                with self._bodies_lock:
+                    earlier = self._bodies.pop(key, None)
+                    self._bodies_keys -= len(earlier or ())
+                if earlier is not None:  # an earlier body's first block: what that body stored and spared
+                    run.update(list(earlier - run)[: limit - len(run)])
+        # This body's record, for the write's next body (which holds the parent of a chain's
+        # first block here: the write goes on there), under each such block.
+        firsts = [keys[i] for i in new if frames[i].meta.position > 0 and frames[i].meta.parent_hash not in in_body]
+        if firsts:
+            mine = frozenset([keys[i] for i in new][:limit])
+            mine |= frozenset(list(run - mine)[: limit - len(mine)])
+            with self._bodies_lock:
+                for key in firsts:
+                    self._bodies_keys += len(mine) - len(self._bodies.pop(key, ()))
+                    self._bodies[key] = mine
+                while len(self._bodies) > SPARE_BODIES or self._bodies_keys > SPARE_BODIES_KEYS:
+                    self._bodies_keys -= len(self._bodies.popitem(last=False)[1])
         return SoftSpare(run) if run else ()
 
     @staticmethod

@@ -147,10 +147,11 @@ def test_a_namespace_rewrites_the_header_in_place(srv):
         assert c.get(f"/v1/blocks/{chain[0][0].hex()}").status_code == 404
 
 
+@pytest.mark.parametrize("requests", [1, 2], ids=["one-request", "ingest_batch-of-2"])
 @pytest.mark.parametrize("bodies", [1, 3], ids=["one-body", "three-bodies"])
 @pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk", "written-through"],
                          ids=["received-in-place", "buffered", "disk-only", "disk-written-through"])
-def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, tier, bodies):
+def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stored(tmp_path, tier, bodies, requests):
     """A write's blocks never evict each other: the tier makes room for the whole batch
     before its first block lands. Committed one (or a few) at a time, each evicting for
     itself, a fresh chain's blocks were ARC's only once-used blocks once every older one had
@@ -160,7 +161,12 @@ def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stor
     several bodies (past the client's max_body_bytes, tail first), each body evicting the
     ones before it (of a raw Llama-3-8B prompt of 64 blocks in 3 bodies, 31 were left),
     until a body's room spared the stored run below its last block: the client is the one
-    it was, and says nothing more."""
+    it was, and says nothing more. An ``ingest_batch`` of two requests of 4 blocks (the vLLM
+    connector's call: one stream, last request first, cut into bodies of 3, 3 and 2 frames)
+    kept 4 and 0 while a body spared only the run below its highest block (the first
+    request's tail, with nothing below), and 4 and 2 while it spared each of its chains' runs
+    alone: the last body holds none of the second request, which only the second body's
+    record of what it stored and spared names."""
     import cacheseek as cs
     from store_helpers import BLOCK, LAYOUT, assert_prefix_equal, make_kv, tokens_for
 
@@ -175,15 +181,27 @@ def test_a_fresh_chain_posted_into_a_full_tier_keeps_every_block_it_answers_stor
             assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
         for top in cache.stats()["tiers"]:  # (both, written through: the disk gave them up too)
             assert top["evictions"] > 0, f"the {top['name']} tier is not full: the test proves nothing"
-        toks, kv = tokens_for(300, 8 * BLOCK), make_kv(8 * BLOCK, 300)
+        n = 8 // requests  # (8 blocks in all)
+        prompts = [(tokens_for(300 + r, n * BLOCK), make_kv(n * BLOCK, 300 + r)) for r in range(requests)]
         frame = cache.block_format.max_frame_nbytes() + 8  # (and its length prefix)
         with cs.RemoteCache(srv.url, **kw, max_body_bytes=3 * frame if bodies > 1 else "1GiB") as writer:
             posts = _block_posts(writer)
-            assert writer.ingest(toks, kv).stored == 8
+            if requests == 1:
+                assert writer.ingest(*prompts[0]).stored == 8
+            else:
+                from paged_helpers import engine_pages, page_tables, write_tokens
+                pages, _ = engine_pages("flash", LAYOUT.num_layers, LAYOUT.num_kv_heads, LAYOUT.head_dim, 64, 16,
+                                        LAYOUT.torch_dtype)
+                tables = page_tables([n * BLOCK] * requests, 16, 64, seed=3)
+                for (_, kv), table in zip(prompts, tables):
+                    write_tokens(pages, kv, table)
+                got = writer.ingest_batch([cs.PagedRequest(t, table) for (t, _), table in zip(prompts, tables)], pages)
+                assert [r.stored for r in got] == [n] * requests
             assert _block_posts(writer) - posts == bodies
-        left = cache.lookup(toks) // BLOCK
-        assert left == 8, f"{left} of the 8 blocks answered stored are left"
-        assert_prefix_equal(cache.materialize(toks), kv, 8 * BLOCK)
+        left = [cache.lookup(toks) // BLOCK for toks, _ in prompts]
+        assert left == [n] * requests, f"{left} of the {n} blocks of each request answered stored are left"
+        for toks, kv in prompts:
+            assert_prefix_equal(cache.materialize(toks), kv, n * BLOCK)
 
 
 @pytest.mark.parametrize("tier", ["cpu", "cpu-no-reserve", "disk"], ids=["received-in-place", "buffered", "disk-only"])
