@@ -158,18 +158,20 @@ class BlockService:
                       payload_digest: bytes | None = None, *, model: str = "") -> ServicePutReport:
         """``PUT /v1/blocks/{hash}``: check one frame, then store it."""
         incoming = self.check_client_frame(buf, url_hash=url_hash, payload_digest=payload_digest)
-        return self.put(namespace, [incoming], model=model)[0]
+        return self.put(namespace, [incoming], model=model, body=False)[0]
 
     def check_and_commit(self, namespace: str, reservation: Reservation, url_hash: bytes,
                          payload_digest: bytes | None = None, *, model: str = "") -> ServicePutReport:
         """``PUT /v1/blocks/{hash}`` for a frame received into a reservation: check it, then publish it."""
         incoming = self.check_client_reserved(reservation, url_hash=url_hash, payload_digest=payload_digest)
-        return self.put(namespace, [incoming], model=model)[0]
+        return self.put(namespace, [incoming], model=model, body=False)[0]
 
-    def put(self, namespace: str, frames: list[Incoming], *, model: str = "") -> list[ServicePutReport]:
+    def put(self, namespace: str, frames: list[Incoming], *, model: str = "", body: bool = True
+            ) -> list[ServicePutReport]:
         """Store checked frames, attributed to (namespace, model) (see ``_put``). A batch
         refused for its positions announces nothing: a position 0 would make its model the
-        owner of the namespace's root."""
+        owner of the namespace's root. ``body``: a POST's body, whose room spares the same
+        write's earlier bodies (``_earlier_bodies``); a PUT's frame spares none."""
         self._check_batch_positions(frames)
         keys = [self.namespaces.stored_key(namespace, inc.meta.block_hash) for inc in frames]
         parents = [self.namespaces.stored_key(namespace, inc.meta.parent_hash) for inc in frames]
@@ -182,13 +184,14 @@ class BlockService:
             owners = self.owners
             owner = owners.expect_as(namespace, model, [(k, p if pos == 0 else b"", pos) for k, p, pos in claimed])
             try:
-                return self._put(namespace, frames, keys)
+                return self._put(namespace, frames, keys, body=body)
             finally:
                 owners.settle(owner, keys)
         finally:
             self.claims.release(claimed)
 
-    def _put(self, namespace: str, frames: list[Incoming], keys: list[bytes]) -> list[ServicePutReport]:
+    def _put(self, namespace: str, frames: list[Incoming], keys: list[bytes], *, body: bool = True
+             ) -> list[ServicePutReport]:
         """Store checked frames (in order), whose positions ``put`` checked against their
         parents' (in this batch or stored). Blocks already stored anywhere are not written
         again (their reservations are given back). On an error, reservations not yet
@@ -211,7 +214,10 @@ class BlockService:
         after = [0] * len(frames)
         for i in range(len(frames) - 2, -1, -1):
             after[i] = after[i + 1] + (0 if stored[i + 1] else frames[i + 1].meta.nbytes)
-        spare = self._earlier_bodies(frames, keys, stored)
+        # (not for a PUT: one frame, no write of our client's, and received in place into a
+        # memory store it is committed in the event loop, where a walk of 4,096 steps, ~4 ms,
+        # is 40 times what that path allows)
+        spare = self._earlier_bodies(frames, keys, stored) if body else ()
 
         def flush() -> None:
             # Groups keep each tier's lock short: lookups (in the event loop) never wait long.

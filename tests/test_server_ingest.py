@@ -236,3 +236,41 @@ def test_a_write_longer_than_the_tier_evicts_its_own_earlier_bodies_rather_than_
         assert (top["blocks"], top["write_errors"]) == (4, 0), top
         assert cache.lookup(toks) == 4 * BLOCK  # the head
         assert_prefix_equal(cache.materialize(toks[: 4 * BLOCK]), kv, 4 * BLOCK)
+
+
+def test_a_put_spares_nothing_and_walks_nothing_a_post_body_spares_the_run_below_it():
+    """A body's room spares the stored run below its chains (the write's earlier bodies,
+    ``_earlier_bodies``), a walk of up to 4,096 children lookups (~4 ms). A PUT's frame
+    walked it too, and one received in place into a memory store is committed in the event
+    loop, where ~0.1 ms is what that path allows (a client PUTting a long chain tail first
+    walked everything below each block). A PUT now spares nothing and walks nothing; our
+    client sends a write past max_body_bytes as POST bodies, never as PUTs."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import TieredStore
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.service import BlockService
+
+    store = TieredStore([CpuTier(8 << 20)])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    walked: list[bytes] = []
+    children = store.children
+    store.children = lambda key: (walked.append(key), children(key))[1]  # type: ignore[method-assign]
+    spared: list[object] = []
+    put_many = store.put_many
+    store.put_many = lambda items, **kw: (spared.append(kw.get("spare")), put_many(items, **kw))[1]  # type: ignore[method-assign]
+    try:
+        for seed, put in ((70, True), (71, False)):
+            chain = raw_chain(seed, 4)
+            reports = service.put("", [service.check_client_frame(bytearray(f)) for _, f in chain[1:]])
+            assert [r.status for r in reports] == ["stored"] * 3
+            walked.clear(), spared.clear()
+            h, f = chain[0]
+            if put:
+                assert service.check_and_put("", bytearray(f), h).status == "stored"
+                assert len(walked) <= 1 and spared == [()]  # (one lookup: its children's positions)
+            else:
+                assert service.put("", [service.check_client_frame(bytearray(f))])[0].status == "stored"
+                assert len(walked) > 1 and [set(s) for s in spared] == [{k for k, _ in chain[1:]}]  # type: ignore[call-overload]
+    finally:
+        store.close()

@@ -81,7 +81,8 @@ async def put_block(caller: Writer, hash: Hash, request: Request, service: Servi
             commit = partial(service.check_and_commit, caller.namespace, reservation, hash, checksum.digest(),
                              model=model)
             # What is left (parse the header, publish) takes ~0.1 ms: a thread hand-off costs
-            # as much, unless storing does I/O (a disk or Redis tier).
+            # as much, unless storing does I/O (a disk or Redis tier). (A PUT's room spares no
+            # earlier bodies: no walk of the chain here, BlockService.put's ``body``.)
             report = commit() if service.store.in_memory else await run_in_threadpool(commit)
         held.settle(held.held, stored=report.status == "stored")
     except BadFrame as exc:
