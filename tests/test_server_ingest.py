@@ -274,3 +274,33 @@ def test_a_put_spares_nothing_and_walks_nothing_a_post_body_spares_the_run_below
                 assert len(walked) > 1 and [set(s) for s in spared] == [{k for k, _ in chain[1:]}]  # type: ignore[call-overload]
     finally:
         store.close()
+
+
+def test_a_body_of_several_chains_spares_each_ones_run_within_one_bound():
+    """Every chain of a body has its run walked (an ingest_batch's body holds several), and
+    one bound (``SPARE_RUN_BLOCKS``, or max_chain_blocks if lower) caps all the walks'
+    lookups and the spare together, not each walk."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import TieredStore
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.service import BlockService
+
+    store = TieredStore([CpuTier(8 << 20)])
+    spared: list[object] = []
+    put_many = store.put_many
+    store.put_many = lambda items, **kw: (spared.append(kw.get("spare")), put_many(items, **kw))[1]  # type: ignore[method-assign]
+    try:
+        for bound, want in ((64, 10), (8, 7)):  # (8 lookups: 5 blocks and the end of one run, 2 of the other)
+            service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=bound)
+            chains = [raw_chain(80 + bound + c, 6) for c in range(2)]
+            for chain in chains:  # (each its own body, then forgotten: the spare is found by the walk)
+                service.put("", [service.check_client_frame(bytearray(f)) for _, f in chain[1:]])
+            service._bodies.clear()
+            spared.clear()
+            service.put("", [service.check_client_frame(bytearray(chain[0][1])) for chain in chains])
+            [spare] = spared
+            below = {k for chain in chains for k, _ in chain[1:]}
+            assert len(spare) == want and set(spare) <= below  # type: ignore[arg-type]
+    finally:
+        store.close()
