@@ -380,8 +380,10 @@ def test_the_disk_tier_starts_its_threads_at_open_not_under_load(tmp_path, monke
 # the script's own mount namespace (a tmpfs remounted read-only refuses while the tier
 # holds its lock file open for writing).
 _READ_ONLY = _ON_A_TMPFS + r"""
-import subprocess
+import subprocess, time
+from pathlib import Path
 from cacheseek.errors import StorageError
+from cacheseek.store import disk
 
 (k1, f1), (k2, f2) = raw_frame(1), raw_frame(2)
 tier.put(k1, f1)
@@ -395,29 +397,39 @@ try:
 except StorageError as exc:
     failed.append(str(exc))
 ro = tier.stats().to_dict()
+still = tier.read_only()  # (looked at again: the shard still refuses)
+time.sleep(disk.ROOT_CHECK_SECONDS + 0.1)
+still_after_a_second = tier.read_only()
 subprocess.run(["umount", shard], check=True)
+time.sleep(disk.ROOT_CHECK_SECONDS + 0.1)
+cleared = tier.read_only()  # (no write in between: the probe found the filesystem writable)
+left = sorted(p.name for p in Path(shard).iterdir() if p.name.startswith("."))
 stored = tier.put(k2, f2).stored is not None
 print(json.dumps({"before": before, "failed": failed, "read_only": ro["read_only"], "write_errors": ro["write_errors"],
+                  "still": [still, still_after_a_second], "cleared": cleared, "left": left,
                   "served": tier.get(k1) is not None, "stored": stored, "after": tier.stats().to_dict()["read_only"]}))
 tier.close()
 """
 
 
-def test_a_filesystem_gone_read_only_marks_the_tier_read_only_until_a_write_commits(tmp_path):
+def test_a_filesystem_gone_read_only_marks_the_tier_read_only_until_it_is_writable(tmp_path):
     """Every write refused with EROFS was one more write error and a warning, nothing in
     the stats said the tier could not write any more (and ``/readyz`` stayed 200). Now
-    ``read_only`` says it (an error logged once) until a write commits again."""
+    ``read_only`` says it (an error logged once) until the folder takes a probe file again
+    (asked at most once a second: no write needed) or a write commits."""
     out = run_on_a_tmpfs(tmp_path, _READ_ONLY, "16m", 60)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["before"] is None and all("Read-only file system" in e for e in got["failed"]), got
     assert got["read_only"] == disk.READ_ONLY and got["write_errors"] == 2
+    assert got["still"] == [disk.READ_ONLY, disk.READ_ONLY] and got["cleared"] is None, got
+    assert got["left"] == [], got  # (the probe's file removed)
     assert got["served"] and got["stored"] and got["after"] is None
     assert out.stderr.count("its filesystem is read-only") == 1, out.stderr
 
 
 _SERVER_READ_ONLY = r"""
-import json, subprocess, sys
+import json, subprocess, sys, time
 from pathlib import Path
 sys.path[:0] = sys.argv[2:]
 import httpx
@@ -439,8 +451,13 @@ with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
     out["metric"] = [line for line in c.get("/metrics").text.splitlines() if line.startswith("cacheseek_tier_read_only")]
     out["stats"] = [t["read_only"] for t in c.get("/v1/stats").json()["tiers"] if t["name"] == "disk"]
     subprocess.run(["umount", shard], check=True)
+    # No write in between (a load balancer sends an unready server none): ready again
+    # once the tier's probe finds the filesystem writable (at most once a second).
+    deadline = time.monotonic() + 10
+    while (status := c.get("/readyz").status_code) != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out["readyz_after"] = status
     out["put_rw"] = c.put(f"/v1/blocks/{h2.hex()}", content=b2).status_code
-    out["readyz_after"] = c.get("/readyz").status_code
 print(json.dumps(out))
 print(srv.output(), file=sys.stderr)
 """
@@ -450,7 +467,8 @@ def test_a_write_through_server_whose_disk_went_read_only_is_not_ready(tmp_path)
     """Its disk refusing every write (EROFS), a write-through server answered every PUT 507
     while ``/readyz`` said 200, so a load balancer kept sending it writes. Not ready now
     (``cacheseek_tier_read_only`` 1, ``read_only`` in the stats), reads of what it holds
-    served, and ready again once a write commits."""
+    served, and ready again once the filesystem is writable, with no write in between
+    (none comes: a load balancer sends an unready server no writes)."""
     out = run_on_a_tmpfs(tmp_path, _SERVER_READ_ONLY, "16m", 120)
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)

@@ -238,13 +238,19 @@ class _Unreadable(StorageError):
 
 
 class _ReadOnlyFs(StorageError):
-    """A write the filesystem refused as read-only (EROFS: remounted so after an error)."""
+    """A write the filesystem refused as read-only (EROFS: remounted so after an error),
+    in ``folder``."""
+
+    folder: Path | None = None
 
 
 def _write_error(tier: str, path: Path, exc: BaseException) -> StorageError:
     errno_ = exc.errno if isinstance(exc, OSError) else None
     kind = _NoSpace if errno_ in _NO_SPACE else _ReadOnlyFs if errno_ == errno.EROFS else StorageError
-    return kind(f"{tier} tier: writing {path.name} failed: {exc}")
+    error = kind(f"{tier} tier: writing {path.name} failed: {exc}")
+    if isinstance(error, _ReadOnlyFs):
+        error.folder = path.parent
+    return error
 
 
 class _Closed(StorageError):
@@ -329,6 +335,8 @@ class DiskTier(IndexedTier):
         self._lost: str | None = None
         self._root_checked = time.monotonic()
         self._read_only: str | None = None  # (``read_only``)
+        self._read_only_at = self.root  # (the folder a write was refused in: ``_accepts_writes`` tries it)
+        self._writable_checked = 0.0
         self._shard_ids: dict[str, tuple[int, int]] = {}  # (``_shards_changed``: filled once all are made)
         self.alloc_unit = allocation_unit(self.root)
         try:
@@ -470,8 +478,35 @@ class DiskTier(IndexedTier):
         """Why the tier cannot write now, while it still serves what it holds: its last
         write (or delete) was refused as on a read-only filesystem (EROFS: ext4's
         ``errors=remount-ro`` after an I/O error). None once a write commits again (the
-        filesystem remounted read-write), and while none was refused."""
+        filesystem remounted read-write), and while none was refused.
+
+        While set, asking looks again (at most once every ``ROOT_CHECK_SECONDS``): a probe
+        file created, written and removed (no fsync) in the folder the write was refused
+        in; accepted, the state clears. A write-through server's ``/readyz`` asks it: not
+        ready, it is sent no writes, so waiting for a write to commit kept it out of a load
+        balancer's pool for good once the filesystem was remounted read-write."""
+        if (self._read_only is not None and self._lost is None and not self._closed
+                and time.monotonic() - self._writable_checked >= ROOT_CHECK_SECONDS):
+            self._writable_checked = time.monotonic()
+            if self._accepts_writes(self._read_only_at):
+                with self._lock:
+                    self._writable_again()
         return self._read_only
+
+    def _accepts_writes(self, folder: Path) -> bool:
+        """Whether ``folder`` takes a new file now: one made, written and removed (named as
+        a write's temporary file, which the next open removes if a crash leaves it)."""
+        path = folder / f".tmp-00.frame-{secrets.token_hex(4)}"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, b"probe")
+            finally:
+                os.close(fd)
+            os.unlink(path)
+        except OSError:
+            return False
+        return True
 
     def _write_failed(self, error: StorageError) -> None:
         """Count a failed write (not one the filesystem had no room for: it goes again, and
@@ -480,13 +515,16 @@ class DiskTier(IndexedTier):
             return
         self._stats.write_errors += 1
         if isinstance(error, _ReadOnlyFs) and self._read_only is None:
-            self._went_read_only(str(error))
+            self._went_read_only(str(error), error.folder)
 
-    def _went_read_only(self, why: str) -> None:
+    def _went_read_only(self, why: str, folder: Path | None) -> None:
         """Under the lock. Said once, as an error: every write from now on fails the same
         way (a write-through server answers each 507, and ``/readyz`` 503), until the
-        filesystem is made writable again, which the next write that commits notices."""
+        filesystem is made writable again, which the next write that commits notices, or
+        ``read_only``'s probe of ``folder`` (the root if None)."""
         self._read_only = READ_ONLY
+        self._read_only_at = folder or self.root
+        self._writable_checked = time.monotonic()
         log.error("%s tier at %s: its filesystem is read-only (%s): every write and delete is refused, reads go "
                   "on; remount it read-write (after fsck, if the kernel remounted it read-only after an error)",
                   self.name, self.root, why)
@@ -1690,7 +1728,7 @@ class DiskTier(IndexedTier):
                 error = StorageError(f"{self.name} tier: cannot delete block {key.hex()}: removing its sidecar failed: "
                                      f"{exc.strerror or exc}; the block is kept")
                 if exc.errno == errno.EROFS and self._read_only is None:
-                    self._went_read_only(str(error))
+                    self._went_read_only(str(error), side_path.parent)
                 raise error from None
         else:
             _unlink(side_path)  # the commit record goes first: a crash leaves an orphan, not a torn block
