@@ -189,9 +189,8 @@ class InPlaceIngest:
                 self.commit_oldest(last=len(self.pending) == 1 and len(self.pending[0].pieces) == 1)
         except BaseException as exc:
             self.abandon()
-            if isinstance(exc, InputError):
-                for key in self.committed:  # this call's earlier batches
-                    self.store.delete(key)
+            if isinstance(exc, InputError):  # this call's earlier batches go (logged if one cannot)
+                self.store.delete_quietly(self.committed, "the undo of a write with bad input")
             raise
         return self.outcomes
 

@@ -503,8 +503,7 @@ def _undone_on_bad_input(store: Any, stored: list[bytes]) -> Any:
     try:
         yield
     except InputError:
-        for key in stored:
-            store.delete(key)
+        store.delete_quietly(stored, "the undo of a write with bad input")
         raise
 
 

@@ -124,8 +124,7 @@ class PrefixCache(PrefixCacheBase):
                         items, room_for=self._room_for(left, batch), spare=spare)):
                     count_outcome(result, block_key, outcome, stored)
         except InputError:
-            for block_key in stored:
-                self.store.delete(block_key)
+            self.store.delete_quietly(stored, "the undo of a write with bad input")
             raise
         return result
 
@@ -249,8 +248,7 @@ class PrefixCache(PrefixCacheBase):
                                                                  spare=spare)):
                     count_outcome(results[call.request_of(i)], hashes[i], outcome, stored, copies.get(hashes[i], ()))
         except InputError as exc:
-            for key in stored:
-                self.store.delete(key)
+            self.store.delete_quietly(stored, "the undo of a write with bad input")
             paged_io.raise_bad_input(call, exc)
         return results
 

@@ -228,11 +228,82 @@ def test_a_delete_whose_directory_cannot_be_synced_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(disk, "fsync_dir", failing)
     with pytest.raises(StorageError, match="not durable"):
         tier.delete(k)
+    with pytest.raises(StorageError, match="not durable"):
+        tier.delete(k)  # (a retry, the block no longer held: still strict)
     monkeypatch.setattr(disk, "fsync_dir", real)
     assert not tier.contains(k)
     assert tier._synced[k[0]] < tier._unlinks[k[0]]
     assert tier.delete(k) is False and tier._synced[k[0]] == tier._unlinks[k[0]]
     tier.close()
+
+
+def test_a_delete_of_a_block_the_disk_does_not_hold_does_not_fail_for_others_unsynced_evictions(tmp_path, monkeypatch):
+    """A strict delete synced its shard strictly even for a key the disk did not hold, so
+    an eviction's unsynced unlink there (best effort) and a failing fsync made the delete
+    of a block only the CPU tier held raise ``StorageError``: the library's undo loops and
+    ``drop_foreign`` (a read) raised mid-way. Now such a delete still tries the sync, but
+    logs a failure; the block goes from the tiers that hold it."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import TieredStore
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    store = TieredStore([CpuTier(1 << 24), tier])  # write-back
+    by_shard: dict[int, list] = {}
+    for i in range(1, 2000):  # (two blocks of one shard)
+        k, f = raw_frame(i)
+        by_shard.setdefault(k[0], []).append((k, f))
+        if len(by_shard[k[0]]) == 2:
+            (a, fa), (b, fb) = by_shard[k[0]]
+            break
+    tier.put(a, fa)
+    with tier._lock:  # (an eviction: its unlinks not synced)
+        tier._remove_files(a)
+        tier._index.remove(a)
+    store.put(b, fb)
+    assert not tier.contains(b) and store.tier("cpu").contains(b)
+
+    def failing(path):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "fsync_dir", failing)
+    assert tier.delete(b) is False
+    assert store.delete(b) is True and not store.tier("cpu").contains(b)
+    store.drop_foreign(a, "disk", "a test")  # (a read's drop: no raise either)
+    assert tier._synced[a[0]] < tier._unlinks[a[0]]  # (still owed: the next delete there tries again)
+    store.close()
+
+
+def test_an_undo_the_disk_fails_still_raises_the_bad_input_and_deletes_the_rest(tmp_path, monkeypatch):
+    """The library's undo of a call with bad input (prefix_cache, layerwise_save,
+    ingest_in_place) deleted the blocks it had stored with ``store.delete``, which a failing
+    disk makes raise: the caller got a ``StorageError`` for its NaN, and the blocks after the
+    failing one stayed stored. Now the undo is best effort (``delete_quietly``): logged, the
+    rest deleted, the ``InputError`` raised."""
+    from cacheseek.errors import InputError
+    from cacheseek.layerwise_save import _undone_on_bad_input
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import TieredStore
+    tier = DiskTier(tmp_path / "d", 1 << 30)
+    store = TieredStore([CpuTier(1 << 24), tier], write_through=["disk"])
+    keys = []
+    for i in range(1, 4):
+        k, f = raw_frame(i)
+        store.put(k, f)
+        keys.append(k)
+    real, calls = tier.delete, []
+
+    def failing_once(key):
+        calls.append(key)
+        if len(calls) == 1:
+            raise StorageError("disk tier: cannot delete block: removing its sidecar failed: Input/output error")
+        return real(key)
+
+    monkeypatch.setattr(tier, "delete", failing_once)
+    with pytest.raises(InputError, match="bad"):
+        with _undone_on_bad_input(store, keys):
+            raise InputError("bad")
+    assert calls == keys
+    assert [tier.contains(k) for k in keys] == [True, False, False]  # (the failing one logged, still there)
+    store.close()
 
 
 def test_a_batch_of_deletes_stops_at_the_block_the_disk_could_not_delete(tmp_path):

@@ -306,6 +306,10 @@ class DiskTier(IndexedTier):
         # returns (``_sync_unlinks``); evictions alone are not synced (``_remove_files``).
         self._unlinks = [0] * 256
         self._synced = [0] * 256
+        # Per shard, the keys a delete removed whose unlinks are not known durable yet (key:
+        # the shard's unlink count then): a retry of such a delete, the block no longer
+        # held, must sync strictly too (``delete``). Pruned as the shard syncs that far.
+        self._deleted_unsynced: list[dict[bytes, int]] = [{} for _ in range(256)]
         self._batch = threading.local()  # ``batched_deletes``: the shards owed a sync at its end
         # Blocks of another format version (another release's, over the same directory): key ->
         # what their files take, oldest first. Left alone, not read, not in the index, but
@@ -1628,10 +1632,14 @@ class DiskTier(IndexedTier):
 
     def delete(self, key: bytes) -> bool:
         """Durable on return: the shard directory is fsynced after the unlinks (once for a
-        whole ``batched_deletes``), else a power cut could bring the block back. A block not
-        held here syncs its shard too when unlinks there are not yet durable: it may be one
-        evicted (handed down, not synced) that would come back the same way. A tier that
-        gave its directory up (``lost``) holds nothing: False."""
+        whole ``batched_deletes``), else a power cut could bring the block back
+        (``StorageError`` if it cannot be). A block not held here syncs its shard too when
+        unlinks there are not yet durable: it may be one evicted (handed down, not synced)
+        that would come back the same way; best effort, logged (evictions are), so a delete
+        of a key the tier does not hold answers False and never raises (the library's own
+        clean-ups delete blocks only a faster tier holds), unless it retries a delete of
+        this key that removed its files but could not sync them. A tier that gave its
+        directory up (``lost``) holds nothing: False."""
         self._check_root_if_due()
         if self._lost is not None:
             return False
@@ -1649,8 +1657,14 @@ class DiskTier(IndexedTier):
                     else:
                         self._forget_other(key)
                     self._sync_counts()
+                    if self.fsync:
+                        self._deleted_unsynced[key[0]][key] = self._unlinks[key[0]]
                 owed = {key[0]: self._unlinks[key[0]]}
-            self._sync_unlinks(owed, strict=True)
+                strict = key in self._deleted_unsynced[key[0]]  # (this delete's, or a failed one's)
+            if strict:
+                self._sync_unlinks(owed, strict=True)
+            else:
+                self._sync_unlinks(owed, batched=False)  # (other blocks' evictions: best effort)
         return deleted
 
     @contextmanager
@@ -1673,16 +1687,17 @@ class DiskTier(IndexedTier):
                 # (the error in flight is the caller's answer; this one must not replace it)
                 log.warning("%s", exc)
 
-    def _sync_unlinks(self, owed: dict[int, int], *, strict: bool = False) -> None:
+    def _sync_unlinks(self, owed: dict[int, int], *, strict: bool = False, batched: bool = True) -> None:
         """Make the unlinks counted in ``owed`` (shard: unlinks) durable: one fsync per shard
         not synced that far, or owed to the ``batched_deletes`` this thread is in. A shard
         that cannot be synced: ``strict`` (a delete), ``StorageError`` once every shard was
         tried, since a delete answered done must not come back after a power cut; else (a
         failed write's files removed) logged. Either way the shard stays owed, so the next
-        delete there, or a retry of this one (the block no longer held), syncs it again."""
+        delete there, or a retry of this one (the block no longer held), syncs it again.
+        ``batched=False``: now, even inside a ``batched_deletes`` (whose sync is strict)."""
         if not self.fsync:
             return
-        batch = getattr(self._batch, "owed", None)
+        batch = getattr(self._batch, "owed", None) if batched else None
         if batch is not None:
             for shard, n in owed.items():
                 batch[shard] = max(batch.get(shard, 0), n)
@@ -1700,6 +1715,9 @@ class DiskTier(IndexedTier):
                 continue
             with self._lock:
                 self._synced[shard] = max(self._synced[shard], n)
+                if pending := self._deleted_unsynced[shard]:
+                    for done in [k for k, at in pending.items() if at <= n]:
+                        del pending[done]
         if failed and strict:
             raise StorageError(f"{self.name} tier: a delete removed its files, but the directory could not be synced "
                                f"({'; '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}): not durable, a power cut "

@@ -856,6 +856,18 @@ class TieredStore:
                     self._in_transit.pop(number, None)
         return None if unknown else deleted
 
+    def delete_quietly(self, keys: Iterable[bytes], why: str) -> None:
+        """``delete`` of each of ``keys``, for a caller that must not fail on it: the library's
+        undo of the blocks a call stored before it found its input bad (its ``InputError`` is
+        the answer, and every block goes), a foreign block dropped on a read. A tier that
+        fails one (``StorageError``: a disk that cannot remove or sync the files) is logged
+        and the others still go."""
+        for key in keys:
+            try:
+                self.delete(key)
+            except StorageError as exc:
+                log.warning("block %s, deleted as %s, may still be stored: %s", key.hex(), why, exc)
+
     def drop_foreign(self, key: bytes, tier: str, why: str) -> None:
         """Count in ``tier``'s ``corrupt`` and delete from every tier a block read whole (its
         checksums good, its header naming it) that its reader found to be no block of its
@@ -866,7 +878,7 @@ class TieredStore:
         self.tier(tier).count(corrupt=1)
         log.warning("block %s from the %s tier is no block of this cache's configuration (%s): not served, deleted",
                     key.hex(), tier, why)
-        self.delete(key)
+        self.delete_quietly([key], "no block of this configuration")  # (a read: the block is a miss, no error)
 
     def _landed_after_delete(self, key: bytes, since: int) -> None:
         """A demotion deleted ``key`` where it landed, for a delete after ``since`` that had
