@@ -342,7 +342,6 @@ class DiskTier(IndexedTier):
         self._read_only_at = self.root  # (the folder a write was refused in: ``_accepts_writes`` tries it)
         self._writable_checked = 0.0
         self._shard_ids: dict[str, tuple[int, int]] = {}  # (``_shards_changed``: filled once all are made)
-        self._shard_blocks_lost = 0  # (``_shard_lost``)
         self.alloc_unit = allocation_unit(self.root)
         try:
             self._recover()
@@ -415,9 +414,9 @@ class DiskTier(IndexedTier):
 
     def lost(self) -> str | None:
         """Why the tier gave its directory up, looked at now: it was deleted, another was put
-        in its place, or its lock file or most of its shard directories were removed (the
-        contents deleted by hand: ``rm -rf DIR/*`` leaves the lock), while the tier had it
-        open; else None (a few shard directories gone are made again: ``_shard_lost``).
+        in its place, or its lock file or a shard directory was removed (the contents
+        deleted by hand: ``rm -rf DIR/*`` leaves the lock), while the tier had it open;
+        else None.
 
         Given up for good: every block it indexed is forgotten (a miss, not counted as
         corrupt), writes and deletes are refused (``StorageError``). Going on, it counted
@@ -443,53 +442,22 @@ class DiskTier(IndexedTier):
         return self._shards_changed()
 
     def _shards_changed(self) -> str | None:
-        """Why the directory counts as emptied by hand, if most shard directories (more than
-        half) are gone or others: ``rm -rf DIR/*``, the usual way to clear a cache, leaves
-        the dot-files, the lock among them, so the lock's link count says nothing of it, and
-        the tier went on offering every block it had indexed (each found missing only when
-        read, and counted as damage). Fewer gone (an operator clearing one, a cleaner of old
-        empty directories under /tmp) are made again, their blocks forgotten
-        (``_shard_lost``): the tier goes on. A stat of each of the 256, about a third of a
-        millisecond, at most once a second, and before a write makes its shard again."""
-        gone: list[tuple[str, str]] = []
+        """Why the directory counts as emptied by hand, if a shard directory is gone or
+        another: ``rm -rf DIR/*``, the usual way to clear a cache, leaves the dot-files, the
+        lock among them, so the lock's link count says nothing of it, and the tier went on
+        offering every block it had indexed (each found missing only when read, and counted
+        as damage). A stat of each of the 256, about a third of a millisecond, at most once a
+        second. A shard the tier makes again (a write finding its own gone) looks first."""
         for path, ident in self._shard_ids.items():
             try:
                 st = os.stat(path)
             except FileNotFoundError:
-                gone.append((path, "deleted"))
-                continue
+                return f"emptied (its shard directory {path[-2:]} was deleted)"
             except OSError:
                 return None  # (no answer: see ``_root_changed``)
             if (st.st_dev, st.st_ino) != ident:
-                gone.append((path, "replaced"))
-        if len(gone) > len(self._shard_ids) // 2:
-            path, how = gone[0]
-            return f"emptied (its shard directory {path[-2:]} was {how})"
-        for path, how in gone:
-            self._shard_lost(path, how)
+                return f"emptied (its shard directory {path[-2:]} was replaced)"
         return None
-
-    def _shard_lost(self, path: str, how: str) -> None:
-        """One shard directory deleted or replaced under the tier, the rest of the directory
-        its own: the blocks it indexed there are forgotten (a miss, not counted corrupt:
-        ``shard_blocks_lost`` counts them), and the shard is made again (a replacement is
-        kept as it is: its files are not the tier's, and not indexed)."""
-        shard = int(path[-2:], 16)
-        with self._lock:
-            keys = [k for k in self._index.keys() if k[0] == shard]
-            for key in keys:
-                self._index.remove(key)  # (the store's residency hears of each)
-            for key in [k for k in self._others if k[0] == shard]:
-                self._forget_other(key)
-            self._shard_blocks_lost += len(keys)
-            self._sync_counts()
-        try:
-            self._shard_dir(Path(path))
-            self._shard_ids[path] = _dir_id(Path(path))
-        except OSError as exc:
-            log.warning("%s tier: cannot make its shard directory %s again: %s", self.name, path, exc)
-        log.warning("%s tier: its shard directory %s was %s while the tier had it open: its %d blocks there "
-                    "forgotten, the directory made again", self.name, path, how, len(keys))
 
     def _check_root_if_due(self) -> None:
         if self._lost is None and time.monotonic() - self._root_checked >= ROOT_CHECK_SECONDS:
@@ -656,10 +624,10 @@ class DiskTier(IndexedTier):
     # -- paths ---------------------------------------------------------------------------
 
     def _make_shards(self) -> None:
-        """Every shard directory made now, their entries fsynced in the root once: one
-        removed meanwhile is made again by the check (``_shards_changed``), its blocks
-        forgotten; most of them removed give the directory up as emptied by hand
-        (``_shard_dir`` covers a check that could not answer)."""
+        """Every shard directory made now, their entries fsynced in the root once: a write
+        then never makes one: one removed meanwhile gives the directory up as emptied by
+        hand (``_shards_changed``), its blocks gone with it (``_shard_dir`` covers a check
+        that could not answer)."""
         made = loose = 0
         for i in range(256):
             shard = self.root / f"{i:02x}"
@@ -1369,9 +1337,8 @@ class DiskTier(IndexedTier):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
         except FileNotFoundError:  # its shard removed behind the tier's back (all are made at open)
-            # (most shards gone is the directory emptied by hand, ``_shards_changed``; or the
-            # whole directory gone: a shard made now would be in another's. One gone is made
-            # again there, its blocks forgotten)
+            # (a shard gone is the directory emptied by hand, ``_shards_changed``; or the whole
+            # directory gone: a shard made now would be in another's)
             if self.lost() is not None:
                 raise self._lost_error() from None
             self._shard_dir(final.parent)
@@ -1788,7 +1755,7 @@ class DiskTier(IndexedTier):
 
     def _extra(self) -> dict:
         out = {"path": str(self.root), "requested_bytes": self.requested_bytes, "frame_bytes": self._index.frame_bytes,
-               "alloc_unit": self.alloc_unit, "lost": self._lost, "shard_blocks_lost": self._shard_blocks_lost, "read_only": self._read_only, **self._recovery, "other_version_blocks": len(self._others),
+               "alloc_unit": self.alloc_unit, "lost": self._lost, "read_only": self._read_only, **self._recovery, "other_version_blocks": len(self._others),
                "other_version_bytes": self._others_bytes, "other_version_evicted": self._others_evicted,
                "group_commit": self.group_commit, "group_commits": dict(self._group)}
         if hasattr(self, "_reads"):  # (not yet while recovering)
