@@ -328,6 +328,10 @@ class RemoteCache(PrefixCacheBase):
         self.max_concurrent_fetches = min(max_concurrent_fetches, max_connections)
         self._fetcher: IdlePool | None = None  # made by the first batch that fetches several chains
         self._fetcher_lock = threading.Lock()
+        # ``look_up_first``'s lookups with a wait, on a thread of their own (not the fetches':
+        # a late one held a load's fetch behind it), one at a time: the one in flight.
+        self._first_lookups: IdlePool | None = None
+        self._first_lookup: Future | None = None
         # Whether the server answers a lookup of several chains (?chains=); an older one reads
         # them as one chain, which is seen in its answer, and is then asked chain by chain.
         self._chain_lookups = True
@@ -473,16 +477,26 @@ class RemoteCache(PrefixCacheBase):
         answer: dict[str, Any] = {}
 
         def look_up(asked: list[BlockHash]) -> list[bool]:
-            if wait is None:
-                answer.update(self._write_lookup(asked))
-            else:  # (an answer that comes later is dropped with its future)
-                answer.update(self._fetch_pool().submit(self._write_lookup, asked).result(timeout=wait))
+            answer.update(self._write_lookup(asked) if wait is None else self._first_lookup_within(asked, wait))
             return answer["present"]
 
         found = paged_io.look_up_from_starts(call, hashes, look_up)
         for result in results:
             result.durability = answer.get("durability", result.durability)
         return paged_io.count_found(call, found, results)  # twice in this call: sent once
+
+    def _first_lookup_within(self, asked: list[BlockHash], wait: float) -> dict[str, Any]:
+        """The write lookup of ``asked``, answered within ``wait`` seconds, else
+        ``TimeoutError``. One at a time: while a late one is still out (a slow server), the
+        next is not sent (``TimeoutError`` at once), so late lookups never pile up."""
+        with self._fetcher_lock:
+            self._check_open()
+            if self._first_lookup is not None and not self._first_lookup.done():
+                raise TimeoutError("the write lookup before this one is not answered yet")
+            if self._first_lookups is None:
+                self._first_lookups = IdlePool(1, idle_seconds=FETCH_IDLE_SECONDS, thread_name_prefix="cacheseek-lookup")
+            job = self._first_lookup = self._first_lookups.submit(self._write_lookup, asked)
+        return job.result(timeout=wait)
 
     def _encode_rows(self, call: paged_io.PagedCall, keep: list[int], hashes: list[BlockHash],
                      parents: list[bytes], positions: list[int]) -> tuple[list[BlockHash], list[BlockFrame]]:
@@ -994,9 +1008,11 @@ class RemoteCache(PrefixCacheBase):
         with self._fetcher_lock:
             self._closed = True
             fetcher, self._fetcher = self._fetcher, None
+            first, self._first_lookups = self._first_lookups, None
         self._http.close()
-        if fetcher is not None:
-            fetcher.shutdown(cancel_futures=True)  # (no wait: a fetch under way ends on the closed client)
+        for pool in (fetcher, first):
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)  # (no wait: an exchange under way ends on the closed client)
 
     # -- HTTP ----------------------------------------------------------------------------
 
