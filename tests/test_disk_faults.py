@@ -534,6 +534,27 @@ print(srv.output(), file=sys.stderr)
 """
 
 
+def test_the_read_only_probe_writes_no_bytes_and_leaves_no_file(tmp_path, monkeypatch):
+    """The probe that clears ``read_only`` wrote bytes into its file: a filesystem writable
+    again but full refused them (ENOSPC), the tier stayed "read-only" for good, and each
+    probe left its file behind. It now makes an empty file and removes it; only a refusal
+    as read-only (or of permission) says the filesystem still is."""
+    tier = DiskTier(tmp_path / "d", 1 << 20)
+    folder = tmp_path / "d"
+    assert tier._accepts_writes(folder) and not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    assert tier._accepts_writes(folder)  # (a full filesystem: writable)
+    monkeypatch.setattr(os, "write", real_write)
+    real_open = os.open
+    for code, writable in ((errno.EROFS, False), (errno.EACCES, False), (errno.ENOSPC, True)):
+        monkeypatch.setattr(os, "open", lambda *a, c=code: (_ for _ in ()).throw(OSError(c, os.strerror(c))))
+        assert tier._accepts_writes(folder) is writable, code
+    monkeypatch.setattr(os, "open", real_open)
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    tier.close()
+
+
 def test_a_write_through_server_whose_disk_went_read_only_is_not_ready(tmp_path):
     """Its disk refusing every write (EROFS), a write-through server answered every PUT 507
     while ``/readyz`` said 200, so a load balancer kept sending it writes. Not ready now

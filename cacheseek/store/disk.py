@@ -87,6 +87,7 @@ frames' own bytes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import glob
@@ -498,18 +499,19 @@ class DiskTier(IndexedTier):
         return self._read_only
 
     def _accepts_writes(self, folder: Path) -> bool:
-        """Whether ``folder`` takes a new file now: one made, written and removed (named as
-        a write's temporary file, which the next open removes if a crash leaves it)."""
+        """Whether ``folder``'s filesystem is no longer read-only: an empty file made and
+        removed at once (named as a write's temporary file, which the next open removes if a
+        crash leaves it). No bytes are written: a filesystem writable again but full (or
+        over a quota) refused them, and stayed "read-only" for good, though the tier's own
+        writes evict to make room. Only a refusal as read-only (or of permission) says it
+        still is."""
         path = folder / f".tmp-00.frame-{secrets.token_hex(4)}"
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, b"probe")
-            finally:
-                os.close(fd)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            return exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM)
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            return False
         return True
 
     def _write_failed(self, error: StorageError) -> None:

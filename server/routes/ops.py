@@ -89,8 +89,9 @@ async def readyz(request: Request) -> dict[str, str]:
                                  for name, why in lost.items()))
     # A tier every write goes through that refuses writes (its filesystem read-only) fails
     # every write (507) as surely as one that gave its directory up: out of rotation until
-    # a write commits there again. (Reads of what it holds go on.)
-    if unwritable := store.unwritable_tiers():
+    # it takes a file again. (Reads of what it holds go on.) In a worker thread too: the
+    # question probes the filesystem that just failed, which may stall.
+    if unwritable := await run_in_threadpool(store.unwritable_tiers):
         raise NotReady("; ".join(f"{name} tier (written through): {why}"
                                  for name, why in unwritable.items()))
     in_place = BODY_INTO in (request.scope.get("extensions") or {})
