@@ -104,7 +104,8 @@ class BlockService:
         # A multi-body write's bodies (``_earlier_bodies``): under each body's first new block
         # of a chain that goes on below, the blocks it stored and spared.
         self._bodies: OrderedDict[bytes, frozenset[bytes]] = OrderedDict()
-        self._bodies_keys = 0  # (their sizes added up)
+        self._bodies_keys = 0  # (their sizes added up, each record once)
+        self._body_refs: dict[int, int] = {}  # id of a record -> the entries naming it (a body's chains share one)
         self._bodies_lock = threading.Lock()
         # Tier write failures, whole in the log (a client's answer hides the keys in them:
         # ``without_keys``), one line a period at most (a full disk fails every write).
@@ -217,7 +218,7 @@ class BlockService:
         # (not for a PUT: one frame, no write of our client's, and received in place into a
         # memory store it is committed in the event loop, where a walk of 4,096 steps, ~4 ms,
         # is 40 times what that path allows)
-        spare = self._earlier_bodies(frames, keys, stored) if body else ()
+        spare = self._earlier_bodies(namespace, frames, keys, stored) if body else ()
 
         def flush() -> None:
             # Groups keep each tier's lock short: lookups (in the event loop) never wait long.
@@ -263,7 +264,8 @@ class BlockService:
                                 "; ".join(f"{t}: {r}" for t, r in outcome.errors.items()), more)
         return reports
 
-    def _earlier_bodies(self, frames: list[Incoming], keys: list[bytes], stored: list[bool]) -> Container[bytes]:
+    def _earlier_bodies(self, namespace: str, frames: list[Incoming], keys: list[bytes], stored: list[bool]
+                        ) -> Container[bytes]:
         """What this batch's room spares: the blocks the same write's earlier bodies stored.
         A write past the client's max_body_bytes comes in several bodies, tail first (blocks
         33..63 of a 64-block chain, then 2..32, then 0..1), and each body makes room for
@@ -305,22 +307,41 @@ class BlockService:
                 run.add(key)
                 with self._bodies_lock:
                     earlier = self._bodies.pop(key, None)
-                    self._bodies_keys -= len(earlier or ())
+                    if earlier is not None:
+                        self._forget_record(earlier)
                 if earlier is not None:  # an earlier body's first block: what that body stored and spared
                     run.update(list(earlier - run)[: limit - len(run)])
         # This body's record, for the write's next body (which holds the parent of a chain's
         # first block here: the write goes on there), under each such block.
-        firsts = [keys[i] for i in new if frames[i].meta.position > 0 and frames[i].meta.parent_hash not in in_body]
+        # A chain whose parent is held already extends a stored prefix: no body of this write
+        # holds that parent as a new frame (a walk starts only there), so a record of it would
+        # never be taken, and such records, one a body in the common case, turned the others
+        # over under load, exactly when a multi-body write needs its own.
+        firsts = [keys[i] for i in new if frames[i].meta.position > 0 and frames[i].meta.parent_hash not in in_body
+                  and self.store.residency.info(self.namespaces.stored_key(namespace, frames[i].meta.parent_hash)) is None]
         if firsts:
             mine = frozenset([keys[i] for i in new][:limit])
             mine |= frozenset(list(run - mine)[: limit - len(mine)])
             with self._bodies_lock:
+                self._bodies_keys += len(mine)
                 for key in firsts:
-                    self._bodies_keys += len(mine) - len(self._bodies.pop(key, ()))
+                    old = self._bodies.pop(key, None)
+                    if old is not None:
+                        self._forget_record(old)
                     self._bodies[key] = mine
+                    self._body_refs[id(mine)] = self._body_refs.get(id(mine), 0) + 1
                 while len(self._bodies) > SPARE_BODIES or self._bodies_keys > SPARE_BODIES_KEYS:
-                    self._bodies_keys -= len(self._bodies.popitem(last=False)[1])
+                    self._forget_record(self._bodies.popitem(last=False)[1])
         return SoftSpare(run) if run else ()
+
+    def _forget_record(self, record: frozenset[bytes]) -> None:
+        """Under ``_bodies_lock``: one entry naming ``record`` gone; its keys uncounted with
+        the last."""
+        left = self._body_refs.pop(id(record)) - 1
+        if left:
+            self._body_refs[id(record)] = left
+        else:
+            self._bodies_keys -= len(record)
 
     @staticmethod
     def _rekey_in_place(reservation: Reservation, sent: FrameMeta, meta: FrameMeta) -> bool:

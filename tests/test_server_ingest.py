@@ -238,6 +238,37 @@ def test_a_write_longer_than_the_tier_evicts_its_own_earlier_bodies_rather_than_
         assert_prefix_equal(cache.materialize(toks[: 4 * BLOCK]), kv, 4 * BLOCK)
 
 
+def test_a_body_that_extends_a_stored_prefix_leaves_no_record_for_a_next_body():
+    """A body leaves a record of what it stored under its chains' first blocks, for the
+    write's next body, which holds their parents as new frames. A chain whose parent is held
+    already (a body extending a stored prefix, the common single-body write) has no such next
+    body: its record was never taken, and such records, one a body, turned the others over
+    under load. A body of several chains counts its one record once."""
+    from cacheseek.store.cpu import CpuTier
+    from cacheseek.store.tiered import TieredStore
+    from server.metrics import Metrics
+    from server.namespaces import Namespaces
+    from server.service import BlockService
+
+    store = TieredStore([CpuTier(8 << 20)])
+    service = BlockService(store, Namespaces(b"s" * 32), Metrics(), max_chain_blocks=1 << 10)
+    ns = Namespaces(b"s" * 32)
+    chain = raw_chain(90, 4)
+    incoming = [service.check_client_frame(bytearray(f), where=f"frame {i}") for i, (_, f) in enumerate(chain)]
+    service.put("", incoming[:2])  # a prefix, stored whole from its head
+    assert not service._bodies
+    service.put("", incoming[2:])  # extends it: its first block's parent is held
+    assert not service._bodies and service._bodies_keys == 0
+    # The tail of another chain first, its head to come in a next body: a record, counted once.
+    other = raw_chain(91, 4)
+    later = [service.check_client_frame(bytearray(f), where=f"frame {i}") for i, (_, f) in enumerate(other)]
+    service.put("", later[2:])
+    first = ns.stored_key("", other[2][0])
+    assert list(service._bodies) == [first] and service._bodies_keys == 2
+    service.put("", later[:2])  # the next body takes it in
+    assert not service._bodies and service._bodies_keys == 0
+
+
 def test_a_put_spares_nothing_and_walks_nothing_a_post_body_spares_the_run_below_it():
     """A body's room spares the stored run below its chains (the write's earlier bodies,
     ``_earlier_bodies``), a walk of up to 4,096 children lookups (~4 ms). A PUT's frame
