@@ -330,15 +330,26 @@ def test_a_batch_of_deletes_stops_at_the_block_the_disk_could_not_delete(tmp_pat
     store.close()
 
 
-def test_a_server_answers_507_to_a_delete_or_flush_the_disk_could_not_carry_out(tmp_path):
-    """A DELETE or an admin flush whose files could not be removed was answered 204 / 200
-    "deleted_blocks": the blocks came back at the next restart."""
-    blocks = raw_chain(43, 3)
-    admin = {"Authorization": "Bearer adm"}
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def _server_holding(tmp_path: Path, seed: int) -> tuple[Server, list[tuple[bytes, bytes]]]:
+    """A server with an admin token (``ADMIN``) that has stored a chain of 3 (put here),
+    stopped; the chain."""
+    blocks = raw_chain(seed, 3)
     srv = Server(tmp_path, "--admin-token", "adm")
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         for h, body in blocks:
             assert c.put(f"/v1/blocks/{h.hex()}", content=body).status_code == 201
+    return srv, blocks
+
+
+def test_a_server_answers_507_to_a_delete_or_flush_the_disk_could_not_carry_out(tmp_path):
+    """A DELETE or an admin flush whose files could not be removed was answered 204 / 200
+    "deleted_blocks": the blocks came back at the next restart."""
+    srv, blocks = _server_holding(tmp_path, 43)
+    admin = ADMIN
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
         h = blocks[-1][0]
         shards = sorted({srv.disk_path / x.hex()[:2] for x, _ in blocks})
         with contextlib.ExitStack() as stack:
@@ -364,12 +375,9 @@ def test_a_flush_that_fails_part_way_forgets_the_pins_of_the_blocks_it_deleted(t
     the pin named by it, are gone: the pin was kept all the same (in the pins list and the
     store's pin table), a retry never found it again, and a client writing the prompt again
     had it pinned on arrival, never evicted, though the operator had flushed it."""
-    blocks = raw_chain(44, 3)
-    admin = {"Authorization": "Bearer adm"}
-    srv = Server(tmp_path, "--admin-token", "adm")
+    srv, blocks = _server_holding(tmp_path, 44)
+    admin = ADMIN
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
-        for h, body in blocks:
-            assert c.put(f"/v1/blocks/{h.hex()}", content=body).status_code == 201
         assert c.put(f"/v1/admin/pins/{blocks[-1][0].hex()}", json={}, headers=admin).status_code == 200
         head = srv.disk_path / blocks[0][0].hex()[:2]
         if any(h.hex()[:2] == head.name for h, _ in blocks[1:]):
