@@ -70,14 +70,14 @@ class Hold:
     def install(self, service: BlockService, monkeypatch: pytest.MonkeyPatch) -> Hold:
         store = service._put
 
-        def held(namespace: str, frames: list, keys: list[bytes]) -> list:
+        def held(namespace: str, frames: list, keys: list[bytes], **kw: object) -> list:
             if self.key in keys:
                 self.checked.set()
                 if not self.go.wait(WAIT):
                     raise RuntimeError("the test never let the held write go on")
                 if self.fail:
                     raise StorageError("every tier failed (injected by the test)")
-            return store(namespace, frames, keys)
+            return store(namespace, frames, keys, **kw)
 
         monkeypatch.setattr(service, "_put", held)
         return self
