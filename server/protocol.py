@@ -116,6 +116,20 @@ def header_error(headers: Any, http_version: str | None) -> str | None:
     return None
 
 
+class HeadFieldsOnly:
+    """Mixed in before uvicorn's httptools protocol: header fields count only while
+    ``in_head`` (the subclass keeps it). httptools reports a chunked body's trailer fields
+    through ``on_header`` too, and uvicorn appends them to the list that is the scope's
+    headers: one that came in the same read as the head authorized the request or chose its
+    namespace (RFC 9110 6.5.1 forbids it). Past the head, they are dropped."""
+
+    in_head = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_head:
+            super().on_header(name, value)  # type: ignore[misc]
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectionLimits:
     header_timeout_seconds: float = 10.0
@@ -263,7 +277,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.transport.set_protocol(self.reader)
             return self.reader
 
-    class PiecesProtocol(proto_cls):  # type: ignore[misc, valid-type]
+    class PiecesProtocol(HeadFieldsOnly, proto_cls):  # type: ignore[misc, valid-type]
         watch: Watchdog
         pipeline: deque[Any]  # (uvicorn's, declared: the base is dynamic)
         timeout_keep_alive_task: asyncio.TimerHandle | None  # (uvicorn's)
@@ -544,14 +558,6 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
             self.in_trailers, self.head_bytes = True, 0
             self.chunk_epoch += 1
 
-        def on_header(self, name: bytes, value: bytes) -> None:
-            # httptools reports a chunked body's trailer fields through this callback too, and
-            # uvicorn appends them to the list that is the scope's headers: one that came in the
-            # same read as the head authorized the request or chose its namespace (RFC 9110
-            # 6.5.1 forbids it). Past the head, they are dropped (still bounded by MAX_HEAD_BYTES).
-            if self.in_head:
-                super().on_header(name, value)
-
         def on_body(self, body: bytes) -> None:
             if self.refused:  # (a refused request's body is never a route's)
                 return
@@ -583,8 +589,7 @@ def protocol_class(high_water: int = HIGH_WATER, limits: ConnectionLimits = Conn
 
 def plain_protocol_class() -> type | None:
     """uvicorn's own httptools protocol (``--http httptools``, or the fast path off), but for
-    a chunked body's trailer fields, which it made request headers (``on_header`` in
-    ``protocol_class``); None where httptools does not import (uvicorn then takes h11, which
+    a chunked body's trailer fields, which it made request headers (``HeadFieldsOnly``); None where httptools does not import (uvicorn then takes h11, which
     keeps trailers apart)."""
     try:
         from uvicorn.protocols.http import httptools_impl as impl
@@ -593,20 +598,14 @@ def plain_protocol_class() -> type | None:
     except (ImportError, AttributeError):
         return None
 
-    class NoTrailerFields(base):  # type: ignore[misc, valid-type]
-        head_done = False
-
+    class NoTrailerFields(HeadFieldsOnly, base):  # type: ignore[misc, valid-type]
         def on_message_begin(self) -> None:
-            self.head_done = False
+            self.in_head = True
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
-            self.head_done = True
+            self.in_head = False
             super().on_headers_complete()
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            if not self.head_done:
-                super().on_header(name, value)
 
     return NoTrailerFields
 
