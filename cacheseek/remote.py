@@ -230,7 +230,8 @@ class RemoteCache(PrefixCacheBase):
         ``max_lookup_hashes``: the most hashes in one ``POST /v1/lookup`` (the server's
         ``max_lookup_hashes``, 65,536 by default): a longer chain (a million tokens in
         blocks of 16) is looked up in pieces, in order, each only if the one before it
-        matched whole (a write's lookup asks every piece). ``max_pending_bytes``: the most
+        matched whole (a write's lookup asks every piece); a server's lower limit takes its
+        place at the first lookup refused for it. ``max_pending_bytes``: the most
         bytes of frames that ``wait=False`` ingests hold in host memory, queued or being
         sent (``cacheseek.write_behind``); a write that would pass it is dropped. Their
         buffers, and the one frame at a time a waited ingest moves to the host, are kept for
@@ -472,7 +473,7 @@ class RemoteCache(PrefixCacheBase):
         """The write's lookup of a paged call's blocks (those from each request's start on;
         ``hashes``: ``call.flat()``'s), counted in ``results``: ``count_found``'s answer (per
         block whether it needs no encoding; the later requests of each block met twice).
-        ``wait``: seconds to wait for the answer at most (on a fetch thread), else
+        ``wait``: seconds to wait for the answer at most (on a thread of its own), else
         ``TimeoutError`` and ``results`` untouched."""
         answer: dict[str, Any] = {}
 
@@ -790,7 +791,34 @@ class RemoteCache(PrefixCacheBase):
         few round trips as the limits allow: chains packed into lookups of several, each of
         at most ``max_lookup_hashes`` hashes and ``LOOKUP_CHAINS`` chains. Raises at the
         first that fails; those answered before stay in ``found``. ``again``: queries the
-        server counted already (``_lookup``)."""
+        server counted already (``_lookup``). A lookup refused for a server's lower
+        ``max_lookup_hashes`` lowers this client's, and the chains not answered go again."""
+        try:
+            self._lookup_chains_under_limit(chains, tokens, found, again)
+        except RemoteError as exc:
+            if not self._lower_lookup_limit(exc):
+                raise
+            rest = [i for i, f in enumerate(found) if f is None]
+            answers: list[dict[str, Any] | None] = [None] * len(rest)
+            try:
+                self._lookup_chains_under_limit([chains[i] for i in rest], [tokens[i] for i in rest], answers, again)
+            finally:
+                for i, answer in zip(rest, answers):
+                    found[i] = answer
+
+    def _lower_lookup_limit(self, exc: RemoteError) -> bool:
+        """Whether a lookup refused for its number of hashes (a ``413`` or ``422`` naming the
+        server's ``max_lookup_hashes``, lower than this client's) may go again: that limit
+        becomes this client's. A refusal that names none, or no lower one, is raised."""
+        value = exc.fields.get("limit_value")
+        if exc.status not in (413, 422) or exc.fields.get("limit") != "max_lookup_hashes" \
+                or type(value) is not int or not 0 < value < self.max_lookup_hashes:
+            return False
+        self.max_lookup_hashes = value
+        return True
+
+    def _lookup_chains_under_limit(self, chains: list[list[BlockHash]], tokens: list[int],
+                                   found: list[dict[str, Any] | None], again: bool) -> None:
         limit = self.max_lookup_hashes
         group: list[int] = []
         size = 0
@@ -904,6 +932,17 @@ class RemoteCache(PrefixCacheBase):
             _release([frames])
         return self._materialized(k, v, list(found["tiers"][: len(frames)]), device)
 
+    def _prefetch(self, hashes: list[BlockHash]) -> dict[str, Any]:
+        # (a hint: the first max_lookup_hashes blocks, those a read needs first, are enough)
+        path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
+        # (idempotent: a second one joins the first's promotions, so the transport may send
+        # it again on a new connection when a kept-alive one turns out closed, as a lookup)
+        found: dict[str, Any] = self._request(
+            "POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content, headers=headers,
+            json_answer=True, check=_is_prefetch_answer, what="a prefetch's answer",
+            extensions={IDEMPOTENT_EXTENSION: True})
+        return found
+
     def prefetch(self, keys: Any) -> Prefetch | None:
         """``POST /v1/prefetch``: the server starts promoting the stored prefix of ``keys``
         from its disk or Redis tier into its CPU tier, and answers at once. A ``Prefetch``
@@ -916,14 +955,13 @@ class RemoteCache(PrefixCacheBase):
         hashes = self.block_hashes(keys)
         if not hashes:
             return None
-        # (a hint: the first max_lookup_hashes blocks, those a read needs first, are enough)
-        path, content, headers = lookup_request(hashes[: self.max_lookup_hashes])
         try:
-            # (idempotent: a second one joins the first's promotions, so the transport may send
-            # it again on a new connection when a kept-alive one turns out closed, as a lookup)
-            found = self._request("POST", path.replace("/v1/lookup", "/v1/prefetch", 1), content=content,
-                                  headers=headers, json_answer=True, check=_is_prefetch_answer,
-                                  what="a prefetch's answer", extensions={IDEMPOTENT_EXTENSION: True})
+            try:
+                found = self._prefetch(hashes)
+            except RemoteError as exc:
+                if not self._lower_lookup_limit(exc):
+                    raise
+                found = self._prefetch(hashes)
         except RemoteUnavailable:
             if self.on_unavailable == "raise":
                 raise
@@ -1074,7 +1112,17 @@ class RemoteCache(PrefixCacheBase):
         """``POST /v1/lookup``; a chain longer than ``max_lookup_hashes`` in pieces, in order:
         the next only while the prefix matched so far is whole, unless ``each`` asks about
         every block. The server counts the pieces as one query; ``again``: a query it
-        counted already, not counted again."""
+        counted already, not counted again. A lookup refused for a server's lower
+        ``max_lookup_hashes`` lowers this client's and goes again, in pieces under it."""
+        try:
+            return self._lookup_under_limit(hashes, each, tokens, again)
+        except RemoteError as exc:
+            if not self._lower_lookup_limit(exc):
+                raise
+            return self._lookup_under_limit(hashes, each, tokens, again)
+
+    def _lookup_under_limit(self, hashes: list[BlockHash], each: bool, tokens: int | None,
+                            again: bool) -> dict[str, Any]:
         limit = self.max_lookup_hashes
         if len(hashes) <= limit:
             return self._lookup_piece(hashes, each=each, tokens=tokens, again=again)

@@ -142,10 +142,27 @@ def test_chains_longer_than_the_servers_lookup_limit_are_looked_up_in_pieces(tmp
             assert remote.locate(changed).tiers == ["cpu"] * 9
             assert_prefix_equal(remote.materialize(toks), kv, 11 * BLOCK)
             assert remote.prefetch(toks) is None  # (all in memory: a hint for the first 4 blocks)
-            with cs.RemoteCache(small.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(),
-                                block_tokens=BLOCK) as unaware, pytest.raises(cs.RemoteError) as refused:
-                unaware.lookup(toks)  # 11 hashes in one lookup
-            assert refused.value.status == 422 and "max_lookup_hashes" in refused.value.reason
+            # A client not told of the server's limit is refused once, on its first lookup, and
+            # takes the limit the refusal names: every kind of lookup then goes in pieces.
+            def unaware() -> cs.RemoteCache:
+                return cs.RemoteCache(small.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK)
+
+            with unaware() as client:
+                before = _parity_traffic(small)
+                assert client.lookup(toks) == 11 * BLOCK and client.max_lookup_hashes == 4
+                after = _parity_traffic(small)
+                assert after["lookups"] - before["lookups"] == 1  # (the refused one was not counted)
+            with unaware() as client:
+                assert [f.num_blocks for f in client.locate_batch([toks, changed, toks[:BLOCK]])] == [11, 9, 1]
+                assert client.max_lookup_hashes == 4
+            with unaware() as client:
+                assert client.materialize(changed).num_tokens == 9 * BLOCK
+            with unaware() as client:
+                assert client.prefetch(toks) is None and client.max_lookup_hashes == 4
+            more, more_kv = tokens_for(8, 6 * BLOCK), make_kv(6 * BLOCK, 8)
+            with unaware() as client:
+                assert client.ingest(more, more_kv).stored == 6 and client.max_lookup_hashes == 4
+                assert client.lookup(more) == 6 * BLOCK
     with pytest.raises(cs.ConfigError, match="max_lookup_hashes"):
         cs.RemoteCache("http://127.0.0.1:1", model_id="m", layout=LAYOUT, max_lookup_hashes=0)
 
