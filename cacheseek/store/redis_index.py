@@ -7,7 +7,9 @@ the index's hash tag. One call of the script, in this order:
 
 1. prunes entries idle longer than the TTL (their frames expire on their own);
 2. forgets blocks (deleted, or found corrupt), and ghosts a read found (only those idle
-   longer than a grace, and never a pinned one);
+   longer than a grace, and never a pinned one); counts at their stored size blocks a
+   check found counted at another (``RedisTier.check``: unpinned ones only once idle
+   longer than a grace);
 3. touches blocks (marks them used, in order: the last is the most recent), and says which
    of them are pinned;
 4. pins and unpins blocks, for the caller's owner (below);
@@ -46,7 +48,12 @@ stored; the next put of that block writes it without counting it twice, and a re
 finds no value forgets it once it has been idle longer than a write could be in flight). The one
 undercount: a victim the script dropped whose DEL never arrived stays stored, unaccounted
 (an "orphan") until its TTL, until a touch finds it in use (with a TTL), until it is put
-again (adding adopts it), or until ``RedisTier.check(fix=True)``.
+again (adding adopts it), or until ``RedisTier.check(fix=True)``. And a block counted at
+another size than its stored value's: a put counts its frame's size one round trip before
+its ``SET`` lands, so a snapshot restored in between, or two writers of frames of different
+sizes under one hash whose ``SET``s land in the other order than their counts, leave a value
+counted at the other's size (over or under) until the block is put again, or until
+``RedisTier.check(fix=True)`` counts it at its stored length.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ local replay = ARGV[13] == '1'
 local owner, lease_us, owned_prefix = ARGV[14], tonumber(ARGV[15]), ARGV[16]
 local release_limit = tonumber(ARGV[17])
 local own_count = tonumber(ARGV[18])
+local n_resize = tonumber(ARGV[19])
 
 -- Every key this call may read or write holds the type the script keeps there, or nothing.
 -- One of another type (another app sharing the keyspace, or a SET by hand) failed the call
@@ -336,7 +344,7 @@ if ttl_us > 0 then
   end
 end
 
-local i = 19
+local i = 20
 for _ = 1, n_forget do
   drop(ARGV[i])
   i = i + 1
@@ -356,6 +364,30 @@ for _ = 1, n_repair do
     if s and drop(m) then
       repaired[#repaired + 1] = m
       repaired[#repaired + 1] = s
+    end
+  end
+end
+
+-- Blocks a check found counted at another size than their stored value's length (a snapshot
+-- restored between a put's count and its SET, or two writers of frames of different sizes
+-- under one hash whose SETs landed in the other order than their counts): counted at the
+-- stored value's size, read from its header. Only an entry still as the check read it (no
+-- put has counted the block again since) and, unpinned, idle at least the grace: a put counts
+-- its block at its own size a round trip before its SET lands. A pinned one has no LRU entry
+-- to age: at once, as a pinned ghost is forgotten. Not touched: a check changes no recency.
+for _ = 1, n_resize do
+  local m, seen, n, r = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+  i = i + 4
+  if redis.call('HGET', sizes, m) == seen then
+    local old_n, old_r = size_of(m)
+    local is_pinned = redis.call('SISMEMBER', pinned, m) == 1
+    local score = redis.call('ZSCORE', lru, m)
+    local idle = (score and tonumber(score) <= now - repair_idle_us) or (is_pinned and not score)
+    if old_n and idle and (old_n ~= n or old_r ~= r) then
+      changed = true
+      redis.call('HSET', sizes, m, n .. ' ' .. r)
+      used, raw = used + n - old_n, raw + r - old_r
+      if is_pinned then pinned_bytes = pinned_bytes + n - old_n end
     end
   end
 end
@@ -673,6 +705,7 @@ class SharedIndex:
         unpin: Sequence[str] = (),
         repair: Sequence[str] = (),
         repair_idle_us: int = 0,
+        resize: Sequence[tuple[str, bytes, int, int]] = (),
         owner: str = "",
         own_count: int = 0,
         call: str | None = None,
@@ -680,7 +713,10 @@ class SharedIndex:
     ) -> Any:
         """Queue (on a pipeline) or run (on a client) one call. ``add``: (member, nbytes,
         raw_nbytes[, owner tag]); the tag is kept in ``keys.owners`` while the block is counted. ``repair``: blocks a read found without a value, forgotten if unpinned
-        and idle at least ``repair_idle_us``. ``owner``: whose pins ``pin`` and ``unpin``
+        and idle at least ``repair_idle_us``. ``resize``: (member, its entry in ``keys.sizes`` as
+        read, nbytes, raw_nbytes) of blocks counted at another size than their stored value's
+        length (``RedisTier.check``), counted at that size if the entry is unchanged and, unless
+        pinned, idle at least ``repair_idle_us`` (neither touched). ``owner``: whose pins ``pin`` and ``unpin``
         change (required with them); given alone, it renews that owner's lease. ``own_count``: how many
         blocks that owner pins, as it knows them (its pins answered, less its unpins sent):
         its set holding fewer says Redis lost some (``lease_lost``). EVAL rather than EVALSHA: the script text is
@@ -702,9 +738,11 @@ class SharedIndex:
         args: list[Any] = [self.budget_bytes, self.ttl_us, PRUNE_LIMIT, len(forget), len(touch), len(add),
                            len(pin), len(unpin), len(repair), int(repair_idle_us), int(self.generations),
                            CALL_REPLY_SECONDS * 1000, int(replay), owner, self.pin_lease_us,
-                           self.keys.owner_pins_prefix, RELEASE_LIMIT, int(own_count)]
+                           self.keys.owner_pins_prefix, RELEASE_LIMIT, int(own_count), len(resize)]
         args += forget
         args += repair
+        for member, seen, nbytes, raw_nbytes in resize:
+            args += [member, seen, int(nbytes), int(raw_nbytes)]
         args += touch
         args += pin
         args += unpin

@@ -1362,11 +1362,18 @@ class RedisTier(Tier):
         """Post-mortem: compare the shared index with the frames actually stored.
 
         ``ghosts``: indexed, not stored (an interrupted write, or a frame Redis evicted or
-        expired); ``orphans``: stored, not indexed (a victim whose DEL never arrived).
-        ``fix`` forgets the ghosts and adopts the orphans (reading their headers). An unpinned
-        ghost used within ``ghost_grace_seconds`` is left, as a read leaves it: it may be a
-        put in flight (counted, its SET not landed yet), and forgotten, that put would delete
-        the frame it then wrote. Scans every master: for maintenance, not for a request path.
+        expired); ``orphans``: stored, not indexed (a victim whose DEL never arrived);
+        ``wrong_size``: indexed and stored, but counted at another size than the stored
+        value's length (a snapshot restored between a put's count and its SET, or two writers
+        of frames of different sizes under one hash whose SETs landed in the other order than
+        their counts); ``ok``: the others, indexed and stored at their size.
+        ``fix`` forgets the ghosts, adopts the orphans and counts the wrong sizes at the stored
+        frames' (both read from their headers). An unpinned ghost used within
+        ``ghost_grace_seconds`` is left, as a read leaves it: it may be a put in flight
+        (counted, its SET not landed yet), and forgotten, that put would delete the frame it
+        then wrote. So is an unpinned wrong size (a put in flight counts its own size before
+        its SET replaces the value), and one a put has counted again since the scan. Scans
+        every master: for maintenance, not for a request path.
 
         The repair evicts down to this tier's budget what the namespace holds beyond it (the
         blocks stored, orphans adopted included). ``evict=False`` refuses such a repair
@@ -1385,19 +1392,30 @@ class RedisTier(Tier):
                 size = re.match(rb"(\d+) \d+$", value) if isinstance(value, bytes) else None
                 if text is not None and size is not None:
                     sizes[text] = int(size.group(1))
+                    seen[text] = value
             stored = set()
             for name in c.scan_iter(match=self.keys_of.frame_pattern, count=1000):
                 text = name.decode("utf-8", "replace")
                 member = text[text.index("{") + 1 : -1]
                 if RedisKeys.key(member) is not None:  # (another tool's key under the pattern: not ours)
                     stored.add(member)
+            # The stored values' lengths, of the blocks counted (a value gone since the SCAN: 0;
+            # a key of another type under a frame's name: an error, in its place).
+            both = sorted(indexed & stored)
+            lengths.update(zip(both, self._pipelined(c, "strlen", [self.keys_of.frame_of_member(m) for m in both],
+                                                     per_key_errors=True)))
             return indexed, stored, pinned
 
         sizes: dict[str, int] = {}
+        seen: dict[str, bytes] = {}  # each entry of the sizes hash as read
+        lengths: dict[str, Any] = {}
         indexed, stored, pinned = self._run(scan)
         ghosts, orphans = sorted(indexed - stored), sorted(stored - indexed)
-        report = {"ok": len(indexed & stored), "ghosts": len(ghosts), "orphans": len(orphans)}
-        if fix and (ghosts or orphans):
+        wrong = sorted(m for m in indexed & stored
+                       if m in sizes and type(n := lengths[m]) is int and n not in (0, sizes[m]))
+        report = {"ok": len(indexed & stored) - len(wrong), "ghosts": len(ghosts), "orphans": len(orphans),
+                  "wrong_size": len(wrong)}
+        if fix and (ghosts or orphans or wrong):
             adopt = []
             for m in orphans:
                 orphan = RedisKeys.key(m)
@@ -1405,7 +1423,18 @@ class RedisTier(Tier):
                 info = self.info(orphan)
                 if info is not None:
                     adopt.append((m, info.nbytes, info.raw_nbytes))
-            held = sum(sizes.get(m, 0) for m in indexed & stored) + sum(n for _, n, _ in adopt)
+            resize = []
+            for m in wrong:
+                key = RedisKeys.key(m)
+                assert key is not None
+                # (its header, checked against its length: a value that is not a whole frame
+                # is deleted here, with its entry, as a read would)
+                info = self.info(key)
+                if info is not None:
+                    resize.append((m, seen[m], info.nbytes, info.raw_nbytes))
+            now_size = {m: n for m, _, n, _ in resize}
+            held = (sum(now_size.get(m, sizes.get(m, 0)) for m in indexed & stored)
+                    + sum(n for _, n, _ in adopt))
             if not evict and held > self.capacity_bytes:
                 raise RepairWouldEvict(
                     f"{self.name} tier: the namespace holds {held:,} bytes ({len(indexed & stored) + len(adopt)} blocks, "
@@ -1417,7 +1446,7 @@ class RedisTier(Tier):
                 # of a block stored already. Only the script can judge the others' idle time.
                 update = SharedIndex.parse(self._index.queue(
                     c, forget=[m for m in ghosts if m in pinned], add=adopt,
-                    repair=[m for m in ghosts if m not in pinned],
+                    repair=[m for m in ghosts if m not in pinned], resize=resize,
                     repair_idle_us=max(0, round(ghost_grace_seconds * 1e6))))
                 self.repair_evictions += len(update.evicted)
                 self._settle(c, update)
