@@ -58,6 +58,14 @@ def test_saves_are_whole_steps_by_default_and_layerwise_on_request():
     assert not remote.saves_layerwise("cuda") and not remote.may_work_layerwise
 
 
+def test_a_remote_calls_whole_exchange_defaults_to_three_timeouts():
+    """exchange_timeout_seconds bounds one whole HTTP exchange: 3 x timeout_seconds unless given."""
+    assert ConnectorConfig.from_extra({"url": "http://h:1"}).exchange_timeout == 30.0
+    assert ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2}).exchange_timeout == 6.0
+    given = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "exchange_timeout_seconds": 1})
+    assert given.exchange_timeout == 1.0
+
+
 def test_config_remote_and_embedded_tiers():
     remote = ConnectorConfig.from_extra({"codec": "int8", "url": "http://127.0.0.1:8080", "token": "s3cr3t-t0ken",
                                          "model_id": "m", "block_tokens": 128, "timeout_seconds": 2})
@@ -113,6 +121,10 @@ def test_config_remote_and_embedded_tiers():
     ({"timeout_seconds": float("nan")}, "timeout_seconds: must be a positive number"),
     ({"resave_hold_seconds": 1}, "resave_hold_seconds: only a remote cache"),
     ({"url": "http://h:1", "resave_hold_seconds": -1}, "resave_hold_seconds: must be a number of seconds >= 0"),
+    ({"exchange_timeout_seconds": 30}, "exchange_timeout_seconds: only a remote cache"),
+    ({"url": "http://h:1", "exchange_timeout_seconds": 0}, "exchange_timeout_seconds: must be a positive number"),
+    ({"url": "http://h:1", "exchange_timeout_seconds": float("inf")}, "exchange_timeout_seconds: must be a positive"),
+    ({"url": "http://h:1", "exchange_timeout_seconds": "30"}, "exchange_timeout_seconds: must be a positive number"),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

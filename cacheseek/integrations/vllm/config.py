@@ -45,11 +45,16 @@ _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
     "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
-    "resave_hold_seconds", "ca_bundle",
+    "resave_hold_seconds", "ca_bundle", "exchange_timeout_seconds",
 })
 _REMOTE_ONLY = ("token", "ca_bundle", "background_saves", "max_pending_bytes", "lookup_wait_seconds",
-                "background_loads", "resave_hold_seconds")
+                "background_loads", "resave_hold_seconds", "exchange_timeout_seconds")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
+# exchange_timeout_seconds' default, in timeout_seconds (30 s with the default 10): a chain's
+# whole prefix comes in one exchange, and a healthy server's answer for a long prompt must fit
+# (32K tokens of an 8B model, raw bf16: 4 GiB, ~3.5 s at 10 Gbit/s), while a trickling server
+# holds an in-step load, and every running request with it, 30 s at most rather than 600.
+EXCHANGE_TIMEOUTS = 3
 TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
 
@@ -74,7 +79,12 @@ class ConnectorConfig:
     # a server with a self-signed or private-CA certificate was trusted only through the
     # undocumented SSL_CERT_FILE. None: the system's CAs.
     ca_bundle: str | None = None
-    timeout_seconds: float = 10.0
+    timeout_seconds: float = 10.0  # each connect, read and write of a remote call
+    # One whole HTTP exchange (a request and its whole answer; RemoteCache's exchange_timeout).
+    # timeout_seconds alone let a server or proxy that sends a byte now and then hold an
+    # in-step load, and every running request with it, for RemoteCache's default 600 s.
+    # None: EXCHANGE_TIMEOUTS x timeout_seconds (``exchange_timeout``).
+    exchange_timeout_seconds: float | None = None
     tiers: TierConfig = field(default_factory=lambda: TierConfig(**DEFAULT_TIERS))
     retry_after_seconds: float = 1.0  # a server that failed is not asked again this long (doubling)
     retry_cap_seconds: float = 30.0
@@ -133,6 +143,13 @@ class ConnectorConfig:
         return device_type == "cuda" if setting is None else setting
 
     @property
+    def exchange_timeout(self) -> float:
+        """Seconds one HTTP exchange with the server may take in all."""
+        if self.exchange_timeout_seconds is not None:
+            return self.exchange_timeout_seconds
+        return EXCHANGE_TIMEOUTS * self.timeout_seconds
+
+    @property
     def resave_hold(self) -> float:
         """Seconds vLLM keeps a finished request's pages for a lost save (0: it does not)."""
         return self.resave_hold_seconds if self.remote else 0.0
@@ -178,7 +195,8 @@ class ConnectorConfig:
         if kw.get("model_id") == "":
             raise ConfigError("kv_connector_extra_config.model_id: must be a non-empty string (the same on every "
                               "engine that should share blocks; leave the key out for vLLM's model path), got ''")
-        for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds"):
+        for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds",
+                    "exchange_timeout_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
         if "resave_hold_seconds" in extra:

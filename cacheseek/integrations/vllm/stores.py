@@ -61,6 +61,7 @@ def open_cache(config: ConnectorConfig, layout: KVLayout, model_id: str, shard: 
         from ...remote import RemoteCache
 
         return RemoteCache(config.url, token=config.token, timeout=config.timeout_seconds,
+                           exchange_timeout=config.exchange_timeout,
                            max_pending_bytes=config.max_pending_bytes,
                            verify=config.ca_bundle if config.ca_bundle is not None else True, **common)
     from ...prefix_cache import PrefixCache
