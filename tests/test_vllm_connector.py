@@ -144,9 +144,11 @@ def engines(model, tmp_path_factory):
         # A killed server refuses at once; the timeout only bounds a request to a live one,
         # which a loaded 2-core machine (other suites' engines beside it) can slow past 5 s.
         # A lookup wait no loopback answer meets: every first ask is answered "not yet", so
-        # vLLM's path for a deferred hit (skip the request, ask again next step) runs.
+        # vLLM's path for a deferred hit (skip the request, ask again next step) runs. The
+        # lookup's deadline as long as the timeout, for the same loaded machine: a hit is
+        # what these runs check, not a late lookup's miss.
         return {"codec": "raw", "model_id": MODEL_ID, "url": srv.url, "timeout_seconds": 30,
-                "lookup_wait_seconds": 1e-6, "background_loads": True}
+                "lookup_wait_seconds": 1e-6, "lookup_deadline_seconds": 30, "background_loads": True}
 
     def two_engines() -> dict:
         with Server(root / "server", disk=False, cpu_bytes="1GiB") as srv:
@@ -181,7 +183,7 @@ def engines(model, tmp_path_factory):
         # a producer, then a consumer, each its own engine, through one server
         with Server(root / "server-pd", disk=False, cpu_bytes="1GiB") as srv:
             extra = {"codec": "raw", "model_id": "tiny-llama", "url": srv.url, "timeout_seconds": 30,
-                     "block_tokens": 64}
+                     "lookup_deadline_seconds": 30, "block_tokens": 64}
             job = {"scenario": "prefill_decode", "extra": extra, "model_dir": str(root / "llama-model")}
             return {role: run_engine({**job, "kv_role": role}) for role in ("kv_producer", "kv_consumer")}
 

@@ -58,12 +58,17 @@ def test_saves_are_whole_steps_by_default_and_layerwise_on_request():
     assert not remote.saves_layerwise("cuda") and not remote.may_work_layerwise
 
 
-def test_a_remote_calls_whole_exchange_defaults_to_three_timeouts():
-    """exchange_timeout_seconds bounds one whole HTTP exchange: 3 x timeout_seconds unless given."""
-    assert ConnectorConfig.from_extra({"url": "http://h:1"}).exchange_timeout == 30.0
-    assert ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2}).exchange_timeout == 6.0
-    given = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "exchange_timeout_seconds": 1})
-    assert given.exchange_timeout == 1.0
+def test_a_remote_calls_whole_exchange_and_a_lookups_deadline_default_from_the_other_keys():
+    """exchange_timeout_seconds bounds one whole HTTP exchange (3 x timeout_seconds unless
+    given); lookup_deadline_seconds a request's wait for its lookup (0.5 s, or
+    lookup_wait_seconds where that is longer, unless given)."""
+    default = ConnectorConfig.from_extra({"url": "http://h:1"})
+    assert (default.exchange_timeout, default.lookup_deadline) == (30.0, 0.5)
+    derived = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "lookup_wait_seconds": 5})
+    assert (derived.exchange_timeout, derived.lookup_deadline) == (6.0, 5.0)
+    given = ConnectorConfig.from_extra({"url": "http://h:1", "timeout_seconds": 2, "exchange_timeout_seconds": 1,
+                                        "lookup_deadline_seconds": 0.2})
+    assert (given.exchange_timeout, given.lookup_deadline) == (1.0, 0.2)
 
 
 def test_config_remote_and_embedded_tiers():
@@ -125,6 +130,12 @@ def test_config_remote_and_embedded_tiers():
     ({"url": "http://h:1", "exchange_timeout_seconds": 0}, "exchange_timeout_seconds: must be a positive number"),
     ({"url": "http://h:1", "exchange_timeout_seconds": float("inf")}, "exchange_timeout_seconds: must be a positive"),
     ({"url": "http://h:1", "exchange_timeout_seconds": "30"}, "exchange_timeout_seconds: must be a positive number"),
+    ({"lookup_deadline_seconds": 0.5}, "lookup_deadline_seconds: only a remote cache"),
+    ({"url": "http://h:1", "lookup_deadline_seconds": 0}, "lookup_deadline_seconds: must be a positive number"),
+    ({"url": "http://h:1", "lookup_deadline_seconds": True}, "lookup_deadline_seconds: must be a positive number"),
+    # (the scheduler would wait for the lookup past the deadline that makes it a miss)
+    ({"url": "http://h:1", "lookup_wait_seconds": 1, "lookup_deadline_seconds": 0.5},
+     "lookup_deadline_seconds: must be >= lookup_wait_seconds (1.0), got 0.5"),
 ])
 def test_config_errors_name_the_key(extra, names):
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,16 +46,20 @@ _KEYS = frozenset({
     "codec", "group_size", "block_tokens", "model_id", "namespace", "hash_algo",
     "url", "token", "timeout_seconds", "tiers", "retry_after_seconds", "retry_cap_seconds", "layerwise_load",
     "layerwise_save", "background_saves", "max_pending_bytes", "lookup_wait_seconds", "background_loads",
-    "resave_hold_seconds", "ca_bundle", "exchange_timeout_seconds",
+    "resave_hold_seconds", "ca_bundle", "exchange_timeout_seconds", "lookup_deadline_seconds",
 })
 _REMOTE_ONLY = ("token", "ca_bundle", "background_saves", "max_pending_bytes", "lookup_wait_seconds",
-                "background_loads", "resave_hold_seconds", "exchange_timeout_seconds")
+                "background_loads", "resave_hold_seconds", "exchange_timeout_seconds", "lookup_deadline_seconds")
 DEFAULT_MAX_PENDING_BYTES = 2 << 30
 # exchange_timeout_seconds' default, in timeout_seconds (30 s with the default 10): a chain's
 # whole prefix comes in one exchange, and a healthy server's answer for a long prompt must fit
 # (32K tokens of an 8B model, raw bf16: 4 GiB, ~3.5 s at 10 Gbit/s), while a trickling server
 # holds an in-step load, and every running request with it, 30 s at most rather than 600.
 EXCHANGE_TIMEOUTS = 3
+# lookup_deadline_seconds' default: a lookup is one small POST per rank, milliseconds from a
+# healthy server even under load; waiting longer than this for one costs a new request more
+# than the prefill of the prefix it might save on a GPU host would.
+DEFAULT_LOOKUP_DEADLINE = 0.5
 TIER_KEYS = frozenset(f.name for f in dataclasses.fields(TierConfig))
 
 
@@ -118,6 +123,12 @@ class ConnectorConfig:
     # A remote lookup runs on a thread of its own; vLLM's scheduler waits this long for it at
     # most, then is told "not yet" and asks again at its next step (docs/vllm.md).
     lookup_wait_seconds: float = 0.01
+    # A lookup unanswered this long after the scheduler first asked for it is late: the
+    # request goes on as a miss and the guard rests the server as after a failure, so a
+    # hung or trickling server adds this much to a new request's first token, not the
+    # client's timeout. None: DEFAULT_LOOKUP_DEADLINE, or lookup_wait_seconds if longer
+    # (``lookup_deadline``).
+    lookup_deadline_seconds: float | None = None
     # A remote save that failed is sent again by the request's next save; its last save has
     # none: vLLM keeps a finished request's pages until the workers report it, which they do
     # at once where its saves were stored, else once the lost one was sent again (once, when
@@ -148,6 +159,13 @@ class ConnectorConfig:
         if self.exchange_timeout_seconds is not None:
             return self.exchange_timeout_seconds
         return EXCHANGE_TIMEOUTS * self.timeout_seconds
+
+    @property
+    def lookup_deadline(self) -> float:
+        """Seconds a remote lookup may take before its request goes on as a miss."""
+        if self.lookup_deadline_seconds is not None:
+            return self.lookup_deadline_seconds
+        return max(DEFAULT_LOOKUP_DEADLINE, self.lookup_wait_seconds)
 
     @property
     def resave_hold(self) -> float:
@@ -196,9 +214,13 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config.model_id: must be a non-empty string (the same on every "
                               "engine that should share blocks; leave the key out for vLLM's model path), got ''")
         for key in ("timeout_seconds", "retry_after_seconds", "retry_cap_seconds", "lookup_wait_seconds",
-                    "exchange_timeout_seconds"):
+                    "exchange_timeout_seconds", "lookup_deadline_seconds"):
             if key in extra:
                 kw[key] = _positive_float(key, extra[key])
+        if kw.get("lookup_deadline_seconds", math.inf) < kw.get("lookup_wait_seconds", 0.0):
+            # (the scheduler would wait past the deadline it then calls late)
+            raise ConfigError(f"kv_connector_extra_config.lookup_deadline_seconds: must be >= lookup_wait_seconds "
+                              f"({kw['lookup_wait_seconds']!r}), got {kw['lookup_deadline_seconds']!r}")
         if "resave_hold_seconds" in extra:
             value = extra["resave_hold_seconds"]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1e6:

@@ -165,6 +165,8 @@ class CacheSeekConnector(KVConnectorBase_V1):
                                             save=save, guard=StoreGuard(self.config, "scheduler"),
                                             block_ids=self._block_ids,
                                             lookup_wait_seconds=self.config.lookup_wait_seconds if self.config.remote
+                                            else None,
+                                            lookup_deadline_seconds=self.config.lookup_deadline if self.config.remote
                                             else None, background_loads=background_loads,
                                             hold_finished=save and self.config.resave_hold > 0)
         else:

@@ -28,6 +28,13 @@ objects, read through the few attributes named here.
   answers None, which vLLM takes as "ask again later" (it schedules other requests and
   asks at its next step). vLLM's scheduler, which every running request waits on, so
   never waits on the network for more than that, whatever the server does.
+- A request waits for its own lookup ``lookup_deadline_seconds`` at most, from the first
+  ask (time queued behind other lookups counts): a lookup still unanswered then is late,
+  and the request goes on as a miss (0 tokens, ``lookups_late``). Its answer, whenever it
+  comes, is not used: the request stays a miss until admitted. A late lookup is a failure
+  to the guard, which rests the server (``retry_after_seconds``, doubling), so while a
+  server hangs or trickles each new request skips the lookup rather than waiting out a
+  deadline of its own; the lookup that ends the rest is the guard's probe.
 - With ``background_loads`` (a server), a hit is offered as vLLM's asynchronous load: vLLM
   allocates the request's blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the
   workers load between steps (``StepPlan.background_loads``), the other requests running
@@ -42,6 +49,7 @@ objects, read through the few attributes named here.
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -68,6 +76,16 @@ class Hit:
 
 
 NO_HIT = Hit(0)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    """A remote lookup under way: each rank's answer to come, the guard's ticket for its
+    outcome, and when it is late (``time.monotonic()``; None: never)."""
+
+    ticket: Ticket
+    answers: list[Future]
+    late_at: float | None
 
 
 @dataclass(slots=True)
@@ -131,6 +149,7 @@ class SchedulerSide:
         guard: StoreGuard,
         block_ids: Callable[[str], list[int]],
         lookup_wait_seconds: float | None = None,
+        lookup_deadline_seconds: float | None = None,
         background_loads: bool = False,
         hold_finished: bool = False,
     ) -> None:
@@ -138,9 +157,11 @@ class SchedulerSide:
         # None: each lookup in the call (an embedded cache answers from memory); else the
         # most the call waits for a lookup running on its own thread (see the module doc).
         self.lookup_wait = lookup_wait_seconds
-        # req_id -> its ranks' lookups, and the guard's ticket for their outcome
-        self._running: OrderedDict[str, tuple[Ticket, list[Future]]] = OrderedDict()
-        self._abandoned: list[tuple[Ticket, list[Future]]] = []  # lookups of requests finished before their answer
+        # The most a request waits for its lookup in all, over every ask (None: until the
+        # client's own timeouts end it); past it the request goes on as a miss.
+        self.lookup_deadline = lookup_deadline_seconds
+        self._running: OrderedDict[str, _Lookup] = OrderedDict()  # req_id -> its ranks' lookups
+        self._abandoned: list[_Lookup] = []  # lookups of requests finished before their answer
         self._pool: ThreadPoolExecutor | None = None
         # A hit is loaded between steps (vLLM's asynchronous load: the request waits, the
         # others run), not inside the step that first computes the request.
@@ -164,7 +185,8 @@ class SchedulerSide:
 
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (vLLM's own hit) that can be loaded; None
-        while the store's answer is awaited (``lookup_wait_seconds``)."""
+        while the store's answer is awaited (``lookup_wait_seconds`` an ask at most, until
+        ``lookup_deadline_seconds``)."""
         if not self.load or getattr(request, "skip_reading_prefix_cache", False):
             return 0
         if unsupported_reason(request) is not None:
@@ -190,7 +212,10 @@ class SchedulerSide:
         hit = self._lookups.get(request.request_id)
         if hit is None:
             keys = lambda: request_keys(list(prompt[:limit]), extra_keys(request))  # noqa: E731
-            hit = self._lookup(keys()) if self.lookup_wait is None else self._awaited(request.request_id, keys)
+            if self.lookup_wait is None:
+                hit = self._lookup(keys())
+            else:
+                hit = self._awaited(request.request_id, keys, self.lookup_wait)
             if hit is None:
                 return None
             _remember(self._lookups, request.request_id, hit)
@@ -212,13 +237,14 @@ class SchedulerSide:
             return self._failed(exc, ticket)
         return self._found(found, ticket)
 
-    def _awaited(self, req_id: str, keys: Callable[[], Any]) -> Hit | None:
+    def _awaited(self, req_id: str, keys: Callable[[], Any], wait_seconds: float) -> Hit | None:
         """The request's lookup, started on the pool if it is not running yet (every rank's
-        at once), waited for ``lookup_wait`` seconds at most: None if unanswered by then.
-        The counts and the guard are kept here, in vLLM's scheduler thread."""
+        at once), waited for ``wait_seconds`` (``lookup_wait``) at most: None if unanswered by then,
+        a miss once it is late (``lookup_deadline``). The counts and the guard are kept
+        here, in vLLM's scheduler thread."""
         self._hear_abandoned()
-        lookups = self._running.get(req_id)
-        if lookups is None:
+        lookup = self._running.get(req_id)
+        if lookup is None:
             ticket = self.guard.allow()
             if ticket is None:
                 self.stats.lookup_skipped += 1
@@ -227,30 +253,49 @@ class SchedulerSide:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
             asked = keys()
-            lookups = ticket, [self._pool.submit(cache.locate, asked) for cache in self.caches]
-            self._abandoned += _remember(self._running, req_id, lookups)
-        ticket, running = lookups
-        if wait(running, timeout=self.lookup_wait).not_done:
-            self.stats.lookups_deferred += 1
-            return None
+            late_at = None if self.lookup_deadline is None else time.monotonic() + self.lookup_deadline
+            lookup = _Lookup(ticket, [self._pool.submit(cache.locate, asked) for cache in self.caches], late_at)
+            self._abandoned += _remember(self._running, req_id, lookup)
+        if lookup.late_at is not None:
+            wait_seconds = max(0.0, min(wait_seconds, lookup.late_at - time.monotonic()))
+        if wait(lookup.answers, timeout=wait_seconds).not_done:
+            if lookup.late_at is None or time.monotonic() < lookup.late_at:
+                self.stats.lookups_deferred += 1
+                return None
+            del self._running[req_id]
+            return self._late(lookup)
         del self._running[req_id]
         try:
-            return self._found([f.result() for f in running], ticket)
+            return self._found([f.result() for f in lookup.answers], lookup.ticket)
         except Exception as exc:  # noqa: BLE001 - a store that cannot answer is a miss, never a failed request
-            return self._failed(exc, ticket)
+            return self._failed(exc, lookup.ticket)
+
+    def _late(self, lookup: _Lookup) -> Hit:
+        """A lookup past its deadline: a miss, remembered as the request's until it is
+        admitted (forgotten here, its answer is never offered, so vLLM never loads a request
+        it scheduled as a miss), and a failure to the guard: the server rests, and the next
+        requests skip their lookups rather than each wait out its deadline."""
+        for answer in lookup.answers:
+            answer.cancel()  # (one still queued behind the pool's busy threads never runs)
+        self.stats.lookups_late += 1
+        late = TimeoutError(f"no answer within lookup_deadline_seconds ({self.lookup_deadline} s); the request "
+                            "goes on as a miss")
+        self.guard.failure("lookup", late, lookup.ticket)
+        return NO_HIT
 
     def _hear_abandoned(self) -> None:
         """Tell the guard how the lookups of requests finished before their answer ended:
         one may be the resting guard's probe, which, unanswered, kept it refusing every
         lookup for its probe timeout."""
         left = []
-        for ticket, running in self._abandoned:
+        for lookup in self._abandoned:
+            running = lookup.answers
             if not all(f.done() for f in running):
-                left.append((ticket, running))
+                left.append(lookup)
             elif (exc := next((f.exception() for f in running if f.exception() is not None), None)) is not None:
-                self.guard.failure("lookup", exc, ticket)
+                self.guard.failure("lookup", exc, lookup.ticket)
             else:
-                self.guard.success(ticket)
+                self.guard.success(lookup.ticket)
         self._abandoned = left
 
     def _found(self, found: list[Any], ticket: Ticket) -> Hit:

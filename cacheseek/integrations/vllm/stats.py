@@ -29,6 +29,8 @@ class ConnectorStats:
     lookup_skipped: int = _counter("not asked: the server failed recently (breaker open)")
     lookups_deferred: int = _counter(
         "asks answered 'not yet': the server's answer took longer than lookup_wait_seconds")
+    lookups_late: int = _counter(
+        "lookups unanswered within lookup_deadline_seconds: the request went on as a miss, the server rests")
     lookup_unaligned: int = _counter("vLLM's own hit ends inside a store block: nothing offered (see docs/vllm.md)")
     requests_unsupported: int = _counter("prompt embeddings, extra keys that cannot be keyed: neither loaded nor saved")
     requests_keyed: int = _counter("requests keyed by more than their tokens (LoRA, multimodal, cache salt)")
