@@ -5,6 +5,7 @@ No vLLM: its Request is read through attributes, as tests/test_vllm_pages.py doe
 from __future__ import annotations
 
 import threading
+import logging
 import time
 from types import SimpleNamespace
 
@@ -127,11 +128,13 @@ def test_a_late_lookups_answer_is_never_offered_and_a_trickle_rests_the_guard(tm
         close_cache(config, cache)
 
 
-def test_a_burst_of_new_requests_behind_a_trickling_server_waits_the_deadline_not_the_lookup_queue(tmp_path):
+def test_a_burst_of_new_requests_behind_a_trickling_server_waits_the_deadline_not_the_lookup_queue(tmp_path, caplog):
     """24 new requests at once, the server trickling: the scheduler's 8 lookup threads take
     8, the others queue behind them. Each request is held back about its deadline, then a
     miss; queued lookups past it never run. Before, each waited for its lookup and those
-    queued before it: 13 s, 26 s and 40 s in groups of 8."""
+    queued before it: 13 s, 26 s and 40 s in groups of 8. The late lookups, failing
+    together, are said in one log line, not one each."""
+    caplog.set_level(logging.WARNING, "cacheseek.integrations.vllm")
     with Server(tmp_path) as srv, FaultProxy(srv.port, mode="trickle", trickle_seconds=0.05) as proxy:
         config = ConnectorConfig.from_extra({"codec": "raw", "url": proxy.url, "block_tokens": 32})
         sched, cache = scheduler(config)
@@ -149,6 +152,8 @@ def test_a_burst_of_new_requests_behind_a_trickling_server_waits_the_deadline_no
         assert not pending and offered == {0}
         assert max(held.values()) < 5, sorted(held.values())  # 40 s for the last 8 before
         assert sched.stats.lookups_late >= 1 and sched.guard.breaker.state == "open"
+        said = [r.getMessage() for r in caplog.records if "lookup failed" in r.getMessage()]
+        assert len(said) == 1 and "lookup_deadline_seconds" in said[0], said
         sched.close()
         close_cache(config, cache)
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import logging
 
+from ...log_throttle import LogThrottle
 from ...store.breaker import CircuitBreaker, ExponentialBackoff, Ticket
 from ...tls import untrusted_certificate
 from .config import ConnectorConfig
 
 log = logging.getLogger("cacheseek.integrations.vllm")
+
+LOG_SECONDS = 10.0  # a failure is said at once, then at most once per this many seconds
 
 
 class StoreGuard:
@@ -28,6 +31,9 @@ class StoreGuard:
         if config.remote:
             backoff = ExponentialBackoff(base_seconds=config.retry_after_seconds, cap_seconds=config.retry_cap_seconds)
             self.breaker = CircuitBreaker(failure_threshold=1, backoff=backoff)
+        # Calls allowed before the server failed fail together (a burst of new requests'
+        # lookups behind a hung server, each late at its deadline): a line each buried the log.
+        self._said = LogThrottle(LOG_SECONDS)
 
     def allow(self) -> Ticket | None:
         """A ticket if the store may be called now (hand it to ``success`` or ``failure``),
@@ -48,8 +54,11 @@ class StoreGuard:
         # RemoteCache's own advice names its verify=, which a vLLM user never calls
         hint = ("; the server's TLS certificate is not trusted: give kv_connector_extra_config.ca_bundle the CA "
                 "bundle (PEM) that signed it, or set SSL_CERT_FILE" if untrusted_certificate(exc) else "")
-        log.warning("cacheseek %s: %s failed (%s: %s)%s; vLLM computes instead", self.side, what,
-                    type(exc).__name__, exc, hint)
+        count = self._said.due()
+        if count:
+            also = f" (and {count - 1} more failed calls since the last line)" if count > 1 else ""
+            log.warning("cacheseek %s: %s failed (%s: %s)%s%s; vLLM computes instead", self.side, what,
+                        type(exc).__name__, exc, hint, also)
 
 
 _EMBEDDED = Ticket(0)  # (an embedded cache has no breaker: every call allowed)
