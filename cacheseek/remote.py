@@ -1032,7 +1032,10 @@ class RemoteCache(PrefixCacheBase):
         call but ``client_stats`` then raises ``RuntimeError``. With ``exchange_timeout``
         set, the queued writes get that long in all: those not answered by then are dropped,
         as in an outage (``errors["server"]``), the exchange under way then cut, so ``close``
-        returns within about ``exchange_timeout`` (not through a proxy)."""
+        returns within about ``exchange_timeout`` (not through a proxy). Then the exchanges
+        other threads have under way (a load on an engine's loader thread) are cut too: each
+        such call raises the closed error at once, rather than holding the process's exit
+        for up to ``exchange_timeout`` against a server that trickles its answer."""
         # Each write's exchanges were bounded alone: against a server (or a front) dribbling
         # its answers, close() took failure_threshold times exchange_timeout, until the
         # breaker opened, and a lenient breaker's more.
@@ -1048,6 +1051,10 @@ class RemoteCache(PrefixCacheBase):
             fetcher, self._fetcher = self._fetcher, None
             first, self._first_lookups = self._first_lookups, None
         self._http.close()
+        # (after the queued writes' own drain above: every exchange still running is another
+        # thread's call, and Python's exit joins an executor's threads, so one left to run
+        # held the process's exit for its whole exchange_timeout)
+        self._transport.cut_off_at(time.monotonic())
         for pool in (fetcher, first):
             if pool is not None:
                 pool.shutdown(cancel_futures=True)  # (no wait: an exchange under way ends on the closed client)
@@ -1077,6 +1084,11 @@ class RemoteCache(PrefixCacheBase):
             self._outages.count("busy_refusals")
             raise
         except RemoteUnavailable as exc:
+            if self._closed:
+                # Cut by close() from another thread (or met its closed transport): this
+                # client's own end, not the server's failure, so no outage is counted or logged.
+                self.breaker.record_unsent(ticket)
+                raise self._closed_error() from None
             if self._behind.exiting_here():
                 # A write cut at interpreter exit: this client's own limit, not the server's
                 # failure. Counted, its queue's cut writes opened the breaker under the
