@@ -11,7 +11,8 @@ serves every call, over ``BulkTransport`` (keep-alive, a connection pool, bodies
 one copy, https with the client's ``verify``, proxies honoured); the object is safe to share
 between threads.
 
-An outage (the server down, unreachable, timing out, or answering 503) raises
+An outage (the server down, unreachable, timing out, answering 503, or a front answering
+a page of its own, not the server's JSON) raises
 ``RemoteUnavailable`` by default (``on_unavailable="raise"``). With ``on_unavailable="miss"``
 it is a miss instead: ``lookup`` 0, ``materialize`` nothing, ``prefetch`` None, and
 ``ingest`` reports its blocks failed (``errors["server"]``), so a worker's hot path needs no
@@ -80,6 +81,10 @@ FETCH_IDLE_SECONDS = 5.0
 START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
+# Error statuses whose answer is an error whoever sent it, its body the server's JSON or not:
+# a refused token (a misconfiguration a miss would hide), a body too large (split and sent
+# again, a proxy's limit too), a rate limit (busy).
+REFUSAL_STATUSES = (401, 403, 413, 429)
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 # Chains in one lookup of several: their lengths (the query) and tokens (a header) ride in the
@@ -1429,6 +1434,15 @@ class RemoteCache(PrefixCacheBase):
         # "later", about this request, not that the service is gone.
         if response.status_code == 429 or response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path, fields=fields)
+        own = isinstance(answer, dict) and isinstance(answer.get("error"), str)
+        if not own and response.status_code not in REFUSAL_STATUSES + OUTAGE_STATUSES:
+            # Every error the server sends is its JSON {"error": ...}: another body (an
+            # ingress's default 404 page, a proxy's 500 or 407) is a front's, not the service,
+            # as a 2xx answer that is not JSON is. Raised as the error it was, a front's page
+            # failed every call of a hot path under on_unavailable="miss", and never rested
+            # the breaker. (502, 503, 504: outages whatever their body, in _guarded.)
+            raise RemoteUnavailable(f"the answer is not the CacheSeek server's (no JSON error): {reason}",
+                                    status=response.status_code, url=self.url + path, fields=fields)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path, fields=fields)
 
 

@@ -1396,6 +1396,47 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_or_a_429_is_not(caplo
     assert stats["refused_by_breaker"] == 0
 
 
+@pytest.mark.parametrize("status", [b"404 Not Found", b"500 Internal Server Error",
+                                    b"407 Proxy Authentication Required", b"422 Unprocessable Entity"])
+def test_a_fronts_error_page_is_an_outage_and_the_servers_own_json_error_is_not(status):
+    """Every error the server sends is its JSON ``{"error": ...}``. A front's HTML page (an
+    ingress's default 404, a proxy's 500 or 407) was raised as a ``RemoteError`` from every
+    call under ``on_unavailable="miss"`` (a hot path promised it needs no ``try``) and never
+    opened the breaker. It is an outage now, as a 2xx page is; the same status with the
+    server's JSON error is still the error it says, and a 401 or 403 page an error too (a
+    refused token: a miss would hide it)."""
+    from fake_http import FakeServer
+
+    toks, kv = tokens_for(35, 2 * BLOCK), make_kv(2 * BLOCK, 35)
+    page = _answers(b"HTTP/1.1 " + status, b"<html><body><h1>" + status + b"</h1></body></html>",
+                    headers=b"content-type: text/html\r\n")
+    with FakeServer(page) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, on_unavailable="miss",
+                                                   trust_env=False) as cache:
+        assert cache.lookup(toks) == 0 and cache.materialize(toks).num_tokens == 0
+        assert cache.ingest(toks, kv).failed == 2
+        assert cache.ingest(toks, kv, wait=False).result(10).failed == 2
+        stats = cache.client_stats()
+        assert stats["outages"] == 1 and stats["unavailable_calls"] == 3, stats
+        assert stats["breaker"]["state"] == "open" and status[:3].decode() in stats["last_error"]
+    with FakeServer(page) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                   block_tokens=BLOCK, timeout=5, trust_env=False) as cache:
+        with pytest.raises(cs.RemoteUnavailable, match="not the CacheSeek server's") as info:
+            cache.lookup(toks)
+        assert info.value.status == int(status[:3])
+    own = _answers(b"HTTP/1.1 " + status, b'{"error": "the server says no"}',
+                   headers=b"content-type: application/json\r\n")
+    for script, reason in ((own, "the server says no"), (_answers(b"HTTP/1.1 401 Unauthorized", b"<html>log in</html>"),
+                                                         "<html>log in</html>")):
+        with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
+                                                         block_tokens=BLOCK, timeout=5, on_unavailable="miss",
+                                                         trust_env=False) as cache:
+            with pytest.raises(cs.RemoteError) as info:
+                cache.lookup(toks)
+            assert not isinstance(info.value, cs.RemoteUnavailable) and info.value.reason == reason
+            assert cache.client_stats()["outages"] == 0
+
+
 def test_a_server_that_dribbles_its_answer_is_an_outage_at_the_exchange_timeout():
     from fake_http import FakeServer
 
