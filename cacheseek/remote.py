@@ -75,6 +75,7 @@ CONTINUES_HEADER = "X-CacheSeek-Continues"  # a lookup piece's first position, a
 # A lookup sent again for a query the server counted already (after a prefix GET's 404): not counted again.
 AGAIN_HEADER = "X-CacheSeek-Again"
 BAD_FRAME_LOG_SECONDS = 60.0  # a fetched frame that fails its check: said at most this often
+CUT_ANSWER_LOG_SECONDS = 60.0  # a prefix's answer whose connection ended mid-body: said at most this often
 # A batch's fetch threads exit after this long without a fetch: far above the gap between
 # the batches of an engine's step loop (milliseconds), so those never start threads again.
 FETCH_IDLE_SECONDS = 5.0
@@ -112,9 +113,10 @@ class _Outages:
         self._since: float | None = None
         self.counts = {"outages": 0, "unavailable_calls": 0, "refused_by_breaker": 0, "missed_lookups": 0,
                        "missed_materializes": 0, "missed_prefetches": 0, "dropped_blocks": 0, "busy_refusals": 0,
-                       "pool_timeouts": 0, "bad_frames": 0}
+                       "pool_timeouts": 0, "bad_frames": 0, "cut_answers": 0}
         self.last_error = ""
         self._bad_said = LogThrottle(BAD_FRAME_LOG_SECONDS)
+        self._cut_said = LogThrottle(CUT_ANSWER_LOG_SECONDS)
 
     def failed(self, exc: BaseException, *, refused: bool = False) -> None:
         with self._lock:
@@ -145,6 +147,18 @@ class _Outages:
             log.warning("cacheseek server %s sent a frame for block %s that fails its check (%s): the prefix ends "
                         "before it (client_stats()['bad_frames'] counts them; this line once a minute at most)",
                         self.url, key.hex(), exc)
+
+    def cut_answer(self, path: str, frames: int, exc: BaseException) -> None:
+        """A prefix's answer whose connection ended mid-body (a server killed, a front's body
+        or buffer limit, a reset): its ``frames`` whole frames stand. Counted, and said once a
+        minute at most (with the cuts held back since), so a front that cuts every large
+        answer shows why the hit rate fell."""
+        with self._lock:
+            self.counts["cut_answers"] += 1
+        if said := self._cut_said.due():
+            log.warning("CacheSeek server %s: the answer to GET %s ended after %d whole frames (%s): a shorter "
+                        "prefix is loaded (%d such answers since this was last said; client_stats()['cut_answers'] "
+                        "counts them; this line once a minute at most)", self.url, path, frames, exc, said)
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -1022,6 +1036,8 @@ class RemoteCache(PrefixCacheBase):
         ``on_unavailable="miss"``), ``busy_refusals`` (``RemoteBusy``: the server up, its
         request bodies in flight at their cap), ``pool_timeouts`` (``PoolExhausted``: calls that
         waited past their timeout for a connection of this client's pool, not sent),
+        ``bad_frames`` (fetched frames that failed their check), ``cut_answers`` (prefix
+        answers whose connection ended mid-body: the whole frames before the cut loaded),
         ``in_outage``, ``last_error``, the breaker's state, and ``write_behind``: the
         ``wait=False`` ingests (queued, done, refused past ``max_pending_bytes`` and the
         blocks of those, ``blocks_refused``, failed:
@@ -1375,8 +1391,15 @@ class RemoteCache(PrefixCacheBase):
                         if i >= start:
                             frames.append(BlockFrame(meta, host=memoryview(buf).cast("B"), sealed=True, lease=lease))
                         i += 1
-                except (FrameError, BatchFormatError, BatchTooLarge, httpx.RemoteProtocolError, httpx.ReadError):
-                    pass  # a bad, oversized or cut-short frame ends the prefix; the whole ones before it stand
+                except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                    # The connection ended mid-body: the whole frames before it stand, and the
+                    # cut is counted. Not a failure for the breaker (the server answered, and the
+                    # part that came is used): a front that cuts every large answer opened it,
+                    # and then refused the lookups and small loads it passes whole. A server
+                    # gone for good fails the next call's connect, which the breaker counts.
+                    self._outages.cut_answer(path, len(frames), exc)
+                except (FrameError, BatchFormatError, BatchTooLarge):
+                    pass  # a bad or oversized frame ends the prefix; the whole ones before it stand
         except httpx.TransportError as exc:
             # Before a body (no answer, or one that is not HTTP), as for any other call.
             raise self._unreached(exc, path) from None

@@ -2320,6 +2320,34 @@ def test_a_prefix_answer_cut_at_any_byte_gives_the_frames_whole_before_it_and_ev
         assert cache.client_stats()["read_buffers"]["lease_double_releases"] == 0
 
 
+def test_a_prefix_answer_cut_mid_body_is_counted_and_said_once_not_an_outage(srv, caplog):
+    """A materialize whose answer's connection ended mid-body returned the shorter prefix
+    with nothing in ``client_stats()`` to say so: a front cutting every large answer (a
+    proxy's body limit) took the hit rate to near zero unseen. Each cut is counted in
+    ``cut_answers`` and logged, once a minute at most; it is no outage, and the breaker
+    stays closed (the server answered, and what came is used)."""
+    toks, kv = tokens_for(134, 3 * BLOCK), make_kv(3 * BLOCK, 134)
+    with _remote(srv, cs.Raw(), namespace="cut-count") as writer:
+        assert writer.ingest(toks, kv).stored == 3
+    payload = max(part.planned_payload().nbytes for part in writer.block_format.parts())
+    with _StallingFront(srv.port, b"GET /v1/prefixes", after=1 << 30, hold=False) as front, cs.RemoteCache(
+            front.url, model_id="parity", layout=LAYOUT, codec=cs.Raw(), block_tokens=BLOCK, namespace="cut-count",
+            token="w", timeout=5, trust_env=False, on_unavailable="miss") as cache:
+        assert_prefix_equal(cache.materialize(toks), kv, 3 * BLOCK)
+        assert cache.client_stats()["cut_answers"] == 0  # a whole answer
+        front.after = front.head_bytes + 2 * payload  # the first frame whole, the second begun
+        with caplog.at_level("WARNING", logger="cacheseek.remote"):
+            for _ in range(3):
+                got = cache.materialize(toks)
+                assert got.num_blocks == 1
+                assert_prefix_equal(got, kv, BLOCK)
+        stats = cache.client_stats()
+        assert stats["cut_answers"] == 3 and stats["outages"] == stats["unavailable_calls"] == 0, stats
+        assert stats["breaker"]["state"] == "closed"
+        said = [r.getMessage() for r in caplog.records if "cut_answers" in r.getMessage()]
+        assert len(said) == 1 and "ended after 1 whole frames" in said[0], said
+
+
 _GOOD_LOOKUP = {"matched": 0, "tiers": [], "present": [False, False], "durability": "durable"}
 
 
