@@ -1463,9 +1463,9 @@ class RemoteCache(PrefixCacheBase):
             # ingress's default 404 page, a proxy's 500 or 407) is a front's, not the service,
             # as a 2xx answer that is not JSON is. Raised as the error it was, a front's page
             # failed every call of a hot path under on_unavailable="miss", and never rested
-            # the breaker. (502, 503, 504: outages whatever their body, in _guarded.)
-            raise RemoteUnavailable(f"the answer is not the CacheSeek server's (no JSON error): {reason}",
-                                    status=response.status_code, url=self.url + path, fields=fields)
+            # the breaker. (502, 503, 504: outages whatever their body, in _guarded.) Its
+            # reason is the page's text, as any error's not the server's JSON.
+            raise RemoteUnavailable(str(reason), status=response.status_code, url=self.url + path, fields=fields)
         raise RemoteError(str(reason), status=response.status_code, url=self.url + path, fields=fields)
 
 
