@@ -32,6 +32,8 @@ What it holds to, since it is hand-written (each case is tested against a fake s
   a new connection, if it is idempotent (GET, HEAD, PUT, DELETE, OPTIONS, or marked with
   the ``cacheseek_idempotent`` extension) and its body can be sent again (bytes, or a
   stream with ``replayable = True``).
+- A new connection is made within the connect timeout in all, its name's lookup included,
+  its addresses tried staggered, the one that connected last first (``cacheseek.connect``).
 - ``https`` is carried here too, with the client's ``ssl.SSLContext`` (``verify``: a bool,
   a CA bundle path, or a context). A proxy (``proxy=``, or ``HTTP(S)_PROXY``/``ALL_PROXY``
   from the environment unless ``NO_PROXY`` covers the host, with ``trust_env``) sends the
@@ -57,6 +59,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+
+from .connect import open_socket
 
 BODY_EXTENSION = "cacheseek_body"
 IDEMPOTENT_EXTENSION = "cacheseek_idempotent"
@@ -247,7 +251,7 @@ class BulkTransport(httpx.BaseTransport):
                     _close(sock)
         scheme, host, port = key
         try:
-            sock = _open_socket(host, port, timeouts.get("connect"))
+            sock = open_socket(host, port, timeouts.get("connect"))
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(str(exc), request=request) from None
         except OSError as exc:
@@ -708,7 +712,7 @@ def _if_tls(cause: BaseException, lease: _Lease, timeouts: dict) -> BaseExceptio
     probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE  # (whether it speaks TLS, not whom)
     connect = lease.connect_timeouts(timeouts).get("connect")
     try:
-        with socket.create_connection((host, port), timeout=min(connect or _PROBE_SECONDS, _PROBE_SECONDS)) as raw, \
+        with open_socket(host, port, min(connect or _PROBE_SECONDS, _PROBE_SECONDS)) as raw, \
                 probe.wrap_socket(raw, server_hostname=host):
             pass
     except ssl.SSLError as exc:
@@ -834,31 +838,6 @@ def _sendall_each(sock: socket.socket, buffers: list[Any], pace: Callable[[], No
     for b in buffers:
         pace()  # (sendall's timeout bounds the whole call)
         sock.sendall(b)
-
-
-def _open_socket(host: str, port: int, timeout: float | None) -> socket.socket:
-    """A TCP connection to ``host``, its addresses tried in turn within ``timeout`` in all
-    (``socket.create_connection`` gives each address the whole timeout: a name with two
-    addresses that drop packets, a dual-stack host whose IPv6 route is dead, took twice
-    the bound). The name's lookup itself is not bounded here."""
-    due = None if timeout is None else time.monotonic() + timeout
-    error: OSError | None = None
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
-        left = None if due is None else due - time.monotonic()
-        if left is not None and left <= 0:
-            break
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(left)
-            sock.connect(address)
-            sock.settimeout(timeout)
-            return sock
-        except OSError as exc:
-            sock.close()
-            error = exc
-    if due is not None and time.monotonic() >= due:
-        raise TimeoutError(f"timed out connecting to {host}:{port} (every address, within {timeout} s)")
-    raise error if error is not None else OSError(f"{host}:{port}: no address to connect to")
 
 
 def _alive(sock: socket.socket) -> bool:

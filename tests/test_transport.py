@@ -413,12 +413,119 @@ def test_a_name_of_two_unanswering_addresses_is_given_up_within_the_bound_not_tw
         with httpx.Client(base_url=f"http://two.invalid:{port}", transport=transport,
                           timeout=httpx.Timeout(timeout, pool=1)) as c:
             start = time.monotonic()
-            with pytest.raises(httpx.TimeoutException):
+            with pytest.raises(httpx.TimeoutException) as info:
                 c.get("/stats")
             assert 0.9 < time.monotonic() - start < 1.8  # (2 s: each address given the whole bound)
+            assert f"127.0.0.1:{port}" in str(info.value) and f"127.0.0.2:{port}" in str(info.value)  # both tried
     finally:
         for sock in [first, second, *held1, *held2]:
             sock.close()
+
+
+def _names(monkeypatch, answers) -> None:
+    """``socket.getaddrinfo`` of each name in ``answers`` is ``answers[name](port)``; other
+    names, and address literals, as ever."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        if host in answers and not flags & socket.AI_NUMERICHOST:
+            return answers[host](port)
+        return real(host, port, family, type, proto, flags)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def _at(*addresses: str):
+    return lambda port: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port)) for a in addresses]
+
+
+def test_a_name_whose_first_address_drops_packets_connects_through_the_next(monkeypatch):
+    """The first address was given the whole connect budget: a name whose first address
+    drops SYNs (a dead IPv6 route listed first) was an outage for good, though its second
+    answered, and the error said "every address". The next address starts a quarter second
+    on (Happy Eyeballs, RFC 8305), the one that connected is tried first from then on, and a
+    name none of whose addresses answers says which were tried."""
+    from cacheseek.connect import RESOLVER
+
+    with FakeServer(lambda n, head: (OK, False)) as srv:
+        hole, held = _unanswered("127.0.0.2", srv.port)
+        try:
+            _names(monkeypatch, {"first-dead.invalid": _at("127.0.0.2", "127.0.0.1"),
+                                 "none-listening.invalid": _at("127.0.0.3", "127.0.0.4")})
+            transport = BulkTransport(max_connections=1, trust_env=False)
+            with httpx.Client(base_url=f"http://first-dead.invalid:{srv.port}", transport=transport,
+                              timeout=httpx.Timeout(3, pool=1)) as c:
+                start = time.monotonic()
+                assert c.get("/fine").content == b"ok"  # (the old code: ConnectTimeout at 3 s)
+                assert time.monotonic() - start < 2.5
+            first = RESOLVER.addresses("first-dead.invalid", srv.port, None)[0]
+            assert first[4] == ("127.0.0.1", srv.port)  # the address that connected, first next time
+            with httpx.Client(base_url=f"http://none-listening.invalid:{srv.port}",
+                              transport=BulkTransport(max_connections=1, trust_env=False),
+                              timeout=httpx.Timeout(3, pool=1)) as c, pytest.raises(httpx.ConnectError) as info:
+                c.get("/fine")
+            assert f"127.0.0.3:{srv.port}" in str(info.value) and f"127.0.0.4:{srv.port}" in str(info.value)
+        finally:
+            for sock in [hole, *held]:
+                sock.close()
+
+
+def test_a_name_lookup_never_answered_is_a_connect_timeout_naming_dns_one_lookup_at_a_time(monkeypatch):
+    """``getaddrinfo`` knows no timeout: with a dead resolver every connect (every breaker
+    probe) waited its ~10 s whatever the client's timeout. The lookup is held to the connect
+    budget now, a late one a ConnectTimeout that names DNS, and the calls that come while it
+    is out wait for that one lookup rather than each start a thread of its own."""
+    release, lookups = threading.Event(), []
+
+    def hung(port):
+        lookups.append(port)
+        release.wait(20)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    _names(monkeypatch, {"hung-dns.invalid": hung})
+    try:
+        transport = BulkTransport(max_connections=2, trust_env=False)
+        with httpx.Client(base_url="http://hung-dns.invalid:8080", transport=transport,
+                          timeout=httpx.Timeout(5, connect=0.5, pool=1)) as c:
+            for _ in range(3):
+                start = time.monotonic()
+                with pytest.raises(httpx.ConnectTimeout, match=r"DNS.*hung-dns\.invalid"):
+                    c.get("/v1/stats")
+                assert time.monotonic() - start < 4  # (the resolver's own 20 s before)
+        assert lookups == [8080]
+    finally:
+        release.set()
+
+
+def test_a_resolver_that_fails_for_now_leaves_the_names_last_addresses_in_use(monkeypatch):
+    """A resolver that stops answering (``EAI_AGAIN``: a DNS outage) made every new
+    connection fail, the server itself up. The name's last good addresses are used meanwhile;
+    a name never resolved is an error that names the lookup."""
+    dead = threading.Event()
+
+    def flaky(port):
+        if dead.is_set():
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return _at("127.0.0.1")(port)
+
+    def never(port):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    _names(monkeypatch, {"flaky-dns.invalid": flaky, "never-resolved.invalid": never})
+    with FakeServer(lambda n, head: (OK, True)) as srv:  # (closes each connection: each request a new one)
+        transport = BulkTransport(max_connections=1, trust_env=False)
+        with httpx.Client(base_url=f"http://flaky-dns.invalid:{srv.port}", transport=transport,
+                          timeout=httpx.Timeout(5, pool=1)) as c:
+            assert c.get("/a").content == b"ok"
+            dead.set()
+            for _ in range(2):
+                assert c.get("/b").content == b"ok"
+        assert srv.connections == 3
+        with httpx.Client(base_url=f"http://never-resolved.invalid:{srv.port}",
+                          transport=BulkTransport(max_connections=1, trust_env=False),
+                          timeout=httpx.Timeout(5, pool=1)) as c, \
+                pytest.raises(httpx.ConnectError, match=r"name lookup \(DNS\) of never-resolved\.invalid"):
+            c.get("/a")
 
 
 def test_a_request_body_a_server_never_reads_is_cut_off_at_the_exchange_timeout():
