@@ -1053,7 +1053,8 @@ class RemoteCache(PrefixCacheBase):
         call but ``client_stats`` then raises ``RuntimeError``. With ``exchange_timeout``
         set, the queued writes get that long in all: those not answered by then are dropped,
         as in an outage (``errors["server"]``), the exchange under way then cut, so ``close``
-        returns within about ``exchange_timeout`` (not through a proxy). Then the exchanges
+        returns within about ``exchange_timeout`` (through a proxy, an exchange waiting for
+        its answer's head is not cut: ``BulkTransport._through_proxy``). Then the exchanges
         other threads have under way (a load on an engine's loader thread) are cut too: each
         such call raises the closed error at once, rather than holding the process's exit
         for up to ``exchange_timeout`` against a server that trickles its answer."""

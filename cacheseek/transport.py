@@ -38,7 +38,8 @@ What it holds to, since it is hand-written (each case is tested against a fake s
   a CA bundle path, or a context). A proxy (``proxy=``, or ``HTTP(S)_PROXY``/``ALL_PROXY``
   from the environment unless ``NO_PROXY`` covers the host, with ``trust_env``) sends the
   request through httpx's own transport with the same TLS settings: honoured, at httpx's
-  speed. Any other scheme is refused (``httpx.UnsupportedProtocol``).
+  speed, its exchange deadline and cutoff applied at its start, to each read and write and
+  between its answer's pieces, but not to a head the proxy trickles (``_through_proxy``). Any other scheme is refused (``httpx.UnsupportedProtocol``).
 - A URL of the wrong scheme is said so, in the error's message (its type unchanged): an
   ``http`` answer that is a TLS record, or a fresh ``http`` connection closed before any
   answer by a server that a TLS handshake then reaches (asked on that error path only),
@@ -91,7 +92,10 @@ class BulkTransport(httpx.BaseTransport):
         byte to its answer's last (None: no bound); a new connection's connect and TLS
         handshake are held to what is left of it too. httpx's timeouts bound each read and
         write alone, so a peer that sends a byte now and then within them would otherwise
-        hold the caller for good. Not applied through a proxy (httpx's transport)."""
+        hold the caller for good. Through a proxy (httpx's transport) it is applied less
+        tightly: at the exchange's start, to each read and write (held to what was left of it
+        then) and between the pieces of its answer, so a proxy that trickles an answer's head
+        is held to the read timeout per byte only (``_through_proxy``)."""
         self.chunk_bytes = chunk_bytes
         self.exchange_timeout = exchange_timeout
         self.ssl_context = ssl_context(verify)
@@ -107,6 +111,7 @@ class BulkTransport(httpx.BaseTransport):
         self._cutoff: float | None = None  # (time.monotonic()) no exchange runs past it: ``cut_off_at``
         self._thread_cutoffs: dict[int, float] = {}  # (thread ident) as ``_cutoff``, for that thread's exchanges
         self._leases: set[_Lease] = set()  # the exchanges under way, for a cutoff that is due now
+        self._proxied_threads: list[int] = []  # (thread idents) proxied exchanges under way, one entry each
 
     # -- httpx.BaseTransport ---------------------------------------------------------------
 
@@ -131,15 +136,18 @@ class BulkTransport(httpx.BaseTransport):
                 raise stale.error from None
         return self._exchange(request, fresh=True)
 
-    def cut_off_at(self, when: float, *, thread: int | None = None) -> None:
+    def cut_off_at(self, when: float, *, thread: int | None = None) -> int:
         """No exchange runs past ``when`` (``time.monotonic()``): one under way is held to
         it at its next read or write, and one begun after it fails at once
         (``httpx.ReadTimeout``), unsent. ``RemoteCache.close()`` bounds the sending of its
         queued writes so. A ``when`` already past also cuts the exchanges under way now: their
         sockets are shut down, so a read blocked for up to its ``timeout`` returns at once.
         ``thread`` (an ident): only that thread's exchanges (interpreter exit cuts a cache's
-        sender so, while threads the program left running go on calling it). Not applied
-        through a proxy."""
+        sender so, while threads the program left running go on calling it). Through a
+        proxy, an exchange begun after ``when`` fails at once too, and one under way ends at
+        the next piece of its answer, but one still waiting for its answer's head cannot be
+        cut: the number of those (of the threads concerned) is returned, for a caller that
+        says what it cut."""
         with self._lock:
             if thread is None:
                 self._cutoff = when if self._cutoff is None else min(self._cutoff, when)
@@ -148,8 +156,10 @@ class BulkTransport(httpx.BaseTransport):
             now = time.monotonic()
             leases = [lease for lease in self._leases
                       if (cutoff := self._cutoff_for(lease.thread)) is not None and cutoff <= now]
+            uncut = sum(1 for t in self._proxied_threads if thread is None or t == thread)
         for lease in leases:
             lease.abort()
+        return uncut
 
     def _cutoff_for(self, thread: int) -> float | None:
         """The cutoff over an exchange of ``thread``'s (None: none)."""
@@ -338,7 +348,47 @@ class BulkTransport(httpx.BaseTransport):
         return transport
 
     def _through_proxy(self, proxy: str, request: httpx.Request) -> httpx.Response:
-        return self._proxy_transport(proxy).handle_request(request)
+        """``request`` through httpx's transport, which knows neither ``exchange_timeout`` nor
+        ``cut_off_at``: both are checked as the exchange starts (past them, nothing is sent),
+        each read and write is held to what is left then, and the answer's body is checked
+        between its pieces. What cannot be bounded so: an answer's head that the proxy
+        trickles, each byte within the read timeout."""
+        thread = threading.get_ident()
+        started = time.monotonic()
+        deadline = None if self.exchange_timeout is None else started + self.exchange_timeout
+        cutoff = self._cutoff_for(thread)
+        due = deadline if cutoff is None or (deadline is not None and deadline <= cutoff) else cutoff
+        if due is not None:
+            left = due - started
+            if left <= 0:
+                raise httpx.ReadTimeout(_Lease.cut_off_error(), request=request)
+            held = {name: left if value is None else min(value, left)
+                    for name, value in request.extensions.get("timeout", {}).items()}
+            request.extensions = {**request.extensions, "timeout": {"connect": left, "read": left, "write": left,
+                                                                    "pool": left, **held}}
+        with self._lock:
+            self._proxied_threads.append(thread)
+        try:
+            response = self._proxy_transport(proxy).handle_request(request)
+        except BaseException:
+            self._proxy_done(thread)
+            raise
+        response.stream = _ProxiedBody(self, response.stream, request, thread, deadline)
+        return response
+
+    def _proxy_done(self, thread: int) -> None:
+        with self._lock:
+            self._proxied_threads.remove(thread)
+
+    def _proxy_due(self, thread: int, deadline: float | None) -> str | None:
+        """Why a proxied exchange of ``thread``'s is over (None: it is not)."""
+        now = time.monotonic()
+        cutoff = self._cutoff_for(thread)
+        if cutoff is not None and cutoff <= now:
+            return _Lease.cut_off_error()
+        if deadline is not None and deadline <= now:
+            return f"the exchange took longer than its limit of {self.exchange_timeout} s (exchange_timeout)"
+        return None
 
     # -- the request -----------------------------------------------------------------------
 
@@ -619,6 +669,32 @@ class _Body(httpx.SyncByteStream):
             return
         self._sock = None
         self._lease.release(reusable=self._done and self._reusable and not self._rest)
+
+
+class _ProxiedBody(httpx.SyncByteStream):
+    """A proxied answer's body (httpx's stream), ended between two pieces once its exchange
+    is past its deadline or the transport's cutoff (``httpx.ReadTimeout``; its connection
+    closed with it, by httpx)."""
+
+    def __init__(self, transport: BulkTransport, stream: Any, request: httpx.Request, thread: int,
+                 deadline: float | None) -> None:
+        self._transport, self._stream, self._request = transport, stream, request
+        self._thread, self._deadline = thread, deadline
+        self._open = True
+
+    def __iter__(self) -> Iterator[bytes]:
+        for piece in self._stream:
+            why = self._transport._proxy_due(self._thread, self._deadline)
+            if why is not None:
+                self.close()
+                raise httpx.ReadTimeout(why, request=self._request)
+            yield piece
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._transport._proxy_done(self._thread)
+        self._stream.close()
 
 
 class _LineReader:

@@ -56,12 +56,21 @@ def _at_exit() -> None:
         for b in behinds:
             b._cut_off_at(start + b.exit_timeout, sender_only=True)
         for b in behinds:
+            uncut = 0
             if not b.flush(max(start + b.exit_timeout - time.monotonic(), 0.0)):
-                b._cut_off_at(time.monotonic(), sender_only=True)
+                uncut = b._cut_off_at(time.monotonic(), sender_only=True)
             # (counted, not the flush's answer: the cut comes due when the flush's wait ends, and
             # writes it failed (answered as misses) often drained the queue just before it did)
             dropped = b.dropped_at_exit()
-            if dropped:
+            if dropped and uncut:
+                # (through a proxy, an exchange waiting for its answer's head cannot be cut:
+                # the line said "dropped" while that write went on being sent for minutes)
+                log.warning("%s never closed: at interpreter exit, %d writes in the background (ingest wait=False) "
+                            "were not answered within its exit_timeout (%s s): those queued are dropped, but the "
+                            "one being sent through a proxy cannot be cut before its answer begins, and exit "
+                            "waits for it (up to the cache's timeout for each read)", b.owner, dropped,
+                            b.exit_timeout)
+            elif dropped:
                 log.warning("%s never closed: at interpreter exit, %d writes in the background (ingest wait=False) "
                             "not answered within its exit_timeout (%s s) are dropped", b.owner, dropped,
                             b.exit_timeout)
@@ -76,13 +85,14 @@ getattr(threading, "_register_atexit", lambda hook: None)(_at_exit)
 
 class WriteBehind:
     def __init__(self, max_bytes: int, *, owner: str = "WriteBehind", exit_timeout: float = 5.0,
-                 cut_off: Callable[..., None] | None = None) -> None:
+                 cut_off: Callable[..., int | None] | None = None) -> None:
         """``owner``: the cache's name, for the error of a write queued after ``close``.
         ``cut_off(when, thread=None)``: no exchange (of ``thread``'s alone, an ident, where
         given) runs past ``when`` (``time.monotonic()``), those under way cut at once once it
         is past (``BulkTransport.cut_off_at``); at interpreter exit, the sender's,
         ``exit_timeout`` seconds from its start (threads the program left running may go on
-        calling the cache). None: exit waits for the writes, as ``close`` does."""
+        calling the cache); it answers how many exchanges under way it could not end (a
+        proxied one waiting for its answer). None: exit waits for the writes, as ``close`` does."""
         self.max_bytes = max_bytes
         self.owner = owner
         self.exit_timeout = exit_timeout
@@ -251,17 +261,18 @@ class WriteBehind:
         """Whether this is the sender, cut at interpreter exit (its failures are the cut's)."""
         return self._exit_cut is not None and threading.get_ident() == self._sender
 
-    def _cut_off_at(self, when: float, *, sender_only: bool = False) -> None:
+    def _cut_off_at(self, when: float, *, sender_only: bool = False) -> int:
+        """The exchanges under way that the cut could not end (``cut_off``'s answer)."""
         if self._cut_off is None:
-            return
+            return 0
         if not sender_only:
-            self._cut_off(when)
-            return
+            return self._cut_off(when) or 0
         with self._lock:
             self._exit_cut = when if self._exit_cut is None else min(self._exit_cut, when)
             sender = self._sender
         if sender is not None:  # (else the sender applies it as it begins its next write)
-            self._cut_off(when, thread=sender)
+            return self._cut_off(when, thread=sender) or 0
+        return 0
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -371,6 +371,34 @@ def test_an_answer_dribbled_within_the_read_timeout_is_cut_off_at_the_exchange_t
         _usable(c)  # within the limit: answered as ever, and the connection reused
 
 
+@pytest.mark.parametrize("part", ["body", "chunked"])
+def test_an_answer_dribbled_through_a_proxy_is_cut_off_at_the_exchange_timeout_and_by_a_cutoff(part, monkeypatch):
+    """Through a proxy (here one from the environment, as ``trust_env`` takes it) httpx's
+    transport carried the exchange, and neither ``exchange_timeout`` nor ``cut_off_at``
+    applied: an answer dribbled a byte at a time ran its whole length (``RemoteCache`` exit
+    waited 105 s with exit_timeout=3). Its body is now ended at the deadline, and an exchange
+    begun after a cutoff is refused unsent. (The fake server answers the absolute-form
+    request as a proxy would forward it.)"""
+    with FakeServer(_dribbled(part)) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("NO_PROXY", "")
+        transport = BulkTransport(max_connections=1, exchange_timeout=0.5)
+        with httpx.Client(base_url="http://cacheseek.invalid:8080", transport=transport,
+                          timeout=httpx.Timeout(5, pool=1)) as c:
+            start = time.monotonic()
+            with pytest.raises(httpx.ReadTimeout, match="exchange_timeout"):
+                c.get("/slow").read()
+            assert time.monotonic() - start < 2.5  # the read timeout is 5 s; the dribble takes 10 s
+            assert proxy.requests[-1].startswith(b"GET http://cacheseek.invalid:8080/slow")
+            transport.exchange_timeout = None
+            assert transport.cut_off_at(time.monotonic()) == 0  # (nothing under way)
+            sent = len(proxy.requests)
+            with pytest.raises(httpx.ReadTimeout, match="cut off"):
+                c.get("/after")
+            assert len(proxy.requests) == sent
+            assert transport._proxied_threads == []
+
+
 def _unanswered(address: str, port: int = 0) -> tuple[socket.socket, list[socket.socket]]:
     """A listener whose accept queue is full: connects to it hang (their SYNs dropped)."""
     listener = socket.socket()

@@ -656,3 +656,62 @@ def test_writes_the_exit_cut_ended_are_reported_dropped_though_the_queue_drained
     assert all(f.result(timeout=5) == "missed" for f in futures)
     assert "late never closed: at interpreter exit, 4 writes" in caplog.text and "dropped" in caplog.text
     behind.close()
+
+
+PROXIED_EXIT_CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    import cacheseek as cs
+    from cacheseek.store.breaker import CircuitBreaker
+    from store_helpers import BLOCK, LAYOUT, make_kv, tokens_for
+    # (the proxy from HTTP_PROXY, as trust_env takes it by default)
+    cache = cs.RemoteCache("http://cacheseek-behind.invalid:8080", model_id="behind", layout=LAYOUT, codec=cs.Raw(),
+                           block_tokens=BLOCK, timeout=5, exchange_timeout=60, exit_timeout=1,
+                           on_unavailable="miss", breaker=CircuitBreaker(failure_threshold=100))
+    futures = [cache.ingest(tokens_for(500 + i, 2 * BLOCK), make_kv(2 * BLOCK, 500 + i), wait=False)
+               for i in range(4)]
+    print("QUEUED", flush=True)
+    sys.stdin.readline()
+    # exits here, the cache never closed
+""")
+
+
+def test_exit_through_a_proxy_sends_no_write_after_the_cut_and_says_what_it_could_not_cut():
+    """Through a proxy (``HTTP_PROXY``, taken by default) the cut at exit applied to nothing:
+    every queued write was sent to its end after a line that said they "are dropped" (105 s
+    with exit_timeout=3). The writes queued after the cut now fail unsent, and the line says
+    that the one under way, its answer's head trickled by the proxy, cannot be cut."""
+    from fake_http import FakeServer
+
+    asked = threading.Event()
+
+    def trickling_proxy(n: int, head: bytes):
+        asked.set()
+        answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+        def pieces():  # a byte every 100 ms, the head too: each read within the 5 s timeout
+            for i in range(len(answer)):
+                time.sleep(0.1)
+                yield answer[i : i + 1]
+        return pieces(), True
+
+    with FakeServer(trickling_proxy) as proxy:
+        env = {**os.environ, "HTTP_PROXY": f"http://127.0.0.1:{proxy.port}", "NO_PROXY": "", "no_proxy": ""}
+        script = PROXIED_EXIT_CHILD.format(here=str(Path(__file__).resolve().parent))
+        child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert child.stdout.readline() == "QUEUED\n", child.stderr.read()
+            assert asked.wait(10)
+            child.stdin.write("exit\n")
+            child.stdin.flush()
+            child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        err = child.stderr.read()
+        assert child.returncode == 0, err
+        assert "through a proxy cannot be cut" in err, err
+        assert len(proxy.requests) == 1, proxy.requests  # the writes after the cut: never sent
+        assert proxy.requests[0].startswith(b"POST http://cacheseek-behind.invalid:8080/v1/lookup")
