@@ -72,16 +72,18 @@ class Resolver:
                 future = self._in_flight[key] = Future()
                 threading.Thread(target=self._run, args=(key, future), name="cacheseek-resolve", daemon=True).start()
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        stale = self._last_good.get(key)
+        # With a last good answer to fall back on, half the budget at most for the lookup:
+        # the rest is the connect's (waited whole, a late lookup left none for it).
+        wait = left if stale is None or left is None else left / 2
         try:
-            found: list[_AddrInfo] = future.result(timeout=left)
+            found: list[_AddrInfo] = future.result(timeout=wait)
         except (TimeoutError, FutureTimeout):
-            stale = self._last_good.get(key)
             if stale is not None:
                 return stale
             raise TimeoutError(f"the name lookup (DNS) of {key[0]} took longer than the connect timeout "
                                f"({_seconds(left)}): the resolver is slow or unreachable") from None
         except socket.gaierror as exc:
-            stale = self._last_good.get(key)
             if stale is not None and exc.errno == socket.EAI_AGAIN:  # (a failure for now, not "no such name")
                 return stale
             raise socket.gaierror(exc.errno, f"the name lookup (DNS) of {key[0]} failed: {exc.strerror}") from None

@@ -525,29 +525,37 @@ def test_a_name_lookup_never_answered_is_a_connect_timeout_naming_dns_one_lookup
         release.set()
 
 
-def test_a_resolver_that_fails_for_now_leaves_the_names_last_addresses_in_use(monkeypatch):
-    """A resolver that stops answering (``EAI_AGAIN``: a DNS outage) made every new
-    connection fail, the server itself up. The name's last good addresses are used meanwhile;
-    a name never resolved is an error that names the lookup."""
-    dead = threading.Event()
+@pytest.mark.parametrize("outage", ["fails", "hangs"])
+def test_a_resolver_that_fails_for_now_leaves_the_names_last_addresses_in_use(monkeypatch, outage):
+    """A resolver that stops answering (``EAI_AGAIN``, or no answer at all: a DNS outage)
+    made every new connection fail, the server itself up. The name's last good addresses are
+    used meanwhile, within the connect budget; a name never resolved is an error that names
+    the lookup."""
+    dead, release = threading.Event(), threading.Event()
+    name = f"flaky-dns-{outage}.invalid"
 
     def flaky(port):
         if dead.is_set():
+            if outage == "hangs":
+                release.wait(20)
             raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         return _at("127.0.0.1")(port)
 
     def never(port):
         raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
 
-    _names(monkeypatch, {"flaky-dns.invalid": flaky, "never-resolved.invalid": never})
+    _names(monkeypatch, {name: flaky, "never-resolved.invalid": never})
     with FakeServer(lambda n, head: (OK, True)) as srv:  # (closes each connection: each request a new one)
         transport = BulkTransport(max_connections=1, trust_env=False)
-        with httpx.Client(base_url=f"http://flaky-dns.invalid:{srv.port}", transport=transport,
-                          timeout=httpx.Timeout(5, pool=1)) as c:
-            assert c.get("/a").content == b"ok"
-            dead.set()
-            for _ in range(2):
-                assert c.get("/b").content == b"ok"
+        try:
+            with httpx.Client(base_url=f"http://{name}:{srv.port}", transport=transport,
+                              timeout=httpx.Timeout(5, connect=1, pool=1)) as c:
+                assert c.get("/a").content == b"ok"
+                dead.set()
+                for _ in range(2):
+                    assert c.get("/b").content == b"ok"
+        finally:
+            release.set()
         assert srv.connections == 3
         with httpx.Client(base_url=f"http://never-resolved.invalid:{srv.port}",
                           transport=BulkTransport(max_connections=1, trust_env=False),
