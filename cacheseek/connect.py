@@ -139,7 +139,11 @@ def _first_to_connect(host: str, port: int, addresses: list[_AddrInfo], deadline
             if todo and (now >= next_start or not pending):
                 family, kind, proto, _, address = todo.pop(0)
                 tried.append(_written(address))
-                sock = socket.socket(family, kind, proto)
+                try:
+                    sock = socket.socket(family, kind, proto)
+                except OSError as exc:  # (an IPv6 address on a host without IPv6: EAFNOSUPPORT)
+                    error, next_start = OSError(exc.errno, f"{_written(address)}: {exc.strerror}"), now
+                    continue
                 sock.setblocking(False)
                 code = sock.connect_ex(address)
                 if code == 0:

@@ -498,6 +498,21 @@ def test_a_name_whose_first_address_drops_packets_connects_through_the_next(monk
                 sock.close()
 
 
+def test_an_address_of_a_family_the_host_cannot_open_hands_its_turn_to_the_next(monkeypatch):
+    """A name's address whose socket cannot even be made (an IPv6 address on a host built or
+    booted without IPv6: EAFNOSUPPORT) is a failed try, as a refused connect is: the next
+    address is tried at once, not the error raised out of the connect."""
+    with FakeServer(lambda n, head: (OK, False)) as srv:
+        unopenable = (255, socket.SOCK_STREAM, 6, "", ("::9", srv.port, 0, 0))  # (no such address family)
+        _names(monkeypatch, {"no-v6.invalid": lambda port: [unopenable, *_at("127.0.0.1")(port)]})
+        with httpx.Client(base_url=f"http://no-v6.invalid:{srv.port}",
+                          transport=BulkTransport(max_connections=1, trust_env=False),
+                          timeout=httpx.Timeout(3, pool=1)) as c:
+            start = time.monotonic()
+            assert c.get("/fine").content == b"ok"
+            assert time.monotonic() - start < 2.0  # (no stagger waited: the failed try handed on at once)
+
+
 def test_a_name_lookup_never_answered_is_a_connect_timeout_naming_dns_one_lookup_at_a_time(monkeypatch):
     """``getaddrinfo`` knows no timeout: with a dead resolver every connect (every breaker
     probe) waited its ~10 s whatever the client's timeout. The lookup is held to the connect
