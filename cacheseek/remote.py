@@ -82,10 +82,13 @@ FETCH_IDLE_SECONDS = 5.0
 START_HEADER = "X-CacheSeek-Start"  # the position a prefix's answer streams from (?start=), where honoured
 BUSY_HEADER = "X-CacheSeek-Busy"  # on a 503 from a server that is up (back-pressure): not an outage
 OUTAGE_STATUSES = (502, 503, 504)  # 502 and 504: a proxy's, its upstream (the server) unreachable
-# Error statuses whose answer is an error whoever sent it, its body the server's JSON or not:
-# a refused token (a misconfiguration a miss would hide), a body too large (split and sent
-# again, a proxy's limit too), a rate limit (busy).
-REFUSAL_STATUSES = (401, 403, 413, 429)
+# Error statuses that, in a front's page rather than the server's JSON, say the service is not
+# there for now: the ingress's default backend (404) while the service has no endpoints, a
+# proxy that timed out (408) or failed (5xx). The others say the client is set up wrong (a
+# redirect: http to https; a 400; a proxy's 407 for credentials) or are the refusals every
+# sender means (401, 403, 413: split and sent again, 429: busy): errors, whoever sent them,
+# that a miss would hide.
+FRONT_OUTAGE_STATUSES = (404, 408)
 ON_UNAVAILABLE = ("raise", "miss")
 FETCH_TRIES = 3  # GETs of a prefix whose blocks keep vanishing between the lookup and the GET
 # Chains in one lookup of several: their lengths (the query) and tokens (a header) ride in the
@@ -827,13 +830,15 @@ class RemoteCache(PrefixCacheBase):
 
     def _lower_lookup_limit(self, exc: RemoteError) -> bool:
         """Whether a lookup refused for its number of hashes (a ``413`` or ``422`` naming the
-        server's ``max_lookup_hashes``, lower than this client's) may go again: that limit
-        becomes this client's. A refusal that names none, or no lower one, is raised."""
+        server's ``max_lookup_hashes``) may go again (once: its callers retry one time): that
+        limit becomes this client's where lower. One at or above this client's limit goes
+        again too: another thread's refusal lowered it while this lookup was out. A refusal
+        that names no limit is raised."""
         value = exc.fields.get("limit_value")
         if exc.status not in (413, 422) or exc.fields.get("limit") != "max_lookup_hashes" \
-                or type(value) is not int or not 0 < value < self.max_lookup_hashes:
+                or type(value) is not int or not 0 < value < 1 << 63:
             return False
-        self.max_lookup_hashes = value
+        self.max_lookup_hashes = min(self.max_lookup_hashes, value)
         return True
 
     def _lookup_chains_under_limit(self, chains: list[list[BlockHash]], tokens: list[int],
@@ -1459,7 +1464,8 @@ class RemoteCache(PrefixCacheBase):
         if response.status_code == 429 or response.status_code == 503 and BUSY_HEADER in response.headers:
             raise RemoteBusy(str(reason), status=response.status_code, url=self.url + path, fields=fields)
         own = isinstance(answer, dict) and isinstance(answer.get("error"), str)
-        if not own and response.status_code not in REFUSAL_STATUSES + OUTAGE_STATUSES:
+        if not own and (response.status_code in FRONT_OUTAGE_STATUSES or 500 <= response.status_code < 600) \
+                and response.status_code not in OUTAGE_STATUSES:
             # Every error the server sends is its JSON {"error": ...}: another body (an
             # ingress's default 404 page, a proxy's 500 or 407) is a front's, not the service,
             # as a 2xx answer that is not JSON is. Raised as the error it was, a front's page

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -152,6 +153,9 @@ def test_chains_longer_than_the_servers_lookup_limit_are_looked_up_in_pieces(tmp
                 assert client.lookup(toks) == 11 * BLOCK and client.max_lookup_hashes == 4
                 after = _parity_traffic(small)
                 assert after["lookups"] - before["lookups"] == 1  # (the refused one was not counted)
+            with unaware() as client, ThreadPoolExecutor(8) as pool:
+                # (threads refused at once: each goes again, though another lowered the limit first)
+                assert list(pool.map(lambda _: client.lookup(toks), range(32))) == [11 * BLOCK] * 32
             with unaware() as client:
                 assert [f.num_blocks for f in client.locate_batch([toks, changed, toks[:BLOCK]])] == [11, 9, 1]
                 assert client.max_lookup_hashes == 4
@@ -1396,15 +1400,15 @@ def test_a_gateways_502_or_504_is_an_outage_and_a_busy_503_or_a_429_is_not(caplo
     assert stats["refused_by_breaker"] == 0
 
 
-@pytest.mark.parametrize("status", [b"404 Not Found", b"500 Internal Server Error",
-                                    b"407 Proxy Authentication Required", b"422 Unprocessable Entity"])
+@pytest.mark.parametrize("status", [b"404 Not Found", b"408 Request Timeout", b"500 Internal Server Error"])
 def test_a_fronts_error_page_is_an_outage_and_the_servers_own_json_error_is_not(status):
     """Every error the server sends is its JSON ``{"error": ...}``. A front's HTML page (an
-    ingress's default 404, a proxy's 500 or 407) was raised as a ``RemoteError`` from every
+    ingress's default 404, a proxy's 408 or 500) was raised as a ``RemoteError`` from every
     call under ``on_unavailable="miss"`` (a hot path promised it needs no ``try``) and never
     opened the breaker. It is an outage now, as a 2xx page is; the same status with the
-    server's JSON error is still the error it says, and a 401 or 403 page an error too (a
-    refused token: a miss would hide it)."""
+    server's JSON error is still the error it says, and a page that says the client is set
+    up wrong (a redirect, a 400, a proxy's 407, a refused token's 401) an error too: a miss
+    would hide it."""
     from fake_http import FakeServer
 
     toks, kv = tokens_for(35, 2 * BLOCK), make_kv(2 * BLOCK, 35)
@@ -1426,8 +1430,12 @@ def test_a_fronts_error_page_is_an_outage_and_the_servers_own_json_error_is_not(
         assert info.value.status == int(status[:3]) and info.value.reason.startswith("<html>")
     own = _answers(b"HTTP/1.1 " + status, b'{"error": "the server says no"}',
                    headers=b"content-type: application/json\r\n")
-    for script, reason in ((own, "the server says no"), (_answers(b"HTTP/1.1 401 Unauthorized", b"<html>log in</html>"),
-                                                         "<html>log in</html>")):
+    pages = [(_answers(b"HTTP/1.1 " + wrong, b"<html>set up wrong</html>",
+                       headers=b"location: https://elsewhere/\r\n" if wrong.startswith(b"301") else b""),
+              "<html>set up wrong</html>")
+             for wrong in (b"401 Unauthorized", b"407 Proxy Authentication Required", b"400 Bad Request",
+                           b"301 Moved Permanently")]
+    for script, reason in [(own, "the server says no"), *pages]:
         with FakeServer(script) as front, cs.RemoteCache(front.url, model_id="m", layout=LAYOUT, codec=cs.Raw(),
                                                          block_tokens=BLOCK, timeout=5, on_unavailable="miss",
                                                          trust_env=False) as cache:
