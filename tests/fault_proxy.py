@@ -8,6 +8,8 @@ Modes (``proxy.mode``, switchable while it runs):
   open one's requests from then on are swallowed (the server never sees them).
 - ``"trickle"``: the server's answers go on one byte every ``trickle_seconds``, each byte
   well within any read timeout, so only a bound on the whole exchange ends it.
+- ``"delay"``: each piece of an answer goes on ``delay_seconds`` late: a server that is
+  slow but answers (a lookup's small answer is one piece).
 
 A connection takes the mode as each chunk moves, so a client's pooled connections turn
 slow too.
@@ -21,10 +23,12 @@ import time
 
 
 class FaultProxy:
-    def __init__(self, upstream_port: int, mode: str = "pass", trickle_seconds: float = 0.1) -> None:
+    def __init__(self, upstream_port: int, mode: str = "pass", trickle_seconds: float = 0.1,
+                 delay_seconds: float = 0.2) -> None:
         self.upstream_port = upstream_port
         self.mode = mode
         self.trickle_seconds = trickle_seconds
+        self.delay_seconds = delay_seconds
         self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
         self.port = self._listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
@@ -69,6 +73,8 @@ class FaultProxy:
                         client.sendall(data[i:i + 1])
                         time.sleep(self.trickle_seconds)
                 else:
+                    if self.mode == "delay":
+                        time.sleep(self.delay_seconds)
                     client.sendall(data)
         except OSError:
             pass

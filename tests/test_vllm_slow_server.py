@@ -158,6 +158,37 @@ def test_a_burst_of_new_requests_behind_a_trickling_server_waits_the_deadline_no
         close_cache(config, cache)
 
 
+def test_a_burst_behind_a_slow_but_healthy_server_does_not_rest_it(tmp_path):
+    """40 new requests at once, each lookup answered 0.2 s late (slow, not failing): the 8
+    lookup threads serve about 40 a second, so the later requests pass their deadline
+    waiting for a thread. Those are misses, their lookups never sent; the server is not
+    rested, since none of its lookups took the deadline. Before, every late lookup was a
+    failure: the burst rested a healthy server, and the requests after it were misses too."""
+    tokens = list(range(97))
+    with Server(tmp_path) as srv:
+        store(srv, tokens)
+        with FaultProxy(srv.port, mode="delay", delay_seconds=0.2) as proxy:
+            config = ConnectorConfig.from_extra({"codec": "raw", "url": proxy.url, "block_tokens": 32})
+            sched, cache = scheduler(config)
+            pending = {i: request(f"r{i}", tokens) for i in range(40)}
+            offered: dict[int, int] = {}
+            t0 = time.monotonic()
+            while pending and time.monotonic() - t0 < 60:
+                for i, req in list(pending.items()):
+                    if (got := sched.matched_tokens(req, 0)) is not None:
+                        offered[i] = got
+                        del pending[i]
+                time.sleep(STEP)
+            assert not pending
+            hits = sum(got == 96 for got in offered.values())
+            assert hits >= 8 and set(offered.values()) <= {0, 96}, offered
+            assert sched.guard.breaker.state == "closed", (sched.stats.lookups_late, hits)
+            assert held_back(sched, request("after", tokens))[1] == 96  # (asked, not skipped: a hit)
+            assert sched.stats.lookup_skipped == 0
+            sched.close()
+            close_cache(config, cache)
+
+
 def test_an_in_step_load_from_a_trickling_server_ends_within_its_exchange_timeout(tmp_path):
     """A worker's load inside the step (background_loads off, the default) from a server
     whose answer trickles, a byte every 50 ms, each read within timeout_seconds (1 s): the

@@ -48,6 +48,12 @@ class StoreGuard:
         if self.breaker is not None:
             self.breaker.record_success(ticket)
 
+    def unsent(self, ticket: Ticket | None = None) -> None:
+        """An allowed call that was never made (cancelled while it waited for a thread):
+        neither a success nor a failure; a probe's turn goes to the next call."""
+        if self.breaker is not None:
+            self.breaker.record_unsent(ticket)
+
     def failure(self, what: str, exc: BaseException, ticket: Ticket | None = None) -> None:
         if self.breaker is not None:
             self.breaker.record_failure(ticket)

@@ -31,10 +31,11 @@ objects, read through the few attributes named here.
 - A request waits for its own lookup ``lookup_deadline_seconds`` at most, from the first
   ask (time queued behind other lookups counts): a lookup still unanswered then is late,
   and the request goes on as a miss (0 tokens, ``lookups_late``). Its answer, whenever it
-  comes, is not used: the request stays a miss until admitted. A late lookup is a failure
-  to the guard, which rests the server (``retry_after_seconds``, doubling), so while a
-  server hangs or trickles each new request skips the lookup rather than waiting out a
-  deadline of its own; the lookup that ends the rest is the guard's probe.
+  comes, is not used: the request stays a miss until admitted. A lookup that ran the whole
+  deadline on its thread is a failure to the guard, which rests the server
+  (``retry_after_seconds``, doubling), so while a server hangs or trickles each new request
+  skips the lookup rather than waiting out a deadline of its own; the lookup that ends the
+  rest is the guard's probe. One late for waiting for a thread rests nothing (``_late``).
 - With ``background_loads`` (a server), a hit is offered as vLLM's asynchronous load: vLLM
   allocates the request's blocks and holds it back (WAITING_FOR_REMOTE_KVS) while the
   workers load between steps (``StepPlan.background_loads``), the other requests running
@@ -81,11 +82,13 @@ NO_HIT = Hit(0)
 @dataclass(slots=True)
 class _Lookup:
     """A remote lookup under way: each rank's answer to come, the guard's ticket for its
-    outcome, and when it is late (``time.monotonic()``; None: never)."""
+    outcome, when it is late (``time.monotonic()``; None: never), and when each rank's
+    began to run on a pool thread (None: queued still)."""
 
     ticket: Ticket
     answers: list[Future]
     late_at: float | None
+    started: list[float | None]
 
 
 @dataclass(slots=True)
@@ -254,7 +257,10 @@ class SchedulerSide:
                 self._pool = ThreadPoolExecutor(LOOKUP_THREADS * len(self.caches), thread_name_prefix="cacheseek-lookup")
             asked = keys()
             late_at = None if self.lookup_deadline is None else time.monotonic() + self.lookup_deadline
-            lookup = _Lookup(ticket, [self._pool.submit(cache.locate, asked) for cache in self.caches], late_at)
+            started: list[float | None] = [None] * len(self.caches)
+            answers = [self._pool.submit(_timed, cache.locate, asked, started, rank)
+                       for rank, cache in enumerate(self.caches)]
+            lookup = _Lookup(ticket, answers, late_at, started)
             self._abandoned += _remember(self._running, req_id, lookup)
         if lookup.late_at is not None:
             wait_seconds = max(0.0, min(wait_seconds, lookup.late_at - time.monotonic()))
@@ -273,14 +279,29 @@ class SchedulerSide:
     def _late(self, lookup: _Lookup) -> Hit:
         """A lookup past its deadline: a miss, remembered as the request's until it is
         admitted (forgotten here, its answer is never offered, so vLLM never loads a request
-        it scheduled as a miss), and a failure to the guard: the server rests, and the next
-        requests skip their lookups rather than each wait out its deadline."""
-        for answer in lookup.answers:
-            answer.cancel()  # (one still queued behind the pool's busy threads never runs)
+        it scheduled as a miss). What it tells the guard depends on why it is late. A rank's
+        lookup that has run the whole deadline on its thread is the server's slowness: a
+        failure, so the server rests and the next requests skip their lookups rather than
+        each wait out its deadline. One that waited for a thread (a burst of new requests
+        behind the pool's 8) says nothing of the server: queued still, it is cancelled and
+        never sent; running, its outcome is told when it ends, as a finished request's is.
+        (Taken as a failure, a burst against a healthy server rested it, and the requests
+        after were misses too.)"""
         self.stats.lookups_late += 1
-        late = TimeoutError(f"no answer within lookup_deadline_seconds ({self.lookup_deadline} s); the request "
-                            "goes on as a miss")
-        self.guard.failure("lookup", late, lookup.ticket)
+        assert self.lookup_deadline is not None
+        slow_since = time.monotonic() - self.lookup_deadline
+        if any(not answer.done() and began is not None and began <= slow_since
+               for answer, began in zip(lookup.answers, lookup.started)):
+            for answer in lookup.answers:
+                answer.cancel()
+            late = TimeoutError(f"no answer within lookup_deadline_seconds ({self.lookup_deadline} s); the request "
+                                "goes on as a miss")
+            self.guard.failure("lookup", late, lookup.ticket)
+            return NO_HIT
+        if all(answer.cancel() for answer in lookup.answers if not answer.done()):
+            self.guard.unsent(lookup.ticket)
+        else:  # (one running, or begun since: told when it ends, a rank cancelled meanwhile no news)
+            self._abandoned.append(lookup)
         return NO_HIT
 
     def _hear_abandoned(self) -> None:
@@ -289,13 +310,16 @@ class SchedulerSide:
         lookup for its probe timeout."""
         left = []
         for lookup in self._abandoned:
-            running = lookup.answers
-            if not all(f.done() for f in running):
+            if not all(f.done() for f in lookup.answers):
                 left.append(lookup)
-            elif (exc := next((f.exception() for f in running if f.exception() is not None), None)) is not None:
+                continue
+            ran = [f for f in lookup.answers if not f.cancelled()]  # (a late lookup's queued ranks: cancelled)
+            if (exc := next((f.exception() for f in ran if f.exception() is not None), None)) is not None:
                 self.guard.failure("lookup", exc, lookup.ticket)
-            else:
+            elif ran:
                 self.guard.success(lookup.ticket)
+            else:
+                self.guard.unsent(lookup.ticket)
         self._abandoned = left
 
     def _found(self, found: list[Any], ticket: Ticket) -> Hit:
@@ -464,6 +488,13 @@ class SchedulerSide:
                 state.saved = full
                 state.saving = True
         return plan
+
+
+def _timed(locate: Callable[[Any], Any], asked: Any, started: list[float | None], rank: int) -> Any:
+    """``locate(asked)`` on a pool thread, its start noted: how long a late lookup waited for
+    a thread, and how long the server took, are told apart (``_late``)."""
+    started[rank] = time.monotonic()
+    return locate(asked)
 
 
 def _remember(pending: OrderedDict[str, Any], req_id: str, value: Any) -> list[Any]:
