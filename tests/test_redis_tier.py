@@ -391,7 +391,7 @@ def test_a_frame_of_another_format_version_is_a_counted_miss_and_stays(redis_url
     """A rolling upgrade: two releases share one Redis. A frame the other one wrote, whole,
     is a miss here (counted ``foreign_version``, not ``corrupt``) and stays where it is for
     that release: deleted, each release emptied the shared tier of the other's frames.
-    Neither served, nor promoted, nor read again and again within a materialize."""
+    Neither served, nor promoted, nor read again and again."""
     toks, kv = tokens_for(21, 3 * BLOCK), make_kv(3 * BLOCK, 21)
     writer = rcache(redis_url)
     writer.ingest(toks, kv)
@@ -409,12 +409,104 @@ def test_a_frame_of_another_format_version_is_a_counted_miss_and_stays(redis_url
         counted.append(redis["foreign_version"])
         assert redis["corrupt"] == 0
         assert client.get(name) == theirs and redis["blocks"] == 3  # kept, and counted in the shared budget
-    # (each materialize reads it twice: where it was located, and once more from any tier, as
-    # any block found missing where it was located)
-    assert counted == [2, 4, 6]
+    # (the first materialize reads it twice: where it was located, and once more from any tier,
+    # as any block found missing where it was located; then it is remembered as the other
+    # release's, and a lookup no longer finds it)
+    assert counted == [2, 2, 2]
     assert not cache.store.tier("cpu").contains(hashes[1])
     assert tier.info(hashes[1]) is None and client.get(name) == theirs
     assert redis_stats(cache)["corrupt"] == 0
+
+
+def _version_rewritten(frame: bytes, version: int = 2) -> bytes:
+    """``frame`` with only its header's ``v`` changed (under a valid header checksum): another
+    release's frame of the block at the same length, as a release that changed the format alone
+    and left the header's size writes it (headers are padded to 64 bytes)."""
+    import msgpack
+    import xxhash
+
+    from cacheseek.store.frame import PREAMBLE
+
+    data = bytearray(frame)
+    magic, header_len, _ = PREAMBLE.unpack_from(data)
+    header = msgpack.packb({**msgpack.unpackb(bytes(data[16 : 16 + header_len]), raw=False), "v": version},
+                           use_bin_type=True)
+    assert len(header) == header_len
+    data[16 : 16 + header_len] = header
+    PREAMBLE.pack_into(data, 0, magic, header_len, xxhash.xxh3_64_intdigest(header))
+    return bytes(data)
+
+
+def test_another_releases_frames_of_a_prefix_in_use_are_written_over_by_its_next_save(redis_url):
+    """A rolling upgrade or a rollback: a hot prompt's frames in the shared Redis are the other
+    release's. This release's read missed them (``foreign_version``), and its save after the miss
+    found them "stored" (a value of the frame's length), stored none of its own and touched them
+    in the shared LRU: while the prompt was in use they never aged out, and it missed for good
+    (12 rounds of the audit's run: 0 of 256 tokens each). Now the save writes this release's
+    frames over them, counted at their size, and the next load hits."""
+    toks, kv = tokens_for(23, 4 * BLOCK), make_kv(4 * BLOCK, 23)
+    writer = rcache(redis_url, redis_bytes="1MiB")
+    assert writer.ingest(toks, kv).stored == 4
+    writer.close()
+    client = writer.store.tier("redis")._connection()
+    names = [RedisKeys().frame(h) for h in writer.block_hashes(toks)]
+    theirs = {name: _version_rewritten(client.get(name)) for name in names}
+    for name, value in theirs.items():  # (the other release wrote them; its index counts them)
+        client.set(name, value)
+    cache = rcache(redis_url, redis_bytes="1MiB")
+    tier = cache.store.tier("redis")
+    before = {name: client.zscore(tier.keys_of.lru, name[name.index("{") + 1 : -1]) for name in names}
+    assert cache.materialize(toks).num_tokens == 0  # (the lookup found them; the read missed)
+    assert redis_stats(cache)["foreign_version"] >= 1
+    # Not stored, for this release: neither found by a lookup nor touched.
+    assert cache.lookup(toks) == 0
+    tier.touch(writer.block_hashes(toks))
+    assert {name: client.zscore(tier.keys_of.lru, name[name.index("{") + 1 : -1]) for name in names} == before
+    res = cache.ingest(toks, kv)
+    assert (res.stored, res.present) == (4, 0), res
+    for name in names:
+        assert client.get(name) != theirs[name]
+    assert_prefix_equal(cache.materialize(toks), kv, 4 * BLOCK)
+    assert cache.lookup(toks) == 4 * BLOCK
+    stats = redis_stats(cache)
+    assert stats["used_bytes"] == sum(client.strlen(name) for name in names)
+    assert tier.check() == {"ok": 4, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    cache.close()
+
+
+def test_a_save_writes_over_another_releases_frame_this_process_never_read(redis_url):
+    """Another process read the other release's frame; this one never did. Its save's first
+    question (``present_many``, an ``EXISTS``) answered present, and its put found a value of the
+    frame's length and answered "already there" (stored=None), keeping the other release's frame:
+    now both read the value's first bytes (the put in the same round trip as its length), and the
+    frame is written. One of another length too (the other release
+    counted it at its own): the shared index counts the frame written, at its size."""
+    frames = [_frame(i) for i in (60, 61, 62)]
+    tier = RedisTier(redis_url, 64 << 20)
+    c = tier._connection()
+    try:
+        tier.put_many(frames)
+        same, longer, ours = frames
+        c.set(tier.keys_of.frame(same[0]), _version_rewritten(same[1].to_bytes()))
+        assert tier.delete(longer[0])  # counted anew below, as the other release's put counted it
+        theirs = as_other_version(longer[1].to_bytes()) + bytes(512)  # (its payload laid out its own way)
+        c.set(tier.keys_of.frame(longer[0]), theirs)
+        other = RedisTier(redis_url, 64 << 20)  # the other release's put, as its index script counts
+        other._index.queue(other._connection(), add=[(RedisKeys.member(longer[0]), len(theirs),
+                                                      longer[1].meta.raw_nbytes)])
+        other.close()
+        assert tier.contains_many([k for k, _ in frames]) == [True] * 3  # (never read here: found by EXISTS)
+        # A save's first question (an ingest's, a server's before it writes what it received)
+        # reads each value's first bytes: another release's frame is not this block stored.
+        assert tier.present_many([k for k, _ in frames]) == [False, False, True]
+        results = tier.put_many(frames)
+        assert [r.stored is not None for r in results] == [True, True, False]  # (``ours``: already there)
+        for key, frame in frames:
+            assert c.get(tier.keys_of.frame(key)) == frame.to_bytes()
+        assert tier.stats().used_bytes == sum(f.nbytes for _, f in frames)
+        assert tier.check() == {"ok": 3, "ghosts": 0, "orphans": 0, "wrong_size": 0}
+    finally:
+        tier.close()
 
 
 def test_a_value_larger_than_any_frame_is_a_corrupt_miss_never_read_whole(redis_url, caplog):

@@ -253,6 +253,28 @@ def header_prefix(meta: FrameMeta) -> bytes:
     return preamble + header + bytes(meta.payload_offset - PREAMBLE.size - len(header))
 
 
+# How many first bytes of a stored value ``head_version`` reads: the preamble, the header
+# map's own head (up to a map32's 5 bytes), its first key and a small int.
+VERSION_PROBE_NBYTES = PREAMBLE.size + 8
+
+
+def head_version(head: Any) -> int | None:
+    """The format version named by a stored value's first ``VERSION_PROBE_NBYTES`` bytes, as
+    every release so far lays a header out (the magic, then a map whose first key is ``v``,
+    a small int); None where they name none that way (not a frame, or a header laid out
+    otherwise: only ``parse_header`` tells). Nothing is checked but those bytes: a tier
+    asks this to know another release's frame from its own without reading the header."""
+    view = bytes(head[:VERSION_PROBE_NBYTES])
+    if len(view) < PREAMBLE.size + 4 or view[:4] != MAGIC:
+        return None
+    at = PREAMBLE.size
+    kind = view[at]
+    at += 1 if 0x80 <= kind <= 0x8F else 3 if kind == 0xDE else 5 if kind == 0xDF else len(view)
+    if view[at : at + 2] != _V_KEY or at + 2 >= len(view) or view[at + 2] >= 0x80:
+        return None
+    return view[at + 2]
+
+
 def seal_frame(meta: FrameMeta, frame: Any) -> FrameMeta:
     """Checksum the payload already written into ``frame``, then write its preamble and header."""
     view = memoryview(frame).cast("B")

@@ -40,6 +40,7 @@ import re
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -48,7 +49,8 @@ from ..errors import ConfigError, FrameError, FrameVersionError, StorageError, T
 from ..log_throttle import LogThrottle
 from . import redis_memory
 from .breaker import CLOSED, CircuitBreaker, Ticket
-from .frame import MAX_HEADER_NBYTES, PREAMBLE, parse_frame, parse_header
+from .frame import (FORMAT_VERSION, MAX_HEADER_NBYTES, PREAMBLE, VERSION_PROBE_NBYTES, head_version, parse_frame,
+                    parse_header)
 from .redis_client import RedisTarget, RedisTimeouts, connect, parse_redis_url
 from .redis_index import (CALL_REPLY_SECONDS, GEN_FENCE_SECONDS, PIN_LEASE_SECONDS, ForeignKey, IndexTotals, IndexUpdate,
                           SharedIndex, foreign_key, index_types, member_text, member_texts)
@@ -74,6 +76,10 @@ PIN_REFRESH_SECONDS = 10.0
 # How often at most a key of the index found holding another type is logged again: every
 # call that needs the index meets it (each put, touch and read's ghost check) until it goes.
 FOREIGN_LOG_SECONDS = 60.0
+# How many blocks whose frame was found of another format version a process remembers (the
+# oldest forgotten first): ~100 bytes each. One forgotten is found by a lookup again, until
+# its next read or put finds it again.
+OTHER_VERSION_REMEMBERED = 16384
 
 log = logging.getLogger("cacheseek.store.redis")
 CORRUPT_LOG_SECONDS = 60.0
@@ -256,6 +262,12 @@ class RedisTier(Tier):
         self.owner_tag: Callable[[bytes], str] | None = None
         self.repair_evictions = 0  # blocks the last check(fix=True) evicted
         self._smaller_budget_said = 0  # the last smaller budget of another process logged
+        # Blocks whose frame a read (or a put's look at its first bytes) found of another format
+        # version (another release's, in a rolling upgrade or after a rollback), oldest first. Not stored, for this release: a
+        # lookup does not find them, a touch leaves them, and a put writes its own frame over
+        # them. Taken as stored, every save of a prefix in use touched them in the shared LRU
+        # and wrote none of its own, so they never aged out, and the prefix missed for good.
+        self._other_version: OrderedDict[bytes, None] = OrderedDict()
 
     # -- the one way to talk to Redis ----------------------------------------------------
 
@@ -438,11 +450,15 @@ class RedisTier(Tier):
         keys, members = self.keys_of, [RedisKeys.member(batch.items[i][0]) for i in batch.todo]
         # Round trip 1: which frames exist, and count the new ones in the shared index
         # (index first: an interrupted write leaves a ghost, never an uncounted frame).
-        # A value is "there" only at its frame's length: a truncated value, or a key of
-        # another type under the frame's name (an error reply), is written over.
+        # A value is "there" only at its frame's length and of this format version: a
+        # truncated value, a key of another type under the frame's name (an error reply), or
+        # another release's frame (whose length is often this one's: headers are padded) is
+        # written over. The version is read from the value's first bytes (``head_version``),
+        # for a frame this process never read too: one more small command a frame.
         pipe = client.pipeline(transaction=False)
         for i in batch.todo:
             pipe.strlen(keys.frame(batch.items[i][0]))
+            self._queue_probe(pipe, keys.frame(batch.items[i][0]))
         call = SharedIndex.new_call()
         tag = self.owner_tag
         self._index.queue(pipe, add=[(m, batch.items[i][1].nbytes, batch.items[i][1].meta.raw_nbytes,
@@ -456,7 +472,8 @@ class RedisTier(Tier):
             # (Within the try: an interrupt once the script has answered, before its victims
             # are settled below, owes its reply, which Redis keeps, as a lost one does; it
             # left them stored and counted nowhere.)
-            exists = [type(n) is int and n == batch.items[i][1].nbytes for i, n in zip(batch.todo, replies[:-1])]
+            exists = [type(n) is int and n == batch.items[i][1].nbytes and self._this_version(batch.items[i][0], head)
+                      for i, n, head in zip(batch.todo, replies[:-1:2], replies[1:-1:2])]
             update = SharedIndex.parse(replies[-1])
             self._note_totals(update.totals)
             self.count(evictions=len(update.evicted))  # (done in the index now, whatever fails next)
@@ -543,6 +560,7 @@ class RedisTier(Tier):
                     self._stats.bytes_in += frame.nbytes
                     self._stats.admissions += 1
         written = [i for i in sets if batch.results[i].stored is not None]
+        self._forget_other_version([batch.items[i][0] for i in written])
         names = [RedisKeys.member(batch.items[i][0]) for i in written]
         landed = set(names)
         expiring = [m for m in with_px if m in landed] + refresh
@@ -845,9 +863,11 @@ class RedisTier(Tier):
             if meta.block_hash != key:
                 raise FrameError("frame header names another block")
         except FrameVersionError:
-            # Not this release's to judge: neither served, nor deleted (its writer counted it
-            # in the shared index, whose LRU evicts it as any block).
+            # Not this release's to judge: neither served, nor deleted as damage (its writer
+            # counted it in the shared index, whose LRU evicts it as any block, unless used).
+            # Remembered: not stored, for this release (``_other_version``).
             self.count(foreign_version=1)
+            self._remember_other_version(key)
             return None
         except FrameError:
             if not drop_corrupt:
@@ -926,16 +946,100 @@ class RedisTier(Tier):
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """One pipelined ``EXISTS`` per key, in one round trip (per master, in a cluster)."""
+        """One pipelined ``EXISTS`` per key, in one round trip (per master, in a cluster). A
+        block a read found of another format version (``_other_version``) is asked its value's
+        first bytes instead (``GETRANGE``): held only once this release's frame is there."""
         if not keys:
             return []
+        with self._lock:
+            foreign = [k in self._other_version for k in keys] if self._other_version else [False] * len(keys)
+
+        def ask(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k, theirs in zip(keys, foreign):
+                if theirs:
+                    self._queue_probe(pipe, self.keys_of.frame(k))
+                else:
+                    pipe.exists(self.keys_of.frame(k))
+            replies = pipe.execute(raise_on_error=False)
+            self._raise_unavailable(replies)
+            for reply, theirs in zip(replies, foreign):
+                if isinstance(reply, BaseException) and not theirs:
+                    raise reply
+            return replies
+
         try:
-            found = self._run(lambda c: self._pipelined(c, "exists", [self.keys_of.frame(k) for k in keys]))
+            found = self._run(ask)
         except StorageError:
             with self._lock:
                 self._faults.read_errors += 1
             return [False] * len(keys)
-        return [bool(n) for n in found]
+        return [self._this_version(k, reply) if theirs else bool(reply) for k, theirs, reply in zip(keys, foreign, found)]
+
+    def present_many(self, keys: list[bytes]) -> list[bool]:
+        """Whether this release's frame of each block is stored (a put's "present": an
+        ingest asks it before it encodes, a server before it writes what it received): one
+        pipelined ``GETRANGE`` of each value's first bytes, in one round trip. Another
+        release's frame, though no read here has met it yet, is not: answered present (as an
+        ``EXISTS`` answered), it was touched and never written over. (A lookup asks
+        ``contains_many``: an ``EXISTS`` is ~2 µs cheaper a key, and a lookup is the hot path.)"""
+        if not keys:
+            return []
+
+        def ask(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for k in keys:
+                self._queue_probe(pipe, self.keys_of.frame(k))
+            replies = pipe.execute(raise_on_error=False)
+            self._raise_unavailable(replies)
+            return replies
+
+        try:
+            heads = self._run(ask)
+        except StorageError:
+            with self._lock:
+                self._faults.read_errors += 1
+            return [False] * len(keys)
+        return [self._this_version(k, head) for k, head in zip(keys, heads)]
+
+    @staticmethod
+    def _queue_probe(pipe: Any, name: str) -> None:
+        """Queue the read of a value's first bytes, enough to tell its format version
+        (``head_version``; a missing key answers an empty string)."""
+        pipe.getrange(name, 0, VERSION_PROBE_NBYTES - 1)
+
+    def _this_version(self, key: bytes, head: Any) -> bool:
+        """Whether a value whose first bytes are ``head`` (a ``GETRANGE`` reply) counts as
+        this block stored: not another release's frame. One whose bytes name no version
+        (not a frame as releases lay them out) is stored unless a read found the block of
+        another version: a read judges it. Keeps ``_other_version`` to what the value says."""
+        if isinstance(head, BaseException):  # (a key of another type: a read drops it as damage)
+            return True
+        if not head:
+            self._forget_other_version([key])  # (gone)
+            return False
+        version = head_version(head)
+        if version is None:
+            with self._lock:
+                return key not in self._other_version
+        if version != FORMAT_VERSION:
+            self._remember_other_version(key)
+            return False
+        self._forget_other_version([key])  # (written again since, by this release)
+        return True
+
+    def _remember_other_version(self, key: bytes) -> None:
+        with self._lock:
+            self._other_version[key] = None
+            self._other_version.move_to_end(key)
+            while len(self._other_version) > OTHER_VERSION_REMEMBERED:
+                self._other_version.popitem(last=False)
+
+    def _forget_other_version(self, keys: Iterable[bytes]) -> None:
+        if self._other_version:
+            with self._lock:
+                for k in keys:
+                    self._other_version.pop(k, None)
 
     def info(self, key: bytes) -> BlockInfo | None:
         """The block's sizes, parent and position, from its frame header (no payload read)."""
@@ -980,6 +1084,7 @@ class RedisTier(Tier):
                 raise FrameError("frame header disagrees with its key or its length")
         except FrameVersionError:
             self.count(foreign_version=1)  # (another release's: kept, see ``_decode``)
+            self._remember_other_version(key)
             return None
         except FrameError:
             self._drop_corrupt(key, size, head)
@@ -1013,6 +1118,7 @@ class RedisTier(Tier):
     # -- other changes -------------------------------------------------------------------
 
     def delete(self, key: bytes) -> bool | None:
+        self._forget_other_version([key])
         try:
             return self._run(lambda c: self._delete(c, key))
         except StorageError:
@@ -1032,6 +1138,9 @@ class RedisTier(Tier):
         """Mark blocks used, in order (the last becomes the most recent); with a TTL, this
         also restarts their expiry. One round trip; a failure is ignored (and counted)."""
         keys = list(keys)
+        if self._other_version:  # (another release's frames: left to age out, or to be written over)
+            with self._lock:
+                keys = [k for k in keys if k not in self._other_version]
         if not keys:
             return
 
